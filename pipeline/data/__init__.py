@@ -1,0 +1,1 @@
+"""Datasets and the resumable data iterator."""

@@ -1,0 +1,43 @@
+"""What every dataset gives the trainer: a spec for building the model, batches by sample id, a hash."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Shapes a model needs from its data; a model reads only the fields it uses."""
+
+    n_features: int = 0  # regression inputs
+    n_targets: int = 0  # regression outputs
+    vocab_size: int = 0  # token datasets
+    block_size: int = 0  # token datasets: sequence length T
+
+
+@dataclass
+class Batch:
+    ids: np.ndarray  # [B] int64, the sample ids consumed (compared by the verifier)
+    x: np.ndarray  # [B, n_features] float, or [B, T] int64 tokens
+    y: np.ndarray  # [B, n_targets] float, or [B, T] int64 next tokens
+    extra: dict = field(default_factory=dict)
+
+
+class Dataset(Protocol):
+    spec: DataSpec
+    n_train: int  # number of training samples the iterator permutes
+    manifest_hash: str  # sha256 identifying the exact data (data_manifest_hash)
+
+    def train_batch(self, ids: np.ndarray, dtype: np.dtype) -> Batch: ...
+
+    def augment(self, batch: Batch, streams) -> Batch:
+        """Training-time randomness drawn from the run's named streams (identity if none)."""
+        ...
+
+    def val_batches(self, dtype: np.dtype) -> Iterator[Batch]: ...
+
+    def baseline_metrics(self) -> dict[str, float]:
+        """Fixed reference metrics for this data (e.g. val/ngram_baseline_ppl); {} if none."""
+        ...

@@ -1,0 +1,1 @@
+"""Models with explicit forward and backward over named numpy arrays."""

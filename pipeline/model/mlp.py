@@ -1,0 +1,83 @@
+"""A multilayer perceptron with explicit forward and backward over named arrays, and inverted dropout."""
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.data.base import Batch, DataSpec
+from pipeline.losses import mse
+
+
+def _tanh(z):
+    h = np.tanh(z)
+    return h, lambda dh: dh * (1 - h * h)
+
+
+def _relu(z):
+    mask = z > 0
+    return z * mask, lambda dh: dh * mask
+
+
+ACTIVATIONS = {"tanh": _tanh, "relu": _relu}
+
+
+class MLP:
+    """in -> hidden... -> out; activation and dropout after every hidden layer; MSE loss."""
+
+    aliases: dict[str, str] = {}
+
+    def __init__(self, spec: DataSpec, hidden: list[int], activation: str = "tanh", dropout: float = 0.0,
+                 dtype: str = "float64", rng: np.random.Generator | None = None):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {dropout}")
+        self.activation, self.dropout, self.dtype = ACTIVATIONS[activation], float(dropout), np.dtype(dtype)
+        widths = [spec.n_features, *hidden, spec.n_targets]
+        self.n_layers = len(widths) - 1
+        self.params: dict[str, np.ndarray] = {}
+        for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:])):
+            # torch.nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias
+            bound = 1.0 / np.sqrt(fan_in)
+            self.params[f"layers.{i}.weight"] = rng.uniform(-bound, bound, (fan_in, fan_out)).astype(self.dtype)
+            self.params[f"layers.{i}.bias"] = rng.uniform(-bound, bound, (fan_out,)).astype(self.dtype)
+
+    def forward(self, x: np.ndarray, rng: np.random.Generator | None = None):
+        # x [B, in] -> out [B, out]; rng None means eval mode (no dropout, no draws)
+        caches, h = [], x
+        for i in range(self.n_layers):
+            w, b = self.params[f"layers.{i}.weight"], self.params[f"layers.{i}.bias"]
+            z = h @ w + b  # [B, fan_out]
+            cache = {"x": h}
+            if i < self.n_layers - 1:
+                z, cache["act_back"] = self.activation(z)
+                if rng is not None and self.dropout > 0:
+                    keep = (rng.random(z.shape) >= self.dropout).astype(self.dtype)  # [B, fan_out]
+                    cache["mask"] = keep / self.dtype.type(1 - self.dropout)
+                    z = z * cache["mask"]
+            caches.append(cache)
+            h = z
+        return h, caches
+
+    def backward(self, dout: np.ndarray, caches) -> dict[str, np.ndarray]:
+        grads, dh = {}, dout
+        for i in reversed(range(self.n_layers)):
+            cache = caches[i]
+            if "mask" in cache:
+                dh = dh * cache["mask"]
+            if "act_back" in cache:
+                dh = cache["act_back"](dh)
+            grads[f"layers.{i}.weight"] = cache["x"].T @ dh  # [fan_in, fan_out]
+            grads[f"layers.{i}.bias"] = dh.sum(axis=0)
+            dh = dh @ self.params[f"layers.{i}.weight"].T  # [B, fan_in]
+        return {k: grads[k] for k in self.params}
+
+    def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None):
+        pred, caches = self.forward(batch.x, rng)
+        loss, dpred = mse(pred, batch.y)
+        return loss, self.backward(dpred, caches)
+
+    def evaluate(self, batch: Batch) -> float:
+        return mse(self.forward(batch.x, None)[0], batch.y)[0]
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        return self.forward(x, None)[0]

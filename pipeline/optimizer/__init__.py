@@ -1,0 +1,1 @@
+"""Optimizers with PyTorch's update formulas, updating named arrays in place."""

@@ -1,0 +1,43 @@
+"""Adam (L2 weight decay) and AdamW (decoupled weight decay), as torch.optim computes them."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pipeline.optimizer.base import Optimizer
+
+
+class Adam(Optimizer):
+    buffers = ("exp_avg", "exp_avg_sq")
+    decoupled = False
+
+    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        super().__init__(params, lr)
+        self.beta1, self.beta2 = float(betas[0]), float(betas[1])
+        self.eps, self.weight_decay = float(eps), float(weight_decay)
+
+    def _update(self, name: str, p: np.ndarray, g: np.ndarray) -> None:
+        dt = p.dtype.type
+        if self.weight_decay:
+            if self.decoupled:
+                p *= dt(1 - self.lr * self.weight_decay)
+            else:
+                g = g + dt(self.weight_decay) * p
+        m, v = self._buffer("exp_avg", name), self._buffer("exp_avg_sq", name)
+        m += (g - m) * dt(1 - self.beta1)  # torch: exp_avg.lerp_(grad, 1 - beta1)
+        v *= dt(self.beta2)
+        v += dt(1 - self.beta2) * g * g
+        bias_correction1 = 1 - self.beta1**self.t
+        bias_correction2_sqrt = math.sqrt(1 - self.beta2**self.t)
+        denom = np.sqrt(v) / dt(bias_correction2_sqrt) + dt(self.eps)
+        p -= dt(self.lr / bias_correction1) * (m / denom)
+
+
+class AdamW(Adam):
+    decoupled = True
+
+    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01):
+        super().__init__(params, lr, betas, eps, weight_decay)
