@@ -1,25 +1,89 @@
-"""One job: build the run from the composed config, train it, and return the monitored metric."""
+"""One job: build the run from the composed config, run its stages in order, return the monitored metric."""
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
+from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from pipeline.build import build_state, plain
-from pipeline.trainer.loop import Trainer
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.config import run_name
+from pipeline.facts import run_facts
+from pipeline.preemption import EXIT_PREEMPTED, Preemption
+from pipeline.run_lock import RunBusyError, RunLock
+from pipeline.stages.context import RunContext
+from pipeline.stages.resume import DriftError
+from pipeline.trainer.loop import StopTraining
 from pipeline.trainer.metrics_log import MetricsLog
 from pipeline.trainer.progress import Progress
 
 log = logging.getLogger("pipeline")
+EXIT_BAD_INPUT = 2
 
 
-def run(cfg: DictConfig) -> float:
-    trainer_cfg = plain(cfg.trainer)
-    run_dir = Path(plain(cfg.paths)["runs_dir"]) / cfg.name
+def run_dir_for(config: dict) -> Path:
+    """<runs_dir>/<name>-<semantic hash>; resume=never gets a fresh sibling with a timestamp."""
+    return Path(config["paths"]["runs_dir"]) / run_name(config)
+
+
+def run(cfg: DictConfig, run_dir: Path | None = None) -> float:
+    config = plain(cfg)
+    run_dir = Path(run_dir) if run_dir is not None else run_dir_for(config)
+    try:
+        with RunLock(run_dir):
+            return _run_locked(cfg, config, run_dir)
+    except (RunBusyError, DriftError, CheckpointError) as e:
+        log.error("%s", e)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def build_stages(cfg) -> list:
+    stages = [instantiate(plain(node)) for node in cfg.stages.values() if node is not None]
+    return sorted(stages, key=lambda s: s.order)
+
+
+def _run_locked(cfg: DictConfig, config: dict, run_dir: Path) -> float:
     state = build_state(cfg)
-    metrics = MetricsLog(run_dir / "metrics.jsonl", trainer_cfg["log_every"])
-    progress = Progress(trainer_cfg["progress_bar"], trainer_cfg["log_every"])
-    Trainer(trainer_cfg["eval_every"], [metrics, progress]).fit(state)
-    log.info("done: %s", " ".join(f"{k}={v:.6g}" for k, v in sorted(state.metrics.items())))
+    facts = run_facts(config, state.dataset.manifest_hash, str(run_dir))
+    stages = build_stages(cfg)
+    ctx = RunContext(state, run_dir, facts, stages)
+    for s in stages:
+        s.setup(ctx)
+    if ctx.complete:
+        print(f"run {run_dir} is complete at step {state.step}: "
+              + " ".join(f"{k}={v:.6g}" for k, v in sorted(state.metrics.items())))
+        return float(state.metrics.get("val/loss", float("nan")))
+    trainer_cfg = config["trainer"]
+    preemption = Preemption()
+    callbacks = [MetricsLog(run_dir / "metrics.jsonl", trainer_cfg["log_every"]),
+                 Progress(trainer_cfg["progress_bar"], trainer_cfg["log_every"]), preemption]
+    ctx.write_status("running")
+    preemption.install()
+    try:
+        for s in stages:
+            if hasattr(s, "run"):
+                s.run(ctx, callbacks)
+    except StopTraining as stop:
+        directory = ctx.save()
+        for s in stages:
+            s.on_checkpoint(ctx, state.step, directory)
+        ctx.write_status("preempted")
+        log.warning("preempted by %s at step %d: checkpoint %s; re-run the same command to resume (exit %d)",
+                    stop, state.step, directory, EXIT_PREEMPTED)
+        sys.exit(EXIT_PREEMPTED)
+    except BaseException:
+        ctx.write_status("failed")
+        raise
+    finally:
+        for cb in callbacks:
+            getattr(cb, "close", lambda: None)()
+    try:
+        for s in stages:
+            s.finish(ctx)
+    finally:
+        preemption.uninstall()
+    log.info("done at step %d: %s", state.step, " ".join(f"{k}={v:.6g}" for k, v in sorted(state.metrics.items())))
     return float(state.metrics.get("val/loss", float("nan")))

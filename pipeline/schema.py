@@ -118,6 +118,19 @@ class RegressionConf:
 
 
 @dataclass
+class ResumeConf:
+    source: str = "auto"  # auto: newest checkpoint that verifies | never: a fresh directory | a checkpoint path
+    allow_changes: list[str] = field(default_factory=list)  # dotted keys allowed to differ from the checkpoint
+
+
+@dataclass
+class CadenceConf:
+    _target_: str = "pipeline.stages.cadence.Cadence"
+    every_epochs: int = 1
+    every_steps: int = 0
+
+
+@dataclass
 class Config:
     name: str = "default"  # the experiment's name: the first part of the run directory's name
     paths: PathsConf = field(default_factory=PathsConf)
@@ -126,6 +139,9 @@ class Config:
     optimizer: Any = MISSING
     scheduler: Any = MISSING
     data: Any = MISSING
+    checkpoint: CadenceConf = field(default_factory=CadenceConf)
+    stages: Any = MISSING
+    resume: ResumeConf = field(default_factory=ResumeConf)
 
 
 SCHEMAS = {

@@ -1,0 +1,75 @@
+"""The only module that makes checkpoint directories appear: temp sibling, fsync, rename, fsync parent."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+TMP_PREFIX = ".tmp-"  # temporaries are hidden siblings; every reader ignores them
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def write_json(path: Path, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, allow_nan=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def remove_temporaries(parent: Path) -> None:
+    """Leftovers of saves that died before their rename; only a saver (holding the run lock) calls this."""
+    if parent.is_dir():
+        for p in parent.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def new_temporary(parent: Path, final_name: str) -> Path:
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f"{TMP_PREFIX}{final_name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename the complete temporary directory into place; the directory appears whole or not at all."""
+    fsync_dir(tmp)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+
+
+def replace_link(link: Path, target_name: str) -> None:
+    """Point a relative symlink (e.g. checkpoints/best) at target_name atomically."""
+    tmp = link.with_name(f"{TMP_PREFIX}{link.name}-{uuid.uuid4().hex[:8]}")
+    os.symlink(target_name, tmp)
+    os.replace(tmp, link)
+    fsync_dir(link.parent)

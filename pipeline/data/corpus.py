@@ -1,0 +1,231 @@
+"""Token corpora on disk (written once, atomically, with a hashed MANIFEST.json) and the dataset over them."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from pipeline.data import ngram
+from pipeline.data.base import Batch, DataSpec
+
+FORMAT_VERSION = 1
+TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 512
+MAX_VOCAB = 512
+SPLITS = ("train", "val")
+_TMP_MARK = ".tmp-"
+_STALE_TMP_SECONDS = 3600.0  # a generation takes seconds: an hour-old temp dir is a crashed writer's
+
+
+@dataclass
+class CorpusContent:
+    """What a generator hands over: both splits as token streams, the vocabulary, and its own stats."""
+
+    train: np.ndarray  # [N_train] int
+    val: np.ndarray  # [N_val] int
+    vocab: list[str]
+    join: str  # decode() puts this between tokens: " " for words, "" for characters
+    stats: dict = field(default_factory=dict)
+
+
+def canonical_json(obj) -> bytes:
+    return (json.dumps(obj, sort_keys=True, indent=2) + "\n").encode("ascii")
+
+
+def short_hash(params: dict) -> str:
+    return hashlib.sha256(canonical_json(params)).hexdigest()[:12]
+
+
+def n_windows(n_tokens: int, block_size: int) -> int:
+    # Window i is tokens[i*T : i*T+T+1]: x is its first T tokens, y its last T.
+    return max(0, (n_tokens - 1) // block_size)
+
+
+def val_target_positions(n_tokens: int, block_size: int) -> np.ndarray:
+    """Stream positions of every y token of the val windows, i.e. exactly what val loss scores."""
+    return np.arange(1, n_windows(n_tokens, block_size) * block_size + 1, dtype=np.int64)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes]:
+    """Every file of the corpus directory as bytes: a pure function of the content and params."""
+    V, T, order = len(content.vocab), int(params["block_size"]), int(params["ngram_order"])
+    if V > MAX_VOCAB:
+        raise ValueError(f"{name} corpus has {V} distinct tokens, more than the {MAX_VOCAB} allowed")
+    splits = {"train": np.asarray(content.train), "val": np.asarray(content.val)}
+    for split, toks in splits.items():
+        if n_windows(len(toks), T) < 1:
+            raise ValueError(f"{name} corpus {split} split has {len(toks)} tokens, too few for one block of {T}+1")
+    files = {f"{s}.tokens": toks.astype(TOKEN_DTYPE).tobytes() for s, toks in splits.items()}
+    files["vocab.json"] = canonical_json(list(content.vocab))
+
+    lm = ngram.fit(splits["train"], order, V)
+    positions = val_target_positions(len(splits["val"]), T)
+    # Rounded so that last-ulp differences in log() between machines do not change the manifest bytes.
+    ppl = round(ngram.perplexity(lm, splits["val"], positions), 4)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "generator": name,
+        "params": params,
+        "params_hash": short_hash(params),
+        "seed": params.get("seed"),
+        "vocab_size": V,
+        "token_dtype": TOKEN_DTYPE.str,
+        "decode_join": content.join,
+        "tokens": {s: int(len(t)) for s, t in splits.items()},
+        "windows": {s: n_windows(len(t), T) for s, t in splits.items()},
+        "baseline": {
+            "model": "interpolated modified Kneser-Ney",
+            "ngram_order": order,
+            "val_targets": int(len(positions)),
+            "val_ppl": ppl,
+        },
+        "stats": content.stats,
+        "files": {fn: {"sha256": _sha256(b), "bytes": len(b)} for fn, b in sorted(files.items())},
+    }
+    files["MANIFEST.json"] = canonical_json(manifest)
+    return files
+
+
+def verify_corpus(directory: Path, params: dict | None = None) -> dict:
+    """The parsed manifest, after checking every file's size and sha256; a ValueError names what is wrong."""
+    directory = Path(directory)
+    fix = f"delete {directory} to regenerate"
+    mpath = directory / "MANIFEST.json"
+    if not mpath.is_file():
+        raise ValueError(f"{mpath}: missing; {fix}")
+    raw = mpath.read_bytes()
+    try:
+        manifest = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"{mpath}: not valid JSON ({e}); {fix}") from None
+    if canonical_json(manifest) != raw:
+        raise ValueError(f"{mpath}: not in canonical form (edited by hand?); {fix}")
+    if params is not None and manifest.get("params") != params:
+        raise ValueError(f"{mpath}: params differ from the requested {params}; {fix}")
+    for fn, entry in manifest["files"].items():
+        path = directory / fn
+        if not path.is_file():
+            raise ValueError(f"{path}: missing; {fix}")
+        data = path.read_bytes()
+        if len(data) != entry["bytes"]:
+            raise ValueError(f"{path}: {len(data)} bytes but MANIFEST.json says {entry['bytes']}; {fix}")
+        if _sha256(data) != entry["sha256"]:
+            raise ValueError(f"{path}: sha256 mismatch with MANIFEST.json; {fix}")
+    return manifest
+
+
+def _clean_stale_temps(parent: Path, final_name: str) -> None:
+    now = time.time()
+    for p in parent.glob(f".{final_name}{_TMP_MARK}*"):
+        try:
+            if now - p.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(p, ignore_errors=True)
+        except FileNotFoundError:
+            pass  # its writer finished or another cleaner got there first
+
+
+def ensure_corpus(output_dir: Path, name: str, params: dict, build: Callable[[], CorpusContent]) -> Path:
+    """<output_dir>/data/<name>-<hash>/, built by `build` only if absent; safe under concurrent writers."""
+    parent = Path(output_dir) / "data"
+    final = parent / f"{name}-{short_hash(params)}"
+    if final.exists():
+        verify_corpus(final, params)
+        return final
+    parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale_temps(parent, final.name)
+    files = render(build(), name, params)
+    # A private sibling (same filesystem) so the rename publishes the complete directory at once.
+    tmp = parent / f".{final.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        for fn, data in files.items():
+            _write_synced(tmp / fn, data)
+        _fsync_dir(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.exists():
+                raise
+            # Another writer published first; its bytes must equal ours, which verify checks.
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    _fsync_dir(parent)
+    verify_corpus(final, params)
+    if (final / "MANIFEST.json").read_bytes() != files["MANIFEST.json"]:
+        raise ValueError(f"{final / 'MANIFEST.json'}: differs from the one these params generate; delete {final} to regenerate")
+    return final
+
+
+class TokenDataset:
+    """Non-overlapping windows of T+1 tokens over a verified corpus directory (the Dataset protocol)."""
+
+    def __init__(self, directory: Path, val_batch_size: int = 32):
+        self.directory = Path(directory)
+        self.manifest = verify_corpus(self.directory)
+        self.manifest_hash = _sha256((self.directory / "MANIFEST.json").read_bytes())
+        self.vocab: list[str] = json.loads((self.directory / "vocab.json").read_bytes())
+        dtype = np.dtype(self.manifest["token_dtype"])
+        self.tokens = {
+            s: np.fromfile(self.directory / f"{s}.tokens", dtype=dtype).astype(np.int64) for s in SPLITS
+        }  # split -> [N] int64
+        T = int(self.manifest["params"]["block_size"])
+        self.spec = DataSpec(vocab_size=len(self.vocab), block_size=T)
+        self.n_train = n_windows(len(self.tokens["train"]), T)
+        self.n_val = n_windows(len(self.tokens["val"]), T)
+        self.val_batch_size = int(val_batch_size)
+        self._join = self.manifest["decode_join"]
+
+    def _windows(self, split: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        T = self.spec.block_size
+        idx = ids[:, None] * T + np.arange(T + 1)[None, :]  # [B, T+1]
+        w = self.tokens[split][idx]
+        return w[:, :-1], w[:, 1:]  # x [B, T], y [B, T]
+
+    def train_batch(self, ids: np.ndarray, dtype: np.dtype | None = None) -> Batch:
+        ids = np.asarray(ids, dtype=np.int64)  # [B]
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_train):
+            raise IndexError(f"train window ids must be in [0, {self.n_train}), got [{ids.min()}, {ids.max()}]")
+        x, y = self._windows("train", ids)
+        return Batch(ids=ids.copy(), x=x, y=y)
+
+    def augment(self, batch: Batch, streams) -> Batch:
+        return batch  # token data has no training-time randomness
+
+    def val_batches(self, dtype: np.dtype | None = None) -> Iterator[Batch]:
+        for start in range(0, self.n_val, self.val_batch_size):
+            ids = np.arange(start, min(start + self.val_batch_size, self.n_val), dtype=np.int64)
+            x, y = self._windows("val", ids)
+            yield Batch(ids=ids, x=x, y=y)
+
+    def baseline_metrics(self) -> dict[str, float]:
+        return {"val/ngram_baseline_ppl": float(self.manifest["baseline"]["val_ppl"])}
+
+    def decode(self, ids) -> str:
+        return self._join.join(self.vocab[int(i)] for i in np.asarray(ids).reshape(-1))

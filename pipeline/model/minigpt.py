@@ -1,0 +1,160 @@
+"""A GPT-2 (pre-LN, tied head) in numpy with hand-written backward and Hugging Face parameter names."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pipeline.data.base import Batch, DataSpec
+from pipeline.losses import cross_entropy
+from pipeline.model import layers as L
+
+_DTYPES = ("float32", "float64")
+
+
+class MiniGPT:
+    """GPT-2: wte + wpe, n_layer x (x + attn(ln_1 x); x + mlp(ln_2 x)), ln_f, head tied to wte."""
+
+    def __init__(
+        self,
+        spec: DataSpec,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 64,
+        block_size: int = 64,
+        dropout: float = 0.0,
+        attn_dropout: float | None = None,
+        init_std: float = 0.02,
+        dtype: str = "float32",
+        rng: np.random.Generator = None,
+    ):
+        if spec.vocab_size <= 0:
+            raise ValueError("MiniGPT needs a token dataset (spec.vocab_size > 0)")
+        if n_embd % n_head:
+            raise ValueError(f"n_embd {n_embd} is not divisible by n_head {n_head}")
+        if str(dtype) not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        if rng is None:
+            # No hidden default seed: every draw of a run must come from one of its named streams.
+            raise ValueError("MiniGPT needs rng (the run's init stream) to initialise its weights")
+        self.vocab_size = int(spec.vocab_size)
+        self.n_layer, self.n_head, self.n_embd = int(n_layer), int(n_head), int(n_embd)
+        self.block_size = int(block_size)
+        self.dropout = float(dropout)
+        self.attn_dropout = self.dropout if attn_dropout is None else float(attn_dropout)
+        self.dtype = np.dtype(dtype)
+        self.params = self._init_params(float(init_std), rng)
+        self.aliases = {"lm_head.weight": "transformer.wte.weight"}
+
+    def _init_params(self, std: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        # GPT-2's init. Draws are float64 then cast, so float32 and float64 models share one init;
+        # the draw order is the (fixed) insertion order below.
+        V, T, d = self.vocab_size, self.block_size, self.n_embd
+        proj_std = std / math.sqrt(2 * self.n_layer)  # residual projections, so the stream's variance stays O(1)
+
+        def normal(shape, s):
+            return rng.normal(0.0, s, size=shape).astype(self.dtype)
+
+        def zeros(shape):
+            return np.zeros(shape, dtype=self.dtype)
+
+        def ones(shape):
+            return np.ones(shape, dtype=self.dtype)
+
+        p = {"transformer.wte.weight": normal((V, d), std), "transformer.wpe.weight": normal((T, d), std)}
+        for i in range(self.n_layer):
+            h = f"transformer.h.{i}."
+            p[h + "ln_1.weight"], p[h + "ln_1.bias"] = ones(d), zeros(d)
+            p[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"] = normal((d, 3 * d), std), zeros(3 * d)
+            p[h + "attn.c_proj.weight"], p[h + "attn.c_proj.bias"] = normal((d, d), proj_std), zeros(d)
+            p[h + "ln_2.weight"], p[h + "ln_2.bias"] = ones(d), zeros(d)
+            p[h + "mlp.c_fc.weight"], p[h + "mlp.c_fc.bias"] = normal((d, 4 * d), std), zeros(4 * d)
+            p[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"] = normal((4 * d, d), proj_std), zeros(d)
+        p["transformer.ln_f.weight"], p["transformer.ln_f.bias"] = ones(d), zeros(d)
+        return p
+
+    @property
+    def lm_head(self) -> np.ndarray:
+        # The output head is the token embedding itself: one ndarray, never a copy.
+        return self.params[self.aliases["lm_head.weight"]]
+
+    # -- forward / backward -------------------------------------------------------------------
+
+    def _forward(self, x: np.ndarray, rng: np.random.Generator | None):
+        # x [B, T] int -> logits [B*T, V], caches; dropout only when rng is given
+        p = self.params  # looked up on every call: optimizers and load_state_dict update these in place
+        if x.ndim != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {x.shape}")
+        pd, pa = (self.dropout, self.attn_dropout) if rng is not None else (0.0, 0.0)
+        h, emb_c = L.embedding_forward(x, p["transformer.wte.weight"], p["transformer.wpe.weight"])  # [B, T, d]
+        h, emb_dc = L.dropout_forward(h, pd, rng)  # [B, T, d]
+        blocks = []
+        for i in range(self.n_layer):
+            k = f"transformer.h.{i}."
+            a, ln1_c = L.layernorm_forward(h, p[k + "ln_1.weight"], p[k + "ln_1.bias"])  # [B, T, d]
+            a, qkv_c = L.linear_forward(a, p[k + "attn.c_attn.weight"], p[k + "attn.c_attn.bias"])  # [B, T, 3d]
+            a, att_c = L.attention_forward(a, self.n_head, pa, rng)  # [B, T, d]
+            a, aproj_c = L.linear_forward(a, p[k + "attn.c_proj.weight"], p[k + "attn.c_proj.bias"])  # [B, T, d]
+            a, adrop_c = L.dropout_forward(a, pd, rng)  # [B, T, d]
+            h += a  # [B, T, d] in place: no cache holds the residual stream (embedding output is a fresh copy)
+            m, ln2_c = L.layernorm_forward(h, p[k + "ln_2.weight"], p[k + "ln_2.bias"])  # [B, T, d]
+            m, fc_c = L.linear_forward(m, p[k + "mlp.c_fc.weight"], p[k + "mlp.c_fc.bias"])  # [B, T, 4d]
+            m, gelu_c = L.gelu_forward(m)  # [B, T, 4d]
+            m, mproj_c = L.linear_forward(m, p[k + "mlp.c_proj.weight"], p[k + "mlp.c_proj.bias"])  # [B, T, d]
+            m, mdrop_c = L.dropout_forward(m, pd, rng)  # [B, T, d]
+            h += m  # [B, T, d]
+            blocks.append((ln1_c, qkv_c, att_c, aproj_c, adrop_c, ln2_c, fc_c, gelu_c, mproj_c, mdrop_c))
+        h, lnf_c = L.layernorm_forward(h, p["transformer.ln_f.weight"], p["transformer.ln_f.bias"])  # [B, T, d]
+        hf = h.reshape(-1, self.n_embd)  # [N, d]
+        logits = hf @ self.lm_head.T  # [N, V] tied head, no bias
+        return logits, (emb_c, emb_dc, blocks, lnf_c, hf)
+
+    def _backward(self, dlogits: np.ndarray, caches, shape) -> dict[str, np.ndarray]:
+        # dlogits [N, V] -> grads keyed like self.params
+        emb_c, emb_dc, blocks, lnf_c, hf = caches
+        B, T = shape
+        wte = self.params["transformer.wte.weight"]
+        g: dict[str, np.ndarray] = {}
+        dwte_head = dlogits.T @ hf  # [V, d] head use of the tied weight
+        dh = (dlogits @ wte).reshape(B, T, self.n_embd)  # [B, T, d]
+        dh, g["transformer.ln_f.weight"], g["transformer.ln_f.bias"] = L.layernorm_backward(dh, lnf_c)  # [B, T, d]
+        for i in reversed(range(self.n_layer)):
+            k = f"transformer.h.{i}."
+            ln1_c, qkv_c, att_c, aproj_c, adrop_c, ln2_c, fc_c, gelu_c, mproj_c, mdrop_c = blocks[i]
+            dm = L.dropout_backward(dh, mdrop_c)  # [B, T, d]
+            dm, g[k + "mlp.c_proj.weight"], g[k + "mlp.c_proj.bias"] = L.linear_backward(dm, mproj_c)  # [B, T, 4d]
+            dm = L.gelu_backward(dm, gelu_c)  # [B, T, 4d]
+            dm, g[k + "mlp.c_fc.weight"], g[k + "mlp.c_fc.bias"] = L.linear_backward(dm, fc_c)  # [B, T, d]
+            dm, g[k + "ln_2.weight"], g[k + "ln_2.bias"] = L.layernorm_backward(dm, ln2_c)  # [B, T, d]
+            dh += dm  # [B, T, d] residual branch joins; in place, as backward functions never keep dout
+            da = L.dropout_backward(dh, adrop_c)  # [B, T, d]
+            da, g[k + "attn.c_proj.weight"], g[k + "attn.c_proj.bias"] = L.linear_backward(da, aproj_c)  # [B, T, d]
+            da = L.attention_backward(da, att_c)  # [B, T, 3d]
+            da, g[k + "attn.c_attn.weight"], g[k + "attn.c_attn.bias"] = L.linear_backward(da, qkv_c)  # [B, T, d]
+            da, g[k + "ln_1.weight"], g[k + "ln_1.bias"] = L.layernorm_backward(da, ln1_c)  # [B, T, d]
+            dh += da  # [B, T, d]
+        dh = L.dropout_backward(dh, emb_dc)  # [B, T, d]
+        dwte, g["transformer.wpe.weight"] = L.embedding_backward(dh, emb_c)  # [V, d], [Tmax, d]
+        dwte += dwte_head  # [V, d] tied: embedding use + head use
+        g["transformer.wte.weight"] = dwte
+        return {name: g[name] for name in self.params}
+
+    # -- the Model protocol -------------------------------------------------------------------
+
+    def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
+        x, y = np.asarray(batch.x), np.asarray(batch.y)  # [B, T] int
+        logits, caches = self._forward(x, rng)  # [N, V]
+        loss, dlogits = cross_entropy(logits, y.reshape(-1))  # dlogits [N, V]
+        del logits
+        return loss, self._backward(dlogits, caches, x.shape)
+
+    def evaluate(self, batch: Batch) -> float:
+        logits, _ = self._forward(np.asarray(batch.x), None)  # [N, V]
+        loss, _ = cross_entropy(logits, np.asarray(batch.y).reshape(-1))
+        return loss
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        # x [B, T] int -> [B, T, V], eval mode (no dropout)
+        x = np.asarray(x)
+        out, _ = self._forward(x, None)  # [N, V]
+        return out.reshape(*x.shape, self.vocab_size)

@@ -1,0 +1,1 @@
+"""Pipeline stages built from config: resume, train, rotate-last-N, best-val, final."""

@@ -1,0 +1,24 @@
+"""At the end of training: a checkpoint of the last step, checkpoints/final, and run.json marked complete."""
+from __future__ import annotations
+
+import logging
+
+from pipeline.checkpoint.atomic import write_json
+from pipeline.stages.base import Stage
+
+log = logging.getLogger("pipeline")
+
+
+class Final(Stage):
+    name = "final"
+
+    def __init__(self, order: int = 90):
+        super().__init__(order)
+
+    def finish(self, ctx) -> None:
+        directory = ctx.save()
+        ctx.point("final", ctx.state.step)
+        for s in ctx.stages:
+            s.on_checkpoint(ctx, ctx.state.step, directory)
+        ctx.write_status("complete")
+        log.info("final checkpoint: %s", directory)

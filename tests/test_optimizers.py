@@ -1,0 +1,218 @@
+"""SGD, Adam and AdamW against a hand derivation of PyTorch's update formulas (plain Python floats),
+and the optimizer state round trip."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pipeline.optimizer.adam import Adam, AdamW
+from pipeline.optimizer.sgd import SGD
+
+P0 = [0.8, -1.3]  # a 2-element parameter
+GRADS = [[0.5, -0.25], [-0.3, 0.7], [0.9, 0.1]]  # fixed gradients for steps 1, 2, 3
+LRS = [0.1, 0.05, 0.02]  # the lr a scheduler set before each step (torch reads param_groups' lr per step)
+REL = 1e-12
+
+
+# --- the hand derivations: plain floats, one element at a time, written from torch's documented algorithms
+
+def sgd_by_hand(p0, grads, lrs, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0):
+    out, p, buf = [], list(p0), [None] * len(p0)
+    for t, (g_t, lr) in enumerate(zip(grads, lrs), start=1):
+        for i in range(len(p)):
+            g = g_t[i] + weight_decay * p[i]
+            if momentum != 0:
+                if t == 1:
+                    buf[i] = g  # buffer = the first (decayed) gradient, undamped
+                else:
+                    buf[i] = momentum * buf[i] + (1 - dampening) * g
+                g = g + momentum * buf[i] if nesterov else buf[i]
+            p[i] = p[i] - lr * g
+        out.append(list(p))
+    return out
+
+
+def adam_by_hand(p0, grads, lrs, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=False):
+    out, p = [], list(p0)
+    m, v = [0.0] * len(p0), [0.0] * len(p0)
+    for t, (g_t, lr) in enumerate(zip(grads, lrs), start=1):
+        for i in range(len(p)):
+            g = g_t[i]
+            if decoupled:
+                p[i] = p[i] * (1 - lr * weight_decay)  # AdamW: decay the weight itself, before the update
+            else:
+                g = g + weight_decay * p[i]  # Adam: L2 penalty folded into the gradient
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            m_hat = m[i] / (1 - beta1**t)
+            v_hat = v[i] / (1 - beta2**t)
+            p[i] = p[i] - lr * m_hat / (math.sqrt(v_hat) + eps)
+        out.append(list(p))
+    return out
+
+
+def run(opt_cls, lrs=LRS, **kw):
+    p = np.array(P0, dtype=np.float64)
+    opt = opt_cls({"w": p}, lr=lrs[0], **kw)
+    out = []
+    for g, lr in zip(GRADS, lrs):
+        opt.lr = lr
+        opt.step({"w": np.array(g, dtype=np.float64)})
+        assert opt.params["w"] is p  # updated in place
+        assert p.dtype == np.float64
+        out.append(p.tolist())
+    assert opt.t == len(GRADS)
+    return out
+
+
+def assert_trajectory(got, expected):
+    for step, (g, e) in enumerate(zip(got, expected), start=1):
+        for i, (a, b) in enumerate(zip(g, e)):
+            assert math.isclose(a, b, rel_tol=REL, abs_tol=0.0), f"step {step} element {i}: {a!r} != {b!r}"
+
+
+SGD_CASES = [
+    pytest.param(dict(momentum=0.0), id="plain"),
+    pytest.param(dict(momentum=0.9), id="momentum"),
+    pytest.param(dict(momentum=0.9, nesterov=True), id="nesterov"),
+    pytest.param(dict(momentum=0.9, weight_decay=0.1), id="momentum+wd"),
+    pytest.param(dict(momentum=0.9, nesterov=True, weight_decay=0.1), id="nesterov+wd"),
+    pytest.param(dict(momentum=0.9, dampening=0.5, weight_decay=0.1), id="momentum+dampening+wd"),
+]
+
+
+@pytest.mark.parametrize("kw", SGD_CASES)
+@pytest.mark.parametrize("lrs", [[0.1] * 3, LRS], ids=["fixed-lr", "scheduled-lr"])
+def test_sgd_matches_hand_derivation(kw, lrs):
+    assert_trajectory(run(SGD, lrs, **kw), sgd_by_hand(P0, GRADS, lrs, **kw))
+
+
+def test_sgd_hand_derivation_spot_values():
+    # The derivation itself, pinned for momentum 0.9, lr 0.1 at step 2: buf = 0.9 * 0.5 + (-0.3) = 0.15.
+    assert sgd_by_hand(P0, GRADS, [0.1] * 3, momentum=0.9)[1][0] == pytest.approx(0.8 - 0.1 * 0.5 - 0.1 * 0.15)
+    # nesterov at step 1: g + mu * buf = 0.5 + 0.9 * 0.5
+    assert sgd_by_hand(P0, GRADS, [0.1] * 3, momentum=0.9, nesterov=True)[0][0] == pytest.approx(0.8 - 0.1 * 0.95)
+
+
+def test_sgd_nesterov_needs_momentum_and_no_dampening():
+    with pytest.raises(ValueError):
+        SGD({"w": np.zeros(2)}, lr=0.1, momentum=0.0, nesterov=True)
+    with pytest.raises(ValueError):
+        SGD({"w": np.zeros(2)}, lr=0.1, momentum=0.9, dampening=0.1, nesterov=True)
+
+
+ADAM_CASES = [
+    pytest.param(Adam, dict(), dict(), id="adam"),
+    pytest.param(Adam, dict(weight_decay=0.1), dict(weight_decay=0.1), id="adam+l2"),
+    pytest.param(Adam, dict(betas=(0.8, 0.99), eps=1e-3), dict(beta1=0.8, beta2=0.99, eps=1e-3), id="adam-betas-eps"),
+    pytest.param(AdamW, dict(weight_decay=0.1), dict(weight_decay=0.1, decoupled=True), id="adamw"),
+    pytest.param(AdamW, dict(), dict(weight_decay=0.01, decoupled=True), id="adamw-default-wd"),
+]
+
+
+@pytest.mark.parametrize("cls,kw,hand_kw", ADAM_CASES)
+@pytest.mark.parametrize("lrs", [[0.1] * 3, LRS], ids=["fixed-lr", "scheduled-lr"])
+def test_adam_matches_hand_derivation(cls, kw, hand_kw, lrs):
+    assert_trajectory(run(cls, lrs, **kw), adam_by_hand(P0, GRADS, lrs, **hand_kw))
+
+
+def test_adam_first_step_is_lr_times_sign():
+    # With bias correction, step 1 moves each weight by lr * g / (|g| + eps) ~ lr * sign(g).
+    got = run(Adam, [0.1] * 3)[0]
+    assert got == pytest.approx([0.8 - 0.1, -1.3 + 0.1], rel=1e-7)
+
+
+def test_adam_and_adamw_differ_with_weight_decay():
+    assert run(Adam, weight_decay=0.1)[-1] != pytest.approx(run(AdamW, weight_decay=0.1)[-1], rel=1e-9)
+
+
+def test_step_rejects_gradients_that_do_not_match_parameters():
+    opt = Adam({"w": np.zeros(2)}, lr=0.1)
+    with pytest.raises(KeyError):
+        opt.step({"v": np.zeros(2)})
+    assert opt.t == 0
+
+
+# --- state round trip
+
+def _params(seed: int = 0) -> dict[str, np.ndarray]:
+    g = np.random.default_rng(seed)
+    return {"layers.0.weight": g.normal(size=(3, 4)), "layers.0.bias": g.normal(size=(4,))}
+
+
+def _grads(k: int) -> dict[str, np.ndarray]:
+    g = np.random.default_rng(100 + k)
+    return {"layers.0.weight": g.normal(size=(3, 4)), "layers.0.bias": g.normal(size=(4,))}
+
+
+ROUND_TRIP = [
+    pytest.param(SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01), id="sgd-momentum"),
+    pytest.param(SGD, dict(lr=0.1, momentum=0.9, nesterov=True), id="sgd-nesterov"),
+    pytest.param(SGD, dict(lr=0.1), id="sgd-plain"),
+    pytest.param(Adam, dict(lr=0.01, weight_decay=0.01), id="adam"),
+    pytest.param(AdamW, dict(lr=0.01, weight_decay=0.1), id="adamw"),
+]
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("cls,kw", ROUND_TRIP)
+def test_state_round_trip_continues_bit_identically(cls, kw, k):
+    params = _params()
+    original = cls(params, **kw)
+    for i in range(k):
+        original.lr = kw["lr"] * 0.5**i  # a schedule moved the lr
+        original.step(_grads(i))
+    state = original.state_dict()
+    assert {key for key in state if key not in ("t", "lr")} == {f"{b}.{n}" for b in original.buffers for n in params}
+
+    fresh_params = {n: p.copy() for n, p in params.items()}  # as restored from the model checkpoint
+    fresh = cls(fresh_params, **{**kw, "lr": 123.0})
+    fresh.load_state_dict(state)
+    assert fresh.t == original.t == k and fresh.lr == original.lr
+    for name in state:
+        if name not in ("t", "lr"):
+            assert fresh.state[name] is not state[name]  # loaded by copy, not aliased
+    for i in range(k, k + 4):
+        for opt in (original, fresh):
+            opt.step(_grads(i))
+        for n in params:
+            assert np.array_equal(params[n], fresh_params[n]), f"{n} diverged at step {i + 1}"
+        for key in original.state:
+            assert np.array_equal(original.state[key], fresh.state[key])
+
+
+def test_state_dict_before_first_step_has_every_buffer():
+    opt = Adam(_params(), lr=0.01)
+    state = opt.state_dict()
+    assert state["t"] == 0 and state["lr"] == 0.01
+    assert sorted(k for k in state if k not in ("t", "lr")) == sorted(
+        f"{b}.{n}" for b in ("exp_avg", "exp_avg_sq") for n in _params())
+
+
+@pytest.mark.parametrize("mutate", [
+    pytest.param(lambda s: s.pop("exp_avg.layers.0.bias"), id="missing-key"),
+    pytest.param(lambda s: s.__setitem__("exp_avg.layers.1.bias", np.zeros(4)), id="extra-key"),
+    pytest.param(lambda s: s.__setitem__("exp_avg_sq.layers.0.weight", np.zeros((4, 3))), id="wrong-shape"),
+    pytest.param(lambda s: s.__setitem__("exp_avg.layers.0.bias", np.zeros(5)), id="wrong-length"),
+    pytest.param(lambda s: s.__setitem__("exp_avg.layers.0.bias", np.zeros(4, np.float32)), id="wrong-dtype"),
+])
+def test_load_state_dict_rejects_mismatched_state(mutate):
+    original = Adam(_params(), lr=0.01)
+    original.step(_grads(0))
+    state = dict(original.state_dict())
+    mutate(state)
+    with pytest.raises((KeyError, ValueError)):
+        Adam(_params(), lr=0.01).load_state_dict(state)
+
+
+def test_load_state_dict_rejects_another_optimizers_state():
+    adam = Adam(_params(), lr=0.01)
+    adam.step(_grads(0))
+    with pytest.raises(KeyError):
+        SGD(_params(), lr=0.1, momentum=0.9).load_state_dict(adam.state_dict())
+    sgd = SGD(_params(), lr=0.1, momentum=0.9)
+    sgd.step(_grads(0))
+    with pytest.raises(KeyError):
+        Adam(_params(), lr=0.01).load_state_dict(sgd.state_dict())

@@ -1,0 +1,141 @@
+"""Learning-rate schedules: the lr each update uses, and the scheduler state round trip."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from pipeline.optimizer.adam import Adam
+from pipeline.optimizer.sgd import SGD
+from pipeline.scheduler.constant import Constant
+from pipeline.scheduler.cosine import WarmupCosine
+from pipeline.scheduler.step import StepLR
+
+
+def optimizer(lr: float, cls=SGD):
+    return cls({"w": np.array([1.0, -2.0])}, lr=lr)
+
+
+def lrs_used(opt, sched, n: int) -> list[float]:
+    """The lr read by updates 1..n when the loop is: optimizer.step(); scheduler.step()."""
+    out = []
+    for _ in range(n):
+        out.append(opt.lr)
+        opt.step({"w": np.array([0.1, 0.2])})
+        sched.step()
+    return out
+
+
+def test_step_lr_sequence():
+    opt = optimizer(0.03)
+    got = lrs_used(opt, StepLR(opt, step_size=3, gamma=0.5), 11)
+    expected = [0.03, 0.03, 0.03, 0.015, 0.015, 0.015, 0.0075, 0.0075, 0.0075, 0.00375, 0.00375]
+    assert got == pytest.approx(expected, rel=1e-12, abs=0)
+    assert got[9] == pytest.approx(0.00375, rel=1e-12) and got[10] == pytest.approx(0.00375, rel=1e-12)
+
+
+def test_step_lr_rejects_step_size_below_one():
+    with pytest.raises(ValueError):
+        StepLR(optimizer(0.1), step_size=0)
+
+
+def hf_cosine_with_warmup(base_lr, step, warmup, total, num_cycles=0.5, min_lr_rate=0.0):
+    """transformers.get_cosine_schedule_with_warmup's lr_lambda (and, with min_lr_rate, the
+    get_cosine_with_min_lr_schedule_with_warmup variant), times the base lr; step = updates taken so far."""
+    if step < warmup:
+        return base_lr * float(step) / float(max(1, warmup))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    factor = max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress)))
+    return base_lr * (factor * (1 - min_lr_rate) + min_lr_rate)
+
+
+@pytest.mark.parametrize("warmup,total,num_cycles,min_lr", [
+    (5, 20, 0.5, 0.0),
+    (0, 12, 0.5, 0.0),
+    (3, 17, 0.5, 0.1),
+    (4, 16, 1.0, 0.0),
+    (1, 2, 0.5, 0.0),
+])
+def test_cosine_with_warmup_matches_transformers_formula(warmup, total, num_cycles, min_lr):
+    opt = optimizer(0.1)
+    sched = WarmupCosine(opt, total_steps=total, warmup_steps=warmup, num_cycles=num_cycles, min_lr_ratio=min_lr)
+    got = lrs_used(opt, sched, total)
+    expected = [hf_cosine_with_warmup(0.1, k, warmup, total, num_cycles, min_lr) for k in range(total)]
+    assert got == pytest.approx(expected, rel=1e-12, abs=1e-18)
+    # after the last update the schedule is at its floor (or back at the start of a cycle for num_cycles=1)
+    assert opt.lr == pytest.approx(hf_cosine_with_warmup(0.1, total, warmup, total, num_cycles, min_lr), abs=1e-15)
+
+
+def test_cosine_shape():
+    opt = optimizer(0.1)
+    got = lrs_used(opt, WarmupCosine(opt, total_steps=20, warmup_steps=5), 20)
+    assert got[0] == 0.0  # transformers' warmup starts at 0
+    assert got[:6] == pytest.approx([0.0, 0.02, 0.04, 0.06, 0.08, 0.1], rel=1e-12, abs=0)
+    assert all(a > b for a, b in zip(got[5:], got[6:]))  # strictly decreasing after the warmup
+    assert opt.lr == pytest.approx(0.0, abs=1e-18)
+
+
+def test_cosine_total_steps_defaults_to_the_runs_total():
+    opt = optimizer(0.1)
+    sched = WarmupCosine(opt, total_steps=None, warmup_steps=2, run_total_steps=10)
+    assert sched.total_steps == 10
+    got = lrs_used(opt, sched, 10)
+    assert got == pytest.approx([hf_cosine_with_warmup(0.1, k, 2, 10) for k in range(10)], rel=1e-12, abs=1e-18)
+    with pytest.raises(ValueError):
+        WarmupCosine(optimizer(0.1), total_steps=None, warmup_steps=2, run_total_steps=None)
+
+
+def test_constant():
+    opt = optimizer(0.07, Adam)
+    assert lrs_used(opt, Constant(opt), 25) == [0.07] * 25
+    assert opt.lr == 0.07
+
+
+SCHEDULERS = [
+    pytest.param(lambda o: StepLR(o, step_size=3, gamma=0.5), id="step"),
+    pytest.param(lambda o: WarmupCosine(o, total_steps=15, warmup_steps=4, min_lr_ratio=0.05), id="cosine"),
+    pytest.param(lambda o: Constant(o), id="constant"),
+]
+
+
+@pytest.mark.parametrize("make", SCHEDULERS)
+@pytest.mark.parametrize("k", [0, 2, 4, 7])
+def test_scheduler_state_round_trip_continues_the_sequence(make, k):
+    uninterrupted_opt = optimizer(0.03)
+    expected = lrs_used(uninterrupted_opt, make(uninterrupted_opt), 14)
+
+    opt = optimizer(0.03)
+    sched = make(opt)
+    assert lrs_used(opt, sched, k) == expected[:k]
+    opt_state = opt.state_dict()
+    sched_state = json.loads(json.dumps(sched.state_dict()))  # what a checkpoint would store
+
+    fresh_opt = optimizer(0.5)  # built from a config whose lr differs: the state must win
+    fresh = make(fresh_opt)
+    fresh_opt.load_state_dict(opt_state)  # restores the lr the next update uses
+    fresh.load_state_dict(sched_state)
+    assert fresh.last_epoch == k and fresh.state_dict() == sched.state_dict()
+    assert lrs_used(fresh_opt, fresh, 14 - k) == expected[k:]
+
+
+@pytest.mark.parametrize("make", SCHEDULERS)
+def test_loading_scheduler_state_does_not_overwrite_the_optimizers_lr(make):
+    opt = optimizer(0.03)
+    sched = make(opt)
+    lrs_used(opt, sched, 5)
+    state = sched.state_dict()
+
+    fresh_opt = optimizer(0.03)
+    fresh = make(fresh_opt)
+    fresh_opt.lr = 0.123456  # e.g. the lr the optimizer's own state restored
+    fresh.load_state_dict(state)
+    assert fresh_opt.lr == 0.123456
+    # ... and the order of the two loads does not matter
+    fresh_opt2 = optimizer(0.03)
+    fresh2 = make(fresh_opt2)
+    fresh2.load_state_dict(state)
+    fresh_opt2.load_state_dict(opt.state_dict())
+    assert fresh_opt2.lr == opt.lr
+    assert lrs_used(fresh_opt2, fresh2, 4) == lrs_used(opt, sched, 4)
