@@ -16,6 +16,7 @@ from pipeline.preemption import EXIT_PREEMPTED, Preemption
 from pipeline.run_lock import RunBusyError, RunLock
 from pipeline.stages.context import RunContext
 from pipeline.stages.resume import DriftError
+from pipeline.tracking.base import NullTracker
 from pipeline.trainer.loop import StopTraining
 from pipeline.trainer.metrics_log import MetricsLog
 from pipeline.trainer.progress import Progress
@@ -52,13 +53,18 @@ def _run_locked(cfg: DictConfig, config: dict, run_dir: Path) -> float:
     ctx = RunContext(state, run_dir, facts, stages)
     for s in stages:
         s.setup(ctx)
+    tracker = instantiate(plain(cfg.tracking)) if cfg.get("tracking") is not None else NullTracker()
     if ctx.complete:
         print(f"run {run_dir} is complete at step {state.step}: "
               + " ".join(f"{k}={v:.6g}" for k, v in sorted(state.metrics.items())))
         return float(state.metrics.get("val/loss", float("nan")))
     trainer_cfg = config["trainer"]
+    resumed = ctx.resumed_manifest or {}
+    tracker.start(config=config, facts=facts, run_dir=run_dir, previous_run_uri=resumed.get("mlflow_run_uri"))
+    ctx.before_save.append(lambda: facts.update(mlflow_run_uri=tracker.run_uri(timeout=30.0)))
+    ctx.extra_sinks.append(tracker.log_checkpoint)
     preemption = Preemption()
-    callbacks = [MetricsLog(run_dir / "metrics.jsonl", trainer_cfg["log_every"]),
+    callbacks = [MetricsLog(run_dir / "metrics.jsonl", trainer_cfg["log_every"], sinks=[tracker.log_line]),
                  Progress(trainer_cfg["progress_bar"], trainer_cfg["log_every"]), preemption]
     ctx.write_status("running")
     preemption.install()
@@ -71,11 +77,13 @@ def _run_locked(cfg: DictConfig, config: dict, run_dir: Path) -> float:
         for s in stages:
             s.on_checkpoint(ctx, state.step, directory)
         ctx.write_status("preempted")
+        tracker.finish("KILLED", run_dir)
         log.warning("preempted by %s at step %d: checkpoint %s; re-run the same command to resume (exit %d)",
                     stop, state.step, directory, EXIT_PREEMPTED)
         sys.exit(EXIT_PREEMPTED)
     except BaseException:
         ctx.write_status("failed")
+        tracker.finish("FAILED", run_dir)
         raise
     finally:
         for cb in callbacks:
@@ -83,7 +91,11 @@ def _run_locked(cfg: DictConfig, config: dict, run_dir: Path) -> float:
     try:
         for s in stages:
             s.finish(ctx)
+    except BaseException:
+        tracker.finish("FAILED", run_dir)
+        raise
     finally:
         preemption.uninstall()
+    tracker.finish("FINISHED", run_dir)
     log.info("done at step %d: %s", state.step, " ".join(f"{k}={v:.6g}" for k, v in sorted(state.metrics.items())))
     return float(state.metrics.get("val/loss", float("nan")))

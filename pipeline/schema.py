@@ -142,6 +142,7 @@ class Config:
     checkpoint: CadenceConf = field(default_factory=CadenceConf)
     stages: Any = MISSING
     resume: ResumeConf = field(default_factory=ResumeConf)
+    tracking: Any = None
 
 
 SCHEMAS = {

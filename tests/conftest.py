@@ -9,13 +9,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
+import hypothesis
 import pytest
 from hydra import compose, initialize_config_dir
 
 import pipeline.config
+
+# Hypothesis keeps no example database and writes its caches outside the repository.
+hypothesis.configuration.set_hypothesis_home_dir(tempfile.mkdtemp(prefix="pipeline-tests-hypothesis-"))
+hypothesis.settings.register_profile("pipeline", database=None, deadline=None)
+hypothesis.settings.load_profile("pipeline")
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]  # tests/ -> the project root, independent of pipeline.config
 

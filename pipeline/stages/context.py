@@ -40,6 +40,8 @@ class RunContext:
         self.resumed_from: int | None = None  # protected until a newer checkpoint verifies
         self.complete = False  # set by the resume stage when the run already finished
         self.extra_sinks: list = []  # callables(checkpoint dir, manifest) run after each save (tracking)
+        self.before_save: list = []  # callables run before each save (e.g. learning the tracked run's URI)
+        self.resumed_manifest: dict | None = None
 
     def read_status(self) -> dict:
         try:
@@ -68,6 +70,8 @@ class RunContext:
         """Checkpoint the current step once (stages asking for the same step share it), then verify it."""
         step = self.state.step
         directory = self.ckpt_root / io.step_dir_name(step)
+        for hook in self.before_save:
+            hook()
         io.save(self.state, directory, self.facts, self.stage_states())
         manifest = io.verify(directory)  # re-read and re-hash: only a verified checkpoint counts
         if self.resumed_from is not None and step > self.resumed_from:

@@ -67,4 +67,5 @@ class Resume(Stage):
             ctx.resumed_from = ckpt.step
         truncate_metrics(ctx.run_dir / "metrics.jsonl", ckpt.step)
         ctx.facts["resumed_from"] = str(directory)
+        ctx.resumed_manifest = ckpt.manifest
         log.info("resumed from %s at step %d (epoch %d)", directory, ckpt.step, ckpt.manifest.get("epoch", 0))

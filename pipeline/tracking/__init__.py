@@ -1,0 +1,1 @@
+"""Experiment tracking: mlflow as a thin index over the manifests on disk."""

@@ -1,0 +1,130 @@
+"""The DataIterator: every row once per epoch, drop_last, and an exact mid-epoch continuation."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.data.iterator import DataIterator
+from pipeline.rng import numpy_state_from_json, numpy_state_to_json
+
+
+def gen(seed: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(seed))
+
+
+@st.composite
+def sizes(draw):
+    n = draw(st.integers(1, 64))
+    return n, draw(st.integers(1, n))
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes(), st.integers(0, 2**32 - 1))
+def test_each_row_exactly_once_per_epoch_and_last_partial_batch_dropped(nb, seed):
+    n, bs = nb
+    it = DataIterator(n, bs, gen(seed))
+    bpe = n // bs
+    assert it.batches_per_epoch == bpe
+    oracle = gen(seed)  # the same generator, drawn in the iterator's order: one permutation per epoch
+    for epoch in range(3):
+        perm = oracle.permutation(n)
+        batches = [it.next_ids() for _ in range(bpe)]
+        assert it.epoch == epoch
+        for b in batches:
+            assert b.shape == (bs,) and b.dtype == np.int64  # every batch full: no partial batch
+        ids = np.concatenate(batches)
+        assert len(set(ids.tolist())) == len(ids) == bpe * bs  # no row twice in an epoch
+        assert set(ids.tolist()) <= set(range(n))
+        if n % bs == 0:
+            assert sorted(ids.tolist()) == list(range(n))  # each row exactly once
+        # the epoch is the permutation's first bpe*bs rows in order; the n % bs tail is dropped
+        np.testing.assert_array_equal(ids, perm[: bpe * bs])
+    assert it.next_ids().shape == (bs,) and it.epoch == 3
+
+
+def test_drop_last_small_example():
+    it = DataIterator(10, 4, gen(0))
+    first = [it.next_ids() for _ in range(2)]
+    dropped = set(range(10)) - set(np.concatenate(first).tolist())
+    assert len(dropped) == 2 and it.epoch == 0 and it.cursor == 8
+    third = it.next_ids()  # does not return the 2 leftover rows: a new epoch starts
+    assert it.epoch == 1 and it.cursor == 4 and third.shape == (4,)
+
+
+def test_epochs_are_reshuffled():
+    it = DataIterator(24, 4, gen(1))
+    e0 = np.concatenate([it.next_ids() for _ in range(6)])
+    e1 = np.concatenate([it.next_ids() for _ in range(6)])
+    assert sorted(e0.tolist()) == sorted(e1.tolist()) == list(range(24))
+    assert not np.array_equal(e0, e1)
+
+
+def test_batch_size_larger_than_data_is_rejected():
+    with pytest.raises(ValueError):
+        DataIterator(3, 4, gen(0))
+
+
+def test_returned_ids_are_copies():
+    it = DataIterator(8, 4, gen(0))
+    ids = it.next_ids()
+    ids[:] = -1
+    assert (it.permutation >= 0).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes(), st.integers(0, 40), st.integers(0, 2**32 - 1))
+def test_continues_exactly_where_it_stopped(nb, k, seed):
+    n, bs = nb
+    after = 3 * (n // bs) + 2  # enough to cross at least two epoch boundaries after the stop
+    reference = DataIterator(n, bs, gen(seed))
+    expected = [reference.next_ids() for _ in range(k + after)]
+
+    rng = gen(seed)
+    it = DataIterator(n, bs, rng)
+    got = [it.next_ids() for _ in range(k)]
+    # what a checkpoint stores, through JSON like the run's RNG streams
+    saved = json.loads(json.dumps({k_: (v.tolist() if isinstance(v, np.ndarray) else v)
+                                   for k_, v in it.state_dict().items()}))
+    saved_rng = json.loads(json.dumps(numpy_state_to_json(rng)))
+    del it, rng
+
+    rng2 = gen(seed + 1)  # a differently-seeded generator: everything must come from the loaded state
+    fresh = DataIterator(n, bs, rng2)
+    fresh.load_state_dict(saved)
+    rng2.bit_generator.state = numpy_state_from_json(saved_rng)
+    assert (fresh.epoch, fresh.cursor) == (saved["epoch"], saved["cursor"])
+    got += [fresh.next_ids() for _ in range(after)]
+    assert len(got) == len(expected)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert np.array_equal(a, b), f"batch {i + 1} differs"
+    assert fresh.epoch == reference.epoch and fresh.cursor == reference.cursor
+
+
+def test_continuation_without_the_generator_state_diverges():
+    """Negative control: the iterator's own state alone is not enough (the generator must be restored too)."""
+    it = DataIterator(12, 4, gen(5))
+    for _ in range(4):
+        it.next_ids()
+    reference = [it.next_ids() for _ in range(6)]
+
+    it = DataIterator(12, 4, gen(5))
+    for _ in range(4):
+        it.next_ids()
+    fresh = DataIterator(12, 4, gen(6))
+    fresh.load_state_dict(it.state_dict())
+    assert [b.tolist() for b in (fresh.next_ids() for _ in range(6))] != [b.tolist() for b in reference]
+
+
+def test_state_dict_is_a_copy_and_load_validates_shape():
+    it = DataIterator(8, 2, gen(0))
+    it.next_ids()
+    state = it.state_dict()
+    assert state["epoch"] == 0 and state["cursor"] == 2 and state["permutation"].shape == (8,)
+    state["permutation"][:] = 0
+    assert sorted(it.permutation.tolist()) == list(range(8))
+    with pytest.raises(ValueError):
+        DataIterator(9, 2, gen(0)).load_state_dict(it.state_dict())
