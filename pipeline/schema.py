@@ -131,6 +131,18 @@ class CadenceConf:
 
 
 @dataclass
+class VerifyConf:
+    cut: int = 5  # updates before the interruption
+    steps: int = 10  # updates in all
+    atol: float = 0.0  # exact by default
+    rtol: float = 0.0
+    kill: str = "none"  # none | random: chaos mode, SIGKILL at random points and re-run until complete
+    trials: int = 20
+    seed: int = 0  # chooses the chaos kill points
+    max_reruns: int = 5
+
+
+@dataclass
 class Config:
     name: str = "default"  # the experiment's name: the first part of the run directory's name
     paths: PathsConf = field(default_factory=PathsConf)
@@ -143,6 +155,7 @@ class Config:
     stages: Any = MISSING
     resume: ResumeConf = field(default_factory=ResumeConf)
     tracking: Any = None
+    verify: VerifyConf = field(default_factory=VerifyConf)
 
 
 SCHEMAS = {

@@ -64,3 +64,9 @@ def cli(tmp_path) -> Callable[..., subprocess.CompletedProcess]:
         return run_pipeline(args, cwd if cwd is not None else tmp_path / "cwd", timeout=timeout)
 
     return _run
+
+
+@pytest.fixture(scope="session")
+def pipeline_runner() -> Callable[..., subprocess.CompletedProcess]:
+    """run_pipeline itself, for module- or session-scoped fixtures (pass cwd= explicitly)."""
+    return run_pipeline

@@ -216,3 +216,17 @@ def test_load_state_dict_rejects_another_optimizers_state():
     sgd.step(_grads(0))
     with pytest.raises(KeyError):
         Adam(_params(), lr=0.01).load_state_dict(sgd.state_dict())
+
+
+@pytest.mark.parametrize("cls,kw", ROUND_TRIP)
+def test_params_handed_over_as_a_dictconfig_become_a_plain_dict_of_the_same_arrays(cls, kw):
+    """hydra.utils.instantiate wraps a dict kwarg in a DictConfig (as build_state passes model.params)."""
+    from hydra.utils import instantiate
+
+    params = _params()
+    opt = instantiate({"_target_": f"{cls.__module__}.{cls.__name__}", **kw}, params=params)
+    assert type(opt.params) is dict and list(opt.params) == list(params)
+    assert all(opt.params[k] is p for k, p in params.items())
+    before = {k: p.copy() for k, p in params.items()}
+    opt.step(_grads(0))
+    assert all(not np.array_equal(before[k], p) for k, p in params.items())  # the caller's arrays moved

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline import chaos
 from pipeline.checkpoint.atomic import (TMP_PREFIX, fsync_file, new_temporary, publish, remove_temporaries,
                                         sha256_file, write_json)
 from pipeline.checkpoint.errors import CheckpointError
@@ -67,7 +68,9 @@ def save(state, directory: Path, facts: dict, callbacks_state: dict | None = Non
     tmp = new_temporary(directory.parent, directory.name)
     try:
         write_tensors(tmp / WEIGHTS, weights)
+        chaos.point("save", "after weights")
         write_tensors(tmp / OPTIM, optim_arrays, {"t": str(extra["optimizer"]["t"])})
+        chaos.point("save", "after optim")
         write_json(tmp / EXTRA, extra)
         files = {}
         for name in (WEIGHTS, OPTIM, EXTRA):
@@ -75,7 +78,9 @@ def save(state, directory: Path, facts: dict, callbacks_state: dict | None = Non
             files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
         manifest = {**facts, "schema_version": SCHEMA_VERSION, "step": state.step, "epoch": state.epoch,
                     "metrics": dict(state.metrics), "files": files}
+        chaos.point("save", "before manifest")
         write_json(tmp / MANIFEST, manifest)  # last: a directory with a manifest is complete
+        chaos.point("save", "before rename")
         if directory.exists():
             # Same step saved again (e.g. a re-run): keep the old one only if it still verifies.
             try:
@@ -85,6 +90,7 @@ def save(state, directory: Path, facts: dict, callbacks_state: dict | None = Non
             except CheckpointError:
                 shutil.rmtree(directory)
         publish(tmp, directory)
+        chaos.point("save", "after rename")
     except BaseException:
         # A signal or an error mid-save: the half-made temporary is removed now or by the next save.
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,6 +1,7 @@
 """Named arrays to and from safetensors: contiguous copies, tied arrays stored once as ALIAS(name)."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -29,6 +30,29 @@ def write_tensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str,
     unique, aliases = split_aliases(arrays)
     meta = {"format": "np", **(metadata or {}), **{k: f"ALIAS({v})" for k, v in aliases.items()}}
     save_file(unique, str(path), metadata=meta)
+    sort_metadata(path)
+
+
+def sort_metadata(path: Path) -> None:
+    """Rewrite the header's __metadata__ in sorted key order, in place and at the same length.
+
+    safetensors serialises metadata from a hash map whose order changes from process to process, so the
+    same state would hash differently in a resumed process; sorted, equal states give equal bytes.
+    """
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        raw = f.read(n)
+        text = raw.rstrip(b" ")
+        header = json.loads(text)
+        if json.dumps(header, separators=(",", ":")).encode() != text:
+            return  # not the compact form we can reproduce exactly: leave the library's bytes alone
+        meta = dict(sorted(header.pop("__metadata__", {}).items()))
+        tensors = sorted(header.items(), key=lambda kv: (kv[1]["data_offsets"], kv[0]))  # file order
+        header = {"__metadata__": meta, **dict(tensors)} if meta else dict(tensors)
+        fixed = json.dumps(header, separators=(",", ":")).encode()
+        if len(fixed) == len(text):
+            f.seek(8)
+            f.write(fixed)
 
 
 def resolve_aliases(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> dict[str, np.ndarray]:

@@ -179,7 +179,10 @@ def ensure_corpus(output_dir: Path, name: str, params: dict, build: Callable[[],
     _fsync_dir(parent)
     verify_corpus(final, params)
     if (final / "MANIFEST.json").read_bytes() != files["MANIFEST.json"]:
-        raise ValueError(f"{final / 'MANIFEST.json'}: differs from the one these params generate; delete {final} to regenerate")
+        # Same params, other bytes: the existing corpus came from another version of the generator.
+        raise ValueError(
+            f"{final / 'MANIFEST.json'}: differs from the one these params generate; delete {final} to regenerate"
+        )
     return final
 
 

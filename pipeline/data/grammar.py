@@ -350,7 +350,7 @@ def generate(seed: int, n_sentences: int) -> tuple[list[list[str]], list[dict], 
     return sentences, meta, logps
 
 
-def _stream(sentences: list[list[str]], index: dict[str, int]) -> np.ndarray:
+def token_stream(sentences: list[list[str]], index: dict[str, int]) -> np.ndarray:
     eos = index[EOS]
     out = []
     for words in sentences:
@@ -366,9 +366,9 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
     n_val = max(1, int(round(n_sentences * val_fraction)))
     if n_val >= n_sentences:
         raise ValueError(f"n_sentences={n_sentences} leaves no training sentences at val_fraction={val_fraction}")
-    train, val = _stream(sentences[:-n_val], index), _stream(sentences[-n_val:], index)
-    # The generator's own log-probability bounds the entropy any model can reach on this text
-    # (an upper bound: the rare strings with two derivations are counted once).
+    train, val = token_stream(sentences[:-n_val], index), token_stream(sentences[-n_val:], index)
+    # The generator's own log-probability of each sentence bounds what any model can reach on it; a bound
+    # from above, since a rare string with two derivations (e.g. "read" present/past) is charged for one.
     val_nats = -math.fsum(logps[-n_val:])
     stats = {
         "sentences": {"train": n_sentences - n_val, "val": n_val},

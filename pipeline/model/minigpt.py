@@ -113,10 +113,9 @@ class MiniGPT:
         # dlogits [N, V] -> grads keyed like self.params
         emb_c, emb_dc, blocks, lnf_c, hf = caches
         B, T = shape
-        wte = self.params["transformer.wte.weight"]
         g: dict[str, np.ndarray] = {}
         dwte_head = dlogits.T @ hf  # [V, d] head use of the tied weight
-        dh = (dlogits @ wte).reshape(B, T, self.n_embd)  # [B, T, d]
+        dh = (dlogits @ self.lm_head).reshape(B, T, self.n_embd)  # [B, T, d]
         dh, g["transformer.ln_f.weight"], g["transformer.ln_f.bias"] = L.layernorm_backward(dh, lnf_c)  # [B, T, d]
         for i in reversed(range(self.n_layer)):
             k = f"transformer.h.{i}."

@@ -10,7 +10,9 @@ class Optimizer:
     buffers: tuple[str, ...] = ()
 
     def __init__(self, params: dict[str, np.ndarray], lr: float):
-        self.params = params  # the model's live arrays, updated in place
+        # The model's live arrays, updated in place. A plain dict even when handed a mapping such as the
+        # DictConfig hydra.utils.instantiate wraps a dict kwarg in: the same arrays, no config node around them.
+        self.params = params if type(params) is dict else {name: params[name] for name in params}
         self.lr = float(lr)  # set by the scheduler before each step, like torch's param_groups
         self.t = 0
         self.state: dict[str, np.ndarray] = {}

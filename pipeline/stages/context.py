@@ -7,6 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
+from pipeline import chaos
 from pipeline.checkpoint import io
 import json
 import time
@@ -81,6 +82,7 @@ class RunContext:
         return directory
 
     def point(self, link_name: str, step: int) -> None:
+        chaos.point("save", f"before {link_name} link")
         replace_link(self.ckpt_root / link_name, io.step_dir_name(step))
 
     def protected_steps(self) -> set[int]:
@@ -97,6 +99,7 @@ class RunContext:
         # Rename first so a crash mid-delete never leaves a half-deleted directory that looks like a checkpoint.
         doomed = self.ckpt_root / f".tmp-deleting-{directory.name}"
         if directory.exists():
+            chaos.point("save", "before delete")
             os.rename(directory, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
 

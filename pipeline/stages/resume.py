@@ -42,6 +42,8 @@ class Resume(Stage):
             for reason in skipped:
                 log.warning("not resuming from a damaged checkpoint, falling back: %s", reason)
             if directory is None:
+                # Nothing to resume: lines a killed earlier attempt logged before its first checkpoint go.
+                truncate_metrics(ctx.run_dir / "metrics.jsonl", 0)
                 return
         else:
             directory = Path(self.source).expanduser().resolve()

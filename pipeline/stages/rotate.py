@@ -17,14 +17,13 @@ class RotateLastN(Stage):
         self.periodic: list[int] = []  # steps of the periodic checkpoints still on disk
 
     def wants_checkpoint(self, ctx, record: dict, epoch_done: bool) -> bool:
-        self._due = self.cadence.due(record["step"], epoch_done, ctx.state.iterator.epoch)
-        if self._due and record["step"] not in self.periodic:
+        due = self.cadence.due(record["step"], epoch_done, ctx.state.iterator.epoch)
+        if due and record["step"] not in self.periodic:
             self.periodic.append(record["step"])  # before the save, so the checkpoint's own state lists it
-        return self._due
+        return due
 
     def on_checkpoint(self, ctx, step: int, directory) -> None:
-        if not getattr(self, "_due", False):
-            return
+        # Pruning is idempotent, so it runs after every verified save (a re-run finishes a killed one's work).
         for old in to_delete(self.periodic, self.keep, ctx.protected_steps()):
             ctx.delete(old)
             self.periodic.remove(old)

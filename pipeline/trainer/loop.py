@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from pipeline import chaos
 from pipeline.trainer.state import RunState
 
 
@@ -40,8 +41,10 @@ def train_step(state: RunState) -> dict:
     batch = state.dataset.augment(state.dataset.train_batch(ids, state.dtype), state.streams)
     lr = state.optimizer.lr
     loss, grads = state.model.loss_and_grads(batch, state.streams["dropout"])
+    chaos.point("train", "after backward")
     gnorm = grad_norm(grads)
     state.optimizer.step(grads)
+    chaos.point("train", "after optimizer step")
     state.scheduler.step()
     state.step += 1
     record = {"step": state.step, "epoch": epoch, "train/loss": loss, "lr": lr, "grad_norm": gnorm}

@@ -36,6 +36,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 def truncate_metrics(path: Path, step: int) -> None:
     """Keep the lines up to `step` (a resume point), atomically: a resumed run appends from there."""
+    if not path.exists():
+        return
     kept = [line for line in read_metrics(path) if line["step"] <= step]
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:

@@ -1,0 +1,187 @@
+"""Checkpoint save/load throughput and save's extra memory against raw file I/O of the same bytes.
+
+    python bench/bench_checkpoint.py [--mib 256] [--repeats 3] [--dir DIR]
+
+A ~256 MiB state (four float32 weight matrices plus Adam's two moments each, in a minimal RunState) is
+saved with pipeline.checkpoint.io.save (hashing, fsync of every file, rename, fsync of the parent
+included) and compared with a raw write + fsync of the same bytes; load + full verification
+(pipeline.checkpoint.io.load) is compared with a raw read + sha256 of the same bytes. Measurements
+alternate and the medians are compared, so each ratio comes from one run on one (noisy, shared) machine.
+Reads are warm (page cache) on both sides: dropping caches would disturb the other users of the machine.
+Extra peak memory during save is measured in a child process: peak RSS (VmHWM, reset through
+/proc/self/clear_refs) minus the RSS once the state is built.
+
+The bench files go to a temporary directory on the disk that holds this checkout (not tmpfs) and are
+removed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.checkpoint import facts as checkpoint_facts  # noqa: E402
+from pipeline.checkpoint import io  # noqa: E402
+from pipeline.data.iterator import DataIterator  # noqa: E402
+from pipeline.optimizer.adam import Adam  # noqa: E402
+from pipeline.rng import Streams  # noqa: E402
+from pipeline.scheduler.constant import Constant  # noqa: E402
+from pipeline.trainer.state import RunState  # noqa: E402
+
+TARGETS = {"save": 0.65, "load": 1.5, "memory": 0.10}
+MIB = 2**20
+
+
+def build_state(mib: float, seed: int = 0) -> RunState:
+    """A RunState whose params + Adam moments total about `mib` MiB of float32 (4 matrices, 3 arrays each)."""
+    per_array = int(mib * MIB / 12)  # 4 params x (param, exp_avg, exp_avg_sq)
+    cols = 1024
+    rows = max(1, per_array // (4 * cols))
+    g = np.random.default_rng(seed)
+    params = {f"layers.{i}.weight": g.standard_normal((rows, cols), dtype=np.float32) for i in range(4)}
+    model = SimpleNamespace(params=params, aliases={})
+    optimizer = Adam(params, lr=1e-3)
+    for k, v in optimizer.state_dict().items():  # materialise the moments with non-trivial values
+        if isinstance(v, np.ndarray):
+            v[...] = g.standard_normal(v.shape, dtype=np.float32)
+    optimizer.t = 7
+    streams = Streams(seed)
+    iterator = DataIterator(1000, 10, streams["data_order"])
+    return RunState(model=model, optimizer=optimizer, scheduler=Constant(optimizer), iterator=iterator,
+                    streams=streams, dataset=None, dtype=np.dtype(np.float32), total_steps=100, step=7)
+
+
+def state_arrays(state: RunState) -> list[np.ndarray]:
+    return [*state.model.params.values(), *(v for v in state.optimizer.state.values())]
+
+
+def bench_facts() -> dict:
+    config = {"bench": "checkpoint"}
+    return {"git_sha": "bench", "git_dirty": None, "config_hash": checkpoint_facts.config_hash(config),
+            "data_manifest_hash": "none", "seed": 0, "versions": checkpoint_facts.versions(), "config": config,
+            "hardware": checkpoint_facts.hardware(), "mlflow_run_uri": None}
+
+
+def raw_write(path: Path, arrays: list[np.ndarray]) -> None:
+    with open(path, "wb", buffering=0) as f:
+        for a in arrays:
+            f.write(memoryview(a).cast("B"))
+        os.fsync(f.fileno())
+
+
+def raw_read_sha(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def memory_child(mib: float, directory: str) -> None:
+    """In a fresh process: build the state, reset the peak, save, and print the extra peak RSS as JSON."""
+    state = build_state(mib)
+    facts = bench_facts()
+    state_bytes = sum(a.nbytes for a in state_arrays(state))
+    base = rss_kib("VmRSS")
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        method = "VmHWM after clear_refs"
+    except OSError:
+        method = "VmHWM since start (clear_refs unavailable)"
+    io.save(state, Path(directory) / "step-00000007", facts)
+    peak = rss_kib("VmHWM")
+    print(json.dumps({"state_bytes": state_bytes, "base_kib": base, "peak_kib": peak,
+                      "extra_bytes": max(0, peak - base) * 1024, "method": method}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=float, default=256.0, help="state size in MiB (params + moments)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="scratch parent directory (default: a temp dir beside the checkout)")
+    ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.memory_child:
+        memory_child(args.mib, args.memory_child)
+        return 0
+
+    scratch = Path(tempfile.mkdtemp(prefix=".bench-checkpoint-", dir=args.dir or ROOT.parent))
+    try:
+        state = build_state(args.mib)
+        facts = bench_facts()
+        arrays = state_arrays(state)
+        nbytes = sum(a.nbytes for a in arrays)
+        raw_file = scratch / "raw.bin"
+        times = {"raw_write": [], "save": [], "raw_read": [], "load": []}
+        for r in range(args.repeats):
+            if raw_file.exists():
+                raw_file.unlink()
+            times["raw_write"].append(timed(lambda: raw_write(raw_file, arrays)))
+            ckpt = scratch / "ckpt" / f"step-{r:08d}"
+            times["save"].append(timed(lambda: io.save(state, ckpt, facts)))
+            times["raw_read"].append(timed(lambda: raw_read_sha(raw_file)))
+            times["load"].append(timed(lambda: io.load(ckpt)))
+            shutil.rmtree(ckpt)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        child = subprocess.run([sys.executable, __file__, "--mib", str(args.mib), "--memory-child", str(scratch)],
+                               capture_output=True, text=True, check=True)
+        mem = json.loads(child.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    save_ratio = med["raw_write"] / med["save"]  # throughput of save relative to raw write+fsync
+    load_ratio = med["load"] / med["raw_read"]  # time of load+verify relative to raw read+sha256
+    mem_ratio = mem["extra_bytes"] / mem["state_bytes"]
+    mib_s = lambda t: nbytes / MIB / t  # noqa: E731
+    print(f"command: python bench/bench_checkpoint.py --mib {args.mib:g} --repeats {args.repeats}")
+    print(f"state: {nbytes / MIB:.1f} MiB ({len(arrays)} float32 arrays: params + Adam moments); "
+          f"medians of {args.repeats}; scratch on {scratch.parent}")
+    print()
+    print("| measure | time (s) | MiB/s | ratio | target | ok |")
+    print("| --- | ---: | ---: | ---: | --- | --- |")
+    print(f"| raw write + fsync | {med['raw_write']:.3f} | {mib_s(med['raw_write']):.0f} | | | |")
+    print(f"| io.save (hash, fsync, rename) | {med['save']:.3f} | {mib_s(med['save']):.0f} | "
+          f"{save_ratio:.2f}x raw throughput | >= {TARGETS['save']:.2f} | {save_ratio >= TARGETS['save']} |")
+    print(f"| raw read + sha256 (warm) | {med['raw_read']:.3f} | {mib_s(med['raw_read']):.0f} | | | |")
+    print(f"| io.load + verify (warm) | {med['load']:.3f} | {mib_s(med['load']):.0f} | "
+          f"{load_ratio:.2f}x raw time | <= {TARGETS['load']:.2f} | {load_ratio <= TARGETS['load']} |")
+    print(f"| extra peak RSS during save | | {mem['extra_bytes'] / MIB:.1f} MiB | "
+          f"{100 * mem_ratio:.1f}% of state | <= {100 * TARGETS['memory']:.0f}% | {mem_ratio <= TARGETS['memory']} |")
+    print()
+    print("all times (s): " + json.dumps({k: [round(t, 3) for t in v] for k, v in times.items()}))
+    print(f"memory: {mem['method']}; base RSS {mem['base_kib'] / 1024:.0f} MiB, peak {mem['peak_kib'] / 1024:.0f} MiB")
+    ok = save_ratio >= TARGETS["save"] and load_ratio <= TARGETS["load"] and mem_ratio <= TARGETS["memory"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

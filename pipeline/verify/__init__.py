@@ -1,0 +1,1 @@
+"""The resume verifier: bit-exact resume proven in fresh processes, with a negative control, and under SIGKILL."""

@@ -1,0 +1,118 @@
+"""Chaos mode: SIGKILL the real command at random points in steps and saves, re-run it, demand bit-exactness."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from pipeline.build import plain
+from pipeline.checkpoint import io
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint.facts import versions
+from pipeline.stages.context import list_checkpoints
+from pipeline.trainer.metrics_log import read_metrics
+from pipeline.verify.protocol import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, verify_dir
+
+
+def _command(argv: list[str], output_dir: Path) -> list[str]:
+    kept = [a for a in argv if not a.startswith(("verify.", "paths.output_dir="))]
+    return [sys.executable, "-m", "pipeline", *kept, f"paths.output_dir={output_dir}", "hydra/job_logging=disabled"]
+
+
+def _run(cmd: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
+    for k in ("PIPELINE_CHAOS", "PIPELINE_CHAOS_TRACE"):
+        if k not in (env_extra or {}):
+            env.pop(k, None)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+
+def final_state(output_dir: Path) -> dict:
+    """What must be identical: the final checkpoint's arrays and JSON state, and every logged number."""
+    runs = [p for p in (output_dir / "runs").iterdir() if p.is_dir()]
+    if len(runs) != 1:
+        raise RuntimeError(f"expected one run directory under {output_dir / 'runs'}, found {len(runs)}")
+    final = (runs[0] / "checkpoints" / "final").resolve()
+    manifest = io.verify(final)
+    lines = [{k: v for k, v in line.items() if k != "time"} for line in read_metrics(runs[0] / "metrics.jsonl")]
+    extra = json.loads((final / io.EXTRA).read_text())
+    return {"weights": manifest["files"][io.WEIGHTS]["sha256"], "optim": manifest["files"][io.OPTIM]["sha256"],
+            "extra": extra, "metrics": lines, "step": manifest["step"],
+            "checkpoints": [s for s, _ in list_checkpoints(runs[0] / "checkpoints")]}
+
+
+def invalid_visible_checkpoints(output_dir: Path) -> list[str]:
+    bad = []
+    for run in (output_dir / "runs").glob("*"):
+        for _, directory in list_checkpoints(run / "checkpoints"):
+            try:
+                io.verify(directory)
+            except CheckpointError as e:
+                bad.append(str(e))
+    return bad
+
+
+def run_chaos(cfg, argv: list[str]) -> int:
+    config = plain(cfg)
+    v = config["verify"]
+    out = verify_dir(config) / "chaos"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    t0 = time.time()
+    # The reference: the identical command, uninterrupted, counting the kill points it passes.
+    trace = out / "reference.trace"
+    ref = _run(_command(argv, out / "reference"), {"PIPELINE_CHAOS_TRACE": str(trace)})
+    if ref.returncode != 0:
+        print(f"chaos: the reference run failed (exit {ref.returncode}): {ref.stderr.strip()[-500:]}")
+        return EXIT_INCOMPLETE
+    counts = Counter(line.split()[0] for line in trace.read_text().splitlines())
+    reference = final_state(out / "reference")
+    rng = random.Random(int(v["seed"]))
+    trials, by_phase, exact, invalid = [], Counter(), 0, []
+    for i in range(int(v["trials"])):
+        phase = ("train", "save")[i] if i < 2 else rng.choice(("train", "save"))
+        k = rng.randint(1, counts[phase])
+        trial_dir = out / f"trial-{i:04d}"
+        cmd = _command(argv, trial_dir)
+        killed = _run(cmd, {"PIPELINE_CHAOS": f"{phase}:{k}"})
+        record = {"trial": i, "phase": phase, "point": k, "killed": killed.returncode == -signal.SIGKILL}
+        record["invalid_after_kill"] = invalid_visible_checkpoints(trial_dir)
+        reruns = 0
+        while True:
+            reruns += 1
+            done = _run(cmd)
+            if done.returncode == 0 or reruns >= int(v["max_reruns"]):
+                break
+        record["reruns"], record["rerun_exit"] = reruns, done.returncode
+        if done.returncode == 0:
+            got = final_state(trial_dir)
+            mismatched = [k for k in ("weights", "optim", "extra", "metrics", "step") if got[k] != reference[k]]
+            record["bit_exact"] = not mismatched
+            record["mismatched"] = mismatched
+            record["same_checkpoints_kept"] = got["checkpoints"] == reference["checkpoints"]
+        else:
+            record["bit_exact"], record["error"] = False, done.stderr.strip()[-500:]
+        by_phase[phase] += record["killed"]
+        exact += record["bit_exact"]
+        invalid += record["invalid_after_kill"]
+        trials.append(record)
+        shutil.rmtree(trial_dir, ignore_errors=True)
+    report = {
+        "mode": "chaos", "trials": len(trials), "bit_exact": exact, "kills_by_phase": dict(by_phase),
+        "kill_points_available": dict(counts), "invalid_visible_checkpoints": invalid,
+        "all_checks_passed": exact == len(trials) and not invalid and all(t["killed"] for t in trials),
+        "command": " ".join(_command(argv, Path("<trial dir>"))), "seconds": round(time.time() - t0, 1),
+        "versions": versions(), "trial_records": trials,
+    }
+    (out / "verification.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    print(f"chaos: {exact}/{len(trials)} trials bit-exact; kills by phase {dict(by_phase)}; "
+          f"{len(invalid)} invalid visible checkpoints; report {out / 'verification.json'}")
+    return EXIT_OK if report["all_checks_passed"] else EXIT_MISMATCH

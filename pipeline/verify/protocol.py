@@ -1,0 +1,160 @@
+"""Seed 003's protocol in four fresh processes: continuous, interrupted, full resume, resume without RNG."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline.build import plain
+from pipeline.checkpoint.facts import versions
+from pipeline.config import run_name
+from pipeline.verify.compare import compare, machine
+from pipeline.verify.snapshot import read_summary
+
+EXIT_OK, EXIT_MISMATCH, EXIT_INCOMPLETE = 0, 1, 2
+
+
+def verify_dir(config: dict) -> Path:
+    return Path(config["paths"]["output_dir"]) / "verify" / run_name(config)
+
+
+def _worker(mode: str, config_path: Path, out: Path, cut: int, steps: int, checkpoint: Path | None) -> list[str]:
+    cmd = [sys.executable, "-m", "pipeline.verify.worker", "--config", str(config_path), "--mode", mode,
+           "--cut", str(cut), "--steps", str(steps), "--out", str(out / mode)]
+    if checkpoint is not None:
+        cmd += ["--checkpoint", str(checkpoint)]
+    return cmd
+
+
+def run_workers(config: dict, out: Path, cut: int, steps: int) -> tuple[list[list[str]], str | None]:
+    """Runs the four processes (two at a time where they are independent); returns commands, error."""
+    config_path = out / "config.json"
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    ckpt = out / "interrupted" / "checkpoint"
+    first = [_worker("continuous", config_path, out, cut, steps, None),
+             _worker("interrupted", config_path, out, cut, steps, None)]
+    second = [_worker("resume", config_path, out, cut, steps, ckpt),
+              _worker("negative", config_path, out, cut, steps, ckpt)]
+    for batch in (first, second):
+        procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in batch]
+        for cmd, p in zip(batch, procs):
+            _, err = p.communicate()
+            if p.returncode != 0:
+                tail = (err.strip().splitlines() or ["(no output)"])[-1]
+                return first + second, f"{cmd[cmd.index('--mode') + 1]} process exited {p.returncode}: {tail}"
+    return first + second, None
+
+
+def _worst(results: dict[str, dict]) -> float | None:
+    values = [r["max_abs_diff"] for r in results.values() if r["max_abs_diff"] is not None]
+    return max(values) if values else None
+
+
+def evaluate(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
+    """The verification report from the four summaries on disk."""
+    cont, cont_meta = read_summary(out / "continuous")
+    intr, intr_meta = read_summary(out / "interrupted")
+    res, res_meta = read_summary(out / "resume")
+    neg, neg_meta = read_summary(out / "negative")
+    # The continuous run's per-update records after the cut line up with the resumed runs' records.
+    after = {k: v[cut:] for k, v in cont.items() if k.startswith("records/")}
+    cont_final = {**{k: v for k, v in cont.items() if not k.startswith("records/")}, **after}
+    comparisons = []
+    pos = compare(cont_final, res, atol, rtol)
+    negc = compare(cont_final, neg, atol, rtol)
+    for key in sorted(pos):
+        comparisons.append({"name": key, "state_machine": machine(key),
+                            "positive_max_abs_diff": pos[key]["max_abs_diff"],
+                            "negative_max_abs_diff": negc[key]["max_abs_diff"],
+                            "positive_agrees": pos[key]["ok"], "negative_diverges": not negc[key]["ok"],
+                            "detail": pos[key]["detail"] or negc[key]["detail"]})
+    # Restored state at the cut against the interrupted process's state at the cut: names the culprit.
+    restored, _ = read_summary(out / "resume", "restored")
+    intr_state = {k: v for k, v in intr.items() if not k.startswith("records/")}
+    at_cut = compare(intr_state, restored, atol, rtol)
+    restore_failures = sorted({machine(k) for k, r in at_cut.items() if not r["ok"]})
+    trajectory_failures = sorted({c["state_machine"] for c in comparisons if not c["positive_agrees"]})
+    positive = not trajectory_failures and not restore_failures
+    negative = any(c["negative_diverges"] for c in comparisons)
+    # If no stream moved between the cut and the end, skipping the RNG restore cannot change anything.
+    rng_moved = intr_meta["rng_states"] != cont_meta["rng_states"]
+    weights = {k: v for k, v in pos.items() if k.startswith("model/")}
+    weights_neg = {k: v for k, v in negc.items() if k.startswith("model/")}
+    report = {
+        "positive": positive,
+        "negative_divergence_detected": negative,
+        "all_checks_passed": positive and negative,
+        "tolerance": {"atol": atol, "rtol": rtol, "mode": "exact (np.array_equal)" if not (atol or rtol) else "allclose"},
+        "cut": cut, "steps": steps,
+        "cursor_at_cut": f"{intr_meta['cursor']}/{intr_meta['n_train']}",
+        "epoch_at_cut": intr_meta["epoch"],
+        "next_lr": {"continuous": float(cont["scheduler/next_lr"][0]), "resume": float(res["scheduler/next_lr"][0]),
+                    "negative": float(neg["scheduler/next_lr"][0])},
+        "final_eval_loss": {"continuous": float(cont["eval/losses"].mean()), "resume": float(res["eval/losses"].mean()),
+                            "negative": float(neg["eval/losses"].mean())},
+        "max_weight_diff": {"positive": _worst(weights), "negative": _worst(weights_neg)},
+        "eval_loss_diff": {"positive": abs(float(cont["eval/losses"].mean()) - float(res["eval/losses"].mean())),
+                           "negative": abs(float(cont["eval/losses"].mean()) - float(neg["eval/losses"].mean()))},
+        "failed_state_machines": sorted(set(trajectory_failures) | set(restore_failures)),
+        "restore_failures": restore_failures,
+        "comparisons": comparisons,
+        "restored_at_cut": [{"name": k, "state_machine": machine(k), **r} for k, r in at_cut.items()],
+        "versions": versions(),
+    }
+    if not positive:
+        report["reason"] = ("the resumed run differs from the continuous one in: "
+                            + ", ".join(report["failed_state_machines"]))
+    elif not negative:
+        report["reason"] = ("the negative control cannot diverge: no random stream draws after the cut"
+                            if not rng_moved else "the negative control did not diverge although streams moved")
+    return report
+
+
+def run_protocol(cfg, argv: list[str]) -> int:
+    config = plain(cfg)
+    v = config["verify"]
+    cut, steps, atol, rtol = int(v["cut"]), int(v["steps"]), float(v["atol"]), float(v["rtol"])
+    out = verify_dir(config)
+    if not 0 < cut < steps:
+        print(f"pipeline.verify: verify.cut must be in (0, verify.steps={steps}), got {cut}", file=sys.stderr)
+        return EXIT_INCOMPLETE
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    t0 = time.time()
+    commands, error = run_workers(config, out, cut, steps)
+    if error is None:
+        try:
+            report = evaluate(out, cut, steps, atol, rtol)
+        except (OSError, KeyError, ValueError) as e:
+            error = f"could not read the summaries: {e}"
+    if error is not None:
+        report = {"all_checks_passed": False, "positive": None, "negative_divergence_detected": None,
+                  "reason": error, "tolerance": {"atol": atol, "rtol": rtol}, "versions": versions()}
+    report["commands"] = [" ".join(["python -m pipeline.verify", *argv])] + [" ".join(c) for c in commands]
+    report["seconds"] = round(time.time() - t0, 2)
+    (out / "verification.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    print_report(report, out)
+    if error is not None:
+        return EXIT_INCOMPLETE
+    return EXIT_OK if report["all_checks_passed"] else EXIT_MISMATCH
+
+
+def print_report(report: dict, out: Path) -> None:
+    if report.get("positive") is None:
+        print(f"verification could not complete: {report['reason']}")
+    else:
+        mw, ed = report["max_weight_diff"], report["eval_loss_diff"]
+        print(f"{'':28}{'full resume':>16}{'no RNG restore':>18}")
+        print(f"{'max weight difference':28}{mw['positive']:>16.6g}{mw['negative']:>18.6g}")
+        print(f"{'eval loss difference':28}{ed['positive']:>16.6g}{ed['negative']:>18.6g}")
+        print(f"{'verdict':28}{'agrees' if report['positive'] else 'DIFFERS':>16}"
+              f"{'diverges' if report['negative_divergence_detected'] else 'DOES NOT DIVERGE':>18}")
+        print(f"cursor at cut {report['cursor_at_cut']}, next lr {report['next_lr']['continuous']:.6g} "
+              f"(continuous) / {report['next_lr']['resume']:.6g} (resume)")
+        if "reason" in report:
+            print(f"FAILED: {report['reason']}")
+    print(f"report: {out / 'verification.json'}")
