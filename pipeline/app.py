@@ -42,7 +42,13 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> float:
 
 
 def build_stages(cfg) -> list:
-    stages = [instantiate(plain(node)) for node in cfg.stages.values() if node is not None]
+    """Every node under `stages`, named by its key (its state in checkpoints is filed under that name)."""
+    stages = []
+    for key, node in cfg.stages.items():
+        if node is not None:
+            stage = instantiate(plain(node))
+            stage.name = str(key)
+            stages.append(stage)
     return sorted(stages, key=lambda s: s.order)
 
 

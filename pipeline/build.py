@@ -25,10 +25,11 @@ def build_state(cfg) -> RunState:
     dtype = np.dtype(trainer["dtype"])
     streams = Streams(trainer["seed"])
     dataset = instantiate(plain(cfg.data))
-    model = instantiate(plain(cfg.model), spec=dataset.spec, dtype=dtype.name, rng=streams["init"])
-    optimizer = instantiate(plain(cfg.optimizer), params=model.params)
+    # Live objects go in through partials: instantiate() would wrap dicts and dataclasses in DictConfigs.
+    model = instantiate(plain(cfg.model), _partial_=True)(spec=dataset.spec, dtype=dtype.name, rng=streams["init"])
+    optimizer = instantiate(plain(cfg.optimizer), _partial_=True)(params=model.params)
     iterator = DataIterator(dataset.n_train, trainer["batch_size"], streams["data_order"])
     steps = total_steps(trainer, iterator.batches_per_epoch)
-    scheduler = instantiate(plain(cfg.scheduler), optimizer=optimizer, run_total_steps=steps)
+    scheduler = instantiate(plain(cfg.scheduler), _partial_=True)(optimizer=optimizer, run_total_steps=steps)
     return RunState(model=model, optimizer=optimizer, scheduler=scheduler, iterator=iterator, streams=streams,
                     dataset=dataset, dtype=dtype, total_steps=steps)

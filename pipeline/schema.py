@@ -118,6 +118,29 @@ class RegressionConf:
 
 
 @dataclass
+class GrammarConf:
+    _target_: str = "pipeline.data.grammar.GrammarCorpus"
+    output_dir: str = "${paths.output_dir}"
+    seed: int = 1234
+    n_sentences: int = 60000
+    val_fraction: float = 0.1
+    block_size: int = 64
+    ngram_order: int = 4
+    val_batch_size: int = 32
+
+
+@dataclass
+class TextConf:
+    _target_: str = "pipeline.data.text.TextCorpus"
+    output_dir: str = "${paths.output_dir}"
+    path: str = MISSING
+    val_fraction: float = 0.1
+    block_size: int = 64
+    ngram_order: int = 5
+    val_batch_size: int = 32
+
+
+@dataclass
 class ResumeConf:
     source: str = "auto"  # auto: newest checkpoint that verifies | never: a fresh directory | a checkpoint path
     allow_changes: list[str] = field(default_factory=list)  # dotted keys allowed to differ from the checkpoint
@@ -162,7 +185,7 @@ SCHEMAS = {
     "model": {"mlp": MLPConf, "minigpt": MiniGPTConf},
     "optimizer": {"sgd": SGDConf, "adam": AdamConf, "adamw": AdamWConf},
     "scheduler": {"constant": ConstantConf, "step": StepConf, "cosine": CosineConf},
-    "data": {"regression": RegressionConf},
+    "data": {"regression": RegressionConf, "grammar": GrammarConf, "text": TextConf},
 }
 
 

@@ -17,14 +17,15 @@ class RotateLastN(Stage):
         self.periodic: list[int] = []  # steps of the periodic checkpoints still on disk
 
     def wants_checkpoint(self, ctx, record: dict, epoch_done: bool) -> bool:
-        due = self.cadence.due(record["step"], epoch_done, ctx.state.iterator.epoch)
+        due = self.cadence.due(record["step"], epoch_done, ctx.state.iterator.epoch + 1)
         if due and record["step"] not in self.periodic:
             self.periodic.append(record["step"])  # before the save, so the checkpoint's own state lists it
         return due
 
     def on_checkpoint(self, ctx, step: int, directory) -> None:
         # Pruning is idempotent, so it runs after every verified save (a re-run finishes a killed one's work).
-        for old in to_delete(self.periodic, self.keep, ctx.protected_steps()):
+        others = {s for st in ctx.stages if st is not self for s in getattr(st, "periodic", ())}
+        for old in to_delete(self.periodic, self.keep, ctx.protected_steps() | others):
             ctx.delete(old)
             self.periodic.remove(old)
 
