@@ -37,7 +37,7 @@ def run(cfg: DictConfig, run_dir: Path | None = None) -> float:
         with RunLock(run_dir):
             return _run_locked(cfg, config, run_dir)
     except (RunBusyError, DriftError, CheckpointError) as e:
-        log.error("%s", e)
+        print(f"pipeline: {e}", file=sys.stderr)  # one sentence, on stderr; nothing on disk was changed
         sys.exit(EXIT_BAD_INPUT)
 
 

@@ -37,12 +37,14 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def write_json(path: Path, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, allow_nan=True)
-        f.write("\n")
+def write_json(path: Path, obj) -> dict:
+    """Write obj as indented, key-sorted JSON and fsync it; returns the file's {"size", "sha256"}."""
+    data = (json.dumps(obj, indent=2, sort_keys=True, allow_nan=True) + "\n").encode()
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def remove_temporaries(parent: Path) -> None:
@@ -65,6 +67,14 @@ def publish(tmp: Path, final: Path) -> None:
     fsync_dir(tmp)
     os.rename(tmp, final)
     fsync_dir(final.parent)
+
+
+def discard(directory: Path) -> None:
+    """Remove a directory by renaming it to a temporary first, so no reader sees it half-deleted."""
+    doomed = directory.with_name(f"{TMP_PREFIX}discard-{directory.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(directory, doomed)
+    fsync_dir(directory.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def replace_link(link: Path, target_name: str) -> None:

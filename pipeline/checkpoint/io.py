@@ -1,7 +1,10 @@
 """Save, load, verify and apply a checkpoint of the five state machines."""
 from __future__ import annotations
 
+import hashlib
 import json
+import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,16 +12,18 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import chaos
-from pipeline.checkpoint.atomic import (TMP_PREFIX, fsync_file, new_temporary, publish, remove_temporaries,
-                                        sha256_file, write_json)
+from pipeline.checkpoint.atomic import discard, new_temporary, publish, remove_temporaries, write_json
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.tensors import read_tensors, write_tensors
+from pipeline.checkpoint.tensors import DigestMismatch, read_tensors, write_tensors
 from pipeline.model.base import load_state_dict as load_model_state
 from pipeline.model.base import state_dict as model_state
+from pipeline.rng import numpy_state_from_json, python_state_from_json
 
 SCHEMA_VERSION = "1.0"
 WEIGHTS, OPTIM, EXTRA, MANIFEST = "weights.safetensors", "optim.safetensors", "extra.json", "manifest.json"
 STATE_MACHINES = ("model", "optimizer", "scheduler", "data_iter", "rng")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+CORRUPTED = "sha256 differs from manifest.json (corrupted)"
 
 
 def step_dir_name(step: int) -> str:
@@ -42,7 +47,7 @@ def capture(state, callbacks_state: dict | None = None) -> tuple[dict, dict, dic
     """The live state as (weights, optimizer arrays, JSON extra); arrays are the live objects, not copies."""
     opt = state.optimizer.state_dict()
     optim_arrays = {k: v for k, v in opt.items() if isinstance(v, np.ndarray)}
-    optim_arrays["t"] = np.array([opt["t"]], dtype=np.int64)  # [1]: 0-d arrays come back as [1] via pread
+    optim_arrays["t"] = np.array([opt["t"]], dtype=np.int64)  # [1], as every checkpoint so far stores it
     it = state.iterator.state_dict()
     extra = {
         "step": state.step,
@@ -67,15 +72,12 @@ def save(state, directory: Path, facts: dict, callbacks_state: dict | None = Non
     weights, optim_arrays, extra = capture(state, callbacks_state)
     tmp = new_temporary(directory.parent, directory.name)
     try:
-        write_tensors(tmp / WEIGHTS, weights)
+        # Each file is hashed from the bytes as they are written, and fsync'ed, before it is listed.
+        files = {WEIGHTS: write_tensors(tmp / WEIGHTS, weights)}
         chaos.point("save", "after weights")
-        write_tensors(tmp / OPTIM, optim_arrays, {"t": str(extra["optimizer"]["t"])})
+        files[OPTIM] = write_tensors(tmp / OPTIM, optim_arrays, {"t": str(extra["optimizer"]["t"])})
         chaos.point("save", "after optim")
-        write_json(tmp / EXTRA, extra)
-        files = {}
-        for name in (WEIGHTS, OPTIM, EXTRA):
-            fsync_file(tmp / name)
-            files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+        files[EXTRA] = write_json(tmp / EXTRA, extra)
         manifest = {**facts, "schema_version": SCHEMA_VERSION, "step": state.step, "epoch": state.epoch,
                     "metrics": dict(state.metrics), "files": files}
         chaos.point("save", "before manifest")
@@ -84,11 +86,11 @@ def save(state, directory: Path, facts: dict, callbacks_state: dict | None = Non
         if directory.exists():
             # Same step saved again (e.g. a re-run): keep the old one only if it still verifies.
             try:
-                verify(directory)
+                kept = verify(directory)
                 shutil.rmtree(tmp)
-                return files[WEIGHTS]["sha256"]
+                return kept["files"][WEIGHTS]["sha256"]  # the hash of the checkpoint that is on disk
             except CheckpointError:
-                shutil.rmtree(directory)
+                discard(directory)  # renamed away first: never a half-deleted directory in plain sight
         publish(tmp, directory)
         chaos.point("save", "after rename")
     except BaseException:
@@ -103,7 +105,7 @@ def read_manifest(directory: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(directory, MANIFEST, "missing (an incomplete or foreign directory)")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(directory, MANIFEST, f"not valid JSON ({e.msg if hasattr(e, 'msg') else e})")
     if not isinstance(manifest, dict):
@@ -114,12 +116,22 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
-def verify_files(directory: Path, manifest: dict) -> None:
-    """Every file listed with its size and sha256, and nothing unlisted."""
+def check_listing(directory: Path, manifest: dict) -> dict[str, dict]:
+    """Every file listed, present and of its listed size, and nothing unlisted; returns the listing.
+
+    The sha256 of each file is checked by load() in the same pass that reads it.
+    """
     listed = manifest.get("files")
     if not isinstance(listed, dict):
         raise CheckpointError(directory, MANIFEST, "has no 'files' table")
-    present = {p.name for p in Path(directory).iterdir() if p.name != MANIFEST and not p.name.startswith(TMP_PREFIX)}
+    for name, entry in listed.items():
+        if name in ("", ".", "..", MANIFEST) or "/" in name or "\\" in name or "\0" in name:
+            raise CheckpointError(directory, MANIFEST, f"lists an invalid file name {name!r}")
+        if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
+                and isinstance(entry.get("sha256"), str) and SHA256.match(entry["sha256"])):
+            raise CheckpointError(directory, MANIFEST, f"entry for {name} needs an integer size and a sha256 hex digest")
+    # Temporaries are ignored beside checkpoints, not inside one: a published directory holds only its files.
+    present = {p.name for p in Path(directory).iterdir() if p.name != MANIFEST}
     for name in sorted(present - set(listed)):
         raise CheckpointError(directory, name, "present but not listed in manifest.json")
     for name in (WEIGHTS, OPTIM, EXTRA):
@@ -130,10 +142,9 @@ def verify_files(directory: Path, manifest: dict) -> None:
         if not path.is_file():
             raise CheckpointError(directory, name, "listed in manifest.json but missing")
         size = path.stat().st_size
-        if size != entry.get("size"):
-            raise CheckpointError(directory, name, f"size {size} bytes, manifest says {entry.get('size')}")
-        if sha256_file(path) != entry.get("sha256"):
-            raise CheckpointError(directory, name, "sha256 differs from manifest.json (corrupted)")
+        if size != entry["size"]:
+            raise CheckpointError(directory, name, f"size {size} bytes, manifest says {entry['size']}")
+    return listed
 
 
 def verify(directory: Path) -> dict:
@@ -141,41 +152,123 @@ def verify(directory: Path) -> dict:
     return load(directory).manifest
 
 
+def _read_tensors(directory: Path, name: str, entry: dict) -> dict[str, np.ndarray]:
+    try:
+        arrays, _ = read_tensors(directory / name, expected_sha256=entry["sha256"])
+    except DigestMismatch:
+        raise CheckpointError(directory, name, CORRUPTED) from None
+    except (ValueError, OSError) as e:
+        raise CheckpointError(directory, name, str(e)) from None
+    return arrays
+
+
 def load(directory: Path) -> Checkpoint:
-    """Manifest first, then sizes and hashes, then contents; never fills a missing piece in."""
+    """Manifest first, then the listing and sizes, then each file read once and hashed as it is read."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(directory, ".", "not a directory")
     manifest = read_manifest(directory)
-    verify_files(directory, manifest)
+    listed = check_listing(directory, manifest)
+    blobs = {}
+    for name, entry in sorted(listed.items()):
+        if name not in (WEIGHTS, OPTIM):
+            blobs[name] = (directory / name).read_bytes()
+            if hashlib.sha256(blobs[name]).hexdigest() != entry["sha256"]:
+                raise CheckpointError(directory, name, CORRUPTED)
+    weights = _read_tensors(directory, WEIGHTS, listed[WEIGHTS])
+    optim_arrays = _read_tensors(directory, OPTIM, listed[OPTIM])
     try:
-        weights, _ = read_tensors(directory / WEIGHTS)
-    except ValueError as e:
-        raise CheckpointError(directory, WEIGHTS, str(e))
-    try:
-        optim_arrays, _ = read_tensors(directory / OPTIM)
-    except ValueError as e:
-        raise CheckpointError(directory, OPTIM, str(e))
-    try:
-        extra = json.loads((directory / EXTRA).read_text())
+        extra = json.loads(blobs[EXTRA])
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(directory, EXTRA, f"not valid JSON ({e})")
+    if not isinstance(extra, dict):
+        raise CheckpointError(directory, EXTRA, "not a JSON object")
     for key in ("step", "epoch", "optimizer", "scheduler", "data_iter", "rng", "progress"):
         if key not in extra:
             raise CheckpointError(directory, EXTRA, f"missing key {key!r}")
-    if extra["step"] != manifest.get("step"):
-        raise CheckpointError(directory, EXTRA, f"step {extra['step']} differs from manifest.json's {manifest.get('step')}")
-    if "t" not in optim_arrays or optim_arrays["t"].shape != (1,) or int(optim_arrays["t"][0]) != extra["optimizer"]["t"]:
+    for key in ("step", "epoch"):
+        if extra[key] != manifest.get(key):
+            raise CheckpointError(directory, EXTRA, f"{key} {extra[key]} differs from manifest.json's {manifest.get(key)}")
+    if not isinstance(extra["progress"], dict) or extra["progress"].get("step") != extra["step"]:
+        raise CheckpointError(directory, EXTRA, "progress.step differs from step")
+    t = optim_arrays.pop("t", None)
+    if not isinstance(extra["optimizer"], dict) or t is None or t.shape != (1,) or t.dtype.kind not in "iu" \
+            or int(t[0]) != extra["optimizer"].get("t"):
         raise CheckpointError(directory, OPTIM, "optimizer step count t is missing or differs from extra.json")
-    t = int(optim_arrays.pop("t")[0])
-    return Checkpoint(directory, manifest, weights, {**optim_arrays, "t": t, "lr": extra["optimizer"]["lr"]}, extra)
+    if "lr" not in extra["optimizer"]:
+        raise CheckpointError(directory, EXTRA, "optimizer.lr is missing")
+    return Checkpoint(directory, manifest, weights, {**optim_arrays, "t": int(t[0]), "lr": extra["optimizer"]["lr"]},
+                      extra)
+
+
+def _tie_groups(arrays: dict[str, np.ndarray]) -> list[list[str]]:
+    """Names that are one array object, for every object with more than one name."""
+    by_id: dict[int, list[str]] = {}
+    for name, a in arrays.items():
+        by_id.setdefault(id(a), []).append(name)
+    return sorted(sorted(names) for names in by_id.values() if len(names) > 1)
+
+
+def _arrays_fit(live: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> str | None:
+    missing, unexpected = sorted(set(live) - set(got)), sorted(set(got) - set(live))
+    if missing or unexpected:
+        return f"keys differ from the live run's: missing {missing}, unexpected {unexpected}"
+    for name in sorted(live):
+        a, p = got[name], live[name]
+        if a.shape != p.shape or a.dtype != p.dtype:
+            return f"{name} is {a.dtype}{list(a.shape)}, the live run has {p.dtype}{list(p.shape)}"
+    return None
+
+
+def _misfit(ckpt: Checkpoint, state, restore: tuple[str, ...]) -> tuple[str, str, str] | None:
+    """(file, state machine, reason) for the first piece that would not fit the live objects, else None."""
+    if "model" in restore:
+        live = model_state(state.model)
+        if reason := _arrays_fit(live, ckpt.weights):
+            return WEIGHTS, "model", reason
+        if _tie_groups(live) != _tie_groups(ckpt.weights):
+            return WEIGHTS, "model", (f"tied names differ: the checkpoint ties {_tie_groups(ckpt.weights)}, "
+                                      f"the live model {_tie_groups(live)}")
+    if "optimizer" in restore:
+        live = {k: v for k, v in state.optimizer.state_dict().items() if isinstance(v, np.ndarray)}
+        got = {k: v for k, v in ckpt.optim.items() if k not in ("t", "lr")}
+        if reason := _arrays_fit(live, got):
+            return OPTIM, "optimizer", reason
+    extra = ckpt.extra
+    try:
+        if "scheduler" in restore and set(extra["scheduler"]) != set(state.scheduler.state_dict()):
+            return EXTRA, "scheduler", f"keys {sorted(extra['scheduler'])}, expected {sorted(state.scheduler.state_dict())}"
+        if "data_iter" in restore:
+            d = extra["data_iter"]
+            perm = np.asarray(d["permutation"])
+            if perm.shape != (state.iterator.n,) or perm.dtype.kind not in "iu":
+                return EXTRA, "data_iter", f"permutation of {perm.shape} {perm.dtype}, expected ({state.iterator.n},) integers"
+            int(d["epoch"]), int(d["cursor"])
+        int(extra["progress"]["step"]), dict(extra["progress"]["metrics"])
+        if "rng" in restore:
+            rng = extra["rng"]
+            if set(rng) != set(state.streams.names()):
+                return EXTRA, "rng", f"streams {sorted(rng)}, expected {sorted(state.streams.names())}"
+            for name in state.streams.np:  # decoded onto scratch generators: the live ones stay untouched
+                np.random.PCG64().state = numpy_state_from_json(rng[name])
+            for name in state.streams.py:
+                random.Random().setstate(python_state_from_json(rng[name]))
+    except (KeyError, ValueError, TypeError) as e:
+        return EXTRA, "its state", f"{type(e).__name__}: {e}"
+    return None
 
 
 def apply(ckpt: Checkpoint, state, restore: tuple[str, ...] = STATE_MACHINES) -> None:
     """Restore the live objects in place, in seed 003's order; RNG streams last.
 
-    `restore` names the state machines to restore (the verifier's negative control leaves out "rng").
+    Everything is checked against the live objects first, so a checkpoint that does not fit raises
+    CheckpointError and leaves them untouched. `restore` names the state machines to restore (the
+    verifier's negative control leaves out "rng").
     """
+    if misfit := _misfit(ckpt, state, restore):
+        file, what, reason = misfit
+        raise CheckpointError(ckpt.directory, file, f"{what} does not fit the live run: {reason}")
+
     def guarded(file: str, what: str, fn):
         try:
             fn()

@@ -1,58 +1,158 @@
-"""Named arrays to and from safetensors: contiguous copies, tied arrays stored once as ALIAS(name)."""
+"""Named arrays to and from safetensors files, hashed in the same pass that writes or reads their bytes.
+
+The files are plain safetensors (the library's own loader reads them, and ours reads the library's):
+8-byte little-endian header length, a JSON header padded to 8 bytes, then the tensors' bytes back to back.
+We write and read them ourselves, not through safetensors.numpy, for three reasons measured here:
+  * the sha256 the manifest records is taken over the very bytes written (or read), chunk by chunk on a
+    helper thread, instead of re-reading the file afterwards (sha256 is slower than this disk);
+  * a loaded array is read straight into its own buffer: 1x memory, and what is hashed is what is used;
+  * arrays are written from C-contiguous little-endian buffers, so the safetensors trap (non-contiguous
+    arrays written wrong, silently) cannot happen, and 0-d arrays keep their shape.
+Tied arrays (one object under several names) are stored once; the header metadata says ALIAS(name).
+"""
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import os
 import re
+import struct
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
 
 ALIAS = re.compile(r"^ALIAS\((.+)\)$")
+CHUNK = 8 << 20  # bytes per write/read/hash step
+MAX_HEADER = 100_000_000  # the safetensors library's own limit on the JSON header
+
+# safetensors' dtype codes, in the library's own order (its writer puts wider codes first).
+CODES = ("BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64")
+TO_NUMPY = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16": np.uint16,
+            "F16": np.float16, "I32": np.int32, "U32": np.uint32, "F32": np.float32, "F64": np.float64,
+            "I64": np.int64, "U64": np.uint64}
+TO_NUMPY = {k: np.dtype(v).newbyteorder("<") for k, v in TO_NUMPY.items()}
+FROM_NUMPY = {dt: code for code, dt in TO_NUMPY.items()}
+RANK = {code: i for i, code in enumerate(CODES)}
+
+
+class DigestMismatch(ValueError):
+    """The file's bytes do not hash to the sha256 the caller expected."""
+
+
+class _Hasher:
+    """sha256 fed in order on one helper thread; callers keep each buffer unchanged until it is consumed."""
+
+    def __init__(self, depth: int = 2):
+        self._h = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+        self._pending: deque = deque()
+        self._depth = depth
+        self.nbytes = 0
+
+    def update(self, buf) -> None:
+        self.nbytes += len(buf)
+        self._pending.append(self._pool.submit(self._h.update, buf))  # hashlib releases the GIL on big buffers
+        while len(self._pending) > self._depth:
+            self._pending.popleft().result()
+
+    def hexdigest(self) -> str:
+        while self._pending:
+            self._pending.popleft().result()
+        return self._h.hexdigest()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _c_bytes(a: np.ndarray) -> np.ndarray:
+    """`a` as C-contiguous little-endian, copied only when it is not already (0-d stays 0-d)."""
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    if not a.flags.c_contiguous:
+        # np.ascontiguousarray would turn a 0-d array into shape [1]; a C-order copy keeps the shape.
+        a = a.copy(order="C")
+    return a
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1).view(np.uint8))  # a is C-contiguous: both are views, no copy
 
 
 def split_aliases(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Unique arrays by first name, and alias -> canonical name for every later name of the same object."""
+    """Unique arrays by first name (C-contiguous), and alias -> canonical name for later names of one object."""
     by_id: dict[int, str] = {}
     unique, aliases = {}, {}
     for name, a in arrays.items():
         if id(a) in by_id:
             aliases[name] = by_id[id(a)]
-        else:
-            by_id[id(a)] = name
-            # safetensors writes non-contiguous arrays wrong, silently: always hand it C order.
-            unique[name] = np.ascontiguousarray(a)
+            continue
+        by_id[id(a)] = name
+        a = np.asarray(a)
+        if a.dtype.newbyteorder("<") not in FROM_NUMPY:
+            raise ValueError(f"{name}: dtype {a.dtype} cannot be stored in safetensors")
+        unique[name] = _c_bytes(a)
     return unique, aliases
 
 
-def write_tensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+def encode_header(unique: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[bytes, list[str]]:
+    """The 8-byte length + padded JSON header, and the names in data order (the library's own layout)."""
+    order = sorted(unique, key=lambda n: (-RANK[FROM_NUMPY[unique[n].dtype.newbyteorder("<")]], n))
+    # Metadata sorted: the library serialises it from a hash map whose order changes from process to
+    # process, and equal states must give equal bytes (a resumed process re-saves the same step).
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    offset = 0
+    for name in order:
+        a = unique[name]
+        header[name] = {"dtype": FROM_NUMPY[a.dtype.newbyteorder("<")], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw, order
+
+
+def _write_all(fd: int, buf: memoryview) -> None:
+    while len(buf):
+        buf = buf[os.write(fd, buf):]
+
+
+def write_tensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
+                  fsync: bool = True) -> dict:
+    """Write a new safetensors file at `path` (which must not exist); returns its {"size", "sha256"}.
+
+    The file is fsync'ed before returning unless fsync=False.
+    """
     unique, aliases = split_aliases(arrays)
     meta = {"format": "np", **(metadata or {}), **{k: f"ALIAS({v})" for k, v in aliases.items()}}
-    save_file(unique, str(path), metadata=meta)
-    sort_metadata(path)
-
-
-def sort_metadata(path: Path) -> None:
-    """Rewrite the header's __metadata__ in sorted key order, in place and at the same length.
-
-    safetensors serialises metadata from a hash map whose order changes from process to process, so the
-    same state would hash differently in a resumed process; sorted, equal states give equal bytes.
-    """
-    with open(path, "r+b") as f:
-        n = int.from_bytes(f.read(8), "little")
-        raw = f.read(n)
-        text = raw.rstrip(b" ")
-        header = json.loads(text)
-        if json.dumps(header, separators=(",", ":")).encode() != text:
-            return  # not the compact form we can reproduce exactly: leave the library's bytes alone
-        meta = dict(sorted(header.pop("__metadata__", {}).items()))
-        tensors = sorted(header.items(), key=lambda kv: (kv[1]["data_offsets"], kv[0]))  # file order
-        header = {"__metadata__": meta, **dict(tensors)} if meta else dict(tensors)
-        fixed = json.dumps(header, separators=(",", ":")).encode()
-        if len(fixed) == len(text):
-            f.seek(8)
-            f.write(fixed)
+    bad = [k for k, v in meta.items() if not (isinstance(k, str) and isinstance(v, str))]
+    if bad:
+        raise ValueError(f"safetensors metadata is str -> str only; not so for {bad}")
+    if "__metadata__" in unique:
+        raise ValueError("'__metadata__' cannot name a tensor")
+    head, order = encode_header(unique, meta)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        with _Hasher() as h:
+            h.update(head)
+            _write_all(fd, memoryview(head))
+            for name in order:
+                data = _bytes_of(unique[name])
+                for i in range(0, len(data), CHUNK):
+                    chunk = data[i : i + CHUNK]
+                    h.update(chunk)  # hashed on the helper thread while this one writes it
+                    _write_all(fd, chunk)
+            digest = h.hexdigest()
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"size": h.nbytes, "sha256": digest}
 
 
 def resolve_aliases(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> dict[str, np.ndarray]:
@@ -74,15 +174,101 @@ def resolve_aliases(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> 
     return out
 
 
-def read_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Arrays (aliases resolved to one object) and the header metadata; raises ValueError on a bad file."""
-    from safetensors import safe_open
+class _Malformed(ValueError):
+    pass
 
-    try:
-        with safe_open(str(path), "np") as f:
-            metadata = f.metadata() or {}
-        # pread keeps peak memory at 1x the data (the default mmap path doubles it)
-        arrays = load_file(str(path), backend="pread")
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"unreadable safetensors ({e})") from e
+
+def _read_exact(f, buf: memoryview) -> None:
+    while len(buf):
+        n = f.readinto(buf)
+        if not n:
+            raise _Malformed("truncated: the file ends inside the data the header describes")
+        buf = buf[n:]
+
+
+def _check_header(header, data_len: int) -> tuple[dict[str, str], list[tuple[str, np.dtype, tuple, int]]]:
+    """(metadata, [(name, dtype, shape, nbytes)] in data order) or _Malformed, as the library validates."""
+    if not isinstance(header, dict):
+        raise _Malformed("header is not a JSON object")
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        raise _Malformed("__metadata__ is not a str -> str object")
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            code, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise _Malformed(f"tensor {name!r}: needs dtype, shape and data_offsets [begin, end]") from None
+        if code not in TO_NUMPY:
+            raise _Malformed(f"tensor {name!r}: dtype {code!r} has no numpy equivalent here")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise _Malformed(f"tensor {name!r}: bad shape {shape!r}")
+        if not (type(begin) is int and type(end) is int and 0 <= begin <= end):
+            raise _Malformed(f"tensor {name!r}: bad data_offsets {[begin, end]!r}")
+        dtype = TO_NUMPY[code]
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes:
+            raise _Malformed(f"tensor {name!r}: data_offsets span {end - begin} bytes, shape needs {nbytes}")
+        entries.append((begin, name, dtype, tuple(shape), nbytes))
+    entries.sort(key=lambda e: (e[0], e[0] + e[4]))
+    position = 0
+    for begin, name, _, _, nbytes in entries:
+        if begin != position:
+            raise _Malformed(f"tensor {name!r}: data_offsets overlap or leave a gap (starts at {begin}, expected {position})")
+        position += nbytes
+    if position != data_len:
+        raise _Malformed(f"the tensors cover {position} data bytes, the file holds {data_len}")
+    return metadata, [(name, dtype, shape, nbytes) for _, name, dtype, shape, nbytes in entries]
+
+
+def read_tensors(path: Path, expected_sha256: str | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Arrays (aliases resolved to one object) and the header metadata, read and hashed in one pass.
+
+    Raises DigestMismatch (a ValueError) if `expected_sha256` is given and the bytes differ, whatever
+    else is wrong with them; otherwise ValueError for a file that is not valid safetensors.
+    """
+    with open(path, "rb", buffering=0) as f, _Hasher() as h:
+        size = os.fstat(f.fileno()).st_size
+        arrays: dict[str, np.ndarray] = {}
+        try:
+            if size < 8:
+                raise _Malformed(f"{size} bytes: too short for a safetensors header")
+            head = bytearray(8)
+            _read_exact(f, memoryview(head))
+            h.update(bytes(head))
+            (n,) = struct.unpack("<Q", head)
+            if n > min(MAX_HEADER, size - 8):
+                raise _Malformed(f"header length {n} does not fit a {size}-byte file")
+            raw = bytearray(n)
+            _read_exact(f, memoryview(raw))
+            h.update(bytes(raw))
+            try:
+                header = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise _Malformed(f"header is not valid JSON ({e})") from None
+            metadata, entries = _check_header(header, size - 8 - n)
+            for name, dtype, shape, nbytes in entries:
+                a = np.empty(shape, dtype=dtype)
+                data = _bytes_of(a)
+                for i in range(0, nbytes, CHUNK):
+                    chunk = data[i : i + CHUNK]
+                    _read_exact(f, chunk)
+                    h.update(chunk)  # hashed on the helper thread while this one reads the next chunk
+                arrays[name] = a if dtype.isnative else a.astype(dtype.newbyteorder("="))
+            if f.read(1):
+                raise _Malformed("the file grew while it was read")
+        except _Malformed as e:
+            # Integrity first: hash the rest, so a damaged file is reported as damaged, not as malformed.
+            while chunk := f.read(CHUNK):
+                h.update(chunk)
+            digest = h.hexdigest()
+            if expected_sha256 is not None and digest != expected_sha256:
+                raise DigestMismatch(f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}...") from None
+            raise ValueError(f"not a valid safetensors file: {e}") from None
+        digest = h.hexdigest()
+    if expected_sha256 is not None and digest != expected_sha256:
+        raise DigestMismatch(f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}...")
     return resolve_aliases(arrays, metadata), metadata

@@ -1,0 +1,165 @@
+"""What the tracker, the agent, the sweep callback and reindex share; imports nothing heavy (no mlflow).
+
+The run URI written into every manifest is the tracking URI followed by the mlflow UI's route to the run:
+
+    sqlite:////abs/outputs/mlflow.db#/experiments/1/runs/0123abcd...
+    http://127.0.0.1:5000#/experiments/1/runs/0123abcd...
+
+The part before `#` is what `mlflow ui --backend-store-uri ...` (or MLFLOW_TRACKING_URI) takes; the part
+after it, appended to the UI's address (http://127.0.0.1:5000/#/experiments/...), opens the run. For a
+tracking server the whole string is the run's page. `runs:/<run_id>` and bare run ids are accepted too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+MAX_PARAM_VALUE = 6000  # mlflow's limit on a param value
+MAX_TAG_VALUE = 8000
+NON_METRIC_KEYS = ("step", "epoch", "time")
+CURVES_ARTIFACT = "curves.png"
+FINAL_WEIGHTS_ARTIFACT = "final/weights.safetensors"
+FINAL_MANIFEST_ARTIFACT = "final/manifest.json"
+TRACKER_TARGETS = ("pipeline.tracking.mlflow_tracker.MlflowTracker",)
+
+# Set by the sweep callback in each job's process (on_job_start), read by the job's tracker: the parent run.
+# A process-global on purpose: joblib's workers run one job at a time, and on_job_start resets it for each.
+CURRENT_JOB: dict = {"parent": None, "tracker": None}
+
+_RUN_ROUTE = re.compile(r"^/?experiments/([^/]+)/runs/([0-9a-fA-F]{32})/?$")
+
+
+def run_uri(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    return f"{tracking_uri}#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def parse_run_uri(uri: str | None) -> tuple[str | None, str | None, str | None]:
+    """(tracking_uri, experiment_id, run_id) of a manifest's mlflow_run_uri; Nones for what it does not say."""
+    if not uri or not isinstance(uri, str):
+        return None, None, None
+    if uri.startswith("runs:/"):
+        rid = uri[len("runs:/"):].split("/")[0]
+        return None, None, rid or None
+    if re.fullmatch(r"[0-9a-fA-F]{32}", uri):
+        return None, None, uri
+    base, sep, fragment = uri.partition("#")
+    if not sep:
+        return None, None, None
+    m = _RUN_ROUTE.match(fragment)
+    return (base or None), (m.group(1) if m else None), (m.group(2) if m else None)
+
+
+def normalize_tracking_uri(uri: str) -> str:
+    """sqlite URIs with an absolute path, whatever the working directory; anything else as given."""
+    uri = str(uri).strip()
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        path = uri[len(prefix):]
+        if path and path != ":memory:":
+            return prefix + str(Path(path).resolve())
+    return uri
+
+
+def sqlite_path(uri: str) -> Path | None:
+    if uri.startswith("sqlite:///") and "?" not in uri:
+        path = uri[len("sqlite:///"):]
+        return Path(path) if path and path != ":memory:" else None
+    return None
+
+
+def artifact_location_uri(location: str | None) -> str | None:
+    """A local directory becomes an absolute file: URI; a URI (s3://, mlflow-artifacts:, file:) is kept."""
+    if location in (None, ""):
+        return None
+    location = str(location)
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", location):
+        return location
+    return Path(location).resolve().as_uri()
+
+
+def default_uri(output_dir: str | Path) -> str:
+    return f"sqlite:///{Path(output_dir).resolve()}/mlflow.db"
+
+
+def default_artifact_location(output_dir: str | Path) -> str:
+    return str(Path(output_dir).resolve() / "mlartifacts")
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    """Dotted keys for every leaf; empty dicts and lists are leaves."""
+    out = {}
+    if isinstance(tree, dict) and tree:
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree} if prefix else {}
+
+
+def param_value(v) -> str:
+    s = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+    return s if len(s) <= MAX_PARAM_VALUE else s[:MAX_PARAM_VALUE - 15] + "...[truncated]"
+
+
+def params_of(config: dict) -> dict[str, str]:
+    """The flattened resolved config as mlflow params (dotted keys, values as text)."""
+    return {k: param_value(v) for k, v in flatten({k: v for k, v in config.items() if k != "hydra"}).items()}
+
+
+def tag_value(v) -> str:
+    s = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+    return s[:MAX_TAG_VALUE]
+
+
+def tags_of(facts: dict, run_dir: str | Path) -> dict[str, str]:
+    """The run-level facts as tags (what a person filters on in the UI), plus mlflow's own git tag."""
+    config = facts.get("config") or {}
+    tags = {
+        "run_dir": str(Path(run_dir).resolve()),
+        "experiment": str(config.get("name", "")),
+        "config_hash": facts.get("config_hash"),
+        "semantic_config_hash": facts.get("semantic_config_hash"),
+        "data_manifest_hash": facts.get("data_manifest_hash"),
+        "git_sha": facts.get("git_sha"),
+        "git_dirty": facts.get("git_dirty"),
+        "seed": facts.get("seed"),
+        "mlflow.runName": Path(run_dir).name,
+        "mlflow.source.name": "pipeline",
+        "mlflow.source.type": "LOCAL",
+    }
+    if facts.get("git_sha") not in (None, "unknown"):
+        tags["mlflow.source.git.commit"] = facts["git_sha"]
+    if facts.get("allowed_changes"):
+        tags["allowed_changes"] = facts["allowed_changes"]
+    return {k: tag_value(v) for k, v in tags.items() if v is not None}
+
+
+def metric_points(line: dict) -> list[tuple[str, float, int, int]]:
+    """(key, value, timestamp ms, step) for every metric of one metrics.jsonl line."""
+    ts = int(float(line.get("time", 0.0)) * 1000)
+    step = int(line["step"])
+    return [(k, float(v), ts, step) for k, v in line.items()
+            if k not in NON_METRIC_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def step_of_checkpoint(path: str | None) -> int | None:
+    m = re.search(r"step-(\d{8})/?$", str(path or ""))
+    return int(m.group(1)) if m else None
+
+
+def is_mlflow_tracking(tracking) -> bool:
+    """True when a `tracking` config node selects the mlflow tracker (mlflow or server), False for none."""
+    if tracking is None:
+        return False
+    try:
+        target = tracking.get("_target_")
+    except AttributeError:
+        return False
+    return target in TRACKER_TARGETS
+
+
+def project_pythonpath() -> str:
+    """PYTHONPATH for a helper process: the directory holding this `pipeline` package first."""
+    root = str(Path(__file__).resolve().parents[2])
+    return os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])

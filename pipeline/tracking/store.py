@@ -1,0 +1,242 @@
+"""The mlflow side: open a store, find or create a run, and add to it only what is missing.
+
+Used by the tracking agent (live runs), the sweep callback (parent runs) and `pipeline.reindex` (the index
+rebuilt from disk), so a run indexed live and the same run re-indexed later look the same. Imports mlflow:
+never import this module from the training process (the agent and the launcher do).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a server that is down fails in seconds, not minutes
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+
+from mlflow import MlflowClient  # noqa: E402
+from mlflow.entities import Metric, Param, RunTag, ViewType  # noqa: E402
+from mlflow.exceptions import MlflowException  # noqa: E402
+
+from pipeline.tracking.common import (CURVES_ARTIFACT, artifact_location_uri, metric_points,  # noqa: E402
+                                      sqlite_path, tag_value)
+
+METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
+STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
+
+
+@contextmanager
+def _init_lock(db: Path):
+    """One process at a time opens a sqlite store: a fresh DB's schema migration must not race (FACTS.md)."""
+    key = hashlib.md5(str(db.resolve()).encode(), usedforsecurity=False).hexdigest()
+    path = Path(tempfile.gettempdir()) / f"pipeline-mlflow-init-{key}.lock"
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def open_client(uri: str) -> MlflowClient:
+    """A client whose store is open (created and migrated if new); raises if the store is unusable."""
+    client = MlflowClient(tracking_uri=uri)
+    db = sqlite_path(uri)
+    if db is None:
+        client.search_experiments(max_results=1)  # connect now: a server that is down fails here
+        return client
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401  (the slow imports, outside the lock)
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with _init_lock(db):
+        client.search_experiments(max_results=1)
+    return client
+
+
+def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
+    """The experiment's id, creating it (artifacts under <artifact_root>/<name>) or restoring it if deleted."""
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        location = None
+        if artifact_root:
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "experiment"
+            location = artifact_location_uri(str(artifact_root).rstrip("/") + "/" + safe)
+        try:
+            return client.create_experiment(name, artifact_location=location)
+        except MlflowException:  # created by another process meanwhile
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if exp.lifecycle_stage == "deleted":
+        client.restore_experiment(exp.experiment_id)
+    return exp.experiment_id
+
+
+def all_experiment_ids(client: MlflowClient) -> list[str]:
+    ids, token = [], None
+    while True:
+        page = client.search_experiments(view_type=ViewType.ACTIVE_ONLY, max_results=1000, page_token=token)
+        ids += [e.experiment_id for e in page]
+        token = page.token
+        if not token:
+            return ids
+
+
+def _quote(s: str) -> str:
+    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def find_run(client: MlflowClient, run_dir: str, candidates: list[str] = ()):
+    """The run indexing `run_dir`: a candidate id (from a manifest) whose run_dir tag agrees, else the newest run
+    tagged with it; None if there is none. A candidate of another run directory (a fork) is not this run."""
+    for rid in candidates:
+        if not rid:
+            continue
+        try:
+            run = client.get_run(rid)
+        except MlflowException:
+            continue
+        if run.info.lifecycle_stage == "active" and run.data.tags.get("run_dir") in (None, run_dir):
+            return run
+    ids = all_experiment_ids(client)
+    for i in range(0, len(ids), 100):
+        found = client.search_runs(ids[i:i + 100], filter_string=f"tags.run_dir = {_quote(run_dir)}",
+                                   max_results=1, order_by=["attributes.start_time DESC"])
+        if found:
+            return found[0]
+    return None
+
+
+def create_run(client: MlflowClient, experiment_id: str, tags: dict, start_time: float | None = None):
+    ms = int((start_time if start_time is not None else time.time()) * 1000)
+    return client.create_run(experiment_id, start_time=ms, tags=tags, run_name=tags.get("mlflow.runName"))
+
+
+def sync_params(client: MlflowClient, run, params: dict[str, str]) -> int:
+    """Log the params the run lacks (mlflow params cannot change once logged); a changed value is recorded
+    as a tag `params_changed.<key>` = the new value. Returns how many params and tags were added."""
+    have = run.data.params
+    new = [Param(k, v) for k, v in params.items() if k not in have]
+    changed = {f"params_changed.{k}": tag_value(v) for k, v in params.items() if k in have and have[k] != v}
+    for i in range(0, len(new), PARAMS_PER_BATCH):
+        client.log_batch(run.info.run_id, params=new[i:i + PARAMS_PER_BATCH])
+    return len(new) + sync_tags(client, run, changed)
+
+
+def sync_tags(client: MlflowClient, run, tags: dict[str, str]) -> int:
+    """Set the tags whose value differs (tags, unlike params, follow the manifest). Returns how many."""
+    have = run.data.tags
+    todo = [RunTag(k, v) for k, v in tags.items() if have.get(k) != v]
+    for i in range(0, len(todo), TAGS_PER_BATCH):
+        client.log_batch(run.info.run_id, tags=todo[i:i + TAGS_PER_BATCH])
+    return len(todo)
+
+
+def logged_steps(client: MlflowClient, run_id: str, keys) -> set[tuple[str, int]]:
+    """(key, step) of every metric point the run already has, for the given keys."""
+    out = set()
+    for key in keys:
+        out.update((key, m.step) for m in client.get_metric_history(run_id, key))
+    return out
+
+
+def log_points(client: MlflowClient, run_id: str, points: list[tuple[str, float, int, int]]) -> int:
+    metrics = [Metric(k, v, ts, step) for k, v, ts, step in points]
+    for i in range(0, len(metrics), METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=metrics[i:i + METRICS_PER_BATCH])
+    return len(metrics)
+
+
+def points_of(lines: list[dict]) -> list[tuple[str, float, int, int]]:
+    return [p for line in lines for p in metric_points(line)]
+
+
+def log_file_as(client: MlflowClient, run_id: str, artifact_file: str, *, data: bytes | None = None,
+                source: Path | None = None) -> None:
+    """Log bytes or a file at the artifact path `artifact_file` (dir/name), whatever the local file is called."""
+    artifact_dir, _, name = artifact_file.rpartition("/")
+    with tempfile.TemporaryDirectory(prefix="pipeline-artifact-") as tmp:
+        local = Path(tmp) / name
+        if data is not None:
+            local.write_bytes(data)
+        else:
+            os.symlink(Path(source).resolve(), local)  # the artifact store copies the target's bytes
+        client.log_artifact(run_id, str(local), artifact_dir or None)
+
+
+def artifact_sizes(client: MlflowClient, run_id: str, path: str | None = None, depth: int = 3) -> dict[str, int]:
+    """artifact path -> size for every file under `path` (a few levels deep)."""
+    out = {}
+    try:
+        infos = client.list_artifacts(run_id, path)
+    except (MlflowException, OSError):
+        return out
+    for info in infos:
+        if info.is_dir:
+            if depth > 0:
+                out.update(artifact_sizes(client, run_id, info.path, depth - 1))
+        else:
+            out[info.path] = info.file_size
+    return out
+
+
+def draw_curves(lines: list[dict], out_png: Path) -> bool:
+    """Loss (train and val) and lr against step, as a PNG; False when there is nothing to draw."""
+    if not lines:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(key):
+        pts = [(ln["step"], ln[key]) for ln in lines if isinstance(ln.get(key), (int, float))]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for key, style in (("train/loss", "-"), ("val/loss", "o-")):
+        xs, ys = series(key)
+        if xs:
+            ax_loss.plot(xs, ys, style, label=key, markersize=3)
+    ax_loss.set_ylabel("loss")
+    if any(v > 0 for ln in lines for k, v in ln.items() if k.endswith("/loss") and isinstance(v, (int, float))):
+        ax_loss.set_yscale("log")
+    ax_loss.legend()
+    ax_loss.grid(True, alpha=0.3)
+    xs, ys = series("lr")
+    ax_lr.plot(xs, ys, "-", color="tab:green")
+    ax_lr.set_ylabel("lr")
+    ax_lr.set_xlabel("step")
+    ax_lr.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def log_curves(client: MlflowClient, run_id: str, lines: list[dict]) -> bool:
+    with tempfile.TemporaryDirectory(prefix="pipeline-curves-") as tmp:
+        png = Path(tmp) / CURVES_ARTIFACT
+        if not draw_curves(lines, png):
+            return False
+        client.log_artifact(run_id, str(png))
+        return True
+
+
+def read_lines(path: Path) -> list[dict]:
+    """metrics.jsonl's complete lines (a torn last line is ignored)."""
+    out = []
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return out
+    for raw in text.splitlines():
+        try:
+            out.append(json.loads(raw))
+        except json.JSONDecodeError:
+            break
+    return out
