@@ -67,9 +67,12 @@ def _run_locked(cfg: DictConfig, config: dict, run_dir: Path) -> float:
     trainer_cfg = config["trainer"]
     resumed = ctx.resumed_manifest or {}
     tracker.start(config=config, facts=facts, run_dir=run_dir, previous_run_uri=resumed.get("mlflow_run_uri"))
-    ctx.before_save.append(lambda: facts.update(mlflow_run_uri=tracker.run_uri(timeout=30.0)))
-    ctx.extra_sinks.append(tracker.log_checkpoint)
     preemption = Preemption()
+    # Only the last save (end of training, or preemption) waits for the tracked run's URI: earlier manifests
+    # carry it once the tracker knows it, so the training loop never waits for mlflow to start.
+    ctx.before_save.append(lambda: facts.update(mlflow_run_uri=tracker.run_uri(
+        timeout=30.0 if state.step >= state.total_steps or preemption.received is not None else 0.0)))
+    ctx.extra_sinks.append(tracker.log_checkpoint)
     callbacks = [MetricsLog(run_dir / "metrics.jsonl", trainer_cfg["log_every"], sinks=[tracker.log_line]),
                  Progress(trainer_cfg["progress_bar"], trainer_cfg["log_every"]), preemption]
     ctx.write_status("running")
