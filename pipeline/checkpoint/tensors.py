@@ -43,20 +43,23 @@ class DigestMismatch(ValueError):
 
 
 class _Hasher:
-    """sha256 fed in order on one helper thread; callers keep each buffer unchanged until it is consumed."""
+    """sha256 fed in order on one helper thread; callers keep each buffer unchanged until hexdigest().
 
-    def __init__(self, depth: int = 2):
+    The queue is unbounded on purpose: buffers are views of arrays that exist anyway (no copies), so the
+    writer (or reader) runs ahead at memory speed and its fsync overlaps the hash catching up.
+    """
+
+    def __init__(self):
         self._h = hashlib.sha256()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
         self._pending: deque = deque()
-        self._depth = depth
         self.nbytes = 0
 
     def update(self, buf) -> None:
         self.nbytes += len(buf)
         self._pending.append(self._pool.submit(self._h.update, buf))  # hashlib releases the GIL on big buffers
-        while len(self._pending) > self._depth:
-            self._pending.popleft().result()
+        while self._pending and self._pending[0].done():
+            self._pending.popleft().result()  # surfaces errors early, keeps the queue short
 
     def hexdigest(self) -> str:
         while self._pending:
@@ -147,9 +150,9 @@ def write_tensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str,
                     chunk = data[i : i + CHUNK]
                     h.update(chunk)  # hashed on the helper thread while this one writes it
                     _write_all(fd, chunk)
+            if fsync:
+                os.fsync(fd)  # while the hash catches up on its thread
             digest = h.hexdigest()
-        if fsync:
-            os.fsync(fd)
     finally:
         os.close(fd)
     return {"size": h.nbytes, "sha256": digest}

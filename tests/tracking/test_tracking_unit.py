@@ -1,0 +1,105 @@
+"""Tracking pieces that need no subprocess: URIs, params, the config group, the tracker without mlflow."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.tracking.common import (flatten, is_mlflow_tracking, normalize_tracking_uri, param_value,
+                                      params_of, parse_run_uri, run_uri, step_of_checkpoint)
+
+RID = "0123456789abcdef0123456789abcdef"
+
+
+def test_run_uri_round_trips_for_sqlite_and_http():
+    for base in ("sqlite:////abs/outputs/mlflow.db", "http://127.0.0.1:5000"):
+        uri = run_uri(base, "7", RID)
+        assert uri == f"{base}#/experiments/7/runs/{RID}"
+        assert parse_run_uri(uri) == (base, "7", RID)
+
+
+def test_parse_run_uri_accepts_mlflow_forms_and_rejects_the_rest():
+    assert parse_run_uri(f"runs:/{RID}") == (None, None, RID)
+    assert parse_run_uri(f"runs:/{RID}/model") == (None, None, RID)
+    assert parse_run_uri(RID) == (None, None, RID)
+    assert parse_run_uri(None) == (None, None, None)
+    assert parse_run_uri("sqlite:///x.db") == (None, None, None)
+    assert parse_run_uri("sqlite:///x.db#/experiments/1/runs/nothex") == ("sqlite:///x.db", None, None)
+
+
+def test_sqlite_uri_is_made_absolute_whatever_the_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert normalize_tracking_uri("sqlite:///out/mlflow.db") == f"sqlite:///{tmp_path.resolve()}/out/mlflow.db"
+    assert normalize_tracking_uri("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
+    assert normalize_tracking_uri("http://h:1") == "http://h:1"
+
+
+def test_params_are_the_flattened_config_with_dotted_keys_and_bounded_values():
+    config = {"name": "x", "optimizer": {"lr": 0.03, "betas": [0.9, 0.999]}, "resume": {"allow_changes": []},
+              "model": {"hidden": [8], "dropout": None, "act": "tanh"}, "hydra": {"ignored": 1}}
+    params = params_of(config)
+    assert params == {"name": "x", "optimizer.lr": "0.03", "optimizer.betas": "[0.9, 0.999]",
+                      "resume.allow_changes": "[]", "model.hidden": "[8]", "model.dropout": "null",
+                      "model.act": "tanh"}
+    assert flatten({"a": {}}) == {"a": {}}
+    assert len(param_value("x" * 10_000)) <= 6000
+
+
+def test_step_of_checkpoint():
+    assert step_of_checkpoint("/r/checkpoints/step-00000101") == 101
+    assert step_of_checkpoint(None) is None
+
+
+def test_tracking_group_defaults_to_mlflow_under_the_output_dir(compose_cfg, tmp_path):
+    cfg = compose_cfg("experiment=kernodeck", f"paths.output_dir={tmp_path}", return_hydra_config=True)
+    assert cfg.tracking._target_ == "pipeline.tracking.mlflow_tracker.MlflowTracker"
+    assert cfg.tracking.uri == f"sqlite:///{tmp_path}/mlflow.db"
+    assert cfg.tracking.artifact_location == f"{tmp_path}/mlartifacts"
+    assert cfg.tracking.experiment == "kernodeck"
+    assert is_mlflow_tracking(cfg.tracking)
+    assert "mlflow_sweep" in cfg.hydra.callbacks
+    default = compose_cfg()
+    assert Path(default.tracking.uri[len("sqlite:///"):]).is_absolute()
+    server = compose_cfg("tracking=server", "tracking.uri=http://127.0.0.1:5999")
+    assert server.tracking.uri == "http://127.0.0.1:5999" and is_mlflow_tracking(server.tracking)
+    assert not is_mlflow_tracking(compose_cfg("tracking=none").tracking)
+
+
+def test_tracker_module_does_not_import_mlflow():
+    import subprocess
+
+    code = ("import sys, pipeline.tracking.mlflow_tracker, pipeline.tracking.sweep_callback, "
+            "pipeline.app; print('mlflow' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_tracker_that_cannot_start_its_agent_warns_once_and_stays_quiet(monkeypatch, caplog, tmp_path):
+    from pipeline.tracking import mlflow_tracker
+
+    def broken():
+        raise OSError("no agent today")
+
+    monkeypatch.setattr(mlflow_tracker, "_agent", broken)
+    t = mlflow_tracker.MlflowTracker(uri=f"sqlite:///{tmp_path}/m.db", experiment="e")
+    t.start(config={"name": "e"}, facts={}, run_dir=tmp_path, previous_run_uri=None)
+    t.log_line({"step": 1, "epoch": 0, "time": 0.0, "train/loss": 1.0})
+    assert t.run_uri(timeout=5.0) is None
+    t.finish("FINISHED", tmp_path)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "no agent today" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("target", ["pipeline.tracking.base.NullTracker", None])
+def test_sweep_callback_is_a_no_op_without_mlflow_tracking(target):
+    from omegaconf import OmegaConf
+
+    from pipeline.tracking.sweep_callback import MlflowSweepCallback
+
+    cb = MlflowSweepCallback()
+    cfg = OmegaConf.create({"tracking": {"_target_": target} if target else None})
+    cb.on_multirun_start(cfg)
+    assert cb.parent is None
+    cb.on_multirun_end(cfg)
