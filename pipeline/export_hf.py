@@ -99,8 +99,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Export a MiniGPT checkpoint as a Hugging Face GPT-2 directory.")
     parser.add_argument("checkpoint", metavar="CHECKPOINT")
     parser.add_argument("out_dir", metavar="OUT_DIR")
-    parser.parse_args(argv)
-    raise NotImplementedError("wired by the lead")
+    args = parser.parse_args(argv)
+    from pipeline.checkpoint import CheckpointError
+    from pipeline.checkpoint import io
+
+    try:
+        ckpt = io.load(Path(args.checkpoint))  # verified: sizes, hashes, aliases
+    except CheckpointError as e:
+        raise SystemExit(f"pipeline.export_hf: {e}")
+    model = ckpt.manifest["config"]["model"]
+    if not str(model.get("_target_", "")).endswith("MiniGPT"):
+        raise SystemExit(f"pipeline.export_hf: {args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
+    out = write_hf(ckpt.weights, n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
+                   n_positions=model["block_size"], vocab_size=ckpt.weights["transformer.wte.weight"].shape[0],
+                   out_dir=args.out_dir)
+    print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")
 
 
 if __name__ == "__main__":

@@ -110,16 +110,17 @@ def reindex_run(client, run_dir: Path, uri: str, artifact_root: str | None) -> d
     logged = store.logged_steps(client, run_id, {k for k, _ in latest})
     added["points"] = store.log_points(client, run_id, [p for key, p in latest.items() if key not in logged])
 
-    have = store.artifact_sizes(client, run_id)
+    repo = store.artifact_repo(client, run_id)
+    have = store.artifact_sizes(repo)
     todo = [(f"checkpoints/{d.name}/manifest.json", d / "manifest.json") for d, _ in manifests]
     final = run_dir / "checkpoints" / "final"
     if (final / "weights.safetensors").is_file() and (final / "manifest.json").is_file():
         todo += [(FINAL_WEIGHTS_ARTIFACT, final / "weights.safetensors"), (FINAL_MANIFEST_ARTIFACT, final / "manifest.json")]
     for artifact, source in todo:
         if have.get(artifact) != source.stat().st_size:
-            store.log_file_as(client, run_id, artifact, source=source)
+            store.log_file_as(repo, artifact, source=source)
             added["artifacts"] += 1
-    if (CURVES_ARTIFACT not in have or added["points"]) and store.log_curves(client, run_id, lines):
+    if (CURVES_ARTIFACT not in have or added["points"]) and store.log_curves(repo, lines):
         added["artifacts"] += 1
 
     status, updated = _run_status(run_dir)
@@ -131,10 +132,11 @@ def reindex_run(client, run_dir: Path, uri: str, artifact_root: str | None) -> d
 
 
 def reindex(output_dir: Path, uri: str | None = None, artifact_location: str | None = None,
-            out=sys.stdout) -> list[dict]:
+            out=None) -> list[dict]:
     from pipeline.tracking import store
     from pipeline.tracking.common import run_uri
 
+    out = out or sys.stdout
     output_dir = Path(output_dir).resolve()
     if uri is None:
         uri = default_uri(output_dir)

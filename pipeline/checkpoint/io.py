@@ -220,7 +220,9 @@ def _tie_groups(arrays: dict[str, np.ndarray]) -> list[list[str]]:
 def _arrays_fit(live: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> str | None:
     missing, unexpected = sorted(set(live) - set(got)), sorted(set(got) - set(live))
     if missing or unexpected:
-        return f"keys differ from the live run's: missing {missing}, unexpected {unexpected}"
+        parts = ([f"the checkpoint lacks {missing}"] if missing else []) + \
+                ([f"the live run has no {unexpected}"] if unexpected else [])
+        return "keys differ: " + "; ".join(parts)
     for name in sorted(live):
         a, p = got[name], live[name]
         if a.shape != p.shape or a.dtype != p.dtype:
@@ -242,27 +244,33 @@ def _misfit(ckpt: Checkpoint, state, restore: tuple[str, ...]) -> tuple[str, str
         got = {k: v for k, v in ckpt.optim.items() if k not in ("t", "lr")}
         if reason := _arrays_fit(live, got):
             return OPTIM, "optimizer", reason
-    extra = ckpt.extra
+    extra, section = ckpt.extra, "scheduler"
     try:
         if "scheduler" in restore and set(extra["scheduler"]) != set(state.scheduler.state_dict()):
             return EXTRA, "scheduler", f"keys {sorted(extra['scheduler'])}, expected {sorted(state.scheduler.state_dict())}"
+        section = "data_iter"
         if "data_iter" in restore:
             d = extra["data_iter"]
             perm = np.asarray(d["permutation"])
             if perm.shape != (state.iterator.n,) or perm.dtype.kind not in "iu":
                 return EXTRA, "data_iter", f"permutation of {perm.shape} {perm.dtype}, expected ({state.iterator.n},) integers"
             int(d["epoch"]), int(d["cursor"])
+        section = "progress"
         int(extra["progress"]["step"]), dict(extra["progress"]["metrics"])
         if "rng" in restore:
+            section = "rng"
             rng = extra["rng"]
             if set(rng) != set(state.streams.names()):
                 return EXTRA, "rng", f"streams {sorted(rng)}, expected {sorted(state.streams.names())}"
             for name in state.streams.np:  # decoded onto scratch generators: the live ones stay untouched
+                section = f"rng stream {name!r}"
                 np.random.PCG64().state = numpy_state_from_json(rng[name])
             for name in state.streams.py:
+                section = f"rng stream {name!r}"
                 random.Random().setstate(python_state_from_json(rng[name]))
-    except (KeyError, ValueError, TypeError) as e:
-        return EXTRA, "its state", f"{type(e).__name__}: {e}"
+    except (KeyError, ValueError, TypeError, IndexError) as e:
+        what = f"missing key {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        return EXTRA, section, what
     return None
 
 

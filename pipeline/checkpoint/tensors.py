@@ -162,14 +162,14 @@ def resolve_aliases(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> 
     """Every ALIAS(target) in metadata becomes the very object stored under target; raises ValueError."""
     links = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
     out = dict(arrays)
-    for name in links:
+    for name in sorted(links):  # sorted: the same file gives the same message whatever the header order
         if name in arrays:
             raise ValueError(f"{name} is both stored and declared an alias")
-        seen, target = {name}, links[name]
+        chain, target = [name], links[name]
         while target in links:  # follow chains, refusing loops
-            if target in seen:
-                raise ValueError(f"circular alias {name} -> {target}")
-            seen.add(target)
+            if target in chain:
+                raise ValueError(f"circular alias {' -> '.join([*chain, target])}")
+            chain.append(target)
             target = links[target]
         if target not in arrays:
             raise ValueError(f"alias {name} -> {links[name]} names no stored tensor")

@@ -56,8 +56,11 @@ class MiniGPT:
             raise ValueError("MiniGPT needs a token dataset (spec.vocab_size > 0)")
         if n_embd % n_head:
             raise ValueError(f"n_embd {n_embd} is not divisible by n_head {n_head}")
-        if str(dtype) not in _DTYPES:
+        if np.dtype(dtype).name not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        attn_dropout = dropout if attn_dropout is None else attn_dropout
+        if not (0.0 <= dropout < 1.0 and 0.0 <= attn_dropout < 1.0):
+            raise ValueError(f"dropout probabilities must be in [0, 1), got {dropout}, {attn_dropout}")
         if rng is None:
             # No hidden default seed: every draw of a run must come from one of its named streams.
             raise ValueError("MiniGPT needs rng (the run's init stream) to initialise its weights")
@@ -65,7 +68,7 @@ class MiniGPT:
         self.n_layer, self.n_head, self.n_embd = int(n_layer), int(n_head), int(n_embd)
         self.block_size = int(block_size)
         self.dropout = float(dropout)
-        self.attn_dropout = self.dropout if attn_dropout is None else float(attn_dropout)
+        self.attn_dropout = float(attn_dropout)
         self.dtype = np.dtype(dtype)
         self.params = self._init_params(float(init_std), rng)
         self.aliases = {"lm_head.weight": "transformer.wte.weight"}

@@ -1,9 +1,10 @@
 """The mlflow tracker the training process holds: every call enqueues and returns; mlflow lives in an agent.
 
-The agent (`pipeline/tracking/agent.py`) is a helper process started by the first `start()` of a process and
-kept for the next jobs that process runs (the basic launcher and joblib's workers run several): it imports
-mlflow, opens the store, finds or creates the run, and logs in batches (`MlflowClient.log_batch`, up to 1000
-metrics a call) while training goes on. This module never imports mlflow.
+The agent (`pipeline/tracking/agent.py`) is a helper process: in a multirun the one the sweep callback
+started (jobs connect to its Unix socket), otherwise one started by the first `start()` of the process and
+kept for the next jobs it runs. It imports mlflow, opens the store, finds or creates the run, and logs in
+batches (`MlflowClient.log_batch`, up to 1000 metrics a call, at most one commit a second) while training
+goes on. This module never imports mlflow.
 
 One mlflow run per run directory: a resumed job continues its run (found by the run URI its checkpoint
 recorded, or by the `run_dir` tag), with a `resumes` counter and a `resume.<n>` = step tag for each resume.
@@ -20,6 +21,7 @@ import json
 import logging
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -33,37 +35,59 @@ log = logging.getLogger("pipeline")
 agent_log = logging.getLogger("pipeline.tracking.agent")
 
 
-class _AgentProcess:
-    """The training process's end of the agent: a queue, a writer thread, and a reader of the agent's replies."""
+class _Link:
+    """A connection to an agent: messages go through a queue and a writer thread, replies are dispatched by a
+    reader thread to whoever sent the request (a tracker, or a _Request of the sweep callback)."""
 
-    def __init__(self):
-        env = dict(os.environ, PYTHONPATH=project_pythonpath())
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.tracking.agent"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, close_fds=True)
+    def __init__(self, wfile, rfile, proc: subprocess.Popen | None = None, name: str = "agent"):
+        self.wfile, self.rfile, self.proc, self.name = wfile, rfile, proc, name
         self.queue: queue.Queue = queue.Queue()
-        self.sessions: dict[int, MlflowTracker] = {}
+        self.handlers: dict[int, object] = {}
         self.ids = itertools.count(1)
         self.stderr_tail: collections.deque = collections.deque(maxlen=20)
         self.dead: str | None = None
         self.lock = threading.Lock()
-        for target in (self._write, self._read, self._read_stderr):
-            threading.Thread(target=target, daemon=True, name=f"tracking-{target.__name__[1:]}").start()
+        targets = [self._write, self._read] + ([self._read_stderr] if proc is not None else [])
+        for target in targets:
+            threading.Thread(target=target, daemon=True, name=f"tracking{target.__name__}").start()
+
+    @classmethod
+    def spawn(cls, listen: str | None = None) -> "_Link":
+        env = dict(os.environ, PYTHONPATH=project_pythonpath())
+        cmd = [sys.executable, "-m", "pipeline.tracking.agent"] + (["--listen", listen] if listen else [])
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env, close_fds=True)
+        return cls(proc.stdin, proc.stdout, proc)
+
+    @classmethod
+    def connect(cls, path: str) -> "_Link":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5.0)
+        sock.connect(path)
+        sock.settimeout(None)
+        link = cls(sock.makefile("wb"), sock.makefile("rb"), name=f"sweep agent {path}")
+        link.sock = sock
+        return link
 
     def alive(self) -> bool:
-        return self.dead is None and self.proc.poll() is None
+        return self.dead is None and (self.proc is None or self.proc.poll() is None)
 
-    def open(self, tracker: "MlflowTracker", payload: dict) -> int:
+    def register(self, handler) -> int:
         with self.lock:
             sid = next(self.ids)
-            self.sessions[sid] = tracker
-        self.send({"op": "open", "sid": sid, **payload})
+            self.handlers[sid] = handler
         return sid
 
     def send(self, msg: dict | None) -> None:
         self.queue.put(msg)
 
+    def request(self, msg: dict, timeout: float) -> dict | None:
+        """Send one request and wait for its answer (an event dict), or None after `timeout` seconds."""
+        req = _Request()
+        self.send({**msg, "sid": self.register(req)})
+        return req.event if req.done.wait(timeout) else None
+
     def _write(self) -> None:
-        stdin = self.proc.stdin
         try:
             while True:
                 batch = [self.queue.get()]
@@ -83,28 +107,31 @@ class _AgentProcess:
                     else:
                         out.append(msg)
                 if out:
-                    stdin.write("".join(json.dumps(m, allow_nan=True) + "\n" for m in out).encode())
-                    stdin.flush()
+                    self.wfile.write("".join(json.dumps(m) + "\n" for m in out).encode())
+                    self.wfile.flush()
                 if closing:
-                    stdin.close()
+                    self.wfile.close()
                     return
         except (OSError, ValueError) as e:
-            self._died(f"the tracking agent stopped reading ({e})")
+            self._died(f"the {self.name} stopped reading ({e})")
 
     def _read(self) -> None:
-        for raw in self.proc.stdout:
-            try:
-                event = json.loads(raw)
-            except json.JSONDecodeError:
-                continue
-            tracker = self.sessions.get(event.get("sid"))
-            if tracker is not None:
-                tracker._on_event(event)
-                if event.get("event") in ("finished", "error"):
-                    with self.lock:
-                        self.sessions.pop(event["sid"], None)
-        rc = self.proc.wait()
-        self._died(f"the tracking agent exited (code {rc})")
+        try:
+            for raw in self.rfile:
+                try:
+                    event = json.loads(raw)
+                except json.JSONDecodeError:
+                    continue
+                handler = self.handlers.get(event.get("sid"))
+                if handler is not None:
+                    handler._on_event(event)
+                    if event.get("event") in ("finished", "error"):
+                        with self.lock:
+                            self.handlers.pop(event["sid"], None)
+        except (OSError, ValueError):
+            pass
+        code = f" (code {self.proc.wait()})" if self.proc is not None else ""
+        self._died(f"the {self.name} exited{code}")
 
     def _read_stderr(self) -> None:
         for raw in self.proc.stderr:
@@ -117,30 +144,60 @@ class _AgentProcess:
             tail = " | ".join(line for line in list(self.stderr_tail)[-3:] if line.strip())
             self.dead = reason + (f": {tail}" if tail else "")
         with self.lock:
-            orphans, self.sessions = list(self.sessions.values()), {}
-        for tracker in orphans:
-            tracker._on_event({"event": "error", "message": self.dead})
+            orphans, self.handlers = list(self.handlers.values()), {}
+        for handler in orphans:
+            handler._on_event({"event": "error", "message": self.dead})
 
     def close(self, timeout: float = 5.0) -> None:
-        """End of the process: end the agent's input; it exits once it has written what it holds."""
+        """End the agent's input; a spawned agent exits once it has written what it holds."""
         self.send(None)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass  # it finishes on its own (it ignores SIGINT/SIGTERM and ends with its input)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass  # it finishes on its own (it ignores SIGINT/SIGTERM and ends with its input)
 
 
-_AGENT: _AgentProcess | None = None
-_AGENT_LOCK = threading.Lock()
+class _Request:
+    def __init__(self):
+        self.done = threading.Event()
+        self.event: dict | None = None
+
+    def _on_event(self, event: dict) -> None:
+        self.event = event
+        self.done.set()
 
 
-def _agent() -> _AgentProcess:
-    global _AGENT
-    with _AGENT_LOCK:
-        if _AGENT is None or not _AGENT.alive():
-            _AGENT = _AgentProcess()
-            atexit.register(_AGENT.close)
-        return _AGENT
+_OWN: _Link | None = None  # this process's own agent (single runs; jobs that cannot reach a sweep agent)
+_SWEEP: dict[str, _Link] = {}  # connections to sweep agents, by socket path (a joblib worker runs many jobs)
+_LINKS_LOCK = threading.Lock()
+
+
+def own_agent() -> _Link:
+    global _OWN
+    with _LINKS_LOCK:
+        if _OWN is None or not _OWN.alive():
+            _OWN = _Link.spawn()
+            atexit.register(_OWN.close)
+        return _OWN
+
+
+def sweep_agent(path: str | None) -> _Link | None:
+    """A connection to the sweep's agent, or None when it cannot be reached (another node, or gone)."""
+    if not path:
+        return None
+    with _LINKS_LOCK:
+        link = _SWEEP.get(path)
+        if link is None or not link.alive():
+            try:
+                link = _SWEEP[path] = _Link.connect(path)
+            except OSError:
+                return None
+        return link
+
+
+def link_for(parent: dict | None) -> _Link:
+    return sweep_agent((parent or {}).get("agent")) or own_agent()
 
 
 class MlflowTracker(Tracker):
@@ -153,7 +210,7 @@ class MlflowTracker(Tracker):
         self.artifact_location = artifact_location_uri(artifact_location) if artifact_location else None
         self.flush_timeout = float(flush_timeout)
         self.sid: int | None = None
-        self.agent: _AgentProcess | None = None
+        self.agent: _Link | None = None
         self.ready, self.done = threading.Event(), threading.Event()
         self._uri: str | None = None
         self.failed = self.finished = False
@@ -173,8 +230,9 @@ class MlflowTracker(Tracker):
             "parent": parent if parent and parent.get("uri") == self.uri else None,
         }
         try:
-            self.agent = _agent()
-            self.sid = self.agent.open(self, payload)
+            self.agent = link_for(parent)
+            self.sid = self.agent.register(self)
+            self.agent.send({"op": "open", "sid": self.sid, **payload})
         except Exception as e:  # noqa: BLE001 - tracking never stops training
             self._fail(f"could not start the tracking agent: {e}")
 

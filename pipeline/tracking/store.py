@@ -7,7 +7,6 @@ never import this module from the training process (the agent and the launcher d
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -17,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a server that is down fails in seconds, not minutes
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
 
 from mlflow import MlflowClient  # noqa: E402
@@ -35,15 +35,14 @@ STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "
 
 @contextmanager
 def _init_lock(db: Path):
-    """One process at a time opens a sqlite store: a fresh DB's schema migration must not race (FACTS.md)."""
-    key = hashlib.md5(str(db.resolve()).encode(), usedforsecurity=False).hexdigest()
-    path = Path(tempfile.gettempdir()) / f"pipeline-mlflow-init-{key}.lock"
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """One process at a time opens a sqlite store: a fresh DB's schema migration must not race (FACTS.md).
+    The lock is an flock on the DB's directory, so it leaves no file behind."""
+    fd = os.open(db.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def open_client(uri: str) -> MlflowClient:
@@ -159,8 +158,15 @@ def points_of(lines: list[dict]) -> list[tuple[str, float, int, int]]:
     return [p for line in lines for p in metric_points(line)]
 
 
-def log_file_as(client: MlflowClient, run_id: str, artifact_file: str, *, data: bytes | None = None,
-                source: Path | None = None) -> None:
+def artifact_repo(client: MlflowClient, run_id: str):
+    """The run's artifact repository, resolved once (through the client, each call costs a get_run)."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    return get_artifact_repository(client.get_run(run_id).info.artifact_uri,
+                                   tracking_uri=client._tracking_client.tracking_uri)
+
+
+def log_file_as(repo, artifact_file: str, *, data: bytes | None = None, source: Path | None = None) -> None:
     """Log bytes or a file at the artifact path `artifact_file` (dir/name), whatever the local file is called."""
     artifact_dir, _, name = artifact_file.rpartition("/")
     with tempfile.TemporaryDirectory(prefix="pipeline-artifact-") as tmp:
@@ -169,20 +175,29 @@ def log_file_as(client: MlflowClient, run_id: str, artifact_file: str, *, data: 
             local.write_bytes(data)
         else:
             os.symlink(Path(source).resolve(), local)  # the artifact store copies the target's bytes
-        client.log_artifact(run_id, str(local), artifact_dir or None)
+        repo.log_artifact(str(local), artifact_dir or None)
 
 
-def artifact_sizes(client: MlflowClient, run_id: str, path: str | None = None, depth: int = 3) -> dict[str, int]:
-    """artifact path -> size for every file under `path` (a few levels deep)."""
+def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, int]:
+    """artifact path -> size for every file under `path` (a few levels deep); read from the directory itself
+    when the artifact store is local."""
     out = {}
+    root = getattr(repo, "artifact_dir", None)  # LocalArtifactRepository
+    if path is None and root is not None:
+        local = Path(root)
+        if local.is_dir():
+            for f in local.rglob("*"):
+                if f.is_file():
+                    out[f.relative_to(local).as_posix()] = f.stat().st_size
+        return out
     try:
-        infos = client.list_artifacts(run_id, path)
+        infos = repo.list_artifacts(path)
     except (MlflowException, OSError):
         return out
     for info in infos:
         if info.is_dir:
             if depth > 0:
-                out.update(artifact_sizes(client, run_id, info.path, depth - 1))
+                out.update(artifact_sizes(repo, info.path, depth - 1))
         else:
             out[info.path] = info.file_size
     return out
@@ -222,12 +237,12 @@ def draw_curves(lines: list[dict], out_png: Path) -> bool:
     return True
 
 
-def log_curves(client: MlflowClient, run_id: str, lines: list[dict]) -> bool:
+def log_curves(repo, lines: list[dict]) -> bool:
     with tempfile.TemporaryDirectory(prefix="pipeline-curves-") as tmp:
         png = Path(tmp) / CURVES_ARTIFACT
         if not draw_curves(lines, png):
             return False
-        client.log_artifact(run_id, str(png))
+        repo.log_artifact(str(png))
         return True
 
 

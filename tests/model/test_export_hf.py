@@ -51,9 +51,10 @@ def test_rejects_mismatched_weights(tmp_path):
         write_hf({**sd, "lm_head.weight": sd["lm_head.weight"] + 1}, out_dir=tmp_path, **CFG)
 
 
-def test_cli_is_left_for_wiring(tmp_path):
-    with pytest.raises(NotImplementedError):
+def test_cli_refuses_a_missing_checkpoint(tmp_path):
+    with pytest.raises(SystemExit):
         main([str(tmp_path / "ckpt"), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
 
 
 def test_transformers_loads_it_and_agrees(tmp_path):

@@ -201,6 +201,6 @@ def test_sequence_length_limits():
 
 
 def test_rejects_bad_config():
-    for kw in ({"n_embd": 10, "n_head": 4}, {"dtype": "float16"}):
+    for kw in ({"n_embd": 10, "n_head": 4}, {"dtype": "float16"}, {"dropout": 1.0}, {"attn_dropout": -0.1}):
         with pytest.raises(ValueError):
             make(**kw)

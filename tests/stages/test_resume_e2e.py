@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from pipeline.checkpoint import io
 from pipeline.trainer.metrics_log import read_metrics
 
@@ -74,13 +76,23 @@ def final_state(out: Path) -> dict:
             "metrics": [{k: v for k, v in line.items() if k != "time"} for line in read_metrics(run / "metrics.jsonl")]}
 
 
-def test_sigterm_at_three_steps_then_resume_is_bit_identical(tmp_path):
+MINIGPT = ["tracking=none", "trainer.max_steps=60", "trainer.eval_every=20", "trainer.log_every=1",
+           "checkpoint=every_n_steps", "checkpoint.every_steps=20", "model.n_layer=1"]
+
+
+@pytest.mark.parametrize("args,targets", [(LONG, (600, 1700, 2900)), (MINIGPT, (12, 31, 47))],
+                         ids=["kernodeck", "minigpt"])
+def test_sigterm_at_three_steps_then_resume_is_bit_identical(tmp_path, args, targets):
     ref_out, out = tmp_path / "ref", tmp_path / "out"
-    ref = start([*LONG, f"paths.output_dir={ref_out}"], tmp_path / "cwd")
-    assert ref.wait(120) == 0, ref.stderr
+    # Both runs share one generated corpus, as two runs under one output dir would.
+    ref = start([*args, f"paths.output_dir={ref_out}"], tmp_path / "cwd")
+    assert ref.wait(300) == 0, ref.stderr
+    if (ref_out / "data").exists():
+        out.mkdir()
+        (out / "data").symlink_to(ref_out / "data")
     stopped_at = []
-    for target in (600, 1700, 2900):
-        proc = start([*LONG, f"paths.output_dir={out}"], tmp_path / "cwd")
+    for target in targets:
+        proc = start([*args, f"paths.output_dir={out}"], tmp_path / "cwd")
         wait_for_step(out, target, proc)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 75, proc.stderr
@@ -88,8 +100,8 @@ def test_sigterm_at_three_steps_then_resume_is_bit_identical(tmp_path):
         assert status["status"] == "preempted"
         stopped_at.append(status["step"])
     assert len(set(stopped_at)) == 3 and stopped_at == sorted(stopped_at), stopped_at
-    proc = start([*LONG, f"paths.output_dir={out}"], tmp_path / "cwd")
-    assert proc.wait(120) == 0, proc.stderr
+    proc = start([*args, f"paths.output_dir={out}"], tmp_path / "cwd")
+    assert proc.wait(300) == 0, proc.stderr
     got, want = final_state(out), final_state(ref_out)
     assert got["metrics"] == want["metrics"]  # every loss, lr and grad norm, step by step
     assert got == want

@@ -89,3 +89,11 @@ def test_chaos_mode_20_trials_bit_exact_with_kills_inside_saves(tmp_path):
     assert report["kills_by_phase"]["save"] >= 1 and report["kills_by_phase"]["train"] >= 1
     assert report["invalid_visible_checkpoints"] == []
     assert all(t["killed"] for t in report["trial_records"])
+
+
+def test_default_minigpt_config_verifies(tmp_path):
+    r, report = verify([], tmp_path / "out")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert report["all_checks_passed"] and report["max_weight_diff"]["positive"] == 0.0
+    names = {c["name"] for c in report["comparisons"]}
+    assert "model/lm_head.weight" in names and "model/transformer.wte.weight" in names
