@@ -315,6 +315,12 @@ def main(argv: list[str] | None = None) -> None:
     # its input does, i.e. when the process that started it has finished or died.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+    # Below the training processes: the agent's CPU (mostly importing mlflow) goes to cycles training leaves
+    # idle rather than to cycles it would use. It catches up whenever training blocks (e.g. at the end).
+    try:
+        os.nice(int(os.environ.get("PIPELINE_TRACKING_NICE", "10")))
+    except (OSError, ValueError):
+        pass
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything else printed goes to stderr, never into the protocol
     inbox: queue.Queue = queue.Queue()

@@ -151,3 +151,15 @@ def test_as_a_module_from_any_directory(run_dir, tmp_path):
     import inspect as std_inspect
 
     assert hasattr(std_inspect, "signature") and std_inspect is not pinspect
+
+
+def test_a_python_started_inside_the_package_still_gets_the_standard_inspect(run_dir):
+    """pipeline/inspect.py is first on sys.path for a process whose cwd is pipeline/: it must step aside."""
+    package = PROJECT_ROOT / "pipeline"
+    proc = python_m("pipeline.inspect", str(run_dir), cwd=package)
+    assert proc.returncode == 0, proc.stderr
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    code = "import dataclasses, inspect, sys; assert inspect.cleandoc('  x') == 'x'; print(inspect.__file__)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=package, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()).parent != package
