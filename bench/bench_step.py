@@ -233,6 +233,11 @@ def run_speed(args) -> dict:
     fastest = {k: min(t[0] for t in v) * 1e3 for k, v in times.items()}  # less sensitive to neighbours' load
     med_fb = {k: statistics.median(t[1] for t in v) * 1e3 for k, v in times.items()}
     best_torch = min(("torch_sdpa", "torch_manual"), key=med.get)
+    # Every contestant made the same number of AdamW updates on the same batch: the losses should still agree.
+    final = {"numpy": model.evaluate(batch)}
+    with torch.no_grad():
+        for name, (tm, _) in torch_models.items():
+            final[f"torch_{name}"] = torch.nn.functional.cross_entropy(tm(xt).view(-1, V), yt.view(-1)).item()
     step_flops = 3 * forward_flops(V, args.batch, args.block, args.n_embd, args.n_layer, args.n_head)
     mm = matmul_gflops()
     out = {
@@ -248,6 +253,7 @@ def run_speed(args) -> dict:
         "numpy_fwd_bwd_gflops": round(step_flops / med_fb["numpy"] / 1e6, 1),
         "numpy_matmul256_gflops": round(mm, 1),
         "init_loss_numpy": round(np_loss, 6), "init_loss_torch": round(t_loss, 6),
+        "final_loss": {k: round(v, 6) for k, v in final.items()}, "updates_each": args.warmup + len(times["numpy"]),
         "loadavg_1min": round(os.getloadavg()[0], 2), "torch": torch.__version__, "numpy_version": np.__version__,
     }  # fmt: skip
     print(f"threads {args.threads}, V={V} B={args.batch} T={args.block} d={args.n_embd} heads={args.n_head} "
@@ -258,7 +264,8 @@ def run_speed(args) -> dict:
     print(f"numpy / {best_torch}: {out['ratio_numpy_over_torch']:.3f}   "
           f"step {out['step_gflop']} GFLOP -> numpy {out['numpy_step_gflops']} GFLOP/s "
           f"(fwd+bwd {out['numpy_fwd_bwd_gflops']}); numpy f32 matmul n=256: {out['numpy_matmul256_gflops']} GFLOP/s")  # fmt: skip
-    print(f"initial loss numpy {np_loss:.6f} torch {t_loss:.6f}; 1-min load average {out['loadavg_1min']}")
+    print(f"loss numpy / torch: initial {np_loss:.6f} / {t_loss:.6f}, after {out['updates_each']} AdamW updates "
+          + ", ".join(f"{k} {v:.6f}" for k, v in final.items()) + f"; 1-min load average {out['loadavg_1min']}")
     return out
 
 

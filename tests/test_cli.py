@@ -125,15 +125,15 @@ def hf_cosine_with_warmup(base_lr, step, warmup, total):
 
 def test_sgd_cosine_200_steps(cli, tmp_path):
     out = tmp_path / "out"
-    proc = cli("optimizer=sgd", "optimizer.lr=0.1", "scheduler=cosine", "trainer.max_steps=200",
+    proc = cli("optimizer=sgd", "optimizer.lr=0.1", "scheduler=cosine", "trainer.max_steps=200", "tracking=none",
                f"paths.output_dir={out}")
     assert proc.returncode == 0, proc.stderr
     (path,) = metrics_files(out)
     lines = read_lines(path)
     assert lines[-1]["step"] == 200
-    # conf/scheduler/cosine.yaml: 10 warmup steps, total = the run's 200 updates
+    # conf/scheduler/cosine.yaml: 100 warmup steps, total = the run's 200 updates
     for line in lines:
-        assert line["lr"] == pytest.approx(hf_cosine_with_warmup(0.1, line["step"] - 1, 10, 200), rel=1e-12, abs=1e-18)
+        assert line["lr"] == pytest.approx(hf_cosine_with_warmup(0.1, line["step"] - 1, 100, 200), rel=1e-12, abs=1e-18)
     assert list((tmp_path / "cwd").iterdir()) == []
 
 
