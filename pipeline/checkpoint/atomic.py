@@ -11,14 +11,6 @@ from pathlib import Path
 TMP_PREFIX = ".tmp-"  # temporaries are hidden siblings; every reader ignores them
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -27,24 +19,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def write_json(path: Path, obj) -> dict:
-    """Write obj as indented, key-sorted JSON and fsync it; returns the file's {"size", "sha256"}."""
-    data = (json.dumps(obj, indent=2, sort_keys=True, allow_nan=True) + "\n").encode()
+def write_synced(path: Path, data: bytes) -> dict:
+    """Write bytes and fsync them; returns the file's {"size", "sha256"}."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def write_json(path: Path, obj) -> dict:
+    """Write obj as indented, key-sorted JSON and fsync it; returns the file's {"size", "sha256"}."""
+    return write_synced(path, (json.dumps(obj, indent=2, sort_keys=True, allow_nan=True) + "\n").encode())
 
 
 def remove_temporaries(parent: Path) -> None:

@@ -13,6 +13,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from pipeline.checkpoint.atomic import fsync_dir, write_synced
+
 from pipeline.data import ngram
 from pipeline.data.base import Batch, DataSpec
 
@@ -55,21 +57,6 @@ def val_target_positions(n_tokens: int, block_size: int) -> np.ndarray:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes]:
@@ -165,8 +152,8 @@ def ensure_corpus(output_dir: Path, name: str, params: dict, build: Callable[[],
     tmp.mkdir()
     try:
         for fn, data in files.items():
-            _write_synced(tmp / fn, data)
-        _fsync_dir(tmp)
+            write_synced(tmp / fn, data)
+        fsync_dir(tmp)
         try:
             os.rename(tmp, final)
         except OSError:
@@ -176,7 +163,7 @@ def ensure_corpus(output_dir: Path, name: str, params: dict, build: Callable[[],
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    _fsync_dir(parent)
+    fsync_dir(parent)
     verify_corpus(final, params)
     if (final / "MANIFEST.json").read_bytes() != files["MANIFEST.json"]:
         # Same params, other bytes: the existing corpus came from another version of the generator.

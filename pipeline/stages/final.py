@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 
-from pipeline.checkpoint.atomic import write_json
 from pipeline.stages.base import Stage
 
 log = logging.getLogger("pipeline")
