@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="log_every=1 runs per tracking setting")
     ap.add_argument("--startup-runs", type=int, default=4, help="start-up measurements per tracking setting")
     ap.add_argument("--sweep-steps", type=int, default=20, help="steps per job of the 4-job sweeps")
+    ap.add_argument("--sweep-args", default="", help="extra overrides for the sweeps (e.g. experiment=kernodeck "
+                    "trainer.max_steps=2000 for single-threaded jobs)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: startup,logging,sweep")
     ap.add_argument("--keep", action="store_true", help="keep the temporary output directory")
     args = ap.parse_args()
@@ -156,7 +158,7 @@ def main() -> None:
                 seeds = ",".join(str(2000 + 10 * k + j) for j in range(4))
                 argv = cmd("-m", f"paths.output_dir={out}", f"tracking={tracking}",
                            f"trainer.max_steps={args.sweep_steps}", f"trainer.seed={seeds}",
-                           "trainer.progress_bar=false", *extra)
+                           "trainer.progress_bar=false", *args.sweep_args.split(), *extra)
                 walls[tracking, launcher] = (run(argv, cwd, work / f"sweep-{tracking}-{launcher}.log"), argv)
             print(f"\n3. four jobs of {args.sweep_steps} steps of the default model: joblib n_jobs=2 vs the basic "
                   "launcher (target <= 0.6; tracking=none shows the launchers' own ratio)")
