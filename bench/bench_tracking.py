@@ -1,6 +1,6 @@
 """What tracking costs, as ratios measured in one run (the machines are shared and noisy: compare ratios).
 
-    python bench/bench_tracking.py [--steps 300] [--repeats 2] [--sweep-steps 20] [--startup-runs 4] [--keep]
+    python bench/bench_tracking.py [--steps 600] [--repeats 2] [--sweep-steps 20] [--startup-runs 4] [--keep]
 
 1. Start-up: process start to the first training step of the default model, with its corpus already generated,
    tracking=mlflow and tracking=none (mlflow's ~3.5 s import must not be on this path; target <= 1.5 s).
@@ -9,7 +9,8 @@
    the training span (first to last metrics line, plus one step) and the whole process.
 3. Four jobs (`-m trainer.seed=a,b,c,d`): hydra/launcher=joblib hydra.launcher.n_jobs=2 vs the basic launcher,
    whole command wall time, tracking=mlflow (target <= 0.6x), and tracking=none as a control.
-Everything runs as `python -m pipeline ...` subprocesses under a temporary output directory.
+Everything runs as `python -m pipeline ...` subprocesses under a temporary output directory. --priority idle
+measures the mlflow runs with tracking.priority=idle (the agent only takes cycles training leaves idle).
 """
 from __future__ import annotations
 
@@ -61,11 +62,18 @@ def lines_of(path: Path) -> list[dict]:
     return out
 
 
+PRIORITY: list[str] = []  # ["tracking.priority=..."] when --priority is given
+
+
+def tracking_args(tracking: str) -> list[str]:
+    return [f"tracking={tracking}", *(PRIORITY if tracking != "none" else [])]
+
+
 def startup(out: Path, cwd: Path, tracking: str, seed: int) -> tuple[float, float]:
     """(s to the first step's start, s to its end) from process start; the process is preempted after 2 steps."""
     runs = out / "runs"
     before = set(runs.iterdir()) if runs.is_dir() else set()
-    argv = cmd(f"paths.output_dir={out}", f"tracking={tracking}", f"trainer.seed={seed}", "trainer.max_steps=3",
+    argv = cmd(f"paths.output_dir={out}", *tracking_args(tracking), f"trainer.seed={seed}", "trainer.max_steps=3",
                "trainer.log_every=1", "trainer.progress_bar=false")
     t0 = time.time()
     proc = subprocess.Popen(argv, cwd=cwd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -86,16 +94,19 @@ def startup(out: Path, cwd: Path, tracking: str, seed: int) -> tuple[float, floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=300, help="steps of the default model per log_every=1 run")
+    ap.add_argument("--steps", type=int, default=600, help="steps of the default model per log_every=1 run")
     ap.add_argument("--repeats", type=int, default=2, help="log_every=1 runs per tracking setting")
     ap.add_argument("--startup-runs", type=int, default=4, help="start-up measurements per tracking setting")
     ap.add_argument("--sweep-steps", type=int, default=20, help="steps per job of the 4-job sweeps")
+    ap.add_argument("--priority", default=None, help="tracking.priority for the mlflow runs (default: the config's)")
     ap.add_argument("--sweep-args", default="", help="extra overrides for the sweeps (e.g. experiment=kernodeck "
                     "trainer.max_steps=2000 for single-threaded jobs)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: startup,logging,sweep")
     ap.add_argument("--keep", action="store_true", help="keep the temporary output directory")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    if args.priority is not None:
+        PRIORITY.append(f"tracking.priority={args.priority}")
     work = Path(tempfile.mkdtemp(prefix="bench-tracking-"))
     out, cwd = work / "out", work / "cwd"
     cwd.mkdir(parents=True)
@@ -127,7 +138,7 @@ def main() -> None:
             walls = {"none": [], "mlflow": []}
             for i in range(args.repeats):
                 for tracking in (("none", "mlflow") if i % 2 == 0 else ("mlflow", "none")):
-                    argv = cmd(f"paths.output_dir={out}", f"tracking={tracking}", "trainer.log_every=1",
+                    argv = cmd(f"paths.output_dir={out}", *tracking_args(tracking), "trainer.log_every=1",
                                f"trainer.max_steps={args.steps}", "resume=never", "trainer.progress_bar=false")
                     time.sleep(1.1)  # resume=never names the run directory by the second
                     runs = out / "runs"
@@ -156,7 +167,7 @@ def main() -> None:
                                                                            "hydra.launcher.n_jobs=2"]))]
             for k, (tracking, launcher, extra) in enumerate(variants):
                 seeds = ",".join(str(2000 + 10 * k + j) for j in range(4))
-                argv = cmd("-m", f"paths.output_dir={out}", f"tracking={tracking}",
+                argv = cmd("-m", f"paths.output_dir={out}", *tracking_args(tracking),
                            f"trainer.max_steps={args.sweep_steps}", f"trainer.seed={seeds}",
                            "trainer.progress_bar=false", *args.sweep_args.split(), *extra)
                 walls[tracking, launcher] = (run(argv, cwd, work / f"sweep-{tracking}-{launcher}.log"), argv)

@@ -52,9 +52,10 @@ class _Link:
             threading.Thread(target=target, daemon=True, name=f"tracking{target.__name__}").start()
 
     @classmethod
-    def spawn(cls, listen: str | None = None) -> "_Link":
+    def spawn(cls, listen: str | None = None, priority: str = "10") -> "_Link":
         env = dict(os.environ, PYTHONPATH=project_pythonpath())
-        cmd = [sys.executable, "-m", "pipeline.tracking.agent"] + (["--listen", listen] if listen else [])
+        cmd = [sys.executable, "-m", "pipeline.tracking.agent", "--priority", str(priority)]
+        cmd += ["--listen", listen] if listen else []
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=env, close_fds=True)
         return cls(proc.stdin, proc.stdout, proc)
@@ -173,11 +174,11 @@ _SWEEP: dict[str, _Link] = {}  # connections to sweep agents, by socket path (a 
 _LINKS_LOCK = threading.Lock()
 
 
-def own_agent() -> _Link:
+def own_agent(priority: str = "10") -> _Link:
     global _OWN
     with _LINKS_LOCK:
         if _OWN is None or not _OWN.alive():
-            _OWN = _Link.spawn()
+            _OWN = _Link.spawn(priority=priority)
             atexit.register(_OWN.close)
         return _OWN
 
@@ -196,19 +197,20 @@ def sweep_agent(path: str | None) -> _Link | None:
         return link
 
 
-def link_for(parent: dict | None) -> _Link:
-    return sweep_agent((parent or {}).get("agent")) or own_agent()
+def link_for(parent: dict | None, priority: str = "10") -> _Link:
+    return sweep_agent((parent or {}).get("agent")) or own_agent(priority)
 
 
 class MlflowTracker(Tracker):
     """conf/tracking/mlflow.yaml (sqlite under the output directory) and conf/tracking/server.yaml (http)."""
 
     def __init__(self, uri: str, experiment: str = "default", artifact_location: str | None = None,
-                 flush_timeout: float = 60.0, **_):
+                 flush_timeout: float = 60.0, priority: str | int = 10, **_):
         self.uri = normalize_tracking_uri(uri)
         self.experiment = str(experiment)
         self.artifact_location = artifact_location_uri(artifact_location) if artifact_location else None
         self.flush_timeout = float(flush_timeout)
+        self.priority = str(priority)
         self.sid: int | None = None
         self.agent: _Link | None = None
         self.ready, self.done = threading.Event(), threading.Event()
@@ -230,7 +232,7 @@ class MlflowTracker(Tracker):
             "parent": parent if parent and parent.get("uri") == self.uri else None,
         }
         try:
-            self.agent = link_for(parent)
+            self.agent = link_for(parent, self.priority)
             self.sid = self.agent.register(self)
             self.agent.send({"op": "open", "sid": self.sid, **payload})
         except Exception as e:  # noqa: BLE001 - tracking never stops training

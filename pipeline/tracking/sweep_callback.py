@@ -83,7 +83,7 @@ class MlflowSweepCallback(Callback):
             tags["mlflow.source.git.commit"] = git["git_sha"]
         socket_path = str(Path(tempfile.mkdtemp(prefix="pipeline-mlflow-")) / "agent.sock")
         try:
-            link = _Link.spawn(listen=socket_path)
+            link = _Link.spawn(listen=socket_path, priority=str(tracking.get("priority", 10)))
         except OSError as e:
             log.warning("mlflow: no parent run for this sweep (could not start the agent: %s)", e)
             return

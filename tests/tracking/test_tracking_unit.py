@@ -82,7 +82,7 @@ def test_tracker_that_cannot_start_its_agent_warns_once_and_stays_quiet(monkeypa
     def broken():
         raise OSError("no agent today")
 
-    monkeypatch.setattr(mlflow_tracker, "link_for", lambda parent: broken())
+    monkeypatch.setattr(mlflow_tracker, "link_for", lambda *args: broken())
     t = mlflow_tracker.MlflowTracker(uri=f"sqlite:///{tmp_path}/m.db", experiment="e")
     t.start(config={"name": "e"}, facts={}, run_dir=tmp_path, previous_run_uri=None)
     t.log_line({"step": 1, "epoch": 0, "time": 0.0, "train/loss": 1.0})
