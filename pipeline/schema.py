@@ -118,11 +118,11 @@ class RegressionConf:
 
 
 @dataclass
-class GrammarConf:
-    _target_: str = "pipeline.data.grammar.GrammarCorpus"
+class CorpusConf:
+    """What every token corpus on disk shares (written once under <output_dir>/data/)."""
+
+    _target_: str = MISSING
     output_dir: str = "${paths.output_dir}"
-    seed: int = 1234
-    n_sentences: int = 60000
     val_fraction: float = 0.1
     block_size: int = 64
     ngram_order: int = 4
@@ -130,14 +130,17 @@ class GrammarConf:
 
 
 @dataclass
-class TextConf:
+class GrammarConf(CorpusConf):
+    _target_: str = "pipeline.data.grammar.GrammarCorpus"
+    seed: int = 1234
+    n_sentences: int = 60000
+
+
+@dataclass
+class TextConf(CorpusConf):
     _target_: str = "pipeline.data.text.TextCorpus"
-    output_dir: str = "${paths.output_dir}"
     path: str = MISSING
-    val_fraction: float = 0.1
-    block_size: int = 64
     ngram_order: int = 5
-    val_batch_size: int = 32
 
 
 @dataclass
