@@ -82,9 +82,7 @@ def _run_locked(cfg: DictConfig, config: dict, run_dir: Path) -> float:
             if hasattr(s, "run"):
                 s.run(ctx, callbacks)
     except StopTraining as stop:
-        directory = ctx.save()
-        for s in stages:
-            s.on_checkpoint(ctx, state.step, directory)
+        directory = ctx.checkpoint()
         ctx.write_status("preempted")
         tracker.finish("KILLED", run_dir)
         log.warning("preempted by %s at step %d: checkpoint %s; re-run the same command to resume (exit %d)",

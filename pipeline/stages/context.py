@@ -81,6 +81,15 @@ class RunContext:
             sink(directory, manifest)
         return directory
 
+    def checkpoint(self, links: tuple[str, ...] = ()) -> Path:
+        """Save and verify this step, point `links` at it, then let every stage react (rotate, best)."""
+        directory = self.save()
+        for name in links:
+            self.point(name, self.state.step)
+        for s in self.stages:
+            s.on_checkpoint(self, self.state.step, directory)
+        return directory
+
     def point(self, link_name: str, step: int) -> None:
         chaos.point("save", f"before {link_name} link")
         replace_link(self.ckpt_root / link_name, io.step_dir_name(step))

@@ -15,9 +15,6 @@ class Final(Stage):
         super().__init__(order)
 
     def finish(self, ctx) -> None:
-        directory = ctx.save()
-        ctx.point("final", ctx.state.step)
-        for s in ctx.stages:
-            s.on_checkpoint(ctx, ctx.state.step, directory)
+        directory = ctx.checkpoint(links=("final",))
         ctx.write_status("complete")
         log.info("final checkpoint: %s", directory)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pipeline.stages.base import Stage
-from pipeline.trainer.loop import Trainer
+from pipeline.trainer.loop import Trainer, end_of_epoch
 
 
 class CheckpointHook:
@@ -12,12 +12,11 @@ class CheckpointHook:
         self.ctx = ctx
 
     def on_step_end(self, state, record: dict) -> None:
-        epoch_done = state.iterator.cursor + state.iterator.batch_size > state.iterator.n
+        epoch_done = end_of_epoch(state)
+        # Every stage decides (and updates its own state) before the one save they share.
         wants = [s.wants_checkpoint(self.ctx, record, epoch_done) for s in self.ctx.stages]
         if any(wants):
-            directory = self.ctx.save()
-            for s in self.ctx.stages:
-                s.on_checkpoint(self.ctx, state.step, directory)
+            self.ctx.checkpoint()
 
 
 class Train(Stage):

@@ -35,8 +35,7 @@ def evaluate(state: RunState) -> dict[str, float]:
 
 def train_step(state: RunState) -> dict:
     """One update; returns its record (what the verifier compares: ids, lr, loss)."""
-    epoch = state.iterator.epoch if state.iterator.cursor + state.iterator.batch_size <= state.iterator.n \
-        else state.iterator.epoch + 1
+    epoch = state.iterator.epoch + end_of_epoch(state)  # the epoch this batch comes from
     ids = state.iterator.next_ids()
     batch = state.dataset.augment(state.dataset.train_batch(ids, state.dtype), state.streams)
     lr = state.optimizer.lr
