@@ -29,6 +29,7 @@ def main() -> int:
     points = sorted({(t["phase"], t["point"]) for t in report["trial_records"]})
     print(r.stdout.strip())
     print(json.dumps({"trials": report["trials"], "bit_exact": report["bit_exact"],
+                      "same_checkpoints_kept": report["same_checkpoints_kept"],
                       "kills_by_phase": report["kills_by_phase"], "kill_points_available": report["kill_points_available"],
                       "distinct_kill_points_hit": len(points), "invalid_visible_checkpoints": len(report["invalid_visible_checkpoints"]),
                       "seconds": round(time.time() - t0, 1), "exit": r.returncode}))

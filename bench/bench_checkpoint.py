@@ -2,10 +2,11 @@
 
     python bench/bench_checkpoint.py [--mib 256] [--repeats 3] [--dir DIR]
 
-A ~256 MiB state (four float32 weight matrices plus Adam's two moments each, in a minimal RunState) is
-saved with pipeline.checkpoint.io.save (hashing, fsync of every file, rename, fsync of the parent
-included) and compared with a raw write + fsync of the same bytes; load + full verification
-(pipeline.checkpoint.io.load) is compared with a raw read + sha256 of the same bytes. Measurements
+A ~256 MiB state (four float32 weight matrices plus Adam's two moments each, and the other parts of a
+run's state) is saved with pipeline.checkpoint.store.write (hashing, fsync of every file, rename, fsync of
+the parent included) and compared with a raw write + fsync of the same bytes; load + full verification
+against the expected layout (pipeline.checkpoint.store.load) is compared with a raw read + sha256 of the
+same bytes. Measurements
 alternate and the medians are compared, so each ratio comes from one run on one (noisy, shared) machine.
 Reads are warm (page cache) on both sides: dropping caches would disturb the other users of the machine.
 Extra peak memory during save is measured in a child process: peak RSS (VmHWM, reset through
@@ -34,46 +35,57 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.checkpoint import facts as checkpoint_facts  # noqa: E402
-from pipeline.checkpoint import io  # noqa: E402
+from pipeline.checkpoint import manifest as mf  # noqa: E402
+from pipeline.checkpoint import store  # noqa: E402
 from pipeline.data.iterator import DataIterator  # noqa: E402
+from pipeline.model.base import NamedParams  # noqa: E402
 from pipeline.optimizer.adam import Adam  # noqa: E402
 from pipeline.rng import Streams  # noqa: E402
+from pipeline.run import lineage_of  # noqa: E402
 from pipeline.scheduler.constant import Constant  # noqa: E402
-from pipeline.trainer.state import RunState  # noqa: E402
+from pipeline.stages.base import StageStates  # noqa: E402
+from pipeline.state import capture  # noqa: E402
+from pipeline.trainer.state import Progress  # noqa: E402
 
 TARGETS = {"save": 0.65, "load": 1.5, "memory": 0.10}
 MIB = 2**20
 
 
-def build_state(mib: float, seed: int = 0) -> RunState:
-    """A RunState whose params + Adam moments total about `mib` MiB of float32 (4 matrices, 3 arrays each)."""
+class Weights(NamedParams):
+    def __init__(self, params):
+        self.params = params
+
+
+def build_parts(mib: float, seed: int = 0) -> dict:
+    """A run's parts whose params + Adam moments total about `mib` MiB of float32 (4 matrices, 3 arrays each)."""
     per_array = int(mib * MIB / 12)  # 4 params x (param, exp_avg, exp_avg_sq)
     cols = 1024
     rows = max(1, per_array // (4 * cols))
     g = np.random.default_rng(seed)
     params = {f"layers.{i}.weight": g.standard_normal((rows, cols), dtype=np.float32) for i in range(4)}
-    model = SimpleNamespace(params=params, aliases={})
     optimizer = Adam(params, lr=1e-3)
-    for k, v in optimizer.state_dict().items():  # materialise the moments with non-trivial values
-        if isinstance(v, np.ndarray):
+    for kind in optimizer.buffers:  # materialise the moments with non-trivial values
+        for v in optimizer.state_dict()[kind].values():
             v[...] = g.standard_normal(v.shape, dtype=np.float32)
     optimizer.t = 7
     streams = Streams(seed)
-    iterator = DataIterator(1000, 10, streams["data_order"])
-    return RunState(model=model, optimizer=optimizer, scheduler=Constant(optimizer), iterator=iterator,
-                    streams=streams, dataset=None, dtype=np.dtype(np.float32), total_steps=100, step=7)
+    return {"model": Weights(params), "optimizer": optimizer, "scheduler": Constant(optimizer),
+            "data_iter": DataIterator(1000, 10, streams["data_order"]), "rng": streams,
+            "progress": Progress(step=7), "stages": StageStates([])}
 
 
-def state_arrays(state: RunState) -> list[np.ndarray]:
-    return [*state.model.params.values(), *(v for v in state.optimizer.state.values())]
+def state_arrays(parts: dict) -> list[np.ndarray]:
+    return [*parts["model"].params.values(), *parts["optimizer"].state.values()]
 
 
-def bench_facts() -> dict:
-    config = {"bench": "checkpoint"}
-    return {"git_sha": "bench", "git_dirty": None, "config_hash": checkpoint_facts.config_hash(config),
-            "data_manifest_hash": "none", "seed": 0, "versions": checkpoint_facts.versions(), "config": config,
-            "hardware": checkpoint_facts.hardware(), "mlflow_run_uri": None}
+def bench_fields() -> dict:
+    config = {"bench": "checkpoint", "trainer": {"seed": 0}}
+    facts = mf.run_facts(config, {}, "none", {})
+    return mf.build(facts, step=7, epoch=0, metrics={}, tags=[], lineage=lineage_of(facts["semantic_config_hash"], None))
+
+
+def save(parts: dict, directory: Path) -> None:
+    store.write(directory, capture(parts), bench_fields())
 
 
 def raw_write(path: Path, arrays: list[np.ndarray]) -> None:
@@ -108,16 +120,15 @@ def rss_kib(field: str) -> int:
 
 def memory_child(mib: float, directory: str) -> None:
     """In a fresh process: build the state, reset the peak, save, and print the extra peak RSS as JSON."""
-    state = build_state(mib)
-    facts = bench_facts()
-    state_bytes = sum(a.nbytes for a in state_arrays(state))
+    parts = build_parts(mib)
+    state_bytes = sum(a.nbytes for a in state_arrays(parts))
     base = rss_kib("VmRSS")
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
         method = "VmHWM after clear_refs"
     except OSError:
         method = "VmHWM since start (clear_refs unavailable)"
-    io.save(state, Path(directory) / "step-00000007", facts)
+    save(parts, Path(directory) / "step-00000007")
     peak = rss_kib("VmHWM")
     print(json.dumps({"state_bytes": state_bytes, "base_kib": base, "peak_kib": peak,
                       "extra_bytes": max(0, peak - base) * 1024, "method": method}))
@@ -136,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
 
     scratch = Path(tempfile.mkdtemp(prefix=".bench-checkpoint-", dir=args.dir or ROOT.parent))
     try:
-        state = build_state(args.mib)
-        facts = bench_facts()
-        arrays = state_arrays(state)
+        parts = build_parts(args.mib)
+        template = capture(parts)
+        arrays = state_arrays(parts)
         nbytes = sum(a.nbytes for a in arrays)
         raw_file = scratch / "raw.bin"
         times = {"raw_write": [], "save": [], "raw_read": [], "load": []}
@@ -149,10 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             os.sync()
             times["raw_write"].append(timed(lambda: raw_write(raw_file, arrays)))
             os.sync()
-            times["save"].append(timed(lambda: io.save(state, ckpt, facts)))
+            times["save"].append(timed(lambda: save(parts, ckpt)))
             os.sync()
             times["raw_read"].append(timed(lambda: raw_read_sha(raw_file)))
-            times["load"].append(timed(lambda: io.load(ckpt)))
+            times["load"].append(timed(lambda: store.load(ckpt, template)))
             raw_file.unlink()
             shutil.rmtree(ckpt)
             if r < 0:
@@ -175,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| measure | time (s) | MiB/s | ratio | target | ok |")
     print("| --- | ---: | ---: | ---: | --- | --- |")
     print(f"| raw write + fsync | {med['raw_write']:.3f} | {mib_s(med['raw_write']):.0f} | | | |")
-    print(f"| io.save (hash, fsync, rename) | {med['save']:.3f} | {mib_s(med['save']):.0f} | "
+    print(f"| store.write (hash, fsync, rename) | {med['save']:.3f} | {mib_s(med['save']):.0f} | "
           f"{save_ratio:.2f}x raw throughput | >= {TARGETS['save']:.2f} | {save_ratio >= TARGETS['save']} |")
     print(f"| raw read + sha256 (warm) | {med['raw_read']:.3f} | {mib_s(med['raw_read']):.0f} | | | |")
-    print(f"| io.load + verify (warm) | {med['load']:.3f} | {mib_s(med['load']):.0f} | "
+    print(f"| store.load + verify (warm) | {med['load']:.3f} | {mib_s(med['load']):.0f} | "
           f"{load_ratio:.2f}x raw time | <= {TARGETS['load']:.2f} | {load_ratio <= TARGETS['load']} |")
     print(f"| extra peak RSS during save | | {mem['extra_bytes'] / MIB:.1f} MiB | "
           f"{100 * mem_ratio:.1f}% of state | <= {100 * TARGETS['memory']:.0f}% | {mem_ratio <= TARGETS['memory']} |")

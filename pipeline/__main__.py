@@ -1,21 +1,58 @@
-"""`python -m pipeline [overrides]`: the Hydra entry point."""
-from __future__ import annotations
+"""`python -m pipeline [overrides]`: the Hydra entry point; the DictConfig stops here."""
+from pipeline.signals import SIGNALS_STATE
 
-import hydra
-from omegaconf import DictConfig
+SIGNALS_STATE.install()  # first: from here to the last instruction a signal never ends in a traceback
 
-from pipeline.config import CONFIG_DIR, register_all
+import sys  # noqa: E402
+
+from pipeline.signals import EXIT_PREEMPTED, Interrupted  # noqa: E402
+
+EXIT_BAD_INPUT = 2
 
 
-register_all()
+def _plain(cfg) -> dict:
+    """The resolved config as plain values; one line naming the key if a value is missing or cannot resolve."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from pipeline.schema import to_plain
+
+    try:
+        return to_plain(cfg)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        msg = str(e).splitlines()[0]
+        hint = " (data=text needs data.path=FILE)" if key == "data.path" else ""
+        print(f"pipeline: bad config: {key + ': ' if key else ''}{msg}{hint}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
 
 
-@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
-def main(cfg: DictConfig) -> float:
-    from pipeline.app import run  # imported here so `--help` and `--cfg` stay fast
+def main() -> None:
+    import hydra
 
-    return run(cfg)
+    from pipeline.schema import CONFIG_DIR, register
+
+    register()
+
+    @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
+    def task(cfg) -> float:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+        from omegaconf import OmegaConf
+
+        from pipeline import app
+
+        config = _plain(cfg)
+        hydra_cfg = HydraConfig.get()
+        return app.main(config, list(hydra_cfg.overrides.task), OmegaConf.to_yaml(cfg),
+                        multirun=hydra_cfg.mode == RunMode.MULTIRUN)
+
+    task()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Interrupted as e:
+        print(f"pipeline: interrupted by {e} before the run started; nothing was changed; re-run the same "
+              f"command (exit {EXIT_PREEMPTED})", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)

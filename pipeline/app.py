@@ -1,108 +1,100 @@
-"""One job: build the run from the composed config, run its stages in order, return the monitored metric."""
+"""One job from a plain config: build it, hold its run directory, run its stages, exit with what happened.
+
+Exit codes: 0 done (or already complete); 1 an error in the job (a non-finite loss, a bug); 2 bad input (a
+value out of range, groups that do not fit, a busy run directory, a refused drift, an unusable checkpoint,
+a planted symlink) -- one line on stderr, and nothing on disk changed; 75 preempted or interrupted: the
+identical command continues.
+"""
 from __future__ import annotations
 
 import logging
+import logging.handlers
+import math
 import sys
-from pathlib import Path
 
-from hydra.utils import instantiate
-from omegaconf import DictConfig
-
-from pipeline.build import build_state, plain
+from pipeline.atomic import UnsafePathError
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.config import run_name
-from pipeline.facts import run_facts
-from pipeline.preemption import EXIT_PREEMPTED, Preemption
-from pipeline.run_lock import RunBusyError, RunLock
-from pipeline.stages.context import RunContext
-from pipeline.stages.resume import DriftError
-from pipeline.tracking.base import NullTracker
-from pipeline.trainer.loop import StopTraining
-from pipeline.trainer.metrics_log import MetricsLog
-from pipeline.trainer.progress import Progress
+from pipeline.job import build
+from pipeline.run import DriftError, NonFiniteError, Run
+from pipeline.rundir import RunBusyError, RunDir
+from pipeline.schema import ConfigError
+from pipeline.signals import SIGNALS_STATE
 
 log = logging.getLogger("pipeline")
-EXIT_BAD_INPUT = 2
+EXIT_ERROR, EXIT_BAD_INPUT = 1, 2
 
 
-def run_dir_for(config: dict) -> Path:
-    """<runs_dir>/<name>-<semantic hash>; resume=never gets a fresh sibling with a timestamp."""
-    return Path(config["paths"]["runs_dir"]) / run_name(config)
+class JobFailed(Exception):
+    """A job of a multirun that ended with an exit code: the sweep records it and goes on (one line)."""
+
+    def __init__(self, code: int, message: str):
+        self.code = code
+        super().__init__(message)
 
 
-def run(cfg: DictConfig, run_dir: Path | None = None) -> float:
-    config = plain(cfg)
-    run_dir = Path(run_dir) if run_dir is not None else run_dir_for(config)
+_MULTIRUN = False
+
+
+def fail(code: int, message: object) -> None:
+    print(f"pipeline: {message}", file=sys.stderr)
+    if _MULTIRUN:
+        raise JobFailed(code, str(message))
+    sys.exit(code)
+
+
+def objective(metrics: dict) -> float:
+    return float(metrics.get("val/loss", math.nan))
+
+
+def main(config: dict, overrides: list[str], config_yaml: str, multirun: bool = False) -> float:
+    global _MULTIRUN
+    _MULTIRUN = multirun
     try:
-        with RunLock(run_dir):
-            return _run_locked(cfg, config, run_dir)
-    except (RunBusyError, DriftError, CheckpointError) as e:
-        print(f"pipeline: {e}", file=sys.stderr)  # one sentence, on stderr; nothing on disk was changed
-        sys.exit(EXIT_BAD_INPUT)
-
-
-def build_stages(cfg) -> list:
-    """Every node under `stages`, named by its key (its state in checkpoints is filed under that name)."""
-    stages = []
-    for key, node in cfg.stages.items():
-        if node is not None:
-            stage = instantiate(plain(node))
-            stage.name = str(key)
-            stages.append(stage)
-    return sorted(stages, key=lambda s: s.order)
-
-
-def _run_locked(cfg: DictConfig, config: dict, run_dir: Path) -> float:
-    state = build_state(cfg)
-    facts = run_facts(config, state.dataset.manifest_hash, str(run_dir))
-    stages = build_stages(cfg)
-    ctx = RunContext(state, run_dir, facts, stages)
-    for s in stages:
-        s.setup(ctx)
-    tracker = instantiate(plain(cfg.tracking)) if cfg.get("tracking") is not None else NullTracker()
-    if ctx.complete:
-        print(f"run {run_dir} is complete at step {state.step}: "
-              + " ".join(f"{k}={v:.6g}" for k, v in sorted(state.metrics.items())))
-        return float(state.metrics.get("val/loss", float("nan")))
-    trainer_cfg = config["trainer"]
-    resumed = ctx.resumed_manifest or {}
-    tracker.start(config=config, facts=facts, run_dir=run_dir, previous_run_uri=resumed.get("mlflow_run_uri"))
-    preemption = Preemption()
-    # Only the last save (end of training, or preemption) waits for the tracked run's URI: earlier manifests
-    # carry it once the tracker knows it, so the training loop never waits for mlflow to start.
-    ctx.before_save.append(lambda: facts.update(mlflow_run_uri=tracker.run_uri(
-        timeout=30.0 if state.step >= state.total_steps or preemption.received is not None else 0.0)))
-    ctx.extra_sinks.append(tracker.log_checkpoint)
-    callbacks = [MetricsLog(run_dir / "metrics.jsonl", trainer_cfg["log_every"], sinks=[tracker.log_line]),
-                 Progress(trainer_cfg["progress_bar"], trainer_cfg["log_every"]), preemption]
-    ctx.write_status("running")
-    preemption.install()
+        job = build(config)
+    except ConfigError as e:
+        fail(EXIT_BAD_INPUT, e)
+    rundir = RunDir(job.run_dir)
+    log.info("run directory: %s", rundir.path)
     try:
-        for s in stages:
-            if hasattr(s, "run"):
-                s.run(ctx, callbacks)
-    except StopTraining as stop:
-        directory = ctx.checkpoint()
-        ctx.write_status("preempted")
-        tracker.finish("KILLED", run_dir)
-        log.warning("preempted by %s at step %d: checkpoint %s; re-run the same command to resume (exit %d)",
-                    stop, state.step, directory, EXIT_PREEMPTED)
-        sys.exit(EXIT_PREEMPTED)
-    except BaseException:
-        ctx.write_status("failed")
-        tracker.finish("FAILED", run_dir)
-        raise
+        rundir.acquire()
+    except (RunBusyError, UnsafePathError) as e:
+        fail(EXIT_BAD_INPUT, e)
+    # Log lines of the set-up wait in memory: a refused run must not write into the run's log.
+    held = logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1)
+    logging.getLogger().addHandler(held)
+    file_handler = None
+    try:
+        SIGNALS_STATE.defer()
+        run = Run(job, rundir, SIGNALS_STATE)
+        try:
+            run.setup()
+        except (DriftError, CheckpointError, UnsafePathError) as e:
+            fail(EXIT_BAD_INPUT, e)
+        rundir.write_hydra(config_yaml, overrides)
+        file_handler = _log_file(rundir, held)
+        try:
+            code = run.execute()
+        except (CheckpointError, UnsafePathError) as e:
+            fail(EXIT_BAD_INPUT, e)
+        except NonFiniteError as e:
+            fail(EXIT_ERROR, e)
+        if code:
+            fail(code, f"preempted at step {job.state.step}; re-run the same command to resume")
+        return objective(job.state.metrics)
     finally:
-        for cb in callbacks:
-            getattr(cb, "close", lambda: None)()
-    try:
-        for s in stages:
-            s.finish(ctx)
-    except BaseException:
-        tracker.finish("FAILED", run_dir)
-        raise
-    finally:
-        preemption.uninstall()
-    tracker.finish("FINISHED", run_dir)
-    log.info("done at step %d: %s", state.step, " ".join(f"{k}={v:.6g}" for k, v in sorted(state.metrics.items())))
-    return float(state.metrics.get("val/loss", float("nan")))
+        logging.getLogger().removeHandler(held)
+        if file_handler is not None:
+            logging.getLogger().removeHandler(file_handler)
+            file_handler.stream.close()
+        rundir.release()
+
+
+def _log_file(rundir: RunDir, held: logging.handlers.MemoryHandler) -> logging.Handler:
+    """<run>/pipeline.log (never through a symlink), starting with the set-up lines held so far."""
+    handler = logging.StreamHandler(rundir.open_log())
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    held.setTarget(handler)
+    held.flush()
+    logging.getLogger().removeHandler(held)
+    logging.getLogger().addHandler(handler)
+    return handler

@@ -101,18 +101,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR")
     args = parser.parse_args(argv)
     from pipeline.checkpoint import CheckpointError
-    from pipeline.checkpoint import io
+    from pipeline.checkpoint.store import load, read_manifest
+    from pipeline.job import template
 
     try:
-        ckpt = io.load(Path(args.checkpoint))  # verified: sizes, hashes, aliases
+        ckpt = load(Path(args.checkpoint), template(read_manifest(Path(args.checkpoint))))  # fully verified
     except CheckpointError as e:
         raise SystemExit(f"pipeline.export_hf: {e}")
     model = ckpt.manifest["config"]["model"]
     if not str(model.get("_target_", "")).endswith("MiniGPT"):
         raise SystemExit(f"pipeline.export_hf: {args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
-    out = write_hf(ckpt.weights, n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
-                   n_positions=model["block_size"], vocab_size=ckpt.weights["transformer.wte.weight"].shape[0],
-                   out_dir=args.out_dir)
+    weights = ckpt.state["model"]
+    out = write_hf(weights, n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
+                   n_positions=weights["transformer.wpe.weight"].shape[0],
+                   vocab_size=weights["transformer.wte.weight"].shape[0], out_dir=args.out_dir)
     print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")
 
 

@@ -1,27 +1,155 @@
-"""`python -m pipeline.inspect PATH [--json]`: a checkpoint's or a run's contents and validity (pipeline/inspect_cli.py).
+"""`python -m pipeline.inspect PATH [--json]`: what a checkpoint or a run directory holds, and whether it verifies.
 
-This file's name is also the standard library's `inspect`. Imported as a package module it shadows
-nothing; but a Python started with its working directory inside pipeline/ finds this file first for
-every `import inspect` (dataclasses, argparse and Hydra all do it). Then it loads the real module and
-steps aside, so that such a process works as anywhere else.
+PATH is either a checkpoint directory (`.../checkpoints/step-00000010`, or the `best`/`final` link): its
+manifest summarised, then the same full verification a resume does (manifest against itself, sizes,
+sha256, and every tensor's name, shape and dtype against what the manifest's config builds); or a run
+directory (`<output_dir>/runs/<name>-<hash>/`, or its `checkpoints/`): run.json's status and every
+checkpoint with its step, metrics, tags and validity, and where the links point.
+
+Exit 0 if everything shown verifies, 1 if something does not (the one-line reason is printed), 2 if
+PATH is not a directory. Reading never writes: temporaries are listed, not removed.
 """
-if __name__ == "inspect":
-    import importlib.machinery
-    import importlib.util
-    import os
-    import sys
+from __future__ import annotations
 
-    _here = os.path.dirname(os.path.abspath(__file__))
-    _path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
-    _spec = importlib.machinery.PathFinder.find_spec("inspect", _path)
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["inspect"] = _module  # what `import inspect` hands back once this file has run
-    _spec.loader.exec_module(_module)
-    globals().update({k: v for k, v in vars(_module).items() if k not in ("__name__", "__spec__", "__loader__")})
-else:
-    import sys
+import argparse
+import os
+import sys
+from pathlib import Path
 
-    from pipeline.inspect_cli import describe_checkpoint, describe_run, main, render_checkpoint, render_run  # noqa: F401
+from pipeline import jsonio
+from pipeline.atomic import TMP_PREFIX
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint.store import MANIFEST, MAX_MANIFEST, WEIGHTS, read_manifest, verify
+from pipeline.rundir import RunDir
 
-    if __name__ == "__main__":
-        sys.exit(main())
+SUMMARY = ("schema_version", "step", "epoch", "metrics", "tags", "config_hash", "data_manifest_hash", "git_sha",
+           "git_dirty", "seed", "mlflow_run_uri", "lineage")
+
+
+def _template(directory: Path):
+    """What the checkpoint's own config builds (None if its manifest is unreadable: verify says why)."""
+    from pipeline.job import template
+
+    try:
+        return template(read_manifest(directory))
+    except CheckpointError:
+        return None
+
+
+def describe_checkpoint(directory: Path) -> dict:
+    """The manifest's summary (whatever of it is readable) and the verdict of a full verification."""
+    directory = Path(directory)
+    out: dict = {"kind": "checkpoint", "path": str(directory)}
+    if directory.is_symlink():
+        out["link_target"] = os.readlink(directory)
+    try:
+        manifest = jsonio.read(directory / MANIFEST, MAX_MANIFEST)
+    except (OSError, ValueError):
+        manifest = {}
+    manifest = manifest if isinstance(manifest, dict) else {}
+    out.update({k: manifest[k] for k in SUMMARY if k in manifest})
+    files = manifest.get("files")
+    if isinstance(files, dict):
+        out["files"] = files
+        if isinstance(files.get(WEIGHTS), dict):
+            out["checkpoint_hash"] = files[WEIGHTS].get("sha256")
+    try:
+        verify(directory, _template(directory))
+        out["valid"], out["reason"] = True, None
+    except CheckpointError as e:
+        out["valid"], out["reason"] = False, str(e)
+    except Exception as e:  # noqa: BLE001 - the config does not build here (a model this install lacks)
+        out["valid"], out["reason"] = False, f"checkpoint {directory}: its config does not build: {type(e).__name__}: {e}"
+    return out
+
+
+def describe_run(run_dir: Path) -> dict:
+    """run.json's status and every checkpoint of the run with step, metrics and validity."""
+    rundir = RunDir(run_dir)
+    out: dict = {"kind": "run", "path": str(run_dir), "run": rundir.read_status() or None}
+    try:
+        steps, links = rundir.store.scan()
+    except OSError as e:
+        out.update(checkpoints=[], links={}, temporaries=[], valid=False, reason=str(e))
+        return out
+    out["links"] = {name: {"target": t, "exists": (rundir.store.root / t).is_dir()} for name, t in links.items()}
+    checkpoints = []
+    for step, directory in steps:
+        d = describe_checkpoint(directory)
+        d["listed_step"] = step
+        d["links"] = sorted(name for name, t in links.items() if t == directory.name)
+        checkpoints.append(d)
+    out["checkpoints"] = checkpoints
+    root = rundir.store.root
+    out["temporaries"] = sorted(p.name for p in root.iterdir() if p.name.startswith(TMP_PREFIX)) if root.is_dir() else []
+    out["valid"] = all(c["valid"] for c in checkpoints) and all(link["exists"] for link in out["links"].values())
+    return out
+
+
+def _metrics(metrics) -> str:
+    if not isinstance(metrics, dict) or not metrics:
+        return "-"
+    return " ".join(f"{k}={v:.6g}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in sorted(metrics.items()))
+
+
+def render_checkpoint(d: dict) -> str:
+    lines = [f"checkpoint {d['path']}" + (f" -> {d['link_target']}" if "link_target" in d else "")]
+    if "step" in d:
+        lines.append(f"  step {d['step']}  epoch {d.get('epoch')}  schema_version {d.get('schema_version')}"
+                     f"  tags {','.join(d.get('tags') or []) or '-'}")
+        lines.append(f"  metrics: {_metrics(d.get('metrics'))}")
+        lines.append(f"  config_hash: {d.get('config_hash')}")
+        lines.append(f"  data_manifest_hash: {d.get('data_manifest_hash')}")
+        dirty = {True: " (dirty)", False: "", None: ""}.get(d.get("git_dirty"), "")
+        lines.append(f"  git_sha: {d.get('git_sha')}{dirty}  seed: {d.get('seed')}")
+    for name, entry in sorted((d.get("files") or {}).items()):
+        if isinstance(entry, dict):
+            lines.append(f"  {name:<22} {entry.get('size', '?'):>12} B  sha256 {entry.get('sha256')}")
+    lines.append("valid: manifest, sizes, sha256 and contents verify" if d["valid"] else f"INVALID: {d['reason']}")
+    return "\n".join(lines)
+
+
+def render_run(d: dict) -> str:
+    run = d.get("run") or {}
+    lines = [f"run {d['path']}", f"  status: {run.get('status', 'unknown')}  step {run.get('step', '?')}/"
+                                 f"{run.get('total_steps', '?')}  metrics: {_metrics(run.get('metrics'))}"]
+    if "reason" in d:
+        lines.append(f"  INVALID: {d['reason']}")
+    if not d["checkpoints"] and "reason" not in d:
+        lines.append("  no checkpoints")
+    for c in d["checkpoints"]:
+        links = f" [{', '.join(c['links'])}]" if c["links"] else ""
+        verdict = "valid" if c["valid"] else f"INVALID: {c['reason']}"
+        lines.append(f"  step {c.get('step', c['listed_step']):>8}  epoch {c.get('epoch', '?')}{links}  "
+                     f"{_metrics(c.get('metrics'))}  {verdict}")
+    for name, link in d["links"].items():
+        lines.append(f"  {name} -> {link['target']}" + ("" if link["exists"] else "  (MISSING: dangling link)"))
+    if d["temporaries"]:
+        lines.append(f"  ignored temporaries (an interrupted save; the next save removes them): {', '.join(d['temporaries'])}")
+    return "\n".join(lines)
+
+
+def is_run_dir(path: Path) -> bool:
+    rundir = RunDir(path)
+    return rundir.store.root.is_dir() or rundir.status_path.is_file()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.inspect", description=__doc__.splitlines()[0])
+    ap.add_argument("path", type=Path, help="a checkpoint directory or a run directory")
+    ap.add_argument("--json", action="store_true", help="print the description as JSON")
+    args = ap.parse_args(argv)
+    path = args.path
+    if not path.is_dir():
+        print(f"inspect: {path}: not a directory", file=sys.stderr)
+        return 2
+    if RunDir(path.parent).store.root == path and not (path / MANIFEST).exists():
+        path = path.parent  # a run's checkpoints/ stands for the run
+    d = describe_run(path) if is_run_dir(path) else describe_checkpoint(path)
+    print(jsonio.dumps(d).decode() if args.json else (render_run(d) if d["kind"] == "run" else render_checkpoint(d)),
+          end="" if args.json else "\n")
+    return 0 if d["valid"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

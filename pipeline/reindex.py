@@ -15,9 +15,6 @@ tracker is indexing it); one without a verified-looking checkpoint manifest is s
 from __future__ import annotations
 
 import argparse
-import fcntl
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,33 +24,18 @@ from pipeline.tracking.common import (CURVES_ARTIFACT, FINAL_MANIFEST_ARTIFACT, 
 
 
 def _default_output_dir() -> Path:
-    from pipeline.config import PROJECT_ROOT
+    from pipeline.schema import default_output_dir
 
-    return PROJECT_ROOT / "outputs"
-
-
-def _in_use(run_dir: Path) -> bool:
-    lock = run_dir / ".lock"
-    if not lock.exists():
-        return False
-    fd = os.open(lock, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    return Path(default_output_dir())
 
 
 def _manifests(run_dir: Path) -> list[tuple[Path, dict]]:
     from pipeline.checkpoint.errors import CheckpointError
-    from pipeline.checkpoint.io import read_manifest
-    from pipeline.stages.context import list_checkpoints
+    from pipeline.checkpoint.store import read_manifest
+    from pipeline.rundir import RunDir
 
     out = []
-    for _, directory in list_checkpoints(run_dir / "checkpoints"):
+    for _, directory in RunDir(run_dir).store.steps():
         try:
             out.append((directory, read_manifest(directory)))
         except CheckpointError as e:
@@ -62,11 +44,11 @@ def _manifests(run_dir: Path) -> list[tuple[Path, dict]]:
 
 
 def _run_status(run_dir: Path) -> tuple[str | None, float | None]:
+    from pipeline.rundir import RunDir
     from pipeline.tracking.store import STATUS_OF_RUN_JSON
 
-    try:
-        status = json.loads((run_dir / "run.json").read_text())
-    except (OSError, json.JSONDecodeError):
+    status = RunDir(run_dir).read_status()
+    if not status:
         return None, None
     name = status.get("status")
     mlflow_status = STATUS_OF_RUN_JSON.get(name) or ("FAILED" if name == "running" else None)  # died running
@@ -79,14 +61,16 @@ def reindex_run(client, run_dir: Path, uri: str, artifact_root: str | None) -> d
 
     run_dir = run_dir.resolve()
     added = {"created": 0, "params": 0, "tags": 0, "points": 0, "artifacts": 0, "status": 0}
-    if _in_use(run_dir):
+    from pipeline.rundir import RunDir
+
+    if RunDir(run_dir).in_use():
         return {**added, "skipped": "in use by a running job"}
     manifests = _manifests(run_dir)
     if not manifests:
         return {**added, "skipped": "no checkpoint manifest"}
     newest = manifests[-1][1]
     config = newest.get("config") or {}
-    lines = store.read_lines(run_dir / "metrics.jsonl")
+    lines = RunDir(run_dir).read_metrics()
     candidates = []
     for _, manifest in reversed(manifests):
         base, _, rid = parse_run_uri(manifest.get("mlflow_run_uri"))
@@ -113,8 +97,8 @@ def reindex_run(client, run_dir: Path, uri: str, artifact_root: str | None) -> d
     repo = store.artifact_repo(client, run_id)
     have = store.artifact_sizes(repo)
     todo = [(f"checkpoints/{d.name}/manifest.json", d / "manifest.json") for d, _ in manifests]
-    final = run_dir / "checkpoints" / "final"
-    if (final / "weights.safetensors").is_file() and (final / "manifest.json").is_file():
+    final = RunDir(run_dir).store.link_dir("final")
+    if final is not None:
         todo += [(FINAL_WEIGHTS_ARTIFACT, final / "weights.safetensors"), (FINAL_MANIFEST_ARTIFACT, final / "manifest.json")]
     for artifact, source in todo:
         if have.get(artifact) != source.stat().st_size:

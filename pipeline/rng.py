@@ -41,6 +41,19 @@ class Streams:
             **{n: python_state_to_json(r) for n, r in self.py.items()},
         }
 
+    def check_state_dict(self, state: dict) -> None:
+        """Decode every stream onto a scratch generator: the live ones stay untouched if one is bad."""
+        for n in self.np:
+            try:
+                np.random.PCG64().state = numpy_state_from_json(state[n])
+            except (TypeError, ValueError, KeyError) as e:
+                raise ValueError(f"stream {n!r}: {e}") from None
+        for n in self.py:
+            try:
+                random.Random().setstate(python_state_from_json(state[n]))
+            except (TypeError, ValueError, KeyError) as e:
+                raise ValueError(f"stream {n!r}: {e}") from None
+
     def load_state_dict(self, state: dict) -> None:
         missing = set(self.names()) ^ set(state)
         if missing:

@@ -1,12 +1,63 @@
-"""Dataclass schemas registered in Hydra's ConfigStore: a typo'd key or a wrong type fails before training."""
+"""Typed schemas for every config node (Hydra's ConfigStore) and the value checks run before anything starts.
+
+The dataclasses hold types only (every default is MISSING): values live in the YAML under conf/. Hydra checks
+types and keys while composing (`optimizer.lr=abc`, `model.nonexistent=1` fail naming the key);
+`validate(config)` then checks ranges on the resolved plain config, one line per bad value naming the key,
+the value and what is allowed, before the job creates anything on disk. A field's check is in its metadata.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import os
+from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = PROJECT_ROOT / "conf"
+
+
+class ConfigError(ValueError):
+    """A config value out of range, or groups that do not go together (one line per problem)."""
+
+
+# --- checks: value -> None, or what is allowed ------------------------------------------------------
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def at_least(lo) -> Callable:
+    return lambda v: None if _num(v) and math.isfinite(v) and v >= lo else f"must be a number >= {lo}"
+
+
+def above(lo) -> Callable:
+    return lambda v: None if _num(v) and math.isfinite(v) and v > lo else f"must be a finite number > {lo}"
+
+
+def fraction(v) -> str | None:
+    return None if _num(v) and 0 <= v < 1 else "must be in [0, 1)"
+
+
+def probability_list(v) -> str | None:
+    return None if isinstance(v, list) and len(v) == 2 and all(fraction(x) is None for x in v) \
+        else "must be two numbers in [0, 1)"
+
+
+def widths(v) -> str | None:
+    return None if isinstance(v, list) and all(isinstance(x, int) and x >= 1 for x in v) \
+        else "must be a list of layer widths >= 1"
+
+
+def one_of(*options) -> Callable:
+    return lambda v: None if v in options else f"must be one of {', '.join(map(str, options))}"
+
+
+def _f(check: Callable | None = None):
+    return field(default=MISSING, metadata={"check": check} if check else {})
 
 
 class Dtype(Enum):
@@ -19,158 +70,240 @@ class Activation(Enum):
     relu = "relu"
 
 
+class Mode(Enum):
+    min = "min"
+    max = "max"
+
+
+# stop: a non-finite loss or metric ends the run (failed), keeping the last good checkpoints; continue: goes on
+NonFinite = Enum("NonFinite", {"stop": "stop", "continue": "continue"})
+
+
+class KillMode(Enum):
+    none = "none"
+    random = "random"
+
+
 @dataclass
 class PathsConf:
-    output_dir: str = "${project_root:}/outputs"  # everything a run writes lives under here
-    runs_dir: str = "${.output_dir}/runs"
+    output_dir: str = _f()
+    runs_dir: str = _f()
 
 
 @dataclass
 class TrainerConf:
-    seed: int = 0
-    max_steps: int = 0  # > 0 wins over epochs
-    epochs: int = 1
-    batch_size: int = 32
-    dtype: Dtype = Dtype.float32
-    eval_every: int = 0  # steps between evaluations; 0 = at the end of every epoch
-    log_every: int = 10  # steps between metrics.jsonl lines (and tracking points)
-    progress_bar: Optional[bool] = None  # None: a tqdm bar on a terminal, plain log lines otherwise
+    seed: int = _f(at_least(0))
+    max_steps: int = _f(at_least(0))  # > 0 wins over epochs
+    epochs: int = _f(at_least(0))
+    batch_size: int = _f(at_least(1))
+    dtype: Dtype = _f()
+    eval_every: int = _f(at_least(0))
+    log_every: int = _f(at_least(0))
+    progress_bar: Optional[bool] = _f()
+    on_nonfinite: NonFinite = _f()
+
+    @staticmethod
+    def cross(c: dict) -> list[str]:
+        if c["max_steps"] == 0 and c["epochs"] == 0:
+            return ["trainer.max_steps=0 and trainer.epochs=0: give one of them > 0 (the run would train nothing)"]
+        return []
 
 
 # --- model
 @dataclass
 class MLPConf:
-    _target_: str = "pipeline.model.mlp.MLP"
-    hidden: list[int] = field(default_factory=lambda: [8])
-    activation: Activation = Activation.tanh
-    dropout: float = 0.0
+    _target_: str = _f()
+    hidden: list[int] = _f(widths)
+    activation: Activation = _f()
+    dropout: float = _f(fraction)
 
 
 @dataclass
 class MiniGPTConf:
-    _target_: str = "pipeline.model.minigpt.MiniGPT"
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64
-    block_size: int = 64
-    dropout: float = 0.0
-    attn_dropout: Optional[float] = None
-    init_std: float = 0.02
+    _target_: str = _f()
+    n_layer: int = _f(at_least(1))
+    n_head: int = _f(at_least(1))
+    n_embd: int = _f(at_least(1))
+    block_size: Optional[int] = _f()  # null: the data's sequence length
+    dropout: float = _f(fraction)
+    attn_dropout: Optional[float] = _f()
+    init_std: float = _f(above(0))
+
+    @staticmethod
+    def cross(c: dict) -> list[str]:
+        out = []
+        if c["n_embd"] % c["n_head"]:
+            out.append(f"model.n_embd={c['n_embd']} is not divisible by model.n_head={c['n_head']}")
+        if c["attn_dropout"] is not None and fraction(c["attn_dropout"]):
+            out.append(f"model.attn_dropout={c['attn_dropout']}: must be in [0, 1)")
+        if c["block_size"] is not None and c["block_size"] < 1:
+            out.append(f"model.block_size={c['block_size']}: must be >= 1 (or null: the data's)")
+        return out
 
 
 # --- optimizer
 @dataclass
 class SGDConf:
-    _target_: str = "pipeline.optimizer.sgd.SGD"
-    lr: float = 0.1
-    momentum: float = 0.0
-    dampening: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
+    _target_: str = _f()
+    lr: float = _f(above(0))
+    momentum: float = _f(at_least(0))
+    dampening: float = _f(at_least(0))
+    nesterov: bool = _f()
+    weight_decay: float = _f(at_least(0))
 
 
 @dataclass
 class AdamConf:
-    _target_: str = "pipeline.optimizer.adam.Adam"
-    lr: float = 1e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    _target_: str = _f()
+    lr: float = _f(above(0))
+    betas: list[float] = _f(probability_list)
+    eps: float = _f(above(0))
+    weight_decay: float = _f(at_least(0))
 
 
 @dataclass
 class AdamWConf(AdamConf):
-    _target_: str = "pipeline.optimizer.adam.AdamW"
-    weight_decay: float = 0.01
+    pass
 
 
 # --- scheduler
 @dataclass
 class ConstantConf:
-    _target_: str = "pipeline.scheduler.constant.Constant"
+    _target_: str = _f()
 
 
 @dataclass
 class StepConf:
-    _target_: str = "pipeline.scheduler.step.StepLR"
-    step_size: int = 3
-    gamma: float = 0.5
+    _target_: str = _f()
+    step_size: int = _f(at_least(1))
+    gamma: float = _f(above(0))
 
 
 @dataclass
 class CosineConf:
-    _target_: str = "pipeline.scheduler.cosine.WarmupCosine"
-    total_steps: Optional[int] = None  # None: the run's total number of updates
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    num_cycles: float = 0.5
+    _target_: str = _f()
+    total_steps: Optional[int] = _f()  # None: the run's total number of updates
+    warmup_steps: int = _f(at_least(0))
+    min_lr_ratio: float = _f(at_least(0))
+    num_cycles: float = _f(above(0))
 
 
 # --- data
 @dataclass
 class RegressionConf:
-    _target_: str = "pipeline.data.regression.Regression"
-    n_rows: int = 24
-    seed: int = 3
-    noise: float = 0.05
-    input_gain: float = 0.02
-    input_noise: float = 0.01
+    _target_: str = _f()
+    n_rows: int = _f(at_least(2))
+    seed: int = _f(at_least(0))
+    noise: float = _f(at_least(0))
+    input_gain: float = _f(fraction)
+    input_noise: float = _f(at_least(0))
 
 
 @dataclass
 class CorpusConf:
     """What every token corpus on disk shares (written once under <output_dir>/data/)."""
 
-    _target_: str = MISSING
-    output_dir: str = "${paths.output_dir}"
-    val_fraction: float = 0.1
-    block_size: int = 64
-    ngram_order: int = 4
-    val_batch_size: int = 32
+    _target_: str = _f()
+    val_fraction: float = _f(lambda v: None if _num(v) and 0 < v < 1 else "must be in (0, 1)")
+    block_size: int = _f(at_least(1))
+    ngram_order: int = _f(at_least(1))
+    val_batch_size: int = _f(at_least(1))
 
 
 @dataclass
 class GrammarConf(CorpusConf):
-    _target_: str = "pipeline.data.grammar.GrammarCorpus"
-    seed: int = 1234
-    n_sentences: int = 60000
+    seed: int = _f(at_least(0))
+    n_sentences: int = _f(at_least(1))
 
 
 @dataclass
 class TextConf(CorpusConf):
-    _target_: str = "pipeline.data.text.TextCorpus"
-    path: str = MISSING
-    ngram_order: int = 5
+    path: str = _f()
+
+
+# --- stages, cadence, resume
+@dataclass
+class CadenceConf:
+    _target_: str = _f()
+    every_epochs: int = _f(at_least(0))
+    every_steps: int = _f(at_least(0))
+
+
+@dataclass
+class ResumeStageConf:
+    _target_: str = _f()
+    source: str = _f()
+    allow_changes: list[str] = _f()
+    order: int = _f()
+
+
+@dataclass
+class TrainStageConf:
+    _target_: str = _f()
+    eval_every: int = _f(at_least(0))
+    order: int = _f()
+
+
+@dataclass
+class RotateStageConf:
+    _target_: str = _f()
+    keep: int = _f(at_least(1))
+    cadence: Any = MISSING  # the `checkpoint` group's node
+    order: int = _f()
+
+
+@dataclass
+class BestValStageConf:
+    _target_: str = _f()
+    monitor: str = _f()
+    mode: Mode = _f()
+    order: int = _f()
+
+
+@dataclass
+class FinalStageConf:
+    _target_: str = _f()
+    order: int = _f()
 
 
 @dataclass
 class ResumeConf:
-    source: str = "auto"  # auto: newest checkpoint that verifies | never: a fresh directory | a checkpoint path
-    allow_changes: list[str] = field(default_factory=list)  # dotted keys allowed to differ from the checkpoint
+    source: str = _f()  # auto: newest checkpoint that verifies | never: a fresh directory | a checkpoint path
+    allow_changes: list[str] = _f()  # dotted keys allowed to differ from the checkpoint
+
+
+# --- tracking
+@dataclass
+class MlflowTrackingConf:
+    _target_: str = _f()
+    uri: str = _f()
+    artifact_location: Optional[str] = _f()
+    experiment: str = _f()
+    flush_timeout: float = _f(above(0))
+    priority: str = _f(lambda v: None if v in ("idle", "normal") or v.lstrip("-").isdigit()
+                       else "must be idle, normal or a nice value")
 
 
 @dataclass
-class CadenceConf:
-    _target_: str = "pipeline.stages.cadence.Cadence"
-    every_epochs: int = 1
-    every_steps: int = 0
+class NoTrackingConf:
+    _target_: str = _f()
 
 
 @dataclass
 class VerifyConf:
-    cut: int = 5  # updates before the interruption
-    steps: int = 10  # updates in all
-    atol: float = 0.0  # exact by default
-    rtol: float = 0.0
-    kill: str = "none"  # none | random: chaos mode, SIGKILL at random points and re-run until complete
-    trials: int = 20
-    seed: int = 0  # chooses the chaos kill points
-    max_reruns: int = 5
+    cut: int = _f(at_least(1))  # updates before the interruption
+    steps: int = _f(at_least(2))  # updates in all
+    atol: float = _f(at_least(0))  # exact by default
+    rtol: float = _f(at_least(0))
+    kill: KillMode = _f()  # none | random: chaos mode, SIGKILL at random points and re-run until complete
+    trials: int = _f(at_least(1))
+    seed: int = _f(at_least(0))  # chooses the chaos kill points
+    max_reruns: int = _f(at_least(1))
 
 
 @dataclass
 class Config:
-    name: str = "default"  # the experiment's name: the first part of the run directory's name
+    name: str = _f()  # the experiment's name: the first part of the run directory's name
     paths: PathsConf = field(default_factory=PathsConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
     model: Any = MISSING
@@ -184,15 +317,104 @@ class Config:
     verify: VerifyConf = field(default_factory=VerifyConf)
 
 
+# group -> option -> schema; each conf/<group>/<option>.yaml starts from its schema in `defaults`
 SCHEMAS = {
     "model": {"mlp": MLPConf, "minigpt": MiniGPTConf},
     "optimizer": {"sgd": SGDConf, "adam": AdamConf, "adamw": AdamWConf},
     "scheduler": {"constant": ConstantConf, "step": StepConf, "cosine": CosineConf},
     "data": {"regression": RegressionConf, "grammar": GrammarConf, "text": TextConf},
+    "stage": {"resume": ResumeStageConf, "train": TrainStageConf, "rotate": RotateStageConf,
+              "best_val": BestValStageConf, "final": FinalStageConf},
+    "tracking": {"mlflow": MlflowTrackingConf, "none": NoTrackingConf},
+}
+# `_target_` -> schema, to check group nodes (and stages) by what they build
+BY_TARGET = {
+    "pipeline.model.mlp.MLP": MLPConf, "pipeline.model.minigpt.MiniGPT": MiniGPTConf,
+    "pipeline.optimizer.sgd.SGD": SGDConf, "pipeline.optimizer.adam.Adam": AdamConf,
+    "pipeline.optimizer.adam.AdamW": AdamWConf, "pipeline.scheduler.constant.Constant": ConstantConf,
+    "pipeline.scheduler.step.StepLR": StepConf, "pipeline.scheduler.cosine.WarmupCosine": CosineConf,
+    "pipeline.data.regression.Regression": RegressionConf, "pipeline.data.grammar.GrammarCorpus": GrammarConf,
+    "pipeline.data.text.TextCorpus": TextConf, "pipeline.stages.resume.Resume": ResumeStageConf,
+    "pipeline.stages.train.Train": TrainStageConf, "pipeline.stages.rotate.RotateLastN": RotateStageConf,
+    "pipeline.stages.best.BestVal": BestValStageConf, "pipeline.stages.final.Final": FinalStageConf,
+    "pipeline.stages.cadence.Cadence": CadenceConf,
+    "pipeline.tracking.mlflow_tracker.MlflowTracker": MlflowTrackingConf,
+    "pipeline.tracking.base.NullTracker": NoTrackingConf,
 }
 
 
+def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
+    for f in fields(schema):
+        if f.name not in node:
+            continue
+        value = node[f.name]
+        check = f.metadata.get("check")
+        if check is not None and (why := check(value)):
+            errors.append(f"{prefix}{f.name}={value!r}: {why}")
+        if isinstance(value, dict) and isinstance(value.get("_target_"), str) and value["_target_"] in BY_TARGET:
+            _check_node(BY_TARGET[value["_target_"]], value, f"{prefix}{f.name}.", errors)
+    cross = getattr(schema, "cross", None)
+    if cross is not None and not any(e.startswith(prefix) for e in errors):
+        errors.extend(cross(node))
+
+
+def validate(config: dict) -> None:
+    """Raise ConfigError listing every value out of range (one line each); changes nothing anywhere."""
+    errors: list[str] = []
+    for key, schema in (("trainer", TrainerConf), ("resume", ResumeConf), ("checkpoint", CadenceConf),
+                        ("verify", VerifyConf)):
+        if isinstance(config.get(key), dict):
+            _check_node(schema, config[key], f"{key}.", errors)
+    for key in ("model", "optimizer", "scheduler", "data", "tracking"):
+        node = config.get(key)
+        if isinstance(node, dict) and node.get("_target_") in BY_TARGET:
+            _check_node(BY_TARGET[node["_target_"]], node, f"{key}.", errors)
+    for name, node in (config.get("stages") or {}).items():
+        if isinstance(node, dict) and node.get("_target_") in BY_TARGET:
+            _check_node(BY_TARGET[node["_target_"]], node, f"stages.{name}.", errors)
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+
+def default_output_dir() -> str:
+    """<checkout>/outputs when the package runs from a source checkout, else outputs/ in the working directory."""
+    if (PROJECT_ROOT / "pyproject.toml").is_file() and CONFIG_DIR.is_dir():
+        return str(PROJECT_ROOT / "outputs")
+    return str(Path(os.getcwd()) / "outputs")
+
+
+def to_plain(cfg) -> dict:
+    """A composed DictConfig as plain dicts and lists, interpolations resolved, enums as their values, the
+    `hydra` node left out. Raises omegaconf's errors (they name the key) for a missing or unresolvable value."""
+    from omegaconf import OmegaConf
+
+    def values(node):
+        if isinstance(node, dict):
+            return {k: values(v) for k, v in node.items() if k != "hydra"}
+        if isinstance(node, list):
+            return [values(v) for v in node]
+        return node.value if isinstance(node, Enum) else node
+
+    return values(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+
+
+def compose(overrides=(), return_hydra_config: bool = False):
+    """conf/config.yaml composed with `overrides`, exactly as `python -m pipeline` would (nothing written)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="pipeline"):
+        return hydra_compose(config_name="config", overrides=list(overrides),
+                             return_hydra_config=return_hydra_config)
+
+
 def register() -> None:
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("default_output_dir"):
+        OmegaConf.register_new_resolver("default_output_dir", default_output_dir)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     for group, options in SCHEMAS.items():

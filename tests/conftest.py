@@ -1,72 +1,169 @@
-"""Shared fixtures: the real config composed with Hydra, and `python -m pipeline` run as a subprocess.
+"""Shared fixtures: the real config composed with Hydra, one tiny job, the job run in-process, and
+`python -m pipeline` as a subprocess where signals and exit codes are the point.
 
-Nothing here writes into the repository: compose() writes nothing at all, and every subprocess run
-is started from a fresh temporary cwd (so a test also proves outputs do not depend on the cwd);
-callers pass `paths.output_dir=<tmp>` for anything that trains.
+Nothing here writes into the repository: composing writes nothing, every run gets `paths.output_dir` under
+the test's tmp_path, and subprocesses start from an empty temporary cwd (so a test also proves outputs do
+not depend on the cwd).
 """
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import hypothesis
 import pytest
-from hydra import compose, initialize_config_dir
-
-import pipeline.config
 
 # Hypothesis keeps no example database and writes its caches outside the repository.
 hypothesis.configuration.set_hypothesis_home_dir(tempfile.mkdtemp(prefix="pipeline-tests-hypothesis-"))
 hypothesis.settings.register_profile("pipeline", database=None, deadline=None)
 hypothesis.settings.load_profile("pipeline")
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]  # tests/ -> the project root, independent of pipeline.config
+PROJECT_ROOT = Path(__file__).resolve().parents[1]  # tests/ -> the project root, independent of the package
+# The one tiny job most tests train: MiniGPT on a small grammar corpus, a few seconds in-process.
+TINY = ("model.n_layer=1", "model.n_embd=16", "model.n_head=2", "data.n_sentences=400", "data.block_size=16",
+        "data.val_batch_size=16", "optimizer.lr=0.01", "scheduler.warmup_steps=2", "trainer.batch_size=8", "trainer.max_steps=12", "trainer.eval_every=4",
+        "trainer.log_every=1", "checkpoint=every_n_steps", "checkpoint.every_steps=3", "tracking=none",
+        "trainer.progress_bar=false")
+KERNODECK = ("experiment=kernodeck", "tracking=none", "trainer.progress_bar=false")
 
 
-def compose_config(overrides: Sequence[str] = (), return_hydra_config: bool = False):
+def compose(*overrides: str, return_hydra_config: bool = False):
     """The real conf/config.yaml composed with `overrides`, exactly as `python -m pipeline` would."""
-    pipeline.config.register_all()
-    with initialize_config_dir(config_dir=str(pipeline.config.CONFIG_DIR), version_base="1.3", job_name="test"):
-        return compose(config_name="config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+    from pipeline.schema import compose as compose_config
+
+    return compose_config(overrides, return_hydra_config=return_hydra_config)
 
 
-@pytest.fixture
-def compose_cfg() -> Callable:
-    """compose_cfg("experiment=kernodeck", f"paths.output_dir={tmp_path}") -> DictConfig."""
+def config_of(*overrides: str) -> dict:
+    """The composed config as the job sees it: plain, resolved."""
+    from pipeline.schema import to_plain
 
-    def _compose(*overrides: str, return_hydra_config: bool = False):
-        return compose_config(overrides, return_hydra_config=return_hydra_config)
-
-    return _compose
+    return to_plain(compose(*overrides))
 
 
-def run_pipeline(args: Sequence[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m pipeline *args` from `cwd`, with text output captured and HYDRA_FULL_ERROR unset.
+def run_job(*overrides: str) -> tuple[int, float | None]:
+    """`python -m pipeline *overrides` in this process: (exit code, the objective it returned)."""
+    from omegaconf import OmegaConf
 
-    PYTHONPATH starts with this checkout so the subprocess runs this tree's `pipeline`, whatever is installed.
-    """
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    from pipeline import app
+
+    cfg = compose(*overrides)
+    try:
+        return 0, app.main(config_of(*overrides), list(overrides), OmegaConf.to_yaml(cfg))
+    except SystemExit as e:
+        return int(e.code or 0), None
+
+
+def the_run(output_dir: Path) -> Path:
+    """The one run directory under an output directory."""
+    (d,) = [p for p in (Path(output_dir) / "runs").iterdir() if p.is_dir()]
+    return d
+
+
+def env_for_subprocess() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "PIPELINE_CHAOS")}
     env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def run_pipeline(args: Sequence[str], cwd: Path, module: str = "pipeline") -> subprocess.CompletedProcess:
+    """`python -m <module> *args` from `cwd`, output captured; this checkout's package first on the path."""
     Path(cwd).mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env_for_subprocess(),
+                          capture_output=True, text=True)
+
+
+class Proc:
+    """A running `python -m pipeline`, its output going to files (a full pipe would block it)."""
+
+    def __init__(self, args: Sequence[str], cwd: Path, env: dict | None = None):
+        Path(cwd).mkdir(parents=True, exist_ok=True)
+        self.err_path = Path(cwd) / f"stderr-{time.monotonic_ns()}.txt"
+        with open(self.err_path, "w") as err:
+            self.p = subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=cwd,
+                                      env={**env_for_subprocess(), **(env or {})}, stdout=subprocess.DEVNULL,
+                                      stderr=err, text=True)
+
+    def wait(self) -> int:
+        return self.p.wait()
+
+    def send_signal(self, sig) -> None:
+        self.p.send_signal(sig)
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+
+def wait_until(predicate, what: str, proc: Proc | None = None, limit: float = 600) -> None:
+    """Poll until predicate() holds; fail naming `what` (a generous limit: a loaded machine is slow)."""
+    t0 = time.time()
+    while not predicate():
+        if proc is not None and proc.p.poll() is not None:
+            pytest.fail(f"the process exited ({proc.p.returncode}) before {what}: {proc.stderr[-2000:]}")
+        if time.time() - t0 > limit:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)
 
 
 @pytest.fixture
-def cli(tmp_path) -> Callable[..., subprocess.CompletedProcess]:
-    """cli(*args) runs `python -m pipeline *args` from an empty tmp cwd (tmp_path/"cwd")."""
+def preempt_at(monkeypatch):
+    """preempt_at(k): a SIGTERM arrives during update k (the handler's flag, as the real handler sets it)."""
+    import pipeline.trainer.loop as loop
+    from pipeline.signals import SIGNALS_STATE
 
-    def _run(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-        return run_pipeline(args, cwd if cwd is not None else tmp_path / "cwd", timeout=timeout)
+    real = loop.train_step
+    target = {"step": None}
+
+    def step(state):
+        record = real(state)
+        if state.step == target["step"]:
+            SIGNALS_STATE.received = signal.SIGTERM
+        return record
+
+    monkeypatch.setattr(loop, "train_step", step)
+    yield lambda k: target.update(step=k)
+    SIGNALS_STATE.received = None
+
+
+@pytest.fixture
+def tiny(tmp_path) -> tuple[str, ...]:
+    """The tiny job's overrides, writing under tmp_path/out."""
+    return (*TINY, f"paths.output_dir={tmp_path / 'out'}")
+
+
+@pytest.fixture
+def kernodeck(tmp_path) -> tuple[str, ...]:
+    return (*KERNODECK, f"paths.output_dir={tmp_path / 'out'}")
+
+
+@pytest.fixture
+def compose_cfg():
+    """compose_cfg(*overrides, return_hydra_config=False) -> the composed DictConfig."""
+    return compose
+
+
+@pytest.fixture(scope="session")
+def pipeline_runner():
+    """run_pipeline(args, cwd=...) for module- or session-scoped fixtures."""
+
+    def _run(args: Sequence[str], cwd: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
+        return run_pipeline(args, cwd)
 
     return _run
 
 
-@pytest.fixture(scope="session")
-def pipeline_runner() -> Callable[..., subprocess.CompletedProcess]:
-    """run_pipeline itself, for module- or session-scoped fixtures (pass cwd= explicitly)."""
-    return run_pipeline
+@pytest.fixture
+def cli(tmp_path):
+    """cli(*args) runs `python -m pipeline *args` from an empty tmp cwd (tmp_path/"cwd")."""
+
+    def _run(*args: str, cwd: Path | None = None, module: str = "pipeline") -> subprocess.CompletedProcess:
+        return run_pipeline(args, cwd if cwd is not None else tmp_path / "cwd", module)
+
+    return _run

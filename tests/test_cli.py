@@ -1,51 +1,41 @@
-"""`python -m pipeline` end to end, as a subprocess started from an empty temporary cwd."""
+"""`python -m pipeline` end to end, as a subprocess from an empty temporary cwd: what a user sees, exit codes,
+signals from start-up to the last save, and a busy run directory left untouched."""
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]  # tests/ -> the project root
+from conftest import KERNODECK, PROJECT_ROOT, TINY, Proc, compose, env_for_subprocess, the_run, wait_until
+from pipeline.checkpoint.store import verify
+from pipeline.rundir import RunDir
+
 KEYS = {"step", "epoch", "time", "train/loss", "lr", "grad_norm"}
-GROUPS = ("model", "optimizer", "scheduler", "data", "trainer", "experiment")
+GROUPS = ("model", "optimizer", "scheduler", "data", "trainer", "experiment", "stages", "tracking")
 
 
-def metrics_files(output_dir: Path) -> list[Path]:
-    return sorted(Path(output_dir).rglob("metrics.jsonl"))
-
-
-def read_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def lines_of(out: Path) -> list[dict]:
+    return RunDir(the_run(out)).read_metrics()
 
 
 def without_time(lines: list[dict]) -> list[dict]:
     return [{k: v for k, v in line.items() if k != "time"} for line in lines]
 
 
-@pytest.fixture(scope="module")
-def kernodeck_runs(pipeline_runner, tmp_path_factory):
-    """Two runs of experiment=kernodeck, same seed, different output dirs and cwds."""
-    runs = []
-    for i in range(2):
-        root = tmp_path_factory.mktemp(f"kernodeck{i}")
-        out, cwd = root / "out", root / "cwd"
-        proc = pipeline_runner(["experiment=kernodeck", f"paths.output_dir={out}"], cwd=cwd)
-        runs.append((proc, out, cwd))
-    return runs
-
-
-def test_kernodeck_run_writes_ten_metric_lines(kernodeck_runs):
-    proc, out, cwd = kernodeck_runs[0]
+def test_kernodeck_run_writes_ten_metric_lines_and_nothing_in_the_cwd(cli, tmp_path):
+    out = tmp_path / "out"
+    proc = cli(*KERNODECK, f"paths.output_dir={out}")
     assert proc.returncode == 0, proc.stderr
-    files = metrics_files(out)
-    assert len(files) == 1
-    path = files[0]
-    assert path.parent.parent == out / "runs" and path.parent.name.startswith("kernodeck")
-    lines = read_lines(path)
-    assert len(lines) == 10
+    assert f"run directory: {the_run(out)}" in proc.stdout and "starting a new run" in proc.stdout
+    lines = lines_of(out)
     assert [line["step"] for line in lines] == list(range(1, 11))
     assert [line["lr"] for line in lines] == pytest.approx(
         [0.03] * 3 + [0.015] * 3 + [0.0075] * 3 + [0.00375], rel=1e-12, abs=0)
@@ -54,50 +44,48 @@ def test_kernodeck_run_writes_ten_metric_lines(kernodeck_runs):
         assert math.isfinite(line["train/loss"]) and line["grad_norm"] > 0
     assert [line["epoch"] for line in lines] == [0] * 6 + [1] * 4
     assert "val/loss" in lines[4] and "val/loss" in lines[9]  # eval_every 5
-    assert list(cwd.iterdir()) == []  # nothing written relative to the cwd
+    assert list((tmp_path / "cwd").iterdir()) == []  # nothing written relative to the cwd
+    run = the_run(out)
+    assert (run / ".hydra" / "config.yaml").is_file() and "kernodeck" in (run / "pipeline.log").read_text()
 
 
-def test_same_seed_gives_identical_metrics_apart_from_time(kernodeck_runs):
-    (p1, out1, _), (p2, out2, _) = kernodeck_runs
-    assert p1.returncode == 0 and p2.returncode == 0
-    a, b = read_lines(metrics_files(out1)[0]), read_lines(metrics_files(out2)[0])
-    assert without_time(a) == without_time(b)
-    assert len(a) == 10
-
-
-def test_metrics_match_an_in_process_run(kernodeck_runs, compose_cfg, tmp_path):
-    """The CLI trains exactly what build_state + train_step compute (the seed, lr and data order)."""
-    from pipeline.build import build_state
+def test_the_cli_trains_what_the_job_computes(cli, tmp_path):
+    """The same seed, lr and data order as build + train_step in this process."""
+    from conftest import config_of
+    from pipeline.job import build
     from pipeline.trainer.loop import train_step
 
-    state = build_state(compose_cfg("experiment=kernodeck", f"paths.output_dir={tmp_path}"))
+    out = tmp_path / "out"
+    assert cli(*KERNODECK, f"paths.output_dir={out}").returncode == 0
+    state = build(config_of(*KERNODECK, f"paths.output_dir={tmp_path / 'other'}")).state
     records = [train_step(state) for _ in range(10)]
-    lines = read_lines(metrics_files(kernodeck_runs[0][1])[0])
-    for r, line in zip(records, lines):
-        assert (line["step"], line["epoch"], line["lr"]) == (r["step"], r["epoch"], r["lr"])
-        assert line["train/loss"] == pytest.approx(r["train/loss"], rel=1e-12)
-        assert line["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-12)
+    for r, line in zip(records, lines_of(out)):
+        assert (line["step"], line["epoch"], line["lr"], line["train/loss"], line["grad_norm"]) == \
+            (r["step"], r["epoch"], r["lr"], r["train/loss"], r["grad_norm"])
 
 
 @pytest.mark.parametrize("override,key", [
     ("optimizer.lr=abc", "optimizer.lr"),
     ("model.nonexistent=1", "model.nonexistent"),
+    ("optimizer.lr=-1", "optimizer.lr"),
+    ("trainer.batch_size=0", "trainer.batch_size"),
+    ("stages.best_val.mode=maximum", "mode"),
 ])
-def test_bad_override_fails_naming_the_key(cli, tmp_path, override, key):
+def test_bad_input_is_one_line_exit_2_and_no_run_directory(cli, tmp_path, override, key):
     out = tmp_path / "out"
-    proc = cli("experiment=kernodeck", override, f"paths.output_dir={out}")
+    proc = cli(*KERNODECK, override, f"paths.output_dir={out}")
     assert proc.returncode != 0
     assert key in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr  # a message, not a stack trace (HYDRA_FULL_ERROR unset)
-    assert metrics_files(tmp_path) == []
+    assert not (out / "runs").exists()
 
 
-def test_cfg_job_prints_the_composed_config(cli, compose_cfg, tmp_path):
+def test_cfg_job_prints_the_composed_config(cli, tmp_path):
     overrides = ["experiment=kernodeck", "optimizer.lr=0.05", f"paths.output_dir={tmp_path / 'out'}"]
     proc = cli("--cfg", "job", *overrides)
     assert proc.returncode == 0, proc.stderr
     printed = OmegaConf.to_container(OmegaConf.create(proc.stdout), resolve=False)
-    expected = OmegaConf.to_container(compose_cfg(*overrides), resolve=False, enum_to_str=True)
+    expected = OmegaConf.to_container(compose(*overrides), resolve=False, enum_to_str=True)
     assert printed == expected
     assert printed["optimizer"]["lr"] == 0.05 and printed["name"] == "kernodeck"
     assert printed["paths"]["output_dir"] == str(tmp_path / "out")
@@ -107,11 +95,9 @@ def test_cfg_job_prints_the_composed_config(cli, compose_cfg, tmp_path):
 def test_help_lists_the_config_groups(cli, tmp_path):
     proc = cli("--help", f"paths.output_dir={tmp_path / 'out'}")
     assert proc.returncode == 0, proc.stderr
-    assert "== Configuration groups ==" in proc.stdout
     listed = {line.split(":", 1)[0] for line in proc.stdout.splitlines() if ":" in line and not line.startswith(" ")}
     assert set(GROUPS) <= listed, listed
     assert "optimizer: adam, adamw, sgd" in proc.stdout
-    assert "scheduler: constant, cosine, step" in proc.stdout
     assert "experiment: kernodeck" in proc.stdout
     assert not (tmp_path / "out").exists()
 
@@ -123,31 +109,165 @@ def hf_cosine_with_warmup(base_lr, step, warmup, total):
     return base_lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
 
 
-def test_sgd_cosine_200_steps(cli, tmp_path):
+def test_sgd_cosine_schedule(cli, tmp_path):
     out = tmp_path / "out"
-    proc = cli("optimizer=sgd", "optimizer.lr=0.1", "scheduler=cosine", "trainer.max_steps=200", "tracking=none",
-               f"paths.output_dir={out}")
+    proc = cli(*TINY, "optimizer=sgd", "optimizer.lr=0.1", "scheduler=cosine", "scheduler.warmup_steps=5",
+               "trainer.max_steps=20", f"paths.output_dir={out}")
     assert proc.returncode == 0, proc.stderr
-    (path,) = metrics_files(out)
-    lines = read_lines(path)
-    assert lines[-1]["step"] == 200
-    # conf/scheduler/cosine.yaml: 100 warmup steps, total = the run's 200 updates
+    lines = lines_of(out)
+    assert lines[-1]["step"] == 20
     for line in lines:
-        assert line["lr"] == pytest.approx(hf_cosine_with_warmup(0.1, line["step"] - 1, 100, 200), rel=1e-12, abs=1e-18)
-    assert list((tmp_path / "cwd").iterdir()) == []
+        assert line["lr"] == pytest.approx(hf_cosine_with_warmup(0.1, line["step"] - 1, 5, 20), rel=1e-12, abs=1e-18)
 
 
-def test_default_output_dir_is_the_project_outputs_whatever_the_cwd(compose_cfg, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    cfg = compose_cfg(return_hydra_config=True)
-    assert cfg.paths.output_dir == str(PROJECT_ROOT / "outputs")
-    assert cfg.paths.runs_dir == str(PROJECT_ROOT / "outputs" / "runs")
-    assert Path(cfg.hydra.run.dir).parent == PROJECT_ROOT / "outputs" / "runs"
-
-
-def test_default_output_dir_printed_by_the_cli_from_another_cwd(cli, tmp_path):
+def test_default_output_dir_is_the_checkouts_outputs_whatever_the_cwd(cli, tmp_path):
     proc = cli("--cfg", "job", "--resolve", cwd=tmp_path / "elsewhere")
     assert proc.returncode == 0, proc.stderr
     printed = OmegaConf.create(proc.stdout)
     assert printed.paths.output_dir == str(PROJECT_ROOT / "outputs")
     assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+# -- signals ------------------------------------------------------------------------------------------
+
+LONG = (*KERNODECK, "trainer.max_steps=200000", "trainer.log_every=100", "trainer.eval_every=50000",
+        "checkpoint=every_n_steps", "checkpoint.every_steps=100000")
+
+
+def steps_logged(out: Path) -> int:
+    runs = list((out / "runs").glob("*/metrics.jsonl")) if (out / "runs").exists() else []
+    lines = RunDir(runs[0].parent).read_metrics() if runs else []
+    return lines[-1]["step"] if lines else 0
+
+
+def catches(pid: int, sig: int) -> bool:
+    """True once the process has a handler for `sig` (the entry point's first instruction installs it)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except OSError:
+        pass
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+def test_a_signal_during_start_up_exits_75_in_one_line(tmp_path, sig):
+    """From the first instruction of the entry point: a signal before training is never a traceback."""
+    for delay in (0.0, 0.3, 1.0):  # while importing, composing, building
+        proc = Proc([*KERNODECK, f"paths.output_dir={tmp_path / 'out'}"], tmp_path / "cwd")
+        wait_until(lambda: catches(proc.p.pid, signal.SIGTERM), "the entry point's handlers", proc)
+        time.sleep(delay)
+        proc.send_signal(sig)
+        code = proc.wait()
+        assert code in (0, 75), proc.stderr  # 0 only if it finished first
+        assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_then_sigint_during_training_still_saves_and_exits_75(tmp_path):
+    out = tmp_path / "out"
+    proc = Proc([*LONG, f"paths.output_dir={out}"], tmp_path / "cwd")
+    wait_until(lambda: steps_logged(out) >= 200, "step 200", proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)  # a second signal changes nothing: the save in progress completes
+    assert proc.wait() == 75, proc.stderr
+    assert "Traceback" not in proc.stderr
+    run = the_run(out)
+    status = RunDir(run).read_status()
+    assert status["status"] == "preempted"
+    newest = RunDir(run).store.steps()[-1]
+    assert newest[0] == status["step"] >= 200
+    verify(newest[1])
+
+
+@pytest.mark.slow
+def test_a_refused_process_changes_nothing_in_the_busy_run(tmp_path):
+    """Regression (#12.6): the refused process rewrote .hydra/config.yaml and overrides.yaml."""
+    out = tmp_path / "out"
+    first = Proc([*LONG, f"paths.output_dir={out}"], tmp_path / "cwd")
+    try:
+        wait_until(lambda: steps_logged(out) >= 200, "step 200", first)
+        run = the_run(out)
+        watched = [run / ".hydra" / "config.yaml", run / ".hydra" / "overrides.yaml", run / "pipeline.log",
+                   run / ".lock", run / "run.json"]
+        before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in watched}
+        second = Proc([*LONG, f"paths.output_dir={out}", "trainer.log_every=100"], tmp_path / "cwd2")
+        assert second.wait() == 2
+        assert "is in use by another process" in second.stderr and str(run) in second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1 or "Traceback" not in second.stderr
+        after = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in watched if p.name != "pipeline.log"}
+        assert after == {p: v for p, v in before.items() if p.name != "pipeline.log"}
+        assert before[run / "pipeline.log"][0] in (run / "pipeline.log").read_bytes()  # only the owner appends
+        assert b"in use" not in (run / "pipeline.log").read_bytes()
+        assert first.p.poll() is None  # the first run carries on undisturbed
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait() == 75
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,targets", [
+    ((*KERNODECK, "trainer.max_steps=4000", "trainer.eval_every=500", "trainer.log_every=1",
+      "checkpoint=every_n_steps", "checkpoint.every_steps=250"), (600, 1700, 2900)),
+    ((*TINY, "trainer.max_steps=900", "trainer.eval_every=200", "checkpoint.every_steps=200"), (150, 420, 700)),
+], ids=["kernodeck", "minigpt"])
+def test_sigterm_at_three_steps_then_resume_is_bit_identical(tmp_path, args, targets):
+    ref_out, out = tmp_path / "ref", tmp_path / "out"
+    ref = Proc([*args, f"paths.output_dir={ref_out}"], tmp_path / "cwd")
+    assert ref.wait() == 0, ref.stderr
+    stopped_at = []
+    for target in targets:
+        proc = Proc([*args, f"paths.output_dir={out}"], tmp_path / "cwd")
+        wait_until(lambda: steps_logged(out) >= target, f"step {target}", proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait() == 75, proc.stderr
+        status = RunDir(the_run(out)).read_status()
+        assert status["status"] == "preempted"
+        stopped_at.append(status["step"])
+    assert len(set(stopped_at)) == 3 and stopped_at == sorted(stopped_at), stopped_at
+    assert Proc([*args, f"paths.output_dir={out}"], tmp_path / "cwd").wait() == 0
+    a, b = RunDir(the_run(out)), RunDir(the_run(ref_out))
+    assert without_time(a.read_metrics()) == without_time(b.read_metrics())  # every loss, lr and grad norm
+    assert a.store.links() == b.store.links()
+    for (sa, da), (sb, db) in zip(a.store.steps(), b.store.steps(), strict=True):
+        assert sa == sb
+        for name in ("weights.safetensors", "optim.safetensors", "extra.json"):
+            assert (da / name).read_bytes() == (db / name).read_bytes(), (sa, name)
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_saying_why(tmp_path, cli):
+    out = tmp_path / "out"
+    args = (*KERNODECK, "trainer.max_steps=40", "checkpoint=every_n_steps", "checkpoint.every_steps=10",
+            "~stages.best_val")
+    assert cli(*args, f"paths.output_dir={tmp_path / 'ref'}").returncode == 0
+    killed = subprocess.run([sys.executable, "-m", "pipeline", *args, f"paths.output_dir={out}"],
+                            env={**env_for_subprocess(), "PIPELINE_CHAOS": "train:70"}, capture_output=True,
+                            text=True)  # 2 kill points per step: killed inside step 35
+    assert killed.returncode == -signal.SIGKILL
+    store = RunDir(the_run(out)).store
+    assert [s for s, _ in store.steps()] == [10, 20, 30]
+    weights = store.root / "step-00000030" / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x10  # one flipped bit in tensor data: safetensors itself would load this silently
+    weights.write_bytes(bytes(data))
+    r = cli(*args, f"paths.output_dir={out}")
+    assert r.returncode == 0, r.stderr
+    log = r.stderr + r.stdout
+    assert "step-00000030" in log and "sha256 differs" in log and "falling back" in log
+    assert "resuming from step 20" in log
+    a, b = RunDir(the_run(out)), RunDir(the_run(tmp_path / "ref"))
+    assert without_time(a.read_metrics()) == without_time(b.read_metrics())
+    assert [s for s, _ in a.store.steps()] == [s for s, _ in b.store.steps()]
+    assert (a.store.link_dir("final") / "weights.safetensors").read_bytes() == \
+        (b.store.link_dir("final") / "weights.safetensors").read_bytes()
+
+
+def test_json_written_by_a_run_is_standard(tmp_path, cli):
+    out = tmp_path / "out"
+    assert cli(*TINY, f"paths.output_dir={out}").returncode == 0
+    for p in the_run(out).rglob("*"):
+        if p.suffix in (".json", ".jsonl"):
+            for text in p.read_text().splitlines() if p.suffix == ".jsonl" else [p.read_text()]:
+                json.loads(text, parse_constant=lambda c: pytest.fail(f"{p}: bare {c}"))
+    assert os.listdir(tmp_path / "cwd") == []

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -24,9 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline import jsonio
+
 ALIAS = re.compile(r"^ALIAS\((.+)\)$")
 CHUNK = 8 << 20  # bytes per write/read/hash step
-MAX_HEADER = 100_000_000  # the safetensors library's own limit on the JSON header
+MAX_HEADER = 16 << 20  # bytes of JSON header we read (legitimate ones are ~100 bytes a tensor)
 
 # safetensors' dtype codes, in the library's own order (its writer puts wider codes first).
 CODES = ("BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64")
@@ -139,7 +142,7 @@ def write_tensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str,
     if "__metadata__" in unique:
         raise ValueError("'__metadata__' cannot name a tensor")
     head, order = encode_header(unique, meta)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         with _Hasher() as h:
             h.update(head)
@@ -181,6 +184,10 @@ class _Malformed(ValueError):
     pass
 
 
+class _Misfit(_Malformed):
+    """A well-formed file holding other tensors than expected."""
+
+
 def _read_exact(f, buf: memoryview) -> None:
     while len(buf):
         n = f.readinto(buf)
@@ -205,7 +212,7 @@ def _check_header(header, data_len: int) -> tuple[dict[str, str], list[tuple[str
             code, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise _Malformed(f"tensor {name!r}: needs dtype, shape and data_offsets [begin, end]") from None
-        if code not in TO_NUMPY:
+        if not isinstance(code, str) or code not in TO_NUMPY:
             raise _Malformed(f"tensor {name!r}: dtype {code!r} has no numpy equivalent here")
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise _Malformed(f"tensor {name!r}: bad shape {shape!r}")
@@ -227,14 +234,50 @@ def _check_header(header, data_len: int) -> tuple[dict[str, str], list[tuple[str
     return metadata, [(name, dtype, shape, nbytes) for _, name, dtype, shape, nbytes in entries]
 
 
-def read_tensors(path: Path, expected_sha256: str | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def layout(arrays: dict[str, np.ndarray]) -> dict:
+    """What a file of these arrays holds: {"tensors": {name: (code, shape)}, "aliases": {alias: name},
+    "data_bytes": n}, to check a file's header against before reading (and allocating) its data."""
+    unique, aliases = split_aliases(arrays)
+    tensors = {k: (FROM_NUMPY[a.dtype.newbyteorder("<")], tuple(a.shape)) for k, a in unique.items()}
+    return {"tensors": tensors, "aliases": aliases, "data_bytes": sum(a.nbytes for a in unique.values())}
+
+
+def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
+    got = {name: (FROM_NUMPY[dtype.newbyteorder("<")], shape) for name, dtype, shape, _ in entries}
+    want = expect["tensors"]
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+        return ("tensors differ from what the config builds: " + "; ".join(
+            ([f"lacks {missing[:5]}"] if missing else []) + ([f"has unexpected {extra[:5]}"] if extra else [])))
+    for name in sorted(want):
+        if got[name] != want[name]:
+            (gc, gs), (wc, ws) = got[name], want[name]
+            return f"{name} is {gc}{list(gs)}, the config builds {wc}{list(ws)}"
+    aliases = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
+    if aliases != expect["aliases"]:
+        return f"tied names {aliases} differ from the config's {expect['aliases']}"
+    return None
+
+
+def read_tensors(path: Path, expected_sha256: str | None = None,
+                 expect: dict | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Arrays (aliases resolved to one object) and the header metadata, read and hashed in one pass.
 
     Raises DigestMismatch (a ValueError) if `expected_sha256` is given and the bytes differ, whatever
-    else is wrong with them; otherwise ValueError for a file that is not valid safetensors.
+    else is wrong with them; otherwise ValueError for a file that is not valid safetensors, or (given a
+    `layout` to `expect`) one that holds other tensors: then nothing beyond the header is allocated, and a
+    file larger than such a checkpoint can be is refused before it is read at all.
     """
-    with open(path, "rb", buffering=0) as f, _Hasher() as h:
-        size = os.fstat(f.fileno()).st_size
+    # O_NOFOLLOW: a checkpoint file must be a regular file in its directory, never a link out of it.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb", buffering=0) as f, _Hasher() as h:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        size = st.st_size
+        if expect is not None and size > 8 + MAX_HEADER + expect["data_bytes"]:
+            raise ValueError(f"{size} bytes, more than a checkpoint of this config can hold "
+                             f"({expect['data_bytes']} bytes of tensors)")
         arrays: dict[str, np.ndarray] = {}
         try:
             if size < 8:
@@ -243,16 +286,20 @@ def read_tensors(path: Path, expected_sha256: str | None = None) -> tuple[dict[s
             _read_exact(f, memoryview(head))
             h.update(bytes(head))
             (n,) = struct.unpack("<Q", head)
-            if n > min(MAX_HEADER, size - 8):
+            if n > MAX_HEADER:
+                raise _Malformed(f"header of {n} bytes is over the {MAX_HEADER}-byte limit")
+            if n > size - 8:
                 raise _Malformed(f"header length {n} does not fit a {size}-byte file")
             raw = bytearray(n)
             _read_exact(f, memoryview(raw))
             h.update(bytes(raw))
             try:
-                header = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise _Malformed(f"header is not valid JSON ({e})") from None
+                header = jsonio.loads(bytes(raw))
+            except jsonio.JSONError as e:
+                raise _Malformed(f"header: {e}") from None
             metadata, entries = _check_header(header, size - 8 - n)
+            if expect is not None and (reason := _layout_reason(entries, metadata, expect)):
+                raise _Misfit(reason)
             for name, dtype, shape, nbytes in entries:
                 a = np.empty(shape, dtype=dtype)
                 data = _bytes_of(a)
@@ -270,7 +317,8 @@ def read_tensors(path: Path, expected_sha256: str | None = None) -> tuple[dict[s
             digest = h.hexdigest()
             if expected_sha256 is not None and digest != expected_sha256:
                 raise DigestMismatch(f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}...") from None
-            raise ValueError(f"not a valid safetensors file: {e}") from None
+            raise ValueError(f"does not fit: {e}" if isinstance(e, _Misfit)
+                             else f"not a valid safetensors file: {e}") from None
         digest = h.hexdigest()
     if expected_sha256 is not None and digest != expected_sha256:
         raise DigestMismatch(f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}...")

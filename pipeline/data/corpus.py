@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import secrets
-import shutil
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,8 +11,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from pipeline.checkpoint.atomic import fsync_dir, write_synced
-
+from pipeline.atomic import TMP_PREFIX, ensure_dirs, new_temp_dir, publish_dir, remove_tree, write_new
 from pipeline.data import ngram
 from pipeline.data.base import Batch, DataSpec
 
@@ -22,7 +19,7 @@ FORMAT_VERSION = 1
 TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 512
 MAX_VOCAB = 512
 SPLITS = ("train", "val")
-_TMP_MARK = ".tmp-"
+log = logging.getLogger("pipeline")
 _STALE_TMP_SECONDS = 3600.0  # a generation takes seconds: an hour-old temp dir is a crashed writer's
 
 
@@ -127,43 +124,40 @@ def verify_corpus(directory: Path, params: dict | None = None) -> dict:
     return manifest
 
 
-def _clean_stale_temps(parent: Path, final_name: str) -> None:
+def _clean_stale_temps(parent: Path) -> None:
     now = time.time()
-    for p in parent.glob(f".{final_name}{_TMP_MARK}*"):
+    for p in parent.glob(f"{TMP_PREFIX}*"):
         try:
-            if now - p.stat().st_mtime > _STALE_TMP_SECONDS:
-                shutil.rmtree(p, ignore_errors=True)
+            if now - p.lstat().st_mtime > _STALE_TMP_SECONDS:
+                remove_tree(p)
         except FileNotFoundError:
             pass  # its writer finished or another cleaner got there first
 
 
-def ensure_corpus(output_dir: Path, name: str, params: dict, build: Callable[[], CorpusContent]) -> Path:
-    """<output_dir>/data/<name>-<hash>/, built by `build` only if absent; safe under concurrent writers."""
-    parent = Path(output_dir) / "data"
+def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], CorpusContent]) -> Path:
+    """<data_dir>/<name>-<hash>/, built by `build` only if absent; safe under concurrent writers."""
+    parent = Path(data_dir)
     final = parent / f"{name}-{short_hash(params)}"
     if final.exists():
         verify_corpus(final, params)
         return final
-    parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale_temps(parent, final.name)
+    ensure_dirs(parent)
+    # Other writers may be generating it now: their temporaries are young; an hour-old one is a crashed writer's.
+    _clean_stale_temps(parent)
+    log.info("generating the %s corpus into %s (once; later runs reuse it)", name, final)
     files = render(build(), name, params)
-    # A private sibling (same filesystem) so the rename publishes the complete directory at once.
-    tmp = parent / f".{final.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    tmp = new_temp_dir(parent, final.name)
     try:
         for fn, data in files.items():
-            write_synced(tmp / fn, data)
-        fsync_dir(tmp)
+            write_new(tmp / fn, data)
         try:
-            os.rename(tmp, final)
+            publish_dir(tmp, final)
         except OSError:
             if not final.exists():
                 raise
             # Another writer published first; its bytes must equal ours, which verify checks.
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    fsync_dir(parent)
+        remove_tree(tmp)
     verify_corpus(final, params)
     if (final / "MANIFEST.json").read_bytes() != files["MANIFEST.json"]:
         # Same params, other bytes: the existing corpus came from another version of the generator.

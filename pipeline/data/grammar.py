@@ -382,7 +382,7 @@ class GrammarCorpus(TokenDataset):
 
     def __init__(
         self,
-        output_dir: str,
+        cache_dir: str,
         seed: int = 1234,
         n_sentences: int = 60000,
         val_fraction: float = 0.1,
@@ -400,7 +400,7 @@ class GrammarCorpus(TokenDataset):
             "ngram_order": int(ngram_order),
         }
         directory = ensure_corpus(
-            Path(output_dir), "grammar", params,
+            Path(cache_dir), "grammar", params,
             lambda: build_grammar_corpus(params["seed"], params["n_sentences"], params["val_fraction"]),
         )
         super().__init__(directory, val_batch_size=val_batch_size)

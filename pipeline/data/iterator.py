@@ -11,8 +11,8 @@ class DataIterator:
     """
 
     def __init__(self, n: int, batch_size: int, rng: np.random.Generator):
-        if batch_size > n:
-            raise ValueError(f"batch_size {batch_size} exceeds the {n} training samples")
+        if not 1 <= batch_size <= n:
+            raise ValueError(f"trainer.batch_size={batch_size}: must be between 1 and the {n} training samples")
         self.n, self.batch_size, self.rng = int(n), int(batch_size), rng
         self.epoch = 0
         self.permutation = rng.permutation(self.n).astype(np.int64)  # [n]
@@ -32,12 +32,16 @@ class DataIterator:
         return self.n // self.batch_size
 
     def state_dict(self) -> dict:
-        # The generator's own state lives with the run's RNG streams (data_order).
-        return {"epoch": self.epoch, "permutation": self.permutation.copy(), "cursor": self.cursor}
+        # The generator's own state lives with the run's RNG streams (data_order). Live objects, not copies.
+        return {"epoch": self.epoch, "permutation": self.permutation, "cursor": self.cursor}
+
+    def check_state_dict(self, state: dict) -> None:
+        perm = state["permutation"]
+        if perm.dtype.kind not in "iu" or not np.array_equal(np.sort(perm), np.arange(self.n)):
+            raise ValueError(f"permutation is not a permutation of the {self.n} sample ids")
+        if not (0 <= state["cursor"] <= self.n and state["epoch"] >= 0):
+            raise ValueError(f"cursor {state['cursor']} or epoch {state['epoch']} out of range (n={self.n})")
 
     def load_state_dict(self, state: dict) -> None:
-        perm = np.asarray(state["permutation"])
-        if perm.shape != (self.n,):
-            raise ValueError(f"permutation has shape {perm.shape}, expected ({self.n},)")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self.permutation = perm.astype(np.int64).copy()
+        self.permutation = np.array(state["permutation"], dtype=np.int64, copy=True)

@@ -22,7 +22,7 @@ class Regression:
     """Trains on all rows; evaluates on the same rows without augmentation.
 
     Training batches get a slight gain drawn from the Python stream and Gaussian input noise from the
-    noise stream, so that an unrestored RNG shows up in the trajectory (seed 003's negative control).
+    noise stream, so that an unrestored RNG shows up in the trajectory (the verifier's negative control).
     """
 
     def __init__(self, n_rows: int = 24, seed: int = 3, noise: float = 0.05, input_gain: float = 0.02,

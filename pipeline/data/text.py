@@ -50,7 +50,7 @@ class TextCorpus(TokenDataset):
 
     def __init__(
         self,
-        output_dir: str,
+        cache_dir: str,
         path: str,
         val_fraction: float = 0.1,
         block_size: int = 64,
@@ -67,7 +67,7 @@ class TextCorpus(TokenDataset):
             "ngram_order": int(ngram_order),
         }
         directory = ensure_corpus(
-            Path(output_dir), "text", params,
+            Path(cache_dir), "text", params,
             lambda: build_text_corpus(Path(path), text, params["val_fraction"], params["block_size"]),
         )
         super().__init__(directory, val_batch_size=val_batch_size)

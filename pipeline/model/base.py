@@ -1,4 +1,4 @@
-"""The model protocol the trainer, optimizers and checkpoints rely on."""
+"""The model protocol the trainer, optimizers and checkpoints rely on, and the state protocol models share."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -20,23 +20,38 @@ class Model(Protocol):
         """Mean loss without dropout."""
         ...
 
+    def state_dict(self) -> dict[str, np.ndarray]: ...
 
-def state_dict(model) -> dict[str, np.ndarray]:
-    """Every name, tied aliases included, mapped to the live array (no copies)."""
-    out = dict(model.params)
-    for alias, target in model.aliases.items():
-        out[alias] = model.params[target]
-    return out
+    def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None: ...
 
 
-def load_state_dict(model, arrays: dict[str, np.ndarray]) -> None:
-    """Copy values into the live arrays in place, so object identity (and tying) survives."""
-    expected = set(state_dict(model))
-    if set(arrays) != expected:
-        diff = sorted(set(arrays) ^ expected)
-        raise KeyError(f"model state keys differ: {diff}")
-    for name, p in model.params.items():
-        a = arrays[name]
-        if a.shape != p.shape or a.dtype != p.dtype:
-            raise ValueError(f"{name}: got {a.dtype}{list(a.shape)}, expected {p.dtype}{list(p.shape)}")
-        np.copyto(p, a)
+def tie_groups(arrays: dict[str, np.ndarray]) -> list[list[str]]:
+    """Names that are one array object, for every object with more than one name."""
+    by_id: dict[int, list[str]] = {}
+    for name, a in arrays.items():
+        by_id.setdefault(id(a), []).append(name)
+    return sorted(sorted(names) for names in by_id.values() if len(names) > 1)
+
+
+class NamedParams:
+    """State protocol for models whose state is `params` plus tied `aliases` (one object under two names)."""
+
+    params: dict[str, np.ndarray]
+    aliases: dict[str, str] = {}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Every name, tied aliases included, mapped to the live array (no copies)."""
+        out = dict(self.params)
+        for alias, target in self.aliases.items():
+            out[alias] = self.params[target]
+        return out
+
+    def check_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
+        live, got = tie_groups(self.state_dict()), tie_groups(arrays)
+        if live != got:
+            raise ValueError(f"tied names differ: the saved weights tie {got}, the live model {live}")
+
+    def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
+        """Copy values into the live arrays in place, so object identity (and tying) survives."""
+        for name, p in self.params.items():
+            np.copyto(p, arrays[name])

@@ -10,6 +10,7 @@ import numpy as np
 from pipeline.data.base import Batch, DataSpec
 from pipeline.losses import cross_entropy
 from pipeline.model import layers as L
+from pipeline.model.base import NamedParams
 
 _DTYPES = ("float32", "float64")
 _MALLOC_TUNED = False
@@ -36,7 +37,7 @@ def keep_freed_memory() -> bool:
     return _MALLOC_TUNED
 
 
-class MiniGPT:
+class MiniGPT(NamedParams):
     """GPT-2: wte + wpe, n_layer x (x + attn(ln_1 x); x + mlp(ln_2 x)), ln_f, head tied to wte."""
 
     def __init__(
@@ -45,7 +46,7 @@ class MiniGPT:
         n_layer: int = 2,
         n_head: int = 4,
         n_embd: int = 64,
-        block_size: int = 64,
+        block_size: int | None = None,
         dropout: float = 0.0,
         attn_dropout: float | None = None,
         init_std: float = 0.02,
@@ -53,7 +54,8 @@ class MiniGPT:
         rng: np.random.Generator = None,
     ):
         if spec.vocab_size <= 0:
-            raise ValueError("MiniGPT needs a token dataset (spec.vocab_size > 0)")
+            raise ValueError(f"model=minigpt needs a token dataset (e.g. data=grammar or data=text); this data "
+                             f"gives feature rows ({spec.n_features} features): use model=mlp")
         if n_embd % n_head:
             raise ValueError(f"n_embd {n_embd} is not divisible by n_head {n_head}")
         if np.dtype(dtype).name not in _DTYPES:
@@ -66,7 +68,11 @@ class MiniGPT:
             raise ValueError("MiniGPT needs rng (the run's init stream) to initialise its weights")
         self.vocab_size = int(spec.vocab_size)
         self.n_layer, self.n_head, self.n_embd = int(n_layer), int(n_head), int(n_embd)
-        self.block_size = int(block_size)
+        # Learned positions: the data's sequence length unless more are asked for (None: the data's).
+        self.block_size = int(spec.block_size if block_size is None else block_size)
+        if self.block_size < spec.block_size:
+            raise ValueError(f"model.block_size {self.block_size} is shorter than the data's sequences "
+                             f"({spec.block_size} tokens)")
         self.dropout = float(dropout)
         self.attn_dropout = float(attn_dropout)
         self.dtype = np.dtype(dtype)

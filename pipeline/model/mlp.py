@@ -5,6 +5,7 @@ import numpy as np
 
 from pipeline.data.base import Batch, DataSpec
 from pipeline.losses import mse
+from pipeline.model.base import NamedParams
 
 
 def _tanh(z):
@@ -20,13 +21,16 @@ def _relu(z):
 ACTIVATIONS = {"tanh": _tanh, "relu": _relu}
 
 
-class MLP:
+class MLP(NamedParams):
     """in -> hidden... -> out; activation and dropout after every hidden layer; MSE loss."""
 
     aliases: dict[str, str] = {}
 
     def __init__(self, spec: DataSpec, hidden: list[int], activation: str = "tanh", dropout: float = 0.0,
                  dtype: str = "float64", rng: np.random.Generator | None = None):
+        if spec.vocab_size or not (spec.n_features and spec.n_targets):
+            raise ValueError(f"model=mlp needs a dataset of feature rows (e.g. data=regression); this data gives "
+                             f"tokens (vocab_size {spec.vocab_size}): use model=minigpt")
         if activation not in ACTIVATIONS:
             raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         if not 0.0 <= dropout < 1.0:

@@ -34,20 +34,21 @@ class Optimizer:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
+        """{"t": updates taken, "<buffer>": {param name: live array}}. The lr is not state: the scheduler sets it
+        from the config's base lr and its own counter, so an allowed change of optimizer.lr takes effect."""
         # Buffers are created eagerly so a checkpoint taken before step 1 has the same keys as later ones.
         for kind in self.buffers:
             for name in self.params:
                 self._buffer(kind, name)
-        return {"t": self.t, "lr": self.lr, **{k: self.state[k] for k in sorted(self.state)}}
+        return {"t": self.t, **{kind: {name: self.state[f"{kind}.{name}"] for name in self.params}
+                                for kind in self.buffers}}
+
+    def check_state_dict(self, state: dict) -> None:
+        if state["t"] < 0:
+            raise ValueError(f"t={state['t']} is negative")
 
     def load_state_dict(self, state: dict) -> None:
-        arrays = {k: v for k, v in state.items() if k not in ("t", "lr")}
-        expected = {f"{kind}.{name}" for kind in self.buffers for name in self.params}
-        if set(arrays) != expected:
-            raise KeyError(f"optimizer state keys differ: {sorted(set(arrays) ^ expected)}")
-        for k, v in arrays.items():
-            ref = self.params[k.split(".", 1)[1]]
-            if v.shape != ref.shape or v.dtype != ref.dtype:
-                raise ValueError(f"{k}: got {v.dtype}{list(v.shape)}, expected {ref.dtype}{list(ref.shape)}")
-            self.state[k] = np.array(v, copy=True)
-        self.t, self.lr = int(state["t"]), float(state["lr"])
+        for kind in self.buffers:
+            for name, a in state[kind].items():
+                np.copyto(self._buffer(kind, name), a)
+        self.t = int(state["t"])

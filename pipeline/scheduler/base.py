@@ -19,8 +19,13 @@ class Scheduler:
         self.optimizer.lr = self.lr_at(self.last_epoch)
 
     def state_dict(self) -> dict:
-        return {"last_epoch": self.last_epoch, "base_lr": self.base_lr}
+        # Only the counter: base_lr and the schedule's shape are config, so allowed changes to them apply.
+        return {"last_epoch": self.last_epoch}
+
+    def check_state_dict(self, state: dict) -> None:
+        if state["last_epoch"] < 0:
+            raise ValueError(f"last_epoch={state['last_epoch']} is negative")
 
     def load_state_dict(self, state: dict) -> None:
-        # Restores the counter only: the optimizer's own restored lr is left untouched (seed 003's order).
-        self.last_epoch, self.base_lr = int(state["last_epoch"]), float(state["base_lr"])
+        self.last_epoch = int(state["last_epoch"])
+        self.optimizer.lr = self.lr_at(self.last_epoch)  # the lr the next update uses, as after step()

@@ -1,20 +1,22 @@
-"""At the end of training: a checkpoint of the last step, checkpoints/final, and run.json marked complete."""
+"""The end of training: a checkpoint of the last step, pointed at by checkpoints/final."""
 from __future__ import annotations
 
-import logging
-
-from pipeline.stages.base import Stage
-
-log = logging.getLogger("pipeline")
+from pipeline.checkpoint.retention import LatestN
+from pipeline.stages.base import Stage, StepEnd
 
 
 class Final(Stage):
     name = "final"
+    link = "final"
 
     def __init__(self, order: int = 90):
         super().__init__(order)
 
-    def finish(self, ctx) -> None:
-        directory = ctx.checkpoint(links=("final",))
-        ctx.write_status("complete")
-        log.info("final checkpoint: %s", directory)
+    def wants_checkpoint(self, end: StepEnd) -> bool:
+        return end.last
+
+    def policy(self) -> LatestN:
+        return LatestN(1, tag=self.name)
+
+    def link_policy(self) -> LatestN:
+        return LatestN(1, tag=self.name)

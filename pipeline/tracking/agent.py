@@ -157,9 +157,13 @@ class Agent:
 
         self.flush(s)
         run_dir = Path(m["run_dir"])
-        store.log_curves(s.repo, store.read_lines(run_dir / "metrics.jsonl"))
-        final = run_dir / "checkpoints" / "final"
-        if m["status"] == "FINISHED" and (final / "weights.safetensors").is_file():
+        from pipeline.rundir import RunDir
+
+        store.log_curves(s.repo, RunDir(run_dir).read_metrics())
+        from pipeline.rundir import RunDir
+
+        final = RunDir(run_dir).store.link_dir("final")
+        if m["status"] == "FINISHED" and final is not None:
             store.log_file_as(s.repo, FINAL_WEIGHTS_ARTIFACT, source=final / "weights.safetensors")
             store.log_file_as(s.repo, FINAL_MANIFEST_ARTIFACT, source=final / "manifest.json")
         s.client.set_terminated(s.run_id, status=m["status"], end_time=int(time.time() * 1000))

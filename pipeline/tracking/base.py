@@ -7,8 +7,9 @@ from pathlib import Path
 class Tracker:
     """Every call must return quickly: the training loop never waits for tracking."""
 
-    def start(self, *, config: dict, facts: dict, run_dir: Path, previous_run_uri: str | None) -> None:
-        """Begin (or continue, given the run URI a resumed checkpoint recorded) the tracked run."""
+    def start(self, *, config: dict, facts: dict, run_dir: Path, previous_run_uri: str | None,
+              resumed_at: int | None = None) -> None:
+        """Begin (or continue, given the run URI a resumed checkpoint recorded and its step) the tracked run."""
 
     def run_uri(self, timeout: float) -> str | None:
         """The tracked run's URI for manifests, waiting at most `timeout` seconds for it to be known."""

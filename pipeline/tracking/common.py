@@ -139,8 +139,10 @@ def metric_points(line: dict) -> list[tuple[str, float, int, int]]:
     """(key, value, timestamp ms, step) for every metric of one metrics.jsonl line."""
     ts = int(float(line.get("time", 0.0)) * 1000)
     step = int(line["step"])
-    return [(k, float(v), ts, step) for k, v in line.items()
-            if k not in NON_METRIC_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    from pipeline.jsonio import NON_FINITE
+
+    return [(k, float(NON_FINITE.get(v, v)) if isinstance(v, str) else float(v), ts, step) for k, v in line.items()
+            if k not in NON_METRIC_KEYS and (isinstance(v, (int, float)) and not isinstance(v, bool) or v in NON_FINITE)]
 
 
 def step_of_checkpoint(path: str | None) -> int | None:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pipeline.tracking.base import Tracker
 from pipeline.tracking.common import (CURRENT_JOB, artifact_location_uri, normalize_tracking_uri, params_of,
-                                      project_pythonpath, step_of_checkpoint, tags_of)
+                                      project_pythonpath, tags_of)
 
 log = logging.getLogger("pipeline")
 agent_log = logging.getLogger("pipeline.tracking.agent")
@@ -222,13 +222,14 @@ class MlflowTracker(Tracker):
     def active(self) -> bool:
         return self.sid is not None and not self.failed and not self.finished
 
-    def start(self, *, config: dict, facts: dict, run_dir: Path, previous_run_uri: str | None) -> None:
+    def start(self, *, config: dict, facts: dict, run_dir: Path, previous_run_uri: str | None,
+              resumed_at: int | None = None) -> None:
         CURRENT_JOB["tracker"] = self
         parent = CURRENT_JOB.get("parent")
         payload = {
             "uri": self.uri, "experiment": self.experiment, "artifact_location": self.artifact_location,
             "run_dir": str(Path(run_dir).resolve()), "params": params_of(config), "tags": tags_of(facts, run_dir),
-            "previous_run_uri": previous_run_uri, "resume_step": step_of_checkpoint(facts.get("resumed_from")),
+            "previous_run_uri": previous_run_uri, "resume_step": resumed_at,
             "parent": parent if parent and parent.get("uri") == self.uri else None,
         }
         try:

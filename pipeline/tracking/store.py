@@ -7,7 +7,6 @@ never import this module from the training process (the agent and the launcher d
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import tempfile
@@ -35,7 +34,7 @@ STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "
 
 @contextmanager
 def _init_lock(db: Path):
-    """One process at a time opens a sqlite store: a fresh DB's schema migration must not race (FACTS.md).
+    """One process at a time opens a sqlite store: a fresh DB's schema migration must not race (two at once leave it half-migrated).
     The lock is an flock on the DB's directory, so it leaves no file behind."""
     fd = os.open(db.parent, os.O_RDONLY)
     try:
@@ -244,18 +243,3 @@ def log_curves(repo, lines: list[dict]) -> bool:
             return False
         repo.log_artifact(str(png))
         return True
-
-
-def read_lines(path: Path) -> list[dict]:
-    """metrics.jsonl's complete lines (a torn last line is ignored)."""
-    out = []
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        return out
-    for raw in text.splitlines():
-        try:
-            out.append(json.loads(raw))
-        except json.JSONDecodeError:
-            break
-    return out

@@ -61,13 +61,12 @@ class MlflowSweepCallback(Callback):
         tracking = config.get("tracking")
         if not is_mlflow_tracking(tracking):
             return
-        from pipeline.checkpoint.facts import git_info
-        from pipeline.config import PROJECT_ROOT
+        from pipeline.checkpoint.manifest import git_info
         from pipeline.tracking.mlflow_tracker import _Link
 
         uri = normalize_tracking_uri(tracking.uri)
         hydra = config.hydra
-        git = git_info(str(PROJECT_ROOT))
+        git = git_info()
         tags = {
             "mlflow.runName": f"sweep-{config.get('name', 'run')}-{time.strftime('%Y%m%d-%H%M%S')}",
             "mlflow.source.name": "pipeline -m",
@@ -149,9 +148,9 @@ class MlflowSweepCallback(Callback):
 
         task = {k: _plain(config[k]) for k in config if k != "hydra"}
         try:
-            from pipeline.app import run_dir_for
+            from pipeline.identity import run_name
 
-            run_dir = str(run_dir_for(task).resolve())
+            run_dir = str((Path(task["paths"]["runs_dir"]) / run_name(task)).resolve())
         except Exception:  # noqa: BLE001
             run_dir = None
         error = job_return._return_value

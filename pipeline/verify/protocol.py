@@ -1,16 +1,15 @@
 """Seed 003's protocol in four fresh processes: continuous, interrupted, full resume, resume without RNG."""
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from pipeline.build import plain
-from pipeline.checkpoint.facts import versions
-from pipeline.config import run_name
+from pipeline import jsonio
+from pipeline.checkpoint.manifest import versions
+from pipeline.identity import run_name
 from pipeline.verify.compare import compare, machine
 from pipeline.verify.snapshot import read_summary
 
@@ -32,7 +31,7 @@ def _worker(mode: str, config_path: Path, out: Path, cut: int, steps: int, check
 def run_workers(config: dict, out: Path, cut: int, steps: int) -> tuple[list[list[str]], str | None]:
     """Runs the four processes (two at a time where they are independent); returns commands, error."""
     config_path = out / "config.json"
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    config_path.write_bytes(jsonio.dumps(config))
     ckpt = out / "interrupted" / "checkpoint"
     first = [_worker("continuous", config_path, out, cut, steps, None),
              _worker("interrupted", config_path, out, cut, steps, None)]
@@ -115,8 +114,7 @@ def evaluate(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     return report
 
 
-def run_protocol(cfg, argv: list[str]) -> int:
-    config = plain(cfg)
+def run_protocol(config: dict, argv: list[str]) -> int:
     v = config["verify"]
     cut, steps, atol, rtol = int(v["cut"]), int(v["steps"]), float(v["atol"]), float(v["rtol"])
     out = verify_dir(config)
@@ -138,7 +136,7 @@ def run_protocol(cfg, argv: list[str]) -> int:
                   "reason": error, "tolerance": {"atol": atol, "rtol": rtol}, "versions": versions()}
     report["commands"] = [" ".join(["python -m pipeline.verify", *argv])] + [" ".join(c) for c in commands]
     report["seconds"] = round(time.time() - t0, 2)
-    (out / "verification.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    (out / "verification.json").write_bytes(jsonio.dumps(report))
     print_report(report, out)
     if error is not None:
         return EXIT_INCOMPLETE

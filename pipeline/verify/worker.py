@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from pipeline.build import build_state
-from pipeline.checkpoint import io
-from pipeline.facts import run_facts
+from pipeline import identity, jsonio
+from pipeline.checkpoint import manifest as mf
+from pipeline.checkpoint import store
+from pipeline.job import build_dataset, build_stages, build_state, data_spec
+from pipeline.run import lineage_of
+from pipeline.stages.base import StageStates
+from pipeline.state import PARTS, capture, restore
 from pipeline.trainer.loop import train_step
 from pipeline.verify.snapshot import snapshot, write_summary
 
@@ -26,23 +27,25 @@ def main(argv=None) -> None:
     ap.add_argument("--checkpoint", help="the interrupted run's checkpoint (resume, negative)")
     args = ap.parse_args(argv)
 
-    from pipeline.config import register_all
-
-    register_all()
-    config = json.loads(Path(args.config).read_text())
-    state = build_state(OmegaConf.create(config))
+    config = jsonio.read(Path(args.config), 1 << 24)
+    dataset = build_dataset(config)
+    state = build_state(config, dataset.spec, dataset.n_train, dataset)
+    parts = {**state.parts(), "stages": StageStates(build_stages(config))}
     out = Path(args.out)
     restored = None
     if args.mode in ("resume", "negative"):
-        restore = io.STATE_MACHINES if args.mode == "resume" else tuple(m for m in io.STATE_MACHINES if m != "rng")
-        io.apply(io.load(Path(args.checkpoint)), state, restore=restore)
+        only = PARTS if args.mode == "resume" else tuple(p for p in PARTS if p != "rng")
+        restore(parts, store.load(Path(args.checkpoint), capture(parts)).state, only=only)
         restored = snapshot(state)
     target = args.cut if args.mode == "interrupted" else args.steps
     records = []
     while state.step < target:
         records.append(train_step(state))
     if args.mode == "interrupted":
-        io.save(state, out / "checkpoint", run_facts(config, state.dataset.manifest_hash, str(out)))
+        facts = mf.run_facts(config, identity.source_hashes(config), dataset.manifest_hash, data_spec(dataset))
+        fields = mf.build(facts, step=state.step, epoch=state.epoch, metrics={}, tags=[],
+                          lineage=lineage_of(facts["semantic_config_hash"], None))
+        store.write(out / "checkpoint", capture(parts), fields)
     write_summary(out, state, records, restored)
 
 

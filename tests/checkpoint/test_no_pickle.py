@@ -78,7 +78,7 @@ def package_files() -> list[Path]:
 
 def test_the_package_has_python_files():
     files = package_files()
-    assert len(files) > 20 and PACKAGE / "checkpoint" / "io.py" in files
+    assert len(files) > 20 and PACKAGE / "checkpoint" / "store.py" in files
 
 
 def test_no_pickle_in_the_package():

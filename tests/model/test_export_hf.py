@@ -9,7 +9,7 @@ from safetensors.numpy import load_file
 
 from pipeline.data.base import DataSpec
 from pipeline.export_hf import main, write_hf
-from pipeline.model.base import state_dict
+
 from pipeline.model.minigpt import MiniGPT
 
 CFG = dict(n_layer=2, n_head=4, n_embd=32, n_positions=16, vocab_size=97)
@@ -25,7 +25,7 @@ def small_model() -> MiniGPT:
 
 def test_written_files_round_trip(tmp_path):
     m = small_model()
-    sd = state_dict(m)
+    sd = m.state_dict()
     # A non-contiguous array of the right shape must still be stored by value, not by raw buffer.
     sd["transformer.h.0.mlp.c_fc.weight"] = np.asfortranarray(sd["transformer.h.0.mlp.c_fc.weight"])
     write_hf(sd, out_dir=tmp_path, **CFG)
@@ -42,7 +42,7 @@ def test_written_files_round_trip(tmp_path):
 
 
 def test_rejects_mismatched_weights(tmp_path):
-    sd = state_dict(small_model())
+    sd = small_model().state_dict()
     with pytest.raises(ValueError):
         write_hf(sd, out_dir=tmp_path, **{**CFG, "n_positions": 8})
     with pytest.raises(KeyError):
@@ -61,7 +61,7 @@ def test_transformers_loads_it_and_agrees(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     m = small_model()
-    write_hf(state_dict(m), out_dir=tmp_path, **CFG)
+    write_hf(m.state_dict(), out_dir=tmp_path, **CFG)
     hf, info = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path), output_loading_info=True)
     # Only the causal-mask buffer (attn.bias / masked_bias in older versions) may be reported missing.
     assert all(k.endswith(("attn.bias", "attn.masked_bias")) for k in info["missing_keys"]), info

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipeline.data.base import Batch, DataSpec
-from pipeline.model.base import load_state_dict, state_dict
+
 from pipeline.model.minigpt import MiniGPT
 
 WTE = "transformer.wte.weight"
@@ -38,7 +38,8 @@ def numeric_grad(f, x: np.ndarray, h: float = 1e-3) -> np.ndarray:
 
 
 def make(vocab=11, seed=0, **kw) -> MiniGPT:
-    return MiniGPT(DataSpec(vocab_size=vocab), rng=np.random.default_rng(seed), **kw)
+    spec = DataSpec(vocab_size=vocab, block_size=kw.get("block_size") or 64)  # sequences as long as the positions
+    return MiniGPT(spec, rng=np.random.default_rng(seed), **kw)
 
 
 def tiny(dropout=0.0) -> MiniGPT:
@@ -101,15 +102,15 @@ def test_tied_head_is_one_array_through_updates():
         _, g = m.loss_and_grads(b, None)
         for name, p in m.params.items():
             p -= 0.1 * g[name]
-    sd = state_dict(m)
+    sd = m.state_dict()
     assert m.params[WTE] is wte and m.lm_head is wte and sd["lm_head.weight"] is wte
     # The head reads the updated values: a copy whose head is a snapshot of the live wte agrees bitwise.
     u = copy.deepcopy(m)
     u.__class__ = _Untied
     u.head = wte.copy()
     np.testing.assert_array_equal(u.logits(b.x), m.logits(b.x))
-    load_state_dict(m, {k: v.copy() for k, v in sd.items()})
-    assert m.params[WTE] is wte and state_dict(m)["lm_head.weight"] is wte
+    m.load_state_dict({k: v.copy() for k, v in sd.items()})
+    assert m.params[WTE] is wte and m.state_dict()["lm_head.weight"] is wte
 
 
 def test_parameter_names_and_layouts_match_hugging_face_gpt2():

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from pipeline.data.iterator import DataIterator
 from pipeline.rng import numpy_state_from_json, numpy_state_to_json
+from pipeline.state import StateMismatch, restore
 
 
 def gen(seed: int) -> np.random.Generator:
@@ -94,7 +95,7 @@ def test_continues_exactly_where_it_stopped(nb, k, seed):
 
     rng2 = gen(seed + 1)  # a differently-seeded generator: everything must come from the loaded state
     fresh = DataIterator(n, bs, rng2)
-    fresh.load_state_dict(saved)
+    fresh.load_state_dict({**saved, "permutation": np.asarray(saved["permutation"])})
     rng2.bit_generator.state = numpy_state_from_json(saved_rng)
     assert (fresh.epoch, fresh.cursor) == (saved["epoch"], saved["cursor"])
     got += [fresh.next_ids() for _ in range(after)]
@@ -119,12 +120,24 @@ def test_continuation_without_the_generator_state_diverges():
     assert [b.tolist() for b in (fresh.next_ids() for _ in range(6))] != [b.tolist() for b in reference]
 
 
-def test_state_dict_is_a_copy_and_load_validates_shape():
+def test_load_copies_and_an_impossible_state_is_refused_untouched():
     it = DataIterator(8, 2, gen(0))
     it.next_ids()
     state = it.state_dict()
     assert state["epoch"] == 0 and state["cursor"] == 2 and state["permutation"].shape == (8,)
-    state["permutation"][:] = 0
-    assert sorted(it.permutation.tolist()) == list(range(8))
-    with pytest.raises(ValueError):
-        DataIterator(9, 2, gen(0)).load_state_dict(it.state_dict())
+    fresh = DataIterator(8, 2, gen(1))
+    fresh.load_state_dict(state)
+    state["permutation"][:] = 0  # the saved arrays may be reused: the loaded state is a copy
+    assert sorted(fresh.permutation.tolist()) == list(range(8))
+    bad = [
+        {**state, "permutation": np.arange(9)},  # another dataset's size
+        {**state, "permutation": np.zeros(8, dtype=np.int64)},  # not a permutation
+        {**state, "permutation": np.arange(8, dtype=np.float64)},
+        {**state, "permutation": np.arange(8), "cursor": 9},  # past the end
+        {**state, "permutation": np.arange(8), "epoch": -1},
+    ]
+    for s in bad:
+        before = (fresh.epoch, fresh.cursor, fresh.permutation.copy())
+        with pytest.raises(StateMismatch, match="data_iter"):
+            restore({"data_iter": fresh}, {"data_iter": s}, only=("data_iter",))
+        assert (fresh.epoch, fresh.cursor) == before[:2] and np.array_equal(fresh.permutation, before[2])

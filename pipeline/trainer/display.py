@@ -9,7 +9,7 @@ from tqdm import tqdm
 log = logging.getLogger("pipeline")
 
 
-class Progress:
+class Display:
     def __init__(self, enabled: bool | None, log_every: int):
         self.bar_enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
         self.log_every = max(1, int(log_every))
@@ -31,9 +31,7 @@ class Progress:
             log.info("step %d/%d epoch %d loss=%.6f lr=%.6g%s", record["step"], state.total_steps,
                      record["epoch"], record["train/loss"], record["lr"], extra)
 
-    def close(self, state=None) -> None:
+    def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-
-    on_train_end = on_train_stop = close

@@ -2,61 +2,44 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
+from conftest import TINY
 from pipeline import roundtrip
-from pipeline.checkpoint import io
+from pipeline.checkpoint.store import SCHEMA_VERSION, WEIGHTS, verify
+from pipeline.state import PARTS
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SEED_FIELDS = {"byte_equivalent_state_machines": list, "all_byte_equal": bool, "continuation_test_passed": bool,
                "weight_tying_preserved": (bool, type(None)), "atomic_write_resilient": bool,
                "weights_file_size_bytes": int, "expected_size_bytes_no_tying": int, "size_delta_pct": float,
                "manifest_schema_version": str}
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")])}
-    cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, "-m", "pipeline.roundtrip", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
-def test_kernodeck_passes_and_writes_the_seed_fields(tmp_path):
-    proc = run_cli("experiment=kernodeck", f"paths.output_dir={tmp_path / 'out'}", cwd=tmp_path / "cwd")
+def test_kernodeck_passes_and_writes_the_seed_fields(tmp_path, cli):
+    proc = cli("experiment=kernodeck", f"paths.output_dir={tmp_path / 'out'}", module="pipeline.roundtrip")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     path = Path(proc.stdout.strip().splitlines()[-1].split(": ", 1)[1])
     assert path.name == "roundtrip_results.json" and path.parent.parent == tmp_path / "out" / "roundtrip"
     r = json.loads(path.read_text())
     for field, kind in SEED_FIELDS.items():
         assert isinstance(r[field], kind), (field, r[field])
-    assert r["byte_equivalent_state_machines"] == list(io.STATE_MACHINES)
+    assert r["byte_equivalent_state_machines"] == list(PARTS)
     assert r["all_byte_equal"] and r["continuation_test_passed"] and r["atomic_write_resilient"] and r["passed"]
     assert r["continuation"]["separate_process"] is True
     assert r["weight_tying_preserved"] is None and "no tied parameters" in r["weight_tying_note"]
     assert r["expected_size_bytes_no_tying"] == 33 * 8  # seed 003's 33 float64 parameters
-    assert r["weights_file_size_bytes"] == (Path(r["checkpoint"]) / io.WEIGHTS).stat().st_size
+    assert r["weights_file_size_bytes"] == (Path(r["checkpoint"]) / WEIGHTS).stat().st_size
     assert r["weights_file_size_bytes"] - r["expected_size_bytes_no_tying"] == r["weights_header_bytes"]
-    assert r["manifest_schema_version"] == "1.0"
+    assert r["manifest_schema_version"] == SCHEMA_VERSION
     assert json.loads((path.parent / "manifest.json").read_text())["step"] == 10
-    io.verify(Path(r["checkpoint"]))
+    verify(Path(r["checkpoint"]))
+    assert r["atomic"]["checks"]["interrupted"] and r["atomic"]["checks"]["temporary_left"]
     assert not list((tmp_path / "cwd").iterdir())  # nothing written to the working directory
     assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []  # scratch removed
 
 
 def test_tied_minigpt_passes(tmp_path):
-    try:
-        import pipeline.data.grammar  # noqa: F401
-        import pipeline.model.minigpt  # noqa: F401
-    except Exception as e:
-        pytest.skip(f"minigpt variant needs pipeline.model.minigpt and pipeline.data.grammar: {e}")
-    overrides = ["model=minigpt", "data=grammar", "model.n_layer=1", "model.n_head=2", "model.n_embd=16",
-                 "model.block_size=16", "model.dropout=0.1", "data.n_sentences=2000", "trainer.dtype=float32",
-                 f"paths.output_dir={tmp_path}"]
+    overrides = [*TINY, "model.dropout=0.1", f"paths.output_dir={tmp_path}"]
     r, path = roundtrip.roundtrip(overrides, steps=5, separate_process=False)
     assert r["passed"] and r["weight_tying_preserved"] is True, r
     assert r["tied"] == {"lm_head.weight": "transformer.wte.weight"}
@@ -65,13 +48,15 @@ def test_tied_minigpt_passes(tmp_path):
 
 def test_a_restore_that_forgets_the_rng_fails(tmp_path, monkeypatch):
     """The negative control: the checks can fail, and name what failed."""
-    real_apply = io.apply
-    monkeypatch.setattr(io, "apply", lambda ckpt, state, restore=io.STATE_MACHINES:
-                        real_apply(ckpt, state, tuple(m for m in restore if m != "rng")))
+    import pipeline.state
+
+    real_restore = pipeline.state.restore
+    monkeypatch.setattr(roundtrip, "restore", lambda parts, tree, only=PARTS:
+                        real_restore(parts, tree, tuple(m for m in only if m != "rng")))
     code = roundtrip.main(["--in-process", "experiment=kernodeck", f"paths.output_dir={tmp_path}"])
     assert code == 1
     r = json.loads(next((tmp_path / "roundtrip").glob("*/roundtrip_results.json")).read_text())
-    assert r["byte_equivalent_state_machines"] == ["model", "optimizer", "scheduler", "data_iter"]
+    assert r["byte_equivalent_state_machines"] == [p for p in PARTS if p != "rng"]
     assert not r["all_byte_equal"] and "rng" in r["state_differences"]
     assert not r["continuation_test_passed"] and "losses" in r["continuation"]["differences"]
     assert not r["passed"]

@@ -1,10 +1,12 @@
-"""Seed 003 (experiment=kernodeck) composed with Hydra and built: the objects and their first updates."""
+"""The job object (pipeline/job.py): seed 003 (experiment=kernodeck) built from the composed config, the
+objects and their first updates; nothing past the door holds a DictConfig."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipeline.build import build_state
+from conftest import config_of
+from pipeline.job import build
 from pipeline.model.mlp import MLP
 from pipeline.optimizer.adam import Adam, AdamW
 from pipeline.scheduler.step import StepLR
@@ -12,8 +14,12 @@ from pipeline.trainer.loop import train_step
 
 
 @pytest.fixture
-def kernodeck(compose_cfg, tmp_path):
-    return compose_cfg("experiment=kernodeck", f"paths.output_dir={tmp_path}")
+def kernodeck(tmp_path):
+    return config_of("experiment=kernodeck", "tracking=none", f"paths.output_dir={tmp_path}")
+
+
+def build_state(config):
+    return build(config).state
 
 
 def test_kernodeck_builds_seed_003(kernodeck):
@@ -87,3 +93,23 @@ def test_record_lr_is_the_lr_the_update_used(kernodeck):
     assert state.optimizer.lr == pytest.approx(0.015, rel=1e-12)
     rec = train_step(state)
     assert rec["lr"] == pytest.approx(0.015, rel=1e-12)
+
+
+def test_the_job_is_plain_values_and_live_objects(kernodeck):
+    from omegaconf import DictConfig, ListConfig
+
+    job = build(kernodeck)
+
+    def walk(x, seen):
+        if id(x) in seen or isinstance(x, (str, bytes, int, float, bool, type(None), np.ndarray, np.generic)):
+            return
+        seen.add(id(x))
+        assert not isinstance(x, (DictConfig, ListConfig)), f"a config node past the door: {type(x)}"
+        items = x.items() if isinstance(x, dict) else (enumerate(x) if isinstance(x, (list, tuple)) else
+                                                       vars(x).items() if hasattr(x, "__dict__") else ())
+        for _, v in items:
+            walk(v, seen)
+
+    walk(job, set())
+    assert job.run_dir.parent.name == "runs" and job.run_dir.name.startswith("kernodeck-")
+    assert job.facts["config"] is job.config and job.facts["seed"] == 42

@@ -9,6 +9,7 @@ import pytest
 
 from pipeline.optimizer.adam import Adam, AdamW
 from pipeline.optimizer.sgd import SGD
+from pipeline.state import StateMismatch, copy_tree, restore
 
 P0 = [0.8, -1.3]  # a 2-element parameter
 GRADS = [[0.5, -0.25], [-0.3, 0.7], [0.9, 0.1]]  # fixed gradients for steps 1, 2, 3
@@ -164,16 +165,16 @@ def test_state_round_trip_continues_bit_identically(cls, kw, k):
     for i in range(k):
         original.lr = kw["lr"] * 0.5**i  # a schedule moved the lr
         original.step(_grads(i))
-    state = original.state_dict()
-    assert {key for key in state if key not in ("t", "lr")} == {f"{b}.{n}" for b in original.buffers for n in params}
+    state = copy_tree(original.state_dict())  # as a checkpoint holds it
+    assert set(state) == {"t", *original.buffers} and all(set(state[b]) == set(params) for b in original.buffers)
 
     fresh_params = {n: p.copy() for n, p in params.items()}  # as restored from the model checkpoint
-    fresh = cls(fresh_params, **{**kw, "lr": 123.0})
-    fresh.load_state_dict(state)
-    assert fresh.t == original.t == k and fresh.lr == original.lr
-    for name in state:
-        if name not in ("t", "lr"):
-            assert fresh.state[name] is not state[name]  # loaded by copy, not aliased
+    fresh = cls(fresh_params, **{**kw, "lr": original.lr})  # the lr is the scheduler's to set, not state
+    restore({"optimizer": fresh}, {"optimizer": state}, only=("optimizer",))
+    assert fresh.t == original.t == k
+    for b in fresh.buffers:
+        for n in params:
+            assert fresh.state[f"{b}.{n}"] is not state[b][n]  # loaded by copy, not aliased
     for i in range(k, k + 4):
         for opt in (original, fresh):
             opt.step(_grads(i))
@@ -186,36 +187,44 @@ def test_state_round_trip_continues_bit_identically(cls, kw, k):
 def test_state_dict_before_first_step_has_every_buffer():
     opt = Adam(_params(), lr=0.01)
     state = opt.state_dict()
-    assert state["t"] == 0 and state["lr"] == 0.01
-    assert sorted(k for k in state if k not in ("t", "lr")) == sorted(
-        f"{b}.{n}" for b in ("exp_avg", "exp_avg_sq") for n in _params())
+    assert state["t"] == 0 and "lr" not in state  # the scheduler sets the lr from the config
+    assert {b: sorted(state[b]) for b in ("exp_avg", "exp_avg_sq")} == {b: sorted(_params()) for b in
+                                                                         ("exp_avg", "exp_avg_sq")}
 
 
 @pytest.mark.parametrize("mutate", [
-    pytest.param(lambda s: s.pop("exp_avg.layers.0.bias"), id="missing-key"),
-    pytest.param(lambda s: s.__setitem__("exp_avg.layers.1.bias", np.zeros(4)), id="extra-key"),
-    pytest.param(lambda s: s.__setitem__("exp_avg_sq.layers.0.weight", np.zeros((4, 3))), id="wrong-shape"),
-    pytest.param(lambda s: s.__setitem__("exp_avg.layers.0.bias", np.zeros(5)), id="wrong-length"),
-    pytest.param(lambda s: s.__setitem__("exp_avg.layers.0.bias", np.zeros(4, np.float32)), id="wrong-dtype"),
+    pytest.param(lambda s: s["exp_avg"].pop("layers.0.bias"), id="missing-key"),
+    pytest.param(lambda s: s["exp_avg"].__setitem__("layers.1.bias", np.zeros(4)), id="extra-key"),
+    pytest.param(lambda s: s["exp_avg_sq"].__setitem__("layers.0.weight", np.zeros((4, 3))), id="wrong-shape"),
+    pytest.param(lambda s: s["exp_avg"].__setitem__("layers.0.bias", np.zeros(5)), id="wrong-length"),
+    pytest.param(lambda s: s["exp_avg"].__setitem__("layers.0.bias", np.zeros(4, np.float32)), id="wrong-dtype"),
+    pytest.param(lambda s: s.__setitem__("t", -1), id="negative-t"),
+    pytest.param(lambda s: s.__setitem__("t", "3"), id="t-not-a-number"),
 ])
-def test_load_state_dict_rejects_mismatched_state(mutate):
+def test_a_mismatched_state_is_refused_and_the_optimizer_left_untouched(mutate):
     original = Adam(_params(), lr=0.01)
     original.step(_grads(0))
-    state = dict(original.state_dict())
+    state = copy_tree(original.state_dict())
     mutate(state)
-    with pytest.raises((KeyError, ValueError)):
-        Adam(_params(), lr=0.01).load_state_dict(state)
+    fresh = Adam(_params(), lr=0.01)
+    before = copy_tree(fresh.state_dict())
+    with pytest.raises(StateMismatch, match="optimizer"):
+        restore({"optimizer": fresh}, {"optimizer": state}, only=("optimizer",))
+    after = fresh.state_dict()
+    assert after["t"] == before["t"] and all(np.array_equal(after[b][n], before[b][n])
+                                             for b in fresh.buffers for n in before[b])
 
 
-def test_load_state_dict_rejects_another_optimizers_state():
+def test_another_optimizers_state_is_refused():
     adam = Adam(_params(), lr=0.01)
     adam.step(_grads(0))
-    with pytest.raises(KeyError):
-        SGD(_params(), lr=0.1, momentum=0.9).load_state_dict(adam.state_dict())
+    with pytest.raises(StateMismatch, match="keys differ"):
+        restore({"optimizer": SGD(_params(), lr=0.1, momentum=0.9)}, {"optimizer": adam.state_dict()},
+                only=("optimizer",))
     sgd = SGD(_params(), lr=0.1, momentum=0.9)
     sgd.step(_grads(0))
-    with pytest.raises(KeyError):
-        Adam(_params(), lr=0.01).load_state_dict(sgd.state_dict())
+    with pytest.raises(StateMismatch, match="keys differ"):
+        restore({"optimizer": Adam(_params(), lr=0.01)}, {"optimizer": sgd.state_dict()}, only=("optimizer",))
 
 
 @pytest.mark.parametrize("cls,kw", ROUND_TRIP)

@@ -1,7 +1,6 @@
 """Chaos mode: SIGKILL the real command at random points in steps and saves, re-run it, demand bit-exactness."""
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -12,12 +11,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from pipeline.build import plain
-from pipeline.checkpoint import io
+from pipeline import jsonio
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.facts import versions
-from pipeline.stages.context import list_checkpoints
-from pipeline.trainer.metrics_log import read_metrics
+from pipeline.checkpoint.manifest import versions
+from pipeline.checkpoint.store import EXTRA, OPTIM, WEIGHTS, verify
+from pipeline.rundir import RunDir
 from pipeline.verify.protocol import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, verify_dir
 
 
@@ -34,33 +32,40 @@ def _run(cmd: list[str], env_extra: dict | None = None) -> subprocess.CompletedP
     return subprocess.run(cmd, env=env, capture_output=True, text=True)
 
 
-def final_state(output_dir: Path) -> dict:
-    """What must be identical: the final checkpoint's arrays and JSON state, and every logged number."""
+def _run_dir(output_dir: Path) -> RunDir:
     runs = [p for p in (output_dir / "runs").iterdir() if p.is_dir()]
     if len(runs) != 1:
         raise RuntimeError(f"expected one run directory under {output_dir / 'runs'}, found {len(runs)}")
-    final = (runs[0] / "checkpoints" / "final").resolve()
-    manifest = io.verify(final)
-    lines = [{k: v for k, v in line.items() if k != "time"} for line in read_metrics(runs[0] / "metrics.jsonl")]
-    extra = json.loads((final / io.EXTRA).read_text())
-    return {"weights": manifest["files"][io.WEIGHTS]["sha256"], "optim": manifest["files"][io.OPTIM]["sha256"],
-            "extra": extra, "metrics": lines, "step": manifest["step"],
-            "checkpoints": [s for s, _ in list_checkpoints(runs[0] / "checkpoints")]}
+    return RunDir(runs[0])
+
+
+def final_state(output_dir: Path) -> dict:
+    """What must be identical: every kept checkpoint's state files (by sha256) and links, the final state,
+    and every logged number."""
+    rundir = _run_dir(output_dir)
+    kept = {}
+    for step, directory in rundir.store.steps():
+        files = verify(directory)["files"]
+        kept[step] = {name: files[name]["sha256"] for name in (WEIGHTS, OPTIM, EXTRA)}
+    final = rundir.store.link_step("final")
+    extra = jsonio.read(rundir.store.root / "final" / EXTRA, 1 << 24)
+    lines = [{k: v for k, v in line.items() if k != "time"} for line in rundir.read_metrics()]
+    return {"weights": kept[final][WEIGHTS], "optim": kept[final][OPTIM], "extra": extra, "metrics": lines,
+            "step": final, "checkpoints": kept, "links": rundir.store.links()}
 
 
 def invalid_visible_checkpoints(output_dir: Path) -> list[str]:
     bad = []
     for run in (output_dir / "runs").glob("*"):
-        for _, directory in list_checkpoints(run / "checkpoints"):
+        for _, directory in RunDir(run).store.steps():
             try:
-                io.verify(directory)
+                verify(directory)
             except CheckpointError as e:
                 bad.append(str(e))
     return bad
 
 
-def run_chaos(cfg, argv: list[str]) -> int:
-    config = plain(cfg)
+def run_chaos(config: dict, argv: list[str]) -> int:
     v = config["verify"]
     out = verify_dir(config) / "chaos"
     if out.exists():
@@ -76,7 +81,7 @@ def run_chaos(cfg, argv: list[str]) -> int:
     counts = Counter(line.split()[0] for line in trace.read_text().splitlines())
     reference = final_state(out / "reference")
     rng = random.Random(int(v["seed"]))
-    trials, by_phase, exact, invalid = [], Counter(), 0, []
+    trials, by_phase, exact, same_kept, invalid = [], Counter(), 0, 0, []
     for i in range(int(v["trials"])):
         phase = ("train", "save")[i] if i < 2 else rng.choice(("train", "save"))
         k = rng.randint(1, counts[phase])
@@ -97,22 +102,26 @@ def run_chaos(cfg, argv: list[str]) -> int:
             mismatched = [k for k in ("weights", "optim", "extra", "metrics", "step") if got[k] != reference[k]]
             record["bit_exact"] = not mismatched
             record["mismatched"] = mismatched
-            record["same_checkpoints_kept"] = got["checkpoints"] == reference["checkpoints"]
+            record["same_checkpoints_kept"] = (got["checkpoints"] == reference["checkpoints"]
+                                               and got["links"] == reference["links"])
         else:
             record["bit_exact"], record["error"] = False, done.stderr.strip()[-500:]
         by_phase[phase] += record["killed"]
         exact += record["bit_exact"]
+        same_kept += bool(record.get("same_checkpoints_kept"))
         invalid += record["invalid_after_kill"]
         trials.append(record)
         shutil.rmtree(trial_dir, ignore_errors=True)
     report = {
-        "mode": "chaos", "trials": len(trials), "bit_exact": exact, "kills_by_phase": dict(by_phase),
+        "mode": "chaos", "trials": len(trials), "bit_exact": exact, "same_checkpoints_kept": same_kept,
+        "kills_by_phase": dict(by_phase),
         "kill_points_available": dict(counts), "invalid_visible_checkpoints": invalid,
-        "all_checks_passed": exact == len(trials) and not invalid and all(t["killed"] for t in trials),
+        "all_checks_passed": exact == same_kept == len(trials) and not invalid and all(t["killed"] for t in trials),
         "command": " ".join(_command(argv, Path("<trial dir>"))), "seconds": round(time.time() - t0, 1),
         "versions": versions(), "trial_records": trials,
     }
-    (out / "verification.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    print(f"chaos: {exact}/{len(trials)} trials bit-exact; kills by phase {dict(by_phase)}; "
+    (out / "verification.json").write_bytes(jsonio.dumps(report))
+    print(f"chaos: {exact}/{len(trials)} trials bit-exact, {same_kept}/{len(trials)} kept the same checkpoints "
+          f"and links; kills by phase {dict(by_phase)}; "
           f"{len(invalid)} invalid visible checkpoints; report {out / 'verification.json'}")
     return EXIT_OK if report["all_checks_passed"] else EXIT_MISMATCH

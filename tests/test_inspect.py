@@ -4,35 +4,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import KERNODECK, run_job, run_pipeline, the_run
 from pipeline import inspect as pinspect
-from pipeline.checkpoint import io
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-
-
-def python_m(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("HYDRA_FULL_ERROR", None)
-    cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=180)
+from pipeline.checkpoint.store import MANIFEST, WEIGHTS, step_dir_name
 
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
     """A real kernodeck run: checkpoints at steps 6 (end of epoch 0) and 10, best and final links, run.json."""
-    root = tmp_path_factory.mktemp("inspect")
-    proc = python_m("pipeline", "experiment=kernodeck", "tracking=none", f"paths.output_dir={root / 'out'}",
-                    cwd=root / "cwd")
-    assert proc.returncode == 0, proc.stderr
-    (run_dir,) = (root / "out" / "runs").iterdir()
-    return run_dir
+    out = tmp_path_factory.mktemp("inspect") / "out"
+    assert run_job(*KERNODECK, f"paths.output_dir={out}")[0] == 0
+    return the_run(out)
 
 
 @pytest.fixture
@@ -74,9 +60,9 @@ def test_run_directory(run_dir, capsys):
     steps = [c["step"] for c in d["checkpoints"]]
     assert steps == [6, 10]
     for c in d["checkpoints"]:
-        manifest = json.loads((run_dir / "checkpoints" / io.step_dir_name(c["step"]) / io.MANIFEST).read_text())
+        manifest = json.loads((run_dir / "checkpoints" / step_dir_name(c["step"]) / MANIFEST).read_text())
         assert c["valid"] and c["metrics"] == manifest["metrics"] and c["epoch"] == manifest["epoch"]
-    assert d["links"]["final"] == {"target": io.step_dir_name(10), "exists": True}
+    assert d["links"]["final"] == {"target": step_dir_name(10), "exists": True}
     assert "final" in d["checkpoints"][-1]["links"]
     assert snapshot(run_dir) == before  # inspecting writes nothing
     assert inspect_json(run_dir / "checkpoints")[1]["kind"] == "run"  # checkpoints/ means its run
@@ -86,20 +72,20 @@ def test_checkpoint_directory(run_dir, capsys):
     directory = run_dir / "checkpoints" / "final"
     assert pinspect.main([str(directory)]) == 0
     text = capsys.readouterr().out
-    manifest = json.loads((directory / io.MANIFEST).read_text())
+    manifest = json.loads((directory / MANIFEST).read_text())
     for value in (manifest["config_hash"], manifest["data_manifest_hash"], manifest["git_sha"],
-                  manifest["files"][io.WEIGHTS]["sha256"], "step 10", "epoch 1", "val/loss="):
+                  manifest["files"][WEIGHTS]["sha256"], "step 10", "epoch 1", "val/loss="):
         assert str(value) in text, value
     assert text.strip().splitlines()[-1].startswith("valid")
     code, d = inspect_json(directory)
     assert code == 0 and d["valid"] and d["reason"] is None and d["step"] == 10
-    assert d["link_target"] == io.step_dir_name(10) and d["files"] == manifest["files"]
-    assert d["checkpoint_hash"] == manifest["files"][io.WEIGHTS]["sha256"]
+    assert d["link_target"] == step_dir_name(10) and d["files"] == manifest["files"]
+    assert d["checkpoint_hash"] == manifest["files"][WEIGHTS]["sha256"]
 
 
 def test_corrupted_checkpoint(run_dir, capsys):
-    directory = run_dir / "checkpoints" / io.step_dir_name(6)
-    path = directory / io.WEIGHTS
+    directory = run_dir / "checkpoints" / step_dir_name(6)
+    path = directory / WEIGHTS
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x10  # one bit of tensor data
     path.write_bytes(bytes(data))
@@ -116,15 +102,15 @@ def test_corrupted_checkpoint(run_dir, capsys):
 
 
 def test_checkpoint_without_manifest(run_dir, capsys):
-    directory = run_dir / "checkpoints" / io.step_dir_name(6)
-    (directory / io.MANIFEST).unlink()
+    directory = run_dir / "checkpoints" / step_dir_name(6)
+    (directory / MANIFEST).unlink()
     assert pinspect.main([str(directory)]) == 1
     assert capsys.readouterr().out.strip().endswith("manifest.json: missing (an incomplete or foreign directory)")
 
 
 def test_dangling_link_and_temporaries_are_reported_not_touched(run_dir, capsys):
     ckpts = run_dir / "checkpoints"
-    os.symlink(io.step_dir_name(99), ckpts / ".tmp-best-x")
+    os.symlink(step_dir_name(99), ckpts / ".tmp-best-x")
     os.replace(ckpts / ".tmp-best-x", ckpts / "best")  # best -> a step that does not exist
     (ckpts / ".tmp-step-00000011-abcd1234").mkdir()
     before = snapshot(run_dir)
@@ -141,25 +127,43 @@ def test_not_a_directory(tmp_path, capsys):
 
 def test_as_a_module_from_any_directory(run_dir, tmp_path):
     """`python -m pipeline.inspect` runs, and the package's module does not shadow the standard `inspect`."""
-    directory = run_dir / "checkpoints" / io.step_dir_name(10)
-    proc = python_m("pipeline.inspect", str(directory), cwd=tmp_path / "cwd")
+    directory = run_dir / "checkpoints" / step_dir_name(10)
+    proc = run_pipeline([str(directory)], tmp_path / "cwd", module="pipeline.inspect")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith("valid")
     (directory / "stray.txt").write_text("x")
-    proc = python_m("pipeline.inspect", str(directory), cwd=tmp_path / "cwd")
+    proc = run_pipeline([str(directory)], tmp_path / "cwd", module="pipeline.inspect")
     assert proc.returncode == 1 and "stray.txt: present but not listed" in proc.stdout
     import inspect as std_inspect
 
     assert hasattr(std_inspect, "signature") and std_inspect is not pinspect
 
 
-def test_a_python_started_inside_the_package_still_gets_the_standard_inspect(run_dir):
-    """pipeline/inspect.py is first on sys.path for a process whose cwd is pipeline/: it must step aside."""
-    package = PROJECT_ROOT / "pipeline"
-    proc = python_m("pipeline.inspect", str(run_dir), cwd=package)
-    assert proc.returncode == 0, proc.stderr
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
-    code = "import dataclasses, inspect, sys; assert inspect.cleandoc('  x') == 'x'; print(inspect.__file__)"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=package, env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert Path(proc.stdout.strip()).parent != package
+def test_inspect_runs_the_full_verification_against_the_config(run_dir, capsys):
+    """A checkpoint whose tensors are well-formed and hashed but not what its config builds is invalid."""
+    import hashlib
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    directory = run_dir / "checkpoints" / step_dir_name(6)
+    arrays = load_file(str(directory / WEIGHTS))
+    arrays["layers.0.weight"] = np.zeros((2, 9))  # another width than the config's model.hidden=[8]
+    (directory / WEIGHTS).unlink()
+    save_file(arrays, str(directory / WEIGHTS))
+    m = json.loads((directory / MANIFEST).read_text())
+    data = (directory / WEIGHTS).read_bytes()
+    m["files"][WEIGHTS] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (directory / MANIFEST).write_text(json.dumps(m))
+    assert pinspect.main([str(directory)]) == 1
+    assert "does not fit" in capsys.readouterr().out
+
+
+def test_an_edited_manifest_is_invalid(run_dir, capsys):
+    """Regression (#10.4): editing `config` in manifest.json passed inspect."""
+    directory = run_dir / "checkpoints" / step_dir_name(10)
+    m = json.loads((directory / MANIFEST).read_text())
+    m["config"]["optimizer"]["lr"] = 0.5
+    (directory / MANIFEST).write_text(json.dumps(m))
+    assert pinspect.main([str(directory)]) == 1
+    assert "config_hash" in capsys.readouterr().out

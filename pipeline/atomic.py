@@ -1,0 +1,182 @@
+"""Writes that never follow a planted link nor leave a torn file: exclusive temporaries, fsync, rename.
+
+Every file the pipeline writes goes through here. A new file is created with O_EXCL | O_NOFOLLOW, so a
+symlink (or anything else) already sitting at its name is refused, never followed or truncated; a file that
+must change is written as a fresh hidden temporary beside it and renamed over it, which replaces a link
+itself rather than its target. Directories appear whole by the same rename. Temporaries start with
+TMP_PREFIX; every reader ignores them and the owner of a directory removes stale ones.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import stat
+import uuid
+from pathlib import Path
+
+TMP_PREFIX = ".tmp-"
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class UnsafePathError(OSError):
+    """Something other than what we would have created sits where we write (a symlink, a directory...)."""
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_new(path: Path, mode: int = 0o644) -> int:
+    """A file descriptor on a file created now at `path`; refuses anything already there (link included)."""
+    try:
+        return os.open(path, _NEW, mode)
+    except FileExistsError:
+        raise UnsafePathError(errno.EEXIST, f"{path} already exists; refusing to write through it") from None
+
+
+def temp_name(path: Path) -> Path:
+    return Path(path).with_name(f"{TMP_PREFIX}{Path(path).name}-{uuid.uuid4().hex[:12]}")
+
+
+def write_new(path: Path, data: bytes, fsync: bool = True, mode: int = 0o644) -> dict:
+    """Write bytes to a new file and fsync them; returns the file's {"size", "sha256"}."""
+    fd = open_new(path, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def refuse_link(path: Path, what: str = "file") -> None:
+    """Raise UnsafePathError if `path` exists as a symlink or is not a regular file/directory of the kind asked."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError(errno.ELOOP, f"{path} is a symlink; refusing to follow it (remove it)")
+    want = stat.S_ISDIR if what == "directory" else stat.S_ISREG
+    if not want(st.st_mode):
+        raise UnsafePathError(errno.EEXIST, f"{path} is not a regular {what}; refusing to replace it")
+
+
+def replace_file(path: Path, data: bytes, fsync: bool = True, mode: int = 0o644) -> dict:
+    """Replace (or create) a regular file atomically: readers see the old bytes or the new, never a mix."""
+    path = Path(path)
+    refuse_link(path)
+    tmp = temp_name(path)
+    try:
+        entry = write_new(tmp, data, fsync, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    if fsync:
+        fsync_dir(path.parent)
+    return entry
+
+
+def open_append(path: Path, mode: int = 0o644):
+    """A text file opened for appending, created if missing; a symlink at `path` is refused, not followed."""
+    refuse_link(path)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def ensure_dirs(root: Path, *parts: str) -> Path:
+    """root/parts... as real directories: `root` may itself be (or sit behind) a link the user made, but
+    nothing below it may be a link or a file; returns the deepest directory."""
+    path = Path(root)
+    os.makedirs(path, exist_ok=True)
+    for part in parts:
+        path = path / part
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            refuse_link(path, "directory")
+    return path
+
+
+def new_temp_dir(parent: Path, name: str) -> Path:
+    """An empty hidden directory beside where `name` will appear (same filesystem: the rename is atomic)."""
+    tmp = Path(parent) / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:12]}"
+    os.mkdir(tmp)
+    return tmp
+
+
+def publish_dir(tmp: Path, final: Path, replace: bool = False) -> None:
+    """Rename the complete temporary directory to `final`; with replace=True an existing directory there is
+    swapped out first (renamed to a temporary, then removed), so no reader ever sees a half-deleted one."""
+    fsync_dir(tmp)
+    if os.path.lexists(final):
+        refuse_link(final, "directory")
+        if not replace:
+            raise UnsafePathError(errno.EEXIST, f"{final} already exists")
+        doomed = temp_name(final)
+        os.rename(final, doomed)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+        remove_tree(doomed)
+        return
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+
+
+def discard_dir(directory: Path) -> None:
+    """Remove a directory by renaming it to a temporary first: never half-deleted in plain sight."""
+    refuse_link(directory, "directory")
+    doomed = temp_name(directory)
+    os.rename(directory, doomed)
+    fsync_dir(directory.parent)
+    remove_tree(doomed)
+
+
+def replace_link(link: Path, target_name: str) -> None:
+    """Point a relative symlink (e.g. checkpoints/best) at target_name atomically."""
+    if os.path.lexists(link) and not os.path.islink(link):
+        raise UnsafePathError(errno.EEXIST, f"{link} exists and is not a link; refusing to replace it")
+    tmp = temp_name(link)
+    os.symlink(target_name, tmp)
+    os.replace(tmp, link)
+    fsync_dir(link.parent)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a file, link or directory tree without following links out of it."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: never follows a link inside
+    else:
+        _unlink_quietly(path)
+
+
+def remove_temporaries(parent: Path) -> None:
+    """Leftovers of writes that died before their rename; only the directory's owner (lock holder) calls this."""
+    try:
+        names = os.listdir(parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for name in names:
+        if name.startswith(TMP_PREFIX):
+            remove_tree(Path(parent) / name)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,151 @@
+"""manifest.json: the truth about a checkpoint and its run, built in one place and checked against itself.
+
+Fields: schema_version; step, epoch; metrics (measured at this step); tags (the stages that asked for this
+checkpoint); lineage (which run history it belongs to); config and its hashes, sources (input files by
+content), data_manifest_hash and data_spec; seed, git_sha, git_dirty, versions, hardware; mlflow_run_uri;
+allowed_changes (after a resume that let them through); files ({name: {size, sha256}}), written last.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+from pipeline import jsonio
+from pipeline.identity import config_hash, semantic_hash
+
+SCHEMA_VERSION = "2.0"
+PACKAGES = ("numpy", "safetensors", "hydra-core", "omegaconf", "mlflow")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+class ManifestError(ValueError):
+    """manifest.json contradicts itself or lacks a field (the message says which)."""
+
+
+@lru_cache(maxsize=None)
+def git_info(root: str = str(PROJECT_ROOT)) -> dict:
+    try:
+        sha = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        if sha.returncode != 0:
+            return {"git_sha": "unknown", "git_dirty": None}
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30)
+        return {"git_sha": sha.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return {"git_sha": "unknown", "git_dirty": None}
+
+
+@lru_cache(maxsize=None)
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _ram_gb() -> float | None:
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
+        return round(kb / 2**20, 1)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@lru_cache(maxsize=None)
+def hardware() -> dict:
+    from threadpoolctl import threadpool_info
+
+    blas = [{"library": i.get("internal_api"), "version": i.get("version"), "threads": i.get("num_threads")}
+            for i in threadpool_info() if i.get("user_api") == "blas"]
+    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "ram_gb": _ram_gb(), "machine": platform.machine(),
+            "blas": blas}
+
+
+def run_facts(config: dict, sources: dict, data_manifest_hash: str, data_spec: dict) -> dict:
+    """The run-level fields every checkpoint of a run carries, computed once per run."""
+    return {
+        **git_info(),
+        "config": config,
+        "config_hash": config_hash(config),
+        "semantic_config_hash": semantic_hash(config, sources),
+        "sources": dict(sources),
+        "data_manifest_hash": data_manifest_hash,
+        "data_spec": dict(data_spec),
+        "seed": config["trainer"]["seed"],
+        "versions": versions(),
+        "hardware": hardware(),
+        "mlflow_run_uri": None,
+    }
+
+
+def build(facts: dict, *, step: int, epoch: int, metrics: dict, tags: list[str], lineage: dict) -> dict:
+    """Every field but `files`, which the store adds once the files are written."""
+    return {**facts, "schema_version": SCHEMA_VERSION, "step": int(step), "epoch": int(epoch),
+            "metrics": dict(metrics), "tags": sorted(tags), "lineage": lineage}
+
+
+def _require(m: dict, key: str, kinds, what: str):
+    v = m.get(key)
+    if isinstance(v, bool) or not isinstance(v, kinds):
+        raise ManifestError(f"'{key}' must be {what}, got {v!r:.80}")
+    return v
+
+
+def check(m) -> dict:
+    """Every field present and of its type, and the hashes agreeing with the config they are taken over."""
+    if not isinstance(m, dict):
+        raise ManifestError("not a JSON object")
+    version = m.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ManifestError(f"schema_version {version!r}: this pipeline reads schema_version {SCHEMA_VERSION!r} "
+                            "only (a checkpoint of another version of the pipeline)")
+    step = _require(m, "step", int, "a non-negative integer")
+    if step < 0 or _require(m, "epoch", int, "a non-negative integer") < 0:
+        raise ManifestError("'step' and 'epoch' must be non-negative")
+    for k, v in _require(m, "metrics", dict, "an object").items():
+        try:
+            jsonio.number(v)
+        except ValueError:
+            raise ManifestError(f"metric {k!r} is {v!r:.80}, not a number") from None
+    tags = _require(m, "tags", list, "a list of stage names")
+    if not all(isinstance(t, str) for t in tags):
+        raise ManifestError("'tags' must be a list of stage names")
+    lineage = _require(m, "lineage", dict, "an object")
+    if not (isinstance(lineage.get("id"), str) and SHA256.match(lineage["id"])):
+        raise ManifestError("'lineage.id' must be a sha256 hex digest")
+    config = _require(m, "config", dict, "an object")
+    sources = _require(m, "sources", dict, "an object")
+    if not all(isinstance(v, str) and SHA256.match(v) for v in sources.values()):
+        raise ManifestError("'sources' must map config keys to sha256 hex digests")
+    if _require(m, "config_hash", str, "a sha256 hex digest") != config_hash(config):
+        raise ManifestError("'config_hash' is not the sha256 of 'config' (the config was edited after saving)")
+    if _require(m, "semantic_config_hash", str, "a sha256 hex digest") != semantic_hash(config, sources):
+        raise ManifestError("'semantic_config_hash' does not match 'config' (the config was edited after saving)")
+    _require(m, "data_manifest_hash", str, "a string")
+    _require(m, "data_spec", dict, "an object")
+    if m.get("mlflow_run_uri") is not None:
+        _require(m, "mlflow_run_uri", str, "a string or null")
+    trainer = config.get("trainer") if isinstance(config.get("trainer"), dict) else {}
+    if m.get("seed") != trainer.get("seed"):
+        raise ManifestError(f"'seed' {m.get('seed')!r} differs from config trainer.seed {trainer.get('seed')!r}")
+    _require(m, "files", dict, "an object")
+    return m

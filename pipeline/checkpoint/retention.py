@@ -1,0 +1,92 @@
+"""Which checkpoints survive: pure policies over records (step, metrics, tags), composed with AnyOf.
+
+A record is what a checkpoint's manifest says of it: its step, the metrics measured at that step, and the
+names of the stages that asked for it (its tags). Each stage contributes a policy; the run pins the newest
+checkpoint; after every save the store deletes exactly what no policy keeps. No disk here: the policies are
+tested with fake records (tests/checkpoint/test_retention.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+
+@dataclass(frozen=True)
+class Record:
+    step: int
+    metrics: dict = field(default_factory=dict, hash=False, compare=False)
+    tags: frozenset = frozenset()
+
+
+class Policy(Protocol):
+    def keep(self, records: Sequence[Record]) -> set[int]:
+        """The steps this policy preserves."""
+        ...
+
+
+def is_better(value, best, mode: str) -> bool:
+    """Strict improvement by a finite value; NaN and infinities never improve, any finite value beats none."""
+    if value is None or not math.isfinite(value):
+        return False
+    if best is None:
+        return True
+    return value < best if mode == "min" else value > best
+
+
+@dataclass(frozen=True)
+class LatestN:
+    """The newest n records (among those tagged `tag`, if given)."""
+
+    n: int
+    tag: str | None = None
+
+    def keep(self, records: Sequence[Record]) -> set[int]:
+        steps = sorted(r.step for r in records if self.tag is None or self.tag in r.tags)
+        return set(steps[-self.n:]) if self.n > 0 else set()
+
+
+@dataclass(frozen=True)
+class BestN:
+    """The n records with the best finite `monitor` (mode min or max); ties keep the earlier step."""
+
+    monitor: str
+    mode: str = "min"
+    n: int = 1
+
+    def keep(self, records: Sequence[Record]) -> set[int]:
+        scored = [(r.metrics[self.monitor], r.step) for r in records
+                  if isinstance(r.metrics.get(self.monitor), (int, float)) and math.isfinite(r.metrics[self.monitor])]
+        sign = 1.0 if self.mode == "min" else -1.0
+        ranked = sorted(scored, key=lambda vs: (sign * vs[0], vs[1]))
+        return {step for _, step in ranked[: self.n]}
+
+
+@dataclass(frozen=True)
+class Steps:
+    """Exactly these steps (a pin)."""
+
+    steps: frozenset
+
+    def keep(self, records: Sequence[Record]) -> set[int]:
+        present = {r.step for r in records}
+        return set(self.steps) & present
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """Keep what any of the policies keeps."""
+
+    policies: tuple
+
+    def keep(self, records: Sequence[Record]) -> set[int]:
+        out: set[int] = set()
+        for p in self.policies:
+            out |= p.keep(records)
+        return out
+
+
+def select_one(policy: Policy, records: Sequence[Record]) -> int | None:
+    """The step a link following `policy` points at: the newest of what it keeps (None if nothing)."""
+    kept = policy.keep(records)
+    return max(kept) if kept else None

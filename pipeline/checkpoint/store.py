@@ -1,0 +1,346 @@
+"""The only code that touches checkpoint directories: write, load and verify, list, link, delete, describe.
+
+A checkpoint is one directory holding the run's state tree ({part: state_dict}, see pipeline/state.py):
+    weights.safetensors   the model's arrays under their own (GPT-2) names; tied names stored once,
+                          the header metadata saying `lm_head.weight: ALIAS(transformer.wte.weight)`
+    optim.safetensors     every other part's arrays, named by path: optimizer/exp_avg/<param>,
+                          data_iter/permutation, ...
+    extra.json            every part's JSON values (the same tree with the arrays taken out)
+    manifest.json         written last: the facts, and the size and sha256 of every other file
+It is written as a hidden temporary directory, fsynced, and renamed into place, so a visible checkpoint is
+always complete. Loading checks everything before a single live object changes: the manifest against
+itself, every file's size and sha256 (hashed as it is read, once), and each file's tensors against the
+layout the live run (or the config) expects, before allocating them.
+
+A run's checkpoints live in `<run>/checkpoints/step-NNNNNNNN/`, with relative symlinks (`best`, `final`)
+that stages declare; CheckpointStore lists, saves, links and prunes them by retention policy.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline import jsonio, killpoint
+from pipeline.atomic import (TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, new_temp_dir, publish_dir,
+                             remove_temporaries, remove_tree, replace_link, write_new)
+from pipeline.checkpoint import manifest as mf
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint.retention import AnyOf, Policy, Record, Steps, select_one
+from pipeline.checkpoint.tensors import DigestMismatch, layout, read_tensors, write_tensors
+from pipeline.state import PARTS, SEP, merge, split
+
+WEIGHTS, OPTIM, EXTRA, MANIFEST = "weights.safetensors", "optim.safetensors", "extra.json", "manifest.json"
+REQUIRED = (WEIGHTS, OPTIM, EXTRA)
+MAX_MANIFEST = 16 << 20  # bytes; a legitimate manifest is a few KB (config, facts, file table)
+MAX_EXTRA = 16 << 20  # bytes; the JSON state (RNG streams, counters, stage state), a few KB
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+CORRUPTED = "sha256 differs from manifest.json (corrupted)"
+SCHEMA_VERSION = mf.SCHEMA_VERSION
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+@dataclass
+class Checkpoint:
+    directory: Path
+    manifest: dict
+    state: dict  # {part: state_dict}: arrays (tied names one object) and JSON values
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def record(self) -> Record:
+        return record_of(self.manifest)
+
+
+def record_of(manifest: dict) -> Record:
+    metrics = {k: jsonio.number(v) for k, v in manifest["metrics"].items()}
+    return Record(int(manifest["step"]), metrics, frozenset(manifest["tags"]))
+
+
+# --- one checkpoint directory ------------------------------------------------------------------------
+
+def write(directory: Path, tree: dict, fields: dict, replace: bool = False) -> dict:
+    """Write `tree` ({part: state_dict}) as a checkpoint at `directory`, atomically; returns its manifest.
+
+    `fields` are the manifest's fields but `files` (see checkpoint/manifest.py). With replace=True an
+    existing checkpoint there is swapped out; otherwise one already there is an error.
+    """
+    directory = Path(directory)
+    arrays, json_tree = split(tree)
+    weights = tree["model"]
+    other = {k: a for k, a in arrays.items() if not k.startswith("model" + SEP)}
+    extra = {k: v for k, v in json_tree.items() if k != "model"}
+    os.makedirs(directory.parent, exist_ok=True)
+    remove_temporaries(directory.parent)
+    tmp = new_temp_dir(directory.parent, directory.name)
+    try:
+        # Each file is hashed from the bytes as they are written and fsynced before it is listed; the two
+        # tensor files are written side by side, as sha256 of one stream is slower than the disk.
+        with ThreadPoolExecutor(1, thread_name_prefix="save-weights") as pool:
+            weights_entry = pool.submit(write_tensors, tmp / WEIGHTS, weights)
+            files = {OPTIM: write_tensors(tmp / OPTIM, other)}
+            files[WEIGHTS] = weights_entry.result()
+        killpoint.point("save", "after weights")
+        killpoint.point("save", "after optim")
+        files[EXTRA] = write_new(tmp / EXTRA, jsonio.dumps(extra, indent=None))
+        manifest = {**fields, "files": files}
+        killpoint.point("save", "before manifest")
+        write_new(tmp / MANIFEST, jsonio.dumps(manifest))  # last: a directory with a manifest is complete
+        killpoint.point("save", "before rename")
+        publish_dir(tmp, directory, replace=replace)
+        killpoint.point("save", "after rename")
+    except BaseException:
+        remove_tree(tmp)  # a signal or an error mid-save: the half-made temporary goes now or at the next save
+        raise
+    return manifest
+
+
+def read_manifest(directory: Path) -> dict:
+    """manifest.json, bounded in size and depth and checked against itself; CheckpointError otherwise."""
+    directory = Path(directory)
+    try:
+        raw = jsonio.read_bytes(directory / MANIFEST, MAX_MANIFEST)
+    except FileNotFoundError:
+        raise CheckpointError(directory, MANIFEST, "missing (an incomplete or foreign directory)") from None
+    except (OSError, jsonio.JSONError) as e:
+        raise CheckpointError(directory, MANIFEST, _os_reason(e)) from None
+    try:
+        return mf.check(jsonio.loads(raw))
+    except (jsonio.JSONError, mf.ManifestError) as e:
+        raise CheckpointError(directory, MANIFEST, str(e)) from None
+
+
+def _os_reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno == errno.ELOOP:
+        return "is a symlink; a checkpoint's files must be regular files inside it"
+    if isinstance(e, OSError):
+        return f"{e.strerror or type(e).__name__}"
+    return str(e)
+
+
+def _check_listing(directory: Path, manifest: dict) -> dict[str, dict]:
+    """Every listed file present as a regular file of its listed size, and nothing unlisted."""
+    listed = manifest["files"]
+    for name, entry in listed.items():
+        if name in ("", ".", "..", MANIFEST) or "/" in name or "\\" in name or "\0" in name:
+            raise CheckpointError(directory, MANIFEST, f"lists an invalid file name {name!r:.80}")
+        if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
+                and isinstance(entry.get("sha256"), str) and SHA256.match(entry["sha256"])):
+            raise CheckpointError(directory, MANIFEST, f"entry for {name} needs an integer size and a sha256 hex digest")
+    for name in REQUIRED:
+        if name not in listed:
+            raise CheckpointError(directory, MANIFEST, f"does not list {name}")
+    with os.scandir(directory) as it:
+        present = {e.name: e for e in it if e.name != MANIFEST}
+    for name in sorted(set(present) - set(listed)):
+        raise CheckpointError(directory, name, "present but not listed in manifest.json")
+    for name, entry in sorted(listed.items()):
+        if name not in present:
+            raise CheckpointError(directory, name, "listed in manifest.json but missing")
+        st = present[name].stat(follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            raise CheckpointError(directory, name, "is a symlink; a checkpoint's files must be regular files inside it")
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(directory, name, "is not a regular file")
+        if st.st_size != entry["size"]:
+            raise CheckpointError(directory, name, f"size {st.st_size} bytes, manifest says {entry['size']}")
+    return listed
+
+
+def _read_tensor_file(directory: Path, name: str, entry: dict, expect: dict | None) -> dict[str, np.ndarray]:
+    try:
+        arrays, _ = read_tensors(directory / name, expected_sha256=entry["sha256"], expect=expect)
+    except DigestMismatch:
+        raise CheckpointError(directory, name, CORRUPTED) from None
+    except (ValueError, OSError) as e:
+        raise CheckpointError(directory, name, _os_reason(e) if isinstance(e, OSError) else str(e)) from None
+    return arrays
+
+
+def _layouts(template: dict | None) -> tuple[dict | None, dict | None]:
+    if template is None:
+        return None, None
+    arrays, _ = split(template)
+    other = {k: a for k, a in arrays.items() if not k.startswith("model" + SEP)}
+    return layout(template["model"]), layout(other)
+
+
+def load(directory: Path, template: dict | None = None) -> Checkpoint:
+    """Read and fully verify a checkpoint; `template` (a state tree of the live run, e.g. capture(parts))
+    bounds what its tensor files may hold before they are read. Raises CheckpointError, naming the file."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(directory, ".", "not a directory")
+    manifest = read_manifest(directory)
+    listed = _check_listing(directory, manifest)
+    try:
+        raw = jsonio.read_bytes(directory / EXTRA, MAX_EXTRA)
+    except (OSError, jsonio.JSONError) as e:
+        raise CheckpointError(directory, EXTRA, _os_reason(e)) from None
+    if hashlib.sha256(raw).hexdigest() != listed[EXTRA]["sha256"]:
+        raise CheckpointError(directory, EXTRA, CORRUPTED)
+    weights_layout, optim_layout = _layouts(template)
+    with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:  # side by side, as in write()
+        weights_read = pool.submit(_read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], weights_layout)
+        try:
+            other = _read_tensor_file(directory, OPTIM, listed[OPTIM], optim_layout)
+        finally:
+            weights = weights_read.result()  # weights.safetensors' own error first, as the files are listed
+    try:
+        extra = jsonio.loads(raw)
+    except jsonio.JSONError as e:
+        raise CheckpointError(directory, EXTRA, str(e)) from None
+    if not isinstance(extra, dict):
+        raise CheckpointError(directory, EXTRA, "not a JSON object")
+    for path in other:
+        part = path.split(SEP, 1)[0]
+        if part not in PARTS or part == "model" or SEP not in path:
+            raise CheckpointError(directory, OPTIM, f"tensor {path!r:.80} belongs to no state machine")
+    try:
+        tree = merge(other, {k: v for k, v in extra.items()})
+    except ValueError as e:
+        raise CheckpointError(directory, OPTIM, str(e)) from None
+    tree["model"] = weights
+    missing = [p for p in PARTS if p not in tree]
+    if missing:
+        raise CheckpointError(directory, EXTRA, f"lacks the state of {missing}")
+    progress = tree["progress"]
+    if not isinstance(progress, dict) or progress.get("step") != manifest["step"]:
+        raise CheckpointError(directory, EXTRA, "progress.step differs from the manifest's step")
+    return Checkpoint(directory, manifest, tree)
+
+
+def verify(directory: Path, template: dict | None = None) -> dict:
+    """Full verification without changing anything; returns the manifest or raises CheckpointError."""
+    return load(directory, template).manifest
+
+
+# --- a run's checkpoints -------------------------------------------------------------------------------
+
+class CheckpointStore:
+    """`<run>/checkpoints/`: step directories, the links stages declare, and retention after every save."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._records: dict[int, Record] | None = None
+
+    # listing
+    def scan(self) -> tuple[list[tuple[int, Path]], dict[str, str]]:
+        """(step, directory) of every step directory, oldest first, and {link name: target name}.
+
+        Temporaries are ignored; anything else (a stray symlink, a file, a link that does not name a step
+        directory here) raises UnsafePathError naming it, so nothing is ever followed out of the run.
+        """
+        if not os.path.lexists(self.root):
+            return [], {}
+        st = os.lstat(self.root)
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafePathError(errno.ELOOP, f"{self.root} is not a directory (a symlink or a file); "
+                                               "remove it")
+        steps, links = [], {}
+        with os.scandir(self.root) as it:
+            for e in it:
+                if e.name.startswith(TMP_PREFIX):
+                    continue
+                m = STEP_DIR.match(e.name)
+                if e.is_symlink():
+                    target = os.readlink(e.path)
+                    if m or not STEP_DIR.match(target):
+                        raise UnsafePathError(errno.ELOOP, f"{e.path} is a symlink to {target!r:.80}; checkpoints/ "
+                                                           "holds step directories and links to them only: remove it")
+                    links[e.name] = target
+                elif m and e.is_dir(follow_symlinks=False):
+                    steps.append((int(m.group(1)), Path(e.path)))
+                else:
+                    raise UnsafePathError(errno.EEXIST, f"{e.path} is not a checkpoint step directory; "
+                                                        "checkpoints/ holds step directories and links only: remove it")
+        return sorted(steps), links
+
+    def steps(self) -> list[tuple[int, Path]]:
+        return self.scan()[0]
+
+    def links(self) -> dict[str, str]:
+        return self.scan()[1]
+
+    def records(self) -> list[Record]:
+        """Each step directory's record, read from its manifest once (unreadable ones have none)."""
+        if self._records is None:
+            self._records = {}
+            for step, directory in self.steps():
+                try:
+                    self._records[step] = record_of(read_manifest(directory))
+                except CheckpointError:
+                    pass
+        return [self._records[s] for s in sorted(self._records)]
+
+    def newest_valid(self, template: dict | None = None, upto: int | None = None) -> tuple[Checkpoint | None, list[str]]:
+        """The newest checkpoint that verifies (at most step `upto`), and a line for each newer one skipped."""
+        skipped = []
+        for step, directory in reversed(self.steps()):
+            if upto is not None and step > upto:
+                continue
+            try:
+                return load(directory, template), skipped
+            except CheckpointError as e:
+                skipped.append(str(e))
+        return None, skipped
+
+    # writing
+    def save(self, step: int, tree: dict, fields: dict) -> Checkpoint:
+        """Write this step's checkpoint (replacing any directory already at that step: never keeping another
+        run's or a damaged one in its place) and record it."""
+        ensure_dirs(self.root.parent, self.root.name)
+        directory = self.root / step_dir_name(step)
+        manifest = write(directory, tree, fields, replace=True)
+        self.records()
+        self._records[step] = record_of(manifest)
+        return Checkpoint(directory, manifest, tree)
+
+    def retain(self, policy: Policy, links: dict[str, Policy], upto: int) -> list[int]:
+        """Point each link at what its policy selects, then delete every step directory no policy keeps.
+
+        Records after `upto` (the run's current step) are left-overs of an attempt this run did not
+        continue (a damaged newer checkpoint it fell back past): never kept. Links no stage declares any
+        more (a stage removed by override) keep pointing where they did, and their targets are kept.
+        Returns the deleted steps.
+        """
+        records = [r for r in self.records() if r.step <= upto]
+        present_links = self.links()
+        orphan_targets = {int(STEP_DIR.match(t).group(1)) for name, t in present_links.items() if name not in links}
+        keep = AnyOf((policy, Steps(frozenset(orphan_targets)), *links.values())).keep(records)
+        for name, link_policy in links.items():
+            target = select_one(link_policy, records)
+            if target is not None and present_links.get(name) != step_dir_name(target):
+                killpoint.point("save", f"before {name} link")
+                replace_link(self.root / name, step_dir_name(target))
+        deleted = []
+        for step, directory in self.steps():
+            if step not in keep:
+                killpoint.point("save", "before delete")
+                discard_dir(directory)
+                self._records.pop(step, None)
+                deleted.append(step)
+        return deleted
+
+    def link_dir(self, name: str) -> Path | None:
+        """The step directory a link points at, if the link exists and names one here."""
+        target = self.links().get(name)
+        return self.root / target if target and (self.root / target).is_dir() else None
+
+    def link_step(self, name: str) -> int | None:
+        target = self.links().get(name)
+        return int(STEP_DIR.match(target).group(1)) if target else None

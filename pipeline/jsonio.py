@@ -1,0 +1,113 @@
+"""Standard JSON (RFC 8259) in and out: non-finite floats as strings, bounded size and nesting on reading.
+
+Python's json writes NaN and Infinity bare, which is not JSON (strict parsers reject the file). Every JSON
+file the pipeline writes goes through `dumps`, which writes a non-finite float as the string "NaN",
+"Infinity" or "-Infinity" (protobuf's JSON mapping for floats); `number` reads such a value back exactly.
+Reading refuses files over a size limit before reading them, and nesting deeper than MAX_DEPTH.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+
+MAX_DEPTH = 64
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+class JSONError(ValueError):
+    """A JSON file that is too big, too deep, not JSON, or not the shape asked for (one line: the reason)."""
+
+
+def _finite(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def encode_float(x: float) -> float | str:
+    return _finite(float(x))
+
+
+def number(v) -> float:
+    """A metric value as written by `dumps` (a number, or one of the NON_FINITE strings) back to a float."""
+    if isinstance(v, str) and v in NON_FINITE:
+        return NON_FINITE[v]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise JSONError(f"{v!r} is not a number")
+    return float(v)
+
+
+def dumps(obj, *, indent: int | None = 2, canonical: bool = False) -> bytes:
+    """UTF-8 bytes of standard JSON; canonical=True is the hashing form (sorted keys, no spaces)."""
+    if canonical:
+        text = json.dumps(_finite(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return text.encode()
+    text = json.dumps(_finite(obj), sort_keys=True, indent=indent, ensure_ascii=False, allow_nan=False)
+    return (text + "\n").encode()
+
+
+def dumps_line(obj) -> str:
+    """One JSON Lines record (no newline)."""
+    return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False)
+
+
+def _depth(obj) -> int:
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        node, d = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, d)
+            if d > MAX_DEPTH:
+                return d
+            stack.extend((v, d + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+def _reject_constant(name: str):
+    raise JSONError(f"contains {name}, which is not JSON")
+
+
+def loads(data: bytes | str):
+    """Parse standard JSON; JSONError (a ValueError) for anything else, bare NaN included."""
+    try:
+        obj = json.loads(data, parse_constant=_reject_constant)
+    except RecursionError:
+        raise JSONError(f"nested deeper than {MAX_DEPTH} levels") from None
+    except UnicodeDecodeError as e:
+        raise JSONError(f"not UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise JSONError(f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if _depth(obj) > MAX_DEPTH:
+        raise JSONError(f"nested deeper than {MAX_DEPTH} levels")
+    return obj
+
+
+def read_bytes(path, limit: int) -> bytes:
+    """A regular file's bytes, refusing a symlink, a non-regular file, or more than `limit` bytes (checked
+    before reading, so a huge file costs no memory). OSError subclasses and JSONError name the reason."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise JSONError("not a regular file")
+        if st.st_size > limit:
+            raise JSONError(f"{st.st_size} bytes, over the {limit}-byte limit")
+        chunks, size = [], 0
+        while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise JSONError(f"grew past the {limit}-byte limit while being read")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read(path, limit: int):
+    return loads(read_bytes(path, limit))

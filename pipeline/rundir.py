@@ -1,0 +1,146 @@
+"""A run directory's layout, its lock, and the small files beside the checkpoints (run.json, metrics.jsonl).
+
+    <runs_dir>/<name>-<hash>/
+      .lock                 one process at a time (an advisory lock the kernel releases when it dies)
+      .hydra/               the composed config and the overrides, written once the lock is held
+      pipeline.log          the log of every process that ran here
+      run.json              status (running, preempted, complete, failed), step, metrics, replaced atomically
+      metrics.jsonl         one JSON object per logged step
+      checkpoints/          the checkpoint store (pipeline/checkpoint/store.py)
+      superseded/<when>/    another run history this directory held before a resume from elsewhere
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from pathlib import Path
+
+from pipeline import jsonio
+from pipeline.atomic import UnsafePathError, ensure_dirs, open_append, refuse_link, replace_file
+from pipeline.checkpoint.store import CheckpointStore
+
+MAX_RUN_JSON = 16 << 20
+MAX_METRICS = 1 << 30  # metrics.jsonl is read line by line when a run resumes
+
+
+class RunBusyError(Exception):
+    """Another process holds the run directory."""
+
+
+class RunDir:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.lock_path = self.path / ".lock"
+        self.status_path = self.path / "run.json"
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.log_path = self.path / "pipeline.log"
+        self.hydra_dir = self.path / ".hydra"
+        self.store = CheckpointStore(self.path / "checkpoints")
+        self._fd: int | None = None
+
+    # --- the lock
+    def acquire(self) -> None:
+        """Create the directory if needed and take its lock; RunBusyError (changing nothing) if it is held."""
+        ensure_dirs(self.path.parent, self.path.name)
+        refuse_link(self.lock_path)
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UnsafePathError(errno.ELOOP, f"{self.lock_path} is a symlink; remove it") from None
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunBusyError(f"run directory {self.path} is in use by another process (pid {holder}); "
+                               "wait for it to finish or stop it first") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def in_use(self) -> bool:
+        """True if a live process holds the lock (reading never creates or changes anything)."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    # --- run.json
+    def read_status(self) -> dict:
+        try:
+            status = jsonio.read(self.status_path, MAX_RUN_JSON)
+        except (OSError, ValueError):
+            return {}
+        return status if isinstance(status, dict) else {}
+
+    def write_status(self, **fields) -> None:
+        replace_file(self.status_path, jsonio.dumps({**fields, "updated": time.time()}))
+
+    # --- metrics.jsonl
+    def read_metrics(self) -> list[dict]:
+        """metrics.jsonl's complete lines (a torn last line from a killed process is dropped)."""
+        try:
+            raw = jsonio.read_bytes(self.metrics_path, MAX_METRICS)
+        except FileNotFoundError:
+            return []
+        lines = []
+        for text in raw.decode("utf-8", errors="replace").splitlines():
+            try:
+                line = jsonio.loads(text)
+            except jsonio.JSONError:
+                break
+            if not isinstance(line, dict) or type(line.get("step")) is not int:
+                break
+            lines.append(line)
+        return lines
+
+    def keep_metrics(self, lines: list[dict]) -> None:
+        """Replace metrics.jsonl by `lines` atomically (a resumed run appends from there)."""
+        replace_file(self.metrics_path, "".join(jsonio.dumps_line(ln) + "\n" for ln in lines).encode())
+
+    def open_metrics(self):
+        return open_append(self.metrics_path)
+
+    def open_log(self):
+        return open_append(self.log_path)
+
+    # --- the rest
+    def write_hydra(self, config_yaml: str, overrides: list[str]) -> None:
+        """The composed config and the overrides, as Hydra's .hydra/ holds them (written under the lock)."""
+        ensure_dirs(self.path, ".hydra")
+        replace_file(self.hydra_dir / "config.yaml", config_yaml.encode())
+        replace_file(self.hydra_dir / "overrides.yaml",
+                     "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides).encode() or b"[]\n")
+
+    def supersede(self) -> Path:
+        """Move the run history this directory holds (checkpoints, metrics, status) into superseded/<when>/;
+        nothing is deleted. Returns where it went."""
+        dest = ensure_dirs(self.path, "superseded") / time.strftime("%Y%m%d-%H%M%S")
+        n = 0
+        while os.path.lexists(dest):
+            n += 1
+            dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+        os.mkdir(dest)
+        for p in (self.store.root, self.metrics_path, self.status_path):
+            if os.path.lexists(p):
+                os.rename(p, dest / p.name)
+        self.store = CheckpointStore(self.store.root)
+        return dest

@@ -1,0 +1,120 @@
+"""manifest.json is the truth about the run: every field the issue lists, each recomputed independently,
+and a manifest that contradicts itself refused."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import platform
+import re
+from importlib import metadata
+
+import numpy as np
+import pytest
+
+from conftest import KERNODECK, PROJECT_ROOT, run_job, the_run
+from pipeline.checkpoint import manifest as mf
+from pipeline.checkpoint.store import EXTRA, MANIFEST, OPTIM, WEIGHTS
+from pipeline.rundir import RunDir
+
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    out = tmp_path_factory.mktemp("manifest") / "out"
+    assert run_job(*KERNODECK, f"paths.output_dir={out}")[0] == 0
+    directory = RunDir(the_run(out)).store.link_dir("final")
+    return {"directory": directory, "manifest": json.loads((directory / MANIFEST).read_text()), "out": out}
+
+
+def test_step_epoch_metrics_tags_seed(saved):
+    m = saved["manifest"]
+    assert m["schema_version"] == mf.SCHEMA_VERSION == "2.0"
+    assert (m["step"], m["epoch"]) == (10, 1)  # 6 batches of 4 per epoch
+    assert set(m["metrics"]) == {"train/loss", "lr", "grad_norm", "val/loss"}  # measured at this step
+    assert m["tags"] == ["best_val", "final"]  # the stages that asked for it
+    assert m["seed"] == 42 == m["config"]["trainer"]["seed"]
+    assert "mlflow_run_uri" in m and m["mlflow_run_uri"] is None  # tracking=none
+    assert HEX64.match(m["lineage"]["id"]) and m["lineage"]["origin"] is None
+
+
+def test_config_hash_is_sha256_of_canonical_json_of_the_config(saved):
+    m = saved["manifest"]
+    canonical = json.dumps(m["config"], sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    assert m["config_hash"] == hashlib.sha256(canonical).hexdigest()
+    assert m["config"]["name"] == "kernodeck" and m["config"]["model"]["hidden"] == [8]  # resolved, plain
+    assert the_run(saved["out"]).name == f"kernodeck-{m['semantic_config_hash'][:12]}"
+
+
+def test_data_manifest_hash_and_spec(saved):
+    m = saved["manifest"]
+    assert HEX64.match(m["data_manifest_hash"])
+    assert m["data_spec"] == {"n_features": 2, "n_targets": 1, "vocab_size": 0, "block_size": 0, "n_train": 24}
+
+
+def test_git_sha_and_dirty_flag(saved, tmp_path):
+    m = saved["manifest"]
+    if (PROJECT_ROOT / ".git").exists():
+        assert re.match(r"^[0-9a-f]{40}$", m["git_sha"]) and isinstance(m["git_dirty"], bool)
+    else:
+        assert m["git_sha"] == "unknown"
+    assert mf.git_info(str(tmp_path)) == {"git_sha": "unknown", "git_dirty": None}  # outside a checkout
+
+
+def test_versions(saved):
+    v = saved["manifest"]["versions"]
+    assert set(v) == {"python", "numpy", "safetensors", "hydra-core", "omegaconf", "mlflow"}
+    assert v["python"] == platform.python_version() and v["numpy"] == np.__version__
+    for name in ("safetensors", "hydra-core", "omegaconf"):
+        assert v[name] == metadata.version(name)
+
+
+def test_hardware(saved):
+    hw = saved["manifest"]["hardware"]
+    assert isinstance(hw["cpu"], str) and hw["cpu"]
+    assert isinstance(hw["cores"], int) and hw["cores"] >= 1
+    assert isinstance(hw["ram_gb"], (int, float)) and hw["ram_gb"] > 0
+    assert isinstance(hw["blas"], list) and hw["blas"], "no BLAS library found by threadpoolctl"
+
+
+def test_files_lists_size_and_sha256_of_every_other_file(saved):
+    directory, m = saved["directory"], saved["manifest"]
+    others = {p.name for p in directory.iterdir()} - {MANIFEST}
+    assert set(m["files"]) == others == {WEIGHTS, OPTIM, EXTRA}
+    for name, entry in m["files"].items():
+        data = (directory / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+
+
+def test_a_manifest_is_checked_against_itself(saved):
+    m = saved["manifest"]
+    assert mf.check(copy.deepcopy(m)) == m
+    bad = {
+        "config edited": lambda x: x["config"]["optimizer"].__setitem__("lr", 1.0),
+        "hash edited": lambda x: x.__setitem__("config_hash", "0" * 64),
+        "semantic hash edited": lambda x: x.__setitem__("semantic_config_hash", "0" * 64),
+        "seed edited": lambda x: x.__setitem__("seed", 1),
+        "negative step": lambda x: x.__setitem__("step", -1),
+        "step a string": lambda x: x.__setitem__("step", "10"),
+        "metric a string": lambda x: x["metrics"].__setitem__("val/loss", "low"),
+        "tags not names": lambda x: x.__setitem__("tags", [1]),
+        "no lineage": lambda x: x.pop("lineage"),
+        "other version": lambda x: x.__setitem__("schema_version", "1.0"),
+        "not an object": lambda x: x.clear(),
+    }
+    for what, change in bad.items():
+        x = copy.deepcopy(m)
+        change(x)
+        with pytest.raises(mf.ManifestError):
+            mf.check(x if x else [])
+        assert what
+
+
+def test_non_finite_metrics_are_strings_read_back_exactly():
+    from pipeline import jsonio
+
+    text = jsonio.dumps({"a": float("nan"), "b": float("inf"), "c": -float("inf"), "d": 1.5})
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    back = {k: jsonio.number(v) for k, v in jsonio.loads(text).items()}
+    assert np.isnan(back["a"]) and back["b"] == float("inf") and back["c"] == -float("inf") and back["d"] == 1.5

@@ -1,0 +1,422 @@
+"""The checkpoint store (pipeline/checkpoint/store.py): all-or-nothing writes, full verification on load,
+and every refusal one line naming the directory, the file and the reason, with nothing on disk changed and
+the live objects untouched."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from conftest import KERNODECK, TINY, env_for_subprocess
+from pipeline.atomic import TMP_PREFIX
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint.store import (EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointStore, load, step_dir_name,
+                                       verify)
+from pipeline.roundtrip import Fresh
+from pipeline.schema import compose, to_plain
+from pipeline.state import PARTS, StateMismatch, capture, copy_tree, restore
+
+
+def fresh(tmp_path, *overrides: str, base=KERNODECK) -> Fresh:
+    return Fresh(to_plain(compose([*base, f"paths.output_dir={tmp_path / 'out'}", *overrides])))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """One trained kernodeck checkpoint; each test damages its own copy."""
+    root = tmp_path_factory.mktemp("store")
+    run = fresh(root)
+    run.train(10)
+    directory = root / "checkpoints" / step_dir_name(10)
+    run.save(directory)
+    return directory
+
+
+@pytest.fixture
+def ckpt(saved, tmp_path) -> Path:
+    directory = tmp_path / "checkpoints" / saved.name
+    directory.mkdir(parents=True)
+    for p in saved.iterdir():
+        (directory / p.name).write_bytes(p.read_bytes())
+    return directory
+
+
+def snapshot(root: Path) -> dict:
+    """Every entry under root: its bytes (files), target (links), mode and mtime."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            p = Path(dirpath) / name
+            st = p.lstat()
+            content = os.readlink(p) if p.is_symlink() else (p.read_bytes() if p.is_file() else None)
+            out[str(p.relative_to(root))] = (content, st.st_mode, st.st_mtime_ns, st.st_size)
+    return out
+
+
+def rejects(directory: Path, file: str, *reason_words: str, run: Fresh | None = None) -> CheckpointError:
+    """load() raises naming directory, file and reason, changing nothing on disk or in `run`."""
+    root = directory.parent
+    before = snapshot(root)
+    run = run or fresh(directory.parent.parent)
+    live = copy_tree(capture(run.parts))
+    with pytest.raises(CheckpointError) as info:
+        run.load(directory)
+    e = info.value
+    message = str(e)
+    assert "\n" not in message, message
+    assert str(directory) in message and f": {file}: " in message, message
+    assert e.file == file and Path(e.directory) == directory
+    for word in reason_words:
+        assert word in e.reason, message
+    assert snapshot(root) == before, "rejecting a checkpoint changed something on disk"
+    assert_same_tree(capture(run.parts), live)
+    return e
+
+
+def assert_same_tree(a, b, path=""):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same_tree(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
+    else:
+        assert a == b, path
+
+
+def manifest_of(directory: Path) -> dict:
+    return json.loads((directory / MANIFEST).read_text())
+
+
+def write_manifest(directory: Path, manifest: dict) -> None:
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def relist(directory: Path, name: str) -> None:
+    """Record a file's new size and sha256 in the manifest, as if it had been written that way."""
+    m = manifest_of(directory)
+    data = (directory / name).read_bytes()
+    m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    write_manifest(directory, m)
+
+
+def data_offset(path: Path) -> int:
+    return 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+
+
+def flip_bit(path: Path, offset: int, bit: int = 0) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def rewrite_weights(directory: Path, arrays: dict, metadata: dict) -> None:
+    """weights.safetensors made by the safetensors library itself, then listed in the manifest."""
+    path = directory / WEIGHTS
+    path.unlink()
+    save_file(arrays, str(path), metadata=metadata)
+    relist(directory, WEIGHTS)
+
+
+def edit_extra(directory: Path, change) -> None:
+    extra = json.loads((directory / EXTRA).read_text())
+    change(extra)
+    (directory / EXTRA).write_text(json.dumps(extra))
+    relist(directory, EXTRA)
+
+
+# -- the round trip -------------------------------------------------------------------------------------
+
+def test_every_part_is_byte_equal_after_a_round_trip(tmp_path):
+    run = fresh(tmp_path)
+    run.train(7)
+    before = copy_tree(capture(run.parts))
+    run.save(tmp_path / "c")
+    other = fresh(tmp_path)
+    untouched = copy_tree(capture(other.parts))
+    other.load(tmp_path / "c")
+    assert_same_tree(capture(other.parts), before)
+    # a part the fresh objects already matched proves nothing about its restore
+    trained = [p for p in PARTS if p not in ("stages",)]
+    for p in trained:
+        with pytest.raises(AssertionError):
+            assert_same_tree(untouched[p], before[p])
+
+
+def test_the_files_hold_the_tree_as_documented(saved):
+    weights, optim = load_file(str(saved / WEIGHTS)), load_file(str(saved / OPTIM))
+    assert set(weights) == {"layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"}
+    assert {k.split("/")[0] for k in optim} == {"optimizer", "data_iter"}
+    assert "data_iter/permutation" in optim and optim["data_iter/permutation"].dtype == np.int64
+    extra = json.loads((saved / EXTRA).read_text())
+    assert set(extra) == set(PARTS) - {"model"}
+    assert extra["optimizer"]["t"] == 10 and extra["progress"]["step"] == 10 and "permutation" not in extra["data_iter"]
+    m = manifest_of(saved)
+    assert m["files"][WEIGHTS]["sha256"] == hashlib.sha256((saved / WEIGHTS).read_bytes()).hexdigest()
+
+
+def test_tied_weights_are_stored_once_and_one_object_after_load(tmp_path):
+    run = fresh(tmp_path, base=TINY)
+    run.train(2)
+    run.save(tmp_path / "c")
+    with open(tmp_path / "c" / WEIGHTS, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    assert "lm_head.weight" not in header
+    assert header["__metadata__"]["lm_head.weight"] == "ALIAS(transformer.wte.weight)"
+    ckpt = load(tmp_path / "c", capture(run.parts))
+    assert ckpt.state["model"]["lm_head.weight"] is ckpt.state["model"]["transformer.wte.weight"]
+    other = fresh(tmp_path, base=TINY)
+    other.load(tmp_path / "c")
+    assert other.state.model.state_dict()["lm_head.weight"] is other.state.model.params["transformer.wte.weight"]
+
+
+def test_the_library_reads_our_files_and_we_read_its_files(saved, tmp_path):
+    ours = load_file(str(saved / OPTIM))
+    d = tmp_path / "lib"
+    d.mkdir()
+    save_file(ours, str(d / "x.safetensors"))
+    from pipeline.checkpoint.tensors import read_tensors
+
+    back, _ = read_tensors(d / "x.safetensors")
+    assert set(back) == set(ours) and all(np.array_equal(back[k], ours[k]) for k in ours)
+
+
+def test_equal_states_give_equal_bytes(tmp_path):
+    for d in ("a", "b"):
+        run = fresh(tmp_path)
+        run.train(4)
+        run.save(tmp_path / d)
+    for name in (WEIGHTS, OPTIM, EXTRA):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+# -- all or nothing ---------------------------------------------------------------------------------------
+
+def temporaries(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(TMP_PREFIX)) if parent.is_dir() else []
+
+
+SAVE_POINTS = {1: "after weights", 3: "before manifest", 4: "before rename", 5: "after rename"}
+
+
+@pytest.mark.parametrize("k", sorted(SAVE_POINTS), ids=list(SAVE_POINTS.values()))
+def test_a_save_killed_with_sigkill_is_all_or_nothing(tmp_path, k):
+    """A real kill -9 at the k-th save point (pipeline/killpoint.py), in a separate process."""
+    out = tmp_path / "saves"
+    cmd = [sys.executable, "-m", "pipeline.roundtrip", "--save-to", str(tmp_path), "--steps", "4", "--",
+           *KERNODECK, f"paths.output_dir={tmp_path / 'out'}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env={**env_for_subprocess(), "PIPELINE_CHAOS": f"save:{k}"},
+                          capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    store = CheckpointStore(out)
+    if SAVE_POINTS[k] == "after rename":
+        assert [s for s, _ in store.steps()] == [4] and temporaries(out) == []
+        verify(out / step_dir_name(4))  # visible means complete
+        return
+    assert store.steps() == [] and len(temporaries(out)) == 1  # readers see nothing
+    again = subprocess.run(cmd, cwd=tmp_path, env=env_for_subprocess(), capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert temporaries(out) == [] and [s for s, _ in store.steps()] == [4]  # the next save cleaned up
+    verify(out / step_dir_name(4))
+
+
+def test_a_save_over_an_existing_step_replaces_it_whole(tmp_path):
+    """Never keeps another history's (or a damaged) directory at the same step."""
+    a, b = fresh(tmp_path), fresh(tmp_path, "optimizer.lr=0.05")
+    a.train(3)
+    b.train(3)
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.save(3, capture(a.parts), a.fields())
+    store.save(3, capture(b.parts), b.fields())
+    ckpt = load(tmp_path / "checkpoints" / step_dir_name(3), capture(b.parts))
+    assert ckpt.manifest["config"]["optimizer"]["lr"] == 0.05 and temporaries(store.root) == []
+
+
+# -- load(): the files ---------------------------------------------------------------------------
+
+def test_missing_manifest(ckpt):
+    (ckpt / MANIFEST).unlink()
+    rejects(ckpt, MANIFEST, "missing")
+
+
+def test_manifest_not_json(ckpt):
+    (ckpt / MANIFEST).write_text("{not json")
+    rejects(ckpt, MANIFEST, "not valid JSON")
+
+
+def test_bad_schema_version_names_both(ckpt):
+    m = manifest_of(ckpt)
+    m["schema_version"] = "1.0"
+    write_manifest(ckpt, m)
+    rejects(ckpt, MANIFEST, "schema_version '1.0'", "'2.0'")
+
+
+def test_an_edited_config_is_caught_by_its_own_hash(ckpt):
+    """Regression (#10.4): editing `config` left a stale config_hash that inspect accepted."""
+    m = manifest_of(ckpt)
+    m["config"]["optimizer"]["lr"] = 0.5
+    write_manifest(ckpt, m)
+    rejects(ckpt, MANIFEST, "config_hash", "edited")
+
+
+def test_an_edited_seed_is_caught(ckpt):
+    m = manifest_of(ckpt)
+    m["seed"] = 7
+    write_manifest(ckpt, m)
+    rejects(ckpt, MANIFEST, "seed")
+
+
+@pytest.mark.parametrize("name", [WEIGHTS, EXTRA])
+def test_size_mismatch(ckpt, name):
+    with open(ckpt / name, "ab") as f:
+        f.write(b" ")
+    rejects(ckpt, name, "size", "manifest says")
+
+
+def test_truncated_file(ckpt):
+    path = ckpt / OPTIM
+    path.write_bytes(path.read_bytes()[:-1])
+    rejects(ckpt, OPTIM, "size")
+
+
+@pytest.mark.parametrize("name", [WEIGHTS, OPTIM])
+def test_one_flipped_bit_in_tensor_data(ckpt, name):
+    path = ckpt / name
+    flip_bit(path, data_offset(path) + 3, bit=5)  # inside the first tensor's bytes; size unchanged
+    # The trap this guards: safetensors itself has no checksum and loads the damaged value silently.
+    assert load_file(str(path))  # still "valid" to the library
+    rejects(ckpt, name, "sha256")
+
+
+def test_one_flipped_bit_in_the_header(ckpt):
+    flip_bit(ckpt / WEIGHTS, 12, bit=1)  # inside the JSON header: reported as what it is, corruption
+    rejects(ckpt, WEIGHTS, "sha256")
+
+
+def test_one_flipped_bit_in_extra_json(ckpt):
+    flip_bit(ckpt / EXTRA, 40, bit=0)
+    rejects(ckpt, EXTRA, "sha256")
+
+
+def test_missing_listed_file(ckpt):
+    (ckpt / OPTIM).unlink()
+    rejects(ckpt, OPTIM, "listed in manifest.json but missing")
+
+
+@pytest.mark.parametrize("name", ["notes.txt", ".tmp-weights.safetensors"])
+def test_unlisted_extra_file(ckpt, name):
+    (ckpt / name).write_text("x")
+    rejects(ckpt, name, "not listed")
+
+
+def test_manifest_not_listing_a_required_file(ckpt):
+    m = manifest_of(ckpt)
+    del m["files"][OPTIM]
+    (ckpt / OPTIM).unlink()
+    write_manifest(ckpt, m)
+    rejects(ckpt, MANIFEST, "does not list", OPTIM)
+
+
+def test_manifest_entry_escaping_the_directory(ckpt):
+    m = manifest_of(ckpt)
+    m["files"]["../escape"] = m["files"][EXTRA]
+    write_manifest(ckpt, m)
+    rejects(ckpt, MANIFEST, "invalid file name")
+
+
+def test_manifest_step_differs_from_extra(ckpt):
+    edit_extra(ckpt, lambda e: e["progress"].__setitem__("step", 11))  # past the sha256 check
+    rejects(ckpt, EXTRA, "progress.step differs")
+
+
+def test_unknown_alias(ckpt):
+    arrays = load_file(str(ckpt / WEIGHTS))
+    rewrite_weights(ckpt, arrays, {"format": "np", "lm_head.weight": "ALIAS(transformer.wte.weight)"})
+    rejects(ckpt, WEIGHTS)
+
+
+def test_circular_alias(ckpt):
+    arrays = load_file(str(ckpt / WEIGHTS))
+    rewrite_weights(ckpt, arrays, {"format": "np", "a.weight": "ALIAS(b.weight)", "b.weight": "ALIAS(a.weight)"})
+    rejects(ckpt, WEIGHTS)
+
+
+def test_safetensors_header_lying_about_offsets(ckpt):
+    path = ckpt / WEIGHTS
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [header[name]["shape"][0] + 1, *header[name]["shape"][1:]]
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    relist(ckpt, WEIGHTS)
+    rejects(ckpt, WEIGHTS, "not a valid safetensors file")
+
+
+def test_a_tensor_in_optim_that_belongs_to_no_part(ckpt):
+    arrays = load_file(str(ckpt / OPTIM))
+    arrays["nobody/x"] = np.zeros(2)
+    (ckpt / OPTIM).unlink()
+    save_file(arrays, str(ckpt / OPTIM))
+    relist(ckpt, OPTIM)
+    rejects(ckpt, OPTIM)
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load(tmp_path / "nowhere")
+
+
+# -- restore: the live objects ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, file, words", [
+    (["model.hidden=[8,8]"], WEIGHTS, ["does not fit", "lacks ['layers.2.bias', 'layers.2.weight']"]),
+    (["model.hidden=[16]"], WEIGHTS, ["layers.0.bias", "F64[8]", "F64[16]"]),
+    (["trainer.dtype=float32"], WEIGHTS, ["F64", "F32"]),
+    (["optimizer=sgd", "optimizer.momentum=0.9"], OPTIM, ["does not fit", "optimizer/momentum_buffer"]),
+], ids=["extra-layer", "wider", "float32-run", "sgd-momentum"])
+def test_checkpoint_that_does_not_fit_the_live_run(ckpt, overrides, file, words):
+    rejects(ckpt, file, *words, run=fresh(ckpt.parent.parent, *overrides))
+
+
+@pytest.mark.parametrize("change, part", [
+    (lambda e: e["rng"]["dropout"].pop("inc"), "rng"),
+    (lambda e: e["rng"]["python"].__setitem__("internal", [1, 2, 3]), "rng"),
+    (lambda e: e["data_iter"].__setitem__("cursor", 99), "data_iter"),
+    (lambda e: e["stages"]["best_val"].__setitem__("best", "low"), "stages"),
+    (lambda e: e["stages"]["best_val"].__setitem__("best_step", [1]), "stages"),
+    (lambda e: e["scheduler"].__setitem__("last_epoch", -3), "scheduler"),
+    (lambda e: e["progress"]["metrics"].__setitem__("val/loss", "low"), "progress"),
+], ids=["rng-inc", "python-state", "cursor", "best-type", "best-step-type", "last-epoch", "metric"])
+def test_an_incoherent_json_state_leaves_live_objects_untouched(ckpt, change, part):
+    edit_extra(ckpt, change)
+    run = fresh(ckpt.parent.parent)
+    live = copy_tree(capture(run.parts))
+    ckpt_state = load(ckpt, capture(run.parts)).state  # the files are fine: the state does not fit
+    with pytest.raises(StateMismatch) as info:
+        restore(run.parts, ckpt_state)
+    assert info.value.part == part
+    assert_same_tree(capture(run.parts), live)  # the model came first in the restore order, yet untouched
+
+
+def test_untied_head_into_a_tied_model(tmp_path):
+    """A checkpoint storing lm_head.weight on its own must not be dropped silently into a tied model."""
+    run = fresh(tmp_path, base=TINY)
+    run.save(tmp_path / "c")
+    arrays = load_file(str(tmp_path / "c" / WEIGHTS))
+    arrays["lm_head.weight"] = arrays["transformer.wte.weight"] + np.float32(1)
+    rewrite_weights(tmp_path / "c", arrays, {"format": "np"})
+    rejects(tmp_path / "c", WEIGHTS, "does not fit", run=fresh(tmp_path, base=TINY))
+
