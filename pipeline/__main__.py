@@ -26,15 +26,33 @@ def _plain(cfg) -> dict:
         sys.exit(EXIT_BAD_INPUT)
 
 
+def _one_line(e: BaseException) -> str:
+    """A composition error as one line: Hydra's message, its cause, and the key at fault."""
+    parts = [str(e).strip().splitlines()[0].rstrip(".:")] if str(e).strip() else [type(e).__name__]
+    cause = e.__cause__ or e.__context__
+    if cause is not None and str(cause).strip():
+        parts.append(str(cause).strip().splitlines()[0].rstrip(".:"))
+    key = getattr(e, "full_key", None) or getattr(cause, "full_key", None)
+    return ": ".join(parts) + (f" (key {key})" if key and key not in " ".join(parts) else "")
+
+
 def main() -> None:
+    import os
+
     import hydra
 
     from pipeline.schema import CONFIG_DIR, register
 
     register()
+    # Hydra prints a composition error (a bad override, an unknown group) on several lines and exits 1; asked
+    # to raise it instead, this entry point reports it in one line with exit 2, like every other bad input.
+    report_own = "HYDRA_FULL_ERROR" not in os.environ
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    started = []
 
     @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
     def task(cfg) -> float:
+        started.append(True)
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
         from omegaconf import OmegaConf
@@ -46,7 +64,13 @@ def main() -> None:
         return app.main(config, list(hydra_cfg.overrides.task), OmegaConf.to_yaml(cfg),
                         multirun=hydra_cfg.mode == RunMode.MULTIRUN)
 
-    task()
+    try:
+        task()
+    except Exception as e:
+        if started or not report_own:
+            raise  # an error inside a job: its traceback, exit 1
+        print(f"pipeline: bad config or override: {_one_line(e)}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ def main(config: dict, overrides: list[str], config_yaml: str, multirun: bool = 
         fail(EXIT_BAD_INPUT, e)
     rundir = RunDir(job.run_dir)
     log.info("run directory: %s", rundir.path)
+    created = not rundir.path.exists()
     try:
         rundir.acquire()
     except (RunBusyError, UnsafePathError) as e:
@@ -69,7 +70,10 @@ def main(config: dict, overrides: list[str], config_yaml: str, multirun: bool = 
         try:
             run.setup()
         except (DriftError, CheckpointError, UnsafePathError) as e:
+            if created:
+                rundir.forget()
             fail(EXIT_BAD_INPUT, e)
+        rundir.claim()
         rundir.write_hydra(config_yaml, overrides)
         file_handler = _log_file(rundir, held)
         try:

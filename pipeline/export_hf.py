@@ -102,10 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from pipeline.checkpoint import CheckpointError
     from pipeline.checkpoint.store import load, read_manifest
-    from pipeline.job import template
+    from pipeline.job import parts_for
 
     try:
-        ckpt = load(Path(args.checkpoint), template(read_manifest(Path(args.checkpoint))))  # fully verified
+        ckpt = load(Path(args.checkpoint), parts_for(read_manifest(Path(args.checkpoint))))  # fully verified
     except CheckpointError as e:
         raise SystemExit(f"pipeline.export_hf: {e}")
     model = ckpt.manifest["config"]["model"]

@@ -26,12 +26,12 @@ SUMMARY = ("schema_version", "step", "epoch", "metrics", "tags", "config_hash", 
            "git_dirty", "seed", "mlflow_run_uri", "lineage")
 
 
-def _template(directory: Path):
+def _parts(directory: Path):
     """What the checkpoint's own config builds (None if its manifest is unreadable: verify says why)."""
-    from pipeline.job import template
+    from pipeline.job import parts_for
 
     try:
-        return template(read_manifest(directory))
+        return parts_for(read_manifest(directory))
     except CheckpointError:
         return None
 
@@ -54,7 +54,7 @@ def describe_checkpoint(directory: Path) -> dict:
         if isinstance(files.get(WEIGHTS), dict):
             out["checkpoint_hash"] = files[WEIGHTS].get("sha256")
     try:
-        verify(directory, _template(directory))
+        verify(directory, _parts(directory))
         out["valid"], out["reason"] = True, None
     except CheckpointError as e:
         out["valid"], out["reason"] = False, str(e)

@@ -5,7 +5,7 @@
                              directory is created here (only the shared corpus cache, if missing)
     build_state(...)         the state machines alone, from a config and the data's spec (the verifier,
                              the roundtrip report, and `template` build them this way)
-    template(manifest)       the state tree a checkpoint of that manifest's config must have (inspect)
+    parts_for(manifest)      the parts a checkpoint of that manifest's config must fit (inspect, export)
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 
 from pipeline import identity
 from pipeline.checkpoint import manifest as mf
@@ -25,7 +25,6 @@ from pipeline.data.iterator import DataIterator
 from pipeline.rng import Streams
 from pipeline.schema import ConfigError, validate
 from pipeline.stages.base import StageStates
-from pipeline.state import capture
 from pipeline.trainer.state import TrainState
 
 
@@ -110,9 +109,26 @@ def run_dir_for(config: dict, sources: dict) -> Path:
     return Path(config["paths"]["runs_dir"]) / name
 
 
+KINDS = {"tokens": "token sequences", "rows": "rows of features"}
+
+
+def check_pairing(config: dict) -> None:
+    """A model that cannot train on the data is refused before the data is built (a corpus generated)."""
+    try:
+        model, data = get_class(config["model"]["_target_"]), get_class(config["data"]["_target_"])
+    except Exception as e:  # noqa: BLE001 - hydra's locate error: one line naming the target
+        raise ConfigError(f"cannot import a _target_: {str(e).splitlines()[0]}") from None
+    needs, kind = getattr(model, "needs", None), getattr(data, "kind", None)
+    if needs and kind and needs != kind:
+        raise ConfigError(f"model {model.__name__} trains on {KINDS.get(needs, needs)}, but data {data.__name__} "
+                          f"gives {KINDS.get(kind, kind)}: pair model=minigpt with data=grammar or data=text, "
+                          "and model=mlp with data=regression")
+
+
 def build(config: dict) -> Job:
     """The whole job, or ConfigError (one line) for a bad value, a missing file, or groups that clash."""
     validate(config)
+    check_pairing(config)
     try:
         sources = identity.source_hashes(config)
     except OSError as e:
@@ -135,9 +151,9 @@ def build(config: dict) -> Job:
     return Job(config, state, stages, tracker, sources, facts, run_dir_for(config, sources))
 
 
-def template(manifest: dict) -> dict:
-    """The state tree ({part: state_dict}) a checkpoint made under `manifest`'s config must hold."""
+def parts_for(manifest: dict) -> dict:
+    """The parts ({name: stateful object}) a checkpoint made under `manifest`'s config must fit."""
     config, spec = manifest["config"], dict(manifest["data_spec"])
     n_train = int(spec.pop("n_train"))
     state = build_state(config, DataSpec(**spec), n_train)
-    return capture({**state.parts(), "stages": StageStates(build_stages(config))})
+    return {**state.parts(), "stages": StageStates(build_stages(config))}

@@ -1,16 +1,17 @@
 """Kill points for the verifier's chaos mode: PIPELINE_CHAOS=<phase>:<k> SIGKILLs this process at the k-th point.
 
 Points sit inside training steps ("train") and inside checkpoint writes ("save"). Unset, a point is one
-dictionary lookup. PIPELINE_CHAOS_TRACE=<file> appends every point reached, to count them.
+dictionary lookup. PIPELINE_CHAOS=<phase>:<k>:TERM+INT sends those signals instead of SIGKILL (a signal
+arriving in the middle of a save). PIPELINE_CHAOS_TRACE=<file> appends every point reached, to count them.
 """
 from __future__ import annotations
 
 import os
 import signal
 
-_spec = os.environ.get("PIPELINE_CHAOS", "")
-_phase, _, _k = _spec.partition(":")
+_phase, _k, _signals = (os.environ.get("PIPELINE_CHAOS", "").split(":") + ["", ""])[:3]
 _target = int(_k) if _k.isdigit() else None
+_send = [signal.Signals[f"SIG{name}"] for name in _signals.split("+") if name] or [signal.SIGKILL]
 _trace = os.environ.get("PIPELINE_CHAOS_TRACE")
 _hits = {"train": 0, "save": 0}
 
@@ -23,4 +24,5 @@ def point(phase: str, where: str) -> None:
         with open(_trace, "a") as f:
             f.write(f"{phase} {_hits[phase]} {where}\n")
     if phase == _phase and _hits[phase] == _target:
-        os.kill(os.getpid(), signal.SIGKILL)
+        for sig in _send:
+            os.kill(os.getpid(), sig)

@@ -75,7 +75,7 @@ class Fresh:
         return store.write(directory, capture(self.parts), self.fields())
 
     def load(self, directory: Path) -> store.Checkpoint:
-        ckpt = store.load(directory, capture(self.parts))
+        ckpt = store.load(directory, self.parts)
         restore(self.parts, ckpt.state)
         return ckpt
 

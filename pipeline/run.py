@@ -17,7 +17,7 @@ from pipeline import identity, jsonio
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.retention import AnyOf, LatestN
-from pipeline.checkpoint.store import OPTIM, WEIGHTS, EXTRA, Checkpoint, load
+from pipeline.checkpoint.store import WEIGHTS, Checkpoint, file_of, load
 from pipeline.job import Job
 from pipeline.rundir import RunDir
 from pipeline.signals import EXIT_PREEMPTED, Signals
@@ -48,10 +48,6 @@ def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
     return {"id": digest.hexdigest(), "origin": origin}
 
 
-def _file_of(part: str) -> str:
-    return {"model": WEIGHTS, "optimizer": OPTIM}.get(part, EXTRA)
-
-
 class Run:
     def __init__(self, job: Job, rundir: RunDir, signals: Signals):
         self.job, self.rundir, self.signals = job, rundir, signals
@@ -65,8 +61,6 @@ class Run:
         self.links = {s.link: s.link_policy() for s in job.stages if s.link}
 
     # --- before training (the resume stage decides which of these happens)
-    def template(self) -> dict:
-        return capture(self.job.parts)
 
     def start_fresh(self) -> None:
         if self.rundir.metrics_path.exists():
@@ -76,7 +70,7 @@ class Run:
         _say_if_a_sibling_differs(self.job, self.rundir.path)
 
     def resume_own(self, allow: list[str]) -> None:
-        ckpt, skipped = self.store.newest_valid(self.template())
+        ckpt, skipped = self.store.newest_valid(self.job.parts)
         for reason in skipped:
             log.warning("not resuming from a damaged checkpoint, falling back: %s", reason)
         if ckpt is None:
@@ -86,11 +80,11 @@ class Run:
 
     def resume_from_source(self, source: Path, allow: list[str]) -> None:
         source = Path(source).resolve()
-        src = load(source, self.template())
+        src = load(source)  # its fit is checked once the drift is known (an allowed change may be why)
         origin = {"checkpoint": str(source), "step": src.step,
                   "weights_sha256": src.manifest["files"][WEIGHTS]["sha256"]}
         lineage = lineage_of(self.job.semantic_hash, origin)
-        own, _ = self.store.newest_valid(self.template())
+        own, _ = self.store.newest_valid(self.job.parts)
         if own is not None and own.manifest["lineage"]["id"] == lineage["id"]:
             self._restore(own, allow)  # this same fork, interrupted: continue it
             return self._resumed(own, lineage, self.rundir.read_metrics())
@@ -118,11 +112,9 @@ class Run:
         try:
             restore(self.job.parts, ckpt.state)
         except StateMismatch as e:
-            if changes:
-                raise DriftError(f"refusing to resume from {ckpt.directory}: the allowed changes "
-                                 f"({', '.join(changes)}) do not fit its state: {e}") from None
-            raise CheckpointError(ckpt.directory, _file_of(e.part), f"{e.part} does not fit the live run: "
-                                                                    f"{e.reason}") from None
+            why = f" (with the allowed changes {', '.join(changes)})" if changes else ""
+            raise CheckpointError(ckpt.directory, file_of(e.part), f"{e.part} does not fit the live run{why}: "
+                                                                   f"{e.reason}") from None
         if changes:
             self.allowed = {k: [old, new] for k, (old, new) in changes.items()}
             self.job.facts["allowed_changes"] = self.allowed

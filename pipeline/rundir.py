@@ -42,9 +42,14 @@ class RunDir:
 
     # --- the lock
     def acquire(self) -> None:
-        """Create the directory if needed and take its lock; RunBusyError (changing nothing) if it is held."""
+        """Create the directory if needed and take its lock; RunBusyError (changing nothing) if it is held,
+        UnsafePathError if anything the run writes is a link planted to make it write elsewhere."""
         ensure_dirs(self.path.parent, self.path.name)
         refuse_link(self.lock_path)
+        for path, kind in ((self.status_path, "file"), (self.metrics_path, "file"), (self.log_path, "file"),
+                           (self.hydra_dir, "directory"), (self.store.root, "directory"),
+                           (self.path / "superseded", "directory")):
+            refuse_link(path, kind)
         try:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
@@ -58,9 +63,23 @@ class RunDir:
             os.close(fd)
             raise RunBusyError(f"run directory {self.path} is in use by another process (pid {holder}); "
                                "wait for it to finish or stop it first") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+
+    def claim(self) -> None:
+        """Write this process's pid into the lock: it is running here now (after its set-up was accepted)."""
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def forget(self) -> None:
+        """Release, and remove the directory if this process created it and it holds nothing but the lock
+        (a refused run leaves no run directory behind)."""
+        self.release()
+        try:
+            if os.listdir(self.path) == [self.lock_path.name] and os.path.getsize(self.lock_path) == 0:
+                os.unlink(self.lock_path)
+                os.rmdir(self.path)
+        except OSError:
+            pass
 
     def release(self) -> None:
         if self._fd is not None:

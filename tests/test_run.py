@@ -183,3 +183,28 @@ def test_the_manifest_and_run_json_are_standard_json(tmp_path):
     for p in the_run(out).rglob("*.json*"):
         for text in p.read_text().splitlines() if p.suffix == ".jsonl" else [p.read_text()]:
             json.loads(text, parse_constant=lambda c: pytest.fail(f"{p}: bare {c}"))
+
+
+def test_auto_resume_falls_back_past_a_checkpoint_whose_state_does_not_fit(tmp_path, preempt_at):
+    """Regression (#12): a stage state of the wrong type (hashes intact) passed inspect and crashed the resume,
+    which only fell back past CheckpointErrors; now it is a CheckpointError like any other damage."""
+    import hashlib
+
+    from pipeline.signals import SIGNALS_STATE
+
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_job(*KERNODECK, *LONG, f"paths.output_dir={ref}")[0] == 0
+    preempt_at(20)
+    assert run_job(*KERNODECK, *LONG, f"paths.output_dir={out}")[0] == EXIT_PREEMPTED
+    SIGNALS_STATE.received = None
+    preempt_at(None)
+    newest = RunDir(the_run(out)).store.steps()[-1][1]
+    extra = json.loads((newest / EXTRA).read_text())
+    extra["stages"]["best_val"]["best_step"] = "twenty"
+    (newest / EXTRA).write_text(json.dumps(extra))
+    m = json.loads((newest / "manifest.json").read_text())
+    data = (newest / EXTRA).read_bytes()
+    m["files"][EXTRA] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (newest / "manifest.json").write_text(json.dumps(m))
+    assert run_job(*KERNODECK, *LONG, f"paths.output_dir={out}")[0] == 0
+    assert kept(the_run(out)) == kept(the_run(ref))

@@ -25,6 +25,7 @@ import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
@@ -35,7 +36,7 @@ from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.retention import AnyOf, Policy, Record, Steps, select_one
 from pipeline.checkpoint.tensors import DigestMismatch, layout, read_tensors, write_tensors
-from pipeline.state import PARTS, SEP, merge, split
+from pipeline.state import PARTS, SEP, StateMismatch, capture, check, merge, split
 
 WEIGHTS, OPTIM, EXTRA, MANIFEST = "weights.safetensors", "optim.safetensors", "extra.json", "manifest.json"
 REQUIRED = (WEIGHTS, OPTIM, EXTRA)
@@ -171,6 +172,11 @@ def _read_tensor_file(directory: Path, name: str, entry: dict, expect: dict | No
     return arrays
 
 
+def file_of(part: str) -> str:
+    """The file a part's state is read from first (its arrays, or its JSON values)."""
+    return {"model": WEIGHTS, "optimizer": OPTIM}.get(part, EXTRA)
+
+
 def _layouts(template: dict | None) -> tuple[dict | None, dict | None]:
     if template is None:
         return None, None
@@ -179,9 +185,13 @@ def _layouts(template: dict | None) -> tuple[dict | None, dict | None]:
     return layout(template["model"]), layout(other)
 
 
-def load(directory: Path, template: dict | None = None) -> Checkpoint:
-    """Read and fully verify a checkpoint; `template` (a state tree of the live run, e.g. capture(parts))
-    bounds what its tensor files may hold before they are read. Raises CheckpointError, naming the file."""
+def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
+    """Read and fully verify a checkpoint; raises CheckpointError naming the file and the reason.
+
+    Given the live `parts` of a run (or the parts a config builds), the tensor files must hold exactly
+    their layout, checked before any tensor is read (nothing larger is allocated), and every part's saved
+    state must fit it (pipeline.state.check): a verified checkpoint is one the run can restore.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(directory, ".", "not a directory")
@@ -193,7 +203,7 @@ def load(directory: Path, template: dict | None = None) -> Checkpoint:
         raise CheckpointError(directory, EXTRA, _os_reason(e)) from None
     if hashlib.sha256(raw).hexdigest() != listed[EXTRA]["sha256"]:
         raise CheckpointError(directory, EXTRA, CORRUPTED)
-    weights_layout, optim_layout = _layouts(template)
+    weights_layout, optim_layout = _layouts(capture(parts) if parts is not None else None)
     with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:  # side by side, as in write()
         weights_read = pool.submit(_read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], weights_layout)
         try:
@@ -221,12 +231,18 @@ def load(directory: Path, template: dict | None = None) -> Checkpoint:
     progress = tree["progress"]
     if not isinstance(progress, dict) or progress.get("step") != manifest["step"]:
         raise CheckpointError(directory, EXTRA, "progress.step differs from the manifest's step")
+    if parts is not None:
+        try:
+            check(parts, tree)
+        except StateMismatch as e:
+            raise CheckpointError(directory, file_of(e.part), f"{e.part} does not fit the live run: {e.reason}") \
+                from None
     return Checkpoint(directory, manifest, tree)
 
 
-def verify(directory: Path, template: dict | None = None) -> dict:
+def verify(directory: Path, parts: Mapping | None = None) -> dict:
     """Full verification without changing anything; returns the manifest or raises CheckpointError."""
-    return load(directory, template).manifest
+    return load(directory, parts).manifest
 
 
 # --- a run's checkpoints -------------------------------------------------------------------------------
@@ -287,14 +303,14 @@ class CheckpointStore:
                     pass
         return [self._records[s] for s in sorted(self._records)]
 
-    def newest_valid(self, template: dict | None = None, upto: int | None = None) -> tuple[Checkpoint | None, list[str]]:
-        """The newest checkpoint that verifies (at most step `upto`), and a line for each newer one skipped."""
+    def newest_valid(self, parts: Mapping | None = None, upto: int | None = None) -> tuple[Checkpoint | None, list[str]]:
+        """The newest checkpoint that verifies (and fits `parts`), and a line for each newer one skipped."""
         skipped = []
         for step, directory in reversed(self.steps()):
             if upto is not None and step > upto:
                 continue
             try:
-                return load(directory, template), skipped
+                return load(directory, parts), skipped
             except CheckpointError as e:
                 skipped.append(str(e))
         return None, skipped

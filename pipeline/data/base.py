@@ -26,6 +26,7 @@ class Batch:
 
 
 class Dataset(Protocol):
+    kind: str  # what it yields: "tokens" ([B, T] ids) or "rows" ([B, n_features] floats); models say what they need
     spec: DataSpec
     n_train: int  # number of training samples the iterator permutes
     manifest_hash: str  # sha256 identifying the exact data (data_manifest_hash)

@@ -168,6 +168,7 @@ def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], C
 
 
 class TokenDataset:
+    kind = "tokens"
     """Non-overlapping windows of T+1 tokens over a verified corpus directory (the Dataset protocol)."""
 
     def __init__(self, directory: Path, val_batch_size: int = 32):

@@ -19,6 +19,7 @@ def make_regression(n_rows: int, seed: int, noise: float) -> tuple[np.ndarray, n
 
 
 class Regression:
+    kind = "rows"
     """Trains on all rows; evaluates on the same rows without augmentation.
 
     Training batches get a slight gain drawn from the Python stream and Gaussian input noise from the

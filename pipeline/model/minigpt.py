@@ -40,6 +40,8 @@ def keep_freed_memory() -> bool:
 class MiniGPT(NamedParams):
     """GPT-2: wte + wpe, n_layer x (x + attn(ln_1 x); x + mlp(ln_2 x)), ln_f, head tied to wte."""
 
+    needs = "tokens"  # the data kind it trains on
+
     def __init__(
         self,
         spec: DataSpec,

@@ -24,6 +24,8 @@ ACTIVATIONS = {"tanh": _tanh, "relu": _relu}
 class MLP(NamedParams):
     """in -> hidden... -> out; activation and dropout after every hidden layer; MSE loss."""
 
+    needs = "rows"  # the data kind it trains on
+
     aliases: dict[str, str] = {}
 
     def __init__(self, spec: DataSpec, hidden: list[int], activation: str = "tanh", dropout: float = 0.0,

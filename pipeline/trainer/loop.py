@@ -73,13 +73,15 @@ def fit(state: TrainState, eval_every: int, on_step_end: Callable[[dict], bool],
         getattr(cb, "on_train_start", lambda s: None)(state)
     while state.step < state.total_steps:
         t0 = time.perf_counter()
-        record = train_step(state)
+        with np.errstate(all="ignore"):  # an overflow is reported once, by the run, as a non-finite metric
+            record = train_step(state)
         record["step_time"] = time.perf_counter() - t0
         last = state.step >= state.total_steps
         epoch_done = end_of_epoch(state)
         due = state.step % eval_every == 0 if eval_every > 0 else epoch_done
         if due or last:
-            record.update(evaluate(state))
+            with np.errstate(all="ignore"):
+                record.update(evaluate(state))
         state.progress.metrics.update({k: v for k, v in record.items() if "/" in k})
         for cb in callbacks:
             cb.on_step_end(state, record)

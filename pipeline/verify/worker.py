@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     restored = None
     if args.mode in ("resume", "negative"):
         only = PARTS if args.mode == "resume" else tuple(p for p in PARTS if p != "rng")
-        restore(parts, store.load(Path(args.checkpoint), capture(parts)).state, only=only)
+        restore(parts, store.load(Path(args.checkpoint), parts).state, only=only)  # the negative control: no rng
         restored = snapshot(state)
     target = args.cut if args.mode == "interrupted" else args.steps
     records = []

@@ -173,7 +173,7 @@ def test_tied_weights_are_stored_once_and_one_object_after_load(tmp_path):
         header = json.loads(f.read(n))
     assert "lm_head.weight" not in header
     assert header["__metadata__"]["lm_head.weight"] == "ALIAS(transformer.wte.weight)"
-    ckpt = load(tmp_path / "c", capture(run.parts))
+    ckpt = load(tmp_path / "c", run.parts)
     assert ckpt.state["model"]["lm_head.weight"] is ckpt.state["model"]["transformer.wte.weight"]
     other = fresh(tmp_path, base=TINY)
     other.load(tmp_path / "c")
@@ -238,7 +238,7 @@ def test_a_save_over_an_existing_step_replaces_it_whole(tmp_path):
     store = CheckpointStore(tmp_path / "checkpoints")
     store.save(3, capture(a.parts), a.fields())
     store.save(3, capture(b.parts), b.fields())
-    ckpt = load(tmp_path / "checkpoints" / step_dir_name(3), capture(b.parts))
+    ckpt = load(tmp_path / "checkpoints" / step_dir_name(3), b.parts)
     assert ckpt.manifest["config"]["optimizer"]["lr"] == 0.05 and temporaries(store.root) == []
 
 
@@ -404,8 +404,10 @@ def test_an_incoherent_json_state_leaves_live_objects_untouched(ckpt, change, pa
     edit_extra(ckpt, change)
     run = fresh(ckpt.parent.parent)
     live = copy_tree(capture(run.parts))
-    ckpt_state = load(ckpt, capture(run.parts)).state  # the files are fine: the state does not fit
-    with pytest.raises(StateMismatch) as info:
+    error = rejects(ckpt, EXTRA, part, "does not fit", run=run)  # verifying against the live parts refuses it
+    assert error.reason.startswith(f"{part} does not fit the live run")
+    ckpt_state = load(ckpt).state  # the files alone are fine ...
+    with pytest.raises(StateMismatch) as info:  # ... and restoring them refuses, all or nothing
         restore(run.parts, ckpt_state)
     assert info.value.part == part
     assert_same_tree(capture(run.parts), live)  # the model came first in the restore order, yet untouched

@@ -1,0 +1,323 @@
+"""Hostile input, catalogued: damaged and oversized checkpoint files, planted symlinks, bad values,
+non-finite runs, signals during start-up and during saves. Each case runs the real command in a subprocess
+and asserts its exit code, one line without a traceback naming the thing at fault, the child's peak RSS,
+and a byte-for-byte unchanged tree outside the run directory (and inside it, for refused inputs)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from conftest import KERNODECK, env_for_subprocess, run_job, the_run
+
+pytestmark = pytest.mark.slow
+RSS_BOUND_MB = 450  # a legitimate kernodeck run peaks near 150 MB: no input may make us allocate much more
+
+
+@dataclass
+class Case:
+    name: str
+    code: int
+    words: tuple[str, ...]
+    plant: Callable | None = None  # plant(out, run, victim, tmp) -> extra args (or None)
+    args: tuple = ()
+    module: str = "pipeline"
+    refused: bool = True  # the run directory must be byte-for-byte unchanged too
+    env: dict = field(default_factory=dict)
+    base: tuple = KERNODECK
+
+
+# -- helpers that damage a copy of a finished run ------------------------------------------------------
+
+def step(run: Path, n: int) -> Path:
+    return run / "checkpoints" / f"step-{n:08d}"
+
+
+def relist(directory: Path, name: str) -> None:
+    m = json.loads((directory / "manifest.json").read_text())
+    data_size = (directory / name).stat().st_size
+    h = hashlib.sha256()
+    with open(directory / name, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    m["files"][name] = {"size": data_size, "sha256": h.hexdigest()}
+    (directory / "manifest.json").write_text(json.dumps(m))
+
+
+def edit_manifest(change):
+    def plant(out, run, victim, tmp):
+        p = step(run, 10) / "manifest.json"
+        m = json.loads(p.read_text())
+        change(m)
+        p.write_text(json.dumps(m))
+        return inspect_final(run)
+    return plant
+
+
+def inspect_final(run: Path) -> tuple:
+    return (str(step(run, 10)),)
+
+
+def write_file(name: str, data: bytes, relisted: bool = True):
+    def plant(out, run, victim, tmp):
+        (step(run, 10) / name).write_bytes(data)
+        if relisted:
+            relist(step(run, 10), name)
+        return inspect_final(run)
+    return plant
+
+
+def sparse(path: Path, size: int) -> None:
+    with open(path, "wb") as f:
+        f.truncate(size)
+
+
+def header_file(header, extra: bytes = b"") -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + extra
+
+
+def link_to_victim(rel: str):
+    def plant(out, run, victim, tmp):
+        target = run / rel
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+        os.symlink(victim, target)
+    return plant
+
+
+def resume_from(n: int = 10):
+    def plant(out, run, victim, tmp):
+        return ("trainer.max_steps=12", f"resume.source={step(run, n)}", "resume.allow_changes=[trainer.max_steps]")
+    return plant
+
+
+def then(*plants):
+    def plant(out, run, victim, tmp):
+        args = ()
+        for p in plants:
+            args = p(out, run, victim, tmp) or args
+        return args
+    return plant
+
+
+def text_file(content: bytes):
+    def plant(out, run, victim, tmp):
+        (tmp / "t.txt").write_bytes(content)
+        return ("data=text", f"data.path={tmp / 't.txt'}", "data.block_size=8", "model.n_embd=8", "model.n_head=2",
+                "model.n_layer=1")
+    return plant
+
+
+I = "pipeline.inspect"
+CASES = [
+    # manifest.json
+    Case("manifest-missing", 1, ("manifest.json", "missing"), then(write_file("manifest.json", b"", False),
+                                                                   lambda o, r, v, t: (step(r, 10) / "manifest.json").unlink()),
+         module=I),
+    Case("manifest-500MB", 1, ("manifest.json", "over the", "limit"),
+         lambda o, r, v, t: (sparse(step(r, 10) / "manifest.json", 500 << 20), inspect_final(r))[1], module=I),
+    Case("manifest-deep", 1, ("manifest.json", "nested deeper"),
+         write_file("manifest.json", b"[" * 200000 + b"]" * 200000, False), module=I),
+    Case("manifest-not-json", 1, ("manifest.json", "not valid JSON"), write_file("manifest.json", b"{x", False), module=I),
+    Case("manifest-bare-nan", 1, ("manifest.json", "NaN"),
+         write_file("manifest.json", b'{"schema_version": "2.0", "step": NaN}', False), module=I),
+    Case("manifest-config-edited", 1, ("manifest.json", "config_hash"),
+         edit_manifest(lambda m: m["config"]["optimizer"].__setitem__("lr", 9.0)), module=I),
+    Case("manifest-old-schema", 1, ("manifest.json", "schema_version '1.0'", "'2.0'"),
+         edit_manifest(lambda m: m.__setitem__("schema_version", "1.0")), module=I),
+    Case("manifest-escaping-file", 1, ("manifest.json", "invalid file name"),
+         edit_manifest(lambda m: m["files"].__setitem__("../../victim", m["files"]["extra.json"])), module=I),
+    Case("manifest-seed-edited", 1, ("manifest.json", "seed"), edit_manifest(lambda m: m.__setitem__("seed", 1)),
+         module=I),
+    # extra.json
+    Case("extra-deep", 1, ("extra.json", "nested deeper"), write_file("extra.json", b"[" * 200000 + b"]" * 200000),
+         module=I),
+    Case("extra-oversized", 1, ("extra.json", "over the", "limit"),
+         lambda o, r, v, t: (sparse(step(r, 10) / "extra.json", 100 << 20), relist(step(r, 10), "extra.json"),
+                             inspect_final(r))[2], module=I),
+    Case("extra-stage-state-type", 1, ("extra.json", "stages", "does not fit"),
+         lambda o, r, v, t: (lambda p: (p.write_text(json.dumps({**(e := json.loads(p.read_text())),
+                                                                  "stages": {**e["stages"], "best_val": {"best": "low", "best_step": 3}}})),
+                                         relist(step(r, 10), "extra.json"), inspect_final(r))[2])(step(r, 10) / "extra.json"),
+         module=I),
+    Case("extra-rng-garbage", 1, ("extra.json", "rng"),
+         lambda o, r, v, t: (lambda p: (p.write_text(json.dumps({**(e := json.loads(p.read_text())),
+                                                                  "rng": {**e["rng"], "noise": {"state": "x" * 100000}}})),
+                                         relist(step(r, 10), "extra.json"), inspect_final(r))[2])(step(r, 10) / "extra.json"),
+         module=I),
+    Case("extra-bitflip", 1, ("extra.json", "sha256"),
+         lambda o, r, v, t: (lambda p: (p.write_bytes(bytes([p.read_bytes()[0] ^ 1]) + p.read_bytes()[1:]),
+                                         inspect_final(r))[1])(step(r, 10) / "extra.json"), module=I),
+    # safetensors files
+    Case("weights-oversized-header", 1, ("weights.safetensors", "header of", "over the"),
+         lambda o, r, v, t: (
+             (step(r, 10) / "weights.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b" " * 64),
+             relist(step(r, 10), "weights.safetensors"), inspect_final(r))[2], module=I),
+    Case("weights-dtype-list", 1, ("weights.safetensors", "dtype"),
+         write_file("weights.safetensors", header_file({"layers.0.bias": {"dtype": ["F64"], "shape": [8],
+                                                                            "data_offsets": [0, 64]}}, b"\0" * 64)),
+         module=I),
+    Case("weights-deep-header", 1, ("weights.safetensors", "nested deeper"),
+         write_file("weights.safetensors", header_file(b"[" * 100000 + b"]" * 100000)), module=I),
+    Case("weights-truncated", 1, ("weights.safetensors", "size"),
+         lambda o, r, v, t: ((step(r, 10) / "weights.safetensors").write_bytes(
+             (step(r, 10) / "weights.safetensors").read_bytes()[:-5]), inspect_final(r))[1], module=I),
+    Case("weights-1000x", 1, ("weights.safetensors", "more than a checkpoint of this config can hold"),
+         lambda o, r, v, t: (sparse(step(r, 10) / "weights.safetensors", 600 << 20),
+                             relist(step(r, 10), "weights.safetensors"), inspect_final(r))[2], module=I),
+    Case("weights-other-shape", 1, ("weights.safetensors", "does not fit"),
+         write_file("weights.safetensors", header_file({"layers.0.bias": {"dtype": "F64", "shape": [9],
+                                                                            "data_offsets": [0, 72]}}, b"\0" * 72)),
+         module=I),
+    Case("weights-symlink", 1, ("weights.safetensors", "symlink"),
+         lambda o, r, v, t: ((step(r, 10) / "weights.safetensors").unlink(),
+                             os.symlink(v, step(r, 10) / "weights.safetensors"), inspect_final(r))[2], module=I),
+    Case("optim-symlink", 1, ("optim.safetensors", "symlink"),
+         lambda o, r, v, t: ((step(r, 10) / "optim.safetensors").unlink(),
+                             os.symlink(v, step(r, 10) / "optim.safetensors"), inspect_final(r))[2], module=I),
+    Case("unlisted-file", 1, ("notes.txt", "not listed"),
+         lambda o, r, v, t: ((step(r, 10) / "notes.txt").write_text("x"), inspect_final(r))[1], module=I),
+    # the same damage met by a resume from that checkpoint: exit 2, nothing changed
+    Case("resume-from-deep-manifest", 2, ("manifest.json", "nested deeper"),
+         then(write_file("manifest.json", b"[" * 200000 + b"]" * 200000, False), resume_from())),
+    Case("resume-from-500MB-manifest", 2, ("manifest.json", "limit"),
+         lambda o, r, v, t: (sparse(step(r, 10) / "manifest.json", 500 << 20), resume_from()(o, r, v, t))[1]),
+    Case("resume-from-stage-type", 2, ("extra.json", "does not fit"),
+         then(lambda o, r, v, t: (lambda p: (p.write_text(json.dumps({**(e := json.loads(p.read_text())),
+                                                                       "stages": {**e["stages"], "best_val": [1]}})),
+                                              relist(step(r, 10), "extra.json")))(step(r, 10) / "extra.json"),
+              resume_from())),
+    Case("resume-from-symlinked-weights", 2, ("weights.safetensors", "symlink"),
+         then(lambda o, r, v, t: ((step(r, 10) / "weights.safetensors").unlink(),
+                                  os.symlink(v, step(r, 10) / "weights.safetensors")), resume_from())),
+    # planted links in the run directory
+    Case("link-at-lock", 2, (".lock", "symlink"), link_to_victim(".lock")),
+    Case("link-at-run-json", 2, ("run.json", "symlink"), link_to_victim("run.json")),
+    Case("link-at-metrics", 2, ("metrics.jsonl", "symlink"), link_to_victim("metrics.jsonl")),
+    Case("link-at-log", 2, ("pipeline.log", "symlink"), link_to_victim("pipeline.log")),
+    Case("link-at-hydra", 2, (".hydra", "symlink"), link_to_victim(".hydra")),
+    Case("link-at-checkpoints", 2, ("checkpoints", "symlink"), link_to_victim("checkpoints")),
+    Case("dangling-step-link", 2, ("step-00000006", "symlink"),
+         lambda o, r, v, t: (shutil.rmtree(step(r, 6)), os.symlink(t / "nowhere", step(r, 6)))[1]),
+    Case("step-link-outside", 2, ("step-00000006", "symlink"),
+         lambda o, r, v, t: (shutil.rmtree(step(r, 6)), os.symlink(v.parent, step(r, 6)))[1]),
+    Case("old-temp-name-links", 0, ("complete",),
+         lambda o, r, v, t: [os.symlink(v, r / n) for n in (".run.json.tmp", "metrics.jsonl.tmp")] and None,
+         refused=False),
+    # bad values: no run directory, no traceback
+    Case("batch-0", 2, ("trainer.batch_size=0",), args=("trainer.batch_size=0",)),
+    Case("batch-negative", 2, ("trainer.batch_size=-2",), args=("trainer.batch_size=-2",)),
+    Case("batch-over-data", 2, ("trainer.batch_size=1000", "24"), args=("trainer.batch_size=1000",)),
+    Case("hidden-0", 2, ("model.hidden=[0]",), args=("model.hidden=[0]",)),
+    Case("negative-steps", 2, ("trainer.max_steps=-5",), args=("trainer.max_steps=-5", "trainer.epochs=0")),
+    Case("nothing-to-train", 2, ("trainer.max_steps=0", "trainer.epochs=0"), args=("trainer.max_steps=0", "trainer.epochs=0")),
+    Case("negative-lr", 2, ("optimizer.lr=-1.0",), args=("optimizer.lr=-1",)),
+    Case("betas-out-of-range", 2, ("optimizer.betas",), args=("optimizer.betas=[0.9,1.5]",)),
+    Case("lr-not-a-number", 2, ("optimizer.lr=abc",), args=("optimizer.lr=abc",)),
+    Case("unknown-key", 2, ("model.nonexistent",), args=("model.nonexistent=1",)),
+    Case("mlp-on-tokens", 2, ("model=mlp", "data=regression"), args=("data=grammar", "data.n_sentences=300")),
+    Case("minigpt-on-rows", 2, ("model=minigpt", "model=mlp"), args=("data=regression",), base=("tracking=none",)),
+    Case("text-without-path", 2, ("data.path",), args=("data=text",), base=("tracking=none",)),
+    Case("text-missing-file", 2, ("data.path=", "No such file"), args=("data=text", "data.path=/nonexistent/x.txt"),
+         base=("tracking=none",)),
+    Case("text-not-utf8", 2, ("not valid UTF-8",), text_file(b"\xff\xfe" * 500), base=("tracking=none",)),
+    Case("stage-mode", 2, ("mode",), args=("stages.best_val.mode=maximum",)),
+    # non-finite numbers
+    Case("nan-loss-stops", 1, ("step 14", "train/loss", "non-finite"),
+         args=("scheduler.step_size=6", "scheduler.gamma=1e100", "trainer.max_steps=30"), refused=False),
+    # signals during a save: a second signal changes nothing
+    Case("sigterm-sigint-in-save", 75, ("preempted",), args=("trainer.max_steps=30",),
+         env={"PIPELINE_CHAOS": "save:3:TERM+INT"}, refused=False),
+]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished kernodeck run (checkpoints at 6 and 10, best and final links), copied by every case."""
+    out = tmp_path_factory.mktemp("hostile") / "out"
+    assert run_job(*KERNODECK, f"paths.output_dir={out}")[0] == 0
+    return out
+
+
+def tree(root: Path, skip: Path | None = None) -> dict:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        if skip is not None and Path(dirpath) == skip.parent:
+            dirnames[:] = [d for d in dirnames if Path(dirpath) / d != skip]
+        for name in sorted(dirnames + filenames):
+            p = Path(dirpath) / name
+            if skip is not None and p == skip:
+                continue
+            st = p.lstat()
+            if p.is_symlink():
+                content = os.readlink(p)
+            elif p.is_file():
+                h = hashlib.sha256()
+                with open(p, "rb") as f:
+                    while chunk := f.read(1 << 22):
+                        h.update(chunk)
+                content = h.hexdigest()
+            else:
+                content = None
+            out[str(p.relative_to(root))] = (content, st.st_size, st.st_mode)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_hostile_input(case: Case, finished, tmp_path):
+    assert len(CASES) >= 40
+    out = tmp_path / "out"
+    shutil.copytree(finished, out, symlinks=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_text("precious\n")
+    run = the_run(out)
+    extra = (case.plant(out, run, victim, tmp_path) if case.plant else None) or ()
+    args = [*extra] if case.module != "pipeline" else [*case.base, *case.args, *extra, f"paths.output_dir={out}",
+                                                         "hydra/job_logging=disabled"]
+    before_all = tree(tmp_path)
+    runs_before = set((out / "runs").iterdir())
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err, open(tmp_path / "stdout.txt", "w") as std:
+        p = subprocess.Popen([sys.executable, "-m", case.module, *args], cwd=cwd, stdout=std, stderr=err,
+                             env={**env_for_subprocess(), **case.env})
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+    stderr, stdout = err_path.read_text(), (tmp_path / "stdout.txt").read_text()
+    err_path.unlink()
+    (tmp_path / "stdout.txt").unlink()
+    assert p.returncode == case.code, f"exit {p.returncode}: {stderr[-3000:]}{stdout[-1000:]}"
+    assert "Traceback" not in stderr + stdout, stderr
+    said = [ln for ln in (stdout if case.module == I else stderr).splitlines() if ln.strip()]
+    if case.code != 0:
+        message = said[-1] if case.module == I else "\n".join(said)
+        assert len(said) >= 1 and (case.module == I or len(said) == 1), said
+        for word in case.words:
+            assert word in message, message
+    assert usage.ru_maxrss / 1024 < RSS_BOUND_MB, f"peak RSS {usage.ru_maxrss / 1024:.0f} MB"
+    assert victim.read_text() == "precious\n"
+    cwd.rmdir()  # nothing written relative to the working directory
+    if case.refused:
+        assert tree(tmp_path) == before_all
+    else:  # everything but the run directory it wrote is unchanged (a new one, or the finished one)
+        written = (set((out / "runs").iterdir()) - runs_before) or {run}
+        assert len(written) == 1
+        (written,) = written
+        assert tree(tmp_path, skip=written) == {k: v for k, v in before_all.items() if not
+                                                 (tmp_path / k).is_relative_to(written)}
