@@ -67,10 +67,34 @@ def main() -> None:
     try:
         task()
     except Exception as e:
-        if started or not report_own:
+        if started and _sweep_end(f"{type(e).__name__}: {e}"):
             raise  # an error inside a job: its traceback, exit 1
+        if started or not report_own:
+            raise
         print(f"pipeline: bad config or override: {_one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
+    if summary := _sweep_end(None):
+        _exit_for(summary)
+
+
+def _sweep_end(error: str | None) -> dict:
+    """A multirun's outcome (nothing for a single run): recorded by its sweep callback, once."""
+    from pipeline.tracking import sweep_callback
+
+    return sweep_callback.ACTIVE.end(error) if sweep_callback.ACTIVE is not None else {}
+
+
+def _exit_for(summary: dict) -> None:
+    """A sweep exits 0 only if every job completed: 75 if it was interrupted, else the first failure's code."""
+    failed = summary.get("failed") or {}
+    if summary.get("status") == "interrupted":
+        print(f"pipeline: the sweep was interrupted; {len(failed)} of {len(summary['jobs'])} jobs did not finish: "
+              "re-run the same command to continue it", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
+    if failed:
+        listing = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}" for n, j in failed.items())
+        print(f"pipeline: {len(failed)} of {len(summary['jobs'])} jobs failed: {listing}", file=sys.stderr)
+        sys.exit(min(int(j.get("code", 1)) for j in failed.values()))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import logging
 import logging.handlers
 import math
 import sys
+from pathlib import Path
 
 from pipeline.atomic import UnsafePathError
 from pipeline.checkpoint.errors import CheckpointError
@@ -18,14 +19,15 @@ from pipeline.job import build
 from pipeline.run import DriftError, NonFiniteError, Run
 from pipeline.rundir import RunBusyError, RunDir
 from pipeline.schema import ConfigError
-from pipeline.signals import SIGNALS_STATE
+from pipeline.signals import EXIT_PREEMPTED, SIGNALS_STATE, Interrupted
+from pipeline.tracking.common import CURRENT_JOB
 
 log = logging.getLogger("pipeline")
 EXIT_ERROR, EXIT_BAD_INPUT = 1, 2
 
 
 class JobFailed(Exception):
-    """A job of a multirun that ended with an exit code: the sweep records it and goes on (one line)."""
+    """A job of a multirun that ended with an exit code: its sweep records it and goes on with the others."""
 
     def __init__(self, code: int, message: str):
         self.code = code
@@ -36,24 +38,53 @@ _MULTIRUN = False
 
 
 def fail(code: int, message: object) -> None:
+    """One line on stderr, and the exit code: at once for a single run; for a multirun job, its failure."""
     print(f"pipeline: {message}", file=sys.stderr)
     if _MULTIRUN:
+        CURRENT_JOB["failure"] = {"code": code, "error": str(message)[:2000]}
         raise JobFailed(code, str(message))
     sys.exit(code)
 
 
-def objective(metrics: dict) -> float:
-    return float(metrics.get("val/loss", math.nan))
+def objective(job, name: str | None) -> float:
+    """What a sweeper optimises: `optimized_metric` (null: the best value of the best-val stage's monitor)."""
+    if name is None:
+        best = [s.best for s in job.stages if getattr(s, "link", None) == "best" and hasattr(s, "best")]
+        return float(best[0]) if best and best[0] is not None else math.nan
+    return float(job.state.metrics.get(name, math.nan))
 
 
 def main(config: dict, overrides: list[str], config_yaml: str, multirun: bool = False) -> float:
+    """Run one job; its objective, or (a single run) the process exits with a code other than 0."""
     global _MULTIRUN
     _MULTIRUN = multirun
+    try:
+        if multirun:
+            sweep_dir = CURRENT_JOB.get("sweep_dir")
+            SIGNALS_STATE.install()  # a joblib or submitit worker: this job's own signals
+            if SIGNALS_STATE.sweep_interrupted(Path(sweep_dir) / "interrupted" if sweep_dir else None):
+                fail(EXIT_PREEMPTED, "the sweep was interrupted before this job started; re-run the same command")
+            if SIGNALS_STATE.mode != "sweep":
+                SIGNALS_STATE.received = None  # a worker's earlier job was stopped; this one starts afresh
+        return _main(config, overrides, config_yaml)
+    except JobFailed:
+        return math.nan  # the sweep goes on; its end says which jobs failed and why
+    except Interrupted as e:
+        if not multirun:
+            raise
+        try:
+            fail(EXIT_PREEMPTED, f"interrupted by {e} before the run started")
+        except JobFailed:
+            return math.nan
+
+
+def _main(config: dict, overrides: list[str], config_yaml: str) -> float:
     try:
         job = build(config)
     except ConfigError as e:
         fail(EXIT_BAD_INPUT, e)
     rundir = RunDir(job.run_dir)
+    CURRENT_JOB["run_dir"] = str(rundir.path)
     log.info("run directory: %s", rundir.path)
     created = not rundir.path.exists()
     try:
@@ -65,26 +96,28 @@ def main(config: dict, overrides: list[str], config_yaml: str, multirun: bool = 
     logging.getLogger().addHandler(held)
     file_handler = None
     try:
-        SIGNALS_STATE.defer()
-        run = Run(job, rundir, SIGNALS_STATE)
-        try:
-            run.setup()
-        except (DriftError, CheckpointError, UnsafePathError) as e:
-            if created:
-                rundir.forget()
-            fail(EXIT_BAD_INPUT, e)
-        rundir.claim()
-        rundir.write_hydra(config_yaml, overrides)
-        file_handler = _log_file(rundir, held)
-        try:
-            code = run.execute()
-        except (CheckpointError, UnsafePathError) as e:
-            fail(EXIT_BAD_INPUT, e)
-        except NonFiniteError as e:
-            fail(EXIT_ERROR, e)
-        if code:
-            fail(code, f"preempted at step {job.state.step}; re-run the same command to resume")
-        return objective(job.state.metrics)
+        with SIGNALS_STATE.deferring():
+            started = CURRENT_JOB.get("started") or getattr(SIGNALS_STATE, "started", None)
+            run = Run(job, rundir, SIGNALS_STATE, started=started)
+            try:
+                run.setup()
+            except (DriftError, CheckpointError, UnsafePathError) as e:
+                if created:
+                    rundir.forget()
+                fail(EXIT_BAD_INPUT, e)
+            rundir.claim()
+            rundir.write_hydra(config_yaml, overrides)
+            file_handler = _log_file(rundir, held)
+            try:
+                code = run.execute()
+            except (CheckpointError, UnsafePathError) as e:
+                fail(EXIT_BAD_INPUT, e)
+            except NonFiniteError as e:
+                fail(EXIT_ERROR, e)
+            CURRENT_JOB["run_uri"] = job.facts.get("mlflow_run_uri")
+            if code:
+                fail(code, f"preempted at step {job.state.step}; re-run the same command to resume")
+            return objective(job, config.get("optimized_metric"))
     finally:
         logging.getLogger().removeHandler(held)
         if file_handler is not None:

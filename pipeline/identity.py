@@ -28,6 +28,7 @@ NON_SEMANTIC = (
     "stages",
     "checkpoint",
     "verify",
+    "optimized_metric",
     "hydra",
 )
 # Keys naming an input file: identity is the file's content, not the path string.

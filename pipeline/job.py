@@ -78,6 +78,15 @@ def build_stages(config: dict) -> list:
     return sorted(stages, key=lambda s: s.order)
 
 
+def build_tracker(config: dict):
+    tracking = config.get("tracking")
+    if tracking is None:
+        from pipeline.tracking.base import NullTracker
+
+        return NullTracker()
+    return instantiate(tracking)
+
+
 def data_spec(dataset) -> dict:
     return {**asdict(dataset.spec), "n_train": int(dataset.n_train)}
 
@@ -129,6 +138,8 @@ def build(config: dict) -> Job:
     """The whole job, or ConfigError (one line) for a bad value, a missing file, or groups that clash."""
     validate(config)
     check_pairing(config)
+    tracker = build_tracker(config)
+    tracker.prepare()  # the tracking agent starts (or is found warm) while the data and the model are built
     try:
         sources = identity.source_hashes(config)
     except OSError as e:
@@ -140,14 +151,8 @@ def build(config: dict) -> Job:
     except (ValueError, OSError) as e:
         raise ConfigError(str(e)) from None
     stages = build_stages(config)
-    tracking = config.get("tracking")
-    if tracking is not None:
-        tracker = instantiate(tracking)
-    else:
-        from pipeline.tracking.base import NullTracker
-
-        tracker = NullTracker()
     facts = mf.run_facts(config, sources, dataset.manifest_hash, data_spec(dataset))
+    facts["n_params"] = int(sum(p.size for p in state.model.params.values()))
     return Job(config, state, stages, tracker, sources, facts, run_dir_for(config, sources))
 
 

@@ -1,137 +1,51 @@
-"""`python -m pipeline.reindex [OUTPUT_DIR] [--tracking-uri URI]`: build or complete the mlflow index from disk.
+"""`python -m pipeline.reindex [OUTPUT_DIR] [--tracking-uri URI] [--rebuild]`: the mlflow index, from disk.
 
 The manifests are the truth and mlflow the index over them. For every run directory under OUTPUT_DIR/runs
-this finds the run's mlflow run (by the run URI its manifests recorded, else by its `run_dir` tag) or creates
-it, then adds only what is missing: params (the manifest's config), tags (set to the manifest's values where
-they differ), metric points from metrics.jsonl (by key and step), each checkpoint's manifest.json, the final
-weights, the curves, and the status from run.json. Running it twice adds nothing.
+this finds the run's mlflow run (by the run URI its manifests recorded, else by its `run_dir` tag) or
+creates it, and adds only what is missing: params, tags (set to the disk's values where they differ, resume
+history included), metric points from metrics.jsonl, the best value, checkpoint manifests, the final
+weights, the composed config and the log, the curves, and the status and start and end times from run.json
+(a run still marked running whose directory no process holds ended FAILED). For every sweep under
+OUTPUT_DIR/sweeps it does the same for the sweep's parent run, with its jobs' runs linked under it. Running
+it twice adds nothing; a run directory in use by a running job is left to that job.
 
-Where mlflow and the disk disagree, the disk wins where mlflow allows it: tags and status are rewritten, a
-manifest artifact whose size differs is uploaded again. mlflow cannot change a logged param or delete a metric
-point, so a param whose value changed (a resume with allowed changes) is recorded as a `params_changed.<key>`
-tag, and points are only ever added. A run directory still locked by a running job is skipped (its own
-tracker is indexing it); one without a verified-looking checkpoint manifest is skipped too.
+With the default sqlite URI, new experiments keep their artifacts under OUTPUT_DIR/mlartifacts whatever
+the URI names. A store that cannot be opened is one line (exit 2); `--rebuild` moves it aside (never
+deletes it) and builds a new one from the disk. Exit 1 if some run directory could not be indexed.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
-from pipeline.tracking.common import (CURVES_ARTIFACT, FINAL_MANIFEST_ARTIFACT, FINAL_WEIGHTS_ARTIFACT,
-                                      default_artifact_location, default_uri, normalize_tracking_uri,
-                                      params_of, parse_run_uri, tags_of)
 
-
-def _default_output_dir() -> Path:
-    from pipeline.schema import default_output_dir
-
-    return Path(default_output_dir())
-
-
-def _manifests(run_dir: Path) -> list[tuple[Path, dict]]:
-    from pipeline.checkpoint.errors import CheckpointError
-    from pipeline.checkpoint.store import read_manifest
+def reindex(output_dir: Path, uri: str | None = None, artifact_location: str | None = None, out=None) -> list[dict]:
     from pipeline.rundir import RunDir
-
-    out = []
-    for _, directory in RunDir(run_dir).store.steps():
-        try:
-            out.append((directory, read_manifest(directory)))
-        except CheckpointError as e:
-            print(f"  skipping {directory.name}: {e}", file=sys.stderr)
-    return out
-
-
-def _run_status(run_dir: Path) -> tuple[str | None, float | None]:
-    from pipeline.rundir import RunDir
-    from pipeline.tracking.store import STATUS_OF_RUN_JSON
-
-    status = RunDir(run_dir).read_status()
-    if not status:
-        return None, None
-    name = status.get("status")
-    mlflow_status = STATUS_OF_RUN_JSON.get(name) or ("FAILED" if name == "running" else None)  # died running
-    return mlflow_status, status.get("updated")
-
-
-def reindex_run(client, run_dir: Path, uri: str, artifact_root: str | None) -> dict:
-    """Index one run directory; returns what was added (all zeros when mlflow was already complete)."""
     from pipeline.tracking import store
-
-    run_dir = run_dir.resolve()
-    added = {"created": 0, "params": 0, "tags": 0, "points": 0, "artifacts": 0, "status": 0}
-    from pipeline.rundir import RunDir
-
-    if RunDir(run_dir).in_use():
-        return {**added, "skipped": "in use by a running job"}
-    manifests = _manifests(run_dir)
-    if not manifests:
-        return {**added, "skipped": "no checkpoint manifest"}
-    newest = manifests[-1][1]
-    config = newest.get("config") or {}
-    lines = RunDir(run_dir).read_metrics()
-    candidates = []
-    for _, manifest in reversed(manifests):
-        base, _, rid = parse_run_uri(manifest.get("mlflow_run_uri"))
-        if rid and base in (None, uri) and rid not in candidates:
-            candidates.append(rid)
-    tags = tags_of(newest, run_dir)
-    run = store.find_run(client, str(run_dir), candidates)
-    if run is None:
-        experiment = (config.get("tracking") or {}).get("experiment") or config.get("name") or "default"
-        experiment_id = store.ensure_experiment(client, str(experiment), artifact_root)
-        start = lines[0]["time"] if lines else (run_dir.stat().st_mtime)
-        run = store.create_run(client, experiment_id, {**tags, "indexed_by": "pipeline.reindex"}, start)
-        added["created"] = 1
-    run_id = run.info.run_id
-    added["params"] = store.sync_params(client, run, params_of(config))
-    added["tags"] = store.sync_tags(client, run, tags)
-
-    latest = {}
-    for p in store.points_of(lines):
-        latest[(p[0], p[3])] = p  # a step logged twice in the file: its last line
-    logged = store.logged_steps(client, run_id, {k for k, _ in latest})
-    added["points"] = store.log_points(client, run_id, [p for key, p in latest.items() if key not in logged])
-
-    repo = store.artifact_repo(client, run_id)
-    have = store.artifact_sizes(repo)
-    todo = [(f"checkpoints/{d.name}/manifest.json", d / "manifest.json") for d, _ in manifests]
-    final = RunDir(run_dir).store.link_dir("final")
-    if final is not None:
-        todo += [(FINAL_WEIGHTS_ARTIFACT, final / "weights.safetensors"), (FINAL_MANIFEST_ARTIFACT, final / "manifest.json")]
-    for artifact, source in todo:
-        if have.get(artifact) != source.stat().st_size:
-            store.log_file_as(repo, artifact, source=source)
-            added["artifacts"] += 1
-    if (CURVES_ARTIFACT not in have or added["points"]) and store.log_curves(repo, lines):
-        added["artifacts"] += 1
-
-    status, updated = _run_status(run_dir)
-    if status and client.get_run(run_id).info.status != status:
-        end = int((updated or run_dir.stat().st_mtime) * 1000)
-        client.set_terminated(run_id, status=status, end_time=end)
-        added["status"] = 1
-    return {**added, "run_id": run_id, "experiment_id": run.info.experiment_id, "status_now": status}
-
-
-def reindex(output_dir: Path, uri: str | None = None, artifact_location: str | None = None,
-            out=None) -> list[dict]:
-    from pipeline.tracking import store
-    from pipeline.tracking.common import run_uri
+    from pipeline.tracking.common import default_uri, normalize_tracking_uri, run_uri
+    from pipeline.tracking.index import sync_parent, sync_run
 
     out = out or sys.stdout
     output_dir = Path(output_dir).resolve()
-    if uri is None:
-        uri = default_uri(output_dir)
-        artifact_location = artifact_location or default_artifact_location(output_dir)
-    uri = normalize_tracking_uri(uri)
-    client = store.open_client(uri)
+    uri = normalize_tracking_uri(uri or default_uri(output_dir))
+    artifact_location = artifact_location or str(output_dir / "mlartifacts")
+    client = store.open_client(uri, artifact_location)
     results = []
+    for sweep_dir in sorted((output_dir / "sweeps").glob("*/sweep.json")):
+        try:
+            r = sync_parent(client, uri, sweep_dir.parent, artifact_location)
+            print(f"sweep {sweep_dir.parent.name}: {run_uri(uri, r['experiment_id'], r['run_id'])} "
+                  f"({r['children']} jobs, {r['status']})", file=out)
+        except Exception as e:  # noqa: BLE001
+            results.append({"error": f"{type(e).__name__}: {e}", "sweep_dir": str(sweep_dir.parent)})
+            print(f"sweep {sweep_dir.parent.name}: ERROR {type(e).__name__}: {e}", file=out)
     runs_dir = output_dir / "runs"
     for run_dir in sorted(p for p in runs_dir.iterdir() if p.is_dir()) if runs_dir.is_dir() else []:
         try:
-            r = reindex_run(client, run_dir, uri, artifact_location)
+            r = {"skipped": "in use by a running job"} if RunDir(run_dir).in_use() else \
+                sync_run(client, uri, run_dir, artifact_location)
         except Exception as e:  # noqa: BLE001 - one broken run does not stop the others
             r = {"error": f"{type(e).__name__}: {e}"}
         r["run_dir"] = str(run_dir)
@@ -154,21 +68,44 @@ def reindex(output_dir: Path, uri: str | None = None, artifact_location: str | N
     return results
 
 
+def move_aside(uri: str) -> Path | None:
+    """The sqlite file behind `uri`, renamed to <name>.broken-<time> (never deleted); None for other URIs."""
+    from pipeline.tracking.common import sqlite_path
+
+    db = sqlite_path(uri)
+    if db is None or not db.exists():
+        return None
+    aside = db.with_name(f"{db.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
+    db.rename(aside)
+    return aside
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.reindex", description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", nargs="?", default=None,
                         help="the pipeline's output directory (paths.output_dir; default: <project>/outputs)")
-    parser.add_argument("--tracking-uri", default=None,
-                        help="where to index (default: sqlite:///<OUTPUT_DIR>/mlflow.db)")
+    parser.add_argument("--tracking-uri", default=None, help="where to index (default: sqlite:///<OUTPUT_DIR>/mlflow.db)")
     parser.add_argument("--artifact-location", default=None,
-                        help="artifact root for experiments it creates (default with the default URI: "
-                             "<OUTPUT_DIR>/mlartifacts; otherwise the store's default)")
+                        help="artifact root for experiments it creates (default: <OUTPUT_DIR>/mlartifacts)")
+    parser.add_argument("--rebuild", action="store_true",
+                        help="move an existing sqlite store aside (never deleted) and build a new one from disk")
     args = parser.parse_args(argv)
-    output_dir = Path(args.output_dir) if args.output_dir else _default_output_dir()
+    from pipeline.schema import default_output_dir
+    from pipeline.tracking.common import default_uri, normalize_tracking_uri
+    from pipeline.tracking.store import StoreError
+
+    output_dir = Path(args.output_dir or default_output_dir())
     if not output_dir.is_dir():
-        print(f"no such output directory: {output_dir}", file=sys.stderr)
+        print(f"reindex: no such output directory: {output_dir}", file=sys.stderr)
         return 2
-    results = reindex(output_dir, args.tracking_uri, args.artifact_location)
+    uri = normalize_tracking_uri(args.tracking_uri or default_uri(output_dir))
+    if args.rebuild and (aside := move_aside(uri)) is not None:
+        print(f"moved the old store aside: {aside}")
+    try:
+        results = reindex(output_dir, uri, args.artifact_location)
+    except StoreError as e:
+        print(f"reindex: {e}", file=sys.stderr)
+        return 2
     return 1 if any("error" in r for r in results) else 0
 
 

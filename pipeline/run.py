@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from pipeline.state import StateMismatch, capture, restore
 from pipeline.trainer.display import Display
 from pipeline.trainer.loop import end_of_epoch, fit, metrics_of
 from pipeline.trainer.metrics_log import MetricsLog
+from pipeline.tracking.common import CURRENT_JOB
 
 log = logging.getLogger("pipeline")
 
@@ -49,7 +51,7 @@ def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
 
 
 class Run:
-    def __init__(self, job: Job, rundir: RunDir, signals: Signals):
+    def __init__(self, job: Job, rundir: RunDir, signals: Signals, started: float | None = None):
         self.job, self.rundir, self.signals = job, rundir, signals
         self.state = job.state
         self.store = rundir.store
@@ -57,6 +59,7 @@ class Run:
         self.complete = False
         self.resumed: Checkpoint | None = None
         self.allowed: dict = {}
+        self.history: dict = {"started": started or time.time(), "resumes": []}  # run.json: first start, resumes
         self.keep = AnyOf(tuple(p for s in job.stages if (p := s.policy()) is not None) + (LatestN(1),))
         self.links = {s.link: s.link_policy() for s in job.stages if s.link}
 
@@ -67,7 +70,8 @@ class Run:
             self.rundir.keep_metrics([])  # lines a killed earlier attempt logged before its first checkpoint
         self.lineage = lineage_of(self.job.semantic_hash, None)
         log.info("starting a new run in %s", self.rundir.path)
-        _say_if_a_sibling_differs(self.job, self.rundir.path)
+        if CURRENT_JOB.get("job") is None:  # in a sweep, the siblings differ on purpose
+            _say_if_a_sibling_differs(self.job, self.rundir.path)
 
     def resume_own(self, allow: list[str]) -> None:
         ckpt, skipped = self.store.newest_valid(self.job.parts)
@@ -125,6 +129,11 @@ class Run:
 
     def _resumed(self, ckpt: Checkpoint, lineage: dict, history: list[dict]) -> None:
         self.resumed, self.lineage = ckpt, lineage
+        previous = self.rundir.read_status()
+        if ckpt.directory.parent == self.store.root and isinstance(previous.get("started"), (int, float)):
+            self.history = {"started": previous["started"], "resumes": list(previous.get("resumes") or [])}
+            if not self.complete:
+                self.history["resumes"].append({"step": ckpt.step, "time": time.time()})
         if not self.complete:
             self.rundir.keep_metrics([ln for ln in history if ln["step"] <= ckpt.step])
             log.info("resuming from step %d of %d (epoch %d): %s", ckpt.step, self.state.total_steps,
@@ -182,10 +191,12 @@ class Run:
 
     # --- run.json
     def write_status(self, status: str, **extra) -> None:
+        if status != "running":
+            extra["ended_at"] = time.time()
         self.rundir.write_status(status=status, step=self.state.step, total_steps=self.state.total_steps,
                                  epoch=self.state.epoch, metrics=self.state.metrics,
                                  ended=self.state.progress.ended, config_hash=self.job.facts["config_hash"],
-                                 data_manifest_hash=self.job.facts["data_manifest_hash"], **extra)
+                                 data_manifest_hash=self.job.facts["data_manifest_hash"], **self.history, **extra)
 
     def setup(self) -> None:
         """Every stage's set-up (the resume stage restores or starts); a fresh run if none decided."""
@@ -202,14 +213,15 @@ class Run:
             self.store.retain(self.keep, self.links, upto=self.state.step)
             if self.rundir.read_status().get("status") != "complete":
                 self.write_status("complete")
+            self.job.tracker.attach(self.rundir.path)  # a sweep job: its run shows in the sweep
             print(f"run {self.rundir.path} is complete at step {self.state.step}: "
                   + " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
             return 0
         tracker = self.job.tracker
+        self.write_status("running")
         tracker.start(config=self.job.config, facts=self.job.facts, run_dir=self.rundir.path,
                       previous_run_uri=(self.resumed.manifest.get("mlflow_run_uri") if self.resumed else None),
-                      resumed_at=self.resumed.step if self.resumed else None)
-        self.write_status("running")
+                      status=self.rundir.read_status(), start_time=self.history["started"])
         try:
             if self.signals.received is not None:
                 raise Preempted(self.signals.name)  # arrived while setting up: nothing new to save
@@ -218,9 +230,9 @@ class Run:
                     s.run(self)
         except Preempted as stop:
             self.write_status("preempted")
-            tracker.finish("KILLED", self.rundir.path)
             log.warning("preempted by %s at step %d; re-run the same command to resume (exit %d)", stop,
                         self.state.step, EXIT_PREEMPTED)
+            tracker.finish("KILLED", self.rundir.path)
             return EXIT_PREEMPTED
         except NonFiniteError as e:
             self.write_status("failed", error=str(e))
@@ -231,9 +243,9 @@ class Run:
             tracker.finish("FAILED", self.rundir.path)
             raise
         self.write_status("complete")
-        tracker.finish("FINISHED", self.rundir.path)
         log.info("done at step %d (%s): %s", self.state.step, self.state.progress.ended,
                  " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
+        tracker.finish("FINISHED", self.rundir.path)
         return 0
 
 

@@ -280,8 +280,7 @@ class MlflowTrackingConf:
     artifact_location: Optional[str] = _f()
     experiment: str = _f()
     flush_timeout: float = _f(above(0))
-    priority: str = _f(lambda v: None if v in ("idle", "normal") or v.lstrip("-").isdigit()
-                       else "must be idle, normal or a nice value")
+    uri_timeout: float = _f(above(0))
 
 
 @dataclass
@@ -304,6 +303,7 @@ class VerifyConf:
 @dataclass
 class Config:
     name: str = _f()  # the experiment's name: the first part of the run directory's name
+    optimized_metric: Optional[str] = _f()  # what a sweep optimises (null: best-val's best)
     paths: PathsConf = field(default_factory=PathsConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
     model: Any = MISSING

@@ -1,19 +1,28 @@
 """SIGTERM, SIGINT and SIGUSR1, from the first instruction of a job to its last: never a traceback.
 
 Until a run holds its directory, nothing durable is being written (the corpus is published by rename), so a
-signal stops the process at once: `Interrupted` unwinds to the entry point, which prints one line. Once the
-run holds its directory, `defer()` turns signals into a flag: the current update finishes, a checkpoint is
-written, and the process exits EXIT_PREEMPTED; a second signal changes nothing (the save in progress
-completes). Either way the identical command continues the run: EX_TEMPFAIL, try again.
+signal stops the process at once: `Interrupted` unwinds to the entry point, which prints one line. While a
+run holds its directory (`deferring()`), a signal only sets a flag: the current update finishes, a
+checkpoint is written, and the process exits EXIT_PREEMPTED; a second signal changes nothing (the save in
+progress completes). In the process that launched a sweep (`sweeping()`), a signal is passed on to the
+processes running its jobs (joblib's workers, submitit's jobs), each of which checkpoints and stops, and
+the jobs not started yet refuse to start: the sweep ends, and the identical command continues it.
+Either way: EX_TEMPFAIL, try again.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
+import threading
+import time
+from pathlib import Path
 
 log = logging.getLogger("pipeline")
 EXIT_PREEMPTED = 75
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+RAISE, DEFER, SWEEP = "raise", "defer", "sweep"
 
 
 class Interrupted(BaseException):
@@ -24,13 +33,45 @@ class Interrupted(BaseException):
         super().__init__(signal.Signals(signum).name)
 
 
+def descendants(root: int) -> list[int]:
+    """Pids of every process below `root` in its own session (a helper started in a session of its own,
+    such as the tracking agent, is not a job and is left alone)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    session = os.getsid(root)
+    out, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        try:
+            if os.getsid(pid) != session:
+                continue
+        except OSError:
+            continue
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
 class Signals:
     def __init__(self):
         self.received: int | None = None
-        self.deferred = False
+        self.mode = RAISE
         self.installed = False
+        self.marker: Path | None = None  # a sweep's "interrupted" file, which its jobs check before starting
 
     def install(self) -> None:
+        """Take over the signals (main thread only; elsewhere, e.g. a worker thread, leave them be)."""
+        self.started = getattr(self, "started", None) or time.time()  # when this process began, near enough
+        if self.installed or threading.current_thread() is not threading.main_thread():
+            return
         for s in SIGNALS:
             signal.signal(s, self._handler)
         self.installed = True
@@ -38,20 +79,49 @@ class Signals:
     def _handler(self, signum, frame) -> None:
         first = self.received is None
         self.received = signum if first else self.received
-        if not self.deferred:
+        if self.mode == RAISE:
             raise Interrupted(signum)
-        if first:
-            log.warning("received %s: finishing this update, then checkpointing", signal.Signals(signum).name)
+        if not first:
+            return
+        name = signal.Signals(signum).name
+        if self.mode == DEFER:
+            log.warning("received %s: finishing this update, then checkpointing", name)
+            return
+        log.warning("received %s: passing it to the sweep's running jobs; no new job starts", name)
+        if self.marker is not None:
+            try:
+                self.marker.touch()
+            except OSError:
+                pass
+        for pid in descendants(os.getpid()):
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
 
-    def defer(self) -> None:
-        """From now on a signal only sets the flag (raises at once if one already arrived)."""
-        self.deferred = True
-        if self.received is not None:
-            raise Interrupted(self.received)
+    @contextlib.contextmanager
+    def deferring(self):
+        """While a run holds its directory: a signal only sets the flag (raises at once if one already came)."""
+        previous, self.mode = self.mode, DEFER
+        try:
+            if self.received is not None and previous == RAISE:
+                raise Interrupted(self.received)
+            yield self
+        finally:
+            self.mode = previous
+
+    def sweeping(self, marker: Path | None) -> None:
+        """In the process that launches a sweep's jobs (see the module docstring)."""
+        self.install()
+        self.mode, self.marker = SWEEP, marker
 
     @property
     def name(self) -> str | None:
         return signal.Signals(self.received).name if self.received is not None else None
+
+    def sweep_interrupted(self, marker: Path | None) -> bool:
+        """True if this sweep was interrupted: in this process, or (its marker file) in its launcher."""
+        return (self.mode == SWEEP and self.received is not None) or (marker is not None and marker.exists())
 
 
 SIGNALS_STATE = Signals()  # one per process: the entry point installs it before importing anything heavy

@@ -25,6 +25,8 @@ hypothesis.settings.register_profile("pipeline", database=None, deadline=None)
 hypothesis.settings.load_profile("pipeline")
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]  # tests/ -> the project root, independent of the package
+# Each test's output directory is its own tracking URI, hence its own tracking agent: let idle ones go soon.
+os.environ.setdefault("PIPELINE_TRACKING_AGENT_IDLE", "3")
 # The one tiny job most tests train: MiniGPT on a small grammar corpus, a few seconds in-process.
 TINY = ("model.n_layer=1", "model.n_embd=16", "model.n_head=2", "data.n_sentences=400", "data.block_size=16",
         "data.val_batch_size=16", "optimizer.lr=0.01", "scheduler.warmup_steps=2", "trainer.batch_size=8", "trainer.max_steps=12", "trainer.eval_every=4",

@@ -5,11 +5,18 @@ from pathlib import Path
 
 
 class Tracker:
-    """Every call must return quickly: the training loop never waits for tracking."""
+    """Every call returns quickly: the training loop never waits for tracking."""
+
+    def prepare(self) -> None:
+        """As soon as the job knows its config: start whatever tracking needs, off the job's path."""
 
     def start(self, *, config: dict, facts: dict, run_dir: Path, previous_run_uri: str | None,
-              resumed_at: int | None = None) -> None:
-        """Begin (or continue, given the run URI a resumed checkpoint recorded and its step) the tracked run."""
+              status: dict | None = None, start_time: float | None = None) -> None:
+        """Begin (or continue, given the run URI a resumed checkpoint recorded) the tracked run."""
+
+    def attach(self, run_dir: Path) -> str | None:
+        """A sweep job whose run was already complete: make the index show it in the sweep."""
+        return None
 
     def run_uri(self, timeout: float) -> str | None:
         """The tracked run's URI for manifests, waiting at most `timeout` seconds for it to be known."""
@@ -19,10 +26,10 @@ class Tracker:
         """One metrics.jsonl line (step, epoch, time, metrics)."""
 
     def log_checkpoint(self, directory: Path, manifest: dict) -> None:
-        """A checkpoint was written and verified."""
+        """A checkpoint was written."""
 
     def finish(self, status: str, run_dir: Path) -> None:
-        """Flush everything; status is FINISHED, FAILED or KILLED (preempted)."""
+        """Flush everything (bounded); status is FINISHED, FAILED or KILLED (preempted)."""
 
 
 class NullTracker(Tracker):

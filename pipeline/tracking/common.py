@@ -102,9 +102,18 @@ def param_value(v) -> str:
     return s if len(s) <= MAX_PARAM_VALUE else s[:MAX_PARAM_VALUE - 15] + "...[truncated]"
 
 
+# Keys that say where and how a run ran on this machine, not what it computes: kept out of the params (they
+# would clutter every comparison of runs) and recorded as `config.<key>` tags instead.
+MACHINE_KEYS = ("paths", "tracking", "verify", "resume", "trainer.progress_bar", "trainer.threads", "hydra")
+
+
+def _machine(key: str) -> bool:
+    return any(key == m or key.startswith(m + ".") for m in MACHINE_KEYS)
+
+
 def params_of(config: dict) -> dict[str, str]:
-    """The flattened resolved config as mlflow params (dotted keys, values as text)."""
-    return {k: param_value(v) for k, v in flatten({k: v for k, v in config.items() if k != "hydra"}).items()}
+    """The flattened resolved config as mlflow params (dotted keys, values as text), machine keys left out."""
+    return {k: param_value(v) for k, v in flatten(config).items() if not _machine(k)}
 
 
 def tag_value(v) -> str:
@@ -112,9 +121,11 @@ def tag_value(v) -> str:
     return s[:MAX_TAG_VALUE]
 
 
-def tags_of(facts: dict, run_dir: str | Path) -> dict[str, str]:
-    """The run-level facts as tags (what a person filters on in the UI), plus mlflow's own git tag."""
+def tags_of(facts: dict, run_dir: str | Path, status: dict | None = None, job: dict | None = None) -> dict[str, str]:
+    """The run-level facts as tags (what a person filters on in the UI): the manifest's facts, the machine
+    keys of its config, its resumes (from run.json), and the sweep job it ran as."""
     config = facts.get("config") or {}
+    status = status or {}
     tags = {
         "run_dir": str(Path(run_dir).resolve()),
         "experiment": str(config.get("name", "")),
@@ -124,14 +135,23 @@ def tags_of(facts: dict, run_dir: str | Path) -> dict[str, str]:
         "git_sha": facts.get("git_sha"),
         "git_dirty": facts.get("git_dirty"),
         "seed": facts.get("seed"),
-        "mlflow.runName": Path(run_dir).name,
+        "model.parameters": facts.get("n_params"),
+        "mlflow.runName": (job or {}).get("name") or Path(run_dir).name,
         "mlflow.source.name": "pipeline",
         "mlflow.source.type": "LOCAL",
     }
+    tags.update({f"config.{k}": v for k, v in flatten(config).items() if _machine(k)})
     if facts.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = facts["git_sha"]
     if facts.get("allowed_changes"):
         tags["allowed_changes"] = facts["allowed_changes"]
+    resumes = status.get("resumes") or []
+    if resumes:
+        tags["resumes"] = len(resumes)
+        tags.update({f"resume.{i}": r.get("step") for i, r in enumerate(resumes, start=1)})
+    if job:
+        tags.update({"sweep.id": job.get("sweep_id"), "sweep.job_num": job.get("num"),
+                     "sweep.job_overrides": " ".join(job.get("overrides") or [])})
     return {k: tag_value(v) for k, v in tags.items() if v is not None}
 
 

@@ -32,11 +32,15 @@ METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
 
 
+class StoreError(Exception):
+    """An mlflow store that cannot be opened or written (one line: where, why, and what to do)."""
+
+
 @contextmanager
 def _init_lock(db: Path):
-    """One process at a time opens a sqlite store: a fresh DB's schema migration must not race (two at once leave it half-migrated).
-    The lock is an flock on the DB's directory, so it leaves no file behind."""
-    fd = os.open(db.parent, os.O_RDONLY)
+    """One process at a time creates, migrates or opens a sqlite store: two migrations at once leave it
+    half-migrated. An flock on the DB's directory, taken before any mlflow object touches the DB."""
+    fd = os.open(db.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -44,19 +48,38 @@ def _init_lock(db: Path):
         os.close(fd)  # releases the lock
 
 
-def open_client(uri: str) -> MlflowClient:
-    """A client whose store is open (created and migrated if new); raises if the store is unusable."""
-    client = MlflowClient(tracking_uri=uri)
-    db = sqlite_path(uri)
-    if db is None:
-        client.search_experiments(max_results=1)  # connect now: a server that is down fails here
-        return client
-    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401  (the slow imports, outside the lock)
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
 
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with _init_lock(db):
-        client.search_experiments(max_results=1)
-    return client
+
+def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
+    """A client whose store is open; a new sqlite store is created and migrated here, once, under the lock
+    (its Default experiment keeping artifacts under `artifact_root`, not the working directory).
+    Raises StoreError (one line) if the store cannot be opened."""
+    db = sqlite_path(uri)
+    try:
+        if db is None:
+            client = MlflowClient(tracking_uri=uri)
+            client.search_experiments(max_results=1)  # connect now: a server that is down fails here
+            return client
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore  # the slow import, outside the lock
+
+        db.parent.mkdir(parents=True, exist_ok=True)
+        with _init_lock(db):
+            if not db.exists():
+                root = artifact_location_uri(artifact_root) if artifact_root else None
+                SqlAlchemyStore(uri, root or artifact_location_uri(str(db.parent / "mlartifacts")))
+            client = MlflowClient(tracking_uri=uri)
+            client.search_experiments(max_results=1)
+        return client
+    except StoreError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever mlflow, sqlalchemy or the network raise: one line
+        where = f"the mlflow store {db}" if db else f"the mlflow tracking server {uri}"
+        fix = (" (move it aside and rebuild it from the manifests: python -m pipeline.reindex --rebuild)"
+               if db is not None and db.exists() else "")
+        raise StoreError(f"{where} cannot be opened: {_first_line(e)}{fix}") from None
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
@@ -243,3 +266,24 @@ def log_curves(repo, lines: list[dict]) -> bool:
             return False
         repo.log_artifact(str(png))
         return True
+
+
+def reference_run(client: MlflowClient, run, parent: dict, job: dict):
+    """A child of `parent` for a sweep job whose run directory another job's run already stands for: the
+    same params and final metrics, tagged with the run it repeats (no run_dir tag: that one is the run)."""
+    name = f"{job.get('name') or run.data.tags.get('mlflow.runName', '')} (same run as {run.info.run_id[:8]})"
+    tags = {k: v for k, v in run.data.tags.items() if not k.startswith(("mlflow.", "sweep.")) and k != "run_dir"}
+    tags.update({"mlflow.parentRunId": parent["run_id"], "mlflow.runName": name, "repeat_of": run.info.run_id,
+                 "repeat_of.run_dir": run.data.tags.get("run_dir", ""), "sweep.id": str(job.get("sweep_id")),
+                 "sweep.job_num": str(job.get("num")), "sweep.job_overrides": " ".join(job.get("overrides") or [])})
+    found = client.search_runs([parent["experiment_id"]], f"tags.`sweep.id` = '{job.get('sweep_id')}' and "
+                               f"tags.`sweep.job_num` = '{job.get('num')}' and tags.repeat_of = '{run.info.run_id}'",
+                               max_results=1)
+    if found:
+        return found[0]
+    child = create_run(client, parent["experiment_id"], tags)
+    sync_params(client, child, run.data.params)
+    now = int(time.time() * 1000)
+    log_points(client, child.info.run_id, [(k, v, now, 0) for k, v in run.data.metrics.items()])
+    client.set_terminated(child.info.run_id, status=run.info.status, end_time=now)
+    return child

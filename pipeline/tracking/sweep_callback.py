@@ -1,42 +1,45 @@
-"""A Hydra callback making a multirun one parent mlflow run with a child run per job.
+"""A Hydra callback that makes a multirun one sweep: a stable identity and directory, signals that reach
+every job, failures that fail only their job, and (with mlflow tracking) one parent run with a child per job.
 
-Configured under `hydra.callbacks` in conf/config.yaml for every run; it does nothing unless `tracking` is the
-mlflow tracker (tracking=mlflow or tracking=server), and nothing at all in a single run.
+Configured under `hydra.callbacks` in conf/config.yaml; nothing happens in a single run.
 
-- on_multirun_start (the launching process, before any job): starts the sweep's tracking agent
-  (`pipeline.tracking.agent --listen <socket>`), which opens the store once -- a fresh sqlite DB is created
-  and migrated here, so jobs never race its schema -- and creates the experiment and the parent run. The
-  parent's coordinates and the agent's socket are plain attributes of this object, which Hydra pickles to
-  every job (joblib workers, submitit jobs), so they reach the jobs wherever they run.
-- on_job_start / on_job_end (each job's process): hands the parent to the job's tracker, which creates the
-  child (tag mlflow.parentRunId) through the sweep's agent -- explicit run ids, never mlflow's process-global
-  active run (joblib reuses worker processes) -- or through its own agent when the socket is out of reach
-  (SLURM on another node). A job that fails before its tracker started (a bad config, data that does not fit)
-  still gets a child run, ended FAILED with the error as a tag.
-- on_multirun_end: the parent ends FINISHED, or FAILED if a child failed. A failing job makes Hydra re-raise
-  in the launcher without calling on_multirun_end, so an atexit hook registered in on_multirun_start ends a
-  parent still open when the launching process exits: FAILED (KILLED if the only trouble was preemption).
+- on_multirun_start (the launching process, before any job): the sweep's identity is the hash of its
+  overrides (machine keys left out) and its sweeper's settings, so re-running the identical command is the
+  same sweep: the same directory `<output_dir>/sweeps/<name>-<id>/` (multirun.yaml, the sweeper's results,
+  sweep.json, jobs/<num>.json) and, with mlflow tracking, the same parent run. Signals are passed on to the
+  running jobs from now on (pipeline/signals.py). The parent is created (or found) through the machine's
+  tracking agent; its coordinates are plain attributes of this object, which Hydra pickles to every job.
+  For the Optuna sweeper, the direction follows best-val's mode unless set on the command line.
+- on_job_start / on_job_end (each job's process): the job learns its parent, its name (the swept values)
+  and number; at its end it records itself in jobs/<num>.json (run directory, status, objective, error).
+- on_multirun_end, or the entry point when the sweeper raised: sweep.json gets the outcome and the parent
+  is completed from the sweep directory (pipeline/tracking/index.py, as `reindex` would): status (KILLED if
+  interrupted, FAILED if a job failed), which jobs failed and why, the best child, multirun.yaml and the
+  sweeper's results as artifacts.
 """
 from __future__ import annotations
 
-import atexit
+import hashlib
 import logging
+import math
 import os
-import tempfile
+import socket
 import time
 from pathlib import Path
 
-from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline.tracking.common import (CURRENT_JOB, artifact_location_uri, is_mlflow_tracking,
-                                      normalize_tracking_uri, params_of, tag_value)
+from pipeline import jsonio
+from pipeline.atomic import ensure_dirs, replace_file
+from pipeline.signals import SIGNALS_STATE
+from pipeline.tracking.common import CURRENT_JOB, MACHINE_KEYS, is_mlflow_tracking, normalize_tracking_uri, tag_value
 
 log = logging.getLogger("pipeline")
-START_TIMEOUT = 180.0  # seconds for the agent to import mlflow, create the DB and the parent run
-END_TIMEOUT = 60.0
-_LAUNCHER_LINK = None  # the launching process's link to the sweep agent (not picklable: not an attribute)
+SWEEP_DIR_ENV = "PIPELINE_SWEEP_DIR"  # read by conf/config.yaml's hydra.sweep.dir, in the launcher and every job
+START_TIMEOUT = 180.0
+END_TIMEOUT = 120.0
+ACTIVE: "MlflowSweepCallback | None" = None  # the launching process's sweep, for the entry point to finish
 
 
 def _plain(node, resolve: bool = True):
@@ -44,128 +47,191 @@ def _plain(node, resolve: bool = True):
         return node
     try:
         return OmegaConf.to_container(node, resolve=resolve, enum_to_str=True)
-    except Exception:  # noqa: BLE001 - an interpolation that cannot resolve: keep it as written
+    except Exception:  # noqa: BLE001 - an interpolation that cannot resolve yet: keep it as written
         return OmegaConf.to_container(node, resolve=False, enum_to_str=True)
+
+
+def _machine(key: str) -> bool:
+    return any(key == m or key.startswith(m + ".") for m in MACHINE_KEYS)
+
+
+def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, str]:
+    """{key: the values given} for every override that sweeps (a,b / range / interval / choice ...)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out = {}
+    for o in OverridesParser.create().parse_overrides(task_overrides):
+        if o.is_sweep_override():
+            out[o.get_key_element().lstrip("+~")] = o.input_line.split("=", 1)[1]
+    out.update({str(k): str(v) for k, v in (sweeper_params or {}).items()})
+    return out
+
+
+def job_name(overrides: list[str], keys) -> str:
+    """The swept values of one job, as a person reads them: `optimizer.lr=0.003 model.n_layer=2`."""
+    picked = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in keys]
+    return " ".join(picked) or " ".join(o for o in overrides if not _machine(o.split("=", 1)[0].lstrip("+~")))
 
 
 class MlflowSweepCallback(Callback):
     def __init__(self) -> None:
-        # {"uri", "experiment_id", "run_id", "agent": socket path}: plain data, pickled to the jobs
-        self.parent: dict | None = None
-        self.ended = False
+        self.sweep: dict | None = None  # id, dir, name, swept, uri, direction: plain data, pickled to the jobs
+        self.parent: dict | None = None  # {"run_id", "experiment_id"} of the parent run
+        self.disabled: str | None = None  # why tracking is off for this sweep (said once, here)
         self.launcher_pid: int | None = None
+        self.ended = False
+        self.summary: dict = {}
 
     # --- the launching process
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        global _LAUNCHER_LINK
-        tracking = config.get("tracking")
-        if not is_mlflow_tracking(tracking):
-            return
-        from pipeline.checkpoint.manifest import git_info
-        from pipeline.tracking.mlflow_tracker import _Link
-
-        uri = normalize_tracking_uri(tracking.uri)
+        global ACTIVE
         hydra = config.hydra
-        git = git_info()
-        tags = {
-            "mlflow.runName": f"sweep-{config.get('name', 'run')}-{time.strftime('%Y%m%d-%H%M%S')}",
-            "mlflow.source.name": "pipeline -m",
-            "sweep": "parent",
-            "sweep.overrides": " ".join(hydra.overrides.task),
-            "sweep.dir": str(hydra.sweep.dir),
-            "sweep.launcher": str(hydra.launcher.get("_target_", "")),
-            "sweep.sweeper": str(hydra.sweeper.get("_target_", "")),
-            "experiment": str(config.get("name", "")),
-            "git_sha": str(git.get("git_sha")),
-        }
+        task = [str(o) for o in hydra.overrides.task]
+        sweeper = _plain(hydra.sweeper, resolve=False) or {}
+        identity = {"name": str(config.get("name", "")), "overrides": sorted(o for o in task if not _machine(
+            o.split("=", 1)[0].lstrip("+~"))), "sweeper": {k: v for k, v in sweeper.items() if k != "storage"}}
+        sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
+        output_dir = Path(str(config.paths.output_dir))
+        directory = ensure_dirs(output_dir, "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
+        os.environ[SWEEP_DIR_ENV] = str(directory)  # hydra.sweep.dir follows it, here and in every job
+        marker = directory / "interrupted"
+        marker.unlink(missing_ok=True)
+        SIGNALS_STATE.sweeping(marker)
+        stages = _plain(config.get("stages")) or {}
+        mode = (stages.get("best_val") or {}).get("mode", "min")
+        direction = "maximize" if mode == "max" else "minimize"
+        if "optuna" in str(sweeper.get("_target_", "")) and not any(
+                o.startswith(("hydra.sweeper.direction=", "++hydra.sweeper.direction=")) for o in hydra.overrides.hydra):
+            with open_dict(hydra.sweeper):
+                hydra.sweeper.direction = direction  # what the jobs return is best-val's best: minimise or maximise
+        self.sweep = {"id": sweep_id, "dir": str(directory), "name": identity["name"],
+                      "swept": swept(task, sweeper.get("params")), "direction": direction,
+                      "objective": str(config.get("optimized_metric") or f"best/{(stages.get('best_val') or {}).get('monitor', 'val/loss')}"),
+                      "launcher": str(hydra.launcher.get("_target_", "")), "sweeper": str(sweeper.get("_target_", "")),
+                      "overrides": task, "started": time.time(), "status": "running", "pid": os.getpid(),
+                      "host": socket.gethostname()}
+        self.launcher_pid = os.getpid()
+        ACTIVE = self
+        tracking = config.get("tracking")
+        if is_mlflow_tracking(tracking):
+            self.sweep["uri"] = normalize_tracking_uri(str(tracking.uri))
+            self.sweep["experiment"] = str(tracking.experiment)
+            location = tracking.get("artifact_location")
+            self.sweep["artifact_location"] = str(location) if location else None
+        replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
+        if "uri" in self.sweep:
+            self._start_parent()
+        log.info("sweep %s: %s", sweep_id, directory)
+
+    def _start_parent(self) -> None:
+        from pipeline.checkpoint.manifest import git_info
+        from pipeline.tracking.link import agent_for
+        from pipeline.tracking.mlflow_tracker import agent_log
+
+        s, git = self.sweep, git_info()
+        tags = {"mlflow.runName": f"sweep {s['name']} {' '.join(s['swept'])}".strip(), "sweep": "parent",
+                "sweep.id": s["id"], "sweep.dir": s["dir"], "sweep.overrides": " ".join(s["overrides"]),
+                "sweep.launcher": s["launcher"], "sweep.sweeper": s["sweeper"], "experiment": s["name"],
+                "mlflow.source.name": "pipeline -m", "git_sha": str(git.get("git_sha"))}
         if git.get("git_sha") not in (None, "unknown"):
             tags["mlflow.source.git.commit"] = git["git_sha"]
-        socket_path = str(Path(tempfile.mkdtemp(prefix="pipeline-mlflow-")) / "agent.sock")
         try:
-            link = _Link.spawn(listen=socket_path, priority=str(tracking.get("priority", 10)))
+            link = agent_for(s["uri"], agent_log(s["uri"]))
+            answer = link.request({"op": "parent_start", "uri": s["uri"], "experiment": s["experiment"],
+                                   "artifact_location": s.get("artifact_location"), "sweep_id": s["id"],
+                                   "start_time": s["started"], "tags": {k: tag_value(v) for k, v in tags.items()},
+                                   "params": {k: tag_value(v)[:6000] for k, v in s["swept"].items()}}, START_TIMEOUT)
         except OSError as e:
-            log.warning("mlflow: no parent run for this sweep (could not start the agent: %s)", e)
-            return
-        location = tracking.get("artifact_location")
-        answer = link.request({"op": "parent_start", "uri": uri, "experiment": str(tracking.experiment),
-                               "artifact_location": artifact_location_uri(location) if location else None,
-                               "tags": {k: tag_value(v) for k, v in tags.items()}}, START_TIMEOUT)
+            answer = {"event": "error", "message": str(e)}
         if not answer or answer.get("event") != "ready":
-            why = answer.get("message") if answer else f"no answer within {START_TIMEOUT:.0f} s"
-            log.warning("mlflow: no parent run for this sweep (%s); each job tracks on its own", why)
-            link.close(timeout=0)
+            self.disabled = (answer or {}).get("message", f"no answer within {START_TIMEOUT:.0f} s")
+            log.warning("mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their manifests; "
+                        "index them later with `python -m pipeline.reindex`.", s["uri"], self.disabled)
             return
-        _LAUNCHER_LINK = link
-        self.parent = {"uri": uri, "experiment_id": answer["experiment_id"], "run_id": answer["run_id"],
-                       "agent": socket_path}
-        self.launcher_pid = os.getpid()
-        atexit.register(self._end_if_open)
-        log.info("mlflow: sweep parent run %s", answer["uri"])
+        self.parent = {"run_id": answer["run_id"], "experiment_id": answer["experiment_id"]}
+        log.info("mlflow: sweep parent run %s%s", answer["uri"], " (continued)" if answer.get("reused") else "")
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        self._end(None)
+        self.end(None)
 
-    def _end_if_open(self) -> None:
-        if os.getpid() == self.launcher_pid:
-            self._end("the multirun stopped before its end (a job failed or the launcher was interrupted)")
+    def end(self, error: str | None) -> dict:
+        """The sweep's outcome, recorded in sweep.json and its parent run; returns {"status", "failed"}."""
+        if self.sweep is None or os.getpid() != self.launcher_pid:
+            return {}
+        if self.ended:
+            return self.summary
+        directory = Path(self.sweep["dir"])
+        jobs = read_jobs(directory)
+        failed = {n: j for n, j in jobs.items() if j.get("status") != "complete"}
+        interrupted = SIGNALS_STATE.received is not None or any(j.get("code") == 75 for j in jobs.values())
+        status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
+        self.sweep.update(status=status, ended_at=time.time(), error=error)
+        replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
+        if self.parent is not None:
+            from pipeline.tracking.link import agent_for
 
-    def _end(self, interrupted: str | None) -> None:
-        global _LAUNCHER_LINK
-        if self.parent is None or self.ended or _LAUNCHER_LINK is None:
-            return
-        self.ended = True
-        parent = {k: v for k, v in self.parent.items() if k != "agent"}
-        answer = _LAUNCHER_LINK.request({"op": "parent_end", "parent": parent, "interrupted": interrupted},
-                                        END_TIMEOUT)
-        if answer and answer.get("event") == "finished":
-            log.info("mlflow: sweep parent run %s ended %s (%d children)", parent["run_id"], answer["status"],
-                     answer["children"])
-        else:
-            log.warning("mlflow: could not end the sweep's parent run %s: %s", parent["run_id"],
-                        (answer or {}).get("message", f"no answer within {END_TIMEOUT:.0f} s"))
-        _LAUNCHER_LINK.close(timeout=30)
-        _LAUNCHER_LINK = None
+            try:
+                answer = agent_for(self.sweep["uri"]).request(
+                    {"op": "sweep_end", "uri": self.sweep["uri"], "sweep_dir": str(directory), "parent": self.parent},
+                    END_TIMEOUT)
+            except OSError as e:
+                answer = {"message": str(e)}
+            if not answer or answer.get("event") != "finished":
+                log.warning("mlflow: could not complete the sweep's parent run %s (%s); `python -m pipeline.reindex` "
+                            "completes it", self.parent["run_id"], (answer or {}).get("message", "no answer"))
+        self.ended, self.summary = True, {"status": status, "failed": failed, "jobs": jobs}
+        return self.summary
 
     # --- each job's process
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
-        CURRENT_JOB.update(parent=self.parent, tracker=None)
+        overrides = [str(o) for o in config.hydra.overrides.task]
+        num = int(config.hydra.job.get("num", 0))
+        job = None
+        if self.sweep is not None:
+            job = {"sweep_id": self.sweep["id"], "num": num, "overrides": overrides,
+                   "name": job_name(overrides, self.sweep["swept"])}
+        CURRENT_JOB.clear()
+        CURRENT_JOB.update(parent=self.parent, job=job, disabled=self.disabled, started=time.time(),
+                           sweep_dir=self.sweep["dir"] if self.sweep else None)
 
     def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
-        tracker = CURRENT_JOB.get("tracker")
-        CURRENT_JOB.update(parent=None, tracker=None)
-        if self.parent is None or job_return.status != JobStatus.FAILED:
+        from hydra.core.utils import JobStatus
+
+        job = CURRENT_JOB.get("job")
+        if self.sweep is None or job is None:
             return
-        if tracker is not None and getattr(tracker, "sid", None) is not None:
-            return  # the job's own tracker has ended its child FAILED
+        failure = CURRENT_JOB.get("failure")
+        if job_return.status == JobStatus.FAILED and failure is None:
+            error = job_return._return_value
+            failure = {"code": 1, "error": f"{type(error).__name__}: {error}"[:2000]}
+        value = job_return._return_value if job_return.status != JobStatus.FAILED else None
+        record = {**job, "run_dir": CURRENT_JOB.get("run_dir"), "run_uri": CURRENT_JOB.get("run_uri"),
+                  "started": CURRENT_JOB.get("started"), "ended_at": time.time(),
+                  "objective": float(value) if isinstance(value, (int, float)) else None,
+                  "status": "complete" if failure is None else ("preempted" if failure["code"] == 75 else "failed"),
+                  **(failure or {})}
         try:
-            self._failed_child(config, job_return)
-        except Exception as e:  # noqa: BLE001
-            log.warning("mlflow: could not record the failed job in the sweep's parent run: %s", e)
+            replace_file(ensure_dirs(Path(self.sweep["dir"]), "jobs") / f"{job['num']}.json", jsonio.dumps(record))
+        except OSError as e:
+            log.warning("could not record job %s in %s: %s", job["num"], self.sweep["dir"], e)
+        CURRENT_JOB.clear()
 
-    def _failed_child(self, config: DictConfig, job_return) -> None:
-        """A child for a job that failed before its tracker started, ended FAILED (the same run if it exists)."""
-        from pipeline.tracking.mlflow_tracker import link_for
 
-        task = {k: _plain(config[k]) for k in config if k != "hydra"}
+def read_jobs(directory: Path) -> dict[int, dict]:
+    out = {}
+    for p in sorted((Path(directory) / "jobs").glob("*.json")):
         try:
-            from pipeline.identity import run_name
+            record = jsonio.read(p, 1 << 20)
+            out[int(record["num"])] = record
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
 
-            run_dir = str((Path(task["paths"]["runs_dir"]) / run_name(task)).resolve())
-        except Exception:  # noqa: BLE001
-            run_dir = None
-        error = job_return._return_value
-        tags = {
-            "mlflow.parentRunId": self.parent["run_id"],
-            "mlflow.runName": Path(run_dir).name if run_dir else f"job-{config.hydra.job.get('num', '?')}",
-            "mlflow.source.name": "pipeline",
-            "experiment": str(task.get("name", "")),
-            "error": tag_value(f"{type(error).__name__}: {error}"),
-            "sweep.job_overrides": " ".join(config.hydra.overrides.task),
-        }
-        if run_dir:
-            tags["run_dir"] = run_dir
-        parent = {k: v for k, v in self.parent.items() if k != "agent"}
-        answer = link_for(self.parent).request({"op": "failed_child", "parent": parent, "run_dir": run_dir,
-                                                "params": params_of(task), "tags": tags}, END_TIMEOUT)
-        if not answer or answer.get("event") != "finished":
-            raise RuntimeError((answer or {}).get("message", f"no answer within {END_TIMEOUT:.0f} s"))
+
+def best_job(jobs: dict[int, dict], direction: str) -> dict | None:
+    scored = [j for j in jobs.values() if isinstance(j.get("objective"), (int, float))
+              and math.isfinite(jsonio.number(j["objective"]))]
+    if not scored:
+        return None
+    scored.sort(key=lambda j: j["num"])  # ties: the first job
+    return (min if direction == "minimize" else max)(scored, key=lambda j: j["objective"])

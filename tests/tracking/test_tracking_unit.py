@@ -1,13 +1,12 @@
 """Tracking pieces that need no subprocess: URIs, params, the config group, the tracker without mlflow."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
-import pytest
-
-from pipeline.tracking.common import (flatten, is_mlflow_tracking, normalize_tracking_uri, param_value,
-                                      params_of, parse_run_uri, run_uri, step_of_checkpoint)
+from pipeline.tracking.common import (flatten, is_mlflow_tracking, metric_points, normalize_tracking_uri,
+                                      param_value, params_of, parse_run_uri, run_uri, step_of_checkpoint, tags_of)
 
 RID = "0123456789abcdef0123456789abcdef"
 
@@ -40,8 +39,12 @@ def test_params_are_the_flattened_config_with_dotted_keys_and_bounded_values():
               "model": {"hidden": [8], "dropout": None, "act": "tanh"}, "hydra": {"ignored": 1}}
     params = params_of(config)
     assert params == {"name": "x", "optimizer.lr": "0.03", "optimizer.betas": "[0.9, 0.999]",
-                      "resume.allow_changes": "[]", "model.hidden": "[8]", "model.dropout": "null",
-                      "model.act": "tanh"}
+                      "model.hidden": "[8]", "model.dropout": "null", "model.act": "tanh"}  # machine keys left out
+    tags = tags_of({"config": {**config, "paths": {"output_dir": "/o"}}}, "/r", {"resumes": [{"step": 5}]},
+                   {"name": "optimizer.lr=0.03", "num": 2, "sweep_id": "abc", "overrides": ["optimizer.lr=0.03"]})
+    assert tags["config.paths.output_dir"] == "/o" and tags["config.resume.allow_changes"] == "[]"
+    assert tags["resumes"] == "1" and tags["resume.1"] == "5" and tags["mlflow.runName"] == "optimizer.lr=0.03"
+    assert tags["sweep.job_num"] == "2" and tags["sweep.id"] == "abc"
     assert flatten({"a": {}}) == {"a": {}}
     assert len(param_value("x" * 10_000)) <= 6000
 
@@ -82,8 +85,11 @@ def test_tracker_that_cannot_start_its_agent_warns_once_and_stays_quiet(monkeypa
     def broken():
         raise OSError("no agent today")
 
-    monkeypatch.setattr(mlflow_tracker, "link_for", lambda *args: broken())
+    import pipeline.tracking.link as link
+
+    monkeypatch.setattr(link, "agent_for", lambda *args: broken())
     t = mlflow_tracker.MlflowTracker(uri=f"sqlite:///{tmp_path}/m.db", experiment="e")
+    t.prepare()
     t.start(config={"name": "e"}, facts={}, run_dir=tmp_path, previous_run_uri=None)
     t.log_line({"step": 1, "epoch": 0, "time": 0.0, "train/loss": 1.0})
     assert t.run_uri(timeout=5.0) is None
@@ -92,14 +98,16 @@ def test_tracker_that_cannot_start_its_agent_warns_once_and_stays_quiet(monkeypa
     assert len(warnings) == 1 and "no agent today" in warnings[0].getMessage()
 
 
-@pytest.mark.parametrize("target", ["pipeline.tracking.base.NullTracker", None])
-def test_sweep_callback_is_a_no_op_without_mlflow_tracking(target):
-    from omegaconf import OmegaConf
+def test_non_finite_metric_values_reach_mlflow_as_floats():
+    points = dict((k, v) for k, v, _, _ in metric_points({"step": 3, "time": 1.0, "a": "NaN", "b": "Infinity", "c": 1}))
+    assert math.isnan(points["a"]) and points["b"] == math.inf and points["c"] == 1.0
 
-    from pipeline.tracking.sweep_callback import MlflowSweepCallback
 
-    cb = MlflowSweepCallback()
-    cfg = OmegaConf.create({"tracking": {"_target_": target} if target else None})
-    cb.on_multirun_start(cfg)
-    assert cb.parent is None
-    cb.on_multirun_end(cfg)
+def test_swept_keys_and_job_names():
+    from pipeline.tracking.sweep_callback import job_name, swept
+
+    keys = swept(["experiment=kernodeck", "optimizer.lr=0.01,0.03", "model.hidden=[4],[8]", "paths.output_dir=/o"],
+                 {"trainer.seed": "range(0,3)"})
+    assert keys == {"optimizer.lr": "0.01,0.03", "model.hidden": "[4],[8]", "trainer.seed": "range(0,3)"}
+    assert job_name(["experiment=kernodeck", "optimizer.lr=0.03", "model.hidden=[4]", "paths.output_dir=/o"], keys) \
+        == "optimizer.lr=0.03 model.hidden=[4]"

@@ -1,0 +1,223 @@
+"""The training side of the tracking agent: find the machine's agent for a tracking URI, or start it.
+
+One agent per (user, tracking URI) on a machine: every run, sweep and job that tracks into the same store
+talks to it over a Unix socket whose path is derived from the URI, so `import mlflow` (~3 s) and opening
+the store happen once and stay warm across the jobs and runs of the machine; the agent exits after
+`IDLE_SECONDS` without clients. It runs in its own session: a signal meant for a job (Ctrl-C, SLURM's
+SIGTERM) never reaches it, and it outlives a killed job long enough to end its run.
+
+Messages are JSON lines; a request carries a session id `sid`, the agent answers events for it. This module
+imports nothing heavy: it is on the training process's path.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import fcntl
+import hashlib
+import itertools
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+IDLE_SECONDS = float(os.environ.get("PIPELINE_TRACKING_AGENT_IDLE", "30"))  # without clients this long, it exits
+SPAWN_WAIT = 60.0  # seconds to wait for a new agent to bind its socket (it does so before importing mlflow)
+
+
+def socket_path(uri: str) -> Path:
+    """Short and per user: a Unix socket path must fit in ~100 bytes whatever the URI."""
+    digest = hashlib.sha256(uri.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"pipeline-mlflow-{os.getuid()}-{digest}.sock"
+
+
+def project_pythonpath() -> str:
+    """PYTHONPATH for the agent: the directory holding this `pipeline` package first."""
+    root = str(Path(__file__).resolve().parents[2])
+    return os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+class Link:
+    """A connection to an agent: requests go through a writer thread, events are dispatched by a reader
+    thread to the handler that registered the session (a tracker, or a Request)."""
+
+    def __init__(self, sock: socket.socket, path: Path):
+        self.sock, self.path = sock, path
+        self.wfile, self.rfile = sock.makefile("wb"), sock.makefile("rb")
+        self.queue: queue.Queue = queue.Queue()
+        self.handlers: dict[int, object] = {}
+        self.ids = itertools.count(1)
+        self.dead: str | None = None
+        self.lock = threading.Lock()
+        for target in (self._write, self._read):
+            threading.Thread(target=target, daemon=True, name=f"tracking{target.__name__}").start()
+
+    def alive(self) -> bool:
+        return self.dead is None
+
+    def register(self, handler) -> int:
+        with self.lock:
+            sid = next(self.ids)
+            self.handlers[sid] = handler
+        return sid
+
+    def send(self, msg: dict | None) -> None:
+        self.queue.put(msg)
+
+    def request(self, msg: dict, timeout: float) -> dict | None:
+        """Send one request and wait for its last event ("finished", "ready" or "error"), or None."""
+        req = Request()
+        self.send({**msg, "sid": self.register(req)})
+        return req.event if req.done.wait(timeout) else None
+
+    def _write(self) -> None:
+        try:
+            while True:
+                batch = [self.queue.get()]
+                while True:
+                    try:
+                        batch.append(self.queue.get_nowait())
+                    except queue.Empty:
+                        break
+                out, closing = [], False
+                for msg in batch:
+                    if msg is None:
+                        closing = True
+                        break
+                    last = out[-1] if out else None
+                    if msg["op"] == "metrics" and last and last["op"] == "metrics" and last["sid"] == msg["sid"]:
+                        last["lines"] = last["lines"] + msg["lines"]  # consecutive lines travel together
+                    else:
+                        out.append(msg)
+                if out:
+                    self.wfile.write("".join(json.dumps(m, allow_nan=False) + "\n" for m in out).encode())
+                    self.wfile.flush()
+                if closing:
+                    self.sock.shutdown(socket.SHUT_WR)
+                    return
+        except (OSError, ValueError) as e:
+            self._died(f"the tracking agent stopped reading ({e})")
+
+    def _read(self) -> None:
+        try:
+            for raw in self.rfile:
+                try:
+                    event = json.loads(raw)
+                except json.JSONDecodeError:
+                    continue
+                handler = self.handlers.get(event.get("sid"))
+                if handler is not None:
+                    handler.on_event(event)
+                    if event.get("event") in ("finished", "error"):
+                        with self.lock:
+                            self.handlers.pop(event["sid"], None)
+        except (OSError, ValueError):
+            pass
+        self._died("the tracking agent closed the connection")
+
+    def _died(self, reason: str) -> None:
+        if self.dead is None:
+            self.dead = reason
+        with self.lock:
+            orphans, self.handlers = list(self.handlers.values()), {}
+        for handler in orphans:
+            handler.on_event({"event": "error", "message": self.dead})
+
+    def close(self) -> None:
+        """End this connection (the agent ends any run it still holds open for it, FAILED)."""
+        self.send(None)
+
+
+class Request:
+    def __init__(self):
+        self.done = threading.Event()
+        self.event: dict | None = None
+
+    def on_event(self, event: dict) -> None:
+        if event.get("event") in ("ready", "finished", "error", "pong"):
+            self.event = event
+            self.done.set()
+
+
+def _connect(path: Path) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(10.0)
+        sock.connect(str(path))
+        sock.settimeout(None)
+        return sock
+    except OSError:
+        sock.close()
+        return None
+
+
+def spawn(path: Path, log_file: Path | None) -> subprocess.Popen:
+    """Start an agent serving `path`, in its own session (no job's signal reaches it)."""
+    env = dict(os.environ, PYTHONPATH=project_pythonpath())
+    out = open(log_file, "ab") if log_file is not None else subprocess.DEVNULL
+    try:
+        return subprocess.Popen([sys.executable, "-m", "pipeline.tracking.agent", "--listen", str(path),
+                                 "--idle", str(IDLE_SECONDS)], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                env=env, close_fds=True, start_new_session=True)
+    finally:
+        if out is not subprocess.DEVNULL:
+            out.close()
+
+
+_LINKS: dict[str, Link] = {}
+_LINKS_LOCK = threading.Lock()
+
+
+def agent_for(uri: str, log_file: Path | None = None) -> Link:
+    """This process's connection to the machine's agent for `uri`, starting the agent if none runs.
+
+    A lock file beside the socket makes one process spawn while the others wait for its socket.
+    Raises OSError if no agent can be reached or started.
+    """
+    with _LINKS_LOCK:
+        link = _LINKS.get(uri)
+        if link is not None and link.alive():
+            return link
+        path = socket_path(uri)
+        sock = _connect(path)
+        if sock is None:
+            fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                sock = _connect(path)
+                if sock is None:
+                    try:
+                        os.unlink(path)  # a stale socket of an agent that died
+                    except FileNotFoundError:
+                        pass
+                    proc = spawn(path, log_file)
+                    deadline = time.monotonic() + SPAWN_WAIT
+                    while sock is None and time.monotonic() < deadline:
+                        if proc.poll() is not None:
+                            raise OSError(errno.ECHILD, f"the tracking agent exited at start (code {proc.returncode})"
+                                          + (f"; see {log_file}" if log_file else ""))
+                        time.sleep(0.02)
+                        sock = _connect(path) if path.exists() else None
+                    if sock is None:
+                        raise OSError(errno.ETIMEDOUT, f"the tracking agent did not start within {SPAWN_WAIT:.0f} s")
+            finally:
+                os.close(fd)
+        link = _LINKS[uri] = Link(sock, path)
+        return link
+
+
+def recent_errors(log_file: Path | None, n: int = 3) -> str:
+    """The last lines an agent wrote to its log, for a warning that says why."""
+    if log_file is None:
+        return ""
+    try:
+        tail = collections.deque(Path(log_file).read_text(errors="replace").splitlines(), maxlen=n)
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in tail if line.strip())

@@ -1,0 +1,89 @@
+"""The mlflow store under concurrency and damage: a fresh DB opened by many processes at once, a DB that
+cannot be opened (one line, never a traceback), and `reindex --rebuild`."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import KERNODECK, env_for_subprocess, run_pipeline, the_run
+from pipeline.rundir import RunDir
+
+pytestmark = pytest.mark.slow
+
+
+def runs_of(uri: str):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    ids = [e.experiment_id for e in client.search_experiments()]
+    return client, client.search_runs(ids, max_results=1000)
+
+
+@pytest.mark.parametrize("repetition", range(5))
+def test_independent_runs_and_sweeps_started_together_on_a_fresh_db(tmp_path, repetition):
+    """Regression (#11.1): two processes migrating a fresh mlflow.db at once lost runs or broke the DB."""
+    out = tmp_path / "out"
+    (tmp_path / "cwd").mkdir()
+    base = [*KERNODECK[:1], f"paths.output_dir={out}", "trainer.progress_bar=false"]
+    py = [sys.executable, "-m", "pipeline"]
+    commands = [[*py, *base, f"trainer.seed={s}"] for s in range(4)] + \
+               [[*py, "-m", *base, f"optimizer.lr={a},{b}", f"trainer.seed={10 + i}"] for i, (a, b) in
+                enumerate(((0.01, 0.02), (0.03, 0.04)))]
+    procs = [subprocess.Popen(c, cwd=tmp_path / "cwd", env=env_for_subprocess(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for c in commands]
+    logs = [p.communicate()[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+        for bad in ("mlflow tracking (", "Traceback", "already exists", "duplicate column", "OperationalError"):
+            assert bad not in log, log[-3000:]
+    client, runs = runs_of(f"sqlite:///{out}/mlflow.db")
+    children = [r for r in runs if r.data.tags.get("sweep") != "parent"]
+    assert len(children) == 8 and len(runs) == 10  # 4 runs, 2 x 2 jobs, 2 parents: none lost
+    for run in children:
+        assert run.info.status == "FINISHED"
+        lines = RunDir(Path(run.data.tags["run_dir"])).read_metrics()
+        for key in ("train/loss", "lr", "grad_norm"):
+            history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+            assert history == [(ln["step"], ln[key]) for ln in lines], key  # every point, once
+
+
+def test_a_db_that_cannot_be_opened_is_one_line_and_rebuild_moves_it_aside(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mlflow.db").write_bytes(b"this is not a sqlite database" * 100)
+    proc = run_pipeline([*KERNODECK[:1], f"paths.output_dir={out}", "trainer.progress_bar=false"], tmp_path / "cwd")
+    assert proc.returncode == 0, proc.stderr[-3000:]  # training goes on, the manifests are the truth
+    log = proc.stdout + proc.stderr
+    assert log.count("is off for the rest of this run") == 1 and "Traceback" not in log
+    assert "reindex --rebuild" in log
+    reindex = [sys.executable, "-m", "pipeline.reindex", str(out)]
+    refused = subprocess.run(reindex, env=env_for_subprocess(), capture_output=True, text=True)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and "--rebuild" in refused.stderr
+    rebuilt = subprocess.run([*reindex, "--rebuild"], env=env_for_subprocess(), capture_output=True, text=True)
+    assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
+    (aside,) = out.glob("mlflow.db.broken-*")
+    assert aside.read_bytes() == b"this is not a sqlite database" * 100  # kept, not deleted
+    client, runs = runs_of(f"sqlite:///{out}/mlflow.db")
+    (run,) = runs
+    assert run.info.status == "FINISHED" and run.data.tags["run_dir"] == str(the_run(out))
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 10
+
+
+def test_a_fresh_store_keeps_every_artifact_under_the_output_directory(tmp_path):
+    """mlflow's own Default experiment pointed at <cwd>/mlruns; reindex into another sqlite URI too."""
+    out = tmp_path / "out"
+    assert run_pipeline([*KERNODECK[:1], f"paths.output_dir={out}"], tmp_path / "cwd").returncode == 0
+    from mlflow import MlflowClient
+
+    for uri in (f"sqlite:///{out}/mlflow.db", f"sqlite:///{tmp_path}/elsewhere/index.db"):
+        if "elsewhere" in uri:
+            r = subprocess.run([sys.executable, "-m", "pipeline.reindex", str(out), "--tracking-uri", uri],
+                               cwd=tmp_path / "cwd", env=env_for_subprocess(), capture_output=True, text=True)
+            assert r.returncode == 0, r.stdout + r.stderr
+        for e in MlflowClient(uri).search_experiments():
+            assert e.artifact_location.startswith(f"file://{out}/mlartifacts"), (uri, e.name, e.artifact_location)
+    assert list((tmp_path / "cwd").iterdir()) == []
