@@ -64,6 +64,7 @@ class Session:
         self.logged: set = set()  # (key, step) already in mlflow (a resumed run): not logged again
         self.pending: list = []
         self.failed = False
+        self.parent: dict | None = None
 
 
 class Agent:
@@ -72,6 +73,21 @@ class Agent:
         self.sessions: dict[tuple[int, int], Session] = {}
         self.clients: dict[str, object] = {}
         self.artifact_roots: dict[str, str | None] = {}
+        self.parents: dict[str, dict] = {}  # sweep id -> its parent run, as parent_start made or found it
+
+    def parent_of(self, client, ref: dict | None) -> dict | None:
+        """A job's parent, given as {"run_id", ...} or by its sweep's id (the launcher does not wait for it)."""
+        if not ref or "run_id" in ref:
+            return ref
+        sweep_id = ref.get("sweep_id")
+        if sweep_id not in self.parents:
+            from pipeline.tracking import store
+
+            found = store.find_parent(client, sweep_id)
+            if found is None:
+                return None
+            self.parents[sweep_id] = {"run_id": found.info.run_id, "experiment_id": found.info.experiment_id}
+        return self.parents[sweep_id]
 
     def fail(self, s: Session, e: BaseException | str) -> None:
         s.pending = []
@@ -97,7 +113,7 @@ class Agent:
 
         s.uri = uri = m["uri"]
         s.client = client = self.client(uri, m.get("artifact_location"))
-        parent = m.get("parent")
+        parent = s.parent = self.parent_of(client, m.get("parent"))
         prev_uri, _, prev_id = parse_run_uri(m.get("previous_run_uri"))
         candidates = [prev_id] if prev_id and prev_uri in (None, uri) else []
         run = store.find_run(client, m["run_dir"], candidates)
@@ -148,8 +164,7 @@ class Agent:
         from pipeline.tracking.index import sync_run
 
         self.flush(s)
-        parent = m.get("parent")
-        sync_run(s.client, s.uri, Path(m["run_dir"]), self.artifact_roots.get(s.uri), parent, m.get("job"))
+        sync_run(s.client, s.uri, Path(m["run_dir"]), self.artifact_roots.get(s.uri), s.parent, m.get("job"))
         s.conn.send({"sid": s.sid, "event": "finished"})
 
     def attach(self, s: Session, m: dict) -> None:
@@ -161,7 +176,7 @@ class Agent:
         from pipeline.tracking import store
 
         client = self.client(m["uri"], m.get("artifact_location"))
-        parent, job = m.get("parent"), m.get("job") or {}
+        parent, job = self.parent_of(client, m.get("parent")), m.get("job") or {}
         run = store.find_run(client, str(Path(m["run_dir"]).resolve()))
         if run is not None and parent and (run.data.tags.get("mlflow.parentRunId") != parent["run_id"] or
                                            run.data.tags.get("sweep.job_num") not in (None, str(job.get("num")))):
@@ -181,15 +196,15 @@ class Agent:
 
         client = self.client(m["uri"], m.get("artifact_location"))
         experiment_id = store.ensure_experiment(client, m["experiment"], m.get("artifact_location"))
-        found = client.search_runs([experiment_id], f"tags.`sweep.id` = '{m['sweep_id']}' and tags.sweep = 'parent'",
-                                   max_results=1, order_by=["attributes.start_time ASC"])
+        found = store.find_parent(client, m["sweep_id"], experiment_id)
         if found:  # the same sweep again: its parent goes on
-            run = found[0]
+            run = found
             client.update_run(run.info.run_id, status="RUNNING")
             store.sync_tags(client, run, m["tags"])
         else:
             run = store.create_run(client, experiment_id, m["tags"], m.get("start_time"))
         store.sync_params(client, run, m.get("params") or {})
+        self.parents[m["sweep_id"]] = {"run_id": run.info.run_id, "experiment_id": experiment_id}
         s.conn.send({"sid": s.sid, "event": "ready", "uri": run_uri(m["uri"], experiment_id, run.info.run_id),
                      "run_id": run.info.run_id, "experiment_id": experiment_id, "reused": bool(found)})
 
@@ -197,8 +212,8 @@ class Agent:
         from pipeline.tracking.index import sync_parent
 
         client = self.client(m["uri"])
-        r = sync_parent(client, m["uri"], Path(m["sweep_dir"]), self.artifact_roots.get(m["uri"]), m["parent"],
-                        children=False)
+        r = sync_parent(client, m["uri"], Path(m["sweep_dir"]), self.artifact_roots.get(m["uri"]),
+                        self.parent_of(client, m["parent"]), children=False)
         s.conn.send({"sid": s.sid, "event": "finished", "status": r["status"], "children": r["children"]})
 
     def ping(self, s: Session, m: dict) -> None:

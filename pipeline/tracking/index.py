@@ -158,14 +158,13 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
     experiment = sweep.get("experiment") or sweep.get("name") or "default"
     experiment_id = store.ensure_experiment(client, experiment, artifact_root)
     if parent is None:
-        found = client.search_runs([experiment_id], f"tags.`sweep.id` = '{sweep['id']}' and tags.sweep = 'parent'",
-                                   max_results=1, order_by=["attributes.start_time ASC"])
+        found = store.find_parent(client, sweep["id"], experiment_id)
         tags = {"mlflow.runName": f"sweep {sweep.get('name', '')} {' '.join(sweep.get('swept') or {})}".strip(),
                 "sweep": "parent", "sweep.id": sweep["id"], "sweep.dir": str(sweep_dir),
                 "sweep.overrides": " ".join(sweep.get("overrides") or []), "mlflow.source.name": "pipeline -m",
                 "sweep.launcher": sweep.get("launcher", ""), "sweep.sweeper": sweep.get("sweeper", ""),
                 "experiment": sweep.get("name", "")}
-        run = found[0] if found else store.create_run(client, experiment_id, tags, sweep.get("started"))
+        run = found or store.create_run(client, experiment_id, tags, sweep.get("started"))
         parent = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
         store.sync_params(client, run, {k: str(v)[:6000] for k, v in (sweep.get("swept") or {}).items()})
     if children:

@@ -113,6 +113,11 @@ class MlflowTracker(Tracker):
     def _fail(self, reason: str) -> None:
         if self._warned.acquire(blocking=False):
             self.failed = True
+            if self.job is not None:  # a sweep's job: the sweep says it once, at its end
+                log.debug("mlflow tracking (%s) is off for this job: %s", self.uri, reason)
+                self.ready.set()
+                self.done.set()
+                return
             log.warning("mlflow tracking (%s) is off for the rest of this run: %s. Training goes on and the "
                         "manifests are written; index them later with `python -m pipeline.reindex`.",
                         self.uri, reason)

@@ -136,6 +136,17 @@ def find_run(client: MlflowClient, run_dir: str, candidates: list[str] = ()):
     return None
 
 
+def find_parent(client: MlflowClient, sweep_id: str, experiment_id: str | None = None):
+    """The parent run of the sweep with this id (the first made, if several), or None."""
+    ids = [experiment_id] if experiment_id else all_experiment_ids(client)
+    for i in range(0, len(ids), 100):
+        found = client.search_runs(ids[i:i + 100], f"tags.`sweep.id` = {_quote(sweep_id)} and tags.sweep = 'parent'",
+                                   max_results=1, order_by=["attributes.start_time ASC"])
+        if found:
+            return found[0]
+    return None
+
+
 def create_run(client: MlflowClient, experiment_id: str, tags: dict, start_time: float | None = None):
     ms = int((start_time if start_time is not None else time.time()) * 1000)
     return client.create_run(experiment_id, start_time=ms, tags=tags, run_name=tags.get("mlflow.runName"))

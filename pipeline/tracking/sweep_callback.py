@@ -40,6 +40,7 @@ SWEEP_DIR_ENV = "PIPELINE_SWEEP_DIR"  # read by conf/config.yaml's hydra.sweep.d
 START_TIMEOUT = 180.0
 END_TIMEOUT = 120.0
 ACTIVE: "MlflowSweepCallback | None" = None  # the launching process's sweep, for the entry point to finish
+_PARENT_REQUEST = None  # the launcher's pending parent_start (not an attribute: jobs get a pickled copy)
 
 
 def _plain(node, resolve: bool = True):
@@ -124,8 +125,11 @@ class MlflowSweepCallback(Callback):
         log.info("sweep %s: %s", sweep_id, directory)
 
     def _start_parent(self) -> None:
+        """Ask the agent for the parent run without waiting: jobs start at once and name their parent by the
+        sweep's id (the agent answers in order); end() reads the answer."""
+        global _PARENT_REQUEST
         from pipeline.checkpoint.manifest import git_info
-        from pipeline.tracking.link import agent_for
+        from pipeline.tracking.link import Request, agent_for
         from pipeline.tracking.mlflow_tracker import agent_log
 
         s, git = self.sweep, git_info()
@@ -137,19 +141,29 @@ class MlflowSweepCallback(Callback):
             tags["mlflow.source.git.commit"] = git["git_sha"]
         try:
             link = agent_for(s["uri"], agent_log(s["uri"]))
-            answer = link.request({"op": "parent_start", "uri": s["uri"], "experiment": s["experiment"],
-                                   "artifact_location": s.get("artifact_location"), "sweep_id": s["id"],
-                                   "start_time": s["started"], "tags": {k: tag_value(v) for k, v in tags.items()},
-                                   "params": {k: tag_value(v)[:6000] for k, v in s["swept"].items()}}, START_TIMEOUT)
         except OSError as e:
-            answer = {"event": "error", "message": str(e)}
-        if not answer or answer.get("event") != "ready":
-            self.disabled = (answer or {}).get("message", f"no answer within {START_TIMEOUT:.0f} s")
+            self.disabled = str(e)
             log.warning("mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their manifests; "
                         "index them later with `python -m pipeline.reindex`.", s["uri"], self.disabled)
             return
-        self.parent = {"run_id": answer["run_id"], "experiment_id": answer["experiment_id"]}
+        _PARENT_REQUEST = Request()
+        link.send({"op": "parent_start", "sid": link.register(_PARENT_REQUEST), "uri": s["uri"],
+                   "experiment": s["experiment"], "artifact_location": s.get("artifact_location"),
+                   "sweep_id": s["id"], "start_time": s["started"], "tags": {k: tag_value(v) for k, v in tags.items()},
+                   "params": {k: tag_value(v)[:6000] for k, v in s["swept"].items()}})
+        self.parent = {"sweep_id": s["id"]}
+
+    def _parent_answer(self) -> dict | None:
+        """The parent run's coordinates once the agent made it, or None (having warned once why not)."""
+        answer = _PARENT_REQUEST.event if _PARENT_REQUEST is not None and _PARENT_REQUEST.done.wait(START_TIMEOUT) \
+            else None
+        if not answer or answer.get("event") != "ready":
+            why = (answer or {}).get("message", f"no answer within {START_TIMEOUT:.0f} s")
+            log.warning("mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
+                        "index them with `python -m pipeline.reindex`.", self.sweep["uri"], why)
+            return None
         log.info("mlflow: sweep parent run %s%s", answer["uri"], " (continued)" if answer.get("reused") else "")
+        return answer
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         self.end(None)
@@ -167,7 +181,7 @@ class MlflowSweepCallback(Callback):
         status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
         self.sweep.update(status=status, ended_at=time.time(), error=error)
         replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
-        if self.parent is not None:
+        if self.parent is not None and self._parent_answer() is not None:
             from pipeline.tracking.link import agent_for
 
             try:
