@@ -30,6 +30,14 @@ def unavailable() -> str | None:
     return None
 
 
+def pytest_runtest_setup(item) -> None:
+    """Skip every `slurm` test here with one reason from one place, so the summary shows it on one line."""
+    if item.get_closest_marker("slurm") is not None:
+        why = unavailable()
+        if why:
+            pytest.skip(why)
+
+
 @pytest.fixture(scope="session")
 def slurm_installed() -> None:
     """Skips (one line, saying how to enable) unless the packages are installed and we are root."""
