@@ -21,7 +21,7 @@ CLUSTER_PY = Path(slurm.__file__)
 # Where a default install of slurm or munge would write; a cluster in a temporary directory must not.
 SYSTEM_DIRS = ["/etc/slurm", "/etc/slurm-llnl", "/etc/munge", "/run/munge", "/run/slurm", "/run/slurmctld",
                "/run/slurmd", "/var/log/slurm", "/var/log/munge", "/var/lib/slurm", "/var/lib/munge",
-               "/var/spool/slurm", "/var/spool/slurmd", "/var/spool/slurmctld", "/dev/shm"]
+               "/var/spool/slurm", "/var/spool/slurmd", "/var/spool/slurmctld"]
 NAMED_IN = ["/var/log", "/run", "/var/run", "/var/spool", "/var/lib", "/etc"]  # their slurm*/munge* entries
 
 
