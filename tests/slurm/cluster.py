@@ -119,7 +119,9 @@ SlurmdLogFile={d}/log/slurmd.log
 SlurmctldDebug=info
 SlurmdDebug=info
 MailProg=/bin/true
-# no cgroups, no accounting daemon: nothing outside {d}, nothing that needs systemd
+# no cgroups, no accounting daemon: nothing outside {d}, nothing that needs systemd. Without slurmdbd,
+# sacct fails, so submitit sees every job as UNKNOWN: its launcher waits for a job's result file and never
+# learns that a job FAILED (a test that kills a job must stop its launcher itself)
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
