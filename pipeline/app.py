@@ -20,6 +20,7 @@ from pipeline.run import DriftError, NonFiniteError, Run
 from pipeline.rundir import RunBusyError, RunDir
 from pipeline.schema import ConfigError
 from pipeline.signals import EXIT_PREEMPTED, SIGNALS_STATE, Interrupted
+from pipeline.slurm import requeue_self
 from pipeline.tracking.common import CURRENT_JOB
 
 log = logging.getLogger("pipeline")
@@ -38,8 +39,16 @@ _MULTIRUN = False
 
 
 def fail(code: int, message: object) -> None:
-    """One line on stderr, and the exit code: at once for a single run; for a multirun job, its failure."""
+    """One line on stderr, and the exit code: at once for a single run; for a multirun job, its failure.
+
+    Preempted (75) inside a SLURM job that was only warned, the job first requeues itself; a multirun job
+    then exits the process rather than returning, so the launcher (submitit) waits for the requeued job."""
     print(f"pipeline: {message}", file=sys.stderr)
+    if code == EXIT_PREEMPTED and (slurm := requeue_self()) is not None:
+        requeued, said = slurm
+        print(f"pipeline: {said}", file=sys.stderr)
+        if requeued:
+            sys.exit(code)
     if _MULTIRUN:
         CURRENT_JOB["failure"] = {"code": code, "error": str(message)[:2000]}
         raise JobFailed(code, str(message))

@@ -21,7 +21,8 @@ from pathlib import Path
 
 log = logging.getLogger("pipeline")
 EXIT_PREEMPTED = 75
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# USR1 is what `--signal=USR1@N` sends before a SLURM time limit, USR2 what submitit asks SLURM for.
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 RAISE, DEFER, SWEEP = "raise", "defer", "sweep"
 
 

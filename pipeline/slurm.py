@@ -1,0 +1,45 @@
+"""A SLURM job that was told to stop (a time-limit warning, a signal to its steps) puts itself back in the queue.
+
+SLURM signals a job before its time limit only if asked (`--signal=USR1@N`; submitit asks for
+`USR2@<signal_delay_s>`), and a signal sent with `scancel --signal=TERM JOBID` reaches the job's steps
+while the job itself stays RUNNING: in both cases nothing requeues the job unless it does so itself. A job
+that SLURM is ending for good (`scancel`) or requeueing already (`scontrol requeue`, preemption) is
+COMPLETING with another reason, and is left alone (`scontrol requeue` would revive a cancelled job too).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+
+def job_id() -> str | None:
+    """This process's SLURM job, as `scontrol` must name it (an array task as ARRAY_TASK: its own
+    SLURM_JOB_ID can be the array's, and requeueing that requeues every task)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or os.environ.get("SLURM_JOB_PARTITION") is None:
+        return None
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return job
+
+
+def requeue_self() -> tuple[bool, str] | None:
+    """Requeue this SLURM job if it is still RUNNING or was stopped by its time limit: (requeued, a sentence
+    for the log), or None outside SLURM. Call it last: SLURM answers a requeue with SIGTERM to the job."""
+    job = job_id()
+    if job is None or shutil.which("scontrol") is None:
+        return None
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, timeout=60)
+        fields = dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
+        state, reason = fields.get("JobState", "?"), fields.get("Reason", "?")
+        if state != "RUNNING" and reason != "TimeLimit":
+            return False, f"SLURM job {job} is {state} (reason {reason}): not requeued by the job"
+        r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"SLURM job {job}: scontrol failed ({e}): not requeued"
+    if r.returncode != 0:
+        return False, f"SLURM job {job}: `scontrol requeue` failed: {(r.stderr or r.stdout).strip()}"
+    return True, f"SLURM job {job} ({state}, reason {reason}) requeued: it resumes from its newest checkpoint"
