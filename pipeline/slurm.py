@@ -3,8 +3,10 @@
 SLURM signals a job before its time limit only if asked (`--signal=USR1@N`; submitit asks for
 `USR2@<signal_delay_s>`), and a signal sent with `scancel --signal=TERM JOBID` reaches the job's steps
 while the job itself stays RUNNING: in both cases nothing requeues the job unless it does so itself. A job
-that SLURM is ending for good (`scancel`) or requeueing already (`scontrol requeue`, preemption) is
-COMPLETING with another reason, and is left alone (`scontrol requeue` would revive a cancelled job too).
+that SLURM is requeueing already (`scontrol requeue`, preemption) has its restart count raised while it
+still runs; one that SLURM ends for good (`scancel`) is COMPLETING: both are left alone (`scontrol
+requeue` would revive a cancelled job). Either way a requeued job's process exits without a result, so
+that submitit waits for the next run rather than reporting the job done.
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ def job_id() -> str | None:
 
 
 def requeue_self() -> tuple[bool, str] | None:
-    """Requeue this SLURM job if it is still RUNNING or was stopped by its time limit: (requeued, a sentence
-    for the log), or None outside SLURM. Call it last: SLURM answers a requeue with SIGTERM to the job."""
+    """Make sure this SLURM job runs again: (True, a sentence for the log) if SLURM is requeueing it already
+    or it was still RUNNING (or stopped by its time limit) and requeued itself; (False, why) if it is ending
+    for good; None outside SLURM. Call it last: SLURM answers a requeue with SIGTERM to the job."""
     job = job_id()
     if job is None or shutil.which("scontrol") is None:
         return None
@@ -35,10 +38,13 @@ def requeue_self() -> tuple[bool, str] | None:
         shown = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, timeout=60)
         fields = dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
         state, reason = fields.get("JobState", "?"), fields.get("Reason", "?")
+        # a requeue by SLURM (`scontrol requeue`, preemption) counts the next run before this one has ended
+        if int(fields.get("Restarts") or 0) > int(os.environ.get("SLURM_RESTART_COUNT") or 0):
+            return True, f"SLURM job {job} is being requeued: it resumes from its newest checkpoint"
         if state != "RUNNING" and reason != "TimeLimit":
-            return False, f"SLURM job {job} is {state} (reason {reason}): not requeued by the job"
+            return False, f"SLURM job {job} is {state} (reason {reason}): it ends here, not requeued"
         r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
+    except (OSError, subprocess.TimeoutExpired, ValueError) as e:
         return False, f"SLURM job {job}: scontrol failed ({e}): not requeued"
     if r.returncode != 0:
         return False, f"SLURM job {job}: `scontrol requeue` failed: {(r.stderr or r.stdout).strip()}"

@@ -108,7 +108,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 # cred_expire is also how long a requeued job waits before it may start again (default 120 s)
-AuthInfo=socket={d}/munge/munge.socket,cred_expire=20
+AuthInfo=socket={d}/munge/munge.socket,cred_expire=5
 CredType=cred/munge
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool
