@@ -261,6 +261,16 @@ class BestValStageConf:
 
 
 @dataclass
+class EarlyStopStageConf:
+    _target_: str = _f()
+    monitor: str = _f()
+    mode: Mode = _f()
+    patience: int = _f(at_least(1))
+    min_delta: float = _f(at_least(0))
+    order: int = _f()
+
+
+@dataclass
 class FinalStageConf:
     _target_: str = _f()
     order: int = _f()
@@ -324,7 +334,7 @@ SCHEMAS = {
     "scheduler": {"constant": ConstantConf, "step": StepConf, "cosine": CosineConf},
     "data": {"regression": RegressionConf, "grammar": GrammarConf, "text": TextConf},
     "stage": {"resume": ResumeStageConf, "train": TrainStageConf, "rotate": RotateStageConf,
-              "best_val": BestValStageConf, "final": FinalStageConf},
+              "best_val": BestValStageConf, "early_stop": EarlyStopStageConf, "final": FinalStageConf},
     "tracking": {"mlflow": MlflowTrackingConf, "none": NoTrackingConf},
 }
 # `_target_` -> schema, to check group nodes (and stages) by what they build
@@ -337,6 +347,7 @@ BY_TARGET = {
     "pipeline.data.text.TextCorpus": TextConf, "pipeline.stages.resume.Resume": ResumeStageConf,
     "pipeline.stages.train.Train": TrainStageConf, "pipeline.stages.rotate.RotateLastN": RotateStageConf,
     "pipeline.stages.best.BestVal": BestValStageConf, "pipeline.stages.final.Final": FinalStageConf,
+    "pipeline.stages.early_stop.EarlyStop": EarlyStopStageConf,
     "pipeline.stages.cadence.Cadence": CadenceConf,
     "pipeline.tracking.mlflow_tracker.MlflowTracker": MlflowTrackingConf,
     "pipeline.tracking.base.NullTracker": NoTrackingConf,
