@@ -56,6 +56,18 @@ def one_of(*options) -> Callable:
     return lambda v: None if v in options else f"must be one of {', '.join(map(str, options))}"
 
 
+def duration_or_null(v) -> str | None:
+    from pipeline.budget import parse_duration
+
+    if v is None:
+        return None
+    try:
+        parse_duration(v)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _f(check: Callable | None = None):
     return field(default=MISSING, metadata={"check": check} if check else {})
 
@@ -101,6 +113,7 @@ class TrainerConf:
     log_every: int = _f(at_least(0))
     progress_bar: Optional[bool] = _f()
     on_nonfinite: NonFinite = _f()
+    max_time: Optional[str] = _f(duration_or_null)  # DD:HH:MM:SS of this process's wall time; null = no budget
 
     @staticmethod
     def cross(c: dict) -> list[str]:
