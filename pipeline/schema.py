@@ -16,8 +16,10 @@ from typing import Any, Callable, Optional
 
 from omegaconf import MISSING
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = PROJECT_ROOT / "conf"
+PACKAGE_DIR = Path(__file__).resolve().parent
+PROJECT_ROOT = PACKAGE_DIR.parent  # the checkout, when the package runs from one
+# conf/ sits at the top of a checkout; a wheel carries it inside the package (setup.py maps it there).
+CONFIG_DIR = PACKAGE_DIR / "conf" if (PACKAGE_DIR / "conf").is_dir() else PROJECT_ROOT / "conf"
 
 
 class ConfigError(ValueError):
@@ -400,9 +402,14 @@ def validate(config: dict) -> None:
         raise ConfigError("; ".join(errors))
 
 
+def in_checkout() -> bool:
+    """True when the package runs from a source checkout, False when installed (from a wheel)."""
+    return (PROJECT_ROOT / "pyproject.toml").is_file() and (PROJECT_ROOT / "conf").is_dir()
+
+
 def default_output_dir() -> str:
     """<checkout>/outputs when the package runs from a source checkout, else outputs/ in the working directory."""
-    if (PROJECT_ROOT / "pyproject.toml").is_file() and CONFIG_DIR.is_dir():
+    if in_checkout():
         return str(PROJECT_ROOT / "outputs")
     return str(Path(os.getcwd()) / "outputs")
 
