@@ -3,11 +3,12 @@ stops at against the patience computed from the uninterrupted run's own metrics,
 keep byte-identical checkpoints."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
-from conftest import KERNODECK, compose, run_job, the_run
+from conftest import KERNODECK, compose, run_job, run_pipeline, the_run
 from pipeline.rundir import RunDir
 from pipeline.signals import EXIT_PREEMPTED, SIGNALS_STATE
 from pipeline.stages.base import StepEnd
@@ -154,3 +155,23 @@ def test_a_resume_across_the_stop_point_keeps_identical_checkpoints(tmp_path, pr
     assert kept(the_run(out)) == kept(the_run(ref))
     assert metrics(the_run(out)) == metrics(the_run(ref))
     assert RunDir(the_run(out)).read_status()["ended"] == RunDir(the_run(ref)).read_status()["ended"]
+
+
+def test_the_verifier_passes_with_early_stopping_armed(tmp_path):
+    """The protocol's workers step the state machines without the stages' decisions; the stage's state still
+    rides through the interrupted checkpoint and its restore."""
+    proc = run_pipeline(["experiment=kernodeck", *ARMED["val"], f"paths.output_dir={tmp_path / 'out'}"],
+                        tmp_path / "cwd", module="pipeline.verify")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_chaos_kills_around_an_early_stop_still_end_bit_exact(tmp_path):
+    """The real command, SIGKILLed inside steps and saves and re-run until it completes, stops where the
+    uninterrupted run stops, with the same checkpoints' bytes, links and logged numbers."""
+    proc = run_pipeline(["experiment=kernodeck", *LONG, *ARMED["train"], "verify.kill=random", "verify.trials=4",
+                         f"paths.output_dir={tmp_path / 'out'}"], tmp_path / "cwd", module="pipeline.verify")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (report,) = (tmp_path / "out" / "verify").glob("*/chaos/verification.json")
+    report = json.loads(report.read_text())
+    assert report["bit_exact"] == report["same_checkpoints_kept"] == report["trials"] == 4
