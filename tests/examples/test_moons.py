@@ -60,6 +60,15 @@ def test_the_example_composes_from_its_own_config_directory(moons, tmp_path):
     assert code == 2 and not (tmp_path / "out" / "runs").exists()
 
 
+def test_a_key_its_class_does_not_take_is_one_line_exit_2(moons, tmp_path, capsys):
+    """Its configs have no schema: a typo reaches the constructor, and is named there, before anything starts."""
+    code, _ = run_job(*moons, "+model.n_centres=8", f"paths.output_dir={tmp_path / 'out'}")
+    err = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "out" / "runs").exists()
+    assert "moons.model.RBFNet takes no argument 'n_centres'" in err and "n_centers" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("k", [13, 70])
 def test_it_trains_and_resumes_byte_identically(moons, tmp_path, preempt_at, k):
     ref, out = tmp_path / "ref", tmp_path / "out"
