@@ -144,45 +144,60 @@ def corpus_of(ckpt: Path):
     return own_data(json.loads((ckpt / "manifest.json").read_text()))
 
 
+def in_transformers(script: str, **args) -> dict:
+    """Run `script` (which reads ARGS and sets OUT) in a fresh interpreter: torch and transformers stay out of
+    the test process, whose size later tests measure their children against."""
+    import subprocess
+    import sys
+
+    code = f"import json, sys\nARGS = json.loads(sys.argv[1])\n{script}\nprint(json.dumps(OUT))"
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 @NEEDS_HF
 @pytest.mark.parametrize("which", ["grammar", "text"])
 def test_auto_tokenizer_maps_the_corpus_vocabulary_id_for_id(grammar_export, text_export, which):
-    import transformers
-
     ckpt, hf = grammar_export if which == "grammar" else text_export
     corpus = corpus_of(ckpt)
-    tok = transformers.AutoTokenizer.from_pretrained(str(hf))
-    assert tok.get_vocab() == {t: i for i, t in enumerate(corpus.vocab)}
     ids = corpus.tokens["val"][:300]  # real corpus text: <eos>, commas, newlines, accents
     text = corpus.decode(ids)
-    assert tok(text)["input_ids"] == ids.tolist()
+    got = in_transformers("""
+import transformers
+tok = transformers.AutoTokenizer.from_pretrained(ARGS["dir"])
+OUT = {"vocab": tok.get_vocab(), "ids": tok(ARGS["text"])["input_ids"], "text": tok.decode(ARGS["ids"]),
+       "eos": [tok.eos_token, tok.eos_token_id]}
+""", dir=str(hf), text=text, ids=ids.tolist())
+    assert got["vocab"] == {t: i for i, t in enumerate(corpus.vocab)}
+    assert got["ids"] == ids.tolist()
     # words carry the space before them, as GPT-2's do; characters are the text itself
-    assert tok.decode(ids.tolist()) == (" " + text if which == "grammar" else text)
+    assert got["text"] == (" " + text if which == "grammar" else text)
     if which == "grammar":
-        assert tok.eos_token == "<eos>" and tok.eos_token_id == corpus.vocab.index("<eos>")
+        assert got["eos"] == ["<eos>", corpus.vocab.index("<eos>")]
 
 
 @NEEDS_HF
 def test_transformers_generates_from_the_export_as_our_greedy_sampler_does(grammar_export):
-    import torch
-    import transformers
-
     from pipeline.sample import sample
 
     ckpt, hf = grammar_export
-    vocab = set(corpus_of(ckpt).vocab)
-    generator = transformers.pipeline("text-generation", model=str(hf))
-    (out,) = generator("the man", max_new_tokens=5, min_new_tokens=5, do_sample=True)
-    words = out["generated_text"].split(" ")  # prompt + " w1 w2 ...": one space between every two words
-    assert words[:2] == ["the", "man"] and len(words) == 7 and set(words) <= vocab
-    # greedy, token by token, through the exported tokenizer and model: our sampler's text exactly
-    tok = transformers.AutoTokenizer.from_pretrained(str(hf))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf)).eval()
-    ids = tok("the man", return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        for _ in range(8):
-            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert tok.decode(ids[0]) == " " + sample(ckpt, ["prompt=the man", "temperature=0", "max_new_tokens=8"])
+    got = in_transformers("""
+import torch, transformers
+generator = transformers.pipeline("text-generation", model=ARGS["dir"])
+(out,) = generator("the man", max_new_tokens=5, min_new_tokens=5, do_sample=True)
+# greedy, token by token, through the exported tokenizer and model
+tok = transformers.AutoTokenizer.from_pretrained(ARGS["dir"])
+model = transformers.AutoModelForCausalLM.from_pretrained(ARGS["dir"]).eval()
+ids = tok("the man", return_tensors="pt")["input_ids"]
+with torch.no_grad():
+    for _ in range(8):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+OUT = {"generated": out["generated_text"], "greedy": tok.decode(ids[0])}
+""", dir=str(hf))
+    words = got["generated"].split(" ")  # prompt + " w1 w2 ...": one space between every two words
+    assert words[:2] == ["the", "man"] and len(words) == 7 and set(words) <= set(corpus_of(ckpt).vocab)
+    assert got["greedy"] == " " + sample(ckpt, ["prompt=the man", "temperature=0", "max_new_tokens=8"])
 
 
 @NEEDS_TOKENIZERS
