@@ -106,4 +106,8 @@ if __name__ == "__main__":
     except Interrupted as e:
         print(f"pipeline: interrupted by {e} before the run started; nothing was changed; re-run the same "
               f"command (exit {EXIT_PREEMPTED})", file=sys.stderr)
+        from pipeline.slurm import requeue_self
+
+        if (slurm := requeue_self()) is not None:  # a SLURM job warned while starting runs again
+            print(f"pipeline: {slurm[1]}", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)

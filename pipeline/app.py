@@ -38,13 +38,14 @@ class JobFailed(Exception):
 _MULTIRUN = False
 
 
-def fail(code: int, message: object) -> None:
+def fail(code: int, message: object, requeue: bool = False) -> None:
     """One line on stderr, and the exit code: at once for a single run; for a multirun job, its failure.
 
-    Preempted (75) inside a SLURM job that was only warned, the job first requeues itself; a multirun job
-    then exits the process rather than returning, so the launcher (submitit) waits for the requeued job."""
+    A run stopped by a signal or its time budget (`requeue`) inside a SLURM job makes sure the job runs again
+    (pipeline.slurm); the process then exits rather than returning, so submitit waits for the requeued job.
+    (Not a job that a stopped sweep holds back: requeued, it would only be held back again.)"""
     print(f"pipeline: {message}", file=sys.stderr)
-    if code == EXIT_PREEMPTED and (slurm := requeue_self()) is not None:
+    if requeue and (slurm := requeue_self()) is not None:
         requeued, said = slurm
         print(f"pipeline: {said}", file=sys.stderr)
         if requeued:
@@ -82,7 +83,7 @@ def main(config: dict, overrides: list[str], config_yaml: str, multirun: bool = 
         if not multirun:
             raise
         try:
-            fail(EXIT_PREEMPTED, f"interrupted by {e} before the run started")
+            fail(EXIT_PREEMPTED, f"interrupted by {e} before the run started", requeue=True)
         except JobFailed:
             return math.nan
 
@@ -125,7 +126,7 @@ def _main(config: dict, overrides: list[str], config_yaml: str) -> float:
                 fail(EXIT_ERROR, e)
             CURRENT_JOB["run_uri"] = job.facts.get("mlflow_run_uri")
             if code:
-                fail(code, f"preempted at step {job.state.step}; re-run the same command to resume")
+                fail(code, f"preempted at step {job.state.step}; re-run the same command to resume", requeue=True)
             return objective(job, config.get("optimized_metric"))
     finally:
         logging.getLogger().removeHandler(held)

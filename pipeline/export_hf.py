@@ -1,13 +1,20 @@
-"""Write MiniGPT weights as a Hugging Face GPT-2 directory (config.json + model.safetensors)."""
+"""Write MiniGPT weights as a Hugging Face GPT-2 directory: config.json, model.safetensors, and the corpus
+vocabulary as a tokenizer (tokenizer.json + tokenizer_config.json), so that `AutoTokenizer.from_pretrained`
+and `transformers.pipeline("text-generation", model=DIR)` work on it. Files are written like checkpoints:
+each replaced atomically, mode 0644 (less the umask), never through a symlink."""
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
+from pipeline.atomic import replace_file
+
+EOS = "<eos>"  # the grammar corpus's end of sentence: GPT-2's <|endoftext|> role (bos, eos and pad)
 TIED = "lm_head.weight"  # the head is wte: HF ties it on load (tie_word_embeddings), so it is not stored
 
 
@@ -31,7 +38,8 @@ def expected_shapes(*, n_layer: int, n_embd: int, n_positions: int, vocab_size: 
     return shapes
 
 
-def gpt2_config(*, n_layer: int, n_head: int, n_embd: int, n_positions: int, vocab_size: int) -> dict:
+def gpt2_config(*, n_layer: int, n_head: int, n_embd: int, n_positions: int, vocab_size: int,
+                eos_token_id: int | None = None) -> dict:
     """A GPT2Config matching MiniGPT: gelu_new, LayerNorm eps 1e-5, 4x MLP, tied head, no dropout."""
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -53,12 +61,53 @@ def gpt2_config(*, n_layer: int, n_head: int, n_embd: int, n_positions: int, voc
         "reorder_and_upcast_attn": False,
         "tie_word_embeddings": True,
         "use_cache": True,
-        # GPT2Config defaults these to 50256, which is outside a small vocabulary; our data defines none.
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
+        # GPT2Config defaults these to 50256, outside a small vocabulary: the corpus's <eos> plays all three
+        # roles, as <|endoftext|> does in GPT-2; a vocabulary without one (data=text) has none.
+        "bos_token_id": eos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": eos_token_id,
         "torch_dtype": "float32",
     }
+
+
+def tokenizer_files(vocab: list[str], join: str, n_positions: int) -> dict[str, bytes]:
+    """tokenizer.json (a `tokenizers` WordLevel model over the corpus vocabulary, ids unchanged) and
+    tokenizer_config.json. Words (join " "): split at whitespace; characters (join ""): every character one
+    token, decoded fused. No unknown token: text outside the vocabulary is an error.
+
+    Decoded words each carry the space before them, as GPT-2's tokens do (" the man"): the text-generation
+    pipeline appends the decoded new tokens to the prompt, which then reads "the man walks", not "the manwalks".
+    """
+    try:
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    except ModuleNotFoundError as e:
+        if e.name != "tokenizers":
+            raise
+        raise ValueError("writing the tokenizer needs the `tokenizers` package: pip install 'pipeline[hf]'") from None
+
+    if len(set(vocab)) != len(vocab):
+        raise ValueError("the vocabulary repeats a token; a tokenizer needs each once")
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token=None))
+    if join == " ":
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.Replace(Regex("^"), " ")  # a space before every word
+    elif join == "":
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # [\s\S]: newlines too
+        tok.decoder = decoders.Fuse()
+    else:
+        raise ValueError(f"no tokenizer for a corpus decoded with {join!r} between tokens (words or characters only)")
+    specials = [EOS] if EOS in vocab else []
+    if specials:
+        tok.add_special_tokens(specials)  # already in the vocabulary: same id, never split, skippable on decode
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": n_positions,
+        # transformers would otherwise rewrite " ," as "," on decode: the corpus's text is the tokens joined
+        "clean_up_tokenization_spaces": False,
+        **({"bos_token": EOS, "eos_token": EOS, "pad_token": EOS} if specials else {}),
+    }
+    return {"tokenizer.json": tok.to_str(pretty=True).encode() + b"\n",
+            "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
 
 
 def write_hf(
@@ -70,8 +119,11 @@ def write_hf(
     n_positions: int,
     vocab_size: int,
     out_dir,
+    vocab: list[str] | None = None,
+    join: str | None = None,
 ) -> Path:
-    """Check names and shapes, then write config.json and model.safetensors (float32) into out_dir."""
+    """Check names and shapes, then write config.json and model.safetensors (float32) into out_dir, and the
+    tokenizer files when the vocabulary (and how the corpus joins its tokens) is given."""
     if n_embd % n_head:
         raise ValueError(f"n_embd {n_embd} is not divisible by n_head {n_head}")
     shapes = expected_shapes(n_layer=n_layer, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size)
@@ -87,35 +139,57 @@ def write_hf(
             raise ValueError(f"{name}: shape {a.shape}, expected {shape}")
         # Contiguous and owned: safetensors writes the raw buffer, so a strided view would be stored wrong.
         tensors[name] = np.ascontiguousarray(a, dtype=np.float32)
+    files = {}
+    if vocab is not None:
+        if len(vocab) != vocab_size:
+            raise ValueError(f"the vocabulary has {len(vocab)} tokens, the model {vocab_size}")
+        files.update(tokenizer_files(list(vocab), join, n_positions))
+    eos = list(vocab).index(EOS) if vocab is not None and EOS in vocab else None
+    config = gpt2_config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size,
+                         eos_token_id=eos)
+    files["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
+    files["model.safetensors"] = save(tensors, metadata={"format": "pt"})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = gpt2_config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name, data in files.items():
+        replace_file(out / name, data, mode=0o644)
     return out
 
 
+def _refuse(message: object) -> None:
+    print(f"pipeline.export_hf: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Export a MiniGPT checkpoint as a Hugging Face GPT-2 directory.")
+    parser = argparse.ArgumentParser(description="Export a MiniGPT checkpoint as a Hugging Face GPT-2 directory.",
+                                     epilog="Overrides find the training data for the vocabulary: data.path=FILE "
+                                            "(a moved text file), paths.output_dir=DIR (the corpus cache)")
     parser.add_argument("checkpoint", metavar="CHECKPOINT")
     parser.add_argument("out_dir", metavar="OUT_DIR")
+    parser.add_argument("overrides", nargs="*", help="data.path=FILE, paths.output_dir=DIR")
     args = parser.parse_args(argv)
+    from pipeline.atomic import UnsafePathError
     from pipeline.checkpoint import CheckpointError
     from pipeline.checkpoint.store import load, read_manifest
     from pipeline.job import parts_for
+    from pipeline.schema import ConfigError
+    from pipeline.trained import own_data
 
     try:
         ckpt = load(Path(args.checkpoint), parts_for(read_manifest(Path(args.checkpoint))))  # fully verified
-    except CheckpointError as e:
-        raise SystemExit(f"pipeline.export_hf: {e}")
-    model = ckpt.manifest["config"]["model"]
-    if not str(model.get("_target_", "")).endswith("MiniGPT"):
-        raise SystemExit(f"pipeline.export_hf: {args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
-    weights = ckpt.state["model"]
-    out = write_hf(weights, n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
-                   n_positions=weights["transformer.wpe.weight"].shape[0],
-                   vocab_size=weights["transformer.wte.weight"].shape[0], out_dir=args.out_dir)
-    print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")
+        model = ckpt.manifest["config"]["model"]
+        if not str(model.get("_target_", "")).endswith("MiniGPT"):
+            _refuse(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
+        dataset = own_data(ckpt.manifest, args.overrides)  # the vocabulary the model was trained on
+        weights = ckpt.state["model"]
+        out = write_hf(weights, n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
+                       n_positions=weights["transformer.wpe.weight"].shape[0],
+                       vocab_size=weights["transformer.wte.weight"].shape[0], out_dir=args.out_dir,
+                       vocab=dataset.vocab, join=dataset.manifest["decode_join"])
+    except (CheckpointError, ConfigError, UnsafePathError, ValueError) as e:
+        _refuse(e)
+    print(f"wrote {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")
 
 
 if __name__ == "__main__":

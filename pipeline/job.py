@@ -42,6 +42,10 @@ def _call(node: dict, **live):
         accepted = {}
     if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
         live = {k: v for k, v in live.items() if k in accepted}
+        if accepted and (unknown := [k for k in node if not k.startswith("_") and k not in accepted]):
+            # a schema-less option (your own model or data) with a key its class does not take: a typo
+            raise ConfigError(f"{node['_target_']} takes no argument {unknown[0]!r} (its config has a key it does "
+                              f"not know); it takes: {', '.join(k for k in accepted if k not in live)}")
     return factory(**live)
 
 

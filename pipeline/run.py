@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline import identity, jsonio
+from pipeline import budget, identity, jsonio
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.retention import AnyOf, LatestN
@@ -62,6 +62,7 @@ class Run:
         self.history: dict = {"started": started or time.time(), "resumes": []}  # run.json: first start, resumes
         self.keep = AnyOf(tuple(p for s in job.stages if (p := s.policy()) is not None) + (LatestN(1),))
         self.links = {s.link: s.link_policy() for s in job.stages if s.link}
+        self.budget = budget.Budget.from_config(job.config["trainer"])  # trainer.max_time
 
     # --- before training (the resume stage decides which of these happens)
 
@@ -145,6 +146,7 @@ class Run:
         callbacks = [MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[self.job.tracker.log_line]),
                      Display(trainer["progress_bar"], trainer["log_every"])]
         try:
+            self.budget.start()
             fit(self.state, eval_every, self.step_end, callbacks)
         finally:
             for cb in callbacks:
@@ -167,13 +169,15 @@ class Run:
         if end.last:
             self.state.progress.ended = stop or "max_steps"
         tags = [s.name for s in self.job.stages if s.wants_checkpoint(end)]
-        preempted = self.signals.received is not None
+        # A spent trainer.max_time is a preemption announced in advance: checkpoint now, exit 75, requeue.
+        out_of_time = self.budget.step_ended()
+        preempted = self.signals.received is not None or out_of_time
         if tags or preempted or end.last:
             self.checkpoint(metrics, tags, final=end.last or preempted)
         if end.last:
             return True
         if preempted:
-            raise Preempted(self.signals.name)
+            raise Preempted(self.signals.name or f"trainer.max_time={self.job.config['trainer']['max_time']}")
         return False
 
     def checkpoint(self, metrics: dict, tags: list[str], final: bool = False) -> Checkpoint:
@@ -184,8 +188,10 @@ class Run:
         self.job.facts["mlflow_run_uri"] = tracker.run_uri(timeout=30.0 if final else 0.0)
         fields = mf.build(self.job.facts, step=self.state.step, epoch=self.state.epoch, metrics=metrics,
                           tags=tags, lineage=self.lineage)
+        started = budget.monotonic()
         ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
         self.store.retain(self.keep, self.links, upto=self.state.step)
+        self.budget.saved(budget.monotonic() - started)
         tracker.log_checkpoint(ckpt.directory, ckpt.manifest)
         return ckpt
 
@@ -229,7 +235,7 @@ class Run:
                 if hasattr(s, "run"):
                     s.run(self)
         except Preempted as stop:
-            self.write_status("preempted")
+            self.write_status("preempted", preempted_by=str(stop))
             log.warning("preempted by %s at step %d; re-run the same command to resume (exit %d)", stop,
                         self.state.step, EXIT_PREEMPTED)
             tracker.finish("KILLED", self.rundir.path)

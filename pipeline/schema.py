@@ -16,8 +16,10 @@ from typing import Any, Callable, Optional
 
 from omegaconf import MISSING
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = PROJECT_ROOT / "conf"
+PACKAGE_DIR = Path(__file__).resolve().parent
+PROJECT_ROOT = PACKAGE_DIR.parent  # the checkout, when the package runs from one
+# conf/ sits at the top of a checkout; a wheel carries it inside the package (setup.py maps it there).
+CONFIG_DIR = PACKAGE_DIR / "conf" if (PACKAGE_DIR / "conf").is_dir() else PROJECT_ROOT / "conf"
 
 
 class ConfigError(ValueError):
@@ -54,6 +56,18 @@ def widths(v) -> str | None:
 
 def one_of(*options) -> Callable:
     return lambda v: None if v in options else f"must be one of {', '.join(map(str, options))}"
+
+
+def duration_or_null(v) -> str | None:
+    from pipeline.budget import parse_duration
+
+    if v is None:
+        return None
+    try:
+        parse_duration(v)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _f(check: Callable | None = None):
@@ -101,6 +115,7 @@ class TrainerConf:
     log_every: int = _f(at_least(0))
     progress_bar: Optional[bool] = _f()
     on_nonfinite: NonFinite = _f()
+    max_time: Optional[str] = _f(duration_or_null)  # DD:HH:MM:SS of this process's wall time; null = no budget
 
     @staticmethod
     def cross(c: dict) -> list[str]:
@@ -261,6 +276,16 @@ class BestValStageConf:
 
 
 @dataclass
+class EarlyStopStageConf:
+    _target_: str = _f()
+    monitor: str = _f()
+    mode: Mode = _f()
+    patience: int = _f(at_least(1))
+    min_delta: float = _f(at_least(0))
+    order: int = _f()
+
+
+@dataclass
 class FinalStageConf:
     _target_: str = _f()
     order: int = _f()
@@ -324,7 +349,7 @@ SCHEMAS = {
     "scheduler": {"constant": ConstantConf, "step": StepConf, "cosine": CosineConf},
     "data": {"regression": RegressionConf, "grammar": GrammarConf, "text": TextConf},
     "stage": {"resume": ResumeStageConf, "train": TrainStageConf, "rotate": RotateStageConf,
-              "best_val": BestValStageConf, "final": FinalStageConf},
+              "best_val": BestValStageConf, "early_stop": EarlyStopStageConf, "final": FinalStageConf},
     "tracking": {"mlflow": MlflowTrackingConf, "none": NoTrackingConf},
 }
 # `_target_` -> schema, to check group nodes (and stages) by what they build
@@ -337,6 +362,7 @@ BY_TARGET = {
     "pipeline.data.text.TextCorpus": TextConf, "pipeline.stages.resume.Resume": ResumeStageConf,
     "pipeline.stages.train.Train": TrainStageConf, "pipeline.stages.rotate.RotateLastN": RotateStageConf,
     "pipeline.stages.best.BestVal": BestValStageConf, "pipeline.stages.final.Final": FinalStageConf,
+    "pipeline.stages.early_stop.EarlyStop": EarlyStopStageConf,
     "pipeline.stages.cadence.Cadence": CadenceConf,
     "pipeline.tracking.mlflow_tracker.MlflowTracker": MlflowTrackingConf,
     "pipeline.tracking.base.NullTracker": NoTrackingConf,
@@ -376,9 +402,14 @@ def validate(config: dict) -> None:
         raise ConfigError("; ".join(errors))
 
 
+def in_checkout() -> bool:
+    """True when the package runs from a source checkout, False when installed (from a wheel)."""
+    return (PROJECT_ROOT / "pyproject.toml").is_file() and (PROJECT_ROOT / "conf").is_dir()
+
+
 def default_output_dir() -> str:
     """<checkout>/outputs when the package runs from a source checkout, else outputs/ in the working directory."""
-    if (PROJECT_ROOT / "pyproject.toml").is_file() and CONFIG_DIR.is_dir():
+    if in_checkout():
         return str(PROJECT_ROOT / "outputs")
     return str(Path(os.getcwd()) / "outputs")
 

@@ -19,7 +19,7 @@ from pipeline import jsonio
 from pipeline.identity import config_hash, semantic_hash
 
 SCHEMA_VERSION = "2.0"
-PACKAGES = ("numpy", "safetensors", "hydra-core", "omegaconf", "mlflow")
+PACKAGES = ("pipeline", "numpy", "safetensors", "hydra-core", "omegaconf", "mlflow")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,6 +30,10 @@ class ManifestError(ValueError):
 
 @lru_cache(maxsize=None)
 def git_info(root: str = str(PROJECT_ROOT)) -> dict:
+    if not (Path(root) / "pyproject.toml").is_file():
+        # Installed from a wheel: `root` is the environment's lib/pythonX.Y, and any repository around it (a
+        # virtualenv inside a project) is not this code's; `versions` names the pipeline release instead.
+        return {"git_sha": "unknown", "git_dirty": None}
     try:
         sha = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
         if sha.returncode != 0:

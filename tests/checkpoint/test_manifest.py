@@ -7,6 +7,7 @@ import hashlib
 import json
 import platform
 import re
+import subprocess
 from importlib import metadata
 
 import numpy as np
@@ -60,11 +61,18 @@ def test_git_sha_and_dirty_flag(saved, tmp_path):
     else:
         assert m["git_sha"] == "unknown"
     assert mf.git_info(str(tmp_path)) == {"git_sha": "unknown", "git_dirty": None}  # outside a checkout
+    # An installed package inside a virtualenv inside someone's repository: that repository is not the code's.
+    site = tmp_path / "project" / ".venv" / "lib" / "python3"
+    site.mkdir(parents=True)
+    git = ["git", "-C", str(tmp_path / "project"), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "theirs"], check=True)
+    assert mf.git_info(str(site)) == {"git_sha": "unknown", "git_dirty": None}
 
 
 def test_versions(saved):
     v = saved["manifest"]["versions"]
-    assert set(v) == {"python", "numpy", "safetensors", "hydra-core", "omegaconf", "mlflow"}
+    assert set(v) == {"python", "pipeline", "numpy", "safetensors", "hydra-core", "omegaconf", "mlflow"}
     assert v["python"] == platform.python_version() and v["numpy"] == np.__version__
     for name in ("safetensors", "hydra-core", "omegaconf"):
         assert v[name] == metadata.version(name)

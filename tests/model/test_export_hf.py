@@ -1,7 +1,12 @@
-"""export_hf: the written directory round-trips, and (with torch + transformers) loads as GPT2LMHeadModel."""
+"""export_hf: the written directory round-trips, and (with torch + transformers) loads as GPT2LMHeadModel, its
+tokenizer as AutoTokenizer mapping the corpus vocabulary id for id, and generates through transformers.pipeline."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import stat
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -57,9 +62,18 @@ def test_cli_refuses_a_missing_checkpoint(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+# Optional extras: skip only when a package is not installed, never on an ImportError of an installed one.
+NEEDS_TOKENIZERS = pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
+                                      reason="tokenizers is not installed (pip install 'pipeline[hf]')")
+NEEDS_HF = pytest.mark.skipif(importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
+                              reason="transformers and torch are not installed (pip install 'pipeline[hf,bench]')")
+
+
+@NEEDS_HF
 def test_transformers_loads_it_and_agrees(tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
+
     m = small_model()
     write_hf(m.state_dict(), out_dir=tmp_path, **CFG)
     hf, info = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path), output_loading_info=True)
@@ -75,3 +89,132 @@ def test_transformers_loads_it_and_agrees(tmp_path):
     assert ours.shape == ref.shape == (3, 16, 97)
     assert np.abs(ours).max() > 0.1  # a real comparison, not of near-zero logits
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+# --- the tokenizer, from a trained checkpoint's corpus
+
+def exported(tmp_path: Path, *overrides: str) -> tuple[Path, Path]:
+    """(the final checkpoint of a tiny run, the directory export_hf wrote from it)."""
+    from conftest import run_job, the_run
+    from pipeline.rundir import RunDir
+
+    assert run_job(*overrides, f"paths.output_dir={tmp_path / 'out'}")[0] == 0
+    ckpt = RunDir(the_run(tmp_path / "out")).store.root / "final"
+    main([str(ckpt), str(tmp_path / "hf")])
+    return ckpt, tmp_path / "hf"
+
+
+@pytest.fixture(scope="module")
+def grammar_export(tmp_path_factory):
+    from conftest import TINY
+
+    return exported(tmp_path_factory.mktemp("grammar"), *TINY)
+
+
+@pytest.fixture(scope="module")
+def text_export(tmp_path_factory):
+    from test_evaluate import text_overrides
+
+    tmp = tmp_path_factory.mktemp("text")
+    (tmp / "a.txt").write_text("Abc dé,\nfg hé.\n" * 60)
+    return exported(tmp, *text_overrides(tmp / "a.txt"))
+
+
+@NEEDS_TOKENIZERS
+def test_files_are_written_like_checkpoints_and_config_names_the_eos(grammar_export, text_export):
+    umask = os.umask(0)
+    os.umask(umask)
+    for _, hf in (grammar_export, text_export):
+        names = sorted(p.name for p in hf.iterdir())
+        assert names == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        for p in hf.iterdir():
+            assert stat.S_IMODE(p.stat().st_mode) == 0o644 & ~umask, p
+    from pipeline.data.grammar import vocabulary
+
+    eos = vocabulary().index("<eos>")
+    cfg = json.loads((grammar_export[1] / "config.json").read_text())
+    assert cfg["eos_token_id"] == cfg["bos_token_id"] == cfg["pad_token_id"] == eos
+    cfg = json.loads((text_export[1] / "config.json").read_text())
+    assert cfg["eos_token_id"] is cfg["bos_token_id"] is cfg["pad_token_id"] is None  # characters have no <eos>
+
+
+def corpus_of(ckpt: Path):
+    from pipeline.trained import own_data
+
+    return own_data(json.loads((ckpt / "manifest.json").read_text()))
+
+
+def in_transformers(script: str, **args) -> dict:
+    """Run `script` (which reads ARGS and sets OUT) in a fresh interpreter: torch and transformers stay out of
+    the test process, whose size later tests measure their children against."""
+    import subprocess
+    import sys
+
+    code = f"import json, sys\nARGS = json.loads(sys.argv[1])\n{script}\nprint(json.dumps(OUT))"
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@NEEDS_HF
+@pytest.mark.parametrize("which", ["grammar", "text"])
+def test_auto_tokenizer_maps_the_corpus_vocabulary_id_for_id(grammar_export, text_export, which):
+    ckpt, hf = grammar_export if which == "grammar" else text_export
+    corpus = corpus_of(ckpt)
+    ids = corpus.tokens["val"][:300]  # real corpus text: <eos>, commas, newlines, accents
+    text = corpus.decode(ids)
+    got = in_transformers("""
+import transformers
+tok = transformers.AutoTokenizer.from_pretrained(ARGS["dir"])
+OUT = {"vocab": tok.get_vocab(), "ids": tok(ARGS["text"])["input_ids"], "text": tok.decode(ARGS["ids"]),
+       "eos": [tok.eos_token, tok.eos_token_id]}
+""", dir=str(hf), text=text, ids=ids.tolist())
+    assert got["vocab"] == {t: i for i, t in enumerate(corpus.vocab)}
+    assert got["ids"] == ids.tolist()
+    # words carry the space before them, as GPT-2's do; characters are the text itself
+    assert got["text"] == (" " + text if which == "grammar" else text)
+    if which == "grammar":
+        assert got["eos"] == ["<eos>", corpus.vocab.index("<eos>")]
+
+
+@NEEDS_HF
+def test_transformers_generates_from_the_export_as_our_greedy_sampler_does(grammar_export):
+    from pipeline.sample import sample
+
+    ckpt, hf = grammar_export
+    got = in_transformers("""
+import torch, transformers
+generator = transformers.pipeline("text-generation", model=ARGS["dir"])
+(out,) = generator("the man", max_new_tokens=5, min_new_tokens=5, do_sample=True)
+# greedy, token by token, through the exported tokenizer and model
+tok = transformers.AutoTokenizer.from_pretrained(ARGS["dir"])
+model = transformers.AutoModelForCausalLM.from_pretrained(ARGS["dir"]).eval()
+ids = tok("the man", return_tensors="pt")["input_ids"]
+with torch.no_grad():
+    for _ in range(8):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+OUT = {"generated": out["generated_text"], "greedy": tok.decode(ids[0])}
+""", dir=str(hf))
+    words = got["generated"].split(" ")  # prompt + " w1 w2 ...": one space between every two words
+    assert words[:2] == ["the", "man"] and len(words) == 7 and set(words) <= set(corpus_of(ckpt).vocab)
+    assert got["greedy"] == " " + sample(ckpt, ["prompt=the man", "temperature=0", "max_new_tokens=8"])
+
+
+@NEEDS_TOKENIZERS
+def test_a_moved_text_file_is_found_by_data_path_or_refused_in_one_line(text_export, tmp_path, capsys):
+    ckpt, _ = text_export
+    moved = tmp_path / "moved.txt"
+    source = Path(json.loads((ckpt / "manifest.json").read_text())["config"]["data"]["path"])
+    moved.write_bytes(source.read_bytes())
+    source.rename(tmp_path / "gone.txt")
+    try:
+        with pytest.raises(SystemExit) as info:
+            main([str(ckpt), str(tmp_path / "hf")])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "text file not found" in err and len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "hf").exists()
+        main([str(ckpt), str(tmp_path / "hf"), f"data.path={moved}"])
+        assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    finally:
+        (tmp_path / "gone.txt").rename(source)

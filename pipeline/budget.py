@@ -1,0 +1,79 @@
+"""trainer.max_time: this process's wall-time budget; spent, the run checkpoints and exits 75, like a preemption.
+
+The budget is the wall time of this process since it started (as the OS records it, so interpreter start-up
+and imports count), not training time summed over resumes: it stands for a scheduler's time limit, and a
+requeued job gets a fresh limit. A run whose budget is spent stops at a step end, writes the checkpoint a
+signal would, and exits 75 (EX_TEMPFAIL): re-running the identical command continues it. Every process makes
+at least one update, so a budget shorter than start-up still finishes the run, one requeue at a time.
+
+The decision is taken at every step end: go on only if one more update and one more checkpoint, each as long
+as the slowest this process has seen, would still end inside the budget; else checkpoint now. (Before the
+first save its duration is unknown and counted as 0.) Leave a margin below the scheduler's limit for what
+follows the checkpoint: tracker flush (tracking.flush_timeout) and exit.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+
+DURATION = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
+monotonic = time.monotonic  # the clock every measurement here reads (tests substitute their own)
+_IMPORTED = monotonic()
+
+
+def parse_duration(text: str) -> float:
+    """'DD:HH:MM:SS' (Lightning's max_time format) -> seconds; ValueError saying the format otherwise."""
+    m = DURATION.match(str(text).strip())
+    if not m or int(m.group(2)) > 23 or int(m.group(3)) > 59 or int(m.group(4)) > 59:
+        raise ValueError("must be DD:HH:MM:SS (e.g. 00:03:50:00), hours < 24, minutes and seconds < 60")
+    days, hours, minutes, seconds = (int(g) for g in m.groups())
+    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    if total <= 0:
+        raise ValueError("must be a positive duration (null turns the budget off)")
+    return float(total)
+
+
+def process_age() -> float:
+    """Seconds since this process started: from /proc on Linux, else since this module was imported."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5), in clock ticks since boot
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return monotonic() - _IMPORTED
+
+
+class Budget:
+    """A deadline on the monotonic clock, and the longest step and save seen so far in this process."""
+
+    def __init__(self, seconds: float | None, age: float | None = None):
+        self.seconds = seconds
+        now = monotonic()
+        self.deadline = None if seconds is None else now - (process_age() if age is None else age) + seconds
+        self.last_end: float | None = None
+        self.slowest_step = 0.0  # step end to step end: the update, its evaluation, logging and any save
+        self.slowest_save = 0.0
+
+    @classmethod
+    def from_config(cls, trainer: dict) -> "Budget":
+        value = trainer.get("max_time")
+        return cls(None if value is None else parse_duration(value))
+
+    def step_ended(self) -> bool:
+        """Record a step end; True if the budget cannot hold another update and checkpoint after this one."""
+        if self.deadline is None:
+            return False
+        now = monotonic()
+        if self.last_end is not None:
+            self.slowest_step = max(self.slowest_step, now - self.last_end)
+        self.last_end = now
+        return now + self.slowest_step + self.slowest_save >= self.deadline
+
+    def saved(self, seconds: float) -> None:
+        self.slowest_save = max(self.slowest_save, seconds)
+
+    def start(self) -> None:
+        """Training begins: the first step's duration counts from here."""
+        self.last_end = monotonic()

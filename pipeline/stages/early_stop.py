@@ -1,0 +1,69 @@
+"""Ends the run once `monitor` has not improved by more than `min_delta` for `patience` evaluations in a row."""
+from __future__ import annotations
+
+import math
+
+from pipeline.stages.base import Stage, StepEnd
+
+
+def improves(value, best: float | None, mode: str, min_delta: float) -> bool:
+    """Strictly better than best by more than min_delta (Lightning's rule); NaN and infinities never improve,
+    any finite value improves on none."""
+    if value is None or not math.isfinite(value):
+        return False
+    if best is None:
+        return True
+    return value < best - min_delta if mode == "min" else value > best + min_delta
+
+
+class EarlyStop(Stage):
+    """An evaluation is a step whose metrics hold `monitor`; one without improvement adds to `wait`, one with
+    improvement resets it, and the step at which `wait` reaches `patience` is the run's last (the final and
+    best checkpoints follow as at any end; run.json's `ended` says why). Its counters ride in checkpoints."""
+
+    name = "early_stop"
+
+    def __init__(self, monitor: str = "val/loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0,
+                 order: int = 40):
+        super().__init__(order)
+        if mode not in ("min", "max"):
+            raise ValueError(f"stages.early_stop.mode must be 'min' or 'max', got {mode!r}")
+        if int(patience) < 1:
+            raise ValueError(f"stages.early_stop.patience must be >= 1, got {patience}")
+        if not (math.isfinite(min_delta) and min_delta >= 0):
+            raise ValueError(f"stages.early_stop.min_delta must be a finite number >= 0, got {min_delta}")
+        self.monitor, self.mode = str(monitor), str(mode)
+        self.patience, self.min_delta = int(patience), float(min_delta)
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.wait = 0  # evaluations since the last improvement
+
+    def stop_reason(self, end: StepEnd) -> str | None:
+        if self.monitor not in end.metrics:
+            return None  # no evaluation at this step
+        value = end.metrics[self.monitor]
+        if improves(value, self.best, self.mode, self.min_delta):
+            self.best, self.best_step, self.wait = float(value), end.step, 0
+            return None
+        self.wait += 1
+        if self.wait < self.patience:
+            return None
+        best = "no finite value yet" if self.best is None else f"best {self.best:.6g} at step {self.best_step}"
+        return (f"early_stop: {self.monitor} did not improve in {self.wait} evaluations "
+                f"(mode {self.mode}, min_delta {self.min_delta:g}; {best})")
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "best_step": self.best_step, "wait": self.wait}
+
+    def check_state_dict(self, state: dict) -> None:
+        best, step, wait = state["best"], state["best_step"], state["wait"]
+        if (best is None) != (step is None) or (step is not None and (type(step) is not int or step < 0)):
+            raise ValueError(f"best {best!r} at step {step!r} is not a best value and its step")
+        if best is not None and not improves(best, None, self.mode, 0.0):
+            raise ValueError(f"best {best!r} is not a finite number")
+        if type(wait) is not int or wait < 0:
+            raise ValueError(f"wait {wait!r} is not a count of evaluations")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best = None if state["best"] is None else float(state["best"])
+        self.best_step, self.wait = state["best_step"], int(state["wait"])

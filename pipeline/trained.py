@@ -1,0 +1,162 @@
+"""A checkpoint put to use (evaluate, sample, export): verified, restored, and given the data it needs.
+
+    restore_checkpoint(dir)        the parts its manifest's config builds, after store.load verified the
+                                   checkpoint against them (sizes, sha256, layout, every part's fit)
+    data_config(manifest, ovr)     where the data comes from: the checkpoint's own `data` node, with
+                                   `data.KEY=V` overrides applied to it, or another dataset chosen by `data=NAME`
+                                   (composed like `python -m pipeline`); `paths.output_dir=` moves the corpus
+                                   cache (default: the run's own output directory)
+    own_data / other_data          the dataset built from that, checked against what the checkpoint learned
+
+Every refusal is a ConfigError or CheckpointError of one line; the callers exit 2 with it.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint.store import load, read_manifest
+from pipeline.schema import BY_TARGET, ConfigError, validate
+from pipeline.state import restore
+from pipeline.trainer.state import TrainState
+
+log = logging.getLogger("pipeline")
+# What a data override may name: the data itself, where its cache lives, and where configs are found.
+DATA_KEYS = ("data", "paths.output_dir", "hydra.searchpath")
+
+
+def restore_checkpoint(directory: Path) -> tuple[dict, TrainState]:
+    """(manifest, the restored state machines) of a checkpoint that fully verifies; CheckpointError if not."""
+    from pipeline.job import build_stages, build_state
+    from pipeline.data.base import DataSpec
+    from pipeline.stages.base import StageStates
+
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    config, spec = manifest["config"], dict(manifest["data_spec"])
+    try:
+        n_train = int(spec.pop("n_train"))
+        state = build_state(config, DataSpec(**spec), n_train)
+        parts = {**state.parts(), "stages": StageStates(build_stages(config))}
+    except Exception as e:  # noqa: BLE001 - a model or data this installation cannot build: one line
+        raise CheckpointError(directory, "manifest.json", f"its config does not build here: "
+                                                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    restore(parts, load(directory, parts).state)  # load() checked every part's fit: restore cannot refuse
+    return manifest, state
+
+
+def _parse(overrides: list[str]):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as e:
+        raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+    for o in parsed:
+        key = o.key_or_group
+        if not any(key == k or key.startswith(k + ".") for k in DATA_KEYS) or o.is_sweep_override():
+            raise ConfigError(f"{o.input_line}: only data=NAME, data.KEY=VALUE, paths.output_dir=DIR and "
+                              "hydra.searchpath=[...] can be given here; the rest is the checkpoint's")
+    return parsed
+
+
+def data_config(manifest: dict, overrides: list[str]) -> dict:
+    """{"paths": {"output_dir"}, "data": node}: the checkpoint's data with `data.KEY=V` applied, or the
+    composed `data=NAME`; the values range-checked like a run's."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    parsed = _parse(overrides)
+    output_dir = manifest["config"]["paths"]["output_dir"]
+    for o in parsed:
+        if o.key_or_group == "paths.output_dir":
+            output_dir = str(o.value())
+    if any(o.key_or_group == "data" for o in parsed):
+        from hydra.errors import HydraException
+
+        from pipeline.schema import compose, to_plain
+
+        try:
+            node = to_plain(compose(list(overrides)))["data"]
+        except (HydraException, OmegaConfBaseException) as e:
+            raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+    else:
+        node = copy.deepcopy(manifest["config"]["data"])
+        schema = BY_TARGET.get(node.get("_target_"))  # the checkpoint's data node, typed by its schema
+        cfg = OmegaConf.merge(OmegaConf.structured(schema), node) if schema else OmegaConf.create(node)
+        for o in parsed:
+            if o.key_or_group.startswith("data."):
+                try:
+                    OmegaConf.update(cfg, o.key_or_group[len("data."):], o.value(), merge=True)
+                except OmegaConfBaseException as e:
+                    raise ConfigError(f"{o.input_line}: {str(e).splitlines()[0]}") from None
+        node = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    config = {"paths": {"output_dir": output_dir}, "data": node}
+    validate(config)
+    return config
+
+
+def build_data(config: dict):
+    from pipeline.job import build_dataset
+
+    try:
+        return build_dataset(config)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"data: {e}") from None
+    except Exception as e:  # noqa: BLE001 - an unimportable _target_ or a constructor's own error
+        raise ConfigError(f"data does not build: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \
+            from None
+
+
+def spec_of(dataset) -> dict:
+    return asdict(dataset.spec)
+
+
+def own_data(manifest: dict, overrides: list[str] = ()):
+    """The dataset the checkpoint was trained on (its data_manifest_hash), for its vocabulary; ConfigError if
+    what the config builds here is other data."""
+    config = data_config(manifest, list(overrides))
+    dataset = build_data(config)
+    if dataset.manifest_hash != manifest["data_manifest_hash"]:
+        raise ConfigError(f"data {config['data'].get('_target_')}: builds data {dataset.manifest_hash[:12]}, but the "
+                          f"checkpoint was trained on {manifest['data_manifest_hash'][:12]}: give the data it was "
+                          "trained on (data.path=FILE for a moved text file)")
+    return dataset
+
+
+def check_fits(manifest: dict, dataset, own=None) -> None:
+    """Refuse data whose spec (vocabulary size, sequence length, features, targets) differs from the
+    checkpoint's, naming each difference; with the checkpoint's own dataset at hand, its vocabulary too."""
+    saved = {k: v for k, v in manifest["data_spec"].items() if k != "n_train"}
+    here = spec_of(dataset)
+    diff = [f"{k} {saved[k]} -> {here.get(k)}" for k in saved if saved[k] != here.get(k)]
+    if diff:
+        raise ConfigError(f"data {type(dataset).__name__}: its spec differs from the checkpoint's "
+                          f"({', '.join(diff)}): the model cannot read it")
+    if own is not None and getattr(own, "vocab", None) is not None and getattr(dataset, "vocab", None) is not None:
+        changed = [i for i, (a, b) in enumerate(zip(own.vocab, dataset.vocab)) if a != b]
+        if changed:
+            i = changed[0]
+            raise ConfigError(f"data {type(dataset).__name__}: its vocabulary differs from the checkpoint's at "
+                              f"{len(changed)} ids (id {i}: {own.vocab[i]!r} -> {dataset.vocab[i]!r})")
+
+
+def other_data(manifest: dict, overrides: list[str]):
+    """The dataset `overrides` ask for (the checkpoint's own by default), refused if the model cannot read it."""
+    config = data_config(manifest, list(overrides))
+    dataset = build_data(config)
+    if dataset.manifest_hash == manifest["data_manifest_hash"]:
+        return dataset
+    own = None
+    if getattr(dataset, "vocab", None) is not None:
+        try:
+            own = own_data(manifest, [o for o in overrides if o.startswith(("paths.", "hydra."))])
+        except ConfigError as e:
+            log.warning("cannot compare vocabularies (the checkpoint's own data does not build here: %s); "
+                        "checking the spec only", e)
+    check_fits(manifest, dataset, own)
+    return dataset
