@@ -1,0 +1,197 @@
+"""Shards: byte-identical results for any thread count, one big batch to rounding, the documented RNG split."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info
+
+from pipeline.data.base import Batch, DataSpec
+from pipeline.model.minigpt import MiniGPT
+from pipeline.model.mlp import MLP
+from pipeline.trainer.parallel import Shards, child_rngs, split
+
+THREADS = (1, 2, 4)
+
+
+def minigpt(dropout=0.0, dtype="float32") -> MiniGPT:
+    return MiniGPT(DataSpec(vocab_size=23), n_layer=2, n_head=2, n_embd=16, block_size=8, dropout=dropout,
+                   attn_dropout=dropout, dtype=dtype, rng=np.random.default_rng(0))  # fmt: skip
+
+
+def tokens(B, T=8, vocab=23, seed=1) -> Batch:
+    r = np.random.default_rng(seed)
+    return Batch(ids=np.arange(B), x=r.integers(0, vocab, (B, T)), y=r.integers(0, vocab, (B, T)))
+
+
+def mlp(dropout=0.0) -> MLP:
+    return MLP(DataSpec(n_features=3, n_targets=2), hidden=[8, 8], dropout=dropout, rng=np.random.default_rng(0))
+
+
+def rows(B, seed=1) -> Batch:
+    r = np.random.default_rng(seed)
+    return Batch(ids=np.arange(B), x=r.standard_normal((B, 3)), y=r.standard_normal((B, 2)))
+
+
+def run(model, batch, shards, threads, seed=7):
+    rng = np.random.default_rng(seed)
+    with Shards(shards, threads) as s:
+        loss, grads = s.loss_and_grads(model, batch, rng)
+    return loss, grads, rng.bit_generator.state
+
+
+def assert_same_bytes(a, b):
+    (la, ga, sa), (lb, gb, sb) = a, b
+    assert np.float64(la).tobytes() == np.float64(lb).tobytes()
+    assert list(ga) == list(gb)
+    for name in ga:
+        assert ga[name].dtype == gb[name].dtype and ga[name].shape == gb[name].shape, name
+        assert ga[name].tobytes() == gb[name].tobytes(), name
+    assert sa == sb  # the dropout stream is left in the same state
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+@pytest.mark.parametrize("make, batch", [(lambda: minigpt(0.2), tokens(12)), (lambda: mlp(0.25), rows(12))],
+                         ids=["minigpt", "mlp"])  # fmt: skip
+def test_thread_count_does_not_change_a_bit(make, batch, shards):
+    model = make()
+    ref = run(model, batch, shards, 1)
+    for threads in THREADS[1:]:
+        assert_same_bytes(run(model, batch, shards, threads), ref)
+    assert not np.array_equal(ref[1][next(iter(ref[1]))], run(model, batch, shards, 1, seed=8)[1][next(iter(ref[1]))])
+
+
+@pytest.mark.parametrize("threads", THREADS)
+def test_one_shard_is_the_model_call_itself(threads):
+    model, batch = minigpt(0.2), tokens(6)
+    rng = np.random.default_rng(7)
+    want = model.loss_and_grads(batch, rng)
+    assert_same_bytes(run(model, batch, 1, threads), (*want, rng.bit_generator.state))
+
+
+@pytest.mark.parametrize("B, shards", [(12, 2), (12, 4), (12, 3), (7, 2), (5, 3), (3, 4)])
+@pytest.mark.parametrize("dtype, rtol", [("float64", 1e-12), ("float32", 2e-5)])
+def test_shards_equal_one_batch_to_rounding(B, shards, dtype, rtol):
+    # Without dropout a shard split only changes the summation order (uneven and empty pieces included).
+    model, batch = minigpt(0.0, dtype), tokens(B)
+    loss, grads = model.loss_and_grads(batch, None)
+    with Shards(shards, 2) as s:
+        sloss, sgrads = s.loss_and_grads(model, batch, None)
+    assert abs(sloss - loss) <= rtol * abs(loss)
+    for name, g in grads.items():
+        assert sgrads[name].dtype == np.dtype(dtype), name
+        np.testing.assert_allclose(sgrads[name], g, rtol=rtol, atol=rtol * np.abs(g).max(), err_msg=name)
+
+
+def test_mlp_shards_equal_one_batch_to_rounding():
+    model, batch = mlp(), rows(10)
+    loss, grads = model.loss_and_grads(batch, None)
+    sloss, sgrads = Shards(3, 2).loss_and_grads(model, batch, None)
+    assert abs(sloss - loss) <= 1e-14 * abs(loss)
+    for name, g in grads.items():
+        np.testing.assert_allclose(sgrads[name], g, rtol=1e-13, atol=1e-15, err_msg=name)
+
+
+def test_pieces_and_child_streams_are_as_documented():
+    # Oracle: piece k is rows [a_k, b_k) as np.array_split cuts them, run with Generator(PCG64(seeds[k])),
+    # seeds being `shards` uint64 drawn from the dropout stream in one call; weights B_k / B.
+    model, batch, shards = mlp(0.25), rows(11), 3
+    pieces = split(batch, shards)
+    for piece, ids in zip(pieces, np.array_split(batch.ids, shards)):
+        np.testing.assert_array_equal(piece.ids, ids)
+        np.testing.assert_array_equal(piece.x, batch.x[ids])
+    rng = np.random.default_rng(7)
+    seeds = rng.integers(0, 2**64, size=shards, dtype=np.uint64)
+    loss, grads = 0.0, {}
+    for piece, seed in zip(pieces, seeds):
+        w = len(piece.ids) / 11
+        l_k, g_k = model.loss_and_grads(piece, np.random.Generator(np.random.PCG64(int(seed))))
+        loss += w * l_k
+        for name, g in g_k.items():
+            grads[name] = grads[name] + g * w if name in grads else g * w
+    got = run(model, batch, shards, 2)
+    assert_same_bytes(got, (loss, grads, rng.bit_generator.state))
+    assert child_rngs(None, 3) == [None, None, None]
+
+
+def test_results_are_fresh_arrays_the_next_call_leaves_alone():
+    model, batch = minigpt(0.2), tokens(8)
+    with Shards(2, 2) as s:
+        _, g1 = s.loss_and_grads(model, batch, np.random.default_rng(1))
+        kept = {k: v.copy() for k, v in g1.items()}
+        s.loss_and_grads(model, batch, np.random.default_rng(2))
+    for name, g in g1.items():
+        np.testing.assert_array_equal(g, kept[name])
+        assert g.flags.writeable and g.flags.c_contiguous
+    assert len({id(g) for g in g1.values()}) == len(g1)
+
+
+def test_blas_is_single_threaded_inside_and_restored_after():
+    seen = []
+
+    class Spy:
+        def loss_and_grads(self, batch, rng):
+            seen.append({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})
+            return 1.0, {"w": np.ones(2) * len(batch.ids)}
+
+        def evaluate(self, batch):
+            seen.append({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})
+            return 1.0
+
+    before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    with Shards(2, 2) as s:
+        loss, grads = s.loss_and_grads(Spy(), rows(4), None)
+        s.evaluate(Spy(), [rows(4), rows(3)])
+    assert loss == 1.0 and np.array_equal(grads["w"], [2.0, 2.0])  # weights 2/4 + 2/4 of [2, 2]
+    assert seen and all(s == {1} for s in seen if s)
+    assert [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"] == before
+
+
+@pytest.mark.parametrize("threads", THREADS)
+def test_evaluate_is_the_batch_size_weighted_mean_in_batch_order(threads):
+    model = minigpt(0.2)
+    batches = [tokens(B, seed=s) for s, B in enumerate((4, 3, 4, 1, 2))]
+    total, count = 0.0, 0
+    for b in batches:  # the loop the trainer had: its exact summation order
+        total += model.evaluate(b) * len(b.ids)
+        count += len(b.ids)
+    with Shards(2, threads) as s:
+        assert s.evaluate(model, iter(batches)) == total / count
+        with pytest.raises(ValueError, match="no samples"):
+            s.evaluate(model, [])
+
+
+class Boom(Exception):
+    pass
+
+
+def test_a_failing_shard_raises_and_the_pool_still_works():
+    class Fails:
+        def loss_and_grads(self, batch, rng):
+            if batch.ids[0] == 2:
+                raise Boom("shard 1")
+            return 0.5, {"w": np.zeros(1)}
+
+    with Shards(4, 2) as s:
+        with pytest.raises(Boom):
+            s.loss_and_grads(Fails(), rows(8), None)
+        loss, _ = s.loss_and_grads(mlp(), rows(8), None)
+        assert np.isfinite(loss)
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(shards=0, threads=1), "trainer.shards"), (dict(shards=2.5, threads=1), "trainer.shards"),
+    (dict(shards=True, threads=1), "trainer.shards"), (dict(shards=2, threads=0), "trainer.threads"),
+    (dict(shards=2, threads="2"), "trainer.threads"),
+])  # fmt: skip
+def test_bad_values_are_refused_in_one_sentence(kw, name):
+    with pytest.raises(ValueError) as e:
+        Shards(**kw)
+    msg = str(e.value)
+    assert msg.startswith(name) and msg.count(". ") == 0 and "\n" not in msg
+
+
+def test_default_threads_are_the_available_cores():
+    import os
+
+    with Shards(2) as s:
+        assert s.threads == len(os.sched_getaffinity(0))
