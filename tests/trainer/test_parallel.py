@@ -60,9 +60,18 @@ def test_thread_count_does_not_change_a_bit(make, batch, shards):
     assert not np.array_equal(ref[1][next(iter(ref[1]))], run(model, batch, shards, 1, seed=8)[1][next(iter(ref[1]))])
 
 
+def kernodeck():
+    # experiment=kernodeck's model and batch: a 2->8->1 MLP, float64, dropout 0.25, batch 4
+    model = MLP(DataSpec(n_features=2, n_targets=1), hidden=[8], dropout=0.25, rng=np.random.default_rng(42))
+    r = np.random.default_rng(3)
+    return model, Batch(ids=np.arange(4), x=r.standard_normal((4, 2)), y=r.standard_normal((4, 1)))
+
+
 @pytest.mark.parametrize("threads", THREADS)
-def test_one_shard_is_the_model_call_itself(threads):
-    model, batch = minigpt(0.2), tokens(6)
+@pytest.mark.parametrize("make", [lambda: (minigpt(0.2), tokens(6)), kernodeck], ids=["minigpt", "kernodeck"])
+def test_one_shard_is_the_model_call_itself(make, threads):
+    # The caller's BLAS setting (here the default, all cores) is what the model call sees outside Shards.
+    model, batch = make()
     rng = np.random.default_rng(7)
     want = model.loss_and_grads(batch, rng)
     assert_same_bytes(run(model, batch, 1, threads), (*want, rng.bit_generator.state))
