@@ -197,8 +197,7 @@ def dropout_forward(x: np.ndarray, p: float, rng: np.random.Generator | None):
         raise ValueError(f"dropout p must be in [0, 1), got {p}")
     # Always draw float32 uniforms: cheaper, and float32/float64 models then get the same masks.
     keep = rng.random(x.shape, dtype=np.float32) >= p  # [...] bool
-    mask = keep.astype(x.dtype)  # [...]
-    mask *= 1.0 / (1.0 - p)  # inverted dropout: eval needs no rescale
+    mask = np.multiply(keep, x.dtype.type(1.0 / (1.0 - p)))  # [...] 0 or 1/(1-p) in x's dtype: inverted dropout
     return x * mask, mask
 
 

@@ -214,6 +214,17 @@ def test_dropout_keeps_expectation_and_dtype():
     assert abs(out.mean() - 1.0) < 0.01
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dropout_mask_is_the_float32_draw_thresholded_and_rescaled(dtype):
+    # The masks (hence training trajectories) are fixed by the draws: u = rng.random(float32), keep u >= p.
+    x = np.random.default_rng(0).standard_normal((50, 40)).astype(dtype)
+    out, mask = L.dropout_forward(x, 0.3, np.random.default_rng(5))
+    keep = np.random.default_rng(5).random(x.shape, dtype=np.float32) >= 0.3
+    want = keep.astype(dtype) * dtype(1 / 0.7)
+    assert mask.dtype == dtype and mask.tobytes() == want.tobytes()
+    assert out.tobytes() == (x * want).tobytes()
+
+
 def naive_attention(qkv: np.ndarray, n_head: int) -> np.ndarray:
     # Loop reference: per batch, head and query, softmax over keys 0..i.
     B, T, C3 = qkv.shape
