@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import queue
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, TypeVar
 
@@ -69,34 +70,48 @@ class Shards:
         self.shards, self.threads = int(shards), int(threads)
         # The calling thread works too: threads - 1 helpers. None when there is nothing to share.
         self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="shard") if self.threads > 1 else None
-        self._blas = ThreadpoolController()
+        self._blas = ThreadpoolController().select(user_api="blas").lib_controllers  # found once (~1 ms)
 
     # -- the trainer's calls ------------------------------------------------------------------
 
     def loss_and_grads(self, model, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
-        """The whole batch's mean loss and its gradients, as sum_k (B_k / B) * piece k's (loss, grads).
+        """The whole batch's mean loss and its gradients from its pieces' (l_k, g_k), in shard order:
+
+            loss = sum_k (B_k / B) l_k                      (Python floats)
+            grads = (g_0 + g_1 + ... + g_{n-1}) * (1 / n)   when the n pieces are equal (B divisible by shards)
+            grads = sum_k g_k * (B_k / B)                   otherwise
 
         The model's loss is a mean over its samples' elements and every sample has as many (tokens of one
         block, targets of one row), so weighting by sample count equals one big batch up to rounding; empty
-        pieces (shards > B) weigh 0 and are not run. With shards == 1 this is exactly
-        model.loss_and_grads(batch, rng), the same draws from rng included.
+        pieces (shards > B) weigh 0 and are not run. The sums accumulate into piece 0's arrays (the model
+        handed them over). With shards == 1 this is exactly model.loss_and_grads(batch, rng), the same draws
+        from rng included.
         """
-        with self._blas.limit(limits=1, user_api="blas"):
+        with self._single_threaded_blas():
             if self.shards == 1:
                 return model.loss_and_grads(batch, rng)
             pieces, rngs = split(batch, self.shards), child_rngs(rng, self.shards)
             run = [k for k, p in enumerate(pieces) if len(p.ids)]
             results = self._map(lambda k: model.loss_and_grads(pieces[k], rngs[k]), run)
-        B = len(batch.ids)
-        weights = [len(pieces[k].ids) / B for k in run]  # python floats: they take the grads' dtype
+        B, sizes = len(batch.ids), [len(pieces[k].ids) for k in run]
+        weights = [n / B for n in sizes]  # python floats: they take the grads' dtype
         loss = 0.0
         for w, (piece_loss, _) in zip(weights, results):
             loss += w * piece_loss
-        grads = {}
-        for name in results[0][1]:
-            acc = results[0][1][name] * weights[0]  # a fresh array the caller owns
-            for w, (_, g) in zip(weights[1:], results[1:]):
-                acc += g[name] * w
+        equal = len(set(sizes)) == 1
+        grads, seen = {}, set()
+        for name, g0 in results[0][1].items():
+            # Accumulate in place only into an array the model gave away whole (not a view, not seen twice).
+            acc = g0 if g0.flags.owndata and g0.flags.writeable and id(g0) not in seen else g0.copy()
+            seen.add(id(acc))
+            if equal:
+                for _, g in results[1:]:
+                    acc += g[name]
+                acc *= 1.0 / len(results)
+            else:
+                acc *= weights[0]
+                for w, (_, g) in zip(weights[1:], results[1:]):
+                    acc += g[name] * w
             grads[name] = acc
         return loss, grads
 
@@ -111,7 +126,7 @@ class Shards:
 
         def flush():
             nonlocal total, count
-            with self._blas.limit(limits=1, user_api="blas"):
+            with self._single_threaded_blas():
                 losses = self._map(lambda k: model.evaluate(window[k]), list(range(len(window))))
             for b, loss in zip(window, losses):
                 total += loss * len(b.ids)
@@ -129,6 +144,18 @@ class Shards:
         return total / count
 
     # -- the pool -----------------------------------------------------------------------------
+
+    @contextmanager
+    def _single_threaded_blas(self):
+        # threadpoolctl's own limit() costs ~35 us a call; its library controllers' get/set cost ~5 us.
+        before = [lib.get_num_threads() for lib in self._blas]
+        for lib in self._blas:
+            lib.set_num_threads(1)
+        try:
+            yield
+        finally:
+            for lib, n in zip(self._blas, before):
+                lib.set_num_threads(n)
 
     def _map(self, fn: Callable[[int], R], keys: list[int]) -> list[R]:
         """[fn(k) for k in keys], run by the calling thread and up to threads - 1 helpers, each taking the next

@@ -100,25 +100,29 @@ def test_mlp_shards_equal_one_batch_to_rounding():
         np.testing.assert_allclose(sgrads[name], g, rtol=1e-13, atol=1e-15, err_msg=name)
 
 
-def test_pieces_and_child_streams_are_as_documented():
+@pytest.mark.parametrize("B", [11, 12])
+def test_pieces_child_streams_and_sums_are_as_documented(B):
     # Oracle: piece k is rows [a_k, b_k) as np.array_split cuts them, run with Generator(PCG64(seeds[k])),
-    # seeds being `shards` uint64 drawn from the dropout stream in one call; weights B_k / B.
-    model, batch, shards = mlp(0.25), rows(11), 3
+    # seeds being `shards` uint64 drawn from the dropout stream in one call; the loss is sum_k (B_k / B) l_k;
+    # the grads (g_0 + g_1 + g_2) * (1/3) for equal pieces (B = 12), else sum_k g_k * (B_k / B) (B = 11).
+    model, batch, shards = mlp(0.25), rows(B), 3
     pieces = split(batch, shards)
     for piece, ids in zip(pieces, np.array_split(batch.ids, shards)):
         np.testing.assert_array_equal(piece.ids, ids)
         np.testing.assert_array_equal(piece.x, batch.x[ids])
     rng = np.random.default_rng(7)
     seeds = rng.integers(0, 2**64, size=shards, dtype=np.uint64)
-    loss, grads = 0.0, {}
-    for piece, seed in zip(pieces, seeds):
-        w = len(piece.ids) / 11
-        l_k, g_k = model.loss_and_grads(piece, np.random.Generator(np.random.PCG64(int(seed))))
+    outs = [model.loss_and_grads(p, np.random.Generator(np.random.PCG64(int(s)))) for p, s in zip(pieces, seeds)]
+    weights = [len(p.ids) / B for p in pieces]
+    loss = 0.0
+    for w, (l_k, _) in zip(weights, outs):
         loss += w * l_k
-        for name, g in g_k.items():
-            grads[name] = grads[name] + g * w if name in grads else g * w
-    got = run(model, batch, shards, 2)
-    assert_same_bytes(got, (loss, grads, rng.bit_generator.state))
+    if B % shards == 0:
+        grads = {name: (outs[0][1][name] + outs[1][1][name] + outs[2][1][name]) * (1 / 3) for name in model.params}
+    else:
+        grads = {name: sum((g[name] * w for w, (_, g) in zip(weights[1:], outs[1:])), outs[0][1][name] * weights[0])
+                 for name in model.params}  # fmt: skip
+    assert_same_bytes(run(model, batch, shards, 2), (loss, grads, rng.bit_generator.state))
     assert child_rngs(None, 3) == [None, None, None]
 
 
