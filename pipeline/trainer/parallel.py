@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import queue
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, TypeVar
 
@@ -52,10 +51,12 @@ class Shards:
     combined in shard order once all have finished.
 
     BLAS: OpenBLAS's thread count is one process-wide setting, and a multi-threaded GEMM may split its work
-    differently from a single-threaded one. Each call therefore pins BLAS to one thread for its duration
-    (threadpoolctl, controller found once) and restores the previous setting on the way out: every matmul
-    inside a shard is single-threaded, the threads of the pool are the only parallelism, and no BLAS
-    worker spins on a busy machine. Do not change BLAS threads from another thread during a call.
+    differently from a single-threaded one. A Shards pins BLAS to one thread from construction until
+    close(), which restores the previous count (threadpoolctl), and checks the pin again at every call:
+    every matmul inside a shard is single-threaded, the pool's threads are the only parallelism, and no
+    idle OpenBLAS worker is woken to spin-wait beside them (on a loaded machine that cost 4x). The
+    trainer's own small BLAS calls between steps (a gradient norm) run single-threaded too. Keep one Shards
+    open for the run; a closed one refuses further calls.
 
     Thread safety asked of the model: `loss_and_grads` and `evaluate` may run concurrently on one model
     object; they must only read `params` and must return arrays no later call writes to.
@@ -71,6 +72,9 @@ class Shards:
         # The calling thread works too: threads - 1 helpers. None when there is nothing to share.
         self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="shard") if self.threads > 1 else None
         self._blas = ThreadpoolController().select(user_api="blas").lib_controllers  # found once (~1 ms)
+        self._blas_before = [lib.get_num_threads() for lib in self._blas]
+        self._closed = False
+        self._pin_blas()
 
     # -- the trainer's calls ------------------------------------------------------------------
 
@@ -87,12 +91,12 @@ class Shards:
         handed them over). With shards == 1 this is exactly model.loss_and_grads(batch, rng), the same draws
         from rng included.
         """
-        with self._single_threaded_blas():
-            if self.shards == 1:
-                return model.loss_and_grads(batch, rng)
-            pieces, rngs = split(batch, self.shards), child_rngs(rng, self.shards)
-            run = [k for k, p in enumerate(pieces) if len(p.ids)]
-            results = self._map(lambda k: model.loss_and_grads(pieces[k], rngs[k]), run)
+        self._pin_blas()
+        if self.shards == 1:
+            return model.loss_and_grads(batch, rng)
+        pieces, rngs = split(batch, self.shards), child_rngs(rng, self.shards)
+        run = [k for k, p in enumerate(pieces) if len(p.ids)]
+        results = self._map(lambda k: model.loss_and_grads(pieces[k], rngs[k]), run)
         B, sizes = len(batch.ids), [len(pieces[k].ids) for k in run]
         weights = [n / B for n in sizes]  # python floats: they take the grads' dtype
         loss = 0.0
@@ -121,13 +125,13 @@ class Shards:
         Batches are taken `threads` at a time (only that many are held); a batch is evaluated whole by one
         thread, so the value is the same for any thread count.
         """
+        self._pin_blas()
         total, count = 0.0, 0
         window: list[Batch] = []
 
         def flush():
             nonlocal total, count
-            with self._single_threaded_blas():
-                losses = self._map(lambda k: model.evaluate(window[k]), list(range(len(window))))
+            losses = self._map(lambda k: model.evaluate(window[k]), list(range(len(window))))
             for b, loss in zip(window, losses):
                 total += loss * len(b.ids)
                 count += len(b.ids)
@@ -145,17 +149,12 @@ class Shards:
 
     # -- the pool -----------------------------------------------------------------------------
 
-    @contextmanager
-    def _single_threaded_blas(self):
-        # threadpoolctl's own limit() costs ~35 us a call; its library controllers' get/set cost ~5 us.
-        before = [lib.get_num_threads() for lib in self._blas]
+    def _pin_blas(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Shards is closed: make a new one")
         for lib in self._blas:
-            lib.set_num_threads(1)
-        try:
-            yield
-        finally:
-            for lib, n in zip(self._blas, before):
-                lib.set_num_threads(n)
+            if lib.get_num_threads() != 1:  # ~1 us; threadpoolctl's limit() costs ~35 us a call
+                lib.set_num_threads(1)
 
     def _map(self, fn: Callable[[int], R], keys: list[int]) -> list[R]:
         """[fn(k) for k in keys], run by the calling thread and up to threads - 1 helpers, each taking the next
@@ -194,9 +193,15 @@ class Shards:
         return results
 
     def close(self) -> None:
+        """Stop the pool and give BLAS its thread count back; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        for lib, n in zip(self._blas, self._blas_before):
+            lib.set_num_threads(n)
 
     def __enter__(self) -> Shards:
         return self

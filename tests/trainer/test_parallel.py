@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from threadpoolctl import threadpool_info
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from pipeline.data.base import Batch, DataSpec
 from pipeline.model.minigpt import MiniGPT
@@ -94,7 +94,8 @@ def test_shards_equal_one_batch_to_rounding(B, shards, dtype, rtol):
 def test_mlp_shards_equal_one_batch_to_rounding():
     model, batch = mlp(), rows(10)
     loss, grads = model.loss_and_grads(batch, None)
-    sloss, sgrads = Shards(3, 2).loss_and_grads(model, batch, None)
+    with Shards(3, 2) as s:
+        sloss, sgrads = s.loss_and_grads(model, batch, None)
     assert abs(sloss - loss) <= 1e-14 * abs(loss)
     for name, g in grads.items():
         np.testing.assert_allclose(sgrads[name], g, rtol=1e-13, atol=1e-15, err_msg=name)
@@ -138,25 +139,34 @@ def test_results_are_fresh_arrays_the_next_call_leaves_alone():
     assert len({id(g) for g in g1.values()}) == len(g1)
 
 
-def test_blas_is_single_threaded_inside_and_restored_after():
+def blas_threads() -> list[int]:
+    return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+
+def test_blas_is_single_threaded_while_open_and_restored_by_close():
     seen = []
 
     class Spy:
         def loss_and_grads(self, batch, rng):
-            seen.append({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})
+            seen.append(set(blas_threads()))
             return 1.0, {"w": np.ones(2) * len(batch.ids)}
 
         def evaluate(self, batch):
-            seen.append({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"})
+            seen.append(set(blas_threads()))
             return 1.0
 
-    before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    before = blas_threads()
     with Shards(2, 2) as s:
+        assert set(blas_threads()) == {1}
         loss, grads = s.loss_and_grads(Spy(), rows(4), None)
+        threadpool_limits(2, "blas")  # someone else's setting between calls is undone at the next call
         s.evaluate(Spy(), [rows(4), rows(3)])
-    assert loss == 1.0 and np.array_equal(grads["w"], [2.0, 2.0])  # weights 2/4 + 2/4 of [2, 2]
-    assert seen and all(s == {1} for s in seen if s)
-    assert [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"] == before
+    assert loss == 1.0 and np.array_equal(grads["w"], [2.0, 2.0])  # (2 + 2) / 2
+    assert len(seen) == 4 and all(t == {1} for t in seen)
+    assert blas_threads() == before
+    with pytest.raises(RuntimeError, match="closed"):
+        s.loss_and_grads(Spy(), rows(4), None)
+    s.close()  # idempotent
 
 
 @pytest.mark.parametrize("threads", THREADS)
