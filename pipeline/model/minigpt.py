@@ -37,7 +37,12 @@ def keep_freed_memory() -> bool:
 
 
 class MiniGPT:
-    """GPT-2: wte + wpe, n_layer x (x + attn(ln_1 x); x + mlp(ln_2 x)), ln_f, head tied to wte."""
+    """GPT-2: wte + wpe, n_layer x (x + attn(ln_1 x); x + mlp(ln_2 x)), ln_f, head tied to wte.
+
+    Thread safety (pipeline.trainer.parallel.Shards runs pieces of a batch concurrently on one model):
+    loss_and_grads and evaluate only read params and keep no state between calls; every array they
+    return is freshly allocated, the caller's to keep or overwrite.
+    """
 
     def __init__(
         self,
