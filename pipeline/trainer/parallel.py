@@ -24,7 +24,7 @@ def available_cores() -> int:
 
 def split(batch: Batch, shards: int) -> list[Batch]:
     """`shards` contiguous pieces along the sample axis, sizes as np.array_split (the first B % shards get one
-    more); pieces are views, and empty when shards > B."""
+    more); pieces are views (ids, x, y), empty when shards > B; `extra` goes to every piece unchanged."""
     B = len(batch.ids)
     bounds = np.cumsum([0] + [B // shards + (k < B % shards) for k in range(shards)])
     return [
@@ -123,7 +123,7 @@ class Shards:
         """Mean of model.evaluate over the batches weighted by batch size, summed in batch order.
 
         Batches are taken `threads` at a time (only that many are held); a batch is evaluated whole by one
-        thread, so the value is the same for any thread count.
+        thread, so the value is the same for any thread count. Empty batches are skipped.
         """
         self._pin_blas()
         total, count = 0.0, 0
@@ -138,6 +138,8 @@ class Shards:
             window.clear()
 
         for b in batches:
+            if len(b.ids) == 0:
+                continue
             window.append(b)
             if len(window) == self.threads:
                 flush()
@@ -178,8 +180,11 @@ class Shards:
                 try:
                     results[i] = fn(keys[i])
                 except BaseException:
-                    while not todo.empty():  # nobody starts another piece
-                        todo.get_nowait()
+                    try:  # nobody starts another key
+                        while True:
+                            todo.get_nowait()
+                    except queue.Empty:
+                        pass
                     raise
 
         helpers = [self._pool.submit(work) for _ in range(min(self.threads, len(keys)) - 1)]

@@ -179,6 +179,7 @@ def test_evaluate_is_the_batch_size_weighted_mean_in_batch_order(threads):
         count += len(b.ids)
     with Shards(2, threads) as s:
         assert s.evaluate(model, iter(batches)) == total / count
+        assert s.evaluate(model, [tokens(0), *batches, tokens(0)]) == total / count  # empty batches skipped
         with pytest.raises(ValueError, match="no samples"):
             s.evaluate(model, [])
 
