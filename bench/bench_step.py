@@ -1,7 +1,13 @@
 """One MiniGPT training step (fwd + bwd + AdamW) in numpy against the same GPT-2 in PyTorch, in one run.
 
-    python bench/bench_step.py [--threads 2] [--steps 60]    # step times, ratio, GFLOP/s
-    python bench/bench_step.py --memory                      # numpy peak RSS after 100 and 1000 steps
+    python bench/bench_step.py [--threads 2] [--shards 2] [--steps 60]   # step times, ratio, GFLOP/s
+    python bench/bench_step.py --contend 2        # numpy (and torch) beside 2 busy-looping processes
+    python bench/bench_step.py --profile          # one shard's step, per layer and op
+    python bench/bench_step.py --memory           # numpy peak RSS after 100 and 1000 steps
+
+The numpy side is the real training computation: MiniGPT through pipeline.trainer.parallel.Shards (the batch
+split into --shards pieces run on --threads threads, BLAS single-threaded inside each) and AdamW from
+pipeline.optimizer.adam. torch gets the same --threads (torch.set_num_threads).
 
 FLOP count (stated, analytic): forward = 2 * tokens * (12 * n_layer * d^2 + V * d)   [c_attn, c_proj, c_fc,
 mlp.c_proj and the tied head; embeddings, biases, LayerNorm, softmax and GELU not counted]
@@ -14,10 +20,14 @@ import json
 import math
 import os
 import resource
+import signal
 import statistics
+import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -25,40 +35,12 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from pipeline.data.base import Batch, DataSpec  # noqa: E402
+from pipeline.model import minigpt as minigpt_module  # noqa: E402
 from pipeline.model.minigpt import MiniGPT  # noqa: E402
+from pipeline.optimizer.adam import AdamW  # noqa: E402
+from pipeline.trainer.parallel import Shards, split  # noqa: E402
 
 LR, WD, BETAS, EPS = 3e-4, 0.1, (0.9, 0.999), 1e-8
-
-
-class NumpyAdamW:
-    """torch.optim.AdamW's update (decoupled decay, bias-corrected), in place on float32 arrays."""
-
-    def __init__(self, params: dict[str, np.ndarray]):
-        self.m = {k: np.zeros_like(p) for k, p in params.items()}
-        self.v = {k: np.zeros_like(p) for k, p in params.items()}
-        self.tmp = {k: np.empty_like(p) for k, p in params.items()}
-        self.t = 0
-
-    def step(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
-        self.t += 1
-        b1, b2 = BETAS
-        step_size = LR / (1.0 - b1**self.t)
-        bc2_sqrt = math.sqrt(1.0 - b2**self.t)
-        for k, p in params.items():
-            g, m, v, tmp = grads[k], self.m[k], self.v[k], self.tmp[k]
-            p *= 1.0 - LR * WD  # decoupled weight decay, on every parameter as in the torch run
-            m *= b1
-            m += (1.0 - b1) * g  # exp_avg.lerp_(grad, 1 - beta1)
-            v *= b2
-            np.multiply(g, g, out=tmp)
-            tmp *= 1.0 - b2
-            v += tmp  # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)
-            np.sqrt(v, out=tmp)
-            tmp /= bc2_sqrt
-            tmp += EPS  # denom
-            np.divide(m, tmp, out=tmp)
-            tmp *= step_size
-            p -= tmp  # p.addcdiv_(exp_avg, denom, value=-step_size)
 
 
 def build_torch(np_model: MiniGPT, attn: str):
@@ -162,26 +144,189 @@ def make_setup(args):
     return model, Batch(ids=np.arange(args.batch), x=x, y=y)
 
 
+def make_numpy_step(args, model, batch):
+    """The trainer's step: Shards.loss_and_grads then the real AdamW (no dropout: torch's twin has none)."""
+    shards = Shards(args.shards, args.threads)
+    opt = AdamW(model.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+
+    def step():
+        t0 = time.perf_counter()
+        _, grads = shards.loss_and_grads(model, batch, None)
+        t1 = time.perf_counter()
+        opt.step(grads)
+        return time.perf_counter() - t0, t1 - t0
+
+    return step, shards
+
+
+def loadavg() -> str:
+    return "load average %.2f %.2f %.2f" % os.getloadavg()
+
+
 def run_memory(args) -> dict:
     model, batch = make_setup(args)
-    opt = NumpyAdamW(model.params)
+    step, shards = make_numpy_step(args, model, batch)
     marks = {}
-    for step in range(1, 1001):
-        _, grads = model.loss_and_grads(batch, None)
-        opt.step(model.params, grads)
-        if step in (100, 1000):
-            marks[step] = peak_rss_mb()
+    with shards:
+        for i in range(1, 1001):
+            step()
+            if i in (100, 1000):
+                marks[i] = peak_rss_mb()
     growth = 100.0 * (marks[1000][0] - marks[100][0]) / marks[100][0]
     out = {
-        "mode": "memory", "threads": args.threads,
+        "mode": "memory", "threads": args.threads, "shards": args.shards,
         "peak_rss_mb_100": round(marks[100][0], 1), "peak_rss_mb_1000": round(marks[1000][0], 1),
         "rss_mb_100": round(marks[100][1], 1), "rss_mb_1000": round(marks[1000][1], 1),
         "peak_growth_pct": round(growth, 2),
     }  # fmt: skip
-    print(f"numpy peak RSS (VmHWM): {out['peak_rss_mb_100']} MiB after 100 steps, "
-          f"{out['peak_rss_mb_1000']} MiB after 1000 steps: growth {out['peak_growth_pct']}%")  # fmt: skip
+    print(f"numpy, {args.shards} shards on {args.threads} threads: peak RSS (VmHWM) {out['peak_rss_mb_100']} MiB "
+          f"after 100 steps, {out['peak_rss_mb_1000']} MiB after 1000 steps: growth {out['peak_growth_pct']}%")  # fmt: skip
     print(f"current RSS (VmRSS): {out['rss_mb_100']} -> {out['rss_mb_1000']} MiB")
     return out
+
+
+class OpProfile:
+    """Times every layer function MiniGPT calls, by layer and op, forward and backward apart.
+
+    Forward ops are named from the parameter they use (linear, LayerNorm) or from the block index in the
+    caller's frame (attention, GELU, dropout); a backward takes the name of its forward, found by popping a
+    per-function stack since the backward visits each function's calls in reverse order.
+    """
+
+    def __init__(self, model):
+        self.names = {id(p): n.removeprefix("transformer.").removesuffix(".weight") for n, p in model.params.items()}
+        self.order: list[str] = []  # row labels, first seen first
+        self.pending = defaultdict(list)  # function family -> forward labels awaiting their backward
+        self.step_times = defaultdict(float)  # (label, "fwd" | "bwd") -> seconds in the current step
+        self.samples = defaultdict(list)  # (label, "fwd" | "bwd") -> per-step seconds
+
+    def _label(self, family: str, args) -> str:
+        if family in ("linear", "layernorm"):
+            return self.names.get(id(args[1]), family)
+        if family == "layernorm_linear":
+            linear = self.names.get(id(args[3]), "linear").rsplit(".", 2)
+            return f"{self.names.get(id(args[1]), 'layernorm')} + {'.'.join(linear[-2:])}"
+        if family in ("head", "embedding"):
+            return {"head": "head (tied wte)", "embedding": "embedding"}[family]
+        i = sys._getframe(2).f_locals.get("i")  # the block loop's index in MiniGPT._forward
+        return f"h.{i}.{family}" if i is not None else f"embedding {family}"
+
+    def wrap(self, name: str, fn):
+        family, direction = name.rsplit("_", 1)
+        direction = {"forward": "fwd", "backward": "bwd"}[direction]
+
+        def timed(*args, **kw):
+            if direction == "fwd":
+                label = self._label(family, args)
+                self.pending[family].append(label)
+                if label not in self.order:
+                    self.order.append(label)
+            else:
+                label = self.pending[family].pop()
+            t0 = time.perf_counter()
+            out = fn(*args, **kw)
+            self.step_times[label, direction] += time.perf_counter() - t0
+            return out
+
+        return timed
+
+    def end_step(self) -> None:
+        for key, t in self.step_times.items():
+            self.samples[key].append(t)
+        self.step_times.clear()
+
+
+def run_profile(args) -> dict:
+    model, batch = make_setup(args)
+    piece = split(batch, args.shards)[0]
+    prof = OpProfile(model)
+    layers = minigpt_module.L
+    patched = {n: prof.wrap(n, getattr(layers, n)) for n in dir(layers) if n.endswith(("_forward", "_backward"))}
+    loss_fn = minigpt_module.cross_entropy
+
+    def timed_loss(*a, **kw):
+        t0 = time.perf_counter()
+        out = loss_fn(*a, **kw)
+        prof.step_times["cross-entropy (value and grad)", "fwd"] += time.perf_counter() - t0
+        return out
+
+    opt = AdamW(model.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    shard_total, opt_total = [], []
+    minigpt_module.L = SimpleNamespace(**{**{n: getattr(layers, n) for n in dir(layers) if not n.startswith("__")}, **patched})
+    minigpt_module.cross_entropy = timed_loss
+    try:
+        with Shards(1, 1) as one:  # a shard's work on this thread, BLAS single-threaded as in the runner
+            for i in range(args.warmup + args.steps):
+                t0 = time.perf_counter()
+                _, grads = one.loss_and_grads(model, piece, None)
+                t1 = time.perf_counter()
+                opt.step(grads)
+                t2 = time.perf_counter()
+                prof.end_step()
+                if i >= args.warmup:
+                    shard_total.append(t1 - t0)
+                    opt_total.append(t2 - t1)
+                else:
+                    prof.samples.clear()
+    finally:
+        minigpt_module.L, minigpt_module.cross_entropy = layers, loss_fn
+    prof.order.insert(prof.order.index("head (tied wte)") + 1, "cross-entropy (value and grad)")
+    # The whole step as the trainer runs it, for scale: all shards on the pool, then AdamW.
+    model2, batch2 = make_setup(args)
+    step, shards = make_numpy_step(args, model2, batch2)
+    with shards:
+        for _ in range(args.warmup):
+            step()
+        full = [step() for _ in range(args.steps)]
+
+    def med(xs):
+        return statistics.median(xs) * 1e3 if xs else 0.0
+
+    rows, attributed = [], 0.0
+    print(f"one shard ({len(piece.ids)} of B={args.batch} samples, T={args.block}) on one thread, single-threaded BLAS; "
+          f"median ms over {args.steps} steps after {args.warmup} warm-up; {loadavg()}")  # fmt: skip
+    print(f"{'op':34s} {'fwd ms':>8s} {'bwd ms':>8s} {'total':>8s} {'min total':>10s}")
+    for label in prof.order:
+        fs, bs = prof.samples.get((label, "fwd"), []), prof.samples.get((label, "bwd"), [])
+        f, b = med(fs), med(bs)
+        low = min(x + y for x, y in zip(fs, bs)) * 1e3 if fs and bs else min(fs or bs) * 1e3
+        attributed += f + b
+        rows.append({"op": label, "fwd_ms": round(f, 3), "bwd_ms": round(b, 3), "min_total_ms": round(low, 3)})
+        print(f"{label:34s} {f:8.3f} {b:8.3f} {f + b:8.3f} {low:10.3f}")
+    shard_ms, opt_ms = med(shard_total), med(opt_total)
+    print(f"{'sum of ops':34s} {'':8s} {'':8s} {attributed:8.3f}")
+    print(f"{'glue (residual adds, Python)':34s} {'':8s} {'':8s} {shard_ms - attributed:8.3f}")
+    print(f"{'shard fwd+bwd':34s} {'':8s} {'':8s} {shard_ms:8.3f}")
+    print(f"{'AdamW (all parameters)':34s} {'':8s} {'':8s} {opt_ms:8.3f}")
+    full_step, full_fb = med([t[0] for t in full]), med([t[1] for t in full])
+    print(f"the trainer's step, {args.shards} shards on {args.threads} threads: {full_step:.2f} ms "
+          f"(fwd+bwd of all shards and their reduction {full_fb:.2f}, AdamW {full_step - full_fb:.2f})")
+    return {
+        "mode": "profile", "shards": args.shards, "threads": args.threads, "shard_samples": len(piece.ids),
+        "ops": rows, "shard_fwd_bwd_ms": round(shard_ms, 3), "adamw_ms": round(opt_ms, 3),
+        "step_ms": round(full_step, 3), "step_fwd_bwd_ms": round(full_fb, 3), "loadavg_1min": round(os.getloadavg()[0], 2),
+    }  # fmt: skip
+
+
+class BusyLoops:
+    """K busy-looping processes (pure Python `while True`), paused (SIGSTOP) or running (SIGCONT) on demand."""
+
+    def __init__(self, k: int):
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
+        self.pause()
+
+    def pause(self) -> None:
+        for p in self.procs:
+            os.kill(p.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for p in self.procs:
+            os.kill(p.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()  # SIGKILL works on a stopped process too
+            p.wait()
 
 
 def run_speed(args) -> dict:
@@ -189,7 +334,7 @@ def run_speed(args) -> dict:
 
     torch.set_num_threads(args.threads)
     model, batch = make_setup(args)
-    opt = NumpyAdamW(model.params)
+    numpy_step, shards = make_numpy_step(args, model, batch)
     xt, yt = torch.from_numpy(batch.x), torch.from_numpy(batch.y)
     V = args.vocab
     torch_models = {a: build_torch(model, a) for a in ("sdpa", "manual")}
@@ -197,13 +342,6 @@ def run_speed(args) -> dict:
     with torch.no_grad():
         t_loss = torch.nn.functional.cross_entropy(torch_models["sdpa"][0](xt).view(-1, V), yt.view(-1)).item()
     np_loss = model.evaluate(batch)
-
-    def numpy_step():
-        t0 = time.perf_counter()
-        _, grads = model.loss_and_grads(batch, None)
-        t1 = time.perf_counter()
-        opt.step(model.params, grads)
-        return time.perf_counter() - t0, t1 - t0
 
     def torch_step(name):
         tm, topt = torch_models[name]
@@ -220,19 +358,32 @@ def run_speed(args) -> dict:
         return step
 
     runners = {"numpy": numpy_step, "torch_sdpa": torch_step("sdpa"), "torch_manual": torch_step("manual")}
-    times = {k: [] for k in runners}
-    for fn in runners.values():  # warm-up
-        for _ in range(args.warmup):
-            fn()
-    # Interleaved blocks, so load from elsewhere on the machine hits every contestant alike.
-    block = 10
-    for _ in range(math.ceil(args.steps / block)):
-        for name, fn in runners.items():
-            times[name] += [fn() for _ in range(block)]
+    conditions = ["quiet"] + (["contended"] if args.contend else [])
+    times = {(c, k): [] for c in conditions for k in runners}
+    busy = BusyLoops(args.contend) if args.contend else None
+    try:
+        for fn in runners.values():  # warm-up
+            for _ in range(args.warmup):
+                fn()
+        # Interleaved blocks, so load from elsewhere on the machine hits every contestant (and condition) alike.
+        block = 10
+        for _ in range(math.ceil(args.steps / block)):
+            for cond in conditions:
+                if busy:
+                    busy.resume() if cond == "contended" else busy.pause()
+                    time.sleep(0.05)  # let the scheduler see the new load
+                for name, fn in runners.items():
+                    times[cond, name] += [fn() for _ in range(block)]
+    finally:
+        if busy:
+            busy.close()
+        shards.close()
     med = {k: statistics.median(t[0] for t in v) * 1e3 for k, v in times.items()}
-    fastest = {k: min(t[0] for t in v) * 1e3 for k, v in times.items()}  # less sensitive to neighbours' load
+    fastest = {k: min(t[0] for t in v) * 1e3 for k, v in times.items()}
     med_fb = {k: statistics.median(t[1] for t in v) * 1e3 for k, v in times.items()}
-    best_torch = min(("torch_sdpa", "torch_manual"), key=med.get)
+    q = "quiet"
+    best_min = min(("torch_sdpa", "torch_manual"), key=lambda k: fastest[q, k])
+    best_med = min(("torch_sdpa", "torch_manual"), key=lambda k: med[q, k])
     # Every contestant made the same number of AdamW updates on the same batch: the losses should still agree.
     final = {"numpy": model.evaluate(batch)}
     with torch.no_grad():
@@ -241,39 +392,59 @@ def run_speed(args) -> dict:
     step_flops = 3 * forward_flops(V, args.batch, args.block, args.n_embd, args.n_layer, args.n_head)
     mm = matmul_gflops()
     out = {
-        "mode": "speed", "threads": args.threads, "steps": len(times["numpy"]), "warmup": args.warmup,
-        "V": V, "B": args.batch, "T": args.block, "d": args.n_embd, "n_head": args.n_head, "n_layer": args.n_layer,
-        "numpy_ms": round(med["numpy"], 2), "numpy_fwd_bwd_ms": round(med_fb["numpy"], 2),
-        "torch_sdpa_ms": round(med["torch_sdpa"], 2), "torch_manual_ms": round(med["torch_manual"], 2),
-        "numpy_min_ms": round(fastest["numpy"], 2), "torch_sdpa_min_ms": round(fastest["torch_sdpa"], 2),
-        "torch_manual_min_ms": round(fastest["torch_manual"], 2),
-        "torch_best": best_torch, "ratio_numpy_over_torch": round(med["numpy"] / med[best_torch], 3),
+        "mode": "speed", "threads": args.threads, "shards": args.shards, "steps": len(times[q, "numpy"]),
+        "warmup": args.warmup, "V": V, "B": args.batch, "T": args.block, "d": args.n_embd, "n_head": args.n_head,
+        "n_layer": args.n_layer,
+        "numpy_ms": round(med[q, "numpy"], 2), "numpy_fwd_bwd_ms": round(med_fb[q, "numpy"], 2),
+        "torch_sdpa_ms": round(med[q, "torch_sdpa"], 2), "torch_manual_ms": round(med[q, "torch_manual"], 2),
+        "numpy_min_ms": round(fastest[q, "numpy"], 2), "torch_sdpa_min_ms": round(fastest[q, "torch_sdpa"], 2),
+        "torch_manual_min_ms": round(fastest[q, "torch_manual"], 2),
+        "ratio_min": round(fastest[q, "numpy"] / fastest[q, best_min], 3), "torch_best_min": best_min,
+        "ratio_median": round(med[q, "numpy"] / med[q, best_med], 3), "torch_best_median": best_med,
         "step_gflop": round(step_flops / 1e9, 3),
-        "numpy_step_gflops": round(step_flops / med["numpy"] / 1e6, 1),
-        "numpy_fwd_bwd_gflops": round(step_flops / med_fb["numpy"] / 1e6, 1),
+        "numpy_step_gflops": round(step_flops / med[q, "numpy"] / 1e6, 1),
         "numpy_matmul256_gflops": round(mm, 1),
         "init_loss_numpy": round(np_loss, 6), "init_loss_torch": round(t_loss, 6),
-        "final_loss": {k: round(v, 6) for k, v in final.items()}, "updates_each": args.warmup + len(times["numpy"]),
-        "loadavg_1min": round(os.getloadavg()[0], 2), "torch": torch.__version__, "numpy_version": np.__version__,
+        "final_loss": {k: round(v, 6) for k, v in final.items()},
+        "updates_each": args.warmup + len(times[q, "numpy"]) * len(conditions),
+        "loadavg": [round(x, 2) for x in os.getloadavg()], "torch": torch.__version__, "numpy_version": np.__version__,
     }  # fmt: skip
-    print(f"threads {args.threads}, V={V} B={args.batch} T={args.block} d={args.n_embd} heads={args.n_head} "
-          f"layers={args.n_layer} float32; median of {out['steps']} steps after {args.warmup} warm-up")  # fmt: skip
-    print(f"{'':14s} {'step ms':>9s} {'fwd+bwd ms':>11s} {'optim ms':>9s} {'min step ms':>12s}")
-    for k in runners:
-        print(f"{k:14s} {med[k]:9.2f} {med_fb[k]:11.2f} {med[k] - med_fb[k]:9.2f} {fastest[k]:12.2f}")
-    print(f"numpy / {best_torch}: {out['ratio_numpy_over_torch']:.3f}   "
-          f"step {out['step_gflop']} GFLOP -> numpy {out['numpy_step_gflops']} GFLOP/s "
-          f"(fwd+bwd {out['numpy_fwd_bwd_gflops']}); numpy f32 matmul n=256: {out['numpy_matmul256_gflops']} GFLOP/s")  # fmt: skip
+    if args.contend:
+        c = "contended"
+        out.update({
+            "contend": args.contend,
+            **{f"contended_{k}_ms": round(med[c, k], 2) for k in runners},
+            **{f"contended_{k}_min_ms": round(fastest[c, k], 2) for k in runners},
+            **{f"contention_factor_{k}": round(med[c, k] / med[q, k], 2) for k in runners},
+        })  # fmt: skip
+    print(f"threads {args.threads} (numpy: {args.shards} shards), V={V} B={args.batch} T={args.block} d={args.n_embd} "
+          f"heads={args.n_head} layers={args.n_layer} float32; {out['steps']} steps each after {args.warmup} warm-up")  # fmt: skip
+    for cond in conditions:
+        extra = f" beside {args.contend} busy-looping processes" if cond == "contended" else ""
+        print(f"{cond}{extra}:")
+        print(f"  {'':14s} {'median ms':>10s} {'min ms':>8s} {'fwd+bwd ms':>11s} {'optim ms':>9s}")
+        for k in runners:
+            m, fb = med[cond, k], med_fb[cond, k]
+            print(f"  {k:14s} {m:10.2f} {fastest[cond, k]:8.2f} {fb:11.2f} {m - fb:9.2f}")
+    print(f"numpy / torch: min {out['ratio_min']:.3f} (vs {best_min}), median {out['ratio_median']:.3f} "
+          f"(vs {best_med}); step {out['step_gflop']} GFLOP -> numpy {out['numpy_step_gflops']} GFLOP/s; "
+          f"numpy f32 matmul n=256: {out['numpy_matmul256_gflops']} GFLOP/s")  # fmt: skip
+    if args.contend:
+        print("median contended / quiet: " + ", ".join(f"{k} {out[f'contention_factor_{k}']:.2f}x" for k in runners))
     print(f"loss numpy / torch: initial {np_loss:.6f} / {t_loss:.6f}, after {out['updates_each']} AdamW updates "
-          + ", ".join(f"{k} {v:.6f}" for k, v in final.items()) + f"; 1-min load average {out['loadavg_1min']}")
+          + ", ".join(f"{k} {v:.6f}" for k, v in final.items()) + f"; {loadavg()}")
     return out
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2, help="BLAS threads for numpy and torch.set_num_threads")
+    ap.add_argument("--threads", type=int, default=2, help="numpy shard threads and torch.set_num_threads")
+    ap.add_argument("--shards", type=int, default=2, help="pieces each numpy batch is split into")
     ap.add_argument("--steps", type=int, default=60, help="timed steps per contestant (>= 50)")
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--contend", type=int, default=0, metavar="K",
+                    help="also time every contestant beside K busy-looping processes (K = cores)")
+    ap.add_argument("--profile", action="store_true", help="one shard's step per layer and op instead")
     ap.add_argument("--memory", action="store_true", help="peak RSS after 100 and 1000 numpy steps instead")
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--batch", type=int, default=32)
@@ -282,8 +453,9 @@ def main(argv=None) -> None:
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--n-layer", type=int, default=2)
     args = ap.parse_args(argv)
+    # The caller's BLAS setting: what torch's twin and the matmul figure see; Shards pins 1 inside its calls.
     with threadpool_limits(limits=args.threads, user_api="blas"):
-        out = run_memory(args) if args.memory else run_speed(args)
+        out = run_memory(args) if args.memory else run_profile(args) if args.profile else run_speed(args)
     print(json.dumps(out))
 
 

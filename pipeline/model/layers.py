@@ -30,6 +30,18 @@ def linear_backward(dout: np.ndarray, cache):
     return dx, dw, db
 
 
+def head_forward(x: np.ndarray, w: np.ndarray):
+    # x [..., d], w [V, d] (the tied token embedding) -> logits [N, V] = x w^T, no bias
+    x2 = x.reshape(-1, w.shape[1])  # [N, d]
+    return x2 @ w.T, (x2, w)
+
+
+def head_backward(dlogits: np.ndarray, cache):
+    # dlogits [N, V] -> dx [N, d], dw [V, d] (the head's share of the tied weight's gradient)
+    x2, w = cache
+    return dlogits @ w, dlogits.T @ x2
+
+
 def embedding_forward(idx: np.ndarray, wte: np.ndarray, wpe: np.ndarray):
     # idx [B, T] int, wte [V, d], wpe [Tmax, d] -> token + position embedding [B, T, d]
     T = idx.shape[1]
@@ -69,15 +81,29 @@ def _mean_vec(d: int, dtype: np.dtype) -> np.ndarray:
     return vec
 
 
-def layernorm_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 1e-5):
-    # x [..., d], w [d], b [d] -> out [..., d], normalised over the last axis
-    d = x.shape[-1]
-    avg = _mean_vec(d, x.dtype)  # [d]
-    x2 = x.reshape(-1, d)  # [N, d]
+def _normalize(x2: np.ndarray, eps: float):
+    # x2 [N, d] -> xhat [N, d] (zero mean, unit biased variance per row, as torch), rstd [N]
+    avg = _mean_vec(x2.shape[1], x2.dtype)  # [d]
     xhat = x2 - (x2 @ avg)[:, None]  # [N, d] centred
-    var = (xhat * xhat) @ avg  # [N] biased variance, as torch
+    var = np.einsum("nd,nd->n", xhat, xhat) / x2.shape[1]  # [N] no [N, d] temporary
     rstd = 1.0 / np.sqrt(var + eps)  # [N]
     xhat *= rstd[:, None]  # [N, d]
+    return xhat, rstd
+
+
+def _normalize_backward(dxhat: np.ndarray, xhat: np.ndarray, rstd: np.ndarray) -> np.ndarray:
+    # dxhat [N, d] (overwritten) -> dx [N, d] = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), row means
+    avg = _mean_vec(xhat.shape[1], xhat.dtype)  # [d]
+    m2 = np.einsum("nd,nd->n", dxhat, xhat) / xhat.shape[1]  # [N]
+    dxhat -= (dxhat @ avg)[:, None]  # [N, d]
+    dxhat -= xhat * m2[:, None]  # [N, d]
+    dxhat *= rstd[:, None]  # [N, d]
+    return dxhat
+
+
+def layernorm_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 1e-5):
+    # x [..., d], w [d], b [d] -> out [..., d], normalised over the last axis
+    xhat, rstd = _normalize(x.reshape(-1, x.shape[-1]), eps)  # [N, d], [N]
     out = xhat * w  # [N, d]
     out += b  # [N, d]
     return out.reshape(x.shape), (xhat, rstd, w, x.shape)
@@ -86,62 +112,81 @@ def layernorm_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 
 def layernorm_backward(dout: np.ndarray, cache):
     # dout [..., d] -> dx [..., d], dw [d], db [d]
     xhat, rstd, w, shape = cache
-    d = w.shape[0]
-    avg = _mean_vec(d, dout.dtype)  # [d]
-    d2 = dout.reshape(-1, d)  # [N, d]
+    d2 = dout.reshape(-1, w.shape[0])  # [N, d]
     dw = np.einsum("nd,nd->d", d2, xhat)  # [d]: no [N, d] temporary
-    db = d2.sum(axis=0)  # [d]
-    # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), both means over the last axis
-    dxhat = d2 * w  # [N, d]
-    m2 = (dxhat * xhat) @ avg  # [N]
-    dxhat -= (dxhat @ avg)[:, None]  # [N, d]
-    dxhat -= xhat * m2[:, None]  # [N, d]
-    dxhat *= rstd[:, None]  # [N, d]
-    return dxhat.reshape(shape), dw, db
+    db = _ones(d2.shape[0], d2.dtype) @ d2  # [d] as a gemv
+    return _normalize_backward(d2 * w, xhat, rstd).reshape(shape), dw, db
 
 
-# GELU is a chain of ~8 elementwise passes over an [N, 4d] array. Run in chunks of this many elements
+# LayerNorm then a linear layer, with the norm's affine folded into the linear's weight and bias:
+#   (xhat * g + beta) @ w + b = xhat @ (g[:, None] * w) + (beta @ w + b)
+# The [N, d] affine passes (forward) and the dxhat = dout * g, dg, dbeta passes (backward) become [d, out] work.
+
+
+def layernorm_linear_forward(x: np.ndarray, g: np.ndarray, beta: np.ndarray, w: np.ndarray, b: np.ndarray,
+                             eps: float = 1e-5):  # fmt: skip
+    # x [..., d], g [d], beta [d] (the norm's), w [d, out], b [out] (the linear's) -> out [..., out]
+    xhat, rstd = _normalize(x.reshape(-1, x.shape[-1]), eps)  # [N, d], [N]
+    wf = g[:, None] * w  # [d, out] folded weight
+    out = xhat @ wf  # [N, out]
+    out += beta @ w + b  # [N, out] + [out] folded bias
+    return out.reshape(*x.shape[:-1], w.shape[1]), (xhat, rstd, g, beta, w, wf, x.shape)
+
+
+def layernorm_linear_backward(dout: np.ndarray, cache):
+    # dout [..., out] -> dx [..., d], dg [d], dbeta [d], dw [d, out], db [out]
+    xhat, rstd, g, beta, w, wf, shape = cache
+    d2 = dout.reshape(-1, w.shape[1])  # [N, out]
+    dwf = xhat.T @ d2  # [d, out] grad wrt the folded weight
+    db = _ones(d2.shape[0], d2.dtype) @ d2  # [out] grad wrt the folded bias, = the linear's db
+    dw = g[:, None] * dwf  # [d, out] through wf = g w
+    dw += beta[:, None] * db  # [d, out] through beta @ w
+    dg = np.einsum("io,io->i", dwf, w)  # [d]
+    dbeta = w @ db  # [d]
+    dx = _normalize_backward(d2 @ wf.T, xhat, rstd)  # [N, d]
+    return dx.reshape(shape), dg, dbeta, dw, db
+
+
+# GELU is a chain of ~15 elementwise passes over an [N, 4d] array. Run in chunks of this many elements
 # (256 KiB of float32), the chain's temporaries stay in L2 between passes: ~25% faster than whole-array
 # passes at the default size, and bitwise identical since every operation is elementwise.
 _GELU_CHUNK = 1 << 16
 
 
 def gelu_forward(x: np.ndarray):
-    # x [...] -> x h with h = 0.5 (1 + tanh(c (x + a x^3))), GPT-2's "gelu_new"
+    # x [...] -> x h, h = 0.5 (1 + tanh(u)) with u = c (x + a x^3): GPT-2's "gelu_new".
+    # Computed as h = 1 / (1 + e), e = exp(z), z = -2u (the same function: 0.5 (1 + tanh u) = sigmoid(2u)):
+    # one exp costs half a tanh in numpy. The cache is the derivative itself, so the backward is one multiply:
+    #   d(x h)/dx = h + x dh/dx = h - x h (1 - h) z',  z' = dz/dx = -2c (1 + 3 a x^2)
     xf = np.ascontiguousarray(x).reshape(-1)  # [n] flat view
-    x2, h, out = np.empty_like(xf), np.empty_like(xf), np.empty_like(xf)  # [n] each; x2 kept for backward
-    for s in range(0, xf.size, _GELU_CHUNK):
-        xs, x2s, hs = xf[s : s + _GELU_CHUNK], x2[s : s + _GELU_CHUNK], h[s : s + _GELU_CHUNK]  # [chunk] views
-        np.multiply(xs, xs, out=x2s)  # x^2
-        np.multiply(x2s, _GELU_A * _GELU_C, out=hs)
-        hs += _GELU_C
-        hs *= xs  # c (x + a x^3)
-        np.tanh(hs, out=hs)  # t
-        hs += 1.0
-        hs *= 0.5  # h = 0.5 (1 + t)
-        np.multiply(xs, hs, out=out[s : s + _GELU_CHUNK])  # x h
-    return out.reshape(x.shape), (xf, x2, h, x.shape)
+    out, grad = np.empty_like(xf), np.empty_like(xf)  # [n] each
+    m = min(_GELU_CHUNK, xf.size)
+    s1, s2, s3 = np.empty(m, xf.dtype), np.empty(m, xf.dtype), np.empty(m, xf.dtype)  # [chunk] scratch
+    with np.errstate(over="ignore"):  # x < ~-5 (float32): e = inf, h = 0, out = -0 and grad = 0, as the limit
+        for s in range(0, xf.size, _GELU_CHUNK):
+            xs, o, g = xf[s : s + _GELU_CHUNK], out[s : s + _GELU_CHUNK], grad[s : s + _GELU_CHUNK]  # [chunk] views
+            x2, z, h = s1[: xs.size], s2[: xs.size], s3[: xs.size]
+            np.multiply(xs, xs, out=x2)  # x^2
+            np.multiply(x2, -2.0 * _GELU_A * _GELU_C, out=z)
+            z += -2.0 * _GELU_C
+            z *= xs  # z = -2u
+            np.exp(z, out=h)  # e
+            h += 1.0
+            np.reciprocal(h, out=h)  # h = 1 / (1 + e)
+            np.multiply(xs, h, out=o)  # x h
+            np.multiply(x2, -6.0 * _GELU_A * _GELU_C, out=z)
+            z += -2.0 * _GELU_C  # z'
+            np.subtract(1.0, h, out=x2)  # 1 - h
+            x2 *= o
+            x2 *= z  # x h (1 - h) z'
+            np.subtract(h, x2, out=g)
+    return out.reshape(x.shape), (grad, x.shape)
 
 
 def gelu_backward(dout: np.ndarray, cache):
-    # dout [...] -> dx [...]. With t = 2h - 1: d/dx = h + 0.5 x (1 - t^2) c (1 + 3 a x^2)
-    #   = h (1 + 2 x (1 - h) (c + 3 a c x^2)), as 1 - t^2 = 4 h (1 - h)
-    xf, x2, h, shape = cache
-    df = np.ascontiguousarray(dout).reshape(-1)  # [n]
-    g = np.empty_like(xf)  # [n]
-    tmp = np.empty(min(_GELU_CHUNK, xf.size), dtype=xf.dtype)  # [chunk] scratch
-    for s in range(0, xf.size, _GELU_CHUNK):
-        gs, hs = g[s : s + _GELU_CHUNK], h[s : s + _GELU_CHUNK]  # [chunk] views
-        t = tmp[: gs.size]
-        np.multiply(x2[s : s + _GELU_CHUNK], 6.0 * _GELU_A * _GELU_C, out=gs)
-        gs += 2.0 * _GELU_C
-        gs *= xf[s : s + _GELU_CHUNK]  # 2 x (c + 3 a c x^2)
-        np.subtract(1.0, hs, out=t)
-        gs *= t  # times (1 - h)
-        gs += 1.0
-        gs *= hs
-        gs *= df[s : s + _GELU_CHUNK]
-    return g.reshape(shape)
+    # dout [...] -> dx [...] = dout * gelu'(x)
+    grad, shape = cache
+    return np.multiply(dout.reshape(-1), grad).reshape(shape)
 
 
 def dropout_forward(x: np.ndarray, p: float, rng: np.random.Generator | None):
@@ -152,8 +197,7 @@ def dropout_forward(x: np.ndarray, p: float, rng: np.random.Generator | None):
         raise ValueError(f"dropout p must be in [0, 1), got {p}")
     # Always draw float32 uniforms: cheaper, and float32/float64 models then get the same masks.
     keep = rng.random(x.shape, dtype=np.float32) >= p  # [...] bool
-    mask = keep.astype(x.dtype)  # [...]
-    mask *= 1.0 / (1.0 - p)  # inverted dropout: eval needs no rescale
+    mask = np.multiply(keep, x.dtype.type(1.0 / (1.0 - p)))  # [...] 0 or 1/(1-p) in x's dtype: inverted dropout
     return x * mask, mask
 
 
@@ -193,10 +237,11 @@ def attention_forward(qkv: np.ndarray, n_head: int, p: float = 0.0, rng: np.rand
     a3 += _causal_bias(T, n_head, att.dtype)  # [B, Tk, nh*Tq] future keys -> -inf
     a3 -= a3.max(axis=1, keepdims=True)  # [B, Tk, nh*Tq]; key j = i is never masked: every max is finite
     np.exp(a3, out=a3)  # [B, Tk, nh*Tq]
-    a3 /= a3.sum(axis=1, keepdims=True)  # [B, Tk, nh*Tq] softmax over keys
+    a3 /= (_ones(T, a3.dtype) @ a3)[:, None]  # [B, Tk, nh*Tq] / [B, 1, nh*Tq]: the sum over keys as B gemvs
     att_d, dcache = dropout_forward(att, p, rng)  # [B, Tk, nh, Tq]
-    y = np.matmul(att_d.transpose(0, 2, 3, 1), v)  # [B, nh, Tq, Tk] @ [B, nh, Tk, hs] -> [B, nh, Tq, hs]
-    out = y.transpose(0, 2, 1, 3).reshape(B, T, d)  # [B, T, d] heads merged (copy)
+    out = np.empty((B, T, d), dtype=qkv.dtype)  # [B, T, d]
+    # [B, nh, Tq, Tk] @ [B, nh, Tk, hs] -> [B, nh, Tq, hs], written into the heads' strided slots: heads merged
+    np.matmul(att_d.transpose(0, 2, 3, 1), v, out=out.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3))
     return out, (qs, k, v, att, att_d, dcache, out, n_head, scale)
 
 

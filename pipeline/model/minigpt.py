@@ -38,7 +38,12 @@ def keep_freed_memory() -> bool:
 
 
 class MiniGPT(NamedParams):
-    """GPT-2: wte + wpe, n_layer x (x + attn(ln_1 x); x + mlp(ln_2 x)), ln_f, head tied to wte."""
+    """GPT-2: wte + wpe, n_layer x (x + attn(ln_1 x); x + mlp(ln_2 x)), ln_f, head tied to wte.
+
+    Thread safety (pipeline.trainer.parallel.Shards runs pieces of a batch concurrently on one model):
+    loss_and_grads and evaluate only read params and keep no state between calls; every array they
+    return is freshly allocated, the caller's to keep or overwrite.
+    """
 
     needs = "tokens"  # the data kind it trains on
 
@@ -127,46 +132,49 @@ class MiniGPT(NamedParams):
         blocks = []
         for i in range(self.n_layer):
             k = f"transformer.h.{i}."
-            a, ln1_c = L.layernorm_forward(h, p[k + "ln_1.weight"], p[k + "ln_1.bias"])  # [B, T, d]
-            a, qkv_c = L.linear_forward(a, p[k + "attn.c_attn.weight"], p[k + "attn.c_attn.bias"])  # [B, T, 3d]
+            a, qkv_c = L.layernorm_linear_forward(
+                h, p[k + "ln_1.weight"], p[k + "ln_1.bias"], p[k + "attn.c_attn.weight"], p[k + "attn.c_attn.bias"]
+            )  # [B, T, 3d] = c_attn(ln_1(h))
             a, att_c = L.attention_forward(a, self.n_head, pa, rng)  # [B, T, d]
             a, aproj_c = L.linear_forward(a, p[k + "attn.c_proj.weight"], p[k + "attn.c_proj.bias"])  # [B, T, d]
             a, adrop_c = L.dropout_forward(a, pd, rng)  # [B, T, d]
             h += a  # [B, T, d] in place: no cache holds the residual stream (embedding output is a fresh copy)
-            m, ln2_c = L.layernorm_forward(h, p[k + "ln_2.weight"], p[k + "ln_2.bias"])  # [B, T, d]
-            m, fc_c = L.linear_forward(m, p[k + "mlp.c_fc.weight"], p[k + "mlp.c_fc.bias"])  # [B, T, 4d]
+            m, fc_c = L.layernorm_linear_forward(
+                h, p[k + "ln_2.weight"], p[k + "ln_2.bias"], p[k + "mlp.c_fc.weight"], p[k + "mlp.c_fc.bias"]
+            )  # [B, T, 4d] = c_fc(ln_2(h))
             m, gelu_c = L.gelu_forward(m)  # [B, T, 4d]
             m, mproj_c = L.linear_forward(m, p[k + "mlp.c_proj.weight"], p[k + "mlp.c_proj.bias"])  # [B, T, d]
             m, mdrop_c = L.dropout_forward(m, pd, rng)  # [B, T, d]
             h += m  # [B, T, d]
-            blocks.append((ln1_c, qkv_c, att_c, aproj_c, adrop_c, ln2_c, fc_c, gelu_c, mproj_c, mdrop_c))
+            blocks.append((qkv_c, att_c, aproj_c, adrop_c, fc_c, gelu_c, mproj_c, mdrop_c))
         h, lnf_c = L.layernorm_forward(h, p["transformer.ln_f.weight"], p["transformer.ln_f.bias"])  # [B, T, d]
-        hf = h.reshape(-1, self.n_embd)  # [N, d]
-        logits = hf @ self.lm_head.T  # [N, V] tied head, no bias
-        return logits, (emb_c, emb_dc, blocks, lnf_c, hf)
+        logits, head_c = L.head_forward(h, self.lm_head)  # [N, V] tied head, no bias
+        return logits, (emb_c, emb_dc, blocks, lnf_c, head_c)
 
     def _backward(self, dlogits: np.ndarray, caches, shape) -> dict[str, np.ndarray]:
         # dlogits [N, V] -> grads keyed like self.params
-        emb_c, emb_dc, blocks, lnf_c, hf = caches
+        emb_c, emb_dc, blocks, lnf_c, head_c = caches
         B, T = shape
         g: dict[str, np.ndarray] = {}
-        dwte_head = dlogits.T @ hf  # [V, d] head use of the tied weight
-        dh = (dlogits @ self.lm_head).reshape(B, T, self.n_embd)  # [B, T, d]
+        dh, dwte_head = L.head_backward(dlogits, head_c)  # [N, d], [V, d] head use of the tied weight
+        dh = dh.reshape(B, T, self.n_embd)  # [B, T, d]
         dh, g["transformer.ln_f.weight"], g["transformer.ln_f.bias"] = L.layernorm_backward(dh, lnf_c)  # [B, T, d]
         for i in reversed(range(self.n_layer)):
             k = f"transformer.h.{i}."
-            ln1_c, qkv_c, att_c, aproj_c, adrop_c, ln2_c, fc_c, gelu_c, mproj_c, mdrop_c = blocks[i]
+            qkv_c, att_c, aproj_c, adrop_c, fc_c, gelu_c, mproj_c, mdrop_c = blocks[i]
             dm = L.dropout_backward(dh, mdrop_c)  # [B, T, d]
             dm, g[k + "mlp.c_proj.weight"], g[k + "mlp.c_proj.bias"] = L.linear_backward(dm, mproj_c)  # [B, T, 4d]
             dm = L.gelu_backward(dm, gelu_c)  # [B, T, 4d]
-            dm, g[k + "mlp.c_fc.weight"], g[k + "mlp.c_fc.bias"] = L.linear_backward(dm, fc_c)  # [B, T, d]
-            dm, g[k + "ln_2.weight"], g[k + "ln_2.bias"] = L.layernorm_backward(dm, ln2_c)  # [B, T, d]
+            dm, g[k + "ln_2.weight"], g[k + "ln_2.bias"], g[k + "mlp.c_fc.weight"], g[k + "mlp.c_fc.bias"] = (
+                L.layernorm_linear_backward(dm, fc_c)
+            )  # [B, T, d]
             dh += dm  # [B, T, d] residual branch joins; in place, as backward functions never keep dout
             da = L.dropout_backward(dh, adrop_c)  # [B, T, d]
             da, g[k + "attn.c_proj.weight"], g[k + "attn.c_proj.bias"] = L.linear_backward(da, aproj_c)  # [B, T, d]
             da = L.attention_backward(da, att_c)  # [B, T, 3d]
-            da, g[k + "attn.c_attn.weight"], g[k + "attn.c_attn.bias"] = L.linear_backward(da, qkv_c)  # [B, T, d]
-            da, g[k + "ln_1.weight"], g[k + "ln_1.bias"] = L.layernorm_backward(da, ln1_c)  # [B, T, d]
+            da, g[k + "ln_1.weight"], g[k + "ln_1.bias"], g[k + "attn.c_attn.weight"], g[k + "attn.c_attn.bias"] = (
+                L.layernorm_linear_backward(da, qkv_c)
+            )  # [B, T, d]
             dh += da  # [B, T, d]
         dh = L.dropout_backward(dh, emb_dc)  # [B, T, d]
         dwte, g["transformer.wpe.weight"] = L.embedding_backward(dh, emb_c)  # [V, d], [Tmax, d]
@@ -179,13 +187,12 @@ class MiniGPT(NamedParams):
     def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
         x, y = np.asarray(batch.x), np.asarray(batch.y)  # [B, T] int
         logits, caches = self._forward(x, rng)  # [N, V]
-        loss, dlogits = cross_entropy(logits, y.reshape(-1))  # dlogits [N, V]
-        del logits
+        loss, dlogits = cross_entropy(logits, y.reshape(-1), overwrite=True)  # dlogits [N, V], in logits' memory
         return loss, self._backward(dlogits, caches, x.shape)
 
     def evaluate(self, batch: Batch) -> float:
         logits, _ = self._forward(np.asarray(batch.x), None)  # [N, V]
-        loss, _ = cross_entropy(logits, np.asarray(batch.y).reshape(-1))
+        loss, _ = cross_entropy(logits, np.asarray(batch.y).reshape(-1), overwrite=True)
         return loss
 
     def logits(self, x: np.ndarray) -> np.ndarray:

@@ -22,7 +22,10 @@ ACTIVATIONS = {"tanh": _tanh, "relu": _relu}
 
 
 class MLP(NamedParams):
-    """in -> hidden... -> out; activation and dropout after every hidden layer; MSE loss."""
+    """in -> hidden... -> out; activation and dropout after every hidden layer; MSE loss.
+
+    loss_and_grads only reads params and returns fresh arrays: safe to run concurrently (Shards).
+    """
 
     needs = "rows"  # the data kind it trains on
 

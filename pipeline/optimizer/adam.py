@@ -19,6 +19,8 @@ class Adam(Optimizer):
         self.eps, self.weight_decay = float(eps), float(weight_decay)
 
     def _update(self, name: str, p: np.ndarray, g: np.ndarray) -> None:
+        # torch's formulas, each elementwise operation in torch's order, through one scratch array: the same
+        # bits as the plain expressions without their five temporaries per parameter.
         dt = p.dtype.type
         if self.weight_decay:
             if self.decoupled:
@@ -26,13 +28,21 @@ class Adam(Optimizer):
             else:
                 g = g + dt(self.weight_decay) * p
         m, v = self._buffer("exp_avg", name), self._buffer("exp_avg_sq", name)
-        m += (g - m) * dt(1 - self.beta1)  # torch: exp_avg.lerp_(grad, 1 - beta1)
+        tmp = np.subtract(g, m, out=np.empty_like(m))  # g - m (out=: an array even for 0-d parameters)
+        tmp *= dt(1 - self.beta1)
+        m += tmp  # torch: exp_avg.lerp_(grad, 1 - beta1), i.e. m += (g - m) * (1 - beta1)
         v *= dt(self.beta2)
-        v += dt(1 - self.beta2) * g * g
+        np.multiply(g, dt(1 - self.beta2), out=tmp)
+        tmp *= g
+        v += tmp  # v = beta2 v + ((1 - beta2) g) g
         bias_correction1 = 1 - self.beta1**self.t
         bias_correction2_sqrt = math.sqrt(1 - self.beta2**self.t)
-        denom = np.sqrt(v) / dt(bias_correction2_sqrt) + dt(self.eps)
-        p -= dt(self.lr / bias_correction1) * (m / denom)
+        np.sqrt(v, out=tmp)
+        tmp /= dt(bias_correction2_sqrt)
+        tmp += dt(self.eps)  # denom = sqrt(v) / sqrt(bc2) + eps
+        np.divide(m, tmp, out=tmp)
+        tmp *= dt(self.lr / bias_correction1)
+        p -= tmp  # p -= lr / bc1 * (m / denom)
 
 
 class AdamW(Adam):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -107,6 +108,39 @@ def test_layernorm_matches_definition_and_grads(rng):
         assert rel_err(got, numeric_grad(f, arr, R)) < TOL
 
 
+def test_layernorm_linear_is_the_composition_and_grads(rng):
+    # The fused layer folds the norm's affine into the linear: same function as layernorm then linear.
+    x = rng.standard_normal((2, 3, 6)) * 3 + 1
+    g, beta = rng.standard_normal(6), rng.standard_normal(6)
+    w, b = rng.standard_normal((6, 5)), rng.standard_normal(5)
+    out, cache = L.layernorm_linear_forward(x, g, beta, w, b)
+    ref = L.linear_forward(L.layernorm_forward(x, g, beta)[0], w, b)[0]
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+    R = projector(out.shape)
+    grads = L.layernorm_linear_backward(R, cache)
+    assert [a.shape for a in grads] == [x.shape, g.shape, beta.shape, w.shape, b.shape]
+
+    def f():
+        return L.layernorm_linear_forward(x, g, beta, w, b)[0]
+
+    for got, arr in zip(grads, (x, g, beta, w, b)):
+        assert rel_err(got, numeric_grad(f, arr, R)) < TOL
+
+
+def test_head_grads(rng):
+    x, w = rng.standard_normal((2, 3, 4)), rng.standard_normal((7, 4))
+    out, cache = L.head_forward(x, w)
+    np.testing.assert_allclose(out, x.reshape(6, 4) @ w.T, rtol=1e-14)
+    R = projector((6, 7))
+    dx, dw = L.head_backward(R, cache)
+
+    def f():
+        return L.head_forward(x, w)[0]
+
+    assert rel_err(dx, numeric_grad(f, x, R).reshape(6, 4)) < TOL
+    assert rel_err(dw, numeric_grad(f, w, R)) < TOL
+
+
 def test_gelu_is_gpt2_tanh_approximation_and_grads(rng):
     # Within [-3, 3]: further left 1 + tanh(.) cancels (in torch's formula too) and fd noise swamps the check.
     x = np.clip(rng.standard_normal((3, 7)) * 2, -3, 3)
@@ -116,6 +150,34 @@ def test_gelu_is_gpt2_tanh_approximation_and_grads(rng):
     R = projector(x.shape)
     dx = L.gelu_backward(R, cache)
     assert rel_err(dx, numeric_grad(lambda: L.gelu_forward(x)[0], x, R)) < TOL
+
+
+def test_gelu_is_exact_against_extended_precision_and_finite_far_out():
+    # The tanh definition evaluated in long double is the oracle down to x = -3 (further left, 1 + tanh
+    # cancels even there: 2e-13 off at x = -5); past it, its identity 0.5 (1 + tanh u) = 1 / (1 + exp(-2u))
+    # is. Where exp overflows (float32: x < ~-5.5) output and derivative take their limits without warnings.
+    c, a = np.longdouble(math.sqrt(2 / math.pi)), np.longdouble(0.044715)
+    x = np.linspace(-12, 8, 2001)
+    xl = x.astype(np.longdouble)
+    u = c * (xl + a * xl**3)
+    h = np.where(x >= -3, 0.5 * (1 + np.tanh(u)), 1 / (1 + np.exp(-2 * u)))
+    dh = 2 * h * (1 - h) * c * (1 + 3 * a * xl**2)  # d/dx of the sigmoid form
+    out, cache = L.gelu_forward(x)
+    want = (xl * h).astype(np.float64)
+    # Past x = -5 gelu's condition number |x f'/f| grows to ~400 at x = -12: a wider, still tight bound there.
+    np.testing.assert_allclose(out[x >= -5], want[x >= -5], rtol=1e-14, atol=0)
+    np.testing.assert_allclose(out[x < -5], want[x < -5], rtol=1e-13, atol=0)
+    # The derivative is O(1) and crosses 0 near x = -0.75, where only an absolute bound makes sense.
+    np.testing.assert_allclose(L.gelu_backward(np.ones_like(x), cache), (h + xl * dh).astype(np.float64), rtol=1e-13,
+                               atol=1e-15)  # fmt: skip
+    far = np.array([-1e4, -100.0, -20.0, 20.0, 100.0, 1e4], dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's default errstate: an overflow would warn
+        out, cache = L.gelu_forward(far)
+        grad = L.gelu_backward(np.ones_like(far), cache)
+    np.testing.assert_array_equal(out, [0, 0, 0, 20, 100, 1e4])
+    np.testing.assert_array_equal(grad, [0, 0, 0, 1, 1, 1])
+    assert out.dtype == grad.dtype == np.float32
 
 
 def test_dropout_fixed_mask_grads(rng):
@@ -150,6 +212,17 @@ def test_dropout_keeps_expectation_and_dtype():
     assert out.dtype == np.float32 and mask.dtype == np.float32
     assert set(np.unique(out).tolist()) == {0.0, np.float32(1 / 0.75).item()}
     assert abs(out.mean() - 1.0) < 0.01
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dropout_mask_is_the_float32_draw_thresholded_and_rescaled(dtype):
+    # The masks (hence training trajectories) are fixed by the draws: u = rng.random(float32), keep u >= p.
+    x = np.random.default_rng(0).standard_normal((50, 40)).astype(dtype)
+    out, mask = L.dropout_forward(x, 0.3, np.random.default_rng(5))
+    keep = np.random.default_rng(5).random(x.shape, dtype=np.float32) >= 0.3
+    want = keep.astype(dtype) * dtype(1 / 0.7)
+    assert mask.dtype == dtype and mask.tobytes() == want.tobytes()
+    assert out.tobytes() == (x * want).tobytes()
 
 
 def naive_attention(qkv: np.ndarray, n_head: int) -> np.ndarray:
@@ -208,6 +281,18 @@ def test_cross_entropy_grads(rng):
     assert rel_err(dlogits, numeric_grad(lambda: cross_entropy(logits, targets)[0], logits)) < TOL
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_cross_entropy_overwrite_gives_the_same_numbers_in_the_logits_memory(rng, dtype):
+    logits = (rng.standard_normal((6, 7)) * 2).astype(dtype)
+    targets = rng.integers(0, 7, 6)
+    kept = logits.copy()
+    loss, dlogits = cross_entropy(logits, targets)
+    np.testing.assert_array_equal(logits, kept)  # untouched by default
+    loss2, dlogits2 = cross_entropy(logits, targets, overwrite=True)
+    assert loss2 == loss and dlogits2 is logits and dlogits.dtype == dtype
+    np.testing.assert_array_equal(dlogits2, dlogits)
+
+
 def test_float32_stays_float32(rng):
     f32 = np.float32
     x = rng.standard_normal((2, 4, 8)).astype(f32)
@@ -218,10 +303,16 @@ def test_float32_stays_float32(rng):
         L.gelu_forward(x),
         L.dropout_forward(x, 0.5, np.random.default_rng(0)),
     ]
+    w2, b2 = rng.standard_normal((8, 24)).astype(f32), np.zeros(24, f32)
+    outs.append(L.layernorm_linear_forward(x, w, b, w2, b2))
+    outs.append(L.head_forward(x, rng.standard_normal((5, 8)).astype(f32)))
     for out, _ in outs:
         assert out.dtype == f32
     assert L.layernorm_backward(x, outs[1][1])[0].dtype == f32
     assert L.gelu_backward(x, outs[2][1]).dtype == f32
+    assert all(a.dtype == f32 for a in L.layernorm_linear_backward(outs[4][0], outs[4][1]))
+    assert all(a.dtype == f32 for a in L.head_backward(outs[5][0], outs[5][1]))
+    assert all(a.dtype == f32 for a in cross_entropy(outs[5][0], np.arange(8) % 5, overwrite=True)[1:])
     qkv = rng.standard_normal((2, 4, 24)).astype(f32)
     out, cache = L.attention_forward(qkv, 2, 0.1, np.random.default_rng(0))
     assert out.dtype == f32 and L.attention_backward(out, cache).dtype == f32

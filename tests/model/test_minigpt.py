@@ -205,3 +205,22 @@ def test_rejects_bad_config():
     for kw in ({"n_embd": 10, "n_head": 4}, {"dtype": "float16"}, {"dropout": 1.0}, {"attn_dropout": -0.1}):
         with pytest.raises(ValueError):
             make(**kw)
+
+
+def test_float32_model_has_no_float64_array_anywhere():
+    # No silent upcasts: every float array the forward keeps for the backward, and every gradient, is float32.
+    m, b = make(vocab=64, n_embd=16, n_head=2, block_size=16, dropout=0.1), batch(64, B=4, T=16)
+    logits, caches = m._forward(np.asarray(b.x), np.random.default_rng(0))
+
+    def floats(obj):
+        if isinstance(obj, np.ndarray):
+            yield obj
+        elif isinstance(obj, (tuple, list)):
+            for o in obj:
+                yield from floats(o)
+
+    kept = [a for a in floats(caches) if a.dtype.kind == "f"]
+    assert len(kept) > 30 and {a.dtype for a in kept} == {np.dtype(np.float32)}
+    assert logits.dtype == np.float32
+    _, grads = m.loss_and_grads(b, np.random.default_rng(0))
+    assert {g.dtype for g in grads.values()} == {np.dtype(np.float32)}

@@ -239,3 +239,44 @@ def test_params_handed_over_as_a_dictconfig_become_a_plain_dict_of_the_same_arra
     before = {k: p.copy() for k, p in params.items()}
     opt.step(_grads(0))
     assert all(not np.array_equal(before[k], p) for k, p in params.items())  # the caller's arrays moved
+
+
+class _PlainAdam(Adam):
+    """Adam's update as the plain numpy expressions (five temporaries a parameter): the bitwise oracle."""
+
+    def _update(self, name, p, g):
+        dt = p.dtype.type
+        if self.weight_decay:
+            if self.decoupled:
+                p *= dt(1 - self.lr * self.weight_decay)
+            else:
+                g = g + dt(self.weight_decay) * p
+        m, v = self._buffer("exp_avg", name), self._buffer("exp_avg_sq", name)
+        m += (g - m) * dt(1 - self.beta1)
+        v *= dt(self.beta2)
+        v += dt(1 - self.beta2) * g * g
+        denom = np.sqrt(v) / dt(math.sqrt(1 - self.beta2**self.t)) + dt(self.eps)
+        p -= dt(self.lr / (1 - self.beta1**self.t)) * (m / denom)
+
+
+class _PlainAdamW(_PlainAdam):
+    decoupled = True
+
+
+@pytest.mark.parametrize("cls, ref_cls, wd", [(Adam, _PlainAdam, 0.0), (Adam, _PlainAdam, 0.1), (AdamW, _PlainAdamW, 0.1)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_adam_update_is_bitwise_the_plain_expressions(cls, ref_cls, wd, dtype):
+    g = np.random.default_rng(3)
+    shapes = {"a": (5, 7), "b": (7,), "c": ()}
+    params = {k: g.normal(size=s).astype(dtype) for k, s in shapes.items()}
+    ref_params = {k: v.copy() for k, v in params.items()}
+    opt, ref = cls(params, lr=0.01, weight_decay=wd), ref_cls(ref_params, lr=0.01, weight_decay=wd)
+    for lr in (0.01, 0.02, 0.005, 0.01):
+        grads = {k: g.normal(size=s).astype(dtype) for k, s in shapes.items()}
+        opt.lr = ref.lr = lr
+        opt.step({k: v.copy() for k, v in grads.items()})
+        ref.step(grads)
+    for k in shapes:
+        assert params[k].dtype == dtype and params[k].tobytes() == ref_params[k].tobytes(), k
+    a, b = opt.state_dict(), ref.state_dict()
+    assert list(a) == list(b) and all(np.asarray(a[k]).tobytes() == np.asarray(b[k]).tobytes() for k in a)

@@ -1,0 +1,215 @@
+"""Data-parallel shards in one process: a fixed split and a fixed-order reduction, whatever the thread count."""
+from __future__ import annotations
+
+import os
+import queue
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, TypeVar
+
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+from pipeline.data.base import Batch
+
+R = TypeVar("R")
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity), the default thread count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def split(batch: Batch, shards: int) -> list[Batch]:
+    """`shards` contiguous pieces along the sample axis, sizes as np.array_split (the first B % shards get one
+    more); pieces are views (ids, x, y), empty when shards > B; `extra` goes to every piece unchanged."""
+    B = len(batch.ids)
+    bounds = np.cumsum([0] + [B // shards + (k < B % shards) for k in range(shards)])
+    return [
+        Batch(ids=batch.ids[a:b], x=batch.x[a:b], y=batch.y[a:b], extra=batch.extra)
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+
+
+def child_rngs(rng: np.random.Generator | None, shards: int) -> list[np.random.Generator | None]:
+    """One generator per shard: `shards` uint64 seeds drawn from rng in one call, before any shard runs, so
+    rng's state afterwards depends only on the shard count; child k is Generator(PCG64(seeds[k]))."""
+    if rng is None:
+        return [None] * shards
+    seeds = rng.integers(0, 2**64, size=shards, dtype=np.uint64)  # [shards]
+    return [np.random.Generator(np.random.PCG64(int(s))) for s in seeds]
+
+
+class Shards:
+    """Runs a model's loss and gradients as `shards` pieces of each batch on `threads` threads.
+
+    `shards` is semantic (part of a run's identity: it fixes the dropout draws and the summation order);
+    `threads` is not: 1, 2 or 4 threads give byte-identical losses and gradients. That holds because
+    every piece is computed by the same single-threaded code whichever thread runs it, and pieces are
+    combined in shard order once all have finished.
+
+    BLAS: OpenBLAS's thread count is one process-wide setting, and a multi-threaded GEMM may split its work
+    differently from a single-threaded one. A Shards pins BLAS to one thread from construction until
+    close(), which restores the previous count (threadpoolctl), and checks the pin again at every call:
+    every matmul inside a shard is single-threaded, the pool's threads are the only parallelism, and no
+    idle OpenBLAS worker is woken to spin-wait beside them (on a loaded machine that cost 4x). The
+    trainer's own small BLAS calls between steps (a gradient norm) run single-threaded too. Keep one Shards
+    open for the run; a closed one refuses further calls.
+
+    Thread safety asked of the model: `loss_and_grads` and `evaluate` may run concurrently on one model
+    object; they must only read `params` and must return arrays no later call writes to.
+    """
+
+    def __init__(self, shards: int, threads: int | None = None):
+        threads = available_cores() if threads is None else threads
+        if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)) or shards < 1:
+            raise ValueError(f"trainer.shards must be an integer >= 1, got {shards!r}")
+        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+            raise ValueError(f"trainer.threads must be an integer >= 1, got {threads!r}")
+        self.shards, self.threads = int(shards), int(threads)
+        # The calling thread works too: threads - 1 helpers. None when there is nothing to share.
+        self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="shard") if self.threads > 1 else None
+        self._blas = ThreadpoolController().select(user_api="blas").lib_controllers  # found once (~1 ms)
+        self._blas_before = [lib.get_num_threads() for lib in self._blas]
+        self._closed = False
+        self._pin_blas()
+
+    # -- the trainer's calls ------------------------------------------------------------------
+
+    def loss_and_grads(self, model, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
+        """The whole batch's mean loss and its gradients from its pieces' (l_k, g_k), in shard order:
+
+            loss = sum_k (B_k / B) l_k                      (Python floats)
+            grads = (g_0 + g_1 + ... + g_{n-1}) * (1 / n)   when the n pieces are equal (B divisible by shards)
+            grads = sum_k g_k * (B_k / B)                   otherwise
+
+        The model's loss is a mean over its samples' elements and every sample has as many (tokens of one
+        block, targets of one row), so weighting by sample count equals one big batch up to rounding; empty
+        pieces (shards > B) weigh 0 and are not run. The sums accumulate into piece 0's arrays (the model
+        handed them over). With shards == 1 this is exactly model.loss_and_grads(batch, rng), the same draws
+        from rng included.
+        """
+        self._pin_blas()
+        if self.shards == 1:
+            return model.loss_and_grads(batch, rng)
+        pieces, rngs = split(batch, self.shards), child_rngs(rng, self.shards)
+        run = [k for k, p in enumerate(pieces) if len(p.ids)]
+        results = self._map(lambda k: model.loss_and_grads(pieces[k], rngs[k]), run)
+        B, sizes = len(batch.ids), [len(pieces[k].ids) for k in run]
+        weights = [n / B for n in sizes]  # python floats: they take the grads' dtype
+        loss = 0.0
+        for w, (piece_loss, _) in zip(weights, results):
+            loss += w * piece_loss
+        equal = len(set(sizes)) == 1
+        grads, seen = {}, set()
+        for name, g0 in results[0][1].items():
+            # Accumulate in place only into an array the model gave away whole (not a view, not seen twice).
+            acc = g0 if g0.flags.owndata and g0.flags.writeable and id(g0) not in seen else g0.copy()
+            seen.add(id(acc))
+            if equal:
+                for _, g in results[1:]:
+                    acc += g[name]
+                acc *= 1.0 / len(results)
+            else:
+                acc *= weights[0]
+                for w, (_, g) in zip(weights[1:], results[1:]):
+                    acc += g[name] * w
+            grads[name] = acc
+        return loss, grads
+
+    def evaluate(self, model, batches: Iterable[Batch]) -> float:
+        """Mean of model.evaluate over the batches weighted by batch size, summed in batch order.
+
+        Batches are taken `threads` at a time (only that many are held); a batch is evaluated whole by one
+        thread, so the value is the same for any thread count. Empty batches are skipped.
+        """
+        self._pin_blas()
+        total, count = 0.0, 0
+        window: list[Batch] = []
+
+        def flush():
+            nonlocal total, count
+            losses = self._map(lambda k: model.evaluate(window[k]), list(range(len(window))))
+            for b, loss in zip(window, losses):
+                total += loss * len(b.ids)
+                count += len(b.ids)
+            window.clear()
+
+        for b in batches:
+            if len(b.ids) == 0:
+                continue
+            window.append(b)
+            if len(window) == self.threads:
+                flush()
+        if window:
+            flush()
+        if count == 0:
+            raise ValueError("evaluate got no samples: the validation batches are empty")
+        return total / count
+
+    # -- the pool -----------------------------------------------------------------------------
+
+    def _pin_blas(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Shards is closed: make a new one")
+        for lib in self._blas:
+            if lib.get_num_threads() != 1:  # ~1 us; threadpoolctl's limit() costs ~35 us a call
+                lib.set_num_threads(1)
+
+    def _map(self, fn: Callable[[int], R], keys: list[int]) -> list[R]:
+        """[fn(k) for k in keys], run by the calling thread and up to threads - 1 helpers, each taking the next
+        key as it frees up; results in key order, whatever finished first. After a failure the remaining keys
+        are dropped, and the first exception is re-raised once every thread has stopped."""
+        results: list = [None] * len(keys)
+        if self._pool is None or len(keys) == 1:
+            for i, k in enumerate(keys):
+                results[i] = fn(k)
+            return results
+        todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(len(keys)):
+            todo.put(i)
+
+        def work() -> None:
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    results[i] = fn(keys[i])
+                except BaseException:
+                    try:  # nobody starts another key
+                        while True:
+                            todo.get_nowait()
+                    except queue.Empty:
+                        pass
+                    raise
+
+        helpers = [self._pool.submit(work) for _ in range(min(self.threads, len(keys)) - 1)]
+        try:
+            work()
+        finally:
+            errors = [f.exception() for f in helpers]  # waits for every helper
+        for e in errors:
+            if e is not None:
+                raise e
+        return results
+
+    def close(self) -> None:
+        """Stop the pool and give BLAS its thread count back; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for lib, n in zip(self._blas, self._blas_before):
+            lib.set_num_threads(n)
+
+    def __enter__(self) -> Shards:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
