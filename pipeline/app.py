@@ -129,6 +129,7 @@ def _main(config: dict, overrides: list[str], config_yaml: str) -> float:
                 fail(code, f"preempted at step {job.state.step}; re-run the same command to resume", requeue=True)
             return objective(job, config.get("optimized_metric"))
     finally:
+        job.state.close()
         logging.getLogger().removeHandler(held)
         if file_handler is not None:
             logging.getLogger().removeHandler(file_handler)

@@ -29,7 +29,10 @@ from pipeline.trainer.state import TrainState
 
 
 def total_steps(trainer: dict, batches_per_epoch: int) -> int:
-    return int(trainer["max_steps"]) if trainer["max_steps"] > 0 else int(trainer["epochs"]) * batches_per_epoch
+    """Updates in the run: max_steps, else every epoch's micro-batches in groups of trainer.accumulate."""
+    if trainer["max_steps"] > 0:
+        return int(trainer["max_steps"])
+    return int(trainer["epochs"]) * batches_per_epoch // int(trainer["accumulate"])
 
 
 def _call(node: dict, **live):
@@ -68,7 +71,9 @@ def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> Tra
     steps = total_steps(trainer, iterator.batches_per_epoch)
     scheduler = _call(config["scheduler"], optimizer=optimizer, run_total_steps=steps)
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, iterator=iterator, streams=streams,
-                      dataset=dataset, dtype=dtype, total_steps=steps)
+                      dataset=dataset, dtype=dtype, total_steps=steps, accumulate=int(trainer["accumulate"]),
+                      grad_clip=float(trainer["grad_clip"]), shards=int(trainer["shards"]),
+                      threads=trainer["threads"])
 
 
 def build_stages(config: dict) -> list:

@@ -25,7 +25,7 @@ from pipeline.signals import EXIT_PREEMPTED, Signals
 from pipeline.stages.base import StepEnd
 from pipeline.state import StateMismatch, capture, restore
 from pipeline.trainer.display import Display
-from pipeline.trainer.loop import end_of_epoch, fit, metrics_of
+from pipeline.trainer.loop import epoch_ended, epochs_done, fit, metrics_of
 from pipeline.trainer.metrics_log import MetricsLog
 from pipeline.tracking.common import CURRENT_JOB
 
@@ -159,11 +159,11 @@ class Run:
         if bad and self.job.config["trainer"]["on_nonfinite"] == "stop":
             raise NonFiniteError(f"step {record['step']}: {bad[0]} is {metrics[bad[0]]} (non-finite); stopping "
                                  "with the last good checkpoints kept (trainer.on_nonfinite=continue trains on)")
-        epoch_done = end_of_epoch(self.state)
-        end = StepEnd(step=self.state.step, metrics=metrics, epoch_done=epoch_done,
-                      epochs_done=self.state.iterator.epoch + int(epoch_done),
+        end = StepEnd(step=self.state.step, metrics=metrics, epoch_done=epoch_ended(self.state, record),
+                      epochs_done=epochs_done(self.state),
                       last=self.state.step >= self.state.total_steps)
-        stop = next((r for s in self.job.stages if (r := s.stop_reason(end))), None)
+        # every stage sees every step end (a stateful one must not miss the step another stops on)
+        stop = next((r for r in [s.stop_reason(end) for s in self.job.stages] if r), None)
         if stop:
             end = replace(end, last=True)
         if end.last:

@@ -40,6 +40,10 @@ def above(lo) -> Callable:
     return lambda v: None if _num(v) and math.isfinite(v) and v > lo else f"must be a finite number > {lo}"
 
 
+def null_or_at_least(lo) -> Callable:
+    return lambda v: None if v is None or at_least(lo)(v) is None else f"must be null or a number >= {lo}"
+
+
 def fraction(v) -> str | None:
     return None if _num(v) and 0 <= v < 1 else "must be in [0, 1)"
 
@@ -116,6 +120,10 @@ class TrainerConf:
     progress_bar: Optional[bool] = _f()
     on_nonfinite: NonFinite = _f()
     max_time: Optional[str] = _f(duration_or_null)  # DD:HH:MM:SS of this process's wall time; null = no budget
+    accumulate: int = _f(at_least(1))  # micro-batches (of batch_size) per update
+    grad_clip: float = _f(at_least(0))  # the largest global L2 norm of a gradient; 0 = no clipping
+    shards: int = _f(at_least(1))  # pieces each micro-batch is split into: semantic (summation order, dropout)
+    threads: Optional[int] = _f(null_or_at_least(1))  # threads running the pieces: not semantic; null = the cores
 
     @staticmethod
     def cross(c: dict) -> list[str]:

@@ -44,6 +44,11 @@ def test_schemas_hold_types_and_the_yaml_holds_every_value():
     ("stages.rotate_last_3.keep=0", "stages.rotate_last_3.keep=0"),
     ("checkpoint.every_steps=-1", "checkpoint.every_steps=-1"),
     ("verify.cut=0", "verify.cut=0"),
+    ("trainer.accumulate=0", "trainer.accumulate=0: must be a number >= 1"),
+    ("trainer.grad_clip=-1", "trainer.grad_clip=-1.0: must be a number >= 0"),
+    ("trainer.grad_clip=nan", "trainer.grad_clip=nan"),
+    ("trainer.shards=0", "trainer.shards=0: must be a number >= 1"),
+    ("trainer.threads=0", "trainer.threads=0: must be null or a number >= 1"),
 ], ids=lambda x: x if "=" in x and ":" not in x else "")
 def test_a_bad_value_is_one_line_naming_the_key_value_and_range(override, words, tmp_path):
     with pytest.raises(ConfigError) as info:

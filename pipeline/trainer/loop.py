@@ -15,17 +15,24 @@ NOT_METRICS = ("step", "epoch", "ids", "step_time")
 
 
 def grad_norm(grads: dict[str, np.ndarray]) -> float:
+    """The global L2 norm over every gradient array (a Python float: accumulated in double precision)."""
     return math.sqrt(sum(float(np.vdot(g, g)) for g in grads.values()))
 
 
+def clip(grads: dict[str, np.ndarray], norm: float, max_norm: float) -> bool:
+    """PyTorch's clip_grad_norm_: scale every gradient by max_norm / (norm + 1e-6) when that is below 1, in
+    place; True if it scaled. A non-finite norm is left alone (the run's on_nonfinite policy decides)."""
+    coef = max_norm / (norm + 1e-6)
+    if not math.isfinite(norm) or coef >= 1.0:
+        return False
+    for g in grads.values():
+        g *= coef  # a Python float: the arrays keep their dtype
+    return True
+
+
 def evaluate(state: TrainState) -> dict[str, float]:
-    """Mean validation loss over the fixed validation batches, weighted by batch size."""
-    total, count = 0.0, 0
-    for batch in state.dataset.val_batches(state.dtype):
-        n = len(batch.ids)
-        total += state.model.evaluate(batch) * n
-        count += n
-    loss = total / count
+    """Mean validation loss over the fixed validation batches, weighted by batch size, summed in batch order."""
+    loss = state.runner.evaluate(state.model, state.dataset.val_batches(state.dtype))
     out = {"val/loss": loss}
     if state.dataset.spec.vocab_size:
         out["val/ppl"] = math.exp(min(loss, 700.0))
@@ -39,24 +46,67 @@ def end_of_epoch(state: TrainState) -> bool:
     return it.cursor + it.batch_size > it.n
 
 
+def epochs_done(state: TrainState) -> int:
+    """Epochs whose every batch has been used."""
+    return state.iterator.epoch + int(end_of_epoch(state))
+
+
+def _owned(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The same gradients as arrays of their own, safe to add into (no view, no array under two names)."""
+    out, seen = {}, set()
+    for name, g in grads.items():
+        out[name] = g if g.flags.owndata and g.flags.writeable and id(g) not in seen else g.copy()
+        seen.add(id(out[name]))
+    return out
+
+
 def train_step(state: TrainState) -> dict:
-    """One update; returns its record (what the verifier compares: ids, lr, loss)."""
-    epoch = state.iterator.epoch + end_of_epoch(state)  # the epoch this batch comes from
-    ids = state.iterator.next_ids()
-    batch = state.dataset.augment(state.dataset.train_batch(ids, state.dtype), state.streams)
+    """One update from trainer.accumulate micro-batches; returns its record (what the verifier compares:
+    ids, lr, loss).
+
+    The update's loss and gradient are the means over its micro-batches, (g_0 + ... + g_{N-1}) * (1/N) in
+    micro-batch order; each micro-batch is split into trainer.shards pieces by the shard runner. The
+    gradient is clipped (trainer.grad_clip) after the mean; `grad_norm` is the norm before clipping.
+    Checkpoints and preemptions happen only between updates: a group of micro-batches is never cut.
+    """
+    epoch = epochs_done(state)  # the epoch the update's first micro-batch comes from
     lr = state.optimizer.lr
-    loss, grads = state.model.loss_and_grads(batch, state.streams["dropout"])
+    ids, loss, grads = [], 0.0, None
+    for _ in range(state.accumulate):
+        batch_ids = state.iterator.next_ids()
+        batch = state.dataset.augment(state.dataset.train_batch(batch_ids, state.dtype), state.streams)
+        piece_loss, piece_grads = state.runner.loss_and_grads(state.model, batch, state.streams["dropout"])
+        ids.append(batch_ids)
+        loss += piece_loss
+        if grads is None:
+            grads = _owned(piece_grads)
+        else:
+            for name, g in grads.items():
+                g += piece_grads[name]
+    if state.accumulate > 1:
+        loss /= state.accumulate
+        for g in grads.values():
+            g *= 1.0 / state.accumulate
     killpoint.point("train", "after backward")
     gnorm = grad_norm(grads)
+    clipped = state.grad_clip > 0 and clip(grads, gnorm, state.grad_clip)
+    state.progress.clipped += int(clipped)
     state.optimizer.step(grads)
     killpoint.point("train", "after optimizer step")
     state.scheduler.step()
     state.progress.step += 1
     record = {"step": state.step, "epoch": epoch, "train/loss": loss, "lr": lr, "grad_norm": gnorm}
+    if state.grad_clip > 0:
+        record["clipped"] = state.progress.clipped
     if state.dataset.spec.vocab_size:
         record["train/ppl"] = math.exp(min(loss, 700.0))
-    record["ids"] = ids
+    record["ids"] = ids[0] if len(ids) == 1 else np.concatenate(ids)
     return record
+
+
+def epoch_ended(state: TrainState, record: dict) -> bool:
+    """True when an epoch ended during the update `record` reports (with accumulation, maybe mid-group)."""
+    return epochs_done(state) > record["epoch"]
 
 
 def metrics_of(record: dict) -> dict:
@@ -77,8 +127,7 @@ def fit(state: TrainState, eval_every: int, on_step_end: Callable[[dict], bool],
             record = train_step(state)
         record["step_time"] = time.perf_counter() - t0
         last = state.step >= state.total_steps
-        epoch_done = end_of_epoch(state)
-        due = state.step % eval_every == 0 if eval_every > 0 else epoch_done
+        due = state.step % eval_every == 0 if eval_every > 0 else epoch_ended(state, record)
         if due or last:
             with np.errstate(all="ignore"):
                 record.update(evaluate(state))

@@ -5,7 +5,7 @@ import time
 
 from pipeline import jsonio
 
-LOGGED = ("train/loss", "train/ppl", "lr", "grad_norm")
+LOGGED = ("train/loss", "train/ppl", "lr", "grad_norm", "clipped")
 
 
 def log_line(record: dict) -> dict:

@@ -8,23 +8,27 @@ import numpy as np
 from pipeline import jsonio
 from pipeline.data.iterator import DataIterator
 from pipeline.rng import Streams
+from pipeline.trainer.parallel import Shards
 
 
 @dataclass
 class Progress:
-    """Updates completed and the latest value of every metric (what run.json and the final report show)."""
+    """Updates completed, how many of them were clipped, and the latest value of every metric (what run.json
+    and the final report show)."""
 
     step: int = 0
     metrics: dict = field(default_factory=dict)
     ended: str | None = None  # why the run ended ("max_steps", or a stage's reason); None while it goes on
+    clipped: int = 0  # updates whose gradient trainer.grad_clip scaled down
     free_form_state = ("metrics",)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "metrics": dict(self.metrics), "ended": self.ended}
+        return {"step": self.step, "metrics": dict(self.metrics), "ended": self.ended, "clipped": self.clipped}
 
     def check_state_dict(self, state: dict) -> None:
-        if type(state["step"]) is not int or state["step"] < 0:
-            raise ValueError(f"step {state['step']!r} is not a count of updates")
+        for key in ("step", "clipped"):
+            if type(state[key]) is not int or state[key] < 0:
+                raise ValueError(f"{key} {state[key]!r} is not a count of updates")
         for v in state["metrics"].values():
             jsonio.number(v)
         if state["ended"] is not None and not isinstance(state["ended"], str):
@@ -34,6 +38,7 @@ class Progress:
         self.step = int(state["step"])
         self.metrics = {k: jsonio.number(v) for k, v in state["metrics"].items()}
         self.ended = state["ended"]
+        self.clipped = int(state["clipped"])
 
 
 @dataclass
@@ -46,7 +51,12 @@ class TrainState:
     dataset: object
     dtype: np.dtype
     total_steps: int
+    accumulate: int = 1  # micro-batches per update
+    grad_clip: float = 0.0  # the largest global L2 norm of an update's gradient; 0: no clipping
+    shards: int = 1  # pieces each micro-batch is split into (semantic: the dropout draws, the summation order)
+    threads: int | None = None  # threads running the pieces (not semantic); None: the cores available
     progress: Progress = field(default_factory=Progress)
+    _runner: Shards | None = field(default=None, repr=False)
 
     @property
     def step(self) -> int:
@@ -59,6 +69,24 @@ class TrainState:
     @property
     def metrics(self) -> dict:
         return self.progress.metrics
+
+    def __post_init__(self):
+        # made with the state: from here on BLAS runs on one thread (the runner's pin), so every number the
+        # state computes, inside the runner or not, is the same whatever the thread count
+        self._runner = Shards(self.shards, self.threads)
+
+    @property
+    def runner(self) -> Shards:
+        """The shard runner (pins BLAS to one thread until close())."""
+        if self._runner is None:
+            raise RuntimeError("this TrainState is closed")
+        return self._runner
+
+    def close(self) -> None:
+        """Stop the shard runner's threads and give BLAS back its thread count; idempotent."""
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
 
     def parts(self) -> dict:
         """The state machines under their checkpoint names (the job adds "stages")."""

@@ -279,4 +279,7 @@ def test_adam_update_is_bitwise_the_plain_expressions(cls, ref_cls, wd, dtype):
     for k in shapes:
         assert params[k].dtype == dtype and params[k].tobytes() == ref_params[k].tobytes(), k
     a, b = opt.state_dict(), ref.state_dict()
-    assert list(a) == list(b) and all(np.asarray(a[k]).tobytes() == np.asarray(b[k]).tobytes() for k in a)
+    assert a["t"] == b["t"] and list(a) == list(b)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert list(a[key]) == list(b[key])
+        assert all(a[key][n].tobytes() == b[key][n].tobytes() for n in a[key]), key

@@ -78,7 +78,9 @@ def test_incomplete_verification_exits_2(tmp_path):
 
 
 def test_chaos_mode_20_trials_bit_exact_with_kills_inside_saves(tmp_path):
+    """With accumulation (2 micro-batches an update) and clipping on every update (grad norms 0.6-1.6)."""
     r = subprocess.run([sys.executable, "-m", "pipeline.verify", "experiment=kernodeck", "tracking=none",
+                        "trainer.accumulate=2", "trainer.grad_clip=0.3",
                         "verify.kill=random", "verify.trials=20", f"paths.output_dir={tmp_path}"],
                        env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -90,8 +92,11 @@ def test_chaos_mode_20_trials_bit_exact_with_kills_inside_saves(tmp_path):
     assert all(t["killed"] for t in report["trial_records"])
 
 
-def test_default_minigpt_config_verifies(tmp_path):
-    r, report = verify([], tmp_path / "out")
+def test_default_minigpt_config_verifies_with_accumulation_clipping_and_early_stopping(tmp_path):
+    """The default job with 4 micro-batches an update, every update clipped (its norms are ~1.5) and early
+    stopping armed."""
+    r, report = verify(["trainer.accumulate=4", "trainer.grad_clip=0.5", "+stages/early_stop=default"],
+                       tmp_path / "out")
     assert r.returncode == 0, r.stdout + r.stderr
     assert report["all_checks_passed"] and report["max_weight_diff"]["positive"] == 0.0
     names = {c["name"] for c in report["comparisons"]}
