@@ -67,8 +67,8 @@ def main() -> None:
     try:
         task()
     except Exception as e:
-        if SIGNALS_STATE.received is not None and not started:
-            # the handler's exception, raised inside a library while composing, came out as another one
+        if SIGNALS_STATE.interrupted_start():
+            # the handler's exception, raised inside a library (composing, building), came out as another one
             raise Interrupted(SIGNALS_STATE.received) from e
         if started and _sweep_end(f"{type(e).__name__}: {e}"):
             raise  # an error inside a job: its traceback, exit 1

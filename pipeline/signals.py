@@ -67,6 +67,7 @@ class Signals:
         self.mode = RAISE
         self.installed = False
         self.marker: Path | None = None  # a sweep's "interrupted" file, which its jobs check before starting
+        self.held = False  # a run has held its directory (deferring) in this process
 
     def install(self) -> None:
         """Take over the signals (main thread only; elsewhere, e.g. a worker thread, leave them be)."""
@@ -103,7 +104,7 @@ class Signals:
     @contextlib.contextmanager
     def deferring(self):
         """While a run holds its directory: a signal only sets the flag (raises at once if one already came)."""
-        previous, self.mode = self.mode, DEFER
+        previous, self.mode, self.held = self.mode, DEFER, True
         try:
             if self.received is not None and previous == RAISE:
                 raise Interrupted(self.received)
@@ -115,6 +116,11 @@ class Signals:
         """In the process that launches a sweep's jobs (see the module docstring)."""
         self.install()
         self.mode, self.marker = SWEEP, marker
+
+    def interrupted_start(self) -> bool:
+        """A signal raised (RAISE mode) before any run held its directory: whatever exception a library made
+        of it, the process was interrupted while starting and nothing was changed."""
+        return self.received is not None and self.mode == RAISE and not self.held
 
     @property
     def name(self) -> str | None:
