@@ -249,8 +249,8 @@ class Run:
             tracker.finish("FAILED", self.rundir.path)
             raise
         self.write_status("complete")
-        log.info("done at step %d (%s): %s", self.state.step, self.state.progress.ended,
-                 " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
+        log.info("done at step %d (%s) after %.1f s in this process: %s", self.state.step,
+                 self.state.progress.ended, budget.process_age(), " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
         tracker.finish("FINISHED", self.rundir.path)
         return 0
 

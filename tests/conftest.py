@@ -35,6 +35,25 @@ TINY = ("model.n_layer=1", "model.n_embd=16", "model.n_head=2", "data.n_sentence
 KERNODECK = ("experiment=kernodeck", "tracking=none", "trainer.progress_bar=false")
 
 
+def central_differences(f, x, R=None, eps: float = 1e-6):
+    """The oracle of every gradient test: central differences wrt every entry of x (perturbed in place, then
+    restored) of the scalar f(), or, given R, of sum(f() * R): the output difference is taken before
+    projecting, so untouched outputs cancel exactly and rounding noise stays that of the changed entries."""
+    import numpy as np
+
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):  # by index: x may be a view (a tied head is the embedding's transpose)
+        old = x[i]
+        x[i] = old + eps
+        fp = f()
+        x[i] = old - eps
+        fm = f()
+        x[i] = old
+        diff = fp - fm if R is None else np.sum((fp - fm) * R)
+        g[i] = diff / (2 * eps)
+    return g
+
+
 def compose(*overrides: str, return_hydra_config: bool = False):
     """The real conf/config.yaml composed with `overrides`, exactly as `python -m pipeline` would."""
     from pipeline.schema import compose as compose_config

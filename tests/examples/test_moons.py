@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import PROJECT_ROOT, config_of, run_job, run_pipeline, the_run
+from conftest import PROJECT_ROOT, central_differences, config_of, run_job, run_pipeline, the_run
 from pipeline.rundir import RunDir
 from pipeline.signals import EXIT_PREEMPTED, SIGNALS_STATE
 from test_run import kept, metrics
@@ -37,17 +37,8 @@ def test_rbf_gradients_match_finite_differences(moons):
         return model.loss_and_grads(batch, np.random.default_rng(7))[0]
 
     _, grads = model.loss_and_grads(batch, np.random.default_rng(7))
-    eps = 1e-6
     for name, p in model.params.items():
-        numeric = np.zeros_like(p)
-        for i in np.ndindex(p.shape):
-            old = p[i]
-            p[i] = old + eps
-            up = loss()
-            p[i] = old - eps
-            down = loss()
-            p[i] = old
-            numeric[i] = (up - down) / (2 * eps)
+        numeric = central_differences(loss, p)
         np.testing.assert_allclose(grads[name], numeric, rtol=1e-5, atol=1e-8, err_msg=name)
 
 

@@ -1,11 +1,14 @@
 """Finite-difference gradient checks (float64) and reference comparisons for pipeline.model.layers."""
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
 import numpy as np
 import pytest
+
+from conftest import central_differences
 
 from pipeline.losses import cross_entropy
 from pipeline.model import layers as L
@@ -20,22 +23,7 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b) / np.maximum(np.abs(a) + np.abs(b), FLOOR)))
 
 
-def numeric_grad(f, x: np.ndarray, R: np.ndarray | None = None, eps: float = EPS) -> np.ndarray:
-    """Central differences wrt every entry of x (perturbed in place, then restored) of the scalar f(), or,
-    given R, of sum(f() * R): the output difference is taken before projecting, so untouched outputs cancel
-    exactly and rounding noise stays that of the changed entries, not of the whole sum."""
-    g = np.zeros_like(x)
-    flat, gflat = x.reshape(-1), g.reshape(-1)
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + eps
-        fp = f()
-        flat[i] = old - eps
-        fm = f()
-        flat[i] = old
-        diff = fp - fm if R is None else np.sum((fp - fm) * R)
-        gflat[i] = diff / (2 * eps)
-    return g
+numeric_grad = functools.partial(central_differences, eps=EPS)
 
 
 def projector(shape, seed=123):

@@ -2,8 +2,12 @@
 differences, max relative error < 1e-6)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
+
+from conftest import central_differences
 
 from pipeline.data.base import Batch, DataSpec
 from pipeline.losses import cross_entropy, mse
@@ -20,20 +24,7 @@ def rel_error(analytic: np.ndarray, numeric: np.ndarray) -> float:
     return float(np.max(np.abs(analytic - numeric) / np.maximum(np.abs(analytic) + np.abs(numeric), FLOOR)))
 
 
-def numeric_grad(f, x: np.ndarray, h: float = H) -> np.ndarray:
-    """Central differences of the scalar f() with respect to x, perturbing x in place."""
-    g = np.zeros_like(x)
-    it = np.nditer(x, flags=["multi_index"])
-    for _ in it:
-        i = it.multi_index
-        old = x[i]
-        x[i] = old + h
-        fp = f()
-        x[i] = old - h
-        fm = f()
-        x[i] = old
-        g[i] = (fp - fm) / (2 * h)
-    return g
+numeric_grad = functools.partial(central_differences, eps=H)
 
 
 def make_mlp(hidden, activation, dropout=0.0, n_features=3, n_targets=2, seed=0) -> MLP:
