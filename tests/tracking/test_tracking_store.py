@@ -22,7 +22,7 @@ def runs_of(uri: str):
     return client, client.search_runs(ids, max_results=1000)
 
 
-@pytest.mark.parametrize("repetition", range(3))
+@pytest.mark.parametrize("repetition", range(5))
 def test_independent_runs_and_sweeps_started_together_on_a_fresh_db(tmp_path, repetition):
     """Regression (#11.1): two processes migrating a fresh mlflow.db at once lost runs or broke the DB."""
     out = tmp_path / "out"
