@@ -148,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix=".bench-checkpoint-", dir=args.dir or ROOT.parent))
     try:
         parts = build_parts(args.mib)
-        template = capture(parts)
         arrays = state_arrays(parts)
         nbytes = sum(a.nbytes for a in arrays)
         raw_file = scratch / "raw.bin"
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             times["save"].append(timed(lambda: save(parts, ckpt)))
             os.sync()
             times["raw_read"].append(timed(lambda: raw_read_sha(raw_file)))
-            times["load"].append(timed(lambda: store.load(ckpt, template)))
+            times["load"].append(timed(lambda: store.load(ckpt, parts)))
             raw_file.unlink()
             shutil.rmtree(ckpt)
             if r < 0:
