@@ -12,7 +12,7 @@ import pytest
 
 from conftest import KERNODECK, TINY, run_job, run_pipeline, the_run
 from pipeline.rundir import RunDir
-from pipeline.sample import Options, encode, next_token, sample, split_prompt
+from pipeline.sample import encode, next_token, sample, split_prompt
 from pipeline.schema import ConfigError
 from test_evaluate import text_overrides
 
