@@ -212,6 +212,13 @@ def slurm_unavailable() -> str | None:
     return None
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """The slurm tests share one cluster and its CPUs: one xdist worker runs them all, one after another."""
+    for item in items:
+        if item.get_closest_marker("slurm") is not None:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
 def pytest_runtest_setup(item) -> None:
     """Skip every `slurm` test here with one reason from one place, so the summary shows it on one line."""
     if item.get_closest_marker("slurm") is not None:

@@ -76,6 +76,12 @@ def run_json(out: Path) -> dict:
     return json.loads((run / "run.json").read_text())
 
 
+def resumed_past(out: Path, times: int) -> bool:
+    """The run has resumed `times` times and saved a checkpoint after its last resume."""
+    resumes = run_json(out)["resumes"] if list((out / "runs").glob("*/run.json")) else []
+    return len(resumes) == times and newest_step(out) > resumes[-1]["step"]
+
+
 def the_family(out: Path):
     """(parent, children) of the one sweep in `out`'s sqlite store."""
     from mlflow import MlflowClient
@@ -164,9 +170,10 @@ def test_scontrol_requeue_and_scancel_term_mid_run_resume_it_as_if_never_stopped
     wait_until(lambda: newest_step(out) > 0, "the job's first checkpoint", job, limit=WAIT)
     (task,) = submitted(out)
     slurm_cluster.run("scontrol", "requeue", task)  # what a preemption does
-    first = newest_step(out)
-    wait_until(lambda: job_field(slurm_cluster, task, "Restarts") == "1" and newest_step(out) > first,
-               "the requeued job's next checkpoint", job, limit=WAIT)
+    # training again after the requeue: resumed once, and a checkpoint past the one it resumed from (the
+    # checkpoint the requeue's SIGTERM saves is not enough: a signal before the requeued job's Python has
+    # started would reach the batch shell, not the run)
+    wait_until(lambda: resumed_past(out, 1), "the requeued job's next checkpoint", job, limit=WAIT)
     slurm_cluster.run("scancel", "--signal=TERM", task)  # to the job's steps: the job stays RUNNING
     finished(job, "the twice interrupted job")
     assert job_field(slurm_cluster, task, "Restarts") == "2"
