@@ -43,8 +43,12 @@ def fail(code: int, message: object, requeue: bool = False) -> None:
 
     A run stopped by a signal or its time budget (`requeue`) inside a SLURM job makes sure the job runs again
     (pipeline.slurm); the process then exits rather than returning, so submitit waits for the requeued job.
-    (Not a job that a stopped sweep holds back: requeued, it would only be held back again.)"""
+    (Not a job whose sweep was stopped: its launcher is ending the sweep, and the identical command
+    continues it.)"""
     print(f"pipeline: {message}", file=sys.stderr)
+    sweep_dir = CURRENT_JOB.get("sweep_dir") if _MULTIRUN else None
+    if SIGNALS_STATE.sweep_interrupted(Path(sweep_dir) / "interrupted" if sweep_dir else None):
+        requeue = False  # its sweep's launcher stopped it: requeued, it would only be held back again
     if requeue and (slurm := requeue_self()) is not None:
         requeued, said = slurm
         print(f"pipeline: {said}", file=sys.stderr)

@@ -5,8 +5,9 @@ signal stops the process at once: `Interrupted` unwinds to the entry point, whic
 run holds its directory (`deferring()`), a signal only sets a flag: the current update finishes, a
 checkpoint is written, and the process exits EXIT_PREEMPTED; a second signal changes nothing (the save in
 progress completes). In the process that launched a sweep (`sweeping()`), a signal is passed on to the
-processes running its jobs (joblib's workers, submitit's jobs), each of which checkpoints and stops, and
-the jobs not started yet refuse to start: the sweep ends, and the identical command continues it.
+processes running its jobs (joblib's workers, submitit's local jobs, the steps of its SLURM jobs), each of
+which checkpoints and stops (a SLURM job stopped so does not requeue itself), and the jobs not started yet
+refuse to start: the sweep ends, and the identical command continues it.
 Either way: EX_TEMPFAIL, try again.
 """
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Signals:
         self.mode = RAISE
         self.installed = False
         self.marker: Path | None = None  # a sweep's "interrupted" file, which its jobs check before starting
+        self.slurm_jobs: Path | None = None  # a SLURM sweep's submitit folder (its job ids), jobs not ours
         self.held = False  # a run has held its directory (deferring) in this process
 
     def install(self) -> None:
@@ -100,6 +102,10 @@ class Signals:
                 os.kill(pid, signum)
             except OSError:
                 pass
+        if self.slurm_jobs is not None:  # the jobs run on the cluster, not below this process
+            from pipeline.slurm import signal_jobs
+
+            threading.Thread(target=signal_jobs, args=(self.slurm_jobs, signum), daemon=True).start()
 
     @contextlib.contextmanager
     def deferring(self):
@@ -112,10 +118,11 @@ class Signals:
         finally:
             self.mode = previous
 
-    def sweeping(self, marker: Path | None) -> None:
-        """In the process that launches a sweep's jobs (see the module docstring)."""
+    def sweeping(self, marker: Path | None, slurm_jobs: Path | None = None) -> None:
+        """In the process that launches a sweep's jobs (see the module docstring); `slurm_jobs`: the
+        submitit folder of a sweep whose jobs SLURM runs."""
         self.install()
-        self.mode, self.marker = SWEEP, marker
+        self.mode, self.marker, self.slurm_jobs = SWEEP, marker, slurm_jobs
 
     def interrupted_start(self) -> bool:
         """A signal raised (RAISE mode) before any run held its directory: whatever exception a library made

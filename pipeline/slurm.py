@@ -13,7 +13,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
+from pathlib import Path
 
 
 def job_id() -> str | None:
@@ -49,3 +51,17 @@ def requeue_self() -> tuple[bool, str] | None:
     if r.returncode != 0:
         return False, f"SLURM job {job}: `scontrol requeue` failed: {(r.stderr or r.stdout).strip()}"
     return True, f"SLURM job {job} ({state}, reason {reason}) requeued: it resumes from its newest checkpoint"
+
+
+def signal_jobs(submitit_dir: Path, signum: int) -> list[str]:
+    """Pass a signal to the steps of every SLURM job submitit submitted from `submitit_dir` (its folders are
+    the job ids; an array's tasks all get it through the array's id); the jobs checkpoint and stop like a
+    run that is sent the signal. Jobs that have ended or not started answer with an error, which is
+    ignored: a job that starts later sees the sweep's stop and refuses to. Returns the ids signalled."""
+    if shutil.which("scancel") is None or not submitit_dir.is_dir():
+        return []
+    ids = sorted({p.name.split("_")[0] for p in submitit_dir.iterdir() if re.fullmatch(r"\d+(_\d+)?", p.name)})
+    if ids:
+        subprocess.run(["scancel", f"--signal={signal.Signals(signum).name[3:]}", *ids], capture_output=True,
+                       timeout=60)
+    return ids

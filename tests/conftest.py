@@ -103,6 +103,8 @@ def run_pipeline(args: Sequence[str], cwd: Path, module: str = "pipeline") -> su
 class Proc:
     """A running `python -m pipeline`, its output going to files (a full pipe would block it)."""
 
+    started: list[Proc] = []  # every Proc of the current test; the `no_leftover_procs` fixture kills survivors
+
     def __init__(self, args: Sequence[str], cwd: Path, env: dict | None = None):
         Path(cwd).mkdir(parents=True, exist_ok=True)
         self.err_path = Path(cwd) / f"stderr-{time.monotonic_ns()}.txt"
@@ -110,6 +112,7 @@ class Proc:
             self.p = subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=cwd,
                                       env={**env_for_subprocess(), **(env or {})}, stdout=subprocess.DEVNULL,
                                       stderr=err, text=True)
+        Proc.started.append(self)
 
     def wait(self) -> int:
         return self.p.wait()
@@ -120,6 +123,17 @@ class Proc:
     @property
     def stderr(self) -> str:
         return self.err_path.read_text()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_procs():
+    """A test that fails (or times out) while its pipeline runs must not leave that process running on."""
+    yield
+    while Proc.started:
+        proc = Proc.started.pop()
+        if proc.p.poll() is None:
+            proc.p.kill()
+            proc.p.wait()
 
 
 def wait_until(predicate, what: str, proc: Proc | None = None, limit: float = 600) -> None:

@@ -74,6 +74,16 @@ def job_name(overrides: list[str], keys) -> str:
     return " ".join(picked) or " ".join(o for o in overrides if not _machine(o.split("=", 1)[0].lstrip("+~")))
 
 
+def _slurm_jobs(launcher) -> Path | None:
+    """Where submitit keeps a SLURM sweep's jobs, one folder per job id (`.submitit/%j` in the sweep
+    directory by default); None for every other launcher."""
+    if not str(launcher.get("_target_", "")).endswith("SlurmLauncher"):
+        return None
+    folder = str(launcher.get("submitit_folder") or "")
+    prefix = folder.split("%", 1)[0]
+    return Path(prefix) if prefix.endswith("/") else Path(prefix).parent
+
+
 class MlflowSweepCallback(Callback):
     def __init__(self) -> None:
         self.sweep: dict | None = None  # id, dir, name, swept, uri, direction: plain data, pickled to the jobs
@@ -97,7 +107,7 @@ class MlflowSweepCallback(Callback):
         os.environ[SWEEP_DIR_ENV] = str(directory)  # hydra.sweep.dir follows it, here and in every job
         marker = directory / "interrupted"
         marker.unlink(missing_ok=True)
-        SIGNALS_STATE.sweeping(marker)
+        SIGNALS_STATE.sweeping(marker, slurm_jobs=_slurm_jobs(hydra.launcher))
         stages = _plain(config.get("stages")) or {}
         mode = (stages.get("best_val") or {}).get("mode", "min")
         direction = "maximize" if mode == "max" else "minimize"

@@ -3,6 +3,7 @@ that answers like the real one (the live cluster tests cover the real one end to
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,32 @@ def test_an_array_task_is_named_as_its_own_task(scontrol, monkeypatch):
     log = scontrol("RUNNING")
     slurm.requeue_self()
     assert calls(log) == ["show job 40_1 -o", "requeue 40_1"]  # not 41, not the whole array 40
+
+
+def test_a_stopped_sweep_signals_the_steps_of_each_job_it_submitted_once(tmp_path, monkeypatch):
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "scancel").write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 1\n')  # ended jobs: an error
+    (bin_dir / "scancel").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    folder = tmp_path / ".submitit"
+    for name in ("12", "12_0", "12_1", "9", ".submission_file_x.sh", "notes"):
+        (folder / name).mkdir(parents=True)
+    assert slurm.signal_jobs(folder, signal.SIGTERM) == ["12", "9"]  # an array's id reaches all its tasks
+    assert calls(log) == ["--signal=TERM 12 9"]  # to the steps (no --full): the batch shell lives on
+    assert slurm.signal_jobs(tmp_path / "none", signal.SIGINT) == []
+
+
+@pytest.mark.parametrize("target, folder, expected", [
+    ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher", "/s/.submitit/%j", "/s/.submitit"),
+    ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher", "/s/jobs/job_%j", "/s/jobs"),
+    ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher", "/s/.submitit/%j", None),
+    ("hydra._internal.core_plugins.basic_launcher.BasicLauncher", None, None),
+])
+def test_only_a_slurm_sweep_names_its_submitit_folder(target, folder, expected):
+    from omegaconf import OmegaConf
+
+    from pipeline.tracking.sweep_callback import _slurm_jobs
+
+    launcher = OmegaConf.create({"_target_": target, **({"submitit_folder": folder} if folder else {})})
+    assert _slurm_jobs(launcher) == (Path(expected) if expected else None)

@@ -206,3 +206,32 @@ def test_a_hard_killed_job_resumes_when_the_identical_command_runs_again(slurm_c
     same_run(ref, out)
     parent, (child,) = the_family(out)
     assert parent.info.status == child.info.status == "FINISHED" and child.data.tags["resumes"] == "1"
+
+
+def test_a_signal_to_the_launcher_stops_its_slurm_jobs_and_the_identical_command_continues(slurm_cluster, slurm_env,
+                                                                                           tmp_path):
+    # two jobs, one at a time: the running one is sent the signal, the pending one refuses to start
+    command = ["-m", *launcher(slurm_cluster.partition, "hydra.launcher.array_parallelism=1"),
+               *lasting(train_s=20), "trainer.seed=1,2", f"paths.output_dir={tmp_path / 'slurm'}"]
+    out = tmp_path / "slurm"
+    sweep = on_slurm(command, tmp_path / "cwd")
+    wait_until(lambda: newest_step(out) > 0, "the first job's first checkpoint", sweep, limit=WAIT)
+    sweep.send_signal(signal.SIGTERM)
+    wait_until(lambda: sweep.p.poll() is not None, "the stopped sweep's launcher", limit=WAIT)
+    assert sweep.p.returncode == 75, sweep.stderr[-3000:]
+    assert "the sweep was interrupted; 2 of 2 jobs did not finish" in sweep.stderr
+    wait_until(lambda: not slurm_cluster.jobs(), "the sweep's jobs to leave the queue", limit=WAIT)
+    tasks = submitted(out)
+    assert len(tasks) == 2 and all(job_field(slurm_cluster, t, "Restarts") == "0" for t in tasks)  # not requeued
+    (run,) = (out / "runs").iterdir()  # the pending job never started its run
+    assert json.loads((run / "run.json").read_text())["status"] == "preempted"
+    stopped_at = newest_step(out)
+
+    again = on_slurm(command, tmp_path / "cwd")
+    finished(again, "the identical command")
+    runs = {p.name: json.loads((p / "run.json").read_text()) for p in (out / "runs").iterdir()}
+    assert len(runs) == 2 and all(r["status"] == "complete" for r in runs.values())
+    assert [r["step"] for r in runs[run.name]["resumes"]] == [stopped_at]
+    parent, children = the_family(out)
+    assert parent.info.status == "FINISHED" and len(children) == 2
+    assert all(c.info.status == "FINISHED" for c in children)
