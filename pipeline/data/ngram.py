@@ -40,11 +40,14 @@ def _keys(tokens: np.ndarray, k: int, V: int) -> np.ndarray:
     return key
 
 
+FALLBACK = (0.5, 1.0, 1.5)  # KenLM's --discount_fallback
+
+
 def _discounts(counts: np.ndarray) -> tuple[float, float, float]:
     # Chen & Goodman's estimates from the count-of-counts, clipped so no count goes negative.
     n1, n2, n3, n4 = (float(np.count_nonzero(counts == c)) for c in (1, 2, 3, 4))
     if n1 == 0 or n2 == 0:
-        return 0.5, 1.0, 1.5  # too little data for the estimate
+        return FALLBACK  # too little data for the estimate
     y = n1 / (n1 + 2 * n2)
     d1 = 1 - 2 * y * n2 / n1
     d2 = 2 - 3 * y * n3 / n2
@@ -53,18 +56,21 @@ def _discounts(counts: np.ndarray) -> tuple[float, float, float]:
 
 
 def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
-    d = _discounts(counts)
     ctx = keys // V
     ctx_keys, start = np.unique(ctx, return_index=True)  # keys are sorted, so contexts are runs
-    per_gram = np.where(counts == 1, d[0], np.where(counts == 2, d[1], d[2]))
-    return Level(
-        keys=keys,
-        counts=counts,
-        ctx_keys=ctx_keys,
-        ctx_total=np.add.reduceat(counts, start),
-        ctx_backoff=np.add.reduceat(per_gram, start),
-        discounts=d,
-    )
+
+    def backoff(d):
+        return np.add.reduceat(np.where(counts == 1, d[0], np.where(counts == 2, d[1], d[2])), start)
+
+    d = _discounts(counts)
+    ctx_backoff = backoff(d)
+    if not np.all(ctx_backoff > 0):
+        # An estimate clipped to 0 (tiny data) would leave a context no mass for the tokens never seen
+        # after it: they would get probability 0 (an infinite perplexity). The fallback discounts are > 0.
+        d = FALLBACK
+        ctx_backoff = backoff(d)
+    return Level(keys=keys, counts=counts, ctx_keys=ctx_keys, ctx_total=np.add.reduceat(counts, start),
+                 ctx_backoff=ctx_backoff, discounts=d)
 
 
 def fit(tokens: np.ndarray, order: int, vocab_size: int) -> KneserNey:
