@@ -107,18 +107,9 @@ def run_name(config: dict, sources: dict[str, str] | None = None) -> str:
     return f"{config.get('name', 'run')}-{semantic_hash(config, sources)[:12]}"
 
 
-def flatten(tree, prefix: str = "") -> dict:
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-        return out if out or not prefix else {prefix[:-1]: {}}
-    return {prefix[:-1]: tree}
-
-
 def changed_keys(old: dict, new: dict) -> dict[str, tuple]:
     """Dotted key -> (old, new) for every leaf that differs; a missing side is reported as '<absent>'."""
-    a, b = flatten(old), flatten(new)
+    a, b = jsonio.flatten(old), jsonio.flatten(new)
     absent = "<absent>"
     return {k: (a.get(k, absent), b.get(k, absent)) for k in sorted(set(a) | set(b))
             if canonical_json(a.get(k, absent)) != canonical_json(b.get(k, absent))}

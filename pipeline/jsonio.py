@@ -111,3 +111,14 @@ def read_bytes(path, limit: int) -> bytes:
 
 def read(path, limit: int):
     return loads(read_bytes(path, limit))
+
+
+def flatten(tree, sep: str = ".", prefix: str = "") -> dict:
+    """Every leaf of a nested dict by its `sep`-joined path; empty dicts (and anything not a dict) are
+    leaves. Config keys for mlflow params and drift reports (`.`), state paths (`/`)."""
+    if isinstance(tree, dict) and tree:
+        out = {}
+        for k, v in tree.items():
+            out.update(flatten(v, sep, f"{prefix}{k}{sep}"))
+        return out
+    return {prefix[: -len(sep)]: tree} if prefix else {}

@@ -17,6 +17,8 @@ from typing import Mapping, Protocol
 
 import numpy as np
 
+from pipeline.jsonio import flatten
+
 # The state machines of a run, in restore order: RNG streams last, so nothing drawn while restoring the
 # others can disturb them.
 PARTS = ("model", "optimizer", "scheduler", "data_iter", "progress", "stages", "rng")
@@ -183,11 +185,6 @@ def restore(parts: Mapping[str, Stateful], tree: Mapping, only: tuple[str, ...] 
         parts[name].load_state_dict(tree[name])
 
 
-def flat(tree, prefix: str = "") -> dict:
+def flat(tree) -> dict:
     """Every leaf by "/"-joined path (arrays and JSON values alike), for reports and comparisons."""
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(flat(v, f"{prefix}{k}{SEP}"))
-        return out if out or not prefix else {prefix[:-1]: {}}
-    return {prefix[:-1]: tree}
+    return flatten(tree, SEP)

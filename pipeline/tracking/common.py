@@ -16,6 +16,8 @@ import os
 import re
 from pathlib import Path
 
+from pipeline.jsonio import flatten
+
 MAX_PARAM_VALUE = 6000  # mlflow's limit on a param value
 MAX_TAG_VALUE = 8000
 NON_METRIC_KEYS = ("step", "epoch", "time")
@@ -85,16 +87,6 @@ def default_uri(output_dir: str | Path) -> str:
 
 def default_artifact_location(output_dir: str | Path) -> str:
     return str(Path(output_dir).resolve() / "mlartifacts")
-
-
-def flatten(tree, prefix: str = "") -> dict:
-    """Dotted keys for every leaf; empty dicts and lists are leaves."""
-    out = {}
-    if isinstance(tree, dict) and tree:
-        for k, v in tree.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree} if prefix else {}
 
 
 def param_value(v) -> str:
