@@ -100,6 +100,14 @@ def run_pipeline(args: Sequence[str], cwd: Path, module: str = "pipeline") -> su
                           capture_output=True, text=True)
 
 
+def refused_in_one_line(args: Sequence[str], cwd: Path, module: str = "pipeline") -> str:
+    """`python -m <module> *args` must refuse: exit 2, nothing on stdout, one line on stderr (returned)."""
+    proc = run_pipeline(args, cwd, module=module)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    return proc.stderr
+
+
 class Proc:
     """A running `python -m pipeline`, its output going to files (a full pipe would block it)."""
 

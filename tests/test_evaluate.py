@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import KERNODECK, TINY, run_job, run_pipeline, the_run
+from conftest import KERNODECK, TINY, refused_in_one_line, run_job, run_pipeline, the_run
 from pipeline import jsonio
 from pipeline.evaluate import evaluate_checkpoint
 from pipeline.rundir import RunDir
@@ -101,10 +101,7 @@ def test_on_another_dataset_with_the_same_vocabulary(tiny):
 
 
 def refused(args: list[str], cwd: Path) -> str:
-    proc = run_pipeline(args, cwd, module="pipeline.evaluate")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    return proc.stderr
+    return refused_in_one_line(args, cwd, module="pipeline.evaluate")
 
 
 def test_data_the_model_cannot_read_is_refused_naming_the_difference(tiny, tmp_path):

@@ -141,5 +141,5 @@ def test_streams_are_the_same_in_another_process(tmp_path):
     code = "import json; from pipeline.rng import Streams; print(json.dumps(Streams(2024).peek()))"
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(PROJECT_ROOT)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
-                         cwd=tmp_path, timeout=60)
+                         cwd=tmp_path)
     assert json.loads(out.stdout) == Streams(2024).peek()

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import KERNODECK, TINY, run_job, run_pipeline, the_run
+from conftest import KERNODECK, TINY, refused_in_one_line, run_job, run_pipeline, the_run
 from pipeline.rundir import RunDir
 from pipeline.sample import encode, next_token, sample, split_prompt
 from pipeline.schema import ConfigError
@@ -91,10 +91,7 @@ def test_a_character_model_samples_characters(tmp_path):
 
 
 def refused(args: list[str], cwd: Path) -> str:
-    proc = run_pipeline(args, cwd, module="pipeline.sample")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    return proc.stderr
+    return refused_in_one_line(args, cwd, module="pipeline.sample")
 
 
 def test_the_command_and_its_refusals(tiny, tmp_path):

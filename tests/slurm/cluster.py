@@ -186,11 +186,11 @@ class Cluster:
         return {n: p for n, p in self.pids.items() if _start_time(p) == self.start_times.get(n)}
 
     def node_state(self) -> str:
-        r = self.run("sinfo", "-h", "-N", "-o", "%T", check=False, timeout=60)
+        r = self.run("sinfo", "-h", "-N", "-o", "%T", check=False)
         return r.stdout.strip() if r.returncode == 0 else f"(sinfo failed: {r.stderr.strip()})"
 
     def jobs(self) -> list[str]:
-        r = self.run("squeue", "-h", "-o", "%i", check=False, timeout=60)
+        r = self.run("squeue", "-h", "-o", "%i", check=False)
         return r.stdout.split() if r.returncode == 0 else []
 
     def save(self) -> None:
@@ -223,7 +223,7 @@ class Cluster:
         if "slurmctld" in self.alive():
             jobs = self.jobs()
             if jobs:
-                self.run("scancel", *jobs, check=False, timeout=60)
+                self.run("scancel", *jobs, check=False)
                 deadline = time.monotonic() + wait
                 while self.jobs() and time.monotonic() < deadline:
                     time.sleep(0.5)
