@@ -5,9 +5,8 @@ SIGNALS_STATE.install()  # first: from here to the last instruction a signal nev
 
 import sys  # noqa: E402
 
-from pipeline.signals import EXIT_PREEMPTED, Interrupted  # noqa: E402
+from pipeline.signals import EXIT_BAD_INPUT, EXIT_PREEMPTED, Interrupted  # noqa: E402
 
-EXIT_BAD_INPUT = 2
 
 
 def _plain(cfg) -> dict:

@@ -11,20 +11,20 @@ import logging
 import logging.handlers
 import math
 import sys
-from pathlib import Path
+import time
 
+from pipeline import budget
 from pipeline.atomic import UnsafePathError
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.job import build
 from pipeline.run import DriftError, NonFiniteError, Run
 from pipeline.rundir import RunBusyError, RunDir
 from pipeline.schema import ConfigError
-from pipeline.signals import EXIT_PREEMPTED, SIGNALS_STATE, Interrupted
+from pipeline.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, SIGNALS_STATE, SWEEP, Interrupted
 from pipeline.slurm import requeue_self
 from pipeline.tracking.common import CURRENT_JOB
 
 log = logging.getLogger("pipeline")
-EXIT_ERROR, EXIT_BAD_INPUT = 1, 2
 
 
 class JobFailed(Exception):
@@ -47,7 +47,7 @@ def fail(code: int, message: object, requeue: bool = False) -> None:
     continues it.)"""
     print(f"pipeline: {message}", file=sys.stderr)
     sweep_dir = CURRENT_JOB.get("sweep_dir") if _MULTIRUN else None
-    if SIGNALS_STATE.sweep_interrupted(Path(sweep_dir) / "interrupted" if sweep_dir else None):
+    if SIGNALS_STATE.sweep_interrupted(sweep_dir):
         requeue = False  # its sweep's launcher stopped it: requeued, it would only be held back again
     if requeue and (slurm := requeue_self()) is not None:
         requeued, said = slurm
@@ -76,9 +76,9 @@ def main(config: dict, overrides: list[str], config_yaml: str, multirun: bool = 
         if multirun:
             sweep_dir = CURRENT_JOB.get("sweep_dir")
             SIGNALS_STATE.install()  # a joblib or submitit worker: this job's own signals
-            if SIGNALS_STATE.sweep_interrupted(Path(sweep_dir) / "interrupted" if sweep_dir else None):
+            if SIGNALS_STATE.sweep_interrupted(sweep_dir):
                 fail(EXIT_PREEMPTED, "the sweep was interrupted before this job started; re-run the same command")
-            if SIGNALS_STATE.mode != "sweep":
+            if SIGNALS_STATE.mode != SWEEP:
                 SIGNALS_STATE.received = None  # a worker's earlier job was stopped; this one starts afresh
         return _main(config, overrides, config_yaml)
     except JobFailed:
@@ -111,7 +111,7 @@ def _main(config: dict, overrides: list[str], config_yaml: str) -> float:
     file_handler = None
     try:
         with SIGNALS_STATE.deferring():
-            started = CURRENT_JOB.get("started") or getattr(SIGNALS_STATE, "started", None)
+            started = CURRENT_JOB.get("started") or time.time() - budget.process_age()  # a job's, or this process's
             run = Run(job, rundir, SIGNALS_STATE, started=started)
             try:
                 run.setup()

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-EXIT_BAD_INPUT = 2
+from pipeline.signals import EXIT_BAD_INPUT
 
 
 def evaluate_checkpoint(directory: Path, overrides: list[str] = ()) -> dict:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-EXIT_BAD_INPUT = 2
+from pipeline.signals import EXIT_BAD_INPUT
+
 EOS = "<eos>"
 
 

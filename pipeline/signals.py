@@ -17,11 +17,11 @@ import logging
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 log = logging.getLogger("pipeline")
-EXIT_PREEMPTED = 75
+EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75  # every entry point's exit codes (README)
+MARKER = "interrupted"  # a stopped sweep's file in its directory: its jobs check it before they start
 # USR1 is what `--signal=USR1@N` sends before a SLURM time limit, USR2 what submitit asks SLURM for.
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 RAISE, DEFER, SWEEP = "raise", "defer", "sweep"
@@ -73,7 +73,6 @@ class Signals:
 
     def install(self) -> None:
         """Take over the signals (main thread only; elsewhere, e.g. a worker thread, leave them be)."""
-        self.started = getattr(self, "started", None) or time.time()  # when this process began, near enough
         if self.installed or threading.current_thread() is not threading.main_thread():
             return
         for s in SIGNALS:
@@ -118,11 +117,13 @@ class Signals:
         finally:
             self.mode = previous
 
-    def sweeping(self, marker: Path | None, slurm_jobs: Path | None = None) -> None:
-        """In the process that launches a sweep's jobs (see the module docstring); `slurm_jobs`: the
-        submitit folder of a sweep whose jobs SLURM runs."""
+    def sweeping(self, sweep_dir: Path, slurm_jobs: Path | None = None) -> None:
+        """In the process that launches a sweep's jobs (see the module docstring), from a fresh start (no
+        marker of an earlier stop); `slurm_jobs`: the submitit folder of a sweep whose jobs SLURM runs."""
         self.install()
-        self.mode, self.marker, self.slurm_jobs = SWEEP, marker, slurm_jobs
+        self.marker = Path(sweep_dir) / MARKER
+        self.marker.unlink(missing_ok=True)
+        self.mode, self.slurm_jobs = SWEEP, slurm_jobs
 
     def interrupted_start(self) -> bool:
         """A signal raised (RAISE mode) before any run held its directory: whatever exception a library made
@@ -133,9 +134,10 @@ class Signals:
     def name(self) -> str | None:
         return signal.Signals(self.received).name if self.received is not None else None
 
-    def sweep_interrupted(self, marker: Path | None) -> bool:
+    def sweep_interrupted(self, sweep_dir: str | Path | None) -> bool:
         """True if this sweep was interrupted: in this process, or (its marker file) in its launcher."""
-        return (self.mode == SWEEP and self.received is not None) or (marker is not None and marker.exists())
+        stopped_here = self.mode == SWEEP and self.received is not None
+        return stopped_here or bool(sweep_dir and (Path(sweep_dir) / MARKER).exists())
 
 
 SIGNALS_STATE = Signals()  # one per process: the entry point installs it before importing anything heavy

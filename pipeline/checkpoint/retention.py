@@ -25,13 +25,22 @@ class Policy(Protocol):
         ...
 
 
-def is_better(value, best, mode: str) -> bool:
-    """Strict improvement by a finite value; NaN and infinities never improve, any finite value beats none."""
+def is_better(value, best, mode: str, min_delta: float = 0.0) -> bool:
+    """Strict improvement by a finite value, by more than min_delta (Lightning's EarlyStopping rule); NaN and
+    infinities never improve, any finite value beats none."""
     if value is None or not math.isfinite(value):
         return False
     if best is None:
         return True
-    return value < best if mode == "min" else value > best
+    return value < best - min_delta if mode == "min" else value > best + min_delta
+
+
+def check_best(best, step, mode: str) -> None:
+    """A saved (best, best_step) pair: both None, or a finite number and the step (>= 0) it was reached at."""
+    if (best is None) != (step is None) or (step is not None and (type(step) is not int or step < 0)):
+        raise ValueError(f"best {best!r} at step {step!r} is not a best value and its step")
+    if best is not None and not is_better(best, None, mode):
+        raise ValueError(f"best {best!r} is not a finite number")
 
 
 @dataclass(frozen=True)

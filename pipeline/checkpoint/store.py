@@ -334,8 +334,8 @@ class CheckpointStore:
         more (a stage removed by override) keep pointing where they did, and their targets are kept.
         Returns the deleted steps.
         """
+        present_steps, present_links = self.scan()  # once: linking changes no step directory
         records = [r for r in self.records() if r.step <= upto]
-        present_links = self.links()
         orphan_targets = {int(STEP_DIR.match(t).group(1)) for name, t in present_links.items() if name not in links}
         keep = AnyOf((policy, Steps(frozenset(orphan_targets)), *links.values())).keep(records)
         for name, link_policy in links.items():
@@ -344,7 +344,7 @@ class CheckpointStore:
                 killpoint.point("save", f"before {name} link")
                 replace_link(self.root / name, step_dir_name(target))
         deleted = []
-        for step, directory in self.steps():
+        for step, directory in present_steps:
             if step not in keep:
                 killpoint.point("save", "before delete")
                 discard_dir(directory)

@@ -1,7 +1,7 @@
 """Keeps the checkpoint of the best evaluation of `monitor` (min or max), pointed at by checkpoints/best."""
 from __future__ import annotations
 
-from pipeline.checkpoint.retention import BestN, is_better
+from pipeline.checkpoint.retention import BestN, check_best, is_better
 from pipeline.stages.base import Stage, StepEnd
 
 
@@ -34,11 +34,7 @@ class BestVal(Stage):
         return {"best": self.best, "best_step": self.best_step}
 
     def check_state_dict(self, state: dict) -> None:
-        best, step = state["best"], state["best_step"]
-        if (best is None) != (step is None) or (step is not None and (type(step) is not int or step < 0)):
-            raise ValueError(f"best {best!r} at step {step!r} is not a best value and its step")
-        if best is not None and not is_better(best, None, self.mode):
-            raise ValueError(f"best {best!r} is not a finite number")
+        check_best(state["best"], state["best_step"], self.mode)
 
     def load_state_dict(self, state: dict) -> None:
         self.best = None if state["best"] is None else float(state["best"])

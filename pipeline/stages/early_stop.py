@@ -3,17 +3,8 @@ from __future__ import annotations
 
 import math
 
+from pipeline.checkpoint.retention import check_best, is_better
 from pipeline.stages.base import Stage, StepEnd
-
-
-def improves(value, best: float | None, mode: str, min_delta: float) -> bool:
-    """Strictly better than best by more than min_delta (Lightning's rule); NaN and infinities never improve,
-    any finite value improves on none."""
-    if value is None or not math.isfinite(value):
-        return False
-    if best is None:
-        return True
-    return value < best - min_delta if mode == "min" else value > best + min_delta
 
 
 class EarlyStop(Stage):
@@ -42,7 +33,7 @@ class EarlyStop(Stage):
         if self.monitor not in end.metrics:
             return None  # no evaluation at this step
         value = end.metrics[self.monitor]
-        if improves(value, self.best, self.mode, self.min_delta):
+        if is_better(value, self.best, self.mode, self.min_delta):
             self.best, self.best_step, self.wait = float(value), end.step, 0
             return None
         self.wait += 1
@@ -56,11 +47,8 @@ class EarlyStop(Stage):
         return {"best": self.best, "best_step": self.best_step, "wait": self.wait}
 
     def check_state_dict(self, state: dict) -> None:
-        best, step, wait = state["best"], state["best_step"], state["wait"]
-        if (best is None) != (step is None) or (step is not None and (type(step) is not int or step < 0)):
-            raise ValueError(f"best {best!r} at step {step!r} is not a best value and its step")
-        if best is not None and not improves(best, None, self.mode, 0.0):
-            raise ValueError(f"best {best!r} is not a finite number")
+        check_best(state["best"], state["best_step"], self.mode)
+        wait = state["wait"]
         if type(wait) is not int or wait < 0:
             raise ValueError(f"wait {wait!r} is not a count of evaluations")
 

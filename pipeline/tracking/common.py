@@ -99,13 +99,13 @@ def param_value(v) -> str:
 MACHINE_KEYS = ("paths", "tracking", "verify", "resume", "trainer.progress_bar", "trainer.threads", "hydra")
 
 
-def _machine(key: str) -> bool:
+def is_machine_key(key: str) -> bool:
     return any(key == m or key.startswith(m + ".") for m in MACHINE_KEYS)
 
 
 def params_of(config: dict) -> dict[str, str]:
     """The flattened resolved config as mlflow params (dotted keys, values as text), machine keys left out."""
-    return {k: param_value(v) for k, v in flatten(config).items() if not _machine(k)}
+    return {k: param_value(v) for k, v in flatten(config).items() if not is_machine_key(k)}
 
 
 def tag_value(v) -> str:
@@ -132,7 +132,7 @@ def tags_of(facts: dict, run_dir: str | Path, status: dict | None = None, job: d
         "mlflow.source.name": "pipeline",
         "mlflow.source.type": "LOCAL",
     }
-    tags.update({f"config.{k}": v for k, v in flatten(config).items() if _machine(k)})
+    tags.update({f"config.{k}": v for k, v in flatten(config).items() if is_machine_key(k)})
     if facts.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = facts["git_sha"]
     if facts.get("allowed_changes"):

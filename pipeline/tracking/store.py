@@ -29,7 +29,6 @@ from pipeline.tracking.common import (CURVES_ARTIFACT, artifact_location_uri, me
                                       sqlite_path, tag_value)
 
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
-STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
 
 
 class StoreError(Exception):

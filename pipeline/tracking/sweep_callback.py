@@ -32,8 +32,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline import jsonio
 from pipeline.atomic import ensure_dirs, replace_file
-from pipeline.signals import SIGNALS_STATE
-from pipeline.tracking.common import CURRENT_JOB, MACHINE_KEYS, is_mlflow_tracking, normalize_tracking_uri, tag_value
+from pipeline.signals import EXIT_PREEMPTED, SIGNALS_STATE
+from pipeline.tracking.common import CURRENT_JOB, is_machine_key, is_mlflow_tracking, normalize_tracking_uri, tag_value
 
 log = logging.getLogger("pipeline")
 SWEEP_DIR_ENV = "PIPELINE_SWEEP_DIR"  # read by conf/config.yaml's hydra.sweep.dir, in the launcher and every job
@@ -52,10 +52,6 @@ def _plain(node, resolve: bool = True):
         return OmegaConf.to_container(node, resolve=False, enum_to_str=True)
 
 
-def _machine(key: str) -> bool:
-    return any(key == m or key.startswith(m + ".") for m in MACHINE_KEYS)
-
-
 def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, str]:
     """{key: the values given} for every override that sweeps (a,b / range / interval / choice ...)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -71,7 +67,7 @@ def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, s
 def job_name(overrides: list[str], keys) -> str:
     """The swept values of one job, as a person reads them: `optimizer.lr=0.003 model.n_layer=2`."""
     picked = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in keys]
-    return " ".join(picked) or " ".join(o for o in overrides if not _machine(o.split("=", 1)[0].lstrip("+~")))
+    return " ".join(picked) or " ".join(o for o in overrides if not is_machine_key(o.split("=", 1)[0].lstrip("+~")))
 
 
 def _slurm_jobs(launcher) -> Path | None:
@@ -99,15 +95,13 @@ class MlflowSweepCallback(Callback):
         hydra = config.hydra
         task = [str(o) for o in hydra.overrides.task]
         sweeper = _plain(hydra.sweeper, resolve=False) or {}
-        identity = {"name": str(config.get("name", "")), "overrides": sorted(o for o in task if not _machine(
+        identity = {"name": str(config.get("name", "")), "overrides": sorted(o for o in task if not is_machine_key(
             o.split("=", 1)[0].lstrip("+~"))), "sweeper": {k: v for k, v in sweeper.items() if k != "storage"}}
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
         output_dir = Path(str(config.paths.output_dir))
         directory = ensure_dirs(output_dir, "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
         os.environ[SWEEP_DIR_ENV] = str(directory)  # hydra.sweep.dir follows it, here and in every job
-        marker = directory / "interrupted"
-        marker.unlink(missing_ok=True)
-        SIGNALS_STATE.sweeping(marker, slurm_jobs=_slurm_jobs(hydra.launcher))
+        SIGNALS_STATE.sweeping(directory, slurm_jobs=_slurm_jobs(hydra.launcher))
         stages = _plain(config.get("stages")) or {}
         mode = (stages.get("best_val") or {}).get("mode", "min")
         direction = "maximize" if mode == "max" else "minimize"
@@ -187,7 +181,7 @@ class MlflowSweepCallback(Callback):
         directory = Path(self.sweep["dir"])
         jobs = read_jobs(directory)
         failed = {n: j for n, j in jobs.items() if j.get("status") != "complete"}
-        interrupted = SIGNALS_STATE.received is not None or any(j.get("code") == 75 for j in jobs.values())
+        interrupted = SIGNALS_STATE.received is not None or any(j.get("code") == EXIT_PREEMPTED for j in jobs.values())
         status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
         self.sweep.update(status=status, ended_at=time.time(), error=error)
         replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
@@ -232,7 +226,7 @@ class MlflowSweepCallback(Callback):
         record = {**job, "run_dir": CURRENT_JOB.get("run_dir"), "run_uri": CURRENT_JOB.get("run_uri"),
                   "started": CURRENT_JOB.get("started"), "ended_at": time.time(),
                   "objective": float(value) if isinstance(value, (int, float)) else None,
-                  "status": "complete" if failure is None else ("preempted" if failure["code"] == 75 else "failed"),
+                  "status": "complete" if failure is None else ("preempted" if failure["code"] == EXIT_PREEMPTED else "failed"),
                   **(failure or {})}
         try:
             replace_file(ensure_dirs(Path(self.sweep["dir"]), "jobs") / f"{job['num']}.json", jsonio.dumps(record))
