@@ -5,7 +5,8 @@
                              directory is created here (only the shared corpus cache, if missing)
     build_state(...)         the state machines alone, from a config and the data's spec (the verifier,
                              the roundtrip report, and `template` build them this way)
-    parts_for(manifest)      the parts a checkpoint of that manifest's config must fit (inspect, export)
+    state_for(manifest)      a fresh state and the parts a checkpoint of that manifest's config must fit
+                             (evaluate, sample); parts_for(manifest) the parts alone (inspect, export)
 """
 from __future__ import annotations
 
@@ -165,9 +166,15 @@ def build(config: dict) -> Job:
     return Job(config, state, stages, tracker, sources, facts, run_dir_for(config, sources))
 
 
-def parts_for(manifest: dict) -> dict:
-    """The parts ({name: stateful object}) a checkpoint made under `manifest`'s config must fit."""
+def state_for(manifest: dict) -> tuple[TrainState, dict]:
+    """A fresh state and its parts ({name: stateful object}), as a checkpoint made under `manifest`'s config
+    must fit them."""
     config, spec = manifest["config"], dict(manifest["data_spec"])
     n_train = int(spec.pop("n_train"))
     state = build_state(config, DataSpec(**spec), n_train)
-    return {**state.parts(), "stages": StageStates(build_stages(config))}
+    return state, {**state.parts(), "stages": StageStates(build_stages(config))}
+
+
+def parts_for(manifest: dict) -> dict:
+    """The parts a checkpoint made under `manifest`'s config must fit."""
+    return state_for(manifest)[1]

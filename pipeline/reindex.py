@@ -32,10 +32,11 @@ def reindex(output_dir: Path, uri: str | None = None, artifact_location: str | N
     uri = normalize_tracking_uri(uri or default_uri(output_dir))
     artifact_location = artifact_location or str(output_dir / "mlartifacts")
     client = store.open_client(uri, artifact_location)
-    results = []
+    results, synced = [], {}  # synced: the sweeps' job directories, indexed with their parents already
     for sweep_dir in sorted((output_dir / "sweeps").glob("*/sweep.json")):
         try:
             r = sync_parent(client, uri, sweep_dir.parent, artifact_location)
+            synced.update(r.pop("synced"))
             print(f"sweep {sweep_dir.parent.name}: {run_uri(uri, r['experiment_id'], r['run_id'])} "
                   f"({r['children']} jobs, {r['status']})", file=out)
         except Exception as e:  # noqa: BLE001
@@ -44,8 +45,9 @@ def reindex(output_dir: Path, uri: str | None = None, artifact_location: str | N
     runs_dir = output_dir / "runs"
     for run_dir in sorted(p for p in runs_dir.iterdir() if p.is_dir()) if runs_dir.is_dir() else []:
         try:
-            r = {"skipped": "in use by a running job"} if RunDir(run_dir).in_use() else \
-                sync_run(client, uri, run_dir, artifact_location)
+            r = synced.get(str(run_dir.resolve())) or (
+                {"skipped": "in use by a running job"} if RunDir(run_dir).in_use()
+                else sync_run(client, uri, run_dir, artifact_location))
         except Exception as e:  # noqa: BLE001 - one broken run does not stop the others
             r = {"error": f"{type(e).__name__}: {e}"}
         r["run_dir"] = str(run_dir)

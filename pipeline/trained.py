@@ -30,17 +30,12 @@ DATA_KEYS = ("data", "paths.output_dir", "hydra.searchpath")
 
 def restore_checkpoint(directory: Path) -> tuple[dict, TrainState]:
     """(manifest, the restored state machines) of a checkpoint that fully verifies; CheckpointError if not."""
-    from pipeline.job import build_stages, build_state
-    from pipeline.data.base import DataSpec
-    from pipeline.stages.base import StageStates
+    from pipeline.job import state_for
 
     directory = Path(directory)
     manifest = read_manifest(directory)
-    config, spec = manifest["config"], dict(manifest["data_spec"])
     try:
-        n_train = int(spec.pop("n_train"))
-        state = build_state(config, DataSpec(**spec), n_train)
-        parts = {**state.parts(), "stages": StageStates(build_stages(config))}
+        state, parts = state_for(manifest)
     except Exception as e:  # noqa: BLE001 - a model or data this installation cannot build: one line
         raise CheckpointError(directory, "manifest.json", f"its config does not build here: "
                                                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

@@ -149,7 +149,8 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
                 children: bool = True) -> dict:
     """Make a sweep's parent run hold what its directory says (sweep.json, jobs/*.json, multirun.yaml, the
     sweeper's results): found by the sweep's id or created; with children=True (reindex) every job's run
-    directory is indexed under it too. Returns {"run_id", "experiment_id", "children", "status"}."""
+    directory is indexed under it too. Returns {"run_id", "experiment_id", "children", "status", "synced":
+    {resolved run directory: sync_run's result}}."""
     from pipeline.tracking.sweep_callback import best_job, read_jobs
 
     sweep_dir = Path(sweep_dir)
@@ -167,11 +168,13 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
         run = found or store.create_run(client, experiment_id, tags, sweep.get("started"))
         parent = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
         store.sync_params(client, run, {k: str(v)[:6000] for k, v in (sweep.get("swept") or {}).items()})
+    synced = {}
     if children:
         for job in jobs.values():
             if job.get("run_dir") and Path(job["run_dir"]).is_dir() and not RunDir(job["run_dir"]).in_use():
-                sync_run(client, uri, Path(job["run_dir"]), artifact_root, parent,
-                         {k: job.get(k) for k in ("sweep_id", "num", "overrides", "name")})
+                synced[str(Path(job["run_dir"]).resolve())] = sync_run(
+                    client, uri, Path(job["run_dir"]), artifact_root, parent,
+                    {k: job.get(k) for k in ("sweep_id", "num", "overrides", "name")})
     run = client.get_run(parent["run_id"])
     failed = {n: j for n, j in sorted(jobs.items()) if j.get("status") != "complete"}
     tags = {"sweep.jobs": str(len(jobs)), "sweep.failed": str(len(failed))}
@@ -204,7 +207,7 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
     if status != "RUNNING" and run.info.status != status:
         client.set_terminated(run.info.run_id, status=status,
                               end_time=int((sweep.get("ended_at") or time.time()) * 1000))
-    return {**parent, "children": len(jobs), "status": status}
+    return {**parent, "children": len(jobs), "status": status, "synced": synced}
 
 
 def _alive(sweep: dict) -> bool:
