@@ -23,7 +23,7 @@ def evaluate_checkpoint(directory: Path, overrides: list[str] = ()) -> dict:
     from pipeline.trained import other_data, restore_checkpoint
     from pipeline.trainer.loop import evaluate
 
-    manifest, state = restore_checkpoint(directory)
+    manifest, state = restore_checkpoint(directory, list(overrides))
     dataset = other_data(manifest, list(overrides))
     state.dataset = dataset
     return {"checkpoint": str(directory), "step": manifest["step"], "data": type(dataset).__name__,

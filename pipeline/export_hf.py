@@ -167,22 +167,20 @@ def main(argv: list[str] | None = None) -> None:
                                             "(a moved text file), paths.output_dir=DIR (the corpus cache)")
     parser.add_argument("checkpoint", metavar="CHECKPOINT")
     parser.add_argument("out_dir", metavar="OUT_DIR")
-    parser.add_argument("overrides", nargs="*", help="data.path=FILE, paths.output_dir=DIR")
+    parser.add_argument("overrides", nargs="*", help="data.path=FILE, paths.output_dir=DIR, hydra.searchpath=[...]")
     args = parser.parse_args(argv)
     from pipeline.atomic import UnsafePathError
     from pipeline.checkpoint import CheckpointError
-    from pipeline.checkpoint.store import load, read_manifest
-    from pipeline.job import parts_for
     from pipeline.schema import ConfigError
-    from pipeline.trained import own_data
+    from pipeline.trained import own_data, restore_checkpoint
 
     try:
-        ckpt = load(Path(args.checkpoint), parts_for(read_manifest(Path(args.checkpoint))))  # fully verified
-        model = ckpt.manifest["config"]["model"]
+        manifest, state = restore_checkpoint(Path(args.checkpoint), args.overrides)  # fully verified
+        model = manifest["config"]["model"]
         if not str(model.get("_target_", "")).endswith("MiniGPT"):
             _refuse(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
-        dataset = own_data(ckpt.manifest, args.overrides)  # the vocabulary the model was trained on
-        weights = ckpt.state["model"]
+        dataset = own_data(manifest, args.overrides)  # the vocabulary the model was trained on
+        weights = state.model.state_dict()
         out = write_hf(weights, n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
                        n_positions=weights["transformer.wpe.weight"].shape[0],
                        vocab_size=weights["transformer.wte.weight"].shape[0], out_dir=args.out_dir,

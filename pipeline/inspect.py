@@ -1,13 +1,17 @@
-"""`python -m pipeline.inspect PATH [--json]`: what a checkpoint or a run directory holds, and whether it verifies.
+"""`python -m pipeline.inspect PATH [hydra.searchpath=[...]] [--json]`: what a checkpoint or a run directory
+holds, and whether it verifies.
 
 PATH is either a checkpoint directory (`.../checkpoints/step-00000010`, or the `best`/`final` link): its
-manifest summarised, then the same full verification a resume does (manifest against itself, sizes,
+manifest summarised, then the same full verification evaluate does (manifest against itself, sizes,
 sha256, and every tensor's name, shape and dtype against what the manifest's config builds); or a run
 directory (`<output_dir>/runs/<name>-<hash>/`, or its `checkpoints/`): run.json's status and every
-checkpoint with its step, metrics, tags and validity, and where the links point.
+checkpoint with its step, metrics, tags and validity, and where the links point. A config naming your own
+classes needs your config directory: `hydra.searchpath=[pkg://moons.conf]` (or file://DIR).
 
 Exit 0 if everything shown verifies, 1 if something does not (the one-line reason is printed), 2 if
-PATH is not a directory. Reading never writes: temporaries are listed, not removed.
+PATH is not a directory, an argument is bad, or a checkpoint's config names a `_target_` that neither the
+pipeline's configs nor yours name (one line on stderr; nothing it names is imported or built). Reading
+never writes: temporaries are listed, not removed.
 """
 from __future__ import annotations
 
@@ -19,25 +23,19 @@ from pathlib import Path
 from pipeline import jsonio
 from pipeline.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import MANIFEST, MAX_MANIFEST, WEIGHTS, read_manifest, verify
+from pipeline.checkpoint.store import MANIFEST, MAX_MANIFEST, WEIGHTS
 from pipeline.rundir import RunDir
+from pipeline.signals import EXIT_BAD_INPUT
 
 SUMMARY = ("schema_version", "step", "epoch", "metrics", "tags", "config_hash", "data_manifest_hash", "git_sha",
            "git_dirty", "seed", "mlflow_run_uri", "lineage")
 
 
-def _parts(directory: Path):
-    """What the checkpoint's own config builds (None if its manifest is unreadable: verify says why)."""
-    from pipeline.job import parts_for
+def describe_checkpoint(directory: Path, overrides: tuple[str, ...] = ()) -> dict:
+    """The manifest's summary (whatever of it is readable) and the verdict of a full verification;
+    UnknownTargetError (not a verdict) for a config naming a class nothing the user runs names."""
+    from pipeline.trained import UnknownTargetError, restore_checkpoint
 
-    try:
-        return parts_for(read_manifest(directory))
-    except CheckpointError:
-        return None
-
-
-def describe_checkpoint(directory: Path) -> dict:
-    """The manifest's summary (whatever of it is readable) and the verdict of a full verification."""
     directory = Path(directory)
     out: dict = {"kind": "checkpoint", "path": str(directory)}
     if directory.is_symlink():
@@ -54,16 +52,16 @@ def describe_checkpoint(directory: Path) -> dict:
         if isinstance(files.get(WEIGHTS), dict):
             out["checkpoint_hash"] = files[WEIGHTS].get("sha256")
     try:
-        verify(directory, _parts(directory))
+        restore_checkpoint(directory, list(overrides))  # restored into fresh objects, then dropped
         out["valid"], out["reason"] = True, None
+    except UnknownTargetError:
+        raise
     except CheckpointError as e:
         out["valid"], out["reason"] = False, str(e)
-    except Exception as e:  # noqa: BLE001 - the config does not build here (a model this install lacks)
-        out["valid"], out["reason"] = False, f"checkpoint {directory}: its config does not build: {type(e).__name__}: {e}"
     return out
 
 
-def describe_run(run_dir: Path) -> dict:
+def describe_run(run_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
     """run.json's status and every checkpoint of the run with step, metrics and validity."""
     rundir = RunDir(run_dir)
     out: dict = {"kind": "run", "path": str(run_dir), "run": rundir.read_status() or None}
@@ -75,7 +73,7 @@ def describe_run(run_dir: Path) -> dict:
     out["links"] = {name: {"target": t, "exists": (rundir.store.root / t).is_dir()} for name, t in links.items()}
     checkpoints = []
     for step, directory in steps:
-        d = describe_checkpoint(directory)
+        d = describe_checkpoint(directory, overrides)
         d["listed_step"] = step
         d["links"] = sorted(name for name, t in links.items() if t == directory.name)
         checkpoints.append(d)
@@ -137,15 +135,27 @@ def is_run_dir(path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.inspect", description=__doc__.splitlines()[0])
     ap.add_argument("path", type=Path, help="a checkpoint directory or a run directory")
+    ap.add_argument("overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are")
     ap.add_argument("--json", action="store_true", help="print the description as JSON")
     args = ap.parse_args(argv)
+    from pipeline.schema import ConfigError
+    from pipeline.trained import UnknownTargetError
+
     path = args.path
     if not path.is_dir():
-        print(f"inspect: {path}: not a directory", file=sys.stderr)
-        return 2
+        print(f"pipeline.inspect: {path}: not a directory", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if bad := [o for o in args.overrides if not o.startswith("hydra.searchpath=")]:
+        print(f"pipeline.inspect: {bad[0]}: only hydra.searchpath=[...] can be given here", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if RunDir(path.parent).store.root == path and not (path / MANIFEST).exists():
         path = path.parent  # a run's checkpoints/ stands for the run
-    d = describe_run(path) if is_run_dir(path) else describe_checkpoint(path)
+    try:
+        overrides = tuple(args.overrides)
+        d = describe_run(path, overrides) if is_run_dir(path) else describe_checkpoint(path, overrides)
+    except (UnknownTargetError, ConfigError) as e:
+        print(f"pipeline.inspect: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(jsonio.dumps(d).decode() if args.json else (render_run(d) if d["kind"] == "run" else render_checkpoint(d)),
           end="" if args.json else "\n")
     return 0 if d["valid"] else 1

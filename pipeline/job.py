@@ -5,8 +5,8 @@
                              directory is created here (only the shared corpus cache, if missing)
     build_state(...)         the state machines alone, from a config and the data's spec (the verifier,
                              the roundtrip report, and `template` build them this way)
-    state_for(manifest)      a fresh state and the parts a checkpoint of that manifest's config must fit
-                             (evaluate, sample); parts_for(manifest) the parts alone (inspect, export)
+    state_for(manifest)      a fresh state and the parts a checkpoint of that manifest's config must fit;
+                             only trained.restore_checkpoint calls it, once the config's targets are allowed
 """
 from __future__ import annotations
 
@@ -168,13 +168,9 @@ def build(config: dict) -> Job:
 
 def state_for(manifest: dict) -> tuple[TrainState, dict]:
     """A fresh state and its parts ({name: stateful object}), as a checkpoint made under `manifest`'s config
-    must fit them."""
+    must fit them. It builds what the config names: call it through trained.restore_checkpoint, which
+    refuses a config naming classes that neither the pipeline's configs nor the user's name."""
     config, spec = manifest["config"], dict(manifest["data_spec"])
     n_train = int(spec.pop("n_train"))
     state = build_state(config, DataSpec(**spec), n_train)
     return state, {**state.parts(), "stages": StageStates(build_stages(config))}
-
-
-def parts_for(manifest: dict) -> dict:
-    """The parts a checkpoint made under `manifest`'s config must fit."""
-    return state_for(manifest)[1]

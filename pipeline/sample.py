@@ -112,7 +112,7 @@ def sample(directory: Path, args: list[str]) -> str:
     from pipeline.trained import own_data, restore_checkpoint
 
     options, overrides = parse_options(args)
-    manifest, state = restore_checkpoint(directory)
+    manifest, state = restore_checkpoint(directory, overrides)
     model = state.model
     if not (hasattr(model, "logits") and hasattr(model, "block_size")):
         raise ConfigError(f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "

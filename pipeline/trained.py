@@ -1,7 +1,9 @@
 """A checkpoint put to use (evaluate, sample, export): verified, restored, and given the data it needs.
 
-    restore_checkpoint(dir)        the parts its manifest's config builds, after store.load verified the
-                                   checkpoint against them (sizes, sha256, layout, every part's fit)
+    restore_checkpoint(dir, ovr)   the one way a tool opens a checkpoint: its manifest checked against itself,
+                                   every `_target_` of its config against pipeline.targets (nothing named is
+                                   imported before), then the parts that config builds, store.load verifying
+                                   the files against them (sizes, sha256, layout, every part's fit), restored
     data_config(manifest, ovr)     where the data comes from: the checkpoint's own `data` node, with
                                    `data.KEY=V` overrides applied to it, or another dataset chosen by `data=NAME`
                                    (composed like `python -m pipeline`); `paths.output_dir=` moves the corpus
@@ -17,8 +19,9 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
+from pipeline import targets
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import load, read_manifest
+from pipeline.checkpoint.store import MANIFEST, load, read_manifest
 from pipeline.schema import BY_TARGET, ConfigError, validate
 from pipeline.state import restore
 from pipeline.trainer.state import TrainState
@@ -28,18 +31,33 @@ log = logging.getLogger("pipeline")
 DATA_KEYS = ("data", "paths.output_dir", "hydra.searchpath")
 
 
-def restore_checkpoint(directory: Path) -> tuple[dict, TrainState]:
-    """(manifest, the restored state machines) of a checkpoint that fully verifies; CheckpointError if not."""
+class UnknownTargetError(CheckpointError):
+    """A checkpoint whose config names a `_target_` neither the pipeline's configs nor the user's name."""
+
+
+def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict, TrainState]:
+    """(manifest, the restored state machines) of a checkpoint that fully verifies; CheckpointError if not
+    (UnknownTargetError if its config names code nothing the user runs names: then nothing was imported or
+    built). `overrides` may give `hydra.searchpath=[...]`, the user's own configs (and so their classes)."""
     from pipeline.job import state_for
 
     directory = Path(directory)
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory)  # bounded, and its hashes agree with its config: nothing built yet
+    try:
+        targets.check(manifest["config"], targets.allowed(tuple(overrides)))
+    except targets.UnknownTarget as e:
+        raise UnknownTargetError(directory, MANIFEST, str(e)) from None
     try:
         state, parts = state_for(manifest)
     except Exception as e:  # noqa: BLE001 - a model or data this installation cannot build: one line
-        raise CheckpointError(directory, "manifest.json", f"its config does not build here: "
-                                                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    restore(parts, load(directory, parts).state)  # load() checked every part's fit: restore cannot refuse
+        raise CheckpointError(directory, MANIFEST, f"its config does not build here: "
+                                                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    # One read of every file: sizes and sha256, each tensor file's layout before its data is allocated, and
+    # every part's fit (pipeline.state.check); restore cannot refuse after it.
+    ckpt = load(directory, parts)
+    if ckpt.manifest != manifest:
+        raise CheckpointError(directory, MANIFEST, "changed while it was read")
+    restore(parts, ckpt.state)
     return manifest, state
 
 
