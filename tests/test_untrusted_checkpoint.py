@@ -23,8 +23,14 @@ from pipeline.identity import config_hash, semantic_hash
 
 HINT = "which neither the pipeline's configs nor yours name (give your config directory with hydra.searchpath=[...]"
 EVIL = "evil_module"  # the attacker's module on PYTHONPATH: writes the sentinel when imported
-EVIL_SOURCE = "from pathlib import Path\nPath(__file__).with_name('SENTINEL').write_text('imported')\n" \
-              "class Model:\n    def __init__(self, **kw):\n        Path(__file__).with_name('SENTINEL').write_text('called')\n"
+EVIL_SOURCE = """from pathlib import Path
+Path(__file__).with_name("SENTINEL").write_text("imported")
+
+
+class Model:
+    def __init__(self, **kw):
+        Path(__file__).with_name("SENTINEL").write_text("called")
+"""
 
 
 # -- the allowlist itself (no subprocess) ---------------------------------------------------------------

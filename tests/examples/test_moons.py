@@ -1,6 +1,6 @@
 """examples/moons: a model and a dataset from outside the package, by config only (hydra.searchpath), trained,
-resumed byte-identically, verified by `python -m pipeline.verify`, and evaluated; its backward checked against
-finite differences."""
+resumed byte-identically, verified by `python -m pipeline.verify`, evaluated and inspected with its search path
+(refused in one line without it); its backward checked against finite differences."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import PROJECT_ROOT, central_differences, config_of, run_job, run_pipeline, the_run
+from conftest import PROJECT_ROOT, central_differences, config_of, refused_in_one_line, run_job, run_pipeline, the_run
 from pipeline.rundir import RunDir
 from pipeline.signals import EXIT_PREEMPTED, SIGNALS_STATE
 from test_run import kept, metrics
@@ -88,7 +88,15 @@ def test_the_verifier_proves_its_resume_and_evaluate_reads_it(moons, tmp_path):
     proc = run_pipeline([*moons, "trainer.max_steps=16", f"paths.output_dir={out}"], tmp_path / "cwd")
     assert proc.returncode == 0, proc.stderr
     final = RunDir(the_run(out)).store.root / "final"
-    proc = run_pipeline([str(final), "--json"], tmp_path / "cwd", module="pipeline.evaluate")
+    searchpath = MOONS[0]  # its classes are named by its own configs: the tools that build them need them too
+    proc = run_pipeline([str(final), searchpath, "--json"], tmp_path / "cwd", module="pipeline.evaluate")
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((final / "manifest.json").read_text())
     assert json.loads(proc.stdout)["metrics"] == {"val/loss": manifest["metrics"]["val/loss"]}
+    proc = run_pipeline([str(final), searchpath], tmp_path / "cwd", module="pipeline.inspect")
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1].startswith("valid"), proc.stdout + proc.stderr
+    for module in ("pipeline.inspect", "pipeline.evaluate"):  # without them: refused, nothing imported
+        said = refused_in_one_line([str(final)], tmp_path / "cwd", module=module)
+        assert said.startswith(f"{module}: checkpoint {final}: manifest.json: config.data._target_ names "
+                               "'moons.data.TwoMoons', which neither the pipeline's configs nor yours name") \
+            and "hydra.searchpath=[...]" in said, said
