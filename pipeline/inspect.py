@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the description as JSON")
     args = ap.parse_args(argv)
     from pipeline.schema import ConfigError
+    from pipeline.targets import allowed
     from pipeline.trained import UnknownTargetError
 
     path = args.path
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         path = path.parent  # a run's checkpoints/ stands for the run
     try:
         overrides = tuple(args.overrides)
+        allowed(overrides)  # a search path that is not there: said once, before any checkpoint is read
         d = describe_run(path, overrides) if is_run_dir(path) else describe_checkpoint(path, overrides)
     except (UnknownTargetError, ConfigError) as e:
         print(f"pipeline.inspect: {e}", file=sys.stderr)

@@ -75,6 +75,15 @@ def test_check_walks_the_whole_tree(tree, key):
     targets.check({"model": {"_target_": "pipeline.model.mlp.MLP", "hidden": [8], "x": [{"y": None}]}}, ALLOWED)
 
 
+def test_inspect_takes_only_a_search_path(tmp_path, capsys):
+    from pipeline import inspect as pinspect
+
+    assert pinspect.main([str(tmp_path), "data.seed=3"]) == 2
+    assert capsys.readouterr().err == "pipeline.inspect: data.seed=3: only hydra.searchpath=[...] can be given here\n"
+    assert pinspect.main([str(tmp_path), f"hydra.searchpath=[{tmp_path / 'nowhere'}]"]) == 2
+    assert "not available" in capsys.readouterr().err
+
+
 # -- the real commands against planted manifests ------------------------------------------------------
 
 @pytest.fixture(scope="module")
