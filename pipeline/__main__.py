@@ -26,13 +26,9 @@ def _plain(cfg) -> dict:
 
 
 def _one_line(e: BaseException) -> str:
-    """A composition error as one line: Hydra's message, its cause, and the key at fault."""
-    parts = [str(e).strip().splitlines()[0].rstrip(".:")] if str(e).strip() else [type(e).__name__]
-    cause = e.__cause__ or e.__context__
-    if cause is not None and str(cause).strip():
-        parts.append(str(cause).strip().splitlines()[0].rstrip(".:"))
-    key = getattr(e, "full_key", None) or getattr(cause, "full_key", None)
-    return ": ".join(parts) + (f" (key {key})" if key and key not in " ".join(parts) else "")
+    from pipeline.schema import error_line
+
+    return error_line(e)
 
 
 def main() -> None:
