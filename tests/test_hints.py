@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROJECT_ROOT, TINY, env_for_subprocess, refused_in_one_line, run_pipeline, the_run
+from conftest import (KERNODECK, PROJECT_ROOT, TINY, env_for_subprocess, refused_in_one_line, run_job,
+                      run_pipeline, the_run)
 from pipeline import schema
 from pipeline.schema import install_hint
 
@@ -35,6 +36,14 @@ def test_the_verifier_and_roundtrip_say_it_the_same_way(tmp_path):
         proc = run_pipeline(["optimizer=adamm", f"paths.output_dir={tmp_path / 'out'}"], tmp_path / "cwd", module)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert proc.stderr.strip().endswith("available options in 'optimizer': adam, adamw, sgd"), proc.stderr
+
+
+def test_evaluate_says_it_the_same_way(tmp_path):
+    assert run_job(*KERNODECK, f"paths.output_dir={tmp_path / 'out'}")[0] == 0
+    best = the_run(tmp_path / "out") / "checkpoints" / "best"
+    err = refused_in_one_line([str(best), "data=foo"], tmp_path / "cwd", module="pipeline.evaluate")
+    assert err.strip() == ("pipeline.evaluate: bad override: In 'config': Could not find 'data/foo'; "
+                           "available options in 'data': grammar, regression, text")
 
 
 # -- the install hint ---------------------------------------------------------------------------------
@@ -104,20 +113,49 @@ grammar.GrammarCorpus(tempfile.mkdtemp(), seed=3, n_sentences=200, block_size=16
 """
 
 
-def test_a_tool_without_logging_prints_the_corpus_line_before_generating(tmp_path):
-    """evaluate, sample and export configure no logging: an INFO record would be dropped, so the line goes to
-    stderr, once per generation, before it."""
+def on_a_terminal(args: list[str], cwd: Path) -> tuple[int, str, str]:
+    """Run args with stderr on a pseudo-terminal, as at a shell: (exit code, stdout, stderr)."""
+    import os
+    import pty
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS], cwd=tmp_path, env=env_for_subprocess(),
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stderr.splitlines()
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(args, cwd=cwd, env=env_for_subprocess(), stdout=subprocess.PIPE, stderr=slave,
+                            stdin=subprocess.DEVNULL, text=True)
+    os.close(slave)
+    err = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        err += chunk
+    os.close(master)
+    out = proc.stdout.read()
+    return proc.wait(), out, err.decode().replace("\r\n", "\n")
+
+
+def test_a_tool_without_logging_prints_the_corpus_line_before_generating(tmp_path):
+    """evaluate, sample and export configure no logging, where an INFO record would be dropped: on a terminal
+    the line goes to stderr, once per generation, before it."""
+    code, _, err = on_a_terminal([sys.executable, "-c", FRESH_PROCESS], tmp_path)
+    assert code == 0, err
+    lines = err.splitlines()
     assert len(lines) == 4 and lines[1::2] == ["BUILDING", "BUILDING"], lines
     for line in lines[0::2]:
         assert line.startswith("generating the grammar corpus (seed=3, n_sentences=200, val_fraction=0.1, "
                                "block_size=16, ngram_order=4) into ")
         assert line.endswith("; this takes a while once, then it is cached")
+
+
+def test_on_a_pipe_stderr_stays_for_a_refusals_one_line(tmp_path):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS], cwd=tmp_path, env=env_for_subprocess(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stderr.splitlines() == ["BUILDING", "BUILDING"], proc.stderr
 
 
 def test_a_run_logs_the_corpus_line_once_and_evaluate_on_other_data_prints_it(tmp_path):
@@ -130,11 +168,11 @@ def test_a_run_logs_the_corpus_line_once_and_evaluate_on_other_data_prints_it(tm
     again = run_pipeline([*TINY, f"paths.output_dir={out}", "trainer.max_steps=13"], tmp_path / "cwd")  # a new run
     assert again.returncode == 0 and "generating the" not in again.stdout + again.stderr  # cached
 
-    evaluated = run_pipeline([str(best), "data.seed=7"], tmp_path / "cwd", module="pipeline.evaluate")
-    assert evaluated.returncode == 0, evaluated.stderr
-    (line,) = evaluated.stderr.splitlines()
+    code, stdout, err = on_a_terminal([sys.executable, "-m", "pipeline.evaluate", str(best), "data.seed=7"], tmp_path)
+    assert code == 0, err
+    (line,) = err.splitlines()
     assert line.startswith("generating the grammar corpus (seed=7, ") and str(out / "data") in line
-    assert evaluated.stdout.startswith("step=")
+    assert stdout.startswith("step=")
 
 
 # -- --help -------------------------------------------------------------------------------------------
