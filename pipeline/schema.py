@@ -38,8 +38,8 @@ def error_line(e: BaseException) -> str:
     options = getattr(e, "options", None)  # hydra's MissingConfigException: the group's options, if it has any
     missing = getattr(e, "missing_cfg_file", None)
     if options:
-        group = missing.rsplit("/", 1)[0] if missing and "/" in missing else "the group"
-        line += f"; available options in '{group}': {', '.join(options)}"
+        where = f" in '{missing.rsplit('/', 1)[0]}'" if missing and "/" in missing else ""
+        line += f"; available options{where}: {', '.join(options)}"
     return line
 
 

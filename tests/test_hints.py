@@ -38,6 +38,18 @@ def test_the_verifier_and_roundtrip_say_it_the_same_way(tmp_path):
         assert proc.stderr.strip().endswith("available options in 'optimizer': adam, adamw, sgd"), proc.stderr
 
 
+def test_error_line_keeps_one_line_whatever_hydra_gives():
+    from hydra.errors import MissingConfigException
+
+    from pipeline.schema import error_line
+
+    e = MissingConfigException("Cannot find primary config 'nope'.\n\nSearch path:\n\tprovider=main",
+                               missing_cfg_file="nope", options=["config"])
+    assert error_line(e) == "Cannot find primary config 'nope'; available options: config"
+    assert error_line(MissingConfigException("In 'config': Could not load 'model/b'.\n\nSearch path:",
+                                             missing_cfg_file="model/b")) == "In 'config': Could not load 'model/b'"
+
+
 def test_evaluate_says_it_the_same_way(tmp_path):
     assert run_job(*KERNODECK, f"paths.output_dir={tmp_path / 'out'}")[0] == 0
     best = the_run(tmp_path / "out") / "checkpoints" / "best"
