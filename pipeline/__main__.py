@@ -26,13 +26,30 @@ def _plain(cfg) -> dict:
 
 
 def _one_line(e: BaseException) -> str:
-    """A composition error as one line: Hydra's message, its cause, and the key at fault."""
-    parts = [str(e).strip().splitlines()[0].rstrip(".:")] if str(e).strip() else [type(e).__name__]
-    cause = e.__cause__ or e.__context__
-    if cause is not None and str(cause).strip():
-        parts.append(str(cause).strip().splitlines()[0].rstrip(".:"))
-    key = getattr(e, "full_key", None) or getattr(cause, "full_key", None)
-    return ": ".join(parts) + (f" (key {key})" if key and key not in " ".join(parts) else "")
+    from pipeline.schema import error_line
+
+    return error_line(e)
+
+
+def _one_repository_for_help() -> None:
+    """Hydra's --help lists every group's options (its own hydra/* ones too, which our template does not show)
+    through ~150 lookups, each building a fresh config repository: a deep copy of every config registered in
+    the ConfigStore (the plugins' launchers and sweepers, our schemas), 4-5x the time of composing the config.
+    For --help, one repository per (config, overrides) answers them all: it is read, never changed, there."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.object_type import ObjectType
+
+    if not hasattr(ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo"):
+        return  # another Hydra: its own way, however long it takes
+
+    def get_group_options(self, group_name, results_filter=ObjectType.CONFIG, config_name=None, overrides=None):
+        repos = self.__dict__.setdefault("_pipeline_help_repos", {})
+        key = (config_name, tuple(overrides or ()))
+        if key not in repos:
+            repos[key] = self._parse_overrides_and_create_caching_repo(config_name, list(key[1]))[1]
+        return repos[key].get_group_options(group_name, results_filter)
+
+    ConfigLoaderImpl.get_group_options = get_group_options
 
 
 def main() -> None:
@@ -43,6 +60,8 @@ def main() -> None:
     from pipeline.schema import CONFIG_DIR, register
 
     register()
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        _one_repository_for_help()
     # Hydra prints a composition error (a bad override, an unknown group) on several lines and exits 1; asked
     # to raise it instead, this entry point reports it in one line with exit 2, like every other bad input.
     report_own = "HYDRA_FULL_ERROR" not in os.environ

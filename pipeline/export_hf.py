@@ -83,7 +83,9 @@ def tokenizer_files(vocab: list[str], join: str, n_positions: int) -> dict[str, 
     except ModuleNotFoundError as e:
         if e.name != "tokenizers":
             raise
-        raise ValueError("writing the tokenizer needs the `tokenizers` package: pip install 'pipeline[hf]'") from None
+        from pipeline.schema import install_hint
+
+        raise ValueError(f"writing the tokenizer needs the `tokenizers` package: {install_hint('hf')}") from None
 
     if len(set(vocab)) != len(vocab):
         raise ValueError("the vocabulary repeats a token; a tokenizer needs each once")

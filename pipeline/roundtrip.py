@@ -10,14 +10,14 @@ override):
   same config and loads the checkpoint: bit-identical losses, parameters, moments and counters;
 * weight tying: tied names stored once (header metadata `ALIAS(...)`), one object again after loading,
   and a weights file within 4 KiB of the unique parameters' bytes. A model without tied parameters
-  reports `weight_tying_preserved: null` with a note: there is nothing to preserve, and "true" would
-  claim a check that did not run;
+  reports `weight_tying_preserved: null` with the note "no tied weights in this model": there is nothing to
+  preserve, and "true" would claim a check that did not run;
 * atomic write: a save SIGKILLed in a separate process just before its rename leaves no checkpoint, only
   a temporary that readers ignore and the next save removes.
 
 `expected_size_bytes_no_tying` is the bytes of the unique parameters (a tied array counted once), without
 the safetensors header; `size_delta_pct` is the file's excess over it, which for tiny models is mostly the
-header (`weights_header_bytes`).
+header (`weights_header_bytes`); `size_delta_note` says so in words, and the printed summary carries both notes.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from pipeline.checkpoint.tensors import read_tensors, write_tensors
 from pipeline.identity import run_name, source_hashes
 from pipeline.job import build_dataset, build_stages, build_state, data_spec
 from pipeline.run import lineage_of
-from pipeline.schema import PROJECT_ROOT, compose, to_plain
+from pipeline.schema import PROJECT_ROOT, compose, error_line, to_plain
 from pipeline.stages.base import StageStates
 from pipeline.state import PARTS, capture, copy_tree, restore
 from pipeline.trainer.loop import train_step
@@ -226,7 +226,7 @@ def check_tying(config: dict, d: dict) -> dict:
            "size_within_4kib": abs(size - expected) < SIZE_SLACK, "tied": aliases}
     if not aliases:
         out["weight_tying_preserved"] = None
-        out["weight_tying_note"] = "the model has no tied parameters (model.aliases is empty): nothing to preserve"
+        out["weight_tying_note"] = "no tied weights in this model (model.aliases is empty): nothing to preserve"
         return out
     fresh = Fresh(config)
     ckpt = fresh.load(directory)
@@ -243,6 +243,17 @@ def check_tying(config: dict, d: dict) -> dict:
     out["weight_tying_checks"] = checks
     out["weight_tying_preserved"] = all(checks.values())
     return out
+
+
+def size_note(tying: dict) -> str:
+    """What size_delta_pct is relative to, and where the excess is."""
+    size, expected, head = (tying[k] for k in ("weights_file_size_bytes", "expected_size_bytes_no_tying",
+                                               "weights_header_bytes"))
+    extra = size - expected
+    where = (f"all {extra} of them its safetensors header" if extra == head
+             else f"{head} of them its safetensors header, {extra - head} not")
+    return (f"relative to the unique parameters' {expected} bytes (a tied array counted once): the weights file "
+            f"has {size}, {extra:+d} bytes, {where}")
 
 
 def check_atomic(overrides: list[str], work: Path) -> dict:
@@ -324,6 +335,7 @@ def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = Tr
     for key in ("weight_tying_note", "weight_tying_checks"):
         if key in tying:
             results[key] = tying[key]
+    results["size_delta_note"] = size_note(tying)
     results["passed"] = bool(results["all_byte_equal"] and results["continuation_test_passed"]
                              and results["weight_tying_preserved"] is not False and results["atomic_write_resilient"]
                              and results["size_within_4kib"] and results["manifest_schema_version"] == store.SCHEMA_VERSION)
@@ -351,13 +363,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         to_plain(compose(args.overrides))
     except Exception as e:  # hydra's override and config errors: one line, exit 2
-        print(f"roundtrip: bad config or override: {str(e).splitlines()[0]}", file=sys.stderr)
+        print(f"roundtrip: bad config or override: {error_line(e)}", file=sys.stderr)
         return 2
     results, path = roundtrip(args.overrides, args.steps, not args.in_process, args.keep)
+    notes = {"weight_tying_preserved": results.get("weight_tying_note"), "size_delta_pct": results["size_delta_note"]}
     for key in ("byte_equivalent_state_machines", "all_byte_equal", "continuation_test_passed",
                 "weight_tying_preserved", "atomic_write_resilient", "weights_file_size_bytes",
                 "expected_size_bytes_no_tying", "size_delta_pct", "manifest_schema_version"):
-        print(f"{key}: {jsonio.dumps_line(results[key])}")
+        note = f"  # {notes[key]}" if notes.get(key) else ""
+        print(f"{key}: {jsonio.dumps_line(results[key])}{note}")
     print(f"{'PASS' if results['passed'] else 'FAIL'}: {path}")
     return 0 if results["passed"] else 1
 

@@ -26,6 +26,23 @@ class ConfigError(ValueError):
     """A config value out of range, or groups that do not go together (one line per problem)."""
 
 
+def error_line(e: BaseException) -> str:
+    """A composition error as one line: Hydra's message, its cause, the key at fault, and for an unknown
+    option of a group the options there are (Hydra lists them on lines of their own)."""
+    parts = [str(e).strip().splitlines()[0].rstrip(".:")] if str(e).strip() else [type(e).__name__]
+    cause = e.__cause__ or e.__context__
+    if cause is not None and str(cause).strip():
+        parts.append(str(cause).strip().splitlines()[0].rstrip(".:"))
+    key = getattr(e, "full_key", None) or getattr(cause, "full_key", None)
+    line = ": ".join(parts) + (f" (key {key})" if key and key not in " ".join(parts) else "")
+    options = getattr(e, "options", None)  # hydra's MissingConfigException: the group's options, if it has any
+    missing = getattr(e, "missing_cfg_file", None)
+    if options:
+        where = f" in '{missing.rsplit('/', 1)[0]}'" if missing and "/" in missing else ""
+        line += f"; available options{where}: {', '.join(options)}"
+    return line
+
+
 # --- checks: value -> None, or what is allowed ------------------------------------------------------
 
 def _num(v) -> bool:
@@ -413,6 +430,28 @@ def validate(config: dict) -> None:
 def in_checkout() -> bool:
     """True when the package runs from a source checkout, False when installed (from a wheel)."""
     return (PROJECT_ROOT / "pyproject.toml").is_file() and (PROJECT_ROOT / "conf").is_dir()
+
+
+def install_hint(extra: str) -> str:
+    """How to add an optional extra, matching how this pipeline was installed: an editable install (PEP 610's
+    direct_url.json says so) or an uninstalled checkout gets `pip install -e ".[extra]"` in its directory, a
+    wheel or an index install `pip install 'pipeline[extra]'` (pip keeps the installed pipeline)."""
+    import importlib.metadata
+    import json
+    from urllib.parse import unquote, urlparse
+
+    try:
+        direct = json.loads(importlib.metadata.distribution("pipeline").read_text("direct_url.json") or "null")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        direct = None
+    url = urlparse(direct.get("url", "")) if isinstance(direct, dict) else None
+    if url and url.scheme == "file" and (direct.get("dir_info") or {}).get("editable"):
+        project = Path(unquote(url.path))
+    elif direct is None and in_checkout():
+        project = PROJECT_ROOT
+    else:
+        return f"pip install 'pipeline[{extra}]'"
+    return f'pip install -e ".[{extra}]" in {project}'
 
 
 def default_output_dir() -> str:

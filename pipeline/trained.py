@@ -91,12 +91,12 @@ def data_config(manifest: dict, overrides: list[str]) -> dict:
     if any(o.key_or_group == "data" for o in parsed):
         from hydra.errors import HydraException
 
-        from pipeline.schema import compose, to_plain
+        from pipeline.schema import compose, error_line, to_plain
 
         try:
             node = to_plain(compose(list(overrides)))["data"]
         except (HydraException, OmegaConfBaseException) as e:
-            raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"bad override: {error_line(e)}") from None
     else:
         node = copy.deepcopy(manifest["config"]["data"])
         schema = BY_TARGET.get(node.get("_target_"))  # the checkpoint's data node, typed by its schema

@@ -212,6 +212,61 @@ def cli(tmp_path):
     return _run
 
 
+# --- a failing child process shows its output --------------------------------------------------------------
+CHILD_TAIL_LINES = 40
+
+
+def _tail(text, n: int = CHILD_TAIL_LINES) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    lines = (text or "").rstrip().splitlines()
+    return "\n".join((["..."] if len(lines) > n else []) + lines[-n:])
+
+
+def child_outputs(excinfo) -> list[tuple[str, str]]:
+    """(title, tail) of every child process a failure involves: a CalledProcessError in the exception's
+    chain, and a CompletedProcess or Proc that failed in a frame of the traceback (the test's `proc`)."""
+    found, seen = [], set()
+
+    def add(obj, where: str) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, Proc):
+            try:
+                code, err, out, args = obj.p.returncode, obj.stderr, "", obj.p.args
+            except OSError:  # its stderr file went with its directory
+                return
+        else:
+            code, err, out, args = obj.returncode, obj.stderr, obj.stdout, obj.args
+        cmd = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
+        for name, text in (("stderr", err), ("stdout", out)):
+            if text and str(text).strip():
+                found.append((f"child {name} ({where}exit {code}): {cmd[:200]}", _tail(text)))
+
+    e = excinfo.value
+    while e is not None and id(e) not in seen:
+        if isinstance(e, subprocess.CalledProcessError):
+            add(e, "")
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    for entry in excinfo.traceback:
+        for name, value in entry.frame.f_locals.items():
+            if isinstance(value, (subprocess.CompletedProcess, Proc)):
+                add(value, f"{name}, ")
+    return found
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report carries the tail of each child process's stderr (and stdout) involved."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.excinfo is not None:
+        for title, tail in child_outputs(call.excinfo):
+            report.sections.append((title, tail))
+
+
 # --- `slurm_cluster`: a live single-node SLURM cluster for the tests marked `slurm` -------------------------
 # `.ci/run` brings one up before pytest and names its directory in PIPELINE_SLURM_DIR; the fixture then uses
 # it and leaves it running. Otherwise the fixture brings its own up in a temporary directory and stops it at

@@ -75,8 +75,8 @@ def test_the_cli_trains_what_the_job_computes(cli, tmp_path):
 def test_bad_input_is_one_line_exit_2_and_no_run_directory(cli, tmp_path, override, key):
     out = tmp_path / "out"
     proc = cli(*KERNODECK, override, f"paths.output_dir={out}")
-    assert proc.returncode != 0
-    assert key in proc.stderr + proc.stdout
+    assert proc.returncode != 0, proc.stderr
+    assert key in proc.stderr + proc.stdout, proc.stderr
     assert "Traceback" not in proc.stderr  # a message, not a stack trace (HYDRA_FULL_ERROR unset)
     assert not (out / "runs").exists()
 

@@ -133,7 +133,7 @@ def test_as_a_module_from_any_directory(run_dir, tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("valid")
     (directory / "stray.txt").write_text("x")
     proc = run_pipeline([str(directory)], tmp_path / "cwd", module="pipeline.inspect")
-    assert proc.returncode == 1 and "stray.txt: present but not listed" in proc.stdout
+    assert proc.returncode == 1 and "stray.txt: present but not listed" in proc.stdout, proc.stdout + proc.stderr
     import inspect as std_inspect
 
     assert hasattr(std_inspect, "signature") and std_inspect is not pinspect

@@ -26,6 +26,35 @@ def copy_source(dest: Path) -> Path:
     return dest
 
 
+def outer_site_dirs() -> list[str]:
+    """Where this interpreter's packages are: a virtualenv's site-packages (and its base's, if it sees them),
+    or the system interpreter's."""
+    import site
+    import sysconfig
+
+    dirs = [*site.getsitepackages(), sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [d for d in dict.fromkeys(dirs) if Path(d).is_dir()]
+
+
+def outer_pipeline_entries() -> dict[str, list[str]]:
+    return {d: sorted(p.name for p in Path(d).glob("*pipeline*")) for d in outer_site_dirs()}
+
+
+def fresh_venv_seeing_ours(venv: Path, env: dict) -> str:
+    """A new virtualenv whose interpreter also finds this one's installed packages (the dependencies), after
+    its own; its python. `--system-site-packages` would not do: from inside a virtualenv it exposes the base
+    interpreter's site-packages, not the virtualenv's, and the dependencies are not there."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, text=True, env=env)
+    python = str(venv / "bin" / "python")
+    inner = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                           check=True, capture_output=True, text=True, env=env).stdout.strip()
+    # a .pth file's lines that name directories are appended to sys.path, after the venv's own site-packages
+    (Path(inner) / "outer-site-packages.pth").write_text("".join(f"{d}\n" for d in outer_site_dirs()))
+    return python
+
+
 def env_without_checkout() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HYDRA_FULL_ERROR", "PIPELINE_CHAOS")}
 
@@ -36,7 +65,8 @@ def test_a_wheel_installed_in_a_fresh_venv_runs_from_an_empty_directory(tmp_path
     # built as the README builds it: in pip's isolated build environment (build-system.requires), since the
     # running interpreter's own setuptools may be older (a fresh Python 3.11 virtualenv has 65.5)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
-                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, env=env_without_checkout())
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, text=True,
+                   env=env_without_checkout())
     (wheel,) = (tmp_path / "dist").glob("pipeline-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     yaml = {f"pipeline/conf/{p.relative_to(PROJECT_ROOT / 'conf')}" for p in (PROJECT_ROOT / "conf").rglob("*.yaml")}
@@ -52,12 +82,16 @@ def test_a_wheel_installed_in_a_fresh_venv_runs_from_an_empty_directory(tmp_path
     subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "theirs"], check=True)
     venv = project / ".venv"
     env = env_without_checkout()
-    # --system-site-packages reuses the installed dependencies; --ignore-installed puts the wheel's pipeline into
-    # the venv even though an editable one is installed system-wide (the venv's site-packages comes first).
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, env=env)
-    python = str(venv / "bin" / "python")
+    python = fresh_venv_seeing_ours(venv, env)
+    ours = outer_pipeline_entries()
+    # --ignore-installed puts the wheel's pipeline into the venv although the outer environment has one
+    # (editable, visible through the .pth): pip installs into the venv's own site-packages, which comes first.
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", str(wheel)],
-                   check=True, capture_output=True, env=env)
+                   check=True, capture_output=True, text=True, env=env)
+    inner = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                check=True, capture_output=True, text=True, env=env).stdout.strip())
+    assert inner.is_relative_to(venv) and (inner / "pipeline-0.1.0.dist-info").is_dir()
+    assert outer_pipeline_entries() == ours  # the outer environment's pipeline untouched
 
     work = project / "work"
     work.mkdir()

@@ -26,7 +26,14 @@ def test_kernodeck_passes_and_writes_the_seed_fields(tmp_path, cli):
     assert r["byte_equivalent_state_machines"] == list(PARTS)
     assert r["all_byte_equal"] and r["continuation_test_passed"] and r["atomic_write_resilient"] and r["passed"]
     assert r["continuation"]["separate_process"] is True
-    assert r["weight_tying_preserved"] is None and "no tied parameters" in r["weight_tying_note"]
+    assert r["weight_tying_preserved"] is None and r["weight_tying_note"].startswith("no tied weights in this model")
+    printed = dict(line.split(": ", 1) for line in proc.stdout.splitlines()[:-1])
+    assert printed["weight_tying_preserved"] == f"null  # {r['weight_tying_note']}"  # why null, beside PASS
+    head = r["weights_header_bytes"]
+    assert printed["size_delta_pct"] == (
+        f"{r['size_delta_pct']}  # relative to the unique parameters' 264 bytes (a tied array counted once): "
+        f"the weights file has {264 + head}, +{head} bytes, all {head} of them its safetensors header")
+    assert r["size_delta_note"] == printed["size_delta_pct"].split("  # ", 1)[1]
     assert r["expected_size_bytes_no_tying"] == 33 * 8  # seed 003's 33 float64 parameters
     assert r["weights_file_size_bytes"] == (Path(r["checkpoint"]) / WEIGHTS).stat().st_size
     assert r["weights_file_size_bytes"] - r["expected_size_bytes_no_tying"] == r["weights_header_bytes"]
@@ -44,6 +51,8 @@ def test_tied_minigpt_passes(tmp_path):
     assert r["passed"] and r["weight_tying_preserved"] is True, r
     assert r["tied"] == {"lm_head.weight": "transformer.wte.weight"}
     assert abs(r["weights_file_size_bytes"] - r["expected_size_bytes_no_tying"]) < 4096
+    assert "weight_tying_note" not in r and r["size_delta_note"].startswith(
+        f"relative to the unique parameters' {r['expected_size_bytes_no_tying']} bytes (a tied array counted once)")
 
 
 def test_a_restore_that_forgets_the_rng_fails(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import numpy as np
 from pipeline.atomic import TMP_PREFIX, ensure_dirs, new_temp_dir, publish_dir, remove_tree, write_new
 from pipeline.data import ngram
 from pipeline.data.base import Batch, DataSpec
+from pipeline.notice import notice
 
 FORMAT_VERSION = 1
 TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 512
@@ -144,7 +145,8 @@ def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], C
     ensure_dirs(parent)
     # Other writers may be generating it now: their temporaries are young; an hour-old one is a crashed writer's.
     _clean_stale_temps(parent)
-    log.info("generating the %s corpus into %s (once; later runs reuse it)", name, final)
+    shown = ", ".join(f"{k}={v}" for k, v in params.items() if k not in ("generator", "version", "source_sha256"))
+    notice(log, f"generating the {name} corpus ({shown}) into {final}; this takes a while once, then it is cached")
     files = render(build(), name, params)
     tmp = new_temp_dir(parent, final.name)
     try:

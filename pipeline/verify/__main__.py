@@ -23,13 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from pipeline.schema import ConfigError, compose, to_plain, validate
+    from pipeline.schema import ConfigError, compose, error_line, to_plain, validate
 
     try:
         config = to_plain(compose(args.overrides))
         validate(config)
     except (HydraException, OmegaConfBaseException, ConfigError) as e:
-        print(f"pipeline.verify: bad override: {str(e).splitlines()[0]}", file=sys.stderr)
+        print(f"pipeline.verify: bad override: {error_line(e)}", file=sys.stderr)
         return EXIT_INCOMPLETE
     if config["verify"]["kill"] == "random":
         from pipeline.verify.chaos import run_chaos

@@ -134,7 +134,7 @@ def test_rerunning_a_sweep_reuses_its_parent_and_retrains_nothing(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("weights.safetensors")} == weights
     assert len(list((out / "sweeps").iterdir())) == 1  # one sweep, one directory
     other = sweep(out, "optimizer.lr=0.01,0.05")  # another sweep: its own directory and parent
-    assert other.returncode == 0
+    assert other.returncode == 0, other.stderr
     _, parents, _ = family(f"sqlite:///{out}/mlflow.db")
     assert len(parents) == 2 and len(list((out / "sweeps").iterdir())) == 2
     by_id = {p.data.tags["sweep.id"]: p for p in parents}

@@ -64,14 +64,14 @@ def test_no_randomness_after_the_cut_means_the_negative_control_cannot_diverge(t
     # No dropout, no input gain or noise, and the new epoch's permutation drawn before the cut (step 7).
     args = ["experiment=kernodeck", "model.dropout=0", "data.input_gain=0", "data.input_noise=0", "verify.cut=7"]
     r, report = verify(args, tmp_path / "out")
-    assert r.returncode == 1
+    assert r.returncode == 1, r.stderr
     assert report["positive"] is True and report["negative_divergence_detected"] is False
     assert "cannot diverge" in report["reason"]
 
 
 def test_incomplete_verification_exits_2(tmp_path):
     r, report = verify(["experiment=kernodeck", "trainer.batch_size=100"], tmp_path / "out")
-    assert r.returncode == 2
+    assert r.returncode == 2, r.stderr
     assert report["positive"] is None and "process exited" in report["reason"]
     r, _ = verify(["experiment=kernodeck", "verify.cut=12"], tmp_path / "out2")
     assert r.returncode == 2 and "verify.cut" in r.stderr

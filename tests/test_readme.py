@@ -1,0 +1,178 @@
+"""The README against what the commands do: its "Where outputs go" tree is the tree a job, a sweep, a
+roundtrip and a verification write; .gitignore covers what its commands create; .ci/run runs its test
+command, as written, in a fresh virtualenv."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import KERNODECK, PROJECT_ROOT, run_pipeline
+
+README = (PROJECT_ROOT / "README.md").read_text()
+NAME_COLUMN = 34  # in the tree, the descriptions start at this column
+FILE_TOKEN = re.compile(r"(?<![\w<>./-])([\w.<>-]+(?:/[\w.<>-]+)*(?:\.(?:jsonl?|tokens|safetensors|yaml|log|db)\b|/))")
+# In the tree, but not written by the commands this test runs: why each is absent here.
+CONDITIONAL = {
+    "runs/<name>-<hash>/superseded/<when>/": "only after a resume.source=... into the run directory",
+    "sweeps/<name>-<sweep-id>/.submitit/<job-id>/": "only on SLURM",
+}
+
+
+def readme_block(heading: str) -> str:
+    """The first code block under a heading, without its fence (and its language)."""
+    section = README.split(f"\n## {heading}\n", 1)[1]
+    return section.split("```", 1)[1].split("\n", 1)[1].split("```", 1)[0]
+
+
+def documented_tree(block: str) -> set[str]:
+    """Every path the tree names (relative to its root, directories ending in /): the names in the name
+    column, indented two spaces a level, and the files and directories a directory's description lists."""
+    lines = block.splitlines()
+    assert lines[0] == "outputs/"
+    paths: set[str] = set()
+    parents: list[str] = [""]
+    last = ""
+    for line in lines[1:]:
+        level = (len(line) - len(line.lstrip(" "))) // 2
+        names = line[:NAME_COLUMN].strip()
+        if names:
+            assert len(line) <= NAME_COLUMN or line[NAME_COLUMN - 1] == " ", f"misaligned: {line!r}"
+            parents = parents[:level]
+            for name in re.split(r" {2,}", names):
+                name = name.split(" -> ")[0]  # a symlink: its name
+                last = parents[-1] + name
+                paths.add(last)
+            if last.endswith("/"):
+                parents.append(last)
+        if last.endswith("/"):  # a directory's description (or its continuation line) may list its content
+            paths.update(last + token for token in FILE_TOKEN.findall(line[NAME_COLUMN:]))
+    # the directories a path passes through are in the tree too
+    return paths | {p[: i + 1] for p in paths for i, c in enumerate(p[:-1]) if c == "/"}
+
+
+def pattern(path: str) -> re.Pattern:
+    """A documented name as a regex: <placeholder> stands for any name, ... for any rest, a digit for any."""
+    parts = re.split(r"(<[^>]+>|\.\.\.|\d)", path.rstrip("/"))
+    regex = "".join({"...": ".+"}.get(p, "[^/]+" if p.startswith("<") else r"\d" if p.isdigit() else re.escape(p))
+                    for p in parts if p)
+    return re.compile(regex + "/?")
+
+
+def real_tree(root: Path, documented: set[str]) -> set[str]:
+    """Every path under root, down to where the documentation stops listing (a documented directory none of
+    whose content is listed, like mlartifacts/, is one entry); symlinks are leaves."""
+    listed = {d for d in documented if d.endswith("/") and any(p != d and p.startswith(d) for p in documented)}
+    listed_dirs = [pattern(d) for d in listed]
+    open_dirs = [pattern(d) for d in documented if d.endswith("/") and d not in listed]
+    found = set()
+
+    def walk(d: Path, rel: str) -> None:
+        for p in sorted(d.iterdir()):
+            name = rel + p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
+            found.add(name)
+            if name.endswith("/") and (any(d.fullmatch(name) for d in listed_dirs)
+                                       or not any(o.fullmatch(name) for o in open_dirs)):
+                walk(p, name)
+
+    walk(root, "")
+    return found
+
+
+def test_the_tree_parser_reads_names_placeholders_and_listed_files():
+    block = ("outputs/\n  runs/<name>-<hash>/             one run\n    .hydra/  pipeline.log         logs\n"
+             "    checkpoints/\n      step-00000768/              weights.safetensors, extra.json\n"
+             "      best -> step-...            symlink\n  a.db  b/                        an index\n")
+    assert documented_tree(block) == {
+        "runs/", "runs/<name>-<hash>/", "runs/<name>-<hash>/.hydra/", "runs/<name>-<hash>/pipeline.log",
+        "runs/<name>-<hash>/checkpoints/", "runs/<name>-<hash>/checkpoints/step-00000768/",
+        "runs/<name>-<hash>/checkpoints/step-00000768/weights.safetensors",
+        "runs/<name>-<hash>/checkpoints/step-00000768/extra.json", "runs/<name>-<hash>/checkpoints/best",
+        "a.db", "b/"}
+    assert pattern("runs/<name>-<hash>/checkpoints/step-00000768/").fullmatch("runs/k-0a1b/checkpoints/step-00000003/")
+    assert not pattern("runs/<name>-<hash>/").fullmatch("runs/k/x/")
+
+
+@pytest.mark.slow
+def test_where_outputs_go_is_the_tree_the_commands_write(tmp_path):
+    out = tmp_path / "outputs"
+    tiny = ["model.n_layer=1", "model.n_embd=16", "model.n_head=2", "data.n_sentences=400", "data.block_size=16",
+            "data.val_batch_size=16", "trainer.batch_size=8", "trainer.max_steps=6", "trainer.eval_every=3",
+            "checkpoint=every_n_steps", "checkpoint.every_steps=3", "trainer.progress_bar=false",
+            f"paths.output_dir={out}"]  # tracking=mlflow, the default: the index is in the tree
+    for args, module in [(tiny, "pipeline"), (["-m", *tiny, "optimizer.lr=0.002,0.003"], "pipeline"),
+                         ([*KERNODECK, f"paths.output_dir={out}"], "pipeline.roundtrip"),
+                         ([*KERNODECK, f"paths.output_dir={out}"], "pipeline.verify")]:
+        proc = run_pipeline(args, tmp_path / "cwd", module=module)
+        assert proc.returncode == 0, (module, proc.stderr)
+
+    documented = documented_tree(readme_block("Where outputs go"))
+    real = real_tree(out, documented)
+    patterns = {d: pattern(d) for d in documented}
+    undocumented = sorted(p for p in real if not any(r.fullmatch(p) for r in patterns.values()))
+    assert not undocumented, f"written but not in the README's tree: {undocumented}"
+    conditional = {d for d in documented  # a conditional path, or a directory holding nothing else
+                   if all(any(c.startswith(p) for c in CONDITIONAL) for p in documented if p.startswith(d))}
+    missing = sorted(d for d, r in patterns.items() if d not in conditional and not any(r.fullmatch(p) for p in real))
+    assert not missing, f"in the README's tree but not written: {missing}"
+    assert set(CONDITIONAL) <= documented  # what is left out above is in the README
+
+
+# -- .gitignore ---------------------------------------------------------------------------------------
+
+# What the README's commands create in a checkout, each with the command that does.
+CREATED = {
+    ".venv/bin/python": "a virtualenv in the checkout (python3 -m venv .venv)",
+    "venv/bin/python": "the same, another usual name",
+    "dist/pipeline-0.1.0-py3-none-any.whl": "python -m pip wheel --no-deps -w dist .",
+    "build/lib/pipeline/__init__.py": "building the wheel",
+    "pipeline.egg-info/PKG-INFO": "pip install -e .",
+    "outputs/runs/default-0123456789ab/run.json": "python -m pipeline (from a checkout: the checkout's outputs/)",
+    "multirun/2026-01-01/00-00-00/multirun.yaml": "Hydra's own multirun directory (hydra.sweep.dir unset)",
+    "hf/config.json": "python -m pipeline.export_hf outputs/runs/<run>/checkpoints/final hf/",
+    "mlruns/0/meta.yaml": "mlflow ui in the checkout",
+    "mlflow.db": "an mlflow store in the checkout",
+    ".pytest_cache/README.md": "python3 -m pytest -q",
+    "tests/__pycache__/conftest.cpython-311.pyc": "python3 -m pytest -q",
+}
+
+
+def test_gitignore_covers_what_the_readmes_commands_create(tmp_path):
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    scratch = tmp_path / "checkout"
+    scratch.mkdir()
+    shutil.copy2(PROJECT_ROOT / ".gitignore", scratch / ".gitignore")
+    subprocess.run(["git", "init", "-q", str(scratch)], check=True, capture_output=True, text=True)
+    for path in CREATED:
+        (scratch / path).parent.mkdir(parents=True, exist_ok=True)
+        (scratch / path).write_text("")
+    proc = subprocess.run(["git", "-C", str(scratch), "check-ignore", "--no-index", *CREATED],
+                          capture_output=True, text=True)
+    ignored = set(proc.stdout.split())
+    assert not set(CREATED) - ignored, {p: CREATED[p] for p in set(CREATED) - ignored}
+    # and nothing of the project's own: its sources stay visible
+    kept = subprocess.run(["git", "-C", str(scratch), "check-ignore", "--no-index", "pipeline/__init__.py",
+                           "conf/config.yaml", "tests/test_readme.py", ".ci/run", "README.md"],
+                          capture_output=True, text=True)
+    assert kept.returncode == 1 and kept.stdout == "", kept.stdout
+
+
+# -- .ci/run ------------------------------------------------------------------------------------------
+
+def test_ci_runs_the_readmes_test_command_as_written_in_a_fresh_virtualenv():
+    two = readme_block("Two commands").splitlines()
+    command = two[two.index("# 2. install, then run the tests") + 1]
+    assert command == 'python3 -m pip install -e ".[test]" && python3 -m pytest -q'
+    script = (PROJECT_ROOT / ".ci" / "run").read_text().splitlines()
+    lines = [line for line in script if line and not line.startswith("#")]
+    assert lines[-1] == command  # the last command: its exit code is the script's
+    venv = next(i for i, line in enumerate(lines) if re.fullmatch(r'"\$system_python" -m venv "\$venv_dir"', line))
+    activate = lines.index('source "$venv_dir/bin/activate"')
+    assert venv < activate < len(lines) - 1
+    assert 'venv_dir=$(mktemp -d /tmp/pipeline-ci-venv.XXXXXX)' in lines
+    # the cluster's tooling keeps the system interpreter, before and after the virtualenv
+    assert not [line for line in lines if "cluster.py" in line and "$system_python" not in line]
