@@ -18,7 +18,7 @@ from pipeline import budget, identity, jsonio
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.retention import AnyOf, LatestN
-from pipeline.checkpoint.store import WEIGHTS, Checkpoint, file_of, load
+from pipeline.checkpoint.store import WEIGHTS, Checkpoint, checkpoint_dir, files_of, load
 from pipeline.job import Job
 from pipeline.rundir import RunDir
 from pipeline.signals import EXIT_PREEMPTED, Signals
@@ -84,7 +84,7 @@ class Run:
         self._resumed(ckpt, ckpt.manifest["lineage"], self.rundir.read_metrics())
 
     def resume_from_source(self, source: Path, allow: list[str]) -> None:
-        source = Path(source).resolve()
+        source = checkpoint_dir(Path(source)).resolve()  # a link out of a run is refused, not followed
         src = load(source)  # its fit is checked once the drift is known (an allowed change may be why)
         origin = {"checkpoint": str(source), "step": src.step,
                   "weights_sha256": src.manifest["files"][WEIGHTS]["sha256"]}
@@ -118,7 +118,7 @@ class Run:
             restore(self.job.parts, ckpt.state)
         except StateMismatch as e:
             why = f" (with the allowed changes {', '.join(changes)})" if changes else ""
-            raise CheckpointError(ckpt.directory, file_of(e.part), f"{e.part} does not fit the live run{why}: "
+            raise CheckpointError(ckpt.directory, files_of(e, ckpt.state, capture(self.job.parts)), f"{e.part} does not fit the live run{why}: "
                                                                    f"{e.reason}") from None
         if changes:
             self.allowed = {k: [old, new] for k, (old, new) in changes.items()}

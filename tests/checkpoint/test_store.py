@@ -19,11 +19,11 @@ from safetensors.numpy import load_file, save_file
 from conftest import KERNODECK, TINY, env_for_subprocess
 from pipeline.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import (EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointStore, load, step_dir_name,
-                                       verify)
+from pipeline.checkpoint.store import (EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointStore, files_of, load,
+                                       step_dir_name, verify)
 from pipeline.roundtrip import Fresh
 from pipeline.schema import compose, to_plain
-from pipeline.state import PARTS, StateMismatch, capture, copy_tree, restore
+from pipeline.state import PARTS, StateMismatch, capture, check, copy_tree, restore
 
 
 def fresh(tmp_path, *overrides: str, base=KERNODECK) -> Fresh:
@@ -336,7 +336,7 @@ def test_manifest_entry_escaping_the_directory(ckpt):
 
 def test_manifest_step_differs_from_extra(ckpt):
     edit_extra(ckpt, lambda e: e["progress"].__setitem__("step", 11))  # past the sha256 check
-    rejects(ckpt, EXTRA, "progress.step differs")
+    rejects(ckpt, EXTRA, "progress.step 11 differs from step 10 of manifest.json")
 
 
 def test_unknown_alias(ckpt):
@@ -422,3 +422,77 @@ def test_untied_head_into_a_tied_model(tmp_path):
     rewrite_weights(tmp_path / "c", arrays, {"format": "np"})
     rejects(tmp_path / "c", WEIGHTS, "does not fit", run=fresh(tmp_path, base=TINY))
 
+
+
+# -- the file named is the file that holds the damage ---------------------------------------------------
+
+def rewrite_optim(directory: Path, change) -> None:
+    """optim.safetensors rewritten by the safetensors library after `change(arrays)`, hashes recomputed."""
+    arrays = load_file(str(directory / OPTIM))
+    change(arrays)
+    (directory / OPTIM).unlink()
+    save_file(arrays, str(directory / OPTIM), metadata={"format": "np"})
+    relist(directory, OPTIM)
+
+
+def swap_two(a: np.ndarray) -> np.ndarray:
+    a = a.copy()
+    a[0] = a[1]  # one sample id twice, another never: same shape and dtype, not a permutation
+    return a
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda a: a.__setitem__("optimizer/exp_avg/layers.0.bias", np.zeros(9)), ["optimizer/exp_avg/layers.0.bias"]),
+    (lambda a: a.__setitem__("optimizer/exp_avg_sq/layers.0.bias", np.zeros(8, np.float32)), ["exp_avg_sq", "F32"]),
+    (lambda a: a.__setitem__("data_iter/permutation", swap_two(a["data_iter/permutation"])),
+     ["data_iter does not fit", "not a permutation"]),
+    (lambda a: a.__setitem__("data_iter/permutation", a["data_iter/permutation"].astype(np.int32)),
+     ["data_iter/permutation", "I32"]),
+], ids=["moment-shape", "moment-dtype", "permutation-values", "permutation-dtype"])
+def test_an_array_that_does_not_fit_is_blamed_on_optim(ckpt, change, words):
+    rewrite_optim(ckpt, change)
+    rejects(ckpt, OPTIM, *words)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda e: e["optimizer"].__setitem__("t", "ten"), ["optimizer does not fit", "t: expected int, got str"]),
+    (lambda e: e["optimizer"].__setitem__("t", -1), ["t=-1 is negative"]),
+    (lambda e: e["data_iter"].__setitem__("epoch", -1), ["epoch -1"]),
+], ids=["counter-type", "counter-negative", "iterator-epoch"])
+def test_a_json_value_that_does_not_fit_is_blamed_on_extra(ckpt, change, words):
+    edit_extra(ckpt, change)  # the optimizer's and the iterator's JSON values, beside their arrays
+    rejects(ckpt, EXTRA, *words)
+
+
+def test_an_array_where_json_was_names_both_files(ckpt):
+    """The files' layout check refuses such a checkpoint first (optim.safetensors has an unexpected tensor);
+    restoring a tree that has one (a resume with allowed changes) names both files."""
+    edit_extra(ckpt, lambda e: e["optimizer"].pop("t"))
+    rewrite_optim(ckpt, lambda a: a.__setitem__("optimizer/t", np.zeros(1, np.int64)))
+    rejects(ckpt, OPTIM, "has unexpected ['optimizer/t']")
+    run, tree = fresh(ckpt.parent.parent), load(ckpt).state
+    with pytest.raises(StateMismatch) as info:
+        check(run.parts, tree)
+    assert info.value.path == ("t",) and "expected int, got array" in info.value.reason
+    assert files_of(info.value, tree, capture(run.parts)) == f"{OPTIM} and {EXTRA}"
+
+
+def test_the_directory_name_says_which_step_lies(ckpt, tmp_path):
+    """manifest.json's step, extra.json's progress.step and the directory's name: the odd one out is named."""
+    m = manifest_of(ckpt)
+    write_manifest(ckpt, {**m, "step": 11})
+    rejects(ckpt, MANIFEST, "step 11 differs from progress.step 10 of extra.json and the directory's name")
+    loose = tmp_path / "elsewhere" / "mine"  # no step in its name: no third witness, both named
+    loose.parent.mkdir()
+    os.rename(ckpt, loose)
+    error = rejects(loose, f"{MANIFEST} and {EXTRA}", "the manifest's step 11 and progress.step 10 differ")
+    assert "directory's name" not in error.reason
+
+
+def test_a_renamed_step_directory_is_refused(ckpt):
+    renamed = ckpt.with_name(step_dir_name(12))
+    os.rename(ckpt, renamed)
+    with pytest.raises(CheckpointError) as info:
+        load(renamed)
+    assert str(info.value) == (f"checkpoint {renamed}: its name says step 12, but manifest.json and extra.json "
+                               "say step 10 (renamed or copied in from another step)")
