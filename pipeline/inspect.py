@@ -7,7 +7,8 @@ directory (`<output_dir>/runs/<name>-<hash>/`, or its `checkpoints/`): run.json'
 checkpoint with its step, metrics, tags and validity, and where the links point.
 
 Exit 0 if everything shown verifies, 1 if something does not (the one-line reason is printed), 2 if
-PATH is not a directory. Reading never writes: temporaries are listed, not removed.
+PATH is not a directory or is a link that no tool follows (out of its run's checkpoints/: see
+pipeline/checkpoint/store.py), with one line on stderr. Reading never writes: temporaries are listed, not removed.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from pipeline import jsonio
 from pipeline.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import MANIFEST, MAX_MANIFEST, WEIGHTS, read_manifest, verify
+from pipeline.checkpoint.store import MANIFEST, MAX_MANIFEST, WEIGHTS, checkpoint_dir, read_manifest, verify
 from pipeline.rundir import RunDir
 
 SUMMARY = ("schema_version", "step", "epoch", "metrics", "tags", "config_hash", "data_manifest_hash", "git_sha",
@@ -66,7 +67,11 @@ def describe_checkpoint(directory: Path) -> dict:
 def describe_run(run_dir: Path) -> dict:
     """run.json's status and every checkpoint of the run with step, metrics and validity."""
     rundir = RunDir(run_dir)
-    out: dict = {"kind": "run", "path": str(run_dir), "run": rundir.read_status() or None}
+    try:
+        status, damaged = rundir.read_status() or None, None
+    except CheckpointError as e:  # run.json damaged: shown as the run's reason
+        status, damaged = None, str(e)
+    out: dict = {"kind": "run", "path": str(run_dir), "run": status}
     try:
         steps, links = rundir.store.scan()
     except OSError as e:
@@ -83,6 +88,8 @@ def describe_run(run_dir: Path) -> dict:
     root = rundir.store.root
     out["temporaries"] = sorted(p.name for p in root.iterdir() if p.name.startswith(TMP_PREFIX)) if root.is_dir() else []
     out["valid"] = all(c["valid"] for c in checkpoints) and all(link["exists"] for link in out["links"].values())
+    if damaged:
+        out["valid"], out["reason"] = False, damaged
     return out
 
 
@@ -142,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     path = args.path
     if not path.is_dir():
         print(f"inspect: {path}: not a directory", file=sys.stderr)
+        return 2
+    try:
+        checkpoint_dir(path)  # nothing is read through a link out of a run
+    except CheckpointError as e:
+        print(f"inspect: {e}", file=sys.stderr)
         return 2
     if RunDir(path.parent).store.root == path and not (path / MANIFEST).exists():
         path = path.parent  # a run's checkpoints/ stands for the run

@@ -283,7 +283,10 @@ def _say_if_a_sibling_differs(job: Job, run_dir: Path) -> None:
     for p in run_dir.parent.glob(f"{prefix}*"):
         if p == run_dir or not p.is_dir() or p.is_symlink():
             continue
-        status = RunDir(p).read_status()
+        try:
+            status = RunDir(p).read_status()
+        except CheckpointError:
+            continue  # another run's damaged run.json: that run's business, not this one's
         if status.get("status") in ("complete", "preempted") and isinstance(status.get("updated"), (int, float)):
             siblings.append((status["updated"], p, status))
     if not siblings:

@@ -120,6 +120,10 @@ def write(directory: Path, tree: dict, fields: dict, replace: bool = False) -> d
     return manifest
 
 
+def _shown(target: str) -> str:
+    return repr(target if len(target) <= 200 else target[:200] + "...")
+
+
 def link_problem(name: str, target: str) -> str | None:
     """Why a link called `name` inside checkpoints/ may not point at `target` (None: it may)."""
     if STEP_DIR.match(name):
@@ -135,14 +139,14 @@ def checkpoint_dir(path: Path) -> Path:
     given = path = Path(path)
     for _ in range(MAX_HOPS):
         if path.parent.name == CHECKPOINTS and os.path.islink(path.parent):
-            raise CheckpointError(given, "", f"{path.parent} is a symlink to {os.readlink(path.parent)!r:.80}; a run's "
+            raise CheckpointError(given, "", f"{path.parent} is a symlink to {_shown(os.readlink(path.parent))}; a run's "
                                              "checkpoints/ must be a directory inside it")
         if not os.path.islink(path):
             return path
         target = os.readlink(path)
         if path.parent.name == CHECKPOINTS and (problem := link_problem(path.name, target)):
             where = "" if path == given else f" (reached through {given})"
-            raise CheckpointError(path, "", f"is a symlink to {target!r:.80}{where}, out of its run's checkpoints/: "
+            raise CheckpointError(path, "", f"is a symlink to {_shown(target)}{where}, out of its run's checkpoints/: "
                                             f"{problem}; remove it")
         path = path.parent / target
     raise CheckpointError(given, "", f"more than {MAX_HOPS} symlinks to follow")
@@ -363,7 +367,7 @@ class CheckpointStore:
                 if e.is_symlink():
                     target = os.readlink(e.path)
                     if problem := link_problem(e.name, target):
-                        raise UnsafePathError(errno.ELOOP, f"{e.path} is a symlink to {target!r:.80}: {problem}; "
+                        raise UnsafePathError(errno.ELOOP, f"{e.path} is a symlink to {_shown(target)}: {problem}; "
                                                            "remove it")
                     links[e.name] = target
                 elif m and e.is_dir(follow_symlinks=False):

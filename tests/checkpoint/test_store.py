@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -19,8 +20,8 @@ from safetensors.numpy import load_file, save_file
 from conftest import KERNODECK, TINY, env_for_subprocess
 from pipeline.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import (EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointStore, files_of, load,
-                                       step_dir_name, verify)
+from pipeline.checkpoint.store import (EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointStore, checkpoint_dir, files_of,
+                                       load, read_manifest, step_dir_name, verify)
 from pipeline.roundtrip import Fresh
 from pipeline.schema import compose, to_plain
 from pipeline.state import PARTS, StateMismatch, capture, check, copy_tree, restore
@@ -496,3 +497,65 @@ def test_a_renamed_step_directory_is_refused(ckpt):
         load(renamed)
     assert str(info.value) == (f"checkpoint {renamed}: its name says step 12, but manifest.json and extra.json "
                                "say step 10 (renamed or copied in from another step)")
+
+
+# -- links: no reader follows one out of a run --------------------------------------------------------
+
+def refused_link(path: Path, *words: str) -> str:
+    """Every reader refuses `path` with one line (read_manifest, load, verify: what every tool opens)."""
+    messages = set()
+    for read in (read_manifest, load, verify, checkpoint_dir):
+        with pytest.raises(CheckpointError) as info:
+            read(path)
+        messages.add(str(info.value))
+    (message,) = messages
+    assert "\n" not in message
+    for word in words:
+        assert word in message, message
+    return message
+
+
+def test_a_run_link_names_a_step_directory_beside_it(ckpt, tmp_path):
+    root = ckpt.parent
+    os.symlink(ckpt.name, root / "best")
+    assert checkpoint_dir(root / "best") == ckpt
+    assert load(root / "best").directory == root / "best" and verify(root / "best")["step"] == 10
+    outside = tmp_path / "outside" / ckpt.name  # a valid checkpoint: only the link is wrong
+    outside.parent.mkdir()
+    shutil.copytree(ckpt, outside)
+    for name, target in (("final", str(outside)), ("up", f"../outside/{ckpt.name}"), (step_dir_name(6), ckpt.name)):
+        os.symlink(target, root / name)
+        message = refused_link(root / name, f"checkpoint {root / name}: is a symlink to {target!r}",
+                               "out of its run's checkpoints/", "remove it")
+        if name == step_dir_name(6):
+            assert "a step directory must be a directory, not a link" in message
+        (root / name).unlink()
+
+
+def test_a_users_own_link_is_followed_but_not_out_of_a_run(ckpt, tmp_path):
+    root = ckpt.parent
+    mine = tmp_path / "mine"
+    os.symlink(ckpt, mine)  # the user's own link, outside any checkpoints/: as if they typed its target
+    assert checkpoint_dir(mine) == ckpt and verify(mine)["step"] == 10
+    os.symlink(ckpt.name, root / "best")
+    mine.unlink()
+    os.symlink(root / "best", mine)  # through a run's link that obeys the rule
+    assert checkpoint_dir(mine) == ckpt
+    os.symlink(str(tmp_path), root / "evil")
+    mine.unlink()
+    os.symlink(root / "evil", mine)  # through a run's link that does not
+    refused_link(mine, f"checkpoint {root / 'evil'}: is a symlink to {str(tmp_path)!r} (reached through {mine})")
+
+
+def test_a_checkpoints_directory_that_is_a_link_is_refused(ckpt, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(ckpt.parent, run / "checkpoints")
+    refused_link(run / "checkpoints" / ckpt.name, f"{run / 'checkpoints'} is a symlink to {str(ckpt.parent)!r}",
+                 "must be a directory inside it")
+
+
+def test_a_cycle_of_links_is_refused(tmp_path):
+    os.symlink("b", tmp_path / "a")
+    os.symlink("a", tmp_path / "b")
+    refused_link(tmp_path / "a", "more than 8 symlinks")
