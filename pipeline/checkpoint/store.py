@@ -136,16 +136,17 @@ def link_problem(name: str, target: str) -> str | None:
 def checkpoint_dir(path: Path) -> Path:
     """The directory `path` stands for, following links only as the module docstring allows; CheckpointError
     naming the link and where it points otherwise. Whether it is a checkpoint is for the reader to check."""
-    given = path = Path(path)
-    for _ in range(MAX_HOPS):
+    given = Path(path)
+    path = given if given.is_absolute() else Path.cwd() / given  # `best`, typed inside checkpoints/, is a run's link
+    for hop in range(MAX_HOPS):
         if path.parent.name == CHECKPOINTS and os.path.islink(path.parent):
             raise CheckpointError(given, "", f"{path.parent} is a symlink to {_shown(os.readlink(path.parent))}; a run's "
                                              "checkpoints/ must be a directory inside it")
         if not os.path.islink(path):
-            return path
+            return path if hop else given
         target = os.readlink(path)
         if path.parent.name == CHECKPOINTS and (problem := link_problem(path.name, target)):
-            where = "" if path == given else f" (reached through {given})"
+            where = f" (reached through {given})" if hop else ""
             raise CheckpointError(path, "", f"is a symlink to {_shown(target)}{where}, out of its run's checkpoints/: "
                                             f"{problem}; remove it")
         path = path.parent / target

@@ -547,6 +547,13 @@ def test_a_users_own_link_is_followed_but_not_out_of_a_run(ckpt, tmp_path):
     refused_link(mine, f"checkpoint {root / 'evil'}: is a symlink to {str(tmp_path)!r} (reached through {mine})")
 
 
+def test_a_run_link_typed_inside_checkpoints_is_still_a_run_link(ckpt, tmp_path, monkeypatch):
+    os.symlink(str(tmp_path), ckpt.parent / "best")
+    monkeypatch.chdir(ckpt.parent)
+    refused_link(Path("best"), f"checkpoint {ckpt.parent / 'best'}: is a symlink to {str(tmp_path)!r}")
+    assert checkpoint_dir(Path(ckpt.name)) == Path(ckpt.name)  # no link: the path as given
+
+
 def test_a_checkpoints_directory_that_is_a_link_is_refused(ckpt, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
