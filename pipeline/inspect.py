@@ -6,9 +6,10 @@ sha256, and every tensor's name, shape and dtype against what the manifest's con
 directory (`<output_dir>/runs/<name>-<hash>/`, or its `checkpoints/`): run.json's status and every
 checkpoint with its step, metrics, tags and validity, and where the links point.
 
-Exit 0 if everything shown verifies, 1 if something does not (the one-line reason is printed), 2 if
-PATH is not a directory or is a link that no tool follows (out of its run's checkpoints/: see
-pipeline/checkpoint/store.py), with one line on stderr. Reading never writes: temporaries are listed, not removed.
+Exit 0 if everything shown verifies, 1 if something does not (a damaged checkpoint or run.json: the
+one-line reason is printed), 2 with one line on stderr if PATH is not a directory or is a link that no tool
+follows (out of its run's checkpoints/, see pipeline/checkpoint/store.py). Reading never writes:
+temporaries are listed, not removed.
 """
 from __future__ import annotations
 

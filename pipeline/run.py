@@ -118,8 +118,8 @@ class Run:
             restore(self.job.parts, ckpt.state)
         except StateMismatch as e:
             why = f" (with the allowed changes {', '.join(changes)})" if changes else ""
-            raise CheckpointError(ckpt.directory, files_of(e, ckpt.state, capture(self.job.parts)), f"{e.part} does not fit the live run{why}: "
-                                                                   f"{e.reason}") from None
+            raise CheckpointError(ckpt.directory, files_of(e, ckpt.state, capture(self.job.parts)),
+                                  f"{e.part} does not fit the live run{why}: {e.reason}") from None
         if changes:
             self.allowed = {k: [old, new] for k, (old, new) in changes.items()}
             self.job.facts["allowed_changes"] = self.allowed

@@ -140,8 +140,8 @@ def checkpoint_dir(path: Path) -> Path:
     path = given if given.is_absolute() else Path.cwd() / given  # `best`, typed inside checkpoints/, is a run's link
     for hop in range(MAX_HOPS):
         if path.parent.name == CHECKPOINTS and os.path.islink(path.parent):
-            raise CheckpointError(given, "", f"{path.parent} is a symlink to {_shown(os.readlink(path.parent))}; a run's "
-                                             "checkpoints/ must be a directory inside it")
+            raise CheckpointError(given, "", f"{path.parent} is a symlink to {_shown(os.readlink(path.parent))}; "
+                                             "a run's checkpoints/ must be a directory inside it")
         if not os.path.islink(path):
             return path if hop else given
         target = os.readlink(path)
@@ -260,11 +260,14 @@ def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[st
         return "", (f"its name says step {named}, but manifest.json and extra.json say step {manifest_step} "
                     "(renamed or copied in from another step)")
     if named == manifest_step:
-        return EXTRA, f"progress.step {saved_step!r:.40} differs from step {manifest_step} of manifest.json and the directory's name"
+        return EXTRA, (f"progress.step {saved_step!r:.40} differs from step {manifest_step} of manifest.json and "
+                       "the directory's name")
     if named is not None and named == saved_step:
-        return MANIFEST, f"step {manifest_step} differs from progress.step {saved_step} of extra.json and the directory's name"
+        return MANIFEST, (f"step {manifest_step} differs from progress.step {saved_step} of extra.json and the "
+                          "directory's name")
+    neither = "" if named is None else f" (and the directory's name says {named})"
     return f"{MANIFEST} and {EXTRA}", (f"the manifest's step {manifest_step} and progress.step {saved_step!r:.40} "
-                                       "differ" + ("" if named is None else f" (and the directory's name says {named})"))
+                                       f"differ{neither}")
 
 
 def _layouts(template: dict | None) -> tuple[dict | None, dict | None]:
@@ -321,7 +324,8 @@ def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
     if missing:
         raise CheckpointError(directory, EXTRA, f"lacks the state of {missing}")
     progress = tree["progress"]
-    if lie := _step_witnesses(directory, manifest["step"], progress.get("step") if isinstance(progress, dict) else None):
+    saved_step = progress.get("step") if isinstance(progress, dict) else None
+    if lie := _step_witnesses(directory, manifest["step"], saved_step):
         raise CheckpointError(directory, *lie)
     if parts is not None:
         try:
