@@ -178,9 +178,10 @@ def best_outside(*args: str):
     return plant
 
 
-def edit_run_file(name: str, change):
+def edit_run_file(name: str, change, inspected: bool = False):
     def plant(out, run, victim, tmp):
         (run / name).write_text(change((run / name).read_text()))
+        return (str(run),) if inspected else None
     return plant
 
 
@@ -298,6 +299,8 @@ CASES = [
          edit_run_file("metrics.jsonl", lambda t: t.replace('{', '{"x": 1e999, ', 1))),
     Case("run-json-duplicate-key", 2, ("run.json", "duplicate key 'status'"),
          edit_run_file("run.json", lambda t: '{"status": "running", ' + t.lstrip()[1:])),
+    Case("run-json-duplicate-key-inspect", 1, ("run.json", "duplicate key 'status'"),
+         edit_run_file("run.json", lambda t: '{"status": "running", ' + t.lstrip()[1:], inspected=True), module=I),
     # planted links in the run directory
     Case("link-at-lock", 2, (".lock", "symlink"), link_to_victim(".lock")),
     Case("link-at-run-json", 2, ("run.json", "symlink"), link_to_victim("run.json")),
@@ -413,7 +416,9 @@ def test_hostile_input(case: Case, finished, tmp_path):
     assert "Traceback" not in stderr + stdout, stderr
     said = [ln for ln in (stdout if case.module == I and case.code == 1 else stderr).splitlines() if ln.strip()]
     if case.code != 0:
-        message = said[-1] if case.module == I else "\n".join(said)
+        # inspect's verdict: its INVALID line (the last line for a checkpoint, the second for a run's run.json)
+        message = next((ln for ln in reversed(said) if "INVALID" in ln), said[-1]) if case.module == I and \
+            case.code == 1 else "\n".join(said)
         assert len(said) >= 1 and (case.module == I or len(said) == 1), said
         for word in case.words:
             assert word in message, message
