@@ -8,10 +8,11 @@ directory (`<output_dir>/runs/<name>-<hash>/`, or its `checkpoints/`): run.json'
 checkpoint with its step, metrics, tags and validity, and where the links point. A config naming your own
 classes needs your config directory: `hydra.searchpath=[pkg://moons.conf]` (or file://DIR).
 
-Exit 0 if everything shown verifies, 1 if something does not (the one-line reason is printed), 2 if
-PATH is not a directory, an argument is bad, or a checkpoint's config names a `_target_` that neither the
-pipeline's configs nor yours name (one line on stderr; nothing it names is imported or built). Reading
-never writes: temporaries are listed, not removed.
+Exit 0 if everything shown verifies, 1 if something does not (a damaged checkpoint or run.json: the
+one-line reason is printed), 2 with one line on stderr if PATH is not a directory, is a link that no tool
+follows (out of its run's checkpoints/, see pipeline/checkpoint/store.py), an argument is bad, or a
+checkpoint's config names a `_target_` that neither the pipeline's configs nor yours name (nothing it names
+is imported or built). Reading never writes: temporaries are listed, not removed.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from pipeline import jsonio
 from pipeline.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import MANIFEST, MAX_MANIFEST, WEIGHTS
+from pipeline.checkpoint.store import MANIFEST, MAX_MANIFEST, WEIGHTS, checkpoint_dir
 from pipeline.rundir import RunDir
 from pipeline.signals import EXIT_BAD_INPUT
 
@@ -64,7 +65,11 @@ def describe_checkpoint(directory: Path, overrides: tuple[str, ...] = ()) -> dic
 def describe_run(run_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
     """run.json's status and every checkpoint of the run with step, metrics and validity."""
     rundir = RunDir(run_dir)
-    out: dict = {"kind": "run", "path": str(run_dir), "run": rundir.read_status() or None}
+    try:
+        status, damaged = rundir.read_status() or None, None
+    except CheckpointError as e:  # run.json damaged: shown as the run's reason
+        status, damaged = None, str(e)
+    out: dict = {"kind": "run", "path": str(run_dir), "run": status}
     try:
         steps, links = rundir.store.scan()
     except OSError as e:
@@ -81,6 +86,8 @@ def describe_run(run_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
     root = rundir.store.root
     out["temporaries"] = sorted(p.name for p in root.iterdir() if p.name.startswith(TMP_PREFIX)) if root.is_dir() else []
     out["valid"] = all(c["valid"] for c in checkpoints) and all(link["exists"] for link in out["links"].values())
+    if damaged:
+        out["valid"], out["reason"] = False, damaged
     return out
 
 
@@ -148,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     if bad := [o for o in args.overrides if not o.startswith("hydra.searchpath=")]:
         print(f"pipeline.inspect: {bad[0]}: only hydra.searchpath=[...] can be given here", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        checkpoint_dir(path)  # nothing is read through a link out of a run
+    except CheckpointError as e:
+        print(f"pipeline.inspect: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if RunDir(path.parent).store.root == path and not (path / MANIFEST).exists():
         path = path.parent  # a run's checkpoints/ stands for the run

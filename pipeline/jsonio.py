@@ -3,7 +3,10 @@
 Python's json writes NaN and Infinity bare, which is not JSON (strict parsers reject the file). Every JSON
 file the pipeline writes goes through `dumps`, which writes a non-finite float as the string "NaN",
 "Infinity" or "-Infinity" (protobuf's JSON mapping for floats); `number` reads such a value back exactly.
-Reading refuses files over a size limit before reading them, and nesting deeper than MAX_DEPTH.
+Reading is strict, as a checkpoint must mean the same to every reader: `loads` refuses a duplicate key
+(Python keeps the last, other parsers the first), a number out of range (`1e999`, which Python reads as
+inf; an integer longer than Python converts), bare NaN/Infinity, nesting deeper than MAX_DEPTH; `read`
+refuses a file over a size limit before reading it, and names the file in its error.
 """
 from __future__ import annotations
 
@@ -35,12 +38,16 @@ def encode_float(x: float) -> float | str:
 
 
 def number(v) -> float:
-    """A metric value as written by `dumps` (a number, or one of the NON_FINITE strings) back to a float."""
+    """A metric value as written by `dumps` (a number, or one of the NON_FINITE strings) back to a float;
+    JSONError for anything else, and for an integer too large for a float."""
     if isinstance(v, str) and v in NON_FINITE:
         return NON_FINITE[v]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise JSONError(f"{v!r} is not a number")
-    return float(v)
+        raise JSONError(f"{v!r:.80} is not a number")
+    try:
+        return float(v)
+    except OverflowError:
+        raise JSONError(f"{str(v)[:40]}... is out of range for a float") from None
 
 
 def dumps(obj, *, indent: int | None = 2, canonical: bool = False) -> bytes:
@@ -73,10 +80,37 @@ def _reject_constant(name: str):
     raise JSONError(f"contains {name}, which is not JSON")
 
 
-def loads(data: bytes | str):
-    """Parse standard JSON; JSONError (a ValueError) for anything else, bare NaN included."""
+def _unique(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise JSONError(f"duplicate key {k!r:.80} (readers disagree on which value counts)")
+            seen.add(k)
+    return out
+
+
+def _float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise JSONError(f"number {text:.40} is out of range (overflows a 64-bit float)")
+    return x
+
+
+def _int(text: str) -> int:
     try:
-        obj = json.loads(data, parse_constant=_reject_constant)
+        return int(text)
+    except ValueError:  # longer than sys.get_int_max_str_digits()
+        raise JSONError(f"integer {text[:20]}... of {len(text)} digits is out of range") from None
+
+
+def loads(data: bytes | str):
+    """Parse standard JSON strictly; JSONError (a ValueError, one line) for anything else: bare NaN, a
+    duplicate key, a number out of range, bad UTF-8, too deep."""
+    try:
+        obj = json.loads(data, parse_constant=_reject_constant, object_pairs_hook=_unique, parse_float=_float,
+                         parse_int=_int)
     except RecursionError:
         raise JSONError(f"nested deeper than {MAX_DEPTH} levels") from None
     except UnicodeDecodeError as e:
@@ -110,7 +144,11 @@ def read_bytes(path, limit: int) -> bytes:
 
 
 def read(path, limit: int):
-    return loads(read_bytes(path, limit))
+    """A bounded JSON file, parsed strictly; its JSONError names the file (`<path>: duplicate key 'x' ...`)."""
+    try:
+        return loads(read_bytes(path, limit))
+    except JSONError as e:
+        raise JSONError(f"{path}: {e}") from None
 
 
 def flatten(tree, sep: str = ".", prefix: str = "") -> dict:

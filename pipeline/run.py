@@ -18,7 +18,7 @@ from pipeline import budget, identity, jsonio
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.retention import AnyOf, LatestN
-from pipeline.checkpoint.store import WEIGHTS, Checkpoint, file_of, load
+from pipeline.checkpoint.store import WEIGHTS, Checkpoint, checkpoint_dir, files_of, load
 from pipeline.job import Job
 from pipeline.rundir import RunDir
 from pipeline.signals import EXIT_PREEMPTED, Signals
@@ -84,7 +84,7 @@ class Run:
         self._resumed(ckpt, ckpt.manifest["lineage"], self.rundir.read_metrics())
 
     def resume_from_source(self, source: Path, allow: list[str]) -> None:
-        source = Path(source).resolve()
+        source = checkpoint_dir(Path(source)).resolve()  # a link out of a run is refused, not followed
         src = load(source)  # its fit is checked once the drift is known (an allowed change may be why)
         origin = {"checkpoint": str(source), "step": src.step,
                   "weights_sha256": src.manifest["files"][WEIGHTS]["sha256"]}
@@ -118,8 +118,8 @@ class Run:
             restore(self.job.parts, ckpt.state)
         except StateMismatch as e:
             why = f" (with the allowed changes {', '.join(changes)})" if changes else ""
-            raise CheckpointError(ckpt.directory, file_of(e.part), f"{e.part} does not fit the live run{why}: "
-                                                                   f"{e.reason}") from None
+            raise CheckpointError(ckpt.directory, files_of(e, ckpt.state, capture(self.job.parts)),
+                                  f"{e.part} does not fit the live run{why}: {e.reason}") from None
         if changes:
             self.allowed = {k: [old, new] for k, (old, new) in changes.items()}
             self.job.facts["allowed_changes"] = self.allowed
@@ -283,7 +283,10 @@ def _say_if_a_sibling_differs(job: Job, run_dir: Path) -> None:
     for p in run_dir.parent.glob(f"{prefix}*"):
         if p == run_dir or not p.is_dir() or p.is_symlink():
             continue
-        status = RunDir(p).read_status()
+        try:
+            status = RunDir(p).read_status()
+        except CheckpointError:
+            continue  # another run's damaged run.json: that run's business, not this one's
         if status.get("status") in ("complete", "preempted") and isinstance(status.get("updated"), (int, float)):
             siblings.append((status["updated"], p, status))
     if not siblings:

@@ -5,7 +5,7 @@
       .hydra/               the composed config and the overrides, written once the lock is held
       pipeline.log          the log of every process that ran here
       run.json              status (running, preempted, complete, failed), step, metrics, replaced atomically
-      metrics.jsonl         one JSON object per logged step
+      metrics.jsonl         one JSON object per logged step, appended (only the last line can be torn)
       checkpoints/          the checkpoint store (pipeline/checkpoint/store.py)
       superseded/<when>/    another run history this directory held before a resume from elsewhere
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pipeline import jsonio
 from pipeline.atomic import UnsafePathError, ensure_dirs, open_append, refuse_link, replace_file
+from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.store import CheckpointStore
 
 MAX_RUN_JSON = 16 << 20
@@ -103,31 +104,49 @@ class RunDir:
             os.close(fd)
 
     # --- run.json
-    def read_status(self) -> dict:
+    def _read(self, path: Path, limit: int) -> bytes | None:
         try:
-            status = jsonio.read(self.status_path, MAX_RUN_JSON)
-        except (OSError, ValueError):
+            return jsonio.read_bytes(path, limit)
+        except FileNotFoundError:
+            return None
+        except (OSError, jsonio.JSONError) as e:
+            raise RunFileError(self.path, path.name, e.strerror if isinstance(e, OSError) and e.strerror else str(e)) \
+                from None
+
+    def read_status(self) -> dict:
+        """run.json ({} if there is none); RunFileError if it is damaged: not strict JSON, or not an object."""
+        raw = self._read(self.status_path, MAX_RUN_JSON)
+        if raw is None:
             return {}
-        return status if isinstance(status, dict) else {}
+        try:
+            status = jsonio.loads(raw)
+        except jsonio.JSONError as e:
+            raise RunFileError(self.path, self.status_path.name, str(e)) from None
+        if not isinstance(status, dict):
+            raise RunFileError(self.path, self.status_path.name, "not a JSON object")
+        return status
 
     def write_status(self, **fields) -> None:
         replace_file(self.status_path, jsonio.dumps({**fields, "updated": time.time()}))
 
     # --- metrics.jsonl
     def read_metrics(self) -> list[dict]:
-        """metrics.jsonl's complete lines (a torn last line from a killed process is dropped)."""
-        try:
-            raw = jsonio.read_bytes(self.metrics_path, MAX_METRICS)
-        except FileNotFoundError:
+        """metrics.jsonl's lines. A last line without its newline is torn (a process was killed writing it)
+        and dropped; any other line that is not a strict JSON object with an integer step is damage, which
+        no writer leaves: RunFileError naming the file and the line (nothing is dropped or rewritten)."""
+        raw = self._read(self.metrics_path, MAX_METRICS)
+        if raw is None:
             return []
+        *complete, _torn = raw.split(b"\n")  # _torn: b"" when the file ends with its newline
         lines = []
-        for text in raw.decode("utf-8", errors="replace").splitlines():
+        for number, text in enumerate(complete, 1):
             try:
                 line = jsonio.loads(text)
-            except jsonio.JSONError:
-                break
+            except jsonio.JSONError as e:
+                raise RunFileError(self.path, self.metrics_path.name, f"line {number}: {e}") from None
             if not isinstance(line, dict) or type(line.get("step")) is not int:
-                break
+                raise RunFileError(self.path, self.metrics_path.name, f"line {number}: not an object with an "
+                                                                      "integer step")
             lines.append(line)
         return lines
 

@@ -32,11 +32,21 @@ class Stateful(Protocol):
 
 
 class StateMismatch(ValueError):
-    """A saved state that does not fit the live part: `part` and `reason` say which and why."""
+    """A saved state that does not fit the live part: `part` and `reason` say which and why; `path` is the
+    keys below the part to the value at fault (() when the part's own check did not say which)."""
 
-    def __init__(self, part: str, reason: str):
-        self.part, self.reason = part, reason
+    def __init__(self, part: str, reason: str, path: tuple = ()):
+        self.part, self.reason, self.path = part, reason, tuple(path)
         super().__init__(f"{part}: {reason}")
+
+
+class BadValue(ValueError):
+    """What a part's check_state_dict raises for one value it refuses: `key` (a key, or a tuple of keys
+    below the part) says which, so the reader can name the file that holds it."""
+
+    def __init__(self, key: str | tuple, reason: str):
+        self.key = (key,) if isinstance(key, str) else tuple(key)
+        super().__init__(reason)
 
 
 def capture(parts: Mapping[str, Stateful], only: tuple[str, ...] = PARTS) -> dict[str, dict]:
@@ -124,41 +134,55 @@ def _compatible(live: str, got: str) -> bool:
     return live == got or live == "null" or got == "null" or {live, got} == {"int", "float"}
 
 
-def fit_reason(live, got, path: str = "", free: tuple[str, ...] = ()) -> str | None:
-    """Why `got` cannot replace the live state `live`, or None: same keys, array shapes/dtypes, JSON kinds.
-    Paths in `free` hold objects whose keys vary (metrics by name): only their being objects is checked."""
-    where = path or "(top)"
+def _where(path: tuple) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f"{SEP}{p}" if out else str(p))
+    return out or "(top)"
+
+
+def misfit(live, got, path: tuple = (), free: tuple[str, ...] = ()) -> tuple[tuple, str] | None:
+    """(the keys to the value at fault, why) if `got` cannot replace the live state `live`, else None: same
+    keys, array shapes/dtypes, JSON kinds. A missing or unexpected key is named by its own path. Paths in
+    `free` ("/"-joined) hold objects whose keys vary (metrics by name): only their being objects is checked."""
+    where = _where(path)
     if isinstance(live, dict):
         if not isinstance(got, dict):
-            return f"{where}: expected an object, got {_json_kind(got)}"
-        if path in free:
+            return path, f"{where}: expected an object, got {_json_kind(got)}"
+        if path and SEP.join(map(str, path)) in free:
             return None
         missing, extra = sorted(set(live) - set(got)), sorted(set(got) - set(live))
         if missing or extra:
             parts = ([f"lacks {missing[:5]}"] if missing else []) + ([f"has unexpected {extra[:5]}"] if extra else [])
-            return f"{where}: keys differ: the saved state " + " and ".join(parts)
+            return (*path, (missing or extra)[0]), f"{where}: keys differ: the saved state " + " and ".join(parts)
         for k in live:
-            if reason := fit_reason(live[k], got[k], f"{path}{SEP}{k}" if path else k, free):
-                return reason
+            if found := misfit(live[k], got[k], (*path, k), free):
+                return found
         return None
     if isinstance(live, np.ndarray):
         if not isinstance(got, np.ndarray):
-            return f"{where}: expected an array, got {_json_kind(got)}"
+            return path, f"{where}: expected an array, got {_json_kind(got)}"
         if got.shape != live.shape or got.dtype != live.dtype:
-            return f"{where}: saved {got.dtype}{list(got.shape)}, the live run has {live.dtype}{list(live.shape)}"
+            return path, f"{where}: saved {got.dtype}{list(got.shape)}, the live run has {live.dtype}{list(live.shape)}"
         return None
     if isinstance(live, list):
         if not isinstance(got, list):
-            return f"{where}: expected a list, got {_json_kind(got)}"
+            return path, f"{where}: expected a list, got {_json_kind(got)}"
         if len(live) != len(got):
-            return f"{where}: a list of {len(got)}, the live run has {len(live)}"
+            return path, f"{where}: a list of {len(got)}, the live run has {len(live)}"
         for i, (a, b) in enumerate(zip(live, got)):
-            if reason := fit_reason(a, b, f"{path}[{i}]"):
-                return reason
+            if found := misfit(a, b, (*path, i)):
+                return found
         return None
     if not _compatible(_json_kind(live), _json_kind(got)):
-        return f"{where}: expected {_json_kind(live)}, got {_json_kind(got)}"
+        return path, f"{where}: expected {_json_kind(live)}, got {_json_kind(got)}"
     return None
+
+
+def fit_reason(live, got, path: str = "", free: tuple[str, ...] = ()) -> str | None:
+    """Why `got` cannot replace the live state `live` (see misfit), or None; `path` names the top."""
+    found = misfit(live, got, tuple(path.split(SEP)) if path else (), free)
+    return found[1] if found else None
 
 
 def check(parts: Mapping[str, Stateful], tree: Mapping, only: tuple[str, ...] = PARTS) -> None:
@@ -167,14 +191,14 @@ def check(parts: Mapping[str, Stateful], tree: Mapping, only: tuple[str, ...] = 
         if name not in tree:
             raise StateMismatch(name, "missing from the saved state")
         part = parts[name]
-        if reason := fit_reason(part.state_dict(), tree[name], free=getattr(part, "free_form_state", ())):
-            raise StateMismatch(name, reason)
+        if found := misfit(part.state_dict(), tree[name], free=getattr(part, "free_form_state", ())):
+            raise StateMismatch(name, found[1], found[0])
         own = getattr(part, "check_state_dict", None)
         if own is not None:
             try:
                 own(tree[name])
             except (ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
-                raise StateMismatch(name, str(e) or type(e).__name__) from None
+                raise StateMismatch(name, str(e) or type(e).__name__, getattr(e, "key", ())) from None
 
 
 def restore(parts: Mapping[str, Stateful], tree: Mapping, only: tuple[str, ...] = PARTS) -> None:

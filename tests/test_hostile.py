@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from conftest import KERNODECK, env_for_subprocess, run_job, the_run
 
@@ -121,6 +123,69 @@ def text_file(content: bytes):
     return plant
 
 
+def manifest_text(change):
+    """manifest.json's text changed as text (what json.dumps cannot write: a key twice, 1e999)."""
+    def plant(out, run, victim, tmp):
+        p = step(run, 10) / "manifest.json"
+        p.write_text(change(p.read_text()))
+        return inspect_final(run)
+    return plant
+
+
+def lying_files_table(text: str) -> str:
+    lie = {name: {"size": 1, "sha256": "0" * 64} for name in json.loads(text)["files"]}
+    return '{"files": ' + json.dumps(lie) + ", " + text.lstrip()[1:]  # Python's json keeps the last table
+
+
+def edit_optim(change):
+    def plant(out, run, victim, tmp):
+        p = step(run, 10) / "optim.safetensors"
+        arrays = load_file(str(p))
+        change(arrays)
+        p.unlink()
+        save_file(arrays, str(p), metadata={"format": "np"})
+        relist(step(run, 10), "optim.safetensors")
+        return inspect_final(run)
+    return plant
+
+
+def edit_extra(change):
+    def plant(out, run, victim, tmp):
+        p = step(run, 10) / "extra.json"
+        extra = json.loads(p.read_text())
+        change(extra)
+        p.write_text(json.dumps(extra))
+        relist(step(run, 10), "extra.json")
+        return inspect_final(run)
+    return plant
+
+
+def not_a_permutation(arrays: dict) -> None:
+    perm = arrays["data_iter/permutation"].copy()
+    perm[0] = perm[1]
+    arrays["data_iter/permutation"] = perm
+
+
+def best_outside(*args: str):
+    """`best` pointing at a valid copy of step 10 outside the run: only the link is wrong."""
+    def plant(out, run, victim, tmp):
+        elsewhere = tmp / "elsewhere" / "step-00000010"
+        shutil.copytree(step(run, 10), elsewhere)
+        (run / "checkpoints" / "best").unlink()
+        os.symlink(elsewhere, run / "checkpoints" / "best")
+        best = str(run / "checkpoints" / "best")
+        return tuple(a.format(best=best, tmp=tmp) for a in args)
+    return plant
+
+
+def edit_run_file(name: str, change, inspected: bool = False):
+    def plant(out, run, victim, tmp):
+        (run / name).write_text(change((run / name).read_text()))
+        return (str(run),) if inspected else None
+    return plant
+
+
+OUT_OF_RUN = ("checkpoints/best: is a symlink to", "elsewhere/step-00000010", "out of its run's checkpoints/")
 I = "pipeline.inspect"
 CASES = [
     # manifest.json
@@ -142,6 +207,20 @@ CASES = [
          edit_manifest(lambda m: m["files"].__setitem__("../../victim", m["files"]["extra.json"])), module=I),
     Case("manifest-seed-edited", 1, ("manifest.json", "seed"), edit_manifest(lambda m: m.__setitem__("seed", 1)),
          module=I),
+    Case("manifest-duplicate-files", 1, ("manifest.json", "duplicate key 'files'"), manifest_text(lying_files_table),
+         module=I),
+    Case("manifest-metric-1e999", 1, ("manifest.json", "number 1e999 is out of range"),
+         manifest_text(lambda t: t.replace('"metrics": {', '"metrics": {"val/huge": 1e999, ', 1)), module=I),
+    Case("manifest-step-edited", 1, ("manifest.json", "step 11 differs from progress.step 10 of extra.json"),
+         edit_manifest(lambda m: m.__setitem__("step", 11)), module=I),
+    # which file holds the damage: arrays in optim.safetensors, JSON values in extra.json
+    Case("optim-permutation", 1, ("optim.safetensors", "data_iter", "not a permutation"),
+         edit_optim(not_a_permutation), module=I),
+    Case("optim-moment-dtype", 1, ("optim.safetensors", "exp_avg"),
+         edit_optim(lambda a: a.__setitem__(k := next(n for n in a if "exp_avg/" in n), a[k].astype(np.float32))),
+         module=I),
+    Case("extra-counter", 1, ("extra.json", "optimizer", "t=-1 is negative"),
+         edit_extra(lambda e: e["optimizer"].__setitem__("t", -1)), module=I),
     # extra.json
     Case("extra-deep", 1, ("extra.json", "nested deeper"), write_file("extra.json", b"[" * 200000 + b"]" * 200000),
          module=I),
@@ -203,6 +282,25 @@ CASES = [
     Case("resume-from-symlinked-weights", 2, ("weights.safetensors", "symlink"),
          then(lambda o, r, v, t: ((step(r, 10) / "weights.safetensors").unlink(),
                                   os.symlink(v, step(r, 10) / "weights.safetensors")), resume_from())),
+    Case("resume-from-permutation", 2, ("optim.safetensors", "not a permutation"),
+         then(edit_optim(not_a_permutation), resume_from())),
+    # a link out of the run: refused by every tool
+    Case("best-outside-inspect", 2, OUT_OF_RUN, best_outside("{best}"), module=I),
+    Case("best-outside-evaluate", 2, OUT_OF_RUN, best_outside("{best}"), module="pipeline.evaluate"),
+    Case("best-outside-sample", 2, OUT_OF_RUN, best_outside("{best}", "prompt=a"), module="pipeline.sample"),
+    Case("best-outside-export", 2, OUT_OF_RUN, best_outside("{best}", "{tmp}/hf"), module="pipeline.export_hf"),
+    Case("best-outside-resume", 2, OUT_OF_RUN,
+         best_outside("trainer.max_steps=12", "resume.source={best}", "resume.allow_changes=[trainer.max_steps]")),
+    # the run's own files, met by the same command again
+    Case("metrics-duplicate-key", 2, ("metrics.jsonl", "line 2: duplicate key 'step'"),
+         edit_run_file("metrics.jsonl", lambda t: t.replace('{"step": ', '{"step": 0, "step": ', 2).replace(
+             '{"step": 0, "step": ', '{"step": ', 1))),
+    Case("metrics-1e999", 2, ("metrics.jsonl", "line 1", "1e999"),
+         edit_run_file("metrics.jsonl", lambda t: t.replace('{', '{"x": 1e999, ', 1))),
+    Case("run-json-duplicate-key", 2, ("run.json", "duplicate key 'status'"),
+         edit_run_file("run.json", lambda t: '{"status": "running", ' + t.lstrip()[1:])),
+    Case("run-json-duplicate-key-inspect", 1, ("run.json", "duplicate key 'status'"),
+         edit_run_file("run.json", lambda t: '{"status": "running", ' + t.lstrip()[1:], inspected=True), module=I),
     # planted links in the run directory
     Case("link-at-lock", 2, (".lock", "symlink"), link_to_victim(".lock")),
     Case("link-at-run-json", 2, ("run.json", "symlink"), link_to_victim("run.json")),
@@ -316,9 +414,11 @@ def test_hostile_input(case: Case, finished, tmp_path):
     (tmp_path / "stdout.txt").unlink()
     assert p.returncode == case.code, f"exit {p.returncode}: {stderr[-3000:]}{stdout[-1000:]}"
     assert "Traceback" not in stderr + stdout, stderr
-    said = [ln for ln in (stdout if case.module == I else stderr).splitlines() if ln.strip()]
+    said = [ln for ln in (stdout if case.module == I and case.code == 1 else stderr).splitlines() if ln.strip()]
     if case.code != 0:
-        message = said[-1] if case.module == I else "\n".join(said)
+        # inspect's verdict: its INVALID line (the last line for a checkpoint, the second for a run's run.json)
+        message = next((ln for ln in reversed(said) if "INVALID" in ln), said[-1]) if case.module == I and \
+            case.code == 1 else "\n".join(said)
         assert len(said) >= 1 and (case.module == I or len(said) == 1), said
         for word in case.words:
             assert word in message, message

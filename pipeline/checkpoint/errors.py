@@ -1,10 +1,20 @@
-"""The one error a reader of a checkpoint sees: directory, file and reason in one line."""
+"""The one error a reader of a checkpoint or of a run's files sees: directory, file and reason in one line."""
 from __future__ import annotations
 
 from pathlib import Path
 
 
 class CheckpointError(Exception):
+    """`file` names the file at fault ("" when it is the directory itself, or a link to it)."""
+
+    kind = "checkpoint"
+
     def __init__(self, directory: Path | str, file: str, reason: str):
         self.directory, self.file, self.reason = Path(directory), file, reason
-        super().__init__(f"checkpoint {self.directory}: {file}: {reason}")
+        super().__init__(f"{self.kind} {self.directory}: {file + ': ' if file else ''}{reason}")
+
+
+class RunFileError(CheckpointError):
+    """A run's own file (run.json, metrics.jsonl) that is damaged; refused like a damaged checkpoint."""
+
+    kind = "run"

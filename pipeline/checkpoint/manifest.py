@@ -128,8 +128,8 @@ def check(m) -> dict:
     for k, v in _require(m, "metrics", dict, "an object").items():
         try:
             jsonio.number(v)
-        except ValueError:
-            raise ManifestError(f"metric {k!r} is {v!r:.80}, not a number") from None
+        except ValueError as e:  # a string other than NaN/Infinity, an integer no float holds, ...
+            raise ManifestError(f"metric {k!r:.80}: {e}") from None
     tags = _require(m, "tags", list, "a list of stage names")
     if not all(isinstance(t, str) for t in tags):
         raise ManifestError("'tags' must be a list of stage names")

@@ -14,6 +14,14 @@ layout the live run (or the config) expects, before allocating them.
 
 A run's checkpoints live in `<run>/checkpoints/step-NNNNNNNN/`, with relative symlinks (`best`, `final`)
 that stages declare; CheckpointStore lists, saves, links and prunes them by retention policy.
+
+Every reader opens a checkpoint directory through `checkpoint_dir`, so no tool follows a link out of a run:
+a link inside a `checkpoints/` directory must be a bare `step-NNNNNNNN` name beside it (what `best` and
+`final` are), and a `checkpoints/` directory must not itself be a link. A link elsewhere (one a user made,
+`ln -s RUN/checkpoints/best mine`) is followed, as its target could be typed instead -- and the links it
+leads through obey the same rule. When the saved state does not fit, the error names the file that holds
+the value at fault; a step directory's name is a third witness to which of manifest.json and extra.json
+lies about the step.
 """
 from __future__ import annotations
 
@@ -43,6 +51,8 @@ REQUIRED = (WEIGHTS, OPTIM, EXTRA)
 MAX_MANIFEST = 16 << 20  # bytes; a legitimate manifest is a few KB (config, facts, file table)
 MAX_EXTRA = 16 << 20  # bytes; the JSON state (RNG streams, counters, stage state), a few KB
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
+CHECKPOINTS = "checkpoints"  # the name of a run's checkpoint store: links inside it stay inside it
+MAX_HOPS = 8  # links followed from a path to its checkpoint directory
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 CORRUPTED = "sha256 differs from manifest.json (corrupted)"
 SCHEMA_VERSION = mf.SCHEMA_VERSION
@@ -110,11 +120,45 @@ def write(directory: Path, tree: dict, fields: dict, replace: bool = False) -> d
     return manifest
 
 
+def _shown(target: str) -> str:
+    return repr(target if len(target) <= 200 else target[:200] + "...")
+
+
+def link_problem(name: str, target: str) -> str | None:
+    """Why a link called `name` inside checkpoints/ may not point at `target` (None: it may)."""
+    if STEP_DIR.match(name):
+        return "a step directory must be a directory, not a link"
+    if not STEP_DIR.match(target):
+        return "a link in checkpoints/ names a step directory beside it (step-NNNNNNNN)"
+    return None
+
+
+def checkpoint_dir(path: Path) -> Path:
+    """The directory `path` stands for, following links only as the module docstring allows; CheckpointError
+    naming the link and where it points otherwise. Whether it is a checkpoint is for the reader to check."""
+    given = Path(path)
+    path = given if given.is_absolute() else Path.cwd() / given  # `best`, typed inside checkpoints/, is a run's link
+    for hop in range(MAX_HOPS):
+        if path.parent.name == CHECKPOINTS and os.path.islink(path.parent):
+            raise CheckpointError(given, "", f"{path.parent} is a symlink to {_shown(os.readlink(path.parent))}; "
+                                             "a run's checkpoints/ must be a directory inside it")
+        if not os.path.islink(path):
+            return path if hop else given
+        target = os.readlink(path)
+        if path.parent.name == CHECKPOINTS and (problem := link_problem(path.name, target)):
+            where = f" (reached through {given})" if hop else ""
+            raise CheckpointError(path, "", f"is a symlink to {_shown(target)}{where}, out of its run's checkpoints/: "
+                                            f"{problem}; remove it")
+        path = path.parent / target
+    raise CheckpointError(given, "", f"more than {MAX_HOPS} symlinks to follow")
+
+
 def read_manifest(directory: Path) -> dict:
     """manifest.json, bounded in size and depth and checked against itself; CheckpointError otherwise."""
     directory = Path(directory)
+    real = checkpoint_dir(directory)
     try:
-        raw = jsonio.read_bytes(directory / MANIFEST, MAX_MANIFEST)
+        raw = jsonio.read_bytes(real / MANIFEST, MAX_MANIFEST)
     except FileNotFoundError:
         raise CheckpointError(directory, MANIFEST, "missing (an incomplete or foreign directory)") from None
     except (OSError, jsonio.JSONError) as e:
@@ -172,9 +216,58 @@ def _read_tensor_file(directory: Path, name: str, entry: dict, expect: dict | No
     return arrays
 
 
-def file_of(part: str) -> str:
-    """The file a part's state is read from first (its arrays, or its JSON values)."""
-    return {"model": WEIGHTS, "optimizer": OPTIM}.get(part, EXTRA)
+_ABSENT = object()
+
+
+def _at(tree, keys: tuple):
+    for k in keys:
+        if isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree):
+            tree = tree[k]
+        elif isinstance(k, str) and isinstance(tree, dict) and k in tree:
+            tree = tree[k]
+        else:
+            return _ABSENT
+    return tree
+
+
+def _holders(part: str, value) -> set[str]:
+    if part == "model" or isinstance(value, np.ndarray):
+        return {WEIGHTS if part == "model" else OPTIM}
+    if isinstance(value, dict) and value:
+        return set().union(*(_holders(part, v) for v in value.values()))
+    return {EXTRA}
+
+
+def files_of(e: StateMismatch, saved: dict, live: dict) -> str:
+    """The file(s) holding the value a StateMismatch is about: where the saved value was read from, and
+    where the live one would have been (an array where JSON was saved: both files)."""
+    files = set()
+    for tree in (saved, live):
+        value = _at(tree, (e.part, *e.path))
+        if value is not _ABSENT:
+            files |= _holders(e.part, value)
+    return " and ".join(f for f in (WEIGHTS, OPTIM, EXTRA) if f in files) or EXTRA
+
+
+def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[str, str] | None:
+    """(file(s), reason) if manifest.json's step, extra.json's progress.step and the directory's name
+    (`step-NNNNNNNN`, when it has one) do not agree; the odd one out is the file that lies."""
+    m = STEP_DIR.match(directory.name)
+    named = int(m.group(1)) if m else None
+    if saved_step == manifest_step:
+        if named is None or named == manifest_step:
+            return None
+        return "", (f"its name says step {named}, but manifest.json and extra.json say step {manifest_step} "
+                    "(renamed or copied in from another step)")
+    if named == manifest_step:
+        return EXTRA, (f"progress.step {saved_step!r:.40} differs from step {manifest_step} of manifest.json and "
+                       "the directory's name")
+    if named is not None and named == saved_step:
+        return MANIFEST, (f"step {manifest_step} differs from progress.step {saved_step} of extra.json and the "
+                          "directory's name")
+    neither = "" if named is None else f" (and the directory's name says {named})"
+    return f"{MANIFEST} and {EXTRA}", (f"the manifest's step {manifest_step} and progress.step {saved_step!r:.40} "
+                                       f"differ{neither}")
 
 
 def _layouts(template: dict | None) -> tuple[dict | None, dict | None]:
@@ -192,9 +285,10 @@ def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
     their layout, checked before any tensor is read (nothing larger is allocated), and every part's saved
     state must fit it (pipeline.state.check): a verified checkpoint is one the run can restore.
     """
-    directory = Path(directory)
+    given = Path(directory)
+    directory = checkpoint_dir(given)  # read from where the links lead; errors below name that directory
     if not directory.is_dir():
-        raise CheckpointError(directory, ".", "not a directory")
+        raise CheckpointError(given, "", "not a directory")
     manifest = read_manifest(directory)
     listed = _check_listing(directory, manifest)
     try:
@@ -203,7 +297,8 @@ def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
         raise CheckpointError(directory, EXTRA, _os_reason(e)) from None
     if hashlib.sha256(raw).hexdigest() != listed[EXTRA]["sha256"]:
         raise CheckpointError(directory, EXTRA, CORRUPTED)
-    weights_layout, optim_layout = _layouts(capture(parts) if parts is not None else None)
+    live = capture(parts) if parts is not None else None
+    weights_layout, optim_layout = _layouts(live)
     with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:  # side by side, as in write()
         weights_read = pool.submit(_read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], weights_layout)
         try:
@@ -229,15 +324,16 @@ def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
     if missing:
         raise CheckpointError(directory, EXTRA, f"lacks the state of {missing}")
     progress = tree["progress"]
-    if not isinstance(progress, dict) or progress.get("step") != manifest["step"]:
-        raise CheckpointError(directory, EXTRA, "progress.step differs from the manifest's step")
+    saved_step = progress.get("step") if isinstance(progress, dict) else None
+    if lie := _step_witnesses(directory, manifest["step"], saved_step):
+        raise CheckpointError(directory, *lie)
     if parts is not None:
         try:
             check(parts, tree)
         except StateMismatch as e:
-            raise CheckpointError(directory, file_of(e.part), f"{e.part} does not fit the live run: {e.reason}") \
-                from None
-    return Checkpoint(directory, manifest, tree)
+            raise CheckpointError(directory, files_of(e, tree, live), f"{e.part} does not fit the live run: "
+                                                                       f"{e.reason}") from None
+    return Checkpoint(given, manifest, tree)
 
 
 def verify(directory: Path, parts: Mapping | None = None) -> dict:
@@ -275,9 +371,9 @@ class CheckpointStore:
                 m = STEP_DIR.match(e.name)
                 if e.is_symlink():
                     target = os.readlink(e.path)
-                    if m or not STEP_DIR.match(target):
-                        raise UnsafePathError(errno.ELOOP, f"{e.path} is a symlink to {target!r:.80}; checkpoints/ "
-                                                           "holds step directories and links to them only: remove it")
+                    if problem := link_problem(e.name, target):
+                        raise UnsafePathError(errno.ELOOP, f"{e.path} is a symlink to {_shown(target)}: {problem}; "
+                                                           "remove it")
                     links[e.name] = target
                 elif m and e.is_dir(follow_symlinks=False):
                     steps.append((int(m.group(1)), Path(e.path)))

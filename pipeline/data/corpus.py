@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from pipeline import jsonio
 from pipeline.atomic import TMP_PREFIX, ensure_dirs, new_temp_dir, publish_dir, remove_tree, write_new
 from pipeline.data import ngram
 from pipeline.data.base import Batch, DataSpec
@@ -19,6 +20,7 @@ from pipeline.notice import notice
 FORMAT_VERSION = 1
 TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 512
 MAX_VOCAB = 512
+MAX_JSON = 16 << 20  # bytes of MANIFEST.json or vocab.json (a few KB)
 SPLITS = ("train", "val")
 log = logging.getLogger("pipeline")
 _STALE_TMP_SECONDS = 3600.0  # a generation takes seconds: an hour-old temp dir is a crashed writer's
@@ -104,16 +106,21 @@ def verify_corpus(directory: Path, params: dict | None = None) -> dict:
     mpath = directory / "MANIFEST.json"
     if not mpath.is_file():
         raise ValueError(f"{mpath}: missing; {fix}")
-    raw = mpath.read_bytes()
     try:
-        manifest = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"{mpath}: not valid JSON ({e}); {fix}") from None
+        raw = jsonio.read_bytes(mpath, MAX_JSON)
+        manifest = jsonio.loads(raw)  # strict: a duplicate key or 1e999 is refused, not read one way
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{mpath}: {e}; {fix}") from None
     if canonical_json(manifest) != raw:
         raise ValueError(f"{mpath}: not in canonical form (edited by hand?); {fix}")
     if params is not None and manifest.get("params") != params:
         raise ValueError(f"{mpath}: params differ from the requested {params}; {fix}")
-    for fn, entry in manifest["files"].items():
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not (isinstance(files, dict) and all(isinstance(e, dict) and type(e.get("bytes")) is int
+                                            and isinstance(e.get("sha256"), str) and "/" not in fn
+                                            and fn not in ("", ".", "..") for fn, e in files.items())):
+        raise ValueError(f"{mpath}: 'files' must map file names to their bytes and sha256; {fix}")
+    for fn, entry in files.items():
         path = directory / fn
         if not path.is_file():
             raise ValueError(f"{path}: missing; {fix}")
@@ -177,7 +184,13 @@ class TokenDataset:
         self.directory = Path(directory)
         self.manifest = verify_corpus(self.directory)
         self.manifest_hash = _sha256((self.directory / "MANIFEST.json").read_bytes())
-        self.vocab: list[str] = json.loads((self.directory / "vocab.json").read_bytes())
+        try:
+            vocab = jsonio.read(self.directory / "vocab.json", MAX_JSON)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{self.directory / 'vocab.json'}: {e}") from None
+        if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)):
+            raise ValueError(f"{self.directory / 'vocab.json'}: not a list of tokens")
+        self.vocab: list[str] = vocab
         dtype = np.dtype(self.manifest["token_dtype"])
         self.tokens = {
             s: np.fromfile(self.directory / f"{s}.tokens", dtype=dtype).astype(np.int64) for s in SPLITS

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.state import BadValue
+
 
 class DataIterator:
     """Yields batches of sample ids, each id exactly once per epoch, reshuffled from its own generator.
@@ -38,9 +40,9 @@ class DataIterator:
     def check_state_dict(self, state: dict) -> None:
         perm = state["permutation"]
         if perm.dtype.kind not in "iu" or not np.array_equal(np.sort(perm), np.arange(self.n)):
-            raise ValueError(f"permutation is not a permutation of the {self.n} sample ids")
+            raise BadValue("permutation", f"permutation is not a permutation of the {self.n} sample ids")
         if not (0 <= state["cursor"] <= self.n and state["epoch"] >= 0):
-            raise ValueError(f"cursor {state['cursor']} or epoch {state['epoch']} out of range (n={self.n})")
+            raise BadValue("cursor", f"cursor {state['cursor']} or epoch {state['epoch']} out of range (n={self.n})")
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.state import BadValue
+
 
 class Optimizer:
     """Holds per-parameter moment buffers keyed '<buffer>.<param name>' and the step count t."""
@@ -45,7 +47,7 @@ class Optimizer:
 
     def check_state_dict(self, state: dict) -> None:
         if state["t"] < 0:
-            raise ValueError(f"t={state['t']} is negative")
+            raise BadValue("t", f"t={state['t']} is negative")
 
     def load_state_dict(self, state: dict) -> None:
         for kind in self.buffers:

@@ -236,13 +236,15 @@ class MlflowSweepCallback(Callback):
 
 
 def read_jobs(directory: Path) -> dict[int, dict]:
+    """{num: record} of a sweep's jobs/*.json; a damaged record (not strict JSON, no integer num) is a
+    report, not state: named in a warning and left out."""
     out = {}
     for p in sorted((Path(directory) / "jobs").glob("*.json")):
         try:
             record = jsonio.read(p, 1 << 20)
             out[int(record["num"])] = record
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("sweep job record %s left out: %s", p, str(e).removeprefix(f"{p}: ") or type(e).__name__)
     return out
 
 

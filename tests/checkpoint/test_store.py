@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -19,11 +20,11 @@ from safetensors.numpy import load_file, save_file
 from conftest import KERNODECK, TINY, env_for_subprocess
 from pipeline.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import (EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointStore, load, step_dir_name,
-                                       verify)
+from pipeline.checkpoint.store import (EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointStore, checkpoint_dir, files_of,
+                                       load, read_manifest, step_dir_name, verify)
 from pipeline.roundtrip import Fresh
 from pipeline.schema import compose, to_plain
-from pipeline.state import PARTS, StateMismatch, capture, copy_tree, restore
+from pipeline.state import PARTS, StateMismatch, capture, check, copy_tree, restore
 
 
 def fresh(tmp_path, *overrides: str, base=KERNODECK) -> Fresh:
@@ -336,7 +337,7 @@ def test_manifest_entry_escaping_the_directory(ckpt):
 
 def test_manifest_step_differs_from_extra(ckpt):
     edit_extra(ckpt, lambda e: e["progress"].__setitem__("step", 11))  # past the sha256 check
-    rejects(ckpt, EXTRA, "progress.step differs")
+    rejects(ckpt, EXTRA, "progress.step 11 differs from step 10 of manifest.json")
 
 
 def test_unknown_alias(ckpt):
@@ -422,3 +423,146 @@ def test_untied_head_into_a_tied_model(tmp_path):
     rewrite_weights(tmp_path / "c", arrays, {"format": "np"})
     rejects(tmp_path / "c", WEIGHTS, "does not fit", run=fresh(tmp_path, base=TINY))
 
+
+
+# -- the file named is the file that holds the damage ---------------------------------------------------
+
+def rewrite_optim(directory: Path, change) -> None:
+    """optim.safetensors rewritten by the safetensors library after `change(arrays)`, hashes recomputed."""
+    arrays = load_file(str(directory / OPTIM))
+    change(arrays)
+    (directory / OPTIM).unlink()
+    save_file(arrays, str(directory / OPTIM), metadata={"format": "np"})
+    relist(directory, OPTIM)
+
+
+def swap_two(a: np.ndarray) -> np.ndarray:
+    a = a.copy()
+    a[0] = a[1]  # one sample id twice, another never: same shape and dtype, not a permutation
+    return a
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda a: a.__setitem__("optimizer/exp_avg/layers.0.bias", np.zeros(9)), ["optimizer/exp_avg/layers.0.bias"]),
+    (lambda a: a.__setitem__("optimizer/exp_avg_sq/layers.0.bias", np.zeros(8, np.float32)), ["exp_avg_sq", "F32"]),
+    (lambda a: a.__setitem__("data_iter/permutation", swap_two(a["data_iter/permutation"])),
+     ["data_iter does not fit", "not a permutation"]),
+    (lambda a: a.__setitem__("data_iter/permutation", a["data_iter/permutation"].astype(np.int32)),
+     ["data_iter/permutation", "I32"]),
+], ids=["moment-shape", "moment-dtype", "permutation-values", "permutation-dtype"])
+def test_an_array_that_does_not_fit_is_blamed_on_optim(ckpt, change, words):
+    rewrite_optim(ckpt, change)
+    rejects(ckpt, OPTIM, *words)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda e: e["optimizer"].__setitem__("t", "ten"), ["optimizer does not fit", "t: expected int, got str"]),
+    (lambda e: e["optimizer"].__setitem__("t", -1), ["t=-1 is negative"]),
+    (lambda e: e["data_iter"].__setitem__("epoch", -1), ["epoch -1"]),
+], ids=["counter-type", "counter-negative", "iterator-epoch"])
+def test_a_json_value_that_does_not_fit_is_blamed_on_extra(ckpt, change, words):
+    edit_extra(ckpt, change)  # the optimizer's and the iterator's JSON values, beside their arrays
+    rejects(ckpt, EXTRA, *words)
+
+
+def test_an_array_where_json_was_names_both_files(ckpt):
+    """The files' layout check refuses such a checkpoint first (optim.safetensors has an unexpected tensor);
+    restoring a tree that has one (a resume with allowed changes) names both files."""
+    edit_extra(ckpt, lambda e: e["optimizer"].pop("t"))
+    rewrite_optim(ckpt, lambda a: a.__setitem__("optimizer/t", np.zeros(1, np.int64)))
+    rejects(ckpt, OPTIM, "has unexpected ['optimizer/t']")
+    run, tree = fresh(ckpt.parent.parent), load(ckpt).state
+    with pytest.raises(StateMismatch) as info:
+        check(run.parts, tree)
+    assert info.value.path == ("t",) and "expected int, got array" in info.value.reason
+    assert files_of(info.value, tree, capture(run.parts)) == f"{OPTIM} and {EXTRA}"
+
+
+def test_the_directory_name_says_which_step_lies(ckpt, tmp_path):
+    """manifest.json's step, extra.json's progress.step and the directory's name: the odd one out is named."""
+    m = manifest_of(ckpt)
+    write_manifest(ckpt, {**m, "step": 11})
+    rejects(ckpt, MANIFEST, "step 11 differs from progress.step 10 of extra.json and the directory's name")
+    loose = tmp_path / "elsewhere" / "mine"  # no step in its name: no third witness, both named
+    loose.parent.mkdir()
+    os.rename(ckpt, loose)
+    error = rejects(loose, f"{MANIFEST} and {EXTRA}", "the manifest's step 11 and progress.step 10 differ")
+    assert "directory's name" not in error.reason
+
+
+def test_a_renamed_step_directory_is_refused(ckpt):
+    renamed = ckpt.with_name(step_dir_name(12))
+    os.rename(ckpt, renamed)
+    with pytest.raises(CheckpointError) as info:
+        load(renamed)
+    assert str(info.value) == (f"checkpoint {renamed}: its name says step 12, but manifest.json and extra.json "
+                               "say step 10 (renamed or copied in from another step)")
+
+
+# -- links: no reader follows one out of a run --------------------------------------------------------
+
+def refused_link(path: Path, *words: str) -> str:
+    """Every reader refuses `path` with one line (read_manifest, load, verify: what every tool opens)."""
+    messages = set()
+    for read in (read_manifest, load, verify, checkpoint_dir):
+        with pytest.raises(CheckpointError) as info:
+            read(path)
+        messages.add(str(info.value))
+    (message,) = messages
+    assert "\n" not in message
+    for word in words:
+        assert word in message, message
+    return message
+
+
+def test_a_run_link_names_a_step_directory_beside_it(ckpt, tmp_path):
+    root = ckpt.parent
+    os.symlink(ckpt.name, root / "best")
+    assert checkpoint_dir(root / "best") == ckpt
+    assert load(root / "best").directory == root / "best" and verify(root / "best")["step"] == 10
+    outside = tmp_path / "outside" / ckpt.name  # a valid checkpoint: only the link is wrong
+    outside.parent.mkdir()
+    shutil.copytree(ckpt, outside)
+    for name, target in (("final", str(outside)), ("up", f"../outside/{ckpt.name}"), (step_dir_name(6), ckpt.name)):
+        os.symlink(target, root / name)
+        message = refused_link(root / name, f"checkpoint {root / name}: is a symlink to {target!r}",
+                               "out of its run's checkpoints/", "remove it")
+        if name == step_dir_name(6):
+            assert "a step directory must be a directory, not a link" in message
+        (root / name).unlink()
+
+
+def test_a_users_own_link_is_followed_but_not_out_of_a_run(ckpt, tmp_path):
+    root = ckpt.parent
+    mine = tmp_path / "mine"
+    os.symlink(ckpt, mine)  # the user's own link, outside any checkpoints/: as if they typed its target
+    assert checkpoint_dir(mine) == ckpt and verify(mine)["step"] == 10
+    os.symlink(ckpt.name, root / "best")
+    mine.unlink()
+    os.symlink(root / "best", mine)  # through a run's link that obeys the rule
+    assert checkpoint_dir(mine) == ckpt
+    os.symlink(str(tmp_path), root / "evil")
+    mine.unlink()
+    os.symlink(root / "evil", mine)  # through a run's link that does not
+    refused_link(mine, f"checkpoint {root / 'evil'}: is a symlink to {str(tmp_path)!r} (reached through {mine})")
+
+
+def test_a_run_link_typed_inside_checkpoints_is_still_a_run_link(ckpt, tmp_path, monkeypatch):
+    os.symlink(str(tmp_path), ckpt.parent / "best")
+    monkeypatch.chdir(ckpt.parent)
+    refused_link(Path("best"), f"checkpoint {ckpt.parent / 'best'}: is a symlink to {str(tmp_path)!r}")
+    assert checkpoint_dir(Path(ckpt.name)) == Path(ckpt.name)  # no link: the path as given
+
+
+def test_a_checkpoints_directory_that_is_a_link_is_refused(ckpt, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(ckpt.parent, run / "checkpoints")
+    refused_link(run / "checkpoints" / ckpt.name, f"{run / 'checkpoints'} is a symlink to {str(ckpt.parent)!r}",
+                 "must be a directory inside it")
+
+
+def test_a_cycle_of_links_is_refused(tmp_path):
+    os.symlink("b", tmp_path / "a")
+    os.symlink("a", tmp_path / "b")
+    refused_link(tmp_path / "a", "more than 8 symlinks")

@@ -129,6 +129,18 @@ def test_edited_manifest_is_refused(tmp_path, small):
         GrammarCorpus(str(tmp_path / "data"), seed=5, **SMALL)
 
 
+@pytest.mark.parametrize("edit, words", [
+    (lambda raw: raw.replace(b'{\n', b'{\n  "files": {},\n', 1), "duplicate key 'files'"),
+    (lambda raw: raw.replace(b'"val_ppl": ', b'"val_ppl": 1e999, "x": ', 1), "number 1e999 is out of range"),
+], ids=["duplicate-files", "1e999"])
+def test_a_manifest_that_readers_would_read_differently_is_refused(tmp_path, small, edit, words):
+    target = _copy_of(small, tmp_path)
+    raw = (target / "MANIFEST.json").read_bytes()
+    (target / "MANIFEST.json").write_bytes(edit(raw))
+    with pytest.raises(ValueError, match=rf"MANIFEST\.json: {words}.*; delete .* to regenerate"):
+        corpus.verify_corpus(target)
+
+
 def test_leftover_temp_dirs_are_ignored(tmp_path, small):
     params = json.loads((small.directory / "MANIFEST.json").read_bytes())["params"]
     stale = tmp_path / "data" / f".tmp-{small.directory.name}-dead"
