@@ -3,14 +3,15 @@
 Python's json writes NaN and Infinity bare, which is not JSON (strict parsers reject the file). Every JSON
 file the pipeline writes goes through `dumps`, which writes a non-finite float as the string "NaN",
 "Infinity" or "-Infinity" (protobuf's JSON mapping for floats); `number` reads such a value back exactly.
-Reading refuses files over a size limit before reading them, and nesting deeper than MAX_DEPTH.
+Reading refuses anything but a regular file, files over a size limit before reading them (pipeline.reading),
+and nesting deeper than MAX_DEPTH.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
-import stat
+
+from pipeline import reading
 
 MAX_DEPTH = 64
 NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -89,24 +90,10 @@ def loads(data: bytes | str):
 
 
 def read_bytes(path, limit: int) -> bytes:
-    """A regular file's bytes, refusing a symlink, a non-regular file, or more than `limit` bytes (checked
-    before reading, so a huge file costs no memory). OSError subclasses and JSONError name the reason."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise JSONError("not a regular file")
-        if st.st_size > limit:
-            raise JSONError(f"{st.st_size} bytes, over the {limit}-byte limit")
-        chunks, size = [], 0
-        while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                raise JSONError(f"grew past the {limit}-byte limit while being read")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    """A regular file's bytes (pipeline.reading.read_bytes): a symlink, a FIFO, a device, a socket, a
+    directory or more than `limit` bytes is refused before anything is read or could block, with a
+    reading.UnreadableFile (an OSError) naming the path and the reason."""
+    return reading.read_bytes(path, limit)
 
 
 def read(path, limit: int):

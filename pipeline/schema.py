@@ -239,9 +239,14 @@ class GrammarConf(CorpusConf):
     n_sentences: int = _f(at_least(1))
 
 
+TEXT_MAX_BYTES = 64 << 20  # data=text's default bound on data.path: its corpus builds in about 1 GB and a minute
+
+
 @dataclass
 class TextConf(CorpusConf):
     path: str = _f()
+    # A default here too (not only in the YAML): a checkpoint made before the key existed has none in its config.
+    max_bytes: int = field(default=TEXT_MAX_BYTES, metadata={"check": at_least(1)})
 
 
 # --- stages, cadence, resume
