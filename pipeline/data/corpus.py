@@ -74,10 +74,9 @@ def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes]:
         f"{s}.tokens": memoryview(np.ascontiguousarray(toks, dtype=TOKEN_DTYPE)).cast("B") for s, toks in splits.items()}
     files["vocab.json"] = canonical_json(list(content.vocab))
 
-    lm = ngram.fit(splits["train"], order, V)
     positions = val_target_positions(len(splits["val"]), T)
     # Rounded so that last-ulp differences in log() between machines do not change the manifest bytes.
-    ppl = round(ngram.perplexity(lm, splits["val"], positions), 4)
+    ppl = round(ngram.fitted_perplexity(splits["train"], order, V, splits["val"], positions), 4)
     manifest = {
         "format": FORMAT_VERSION,
         "generator": name,
