@@ -13,6 +13,7 @@ import hashlib
 from pathlib import Path
 
 from pipeline import jsonio, reading
+from pipeline.schema import TEXT_MAX_BYTES
 
 # Keys that do not change the math: where outputs go, how progress is shown and logged, how the run is
 # indexed, resumed and parallelised, how big an input file may be, and the verifier's own settings. Dotted
@@ -34,8 +35,9 @@ NON_SEMANTIC = (
     "data.max_bytes",
 )
 # Keys naming an input file: identity is the file's content, not the path string. Each maps to the key
-# bounding the file's size (read before the file is: a bigger one is refused unread).
-SOURCES = {"data.path": "data.max_bytes"}
+# bounding the file's size, and the bound when that is null (a config from before the key existed): a
+# bigger file is refused unread.
+SOURCES = {"data.path": ("data.max_bytes", TEXT_MAX_BYTES)}
 # Keys a resumed run cannot apply: what they choose is fixed by the restored state itself.
 FIXED_BY_STATE = {
     "trainer.seed": "the RNG streams, the initial weights and the data order come from the checkpoint",
@@ -81,10 +83,11 @@ def source_hashes(config: dict) -> dict[str, str]:
     read: reading.UnreadableFile, before it is opened, for a FIFO, a device, ... or a file over its bound.
     A symlink is followed to its target (a user's data file may be a link to it)."""
     out = {}
-    for key, bound in SOURCES.items():
+    for key, (bound, default) in SOURCES.items():
         if isinstance(p := get(config, key), str):
             limit = get(config, bound)
-            out[key] = reading.sha256(Path(p).expanduser(), limit, follow=True, bound=bound if limit else None)
+            out[key] = reading.sha256(Path(p).expanduser(), default if limit is None else limit, follow=True,
+                                      bound=bound)
     return out
 
 

@@ -239,14 +239,13 @@ class GrammarConf(CorpusConf):
     n_sentences: int = _f(at_least(1))
 
 
-TEXT_MAX_BYTES = 64 << 20  # data=text's default bound on data.path: its corpus builds in about 1 GB and a minute
+TEXT_MAX_BYTES = 32 << 20  # data=text's default bound on data.path (see conf/data/text.yaml)
 
 
 @dataclass
 class TextConf(CorpusConf):
     path: str = _f()
-    # A default here too (not only in the YAML): a checkpoint made before the key existed has none in its config.
-    max_bytes: int = field(default=TEXT_MAX_BYTES, metadata={"check": at_least(1)})
+    max_bytes: Optional[int] = _f(null_or_at_least(1))  # null (a config from before the key): TEXT_MAX_BYTES
 
 
 # --- stages, cadence, resume

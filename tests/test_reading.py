@@ -263,3 +263,68 @@ def test_a_data_path_that_is_not_a_regular_file_is_bad_input(kind, finished, tmp
     evaluate = command("pipeline.evaluate", str(ckpt), "data=text", f"data.path={path}", cwd=cwd)
     assert f"data.path={path}: {what}" in one_line(evaluate, 2)
     assert tree(tmp_path) == before
+
+
+# --- memory: data=text bounded by data.max_bytes, and a file at the bound builds within its bound -------------
+
+REFUSED_RSS_MB = 300  # a refusal reads nothing: the interpreter and its imports (measured ~50-200 MB)
+BUILD_RSS_MB = 1200  # a corpus just under the 32 MiB bound, prose-like: measured ~430 MB (README: Your own text)
+MEASURE = """
+import os, sys
+pid = os.posix_spawn(sys.executable, [sys.executable, *sys.argv[2:]], os.environ)
+_, status, usage = os.wait4(pid, 0)
+open(sys.argv[1], "w").write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status) & 255)
+"""
+
+
+def measured(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
+    """The command run by a small process that reports its peak RSS in MB (a child forked from pytest
+    would count pytest's own memory)."""
+    rss = cwd.parent / "maxrss.txt"
+    proc = subprocess.run([sys.executable, "-c", MEASURE, str(rss), *args], cwd=cwd, env=env_for_subprocess(),
+                          capture_output=True, text=True, timeout=SAFETY_NET * 2)
+    return proc, int(rss.read_text()) / 1024
+
+
+def word_salad(path: Path, size: int) -> None:
+    """`size` bytes of prose-like text: 2000 made-up words, Zipf-distributed, in lines."""
+    rng = np.random.default_rng(0)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
+    words = [bytes(letters[rng.integers(0, 26, rng.integers(2, 10))]) for _ in range(2000)]
+    out = bytearray()
+    while len(out) < size:
+        out += b" ".join(words[i] for i in rng.zipf(1.3, 200000) % 2000) + b".\n"
+    path.write_bytes(bytes(out[:size]))
+
+
+@pytest.mark.slow
+def test_a_text_file_over_the_bound_is_refused_unread(tmp_path):
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.truncate(200 << 20)  # sparse: 200 MB of NULs, valid UTF-8
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc, mb = measured(["-m", "pipeline", "data=text", f"data.path={big}", "tracking=none",
+                         f"paths.output_dir={tmp_path / 'out'}"], cwd)
+    assert one_line(proc, 2) == (f"pipeline: data.path={big}: 209715200 bytes, over the 33554432-byte limit set by "
+                                 "data.max_bytes (raise it to read a bigger file)")
+    assert mb < REFUSED_RSS_MB, f"peak RSS {mb:.0f} MB"
+    assert not any((tmp_path / "out").rglob("*"))  # no corpus, no run directory
+
+
+@pytest.mark.slow
+def test_a_text_file_just_under_the_bound_builds_within_its_memory_bound(tmp_path):
+    from pipeline.schema import TEXT_MAX_BYTES
+
+    p = tmp_path / "t.txt"
+    word_salad(p, TEXT_MAX_BYTES - 1)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    build = ("from pipeline.data.text import TextCorpus; import sys; "
+             "d = TextCorpus(sys.argv[1], sys.argv[2]); print(d.n_train, d.n_val, d.manifest['baseline']['val_ppl'])")
+    proc, mb = measured(["-c", build, str(tmp_path / "data"), str(p)], cwd)
+    assert proc.returncode == 0, proc.stderr
+    n_train, n_val, ppl = proc.stdout.split()
+    assert int(n_train) + int(n_val) >= (TEXT_MAX_BYTES - 1) // 64 - 2 and float(ppl) > 1
+    assert mb < BUILD_RSS_MB, f"peak RSS {mb:.0f} MB for a {TEXT_MAX_BYTES >> 20} MiB file"

@@ -43,23 +43,31 @@ def _sorted_keys(tokens: np.ndarray, k: int, V: int) -> np.ndarray:
     return key
 
 
-def _runs(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct values [G], where each one's run starts [G]) of a sorted array: np.unique(a, return_index=True)
-    by one comparison pass (np.unique hashes, which is 100x slower here, then sorts anyway)."""
+def _run_starts(a: np.ndarray) -> np.ndarray:
+    """Where each run of equal values of a sorted array starts [G] (np.unique's return_index, by one
+    comparison pass: np.unique hashes, which is 100x slower here, and then sorts anyway)."""
     first = np.empty(len(a), dtype=bool)  # [N]
     first[:1] = True
     np.not_equal(a[1:], a[:-1], out=first[1:])
-    starts = np.flatnonzero(first)
-    del first
-    return a[starts], starts
+    return np.flatnonzero(first)
 
 
-def _counted(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct values [G], how often each occurs [G] float64) of a sorted array."""
-    values, starts = _runs(a)
+def _distinct(held: list[np.ndarray]) -> np.ndarray:
+    """The distinct values of the sorted array in `held` (which is emptied: the array is freed early)."""
+    values = held[0][_run_starts(held[0])]
+    held.clear()
+    return values
+
+
+def _counted(held: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values [G], how often each occurs [G] float64) of the sorted array in `held` (emptied)."""
+    a = held.pop()
+    n, starts = len(a), _run_starts(a)
+    values = a[starts]
+    del a
     counts = np.empty(len(starts), dtype=np.float64)
-    counts[:-1] = np.diff(starts)
-    counts[-1:] = len(a) - starts[-1:]
+    np.subtract(starts[1:], starts[:-1], out=counts[:-1])
+    counts[-1:] = n - starts[-1:]
     return values, counts
 
 
@@ -79,10 +87,16 @@ def _discounts(counts: np.ndarray) -> tuple[float, float, float]:
 
 
 def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
-    ctx_keys, start = _runs(keys // V)  # keys are sorted, so contexts are runs
+    ctx = keys // V  # keys are sorted, so contexts are runs
+    start = _run_starts(ctx)
+    ctx_keys = ctx[start]
+    del ctx
 
     def backoff(d):
-        return np.add.reduceat(np.where(counts == 1, d[0], np.where(counts == 2, d[1], d[2])), start)
+        discount = np.full(len(counts), d[2])  # D3+, then D1 and D2 where they apply
+        discount[counts == 1] = d[0]
+        discount[counts == 2] = d[1]
+        return np.add.reduceat(discount, start)
 
     d = _discounts(counts)
     ctx_backoff = backoff(d)
@@ -107,14 +121,15 @@ def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
     the tokens alone, so a caller that drops one before asking for the next holds one level at a time."""
     for k in range(1, order + 1):
         if k == order:
-            keys, counts = _counted(_sorted_keys(tokens, k, V))
+            keys, counts = _counted([_sorted_keys(tokens, k, V)])
         else:
             # Continuation count: how many distinct tokens precede this k-gram.
-            ext, _ = _runs(_sorted_keys(tokens, k + 1, V))  # every distinct (k+1)-gram once
+            ext = _distinct([_sorted_keys(tokens, k + 1, V)])  # every distinct (k+1)-gram once
             np.remainder(ext, V**k, out=ext)  # its last k tokens
             ext.sort()
-            keys, counts = _counted(ext)
+            held = [ext]
             del ext
+            keys, counts = _counted(held)
         level = _level(keys, counts, V)
         del keys, counts
         yield level

@@ -126,7 +126,8 @@ class TextCorpus(TokenDataset):
     """`data=text data.path=FILE`: the file's characters under <output_dir>/data/text-<hash>/.
 
     The hash covers the file's content (its sha256), not its path: moving the file reuses the corpus.
-    `max_bytes` bounds the file's size (data.max_bytes; not part of the corpus's identity).
+    `max_bytes` bounds the file's size (data.max_bytes, not part of the corpus's identity; None, from a config
+    made before the key existed: TEXT_MAX_BYTES).
     """
 
     def __init__(
@@ -137,10 +138,10 @@ class TextCorpus(TokenDataset):
         block_size: int = 64,
         ngram_order: int = 5,
         val_batch_size: int = 32,
-        max_bytes: int = TEXT_MAX_BYTES,
+        max_bytes: int | None = TEXT_MAX_BYTES,
     ):
         try:
-            text = TextFile(Path(path), max_bytes)
+            text = TextFile(Path(path), TEXT_MAX_BYTES if max_bytes is None else max_bytes)
         except FileNotFoundError:
             raise FileNotFoundError(f"data.path={path}: text file not found") from None
         except OSError as e:
