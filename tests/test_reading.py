@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -182,7 +181,7 @@ def test_text_corpus_errors_name_data_path(tmp_path):
         TextCorpus(str(tmp_path / "data"), "/dev/zero")
     p = tmp_path / "t.txt"
     p.write_text("abc" * 100)
-    with pytest.raises(ValueError, match=r"data\.path=.*t\.txt: 300 bytes, over the 299-byte limit set by data.max_bytes"):
+    with pytest.raises(ValueError, match=r"data\.path=.*t\.txt: 300 bytes, over the 299-byte limit set by data\.max"):
         TextCorpus(str(tmp_path / "data"), str(p), max_bytes=299)
 
 

@@ -70,8 +70,9 @@ def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes]:
         if n_windows(len(toks), T) < 1:
             raise ValueError(f"{name} corpus {split} split has {len(toks)} tokens, too few for one block of {T}+1")
     # The token files' bytes are views of the arrays when they already are uint16 (a text corpus): no copy.
-    files: dict[str, bytes | memoryview] = {
-        f"{s}.tokens": memoryview(np.ascontiguousarray(toks, dtype=TOKEN_DTYPE)).cast("B") for s, toks in splits.items()}
+    files: dict[str, bytes | memoryview] = {}
+    for split, toks in splits.items():
+        files[f"{split}.tokens"] = memoryview(np.ascontiguousarray(toks, dtype=TOKEN_DTYPE)).cast("B")
     files["vocab.json"] = canonical_json(list(content.vocab))
 
     positions = val_target_positions(len(splits["val"]), T)
