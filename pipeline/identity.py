@@ -12,10 +12,12 @@ import copy
 import hashlib
 from pathlib import Path
 
-from pipeline import jsonio
+from pipeline import jsonio, reading
+from pipeline.schema import TEXT_MAX_BYTES
 
 # Keys that do not change the math: where outputs go, how progress is shown and logged, how the run is
-# indexed, resumed and parallelised, and the verifier's own settings. Dotted prefixes.
+# indexed, resumed and parallelised, how big an input file may be, and the verifier's own settings. Dotted
+# prefixes.
 NON_SEMANTIC = (
     "paths",
     "tracking",
@@ -30,9 +32,12 @@ NON_SEMANTIC = (
     "verify",
     "optimized_metric",
     "hydra",
+    "data.max_bytes",
 )
-# Keys naming an input file: identity is the file's content, not the path string.
-SOURCES = ("data.path",)
+# Keys naming an input file: identity is the file's content, not the path string. Each maps to the key
+# bounding the file's size, and the bound when that is null (a config from before the key existed): a
+# bigger file is refused unread.
+SOURCES = {"data.path": ("data.max_bytes", TEXT_MAX_BYTES)}
 # Keys a resumed run cannot apply: what they choose is fixed by the restored state itself.
 FIXED_BY_STATE = {
     "trainer.seed": "the RNG streams, the initial weights and the data order come from the checkpoint",
@@ -73,17 +78,17 @@ def _set(tree: dict, dotted: str, value) -> None:
         node[leaf] = value
 
 
-def file_sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def source_hashes(config: dict) -> dict[str, str]:
-    """sha256 of every SOURCES file the config names (OSError if one cannot be read)."""
-    return {key: file_sha256(Path(p)) for key in SOURCES if isinstance(p := get(config, key), str)}
+    """sha256 of every SOURCES file the config names, streamed (constant memory); OSError if one cannot be
+    read: reading.UnreadableFile, before it is opened, for a FIFO, a device, ... or a file over its bound.
+    A symlink is followed to its target (a user's data file may be a link to it)."""
+    out = {}
+    for key, (bound, default) in SOURCES.items():
+        if isinstance(p := get(config, key), str):
+            limit = get(config, bound)
+            out[key] = reading.sha256(Path(p).expanduser(), default if limit is None else limit, follow=True,
+                                      bound=bound)
+    return out
 
 
 def semantic_config(config: dict, sources: dict[str, str] | None = None) -> dict:

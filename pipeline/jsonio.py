@@ -6,14 +6,14 @@ file the pipeline writes goes through `dumps`, which writes a non-finite float a
 Reading is strict, as a checkpoint must mean the same to every reader: `loads` refuses a duplicate key
 (Python keeps the last, other parsers the first), a number out of range (`1e999`, which Python reads as
 inf; an integer longer than Python converts), bare NaN/Infinity, nesting deeper than MAX_DEPTH; `read`
-refuses a file over a size limit before reading it, and names the file in its error.
+refuses anything but a regular file and a file over a size limit before reading it (pipeline.reading), and names the file in its error.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
-import stat
+
+from pipeline import reading
 
 MAX_DEPTH = 64
 NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -123,24 +123,10 @@ def loads(data: bytes | str):
 
 
 def read_bytes(path, limit: int) -> bytes:
-    """A regular file's bytes, refusing a symlink, a non-regular file, or more than `limit` bytes (checked
-    before reading, so a huge file costs no memory). OSError subclasses and JSONError name the reason."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise JSONError("not a regular file")
-        if st.st_size > limit:
-            raise JSONError(f"{st.st_size} bytes, over the {limit}-byte limit")
-        chunks, size = [], 0
-        while chunk := os.read(fd, min(1 << 20, limit + 1 - size)):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                raise JSONError(f"grew past the {limit}-byte limit while being read")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    """A regular file's bytes (pipeline.reading.read_bytes): a symlink, a FIFO, a device, a socket, a
+    directory or more than `limit` bytes is refused before anything is read or could block, with a
+    reading.UnreadableFile (an OSError) naming the path and the reason."""
+    return reading.read_bytes(path, limit)
 
 
 def read(path, limit: int):

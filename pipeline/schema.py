@@ -256,9 +256,13 @@ class GrammarConf(CorpusConf):
     n_sentences: int = _f(at_least(1))
 
 
+TEXT_MAX_BYTES = 32 << 20  # data=text's default bound on data.path (see conf/data/text.yaml)
+
+
 @dataclass
 class TextConf(CorpusConf):
     path: str = _f()
+    max_bytes: Optional[int] = _f(null_or_at_least(1))  # null (a config from before the key): TEXT_MAX_BYTES
 
 
 # --- stages, cadence, resume

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from pipeline import jsonio
+from pipeline.reading import UnreadableFile
 
 
 def test_non_finite_floats_are_strings_and_read_back():
@@ -36,10 +37,10 @@ def test_read_bytes_refuses_a_big_file_before_reading_it(tmp_path):
     big = tmp_path / "big.json"
     with open(big, "wb") as f:
         f.truncate(1 << 30)  # sparse: a gigabyte that costs nothing
-    with pytest.raises(jsonio.JSONError, match="over the 1024-byte limit"):
+    with pytest.raises(UnreadableFile, match="over the 1024-byte limit"):
         jsonio.read_bytes(big, 1024)
     os.symlink(big, tmp_path / "link.json")
-    with pytest.raises(OSError):
+    with pytest.raises(UnreadableFile, match="is a symlink, not a regular file"):
         jsonio.read_bytes(tmp_path / "link.json", 1 << 31)
-    with pytest.raises(jsonio.JSONError, match="not a regular file"):
+    with pytest.raises(UnreadableFile, match="is a directory, not a regular file"):
         jsonio.read_bytes(tmp_path, 1024)

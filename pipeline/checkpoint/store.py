@@ -37,7 +37,7 @@ from typing import Mapping
 
 import numpy as np
 
-from pipeline import jsonio, killpoint
+from pipeline import jsonio, killpoint, reading
 from pipeline.atomic import (TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, new_temp_dir, publish_dir,
                              remove_temporaries, remove_tree, replace_link, write_new)
 from pipeline.checkpoint import manifest as mf
@@ -200,7 +200,7 @@ def _check_listing(directory: Path, manifest: dict) -> dict[str, dict]:
         if stat.S_ISLNK(st.st_mode):
             raise CheckpointError(directory, name, "is a symlink; a checkpoint's files must be regular files inside it")
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(directory, name, "is not a regular file")
+            raise CheckpointError(directory, name, f"is {reading.kind_of(st)}, not a regular file")
         if st.st_size != entry["size"]:
             raise CheckpointError(directory, name, f"size {st.st_size} bytes, manifest says {entry['size']}")
     return listed

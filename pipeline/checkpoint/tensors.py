@@ -17,7 +17,6 @@ import json
 import math
 import os
 import re
-import stat
 import struct
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import jsonio
+from pipeline import jsonio, reading
 
 ALIAS = re.compile(r"^ALIAS\((.+)\)$")
 CHUNK = 8 << 20  # bytes per write/read/hash step
@@ -189,11 +188,8 @@ class _Misfit(_Malformed):
 
 
 def _read_exact(f, buf: memoryview) -> None:
-    while len(buf):
-        n = f.readinto(buf)
-        if not n:
-            raise _Malformed("truncated: the file ends inside the data the header describes")
-        buf = buf[n:]
+    if reading.read_exact(f, buf) < len(buf):
+        raise _Malformed("truncated: the file ends inside the data the header describes")
 
 
 def _check_header(header, data_len: int) -> tuple[dict[str, str], list[tuple[str, np.dtype, tuple, int]]]:
@@ -266,15 +262,12 @@ def read_tensors(path: Path, expected_sha256: str | None = None,
     Raises DigestMismatch (a ValueError) if `expected_sha256` is given and the bytes differ, whatever
     else is wrong with them; otherwise ValueError for a file that is not valid safetensors, or (given a
     `layout` to `expect`) one that holds other tensors: then nothing beyond the header is allocated, and a
-    file larger than such a checkpoint can be is refused before it is read at all.
+    file larger than such a checkpoint can be is refused before it is read at all. A symlink, a FIFO, a
+    device, ... at `path` is refused before it is opened (pipeline.reading.UnreadableFile, an OSError).
     """
-    # O_NOFOLLOW: a checkpoint file must be a regular file in its directory, never a link out of it.
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb", buffering=0) as f, _Hasher() as h:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
-        size = st.st_size
+    # A checkpoint file must be a regular file in its directory, never a link out of it (nor a FIFO, ...).
+    with reading.open_file(path) as f, _Hasher() as h:
+        size = os.fstat(f.fileno()).st_size
         if expect is not None and size > 8 + MAX_HEADER + expect["data_bytes"]:
             raise ValueError(f"{size} bytes, more than a checkpoint of this config can hold "
                              f"({expect['data_bytes']} bytes of tensors)")

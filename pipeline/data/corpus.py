@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from pipeline import jsonio
+from pipeline import jsonio, reading
 from pipeline.atomic import TMP_PREFIX, ensure_dirs, new_temp_dir, publish_dir, remove_tree, write_new
 from pipeline.data import ngram
 from pipeline.data.base import Batch, DataSpec
@@ -20,7 +21,8 @@ from pipeline.notice import notice
 FORMAT_VERSION = 1
 TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 512
 MAX_VOCAB = 512
-MAX_JSON = 16 << 20  # bytes of MANIFEST.json or vocab.json (a few KB)
+MAX_JSON = 16 << 20  # bytes of MANIFEST.json or vocab.json read (a few KB each)
+MAX_FILE = 4 << 30  # bytes of any corpus file read (2^31 tokens)
 SPLITS = ("train", "val")
 log = logging.getLogger("pipeline")
 _STALE_TMP_SECONDS = 3600.0  # a generation takes seconds: an hour-old temp dir is a crashed writer's
@@ -68,13 +70,15 @@ def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes]:
     for split, toks in splits.items():
         if n_windows(len(toks), T) < 1:
             raise ValueError(f"{name} corpus {split} split has {len(toks)} tokens, too few for one block of {T}+1")
-    files = {f"{s}.tokens": toks.astype(TOKEN_DTYPE).tobytes() for s, toks in splits.items()}
+    # The token files' bytes are views of the arrays when they already are uint16 (a text corpus): no copy.
+    files: dict[str, bytes | memoryview] = {}
+    for split, toks in splits.items():
+        files[f"{split}.tokens"] = memoryview(np.ascontiguousarray(toks, dtype=TOKEN_DTYPE)).cast("B")
     files["vocab.json"] = canonical_json(list(content.vocab))
 
-    lm = ngram.fit(splits["train"], order, V)
     positions = val_target_positions(len(splits["val"]), T)
     # Rounded so that last-ulp differences in log() between machines do not change the manifest bytes.
-    ppl = round(ngram.perplexity(lm, splits["val"], positions), 4)
+    ppl = round(ngram.fitted_perplexity(splits["train"], order, V, splits["val"], positions), 4)
     manifest = {
         "format": FORMAT_VERSION,
         "generator": name,
@@ -99,15 +103,19 @@ def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes]:
     return files
 
 
-def verify_corpus(directory: Path, params: dict | None = None) -> dict:
-    """The parsed manifest, after checking every file's size and sha256; a ValueError names what is wrong."""
+def verify_corpus(directory: Path, params: dict | None = None, keep: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """(the parsed manifest, {name: bytes as uint8 array} of the files named in `keep`), after checking every
+    file's size and sha256 (each read once, bounded, never through a link); a ValueError names what is wrong."""
     directory = Path(directory)
     fix = f"delete {directory} to regenerate"
     mpath = directory / "MANIFEST.json"
-    if not mpath.is_file():
-        raise ValueError(f"{mpath}: missing; {fix}")
     try:
-        raw = jsonio.read_bytes(mpath, MAX_JSON)
+        raw = reading.read_bytes(mpath, MAX_JSON)
+    except FileNotFoundError:
+        raise ValueError(f"{mpath}: missing; {fix}") from None
+    except OSError as e:
+        raise ValueError(f"{mpath}: {e.strerror or e}; {fix}") from None
+    try:
         manifest = jsonio.loads(raw)  # strict: a duplicate key or 1e999 is refused, not read one way
     except (OSError, ValueError) as e:
         raise ValueError(f"{mpath}: {e}; {fix}") from None
@@ -120,16 +128,51 @@ def verify_corpus(directory: Path, params: dict | None = None) -> dict:
                                             and isinstance(e.get("sha256"), str) and "/" not in fn
                                             and fn not in ("", ".", "..") for fn, e in files.items())):
         raise ValueError(f"{mpath}: 'files' must map file names to their bytes and sha256; {fix}")
+    kept = {"MANIFEST.json": raw} if "MANIFEST.json" in keep else {}
     for fn, entry in files.items():
         path = directory / fn
-        if not path.is_file():
-            raise ValueError(f"{path}: missing; {fix}")
-        data = path.read_bytes()
-        if len(data) != entry["bytes"]:
-            raise ValueError(f"{path}: {len(data)} bytes but MANIFEST.json says {entry['bytes']}; {fix}")
-        if _sha256(data) != entry["sha256"]:
+        try:
+            data = _read_listed(path, entry["bytes"], keep=fn in keep)
+        except FileNotFoundError:
+            raise ValueError(f"{path}: missing; {fix}") from None
+        except OSError as e:
+            raise ValueError(f"{path}: {e.strerror or e}; {fix}") from None
+        if data.size != entry["bytes"]:
+            raise ValueError(f"{path}: {data.size} bytes but MANIFEST.json says {entry['bytes']}; {fix}")
+        if data.sha256 != entry["sha256"]:
             raise ValueError(f"{path}: sha256 mismatch with MANIFEST.json; {fix}")
-    return manifest
+        if fn in keep:
+            kept[fn] = data.buffer
+    return manifest, kept
+
+
+@dataclass
+class _Listed:
+    size: int
+    sha256: str | None = None
+    buffer: np.ndarray | None = None  # [size] uint8, when kept
+
+
+def _read_listed(path: Path, listed: int, keep: bool) -> _Listed:
+    """A corpus file's size, and (if that is the listed size) its sha256 and, if kept, its bytes: read in
+    pieces into one buffer, which is then all the memory it costs."""
+    with reading.open_file(path, MAX_FILE) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != listed:
+            return _Listed(size)
+        h = hashlib.sha256()
+        buffer = np.empty(size if keep else min(size, reading.CHUNK), dtype=np.uint8)  # kept whole, or a piece
+        at = 0
+        while at < size:
+            piece = memoryview(buffer)[at if keep else 0 :][: min(reading.CHUNK, size - at)]
+            n = reading.read_exact(f, piece)
+            h.update(piece[:n])
+            at += n
+            if n < len(piece):
+                return _Listed(at)  # it shrank while being read
+        if f.read(1):
+            return _Listed(size + 1)  # it grew while being read
+    return _Listed(size, h.hexdigest(), buffer if keep else None)
 
 
 def _clean_stale_temps(parent: Path) -> None:
@@ -168,7 +211,7 @@ def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], C
     finally:
         remove_tree(tmp)
     verify_corpus(final, params)
-    if (final / "MANIFEST.json").read_bytes() != files["MANIFEST.json"]:
+    if reading.read_bytes(final / "MANIFEST.json", MAX_JSON) != files["MANIFEST.json"]:
         # Same params, other bytes: the existing corpus came from another version of the generator.
         raise ValueError(
             f"{final / 'MANIFEST.json'}: differs from the one these params generate; delete {final} to regenerate"
@@ -182,19 +225,19 @@ class TokenDataset:
 
     def __init__(self, directory: Path, val_batch_size: int = 32):
         self.directory = Path(directory)
-        self.manifest = verify_corpus(self.directory)
-        self.manifest_hash = _sha256((self.directory / "MANIFEST.json").read_bytes())
+        names = ("MANIFEST.json", "vocab.json", *(f"{s}.tokens" for s in SPLITS))
+        self.manifest, files = verify_corpus(self.directory, keep=names)
+        self.manifest_hash = _sha256(files["MANIFEST.json"])
         try:
-            vocab = jsonio.read(self.directory / "vocab.json", MAX_JSON)
-        except (OSError, ValueError) as e:
+            vocab = jsonio.loads(files["vocab.json"].tobytes())
+        except ValueError as e:
             raise ValueError(f"{self.directory / 'vocab.json'}: {e}") from None
         if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)):
             raise ValueError(f"{self.directory / 'vocab.json'}: not a list of tokens")
         self.vocab: list[str] = vocab
         dtype = np.dtype(self.manifest["token_dtype"])
-        self.tokens = {
-            s: np.fromfile(self.directory / f"{s}.tokens", dtype=dtype).astype(np.int64) for s in SPLITS
-        }  # split -> [N] int64
+        # split -> [N] tokens as stored (uint16: a quarter of int64's memory); batches are int64
+        self.tokens = {s: files[f"{s}.tokens"].view(dtype) for s in SPLITS}
         T = int(self.manifest["params"]["block_size"])
         self.spec = DataSpec(vocab_size=len(self.vocab), block_size=T)
         self.n_train = n_windows(len(self.tokens["train"]), T)
@@ -205,7 +248,7 @@ class TokenDataset:
     def _windows(self, split: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         T = self.spec.block_size
         idx = ids[:, None] * T + np.arange(T + 1)[None, :]  # [B, T+1]
-        w = self.tokens[split][idx]
+        w = self.tokens[split][idx].astype(np.int64)
         return w[:, :-1], w[:, 1:]  # x [B, T], y [B, T]
 
     def train_batch(self, ids: np.ndarray, dtype: np.dtype | None = None) -> Batch:

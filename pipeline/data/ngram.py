@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 
@@ -31,13 +32,43 @@ def max_order(vocab_size: int) -> int:
     return max(1, int(63 // math.log2(max(vocab_size, 2))))
 
 
-def _keys(tokens: np.ndarray, k: int, V: int) -> np.ndarray:
-    # tokens [N] -> [N-k+1] keys of every k-gram
+def _sorted_keys(tokens: np.ndarray, k: int, V: int) -> np.ndarray:
+    """The keys of every k-gram, sorted: [N-k+1] int64, one array built and sorted in place."""
     n = len(tokens) - k + 1
-    key = np.zeros(max(n, 0), dtype=np.int64)
-    for j in range(k):
-        key = key * V + tokens[j : j + n]
+    key = tokens[:n].astype(np.int64)
+    for j in range(1, k):
+        key *= V
+        key += tokens[j : j + n]
+    key.sort()
     return key
+
+
+def _run_starts(a: np.ndarray) -> np.ndarray:
+    """Where each run of equal values of a sorted array starts [G] (np.unique's return_index, by one
+    comparison pass: np.unique hashes, which is 100x slower here, and then sorts anyway)."""
+    first = np.empty(len(a), dtype=bool)  # [N]
+    first[:1] = True
+    np.not_equal(a[1:], a[:-1], out=first[1:])
+    return np.flatnonzero(first)
+
+
+def _distinct(held: list[np.ndarray]) -> np.ndarray:
+    """The distinct values of the sorted array in `held` (which is emptied: the array is freed early)."""
+    values = held[0][_run_starts(held[0])]
+    held.clear()
+    return values
+
+
+def _counted(held: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values [G], how often each occurs [G] float64) of the sorted array in `held` (emptied)."""
+    a = held.pop()
+    n, starts = len(a), _run_starts(a)
+    values = a[starts]
+    del a
+    counts = np.empty(len(starts), dtype=np.float64)
+    np.subtract(starts[1:], starts[:-1], out=counts[:-1])
+    counts[-1:] = n - starts[-1:]
+    return values, counts
 
 
 FALLBACK = (0.5, 1.0, 1.5)  # KenLM's --discount_fallback
@@ -56,11 +87,16 @@ def _discounts(counts: np.ndarray) -> tuple[float, float, float]:
 
 
 def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
-    ctx = keys // V
-    ctx_keys, start = np.unique(ctx, return_index=True)  # keys are sorted, so contexts are runs
+    ctx = keys // V  # keys are sorted, so contexts are runs
+    start = _run_starts(ctx)
+    ctx_keys = ctx[start]
+    del ctx
 
     def backoff(d):
-        return np.add.reduceat(np.where(counts == 1, d[0], np.where(counts == 2, d[1], d[2])), start)
+        discount = np.full(len(counts), d[2])  # D3+, then D1 and D2 where they apply
+        discount[counts == 1] = d[0]
+        discount[counts == 2] = d[1]
+        return np.add.reduceat(discount, start)
 
     d = _discounts(counts)
     ctx_backoff = backoff(d)
@@ -73,24 +109,38 @@ def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
                  ctx_backoff=ctx_backoff, discounts=d)
 
 
-def fit(tokens: np.ndarray, order: int, vocab_size: int) -> KneserNey:
-    """Fit on one token stream [N]; lower orders use Kneser-Ney continuation counts."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    V = int(vocab_size)
+def _check(tokens: np.ndarray, order: int, V: int) -> None:
     if not 1 <= order <= max_order(V):
         raise ValueError(f"n-gram order {order} must be in [1, {max_order(V)}] for vocab size {V}")
     if len(tokens) < order:
         raise ValueError(f"{len(tokens)} tokens are too few to fit an order-{order} n-gram")
-    levels = []
+
+
+def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
+    """Order 1, 2, ..., `order` in turn; lower orders use Kneser-Ney continuation counts. Each is built from
+    the tokens alone, so a caller that drops one before asking for the next holds one level at a time."""
     for k in range(1, order + 1):
         if k == order:
-            keys, counts = np.unique(_keys(tokens, k, V), return_counts=True)
+            keys, counts = _counted([_sorted_keys(tokens, k, V)])
         else:
             # Continuation count: how many distinct tokens precede this k-gram.
-            ext = np.unique(_keys(tokens, k + 1, V))
-            keys, counts = np.unique(ext % V**k, return_counts=True)
-        levels.append(_level(keys, counts.astype(np.float64), V))
-    return KneserNey(order=int(order), vocab_size=V, levels=tuple(levels))
+            ext = _distinct([_sorted_keys(tokens, k + 1, V)])  # every distinct (k+1)-gram once
+            np.remainder(ext, V**k, out=ext)  # its last k tokens
+            ext.sort()
+            held = [ext]
+            del ext
+            keys, counts = _counted(held)
+        level = _level(keys, counts, V)
+        del keys, counts
+        yield level
+        del level
+
+
+def fit(tokens: np.ndarray, order: int, vocab_size: int) -> KneserNey:
+    """Fit on one token stream [N] (any integer dtype)."""
+    V = int(vocab_size)
+    _check(tokens, order, V)
+    return KneserNey(order=int(order), vocab_size=V, levels=tuple(_levels(np.asarray(tokens), order, V)))
 
 
 def _lookup(sorted_keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
@@ -106,6 +156,22 @@ def _discount_of(level: Level, counts: np.ndarray) -> np.ndarray:
     return np.where(counts == 0, 0.0, np.where(counts == 1, d1, np.where(counts == 2, d2, d3)))
 
 
+def _mixed(level: Level, k: int, V: int, history: np.ndarray, targets: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """p(target | history) up to order k, from order k's counts and `p`, the probabilities up to order k-1."""
+    ctx_tokens = history[:, history.shape[1] - (k - 1) :]  # [N, k-1] the nearest k-1 tokens
+    known = (ctx_tokens >= 0).all(axis=1)
+    ctx = np.zeros(len(targets), dtype=np.int64)
+    for j in range(k - 1):
+        ctx = ctx * V + np.maximum(ctx_tokens[:, j], 0)
+    c = _lookup(level.keys, level.counts, ctx * V + targets)
+    total = _lookup(level.ctx_keys, level.ctx_total, ctx)
+    backoff = _lookup(level.ctx_keys, level.ctx_backoff, ctx)
+    seen = known & (total > 0)  # an unseen context passes the lower order through unchanged
+    safe = np.where(seen, total, 1.0)
+    p_k = (np.maximum(c - _discount_of(level, c), 0.0) + backoff * p) / safe
+    return np.where(seen, p_k, p)
+
+
 def prob(model: KneserNey, history: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """p(target | history) for each row; history [N, order-1] with -1 for missing (stream start) tokens."""
     V = model.vocab_size
@@ -113,18 +179,7 @@ def prob(model: KneserNey, history: np.ndarray, targets: np.ndarray) -> np.ndarr
     targets = np.asarray(targets, dtype=np.int64)  # [N]
     p = np.full(len(targets), 1.0 / V)  # order 0: uniform
     for k, level in enumerate(model.levels, start=1):
-        ctx_tokens = history[:, history.shape[1] - (k - 1) :]  # [N, k-1] the nearest k-1 tokens
-        known = (ctx_tokens >= 0).all(axis=1)
-        ctx = np.zeros(len(targets), dtype=np.int64)
-        for j in range(k - 1):
-            ctx = ctx * V + np.maximum(ctx_tokens[:, j], 0)
-        c = _lookup(level.keys, level.counts, ctx * V + targets)
-        total = _lookup(level.ctx_keys, level.ctx_total, ctx)
-        backoff = _lookup(level.ctx_keys, level.ctx_backoff, ctx)
-        seen = known & (total > 0)  # an unseen context passes the lower order through unchanged
-        safe = np.where(seen, total, 1.0)
-        p_k = (np.maximum(c - _discount_of(level, c), 0.0) + backoff * p) / safe
-        p = np.where(seen, p_k, p)
+        p = _mixed(level, k, V, history, targets, p)
     return p
 
 
@@ -136,15 +191,39 @@ def distribution(model: KneserNey, history) -> np.ndarray:
     return prob(model, np.broadcast_to(h, (V, n)), np.arange(V))
 
 
+def _history(tokens: np.ndarray, positions: np.ndarray, n: int) -> np.ndarray:
+    """[N, n] int64: the n tokens before each position in the stream, oldest first, -1 before its start."""
+    offsets = positions[:, None] - np.arange(n, 0, -1)[None, :]  # [N, n]
+    return np.where(offsets >= 0, tokens[np.maximum(offsets, 0)].astype(np.int64), -1)
+
+
 def stream_log_probs(model: KneserNey, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """log p(tokens[i] | the up to order-1 tokens before i in the same stream) for each i in positions."""
-    tokens = np.asarray(tokens, dtype=np.int64)
     positions = np.asarray(positions, dtype=np.int64)  # [N]
-    n = model.order - 1
-    offsets = positions[:, None] - np.arange(n, 0, -1)[None, :]  # [N, n] oldest first
-    history = np.where(offsets >= 0, tokens[np.maximum(offsets, 0)], -1)
-    return np.log(prob(model, history, tokens[positions]))
+    history = _history(np.asarray(tokens), positions, model.order - 1)
+    return np.log(prob(model, history, np.asarray(tokens)[positions]))
 
 
 def perplexity(model: KneserNey, tokens: np.ndarray, positions: np.ndarray) -> float:
     return float(np.exp(-np.mean(stream_log_probs(model, tokens, positions))))
+
+
+PIECE = 1 << 20  # positions scored at a time by fitted_perplexity
+
+
+def fitted_perplexity(train: np.ndarray, order: int, vocab_size: int, tokens: np.ndarray,
+                      positions: np.ndarray) -> float:
+    """perplexity(fit(train, order, vocab_size), tokens, positions), to the last bit, holding one level of
+    the model at a time and the history of PIECE positions: every position's probability is raised one
+    order at a time by the same elementwise arithmetic prob() does, and the mean taken over the same array."""
+    V = int(vocab_size)
+    _check(train, order, V)
+    positions = np.asarray(positions, dtype=np.int64)  # [N]
+    p = np.full(len(positions), 1.0 / V)
+    for k, level in enumerate(_levels(np.asarray(train), order, V), start=1):
+        for a in range(0, len(positions), PIECE):
+            at = positions[a : a + PIECE]
+            history = _history(tokens, at, order - 1)
+            p[a : a + PIECE] = _mixed(level, k, V, history, tokens[at].astype(np.int64), p[a : a + PIECE])
+        del level
+    return float(np.exp(-np.mean(np.log(p))))

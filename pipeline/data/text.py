@@ -1,41 +1,121 @@
-"""A character-level corpus from the user's own UTF-8 text file."""
+"""A character-level corpus from the user's own UTF-8 text file, read in pieces (never whole, never a str).
+
+The file is read through one descriptor, piece by piece: a first pass hashes it, checks it is UTF-8 (an
+incremental decoder) and marks which code points occur (the vocabulary: sorted code points, as
+sorted(set(text)) sorts it); only if its corpus is not on disk yet, a second pass maps every character
+through a code point -> id table straight into the uint16 token array the corpus writes, and checks the
+bytes hash as before (a file changed between the passes is refused). Memory: the tokens (2 bytes a
+character) and a few pieces, whatever the file holds.
+"""
 from __future__ import annotations
 
+import codecs
 import hashlib
+import itertools
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 
-from pipeline.data.corpus import MAX_VOCAB, CorpusContent, TokenDataset, ensure_corpus, n_windows
+from pipeline import reading
+from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDataset, ensure_corpus, n_windows
+from pipeline.schema import TEXT_MAX_BYTES
 
 TEXT_VERSION = 1
+PIECE = 4 << 20  # bytes decoded at a time: a piece costs at most ~9x itself (its str and its UTF-32 copy)
+N_CODE_POINTS = 0x110000
 
 
-def read_text(path: Path) -> tuple[str, str]:
-    """(text, sha256 of its bytes); a one-sentence error naming the path if it is missing or not UTF-8."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: text file not found")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not valid UTF-8 (bad byte at offset {e.start})") from None
-    return text, hashlib.sha256(raw).hexdigest()
+class TextError(ValueError):
+    """data.path is not a text file the corpus can be built from (one line naming it)."""
 
 
-def build_text_corpus(path: Path, text: str, val_fraction: float, block_size: int) -> CorpusContent:
-    vocab = sorted(set(text))
-    if len(vocab) > MAX_VOCAB:
-        raise ValueError(f"{path}: {len(vocab)} distinct characters, more than the {MAX_VOCAB} allowed")
-    index = {ch: i for i, ch in enumerate(vocab)}
-    tokens = np.fromiter((index[ch] for ch in text), dtype=np.int64, count=len(text))  # [N]
+def _code_points(pieces: Iterable[bytes], path: Path) -> Iterator[np.ndarray]:
+    """The characters of a file's pieces as code points (uint8 for an ASCII piece, else uint32)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # of the piece's first byte in the file
+    for raw in itertools.chain(pieces, [b""]):  # b"": the end, where a cut character is an error
+        pending = len(decoder.getstate()[0])  # bytes of a character the previous piece cut
+        try:
+            if raw and not pending and raw.isascii():
+                yield np.frombuffer(raw, dtype=np.uint8)  # its bytes are its code points
+            else:
+                yield np.frombuffer(decoder.decode(raw, final=not raw).encode("utf-32-le"), dtype="<u4")
+        except UnicodeDecodeError as e:
+            raise TextError(f"data.path={path}: not valid UTF-8 (bad byte at offset {offset - pending + e.start})") \
+                from None
+        offset += len(raw)
+
+
+def _hashed(pieces: Iterable[bytes], h) -> Iterator[bytes]:
+    for raw in pieces:
+        h.update(raw)
+        yield raw
+
+
+class TextFile:
+    """data.path opened and scanned once (sha256, UTF-8, vocabulary); its tokens read on demand.
+
+    TextError or an OSError (reading.UnreadableFile for a FIFO, a device, a directory, ... or a file over
+    `max_bytes`, refused before it is opened) naming data.path. A symlink is followed to its file."""
+
+    def __init__(self, path: Path, max_bytes: int = TEXT_MAX_BYTES):
+        self.path, self.max_bytes = Path(path), int(max_bytes)
+        self.f = reading.open_file(self.path, self.max_bytes, follow=True, bound="data.max_bytes")
+        try:
+            h, seen, self.n = hashlib.sha256(), np.zeros(N_CODE_POINTS, dtype=bool), 0
+            for cps in _code_points(_hashed(self._pieces(), h), self.path):
+                seen[cps] = True
+                self.n += len(cps)
+            self.sha256 = h.hexdigest()
+            self.code_points = np.flatnonzero(seen)  # the vocabulary, sorted
+            if len(self.code_points) > MAX_VOCAB:
+                raise TextError(f"data.path={self.path}: {len(self.code_points)} distinct characters, more than "
+                                f"the {MAX_VOCAB} allowed")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def vocab(self) -> list[str]:
+        return [chr(c) for c in self.code_points]
+
+    def _pieces(self) -> Iterator[bytes]:
+        self.f.seek(0)
+        return reading.chunks(self.f, self.path, self.max_bytes, "data.max_bytes", size=PIECE)
+
+    def tokens(self) -> np.ndarray:
+        """[N] uint16: each character's index in the vocabulary, in file order (read again, hash checked)."""
+        table = np.zeros(N_CODE_POINTS, dtype=TOKEN_DTYPE)  # code point -> token id
+        table[self.code_points] = np.arange(len(self.code_points), dtype=TOKEN_DTYPE)
+        out, at, h = np.empty(self.n, dtype=TOKEN_DTYPE), 0, hashlib.sha256()
+        for cps in _code_points(_hashed(self._pieces(), h), self.path):
+            if at + len(cps) > self.n:
+                break
+            np.take(table, cps, out=out[at : at + len(cps)])
+            at += len(cps)
+        if at != self.n or h.hexdigest() != self.sha256:
+            raise TextError(f"data.path={self.path}: changed while it was read; give it once it is complete")
+        return out
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def build_text_corpus(path: Path, tokens: np.ndarray, vocab: list[str], val_fraction: float,
+                      block_size: int) -> CorpusContent:
     # The last val_fraction of the text is held out, in one piece, so no val window overlaps training.
     n_val = int(round(len(tokens) * val_fraction))
-    train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]
+    train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]  # views, no copies
     if min(n_windows(len(train), block_size), n_windows(len(val), block_size)) < 1:
-        raise ValueError(
-            f"{path}: too short: {len(tokens)} characters leave {len(train)} train and {len(val)} val, "
+        raise TextError(
+            f"data.path={path}: too short: {len(tokens)} characters leave {len(train)} train and {len(val)} val, "
             f"each needing at least {block_size + 1}"
         )
     stats = {"characters": {"train": int(len(train)), "val": int(len(val))}}
@@ -46,6 +126,8 @@ class TextCorpus(TokenDataset):
     """`data=text data.path=FILE`: the file's characters under <output_dir>/data/text-<hash>/.
 
     The hash covers the file's content (its sha256), not its path: moving the file reuses the corpus.
+    `max_bytes` bounds the file's size (data.max_bytes, not part of the corpus's identity; None, from a config
+    made before the key existed: TEXT_MAX_BYTES).
     """
 
     def __init__(
@@ -56,18 +138,26 @@ class TextCorpus(TokenDataset):
         block_size: int = 64,
         ngram_order: int = 5,
         val_batch_size: int = 32,
+        max_bytes: int | None = TEXT_MAX_BYTES,
     ):
-        text, sha = read_text(Path(path))
-        params = {
-            "generator": "text",
-            "version": TEXT_VERSION,
-            "source_sha256": sha,
-            "val_fraction": float(val_fraction),
-            "block_size": int(block_size),
-            "ngram_order": int(ngram_order),
-        }
-        directory = ensure_corpus(
-            Path(cache_dir), "text", params,
-            lambda: build_text_corpus(Path(path), text, params["val_fraction"], params["block_size"]),
-        )
+        try:
+            text = TextFile(Path(path), TEXT_MAX_BYTES if max_bytes is None else max_bytes)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"data.path={path}: text file not found") from None
+        except OSError as e:
+            raise TextError(f"data.path={path}: {e.strerror or e}") from None
+        with text:
+            params = {
+                "generator": "text",
+                "version": TEXT_VERSION,
+                "source_sha256": text.sha256,
+                "val_fraction": float(val_fraction),
+                "block_size": int(block_size),
+                "ngram_order": int(ngram_order),
+            }
+            directory = ensure_corpus(
+                Path(cache_dir), "text", params,
+                lambda: build_text_corpus(Path(path), text.tokens(), text.vocab, params["val_fraction"],
+                                          params["block_size"]),
+            )
         super().__init__(directory, val_batch_size=val_batch_size)
