@@ -24,7 +24,7 @@ def evaluate_checkpoint(directory: Path, overrides: list[str] = ()) -> dict:
     from pipeline.trainer.loop import evaluate
 
     manifest, state = restore_checkpoint(directory, list(overrides))
-    dataset = other_data(manifest, list(overrides))
+    dataset = other_data(manifest, list(overrides), directory)
     state.dataset = dataset
     return {"checkpoint": str(directory), "step": manifest["step"], "data": type(dataset).__name__,
             "data_manifest_hash": dataset.manifest_hash,

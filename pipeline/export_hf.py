@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         model = manifest["config"]["model"]
         if not str(model.get("_target_", "")).endswith("MiniGPT"):
             _refuse(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
-        dataset = own_data(manifest, args.overrides)  # the vocabulary the model was trained on
+        dataset = own_data(manifest, args.overrides, Path(args.checkpoint))  # the vocabulary the model was trained on
         weights = state.model.state_dict()
         out = write_hf(weights, n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
                        n_positions=weights["transformer.wpe.weight"].shape[0],

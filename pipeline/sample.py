@@ -117,7 +117,7 @@ def sample(directory: Path, args: list[str]) -> str:
     if not (hasattr(model, "logits") and hasattr(model, "block_size")):
         raise ConfigError(f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
                           "does not generate tokens (sample needs a MiniGPT)")
-    dataset = own_data(manifest, overrides)
+    dataset = own_data(manifest, overrides, directory)
     vocab, join = getattr(dataset, "vocab", None), getattr(dataset, "manifest", {}).get("decode_join")
     if vocab is None or join is None:
         raise ConfigError(f"data {type(dataset).__name__} has no vocabulary to decode tokens with")

@@ -7,7 +7,9 @@
     data_config(manifest, ovr)     where the data comes from: the checkpoint's own `data` node, with
                                    `data.KEY=V` overrides applied to it, or another dataset chosen by `data=NAME`
                                    (composed like `python -m pipeline`); `paths.output_dir=` moves the corpus
-                                   cache (default: the run's own output directory)
+                                   cache (default: the output directory the checkpoint lies in, never one
+                                   its manifest names); the checkpoint's own `data.path` only if the file
+                                   there is the one it was trained on (its sha256 in the manifest)
     own_data / other_data          the dataset built from that, checked against what the checkpoint learned
 
 Every refusal is a ConfigError or CheckpointError of one line; the callers exit 2 with it.
@@ -77,14 +79,48 @@ def _parse(overrides: list[str]):
     return parsed
 
 
-def data_config(manifest: dict, overrides: list[str]) -> dict:
+def cache_home(directory: Path) -> str:
+    """The output directory a checkpoint lies in (`<output_dir>/runs/<run>/checkpoints/<step>`), where its run
+    cached its corpus; else the user's default one. Never the manifest's `paths.output_dir`: a checkpoint
+    does not choose where a tool writes."""
+    from pipeline.schema import default_output_dir
+
+    step = Path(directory).absolute()
+    runs = step.parent.parent.parent
+    if step.parent.name == "checkpoints" and runs.name == "runs":
+        return str(runs.parent)
+    return default_output_dir()
+
+
+def _own_source(manifest: dict, node: dict, directory: Path) -> None:
+    """The checkpoint's own `data.path` is read only if it holds the bytes the checkpoint was trained on: a
+    checkpoint does not choose which of the user's files a tool reads."""
+    from pipeline import identity
+
+    path, sha = node.get("path"), (manifest.get("sources") or {}).get("data.path")
+    if not isinstance(path, str):
+        return
+    try:
+        here = identity.source_hashes({"data": node})["data.path"]
+    except FileNotFoundError:
+        raise ConfigError(f"data.path={path} (the checkpoint's): text file not found; give the file it was "
+                          "trained on with data.path=FILE") from None
+    except OSError as e:
+        raise ConfigError(f"data.path={path} (the checkpoint's): {getattr(e, 'strerror', None) or e}; give the "
+                          "file it was trained on with data.path=FILE") from None
+    if here != sha:
+        raise ConfigError(f"data.path={path} (the checkpoint's): not the file checkpoint {directory} was trained on "
+                          f"(sha256 {here[:12]}, the manifest says {str(sha)[:12]}); give it with data.path=FILE")
+
+
+def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     """{"paths": {"output_dir"}, "data": node}: the checkpoint's data with `data.KEY=V` applied, or the
     composed `data=NAME`; the values range-checked like a run's."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     parsed = _parse(overrides)
-    output_dir = manifest["config"]["paths"]["output_dir"]
+    output_dir = cache_home(directory)
     for o in parsed:
         if o.key_or_group == "paths.output_dir":
             output_dir = str(o.value())
@@ -108,6 +144,8 @@ def data_config(manifest: dict, overrides: list[str]) -> dict:
                 except OmegaConfBaseException as e:
                     raise ConfigError(f"{o.input_line}: {str(e).splitlines()[0]}") from None
         node = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        if not any(o.key_or_group == "data.path" for o in parsed):
+            _own_source(manifest, node, directory)
     config = {"paths": {"output_dir": output_dir}, "data": node}
     validate(config)
     return config
@@ -129,10 +167,10 @@ def spec_of(dataset) -> dict:
     return asdict(dataset.spec)
 
 
-def own_data(manifest: dict, overrides: list[str] = ()):
-    """The dataset the checkpoint was trained on (its data_manifest_hash), for its vocabulary; ConfigError if
-    what the config builds here is other data."""
-    config = data_config(manifest, list(overrides))
+def own_data(manifest: dict, overrides: list[str], directory: Path):
+    """The dataset the checkpoint at `directory` was trained on (its data_manifest_hash), for its vocabulary;
+    ConfigError if what the config builds here is other data."""
+    config = data_config(manifest, list(overrides), directory)
     dataset = build_data(config)
     if dataset.manifest_hash != manifest["data_manifest_hash"]:
         raise ConfigError(f"data {config['data'].get('_target_')}: builds data {dataset.manifest_hash[:12]}, but the "
@@ -158,16 +196,16 @@ def check_fits(manifest: dict, dataset, own=None) -> None:
                               f"{len(changed)} ids (id {i}: {own.vocab[i]!r} -> {dataset.vocab[i]!r})")
 
 
-def other_data(manifest: dict, overrides: list[str]):
+def other_data(manifest: dict, overrides: list[str], directory: Path):
     """The dataset `overrides` ask for (the checkpoint's own by default), refused if the model cannot read it."""
-    config = data_config(manifest, list(overrides))
+    config = data_config(manifest, list(overrides), directory)
     dataset = build_data(config)
     if dataset.manifest_hash == manifest["data_manifest_hash"]:
         return dataset
     own = None
     if getattr(dataset, "vocab", None) is not None:
         try:
-            own = own_data(manifest, [o for o in overrides if o.startswith(("paths.", "hydra."))])
+            own = own_data(manifest, [o for o in overrides if o.startswith(("paths.", "hydra."))], directory)
         except ConfigError as e:
             log.warning("cannot compare vocabularies (the checkpoint's own data does not build here: %s); "
                         "checking the spec only", e)

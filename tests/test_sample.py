@@ -73,7 +73,7 @@ def test_greedy_decoding_is_the_argmax_chain(tiny):
     from pipeline.trained import own_data, restore_checkpoint
 
     manifest, state = restore_checkpoint(tiny)
-    vocab = own_data(manifest).vocab
+    vocab = own_data(manifest, [], tiny).vocab
     ids = [vocab.index("the"), vocab.index("man")]
     for _ in range(6):
         ids.append(int(np.argmax(state.model.logits(np.array([ids]))[0, -1])))

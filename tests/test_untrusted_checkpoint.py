@@ -234,3 +234,49 @@ def test_its_own_search_path_lets_the_users_classes_through(finished, tmp_path):
     proc = scene.run("pipeline.inspect", str(scene.checkpoint), f"hydra.searchpath=[file://{tmp_path / 'myconf'}]")
     assert scene.sentinel.read_text() == "called"  # now it is built: nothing else decided against it
     assert proc.returncode == 1 and "INVALID" in proc.stdout  # and it holds no stage state: does not fit
+
+
+# -- nor where a tool writes, nor which of your files it reads --------------------------------------------
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny finished data=text run: (its output directory, the text file it was trained on)."""
+    from test_evaluate import text_overrides
+
+    tmp = tmp_path_factory.mktemp("untrusted-text")
+    (tmp / "a.txt").write_text("Abc de,\nfg he.\n" * 60)
+    out = tmp / "out"
+    assert run_job(*text_overrides(tmp / "a.txt"), f"paths.output_dir={out}")[0] == 0
+    return out, tmp / "a.txt"
+
+
+def planted_copy(out: Path, tmp: Path, key: str, value) -> Path:
+    shutil.copytree(out, tmp / "out", symlinks=True)
+    checkpoint = the_run(tmp / "out") / "checkpoints" / "final"
+    plant(checkpoint, key, value)
+    return checkpoint
+
+
+def test_a_checkpoint_does_not_choose_where_the_corpus_cache_goes(text_run, tmp_path):
+    out, _ = text_run
+    elsewhere = tmp_path / "elsewhere"
+    checkpoint = planted_copy(out, tmp_path, "paths.output_dir", str(elsewhere))
+    shutil.rmtree(tmp_path / "out" / "data")  # the tool must build the corpus again: where?
+    proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", str(checkpoint)], cwd=tmp_path,
+                          env=env_for_subprocess(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert not elsewhere.exists() and (tmp_path / "out" / "data").is_dir()  # beside the run, as it was made
+
+
+def test_a_checkpoint_does_not_choose_which_of_your_files_is_read(text_run, tmp_path):
+    out, _ = text_run
+    private = tmp_path / "private.txt"
+    private.write_text("a secret the checkpoint would like tokenized into a cache it can name\n" * 20)
+    checkpoint = planted_copy(out, tmp_path, "data.path", str(private))
+    before = tree(tmp_path)
+    for module, args in (("pipeline.evaluate", ()), ("pipeline.sample", ("prompt=a",))):
+        proc = subprocess.run([sys.executable, "-m", module, str(checkpoint), *args], cwd=tmp_path,
+                              env=env_for_subprocess(), capture_output=True, text=True)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert f"data.path={private} (the checkpoint's): not the file" in proc.stderr and "data.path=FILE" in proc.stderr
+        assert tree(tmp_path) == before  # no corpus of it cached anywhere

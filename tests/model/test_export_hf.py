@@ -141,7 +141,7 @@ def test_files_are_written_like_checkpoints_and_config_names_the_eos(grammar_exp
 def corpus_of(ckpt: Path):
     from pipeline.trained import own_data
 
-    return own_data(json.loads((ckpt / "manifest.json").read_text()))
+    return own_data(json.loads((ckpt / "manifest.json").read_text()), [], ckpt)
 
 
 def in_transformers(script: str, **args) -> dict:
