@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from pipeline.tracking.base import Tracker
-from pipeline.tracking.common import CURRENT_JOB, artifact_location_uri, normalize_tracking_uri, params_of, tags_of
+from pipeline.tracking.common import (CURRENT_JOB, artifact_location_uri, normalize_tracking_uri, params_of,
+                                      store_problem, tags_of)
 
 log = logging.getLogger("pipeline")
 
@@ -71,6 +72,12 @@ class MlflowTracker(Tracker):
         """Find or start the agent now, and have it open the store, while the job builds its data and model."""
         if CURRENT_JOB.get("disabled"):
             self.failed = True  # the sweep said why, once
+            return
+        t0 = time.monotonic()
+        problem = store_problem(self.uri, timeout=self.wait / 2)
+        self.waited += time.monotonic() - t0
+        if problem:
+            self._fail(problem)
             return
         try:
             from pipeline.tracking.link import agent_for

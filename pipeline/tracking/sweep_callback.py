@@ -33,7 +33,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeline import jsonio
 from pipeline.atomic import ensure_dirs, replace_file
 from pipeline.signals import EXIT_PREEMPTED, SIGNALS_STATE
-from pipeline.tracking.common import CURRENT_JOB, is_machine_key, is_mlflow_tracking, normalize_tracking_uri, tag_value
+from pipeline.tracking.common import (CURRENT_JOB, is_machine_key, is_mlflow_tracking, normalize_tracking_uri,
+                                      store_problem, tag_value)
 
 log = logging.getLogger("pipeline")
 SWEEP_DIR_ENV = "PIPELINE_SWEEP_DIR"  # read by conf/config.yaml's hydra.sweep.dir, in the launcher and every job
@@ -142,6 +143,12 @@ class MlflowSweepCallback(Callback):
                 "mlflow.source.name": "pipeline -m", "git_sha": str(git.get("git_sha"))}
         if git.get("git_sha") not in (None, "unknown"):
             tags["mlflow.source.git.commit"] = git["git_sha"]
+        problem = store_problem(s["uri"], timeout=END_WAIT / 2)
+        if problem:
+            self.disabled = problem
+            log.warning("mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their manifests; "
+                        "index them later with `python -m pipeline.reindex`.", s["uri"], problem)
+            return
         link = agent_for(s["uri"], agent_log(s["uri"]))  # at once: the agent starts beside the jobs
         _PARENT_REQUEST = Request()
         link.send({"op": "parent_start", "sid": link.register(_PARENT_REQUEST), "uri": s["uri"],
