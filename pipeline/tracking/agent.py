@@ -40,6 +40,14 @@ from pathlib import Path
 MAX_PENDING = 1000  # metric points: one log_batch
 FLUSH_EVERY = 1.0  # seconds: each log_batch is a sqlite commit (an fsync); batching spares the disk
 GONE_WAIT = 120.0  # seconds a finished run waits for its job to leave before it is indexed anyway
+TRACE = bool(os.environ.get("PIPELINE_TRACKING_AGENT_TRACE"))  # each request's time, in the agent's log
+T0 = time.monotonic()
+
+
+def trace(what: str, started: float) -> None:
+    if TRACE:
+        now = time.monotonic()
+        print(f"[agent +{now - T0:7.3f} s] {what}: {now - started:.3f} s", file=sys.stderr, flush=True)
 EOF = object()
 
 
@@ -182,17 +190,21 @@ class Agent:
             if _held_by(Path(m["run_dir"]), m.get("pid")) and time.monotonic() < deadline:
                 waiting.append((s, m, deadline))
                 continue
+            started = time.monotonic()
             try:
                 r = sync_run(s.client, s.uri, Path(m["run_dir"]), self.artifact_roots.get(s.uri), s.parent,
                              m.get("job"), artifacts=False)
                 done.append((s, m, r))
             except Exception as e:  # noqa: BLE001 - reported, never raised
                 self.fail(s, e)
+            trace("finish: the run complete", started)
         self.finishing = waiting
         for s, m, r in done:
+            started = time.monotonic()
             try:
                 if "run_id" in r:
                     sync_run_artifacts(s.client, r["run_id"], Path(m["run_dir"]), bool(r["points"]))
+                    trace("finish: its artifacts", started)
                 s.conn.send({"sid": s.sid, "event": "finished"})
             except Exception as e:  # noqa: BLE001
                 self.fail(s, e)
@@ -271,10 +283,12 @@ class Agent:
                 if op == "finish":
                     conn.send({"sid": m.get("sid"), "event": "finished"})
                 return
+        started = time.monotonic()
         try:
             getattr(self, op)(s, m)
         except Exception as e:  # noqa: BLE001 - any tracking failure is reported, never raised
             self.fail(s, e)
+        trace(op, started)
         if op not in ("open", "metrics", "checkpoint"):
             self.sessions.pop(key, None)
 
@@ -401,8 +415,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     import_error = None
     time.sleep(float(os.environ.get("PIPELINE_TRACKING_AGENT_DELAY", "0") or 0))  # a test hook: a slow agent
+    started = time.monotonic()
     try:
         from pipeline.tracking import store  # noqa: F401  (mlflow: the slow part, while the readers buffer)
+        trace("import mlflow", started)
     except BaseException as e:  # noqa: BLE001
         traceback.print_exc()
         import_error = f"{type(e).__name__}: {e}"
