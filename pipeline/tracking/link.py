@@ -3,8 +3,10 @@
 One agent per (user, tracking URI) on a machine: every run, sweep and job that tracks into the same store
 talks to it over a Unix socket whose path is derived from the URI, so `import mlflow` (~3 s) and opening
 the store happen once and stay warm across the jobs and runs of the machine; the agent exits after
-`IDLE_SECONDS` without clients. It runs in its own session: a signal meant for a job (Ctrl-C, SLURM's
-SIGTERM) never reaches it, and it outlives a killed job long enough to end its run.
+`IDLE_SECONDS` without clients (5 minutes: the next run of a working session finds it warm). It runs in
+its own session: a signal meant for a job (Ctrl-C, SLURM's SIGTERM) never reaches it, and it outlives the
+jobs: they hand their runs over and leave, it finishes them. Nobody waits for it to start: a Link is made
+at once and connects (spawning the agent if need be) in its writer thread, queueing what is sent meanwhile.
 
 Messages are JSON lines; a request carries a session id `sid`, the agent answers events for it. This module
 imports nothing heavy: it is on the training process's path.
