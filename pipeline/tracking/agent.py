@@ -48,6 +48,8 @@ def trace(what: str, started: float) -> None:
     if TRACE:
         now = time.monotonic()
         print(f"[agent +{now - T0:7.3f} s] {what}: {now - started:.3f} s", file=sys.stderr, flush=True)
+
+
 EOF = object()
 
 
