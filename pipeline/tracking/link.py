@@ -69,7 +69,10 @@ class Link:
     def register(self, handler) -> int:
         with self.lock:
             sid = next(self.ids)
-            self.handlers[sid] = handler
+            if self.dead is None:
+                self.handlers[sid] = handler
+        if self.dead is not None:  # it died before this session began: say so now, not never
+            handler.on_event({"event": "error", "message": self.dead})
         return sid
 
     def send(self, msg: dict | None) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import KERNODECK, env_for_subprocess
+from conftest import KERNODECK, env_for_subprocess, wait_until
 from pipeline.rundir import RunDir
 from pipeline.tracking.common import parse_run_uri
 from pipeline.tracking.link import wait_idle
@@ -188,3 +188,26 @@ def test_the_template_is_copied_not_migrated_and_never_over_an_existing_db(tmp_p
     assert again.get_run(run.info.run_id).info.experiment_id == exp
     assert [e.artifact_location for e in again.search_experiments() if e.name == "Default"] == \
            [f"file://{tmp_path}/a/art/0"]
+
+
+def test_an_agent_that_cannot_start_is_one_warning_and_no_wait(monkeypatch, caplog, tmp_path):
+    """The link connects (or spawns) in its own thread: the failure reaches the tracker as an event."""
+    import pipeline.tracking.link as link
+    from pipeline.tracking.mlflow_tracker import MlflowTracker
+
+    def cannot(*args):
+        raise OSError("cannot start a process here")
+
+    monkeypatch.setattr(link, "spawn", cannot)
+    monkeypatch.setattr(link, "_LINKS", {})
+    t = MlflowTracker(uri=f"sqlite:///{tmp_path}/m.db", experiment="e")
+    t.prepare()
+    wait_until(lambda: not t.link.alive(), "the link to give up")  # before the run starts: it must still hear
+    t.start(config={"name": "e"}, facts={}, run_dir=tmp_path, previous_run_uri=None)
+    assert t.ready.is_set() and t.failed  # set by the error event, not by a timeout
+    t.log_line({"step": 1, "epoch": 0, "time": 0.0, "train/loss": 1.0})
+    assert t.run_uri(timeout=30.0) is None
+    t.finish("FINISHED", tmp_path)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "cannot start a process here" in warnings[0].getMessage()
+    assert t.waited <= t.wait
