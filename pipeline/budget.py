@@ -9,7 +9,7 @@ at least one update, so a budget shorter than start-up still finishes the run, o
 The decision is taken at every step end: go on only if one more update and one more checkpoint, each as long
 as the slowest this process has seen, would still end inside the budget; else checkpoint now. (Before the
 first save its duration is unknown and counted as 0.) Leave a margin below the scheduler's limit for what
-follows the checkpoint: tracker flush (tracking.flush_timeout) and exit.
+follows the checkpoint: the tracker's hand-over (at most tracking.wait) and exit.
 """
 from __future__ import annotations
 

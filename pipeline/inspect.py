@@ -118,6 +118,8 @@ def render_run(d: dict) -> str:
     run = d.get("run") or {}
     lines = [f"run {d['path']}", f"  status: {run.get('status', 'unknown')}  step {run.get('step', '?')}/"
                                  f"{run.get('total_steps', '?')}  metrics: {_metrics(run.get('metrics'))}"]
+    if run.get("mlflow_run_uri"):  # recorded once the run was indexed (its manifests may say null)
+        lines.append(f"  mlflow_run_uri: {run['mlflow_run_uri']}")
     if "reason" in d:
         lines.append(f"  INVALID: {d['reason']}")
     if not d["checkpoints"] and "reason" not in d:

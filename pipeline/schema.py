@@ -333,8 +333,7 @@ class MlflowTrackingConf:
     uri: str = _f()
     artifact_location: Optional[str] = _f()
     experiment: str = _f()
-    flush_timeout: float = _f(above(0))
-    uri_timeout: float = _f(above(0))
+    wait: float = _f(at_least(0))  # seconds a job waits on tracking in all
 
 
 @dataclass

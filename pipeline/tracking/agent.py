@@ -10,14 +10,18 @@ Protocol: JSON lines; each request names a session `sid` unique on its connectio
    "previous_run_uri", "parent": {"run_id", "experiment_id"} | null}              -> ready {uri, run_id, ...}
   {"op": "metrics", "sid", "lines": [metrics.jsonl lines]}
   {"op": "checkpoint", "sid", "step", "manifest": "<manifest.json text>"}
-  {"op": "finish", "sid", "run_dir", "job"}    flush, then index the whole run directory    -> finished
+  {"op": "finish", "sid", "run_dir", "job", "pid"}  flush; once the job has gone (its pid no longer holds
+                                     the run directory's lock), index the whole run directory    -> finished
   {"op": "attach", "sid", "uri", "artifact_location", "run_dir", "parent", "job"}  a run done before -> finished
   {"op": "parent_start", "sid", "uri", "experiment", "artifact_location", "sweep_id", "tags", "params"} -> ready
   {"op": "sweep_end", "sid", "uri", "sweep_dir", "parent"}  complete the parent from the sweep dir -> finished
   {"op": "ping", "sid", "uri"}                   open the store now (warm it)              -> pong
+  {"op": "idle", "sid"}        answered once no other client is connected and no run is open or finishing
+                               (the index is complete: for tests and benchmarks)            -> idle
 Events out: {"sid", "event": "ready" | "finished" | "pong" | "error", ...}. A connection that closes with a
 run still open (its process died) has it flushed and ended FAILED. A failing mlflow call reports one error
-for its session, which is dropped; other sessions go on. Without clients for --idle seconds, the agent exits.
+for its session, which is dropped; other sessions go on. Without clients and work for --idle seconds, the
+agent exits. PIPELINE_TRACKING_AGENT_DELAY (seconds, a test hook) makes it that much slower to start.
 """
 from __future__ import annotations
 
@@ -35,6 +39,17 @@ from pathlib import Path
 
 MAX_PENDING = 1000  # metric points: one log_batch
 FLUSH_EVERY = 1.0  # seconds: each log_batch is a sqlite commit (an fsync); batching spares the disk
+GONE_WAIT = 120.0  # seconds a finished run waits for its job to leave before it is indexed anyway
+TRACE = bool(os.environ.get("PIPELINE_TRACKING_AGENT_TRACE"))  # each request's time, in the agent's log
+T0 = time.monotonic()
+
+
+def trace(what: str, started: float) -> None:
+    if TRACE:
+        now = time.monotonic()
+        print(f"[agent +{now - T0:7.3f} s] {what}: {now - started:.3f} s", file=sys.stderr, flush=True)
+
+
 EOF = object()
 
 
@@ -74,6 +89,8 @@ class Agent:
         self.clients: dict[str, object] = {}
         self.artifact_roots: dict[str, str | None] = {}
         self.parents: dict[str, dict] = {}  # sweep id -> its parent run, as parent_start made or found it
+        self.finishing: list[tuple[Session, dict, float]] = []  # handed over, indexed once their job has gone
+        self.waiters: list[tuple[Conn, object]] = []  # idle requests
 
     def parent_of(self, client, ref: dict | None) -> dict | None:
         """A job's parent, given as {"run_id", ...} or by its sweep's id (the launcher does not wait for it)."""
@@ -161,11 +178,38 @@ class Agent:
         store.log_file_as(s.repo, f"checkpoints/step-{int(m['step']):08d}/manifest.json", data=m["manifest"].encode())
 
     def finish(self, s: Session, m: dict) -> None:
-        from pipeline.tracking.index import sync_run
-
+        """The job hands its run over and leaves: its points now, the run directory once it has gone."""
         self.flush(s)
-        sync_run(s.client, s.uri, Path(m["run_dir"]), self.artifact_roots.get(s.uri), s.parent, m.get("job"))
-        s.conn.send({"sid": s.sid, "event": "finished"})
+        self.finishing.append((s, m, time.monotonic() + GONE_WAIT))
+
+    def finish_gone(self) -> None:
+        """Complete every handed-over run whose job has left its run directory (then nothing there changes):
+        first each one's points and status, then their artifacts."""
+        from pipeline.tracking.index import sync_run, sync_run_artifacts
+
+        waiting, done = [], []
+        for s, m, deadline in self.finishing:
+            if _held_by(Path(m["run_dir"]), m.get("pid")) and time.monotonic() < deadline:
+                waiting.append((s, m, deadline))
+                continue
+            started = time.monotonic()
+            try:
+                r = sync_run(s.client, s.uri, Path(m["run_dir"]), self.artifact_roots.get(s.uri), s.parent,
+                             m.get("job"), artifacts=False)
+                done.append((s, m, r))
+            except Exception as e:  # noqa: BLE001 - reported, never raised
+                self.fail(s, e)
+            trace("finish: the run complete", started)
+        self.finishing = waiting
+        for s, m, r in done:
+            started = time.monotonic()
+            try:
+                if "run_id" in r:
+                    sync_run_artifacts(s.client, r["run_id"], Path(m["run_dir"]), bool(r["points"]))
+                    trace("finish: its artifacts", started)
+                s.conn.send({"sid": s.sid, "event": "finished"})
+            except Exception as e:  # noqa: BLE001
+                self.fail(s, e)
 
     def attach(self, s: Session, m: dict) -> None:
         """A job whose run directory was complete before it started: index it (creating its run if the
@@ -226,6 +270,9 @@ class Agent:
     def handle(self, conn: Conn, m: dict) -> None:
         key = (conn.cid, m.get("sid"))
         op = m.get("op")
+        if op == "idle":
+            self.waiters.append((conn, m.get("sid")))
+            return
         if op in self.OPENING:
             s = self.sessions[key] = Session(conn, m["sid"])
             if self.import_error:
@@ -238,10 +285,12 @@ class Agent:
                 if op == "finish":
                     conn.send({"sid": m.get("sid"), "event": "finished"})
                 return
+        started = time.monotonic()
         try:
             getattr(self, op)(s, m)
         except Exception as e:  # noqa: BLE001 - any tracking failure is reported, never raised
             self.fail(s, e)
+        trace(op, started)
         if op not in ("open", "metrics", "checkpoint"):
             self.sessions.pop(key, None)
 
@@ -260,11 +309,21 @@ class Agent:
             except Exception as e:  # noqa: BLE001
                 traceback.print_exception(e, file=sys.stderr)
 
+    def answer_idle(self, clients: set) -> None:
+        """Answer the idle requests once nothing but their own connections is left."""
+        waiting = {conn.cid for conn, _ in self.waiters}
+        if self.waiters and not self.sessions and not self.finishing and not (clients - waiting):
+            for conn, sid in self.waiters:
+                conn.send({"sid": sid, "event": "idle"})
+            self.waiters = []
+
     def loop(self, inbox: queue.Queue, clients: set, idle: float) -> None:
         last_flush, last_busy = time.monotonic(), time.monotonic()
         while True:
             pending = any(s.pending for s in self.sessions.values())
             timeout = max(0.0, last_flush + FLUSH_EVERY - time.monotonic()) if pending else 1.0
+            if self.finishing or self.waiters:
+                timeout = min(timeout, 0.05)  # a job leaves within moments of handing over
             try:
                 batch = [inbox.get(timeout=timeout)]
             except queue.Empty:
@@ -278,8 +337,11 @@ class Agent:
                 if m is EOF:
                     self.close_conn(conn)
                     clients.discard(conn.cid)
+                    self.waiters = [w for w in self.waiters if w[0] is not conn]
                 else:
                     self.handle(conn, m)
+            if self.finishing:
+                self.finish_gone()
             if time.monotonic() - last_flush >= FLUSH_EVERY:  # metrics go in batches, at most once a second
                 for s in list(self.sessions.values()):
                     try:
@@ -287,10 +349,26 @@ class Agent:
                     except Exception as e:  # noqa: BLE001
                         self.fail(s, e)
                 last_flush = time.monotonic()
-            if clients or self.sessions or batch:
+            self.answer_idle(clients)
+            if clients or self.sessions or self.finishing or batch:
                 last_busy = time.monotonic()
             elif time.monotonic() - last_busy > idle:
                 return
+
+
+def _held_by(run_dir: Path, pid: int | None) -> bool:
+    """Whether the process `pid` still holds the run directory's lock (a job that has not left yet)."""
+    from pipeline.rundir import RunDir
+
+    rundir = RunDir(run_dir)
+    if not rundir.in_use():
+        return False
+    try:
+        with open(rundir.lock_path, "rb") as f:
+            holder = f.read(64).decode(errors="replace").strip()
+    except OSError:
+        return False
+    return holder in ("", str(pid))  # "": a new holder not yet claimed, or the job before its claim
 
 
 def _read(conn: Conn, sock: socket.socket, inbox: queue.Queue) -> None:
@@ -321,7 +399,7 @@ def _accept(server: socket.socket, inbox: queue.Queue, clients: set) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--listen", required=True, help="the Unix socket to serve")
-    parser.add_argument("--idle", type=float, default=30.0, help="exit after this many seconds without clients")
+    parser.add_argument("--idle", type=float, default=300.0, help="exit after this many seconds without clients")
     args = parser.parse_args(argv)
     # Signals meant for jobs (Ctrl-C, SLURM's SIGTERM) must not cut a flush short: the agent ends when idle.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
@@ -338,8 +416,11 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     import_error = None
+    time.sleep(float(os.environ.get("PIPELINE_TRACKING_AGENT_DELAY", "0") or 0))  # a test hook: a slow agent
+    started = time.monotonic()
     try:
         from pipeline.tracking import store  # noqa: F401  (mlflow: the slow part, while the readers buffer)
+        trace("import mlflow", started)
     except BaseException as e:  # noqa: BLE001
         traceback.print_exc()
         import_error = f"{type(e).__name__}: {e}"

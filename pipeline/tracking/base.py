@@ -29,7 +29,7 @@ class Tracker:
         """A checkpoint was written."""
 
     def finish(self, status: str, run_dir: Path) -> None:
-        """Flush everything (bounded); status is FINISHED, FAILED or KILLED (preempted)."""
+        """Hand the run over (waiting a bounded moment at most); status is FINISHED, FAILED or KILLED."""
 
 
 class NullTracker(Tracker):

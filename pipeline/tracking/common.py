@@ -71,6 +71,44 @@ def sqlite_path(uri: str) -> Path | None:
     return None
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def store_problem(uri: str, timeout: float = 0.5) -> str | None:
+    """What is plainly wrong with a store, found in milliseconds without mlflow (a job checks this before
+    handing its run to the agent, which it does not wait for): a sqlite file that is not a database or
+    cannot be made, a server whose port refuses. None if nothing is; the agent reports the rest."""
+    db = sqlite_path(uri)
+    if db is not None:
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)  # the agent would make it too
+            if db.exists():
+                with open(db, "rb") as f:
+                    head = f.read(len(SQLITE_HEADER))
+                if head and head != SQLITE_HEADER:
+                    return (f"the mlflow store {db} cannot be opened: it is not a sqlite database (move it aside "
+                            "and rebuild it from the manifests: python -m pipeline.reindex --rebuild)")
+            if not os.access(db.parent, os.W_OK):
+                return f"the mlflow store {db} cannot be written: {db.parent} is not writable"
+        except OSError as e:
+            return f"the mlflow store {db} cannot be opened: {e.strerror or e}"
+        return None
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme in ("http", "https") and parts.hostname:
+        import socket
+
+        try:
+            socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
+                                     timeout=timeout).close()
+        except (ConnectionRefusedError, socket.gaierror) as e:
+            return f"the mlflow tracking server {uri} cannot be reached: {e.strerror or e}"
+        except OSError:
+            return None  # slow, not refused: the agent finds out
+    return None
+
+
 def artifact_location_uri(location: str | None) -> str | None:
     """A local directory becomes an absolute file: URI; a URI (s3://, mlflow-artifacts:, file:) is kept."""
     if location in (None, ""):

@@ -13,10 +13,10 @@ from pathlib import Path
 from pipeline import jsonio
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import EXTRA, MANIFEST, WEIGHTS, read_manifest
-from pipeline.rundir import RunDir
+from pipeline.rundir import RunBusyError, RunDir
 from pipeline.tracking import store
 from pipeline.tracking.common import (CURVES_ARTIFACT, FINAL_MANIFEST_ARTIFACT, FINAL_WEIGHTS_ARTIFACT, params_of,
-                                      parse_run_uri, tags_of)
+                                      parse_run_uri, run_uri, tags_of)
 
 STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
 
@@ -63,11 +63,13 @@ def find_or_create(client, uri: str, run_dir: Path, experiment: str, artifact_ro
 
 
 def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None = None,
-             job: dict | None = None) -> dict:
+             job: dict | None = None, artifacts: bool = True) -> dict:
     """Make the mlflow run of `run_dir` hold everything the directory does; returns what was added.
 
     `parent` ({"run_id", "experiment_id"}) links it under a sweep's parent run (a run already under
     another parent keeps it); `job` adds the sweep job's tags (name of swept values, overrides, number).
+    The run is complete (params, tags, every point, its status) before its artifacts are logged; with
+    artifacts=False they are left to sync_run_artifacts (the agent completes every waiting run first).
     """
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
@@ -109,13 +111,42 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         latest[("best/step", step)] = ("best/step", float(step), int(time.time() * 1000), step)
     logged = store.logged_steps(client, run_id, {k for k, _ in latest})
     added["points"] = store.log_points(client, run_id, [p for key, p in latest.items() if key not in logged])
-    added["artifacts"] = sync_artifacts(client, run_id, rundir, found, lines, bool(added["points"]))
     mstatus = mlflow_status(rundir, status)
     if mstatus and client.get_run(run_id).info.status != mstatus:
         end = status.get("ended_at") or status.get("updated") or run_dir.stat().st_mtime
         client.set_terminated(run_id, status=mstatus, end_time=int(end * 1000))
         added["status"] = 1
+    record_run_uri(rundir, run_uri(uri, run.info.experiment_id, run_id))
+    if artifacts:
+        added["artifacts"] = sync_artifacts(client, run_id, rundir, found, lines, bool(added["points"]))
     return {**added, "run_id": run_id, "experiment_id": run.info.experiment_id, "status_now": mstatus}
+
+
+def sync_run_artifacts(client, run_id: str, run_dir: Path, new_points: bool = False) -> int:
+    """The artifacts part of sync_run, for a run whose rest sync_run(artifacts=False) has done."""
+    rundir = RunDir(Path(run_dir).resolve())
+    return sync_artifacts(client, run_id, rundir, manifests(rundir), rundir.read_metrics(), new_points)
+
+
+def record_run_uri(rundir: RunDir, uri: str) -> bool:
+    """run.json names the run's mlflow run (`mlflow_run_uri`): the disk's link to the index, also when the
+    manifests were written before the URI was known (they say null). Written by whoever holds the run's lock
+    (never beside a running job: it rewrites run.json); False, changing nothing, if a job holds it now."""
+    status = rundir.read_status()
+    if not status or status.get("mlflow_run_uri") == uri:
+        return True  # nothing to link (no run.json: never made here), or linked already
+    try:
+        rundir.acquire()
+    except (RunBusyError, OSError):
+        return False
+    try:
+        status = rundir.read_status()  # again, under the lock
+        if status and status.get("mlflow_run_uri") != uri:
+            status.pop("updated", None)
+            rundir.write_status(**{**status, "mlflow_run_uri": uri})
+    finally:
+        rundir.release()
+    return True
 
 
 def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list, new_points: bool) -> int:
@@ -184,12 +215,14 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
     best = best_job(jobs, sweep.get("direction", "minimize"))
     objective = sweep.get("objective", "objective")
     if best is not None:
-        from pipeline.tracking.common import parse_run_uri
-
         tags.update({"best.job": str(best["num"]), "best.params": best.get("name", ""),
                      "best.value": repr(best["objective"])})
-        if parse_run_uri(best.get("run_uri"))[2]:
-            tags["best.run_id"] = parse_run_uri(best["run_uri"])[2]
+        best_id = parse_run_uri(best.get("run_uri"))[2]
+        if best_id is None and best.get("run_dir"):  # its job ended before its run's URI was known
+            found = store.find_run(client, str(Path(best["run_dir"]).resolve()))
+            best_id = found.info.run_id if found is not None else None
+        if best_id:
+            tags["best.run_id"] = best_id
     store.sync_tags(client, run, tags)
     if best is not None and run.data.metrics.get(objective) != best["objective"]:
         store.log_points(client, run.info.run_id, [(objective, float(best["objective"]),

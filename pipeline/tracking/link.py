@@ -3,8 +3,10 @@
 One agent per (user, tracking URI) on a machine: every run, sweep and job that tracks into the same store
 talks to it over a Unix socket whose path is derived from the URI, so `import mlflow` (~3 s) and opening
 the store happen once and stay warm across the jobs and runs of the machine; the agent exits after
-`IDLE_SECONDS` without clients. It runs in its own session: a signal meant for a job (Ctrl-C, SLURM's
-SIGTERM) never reaches it, and it outlives a killed job long enough to end its run.
+`IDLE_SECONDS` without clients (5 minutes: the next run of a working session finds it warm). It runs in
+its own session: a signal meant for a job (Ctrl-C, SLURM's SIGTERM) never reaches it, and it outlives the
+jobs: they hand their runs over and leave, it finishes them. Nobody waits for it to start: a Link is made
+at once and connects (spawning the agent if need be) in its writer thread, queueing what is sent meanwhile.
 
 Messages are JSON lines; a request carries a session id `sid`, the agent answers events for it. This module
 imports nothing heavy: it is on the training process's path.
@@ -27,7 +29,8 @@ import threading
 import time
 from pathlib import Path
 
-IDLE_SECONDS = float(os.environ.get("PIPELINE_TRACKING_AGENT_IDLE", "30"))  # without clients this long, it exits
+# Without clients this long, the agent exits: long enough for the next run of a working session.
+IDLE_SECONDS = float(os.environ.get("PIPELINE_TRACKING_AGENT_IDLE", "300"))
 SPAWN_WAIT = 60.0  # seconds to wait for a new agent to bind its socket (it does so before importing mlflow)
 
 
@@ -45,18 +48,20 @@ def project_pythonpath() -> str:
 
 class Link:
     """A connection to an agent: requests go through a writer thread, events are dispatched by a reader
-    thread to the handler that registered the session (a tracker, or a Request)."""
+    thread to the handler that registered the session (a tracker, or a Request).
 
-    def __init__(self, sock: socket.socket, path: Path):
-        self.sock, self.path = sock, path
-        self.wfile, self.rfile = sock.makefile("wb"), sock.makefile("rb")
+    Made at once: the writer thread finds or starts the agent, then writes what was queued meanwhile, so
+    no caller waits for an agent to start (`drain` waits, bounded, for what was sent to be on its way)."""
+
+    def __init__(self, uri: str, log_file: Path | None):
+        self.uri, self.log_file, self.path = uri, log_file, socket_path(uri)
+        self.sock: socket.socket | None = None
         self.queue: queue.Queue = queue.Queue()
         self.handlers: dict[int, object] = {}
         self.ids = itertools.count(1)
         self.dead: str | None = None
         self.lock = threading.Lock()
-        for target in (self._write, self._read):
-            threading.Thread(target=target, daemon=True, name=f"tracking{target.__name__}").start()
+        threading.Thread(target=self._write, daemon=True, name="tracking_write").start()
 
     def alive(self) -> bool:
         return self.dead is None
@@ -64,7 +69,10 @@ class Link:
     def register(self, handler) -> int:
         with self.lock:
             sid = next(self.ids)
-            self.handlers[sid] = handler
+            if self.dead is None:
+                self.handlers[sid] = handler
+        if self.dead is not None:  # it died before this session began: say so now, not never
+            handler.on_event({"event": "error", "message": self.dead})
         return sid
 
     def send(self, msg: dict | None) -> None:
@@ -76,7 +84,20 @@ class Link:
         self.send({**msg, "sid": self.register(req)})
         return req.event if req.done.wait(timeout) else None
 
+    def drain(self, timeout: float) -> bool:
+        """Wait at most `timeout` s until everything sent so far is written to the agent's socket."""
+        written = threading.Event()
+        self.queue.put(written)
+        return written.wait(max(0.0, timeout))
+
     def _write(self) -> None:
+        try:
+            self.sock = connect_or_spawn(self.path, self.log_file)
+        except OSError as e:
+            self._died(str(e))
+            return
+        threading.Thread(target=self._read, daemon=True, name="tracking_read").start()
+        wfile = self.sock.makefile("wb")
         try:
             while True:
                 batch = [self.queue.get()]
@@ -85,8 +106,11 @@ class Link:
                         batch.append(self.queue.get_nowait())
                     except queue.Empty:
                         break
-                out, closing = [], False
+                out, closing, marks = [], False, []
                 for msg in batch:
+                    if isinstance(msg, threading.Event):
+                        marks.append(msg)
+                        continue
                     if msg is None:
                         closing = True
                         break
@@ -96,8 +120,10 @@ class Link:
                     else:
                         out.append(msg)
                 if out:
-                    self.wfile.write("".join(json.dumps(m, allow_nan=False) + "\n" for m in out).encode())
-                    self.wfile.flush()
+                    wfile.write("".join(json.dumps(m, allow_nan=False) + "\n" for m in out).encode())
+                    wfile.flush()
+                for mark in marks:
+                    mark.set()
                 if closing:
                     self.sock.shutdown(socket.SHUT_WR)
                     return
@@ -106,7 +132,7 @@ class Link:
 
     def _read(self) -> None:
         try:
-            for raw in self.rfile:
+            for raw in self.sock.makefile("rb"):
                 try:
                     event = json.loads(raw)
                 except json.JSONDecodeError:
@@ -174,42 +200,65 @@ _LINKS: dict[str, Link] = {}
 _LINKS_LOCK = threading.Lock()
 
 
-def agent_for(uri: str, log_file: Path | None = None) -> Link:
-    """This process's connection to the machine's agent for `uri`, starting the agent if none runs.
+def connect_or_spawn(path: Path, log_file: Path | None) -> socket.socket:
+    """A connected socket to the agent serving `path`, starting it if none runs.
 
     A lock file beside the socket makes one process spawn while the others wait for its socket.
     Raises OSError if no agent can be reached or started.
     """
-    with _LINKS_LOCK:
-        link = _LINKS.get(uri)
-        if link is not None and link.alive():
-            return link
-        path = socket_path(uri)
+    sock = _connect(path)
+    if sock is not None:
+        return sock
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         sock = _connect(path)
         if sock is None:
-            fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                sock = _connect(path)
-                if sock is None:
-                    try:
-                        os.unlink(path)  # a stale socket of an agent that died
-                    except FileNotFoundError:
-                        pass
-                    proc = spawn(path, log_file)
-                    deadline = time.monotonic() + SPAWN_WAIT
-                    while sock is None and time.monotonic() < deadline:
-                        if proc.poll() is not None:
-                            raise OSError(errno.ECHILD, f"the tracking agent exited at start (code {proc.returncode})"
-                                          + (f"; see {log_file}" if log_file else ""))
-                        time.sleep(0.02)
-                        sock = _connect(path) if path.exists() else None
-                    if sock is None:
-                        raise OSError(errno.ETIMEDOUT, f"the tracking agent did not start within {SPAWN_WAIT:.0f} s")
-            finally:
-                os.close(fd)
-        link = _LINKS[uri] = Link(sock, path)
+                os.unlink(path)  # a stale socket of an agent that died
+            except FileNotFoundError:
+                pass
+            proc = spawn(path, log_file)
+            deadline = time.monotonic() + SPAWN_WAIT
+            while sock is None and time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise OSError(errno.ECHILD, f"the tracking agent exited at start (code {proc.returncode})"
+                                  + (f"; see {log_file}" if log_file else ""))
+                time.sleep(0.01)
+                sock = _connect(path) if path.exists() else None
+            if sock is None:
+                raise OSError(errno.ETIMEDOUT, f"the tracking agent did not start within {SPAWN_WAIT:.0f} s")
+        return sock
+    finally:
+        os.close(fd)
+
+
+def agent_for(uri: str, log_file: Path | None = None) -> Link:
+    """This process's connection to the machine's agent for `uri`, returned at once (the agent is found or
+    started in the background; if it cannot be, every session on the link gets an error event)."""
+    with _LINKS_LOCK:
+        link = _LINKS.get(uri)
+        if link is None or not link.alive():
+            link = _LINKS[uri] = Link(uri, log_file)
         return link
+
+
+def wait_idle(uri: str, timeout: float = 600.0) -> bool:
+    """Wait until the agent for `uri` has nothing left to do (no other client, no run open or finishing):
+    the index is then complete. True at once if no agent runs; never starts one. For tests and benchmarks."""
+    path = socket_path(uri)
+    sock = _connect(path) if path.exists() else None
+    if sock is None:
+        return True
+    try:
+        sock.settimeout(timeout)
+        sock.sendall((json.dumps({"op": "idle", "sid": 1, "uri": uri}) + "\n").encode())
+        line = sock.makefile("rb").readline()
+        return bool(line) and json.loads(line).get("event") == "idle"
+    except (OSError, ValueError):
+        return False
+    finally:
+        sock.close()
 
 
 def recent_errors(log_file: Path | None, n: int = 3) -> str:

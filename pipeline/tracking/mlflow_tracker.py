@@ -6,21 +6,26 @@ by pipeline/tracking/link.py as soon as the job knows its URI (before building t
 metrics in batches while training goes on, and at the end indexes the whole run directory (the same code
 as `pipeline.reindex`). One mlflow run per run directory: a resumed job continues its run.
 
-The job waits for tracking twice, both bounded: for the run's URI at its last checkpoint (so the final
-manifest names its run), and for the final flush (`flush_timeout`); if the agent is still writing then,
-the job says so in one line and the agent finishes on its own (`python -m pipeline.reindex` completes
-anything it could not). A tracking failure (mlflow missing, store unusable, server down) warns once and
-turns tracking off for the rest of the run; training and its manifests go on.
+A job never waits on the index beyond `wait` seconds in all (1 s by default, whatever the load): for the
+run's URI at its last checkpoint (a manifest written before the URI is known says null; run.json and the
+run's `run_dir` tag link the two once the agent has the run), and for its last messages to be on their way
+at its end. It then hands over and leaves: the agent indexes the run directory after the job has gone, and
+records the run's URI in run.json (`python -m pipeline.reindex` completes anything it could not). A
+tracking failure (mlflow missing, store unusable, server down) warns once and turns tracking off for the
+rest of the run; training and its manifests go on.
 """
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from pipeline.tracking.base import Tracker
-from pipeline.tracking.common import CURRENT_JOB, artifact_location_uri, normalize_tracking_uri, params_of, tags_of
+from pipeline.tracking.common import (CURRENT_JOB, artifact_location_uri, normalize_tracking_uri, params_of,
+                                      store_problem, tags_of)
 
 log = logging.getLogger("pipeline")
 
@@ -35,20 +40,29 @@ class MlflowTracker(Tracker):
     """conf/tracking/mlflow.yaml (sqlite under the output directory) and conf/tracking/server.yaml (http)."""
 
     def __init__(self, uri: str, experiment: str = "default", artifact_location: str | None = None,
-                 flush_timeout: float = 20.0, uri_timeout: float = 120.0, **_):
+                 wait: float = 1.0, **_):
         self.uri = normalize_tracking_uri(uri)
         self.experiment = str(experiment)
         local = not self.uri.startswith(("http://", "https://", "databricks"))
         self.artifact_location = artifact_location_uri(artifact_location) if artifact_location and local else None
-        self.flush_timeout, self.uri_timeout = float(flush_timeout), float(uri_timeout)
+        self.wait = float(wait)
+        self.waited = 0.0  # seconds this job has waited on tracking so far (never more than self.wait)
         self.sid: int | None = None
         self.link = None
-        self.ready, self.done = threading.Event(), threading.Event()
+        self.ready, self.done, self.warm = threading.Event(), threading.Event(), threading.Event()
         self._uri: str | None = None
         self.failed = self.finished = False
         self._warned = threading.Lock()
         self.job = CURRENT_JOB.get("job")
         self.parent = CURRENT_JOB.get("parent")
+
+    def _wait_for(self, event: threading.Event, timeout: float) -> bool:
+        """event.wait, within what is left of the job's bound on waiting for tracking."""
+        t0 = time.monotonic()
+        try:
+            return event.wait(max(0.0, min(timeout, self.wait - self.waited)))
+        finally:
+            self.waited += time.monotonic() - t0
 
     @property
     def active(self) -> bool:
@@ -59,11 +73,17 @@ class MlflowTracker(Tracker):
         if CURRENT_JOB.get("disabled"):
             self.failed = True  # the sweep said why, once
             return
+        t0 = time.monotonic()
+        problem = store_problem(self.uri, timeout=self.wait / 2)
+        self.waited += time.monotonic() - t0
+        if problem:
+            self._fail(problem)
+            return
         try:
             from pipeline.tracking.link import agent_for
 
             self.link = agent_for(self.uri, agent_log(self.uri))
-            self.link.send({"op": "ping", "sid": self.link.register(_Ignore()), "uri": self.uri,
+            self.link.send({"op": "ping", "sid": self.link.register(_Pong(self.warm)), "uri": self.uri,
                             "artifact_location": self.artifact_location})
         except OSError as e:
             self._fail(f"no tracking agent: {e}")
@@ -84,20 +104,25 @@ class MlflowTracker(Tracker):
                         "previous_run_uri": previous_run_uri, "start_time": start_time, "parent": self.parent})
 
     def attach(self, run_dir: Path) -> str | None:
-        """A sweep job whose run was complete before it started: index it under the sweep, and wait for it."""
+        """A sweep job whose run was complete before it started: have it indexed under the sweep; its URI
+        if the agent answers within the job's bound on waiting (else the agent goes on after the job)."""
         if self.failed or self.parent is None:
             return None
         if self.link is None:
             self.prepare()
             if self.failed:
                 return None
-        answer = self.link.request({"op": "attach", "uri": self.uri, "artifact_location": self.artifact_location,
-                                    "run_dir": str(Path(run_dir).resolve()), "parent": self.parent, "job": self.job},
-                                   self.uri_timeout)
-        if not answer or answer.get("event") != "finished":
-            self._fail((answer or {}).get("message", f"no answer within {self.uri_timeout:.0f} s"))
-            return None
-        return answer.get("uri")
+        from pipeline.tracking.link import Request
+
+        req = Request()
+        self.link.send({"op": "attach", "sid": self.link.register(req), "uri": self.uri,
+                        "artifact_location": self.artifact_location, "run_dir": str(Path(run_dir).resolve()),
+                        "parent": self.parent, "job": self.job})
+        self._wait_for(req.done, self.wait)
+        self.link.drain(self.wait - self.waited)
+        if req.event and req.event.get("event") == "error":
+            self._fail(req.event.get("message", "unknown error"))
+        return (req.event or {}).get("uri")
 
     def on_event(self, event: dict) -> None:
         kind = event.get("event")
@@ -125,10 +150,12 @@ class MlflowTracker(Tracker):
         self.done.set()
 
     def run_uri(self, timeout: float) -> str | None:
+        """The run's URI; waits (at most half the job's bound, the rest is for its hand-over) only if the agent
+        already has the store open: a cold agent is seconds away from it, and the manifest says null."""
         if self.sid is None or self.failed:
             return None
-        if self._uri is None and timeout > 0:
-            self.ready.wait(min(timeout, self.uri_timeout))
+        if self._uri is None and timeout > 0 and self.warm.is_set():
+            self._wait_for(self.ready, min(timeout, self.wait / 2 - self.waited))
         return None if self.failed else self._uri
 
     def log_line(self, line: dict) -> None:
@@ -145,18 +172,28 @@ class MlflowTracker(Tracker):
         self.link.send({"op": "checkpoint", "sid": self.sid, "step": int(manifest["step"]), "manifest": text})
 
     def finish(self, status: str, run_dir: Path) -> None:
-        """Index the run directory as it now is (status from run.json), waiting at most flush_timeout."""
+        """Hand the run over and leave: the agent indexes the run directory (status from run.json) once this
+        job has gone. Waits only for the last messages to be on their way, within the job's bound."""
         if not self.active:
             return
         self.link.send({"op": "finish", "sid": self.sid, "run_dir": str(Path(run_dir).resolve()),
-                        "parent": self.parent, "job": self.job})
+                        "parent": self.parent, "job": self.job, "pid": os.getpid()})
         self.finished = True
-        if not self.done.wait(self.flush_timeout):
-            log.warning("mlflow: run %s is still being written (its last metric points and artifacts); the "
-                        "tracking agent finishes it after this job exits, and `python -m pipeline.reindex` "
-                        "completes it if it cannot", self._uri or "(not created yet)")
+        t0 = time.monotonic()
+        sent = self.link.drain(self.wait - self.waited)
+        self.waited += time.monotonic() - t0
+        log.info("mlflow: this job waited %.3f s on tracking in all (bound %.1f s); the tracking agent finishes "
+                 "run %s after it exits%s", self.waited, self.wait, self._uri or "(not created yet)",
+                 "" if sent else " (its last messages were not sent in time: `python -m pipeline.reindex` "
+                 "completes the run)")
 
 
-class _Ignore:
+class _Pong:
+    """The agent has the store open: a run's URI is moments away, not seconds (worth waiting for)."""
+
+    def __init__(self, warm: threading.Event):
+        self.warm = warm
+
     def on_event(self, event: dict) -> None:
-        pass
+        if event.get("event") == "pong":
+            self.warm.set()

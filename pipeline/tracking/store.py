@@ -9,6 +9,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
+import sqlite3
 import tempfile
 import time
 from contextlib import contextmanager
@@ -52,10 +54,62 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
 
 
+def template_db() -> Path | None:
+    """One migrated, empty sqlite store per mlflow version and machine user, made once with mlflow's own API
+    under a lock, in $XDG_CACHE_HOME/pipeline (~/.cache/pipeline): a fresh output directory gets a copy of it
+    instead of running the schema migrations (2-4 s). It holds no experiment: the copy's first open makes
+    its Default experiment, keeping artifacts where that store's caller says. None if it cannot be made."""
+    import mlflow
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pipeline"
+    path = base / f"mlflow-{mlflow.__version__}-empty.db"
+    if path.is_file():
+        return path
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        fd = os.open(base / f"{path.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if not path.is_file():
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.unlink(missing_ok=True)
+                made = SqlAlchemyStore(f"sqlite:///{tmp}", (base / "no-artifacts").as_uri())
+                made.engine.dispose()
+                con = sqlite3.connect(tmp)
+                try:
+                    with con:
+                        con.execute("DELETE FROM experiments")  # the Default one: each copy makes its own
+                finally:
+                    con.close()
+                os.replace(tmp, path)  # whole or absent
+        finally:
+            os.close(fd)
+        return path
+    except Exception:  # noqa: BLE001 - no template: the store is migrated in place, as without one
+        logging.getLogger("pipeline").debug("no migrated mlflow store template in %s", base, exc_info=True)
+        return None
+
+
+def _copy_template(db: Path) -> None:
+    """Put a copy of the template at `db` (under the store's lock), never over an existing file."""
+    template = template_db()
+    if template is None:
+        return
+    tmp = db.with_name(f".{db.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copyfile(template, tmp)
+        os.link(tmp, db)  # fails if db exists: never over an existing DB
+    except OSError:
+        pass  # it exists after all, or no hard links here: mlflow creates and migrates it in place
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
-    """A client whose store is open; a new sqlite store is created and migrated here, once, under the lock
-    (its Default experiment keeping artifacts under `artifact_root`, not the working directory).
-    Raises StoreError (one line) if the store cannot be opened."""
+    """A client whose store is open; a new sqlite store is made here, once, under the lock: a copy of the
+    migrated template (else created and migrated in place), its Default experiment keeping artifacts under
+    `artifact_root`, not the working directory. Raises StoreError (one line) if the store cannot be opened."""
     db = sqlite_path(uri)
     try:
         if db is None:
@@ -65,8 +119,11 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
         from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore  # the slow import, outside the lock
 
         db.parent.mkdir(parents=True, exist_ok=True)
+        if not db.exists():
+            template_db()  # made (once per machine) outside this store's lock
         with _init_lock(db):
             if not db.exists():
+                _copy_template(db)
                 root = artifact_location_uri(artifact_root) if artifact_root else None
                 SqlAlchemyStore(uri, root or artifact_location_uri(str(db.parent / "mlartifacts")))
             client = MlflowClient(tracking_uri=uri)

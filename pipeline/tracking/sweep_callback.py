@@ -15,7 +15,7 @@ Configured under `hydra.callbacks` in conf/config.yaml; nothing happens in a sin
 - on_multirun_end, or the entry point when the sweeper raised: sweep.json gets the outcome and the parent
   is completed from the sweep directory (pipeline/tracking/index.py, as `reindex` would): status (KILLED if
   interrupted, FAILED if a job failed), which jobs failed and why, the best child, multirun.yaml and the
-  sweeper's results as artifacts.
+  sweeper's results as artifacts. Neither end waits for mlflow: the agent does this after the launcher exits.
 """
 from __future__ import annotations
 
@@ -33,12 +33,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeline import jsonio
 from pipeline.atomic import ensure_dirs, replace_file
 from pipeline.signals import EXIT_PREEMPTED, SIGNALS_STATE
-from pipeline.tracking.common import CURRENT_JOB, is_machine_key, is_mlflow_tracking, normalize_tracking_uri, tag_value
+from pipeline.tracking.common import (CURRENT_JOB, is_machine_key, is_mlflow_tracking, normalize_tracking_uri,
+                                      store_problem, tag_value)
 
 log = logging.getLogger("pipeline")
 SWEEP_DIR_ENV = "PIPELINE_SWEEP_DIR"  # read by conf/config.yaml's hydra.sweep.dir, in the launcher and every job
-START_TIMEOUT = 180.0
-END_TIMEOUT = 120.0
+END_WAIT = 1.0  # seconds the launcher waits for its last messages to the tracking agent to be on their way
 ACTIVE: "MlflowSweepCallback | None" = None  # the launching process's sweep, for the entry point to finish
 _PARENT_REQUEST = None  # the launcher's pending parent_start (not an attribute: jobs get a pickled copy)
 
@@ -143,13 +143,13 @@ class MlflowSweepCallback(Callback):
                 "mlflow.source.name": "pipeline -m", "git_sha": str(git.get("git_sha"))}
         if git.get("git_sha") not in (None, "unknown"):
             tags["mlflow.source.git.commit"] = git["git_sha"]
-        try:
-            link = agent_for(s["uri"], agent_log(s["uri"]))
-        except OSError as e:
-            self.disabled = str(e)
+        problem = store_problem(s["uri"], timeout=END_WAIT / 2)
+        if problem:
+            self.disabled = problem
             log.warning("mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their manifests; "
-                        "index them later with `python -m pipeline.reindex`.", s["uri"], self.disabled)
+                        "index them later with `python -m pipeline.reindex`.", s["uri"], problem)
             return
+        link = agent_for(s["uri"], agent_log(s["uri"]))  # at once: the agent starts beside the jobs
         _PARENT_REQUEST = Request()
         link.send({"op": "parent_start", "sid": link.register(_PARENT_REQUEST), "uri": s["uri"],
                    "experiment": s["experiment"], "artifact_location": s.get("artifact_location"),
@@ -157,17 +157,17 @@ class MlflowSweepCallback(Callback):
                    "params": {k: tag_value(v)[:6000] for k, v in s["swept"].items()}})
         self.parent = {"sweep_id": s["id"]}
 
-    def _parent_answer(self) -> dict | None:
-        """The parent run's coordinates once the agent made it, or None (having warned once why not)."""
-        answer = _PARENT_REQUEST.event if _PARENT_REQUEST is not None and _PARENT_REQUEST.done.wait(START_TIMEOUT) \
-            else None
-        if not answer or answer.get("event") != "ready":
-            why = (answer or {}).get("message", f"no answer within {START_TIMEOUT:.0f} s")
+    def _say_parent(self) -> None:
+        """The parent run's URI if the agent has answered by now; a warning if it failed (never a wait)."""
+        answer = _PARENT_REQUEST.event if _PARENT_REQUEST is not None else None
+        if answer is None:
+            log.info("mlflow: the tracking agent completes the sweep's parent run after this process exits")
+        elif answer.get("event") == "ready":
+            log.info("mlflow: sweep parent run %s%s", answer["uri"], " (continued)" if answer.get("reused") else "")
+        else:
             log.warning("mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
-                        "index them with `python -m pipeline.reindex`.", self.sweep["uri"], why)
-            return None
-        log.info("mlflow: sweep parent run %s%s", answer["uri"], " (continued)" if answer.get("reused") else "")
-        return answer
+                        "index them with `python -m pipeline.reindex`.", self.sweep["uri"],
+                        answer.get("message", "unknown error"))
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         self.end(None)
@@ -185,18 +185,16 @@ class MlflowSweepCallback(Callback):
         status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
         self.sweep.update(status=status, ended_at=time.time(), error=error)
         replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
-        if self.parent is not None and self._parent_answer() is not None:
-            from pipeline.tracking.link import agent_for
+        if self.parent is not None:
+            # Handed over, not waited for: the agent completes the parent from the sweep directory (it names
+            # the parent by the sweep's id, as the jobs do); `python -m pipeline.reindex` if it cannot.
+            from pipeline.tracking.link import Request, agent_for
 
-            try:
-                answer = agent_for(self.sweep["uri"]).request(
-                    {"op": "sweep_end", "uri": self.sweep["uri"], "sweep_dir": str(directory), "parent": self.parent},
-                    END_TIMEOUT)
-            except OSError as e:
-                answer = {"message": str(e)}
-            if not answer or answer.get("event") != "finished":
-                log.warning("mlflow: could not complete the sweep's parent run %s (%s); `python -m pipeline.reindex` "
-                            "completes it", self.parent["run_id"], (answer or {}).get("message", "no answer"))
+            link = agent_for(self.sweep["uri"])
+            link.send({"op": "sweep_end", "sid": link.register(Request()), "uri": self.sweep["uri"],
+                       "sweep_dir": str(directory), "parent": self.parent})
+            link.drain(END_WAIT)
+            self._say_parent()
         self.ended, self.summary = True, {"status": status, "failed": failed, "jobs": jobs}
         return self.summary
 

@@ -83,8 +83,12 @@ def resumed_past(out: Path, times: int) -> bool:
 
 
 def the_family(out: Path):
-    """(parent, children) of the one sweep in `out`'s sqlite store."""
+    """(parent, children) of the one sweep in `out`'s sqlite store, once the tracking agent has completed it."""
     from mlflow import MlflowClient
+
+    from pipeline.tracking.link import wait_idle
+
+    assert wait_idle(f"sqlite:///{out}/mlflow.db")
 
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()], max_results=100)

@@ -102,6 +102,9 @@ def resumed(tmp_path_factory, pipeline_runner):
     run_dir = next((out / "runs").iterdir())
     first_manifests = manifests(run_dir)
     second = pipeline_runner(args, cwd=cwd)
+    from pipeline.tracking.link import wait_idle
+
+    assert wait_idle(f"sqlite:///{out}/mlflow.db")  # the agent completes the index after the job has gone
     return SimpleNamespace(out=out, run_dir=run_dir, first_rc=proc.returncode, first_err=first_out + first_err,
                            first_manifests=first_manifests, second=second)
 
@@ -175,12 +178,13 @@ def test_artifacts_manifests_final_weights_and_curves(tracked):
     assert str(root).startswith(str(tracked.out / "mlartifacts" / "kernodeck"))
 
 
-def test_manifests_name_the_run_and_the_resumed_job_continued_it(tracked):
+def test_manifests_and_run_json_name_the_run_and_the_resumed_job_continued_it(tracked):
+    """A manifest saved before its job knew the run's URI says null (the job does not wait for a cold agent);
+    every other names the one run, the resumed job's included, and run.json names it once the agent has."""
     rid = tracked.run.info.run_id
-    preempted = tracked.first_manifests[max(tracked.first_manifests)]
-    assert parse_run_uri(preempted["mlflow_run_uri"])[2] == rid  # the preemption save waited for the URI
-    final = manifests(tracked.run_dir)[STEPS]
-    base, experiment_id, run_id = parse_run_uri(final["mlflow_run_uri"])
+    named = [m["mlflow_run_uri"] for m in [*tracked.first_manifests.values(), *manifests(tracked.run_dir).values()]]
+    assert {parse_run_uri(u)[2] for u in named if u is not None} <= {rid}
+    base, experiment_id, run_id = parse_run_uri(json.loads((tracked.run_dir / "run.json").read_text())["mlflow_run_uri"])
     assert (base, experiment_id, run_id) == (f"sqlite:///{tracked.out}/mlflow.db", tracked.run.info.experiment_id, rid)
 
 

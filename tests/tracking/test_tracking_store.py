@@ -10,6 +10,7 @@ import pytest
 
 from conftest import KERNODECK, env_for_subprocess, run_pipeline, the_run
 from pipeline.rundir import RunDir
+from pipeline.tracking.link import wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +36,7 @@ def test_independent_runs_and_sweeps_started_together_on_a_fresh_db(tmp_path, re
     procs = [subprocess.Popen(c, cwd=tmp_path / "cwd", env=env_for_subprocess(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for c in commands]
     logs = [p.communicate()[0] for p in procs]
+    assert wait_idle(f"sqlite:///{out}/mlflow.db")  # the agent completes the index after the jobs
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
         for bad in ("mlflow tracking (", "Traceback", "already exists", "duplicate column", "OperationalError"):
@@ -77,6 +79,7 @@ def test_a_fresh_store_keeps_every_artifact_under_the_output_directory(tmp_path)
     """mlflow's own Default experiment pointed at <cwd>/mlruns; reindex into another sqlite URI too."""
     out = tmp_path / "out"
     assert run_pipeline([*KERNODECK[:1], f"paths.output_dir={out}"], tmp_path / "cwd").returncode == 0
+    assert wait_idle(f"sqlite:///{out}/mlflow.db")
     from mlflow import MlflowClient
 
     for uri in (f"sqlite:///{out}/mlflow.db", f"sqlite:///{tmp_path}/elsewhere/index.db"):

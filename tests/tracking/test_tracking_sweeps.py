@@ -20,13 +20,22 @@ from conftest import KERNODECK, Proc, env_for_subprocess, run_pipeline, wait_unt
 from pipeline.rundir import RunDir
 from pipeline.signals import descendants
 from pipeline.tracking.common import parse_run_uri
+from pipeline.tracking.link import wait_idle
 
 pytestmark = pytest.mark.slow
 
 
+def settle(uri: str) -> None:
+    """The command has returned; the tracking agent completes the index after it: wait for that."""
+    assert wait_idle(uri), f"the tracking agent for {uri} went away before the index was complete"
+
+
 def sweep(out: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return run_pipeline(["-m", *KERNODECK[:1], f"paths.output_dir={out}", "trainer.progress_bar=false", *overrides],
+    proc = run_pipeline(["-m", *KERNODECK[:1], f"paths.output_dir={out}", "trainer.progress_bar=false", *overrides],
                         out.parent / "cwd")
+    uri = next((o.split("=", 1)[1] for o in overrides if o.startswith("tracking.uri=")), f"sqlite:///{out}/mlflow.db")
+    settle(uri)
+    return proc
 
 
 def family(uri: str):
@@ -57,7 +66,9 @@ def check_finished_child(client, child, out: Path, steps: int = 10):
     run_dir = Path(child.data.tags["run_dir"])
     assert run_dir.parent == (out / "runs").resolve()
     final = json.loads((RunDir(run_dir).store.link_dir("final") / "manifest.json").read_text())
-    assert parse_run_uri(final["mlflow_run_uri"])[2] == child.info.run_id
+    # the final manifest names the run if its URI was known by then; run.json names it in any case
+    assert parse_run_uri(final["mlflow_run_uri"])[2] in (None, child.info.run_id)
+    assert parse_run_uri(RunDir(run_dir).read_status()["mlflow_run_uri"])[2] == child.info.run_id
     assert len(client.get_metric_history(child.info.run_id, "train/loss")) == len(RunDir(run_dir).read_metrics()) == steps
 
 
@@ -161,6 +172,7 @@ def test_an_interrupted_joblib_sweep_stops_every_job_and_the_same_command_finish
     workers = descendants(launcher.p.pid)
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait() == 75, launcher.stderr[-4000:]
+    settle(f"sqlite:///{out}/mlflow.db")
     assert "the sweep was interrupted" in launcher.stderr and "Traceback" not in launcher.stderr
     for pid in workers:  # no process left behind
         wait_until(lambda: not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
@@ -171,6 +183,7 @@ def test_an_interrupted_joblib_sweep_stops_every_job_and_the_same_command_finish
     assert {c.info.status for c in children} <= {"KILLED", "FINISHED"}
     finished = run_pipeline(args, tmp_path / "cwd")
     assert finished.returncode == 0, finished.stderr[-4000:]
+    settle(f"sqlite:///{out}/mlflow.db")
     client, parent2, children = check_family(f"sqlite:///{out}/mlflow.db", 4)
     assert parent2.info.run_id == parent.info.run_id
     for child in children:
@@ -235,6 +248,7 @@ def test_mlflow_tracking_uri_from_the_environment_wins(tmp_path, mlflow_server):
     proc = subprocess.run([sys.executable, "-m", "pipeline", *KERNODECK[:1], f"paths.output_dir={out}"],
                           cwd=tmp_path / "cwd", env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    settle(mlflow_server)
     assert f"mlflow: tracking into {mlflow_server} (experiment from-env)" in proc.stdout
     assert not (out / "mlflow.db").exists()
     from mlflow import MlflowClient
@@ -272,6 +286,7 @@ def test_reindex_of_a_deleted_db_reproduces_the_live_index(tmp_path):
     out = tmp_path / "out"
     assert sweep(out, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "optimizer.lr=0.01,0.03").returncode == 0
     assert run_pipeline([*KERNODECK[:1], f"paths.output_dir={out}", "model.hidden=[4]"], tmp_path / "cwd").returncode == 0
+    settle(f"sqlite:///{out}/mlflow.db")
 
     def index(uri):
         client, parents, children = family(uri)
