@@ -6,6 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
+import os
+
 import pytest
 
 from conftest import KERNODECK, run_job, the_run
@@ -208,3 +210,27 @@ def test_auto_resume_falls_back_past_a_checkpoint_whose_state_does_not_fit(tmp_p
     (newest / "manifest.json").write_text(json.dumps(m))
     assert run_job(*KERNODECK, *LONG, f"paths.output_dir={out}")[0] == 0
     assert kept(the_run(out)) == kept(the_run(ref))
+
+
+def test_a_lock_held_for_milliseconds_waits_a_held_one_is_busy(tmp_path, monkeypatch):
+    """The tracking agent links run.json under the run's lock for milliseconds: a job arriving then waits for
+    it (rundir.LOCK_GRACE) instead of calling the directory busy; a lock held longer is busy, in one line."""
+    import fcntl
+    import threading
+
+    from pipeline import rundir as rd
+
+    first = RunDir(tmp_path / "run")
+    first.acquire()  # creates the directory and the lock file
+    first.release()
+    other = os.open(tmp_path / "run" / ".lock", os.O_RDWR)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open file description: another holder
+    threading.Timer(0.3, lambda: fcntl.flock(other, fcntl.LOCK_UN)).start()
+    mine = RunDir(tmp_path / "run")
+    mine.acquire()  # waited for the short holder
+    mine.release()
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    monkeypatch.setattr(rd, "LOCK_GRACE", 0.2)
+    with pytest.raises(rd.RunBusyError, match="in use by another process"):
+        RunDir(tmp_path / "run").acquire()
+    os.close(other)
