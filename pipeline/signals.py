@@ -3,8 +3,10 @@
 Until a run holds its directory, nothing durable is being written (the corpus is published by rename), so a
 signal stops the process at once: `Interrupted` unwinds to the entry point, which prints one line. While a
 run holds its directory (`deferring()`), a signal only sets a flag: the current update finishes, a
-checkpoint is written, and the process exits EXIT_PREEMPTED; a second signal changes nothing (the save in
-progress completes). In the process that launched a sweep (`sweeping()`), a signal is passed on to the
+checkpoint is written, and the process exits EXIT_PREEMPTED. A second signal changes nothing, at any moment:
+the first one makes every later one ignored by the kernel (SIG_IGN), so neither a Python handler running in
+the exit path nor the default action Python restores while it shuts down (which would end the process with
+-15) ever sees it. In the process that launched a sweep (`sweeping()`), a signal is passed on to the
 processes running its jobs (joblib's workers, submitit's local jobs, the steps of its SLURM jobs), each of
 which checkpoints and stops (a SLURM job stopped so does not requeue itself), and the jobs not started yet
 refuse to start: the sweep ends, and the identical command continues it.
@@ -80,12 +82,12 @@ class Signals:
         self.installed = True
 
     def _handler(self, signum, frame) -> None:
-        first = self.received is None
-        self.received = signum if first else self.received
+        if self.received is not None:
+            return  # already stopping (a signal that came before ignore_more took effect)
+        self.received = signum
+        self.ignore_more()
         if self.mode == RAISE:
             raise Interrupted(signum)
-        if not first:
-            return
         name = signal.Signals(signum).name
         if self.mode == DEFER:
             log.warning("received %s: finishing this update, then checkpointing", name)
@@ -105,6 +107,32 @@ class Signals:
             from pipeline.slurm import signal_jobs
 
             threading.Thread(target=signal_jobs, args=(self.slurm_jobs, signum), daemon=True).start()
+
+    def ignore_more(self) -> None:
+        """From now on the kernel drops these signals: the process is on its way out with its exit code.
+        (SIG_IGN, unlike a Python handler, is not reset to the default action at interpreter shutdown.)"""
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                signal.signal(s, signal.SIG_IGN)
+
+    def rearm(self) -> None:
+        """A new job in a process whose earlier job was stopped (a reused sweep worker): signals count again."""
+        self.received = None
+        if self.installed and threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                signal.signal(s, self._handler)
+
+    @contextlib.contextmanager
+    def atomic(self):
+        """A step that must finish once begun, in a process that otherwise stops at once (RAISE): a signal
+        waits for its end and is raised there."""
+        previous, self.mode = self.mode, DEFER if self.mode == RAISE else self.mode
+        try:
+            yield self
+        finally:
+            self.mode = previous
+        if self.received is not None and previous == RAISE:
+            raise Interrupted(self.received)
 
     @contextlib.contextmanager
     def deferring(self):
