@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -169,3 +170,26 @@ class Signals:
 
 
 SIGNALS_STATE = Signals()  # one per process: the entry point installs it before importing anything heavy
+
+
+def tool_exit(name: str, main, interrupted: str = "nothing was written") -> None:
+    """The `__main__` of every tool (sample, evaluate, inspect, export_hf, reindex, verify, roundtrip): exit
+    with what main() returns; SIGINT, SIGTERM, SIGUSR1/2 end it with one line `<name>: interrupted by SIGINT;
+    <interrupted>` and EXIT_PREEMPTED, never a KeyboardInterrupt traceback nor a negative code."""
+    SIGNALS_STATE.install()
+    try:
+        code = main()
+    except Interrupted as e:
+        code = _interrupted(name, e.args[0], interrupted)
+    except Exception:
+        if SIGNALS_STATE.received is None:
+            raise
+        code = _interrupted(name, SIGNALS_STATE.name, interrupted)  # a library made another error of it
+    finally:
+        SIGNALS_STATE.ignore_more()  # the code is decided: a later signal changes nothing
+    sys.exit(code)
+
+
+def _interrupted(name: str, signame: str, what: str) -> int:
+    print(f"{name}: interrupted by {signame}; {what}", file=sys.stderr)
+    return EXIT_PREEMPTED
