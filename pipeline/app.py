@@ -159,8 +159,13 @@ def _job(config: dict, overrides: list[str], config_yaml: str) -> float:
         with SIGNALS_STATE.deferring():
             try:
                 if not rundir.read_only:
-                    rundir.claim()
-                    rundir.write_hydra(config_yaml, overrides)
+                    try:
+                        rundir.claim()
+                        rundir.write_hydra(config_yaml, overrides)
+                    except OSError:
+                        if created:
+                            rundir.forget()
+                        raise
                     file_handler = _log_file(rundir, held)
                 code = run.execute()
             except (CheckpointError, UnsafePathError) as e:
@@ -168,9 +173,10 @@ def _job(config: dict, overrides: list[str], config_yaml: str) -> float:
             except NonFiniteError as e:
                 fail(EXIT_ERROR, e)
             except OSError as e:
-                said = rundir.read_status().get("status") == "failed"
-                _environment(e, f"; run.json says failed, and the run continues from its last checkpoint"
-                             if said else "")
+                said = "; run.json says failed" if rundir.read_status().get("status") == "failed" else ""
+                kept = rundir.store.steps()
+                _environment(e, said + (f"; the run continues from its checkpoint of step {kept[-1][0]}" if kept
+                                        else ""))
                 raise
             CURRENT_JOB["run_uri"] = job.facts.get("mlflow_run_uri")
             if code:

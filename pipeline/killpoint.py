@@ -25,12 +25,12 @@ _pace = float(os.environ.get("PIPELINE_CHAOS_PACE") or 0)
 def point(phase: str, where: str) -> None:
     if _target is None and _trace is None and not _pace:
         return
-    if _pace and phase in ("train", "setup"):
-        time.sleep(_pace)
     _hits[phase] += 1
     if _trace is not None:
         with open(_trace, "a") as f:
             f.write(f"{phase} {_hits[phase]} {where}\n")
+    if _pace and phase in ("train", "setup"):
+        time.sleep(_pace)  # after the trace: a test sees where the process is waiting
     if phase == _phase and _hits[phase] == _target:
         for sig in _send:
             os.kill(os.getpid(), sig)

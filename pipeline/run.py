@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipeline import budget, identity, jsonio, killpoint
-from pipeline.atomic import environment_error
+from pipeline.atomic import environment_error, named
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.retention import AnyOf, LatestN
@@ -194,7 +194,10 @@ class Run:
         fields = mf.build(self.job.facts, step=self.state.step, epoch=self.state.epoch, metrics=metrics,
                           tags=tags, lineage=self.lineage)
         started = budget.monotonic()
-        ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
+        try:
+            ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
+        except OSError as e:
+            raise named(e, self.store.root)  # a write inside the temporary checkpoint: name the store
         self.store.retain(self.keep, self.links, upto=self.state.step)
         self.budget.saved(budget.monotonic() - started)
         tracker.log_checkpoint(ckpt.directory, ckpt.manifest)

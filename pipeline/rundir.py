@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from pipeline import jsonio
-from pipeline.atomic import UnsafePathError, ensure_dirs, open_append, refuse_link, replace_file
+from pipeline.atomic import UnsafePathError, ensure_dirs, named, open_append, refuse_link, replace_file
 from pipeline.checkpoint.store import CheckpointStore
 
 MAX_RUN_JSON = 16 << 20
@@ -94,8 +94,11 @@ class RunDir:
 
     def claim(self) -> None:
         """Write this process's pid into the lock: it is running here now (after its set-up was accepted)."""
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:
+            raise named(e, self.lock_path)
 
     def forget(self) -> None:
         """Release, and remove the directory if this process created it and it holds nothing but the lock
