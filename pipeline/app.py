@@ -1,6 +1,7 @@
 """One job from a plain config: build it, hold its run directory, run its stages, exit with what happened.
 
-Exit codes: 0 done (or already complete); 1 an error in the job (a non-finite loss, a bug); 2 bad input (a
+Exit codes: 0 done (or already complete); 1 an error in the job (a non-finite loss, a bug) or of the machine
+(a full disk, a read-only or forbidden place: one line naming the path, run.json saying failed); 2 bad input (a
 value out of range, groups that do not fit, a busy run directory, a refused drift, an unusable checkpoint,
 a planted symlink) -- one line on stderr, and nothing on disk changed; 75 preempted or interrupted: the
 identical command continues.
