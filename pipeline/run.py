@@ -265,13 +265,13 @@ class Run:
             for s in self.job.stages:
                 if hasattr(s, "run"):
                     s.run(self)
+            self.write_status("complete")
         except Preempted as stop:
             self.write_status("preempted", preempted_by=str(stop))
             log.warning("preempted by %s at step %d; re-run the same command to resume (exit %d)", stop,
                         self.state.step, EXIT_PREEMPTED)
             tracker.finish("KILLED", self.rundir.path)
             return EXIT_PREEMPTED
-            self.write_status("complete")
         except NonFiniteError as e:
             self._failed(str(e))
             raise

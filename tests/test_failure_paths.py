@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import KERNODECK, Proc, env_for_subprocess, refused_in_one_line, run_pipeline, the_run, wait_until
+from pipeline.rundir import RunDir
 from pipeline.verify.chaos import final_state, invalid_visible_checkpoints
 
 PACED = ("trainer.max_steps=60", "checkpoint=every_n_steps", "checkpoint.every_steps=10")
@@ -98,6 +99,7 @@ def _same_as_reference(out: Path, args: tuple, reference) -> None:
     proc = run_pipeline([*KERNODECK, *args, f"paths.output_dir={out}"], out.parent)
     assert proc.returncode == 0, proc.stderr
     got, want = final_state(out), reference(args)
+    assert RunDir(the_run(out)).read_status()["status"] == "complete"
     for key in ("weights", "optim", "metrics", "step"):
         assert got[key] == want[key], key
 
