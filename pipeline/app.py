@@ -13,10 +13,9 @@ import logging.handlers
 import math
 import sys
 import time
-
-from pipeline import budget
 from pathlib import Path
 
+from pipeline import budget
 from pipeline.atomic import NewDirs, UnsafePathError, environment_error
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.job import build

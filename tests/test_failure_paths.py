@@ -334,3 +334,24 @@ def test_run_json_in_place_when_the_disk_is_too_full_for_a_temporary(tmp_path):
     record = json.loads(rundir.status_path.read_text())
     assert record["status"] == "failed" and record["step"] == 4 and record["error"].startswith("cannot write")
     assert rundir.read_status() == record
+
+
+@pytest.mark.slow
+def test_sample_interrupted_by_ctrl_c_is_one_line_exit_75(tmp_path):
+    from conftest import TINY
+
+    out = tmp_path / "out"
+    assert run_pipeline([*TINY, f"paths.output_dir={out}"], tmp_path).returncode == 0
+    final = the_run(out) / "checkpoints" / "final"
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.sample", str(final), "max_new_tokens=100000",
+                          f"paths.output_dir={out}"], env=env_for_subprocess(), cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: _handles_sigterm(p.pid), "the handlers")
+        time.sleep(1.0)  # into the checkpoint's load or the generation
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    assert p.returncode == 75, err
+    assert _one_line(err) == "pipeline.sample: interrupted by SIGINT; nothing was written"
