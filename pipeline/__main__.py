@@ -111,9 +111,9 @@ def _exit_for(summary: dict) -> None:
 if __name__ == "__main__":
     try:
         main()
-        SIGNALS_STATE.ignore_more()  # done: a signal while the interpreter shuts down changes nothing
+        SIGNALS_STATE.finish()  # done: a signal while the interpreter shuts down changes nothing
     except SystemExit:
-        SIGNALS_STATE.ignore_more()  # the exit code is decided
+        SIGNALS_STATE.finish()  # the exit code is decided
         raise
     except Interrupted as e:
         print(f"pipeline: interrupted by {e} before the run started; nothing was changed; re-run the same "
@@ -122,4 +122,5 @@ if __name__ == "__main__":
 
         if (slurm := requeue_self()) is not None:  # a SLURM job warned while starting runs again
             print(f"pipeline: {slurm[1]}", file=sys.stderr)
+        SIGNALS_STATE.finish()
         sys.exit(EXIT_PREEMPTED)

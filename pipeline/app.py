@@ -82,7 +82,7 @@ def main(config: dict, overrides: list[str], config_yaml: str, multirun: bool = 
             if SIGNALS_STATE.sweep_interrupted(sweep_dir):
                 fail(EXIT_PREEMPTED, "the sweep was interrupted before this job started; re-run the same command")
             if SIGNALS_STATE.mode != SWEEP:
-                SIGNALS_STATE.rearm()  # a worker's earlier job was stopped; this one starts afresh
+                SIGNALS_STATE.received = None  # a worker's earlier job was stopped; this one starts afresh
         return _main(config, overrides, config_yaml)
     except JobFailed:
         return math.nan  # the sweep goes on; its end says which jobs failed and why

@@ -4,9 +4,9 @@ Until a run holds its directory, nothing durable is being written (the corpus is
 signal stops the process at once: `Interrupted` unwinds to the entry point, which prints one line. While a
 run holds its directory (`deferring()`), a signal only sets a flag: the current update finishes, a
 checkpoint is written, and the process exits EXIT_PREEMPTED. A second signal changes nothing, at any moment:
-the first one makes every later one ignored by the kernel (SIG_IGN), so neither a Python handler running in
-the exit path nor the default action Python restores while it shuts down (which would end the process with
--15) ever sees it. In the process that launched a sweep (`sweeping()`), a signal is passed on to the
+the handler only records the first; and once the exit code is decided (`finish()`, at every entry point's
+end) the kernel ignores them (SIG_IGN), so the default action Python restores while it shuts down (which
+ended the process with -15) never applies. (Not a blocked mask: another thread would still take the signal.) In the process that launched a sweep (`sweeping()`), a signal is passed on to the
 processes running its jobs (joblib's workers, submitit's local jobs, the steps of its SLURM jobs), each of
 which checkpoints and stops (a SLURM job stopped so does not requeue itself), and the jobs not started yet
 refuse to start: the sweep ends, and the identical command continues it.
@@ -27,7 +27,7 @@ EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75  # every entry point's exi
 MARKER = "interrupted"  # a stopped sweep's file in its directory: its jobs check it before they start
 # USR1 is what `--signal=USR1@N` sends before a SLURM time limit, USR2 what submitit asks SLURM for.
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-RAISE, DEFER, SWEEP = "raise", "defer", "sweep"
+RAISE, DEFER, SWEEP, DONE = "raise", "defer", "sweep", "done"
 
 
 class Interrupted(BaseException):
@@ -83,10 +83,9 @@ class Signals:
         self.installed = True
 
     def _handler(self, signum, frame) -> None:
-        if self.received is not None:
-            return  # already stopping (a signal that came before ignore_more took effect)
+        if self.received is not None or self.mode == DONE:
+            return  # already stopping, or the exit code is decided: a later signal changes nothing
         self.received = signum
-        self.ignore_more()
         if self.mode == RAISE:
             raise Interrupted(signum)
         name = signal.Signals(signum).name
@@ -109,19 +108,21 @@ class Signals:
 
             threading.Thread(target=signal_jobs, args=(self.slurm_jobs, signum), daemon=True).start()
 
-    def ignore_more(self) -> None:
-        """From now on the kernel drops these signals: the process is on its way out with its exit code.
-        (SIG_IGN, unlike a Python handler, is not reset to the default action at interpreter shutdown.)"""
-        if threading.current_thread() is threading.main_thread():
-            for s in SIGNALS:
-                signal.signal(s, signal.SIG_IGN)
+    def finish(self) -> None:
+        """The exit code is decided: from now on the kernel ignores these signals, so the default action
+        Python restores at shutdown cannot end the process with -15. Called last by the entry points."""
+        self.mode = DONE
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = sys.unraisablehook
 
-    def rearm(self) -> None:
-        """A new job in a process whose earlier job was stopped (a reused sweep worker): signals count again."""
-        self.received = None
-        if self.installed and threading.current_thread() is threading.main_thread():
-            for s in SIGNALS:
-                signal.signal(s, self._handler)
+        def hook(unraisable):  # a signal caught just before SIG_IGN took over: nothing to say about it
+            if not (isinstance(unraisable.exc_value, OSError) and "race condition" in str(unraisable.exc_value)):
+                previous(unraisable)
+
+        sys.unraisablehook = hook
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
 
     @contextlib.contextmanager
     def atomic(self):
@@ -186,7 +187,7 @@ def tool_exit(name: str, main, interrupted: str = "nothing was written") -> None
             raise
         code = _interrupted(name, SIGNALS_STATE.name, interrupted)  # a library made another error of it
     finally:
-        SIGNALS_STATE.ignore_more()  # the code is decided: a later signal changes nothing
+        SIGNALS_STATE.finish()  # the code is decided: a later signal changes nothing
     sys.exit(code)
 
 
