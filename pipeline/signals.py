@@ -1,12 +1,14 @@
 """SIGTERM, SIGINT and SIGUSR1, from the first instruction of a job to its last: never a traceback.
 
-Until a run holds its directory, nothing durable is being written (the corpus is published by rename), so a
-signal stops the process at once: `Interrupted` unwinds to the entry point, which prints one line. While a
-run holds its directory (`deferring()`), a signal only sets a flag: the current update finishes, a
-checkpoint is written, and the process exits EXIT_PREEMPTED. A second signal changes nothing, at any moment:
-the handler only records the first; and once the exit code is decided (`finish()`, at every entry point's
-end) the kernel ignores them (SIG_IGN), so the default action Python restores while it shuts down (which
-ended the process with -15) never applies. (Not a blocked mask: another thread would still take the signal.) In the process that launched a sweep (`sweeping()`), a signal is passed on to the
+Until a run has set itself up (loaded what it resumes from), nothing durable is being written (the corpus
+is published by rename; a resume's supersede() is `atomic()`), so a signal stops the process at once:
+`Interrupted` unwinds to the entry point, which prints one line. While a run trains (`deferring()`), a
+signal only sets a flag: the current update finishes, a checkpoint is written, and the process exits
+EXIT_PREEMPTED. A second signal changes nothing, at any moment: the handler only records the first; and once
+the exit code is decided (`finish()`, at every entry point's end) the kernel ignores them (SIG_IGN), so the
+default action Python restores while it shuts down (which ended the process with -15) never applies. (Not a
+blocked mask: another thread would still take the signal.) In the process that launched a sweep
+(`sweeping()`), a signal is passed on to the
 processes running its jobs (joblib's workers, submitit's local jobs, the steps of its SLURM jobs), each of
 which checkpoints and stops (a SLURM job stopped so does not requeue itself), and the jobs not started yet
 refuse to start: the sweep ends, and the identical command continues it.
