@@ -5,7 +5,7 @@ SIGNALS_STATE.install()  # first: from here to the last instruction a signal nev
 
 import sys  # noqa: E402
 
-from pipeline.signals import EXIT_BAD_INPUT, EXIT_PREEMPTED, Interrupted  # noqa: E402
+from pipeline.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, Interrupted  # noqa: E402
 
 
 
@@ -88,6 +88,15 @@ def main() -> None:
         if SIGNALS_STATE.interrupted_start():
             # the handler's exception, raised inside a library (composing, building), came out as another one
             raise Interrupted(SIGNALS_STATE.received) from e
+        from pipeline.atomic import environment_error
+
+        if (message := environment_error(e)) is not None:  # a full or read-only disk, outside any one job
+            try:
+                _sweep_end(message)  # a sweep's sweep.json says failed, if the disk lets it
+            except OSError:
+                pass
+            print(f"pipeline: {message}", file=sys.stderr)
+            sys.exit(EXIT_ERROR)
         if started and _sweep_end(f"{type(e).__name__}: {e}"):
             raise  # an error inside a job: its traceback, exit 1
         if started or not report_own:
@@ -121,6 +130,10 @@ def _exit_for(summary: dict) -> None:
 if __name__ == "__main__":
     try:
         main()
+        SIGNALS_STATE.finish()  # done: a signal while the interpreter shuts down changes nothing
+    except SystemExit:
+        SIGNALS_STATE.finish()  # the exit code is decided
+        raise
     except Interrupted as e:
         print(f"pipeline: interrupted by {e} before the run started; nothing was changed; re-run the same "
               f"command (exit {EXIT_PREEMPTED})", file=sys.stderr)
@@ -128,4 +141,5 @@ if __name__ == "__main__":
 
         if (slurm := requeue_self()) is not None:  # a SLURM job warned while starting runs again
             print(f"pipeline: {slurm[1]}", file=sys.stderr)
+        SIGNALS_STATE.finish()
         sys.exit(EXIT_PREEMPTED)

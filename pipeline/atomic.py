@@ -17,11 +17,31 @@ import uuid
 from pathlib import Path
 
 TMP_PREFIX = ".tmp-"
+# Failures of the machine, not of the job: one line naming the path, and what to do (exit EXIT_ERROR).
+_FULL = "free space there (or set paths.output_dir elsewhere), then re-run the same command"
+_LOCKED = "make it writable (or set paths.output_dir elsewhere), then re-run the same command"
+ENVIRONMENT = {errno.ENOSPC: _FULL, errno.EDQUOT: _FULL, errno.EFBIG: _FULL, errno.EROFS: _LOCKED,
+               errno.EACCES: _LOCKED, errno.EPERM: _LOCKED, errno.EIO: "check the device, then re-run the same command"}
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class UnsafePathError(OSError):
     """Something other than what we would have created sits where we write (a symlink, a directory...)."""
+
+
+def environment_error(e: BaseException) -> str | None:
+    """One line for an OSError of the machine (a full disk, a read-only or forbidden place), else None."""
+    if not isinstance(e, OSError) or isinstance(e, UnsafePathError) or e.errno not in ENVIRONMENT:
+        return None
+    where = f" {e.filename}" if e.filename else ""
+    return (f"cannot write{where}: {os.strerror(e.errno)} ({errno.errorcode[e.errno]}); {ENVIRONMENT[e.errno]}")
+
+
+def named(e: OSError, path) -> OSError:
+    """`e` naming `path` (os.write and fsync raise without a file name)."""
+    if e.filename is None:
+        e.filename = str(path)
+    return e
 
 
 def fsync_dir(path: Path) -> None:
@@ -53,6 +73,8 @@ def write_new(path: Path, data: bytes, fsync: bool = True, mode: int = 0o644) ->
             view = view[os.write(fd, view):]
         if fsync:
             os.fsync(fd)
+    except OSError as e:
+        raise named(e, path)
     finally:
         os.close(fd)
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -79,6 +101,11 @@ def replace_file(path: Path, data: bytes, fsync: bool = True, mode: int = 0o644)
     try:
         entry = write_new(tmp, data, fsync, mode)
         os.replace(tmp, path)
+    except OSError as e:
+        _unlink_quietly(tmp)
+        if e.filename == str(tmp):
+            e.filename = str(path)  # the file the user knows, not its temporary
+        raise
     except BaseException:
         _unlink_quietly(tmp)
         raise
@@ -91,7 +118,9 @@ def open_append(path: Path, mode: int = 0o644):
     """A text file opened for appending, created if missing; a symlink at `path` is refused, not followed."""
     refuse_link(path)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    return os.fdopen(fd, "a", encoding="utf-8")
+    file = os.fdopen(fd, "a", encoding="utf-8")
+    file.buffer.raw.name = str(path)  # not the fd's number: a failed write names the file
+    return file
 
 
 def ensure_dirs(root: Path, *parts: str) -> Path:
@@ -180,3 +209,36 @@ def _unlink_quietly(path: Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+class NewDirs:
+    """The directories among `paths` (and their missing parents) that do not exist yet; prune() removes the
+    ones that then exist and hold nothing but empty directories, deepest first, so a command that ends
+    without a result leaves no empty tree behind and never touches one that was there before. (A process
+    creating a run in the same new directory at that very moment finds it non-empty, or sees ENOENT.)"""
+
+    def __init__(self, *paths):
+        self.missing: list[Path] = []
+        for p in paths:
+            p = Path(os.path.abspath(p))
+            while not os.path.lexists(p) and p not in self.missing and p != p.parent:
+                self.missing.append(p)
+                p = p.parent
+
+    def prune(self) -> None:
+        for p in sorted(self.missing, key=lambda q: len(q.parts), reverse=True):
+            if _empty_tree(p):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _empty_tree(path: Path) -> bool:
+    """A real directory holding only (real) directories that hold nothing else, however deep."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        for root, dirs, files in os.walk(path, followlinks=False):
+            if files or any(os.path.islink(os.path.join(root, d)) for d in dirs):
+                return False
+    except OSError:
+        return False
+    return True

@@ -193,4 +193,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pipeline.signals import tool_exit
+
+    tool_exit("pipeline.export_hf", main, "OUT_DIR may hold part of the export (each file whole); re-run the same command")

@@ -112,4 +112,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.signals import tool_exit
+
+    tool_exit("reindex", main, "the index may be partly updated; re-run the same command (it adds nothing twice)")

@@ -377,4 +377,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.signals import tool_exit
+
+    tool_exit("roundtrip", main, "no results were written; re-run the same command")

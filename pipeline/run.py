@@ -7,6 +7,7 @@ exactly what some stage's policy (or the newest-checkpoint pin) keeps, and point
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import math
@@ -14,7 +15,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline import budget, identity, jsonio
+from pipeline import budget, identity, jsonio, killpoint
+from pipeline.atomic import environment_error, named
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.retention import AnyOf, LatestN
@@ -59,6 +61,8 @@ class Run:
         self.complete = False
         self.resumed: Checkpoint | None = None
         self.allowed: dict = {}
+        self.metrics_kept: list[dict] | None = None  # what metrics.jsonl is cut to, written once the run claims
+        self.superseded: Path | None = None  # where an earlier history went (resume.source), if it moved
         self.history: dict = {"started": started or time.time(), "resumes": []}  # run.json: first start, resumes
         self.keep = AnyOf(tuple(p for s in job.stages if (p := s.policy()) is not None) + (LatestN(1),))
         self.links = {s.link: s.link_policy() for s in job.stages if s.link}
@@ -68,7 +72,7 @@ class Run:
 
     def start_fresh(self) -> None:
         if self.rundir.metrics_path.exists():
-            self.rundir.keep_metrics([])  # lines a killed earlier attempt logged before its first checkpoint
+            self.metrics_kept = []  # lines a killed earlier attempt logged before its first checkpoint
         self.lineage = lineage_of(self.job.semantic_hash, None)
         log.info("starting a new run in %s", self.rundir.path)
         if CURRENT_JOB.get("job") is None:  # in a sweep, the siblings differ on purpose
@@ -96,7 +100,8 @@ class Run:
         self._restore(src, allow)  # refusals first: nothing on disk has changed yet
         history = _source_metrics(source)
         if self.store.steps() or self.rundir.metrics_path.exists() or self.rundir.status_path.exists():
-            where = self.rundir.supersede()
+            with self.signals.atomic():  # the one durable change of a set-up: whole, then a signal may stop it
+                where = self.superseded = self.rundir.supersede()
             log.warning("this run directory held another run history; moved it to %s (nothing deleted) to "
                         "continue from %s", where, source)
         self._resumed(src, lineage, history)
@@ -136,7 +141,7 @@ class Run:
             if not self.complete:
                 self.history["resumes"].append({"step": ckpt.step, "time": time.time()})
         if not self.complete:
-            self.rundir.keep_metrics([ln for ln in history if ln["step"] <= ckpt.step])
+            self.metrics_kept = [ln for ln in history if ln["step"] <= ckpt.step]
             log.info("resuming from step %d of %d (epoch %d): %s", ckpt.step, self.state.total_steps,
                      self.state.epoch, ckpt.directory)
 
@@ -189,7 +194,10 @@ class Run:
         fields = mf.build(self.job.facts, step=self.state.step, epoch=self.state.epoch, metrics=metrics,
                           tags=tags, lineage=self.lineage)
         started = budget.monotonic()
-        ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
+        try:
+            ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
+        except OSError as e:
+            raise named(e, self.store.root)  # a write inside the temporary checkpoint: name the store
         self.store.retain(self.keep, self.links, upto=self.state.step)
         self.budget.saved(budget.monotonic() - started)
         tracker.log_checkpoint(ckpt.directory, ckpt.manifest)
@@ -199,13 +207,33 @@ class Run:
     def write_status(self, status: str, **extra) -> None:
         if status != "running":
             extra["ended_at"] = time.time()
-        self.rundir.write_status(status=status, step=self.state.step, total_steps=self.state.total_steps,
-                                 epoch=self.state.epoch, metrics=self.state.metrics,
-                                 ended=self.state.progress.ended, config_hash=self.job.facts["config_hash"],
-                                 data_manifest_hash=self.job.facts["data_manifest_hash"], **self.history, **extra)
+        fields = dict(status=status, step=self.state.step, total_steps=self.state.total_steps,
+                      epoch=self.state.epoch, metrics=self.state.metrics, ended=self.state.progress.ended,
+                      config_hash=self.job.facts["config_hash"],
+                      data_manifest_hash=self.job.facts["data_manifest_hash"], **self.history, **extra)
+        try:
+            self.rundir.write_status(**fields)
+        except OSError as e:
+            # Too full for the atomic replace's temporary: an ending still must not leave `running` behind.
+            if status == "running" or e.errno not in (errno.ENOSPC, errno.EDQUOT) \
+                    or not self.rundir.status_path.exists():
+                raise
+            self.rundir.write_status_in_place(**fields)
+
+    def _failed(self, error: str) -> None:
+        """run.json says failed and why, and the tracked run too; the error in hand stays the one reported."""
+        try:
+            self.write_status("failed", error=error[:2000])
+        except OSError as e:
+            log.warning("could not record the failure in %s: %s", self.rundir.status_path, e)
+        self.job.tracker.finish("FAILED", self.rundir.path)
 
     def setup(self) -> None:
-        """Every stage's set-up (the resume stage restores or starts); a fresh run if none decided."""
+        """Every stage's set-up (the resume stage restores or starts); a fresh run if none decided.
+
+        It runs while a signal still stops the process at once (a long load is interruptible), so it writes
+        nothing durable (execute() does, after the run claimed its directory) except supersede(), whole."""
+        killpoint.point("setup", "start")
         for s in self.job.stages:
             s.setup(self)
         if self.lineage is None:
@@ -216,14 +244,17 @@ class Run:
         if self.complete:
             # A process killed between its last save and its last word: finish what it left (links, pruning,
             # status); idempotent, so a complete run is left exactly as it was.
-            self.store.retain(self.keep, self.links, upto=self.state.step)
-            if self.rundir.read_status().get("status") != "complete":
-                self.write_status("complete")
+            if not self.rundir.read_only:  # on a read-only medium it is confirmed as it is
+                self.store.retain(self.keep, self.links, upto=self.state.step)
+                if self.rundir.read_status().get("status") != "complete":
+                    self.write_status("complete")
             self.job.tracker.attach(self.rundir.path)  # a sweep job: its run shows in the sweep
             print(f"run {self.rundir.path} is complete at step {self.state.step}: "
                   + " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
             return 0
         tracker = self.job.tracker
+        if self.metrics_kept is not None:
+            self.rundir.keep_metrics(self.metrics_kept)
         self.write_status("running")
         tracker.start(config=self.job.config, facts=self.job.facts, run_dir=self.rundir.path,
                       previous_run_uri=(self.resumed.manifest.get("mlflow_run_uri") if self.resumed else None),
@@ -234,6 +265,7 @@ class Run:
             for s in self.job.stages:
                 if hasattr(s, "run"):
                     s.run(self)
+            self.write_status("complete")
         except Preempted as stop:
             self.write_status("preempted", preempted_by=str(stop))
             log.warning("preempted by %s at step %d; re-run the same command to resume (exit %d)", stop,
@@ -241,14 +273,11 @@ class Run:
             tracker.finish("KILLED", self.rundir.path)
             return EXIT_PREEMPTED
         except NonFiniteError as e:
-            self.write_status("failed", error=str(e))
-            tracker.finish("FAILED", self.rundir.path)
+            self._failed(str(e))
             raise
         except BaseException as e:
-            self.write_status("failed", error=f"{type(e).__name__}: {e}"[:2000])
-            tracker.finish("FAILED", self.rundir.path)
+            self._failed(environment_error(e) or f"{type(e).__name__}: {e}")
             raise
-        self.write_status("complete")
         log.info("done at step %d (%s) after %.1f s in this process: %s", self.state.step,
                  self.state.progress.ended, budget.process_age(), " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
         tracker.finish("FINISHED", self.rundir.path)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from pipeline import jsonio
-from pipeline.atomic import UnsafePathError, ensure_dirs, open_append, refuse_link, replace_file
+from pipeline.atomic import UnsafePathError, ensure_dirs, named, open_append, refuse_link, replace_file
 from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.store import CheckpointStore
 
@@ -56,11 +56,14 @@ class RunDir:
         self.hydra_dir = self.path / ".hydra"
         self.store = CheckpointStore(self.path / "checkpoints")
         self._fd: int | None = None
+        self.read_only = False  # on a read-only medium: a complete run may be confirmed, nothing written
 
     # --- the lock
     def acquire(self) -> None:
         """Create the directory if needed and take its lock; RunBusyError (changing nothing) if it is held,
         UnsafePathError if anything the run writes is a link planted to make it write elsewhere."""
+        if self._read_only_medium():
+            return self._acquire_shared()
         ensure_dirs(self.path.parent, self.path.name)
         refuse_link(self.lock_path)
         for path, kind in ((self.status_path, "file"), (self.metrics_path, "file"), (self.log_path, "file"),
@@ -80,10 +83,37 @@ class RunDir:
                                "wait for it to finish or stop it first") from None
         self._fd = fd
 
+    def _read_only_medium(self) -> bool:
+        """The run directory exists where nothing can be written (a read-only mount, an archive)."""
+        try:
+            return os.path.isdir(self.path) and os.statvfs(self.path).f_flag & os.ST_RDONLY != 0
+        except OSError:
+            return False
+
+    def _acquire_shared(self) -> None:
+        """A read-only medium: no lock file is created; an existing one is held shared (a reader beside any
+        other reader, refused while a writer still holds it elsewhere)."""
+        refuse_link(self.lock_path)
+        self.read_only = True
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunBusyError(f"run directory {self.path} is in use by another process; wait for it to finish "
+                               "or stop it first") from None
+        self._fd = fd
+
     def claim(self) -> None:
         """Write this process's pid into the lock: it is running here now (after its set-up was accepted)."""
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:
+            raise named(e, self.lock_path)
 
     def forget(self) -> None:
         """Release, and remove the directory if this process created it and it holds nothing but the lock
@@ -142,6 +172,29 @@ class RunDir:
 
     def write_status(self, **fields) -> None:
         replace_file(self.status_path, jsonio.dumps({**fields, "updated": time.time()}))
+
+    def write_status_in_place(self, **fields) -> None:
+        """run.json rewritten inside its own bytes: the last resort when the disk is too full for the
+        temporary an atomic replace needs (write_status), so a run that fails for want of space still says
+        so rather than `running`. Overwriting blocks the file already owns needs no new space; the record is
+        shortened to fit and padded with spaces (valid JSON). The price is the atomicity: a reader at that
+        very moment, or a crash in the middle, sees a torn file, which every reader treats as no run.json
+        (read_status: {}), and the checkpoints, not run.json, are what a resume trusts."""
+        fd = os.open(self.status_path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            room = os.fstat(fd).st_size
+            record = {**fields, "updated": time.time()}
+            data = jsonio.dumps(record)
+            if len(data) > room:  # the fields that matter most, the reason cut to fit
+                record = {k: record[k] for k in ("status", "step", "error", "updated") if k in record}
+                record["error"] = str(record.get("error", ""))[:max(0, room - 160)]
+                data = jsonio.dumps(record)
+            if len(data) > room:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.status_path))
+            os.pwrite(fd, data + b" " * (room - len(data)), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     # --- metrics.jsonl
     def read_metrics(self) -> list[dict]:

@@ -7,7 +7,8 @@ after `<eos>` when the vocabulary has one. Each new token is drawn from softmax(
 top_k most likely tokens (0: all) of the last block_size tokens; temperature=0 takes the most likely one.
 The draws come from this command's own numpy Generator seeded with `seed`: the same seed, the same text.
 `data.path=FILE` (a moved text file) and `paths.output_dir=DIR` (the corpus cache) find the training data.
-Exit 0; 2 with one line for a checkpoint that does not verify or a bad argument.
+Exit 0; 2 with one line for a checkpoint that does not verify or a bad argument (max_new_tokens above
+100,000 included, refused before any work); 75 with one line if interrupted (SIGINT, SIGTERM).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import numpy as np
 from pipeline.signals import EXIT_BAD_INPUT
 
 EOS = "<eos>"
+# One forward pass per token: 100,000 is already minutes of text; more is a typo, refused before any work.
+MAX_NEW_TOKENS = 100_000
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ def parse_options(args: list[str]) -> tuple[Options, list[str]]:
     for key, ok in checks.items():
         if not ok:
             raise ConfigError(f"{key}={getattr(options, key)!r}: must be >= 0")
+    if options.max_new_tokens > MAX_NEW_TOKENS:
+        raise ConfigError(f"max_new_tokens={options.max_new_tokens}: at most {MAX_NEW_TOKENS:,} (one forward pass "
+                          "per token); sample in several calls for more")
     return options, overrides
 
 
@@ -142,4 +148,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.signals import tool_exit
+
+    tool_exit("pipeline.sample", main)

@@ -1,10 +1,14 @@
 """SIGTERM, SIGINT and SIGUSR1, from the first instruction of a job to its last: never a traceback.
 
-Until a run holds its directory, nothing durable is being written (the corpus is published by rename), so a
-signal stops the process at once: `Interrupted` unwinds to the entry point, which prints one line. While a
-run holds its directory (`deferring()`), a signal only sets a flag: the current update finishes, a
-checkpoint is written, and the process exits EXIT_PREEMPTED; a second signal changes nothing (the save in
-progress completes). In the process that launched a sweep (`sweeping()`), a signal is passed on to the
+Until a run has set itself up (loaded what it resumes from), nothing durable is being written (the corpus
+is published by rename; a resume's supersede() is `atomic()`), so a signal stops the process at once:
+`Interrupted` unwinds to the entry point, which prints one line. While a run trains (`deferring()`), a
+signal only sets a flag: the current update finishes, a checkpoint is written, and the process exits
+EXIT_PREEMPTED. A second signal changes nothing, at any moment: the handler only records the first; and once
+the exit code is decided (`finish()`, at every entry point's end) the kernel ignores them (SIG_IGN), so the
+default action Python restores while it shuts down (which ended the process with -15) never applies. (Not a
+blocked mask: another thread would still take the signal.) In the process that launched a sweep
+(`sweeping()`), a signal is passed on to the
 processes running its jobs (joblib's workers, submitit's local jobs, the steps of its SLURM jobs), each of
 which checkpoints and stops (a SLURM job stopped so does not requeue itself), and the jobs not started yet
 refuse to start: the sweep ends, and the identical command continues it.
@@ -16,6 +20,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -24,7 +29,7 @@ EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75  # every entry point's exi
 MARKER = "interrupted"  # a stopped sweep's file in its directory: its jobs check it before they start
 # USR1 is what `--signal=USR1@N` sends before a SLURM time limit, USR2 what submitit asks SLURM for.
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-RAISE, DEFER, SWEEP = "raise", "defer", "sweep"
+RAISE, DEFER, SWEEP, DONE = "raise", "defer", "sweep", "done"
 
 
 class Interrupted(BaseException):
@@ -80,12 +85,11 @@ class Signals:
         self.installed = True
 
     def _handler(self, signum, frame) -> None:
-        first = self.received is None
-        self.received = signum if first else self.received
+        if self.received is not None or self.mode == DONE:
+            return  # already stopping, or the exit code is decided: a later signal changes nothing
+        self.received = signum
         if self.mode == RAISE:
             raise Interrupted(signum)
-        if not first:
-            return
         name = signal.Signals(signum).name
         if self.mode == DEFER:
             log.warning("received %s: finishing this update, then checkpointing", name)
@@ -105,6 +109,34 @@ class Signals:
             from pipeline.slurm import signal_jobs
 
             threading.Thread(target=signal_jobs, args=(self.slurm_jobs, signum), daemon=True).start()
+
+    def finish(self) -> None:
+        """The exit code is decided: from now on the kernel ignores these signals, so the default action
+        Python restores at shutdown cannot end the process with -15. Called last by the entry points."""
+        self.mode = DONE
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = sys.unraisablehook
+
+        def hook(unraisable):  # a signal caught just before SIG_IGN took over: nothing to say about it
+            if not (isinstance(unraisable.exc_value, OSError) and "race condition" in str(unraisable.exc_value)):
+                previous(unraisable)
+
+        sys.unraisablehook = hook
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+    @contextlib.contextmanager
+    def atomic(self):
+        """A step that must finish once begun, in a process that otherwise stops at once (RAISE): a signal
+        waits for its end and is raised there."""
+        previous, self.mode = self.mode, DEFER if self.mode == RAISE else self.mode
+        try:
+            yield self
+        finally:
+            self.mode = previous
+        if self.received is not None and previous == RAISE:
+            raise Interrupted(self.received)
 
     @contextlib.contextmanager
     def deferring(self):
@@ -141,3 +173,26 @@ class Signals:
 
 
 SIGNALS_STATE = Signals()  # one per process: the entry point installs it before importing anything heavy
+
+
+def tool_exit(name: str, main, interrupted: str = "nothing was written") -> None:
+    """The `__main__` of every tool (sample, evaluate, inspect, export_hf, reindex, verify, roundtrip): exit
+    with what main() returns; SIGINT, SIGTERM, SIGUSR1/2 end it with one line `<name>: interrupted by SIGINT;
+    <interrupted>` and EXIT_PREEMPTED, never a KeyboardInterrupt traceback nor a negative code."""
+    SIGNALS_STATE.install()
+    try:
+        code = main()
+    except Interrupted as e:
+        code = _interrupted(name, e.args[0], interrupted)
+    except Exception:
+        if SIGNALS_STATE.received is None:
+            raise
+        code = _interrupted(name, SIGNALS_STATE.name, interrupted)  # a library made another error of it
+    finally:
+        SIGNALS_STATE.finish()  # the code is decided: a later signal changes nothing
+    sys.exit(code)
+
+
+def _interrupted(name: str, signame: str, what: str) -> int:
+    print(f"{name}: interrupted by {signame}; {what}", file=sys.stderr)
+    return EXIT_PREEMPTED

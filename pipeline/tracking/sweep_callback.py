@@ -31,8 +31,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline import jsonio
-from pipeline.atomic import ensure_dirs, replace_file
-from pipeline.signals import EXIT_PREEMPTED, SIGNALS_STATE
+from pipeline.atomic import ensure_dirs, environment_error, replace_file
+from pipeline.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, SIGNALS_STATE
 from pipeline.tracking.common import (CURRENT_JOB, is_machine_key, is_mlflow_tracking, normalize_tracking_uri,
                                       store_problem, tag_value)
 
@@ -41,6 +41,7 @@ SWEEP_DIR_ENV = "PIPELINE_SWEEP_DIR"  # read by conf/config.yaml's hydra.sweep.d
 END_WAIT = 1.0  # seconds the launcher waits for its last messages to the tracking agent to be on their way
 ACTIVE: "MlflowSweepCallback | None" = None  # the launching process's sweep, for the entry point to finish
 _PARENT_REQUEST = None  # the launcher's pending parent_start (not an attribute: jobs get a pickled copy)
+MAX_JOBS = 10_000  # a sweep's bound, counted before the sweeper expands its overrides (README, Sweeps)
 
 
 def _plain(node, resolve: bool = True):
@@ -62,6 +63,36 @@ def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, s
             out[o.get_key_element().lstrip("+~")] = o.input_line.split("=", 1)[1]
     out.update({str(k): str(v) for k, v in (sweeper_params or {}).items()})
     return out
+
+
+def _stop(code: int, message: str) -> None:
+    """End the launching process in one line: Hydra turns a callback's exception into a warning and goes on,
+    but lets SystemExit through."""
+    import sys
+
+    print(f"pipeline: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def job_count(task_overrides: list[str], sweeper: dict) -> int:
+    """How many jobs a sweep asks for, without expanding it: a sweeper's n_trials (Optuna), else the product
+    of the sweep overrides' lengths (a glob of a group's options counts as one: a group has few)."""
+    import math as m
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
+
+    if isinstance(sweeper.get("n_trials"), int):
+        return sweeper["n_trials"]
+    params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
+    n = 1
+    for o in OverridesParser.create().parse_overrides([*task_overrides, *params]):
+        value = o.value() if o.is_sweep_override() else None
+        if isinstance(value, ChoiceSweep):
+            n *= len(value.list)
+        elif isinstance(value, RangeSweep) and value.step:
+            n *= max(0, m.ceil((value.stop - value.start) / value.step))
+    return n
 
 
 def job_name(overrides: list[str], keys) -> str:
@@ -91,12 +122,23 @@ class MlflowSweepCallback(Callback):
 
     # --- the launching process
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        global ACTIVE
         hydra = config.hydra
         task = [str(o) for o in hydra.overrides.task]
         sweeper = _plain(hydra.sweeper, resolve=False) or {}
         identity = {"name": str(config.get("name", "")), "overrides": sorted(o for o in task if not is_machine_key(
             o.split("=", 1)[0].lstrip("+~"))), "sweeper": {k: v for k, v in sweeper.items() if k != "storage"}}
+        if (count := job_count(task, sweeper)) > MAX_JOBS:  # before anything is written or expanded
+            _stop(EXIT_BAD_INPUT, f"this sweep asks for {count:,} jobs: at most {MAX_JOBS:,} in one multirun "
+                                  "(split it, or sample it with a sweeper such as Optuna and its n_trials)")
+        try:
+            self._start(config, hydra, task, sweeper, identity)
+        except OSError as e:
+            if (message := environment_error(e)) is None:
+                raise
+            _stop(EXIT_ERROR, message)
+
+    def _start(self, config: DictConfig, hydra, task: list[str], sweeper: dict, identity: dict) -> None:
+        global ACTIVE
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
         output_dir = Path(str(config.paths.output_dir))
         directory = ensure_dirs(output_dir, "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")

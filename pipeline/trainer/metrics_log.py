@@ -1,6 +1,7 @@
-"""metrics.jsonl: one JSON object per logged step, appended and flushed as the run goes."""
+"""metrics.jsonl: one JSON object per logged step, appended and flushed as the run goes; pipeline.log's handler."""
 from __future__ import annotations
 
+import logging
 import time
 
 from pipeline import jsonio
@@ -35,12 +36,46 @@ class MetricsLog:
         if not is_logged(record, self.log_every, state.total_steps):
             return
         line = log_line(record)
-        self.file.write(jsonio.dumps_line(line) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(jsonio.dumps_line(line) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: the run fails naming the file (a torn last line is dropped on resume)
+            if e.filename is None:
+                e.filename = self.file.name
+            raise
         for sink in self.sinks:
             sink(line)
 
     def close(self) -> None:
         if self.file is not None:
-            self.file.close()
-            self.file = None
+            file, self.file = self.file, None
+            try:
+                file.close()
+            except OSError:
+                pass  # the write that failed already raised, naming the file; a close must not replace it
+
+
+class QuietFileHandler(logging.StreamHandler):
+    """pipeline.log. A failing stream (a full disk) is recorded in `error` and never written again: no
+    `--- Logging error ---` block, no traceback. The log is a record, not the run's state, so the run goes on;
+    whatever stops it (the next checkpoint or metrics line on the same full disk) says why in one line."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.error: BaseException | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.error is None:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        import sys
+
+        self.error = sys.exc_info()[1]
+
+    def close(self) -> None:
+        try:
+            self.stream.close()
+        except OSError:
+            pass
+        super().close()

@@ -41,4 +41,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.signals import tool_exit
+
+    tool_exit("pipeline.verify", main, "the verification did not finish; re-run the same command")
