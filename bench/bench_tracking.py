@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import sqlite3
 import statistics
 import subprocess
@@ -38,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 IDLE = "2"  # seconds an idle agent lingers here
 sys.path.insert(0, str(ROOT))
+from bench_step import BusyLoops  # noqa: E402  the busy loops of bench_step.py --contend
 
 
 def env() -> dict:
@@ -118,28 +118,6 @@ def lag(out: Path, before: set[Path], limit: float = 300.0) -> float:
             sys.exit(f"the index of {out} was not complete {limit:.0f} s after its command returned")
         time.sleep(0.02)
     return time.perf_counter() - t0
-
-
-class BusyLoops:
-    """K busy-looping processes, paused (SIGSTOP) or running (SIGCONT) on demand."""
-
-    def __init__(self, k: int):
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
-        self.pause()
-
-    def pause(self) -> None:
-        for p in self.procs:
-            p.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        for p in self.procs:
-            p.send_signal(signal.SIGCONT)
-        time.sleep(0.05)
-
-    def close(self) -> None:
-        for p in self.procs:
-            p.kill()
-            p.wait()
 
 
 def fmt(v: list[float]) -> str:
