@@ -367,8 +367,11 @@ def restore_all(root: Path, extra: list[str]) -> list[dict]:
     return checks
 
 
-def _resume_overrides(overrides: list[str], root: Path, run: Path, identity: dict) -> list[str]:
+def _resume_overrides(overrides: list[str], root: Path, run: Path, identity: dict, extra: list[str]) -> list[str]:
+    """The run's own overrides (.hydra/overrides.yaml holds no hydra.* ones: the search path given to the archive
+    is added), without where it wrote, how it resumed and was tracked, and with its archived data files."""
     kept = [o for o in overrides if not o.lstrip("+~").startswith(("paths.", "resume", "tracking", "data.path="))]
+    kept += [o for o in extra if o not in kept]
     for key, rel in (identity.get("sources_archived") or {}).items():
         kept.append(f"{key}={root / rel}")
     return kept
@@ -380,7 +383,7 @@ def _metric_lines(path: Path) -> list[dict]:
     return [{k: v for k, v in ln.items() if k != "time"} for ln in RunDir(path).read_metrics()]
 
 
-def resume_proof(root: Path, dest: Path, run: Path, scratch: Path) -> dict:
+def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[str]) -> dict:
     """A fresh `python -m pipeline` resumes from the newest archived checkpoint the original went past (else
     the newest), to the run's own end; its later metrics.jsonl lines, and its final state files, compared bit
     for bit with the archived ones."""
@@ -396,7 +399,7 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path) -> dict:
     end = max(last_logged, steps[-1][0])
     candidates = [(s, d) for s, d in steps if s < end]
     step, source = candidates[-1] if candidates else steps[-1]
-    args = [*_resume_overrides(overrides, root, run, identity), f"resume.source={source}",
+    args = [*_resume_overrides(overrides, root, run, identity, extra), f"resume.source={source}",
             f"paths.output_dir={scratch / 'out'}", "tracking=none", "trainer.progress_bar=false"]
     shown = [a.replace(str(root), str(dest)) for a in args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
@@ -450,7 +453,7 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
         for run in sorted((root / "runs").iterdir()):
             scratch = Path(tempfile.mkdtemp(prefix="pipeline-archive-resume-"))
             try:
-                proofs.append(resume_proof(root, dest, run, scratch))
+                proofs.append(resume_proof(root, dest, run, scratch, extra))
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
     for p in proofs:
@@ -521,7 +524,7 @@ def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: 
             identity = jsonio.read(rel_run / "data-identity.json", MAX_SMALL)
             overrides = run_overrides(rel_run) or []
             exported["runs"][p.name]["resume_overrides"] = [
-                o.replace(str(tmp), str(dest)) for o in _resume_overrides(overrides, tmp, rel_run, identity)]
+                o.replace(str(tmp), str(dest)) for o in _resume_overrides(overrides, tmp, rel_run, identity, extra)]
             exported["runs"][p.name]["model"] = p.newest["config"]["model"].get("_target_")
         b.write("README.md", readme(dest, exported).encode())
         b.write("MANIFEST.json", jsonio.dumps({"files": b.files, "links": b.links}))
@@ -566,13 +569,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.splitlines()[0])
     ap.add_argument("source", type=Path, help="a run directory, a sweep directory or a checkpoint (or DEST with --check)")
-    ap.add_argument("dest", type=Path, nargs="?", help="where the archive appears (must not exist)")
+    ap.add_argument("dest", nargs="?", help="where the archive appears (must not exist)")
     ap.add_argument("overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are")
     ap.add_argument("--checkpoints", default="best,final,newest", help="best,final,newest (any of them) or all")
     ap.add_argument("--with-data", action="store_true", help="archive the corpus and the text files too")
     ap.add_argument("--check", action="store_true", help="re-verify an archive: python -m pipeline.archive --check DEST")
-    args = ap.parse_args(argv)
-    extra = [*([str(args.dest)] if args.check and args.dest else []), *args.overrides]
+    args = ap.parse_intermixed_args(argv)
+    extra = [*([args.dest] if args.check and args.dest else []), *args.overrides]  # a str: Path() eats pkg://
     if bad := [o for o in extra if not o.startswith("hydra.searchpath=")]:
         print(f"{NAME}: {bad[0]}: only hydra.searchpath=[...] can be given here", file=sys.stderr)
         return EXIT_BAD_INPUT
