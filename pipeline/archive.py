@@ -100,8 +100,9 @@ def _select(store: CheckpointStore, which: str) -> tuple[dict[str, Path], dict[s
     else:
         chosen = set()
         for want in which.split(","):
-            if want == "newest":
-                chosen.add(steps[-1][1].name)
+            if want == "newest":  # the newest a resume continues from: before a finished run's final
+                finished = links.get("final") == steps[-1][1].name and len(steps) > 1
+                chosen.add(steps[-2 if finished else -1][1].name)
             elif want in links and links[want] in by_name:
                 chosen.add(links[want])
     return {n: by_name[n] for n in sorted(chosen)}, {k: t for k, t in links.items() if t in chosen}
@@ -473,8 +474,10 @@ def readme(dest: Path, exported: dict) -> str:
              "that a regenerated corpus goes there, not into this archive.", ""]
     for name, run in sorted(exported["runs"].items()):
         ck = run["checkpoints"]
-        newest = max(ck, key=lambda n: ck[n]["step"])
-        best = next((n for n, c in ck.items() if "best" in c["links"]), newest)
+        order = sorted(ck, key=lambda n: ck[n]["step"])
+        newest = order[-1]
+        resume_from = order[-2] if len(order) > 1 and "final" in ck[newest]["links"] else newest  # as the proof does
+        best = "best" if any("best" in c["links"] for c in ck.values()) else newest
         at = f"{dest}/runs/{name}/checkpoints"
         over = " ".join(run["resume_overrides"])
         sp = " ".join(o for o in run["resume_overrides"] if o.startswith("hydra.searchpath="))
@@ -488,8 +491,10 @@ def readme(dest: Path, exported: dict) -> str:
         if "minigpt" in str(run.get("model", "")).lower():
             lines += [f"python -m pipeline.sample {at}/final prompt=\"the\" max_new_tokens=20 paths.output_dir=SCRATCH",
                       f"python -m pipeline.export_hf {at}/final HF_DIR"]
-        lines += [f"python -m pipeline {over} resume.source={at}/{newest} paths.output_dir=SCRATCH".replace("  ", " "),
-                  "```", ""]
+        done = resume_from != newest
+        lines += [f"python -m pipeline {over} resume.source={at}/{resume_from} paths.output_dir=SCRATCH".replace("  ", " "),
+                  "```", "", f"The resume {'repeats the steps after ' + resume_from + ' of the finished run, to its final bytes' if done else 'continues the run from its newest checkpoint'}; "
+                  "`python -m pipeline.archive --check` re-verifies every byte.", ""]
     return "\n".join(lines)
 
 
@@ -526,6 +531,13 @@ def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: 
             exported["runs"][p.name]["resume_overrides"] = [
                 o.replace(str(tmp), str(dest)) for o in _resume_overrides(overrides, tmp, rel_run, identity, extra)]
             exported["runs"][p.name]["model"] = p.newest["config"]["model"].get("_target_")
+        if _kind(source) == "sweep":  # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
+            name = Path(os.path.realpath(source)).name
+            for f in (p for p in sorted(Path(source).iterdir()) if not p.is_dir() or p.is_symlink()):
+                b.copy(f, f"sweeps/{name}/{f.name}", MAX_SMALL)
+            for f in _regular_files(Path(source) / "jobs"):
+                b.copy(f, f"sweeps/{name}/jobs/{f.name}", MAX_SMALL)
+            exported["sweep"] = name
         b.write("README.md", readme(dest, exported).encode())
         b.write("MANIFEST.json", jsonio.dumps({"files": b.files, "links": b.links}))
         result = checks_on(tmp, dest, b, extra, prove=True)

@@ -196,3 +196,21 @@ def test_sigkill_during_an_archive_never_leaves_a_dest_that_passes_as_complete(t
         name = stale[0].name[len(".tmp-"):].rsplit("-", 1)[0]
         proc = archive(finished, tmp_path / name, cwd=tmp_path)
         assert proc.returncode == 0 and str(stale[0]) in proc.stderr, proc.stderr
+
+
+def test_a_sweep_is_archived_job_by_job_with_its_records(tmp_path):
+    out = tmp_path / "out"
+    proc = run_pipeline(["-m", *KERNODECK, "optimizer.lr=0.01,0.02", f"paths.output_dir={out}"], tmp_path / "cwd")
+    assert proc.returncode == 0, proc.stderr
+    (sweep,) = (out / "sweeps").iterdir()
+    runs = sorted(p.name for p in (out / "runs").iterdir())
+    dest = tmp_path / "dest"
+    proc = archive(sweep, dest, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (dest / "runs").iterdir()) == runs and len(runs) == 2
+    report = json.loads((dest / "recovery.json").read_text())
+    assert report["all_checks_passed"] and [p["passed"] for p in report["resume"]] == [True, True]
+    # by default: best, final, and the newest checkpoint a resume continues from (before a finished run's final)
+    assert all(p["step_recovered"] < p["to_step"] for p in report["resume"])
+    assert (dest / "sweeps" / sweep.name / "sweep.json").read_bytes() == (sweep / "sweep.json").read_bytes()
+    assert sorted(os.listdir(dest / "sweeps" / sweep.name / "jobs")) == ["0.json", "1.json"]
