@@ -84,6 +84,8 @@ def _kind(path: Path) -> str:
         return "checkpoint"
     if (path / CHECKPOINTS).is_dir() or (path / "run.json").is_file():
         return "run"
+    if path.name == CHECKPOINTS and (path.parent / "run.json").is_file():
+        raise BadSource(f"{path}: a run's checkpoints/; give the run directory {path.parent}")
     if (path / "jobs").is_dir() and (path / "sweep.json").is_file():
         return "sweep"
     raise BadSource(f"{path}: not a run directory (no checkpoints/ or run.json), a sweep directory (no "
