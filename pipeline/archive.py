@@ -139,7 +139,8 @@ def plan(source: Path, which: str) -> list[RunPlan]:
 
         name = run_dir.name if run_dir else run_name(manifest["config"], manifest["sources"])
         step_name = directory.name if in_run else f"step-{manifest['step']:08d}"
-        result = RunPlan(name, run_dir, {step_name: directory}, {})
+        links = {k: t for k, t in CheckpointStore(directory.parent).links().items() if t == step_name} if in_run else {}
+        result = RunPlan(name, run_dir, {step_name: directory}, links)
     for directory in result.checkpoints.values():
         verify(directory)  # sizes, sha256, layout: a damaged checkpoint is bad input
     return [result]
@@ -420,7 +421,7 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
         result.update(passed=False, detail=(err.strip().splitlines() or ["(no output)"])[-1])
         return result
     (resumed_run,) = [p for p in (scratch / "out" / "runs").iterdir() if p.is_dir()]
-    got = [ln for ln in _metric_lines(resumed_run) if ln["step"] > step]
+    got = [ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end]  # a preempted run goes on past end
     want = [ln for ln in archived if ln["step"] > step]
     compared = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
     final = CheckpointStore(resumed_run / CHECKPOINTS)

@@ -174,10 +174,12 @@ def test_sigkill_during_an_archive_never_leaves_a_dest_that_passes_as_complete(t
     duration = time.monotonic() - t0
     rng = random.Random(22)
     outcomes = []
+    scratch = tmp_path / "tmp"  # where a killed archiver's scratch resume directory is left (TMPDIR)
+    scratch.mkdir()
     for i in range(20):
         dest = tmp_path / f"dest-{i}"
         p = subprocess.Popen([sys.executable, "-m", "pipeline.archive", str(finished), str(dest)], cwd=tmp_path,
-                             env=env_for_subprocess(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**env_for_subprocess(), "TMPDIR": str(scratch)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)
         time.sleep(rng.uniform(0, duration))
         os.killpg(p.pid, signal.SIGKILL)  # the archiver and its resume process
@@ -191,6 +193,7 @@ def test_sigkill_during_an_archive_never_leaves_a_dest_that_passes_as_complete(t
             outcomes.append("absent")
         assert tree(finished.parent.parent) == before
     assert "absent" in outcomes  # some kills landed mid-archive
+    assert all(p.name.startswith("pipeline-archive-resume-") for p in scratch.iterdir())
     stale = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-dest-")]
     if stale:  # a killed archive's temporary is ignored, and named by the next archive to the same DEST
         name = stale[0].name[len(".tmp-"):].rsplit("-", 1)[0]
@@ -214,3 +217,33 @@ def test_a_sweep_is_archived_job_by_job_with_its_records(tmp_path):
     assert all(p["step_recovered"] < p["to_step"] for p in report["resume"])
     assert (dest / "sweeps" / sweep.name / "sweep.json").read_bytes() == (sweep / "sweep.json").read_bytes()
     assert sorted(os.listdir(dest / "sweeps" / sweep.name / "jobs")) == ["0.json", "1.json"]
+
+
+def test_a_killed_run_is_proven_on_the_steps_it_logged_after_its_newest_checkpoint(tmp_path):
+    out, cwd = tmp_path / "out", tmp_path / "cwd"
+    cwd.mkdir()
+    env = {**env_for_subprocess(), "PIPELINE_CHAOS": "train:16"}  # SIGKILL inside update 8: newest checkpoint 6
+    killed = subprocess.run([sys.executable, "-m", "pipeline", *TINY, f"paths.output_dir={out}"], cwd=cwd, env=env,
+                            capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    run = the_run(out)
+    proc = archive(run, tmp_path / "dest", cwd=cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (proof,) = json.loads((tmp_path / "dest" / "recovery.json").read_text())["resume"]
+    assert proof["passed"] and proof["step_recovered"] == 6 and proof["to_step"] == 7
+    assert proof["compared"] == {"metrics_lines_after_step": 1, "metrics_equal": True}
+
+
+def test_a_checkpoint_alone_is_archived_with_its_run_files_or_restored_only(tmp_path, finished):
+    proc = archive(finished / "checkpoints" / "best", tmp_path / "one", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    archived = tmp_path / "one" / "runs" / finished.name
+    assert os.readlink(archived / "checkpoints" / "best") == os.readlink(finished / "checkpoints" / "best")
+    assert (archived / "metrics.jsonl").read_bytes() == (finished / "metrics.jsonl").read_bytes()
+    loose = tmp_path / "loose" / "step-00000012"
+    shutil.copytree(finished / "checkpoints" / "step-00000012", loose)
+    proc = archive(loose, tmp_path / "two", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "two" / "recovery.json").read_text())
+    assert report["all_checks_passed"] and report["resume"][0]["passed"] is None
+    assert [c["check"] for c in report["checks"]][-1].startswith("restore runs/")
