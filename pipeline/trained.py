@@ -81,13 +81,14 @@ def _parse(overrides: list[str]):
 
 def cache_home(directory: Path) -> str:
     """The output directory a checkpoint lies in (`<output_dir>/runs/<run>/checkpoints/<step>`), where its run
-    cached its corpus; else the user's default one. Never the manifest's `paths.output_dir`: a checkpoint
+    cached its corpus; else (an archive, a lone checkpoint) the user's default one. Never the manifest's `paths.output_dir`: a checkpoint
     does not choose where a tool writes."""
     from pipeline.schema import default_output_dir
 
     step = Path(directory).absolute()
     runs = step.parent.parent.parent
-    if step.parent.name == "checkpoints" and runs.name == "runs":
+    archived = (runs.parent / "recovery.json").exists()  # an archive (pipeline.archive) stays as it was checked
+    if step.parent.name == "checkpoints" and runs.name == "runs" and not archived:
         return str(runs.parent)
     return default_output_dir()
 

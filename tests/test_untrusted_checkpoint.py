@@ -280,3 +280,15 @@ def test_a_checkpoint_does_not_choose_which_of_your_files_is_read(text_run, tmp_
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert f"data.path={private} (the checkpoint's): not the file" in proc.stderr and "data.path=FILE" in proc.stderr
         assert tree(tmp_path) == before  # no corpus of it cached anywhere
+
+
+def test_the_corpus_cache_is_beside_the_run_never_inside_an_archive(tmp_path):
+    from pipeline.schema import default_output_dir
+    from pipeline.trained import cache_home
+
+    step = tmp_path / "out" / "runs" / "r-0123" / "checkpoints" / "step-00000004"
+    assert cache_home(step) == str(tmp_path / "out")
+    (tmp_path / "out" / "recovery.json").parent.mkdir(parents=True)
+    (tmp_path / "out" / "recovery.json").write_text("{}")  # pipeline.archive's DEST: kept as it was checked
+    assert cache_home(step) == default_output_dir()
+    assert cache_home(tmp_path / "lone" / "step-00000004") == default_output_dir()
