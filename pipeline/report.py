@@ -20,7 +20,7 @@ def start_block(job, run_dir: Path) -> str:
     lines.append(f"  {'group':<{width}}  {'arrays':>6}  {'params':>10}  shape")
     for group, shapes, n, note in rows:
         lines.append(f"  {group:<{width}}  {len(shapes):>6}  {n:>10,}  "
-                     f"{'x'.join(map(str, shapes[0])) if shapes else '-'}{'  ' + note if note else ''}")
+                     f"{'x'.join(map(str, max(shapes, key=_size))) if shapes else '-'}{'  ' + note if note else ''}")
     spec = data.spec
     if spec.vocab_size:
         what = (f"{data.n_train:,} train windows, {getattr(data, 'n_val', 0):,} val windows of {spec.block_size} "
@@ -30,6 +30,13 @@ def start_block(job, run_dir: Path) -> str:
     lines.append(f"data {job.config['data'].get('name', '')}: {what}".replace("data : ", "data: "))
     lines.append(f"run directory {run_dir}")
     return "\n".join(lines)
+
+
+def _size(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def command(overrides: list[str]) -> str:
