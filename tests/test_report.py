@@ -126,3 +126,20 @@ def test_a_resumed_runs_curve_covers_every_step(tmp_path, monkeypatch, preempt_a
     assert curves.series(drawn[-1], "train/loss")[0] == list(range(1, 11))  # the whole history, not this process's
     assert curves.series(drawn[-1], "val/loss")[0] == [5, 10]
     assert (run / "curves.png").read_bytes() == real(drawn[-1])
+
+
+@pytest.mark.slow
+def test_a_sweep_jobs_time_is_its_own(tmp_path):
+    """Two jobs in one process: the second's "after N s in this job" is no more than the wall time between
+    the first's last line and its own (the process's age would add the first job and the imports)."""
+    from datetime import datetime
+
+    proc = run_pipeline(["-m", *KERNODECK, "trainer.seed=1,2", f"paths.output_dir={tmp_path / 'out'}"],
+                        tmp_path / "cwd")
+    assert proc.returncode == 0, proc.stderr
+    done = [(datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp(), float(m[2])) for m in
+            re.finditer(r"^\[([\d :,-]+)\]\[pipeline\]\[INFO\] - done at step 10 \(max_steps\) after ([\d.]+) s "
+                        r"in this job", proc.stdout, re.M)]
+    assert len(done) == 2, proc.stdout
+    (first_end, _), (second_end, second_took) = done
+    assert 0 < second_took <= second_end - first_end + 0.05  # 0.05: the line rounds to 0.1 s
