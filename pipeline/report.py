@@ -27,7 +27,7 @@ def start_block(job, run_dir: Path) -> str:
                 f"tokens, vocab {spec.vocab_size:,}")
     else:
         what = f"{data.n_train:,} train rows, {spec.n_features} features -> {spec.n_targets} targets"
-    lines.append(f"data {job.config['data'].get('name', '')}: {what}".replace("data : ", "data: "))
+    lines.append(f"data {type(data).__name__}: {what}")
     lines.append(f"run directory {run_dir}")
     return "\n".join(lines)
 
