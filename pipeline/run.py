@@ -58,7 +58,7 @@ class Run:
                  overrides: list[str] | None = None):
         self.job, self.rundir, self.signals = job, rundir, signals
         self.overrides = list(overrides or [])  # the command's, for the identical command in the end summary
-        self.job_started = started or time.time()  # this job's start (a sweep's job: its own, not the process's)
+        self.job_started = started or time.time()  # a sweep's job: when it started, not its process
         self.state = job.state
         self.store = rundir.store
         self.lineage: dict | None = None
@@ -311,10 +311,10 @@ class Run:
         except BaseException as e:
             self._failed(environment_error(e) or f"{type(e).__name__}: {e}")
             raise
-        log.info("done at step %d (%s) after %.1f s in this %s: %s", self.state.step,
-                 self.state.progress.ended, time.time() - self.job_started,
-                 "job" if CURRENT_JOB.get("job") is not None else "process",
-                 " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
+        in_sweep = CURRENT_JOB.get("job") is not None  # a sweep's job: its own time, not its process's
+        log.info("done at step %d (%s) after %.1f s in this %s: %s", self.state.step, self.state.progress.ended,
+                 time.time() - self.job_started if in_sweep else budget.process_age(),
+                 "job" if in_sweep else "process", " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
         self._summary("complete")
         tracker.finish("FINISHED", self.rundir.path)
         return 0

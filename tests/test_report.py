@@ -64,7 +64,8 @@ def test_throughput_is_the_recent_window_not_the_whole_run():
 
 def test_the_curve_plots_every_line_it_is_given():
     lines = [{"step": s, "epoch": 0, "train/loss": 1.0 / s, "lr": 0.1} for s in range(1, 11)]
-    lines += [{"step": 5, "val/loss": 0.3}, {"step": 10, "val/loss": 0.2, "lr": True}]  # a bool is not a number
+    lines += [{"step": 5, "val/loss": 0.3}, {"step": 10, "val/loss": 0.2, "lr": True},  # a bool is not a number
+              {"step": 11, "train/loss": float("nan"), "val/loss": float("inf")}]  # nor a non-finite one
     assert curves.series(lines, "train/loss")[0] == list(range(1, 11))
     assert curves.series(lines, "val/loss") == ([5, 10], [0.3, 0.2])
     assert curves.series(lines, "lr")[0] == list(range(1, 11))

@@ -3,6 +3,7 @@ and the tracking index use."""
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 
 NAME = "curves.png"
@@ -10,9 +11,9 @@ LOSSES = ("train/loss", "val/loss")
 
 
 def series(lines: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of `key` over the lines that hold a number for it, in line order."""
-    pts = [(ln["step"], ln[key]) for ln in lines
-           if isinstance(ln.get(key), (int, float)) and not isinstance(ln.get(key), bool)]
+    """(steps, values) of `key` over the lines that hold a finite number for it, in line order."""
+    pts = [(ln["step"], ln[key]) for ln in lines  # a non-finite value (on_nonfinite=continue) is a gap
+           if isinstance(ln.get(key), (int, float)) and not isinstance(ln.get(key), bool) and math.isfinite(ln[key])]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
