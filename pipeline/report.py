@@ -1,5 +1,4 @@
-"""What a run says at its start (model, data, where it writes) and at its end (best, checkpoints, curve, the
-commands that come next), in the spirit of Lightning's ModelSummary and the HF Trainer's last lines."""
+"""What a run says at its start (model, data, run directory) and its end (best, checkpoints, next commands)."""
 from __future__ import annotations
 
 import os

@@ -314,7 +314,8 @@ class Run:
         in_sweep = CURRENT_JOB.get("job") is not None  # a sweep's job: its own time, not its process's
         log.info("done at step %d (%s) after %.1f s in this %s: %s", self.state.step, self.state.progress.ended,
                  time.time() - self.job_started if in_sweep else budget.process_age(),
-                 "job" if in_sweep else "process", " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
+                 "job" if in_sweep else "process",
+                 " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
         self._summary("complete")
         tracker.finish("FINISHED", self.rundir.path)
         return 0

@@ -1,5 +1,4 @@
-"""curves.png: loss (train, val) and lr against step from a run's metrics.jsonl; the one drawing both the job
-and the tracking index use."""
+"""curves.png: loss and lr against step from a run's metrics.jsonl, drawn here for the job and the index."""
 from __future__ import annotations
 
 import io
