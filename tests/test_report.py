@@ -144,3 +144,25 @@ def test_a_sweep_jobs_time_is_its_own(tmp_path):
     assert len(done) == 2, proc.stdout
     (first_end, _), (second_end, second_took) = done
     assert 0 < second_took <= second_end - first_end + 0.05  # 0.05: the line rounds to 0.1 s
+
+
+def test_a_failed_run_with_checkpoints_ends_with_its_summary_and_curve(tmp_path, monkeypatch, caplog):
+    import pipeline.trainer.loop as loop
+
+    real = loop.train_step
+
+    def step(state):  # a NaN loss at update 5: failed (exit 1), the checkpoints of 2 and 4 kept
+        record = real(state)
+        if state.step == 5:
+            record["train/loss"] = float("nan")
+        return record
+
+    monkeypatch.setattr(loop, "train_step", step)
+    caplog.set_level("INFO", logger="pipeline")
+    assert run_job(*KERNODECK, f"paths.output_dir={tmp_path / 'out'}", "checkpoint=every_n_steps",
+                   "checkpoint.every_steps=2")[0] == 1
+    run = the_run(tmp_path / "out")
+    (said,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("failed at step 5: ")]
+    assert f"curve       {run / 'curves.png'}" in said and (run / "curves.png").stat().st_size > 0
+    assert "newest=step-00000004" in said and "mlflow      not tracked" in said
+    assert "evaluate    " in said and "sample" not in said  # an MLP: no text to sample
