@@ -237,14 +237,18 @@ class Run:
             log.debug("no end summary: %s", e)
         self.job.tracker.finish("FAILED", self.rundir.path)
 
+    def _draw(self) -> Path | None:
+        """curves.png from the whole metrics.jsonl (a resumed run's earlier steps too); a failure is a warning."""
+        try:
+            return curves.write(self.rundir.path, self.rundir.read_metrics())
+        except (OSError, CheckpointError, ValueError) as e:
+            log.warning("could not draw %s: %s", self.rundir.path / curves.NAME, environment_error(e) or e)
+            return None
+
     def _summary(self, status: str) -> None:
         """After the last checkpoint: curves.png from the whole history, then the end summary (both off the
         step path: matplotlib's import alone is ~0.5 s). A curve that cannot be written is a warning."""
-        curve = None
-        try:
-            curve = curves.write(self.rundir.path, self.rundir.read_metrics())
-        except (OSError, CheckpointError, ValueError) as e:
-            log.warning("could not draw %s: %s", self.rundir.path / curves.NAME, environment_error(e) or e)
+        curve = self._draw()
         root = self.store.root
         kept = self.store.steps()
         links = {name: (root / name if (root / name).is_symlink() and (root / name).exists() else None)
@@ -279,6 +283,8 @@ class Run:
                 self.store.retain(self.keep, self.links, upto=self.state.step)
                 if self.rundir.read_status().get("status") != "complete":
                     self.write_status("complete")
+                if not (self.rundir.path / curves.NAME).exists():  # killed before its curve was drawn
+                    self._draw()
             self.job.tracker.attach(self.rundir.path)  # a sweep job: its run shows in the sweep
             print(f"run {self.rundir.path} is complete at step {self.state.step}: "
                   + " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))

@@ -166,3 +166,13 @@ def test_a_failed_run_with_checkpoints_ends_with_its_summary_and_curve(tmp_path,
     assert f"curve       {run / 'curves.png'}" in said and (run / "curves.png").stat().st_size > 0
     assert "newest=step-00000004" in said and "mlflow      not tracked" in said
     assert "evaluate    " in said and "sample" not in said  # an MLP: no text to sample
+
+
+def test_a_complete_run_killed_before_its_curve_gets_it_on_the_next_command(tmp_path):
+    args = [*KERNODECK, f"paths.output_dir={tmp_path / 'out'}"]
+    assert run_job(*args)[0] == 0
+    png = the_run(tmp_path / "out") / "curves.png"
+    drawn = png.read_bytes()
+    png.unlink()  # as a kill between the final checkpoint and the curve leaves it
+    assert run_job(*args)[0] == 0
+    assert png.read_bytes() == drawn
