@@ -81,7 +81,7 @@ class Display:
             self.bar.update(1)
             post = {"loss": f"{record['train/loss']:.4f}", "lr": f"{record['lr']:.3g}"}
             if rates is not None:
-                post[f"{self.speed.unit[:3]}/s"] = _si(rates[1])
+                post["tok/s" if self.speed.unit == "tokens" else "samples/s"] = _si(rates[1])
             self.bar.set_postfix(post, refresh=False)
         if (self.bar is None and record["step"] % self.log_every == 0) or val or record["step"] == state.total_steps:
             extra = "".join(f" {k}={v:.4f}" for k, v in val.items())
