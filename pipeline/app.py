@@ -133,7 +133,7 @@ def _job(config: dict, overrides: list[str], config_yaml: str) -> float:
     file_handler = None
     try:
         started = CURRENT_JOB.get("started") or time.time() - budget.process_age()  # a job's, or this process's
-        run = Run(job, rundir, SIGNALS_STATE, started=started)
+        run = Run(job, rundir, SIGNALS_STATE, started=started, overrides=overrides)
         try:
             run.setup()  # a signal here stops the process at once: set-up writes nothing but supersede()
             if SIGNALS_STATE.received is not None:  # one that came while a step could not be cut short

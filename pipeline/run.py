@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline import budget, identity, jsonio, killpoint
+from pipeline import budget, identity, jsonio, killpoint, report
 from pipeline.atomic import environment_error, named
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
@@ -26,6 +26,7 @@ from pipeline.rundir import RunDir
 from pipeline.signals import EXIT_PREEMPTED, Signals
 from pipeline.stages.base import StepEnd
 from pipeline.state import StateMismatch, capture, restore
+from pipeline.trainer import curves
 from pipeline.trainer.display import Display
 from pipeline.trainer.loop import epoch_ended, epochs_done, fit, metrics_of
 from pipeline.trainer.metrics_log import MetricsLog
@@ -53,8 +54,11 @@ def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
 
 
 class Run:
-    def __init__(self, job: Job, rundir: RunDir, signals: Signals, started: float | None = None):
+    def __init__(self, job: Job, rundir: RunDir, signals: Signals, started: float | None = None,
+                 overrides: list[str] | None = None):
         self.job, self.rundir, self.signals = job, rundir, signals
+        self.overrides = list(overrides or [])  # the command's, for the identical command in the end summary
+        self.job_started = started or time.time()  # a sweep's job: when it started, not its process
         self.state = job.state
         self.store = rundir.store
         self.lineage: dict | None = None
@@ -226,7 +230,38 @@ class Run:
             self.write_status("failed", error=error[:2000])
         except OSError as e:
             log.warning("could not record the failure in %s: %s", self.rundir.status_path, e)
+        try:
+            if self.store.steps():
+                self._summary("failed")
+        except Exception as e:  # noqa: BLE001 -- the error in hand is the one to report
+            log.debug("no end summary: %s", e)
         self.job.tracker.finish("FAILED", self.rundir.path)
+
+    def _draw(self) -> Path | None:
+        """curves.png from the whole metrics.jsonl (a resumed run's earlier steps too); a failure is a warning."""
+        try:
+            return curves.write(self.rundir.path, self.rundir.read_metrics())
+        except (OSError, CheckpointError, ValueError) as e:
+            log.warning("could not draw %s: %s", self.rundir.path / curves.NAME, environment_error(e) or e)
+            return None
+
+    def _summary(self, status: str) -> None:
+        """After the last checkpoint: curves.png from the whole history, then the end summary (both off the
+        step path: matplotlib's import alone is ~0.5 s). A curve that cannot be written is a warning."""
+        curve = self._draw()
+        root = self.store.root
+        kept = self.store.steps()
+        links = {name: (root / name if (root / name).is_symlink() and (root / name).exists() else None)
+                 for name in ("final", "best")}
+        links["newest"] = kept[-1][1] if kept else None
+        best = next(((s.monitor, s.best, s.best_step) for s in self.job.stages
+                     if s.link == "best" and getattr(s, "best", None) is not None), None)
+        tracker = self.job.tracker
+        log.info("%s", report.end_block(
+            status=status, step=self.state.step, run_dir=self.rundir.path, best=best, links=links, curve=curve,
+            run_uri=self.job.facts.get("mlflow_run_uri") or tracker.run_uri(timeout=0.0),
+            tracking_uri=getattr(tracker, "uri", None), overrides=self.overrides,
+            samples=bool(self.state.dataset.spec.vocab_size)))
 
     def setup(self) -> None:
         """Every stage's set-up (the resume stage restores or starts); a fresh run if none decided.
@@ -248,6 +283,8 @@ class Run:
                 self.store.retain(self.keep, self.links, upto=self.state.step)
                 if self.rundir.read_status().get("status") != "complete":
                     self.write_status("complete")
+                if not (self.rundir.path / curves.NAME).exists():  # killed before its curve was drawn
+                    self._draw()
             self.job.tracker.attach(self.rundir.path)  # a sweep job: its run shows in the sweep
             print(f"run {self.rundir.path} is complete at step {self.state.step}: "
                   + " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
@@ -255,6 +292,7 @@ class Run:
         tracker = self.job.tracker
         if self.metrics_kept is not None:
             self.rundir.keep_metrics(self.metrics_kept)
+        log.info("%s", report.start_block(self.job, self.rundir.path))
         self.write_status("running")
         tracker.start(config=self.job.config, facts=self.job.facts, run_dir=self.rundir.path,
                       previous_run_uri=(self.resumed.manifest.get("mlflow_run_uri") if self.resumed else None),
@@ -268,6 +306,7 @@ class Run:
             self.write_status("complete")
         except Preempted as stop:
             self.write_status("preempted", preempted_by=str(stop))
+            self._summary("preempted")
             log.warning("preempted by %s at step %d; re-run the same command to resume (exit %d)", stop,
                         self.state.step, EXIT_PREEMPTED)
             tracker.finish("KILLED", self.rundir.path)
@@ -278,8 +317,12 @@ class Run:
         except BaseException as e:
             self._failed(environment_error(e) or f"{type(e).__name__}: {e}")
             raise
-        log.info("done at step %d (%s) after %.1f s in this process: %s", self.state.step,
-                 self.state.progress.ended, budget.process_age(), " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
+        in_sweep = CURRENT_JOB.get("job") is not None  # a sweep's job: its own time, not its process's
+        log.info("done at step %d (%s) after %.1f s in this %s: %s", self.state.step, self.state.progress.ended,
+                 time.time() - self.job_started if in_sweep else budget.process_age(),
+                 "job" if in_sweep else "process",
+                 " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
+        self._summary("complete")
         tracker.finish("FINISHED", self.rundir.path)
         return 0
 

@@ -55,3 +55,29 @@ class NamedParams:
         """Copy values into the live arrays in place, so object identity (and tying) survives."""
         for name, p in self.params.items():
             np.copyto(p, arrays[name])
+
+
+def summary(params: dict[str, np.ndarray], aliases: dict[str, str] | None = None) -> tuple[list[tuple], int]:
+    """Lightning's ModelSummary over named arrays: (rows, total). A row is (group, shapes, params, note); the
+    group is a name's first component, with the index for a stack (`transformer.h.0`, `layers.1`). Each array
+    counts once, under its canonical name: a tied alias adds a "tied to" note, not parameters."""
+    rows: dict[str, list] = {}
+    for name, p in params.items():
+        group = _group(name)
+        row = rows.setdefault(group, [group, [], 0, ""])
+        row[1].append(tuple(p.shape))
+        row[2] += int(p.size)
+    for alias, target in sorted((aliases or {}).items()):
+        group = _group(alias)
+        row = rows.setdefault(group, [group, [], 0, ""])
+        row[3] = f"{alias} tied to {target}"
+    out = [(g, s, n, note) for g, s, n, note in rows.values()]
+    return out, sum(int(p.size) for p in {id(p): p for p in params.values()}.values())
+
+
+def _group(name: str) -> str:
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or name

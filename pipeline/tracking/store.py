@@ -293,36 +293,14 @@ def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, i
 
 
 def draw_curves(lines: list[dict], out_png: Path) -> bool:
-    """Loss (train and val) and lr against step, as a PNG; False when there is nothing to draw."""
-    if not lines:
+    """Loss (train and val) and lr against step, as a PNG (pipeline.trainer.curves draws it); False when there
+    is nothing to draw."""
+    from pipeline.trainer import curves
+
+    png = curves.draw(lines)
+    if png is None:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def series(key):
-        pts = [(ln["step"], ln[key]) for ln in lines if isinstance(ln.get(key), (int, float))]
-        return [p[0] for p in pts], [p[1] for p in pts]
-
-    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    for key, style in (("train/loss", "-"), ("val/loss", "o-")):
-        xs, ys = series(key)
-        if xs:
-            ax_loss.plot(xs, ys, style, label=key, markersize=3)
-    ax_loss.set_ylabel("loss")
-    if any(v > 0 for ln in lines for k, v in ln.items() if k.endswith("/loss") and isinstance(v, (int, float))):
-        ax_loss.set_yscale("log")
-    ax_loss.legend()
-    ax_loss.grid(True, alpha=0.3)
-    xs, ys = series("lr")
-    ax_lr.plot(xs, ys, "-", color="tab:green")
-    ax_lr.set_ylabel("lr")
-    ax_lr.set_xlabel("step")
-    ax_lr.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=90)
-    plt.close(fig)
+    Path(out_png).write_bytes(png)
     return True
 
 

@@ -1,12 +1,59 @@
-"""What a person watching sees: a tqdm bar on a terminal, plain log lines otherwise."""
+"""What a person watching sees: a tqdm bar on a terminal, plain log lines otherwise; throughput in both."""
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import sys
+import time
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 log = logging.getLogger("pipeline")
+
+WINDOW = 20  # updates the throughput is measured over (the recent rate, not the run's average)
+
+
+class Throughput:
+    """Updates/s and samples (or tokens)/s over the last WINDOW updates, from the wall time between step ends
+    (evaluation and checkpoints included: what the run really does per second)."""
+
+    def __init__(self, per_update: int, unit: str, window: int = WINDOW):
+        self.per_update, self.unit = int(per_update), unit
+        self.ends: collections.deque = collections.deque(maxlen=window + 1)
+
+    def start(self, now: float) -> None:
+        self.ends.clear()
+        self.ends.append(now)
+
+    def step(self, now: float) -> None:
+        self.ends.append(now)
+
+    def rates(self) -> tuple[float, float] | None:
+        """(updates/s, units/s), or None before the first update."""
+        if len(self.ends) < 2 or self.ends[-1] <= self.ends[0]:
+            return None
+        per_s = (len(self.ends) - 1) / (self.ends[-1] - self.ends[0])
+        return per_s, per_s * self.per_update
+
+    def text(self) -> str:
+        r = self.rates()
+        return "" if r is None else f"{_si(r[0])} steps/s {_si(r[1])} {self.unit}/s"
+
+
+def _si(x: float) -> str:
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= div:
+            return f"{x / div:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
+def throughput_of(state) -> Throughput:
+    """Tokens per update for token data (batch x accumulate x block), samples for rows."""
+    samples = state.iterator.batch_size * state.accumulate
+    block = state.dataset.spec.block_size if state.dataset.spec.vocab_size else 0
+    return Throughput(samples * block, "tokens") if block else Throughput(samples, "samples")
 
 
 class Display:
@@ -14,24 +61,36 @@ class Display:
         self.bar_enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
         self.log_every = max(1, int(log_every))
         self.bar = None
+        self.speed: Throughput | None = None
+        self.redirect = contextlib.ExitStack()
 
     def on_train_start(self, state) -> None:
+        self.speed = throughput_of(state)
+        self.speed.start(time.perf_counter())
         if self.bar_enabled:
             self.bar = tqdm(total=state.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
+            # Every log line while the bar shows (validation, mlflow's from its thread) goes above it through
+            # tqdm.write, never into the middle of it.
+            self.redirect.enter_context(logging_redirect_tqdm([logging.getLogger()]))
 
     def on_step_end(self, state, record: dict) -> None:
+        self.speed.step(time.perf_counter())
         val = {k: v for k, v in record.items() if k.startswith("val/")}
+        rates = self.speed.rates()
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{record['train/loss']:.4f}", lr=f"{record['lr']:.3g}", refresh=False)
-            if val:
-                self.bar.write(f"step {record['step']}: " + " ".join(f"{k}={v:.4f}" for k, v in val.items()))
-        elif record["step"] % self.log_every == 0 or val or record["step"] == state.total_steps:
+            post = {"loss": f"{record['train/loss']:.4f}", "lr": f"{record['lr']:.3g}"}
+            if rates is not None:
+                post["tok/s" if self.speed.unit == "tokens" else "samples/s"] = _si(rates[1])
+            self.bar.set_postfix(post, refresh=False)
+        if (self.bar is None and record["step"] % self.log_every == 0) or val or record["step"] == state.total_steps:
             extra = "".join(f" {k}={v:.4f}" for k, v in val.items())
-            log.info("step %d/%d epoch %d loss=%.6f lr=%.6g%s", record["step"], state.total_steps,
-                     record["epoch"], record["train/loss"], record["lr"], extra)
+            speed = self.speed.text()
+            log.info("step %d/%d epoch %d loss=%.6f lr=%.6g%s%s", record["step"], state.total_steps,
+                     record["epoch"], record["train/loss"], record["lr"], extra, f" ({speed})" if speed else "")
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        self.redirect.close()

@@ -1,0 +1,63 @@
+"""curves.png: loss and lr against step from a run's metrics.jsonl, drawn here for the job and the index."""
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+NAME = "curves.png"
+LOSSES = ("train/loss", "val/loss")
+
+
+def series(lines: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of `key` over the lines that hold a finite number for it, in line order."""
+    pts = [(ln["step"], ln[key]) for ln in lines  # a non-finite value (on_nonfinite=continue) is a gap
+           if isinstance(ln.get(key), (int, float)) and not isinstance(ln.get(key), bool) and math.isfinite(ln[key])]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def draw(lines: list[dict]) -> bytes | None:
+    """The PNG's bytes (Agg, no display needed); None when there is nothing to draw.
+
+    Imports matplotlib (~0.5 s): called at a job's end, after its final checkpoint, never on the step path."""
+    if not lines:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    positive = False
+    for key, style in zip(LOSSES, ("-", "o-")):
+        xs, ys = series(lines, key)
+        if xs:
+            ax_loss.plot(xs, ys, style, label=key, markersize=3)
+            positive = positive or any(v > 0 for v in ys)
+    ax_loss.set_ylabel("loss")
+    if positive:
+        ax_loss.set_yscale("log")
+    ax_loss.legend()
+    ax_loss.grid(True, alpha=0.3)
+    xs, ys = series(lines, "lr")
+    ax_lr.plot(xs, ys, "-", color="tab:green")
+    ax_lr.set_ylabel("lr")
+    ax_lr.set_xlabel("step")
+    ax_lr.grid(True, alpha=0.3)
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="png", dpi=90)
+    plt.close(fig)
+    return out.getvalue()
+
+
+def write(run_dir: Path, lines: list[dict]) -> Path | None:
+    """<run_dir>/curves.png from the run's whole history `lines`, replaced atomically; its path, or None."""
+    from pipeline.atomic import replace_file
+
+    png = draw(lines)
+    if png is None:
+        return None
+    path = Path(run_dir) / NAME
+    replace_file(path, png)
+    return path
