@@ -127,9 +127,20 @@ def _exit_for(summary: dict) -> None:
         sys.exit(min(int(j.get("code", 1)) for j in failed.values()))
 
 
-if __name__ == "__main__":
+def _main() -> None:
+    """main(), with a signal that a library turned into another exception while importing (a dataclass's
+    __set_name__ wraps it in a RuntimeError) still the interruption it is."""
     try:
         main()
+    except Exception as e:
+        if SIGNALS_STATE.interrupted_start():
+            raise Interrupted(SIGNALS_STATE.received) from e
+        raise
+
+
+if __name__ == "__main__":
+    try:
+        _main()
         SIGNALS_STATE.finish()  # done: a signal while the interpreter shuts down changes nothing
     except SystemExit:
         SIGNALS_STATE.finish()  # the exit code is decided

@@ -273,3 +273,25 @@ def test_json_written_by_a_run_is_standard(tmp_path, cli):
             for text in p.read_text().splitlines() if p.suffix == ".jsonl" else [p.read_text()]:
                 json.loads(text, parse_constant=lambda c: pytest.fail(f"{p}: bare {c}"))
     assert os.listdir(tmp_path / "cwd") == []
+
+
+def test_a_signal_a_library_wrapped_while_importing_is_still_an_interruption(monkeypatch):
+    """Seen once: the handler's Interrupted, raised while a dataclass was being created during an import,
+    came out as `RuntimeError: Error calling __set_name__`; it is the interruption, exit 75, not a traceback."""
+    import pipeline.__main__ as entry
+    from pipeline.signals import SIGNALS_STATE, Interrupted
+
+    def importing():
+        try:
+            raise Interrupted(signal.SIGTERM)
+        except Interrupted as e:
+            raise RuntimeError("Error calling __set_name__ on '_FieldInfo' instance") from e
+
+    monkeypatch.setattr(entry, "main", importing)
+    monkeypatch.setattr(SIGNALS_STATE, "received", signal.SIGTERM)
+    monkeypatch.setattr(SIGNALS_STATE, "held", False)
+    with pytest.raises(Interrupted):
+        entry._main()
+    monkeypatch.setattr(SIGNALS_STATE, "received", None)  # no signal: the error is the error
+    with pytest.raises(RuntimeError):
+        entry._main()
