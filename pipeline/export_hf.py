@@ -70,7 +70,7 @@ def gpt2_config(*, n_layer: int, n_head: int, n_embd: int, n_positions: int, voc
     }
 
 
-def tokenizer_files(vocab: list[str], join: str, n_positions: int) -> dict[str, bytes]:
+def tokenizer_files(vocab: list[str], join: str, n_positions: int, eos: str | None = EOS) -> dict[str, bytes]:
     """tokenizer.json (a `tokenizers` WordLevel model over the corpus vocabulary, ids unchanged) and
     tokenizer_config.json. Words (join " "): split at whitespace; characters (join ""): every character one
     token, decoded fused. No unknown token: text outside the vocabulary is an error.
@@ -98,7 +98,7 @@ def tokenizer_files(vocab: list[str], join: str, n_positions: int) -> dict[str, 
         tok.decoder = decoders.Fuse()
     else:
         raise ValueError(f"no tokenizer for a corpus decoded with {join!r} between tokens (words or characters only)")
-    specials = [EOS] if EOS in vocab else []
+    specials = [eos] if eos is not None and eos in vocab else []
     if specials:
         tok.add_special_tokens(specials)  # already in the vocabulary: same id, never split, skippable on decode
     config = {
@@ -106,7 +106,7 @@ def tokenizer_files(vocab: list[str], join: str, n_positions: int) -> dict[str, 
         "model_max_length": n_positions,
         # transformers would otherwise rewrite " ," as "," on decode: the corpus's text is the tokens joined
         "clean_up_tokenization_spaces": False,
-        **({"bos_token": EOS, "eos_token": EOS, "pad_token": EOS} if specials else {}),
+        **({"bos_token": eos, "eos_token": eos, "pad_token": eos} if specials else {}),
     }
     return {"tokenizer.json": tok.to_str(pretty=True).encode() + b"\n",
             "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
@@ -123,9 +123,11 @@ def write_hf(
     out_dir,
     vocab: list[str] | None = None,
     join: str | None = None,
+    eos: str | None = EOS,
 ) -> Path:
     """Check names and shapes, then write config.json and model.safetensors (float32) into out_dir, and the
-    tokenizer files when the vocabulary (and how the corpus joins its tokens) is given."""
+    tokenizer files when the vocabulary (and how the corpus joins its tokens) is given; `eos`, the corpus's
+    end-of-sentence token if in the vocabulary, is the bos, eos and pad token."""
     if n_embd % n_head:
         raise ValueError(f"n_embd {n_embd} is not divisible by n_head {n_head}")
     shapes = expected_shapes(n_layer=n_layer, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size)
@@ -145,10 +147,10 @@ def write_hf(
     if vocab is not None:
         if len(vocab) != vocab_size:
             raise ValueError(f"the vocabulary has {len(vocab)} tokens, the model {vocab_size}")
-        files.update(tokenizer_files(list(vocab), join, n_positions))
-    eos = list(vocab).index(EOS) if vocab is not None and EOS in vocab else None
+        files.update(tokenizer_files(list(vocab), join, n_positions, eos))
+    eos_id = list(vocab).index(eos) if vocab is not None and eos is not None and eos in vocab else None
     config = gpt2_config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size,
-                         eos_token_id=eos)
+                         eos_token_id=eos_id)
     files["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
     files["model.safetensors"] = save(tensors, metadata={"format": "pt"})
     out = Path(out_dir)
@@ -165,8 +167,9 @@ def _refuse(message: object) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Export a MiniGPT checkpoint as a Hugging Face GPT-2 directory.",
-                                     epilog="Overrides find the training data for the vocabulary: data.path=FILE "
-                                            "(a moved text file), paths.output_dir=DIR (the corpus cache)")
+                                     epilog="The vocabulary is the checkpoint's data.json; only for a checkpoint "
+                                            "written before it (schema 2.0) is the training data built, found with "
+                                            "data.path=FILE (a moved text file), paths.output_dir=DIR (the corpus cache)")
     parser.add_argument("checkpoint", metavar="CHECKPOINT")
     parser.add_argument("out_dir", metavar="OUT_DIR")
     parser.add_argument("overrides", nargs="*", help="data.path=FILE, paths.output_dir=DIR, hydra.searchpath=[...]")
@@ -174,19 +177,21 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.atomic import UnsafePathError
     from pipeline.checkpoint import CheckpointError
     from pipeline.schema import ConfigError
-    from pipeline.trained import own_data, restore_checkpoint
+    from pipeline.trained import data_facts, restore_checkpoint
 
     try:
         manifest, state = restore_checkpoint(Path(args.checkpoint), args.overrides)  # fully verified
         model = manifest["config"]["model"]
         if not str(model.get("_target_", "")).endswith("MiniGPT"):
             _refuse(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
-        dataset = own_data(manifest, args.overrides, Path(args.checkpoint))  # the vocabulary the model was trained on
+        facts = data_facts(manifest, args.overrides, Path(args.checkpoint))  # the vocabulary the model was trained on
+        if facts["vocab"] is None:
+            _refuse(f"{args.checkpoint}: its data has no vocabulary to make a tokenizer of")
         weights = state.model.state_dict()
         out = write_hf(weights, n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
                        n_positions=weights["transformer.wpe.weight"].shape[0],
                        vocab_size=weights["transformer.wte.weight"].shape[0], out_dir=args.out_dir,
-                       vocab=dataset.vocab, join=dataset.manifest["decode_join"])
+                       vocab=facts["vocab"], join=facts["decode_join"], eos=facts["specials"].get("eos"))
     except (CheckpointError, ConfigError, UnsafePathError, ValueError) as e:
         _refuse(e)
     print(f"wrote {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")

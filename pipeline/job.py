@@ -21,7 +21,7 @@ from hydra.utils import get_class, instantiate
 
 from pipeline import identity
 from pipeline.checkpoint import manifest as mf
-from pipeline.data.base import DataSpec
+from pipeline.data.base import DataSpec, inference_facts
 from pipeline.data.iterator import DataIterator
 from pipeline.rng import Streams
 from pipeline.schema import ConfigError, validate
@@ -161,7 +161,7 @@ def build(config: dict) -> Job:
     except (ValueError, OSError) as e:
         raise ConfigError(str(e)) from None
     stages = build_stages(config)
-    facts = mf.run_facts(config, sources, dataset.manifest_hash, data_spec(dataset))
+    facts = mf.run_facts(config, sources, dataset.manifest_hash, data_spec(dataset), inference_facts(dataset))
     facts["n_params"] = int(sum(p.size for p in state.model.params.values()))
     return Job(config, state, stages, tracker, sources, facts, run_dir_for(config, sources))
 

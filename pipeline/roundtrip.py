@@ -40,6 +40,7 @@ from pipeline.checkpoint import store
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.tensors import read_tensors, write_tensors
 from pipeline.identity import run_name, source_hashes
+from pipeline.data.base import inference_facts
 from pipeline.job import build_dataset, build_stages, build_state, data_spec
 from pipeline.run import lineage_of
 from pipeline.schema import PROJECT_ROOT, compose, error_line, to_plain
@@ -61,7 +62,8 @@ class Fresh:
         dataset = build_dataset(config)
         self.state = build_state(config, dataset.spec, dataset.n_train, dataset)
         self.parts = {**self.state.parts(), "stages": StageStates(build_stages(config))}
-        self.facts = mf.run_facts(config, source_hashes(config), dataset.manifest_hash, data_spec(dataset))
+        self.facts = mf.run_facts(config, source_hashes(config), dataset.manifest_hash, data_spec(dataset),
+                                  inference_facts(dataset))
 
     def train(self, n: int) -> list[float]:
         return [float(train_step(self.state)["train/loss"]) for _ in range(n)]

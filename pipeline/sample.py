@@ -1,12 +1,14 @@
 """`python -m pipeline.sample CHECKPOINT prompt="..." [max_new_tokens=50] [temperature=1.0] [top_k=0] [seed=0]`.
 
-Text from a MiniGPT checkpoint, through the vocabulary of the corpus it was trained on: the prompt is split as
-the corpus joins tokens (words at whitespace for data=grammar, characters for data=text), a word outside the
-vocabulary is refused naming it, and the tokens are decoded with the corpus's join. An empty prompt starts
-after `<eos>` when the vocabulary has one. Each new token is drawn from softmax(logits / temperature) over the
+Text from a MiniGPT checkpoint, through the vocabulary of the corpus it was trained on (the checkpoint's
+data.json: the corpus itself is not needed): the prompt is split as the corpus joins tokens (words at
+whitespace for data=grammar, characters for data=text), a word outside the vocabulary is refused naming it,
+and the tokens are decoded with the corpus's join. An empty prompt starts after the corpus's end-of-sentence
+token (`<eos>`) when it has one. Each new token is drawn from softmax(logits / temperature) over the
 top_k most likely tokens (0: all) of the last block_size tokens; temperature=0 takes the most likely one.
 The draws come from this command's own numpy Generator seeded with `seed`: the same seed, the same text.
-`data.path=FILE` (a moved text file) and `paths.output_dir=DIR` (the corpus cache) find the training data.
+Only for a checkpoint written before data.json existed (schema 2.0) is its training data built, found with
+`data.path=FILE` (a moved text file) and `paths.output_dir=DIR` (the corpus cache).
 Exit 0; 2 with one line for a checkpoint that does not verify or a bad argument (max_new_tokens above
 100,000 included, refused before any work); 75 with one line if interrupted (SIGINT, SIGTERM).
 """
@@ -20,7 +22,6 @@ import numpy as np
 
 from pipeline.signals import EXIT_BAD_INPUT
 
-EOS = "<eos>"
 # One forward pass per token: 100,000 is already minutes of text; more is a typo, refused before any work.
 MAX_NEW_TOKENS = 100_000
 
@@ -74,7 +75,8 @@ def split_prompt(prompt: str, join: str) -> list[str]:
     return prompt.split() if join.isspace() else [t for t in prompt.split(join) if t]
 
 
-def encode(prompt: str, vocab: list[str], join: str) -> list[int]:
+def encode(prompt: str, vocab: list[str], join: str, eos: str | None = "<eos>") -> list[int]:
+    """The prompt's ids; an empty prompt is [id of `eos`] (the token every sentence ends with)."""
     from pipeline.schema import ConfigError
 
     index = {t: i for i, t in enumerate(vocab)}
@@ -84,9 +86,9 @@ def encode(prompt: str, vocab: list[str], join: str) -> list[int]:
         shown = ", ".join(repr(t) for t in unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
         raise ConfigError(f"prompt: not in the corpus vocabulary of {len(vocab)} tokens: {shown}")
     if not tokens:
-        if EOS not in index:
-            raise ConfigError("prompt: empty, and this vocabulary has no <eos> to start from")
-        tokens = [EOS]
+        if eos not in index:
+            raise ConfigError(f"prompt: empty, and this vocabulary has no {eos or 'end-of-sentence token'} to start from")
+        tokens = [eos]
     return [index[t] for t in tokens]
 
 
@@ -115,7 +117,7 @@ def generate(model, ids: list[int], options: Options) -> list[int]:
 
 def sample(directory: Path, args: list[str]) -> str:
     from pipeline.schema import ConfigError
-    from pipeline.trained import own_data, restore_checkpoint
+    from pipeline.trained import data_facts, restore_checkpoint
 
     options, overrides = parse_options(args)
     manifest, state = restore_checkpoint(directory, overrides)
@@ -123,11 +125,11 @@ def sample(directory: Path, args: list[str]) -> str:
     if not (hasattr(model, "logits") and hasattr(model, "block_size")):
         raise ConfigError(f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
                           "does not generate tokens (sample needs a MiniGPT)")
-    dataset = own_data(manifest, overrides, directory)
-    vocab, join = getattr(dataset, "vocab", None), getattr(dataset, "manifest", {}).get("decode_join")
+    facts = data_facts(manifest, overrides, directory)
+    vocab, join = facts["vocab"], facts["decode_join"]
     if vocab is None or join is None:
-        raise ConfigError(f"data {type(dataset).__name__} has no vocabulary to decode tokens with")
-    ids = generate(model, encode(options.prompt, vocab, join), options)
+        raise ConfigError(f"data {manifest['config']['data'].get('_target_')} has no vocabulary to decode tokens with")
+    ids = generate(model, encode(options.prompt, vocab, join, facts["specials"].get("eos")), options)
     return join.join(vocab[i] for i in ids)
 
 

@@ -11,6 +11,8 @@
                                    its manifest names); the checkpoint's own `data.path` only if the file
                                    there is the one it was trained on (its sha256 in the manifest)
     own_data / other_data          the dataset built from that, checked against what the checkpoint learned
+    data_facts(manifest, ovr, dir) the vocabulary, decode join and special tokens the checkpoint learned: its
+                                   data.json (no corpus needed), or for a schema 2.0 checkpoint its own data
 
 Every refusal is a ConfigError or CheckpointError of one line; the callers exit 2 with it.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from pipeline import targets
 from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint import store
 from pipeline.checkpoint.store import MANIFEST, load, read_manifest
 from pipeline.schema import BY_TARGET, ConfigError, validate
 from pipeline.state import restore
@@ -180,35 +183,47 @@ def own_data(manifest: dict, overrides: list[str], directory: Path):
     return dataset
 
 
-def check_fits(manifest: dict, dataset, own=None) -> None:
+def data_facts(manifest: dict, overrides: list[str], directory: Path) -> dict:
+    """{"vocab", "decode_join", "specials"} of the checkpoint at `directory` (whose verified `manifest` is
+    given): its data.json, so its corpus may be gone; a schema 2.0 checkpoint has none, and its own data is
+    built (own_data: `overrides` may say where its text file or corpus cache is)."""
+    from pipeline.data.base import inference_facts
+
+    facts = store.data_facts(directory, manifest)
+    return facts if facts is not None else inference_facts(own_data(manifest, overrides, directory))
+
+
+def check_fits(manifest: dict, dataset, vocab: list[str] | None = None) -> None:
     """Refuse data whose spec (vocabulary size, sequence length, features, targets) differs from the
-    checkpoint's, naming each difference; with the checkpoint's own dataset at hand, its vocabulary too."""
+    checkpoint's, naming each difference; given the checkpoint's vocabulary, the data's too."""
     saved = {k: v for k, v in manifest["data_spec"].items() if k != "n_train"}
     here = spec_of(dataset)
     diff = [f"{k} {saved[k]} -> {here.get(k)}" for k in saved if saved[k] != here.get(k)]
     if diff:
         raise ConfigError(f"data {type(dataset).__name__}: its spec differs from the checkpoint's "
                           f"({', '.join(diff)}): the model cannot read it")
-    if own is not None and getattr(own, "vocab", None) is not None and getattr(dataset, "vocab", None) is not None:
-        changed = [i for i, (a, b) in enumerate(zip(own.vocab, dataset.vocab)) if a != b]
+    if vocab is not None and getattr(dataset, "vocab", None) is not None:
+        changed = [i for i, (a, b) in enumerate(zip(vocab, dataset.vocab)) if a != b]
         if changed:
             i = changed[0]
             raise ConfigError(f"data {type(dataset).__name__}: its vocabulary differs from the checkpoint's at "
-                              f"{len(changed)} ids (id {i}: {own.vocab[i]!r} -> {dataset.vocab[i]!r})")
+                              f"{len(changed)} ids (id {i}: {vocab[i]!r} -> {dataset.vocab[i]!r})")
 
 
 def other_data(manifest: dict, overrides: list[str], directory: Path):
-    """The dataset `overrides` ask for (the checkpoint's own by default), refused if the model cannot read it."""
+    """The dataset `overrides` ask for (the checkpoint's own by default: regenerated from its config if its
+    corpus is gone), refused if the model cannot read it: its spec, and its vocabulary against the
+    checkpoint's data.json."""
     config = data_config(manifest, list(overrides), directory)
     dataset = build_data(config)
     if dataset.manifest_hash == manifest["data_manifest_hash"]:
         return dataset
-    own = None
+    vocab = None
     if getattr(dataset, "vocab", None) is not None:
         try:
-            own = own_data(manifest, [o for o in overrides if o.startswith(("paths.", "hydra."))], directory)
-        except ConfigError as e:
+            vocab = data_facts(manifest, [o for o in overrides if o.startswith(("paths.", "hydra."))], directory)["vocab"]
+        except ConfigError as e:  # a schema 2.0 checkpoint whose own data does not build here
             log.warning("cannot compare vocabularies (the checkpoint's own data does not build here: %s); "
                         "checking the spec only", e)
-    check_fits(manifest, dataset, own)
+    check_fits(manifest, dataset, vocab)
     return dataset

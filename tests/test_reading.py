@@ -214,7 +214,7 @@ def a_copy(finished: Path, tmp_path: Path) -> tuple[Path, Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", ["manifest.json", "weights.safetensors", "extra.json"])
+@pytest.mark.parametrize("name", ["manifest.json", "weights.safetensors", "extra.json", "data.json"])
 def test_a_checkpoint_file_that_is_not_a_regular_file_is_refused_by_every_reader(name, kind, finished, tmp_path):
     out, ckpt = a_copy(finished, tmp_path)
     plant(ckpt / name, kind)

@@ -274,12 +274,16 @@ def test_a_checkpoint_does_not_choose_which_of_your_files_is_read(text_run, tmp_
     private.write_text("a secret the checkpoint would like tokenized into a cache it can name\n" * 20)
     checkpoint = planted_copy(out, tmp_path, "data.path", str(private))
     before = tree(tmp_path)
-    for module, args in (("pipeline.evaluate", ()), ("pipeline.sample", ("prompt=a",))):
-        proc = subprocess.run([sys.executable, "-m", module, str(checkpoint), *args], cwd=tmp_path,
-                              env=env_for_subprocess(), capture_output=True, text=True)
-        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-        assert f"data.path={private} (the checkpoint's): not the file" in proc.stderr and "data.path=FILE" in proc.stderr
-        assert tree(tmp_path) == before  # no corpus of it cached anywhere
+    proc = subprocess.run([sys.executable, "-m", "pipeline.evaluate", str(checkpoint)], cwd=tmp_path,
+                          env=env_for_subprocess(), capture_output=True, text=True)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"data.path={private} (the checkpoint's): not the file" in proc.stderr and "data.path=FILE" in proc.stderr
+    assert tree(tmp_path) == before  # no corpus of it cached anywhere
+    # sample reads no data at all (the vocabulary is the checkpoint's data.json): the planted path is never opened
+    proc = subprocess.run([sys.executable, "-m", "pipeline.sample", str(checkpoint), "prompt=Abc", "max_new_tokens=3"],
+                          cwd=tmp_path, env=env_for_subprocess(), capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("Abc"), proc.stderr
+    assert tree(tmp_path) == before
 
 
 def test_the_corpus_cache_is_beside_the_run_never_inside_an_archive(tmp_path):

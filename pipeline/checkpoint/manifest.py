@@ -4,6 +4,10 @@ Fields: schema_version; step, epoch; metrics (measured at this step); tags (the 
 checkpoint); lineage (which run history it belongs to); config and its hashes, sources (input files by
 content), data_manifest_hash and data_spec; seed, git_sha, git_dirty, versions, hardware; mlflow_run_uri;
 allowed_changes (after a resume that let them through); files ({name: {size, sha256}}), written last.
+
+Schema 2.1 adds data.json to the files (the data's vocabulary, decode join and special tokens: the run facts'
+`data_facts`, which the store writes as that file rather than into the manifest). A 2.0 checkpoint, written
+before it, is still read: the tools then build its data to find its vocabulary.
 """
 from __future__ import annotations
 
@@ -18,7 +22,9 @@ from pathlib import Path
 from pipeline import jsonio
 from pipeline.identity import config_hash, semantic_hash
 
-SCHEMA_VERSION = "2.0"
+SCHEMA_VERSION = "2.1"
+READABLE = ("2.0", SCHEMA_VERSION)  # 2.0: no data.json
+DATA_FACTS = "data_facts"  # the run facts' entry the store writes as data.json, not into manifest.json
 PACKAGES = ("pipeline", "numpy", "safetensors", "hydra-core", "omegaconf", "mlflow")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -84,9 +90,11 @@ def hardware() -> dict:
             "blas": blas}
 
 
-def run_facts(config: dict, sources: dict, data_manifest_hash: str, data_spec: dict) -> dict:
-    """The run-level fields every checkpoint of a run carries, computed once per run."""
+def run_facts(config: dict, sources: dict, data_manifest_hash: str, data_spec: dict, data_facts: dict) -> dict:
+    """The run-level fields every checkpoint of a run carries, computed once per run; `data_facts`
+    (pipeline.data.base.inference_facts) become each checkpoint's data.json."""
     return {
+        DATA_FACTS: data_facts,
         **git_info(),
         "config": config,
         "config_hash": config_hash(config),
@@ -119,9 +127,9 @@ def check(m) -> dict:
     if not isinstance(m, dict):
         raise ManifestError("not a JSON object")
     version = m.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ManifestError(f"schema_version {version!r}: this pipeline reads schema_version {SCHEMA_VERSION!r} "
-                            "only (a checkpoint of another version of the pipeline)")
+    if version not in READABLE:
+        raise ManifestError(f"schema_version {version!r}: this pipeline reads schema_version "
+                            f"{' and '.join(map(repr, READABLE))} only (a checkpoint of another version of the pipeline)")
     step = _require(m, "step", int, "a non-negative integer")
     if step < 0 or _require(m, "epoch", int, "a non-negative integer") < 0:
         raise ManifestError("'step' and 'epoch' must be non-negative")

@@ -6,6 +6,11 @@ A checkpoint is one directory holding the run's state tree ({part: state_dict}, 
     optim.safetensors     every other part's arrays, named by path: optimizer/exp_avg/<param>,
                           data_iter/permutation, ...
     extra.json            every part's JSON values (the same tree with the arrays taken out)
+    data.json             what reading and writing the model's tokens needs of the data, the same for every
+                          checkpoint of a run: {"vocab": [token by id] or null, "decode_join": " " (words),
+                          "" (characters) or null, "specials": {"eos": "<eos>"}}; no corpus tokens. With it a
+                          checkpoint samples and exports with its corpus deleted (schema 2.1; a 2.0 checkpoint
+                          has none, and a tool builds its data instead)
     manifest.json         written last: the facts, and the size and sha256 of every other file
 It is written as a hidden temporary directory, fsynced, and renamed into place, so a visible checkpoint is
 always complete. Loading checks everything before a single live object changes: the manifest against
@@ -47,7 +52,10 @@ from pipeline.checkpoint.tensors import DigestMismatch, layout, read_tensors, wr
 from pipeline.state import PARTS, SEP, StateMismatch, capture, check, merge, split
 
 WEIGHTS, OPTIM, EXTRA, MANIFEST = "weights.safetensors", "optim.safetensors", "extra.json", "manifest.json"
-REQUIRED = (WEIGHTS, OPTIM, EXTRA)
+DATA = "data.json"
+REQUIRED = (WEIGHTS, OPTIM, EXTRA, DATA)
+REQUIRED_BY = {"2.0": (WEIGHTS, OPTIM, EXTRA), mf.SCHEMA_VERSION: REQUIRED}  # schema_version -> files it lists
+MAX_DATA = 16 << 20  # bytes; a vocabulary of 65,536 characters is under 1 MB
 MAX_MANIFEST = 16 << 20  # bytes; a legitimate manifest is a few KB (config, facts, file table)
 MAX_EXTRA = 16 << 20  # bytes; the JSON state (RNG streams, counters, stage state), a few KB
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -67,6 +75,7 @@ class Checkpoint:
     directory: Path
     manifest: dict
     state: dict  # {part: state_dict}: arrays (tied names one object) and JSON values
+    data: dict | None = None  # data.json, verified (None: a schema 2.0 checkpoint, written without it)
 
     @property
     def step(self) -> int:
@@ -87,10 +96,13 @@ def record_of(manifest: dict) -> Record:
 def write(directory: Path, tree: dict, fields: dict, replace: bool = False) -> dict:
     """Write `tree` ({part: state_dict}) as a checkpoint at `directory`, atomically; returns its manifest.
 
-    `fields` are the manifest's fields but `files` (see checkpoint/manifest.py). With replace=True an
-    existing checkpoint there is swapped out; otherwise one already there is an error.
+    `fields` are the manifest's fields but `files` (see checkpoint/manifest.py), and `data_facts`, written
+    as data.json. With replace=True an existing checkpoint there is swapped out; otherwise one already
+    there is an error.
     """
     directory = Path(directory)
+    fields = dict(fields)
+    data = fields.pop(mf.DATA_FACTS)
     arrays, json_tree = split(tree)
     weights = tree["model"]
     other = {k: a for k, a in arrays.items() if not k.startswith("model" + SEP)}
@@ -108,6 +120,7 @@ def write(directory: Path, tree: dict, fields: dict, replace: bool = False) -> d
         killpoint.point("save", "after weights")
         killpoint.point("save", "after optim")
         files[EXTRA] = write_new(tmp / EXTRA, jsonio.dumps(extra, indent=None))
+        files[DATA] = write_new(tmp / DATA, jsonio.dumps(data, indent=None))  # sorted keys: the same bytes each save
         manifest = {**fields, "files": files}
         killpoint.point("save", "before manifest")
         write_new(tmp / MANIFEST, jsonio.dumps(manifest))  # last: a directory with a manifest is complete
@@ -186,7 +199,7 @@ def _check_listing(directory: Path, manifest: dict) -> dict[str, dict]:
         if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
                 and isinstance(entry.get("sha256"), str) and SHA256.match(entry["sha256"])):
             raise CheckpointError(directory, MANIFEST, f"entry for {name} needs an integer size and a sha256 hex digest")
-    for name in REQUIRED:
+    for name in REQUIRED_BY[manifest["schema_version"]]:
         if name not in listed:
             raise CheckpointError(directory, MANIFEST, f"does not list {name}")
     with os.scandir(directory) as it:
@@ -204,6 +217,62 @@ def _check_listing(directory: Path, manifest: dict) -> dict[str, dict]:
         if st.st_size != entry["size"]:
             raise CheckpointError(directory, name, f"size {st.st_size} bytes, manifest says {entry['size']}")
     return listed
+
+
+def _data_problem(data, spec: dict) -> str | None:
+    """Why data.json cannot be the data of a checkpoint whose manifest says `spec` (None: it can)."""
+    if not (isinstance(data, dict) and set(data) == {"vocab", "decode_join", "specials"}):
+        return "must be an object of vocab, decode_join and specials"
+    vocab, join, specials = data["vocab"], data["decode_join"], data["specials"]
+    size = spec.get("vocab_size")
+    if vocab is None:
+        if size or join is not None or specials != {}:
+            return f"has no vocabulary, but the manifest's data_spec says vocab_size {size!r:.20}"
+        return None
+    if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)) or len(set(vocab)) != len(vocab):
+        return "vocab must be a list of distinct tokens"
+    if len(vocab) != size:
+        return f"vocab holds {len(vocab)} tokens, but the manifest's data_spec says vocab_size {size!r:.20}"
+    if not isinstance(join, str):
+        return "decode_join must be a string"
+    if not (isinstance(specials, dict) and all(isinstance(t, str) and t in vocab for t in specials.values())):
+        return "specials must map roles to tokens of vocab"
+    return None
+
+
+def _read_data(directory: Path, manifest: dict, listed: dict) -> dict | None:
+    """data.json, bounded, hashed against its listing and checked against the manifest's data_spec; None
+    for a schema 2.0 checkpoint (listed files are checked by _check_listing first)."""
+    if DATA not in REQUIRED_BY[manifest["schema_version"]]:
+        return None
+    try:
+        raw = jsonio.read_bytes(directory / DATA, MAX_DATA)
+    except (OSError, jsonio.JSONError) as e:
+        raise CheckpointError(directory, DATA, _os_reason(e)) from None
+    if hashlib.sha256(raw).hexdigest() != listed[DATA]["sha256"]:
+        raise CheckpointError(directory, DATA, CORRUPTED)
+    try:
+        data = jsonio.loads(raw)
+    except jsonio.JSONError as e:
+        raise CheckpointError(directory, DATA, str(e)) from None
+    if problem := _data_problem(data, manifest["data_spec"]):
+        raise CheckpointError(directory, DATA, problem)
+    return data
+
+
+def data_facts(directory: Path, manifest: dict | None = None) -> dict | None:
+    """A checkpoint's data.json ({"vocab", "decode_join", "specials"}), verified against its manifest
+    (the file listed, its size and sha256, the vocabulary the size data_spec says), without reading the
+    tensors; None for a schema 2.0 checkpoint, which has none. Given the `manifest` a caller already
+    verified (store.load's), the checkpoint must still have it."""
+    given = Path(directory)
+    directory = checkpoint_dir(given)
+    if not directory.is_dir():
+        raise CheckpointError(given, "", "not a directory")
+    here = read_manifest(directory)
+    if manifest is not None and here != manifest:
+        raise CheckpointError(directory, MANIFEST, "changed while it was read")
+    return _read_data(directory, here, _check_listing(directory, here))
 
 
 def _read_tensor_file(directory: Path, name: str, entry: dict, expect: dict | None) -> dict[str, np.ndarray]:
@@ -297,6 +366,7 @@ def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
         raise CheckpointError(directory, EXTRA, _os_reason(e)) from None
     if hashlib.sha256(raw).hexdigest() != listed[EXTRA]["sha256"]:
         raise CheckpointError(directory, EXTRA, CORRUPTED)
+    data = _read_data(directory, manifest, listed)
     live = capture(parts) if parts is not None else None
     weights_layout, optim_layout = _layouts(live)
     with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:  # side by side, as in write()
@@ -333,7 +403,7 @@ def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
         except StateMismatch as e:
             raise CheckpointError(directory, files_of(e, tree, live), f"{e.part} does not fit the live run: "
                                                                        f"{e.reason}") from None
-    return Checkpoint(given, manifest, tree)
+    return Checkpoint(given, manifest, tree, data)
 
 
 def verify(directory: Path, parts: Mapping | None = None) -> dict:
@@ -420,7 +490,7 @@ class CheckpointStore:
         manifest = write(directory, tree, fields, replace=True)
         self.records()
         self._records[step] = record_of(manifest)
-        return Checkpoint(directory, manifest, tree)
+        return Checkpoint(directory, manifest, tree, fields[mf.DATA_FACTS])
 
     def retain(self, policy: Policy, links: dict[str, Policy], upto: int) -> list[int]:
         """Point each link at what its policy selects, then delete every step directory no policy keeps.

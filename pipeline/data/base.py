@@ -42,3 +42,11 @@ class Dataset(Protocol):
     def baseline_metrics(self) -> dict[str, float]:
         """Fixed reference metrics for this data (e.g. val/ngram_baseline_ppl); {} if none."""
         ...
+
+
+def inference_facts(dataset) -> dict:
+    """{"vocab": [token, ...] by id, "decode_join": str, "specials": {role: token}} of token data; for data
+    without a vocabulary (rows) {"vocab": None, "decode_join": None, "specials": {}}. Computed once per run,
+    it travels in every checkpoint as data.json, so sample and export never need the corpus."""
+    facts = getattr(dataset, "inference_facts", None)
+    return facts() if facts is not None else {"vocab": None, "decode_join": None, "specials": {}}

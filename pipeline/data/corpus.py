@@ -220,8 +220,10 @@ def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], C
 
 
 class TokenDataset:
-    kind = "tokens"
     """Non-overlapping windows of T+1 tokens over a verified corpus directory (the Dataset protocol)."""
+
+    kind = "tokens"
+    specials: dict[str, str] = {}  # role -> token of the vocabulary ({"eos": "<eos>"}): what a tool starts from
 
     def __init__(self, directory: Path, val_batch_size: int = 32):
         self.directory = Path(directory)
@@ -272,3 +274,7 @@ class TokenDataset:
 
     def decode(self, ids) -> str:
         return self._join.join(self.vocab[int(i)] for i in np.asarray(ids).reshape(-1))
+
+    def inference_facts(self) -> dict:
+        """What reading and writing the model's tokens needs of this data (a checkpoint's data.json)."""
+        return {"vocab": list(self.vocab), "decode_join": self._join, "specials": dict(self.specials)}

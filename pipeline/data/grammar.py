@@ -380,6 +380,8 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
 class GrammarCorpus(TokenDataset):
     """`data=grammar`: the grammar corpus under <output_dir>/data/grammar-<hash>/, generated once."""
 
+    specials = {"eos": EOS}  # every sentence ends with it: an empty prompt starts after one
+
     def __init__(
         self,
         cache_dir: str,

@@ -14,7 +14,7 @@ from pathlib import Path
 from pipeline import jsonio
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import versions
-from pipeline.checkpoint.store import EXTRA, OPTIM, WEIGHTS, verify
+from pipeline.checkpoint.store import DATA, EXTRA, OPTIM, WEIGHTS, verify
 from pipeline.rundir import RunDir
 from pipeline.verify.protocol import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, verify_dir
 
@@ -46,7 +46,7 @@ def final_state(output_dir: Path) -> dict:
     kept = {}
     for step, directory in rundir.store.steps():
         files = verify(directory)["files"]
-        kept[step] = {name: files[name]["sha256"] for name in (WEIGHTS, OPTIM, EXTRA)}
+        kept[step] = {name: files[name]["sha256"] for name in (WEIGHTS, OPTIM, EXTRA, DATA)}
     final = rundir.store.link_step("final")
     extra = jsonio.read(rundir.store.root / "final" / EXTRA, 1 << 24)
     lines = [{k: v for k, v in line.items() if k != "time"} for line in rundir.read_metrics()]

@@ -7,6 +7,7 @@ from pathlib import Path
 from pipeline import identity, jsonio
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint import store
+from pipeline.data.base import inference_facts
 from pipeline.job import build_dataset, build_stages, build_state, data_spec
 from pipeline.run import lineage_of
 from pipeline.stages.base import StageStates
@@ -42,7 +43,8 @@ def main(argv=None) -> None:
     while state.step < target:
         records.append(train_step(state))
     if args.mode == "interrupted":
-        facts = mf.run_facts(config, identity.source_hashes(config), dataset.manifest_hash, data_spec(dataset))
+        facts = mf.run_facts(config, identity.source_hashes(config), dataset.manifest_hash, data_spec(dataset),
+                              inference_facts(dataset))
         fields = mf.build(facts, step=state.step, epoch=state.epoch, metrics={}, tags=[],
                           lineage=lineage_of(facts["semantic_config_hash"], None))
         store.write(out / "checkpoint", capture(parts), fields)

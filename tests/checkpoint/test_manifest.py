@@ -15,7 +15,7 @@ import pytest
 
 from conftest import KERNODECK, PROJECT_ROOT, run_job, the_run
 from pipeline.checkpoint import manifest as mf
-from pipeline.checkpoint.store import EXTRA, MANIFEST, OPTIM, WEIGHTS
+from pipeline.checkpoint.store import DATA, EXTRA, MANIFEST, OPTIM, WEIGHTS
 from pipeline.rundir import RunDir
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -31,7 +31,7 @@ def saved(tmp_path_factory):
 
 def test_step_epoch_metrics_tags_seed(saved):
     m = saved["manifest"]
-    assert m["schema_version"] == mf.SCHEMA_VERSION == "2.0"
+    assert m["schema_version"] == mf.SCHEMA_VERSION == "2.1"
     assert (m["step"], m["epoch"]) == (10, 1)  # 6 batches of 4 per epoch
     assert set(m["metrics"]) == {"train/loss", "lr", "grad_norm", "val/loss"}  # measured at this step
     assert m["tags"] == ["best_val", "final"]  # the stages that asked for it
@@ -89,7 +89,7 @@ def test_hardware(saved):
 def test_files_lists_size_and_sha256_of_every_other_file(saved):
     directory, m = saved["directory"], saved["manifest"]
     others = {p.name for p in directory.iterdir()} - {MANIFEST}
-    assert set(m["files"]) == others == {WEIGHTS, OPTIM, EXTRA}
+    assert set(m["files"]) == others == {WEIGHTS, OPTIM, EXTRA, DATA}
     for name, entry in m["files"].items():
         data = (directory / name).read_bytes()
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name

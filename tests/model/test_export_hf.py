@@ -201,20 +201,37 @@ OUT = {"generated": out["generated_text"], "greedy": tok.decode(ids[0])}
 
 
 @NEEDS_TOKENIZERS
-def test_a_moved_text_file_is_found_by_data_path_or_refused_in_one_line(text_export, tmp_path, capsys):
-    ckpt, _ = text_export
+def test_a_moved_text_file_is_not_needed_but_by_a_schema_2_0_checkpoint(text_export, tmp_path, capsys):
+    """The vocabulary is the checkpoint's data.json; a checkpoint written before it (schema 2.0) builds its
+    data instead, finding a moved text file by data.path or refused in one line."""
+    import hashlib
+    import shutil
+
+    from pipeline.checkpoint.store import DATA, checkpoint_dir
+
+    ckpt, hf = text_export
+    old = tmp_path / "runs" / "r" / "checkpoints" / checkpoint_dir(ckpt).name  # its corpus cache: tmp_path/data
+    shutil.copytree(checkpoint_dir(ckpt), old)
+    (old / DATA).unlink()
+    m = json.loads((old / "manifest.json").read_text())
+    del m["files"][DATA]
+    (old / "manifest.json").write_text(json.dumps({**m, "schema_version": "2.0"}))
     moved = tmp_path / "moved.txt"
-    source = Path(json.loads((ckpt / "manifest.json").read_text())["config"]["data"]["path"])
+    source = Path(m["config"]["data"]["path"])
     moved.write_bytes(source.read_bytes())
     source.rename(tmp_path / "gone.txt")
+    digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in hf.iterdir()}
     try:
+        main([str(ckpt), str(tmp_path / "new")])
+        assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "new").iterdir()} == digest
+        capsys.readouterr()
         with pytest.raises(SystemExit) as info:
-            main([str(ckpt), str(tmp_path / "hf")])
+            main([str(old), str(tmp_path / "hf")])
         assert info.value.code == 2
         err = capsys.readouterr().err
         assert "text file not found" in err and len(err.strip().splitlines()) == 1
         assert not (tmp_path / "hf").exists()
-        main([str(ckpt), str(tmp_path / "hf"), f"data.path={moved}"])
-        assert (tmp_path / "hf" / "tokenizer.json").is_file()
+        main([str(old), str(tmp_path / "hf"), f"data.path={moved}"])
+        assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "hf").iterdir()} == digest
     finally:
         (tmp_path / "gone.txt").rename(source)
