@@ -127,6 +127,12 @@ def sample(directory: Path, args: list[str]) -> str:
     vocab, join = getattr(dataset, "vocab", None), getattr(dataset, "manifest", {}).get("decode_join")
     if vocab is None or join is None:
         raise ConfigError(f"data {type(dataset).__name__} has no vocabulary to decode tokens with")
+    return continuation(model, vocab, join, options)
+
+
+def continuation(model, vocab: list[str], join: str, options: Options) -> str:
+    """The prompt and its max_new_tokens drawn tokens, as text (what the command prints, and a registered
+    model's predict returns)."""
     ids = generate(model, encode(options.prompt, vocab, join), options)
     return join.join(vocab[i] for i in ids)
 
