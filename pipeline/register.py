@@ -48,7 +48,7 @@ def signature_of(manifest: dict, model):
     from mlflow.types import ColSpec, Schema, TensorSpec
     from mlflow.types.schema import AnyType
 
-    from pipeline.serving.checkpoint_model import OPTIONS
+    from pipeline.serving import OPTIONS
 
     if hasattr(model, "logits"):
         # The options untyped: mlflow refuses an int64 column as double and, as long, the floats (with NaN) a
@@ -82,18 +82,24 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     """Log the checkpoint at `checkpoint_dir` as a pyfunc model (from code, no pickle) and register it as the
     next version of `name` in `tracking_uri` (default: see the module docstring); the mlflow ModelVersion.
     CheckpointError / ConfigError / StoreError (one line) for a checkpoint, data or store that will not do."""
-    import mlflow
-
     from pipeline import jsonio
     from pipeline.checkpoint.store import checkpoint_dir as resolve
-    from pipeline.serving.checkpoint_model import CHECKPOINT, DATA_JSON, VOCAB
-    from pipeline.tracking.common import parse_run_uri, sqlite_path, tag_value
-    from pipeline.tracking.store import ensure_experiment, open_client
+    from pipeline.serving import CHECKPOINT, DATA_JSON, VOCAB
     from pipeline.trained import own_data, restore_checkpoint
 
     given = Path(checkpoint_dir)
     directory = resolve(given)  # `final`, `best`: the step directory they stand for
-    manifest, state = restore_checkpoint(directory)  # refused here, before anything is written
+    manifest, state = restore_checkpoint(directory)  # refused here, before mlflow is imported or a byte written
+    vocab = None
+    if hasattr(state.model, "logits") and not (directory / DATA_JSON).is_file():
+        dataset = own_data(manifest, [], given)
+        vocab = {"vocab": list(dataset.vocab), "decode_join": dataset.manifest["decode_join"]}
+
+    import mlflow
+
+    from pipeline.tracking.common import parse_run_uri, sqlite_path, tag_value
+    from pipeline.tracking.store import ensure_experiment, open_client
+
     uri = tracking_uri_for(given, tracking_uri)
     db = sqlite_path(uri)
     artifact_root = str(db.parent / "mlartifacts") if db is not None else None
@@ -102,17 +108,14 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     experiment = (config.get("tracking") or {}).get("experiment") or config.get("name") or "default"
     experiment_id = ensure_experiment(client, str(experiment), artifact_root)
     signature, example = signature_of(manifest, state.model)
+    _, _, run_id = parse_run_uri(manifest.get("mlflow_run_uri"))
+    tags = {"checkpoint": str(directory), "step": manifest.get("step"), "config_hash": manifest.get("config_hash"),
+            "training_run_id": run_id, "training_run_uri": manifest.get("mlflow_run_uri")}
     with tempfile.TemporaryDirectory(prefix="pipeline-register-") as tmp:
         artifacts = {CHECKPOINT: str(directory)}
-        if hasattr(state.model, "logits") and not (directory / DATA_JSON).is_file():
-            dataset = own_data(manifest, [], given)
-            vocab_json = Path(tmp) / "vocab.json"
-            vocab_json.write_bytes(jsonio.dumps({"vocab": list(dataset.vocab),
-                                                 "decode_join": dataset.manifest["decode_join"]}))
-            artifacts[VOCAB] = str(vocab_json)
-        _, _, run_id = parse_run_uri(manifest.get("mlflow_run_uri"))
-        tags = {"checkpoint": str(directory), "step": manifest.get("step"), "config_hash": manifest.get("config_hash"),
-                "training_run_id": run_id, "training_run_uri": manifest.get("mlflow_run_uri")}
+        if vocab is not None:
+            (Path(tmp) / "vocab.json").write_bytes(jsonio.dumps(vocab))
+            artifacts[VOCAB] = str(Path(tmp) / "vocab.json")
         previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
         mlflow.set_tracking_uri(uri)
         mlflow.set_registry_uri(uri)

@@ -15,11 +15,9 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
 
-CHECKPOINT, VOCAB = "checkpoint", "vocab"  # artifact names
-DATA_JSON = "data.json"  # a checkpoint's own record of its data, when it has one
+from pipeline.serving import CHECKPOINT, DATA_JSON, OPTIONS, VOCAB
+
 MAX_VOCAB_JSON = 64 << 20  # bytes; a vocabulary of a million tokens is a few MB
-# The columns a MiniGPT row may give (all but prompt optional), as pipeline.sample takes them.
-OPTIONS = ("prompt", "max_new_tokens", "temperature", "top_k", "seed")
 
 
 def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str]:
