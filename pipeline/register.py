@@ -24,6 +24,7 @@ import argparse
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.signals import EXIT_BAD_INPUT, EXIT_ERROR
@@ -56,7 +57,7 @@ def signature_of(manifest: dict, model):
         inputs = Schema([ColSpec("string", "prompt"), *(ColSpec(AnyType(), k, required=False) for k in OPTIONS[1:])])
         return ModelSignature(inputs, Schema([ColSpec("string")])), [{"prompt": "", "max_new_tokens": 4, "seed": 0}]
     spec = manifest["data_spec"]
-    dtype = model.dtype
+    dtype = getattr(model, "dtype", "float64")
     inputs = Schema([TensorSpec(dtype, (-1, spec["n_features"]))])
     import numpy as np
 
@@ -78,6 +79,32 @@ def requirements() -> list[str]:
     return out
 
 
+@contextmanager
+def using_store(uri: str):
+    """mlflow's fluent API (log_model has no other) pointed at `uri` for the block, and all it changes put back:
+    its URIs and the MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI it writes into os.environ (so that
+    subprocesses inherit them), which a caller's later mlflow calls and subprocesses would otherwise follow.
+    mlflow keeps the set URIs in module globals of these two modules; they have no public getter."""
+    import mlflow
+    from mlflow.tracking._model_registry import utils as registry
+    from mlflow.tracking._tracking_service import utils as tracking
+
+    env = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    saved = tracking._tracking_uri, registry._registry_uri
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved[0])  # through the setter: it also resets what mlflow derived from it
+        registry._registry_uri = saved[1]
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     """Log the checkpoint at `checkpoint_dir` as a pyfunc model (from code, no pickle) and register it as the
     next version of `name` in `tracking_uri` (default: see the module docstring); the mlflow ModelVersion.
@@ -90,6 +117,11 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     given = Path(checkpoint_dir)
     directory = resolve(given)  # `final`, `best`: the step directory they stand for
     manifest, state = restore_checkpoint(directory)  # refused here, before mlflow is imported or a byte written
+    if not (hasattr(state.model, "logits") or hasattr(state.model, "predict")):
+        from pipeline.schema import ConfigError
+
+        raise ConfigError(f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
+                          "neither generates tokens (logits) nor predicts rows (predict): nothing to serve")
     vocab = None
     if hasattr(state.model, "logits") and not (directory / DATA_JSON).is_file():
         dataset = own_data(manifest, [], given)
@@ -116,18 +148,11 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
         if vocab is not None:
             (Path(tmp) / "vocab.json").write_bytes(jsonio.dumps(vocab))
             artifacts[VOCAB] = str(Path(tmp) / "vocab.json")
-        previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_registry_uri(uri)
-        try:
-            with mlflow.start_run(experiment_id=experiment_id, run_name=f"register {name}",
-                                  tags={k: tag_value(v) for k, v in tags.items() if v is not None}):
-                info = mlflow.pyfunc.log_model(name=ARTIFACT_PATH, python_model=str(CODE), artifacts=artifacts,
-                                               signature=signature, input_example=example,
-                                               pip_requirements=requirements(), registered_model_name=name)
-        finally:
-            mlflow.set_tracking_uri(previous[0])
-            mlflow.set_registry_uri(previous[1])
+        with using_store(uri), mlflow.start_run(experiment_id=experiment_id, run_name=f"register {name}",
+                                                tags={k: tag_value(v) for k, v in tags.items() if v is not None}):
+            info = mlflow.pyfunc.log_model(name=ARTIFACT_PATH, python_model=str(CODE), artifacts=artifacts,
+                                           signature=signature, input_example=example,
+                                           pip_requirements=requirements(), registered_model_name=name)
     return client.get_model_version(name, str(info.registered_model_version))
 
 

@@ -50,7 +50,9 @@ def registered(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == f"models:/{GPT}/1"
     mlp_uri = f"sqlite:///{root / 'registry' / 'mlflow.db'}"
+    before = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
     version = register(out[MLP], MLP, mlp_uri)
+    assert {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")} == before  # nothing left for a child
     assert (version.name, str(version.version)) == (MLP, "1")
     assert not (root / "cwd" / "mlflow.db").exists() and not (root / "cwd" / "mlruns").exists()
     return {GPT: (out[GPT], f"sqlite:///{root / GPT / 'mlflow.db'}"), MLP: (out[MLP], mlp_uri)}, root
