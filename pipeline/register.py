@@ -29,8 +29,6 @@ from pathlib import Path
 
 from pipeline.signals import EXIT_BAD_INPUT, EXIT_ERROR
 
-os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per file copied, otherwise
-
 CODE = Path(__file__).resolve().parent / "serving" / "pyfunc_model.py"
 ARTIFACT_PATH = "model"  # the model's name inside its run
 
@@ -163,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracking-uri", default=None,
                         help="the store (default: MLFLOW_TRACKING_URI, else sqlite:///<OUTPUT_DIR>/mlflow.db)")
     args = parser.parse_args(argv)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # else a bar per copy of the files
     from pipeline.checkpoint.errors import CheckpointError
     from pipeline.schema import ConfigError
     from pipeline.tracking.store import StoreError

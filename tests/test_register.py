@@ -46,13 +46,17 @@ def registered(tmp_path_factory):
     for name, overrides in ((GPT, TINY), (MLP, KERNODECK)):
         assert run_job(*overrides, f"paths.output_dir={root / name}")[0] == 0
         out[name] = RunDir(the_run(root / name)).store.root / "final"
-    proc = run_pipeline([str(out[GPT]), GPT], root / "cwd", module="pipeline.register")
+    (root / "cwd").mkdir()
+    env = {k: v for k, v in env_for_subprocess().items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    proc = subprocess.run([sys.executable, "-m", "pipeline.register", str(out[GPT]), GPT], cwd=root / "cwd",
+                          env=env, capture_output=True, text=True)  # the default store: the run's output directory's
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == f"models:/{GPT}/1"
     mlp_uri = f"sqlite:///{root / 'registry' / 'mlflow.db'}"
-    before = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+    uris = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+    before = [os.environ.get(k) for k in uris]
     version = register(out[MLP], MLP, mlp_uri)
-    assert {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")} == before  # nothing left for a child
+    assert [os.environ.get(k) for k in uris] == before  # nothing left behind for a child process to follow
     assert (version.name, str(version.version)) == (MLP, "1")
     assert not (root / "cwd" / "mlflow.db").exists() and not (root / "cwd" / "mlruns").exists()
     return {GPT: (out[GPT], f"sqlite:///{root / GPT / 'mlflow.db'}"), MLP: (out[MLP], mlp_uri)}, root
@@ -206,3 +210,30 @@ def test_a_checkpoint_that_is_not_one_is_refused_in_one_line_before_mlflow(tmp_p
     line = refused_in_one_line([str(tmp_path / "nowhere"), "x"], tmp_path / "cwd", module="pipeline.register")
     assert line.startswith("pipeline.register: ") and "nowhere" in line
     assert not (tmp_path / "cwd" / "mlflow.db").exists()
+
+
+def test_a_row_becomes_samples_arguments_missing_values_taking_its_defaults():
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.serving.checkpoint_model import _args
+
+    nan = float("nan")
+    assert _args({"prompt": "the man", "max_new_tokens": 12.0, "temperature": nan, "top_k": None,
+                  "seed": np.int64(3)}) == ["prompt=the man", "max_new_tokens=12", "seed=3"]
+    assert _args({"prompt": "a", "temperature": 1.0, "seed": 2.5}) == ["prompt=a", "temperature=1.0", "seed=2.5"]
+    with pytest.raises(MlflowException, match=r"unknown column\(s\) \['promt'\]"):
+        _args({"promt": "the"})
+
+
+def test_the_vocabulary_is_the_checkpoints_own_data_json_when_it_has_one(tmp_path):
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.serving.checkpoint_model import read_vocab
+
+    (tmp_path / "vocab.json").write_text(json.dumps({"vocab": ["<eos>", "a"], "decode_join": " "}))
+    assert read_vocab(tmp_path, str(tmp_path / "vocab.json")) == (["<eos>", "a"], " ")
+    (tmp_path / "data.json").write_text(json.dumps({"vocab": ["x", "y"], "manifest": {"decode_join": ""}}))
+    assert read_vocab(tmp_path, str(tmp_path / "vocab.json")) == (["x", "y"], "")
+    (tmp_path / "data.json").write_text(json.dumps({"vocab": [1, 2], "decode_join": ""}))
+    with pytest.raises(MlflowException, match="a list of strings `vocab`"):
+        read_vocab(tmp_path, None)

@@ -28,8 +28,10 @@ def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str
     if path is None:
         raise MlflowException(f"{checkpoint}: a MiniGPT needs its vocabulary (no {DATA_JSON}, no vocab.json)")
     record = jsonio.read(path, MAX_VOCAB_JSON)
+    record = record if isinstance(record, dict) else {}
     vocab = record.get("vocab")
-    join = record.get("decode_join", (record.get("manifest") or {}).get("decode_join"))
+    manifest = record.get("manifest") if isinstance(record.get("manifest"), dict) else {}
+    join = record.get("decode_join", manifest.get("decode_join"))
     if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab) and isinstance(join, str)):
         raise MlflowException(f"{path}: needs a list of strings `vocab` and a string `decode_join`")
     return vocab, join
@@ -77,7 +79,7 @@ class CheckpointModel(PythonModel):
     def predict(self, context, model_input: pd.DataFrame, params=None):
         if not self.generates:
             x = np.asarray(model_input.to_numpy() if hasattr(model_input, "to_numpy") else model_input,
-                           dtype=self.model.dtype)  # [B, n_features]
+                           dtype=getattr(self.model, "dtype", np.float64))  # [B, n_features]
             return self.model.predict(x)  # [B, n_targets]
         from pipeline.sample import continuation, parse_options
         from pipeline.schema import ConfigError
