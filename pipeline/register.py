@@ -112,12 +112,14 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     from pipeline.serving import CHECKPOINT, DATA_JSON, VOCAB
     from pipeline.trained import own_data, restore_checkpoint
 
+    from pipeline.schema import ConfigError
+
+    if not name.strip() or "/" in name:
+        raise ConfigError(f"name {name!r}: a registered model needs a name without '/' (it is models:/NAME/VERSION)")
     given = Path(checkpoint_dir)
     directory = resolve(given)  # `final`, `best`: the step directory they stand for
     manifest, state = restore_checkpoint(directory)  # refused here, before mlflow is imported or a byte written
     if not (hasattr(state.model, "logits") or hasattr(state.model, "predict")):
-        from pipeline.schema import ConfigError
-
         raise ConfigError(f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
                           "neither generates tokens (logits) nor predicts rows (predict): nothing to serve")
     vocab = None

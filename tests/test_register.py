@@ -210,6 +210,8 @@ def test_a_checkpoint_that_is_not_one_is_refused_in_one_line_before_mlflow(tmp_p
     line = refused_in_one_line([str(tmp_path / "nowhere"), "x"], tmp_path / "cwd", module="pipeline.register")
     assert line.startswith("pipeline.register: ") and "nowhere" in line
     assert not (tmp_path / "cwd" / "mlflow.db").exists()
+    line = refused_in_one_line([str(tmp_path / "nowhere"), "a/b"], tmp_path / "cwd", module="pipeline.register")
+    assert "name 'a/b'" in line
 
 
 def test_a_row_becomes_samples_arguments_missing_values_taking_its_defaults():
