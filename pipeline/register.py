@@ -1,8 +1,9 @@
 """`python -m pipeline.register CHECKPOINT NAME [--tracking-uri URI]`: the checkpoint as an mlflow model, registered.
 
 The model is logged from code (mlflow's "models from code": pipeline/serving/pyfunc_model.py), so nothing in
-it is a pickle: its artifacts are the checkpoint's own files (safetensors and JSON, restored through
-pipeline.trained.restore_checkpoint when it is loaded) and, for a MiniGPT, its corpus vocabulary as JSON.
+it is a pickle: its artifacts are the checkpoint's own files (safetensors and JSON, all of them, the optimizer's
+state included: pipeline.trained.restore_checkpoint, which loads it, verifies every file) and, for a MiniGPT
+whose checkpoint does not carry it, its corpus vocabulary as JSON.
 It is logged in a run of its own (named `register NAME`, tagged with the checkpoint and its training run) in
 the experiment the checkpoint's run was tracked in, and registered as the next version of NAME:
 
@@ -14,9 +15,10 @@ A MiniGPT's rows give `prompt` and optionally `max_new_tokens`, `temperature`, `
 Loading it needs the `pipeline` package importable (serve with `--env-manager local`).
 
 The store: --tracking-uri, else MLFLOW_TRACKING_URI, else the sqlite store of the output directory the
-checkpoint lies in (`<output_dir>/mlflow.db`, the one its run was tracked in). Exit 0 printing
-`models:/NAME/VERSION`; 2 with one line for a checkpoint that does not verify, data that does not build, or a
-store that cannot be opened; 1 with one line if mlflow refuses (a bad name, say).
+checkpoint lies in (`<output_dir>/mlflow.db`, where `tracking=mlflow` indexes its runs). Exit 0 printing
+`models:/NAME/VERSION`; 2 with one line for a name with `/`, a checkpoint that does not verify, data that
+does not build, or a store that cannot be opened (all but the store before mlflow is imported); 1 with one
+line if mlflow refuses.
 """
 from __future__ import annotations
 
