@@ -42,9 +42,9 @@ def tracking_uri_for(directory: Path, given: str | None = None) -> str:
     return normalize_tracking_uri(given or os.environ.get("MLFLOW_TRACKING_URI") or default_uri(cache_home(directory)))
 
 
-def signature_of(manifest: dict, model):
-    """What a row holds and what comes back: MiniGPT prompts (and sample's options) -> texts; MLP features ->
-    outputs, as tensors of the model's dtype."""
+def signature_of(manifest: dict, model, prompt: str = ""):
+    """(signature, input example): MiniGPT prompts (and sample's options) -> texts; MLP features -> outputs, as
+    tensors of the model's dtype. The example's prompt is one the vocabulary has (an empty one needs <eos>)."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, Schema, TensorSpec
     from mlflow.types.schema import AnyType
@@ -55,7 +55,7 @@ def signature_of(manifest: dict, model):
         # The options untyped: mlflow refuses an int64 column as double and, as long, the floats (with NaN) a
         # column becomes when some rows leave it out; the model checks them as pipeline.sample does.
         inputs = Schema([ColSpec("string", "prompt"), *(ColSpec(AnyType(), k, required=False) for k in OPTIONS[1:])])
-        return ModelSignature(inputs, Schema([ColSpec("string")])), [{"prompt": "", "max_new_tokens": 4, "seed": 0}]
+        return ModelSignature(inputs, Schema([ColSpec("string")])), [{"prompt": prompt, "max_new_tokens": 4, "seed": 0}]
     spec = manifest["data_spec"]
     dtype = getattr(model, "dtype", "float64")
     inputs = Schema([TensorSpec(dtype, (-1, spec["n_features"]))])
@@ -141,7 +141,7 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     config = manifest["config"]
     experiment = (config.get("tracking") or {}).get("experiment") or config.get("name") or "default"
     experiment_id = ensure_experiment(client, str(experiment), artifact_root)
-    signature, example = signature_of(manifest, state.model)
+    signature, example = signature_of(manifest, state.model, next((t for t in (vocab or {}).get("vocab", ()) if t.strip()), ""))
     _, _, run_id = parse_run_uri(manifest.get("mlflow_run_uri"))
     tags = {"checkpoint": str(directory), "step": manifest.get("step"), "config_hash": manifest.get("config_hash"),
             "training_run_id": run_id, "training_run_uri": manifest.get("mlflow_run_uri")}
