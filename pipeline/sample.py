@@ -129,7 +129,13 @@ def sample(directory: Path, args: list[str]) -> str:
     vocab, join = facts["vocab"], facts["decode_join"]
     if vocab is None or join is None:
         raise ConfigError(f"data {manifest['config']['data'].get('_target_')} has no vocabulary to decode tokens with")
-    ids = generate(model, encode(options.prompt, vocab, join, facts["specials"].get("eos")), options)
+    return continuation(model, vocab, join, options, facts["specials"].get("eos"))
+
+
+def continuation(model, vocab: list[str], join: str, options: Options, eos: str | None = EOS) -> str:
+    """The prompt and its max_new_tokens drawn tokens, as text (what the command prints, and a registered
+    model's predict returns); an empty prompt starts after `eos` when the vocabulary has one."""
+    ids = generate(model, encode(options.prompt, vocab, join, eos), options)
     return join.join(vocab[i] for i in ids)
 
 

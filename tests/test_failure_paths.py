@@ -242,7 +242,7 @@ def test_an_interrupted_tool_says_so_in_one_line_and_exits_75(tmp_path, sig):
 
 def test_every_tool_ends_through_tool_exit():
     root = Path(__file__).resolve().parents[1] / "pipeline"
-    for name in ("sample", "evaluate", "export_hf", "inspect", "reindex", "roundtrip", "verify/__main__"):
+    for name in ("sample", "evaluate", "export_hf", "inspect", "reindex", "register", "roundtrip", "verify/__main__"):
         text = (root / f"{name}.py").read_text()
         assert "tool_exit(" in text.split('if __name__ == "__main__":')[-1], name
 

@@ -1,0 +1,96 @@
+"""The pyfunc model over a checkpoint: MiniGPT rows of prompts -> their continuations, an MLP's rows -> outputs.
+
+Its artifacts are the checkpoint's own files (`checkpoint/`, restored through pipeline.trained.restore_checkpoint:
+every target checked, every sha256 verified) and, for a MiniGPT whose checkpoint carries no `data.json`, the
+corpus vocabulary (`vocab.json`: {"vocab": [...], "decode_join": " "}), written when it was registered.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+from mlflow.pyfunc import PythonModel
+
+from pipeline.serving import CHECKPOINT, DATA_JSON, OPTIONS, VOCAB
+
+MAX_VOCAB_JSON = 64 << 20  # bytes; a vocabulary of a million tokens is a few MB
+
+
+def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str, str | None]:
+    """(vocab, decode_join, eos): the checkpoint's own data.json (verified against its manifest) if it has one,
+    else (a schema 2.0 checkpoint) the vocab.json registered beside it."""
+    from pipeline import jsonio
+    from pipeline.checkpoint.store import data_facts
+
+    facts = data_facts(checkpoint)
+    if facts is not None:
+        return facts["vocab"], facts["decode_join"], (facts.get("specials") or {}).get("eos")
+    if vocab_json is None:
+        raise MlflowException(f"{checkpoint}: a MiniGPT needs its vocabulary (no {DATA_JSON}, no vocab.json)")
+    record = jsonio.read(vocab_json, MAX_VOCAB_JSON)
+    record = record if isinstance(record, dict) else {}
+    vocab, join = record.get("vocab"), record.get("decode_join")
+    if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab) and isinstance(join, str)):
+        raise MlflowException(f"{vocab_json}: needs a list of strings `vocab` and a string `decode_join`")
+    return vocab, join, ("<eos>" if "<eos>" in vocab else None)
+
+
+def _rows(model_input) -> list[dict]:
+    if isinstance(model_input, pd.DataFrame):
+        return model_input.to_dict(orient="records")
+    if isinstance(model_input, dict):
+        return [model_input]
+    return [dict(r) for r in model_input]
+
+
+def _args(row: dict) -> list[str]:
+    """A row as pipeline.sample's key=value arguments; a missing value (None, NaN) takes the default."""
+    unknown = sorted(set(row) - set(OPTIONS))
+    if unknown:
+        raise MlflowException(f"unknown column(s) {unknown}: a row gives {', '.join(OPTIONS)}",
+                              error_code=INVALID_PARAMETER_VALUE)
+    args = []
+    for key in OPTIONS:
+        value = row.get(key)
+        value = value.item() if isinstance(value, np.generic) else value
+        if value is None or isinstance(value, float) and math.isnan(value):
+            continue
+        if isinstance(value, float) and key != "temperature" and value.is_integer():
+            value = int(value)  # a column with a missing value arrives as floats
+        args.append(f"{key}={value}")
+    return args
+
+
+class CheckpointModel(PythonModel):
+    def load_context(self, context) -> None:
+        from pipeline.trained import restore_checkpoint
+
+        self.directory = Path(context.artifacts[CHECKPOINT])
+        _, state = restore_checkpoint(self.directory)
+        self.model = state.model
+        self.generates = hasattr(self.model, "logits") and hasattr(self.model, "block_size")
+        if self.generates:
+            self.vocab, self.join, self.eos = read_vocab(self.directory, context.artifacts.get(VOCAB))
+
+    # The hint only tells mlflow not to infer a schema from it (the signature is logged); an MLP's rows arrive
+    # as an ndarray [B, n_features].
+    def predict(self, context, model_input: pd.DataFrame, params=None):
+        if not self.generates:
+            x = np.asarray(model_input.to_numpy() if hasattr(model_input, "to_numpy") else model_input,
+                           dtype=getattr(self.model, "dtype", np.float64))  # [B, n_features]
+            return self.model.predict(x)  # [B, n_targets]
+        from pipeline.sample import continuation, parse_options
+        from pipeline.schema import ConfigError
+
+        out = []
+        for row in _rows(model_input):
+            try:
+                options, _ = parse_options(_args(row))
+                out.append(continuation(self.model, self.vocab, self.join, options, self.eos))
+            except ConfigError as e:
+                raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from None
+        return out
