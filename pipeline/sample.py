@@ -132,7 +132,7 @@ def sample(directory: Path, args: list[str]) -> str:
     return continuation(model, vocab, join, options, facts["specials"].get("eos"))
 
 
-def continuation(model, vocab: list[str], join: str, options: Options, eos: str | None = EOS) -> str:
+def continuation(model, vocab: list[str], join: str, options: Options, eos: str | None = "<eos>") -> str:
     """The prompt and its max_new_tokens drawn tokens, as text (what the command prints, and a registered
     model's predict returns); an empty prompt starts after `eos` when the vocabulary has one."""
     ids = generate(model, encode(options.prompt, vocab, join, eos), options)
