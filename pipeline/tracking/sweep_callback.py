@@ -15,7 +15,8 @@ Configured under `hydra.callbacks` in conf/config.yaml; nothing happens in a sin
 - on_multirun_end, or the entry point when the sweeper raised: sweep.json gets the outcome and the parent
   is completed from the sweep directory (pipeline/tracking/index.py, as `reindex` would): status (KILLED if
   interrupted, FAILED if a job failed), which jobs failed and why, the best child, multirun.yaml and the
-  sweeper's results as artifacts. Neither end waits for mlflow: the agent does this after the launcher exits.
+  sweeper's results as artifacts. Neither end waits for mlflow: the agent does this after the launcher exits
+  (on SLURM the end waits for it, bounded: the agent may be one a job started, which SLURM ends with it).
 """
 from __future__ import annotations
 
