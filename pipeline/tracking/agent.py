@@ -420,6 +420,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     try:
         from pipeline.tracking import store  # noqa: F401  (mlflow: the slow part, while the readers buffer)
+        # Everything the agent will run, now: a module imported minutes later, from a checkout changed
+        # meanwhile, would not match those already loaded (an ImportError in sweep_end left parents RUNNING).
+        from pipeline.tracking import index, sweep_callback  # noqa: F401
         trace("import mlflow", started)
     except BaseException as e:  # noqa: BLE001
         traceback.print_exc()

@@ -10,12 +10,20 @@ A job never waits on the index beyond `wait` seconds in all (1 s by default, wha
 run's URI at its last checkpoint (a manifest written before the URI is known says null; run.json and the
 run's `run_dir` tag link the two once the agent has the run), and for its last messages to be on their way
 at its end. It then hands over and leaves: the agent indexes the run directory after the job has gone, and
-records the run's URI in run.json (`python -m pipeline.reindex` completes anything it could not). A
-tracking failure (mlflow missing, store unusable, server down) warns once and turns tracking off for the
+records the run's URI in run.json (`python -m pipeline.reindex` completes anything it could not).
+
+Inside a SLURM job (SLURM_JOB_ID set) a run that ends for good is waited for, at the process's exit, until
+the agent has completed it (at most SLURM_WAIT): SLURM ends every process of a job when the job ends, so an
+agent a job started (the first job on a node does) dies with it, and what it had not indexed yet is lost
+until a reindex. A stopped run (KILLED: a time limit, a preemption) is not waited for: it has a deadline,
+and the requeued job's own end indexes the whole run directory.
+
+A tracking failure (mlflow missing, store unusable, server down) warns once and turns tracking off for the
 rest of the run; training and its manifests go on.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import tempfile
@@ -28,6 +36,25 @@ from pipeline.tracking.common import (CURRENT_JOB, artifact_location_uri, normal
                                       store_problem, tags_of)
 
 log = logging.getLogger("pipeline")
+# Seconds a process inside a SLURM job waits at its exit for the agent to complete its runs (the pre-agent
+# flush bound was 20 s; artifacts take seconds on a loaded machine): the job's allocation is held that long.
+SLURM_WAIT = 60.0
+
+
+def in_slurm_job() -> bool:
+    """Whether this process runs inside a SLURM job, whose end ends every process it started."""
+    return bool(os.environ.get("SLURM_JOB_ID"))
+
+
+def wait_at_exit(event: threading.Event, what: str) -> None:
+    """Inside a SLURM job: at this process's exit (after the run directory is released, so the agent indexes
+    it whole and links run.json), wait at most SLURM_WAIT for `event`, the agent's answer for `what`."""
+    def wait() -> None:
+        if not event.wait(SLURM_WAIT):
+            log.warning("mlflow: the tracking agent did not complete %s within %.0f s of this SLURM job's end; "
+                        "`python -m pipeline.reindex` completes it", what, SLURM_WAIT)
+
+    atexit.register(wait)
 
 
 def agent_log(uri: str) -> Path:
@@ -118,6 +145,8 @@ class MlflowTracker(Tracker):
         self.link.send({"op": "attach", "sid": self.link.register(req), "uri": self.uri,
                         "artifact_location": self.artifact_location, "run_dir": str(Path(run_dir).resolve()),
                         "parent": self.parent, "job": self.job})
+        if in_slurm_job():
+            wait_at_exit(req.done, f"the sweep's record of run {run_dir}")
         self._wait_for(req.done, self.wait)
         self.link.drain(self.wait - self.waited)
         if req.event and req.event.get("event") == "error":
@@ -173,19 +202,24 @@ class MlflowTracker(Tracker):
 
     def finish(self, status: str, run_dir: Path) -> None:
         """Hand the run over and leave: the agent indexes the run directory (status from run.json) once this
-        job has gone. Waits only for the last messages to be on their way, within the job's bound."""
+        job has gone. Waits only for the last messages to be on their way, within the job's bound; inside a
+        SLURM job, a run that ends for good is also waited for at the process's exit (see the module's doc)."""
         if not self.active:
             return
         self.link.send({"op": "finish", "sid": self.sid, "run_dir": str(Path(run_dir).resolve()),
                         "parent": self.parent, "job": self.job, "pid": os.getpid()})
         self.finished = True
+        at_exit = status != "KILLED" and in_slurm_job()
+        if at_exit:
+            wait_at_exit(self.done, f"run {self._uri or run_dir}")
         t0 = time.monotonic()
         sent = self.link.drain(self.wait - self.waited)
         self.waited += time.monotonic() - t0
         log.info("mlflow: this job waited %.3f s on tracking in all (bound %.1f s); the tracking agent finishes "
-                 "run %s after it exits%s", self.waited, self.wait, self._uri or "(not created yet)",
+                 "run %s after it exits%s%s", self.waited, self.wait, self._uri or "(not created yet)",
                  "" if sent else " (its last messages were not sent in time: `python -m pipeline.reindex` "
-                 "completes the run)")
+                 "completes the run)",
+                 f" (inside a SLURM job, which waits for it at its exit, at most {SLURM_WAIT:.0f} s)" if at_exit else "")
 
 
 class _Pong:

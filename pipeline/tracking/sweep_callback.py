@@ -15,7 +15,8 @@ Configured under `hydra.callbacks` in conf/config.yaml; nothing happens in a sin
 - on_multirun_end, or the entry point when the sweeper raised: sweep.json gets the outcome and the parent
   is completed from the sweep directory (pipeline/tracking/index.py, as `reindex` would): status (KILLED if
   interrupted, FAILED if a job failed), which jobs failed and why, the best child, multirun.yaml and the
-  sweeper's results as artifacts. Neither end waits for mlflow: the agent does this after the launcher exits.
+  sweeper's results as artifacts. Neither end waits for mlflow: the agent does this after the launcher exits
+  (on SLURM the end waits for it, bounded: the agent may be one a job started, which SLURM ends with it).
 """
 from __future__ import annotations
 
@@ -117,6 +118,7 @@ class MlflowSweepCallback(Callback):
         self.parent: dict | None = None  # {"run_id", "experiment_id"} of the parent run
         self.disabled: str | None = None  # why tracking is off for this sweep (said once, here)
         self.launcher_pid: int | None = None
+        self.slurm = False  # a SLURM sweep, or a launcher inside a SLURM job: its end waits for the parent
         self.ended = False
         self.summary: dict = {}
 
@@ -144,6 +146,9 @@ class MlflowSweepCallback(Callback):
         directory = ensure_dirs(output_dir, "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
         os.environ[SWEEP_DIR_ENV] = str(directory)  # hydra.sweep.dir follows it, here and in every job
         SIGNALS_STATE.sweeping(directory, slurm_jobs=_slurm_jobs(hydra.launcher))
+        from pipeline.tracking.mlflow_tracker import in_slurm_job
+
+        self.slurm = _slurm_jobs(hydra.launcher) is not None or in_slurm_job()
         stages = _plain(config.get("stages")) or {}
         mode = (stages.get("best_val") or {}).get("mode", "min")
         direction = "maximize" if mode == "max" else "minimize"
@@ -228,17 +233,34 @@ class MlflowSweepCallback(Callback):
         self.sweep.update(status=status, ended_at=time.time(), error=error)
         replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
         if self.parent is not None:
-            # Handed over, not waited for: the agent completes the parent from the sweep directory (it names
-            # the parent by the sweep's id, as the jobs do); `python -m pipeline.reindex` if it cannot.
-            from pipeline.tracking.link import Request, agent_for
-
-            link = agent_for(self.sweep["uri"])
-            link.send({"op": "sweep_end", "sid": link.register(Request()), "uri": self.sweep["uri"],
-                       "sweep_dir": str(directory), "parent": self.parent})
-            link.drain(END_WAIT)
-            self._say_parent()
+            self._end_parent(directory)
         self.ended, self.summary = True, {"status": status, "failed": failed, "jobs": jobs}
         return self.summary
+
+    def _end_parent(self, directory: Path) -> None:
+        """Hand the parent's end to the agent, which completes it from the sweep directory (naming the parent
+        by the sweep's id, as the jobs do); `python -m pipeline.reindex` if it cannot. Not waited for (at
+        most END_WAIT for the message to be on its way), except on SLURM: there the agent may be one a job
+        started, which SLURM ends with that job, and a SLURM sweep's launcher has waited for its jobs anyway;
+        it waits at most SLURM_WAIT for the parent to be complete and says how it ended."""
+        from pipeline.tracking.link import Request, agent_for
+        from pipeline.tracking.mlflow_tracker import SLURM_WAIT
+
+        link, done = agent_for(self.sweep["uri"]), Request()
+        link.send({"op": "sweep_end", "sid": link.register(done), "uri": self.sweep["uri"],
+                   "sweep_dir": str(directory), "parent": self.parent})
+        link.drain(END_WAIT)
+        if not self.slurm:
+            self._say_parent()
+            return
+        answer = done.event if done.done.wait(SLURM_WAIT) else None
+        if answer is not None and answer.get("event") == "finished":
+            parent = (_PARENT_REQUEST.event or {}).get("uri") if _PARENT_REQUEST is not None else None
+            log.info("mlflow: sweep parent run %s complete: %s", parent or "", answer.get("status"))
+        else:
+            log.warning("mlflow: the tracking agent did not complete the sweep's parent run (%s); "
+                        "`python -m pipeline.reindex` completes it", (answer or {}).get(
+                            "message", f"no answer within {SLURM_WAIT:.0f} s"))
 
     # --- each job's process
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
