@@ -309,3 +309,31 @@ def test_a_checkpoint_does_not_choose_which_of_your_files_is_read(text_run, tmp_
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert f"data.path={private} (the checkpoint's): not the file" in proc.stderr and "data.path=FILE" in proc.stderr
         assert tree(tmp_path) == before  # no corpus of it cached anywhere
+
+
+@pytest.mark.slow
+def test_a_checkpoint_stuffed_with_files_is_refused_at_the_first_stranger(finished, tmp_path, monkeypatch):
+    """A million planted files in a checkpoint cost one entry each of the scan that meets them, not a table."""
+    from pipeline.checkpoint import store
+    from pipeline.checkpoint.errors import CheckpointError
+
+    checkpoint = tmp_path / "step-00000004"
+    shutil.copytree(the_run(finished) / "checkpoints" / "final", checkpoint)
+    for i in range(200):
+        (checkpoint / f"junk-{i:04d}").write_text("")
+    seen, real = [], os.scandir
+
+    class Counted:
+        def __init__(self, path):
+            self.it = real(path)
+
+        def __enter__(self):
+            return (seen.append(e.name) or e for e in self.it.__enter__())
+
+        def __exit__(self, *exc):
+            return self.it.__exit__(*exc)
+
+    monkeypatch.setattr(store.os, "scandir", Counted)
+    with pytest.raises(CheckpointError, match=r"junk-\d{4}: present but not listed in manifest.json"):
+        store.load(checkpoint, {})
+    assert len(seen) <= 5  # the four files of a checkpoint at most, then the first stranger
