@@ -21,6 +21,11 @@ header (`weights_header_bytes`); `size_delta_note` says so in words, and the pri
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
+    from pipeline.signals import SIGNALS_STATE
+
+    SIGNALS_STATE.install()
+
 import argparse
 import os
 import shutil

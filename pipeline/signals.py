@@ -83,6 +83,18 @@ class Signals:
         for s in SIGNALS:
             signal.signal(s, self._handler)
         self.installed = True
+        previous, spec = sys.excepthook, getattr(sys.modules.get("__main__"), "__spec__", None)
+        name = getattr(spec, "name", None) or "pipeline"  # the module `python -m` runs, or the main entry
+
+        def hook(kind, value, tb):  # a signal while an entry point's modules are still imported: one line
+            if not isinstance(value, Interrupted):
+                return previous(kind, value, tb)
+            _interrupted(name.removesuffix(".__main__"), value.args[0], "nothing was written")
+            sys.stderr.flush()
+            self.finish()
+            os._exit(EXIT_PREEMPTED)  # noqa: SLF001 - the interpreter's own shutdown would print the traceback
+
+        sys.excepthook = hook
 
     def _handler(self, signum, frame) -> None:
         if self.received is not None or self.mode == DONE:

@@ -355,3 +355,28 @@ def test_sample_interrupted_by_ctrl_c_is_one_line_exit_75(tmp_path):
         p.kill()
     assert p.returncode == 75, err
     assert _one_line(err) == "pipeline.sample: interrupted by SIGINT; nothing was written"
+
+
+@pytest.mark.parametrize("module", ["pipeline.evaluate", "pipeline.sample", "pipeline.inspect", "pipeline.reindex",
+                                    "pipeline.export_hf", "pipeline.roundtrip", "pipeline.verify"])
+def test_a_signal_while_a_tool_is_still_imported_ends_in_one_line(module, tmp_path):
+    """Every tool takes over the signals before its other imports, and a signal raised at module level (no
+    try of tool_exit around it yet) still ends in one line and 75, not a traceback nor -15."""
+    # the child runs the tool's module as __main__ (as `python -m` does) and is signalled at its first import
+    # after the take-over
+    code = ("import os, signal, sys, runpy, builtins\n"
+            "real = builtins.__import__\n"
+            "def slow(name, *a, **k):\n"
+            "    m = sys.modules.get('pipeline.signals')\n"
+            "    if getattr(getattr(m, 'SIGNALS_STATE', None), 'installed', False):  # the first import after the take-over\n"
+            "        builtins.__import__ = real\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = slow\n"
+            f"sys.argv = ['{module}', '--help']\n"
+            f"runpy.run_module('{module}' + ('.__main__' if '{module}'.endswith('verify') else ''), run_name='__main__', alter_sys=True)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                       env=env_for_subprocess())
+    assert p.returncode == 75, p.stderr
+    assert "Traceback" not in p.stderr and p.stderr.strip().splitlines() == \
+        [f"{module}: interrupted by SIGTERM; nothing was written"], p.stderr
