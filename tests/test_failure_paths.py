@@ -193,6 +193,21 @@ def test_more_sigterms_50ms_apart_change_nothing(tmp_path, reference, n, trial):
 
 
 @pytest.mark.slow
+def test_a_sighup_preempts_a_run_like_sigterm(tmp_path):
+    """A closed terminal (SIGHUP) checkpoints and exits 75, not -1 with the update lost."""
+    import json
+
+    out = tmp_path / "out"
+    proc = Proc([*KERNODECK, *PACED, f"paths.output_dir={out}"], tmp_path, env={"PIPELINE_CHAOS_PACE": "0.02"})
+    wait_until(lambda: glob.glob(str(out / "runs" / "*" / "metrics.jsonl")), "training", proc)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait() == 75, proc.stderr
+    assert "preempted at step" in _one_line(proc.stderr)
+    assert json.loads((the_run(out) / "run.json").read_text())["status"] == "preempted"
+    assert invalid_visible_checkpoints(out) == []
+
+
+@pytest.mark.slow
 def test_a_signal_during_set_up_stops_at_once_and_changes_nothing(tmp_path):
     out = tmp_path / "out"
     args = [*KERNODECK, "trainer.max_steps=30", "checkpoint=every_n_steps", "checkpoint.every_steps=2",
@@ -222,7 +237,7 @@ def _handles_sigterm(pid: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_an_interrupted_tool_says_so_in_one_line_and_exits_75(tmp_path, sig):
     """The one wrapper every tool's __main__ uses (signals.tool_exit), around a main() that waits."""
     code = ("import time; from pipeline.signals import tool_exit\n"
