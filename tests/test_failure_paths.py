@@ -395,3 +395,21 @@ def test_a_signal_while_a_tool_is_still_imported_ends_in_one_line(module, tmp_pa
     assert p.returncode == 75, p.stderr
     assert "Traceback" not in p.stderr and p.stderr.strip().splitlines() == \
         [f"{module}: interrupted by SIGTERM; nothing was written"], p.stderr
+
+
+def test_metrics_are_read_line_by_line_each_bounded(tmp_path):
+    """A torn last line is dropped, a damaged or oversized one named by its number (read in bounded pieces)."""
+    from pipeline.checkpoint.errors import RunFileError
+    from pipeline.rundir import MAX_METRICS_LINE, RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    assert run.read_metrics() == []
+    run.metrics_path.write_bytes(b'{"step": 1}\n{"step": 2, "loss": 0.5}\n{"step": 3')
+    assert run.read_metrics() == [{"step": 1}, {"step": 2, "loss": 0.5}]
+    run.metrics_path.write_bytes(b'{"step": 1}\n{"step": 2, "step": 3}\n')
+    with pytest.raises(RunFileError, match="line 2: duplicate key 'step'"):
+        run.read_metrics()
+    run.metrics_path.write_bytes(b'{"step": 1}\n' + b" " * (MAX_METRICS_LINE + 5) + b'{"step": 2}\n')
+    with pytest.raises(RunFileError, match="line 2: over the 1048576-byte limit of a line"):
+        run.read_metrics()

@@ -319,6 +319,8 @@ CASES = [
              '{"step": 0, "step": ', '{"step": ', 1))),
     Case("metrics-1e999", 2, ("metrics.jsonl", "line 1", "1e999"),
          edit_run_file("metrics.jsonl", lambda t: t.replace('{', '{"x": 1e999, ', 1))),
+    Case("metrics-600MB-line", 2, ("metrics.jsonl", "line 11", "over the 1048576-byte limit of a line"),
+         lambda o, r, v, t: (r / "metrics.jsonl").open("ab").write(b'{"x": "' + b"a" * (600 << 20) + b'"}\n') and None),
     Case("run-json-duplicate-key", 2, ("run.json", "duplicate key 'status'"),
          edit_run_file("run.json", lambda t: '{"status": "running", ' + t.lstrip()[1:])),
     Case("run-json-duplicate-key-inspect", 1, ("run.json", "duplicate key 'status'"),
