@@ -300,10 +300,10 @@ def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = Tr
     out.mkdir(parents=True, exist_ok=True)
     for old in ("checkpoint", "manifest.json", RESULTS):
         p = out / old
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
+        if p.is_symlink() or p.is_file():  # a link is removed, never followed (rmtree would refuse it)
             p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
     scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=out))
     try:
         d = check_byte_equivalence(config, out, steps)

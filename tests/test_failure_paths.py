@@ -413,3 +413,21 @@ def test_metrics_are_read_line_by_line_each_bounded(tmp_path):
     run.metrics_path.write_bytes(b'{"step": 1}\n' + b" " * (MAX_METRICS_LINE + 5) + b'{"step": 2}\n')
     with pytest.raises(RunFileError, match="line 2: over the 1048576-byte limit of a line"):
         run.read_metrics()
+
+
+@pytest.mark.slow
+def test_roundtrip_removes_a_planted_link_in_its_directory_never_what_it_points_at(tmp_path):
+    out = tmp_path / "out"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "v.txt").write_text("precious\n")
+    from pipeline.identity import run_name
+    from pipeline.schema import compose, to_plain
+
+    config = to_plain(compose([*KERNODECK, f"paths.output_dir={out}"]))
+    home = out / "roundtrip" / run_name(config)
+    home.mkdir(parents=True)
+    os.symlink(victim, home / "checkpoint")
+    p = run_pipeline([*KERNODECK, f"paths.output_dir={out}"], tmp_path, module="pipeline.roundtrip")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert (victim / "v.txt").read_text() == "precious\n"
