@@ -10,6 +10,11 @@ a checkpoint that does not verify or data that does not fit.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
+    from pipeline.signals import SIGNALS_STATE
+
+    SIGNALS_STATE.install()
+
 import argparse
 import sys
 from pathlib import Path

@@ -4,6 +4,11 @@ and `transformers.pipeline("text-generation", model=DIR)` work on it. Files are 
 each replaced atomically, mode 0644 (less the umask), never through a symlink."""
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
+    from pipeline.signals import SIGNALS_STATE
+
+    SIGNALS_STATE.install()
+
 import argparse
 import json
 import sys

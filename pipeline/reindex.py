@@ -15,6 +15,11 @@ deletes it) and builds a new one from the disk. Exit 1 if some run directory cou
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
+    from pipeline.signals import SIGNALS_STATE
+
+    SIGNALS_STATE.install()
+
 import argparse
 import sys
 import time

@@ -21,6 +21,11 @@ header (`weights_header_bytes`); `size_delta_note` says so in words, and the pri
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
+    from pipeline.signals import SIGNALS_STATE
+
+    SIGNALS_STATE.install()
+
 import argparse
 import os
 import shutil
@@ -297,10 +302,10 @@ def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = Tr
     out.mkdir(parents=True, exist_ok=True)
     for old in ("checkpoint", "manifest.json", RESULTS):
         p = out / old
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
+        if p.is_symlink() or p.is_file():  # a link is removed, never followed (rmtree would refuse it)
             p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
     scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=out))
     try:
         d = check_byte_equivalence(config, out, steps)

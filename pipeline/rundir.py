@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import io
+import itertools
 import os
 import time
 from pathlib import Path
 
-from pipeline import jsonio
+from pipeline import jsonio, reading
 from pipeline.atomic import UnsafePathError, ensure_dirs, named, open_append, refuse_link, replace_file
 from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.store import CheckpointStore
 
 MAX_RUN_JSON = 16 << 20
 MAX_METRICS = 1 << 30  # metrics.jsonl is read line by line when a run resumes
+MAX_METRICS_LINE = 1 << 20  # a logged step is a few hundred bytes
 # A holder that is not a job (the tracking agent linking run.json, reindex) keeps the lock for milliseconds:
 # a job arriving then waits this long before it calls the directory busy.
 LOCK_GRACE = 2.0  # seconds
@@ -201,21 +204,32 @@ class RunDir:
         """metrics.jsonl's lines. A last line without its newline is torn (a process was killed writing it)
         and dropped; any other line that is not a strict JSON object with an integer step is damage, which
         no writer leaves: RunFileError naming the file and the line (nothing is dropped or rewritten)."""
-        raw = self._read(self.metrics_path, MAX_METRICS)
-        if raw is None:
+        try:
+            f = io.BufferedReader(reading.open_file(self.metrics_path, MAX_METRICS), reading.CHUNK)
+        except FileNotFoundError:
             return []
-        *complete, _torn = raw.split(b"\n")  # _torn: b"" when the file ends with its newline
-        lines = []
-        for number, text in enumerate(complete, 1):
-            try:
-                line = jsonio.loads(text)
-            except jsonio.JSONError as e:
-                raise RunFileError(self.path, self.metrics_path.name, f"line {number}: {e}") from None
-            if not isinstance(line, dict) or type(line.get("step")) is not int:
-                raise RunFileError(self.path, self.metrics_path.name, f"line {number}: not an object with an "
-                                                                      "integer step")
-            lines.append(line)
-        return lines
+        except OSError as e:
+            raise RunFileError(self.path, self.metrics_path.name, e.strerror or str(e)) from None
+        lines, total = [], 0
+        with f:  # line by line, each bounded: one planted 1 GB line costs MAX_METRICS_LINE, not gigabytes
+            for number in itertools.count(1):
+                text = f.readline(MAX_METRICS_LINE + 1)
+                total += len(text)
+                if total > MAX_METRICS:
+                    raise RunFileError(self.path, self.metrics_path.name, f"grew past the {MAX_METRICS}-byte limit")
+                if len(text) > MAX_METRICS_LINE:
+                    raise RunFileError(self.path, self.metrics_path.name, f"line {number}: over the "
+                                                                          f"{MAX_METRICS_LINE}-byte limit of a line")
+                if not text.endswith(b"\n"):
+                    return lines  # b"" at the end, else the torn last line: dropped
+                try:
+                    line = jsonio.loads(text[:-1])
+                except jsonio.JSONError as e:
+                    raise RunFileError(self.path, self.metrics_path.name, f"line {number}: {e}") from None
+                if not isinstance(line, dict) or type(line.get("step")) is not int:
+                    raise RunFileError(self.path, self.metrics_path.name, f"line {number}: not an object with an "
+                                                                          "integer step")
+                lines.append(line)
 
     def keep_metrics(self, lines: list[dict]) -> None:
         """Replace metrics.jsonl by `lines` atomically (a resumed run appends from there)."""

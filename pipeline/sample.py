@@ -14,6 +14,11 @@ Exit 0; 2 with one line for a checkpoint that does not verify or a bad argument 
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
+    from pipeline.signals import SIGNALS_STATE
+
+    SIGNALS_STATE.install()
+
 import sys
 from dataclasses import dataclass
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""SIGTERM, SIGINT and SIGUSR1, from the first instruction of a job to its last: never a traceback.
+"""SIGTERM, SIGINT, SIGUSR1/2 and SIGHUP, from the first instruction of a job to its last: never a traceback.
 
 Until a run has set itself up (loaded what it resumes from), nothing durable is being written (the corpus
 is published by rename; a resume's supersede() is `atomic()`), so a signal stops the process at once:
@@ -27,8 +27,9 @@ from pathlib import Path
 log = logging.getLogger("pipeline")
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75  # every entry point's exit codes (README)
 MARKER = "interrupted"  # a stopped sweep's file in its directory: its jobs check it before they start
-# USR1 is what `--signal=USR1@N` sends before a SLURM time limit, USR2 what submitit asks SLURM for.
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+# USR1 is what `--signal=USR1@N` sends before a SLURM time limit, USR2 what submitit asks SLURM for; HUP what
+# a closed terminal or a dropped ssh session sends (its default would end the process with -1, unsaved).
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 RAISE, DEFER, SWEEP, DONE = "raise", "defer", "sweep", "done"
 
 
@@ -83,6 +84,18 @@ class Signals:
         for s in SIGNALS:
             signal.signal(s, self._handler)
         self.installed = True
+        previous, spec = sys.excepthook, getattr(sys.modules.get("__main__"), "__spec__", None)
+        name = getattr(spec, "name", None) or "pipeline"  # the module `python -m` runs, or the main entry
+
+        def hook(kind, value, tb):  # a signal while an entry point's modules are still imported: one line
+            if not isinstance(value, Interrupted):
+                return previous(kind, value, tb)
+            _interrupted(name.removesuffix(".__main__"), value.args[0], "nothing was written")
+            sys.stderr.flush()
+            self.finish()
+            os._exit(EXIT_PREEMPTED)  # noqa: SLF001 - the interpreter's own shutdown would print the traceback
+
+        sys.excepthook = hook
 
     def _handler(self, signum, frame) -> None:
         if self.received is not None or self.mode == DONE:

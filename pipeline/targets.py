@@ -9,6 +9,14 @@ from pipeline.schema import CONFIG_DIR, ConfigError
 HINT = "give your config directory with hydra.searchpath=[...] to use your own classes"
 
 
+# Where the job builds a class of each of the pipeline's own packages (`pipeline.<package>.*`): the config's
+# top-level node it is built under. A checkpoint may name only shipped classes, but a shipped class is still
+# code: a corpus built where a stage is (it writes its cache wherever its `cache_dir` says) or a tracker where
+# the model is must be refused like an unknown class.
+PLACES = {"model": "model", "data": "data", "optimizer": "optimizer", "scheduler": "scheduler", "stages": "stages",
+          "checkpoint": "stages", "tracking": "tracking", "hydra": "tracking"}
+
+
 class UnknownTarget(ConfigError):
     """A `_target_` (or an interpolation, which could make one) that nothing the user runs names."""
 
@@ -111,7 +119,8 @@ def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
 
 def check(tree, allowed_targets: frozenset[str], path: str = "config") -> None:
     """UnknownTarget (one line naming the key and the target) for a `_target_` that is not a string or not
-    allowed, or for any interpolation (`${...}`, resolved when a node is built: it could name anything)."""
+    allowed, for a class of the pipeline's own packages out of its place (PLACES: a corpus where a stage is
+    built), or for any interpolation (`${...}`, resolved when a node is built: it could name anything)."""
     if isinstance(tree, dict):
         if "_target_" in tree:
             target, where = tree["_target_"], f"{path}._target_"
@@ -120,6 +129,7 @@ def check(tree, allowed_targets: frozenset[str], path: str = "config") -> None:
             if "${" not in target and target not in allowed_targets:
                 raise UnknownTarget(f"{where} names {target!r:.200}, which neither the pipeline's configs nor yours "
                                     f"name ({HINT})")
+            _in_place(target, where)
         for k, v in tree.items():
             check(v, allowed_targets, f"{path}.{k}")
     elif isinstance(tree, list):
@@ -128,3 +138,14 @@ def check(tree, allowed_targets: frozenset[str], path: str = "config") -> None:
     elif isinstance(tree, str) and "${" in tree:
         raise UnknownTarget(f"{path} holds the interpolation {tree!r:.200}; a saved config is resolved and holds "
                             "none (it would be resolved when the node is built)")
+
+
+def _in_place(target: str, where: str) -> None:
+    parts = target.split(".")
+    if len(parts) < 3 or parts[0] != "pipeline":
+        return  # your own classes: built wherever your configs put them
+    top = where.split(".")[1].split("[")[0] if where.count(".") > 1 else ""
+    if PLACES.get(top) != parts[1]:
+        home = [k for k, v in PLACES.items() if v == parts[1]]
+        raise UnknownTarget(f"{where} names {target!r:.200}, a class the pipeline builds only under "
+                            f"{' or '.join(home) or 'no node'}, never under {top or 'the top level'}")

@@ -53,6 +53,10 @@ def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict
     except targets.UnknownTarget as e:
         raise UnknownTargetError(directory, MANIFEST, str(e)) from None
     try:
+        validate(manifest["config"])  # the ranges a run's values are held to, before anything is sized by them
+    except ConfigError as e:
+        raise CheckpointError(directory, MANIFEST, f"its config holds a value a run refuses: {e}") from None
+    try:
         state, parts = state_for(manifest)
     except Exception as e:  # noqa: BLE001 - a model or data this installation cannot build: one line
         raise CheckpointError(directory, MANIFEST, f"its config does not build here: "

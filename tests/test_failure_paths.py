@@ -193,6 +193,21 @@ def test_more_sigterms_50ms_apart_change_nothing(tmp_path, reference, n, trial):
 
 
 @pytest.mark.slow
+def test_a_sighup_preempts_a_run_like_sigterm(tmp_path):
+    """A closed terminal (SIGHUP) checkpoints and exits 75, not -1 with the update lost."""
+    import json
+
+    out = tmp_path / "out"
+    proc = Proc([*KERNODECK, *PACED, f"paths.output_dir={out}"], tmp_path, env={"PIPELINE_CHAOS_PACE": "0.02"})
+    wait_until(lambda: glob.glob(str(out / "runs" / "*" / "metrics.jsonl")), "training", proc)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait() == 75, proc.stderr
+    assert "preempted at step" in _one_line(proc.stderr)
+    assert json.loads((the_run(out) / "run.json").read_text())["status"] == "preempted"
+    assert invalid_visible_checkpoints(out) == []
+
+
+@pytest.mark.slow
 def test_a_signal_during_set_up_stops_at_once_and_changes_nothing(tmp_path):
     out = tmp_path / "out"
     args = [*KERNODECK, "trainer.max_steps=30", "checkpoint=every_n_steps", "checkpoint.every_steps=2",
@@ -222,7 +237,7 @@ def _handles_sigterm(pid: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_an_interrupted_tool_says_so_in_one_line_and_exits_75(tmp_path, sig):
     """The one wrapper every tool's __main__ uses (signals.tool_exit), around a main() that waits."""
     code = ("import time; from pipeline.signals import tool_exit\n"
@@ -355,3 +370,64 @@ def test_sample_interrupted_by_ctrl_c_is_one_line_exit_75(tmp_path):
         p.kill()
     assert p.returncode == 75, err
     assert _one_line(err) == "pipeline.sample: interrupted by SIGINT; nothing was written"
+
+
+@pytest.mark.parametrize("module", ["pipeline.evaluate", "pipeline.sample", "pipeline.inspect", "pipeline.reindex",
+                                    "pipeline.export_hf", "pipeline.roundtrip", "pipeline.verify"])
+def test_a_signal_while_a_tool_is_still_imported_ends_in_one_line(module, tmp_path):
+    """Every tool takes over the signals before its other imports, and a signal raised at module level (no
+    try of tool_exit around it yet) still ends in one line and 75, not a traceback nor -15."""
+    # the child runs the tool's module as __main__ (as `python -m` does) and is signalled at its first import
+    # after the take-over
+    code = ("import os, signal, sys, runpy, builtins\n"
+            "real = builtins.__import__\n"
+            "def slow(name, *a, **k):\n"
+            "    m = sys.modules.get('pipeline.signals')\n"
+            "    if getattr(getattr(m, 'SIGNALS_STATE', None), 'installed', False):  # the first import after the take-over\n"
+            "        builtins.__import__ = real\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = slow\n"
+            f"sys.argv = ['{module}', '--help']\n"
+            f"runpy.run_module('{module}' + ('.__main__' if '{module}'.endswith('verify') else ''), run_name='__main__', alter_sys=True)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                       env=env_for_subprocess())
+    assert p.returncode == 75, p.stderr
+    assert "Traceback" not in p.stderr and p.stderr.strip().splitlines() == \
+        [f"{module}: interrupted by SIGTERM; nothing was written"], p.stderr
+
+
+def test_metrics_are_read_line_by_line_each_bounded(tmp_path):
+    """A torn last line is dropped, a damaged or oversized one named by its number (read in bounded pieces)."""
+    from pipeline.checkpoint.errors import RunFileError
+    from pipeline.rundir import MAX_METRICS_LINE, RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    assert run.read_metrics() == []
+    run.metrics_path.write_bytes(b'{"step": 1}\n{"step": 2, "loss": 0.5}\n{"step": 3')
+    assert run.read_metrics() == [{"step": 1}, {"step": 2, "loss": 0.5}]
+    run.metrics_path.write_bytes(b'{"step": 1}\n{"step": 2, "step": 3}\n')
+    with pytest.raises(RunFileError, match="line 2: duplicate key 'step'"):
+        run.read_metrics()
+    run.metrics_path.write_bytes(b'{"step": 1}\n' + b" " * (MAX_METRICS_LINE + 5) + b'{"step": 2}\n')
+    with pytest.raises(RunFileError, match="line 2: over the 1048576-byte limit of a line"):
+        run.read_metrics()
+
+
+@pytest.mark.slow
+def test_roundtrip_removes_a_planted_link_in_its_directory_never_what_it_points_at(tmp_path):
+    out = tmp_path / "out"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "v.txt").write_text("precious\n")
+    from pipeline.identity import run_name
+    from pipeline.schema import compose, to_plain
+
+    config = to_plain(compose([*KERNODECK, f"paths.output_dir={out}"]))
+    home = out / "roundtrip" / run_name(config)
+    home.mkdir(parents=True)
+    os.symlink(victim, home / "checkpoint")
+    p = run_pipeline([*KERNODECK, f"paths.output_dir={out}"], tmp_path, module="pipeline.roundtrip")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert (victim / "v.txt").read_text() == "precious\n"

@@ -65,6 +65,21 @@ def edit_manifest(change):
     return plant
 
 
+def rehashed(change):
+    """The manifest's config changed and both of its hashes recomputed: it passes every check of itself."""
+    def plant(out, run, victim, tmp):
+        from pipeline.identity import config_hash, semantic_hash
+
+        p = step(run, 10) / "manifest.json"
+        m = json.loads(p.read_text())
+        change(m["config"])
+        m["config"] = json.loads(json.dumps(m["config"]).replace("{tmp}", str(tmp)))  # a path in the checked tree
+        m["config_hash"], m["semantic_config_hash"] = config_hash(m["config"]), semantic_hash(m["config"], m["sources"])
+        p.write_text(json.dumps(m))
+        return inspect_final(run)
+    return plant
+
+
 def inspect_final(run: Path) -> tuple:
     return (str(step(run, 10)),)
 
@@ -213,6 +228,13 @@ CASES = [
          manifest_text(lambda t: t.replace('"metrics": {', '"metrics": {"val/huge": 1e999, ', 1)), module=I),
     Case("manifest-step-edited", 1, ("manifest.json", "step 11 differs from progress.step 10 of extra.json"),
          edit_manifest(lambda m: m.__setitem__("step", 11)), module=I),
+    Case("manifest-config-out-of-range", 1, ("manifest.json", "a run refuses", "model.hidden=[0]"),
+         rehashed(lambda c: c["model"].__setitem__("hidden", [0])), module=I),
+    Case("manifest-corpus-as-stage", 2, ("manifest.json", "config.stages.best_val._target_",
+                                         "pipeline.data.grammar.GrammarCorpus", "only under data"),
+         rehashed(lambda c: c["stages"].__setitem__("best_val", {"_target_": "pipeline.data.grammar.GrammarCorpus",
+                                                                 "cache_dir": "{tmp}/chosen", "n_sentences": 50})),
+         module=I),
     # which file holds the damage: arrays in optim.safetensors, JSON values in extra.json
     Case("optim-permutation", 1, ("optim.safetensors", "data_iter", "not a permutation"),
          edit_optim(not_a_permutation), module=I),
@@ -297,6 +319,8 @@ CASES = [
              '{"step": 0, "step": ', '{"step": ', 1))),
     Case("metrics-1e999", 2, ("metrics.jsonl", "line 1", "1e999"),
          edit_run_file("metrics.jsonl", lambda t: t.replace('{', '{"x": 1e999, ', 1))),
+    Case("metrics-600MB-line", 2, ("metrics.jsonl", "line 11", "over the 1048576-byte limit of a line"),
+         lambda o, r, v, t: (r / "metrics.jsonl").open("ab").write(b'{"x": "' + b"a" * (600 << 20) + b'"}\n') and None),
     Case("run-json-duplicate-key", 2, ("run.json", "duplicate key 'status'"),
          edit_run_file("run.json", lambda t: '{"status": "running", ' + t.lstrip()[1:])),
     Case("run-json-duplicate-key-inspect", 1, ("run.json", "duplicate key 'status'"),

@@ -61,8 +61,15 @@ ALLOWED = frozenset({"pipeline.model.mlp.MLP"})
     ({"model": {"_target_": "builtins.open"}}, "config.model._target_ names 'builtins.open'"),
     ({"model": {"_target_": "pipeline.model.mlp.MLP", "act": {"_target_": "os.remove"}}},
      "config.model.act._target_ names 'os.remove'"),
-    ({"stages": {"x": {"_target_": "pipeline.model.mlp.MLP", "_args_": [1, {"_target_": "pathlib.Path"}]}}},
-     "config.stages.x._args_[1]._target_ names 'pathlib.Path'"),
+    ({"model": {"_target_": "pipeline.model.mlp.MLP", "_args_": [1, {"_target_": "pathlib.Path"}]}},
+     "config.model._args_[1]._target_ names 'pathlib.Path'"),
+    ({"model": {"_target_": "pipeline.model.mlp.MLP", "_args_": [[{"_target_": "os.remove"}]]}},
+     "config.model._args_[0][0]._target_ names 'os.remove'"),
+    # a shipped class out of its place is code the config of a run never builds there
+    ({"stages": {"x": {"_target_": "pipeline.model.mlp.MLP"}}},
+     "config.stages.x._target_ names 'pipeline.model.mlp.MLP', a class the pipeline builds only under model"),
+    ({"verify": {"_target_": "pipeline.model.mlp.MLP"}}, "never under verify"),
+    ({"_target_": "pipeline.model.mlp.MLP"}, "never under the top level"),
     ({"model": {"_target_": ["builtins.open"]}}, "config.model._target_ is ['builtins.open'], not the name"),
     ({"model": {"_target_": "pipeline.model.mlp.MLP", "hidden": "${oc.create:{_target_: builtins.open}}"}},
      "config.model.hidden holds the interpolation"),
@@ -73,6 +80,28 @@ def test_check_walks_the_whole_tree(tree, key):
         targets.check(tree, ALLOWED)
     assert key in str(e.value) and "\n" not in str(e.value)
     targets.check({"model": {"_target_": "pipeline.model.mlp.MLP", "hidden": [8], "x": [{"y": None}]}}, ALLOWED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key, node", [
+    ("stages.best_val", {"_target_": "pipeline.data.grammar.GrammarCorpus", "cache_dir": "{out}", "n_sentences": 50}),
+    ("model", {"_target_": "pipeline.data.grammar.GrammarCorpus", "cache_dir": "{out}", "n_sentences": 50}),
+    ("stages.rotate_last_3.cadence", {"_target_": "pipeline.tracking.mlflow_tracker.MlflowTracker",
+                                      "uri": "sqlite:///{out}/mlflow.db"}),
+])
+def test_a_shipped_class_out_of_its_place_is_refused(finished, tmp_path, key, node):
+    """A corpus where a stage is built would write its cache where the checkpoint's `cache_dir` says."""
+    scene = Scene(finished, tmp_path, "model", "builtins.open")
+    chosen = tmp_path / "outside" / "chosen"
+    node = json.loads(json.dumps(node).replace("{out}", str(chosen)))
+    own = json.loads((the_run(finished) / "checkpoints" / "final" / "manifest.json").read_text())["config"]["model"]
+    plant(scene.checkpoint, "model", own)  # the scene's planted model undone: only `node` is out of place
+    plant(scene.checkpoint, key, node)
+    scene.before = tree(tmp_path)
+    proc = scene.run("pipeline.inspect", str(scene.checkpoint))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stdout + proc.stderr
+    assert f"config.{key}._target_ names '{node['_target_']}', a class the pipeline builds only under" in proc.stderr
+    assert "Traceback" not in proc.stderr and not chosen.exists() and tree(tmp_path) == scene.before
 
 
 def test_inspect_takes_only_a_search_path(tmp_path, capsys):
@@ -296,3 +325,31 @@ def test_the_corpus_cache_is_beside_the_run_never_inside_an_archive(tmp_path):
     (tmp_path / "out" / "recovery.json").write_text("{}")  # pipeline.archive's DEST: kept as it was checked
     assert cache_home(step) == default_output_dir()
     assert cache_home(tmp_path / "lone" / "step-00000004") == default_output_dir()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_stuffed_with_files_is_refused_at_the_first_stranger(finished, tmp_path, monkeypatch):
+    """A million planted files in a checkpoint cost one entry each of the scan that meets them, not a table."""
+    from pipeline.checkpoint import store
+    from pipeline.checkpoint.errors import CheckpointError
+
+    checkpoint = tmp_path / "step-00000004"
+    shutil.copytree(the_run(finished) / "checkpoints" / "final", checkpoint)
+    for i in range(200):
+        (checkpoint / f"junk-{i:04d}").write_text("")
+    seen, real = [], os.scandir
+
+    class Counted:
+        def __init__(self, path):
+            self.it = real(path)
+
+        def __enter__(self):
+            return (seen.append(e.name) or e for e in self.it.__enter__())
+
+        def __exit__(self, *exc):
+            return self.it.__exit__(*exc)
+
+    monkeypatch.setattr(store.os, "scandir", Counted)
+    with pytest.raises(CheckpointError, match=r"junk-\d{4}: present but not listed in manifest.json"):
+        store.load(checkpoint, {})
+    assert len(seen) <= 6  # the five files of a checkpoint at most, then the first stranger

@@ -202,10 +202,12 @@ def _check_listing(directory: Path, manifest: dict) -> dict[str, dict]:
     for name in REQUIRED_BY[manifest["schema_version"]]:
         if name not in listed:
             raise CheckpointError(directory, MANIFEST, f"does not list {name}")
-    with os.scandir(directory) as it:
-        present = {e.name: e for e in it if e.name != MANIFEST}
-    for name in sorted(set(present) - set(listed)):
-        raise CheckpointError(directory, name, "present but not listed in manifest.json")
+    present = {}
+    with os.scandir(directory) as it:  # the first stranger ends the scan: a million planted files cost nothing
+        for e in it:
+            if e.name != MANIFEST and e.name not in listed:
+                raise CheckpointError(directory, f"{e.name:.100}", "present but not listed in manifest.json")
+            present[e.name] = e
     for name, entry in sorted(listed.items()):
         if name not in present:
             raise CheckpointError(directory, name, "listed in manifest.json but missing")

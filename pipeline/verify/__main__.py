@@ -8,6 +8,11 @@ control cannot diverge); 2: the verification could not complete (a bad override 
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
+    from pipeline.signals import SIGNALS_STATE
+
+    SIGNALS_STATE.install()
+
 import argparse
 import sys
 
