@@ -20,6 +20,11 @@ a run). Exit 0 published; 1 a check failed (the temporary is kept and named); 2 
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
+    from pipeline.signals import SIGNALS_STATE
+
+    SIGNALS_STATE.install()
+
 import argparse
 import hashlib
 import os

@@ -373,7 +373,8 @@ def test_sample_interrupted_by_ctrl_c_is_one_line_exit_75(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["pipeline.evaluate", "pipeline.sample", "pipeline.inspect", "pipeline.reindex",
-                                    "pipeline.export_hf", "pipeline.roundtrip", "pipeline.verify"])
+                                    "pipeline.export_hf", "pipeline.roundtrip", "pipeline.verify",
+                                    "pipeline.archive", "pipeline.register"])
 def test_a_signal_while_a_tool_is_still_imported_ends_in_one_line(module, tmp_path):
     """Every tool takes over the signals before its other imports, and a signal raised at module level (no
     try of tool_exit around it yet) still ends in one line and 75, not a traceback nor -15."""
