@@ -283,15 +283,17 @@ def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
     the identical command continues it: `n_trials` is the study's total of completed trials, and the
     sweeper is asked only for the rest. Returns how many trials the study holds already: the first new
     trial's number, which becomes its job's number (Hydra counts each launch from 0)."""
-    storage = sweeper.get("storage") or f"sqlite:///{directory / OPTUNA_DB}"
+    storage = sweeper.get("storage") or {"_target_": "pipeline.tracking.optuna_storage.storage",
+                                         "url": f"sqlite:///{directory / OPTUNA_DB}"}
     name = sweeper.get("study_name") or sweep_id
     done = held = 0
     if sweeper.get("storage") or (directory / OPTUNA_DB).exists():
         import optuna
+        from hydra.utils import instantiate
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         try:
-            trials = optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+            trials = optuna.load_study(study_name=name, storage=instantiate(storage)).get_trials(deepcopy=False)
         except KeyError:  # no such study in that storage yet
             trials = []
         held = len(trials)
