@@ -1,7 +1,8 @@
-"""The live index is the rebuilt index: after a preemption, a resume, a sweep and an Optuna sweep run three
-times, `reindex --rebuild` makes a DB that holds, field by field, what the live one does."""
+"""The live index is the rebuilt index: after a preempted and resumed run, a preempted and finished sweep and
+an Optuna sweep run three times, `reindex --rebuild` makes a DB that holds, field by field, what the live one does."""
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from conftest import KERNODECK, Proc, env_for_subprocess, run_pipeline, wait_until
 from pipeline.rundir import RunDir
 from pipeline.tracking.link import wait_idle
+from pipeline.tracking.store import curves_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -82,8 +84,20 @@ def test_a_rebuilt_index_holds_what_the_live_one_does(tmp_path):
     assert paced.wait() == 75, paced.stderr[-3000:]
     assert wait_idle(uri)
     pipeline(out, cwd, *long)
-    # a grid sweep, and an Optuna study continued by the same command and by a larger n_trials
-    pipeline(out, cwd, "-m", "optimizer.lr=0.01,0.03")
+    runs_before = {p.name for p in (out / "runs").iterdir()}
+    # a grid sweep preempted mid-job (its parent then lists the failure), finished by the identical command
+    grid = ("-m", "optimizer.lr=0.01,0.03", *long)
+    launcher = Proc([*grid, *KERNODECK[:1], "tracking=mlflow", f"paths.output_dir={out}", "trainer.progress_bar=false"],
+                    cwd, env={"PIPELINE_CHAOS_PACE": "0.01"})
+    wait_until(lambda: any(len(RunDir(p.parent).read_metrics()) > 60 for p in (out / "runs").glob("*/metrics.jsonl")
+                           if p.parent.name not in runs_before), "a sweep job past its first checkpoint", launcher)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait() == 75, launcher.stderr[-3000:]
+    assert wait_idle(uri)
+    (cut,) = [v for k, v in snapshot(uri).items() if k[0] == "parent"]
+    assert cut["status"] == "KILLED" and "preempted" in cut["tags"]["sweep.failures"]
+    pipeline(out, cwd, *grid)
+    # an Optuna study continued by the same command and by a larger n_trials
     study = ("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_jobs=1", "optimizer.lr=tag(log,interval(1e-3,1e-1))")
     pipeline(out, cwd, *study, "hydra.sweeper.n_trials=3")
     optuna_dir = next(p.parent for p in (out / "sweeps").glob("*/optuna.db"))
@@ -104,8 +118,13 @@ def test_a_rebuilt_index_holds_what_the_live_one_does(tmp_path):
     assert all(p["tags"].get("git_sha") for p in parents)
     optuna_children = [v for v in live.values() if v["parent"] == ("parent", optuna_dir.name.rsplit("-", 1)[1])]
     assert sorted(c["tags"]["sweep.job_num"] for c in optuna_children) == [str(n) for n in range(5)]
-    resumed = [v for k, v in live.items() if v["tags"].get("resumes") == "1"]
-    assert len(resumed) == 1 and len(resumed[0]["metrics"]["train/loss"]) == 400
+    resumed = {k: v for k, v in live.items() if k[0] == "run" and v["tags"].get("resumes") == "1"}
+    assert len(resumed) >= 2 and all(len(v["metrics"]["train/loss"]) == 400 for v in resumed.values())
+    for (_, run_dir), v in resumed.items():  # the curve of the whole run, not the one drawn at the preemption
+        assert v["artifacts"]["curves.png"] == curves_bytes(RunDir(Path(run_dir)).read_metrics())
+    grid_sweep = next(p for p in (out / "sweeps").iterdir() if p != optuna_dir)
+    first_start = json.loads((grid_sweep / "sweep.json").read_text())["started"]
+    assert live[("parent", grid_sweep.name.rsplit("-", 1)[1])]["start"] == int(first_start * 1000)
     shutil.copy(out / "mlflow.db", tmp_path / "live.db")
 
     rebuilt = subprocess.run([sys.executable, "-m", "pipeline.reindex", str(out), "--rebuild"],
