@@ -13,7 +13,7 @@ Protocol: JSON lines; each request names a session `sid` unique on its connectio
   {"op": "finish", "sid", "run_dir", "job", "pid"}  flush; once the job has gone (its pid no longer holds
                                      the run directory's lock), index the whole run directory    -> finished
   {"op": "attach", "sid", "uri", "artifact_location", "run_dir", "parent", "job"}  a run done before -> finished
-  {"op": "parent_start", "sid", "uri", "experiment", "artifact_location", "sweep_id", "tags", "params"} -> ready
+  {"op": "parent_start", "sid", "uri", "artifact_location", "sweep_id", "sweep_dir"}  from its sweep.json -> ready
   {"op": "sweep_end", "sid", "uri", "sweep_dir", "parent"}  complete the parent from the sweep dir -> finished
   {"op": "ping", "sid", "uri"}                   open the store now (warm it)              -> pong
   {"op": "idle", "sid"}        answered once no other client is connected and no run is open or finishing
@@ -215,42 +215,28 @@ class Agent:
         """A job whose run directory was complete before it started: index it (creating its run if the
         store lacks it) under the sweep's parent, and report it."""
         from pipeline.tracking.common import run_uri
-        from pipeline.tracking.index import sync_run
-
-        from pipeline.tracking import store
+        from pipeline.tracking.index import index_job
 
         client = self.client(m["uri"], m.get("artifact_location"))
         parent, job = self.parent_of(client, m.get("parent")), m.get("job") or {}
-        run = store.find_run(client, str(Path(m["run_dir"]).resolve()))
-        if run is not None and parent and (run.data.tags.get("mlflow.parentRunId") != parent["run_id"] or
-                                           run.data.tags.get("sweep.job_num") not in (None, str(job.get("num")))):
-            # The run already stands for another job (of this sweep, or of another): this job gets a child of
-            # its own that points at it, so every job of the sweep shows, repeats included.
-            run = store.reference_run(client, run, parent, job)
-            uri = run_uri(m["uri"], run.info.experiment_id, run.info.run_id)
-        else:
-            r = sync_run(client, m["uri"], Path(m["run_dir"]), m.get("artifact_location"), parent, m.get("job"))
-            uri = run_uri(m["uri"], r["experiment_id"], r["run_id"]) if "run_id" in r else None
+        r = index_job(client, m["uri"], Path(m["run_dir"]), m.get("artifact_location"), parent, job)
+        uri = run_uri(m["uri"], r["experiment_id"], r["run_id"]) if "run_id" in r else None
         s.conn.send({"sid": s.sid, "event": "finished", "uri": uri})
 
     # --- a sweep's parent run
     def parent_start(self, s: Session, m: dict) -> None:
-        from pipeline.tracking import store
+        """The sweep's parent, made from its sweep.json by the code reindex uses (pipeline/tracking/index.py)."""
         from pipeline.tracking.common import run_uri
+        from pipeline.tracking.index import open_parent
 
         client = self.client(m["uri"], m.get("artifact_location"))
-        experiment_id = store.ensure_experiment(client, m["experiment"], m.get("artifact_location"))
-        found = store.find_parent(client, m["sweep_id"], experiment_id)
-        if found:  # the same sweep again: its parent goes on
-            run = found
+        run, created = open_parent(client, Path(m["sweep_dir"]), m.get("artifact_location"))
+        if not created:  # the same sweep again: its parent goes on
             client.update_run(run.info.run_id, status="RUNNING")
-            store.sync_tags(client, run, m["tags"])
-        else:
-            run = store.create_run(client, experiment_id, m["tags"], m.get("start_time"))
-        store.sync_params(client, run, m.get("params") or {})
+        experiment_id = run.info.experiment_id
         self.parents[m["sweep_id"]] = {"run_id": run.info.run_id, "experiment_id": experiment_id}
         s.conn.send({"sid": s.sid, "event": "ready", "uri": run_uri(m["uri"], experiment_id, run.info.run_id),
-                     "run_id": run.info.run_id, "experiment_id": experiment_id, "reused": bool(found)})
+                     "run_id": run.info.run_id, "experiment_id": experiment_id, "reused": not created})
 
     def sweep_end(self, s: Session, m: dict) -> None:
         from pipeline.tracking.index import sync_parent

@@ -16,8 +16,9 @@ from pipeline.checkpoint.store import EXTRA, MANIFEST, WEIGHTS, read_manifest
 from pipeline.rundir import RunBusyError, RunDir
 from pipeline.tracking import store
 from pipeline.tracking.common import (CURVES_ARTIFACT, FINAL_MANIFEST_ARTIFACT, FINAL_WEIGHTS_ARTIFACT, params_of,
-                                      parse_run_uri, run_uri, tags_of)
+                                      parse_run_uri, run_uri, tag_value, tags_of)
 
+MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
 STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
 
 
@@ -104,11 +105,12 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     for p in store.points_of(lines):
         latest[(p[0], p[3])] = p  # a step logged twice in the file: its last line
     best = best_metrics(found[-1][0])
+    when = {p[3]: p[2] for p in latest.values()}  # step -> its metrics.jsonl time: the same in every rebuild
     for key, (value, step) in best.items():
-        latest[(key, step)] = (key, value, int(time.time() * 1000), step)
+        latest[(key, step)] = (key, value, when.get(step, 0), step)
     if best:
         step = next(iter(best.values()))[1]
-        latest[("best/step", step)] = ("best/step", float(step), int(time.time() * 1000), step)
+        latest[("best/step", step)] = ("best/step", float(step), when.get(step, 0), step)
     logged = store.logged_steps(client, run_id, {k for k, _ in latest})
     added["points"] = store.log_points(client, run_id, [p for key, p in latest.items() if key not in logged])
     mstatus = mlflow_status(rundir, status)
@@ -168,79 +170,162 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
         if have.get(artifact) != size:
             store.log_file_as(repo, artifact, source=source)
             added += 1
-    if (CURVES_ARTIFACT not in have or new_points) and store.log_curves(repo, lines):
+    png = curves_png(rundir, lines)
+    if png is not None and store.artifact_bytes(repo, CURVES_ARTIFACT, have) != png:
+        store.log_file_as(repo, CURVES_ARTIFACT, data=png)
         added += 1
     return added
 
 
+def curves_png(rundir: RunDir, lines: list) -> bytes | None:
+    """The run's loss/lr curves as PNG bytes: the run directory's own curves.png when it is current (written
+    after the last metrics line), else drawn here from the whole metrics.jsonl; None with nothing to draw."""
+    own = rundir.path / CURVES_ARTIFACT
+    try:
+        if own.is_file() and own.stat().st_size <= MAX_CURVES_BYTES and \
+                own.stat().st_mtime >= rundir.metrics_path.stat().st_mtime:
+            return own.read_bytes()
+    except OSError:
+        pass
+    return store.curves_bytes(lines)
+
+
 SWEEP_STATUS = {"complete": "FINISHED", "failed": "FAILED", "interrupted": "KILLED", "running": "RUNNING"}
+# Parent tags that follow the jobs: removed when the disk no longer says them (a failure since re-run).
+DERIVED_PARENT_TAGS = ("sweep.failures", "best.job", "best.params", "best.value", "best.run_id", "ended")
+
+
+def read_sweep(sweep_dir: Path) -> tuple[dict, dict[int, dict]]:
+    from pipeline.tracking.sweep_callback import read_jobs
+
+    return jsonio.read(Path(sweep_dir) / "sweep.json", 1 << 24), read_jobs(Path(sweep_dir))
+
+
+def identity_tags(sweep: dict) -> dict[str, str]:
+    """The parent's tags that sweep.json fixes when the sweep starts (the same whoever creates the run)."""
+    tags = {"mlflow.runName": f"sweep {sweep.get('name', '')} {' '.join(sweep.get('swept') or {})}".strip(),
+            "sweep": "parent", "sweep.id": sweep["id"], "sweep.dir": str(sweep.get("dir", "")),
+            "sweep.overrides": " ".join(sweep.get("overrides") or []), "mlflow.source.name": "pipeline -m",
+            "sweep.launcher": sweep.get("launcher", ""), "sweep.sweeper": sweep.get("sweeper", ""),
+            "experiment": sweep.get("name", ""), "git_sha": str(sweep.get("git_sha"))}
+    if sweep.get("git_sha") not in (None, "unknown"):
+        tags["mlflow.source.git.commit"] = sweep["git_sha"]
+    return {k: tag_value(v) for k, v in tags.items()}
+
+
+def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, str], str]:
+    """Every tag of a sweep's parent run and its mlflow status, from sweep.json and jobs/*.json alone (the
+    live agent and reindex both call this): counts, the failures as the jobs' records say them now, the best
+    job and the run that indexes its run directory in THIS store."""
+    from pipeline.tracking.sweep_callback import best_job
+
+    tags = identity_tags(sweep)
+    failed = {n: j for n, j in sorted(jobs.items()) if j.get("status") != "complete"}
+    tags.update({"sweep.jobs": str(len(jobs)), "sweep.failed": str(len(failed))})
+    if failed:
+        tags["sweep.failures"] = tag_value("; ".join(f"job {n} ({j.get('name', '')}): {j.get('status')}: "
+                                                     f"{j.get('error', '')}" for n, j in failed.items()))
+    best = best_job(jobs, sweep.get("direction", "minimize"))
+    if best is not None:
+        tags.update({"best.job": str(best["num"]), "best.params": tag_value(best.get("name", "")),
+                     "best.value": repr(best["objective"])})
+        if best.get("run_dir"):  # by its run_dir tag: a run id the job recorded may be another store's
+            found = store.find_run(client, str(Path(best["run_dir"]).resolve()))
+            if found is not None:
+                tags["best.run_id"] = found.info.run_id
+    status = SWEEP_STATUS.get(sweep.get("status", "running"), "RUNNING")
+    if status == "RUNNING" and not _alive(sweep):
+        status = "FAILED"  # its launching process died without ending it
+        tags["ended"] = "the launching process exited without ending the sweep"
+    return tags, status
+
+
+def objective_points(sweep: dict, jobs: dict[int, dict]) -> list[tuple[str, float, int, int]]:
+    """The parent's objective: at step n, the best of jobs 0..n, for the jobs before the first that has not
+    completed (each point is then final: a job re-run later cannot change it); the latest is the best."""
+    import math
+
+    key, maximize = sweep.get("objective", "objective"), sweep.get("direction") == "maximize"
+    ts, best, out = int(float(sweep.get("started") or 0) * 1000), None, []
+    for n in sorted(jobs):
+        job = jobs[n]
+        if job.get("status") != "complete":
+            break
+        value = job.get("objective")
+        if isinstance(value, (int, float)) and math.isfinite(jsonio.number(value)):
+            value = float(value)
+            best = value if best is None else (max if maximize else min)(best, value)
+        if best is not None:
+            out.append((key, best, ts, n))
+    return out
+
+
+def open_parent(client, sweep_dir: Path, artifact_root: str | None):
+    """The sweep's parent run, found by the sweep's id or created (at the sweep's first start), with the tags
+    and params sweep.json fixes. Returns (run, created)."""
+    sweep, _ = read_sweep(sweep_dir)
+    experiment = sweep.get("experiment") or sweep.get("name") or "default"
+    experiment_id = store.ensure_experiment(client, experiment, artifact_root)
+    found = store.find_parent(client, sweep["id"], experiment_id)
+    tags = identity_tags(sweep)
+    run = found or store.create_run(client, experiment_id, tags, sweep.get("started"))
+    store.sync_tags(client, run, tags)
+    store.sync_params(client, run, {k: tag_value(v)[:6000] for k, v in (sweep.get("swept") or {}).items()})
+    return client.get_run(run.info.run_id), found is None
+
+
+def index_job(client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None, job: dict) -> dict:
+    """A sweep job's run directory under its parent: its own run, or, when that run already stands for
+    another job (a repeat in this sweep, or a job of another sweep), a child of its own pointing at it."""
+    run = store.find_run(client, str(Path(run_dir).resolve()))
+    if run is not None and parent and (run.data.tags.get("mlflow.parentRunId") != parent["run_id"] or
+                                       run.data.tags.get("sweep.job_num") not in (None, str(job.get("num")))):
+        ref = store.reference_run(client, run, parent, job)
+        return {"run_id": ref.info.run_id, "experiment_id": ref.info.experiment_id, "repeat_of": run.info.run_id}
+    return sync_run(client, uri, Path(run_dir), artifact_root, parent, job)
 
 
 def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, parent: dict | None = None,
                 children: bool = True) -> dict:
     """Make a sweep's parent run hold what its directory says (sweep.json, jobs/*.json, multirun.yaml, the
     sweeper's results): found by the sweep's id or created; with children=True (reindex) every job's run
-    directory is indexed under it too. Returns {"run_id", "experiment_id", "children", "status", "synced":
-    {resolved run directory: sync_run's result}}."""
-    from pipeline.tracking.sweep_callback import best_job, read_jobs
-
+    directory is indexed under it too, in job order. Returns {"run_id", "experiment_id", "children",
+    "status", "synced": {resolved run directory: sync_run's result}}."""
     sweep_dir = Path(sweep_dir)
-    sweep = jsonio.read(sweep_dir / "sweep.json", 1 << 24)
-    jobs = read_jobs(sweep_dir)
-    experiment = sweep.get("experiment") or sweep.get("name") or "default"
-    experiment_id = store.ensure_experiment(client, experiment, artifact_root)
+    sweep, jobs = read_sweep(sweep_dir)
     if parent is None:
-        found = store.find_parent(client, sweep["id"], experiment_id)
-        tags = {"mlflow.runName": f"sweep {sweep.get('name', '')} {' '.join(sweep.get('swept') or {})}".strip(),
-                "sweep": "parent", "sweep.id": sweep["id"], "sweep.dir": str(sweep_dir),
-                "sweep.overrides": " ".join(sweep.get("overrides") or []), "mlflow.source.name": "pipeline -m",
-                "sweep.launcher": sweep.get("launcher", ""), "sweep.sweeper": sweep.get("sweeper", ""),
-                "experiment": sweep.get("name", "")}
-        run = found or store.create_run(client, experiment_id, tags, sweep.get("started"))
+        run, _ = open_parent(client, sweep_dir, artifact_root)
         parent = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
-        store.sync_params(client, run, {k: str(v)[:6000] for k, v in (sweep.get("swept") or {}).items()})
     synced = {}
     if children:
-        for job in jobs.values():
+        for num, job in sorted(jobs.items()):
             if job.get("run_dir") and Path(job["run_dir"]).is_dir() and not RunDir(job["run_dir"]).in_use():
-                synced[str(Path(job["run_dir"]).resolve())] = sync_run(
-                    client, uri, Path(job["run_dir"]), artifact_root, parent,
-                    {k: job.get(k) for k in ("sweep_id", "num", "overrides", "name")})
+                r = index_job(client, uri, Path(job["run_dir"]), artifact_root, parent,
+                              {k: job.get(k) for k in ("sweep_id", "num", "overrides", "name")})
+                if "repeat_of" not in r:
+                    synced[str(Path(job["run_dir"]).resolve())] = r
     run = client.get_run(parent["run_id"])
-    failed = {n: j for n, j in sorted(jobs.items()) if j.get("status") != "complete"}
-    tags = {"sweep.jobs": str(len(jobs)), "sweep.failed": str(len(failed))}
-    if failed:
-        tags["sweep.failures"] = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('status')}: {j.get('error', '')}"
-                                           for n, j in failed.items())[:8000]
-    best = best_job(jobs, sweep.get("direction", "minimize"))
-    objective = sweep.get("objective", "objective")
-    if best is not None:
-        tags.update({"best.job": str(best["num"]), "best.params": best.get("name", ""),
-                     "best.value": repr(best["objective"])})
-        best_id = parse_run_uri(best.get("run_uri"))[2]
-        if best_id is None and best.get("run_dir"):  # its job ended before its run's URI was known
-            found = store.find_run(client, str(Path(best["run_dir"]).resolve()))
-            best_id = found.info.run_id if found is not None else None
-        if best_id:
-            tags["best.run_id"] = best_id
+    tags, status = parent_tags(client, sweep, jobs)
     store.sync_tags(client, run, tags)
-    if best is not None and run.data.metrics.get(objective) != best["objective"]:
-        store.log_points(client, run.info.run_id, [(objective, float(best["objective"]),
-                                                    int(time.time() * 1000), 0)])
+    for key in DERIVED_PARENT_TAGS:
+        if key in run.data.tags and key not in tags:
+            client.delete_tag(run.info.run_id, key)
+    points = objective_points(sweep, jobs)
+    logged = store.logged_steps(client, run.info.run_id, {p[0] for p in points})
+    store.log_points(client, run.info.run_id, [p for p in points if (p[0], p[3]) not in logged])
     repo = store.artifact_repo(client, run.info.run_id)
     have = store.artifact_sizes(repo)
     for name in ("multirun.yaml", "optimization_results.yaml", "sweep.json"):
         p = sweep_dir / name
-        if p.is_file() and have.get(name) != p.stat().st_size:
+        if p.is_file() and store.artifact_bytes(repo, name, have) != p.read_bytes():
             store.log_file_as(repo, name, source=p)
-    status = SWEEP_STATUS.get(sweep.get("status", "running"), "RUNNING")
-    if status == "RUNNING" and not _alive(sweep):
-        status = "FAILED"  # its launching process died without ending it
-        store.sync_tags(client, run, {"ended": "the launching process exited without ending the sweep"})
-    if status != "RUNNING" and run.info.status != status:
-        client.set_terminated(run.info.run_id, status=status,
-                              end_time=int((sweep.get("ended_at") or time.time()) * 1000))
+    if status != "RUNNING" and (run.info.status != status or run.info.end_time != _ms(sweep.get("ended_at"))):
+        client.set_terminated(run.info.run_id, status=status, end_time=_ms(sweep.get("ended_at")))
     return {**parent, "children": len(jobs), "status": status, "synced": synced}
+
+
+def _ms(t) -> int | None:
+    return int(float(t) * 1000) if isinstance(t, (int, float)) else None
 
 
 def _alive(sweep: dict) -> bool:

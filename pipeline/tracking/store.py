@@ -304,13 +304,29 @@ def draw_curves(lines: list[dict], out_png: Path) -> bool:
     return True
 
 
-def log_curves(repo, lines: list[dict]) -> bool:
+def curves_bytes(lines: list[dict]) -> bytes | None:
+    """The curves drawn from these metrics.jsonl lines, as PNG bytes (the same lines give the same bytes);
+    None when there is nothing to draw. The one place the index draws (the job's own drawing may replace it)."""
     with tempfile.TemporaryDirectory(prefix="pipeline-curves-") as tmp:
         png = Path(tmp) / CURVES_ARTIFACT
-        if not draw_curves(lines, png):
-            return False
-        repo.log_artifact(str(png))
-        return True
+        return png.read_bytes() if draw_curves(lines, png) else None
+
+
+def artifact_bytes(repo, path: str, sizes: dict[str, int] | None = None, limit: int = 64 << 20) -> bytes | None:
+    """The content of one logged artifact (None if absent or over `limit`): read in place from a local artifact
+    store, else downloaded into a temporary directory."""
+    if sizes is not None and (path not in sizes or sizes[path] > limit):
+        return None
+    root = getattr(repo, "artifact_dir", None)  # LocalArtifactRepository
+    try:
+        if root is not None:
+            local = Path(root) / path
+            return local.read_bytes() if local.is_file() and local.stat().st_size <= limit else None
+        with tempfile.TemporaryDirectory(prefix="pipeline-artifact-") as tmp:
+            got = Path(repo.download_artifacts(path, tmp))
+            return got.read_bytes() if got.is_file() and got.stat().st_size <= limit else None
+    except (MlflowException, OSError):
+        return None
 
 
 def reference_run(client: MlflowClient, run, parent: dict, job: dict):
@@ -326,9 +342,10 @@ def reference_run(client: MlflowClient, run, parent: dict, job: dict):
                                max_results=1)
     if found:
         return found[0]
-    child = create_run(client, parent["experiment_id"], tags)
+    # its times and points are the run's it repeats: the same in the live index and in a rebuilt one
+    child = client.create_run(parent["experiment_id"], start_time=run.info.start_time, tags=tags, run_name=name)
     sync_params(client, child, run.data.params)
-    now = int(time.time() * 1000)
-    log_points(client, child.info.run_id, [(k, v, now, 0) for k, v in run.data.metrics.items()])
-    client.set_terminated(child.info.run_id, status=run.info.status, end_time=now)
+    end = run.info.end_time or run.info.start_time
+    log_points(client, child.info.run_id, [(k, v, end, 0) for k, v in sorted(run.data.metrics.items())])
+    client.set_terminated(child.info.run_id, status=run.info.status, end_time=end)
     return child

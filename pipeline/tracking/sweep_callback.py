@@ -35,13 +35,17 @@ from pipeline import jsonio
 from pipeline.atomic import ensure_dirs, environment_error, replace_file
 from pipeline.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, SIGNALS_STATE
 from pipeline.tracking.common import (CURRENT_JOB, is_machine_key, is_mlflow_tracking, normalize_tracking_uri,
-                                      store_problem, tag_value)
+                                      store_problem)
 
 log = logging.getLogger("pipeline")
 SWEEP_DIR_ENV = "PIPELINE_SWEEP_DIR"  # read by conf/config.yaml's hydra.sweep.dir, in the launcher and every job
 END_WAIT = 1.0  # seconds the launcher waits for its last messages to the tracking agent to be on their way
 ACTIVE: "MlflowSweepCallback | None" = None  # the launching process's sweep, for the entry point to finish
 _PARENT_REQUEST = None  # the launcher's pending parent_start (not an attribute: jobs get a pickled copy)
+# Sweeper settings that do not make another sweep: where Optuna keeps the study (set here, in the sweep
+# directory) and how many trials it should hold (a re-run with more continues the same study).
+NOT_IDENTITY = ("storage", "study_name", "n_trials")
+OPTUNA_DB = "optuna.db"
 MAX_JOBS = 10_000  # a sweep's bound, counted before the sweeper expands its overrides (README, Sweeps)
 
 
@@ -128,7 +132,7 @@ class MlflowSweepCallback(Callback):
         task = [str(o) for o in hydra.overrides.task]
         sweeper = _plain(hydra.sweeper, resolve=False) or {}
         identity = {"name": str(config.get("name", "")), "overrides": sorted(o for o in task if not is_machine_key(
-            o.split("=", 1)[0].lstrip("+~"))), "sweeper": {k: v for k, v in sweeper.items() if k != "storage"}}
+            o.split("=", 1)[0].lstrip("+~"))), "sweeper": {k: v for k, v in sweeper.items() if k not in NOT_IDENTITY}}
         if (count := job_count(task, sweeper)) > MAX_JOBS:  # before anything is written or expanded
             _stop(EXIT_BAD_INPUT, f"this sweep asks for {count:,} jobs: at most {MAX_JOBS:,} in one multirun "
                                   "(split it, or sample it with a sweeper such as Optuna and its n_trials)")
@@ -156,12 +160,20 @@ class MlflowSweepCallback(Callback):
                 o.startswith(("hydra.sweeper.direction=", "++hydra.sweeper.direction=")) for o in hydra.overrides.hydra):
             with open_dict(hydra.sweeper):
                 hydra.sweeper.direction = direction  # what the jobs return is best-val's best: minimise or maximise
+        from pipeline.checkpoint.manifest import git_info
+
+        try:
+            previous = jsonio.read(directory / "sweep.json", 1 << 24)
+        except (OSError, ValueError):
+            previous = {}
+        started = previous.get("started") if isinstance(previous.get("started"), (int, float)) else time.time()
+        offset = _optuna_study(hydra, sweeper, directory, sweep_id) if "optuna" in str(sweeper.get("_target_", "")) else 0
         self.sweep = {"id": sweep_id, "dir": str(directory), "name": identity["name"],
                       "swept": swept(task, sweeper.get("params")), "direction": direction,
                       "objective": str(config.get("optimized_metric") or f"best/{(stages.get('best_val') or {}).get('monitor', 'val/loss')}"),
                       "launcher": str(hydra.launcher.get("_target_", "")), "sweeper": str(sweeper.get("_target_", "")),
-                      "overrides": task, "started": time.time(), "status": "running", "pid": os.getpid(),
-                      "host": socket.gethostname()}
+                      "overrides": task, "started": started, "status": "running", "pid": os.getpid(),
+                      "host": socket.gethostname(), "git_sha": git_info().get("git_sha"), "job_offset": offset}
         self.launcher_pid = os.getpid()
         ACTIVE = self
         tracking = config.get("tracking")
@@ -179,17 +191,10 @@ class MlflowSweepCallback(Callback):
         """Ask the agent for the parent run without waiting: jobs start at once and name their parent by the
         sweep's id (the agent answers in order); end() reads the answer."""
         global _PARENT_REQUEST
-        from pipeline.checkpoint.manifest import git_info
         from pipeline.tracking.link import Request, agent_for
         from pipeline.tracking.mlflow_tracker import agent_log
 
-        s, git = self.sweep, git_info()
-        tags = {"mlflow.runName": f"sweep {s['name']} {' '.join(s['swept'])}".strip(), "sweep": "parent",
-                "sweep.id": s["id"], "sweep.dir": s["dir"], "sweep.overrides": " ".join(s["overrides"]),
-                "sweep.launcher": s["launcher"], "sweep.sweeper": s["sweeper"], "experiment": s["name"],
-                "mlflow.source.name": "pipeline -m", "git_sha": str(git.get("git_sha"))}
-        if git.get("git_sha") not in (None, "unknown"):
-            tags["mlflow.source.git.commit"] = git["git_sha"]
+        s = self.sweep
         problem = store_problem(s["uri"], timeout=END_WAIT / 2)
         if problem:
             self.disabled = problem
@@ -199,9 +204,7 @@ class MlflowSweepCallback(Callback):
         link = agent_for(s["uri"], agent_log(s["uri"]))  # at once: the agent starts beside the jobs
         _PARENT_REQUEST = Request()
         link.send({"op": "parent_start", "sid": link.register(_PARENT_REQUEST), "uri": s["uri"],
-                   "experiment": s["experiment"], "artifact_location": s.get("artifact_location"),
-                   "sweep_id": s["id"], "start_time": s["started"], "tags": {k: tag_value(v) for k, v in tags.items()},
-                   "params": {k: tag_value(v)[:6000] for k, v in s["swept"].items()}})
+                   "artifact_location": s.get("artifact_location"), "sweep_id": s["id"], "sweep_dir": s["dir"]})
         self.parent = {"sweep_id": s["id"]}
 
     def _say_parent(self) -> None:
@@ -265,7 +268,7 @@ class MlflowSweepCallback(Callback):
     # --- each job's process
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
         overrides = [str(o) for o in config.hydra.overrides.task]
-        num = int(config.hydra.job.get("num", 0))
+        num = int(config.hydra.job.get("num", 0)) + int((self.sweep or {}).get("job_offset") or 0)
         job = None
         if self.sweep is not None:
             job = {"sweep_id": self.sweep["id"], "num": num, "overrides": overrides,
@@ -295,6 +298,33 @@ class MlflowSweepCallback(Callback):
         except OSError as e:
             log.warning("could not record job %s in %s: %s", job["num"], self.sweep["dir"], e)
         CURRENT_JOB.clear()
+
+
+def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
+    """Point the Optuna sweeper at a study kept in the sweep directory (unless the command names its own), so
+    the identical command continues it: `n_trials` is the study's total of completed trials, and the
+    sweeper is asked only for the rest. Returns how many trials the study holds already: the first new
+    trial's number, which becomes its job's number (Hydra counts each launch from 0)."""
+    storage = sweeper.get("storage") or {"_target_": "pipeline.tracking.optuna_storage.storage",
+                                         "url": f"sqlite:///{directory / OPTUNA_DB}"}
+    name = sweeper.get("study_name") or sweep_id
+    done = held = 0
+    if sweeper.get("storage") or (directory / OPTUNA_DB).exists():
+        import optuna
+        from hydra.utils import instantiate
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        try:
+            trials = optuna.load_study(study_name=name, storage=instantiate(storage)).get_trials(deepcopy=False)
+        except KeyError:  # no such study in that storage yet
+            trials = []
+        held = len(trials)
+        done = sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    with open_dict(hydra.sweeper):
+        hydra.sweeper.storage, hydra.sweeper.study_name = storage, name
+        if isinstance(sweeper.get("n_trials"), int):
+            hydra.sweeper.n_trials = max(0, sweeper["n_trials"] - done)
+    return held
 
 
 def read_jobs(directory: Path) -> dict[int, dict]:

@@ -1,0 +1,44 @@
+"""The Optuna study of a sweep, kept in the sweep directory: optuna 2's sqlite RDBStorage under SQLAlchemy 2.
+
+The Optuna sweeper pins optuna 2.x, whose RDBStorage stamps its schema version on a connection it never
+commits; SQLAlchemy 2 no longer autocommits, so the stamp is rolled back and the next check fails with a
+bare AssertionError. `storage` records the version in a committed transaction first. The sweep callback
+names it in `hydra.sweeper.storage`: `{_target_: pipeline.tracking.optuna_storage.storage, url: sqlite:///...}`.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+for _name in ("alembic", "alembic.runtime.plugins"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
+import alembic.config  # noqa: E402
+import alembic.migration  # noqa: E402
+import alembic.script  # noqa: E402
+import optuna.storages._rdb.storage as rdb  # noqa: E402
+import sqlalchemy  # noqa: E402
+from optuna.storages import RDBStorage  # noqa: E402
+from optuna.storages._cached_storage import _CachedStorage  # noqa: E402
+
+
+def _stamp(url: str) -> None:
+    """Record optuna's schema version (its alembic head) in a store that lacks it, in a committed transaction:
+    RDBStorage then finds it and stamps nothing (a new store's tables are made at that head)."""
+    here = Path(rdb.__file__).parent
+    config = alembic.config.Config(str(here / "alembic.ini"))
+    config.set_main_option("script_location", rdb.escape_alembic_config_value(str(here / "alembic")))
+    engine = sqlalchemy.create_engine(url)
+    try:
+        with engine.begin() as connection:
+            context = alembic.migration.MigrationContext.configure(connection)
+            if context.get_current_revision() is None:
+                context.stamp(alembic.script.ScriptDirectory.from_config(config), "head")
+    finally:
+        engine.dispose()
+
+
+def storage(url: str):
+    """The storage optuna.create_study would make of `url`, with its schema version recorded."""
+    _stamp(url)
+    return _CachedStorage(RDBStorage(url))

@@ -1,0 +1,137 @@
+"""The live index is the rebuilt index: after a preempted and resumed run, a preempted and finished sweep and
+an Optuna sweep run three times, `reindex --rebuild` makes a DB that holds, field by field, what the live one does."""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import KERNODECK, Proc, env_for_subprocess, run_pipeline, wait_until
+from pipeline.rundir import RunDir
+from pipeline.tracking.link import wait_idle
+from pipeline.tracking.store import curves_bytes
+
+pytestmark = pytest.mark.slow
+
+# Tags that say which store a run is in, not what is on disk: left out of the comparison (the parent link and
+# best.run_id are compared as the runs they name).
+STORE_INTERNAL = ("mlflow.parentRunId", "best.run_id", "repeat_of", "mlflow.user")
+
+
+def pipeline(out: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    proc = run_pipeline([*args, *KERNODECK[:1], "tracking=mlflow", f"paths.output_dir={out}",
+                         "trainer.progress_bar=false"], cwd)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert wait_idle(f"sqlite:///{out}/mlflow.db"), "the tracking agent went away before the index was complete"
+    return proc
+
+
+def snapshot(uri: str) -> dict:
+    """Every run of the store, keyed by what names it on disk (its run_dir, its sweep's id and job number)."""
+    from mlflow import MlflowClient
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()], max_results=1000)
+
+    def key(r):
+        t = r.data.tags
+        if t.get("sweep") == "parent":
+            return ("parent", t["sweep.id"])
+        if "repeat_of" in t:
+            return ("repeat", t["sweep.id"], t["sweep.job_num"])
+        return ("run", t["run_dir"])
+
+    key_of = {r.info.run_id: key(r) for r in runs}
+    assert len(set(key_of.values())) == len(runs), sorted(key_of.values())
+    out = {}
+    for r in runs:
+        tags = r.data.tags
+        if "best.run_id" in tags:
+            assert tags["best.run_id"] in key_of, "best.run_id names a run this store does not hold"
+        root = Path(get_artifact_repository(r.info.artifact_uri).artifact_dir)  # a local artifact store
+        out[key_of[r.info.run_id]] = {
+            "params": r.data.params,
+            "tags": {k: v for k, v in tags.items() if k not in STORE_INTERNAL},
+            "parent": key_of.get(tags.get("mlflow.parentRunId")),
+            "best": key_of.get(tags.get("best.run_id")),
+            "repeat_of": key_of.get(tags.get("repeat_of")),
+            "status": r.info.status, "start": r.info.start_time, "end": r.info.end_time,
+            "metrics": {k: sorted((m.step, m.value, m.timestamp) for m in client.get_metric_history(r.info.run_id, k))
+                        for k in r.data.metrics},
+            "artifacts": {f.relative_to(root).as_posix(): f.read_bytes() for f in root.rglob("*") if f.is_file()},
+        }
+    return out
+
+
+def test_a_rebuilt_index_holds_what_the_live_one_does(tmp_path):
+    import optuna
+
+    out, cwd = tmp_path / "out", tmp_path / "cwd"
+    uri = f"sqlite:///{out}/mlflow.db"
+    long = ("trainer.max_steps=400", "checkpoint=every_n_steps", "checkpoint.every_steps=50", "trainer.eval_every=50")
+    # a run preempted (SIGTERM, paced so it is mid-run), then resumed by the same command
+    paced = Proc([*KERNODECK[:1], "tracking=mlflow", f"paths.output_dir={out}", "trainer.progress_bar=false", *long],
+                 cwd, env={"PIPELINE_CHAOS_PACE": "0.01"})
+    wait_until(lambda: any(len(RunDir(p.parent).read_metrics()) > 60 for p in (out / "runs").glob("*/metrics.jsonl")),
+               "the paced run past its first checkpoint", paced)
+    paced.send_signal(signal.SIGTERM)
+    assert paced.wait() == 75, paced.stderr[-3000:]
+    assert wait_idle(uri)
+    pipeline(out, cwd, *long)
+    runs_before = {p.name for p in (out / "runs").iterdir()}
+    # a grid sweep preempted mid-job (its parent then lists the failure), finished by the identical command
+    grid = ("-m", "optimizer.lr=0.01,0.03", *long)
+    launcher = Proc([*grid, *KERNODECK[:1], "tracking=mlflow", f"paths.output_dir={out}", "trainer.progress_bar=false"],
+                    cwd, env={"PIPELINE_CHAOS_PACE": "0.01"})
+    wait_until(lambda: any(len(RunDir(p.parent).read_metrics()) > 60 for p in (out / "runs").glob("*/metrics.jsonl")
+                           if p.parent.name not in runs_before), "a sweep job past its first checkpoint", launcher)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait() == 75, launcher.stderr[-3000:]
+    assert wait_idle(uri)
+    (cut,) = [v for k, v in snapshot(uri).items() if k[0] == "parent"]
+    assert cut["status"] == "KILLED" and "preempted" in cut["tags"]["sweep.failures"]
+    pipeline(out, cwd, *grid)
+    # an Optuna study continued by the same command and by a larger n_trials
+    study = ("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_jobs=1", "optimizer.lr=tag(log,interval(1e-3,1e-1))")
+    pipeline(out, cwd, *study, "hydra.sweeper.n_trials=3")
+    optuna_dir = next(p.parent for p in (out / "sweeps").glob("*/optuna.db"))
+    jobs_before = {p.name: p.read_bytes() for p in (optuna_dir / "jobs").iterdir()}
+    pipeline(out, cwd, *study, "hydra.sweeper.n_trials=3")  # the identical command: the study is complete
+    assert {p.name: p.read_bytes() for p in (optuna_dir / "jobs").iterdir()} == jobs_before
+    pipeline(out, cwd, *study, "hydra.sweeper.n_trials=5")  # two more trials of the same study
+    assert len(list((out / "sweeps").iterdir())) == 2
+    assert sorted(p.name for p in (optuna_dir / "jobs").iterdir()) == [f"{n}.json" for n in range(5)]
+    trials = optuna.load_study(study_name=optuna_dir.name.rsplit("-", 1)[1],
+                               storage=f"sqlite:///{optuna_dir}/optuna.db").trials
+    assert [t.number for t in trials] == list(range(5)) and all(t.state.name == "COMPLETE" for t in trials)
+
+    live = snapshot(uri)
+    parents = [v for k, v in live.items() if k[0] == "parent"]
+    assert sorted(p["tags"]["sweep.jobs"] for p in parents) == ["2", "5"]
+    assert all(p["tags"]["sweep.failed"] == "0" and "sweep.failures" not in p["tags"] for p in parents)
+    assert all(p["tags"].get("git_sha") for p in parents)
+    optuna_children = [v for v in live.values() if v["parent"] == ("parent", optuna_dir.name.rsplit("-", 1)[1])]
+    assert sorted(c["tags"]["sweep.job_num"] for c in optuna_children) == [str(n) for n in range(5)]
+    resumed = {k: v for k, v in live.items() if k[0] == "run" and v["tags"].get("resumes") == "1"}
+    assert len(resumed) >= 2 and all(len(v["metrics"]["train/loss"]) == 400 for v in resumed.values())
+    for (_, run_dir), v in resumed.items():  # the curve of the whole run, not the one drawn at the preemption
+        assert v["artifacts"]["curves.png"] == curves_bytes(RunDir(Path(run_dir)).read_metrics())
+    grid_sweep = next(p for p in (out / "sweeps").iterdir() if p != optuna_dir)
+    first_start = json.loads((grid_sweep / "sweep.json").read_text())["started"]
+    assert live[("parent", grid_sweep.name.rsplit("-", 1)[1])]["start"] == int(first_start * 1000)
+    shutil.copy(out / "mlflow.db", tmp_path / "live.db")
+
+    rebuilt = subprocess.run([sys.executable, "-m", "pipeline.reindex", str(out), "--rebuild"],
+                             env=env_for_subprocess(), capture_output=True, text=True)
+    assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
+    again = snapshot(uri)
+    assert sorted(again) == sorted(live)
+    for key in live:
+        for field in live[key]:
+            assert again[key][field] == live[key][field], (key, field)
