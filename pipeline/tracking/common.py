@@ -131,7 +131,8 @@ def artifact_root(uri: str, location: str | None = None) -> str | None:
     the sqlite DB's directory's `mlartifacts` (never the working directory). The one place this is decided:
     the tracker, the sweep callback, reindex and store.ensure_experiment all ask it."""
     scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9.-]*)(\+[a-zA-Z0-9.-]*)?:", str(uri))
-    if scheme is not None and scheme.group(1).lower() not in _CLIENT_SIDE_STORES and len(scheme.group(1)) > 1:
+    if str(uri).startswith("databricks") or (scheme is not None and len(scheme.group(1)) > 1 and
+                                             scheme.group(1).lower() not in _CLIENT_SIDE_STORES):
         return None  # (a one-letter scheme is a Windows drive: a local path)
     if location:
         return artifact_location_uri(location)
