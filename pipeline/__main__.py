@@ -115,7 +115,10 @@ def _sweep_end(error: str | None) -> dict:
 
 
 def _exit_for(summary: dict) -> None:
-    """A sweep exits 0 only if every job completed: 75 if it was interrupted, else the first failure's code."""
+    """A sweep ends with its table (stderr, beside the verdict) and exits 0 only if every job completed: 75
+    if it was interrupted, else the first failure's code."""
+    for line in summary.get("table") or []:
+        print(line, file=sys.stderr)
     failed = summary.get("failed") or {}
     if summary.get("status") == "interrupted":
         print(f"pipeline: the sweep was interrupted; {len(failed)} of {len(summary['jobs'])} jobs did not finish: "

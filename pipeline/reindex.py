@@ -9,9 +9,10 @@ weights, the composed config and the log, the curves, and the status and start a
 OUTPUT_DIR/sweeps it does the same for the sweep's parent run, with its jobs' runs linked under it. Running
 it twice adds nothing; a run directory in use by a running job is left to that job.
 
-With the default sqlite URI, new experiments keep their artifacts under OUTPUT_DIR/mlartifacts whatever
-the URI names. A store that cannot be opened is one line (exit 2); `--rebuild` moves it aside (never
-deletes it) and builds a new one from the disk. Exit 1 if some run directory could not be indexed.
+In a sqlite (or file) store, new experiments keep their artifacts under OUTPUT_DIR/mlartifacts whatever
+the URI names; a tracking server keeps them where it says (its --artifacts-destination). A store that
+cannot be opened is one line (exit 2); `--rebuild` moves it aside (never deletes it) and builds a new one
+from the disk. Exit 1 if some run directory could not be indexed.
 """
 from __future__ import annotations
 
@@ -29,13 +30,13 @@ from pathlib import Path
 def reindex(output_dir: Path, uri: str | None = None, artifact_location: str | None = None, out=None) -> list[dict]:
     from pipeline.rundir import RunDir
     from pipeline.tracking import store
-    from pipeline.tracking.common import default_uri, normalize_tracking_uri, run_uri
+    from pipeline.tracking.common import artifact_root, default_uri, normalize_tracking_uri, run_uri
     from pipeline.tracking.index import sync_parent, sync_run
 
     out = out or sys.stdout
     output_dir = Path(output_dir).resolve()
     uri = normalize_tracking_uri(uri or default_uri(output_dir))
-    artifact_location = artifact_location or str(output_dir / "mlartifacts")
+    artifact_location = artifact_root(uri, artifact_location or str(output_dir / "mlartifacts"))  # server: None
     client = store.open_client(uri, artifact_location)
     results, synced = [], {}  # synced: the sweeps' job directories, indexed with their parents already
     for sweep_dir in sorted((output_dir / "sweeps").glob("*/sweep.json")):
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the pipeline's output directory (paths.output_dir; default: <project>/outputs)")
     parser.add_argument("--tracking-uri", default=None, help="where to index (default: sqlite:///<OUTPUT_DIR>/mlflow.db)")
     parser.add_argument("--artifact-location", default=None,
-                        help="artifact root for experiments it creates (default: <OUTPUT_DIR>/mlartifacts)")
+                        help="artifact root for experiments it creates in a sqlite or file store (default: "
+                             "<OUTPUT_DIR>/mlartifacts; a tracking server chooses its own)")
     parser.add_argument("--rebuild", action="store_true",
                         help="move an existing sqlite store aside (never deleted) and build a new one from disk")
     args = parser.parse_args(argv)

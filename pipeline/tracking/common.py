@@ -119,12 +119,29 @@ def artifact_location_uri(location: str | None) -> str | None:
     return Path(location).resolve().as_uri()
 
 
+# Stores whose client writes the artifacts itself (a database or a directory): the caller says where.
+# Anything else (http, https, databricks, ...) is a tracking server, which says where.
+_CLIENT_SIDE_STORES = ("sqlite", "postgresql", "mysql", "mssql", "file")
+
+
+def artifact_root(uri: str, location: str | None = None) -> str | None:
+    """Where the experiments this pipeline creates in the store at `uri` keep their artifacts: None for a
+    tracking server (it chooses: `mlflow-artifacts:/` under its --artifacts-destination, or its
+    --default-artifact-root); for a store the client writes itself, `location` as an absolute URI, else
+    the sqlite DB's directory's `mlartifacts` (never the working directory). The one place this is decided:
+    the tracker, the sweep callback, reindex and store.ensure_experiment all ask it."""
+    scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9.-]*)(\+[a-zA-Z0-9.-]*)?:", str(uri))
+    if str(uri).startswith("databricks") or (scheme is not None and len(scheme.group(1)) > 1 and
+                                             scheme.group(1).lower() not in _CLIENT_SIDE_STORES):
+        return None  # (a one-letter scheme is a Windows drive: a local path)
+    if location:
+        return artifact_location_uri(location)
+    db = sqlite_path(str(uri))
+    return artifact_location_uri(str(db.parent / "mlartifacts")) if db is not None else None
+
+
 def default_uri(output_dir: str | Path) -> str:
     return f"sqlite:///{Path(output_dir).resolve()}/mlflow.db"
-
-
-def default_artifact_location(output_dir: str | Path) -> str:
-    return str(Path(output_dir).resolve() / "mlartifacts")
 
 
 def param_value(v) -> str:
@@ -133,8 +150,15 @@ def param_value(v) -> str:
 
 
 # Keys that say where and how a run ran on this machine, not what it computes: kept out of the params (they
-# would clutter every comparison of runs) and recorded as `config.<key>` tags instead.
-MACHINE_KEYS = ("paths", "tracking", "verify", "resume", "trainer.progress_bar", "trainer.threads", "hydra")
+# would clutter every comparison of runs, and a path of one machine means nothing on another). Dotted
+# prefixes; `data.path` is a file of this machine (the run's identity is its content: data_manifest_hash).
+MACHINE_KEYS = ("paths", "tracking", "verify", "resume", "stages.resume", "hydra", "trainer.progress_bar",
+                "trainer.threads", "trainer.max_time", "data.path", "data.max_bytes")
+# The few machine keys worth a `config.<key>` tag (what a person filters on: which file, resumed from
+# where, on how many threads, under which time limit); the rest is in the run's .hydra/config.yaml artifact.
+MACHINE_TAGS = ("resume.source", "data.path", "trainer.threads", "trainer.max_time")
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # mlflow 3's marking of an experiment's kind (its UI's selector)
+EXPERIMENT_KIND = "custom_model_development"  # "Machine learning": runs, not GenAI traces
 
 
 def is_machine_key(key: str) -> bool:
@@ -146,14 +170,20 @@ def params_of(config: dict) -> dict[str, str]:
     return {k: param_value(v) for k, v in flatten(config).items() if not is_machine_key(k)}
 
 
+def machine_tags_of(config: dict) -> dict[str, str]:
+    """`config.<key>` tags for the MACHINE_TAGS a config sets (null and `auto` say nothing): never a param."""
+    flat = flatten(config)
+    return {f"config.{k}": flat[k] for k in MACHINE_TAGS if k in flat and flat[k] not in (None, "auto", "")}
+
+
 def tag_value(v) -> str:
     s = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
     return s[:MAX_TAG_VALUE]
 
 
 def tags_of(facts: dict, run_dir: str | Path, status: dict | None = None, job: dict | None = None) -> dict[str, str]:
-    """The run-level facts as tags (what a person filters on in the UI): the manifest's facts, the machine
-    keys of its config, its resumes (from run.json), and the sweep job it ran as."""
+    """The run-level facts as tags (what a person filters on in the UI): the manifest's facts, the few
+    machine keys worth one (MACHINE_TAGS), its resumes (from run.json), and the sweep job it ran as."""
     config = facts.get("config") or {}
     status = status or {}
     tags = {
@@ -170,7 +200,7 @@ def tags_of(facts: dict, run_dir: str | Path, status: dict | None = None, job: d
         "mlflow.source.name": "pipeline",
         "mlflow.source.type": "LOCAL",
     }
-    tags.update({f"config.{k}": v for k, v in flatten(config).items() if is_machine_key(k)})
+    tags.update(machine_tags_of(config))
     if facts.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = facts["git_sha"]
     if facts.get("allowed_changes"):

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from pipeline.tracking.base import Tracker
-from pipeline.tracking.common import (CURRENT_JOB, artifact_location_uri, normalize_tracking_uri, params_of,
+from pipeline.tracking.common import (CURRENT_JOB, artifact_root, normalize_tracking_uri, params_of,
                                       store_problem, tags_of)
 
 log = logging.getLogger("pipeline")
@@ -70,8 +70,7 @@ class MlflowTracker(Tracker):
                  wait: float = 1.0, **_):
         self.uri = normalize_tracking_uri(uri)
         self.experiment = str(experiment)
-        local = not self.uri.startswith(("http://", "https://", "databricks"))
-        self.artifact_location = artifact_location_uri(artifact_location) if artifact_location and local else None
+        self.artifact_location = artifact_root(self.uri, artifact_location)  # None: the server chooses
         self.wait = float(wait)
         self.waited = 0.0  # seconds this job has waited on tracking so far (never more than self.wait)
         self.sid: int | None = None

@@ -27,8 +27,9 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 for _name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." etc.
     logging.getLogger(_name).setLevel(logging.WARNING)
 
-from pipeline.tracking.common import (CURVES_ARTIFACT, artifact_location_uri, metric_points,  # noqa: E402
-                                      sqlite_path, tag_value)
+from pipeline.tracking.common import (CURVES_ARTIFACT, EXPERIMENT_KIND, EXPERIMENT_KIND_TAG,  # noqa: E402
+                                      artifact_location_uri, metric_points, sqlite_path, tag_value)
+from pipeline.tracking.common import artifact_root as common_artifact_root  # noqa: E402
 
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 
@@ -124,8 +125,7 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
         with _init_lock(db):
             if not db.exists():
                 _copy_template(db)
-                root = artifact_location_uri(artifact_root) if artifact_root else None
-                SqlAlchemyStore(uri, root or artifact_location_uri(str(db.parent / "mlartifacts")))
+                SqlAlchemyStore(uri, common_artifact_root(uri, artifact_root))
             client = MlflowClient(tracking_uri=uri)
             client.search_experiments(max_results=1)
         return client
@@ -139,21 +139,27 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
-    """The experiment's id, creating it (artifacts under <artifact_root>/<name>) or restoring it if deleted."""
+    """The experiment's id, creating it or restoring it if deleted; marked as a machine-learning experiment
+    (mlflow's EXPERIMENT_KIND_TAG) if it is not marked yet. A new one keeps its artifacts where
+    common.artifact_root says for this store: <artifact_root>/<name> for a sqlite or file store, the
+    server's choice for a tracking server."""
     exp = client.get_experiment_by_name(name)
     if exp is None:
         location = None
-        if artifact_root:
+        if root := common_artifact_root(client.tracking_uri, artifact_root):
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "experiment"
-            location = artifact_location_uri(str(artifact_root).rstrip("/") + "/" + safe)
+            location = artifact_location_uri(root.rstrip("/") + "/" + safe)
         try:
-            return client.create_experiment(name, artifact_location=location)
+            return client.create_experiment(name, artifact_location=location,
+                                            tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         except MlflowException:  # created by another process meanwhile
             exp = client.get_experiment_by_name(name)
             if exp is None:
                 raise
     if exp.lifecycle_stage == "deleted":
         client.restore_experiment(exp.experiment_id)
+    if EXPERIMENT_KIND_TAG not in (exp.tags or {}):  # made before this mark existed, or by another tool
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return exp.experiment_id
 
 

@@ -34,8 +34,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeline import jsonio
 from pipeline.atomic import ensure_dirs, environment_error, replace_file
 from pipeline.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, SIGNALS_STATE
-from pipeline.tracking.common import (CURRENT_JOB, is_machine_key, is_mlflow_tracking, normalize_tracking_uri,
-                                      store_problem)
+from pipeline.tracking.common import (CURRENT_JOB, artifact_root, is_machine_key, is_mlflow_tracking,
+                                      normalize_tracking_uri, store_problem)
 
 log = logging.getLogger("pipeline")
 SWEEP_DIR_ENV = "PIPELINE_SWEEP_DIR"  # read by conf/config.yaml's hydra.sweep.dir, in the launcher and every job
@@ -180,8 +180,8 @@ class MlflowSweepCallback(Callback):
         if is_mlflow_tracking(tracking):
             self.sweep["uri"] = normalize_tracking_uri(str(tracking.uri))
             self.sweep["experiment"] = str(tracking.experiment)
-            location = tracking.get("artifact_location")
-            self.sweep["artifact_location"] = str(location) if location else None
+            location = tracking.get("artifact_location")  # a tracking server chooses its own: None
+            self.sweep["artifact_location"] = artifact_root(self.sweep["uri"], str(location) if location else None)
         replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
         if "uri" in self.sweep:
             self._start_parent()
@@ -237,7 +237,10 @@ class MlflowSweepCallback(Callback):
         replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
         if self.parent is not None:
             self._end_parent(directory)
-        self.ended, self.summary = True, {"status": status, "failed": failed, "jobs": jobs}
+        from pipeline.tracking.summary import sweep_table
+
+        table = sweep_table(self.sweep, jobs, best_job(jobs, self.sweep["direction"]), self._where_parent())
+        self.ended, self.summary = True, {"status": status, "failed": failed, "jobs": jobs, "table": table}
         return self.summary
 
     def _end_parent(self, directory: Path) -> None:
@@ -264,6 +267,23 @@ class MlflowSweepCallback(Callback):
             log.warning("mlflow: the tracking agent did not complete the sweep's parent run (%s); "
                         "`python -m pipeline.reindex` completes it", (answer or {}).get(
                             "message", f"no answer within {SLURM_WAIT:.0f} s"))
+
+    def _where_parent(self) -> list[str]:
+        """Where the sweep's parent run is, for its end table: its URI and the experiment's page once the
+        agent has answered, else how to find it; "not tracked" with tracking=none or off."""
+        if "uri" not in self.sweep:
+            return ["not tracked (tracking=none)"]
+        if self.disabled:
+            return [f"not tracked: {self.disabled}"]
+        answer = _PARENT_REQUEST.event if _PARENT_REQUEST is not None else None
+        if answer is None:
+            return [f"sweep.id={self.sweep['id']} in {self.sweep['uri']} (the tracking agent completes it after "
+                    "this process exits)"]
+        if answer.get("event") != "ready":
+            return [f"not tracked: {answer.get('message', 'unknown error')}"]
+        from pipeline.tracking.summary import experiment_page
+
+        return [answer["uri"], f"its runs: {experiment_page(self.sweep['uri'], answer['experiment_id'])}"]
 
     # --- each job's process
     def on_job_start(self, config: DictConfig, **kwargs) -> None:

@@ -1,0 +1,98 @@
+"""The table a sweep ends with: each job's swept values, objective and status, the winner, where the parent is.
+
+A pure function of the sweep's records (sweep.json and jobs/*.json, as the sweep callback wrote them), so
+what the console says and what the parent run's `best.*` tags say come from the same records and the same
+choice of winner (sweep_callback.best_job). At most MAX_ROWS jobs are listed: all of them in job order if
+they fit, else the best MAX_ROWS in rank order and a line saying how many more there are and where:
+
+    sweep kernodeck-0123456789ab: 3 jobs (2 complete, 1 failed), best/val/loss (min)
+        job  optimizer.lr  best/val/loss  status
+      *   0  0.01               0.41234  complete
+          1  0.03               0.50123  complete
+          2  0.1                      -  failed
+    best: job 0 (optimizer.lr=0.01) sqlite:////abs/outputs/mlflow.db#/experiments/1/runs/0123...
+    parent: sqlite:////abs/outputs/mlflow.db#/experiments/1/runs/4567...
+    its runs: `mlflow ui --backend-store-uri sqlite:////abs/...`, then http://127.0.0.1:5000/#/experiments/1?workflowType=machine_learning
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from pipeline import jsonio
+
+MAX_ROWS = 12  # with the header, the best and the parent lines: under 20 lines whatever the sweep's size
+MAX_CELL = 24  # a swept value wider than this is cut (the job's run name has it whole)
+
+
+def _value(objective) -> float | None:
+    try:
+        v = jsonio.number(objective) if objective is not None else None
+    except (TypeError, ValueError):
+        return None
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def swept_values(job: dict, keys) -> dict[str, str]:
+    """{swept key: the value this job ran with}, read from its overrides (`+key=v` and `key=v` alike)."""
+    out = {}
+    for o in job.get("overrides") or []:
+        key, sep, value = str(o).partition("=")
+        if sep and key.lstrip("+~") in keys:
+            out[key.lstrip("+~")] = value
+    return out
+
+
+def _cell(text: str) -> str:
+    return text if len(text) <= MAX_CELL else text[:MAX_CELL - 3] + "..."
+
+
+def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: list[str]) -> list[str]:
+    """The lines a sweep ends with (no trailing newlines). `best` is the winning job's record (or None),
+    `parent` says where the parent run is ("not tracked" with tracking=none), then any further lines."""
+    keys = list(sweep.get("swept") or {})
+    objective = str(sweep.get("objective") or "objective")
+    direction = sweep.get("direction", "minimize")
+    counts = Counter(str(j.get("status", "unknown")) for j in jobs.values())
+    tally = ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: (kv[0] != "complete", kv[0])))
+    lines = [f"sweep {sweep.get('name') or 'sweep'}-{sweep.get('id', '?')}: {len(jobs)} jobs"
+             + (f" ({tally})" if tally else "") + f", {objective} ({'min' if direction == 'minimize' else 'max'})"]
+    if not jobs:
+        return [*lines, f"parent: {parent[0]}", *parent[1:]]
+    shown = sorted(jobs.values(), key=lambda j: j["num"])
+    if len(shown) > MAX_ROWS:  # rank: the scored ones best first, then the rest in job order
+        sign = 1 if direction == "minimize" else -1
+        shown.sort(key=lambda j: (_value(j.get("objective")) is None, sign * (_value(j.get("objective")) or 0.0),
+                                  j["num"]))
+        shown = shown[:MAX_ROWS]
+    rows = [["job", *keys, objective, "status"]]
+    for j in shown:
+        values = swept_values(j, keys)
+        v = _value(j.get("objective"))
+        rows.append([str(j["num"]), *(_cell(values.get(k, "")) for k in keys),
+                     "-" if v is None else f"{v:.6g}", str(j.get("status", "unknown"))])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    numeric = {0, len(widths) - 2}  # the job number and the objective: right-aligned
+    for r, j in zip(rows, [None, *shown]):
+        mark = "*" if j is not None and best is not None and j["num"] == best["num"] else " "
+        cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append(f"  {mark} " + "  ".join(cells).rstrip())
+    if len(jobs) > len(shown):
+        lines.append(f"  ... {len(jobs) - len(shown)} more jobs (the {len(shown)} best are shown; every job is "
+                     f"in {sweep.get('dir', 'the sweep directory')}/jobs/)")
+    if best is not None:
+        where = best.get("run_uri") or best.get("run_dir") or ""
+        lines.append(f"best: job {best['num']} ({best.get('name', '')}) {where}".rstrip())
+    else:
+        lines.append(f"best: none (no job has a finite {objective})")
+    return [*lines, f"parent: {parent[0]}", *parent[1:]]
+
+
+def experiment_page(tracking_uri: str, experiment_id: str) -> str:
+    """Where a person sees an experiment's runs in mlflow 3's UI. Its experiment pages open on GenAI traces
+    unless the address asks for the machine-learning view (mlflow 3.17 decides the view by the address or
+    the browser's last choice, not by the experiment's mlflow.experimentKind tag)."""
+    route = f"#/experiments/{experiment_id}?workflowType=machine_learning"
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"{tracking_uri.rstrip('/')}/{route}"
+    return f"`mlflow ui --backend-store-uri {tracking_uri}`, then http://127.0.0.1:5000/{route}"
