@@ -298,24 +298,12 @@ def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, i
     return out
 
 
-def draw_curves(lines: list[dict], out_png: Path) -> bool:
-    """Loss (train and val) and lr against step, as a PNG (pipeline.trainer.curves draws it); False when there
-    is nothing to draw."""
+def curves_bytes(lines: list[dict]) -> bytes | None:
+    """The curves drawn from these metrics.jsonl lines, as PNG bytes (pipeline.trainer.curves, the job's own
+    drawing: the same lines give the same bytes); None when there is nothing to draw."""
     from pipeline.trainer import curves
 
-    png = curves.draw(lines)
-    if png is None:
-        return False
-    Path(out_png).write_bytes(png)
-    return True
-
-
-def curves_bytes(lines: list[dict]) -> bytes | None:
-    """The curves drawn from these metrics.jsonl lines, as PNG bytes (the same lines give the same bytes);
-    None when there is nothing to draw. The one place the index draws (the job's own drawing may replace it)."""
-    with tempfile.TemporaryDirectory(prefix="pipeline-curves-") as tmp:
-        png = Path(tmp) / CURVES_ARTIFACT
-        return png.read_bytes() if draw_curves(lines, png) else None
+    return curves.draw(lines)
 
 
 def artifact_bytes(repo, path: str, sizes: dict[str, int] | None = None, limit: int = 64 << 20) -> bytes | None:
