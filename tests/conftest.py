@@ -7,6 +7,7 @@ not depend on the cwd).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -338,3 +339,57 @@ def slurm_env(slurm_cluster, monkeypatch) -> dict[str, str]:
     for k, v in slurm_cluster.env.items():
         monkeypatch.setenv(k, v)
     return slurm_cluster.client_env()
+
+
+@contextlib.contextmanager
+def mlflow_server(root: Path, *store_args: str):
+    """A real `mlflow server` on 127.0.0.1 and a free port (its sqlite store and `store_args` under `root`),
+    up until the block ends: yields its URI."""
+    import socket
+    import urllib.request
+
+    def healthy(uri: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                             "--workers", "1", "--backend-store-uri", f"sqlite:///{root}/srv.db", *store_args],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: healthy(uri), "mlflow server to come up", limit=600)
+        yield uri
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group (start_new_session)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def tree(root: Path, mtimes: str = "files") -> dict:
+    """Every entry under `root` by relative path: its kind, size, mode, content (a file's sha256, a link's
+    target) and mtime (mtimes="files": of files only; "all"; "none"), nothing followed or changed."""
+    import hashlib
+    import stat
+
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            p = Path(dirpath) / name
+            st = p.lstat()
+            kind = stat.S_IFMT(st.st_mode)
+            content = os.readlink(p) if stat.S_ISLNK(st.st_mode) else \
+                hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else None
+            when = st.st_mtime_ns if mtimes == "all" or (mtimes == "files" and content is not None) else None
+            out[str(p.relative_to(root))] = (kind, st.st_size, st.st_mode, content, when)
+    return out

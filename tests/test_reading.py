@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import KERNODECK, env_for_subprocess, run_job, the_run
+from conftest import KERNODECK, env_for_subprocess, run_job, the_run, tree
 from pipeline import identity, reading
 from pipeline.data import ngram
 from pipeline.data import text as text_mod
@@ -43,18 +43,6 @@ def plant(path: Path, kind: str) -> Path:
         subprocess.run([sys.executable, "-c", f"import socket; socket.socket(socket.AF_UNIX).bind({path.name!r})"],
                        cwd=path.parent, check=True, timeout=SAFETY_NET)
     return path
-
-
-def tree(root: Path) -> dict:
-    """Every entry under root: its type and size, and a regular file's sha256 (nothing else is opened)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in sorted(dirnames + filenames):
-            p = Path(dirpath) / name
-            st = p.lstat()
-            digest = hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else None
-            out[str(p.relative_to(root))] = (stat.S_IFMT(st.st_mode), st.st_size, digest)
-    return out
 
 
 def command(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:

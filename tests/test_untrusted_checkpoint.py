@@ -6,7 +6,6 @@ names is called or imported: the victim files, the sentinel and the whole tree a
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import re
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import KERNODECK, PROJECT_ROOT, env_for_subprocess, run_job, the_run
+from conftest import KERNODECK, PROJECT_ROOT, env_for_subprocess, run_job, the_run, tree
 from pipeline import targets
 from pipeline.identity import config_hash, semantic_hash
 
@@ -57,7 +56,7 @@ def test_your_search_path_adds_the_targets_of_its_files(tmp_path):
 ALLOWED = frozenset({"pipeline.model.mlp.MLP"})
 
 
-@pytest.mark.parametrize("tree, key", [
+@pytest.mark.parametrize("config, key", [
     ({"model": {"_target_": "builtins.open"}}, "config.model._target_ names 'builtins.open'"),
     ({"model": {"_target_": "pipeline.model.mlp.MLP", "act": {"_target_": "os.remove"}}},
      "config.model.act._target_ names 'os.remove'"),
@@ -75,9 +74,9 @@ ALLOWED = frozenset({"pipeline.model.mlp.MLP"})
      "config.model.hidden holds the interpolation"),
     ({"model": {"_target_": "${oc.decode:'builtins.open'}"}}, "config.model._target_ holds the interpolation"),
 ])
-def test_check_walks_the_whole_tree(tree, key):
+def test_check_walks_the_whole_tree(config, key):
     with pytest.raises(targets.UnknownTarget) as e:
-        targets.check(tree, ALLOWED)
+        targets.check(config, ALLOWED)
     assert key in str(e.value) and "\n" not in str(e.value)
     targets.check({"model": {"_target_": "pipeline.model.mlp.MLP", "hidden": [8], "x": [{"y": None}]}}, ALLOWED)
 
@@ -120,19 +119,6 @@ def finished(tmp_path_factory) -> Path:
     """A tiny finished kernodeck run (one checkpoint, step 4), copied by every case."""
     out = tmp_path_factory.mktemp("untrusted") / "out"
     assert run_job(*KERNODECK, "trainer.max_steps=4", f"paths.output_dir={out}")[0] == 0
-    return out
-
-
-def tree(root: Path) -> dict:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in sorted(dirnames + filenames):
-            p = Path(dirpath) / name
-            st = p.lstat()
-            content = os.readlink(p) if p.is_symlink() else \
-                hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
-            # a file's mtime too (never rewritten); not a directory's (a refused resume's lock came and went)
-            out[str(p.relative_to(root))] = (content, st.st_size, st.st_mode, st.st_mtime_ns if content else None)
     return out
 
 

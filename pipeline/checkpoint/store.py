@@ -242,17 +242,23 @@ def _data_problem(data, spec: dict) -> str | None:
     return None
 
 
+def _listed_bytes(directory: Path, name: str, limit: int, listed: dict) -> bytes:
+    """A listed JSON file's bytes, bounded and hashed against its listing; CheckpointError naming it."""
+    try:
+        raw = jsonio.read_bytes(directory / name, limit)
+    except (OSError, jsonio.JSONError) as e:
+        raise CheckpointError(directory, name, _os_reason(e)) from None
+    if hashlib.sha256(raw).hexdigest() != listed[name]["sha256"]:
+        raise CheckpointError(directory, name, CORRUPTED)
+    return raw
+
+
 def _read_data(directory: Path, manifest: dict, listed: dict) -> dict | None:
     """data.json, bounded, hashed against its listing and checked against the manifest's data_spec; None
     for a schema 2.0 checkpoint (listed files are checked by _check_listing first)."""
     if DATA not in REQUIRED_BY[manifest["schema_version"]]:
         return None
-    try:
-        raw = jsonio.read_bytes(directory / DATA, MAX_DATA)
-    except (OSError, jsonio.JSONError) as e:
-        raise CheckpointError(directory, DATA, _os_reason(e)) from None
-    if hashlib.sha256(raw).hexdigest() != listed[DATA]["sha256"]:
-        raise CheckpointError(directory, DATA, CORRUPTED)
+    raw = _listed_bytes(directory, DATA, MAX_DATA, listed)
     try:
         data = jsonio.loads(raw)
     except jsonio.JSONError as e:
@@ -362,12 +368,7 @@ def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
         raise CheckpointError(given, "", "not a directory")
     manifest = read_manifest(directory)
     listed = _check_listing(directory, manifest)
-    try:
-        raw = jsonio.read_bytes(directory / EXTRA, MAX_EXTRA)
-    except (OSError, jsonio.JSONError) as e:
-        raise CheckpointError(directory, EXTRA, _os_reason(e)) from None
-    if hashlib.sha256(raw).hexdigest() != listed[EXTRA]["sha256"]:
-        raise CheckpointError(directory, EXTRA, CORRUPTED)
+    raw = _listed_bytes(directory, EXTRA, MAX_EXTRA, listed)
     data = _read_data(directory, manifest, listed)
     live = capture(parts) if parts is not None else None
     weights_layout, optim_layout = _layouts(live)

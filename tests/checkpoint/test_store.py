@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import KERNODECK, TINY, env_for_subprocess
+from conftest import KERNODECK, TINY, env_for_subprocess, tree
 from pipeline.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import (EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointStore, checkpoint_dir, files_of,
@@ -51,22 +51,10 @@ def ckpt(saved, tmp_path) -> Path:
     return directory
 
 
-def snapshot(root: Path) -> dict:
-    """Every entry under root: its bytes (files), target (links), mode and mtime."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in sorted(dirnames + filenames):
-            p = Path(dirpath) / name
-            st = p.lstat()
-            content = os.readlink(p) if p.is_symlink() else (p.read_bytes() if p.is_file() else None)
-            out[str(p.relative_to(root))] = (content, st.st_mode, st.st_mtime_ns, st.st_size)
-    return out
-
-
 def rejects(directory: Path, file: str, *reason_words: str, run: Fresh | None = None) -> CheckpointError:
     """load() raises naming directory, file and reason, changing nothing on disk or in `run`."""
     root = directory.parent
-    before = snapshot(root)
+    before = tree(root, mtimes="all")
     run = run or fresh(directory.parent.parent)
     live = copy_tree(capture(run.parts))
     with pytest.raises(CheckpointError) as info:
@@ -78,7 +66,7 @@ def rejects(directory: Path, file: str, *reason_words: str, run: Fresh | None = 
     assert e.file == file and Path(e.directory) == directory
     for word in reason_words:
         assert word in e.reason, message
-    assert snapshot(root) == before, "rejecting a checkpoint changed something on disk"
+    assert tree(root, mtimes="all") == before, "rejecting a checkpoint changed something on disk"
     assert_same_tree(capture(run.parts), live)
     return e
 

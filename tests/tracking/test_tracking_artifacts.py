@@ -3,17 +3,13 @@ machine paths, experiments marked as machine learning for mlflow 3's UI, and the
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import KERNODECK, env_for_subprocess, wait_until
+from conftest import KERNODECK, env_for_subprocess, mlflow_server, wait_until
 from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, MACHINE_TAGS, artifact_root,
                                       is_machine_key, params_of, tags_of)
 from pipeline.tracking.summary import MAX_ROWS, sweep_table
@@ -163,34 +159,8 @@ def test_a_sweep_without_tracking_ends_with_its_table(tmp_path):
 def artifact_server(tmp_path_factory):
     """`mlflow server` on 127.0.0.1 and a free port, serving artifacts from its own --artifacts-destination."""
     root = tmp_path_factory.mktemp("artifact-server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(root / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", "1", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-                             "--artifacts-destination", str(root / "server-artifacts")],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _healthy(uri), "mlflow server to come up", limit=600)
+    with mlflow_server(root, "--artifacts-destination", str(root / "server-artifacts")) as uri:
         yield uri, root / "server-artifacts"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group (start_new_session)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-
-
-def _healthy(uri: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{uri}/health", timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def _files(directory: Path) -> list[Path]:

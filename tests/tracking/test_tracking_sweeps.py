@@ -4,19 +4,17 @@ parent, and the same structure on a tracking server. Every sweep is `python -m p
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from conftest import KERNODECK, Proc, env_for_subprocess, run_pipeline, wait_until
+from conftest import mlflow_server as real_mlflow_server
 from pipeline.rundir import RunDir
 from pipeline.signals import descendants
 from pipeline.tracking.common import parse_run_uri
@@ -197,34 +195,8 @@ def test_an_interrupted_joblib_sweep_stops_every_job_and_the_same_command_finish
 def mlflow_server(tmp_path_factory):
     """`mlflow server` on 127.0.0.1 and a free port, with its own sqlite store and artifact root."""
     root = tmp_path_factory.mktemp("server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(root / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", "1", "--backend-store-uri", f"sqlite:///{root}/srv.db",
-                             "--default-artifact-root", str(root / "art")],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _healthy(uri), "mlflow server to come up", limit=600)
+    with real_mlflow_server(root, "--default-artifact-root", str(root / "art")) as uri:
         yield uri
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group (start_new_session)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-
-
-def _healthy(uri: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{uri}/health", timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def test_a_tracking_server_receives_the_same_structure(tmp_path, mlflow_server):
