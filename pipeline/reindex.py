@@ -58,6 +58,8 @@ def reindex(output_dir: Path, uri: str | None = None, artifact_location: str | N
             r = {"error": f"{type(e).__name__}: {e}"}
         r["run_dir"] = str(run_dir)
         results.append(r)
+        for reason in r.get("damaged") or ():
+            print(f"{run_dir.name}: not indexed, damaged: {reason}", file=out)
         if "error" in r:
             print(f"{run_dir.name}: ERROR {r['error']}", file=out)
         elif "skipped" in r:

@@ -315,3 +315,14 @@ def test_a_text_file_just_under_the_bound_builds_within_its_memory_bound(tmp_pat
     n_train, n_val, ppl = proc.stdout.split()
     assert int(n_train) + int(n_val) >= (TEXT_MAX_BYTES - 1) // 64 - 2 and float(ppl) > 1
     assert mb < BUILD_RSS_MB, f"peak RSS {mb:.0f} MB for a {TEXT_MAX_BYTES >> 20} MiB file"
+
+
+@pytest.mark.slow
+def test_reindex_names_a_checkpoint_it_cannot_read_never_skips_it_silently(finished, tmp_path):
+    out, ckpt = a_copy(finished, tmp_path)
+    plant(ckpt / "manifest.json", "fifo")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = command("pipeline.reindex", str(out), "--tracking-uri", f"sqlite:///{tmp_path / 'index.db'}", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    assert f"not indexed, damaged: checkpoint {ckpt}: manifest.json: {WHAT['fifo']}" in proc.stdout, proc.stdout

@@ -7,6 +7,7 @@ only ever added. Every function adds only what is missing: running it twice adds
 """
 from __future__ import annotations
 
+import stat
 import time
 from pathlib import Path
 
@@ -22,13 +23,16 @@ MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn 
 STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
 
 
-def manifests(rundir: RunDir) -> list[tuple[Path, dict]]:
+def manifests(rundir: RunDir, damaged: list[str] | None = None) -> list[tuple[Path, dict]]:
+    """(directory, manifest) of every checkpoint whose manifest reads; the one-line reason of each other one
+    appended to `damaged` (reindex names them: a damaged checkpoint is never skipped without a word)."""
     out = []
     for _, directory in rundir.store.steps():
         try:
             out.append((directory, read_manifest(directory)))
-        except CheckpointError:
-            pass
+        except CheckpointError as e:
+            if damaged is not None:
+                damaged.append(str(e))
     return out
 
 
@@ -75,7 +79,9 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
     added = {"created": 0, "params": 0, "tags": 0, "points": 0, "artifacts": 0, "status": 0}
-    found = manifests(rundir)
+    damaged: list[str] = []
+    found = manifests(rundir, damaged)
+    added["damaged"] = damaged
     if not found:
         return {**added, "skipped": "no checkpoint manifest"}
     newest = found[-1][1]
@@ -164,9 +170,12 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     added = 0
     for artifact, source in todo:
         try:
-            size = source.stat().st_size
+            st = source.stat()
         except OSError:
             continue
+        if not stat.S_ISREG(st.st_mode):
+            continue  # a FIFO or a device where a file should be: never opened (it would block); reindex names it
+        size = st.st_size
         if have.get(artifact) != size:
             store.log_file_as(repo, artifact, source=source)
             added += 1
