@@ -39,11 +39,11 @@ from pipeline.checkpoint import store  # noqa: E402
 from pipeline.data.iterator import DataIterator  # noqa: E402
 from pipeline.model.base import NamedParams  # noqa: E402
 from pipeline.optimizer.adam import Adam  # noqa: E402
-from pipeline.rng import Streams  # noqa: E402
-from pipeline.run import lineage_of  # noqa: E402
+from pipeline.trainer.rng import Streams  # noqa: E402
+from pipeline.run.loop import lineage_of  # noqa: E402
 from pipeline.scheduler.constant import Constant  # noqa: E402
 from pipeline.stages.base import StageStates  # noqa: E402
-from pipeline.state import capture  # noqa: E402
+from pipeline.stateful import capture  # noqa: E402
 from pipeline.trainer.state import Progress  # noqa: E402
 
 TARGETS = {"save": 0.65, "load": 1.5, "memory": 0.10}
@@ -79,7 +79,7 @@ def state_arrays(parts: dict) -> list[np.ndarray]:
 
 def bench_fields() -> dict:
     config = {"bench": "checkpoint", "trainer": {"seed": 0}}
-    facts = mf.run_facts(config, {}, "none", {})
+    facts = mf.run_facts(config, {}, "none", {}, {"vocab": None, "decode_join": None, "specials": {}})
     return mf.build(facts, step=7, epoch=0, metrics={}, tags=[], lineage=lineage_of(facts["semantic_config_hash"], None))
 
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         raw_file = scratch / "raw.bin"
         times = {"raw_write": [], "save": [], "raw_read": [], "load": []}
         for r in range(-1, args.repeats):  # r = -1: a warm-up round, not counted
-            ckpt = scratch / "ckpt" / f"step-{r + 1:08d}"
+            ckpt = scratch / f"ckpt-{r + 1}" / "step-00000007"  # the step its manifest says
             # os.sync() before each timed step: this disk is mounted with `discard`, and the first fsync
             # after a deletion pays for it; neither side should pay for the other's (or its own) cleanup.
             os.sync()

@@ -74,7 +74,7 @@ def run_dirs(out: Path) -> set[Path]:
 def index_complete(out: Path, before: set[Path]) -> bool:
     """Every run directory under `out` but those in `before` has an ended mlflow run holding each of its
     metrics.jsonl points, and every sweep parent has ended (read straight from the sqlite file)."""
-    from pipeline.rundir import RunDir
+    from pipeline.run.directory import RunDir
     from pipeline.tracking.common import metric_points
 
     db = out / "mlflow.db"

@@ -1,11 +1,11 @@
 """`python -m pipeline [overrides]`: the Hydra entry point; the DictConfig stops here."""
-from pipeline.signals import SIGNALS_STATE
+from pipeline.run.signals import SIGNALS_STATE
 
 SIGNALS_STATE.install()  # first: from here to the last instruction a signal never ends in a traceback
 
 import sys  # noqa: E402
 
-from pipeline.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, Interrupted  # noqa: E402
+from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, Interrupted  # noqa: E402
 
 
 
@@ -13,7 +13,7 @@ def _plain(cfg) -> dict:
     """The resolved config as plain values; one line naming the key if a value is missing or cannot resolve."""
     from omegaconf.errors import OmegaConfBaseException
 
-    from pipeline.schema import to_plain
+    from pipeline.config.schema import to_plain
 
     try:
         return to_plain(cfg)
@@ -26,7 +26,7 @@ def _plain(cfg) -> dict:
 
 
 def _one_line(e: BaseException) -> str:
-    from pipeline.schema import error_line
+    from pipeline.config.schema import error_line
 
     return error_line(e)
 
@@ -57,7 +57,7 @@ def main() -> None:
 
     import hydra
 
-    from pipeline.schema import CONFIG_DIR, register
+    from pipeline.config.schema import CONFIG_DIR, register
 
     register()
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
@@ -75,7 +75,7 @@ def main() -> None:
         from hydra.types import RunMode
         from omegaconf import OmegaConf
 
-        from pipeline import app
+        from pipeline.run import job as app
 
         config = _plain(cfg)
         hydra_cfg = HydraConfig.get()
@@ -88,7 +88,7 @@ def main() -> None:
         if SIGNALS_STATE.interrupted_start():
             # the handler's exception, raised inside a library (composing, building), came out as another one
             raise Interrupted(SIGNALS_STATE.received) from e
-        from pipeline.atomic import environment_error
+        from pipeline.files.atomic import environment_error
 
         if (message := environment_error(e)) is not None:  # a full or read-only disk, outside any one job
             try:
@@ -151,7 +151,7 @@ if __name__ == "__main__":
     except Interrupted as e:
         print(f"pipeline: interrupted by {e} before the run started; nothing was changed; re-run the same "
               f"command (exit {EXIT_PREEMPTED})", file=sys.stderr)
-        from pipeline.slurm import requeue_self
+        from pipeline.run.slurm import requeue_self
 
         if (slurm := requeue_self()) is not None:  # a SLURM job warned while starting runs again
             print(f"pipeline: {slurm[1]}", file=sys.stderr)

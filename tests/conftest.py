@@ -8,6 +8,7 @@ not depend on the cwd).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import subprocess
@@ -57,14 +58,14 @@ def central_differences(f, x, R=None, eps: float = 1e-6):
 
 def compose(*overrides: str, return_hydra_config: bool = False):
     """The real conf/config.yaml composed with `overrides`, exactly as `python -m pipeline` would."""
-    from pipeline.schema import compose as compose_config
+    from pipeline.config.schema import compose as compose_config
 
     return compose_config(overrides, return_hydra_config=return_hydra_config)
 
 
 def config_of(*overrides: str) -> dict:
     """The composed config as the job sees it: plain, resolved."""
-    from pipeline.schema import to_plain
+    from pipeline.config.schema import to_plain
 
     return to_plain(compose(*overrides))
 
@@ -73,7 +74,7 @@ def run_job(*overrides: str) -> tuple[int, float | None]:
     """`python -m pipeline *overrides` in this process: (exit code, the objective it returned)."""
     from omegaconf import OmegaConf
 
-    from pipeline import app
+    from pipeline.run import job as app
 
     cfg = compose(*overrides)
     try:
@@ -160,7 +161,7 @@ def wait_until(predicate, what: str, proc: Proc | None = None, limit: float = 60
 def preempt_at(monkeypatch):
     """preempt_at(k): a SIGTERM arrives during update k (the handler's flag, as the real handler sets it)."""
     import pipeline.trainer.loop as loop
-    from pipeline.signals import SIGNALS_STATE
+    from pipeline.run.signals import SIGNALS_STATE
 
     real = loop.train_step
     target = {"step": None}
@@ -393,3 +394,27 @@ def tree(root: Path, mtimes: str = "files") -> dict:
             when = st.st_mtime_ns if mtimes == "all" or (mtimes == "files" and content is not None) else None
             out[str(p.relative_to(root))] = (kind, st.st_size, st.st_mode, content, when)
     return out
+
+
+def kept(run_dir: Path, store=None) -> tuple[dict, dict]:
+    """{step: sha256 of weights, optim and extra} of every checkpoint kept, and the links."""
+    from pipeline.checkpoint.store import EXTRA, OPTIM, WEIGHTS
+    from pipeline.run.directory import RunDir
+
+    store = store or RunDir(run_dir).store
+    out = {}
+    for step, d in store.steps():
+        out[step] = {n: hashlib.sha256((d / n).read_bytes()).hexdigest() for n in (WEIGHTS, OPTIM, EXTRA)}
+    return out, store.links()
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    from pipeline.run.directory import RunDir
+
+    return [{k: v for k, v in ln.items() if k != "time"} for ln in RunDir(run_dir).read_metrics()]
+
+
+def text_overrides(path: Path) -> tuple[str, ...]:
+    return ("data=text", f"data.path={path}", "data.block_size=8", "data.val_batch_size=4", "model.n_layer=1",
+            "model.n_embd=16", "model.n_head=2", "trainer.batch_size=4", "trainer.max_steps=3",
+            "trainer.eval_every=3", "tracking=none", "trainer.progress_bar=false")

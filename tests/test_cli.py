@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 
 from conftest import KERNODECK, PROJECT_ROOT, TINY, Proc, compose, env_for_subprocess, the_run, wait_until
 from pipeline.checkpoint.store import verify
-from pipeline.rundir import RunDir
-from pipeline.signals import SIGNALS
+from pipeline.run.directory import RunDir
+from pipeline.run.signals import SIGNALS
 
 KEYS = {"step", "epoch", "time", "train/loss", "lr", "grad_norm"}
 GROUPS = ("model", "optimizer", "scheduler", "data", "trainer", "experiment", "stages", "tracking")
@@ -53,7 +53,7 @@ def test_kernodeck_run_writes_ten_metric_lines_and_nothing_in_the_cwd(cli, tmp_p
 def test_the_cli_trains_what_the_job_computes(cli, tmp_path):
     """The same seed, lr and data order as build + train_step in this process."""
     from conftest import config_of
-    from pipeline.job import build
+    from pipeline.run.assemble import build
     from pipeline.trainer.loop import train_step
 
     out = tmp_path / "out"
@@ -279,7 +279,7 @@ def test_a_signal_a_library_wrapped_while_importing_is_still_an_interruption(mon
     """Seen once: the handler's Interrupted, raised while a dataclass was being created during an import,
     came out as `RuntimeError: Error calling __set_name__`; it is the interruption, exit 75, not a traceback."""
     import pipeline.__main__ as entry
-    from pipeline.signals import SIGNALS_STATE, Interrupted
+    from pipeline.run.signals import SIGNALS_STATE, Interrupted
 
     def importing():
         try:

@@ -68,7 +68,7 @@ def edit_manifest(change):
 def rehashed(change):
     """The manifest's config changed and both of its hashes recomputed: it passes every check of itself."""
     def plant(out, run, victim, tmp):
-        from pipeline.identity import config_hash, semantic_hash
+        from pipeline.config.identity import config_hash, semantic_hash
 
         p = step(run, 10) / "manifest.json"
         m = json.loads(p.read_text())
@@ -201,7 +201,7 @@ def edit_run_file(name: str, change, inspected: bool = False):
 
 
 OUT_OF_RUN = ("checkpoints/best: is a symlink to", "elsewhere/step-00000010", "out of its run's checkpoints/")
-I = "pipeline.inspect"
+I = "pipeline.show"
 CASES = [
     # manifest.json
     Case("manifest-missing", 1, ("manifest.json", "missing"), then(write_file("manifest.json", b"", False),

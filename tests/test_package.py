@@ -16,7 +16,7 @@ def modules() -> dict[str, ast.Module]:
 
 
 def unit(module: str) -> str:
-    """pipeline.checkpoint.store -> checkpoint; pipeline.run -> run."""
+    """pipeline.checkpoint.store -> checkpoint; pipeline.run.loop -> run."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -50,7 +50,7 @@ def test_one_module_knows_where_checkpoints_live():
     spelled = [name for name, tree in modules().items()  # path / "checkpoints"
                if any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and isinstance(n.right, ast.Constant)
                       and n.right.value == "checkpoints" for n in ast.walk(tree))]
-    assert spelled == ["pipeline.rundir"]
+    assert spelled == ["pipeline.run.directory"]
 
 
 def test_no_test_doubles_in_the_package():

@@ -19,8 +19,8 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-from pipeline import jsonio
-from pipeline.identity import config_hash, semantic_hash
+from pipeline.files import jsonio
+from pipeline.config.identity import config_hash, semantic_hash
 
 SCHEMA_VERSION = "2.1"
 READABLE = ("2.0", SCHEMA_VERSION)  # 2.0: no data.json

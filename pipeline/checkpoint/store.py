@@ -1,6 +1,6 @@
 """The only code that touches checkpoint directories: write, load and verify, list, link, delete, describe.
 
-A checkpoint is one directory holding the run's state tree ({part: state_dict}, see pipeline/state.py):
+A checkpoint is one directory holding the run's state tree ({part: state_dict}, see pipeline/stateful.py):
     weights.safetensors   the model's arrays under their own (GPT-2) names; tied names stored once,
                           the header metadata saying `lm_head.weight: ALIAS(transformer.wte.weight)`
     optim.safetensors     every other part's arrays, named by path: optimizer/exp_avg/<param>,
@@ -42,14 +42,16 @@ from typing import Mapping
 
 import numpy as np
 
-from pipeline import jsonio, killpoint, reading
-from pipeline.atomic import (TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, new_temp_dir, publish_dir,
+from pipeline.files import jsonio
+from pipeline.files import killpoint
+from pipeline.files import reading
+from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, new_temp_dir, publish_dir,
                              remove_temporaries, remove_tree, replace_link, write_new)
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.retention import AnyOf, Policy, Record, Steps, select_one
 from pipeline.checkpoint.tensors import DigestMismatch, layout, read_tensors, write_tensors
-from pipeline.state import PARTS, SEP, StateMismatch, capture, check, merge, split
+from pipeline.stateful import PARTS, SEP, StateMismatch, capture, check, merge, split
 
 WEIGHTS, OPTIM, EXTRA, MANIFEST = "weights.safetensors", "optim.safetensors", "extra.json", "manifest.json"
 DATA = "data.json"
@@ -360,7 +362,7 @@ def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
 
     Given the live `parts` of a run (or the parts a config builds), the tensor files must hold exactly
     their layout, checked before any tensor is read (nothing larger is allocated), and every part's saved
-    state must fit it (pipeline.state.check): a verified checkpoint is one the run can restore.
+    state must fit it (pipeline.stateful.check): a verified checkpoint is one the run can restore.
     """
     given = Path(directory)
     directory = checkpoint_dir(given)  # read from where the links lead; errors below name that directory

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import jsonio, reading
+from pipeline.files import jsonio
+from pipeline.files import reading
 
 ALIAS = re.compile(r"^ALIAS\((.+)\)$")
 CHUNK = 8 << 20  # bytes per write/read/hash step
@@ -263,7 +264,7 @@ def read_tensors(path: Path, expected_sha256: str | None = None,
     else is wrong with them; otherwise ValueError for a file that is not valid safetensors, or (given a
     `layout` to `expect`) one that holds other tensors: then nothing beyond the header is allocated, and a
     file larger than such a checkpoint can be is refused before it is read at all. A symlink, a FIFO, a
-    device, ... at `path` is refused before it is opened (pipeline.reading.UnreadableFile, an OSError).
+    device, ... at `path` is refused before it is opened (pipeline.files.reading.UnreadableFile, an OSError).
     """
     # A checkpoint file must be a regular file in its directory, never a link out of it (nor a FIFO, ...).
     with reading.open_file(path) as f, _Hasher() as h:

@@ -12,11 +12,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from pipeline import jsonio, reading
-from pipeline.atomic import TMP_PREFIX, ensure_dirs, new_temp_dir, publish_dir, remove_tree, write_new
+from pipeline.files import jsonio
+from pipeline.files import reading
+from pipeline.files.atomic import TMP_PREFIX, ensure_dirs, new_temp_dir, publish_dir, remove_tree, write_new
 from pipeline.data import ngram
 from pipeline.data.base import Batch, DataSpec
-from pipeline.notice import notice
+from pipeline.files.notice import notice
 
 FORMAT_VERSION = 1
 TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 512

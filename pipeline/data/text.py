@@ -17,9 +17,9 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from pipeline import reading
+from pipeline.files import reading
 from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDataset, ensure_corpus, n_windows
-from pipeline.schema import TEXT_MAX_BYTES
+from pipeline.config.schema import TEXT_MAX_BYTES
 
 TEXT_VERSION = 1
 PIECE = 4 << 20  # bytes decoded at a time: a piece costs at most ~9x itself (its str and its UTF-32 copy)

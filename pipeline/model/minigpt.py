@@ -8,7 +8,7 @@ import sys
 import numpy as np
 
 from pipeline.data.base import Batch, DataSpec
-from pipeline.losses import cross_entropy
+from pipeline.model.losses import cross_entropy
 from pipeline.model import layers as L
 from pipeline.model.base import NamedParams
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.data.base import Batch, DataSpec
-from pipeline.losses import mse
+from pipeline.model.losses import mse
 from pipeline.model.base import NamedParams
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.state import BadValue
+from pipeline.stateful import BadValue
 
 
 class Optimizer:

@@ -1,6 +1,6 @@
 """The pyfunc model over a checkpoint: MiniGPT rows of prompts -> their continuations, an MLP's rows -> outputs.
 
-Its artifacts are the checkpoint's own files (`checkpoint/`, restored through pipeline.trained.restore_checkpoint:
+Its artifacts are the checkpoint's own files (`checkpoint/`, restored through pipeline.run.trained.restore_checkpoint:
 every target checked, every sha256 verified) and, for a MiniGPT whose checkpoint carries no `data.json`, the
 corpus vocabulary (`vocab.json`: {"vocab": [...], "decode_join": " "}), written when it was registered.
 """
@@ -23,7 +23,7 @@ MAX_VOCAB_JSON = 64 << 20  # bytes; a vocabulary of a million tokens is a few MB
 def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str, str | None]:
     """(vocab, decode_join, eos): the checkpoint's own data.json (verified against its manifest) if it has one,
     else (a schema 2.0 checkpoint) the vocab.json registered beside it."""
-    from pipeline import jsonio
+    from pipeline.files import jsonio
     from pipeline.checkpoint.store import data_facts
 
     facts = data_facts(checkpoint)
@@ -48,7 +48,7 @@ def _rows(model_input) -> list[dict]:
 
 
 def _args(row: dict) -> list[str]:
-    """A row as pipeline.sample's key=value arguments; a missing value (None, NaN) takes the default."""
+    """A row as pipeline.cli.sample's key=value arguments; a missing value (None, NaN) takes the default."""
     unknown = sorted(set(row) - set(OPTIONS))
     if unknown:
         raise MlflowException(f"unknown column(s) {unknown}: a row gives {', '.join(OPTIONS)}",
@@ -67,7 +67,7 @@ def _args(row: dict) -> list[str]:
 
 class CheckpointModel(PythonModel):
     def load_context(self, context) -> None:
-        from pipeline.trained import restore_checkpoint
+        from pipeline.run.trained import restore_checkpoint
 
         self.directory = Path(context.artifacts[CHECKPOINT])
         _, state = restore_checkpoint(self.directory)
@@ -83,8 +83,8 @@ class CheckpointModel(PythonModel):
             x = np.asarray(model_input.to_numpy() if hasattr(model_input, "to_numpy") else model_input,
                            dtype=getattr(self.model, "dtype", np.float64))  # [B, n_features]
             return self.model.predict(x)  # [B, n_targets]
-        from pipeline.sample import continuation, parse_options
-        from pipeline.schema import ConfigError
+        from pipeline.cli.sample import continuation, parse_options
+        from pipeline.config.schema import ConfigError
 
         out = []
         for row in _rows(model_input):

@@ -64,7 +64,7 @@ class StageStates:
         return {s.name: s.state_dict() for s in self.stages}
 
     def check_state_dict(self, state: dict) -> None:
-        from pipeline.state import fit_reason
+        from pipeline.stateful import fit_reason
 
         for s in self.stages:
             if s.name in state:

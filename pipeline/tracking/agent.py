@@ -344,7 +344,7 @@ class Agent:
 
 def _held_by(run_dir: Path, pid: int | None) -> bool:
     """Whether the process `pid` still holds the run directory's lock (a job that has not left yet)."""
-    from pipeline.rundir import RunDir
+    from pipeline.run.directory import RunDir
 
     rundir = RunDir(run_dir)
     if not rundir.in_use():

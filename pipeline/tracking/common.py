@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from pipeline.jsonio import flatten
+from pipeline.files.jsonio import flatten
 
 MAX_PARAM_VALUE = 6000  # mlflow's limit on a param value
 MAX_TAG_VALUE = 8000
@@ -219,7 +219,7 @@ def metric_points(line: dict) -> list[tuple[str, float, int, int]]:
     """(key, value, timestamp ms, step) for every metric of one metrics.jsonl line."""
     ts = int(float(line.get("time", 0.0)) * 1000)
     step = int(line["step"])
-    from pipeline.jsonio import NON_FINITE
+    from pipeline.files.jsonio import NON_FINITE
 
     return [(k, float(NON_FINITE.get(v, v)) if isinstance(v, str) else float(v), ts, step) for k, v in line.items()
             if k not in NON_METRIC_KEYS and (isinstance(v, (int, float)) and not isinstance(v, bool) or v in NON_FINITE)]

@@ -11,10 +11,10 @@ import stat
 import time
 from pathlib import Path
 
-from pipeline import jsonio
+from pipeline.files import jsonio
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import EXTRA, MANIFEST, WEIGHTS, read_manifest
-from pipeline.rundir import RunBusyError, RunDir
+from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.tracking import store
 from pipeline.tracking.common import (CURVES_ARTIFACT, FINAL_MANIFEST_ARTIFACT, FINAL_WEIGHTS_ARTIFACT, params_of,
                                       parse_run_uri, run_uri, tag_value, tags_of)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from pipeline import jsonio
+from pipeline.files import jsonio
 
 MAX_ROWS = 12  # with the header, the best and the parent lines: under 20 lines whatever the sweep's size
 MAX_CELL = 24  # a swept value wider than this is cut (the job's run name has it whole)

@@ -7,7 +7,7 @@ Configured under `hydra.callbacks` in conf/config.yaml; nothing happens in a sin
   overrides (machine keys left out) and its sweeper's settings, so re-running the identical command is the
   same sweep: the same directory `<output_dir>/sweeps/<name>-<id>/` (multirun.yaml, the sweeper's results,
   sweep.json, jobs/<num>.json) and, with mlflow tracking, the same parent run. Signals are passed on to the
-  running jobs from now on (pipeline/signals.py). The parent is created (or found) through the machine's
+  running jobs from now on (pipeline/run/signals.py). The parent is created (or found) through the machine's
   tracking agent; its coordinates are plain attributes of this object, which Hydra pickles to every job.
   For the Optuna sweeper, the direction follows best-val's mode unless set on the command line.
 - on_job_start / on_job_end (each job's process): the job learns its parent, its name (the swept values)
@@ -31,9 +31,9 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline import jsonio
-from pipeline.atomic import ensure_dirs, environment_error, replace_file
-from pipeline.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, SIGNALS_STATE
+from pipeline.files import jsonio
+from pipeline.files.atomic import ensure_dirs, environment_error, replace_file
+from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, SIGNALS_STATE
 from pipeline.tracking.common import (CURRENT_JOB, artifact_root, is_machine_key, is_mlflow_tracking,
                                       normalize_tracking_uri, store_problem)
 

@@ -53,7 +53,7 @@ def draw(lines: list[dict]) -> bytes | None:
 
 def write(run_dir: Path, lines: list[dict]) -> Path | None:
     """<run_dir>/curves.png from the run's whole history `lines`, replaced atomically; its path, or None."""
-    from pipeline.atomic import replace_file
+    from pipeline.files.atomic import replace_file
 
     png = draw(lines)
     if png is None:

@@ -7,7 +7,7 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline import killpoint
+from pipeline.files import killpoint
 from pipeline.trainer.state import TrainState
 
 # Record keys that are not metrics: the verifier compares `ids`; `step_time` is wall time (never saved).

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pipeline import jsonio
+from pipeline.files import jsonio
 
 LOGGED = ("train/loss", "train/ppl", "lr", "grad_norm", "clipped")
 

@@ -5,9 +5,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline import jsonio
+from pipeline.files import jsonio
 from pipeline.data.iterator import DataIterator
-from pipeline.rng import Streams
+from pipeline.trainer.rng import Streams
 from pipeline.trainer.parallel import Shards
 
 

@@ -9,7 +9,7 @@ control cannot diverge); 2: the verification could not complete (a bad override 
 from __future__ import annotations
 
 if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    from pipeline.signals import SIGNALS_STATE
+    from pipeline.run.signals import SIGNALS_STATE
 
     SIGNALS_STATE.install()
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from pipeline.schema import ConfigError, compose, error_line, to_plain, validate
+    from pipeline.config.schema import ConfigError, compose, error_line, to_plain, validate
 
     try:
         config = to_plain(compose(args.overrides))
@@ -46,6 +46,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.signals import tool_exit
+    from pipeline.run.signals import tool_exit
 
     tool_exit("pipeline.verify", main, "the verification did not finish; re-run the same command")

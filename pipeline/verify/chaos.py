@@ -11,11 +11,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from pipeline import jsonio
+from pipeline.files import jsonio
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import versions
 from pipeline.checkpoint.store import DATA, EXTRA, OPTIM, WEIGHTS, verify
-from pipeline.rundir import RunDir
+from pipeline.run.directory import RunDir
 from pipeline.verify.protocol import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, verify_dir
 
 

@@ -7,9 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import jsonio
+from pipeline.files import jsonio
 from pipeline.checkpoint.manifest import versions
-from pipeline.identity import run_name
+from pipeline.config.identity import run_name
 from pipeline.verify.compare import compare, machine
 from pipeline.verify.snapshot import read_summary
 

@@ -1,6 +1,6 @@
 """Everything a run's future depends on, as flat arrays and JSON, grouped by state machine.
 
-The arrays are the state tree the checkpoint holds (pipeline.state.capture: the one capture function), its
+The arrays are the state tree the checkpoint holds (pipeline.stateful.capture: the one capture function), its
 numbers as 1-element arrays, plus what follows from it: the next lr, the data position, the next draw of
 every RNG stream (peeked, then put back) and the evaluation losses.
 """
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from pipeline import jsonio
-from pipeline.state import capture, copy_tree, flat
+from pipeline.files import jsonio
+from pipeline.stateful import capture, copy_tree, flat
 
 MACHINES = ("model", "optimizer", "scheduler", "data_iter", "rng")
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline import identity, jsonio
+from pipeline.config import identity
+from pipeline.files import jsonio
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint import store
 from pipeline.data.base import inference_facts
-from pipeline.job import build_dataset, build_stages, build_state, data_spec
-from pipeline.run import lineage_of
+from pipeline.run.assemble import build_dataset, build_stages, build_state, data_spec
+from pipeline.run.loop import lineage_of
 from pipeline.stages.base import StageStates
-from pipeline.state import PARTS, capture, restore
+from pipeline.stateful import PARTS, capture, restore
 from pipeline.trainer.loop import train_step
 from pipeline.verify.snapshot import snapshot, write_summary
 

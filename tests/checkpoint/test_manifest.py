@@ -16,7 +16,7 @@ import pytest
 from conftest import KERNODECK, PROJECT_ROOT, run_job, the_run
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.store import DATA, EXTRA, MANIFEST, OPTIM, WEIGHTS
-from pipeline.rundir import RunDir
+from pipeline.run.directory import RunDir
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -120,7 +120,7 @@ def test_a_manifest_is_checked_against_itself(saved):
 
 
 def test_non_finite_metrics_are_strings_read_back_exactly():
-    from pipeline import jsonio
+    from pipeline.files import jsonio
 
     text = jsonio.dumps({"a": float("nan"), "b": float("inf"), "c": -float("inf"), "d": 1.5})
     json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c}"))

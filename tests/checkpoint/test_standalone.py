@@ -1,4 +1,4 @@
-"""A checkpoint stands alone for inference (pipeline/checkpoint/store.py data.json, pipeline/trained.py):
+"""A checkpoint stands alone for inference (pipeline/checkpoint/store.py data.json, pipeline/run/trained.py):
 its vocabulary, decode join and special tokens travel in data.json, listed and hashed like every file, so
 with the corpus (and a text run's source file) deleted it still samples and exports the same, and evaluates
 on data regenerated from its config; a damaged, unlisted or missing data.json is refused naming it."""
@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, refused_in_one_line, run_job, run_pipeline, the_run
-from pipeline import jsonio
+from pipeline.files import jsonio
 from pipeline.checkpoint import store
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import DATA, MANIFEST
-from pipeline.evaluate import evaluate_checkpoint
-from pipeline.rundir import RunDir
-from pipeline.sample import sample
-from pipeline.schema import ConfigError
-from test_evaluate import text_overrides
+from pipeline.cli.evaluate import evaluate_checkpoint
+from pipeline.run.directory import RunDir
+from pipeline.cli.sample import sample
+from pipeline.config.schema import ConfigError
+from conftest import text_overrides
 
 NEEDS_TOKENIZERS = pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
                                       reason="tokenizers is not installed (pip install 'pipeline[hf]')")
@@ -29,7 +29,7 @@ PROMPTS = {"grammar": ["prompt=the man", "max_new_tokens=20", "seed=5"], "text":
 
 
 def export(ckpt: Path, out: Path) -> dict[str, bytes]:
-    from pipeline.export_hf import main
+    from pipeline.cli.export_hf import main
 
     main([str(ckpt), str(out)])
     return {p.name: p.read_bytes() for p in sorted(out.iterdir())}

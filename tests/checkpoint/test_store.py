@@ -18,13 +18,13 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import KERNODECK, TINY, env_for_subprocess, tree
-from pipeline.atomic import TMP_PREFIX
+from pipeline.files.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import (EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointStore, checkpoint_dir, files_of,
                                        load, read_manifest, step_dir_name, verify)
-from pipeline.roundtrip import Fresh
-from pipeline.schema import compose, to_plain
-from pipeline.state import PARTS, StateMismatch, capture, check, copy_tree, restore
+from pipeline.cli.roundtrip import Fresh
+from pipeline.config.schema import compose, to_plain
+from pipeline.stateful import PARTS, StateMismatch, capture, check, copy_tree, restore
 
 
 def fresh(tmp_path, *overrides: str, base=KERNODECK) -> Fresh:
@@ -200,7 +200,7 @@ SAVE_POINTS = {1: "after weights", 3: "before manifest", 4: "before rename", 5: 
 
 @pytest.mark.parametrize("k", sorted(SAVE_POINTS), ids=list(SAVE_POINTS.values()))
 def test_a_save_killed_with_sigkill_is_all_or_nothing(tmp_path, k):
-    """A real kill -9 at the k-th save point (pipeline/killpoint.py), in a separate process."""
+    """A real kill -9 at the k-th save point (pipeline/files/killpoint.py), in a separate process."""
     out = tmp_path / "saves"
     cmd = [sys.executable, "-m", "pipeline.roundtrip", "--save-to", str(tmp_path), "--steps", "4", "--",
            *KERNODECK, f"paths.output_dir={tmp_path / 'out'}"]

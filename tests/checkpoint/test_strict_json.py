@@ -1,4 +1,4 @@
-"""Strict JSON wherever a checkpoint or a run file is read: one meaning for every reader (pipeline/jsonio.py
+"""Strict JSON wherever a checkpoint or a run file is read: one meaning for every reader (pipeline/files/jsonio.py
 `loads`), and each refusal naming the file -- manifest.json, extra.json, a safetensors header, run.json,
 metrics.jsonl, a sweep's job records."""
 from __future__ import annotations
@@ -13,13 +13,13 @@ import sys
 import pytest
 
 from conftest import KERNODECK
-from pipeline import jsonio
+from pipeline.files import jsonio
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError, RunFileError
 from pipeline.checkpoint.store import EXTRA, MANIFEST, WEIGHTS, load, read_manifest, step_dir_name
-from pipeline.roundtrip import Fresh
-from pipeline.rundir import RunDir
-from pipeline.schema import compose, to_plain
+from pipeline.cli.roundtrip import Fresh
+from pipeline.run.directory import RunDir
+from pipeline.config.schema import compose, to_plain
 from pipeline.tracking.sweep_callback import read_jobs
 
 
@@ -62,7 +62,7 @@ def test_read_names_the_file(tmp_path):
     with pytest.raises(jsonio.JSONError, match=rf"^{p}: duplicate key 'id'"):
         jsonio.read(p, 1 << 10)
     p.write_text("{}" + " " * 2000)
-    with pytest.raises(OSError, match=rf"^{p}: .*over the 1024-byte limit"):  # refused unread (pipeline.reading)
+    with pytest.raises(OSError, match=rf"^{p}: .*over the 1024-byte limit"):  # refused unread (pipeline.files.reading)
         jsonio.read(p, 1 << 10)
 
 

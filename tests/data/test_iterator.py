@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.data.iterator import DataIterator
-from pipeline.rng import numpy_state_from_json, numpy_state_to_json
-from pipeline.state import StateMismatch, restore
+from pipeline.trainer.rng import numpy_state_from_json, numpy_state_to_json
+from pipeline.stateful import StateMismatch, restore
 
 
 def gen(seed: int) -> np.random.Generator:

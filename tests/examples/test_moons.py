@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import PROJECT_ROOT, central_differences, config_of, refused_in_one_line, run_job, run_pipeline, the_run
-from pipeline.rundir import RunDir
-from pipeline.signals import EXIT_PREEMPTED, SIGNALS_STATE
-from test_run import kept, metrics
+from pipeline.run.directory import RunDir
+from pipeline.run.signals import EXIT_PREEMPTED, SIGNALS_STATE
+from conftest import kept, metrics
 
 EXAMPLE = PROJECT_ROOT / "examples" / "moons"
 MOONS = ("hydra.searchpath=[pkg://moons.conf]", "experiment=moons", "tracking=none", "trainer.progress_bar=false")
@@ -93,9 +93,9 @@ def test_the_verifier_proves_its_resume_and_evaluate_reads_it(moons, tmp_path):
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((final / "manifest.json").read_text())
     assert json.loads(proc.stdout)["metrics"] == {"val/loss": manifest["metrics"]["val/loss"]}
-    proc = run_pipeline([str(final), searchpath], tmp_path / "cwd", module="pipeline.inspect")
+    proc = run_pipeline([str(final), searchpath], tmp_path / "cwd", module="pipeline.show")
     assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1].startswith("valid"), proc.stdout + proc.stderr
-    for module in ("pipeline.inspect", "pipeline.evaluate"):  # without them: refused, nothing imported
+    for module in ("pipeline.show", "pipeline.evaluate"):  # without them: refused, nothing imported
         said = refused_in_one_line([str(final)], tmp_path / "cwd", module=module)
         assert said.startswith(f"{module}: checkpoint {final}: manifest.json: config.data._target_ names "
                                "'moons.data.TwoMoons', which neither the pipeline's configs nor yours name") \

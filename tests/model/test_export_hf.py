@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from pipeline.data.base import DataSpec
-from pipeline.export_hf import main, write_hf
+from pipeline.cli.export_hf import main, write_hf
 
 from pipeline.model.minigpt import MiniGPT
 
@@ -96,7 +96,7 @@ def test_transformers_loads_it_and_agrees(tmp_path):
 def exported(tmp_path: Path, *overrides: str) -> tuple[Path, Path]:
     """(the final checkpoint of a tiny run, the directory export_hf wrote from it)."""
     from conftest import run_job, the_run
-    from pipeline.rundir import RunDir
+    from pipeline.run.directory import RunDir
 
     assert run_job(*overrides, f"paths.output_dir={tmp_path / 'out'}")[0] == 0
     ckpt = RunDir(the_run(tmp_path / "out")).store.root / "final"
@@ -113,7 +113,7 @@ def grammar_export(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def text_export(tmp_path_factory):
-    from test_evaluate import text_overrides
+    from conftest import text_overrides
 
     tmp = tmp_path_factory.mktemp("text")
     (tmp / "a.txt").write_text("Abc dé,\nfg hé.\n" * 60)
@@ -139,7 +139,7 @@ def test_files_are_written_like_checkpoints_and_config_names_the_eos(grammar_exp
 
 
 def corpus_of(ckpt: Path):
-    from pipeline.trained import own_data
+    from pipeline.run.trained import own_data
 
     return own_data(json.loads((ckpt / "manifest.json").read_text()), [], ckpt)
 
@@ -179,7 +179,7 @@ OUT = {"vocab": tok.get_vocab(), "ids": tok(ARGS["text"])["input_ids"], "text": 
 
 @NEEDS_HF
 def test_transformers_generates_from_the_export_as_our_greedy_sampler_does(grammar_export):
-    from pipeline.sample import sample
+    from pipeline.cli.sample import sample
 
     ckpt, hf = grammar_export
     got = in_transformers("""

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import central_differences
 
-from pipeline.losses import cross_entropy
+from pipeline.model.losses import cross_entropy
 from pipeline.model import layers as L
 
 EPS = 1e-6  # central-difference step

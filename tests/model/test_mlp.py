@@ -10,7 +10,7 @@ import pytest
 from conftest import central_differences
 
 from pipeline.data.base import Batch, DataSpec
-from pipeline.losses import cross_entropy, mse
+from pipeline.model.losses import cross_entropy, mse
 from pipeline.model.mlp import MLP, _relu, _tanh
 
 H = 1e-6  # central-difference step

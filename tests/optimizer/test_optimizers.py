@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.optimizer.adam import Adam, AdamW
 from pipeline.optimizer.sgd import SGD
-from pipeline.state import StateMismatch, copy_tree, restore
+from pipeline.stateful import StateMismatch, copy_tree, restore
 
 P0 = [0.8, -1.3]  # a 2-element parameter
 GRADS = [[0.5, -0.25], [-0.3, 0.7], [0.9, 0.1]]  # fixed gradients for steps 1, 2, 3

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import slurm
+from pipeline.run import slurm
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Proc, run_pipeline, wait_until
-from pipeline.rundir import RunDir
+from pipeline.run.directory import RunDir
 from pipeline.verify.chaos import final_state
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

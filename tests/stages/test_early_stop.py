@@ -9,11 +9,11 @@ import math
 import pytest
 
 from conftest import KERNODECK, compose, run_job, run_pipeline, the_run
-from pipeline.rundir import RunDir
-from pipeline.signals import EXIT_PREEMPTED, SIGNALS_STATE
+from pipeline.run.directory import RunDir
+from pipeline.run.signals import EXIT_PREEMPTED, SIGNALS_STATE
 from pipeline.stages.base import StepEnd
 from pipeline.stages.early_stop import EarlyStop
-from test_run import kept, metrics
+from conftest import kept, metrics
 
 
 def feed(stage: EarlyStop, values: list) -> int | None:
@@ -76,7 +76,7 @@ def test_an_impossible_saved_state_is_refused(state):
 def test_the_config_option_is_typed_and_range_checked(tmp_path):
     from hydra.errors import HydraException
 
-    from pipeline.schema import ConfigError, to_plain, validate
+    from pipeline.config.schema import ConfigError, to_plain, validate
 
     args = (*KERNODECK, "+stages/early_stop=default", f"paths.output_dir={tmp_path}")
     node = to_plain(compose(*args))["stages"]["early_stop"]

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import KERNODECK, compose, run_job, the_run
 from pipeline.checkpoint.store import verify
-from pipeline.rundir import RunDir
+from pipeline.run.directory import RunDir
 
 BASE = (*KERNODECK, "trainer.eval_every=0")
 
@@ -64,7 +64,7 @@ def test_rerunning_a_complete_run_exits_0_without_training(tmp_path, capsys):
 
 def test_a_stage_removed_on_resume_keeps_its_link_and_checkpoint(tmp_path, preempt_at):
     """stages are not part of the run's identity: dropping best_val mid-run must not delete the best."""
-    from pipeline.signals import SIGNALS_STATE
+    from pipeline.run.signals import SIGNALS_STATE
 
     out = tmp_path / "out"
     args = (*KERNODECK, "trainer.max_steps=30", "stages.best_val.mode=max", f"paths.output_dir={out}")
@@ -87,7 +87,7 @@ def test_stage_options_are_typed(override, key, tmp_path):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from pipeline.schema import ConfigError, to_plain, validate
+    from pipeline.config.schema import ConfigError, to_plain, validate
 
     with pytest.raises((HydraException, OmegaConfBaseException, ConfigError)) as info:
         validate(to_plain(compose(*KERNODECK, override, f"paths.output_dir={tmp_path}")))

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import env_for_subprocess
 from pipeline.checkpoint.store import verify
-from pipeline.rundir import RunDir
+from pipeline.run.directory import RunDir
 
 SWEEP = ["-m", "experiment=kernodeck", "tracking=none", "optimizer.lr=0.01,0.02,0.03", "hydra/job_logging=disabled"]
 

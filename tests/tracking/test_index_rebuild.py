@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import KERNODECK, Proc, env_for_subprocess, run_pipeline, wait_until
-from pipeline.rundir import RunDir
+from pipeline.run.directory import RunDir
 from pipeline.tracking.link import wait_idle
 from pipeline.tracking.store import curves_bytes
 

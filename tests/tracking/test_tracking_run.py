@@ -190,7 +190,7 @@ def test_manifests_and_run_json_name_the_run_and_the_resumed_job_continued_it(tr
 
 
 def test_reindex_of_a_complete_index_adds_nothing(tracked):
-    from pipeline.reindex import main
+    from pipeline.cli.reindex import main
 
     buf = io.StringIO()
     with redirect_stdout(buf):
@@ -225,7 +225,7 @@ def test_unwritable_store_warns_once_training_completes_and_reindex_rebuilds_ide
     assert {"curves.png", "final/weights.safetensors", *(f"checkpoints/step-{s:08d}/manifest.json" for s in written)} \
         <= set(files)
 
-    from pipeline.reindex import main
+    from pipeline.cli.reindex import main
 
     buf = io.StringIO()
     with redirect_stdout(buf):

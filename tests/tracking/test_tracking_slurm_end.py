@@ -16,7 +16,7 @@ import pytest
 
 from conftest import KERNODECK, env_for_subprocess
 from pipeline.tracking.link import socket_path
-from pipeline.rundir import RunDir
+from pipeline.run.directory import RunDir
 from test_tracking_wait import check_complete, runs_of, slow_env, waits_in
 
 pytestmark = pytest.mark.slow

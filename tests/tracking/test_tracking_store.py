@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import KERNODECK, env_for_subprocess, run_pipeline, the_run
-from pipeline.rundir import RunDir
+from pipeline.run.directory import RunDir
 from pipeline.tracking.link import wait_idle
 
 pytestmark = pytest.mark.slow

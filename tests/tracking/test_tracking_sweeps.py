@@ -15,8 +15,8 @@ import pytest
 
 from conftest import KERNODECK, Proc, env_for_subprocess, run_pipeline, wait_until
 from conftest import mlflow_server as real_mlflow_server
-from pipeline.rundir import RunDir
-from pipeline.signals import descendants
+from pipeline.run.directory import RunDir
+from pipeline.run.signals import descendants
 from pipeline.tracking.common import parse_run_uri
 from pipeline.tracking.link import wait_idle
 

@@ -73,7 +73,7 @@ def test_tracker_module_does_not_import_mlflow():
     import subprocess
 
     code = ("import sys, pipeline.tracking.mlflow_tracker, pipeline.tracking.sweep_callback, "
-            "pipeline.app; print('mlflow' in sys.modules)")
+            "pipeline.run.job; print('mlflow' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "False", out.stderr

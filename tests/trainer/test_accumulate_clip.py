@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from conftest import KERNODECK, TINY, config_of, run_job, the_run
-from pipeline.job import build_dataset, build_state
-from pipeline.rundir import RunDir
-from pipeline.signals import EXIT_PREEMPTED, SIGNALS_STATE
+from pipeline.run.assemble import build_dataset, build_state
+from pipeline.run.directory import RunDir
+from pipeline.run.signals import EXIT_PREEMPTED, SIGNALS_STATE
 from pipeline.trainer.loop import clip, grad_norm, train_step
-from test_run import kept, metrics
+from conftest import kept, metrics
 
 
 def state_of(*overrides: str):

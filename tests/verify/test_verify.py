@@ -18,7 +18,7 @@ BREAK = {
     "optimizer": "import pipeline.optimizer.base as m; m.Optimizer.load_state_dict = lambda self, s: None",
     "scheduler": "import pipeline.scheduler.base as m; m.Scheduler.load_state_dict = lambda self, s: None",
     "data_iter": "import pipeline.data.iterator as m; m.DataIterator.load_state_dict = lambda self, s: None",
-    "rng": "import pipeline.rng as m; m.Streams.load_state_dict = lambda self, s: None",
+    "rng": "import pipeline.trainer.rng as m; m.Streams.load_state_dict = lambda self, s: None",
 }
 
 

@@ -1,0 +1,625 @@
+"""`python -m pipeline.archive SOURCE DEST`: a run, sweep or checkpoint copied to DEST, verified, reloaded and resumed there.
+
+DEST is laid out like an output directory, so every tool works on it (`inspect DEST/runs/<run>`, `evaluate
+DEST/runs/<run>/checkpoints/best`):
+
+    DEST/
+      README.md            what is there, and the commands to evaluate, sample, export and resume from it
+      MANIFEST.json        every other file (but recovery.json) with its size and sha256, and every link
+      recovery.json        the checks run on DEST alone and the resume proof (written last, before publishing)
+      runs/<run>/          .hydra/, run.json, metrics.jsonl, data-identity.json (+ corpus-MANIFEST.json),
+                           checkpoints/step-*/ (whole) and the links to them (best, final), relative
+      data/<corpus>/       the corpus, with --with-data
+      sources/<sha>-<name> the text files a run was trained on (data.path), with --with-data
+
+It is built as a hidden temporary sibling of DEST, checked there from its own bytes (sizes and sha256 against
+the source manifests, every checkpoint restored as a resume would, a resume in a fresh process compared bit
+for bit with what the original run recorded after that step), and renamed into place only if every check
+passed: DEST appears complete or not at all. SOURCE is only read (regular files, never through a link out of
+a run). Exit 0 published; 1 a check failed (the temporary is kept and named); 2 bad input, one line.
+"""
+from __future__ import annotations
+
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
+    from pipeline.run.signals import SIGNALS_STATE
+
+    SIGNALS_STATE.install()
+
+import argparse
+import hashlib
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline.files import jsonio
+from pipeline.files import reading
+from pipeline.files.atomic import TMP_PREFIX, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir, open_new, publish_dir, remove_tree
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint.store import (CHECKPOINTS, EXTRA, MANIFEST, OPTIM, STEP_DIR, WEIGHTS, CheckpointStore,
+                                       checkpoint_dir, read_manifest, verify)
+from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR
+
+NAME = "pipeline.archive"
+SELECTIONS = ("best", "final", "newest")
+MAX_SMALL = 16 << 20  # bytes of a run's small files (.hydra/*, run.json, a corpus's MANIFEST.json)
+MAX_METRICS = 1 << 30
+MAX_FILE = 1 << 40  # a checkpoint or corpus file: bounded by its manifest's size, checked before copying
+MAX_CORPORA = 10_000  # corpus directories looked at when finding a run's corpus by its hash
+TOP = ("README.md", "MANIFEST.json", "recovery.json")
+
+
+class BadSource(Exception):
+    """SOURCE (or DEST) cannot be archived: one line, exit 2."""
+
+
+# --- what SOURCE holds ----------------------------------------------------------------------------------
+
+class RunPlan:
+    """One run to archive: where it lies, which checkpoints, its overrides, its data."""
+
+    def __init__(self, name: str, run_dir: Path | None, checkpoints: dict[str, Path], links: dict[str, str]):
+        self.name, self.run_dir, self.checkpoints, self.links = name, run_dir, checkpoints, links
+        self.manifests = {n: read_manifest(p) for n, p in checkpoints.items()}
+
+    @property
+    def newest(self) -> dict:
+        return self.manifests[max(self.manifests, key=lambda n: self.manifests[n]["step"])]
+
+    @property
+    def output_dir(self) -> Path | None:
+        if self.run_dir is not None and self.run_dir.parent.name == "runs":
+            return self.run_dir.parent.parent
+        return None
+
+
+def _kind(path: Path) -> str:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise BadSource(f"{path}: does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        st = os.stat(path)  # a link the user typed is followed, as its target could be typed instead
+    if not stat.S_ISDIR(st.st_mode):
+        raise BadSource(f"{path}: is {reading.kind_of(st)}, not a run, sweep or checkpoint directory")
+    if (path / MANIFEST).exists() or os.path.lexists(path / MANIFEST):
+        return "checkpoint"
+    if (path / CHECKPOINTS).is_dir() or (path / "run.json").is_file():
+        return "run"
+    if path.name == CHECKPOINTS and (path.parent / "run.json").is_file():
+        raise BadSource(f"{path}: a run's checkpoints/; give the run directory {path.parent}")
+    if (path / "jobs").is_dir() and (path / "sweep.json").is_file():
+        return "sweep"
+    raise BadSource(f"{path}: not a run directory (no checkpoints/ or run.json), a sweep directory (no "
+                    "sweep.json and jobs/) or a checkpoint (no manifest.json)")
+
+
+def _select(store: CheckpointStore, which: str) -> tuple[dict[str, Path], dict[str, str]]:
+    steps, links = store.scan()  # a stray link or file in checkpoints/ is refused here (UnsafePathError)
+    if not steps:
+        raise BadSource(f"{store.root}: no checkpoints to archive")
+    by_name = {d.name: d for _, d in steps}
+    if which == "all":
+        chosen = set(by_name)
+    else:
+        chosen = set()
+        for want in which.split(","):
+            if want == "newest":  # the newest a resume continues from: before a finished run's final
+                finished = links.get("final") == steps[-1][1].name and len(steps) > 1
+                chosen.add(steps[-2 if finished else -1][1].name)
+            elif want in links and links[want] in by_name:
+                chosen.add(links[want])
+    return {n: by_name[n] for n in sorted(chosen)}, {k: t for k, t in links.items() if t in chosen}
+
+
+def plan(source: Path, which: str) -> list[RunPlan]:
+    """The runs SOURCE stands for, each with the checkpoints to keep (every one verified, read-only)."""
+    kind = _kind(source)
+    if kind == "sweep":
+        from pipeline.tracking.sweep_callback import read_jobs
+
+        runs_dir = source.parent.parent / "runs"  # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
+        names = sorted({Path(j["run_dir"]).name for j in read_jobs(source).values() if isinstance(j.get("run_dir"), str)})
+        if not names:
+            raise BadSource(f"{source}: a sweep none of whose jobs/*.json names a run directory")
+        plans = []
+        for n in names:
+            if not (runs_dir / n).is_dir():
+                raise BadSource(f"{runs_dir / n}: the run of a job of sweep {source.name} is not there")
+            plans += plan(runs_dir / n, which)
+        return plans
+    if kind == "run":
+        run_dir = Path(os.path.realpath(source))
+        chosen, links = _select(CheckpointStore(run_dir / CHECKPOINTS), which)
+        result = RunPlan(run_dir.name, run_dir, chosen, links)
+    else:
+        directory = checkpoint_dir(source)
+        in_run = directory.parent.name == CHECKPOINTS and STEP_DIR.match(directory.name)
+        run_dir = directory.parent.parent if in_run else None
+        manifest = read_manifest(directory)
+        from pipeline.config.identity import run_name
+
+        name = run_dir.name if run_dir else run_name(manifest["config"], manifest["sources"])
+        step_name = directory.name if in_run else f"step-{manifest['step']:08d}"
+        links = {k: t for k, t in CheckpointStore(directory.parent).links().items() if t == step_name} if in_run else {}
+        result = RunPlan(name, run_dir, {step_name: directory}, links)
+    for directory in result.checkpoints.values():
+        verify(directory)  # sizes, sha256, layout: a damaged checkpoint is bad input
+    return [result]
+
+
+# --- copying --------------------------------------------------------------------------------------------
+
+def copy_file(src: Path, dst: Path, limit: int, follow: bool = False) -> dict:
+    """src's bytes into a new file dst (never through a link), fsynced; {"size", "sha256"} of what was copied."""
+    h, size = hashlib.sha256(), 0
+    with reading.open_file(src, limit, follow=follow) as f:
+        fd = open_new(dst)
+        try:
+            for piece in reading.chunks(f, src, limit):
+                h.update(piece)
+                size += len(piece)
+                view = memoryview(piece)
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+class Builder:
+    """DEST being built in its temporary: every file copied with its hash, every link, and what each should be."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.files: dict[str, dict] = {}  # relative path -> {"size", "sha256"} as copied
+        self.expected: dict[str, tuple[dict, str]] = {}  # relative path -> (entry, which source manifest says so)
+        self.links: dict[str, str] = {}
+
+    def copy(self, src: Path, rel: str, limit: int, expected: dict | None = None, witness: str = "",
+             follow: bool = False) -> dict:
+        ensure_dirs(self.root, *Path(rel).parent.parts)
+        entry = copy_file(src, self.root / rel, limit, follow)
+        if expected is not None:
+            if (entry["size"], entry["sha256"]) != (expected["size"], expected["sha256"]):
+                raise BadSource(f"{src}: its bytes differ from {witness} (changed or damaged while being archived)")
+            self.expected[rel] = (expected, witness)
+        self.files[rel] = entry
+        return entry
+
+    def write(self, rel: str, data: bytes) -> None:
+        ensure_dirs(self.root, *Path(rel).parent.parts)
+        fd = open_new(self.root / rel)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if rel not in ("MANIFEST.json", "recovery.json"):
+            self.files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def link(self, rel: str, target: str) -> None:
+        os.symlink(target, self.root / rel)
+        self.links[rel] = target
+
+
+def _regular_files(directory: Path) -> list[Path]:
+    out = []
+    for e in sorted(os.scandir(directory), key=lambda e: e.name):
+        st = e.stat(follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadSource(f"{e.path}: is {reading.kind_of(st)}; a run's files must be regular files inside it")
+        out.append(Path(e.path))
+    return out
+
+
+def find_corpus(output_dir: Path | None, data_hash: str) -> Path | None:
+    """The corpus directory under <output_dir>/data/ whose MANIFEST.json hashes to `data_hash`, if any."""
+    data = output_dir / "data" if output_dir else None
+    if data is None or not data.is_dir() or data.is_symlink():
+        return None
+    for i, e in enumerate(sorted(os.scandir(data), key=lambda e: e.name)):
+        if i >= MAX_CORPORA or e.name.startswith(TMP_PREFIX) or not e.is_dir(follow_symlinks=False):
+            continue
+        try:
+            if reading.sha256(Path(e.path) / "MANIFEST.json", MAX_SMALL) == data_hash:
+                return Path(e.path)
+        except OSError:
+            continue
+    return None
+
+
+def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
+    """Copy one run into b.root/runs/<name>/; returns what was exported."""
+    base = f"runs/{p.name}"
+    ensure_dirs(b.root, "runs", p.name, CHECKPOINTS)
+    for name, directory in p.checkpoints.items():
+        listed = p.manifests[name]["files"]
+        for f in _regular_files(directory):
+            if f.name != MANIFEST and f.name not in listed:
+                raise BadSource(f"{f}: present but not listed in its manifest.json")
+        for fn, entry in sorted(listed.items()):
+            b.copy(directory / fn, f"{base}/{CHECKPOINTS}/{name}/{fn}", entry["size"], entry, f"{directory / MANIFEST}")
+        b.copy(directory / MANIFEST, f"{base}/{CHECKPOINTS}/{name}/{MANIFEST}", MAX_SMALL)
+        fsync_dir(b.root / base / CHECKPOINTS / name)
+    for link, target in sorted(p.links.items()):
+        b.link(f"{base}/{CHECKPOINTS}/{link}", target)  # relative, beside its step directory, as a run has it
+    if p.run_dir is not None:
+        if (p.run_dir / ".hydra").exists() or os.path.lexists(p.run_dir / ".hydra"):
+            if os.path.islink(p.run_dir / ".hydra"):
+                raise BadSource(f"{p.run_dir / '.hydra'}: is a symlink; a run's files must be inside it")
+            for f in _regular_files(p.run_dir / ".hydra"):
+                b.copy(f, f"{base}/.hydra/{f.name}", MAX_SMALL)
+        for fn, limit in (("run.json", MAX_SMALL), ("metrics.jsonl", MAX_METRICS)):
+            if os.path.lexists(p.run_dir / fn):
+                b.copy(p.run_dir / fn, f"{base}/{fn}", limit)
+    newest = p.newest
+    data_hash, sources = newest["data_manifest_hash"], dict(newest["sources"])
+    corpus = find_corpus(p.output_dir, data_hash)
+    identity = {"data_manifest_hash": data_hash, "sources": sources, "data": newest["config"]["data"],
+                "corpus": corpus.name if corpus else None, "data_archived": with_data}
+    if sources and not with_data:
+        keys = ", ".join(f"{k}={newest['config']['data'].get(k.split('.', 1)[1])}" for k in sources)
+        raise BadSource(f"run {p.name} was trained on {keys}, which its config cannot regenerate: give --with-data "
+                        "to archive it")
+    if corpus is not None:
+        b.copy(corpus / "MANIFEST.json", f"{base}/corpus-MANIFEST.json", MAX_SMALL,
+               {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash}, "the checkpoints' data_manifest_hash")
+    if with_data:
+        if corpus is None and data_hash and newest["config"]["data"].get("_target_", "").startswith("pipeline.data.") \
+                and "regression" not in newest["config"]["data"]["_target_"]:
+            raise BadSource(f"run {p.name}: its corpus (MANIFEST.json sha256 {data_hash[:12]}) is not under "
+                            f"{p.output_dir}/data/; --with-data needs it there")
+        if corpus is not None and f"data/{corpus.name}/MANIFEST.json" not in b.files:
+            from pipeline.data.corpus import MAX_JSON, verify_corpus
+
+            cm, _ = verify_corpus(corpus)
+            for fn, entry in sorted(cm["files"].items()):
+                b.copy(corpus / fn, f"data/{corpus.name}/{fn}", entry["bytes"],
+                       {"size": entry["bytes"], "sha256": entry["sha256"]}, f"{corpus / 'MANIFEST.json'}")
+            b.copy(corpus / "MANIFEST.json", f"data/{corpus.name}/MANIFEST.json", MAX_JSON,
+                   {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash}, "data_manifest_hash")
+        archived = {}
+        for key, sha in sorted(sources.items()):
+            src = Path(str(newest["config"]["data"].get(key.split(".", 1)[1]))).expanduser()
+            rel = f"sources/{sha[:12]}-{src.name}"
+            if rel not in b.files:
+                try:
+                    b.copy(src, rel, MAX_FILE, {"size": os.path.getsize(src), "sha256": sha},
+                           "the checkpoints' sources", follow=True)
+                except FileNotFoundError:
+                    raise BadSource(f"run {p.name}: {key}={src} (the file it was trained on) is not there; "
+                                    "archive it where the file is") from None
+            archived[key] = rel
+        identity["sources_archived"] = archived
+    b.write(f"{base}/data-identity.json", jsonio.dumps(identity))
+    return {"checkpoints": {n: {"step": m["step"], "tags": m["tags"], "links": sorted(k for k, t in p.links.items() if t == n)}
+                            for n, m in sorted(p.manifests.items())},
+            "data": {k: identity[k] for k in ("data_manifest_hash", "sources", "corpus")},
+            "with_data": bool(with_data)}
+
+
+# --- checks on DEST alone ---------------------------------------------------------------------------------
+
+def walk(root: Path) -> tuple[dict[str, os.stat_result], dict[str, str]]:
+    """Every file (by relative path) and every link under root, nothing followed."""
+    files, links = {}, {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for n in dirnames + filenames:
+            full = Path(dirpath) / n
+            rel = full.relative_to(root).as_posix()
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode):
+                links[rel] = os.readlink(full)
+            elif not stat.S_ISDIR(st.st_mode):
+                files[rel] = st
+    return files, links
+
+
+def check_files(root: Path, listing: dict) -> list[str]:
+    """Every file listed in MANIFEST.json present with its size and sha256, every link as listed, nothing else;
+    a line for each difference, naming the file."""
+    problems = []
+    files, links = walk(root)
+    for rel in sorted(set(files) - set(listing["files"]) - {"MANIFEST.json", "recovery.json"}):
+        problems.append(f"{rel}: present but not listed in MANIFEST.json")
+    for rel, entry in sorted(listing["files"].items()):
+        if rel not in files:
+            problems.append(f"{rel}: listed in MANIFEST.json but missing")
+        elif not stat.S_ISREG(files[rel].st_mode):
+            problems.append(f"{rel}: is {reading.kind_of(files[rel])}, not a regular file")
+        elif files[rel].st_size != entry["size"]:
+            problems.append(f"{rel}: size {files[rel].st_size} bytes, MANIFEST.json says {entry['size']}")
+        elif reading.sha256(root / rel, entry["size"]) != entry["sha256"]:
+            problems.append(f"{rel}: sha256 differs from MANIFEST.json (corrupted)")
+    if links != listing["links"]:
+        changed = sorted(set(links.items()) ^ set(listing["links"].items()))
+        problems.append(f"{changed[0][0]}: link differs from MANIFEST.json")
+    return problems
+
+
+def run_overrides(run: Path) -> list[str] | None:
+    """The overrides the run was last started with (.hydra/overrides.yaml), or None if it has none."""
+    import yaml
+
+    path = run / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return None
+    value = yaml.safe_load(reading.read_bytes(path, MAX_SMALL))
+    return [str(v) for v in value] if isinstance(value, list) else None
+
+
+def searchpath(overrides: list[str] | None) -> list[str]:
+    return [o for o in overrides or [] if o.startswith("hydra.searchpath=")]
+
+
+def restore_all(root: Path, extra: list[str]) -> list[dict]:
+    """Every archived checkpoint restored from DEST with the full verification of a resume."""
+    from pipeline.run.trained import restore_checkpoint
+
+    checks = []
+    for run in sorted((root / "runs").iterdir()):
+        overrides = searchpath(run_overrides(run)) or extra
+        for step_dir in sorted((run / CHECKPOINTS).iterdir()):
+            if step_dir.is_symlink():
+                continue
+            rel = step_dir.relative_to(root).as_posix()
+            try:
+                manifest, _ = restore_checkpoint(step_dir, overrides)
+                checks.append({"check": f"restore {rel}", "passed": True, "detail": f"step {manifest['step']}"})
+            except (CheckpointError, Exception) as e:  # noqa: BLE001 - a check's failure is its result
+                checks.append({"check": f"restore {rel}", "passed": False, "detail": str(e).splitlines()[0]})
+    return checks
+
+
+def _resume_overrides(overrides: list[str], root: Path, run: Path, identity: dict, extra: list[str]) -> list[str]:
+    """The run's own overrides (.hydra/overrides.yaml holds no hydra.* ones: the search path given to the archive
+    is added), without where it wrote, how it resumed and was tracked, and with its archived data files."""
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(("paths.", "resume", "tracking", "data.path="))]
+    kept += [o for o in extra if o not in kept]
+    for key, rel in (identity.get("sources_archived") or {}).items():
+        kept.append(f"{key}={root / rel}")
+    return kept
+
+
+def _metric_lines(path: Path) -> list[dict]:
+    from pipeline.run.directory import RunDir
+
+    return [{k: v for k, v in ln.items() if k != "time"} for ln in RunDir(path).read_metrics()]
+
+
+def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[str]) -> dict:
+    """A fresh `python -m pipeline` resumes from the newest archived checkpoint the original went past (else
+    the newest), to the run's own end; its later metrics.jsonl lines, and its final state files, compared bit
+    for bit with the archived ones."""
+    store = CheckpointStore(run / CHECKPOINTS)
+    steps = store.steps()
+    overrides = run_overrides(run)
+    identity = jsonio.read(run / "data-identity.json", MAX_SMALL)
+    if overrides is None:
+        return {"run": run.name, "passed": None, "detail": "no .hydra/overrides.yaml (a checkpoint archived "
+                                                           "without its run): not resumed"}
+    archived = _metric_lines(run) if (run / "metrics.jsonl").exists() else []
+    last_logged = max((ln["step"] for ln in archived), default=steps[-1][0])
+    end = max(last_logged, steps[-1][0])
+    candidates = [(s, d) for s, d in steps if s < end]
+    step, source = candidates[-1] if candidates else steps[-1]
+    args = [*_resume_overrides(overrides, root, run, identity, extra), f"resume.source={source}",
+            f"paths.output_dir={scratch / 'out'}", "tracking=none", "trainer.progress_bar=false"]
+    shown = [a.replace(str(root), str(dest)) for a in args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=scratch, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    result = {"run": run.name, "command": "python -m pipeline " + " ".join(shown).replace(str(scratch), "<scratch>"),
+              "from": source.relative_to(root).as_posix(), "step_recovered": step, "exit": proc.returncode}
+    if proc.returncode != 0:
+        result.update(passed=False, detail=(err.strip().splitlines() or ["(no output)"])[-1])
+        return result
+    (resumed_run,) = [p for p in (scratch / "out" / "runs").iterdir() if p.is_dir()]
+    got = [ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end]  # a preempted run goes on past end
+    want = [ln for ln in archived if ln["step"] > step]
+    compared = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
+    final = CheckpointStore(resumed_run / CHECKPOINTS)
+    original_final = store.link_dir("final")
+    if original_final is not None and final.link_dir("final") is not None and step < end:
+        a = read_manifest(original_final)["files"]
+        bb = read_manifest(final.link_dir("final"))["files"]
+        compared["final_step"] = read_manifest(original_final)["step"]
+        compared["final_files_equal"] = {n: a[n]["sha256"] == bb[n]["sha256"] for n in (WEIGHTS, OPTIM, EXTRA)}
+    ok = compared["metrics_equal"] and all(compared.get("final_files_equal", {}).values())
+    if step >= end:
+        compared["note"] = (f"the original recorded nothing after step {step}: the resumed process restored it and "
+                            "confirmed the run complete; nothing later to compare")
+    result.update(passed=bool(ok), compared=compared, to_step=end)
+    return result
+
+
+def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove: bool) -> dict:
+    """Every check of the archive at root (its final name `dest`), from its own bytes."""
+    listing = jsonio.read(root / "MANIFEST.json", 1 << 30)
+    problems = check_files(root, listing)
+    checks = [{"check": "sizes and sha256 against MANIFEST.json", "passed": not problems,
+               "detail": problems[0] if problems else f"{len(listing['files'])} files, {len(listing['links'])} links"}]
+    if b is not None:
+        wrong = [rel for rel, (entry, _) in b.expected.items()
+                 if listing["files"].get(rel, {}).get("sha256") != entry["sha256"]]
+        checks.append({"check": "sizes and sha256 against the source manifests", "passed": not wrong and not problems,
+                       "detail": f"{wrong[0]} differs from {b.expected[wrong[0]][1]}" if wrong else
+                       f"{len(b.expected)} files listed by checkpoint and corpus manifests"})
+    checks += restore_all(root, extra)
+    proofs = []
+    if prove:
+        for run in sorted((root / "runs").iterdir()):
+            scratch = Path(tempfile.mkdtemp(prefix="pipeline-archive-resume-"))
+            try:
+                proofs.append(resume_proof(root, dest, run, scratch, extra))
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+    for p in proofs:
+        if p["passed"] is not None:
+            checks.append({"check": f"resume {p['run']} from step {p.get('step_recovered')}", "passed": p["passed"],
+                           "detail": p.get("detail") or p.get("compared")})
+    return {"checks": checks, "resume": proofs, "all_checks_passed": all(c["passed"] for c in checks)}
+
+
+# --- README -------------------------------------------------------------------------------------------------
+
+def readme(dest: Path, exported: dict) -> str:
+    lines = [f"# Archive {dest.name}", "",
+             "Made by `python -m pipeline.archive`. Every file is listed with its size and sha256 in MANIFEST.json;",
+             "recovery.json holds the checks run on this directory alone and the resume proof. Re-check it with",
+             f"`python -m pipeline.archive --check {dest}`. Give `paths.output_dir=SCRATCH` to the commands below so",
+             "that a regenerated corpus goes there, not into this archive.", ""]
+    for name, run in sorted(exported["runs"].items()):
+        ck = run["checkpoints"]
+        order = sorted(ck, key=lambda n: ck[n]["step"])
+        newest = order[-1]
+        resume_from = order[-2] if len(order) > 1 and "final" in ck[newest]["links"] else newest  # as the proof does
+        best = "best" if any("best" in c["links"] for c in ck.values()) else newest
+        at = f"{dest}/runs/{name}/checkpoints"
+        over = " ".join(run["resume_overrides"])
+        sp = " ".join(o for o in run["resume_overrides"] if o.startswith("hydra.searchpath="))
+        lines += [f"## {name}", "", "Checkpoints: " + ", ".join(
+            f"{n} (step {c['step']}{', ' + '/'.join(c['links']) if c['links'] else ''})" for n, c in sorted(ck.items())),
+            f"Data: data_manifest_hash {run['data']['data_manifest_hash']}, corpus {run['data']['corpus'] or '-'}, "
+            f"sources {run['data']['sources'] or '-'}{' (archived under sources/ and data/)' if run['with_data'] else ''}.",
+            "", "```bash",
+            f"python -m pipeline.show {dest}/runs/{name} {sp}".rstrip(),
+            f"python -m pipeline.evaluate {at}/{best} paths.output_dir=SCRATCH {sp}".rstrip()]
+        if "minigpt" in str(run.get("model", "")).lower():
+            lines += [f"python -m pipeline.sample {at}/final prompt=\"the\" max_new_tokens=20 paths.output_dir=SCRATCH",
+                      f"python -m pipeline.export_hf {at}/final HF_DIR"]
+        done = resume_from != newest
+        lines += [f"python -m pipeline {over} resume.source={at}/{resume_from} paths.output_dir=SCRATCH".replace("  ", " "),
+                  "```", "", f"The resume {'repeats the steps after ' + resume_from + ' of the finished run, to its final bytes' if done else 'continues the run from its newest checkpoint'}; "
+                  "`python -m pipeline.archive --check` re-verifies every byte.", ""]
+    return "\n".join(lines)
+
+
+# --- the command ------------------------------------------------------------------------------------------
+
+def _stale(dest: Path) -> list[Path]:
+    prefix = f"{TMP_PREFIX}{dest.name}-"
+    return sorted(p for p in dest.parent.iterdir() if p.name.startswith(prefix)) if dest.parent.is_dir() else []
+
+
+def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: list[str], argv: list[str]) -> int:
+    if os.path.lexists(dest):
+        raise BadSource(f"{dest}: already exists; an archive is never overwritten or merged into (choose a new DEST)")
+    if not dest.parent.is_dir():
+        raise BadSource(f"{dest.parent}: does not exist (DEST's parent must)")
+    real_src, real_dest = os.path.realpath(source), os.path.realpath(dest)
+    if real_dest == real_src or real_dest.startswith(real_src.rstrip("/") + "/"):
+        raise BadSource(f"{dest}: inside SOURCE {source}; archive elsewhere")
+    for p in _stale(dest):
+        print(f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)", file=sys.stderr)
+    plans = plan(source, which)
+    if len({p.name for p in plans}) != len(plans):
+        raise BadSource(f"{source}: two runs of the same name")
+    tmp = new_temp_dir(dest.parent, dest.name)
+    keep_tmp = False
+    try:
+        b = Builder(tmp)
+        exported = {"runs": {}}
+        for p in plans:
+            exported["runs"][p.name] = archive_run(b, p, with_data)
+            rel_run = tmp / "runs" / p.name
+            identity = jsonio.read(rel_run / "data-identity.json", MAX_SMALL)
+            overrides = run_overrides(rel_run) or []
+            exported["runs"][p.name]["resume_overrides"] = [
+                o.replace(str(tmp), str(dest)) for o in _resume_overrides(overrides, tmp, rel_run, identity, extra)]
+            exported["runs"][p.name]["model"] = p.newest["config"]["model"].get("_target_")
+        if _kind(source) == "sweep":  # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
+            name = Path(os.path.realpath(source)).name
+            for f in (p for p in sorted(Path(source).iterdir()) if not p.is_dir() or p.is_symlink()):
+                b.copy(f, f"sweeps/{name}/{f.name}", MAX_SMALL)
+            for f in _regular_files(Path(source) / "jobs"):
+                b.copy(f, f"sweeps/{name}/jobs/{f.name}", MAX_SMALL)
+            exported["sweep"] = name
+        b.write("README.md", readme(dest, exported).encode())
+        b.write("MANIFEST.json", jsonio.dumps({"files": b.files, "links": b.links}))
+        result = checks_on(tmp, dest, b, extra, prove=True)
+        exported["files"] = len(b.files)
+        exported["bytes"] = sum(e["size"] for e in b.files.values())
+        report = {"archive": str(dest), "source": str(source), "command": "python -m pipeline.archive " + " ".join(argv),
+                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result, "exported": exported}
+        b.write("recovery.json", jsonio.dumps(report))
+        fsync_dir(tmp)
+        for c in result["checks"]:
+            print(f"{'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['detail']}")
+        if not result["all_checks_passed"]:
+            keep_tmp = True
+            failed = next(c for c in result["checks"] if not c["passed"])
+            print(f"{NAME}: check failed: {failed['check']}: {failed['detail']}; nothing published (see {tmp})",
+                  file=sys.stderr)
+            return EXIT_ERROR
+        publish_dir(tmp, dest)
+        print(f"archived {source} to {dest}: {exported['files']} files, {exported['bytes']} bytes; recovery.json")
+        return 0
+    finally:
+        if not keep_tmp:
+            remove_tree(tmp)
+
+
+def check_archive(dest: Path, extra: list[str]) -> int:
+    """--check DEST: every file, link and checkpoint of a published archive, from its bytes."""
+    if not (dest / "MANIFEST.json").is_file():
+        raise BadSource(f"{dest}: not an archive (no MANIFEST.json)")
+    result = checks_on(dest, dest, None, extra, prove=False)
+    for c in result["checks"]:
+        print(f"{'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['detail']}")
+    if not result["all_checks_passed"]:
+        failed = next(c for c in result["checks"] if not c["passed"])
+        print(f"{NAME}: {dest}: {failed['detail']}", file=sys.stderr)
+        return EXIT_ERROR
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.splitlines()[0])
+    ap.add_argument("source", type=Path, help="a run directory, a sweep directory or a checkpoint (or DEST with --check)")
+    ap.add_argument("dest", nargs="?", help="where the archive appears (must not exist)")
+    ap.add_argument("overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are")
+    ap.add_argument("--checkpoints", default="best,final,newest", help="best,final,newest (any of them) or all")
+    ap.add_argument("--with-data", action="store_true", help="archive the corpus and the text files too")
+    ap.add_argument("--check", action="store_true", help="re-verify an archive: python -m pipeline.archive --check DEST")
+    args = ap.parse_intermixed_args(argv)
+    extra = [*([args.dest] if args.check and args.dest else []), *args.overrides]  # a str: Path() eats pkg://
+    if bad := [o for o in extra if not o.startswith("hydra.searchpath=")]:
+        print(f"{NAME}: {bad[0]}: only hydra.searchpath=[...] can be given here", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    which = args.checkpoints
+    if which != "all" and not set(which.split(",")) <= set(SELECTIONS):
+        print(f"{NAME}: --checkpoints={which}: give any of best,final,newest (comma-separated) or all", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        if args.check:
+            return check_archive(args.source, extra)
+        if args.dest is None:
+            print(f"{NAME}: give SOURCE and DEST (or --check DEST)", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        return build_archive(args.source, Path(os.path.abspath(args.dest)), which, args.with_data, args.overrides, argv)
+    except (BadSource, CheckpointError, UnsafePathError, ValueError) as e:
+        print(f"{NAME}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:
+        print(f"{NAME}: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    from pipeline.run.signals import tool_exit
+
+    tool_exit(NAME, main, "no archive was published (its hidden temporary is removed or ignored)")

@@ -1,0 +1,66 @@
+"""`python -m pipeline.evaluate CHECKPOINT [overrides] [--json]`: the validation metrics of any checkpoint.
+
+The checkpoint is fully verified (as a resume would) and restored; its model is evaluated on the validation
+batches of its own data, or of another dataset given by overrides (`data=NAME ...` composed like
+`python -m pipeline`, or `data.KEY=VALUE` applied to the checkpoint's own data node) whose spec -- and, for
+token data, vocabulary -- is the one the model learned. The metrics are those a run logs when it evaluates
+(`val/loss`, `val/ppl`, the data's baselines), from the same function, so on the checkpoint's own data they
+equal what its run measured at that step. One line of key=value (or --json); exit 0, or 2 with one line for
+a checkpoint that does not verify or data that does not fit.
+"""
+from __future__ import annotations
+
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
+    from pipeline.run.signals import SIGNALS_STATE
+
+    SIGNALS_STATE.install()
+
+import argparse
+import sys
+from pathlib import Path
+
+from pipeline.run.signals import EXIT_BAD_INPUT
+
+
+def evaluate_checkpoint(directory: Path, overrides: list[str] = ()) -> dict:
+    """{"checkpoint", "step", "data", "data_manifest_hash", "own_data", "metrics"}; ConfigError or
+    CheckpointError (one line) if the checkpoint does not verify or the data does not fit its model."""
+    from pipeline.run.trained import other_data, restore_checkpoint
+    from pipeline.trainer.loop import evaluate
+
+    manifest, state = restore_checkpoint(directory, list(overrides))
+    dataset = other_data(manifest, list(overrides), directory)
+    state.dataset = dataset
+    return {"checkpoint": str(directory), "step": manifest["step"], "data": type(dataset).__name__,
+            "data_manifest_hash": dataset.manifest_hash,
+            "own_data": dataset.manifest_hash == manifest["data_manifest_hash"], "metrics": evaluate(state)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n\n")[0],
+                                 epilog="Overrides: data=NAME, data.KEY=VALUE, paths.output_dir=DIR (where the "
+                                        "corpus cache is; default the run's), hydra.searchpath=[...]")
+    ap.add_argument("checkpoint", type=Path, help="a checkpoint directory (step-*, best, final)")
+    ap.add_argument("overrides", nargs="*", help="data overrides")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = ap.parse_args(argv)
+    from pipeline.files import jsonio
+    from pipeline.checkpoint.errors import CheckpointError
+    from pipeline.config.schema import ConfigError
+
+    try:
+        result = evaluate_checkpoint(args.checkpoint, args.overrides)
+    except (CheckpointError, ConfigError) as e:
+        print(f"pipeline.evaluate: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(jsonio.dumps(result).decode(), end="")
+    else:
+        print(" ".join([f"step={result['step']}", *(f"{k}={v:.6g}" for k, v in sorted(result["metrics"].items()))]))
+    return 0
+
+
+if __name__ == "__main__":
+    from pipeline.run.signals import tool_exit
+
+    tool_exit("pipeline.evaluate", main)

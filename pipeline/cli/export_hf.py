@@ -1,0 +1,208 @@
+"""Write MiniGPT weights as a Hugging Face GPT-2 directory: config.json, model.safetensors, and the corpus
+vocabulary as a tokenizer (tokenizer.json + tokenizer_config.json), so that `AutoTokenizer.from_pretrained`
+and `transformers.pipeline("text-generation", model=DIR)` work on it. Files are written like checkpoints:
+each replaced atomically, mode 0644 (less the umask), never through a symlink."""
+from __future__ import annotations
+
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
+    from pipeline.run.signals import SIGNALS_STATE
+
+    SIGNALS_STATE.install()
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save
+
+from pipeline.files.atomic import replace_file
+
+EOS = "<eos>"  # the grammar corpus's end of sentence: GPT-2's <|endoftext|> role (bos, eos and pad)
+TIED = "lm_head.weight"  # the head is wte: HF ties it on load (tie_word_embeddings), so it is not stored
+
+
+def expected_shapes(*, n_layer: int, n_embd: int, n_positions: int, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """HF GPT2LMHeadModel's stored weights (Conv1D layout, weight [in, out]), without the tied head."""
+    d = n_embd
+    shapes = {"transformer.wte.weight": (vocab_size, d), "transformer.wpe.weight": (n_positions, d)}
+    for i in range(n_layer):
+        h = f"transformer.h.{i}."
+        shapes.update(
+            {
+                h + "ln_1.weight": (d,), h + "ln_1.bias": (d,),
+                h + "attn.c_attn.weight": (d, 3 * d), h + "attn.c_attn.bias": (3 * d,),
+                h + "attn.c_proj.weight": (d, d), h + "attn.c_proj.bias": (d,),
+                h + "ln_2.weight": (d,), h + "ln_2.bias": (d,),
+                h + "mlp.c_fc.weight": (d, 4 * d), h + "mlp.c_fc.bias": (4 * d,),
+                h + "mlp.c_proj.weight": (4 * d, d), h + "mlp.c_proj.bias": (d,),
+            }
+        )  # fmt: skip
+    shapes.update({"transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,)})
+    return shapes
+
+
+def gpt2_config(*, n_layer: int, n_head: int, n_embd: int, n_positions: int, vocab_size: int,
+                eos_token_id: int | None = None) -> dict:
+    """A GPT2Config matching MiniGPT: gelu_new, LayerNorm eps 1e-5, 4x MLP, tied head, no dropout."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab_size,
+        "n_positions": n_positions,
+        "n_embd": n_embd,
+        "n_layer": n_layer,
+        "n_head": n_head,
+        "n_inner": None,  # 4 * n_embd
+        "activation_function": "gelu_new",
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        # GPT2Config defaults these to 50256, outside a small vocabulary: the corpus's <eos> plays all three
+        # roles, as <|endoftext|> does in GPT-2; a vocabulary without one (data=text) has none.
+        "bos_token_id": eos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": eos_token_id,
+        "torch_dtype": "float32",
+    }
+
+
+def tokenizer_files(vocab: list[str], join: str, n_positions: int, eos: str | None = EOS) -> dict[str, bytes]:
+    """tokenizer.json (a `tokenizers` WordLevel model over the corpus vocabulary, ids unchanged) and
+    tokenizer_config.json. Words (join " "): split at whitespace; characters (join ""): every character one
+    token, decoded fused. No unknown token: text outside the vocabulary is an error.
+
+    Decoded words each carry the space before them, as GPT-2's tokens do (" the man"): the text-generation
+    pipeline appends the decoded new tokens to the prompt, which then reads "the man walks", not "the manwalks".
+    """
+    try:
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    except ModuleNotFoundError as e:
+        if e.name != "tokenizers":
+            raise
+        from pipeline.config.schema import install_hint
+
+        raise ValueError(f"writing the tokenizer needs the `tokenizers` package: {install_hint('hf')}") from None
+
+    if len(set(vocab)) != len(vocab):
+        raise ValueError("the vocabulary repeats a token; a tokenizer needs each once")
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token=None))
+    if join == " ":
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.Replace(Regex("^"), " ")  # a space before every word
+    elif join == "":
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # [\s\S]: newlines too
+        tok.decoder = decoders.Fuse()
+    else:
+        raise ValueError(f"no tokenizer for a corpus decoded with {join!r} between tokens (words or characters only)")
+    specials = [eos] if eos is not None and eos in vocab else []
+    if specials:
+        tok.add_special_tokens(specials)  # already in the vocabulary: same id, never split, skippable on decode
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": n_positions,
+        # transformers would otherwise rewrite " ," as "," on decode: the corpus's text is the tokens joined
+        "clean_up_tokenization_spaces": False,
+        **({"bos_token": eos, "eos_token": eos, "pad_token": eos} if specials else {}),
+    }
+    return {"tokenizer.json": tok.to_str(pretty=True).encode() + b"\n",
+            "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
+
+
+def write_hf(
+    params: dict[str, np.ndarray],
+    *,
+    n_layer: int,
+    n_head: int,
+    n_embd: int,
+    n_positions: int,
+    vocab_size: int,
+    out_dir,
+    vocab: list[str] | None = None,
+    join: str | None = None,
+    eos: str | None = EOS,
+) -> Path:
+    """Check names and shapes, then write config.json and model.safetensors (float32) into out_dir, and the
+    tokenizer files when the vocabulary (and how the corpus joins its tokens) is given; `eos`, the corpus's
+    end-of-sentence token if in the vocabulary, is the bos, eos and pad token."""
+    if n_embd % n_head:
+        raise ValueError(f"n_embd {n_embd} is not divisible by n_head {n_head}")
+    shapes = expected_shapes(n_layer=n_layer, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size)
+    given = set(params) - {TIED}
+    if given != set(shapes):
+        raise KeyError(f"parameter names differ from GPT-2's: {sorted(given ^ set(shapes))}")
+    if TIED in params and not np.array_equal(params[TIED], params["transformer.wte.weight"]):
+        raise ValueError("lm_head.weight differs from transformer.wte.weight; GPT-2 here ties them")
+    tensors = {}
+    for name, shape in shapes.items():
+        a = np.asarray(params[name])
+        if a.shape != shape:
+            raise ValueError(f"{name}: shape {a.shape}, expected {shape}")
+        # Contiguous and owned: safetensors writes the raw buffer, so a strided view would be stored wrong.
+        tensors[name] = np.ascontiguousarray(a, dtype=np.float32)
+    files = {}
+    if vocab is not None:
+        if len(vocab) != vocab_size:
+            raise ValueError(f"the vocabulary has {len(vocab)} tokens, the model {vocab_size}")
+        files.update(tokenizer_files(list(vocab), join, n_positions, eos))
+    eos_id = list(vocab).index(eos) if vocab is not None and eos is not None and eos in vocab else None
+    config = gpt2_config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size,
+                         eos_token_id=eos_id)
+    files["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
+    files["model.safetensors"] = save(tensors, metadata={"format": "pt"})
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        replace_file(out / name, data, mode=0o644)
+    return out
+
+
+def _refuse(message: object) -> None:
+    print(f"pipeline.export_hf: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Export a MiniGPT checkpoint as a Hugging Face GPT-2 directory.",
+                                     epilog="The vocabulary is the checkpoint's data.json; only for a checkpoint "
+                                            "written before it (schema 2.0) is the training data built, found with "
+                                            "data.path=FILE (a moved text file), paths.output_dir=DIR (the corpus cache)")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT")
+    parser.add_argument("out_dir", metavar="OUT_DIR")
+    parser.add_argument("overrides", nargs="*", help="data.path=FILE, paths.output_dir=DIR, hydra.searchpath=[...]")
+    args = parser.parse_args(argv)
+    from pipeline.files.atomic import UnsafePathError
+    from pipeline.checkpoint import CheckpointError
+    from pipeline.config.schema import ConfigError
+    from pipeline.run.trained import data_facts, restore_checkpoint
+
+    try:
+        manifest, state = restore_checkpoint(Path(args.checkpoint), args.overrides)  # fully verified
+        model = manifest["config"]["model"]
+        if not str(model.get("_target_", "")).endswith("MiniGPT"):
+            _refuse(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
+        facts = data_facts(manifest, args.overrides, Path(args.checkpoint))  # the vocabulary the model was trained on
+        if facts["vocab"] is None:
+            _refuse(f"{args.checkpoint}: its data has no vocabulary to make a tokenizer of")
+        weights = state.model.state_dict()
+        out = write_hf(weights, n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
+                       n_positions=weights["transformer.wpe.weight"].shape[0],
+                       vocab_size=weights["transformer.wte.weight"].shape[0], out_dir=args.out_dir,
+                       vocab=facts["vocab"], join=facts["decode_join"], eos=facts["specials"].get("eos"))
+    except (CheckpointError, ConfigError, UnsafePathError, ValueError) as e:
+        _refuse(e)
+    print(f"wrote {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")
+
+
+if __name__ == "__main__":
+    from pipeline.run.signals import tool_exit
+
+    tool_exit("pipeline.export_hf", main, "OUT_DIR may hold part of the export (each file whole); re-run the same command")

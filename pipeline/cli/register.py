@@ -1,0 +1,197 @@
+"""`python -m pipeline.register CHECKPOINT NAME [--tracking-uri URI]`: the checkpoint as an mlflow model, registered.
+
+The model is logged from code (mlflow's "models from code": pipeline/serving/pyfunc_model.py), so nothing in
+it is a pickle: its artifacts are the checkpoint's own files (safetensors and JSON, all of them, the optimizer's
+state included: pipeline.run.trained.restore_checkpoint, which loads it, verifies every file) and, for a MiniGPT
+whose checkpoint does not carry it, its corpus vocabulary as JSON.
+It is logged in a run of its own (named `register NAME`, tagged with the checkpoint and its training run) in
+the experiment the checkpoint's run was tracked in, and registered as the next version of NAME:
+
+    mlflow.pyfunc.load_model("models:/NAME/1").predict([{"prompt": "the man", "max_new_tokens": 20, "seed": 0}])
+    mlflow models serve -m models:/NAME/1 --env-manager local --host 127.0.0.1 --port 5001
+
+A MiniGPT's rows give `prompt` and optionally `max_new_tokens`, `temperature`, `top_k`, `seed`; each answer is
+`python -m pipeline.sample CHECKPOINT ...`'s text. An MLP's rows are its features; its answers, its outputs.
+Loading it needs the `pipeline` package importable (serve with `--env-manager local`).
+
+The store: --tracking-uri, else MLFLOW_TRACKING_URI, else the sqlite store of the output directory the
+checkpoint lies in (`<output_dir>/mlflow.db`, where `tracking=mlflow` indexes its runs). Exit 0 printing
+`models:/NAME/VERSION`; 2 with one line for a name with `/`, a checkpoint that does not verify, data that
+does not build, or a store that cannot be opened (all but the store before mlflow is imported); 1 with one
+line if mlflow refuses.
+"""
+from __future__ import annotations
+
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
+    from pipeline.run.signals import SIGNALS_STATE
+
+    SIGNALS_STATE.install()
+
+import argparse
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR
+
+CODE = Path(__file__).resolve().parents[1] / "serving" / "pyfunc_model.py"
+ARTIFACT_PATH = "model"  # the model's name inside its run
+
+
+def tracking_uri_for(directory: Path, given: str | None = None) -> str:
+    from pipeline.tracking.common import default_uri, normalize_tracking_uri
+    from pipeline.run.trained import cache_home
+
+    return normalize_tracking_uri(given or os.environ.get("MLFLOW_TRACKING_URI") or default_uri(cache_home(directory)))
+
+
+def signature_of(manifest: dict, model, prompt: str = ""):
+    """(signature, input example): MiniGPT prompts (and sample's options) -> texts; MLP features -> outputs, as
+    tensors of the model's dtype. The example's prompt is one the vocabulary has (an empty one needs <eos>)."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema, TensorSpec
+    from mlflow.types.schema import AnyType
+
+    from pipeline.serving import OPTIONS
+
+    if hasattr(model, "logits"):
+        # The options untyped: mlflow refuses an int64 column as double and, as long, the floats (with NaN) a
+        # column becomes when some rows leave it out; the model checks them as pipeline.cli.sample does.
+        inputs = Schema([ColSpec("string", "prompt"), *(ColSpec(AnyType(), k, required=False) for k in OPTIONS[1:])])
+        return ModelSignature(inputs, Schema([ColSpec("string")])), [{"prompt": prompt, "max_new_tokens": 4, "seed": 0}]
+    spec = manifest["data_spec"]
+    dtype = getattr(model, "dtype", "float64")
+    inputs = Schema([TensorSpec(dtype, (-1, spec["n_features"]))])
+    import numpy as np
+
+    return ModelSignature(inputs, Schema([TensorSpec(dtype, (-1, spec["n_targets"]))])), \
+        np.zeros((1, spec["n_features"]), dtype=dtype)
+
+
+def requirements() -> list[str]:
+    """What the model's code imports, pinned to what is installed here (the `pipeline` package itself is not
+    on an index: serve with --env-manager local where it is installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name in ("mlflow", "numpy", "pandas", "safetensors", "hydra-core", "omegaconf"):
+        try:
+            out.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+@contextmanager
+def using_store(uri: str):
+    """mlflow's fluent API (log_model has no other) pointed at `uri` for the block, and all it changes put back:
+    its URIs and the MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI it writes into os.environ (so that
+    subprocesses inherit them), which a caller's later mlflow calls and subprocesses would otherwise follow.
+    mlflow keeps the set URIs in module globals of these two modules; they have no public getter."""
+    import mlflow
+    from mlflow.tracking._model_registry import utils as registry
+    from mlflow.tracking._tracking_service import utils as tracking
+
+    env = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+    saved = tracking._tracking_uri, registry._registry_uri
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved[0])  # through the setter: it also resets what mlflow derived from it
+        registry._registry_uri = saved[1]
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
+    """Log the checkpoint at `checkpoint_dir` as a pyfunc model (from code, no pickle) and register it as the
+    next version of `name` in `tracking_uri` (default: see the module docstring); the mlflow ModelVersion.
+    CheckpointError / ConfigError / StoreError (one line) for a checkpoint, data or store that will not do."""
+    from pipeline.files import jsonio
+    from pipeline.checkpoint.store import checkpoint_dir as resolve
+    from pipeline.serving import CHECKPOINT, DATA_JSON, VOCAB
+    from pipeline.run.trained import own_data, restore_checkpoint
+
+    from pipeline.config.schema import ConfigError
+
+    if not name.strip() or "/" in name:
+        raise ConfigError(f"name {name!r}: a registered model needs a name without '/' (it is models:/NAME/VERSION)")
+    given = Path(checkpoint_dir)
+    directory = resolve(given)  # `final`, `best`: the step directory they stand for
+    manifest, state = restore_checkpoint(directory)  # refused here, before mlflow is imported or a byte written
+    if not (hasattr(state.model, "logits") or hasattr(state.model, "predict")):
+        raise ConfigError(f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
+                          "neither generates tokens (logits) nor predicts rows (predict): nothing to serve")
+    vocab = None
+    if hasattr(state.model, "logits") and not (directory / DATA_JSON).is_file():
+        dataset = own_data(manifest, [], given)
+        vocab = {"vocab": list(dataset.vocab), "decode_join": dataset.manifest["decode_join"]}
+
+    import mlflow
+
+    from pipeline.tracking.common import parse_run_uri, sqlite_path, tag_value
+    from pipeline.tracking.store import ensure_experiment, open_client
+
+    uri = tracking_uri_for(given, tracking_uri)
+    db = sqlite_path(uri)
+    artifact_root = str(db.parent / "mlartifacts") if db is not None else None
+    client = open_client(uri, artifact_root)
+    config = manifest["config"]
+    experiment = (config.get("tracking") or {}).get("experiment") or config.get("name") or "default"
+    experiment_id = ensure_experiment(client, str(experiment), artifact_root)
+    signature, example = signature_of(manifest, state.model, next((t for t in (vocab or {}).get("vocab", ()) if t.strip()), ""))
+    _, _, run_id = parse_run_uri(manifest.get("mlflow_run_uri"))
+    tags = {"checkpoint": str(directory), "step": manifest.get("step"), "config_hash": manifest.get("config_hash"),
+            "training_run_id": run_id, "training_run_uri": manifest.get("mlflow_run_uri")}
+    with tempfile.TemporaryDirectory(prefix="pipeline-register-") as tmp:
+        artifacts = {CHECKPOINT: str(directory)}
+        if vocab is not None:
+            (Path(tmp) / "vocab.json").write_bytes(jsonio.dumps(vocab))
+            artifacts[VOCAB] = str(Path(tmp) / "vocab.json")
+        with using_store(uri), mlflow.start_run(experiment_id=experiment_id, run_name=f"register {name}",
+                                                tags={k: tag_value(v) for k, v in tags.items() if v is not None}):
+            info = mlflow.pyfunc.log_model(name=ARTIFACT_PATH, python_model=str(CODE), artifacts=artifacts,
+                                           signature=signature, input_example=example,
+                                           pip_requirements=requirements(), registered_model_name=name)
+    return client.get_model_version(name, str(info.registered_model_version))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.register", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a checkpoint directory (RUN/checkpoints/final, .../step-NNNNNNNN)")
+    parser.add_argument("name", help="the registered model's name")
+    parser.add_argument("--tracking-uri", default=None,
+                        help="the store (default: MLFLOW_TRACKING_URI, else sqlite:///<OUTPUT_DIR>/mlflow.db)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # else a bar per copy of the files
+    from pipeline.checkpoint.errors import CheckpointError
+    from pipeline.config.schema import ConfigError
+    from pipeline.tracking.store import StoreError
+
+    try:
+        version = register(Path(args.checkpoint), args.name, args.tracking_uri)
+    except (CheckpointError, ConfigError, StoreError) as e:
+        print(f"pipeline.register: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as e:  # noqa: BLE001 - mlflow's refusals (a bad name, a server's error): one line
+        from mlflow.exceptions import MlflowException
+
+        if not isinstance(e, MlflowException):
+            raise
+        print(f"pipeline.register: mlflow: {str(e).splitlines()[0]}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"models:/{version.name}/{version.version}")
+    return 0
+
+
+if __name__ == "__main__":
+    from pipeline.run.signals import tool_exit
+
+    tool_exit("pipeline.register", main, "a run or a model version may be partly logged; register again for a new one")

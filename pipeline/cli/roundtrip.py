@@ -1,0 +1,389 @@
+"""`python -m pipeline.roundtrip [overrides]`: four checks of the checkpoint format on the composed config.
+
+Each check runs on fresh objects built from the same config; the results go to
+`<paths.output_dir>/roundtrip/<run name>/roundtrip_results.json` (exit 0 if all pass, 1 if not, 2 on a bad
+override):
+
+* byte equivalence: train N steps, save, load into fresh objects, restore; every part of the state
+  (pipeline.stateful.PARTS) must equal the live one byte for byte;
+* continuation: 2N steps straight against N, save, and N more in a separate process that composes the
+  same config and loads the checkpoint: bit-identical losses, parameters, moments and counters;
+* weight tying: tied names stored once (header metadata `ALIAS(...)`), one object again after loading,
+  and a weights file within 4 KiB of the unique parameters' bytes. A model without tied parameters
+  reports `weight_tying_preserved: null` with the note "no tied weights in this model": there is nothing to
+  preserve, and "true" would claim a check that did not run;
+* atomic write: a save SIGKILLed in a separate process just before its rename leaves no checkpoint, only
+  a temporary that readers ignore and the next save removes.
+
+`expected_size_bytes_no_tying` is the bytes of the unique parameters (a tied array counted once), without
+the safetensors header; `size_delta_pct` is the file's excess over it, which for tiny models is mostly the
+header (`weights_header_bytes`); `size_delta_note` says so in words, and the printed summary carries both notes.
+"""
+from __future__ import annotations
+
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
+    from pipeline.run.signals import SIGNALS_STATE
+
+    SIGNALS_STATE.install()
+
+import argparse
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.files import jsonio
+from pipeline.files.atomic import TMP_PREFIX
+from pipeline.checkpoint import manifest as mf
+from pipeline.checkpoint import store
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint.tensors import read_tensors, write_tensors
+from pipeline.config.identity import run_name, source_hashes
+from pipeline.data.base import inference_facts
+from pipeline.run.assemble import build_dataset, build_stages, build_state, data_spec
+from pipeline.run.loop import lineage_of
+from pipeline.config.schema import PROJECT_ROOT, compose, error_line, to_plain
+from pipeline.stages.base import StageStates
+from pipeline.stateful import PARTS, capture, copy_tree, restore
+from pipeline.trainer.loop import train_step
+
+SIZE_SLACK = 4096  # bytes the weights file may exceed the unique parameters by (its header)
+RESULTS = "roundtrip_results.json"
+
+
+# -- config and objects -------------------------------------------------------------------------
+
+class Fresh:
+    """The live objects of one run built from the config, with every part by its checkpoint name."""
+
+    def __init__(self, config: dict):
+        self.config = config
+        dataset = build_dataset(config)
+        self.state = build_state(config, dataset.spec, dataset.n_train, dataset)
+        self.parts = {**self.state.parts(), "stages": StageStates(build_stages(config))}
+        self.facts = mf.run_facts(config, source_hashes(config), dataset.manifest_hash, data_spec(dataset),
+                                  inference_facts(dataset))
+
+    def train(self, n: int) -> list[float]:
+        return [float(train_step(self.state)["train/loss"]) for _ in range(n)]
+
+    def fields(self) -> dict:
+        """The manifest's fields for a checkpoint of the current step (a run history of its own)."""
+        return mf.build(self.facts, step=self.state.step, epoch=self.state.epoch, metrics={}, tags=[],
+                        lineage=lineage_of(self.facts["semantic_config_hash"], None))
+
+    def save(self, directory: Path) -> dict:
+        return store.write(directory, capture(self.parts), self.fields())
+
+    def load(self, directory: Path) -> store.Checkpoint:
+        ckpt = store.load(directory, self.parts)
+        restore(self.parts, ckpt.state)
+        return ckpt
+
+    def snapshot(self) -> dict:
+        return copy_tree(capture(self.parts))
+
+
+# -- comparisons --------------------------------------------------------------------------------
+
+def difference(a, b, path: str = "") -> str | None:
+    """Where two values first differ, or None if they are equal byte for byte (arrays: dtype, shape, bytes)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+            return f"{path}: {type(a).__name__} vs {type(b).__name__}"
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
+        if not (np.array_equal(a, b, equal_nan=True) and a.tobytes() == b.tobytes()):
+            return f"{path}: values differ"
+        return None
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{path}: keys {sorted(a.keys() ^ b.keys())} on one side only"
+        for k in a:
+            if d := difference(a[k], b[k], f"{path}.{k}" if path else str(k)):
+                return d
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return f"{path}: {type(a).__name__}[{len(a)}] vs {type(b).__name__}[{len(b)}]"
+        for i, (x, y) in enumerate(zip(a, b)):
+            if d := difference(x, y, f"{path}[{i}]"):
+                return d
+        return None
+    if isinstance(a, float) and isinstance(b, float):
+        return None if struct.pack("<d", a) == struct.pack("<d", b) else f"{path}: {a!r} vs {b!r}"
+    if type(a) is not type(b) or a != b:
+        return f"{path}: {a!r} ({type(a).__name__}) vs {b!r} ({type(b).__name__})"
+    return None
+
+
+def unique_arrays(arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
+    seen: dict[int, np.ndarray] = {}
+    for a in arrays.values():
+        seen.setdefault(id(a), a)
+    return list(seen.values())
+
+
+def header(path: Path) -> tuple[int, dict]:
+    """(header bytes including the 8-byte length, the header) read straight from the file."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, jsonio.loads(f.read(n))
+
+
+# -- the four checks ----------------------------------------------------------------------------
+
+def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
+    run = Fresh(config)
+    run.train(steps)
+    before = run.snapshot()
+    directory = work / "checkpoint" / store.step_dir_name(run.state.step)
+    manifest = run.save(directory)
+    fresh = Fresh(config)
+    untouched = fresh.snapshot()
+    fresh.load(directory)
+    after = fresh.snapshot()
+    differences = {m: d for m in PARTS if (d := difference(before[m], after[m], m))}
+    return {
+        "passed": [m for m in PARTS if m not in differences],
+        "differences": differences,
+        # a part the fresh objects already matched proves nothing about its restore
+        "unchanged_by_training": [m for m in PARTS if difference(before[m], untouched[m]) is None],
+        "directory": directory,
+        "sha256": manifest["files"][store.WEIGHTS]["sha256"],
+        "run": run,
+    }
+
+
+def continued(run: Fresh) -> dict:
+    return {k: v for k, v in run.snapshot().items() if k in ("model", "optimizer", "scheduler", "progress")}
+
+
+def check_continuation(config: dict, overrides: list[str], work: Path, steps: int, separate_process: bool = True) -> dict:
+    reference = Fresh(config)
+    losses_ref = reference.train(2 * steps)
+    first = Fresh(config)
+    losses_a = first.train(steps)
+    directory = work / "continuation" / store.step_dir_name(first.state.step)
+    first.save(directory)
+    if separate_process:
+        out = work / "continuation" / "resumed"
+        proc = continue_in_subprocess(overrides, directory, steps, out)
+        if proc.returncode != 0:
+            return {"passed": False, "separate_process": True,
+                    "error": f"continuation process exited {proc.returncode}: {proc.stderr.strip()[-2000:]}"}
+        arrays, _ = read_tensors(out / "continued.safetensors")
+        losses_b = arrays.pop("losses").tolist()
+        json_tree = jsonio.read(out / "continued.json", 1 << 24)
+        from pipeline.stateful import merge
+
+        resumed = merge(arrays, json_tree)
+    else:
+        second = Fresh(config)
+        second.load(directory)
+        losses_b = second.train(steps)
+        resumed = continued(second)
+    checks = {"losses": difference(np.array(losses_ref), np.array(losses_a + losses_b), "losses"),
+              "state": difference(continued(reference), resumed)}
+    return {"passed": all(v is None for v in checks.values()), "separate_process": separate_process,
+            "steps": [steps, steps], "differences": {k: v for k, v in checks.items() if v}}
+
+
+def continue_in_subprocess(overrides: list[str], checkpoint: Path, steps: int, out: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-m", "pipeline.roundtrip", "--continue-from", str(checkpoint), "--steps", str(steps),
+           "--out", str(out), "--", *overrides]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+
+def run_continuation(overrides: list[str], checkpoint: Path, steps: int, out: Path) -> None:
+    """The second half of the continuation check, in its own process: results as safetensors + JSON."""
+    from pipeline.stateful import split
+
+    run = Fresh(to_plain(compose(overrides)))
+    run.load(checkpoint)
+    losses = run.train(steps)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("continued.safetensors", "continued.json"):
+        (out / name).unlink(missing_ok=True)
+    arrays, json_tree = split(continued(run))
+    write_tensors(out / "continued.safetensors", {**arrays, "losses": np.array(losses)})
+    (out / "continued.json").write_bytes(jsonio.dumps(json_tree))
+
+
+def check_tying(config: dict, d: dict) -> dict:
+    """Tied names stored once and one object again after loading; the file's size against unique bytes."""
+    model, directory = d["run"].state.model, d["directory"]
+    live = model.state_dict()
+    aliases = dict(model.aliases)
+    expected = sum(a.nbytes for a in unique_arrays(live))
+    path = directory / store.WEIGHTS
+    size = path.stat().st_size
+    header_bytes, head = header(path)
+    metadata = head.get("__metadata__", {})
+    out = {"weights_file_size_bytes": size, "expected_size_bytes_no_tying": expected,
+           "weights_header_bytes": header_bytes, "size_delta_pct": round(100.0 * (size - expected) / expected, 4),
+           "size_within_4kib": abs(size - expected) < SIZE_SLACK, "tied": aliases}
+    if not aliases:
+        out["weight_tying_preserved"] = None
+        out["weight_tying_note"] = "no tied weights in this model (model.aliases is empty): nothing to preserve"
+        return out
+    fresh = Fresh(config)
+    ckpt = fresh.load(directory)
+    fresh_live = fresh.state.model.state_dict()
+    loaded = ckpt.state["model"]
+    checks = {
+        "tied_before_save": all(live[a] is model.params[t] for a, t in aliases.items()),
+        "header_alias": all(metadata.get(a) == f"ALIAS({t})" for a, t in aliases.items()),
+        "stored_once": all(a not in head for a in aliases),
+        "one_object_after_load": all(loaded[a] is loaded[t] for a, t in aliases.items()),
+        "one_object_after_apply": all(fresh_live[a] is fresh.state.model.params[t] for a, t in aliases.items()),
+        "size_within_4kib": out["size_within_4kib"],
+    }
+    out["weight_tying_checks"] = checks
+    out["weight_tying_preserved"] = all(checks.values())
+    return out
+
+
+def size_note(tying: dict) -> str:
+    """What size_delta_pct is relative to, and where the excess is."""
+    size, expected, head = (tying[k] for k in ("weights_file_size_bytes", "expected_size_bytes_no_tying",
+                                               "weights_header_bytes"))
+    extra = size - expected
+    where = (f"all {extra} of them its safetensors header" if extra == head
+             else f"{head} of them its safetensors header, {extra - head} not")
+    return (f"relative to the unique parameters' {expected} bytes (a tied array counted once): the weights file "
+            f"has {size}, {extra:+d} bytes, {where}")
+
+
+def check_atomic(overrides: list[str], work: Path) -> dict:
+    """A save SIGKILLed just before its rename (a separate process) leaves no checkpoint; its temporary is
+    ignored by readers and removed by the next save, which verifies."""
+    out = work / "atomic"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = [sys.executable, "-m", "pipeline.roundtrip", "--save-to", str(out), "--steps", "2", "--", *overrides]
+    killed = subprocess.run(cmd, env={**env, "PIPELINE_CHAOS": "save:4"}, capture_output=True, text=True)
+    interrupted = killed.returncode == -signal.SIGKILL
+    parent = out / "saves"
+    leftovers_after_kill = sorted(p.name for p in parent.iterdir() if p.name.startswith(TMP_PREFIX)) if parent.is_dir() else []
+    no_final = not any(p.name.startswith("step-") for p in parent.iterdir()) if parent.is_dir() else True
+    ignored = store.CheckpointStore(parent).steps() == []
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    leftovers = sorted(p.name for p in parent.iterdir() if p.name.startswith(TMP_PREFIX))
+    try:
+        store.verify(parent / store.step_dir_name(2))
+        verifies = True
+    except CheckpointError:
+        verifies = False
+    checks = {"interrupted": interrupted, "no_final_directory": no_final, "temporary_left": bool(leftovers_after_kill),
+              "readers_ignore_temporary": ignored, "next_save_cleans_up": again.returncode == 0 and not leftovers,
+              "next_save_verifies": verifies}
+    return {"passed": all(checks.values()), "checks": checks, "leftovers": leftovers}
+
+
+def save_in_this_process(overrides: list[str], out: Path, steps: int) -> None:
+    run = Fresh(to_plain(compose(overrides)))
+    run.train(steps)
+    run.save(out / "saves" / store.step_dir_name(run.state.step))
+
+
+# -- the command --------------------------------------------------------------------------------
+
+def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = True, keep: bool = False) -> tuple[dict, Path]:
+    config = to_plain(compose(overrides))
+    out = Path(config["paths"]["output_dir"]) / "roundtrip" / run_name(config)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in ("checkpoint", "manifest.json", RESULTS):
+        p = out / old
+        if p.is_symlink() or p.is_file():  # a link is removed, never followed (rmtree would refuse it)
+            p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
+    scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=out))
+    try:
+        d = check_byte_equivalence(config, out, steps)
+        manifest = jsonio.read(d["directory"] / store.MANIFEST, store.MAX_MANIFEST)
+        shutil.copyfile(d["directory"] / store.MANIFEST, out / "manifest.json")
+        tying = check_tying(config, d)
+        continuation = check_continuation(config, overrides, scratch, steps, separate_process)
+        atomic = check_atomic(overrides, scratch)
+    finally:
+        if not keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+    results = {
+        "byte_equivalent_state_machines": d["passed"],
+        "all_byte_equal": len(d["passed"]) == len(PARTS),
+        "continuation_test_passed": continuation["passed"],
+        "weight_tying_preserved": tying["weight_tying_preserved"],
+        "atomic_write_resilient": atomic["passed"],
+        "weights_file_size_bytes": tying["weights_file_size_bytes"],
+        "expected_size_bytes_no_tying": tying["expected_size_bytes_no_tying"],
+        "size_delta_pct": tying["size_delta_pct"],
+        "manifest_schema_version": manifest.get("schema_version"),
+        "weights_header_bytes": tying["weights_header_bytes"],
+        "size_within_4kib": tying["size_within_4kib"],
+        "tied": tying["tied"],
+        "state_differences": d["differences"],
+        "unchanged_by_training": d["unchanged_by_training"],
+        "continuation": continuation,
+        "atomic": atomic,
+        "checkpoint": str(d["directory"]),
+        "checkpoint_sha256": d["sha256"],
+        "steps": steps,
+        "overrides": list(overrides),
+    }
+    for key in ("weight_tying_note", "weight_tying_checks"):
+        if key in tying:
+            results[key] = tying[key]
+    results["size_delta_note"] = size_note(tying)
+    results["passed"] = bool(results["all_byte_equal"] and results["continuation_test_passed"]
+                             and results["weight_tying_preserved"] is not False and results["atomic_write_resilient"]
+                             and results["size_within_4kib"] and results["manifest_schema_version"] == store.SCHEMA_VERSION)
+    path = out / RESULTS
+    path.write_bytes(jsonio.dumps(results))
+    return results, path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.roundtrip", description=__doc__.splitlines()[0])
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m pipeline")
+    ap.add_argument("--steps", type=int, default=10, help="steps before the checkpoint, and after it (default 10)")
+    ap.add_argument("--in-process", action="store_true", help="continue in this process instead of a fresh one")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directories of the checks")
+    ap.add_argument("--continue-from", type=Path, help=argparse.SUPPRESS)  # the continuation's child process
+    ap.add_argument("--save-to", type=Path, help=argparse.SUPPRESS)  # the atomic check's child process
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_intermixed_args(argv)  # options may come between the overrides
+    if args.continue_from is not None:
+        run_continuation(args.overrides, args.continue_from, args.steps, args.out)
+        return 0
+    if args.save_to is not None:
+        save_in_this_process(args.overrides, args.save_to, args.steps)
+        return 0
+    try:
+        to_plain(compose(args.overrides))
+    except Exception as e:  # hydra's override and config errors: one line, exit 2
+        print(f"roundtrip: bad config or override: {error_line(e)}", file=sys.stderr)
+        return 2
+    results, path = roundtrip(args.overrides, args.steps, not args.in_process, args.keep)
+    notes = {"weight_tying_preserved": results.get("weight_tying_note"), "size_delta_pct": results["size_delta_note"]}
+    for key in ("byte_equivalent_state_machines", "all_byte_equal", "continuation_test_passed",
+                "weight_tying_preserved", "atomic_write_resilient", "weights_file_size_bytes",
+                "expected_size_bytes_no_tying", "size_delta_pct", "manifest_schema_version"):
+        note = f"  # {notes[key]}" if notes.get(key) else ""
+        print(f"{key}: {jsonio.dumps_line(results[key])}{note}")
+    print(f"{'PASS' if results['passed'] else 'FAIL'}: {path}")
+    return 0 if results["passed"] else 1
+
+
+if __name__ == "__main__":
+    from pipeline.run.signals import tool_exit
+
+    tool_exit("roundtrip", main, "no results were written; re-run the same command")

@@ -1,0 +1,188 @@
+"""`python -m pipeline.show PATH [hydra.searchpath=[...]] [--json]`: what a checkpoint or a run directory
+holds, and whether it verifies.
+
+PATH is either a checkpoint directory (`.../checkpoints/step-00000010`, or the `best`/`final` link): its
+manifest summarised, then the same full verification evaluate does (manifest against itself, sizes,
+sha256, and every tensor's name, shape and dtype against what the manifest's config builds); or a run
+directory (`<output_dir>/runs/<name>-<hash>/`, or its `checkpoints/`): run.json's status and every
+checkpoint with its step, metrics, tags and validity, and where the links point. A config naming your own
+classes needs your config directory: `hydra.searchpath=[pkg://moons.conf]` (or file://DIR).
+
+Exit 0 if everything shown verifies, 1 if something does not (a damaged checkpoint or run.json: the
+one-line reason is printed), 2 with one line on stderr if PATH is not a directory, is a link that no tool
+follows (out of its run's checkpoints/, see pipeline/checkpoint/store.py), an argument is bad, or a
+checkpoint's config names a `_target_` that neither the pipeline's configs nor yours name (nothing it names
+is imported or built). Reading never writes: temporaries are listed, not removed.
+"""
+from __future__ import annotations
+
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
+    from pipeline.run.signals import SIGNALS_STATE
+
+    SIGNALS_STATE.install()
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from pipeline.files import jsonio
+from pipeline.files.atomic import TMP_PREFIX
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint.store import MANIFEST, MAX_MANIFEST, WEIGHTS, checkpoint_dir
+from pipeline.run.directory import RunDir
+from pipeline.run.signals import EXIT_BAD_INPUT
+
+SUMMARY = ("schema_version", "step", "epoch", "metrics", "tags", "config_hash", "data_manifest_hash", "git_sha",
+           "git_dirty", "seed", "mlflow_run_uri", "lineage")
+
+
+def describe_checkpoint(directory: Path, overrides: tuple[str, ...] = ()) -> dict:
+    """The manifest's summary (whatever of it is readable) and the verdict of a full verification;
+    UnknownTargetError (not a verdict) for a config naming a class nothing the user runs names."""
+    from pipeline.run.trained import UnknownTargetError, restore_checkpoint
+
+    directory = Path(directory)
+    out: dict = {"kind": "checkpoint", "path": str(directory)}
+    if directory.is_symlink():
+        out["link_target"] = os.readlink(directory)
+    try:
+        manifest = jsonio.read(directory / MANIFEST, MAX_MANIFEST)
+    except (OSError, ValueError):
+        manifest = {}
+    manifest = manifest if isinstance(manifest, dict) else {}
+    out.update({k: manifest[k] for k in SUMMARY if k in manifest})
+    files = manifest.get("files")
+    if isinstance(files, dict):
+        out["files"] = files
+        if isinstance(files.get(WEIGHTS), dict):
+            out["checkpoint_hash"] = files[WEIGHTS].get("sha256")
+    try:
+        restore_checkpoint(directory, list(overrides))  # restored into fresh objects, then dropped
+        out["valid"], out["reason"] = True, None
+    except UnknownTargetError:
+        raise
+    except CheckpointError as e:
+        out["valid"], out["reason"] = False, str(e)
+    return out
+
+
+def describe_run(run_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
+    """run.json's status and every checkpoint of the run with step, metrics and validity."""
+    rundir = RunDir(run_dir)
+    try:
+        status, damaged = rundir.read_status() or None, None
+    except CheckpointError as e:  # run.json damaged: shown as the run's reason
+        status, damaged = None, str(e)
+    out: dict = {"kind": "run", "path": str(run_dir), "run": status}
+    try:
+        steps, links = rundir.store.scan()
+    except OSError as e:
+        out.update(checkpoints=[], links={}, temporaries=[], valid=False, reason=str(e))
+        return out
+    out["links"] = {name: {"target": t, "exists": (rundir.store.root / t).is_dir()} for name, t in links.items()}
+    checkpoints = []
+    for step, directory in steps:
+        d = describe_checkpoint(directory, overrides)
+        d["listed_step"] = step
+        d["links"] = sorted(name for name, t in links.items() if t == directory.name)
+        checkpoints.append(d)
+    out["checkpoints"] = checkpoints
+    root = rundir.store.root
+    out["temporaries"] = sorted(p.name for p in root.iterdir() if p.name.startswith(TMP_PREFIX)) if root.is_dir() else []
+    out["valid"] = all(c["valid"] for c in checkpoints) and all(link["exists"] for link in out["links"].values())
+    if damaged:
+        out["valid"], out["reason"] = False, damaged
+    return out
+
+
+def _metrics(metrics) -> str:
+    if not isinstance(metrics, dict) or not metrics:
+        return "-"
+    return " ".join(f"{k}={v:.6g}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in sorted(metrics.items()))
+
+
+def render_checkpoint(d: dict) -> str:
+    lines = [f"checkpoint {d['path']}" + (f" -> {d['link_target']}" if "link_target" in d else "")]
+    if "step" in d:
+        lines.append(f"  step {d['step']}  epoch {d.get('epoch')}  schema_version {d.get('schema_version')}"
+                     f"  tags {','.join(d.get('tags') or []) or '-'}")
+        lines.append(f"  metrics: {_metrics(d.get('metrics'))}")
+        lines.append(f"  config_hash: {d.get('config_hash')}")
+        lines.append(f"  data_manifest_hash: {d.get('data_manifest_hash')}")
+        dirty = {True: " (dirty)", False: "", None: ""}.get(d.get("git_dirty"), "")
+        lines.append(f"  git_sha: {d.get('git_sha')}{dirty}  seed: {d.get('seed')}")
+    for name, entry in sorted((d.get("files") or {}).items()):
+        if isinstance(entry, dict):
+            lines.append(f"  {name:<22} {entry.get('size', '?'):>12} B  sha256 {entry.get('sha256')}")
+    lines.append("valid: manifest, sizes, sha256 and contents verify" if d["valid"] else f"INVALID: {d['reason']}")
+    return "\n".join(lines)
+
+
+def render_run(d: dict) -> str:
+    run = d.get("run") or {}
+    lines = [f"run {d['path']}", f"  status: {run.get('status', 'unknown')}  step {run.get('step', '?')}/"
+                                 f"{run.get('total_steps', '?')}  metrics: {_metrics(run.get('metrics'))}"]
+    if run.get("mlflow_run_uri"):  # recorded once the run was indexed (its manifests may say null)
+        lines.append(f"  mlflow_run_uri: {run['mlflow_run_uri']}")
+    if "reason" in d:
+        lines.append(f"  INVALID: {d['reason']}")
+    if not d["checkpoints"] and "reason" not in d:
+        lines.append("  no checkpoints")
+    for c in d["checkpoints"]:
+        links = f" [{', '.join(c['links'])}]" if c["links"] else ""
+        verdict = "valid" if c["valid"] else f"INVALID: {c['reason']}"
+        lines.append(f"  step {c.get('step', c['listed_step']):>8}  epoch {c.get('epoch', '?')}{links}  "
+                     f"{_metrics(c.get('metrics'))}  {verdict}")
+    for name, link in d["links"].items():
+        lines.append(f"  {name} -> {link['target']}" + ("" if link["exists"] else "  (MISSING: dangling link)"))
+    if d["temporaries"]:
+        lines.append(f"  ignored temporaries (an interrupted save; the next save removes them): {', '.join(d['temporaries'])}")
+    return "\n".join(lines)
+
+
+def is_run_dir(path: Path) -> bool:
+    rundir = RunDir(path)
+    return rundir.store.root.is_dir() or rundir.status_path.is_file()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.show", description=__doc__.splitlines()[0])
+    ap.add_argument("path", type=Path, help="a checkpoint directory or a run directory")
+    ap.add_argument("overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are")
+    ap.add_argument("--json", action="store_true", help="print the description as JSON")
+    args = ap.parse_args(argv)
+    from pipeline.config.schema import ConfigError
+    from pipeline.config.targets import allowed
+    from pipeline.run.trained import UnknownTargetError
+
+    path = args.path
+    if not path.is_dir():
+        print(f"pipeline.show: {path}: not a directory", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if bad := [o for o in args.overrides if not o.startswith("hydra.searchpath=")]:
+        print(f"pipeline.show: {bad[0]}: only hydra.searchpath=[...] can be given here", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        checkpoint_dir(path)  # nothing is read through a link out of a run
+    except CheckpointError as e:
+        print(f"pipeline.show: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if RunDir(path.parent).store.root == path and not (path / MANIFEST).exists():
+        path = path.parent  # a run's checkpoints/ stands for the run
+    try:
+        overrides = tuple(args.overrides)
+        allowed(overrides)  # a search path that is not there: said once, before any checkpoint is read
+        d = describe_run(path, overrides) if is_run_dir(path) else describe_checkpoint(path, overrides)
+    except (UnknownTargetError, ConfigError) as e:
+        print(f"pipeline.show: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(jsonio.dumps(d).decode() if args.json else (render_run(d) if d["kind"] == "run" else render_checkpoint(d)),
+          end="" if args.json else "\n")
+    return 0 if d["valid"] else 1
+
+
+if __name__ == "__main__":
+    from pipeline.run.signals import tool_exit
+
+    tool_exit("pipeline.show", main)

@@ -1,0 +1,151 @@
+"""Which `_target_`s a config read from disk may name: those in the pipeline's YAML and in your own configs."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pipeline.config.schema import CONFIG_DIR, ConfigError
+
+HINT = "give your config directory with hydra.searchpath=[...] to use your own classes"
+
+
+# Where the job builds a class of each of the pipeline's own packages (`pipeline.<package>.*`): the config's
+# top-level node it is built under. A checkpoint may name only shipped classes, but a shipped class is still
+# code: a corpus built where a stage is (it writes its cache wherever its `cache_dir` says) or a tracker where
+# the model is must be refused like an unknown class.
+PLACES = {"model": "model", "data": "data", "optimizer": "optimizer", "scheduler": "scheduler", "stages": "stages",
+          "checkpoint": "stages", "tracking": "tracking", "hydra": "tracking"}
+
+
+class UnknownTarget(ConfigError):
+    """A `_target_` (or an interpolation, which could make one) that nothing the user runs names."""
+
+
+def named(tree) -> set[str]:
+    """Every string `_target_` anywhere in a tree of dicts and lists (interpolations left out: never allowed)."""
+    out: set[str] = set()
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if k == "_target_" and isinstance(v, str) and "${" not in v:
+                out.add(v)
+            else:
+                out |= named(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            out |= named(v)
+    return out
+
+
+@lru_cache(maxsize=None)
+def shipped() -> frozenset[str]:
+    """The targets every YAML file of the package's conf/ tree names."""
+    import yaml
+
+    out: set[str] = set()
+    for path in sorted(Path(CONFIG_DIR).rglob("*.y*ml")):
+        out |= named(yaml.safe_load(path.read_text(encoding="utf-8")))
+    return frozenset(out)
+
+
+def searched(searchpath: tuple[str, ...]) -> set[str]:
+    """The targets every config file of these search-path entries names (file://DIR, pkg://PACKAGE or DIR),
+    listed and read by Hydra's own config sources, as composing with `hydra.searchpath=[...]` would find them."""
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
+    from hydra._internal.core_plugins.file_config_source import FileConfigSource
+    from hydra._internal.core_plugins.importlib_resources_config_source import ImportlibResourcesConfigSource
+    from hydra._internal.sources_registry import SourcesRegistry
+    from hydra.core.object_type import ObjectType
+    from omegaconf import OmegaConf
+
+    for source_type in (FileConfigSource, ImportlibResourcesConfigSource):  # Hydra's own file:// and pkg://
+        SourcesRegistry.instance().register(source_type)
+    csp = ConfigSearchPathImpl()
+    for entry in searchpath:
+        csp.append("hydra.searchpath in command-line", entry)
+    out: set[str] = set()
+    try:
+        sources = ConfigRepository(csp).get_sources()
+    except Exception as e:  # noqa: BLE001 - an unknown scheme: Hydra's one-line reason
+        raise ConfigError(f"hydra.searchpath: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    for source, entry in zip(sources, searchpath):
+        if not source.available():
+            raise ConfigError(f"hydra.searchpath: {entry} is not available (no such config directory, or a package "
+                              "without __init__.py)")
+
+        def walk(group: str) -> None:
+            for name in source.list(group, ObjectType.CONFIG):
+                config = source.load_config(f"{group}/{name}" if group else name).config
+                out.update(named(OmegaConf.to_container(config, resolve=False)))
+            for name in source.list(group, ObjectType.GROUP):
+                walk(f"{group}/{name}" if group else name)
+
+        walk("")
+    return out
+
+
+def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], set[str]]:
+    """The `hydra.searchpath=[...]` override's entries, and the targets the overrides name themselves."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as e:
+        raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+    searchpath: tuple[str, ...] = ()
+    own: set[str] = set()
+    for o in parsed:
+        value = o.value()
+        if o.key_or_group == "hydra.searchpath":
+            if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                raise ConfigError(f"{o.input_line}: hydra.searchpath must be a list of config directories")
+            searchpath = tuple(value)
+        elif o.key_or_group.split(".")[-1] == "_target_" and isinstance(value, str) and "${" not in value:
+            own.add(value)
+        else:
+            own |= named(value)
+    return searchpath, own
+
+
+@lru_cache(maxsize=None)
+def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
+    """What the pipeline's configs name, and the user's current configuration: the config files of its
+    `hydra.searchpath` and any `_target_` given on the command line. Nothing is imported to decide but the
+    packages the user's own `pkg://` entries name (Hydra imports them to list their files)."""
+    searchpath, own = _searchpath_and_named(overrides)
+    return shipped() | frozenset(searched(searchpath)) | frozenset(own)
+
+
+def check(tree, allowed_targets: frozenset[str], path: str = "config") -> None:
+    """UnknownTarget (one line naming the key and the target) for a `_target_` that is not a string or not
+    allowed, for a class of the pipeline's own packages out of its place (PLACES: a corpus where a stage is
+    built), or for any interpolation (`${...}`, resolved when a node is built: it could name anything)."""
+    if isinstance(tree, dict):
+        if "_target_" in tree:
+            target, where = tree["_target_"], f"{path}._target_"
+            if not isinstance(target, str):
+                raise UnknownTarget(f"{where} is {target!r:.80}, not the name of a class")
+            if "${" not in target and target not in allowed_targets:
+                raise UnknownTarget(f"{where} names {target!r:.200}, which neither the pipeline's configs nor yours "
+                                    f"name ({HINT})")
+            _in_place(target, where)
+        for k, v in tree.items():
+            check(v, allowed_targets, f"{path}.{k}")
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            check(v, allowed_targets, f"{path}[{i}]")
+    elif isinstance(tree, str) and "${" in tree:
+        raise UnknownTarget(f"{path} holds the interpolation {tree!r:.200}; a saved config is resolved and holds "
+                            "none (it would be resolved when the node is built)")
+
+
+def _in_place(target: str, where: str) -> None:
+    parts = target.split(".")
+    if len(parts) < 3 or parts[0] != "pipeline":
+        return  # your own classes: built wherever your configs put them
+    top = where.split(".")[1].split("[")[0] if where.count(".") > 1 else ""
+    if PLACES.get(top) != parts[1]:
+        home = [k for k, v in PLACES.items() if v == parts[1]]
+        raise UnknownTarget(f"{where} names {target!r:.200}, a class the pipeline builds only under "
+                            f"{' or '.join(home) or 'no node'}, never under {top or 'the top level'}")

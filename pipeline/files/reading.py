@@ -1,0 +1,120 @@
+"""Opening a file to read: a regular file only, refused before anything can block, and bounded in size.
+
+Every file the pipeline reads that it did not just write itself is opened here (JSON via jsonio, safetensors,
+the corpus files, the user's data.path). open(2) of a FIFO blocks until a writer appears, and /dev/zero or a
+FIFO never ends; so what sits at the path is first lstat'ed (stat'ed when a symlink is deliberately
+followed) and anything but a regular file refused by name ("is a FIFO, not a regular file"), then opened
+with O_NONBLOCK (a FIFO swapped in since the stat still cannot block the open) and O_NOCTTY, fstat'ed and
+checked again (the descriptor is the truth), and only then made blocking. A size bound, where the caller
+gives one, is checked before a byte is read, and again while reading (a file that grows is refused too).
+
+Symlinks are refused (O_NOFOLLOW) unless the caller follows them on purpose: a checkpoint's or a corpus's
+files are regular files inside their directory, never links out of it; a user's `data.path` may be a link
+to their file (it is followed to a regular file, and identified by its content).
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import stat
+from typing import BinaryIO
+
+from pipeline.files.atomic import UnsafePathError
+
+CHUNK = 1 << 20  # bytes per read while hashing or reading whole
+
+KINDS = ((stat.S_ISDIR, "a directory", errno.EISDIR), (stat.S_ISFIFO, "a FIFO", errno.EINVAL),
+         (stat.S_ISCHR, "a character device", errno.EINVAL), (stat.S_ISBLK, "a block device", errno.EINVAL),
+         (stat.S_ISSOCK, "a socket", errno.EINVAL), (stat.S_ISLNK, "a symlink", errno.ELOOP))
+
+
+class UnreadableFile(UnsafePathError):
+    """What sits at a path the pipeline reads is not a regular file, or is bigger than the reader allows.
+
+    An UnsafePathError (so an OSError): a run refuses it as it refuses a planted link (exit 2). `strerror`
+    is the reason alone ("is a FIFO, not a regular file"), str() is "<path>: <reason>"; errno is ELOOP for
+    a symlink (as O_NOFOLLOW would say), EISDIR for a directory, EFBIG for a file over the bound, else EINVAL.
+    """
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
+
+def kind_of(st: os.stat_result) -> str:
+    """'a FIFO', 'a character device', ... for what an lstat/fstat describes ('a regular file' included)."""
+    return "a regular file" if stat.S_ISREG(st.st_mode) else next(
+        (name for test, name, _ in KINDS if test(st.st_mode)), "not a regular file")
+
+
+def _refuse(path, st: os.stat_result, limit: int | None, bound: str | None) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        code = next((c for test, _, c in KINDS if test(st.st_mode)), errno.EINVAL)
+        raise UnreadableFile(code, f"is {kind_of(st)}, not a regular file", os.fspath(path))
+    if limit is not None and st.st_size > limit:
+        raise UnreadableFile(errno.EFBIG, f"{st.st_size} bytes, over the {limit}-byte limit" + _hint(bound),
+                             os.fspath(path))
+
+
+def _hint(bound: str | None) -> str:
+    return f" set by {bound} (raise it to read a bigger file)" if bound else ""
+
+
+def open_file(path, limit: int | None = None, follow: bool = False, bound: str | None = None) -> BinaryIO:
+    """`path` opened for reading as an unbuffered binary file, if it is a regular file of at most `limit`
+    bytes (None: any size); else UnreadableFile, raised before anything could block. A symlink is refused
+    unless follow=True (then its target must be a regular file). `bound` names the setting that gives the
+    limit, for the message. Other OSErrors (missing, permission) pass through."""
+    st = os.stat(path, follow_symlinks=follow)  # nothing opened yet: a FIFO or a device is refused unopened
+    _refuse(path, st, limit, bound)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow:  # a link swapped in since the lstat
+            raise UnreadableFile(errno.ELOOP, "is a symlink, not a regular file", os.fspath(path)) from None
+        raise
+    try:
+        _refuse(path, os.fstat(fd), limit, bound)  # whatever was swapped in since the stat
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_exact(f: BinaryIO, buf: memoryview) -> int:
+    """Fill `buf` from `f`; the number of bytes read (fewer only at the end of the file)."""
+    got = 0
+    while got < len(buf):
+        n = f.readinto(buf[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def chunks(f: BinaryIO, path, limit: int | None = None, bound: str | None = None, size: int = CHUNK):
+    """The bytes of an open file in pieces of at most `size`, refusing (UnreadableFile) past `limit`."""
+    total = 0
+    while piece := f.read(size if limit is None else min(size, limit + 1 - total)):
+        total += len(piece)
+        if limit is not None and total > limit:
+            raise UnreadableFile(errno.EFBIG, f"grew past the {limit}-byte limit while being read" + _hint(bound),
+                                 os.fspath(path))
+        yield piece
+
+
+def read_bytes(path, limit: int, follow: bool = False) -> bytes:
+    """A regular file's bytes, at most `limit` of them (checked before reading: a huge file costs nothing)."""
+    with open_file(path, limit, follow) as f:
+        return b"".join(chunks(f, path, limit))
+
+
+def sha256(path, limit: int | None = None, follow: bool = False, bound: str | None = None) -> str:
+    """The sha256 hex digest of a regular file's bytes, read in pieces (constant memory)."""
+    h = hashlib.sha256()
+    with open_file(path, limit, follow, bound) as f:
+        for piece in chunks(f, path, limit, bound):
+            h.update(piece)
+    return h.hexdigest()

@@ -1,0 +1,176 @@
+"""The job object: built once from the plain resolved config (no DictConfig past the entry point).
+
+    build(config)            validate values, identify the run, build the data, the five state machines,
+                             the stages and the tracker, and the manifest facts -- nothing under the run
+                             directory is created here (only the shared corpus cache, if missing)
+    build_state(...)         the state machines alone, from a config and the data's spec (the verifier,
+                             the roundtrip report, and `template` build them this way)
+    state_for(manifest)      a fresh state and the parts a checkpoint of that manifest's config must fit;
+                             only trained.restore_checkpoint calls it, once the config's targets are allowed
+"""
+from __future__ import annotations
+
+import inspect
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from hydra.utils import get_class, instantiate
+
+from pipeline.config import identity
+from pipeline.checkpoint import manifest as mf
+from pipeline.data.base import DataSpec, inference_facts
+from pipeline.data.iterator import DataIterator
+from pipeline.trainer.rng import Streams
+from pipeline.config.schema import ConfigError, validate
+from pipeline.stages.base import StageStates
+from pipeline.trainer.state import TrainState
+
+
+def total_steps(trainer: dict, batches_per_epoch: int) -> int:
+    """Updates in the run: max_steps, else every epoch's micro-batches in groups of trainer.accumulate."""
+    if trainer["max_steps"] > 0:
+        return int(trainer["max_steps"])
+    return int(trainer["epochs"]) * batches_per_epoch // int(trainer["accumulate"])
+
+
+def _call(node: dict, **live):
+    """Build a `_target_` node with live objects passed as keyword arguments (never through the config:
+    instantiate() would wrap them in DictConfigs); keyword arguments its target does not take are dropped."""
+    factory = instantiate(node, _partial_=True)
+    try:
+        accepted = inspect.signature(factory.func).parameters
+    except (TypeError, ValueError):
+        accepted = {}
+    if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        live = {k: v for k, v in live.items() if k in accepted}
+        if accepted and (unknown := [k for k in node if not k.startswith("_") and k not in accepted]):
+            # a schema-less option (your own model or data) with a key its class does not take: a typo
+            raise ConfigError(f"{node['_target_']} takes no argument {unknown[0]!r} (its config has a key it does "
+                              f"not know); it takes: {', '.join(k for k in accepted if k not in live)}")
+    return factory(**live)
+
+
+def build_dataset(config: dict):
+    data_dir = Path(config["paths"]["output_dir"]) / "data"
+    node = dict(config["data"])
+    if isinstance(node.get("path"), str):
+        node["path"] = str(Path(node["path"]).expanduser().resolve())
+    return _call(node, cache_dir=str(data_dir))
+
+
+def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> TrainState:
+    """Streams first, then the model (from the init stream), optimizer, iterator (data_order), scheduler."""
+    trainer = config["trainer"]
+    dtype = np.dtype(trainer["dtype"])
+    streams = Streams(trainer["seed"])
+    model = _call(config["model"], spec=spec, dtype=dtype.name, rng=streams["init"])
+    optimizer = _call(config["optimizer"], params=model.params)
+    iterator = DataIterator(n_train, trainer["batch_size"], streams["data_order"])
+    steps = total_steps(trainer, iterator.batches_per_epoch)
+    scheduler = _call(config["scheduler"], optimizer=optimizer, run_total_steps=steps)
+    return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, iterator=iterator, streams=streams,
+                      dataset=dataset, dtype=dtype, total_steps=steps, accumulate=int(trainer["accumulate"]),
+                      grad_clip=float(trainer["grad_clip"]), shards=int(trainer["shards"]),
+                      threads=trainer["threads"])
+
+
+def build_stages(config: dict) -> list:
+    """Every node under `stages`, named by its key (its state in checkpoints is filed under that name)."""
+    stages = []
+    for key, node in (config.get("stages") or {}).items():
+        if node is not None:
+            stage = instantiate(node)
+            stage.name = str(key)
+            stages.append(stage)
+    return sorted(stages, key=lambda s: s.order)
+
+
+def build_tracker(config: dict):
+    tracking = config.get("tracking")
+    if tracking is None:
+        from pipeline.tracking.base import NullTracker
+
+        return NullTracker()
+    return instantiate(tracking)
+
+
+def data_spec(dataset) -> dict:
+    return {**asdict(dataset.spec), "n_train": int(dataset.n_train)}
+
+
+@dataclass
+class Job:
+    config: dict
+    state: TrainState
+    stages: list
+    tracker: object
+    sources: dict  # SOURCES keys -> sha256 of the file's bytes
+    facts: dict  # the run-level manifest fields
+    run_dir: Path
+
+    @property
+    def parts(self) -> dict:
+        return {**self.state.parts(), "stages": StageStates(self.stages)}
+
+    @property
+    def semantic_hash(self) -> str:
+        return self.facts["semantic_config_hash"]
+
+
+def run_dir_for(config: dict, sources: dict) -> Path:
+    """<runs_dir>/<name>-<semantic hash>; resume=never gets a fresh, unique sibling."""
+    name = identity.run_name(config, sources)
+    if config["resume"]["source"] == "never":
+        name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    return Path(config["paths"]["runs_dir"]) / name
+
+
+KINDS = {"tokens": "token sequences", "rows": "rows of features"}
+
+
+def check_pairing(config: dict) -> None:
+    """A model that cannot train on the data is refused before the data is built (a corpus generated)."""
+    try:
+        model, data = get_class(config["model"]["_target_"]), get_class(config["data"]["_target_"])
+    except Exception as e:  # noqa: BLE001 - hydra's locate error: one line naming the target
+        raise ConfigError(f"cannot import a _target_: {str(e).splitlines()[0]}") from None
+    needs, kind = getattr(model, "needs", None), getattr(data, "kind", None)
+    if needs and kind and needs != kind:
+        raise ConfigError(f"model {model.__name__} trains on {KINDS.get(needs, needs)}, but data {data.__name__} "
+                          f"gives {KINDS.get(kind, kind)}: pair model=minigpt with data=grammar or data=text, "
+                          "and model=mlp with data=regression")
+
+
+def build(config: dict) -> Job:
+    """The whole job, or ConfigError (one line) for a bad value, a missing file, or groups that clash."""
+    validate(config)
+    check_pairing(config)
+    tracker = build_tracker(config)
+    tracker.prepare()  # the tracking agent starts (or is found warm) while the data and the model are built
+    try:
+        sources = identity.source_hashes(config)
+    except OSError as e:
+        key = next(k for k in identity.SOURCES if identity.get(config, k) is not None)
+        raise ConfigError(f"{key}={identity.get(config, key)}: {e.strerror or e}") from None
+    try:
+        dataset = build_dataset(config)
+        state = build_state(config, dataset.spec, dataset.n_train, dataset)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
+    stages = build_stages(config)
+    facts = mf.run_facts(config, sources, dataset.manifest_hash, data_spec(dataset), inference_facts(dataset))
+    facts["n_params"] = int(sum(p.size for p in state.model.params.values()))
+    return Job(config, state, stages, tracker, sources, facts, run_dir_for(config, sources))
+
+
+def state_for(manifest: dict) -> tuple[TrainState, dict]:
+    """A fresh state and its parts ({name: stateful object}), as a checkpoint made under `manifest`'s config
+    must fit them. It builds what the config names: call it through trained.restore_checkpoint, which
+    refuses a config naming classes that neither the pipeline's configs nor the user's name."""
+    config, spec = manifest["config"], dict(manifest["data_spec"])
+    n_train = int(spec.pop("n_train"))
+    state = build_state(config, DataSpec(**spec), n_train)
+    return state, {**state.parts(), "stages": StageStates(build_stages(config))}

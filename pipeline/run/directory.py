@@ -1,0 +1,266 @@
+"""A run directory's layout, its lock, and the small files beside the checkpoints (run.json, metrics.jsonl).
+
+    <runs_dir>/<name>-<hash>/
+      .lock                 one process at a time (an advisory lock the kernel releases when it dies)
+      .hydra/               the composed config and the overrides, written once the lock is held
+      pipeline.log          the log of every process that ran here
+      run.json              status (running, preempted, complete, failed), step, metrics, replaced atomically
+      metrics.jsonl         one JSON object per logged step, appended (only the last line can be torn)
+      checkpoints/          the checkpoint store (pipeline/checkpoint/store.py)
+      superseded/<when>/    another run history this directory held before a resume from elsewhere
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import io
+import itertools
+import os
+import time
+from pathlib import Path
+
+from pipeline.files import jsonio
+from pipeline.files import reading
+from pipeline.files.atomic import UnsafePathError, ensure_dirs, named, open_append, refuse_link, replace_file
+from pipeline.checkpoint.errors import RunFileError
+from pipeline.checkpoint.store import CheckpointStore
+
+MAX_RUN_JSON = 16 << 20
+MAX_METRICS = 1 << 30  # metrics.jsonl is read line by line when a run resumes
+MAX_METRICS_LINE = 1 << 20  # a logged step is a few hundred bytes
+# A holder that is not a job (the tracking agent linking run.json, reindex) keeps the lock for milliseconds:
+# a job arriving then waits this long before it calls the directory busy.
+LOCK_GRACE = 2.0  # seconds
+
+
+class RunBusyError(Exception):
+    """Another process holds the run directory."""
+
+
+def _lock_within(fd: int, grace: float) -> bool:
+    """Take the exclusive lock, trying again for `grace` seconds; False if it stayed held."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
+class RunDir:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.lock_path = self.path / ".lock"
+        self.status_path = self.path / "run.json"
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.log_path = self.path / "pipeline.log"
+        self.hydra_dir = self.path / ".hydra"
+        self.store = CheckpointStore(self.path / "checkpoints")
+        self._fd: int | None = None
+        self.read_only = False  # on a read-only medium: a complete run may be confirmed, nothing written
+
+    # --- the lock
+    def acquire(self) -> None:
+        """Create the directory if needed and take its lock; RunBusyError (changing nothing) if it is held,
+        UnsafePathError if anything the run writes is a link planted to make it write elsewhere."""
+        if self._read_only_medium():
+            return self._acquire_shared()
+        ensure_dirs(self.path.parent, self.path.name)
+        refuse_link(self.lock_path)
+        for path, kind in ((self.status_path, "file"), (self.metrics_path, "file"), (self.log_path, "file"),
+                           (self.hydra_dir, "directory"), (self.store.root, "directory"),
+                           (self.path / "superseded", "directory")):
+            refuse_link(path, kind)
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UnsafePathError(errno.ELOOP, f"{self.lock_path} is a symlink; remove it") from None
+            raise
+        if not _lock_within(fd, LOCK_GRACE):
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunBusyError(f"run directory {self.path} is in use by another process (pid {holder}); "
+                               "wait for it to finish or stop it first") from None
+        self._fd = fd
+
+    def _read_only_medium(self) -> bool:
+        """The run directory exists where nothing can be written (a read-only mount, an archive)."""
+        try:
+            return os.path.isdir(self.path) and os.statvfs(self.path).f_flag & os.ST_RDONLY != 0
+        except OSError:
+            return False
+
+    def _acquire_shared(self) -> None:
+        """A read-only medium: no lock file is created; an existing one is held shared (a reader beside any
+        other reader, refused while a writer still holds it elsewhere)."""
+        refuse_link(self.lock_path)
+        self.read_only = True
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunBusyError(f"run directory {self.path} is in use by another process; wait for it to finish "
+                               "or stop it first") from None
+        self._fd = fd
+
+    def claim(self) -> None:
+        """Write this process's pid into the lock: it is running here now (after its set-up was accepted)."""
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:
+            raise named(e, self.lock_path)
+
+    def forget(self) -> None:
+        """Release, and remove the directory if this process created it and it holds nothing but the lock
+        (a refused run leaves no run directory behind)."""
+        self.release()
+        try:
+            if os.listdir(self.path) == [self.lock_path.name] and os.path.getsize(self.lock_path) == 0:
+                os.unlink(self.lock_path)
+                os.rmdir(self.path)
+        except OSError:
+            pass
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def in_use(self) -> bool:
+        """True if a live process holds the lock (reading never creates or changes anything)."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    # --- run.json
+    def _read(self, path: Path, limit: int) -> bytes | None:
+        try:
+            return jsonio.read_bytes(path, limit)
+        except FileNotFoundError:
+            return None
+        except (OSError, jsonio.JSONError) as e:
+            raise RunFileError(self.path, path.name, e.strerror if isinstance(e, OSError) and e.strerror else str(e)) \
+                from None
+
+    def read_status(self) -> dict:
+        """run.json ({} if there is none); RunFileError if it is damaged: not strict JSON, or not an object."""
+        raw = self._read(self.status_path, MAX_RUN_JSON)
+        if raw is None:
+            return {}
+        try:
+            status = jsonio.loads(raw)
+        except jsonio.JSONError as e:
+            raise RunFileError(self.path, self.status_path.name, str(e)) from None
+        if not isinstance(status, dict):
+            raise RunFileError(self.path, self.status_path.name, "not a JSON object")
+        return status
+
+    def write_status(self, **fields) -> None:
+        replace_file(self.status_path, jsonio.dumps({**fields, "updated": time.time()}))
+
+    def write_status_in_place(self, **fields) -> None:
+        """run.json rewritten inside its own bytes: the last resort when the disk is too full for the
+        temporary an atomic replace needs (write_status), so a run that fails for want of space still says
+        so rather than `running`. Overwriting blocks the file already owns needs no new space; the record is
+        shortened to fit and padded with spaces (valid JSON). The price is the atomicity: a reader at that
+        very moment, or a crash in the middle, sees a torn file, which every reader treats as no run.json
+        (read_status: {}), and the checkpoints, not run.json, are what a resume trusts."""
+        fd = os.open(self.status_path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            room = os.fstat(fd).st_size
+            record = {**fields, "updated": time.time()}
+            data = jsonio.dumps(record)
+            if len(data) > room:  # the fields that matter most, the reason cut to fit
+                record = {k: record[k] for k in ("status", "step", "error", "updated") if k in record}
+                record["error"] = str(record.get("error", ""))[:max(0, room - 160)]
+                data = jsonio.dumps(record)
+            if len(data) > room:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.status_path))
+            os.pwrite(fd, data + b" " * (room - len(data)), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # --- metrics.jsonl
+    def read_metrics(self) -> list[dict]:
+        """metrics.jsonl's lines. A last line without its newline is torn (a process was killed writing it)
+        and dropped; any other line that is not a strict JSON object with an integer step is damage, which
+        no writer leaves: RunFileError naming the file and the line (nothing is dropped or rewritten)."""
+        try:
+            f = io.BufferedReader(reading.open_file(self.metrics_path, MAX_METRICS), reading.CHUNK)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise RunFileError(self.path, self.metrics_path.name, e.strerror or str(e)) from None
+        lines, total = [], 0
+        with f:  # line by line, each bounded: one planted 1 GB line costs MAX_METRICS_LINE, not gigabytes
+            for number in itertools.count(1):
+                text = f.readline(MAX_METRICS_LINE + 1)
+                total += len(text)
+                if total > MAX_METRICS:
+                    raise RunFileError(self.path, self.metrics_path.name, f"grew past the {MAX_METRICS}-byte limit")
+                if len(text) > MAX_METRICS_LINE:
+                    raise RunFileError(self.path, self.metrics_path.name, f"line {number}: over the "
+                                                                          f"{MAX_METRICS_LINE}-byte limit of a line")
+                if not text.endswith(b"\n"):
+                    return lines  # b"" at the end, else the torn last line: dropped
+                try:
+                    line = jsonio.loads(text[:-1])
+                except jsonio.JSONError as e:
+                    raise RunFileError(self.path, self.metrics_path.name, f"line {number}: {e}") from None
+                if not isinstance(line, dict) or type(line.get("step")) is not int:
+                    raise RunFileError(self.path, self.metrics_path.name, f"line {number}: not an object with an "
+                                                                          "integer step")
+                lines.append(line)
+
+    def keep_metrics(self, lines: list[dict]) -> None:
+        """Replace metrics.jsonl by `lines` atomically (a resumed run appends from there)."""
+        replace_file(self.metrics_path, "".join(jsonio.dumps_line(ln) + "\n" for ln in lines).encode())
+
+    def open_metrics(self):
+        return open_append(self.metrics_path)
+
+    def open_log(self):
+        return open_append(self.log_path)
+
+    # --- the rest
+    def write_hydra(self, config_yaml: str, overrides: list[str]) -> None:
+        """The composed config and the overrides, as Hydra's .hydra/ holds them (written under the lock)."""
+        ensure_dirs(self.path, ".hydra")
+        replace_file(self.hydra_dir / "config.yaml", config_yaml.encode())
+        replace_file(self.hydra_dir / "overrides.yaml",
+                     "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides).encode() or b"[]\n")
+
+    def supersede(self) -> Path:
+        """Move the run history this directory holds (checkpoints, metrics, status) into superseded/<when>/;
+        nothing is deleted. Returns where it went."""
+        dest = ensure_dirs(self.path, "superseded") / time.strftime("%Y%m%d-%H%M%S")
+        n = 0
+        while os.path.lexists(dest):
+            n += 1
+            dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+        os.mkdir(dest)
+        for p in (self.store.root, self.metrics_path, self.status_path):
+            if os.path.lexists(p):
+                os.rename(p, dest / p.name)
+        self.store = CheckpointStore(self.store.root)
+        return dest

@@ -1,0 +1,386 @@
+"""One job in its run directory: resume or start, train with one step-end decision, checkpoint, retain, finish.
+
+After every update the run asks each stage, in order, whether to stop here (early stopping) and whether it
+wants a checkpoint of this step (and lets it update its own state); a preemption signal asks for one too.
+At most one checkpoint per step is written, tagged with the stages that asked for it; then the store keeps
+exactly what some stage's policy (or the newest-checkpoint pin) keeps, and points each stage's link.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from pipeline.run import budget
+from pipeline.config import identity
+from pipeline.files import jsonio
+from pipeline.files import killpoint
+from pipeline.run import report
+from pipeline.files.atomic import environment_error, named
+from pipeline.checkpoint import manifest as mf
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint.retention import AnyOf, LatestN
+from pipeline.checkpoint.store import WEIGHTS, Checkpoint, checkpoint_dir, files_of, load
+from pipeline.run.assemble import Job
+from pipeline.run.directory import RunDir
+from pipeline.run.signals import EXIT_PREEMPTED, Signals
+from pipeline.stages.base import StepEnd
+from pipeline.stateful import StateMismatch, capture, restore
+from pipeline.trainer import curves
+from pipeline.trainer.display import Display
+from pipeline.trainer.loop import epoch_ended, epochs_done, fit, metrics_of
+from pipeline.trainer.metrics_log import MetricsLog
+from pipeline.tracking.common import CURRENT_JOB
+
+log = logging.getLogger("pipeline")
+
+
+class DriftError(Exception):
+    """The checkpoint was made by a different config or data than the current run's, and that is not allowed."""
+
+
+class Preempted(Exception):
+    """A signal arrived during training: the step finished and its checkpoint is written."""
+
+
+class NonFiniteError(Exception):
+    """A non-finite training loss or validation metric with trainer.on_nonfinite=stop."""
+
+
+def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
+    """A run history's identity: its config and where it started (None: from scratch; else a checkpoint)."""
+    digest = hashlib.sha256(identity.canonical_json({"semantic_config_hash": semantic_hash, "origin": origin}))
+    return {"id": digest.hexdigest(), "origin": origin}
+
+
+class Run:
+    def __init__(self, job: Job, rundir: RunDir, signals: Signals, started: float | None = None,
+                 overrides: list[str] | None = None):
+        self.job, self.rundir, self.signals = job, rundir, signals
+        self.overrides = list(overrides or [])  # the command's, for the identical command in the end summary
+        self.job_started = started or time.time()  # a sweep's job: when it started, not its process
+        self.state = job.state
+        self.store = rundir.store
+        self.lineage: dict | None = None
+        self.complete = False
+        self.resumed: Checkpoint | None = None
+        self.allowed: dict = {}
+        self.metrics_kept: list[dict] | None = None  # what metrics.jsonl is cut to, written once the run claims
+        self.superseded: Path | None = None  # where an earlier history went (resume.source), if it moved
+        self.history: dict = {"started": started or time.time(), "resumes": []}  # run.json: first start, resumes
+        self.keep = AnyOf(tuple(p for s in job.stages if (p := s.policy()) is not None) + (LatestN(1),))
+        self.links = {s.link: s.link_policy() for s in job.stages if s.link}
+        self.budget = budget.Budget.from_config(job.config["trainer"])  # trainer.max_time
+
+    # --- before training (the resume stage decides which of these happens)
+
+    def start_fresh(self) -> None:
+        if self.rundir.metrics_path.exists():
+            self.metrics_kept = []  # lines a killed earlier attempt logged before its first checkpoint
+        self.lineage = lineage_of(self.job.semantic_hash, None)
+        log.info("starting a new run in %s", self.rundir.path)
+        if CURRENT_JOB.get("job") is None:  # in a sweep, the siblings differ on purpose
+            _say_if_a_sibling_differs(self.job, self.rundir.path)
+
+    def resume_own(self, allow: list[str]) -> None:
+        ckpt, skipped = self.store.newest_valid(self.job.parts)
+        for reason in skipped:
+            log.warning("not resuming from a damaged checkpoint, falling back: %s", reason)
+        if ckpt is None:
+            return self.start_fresh()
+        self._restore(ckpt, allow)
+        self._resumed(ckpt, ckpt.manifest["lineage"], self.rundir.read_metrics())
+
+    def resume_from_source(self, source: Path, allow: list[str]) -> None:
+        source = checkpoint_dir(Path(source)).resolve()  # a link out of a run is refused, not followed
+        src = load(source)  # its fit is checked once the drift is known (an allowed change may be why)
+        origin = {"checkpoint": str(source), "step": src.step,
+                  "weights_sha256": src.manifest["files"][WEIGHTS]["sha256"]}
+        lineage = lineage_of(self.job.semantic_hash, origin)
+        own, _ = self.store.newest_valid(self.job.parts)
+        if own is not None and own.manifest["lineage"]["id"] == lineage["id"]:
+            self._restore(own, allow)  # this same fork, interrupted: continue it
+            return self._resumed(own, lineage, self.rundir.read_metrics())
+        self._restore(src, allow)  # refusals first: nothing on disk has changed yet
+        history = _source_metrics(source)
+        if self.store.steps() or self.rundir.metrics_path.exists() or self.rundir.status_path.exists():
+            with self.signals.atomic():  # the one durable change of a set-up: whole, then a signal may stop it
+                where = self.superseded = self.rundir.supersede()
+            log.warning("this run directory held another run history; moved it to %s (nothing deleted) to "
+                        "continue from %s", where, source)
+        self._resumed(src, lineage, history)
+
+    def _restore(self, ckpt: Checkpoint, allow: list[str]) -> None:
+        """Refuse drift that is not allowed or cannot apply; else restore every part (all or nothing)."""
+        changes = drift(ckpt.manifest, self.job)
+        refused = {k: v for k, v in changes.items() if not _allowed(k, allow)}
+        if refused:
+            listing = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
+            raise DriftError(f"refusing to resume from {ckpt.directory}: the config or data changed ({listing}); "
+                             f"allow with resume.allow_changes=[{','.join(refused)}] or start over with resume=never")
+        for key in changes:
+            if why := identity.not_applicable(key):
+                raise DriftError(f"refusing to resume from {ckpt.directory}: resume.allow_changes lets {key} "
+                                 f"through, but it cannot take effect on a resumed run ({why}); start over with "
+                                 f"resume=never")
+        try:
+            restore(self.job.parts, ckpt.state)
+        except StateMismatch as e:
+            why = f" (with the allowed changes {', '.join(changes)})" if changes else ""
+            raise CheckpointError(ckpt.directory, files_of(e, ckpt.state, capture(self.job.parts)),
+                                  f"{e.part} does not fit the live run{why}: {e.reason}") from None
+        if changes:
+            self.allowed = {k: [old, new] for k, (old, new) in changes.items()}
+            self.job.facts["allowed_changes"] = self.allowed
+            log.warning("resuming with allowed changes, in effect from step %d: %s", ckpt.step,
+                        ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items()))
+            self.state.progress.ended = None  # e.g. more steps for a finished run
+        self.complete = self.state.progress.ended is not None
+
+    def _resumed(self, ckpt: Checkpoint, lineage: dict, history: list[dict]) -> None:
+        self.resumed, self.lineage = ckpt, lineage
+        previous = self.rundir.read_status()
+        if ckpt.directory.parent == self.store.root and isinstance(previous.get("started"), (int, float)):
+            self.history = {"started": previous["started"], "resumes": list(previous.get("resumes") or [])}
+            if not self.complete:
+                self.history["resumes"].append({"step": ckpt.step, "time": time.time()})
+        if not self.complete:
+            self.metrics_kept = [ln for ln in history if ln["step"] <= ckpt.step]
+            log.info("resuming from step %d of %d (epoch %d): %s", ckpt.step, self.state.total_steps,
+                     self.state.epoch, ckpt.directory)
+
+    # --- training
+    def train(self, eval_every: int) -> None:
+        trainer = self.job.config["trainer"]
+        callbacks = [MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[self.job.tracker.log_line]),
+                     Display(trainer["progress_bar"], trainer["log_every"])]
+        try:
+            self.budget.start()
+            fit(self.state, eval_every, self.step_end, callbacks)
+        finally:
+            for cb in callbacks:
+                cb.close()
+
+    def step_end(self, record: dict) -> bool:
+        """The one decision after every update: stop?, checkpoint (who asked)?, preempted? True ends training."""
+        metrics = metrics_of(record)
+        bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad and self.job.config["trainer"]["on_nonfinite"] == "stop":
+            raise NonFiniteError(f"step {record['step']}: {bad[0]} is {metrics[bad[0]]} (non-finite); stopping "
+                                 "with the last good checkpoints kept (trainer.on_nonfinite=continue trains on)")
+        end = StepEnd(step=self.state.step, metrics=metrics, epoch_done=epoch_ended(self.state, record),
+                      epochs_done=epochs_done(self.state),
+                      last=self.state.step >= self.state.total_steps)
+        # every stage sees every step end (a stateful one must not miss the step another stops on)
+        stop = next((r for r in [s.stop_reason(end) for s in self.job.stages] if r), None)
+        if stop:
+            end = replace(end, last=True)
+        if end.last:
+            self.state.progress.ended = stop or "max_steps"
+        tags = [s.name for s in self.job.stages if s.wants_checkpoint(end)]
+        # A spent trainer.max_time is a preemption announced in advance: checkpoint now, exit 75, requeue.
+        out_of_time = self.budget.step_ended()
+        preempted = self.signals.received is not None or out_of_time
+        if tags or preempted or end.last:
+            self.checkpoint(metrics, tags, final=end.last or preempted)
+        if end.last:
+            return True
+        if preempted:
+            raise Preempted(self.signals.name or f"trainer.max_time={self.job.config['trainer']['max_time']}")
+        return False
+
+    def checkpoint(self, metrics: dict, tags: list[str], final: bool = False) -> Checkpoint:
+        """Save this step once (for every stage that asked), then keep what the policies keep."""
+        tracker = self.job.tracker
+        # Only the last save (the end, or a preemption) waits for the tracked run's URI: earlier manifests
+        # carry it once the tracker knows it, so training never waits for mlflow to start.
+        self.job.facts["mlflow_run_uri"] = tracker.run_uri(timeout=30.0 if final else 0.0)
+        fields = mf.build(self.job.facts, step=self.state.step, epoch=self.state.epoch, metrics=metrics,
+                          tags=tags, lineage=self.lineage)
+        started = budget.monotonic()
+        try:
+            ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
+        except OSError as e:
+            raise named(e, self.store.root)  # a write inside the temporary checkpoint: name the store
+        self.store.retain(self.keep, self.links, upto=self.state.step)
+        self.budget.saved(budget.monotonic() - started)
+        tracker.log_checkpoint(ckpt.directory, ckpt.manifest)
+        return ckpt
+
+    # --- run.json
+    def write_status(self, status: str, **extra) -> None:
+        if status != "running":
+            extra["ended_at"] = time.time()
+        fields = dict(status=status, step=self.state.step, total_steps=self.state.total_steps,
+                      epoch=self.state.epoch, metrics=self.state.metrics, ended=self.state.progress.ended,
+                      config_hash=self.job.facts["config_hash"],
+                      data_manifest_hash=self.job.facts["data_manifest_hash"], **self.history, **extra)
+        try:
+            self.rundir.write_status(**fields)
+        except OSError as e:
+            # Too full for the atomic replace's temporary: an ending still must not leave `running` behind.
+            if status == "running" or e.errno not in (errno.ENOSPC, errno.EDQUOT) \
+                    or not self.rundir.status_path.exists():
+                raise
+            self.rundir.write_status_in_place(**fields)
+
+    def _failed(self, error: str) -> None:
+        """run.json says failed and why, and the tracked run too; the error in hand stays the one reported."""
+        try:
+            self.write_status("failed", error=error[:2000])
+        except OSError as e:
+            log.warning("could not record the failure in %s: %s", self.rundir.status_path, e)
+        try:
+            if self.store.steps():
+                self._summary("failed")
+        except Exception as e:  # noqa: BLE001 -- the error in hand is the one to report
+            log.debug("no end summary: %s", e)
+        self.job.tracker.finish("FAILED", self.rundir.path)
+
+    def _draw(self) -> Path | None:
+        """curves.png from the whole metrics.jsonl (a resumed run's earlier steps too); a failure is a warning."""
+        try:
+            return curves.write(self.rundir.path, self.rundir.read_metrics())
+        except (OSError, CheckpointError, ValueError) as e:
+            log.warning("could not draw %s: %s", self.rundir.path / curves.NAME, environment_error(e) or e)
+            return None
+
+    def _summary(self, status: str) -> None:
+        """After the last checkpoint: curves.png from the whole history, then the end summary (both off the
+        step path: matplotlib's import alone is ~0.5 s). A curve that cannot be written is a warning."""
+        curve = self._draw()
+        root = self.store.root
+        kept = self.store.steps()
+        links = {name: (root / name if (root / name).is_symlink() and (root / name).exists() else None)
+                 for name in ("final", "best")}
+        links["newest"] = kept[-1][1] if kept else None
+        best = next(((s.monitor, s.best, s.best_step) for s in self.job.stages
+                     if s.link == "best" and getattr(s, "best", None) is not None), None)
+        tracker = self.job.tracker
+        log.info("%s", report.end_block(
+            status=status, step=self.state.step, run_dir=self.rundir.path, best=best, links=links, curve=curve,
+            run_uri=self.job.facts.get("mlflow_run_uri") or tracker.run_uri(timeout=0.0),
+            tracking_uri=getattr(tracker, "uri", None), overrides=self.overrides,
+            samples=bool(self.state.dataset.spec.vocab_size)))
+
+    def setup(self) -> None:
+        """Every stage's set-up (the resume stage restores or starts); a fresh run if none decided.
+
+        It runs while a signal still stops the process at once (a long load is interruptible), so it writes
+        nothing durable (execute() does, after the run claimed its directory) except supersede(), whole."""
+        killpoint.point("setup", "start")
+        for s in self.job.stages:
+            s.setup(self)
+        if self.lineage is None:
+            self.start_fresh()
+
+    def execute(self) -> int:
+        """Train and finish after setup(); returns the process exit code (0 or EXIT_PREEMPTED)."""
+        if self.complete:
+            # A process killed between its last save and its last word: finish what it left (links, pruning,
+            # status); idempotent, so a complete run is left exactly as it was.
+            if not self.rundir.read_only:  # on a read-only medium it is confirmed as it is
+                self.store.retain(self.keep, self.links, upto=self.state.step)
+                if self.rundir.read_status().get("status") != "complete":
+                    self.write_status("complete")
+                if not (self.rundir.path / curves.NAME).exists():  # killed before its curve was drawn
+                    self._draw()
+            self.job.tracker.attach(self.rundir.path)  # a sweep job: its run shows in the sweep
+            print(f"run {self.rundir.path} is complete at step {self.state.step}: "
+                  + " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
+            return 0
+        tracker = self.job.tracker
+        if self.metrics_kept is not None:
+            self.rundir.keep_metrics(self.metrics_kept)
+        log.info("%s", report.start_block(self.job, self.rundir.path))
+        self.write_status("running")
+        tracker.start(config=self.job.config, facts=self.job.facts, run_dir=self.rundir.path,
+                      previous_run_uri=(self.resumed.manifest.get("mlflow_run_uri") if self.resumed else None),
+                      status=self.rundir.read_status(), start_time=self.history["started"])
+        try:
+            if self.signals.received is not None:
+                raise Preempted(self.signals.name)  # arrived while setting up: nothing new to save
+            for s in self.job.stages:
+                if hasattr(s, "run"):
+                    s.run(self)
+            self.write_status("complete")
+        except Preempted as stop:
+            self.write_status("preempted", preempted_by=str(stop))
+            self._summary("preempted")
+            log.warning("preempted by %s at step %d; re-run the same command to resume (exit %d)", stop,
+                        self.state.step, EXIT_PREEMPTED)
+            tracker.finish("KILLED", self.rundir.path)
+            return EXIT_PREEMPTED
+        except NonFiniteError as e:
+            self._failed(str(e))
+            raise
+        except BaseException as e:
+            self._failed(environment_error(e) or f"{type(e).__name__}: {e}")
+            raise
+        in_sweep = CURRENT_JOB.get("job") is not None  # a sweep's job: its own time, not its process's
+        log.info("done at step %d (%s) after %.1f s in this %s: %s", self.state.step, self.state.progress.ended,
+                 time.time() - self.job_started if in_sweep else budget.process_age(),
+                 "job" if in_sweep else "process",
+                 " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
+        self._summary("complete")
+        tracker.finish("FINISHED", self.rundir.path)
+        return 0
+
+
+def drift(manifest: dict, job: Job) -> dict[str, tuple]:
+    """Every semantic key (and the data) that differs between a checkpoint's run and this job."""
+    old = identity.semantic_config(manifest["config"], manifest["sources"])
+    changes = identity.changed_keys(old, identity.semantic_config(job.config, job.sources))
+    if manifest["data_manifest_hash"] != job.facts["data_manifest_hash"]:
+        changes["data_manifest_hash"] = (manifest["data_manifest_hash"], job.facts["data_manifest_hash"])
+    return changes
+
+
+def _allowed(key: str, allow: list[str]) -> bool:
+    if key == "data_manifest_hash":  # follows from a change of the data's config
+        return any(a == "data" or a.startswith("data.") or a == key for a in allow)
+    return identity.covered(key, allow)
+
+
+def _source_metrics(source: Path) -> list[dict]:
+    """metrics.jsonl of the run a source checkpoint belongs to, if it is a step of a run directory."""
+    rundir = RunDir(source.parent.parent)
+    return rundir.read_metrics() if rundir.store.root == source.parent else []
+
+
+def _say_if_a_sibling_differs(job: Job, run_dir: Path) -> None:
+    """When the newest run of the same experiment differs from this config, say how, and how to continue it."""
+    prefix = f"{job.config.get('name', 'run')}-"
+    siblings = []
+    for p in run_dir.parent.glob(f"{prefix}*"):
+        if p == run_dir or not p.is_dir() or p.is_symlink():
+            continue
+        try:
+            status = RunDir(p).read_status()
+        except CheckpointError:
+            continue  # another run's damaged run.json: that run's business, not this one's
+        if status.get("status") in ("complete", "preempted") and isinstance(status.get("updated"), (int, float)):
+            siblings.append((status["updated"], p, status))
+    if not siblings:
+        return
+    _, other, status = max(siblings)
+    store = RunDir(other).store
+    try:
+        newest = store.steps()[-1][1]
+        manifest = jsonio.read(newest / "manifest.json", 16 << 20)
+        changes = identity.changed_keys(identity.semantic_config(manifest["config"], manifest["sources"]),
+                                        identity.semantic_config(job.config, job.sources))
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return
+    if not changes or len(changes) > 8:
+        return
+    keys = ",".join(changes)
+    what = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+    source = store.root / ("final" if status["status"] == "complete" else newest.name)
+    log.info("this config differs from the %s run %s in %s: starting a new run; to continue that one instead "
+             "use resume.source=%s resume.allow_changes=[%s]", "finished" if status["status"] == "complete"
+             else "interrupted", other.name, what, source, keys)

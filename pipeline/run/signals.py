@@ -1,0 +1,211 @@
+"""SIGTERM, SIGINT, SIGUSR1/2 and SIGHUP, from the first instruction of a job to its last: never a traceback.
+
+Until a run has set itself up (loaded what it resumes from), nothing durable is being written (the corpus
+is published by rename; a resume's supersede() is `atomic()`), so a signal stops the process at once:
+`Interrupted` unwinds to the entry point, which prints one line. While a run trains (`deferring()`), a
+signal only sets a flag: the current update finishes, a checkpoint is written, and the process exits
+EXIT_PREEMPTED. A second signal changes nothing, at any moment: the handler only records the first; and once
+the exit code is decided (`finish()`, at every entry point's end) the kernel ignores them (SIG_IGN), so the
+default action Python restores while it shuts down (which ended the process with -15) never applies. (Not a
+blocked mask: another thread would still take the signal.) In the process that launched a sweep
+(`sweeping()`), a signal is passed on to the
+processes running its jobs (joblib's workers, submitit's local jobs, the steps of its SLURM jobs), each of
+which checkpoints and stops (a SLURM job stopped so does not requeue itself), and the jobs not started yet
+refuse to start: the sweep ends, and the identical command continues it.
+Either way: EX_TEMPFAIL, try again.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+log = logging.getLogger("pipeline")
+EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75  # every entry point's exit codes (README)
+MARKER = "interrupted"  # a stopped sweep's file in its directory: its jobs check it before they start
+# USR1 is what `--signal=USR1@N` sends before a SLURM time limit, USR2 what submitit asks SLURM for; HUP what
+# a closed terminal or a dropped ssh session sends (its default would end the process with -1, unsaved).
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+RAISE, DEFER, SWEEP, DONE = "raise", "defer", "sweep", "done"
+
+
+class Interrupted(BaseException):
+    """A signal before the run held its directory (BaseException: no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def descendants(root: int) -> list[int]:
+    """Pids of every process below `root` in its own session (a helper started in a session of its own,
+    such as the tracking agent, is not a job and is left alone)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    session = os.getsid(root)
+    out, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        try:
+            if os.getsid(pid) != session:
+                continue
+        except OSError:
+            continue
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+class Signals:
+    def __init__(self):
+        self.received: int | None = None
+        self.mode = RAISE
+        self.installed = False
+        self.marker: Path | None = None  # a sweep's "interrupted" file, which its jobs check before starting
+        self.slurm_jobs: Path | None = None  # a SLURM sweep's submitit folder (its job ids), jobs not ours
+        self.held = False  # a run has held its directory (deferring) in this process
+
+    def install(self) -> None:
+        """Take over the signals (main thread only; elsewhere, e.g. a worker thread, leave them be)."""
+        if self.installed or threading.current_thread() is not threading.main_thread():
+            return
+        for s in SIGNALS:
+            signal.signal(s, self._handler)
+        self.installed = True
+        previous, spec = sys.excepthook, getattr(sys.modules.get("__main__"), "__spec__", None)
+        name = getattr(spec, "name", None) or "pipeline"  # the module `python -m` runs, or the main entry
+
+        def hook(kind, value, tb):  # a signal while an entry point's modules are still imported: one line
+            if not isinstance(value, Interrupted):
+                return previous(kind, value, tb)
+            _interrupted(name.removesuffix(".__main__"), value.args[0], "nothing was written")
+            sys.stderr.flush()
+            self.finish()
+            os._exit(EXIT_PREEMPTED)  # noqa: SLF001 - the interpreter's own shutdown would print the traceback
+
+        sys.excepthook = hook
+
+    def _handler(self, signum, frame) -> None:
+        if self.received is not None or self.mode == DONE:
+            return  # already stopping, or the exit code is decided: a later signal changes nothing
+        self.received = signum
+        if self.mode == RAISE:
+            raise Interrupted(signum)
+        name = signal.Signals(signum).name
+        if self.mode == DEFER:
+            log.warning("received %s: finishing this update, then checkpointing", name)
+            return
+        log.warning("received %s: passing it to the sweep's running jobs; no new job starts", name)
+        if self.marker is not None:
+            try:
+                self.marker.touch()
+            except OSError:
+                pass
+        for pid in descendants(os.getpid()):
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
+        if self.slurm_jobs is not None:  # the jobs run on the cluster, not below this process
+            from pipeline.run.slurm import signal_jobs
+
+            threading.Thread(target=signal_jobs, args=(self.slurm_jobs, signum), daemon=True).start()
+
+    def finish(self) -> None:
+        """The exit code is decided: from now on the kernel ignores these signals, so the default action
+        Python restores at shutdown cannot end the process with -15. Called last by the entry points."""
+        self.mode = DONE
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = sys.unraisablehook
+
+        def hook(unraisable):  # a signal caught just before SIG_IGN took over: nothing to say about it
+            if not (isinstance(unraisable.exc_value, OSError) and "race condition" in str(unraisable.exc_value)):
+                previous(unraisable)
+
+        sys.unraisablehook = hook
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+    @contextlib.contextmanager
+    def atomic(self):
+        """A step that must finish once begun, in a process that otherwise stops at once (RAISE): a signal
+        waits for its end and is raised there."""
+        previous, self.mode = self.mode, DEFER if self.mode == RAISE else self.mode
+        try:
+            yield self
+        finally:
+            self.mode = previous
+        if self.received is not None and previous == RAISE:
+            raise Interrupted(self.received)
+
+    @contextlib.contextmanager
+    def deferring(self):
+        """While a run holds its directory: a signal only sets the flag (raises at once if one already came)."""
+        previous, self.mode, self.held = self.mode, DEFER, True
+        try:
+            if self.received is not None and previous == RAISE:
+                raise Interrupted(self.received)
+            yield self
+        finally:
+            self.mode = previous
+
+    def sweeping(self, sweep_dir: Path, slurm_jobs: Path | None = None) -> None:
+        """In the process that launches a sweep's jobs (see the module docstring), from a fresh start (no
+        marker of an earlier stop); `slurm_jobs`: the submitit folder of a sweep whose jobs SLURM runs."""
+        self.install()
+        self.marker = Path(sweep_dir) / MARKER
+        self.marker.unlink(missing_ok=True)
+        self.mode, self.slurm_jobs = SWEEP, slurm_jobs
+
+    def interrupted_start(self) -> bool:
+        """A signal raised (RAISE mode) before any run held its directory: whatever exception a library made
+        of it, the process was interrupted while starting and nothing was changed."""
+        return self.received is not None and self.mode == RAISE and not self.held
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.received).name if self.received is not None else None
+
+    def sweep_interrupted(self, sweep_dir: str | Path | None) -> bool:
+        """True if this sweep was interrupted: in this process, or (its marker file) in its launcher."""
+        stopped_here = self.mode == SWEEP and self.received is not None
+        return stopped_here or bool(sweep_dir and (Path(sweep_dir) / MARKER).exists())
+
+
+SIGNALS_STATE = Signals()  # one per process: the entry point installs it before importing anything heavy
+
+
+def tool_exit(name: str, main, interrupted: str = "nothing was written") -> None:
+    """The `__main__` of every tool (sample, evaluate, inspect, export_hf, reindex, verify, roundtrip): exit
+    with what main() returns; SIGINT, SIGTERM, SIGUSR1/2 end it with one line `<name>: interrupted by SIGINT;
+    <interrupted>` and EXIT_PREEMPTED, never a KeyboardInterrupt traceback nor a negative code."""
+    SIGNALS_STATE.install()
+    try:
+        code = main()
+    except Interrupted as e:
+        code = _interrupted(name, e.args[0], interrupted)
+    except Exception:
+        if SIGNALS_STATE.received is None:
+            raise
+        code = _interrupted(name, SIGNALS_STATE.name, interrupted)  # a library made another error of it
+    finally:
+        SIGNALS_STATE.finish()  # the code is decided: a later signal changes nothing
+    sys.exit(code)
+
+
+def _interrupted(name: str, signame: str, what: str) -> int:
+    print(f"{name}: interrupted by {signame}; {what}", file=sys.stderr)
+    return EXIT_PREEMPTED

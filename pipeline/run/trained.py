@@ -1,0 +1,233 @@
+"""A checkpoint put to use (inspect, evaluate, sample, export): verified, restored, and given the data it needs.
+
+    restore_checkpoint(dir, ovr)   the one way a tool opens a checkpoint: its manifest checked against itself,
+                                   every `_target_` of its config against pipeline.config.targets (nothing named is
+                                   imported before), then the parts that config builds, store.load verifying
+                                   the files against them (sizes, sha256, layout, every part's fit), restored
+    data_config(manifest, ovr)     where the data comes from: the checkpoint's own `data` node, with
+                                   `data.KEY=V` overrides applied to it, or another dataset chosen by `data=NAME`
+                                   (composed like `python -m pipeline`); `paths.output_dir=` moves the corpus
+                                   cache (default: the output directory the checkpoint lies in, never one
+                                   its manifest names); the checkpoint's own `data.path` only if the file
+                                   there is the one it was trained on (its sha256 in the manifest)
+    own_data / other_data          the dataset built from that, checked against what the checkpoint learned
+    data_facts(manifest, ovr, dir) the vocabulary, decode join and special tokens the checkpoint learned: its
+                                   data.json (no corpus needed), or for a schema 2.0 checkpoint its own data
+
+Every refusal is a ConfigError or CheckpointError of one line; the callers exit 2 with it.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+from pipeline.config import targets
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint import store
+from pipeline.checkpoint.store import MANIFEST, load, read_manifest
+from pipeline.config.schema import BY_TARGET, ConfigError, validate
+from pipeline.stateful import restore
+from pipeline.trainer.state import TrainState
+
+log = logging.getLogger("pipeline")
+# What a data override may name: the data itself, where its cache lives, and where configs are found.
+DATA_KEYS = ("data", "paths.output_dir", "hydra.searchpath")
+
+
+class UnknownTargetError(CheckpointError):
+    """A checkpoint whose config names a `_target_` neither the pipeline's configs nor the user's name."""
+
+
+def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict, TrainState]:
+    """(manifest, the restored state machines) of a checkpoint that fully verifies; CheckpointError if not
+    (UnknownTargetError if its config names code nothing the user runs names: then nothing was imported or
+    built). `overrides` may give `hydra.searchpath=[...]`, the user's own configs (and so their classes)."""
+    from pipeline.run.assemble import state_for
+
+    directory = Path(directory)
+    manifest = read_manifest(directory)  # bounded, and its hashes agree with its config: nothing built yet
+    try:
+        targets.check(manifest["config"], targets.allowed(tuple(overrides)))
+    except targets.UnknownTarget as e:
+        raise UnknownTargetError(directory, MANIFEST, str(e)) from None
+    try:
+        validate(manifest["config"])  # the ranges a run's values are held to, before anything is sized by them
+    except ConfigError as e:
+        raise CheckpointError(directory, MANIFEST, f"its config holds a value a run refuses: {e}") from None
+    try:
+        state, parts = state_for(manifest)
+    except Exception as e:  # noqa: BLE001 - a model or data this installation cannot build: one line
+        raise CheckpointError(directory, MANIFEST, f"its config does not build here: "
+                                                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    # One read of every file: sizes and sha256, each tensor file's layout before its data is allocated, and
+    # every part's fit (pipeline.stateful.check); restore cannot refuse after it.
+    ckpt = load(directory, parts)
+    if ckpt.manifest != manifest:
+        raise CheckpointError(directory, MANIFEST, "changed while it was read")
+    restore(parts, ckpt.state)
+    return manifest, state
+
+
+def _parse(overrides: list[str]):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as e:
+        raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+    for o in parsed:
+        key = o.key_or_group
+        if not any(key == k or key.startswith(k + ".") for k in DATA_KEYS) or o.is_sweep_override():
+            raise ConfigError(f"{o.input_line}: only data=NAME, data.KEY=VALUE, paths.output_dir=DIR and "
+                              "hydra.searchpath=[...] can be given here; the rest is the checkpoint's")
+    return parsed
+
+
+def cache_home(directory: Path) -> str:
+    """The output directory a checkpoint lies in (`<output_dir>/runs/<run>/checkpoints/<step>`), where its run
+    cached its corpus; else (an archive, a lone checkpoint) the user's default one. Never the manifest's `paths.output_dir`: a checkpoint
+    does not choose where a tool writes."""
+    from pipeline.config.schema import default_output_dir
+
+    step = Path(directory).absolute()
+    runs = step.parent.parent.parent
+    archived = (runs.parent / "recovery.json").exists()  # an archive (pipeline.cli.archive) stays as it was checked
+    if step.parent.name == "checkpoints" and runs.name == "runs" and not archived:
+        return str(runs.parent)
+    return default_output_dir()
+
+
+def _own_source(manifest: dict, node: dict, directory: Path) -> None:
+    """The checkpoint's own `data.path` is read only if it holds the bytes the checkpoint was trained on: a
+    checkpoint does not choose which of the user's files a tool reads."""
+    from pipeline.config import identity
+
+    path, sha = node.get("path"), (manifest.get("sources") or {}).get("data.path")
+    if not isinstance(path, str):
+        return
+    try:
+        here = identity.source_hashes({"data": node})["data.path"]
+    except FileNotFoundError:
+        raise ConfigError(f"data.path={path} (the checkpoint's): text file not found; give the file it was "
+                          "trained on with data.path=FILE") from None
+    except OSError as e:
+        raise ConfigError(f"data.path={path} (the checkpoint's): {getattr(e, 'strerror', None) or e}; give the "
+                          "file it was trained on with data.path=FILE") from None
+    if here != sha:
+        raise ConfigError(f"data.path={path} (the checkpoint's): not the file checkpoint {directory} was trained on "
+                          f"(sha256 {here[:12]}, the manifest says {str(sha)[:12]}); give it with data.path=FILE")
+
+
+def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
+    """{"paths": {"output_dir"}, "data": node}: the checkpoint's data with `data.KEY=V` applied, or the
+    composed `data=NAME`; the values range-checked like a run's."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    parsed = _parse(overrides)
+    output_dir = cache_home(directory)
+    for o in parsed:
+        if o.key_or_group == "paths.output_dir":
+            output_dir = str(o.value())
+    if any(o.key_or_group == "data" for o in parsed):
+        from hydra.errors import HydraException
+
+        from pipeline.config.schema import compose, error_line, to_plain
+
+        try:
+            node = to_plain(compose(list(overrides)))["data"]
+        except (HydraException, OmegaConfBaseException) as e:
+            raise ConfigError(f"bad override: {error_line(e)}") from None
+    else:
+        node = copy.deepcopy(manifest["config"]["data"])
+        schema = BY_TARGET.get(node.get("_target_"))  # the checkpoint's data node, typed by its schema
+        cfg = OmegaConf.merge(OmegaConf.structured(schema), node) if schema else OmegaConf.create(node)
+        for o in parsed:
+            if o.key_or_group.startswith("data."):
+                try:
+                    OmegaConf.update(cfg, o.key_or_group[len("data."):], o.value(), merge=True)
+                except OmegaConfBaseException as e:
+                    raise ConfigError(f"{o.input_line}: {str(e).splitlines()[0]}") from None
+        node = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        if not any(o.key_or_group == "data.path" for o in parsed):
+            _own_source(manifest, node, directory)
+    config = {"paths": {"output_dir": output_dir}, "data": node}
+    validate(config)
+    return config
+
+
+def build_data(config: dict):
+    from pipeline.run.assemble import build_dataset
+
+    try:
+        return build_dataset(config)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"data: {e}") from None
+    except Exception as e:  # noqa: BLE001 - an unimportable _target_ or a constructor's own error
+        raise ConfigError(f"data does not build: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \
+            from None
+
+
+def spec_of(dataset) -> dict:
+    return asdict(dataset.spec)
+
+
+def own_data(manifest: dict, overrides: list[str], directory: Path):
+    """The dataset the checkpoint at `directory` was trained on (its data_manifest_hash), for its vocabulary;
+    ConfigError if what the config builds here is other data."""
+    config = data_config(manifest, list(overrides), directory)
+    dataset = build_data(config)
+    if dataset.manifest_hash != manifest["data_manifest_hash"]:
+        raise ConfigError(f"data {config['data'].get('_target_')}: builds data {dataset.manifest_hash[:12]}, but the "
+                          f"checkpoint was trained on {manifest['data_manifest_hash'][:12]}: give the data it was "
+                          "trained on (data.path=FILE for a moved text file)")
+    return dataset
+
+
+def data_facts(manifest: dict, overrides: list[str], directory: Path) -> dict:
+    """{"vocab", "decode_join", "specials"} of the checkpoint at `directory` (whose verified `manifest` is
+    given): its data.json, so its corpus may be gone; a schema 2.0 checkpoint has none, and its own data is
+    built (own_data: `overrides` may say where its text file or corpus cache is)."""
+    from pipeline.data.base import inference_facts
+
+    facts = store.data_facts(directory, manifest)
+    return facts if facts is not None else inference_facts(own_data(manifest, overrides, directory))
+
+
+def check_fits(manifest: dict, dataset, vocab: list[str] | None = None) -> None:
+    """Refuse data whose spec (vocabulary size, sequence length, features, targets) differs from the
+    checkpoint's, naming each difference; given the checkpoint's vocabulary, the data's too."""
+    saved = {k: v for k, v in manifest["data_spec"].items() if k != "n_train"}
+    here = spec_of(dataset)
+    diff = [f"{k} {saved[k]} -> {here.get(k)}" for k in saved if saved[k] != here.get(k)]
+    if diff:
+        raise ConfigError(f"data {type(dataset).__name__}: its spec differs from the checkpoint's "
+                          f"({', '.join(diff)}): the model cannot read it")
+    if vocab is not None and getattr(dataset, "vocab", None) is not None:
+        changed = [i for i, (a, b) in enumerate(zip(vocab, dataset.vocab)) if a != b]
+        if changed:
+            i = changed[0]
+            raise ConfigError(f"data {type(dataset).__name__}: its vocabulary differs from the checkpoint's at "
+                              f"{len(changed)} ids (id {i}: {vocab[i]!r} -> {dataset.vocab[i]!r})")
+
+
+def other_data(manifest: dict, overrides: list[str], directory: Path):
+    """The dataset `overrides` ask for (the checkpoint's own by default: regenerated from its config if its
+    corpus is gone), refused if the model cannot read it: its spec, and its vocabulary against the
+    checkpoint's data.json."""
+    config = data_config(manifest, list(overrides), directory)
+    dataset = build_data(config)
+    if dataset.manifest_hash == manifest["data_manifest_hash"]:
+        return dataset
+    vocab = None
+    if getattr(dataset, "vocab", None) is not None:
+        try:
+            vocab = data_facts(manifest, [o for o in overrides if o.startswith(("paths.", "hydra."))], directory)["vocab"]
+        except ConfigError as e:  # a schema 2.0 checkpoint whose own data does not build here
+            log.warning("cannot compare vocabularies (the checkpoint's own data does not build here: %s); "
+                        "checking the spec only", e)
+    check_fits(manifest, dataset, vocab)
+    return dataset

@@ -1,0 +1,214 @@
+"""The state protocol: every stateful part's state_dict() as one tree; arrays to safetensors, the rest to JSON.
+
+A part is anything with `state_dict() -> dict` (nested dicts with str keys; leaves are numpy arrays or JSON
+values) and `load_state_dict(state)`; it may add `check_state_dict(state)` raising ValueError for a state
+that has the right shape but impossible values, and `free_form_state` (paths of objects whose keys vary, such
+as metrics by name, left to its own check). PARTS is the one place that lists the run's state machines.
+
+    capture(parts)            -> {part: state_dict}: the live arrays, not copies (copy_tree to keep them)
+    split(tree), merge(...)   <-> ({"<part>/<key>/...": array}, JSON tree without the arrays)
+    restore(parts, tree)      two-phase: every part is checked against its live state first (keys, array
+                              shapes and dtypes, JSON types, then its own check), and only then all load;
+                              a state that does not fit raises StateMismatch and changes nothing.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Protocol
+
+import numpy as np
+
+from pipeline.files.jsonio import flatten
+
+# The state machines of a run, in restore order: RNG streams last, so nothing drawn while restoring the
+# others can disturb them.
+PARTS = ("model", "optimizer", "scheduler", "data_iter", "progress", "stages", "rng")
+SEP = "/"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class StateMismatch(ValueError):
+    """A saved state that does not fit the live part: `part` and `reason` say which and why; `path` is the
+    keys below the part to the value at fault (() when the part's own check did not say which)."""
+
+    def __init__(self, part: str, reason: str, path: tuple = ()):
+        self.part, self.reason, self.path = part, reason, tuple(path)
+        super().__init__(f"{part}: {reason}")
+
+
+class BadValue(ValueError):
+    """What a part's check_state_dict raises for one value it refuses: `key` (a key, or a tuple of keys
+    below the part) says which, so the reader can name the file that holds it."""
+
+    def __init__(self, key: str | tuple, reason: str):
+        self.key = (key,) if isinstance(key, str) else tuple(key)
+        super().__init__(reason)
+
+
+def capture(parts: Mapping[str, Stateful], only: tuple[str, ...] = PARTS) -> dict[str, dict]:
+    return {name: parts[name].state_dict() for name in only}
+
+
+def copy_tree(tree):
+    """A deep copy in which every array is an independent C-contiguous copy."""
+    if isinstance(tree, np.ndarray):
+        return np.array(tree, order="C", copy=True)
+    if isinstance(tree, dict):
+        return {k: copy_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [copy_tree(v) for v in tree]
+    return tree
+
+
+def split(tree: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """Arrays by path ("optimizer/exp_avg/h.0.w") and the same tree with the arrays taken out (dicts kept).
+    Keys on the way to an array must not contain SEP; JSON keys may (metric names such as train/loss)."""
+    arrays: dict[str, np.ndarray] = {}
+
+    def walk(node: dict, path: tuple) -> dict:
+        out = {}
+        for k, v in node.items():
+            if isinstance(v, np.ndarray):
+                keys = (*path, k)
+                if not all(isinstance(p, str) and p and SEP not in p for p in keys):
+                    raise ValueError(f"array {keys}: keys on the way to an array must be non-empty strings "
+                                     f"without {SEP!r}")
+                arrays[SEP.join(keys)] = v
+            elif isinstance(v, dict):
+                out[k] = walk(v, (*path, k))
+            else:
+                out[k] = v
+        return out
+
+    return arrays, walk(tree, ())
+
+
+def merge(arrays: Mapping[str, np.ndarray], json_tree: dict) -> dict:
+    """The inverse of split: arrays put back at their paths (missing dicts created)."""
+    tree = _copy_dicts(json_tree)
+    for path, a in arrays.items():
+        *parents, leaf = path.split(SEP)
+        node = tree
+        for p in parents:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ValueError(f"array {path!r} sits under {p!r}, which is not an object in the JSON state")
+            node = nxt
+        if leaf in node:
+            raise ValueError(f"{path!r} is both an array and a JSON value")
+        node[leaf] = a
+    return tree
+
+
+def _copy_dicts(node):
+    return {k: _copy_dicts(v) for k, v in node.items()} if isinstance(node, dict) else node
+
+
+def _json_kind(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int"
+    if isinstance(v, float):
+        return "float"
+    if isinstance(v, str):
+        return "str"
+    if isinstance(v, list):
+        return "list"
+    if isinstance(v, dict):
+        return "object"
+    if isinstance(v, np.ndarray):
+        return "array"
+    return type(v).__name__
+
+
+def _compatible(live: str, got: str) -> bool:
+    # A fresh part has null where a trained one has a value (no best metric yet), and an int where JSON may
+    # hold a float written without a fraction; anything else must be the same kind.
+    return live == got or live == "null" or got == "null" or {live, got} == {"int", "float"}
+
+
+def _where(path: tuple) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f"{SEP}{p}" if out else str(p))
+    return out or "(top)"
+
+
+def misfit(live, got, path: tuple = (), free: tuple[str, ...] = ()) -> tuple[tuple, str] | None:
+    """(the keys to the value at fault, why) if `got` cannot replace the live state `live`, else None: same
+    keys, array shapes/dtypes, JSON kinds. A missing or unexpected key is named by its own path. Paths in
+    `free` ("/"-joined) hold objects whose keys vary (metrics by name): only their being objects is checked."""
+    where = _where(path)
+    if isinstance(live, dict):
+        if not isinstance(got, dict):
+            return path, f"{where}: expected an object, got {_json_kind(got)}"
+        if path and SEP.join(map(str, path)) in free:
+            return None
+        missing, extra = sorted(set(live) - set(got)), sorted(set(got) - set(live))
+        if missing or extra:
+            parts = ([f"lacks {missing[:5]}"] if missing else []) + ([f"has unexpected {extra[:5]}"] if extra else [])
+            return (*path, (missing or extra)[0]), f"{where}: keys differ: the saved state " + " and ".join(parts)
+        for k in live:
+            if found := misfit(live[k], got[k], (*path, k), free):
+                return found
+        return None
+    if isinstance(live, np.ndarray):
+        if not isinstance(got, np.ndarray):
+            return path, f"{where}: expected an array, got {_json_kind(got)}"
+        if got.shape != live.shape or got.dtype != live.dtype:
+            return path, f"{where}: saved {got.dtype}{list(got.shape)}, the live run has {live.dtype}{list(live.shape)}"
+        return None
+    if isinstance(live, list):
+        if not isinstance(got, list):
+            return path, f"{where}: expected a list, got {_json_kind(got)}"
+        if len(live) != len(got):
+            return path, f"{where}: a list of {len(got)}, the live run has {len(live)}"
+        for i, (a, b) in enumerate(zip(live, got)):
+            if found := misfit(a, b, (*path, i)):
+                return found
+        return None
+    if not _compatible(_json_kind(live), _json_kind(got)):
+        return path, f"{where}: expected {_json_kind(live)}, got {_json_kind(got)}"
+    return None
+
+
+def fit_reason(live, got, path: str = "", free: tuple[str, ...] = ()) -> str | None:
+    """Why `got` cannot replace the live state `live` (see misfit), or None; `path` names the top."""
+    found = misfit(live, got, tuple(path.split(SEP)) if path else (), free)
+    return found[1] if found else None
+
+
+def check(parts: Mapping[str, Stateful], tree: Mapping, only: tuple[str, ...] = PARTS) -> None:
+    """Raise StateMismatch naming the first part whose saved state would not fit; changes nothing."""
+    for name in only:
+        if name not in tree:
+            raise StateMismatch(name, "missing from the saved state")
+        part = parts[name]
+        if found := misfit(part.state_dict(), tree[name], free=getattr(part, "free_form_state", ())):
+            raise StateMismatch(name, found[1], found[0])
+        own = getattr(part, "check_state_dict", None)
+        if own is not None:
+            try:
+                own(tree[name])
+            except (ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
+                raise StateMismatch(name, str(e) or type(e).__name__, getattr(e, "key", ())) from None
+
+
+def restore(parts: Mapping[str, Stateful], tree: Mapping, only: tuple[str, ...] = PARTS) -> None:
+    """Check every part, then load every part (in PARTS order); nothing changes unless all fit."""
+    only = tuple(p for p in PARTS if p in only)
+    check(parts, tree, only)
+    for name in only:
+        parts[name].load_state_dict(tree[name])
+
+
+def flat(tree) -> dict:
+    """Every leaf by "/"-joined path (arrays and JSON values alike), for reports and comparisons."""
+    return flatten(tree, SEP)

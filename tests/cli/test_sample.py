@@ -1,0 +1,110 @@
+"""`python -m pipeline.sample` (pipeline/cli/sample.py): draws by inverse CDF from the command's own Generator (one
+uniform per token, the same text for a seed, the global RNG untouched), greedy decoding as the argmax chain,
+words and characters through the corpus vocabulary, and one-line refusals."""
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import KERNODECK, TINY, refused_in_one_line, run_job, run_pipeline, the_run
+from pipeline.run.directory import RunDir
+from pipeline.cli.sample import encode, next_token, sample, split_prompt
+from pipeline.config.schema import ConfigError
+from conftest import text_overrides
+
+
+def trained(out: Path, *overrides: str) -> Path:
+    assert run_job(*overrides, f"paths.output_dir={out}")[0] == 0
+    return RunDir(the_run(out)).store.root / "final"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return trained(tmp_path_factory.mktemp("tiny"), *TINY)
+
+
+def test_a_token_is_the_inverse_cdf_of_one_uniform_draw():
+    logits = np.array([0.0, math.log(3.0)])  # p = [1/4, 3/4]
+    for seed in range(50):
+        u = np.random.default_rng(seed).random()
+        assert next_token(logits, 1.0, 0, np.random.default_rng(seed)) == (0 if u < 0.25 else 1)
+    # temperature 2 flattens it to p proportional to [1, sqrt 3]
+    for seed in range(50):
+        u = np.random.default_rng(seed).random()
+        assert next_token(logits, 2.0, 0, np.random.default_rng(seed)) == (0 if u < 1 / (1 + math.sqrt(3)) else 1)
+    rng = np.random.default_rng(0)
+    counts = np.bincount([next_token(logits, 1.0, 0, rng) for _ in range(4000)], minlength=2)
+    assert abs(counts[0] - 1000) < 4 * math.sqrt(4000 * 0.25 * 0.75)
+    wide = np.array([1.0, 3.0, 2.0, 3.0, -1.0])
+    assert next_token(wide, 0.0, 0, rng) == 1  # greedy: the first maximum, no draw
+    assert {next_token(wide, 5.0, 2, rng) for _ in range(200)} == {1, 3}  # top_k=2 keeps the two 3.0s only
+
+
+def test_prompts_split_as_the_corpus_joins_its_tokens():
+    assert split_prompt("the  man ,\twalks", " ") == ["the", "man", ",", "walks"]
+    assert split_prompt("ab c\n", "") == ["a", "b", " ", "c", "\n"]
+    vocab = ["<eos>", ",", "man", "the"]
+    assert encode("the man , the", vocab, " ") == [3, 2, 1, 3]
+    assert encode("", vocab, " ") == [0]  # an empty prompt starts after <eos>
+    with pytest.raises(ConfigError, match=r"not in the corpus vocabulary of 4 tokens: 'woman', 'dogs'"):
+        encode("the woman , dogs woman", vocab, " ")
+    with pytest.raises(ConfigError, match="no <eos>"):
+        encode("", ["a", "b"], "")
+
+
+def test_the_same_seed_gives_the_same_text_from_its_own_generator(tiny):
+    args = ["prompt=the man", "max_new_tokens=12", "seed=3"]
+    np.random.seed(1)
+    before = np.random.get_state()[1].copy()
+    first = sample(tiny, args)
+    assert np.array_equal(np.random.get_state()[1], before)  # the global RNG was not drawn from
+    np.random.seed(2)
+    assert sample(tiny, args) == first  # nor does its state matter
+    assert sample(tiny, ["prompt=the man", "max_new_tokens=12", "seed=4"]) != first
+    words = first.split(" ")
+    assert words[:2] == ["the", "man"] and len(words) == 14
+
+
+def test_greedy_decoding_is_the_argmax_chain(tiny):
+    from pipeline.run.trained import own_data, restore_checkpoint
+
+    manifest, state = restore_checkpoint(tiny)
+    vocab = own_data(manifest, [], tiny).vocab
+    ids = [vocab.index("the"), vocab.index("man")]
+    for _ in range(6):
+        ids.append(int(np.argmax(state.model.logits(np.array([ids]))[0, -1])))
+    assert sample(tiny, ["prompt=the man", "max_new_tokens=6", "temperature=0"]) == " ".join(vocab[i] for i in ids)
+
+
+def test_a_character_model_samples_characters(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("abc de\n" * 100)
+    ckpt = trained(tmp_path / "out", *text_overrides(text))
+    out = sample(ckpt, ["prompt=ab", "max_new_tokens=20", "seed=1"])
+    assert out.startswith("ab") and len(out) == 22 and set(out) <= set("abc de\n")
+    with pytest.raises(ConfigError, match="'z'"):
+        sample(ckpt, ["prompt=abz"])
+
+
+def refused(args: list[str], cwd: Path) -> str:
+    return refused_in_one_line(args, cwd, module="pipeline.sample")
+
+
+def test_the_command_and_its_refusals(tiny, tmp_path):
+    proc = run_pipeline([str(tiny), "prompt=the man , the", "max_new_tokens=5", "seed=7"], tmp_path / "cwd",
+                        module="pipeline.sample")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == sample(tiny, ["prompt=the man , the", "max_new_tokens=5", "seed=7"]) + "\n"
+    assert "'zorg', 'blorp'" in refused([str(tiny), "prompt=the zorg blorp"], tmp_path / "cwd")
+    assert "temperature=-1.0: must be >= 0" in refused([str(tiny), "temperature=-1"], tmp_path / "cwd")
+    assert "'colour=red': expected one of prompt=" in refused([str(tiny), "colour=red"], tmp_path / "cwd")
+    mlp = trained(tmp_path / "k", *KERNODECK)
+    assert "does not generate tokens" in refused([str(mlp), "prompt=x"], tmp_path / "cwd")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny, damaged)
+    (damaged / "extra.json").write_text("{}")
+    assert "extra.json" in refused([str(damaged), "prompt=the"], tmp_path / "cwd")

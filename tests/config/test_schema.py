@@ -1,0 +1,72 @@
+"""Schemas (pipeline/config/schema.py): types only, values in YAML; every value checked before anything starts."""
+from __future__ import annotations
+
+from dataclasses import MISSING as NO_DEFAULT
+from dataclasses import fields
+
+import pytest
+from omegaconf import MISSING
+
+from conftest import KERNODECK, TINY, config_of
+from pipeline.config.schema import SCHEMAS, Config, ConfigError, validate
+
+
+def all_schemas():
+    seen, todo = [], [Config, *(s for group in SCHEMAS.values() for s in group.values())]
+    while todo:
+        s = todo.pop()
+        if s not in seen:
+            seen.append(s)
+            todo += [f.default_factory for f in fields(s) if f.default_factory is not NO_DEFAULT]
+    return seen
+
+
+def test_schemas_hold_types_and_the_yaml_holds_every_value():
+    """Regression (#10.5): 8 schema defaults disagreed with the YAML (trainer.max_steps 0 vs 2000, ...)."""
+    for schema in all_schemas():
+        for f in fields(schema):
+            if f.default_factory is NO_DEFAULT:  # a nested schema is a type, not a value
+                assert f.default in (MISSING, None), f"{schema.__name__}.{f.name} has a value: {f.default!r}"
+
+
+@pytest.mark.parametrize("override, words", [
+    ("trainer.batch_size=0", "trainer.batch_size=0: must be a number >= 1"),
+    ("trainer.batch_size=-2", "trainer.batch_size=-2"),
+    ("trainer.seed=-1", "trainer.seed=-1"),
+    ("optimizer.lr=-0.1", "optimizer.lr=-0.1: must be a finite number > 0"),
+    ("optimizer.lr=0", "optimizer.lr=0"),
+    ("optimizer.betas=[0.9,1.0]", "optimizer.betas=[0.9, 1.0]: must be two numbers in [0, 1)"),
+    ("optimizer.eps=0", "optimizer.eps"),
+    ("model.hidden=[0]", "model.hidden=[0]: must be a list of layer widths >= 1"),
+    ("model.dropout=1.0", "model.dropout=1.0: must be in [0, 1)"),
+    ("scheduler.step_size=0", "scheduler.step_size=0"),
+    ("trainer.max_steps=-5", "trainer.max_steps=-5"),
+    ("stages.rotate_last_3.keep=0", "stages.rotate_last_3.keep=0"),
+    ("checkpoint.every_steps=-1", "checkpoint.every_steps=-1"),
+    ("verify.cut=0", "verify.cut=0"),
+    ("trainer.accumulate=0", "trainer.accumulate=0: must be a number >= 1"),
+    ("trainer.grad_clip=-1", "trainer.grad_clip=-1.0: must be a number >= 0"),
+    ("trainer.grad_clip=nan", "trainer.grad_clip=nan"),
+    ("trainer.shards=0", "trainer.shards=0: must be a number >= 1"),
+    ("trainer.threads=0", "trainer.threads=0: must be null or a number >= 1"),
+], ids=lambda x: x if "=" in x and ":" not in x else "")
+def test_a_bad_value_is_one_line_naming_the_key_value_and_range(override, words, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        validate(config_of(*KERNODECK, override, f"paths.output_dir={tmp_path}"))
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_no_training_at_all_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="trainer.max_steps=0 and trainer.epochs=0"):
+        validate(config_of(*KERNODECK, "trainer.max_steps=0", "trainer.epochs=0", f"paths.output_dir={tmp_path}"))
+
+
+def test_minigpt_cross_checks(tmp_path):
+    with pytest.raises(ConfigError, match="model.n_embd=16 is not divisible by model.n_head=3"):
+        validate(config_of(*TINY, "model.n_head=3", f"paths.output_dir={tmp_path}"))
+
+
+def test_every_shipped_combination_validates(tmp_path):
+    for overrides in ((), KERNODECK, TINY, ("optimizer=sgd",), ("scheduler=step",), ("scheduler=constant",),
+                      ("resume=never",), ("tracking=server",), ("checkpoint=every_n_steps",)):
+        validate(config_of(*overrides, f"paths.output_dir={tmp_path}"))

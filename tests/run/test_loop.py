@@ -1,0 +1,223 @@
+"""The run in its directory (pipeline/run/loop.py): one step-end decision, preemption seen by every stage, forks
+that never keep another history's checkpoints, allowed changes that take effect, refusals that change nothing."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import os
+
+import pytest
+
+from conftest import KERNODECK, kept, metrics, run_job, the_run
+from pipeline.files import jsonio
+from pipeline.checkpoint.store import EXTRA, OPTIM, WEIGHTS, CheckpointStore
+from pipeline.run.directory import RunDir
+from pipeline.run.signals import EXIT_PREEMPTED, SIGNALS_STATE
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    """Every file and link under root, by relative path (links by their target)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            out[rel] = b"-> " + str(p.readlink()).encode()
+        elif p.is_file():
+            out[rel] = p.read_bytes()
+    return out
+
+
+# kernodeck over 5 epochs: an eval every 5 steps (best candidates), a periodic checkpoint every epoch (6 steps)
+LONG = ("trainer.max_steps=30",)
+
+
+@pytest.mark.parametrize("k", [3, 5, 10, 17, 25])
+def test_preempted_then_resumed_keeps_exactly_the_uninterrupted_checkpoints(tmp_path, preempt_at, k):
+    """Regression (#10.3): the preemption checkpoint goes through the stages' decision, so best-val sees it
+    and rotation removes it: the same checkpoint directories, links and bytes as the run never stopped."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_job(*KERNODECK, *LONG, f"paths.output_dir={ref}")[0] == 0
+    preempt_at(k)
+    assert run_job(*KERNODECK, *LONG, f"paths.output_dir={out}")[0] == EXIT_PREEMPTED
+    stopped = RunDir(the_run(out))
+    assert stopped.read_status()["status"] == "preempted" and stopped.read_status()["step"] == k
+    assert k in dict(stopped.store.steps())  # the preemption checkpoint, kept as the newest
+    SIGNALS_STATE.received = None
+    preempt_at(None)
+    assert run_job(*KERNODECK, *LONG, f"paths.output_dir={out}")[0] == 0
+    assert kept(the_run(out)) == kept(the_run(ref))
+    assert metrics(the_run(out)) == metrics(the_run(ref))
+
+
+def test_a_preempted_best_step_is_best(tmp_path, preempt_at):
+    """Regression (#10.3): before, the step a SIGTERM stopped at was never offered to best-val."""
+    out = tmp_path / "out"
+    preempt_at(5)  # the first evaluation: necessarily the best so far
+    assert run_job(*KERNODECK, *LONG, f"paths.output_dir={out}")[0] == EXIT_PREEMPTED
+    store = RunDir(the_run(out)).store
+    assert store.link_step("best") == 5
+    extra = jsonio.read(store.root / "step-00000005" / EXTRA, 1 << 20)
+    assert extra["stages"]["best_val"]["best_step"] == 5
+
+
+def test_a_fork_into_an_occupied_run_directory_keeps_nothing_of_the_other_history(tmp_path):
+    """Regression (#10.1): resume.source into a run directory holding another history's step of the same
+    number kept the old directory; now the other history is moved aside whole and the new one written."""
+    out = tmp_path / "out"
+    args = (*KERNODECK, *LONG, f"paths.output_dir={out}")
+    assert run_job(*args)[0] == 0  # run A: lr 0.03
+    run_a = the_run(out)
+    assert run_job(*args, "optimizer.lr=0.05")[0] == 0  # run B: lr 0.05, its own directory
+    run_b = next(p for p in (out / "runs").iterdir() if p != run_a)
+    old_b = kept(run_b)
+    source = RunDir(run_a).store.root / "step-00000018"
+    code, _ = run_job(*args, "optimizer.lr=0.05", f"resume.source={source}", "resume.allow_changes=[optimizer.lr]")
+    assert code == 0
+    new_b = kept(run_b)
+    assert new_b[1] == old_b[1]  # the same links ...
+    for step in new_b[0]:  # ... to new checkpoints: none of the earlier lr=0.05 run's survives
+        assert new_b[0][step][WEIGHTS] != old_b[0].get(step, {}).get(WEIGHTS)
+    (moved,) = (run_b / "superseded").iterdir()  # the other history, whole, beside it
+    assert kept(None, CheckpointStore(moved / "checkpoints")) == old_b
+    assert (moved / "metrics.jsonl").is_file() and (moved / "run.json").is_file()
+    manifest = jsonio.read(RunDir(run_b).store.root / "final" / "manifest.json", 1 << 24)
+    assert manifest["lineage"]["origin"]["checkpoint"] == str(source)
+    assert manifest["allowed_changes"] == {"optimizer.lr": [0.03, 0.05]}
+    lines = metrics(run_b)
+    assert [ln["step"] for ln in lines] == list(range(1, 31))
+    assert lines[:18] == metrics(run_a)[:18]  # the history before the cut is the source run's
+
+
+def test_an_allowed_change_takes_effect_from_the_cut(tmp_path):
+    """Regression (#10.2): an allowed optimizer.lr change came back from the checkpoint's optimizer and
+    scheduler state, so the old lr went on; now the scheduler's base lr is the config's."""
+    out = tmp_path / "out"
+    args = (*KERNODECK, *LONG, f"paths.output_dir={out}")
+    assert run_job(*args)[0] == 0
+    run_a = the_run(out)
+    source = RunDir(run_a).store.root / "step-00000018"
+    assert run_job(*args, "optimizer.lr=0.05", f"resume.source={source}", "resume.allow_changes=[optimizer.lr]")[0] == 0
+    run_b = next(p for p in (out / "runs").iterdir() if p != run_a)
+    lr = {ln["step"]: ln["lr"] for ln in metrics(run_b)}
+    # StepLR(step_size=3, gamma=0.5): update k (0-based) uses base_lr * 0.5 ** (k // 3)
+    assert [lr[s] for s in range(19, 31)] == [0.05 * 0.5 ** ((s - 1) // 3) for s in range(19, 31)]
+    assert [lr[s] for s in range(1, 19)] == [0.03 * 0.5 ** ((s - 1) // 3) for s in range(1, 19)]
+    assert kept(run_b)[0][30][WEIGHTS] != kept(run_a)[0][30][WEIGHTS]
+
+
+def test_an_allowed_change_that_cannot_apply_is_refused_and_nothing_changes(tmp_path):
+    out = tmp_path / "out"
+    args = (*KERNODECK, *LONG, f"paths.output_dir={out}")
+    assert run_job(*args)[0] == 0
+    run_a = the_run(out)
+    source = RunDir(run_a).store.root / "step-00000018"
+    before = tree_bytes(out)
+    code, _ = run_job(*args, "trainer.seed=7", f"resume.source={source}", "resume.allow_changes=[trainer.seed]")
+    assert code == 2
+    after = tree_bytes(out)
+    assert {k: v for k, v in after.items() if not k.endswith(".lock")} == \
+        {k: v for k, v in before.items() if not k.endswith(".lock")}
+
+
+def test_drift_is_refused_naming_each_key_and_changes_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    args = (*KERNODECK, *LONG, f"paths.output_dir={out}")
+    assert run_job(*args)[0] == 0
+    source = RunDir(the_run(out)).store.root / "step-00000018"
+    before = tree_bytes(out)
+    code, _ = run_job(*args, "optimizer.lr=0.05", "model.dropout=0.1", f"resume.source={source}")
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "optimizer.lr: 0.03 -> 0.05" in err and "model.dropout: 0.25 -> 0.1" in err
+    assert "resume.allow_changes=[" in err and len(err.strip().splitlines()) == 1
+    assert {k: v for k, v in tree_bytes(out).items() if not k.endswith(".lock")} == \
+        {k: v for k, v in before.items() if not k.endswith(".lock")}
+
+
+def test_rerunning_a_fork_continues_it_rather_than_starting_it_again(tmp_path, preempt_at):
+    """The identical resume.source command after a preemption continues the fork (safe to re-run)."""
+    out = tmp_path / "out"
+    args = (*KERNODECK, *LONG, f"paths.output_dir={out}")
+    assert run_job(*args)[0] == 0
+    run_a = the_run(out)
+    fork = (*args, "optimizer.lr=0.05", f"resume.source={RunDir(run_a).store.root / 'step-00000018'}",
+            "resume.allow_changes=[optimizer.lr]")
+    preempt_at(22)
+    assert run_job(*fork)[0] == EXIT_PREEMPTED
+    SIGNALS_STATE.received = None
+    preempt_at(None)
+    assert run_job(*fork)[0] == 0
+    run_b = next(p for p in (out / "runs").iterdir() if p != run_a)
+    assert not (run_b / "superseded").exists()  # its own history was continued, not moved aside
+    assert [ln["step"] for ln in metrics(run_b)] == list(range(1, 31))
+    assert run_job(*fork)[0] == 0  # complete: nothing to do
+    assert RunDir(run_b).read_status()["status"] == "complete"
+
+
+def test_a_changed_hyperparameter_on_a_finished_run_says_how_to_continue_it(tmp_path, caplog):
+    out = tmp_path / "out"
+    assert run_job(*KERNODECK, f"paths.output_dir={out}")[0] == 0
+    with caplog.at_level("INFO", logger="pipeline"):
+        assert run_job(*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05")[0] == 0
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "differs from the finished run" in said and "optimizer.lr 0.03 -> 0.05" in said
+    assert "resume.allow_changes=[optimizer.lr]" in said and "resume.source=" in said
+
+
+def test_the_manifest_and_run_json_are_standard_json(tmp_path):
+    out = tmp_path / "out"
+    assert run_job(*KERNODECK, f"paths.output_dir={out}")[0] == 0
+    for p in the_run(out).rglob("*.json*"):
+        for text in p.read_text().splitlines() if p.suffix == ".jsonl" else [p.read_text()]:
+            json.loads(text, parse_constant=lambda c: pytest.fail(f"{p}: bare {c}"))
+
+
+def test_auto_resume_falls_back_past_a_checkpoint_whose_state_does_not_fit(tmp_path, preempt_at):
+    """Regression (#12): a stage state of the wrong type (hashes intact) passed inspect and crashed the resume,
+    which only fell back past CheckpointErrors; now it is a CheckpointError like any other damage."""
+    import hashlib
+
+    from pipeline.run.signals import SIGNALS_STATE
+
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert run_job(*KERNODECK, *LONG, f"paths.output_dir={ref}")[0] == 0
+    preempt_at(20)
+    assert run_job(*KERNODECK, *LONG, f"paths.output_dir={out}")[0] == EXIT_PREEMPTED
+    SIGNALS_STATE.received = None
+    preempt_at(None)
+    newest = RunDir(the_run(out)).store.steps()[-1][1]
+    extra = json.loads((newest / EXTRA).read_text())
+    extra["stages"]["best_val"]["best_step"] = "twenty"
+    (newest / EXTRA).write_text(json.dumps(extra))
+    m = json.loads((newest / "manifest.json").read_text())
+    data = (newest / EXTRA).read_bytes()
+    m["files"][EXTRA] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (newest / "manifest.json").write_text(json.dumps(m))
+    assert run_job(*KERNODECK, *LONG, f"paths.output_dir={out}")[0] == 0
+    assert kept(the_run(out)) == kept(the_run(ref))
+
+
+def test_a_lock_held_for_milliseconds_waits_a_held_one_is_busy(tmp_path, monkeypatch):
+    """The tracking agent links run.json under the run's lock for milliseconds: a job arriving then waits for
+    it (rundir.LOCK_GRACE) instead of calling the directory busy; a lock held longer is busy, in one line."""
+    import fcntl
+    import threading
+
+    from pipeline.run import directory as rd
+
+    first = RunDir(tmp_path / "run")
+    first.acquire()  # creates the directory and the lock file
+    first.release()
+    other = os.open(tmp_path / "run" / ".lock", os.O_RDWR)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open file description: another holder
+    threading.Timer(0.3, lambda: fcntl.flock(other, fcntl.LOCK_UN)).start()
+    mine = RunDir(tmp_path / "run")
+    mine.acquire()  # waited for the short holder
+    mine.release()
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    monkeypatch.setattr(rd, "LOCK_GRACE", 0.2)
+    with pytest.raises(rd.RunBusyError, match="in use by another process"):
+        RunDir(tmp_path / "run").acquire()
+    os.close(other)
