@@ -111,6 +111,11 @@ def test_a_wheel_installed_in_a_fresh_venv_runs_from_an_empty_directory(tmp_path
     assert run_dir.name.startswith("kernodeck-")
     manifest = json.loads((run_dir / "checkpoints" / "final" / "manifest.json").read_text())
     assert manifest["step"] == 10 and manifest["git_sha"] == "unknown" and manifest["versions"]["pipeline"] == "0.1.0"
+    # the tools, files of pipeline/cli/ in the wheel, run by their README names
+    for tool, says in ((["pipeline.show", str(run_dir)], "status: complete  step 10/10"),
+                       (["pipeline.evaluate", str(run_dir / "checkpoints" / "final")], "step=10 val/loss=")):
+        used = subprocess.run([python, "-m", *tool], cwd=work, env=env, capture_output=True, text=True)
+        assert used.returncode == 0 and says in used.stdout, (tool, used.stdout, used.stderr)
 
     # One's own configs, outside the package: a directory on the search path, an experiment overlay in it.
     mine = project / "myconf" / "experiment"

@@ -59,3 +59,36 @@ def test_no_test_doubles_in_the_package():
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
                 assert not any(n.startswith("unittest") for n in names), name
+
+
+# The layers, lowest first: a module imports only from its own layer or lower ones (anywhere in the module: a
+# function-level import is the same dependency, only later).
+LAYERS = (("files",), ("config",),
+          ("stateful", "model", "data", "optimizer", "scheduler", "checkpoint", "stages", "trainer"),
+          ("run",), ("tracking",), ("verify",), ("cli", "serving", "__main__"))
+
+
+def layer(module: str) -> int:
+    return next(i for i, units in enumerate(LAYERS) if unit(module) in units)
+
+
+def test_no_module_imports_from_a_higher_layer():
+    upward = []
+    for name, tree in modules().items():
+        if name == "pipeline":
+            continue
+        for node in ast.walk(tree):
+            found = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            upward += [f"{name} -> {t}" for t in found
+                       if t.startswith("pipeline.") and layer(t) > layer(name)]
+    assert upward == []
+
+
+def test_the_package_root_holds_a_handful_of_modules_none_named_like_the_standard_library():
+    import sys
+
+    root = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert len(root) <= 5, root
+    clash = [name for name in modules() if name.split(".")[-1] in sys.stdlib_module_names]
+    assert clash == []
