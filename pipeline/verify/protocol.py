@@ -88,7 +88,7 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
         "positive": positive,
         "negative_divergence_detected": negative,
         "all_checks_passed": positive and negative,
-        "tolerance": {"atol": atol, "rtol": rtol, "mode": "exact (np.array_equal)" if not (atol or rtol) else "allclose"},
+        "tolerance": {"atol": atol, "rtol": rtol, "mode": "exact (the same bytes)" if not (atol or rtol) else "allclose"},
         "cut": cut, "steps": steps,
         "cursor_at_cut": f"{intr_meta['cursor']}/{intr_meta['n_train']}",
         "epoch_at_cut": intr_meta["epoch"],

@@ -69,6 +69,7 @@ def test_a_restore_that_forgets_the_rng_fails(tmp_path, monkeypatch):
     assert r["byte_equivalent_state_machines"] == [p for p in PARTS if p != "rng"]
     assert not r["all_byte_equal"] and "rng" in r["state_differences"]
     assert not r["continuation_test_passed"] and "losses" in r["continuation"]["differences"]
+    assert "state" in r["continuation"]["differences"]  # the continuation compares every part, rng included
     assert not r["passed"]
 
 
