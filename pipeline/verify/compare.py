@@ -1,9 +1,5 @@
-"""The one comparator of "the same state" (the verifier's summaries, roundtrip's state trees), per state machine.
-
-Exact by default: the same dtype, shape and bytes (so -0.0 is not 0.0), and for a JSON value the same type and
-value; with a tolerance, arrays agree within atol + rtol * |reference|. A key on one side only, a difference
-of structure and a non-finite array value are failures either way.
-"""
+"""The one comparator of "the same state" (the verifier's summaries, roundtrip's state trees): exact is the same
+bytes; a tolerance loosens arrays only; a missing key, other structure or a non-finite array always fails."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,4 @@
-"""One verifier process: continuous, interrupted, resume or negative (resume without the RNG streams).
-
-Fresh is a run assembled in this process and stepped without a run directory; roundtrip's checks use it too.
-"""
+"""One verifier process (continuous, interrupted, resume, negative), and Fresh, the run it and roundtrip step."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +17,7 @@ MODES = ("continuous", "interrupted", "resume", "negative")
 
 
 class Fresh:
-    """The live objects of one run of `config` (pipeline.run.assemble), every part by its checkpoint name."""
+    """One run of `config` (pipeline.run.assemble) stepped in this process, without a run directory."""
 
     def __init__(self, config: dict):
         self.job = assemble(config)
@@ -46,7 +43,7 @@ class Fresh:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description="One verifier process.")
     ap.add_argument("--config", required=True, help="resolved config as JSON")
     ap.add_argument("--mode", choices=MODES, required=True)
     ap.add_argument("--cut", type=int, required=True)
