@@ -26,14 +26,14 @@ def evaluate_checkpoint(directory: Path, overrides: list[str] = ()) -> dict:
     """{"checkpoint", "step", "data", "data_manifest_hash", "own_data", "metrics"}; ConfigError or
     CheckpointError (one line) if the checkpoint does not verify or the data does not fit its model."""
     from pipeline.run.trained import other_data, restore_checkpoint
-    from pipeline.trainer.loop import evaluate
+    from pipeline.trainer.loop import validate
 
     manifest, state = restore_checkpoint(directory, list(overrides))
     dataset = other_data(manifest, list(overrides), directory)
     state.dataset = dataset
     return {"checkpoint": str(directory), "step": manifest["step"], "data": type(dataset).__name__,
             "data_manifest_hash": dataset.manifest_hash,
-            "own_data": dataset.manifest_hash == manifest["data_manifest_hash"], "metrics": evaluate(state)}
+            "own_data": dataset.manifest_hash == manifest["data_manifest_hash"], "metrics": validate(state)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,7 @@ override):
 * byte equivalence: train N steps, save, load into fresh objects, restore; every part of the state
   (pipeline.stateful.PARTS) must equal the live one byte for byte;
 * continuation: 2N steps straight against N, save, and N more in a separate process that composes the
-  same config and loads the checkpoint: bit-identical losses, parameters, moments and counters;
+  same config and loads the checkpoint: bit-identical losses and every part of the state;
 * weight tying: tied names stored once (header metadata `ALIAS(...)`), one object again after loading,
   and a weights file within 4 KiB of the unique parameters' bytes. A model without tied parameters
   reports `weight_tying_preserved: null` with the note "no tied weights in this model": there is nothing to
@@ -40,87 +40,23 @@ import numpy as np
 
 from pipeline.files import jsonio
 from pipeline.files.atomic import TMP_PREFIX
-from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint import store
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.tensors import read_tensors, write_tensors
-from pipeline.config.identity import run_name, source_hashes
-from pipeline.data.base import inference_facts
-from pipeline.run.assemble import build_dataset, build_stages, build_state, data_spec
-from pipeline.run.loop import lineage_of
+from pipeline.config.identity import run_name
 from pipeline.config.schema import PROJECT_ROOT, compose, error_line, to_plain
-from pipeline.stages.base import StageStates
-from pipeline.stateful import PARTS, capture, copy_tree, restore
-from pipeline.trainer.loop import train_step
+from pipeline.stateful import PARTS, merge, split
+from pipeline.verify.compare import first_difference
+from pipeline.verify.worker import Fresh
 
 SIZE_SLACK = 4096  # bytes the weights file may exceed the unique parameters by (its header)
 RESULTS = "roundtrip_results.json"
 
 
-# -- config and objects -------------------------------------------------------------------------
+# -- the objects and the weights file ------------------------------------------------------------
 
-class Fresh:
-    """The live objects of one run built from the config, with every part by its checkpoint name."""
-
-    def __init__(self, config: dict):
-        self.config = config
-        dataset = build_dataset(config)
-        self.state = build_state(config, dataset.spec, dataset.n_train, dataset)
-        self.parts = {**self.state.parts(), "stages": StageStates(build_stages(config))}
-        self.facts = mf.run_facts(config, source_hashes(config), dataset.manifest_hash, data_spec(dataset),
-                                  inference_facts(dataset))
-
-    def train(self, n: int) -> list[float]:
-        return [float(train_step(self.state)["train/loss"]) for _ in range(n)]
-
-    def fields(self) -> dict:
-        """The manifest's fields for a checkpoint of the current step (a run history of its own)."""
-        return mf.build(self.facts, step=self.state.step, epoch=self.state.epoch, metrics={}, tags=[],
-                        lineage=lineage_of(self.facts["semantic_config_hash"], None))
-
-    def save(self, directory: Path) -> dict:
-        return store.write(directory, capture(self.parts), self.fields())
-
-    def load(self, directory: Path) -> store.Checkpoint:
-        ckpt = store.load(directory, self.parts)
-        restore(self.parts, ckpt.state)
-        return ckpt
-
-    def snapshot(self) -> dict:
-        return copy_tree(capture(self.parts))
-
-
-# -- comparisons --------------------------------------------------------------------------------
-
-def difference(a, b, path: str = "") -> str | None:
-    """Where two values first differ, or None if they are equal byte for byte (arrays: dtype, shape, bytes)."""
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
-            return f"{path}: {type(a).__name__} vs {type(b).__name__}"
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-        if not (np.array_equal(a, b, equal_nan=True) and a.tobytes() == b.tobytes()):
-            return f"{path}: values differ"
-        return None
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return f"{path}: keys {sorted(a.keys() ^ b.keys())} on one side only"
-        for k in a:
-            if d := difference(a[k], b[k], f"{path}.{k}" if path else str(k)):
-                return d
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
-            return f"{path}: {type(a).__name__}[{len(a)}] vs {type(b).__name__}[{len(b)}]"
-        for i, (x, y) in enumerate(zip(a, b)):
-            if d := difference(x, y, f"{path}[{i}]"):
-                return d
-        return None
-    if isinstance(a, float) and isinstance(b, float):
-        return None if struct.pack("<d", a) == struct.pack("<d", b) else f"{path}: {a!r} vs {b!r}"
-    if type(a) is not type(b) or a != b:
-        return f"{path}: {a!r} ({type(a).__name__}) vs {b!r} ({type(b).__name__})"
-    return None
+def losses(run: Fresh, n: int) -> list[float]:
+    return [float(r["train/loss"]) for r in run.train(n)]
 
 
 def unique_arrays(arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -149,27 +85,23 @@ def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
     untouched = fresh.snapshot()
     fresh.load(directory)
     after = fresh.snapshot()
-    differences = {m: d for m in PARTS if (d := difference(before[m], after[m], m))}
+    differences = {m: d for m in PARTS if (d := first_difference(before[m], after[m], m))}
     return {
         "passed": [m for m in PARTS if m not in differences],
         "differences": differences,
         # a part the fresh objects already matched proves nothing about its restore
-        "unchanged_by_training": [m for m in PARTS if difference(before[m], untouched[m]) is None],
+        "unchanged_by_training": [m for m in PARTS if first_difference(before[m], untouched[m], m) is None],
         "directory": directory,
         "sha256": manifest["files"][store.WEIGHTS]["sha256"],
         "run": run,
     }
 
 
-def continued(run: Fresh) -> dict:
-    return {k: v for k, v in run.snapshot().items() if k in ("model", "optimizer", "scheduler", "progress")}
-
-
 def check_continuation(config: dict, overrides: list[str], work: Path, steps: int, separate_process: bool = True) -> dict:
     reference = Fresh(config)
-    losses_ref = reference.train(2 * steps)
+    losses_ref = losses(reference, 2 * steps)
     first = Fresh(config)
-    losses_a = first.train(steps)
+    losses_a = losses(first, steps)
     directory = work / "continuation" / store.step_dir_name(first.state.step)
     first.save(directory)
     if separate_process:
@@ -181,16 +113,14 @@ def check_continuation(config: dict, overrides: list[str], work: Path, steps: in
         arrays, _ = read_tensors(out / "continued.safetensors")
         losses_b = arrays.pop("losses").tolist()
         json_tree = jsonio.read(out / "continued.json", 1 << 24)
-        from pipeline.stateful import merge
-
         resumed = merge(arrays, json_tree)
     else:
         second = Fresh(config)
         second.load(directory)
-        losses_b = second.train(steps)
-        resumed = continued(second)
-    checks = {"losses": difference(np.array(losses_ref), np.array(losses_a + losses_b), "losses"),
-              "state": difference(continued(reference), resumed)}
+        losses_b = losses(second, steps)
+        resumed = second.snapshot()
+    checks = {"losses": first_difference(np.array(losses_ref), np.array(losses_a + losses_b), "losses"),
+              "state": first_difference(reference.snapshot(), resumed)}
     return {"passed": all(v is None for v in checks.values()), "separate_process": separate_process,
             "steps": [steps, steps], "differences": {k: v for k, v in checks.items() if v}}
 
@@ -205,16 +135,14 @@ def continue_in_subprocess(overrides: list[str], checkpoint: Path, steps: int, o
 
 def run_continuation(overrides: list[str], checkpoint: Path, steps: int, out: Path) -> None:
     """The second half of the continuation check, in its own process: results as safetensors + JSON."""
-    from pipeline.stateful import split
-
     run = Fresh(to_plain(compose(overrides)))
     run.load(checkpoint)
-    losses = run.train(steps)
+    trained = losses(run, steps)
     out.mkdir(parents=True, exist_ok=True)
     for name in ("continued.safetensors", "continued.json"):
         (out / name).unlink(missing_ok=True)
-    arrays, json_tree = split(continued(run))
-    write_tensors(out / "continued.safetensors", {**arrays, "losses": np.array(losses)})
+    arrays, json_tree = split(run.snapshot())
+    write_tensors(out / "continued.safetensors", {**arrays, "losses": np.array(trained)})
     (out / "continued.json").write_bytes(jsonio.dumps(json_tree))
 
 

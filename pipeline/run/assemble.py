@@ -1,12 +1,14 @@
-"""The job object: built once from the plain resolved config (no DictConfig past the entry point).
+"""The one place a run is assembled: its parts (the state machines and stages), its facts, its job.
 
-    build(config)            validate values, identify the run, build the data, the five state machines,
-                             the stages and the tracker, and the manifest facts -- nothing under the run
-                             directory is created here (only the shared corpus cache, if missing)
-    build_state(...)         the state machines alone, from a config and the data's spec (the verifier,
-                             the roundtrip report, and `template` build them this way)
-    state_for(manifest)      a fresh state and the parts a checkpoint of that manifest's config must fit;
-                             only trained.restore_checkpoint calls it, once the config's targets are allowed
+    build_state(config, spec, n_train)   every part of pipeline.stateful.PARTS, stages included, from a config
+                                         and its data's spec: a run, the verifier, roundtrip and every tool
+                                         opening a checkpoint (trained.restore_checkpoint, once the config's
+                                         targets are allowed) build them this way
+    assemble(config)                     the data, those parts and the manifest's run-level facts: a Job without a
+                                         tracker or run directory (the verifier's processes and roundtrip)
+    build(config)                        a run's whole Job: values validated, the run identified, assemble(), the
+                                         tracker -- nothing under the run directory is created here (only the
+                                         shared corpus cache, if missing)
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ def build_dataset(config: dict):
 
 
 def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> TrainState:
-    """Streams first, then the model (from the init stream), optimizer, iterator (data_order), scheduler."""
+    """Streams first, then the model (from the init stream), optimizer, iterator (data_order), scheduler, stages."""
     trainer = config["trainer"]
     dtype = np.dtype(trainer["dtype"])
     streams = Streams(trainer["seed"])
@@ -74,7 +76,7 @@ def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> Tra
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, iterator=iterator, streams=streams,
                       dataset=dataset, dtype=dtype, total_steps=steps, accumulate=int(trainer["accumulate"]),
                       grad_clip=float(trainer["grad_clip"]), shards=int(trainer["shards"]),
-                      threads=trainer["threads"])
+                      threads=trainer["threads"], stages=StageStates(build_stages(config)))
 
 
 def build_stages(config: dict) -> list:
@@ -105,15 +107,18 @@ def data_spec(dataset) -> dict:
 class Job:
     config: dict
     state: TrainState
-    stages: list
-    tracker: object
     sources: dict  # SOURCES keys -> sha256 of the file's bytes
     facts: dict  # the run-level manifest fields
-    run_dir: Path
+    tracker: object = None  # build() gives a run its tracker and run directory
+    run_dir: Path | None = None
+
+    @property
+    def stages(self) -> list:
+        return self.state.stages.stages
 
     @property
     def parts(self) -> dict:
-        return {**self.state.parts(), "stages": StageStates(self.stages)}
+        return self.state.parts()
 
     @property
     def semantic_hash(self) -> str:
@@ -144,6 +149,17 @@ def check_pairing(config: dict) -> None:
                           "and model=mlp with data=regression")
 
 
+def assemble(config: dict, sources: dict | None = None) -> Job:
+    """The data, every part and the run-level manifest facts of a run of the resolved `config` (`sources`:
+    its files' hashes, computed if not given); ValueError or OSError for values its objects refuse."""
+    sources = identity.source_hashes(config) if sources is None else sources
+    dataset = build_dataset(config)
+    state = build_state(config, dataset.spec, dataset.n_train, dataset)
+    facts = mf.run_facts(config, sources, dataset.manifest_hash, data_spec(dataset), inference_facts(dataset))
+    facts["n_params"] = int(sum(p.size for p in state.model.params.values()))
+    return Job(config, state, sources, facts)
+
+
 def build(config: dict) -> Job:
     """The whole job, or ConfigError (one line) for a bad value, a missing file, or groups that clash."""
     validate(config)
@@ -156,21 +172,8 @@ def build(config: dict) -> Job:
         key = next(k for k in identity.SOURCES if identity.get(config, k) is not None)
         raise ConfigError(f"{key}={identity.get(config, key)}: {e.strerror or e}") from None
     try:
-        dataset = build_dataset(config)
-        state = build_state(config, dataset.spec, dataset.n_train, dataset)
+        job = assemble(config, sources)
     except (ValueError, OSError) as e:
         raise ConfigError(str(e)) from None
-    stages = build_stages(config)
-    facts = mf.run_facts(config, sources, dataset.manifest_hash, data_spec(dataset), inference_facts(dataset))
-    facts["n_params"] = int(sum(p.size for p in state.model.params.values()))
-    return Job(config, state, stages, tracker, sources, facts, run_dir_for(config, sources))
-
-
-def state_for(manifest: dict) -> tuple[TrainState, dict]:
-    """A fresh state and its parts ({name: stateful object}), as a checkpoint made under `manifest`'s config
-    must fit them. It builds what the config names: call it through trained.restore_checkpoint, which
-    refuses a config naming classes that neither the pipeline's configs nor the user's name."""
-    config, spec = manifest["config"], dict(manifest["data_spec"])
-    n_train = int(spec.pop("n_train"))
-    state = build_state(config, DataSpec(**spec), n_train)
-    return state, {**state.parts(), "stages": StageStates(build_stages(config))}
+    job.tracker, job.run_dir = tracker, run_dir_for(config, sources)
+    return job

@@ -28,6 +28,7 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint import store
 from pipeline.checkpoint.store import MANIFEST, load, read_manifest
 from pipeline.config.schema import BY_TARGET, ConfigError, validate
+from pipeline.data.base import DataSpec
 from pipeline.stateful import restore
 from pipeline.trainer.state import TrainState
 
@@ -44,7 +45,7 @@ def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict
     """(manifest, the restored state machines) of a checkpoint that fully verifies; CheckpointError if not
     (UnknownTargetError if its config names code nothing the user runs names: then nothing was imported or
     built). `overrides` may give `hydra.searchpath=[...]`, the user's own configs (and so their classes)."""
-    from pipeline.run.assemble import state_for
+    from pipeline.run.assemble import build_state
 
     directory = Path(directory)
     manifest = read_manifest(directory)  # bounded, and its hashes agree with its config: nothing built yet
@@ -57,13 +58,15 @@ def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict
     except ConfigError as e:
         raise CheckpointError(directory, MANIFEST, f"its config holds a value a run refuses: {e}") from None
     try:
-        state, parts = state_for(manifest)
+        spec = dict(manifest["data_spec"])
+        n_train = int(spec.pop("n_train"))
+        state = build_state(manifest["config"], DataSpec(**spec), n_train)
     except Exception as e:  # noqa: BLE001 - a model or data this installation cannot build: one line
         raise CheckpointError(directory, MANIFEST, f"its config does not build here: "
                                                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     # One read of every file: sizes and sha256, each tensor file's layout before its data is allocated, and
     # every part's fit (pipeline.stateful.check); restore cannot refuse after it.
-    ckpt = load(directory, parts)
+    ckpt = load(directory, parts := state.parts())
     if ckpt.manifest != manifest:
         raise CheckpointError(directory, MANIFEST, "changed while it was read")
     restore(parts, ckpt.state)
@@ -171,10 +174,6 @@ def build_data(config: dict):
             from None
 
 
-def spec_of(dataset) -> dict:
-    return asdict(dataset.spec)
-
-
 def own_data(manifest: dict, overrides: list[str], directory: Path):
     """The dataset the checkpoint at `directory` was trained on (its data_manifest_hash), for its vocabulary;
     ConfigError if what the config builds here is other data."""
@@ -201,7 +200,7 @@ def check_fits(manifest: dict, dataset, vocab: list[str] | None = None) -> None:
     """Refuse data whose spec (vocabulary size, sequence length, features, targets) differs from the
     checkpoint's, naming each difference; given the checkpoint's vocabulary, the data's too."""
     saved = {k: v for k, v in manifest["data_spec"].items() if k != "n_train"}
-    here = spec_of(dataset)
+    here = asdict(dataset.spec)
     diff = [f"{k} {saved[k]} -> {here.get(k)}" for k in saved if saved[k] != here.get(k)]
     if diff:
         raise ConfigError(f"data {type(dataset).__name__}: its spec differs from the checkpoint's "

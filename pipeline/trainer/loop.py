@@ -30,9 +30,9 @@ def clip(grads: dict[str, np.ndarray], norm: float, max_norm: float) -> bool:
     return True
 
 
-def evaluate(state: TrainState) -> dict[str, float]:
+def validate(state: TrainState) -> dict[str, float]:
     """Mean validation loss over the fixed validation batches, weighted by batch size, summed in batch order."""
-    loss = state.runner.evaluate(state.model, state.dataset.val_batches(state.dtype))
+    loss = state.runner.mean_loss(state.model, state.dataset.val_batches(state.dtype))
     out = {"val/loss": loss}
     if state.dataset.spec.vocab_size:
         out["val/ppl"] = math.exp(min(loss, 700.0))
@@ -130,7 +130,7 @@ def fit(state: TrainState, eval_every: int, on_step_end: Callable[[dict], bool],
         due = state.step % eval_every == 0 if eval_every > 0 else epoch_ended(state, record)
         if due or last:
             with np.errstate(all="ignore"):
-                record.update(evaluate(state))
+                record.update(validate(state))
         state.progress.metrics.update({k: v for k, v in record.items() if "/" in k})
         for cb in callbacks:
             cb.on_step_end(state, record)

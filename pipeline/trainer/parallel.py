@@ -119,7 +119,7 @@ class Shards:
             grads[name] = acc
         return loss, grads
 
-    def evaluate(self, model, batches: Iterable[Batch]) -> float:
+    def mean_loss(self, model, batches: Iterable[Batch]) -> float:
         """Mean of model.evaluate over the batches weighted by batch size, summed in batch order.
 
         Batches are taken `threads` at a time (only that many are held); a batch is evaluated whole by one
@@ -146,7 +146,7 @@ class Shards:
         if window:
             flush()
         if count == 0:
-            raise ValueError("evaluate got no samples: the validation batches are empty")
+            raise ValueError("mean_loss got no samples: the validation batches are empty")
         return total / count
 
     # -- the pool -----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import numpy as np
 
 from pipeline.files import jsonio
 from pipeline.data.iterator import DataIterator
+from pipeline.stateful import PARTS
 from pipeline.trainer.rng import Streams
 from pipeline.trainer.parallel import Shards
 
@@ -55,6 +56,7 @@ class TrainState:
     grad_clip: float = 0.0  # the largest global L2 norm of an update's gradient; 0: no clipping
     shards: int = 1  # pieces each micro-batch is split into (semantic: the dropout draws, the summation order)
     threads: int | None = None  # threads running the pieces (not semantic); None: the cores available
+    stages: object = None  # the stages' states (pipeline.stages.base.StageStates); the run layer builds them
     progress: Progress = field(default_factory=Progress)
     _runner: Shards | None = field(default=None, repr=False)
 
@@ -89,6 +91,8 @@ class TrainState:
             self._runner = None
 
     def parts(self) -> dict:
-        """The state machines under their checkpoint names (the job adds "stages")."""
-        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
-                "data_iter": self.iterator, "rng": self.streams, "progress": self.progress}
+        """Every state machine of pipeline.stateful.PARTS under its checkpoint name."""
+        return {name: getattr(self, ATTRIBUTE.get(name, name)) for name in PARTS}
+
+
+ATTRIBUTE = {"data_iter": "iterator", "rng": "streams"}  # the parts not held under their checkpoint names

@@ -1,20 +1,26 @@
-"""Pure comparisons of two summaries: max abs difference, non-finite values and structure, per state machine."""
+"""The one comparator of "the same state" (the verifier's summaries, roundtrip's state trees): exact is the same
+bytes; a tolerance loosens arrays only; a missing key, other structure or a non-finite array always fails."""
 from __future__ import annotations
 
 import json
 
 import numpy as np
 
-MACHINE_OF = {"model": "model", "optimizer": "optimizer", "scheduler": "scheduler", "data_iter": "data_iter",
-              "rng": "rng", "eval": "model"}
+from pipeline.stateful import PARTS, flat
+
+MISSING = object()
+MACHINE_OF = {**{p: p for p in PARTS}, "eval": "model"}
 # Per-update records after the cut, and which state machine a mismatch there points at first.
 RECORDS = {"records/ids": "data_iter", "records/lr": "scheduler", "records/loss": "model", "records/step": "data_iter"}
 
 
-def diff(a, b, atol: float, rtol: float) -> dict:
-    """{'max_abs_diff', 'ok', 'detail'} for two arrays; structure and non-finite values are failures."""
-    if a is None or b is None:
+def diff(a, b, atol: float = 0.0, rtol: float = 0.0) -> dict:
+    """{'max_abs_diff', 'ok', 'detail'} for two leaves (arrays, or JSON values: max_abs_diff None)."""
+    if a is MISSING or b is MISSING:
         return {"max_abs_diff": None, "ok": False, "detail": "missing on one side"}
+    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+        same = type(a) is type(b) and _json(a) == _json(b)
+        return {"max_abs_diff": None, "ok": same, "detail": "" if same else f"{_json(a)} vs {_json(b)}"}
     if a.shape != b.shape or a.dtype != b.dtype:
         return {"max_abs_diff": None, "ok": False, "detail": f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"}
     if a.size == 0:
@@ -24,18 +30,32 @@ def diff(a, b, atol: float, rtol: float) -> dict:
     if not finite.all():
         return {"max_abs_diff": None, "ok": False, "detail": f"{int((~finite).sum())} non-finite values"}
     d = np.abs(fa - fb)
-    ok = bool(np.all(d <= atol + rtol * np.abs(fb))) if (atol or rtol) else bool(np.array_equal(a, b))
+    if atol or rtol:
+        ok = bool(np.all(d <= atol + rtol * np.abs(fb)))
+    else:
+        ok = a.tobytes() == b.tobytes()
     return {"max_abs_diff": float(d.max()), "ok": ok, "detail": ""}
 
 
-def compare(reference: dict, other: dict, atol: float, rtol: float, keys: list[str] | None = None) -> dict[str, dict]:
+def _json(v) -> str:
+    # floats by their shortest repr, which round-trips (so differing bits differ); never a bare == on floats
+    return json.dumps(v, sort_keys=True, default=repr)
+
+
+def compare(reference: dict, other: dict, atol: float = 0.0, rtol: float = 0.0,
+            keys: list[str] | None = None) -> dict[str, dict]:
     """Every key of either side, compared; a key on one side only is a structural difference."""
     names = sorted(set(reference) | set(other)) if keys is None else keys
-    return {k: diff(reference.get(k), other.get(k), atol, rtol) for k in names}
+    return {k: diff(reference.get(k, MISSING), other.get(k, MISSING), atol, rtol) for k in names}
 
 
-def json_equal(a, b) -> bool:
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+def first_difference(a, b, name: str = "") -> str | None:
+    """Where two state trees (or two arrays) first differ, exactly, as "<path>: <why>"; None if they are the
+    same state."""
+    for key, r in compare(*(flat({name: t} if name else t) for t in (a, b))).items():
+        if not r["ok"]:
+            return f"{key}: {r['detail'] or 'values differ, by up to ' + repr(r['max_abs_diff'])}"
+    return None
 
 
 def machine(key: str) -> str:

@@ -52,7 +52,7 @@ def _worst(results: dict[str, dict]) -> float | None:
     return max(values) if values else None
 
 
-def evaluate(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
+def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     """The verification report from the four summaries on disk."""
     cont, cont_meta = read_summary(out / "continuous")
     intr, intr_meta = read_summary(out / "interrupted")
@@ -88,7 +88,7 @@ def evaluate(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
         "positive": positive,
         "negative_divergence_detected": negative,
         "all_checks_passed": positive and negative,
-        "tolerance": {"atol": atol, "rtol": rtol, "mode": "exact (np.array_equal)" if not (atol or rtol) else "allclose"},
+        "tolerance": {"atol": atol, "rtol": rtol, "mode": "exact (the same bytes)" if not (atol or rtol) else "allclose"},
         "cut": cut, "steps": steps,
         "cursor_at_cut": f"{intr_meta['cursor']}/{intr_meta['n_train']}",
         "epoch_at_cut": intr_meta["epoch"],
@@ -128,7 +128,7 @@ def run_protocol(config: dict, argv: list[str]) -> int:
     commands, error = run_workers(config, out, cut, steps)
     if error is None:
         try:
-            report = evaluate(out, cut, steps, atol, rtol)
+            report = verdict(out, cut, steps, atol, rtol)
         except (OSError, KeyError, ValueError) as e:
             error = f"could not read the summaries: {e}"
     if error is not None:

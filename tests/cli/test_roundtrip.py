@@ -58,9 +58,10 @@ def test_tied_minigpt_passes(tmp_path):
 def test_a_restore_that_forgets_the_rng_fails(tmp_path, monkeypatch):
     """The negative control: the checks can fail, and name what failed."""
     import pipeline.stateful
+    import pipeline.verify.worker
 
     real_restore = pipeline.stateful.restore
-    monkeypatch.setattr(roundtrip, "restore", lambda parts, tree, only=PARTS:
+    monkeypatch.setattr(pipeline.verify.worker, "restore", lambda parts, tree, only=PARTS:
                         real_restore(parts, tree, tuple(m for m in only if m != "rng")))
     code = roundtrip.main(["--in-process", "experiment=kernodeck", f"paths.output_dir={tmp_path}"])
     assert code == 1
@@ -68,6 +69,7 @@ def test_a_restore_that_forgets_the_rng_fails(tmp_path, monkeypatch):
     assert r["byte_equivalent_state_machines"] == [p for p in PARTS if p != "rng"]
     assert not r["all_byte_equal"] and "rng" in r["state_differences"]
     assert not r["continuation_test_passed"] and "losses" in r["continuation"]["differences"]
+    assert "state" in r["continuation"]["differences"]  # the continuation compares every part, rng included
     assert not r["passed"]
 
 

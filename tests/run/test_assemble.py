@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from conftest import config_of
-from pipeline.run.assemble import build
+from pipeline.run.assemble import assemble, build
 from pipeline.model.mlp import MLP
 from pipeline.optimizer.adam import Adam, AdamW
 from pipeline.scheduler.step import StepLR
+from pipeline.stages.base import StageStates
+from pipeline.stateful import PARTS
 from pipeline.trainer.loop import train_step
 
 
@@ -113,3 +115,24 @@ def test_the_job_is_plain_values_and_live_objects(kernodeck):
     walk(job, set())
     assert job.run_dir.parent.name == "runs" and job.run_dir.name.startswith("kernodeck-")
     assert job.facts["config"] is job.config and job.facts["seed"] == 42
+
+
+def test_the_parts_are_the_one_list_of_state_machines(kernodeck):
+    job = build(kernodeck)
+    assert list(job.parts) == list(PARTS)
+    live = job.state
+    assert [job.parts[p] for p in PARTS] == [live.model, live.optimizer, live.scheduler, live.iterator,
+                                             live.progress, live.stages, live.streams]
+    assert type(live.stages) is StageStates and job.stages is live.stages.stages
+    assert {s.name for s in job.stages} == {k for k, v in kernodeck["stages"].items() if v is not None} != set()
+
+
+def test_assemble_gives_the_verifier_and_roundtrip_a_runs_parts_and_facts(kernodeck):
+    """What a run's manifest says of itself, a run of the same config assembled elsewhere says too."""
+    run, alone = build(kernodeck), assemble(kernodeck)
+    assert alone.facts == run.facts and alone.sources == run.sources and alone.facts["n_params"] == 33
+    assert alone.tracker is None and alone.run_dir is None
+    for name, a in run.parts.items():
+        assert type(alone.parts[name]) is type(a)
+    for k, p in run.state.model.params.items():
+        assert np.array_equal(alone.state.model.params[k], p)

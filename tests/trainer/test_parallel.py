@@ -160,7 +160,7 @@ def test_blas_is_single_threaded_while_open_and_restored_by_close():
         assert set(blas_threads()) == {1}
         loss, grads = s.loss_and_grads(Spy(), rows(4), None)
         threadpool_limits(2, "blas")  # someone else's setting between calls is undone at the next call
-        s.evaluate(Spy(), [rows(4), rows(3)])
+        s.mean_loss(Spy(), [rows(4), rows(3)])
     assert loss == 1.0 and np.array_equal(grads["w"], [2.0, 2.0])  # (2 + 2) / 2
     assert len(seen) == 4 and all(t == {1} for t in seen)
     assert blas_threads() == before
@@ -170,7 +170,7 @@ def test_blas_is_single_threaded_while_open_and_restored_by_close():
 
 
 @pytest.mark.parametrize("threads", THREADS)
-def test_evaluate_is_the_batch_size_weighted_mean_in_batch_order(threads):
+def test_mean_loss_is_the_batch_size_weighted_mean_in_batch_order(threads):
     model = minigpt(0.2)
     batches = [tokens(B, seed=s) for s, B in enumerate((4, 3, 4, 1, 2))]
     total, count = 0.0, 0
@@ -178,10 +178,10 @@ def test_evaluate_is_the_batch_size_weighted_mean_in_batch_order(threads):
         total += model.evaluate(b) * len(b.ids)
         count += len(b.ids)
     with Shards(2, threads) as s:
-        assert s.evaluate(model, iter(batches)) == total / count
-        assert s.evaluate(model, [tokens(0), *batches, tokens(0)]) == total / count  # empty batches skipped
+        assert s.mean_loss(model, iter(batches)) == total / count
+        assert s.mean_loss(model, [tokens(0), *batches, tokens(0)]) == total / count  # empty batches skipped
         with pytest.raises(ValueError, match="no samples"):
-            s.evaluate(model, [])
+            s.mean_loss(model, [])
 
 
 class Boom(Exception):
