@@ -309,7 +309,8 @@ def _say_parent(sweep: dict, answer: dict | None) -> None:
         log.info("mlflow: sweep parent run %s%s", answer["uri"], " (continued)" if answer.get("reused") else "")
     else:
         log.warning("mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
-                    "index them with `python -m pipeline.reindex`.", sweep["uri"], answer.get("message", "unknown error"))
+                    "index them with `python -m pipeline.reindex`.", sweep["uri"],
+                    answer.get("message", "unknown error"))
 
 
 def _where_parent(sweep: dict, answer: dict | None) -> list[str]:
