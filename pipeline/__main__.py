@@ -76,11 +76,12 @@ def main() -> None:
         from omegaconf import OmegaConf
 
         from pipeline.run import job as app
+        from pipeline.tracking.sweep_callback import job_of
 
-        config = _plain(cfg)
         hydra_cfg = HydraConfig.get()
-        return app.main(config, list(hydra_cfg.overrides.task), OmegaConf.to_yaml(cfg),
-                        multirun=hydra_cfg.mode == RunMode.MULTIRUN)
+        sweep = job_of(hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else None
+        config = _plain(cfg)
+        return app.main(config, list(hydra_cfg.overrides.task), OmegaConf.to_yaml(cfg), sweep)
 
     try:
         task()
@@ -89,45 +90,21 @@ def main() -> None:
             # the handler's exception, raised inside a library (composing, building), came out as another one
             raise Interrupted(SIGNALS_STATE.received) from e
         from pipeline.files.atomic import environment_error
+        from pipeline.tracking.sweep_callback import end_unfinished  # a sweep whose sweeper raised: its end
 
         if (message := environment_error(e)) is not None:  # a full or read-only disk, outside any one job
             try:
-                _sweep_end(message)  # a sweep's sweep.json says failed, if the disk lets it
+                end_unfinished(message)  # a sweep's sweep.json says failed, if the disk lets it
             except OSError:
                 pass
             print(f"pipeline: {message}", file=sys.stderr)
             sys.exit(EXIT_ERROR)
-        if started and _sweep_end(f"{type(e).__name__}: {e}"):
+        if started and end_unfinished(f"{type(e).__name__}: {e}"):
             raise  # an error inside a job: its traceback, exit 1
         if started or not report_own:
             raise
         print(f"pipeline: bad config or override: {_one_line(e)}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    if summary := _sweep_end(None):
-        _exit_for(summary)
-
-
-def _sweep_end(error: str | None) -> dict:
-    """A multirun's outcome (nothing for a single run): recorded by its sweep callback, once."""
-    from pipeline.tracking import sweep_callback
-
-    return sweep_callback.ACTIVE.end(error) if sweep_callback.ACTIVE is not None else {}
-
-
-def _exit_for(summary: dict) -> None:
-    """A sweep ends with its table (stderr, beside the verdict) and exits 0 only if every job completed: 75
-    if it was interrupted, else the first failure's code."""
-    for line in summary.get("table") or []:
-        print(line, file=sys.stderr)
-    failed = summary.get("failed") or {}
-    if summary.get("status") == "interrupted":
-        print(f"pipeline: the sweep was interrupted; {len(failed)} of {len(summary['jobs'])} jobs did not finish: "
-              "re-run the same command to continue it", file=sys.stderr)
-        sys.exit(EXIT_PREEMPTED)
-    if failed:
-        listing = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}" for n, j in failed.items())
-        print(f"pipeline: {len(failed)} of {len(summary['jobs'])} jobs failed: {listing}", file=sys.stderr)
-        sys.exit(min(int(j.get("code", 1)) for j in failed.values()))
 
 
 def _main() -> None:

@@ -46,6 +46,18 @@ def test_no_import_cycle_between_subpackages_and_modules():
             visit(n, [])
 
 
+def test_the_entry_the_run_and_tracking_share_no_state_through_globals():
+    """The job, the sweep's parent and the tracker are passed as objects: no `global` statement in these layers,
+    and the run layer imports nothing of tracking (the cycle test above checks the rest)."""
+    shared = [(name, n.names) for name, tree in modules().items() if unit(name) in ("run", "tracking", "__main__")
+              for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    assert shared == []
+    run_imports = [node.module for name, tree in modules().items() if unit(name) == "run"
+                   for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+                   and node.module.startswith("pipeline.tracking")]
+    assert run_imports == []
+
+
 def test_one_module_knows_where_checkpoints_live():
     spelled = [name for name, tree in modules().items()  # path / "checkpoints"
                if any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and isinstance(n.right, ast.Constant)

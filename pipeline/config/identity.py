@@ -108,9 +108,10 @@ def semantic_hash(config: dict, sources: dict[str, str] | None = None) -> str:
     return config_hash(semantic_config(config, sources))
 
 
-def run_name(config: dict, sources: dict[str, str] | None = None) -> str:
-    """<experiment name>-<12 hex of the semantic config's sha256>: the stable run directory name."""
-    return f"{config.get('name', 'run')}-{semantic_hash(config, sources)[:12]}"
+def run_name(config: dict, sources: dict[str, str] | None = None, semantic: str | None = None) -> str:
+    """<experiment name>-<12 hex of the semantic config's sha256>: the stable run directory name (`semantic`:
+    that hash, if the caller has it already)."""
+    return f"{config.get('name', 'run')}-{(semantic or semantic_hash(config, sources))[:12]}"
 
 
 def changed_keys(old: dict, new: dict) -> dict[str, tuple]:

@@ -27,6 +27,8 @@ from pipeline.data.base import DataSpec, inference_facts
 from pipeline.data.iterator import DataIterator
 from pipeline.trainer.rng import Streams
 from pipeline.config.schema import ConfigError, validate
+from pipeline.run.sweep import SweepJob
+from pipeline.run.tracker import Tracker
 from pipeline.stages.base import StageStates
 from pipeline.trainer.state import TrainState
 
@@ -90,13 +92,10 @@ def build_stages(config: dict) -> list:
     return sorted(stages, key=lambda s: s.order)
 
 
-def build_tracker(config: dict):
+def build_tracker(config: dict, sweep: SweepJob | None = None) -> Tracker:
+    """The `tracking` node's tracker (no node: the protocol's no-op), told which sweep job it tracks."""
     tracking = config.get("tracking")
-    if tracking is None:
-        from pipeline.tracking.base import NullTracker
-
-        return NullTracker()
-    return instantiate(tracking)
+    return Tracker() if tracking is None else _call(tracking, sweep=sweep)
 
 
 def data_spec(dataset) -> dict:
@@ -125,9 +124,9 @@ class Job:
         return self.facts["semantic_config_hash"]
 
 
-def run_dir_for(config: dict, sources: dict) -> Path:
+def run_dir_for(config: dict, semantic_hash: str) -> Path:
     """<runs_dir>/<name>-<semantic hash>; resume=never gets a fresh, unique sibling."""
-    name = identity.run_name(config, sources)
+    name = identity.run_name(config, semantic=semantic_hash)
     if config["resume"]["source"] == "never":
         name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     return Path(config["paths"]["runs_dir"]) / name
@@ -160,11 +159,11 @@ def assemble(config: dict, sources: dict | None = None) -> Job:
     return Job(config, state, sources, facts)
 
 
-def build(config: dict) -> Job:
+def build(config: dict, sweep: SweepJob | None = None) -> Job:
     """The whole job, or ConfigError (one line) for a bad value, a missing file, or groups that clash."""
     validate(config)
     check_pairing(config)
-    tracker = build_tracker(config)
+    tracker = build_tracker(config, sweep)
     tracker.prepare()  # the tracking agent starts (or is found warm) while the data and the model are built
     try:
         sources = identity.source_hashes(config)
@@ -175,5 +174,5 @@ def build(config: dict) -> Job:
         job = assemble(config, sources)
     except (ValueError, OSError) as e:
         raise ConfigError(str(e)) from None
-    job.tracker, job.run_dir = tracker, run_dir_for(config, sources)
+    job.tracker, job.run_dir = tracker, run_dir_for(config, job.facts["semantic_config_hash"])
     return job

@@ -24,43 +24,43 @@ from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.config.schema import ConfigError
 from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, SIGNALS_STATE, SWEEP, Interrupted
 from pipeline.run.slurm import requeue_self
-from pipeline.tracking.common import CURRENT_JOB
+from pipeline.run.sweep import SweepJob
 from pipeline.trainer.metrics_log import QuietFileHandler
 
 log = logging.getLogger("pipeline")
 
 
 class JobFailed(Exception):
-    """A job of a multirun that ended with an exit code: its sweep records it and goes on with the others."""
+    """A job that ends with an exit code: a single run exits with it; a multirun's sweep records it and goes
+    on with the others. `requeue`: stopped by a signal or its time budget."""
 
-    def __init__(self, code: int, message: str):
-        self.code = code
+    def __init__(self, code: int, message: str, requeue: bool = False):
+        self.code, self.requeue = code, requeue
         super().__init__(message)
 
 
-_MULTIRUN = False
-
-
 def fail(code: int, message: object, requeue: bool = False) -> None:
+    raise JobFailed(code, str(message), requeue)
+
+
+def _failed(e: JobFailed, sweep: SweepJob | None) -> float:
     """One line on stderr, and the exit code: at once for a single run; for a multirun job, its failure.
 
     A run stopped by a signal or its time budget (`requeue`) inside a SLURM job makes sure the job runs again
     (pipeline.run.slurm); the process then exits rather than returning, so submitit waits for the requeued job.
     (Not a job whose sweep was stopped: its launcher is ending the sweep, and the identical command
     continues it.)"""
-    print(f"pipeline: {message}", file=sys.stderr)
-    sweep_dir = CURRENT_JOB.get("sweep_dir") if _MULTIRUN else None
-    if SIGNALS_STATE.sweep_interrupted(sweep_dir):
-        requeue = False  # its sweep's launcher stopped it: requeued, it would only be held back again
-    if requeue and (slurm := requeue_self()) is not None:
+    print(f"pipeline: {e}", file=sys.stderr)
+    requeue = e.requeue and not SIGNALS_STATE.sweep_interrupted(sweep.dir if sweep is not None else None)
+    if requeue and (slurm := requeue_self()) is not None:  # (a stopped sweep's launcher holds it back anyway)
         requeued, said = slurm
         print(f"pipeline: {said}", file=sys.stderr)
         if requeued:
-            sys.exit(code)
-    if _MULTIRUN:
-        CURRENT_JOB["failure"] = {"code": code, "error": str(message)[:2000]}
-        raise JobFailed(code, str(message))
-    sys.exit(code)
+            sys.exit(e.code)
+    if sweep is None:
+        sys.exit(e.code)
+    sweep.failure = {"code": e.code, "error": str(e)[:2000]}
+    return math.nan  # the sweep goes on; its end says which jobs failed and why
 
 
 def objective(job, name: str | None) -> float:
@@ -71,53 +71,61 @@ def objective(job, name: str | None) -> float:
     return float(job.state.metrics.get(name, math.nan))
 
 
-def main(config: dict, overrides: list[str], config_yaml: str, multirun: bool = False) -> float:
-    """Run one job; its objective, or (a single run) the process exits with a code other than 0."""
-    global _MULTIRUN
-    _MULTIRUN = multirun
-    try:
-        if multirun:
-            sweep_dir = CURRENT_JOB.get("sweep_dir")
-            SIGNALS_STATE.install()  # a joblib or submitit worker: this job's own signals
-            if SIGNALS_STATE.sweep_interrupted(sweep_dir):
-                fail(EXIT_PREEMPTED, "the sweep was interrupted before this job started; re-run the same command")
-            if SIGNALS_STATE.mode != SWEEP:
-                SIGNALS_STATE.received = None  # a worker's earlier job was stopped; this one starts afresh
-        return _main(config, overrides, config_yaml)
-    except JobFailed:
-        return math.nan  # the sweep goes on; its end says which jobs failed and why
-    except Interrupted as e:
-        if not multirun:
-            raise
+def main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None = None) -> float:
+    """Run one job; its objective, or (a single run) the process exits with a code other than 0. A multirun's
+    job (`sweep`) records itself in its sweep at its end, an exception out of it included."""
+    if sweep is None:
         try:
-            fail(EXIT_PREEMPTED, f"interrupted by {e} before the run started", requeue=True)
-        except JobFailed:
-            return math.nan
+            return _main(config, overrides, config_yaml, None)
+        except JobFailed as e:
+            return _failed(e, None)
+    try:
+        value = _multirun(config, overrides, config_yaml, sweep)
+    except Exception as e:
+        sweep.record(error=e)
+        raise
+    sweep.record(value)
+    return value
 
 
-def _main(config: dict, overrides: list[str], config_yaml: str) -> float:
+def _multirun(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob) -> float:
+    try:
+        SIGNALS_STATE.install()  # a joblib or submitit worker: this job's own signals
+        if SIGNALS_STATE.sweep_interrupted(sweep.dir):
+            fail(EXIT_PREEMPTED, "the sweep was interrupted before this job started; re-run the same command")
+        if SIGNALS_STATE.mode != SWEEP:
+            SIGNALS_STATE.received = None  # a worker's earlier job was stopped; this one starts afresh
+        return _main(config, overrides, config_yaml, sweep)
+    except JobFailed as e:
+        return _failed(e, sweep)
+    except Interrupted as e:
+        return _failed(JobFailed(EXIT_PREEMPTED, f"interrupted by {e} before the run started", requeue=True), sweep)
+
+
+def _main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None) -> float:
     # Directories this command creates (the output directory, runs/, data/): removed again if the command
     # ends without a run (refused, interrupted, failed) and they are still empty; nothing older is touched.
     made = NewDirs(config["paths"]["output_dir"], config["paths"]["runs_dir"],
                    Path(config["paths"]["output_dir"]) / "data")
     try:
-        return _job(config, overrides, config_yaml)
+        return _job(config, overrides, config_yaml, sweep)
     except BaseException:
-        if not _MULTIRUN:
+        if sweep is None:
             made.prune()
         raise
 
 
-def _job(config: dict, overrides: list[str], config_yaml: str) -> float:
+def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None) -> float:
     try:
-        job = build(config)
+        job = build(config, sweep)
     except ConfigError as e:
         fail(EXIT_BAD_INPUT, e)
     except OSError as e:
         _environment(e)
         raise
     rundir = RunDir(job.run_dir)
-    CURRENT_JOB["run_dir"] = str(rundir.path)
+    if sweep is not None:
+        sweep.run_dir = str(rundir.path)
     log.info("run directory: %s", rundir.path)
     created = not rundir.path.exists()
     try:
@@ -132,8 +140,9 @@ def _job(config: dict, overrides: list[str], config_yaml: str) -> float:
     logging.getLogger().addHandler(held)
     file_handler = None
     try:
-        started = CURRENT_JOB.get("started") or time.time() - budget.process_age()  # a job's, or this process's
-        run = Run(job, rundir, SIGNALS_STATE, started=started, overrides=overrides)
+        started = (sweep and sweep.started) or time.time() - budget.process_age()  # a job's, or this process's
+        run = Run(job, rundir, SIGNALS_STATE, started=started, overrides=overrides,
+                  in_sweep=sweep is not None and sweep.dir is not None)
         try:
             run.setup()  # a signal here stops the process at once: set-up writes nothing but supersede()
             if SIGNALS_STATE.received is not None:  # one that came while a step could not be cut short
@@ -178,7 +187,8 @@ def _job(config: dict, overrides: list[str], config_yaml: str) -> float:
                 _environment(e, said + (f"; the run continues from its checkpoint of step {kept[-1][0]}" if kept
                                         else ""))
                 raise
-            CURRENT_JOB["run_uri"] = job.facts.get("mlflow_run_uri")
+            if sweep is not None:
+                sweep.run_uri = job.facts.get("mlflow_run_uri")
             if code:
                 fail(code, f"preempted at step {job.state.step}; re-run the same command to resume", requeue=True)
             return objective(job, config.get("optimized_metric"))

@@ -34,7 +34,6 @@ from pipeline.trainer import curves
 from pipeline.trainer.display import Display
 from pipeline.trainer.loop import epoch_ended, epochs_done, fit, metrics_of
 from pipeline.trainer.metrics_log import MetricsLog
-from pipeline.tracking.common import CURRENT_JOB
 
 log = logging.getLogger("pipeline")
 
@@ -59,8 +58,9 @@ def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
 
 class Run:
     def __init__(self, job: Job, rundir: RunDir, signals: Signals, started: float | None = None,
-                 overrides: list[str] | None = None):
+                 overrides: list[str] | None = None, in_sweep: bool = False):
         self.job, self.rundir, self.signals = job, rundir, signals
+        self.in_sweep = in_sweep  # a sweep's job: its siblings differ on purpose, and its time is its own
         self.overrides = list(overrides or [])  # the command's, for the identical command in the end summary
         self.job_started = started or time.time()  # a sweep's job: when it started, not its process
         self.state = job.state
@@ -83,7 +83,7 @@ class Run:
             self.metrics_kept = []  # lines a killed earlier attempt logged before its first checkpoint
         self.lineage = lineage_of(self.job.semantic_hash, None)
         log.info("starting a new run in %s", self.rundir.path)
-        if CURRENT_JOB.get("job") is None:  # in a sweep, the siblings differ on purpose
+        if not self.in_sweep:
             _say_if_a_sibling_differs(self.job, self.rundir.path)
 
     def resume_own(self, allow: list[str]) -> None:
@@ -321,10 +321,9 @@ class Run:
         except BaseException as e:
             self._failed(environment_error(e) or f"{type(e).__name__}: {e}")
             raise
-        in_sweep = CURRENT_JOB.get("job") is not None  # a sweep's job: its own time, not its process's
         log.info("done at step %d (%s) after %.1f s in this %s: %s", self.state.step, self.state.progress.ended,
-                 time.time() - self.job_started if in_sweep else budget.process_age(),
-                 "job" if in_sweep else "process",
+                 time.time() - self.job_started if self.in_sweep else budget.process_age(),
+                 "job" if self.in_sweep else "process",
                  " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
         self._summary("complete")
         tracker.finish("FINISHED", self.rundir.path)

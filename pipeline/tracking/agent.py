@@ -14,7 +14,7 @@ Protocol: JSON lines; each request names a session `sid` unique on its connectio
                                      the run directory's lock), index the whole run directory    -> finished
   {"op": "attach", "sid", "uri", "artifact_location", "run_dir", "parent", "job"}  a run done before -> finished
   {"op": "parent_start", "sid", "uri", "artifact_location", "sweep_id", "sweep_dir"}  from its sweep.json -> ready
-  {"op": "sweep_end", "sid", "uri", "sweep_dir", "parent"}  complete the parent from the sweep dir -> finished
+  {"op": "sweep_end", "sid", "uri", "sweep_dir", "parent"}  complete the parent from the sweep dir -> finished {uri}
   {"op": "ping", "sid", "uri"}                   open the store now (warm it)              -> pong
   {"op": "idle", "sid"}        answered once no other client is connected and no run is open or finishing
                                (the index is complete: for tests and benchmarks)            -> idle
@@ -239,12 +239,14 @@ class Agent:
                      "run_id": run.info.run_id, "experiment_id": experiment_id, "reused": not created})
 
     def sweep_end(self, s: Session, m: dict) -> None:
+        from pipeline.tracking.common import run_uri
         from pipeline.tracking.index import sync_parent
 
         client = self.client(m["uri"])
         r = sync_parent(client, m["uri"], Path(m["sweep_dir"]), self.artifact_roots.get(m["uri"]),
                         self.parent_of(client, m["parent"]), children=False)
-        s.conn.send({"sid": s.sid, "event": "finished", "status": r["status"], "children": r["children"]})
+        s.conn.send({"sid": s.sid, "event": "finished", "status": r["status"], "children": r["children"],
+                     "uri": run_uri(m["uri"], r["experiment_id"], r["run_id"])})
 
     def ping(self, s: Session, m: dict) -> None:
         self.client(m["uri"], m.get("artifact_location"))

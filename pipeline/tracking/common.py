@@ -26,10 +26,6 @@ FINAL_WEIGHTS_ARTIFACT = "final/weights.safetensors"
 FINAL_MANIFEST_ARTIFACT = "final/manifest.json"
 TRACKER_TARGETS = ("pipeline.tracking.mlflow_tracker.MlflowTracker",)
 
-# Set by the sweep callback in each job's process (on_job_start), read by the job's tracker: the parent run.
-# A process-global on purpose: joblib's workers run one job at a time, and on_job_start resets it for each.
-CURRENT_JOB: dict = {"parent": None, "tracker": None}
-
 _RUN_ROUTE = re.compile(r"^/?experiments/([^/]+)/runs/([0-9a-fA-F]{32})/?$")
 
 

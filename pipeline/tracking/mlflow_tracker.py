@@ -31,9 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.tracking.base import Tracker
-from pipeline.tracking.common import (CURRENT_JOB, artifact_root, normalize_tracking_uri, params_of,
-                                      store_problem, tags_of)
+from pipeline.run.sweep import SweepJob
+from pipeline.run.tracker import Tracker
+from pipeline.tracking.common import artifact_root, normalize_tracking_uri, params_of, store_problem, tags_of
 
 log = logging.getLogger("pipeline")
 # Seconds a process inside a SLURM job waits at its exit for the agent to complete its runs (the pre-agent
@@ -67,7 +67,7 @@ class MlflowTracker(Tracker):
     """conf/tracking/mlflow.yaml (sqlite under the output directory) and conf/tracking/server.yaml (http)."""
 
     def __init__(self, uri: str, experiment: str = "default", artifact_location: str | None = None,
-                 wait: float = 1.0, **_):
+                 wait: float = 1.0, sweep: SweepJob | None = None, **_):
         self.uri = normalize_tracking_uri(uri)
         self.experiment = str(experiment)
         self.artifact_location = artifact_root(self.uri, artifact_location)  # None: the server chooses
@@ -79,8 +79,9 @@ class MlflowTracker(Tracker):
         self._uri: str | None = None
         self.failed = self.finished = False
         self._warned = threading.Lock()
-        self.job = CURRENT_JOB.get("job")
-        self.parent = CURRENT_JOB.get("parent")
+        self.job = sweep.tags if sweep is not None else None  # a sweep's job: its child run's tags
+        self.parent = sweep.parent if sweep is not None else None
+        self.off = sweep.tracking_off if sweep is not None else None  # the sweep said why, once
 
     def _wait_for(self, event: threading.Event, timeout: float) -> bool:
         """event.wait, within what is left of the job's bound on waiting for tracking."""
@@ -96,8 +97,8 @@ class MlflowTracker(Tracker):
 
     def prepare(self) -> None:
         """Find or start the agent now, and have it open the store, while the job builds its data and model."""
-        if CURRENT_JOB.get("disabled"):
-            self.failed = True  # the sweep said why, once
+        if self.off:
+            self.failed = True
             return
         t0 = time.monotonic()
         problem = store_problem(self.uri, timeout=self.wait / 2)

@@ -8,15 +8,17 @@ Configured under `hydra.callbacks` in conf/config.yaml; nothing happens in a sin
   same sweep: the same directory `<output_dir>/sweeps/<name>-<id>/` (multirun.yaml, the sweeper's results,
   sweep.json, jobs/<num>.json) and, with mlflow tracking, the same parent run. Signals are passed on to the
   running jobs from now on (pipeline/run/signals.py). The parent is created (or found) through the machine's
-  tracking agent; its coordinates are plain attributes of this object, which Hydra pickles to every job.
-  For the Optuna sweeper, the direction follows best-val's mode unless set on the command line.
-- on_job_start / on_job_end (each job's process): the job learns its parent, its name (the swept values)
-  and number; at its end it records itself in jobs/<num>.json (run directory, status, objective, error).
-- on_multirun_end, or the entry point when the sweeper raised: sweep.json gets the outcome and the parent
-  is completed from the sweep directory (pipeline/tracking/index.py, as `reindex` would): status (KILLED if
-  interrupted, FAILED if a job failed), which jobs failed and why, the best child, multirun.yaml and the
-  sweeper's results as artifacts. Neither end waits for mlflow: the agent does this after the launcher exits
-  (on SLURM the end waits for it, bounded: the agent may be one a job started, which SLURM ends with it).
+  tracking agent, which the jobs name it to by the sweep's id. For the Optuna sweeper, the direction
+  follows best-val's mode unless set on the command line.
+- each job's process: the Hydra task builds the job's SweepJob (job_of: its parent, its name from the swept
+  values, its number) from sweep.json, and the job records itself in jobs/<num>.json at its end (run
+  directory, status, objective, error; pipeline/run/sweep.py).
+- on_multirun_end, or the entry point when the sweeper raised (end_unfinished): sweep.json gets the outcome
+  and the parent is completed from the sweep directory (pipeline/tracking/index.py, as `reindex` would):
+  status (KILLED if interrupted, FAILED if a job failed), which jobs failed and why, the best child,
+  multirun.yaml and the sweeper's results as artifacts; on_multirun_end then prints the sweep's table and
+  exits with its code. Neither end waits for mlflow: the agent does this after the launcher exits (on SLURM
+  the end waits for it, bounded: the agent may be one a job started, which SLURM ends with it).
 """
 from __future__ import annotations
 
@@ -34,14 +36,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeline.files import jsonio
 from pipeline.files.atomic import ensure_dirs, environment_error, replace_file
 from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, SIGNALS_STATE
-from pipeline.tracking.common import (CURRENT_JOB, artifact_root, is_machine_key, is_mlflow_tracking,
-                                      normalize_tracking_uri, store_problem)
+from pipeline.run.sweep import SWEEP_DIR_ENV, SweepJob
+from pipeline.tracking.common import (artifact_root, is_machine_key, is_mlflow_tracking, normalize_tracking_uri,
+                                      store_problem)
 
 log = logging.getLogger("pipeline")
-SWEEP_DIR_ENV = "PIPELINE_SWEEP_DIR"  # read by conf/config.yaml's hydra.sweep.dir, in the launcher and every job
 END_WAIT = 1.0  # seconds the launcher waits for its last messages to the tracking agent to be on their way
-ACTIVE: "MlflowSweepCallback | None" = None  # the launching process's sweep, for the entry point to finish
-_PARENT_REQUEST = None  # the launcher's pending parent_start (not an attribute: jobs get a pickled copy)
 # Sweeper settings that do not make another sweep: where Optuna keeps the study (set here, in the sweep
 # directory) and how many trials it should hold (a re-run with more continues the same study).
 NOT_IDENTITY = ("storage", "study_name", "n_trials")
@@ -116,15 +116,33 @@ def _slurm_jobs(launcher) -> Path | None:
     return Path(prefix) if prefix.endswith("/") else Path(prefix).parent
 
 
+def parent_of(sweep: dict) -> dict | None:
+    """How the jobs and the end name the sweep's parent run to the agent: by the sweep's id (None: untracked)."""
+    return {"sweep_id": sweep["id"]} if "uri" in sweep and not sweep.get("tracking_off") else None
+
+
+def job_of(hydra_cfg) -> SweepJob:
+    """The job a multirun's task runs, from its sweep's sweep.json (its launcher wrote it before any job) and
+    Hydra's job number and overrides; a SweepJob without a directory if there is no sweep callback."""
+    directory = os.environ.get(SWEEP_DIR_ENV)
+    if not directory:
+        return SweepJob()
+    sweep = jsonio.read(Path(directory) / "sweep.json", 1 << 24)
+    overrides = [str(o) for o in hydra_cfg.overrides.task]
+    return SweepJob(dir=Path(directory), sweep_id=sweep["id"], overrides=overrides,
+                    num=int(hydra_cfg.job.get("num", 0)) + int(sweep.get("job_offset") or 0),
+                    name=job_name(overrides, sweep["swept"]), parent=parent_of(sweep),
+                    tracking_off=sweep.get("tracking_off"), started=time.time())
+
+
 class MlflowSweepCallback(Callback):
     def __init__(self) -> None:
-        self.sweep: dict | None = None  # id, dir, name, swept, uri, direction: plain data, pickled to the jobs
-        self.parent: dict | None = None  # {"run_id", "experiment_id"} of the parent run
-        self.disabled: str | None = None  # why tracking is off for this sweep (said once, here)
-        self.launcher_pid: int | None = None
+        self.sweep: dict | None = None  # what sweep.json says: id, dir, name, swept, uri, direction, status ...
         self.slurm = False  # a SLURM sweep, or a launcher inside a SLURM job: its end waits for the parent
-        self.ended = False
-        self.summary: dict = {}
+        self.parent_request = None  # the agent's answer to parent_start, in the launching process only
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "parent_request": None}  # Hydra pickles this object to every job
 
     # --- the launching process
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
@@ -144,7 +162,6 @@ class MlflowSweepCallback(Callback):
             _stop(EXIT_ERROR, message)
 
     def _start(self, config: DictConfig, hydra, task: list[str], sweeper: dict, identity: dict) -> None:
-        global ACTIVE
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
         output_dir = Path(str(config.paths.output_dir))
         directory = ensure_dirs(output_dir, "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
@@ -174,150 +191,143 @@ class MlflowSweepCallback(Callback):
                       "launcher": str(hydra.launcher.get("_target_", "")), "sweeper": str(sweeper.get("_target_", "")),
                       "overrides": task, "started": started, "status": "running", "pid": os.getpid(),
                       "host": socket.gethostname(), "git_sha": git_info().get("git_sha"), "job_offset": offset}
-        self.launcher_pid = os.getpid()
-        ACTIVE = self
         tracking = config.get("tracking")
         if is_mlflow_tracking(tracking):
-            self.sweep["uri"] = normalize_tracking_uri(str(tracking.uri))
+            uri = self.sweep["uri"] = normalize_tracking_uri(str(tracking.uri))
             self.sweep["experiment"] = str(tracking.experiment)
             location = tracking.get("artifact_location")  # a tracking server chooses its own: None
-            self.sweep["artifact_location"] = artifact_root(self.sweep["uri"], str(location) if location else None)
+            self.sweep["artifact_location"] = artifact_root(uri, str(location) if location else None)
+            if problem := store_problem(uri, timeout=END_WAIT / 2):
+                self.sweep["tracking_off"] = problem  # the jobs read it: said once, here
+                log.warning("mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their "
+                            "manifests; index them later with `python -m pipeline.reindex`.", uri, problem)
         replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
-        if "uri" in self.sweep:
+        if parent_of(self.sweep) is not None:
             self._start_parent()
         log.info("sweep %s: %s", sweep_id, directory)
 
     def _start_parent(self) -> None:
         """Ask the agent for the parent run without waiting: jobs start at once and name their parent by the
-        sweep's id (the agent answers in order); end() reads the answer."""
-        global _PARENT_REQUEST
+        sweep's id (the agent answers in order); the end reads the answer."""
         from pipeline.tracking.link import Request, agent_for
         from pipeline.tracking.mlflow_tracker import agent_log
 
         s = self.sweep
-        problem = store_problem(s["uri"], timeout=END_WAIT / 2)
-        if problem:
-            self.disabled = problem
-            log.warning("mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their manifests; "
-                        "index them later with `python -m pipeline.reindex`.", s["uri"], problem)
-            return
         link = agent_for(s["uri"], agent_log(s["uri"]))  # at once: the agent starts beside the jobs
-        _PARENT_REQUEST = Request()
-        link.send({"op": "parent_start", "sid": link.register(_PARENT_REQUEST), "uri": s["uri"],
+        self.parent_request = Request()
+        link.send({"op": "parent_start", "sid": link.register(self.parent_request), "uri": s["uri"],
                    "artifact_location": s.get("artifact_location"), "sweep_id": s["id"], "sweep_dir": s["dir"]})
-        self.parent = {"sweep_id": s["id"]}
-
-    def _say_parent(self) -> None:
-        """The parent run's URI if the agent has answered by now; a warning if it failed (never a wait)."""
-        answer = _PARENT_REQUEST.event if _PARENT_REQUEST is not None else None
-        if answer is None:
-            log.info("mlflow: the tracking agent completes the sweep's parent run after this process exits")
-        elif answer.get("event") == "ready":
-            log.info("mlflow: sweep parent run %s%s", answer["uri"], " (continued)" if answer.get("reused") else "")
-        else:
-            log.warning("mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
-                        "index them with `python -m pipeline.reindex`.", self.sweep["uri"],
-                        answer.get("message", "unknown error"))
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        self.end(None)
-
-    def end(self, error: str | None) -> dict:
-        """The sweep's outcome, recorded in sweep.json and its parent run; returns {"status", "failed"}."""
-        if self.sweep is None or os.getpid() != self.launcher_pid:
-            return {}
-        if self.ended:
-            return self.summary
-        directory = Path(self.sweep["dir"])
-        jobs = read_jobs(directory)
-        failed = {n: j for n, j in jobs.items() if j.get("status") != "complete"}
-        interrupted = SIGNALS_STATE.received is not None or any(j.get("code") == EXIT_PREEMPTED for j in jobs.values())
-        status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
-        self.sweep.update(status=status, ended_at=time.time(), error=error)
-        replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
-        if self.parent is not None:
-            self._end_parent(directory)
-        from pipeline.tracking.summary import sweep_table
-
-        table = sweep_table(self.sweep, jobs, best_job(jobs, self.sweep["direction"]), self._where_parent())
-        self.ended, self.summary = True, {"status": status, "failed": failed, "jobs": jobs, "table": table}
-        return self.summary
-
-    def _end_parent(self, directory: Path) -> None:
-        """Hand the parent's end to the agent, which completes it from the sweep directory (naming the parent
-        by the sweep's id, as the jobs do); `python -m pipeline.reindex` if it cannot. Not waited for (at
-        most END_WAIT for the message to be on its way), except on SLURM: there the agent may be one a job
-        started, which SLURM ends with that job, and a SLURM sweep's launcher has waited for its jobs anyway;
-        it waits at most SLURM_WAIT for the parent to be complete and says how it ended."""
-        from pipeline.tracking.link import Request, agent_for
-        from pipeline.tracking.mlflow_tracker import SLURM_WAIT
-
-        link, done = agent_for(self.sweep["uri"]), Request()
-        link.send({"op": "sweep_end", "sid": link.register(done), "uri": self.sweep["uri"],
-                   "sweep_dir": str(directory), "parent": self.parent})
-        link.drain(END_WAIT)
-        if not self.slurm:
-            self._say_parent()
-            return
-        answer = done.event if done.done.wait(SLURM_WAIT) else None
-        if answer is not None and answer.get("event") == "finished":
-            parent = (_PARENT_REQUEST.event or {}).get("uri") if _PARENT_REQUEST is not None else None
-            log.info("mlflow: sweep parent run %s complete: %s", parent or "", answer.get("status"))
-        else:
-            log.warning("mlflow: the tracking agent did not complete the sweep's parent run (%s); "
-                        "`python -m pipeline.reindex` completes it", (answer or {}).get(
-                            "message", f"no answer within {SLURM_WAIT:.0f} s"))
-
-    def _where_parent(self) -> list[str]:
-        """Where the sweep's parent run is, for its end table: its URI and the experiment's page once the
-        agent has answered, else how to find it; "not tracked" with tracking=none or off."""
-        if "uri" not in self.sweep:
-            return ["not tracked (tracking=none)"]
-        if self.disabled:
-            return [f"not tracked: {self.disabled}"]
-        answer = _PARENT_REQUEST.event if _PARENT_REQUEST is not None else None
-        if answer is None:
-            return [f"sweep.id={self.sweep['id']} in {self.sweep['uri']} (the tracking agent completes it after "
-                    "this process exits)"]
-        if answer.get("event") != "ready":
-            return [f"not tracked: {answer.get('message', 'unknown error')}"]
-        from pipeline.tracking.summary import experiment_page
-
-        return [answer["uri"], f"its runs: {experiment_page(self.sweep['uri'], answer['experiment_id'])}"]
-
-    # --- each job's process
-    def on_job_start(self, config: DictConfig, **kwargs) -> None:
-        overrides = [str(o) for o in config.hydra.overrides.task]
-        num = int(config.hydra.job.get("num", 0)) + int((self.sweep or {}).get("job_offset") or 0)
-        job = None
         if self.sweep is not None:
-            job = {"sweep_id": self.sweep["id"], "num": num, "overrides": overrides,
-                   "name": job_name(overrides, self.sweep["swept"])}
-        CURRENT_JOB.clear()
-        CURRENT_JOB.update(parent=self.parent, job=job, disabled=self.disabled, started=time.time(),
-                           sweep_dir=self.sweep["dir"] if self.sweep else None)
+            exit_for(end(self.sweep, None, self.slurm, self.parent_request))
 
-    def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
-        from hydra.core.utils import JobStatus
 
-        job = CURRENT_JOB.get("job")
-        if self.sweep is None or job is None:
-            return
-        failure = CURRENT_JOB.get("failure")
-        if job_return.status == JobStatus.FAILED and failure is None:
-            error = job_return._return_value
-            failure = {"code": 1, "error": f"{type(error).__name__}: {error}"[:2000]}
-        value = job_return._return_value if job_return.status != JobStatus.FAILED else None
-        record = {**job, "run_dir": CURRENT_JOB.get("run_dir"), "run_uri": CURRENT_JOB.get("run_uri"),
-                  "started": CURRENT_JOB.get("started"), "ended_at": time.time(),
-                  "objective": float(value) if isinstance(value, (int, float)) else None,
-                  "status": "complete" if failure is None else ("preempted" if failure["code"] == EXIT_PREEMPTED else "failed"),
-                  **(failure or {})}
-        try:
-            replace_file(ensure_dirs(Path(self.sweep["dir"]), "jobs") / f"{job['num']}.json", jsonio.dumps(record))
-        except OSError as e:
-            log.warning("could not record job %s in %s: %s", job["num"], self.sweep["dir"], e)
-        CURRENT_JOB.clear()
+def end_unfinished(error: str) -> bool:
+    """The entry point's end of a sweep whose sweeper raised (on_multirun_end never came): from its directory,
+    if this process launched it and it has not ended. False if there is no such sweep."""
+    directory = os.environ.get(SWEEP_DIR_ENV)
+    try:
+        sweep = jsonio.read(Path(directory) / "sweep.json", 1 << 24) if directory else {}
+    except (OSError, ValueError):
+        return False
+    if (sweep.get("pid"), sweep.get("host"), sweep.get("status")) != (os.getpid(), socket.gethostname(), "running"):
+        return False
+    from pipeline.tracking.mlflow_tracker import in_slurm_job
+
+    end(sweep, error, str(sweep.get("launcher", "")).endswith("SlurmLauncher") or in_slurm_job())
+    return True
+
+
+def end(sweep: dict, error: str | None, slurm: bool, parent_request=None) -> dict:
+    """The sweep's outcome from its jobs' records, recorded in sweep.json and its parent run; returns
+    {"status", "failed", "jobs", "table"}. `parent_request`: the agent's answer to parent_start, if known."""
+    directory = Path(sweep["dir"])
+    jobs = read_jobs(directory)
+    failed = {n: j for n, j in jobs.items() if j.get("status") != "complete"}
+    interrupted = SIGNALS_STATE.received is not None or any(j.get("code") == EXIT_PREEMPTED for j in jobs.values())
+    status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
+    sweep.update(status=status, ended_at=time.time(), error=error)
+    replace_file(directory / "sweep.json", jsonio.dumps(sweep))
+    answer = parent_request.event if parent_request is not None else None
+    if parent_of(sweep) is not None:
+        _end_parent(sweep, slurm, answer)
+    from pipeline.tracking.summary import sweep_table
+
+    table = sweep_table(sweep, jobs, best_job(jobs, sweep["direction"]), _where_parent(sweep, answer))
+    return {"status": status, "failed": failed, "jobs": jobs, "table": table}
+
+
+def exit_for(summary: dict) -> None:
+    """A sweep ends with its table (stderr, beside the verdict) and exits 0 only if every job completed: 75
+    if it was interrupted, else the first failure's code."""
+    import sys
+
+    for line in summary["table"]:
+        print(line, file=sys.stderr)
+    failed = summary["failed"]
+    if summary["status"] == "interrupted":
+        print(f"pipeline: the sweep was interrupted; {len(failed)} of {len(summary['jobs'])} jobs did not finish: "
+              "re-run the same command to continue it", file=sys.stderr)
+        raise SystemExit(EXIT_PREEMPTED)
+    if failed:
+        listing = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}" for n, j in failed.items())
+        print(f"pipeline: {len(failed)} of {len(summary['jobs'])} jobs failed: {listing}", file=sys.stderr)
+        raise SystemExit(min(int(j.get("code", 1)) for j in failed.values()))
+
+
+def _end_parent(sweep: dict, slurm: bool, answer: dict | None) -> None:
+    """Hand the parent's end to the agent, which completes it from the sweep directory (naming the parent by
+    the sweep's id, as the jobs do); `python -m pipeline.reindex` if it cannot. Not waited for (at most
+    END_WAIT for the message to be on its way), except on SLURM: there the agent may be one a job started,
+    which SLURM ends with that job, and a SLURM sweep's launcher has waited for its jobs anyway; it waits at
+    most SLURM_WAIT for the parent to be complete and says how it ended."""
+    from pipeline.tracking.link import Request, agent_for
+    from pipeline.tracking.mlflow_tracker import SLURM_WAIT
+
+    link, done = agent_for(sweep["uri"]), Request()
+    link.send({"op": "sweep_end", "sid": link.register(done), "uri": sweep["uri"], "sweep_dir": sweep["dir"],
+               "parent": parent_of(sweep)})
+    link.drain(END_WAIT)
+    if not slurm:
+        _say_parent(sweep, answer)
+        return
+    ended = done.event if done.done.wait(SLURM_WAIT) else None
+    if ended is not None and ended.get("event") == "finished":
+        log.info("mlflow: sweep parent run %s complete: %s", ended.get("uri") or "", ended.get("status"))
+    else:
+        log.warning("mlflow: the tracking agent did not complete the sweep's parent run (%s); "
+                    "`python -m pipeline.reindex` completes it", (ended or {}).get(
+                        "message", f"no answer within {SLURM_WAIT:.0f} s"))
+
+
+def _say_parent(sweep: dict, answer: dict | None) -> None:
+    """The parent run's URI if the agent has answered by now; a warning if it failed (never a wait)."""
+    if answer is None:
+        log.info("mlflow: the tracking agent completes the sweep's parent run after this process exits")
+    elif answer.get("event") == "ready":
+        log.info("mlflow: sweep parent run %s%s", answer["uri"], " (continued)" if answer.get("reused") else "")
+    else:
+        log.warning("mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
+                    "index them with `python -m pipeline.reindex`.", sweep["uri"],
+                    answer.get("message", "unknown error"))
+
+
+def _where_parent(sweep: dict, answer: dict | None) -> list[str]:
+    """Where the sweep's parent run is, for its end table: its URI and the experiment's page once the agent
+    has answered, else how to find it; "not tracked" with tracking=none or off."""
+    if "uri" not in sweep:
+        return ["not tracked (tracking=none)"]
+    if sweep.get("tracking_off"):
+        return [f"not tracked: {sweep['tracking_off']}"]
+    if answer is None:
+        return [f"sweep.id={sweep['id']} in {sweep['uri']} (the tracking agent completes it after this process "
+                "exits)"]
+    if answer.get("event") != "ready":
+        return [f"not tracked: {answer.get('message', 'unknown error')}"]
+    from pipeline.tracking.summary import experiment_page
+
+    return [answer["uri"], f"its runs: {experiment_page(sweep['uri'], answer['experiment_id'])}"]
 
 
 def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:

@@ -1,0 +1,130 @@
+"""A multirun's job is an object passed in, never a process global: what it records at its end, and how."""
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import types
+
+import pytest
+
+from pipeline.run import job as runner
+from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from pipeline.run.sweep import SWEEP_DIR_ENV, SweepJob
+from pipeline.tracking import sweep_callback
+
+
+def sweep_job(tmp_path, **kw) -> SweepJob:
+    return SweepJob(dir=tmp_path, sweep_id="abc", num=3, overrides=["optimizer.lr=0.1"], name="optimizer.lr=0.1",
+                    started=100.0, **kw)
+
+
+def record_of(tmp_path, num: int = 3) -> dict:
+    return json.loads((tmp_path / "jobs" / f"{num}.json").read_text())
+
+
+def test_a_complete_job_records_its_run_and_objective(tmp_path):
+    job = sweep_job(tmp_path, run_dir="/runs/a", run_uri="sqlite:///x#/experiments/1/runs/" + "0" * 32)
+    job.record(0.25)
+    r = record_of(tmp_path)
+    assert {k: r[k] for k in ("sweep_id", "num", "overrides", "name", "run_dir", "run_uri", "started", "objective",
+                              "status")} == {"sweep_id": "abc", "num": 3, "overrides": ["optimizer.lr=0.1"],
+                                             "name": "optimizer.lr=0.1", "run_dir": "/runs/a",
+                                             "run_uri": job.run_uri, "started": 100.0, "objective": 0.25,
+                                             "status": "complete"}
+    assert r["ended_at"] >= 100.0 and "code" not in r
+
+
+@pytest.mark.parametrize("code, status", [(EXIT_BAD_INPUT, "failed"), (EXIT_PREEMPTED, "preempted")])
+def test_a_job_that_failed_records_its_code_and_error(tmp_path, code, status):
+    job = sweep_job(tmp_path, failure={"code": code, "error": "why"})
+    job.record(math.nan)
+    r = record_of(tmp_path)
+    assert (r["status"], r["code"], r["error"]) == (status, code, "why")
+
+
+def test_an_exception_out_of_a_job_is_recorded_with_code_1_and_raised_on(tmp_path, monkeypatch):
+    """What Hydra's on_job_end saw as a FAILED job return: the job runner records it, then Hydra gets it."""
+    def broken(*a):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(runner, "_multirun", broken)
+    job = sweep_job(tmp_path)
+    with pytest.raises(ZeroDivisionError):
+        runner.main({}, [], "", job)
+    r = record_of(tmp_path)
+    assert (r["status"], r["code"], r["error"], r["objective"]) == ("failed", 1, "ZeroDivisionError: a bug", None)
+
+
+def test_a_job_failure_in_a_multirun_is_its_record_not_an_exit(tmp_path, monkeypatch, capsys):
+    def refused(*a):
+        runner.fail(EXIT_BAD_INPUT, "bad value")
+
+    monkeypatch.setattr(runner, "_main", refused)
+    job = sweep_job(tmp_path)
+    assert math.isnan(runner.main({}, [], "", job))
+    assert capsys.readouterr().err == "pipeline: bad value\n"
+    assert (record_of(tmp_path)["code"], record_of(tmp_path)["status"]) == (EXIT_BAD_INPUT, "failed")
+    with pytest.raises(SystemExit) as exit_:  # a single run: the process exits with it
+        runner.main({}, [], "", None)
+    assert exit_.value.code == EXIT_BAD_INPUT
+
+
+def test_a_multirun_without_the_sweep_callback_records_nothing(tmp_path):
+    SweepJob().record(1.0)
+    assert SweepJob().tags is None and not list(tmp_path.iterdir())
+
+
+def write_sweep(tmp_path, **kw) -> dict:
+    sweep = {"id": "abc", "dir": str(tmp_path), "name": "k", "swept": {"optimizer.lr": "0.1,0.3"},
+             "direction": "minimize", "objective": "best/val/loss", "status": "running", "job_offset": 5, **kw}
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    return sweep
+
+
+def hydra_cfg(num: int):
+    return types.SimpleNamespace(overrides=types.SimpleNamespace(task=["experiment=k", "optimizer.lr=0.3"]),
+                                 job={"num": num})
+
+
+def test_the_job_is_read_from_its_sweeps_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv(SWEEP_DIR_ENV, str(tmp_path))
+    write_sweep(tmp_path, uri="sqlite:///x.db")
+    job = sweep_callback.job_of(hydra_cfg(2))
+    assert (job.dir, job.sweep_id, job.num, job.name, job.parent, job.tracking_off) == \
+        (tmp_path, "abc", 7, "optimizer.lr=0.3", {"sweep_id": "abc"}, None)  # 2 + the study's 5 trials before
+    write_sweep(tmp_path, uri="sqlite:///x.db", tracking_off="the store is not a database")
+    job = sweep_callback.job_of(hydra_cfg(0))
+    assert (job.parent, job.tracking_off) == (None, "the store is not a database")
+    write_sweep(tmp_path)  # tracking=none
+    assert sweep_callback.job_of(hydra_cfg(0)).parent is None
+    monkeypatch.delenv(SWEEP_DIR_ENV)
+    assert sweep_callback.job_of(hydra_cfg(0)).dir is None
+
+
+def test_the_callback_reaches_its_jobs_without_its_pending_parent_request():
+    from pipeline.tracking.link import Request
+
+    callback = sweep_callback.MlflowSweepCallback()
+    callback.sweep, callback.parent_request = {"id": "abc"}, Request()
+    copy = pickle.loads(pickle.dumps(callback))  # as Hydra hands it to every job
+    assert copy.sweep == {"id": "abc"} and copy.parent_request is None
+    assert callback.parent_request is not None
+
+
+def test_the_entry_point_ends_only_a_running_sweep_this_process_launched(tmp_path, monkeypatch, capsys):
+    import os
+    import socket
+
+    monkeypatch.setenv(SWEEP_DIR_ENV, str(tmp_path))
+    write_sweep(tmp_path, pid=os.getpid() + 1, host=socket.gethostname())
+    assert not sweep_callback.end_unfinished("ValueError: x")  # another process's
+    assert json.loads((tmp_path / "sweep.json").read_text())["status"] == "running"
+    write_sweep(tmp_path, pid=os.getpid(), host=socket.gethostname())
+    sweep_job(tmp_path, failure={"code": 1, "error": "boom"}).record()
+    assert sweep_callback.end_unfinished("ValueError: x")
+    ended = json.loads((tmp_path / "sweep.json").read_text())
+    assert (ended["status"], ended["error"]) == ("failed", "ValueError: x") and ended["ended_at"] > 0
+    assert not sweep_callback.end_unfinished("again")  # ended: once
+    monkeypatch.delenv(SWEEP_DIR_ENV)
+    assert not sweep_callback.end_unfinished("a single run")
