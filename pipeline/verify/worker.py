@@ -10,7 +10,7 @@ from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint import store
 from pipeline.data.base import inference_facts
 from pipeline.run.assemble import build_dataset, build_stages, build_state, data_spec
-from pipeline.run.loop import lineage_of
+from pipeline.stages.resume import lineage_of
 from pipeline.stages.base import StageStates
 from pipeline.stateful import PARTS, capture, restore
 from pipeline.trainer.loop import train_step
