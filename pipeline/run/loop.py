@@ -1,4 +1,5 @@
-"""One job in its run directory: resume or start, train with one step-end decision, checkpoint, retain, finish.
+"""One job in its run directory: the stages' set-up (the resume stage decides where it starts), training with one
+step-end decision, checkpoint, retain, finish.
 
 After every update the run asks each stage, in order, whether to stop here (early stopping) and whether it
 wants a checkpoint of this step (and lets it update its own state); a preemption signal asks for one too.
@@ -92,7 +93,7 @@ class Run:
         return RunDir(path)
 
     @property
-    def in_sweep(self) -> bool:
+    def in_sweep(self) -> bool:  # a sweep's job: its siblings differ on purpose
         return CURRENT_JOB.get("job") is not None
 
     # --- training
@@ -195,10 +196,8 @@ class Run:
         """After the last checkpoint: curves.png from the whole history, then the end summary (both off the
         step path: matplotlib's import alone is ~0.5 s). A curve that cannot be written is a warning."""
         curve = self._draw()
-        root = self.store.root
         kept = self.store.steps()
-        links = {name: (root / name if (root / name).is_symlink() and (root / name).exists() else None)
-                 for name in ("final", "best")}
+        links = {name: self.store.root / name if self.store.link_dir(name) else None for name in ("final", "best")}
         links["newest"] = kept[-1][1] if kept else None
         best = next(((s.monitor, s.best, s.best_step) for s in self.job.stages
                      if s.link == "best" and getattr(s, "best", None) is not None), None)

@@ -167,23 +167,26 @@ def test_a_changed_hyperparameter_on_a_finished_run_says_how_to_continue_it(tmp_
     assert "resume.allow_changes=[optimizer.lr]" in said and "resume.source=" in said
 
 
-def test_the_hint_for_a_sibling_with_other_data_is_a_command_that_continues_it(tmp_path, caplog):
+def test_the_hint_for_a_sibling_with_other_data_is_a_command_that_continues_it(tmp_path, caplog, preempt_at):
     """One drift for the refusal and the hint: a change of the data's config shows with the data it makes (its
     key covers the data's hash), and the command the hint gives is accepted."""
     out = tmp_path / "out"
     args = (*KERNODECK, f"paths.output_dir={out}")
-    assert run_job(*args)[0] == 0
+    preempt_at(5)
+    assert run_job(*args)[0] == EXIT_PREEMPTED
+    SIGNALS_STATE.received = None
+    preempt_at(None)
     run_a = the_run(out)
     with caplog.at_level("INFO", logger="pipeline"):
         assert run_job(*args, "data.noise=0.1")[0] == 0
     said = " ".join(r.getMessage() for r in caplog.records)
-    assert f"differs from the finished run {run_a.name} in data.noise 0.05 -> 0.1; data_manifest_hash" in said
+    assert f"differs from the interrupted run {run_a.name} in data.noise 0.05 -> 0.1; data_manifest_hash" in said
     source, keys = re.search(r"use resume\.source=(\S+) resume\.allow_changes=\[([^]]*)]", said).groups()
-    assert (source, keys) == (str(RunDir(run_a).store.root / "final"), "data.noise")
+    assert (source, keys) == (str(RunDir(run_a).store.root / "step-00000005"), "data.noise")
     assert run_job(*args, "data.noise=0.1", f"resume.source={source}", f"resume.allow_changes=[{keys}]")[0] == 0
     run_b = next(p for p in (out / "runs").iterdir() if p != run_a)
     manifest = jsonio.read(RunDir(run_b).store.root / "final" / "manifest.json", 1 << 24)
-    assert manifest["lineage"]["origin"]["checkpoint"] == str(RunDir(run_a).store.root / "step-00000010")
+    assert manifest["lineage"]["origin"]["checkpoint"] == source and manifest["step"] == 10
     assert set(manifest["allowed_changes"]) == {"data.noise", "data_manifest_hash"}
 
 
