@@ -40,7 +40,7 @@ from pipeline.data.iterator import DataIterator  # noqa: E402
 from pipeline.model.base import NamedParams  # noqa: E402
 from pipeline.optimizer.adam import Adam  # noqa: E402
 from pipeline.trainer.rng import Streams  # noqa: E402
-from pipeline.run.loop import lineage_of  # noqa: E402
+from pipeline.stages.resume import lineage_of  # noqa: E402
 from pipeline.scheduler.constant import Constant  # noqa: E402
 from pipeline.stages.base import StageStates  # noqa: E402
 from pipeline.stateful import capture  # noqa: E402

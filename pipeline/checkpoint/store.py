@@ -275,14 +275,38 @@ def data_facts(directory: Path, manifest: dict | None = None) -> dict | None:
     (the file listed, its size and sha256, the vocabulary the size data_spec says), without reading the
     tensors; None for a schema 2.0 checkpoint, which has none. Given the `manifest` a caller already
     verified (store.load's), the checkpoint must still have it."""
-    given = Path(directory)
-    directory = checkpoint_dir(given)
-    if not directory.is_dir():
-        raise CheckpointError(given, "", "not a directory")
-    here = read_manifest(directory)
+    directory, here, listed = _opened(Path(directory))
     if manifest is not None and here != manifest:
         raise CheckpointError(directory, MANIFEST, "changed while it was read")
-    return _read_data(directory, here, _check_listing(directory, here))
+    return _read_data(directory, here, listed)
+
+
+def json_state(directory: Path) -> tuple[dict, dict]:
+    """(manifest, extra.json) of a checkpoint, each verified (extra.json listed, of its size and sha256, a JSON
+    object), without reading the tensors: the parts' JSON state (the stages', the RNG streams') for a reader
+    that needs no arrays; CheckpointError otherwise."""
+    directory, manifest, listed = _opened(Path(directory))
+    return manifest, _read_extra(directory, listed)
+
+
+def _opened(given: Path) -> tuple[Path, dict, dict]:
+    """(directory, manifest, listing) of the checkpoint `given` stands for, its listing checked."""
+    directory = checkpoint_dir(given)  # read from where the links lead; errors name that directory
+    if not directory.is_dir():
+        raise CheckpointError(given, "", "not a directory")
+    manifest = read_manifest(directory)
+    return directory, manifest, _check_listing(directory, manifest)
+
+
+def _read_extra(directory: Path, listed: dict) -> dict:
+    raw = _listed_bytes(directory, EXTRA, MAX_EXTRA, listed)
+    try:
+        extra = jsonio.loads(raw)
+    except jsonio.JSONError as e:
+        raise CheckpointError(directory, EXTRA, str(e)) from None
+    if not isinstance(extra, dict):
+        raise CheckpointError(directory, EXTRA, "not a JSON object")
+    return extra
 
 
 def _read_tensor_file(directory: Path, name: str, entry: dict, expect: dict | None) -> dict[str, np.ndarray]:
@@ -365,12 +389,8 @@ def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
     state must fit it (pipeline.stateful.check): a verified checkpoint is one the run can restore.
     """
     given = Path(directory)
-    directory = checkpoint_dir(given)  # read from where the links lead; errors below name that directory
-    if not directory.is_dir():
-        raise CheckpointError(given, "", "not a directory")
-    manifest = read_manifest(directory)
-    listed = _check_listing(directory, manifest)
-    raw = _listed_bytes(directory, EXTRA, MAX_EXTRA, listed)
+    directory, manifest, listed = _opened(given)
+    extra = _read_extra(directory, listed)
     data = _read_data(directory, manifest, listed)
     live = capture(parts) if parts is not None else None
     weights_layout, optim_layout = _layouts(live)
@@ -380,12 +400,6 @@ def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
             other = _read_tensor_file(directory, OPTIM, listed[OPTIM], optim_layout)
         finally:
             weights = weights_read.result()  # weights.safetensors' own error first, as the files are listed
-    try:
-        extra = jsonio.loads(raw)
-    except jsonio.JSONError as e:
-        raise CheckpointError(directory, EXTRA, str(e)) from None
-    if not isinstance(extra, dict):
-        raise CheckpointError(directory, EXTRA, "not a JSON object")
     for path in other:
         part = path.split(SEP, 1)[0]
         if part not in PARTS or part == "model" or SEP not in path:
@@ -485,6 +499,14 @@ class CheckpointStore:
             except CheckpointError as e:
                 skipped.append(str(e))
         return None, skipped
+
+    def newest_manifest(self) -> tuple[Path, dict] | None:
+        """The newest step directory and its manifest, the rest unread (None: no step, or its manifest is bad)."""
+        steps = self.steps()
+        try:
+            return (steps[-1][1], read_manifest(steps[-1][1])) if steps else None
+        except CheckpointError:
+            return None
 
     # writing
     def save(self, step: int, tree: dict, fields: dict) -> Checkpoint:

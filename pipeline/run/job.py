@@ -19,7 +19,8 @@ from pipeline.run import budget
 from pipeline.files.atomic import NewDirs, UnsafePathError, environment_error
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.run.assemble import build
-from pipeline.run.loop import DriftError, NonFiniteError, Run
+from pipeline.run.loop import NonFiniteError, Run
+from pipeline.stages.drift import DriftError
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.config.schema import ConfigError
 from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, SIGNALS_STATE, SWEEP, Interrupted

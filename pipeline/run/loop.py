@@ -1,4 +1,5 @@
-"""One job in its run directory: resume or start, train with one step-end decision, checkpoint, retain, finish.
+"""One job in its run directory: the stages' set-up (the resume stage decides where it starts), training with one
+step-end decision, checkpoint, retain, finish.
 
 After every update the run asks each stage, in order, whether to stop here (early stopping) and whether it
 wants a checkpoint of this step (and lets it update its own state); a preemption signal asks for one too.
@@ -8,7 +9,6 @@ exactly what some stage's policy (or the newest-checkpoint pin) keeps, and point
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import math
 import time
@@ -16,20 +16,19 @@ from dataclasses import replace
 from pathlib import Path
 
 from pipeline.run import budget
-from pipeline.config import identity
-from pipeline.files import jsonio
 from pipeline.files import killpoint
 from pipeline.run import report
 from pipeline.files.atomic import environment_error, named
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.retention import AnyOf, LatestN
-from pipeline.checkpoint.store import WEIGHTS, Checkpoint, checkpoint_dir, files_of, load
+from pipeline.checkpoint.store import Checkpoint
 from pipeline.run.assemble import Job
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import EXIT_PREEMPTED, Signals
 from pipeline.stages.base import StepEnd
-from pipeline.stateful import StateMismatch, capture, restore
+from pipeline.stages.resume import start_fresh
+from pipeline.stateful import capture
 from pipeline.trainer import curves
 from pipeline.trainer.display import Display
 from pipeline.trainer.loop import epoch_ended, epochs_done, fit, metrics_of
@@ -38,22 +37,12 @@ from pipeline.trainer.metrics_log import MetricsLog
 log = logging.getLogger("pipeline")
 
 
-class DriftError(Exception):
-    """The checkpoint was made by a different config or data than the current run's, and that is not allowed."""
-
-
 class Preempted(Exception):
     """A signal arrived during training: the step finished and its checkpoint is written."""
 
 
 class NonFiniteError(Exception):
     """A non-finite training loss or validation metric with trainer.on_nonfinite=stop."""
-
-
-def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
-    """A run history's identity: its config and where it started (None: from scratch; else a checkpoint)."""
-    digest = hashlib.sha256(identity.canonical_json({"semantic_config_hash": semantic_hash, "origin": origin}))
-    return {"id": digest.hexdigest(), "origin": origin}
 
 
 class Run:
@@ -68,7 +57,6 @@ class Run:
         self.lineage: dict | None = None
         self.complete = False
         self.resumed: Checkpoint | None = None
-        self.allowed: dict = {}
         self.metrics_kept: list[dict] | None = None  # what metrics.jsonl is cut to, written once the run claims
         self.superseded: Path | None = None  # where an earlier history went (resume.source), if it moved
         self.history: dict = {"started": started or time.time(), "resumes": []}  # run.json: first start, resumes
@@ -76,82 +64,33 @@ class Run:
         self.links = {s.link: s.link_policy() for s in job.stages if s.link}
         self.budget = budget.Budget.from_config(job.config["trainer"])  # trainer.max_time
 
-    # --- before training (the resume stage decides which of these happens)
-
-    def start_fresh(self) -> None:
-        if self.rundir.metrics_path.exists():
-            self.metrics_kept = []  # lines a killed earlier attempt logged before its first checkpoint
-        self.lineage = lineage_of(self.job.semantic_hash, None)
-        log.info("starting a new run in %s", self.rundir.path)
-        if not self.in_sweep:
-            _say_if_a_sibling_differs(self.job, self.rundir.path)
-
-    def resume_own(self, allow: list[str]) -> None:
-        ckpt, skipped = self.store.newest_valid(self.job.parts)
-        for reason in skipped:
-            log.warning("not resuming from a damaged checkpoint, falling back: %s", reason)
-        if ckpt is None:
-            return self.start_fresh()
-        self._restore(ckpt, allow)
-        self._resumed(ckpt, ckpt.manifest["lineage"], self.rundir.read_metrics())
-
-    def resume_from_source(self, source: Path, allow: list[str]) -> None:
-        source = checkpoint_dir(Path(source)).resolve()  # a link out of a run is refused, not followed
-        src = load(source)  # its fit is checked once the drift is known (an allowed change may be why)
-        origin = {"checkpoint": str(source), "step": src.step,
-                  "weights_sha256": src.manifest["files"][WEIGHTS]["sha256"]}
-        lineage = lineage_of(self.job.semantic_hash, origin)
-        own, _ = self.store.newest_valid(self.job.parts)
-        if own is not None and own.manifest["lineage"]["id"] == lineage["id"]:
-            self._restore(own, allow)  # this same fork, interrupted: continue it
-            return self._resumed(own, lineage, self.rundir.read_metrics())
-        self._restore(src, allow)  # refusals first: nothing on disk has changed yet
-        history = _source_metrics(source)
-        if self.store.steps() or self.rundir.metrics_path.exists() or self.rundir.status_path.exists():
-            with self.signals.atomic():  # the one durable change of a set-up: whole, then a signal may stop it
-                where = self.superseded = self.rundir.supersede()
-            log.warning("this run directory held another run history; moved it to %s (nothing deleted) to "
-                        "continue from %s", where, source)
-        self._resumed(src, lineage, history)
-
-    def _restore(self, ckpt: Checkpoint, allow: list[str]) -> None:
-        """Refuse drift that is not allowed or cannot apply; else restore every part (all or nothing)."""
-        changes = drift(ckpt.manifest, self.job)
-        refused = {k: v for k, v in changes.items() if not _allowed(k, allow)}
-        if refused:
-            listing = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
-            raise DriftError(f"refusing to resume from {ckpt.directory}: the config or data changed ({listing}); "
-                             f"allow with resume.allow_changes=[{','.join(refused)}] or start over with resume=never")
-        for key in changes:
-            if why := identity.not_applicable(key):
-                raise DriftError(f"refusing to resume from {ckpt.directory}: resume.allow_changes lets {key} "
-                                 f"through, but it cannot take effect on a resumed run ({why}); start over with "
-                                 f"resume=never")
-        try:
-            restore(self.job.parts, ckpt.state)
-        except StateMismatch as e:
-            why = f" (with the allowed changes {', '.join(changes)})" if changes else ""
-            raise CheckpointError(ckpt.directory, files_of(e, ckpt.state, capture(self.job.parts)),
-                                  f"{e.part} does not fit the live run{why}: {e.reason}") from None
-        if changes:
-            self.allowed = {k: [old, new] for k, (old, new) in changes.items()}
-            self.job.facts["allowed_changes"] = self.allowed
-            log.warning("resuming with allowed changes, in effect from step %d: %s", ckpt.step,
-                        ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items()))
-            self.state.progress.ended = None  # e.g. more steps for a finished run
-        self.complete = self.state.progress.ended is not None
-
-    def _resumed(self, ckpt: Checkpoint, lineage: dict, history: list[dict]) -> None:
-        self.resumed, self.lineage = ckpt, lineage
-        previous = self.rundir.read_status()
-        if ckpt.directory.parent == self.store.root and isinstance(previous.get("started"), (int, float)):
+    # --- before training: what the resume stage decides (pipeline/stages/resume.py)
+    def begin(self, lineage: dict, resumed: Checkpoint | None = None, metrics: list[dict] | None = None,
+              allowed: dict | None = None) -> None:
+        """The history this run continues: its lineage, the checkpoint its state was restored from (None:
+        from scratch), the metrics.jsonl lines it keeps (None: the file as it is), the allowed changes."""
+        self.lineage, self.resumed = lineage, resumed
+        self.complete = resumed is not None and self.state.progress.ended is not None
+        if allowed:
+            self.job.facts["allowed_changes"] = allowed
+        if not self.complete:
+            self.metrics_kept = metrics
+        own = resumed is not None and resumed.directory.parent == self.store.root  # not a fork's source
+        previous = self.rundir.read_status() if own else {}
+        if isinstance(previous.get("started"), (int, float)):
             self.history = {"started": previous["started"], "resumes": list(previous.get("resumes") or [])}
             if not self.complete:
-                self.history["resumes"].append({"step": ckpt.step, "time": time.time()})
-        if not self.complete:
-            self.metrics_kept = [ln for ln in history if ln["step"] <= ckpt.step]
-            log.info("resuming from step %d of %d (epoch %d): %s", ckpt.step, self.state.total_steps,
-                     self.state.epoch, ckpt.directory)
+                self.history["resumes"].append({"step": resumed.step, "time": time.time()})
+
+    def supersede(self) -> Path:
+        """Move the run directory's other history aside, whole (a signal waits): set-up's one durable change."""
+        with self.signals.atomic():
+            self.superseded = self.rundir.supersede()
+        return self.superseded
+
+    def rundir_of(self, path: Path) -> RunDir:
+        """Another run directory, to read (a source checkpoint's run, a sibling run)."""
+        return RunDir(path)
 
     # --- training
     def train(self, eval_every: int) -> None:
@@ -253,10 +192,8 @@ class Run:
         """After the last checkpoint: curves.png from the whole history, then the end summary (both off the
         step path: matplotlib's import alone is ~0.5 s). A curve that cannot be written is a warning."""
         curve = self._draw()
-        root = self.store.root
         kept = self.store.steps()
-        links = {name: (root / name if (root / name).is_symlink() and (root / name).exists() else None)
-                 for name in ("final", "best")}
+        links = {name: self.store.root / name if self.store.link_dir(name) else None for name in ("final", "best")}
         links["newest"] = kept[-1][1] if kept else None
         best = next(((s.monitor, s.best, s.best_step) for s in self.job.stages
                      if s.link == "best" and getattr(s, "best", None) is not None), None)
@@ -276,7 +213,7 @@ class Run:
         for s in self.job.stages:
             s.setup(self)
         if self.lineage is None:
-            self.start_fresh()
+            start_fresh(self)
 
     def execute(self) -> int:
         """Train and finish after setup(); returns the process exit code (0 or EXIT_PREEMPTED)."""
@@ -329,57 +266,3 @@ class Run:
         tracker.finish("FINISHED", self.rundir.path)
         return 0
 
-
-def drift(manifest: dict, job: Job) -> dict[str, tuple]:
-    """Every semantic key (and the data) that differs between a checkpoint's run and this job."""
-    old = identity.semantic_config(manifest["config"], manifest["sources"])
-    changes = identity.changed_keys(old, identity.semantic_config(job.config, job.sources))
-    if manifest["data_manifest_hash"] != job.facts["data_manifest_hash"]:
-        changes["data_manifest_hash"] = (manifest["data_manifest_hash"], job.facts["data_manifest_hash"])
-    return changes
-
-
-def _allowed(key: str, allow: list[str]) -> bool:
-    if key == "data_manifest_hash":  # follows from a change of the data's config
-        return any(a == "data" or a.startswith("data.") or a == key for a in allow)
-    return identity.covered(key, allow)
-
-
-def _source_metrics(source: Path) -> list[dict]:
-    """metrics.jsonl of the run a source checkpoint belongs to, if it is a step of a run directory."""
-    rundir = RunDir(source.parent.parent)
-    return rundir.read_metrics() if rundir.store.root == source.parent else []
-
-
-def _say_if_a_sibling_differs(job: Job, run_dir: Path) -> None:
-    """When the newest run of the same experiment differs from this config, say how, and how to continue it."""
-    prefix = f"{job.config.get('name', 'run')}-"
-    siblings = []
-    for p in run_dir.parent.glob(f"{prefix}*"):
-        if p == run_dir or not p.is_dir() or p.is_symlink():
-            continue
-        try:
-            status = RunDir(p).read_status()
-        except CheckpointError:
-            continue  # another run's damaged run.json: that run's business, not this one's
-        if status.get("status") in ("complete", "preempted") and isinstance(status.get("updated"), (int, float)):
-            siblings.append((status["updated"], p, status))
-    if not siblings:
-        return
-    _, other, status = max(siblings)
-    store = RunDir(other).store
-    try:
-        newest = store.steps()[-1][1]
-        manifest = jsonio.read(newest / "manifest.json", 16 << 20)
-        changes = identity.changed_keys(identity.semantic_config(manifest["config"], manifest["sources"]),
-                                        identity.semantic_config(job.config, job.sources))
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return
-    if not changes or len(changes) > 8:
-        return
-    keys = ",".join(changes)
-    what = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
-    source = store.root / ("final" if status["status"] == "complete" else newest.name)
-    log.info("this config differs from the %s run %s in %s: starting a new run; to continue that one instead "
-             "use resume.source=%s resume.allow_changes=[%s]", "finished" if status["status"] == "complete"
-             else "interrupted", other.name, what, source, keys)

@@ -1,13 +1,31 @@
-"""The resume stage: continue from the newest checkpoint that verifies, or from a given one, refusing drift."""
+"""The resume stage: continue from the newest checkpoint that verifies, or from a given one, refusing drift.
+
+Its set-up decides the history the run continues and tells the run once, through `run.begin(...)`: the
+lineage, the checkpoint restored, the metrics.jsonl lines kept, the allowed changes. It reads the run
+directory through what the run offers (`run.rundir`, `run.store`, `run.rundir_of`), and changes nothing
+on disk but `run.supersede()` (a fork into a directory that holds another history).
+"""
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint.store import WEIGHTS, Checkpoint, checkpoint_dir, files_of, load
+from pipeline.config import identity
 from pipeline.stages.base import Stage
+from pipeline.stages.drift import drift, refuse, say_if_a_sibling_differs
+from pipeline.stateful import StateMismatch, capture, restore
 
 log = logging.getLogger("pipeline")
 AUTO, NEVER = "auto", "never"
+
+
+def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
+    """A run history's identity: its config and where it started (None: from scratch; else a checkpoint)."""
+    digest = hashlib.sha256(identity.canonical_json({"semantic_config_hash": semantic_hash, "origin": origin}))
+    return {"id": digest.hexdigest(), "origin": origin}
 
 
 class Resume(Stage):
@@ -19,8 +37,72 @@ class Resume(Stage):
 
     def setup(self, run) -> None:
         if self.source == NEVER:
-            run.start_fresh()
+            start_fresh(run)
         elif self.source == AUTO:
-            run.resume_own(self.allow_changes)
+            self._own(run)
         else:
-            run.resume_from_source(Path(self.source).expanduser(), self.allow_changes)
+            self._fork(run, Path(self.source).expanduser())
+
+    def _own(self, run) -> None:
+        ckpt, skipped = run.store.newest_valid(run.job.parts)
+        for reason in skipped:
+            log.warning("not resuming from a damaged checkpoint, falling back: %s", reason)
+        if ckpt is None:
+            return start_fresh(run)
+        _continue(run, ckpt, ckpt.manifest["lineage"], run.rundir.read_metrics(), self.allow_changes)
+
+    def _fork(self, run, source: Path) -> None:
+        source = checkpoint_dir(source).resolve()  # a link out of a run is refused, not followed
+        src = load(source)  # its fit is checked once the drift is known (an allowed change may be why)
+        origin = {"checkpoint": str(source), "step": src.step,
+                  "weights_sha256": src.manifest["files"][WEIGHTS]["sha256"]}
+        lineage = lineage_of(run.job.semantic_hash, origin)
+        own, _ = run.store.newest_valid(run.job.parts)
+        if own is not None and own.manifest["lineage"]["id"] == lineage["id"]:
+            return _continue(run, own, lineage, run.rundir.read_metrics(), self.allow_changes)  # this fork, again
+        allowed = _restore(run.job, src, self.allow_changes)  # refusals first: nothing on disk has changed yet
+        owner = run.rundir_of(source.parent.parent)  # the source's run directory, if it is a step of one
+        history = owner.read_metrics() if owner.store.root == source.parent else []
+        rundir = run.rundir
+        if run.store.steps() or rundir.metrics_path.exists() or rundir.status_path.exists():
+            where = run.supersede()
+            log.warning("this run directory held another run history; moved it to %s (nothing deleted) to "
+                        "continue from %s", where, source)
+        _begin(run, src, lineage, history, allowed)
+
+
+def start_fresh(run) -> None:
+    """A history from scratch (what a killed attempt logged before its first checkpoint is dropped)."""
+    run.begin(lineage_of(run.job.semantic_hash, None), metrics=[] if run.rundir.metrics_path.exists() else None)
+    log.info("starting a new run in %s", run.rundir.path)
+    if not run.in_sweep:  # in a sweep, the siblings differ on purpose
+        say_if_a_sibling_differs(run)
+
+
+def _continue(run, ckpt: Checkpoint, lineage: dict, history: list[dict], allow: list[str]) -> None:
+    _begin(run, ckpt, lineage, history, _restore(run.job, ckpt, allow))
+
+
+def _begin(run, ckpt: Checkpoint, lineage: dict, history: list[dict], allowed: dict) -> None:
+    run.begin(lineage, ckpt, [ln for ln in history if ln["step"] <= ckpt.step], allowed)
+    if not run.complete:
+        log.info("resuming from step %d of %d (epoch %d): %s", ckpt.step, run.state.total_steps, run.state.epoch,
+                 ckpt.directory)
+
+
+def _restore(job, ckpt: Checkpoint, allow: list[str]) -> dict:
+    """Refuse drift that is not allowed or cannot apply; else restore every part of `job` (all or nothing).
+    Returns the allowed changes, {key: [old, new]}."""
+    changes = drift(ckpt.manifest, job)
+    refuse(changes, allow, ckpt.directory)
+    try:
+        restore(job.parts, ckpt.state)
+    except StateMismatch as e:
+        why = f" (with the allowed changes {', '.join(changes)})" if changes else ""
+        raise CheckpointError(ckpt.directory, files_of(e, ckpt.state, capture(job.parts)),
+                              f"{e.part} does not fit the live run{why}: {e.reason}") from None
+    if changes:
+        log.warning("resuming with allowed changes, in effect from step %d: %s", ckpt.step,
+                    ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items()))
+        job.state.progress.ended = None  # e.g. more steps for a finished run
+    return {k: [old, new] for k, (old, new) in changes.items()}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipeline.files import jsonio
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import EXTRA, MANIFEST, WEIGHTS, read_manifest
+from pipeline.checkpoint.store import MANIFEST, WEIGHTS, json_state, read_manifest
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.tracking import store
 from pipeline.tracking.common import (CURVES_ARTIFACT, FINAL_MANIFEST_ARTIFACT, FINAL_WEIGHTS_ARTIFACT, params_of,
@@ -46,10 +46,10 @@ def mlflow_status(rundir: RunDir, status: dict) -> str | None:
 def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
     """{"best/<monitor>": (value, step)} from the best-val stages' state in a checkpoint's extra.json."""
     try:
-        extra = jsonio.read(directory / EXTRA, 16 << 20)
-        config = read_manifest(directory)["config"]
-    except (OSError, ValueError, CheckpointError):
+        manifest, extra = json_state(directory)
+    except (OSError, CheckpointError):
         return {}
+    config = manifest["config"]
     out = {}
     for name, state in (extra.get("stages") or {}).items():
         node = (config.get("stages") or {}).get(name) or {}

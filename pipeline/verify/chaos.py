@@ -14,7 +14,7 @@ from pathlib import Path
 from pipeline.files import jsonio
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import versions
-from pipeline.checkpoint.store import DATA, EXTRA, OPTIM, WEIGHTS, verify
+from pipeline.checkpoint.store import DATA, EXTRA, OPTIM, WEIGHTS, json_state, verify
 from pipeline.run.directory import RunDir
 from pipeline.verify.protocol import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, verify_dir
 
@@ -48,7 +48,7 @@ def final_state(output_dir: Path) -> dict:
         files = verify(directory)["files"]
         kept[step] = {name: files[name]["sha256"] for name in (WEIGHTS, OPTIM, EXTRA, DATA)}
     final = rundir.store.link_step("final")
-    extra = jsonio.read(rundir.store.root / "final" / EXTRA, 1 << 24)
+    _, extra = json_state(rundir.store.root / "final")
     lines = [{k: v for k, v in line.items() if k != "time"} for line in rundir.read_metrics()]
     return {"weights": kept[final][WEIGHTS], "optim": kept[final][OPTIM], "extra": extra, "metrics": lines,
             "step": final, "checkpoints": kept, "links": rundir.store.links()}

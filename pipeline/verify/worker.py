@@ -8,7 +8,7 @@ from pipeline.files import jsonio
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint import store
 from pipeline.run.assemble import assemble
-from pipeline.run.loop import lineage_of
+from pipeline.stages.resume import lineage_of
 from pipeline.stateful import PARTS, capture, copy_tree, restore
 from pipeline.trainer.loop import train_step
 from pipeline.verify.snapshot import snapshot, write_summary

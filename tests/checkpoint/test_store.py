@@ -20,8 +20,8 @@ from safetensors.numpy import load_file, save_file
 from conftest import KERNODECK, TINY, env_for_subprocess, tree
 from pipeline.files.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import (EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointStore, checkpoint_dir, files_of,
-                                       load, read_manifest, step_dir_name, verify)
+from pipeline.checkpoint.store import (CORRUPTED, EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointStore, checkpoint_dir,
+                                       files_of, json_state, load, read_manifest, step_dir_name, verify)
 from pipeline.cli.roundtrip import Fresh
 from pipeline.config.schema import compose, to_plain
 from pipeline.stateful import PARTS, StateMismatch, capture, check, copy_tree, restore
@@ -490,9 +490,9 @@ def test_a_renamed_step_directory_is_refused(ckpt):
 # -- links: no reader follows one out of a run --------------------------------------------------------
 
 def refused_link(path: Path, *words: str) -> str:
-    """Every reader refuses `path` with one line (read_manifest, load, verify: what every tool opens)."""
+    """Every reader refuses `path` with one line (read_manifest, load, verify, json_state: what every tool opens)."""
     messages = set()
-    for read in (read_manifest, load, verify, checkpoint_dir):
+    for read in (read_manifest, load, verify, checkpoint_dir, json_state):
         with pytest.raises(CheckpointError) as info:
             read(path)
         messages.add(str(info.value))
@@ -554,3 +554,46 @@ def test_a_cycle_of_links_is_refused(tmp_path):
     os.symlink("b", tmp_path / "a")
     os.symlink("a", tmp_path / "b")
     refused_link(tmp_path / "a", "more than 8 symlinks")
+
+
+# -- what other readers take from inside checkpoints/: through the store, verified -------------------------
+
+def test_json_state_is_the_manifest_and_extra_json_as_written(saved):
+    manifest, extra = json_state(saved)
+    assert manifest == manifest_of(saved) and extra == json.loads((saved / EXTRA).read_text())  # the files' own
+    loaded = load(saved).state
+    assert extra["stages"] == loaded["stages"] and extra["progress"] == loaded["progress"]
+
+
+def not_an_object(directory: Path) -> None:
+    (directory / EXTRA).write_text("[]")
+    relist(directory, EXTRA)
+
+
+@pytest.mark.parametrize("damage, file, words", [
+    (lambda d: flip_bit(d / EXTRA, 40), EXTRA, [CORRUPTED]),  # edited without relisting
+    (not_an_object, EXTRA, ["not a JSON object"]),
+    (lambda d: (d / EXTRA).unlink(), EXTRA, ["listed in manifest.json but missing"]),
+    (lambda d: (d / "stray").write_text("x"), "stray", ["present but not listed"]),
+    (lambda d: (d / MANIFEST).unlink(), MANIFEST, ["missing"]),
+])
+def test_json_state_refuses_what_load_refuses_naming_the_file(ckpt, damage, file, words):
+    damage(ckpt)
+    for read in (json_state, load):
+        with pytest.raises(CheckpointError) as info:
+            read(ckpt)
+        assert info.value.file == file and all(w in info.value.reason for w in words), str(info.value)
+
+
+def test_newest_manifest_is_the_newest_steps_and_a_bad_one_is_none(saved, tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints")
+    assert store.newest_manifest() is None  # no store yet
+    for step in (4, 10):
+        shutil.copytree(saved, store.root / step_dir_name(step))
+    os.symlink(step_dir_name(4), store.root / "best")  # links are not steps
+    assert store.newest_manifest() == (store.root / step_dir_name(10), manifest_of(saved))
+    (store.root / step_dir_name(10) / MANIFEST).write_text("{")
+    assert store.newest_manifest() is None  # the newest is what is asked about: no older one instead
+    (store.root / "stray").write_text("x")
+    with pytest.raises(OSError, match="not a checkpoint step directory"):
+        store.newest_manifest()

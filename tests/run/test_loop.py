@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
-
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +15,7 @@ from pipeline.files import jsonio
 from pipeline.checkpoint.store import EXTRA, OPTIM, WEIGHTS, CheckpointStore
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import EXIT_PREEMPTED, SIGNALS_STATE
+from pipeline.stages.resume import lineage_of
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
@@ -164,6 +165,58 @@ def test_a_changed_hyperparameter_on_a_finished_run_says_how_to_continue_it(tmp_
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "differs from the finished run" in said and "optimizer.lr 0.03 -> 0.05" in said
     assert "resume.allow_changes=[optimizer.lr]" in said and "resume.source=" in said
+
+
+def test_the_hint_for_a_sibling_with_other_data_is_a_command_that_continues_it(tmp_path, caplog, preempt_at):
+    """One drift for the refusal and the hint: a change of the data's config shows with the data it makes (its
+    key covers the data's hash), and the command the hint gives is accepted."""
+    out = tmp_path / "out"
+    args = (*KERNODECK, f"paths.output_dir={out}")
+    preempt_at(5)
+    assert run_job(*args)[0] == EXIT_PREEMPTED
+    SIGNALS_STATE.received = None
+    preempt_at(None)
+    run_a = the_run(out)
+    with caplog.at_level("INFO", logger="pipeline"):
+        assert run_job(*args, "data.noise=0.1")[0] == 0
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert f"differs from the interrupted run {run_a.name} in data.noise 0.05 -> 0.1; data_manifest_hash" in said
+    source, keys = re.search(r"use resume\.source=(\S+) resume\.allow_changes=\[([^]]*)]", said).groups()
+    assert (source, keys) == (str(RunDir(run_a).store.root / "step-00000005"), "data.noise")
+    assert run_job(*args, "data.noise=0.1", f"resume.source={source}", f"resume.allow_changes=[{keys}]")[0] == 0
+    run_b = next(p for p in (out / "runs").iterdir() if p != run_a)
+    manifest = jsonio.read(RunDir(run_b).store.root / "final" / "manifest.json", 1 << 24)
+    assert manifest["lineage"]["origin"]["checkpoint"] == source and manifest["step"] == 10
+    assert set(manifest["allowed_changes"]) == {"data.noise", "data_manifest_hash"}
+
+
+@pytest.mark.parametrize("damage", ["a stray file in its checkpoints/", "its newest manifest"])
+def test_a_sibling_whose_checkpoints_do_not_read_is_passed_over(tmp_path, caplog, damage):
+    out = tmp_path / "out"
+    args = (*KERNODECK, f"paths.output_dir={out}")
+    assert run_job(*args)[0] == 0
+    store = RunDir(the_run(out)).store
+    if damage == "its newest manifest":
+        (store.steps()[-1][1] / "manifest.json").write_text("{")
+    else:
+        (store.root / "notes.txt").write_text("mine")
+    with caplog.at_level("INFO", logger="pipeline"):
+        assert run_job(*args, "optimizer.lr=0.05")[0] == 0
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "starting a new run" in said and "differs from the" not in said
+
+
+def test_without_a_resume_stage_every_run_starts_from_scratch(tmp_path):
+    """~stages.resume: the run starts a fresh history each time (the earlier one's lines are not kept)."""
+    out = tmp_path / "out"
+    args = (*KERNODECK, f"paths.output_dir={out}", "~stages.resume")
+    assert run_job(*args)[0] == 0
+    first = kept(the_run(out))
+    assert run_job(*args)[0] == 0
+    assert [ln["step"] for ln in metrics(the_run(out))] == list(range(1, 11))
+    assert kept(the_run(out)) == first  # the same history again, from scratch
+    manifest = jsonio.read(RunDir(the_run(out)).store.root / "final" / "manifest.json", 1 << 24)
+    assert manifest["lineage"] == lineage_of(manifest["semantic_config_hash"], None)
 
 
 def test_the_manifest_and_run_json_are_standard_json(tmp_path):
