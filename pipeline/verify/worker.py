@@ -26,12 +26,14 @@ class Fresh:
     def train(self, n: int) -> list[dict]:
         return [train_step(self.state) for _ in range(n)]
 
-    def save(self, directory: Path) -> dict:
-        """A checkpoint of the current step, its manifest that of a run history of its own."""
+    def fields(self) -> dict:
+        """The manifest fields of the current step, those of a run history of its own."""
         facts = self.job.facts
-        fields = mf.build(facts, step=self.state.step, epoch=self.state.epoch, metrics={}, tags=[],
-                          lineage=lineage_of(facts["semantic_config_hash"], None))
-        return store.write(directory, capture(self.parts), fields)
+        return mf.build(facts, step=self.state.step, epoch=self.state.epoch, metrics={}, tags=[],
+                        lineage=lineage_of(facts["semantic_config_hash"], None))
+
+    def save(self, directory: Path) -> dict:
+        return store.write(directory, capture(self.parts), self.fields())
 
     def load(self, directory: Path, only: tuple[str, ...] = PARTS) -> store.Checkpoint:
         ckpt = store.load(directory, self.parts)

@@ -22,7 +22,7 @@ from pipeline.files.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import (CORRUPTED, EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointStore, checkpoint_dir,
                                        files_of, json_state, load, read_manifest, step_dir_name, verify)
-from pipeline.cli.roundtrip import Fresh
+from pipeline.verify.worker import Fresh
 from pipeline.config.schema import compose, to_plain
 from pipeline.stateful import PARTS, StateMismatch, capture, check, copy_tree, restore
 
