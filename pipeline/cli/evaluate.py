@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from pipeline.files import jsonio
     from pipeline.checkpoint.errors import CheckpointError
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
 
     try:
         result = evaluate_checkpoint(args.checkpoint, args.overrides)

@@ -88,7 +88,7 @@ def tokenizer_files(vocab: list[str], join: str, n_positions: int, eos: str | No
     except ModuleNotFoundError as e:
         if e.name != "tokenizers":
             raise
-        from pipeline.config.schema import install_hint
+        from pipeline.config.compose import install_hint
 
         raise ValueError(f"writing the tokenizer needs the `tokenizers` package: {install_hint('hf')}") from None
 
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from pipeline.files.atomic import UnsafePathError
     from pipeline.checkpoint import CheckpointError
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
     from pipeline.run.trained import data_facts, restore_checkpoint
 
     try:

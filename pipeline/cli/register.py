@@ -119,7 +119,7 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     from pipeline.serving import CHECKPOINT, DATA_JSON, VOCAB
     from pipeline.run.trained import own_data, restore_checkpoint
 
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
 
     if not name.strip() or "/" in name:
         raise ConfigError(f"name {name!r}: a registered model needs a name without '/' (it is models:/NAME/VERSION)")
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # else a bar per copy of the files
     from pipeline.checkpoint.errors import CheckpointError
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
     from pipeline.tracking.store import StoreError
 
     try:

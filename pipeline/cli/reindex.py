@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rebuild", action="store_true",
                         help="move an existing sqlite store aside (never deleted) and build a new one from disk")
     args = parser.parse_args(argv)
-    from pipeline.config.schema import default_output_dir
+    from pipeline.config.compose import default_output_dir
     from pipeline.tracking.common import default_uri, normalize_tracking_uri
     from pipeline.tracking.store import StoreError
 

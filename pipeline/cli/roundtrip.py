@@ -48,7 +48,8 @@ from pipeline.config.identity import run_name, source_hashes
 from pipeline.data.base import inference_facts
 from pipeline.run.assemble import build_dataset, build_stages, build_state, data_spec
 from pipeline.run.loop import lineage_of
-from pipeline.config.schema import PROJECT_ROOT, compose, error_line, to_plain
+from pipeline.config.compose import PROJECT_ROOT, compose, to_plain
+from pipeline.config.errors import error_line
 from pipeline.stages.base import StageStates
 from pipeline.stateful import PARTS, capture, copy_tree, restore
 from pipeline.trainer.loop import train_step

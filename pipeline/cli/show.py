@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are")
     ap.add_argument("--json", action="store_true", help="print the description as JSON")
     args = ap.parse_args(argv)
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
     from pipeline.config.targets import allowed
     from pipeline.run.trained import UnknownTargetError
 

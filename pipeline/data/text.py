@@ -19,7 +19,7 @@ import numpy as np
 
 from pipeline.files import reading
 from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDataset, ensure_corpus, n_windows
-from pipeline.config.schema import TEXT_MAX_BYTES
+from pipeline.config.schemas import TEXT_MAX_BYTES
 
 TEXT_VERSION = 1
 PIECE = 4 << 20  # bytes decoded at a time: a piece costs at most ~9x itself (its str and its UTF-32 copy)

@@ -24,7 +24,8 @@ from pipeline.checkpoint import manifest as mf
 from pipeline.data.base import DataSpec, inference_facts
 from pipeline.data.iterator import DataIterator
 from pipeline.trainer.rng import Streams
-from pipeline.config.schema import ConfigError, validate
+from pipeline.config.errors import ConfigError
+from pipeline.config.schemas import validate
 from pipeline.stages.base import StageStates
 from pipeline.trainer.state import TrainState
 

@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from pipeline.config.schema import ConfigError, compose, error_line, to_plain, validate
+    from pipeline.config.compose import compose, to_plain
+    from pipeline.config.errors import ConfigError, error_line
+    from pipeline.config.schemas import validate
 
     try:
         config = to_plain(compose(args.overrides))

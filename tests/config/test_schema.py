@@ -1,4 +1,4 @@
-"""Schemas (pipeline/config/schema.py): types only, values in YAML; every value checked before anything starts."""
+"""Schemas (pipeline/config/schemas.py): types only, values in YAML; every value checked before anything starts."""
 from __future__ import annotations
 
 from dataclasses import MISSING as NO_DEFAULT
@@ -8,11 +8,12 @@ import pytest
 from omegaconf import MISSING
 
 from conftest import KERNODECK, TINY, config_of
-from pipeline.config.schema import SCHEMAS, Config, ConfigError, validate
+from pipeline.config.errors import ConfigError
+from pipeline.config.schemas import SCHEMAS, Config, validate
 
 
 def all_schemas():
-    seen, todo = [], [Config, *(s for group in SCHEMAS.values() for s in group.values())]
+    seen, todo = [], [Config, *SCHEMAS.values()]
     while todo:
         s = todo.pop()
         if s not in seen:

@@ -303,7 +303,7 @@ def test_a_text_file_over_the_bound_is_refused_unread(tmp_path):
 
 @pytest.mark.slow
 def test_a_text_file_just_under_the_bound_builds_within_its_memory_bound(tmp_path):
-    from pipeline.config.schema import TEXT_MAX_BYTES
+    from pipeline.config.schemas import TEXT_MAX_BYTES
 
     p = tmp_path / "t.txt"
     word_salad(p, TEXT_MAX_BYTES - 1)

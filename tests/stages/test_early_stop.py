@@ -76,7 +76,9 @@ def test_an_impossible_saved_state_is_refused(state):
 def test_the_config_option_is_typed_and_range_checked(tmp_path):
     from hydra.errors import HydraException
 
-    from pipeline.config.schema import ConfigError, to_plain, validate
+    from pipeline.config.compose import to_plain
+    from pipeline.config.errors import ConfigError
+    from pipeline.config.schemas import validate
 
     args = (*KERNODECK, "+stages/early_stop=default", f"paths.output_dir={tmp_path}")
     node = to_plain(compose(*args))["stages"]["early_stop"]
