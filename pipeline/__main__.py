@@ -5,7 +5,8 @@ SIGNALS_STATE.install()  # first: from here to the last instruction a signal nev
 
 import sys  # noqa: E402
 
-from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, Interrupted  # noqa: E402
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED  # noqa: E402
+from pipeline.run.signals import Interrupted  # noqa: E402
 
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save
 
+from pipeline.config.errors import EXIT_BAD_INPUT
 from pipeline.files.atomic import replace_file
 
 EOS = "<eos>"  # the grammar corpus's end of sentence: GPT-2's <|endoftext|> role (bos, eos and pad)
@@ -167,7 +168,7 @@ def write_hf(
 
 def _refuse(message: object) -> None:
     print(f"pipeline.export_hf: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(EXIT_BAD_INPUT)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,7 +34,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
 
 CODE = Path(__file__).resolve().parents[1] / "serving" / "pyfunc_model.py"
 ARTIFACT_PATH = "model"  # the model's name inside its run
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipeline.register: mlflow: {str(e).splitlines()[0]}", file=sys.stderr)
         return EXIT_ERROR
     print(f"models:/{version.name}/{version.version}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.run.signals import EXIT_BAD_INPUT
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_OK
 
 # One forward pass per token: 100,000 is already minutes of text; more is a typo, refused before any work.
 MAX_NEW_TOKENS = 100_000
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
-        return 0 if argv else EXIT_BAD_INPUT
+        return EXIT_OK if argv else EXIT_BAD_INPUT
     from pipeline.checkpoint.errors import CheckpointError
     from pipeline.config.errors import ConfigError
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ConfigError) as e:
         print(f"pipeline.sample: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

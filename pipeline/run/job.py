@@ -22,7 +22,8 @@ from pipeline.run.assemble import build
 from pipeline.run.loop import DriftError, NonFiniteError, Run
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.config.errors import ConfigError
-from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, SIGNALS_STATE, SWEEP, Interrupted
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
+from pipeline.run.signals import SIGNALS_STATE, SWEEP, Interrupted
 from pipeline.run.slurm import requeue_self
 from pipeline.tracking.common import CURRENT_JOB
 from pipeline.trainer.metrics_log import QuietFileHandler

@@ -16,7 +16,7 @@ if __name__ == "__main__":  # first: a signal while the rest is imported ends in
 import argparse
 import sys
 
-EXIT_OK, EXIT_MISMATCH, EXIT_INCOMPLETE = 0, 1, 2
+from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE  # 2: the verification could not complete
 
 
 def main(argv: list[str] | None = None) -> int:

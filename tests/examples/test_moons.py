@@ -10,7 +10,8 @@ import pytest
 
 from conftest import PROJECT_ROOT, central_differences, config_of, refused_in_one_line, run_job, run_pipeline, the_run
 from pipeline.run.directory import RunDir
-from pipeline.run.signals import EXIT_PREEMPTED, SIGNALS_STATE
+from pipeline.config.errors import EXIT_PREEMPTED
+from pipeline.run.signals import SIGNALS_STATE
 from conftest import kept, metrics
 
 EXAMPLE = PROJECT_ROOT / "examples" / "moons"

@@ -11,7 +11,7 @@ from pipeline.run.budget import Budget, parse_duration
 from pipeline.run.directory import RunDir
 from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import validate
-from pipeline.run.signals import EXIT_PREEMPTED
+from pipeline.config.errors import EXIT_PREEMPTED
 from conftest import kept, metrics
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from conftest import KERNODECK, compose, run_job, run_pipeline, the_run
 from pipeline.run.directory import RunDir
-from pipeline.run.signals import EXIT_PREEMPTED, SIGNALS_STATE
+from pipeline.config.errors import EXIT_PREEMPTED
+from pipeline.run.signals import SIGNALS_STATE
 from pipeline.stages.base import StepEnd
 from pipeline.stages.early_stop import EarlyStop
 from conftest import kept, metrics
