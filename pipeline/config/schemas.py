@@ -356,6 +356,11 @@ def validate(config: dict) -> None:
     nodes += [(f"stages.{name}", node) for name, node in (config.get("stages") or {}).items()]
     for key, node in nodes:
         if isinstance(node, dict) and node.get("_target_") in SCHEMAS:
-            _check_node(SCHEMAS[node["_target_"]], node, f"{key}.", errors)
+            schema = SCHEMAS[node["_target_"]]
+            # a stage added by override (+stages.NAME={...}) is not typed while composing: it names every key
+            if key.startswith("stages.") and (missing := [f.name for f in fields(schema) if f.name not in node]):
+                errors.append(f"{key}: no {', '.join(missing)} (a {node['_target_']} stage takes "
+                              f"{', '.join(f.name for f in fields(schema))})")
+            _check_node(schema, node, f"{key}.", errors)
     if errors:
         raise ConfigError("; ".join(errors))

@@ -13,7 +13,7 @@ AUTO, NEVER = "auto", "never"
 class Resume(Stage):
     name = "resume"
 
-    def __init__(self, source: str = AUTO, allow_changes: list[str] | None = None, order: int = 0):
+    def __init__(self, source: str, allow_changes: list[str], order: int):
         super().__init__(order)
         self.source, self.allow_changes = str(source), [str(k) for k in (allow_changes or [])]
 

@@ -120,8 +120,10 @@ def build(*a):
     print("BUILDING", file=sys.stderr, flush=True)
     return real(*a)
 grammar.build_grammar_corpus = build
-grammar.GrammarCorpus(tempfile.mkdtemp(), seed=3, n_sentences=200, block_size=16)
-grammar.GrammarCorpus(tempfile.mkdtemp(), seed=3, n_sentences=200, block_size=16)
+grammar.GrammarCorpus(tempfile.mkdtemp(), seed=3, n_sentences=200, val_fraction=0.1, block_size=16, ngram_order=4,
+                      val_batch_size=32)
+grammar.GrammarCorpus(tempfile.mkdtemp(), seed=3, n_sentences=200, val_fraction=0.1, block_size=16, ngram_order=4,
+                      val_batch_size=32)
 """
 
 

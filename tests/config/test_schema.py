@@ -71,3 +71,12 @@ def test_every_shipped_combination_validates(tmp_path):
     for overrides in ((), KERNODECK, TINY, ("optimizer=sgd",), ("scheduler=step",), ("scheduler=constant",),
                       ("resume=never",), ("tracking=server",), ("checkpoint=every_n_steps",)):
         validate(config_of(*overrides, f"paths.output_dir={tmp_path}"))
+
+
+def test_a_stage_added_by_override_without_a_key_of_its_class_is_one_line_naming_it(tmp_path):
+    """Its node is not typed while composing (stages: Any), and its class has no defaults to fill the gap."""
+    with pytest.raises(ConfigError) as info:
+        validate(config_of(*KERNODECK, "+stages.x={_target_:pipeline.stages.best.BestVal,order:35}",
+                           f"paths.output_dir={tmp_path}"))
+    assert str(info.value) == "stages.x: no monitor, mode (a pipeline.stages.best.BestVal stage takes _target_, " \
+                              "monitor, mode, order)"

@@ -88,7 +88,8 @@ def test_tracker_that_cannot_start_its_agent_warns_once_and_stays_quiet(monkeypa
     import pipeline.tracking.link as link
 
     monkeypatch.setattr(link, "agent_for", lambda *args: broken())
-    t = mlflow_tracker.MlflowTracker(uri=f"sqlite:///{tmp_path}/m.db", experiment="e")
+    t = mlflow_tracker.MlflowTracker(uri=f"sqlite:///{tmp_path}/m.db", experiment="e", artifact_location=None,
+                                     wait=1.0)
     t.prepare()
     t.start(config={"name": "e"}, facts={}, run_dir=tmp_path, previous_run_uri=None)
     t.log_line({"step": 1, "epoch": 0, "time": 0.0, "train/loss": 1.0})
