@@ -50,7 +50,6 @@ MAX_SMALL = 16 << 20  # bytes of a run's small files (.hydra/*, run.json, a corp
 MAX_METRICS = 1 << 30
 MAX_FILE = 1 << 40  # a checkpoint or corpus file: bounded by its manifest's size, checked before copying
 MAX_CORPORA = 10_000  # corpus directories looked at when finding a run's corpus by its hash
-TOP = ("README.md", "MANIFEST.json", "recovery.json")
 
 
 class BadSource(Exception):

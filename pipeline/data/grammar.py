@@ -29,7 +29,6 @@ PRONOUNS = {
     "they": ("they", "them", "their", "themselves"),
 }
 THIRD_SINGULAR = ("he", "she", "it")
-SINGULAR = ("I", "you", "he", "she", "it")  # "you" is singular here: its reflexive is "yourself"
 
 # singular, plural, pronoun a singular stands for, class; each noun has one class so a string has one parse
 NOUNS = (

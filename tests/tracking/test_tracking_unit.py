@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from pipeline.tracking.common import (flatten, is_mlflow_tracking, metric_points, normalize_tracking_uri,
-                                      param_value, params_of, parse_run_uri, run_uri, step_of_checkpoint, tags_of)
+                                      param_value, params_of, parse_run_uri, run_uri, tags_of)
 
 RID = "0123456789abcdef0123456789abcdef"
 
@@ -47,11 +47,6 @@ def test_params_are_the_flattened_config_with_dotted_keys_and_bounded_values():
     assert tags["sweep.job_num"] == "2" and tags["sweep.id"] == "abc"
     assert flatten({"a": {}}) == {"a": {}}
     assert len(param_value("x" * 10_000)) <= 6000
-
-
-def test_step_of_checkpoint():
-    assert step_of_checkpoint("/r/checkpoints/step-00000101") == 101
-    assert step_of_checkpoint(None) is None
 
 
 def test_tracking_group_defaults_to_mlflow_under_the_output_dir(compose_cfg, tmp_path):
