@@ -16,9 +16,7 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import versions
 from pipeline.checkpoint.store import DATA, EXTRA, OPTIM, WEIGHTS, verify
 from pipeline.run.directory import RunDir
-from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE  # 2: the verification could not complete
-from pipeline.config.errors import EXIT_ERROR as EXIT_MISMATCH  # 1: a comparison failed
-from pipeline.config.errors import EXIT_OK
+from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE, EXIT_ERROR as EXIT_MISMATCH, EXIT_OK
 from pipeline.verify.protocol import verify_dir
 
 
