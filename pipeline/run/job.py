@@ -21,8 +21,7 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.run.assemble import build
 from pipeline.run.loop import DriftError, NonFiniteError, Run
 from pipeline.run.directory import RunBusyError, RunDir
-from pipeline.config.errors import ConfigError
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, ConfigError
 from pipeline.run.signals import SIGNALS_STATE, SWEEP, Interrupted
 from pipeline.run.slurm import requeue_self
 from pipeline.tracking.common import CURRENT_JOB
