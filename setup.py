@@ -1,7 +1,7 @@
 """The packages to build: `pipeline` and, from conf/ at the top of the checkout, its configs as `pipeline/conf/`.
 
 Everything else about the project is in pyproject.toml. conf/ stays where a checkout's users and Hydra's
-examples expect it; the wheel carries it inside the package, where `pipeline.config.schema.CONFIG_DIR` finds it.
+examples expect it; the wheel carries it inside the package, where `pipeline.config.compose.CONFIG_DIR` finds it.
 """
 from pathlib import Path
 

@@ -5,7 +5,8 @@ SIGNALS_STATE.install()  # first: from here to the last instruction a signal nev
 
 import sys  # noqa: E402
 
-from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, Interrupted  # noqa: E402
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED  # noqa: E402
+from pipeline.run.signals import Interrupted  # noqa: E402
 
 
 
@@ -13,7 +14,7 @@ def _plain(cfg) -> dict:
     """The resolved config as plain values; one line naming the key if a value is missing or cannot resolve."""
     from omegaconf.errors import OmegaConfBaseException
 
-    from pipeline.config.schema import to_plain
+    from pipeline.config.compose import to_plain
 
     try:
         return to_plain(cfg)
@@ -26,7 +27,7 @@ def _plain(cfg) -> dict:
 
 
 def _one_line(e: BaseException) -> str:
-    from pipeline.config.schema import error_line
+    from pipeline.config.errors import error_line
 
     return error_line(e)
 
@@ -57,7 +58,7 @@ def main() -> None:
 
     import hydra
 
-    from pipeline.config.schema import CONFIG_DIR, register
+    from pipeline.config.compose import CONFIG_DIR, register
 
     register()
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:

@@ -58,14 +58,14 @@ def central_differences(f, x, R=None, eps: float = 1e-6):
 
 def compose(*overrides: str, return_hydra_config: bool = False):
     """The real conf/config.yaml composed with `overrides`, exactly as `python -m pipeline` would."""
-    from pipeline.config.schema import compose as compose_config
+    from pipeline.config.compose import compose as compose_config
 
     return compose_config(overrides, return_hydra_config=return_hydra_config)
 
 
 def config_of(*overrides: str) -> dict:
     """The composed config as the job sees it: plain, resolved."""
-    from pipeline.config.schema import to_plain
+    from pipeline.config.compose import to_plain
 
     return to_plain(compose(*overrides))
 

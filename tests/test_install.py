@@ -95,7 +95,7 @@ def test_a_wheel_installed_in_a_fresh_venv_runs_from_an_empty_directory(tmp_path
 
     work = project / "work"
     work.mkdir()
-    where = subprocess.run([python, "-c", "import json, pipeline, pipeline.config.schema as s; print(json.dumps("
+    where = subprocess.run([python, "-c", "import json, pipeline, pipeline.config.compose as s; print(json.dumps("
                             "[pipeline.__file__, str(s.CONFIG_DIR), s.in_checkout(), s.default_output_dir()]))"],
                            cwd=work, env=env, capture_output=True, text=True, check=True)
     package_file, config_dir, in_checkout, output_dir = json.loads(where.stdout)

@@ -42,7 +42,7 @@ from pipeline.files.atomic import TMP_PREFIX, UnsafePathError, ensure_dirs, fsyn
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import (CHECKPOINTS, EXTRA, MANIFEST, OPTIM, STEP_DIR, WEIGHTS, CheckpointStore,
                                        checkpoint_dir, read_manifest, verify)
-from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
 
 NAME = "pipeline.archive"
 SELECTIONS = ("best", "final", "newest")
@@ -50,7 +50,6 @@ MAX_SMALL = 16 << 20  # bytes of a run's small files (.hydra/*, run.json, a corp
 MAX_METRICS = 1 << 30
 MAX_FILE = 1 << 40  # a checkpoint or corpus file: bounded by its manifest's size, checked before copying
 MAX_CORPORA = 10_000  # corpus directories looked at when finding a run's corpus by its hash
-TOP = ("README.md", "MANIFEST.json", "recovery.json")
 
 
 class BadSource(Exception):
@@ -566,7 +565,7 @@ def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: 
             return EXIT_ERROR
         publish_dir(tmp, dest)
         print(f"archived {source} to {dest}: {exported['files']} files, {exported['bytes']} bytes; recovery.json")
-        return 0
+        return EXIT_OK
     finally:
         if not keep_tmp:
             remove_tree(tmp)
@@ -583,7 +582,7 @@ def check_archive(dest: Path, extra: list[str]) -> int:
         failed = next(c for c in result["checks"] if not c["passed"])
         print(f"{NAME}: {dest}: {failed['detail']}", file=sys.stderr)
         return EXIT_ERROR
-    return 0
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:

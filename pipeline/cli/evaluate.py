@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.run.signals import EXIT_BAD_INPUT
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_OK
 
 
 def evaluate_checkpoint(directory: Path, overrides: list[str] = ()) -> dict:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from pipeline.files import jsonio
     from pipeline.checkpoint.errors import CheckpointError
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
 
     try:
         result = evaluate_checkpoint(args.checkpoint, args.overrides)
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print(jsonio.dumps(result).decode(), end="")
     else:
         print(" ".join([f"step={result['step']}", *(f"{k}={v:.6g}" for k, v in sorted(result["metrics"].items()))]))
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save
 
+from pipeline.config.errors import EXIT_BAD_INPUT
 from pipeline.files.atomic import replace_file
 
 EOS = "<eos>"  # the grammar corpus's end of sentence: GPT-2's <|endoftext|> role (bos, eos and pad)
@@ -88,7 +89,7 @@ def tokenizer_files(vocab: list[str], join: str, n_positions: int, eos: str | No
     except ModuleNotFoundError as e:
         if e.name != "tokenizers":
             raise
-        from pipeline.config.schema import install_hint
+        from pipeline.config.compose import install_hint
 
         raise ValueError(f"writing the tokenizer needs the `tokenizers` package: {install_hint('hf')}") from None
 
@@ -167,7 +168,7 @@ def write_hf(
 
 def _refuse(message: object) -> None:
     print(f"pipeline.export_hf: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(EXIT_BAD_INPUT)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from pipeline.files.atomic import UnsafePathError
     from pipeline.checkpoint import CheckpointError
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
     from pipeline.run.trained import data_facts, restore_checkpoint
 
     try:

@@ -34,7 +34,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
 
 CODE = Path(__file__).resolve().parents[1] / "serving" / "pyfunc_model.py"
 ARTIFACT_PATH = "model"  # the model's name inside its run
@@ -119,7 +119,7 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     from pipeline.serving import CHECKPOINT, DATA_JSON, VOCAB
     from pipeline.run.trained import own_data, restore_checkpoint
 
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
 
     if not name.strip() or "/" in name:
         raise ConfigError(f"name {name!r}: a registered model needs a name without '/' (it is models:/NAME/VERSION)")
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # else a bar per copy of the files
     from pipeline.checkpoint.errors import CheckpointError
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
     from pipeline.tracking.store import StoreError
 
     try:
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipeline.register: mlflow: {str(e).splitlines()[0]}", file=sys.stderr)
         return EXIT_ERROR
     print(f"models:/{version.name}/{version.version}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
+
 
 def reindex(output_dir: Path, uri: str | None = None, artifact_location: str | None = None, out=None) -> list[dict]:
     from pipeline.run.directory import RunDir
@@ -101,14 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rebuild", action="store_true",
                         help="move an existing sqlite store aside (never deleted) and build a new one from disk")
     args = parser.parse_args(argv)
-    from pipeline.config.schema import default_output_dir
+    from pipeline.config.compose import default_output_dir
     from pipeline.tracking.common import default_uri, normalize_tracking_uri
     from pipeline.tracking.store import StoreError
 
     output_dir = Path(args.output_dir or default_output_dir())
     if not output_dir.is_dir():
         print(f"reindex: no such output directory: {output_dir}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     uri = normalize_tracking_uri(args.tracking_uri or default_uri(output_dir))
     if args.rebuild and (aside := move_aside(uri)) is not None:
         print(f"moved the old store aside: {aside}")
@@ -116,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         results = reindex(output_dir, uri, args.artifact_location)
     except StoreError as e:
         print(f"reindex: {e}", file=sys.stderr)
-        return 2
-    return 1 if any("error" in r for r in results) else 0
+        return EXIT_BAD_INPUT
+    return EXIT_ERROR if any("error" in r for r in results) else EXIT_OK
 
 
 if __name__ == "__main__":

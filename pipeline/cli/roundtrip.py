@@ -44,7 +44,8 @@ from pipeline.checkpoint import store
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.tensors import read_tensors, write_tensors
 from pipeline.config.identity import run_name
-from pipeline.config.schema import PROJECT_ROOT, compose, error_line, to_plain
+from pipeline.config.compose import PROJECT_ROOT, compose, to_plain
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK, error_line
 from pipeline.stateful import PARTS, merge, split
 from pipeline.verify.compare import first_difference
 from pipeline.verify.worker import Fresh
@@ -291,15 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_intermixed_args(argv)  # options may come between the overrides
     if args.continue_from is not None:
         run_continuation(args.overrides, args.continue_from, args.steps, args.out)
-        return 0
+        return EXIT_OK
     if args.save_to is not None:
         save_in_this_process(args.overrides, args.save_to, args.steps)
-        return 0
+        return EXIT_OK
     try:
         to_plain(compose(args.overrides))
     except Exception as e:  # hydra's override and config errors: one line, exit 2
         print(f"roundtrip: bad config or override: {error_line(e)}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     results, path = roundtrip(args.overrides, args.steps, not args.in_process, args.keep)
     notes = {"weight_tying_preserved": results.get("weight_tying_note"), "size_delta_pct": results["size_delta_note"]}
     for key in ("byte_equivalent_state_machines", "all_byte_equal", "continuation_test_passed",
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         note = f"  # {notes[key]}" if notes.get(key) else ""
         print(f"{key}: {jsonio.dumps_line(results[key])}{note}")
     print(f"{'PASS' if results['passed'] else 'FAIL'}: {path}")
-    return 0 if results["passed"] else 1
+    return EXIT_OK if results["passed"] else EXIT_ERROR
 
 
 if __name__ == "__main__":

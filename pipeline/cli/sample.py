@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.run.signals import EXIT_BAD_INPUT
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_OK
 
 # One forward pass per token: 100,000 is already minutes of text; more is a typo, refused before any work.
 MAX_NEW_TOKENS = 100_000
@@ -43,7 +43,7 @@ class Options:
 def parse_options(args: list[str]) -> tuple[Options, list[str]]:
     """key=value arguments -> (Options, the data overrides); ConfigError naming a bad one. The prompt is taken
     verbatim (commas and quotes included), not through Hydra's override grammar."""
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
 
     values, overrides = {}, []
     kinds = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "seed": int}
@@ -82,7 +82,7 @@ def split_prompt(prompt: str, join: str) -> list[str]:
 
 def encode(prompt: str, vocab: list[str], join: str, eos: str | None = "<eos>") -> list[int]:
     """The prompt's ids; an empty prompt is [id of `eos`] (the token every sentence ends with)."""
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
 
     index = {t: i for i, t in enumerate(vocab)}
     tokens = split_prompt(prompt, join)
@@ -121,7 +121,7 @@ def generate(model, ids: list[int], options: Options) -> list[int]:
 
 
 def sample(directory: Path, args: list[str]) -> str:
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
     from pipeline.run.trained import data_facts, restore_checkpoint
 
     options, overrides = parse_options(args)
@@ -148,16 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
-        return 0 if argv else EXIT_BAD_INPUT
+        return EXIT_OK if argv else EXIT_BAD_INPUT
     from pipeline.checkpoint.errors import CheckpointError
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
 
     try:
         print(sample(Path(argv[0]), argv[1:]))
     except (CheckpointError, ConfigError) as e:
         print(f"pipeline.sample: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from pipeline.files.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import MANIFEST, MAX_MANIFEST, WEIGHTS, checkpoint_dir
 from pipeline.run.directory import RunDir
-from pipeline.run.signals import EXIT_BAD_INPUT
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
 
 SUMMARY = ("schema_version", "step", "epoch", "metrics", "tags", "config_hash", "data_manifest_hash", "git_sha",
            "git_dirty", "seed", "mlflow_run_uri", "lineage")
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are")
     ap.add_argument("--json", action="store_true", help="print the description as JSON")
     args = ap.parse_args(argv)
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
     from pipeline.config.targets import allowed
     from pipeline.run.trained import UnknownTargetError
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     print(jsonio.dumps(d).decode() if args.json else (render_run(d) if d["kind"] == "run" else render_checkpoint(d)),
           end="" if args.json else "\n")
-    return 0 if d["valid"] else 1
+    return EXIT_OK if d["valid"] else EXIT_ERROR
 
 
 if __name__ == "__main__":

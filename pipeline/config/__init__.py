@@ -1,1 +1,1 @@
-"""The config layer: schemas and value checks, composition, what a config may name, a run's identity."""
+"""The config layer: value checks, schemas, composition, errors and exit codes, allowed targets, a run's identity."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipeline.files import jsonio
 from pipeline.files import reading
-from pipeline.config.schema import TEXT_MAX_BYTES
+from pipeline.config.schemas import TEXT_MAX_BYTES
 
 # Keys that do not change the math: where outputs go, how progress is shown and logged, how the run is
 # indexed, resumed and parallelised, how big an input file may be, and the verifier's own settings. Dotted

@@ -4,7 +4,8 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.config.schema import CONFIG_DIR, ConfigError
+from pipeline.config.compose import CONFIG_DIR
+from pipeline.config.errors import ConfigError
 
 HINT = "give your config directory with hydra.searchpath=[...] to use your own classes"
 

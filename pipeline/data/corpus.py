@@ -226,7 +226,7 @@ class TokenDataset:
     kind = "tokens"
     specials: dict[str, str] = {}  # role -> token of the vocabulary ({"eos": "<eos>"}): what a tool starts from
 
-    def __init__(self, directory: Path, val_batch_size: int = 32):
+    def __init__(self, directory: Path, val_batch_size: int):
         self.directory = Path(directory)
         names = ("MANIFEST.json", "vocab.json", *(f"{s}.tokens" for s in SPLITS))
         self.manifest, files = verify_corpus(self.directory, keep=names)

@@ -29,7 +29,6 @@ PRONOUNS = {
     "they": ("they", "them", "their", "themselves"),
 }
 THIRD_SINGULAR = ("he", "she", "it")
-SINGULAR = ("I", "you", "he", "she", "it")  # "you" is singular here: its reflexive is "yourself"
 
 # singular, plural, pronoun a singular stands for, class; each noun has one class so a string has one parse
 NOUNS = (
@@ -385,12 +384,12 @@ class GrammarCorpus(TokenDataset):
     def __init__(
         self,
         cache_dir: str,
-        seed: int = 1234,
-        n_sentences: int = 60000,
-        val_fraction: float = 0.1,
-        block_size: int = 64,
-        ngram_order: int = 4,
-        val_batch_size: int = 32,
+        seed: int,
+        n_sentences: int,
+        val_fraction: float,
+        block_size: int,
+        ngram_order: int,
+        val_batch_size: int,
     ):
         params = {
             "generator": "grammar",

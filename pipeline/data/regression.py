@@ -26,8 +26,7 @@ class Regression:
     noise stream, so that an unrestored RNG shows up in the trajectory (the verifier's negative control).
     """
 
-    def __init__(self, n_rows: int = 24, seed: int = 3, noise: float = 0.05, input_gain: float = 0.02,
-                 input_noise: float = 0.01):
+    def __init__(self, n_rows: int, seed: int, noise: float, input_gain: float, input_noise: float):
         self.params = {"name": "regression", "n_rows": n_rows, "seed": seed, "noise": noise}
         self.x, self.y = make_regression(n_rows, seed, noise)
         self.input_gain, self.input_noise = float(input_gain), float(input_noise)

@@ -19,7 +19,7 @@ import numpy as np
 
 from pipeline.files import reading
 from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDataset, ensure_corpus, n_windows
-from pipeline.config.schema import TEXT_MAX_BYTES
+from pipeline.config.schemas import TEXT_MAX_BYTES
 
 TEXT_VERSION = 1
 PIECE = 4 << 20  # bytes decoded at a time: a piece costs at most ~9x itself (its str and its UTF-32 copy)
@@ -134,11 +134,11 @@ class TextCorpus(TokenDataset):
         self,
         cache_dir: str,
         path: str,
-        val_fraction: float = 0.1,
-        block_size: int = 64,
-        ngram_order: int = 5,
-        val_batch_size: int = 32,
-        max_bytes: int | None = TEXT_MAX_BYTES,
+        val_fraction: float,
+        block_size: int,
+        ngram_order: int,
+        val_batch_size: int,
+        max_bytes: int | None,
     ):
         try:
             text = TextFile(Path(path), TEXT_MAX_BYTES if max_bytes is None else max_bytes)

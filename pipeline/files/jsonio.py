@@ -33,10 +33,6 @@ def _finite(obj):
     return obj
 
 
-def encode_float(x: float) -> float | str:
-    return _finite(float(x))
-
-
 def number(v) -> float:
     """A metric value as written by `dumps` (a number, or one of the NON_FINITE strings) back to a float;
     JSONError for anything else, and for an integer too large for a float."""

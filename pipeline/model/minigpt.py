@@ -50,15 +50,15 @@ class MiniGPT(NamedParams):
     def __init__(
         self,
         spec: DataSpec,
-        n_layer: int = 2,
-        n_head: int = 4,
-        n_embd: int = 64,
-        block_size: int | None = None,
-        dropout: float = 0.0,
-        attn_dropout: float | None = None,
-        init_std: float = 0.02,
-        dtype: str = "float32",
-        rng: np.random.Generator = None,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        block_size: int | None,
+        dropout: float,
+        attn_dropout: float | None,
+        init_std: float,
+        dtype: str,
+        rng: np.random.Generator | None,
     ):
         if spec.vocab_size <= 0:
             raise ValueError(f"model=minigpt needs a token dataset (e.g. data=grammar or data=text); this data "

@@ -31,8 +31,8 @@ class MLP(NamedParams):
 
     aliases: dict[str, str] = {}
 
-    def __init__(self, spec: DataSpec, hidden: list[int], activation: str = "tanh", dropout: float = 0.0,
-                 dtype: str = "float64", rng: np.random.Generator | None = None):
+    def __init__(self, spec: DataSpec, hidden: list[int], activation: str, dropout: float, dtype: str,
+                 rng: np.random.Generator):
         if spec.vocab_size or not (spec.n_features and spec.n_targets):
             raise ValueError(f"model=mlp needs a dataset of feature rows (e.g. data=regression); this data gives "
                              f"tokens (vocab_size {spec.vocab_size}): use model=minigpt")

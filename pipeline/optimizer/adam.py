@@ -12,8 +12,7 @@ class Adam(Optimizer):
     buffers = ("exp_avg", "exp_avg_sq")
     decoupled = False
 
-    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
         super().__init__(params, lr)
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps, self.weight_decay = float(eps), float(weight_decay)
@@ -47,7 +46,3 @@ class Adam(Optimizer):
 
 class AdamW(Adam):
     decoupled = True
-
-    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01):
-        super().__init__(params, lr, betas, eps, weight_decay)

@@ -7,8 +7,7 @@ from pipeline.optimizer.base import Optimizer
 
 
 class SGD(Optimizer):
-    def __init__(self, params, lr: float, momentum: float = 0.0, dampening: float = 0.0,
-                 nesterov: bool = False, weight_decay: float = 0.0):
+    def __init__(self, params, lr: float, momentum: float, dampening: float, nesterov: bool, weight_decay: float):
         super().__init__(params, lr)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov momentum requires momentum > 0 and dampening = 0")

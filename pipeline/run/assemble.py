@@ -26,7 +26,8 @@ from pipeline.checkpoint import manifest as mf
 from pipeline.data.base import DataSpec, inference_facts
 from pipeline.data.iterator import DataIterator
 from pipeline.trainer.rng import Streams
-from pipeline.config.schema import ConfigError, validate
+from pipeline.config.errors import ConfigError
+from pipeline.config.schemas import validate
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
 from pipeline.stages.base import StageStates

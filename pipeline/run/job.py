@@ -22,8 +22,8 @@ from pipeline.run.assemble import build
 from pipeline.run.loop import NonFiniteError, Run
 from pipeline.stages.drift import DriftError
 from pipeline.run.directory import RunBusyError, RunDir
-from pipeline.config.schema import ConfigError
-from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, SIGNALS_STATE, SWEEP, Interrupted
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, ConfigError
+from pipeline.run.signals import SIGNALS_STATE, SWEEP, Interrupted
 from pipeline.run.slurm import requeue_self
 from pipeline.run.sweep import SweepJob
 from pipeline.trainer.metrics_log import QuietFileHandler

@@ -25,7 +25,8 @@ from pipeline.checkpoint.retention import AnyOf, LatestN
 from pipeline.checkpoint.store import Checkpoint
 from pipeline.run.assemble import Job
 from pipeline.run.directory import RunDir
-from pipeline.run.signals import EXIT_PREEMPTED, Signals
+from pipeline.config.errors import EXIT_OK, EXIT_PREEMPTED
+from pipeline.run.signals import Signals
 from pipeline.stages.base import StepEnd
 from pipeline.stages.resume import start_fresh
 from pipeline.stateful import capture
@@ -229,7 +230,7 @@ class Run:
             self.job.tracker.attach(self.rundir.path)  # a sweep job: its run shows in the sweep
             print(f"run {self.rundir.path} is complete at step {self.state.step}: "
                   + " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
-            return 0
+            return EXIT_OK
         tracker = self.job.tracker
         if self.metrics_kept is not None:
             self.rundir.keep_metrics(self.metrics_kept)
@@ -264,5 +265,5 @@ class Run:
                  " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
         self._summary("complete")
         tracker.finish("FINISHED", self.rundir.path)
-        return 0
+        return EXIT_OK
 

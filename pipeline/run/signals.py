@@ -24,8 +24,9 @@ import sys
 import threading
 from pathlib import Path
 
+from pipeline.config.errors import EXIT_PREEMPTED
+
 log = logging.getLogger("pipeline")
-EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75  # every entry point's exit codes (README)
 MARKER = "interrupted"  # a stopped sweep's file in its directory: its jobs check it before they start
 # USR1 is what `--signal=USR1@N` sends before a SLURM time limit, USR2 what submitit asks SLURM for; HUP what
 # a closed terminal or a dropped ssh session sends (its default would end the process with -1, unsaved).

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.files import jsonio
 from pipeline.files.atomic import ensure_dirs, replace_file
-from pipeline.run.signals import EXIT_PREEMPTED
+from pipeline.config.errors import EXIT_PREEMPTED
 
 log = logging.getLogger("pipeline")
 SWEEP_DIR_ENV = "PIPELINE_SWEEP_DIR"  # set by the sweep's launcher; conf/config.yaml's hydra.sweep.dir reads it

@@ -27,7 +27,8 @@ from pipeline.config import targets
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint import store
 from pipeline.checkpoint.store import MANIFEST, load, read_manifest
-from pipeline.config.schema import BY_TARGET, ConfigError, validate
+from pipeline.config.errors import ConfigError
+from pipeline.config.schemas import SCHEMAS, validate
 from pipeline.data.base import DataSpec
 from pipeline.stateful import restore
 from pipeline.trainer.state import TrainState
@@ -93,7 +94,7 @@ def cache_home(directory: Path) -> str:
     """The output directory a checkpoint lies in (`<output_dir>/runs/<run>/checkpoints/<step>`), where its run
     cached its corpus; else (an archive, a lone checkpoint) the user's default one. Never the manifest's `paths.output_dir`: a checkpoint
     does not choose where a tool writes."""
-    from pipeline.config.schema import default_output_dir
+    from pipeline.config.compose import default_output_dir
 
     step = Path(directory).absolute()
     runs = step.parent.parent.parent
@@ -138,7 +139,8 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     if any(o.key_or_group == "data" for o in parsed):
         from hydra.errors import HydraException
 
-        from pipeline.config.schema import compose, error_line, to_plain
+        from pipeline.config.compose import compose, to_plain
+        from pipeline.config.errors import error_line
 
         try:
             node = to_plain(compose(list(overrides)))["data"]
@@ -146,7 +148,7 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
             raise ConfigError(f"bad override: {error_line(e)}") from None
     else:
         node = copy.deepcopy(manifest["config"]["data"])
-        schema = BY_TARGET.get(node.get("_target_"))  # the checkpoint's data node, typed by its schema
+        schema = SCHEMAS.get(node.get("_target_"))  # the checkpoint's data node, typed by its schema
         cfg = OmegaConf.merge(OmegaConf.structured(schema), node) if schema else OmegaConf.create(node)
         for o in parsed:
             if o.key_or_group.startswith("data."):

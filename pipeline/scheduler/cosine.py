@@ -5,8 +5,8 @@ from pipeline.scheduler.base import Scheduler
 
 
 class WarmupCosine(Scheduler):
-    def __init__(self, optimizer, total_steps: int | None = None, warmup_steps: int = 0, min_lr_ratio: float = 0.0,
-                 num_cycles: float = 0.5, run_total_steps: int | None = None):
+    def __init__(self, optimizer, total_steps: int | None, warmup_steps: int, min_lr_ratio: float, num_cycles: float,
+                 run_total_steps: int | None = None):
         total_steps = total_steps if total_steps is not None else run_total_steps
         if total_steps is None or total_steps < 1 or warmup_steps < 0:
             raise ValueError(f"scheduler needs total_steps >= 1 and warmup_steps >= 0, got {total_steps}, {warmup_steps}")

@@ -3,7 +3,7 @@ from pipeline.scheduler.base import Scheduler
 
 
 class StepLR(Scheduler):
-    def __init__(self, optimizer, step_size: int, gamma: float = 0.1, run_total_steps: int | None = None):
+    def __init__(self, optimizer, step_size: int, gamma: float, run_total_steps: int | None = None):
         if step_size < 1:
             raise ValueError(f"scheduler.step_size must be >= 1, got {step_size}")
         self.step_size, self.gamma = int(step_size), float(gamma)

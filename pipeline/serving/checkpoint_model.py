@@ -84,7 +84,7 @@ class CheckpointModel(PythonModel):
                            dtype=getattr(self.model, "dtype", np.float64))  # [B, n_features]
             return self.model.predict(x)  # [B, n_targets]
         from pipeline.cli.sample import continuation, parse_options
-        from pipeline.config.schema import ConfigError
+        from pipeline.config.errors import ConfigError
 
         out = []
         for row in _rows(model_input):

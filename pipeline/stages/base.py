@@ -23,7 +23,7 @@ class Stage:
     name = "stage"
     link: str | None = None  # a checkpoints/<link> symlink that follows link_policy() (best, final)
 
-    def __init__(self, order: int = 50):
+    def __init__(self, order: int):
         self.order = int(order)
 
     def setup(self, run) -> None:

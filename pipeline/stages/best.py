@@ -9,7 +9,7 @@ class BestVal(Stage):
     name = "best_val"
     link = "best"
 
-    def __init__(self, monitor: str = "val/loss", mode: str = "min", order: int = 30):
+    def __init__(self, monitor: str, mode: str, order: int):
         super().__init__(order)
         if mode not in ("min", "max"):
             raise ValueError(f"stages.best_val.mode must be 'min' or 'max', got {mode!r}")

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Cadence:
-    every_epochs: int = 1  # at the end of every Nth epoch; 0 = never by epoch
-    every_steps: int = 0  # every Nth update; 0 = never by step
+    every_epochs: int  # at the end of every Nth epoch; 0 = never by epoch
+    every_steps: int  # every Nth update; 0 = never by step
 
     def due(self, step: int, epoch_done: bool, epochs_done: int) -> bool:
         by_epoch = self.every_epochs > 0 and epoch_done and epochs_done % self.every_epochs == 0

@@ -14,8 +14,7 @@ class EarlyStop(Stage):
 
     name = "early_stop"
 
-    def __init__(self, monitor: str = "val/loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0,
-                 order: int = 40):
+    def __init__(self, monitor: str, mode: str, patience: int, min_delta: float, order: int):
         super().__init__(order)
         if mode not in ("min", "max"):
             raise ValueError(f"stages.early_stop.mode must be 'min' or 'max', got {mode!r}")

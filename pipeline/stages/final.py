@@ -9,7 +9,7 @@ class Final(Stage):
     name = "final"
     link = "final"
 
-    def __init__(self, order: int = 90):
+    def __init__(self, order: int):
         super().__init__(order)
 
     def wants_checkpoint(self, end: StepEnd) -> bool:

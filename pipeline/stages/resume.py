@@ -31,7 +31,7 @@ def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
 class Resume(Stage):
     name = "resume"
 
-    def __init__(self, source: str = AUTO, allow_changes: list[str] | None = None, order: int = 0):
+    def __init__(self, source: str, allow_changes: list[str], order: int):
         super().__init__(order)
         self.source, self.allow_changes = str(source), [str(k) for k in (allow_changes or [])]
 

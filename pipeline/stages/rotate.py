@@ -1,4 +1,4 @@
-"""Periodic checkpoints at the configured cadence, keeping the newest N (default 3)."""
+"""Periodic checkpoints at the configured cadence, keeping the newest N."""
 from __future__ import annotations
 
 from pipeline.checkpoint.retention import LatestN
@@ -9,11 +9,11 @@ from pipeline.stages.cadence import Cadence
 class RotateLastN(Stage):
     name = "rotate"
 
-    def __init__(self, keep: int = 3, cadence: Cadence | None = None, order: int = 20):
+    def __init__(self, keep: int, cadence: Cadence, order: int):
         super().__init__(order)
         if keep < 1:
             raise ValueError(f"stages.{self.name}.keep must be >= 1, got {keep}")
-        self.keep, self.cadence = int(keep), cadence or Cadence()
+        self.keep, self.cadence = int(keep), cadence
 
     def wants_checkpoint(self, end: StepEnd) -> bool:
         return self.cadence.due(end.step, end.epoch_done, end.epochs_done)

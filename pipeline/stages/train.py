@@ -7,7 +7,7 @@ from pipeline.stages.base import Stage
 class Train(Stage):
     name = "train"
 
-    def __init__(self, eval_every: int = 0, order: int = 10):
+    def __init__(self, eval_every: int, order: int):
         super().__init__(order)
         if eval_every < 0:
             raise ValueError(f"stages.train.eval_every must be >= 0, got {eval_every}")

@@ -221,11 +221,6 @@ def metric_points(line: dict) -> list[tuple[str, float, int, int]]:
             if k not in NON_METRIC_KEYS and (isinstance(v, (int, float)) and not isinstance(v, bool) or v in NON_FINITE)]
 
 
-def step_of_checkpoint(path: str | None) -> int | None:
-    m = re.search(r"step-(\d{8})/?$", str(path or ""))
-    return int(m.group(1)) if m else None
-
-
 def is_mlflow_tracking(tracking) -> bool:
     """True when a `tracking` config node selects the mlflow tracker (mlflow or server), False for none."""
     if tracking is None:
@@ -235,9 +230,3 @@ def is_mlflow_tracking(tracking) -> bool:
     except AttributeError:
         return False
     return target in TRACKER_TARGETS
-
-
-def project_pythonpath() -> str:
-    """PYTHONPATH for a helper process: the directory holding this `pipeline` package first."""
-    root = str(Path(__file__).resolve().parents[2])
-    return os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])

@@ -13,7 +13,6 @@ imports nothing heavy: it is on the training process's path.
 """
 from __future__ import annotations
 
-import collections
 import errno
 import fcntl
 import hashlib
@@ -259,14 +258,3 @@ def wait_idle(uri: str, timeout: float = 600.0) -> bool:
         return False
     finally:
         sock.close()
-
-
-def recent_errors(log_file: Path | None, n: int = 3) -> str:
-    """The last lines an agent wrote to its log, for a warning that says why."""
-    if log_file is None:
-        return ""
-    try:
-        tail = collections.deque(Path(log_file).read_text(errors="replace").splitlines(), maxlen=n)
-    except OSError:
-        return ""
-    return " | ".join(line.strip() for line in tail if line.strip())

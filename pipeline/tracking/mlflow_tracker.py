@@ -66,8 +66,8 @@ def agent_log(uri: str) -> Path:
 class MlflowTracker(Tracker):
     """conf/tracking/mlflow.yaml (sqlite under the output directory) and conf/tracking/server.yaml (http)."""
 
-    def __init__(self, uri: str, experiment: str = "default", artifact_location: str | None = None,
-                 wait: float = 1.0, sweep: SweepJob | None = None, **_):
+    def __init__(self, uri: str, experiment: str, artifact_location: str | None, wait: float,
+                 sweep: SweepJob | None = None, **_):
         self.uri = normalize_tracking_uri(uri)
         self.experiment = str(experiment)
         self.artifact_location = artifact_root(self.uri, artifact_location)  # None: the server chooses

@@ -35,7 +35,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.files import jsonio
 from pipeline.files.atomic import ensure_dirs, environment_error, replace_file
-from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, SIGNALS_STATE
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
+from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SWEEP_DIR_ENV, SweepJob
 from pipeline.tracking.common import (artifact_root, is_machine_key, is_mlflow_tracking, normalize_tracking_uri,
                                       store_problem)

@@ -16,7 +16,7 @@ if __name__ == "__main__":  # first: a signal while the rest is imported ends in
 import argparse
 import sys
 
-EXIT_OK, EXIT_MISMATCH, EXIT_INCOMPLETE = 0, 1, 2
+from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE  # 2: the verification could not complete
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from pipeline.config.schema import ConfigError, compose, error_line, to_plain, validate
+    from pipeline.config.compose import compose, to_plain
+    from pipeline.config.errors import ConfigError, error_line
+    from pipeline.config.schemas import validate
 
     try:
         config = to_plain(compose(args.overrides))

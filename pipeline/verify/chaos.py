@@ -16,7 +16,8 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import versions
 from pipeline.checkpoint.store import DATA, EXTRA, OPTIM, WEIGHTS, json_state, verify
 from pipeline.run.directory import RunDir
-from pipeline.verify.protocol import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, verify_dir
+from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE, EXIT_ERROR as EXIT_MISMATCH, EXIT_OK
+from pipeline.verify.protocol import verify_dir
 
 
 def _command(argv: list[str], output_dir: Path) -> list[str]:

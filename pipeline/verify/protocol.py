@@ -9,11 +9,10 @@ from pathlib import Path
 
 from pipeline.files import jsonio
 from pipeline.checkpoint.manifest import versions
+from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE, EXIT_ERROR as EXIT_MISMATCH, EXIT_OK
 from pipeline.config.identity import run_name
 from pipeline.verify.compare import compare, machine
 from pipeline.verify.snapshot import read_summary
-
-EXIT_OK, EXIT_MISMATCH, EXIT_INCOMPLETE = 0, 1, 2
 
 
 def verify_dir(config: dict) -> Path:

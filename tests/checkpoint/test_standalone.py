@@ -20,7 +20,7 @@ from pipeline.checkpoint.store import DATA, MANIFEST
 from pipeline.cli.evaluate import evaluate_checkpoint
 from pipeline.run.directory import RunDir
 from pipeline.cli.sample import sample
-from pipeline.config.schema import ConfigError
+from pipeline.config.errors import ConfigError
 from conftest import text_overrides
 
 NEEDS_TOKENIZERS = pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,

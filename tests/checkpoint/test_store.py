@@ -23,7 +23,7 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import (CORRUPTED, EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointStore, checkpoint_dir,
                                        files_of, json_state, load, read_manifest, step_dir_name, verify)
 from pipeline.verify.worker import Fresh
-from pipeline.config.schema import compose, to_plain
+from pipeline.config.compose import compose, to_plain
 from pipeline.stateful import PARTS, StateMismatch, capture, check, copy_tree, restore
 
 

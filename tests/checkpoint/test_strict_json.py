@@ -19,7 +19,7 @@ from pipeline.checkpoint.errors import CheckpointError, RunFileError
 from pipeline.checkpoint.store import EXTRA, MANIFEST, WEIGHTS, load, read_manifest, step_dir_name
 from pipeline.cli.roundtrip import Fresh
 from pipeline.run.directory import RunDir
-from pipeline.config.schema import compose, to_plain
+from pipeline.config.compose import compose, to_plain
 from pipeline.tracking.sweep_callback import read_jobs
 
 

@@ -63,7 +63,7 @@ def mean_token_cross_entropy(ckpt: Path, dataset) -> float:
     from pipeline.model.minigpt import MiniGPT
 
     config = manifest(ckpt)["config"]["model"]
-    model = MiniGPT(dataset.spec, n_layer=config["n_layer"], n_head=config["n_head"], n_embd=config["n_embd"],
+    model = MiniGPT(dataset.spec, **{k: v for k, v in config.items() if k != "_target_"}, dtype="float32",
                     rng=np.random.default_rng(0))
     weights = load_file(str(ckpt / "weights.safetensors"))
     for name, p in model.params.items():

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import (KERNODECK, PROJECT_ROOT, TINY, env_for_subprocess, refused_in_one_line, run_job,
                       run_pipeline, the_run)
-from pipeline.config import schema
-from pipeline.config.schema import install_hint
+from pipeline.config import compose
+from pipeline.config.compose import install_hint
 
 
 # -- an unknown option of a group ---------------------------------------------------------------------
@@ -41,7 +41,7 @@ def test_the_verifier_and_roundtrip_say_it_the_same_way(tmp_path):
 def test_error_line_keeps_one_line_whatever_hydra_gives():
     from hydra.errors import MissingConfigException
 
-    from pipeline.config.schema import error_line
+    from pipeline.config.errors import error_line
 
     e = MissingConfigException("Cannot find primary config 'nope'.\n\nSearch path:\n\tprovider=main",
                                missing_cfg_file="nope", options=["config"])
@@ -77,7 +77,7 @@ def installed_as(monkeypatch, direct_url: dict | None, *, found: bool = True, ch
         return FakeDistribution(direct_url)
 
     monkeypatch.setattr(importlib.metadata, "distribution", distribution)
-    monkeypatch.setattr(schema, "in_checkout", lambda: checkout)
+    monkeypatch.setattr(compose, "in_checkout", lambda: checkout)
 
 
 def test_an_editable_install_is_told_to_install_the_extra_editable_in_its_checkout(monkeypatch):
@@ -120,8 +120,10 @@ def build(*a):
     print("BUILDING", file=sys.stderr, flush=True)
     return real(*a)
 grammar.build_grammar_corpus = build
-grammar.GrammarCorpus(tempfile.mkdtemp(), seed=3, n_sentences=200, block_size=16)
-grammar.GrammarCorpus(tempfile.mkdtemp(), seed=3, n_sentences=200, block_size=16)
+grammar.GrammarCorpus(tempfile.mkdtemp(), seed=3, n_sentences=200, val_fraction=0.1, block_size=16, ngram_order=4,
+                      val_batch_size=32)
+grammar.GrammarCorpus(tempfile.mkdtemp(), seed=3, n_sentences=200, val_fraction=0.1, block_size=16, ngram_order=4,
+                      val_batch_size=32)
 """
 
 

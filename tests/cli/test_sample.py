@@ -13,7 +13,7 @@ import pytest
 from conftest import KERNODECK, TINY, refused_in_one_line, run_job, run_pipeline, the_run
 from pipeline.run.directory import RunDir
 from pipeline.cli.sample import encode, next_token, sample, split_prompt
-from pipeline.config.schema import ConfigError
+from pipeline.config.errors import ConfigError
 from conftest import text_overrides
 
 

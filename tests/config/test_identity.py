@@ -50,7 +50,7 @@ def test_a_text_file_is_identified_by_its_bytes_not_its_path(tmp_path, monkeypat
 
 
 def test_a_missing_text_file_is_one_line_naming_the_key(tmp_path):
-    from pipeline.config.schema import ConfigError
+    from pipeline.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^data\.path=.*nope\.txt: No such file"):
         build(text_config(tmp_path, str(tmp_path / "nope.txt")))

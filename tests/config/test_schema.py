@@ -1,4 +1,4 @@
-"""Schemas (pipeline/config/schema.py): types only, values in YAML; every value checked before anything starts."""
+"""Schemas (pipeline/config/schemas.py): types only, values in YAML; every value checked before anything starts."""
 from __future__ import annotations
 
 from dataclasses import MISSING as NO_DEFAULT
@@ -8,11 +8,12 @@ import pytest
 from omegaconf import MISSING
 
 from conftest import KERNODECK, TINY, config_of
-from pipeline.config.schema import SCHEMAS, Config, ConfigError, validate
+from pipeline.config.errors import ConfigError
+from pipeline.config.schemas import SCHEMAS, Config, validate
 
 
 def all_schemas():
-    seen, todo = [], [Config, *(s for group in SCHEMAS.values() for s in group.values())]
+    seen, todo = [], [Config, *SCHEMAS.values()]
     while todo:
         s = todo.pop()
         if s not in seen:
@@ -70,3 +71,12 @@ def test_every_shipped_combination_validates(tmp_path):
     for overrides in ((), KERNODECK, TINY, ("optimizer=sgd",), ("scheduler=step",), ("scheduler=constant",),
                       ("resume=never",), ("tracking=server",), ("checkpoint=every_n_steps",)):
         validate(config_of(*overrides, f"paths.output_dir={tmp_path}"))
+
+
+def test_a_stage_added_by_override_without_a_key_of_its_class_is_one_line_naming_it(tmp_path):
+    """Its node is not typed while composing (stages: Any), and its class has no defaults to fill the gap."""
+    with pytest.raises(ConfigError) as info:
+        validate(config_of(*KERNODECK, "+stages.x={_target_:pipeline.stages.best.BestVal,order:35}",
+                           f"paths.output_dir={tmp_path}"))
+    assert str(info.value) == "stages.x: no monitor, mode (a pipeline.stages.best.BestVal stage takes _target_, " \
+                              "monitor, mode, order)"

@@ -16,7 +16,8 @@ from pipeline.data.grammar import GrammarCorpus, build_grammar_corpus
 from pipeline.data.text import TextCorpus
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = dict(n_sentences=1500, block_size=32, ngram_order=3)
+SMALL = dict(n_sentences=1500, val_fraction=0.1, block_size=32, ngram_order=3, val_batch_size=32)
+TEXT_SMALL = dict(val_fraction=0.1, block_size=16, ngram_order=4, val_batch_size=32, max_bytes=1 << 20)
 
 
 def _files(directory: Path) -> dict[str, bytes]:
@@ -171,7 +172,8 @@ def test_a_writer_that_loses_the_race_reuses_the_winner(tmp_path, small):
 _CHILD = """
 import sys
 from pipeline.data.grammar import GrammarCorpus
-d = GrammarCorpus(sys.argv[1], seed=21, n_sentences=4000, block_size=32, ngram_order=3)
+d = GrammarCorpus(sys.argv[1], seed=21, n_sentences=4000, val_fraction=0.1, block_size=32, ngram_order=3,
+                  val_batch_size=32)
 print(d.manifest_hash)
 """
 
@@ -197,7 +199,7 @@ TEXT = "It was the best of times, it was the worst of times; it was the age of w
 def test_text_corpus_from_a_small_file(tmp_path):
     src = tmp_path / "book.txt"
     src.write_text(TEXT + "café ☕\n", encoding="utf-8")
-    d = TextCorpus(str(tmp_path / "run" / "data"), str(src), block_size=16, ngram_order=4)
+    d = TextCorpus(str(tmp_path / "run" / "data"), str(src), **TEXT_SMALL)
     assert d.directory.name.startswith("text-") and d.vocab == sorted(set(src.read_text(encoding="utf-8")))
     assert d.decode(np.concatenate([d.tokens["train"], d.tokens["val"]])) == src.read_text(encoding="utf-8")
     b = d.train_batch(np.arange(min(4, d.n_train)), np.float32)
@@ -206,24 +208,24 @@ def test_text_corpus_from_a_small_file(tmp_path):
     # The hash is over the content: a moved copy is the same corpus, an edited one is not.
     moved = tmp_path / "elsewhere.txt"
     moved.write_bytes(src.read_bytes())
-    assert TextCorpus(str(tmp_path / "run" / "data"), str(moved), block_size=16, ngram_order=4).directory == d.directory
+    assert TextCorpus(str(tmp_path / "run" / "data"), str(moved), **TEXT_SMALL).directory == d.directory
     moved.write_text(TEXT + "café!\n", encoding="utf-8")
-    assert TextCorpus(str(tmp_path / "run" / "data"), str(moved), block_size=16, ngram_order=4).directory != d.directory
+    assert TextCorpus(str(tmp_path / "run" / "data"), str(moved), **TEXT_SMALL).directory != d.directory
 
 
 def test_text_corpus_errors_name_the_path(tmp_path):
     missing = tmp_path / "nope.txt"
     with pytest.raises(FileNotFoundError, match=r"nope\.txt: text file not found"):
-        TextCorpus(str(tmp_path / "data"), str(missing))
+        TextCorpus(str(tmp_path / "data"), str(missing), **TEXT_SMALL)
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("naïve café ".encode("latin-1") * 50)
     with pytest.raises(ValueError, match=r"latin1\.txt: not valid UTF-8"):
-        TextCorpus(str(tmp_path / "data"), str(latin1))
+        TextCorpus(str(tmp_path / "data"), str(latin1), **TEXT_SMALL)
     short = tmp_path / "short.txt"
     short.write_text("too short", encoding="utf-8")
     with pytest.raises(ValueError, match=r"short\.txt: too short"):
-        TextCorpus(str(tmp_path / "data"), str(short))
+        TextCorpus(str(tmp_path / "data"), str(short), **TEXT_SMALL)
     wide = tmp_path / "wide.txt"
     wide.write_text("".join(chr(0x4E00 + i) for i in range(600)) * 2, encoding="utf-8")
     with pytest.raises(ValueError, match=r"wide\.txt: 600 distinct characters"):
-        TextCorpus(str(tmp_path / "data"), str(wide))
+        TextCorpus(str(tmp_path / "data"), str(wide), **TEXT_SMALL)

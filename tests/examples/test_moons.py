@@ -10,7 +10,8 @@ import pytest
 
 from conftest import PROJECT_ROOT, central_differences, config_of, refused_in_one_line, run_job, run_pipeline, the_run
 from pipeline.run.directory import RunDir
-from pipeline.run.signals import EXIT_PREEMPTED, SIGNALS_STATE
+from pipeline.config.errors import EXIT_PREEMPTED
+from pipeline.run.signals import SIGNALS_STATE
 from conftest import kept, metrics
 
 EXAMPLE = PROJECT_ROOT / "examples" / "moons"
@@ -29,8 +30,8 @@ def test_rbf_gradients_match_finite_differences(moons):
     from moons.data import TwoMoons
     from moons.model import RBFNet
 
-    data = TwoMoons(n_train=16, n_val=4, seed=1)
-    model = RBFNet(data.spec, n_centers=5, dropout=0.3, rng=np.random.default_rng(0))
+    data = TwoMoons(n_train=16, n_val=4, noise=0.1, jitter=0.05, seed=1)
+    model = RBFNet(data.spec, n_centers=5, dropout=0.3, init_scale=1.0, dtype="float64", rng=np.random.default_rng(0))
     batch = data.train_batch(np.arange(16), np.float64)
 
     def loss() -> float:  # the same dropout mask every time: a fresh generator with one seed

@@ -23,6 +23,8 @@ from pipeline.data import text as text_mod
 from pipeline.data.text import TextCorpus, TextFile
 from pipeline.files.reading import UnreadableFile
 
+TEXT = dict(val_fraction=0.1, block_size=64, ngram_order=5, val_batch_size=32, max_bytes=1 << 20)  # data=text's (a smaller bound)
+
 SAFETY_NET = 600  # seconds: only so a regression fails instead of hanging; a refusal takes a few seconds
 KINDS = ("fifo", "device", "socket")
 WHAT = {"fifo": "is a FIFO, not a regular file", "device": "is a character device, not a regular file",
@@ -167,11 +169,11 @@ def test_a_text_file_changed_between_its_passes_is_refused(tmp_path):
 
 def test_text_corpus_errors_name_data_path(tmp_path):
     with pytest.raises(ValueError, match=r"data\.path=/dev/zero: is a character device, not a regular file"):
-        TextCorpus(str(tmp_path / "data"), "/dev/zero")
+        TextCorpus(str(tmp_path / "data"), "/dev/zero", **TEXT)
     p = tmp_path / "t.txt"
     p.write_text("abc" * 100)
     with pytest.raises(ValueError, match=r"data\.path=.*t\.txt: 300 bytes, over the 299-byte limit set by data\.max"):
-        TextCorpus(str(tmp_path / "data"), str(p), max_bytes=299)
+        TextCorpus(str(tmp_path / "data"), str(p), **{**TEXT, "max_bytes": 299})
 
 
 def test_fitted_perplexity_is_fit_then_perplexity_to_the_last_bit(monkeypatch):
@@ -303,14 +305,15 @@ def test_a_text_file_over_the_bound_is_refused_unread(tmp_path):
 
 @pytest.mark.slow
 def test_a_text_file_just_under_the_bound_builds_within_its_memory_bound(tmp_path):
-    from pipeline.config.schema import TEXT_MAX_BYTES
+    from pipeline.config.schemas import TEXT_MAX_BYTES
 
     p = tmp_path / "t.txt"
     word_salad(p, TEXT_MAX_BYTES - 1)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     build = ("from pipeline.data.text import TextCorpus; import sys; "
-             "d = TextCorpus(sys.argv[1], sys.argv[2]); print(d.n_train, d.n_val, d.manifest['baseline']['val_ppl'])")
+             "d = TextCorpus(sys.argv[1], sys.argv[2], val_fraction=0.1, block_size=64, ngram_order=5, "
+             f"val_batch_size=32, max_bytes={TEXT_MAX_BYTES}); print(d.n_train, d.n_val, d.manifest['baseline']['val_ppl'])")
     proc, mb = measured(["-c", build, str(tmp_path / "data"), str(p)], cwd)
     assert proc.returncode == 0, proc.stderr
     n_train, n_val, ppl = proc.stdout.split()

@@ -37,8 +37,14 @@ def numeric_grad(f, x: np.ndarray, h: float = 1e-3) -> np.ndarray:
     return g
 
 
+# What these tests build unless they say otherwise (the class has no defaults: conf/model/minigpt.yaml's values)
+BASE = dict(n_layer=2, n_head=4, n_embd=64, block_size=None, dropout=0.0, attn_dropout=None, init_std=0.02,
+            dtype="float32")
+
+
 def make(vocab=11, seed=0, **kw) -> MiniGPT:
-    spec = DataSpec(vocab_size=vocab, block_size=kw.get("block_size") or 64)  # sequences as long as the positions
+    kw = {**BASE, **kw}
+    spec = DataSpec(vocab_size=vocab, block_size=kw["block_size"] or 64)  # sequences as long as the positions
     return MiniGPT(spec, rng=np.random.default_rng(seed), **kw)
 
 
@@ -155,7 +161,7 @@ def test_init_draws_only_from_the_given_rng():
     f64 = make(seed=3, dtype="float64")  # same draws, only rounded differently
     assert all(np.array_equal(f64.params[k].astype(np.float32), a.params[k]) for k in a.params)
     with pytest.raises(ValueError):
-        MiniGPT(DataSpec(vocab_size=11))
+        MiniGPT(DataSpec(vocab_size=11), **BASE, rng=None)  # no hidden default seed
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -9,8 +9,8 @@ import pipeline.run.budget as budget
 from conftest import KERNODECK, config_of, run_job, run_pipeline, the_run
 from pipeline.run.budget import Budget, parse_duration
 from pipeline.run.directory import RunDir
-from pipeline.config.schema import ConfigError, validate
-from pipeline.run.signals import EXIT_PREEMPTED
+from pipeline.config.errors import EXIT_PREEMPTED, ConfigError
+from pipeline.config.schemas import validate
 from conftest import kept, metrics
 
 

@@ -424,7 +424,7 @@ def test_roundtrip_removes_a_planted_link_in_its_directory_never_what_it_points_
     victim.mkdir()
     (victim / "v.txt").write_text("precious\n")
     from pipeline.config.identity import run_name
-    from pipeline.config.schema import compose, to_plain
+    from pipeline.config.compose import compose, to_plain
 
     config = to_plain(compose([*KERNODECK, f"paths.output_dir={out}"]))
     home = out / "roundtrip" / run_name(config)

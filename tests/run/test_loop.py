@@ -14,7 +14,8 @@ from conftest import KERNODECK, kept, metrics, run_job, the_run
 from pipeline.files import jsonio
 from pipeline.checkpoint.store import EXTRA, OPTIM, WEIGHTS, CheckpointStore
 from pipeline.run.directory import RunDir
-from pipeline.run.signals import EXIT_PREEMPTED, SIGNALS_STATE
+from pipeline.config.errors import EXIT_PREEMPTED
+from pipeline.run.signals import SIGNALS_STATE
 from pipeline.stages.resume import lineage_of
 
 

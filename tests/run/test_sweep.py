@@ -9,7 +9,7 @@ import types
 import pytest
 
 from pipeline.run import job as runner
-from pipeline.run.signals import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from pipeline.run.sweep import SWEEP_DIR_ENV, SweepJob
 from pipeline.tracking import sweep_callback
 

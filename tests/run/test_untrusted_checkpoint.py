@@ -302,7 +302,7 @@ def test_a_checkpoint_does_not_choose_which_of_your_files_is_read(text_run, tmp_
 
 
 def test_the_corpus_cache_is_beside_the_run_never_inside_an_archive(tmp_path):
-    from pipeline.config.schema import default_output_dir
+    from pipeline.config.compose import default_output_dir
     from pipeline.run.trained import cache_home
 
     step = tmp_path / "out" / "runs" / "r-0123" / "checkpoints" / "step-00000004"

@@ -14,8 +14,12 @@ from pipeline.scheduler.cosine import WarmupCosine
 from pipeline.scheduler.step import StepLR
 
 
+PLAIN = {SGD: dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0),
+         Adam: dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)}  # torch.optim's defaults
+
+
 def optimizer(lr: float, cls=SGD):
-    return cls({"w": np.array([1.0, -2.0])}, lr=lr)
+    return cls({"w": np.array([1.0, -2.0])}, lr=lr, **PLAIN[cls])
 
 
 def lrs_used(opt, sched, n: int) -> list[float]:
@@ -38,7 +42,7 @@ def test_step_lr_sequence():
 
 def test_step_lr_rejects_step_size_below_one():
     with pytest.raises(ValueError):
-        StepLR(optimizer(0.1), step_size=0)
+        StepLR(optimizer(0.1), step_size=0, gamma=0.5)
 
 
 def hf_cosine_with_warmup(base_lr, step, warmup, total, num_cycles=0.5, min_lr_rate=0.0):
@@ -70,7 +74,7 @@ def test_cosine_with_warmup_matches_transformers_formula(warmup, total, num_cycl
 
 def test_cosine_shape():
     opt = optimizer(0.1)
-    got = lrs_used(opt, WarmupCosine(opt, total_steps=20, warmup_steps=5), 20)
+    got = lrs_used(opt, WarmupCosine(opt, total_steps=20, warmup_steps=5, min_lr_ratio=0.0, num_cycles=0.5), 20)
     assert got[0] == 0.0  # transformers' warmup starts at 0
     assert got[:6] == pytest.approx([0.0, 0.02, 0.04, 0.06, 0.08, 0.1], rel=1e-12, abs=0)
     assert all(a > b for a, b in zip(got[5:], got[6:]))  # strictly decreasing after the warmup
@@ -79,12 +83,14 @@ def test_cosine_shape():
 
 def test_cosine_total_steps_defaults_to_the_runs_total():
     opt = optimizer(0.1)
-    sched = WarmupCosine(opt, total_steps=None, warmup_steps=2, run_total_steps=10)
+    sched = WarmupCosine(opt, total_steps=None, warmup_steps=2, min_lr_ratio=0.0, num_cycles=0.5,
+                         run_total_steps=10)
     assert sched.total_steps == 10
     got = lrs_used(opt, sched, 10)
     assert got == pytest.approx([hf_cosine_with_warmup(0.1, k, 2, 10) for k in range(10)], rel=1e-12, abs=1e-18)
     with pytest.raises(ValueError):
-        WarmupCosine(optimizer(0.1), total_steps=None, warmup_steps=2, run_total_steps=None)
+        WarmupCosine(optimizer(0.1), total_steps=None, warmup_steps=2, min_lr_ratio=0.0, num_cycles=0.5,
+                     run_total_steps=None)
 
 
 def test_constant():
@@ -95,7 +101,7 @@ def test_constant():
 
 SCHEDULERS = [
     pytest.param(lambda o: StepLR(o, step_size=3, gamma=0.5), id="step"),
-    pytest.param(lambda o: WarmupCosine(o, total_steps=15, warmup_steps=4, min_lr_ratio=0.05), id="cosine"),
+    pytest.param(lambda o: WarmupCosine(o, total_steps=15, warmup_steps=4, min_lr_ratio=0.05, num_cycles=0.5), id="cosine"),
     pytest.param(lambda o: Constant(o), id="constant"),
 ]
 

@@ -10,10 +10,15 @@ import pytest
 
 from conftest import KERNODECK, compose, run_job, run_pipeline, the_run
 from pipeline.run.directory import RunDir
-from pipeline.run.signals import EXIT_PREEMPTED, SIGNALS_STATE
+from pipeline.config.errors import EXIT_PREEMPTED
+from pipeline.run.signals import SIGNALS_STATE
 from pipeline.stages.base import StepEnd
 from pipeline.stages.early_stop import EarlyStop
 from conftest import kept, metrics
+
+
+def early_stop(**kw) -> EarlyStop:
+    return EarlyStop(**{"monitor": "m", "mode": "min", "patience": 3, "min_delta": 0.0, "order": 40, **kw})
 
 
 def feed(stage: EarlyStop, values: list) -> int | None:
@@ -43,17 +48,17 @@ def feed(stage: EarlyStop, values: list) -> int | None:
     ("min", 0.0, 1, [3.0, 2.0, 2.0], 3),
 ])
 def test_the_step_it_stops_at_is_the_hand_computed_patience(mode, min_delta, patience, values, stop):
-    assert feed(EarlyStop(monitor="m", mode=mode, patience=patience, min_delta=min_delta), values) == stop
+    assert feed(early_stop(mode=mode, patience=patience, min_delta=min_delta), values) == stop
 
 
 def test_its_state_is_the_count_and_the_best_and_a_resumed_stage_decides_the_same():
     values = [5.0, 4.0, 4.5, 4.2, 4.1, 3.0, 3.9, 3.8, 3.7, 3.6]
-    whole = EarlyStop(monitor="m", patience=4)
+    whole = early_stop(patience=4)
     assert feed(whole, values) == 10
     for cut in range(1, 10):
-        first = EarlyStop(monitor="m", patience=4)
+        first = early_stop(patience=4)
         assert feed(first, values[:cut]) is None
-        second = EarlyStop(monitor="m", patience=4)
+        second = early_stop(patience=4)
         second.check_state_dict(first.state_dict())
         second.load_state_dict(first.state_dict())
         assert cut + feed(second, values[cut:]) == 10, cut
@@ -70,13 +75,15 @@ def test_its_state_is_the_count_and_the_best_and_a_resumed_stage_decides_the_sam
 ])
 def test_an_impossible_saved_state_is_refused(state):
     with pytest.raises(ValueError):
-        EarlyStop().check_state_dict(state)
+        early_stop().check_state_dict(state)
 
 
 def test_the_config_option_is_typed_and_range_checked(tmp_path):
     from hydra.errors import HydraException
 
-    from pipeline.config.schema import ConfigError, to_plain, validate
+    from pipeline.config.compose import to_plain
+    from pipeline.config.errors import ConfigError
+    from pipeline.config.schemas import validate
 
     args = (*KERNODECK, "+stages/early_stop=default", f"paths.output_dir={tmp_path}")
     node = to_plain(compose(*args))["stages"]["early_stop"]

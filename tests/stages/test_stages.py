@@ -87,7 +87,9 @@ def test_stage_options_are_typed(override, key, tmp_path):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from pipeline.config.schema import ConfigError, to_plain, validate
+    from pipeline.config.compose import to_plain
+    from pipeline.config.errors import ConfigError
+    from pipeline.config.schemas import validate
 
     with pytest.raises((HydraException, OmegaConfBaseException, ConfigError)) as info:
         validate(to_plain(compose(*KERNODECK, override, f"paths.output_dir={tmp_path}")))

@@ -30,7 +30,7 @@ def test_a_tracking_server_chooses_where_artifacts_go_and_a_local_store_keeps_th
 
 # --- params and tags
 def test_no_machine_path_in_params_and_no_tag_duplicates_a_param(compose_cfg, tmp_path):
-    from pipeline.config.schema import to_plain
+    from pipeline.config.compose import to_plain
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the old man and the sea\n" * 20)

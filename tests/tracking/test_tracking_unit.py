@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from pipeline.tracking.common import (flatten, is_mlflow_tracking, metric_points, normalize_tracking_uri,
-                                      param_value, params_of, parse_run_uri, run_uri, step_of_checkpoint, tags_of)
+                                      param_value, params_of, parse_run_uri, run_uri, tags_of)
 
 RID = "0123456789abcdef0123456789abcdef"
 
@@ -49,11 +49,6 @@ def test_params_are_the_flattened_config_with_dotted_keys_and_bounded_values():
     assert len(param_value("x" * 10_000)) <= 6000
 
 
-def test_step_of_checkpoint():
-    assert step_of_checkpoint("/r/checkpoints/step-00000101") == 101
-    assert step_of_checkpoint(None) is None
-
-
 def test_tracking_group_defaults_to_mlflow_under_the_output_dir(compose_cfg, tmp_path):
     cfg = compose_cfg("experiment=kernodeck", f"paths.output_dir={tmp_path}", return_hydra_config=True)
     assert cfg.tracking._target_ == "pipeline.tracking.mlflow_tracker.MlflowTracker"
@@ -88,7 +83,8 @@ def test_tracker_that_cannot_start_its_agent_warns_once_and_stays_quiet(monkeypa
     import pipeline.tracking.link as link
 
     monkeypatch.setattr(link, "agent_for", lambda *args: broken())
-    t = mlflow_tracker.MlflowTracker(uri=f"sqlite:///{tmp_path}/m.db", experiment="e")
+    t = mlflow_tracker.MlflowTracker(uri=f"sqlite:///{tmp_path}/m.db", experiment="e", artifact_location=None,
+                                     wait=1.0)
     t.prepare()
     t.start(config={"name": "e"}, facts={}, run_dir=tmp_path, previous_run_uri=None)
     t.log_line({"step": 1, "epoch": 0, "time": 0.0, "train/loss": 1.0})

@@ -51,7 +51,7 @@ def test_a_job_waits_at_most_its_bound_in_all_for_an_agent_that_never_answers(mo
 
     silent = SilentLink(stall)
     monkeypatch.setattr(link, "agent_for", lambda *args: silent)
-    t = MlflowTracker(uri=f"sqlite:///{tmp_path}/m.db", experiment="e", wait=0.4)
+    t = MlflowTracker(uri=f"sqlite:///{tmp_path}/m.db", experiment="e", artifact_location=None, wait=0.4)
     t.prepare()
     t.start(config={"name": "e"}, facts={}, run_dir=tmp_path, previous_run_uri=None)
     assert t.run_uri(timeout=30.0) is None  # what Run.checkpoint asks at the final save
@@ -200,7 +200,7 @@ def test_an_agent_that_cannot_start_is_one_warning_and_no_wait(monkeypatch, capl
 
     monkeypatch.setattr(link, "spawn", cannot)
     monkeypatch.setattr(link, "_LINKS", {})
-    t = MlflowTracker(uri=f"sqlite:///{tmp_path}/m.db", experiment="e")
+    t = MlflowTracker(uri=f"sqlite:///{tmp_path}/m.db", experiment="e", artifact_location=None, wait=1.0)
     t.prepare()
     wait_until(lambda: not t.link.alive(), "the link to give up")  # before the run starts: it must still hear
     t.start(config={"name": "e"}, facts={}, run_dir=tmp_path, previous_run_uri=None)

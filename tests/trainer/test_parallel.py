@@ -15,7 +15,7 @@ THREADS = (1, 2, 4)
 
 def minigpt(dropout=0.0, dtype="float32") -> MiniGPT:
     return MiniGPT(DataSpec(vocab_size=23), n_layer=2, n_head=2, n_embd=16, block_size=8, dropout=dropout,
-                   attn_dropout=dropout, dtype=dtype, rng=np.random.default_rng(0))  # fmt: skip
+                   attn_dropout=dropout, init_std=0.02, dtype=dtype, rng=np.random.default_rng(0))  # fmt: skip
 
 
 def tokens(B, T=8, vocab=23, seed=1) -> Batch:
@@ -24,7 +24,8 @@ def tokens(B, T=8, vocab=23, seed=1) -> Batch:
 
 
 def mlp(dropout=0.0) -> MLP:
-    return MLP(DataSpec(n_features=3, n_targets=2), hidden=[8, 8], dropout=dropout, rng=np.random.default_rng(0))
+    return MLP(DataSpec(n_features=3, n_targets=2), hidden=[8, 8], activation="tanh", dropout=dropout, dtype="float64",
+               rng=np.random.default_rng(0))
 
 
 def rows(B, seed=1) -> Batch:
@@ -62,7 +63,8 @@ def test_thread_count_does_not_change_a_bit(make, batch, shards):
 
 def kernodeck():
     # experiment=kernodeck's model and batch: a 2->8->1 MLP, float64, dropout 0.25, batch 4
-    model = MLP(DataSpec(n_features=2, n_targets=1), hidden=[8], dropout=0.25, rng=np.random.default_rng(42))
+    model = MLP(DataSpec(n_features=2, n_targets=1), hidden=[8], activation="tanh", dropout=0.25, dtype="float64",
+                rng=np.random.default_rng(42))
     r = np.random.default_rng(3)
     return model, Batch(ids=np.arange(4), x=r.standard_normal((4, 2)), y=r.standard_normal((4, 1)))
 

@@ -30,8 +30,7 @@ class TwoMoons:
 
     kind = "classes"  # rows of features with an integer class: what RBFNet.needs
 
-    def __init__(self, n_train: int = 256, n_val: int = 128, noise: float = 0.1, jitter: float = 0.05,
-                 seed: int = 0):
+    def __init__(self, n_train: int, n_val: int, noise: float, jitter: float, seed: int):
         if n_train < 1 or n_val < 1:
             raise ValueError(f"data.n_train={n_train} and data.n_val={n_val}: each must be >= 1")
         if noise < 0 or jitter < 0:

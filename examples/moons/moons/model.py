@@ -28,8 +28,8 @@ class RBFNet(NamedParams):
 
     needs = "classes"
 
-    def __init__(self, spec: DataSpec, n_centers: int = 16, dropout: float = 0.1, init_scale: float = 1.0,
-                 dtype: str = "float64", rng: np.random.Generator | None = None):
+    def __init__(self, spec: DataSpec, n_centers: int, dropout: float, init_scale: float, dtype: str,
+                 rng: np.random.Generator | None):
         if not (spec.n_features and spec.n_targets):
             raise ValueError("model RBFNet needs rows of features with a class (e.g. data=moons)")
         if n_centers < 1 or not 0.0 <= dropout < 1.0:

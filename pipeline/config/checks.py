@@ -1,0 +1,51 @@
+"""Value checks for schema fields: each takes a value and returns None, or what is allowed."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def at_least(lo) -> Callable:
+    return lambda v: None if _num(v) and math.isfinite(v) and v >= lo else f"must be a number >= {lo}"
+
+
+def above(lo) -> Callable:
+    return lambda v: None if _num(v) and math.isfinite(v) and v > lo else f"must be a finite number > {lo}"
+
+
+def null_or_at_least(lo) -> Callable:
+    return lambda v: None if v is None or at_least(lo)(v) is None else f"must be null or a number >= {lo}"
+
+
+def fraction(v) -> str | None:
+    return None if _num(v) and 0 <= v < 1 else "must be in [0, 1)"
+
+
+def open_fraction(v) -> str | None:
+    return None if _num(v) and 0 < v < 1 else "must be in (0, 1)"
+
+
+def probability_list(v) -> str | None:
+    return None if isinstance(v, list) and len(v) == 2 and all(fraction(x) is None for x in v) \
+        else "must be two numbers in [0, 1)"
+
+
+def widths(v) -> str | None:
+    return None if isinstance(v, list) and all(isinstance(x, int) and x >= 1 for x in v) \
+        else "must be a list of layer widths >= 1"
+
+
+def duration_or_null(v) -> str | None:
+    from pipeline.run.budget import parse_duration
+
+    if v is None:
+        return None
+    try:
+        parse_duration(v)
+    except ValueError as e:
+        return str(e)
+    return None

@@ -1,0 +1,89 @@
+"""Where the config lives (conf/, the output directory), composing it as `python -m pipeline` does, and the
+composed config as plain values; how to add an extra, as this copy was installed."""
+from __future__ import annotations
+
+import os
+from enum import Enum
+from pathlib import Path
+
+from pipeline.config.schemas import SCHEMAS, Config
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # pipeline/
+PROJECT_ROOT = PACKAGE_DIR.parent  # the checkout, when the package runs from one
+# conf/ sits at the top of a checkout; a wheel carries it inside the package (setup.py maps it there).
+CONFIG_DIR = PACKAGE_DIR / "conf" if (PACKAGE_DIR / "conf").is_dir() else PROJECT_ROOT / "conf"
+
+
+def in_checkout() -> bool:
+    """True when the package runs from a source checkout, False when installed (from a wheel)."""
+    return (PROJECT_ROOT / "pyproject.toml").is_file() and (PROJECT_ROOT / "conf").is_dir()
+
+
+def install_hint(extra: str) -> str:
+    """How to add an optional extra, matching how this pipeline was installed: an editable install (PEP 610's
+    direct_url.json says so) or an uninstalled checkout gets `pip install -e ".[extra]"` in its directory, a
+    wheel or an index install `pip install 'pipeline[extra]'` (pip keeps the installed pipeline)."""
+    import importlib.metadata
+    import json
+    from urllib.parse import unquote, urlparse
+
+    try:
+        direct = json.loads(importlib.metadata.distribution("pipeline").read_text("direct_url.json") or "null")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        direct = None
+    url = urlparse(direct.get("url", "")) if isinstance(direct, dict) else None
+    if url and url.scheme == "file" and (direct.get("dir_info") or {}).get("editable"):
+        project = Path(unquote(url.path))
+    elif direct is None and in_checkout():
+        project = PROJECT_ROOT
+    else:
+        return f"pip install 'pipeline[{extra}]'"
+    return f'pip install -e ".[{extra}]" in {project}'
+
+
+def default_output_dir() -> str:
+    """<checkout>/outputs when the package runs from a source checkout, else outputs/ in the working directory."""
+    if in_checkout():
+        return str(PROJECT_ROOT / "outputs")
+    return str(Path(os.getcwd()) / "outputs")
+
+
+def register() -> None:
+    """The `default_output_dir` resolver, and every schema in Hydra's ConfigStore (config_schema, schema/*)."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("default_output_dir"):
+        OmegaConf.register_new_resolver("default_output_dir", default_output_dir)
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for schema in SCHEMAS.values():
+        if schema.stored_as:
+            group, name = schema.stored_as.rsplit("/", 1)
+            cs.store(group=f"schema/{group}", name=name, node=schema)
+
+
+def compose(overrides=(), return_hydra_config: bool = False):
+    """conf/config.yaml composed with `overrides`, exactly as `python -m pipeline` would (nothing written)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="pipeline"):
+        return hydra_compose(config_name="config", overrides=list(overrides),
+                             return_hydra_config=return_hydra_config)
+
+
+def to_plain(cfg) -> dict:
+    """A composed DictConfig as plain dicts and lists, interpolations resolved, enums as their values, the
+    `hydra` node left out. Raises omegaconf's errors (they name the key) for a missing or unresolvable value."""
+    from omegaconf import OmegaConf
+
+    def values(node):
+        if isinstance(node, dict):
+            return {k: values(v) for k, v in node.items() if k != "hydra"}
+        if isinstance(node, list):
+            return [values(v) for v in node]
+        return node.value if isinstance(node, Enum) else node
+
+    return values(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))

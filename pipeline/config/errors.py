@@ -1,0 +1,27 @@
+"""What a bad config is (ConfigError), how a composition error reads in one line, and every exit code."""
+from __future__ import annotations
+
+# Every entry point's exit codes (README: Exit codes): 0 done, 1 an error in the job, 2 bad input (nothing
+# started or changed), 75 preempted or interrupted (EX_TEMPFAIL: re-run the same command to resume).
+EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
+
+
+class ConfigError(ValueError):
+    """A config value out of range, or groups that do not go together (one line per problem)."""
+
+
+def error_line(e: BaseException) -> str:
+    """A composition error as one line: Hydra's message, its cause, the key at fault, and for an unknown
+    option of a group the options there are (Hydra lists them on lines of their own)."""
+    parts = [str(e).strip().splitlines()[0].rstrip(".:")] if str(e).strip() else [type(e).__name__]
+    cause = e.__cause__ or e.__context__
+    if cause is not None and str(cause).strip():
+        parts.append(str(cause).strip().splitlines()[0].rstrip(".:"))
+    key = getattr(e, "full_key", None) or getattr(cause, "full_key", None)
+    line = ": ".join(parts) + (f" (key {key})" if key and key not in " ".join(parts) else "")
+    options = getattr(e, "options", None)  # hydra's MissingConfigException: the group's options, if it has any
+    missing = getattr(e, "missing_cfg_file", None)
+    if options:
+        where = f" in '{missing.rsplit('/', 1)[0]}'" if missing and "/" in missing else ""
+        line += f"; available options{where}: {', '.join(options)}"
+    return line

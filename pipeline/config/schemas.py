@@ -1,0 +1,366 @@
+"""Typed schemas for every config node, one registry of them by `_target_`, and `validate`, the range checks.
+
+The dataclasses hold types only (every default is MISSING): values live in the YAML under conf/. Hydra checks
+types and keys while composing (`optimizer.lr=abc`, `model.nonexistent=1` fail naming the key);
+`validate(config)` then checks ranges on the resolved plain config, one line per bad value naming the key,
+the value and what is allowed, before the job creates anything on disk. A field's check is in its metadata.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any, Callable, Optional
+
+from omegaconf import MISSING
+
+from pipeline.config.checks import (above, at_least, duration_or_null, fraction, null_or_at_least, open_fraction,
+                                    probability_list, widths)
+from pipeline.config.errors import ConfigError
+
+# `_target_` -> the schema of a node building it; a schema stored as `schema/<group>/<option>` is the first
+# entry of that option's `defaults` in conf/<group>/<option>.yaml
+SCHEMAS: dict[str, type] = {}
+
+
+def builds(target: str, stored_as: str | None = None) -> Callable[[type], type]:
+    """Register a schema for nodes whose `_target_` is `target` (and in Hydra's ConfigStore as schema/<stored_as>)."""
+    def add(schema: type) -> type:
+        schema.stored_as = stored_as
+        SCHEMAS[target] = schema
+        return schema
+    return add
+
+
+def _f(check: Callable | None = None):
+    return field(default=MISSING, metadata={"check": check} if check else {})
+
+
+class Dtype(Enum):
+    float32 = "float32"
+    float64 = "float64"
+
+
+class Activation(Enum):
+    tanh = "tanh"
+    relu = "relu"
+
+
+class Mode(Enum):
+    min = "min"
+    max = "max"
+
+
+# stop: a non-finite loss or metric ends the run (failed), keeping the last good checkpoints; continue: goes on
+NonFinite = Enum("NonFinite", {"stop": "stop", "continue": "continue"})
+
+
+class KillMode(Enum):
+    none = "none"
+    random = "random"
+
+
+@dataclass
+class PathsConf:
+    output_dir: str = _f()
+    runs_dir: str = _f()
+
+
+@dataclass
+class TrainerConf:
+    seed: int = _f(at_least(0))
+    max_steps: int = _f(at_least(0))  # > 0 wins over epochs
+    epochs: int = _f(at_least(0))
+    batch_size: int = _f(at_least(1))
+    dtype: Dtype = _f()
+    eval_every: int = _f(at_least(0))
+    log_every: int = _f(at_least(0))
+    progress_bar: Optional[bool] = _f()
+    on_nonfinite: NonFinite = _f()
+    max_time: Optional[str] = _f(duration_or_null)  # DD:HH:MM:SS of this process's wall time; null = no budget
+    accumulate: int = _f(at_least(1))  # micro-batches (of batch_size) per update
+    grad_clip: float = _f(at_least(0))  # the largest global L2 norm of a gradient; 0 = no clipping
+    shards: int = _f(at_least(1))  # pieces each micro-batch is split into: semantic (summation order, dropout)
+    threads: Optional[int] = _f(null_or_at_least(1))  # threads running the pieces: not semantic; null = the cores
+
+    @staticmethod
+    def cross(c: dict) -> list[str]:
+        if c["max_steps"] == 0 and c["epochs"] == 0:
+            return ["trainer.max_steps=0 and trainer.epochs=0: give one of them > 0 (the run would train nothing)"]
+        return []
+
+
+# --- model
+@builds("pipeline.model.mlp.MLP", "model/mlp")
+@dataclass
+class MLPConf:
+    _target_: str = _f()
+    hidden: list[int] = _f(widths)
+    activation: Activation = _f()
+    dropout: float = _f(fraction)
+
+
+@builds("pipeline.model.minigpt.MiniGPT", "model/minigpt")
+@dataclass
+class MiniGPTConf:
+    _target_: str = _f()
+    n_layer: int = _f(at_least(1))
+    n_head: int = _f(at_least(1))
+    n_embd: int = _f(at_least(1))
+    block_size: Optional[int] = _f()  # null: the data's sequence length
+    dropout: float = _f(fraction)
+    attn_dropout: Optional[float] = _f()  # null: dropout's
+    init_std: float = _f(above(0))
+
+    @staticmethod
+    def cross(c: dict) -> list[str]:
+        out = []
+        if c["n_embd"] % c["n_head"]:
+            out.append(f"model.n_embd={c['n_embd']} is not divisible by model.n_head={c['n_head']}")
+        if c["attn_dropout"] is not None and fraction(c["attn_dropout"]):
+            out.append(f"model.attn_dropout={c['attn_dropout']}: must be in [0, 1)")
+        if c["block_size"] is not None and c["block_size"] < 1:
+            out.append(f"model.block_size={c['block_size']}: must be >= 1 (or null: the data's)")
+        return out
+
+
+# --- optimizer
+@builds("pipeline.optimizer.sgd.SGD", "optimizer/sgd")
+@dataclass
+class SGDConf:
+    _target_: str = _f()
+    lr: float = _f(above(0))
+    momentum: float = _f(at_least(0))
+    dampening: float = _f(at_least(0))
+    nesterov: bool = _f()
+    weight_decay: float = _f(at_least(0))
+
+
+@builds("pipeline.optimizer.adam.Adam", "optimizer/adam")
+@dataclass
+class AdamConf:
+    _target_: str = _f()
+    lr: float = _f(above(0))
+    betas: list[float] = _f(probability_list)
+    eps: float = _f(above(0))
+    weight_decay: float = _f(at_least(0))
+
+
+@builds("pipeline.optimizer.adam.AdamW", "optimizer/adamw")
+@dataclass
+class AdamWConf(AdamConf):
+    pass
+
+
+# --- scheduler
+@builds("pipeline.scheduler.constant.Constant", "scheduler/constant")
+@dataclass
+class ConstantConf:
+    _target_: str = _f()
+
+
+@builds("pipeline.scheduler.step.StepLR", "scheduler/step")
+@dataclass
+class StepConf:
+    _target_: str = _f()
+    step_size: int = _f(at_least(1))
+    gamma: float = _f(above(0))
+
+
+@builds("pipeline.scheduler.cosine.WarmupCosine", "scheduler/cosine")
+@dataclass
+class CosineConf:
+    _target_: str = _f()
+    total_steps: Optional[int] = _f()  # None: the run's total number of updates
+    warmup_steps: int = _f(at_least(0))
+    min_lr_ratio: float = _f(at_least(0))
+    num_cycles: float = _f(above(0))
+
+
+# --- data
+@builds("pipeline.data.regression.Regression", "data/regression")
+@dataclass
+class RegressionConf:
+    _target_: str = _f()
+    n_rows: int = _f(at_least(2))
+    seed: int = _f(at_least(0))
+    noise: float = _f(at_least(0))
+    input_gain: float = _f(fraction)
+    input_noise: float = _f(at_least(0))
+
+
+@dataclass
+class CorpusConf:
+    """What every token corpus on disk shares (written once under <output_dir>/data/)."""
+
+    _target_: str = _f()
+    val_fraction: float = _f(open_fraction)
+    block_size: int = _f(at_least(1))
+    ngram_order: int = _f(at_least(1))
+    val_batch_size: int = _f(at_least(1))
+
+
+@builds("pipeline.data.grammar.GrammarCorpus", "data/grammar")
+@dataclass
+class GrammarConf(CorpusConf):
+    seed: int = _f(at_least(0))
+    n_sentences: int = _f(at_least(1))
+
+
+TEXT_MAX_BYTES = 32 << 20  # data.max_bytes when null (a config from before the key); conf/data/text.yaml's value
+
+
+@builds("pipeline.data.text.TextCorpus", "data/text")
+@dataclass
+class TextConf(CorpusConf):
+    path: str = _f()
+    max_bytes: Optional[int] = _f(null_or_at_least(1))  # null: TEXT_MAX_BYTES
+
+
+# --- stages, cadence, resume
+@builds("pipeline.stages.cadence.Cadence")
+@dataclass
+class CadenceConf:
+    _target_: str = _f()
+    every_epochs: int = _f(at_least(0))
+    every_steps: int = _f(at_least(0))
+
+
+@builds("pipeline.stages.resume.Resume", "stage/resume")
+@dataclass
+class ResumeStageConf:
+    _target_: str = _f()
+    source: str = _f()
+    allow_changes: list[str] = _f()
+    order: int = _f()
+
+
+@builds("pipeline.stages.train.Train", "stage/train")
+@dataclass
+class TrainStageConf:
+    _target_: str = _f()
+    eval_every: int = _f(at_least(0))
+    order: int = _f()
+
+
+@builds("pipeline.stages.rotate.RotateLastN", "stage/rotate")
+@dataclass
+class RotateStageConf:
+    _target_: str = _f()
+    keep: int = _f(at_least(1))
+    cadence: Any = MISSING  # the `checkpoint` group's node
+    order: int = _f()
+
+
+@builds("pipeline.stages.best.BestVal", "stage/best_val")
+@dataclass
+class BestValStageConf:
+    _target_: str = _f()
+    monitor: str = _f()
+    mode: Mode = _f()
+    order: int = _f()
+
+
+@builds("pipeline.stages.early_stop.EarlyStop", "stage/early_stop")
+@dataclass
+class EarlyStopStageConf:
+    _target_: str = _f()
+    monitor: str = _f()
+    mode: Mode = _f()
+    patience: int = _f(at_least(1))
+    min_delta: float = _f(at_least(0))
+    order: int = _f()
+
+
+@builds("pipeline.stages.final.Final", "stage/final")
+@dataclass
+class FinalStageConf:
+    _target_: str = _f()
+    order: int = _f()
+
+
+@dataclass
+class ResumeConf:
+    source: str = _f()  # auto: newest checkpoint that verifies | never: a fresh directory | a checkpoint path
+    allow_changes: list[str] = _f()  # dotted keys allowed to differ from the checkpoint
+
+
+# --- tracking
+@builds("pipeline.tracking.mlflow_tracker.MlflowTracker", "tracking/mlflow")
+@dataclass
+class MlflowTrackingConf:
+    _target_: str = _f()
+    uri: str = _f()
+    artifact_location: Optional[str] = _f()
+    experiment: str = _f()
+    wait: float = _f(at_least(0))  # seconds a job waits on tracking in all
+
+
+@builds("pipeline.tracking.base.NullTracker", "tracking/none")
+@dataclass
+class NoTrackingConf:
+    _target_: str = _f()
+
+
+@dataclass
+class VerifyConf:
+    cut: int = _f(at_least(1))  # updates before the interruption
+    steps: int = _f(at_least(2))  # updates in all
+    atol: float = _f(at_least(0))  # exact by default
+    rtol: float = _f(at_least(0))
+    kill: KillMode = _f()  # none | random: chaos mode, SIGKILL at random points and re-run until complete
+    trials: int = _f(at_least(1))
+    seed: int = _f(at_least(0))  # chooses the chaos kill points
+    max_reruns: int = _f(at_least(1))
+
+
+@dataclass
+class Config:
+    name: str = _f()  # the experiment's name: the first part of the run directory's name
+    optimized_metric: Optional[str] = _f()  # what a sweep optimises (null: best-val's best)
+    paths: PathsConf = field(default_factory=PathsConf)
+    trainer: TrainerConf = field(default_factory=TrainerConf)
+    model: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = MISSING
+    data: Any = MISSING
+    checkpoint: CadenceConf = field(default_factory=CadenceConf)
+    stages: Any = MISSING
+    resume: ResumeConf = field(default_factory=ResumeConf)
+    tracking: Any = None
+    verify: VerifyConf = field(default_factory=VerifyConf)
+
+
+def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
+    for f in fields(schema):
+        if f.name not in node:
+            continue
+        value = node[f.name]
+        check = f.metadata.get("check")
+        if check is not None and (why := check(value)):
+            errors.append(f"{prefix}{f.name}={value!r}: {why}")
+        if isinstance(value, dict) and isinstance(value.get("_target_"), str) and value["_target_"] in SCHEMAS:
+            _check_node(SCHEMAS[value["_target_"]], value, f"{prefix}{f.name}.", errors)
+    cross = getattr(schema, "cross", None)
+    if cross is not None and not any(e.startswith(prefix) for e in errors):
+        errors.extend(cross(node))
+
+
+def validate(config: dict) -> None:
+    """Raise ConfigError listing every value out of range (one line each); changes nothing anywhere."""
+    errors: list[str] = []
+    for key, schema in (("trainer", TrainerConf), ("resume", ResumeConf), ("checkpoint", CadenceConf),
+                        ("verify", VerifyConf)):
+        if isinstance(config.get(key), dict):
+            _check_node(schema, config[key], f"{key}.", errors)
+    nodes = [(key, config.get(key)) for key in ("model", "optimizer", "scheduler", "data", "tracking")]
+    nodes += [(f"stages.{name}", node) for name, node in (config.get("stages") or {}).items()]
+    for key, node in nodes:
+        if isinstance(node, dict) and node.get("_target_") in SCHEMAS:
+            schema = SCHEMAS[node["_target_"]]
+            # a stage added by override (+stages.NAME={...}) is not typed while composing: it names every key
+            if key.startswith("stages.") and (missing := [f.name for f in fields(schema) if f.name not in node]):
+                errors.append(f"{key}: no {', '.join(missing)} (a {node['_target_']} stage takes "
+                              f"{', '.join(f.name for f in fields(schema))})")
+            _check_node(schema, node, f"{key}.", errors)
+    if errors:
+        raise ConfigError("; ".join(errors))

@@ -1,0 +1,65 @@
+"""Every default lives in one place, the YAML under conf/: a class built from config takes each of its node's
+keys with no default of its own (one could disagree with the YAML unseen), and the one value code must know
+(data.max_bytes when null) is the YAML's."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import fields
+
+import pytest
+import yaml
+from hydra.utils import get_class
+
+from pipeline.config.compose import CONFIG_DIR
+from pipeline.config.schemas import SCHEMAS, TEXT_MAX_BYTES
+
+
+def option_files() -> list:
+    """conf/<group>/<option>.yaml files that build a class (`_target_`), as (path, node)."""
+    out = []
+    for path in sorted(CONFIG_DIR.rglob("*.yaml")):
+        node = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if isinstance(node, dict) and isinstance(node.get("_target_"), str):
+            out.append((path.relative_to(CONFIG_DIR).as_posix(), node))
+    return out
+
+
+def keys(schema) -> list[str]:
+    return [f.name for f in fields(schema) if f.name != "_target_"]
+
+
+@pytest.mark.parametrize("target", sorted(SCHEMAS))
+def test_a_class_built_from_config_has_no_default_for_any_key_of_its_node(target):
+    """Regression (#20): MiniGPT(dropout=0.0, attn_dropout=None) against the YAML's 0.1 and 0.0, WarmupCosine's
+    warmup_steps 0 against 100."""
+    params = inspect.signature(get_class(target)).parameters
+    for key in keys(SCHEMAS[target]):
+        assert key in params, f"{target} takes no {key!r}, which its schema types"
+        assert params[key].default is inspect.Parameter.empty, \
+            f"{target}({key}={params[key].default!r}): a default beside the YAML's value"
+
+
+def test_every_shipped_option_is_typed_by_the_schema_of_its_target_and_gives_every_key():
+    seen = set()
+    for path, node in option_files():
+        schema = SCHEMAS.get(node["_target_"])
+        assert schema is not None, f"{path}: {node['_target_']} has no schema"
+        seen.add(node["_target_"])
+        given = set(node) - {"_target_", "defaults"}
+        assert given == set(keys(schema)), f"{path}: keys {sorted(given ^ set(keys(schema)))} differ from its schema"
+        if schema.stored_as is not None and "defaults" in node:
+            assert node["defaults"][0] == f"/schema/{schema.stored_as}@_here_", path
+    # stages live in conf/stages/default.yaml as one node each, not a file of their own
+    assert {t for t in SCHEMAS if ".stages." not in t or t.endswith("Cadence") or t.endswith("EarlyStop")} <= seen
+
+
+def test_the_stages_of_the_default_pipeline_give_every_key_of_their_schema():
+    stages = yaml.safe_load((CONFIG_DIR / "stages" / "default.yaml").read_text(encoding="utf-8"))
+    for name, node in stages.items():
+        if name != "defaults":
+            assert set(node) == {"_target_", *keys(SCHEMAS[node["_target_"]])}, name
+
+
+def test_the_bound_for_a_null_max_bytes_is_the_yamls():
+    (text,) = [node for path, node in option_files() if path == "data/text.yaml"]
+    assert text["max_bytes"] == TEXT_MAX_BYTES
