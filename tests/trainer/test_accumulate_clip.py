@@ -166,11 +166,10 @@ def test_epochs_count_micro_batches(states):
 
 
 @pytest.mark.parametrize("k", [2, 5])
-def test_accumulation_and_clipping_resume_bit_exactly(tmp_path, preempt_at, k):
+def test_accumulation_and_clipping_resume_bit_exactly(tmp_path, preempt_at, finished_job, k):
     overrides = (*TINY, "trainer.accumulate=3", "trainer.grad_clip=0.3", "trainer.max_steps=8",
                  "checkpoint.every_steps=2", "trainer.eval_every=2")
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    assert run_job(*overrides, f"paths.output_dir={ref}")[0] == 0
+    ref, out = finished_job(*overrides), tmp_path / "out"
     preempt_at(k)
     assert run_job(*overrides, f"paths.output_dir={out}")[0] == EXIT_PREEMPTED
     SIGNALS_STATE.received = None
