@@ -20,7 +20,7 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 import pytest
 
-from conftest import KERNODECK, TINY, env_for_subprocess, refused_in_one_line, run_job, run_pipeline, the_run, \
+from conftest import KERNODECK, TINY, env_for_subprocess, refused_in_one_line, run_pipeline, the_run, \
     wait_until
 from pipeline.run.directory import RunDir
 
@@ -36,7 +36,7 @@ def args_of(row: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def registered(tmp_path_factory):
+def registered(tmp_path_factory, finished_job):
     """A tiny MiniGPT registered by the command into its output directory's store, and kernodeck's MLP by
     register() into a store of its own; {name: (checkpoint, tracking URI)}."""
     from pipeline.cli.register import register
@@ -44,7 +44,7 @@ def registered(tmp_path_factory):
     root = tmp_path_factory.mktemp("register")
     out = {}
     for name, overrides in ((GPT, TINY), (MLP, KERNODECK)):
-        assert run_job(*overrides, f"paths.output_dir={root / name}")[0] == 0
+        finished_job(*overrides, copy_to=root / name)  # a copy: its store is the output directory's
         out[name] = RunDir(the_run(root / name)).store.root / "final"
     (root / "cwd").mkdir()
     env = {k: v for k, v in env_for_subprocess().items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
