@@ -215,6 +215,18 @@ def test_a_checkpoint_that_is_not_one_is_refused_in_one_line_before_mlflow(tmp_p
     assert "name 'a/b'" in line
 
 
+def test_a_refused_checkpoint_never_imports_mlflow(tmp_path):
+    """The refusal comes before mlflow is imported (seconds of every refused command), as the README says."""
+    probe = ("import atexit, runpy, sys\n"
+             "atexit.register(lambda: print('mlflow imported' if 'mlflow' in sys.modules else 'no mlflow'))\n"
+             "sys.argv = ['pipeline.register', *sys.argv[1:]]\n"
+             "runpy.run_module('pipeline.register', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "nowhere"), "x"], cwd=tmp_path,
+                          env=env_for_subprocess(), capture_output=True, text=True)
+    assert proc.returncode == 2 and "nowhere" in proc.stderr, proc.stderr
+    assert proc.stdout == "no mlflow\n"
+
+
 def test_a_row_becomes_samples_arguments_missing_values_taking_its_defaults():
     from mlflow.exceptions import MlflowException
 
