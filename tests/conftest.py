@@ -74,11 +74,12 @@ def run_job(*overrides: str) -> tuple[int, float | None]:
     """`python -m pipeline *overrides` in this process: (exit code, the objective it returned)."""
     from omegaconf import OmegaConf
 
+    from pipeline.config.schema import to_plain
     from pipeline.run import job as app
 
-    cfg = compose(*overrides)
+    cfg = compose(*overrides)  # composed once: a composition costs about a second, as much as a tiny run
     try:
-        return 0, app.main(config_of(*overrides), list(overrides), OmegaConf.to_yaml(cfg))
+        return 0, app.main(to_plain(cfg), list(overrides), OmegaConf.to_yaml(cfg))
     except SystemExit as e:
         return int(e.code or 0), None
 
@@ -186,6 +187,29 @@ def tiny(tmp_path) -> tuple[str, ...]:
 @pytest.fixture
 def kernodeck(tmp_path) -> tuple[str, ...]:
     return (*KERNODECK, f"paths.output_dir={tmp_path / 'out'}")
+
+
+@pytest.fixture(scope="session")
+def finished_job(tmp_path_factory):
+    """finished_job(*overrides, copy_to=None): the output directory of the job `overrides` run in-process to its
+    end (exit 0) once per worker, shared by every test that asks for the same overrides: read it, never change
+    it; given `copy_to`, a copy of it there (links kept as links) to change instead. Ask before patching
+    anything the job calls: the first asker's run is everyone's."""
+    import shutil
+
+    done: dict[tuple[str, ...], Path] = {}
+
+    def get(*overrides: str, copy_to: Path | None = None) -> Path:
+        if overrides not in done:
+            out = tmp_path_factory.mktemp("finished") / "out"
+            assert run_job(*overrides, f"paths.output_dir={out}")[0] == 0
+            done[overrides] = out
+        if copy_to is None:
+            return done[overrides]
+        shutil.copytree(done[overrides], copy_to, symlinks=True)
+        return Path(copy_to)
+
+    return get
 
 
 @pytest.fixture

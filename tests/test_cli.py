@@ -31,9 +31,17 @@ def without_time(lines: list[dict]) -> list[dict]:
     return [{k: v for k, v in line.items() if k != "time"} for line in lines]
 
 
-def test_kernodeck_run_writes_ten_metric_lines_and_nothing_in_the_cwd(cli, tmp_path):
-    out = tmp_path / "out"
-    proc = cli(*KERNODECK, f"paths.output_dir={out}")
+@pytest.fixture(scope="module")
+def kernodeck_by_the_cli(tmp_path_factory, pipeline_runner) -> tuple:
+    """(the finished process, its output directory, its cwd): `python -m pipeline` on kernodeck once for the
+    module, read by every test that asks."""
+    tmp = tmp_path_factory.mktemp("cli")
+    proc = pipeline_runner([*KERNODECK, f"paths.output_dir={tmp / 'out'}"], cwd=tmp / "cwd")
+    return proc, tmp / "out", tmp / "cwd"
+
+
+def test_kernodeck_run_writes_ten_metric_lines_and_nothing_in_the_cwd(kernodeck_by_the_cli):
+    proc, out, cwd = kernodeck_by_the_cli
     assert proc.returncode == 0, proc.stderr
     assert f"run directory: {the_run(out)}" in proc.stdout and "starting a new run" in proc.stdout
     lines = lines_of(out)
@@ -45,19 +53,19 @@ def test_kernodeck_run_writes_ten_metric_lines_and_nothing_in_the_cwd(cli, tmp_p
         assert math.isfinite(line["train/loss"]) and line["grad_norm"] > 0
     assert [line["epoch"] for line in lines] == [0] * 6 + [1] * 4
     assert "val/loss" in lines[4] and "val/loss" in lines[9]  # eval_every 5
-    assert list((tmp_path / "cwd").iterdir()) == []  # nothing written relative to the cwd
+    assert list(cwd.iterdir()) == []  # nothing written relative to the cwd
     run = the_run(out)
     assert (run / ".hydra" / "config.yaml").is_file() and "kernodeck" in (run / "pipeline.log").read_text()
 
 
-def test_the_cli_trains_what_the_job_computes(cli, tmp_path):
+def test_the_cli_trains_what_the_job_computes(kernodeck_by_the_cli, tmp_path):
     """The same seed, lr and data order as build + train_step in this process."""
     from conftest import config_of
     from pipeline.run.assemble import build
     from pipeline.trainer.loop import train_step
 
-    out = tmp_path / "out"
-    assert cli(*KERNODECK, f"paths.output_dir={out}").returncode == 0
+    proc, out, _ = kernodeck_by_the_cli
+    assert proc.returncode == 0
     state = build(config_of(*KERNODECK, f"paths.output_dir={tmp_path / 'other'}")).state
     records = [train_step(state) for _ in range(10)]
     for r, line in zip(records, lines_of(out)):
@@ -238,11 +246,11 @@ def test_sigterm_at_three_steps_then_resume_is_bit_identical(tmp_path, args, tar
             assert (da / name).read_bytes() == (db / name).read_bytes(), (sa, name)
 
 
-def test_a_damaged_newest_checkpoint_is_skipped_saying_why(tmp_path, cli):
+def test_a_damaged_newest_checkpoint_is_skipped_saying_why(tmp_path, cli, finished_job):
     out = tmp_path / "out"
     args = (*KERNODECK, "trainer.max_steps=40", "checkpoint=every_n_steps", "checkpoint.every_steps=10",
             "~stages.best_val")
-    assert cli(*args, f"paths.output_dir={tmp_path / 'ref'}").returncode == 0
+    ref = finished_job(*args)  # the uninterrupted run (in-process: the same bytes as the command's)
     killed = subprocess.run([sys.executable, "-m", "pipeline", *args, f"paths.output_dir={out}"],
                             env={**env_for_subprocess(), "PIPELINE_CHAOS": "train:70"}, capture_output=True,
                             text=True)  # 2 kill points per step: killed inside step 35
@@ -258,7 +266,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_saying_why(tmp_path, cli):
     log = r.stderr + r.stdout
     assert "step-00000030" in log and "sha256 differs" in log and "falling back" in log
     assert "resuming from step 20" in log
-    a, b = RunDir(the_run(out)), RunDir(the_run(tmp_path / "ref"))
+    a, b = RunDir(the_run(out)), RunDir(the_run(ref))
     assert without_time(a.read_metrics()) == without_time(b.read_metrics())
     assert [s for s, _ in a.store.steps()] == [s for s, _ in b.store.steps()]
     assert (a.store.link_dir("final") / "weights.safetensors").read_bytes() == \

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import KERNODECK, env_for_subprocess, run_job, the_run
+from conftest import KERNODECK, env_for_subprocess, the_run
 
 pytestmark = pytest.mark.slow
 RSS_BOUND_MB = 450  # a legitimate kernodeck run peaks near 150 MB: no input may make us allocate much more
@@ -376,11 +376,9 @@ sys.exit(os.waitstatus_to_exitcode(status) % 256 if os.waitstatus_to_exitcode(st
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
+def finished(finished_job) -> Path:
     """A finished kernodeck run (checkpoints at 6 and 10, best and final links), copied by every case."""
-    out = tmp_path_factory.mktemp("hostile") / "out"
-    assert run_job(*KERNODECK, f"paths.output_dir={out}")[0] == 0
-    return out
+    return finished_job(*KERNODECK)
 
 
 def tree(root: Path, skip: Path | None = None) -> dict:

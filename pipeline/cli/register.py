@@ -173,16 +173,21 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # else a bar per copy of the files
     from pipeline.checkpoint.errors import CheckpointError
     from pipeline.config.errors import ConfigError
-    from pipeline.tracking.store import StoreError
 
     try:
         version = register(Path(args.checkpoint), args.name, args.tracking_uri)
-    except (CheckpointError, ConfigError, StoreError) as e:
+    except (CheckpointError, ConfigError) as e:
         print(f"pipeline.register: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as e:  # noqa: BLE001 - mlflow's refusals (a bad name, a server's error): one line
+        # a store's refusal comes once register() imported the store (and mlflow): never import it for a
+        # checkpoint refused before (a few seconds of every refusal)
+        from pipeline.tracking.store import StoreError
         from mlflow.exceptions import MlflowException
 
+        if isinstance(e, StoreError):
+            print(f"pipeline.register: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         if not isinstance(e, MlflowException):
             raise
         print(f"pipeline.register: mlflow: {str(e).splitlines()[0]}", file=sys.stderr)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable
 
 
@@ -39,9 +40,22 @@ def widths(v) -> str | None:
         else "must be a list of layer widths >= 1"
 
 
-def duration_or_null(v) -> str | None:
-    from pipeline.run.budget import parse_duration
+DURATION = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
 
+
+def parse_duration(text: str) -> float:
+    """'DD:HH:MM:SS' (Lightning's max_time format) -> seconds; ValueError saying the format otherwise."""
+    m = DURATION.match(str(text).strip())
+    if not m or int(m.group(2)) > 23 or int(m.group(3)) > 59 or int(m.group(4)) > 59:
+        raise ValueError("must be DD:HH:MM:SS (e.g. 00:03:50:00), hours < 24, minutes and seconds < 60")
+    days, hours, minutes, seconds = (int(g) for g in m.groups())
+    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    if total <= 0:
+        raise ValueError("must be a positive duration (null turns the budget off)")
+    return float(total)
+
+
+def duration_or_null(v) -> str | None:
     if v is None:
         return None
     try:

@@ -14,24 +14,12 @@ follows the checkpoint: the tracker's hand-over (at most tracking.wait) and exit
 from __future__ import annotations
 
 import os
-import re
 import time
 
-DURATION = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
+from pipeline.config.checks import parse_duration
+
 monotonic = time.monotonic  # the clock every measurement here reads (tests substitute their own)
 _IMPORTED = monotonic()
-
-
-def parse_duration(text: str) -> float:
-    """'DD:HH:MM:SS' (Lightning's max_time format) -> seconds; ValueError saying the format otherwise."""
-    m = DURATION.match(str(text).strip())
-    if not m or int(m.group(2)) > 23 or int(m.group(3)) > 59 or int(m.group(4)) > 59:
-        raise ValueError("must be DD:HH:MM:SS (e.g. 00:03:50:00), hours < 24, minutes and seconds < 60")
-    days, hours, minutes, seconds = (int(g) for g in m.groups())
-    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
-    if total <= 0:
-        raise ValueError("must be a positive duration (null turns the budget off)")
-    return float(total)
 
 
 def process_age() -> float:

@@ -8,7 +8,6 @@ only ever added. Every function adds only what is missing: running it twice adds
 from __future__ import annotations
 
 import stat
-import time
 from pathlib import Path
 
 from pipeline.files import jsonio

@@ -44,7 +44,8 @@ def draw(lines: list[dict]) -> bytes | None:
     ax_lr.set_ylabel("lr")
     ax_lr.set_xlabel("step")
     ax_lr.grid(True, alpha=0.3)
-    fig.tight_layout()
+    # fixed margins wide enough for the lr's ticks (0.00030): tight_layout measures every label, half the cost
+    fig.subplots_adjust(left=0.13, right=0.97, top=0.97, bottom=0.08, hspace=0.08)
     out = io.BytesIO()
     fig.savefig(out, format="png", dpi=90)
     plt.close(fig)

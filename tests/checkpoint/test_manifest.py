@@ -13,7 +13,7 @@ from importlib import metadata
 import numpy as np
 import pytest
 
-from conftest import KERNODECK, PROJECT_ROOT, run_job, the_run
+from conftest import KERNODECK, PROJECT_ROOT, the_run
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.store import DATA, EXTRA, MANIFEST, OPTIM, WEIGHTS
 from pipeline.run.directory import RunDir
@@ -22,9 +22,8 @@ HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    out = tmp_path_factory.mktemp("manifest") / "out"
-    assert run_job(*KERNODECK, f"paths.output_dir={out}")[0] == 0
+def saved(finished_job):
+    out = finished_job(*KERNODECK)  # read, never changed
     directory = RunDir(the_run(out)).store.link_dir("final")
     return {"directory": directory, "manifest": json.loads((directory / MANIFEST).read_text()), "out": out}
 

@@ -43,16 +43,16 @@ def inference(ckpt: Path, which: str, out: Path) -> dict:
     return got
 
 
-def trained(tmp: Path, which: str) -> dict:
+def trained(tmp: Path, which: str, finished_job) -> dict:
     """A tiny run's final checkpoint, what the tools gave from it, and then its corpus (and text file) deleted."""
     out = tmp / "out"
     if which == "grammar":
-        overrides, source = TINY, None
+        source = None
+        finished_job(*TINY, copy_to=out)  # a copy: its corpus is deleted below
     else:
         source = tmp / "a.txt"
         source.write_text("Abc dé,\nfg hé.\n" * 60)
-        overrides = text_overrides(source)
-    assert run_job(*overrides, f"paths.output_dir={out}")[0] == 0
+        assert run_job(*text_overrides(source), f"paths.output_dir={out}")[0] == 0
     ckpt = RunDir(the_run(out)).store.root / "final"
     before = inference(ckpt, which, tmp / "hf-before")
     metrics = evaluate_checkpoint(ckpt)["metrics"]
@@ -65,13 +65,13 @@ def trained(tmp: Path, which: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def grammar(tmp_path_factory) -> dict:
-    return trained(tmp_path_factory.mktemp("grammar"), "grammar")
+def grammar(tmp_path_factory, finished_job) -> dict:
+    return trained(tmp_path_factory.mktemp("grammar"), "grammar", finished_job)
 
 
 @pytest.fixture(scope="module")
-def text(tmp_path_factory) -> dict:
-    return trained(tmp_path_factory.mktemp("text"), "text")
+def text(tmp_path_factory, finished_job) -> dict:
+    return trained(tmp_path_factory.mktemp("text"), "text", finished_job)
 
 
 def copy_of(ckpt: Path, tmp_path: Path) -> Path:

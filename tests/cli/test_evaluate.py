@@ -24,8 +24,8 @@ def trained(out: Path, *overrides: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return trained(tmp_path_factory.mktemp("tiny"), *TINY)
+def tiny(finished_job) -> Path:
+    return RunDir(the_run(finished_job(*TINY))).store.root
 
 
 def manifest(ckpt: Path) -> dict:
@@ -33,12 +33,12 @@ def manifest(ckpt: Path) -> dict:
 
 
 @pytest.mark.parametrize("link", ["final", "best"])
-def test_on_its_own_data_the_metrics_are_those_its_run_measured(tiny, tmp_path, link):
+def test_on_its_own_data_the_metrics_are_those_its_run_measured(tiny, finished_job, link):
     m = manifest(tiny / link)
     result = evaluate_checkpoint(tiny / link)
     assert result["own_data"] and result["step"] == m["step"]
     assert result["metrics"] == {k: m["metrics"][k] for k in VAL}  # exact: the same state, the same function
-    kernodeck = trained(tmp_path / "k", *KERNODECK) / link
+    kernodeck = RunDir(the_run(finished_job(*KERNODECK))).store.root / link
     assert evaluate_checkpoint(kernodeck)["metrics"] == {"val/loss": manifest(kernodeck)["metrics"]["val/loss"]}
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (KERNODECK, PROJECT_ROOT, TINY, env_for_subprocess, refused_in_one_line, run_job,
+from conftest import (KERNODECK, PROJECT_ROOT, TINY, env_for_subprocess, refused_in_one_line,
                       run_pipeline, the_run)
 from pipeline.config import compose
 from pipeline.config.compose import install_hint
@@ -50,9 +50,8 @@ def test_error_line_keeps_one_line_whatever_hydra_gives():
                                              missing_cfg_file="model/b")) == "In 'config': Could not load 'model/b'"
 
 
-def test_evaluate_says_it_the_same_way(tmp_path):
-    assert run_job(*KERNODECK, f"paths.output_dir={tmp_path / 'out'}")[0] == 0
-    best = the_run(tmp_path / "out") / "checkpoints" / "best"
+def test_evaluate_says_it_the_same_way(tmp_path, finished_job):
+    best = the_run(finished_job(*KERNODECK)) / "checkpoints" / "best"
     err = refused_in_one_line([str(best), "data=foo"], tmp_path / "cwd", module="pipeline.evaluate")
     assert err.strip() == ("pipeline.evaluate: bad override: In 'config': Could not find 'data/foo'; "
                            "available options in 'data': grammar, regression, text")

@@ -20,7 +20,7 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 import pytest
 
-from conftest import KERNODECK, TINY, env_for_subprocess, refused_in_one_line, run_job, run_pipeline, the_run, \
+from conftest import KERNODECK, TINY, env_for_subprocess, refused_in_one_line, run_pipeline, the_run, \
     wait_until
 from pipeline.run.directory import RunDir
 
@@ -36,7 +36,7 @@ def args_of(row: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def registered(tmp_path_factory):
+def registered(tmp_path_factory, finished_job):
     """A tiny MiniGPT registered by the command into its output directory's store, and kernodeck's MLP by
     register() into a store of its own; {name: (checkpoint, tracking URI)}."""
     from pipeline.cli.register import register
@@ -44,7 +44,7 @@ def registered(tmp_path_factory):
     root = tmp_path_factory.mktemp("register")
     out = {}
     for name, overrides in ((GPT, TINY), (MLP, KERNODECK)):
-        assert run_job(*overrides, f"paths.output_dir={root / name}")[0] == 0
+        finished_job(*overrides, copy_to=root / name)  # a copy: its store is the output directory's
         out[name] = RunDir(the_run(root / name)).store.root / "final"
     (root / "cwd").mkdir()
     env = {k: v for k, v in env_for_subprocess().items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
@@ -213,6 +213,18 @@ def test_a_checkpoint_that_is_not_one_is_refused_in_one_line_before_mlflow(tmp_p
     assert not (tmp_path / "cwd" / "mlflow.db").exists()
     line = refused_in_one_line([str(tmp_path / "nowhere"), "a/b"], tmp_path / "cwd", module="pipeline.register")
     assert "name 'a/b'" in line
+
+
+def test_a_refused_checkpoint_never_imports_mlflow(tmp_path):
+    """The refusal comes before mlflow is imported (seconds of every refused command), as the README says."""
+    probe = ("import atexit, runpy, sys\n"
+             "atexit.register(lambda: print('mlflow imported' if 'mlflow' in sys.modules else 'no mlflow'))\n"
+             "sys.argv = ['pipeline.register', *sys.argv[1:]]\n"
+             "runpy.run_module('pipeline.register', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "nowhere"), "x"], cwd=tmp_path,
+                          env=env_for_subprocess(), capture_output=True, text=True)
+    assert proc.returncode == 2 and "nowhere" in proc.stderr, proc.stderr
+    assert proc.stdout == "no mlflow\n"
 
 
 def test_a_row_becomes_samples_arguments_missing_values_taking_its_defaults():

@@ -23,8 +23,8 @@ def trained(out: Path, *overrides: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return trained(tmp_path_factory.mktemp("tiny"), *TINY)
+def tiny(finished_job) -> Path:
+    return RunDir(the_run(finished_job(*TINY))).store.root / "final"
 
 
 def test_a_token_is_the_inverse_cdf_of_one_uniform_draw():
@@ -94,7 +94,7 @@ def refused(args: list[str], cwd: Path) -> str:
     return refused_in_one_line(args, cwd, module="pipeline.sample")
 
 
-def test_the_command_and_its_refusals(tiny, tmp_path):
+def test_the_command_and_its_refusals(tiny, tmp_path, finished_job):
     proc = run_pipeline([str(tiny), "prompt=the man , the", "max_new_tokens=5", "seed=7"], tmp_path / "cwd",
                         module="pipeline.sample")
     assert proc.returncode == 0, proc.stderr
@@ -102,7 +102,7 @@ def test_the_command_and_its_refusals(tiny, tmp_path):
     assert "'zorg', 'blorp'" in refused([str(tiny), "prompt=the zorg blorp"], tmp_path / "cwd")
     assert "temperature=-1.0: must be >= 0" in refused([str(tiny), "temperature=-1"], tmp_path / "cwd")
     assert "'colour=red': expected one of prompt=" in refused([str(tiny), "colour=red"], tmp_path / "cwd")
-    mlp = trained(tmp_path / "k", *KERNODECK)
+    mlp = RunDir(the_run(finished_job(*KERNODECK))).store.root / "final"
     assert "does not generate tokens" in refused([str(mlp), "prompt=x"], tmp_path / "cwd")
     damaged = tmp_path / "damaged"
     shutil.copytree(tiny, damaged)

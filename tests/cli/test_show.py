@@ -8,17 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import KERNODECK, run_job, run_pipeline, the_run
+from conftest import KERNODECK, run_pipeline, the_run
 from pipeline.cli import show as pinspect
 from pipeline.checkpoint.store import MANIFEST, WEIGHTS, step_dir_name
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
+def finished_run(finished_job) -> Path:
     """A real kernodeck run: checkpoints at steps 6 (end of epoch 0) and 10, best and final links, run.json."""
-    out = tmp_path_factory.mktemp("inspect") / "out"
-    assert run_job(*KERNODECK, f"paths.output_dir={out}")[0] == 0
-    return the_run(out)
+    return the_run(finished_job(*KERNODECK))
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import KERNODECK, env_for_subprocess, run_job, the_run, tree
+from conftest import KERNODECK, env_for_subprocess, the_run, tree
 from pipeline.config import identity
 from pipeline.files import reading
 from pipeline.data import ngram
@@ -190,11 +190,9 @@ def test_fitted_perplexity_is_fit_then_perplexity_to_the_last_bit(monkeypatch):
 # --- the commands: inspect, evaluate, a run, a resume ------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
+def finished(finished_job) -> Path:
     """A finished kernodeck run (checkpoints at steps 6 and 10), copied by each case."""
-    out = tmp_path_factory.mktemp("reads") / "out"
-    assert run_job(*KERNODECK, f"paths.output_dir={out}")[0] == 0
-    return out
+    return finished_job(*KERNODECK)
 
 
 def a_copy(finished: Path, tmp_path: Path) -> tuple[Path, Path]:

@@ -93,22 +93,25 @@ def test_transformers_loads_it_and_agrees(tmp_path):
 
 # --- the tokenizer, from a trained checkpoint's corpus
 
-def exported(tmp_path: Path, *overrides: str) -> tuple[Path, Path]:
-    """(the final checkpoint of a tiny run, the directory export_hf wrote from it)."""
+def exported(tmp_path: Path, *overrides: str, out: Path | None = None) -> tuple[Path, Path]:
+    """(the final checkpoint of a tiny run, the directory export_hf wrote from it); the run trained into
+    tmp_path/out unless it is given (`out`, a finished output directory)."""
     from conftest import run_job, the_run
     from pipeline.run.directory import RunDir
 
-    assert run_job(*overrides, f"paths.output_dir={tmp_path / 'out'}")[0] == 0
-    ckpt = RunDir(the_run(tmp_path / "out")).store.root / "final"
+    if out is None:
+        out = tmp_path / "out"
+        assert run_job(*overrides, f"paths.output_dir={out}")[0] == 0
+    ckpt = RunDir(the_run(out)).store.root / "final"
     main([str(ckpt), str(tmp_path / "hf")])
     return ckpt, tmp_path / "hf"
 
 
 @pytest.fixture(scope="module")
-def grammar_export(tmp_path_factory):
+def grammar_export(tmp_path_factory, finished_job):
     from conftest import TINY
 
-    return exported(tmp_path_factory.mktemp("grammar"), *TINY)
+    return exported(tmp_path_factory.mktemp("grammar"), out=finished_job(*TINY))
 
 
 @pytest.fixture(scope="module")
@@ -156,19 +159,47 @@ def in_transformers(script: str, **args) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+def val_text(ckpt: Path):
+    """(the corpus, 300 of its validation ids, their text): real corpus text, <eos>, commas, newlines, accents."""
+    corpus = corpus_of(ckpt)
+    ids = corpus.tokens["val"][:300]
+    return corpus, ids, corpus.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def transformers_answers(grammar_export, text_export) -> dict:
+    """What transformers makes of both exports, asked in one fresh interpreter (torch and transformers are
+    imported once for the module): each tokenizer on its corpus's text, and generation from the grammar model."""
+    exports = {"grammar": grammar_export, "text": text_export}
+    args = {which: {"dir": str(hf), "text": val_text(ckpt)[2], "ids": val_text(ckpt)[1].tolist()}
+            for which, (ckpt, hf) in exports.items()}
+    return in_transformers("""
+import transformers
+OUT = {}
+for which, a in ARGS.items():
+    tok = transformers.AutoTokenizer.from_pretrained(a["dir"])
+    OUT[which] = {"vocab": tok.get_vocab(), "ids": tok(a["text"])["input_ids"], "text": tok.decode(a["ids"]),
+                  "eos": [tok.eos_token, tok.eos_token_id]}
+import torch
+generator = transformers.pipeline("text-generation", model=ARGS["grammar"]["dir"])
+(out,) = generator("the man", max_new_tokens=5, min_new_tokens=5, do_sample=True)
+# greedy, token by token, through the exported tokenizer and model
+tok = transformers.AutoTokenizer.from_pretrained(ARGS["grammar"]["dir"])
+model = transformers.AutoModelForCausalLM.from_pretrained(ARGS["grammar"]["dir"]).eval()
+ids = tok("the man", return_tensors="pt")["input_ids"]
+with torch.no_grad():
+    for _ in range(8):
+        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+OUT["generation"] = {"generated": out["generated_text"], "greedy": tok.decode(ids[0])}
+""", **args)
+
+
 @NEEDS_HF
 @pytest.mark.parametrize("which", ["grammar", "text"])
-def test_auto_tokenizer_maps_the_corpus_vocabulary_id_for_id(grammar_export, text_export, which):
+def test_auto_tokenizer_maps_the_corpus_vocabulary_id_for_id(grammar_export, text_export, transformers_answers, which):
     ckpt, hf = grammar_export if which == "grammar" else text_export
-    corpus = corpus_of(ckpt)
-    ids = corpus.tokens["val"][:300]  # real corpus text: <eos>, commas, newlines, accents
-    text = corpus.decode(ids)
-    got = in_transformers("""
-import transformers
-tok = transformers.AutoTokenizer.from_pretrained(ARGS["dir"])
-OUT = {"vocab": tok.get_vocab(), "ids": tok(ARGS["text"])["input_ids"], "text": tok.decode(ARGS["ids"]),
-       "eos": [tok.eos_token, tok.eos_token_id]}
-""", dir=str(hf), text=text, ids=ids.tolist())
+    corpus, ids, text = val_text(ckpt)
+    got = transformers_answers[which]
     assert got["vocab"] == {t: i for i, t in enumerate(corpus.vocab)}
     assert got["ids"] == ids.tolist()
     # words carry the space before them, as GPT-2's do; characters are the text itself
@@ -178,23 +209,11 @@ OUT = {"vocab": tok.get_vocab(), "ids": tok(ARGS["text"])["input_ids"], "text": 
 
 
 @NEEDS_HF
-def test_transformers_generates_from_the_export_as_our_greedy_sampler_does(grammar_export):
+def test_transformers_generates_from_the_export_as_our_greedy_sampler_does(grammar_export, transformers_answers):
     from pipeline.cli.sample import sample
 
     ckpt, hf = grammar_export
-    got = in_transformers("""
-import torch, transformers
-generator = transformers.pipeline("text-generation", model=ARGS["dir"])
-(out,) = generator("the man", max_new_tokens=5, min_new_tokens=5, do_sample=True)
-# greedy, token by token, through the exported tokenizer and model
-tok = transformers.AutoTokenizer.from_pretrained(ARGS["dir"])
-model = transformers.AutoModelForCausalLM.from_pretrained(ARGS["dir"]).eval()
-ids = tok("the man", return_tensors="pt")["input_ids"]
-with torch.no_grad():
-    for _ in range(8):
-        ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-OUT = {"generated": out["generated_text"], "greedy": tok.decode(ids[0])}
-""", dir=str(hf))
+    got = transformers_answers["generation"]
     words = got["generated"].split(" ")  # prompt + " w1 w2 ...": one space between every two words
     assert words[:2] == ["the", "man"] and len(words) == 7 and set(words) <= set(corpus_of(ckpt).vocab)
     assert got["greedy"] == " " + sample(ckpt, ["prompt=the man", "temperature=0", "max_new_tokens=8"])

@@ -7,7 +7,8 @@ import pytest
 
 import pipeline.run.budget as budget
 from conftest import KERNODECK, config_of, run_job, run_pipeline, the_run
-from pipeline.run.budget import Budget, parse_duration
+from pipeline.config.checks import parse_duration
+from pipeline.run.budget import Budget
 from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_PREEMPTED, ConfigError
 from pipeline.config.schemas import validate
@@ -74,14 +75,14 @@ def test_the_age_counts_from_the_process_start():
 LONG = ("trainer.max_steps=30",)
 
 
-def test_a_budget_that_expires_mid_run_exits_75_and_requeues_finish_bit_exactly(tmp_path, monkeypatch, clock):
+def test_a_budget_that_expires_mid_run_exits_75_and_requeues_finish_bit_exactly(tmp_path, monkeypatch, clock,
+                                                                               finished_job):
     """Every update takes 10 s of the fake clock, saves none, and each process has 60 s: it goes on after step k
     only if 10 k + 10 < 60, so every process stops after 5 updates (steps 5, 10, ... 25), and the sixth ends at
     step 30, the last. Checkpoints, links and metrics equal the uninterrupted run's."""
     import pipeline.trainer.loop as loop
 
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    assert run_job(*KERNODECK, *LONG, f"paths.output_dir={ref}")[0] == 0
+    ref, out = finished_job(*KERNODECK, *LONG), tmp_path / "out"
     real = loop.train_step
 
     def step(state):

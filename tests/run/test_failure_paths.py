@@ -79,19 +79,10 @@ def _one_line(stderr: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """reference(args): the uninterrupted run's final state (weights, moments, every logged number)."""
-    cache = {}
-
-    def get(args: tuple) -> dict:
-        if args not in cache:
-            out = tmp_path_factory.mktemp("reference")
-            proc = run_pipeline([*KERNODECK, *args, f"paths.output_dir={out}"], out)
-            assert proc.returncode == 0, proc.stderr
-            cache[args] = final_state(out)
-        return cache[args]
-
-    return get
+def reference(finished_job):
+    """reference(args): the uninterrupted run's final state (weights, moments, every logged number), the job
+    run to its end in-process once (the same bytes as the command: tests/run/test_budget.py)."""
+    return lambda args: final_state(finished_job(*KERNODECK, *args))
 
 
 def _same_as_reference(out: Path, args: tuple, reference) -> None:

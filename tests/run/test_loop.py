@@ -2,7 +2,6 @@
 that never keep another history's checkpoints, allowed changes that take effect, refusals that change nothing."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -12,7 +11,7 @@ import pytest
 
 from conftest import KERNODECK, kept, metrics, run_job, the_run
 from pipeline.files import jsonio
-from pipeline.checkpoint.store import EXTRA, OPTIM, WEIGHTS, CheckpointStore
+from pipeline.checkpoint.store import EXTRA, WEIGHTS, CheckpointStore
 from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_PREEMPTED
 from pipeline.run.signals import SIGNALS_STATE
@@ -36,11 +35,10 @@ LONG = ("trainer.max_steps=30",)
 
 
 @pytest.mark.parametrize("k", [3, 5, 10, 17, 25])
-def test_preempted_then_resumed_keeps_exactly_the_uninterrupted_checkpoints(tmp_path, preempt_at, k):
+def test_preempted_then_resumed_keeps_exactly_the_uninterrupted_checkpoints(tmp_path, preempt_at, finished_job, k):
     """Regression (#10.3): the preemption checkpoint goes through the stages' decision, so best-val sees it
     and rotation removes it: the same checkpoint directories, links and bytes as the run never stopped."""
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    assert run_job(*KERNODECK, *LONG, f"paths.output_dir={ref}")[0] == 0
+    ref, out = finished_job(*KERNODECK, *LONG), tmp_path / "out"
     preempt_at(k)
     assert run_job(*KERNODECK, *LONG, f"paths.output_dir={out}")[0] == EXIT_PREEMPTED
     stopped = RunDir(the_run(out))
@@ -64,12 +62,11 @@ def test_a_preempted_best_step_is_best(tmp_path, preempt_at):
     assert extra["stages"]["best_val"]["best_step"] == 5
 
 
-def test_a_fork_into_an_occupied_run_directory_keeps_nothing_of_the_other_history(tmp_path):
+def test_a_fork_into_an_occupied_run_directory_keeps_nothing_of_the_other_history(tmp_path, finished_job):
     """Regression (#10.1): resume.source into a run directory holding another history's step of the same
     number kept the old directory; now the other history is moved aside whole and the new one written."""
-    out = tmp_path / "out"
+    out = finished_job(*KERNODECK, *LONG, copy_to=tmp_path / "out")  # run A: lr 0.03
     args = (*KERNODECK, *LONG, f"paths.output_dir={out}")
-    assert run_job(*args)[0] == 0  # run A: lr 0.03
     run_a = the_run(out)
     assert run_job(*args, "optimizer.lr=0.05")[0] == 0  # run B: lr 0.05, its own directory
     run_b = next(p for p in (out / "runs").iterdir() if p != run_a)
@@ -92,12 +89,11 @@ def test_a_fork_into_an_occupied_run_directory_keeps_nothing_of_the_other_histor
     assert lines[:18] == metrics(run_a)[:18]  # the history before the cut is the source run's
 
 
-def test_an_allowed_change_takes_effect_from_the_cut(tmp_path):
+def test_an_allowed_change_takes_effect_from_the_cut(tmp_path, finished_job):
     """Regression (#10.2): an allowed optimizer.lr change came back from the checkpoint's optimizer and
     scheduler state, so the old lr went on; now the scheduler's base lr is the config's."""
-    out = tmp_path / "out"
+    out = finished_job(*KERNODECK, *LONG, copy_to=tmp_path / "out")
     args = (*KERNODECK, *LONG, f"paths.output_dir={out}")
-    assert run_job(*args)[0] == 0
     run_a = the_run(out)
     source = RunDir(run_a).store.root / "step-00000018"
     assert run_job(*args, "optimizer.lr=0.05", f"resume.source={source}", "resume.allow_changes=[optimizer.lr]")[0] == 0
@@ -109,10 +105,9 @@ def test_an_allowed_change_takes_effect_from_the_cut(tmp_path):
     assert kept(run_b)[0][30][WEIGHTS] != kept(run_a)[0][30][WEIGHTS]
 
 
-def test_an_allowed_change_that_cannot_apply_is_refused_and_nothing_changes(tmp_path):
-    out = tmp_path / "out"
+def test_an_allowed_change_that_cannot_apply_is_refused_and_nothing_changes(tmp_path, finished_job):
+    out = finished_job(*KERNODECK, *LONG, copy_to=tmp_path / "out")
     args = (*KERNODECK, *LONG, f"paths.output_dir={out}")
-    assert run_job(*args)[0] == 0
     run_a = the_run(out)
     source = RunDir(run_a).store.root / "step-00000018"
     before = tree_bytes(out)
@@ -123,10 +118,9 @@ def test_an_allowed_change_that_cannot_apply_is_refused_and_nothing_changes(tmp_
         {k: v for k, v in before.items() if not k.endswith(".lock")}
 
 
-def test_drift_is_refused_naming_each_key_and_changes_nothing(tmp_path, capsys):
-    out = tmp_path / "out"
+def test_drift_is_refused_naming_each_key_and_changes_nothing(tmp_path, capsys, finished_job):
+    out = finished_job(*KERNODECK, *LONG, copy_to=tmp_path / "out")
     args = (*KERNODECK, *LONG, f"paths.output_dir={out}")
-    assert run_job(*args)[0] == 0
     source = RunDir(the_run(out)).store.root / "step-00000018"
     before = tree_bytes(out)
     code, _ = run_job(*args, "optimizer.lr=0.05", "model.dropout=0.1", f"resume.source={source}")
@@ -138,11 +132,10 @@ def test_drift_is_refused_naming_each_key_and_changes_nothing(tmp_path, capsys):
         {k: v for k, v in before.items() if not k.endswith(".lock")}
 
 
-def test_rerunning_a_fork_continues_it_rather_than_starting_it_again(tmp_path, preempt_at):
+def test_rerunning_a_fork_continues_it_rather_than_starting_it_again(tmp_path, preempt_at, finished_job):
     """The identical resume.source command after a preemption continues the fork (safe to re-run)."""
-    out = tmp_path / "out"
+    out = finished_job(*KERNODECK, *LONG, copy_to=tmp_path / "out")
     args = (*KERNODECK, *LONG, f"paths.output_dir={out}")
-    assert run_job(*args)[0] == 0
     run_a = the_run(out)
     fork = (*args, "optimizer.lr=0.05", f"resume.source={RunDir(run_a).store.root / 'step-00000018'}",
             "resume.allow_changes=[optimizer.lr]")
@@ -158,9 +151,8 @@ def test_rerunning_a_fork_continues_it_rather_than_starting_it_again(tmp_path, p
     assert RunDir(run_b).read_status()["status"] == "complete"
 
 
-def test_a_changed_hyperparameter_on_a_finished_run_says_how_to_continue_it(tmp_path, caplog):
-    out = tmp_path / "out"
-    assert run_job(*KERNODECK, f"paths.output_dir={out}")[0] == 0
+def test_a_changed_hyperparameter_on_a_finished_run_says_how_to_continue_it(tmp_path, caplog, finished_job):
+    out = finished_job(*KERNODECK, copy_to=tmp_path / "out")
     with caplog.at_level("INFO", logger="pipeline"):
         assert run_job(*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05")[0] == 0
     said = " ".join(r.getMessage() for r in caplog.records)
@@ -220,23 +212,21 @@ def test_without_a_resume_stage_every_run_starts_from_scratch(tmp_path):
     assert manifest["lineage"] == lineage_of(manifest["semantic_config_hash"], None)
 
 
-def test_the_manifest_and_run_json_are_standard_json(tmp_path):
-    out = tmp_path / "out"
-    assert run_job(*KERNODECK, f"paths.output_dir={out}")[0] == 0
+def test_the_manifest_and_run_json_are_standard_json(finished_job):
+    out = finished_job(*KERNODECK)
     for p in the_run(out).rglob("*.json*"):
         for text in p.read_text().splitlines() if p.suffix == ".jsonl" else [p.read_text()]:
             json.loads(text, parse_constant=lambda c: pytest.fail(f"{p}: bare {c}"))
 
 
-def test_auto_resume_falls_back_past_a_checkpoint_whose_state_does_not_fit(tmp_path, preempt_at):
+def test_auto_resume_falls_back_past_a_checkpoint_whose_state_does_not_fit(tmp_path, preempt_at, finished_job):
     """Regression (#12): a stage state of the wrong type (hashes intact) passed inspect and crashed the resume,
     which only fell back past CheckpointErrors; now it is a CheckpointError like any other damage."""
     import hashlib
 
     from pipeline.run.signals import SIGNALS_STATE
 
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    assert run_job(*KERNODECK, *LONG, f"paths.output_dir={ref}")[0] == 0
+    ref, out = finished_job(*KERNODECK, *LONG), tmp_path / "out"
     preempt_at(20)
     assert run_job(*KERNODECK, *LONG, f"paths.output_dir={out}")[0] == EXIT_PREEMPTED
     SIGNALS_STATE.received = None

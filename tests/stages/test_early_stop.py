@@ -121,10 +121,8 @@ def oracle_stop(lines: list[dict], monitor: str, patience: int, min_delta: float
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("reference")
-    assert run_job(*KERNODECK, *LONG, f"paths.output_dir={out}")[0] == 0
-    return metrics(the_run(out))
+def reference(finished_job) -> list[dict]:
+    return metrics(the_run(finished_job(*KERNODECK, *LONG)))
 
 
 @pytest.mark.parametrize("which, monitor, patience, min_delta", [("val", "val/loss", 3, 1e-4),
@@ -147,12 +145,11 @@ def test_a_run_stops_at_the_step_its_own_metrics_give(tmp_path, reference, which
 
 
 @pytest.mark.parametrize("which, k", [("val", 25), ("val", 37), ("val", 39), ("train", 12), ("train", 14)])
-def test_a_resume_across_the_stop_point_keeps_identical_checkpoints(tmp_path, preempt_at, which, k):
+def test_a_resume_across_the_stop_point_keeps_identical_checkpoints(tmp_path, preempt_at, finished_job, which, k):
     """Preempted inside the patience window (its count > 0), the resumed run stops where the uninterrupted one
     did, with byte-identical checkpoints, links and metrics."""
-    ref, out = tmp_path / "ref", tmp_path / "out"
     args = (*KERNODECK, *LONG, *ARMED[which])
-    assert run_job(*args, f"paths.output_dir={ref}")[0] == 0
+    ref, out = finished_job(*args), tmp_path / "out"
     preempt_at(k)
     assert run_job(*args, f"paths.output_dir={out}")[0] == EXIT_PREEMPTED
     assert RunDir(the_run(out)).read_status()["step"] == k

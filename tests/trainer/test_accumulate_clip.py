@@ -115,9 +115,8 @@ def test_the_clipped_count_is_logged_and_rides_in_the_checkpoint(tmp_path, preem
     assert kept(the_run(out)) == kept(the_run(ref))
 
 
-def test_no_clipping_logs_no_clipped_count(tmp_path):
-    assert run_job(*KERNODECK, f"paths.output_dir={tmp_path}")[0] == 0
-    assert all("clipped" not in ln for ln in RunDir(the_run(tmp_path)).read_metrics())
+def test_no_clipping_logs_no_clipped_count(finished_job):
+    assert all("clipped" not in ln for ln in RunDir(the_run(finished_job(*KERNODECK))).read_metrics())
 
 
 # --- accumulation --------------------------------------------------------------------------------
@@ -168,11 +167,10 @@ def test_epochs_count_micro_batches(states):
 
 
 @pytest.mark.parametrize("k", [2, 5])
-def test_accumulation_and_clipping_resume_bit_exactly(tmp_path, preempt_at, k):
+def test_accumulation_and_clipping_resume_bit_exactly(tmp_path, preempt_at, finished_job, k):
     overrides = (*TINY, "trainer.accumulate=3", "trainer.grad_clip=0.3", "trainer.max_steps=8",
                  "checkpoint.every_steps=2", "trainer.eval_every=2")
-    ref, out = tmp_path / "ref", tmp_path / "out"
-    assert run_job(*overrides, f"paths.output_dir={ref}")[0] == 0
+    ref, out = finished_job(*overrides), tmp_path / "out"
     preempt_at(k)
     assert run_job(*overrides, f"paths.output_dir={out}")[0] == EXIT_PREEMPTED
     SIGNALS_STATE.received = None

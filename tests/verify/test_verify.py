@@ -77,6 +77,7 @@ def test_incomplete_verification_exits_2(tmp_path):
     assert r.returncode == 2 and "verify.cut" in r.stderr
 
 
+@pytest.mark.slow  # chaos: 41 real processes, 20 of them SIGKILLed
 def test_chaos_mode_20_trials_bit_exact_with_kills_inside_saves(tmp_path):
     """With accumulation (2 micro-batches an update) and clipping on every update (grad norms 0.6-1.6)."""
     r = subprocess.run([sys.executable, "-m", "pipeline.verify", "experiment=kernodeck", "tracking=none",
@@ -92,6 +93,7 @@ def test_chaos_mode_20_trials_bit_exact_with_kills_inside_saves(tmp_path):
     assert all(t["killed"] for t in report["trial_records"])
 
 
+@pytest.mark.slow  # longer training: the default MiniGPT, in 5 processes
 def test_default_minigpt_config_verifies_with_accumulation_clipping_and_early_stopping(tmp_path):
     """The default job with 4 micro-batches an update, every update clipped (its norms are ~1.5) and early
     stopping armed."""
