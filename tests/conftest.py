@@ -74,7 +74,7 @@ def run_job(*overrides: str) -> tuple[int, float | None]:
     """`python -m pipeline *overrides` in this process: (exit code, the objective it returned)."""
     from omegaconf import OmegaConf
 
-    from pipeline.config.schema import to_plain
+    from pipeline.config.compose import to_plain
     from pipeline.run import job as app
 
     cfg = compose(*overrides)  # composed once: a composition costs about a second, as much as a tiny run
