@@ -40,7 +40,7 @@ from pipeline.files import jsonio
 from pipeline.files import reading
 from pipeline.files.atomic import TMP_PREFIX, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir, open_new, publish_dir, remove_tree
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import (CHECKPOINTS, STEP_DIR, CheckpointStore, checkpoint_dir, copy_list, file_hashes,
+from pipeline.checkpoint.store import (CHECKPOINTS, STEP_DIR, CheckpointStore, checkpoint_dir, copy_list,
                                        is_checkpoint_dir, read_manifest, verify)
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
 
@@ -429,9 +429,9 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     final = CheckpointStore(resumed_run / CHECKPOINTS)
     original_final = store.link_dir("final")
     if original_final is not None and final.link_dir("final") is not None and step < end:
-        a, bb = read_manifest(original_final), file_hashes(read_manifest(final.link_dir("final")))
+        a, bb = read_manifest(original_final), read_manifest(final.link_dir("final"))["files"]
         compared["final_step"] = a["step"]
-        compared["final_files_equal"] = {n: h == bb.get(n) for n, h in file_hashes(a).items() if n != "data"}
+        compared["final_files_equal"] = {n: e["sha256"] == bb.get(n, {}).get("sha256") for n, e in a["files"].items()}
     ok = compared["metrics_equal"] and all(compared.get("final_files_equal", {}).values())
     if step >= end:
         compared["note"] = (f"the original recorded nothing after step {step}: the resumed process restored it and "
