@@ -184,6 +184,63 @@ def read_manifest(directory: Path) -> dict:
         raise CheckpointError(directory, MANIFEST, str(e)) from None
 
 
+def manifest_fault(directory: Path, reason: str, error: type = CheckpointError) -> CheckpointError:
+    """The error of a checkpoint whose manifest.json holds what a reader refuses (its config, say)."""
+    return error(directory, MANIFEST, reason)
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """Whether `path` has a manifest.json (even a dangling link to one): a checkpoint, if perhaps a damaged one."""
+    return os.path.lexists(Path(path) / MANIFEST)
+
+
+def manifest_as_written(directory: Path) -> dict:
+    """manifest.json as it is on disk, bounded but unchecked ({}: unreadable or not an object): what a damaged
+    checkpoint says of itself, for a reader showing it beside the verdict."""
+    try:
+        manifest = jsonio.read(checkpoint_dir(directory) / MANIFEST, MAX_MANIFEST)
+    except (OSError, ValueError, CheckpointError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def manifest_file(directory: Path) -> tuple[str, bytes]:
+    """(name, bytes) of manifest.json as on disk, bounded, a regular file: what an index uploads (the bytes,
+    not a re-serialisation); CheckpointError otherwise."""
+    directory = checkpoint_dir(directory)
+    try:
+        return MANIFEST, jsonio.read_bytes(directory / MANIFEST, MAX_MANIFEST)
+    except (OSError, jsonio.JSONError) as e:
+        raise CheckpointError(directory, MANIFEST, _os_reason(e)) from None
+
+
+def weights_file(directory: Path) -> Path:
+    """Where a checkpoint's weights.safetensors is, checked a regular file of the size its manifest lists (a
+    link or a FIFO is never opened), for a reader streaming it: an index uploading the final model, a check
+    reading its header; CheckpointError otherwise."""
+    directory, _, _ = _opened(Path(directory))
+    return directory / WEIGHTS
+
+
+def file_hashes(manifest: dict) -> dict[str, str | None]:
+    """{"weights", "optim", "extra", "data": sha256} of what a manifest (verified, or as written) lists: what
+    names a checkpoint's state; a file it does not list, or lists unreadably, is left out."""
+    files = manifest.get("files")
+    files = files if isinstance(files, dict) else {}
+    roles = {WEIGHTS: "weights", OPTIM: "optim", EXTRA: "extra", DATA: "data"}
+    return {roles[n]: e.get("sha256") for n, e in files.items() if n in roles and isinstance(e, dict)}
+
+
+def copy_list(directory: Path, manifest: dict) -> list[tuple[str, Path, dict | None]]:
+    """(name, path, listed entry) of every file of a checkpoint, in the order a copier copies them: each file
+    `manifest` (read before, verified) lists, then manifest.json (entry None). The directory must hold exactly
+    those, regular files of their listed sizes, and still have that manifest; CheckpointError otherwise."""
+    directory, here, listed = _opened(Path(directory))
+    if here != manifest:
+        raise CheckpointError(directory, MANIFEST, "changed while it was read")
+    return [*((n, directory / n, e) for n, e in sorted(listed.items())), (MANIFEST, directory / MANIFEST, None)]
+
+
 def _os_reason(e: BaseException) -> str:
     if isinstance(e, OSError) and e.errno == errno.ELOOP:
         return "is a symlink; a checkpoint's files must be regular files inside it"

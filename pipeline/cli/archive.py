@@ -40,8 +40,8 @@ from pipeline.files import jsonio
 from pipeline.files import reading
 from pipeline.files.atomic import TMP_PREFIX, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir, open_new, publish_dir, remove_tree
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import (CHECKPOINTS, EXTRA, MANIFEST, OPTIM, STEP_DIR, WEIGHTS, CheckpointStore,
-                                       checkpoint_dir, read_manifest, verify)
+from pipeline.checkpoint.store import (CHECKPOINTS, STEP_DIR, CheckpointStore, checkpoint_dir, copy_list,
+                                       is_checkpoint_dir, read_manifest, verify)
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
 
 NAME = "pipeline.archive"
@@ -85,7 +85,7 @@ def _kind(path: Path) -> str:
         st = os.stat(path)  # a link the user typed is followed, as its target could be typed instead
     if not stat.S_ISDIR(st.st_mode):
         raise BadSource(f"{path}: is {reading.kind_of(st)}, not a run, sweep or checkpoint directory")
-    if (path / MANIFEST).exists() or os.path.lexists(path / MANIFEST):
+    if is_checkpoint_dir(path):
         return "checkpoint"
     if (path / CHECKPOINTS).is_dir() or (path / "run.json").is_file():
         return "run"
@@ -238,13 +238,10 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     base = f"runs/{p.name}"
     ensure_dirs(b.root, "runs", p.name, CHECKPOINTS)
     for name, directory in p.checkpoints.items():
-        listed = p.manifests[name]["files"]
-        for f in _regular_files(directory):
-            if f.name != MANIFEST and f.name not in listed:
-                raise BadSource(f"{f}: present but not listed in its manifest.json")
-        for fn, entry in sorted(listed.items()):
-            b.copy(directory / fn, f"{base}/{CHECKPOINTS}/{name}/{fn}", entry["size"], entry, f"{directory / MANIFEST}")
-        b.copy(directory / MANIFEST, f"{base}/{CHECKPOINTS}/{name}/{MANIFEST}", MAX_SMALL)
+        files = copy_list(directory, p.manifests[name])  # exactly the listed files, regular, of their sizes
+        witness = str(files[-1][1])  # the manifest listing them
+        for fn, src, entry in files:
+            b.copy(src, f"{base}/{CHECKPOINTS}/{name}/{fn}", entry["size"] if entry else MAX_SMALL, entry, witness)
         fsync_dir(b.root / base / CHECKPOINTS / name)
     for link, target in sorted(p.links.items()):
         b.link(f"{base}/{CHECKPOINTS}/{link}", target)  # relative, beside its step directory, as a run has it
@@ -432,10 +429,9 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     final = CheckpointStore(resumed_run / CHECKPOINTS)
     original_final = store.link_dir("final")
     if original_final is not None and final.link_dir("final") is not None and step < end:
-        a = read_manifest(original_final)["files"]
-        bb = read_manifest(final.link_dir("final"))["files"]
-        compared["final_step"] = read_manifest(original_final)["step"]
-        compared["final_files_equal"] = {n: a[n]["sha256"] == bb[n]["sha256"] for n in (WEIGHTS, OPTIM, EXTRA)}
+        a, bb = read_manifest(original_final), read_manifest(final.link_dir("final"))["files"]
+        compared["final_step"] = a["step"]
+        compared["final_files_equal"] = {n: e["sha256"] == bb.get(n, {}).get("sha256") for n, e in a["files"].items()}
     ok = compared["metrics_equal"] and all(compared.get("final_files_equal", {}).values())
     if step >= end:
         compared["note"] = (f"the original recorded nothing after step {step}: the resumed process restored it and "

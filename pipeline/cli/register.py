@@ -115,8 +115,8 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     next version of `name` in `tracking_uri` (default: see the module docstring); the mlflow ModelVersion.
     CheckpointError / ConfigError / StoreError (one line) for a checkpoint, data or store that will not do."""
     from pipeline.files import jsonio
-    from pipeline.checkpoint.store import checkpoint_dir as resolve
-    from pipeline.serving import CHECKPOINT, DATA_JSON, VOCAB
+    from pipeline.checkpoint.store import checkpoint_dir as resolve, data_facts
+    from pipeline.serving import CHECKPOINT, VOCAB
     from pipeline.run.trained import own_data, restore_checkpoint
 
     from pipeline.config.errors import ConfigError
@@ -130,7 +130,7 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
         raise ConfigError(f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
                           "neither generates tokens (logits) nor predicts rows (predict): nothing to serve")
     vocab = None
-    if hasattr(state.model, "logits") and not (directory / DATA_JSON).is_file():
+    if hasattr(state.model, "logits") and data_facts(directory, manifest) is None:  # schema 2.0: no data.json
         dataset = own_data(manifest, [], given)
         vocab = {"vocab": list(dataset.vocab), "decode_join": dataset.manifest["decode_join"]}
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.files import jsonio
-from pipeline.files.atomic import TMP_PREFIX
+from pipeline.files.atomic import TMP_PREFIX, write_new
 from pipeline.checkpoint import store
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.tensors import read_tensors, write_tensors
@@ -93,7 +93,7 @@ def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
         # a part the fresh objects already matched proves nothing about its restore
         "unchanged_by_training": [m for m in PARTS if first_difference(before[m], untouched[m], m) is None],
         "directory": directory,
-        "sha256": manifest["files"][store.WEIGHTS]["sha256"],
+        "sha256": store.file_hashes(manifest)["weights"],
         "run": run,
     }
 
@@ -153,7 +153,7 @@ def check_tying(config: dict, d: dict) -> dict:
     live = model.state_dict()
     aliases = dict(model.aliases)
     expected = sum(a.nbytes for a in unique_arrays(live))
-    path = directory / store.WEIGHTS
+    path = store.weights_file(directory)
     size = path.stat().st_size
     header_bytes, head = header(path)
     metadata = head.get("__metadata__", {})
@@ -238,8 +238,9 @@ def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = Tr
     scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=out))
     try:
         d = check_byte_equivalence(config, out, steps)
-        manifest = jsonio.read(d["directory"] / store.MANIFEST, store.MAX_MANIFEST)
-        shutil.copyfile(d["directory"] / store.MANIFEST, out / "manifest.json")
+        name, raw = store.manifest_file(d["directory"])
+        manifest = jsonio.loads(raw)
+        write_new(out / name, raw)
         tying = check_tying(config, d)
         continuation = check_continuation(config, overrides, scratch, steps, separate_process)
         atomic = check_atomic(overrides, scratch)

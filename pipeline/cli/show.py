@@ -29,7 +29,7 @@ from pathlib import Path
 from pipeline.files import jsonio
 from pipeline.files.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import MANIFEST, MAX_MANIFEST, WEIGHTS, checkpoint_dir
+from pipeline.checkpoint.store import checkpoint_dir, file_hashes, is_checkpoint_dir, manifest_as_written
 from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
 
@@ -46,17 +46,13 @@ def describe_checkpoint(directory: Path, overrides: tuple[str, ...] = ()) -> dic
     out: dict = {"kind": "checkpoint", "path": str(directory)}
     if directory.is_symlink():
         out["link_target"] = os.readlink(directory)
-    try:
-        manifest = jsonio.read(directory / MANIFEST, MAX_MANIFEST)
-    except (OSError, ValueError):
-        manifest = {}
-    manifest = manifest if isinstance(manifest, dict) else {}
+    manifest = manifest_as_written(directory)
     out.update({k: manifest[k] for k in SUMMARY if k in manifest})
     files = manifest.get("files")
     if isinstance(files, dict):
         out["files"] = files
-        if isinstance(files.get(WEIGHTS), dict):
-            out["checkpoint_hash"] = files[WEIGHTS].get("sha256")
+        if "weights" in (hashes := file_hashes(manifest)):
+            out["checkpoint_hash"] = hashes["weights"]
     try:
         restore_checkpoint(directory, list(overrides))  # restored into fresh objects, then dropped
         out["valid"], out["reason"] = True, None
@@ -168,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"pipeline.show: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if RunDir(path.parent).store.root == path and not (path / MANIFEST).exists():
+    if RunDir(path.parent).store.root == path and not is_checkpoint_dir(path):
         path = path.parent  # a run's checkpoints/ stands for the run
     try:
         overrides = tuple(args.overrides)

@@ -92,6 +92,8 @@ def main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
 def _multirun(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob) -> float:
     try:
         SIGNALS_STATE.install()  # a joblib or submitit worker: this job's own signals
+        if sweep.unreadable:
+            fail(EXIT_BAD_INPUT, sweep.unreadable)
         if SIGNALS_STATE.sweep_interrupted(sweep.dir):
             fail(EXIT_PREEMPTED, "the sweep was interrupted before this job started; re-run the same command")
         if SIGNALS_STATE.mode != SWEEP:

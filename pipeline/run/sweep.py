@@ -29,6 +29,7 @@ class SweepJob:
     run_dir: str | None = None  # set by the job runner as it learns them
     run_uri: str | None = None
     failure: dict | None = None  # {"code", "error"}
+    unreadable: str | None = None  # why its sweep.json could not be read: the job fails as bad input
 
     @property
     def tags(self) -> dict | None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from pipeline.config import targets
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint import store
-from pipeline.checkpoint.store import MANIFEST, load, read_manifest
+from pipeline.checkpoint.store import load, manifest_fault, read_manifest
 from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import SCHEMAS, validate
 from pipeline.data.base import DataSpec
@@ -53,23 +53,23 @@ def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict
     try:
         targets.check(manifest["config"], targets.allowed(tuple(overrides)))
     except targets.UnknownTarget as e:
-        raise UnknownTargetError(directory, MANIFEST, str(e)) from None
+        raise manifest_fault(directory, str(e), UnknownTargetError) from None
     try:
         validate(manifest["config"])  # the ranges a run's values are held to, before anything is sized by them
     except ConfigError as e:
-        raise CheckpointError(directory, MANIFEST, f"its config holds a value a run refuses: {e}") from None
+        raise manifest_fault(directory, f"its config holds a value a run refuses: {e}") from None
     try:
         spec = dict(manifest["data_spec"])
         n_train = int(spec.pop("n_train"))
         state = build_state(manifest["config"], DataSpec(**spec), n_train)
     except Exception as e:  # noqa: BLE001 - a model or data this installation cannot build: one line
-        raise CheckpointError(directory, MANIFEST, f"its config does not build here: "
-                                                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise manifest_fault(directory, f"its config does not build here: "
+                                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     # One read of every file: sizes and sha256, each tensor file's layout before its data is allocated, and
     # every part's fit (pipeline.stateful.check); restore cannot refuse after it.
     ckpt = load(directory, parts := state.parts())
     if ckpt.manifest != manifest:
-        raise CheckpointError(directory, MANIFEST, "changed while it was read")
+        raise manifest_fault(directory, "changed while it was read")
     restore(parts, ckpt.state)
     return manifest, state
 

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import WEIGHTS, Checkpoint, checkpoint_dir, files_of, load
+from pipeline.checkpoint.store import Checkpoint, checkpoint_dir, file_hashes, files_of, load
 from pipeline.config import identity
 from pipeline.stages.base import Stage
 from pipeline.stages.drift import drift, refuse, say_if_a_sibling_differs
@@ -55,7 +55,7 @@ class Resume(Stage):
         source = checkpoint_dir(source).resolve()  # a link out of a run is refused, not followed
         src = load(source)  # its fit is checked once the drift is known (an allowed change may be why)
         origin = {"checkpoint": str(source), "step": src.step,
-                  "weights_sha256": src.manifest["files"][WEIGHTS]["sha256"]}
+                  "weights_sha256": file_hashes(src.manifest)["weights"]}
         lineage = lineage_of(run.job.semantic_hash, origin)
         own, _ = run.store.newest_valid(run.job.parts)
         if own is not None and own.manifest["lineage"]["id"] == lineage["id"]:

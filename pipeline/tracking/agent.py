@@ -9,7 +9,7 @@ Protocol: JSON lines; each request names a session `sid` unique on its connectio
   {"op": "open", "sid", "uri", "artifact_location", "experiment", "run_dir", "params", "tags", "start_time",
    "previous_run_uri", "parent": {"run_id", "experiment_id"} | null}              -> ready {uri, run_id, ...}
   {"op": "metrics", "sid", "lines": [metrics.jsonl lines]}
-  {"op": "checkpoint", "sid", "step", "manifest": "<manifest.json text>"}
+  {"op": "checkpoint", "sid", "artifact": "checkpoints/<step>/<file>", "manifest": "<manifest.json text>"}
   {"op": "finish", "sid", "run_dir", "job", "pid"}  flush; once the job has gone (its pid no longer holds
                                      the run directory's lock), index the whole run directory    -> finished
   {"op": "attach", "sid", "uri", "artifact_location", "run_dir", "parent", "job"}  a run done before -> finished
@@ -175,7 +175,7 @@ class Agent:
     def checkpoint(self, s: Session, m: dict) -> None:
         from pipeline.tracking import store
 
-        store.log_file_as(s.repo, f"checkpoints/step-{int(m['step']):08d}/manifest.json", data=m["manifest"].encode())
+        store.log_file_as(s.repo, m["artifact"], data=m["manifest"].encode())
 
     def finish(self, s: Session, m: dict) -> None:
         """The job hands its run over and leaves: its points now, the run directory once it has gone."""

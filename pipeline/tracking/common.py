@@ -22,8 +22,6 @@ MAX_PARAM_VALUE = 6000  # mlflow's limit on a param value
 MAX_TAG_VALUE = 8000
 NON_METRIC_KEYS = ("step", "epoch", "time")
 CURVES_ARTIFACT = "curves.png"
-FINAL_WEIGHTS_ARTIFACT = "final/weights.safetensors"
-FINAL_MANIFEST_ARTIFACT = "final/manifest.json"
 TRACKER_TARGETS = ("pipeline.tracking.mlflow_tracker.MlflowTracker",)
 
 _RUN_ROUTE = re.compile(r"^/?experiments/([^/]+)/runs/([0-9a-fA-F]{32})/?$")

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from pipeline.files import jsonio
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import MANIFEST, WEIGHTS, json_state, read_manifest
+from pipeline.checkpoint.store import json_state, manifest_file, read_manifest, weights_file
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.tracking import store
-from pipeline.tracking.common import (CURVES_ARTIFACT, FINAL_MANIFEST_ARTIFACT, FINAL_WEIGHTS_ARTIFACT, params_of,
+from pipeline.tracking.common import (CURVES_ARTIFACT, params_of,
                                       parse_run_uri, run_uri, tag_value, tags_of)
 
 MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
@@ -159,24 +159,29 @@ def record_run_uri(rundir: RunDir, uri: str) -> bool:
 def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list, new_points: bool) -> int:
     repo = store.artifact_repo(client, run_id)
     have = store.artifact_sizes(repo)
-    todo = [(f"checkpoints/{d.name}/{MANIFEST}", d / MANIFEST) for d, _ in found]
     final = rundir.store.link_dir("final")
-    if final is not None:
-        todo += [(FINAL_WEIGHTS_ARTIFACT, final / WEIGHTS), (FINAL_MANIFEST_ARTIFACT, final / MANIFEST)]
-    for p in (rundir.hydra_dir / "config.yaml", rundir.hydra_dir / "overrides.yaml"):
-        todo.append((f"hydra/{p.name}", p))
-    todo.append((rundir.log_path.name, rundir.log_path))
-    added = 0
-    for artifact, source in todo:
+    reads = [(f"checkpoints/{d.name}", manifest_file, d) for d, _ in found]
+    reads += [("final", weights_file, final), ("final", manifest_file, final)] if final is not None else []
+    todo: list[tuple[str, Path | bytes]] = []
+    for folder, read, directory in reads:  # the store reads a checkpoint's files: never a link or a FIFO
         try:
-            st = source.stat()
+            source = read(directory)
+        except (OSError, CheckpointError):
+            continue  # a damaged checkpoint: reindex names it
+        name, source = (source.name, source) if isinstance(source, Path) else source
+        todo.append((f"{folder}/{name}", source))
+    for p in (rundir.hydra_dir / "config.yaml", rundir.hydra_dir / "overrides.yaml", rundir.log_path):
+        try:
+            st = p.stat()
         except OSError:
             continue
-        if not stat.S_ISREG(st.st_mode):
-            continue  # a FIFO or a device where a file should be: never opened (it would block); reindex names it
-        size = st.st_size
+        if stat.S_ISREG(st.st_mode):  # a FIFO or a device where a file should be: never opened (it would block)
+            todo.append((f"hydra/{p.name}" if p != rundir.log_path else p.name, p))
+    added = 0
+    for artifact, source in todo:
+        size = len(source) if isinstance(source, bytes) else source.stat().st_size
         if have.get(artifact) != size:
-            store.log_file_as(repo, artifact, source=source)
+            store.log_file_as(repo, artifact, **{"data" if isinstance(source, bytes) else "source": source})
             added += 1
     png = curves_png(rundir, lines)
     if png is not None and store.artifact_bytes(repo, CURVES_ARTIFACT, have) != png:

@@ -31,6 +31,8 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint.store import manifest_file
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
 from pipeline.tracking.common import artifact_root, normalize_tracking_uri, params_of, store_problem, tags_of
@@ -195,10 +197,11 @@ class MlflowTracker(Tracker):
         if not self.active:
             return
         try:
-            text = (Path(directory) / "manifest.json").read_text()  # the bytes on disk, not a re-serialisation
-        except OSError:
+            name, raw = manifest_file(directory)  # the bytes on disk, not a re-serialisation
+        except CheckpointError:
             return
-        self.link.send({"op": "checkpoint", "sid": self.sid, "step": int(manifest["step"]), "manifest": text})
+        self.link.send({"op": "checkpoint", "sid": self.sid, "artifact": f"checkpoints/{Path(directory).name}/{name}",
+                        "manifest": raw.decode()})
 
     def finish(self, status: str, run_dir: Path) -> None:
         """Hand the run over and leave: the agent indexes the run directory (status from run.json) once this

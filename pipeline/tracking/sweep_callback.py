@@ -33,7 +33,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline.files import jsonio
+from pipeline.files import jsonio, reading
 from pipeline.files.atomic import ensure_dirs, environment_error, replace_file
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
 from pipeline.run.signals import SIGNALS_STATE
@@ -124,12 +124,23 @@ def parent_of(sweep: dict) -> dict | None:
 
 def job_of(hydra_cfg) -> SweepJob:
     """The job a multirun's task runs, from its sweep's sweep.json (its launcher wrote it before any job) and
-    Hydra's job number and overrides; a SweepJob without a directory if there is no sweep callback."""
+    Hydra's job number and overrides; a SweepJob without a directory if there is no sweep callback, and one
+    `unreadable` (the job fails as bad input, in one line) if sweep.json is not a sweep's record."""
     directory = os.environ.get(SWEEP_DIR_ENV)
     if not directory:
         return SweepJob()
-    sweep = jsonio.read(Path(directory) / "sweep.json", 1 << 24)
     overrides = [str(o) for o in hydra_cfg.overrides.task]
+    path = Path(directory) / "sweep.json"
+    try:
+        sweep = jsonio.read(path, 1 << 24)
+    except (OSError, jsonio.JSONError) as e:
+        problem = str(e) if isinstance(e, (reading.UnreadableFile, jsonio.JSONError)) else f"{path}: {e.strerror}"
+    else:
+        ok = isinstance(sweep, dict) and isinstance(sweep.get("id"), str) and isinstance(sweep.get("swept"), dict)
+        problem = None if ok else f"{path}: not a sweep's record (an object with an id and what it sweeps)"
+    if problem is not None:
+        return SweepJob(dir=Path(directory), overrides=overrides, num=int(hydra_cfg.job.get("num", 0)),
+                        unreadable=f"{problem}; the sweep's launcher writes it before any job: re-run the sweep")
     return SweepJob(dir=Path(directory), sweep_id=sweep["id"], overrides=overrides,
                     num=int(hydra_cfg.job.get("num", 0)) + int(sweep.get("job_offset") or 0),
                     name=job_name(overrides, sweep["swept"]), parent=parent_of(sweep),

@@ -14,7 +14,7 @@ from pathlib import Path
 from pipeline.files import jsonio
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import versions
-from pipeline.checkpoint.store import DATA, EXTRA, OPTIM, WEIGHTS, json_state, verify
+from pipeline.checkpoint.store import file_hashes, json_state, verify
 from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE, EXIT_ERROR as EXIT_MISMATCH, EXIT_OK
 from pipeline.verify.protocol import verify_dir
@@ -46,12 +46,11 @@ def final_state(output_dir: Path) -> dict:
     rundir = _run_dir(output_dir)
     kept = {}
     for step, directory in rundir.store.steps():
-        files = verify(directory)["files"]
-        kept[step] = {name: files[name]["sha256"] for name in (WEIGHTS, OPTIM, EXTRA, DATA)}
+        kept[step] = file_hashes(verify(directory))
     final = rundir.store.link_step("final")
     _, extra = json_state(rundir.store.root / "final")
     lines = [{k: v for k, v in line.items() if k != "time"} for line in rundir.read_metrics()]
-    return {"weights": kept[final][WEIGHTS], "optim": kept[final][OPTIM], "extra": extra, "metrics": lines,
+    return {"weights": kept[final]["weights"], "optim": kept[final]["optim"], "extra": extra, "metrics": lines,
             "step": final, "checkpoints": kept, "links": rundir.store.links()}
 
 

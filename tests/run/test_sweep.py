@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 import types
 
@@ -100,6 +101,26 @@ def test_the_job_is_read_from_its_sweeps_directory(tmp_path, monkeypatch):
     assert sweep_callback.job_of(hydra_cfg(0)).parent is None
     monkeypatch.delenv(SWEEP_DIR_ENV)
     assert sweep_callback.job_of(hydra_cfg(0)).dir is None
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda p: None, "No such file or directory"),
+    (lambda p: p.write_text('{"id": "abc", '), "sweep.json: "),
+    (lambda p: p.write_text('["abc"]'), "not a sweep's record"),
+    (lambda p: os.mkfifo(p), "is a FIFO, not a regular file")])
+def test_a_job_whose_sweep_json_cannot_be_read_fails_as_bad_input_in_one_line(tmp_path, monkeypatch, capsys, make,
+                                                                            reason):
+    """Missing, damaged, not a sweep's record, a FIFO (never opened: it would block): the job's one line names
+    the file, it is recorded as failed with exit 2, and nothing runs (was a traceback)."""
+    monkeypatch.setenv(SWEEP_DIR_ENV, str(tmp_path))
+    make(tmp_path / "sweep.json")
+    job = sweep_callback.job_of(hydra_cfg(2))
+    monkeypatch.setattr(runner, "_main", lambda *a: pytest.fail("the job ran without its sweep"))
+    assert math.isnan(runner.main({}, [], "", job))
+    err = capsys.readouterr().err
+    assert err.startswith(f"pipeline: {tmp_path / 'sweep.json'}: ") and reason in err and err.count("\n") == 1, err
+    r = record_of(tmp_path, 2)
+    assert (r["status"], r["code"], r["overrides"]) == ("failed", EXIT_BAD_INPUT, ["experiment=k", "optimizer.lr=0.3"])
 
 
 def test_the_callback_reaches_its_jobs_without_its_pending_parent_request():
