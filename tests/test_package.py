@@ -139,3 +139,22 @@ def test_only_the_checkpoint_store_names_a_checkpoints_files():
             elif isinstance(n, ast.Attribute) and n.attr in CHECKPOINT_FILES:
                 named.add((name, n.attr))
     assert named == NAMES_A_CHECKPOINT_FILE
+
+
+def test_no_module_level_mutable_container_is_shared_with_another_unit():
+    """A dict, list or set at a module's top level that another unit imports would be a process global
+    between layers (the job, its sweep and its tracker are passed as objects instead)."""
+    mutable = {}
+    for name, tree in modules().items():
+        for node in tree.body:
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if value is not None else []
+            if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
+                    isinstance(value, ast.Call) and getattr(value.func, "id", "") in ("dict", "list", "set", "defaultdict")):
+                mutable.update({(name, t.id): True for t in targets if isinstance(t, ast.Name)})
+    shared = []
+    for name, tree in modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and unit(node.module) != unit(name):
+                shared += [f"{name} imports {node.module}.{a.name}" for a in node.names if (node.module, a.name) in mutable]
+    assert shared == []

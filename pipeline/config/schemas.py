@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, Callable, Optional
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional
 
 from omegaconf import MISSING
 
@@ -17,16 +18,17 @@ from pipeline.config.checks import (above, at_least, duration_or_null, fraction,
                                     probability_list, widths)
 from pipeline.config.errors import ConfigError
 
-# `_target_` -> the schema of a node building it; a schema stored as `schema/<group>/<option>` is the first
-# entry of that option's `defaults` in conf/<group>/<option>.yaml
-SCHEMAS: dict[str, type] = {}
+# `_target_` -> the schema of a node building it, filled by @builds while this module loads and then frozen
+# as SCHEMAS (end of file); a schema stored as `schema/<group>/<option>` is the first entry of that option's
+# `defaults` in conf/<group>/<option>.yaml
+_BUILDING: dict[str, type] = {}
 
 
 def builds(target: str, stored_as: str | None = None) -> Callable[[type], type]:
     """Register a schema for nodes whose `_target_` is `target` (and in Hydra's ConfigStore as schema/<stored_as>)."""
     def add(schema: type) -> type:
         schema.stored_as = stored_as
-        SCHEMAS[target] = schema
+        _BUILDING[target] = schema
         return schema
     return add
 
@@ -364,3 +366,7 @@ def validate(config: dict) -> None:
             _check_node(schema, node, f"{key}.", errors)
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+SCHEMAS: Mapping[str, type] = MappingProxyType(dict(_BUILDING))  # read-only from here on
+del _BUILDING

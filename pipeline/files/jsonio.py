@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import math
+from types import MappingProxyType
 
 from pipeline.files import reading
 
 MAX_DEPTH = 64
-NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+NON_FINITE = MappingProxyType({"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf})  # read-only
 
 
 class JSONError(ValueError):
