@@ -1,6 +1,6 @@
 """`python -m pipeline.archive SOURCE DEST`: a run, sweep or checkpoint copied to DEST, verified, reloaded and resumed there.
 
-DEST is laid out like an output directory, so every tool works on it (`inspect DEST/runs/<run>`, `evaluate
+DEST is laid out like an output directory, so every tool works on it (`show DEST/runs/<run>`, `evaluate
 DEST/runs/<run>/checkpoints/best`):
 
     DEST/

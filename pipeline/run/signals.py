@@ -190,7 +190,7 @@ SIGNALS_STATE = Signals()  # one per process: the entry point installs it before
 
 
 def tool_exit(name: str, main, interrupted: str = "nothing was written") -> None:
-    """The `__main__` of every tool (sample, evaluate, inspect, export_hf, reindex, verify, roundtrip): exit
+    """The `__main__` of every tool (sample, evaluate, show, export_hf, reindex, register, roundtrip, archive, verify): exit
     with what main() returns; SIGINT, SIGTERM, SIGUSR1/2 end it with one line `<name>: interrupted by SIGINT;
     <interrupted>` and EXIT_PREEMPTED, never a KeyboardInterrupt traceback nor a negative code."""
     SIGNALS_STATE.install()

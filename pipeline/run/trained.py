@@ -1,4 +1,4 @@
-"""A checkpoint put to use (inspect, evaluate, sample, export): verified, restored, and given the data it needs.
+"""A checkpoint put to use (show, evaluate, sample, export): verified, restored, and given the data it needs.
 
     restore_checkpoint(dir, ovr)   the one way a tool opens a checkpoint: its manifest checked against itself,
                                    every `_target_` of its config against pipeline.config.targets (nothing named is
