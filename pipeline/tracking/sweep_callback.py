@@ -137,7 +137,10 @@ def job_of(hydra_cfg) -> SweepJob:
         problem = str(e) if isinstance(e, (reading.UnreadableFile, jsonio.JSONError)) else f"{path}: {e.strerror}"
     else:
         ok = isinstance(sweep, dict) and isinstance(sweep.get("id"), str) and isinstance(sweep.get("swept"), dict)
+        offset = sweep.get("job_offset") if ok else None
         problem = None if ok else f"{path}: not a sweep's record (an object with an id and what it sweeps)"
+        if ok and offset is not None and not (type(offset) is int and 0 <= offset <= 10 ** 9):
+            problem = f"{path}: job_offset must be a non-negative integer (the trials its study held), got {offset!r}"
     if problem is not None:
         return SweepJob(dir=Path(directory), overrides=overrides, num=int(hydra_cfg.job.get("num", 0)),
                         unreadable=f"{problem}; the sweep's launcher writes it before any job: re-run the sweep")

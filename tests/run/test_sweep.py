@@ -107,7 +107,9 @@ def test_the_job_is_read_from_its_sweeps_directory(tmp_path, monkeypatch):
     (lambda p: None, "No such file or directory"),
     (lambda p: p.write_text('{"id": "abc", '), "sweep.json: "),
     (lambda p: p.write_text('["abc"]'), "not a sweep's record"),
-    (lambda p: os.mkfifo(p), "is a FIFO, not a regular file")])
+    (lambda p: os.mkfifo(p), "is a FIFO, not a regular file"),
+    (lambda p: p.write_text('{"id": "abc", "swept": {}, "job_offset": -3}'), "job_offset must be a non-negative"),
+    (lambda p: p.write_text('{"id": "abc", "swept": {}, "job_offset": "7"}'), "job_offset must be a non-negative")])
 def test_a_job_whose_sweep_json_cannot_be_read_fails_as_bad_input_in_one_line(tmp_path, monkeypatch, capsys, make,
                                                                             reason):
     """Missing, damaged, not a sweep's record, a FIFO (never opened: it would block): the job's one line names
