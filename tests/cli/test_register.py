@@ -201,7 +201,7 @@ def test_mlflow_models_serve_answers_invocations_with_the_samples_text(registere
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # the server and its workers: the session it leads
         try:
-            server.wait(timeout=120)  # cleanup only: past it, SIGKILL (no assertion depends on this time)
+            server.wait(timeout=600)  # cleanup only: past it, SIGKILL (no assertion depends on this time)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
