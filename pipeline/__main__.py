@@ -77,10 +77,13 @@ def main() -> None:
         from omegaconf import OmegaConf
 
         from pipeline.run import job as app
-        from pipeline.tracking.sweep_callback import job_of
 
         hydra_cfg = HydraConfig.get()
-        sweep = job_of(hydra_cfg) if hydra_cfg.mode == RunMode.MULTIRUN else None
+        sweep = None
+        if hydra_cfg.mode == RunMode.MULTIRUN:  # a single run never imports the sweep's code
+            from pipeline.tracking.sweep_callback import job_of
+
+            sweep = job_of(hydra_cfg)
         config = _plain(cfg)
         return app.main(config, list(hydra_cfg.overrides.task), OmegaConf.to_yaml(cfg), sweep)
 
