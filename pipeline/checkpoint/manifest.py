@@ -1,14 +1,4 @@
-"""manifest.json: the truth about a checkpoint and its run, built in one place and checked against itself.
-
-Fields: schema_version; step, epoch; metrics (measured at this step); tags (the stages that asked for this
-checkpoint); lineage (which run history it belongs to); config and its hashes, sources (input files by
-content), data_manifest_hash and data_spec; seed, git_sha, git_dirty, versions, hardware; mlflow_run_uri;
-allowed_changes (after a resume that let them through); files ({name: {size, sha256}}), written last.
-
-Schema 2.1 adds data.json to the files (the data's vocabulary, decode join and special tokens: the run facts'
-`data_facts`, which the store writes as that file rather than into the manifest). A 2.0 checkpoint, written
-before it, is still read: the tools then build its data to find its vocabulary.
-"""
+"""manifest.json: the truth about a checkpoint and its run (fields: README, Checkpoints), built and checked here."""
 from __future__ import annotations
 
 import os
@@ -23,7 +13,7 @@ from pipeline.files import jsonio
 from pipeline.config.identity import config_hash, semantic_hash
 
 SCHEMA_VERSION = "2.1"
-READABLE = ("2.0", SCHEMA_VERSION)  # 2.0: no data.json
+READABLE = ("2.0", SCHEMA_VERSION)  # 2.0: no data.json (the tools build its data to find its vocabulary)
 DATA_FACTS = "data_facts"  # the run facts' entry the store writes as data.json, not into manifest.json
 PACKAGES = ("pipeline", "numpy", "safetensors", "hydra-core", "omegaconf", "mlflow")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -36,19 +26,20 @@ class ManifestError(ValueError):
 
 @lru_cache(maxsize=None)
 def git_info(root: str = str(PROJECT_ROOT)) -> dict:
+    unknown = {"git_sha": "unknown", "git_dirty": None}
     if not (Path(root) / "pyproject.toml").is_file():
         # Installed from a wheel: `root` is the environment's lib/pythonX.Y, and any repository around it (a
         # virtualenv inside a project) is not this code's; `versions` names the pipeline release instead.
-        return {"git_sha": "unknown", "git_dirty": None}
+        return unknown
     try:
         sha = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
         if sha.returncode != 0:
-            return {"git_sha": "unknown", "git_dirty": None}
+            return unknown
         dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=30)
         return {"git_sha": sha.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.SubprocessError):
-        return {"git_sha": "unknown", "git_dirty": None}
+        return unknown
 
 
 @lru_cache(maxsize=None)
@@ -91,8 +82,7 @@ def hardware() -> dict:
 
 
 def run_facts(config: dict, sources: dict, data_manifest_hash: str, data_spec: dict, data_facts: dict) -> dict:
-    """The run-level fields every checkpoint of a run carries, computed once per run; `data_facts`
-    (pipeline.data.base.inference_facts) become each checkpoint's data.json."""
+    """The fields every checkpoint of a run carries, computed once; `data_facts` become each one's data.json."""
     return {
         DATA_FACTS: data_facts,
         **git_info(),

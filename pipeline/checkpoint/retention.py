@@ -1,10 +1,4 @@
-"""Which checkpoints survive: pure policies over records (step, metrics, tags), composed with AnyOf.
-
-A record is what a checkpoint's manifest says of it: its step, the metrics measured at that step, and the
-names of the stages that asked for it (its tags). Each stage contributes a policy; the run pins the newest
-checkpoint; after every save the store deletes exactly what no policy keeps. No disk here: the policies are
-tested with fake records (tests/checkpoint/test_retention.py).
-"""
+"""Which checkpoints survive: pure policies over records (step, metrics, tags: a manifest's), composed with AnyOf."""
 from __future__ import annotations
 
 import math
@@ -22,12 +16,10 @@ class Record:
 class Policy(Protocol):
     def keep(self, records: Sequence[Record]) -> set[int]:
         """The steps this policy preserves."""
-        ...
 
 
 def is_better(value, best, mode: str, min_delta: float = 0.0) -> bool:
-    """Strict improvement by a finite value, by more than min_delta (Lightning's EarlyStopping rule); NaN and
-    infinities never improve, any finite value beats none."""
+    """Strict improvement by more than min_delta (Lightning's EarlyStopping rule); only a finite value improves."""
     if value is None or not math.isfinite(value):
         return False
     if best is None:
@@ -46,7 +38,6 @@ def check_best(best, step, mode: str) -> None:
 @dataclass(frozen=True)
 class LatestN:
     """The newest n records (among those tagged `tag`, if given)."""
-
     n: int
     tag: str | None = None
 
@@ -58,7 +49,6 @@ class LatestN:
 @dataclass(frozen=True)
 class BestN:
     """The n records with the best finite `monitor` (mode min or max); ties keep the earlier step."""
-
     monitor: str
     mode: str = "min"
     n: int = 1
@@ -74,28 +64,21 @@ class BestN:
 @dataclass(frozen=True)
 class Steps:
     """Exactly these steps (a pin)."""
-
     steps: frozenset
 
     def keep(self, records: Sequence[Record]) -> set[int]:
-        present = {r.step for r in records}
-        return set(self.steps) & present
+        return set(self.steps) & {r.step for r in records}
 
 
 @dataclass(frozen=True)
 class AnyOf:
     """Keep what any of the policies keeps."""
-
     policies: tuple
 
     def keep(self, records: Sequence[Record]) -> set[int]:
-        out: set[int] = set()
-        for p in self.policies:
-            out |= p.keep(records)
-        return out
+        return set().union(*(p.keep(records) for p in self.policies))
 
 
 def select_one(policy: Policy, records: Sequence[Record]) -> int | None:
     """The step a link following `policy` points at: the newest of what it keeps (None if nothing)."""
-    kept = policy.keep(records)
-    return max(kept) if kept else None
+    return max(policy.keep(records), default=None)

@@ -1,35 +1,7 @@
-"""The only code that touches checkpoint directories: write, load and verify, list, link, delete, describe.
-
-A checkpoint is one directory holding the run's state tree ({part: state_dict}, see pipeline/stateful.py):
-    weights.safetensors   the model's arrays under their own (GPT-2) names; tied names stored once,
-                          the header metadata saying `lm_head.weight: ALIAS(transformer.wte.weight)`
-    optim.safetensors     every other part's arrays, named by path: optimizer/exp_avg/<param>,
-                          data_iter/permutation, ...
-    extra.json            every part's JSON values (the same tree with the arrays taken out)
-    data.json             what reading and writing the model's tokens needs of the data, the same for every
-                          checkpoint of a run: {"vocab": [token by id] or null, "decode_join": " " (words),
-                          "" (characters) or null, "specials": {"eos": "<eos>"}}; no corpus tokens. With it a
-                          checkpoint samples and exports with its corpus deleted (schema 2.1; a 2.0 checkpoint
-                          has none, and a tool builds its data instead)
-    manifest.json         written last: the facts, and the size and sha256 of every other file
-It is written as a hidden temporary directory, fsynced, and renamed into place, so a visible checkpoint is
-always complete. Loading checks everything before a single live object changes: the manifest against
-itself, every file's size and sha256 (hashed as it is read, once), and each file's tensors against the
-layout the live run (or the config) expects, before allocating them.
-
-A run's checkpoints live in `<run>/checkpoints/step-NNNNNNNN/`, with relative symlinks (`best`, `final`)
-that stages declare; CheckpointStore lists, saves, links and prunes them by retention policy.
-
-Every reader opens a checkpoint directory through `checkpoint_dir`, so no tool follows a link out of a run:
-a link inside a `checkpoints/` directory must be a bare `step-NNNNNNNN` name beside it (what `best` and
-`final` are), and a `checkpoints/` directory must not itself be a link. A link elsewhere (one a user made,
-`ln -s RUN/checkpoints/best mine`) is followed, as its target could be typed instead -- and the links it
-leads through obey the same rule. When the saved state does not fit, the error names the file that holds
-the value at fault; a step directory's name is a third witness to which of manifest.json and extra.json
-lies about the step.
-"""
+"""The only code that touches checkpoint directories (layout: README, Checkpoints): write, load, list, link, prune."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -57,13 +29,11 @@ WEIGHTS, OPTIM, EXTRA, MANIFEST = "weights.safetensors", "optim.safetensors", "e
 DATA = "data.json"
 REQUIRED = (WEIGHTS, OPTIM, EXTRA, DATA)
 REQUIRED_BY = {"2.0": (WEIGHTS, OPTIM, EXTRA), mf.SCHEMA_VERSION: REQUIRED}  # schema_version -> files it lists
-MAX_DATA = 16 << 20  # bytes; a vocabulary of 65,536 characters is under 1 MB
-MAX_MANIFEST = 16 << 20  # bytes; a legitimate manifest is a few KB (config, facts, file table)
-MAX_EXTRA = 16 << 20  # bytes; the JSON state (RNG streams, counters, stage state), a few KB
+MAX_JSON = 16 << 20  # bytes of manifest.json, extra.json or data.json: a few KB (a 65,536-token vocabulary, < 1 MB)
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 CHECKPOINTS = "checkpoints"  # the name of a run's checkpoint store: links inside it stay inside it
 MAX_HOPS = 8  # links followed from a path to its checkpoint directory
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
+LINKED = "is a symlink; a checkpoint's files must be regular files inside it"
 CORRUPTED = "sha256 differs from manifest.json (corrupted)"
 SCHEMA_VERSION = mf.SCHEMA_VERSION
 
@@ -83,32 +53,28 @@ class Checkpoint:
     def step(self) -> int:
         return int(self.manifest["step"])
 
-    @property
-    def record(self) -> Record:
-        return record_of(self.manifest)
-
 
 def record_of(manifest: dict) -> Record:
     metrics = {k: jsonio.number(v) for k, v in manifest["metrics"].items()}
     return Record(int(manifest["step"]), metrics, frozenset(manifest["tags"]))
 
 
+def _by_file(tree: dict) -> tuple[dict, dict, dict]:
+    """A state tree as what weights.safetensors, optim.safetensors and extra.json hold."""
+    arrays, json_tree = split(tree)
+    other = {k: a for k, a in arrays.items() if not k.startswith("model" + SEP)}
+    return tree["model"], other, {k: v for k, v in json_tree.items() if k != "model"}
+
+
 # --- one checkpoint directory ------------------------------------------------------------------------
 
 def write(directory: Path, tree: dict, fields: dict, replace: bool = False) -> dict:
-    """Write `tree` ({part: state_dict}) as a checkpoint at `directory`, atomically; returns its manifest.
-
-    `fields` are the manifest's fields but `files` (see checkpoint/manifest.py), and `data_facts`, written
-    as data.json. With replace=True an existing checkpoint there is swapped out; otherwise one already
-    there is an error.
-    """
+    """Write `tree` as a checkpoint at `directory`, atomically (replace=True swaps out one already there);
+    `fields`: the manifest's but `files`, and `data_facts`, written as data.json. Returns the manifest."""
     directory = Path(directory)
     fields = dict(fields)
     data = fields.pop(mf.DATA_FACTS)
-    arrays, json_tree = split(tree)
-    weights = tree["model"]
-    other = {k: a for k, a in arrays.items() if not k.startswith("model" + SEP)}
-    extra = {k: v for k, v in json_tree.items() if k != "model"}
+    weights, other, extra = _by_file(tree)
     os.makedirs(directory.parent, exist_ok=True)
     remove_temporaries(directory.parent)
     tmp = new_temp_dir(directory.parent, directory.name)
@@ -149,8 +115,10 @@ def link_problem(name: str, target: str) -> str | None:
 
 
 def checkpoint_dir(path: Path) -> Path:
-    """The directory `path` stands for, following links only as the module docstring allows; CheckpointError
-    naming the link and where it points otherwise. Whether it is a checkpoint is for the reader to check."""
+    """The directory `path` stands for, else CheckpointError naming the link and where it points. Every reader
+    comes here: a link inside checkpoints/ must name a step directory beside it (best, final), checkpoints/
+    must not be a link; a link elsewhere (`ln -s RUN/checkpoints/best mine`) is followed, as its target could
+    be typed instead."""
     given = Path(path)
     path = given if given.is_absolute() else Path.cwd() / given  # `best`, typed inside checkpoints/, is a run's link
     for hop in range(MAX_HOPS):
@@ -173,10 +141,10 @@ def read_manifest(directory: Path) -> dict:
     directory = Path(directory)
     real = checkpoint_dir(directory)
     try:
-        raw = jsonio.read_bytes(real / MANIFEST, MAX_MANIFEST)
+        raw = reading.read_bytes(real / MANIFEST, MAX_JSON)
     except FileNotFoundError:
         raise CheckpointError(directory, MANIFEST, "missing (an incomplete or foreign directory)") from None
-    except (OSError, jsonio.JSONError) as e:
+    except OSError as e:
         raise CheckpointError(directory, MANIFEST, _os_reason(e)) from None
     try:
         return mf.check(jsonio.loads(raw))
@@ -185,46 +153,39 @@ def read_manifest(directory: Path) -> dict:
 
 
 def manifest_fault(directory: Path, reason: str, error: type = CheckpointError) -> CheckpointError:
-    """The error of a checkpoint whose manifest.json holds what a reader refuses (its config, say)."""
     return error(directory, MANIFEST, reason)
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    """Whether `path` has a manifest.json (even a dangling link to one): a checkpoint, if perhaps a damaged one."""
+    """Whether `path` has a manifest.json (even a dangling link): a checkpoint, if perhaps a damaged one."""
     return os.path.lexists(Path(path) / MANIFEST)
 
 
 def manifest_as_written(directory: Path) -> dict:
-    """manifest.json as it is on disk, bounded but unchecked ({}: unreadable or not an object): what a damaged
-    checkpoint says of itself, for a reader showing it beside the verdict."""
+    """manifest.json as on disk, bounded but unchecked ({}: unreadable or not an object), to show beside a verdict."""
     try:
-        manifest = jsonio.read(checkpoint_dir(directory) / MANIFEST, MAX_MANIFEST)
+        manifest = jsonio.read(checkpoint_dir(directory) / MANIFEST, MAX_JSON)
     except (OSError, ValueError, CheckpointError):
         return {}
     return manifest if isinstance(manifest, dict) else {}
 
 
 def manifest_file(directory: Path) -> tuple[str, bytes]:
-    """(name, bytes) of manifest.json as on disk, bounded, a regular file: what an index uploads (the bytes,
-    not a re-serialisation); CheckpointError otherwise."""
+    """(name, bytes) of manifest.json as on disk, bounded, for an index to upload; CheckpointError otherwise."""
     directory = checkpoint_dir(directory)
     try:
-        return MANIFEST, jsonio.read_bytes(directory / MANIFEST, MAX_MANIFEST)
-    except (OSError, jsonio.JSONError) as e:
+        return MANIFEST, reading.read_bytes(directory / MANIFEST, MAX_JSON)
+    except OSError as e:
         raise CheckpointError(directory, MANIFEST, _os_reason(e)) from None
 
 
 def weights_file(directory: Path) -> Path:
-    """Where a checkpoint's weights.safetensors is, checked a regular file of the size its manifest lists (a
-    link or a FIFO is never opened), for a reader streaming it: an index uploading the final model, a check
-    reading its header; CheckpointError otherwise."""
-    directory, _, _ = _opened(Path(directory))
-    return directory / WEIGHTS
+    """weights.safetensors, checked a regular file of its listed size, for a streaming reader; else CheckpointError."""
+    return _opened(Path(directory))[0] / WEIGHTS
 
 
 def file_hashes(manifest: dict) -> dict[str, str | None]:
-    """{"weights", "optim", "extra", "data": sha256} of what a manifest (verified, or as written) lists: what
-    names a checkpoint's state; a file it does not list, or lists unreadably, is left out."""
+    """{"weights", "optim", "extra", "data": sha256} of the files a manifest (verified or as written) lists readably."""
     files = manifest.get("files")
     files = files if isinstance(files, dict) else {}
     roles = {WEIGHTS: "weights", OPTIM: "optim", EXTRA: "extra", DATA: "data"}
@@ -232,21 +193,16 @@ def file_hashes(manifest: dict) -> dict[str, str | None]:
 
 
 def copy_list(directory: Path, manifest: dict) -> list[tuple[str, Path, dict | None]]:
-    """(name, path, listed entry) of every file of a checkpoint, in the order a copier copies them: each file
-    `manifest` (read before, verified) lists, then manifest.json (entry None). The directory must hold exactly
-    those, regular files of their listed sizes, and still have that manifest; CheckpointError otherwise."""
-    directory, here, listed = _opened(Path(directory))
-    if here != manifest:
-        raise CheckpointError(directory, MANIFEST, "changed while it was read")
+    """(name, path, listed entry) of every file in copying order, manifest.json last (entry None); the directory
+    must hold exactly those and still have the verified `manifest`; CheckpointError otherwise."""
+    directory, _, listed = _opened(Path(directory), manifest)
     return [*((n, directory / n, e) for n, e in sorted(listed.items())), (MANIFEST, directory / MANIFEST, None)]
 
 
 def _os_reason(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.errno == errno.ELOOP:
-        return "is a symlink; a checkpoint's files must be regular files inside it"
-    if isinstance(e, OSError):
-        return f"{e.strerror or type(e).__name__}"
-    return str(e)
+    if not isinstance(e, OSError):
+        return str(e)
+    return LINKED if e.errno == errno.ELOOP else e.strerror or type(e).__name__
 
 
 def _check_listing(directory: Path, manifest: dict) -> dict[str, dict]:
@@ -256,7 +212,7 @@ def _check_listing(directory: Path, manifest: dict) -> dict[str, dict]:
         if name in ("", ".", "..", MANIFEST) or "/" in name or "\\" in name or "\0" in name:
             raise CheckpointError(directory, MANIFEST, f"lists an invalid file name {name!r:.80}")
         if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
-                and isinstance(entry.get("sha256"), str) and SHA256.match(entry["sha256"])):
+                and isinstance(entry.get("sha256"), str) and mf.SHA256.match(entry["sha256"])):
             raise CheckpointError(directory, MANIFEST, f"entry for {name} needs an integer size and a sha256 hex digest")
     for name in REQUIRED_BY[manifest["schema_version"]]:
         if name not in listed:
@@ -272,7 +228,7 @@ def _check_listing(directory: Path, manifest: dict) -> dict[str, dict]:
             raise CheckpointError(directory, name, "listed in manifest.json but missing")
         st = present[name].stat(follow_symlinks=False)
         if stat.S_ISLNK(st.st_mode):
-            raise CheckpointError(directory, name, "is a symlink; a checkpoint's files must be regular files inside it")
+            raise CheckpointError(directory, name, LINKED)
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(directory, name, f"is {reading.kind_of(st)}, not a regular file")
         if st.st_size != entry["size"]:
@@ -301,66 +257,57 @@ def _data_problem(data, spec: dict) -> str | None:
     return None
 
 
-def _listed_bytes(directory: Path, name: str, limit: int, listed: dict) -> bytes:
-    """A listed JSON file's bytes, bounded and hashed against its listing; CheckpointError naming it."""
+def _listed_json(directory: Path, name: str, listed: dict):
+    """A listed JSON file, bounded, hashed against its listing, parsed strictly; CheckpointError naming it."""
     try:
-        raw = jsonio.read_bytes(directory / name, limit)
-    except (OSError, jsonio.JSONError) as e:
+        raw = reading.read_bytes(directory / name, MAX_JSON)
+    except OSError as e:
         raise CheckpointError(directory, name, _os_reason(e)) from None
     if hashlib.sha256(raw).hexdigest() != listed[name]["sha256"]:
         raise CheckpointError(directory, name, CORRUPTED)
-    return raw
+    try:
+        return jsonio.loads(raw)
+    except jsonio.JSONError as e:
+        raise CheckpointError(directory, name, str(e)) from None
 
 
 def _read_data(directory: Path, manifest: dict, listed: dict) -> dict | None:
-    """data.json, bounded, hashed against its listing and checked against the manifest's data_spec; None
-    for a schema 2.0 checkpoint (listed files are checked by _check_listing first)."""
+    """data.json, checked against the manifest's data_spec; None for a schema 2.0 checkpoint."""
     if DATA not in REQUIRED_BY[manifest["schema_version"]]:
         return None
-    raw = _listed_bytes(directory, DATA, MAX_DATA, listed)
-    try:
-        data = jsonio.loads(raw)
-    except jsonio.JSONError as e:
-        raise CheckpointError(directory, DATA, str(e)) from None
+    data = _listed_json(directory, DATA, listed)
     if problem := _data_problem(data, manifest["data_spec"]):
         raise CheckpointError(directory, DATA, problem)
     return data
 
 
 def data_facts(directory: Path, manifest: dict | None = None) -> dict | None:
-    """A checkpoint's data.json ({"vocab", "decode_join", "specials"}), verified against its manifest
-    (the file listed, its size and sha256, the vocabulary the size data_spec says), without reading the
-    tensors; None for a schema 2.0 checkpoint, which has none. Given the `manifest` a caller already
-    verified (store.load's), the checkpoint must still have it."""
-    directory, here, listed = _opened(Path(directory))
-    if manifest is not None and here != manifest:
-        raise CheckpointError(directory, MANIFEST, "changed while it was read")
-    return _read_data(directory, here, listed)
+    """A checkpoint's data.json, verified, without reading the tensors (None: schema 2.0); given a `manifest` a
+    caller verified before, the checkpoint must still have it."""
+    return _read_data(*_opened(Path(directory), manifest))
 
 
 def json_state(directory: Path) -> tuple[dict, dict]:
-    """(manifest, extra.json) of a checkpoint, each verified (extra.json listed, of its size and sha256, a JSON
-    object), without reading the tensors: the parts' JSON state (the stages', the RNG streams') for a reader
-    that needs no arrays; CheckpointError otherwise."""
+    """(manifest, extra.json) of a checkpoint, each verified, without reading the tensors; else CheckpointError."""
     directory, manifest, listed = _opened(Path(directory))
     return manifest, _read_extra(directory, listed)
 
 
-def _opened(given: Path) -> tuple[Path, dict, dict]:
-    """(directory, manifest, listing) of the checkpoint `given` stands for, its listing checked."""
+def _opened(given: Path, expected: dict | None = None) -> tuple[Path, dict, dict]:
+    """(directory, manifest, listing) of the checkpoint `given` stands for, its listing checked (and its
+    manifest still the `expected` one a caller read before)."""
     directory = checkpoint_dir(given)  # read from where the links lead; errors name that directory
     if not directory.is_dir():
         raise CheckpointError(given, "", "not a directory")
     manifest = read_manifest(directory)
-    return directory, manifest, _check_listing(directory, manifest)
+    listed = _check_listing(directory, manifest)
+    if expected is not None and manifest != expected:
+        raise CheckpointError(directory, MANIFEST, "changed while it was read")
+    return directory, manifest, listed
 
 
 def _read_extra(directory: Path, listed: dict) -> dict:
-    raw = _listed_bytes(directory, EXTRA, MAX_EXTRA, listed)
-    try:
-        extra = jsonio.loads(raw)
-    except jsonio.JSONError as e:
-        raise CheckpointError(directory, EXTRA, str(e)) from None
+    extra = _listed_json(directory, EXTRA, listed)
     if not isinstance(extra, dict):
         raise CheckpointError(directory, EXTRA, "not a JSON object")
     return extra
@@ -372,7 +319,7 @@ def _read_tensor_file(directory: Path, name: str, entry: dict, expect: dict | No
     except DigestMismatch:
         raise CheckpointError(directory, name, CORRUPTED) from None
     except (ValueError, OSError) as e:
-        raise CheckpointError(directory, name, _os_reason(e) if isinstance(e, OSError) else str(e)) from None
+        raise CheckpointError(directory, name, _os_reason(e)) from None
     return arrays
 
 
@@ -381,12 +328,10 @@ _ABSENT = object()
 
 def _at(tree, keys: tuple):
     for k in keys:
-        if isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree):
-            tree = tree[k]
-        elif isinstance(k, str) and isinstance(tree, dict) and k in tree:
-            tree = tree[k]
-        else:
+        if not (isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree)
+                or isinstance(k, str) and isinstance(tree, dict) and k in tree):
             return _ABSENT
+        tree = tree[k]
     return tree
 
 
@@ -399,8 +344,7 @@ def _holders(part: str, value) -> set[str]:
 
 
 def files_of(e: StateMismatch, saved: dict, live: dict) -> str:
-    """The file(s) holding the value a StateMismatch is about: where the saved value was read from, and
-    where the live one would have been (an array where JSON was saved: both files)."""
+    """The file(s) holding a StateMismatch's value: where the saved one was read from, the live one would be."""
     files = set()
     for tree in (saved, live):
         value = _at(tree, (e.part, *e.path))
@@ -410,8 +354,8 @@ def files_of(e: StateMismatch, saved: dict, live: dict) -> str:
 
 
 def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[str, str] | None:
-    """(file(s), reason) if manifest.json's step, extra.json's progress.step and the directory's name
-    (`step-NNNNNNNN`, when it has one) do not agree; the odd one out is the file that lies."""
+    """(file(s), reason) if manifest.json's step, extra.json's progress.step and the directory's name (if it has
+    one) disagree: the odd one out is the file that lies."""
     m = STEP_DIR.match(directory.name)
     named = int(m.group(1)) if m else None
     if saved_step == manifest_step:
@@ -430,27 +374,16 @@ def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[st
                                        f"differ{neither}")
 
 
-def _layouts(template: dict | None) -> tuple[dict | None, dict | None]:
-    if template is None:
-        return None, None
-    arrays, _ = split(template)
-    other = {k: a for k, a in arrays.items() if not k.startswith("model" + SEP)}
-    return layout(template["model"]), layout(other)
-
-
 def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
-    """Read and fully verify a checkpoint; raises CheckpointError naming the file and the reason.
-
-    Given the live `parts` of a run (or the parts a config builds), the tensor files must hold exactly
-    their layout, checked before any tensor is read (nothing larger is allocated), and every part's saved
-    state must fit it (pipeline.stateful.check): a verified checkpoint is one the run can restore.
-    """
+    """Read and fully verify a checkpoint, else CheckpointError naming the file; given the live `parts` (or a
+    config's), the tensor files must hold their layout (checked before anything is allocated) and every
+    part's state must fit (pipeline.stateful.check): a verified checkpoint is one the run can restore."""
     given = Path(directory)
     directory, manifest, listed = _opened(given)
     extra = _read_extra(directory, listed)
     data = _read_data(directory, manifest, listed)
     live = capture(parts) if parts is not None else None
-    weights_layout, optim_layout = _layouts(live)
+    weights_layout, optim_layout = (None, None) if live is None else [layout(t) for t in _by_file(live)[:2]]
     with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:  # side by side, as in write()
         weights_read = pool.submit(_read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], weights_layout)
         try:
@@ -462,7 +395,7 @@ def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
         if part not in PARTS or part == "model" or SEP not in path:
             raise CheckpointError(directory, OPTIM, f"tensor {path!r:.80} belongs to no state machine")
     try:
-        tree = merge(other, {k: v for k, v in extra.items()})
+        tree = merge(other, extra)
     except ValueError as e:
         raise CheckpointError(directory, OPTIM, str(e)) from None
     tree["model"] = weights
@@ -483,7 +416,7 @@ def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
 
 
 def verify(directory: Path, parts: Mapping | None = None) -> dict:
-    """Full verification without changing anything; returns the manifest or raises CheckpointError."""
+    """load() for its verdict: the manifest, or CheckpointError."""
     return load(directory, parts).manifest
 
 
@@ -498,11 +431,8 @@ class CheckpointStore:
 
     # listing
     def scan(self) -> tuple[list[tuple[int, Path]], dict[str, str]]:
-        """(step, directory) of every step directory, oldest first, and {link name: target name}.
-
-        Temporaries are ignored; anything else (a stray symlink, a file, a link that does not name a step
-        directory here) raises UnsafePathError naming it, so nothing is ever followed out of the run.
-        """
+        """(step, directory) of every step directory, oldest first, and {link name: target name}; temporaries
+        ignored, anything else (a stray link or file) an UnsafePathError naming it."""
         if not os.path.lexists(self.root):
             return [], {}
         st = os.lstat(self.root)
@@ -539,10 +469,8 @@ class CheckpointStore:
         if self._records is None:
             self._records = {}
             for step, directory in self.steps():
-                try:
+                with contextlib.suppress(CheckpointError):
                     self._records[step] = record_of(read_manifest(directory))
-                except CheckpointError:
-                    pass
         return [self._records[s] for s in sorted(self._records)]
 
     def newest_valid(self, parts: Mapping | None = None, upto: int | None = None) -> tuple[Checkpoint | None, list[str]]:
@@ -567,8 +495,7 @@ class CheckpointStore:
 
     # writing
     def save(self, step: int, tree: dict, fields: dict) -> Checkpoint:
-        """Write this step's checkpoint (replacing any directory already at that step: never keeping another
-        run's or a damaged one in its place) and record it."""
+        """Write and record this step's checkpoint, replacing whatever (another run's, a damaged one) is there."""
         ensure_dirs(self.root.parent, self.root.name)
         directory = self.root / step_dir_name(step)
         manifest = write(directory, tree, fields, replace=True)
@@ -577,13 +504,10 @@ class CheckpointStore:
         return Checkpoint(directory, manifest, tree, fields[mf.DATA_FACTS])
 
     def retain(self, policy: Policy, links: dict[str, Policy], upto: int) -> list[int]:
-        """Point each link at what its policy selects, then delete every step directory no policy keeps.
+        """Point each link at what its policy selects, then delete (and return) the steps no policy keeps.
 
-        Records after `upto` (the run's current step) are left-overs of an attempt this run did not
-        continue (a damaged newer checkpoint it fell back past): never kept. Links no stage declares any
-        more (a stage removed by override) keep pointing where they did, and their targets are kept.
-        Returns the deleted steps.
-        """
+        Steps after `upto` (the current step) are left-overs of an attempt this run fell back past: never kept.
+        A link no stage declares any more (a stage removed by override) keeps its target."""
         present_steps, present_links = self.scan()  # once: linking changes no step directory
         records = [r for r in self.records() if r.step <= upto]
         orphan_targets = {int(STEP_DIR.match(t).group(1)) for name, t in present_links.items() if name not in links}

@@ -1,14 +1,9 @@
-"""Named arrays to and from safetensors files, hashed in the same pass that writes or reads their bytes.
+"""Named arrays to and from plain safetensors files, hashed in the same pass that writes or reads their bytes.
 
-The files are plain safetensors (the library's own loader reads them, and ours reads the library's):
-8-byte little-endian header length, a JSON header padded to 8 bytes, then the tensors' bytes back to back.
-We write and read them ourselves, not through safetensors.numpy, for three reasons measured here:
-  * the sha256 the manifest records is taken over the very bytes written (or read), chunk by chunk on a
-    helper thread, instead of re-reading the file afterwards (sha256 is slower than this disk);
-  * a loaded array is read straight into its own buffer: 1x memory, and what is hashed is what is used;
-  * arrays are written from C-contiguous little-endian buffers, so the safetensors trap (non-contiguous
-    arrays written wrong, silently) cannot happen, and 0-d arrays keep their shape.
-Tied arrays (one object under several names) are stored once; the header metadata says ALIAS(name).
+Not through safetensors.numpy, for reasons measured here (BENCHMARKS.md): the manifest's sha256 is taken over
+the very bytes written or read, on a helper thread (sha256 is slower than this disk), never in a second pass;
+a loaded array is read straight into its own buffer (1x memory); arrays go out C-contiguous little-endian (the
+library writes non-contiguous ones wrong, silently), 0-d shapes kept. Tied arrays are stored once: ALIAS(name).
 """
 from __future__ import annotations
 
@@ -26,17 +21,16 @@ import numpy as np
 
 from pipeline.files import jsonio
 from pipeline.files import reading
+from pipeline.files.atomic import open_new, write_all
 
 ALIAS = re.compile(r"^ALIAS\((.+)\)$")
 CHUNK = 8 << 20  # bytes per write/read/hash step
 MAX_HEADER = 16 << 20  # bytes of JSON header we read (legitimate ones are ~100 bytes a tensor)
 
-# safetensors' dtype codes, in the library's own order (its writer puts wider codes first).
+# safetensors' dtype codes, in the library's own order (its writer puts wider codes first); BF16: no numpy type.
 CODES = ("BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64")
-TO_NUMPY = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16": np.uint16,
-            "F16": np.float16, "I32": np.int32, "U32": np.uint32, "F32": np.float32, "F64": np.float64,
-            "I64": np.int64, "U64": np.uint64}
-TO_NUMPY = {k: np.dtype(v).newbyteorder("<") for k, v in TO_NUMPY.items()}
+NUMPY = ("?", "u1", "i1", "i2", "u2", "f2", None, "i4", "u4", "f4", "f8", "i8", "u8")
+TO_NUMPY = {code: np.dtype(t).newbyteorder("<") for code, t in zip(CODES, NUMPY) if t}
 FROM_NUMPY = {dt: code for code, dt in TO_NUMPY.items()}
 RANK = {code: i for i, code in enumerate(CODES)}
 
@@ -46,17 +40,13 @@ class DigestMismatch(ValueError):
 
 
 class _Hasher:
-    """sha256 fed in order on one helper thread; callers keep each buffer unchanged until hexdigest().
-
-    The queue is unbounded on purpose: buffers are views of arrays that exist anyway (no copies), so the
-    writer (or reader) runs ahead at memory speed and its fsync overlaps the hash catching up.
-    """
+    """sha256 fed in order on one helper thread; callers keep each buffer unchanged until hexdigest(). The queue
+    is unbounded on purpose: buffers are views of arrays that exist anyway (no copies), so the writer (or reader)
+    runs ahead at memory speed and its fsync overlaps the hash catching up."""
 
     def __init__(self):
-        self._h = hashlib.sha256()
+        self._h, self._pending, self.nbytes = hashlib.sha256(), deque(), 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
-        self._pending: deque = deque()
-        self.nbytes = 0
 
     def update(self, buf) -> None:
         self.nbytes += len(buf)
@@ -123,17 +113,9 @@ def encode_header(unique: dict[str, np.ndarray], metadata: dict[str, str]) -> tu
     return struct.pack("<Q", len(raw)) + raw, order
 
 
-def _write_all(fd: int, buf: memoryview) -> None:
-    while len(buf):
-        buf = buf[os.write(fd, buf):]
-
-
 def write_tensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
                   fsync: bool = True) -> dict:
-    """Write a new safetensors file at `path` (which must not exist); returns its {"size", "sha256"}.
-
-    The file is fsync'ed before returning unless fsync=False.
-    """
+    """Write a new safetensors file at `path` (which must not exist), fsynced; returns its {"size", "sha256"}."""
     unique, aliases = split_aliases(arrays)
     meta = {"format": "np", **(metadata or {}), **{k: f"ALIAS({v})" for k, v in aliases.items()}}
     bad = [k for k, v in meta.items() if not (isinstance(k, str) and isinstance(v, str))]
@@ -142,17 +124,17 @@ def write_tensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str,
     if "__metadata__" in unique:
         raise ValueError("'__metadata__' cannot name a tensor")
     head, order = encode_header(unique, meta)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = open_new(path)
     try:
         with _Hasher() as h:
             h.update(head)
-            _write_all(fd, memoryview(head))
+            write_all(fd, head)
             for name in order:
                 data = _bytes_of(unique[name])
                 for i in range(0, len(data), CHUNK):
                     chunk = data[i : i + CHUNK]
                     h.update(chunk)  # hashed on the helper thread while this one writes it
-                    _write_all(fd, chunk)
+                    write_all(fd, chunk)
             if fsync:
                 os.fsync(fd)  # while the hash catches up on its thread
             digest = h.hexdigest()
@@ -260,11 +242,9 @@ def read_tensors(path: Path, expected_sha256: str | None = None,
                  expect: dict | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Arrays (aliases resolved to one object) and the header metadata, read and hashed in one pass.
 
-    Raises DigestMismatch (a ValueError) if `expected_sha256` is given and the bytes differ, whatever
-    else is wrong with them; otherwise ValueError for a file that is not valid safetensors, or (given a
-    `layout` to `expect`) one that holds other tensors: then nothing beyond the header is allocated, and a
-    file larger than such a checkpoint can be is refused before it is read at all. A symlink, a FIFO, a
-    device, ... at `path` is refused before it is opened (pipeline.files.reading.UnreadableFile, an OSError).
+    DigestMismatch (a ValueError) if the bytes do not hash to `expected_sha256`, whatever else is wrong with
+    them; else ValueError for a file that is not safetensors or (given a `layout` to `expect`) holds other
+    tensors, refused before any is allocated (and one larger than such a file can be, before it is read).
     """
     # A checkpoint file must be a regular file in its directory, never a link out of it (nor a FIFO, ...).
     with reading.open_file(path) as f, _Hasher() as h:
@@ -273,6 +253,7 @@ def read_tensors(path: Path, expected_sha256: str | None = None,
             raise ValueError(f"{size} bytes, more than a checkpoint of this config can hold "
                              f"({expect['data_bytes']} bytes of tensors)")
         arrays: dict[str, np.ndarray] = {}
+        problem = None
         try:
             if size < 8:
                 raise _Malformed(f"{size} bytes: too short for a safetensors header")
@@ -308,12 +289,10 @@ def read_tensors(path: Path, expected_sha256: str | None = None,
             # Integrity first: hash the rest, so a damaged file is reported as damaged, not as malformed.
             while chunk := f.read(CHUNK):
                 h.update(chunk)
-            digest = h.hexdigest()
-            if expected_sha256 is not None and digest != expected_sha256:
-                raise DigestMismatch(f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}...") from None
-            raise ValueError(f"does not fit: {e}" if isinstance(e, _Misfit)
-                             else f"not a valid safetensors file: {e}") from None
+            problem = f"does not fit: {e}" if isinstance(e, _Misfit) else f"not a valid safetensors file: {e}"
         digest = h.hexdigest()
     if expected_sha256 is not None and digest != expected_sha256:
         raise DigestMismatch(f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}...")
+    if problem:
+        raise ValueError(problem)
     return resolve_aliases(arrays, metadata), metadata

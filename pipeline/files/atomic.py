@@ -1,13 +1,7 @@
-"""Writes that never follow a planted link nor leave a torn file: exclusive temporaries, fsync, rename.
-
-Every file the pipeline writes goes through here. A new file is created with O_EXCL | O_NOFOLLOW, so a
-symlink (or anything else) already sitting at its name is refused, never followed or truncated; a file that
-must change is written as a fresh hidden temporary beside it and renamed over it, which replaces a link
-itself rather than its target. Directories appear whole by the same rename. Temporaries start with
-TMP_PREFIX; every reader ignores them and the owner of a directory removes stale ones.
-"""
+"""Writes that never follow a planted link nor leave a torn file: O_EXCL temporaries, fsync, rename over."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -16,7 +10,7 @@ import stat
 import uuid
 from pathlib import Path
 
-TMP_PREFIX = ".tmp-"
+TMP_PREFIX = ".tmp-"  # every reader ignores these; a directory's owner removes stale ones
 # Failures of the machine, not of the job: one line naming the path, and what to do (exit EXIT_ERROR).
 _FULL = "free space there (or set paths.output_dir elsewhere), then re-run the same command"
 _LOCKED = "make it writable (or set paths.output_dir elsewhere), then re-run the same command"
@@ -34,7 +28,7 @@ def environment_error(e: BaseException) -> str | None:
     if not isinstance(e, OSError) or isinstance(e, UnsafePathError) or e.errno not in ENVIRONMENT:
         return None
     where = f" {e.filename}" if e.filename else ""
-    return (f"cannot write{where}: {os.strerror(e.errno)} ({errno.errorcode[e.errno]}); {ENVIRONMENT[e.errno]}")
+    return f"cannot write{where}: {os.strerror(e.errno)} ({errno.errorcode[e.errno]}); {ENVIRONMENT[e.errno]}"
 
 
 def named(e: OSError, path) -> OSError:
@@ -64,13 +58,17 @@ def temp_name(path: Path) -> Path:
     return Path(path).with_name(f"{TMP_PREFIX}{Path(path).name}-{uuid.uuid4().hex[:12]}")
 
 
+def write_all(fd: int, data) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def write_new(path: Path, data: bytes, fsync: bool = True, mode: int = 0o644) -> dict:
     """Write bytes to a new file and fsync them; returns the file's {"size", "sha256"}."""
     fd = open_new(path, mode)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        write_all(fd, data)
         if fsync:
             os.fsync(fd)
     except OSError as e:
@@ -101,13 +99,10 @@ def replace_file(path: Path, data: bytes, fsync: bool = True, mode: int = 0o644)
     try:
         entry = write_new(tmp, data, fsync, mode)
         os.replace(tmp, path)
-    except OSError as e:
-        _unlink_quietly(tmp)
-        if e.filename == str(tmp):
+    except BaseException as e:
+        remove_tree(tmp)
+        if isinstance(e, OSError) and e.filename == str(tmp):
             e.filename = str(path)  # the file the user knows, not its temporary
-        raise
-    except BaseException:
-        _unlink_quietly(tmp)
         raise
     if fsync:
         fsync_dir(path.parent)
@@ -124,8 +119,7 @@ def open_append(path: Path, mode: int = 0o644):
 
 
 def ensure_dirs(root: Path, *parts: str) -> Path:
-    """root/parts... as real directories: `root` may itself be (or sit behind) a link the user made, but
-    nothing below it may be a link or a file; returns the deepest directory."""
+    """root/parts... as real directories, the deepest returned; `root` alone may be (or sit behind) a user's link."""
     path = Path(root)
     os.makedirs(path, exist_ok=True)
     for part in parts:
@@ -139,27 +133,26 @@ def ensure_dirs(root: Path, *parts: str) -> Path:
 
 def new_temp_dir(parent: Path, name: str) -> Path:
     """An empty hidden directory beside where `name` will appear (same filesystem: the rename is atomic)."""
-    tmp = Path(parent) / f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:12]}"
+    tmp = temp_name(Path(parent) / name)
     os.mkdir(tmp)
     return tmp
 
 
 def publish_dir(tmp: Path, final: Path, replace: bool = False) -> None:
-    """Rename the complete temporary directory to `final`; with replace=True an existing directory there is
-    swapped out first (renamed to a temporary, then removed), so no reader ever sees a half-deleted one."""
+    """Rename the complete temporary directory to `final`; replace=True first renames an existing one aside
+    (then removes it), so no reader ever sees a half-deleted one."""
     fsync_dir(tmp)
+    doomed = None
     if os.path.lexists(final):
         refuse_link(final, "directory")
         if not replace:
             raise UnsafePathError(errno.EEXIST, f"{final} already exists")
         doomed = temp_name(final)
         os.rename(final, doomed)
-        os.rename(tmp, final)
-        fsync_dir(final.parent)
-        remove_tree(doomed)
-        return
     os.rename(tmp, final)
     fsync_dir(final.parent)
+    if doomed is not None:
+        remove_tree(doomed)
 
 
 def discard_dir(directory: Path) -> None:
@@ -190,7 +183,8 @@ def remove_tree(path: Path) -> None:
     if stat.S_ISDIR(st.st_mode):
         shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: never follows a link inside
     else:
-        _unlink_quietly(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def remove_temporaries(parent: Path) -> None:
@@ -204,18 +198,9 @@ def remove_temporaries(parent: Path) -> None:
             remove_tree(Path(parent) / name)
 
 
-def _unlink_quietly(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 class NewDirs:
-    """The directories among `paths` (and their missing parents) that do not exist yet; prune() removes the
-    ones that then exist and hold nothing but empty directories, deepest first, so a command that ends
-    without a result leaves no empty tree behind and never touches one that was there before. (A process
-    creating a run in the same new directory at that very moment finds it non-empty, or sees ENOENT.)"""
+    """The missing directories among `paths` (and their parents); prune() removes those that hold only empty
+    directories, deepest first: a command ending without a result leaves no empty tree, and none it did not make."""
 
     def __init__(self, *paths):
         self.missing: list[Path] = []

@@ -1,13 +1,4 @@
-"""Standard JSON (RFC 8259) in and out: non-finite floats as strings, bounded size and nesting on reading.
-
-Python's json writes NaN and Infinity bare, which is not JSON (strict parsers reject the file). Every JSON
-file the pipeline writes goes through `dumps`, which writes a non-finite float as the string "NaN",
-"Infinity" or "-Infinity" (protobuf's JSON mapping for floats); `number` reads such a value back exactly.
-Reading is strict, as a checkpoint must mean the same to every reader: `loads` refuses a duplicate key
-(Python keeps the last, other parsers the first), a number out of range (`1e999`, which Python reads as
-inf; an integer longer than Python converts), bare NaN/Infinity, nesting deeper than MAX_DEPTH; `read`
-refuses anything but a regular file and a file over a size limit before reading it (pipeline.files.reading), and names the file in its error.
-"""
+"""Standard JSON (RFC 8259) in and out: non-finite floats as strings, strict and bounded on reading."""
 from __future__ import annotations
 
 import json
@@ -17,6 +8,7 @@ from types import MappingProxyType
 from pipeline.files import reading
 
 MAX_DEPTH = 64
+# Python writes NaN bare, which is not JSON; we write protobuf's JSON mapping for floats instead.
 NON_FINITE = MappingProxyType({"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf})  # read-only
 
 
@@ -35,8 +27,7 @@ def _finite(obj):
 
 
 def number(v) -> float:
-    """A metric value as written by `dumps` (a number, or one of the NON_FINITE strings) back to a float;
-    JSONError for anything else, and for an integer too large for a float."""
+    """A metric value as `dumps` wrote it (a number or a NON_FINITE string) as a float; else JSONError."""
     if isinstance(v, str) and v in NON_FINITE:
         return NON_FINITE[v]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -49,11 +40,9 @@ def number(v) -> float:
 
 def dumps(obj, *, indent: int | None = 2, canonical: bool = False) -> bytes:
     """UTF-8 bytes of standard JSON; canonical=True is the hashing form (sorted keys, no spaces)."""
-    if canonical:
-        text = json.dumps(_finite(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        return text.encode()
-    text = json.dumps(_finite(obj), sort_keys=True, indent=indent, ensure_ascii=False, allow_nan=False)
-    return (text + "\n").encode()
+    text = json.dumps(_finite(obj), sort_keys=True, indent=None if canonical else indent, ensure_ascii=False,
+                      separators=(",", ":") if canonical else None, allow_nan=False)
+    return text.encode() if canonical else (text + "\n").encode()
 
 
 def dumps_line(obj) -> str:
@@ -103,8 +92,7 @@ def _int(text: str) -> int:
 
 
 def loads(data: bytes | str):
-    """Parse standard JSON strictly; JSONError (a ValueError, one line) for anything else: bare NaN, a
-    duplicate key, a number out of range, bad UTF-8, too deep."""
+    """Standard JSON, strictly (a checkpoint must mean the same to every reader); else a one-line JSONError."""
     try:
         obj = json.loads(data, parse_constant=_reject_constant, object_pairs_hook=_unique, parse_float=_float,
                          parse_int=_int)
@@ -119,24 +107,16 @@ def loads(data: bytes | str):
     return obj
 
 
-def read_bytes(path, limit: int) -> bytes:
-    """A regular file's bytes (pipeline.files.reading.read_bytes): a symlink, a FIFO, a device, a socket, a
-    directory or more than `limit` bytes is refused before anything is read or could block, with a
-    reading.UnreadableFile (an OSError) naming the path and the reason."""
-    return reading.read_bytes(path, limit)
-
-
 def read(path, limit: int):
     """A bounded JSON file, parsed strictly; its JSONError names the file (`<path>: duplicate key 'x' ...`)."""
     try:
-        return loads(read_bytes(path, limit))
+        return loads(reading.read_bytes(path, limit))
     except JSONError as e:
         raise JSONError(f"{path}: {e}") from None
 
 
 def flatten(tree, sep: str = ".", prefix: str = "") -> dict:
-    """Every leaf of a nested dict by its `sep`-joined path; empty dicts (and anything not a dict) are
-    leaves. Config keys for mlflow params and drift reports (`.`), state paths (`/`)."""
+    """Every leaf of a nested dict (an empty dict is one) by its `sep`-joined path."""
     if isinstance(tree, dict) and tree:
         out = {}
         for k, v in tree.items():

@@ -1,12 +1,8 @@
 """Kill points for the verifier's chaos mode: PIPELINE_CHAOS=<phase>:<k> SIGKILLs this process at the k-th point.
 
-Points sit inside training steps ("train"), inside checkpoint writes ("save") and at the start of a run's
-set-up ("setup", before its checkpoint is loaded). Unset, a point is one
-dictionary lookup. PIPELINE_CHAOS=<phase>:<k>:TERM+INT sends those signals instead of SIGKILL (a signal
-arriving in the middle of a save). PIPELINE_CHAOS_TRACE=<file> appends every point reached, to count them.
-PIPELINE_CHAOS_PACE=<seconds> sleeps that long at every training point (two per update): a run that lasts
-long enough for a test of time limits on any machine, with every number unchanged; it sleeps at the set-up
-point too (a slow load, for a test of a signal during set-up).
+Phases: "train" (inside steps), "save" (inside checkpoint writes), "setup" (before a run's checkpoint loads).
+<phase>:<k>:TERM+INT sends those signals instead; PIPELINE_CHAOS_TRACE=<file> appends every point reached;
+PIPELINE_CHAOS_PACE=<seconds> sleeps at every train and setup point (a slow run, every number unchanged).
 """
 from __future__ import annotations
 

@@ -1,17 +1,4 @@
-"""Opening a file to read: a regular file only, refused before anything can block, and bounded in size.
-
-Every file the pipeline reads that it did not just write itself is opened here (JSON via jsonio, safetensors,
-the corpus files, the user's data.path). open(2) of a FIFO blocks until a writer appears, and /dev/zero or a
-FIFO never ends; so what sits at the path is first lstat'ed (stat'ed when a symlink is deliberately
-followed) and anything but a regular file refused by name ("is a FIFO, not a regular file"), then opened
-with O_NONBLOCK (a FIFO swapped in since the stat still cannot block the open) and O_NOCTTY, fstat'ed and
-checked again (the descriptor is the truth), and only then made blocking. A size bound, where the caller
-gives one, is checked before a byte is read, and again while reading (a file that grows is refused too).
-
-Symlinks are refused (O_NOFOLLOW) unless the caller follows them on purpose: a checkpoint's or a corpus's
-files are regular files inside their directory, never links out of it; a user's `data.path` may be a link
-to their file (it is followed to a regular file, and identified by its content).
-"""
+"""Opening a file to read: a regular file only (no link unless followed on purpose), never blocking, bounded."""
 from __future__ import annotations
 
 import errno
@@ -30,12 +17,7 @@ KINDS = ((stat.S_ISDIR, "a directory", errno.EISDIR), (stat.S_ISFIFO, "a FIFO", 
 
 
 class UnreadableFile(UnsafePathError):
-    """What sits at a path the pipeline reads is not a regular file, or is bigger than the reader allows.
-
-    An UnsafePathError (so an OSError): a run refuses it as it refuses a planted link (exit 2). `strerror`
-    is the reason alone ("is a FIFO, not a regular file"), str() is "<path>: <reason>"; errno is ELOOP for
-    a symlink (as O_NOFOLLOW would say), EISDIR for a directory, EFBIG for a file over the bound, else EINVAL.
-    """
+    """Not a regular file, or over the reader's bound: refused like a planted link; str() is "<path>: <reason>"."""
 
     def __str__(self) -> str:
         return f"{self.filename}: {self.strerror}"
@@ -61,10 +43,10 @@ def _hint(bound: str | None) -> str:
 
 
 def open_file(path, limit: int | None = None, follow: bool = False, bound: str | None = None) -> BinaryIO:
-    """`path` opened for reading as an unbuffered binary file, if it is a regular file of at most `limit`
-    bytes (None: any size); else UnreadableFile, raised before anything could block. A symlink is refused
-    unless follow=True (then its target must be a regular file). `bound` names the setting that gives the
-    limit, for the message. Other OSErrors (missing, permission) pass through."""
+    """`path`, unbuffered, if a regular file of at most `limit` bytes; else UnreadableFile (`bound`: the setting).
+
+    open(2) of a FIFO blocks until a writer appears, and a FIFO or /dev/zero never ends: refused by the stat,
+    then opened O_NONBLOCK (a FIFO swapped in since cannot block) and checked again on the descriptor."""
     st = os.stat(path, follow_symlinks=follow)  # nothing opened yet: a FIFO or a device is refused unopened
     _refuse(path, st, limit, bound)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
@@ -105,9 +87,9 @@ def chunks(f: BinaryIO, path, limit: int | None = None, bound: str | None = None
         yield piece
 
 
-def read_bytes(path, limit: int, follow: bool = False) -> bytes:
+def read_bytes(path, limit: int) -> bytes:
     """A regular file's bytes, at most `limit` of them (checked before reading: a huge file costs nothing)."""
-    with open_file(path, limit, follow) as f:
+    with open_file(path, limit) as f:
         return b"".join(chunks(f, path, limit))
 
 

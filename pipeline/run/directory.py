@@ -154,7 +154,7 @@ class RunDir:
     # --- run.json
     def _read(self, path: Path, limit: int) -> bytes | None:
         try:
-            return jsonio.read_bytes(path, limit)
+            return reading.read_bytes(path, limit)
         except FileNotFoundError:
             return None
         except (OSError, jsonio.JSONError) as e:

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from pipeline.files import jsonio
+from pipeline.files import reading
 from pipeline.files.reading import UnreadableFile
 
 
@@ -38,9 +39,9 @@ def test_read_bytes_refuses_a_big_file_before_reading_it(tmp_path):
     with open(big, "wb") as f:
         f.truncate(1 << 30)  # sparse: a gigabyte that costs nothing
     with pytest.raises(UnreadableFile, match="over the 1024-byte limit"):
-        jsonio.read_bytes(big, 1024)
+        reading.read_bytes(big, 1024)
     os.symlink(big, tmp_path / "link.json")
     with pytest.raises(UnreadableFile, match="is a symlink, not a regular file"):
-        jsonio.read_bytes(tmp_path / "link.json", 1 << 31)
+        reading.read_bytes(tmp_path / "link.json", 1 << 31)
     with pytest.raises(UnreadableFile, match="is a directory, not a regular file"):
-        jsonio.read_bytes(tmp_path, 1024)
+        reading.read_bytes(tmp_path, 1024)
