@@ -83,20 +83,10 @@ def hardware() -> dict:
 
 def run_facts(config: dict, sources: dict, data_manifest_hash: str, data_spec: dict, data_facts: dict) -> dict:
     """The fields every checkpoint of a run carries, computed once; `data_facts` become each one's data.json."""
-    return {
-        DATA_FACTS: data_facts,
-        **git_info(),
-        "config": config,
-        "config_hash": config_hash(config),
-        "semantic_config_hash": semantic_hash(config, sources),
-        "sources": dict(sources),
-        "data_manifest_hash": data_manifest_hash,
-        "data_spec": dict(data_spec),
-        "seed": config["trainer"]["seed"],
-        "versions": versions(),
-        "hardware": hardware(),
-        "mlflow_run_uri": None,
-    }
+    return {DATA_FACTS: data_facts, **git_info(), "config": config, "config_hash": config_hash(config),
+            "semantic_config_hash": semantic_hash(config, sources), "sources": dict(sources),
+            "data_manifest_hash": data_manifest_hash, "data_spec": dict(data_spec), "seed": config["trainer"]["seed"],
+            "versions": versions(), "hardware": hardware(), "mlflow_run_uri": None}
 
 
 def build(facts: dict, *, step: int, epoch: int, metrics: dict, tags: list[str], lineage: dict) -> dict:

@@ -473,12 +473,10 @@ class CheckpointStore:
                     self._records[step] = record_of(read_manifest(directory))
         return [self._records[s] for s in sorted(self._records)]
 
-    def newest_valid(self, parts: Mapping | None = None, upto: int | None = None) -> tuple[Checkpoint | None, list[str]]:
+    def newest_valid(self, parts: Mapping | None = None) -> tuple[Checkpoint | None, list[str]]:
         """The newest checkpoint that verifies (and fits `parts`), and a line for each newer one skipped."""
         skipped = []
-        for step, directory in reversed(self.steps()):
-            if upto is not None and step > upto:
-                continue
+        for _, directory in reversed(self.steps()):
             try:
                 return load(directory, parts), skipped
             except CheckpointError as e:
@@ -503,8 +501,8 @@ class CheckpointStore:
         self._records[step] = record_of(manifest)
         return Checkpoint(directory, manifest, tree, fields[mf.DATA_FACTS])
 
-    def retain(self, policy: Policy, links: dict[str, Policy], upto: int) -> list[int]:
-        """Point each link at what its policy selects, then delete (and return) the steps no policy keeps.
+    def retain(self, policy: Policy, links: dict[str, Policy], upto: int) -> None:
+        """Point each link at what its policy selects, then delete the step directories no policy keeps.
 
         Steps after `upto` (the current step) are left-overs of an attempt this run fell back past: never kept.
         A link no stage declares any more (a stage removed by override) keeps its target."""
@@ -517,14 +515,11 @@ class CheckpointStore:
             if target is not None and present_links.get(name) != step_dir_name(target):
                 killpoint.point("save", f"before {name} link")
                 replace_link(self.root / name, step_dir_name(target))
-        deleted = []
         for step, directory in present_steps:
             if step not in keep:
                 killpoint.point("save", "before delete")
                 discard_dir(directory)
                 self._records.pop(step, None)
-                deleted.append(step)
-        return deleted
 
     def link_dir(self, name: str) -> Path | None:
         """The step directory a link points at, if the link exists and names one here."""

@@ -70,10 +70,8 @@ def _c_bytes(a: np.ndarray) -> np.ndarray:
     """`a` as C-contiguous little-endian, copied only when it is not already (0-d stays 0-d)."""
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
-    if not a.flags.c_contiguous:
-        # np.ascontiguousarray would turn a 0-d array into shape [1]; a C-order copy keeps the shape.
-        a = a.copy(order="C")
-    return a
+    # np.ascontiguousarray would turn a 0-d array into shape [1]; a C-order copy keeps the shape.
+    return a if a.flags.c_contiguous else a.copy(order="C")
 
 
 def _bytes_of(a: np.ndarray) -> memoryview:

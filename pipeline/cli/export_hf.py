@@ -162,7 +162,7 @@ def write_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
-        replace_file(out / name, data, mode=0o644)
+        replace_file(out / name, data)
     return out
 
 
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="data.path=FILE, paths.output_dir=DIR, hydra.searchpath=[...]")
     args = parser.parse_args(argv)
     from pipeline.files.atomic import UnsafePathError
-    from pipeline.checkpoint import CheckpointError
+    from pipeline.checkpoint.errors import CheckpointError
     from pipeline.config.errors import ConfigError
     from pipeline.run.trained import data_facts, restore_checkpoint
 

@@ -46,10 +46,10 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def open_new(path: Path, mode: int = 0o644) -> int:
+def open_new(path: Path) -> int:
     """A file descriptor on a file created now at `path`; refuses anything already there (link included)."""
     try:
-        return os.open(path, _NEW, mode)
+        return os.open(path, _NEW, 0o644)
     except FileExistsError:
         raise UnsafePathError(errno.EEXIST, f"{path} already exists; refusing to write through it") from None
 
@@ -64,13 +64,12 @@ def write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
-def write_new(path: Path, data: bytes, fsync: bool = True, mode: int = 0o644) -> dict:
+def write_new(path: Path, data: bytes) -> dict:
     """Write bytes to a new file and fsync them; returns the file's {"size", "sha256"}."""
-    fd = open_new(path, mode)
+    fd = open_new(path)
     try:
         write_all(fd, data)
-        if fsync:
-            os.fsync(fd)
+        os.fsync(fd)
     except OSError as e:
         raise named(e, path)
     finally:
@@ -91,28 +90,27 @@ def refuse_link(path: Path, what: str = "file") -> None:
         raise UnsafePathError(errno.EEXIST, f"{path} is not a regular {what}; refusing to replace it")
 
 
-def replace_file(path: Path, data: bytes, fsync: bool = True, mode: int = 0o644) -> dict:
+def replace_file(path: Path, data: bytes) -> dict:
     """Replace (or create) a regular file atomically: readers see the old bytes or the new, never a mix."""
     path = Path(path)
     refuse_link(path)
     tmp = temp_name(path)
     try:
-        entry = write_new(tmp, data, fsync, mode)
+        entry = write_new(tmp, data)
         os.replace(tmp, path)
     except BaseException as e:
         remove_tree(tmp)
         if isinstance(e, OSError) and e.filename == str(tmp):
             e.filename = str(path)  # the file the user knows, not its temporary
         raise
-    if fsync:
-        fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return entry
 
 
-def open_append(path: Path, mode: int = 0o644):
+def open_append(path: Path):
     """A text file opened for appending, created if missing; a symlink at `path` is refused, not followed."""
     refuse_link(path)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     file = os.fdopen(fd, "a", encoding="utf-8")
     file.buffer.raw.name = str(path)  # not the fd's number: a failed write names the file
     return file

@@ -6,9 +6,8 @@ import sys
 
 
 def notice(log: logging.Logger, message: str) -> None:
-    """`message` once: as an INFO record when `log` reaches a handler (a run: Hydra's console and the run's
-    log), else on stderr if it is a terminal (the tools that configure no logging, where an INFO record would
-    be dropped). Not on a pipe: there stderr carries only a refusal's one line, which scripts read."""
+    """`message` as an INFO record where `log` reaches a handler, else on stderr if a terminal: never on a pipe,
+    where stderr carries only a refusal's one line, which scripts read."""
     if log.hasHandlers():
         log.info(message)
     elif sys.stderr is not None and sys.stderr.isatty():
