@@ -65,8 +65,7 @@ def _cpu_model() -> str:
 
 def _ram_gb() -> float | None:
     try:
-        kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
-        return round(kb / 2**20, 1)
+        return round(int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) / 2**20, 1)  # kB
     except (OSError, IndexError, ValueError):
         return None
 

@@ -186,8 +186,7 @@ def weights_file(directory: Path) -> Path:
 
 def file_hashes(manifest: dict) -> dict[str, str | None]:
     """{"weights", "optim", "extra", "data": sha256} of the files a manifest (verified or as written) lists readably."""
-    files = manifest.get("files")
-    files = files if isinstance(files, dict) else {}
+    files = manifest["files"] if isinstance(manifest.get("files"), dict) else {}
     roles = {WEIGHTS: "weights", OPTIM: "optim", EXTRA: "extra", DATA: "data"}
     return {roles[n]: e.get("sha256") for n, e in files.items() if n in roles and isinstance(e, dict)}
 

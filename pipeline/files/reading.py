@@ -68,10 +68,7 @@ def open_file(path, limit: int | None = None, follow: bool = False, bound: str |
 def read_exact(f: BinaryIO, buf: memoryview) -> int:
     """Fill `buf` from `f`; the number of bytes read (fewer only at the end of the file)."""
     got = 0
-    while got < len(buf):
-        n = f.readinto(buf[got:])
-        if not n:
-            break
+    while got < len(buf) and (n := f.readinto(buf[got:])):
         got += n
     return got
 
