@@ -1,12 +1,4 @@
-"""A character-level corpus from the user's own UTF-8 text file, read in pieces (never whole, never a str).
-
-The file is read through one descriptor, piece by piece: a first pass hashes it, checks it is UTF-8 (an
-incremental decoder) and marks which code points occur (the vocabulary: sorted code points, as
-sorted(set(text)) sorts it); only if its corpus is not on disk yet, a second pass maps every character
-through a code point -> id table straight into the uint16 token array the corpus writes, and checks the
-bytes hash as before (a file changed between the passes is refused). Memory: the tokens (2 bytes a
-character) and a few pieces, whatever the file holds.
-"""
+"""A character-level corpus from the user's own UTF-8 text file, read in pieces (never whole, never a str)."""
 from __future__ import annotations
 
 import codecs
@@ -18,7 +10,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from pipeline.files import reading
-from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDataset, ensure_corpus, n_windows
+from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDataset, n_windows
 from pipeline.config.schemas import TEXT_MAX_BYTES
 
 TEXT_VERSION = 1
@@ -56,6 +48,11 @@ def _hashed(pieces: Iterable[bytes], h) -> Iterator[bytes]:
 class TextFile:
     """data.path opened and scanned once (sha256, UTF-8, vocabulary); its tokens read on demand.
 
+    One descriptor, read piece by piece: a first pass hashes it, checks it is UTF-8 (an incremental decoder)
+    and marks which code points occur (the vocabulary: sorted code points, as sorted(set(text)) sorts it);
+    tokens() is a second pass, only when the corpus is not on disk yet, mapping every character through a
+    code point -> id table straight into the uint16 token array and checking the hash again (a file changed
+    between the passes is refused). Memory: the tokens (2 bytes a character) and a few pieces.
     TextError or an OSError (reading.UnreadableFile for a FIFO, a device, a directory, ... or a file over
     `max_bytes`, refused before it is opened) naming data.path. A symlink is followed to its file."""
 
@@ -73,7 +70,7 @@ class TextFile:
                 raise TextError(f"data.path={self.path}: {len(self.code_points)} distinct characters, more than "
                                 f"the {MAX_VOCAB} allowed")
         except BaseException:
-            self.close()
+            self.f.close()
             raise
 
     @property
@@ -98,14 +95,11 @@ class TextFile:
             raise TextError(f"data.path={self.path}: changed while it was read; give it once it is complete")
         return out
 
-    def close(self) -> None:
-        self.f.close()
-
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.f.close()
 
 
 def build_text_corpus(path: Path, tokens: np.ndarray, vocab: list[str], val_fraction: float,
@@ -130,16 +124,8 @@ class TextCorpus(TokenDataset):
     made before the key existed: TEXT_MAX_BYTES).
     """
 
-    def __init__(
-        self,
-        cache_dir: str,
-        path: str,
-        val_fraction: float,
-        block_size: int,
-        ngram_order: int,
-        val_batch_size: int,
-        max_bytes: int | None,
-    ):
+    def __init__(self, cache_dir: str, path: str, val_fraction: float, block_size: int, ngram_order: int,
+                 val_batch_size: int, max_bytes: int | None):
         try:
             text = TextFile(Path(path), TEXT_MAX_BYTES if max_bytes is None else max_bytes)
         except FileNotFoundError:
@@ -147,17 +133,8 @@ class TextCorpus(TokenDataset):
         except OSError as e:
             raise TextError(f"data.path={path}: {e.strerror or e}") from None
         with text:
-            params = {
-                "generator": "text",
-                "version": TEXT_VERSION,
-                "source_sha256": text.sha256,
-                "val_fraction": float(val_fraction),
-                "block_size": int(block_size),
-                "ngram_order": int(ngram_order),
-            }
-            directory = ensure_corpus(
-                Path(cache_dir), "text", params,
-                lambda: build_text_corpus(Path(path), text.tokens(), text.vocab, params["val_fraction"],
-                                          params["block_size"]),
-            )
-        super().__init__(directory, val_batch_size=val_batch_size)
+            params = {"generator": "text", "version": TEXT_VERSION, "source_sha256": text.sha256,
+                      "val_fraction": float(val_fraction), "block_size": int(block_size),
+                      "ngram_order": int(ngram_order)}
+            super().__init__(cache_dir, "text", params, val_batch_size, lambda: build_text_corpus(
+                Path(path), text.tokens(), text.vocab, params["val_fraction"], params["block_size"]))
