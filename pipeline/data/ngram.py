@@ -121,19 +121,13 @@ def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
     the tokens alone, so a caller that drops one before asking for the next holds one level at a time."""
     for k in range(1, order + 1):
         if k == order:
-            keys, counts = _counted([_sorted_keys(tokens, k, V)])
+            held = [_sorted_keys(tokens, k, V)]
         else:
             # Continuation count: how many distinct tokens precede this k-gram.
-            ext = _distinct([_sorted_keys(tokens, k + 1, V)])  # every distinct (k+1)-gram once
-            np.remainder(ext, V**k, out=ext)  # its last k tokens
-            ext.sort()
-            held = [ext]
-            del ext
-            keys, counts = _counted(held)
-        level = _level(keys, counts, V)
-        del keys, counts
-        yield level
-        del level
+            held = [_distinct([_sorted_keys(tokens, k + 1, V)])]  # every distinct (k+1)-gram once
+            np.remainder(held[0], V**k, out=held[0])  # its last k tokens
+            held[0].sort()
+        yield _level(*_counted(held), V)  # the generator keeps no reference: the caller's drop frees it
 
 
 def fit(tokens: np.ndarray, order: int, vocab_size: int) -> KneserNey:
