@@ -19,12 +19,13 @@ def make_regression(n_rows: int, seed: int, noise: float) -> tuple[np.ndarray, n
 
 
 class Regression:
-    kind = "rows"
     """Trains on all rows; evaluates on the same rows without augmentation.
 
     Training batches get a slight gain drawn from the Python stream and Gaussian input noise from the
     noise stream, so that an unrestored RNG shows up in the trajectory (the verifier's negative control).
     """
+
+    kind = "rows"
 
     def __init__(self, n_rows: int, seed: int, noise: float, input_gain: float, input_noise: float):
         self.params = {"name": "regression", "n_rows": n_rows, "seed": seed, "noise": noise}
