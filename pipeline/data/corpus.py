@@ -109,41 +109,36 @@ def verify_corpus(directory: Path, params: dict | None = None, keep: tuple[str, 
     file's size and sha256 (each read once, bounded, never through a link); a ValueError names what is wrong."""
     directory = Path(directory)
     fix = f"delete {directory} to regenerate"
-    mpath = directory / "MANIFEST.json"
-    try:
+    path = mpath = directory / "MANIFEST.json"
+    try:  # an OSError names the file being read, `path`
         raw = reading.read_bytes(mpath, MAX_JSON)
-    except FileNotFoundError:
-        raise ValueError(f"{mpath}: missing; {fix}") from None
-    except OSError as e:
-        raise ValueError(f"{mpath}: {e.strerror or e}; {fix}") from None
-    try:
-        manifest = jsonio.loads(raw)  # strict: a duplicate key or 1e999 is refused, not read one way
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{mpath}: {e}; {fix}") from None
-    if canonical_json(manifest) != raw:
-        raise ValueError(f"{mpath}: not in canonical form (edited by hand?); {fix}")
-    if params is not None and manifest.get("params") != params:
-        raise ValueError(f"{mpath}: params differ from the requested {params}; {fix}")
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not (isinstance(files, dict) and all(isinstance(e, dict) and type(e.get("bytes")) is int
-                                            and isinstance(e.get("sha256"), str) and "/" not in fn
-                                            and fn not in ("", ".", "..") for fn, e in files.items())):
-        raise ValueError(f"{mpath}: 'files' must map file names to their bytes and sha256; {fix}")
-    kept = {"MANIFEST.json": raw} if "MANIFEST.json" in keep else {}
-    for fn, entry in files.items():
-        path = directory / fn
         try:
+            manifest = jsonio.loads(raw)  # strict: a duplicate key or 1e999 is refused, not read one way
+        except ValueError as e:
+            raise ValueError(f"{mpath}: {e}; {fix}") from None
+        if canonical_json(manifest) != raw:
+            raise ValueError(f"{mpath}: not in canonical form (edited by hand?); {fix}")
+        if params is not None and (not isinstance(manifest, dict) or manifest.get("params") != params):
+            raise ValueError(f"{mpath}: params differ from the requested {params}; {fix}")
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        if not (isinstance(files, dict) and all(isinstance(e, dict) and type(e.get("bytes")) is int
+                                                and isinstance(e.get("sha256"), str) and "/" not in fn
+                                                and fn not in ("", ".", "..") for fn, e in files.items())):
+            raise ValueError(f"{mpath}: 'files' must map file names to their bytes and sha256; {fix}")
+        kept = {"MANIFEST.json": raw} if "MANIFEST.json" in keep else {}
+        for fn, entry in files.items():
+            path = directory / fn
             size, sha256, data = _read_listed(path, entry["bytes"], keep=fn in keep)
-        except FileNotFoundError:
-            raise ValueError(f"{path}: missing; {fix}") from None
-        except OSError as e:
-            raise ValueError(f"{path}: {e.strerror or e}; {fix}") from None
-        if size != entry["bytes"]:
-            raise ValueError(f"{path}: {size} bytes but MANIFEST.json says {entry['bytes']}; {fix}")
-        if sha256 != entry["sha256"]:
-            raise ValueError(f"{path}: sha256 mismatch with MANIFEST.json; {fix}")
-        if fn in keep:
-            kept[fn] = data
+            if size != entry["bytes"]:
+                raise ValueError(f"{path}: {size} bytes but MANIFEST.json says {entry['bytes']}; {fix}")
+            if sha256 != entry["sha256"]:
+                raise ValueError(f"{path}: sha256 mismatch with MANIFEST.json; {fix}")
+            if fn in keep:
+                kept[fn] = data
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing; {fix}") from None
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}; {fix}") from None
     return manifest, kept
 
 
@@ -204,8 +199,7 @@ def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], C
             # Another writer published first; its bytes must equal ours, which verify checks.
     finally:
         remove_tree(tmp)
-    verify_corpus(final, params)
-    if reading.read_bytes(final / "MANIFEST.json", MAX_JSON) != files["MANIFEST.json"]:
+    if verify_corpus(final, params, keep=("MANIFEST.json",))[1]["MANIFEST.json"] != files["MANIFEST.json"]:
         # Same params, other bytes: the existing corpus came from another version of the generator.
         raise ValueError(
             f"{final / 'MANIFEST.json'}: differs from the one these params generate; delete {final} to regenerate"
