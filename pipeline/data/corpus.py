@@ -58,10 +58,6 @@ def val_target_positions(n_tokens: int, block_size: int) -> np.ndarray:
     return np.arange(1, n_windows(n_tokens, block_size) * block_size + 1, dtype=np.int64)
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes]:
     """Every file of the corpus directory as bytes: a pure function of the content and params."""
     V, T, order = len(content.vocab), int(params["block_size"]), int(params["ngram_order"])
@@ -81,24 +77,14 @@ def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes]:
     # Rounded so that last-ulp differences in log() between machines do not change the manifest bytes.
     ppl = round(ngram.fitted_perplexity(splits["train"], order, V, splits["val"], positions), 4)
     manifest = {
-        "format": FORMAT_VERSION,
-        "generator": name,
-        "params": params,
-        "params_hash": short_hash(params),
-        "seed": params.get("seed"),
-        "vocab_size": V,
-        "token_dtype": TOKEN_DTYPE.str,
-        "decode_join": content.join,
+        "format": FORMAT_VERSION, "generator": name, "params": params, "params_hash": short_hash(params),
+        "seed": params.get("seed"), "vocab_size": V, "token_dtype": TOKEN_DTYPE.str, "decode_join": content.join,
         "tokens": {s: int(len(t)) for s, t in splits.items()},
         "windows": {s: n_windows(len(t), T) for s, t in splits.items()},
-        "baseline": {
-            "model": "interpolated modified Kneser-Ney",
-            "ngram_order": order,
-            "val_targets": int(len(positions)),
-            "val_ppl": ppl,
-        },
+        "baseline": {"model": "interpolated modified Kneser-Ney", "ngram_order": order,
+                     "val_targets": int(len(positions)), "val_ppl": ppl},
         "stats": content.stats,
-        "files": {fn: {"sha256": _sha256(b), "bytes": len(b)} for fn, b in sorted(files.items())},
+        "files": {fn: {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)} for fn, b in sorted(files.items())},
     }
     files["MANIFEST.json"] = canonical_json(manifest)
     return files
@@ -219,7 +205,7 @@ class TokenDataset:
         self.directory = ensure_corpus(Path(cache_dir), name, params, build)
         names = ("MANIFEST.json", "vocab.json", *(f"{s}.tokens" for s in SPLITS))
         self.manifest, files = verify_corpus(self.directory, keep=names)
-        self.manifest_hash = _sha256(files["MANIFEST.json"])
+        self.manifest_hash = hashlib.sha256(files["MANIFEST.json"]).hexdigest()
         try:
             vocab = jsonio.loads(files["vocab.json"].tobytes())
         except ValueError as e:

@@ -17,15 +17,11 @@ EOS, COMMA = "<eos>", ","
 
 # Agreement is carried as the pronoun a subject stands for: it fixes person, number and gender at once.
 # subject, object, possessive, reflexive
-PRONOUNS = {
-    "I": ("I", "me", "my", "myself"),
-    "you": ("you", "you", "your", "yourself"),
-    "he": ("he", "him", "his", "himself"),
-    "she": ("she", "her", "her", "herself"),
-    "it": ("it", "it", "its", "itself"),
-    "we": ("we", "us", "our", "ourselves"),
-    "they": ("they", "them", "their", "themselves"),
-}
+PRONOUNS = {forms[0]: forms for forms in (
+    ("I", "me", "my", "myself"), ("you", "you", "your", "yourself"), ("he", "him", "his", "himself"),
+    ("she", "her", "her", "herself"), ("it", "it", "its", "itself"), ("we", "us", "our", "ourselves"),
+    ("they", "them", "their", "themselves"),
+)}
 THIRD_SINGULAR = ("he", "she", "it")
 
 # singular, plural, pronoun a singular stands for, class; each noun has one class so a string has one parse
@@ -111,10 +107,8 @@ TIME_PHRASES = {
 }
 PREPOSITIONS = ("near", "with", "behind")
 PLACE_PREPOSITIONS = ("in", "near", "behind")
-FUNCTION_WORDS = (
-    "a", "an", "that", "not", "very", "will", "be", "been", "do", "does", "did",
-    "am", "is", "are", "was", "were", "has", "have",
-)
+FUNCTION_WORDS = ("a", "an", "that", "not", "very", "will", "be", "been", "do", "does", "did", "am", "is", "are", "was",
+                  "were", "has", "have")
 
 
 def vocabulary() -> list[str]:

@@ -46,13 +46,10 @@ def _hashed(pieces: Iterable[bytes], h) -> Iterator[bytes]:
 
 
 class TextFile:
-    """data.path opened and scanned once (sha256, UTF-8, vocabulary); its tokens read on demand.
+    """data.path opened and scanned once, piece by piece: its sha256, UTF-8 (an incremental decoder), and which
+    code points occur (the vocabulary, sorted as sorted(set(text)) sorts it). tokens() is a second pass, made
+    only when the corpus is not on disk yet, hash checked again. Memory: the tokens and a few pieces.
 
-    One descriptor, read piece by piece: a first pass hashes it, checks it is UTF-8 (an incremental decoder)
-    and marks which code points occur (the vocabulary: sorted code points, as sorted(set(text)) sorts it);
-    tokens() is a second pass, only when the corpus is not on disk yet, mapping every character through a
-    code point -> id table straight into the uint16 token array and checking the hash again (a file changed
-    between the passes is refused). Memory: the tokens (2 bytes a character) and a few pieces.
     TextError or an OSError (reading.UnreadableFile for a FIFO, a device, a directory, ... or a file over
     `max_bytes`, refused before it is opened) naming data.path. A symlink is followed to its file."""
 
@@ -82,7 +79,7 @@ class TextFile:
         return reading.chunks(self.f, self.path, self.max_bytes, "data.max_bytes", size=PIECE)
 
     def tokens(self) -> np.ndarray:
-        """[N] uint16: each character's index in the vocabulary, in file order (read again, hash checked)."""
+        """[N] uint16: each character's index in the vocabulary, in file order (a file changed since is refused)."""
         table = np.zeros(N_CODE_POINTS, dtype=TOKEN_DTYPE)  # code point -> token id
         table[self.code_points] = np.arange(len(self.code_points), dtype=TOKEN_DTYPE)
         out, at, h = np.empty(self.n, dtype=TOKEN_DTYPE), 0, hashlib.sha256()
