@@ -52,15 +52,9 @@ def _run_starts(a: np.ndarray) -> np.ndarray:
     return np.flatnonzero(first)
 
 
-def _distinct(held: list[np.ndarray]) -> np.ndarray:
-    """The distinct values of the sorted array in `held` (which is emptied: the array is freed early)."""
-    values = held[0][_run_starts(held[0])]
-    held.clear()
-    return values
-
-
 def _counted(held: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct values [G], how often each occurs [G] float64) of the sorted array in `held` (emptied)."""
+    """(distinct values [G], how often each occurs [G] float64) of the sorted array in `held` (which is emptied:
+    the array is freed as soon as its distinct values are taken)."""
     a = held.pop()
     n, starts = len(a), _run_starts(a)
     values = a[starts]
@@ -124,7 +118,7 @@ def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
             held = [_sorted_keys(tokens, k, V)]
         else:
             # Continuation count: how many distinct tokens precede this k-gram.
-            held = [_distinct([_sorted_keys(tokens, k + 1, V)])]  # every distinct (k+1)-gram once
+            held = [_counted([_sorted_keys(tokens, k + 1, V)])[0]]  # every distinct (k+1)-gram once
             np.remainder(held[0], V**k, out=held[0])  # its last k tokens
             held[0].sort()
         yield _level(*_counted(held), V)  # the generator keeps no reference: the caller's drop frees it
