@@ -39,12 +39,6 @@ def _code_points(pieces: Iterable[bytes], path: Path) -> Iterator[np.ndarray]:
         offset += len(raw)
 
 
-def _hashed(pieces: Iterable[bytes], h) -> Iterator[bytes]:
-    for raw in pieces:
-        h.update(raw)
-        yield raw
-
-
 class TextFile:
     """data.path opened and scanned once, piece by piece: its sha256, UTF-8 (an incremental decoder), and which
     code points occur (the vocabulary, sorted as sorted(set(text)) sorts it). tokens() is a second pass, made
@@ -58,7 +52,7 @@ class TextFile:
         self.f = reading.open_file(self.path, self.max_bytes, follow=True, bound="data.max_bytes")
         try:
             h, seen, self.n = hashlib.sha256(), np.zeros(N_CODE_POINTS, dtype=bool), 0
-            for cps in _code_points(_hashed(self._pieces(), h), self.path):
+            for cps in _code_points(self._pieces(h), self.path):
                 seen[cps] = True
                 self.n += len(cps)
             self.sha256 = h.hexdigest()
@@ -74,16 +68,19 @@ class TextFile:
     def vocab(self) -> list[str]:
         return [chr(c) for c in self.code_points]
 
-    def _pieces(self) -> Iterator[bytes]:
+    def _pieces(self, h) -> Iterator[bytes]:
+        """The file's bytes from its start, piece by piece, each added to the hash `h` as it is read."""
         self.f.seek(0)
-        return reading.chunks(self.f, self.path, self.max_bytes, "data.max_bytes", size=PIECE)
+        for raw in reading.chunks(self.f, self.path, self.max_bytes, "data.max_bytes", size=PIECE):
+            h.update(raw)
+            yield raw
 
     def tokens(self) -> np.ndarray:
         """[N] uint16: each character's index in the vocabulary, in file order (a file changed since is refused)."""
         table = np.zeros(N_CODE_POINTS, dtype=TOKEN_DTYPE)  # code point -> token id
         table[self.code_points] = np.arange(len(self.code_points), dtype=TOKEN_DTYPE)
         out, at, h = np.empty(self.n, dtype=TOKEN_DTYPE), 0, hashlib.sha256()
-        for cps in _code_points(_hashed(self._pieces(), h), self.path):
+        for cps in _code_points(self._pieces(h), self.path):
             if at + len(cps) > self.n:
                 break
             np.take(table, cps, out=out[at : at + len(cps)])

@@ -104,8 +104,6 @@ class MiniGPT(NamedParams):
         # The output head is the token embedding itself: one ndarray, never a copy.
         return self.params[self.aliases["lm_head.weight"]]
 
-    # -- forward / backward -------------------------------------------------------------------
-
     def _forward(self, x: np.ndarray, rng: np.random.Generator | None):
         # x [B, T] int -> logits [B*T, V], caches; dropout only when rng is given
         p = self.params  # looked up on every call: optimizers and load_state_dict update these in place
@@ -166,8 +164,6 @@ class MiniGPT(NamedParams):
         dwte += dwte_head  # [V, d] tied: embedding use + head use
         g["transformer.wte.weight"] = dwte
         return {name: g[name] for name in self.params}
-
-    # -- the Model protocol -------------------------------------------------------------------
 
     def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
         x, y = np.asarray(batch.x), np.asarray(batch.y)  # [B, T] int
