@@ -187,9 +187,8 @@ def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], C
         remove_tree(tmp)
     if verify_corpus(final, params, keep=("MANIFEST.json",))[1]["MANIFEST.json"] != files["MANIFEST.json"]:
         # Same params, other bytes: the existing corpus came from another version of the generator.
-        raise ValueError(
-            f"{final / 'MANIFEST.json'}: differs from the one these params generate; delete {final} to regenerate"
-        )
+        raise ValueError(f"{final / 'MANIFEST.json'}: differs from the one these params generate; delete {final} "
+                         "to regenerate")
     return final
 
 

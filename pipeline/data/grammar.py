@@ -159,10 +159,8 @@ class _Sampler:
         return items[min(int(self.rng.random() * len(items)), len(items) - 1)]
 
     def distinct(self, items, k: int) -> list:
-        pool, out = list(items), []
-        for _ in range(k):
-            out.append(pool.pop(self.uniform(range(len(pool)))))
-        return out
+        pool = list(items)
+        return [pool.pop(self.uniform(range(len(pool)))) for _ in range(k)]
 
 
 def _adjective_class(cls: str) -> str:

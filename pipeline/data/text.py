@@ -102,10 +102,8 @@ def build_text_corpus(path: Path, tokens: np.ndarray, vocab: list[str], val_frac
     n_val = int(round(len(tokens) * val_fraction))
     train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]  # views, no copies
     if min(n_windows(len(train), block_size), n_windows(len(val), block_size)) < 1:
-        raise TextError(
-            f"data.path={path}: too short: {len(tokens)} characters leave {len(train)} train and {len(val)} val, "
-            f"each needing at least {block_size + 1}"
-        )
+        raise TextError(f"data.path={path}: too short: {len(tokens)} characters leave {len(train)} train and "
+                        f"{len(val)} val, each needing at least {block_size + 1}")
     stats = {"characters": {"train": int(len(train)), "val": int(len(val))}}
     return CorpusContent(train=train, val=val, vocab=vocab, join="", stats=stats)
 

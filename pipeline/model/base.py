@@ -12,13 +12,10 @@ class Model(Protocol):
     params: dict[str, np.ndarray]  # unique trainable arrays by canonical name, updated in place
     aliases: dict[str, str]  # tied name -> canonical name; both names are one ndarray object
 
-    def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
-        """Training forward (dropout from rng) and backward; grads keyed like params (tied grads summed)."""
-        ...
+    # Training forward (dropout from rng) and backward; grads keyed like params (tied grads summed).
+    def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]: ...
 
-    def evaluate(self, batch: Batch) -> float:
-        """Mean loss without dropout."""
-        ...
+    def evaluate(self, batch: Batch) -> float: ...  # mean loss without dropout
 
     def state_dict(self) -> dict[str, np.ndarray]: ...
 
