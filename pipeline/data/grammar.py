@@ -9,7 +9,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from pipeline.data.corpus import CorpusContent, TokenDataset, ensure_corpus
+from pipeline.data.corpus import CorpusContent, TokenDataset
 
 # Part of the hashed params: bump it whenever the grammar's output for a seed changes.
 GRAMMAR_VERSION = 1
