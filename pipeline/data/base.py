@@ -33,15 +33,11 @@ class Dataset(Protocol):
 
     def train_batch(self, ids: np.ndarray, dtype: np.dtype) -> Batch: ...
 
-    def augment(self, batch: Batch, streams) -> Batch:
-        """Training-time randomness drawn from the run's named streams (identity if none)."""
-        ...
+    def augment(self, batch: Batch, streams) -> Batch: ...  # training randomness from the run's named streams
 
     def val_batches(self, dtype: np.dtype) -> Iterator[Batch]: ...
 
-    def baseline_metrics(self) -> dict[str, float]:
-        """Fixed reference metrics for this data (e.g. val/ngram_baseline_ppl); {} if none."""
-        ...
+    def baseline_metrics(self) -> dict[str, float]: ...  # fixed reference metrics (val/ngram_baseline_ppl) or {}
 
 
 def inference_facts(dataset) -> dict:

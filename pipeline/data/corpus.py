@@ -58,10 +58,6 @@ def val_target_positions(n_tokens: int, block_size: int) -> np.ndarray:
     return np.arange(1, n_windows(n_tokens, block_size) * block_size + 1, dtype=np.int64)
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes]:
     """Every file of the corpus directory as bytes: a pure function of the content and params."""
     V, T, order = len(content.vocab), int(params["block_size"]), int(params["ngram_order"])
@@ -81,24 +77,14 @@ def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes]:
     # Rounded so that last-ulp differences in log() between machines do not change the manifest bytes.
     ppl = round(ngram.fitted_perplexity(splits["train"], order, V, splits["val"], positions), 4)
     manifest = {
-        "format": FORMAT_VERSION,
-        "generator": name,
-        "params": params,
-        "params_hash": short_hash(params),
-        "seed": params.get("seed"),
-        "vocab_size": V,
-        "token_dtype": TOKEN_DTYPE.str,
-        "decode_join": content.join,
+        "format": FORMAT_VERSION, "generator": name, "params": params, "params_hash": short_hash(params),
+        "seed": params.get("seed"), "vocab_size": V, "token_dtype": TOKEN_DTYPE.str, "decode_join": content.join,
         "tokens": {s: int(len(t)) for s, t in splits.items()},
         "windows": {s: n_windows(len(t), T) for s, t in splits.items()},
-        "baseline": {
-            "model": "interpolated modified Kneser-Ney",
-            "ngram_order": order,
-            "val_targets": int(len(positions)),
-            "val_ppl": ppl,
-        },
+        "baseline": {"model": "interpolated modified Kneser-Ney", "ngram_order": order,
+                     "val_targets": int(len(positions)), "val_ppl": ppl},
         "stats": content.stats,
-        "files": {fn: {"sha256": _sha256(b), "bytes": len(b)} for fn, b in sorted(files.items())},
+        "files": {fn: {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)} for fn, b in sorted(files.items())},
     }
     files["MANIFEST.json"] = canonical_json(manifest)
     return files
@@ -109,58 +95,46 @@ def verify_corpus(directory: Path, params: dict | None = None, keep: tuple[str, 
     file's size and sha256 (each read once, bounded, never through a link); a ValueError names what is wrong."""
     directory = Path(directory)
     fix = f"delete {directory} to regenerate"
-    mpath = directory / "MANIFEST.json"
-    try:
+    path = mpath = directory / "MANIFEST.json"
+    try:  # an OSError names the file being read, `path`
         raw = reading.read_bytes(mpath, MAX_JSON)
-    except FileNotFoundError:
-        raise ValueError(f"{mpath}: missing; {fix}") from None
-    except OSError as e:
-        raise ValueError(f"{mpath}: {e.strerror or e}; {fix}") from None
-    try:
-        manifest = jsonio.loads(raw)  # strict: a duplicate key or 1e999 is refused, not read one way
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{mpath}: {e}; {fix}") from None
-    if canonical_json(manifest) != raw:
-        raise ValueError(f"{mpath}: not in canonical form (edited by hand?); {fix}")
-    if params is not None and manifest.get("params") != params:
-        raise ValueError(f"{mpath}: params differ from the requested {params}; {fix}")
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not (isinstance(files, dict) and all(isinstance(e, dict) and type(e.get("bytes")) is int
-                                            and isinstance(e.get("sha256"), str) and "/" not in fn
-                                            and fn not in ("", ".", "..") for fn, e in files.items())):
-        raise ValueError(f"{mpath}: 'files' must map file names to their bytes and sha256; {fix}")
-    kept = {"MANIFEST.json": raw} if "MANIFEST.json" in keep else {}
-    for fn, entry in files.items():
-        path = directory / fn
         try:
-            data = _read_listed(path, entry["bytes"], keep=fn in keep)
-        except FileNotFoundError:
-            raise ValueError(f"{path}: missing; {fix}") from None
-        except OSError as e:
-            raise ValueError(f"{path}: {e.strerror or e}; {fix}") from None
-        if data.size != entry["bytes"]:
-            raise ValueError(f"{path}: {data.size} bytes but MANIFEST.json says {entry['bytes']}; {fix}")
-        if data.sha256 != entry["sha256"]:
-            raise ValueError(f"{path}: sha256 mismatch with MANIFEST.json; {fix}")
-        if fn in keep:
-            kept[fn] = data.buffer
+            manifest = jsonio.loads(raw)  # strict: a duplicate key or 1e999 is refused, not read one way
+        except ValueError as e:
+            raise ValueError(f"{mpath}: {e}; {fix}") from None
+        if canonical_json(manifest) != raw:
+            raise ValueError(f"{mpath}: not in canonical form (edited by hand?); {fix}")
+        if params is not None and (not isinstance(manifest, dict) or manifest.get("params") != params):
+            raise ValueError(f"{mpath}: params differ from the requested {params}; {fix}")
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        if not (isinstance(files, dict) and all(isinstance(e, dict) and type(e.get("bytes")) is int
+                                                and isinstance(e.get("sha256"), str) and "/" not in fn
+                                                and fn not in ("", ".", "..") for fn, e in files.items())):
+            raise ValueError(f"{mpath}: 'files' must map file names to their bytes and sha256; {fix}")
+        kept = {"MANIFEST.json": raw} if "MANIFEST.json" in keep else {}
+        for fn, entry in files.items():
+            path = directory / fn
+            size, sha256, data = _read_listed(path, entry["bytes"], keep=fn in keep)
+            if size != entry["bytes"]:
+                raise ValueError(f"{path}: {size} bytes but MANIFEST.json says {entry['bytes']}; {fix}")
+            if sha256 != entry["sha256"]:
+                raise ValueError(f"{path}: sha256 mismatch with MANIFEST.json; {fix}")
+            if fn in keep:
+                kept[fn] = data
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing; {fix}") from None
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}; {fix}") from None
     return manifest, kept
 
 
-@dataclass
-class _Listed:
-    size: int
-    sha256: str | None = None
-    buffer: np.ndarray | None = None  # [size] uint8, when kept
-
-
-def _read_listed(path: Path, listed: int, keep: bool) -> _Listed:
-    """A corpus file's size, and (if that is the listed size) its sha256 and, if kept, its bytes: read in
-    pieces into one buffer, which is then all the memory it costs."""
+def _read_listed(path: Path, listed: int, keep: bool) -> tuple[int, str | None, np.ndarray | None]:
+    """(a corpus file's size, and if that is the listed size its sha256 and, if kept, its bytes [size] uint8):
+    read in pieces into one buffer, which is then all the memory it costs."""
     with reading.open_file(path, MAX_FILE) as f:
         size = os.fstat(f.fileno()).st_size
         if size != listed:
-            return _Listed(size)
+            return size, None, None
         h = hashlib.sha256()
         buffer = np.empty(size if keep else min(size, reading.CHUNK), dtype=np.uint8)  # kept whole, or a piece
         at = 0
@@ -170,10 +144,10 @@ def _read_listed(path: Path, listed: int, keep: bool) -> _Listed:
             h.update(piece[:n])
             at += n
             if n < len(piece):
-                return _Listed(at)  # it shrank while being read
+                return at, None, None  # it shrank while being read
         if f.read(1):
-            return _Listed(size + 1)  # it grew while being read
-    return _Listed(size, h.hexdigest(), buffer if keep else None)
+            return size + 1, None, None  # it grew while being read
+    return size, h.hexdigest(), buffer if keep else None
 
 
 def _clean_stale_temps(parent: Path) -> None:
@@ -211,12 +185,10 @@ def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], C
             # Another writer published first; its bytes must equal ours, which verify checks.
     finally:
         remove_tree(tmp)
-    verify_corpus(final, params)
-    if reading.read_bytes(final / "MANIFEST.json", MAX_JSON) != files["MANIFEST.json"]:
+    if verify_corpus(final, params, keep=("MANIFEST.json",))[1]["MANIFEST.json"] != files["MANIFEST.json"]:
         # Same params, other bytes: the existing corpus came from another version of the generator.
-        raise ValueError(
-            f"{final / 'MANIFEST.json'}: differs from the one these params generate; delete {final} to regenerate"
-        )
+        raise ValueError(f"{final / 'MANIFEST.json'}: differs from the one these params generate; delete {final} "
+                         "to regenerate")
     return final
 
 
@@ -226,11 +198,13 @@ class TokenDataset:
     kind = "tokens"
     specials: dict[str, str] = {}  # role -> token of the vocabulary ({"eos": "<eos>"}): what a tool starts from
 
-    def __init__(self, directory: Path, val_batch_size: int):
-        self.directory = Path(directory)
+    def __init__(self, cache_dir: str, name: str, params: dict, val_batch_size: int,
+                 build: Callable[[], CorpusContent]):
+        # <cache_dir>/<name>-<hash of params>/, generated by `build` if absent, then opened
+        self.directory = ensure_corpus(Path(cache_dir), name, params, build)
         names = ("MANIFEST.json", "vocab.json", *(f"{s}.tokens" for s in SPLITS))
         self.manifest, files = verify_corpus(self.directory, keep=names)
-        self.manifest_hash = _sha256(files["MANIFEST.json"])
+        self.manifest_hash = hashlib.sha256(files["MANIFEST.json"]).hexdigest()
         try:
             vocab = jsonio.loads(files["vocab.json"].tobytes())
         except ValueError as e:

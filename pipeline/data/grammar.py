@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
-from pathlib import Path
 
 import numpy as np
 
-from pipeline.data.corpus import CorpusContent, TokenDataset, ensure_corpus
+from pipeline.data.corpus import CorpusContent, TokenDataset
 
 # Part of the hashed params: bump it whenever the grammar's output for a seed changes.
 GRAMMAR_VERSION = 1
@@ -19,15 +17,11 @@ EOS, COMMA = "<eos>", ","
 
 # Agreement is carried as the pronoun a subject stands for: it fixes person, number and gender at once.
 # subject, object, possessive, reflexive
-PRONOUNS = {
-    "I": ("I", "me", "my", "myself"),
-    "you": ("you", "you", "your", "yourself"),
-    "he": ("he", "him", "his", "himself"),
-    "she": ("she", "her", "her", "herself"),
-    "it": ("it", "it", "its", "itself"),
-    "we": ("we", "us", "our", "ourselves"),
-    "they": ("they", "them", "their", "themselves"),
-}
+PRONOUNS = {forms[0]: forms for forms in (
+    ("I", "me", "my", "myself"), ("you", "you", "your", "yourself"), ("he", "him", "his", "himself"),
+    ("she", "her", "her", "herself"), ("it", "it", "its", "itself"), ("we", "us", "our", "ourselves"),
+    ("they", "them", "their", "themselves"),
+)}
 THIRD_SINGULAR = ("he", "she", "it")
 
 # singular, plural, pronoun a singular stands for, class; each noun has one class so a string has one parse
@@ -79,12 +73,9 @@ class Verb:
 
 
 VERBS = (
-    Verb("run", "runs", "ran", "running", "run"),
-    Verb("sleep", "sleeps", "slept", "sleeping", "slept"),
-    Verb("sing", "sings", "sang", "singing", "sung"),
-    Verb("laugh", "laughs", "laughed", "laughing", "laughed"),
-    Verb("swim", "swims", "swam", "swimming", "swum"),
-    Verb("walk", "walks", "walked", "walking", "walked"),
+    Verb("run", "runs", "ran", "running", "run"), Verb("sleep", "sleeps", "slept", "sleeping", "slept"),
+    Verb("sing", "sings", "sang", "singing", "sung"), Verb("laugh", "laughs", "laughed", "laughing", "laughed"),
+    Verb("swim", "swims", "swam", "swimming", "swum"), Verb("walk", "walks", "walked", "walking", "walked"),
     Verb("jump", "jumps", "jumped", "jumping", "jumped"),
     Verb("eat", "eats", "ate", "eating", "eaten", ("food",)),
     Verb("cook", "cooks", "cooked", "cooking", "cooked", ("food",)),
@@ -116,29 +107,18 @@ TIME_PHRASES = {
 }
 PREPOSITIONS = ("near", "with", "behind")
 PLACE_PREPOSITIONS = ("in", "near", "behind")
-FUNCTION_WORDS = (
-    "a", "an", "that", "not", "very", "will", "be", "been", "do", "does", "did",
-    "am", "is", "are", "was", "were", "has", "have",
-)
+FUNCTION_WORDS = ("a", "an", "that", "not", "very", "will", "be", "been", "do", "does", "did", "am", "is", "are", "was",
+                  "were", "has", "have")
 
 
 def vocabulary() -> list[str]:
     """Every word the grammar can emit, fixed by the lexicon (not by a sample), specials first."""
-    words = set(FUNCTION_WORDS) | set(PLACES) | set(PREPOSITIONS) | set(PLACE_PREPOSITIONS)
-    for forms in PRONOUNS.values():
-        words |= set(forms)
-    for sg, pl, _, _ in NOUNS:
-        words |= {sg, pl}
-    for table in (ATTRIBUTIVE, PREDICATIVE):
-        for adjs in table.values():
-            words |= set(adjs)
-    for dets in DETERMINERS.values():
-        words |= {d for d, _ in dets}
-    for v in VERBS:
-        words |= {v.base, v.s, v.past, v.ing, v.pp}
-    for phrases in TIME_PHRASES.values():
-        for p in phrases:
-            words |= set(p)
+    words = {*FUNCTION_WORDS, *PLACES, *PREPOSITIONS, *PLACE_PREPOSITIONS, *(w for n in NOUNS for w in n[:2])}
+    words |= {w for forms in PRONOUNS.values() for w in forms}
+    words |= {w for table in (ATTRIBUTIVE, PREDICATIVE) for adjs in table.values() for w in adjs}
+    words |= {d for dets in DETERMINERS.values() for d, _ in dets}
+    words |= {w for v in VERBS for w in (v.base, v.s, v.past, v.ing, v.pp)}
+    words |= {w for phrases in TIME_PHRASES.values() for p in phrases for w in p}
     return [EOS, COMMA, *sorted(words)]
 
 
@@ -179,10 +159,8 @@ class _Sampler:
         return items[min(int(self.rng.random() * len(items)), len(items) - 1)]
 
     def distinct(self, items, k: int) -> list:
-        pool, out = list(items), []
-        for _ in range(k):
-            out.append(pool.pop(self.uniform(range(len(pool)))))
-        return out
+        pool = list(items)
+        return [pool.pop(self.uniform(range(len(pool)))) for _ in range(k)]
 
 
 def _adjective_class(cls: str) -> str:
@@ -381,35 +359,10 @@ class GrammarCorpus(TokenDataset):
 
     specials = {"eos": EOS}  # every sentence ends with it: an empty prompt starts after one
 
-    def __init__(
-        self,
-        cache_dir: str,
-        seed: int,
-        n_sentences: int,
-        val_fraction: float,
-        block_size: int,
-        ngram_order: int,
-        val_batch_size: int,
-    ):
-        params = {
-            "generator": "grammar",
-            "version": GRAMMAR_VERSION,
-            "seed": int(seed),
-            "n_sentences": int(n_sentences),
-            "val_fraction": float(val_fraction),
-            "block_size": int(block_size),
-            "ngram_order": int(ngram_order),
-        }
-        directory = ensure_corpus(
-            Path(cache_dir), "grammar", params,
-            lambda: build_grammar_corpus(params["seed"], params["n_sentences"], params["val_fraction"]),
-        )
-        super().__init__(directory, val_batch_size=val_batch_size)
-
-
-if __name__ == "__main__":  # quick look: python -m pipeline.data.grammar
-    t0 = time.perf_counter()
-    sents, metas, _ = generate(0, 10)
-    for w, m in zip(sents, metas):
-        print(" ".join(w), "|", m)
-    print(f"{time.perf_counter() - t0:.3f}s, vocab {len(vocabulary())}")
+    def __init__(self, cache_dir: str, seed: int, n_sentences: int, val_fraction: float, block_size: int,
+                 ngram_order: int, val_batch_size: int):
+        params = {"generator": "grammar", "version": GRAMMAR_VERSION, "seed": int(seed),
+                  "n_sentences": int(n_sentences), "val_fraction": float(val_fraction), "block_size": int(block_size),
+                  "ngram_order": int(ngram_order)}
+        super().__init__(cache_dir, "grammar", params, val_batch_size,
+                         lambda: build_grammar_corpus(params["seed"], params["n_sentences"], params["val_fraction"]))

@@ -52,15 +52,9 @@ def _run_starts(a: np.ndarray) -> np.ndarray:
     return np.flatnonzero(first)
 
 
-def _distinct(held: list[np.ndarray]) -> np.ndarray:
-    """The distinct values of the sorted array in `held` (which is emptied: the array is freed early)."""
-    values = held[0][_run_starts(held[0])]
-    held.clear()
-    return values
-
-
 def _counted(held: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct values [G], how often each occurs [G] float64) of the sorted array in `held` (emptied)."""
+    """(distinct values [G], how often each occurs [G] float64) of the sorted array in `held` (which is emptied:
+    the array is freed as soon as its distinct values are taken)."""
     a = held.pop()
     n, starts = len(a), _run_starts(a)
     values = a[starts]
@@ -121,19 +115,13 @@ def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
     the tokens alone, so a caller that drops one before asking for the next holds one level at a time."""
     for k in range(1, order + 1):
         if k == order:
-            keys, counts = _counted([_sorted_keys(tokens, k, V)])
+            held = [_sorted_keys(tokens, k, V)]
         else:
             # Continuation count: how many distinct tokens precede this k-gram.
-            ext = _distinct([_sorted_keys(tokens, k + 1, V)])  # every distinct (k+1)-gram once
-            np.remainder(ext, V**k, out=ext)  # its last k tokens
-            ext.sort()
-            held = [ext]
-            del ext
-            keys, counts = _counted(held)
-        level = _level(keys, counts, V)
-        del keys, counts
-        yield level
-        del level
+            held = [_counted([_sorted_keys(tokens, k + 1, V)])[0]]  # every distinct (k+1)-gram once
+            np.remainder(held[0], V**k, out=held[0])  # its last k tokens
+            held[0].sort()
+        yield _level(*_counted(held), V)  # the generator keeps no reference: the caller's drop frees it
 
 
 def fit(tokens: np.ndarray, order: int, vocab_size: int) -> KneserNey:
@@ -191,39 +179,41 @@ def distribution(model: KneserNey, history) -> np.ndarray:
     return prob(model, np.broadcast_to(h, (V, n)), np.arange(V))
 
 
+PIECE = 1 << 20  # positions scored at a time
+
+
 def _history(tokens: np.ndarray, positions: np.ndarray, n: int) -> np.ndarray:
     """[N, n] int64: the n tokens before each position in the stream, oldest first, -1 before its start."""
     offsets = positions[:, None] - np.arange(n, 0, -1)[None, :]  # [N, n]
     return np.where(offsets >= 0, tokens[np.maximum(offsets, 0)].astype(np.int64), -1)
 
 
+def _raised(levels, V: int, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """p(tokens[i] | the tokens before i) [N] for i in positions, raised one order (`levels`: 1, 2, ...) at a time
+    over PIECE positions at a time: a caller handing the levels one by one holds one level and one piece."""
+    positions = np.asarray(positions, dtype=np.int64)  # [N]
+    p = np.full(len(positions), 1.0 / V)
+    for k, level in enumerate(levels, start=1):
+        for a in range(0, len(positions), PIECE):
+            at = positions[a : a + PIECE]
+            history = _history(tokens, at, k - 1)
+            p[a : a + PIECE] = _mixed(level, k, V, history, tokens[at].astype(np.int64), p[a : a + PIECE])
+        del level
+    return p
+
+
 def stream_log_probs(model: KneserNey, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """log p(tokens[i] | the up to order-1 tokens before i in the same stream) for each i in positions."""
-    positions = np.asarray(positions, dtype=np.int64)  # [N]
-    history = _history(np.asarray(tokens), positions, model.order - 1)
-    return np.log(prob(model, history, np.asarray(tokens)[positions]))
+    return np.log(_raised(model.levels, model.vocab_size, np.asarray(tokens), positions))
 
 
 def perplexity(model: KneserNey, tokens: np.ndarray, positions: np.ndarray) -> float:
     return float(np.exp(-np.mean(stream_log_probs(model, tokens, positions))))
 
 
-PIECE = 1 << 20  # positions scored at a time by fitted_perplexity
-
-
 def fitted_perplexity(train: np.ndarray, order: int, vocab_size: int, tokens: np.ndarray,
                       positions: np.ndarray) -> float:
-    """perplexity(fit(train, order, vocab_size), tokens, positions), to the last bit, holding one level of
-    the model at a time and the history of PIECE positions: every position's probability is raised one
-    order at a time by the same elementwise arithmetic prob() does, and the mean taken over the same array."""
+    """perplexity(fit(train, order, vocab_size), tokens, positions), to the last bit, one level at a time."""
     V = int(vocab_size)
     _check(train, order, V)
-    positions = np.asarray(positions, dtype=np.int64)  # [N]
-    p = np.full(len(positions), 1.0 / V)
-    for k, level in enumerate(_levels(np.asarray(train), order, V), start=1):
-        for a in range(0, len(positions), PIECE):
-            at = positions[a : a + PIECE]
-            history = _history(tokens, at, order - 1)
-            p[a : a + PIECE] = _mixed(level, k, V, history, tokens[at].astype(np.int64), p[a : a + PIECE])
-        del level
-    return float(np.exp(-np.mean(np.log(p))))
+    return float(np.exp(-np.mean(np.log(_raised(_levels(np.asarray(train), order, V), V, tokens, positions)))))

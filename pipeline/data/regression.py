@@ -10,25 +10,22 @@ import numpy as np
 from pipeline.data.base import Batch, DataSpec
 
 
-def make_regression(n_rows: int, seed: int, noise: float) -> tuple[np.ndarray, np.ndarray]:
-    # A pure function of its arguments: a local generator, not one of the run's streams.
-    g = np.random.default_rng(seed)
-    x = g.uniform(-1.0, 1.0, size=(n_rows, 2))  # [N, 2]
-    y = np.sin(2.0 * x[:, :1]) + 0.5 * x[:, 1:] ** 2 - 0.3 * x[:, :1] * x[:, 1:]  # [N, 1]
-    return x, y + noise * g.normal(size=y.shape)
-
-
 class Regression:
-    kind = "rows"
     """Trains on all rows; evaluates on the same rows without augmentation.
 
     Training batches get a slight gain drawn from the Python stream and Gaussian input noise from the
     noise stream, so that an unrestored RNG shows up in the trajectory (the verifier's negative control).
     """
 
+    kind = "rows"
+
     def __init__(self, n_rows: int, seed: int, noise: float, input_gain: float, input_noise: float):
         self.params = {"name": "regression", "n_rows": n_rows, "seed": seed, "noise": noise}
-        self.x, self.y = make_regression(n_rows, seed, noise)
+        # A pure function of the params: a local generator, not one of the run's streams.
+        g = np.random.default_rng(seed)
+        x = g.uniform(-1.0, 1.0, size=(n_rows, 2))  # [N, 2]
+        y = np.sin(2.0 * x[:, :1]) + 0.5 * x[:, 1:] ** 2 - 0.3 * x[:, :1] * x[:, 1:]  # [N, 1]
+        self.x, self.y = x, y + noise * g.normal(size=y.shape)
         self.input_gain, self.input_noise = float(input_gain), float(input_noise)
         self.spec = DataSpec(n_features=2, n_targets=1)
         self.n_train = n_rows

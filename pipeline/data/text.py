@@ -1,12 +1,4 @@
-"""A character-level corpus from the user's own UTF-8 text file, read in pieces (never whole, never a str).
-
-The file is read through one descriptor, piece by piece: a first pass hashes it, checks it is UTF-8 (an
-incremental decoder) and marks which code points occur (the vocabulary: sorted code points, as
-sorted(set(text)) sorts it); only if its corpus is not on disk yet, a second pass maps every character
-through a code point -> id table straight into the uint16 token array the corpus writes, and checks the
-bytes hash as before (a file changed between the passes is refused). Memory: the tokens (2 bytes a
-character) and a few pieces, whatever the file holds.
-"""
+"""A character-level corpus from the user's own UTF-8 text file, read in pieces (never whole, never a str)."""
 from __future__ import annotations
 
 import codecs
@@ -18,7 +10,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from pipeline.files import reading
-from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDataset, ensure_corpus, n_windows
+from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDataset, n_windows
 from pipeline.config.schemas import TEXT_MAX_BYTES
 
 TEXT_VERSION = 1
@@ -47,14 +39,10 @@ def _code_points(pieces: Iterable[bytes], path: Path) -> Iterator[np.ndarray]:
         offset += len(raw)
 
 
-def _hashed(pieces: Iterable[bytes], h) -> Iterator[bytes]:
-    for raw in pieces:
-        h.update(raw)
-        yield raw
-
-
 class TextFile:
-    """data.path opened and scanned once (sha256, UTF-8, vocabulary); its tokens read on demand.
+    """data.path opened and scanned once, piece by piece: its sha256, UTF-8 (an incremental decoder), and which
+    code points occur (the vocabulary, sorted as sorted(set(text)) sorts it). tokens() is a second pass, made
+    only when the corpus is not on disk yet, hash checked again. Memory: the tokens and a few pieces.
 
     TextError or an OSError (reading.UnreadableFile for a FIFO, a device, a directory, ... or a file over
     `max_bytes`, refused before it is opened) naming data.path. A symlink is followed to its file."""
@@ -64,7 +52,7 @@ class TextFile:
         self.f = reading.open_file(self.path, self.max_bytes, follow=True, bound="data.max_bytes")
         try:
             h, seen, self.n = hashlib.sha256(), np.zeros(N_CODE_POINTS, dtype=bool), 0
-            for cps in _code_points(_hashed(self._pieces(), h), self.path):
+            for cps in _code_points(self._pieces(h), self.path):
                 seen[cps] = True
                 self.n += len(cps)
             self.sha256 = h.hexdigest()
@@ -73,23 +61,26 @@ class TextFile:
                 raise TextError(f"data.path={self.path}: {len(self.code_points)} distinct characters, more than "
                                 f"the {MAX_VOCAB} allowed")
         except BaseException:
-            self.close()
+            self.f.close()
             raise
 
     @property
     def vocab(self) -> list[str]:
         return [chr(c) for c in self.code_points]
 
-    def _pieces(self) -> Iterator[bytes]:
+    def _pieces(self, h) -> Iterator[bytes]:
+        """The file's bytes from its start, piece by piece, each added to the hash `h` as it is read."""
         self.f.seek(0)
-        return reading.chunks(self.f, self.path, self.max_bytes, "data.max_bytes", size=PIECE)
+        for raw in reading.chunks(self.f, self.path, self.max_bytes, "data.max_bytes", size=PIECE):
+            h.update(raw)
+            yield raw
 
     def tokens(self) -> np.ndarray:
-        """[N] uint16: each character's index in the vocabulary, in file order (read again, hash checked)."""
+        """[N] uint16: each character's index in the vocabulary, in file order (a file changed since is refused)."""
         table = np.zeros(N_CODE_POINTS, dtype=TOKEN_DTYPE)  # code point -> token id
         table[self.code_points] = np.arange(len(self.code_points), dtype=TOKEN_DTYPE)
         out, at, h = np.empty(self.n, dtype=TOKEN_DTYPE), 0, hashlib.sha256()
-        for cps in _code_points(_hashed(self._pieces(), h), self.path):
+        for cps in _code_points(self._pieces(h), self.path):
             if at + len(cps) > self.n:
                 break
             np.take(table, cps, out=out[at : at + len(cps)])
@@ -98,14 +89,11 @@ class TextFile:
             raise TextError(f"data.path={self.path}: changed while it was read; give it once it is complete")
         return out
 
-    def close(self) -> None:
-        self.f.close()
-
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.f.close()
 
 
 def build_text_corpus(path: Path, tokens: np.ndarray, vocab: list[str], val_fraction: float,
@@ -114,10 +102,8 @@ def build_text_corpus(path: Path, tokens: np.ndarray, vocab: list[str], val_frac
     n_val = int(round(len(tokens) * val_fraction))
     train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]  # views, no copies
     if min(n_windows(len(train), block_size), n_windows(len(val), block_size)) < 1:
-        raise TextError(
-            f"data.path={path}: too short: {len(tokens)} characters leave {len(train)} train and {len(val)} val, "
-            f"each needing at least {block_size + 1}"
-        )
+        raise TextError(f"data.path={path}: too short: {len(tokens)} characters leave {len(train)} train and "
+                        f"{len(val)} val, each needing at least {block_size + 1}")
     stats = {"characters": {"train": int(len(train)), "val": int(len(val))}}
     return CorpusContent(train=train, val=val, vocab=vocab, join="", stats=stats)
 
@@ -130,16 +116,8 @@ class TextCorpus(TokenDataset):
     made before the key existed: TEXT_MAX_BYTES).
     """
 
-    def __init__(
-        self,
-        cache_dir: str,
-        path: str,
-        val_fraction: float,
-        block_size: int,
-        ngram_order: int,
-        val_batch_size: int,
-        max_bytes: int | None,
-    ):
+    def __init__(self, cache_dir: str, path: str, val_fraction: float, block_size: int, ngram_order: int,
+                 val_batch_size: int, max_bytes: int | None):
         try:
             text = TextFile(Path(path), TEXT_MAX_BYTES if max_bytes is None else max_bytes)
         except FileNotFoundError:
@@ -147,17 +125,8 @@ class TextCorpus(TokenDataset):
         except OSError as e:
             raise TextError(f"data.path={path}: {e.strerror or e}") from None
         with text:
-            params = {
-                "generator": "text",
-                "version": TEXT_VERSION,
-                "source_sha256": text.sha256,
-                "val_fraction": float(val_fraction),
-                "block_size": int(block_size),
-                "ngram_order": int(ngram_order),
-            }
-            directory = ensure_corpus(
-                Path(cache_dir), "text", params,
-                lambda: build_text_corpus(Path(path), text.tokens(), text.vocab, params["val_fraction"],
-                                          params["block_size"]),
-            )
-        super().__init__(directory, val_batch_size=val_batch_size)
+            params = {"generator": "text", "version": TEXT_VERSION, "source_sha256": text.sha256,
+                      "val_fraction": float(val_fraction), "block_size": int(block_size),
+                      "ngram_order": int(ngram_order)}
+            super().__init__(cache_dir, "text", params, val_batch_size, lambda: build_text_corpus(
+                Path(path), text.tokens(), text.vocab, params["val_fraction"], params["block_size"]))

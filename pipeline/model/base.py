@@ -12,13 +12,10 @@ class Model(Protocol):
     params: dict[str, np.ndarray]  # unique trainable arrays by canonical name, updated in place
     aliases: dict[str, str]  # tied name -> canonical name; both names are one ndarray object
 
-    def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
-        """Training forward (dropout from rng) and backward; grads keyed like params (tied grads summed)."""
-        ...
+    # Training forward (dropout from rng) and backward; grads keyed like params (tied grads summed).
+    def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]: ...
 
-    def evaluate(self, batch: Batch) -> float:
-        """Mean loss without dropout."""
-        ...
+    def evaluate(self, batch: Batch) -> float: ...  # mean loss without dropout
 
     def state_dict(self) -> dict[str, np.ndarray]: ...
 
@@ -63,16 +60,12 @@ def summary(params: dict[str, np.ndarray], aliases: dict[str, str] | None = None
     counts once, under its canonical name: a tied alias adds a "tied to" note, not parameters."""
     rows: dict[str, list] = {}
     for name, p in params.items():
-        group = _group(name)
-        row = rows.setdefault(group, [group, [], 0, ""])
+        row = rows.setdefault(_group(name), [_group(name), [], 0, ""])
         row[1].append(tuple(p.shape))
         row[2] += int(p.size)
     for alias, target in sorted((aliases or {}).items()):
-        group = _group(alias)
-        row = rows.setdefault(group, [group, [], 0, ""])
-        row[3] = f"{alias} tied to {target}"
-    out = [(g, s, n, note) for g, s, n, note in rows.values()]
-    return out, sum(int(p.size) for p in {id(p): p for p in params.values()}.values())
+        rows.setdefault(_group(alias), [_group(alias), [], 0, ""])[3] = f"{alias} tied to {target}"
+    return [tuple(row) for row in rows.values()], sum(int(p.size) for p in {id(p): p for p in params.values()}.values())
 
 
 def _group(name: str) -> str:

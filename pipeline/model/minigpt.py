@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
+from functools import partial
 
 import numpy as np
 
@@ -47,19 +48,9 @@ class MiniGPT(NamedParams):
 
     needs = "tokens"  # the data kind it trains on
 
-    def __init__(
-        self,
-        spec: DataSpec,
-        n_layer: int,
-        n_head: int,
-        n_embd: int,
-        block_size: int | None,
-        dropout: float,
-        attn_dropout: float | None,
-        init_std: float,
-        dtype: str,
-        rng: np.random.Generator | None,
-    ):
+    def __init__(self, spec: DataSpec, n_layer: int, n_head: int, n_embd: int, block_size: int | None,
+                 dropout: float, attn_dropout: float | None, init_std: float, dtype: str,
+                 rng: np.random.Generator | None):
         if spec.vocab_size <= 0:
             raise ValueError(f"model=minigpt needs a token dataset (e.g. data=grammar or data=text); this data "
                              f"gives feature rows ({spec.n_features} features): use model=mlp")
@@ -80,9 +71,7 @@ class MiniGPT(NamedParams):
         if self.block_size < spec.block_size:
             raise ValueError(f"model.block_size {self.block_size} is shorter than the data's sequences "
                              f"({spec.block_size} tokens)")
-        self.dropout = float(dropout)
-        self.attn_dropout = float(attn_dropout)
-        self.dtype = np.dtype(dtype)
+        self.dropout, self.attn_dropout, self.dtype = float(dropout), float(attn_dropout), np.dtype(dtype)
         self.params = self._init_params(float(init_std), rng)
         self.aliases = {"lm_head.weight": "transformer.wte.weight"}
         keep_freed_memory()
@@ -96,11 +85,7 @@ class MiniGPT(NamedParams):
         def normal(shape, s):
             return rng.normal(0.0, s, size=shape).astype(self.dtype)
 
-        def zeros(shape):
-            return np.zeros(shape, dtype=self.dtype)
-
-        def ones(shape):
-            return np.ones(shape, dtype=self.dtype)
+        zeros, ones = partial(np.zeros, dtype=self.dtype), partial(np.ones, dtype=self.dtype)
 
         p = {"transformer.wte.weight": normal((V, d), std), "transformer.wpe.weight": normal((T, d), std)}
         for i in range(self.n_layer):
@@ -118,8 +103,6 @@ class MiniGPT(NamedParams):
     def lm_head(self) -> np.ndarray:
         # The output head is the token embedding itself: one ndarray, never a copy.
         return self.params[self.aliases["lm_head.weight"]]
-
-    # -- forward / backward -------------------------------------------------------------------
 
     def _forward(self, x: np.ndarray, rng: np.random.Generator | None):
         # x [B, T] int -> logits [B*T, V], caches; dropout only when rng is given
@@ -181,8 +164,6 @@ class MiniGPT(NamedParams):
         dwte += dwte_head  # [V, d] tied: embedding use + head use
         g["transformer.wte.weight"] = dwte
         return {name: g[name] for name in self.params}
-
-    # -- the Model protocol -------------------------------------------------------------------
 
     def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
         x, y = np.asarray(batch.x), np.asarray(batch.y)  # [B, T] int

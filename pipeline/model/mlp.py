@@ -29,8 +29,6 @@ class MLP(NamedParams):
 
     needs = "rows"  # the data kind it trains on
 
-    aliases: dict[str, str] = {}
-
     def __init__(self, spec: DataSpec, hidden: list[int], activation: str, dropout: float, dtype: str,
                  rng: np.random.Generator):
         if spec.vocab_size or not (spec.n_features and spec.n_targets):

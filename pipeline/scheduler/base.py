@@ -3,10 +3,8 @@ from __future__ import annotations
 
 
 class Scheduler:
-    def __init__(self, optimizer, run_total_steps: int | None = None):
-        self.optimizer = optimizer
-        self.run_total_steps = run_total_steps  # the run's number of updates, for schedules that need it
-        self.base_lr = optimizer.lr
+    def __init__(self, optimizer):
+        self.optimizer, self.base_lr = optimizer, optimizer.lr
         self.last_epoch = 0  # updates taken so far, as torch's LRScheduler counts after construction
         self.optimizer.lr = self.lr_at(0)
 

@@ -12,7 +12,7 @@ class WarmupCosine(Scheduler):
             raise ValueError(f"scheduler needs total_steps >= 1 and warmup_steps >= 0, got {total_steps}, {warmup_steps}")
         self.total_steps, self.warmup_steps = int(total_steps), int(warmup_steps)
         self.min_lr_ratio, self.num_cycles = float(min_lr_ratio), float(num_cycles)
-        super().__init__(optimizer, run_total_steps)
+        super().__init__(optimizer)
 
     def lr_at(self, k: int) -> float:
         if k < self.warmup_steps:

@@ -142,6 +142,14 @@ def test_a_manifest_that_readers_would_read_differently_is_refused(tmp_path, sma
         corpus.verify_corpus(target)
 
 
+@pytest.mark.parametrize("params", [None, {"seed": 5}], ids=["any-params", "these-params"])
+def test_a_manifest_that_is_not_an_object_is_refused_in_one_line(tmp_path, small, params):
+    target = _copy_of(small, tmp_path)
+    (target / "MANIFEST.json").write_bytes(corpus.canonical_json([]))  # canonical JSON, but not a manifest
+    with pytest.raises(ValueError, match=r"MANIFEST\.json: .*; delete .* to regenerate"):
+        corpus.verify_corpus(target, params)
+
+
 def test_leftover_temp_dirs_are_ignored(tmp_path, small):
     params = json.loads((small.directory / "MANIFEST.json").read_bytes())["params"]
     stale = tmp_path / "data" / f".tmp-{small.directory.name}-dead"
