@@ -24,17 +24,12 @@ class UnknownTarget(ConfigError):
 
 def named(tree) -> set[str]:
     """Every string `_target_` anywhere in a tree of dicts and lists (interpolations left out: never allowed)."""
-    out: set[str] = set()
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            if k == "_target_" and isinstance(v, str) and "${" not in v:
-                out.add(v)
-            else:
-                out |= named(v)
-    elif isinstance(tree, list):
-        for v in tree:
-            out |= named(v)
-    return out
+    if isinstance(tree, list):
+        return set().union(*map(named, tree))
+    if not isinstance(tree, dict):
+        return set()
+    return set().union(*({v} if k == "_target_" and isinstance(v, str) and "${" not in v else named(v)
+                         for k, v in tree.items()))
 
 
 @lru_cache(maxsize=None)
@@ -49,8 +44,7 @@ def shipped() -> frozenset[str]:
 
 
 def searched(searchpath: tuple[str, ...]) -> set[str]:
-    """The targets every config file of these search-path entries names (file://DIR, pkg://PACKAGE or DIR),
-    listed and read by Hydra's own config sources, as composing with `hydra.searchpath=[...]` would find them."""
+    """The targets the config files of these search-path entries name, read by Hydra's own config sources."""
     from hydra._internal.config_repository import ConfigRepository
     from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
     from hydra._internal.core_plugins.file_config_source import FileConfigSource
@@ -111,17 +105,15 @@ def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], 
 
 @lru_cache(maxsize=None)
 def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
-    """What the pipeline's configs name, and the user's current configuration: the config files of its
-    `hydra.searchpath` and any `_target_` given on the command line. Nothing is imported to decide but the
-    packages the user's own `pkg://` entries name (Hydra imports them to list their files)."""
+    """What the pipeline's configs, the user's `hydra.searchpath` and the command line name. Nothing is imported to
+    decide but the packages the user's own `pkg://` entries name (Hydra imports them to list their files)."""
     searchpath, own = _searchpath_and_named(overrides)
     return shipped() | frozenset(searched(searchpath)) | frozenset(own)
 
 
 def check(tree, allowed_targets: frozenset[str], path: str = "config") -> None:
-    """UnknownTarget (one line naming the key and the target) for a `_target_` that is not a string or not
-    allowed, for a class of the pipeline's own packages out of its place (PLACES: a corpus where a stage is
-    built), or for any interpolation (`${...}`, resolved when a node is built: it could name anything)."""
+    """UnknownTarget (one line naming the key) for a `_target_` not a string or not allowed, a class of the
+    pipeline's own packages out of its PLACE, or any interpolation (resolved when built, it could name anything)."""
     if isinstance(tree, dict):
         if "_target_" in tree:
             target, where = tree["_target_"], f"{path}._target_"

@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 
 from pipeline.files import killpoint
+from pipeline.trainer.parallel import owned
 from pipeline.trainer.state import TrainState
 
 # Record keys that are not metrics: the verifier compares `ids`; `step_time` is wall time (never saved).
@@ -51,15 +52,6 @@ def epochs_done(state: TrainState) -> int:
     return state.iterator.epoch + int(end_of_epoch(state))
 
 
-def _owned(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The same gradients as arrays of their own, safe to add into (no view, no array under two names)."""
-    out, seen = {}, set()
-    for name, g in grads.items():
-        out[name] = g if g.flags.owndata and g.flags.writeable and id(g) not in seen else g.copy()
-        seen.add(id(out[name]))
-    return out
-
-
 def train_step(state: TrainState) -> dict:
     """One update from trainer.accumulate micro-batches; returns its record (what the verifier compares:
     ids, lr, loss).
@@ -79,7 +71,7 @@ def train_step(state: TrainState) -> dict:
         ids.append(batch_ids)
         loss += piece_loss
         if grads is None:
-            grads = _owned(piece_grads)
+            grads = owned(piece_grads)
         else:
             for name, g in grads.items():
                 g += piece_grads[name]

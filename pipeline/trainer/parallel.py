@@ -1,6 +1,7 @@
 """Data-parallel shards in one process: a fixed split and a fixed-order reduction, whatever the thread count."""
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,15 @@ def split(batch: Batch, shards: int) -> list[Batch]:
     ]
 
 
+def owned(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The same gradients as arrays of their own, safe to add into (no view, no array under two names)."""
+    out, seen = {}, set()
+    for name, g in grads.items():
+        out[name] = g if g.flags.owndata and g.flags.writeable and id(g) not in seen else g.copy()
+        seen.add(id(out[name]))
+    return out
+
+
 def child_rngs(rng: np.random.Generator | None, shards: int) -> list[np.random.Generator | None]:
     """One generator per shard: `shards` uint64 seeds drawn from rng in one call, before any shard runs, so
     rng's state afterwards depends only on the shard count; child k is Generator(PCG64(seeds[k]))."""
@@ -45,21 +55,17 @@ def child_rngs(rng: np.random.Generator | None, shards: int) -> list[np.random.G
 class Shards:
     """Runs a model's loss and gradients as `shards` pieces of each batch on `threads` threads.
 
-    `shards` is semantic (part of a run's identity: it fixes the dropout draws and the summation order);
-    `threads` is not: 1, 2 or 4 threads give byte-identical losses and gradients. That holds because
-    every piece is computed by the same single-threaded code whichever thread runs it, and pieces are
-    combined in shard order once all have finished.
+    `shards` is semantic (it fixes the dropout draws and the summation order); `threads` is not: every piece
+    is computed by the same single-threaded code whichever thread runs it, and pieces are combined in shard
+    order once all have finished, so any thread count gives the same bytes.
 
-    BLAS: OpenBLAS's thread count is one process-wide setting, and a multi-threaded GEMM may split its work
-    differently from a single-threaded one. A Shards pins BLAS to one thread from construction until
-    close(), which restores the previous count (threadpoolctl), and checks the pin again at every call:
-    every matmul inside a shard is single-threaded, the pool's threads are the only parallelism, and no
-    idle OpenBLAS worker is woken to spin-wait beside them (on a loaded machine that cost 4x). The
-    trainer's own small BLAS calls between steps (a gradient norm) run single-threaded too. Keep one Shards
-    open for the run; a closed one refuses further calls.
+    BLAS: a multi-threaded GEMM may split its work differently from a single-threaded one, and OpenBLAS's
+    thread count is process-wide. So a Shards pins BLAS to one thread from construction until close()
+    (which restores the count) and checks the pin at every call; no idle OpenBLAS worker spin-waits beside
+    the pool (on a loaded machine that cost 4x). A closed Shards refuses further calls.
 
-    Thread safety asked of the model: `loss_and_grads` and `evaluate` may run concurrently on one model
-    object; they must only read `params` and must return arrays no later call writes to.
+    The model's `loss_and_grads` and `evaluate` may run concurrently on one object: they must only read
+    `params` and return arrays no later call writes to.
     """
 
     def __init__(self, shards: int, threads: int | None = None):
@@ -76,8 +82,6 @@ class Shards:
         self._closed = False
         self._pin_blas()
 
-    # -- the trainer's calls ------------------------------------------------------------------
-
     def loss_and_grads(self, model, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
         """The whole batch's mean loss and its gradients from its pieces' (l_k, g_k), in shard order:
 
@@ -85,11 +89,9 @@ class Shards:
             grads = (g_0 + g_1 + ... + g_{n-1}) * (1 / n)   when the n pieces are equal (B divisible by shards)
             grads = sum_k g_k * (B_k / B)                   otherwise
 
-        The model's loss is a mean over its samples' elements and every sample has as many (tokens of one
-        block, targets of one row), so weighting by sample count equals one big batch up to rounding; empty
-        pieces (shards > B) weigh 0 and are not run. The sums accumulate into piece 0's arrays (the model
-        handed them over). With shards == 1 this is exactly model.loss_and_grads(batch, rng), the same draws
-        from rng included.
+        Every sample has as many loss elements (one block's tokens, one row's targets), so weighting by sample
+        count equals one big batch up to rounding; empty pieces (shards > B) are not run. shards == 1 is
+        exactly model.loss_and_grads(batch, rng), the same draws from rng included.
         """
         self._pin_blas()
         if self.shards == 1:
@@ -103,11 +105,8 @@ class Shards:
         for w, (piece_loss, _) in zip(weights, results):
             loss += w * piece_loss
         equal = len(set(sizes)) == 1
-        grads, seen = {}, set()
-        for name, g0 in results[0][1].items():
-            # Accumulate in place only into an array the model gave away whole (not a view, not seen twice).
-            acc = g0 if g0.flags.owndata and g0.flags.writeable and id(g0) not in seen else g0.copy()
-            seen.add(id(acc))
+        grads = owned(results[0][1])
+        for name, acc in grads.items():
             if equal:
                 for _, g in results[1:]:
                     acc += g[name]
@@ -116,40 +115,22 @@ class Shards:
                 acc *= weights[0]
                 for w, (_, g) in zip(weights[1:], results[1:]):
                     acc += g[name] * w
-            grads[name] = acc
         return loss, grads
 
     def mean_loss(self, model, batches: Iterable[Batch]) -> float:
-        """Mean of model.evaluate over the batches weighted by batch size, summed in batch order.
-
-        Batches are taken `threads` at a time (only that many are held); a batch is evaluated whole by one
-        thread, so the value is the same for any thread count. Empty batches are skipped.
-        """
+        """Mean of model.evaluate over the (non-empty) batches weighted by batch size, summed in batch order;
+        `threads` batches are held at a time, each evaluated whole by one thread (any thread count, same value)."""
         self._pin_blas()
         total, count = 0.0, 0
-        window: list[Batch] = []
-
-        def flush():
-            nonlocal total, count
+        nonempty = (b for b in batches if len(b.ids))
+        while window := list(itertools.islice(nonempty, self.threads)):
             losses = self._map(lambda k: model.evaluate(window[k]), list(range(len(window))))
             for b, loss in zip(window, losses):
                 total += loss * len(b.ids)
                 count += len(b.ids)
-            window.clear()
-
-        for b in batches:
-            if len(b.ids) == 0:
-                continue
-            window.append(b)
-            if len(window) == self.threads:
-                flush()
-        if window:
-            flush()
         if count == 0:
             raise ValueError("mean_loss got no samples: the validation batches are empty")
         return total / count
-
-    # -- the pool -----------------------------------------------------------------------------
 
     def _pin_blas(self) -> None:
         if self._closed:
