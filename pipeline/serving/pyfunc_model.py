@@ -1,7 +1,7 @@
 """The code mlflow logs as the model ("models from code"): it names the class, and pickles nothing.
 
-mlflow copies this file into the logged model and runs it when the model is loaded; the class comes from the
-installed `pipeline` package, so the serving environment needs `pipeline` importable (`--env-manager local`).
+mlflow runs a copy of this file when the model is loaded; the class comes from the installed `pipeline`
+package, so the serving environment needs `pipeline` importable (`--env-manager local`).
 """
 from mlflow.models import set_model
 
