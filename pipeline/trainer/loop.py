@@ -41,20 +41,14 @@ def validate(state: TrainState) -> dict[str, float]:
     return out
 
 
-def end_of_epoch(state: TrainState) -> bool:
-    """True when the next batch would not fit in what is left of this epoch (drop_last)."""
-    it = state.iterator
-    return it.cursor + it.batch_size > it.n
-
-
 def epochs_done(state: TrainState) -> int:
-    """Epochs whose every batch has been used."""
-    return state.iterator.epoch + int(end_of_epoch(state))
+    """Epochs whose every batch has been used (this one too if the next batch would not fit: drop_last)."""
+    it = state.iterator
+    return it.epoch + int(it.cursor + it.batch_size > it.n)
 
 
 def train_step(state: TrainState) -> dict:
-    """One update from trainer.accumulate micro-batches; returns its record (what the verifier compares:
-    ids, lr, loss).
+    """One update from trainer.accumulate micro-batches; its record (the verifier compares ids, lr, loss).
 
     The update's loss and gradient are the means over its micro-batches, (g_0 + ... + g_{N-1}) * (1/N) in
     micro-batch order; each micro-batch is split into trainer.shards pieces by the shard runner. The

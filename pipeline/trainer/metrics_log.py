@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 from pipeline.files import jsonio
@@ -69,8 +70,6 @@ class QuietFileHandler(logging.StreamHandler):
             super().emit(record)
 
     def handleError(self, record: logging.LogRecord) -> None:
-        import sys
-
         self.error = sys.exc_info()[1]
 
     def close(self) -> None:

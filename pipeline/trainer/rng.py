@@ -43,14 +43,12 @@ class Streams:
 
     def check_state_dict(self, state: dict) -> None:
         """Decode every stream onto a scratch generator: the live ones stay untouched if one is bad."""
-        for n in self.np:
+        for n in self.names():
             try:
-                np.random.PCG64().state = numpy_state_from_json(state[n])
-            except (TypeError, ValueError, KeyError) as e:
-                raise ValueError(f"stream {n!r}: {e}") from None
-        for n in self.py:
-            try:
-                random.Random().setstate(python_state_from_json(state[n]))
+                if n in self.np:
+                    np.random.PCG64().state = numpy_state_from_json(state[n])
+                else:
+                    random.Random().setstate(python_state_from_json(state[n]))
             except (TypeError, ValueError, KeyError) as e:
                 raise ValueError(f"stream {n!r}: {e}") from None
 
