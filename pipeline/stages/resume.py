@@ -88,8 +88,7 @@ def _begin(run, ckpt: Checkpoint, lineage: dict, history: list[dict], allowed: d
 
 
 def _restore(job, ckpt: Checkpoint, allow: list[str]) -> dict:
-    """Refuse drift that is not allowed or cannot apply; else restore every part of `job` (all or nothing).
-    Returns the allowed changes, {key: [old, new]}."""
+    """Refuse drift not allowed or not applicable, else restore every part of `job`: the changes, {key: [old, new]}."""
     changes = drift(ckpt.manifest, job)
     refuse(changes, allow, ckpt.directory)
     try:

@@ -50,10 +50,8 @@ def epochs_done(state: TrainState) -> int:
 def train_step(state: TrainState) -> dict:
     """One update from trainer.accumulate micro-batches; its record (the verifier compares ids, lr, loss).
 
-    The update's loss and gradient are the means over its micro-batches, (g_0 + ... + g_{N-1}) * (1/N) in
-    micro-batch order; each micro-batch is split into trainer.shards pieces by the shard runner. The
-    gradient is clipped (trainer.grad_clip) after the mean; `grad_norm` is the norm before clipping.
-    Checkpoints and preemptions happen only between updates: a group of micro-batches is never cut.
+    Loss and gradient are the means over the micro-batches, (g_0 + ... + g_{N-1}) * (1/N) in order, clipped
+    after the mean (`grad_norm` is the norm before). A group of micro-batches is never cut by a checkpoint.
     """
     epoch = epochs_done(state)  # the epoch the update's first micro-batch comes from
     lr = state.optimizer.lr
@@ -100,11 +98,8 @@ def metrics_of(record: dict) -> dict:
 
 
 def fit(state: TrainState, eval_every: int, on_step_end: Callable[[dict], bool], callbacks: list) -> None:
-    """Steps until the budget is spent or on_step_end (the run's decision: checkpoint, stop) returns True.
-
-    Evaluates every `eval_every` updates (0: at the end of every epoch) and always at the last update;
-    callbacks see each record (on_train_start, on_step_end, close) before the run decides on it.
-    """
+    """Steps until the budget is spent or on_step_end (the run's decision) returns True, evaluating every
+    `eval_every` updates (0: every epoch's end) and at the last; callbacks see each record before the run."""
     for cb in callbacks:
         getattr(cb, "on_train_start", lambda s: None)(state)
     while state.step < state.total_steps:

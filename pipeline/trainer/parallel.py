@@ -55,17 +55,13 @@ def child_rngs(rng: np.random.Generator | None, shards: int) -> list[np.random.G
 class Shards:
     """Runs a model's loss and gradients as `shards` pieces of each batch on `threads` threads.
 
-    `shards` is semantic (it fixes the dropout draws and the summation order); `threads` is not: every piece
-    is computed by the same single-threaded code whichever thread runs it, and pieces are combined in shard
-    order once all have finished, so any thread count gives the same bytes.
-
-    BLAS: a multi-threaded GEMM may split its work differently from a single-threaded one, and OpenBLAS's
-    thread count is process-wide. So a Shards pins BLAS to one thread from construction until close()
-    (which restores the count) and checks the pin at every call; no idle OpenBLAS worker spin-waits beside
-    the pool (on a loaded machine that cost 4x). A closed Shards refuses further calls.
-
-    The model's `loss_and_grads` and `evaluate` may run concurrently on one object: they must only read
-    `params` and return arrays no later call writes to.
+    `shards` is semantic (the dropout draws, the summation order); `threads` is not: each piece runs the same
+    single-threaded code on any thread, and pieces are combined in shard order once all have finished.
+    A multi-threaded GEMM may split its work differently, and OpenBLAS's thread count is process-wide: so
+    BLAS is pinned to one thread from construction until close() restores it, checked at every call (no idle
+    OpenBLAS worker spin-waits beside the pool: on a loaded machine that cost 4x).
+    The model's `loss_and_grads` and `evaluate` may run concurrently: they must only read `params` and return
+    arrays no later call writes to.
     """
 
     def __init__(self, shards: int, threads: int | None = None):
@@ -89,9 +85,8 @@ class Shards:
             grads = (g_0 + g_1 + ... + g_{n-1}) * (1 / n)   when the n pieces are equal (B divisible by shards)
             grads = sum_k g_k * (B_k / B)                   otherwise
 
-        Every sample has as many loss elements (one block's tokens, one row's targets), so weighting by sample
-        count equals one big batch up to rounding; empty pieces (shards > B) are not run. shards == 1 is
-        exactly model.loss_and_grads(batch, rng), the same draws from rng included.
+        Every sample has as many loss elements, so this is one big batch up to rounding; empty pieces (shards
+        > B) are not run. shards == 1 is exactly model.loss_and_grads(batch, rng), its draws from rng included.
         """
         self._pin_blas()
         if self.shards == 1:

@@ -14,8 +14,7 @@ from pipeline.trainer.parallel import Shards
 
 @dataclass
 class Progress:
-    """Updates completed, how many of them were clipped, and the latest value of every metric (what run.json
-    and the final report show)."""
+    """Updates completed and clipped, the latest value of every metric (run.json's and the report's)."""
 
     step: int = 0
     metrics: dict = field(default_factory=dict)
@@ -36,10 +35,8 @@ class Progress:
             raise ValueError(f"ended {state['ended']!r} is not a reason")
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
+        self.step, self.ended, self.clipped = int(state["step"]), state["ended"], int(state["clipped"])
         self.metrics = {k: jsonio.number(v) for k, v in state["metrics"].items()}
-        self.ended = state["ended"]
-        self.clipped = int(state["clipped"])
 
 
 @dataclass

@@ -38,8 +38,7 @@ def _run_dir(output_dir: Path) -> RunDir:
 
 
 def final_state(output_dir: Path) -> dict:
-    """What must be identical: every kept checkpoint's state files (by sha256) and links, the final state,
-    and every logged number."""
+    """What must be identical: every kept checkpoint's files (sha256) and links, the final state, every number."""
     rundir = _run_dir(output_dir)
     kept = {step: file_hashes(verify(directory)) for step, directory in rundir.store.steps()}
     final = rundir.store.link_step("final")
