@@ -37,10 +37,8 @@ def shipped() -> frozenset[str]:
     """The targets every YAML file of the package's conf/ tree names."""
     import yaml
 
-    out: set[str] = set()
-    for path in sorted(Path(CONFIG_DIR).rglob("*.y*ml")):
-        out |= named(yaml.safe_load(path.read_text(encoding="utf-8")))
-    return frozenset(out)
+    paths = sorted(Path(CONFIG_DIR).rglob("*.y*ml"))
+    return frozenset(named([yaml.safe_load(path.read_text(encoding="utf-8")) for path in paths]))
 
 
 def searched(searchpath: tuple[str, ...]) -> set[str]:

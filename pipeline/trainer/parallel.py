@@ -78,7 +78,8 @@ class Shards:
         self._closed = False
         self._pin_blas()
 
-    def loss_and_grads(self, model, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
+    def loss_and_grads(self, model, batch: Batch,
+                       rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
         """The whole batch's mean loss and its gradients from its pieces' (l_k, g_k), in shard order:
 
             loss = sum_k (B_k / B) l_k                      (Python floats)

@@ -74,12 +74,10 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     runs = {"continuous": cont, "resume": res, "negative": neg}
     eval_loss = {name: float(run["eval/losses"].mean()) for name, run in runs.items()}
     report = {
-        "positive": positive,
-        "negative_divergence_detected": negative,
-        "all_checks_passed": positive and negative,
-        "tolerance": {"atol": atol, "rtol": rtol, "mode": "exact (the same bytes)" if not (atol or rtol) else "allclose"},
-        "cut": cut, "steps": steps,
-        "cursor_at_cut": f"{intr_meta['cursor']}/{intr_meta['n_train']}",
+        "positive": positive, "negative_divergence_detected": negative, "all_checks_passed": positive and negative,
+        "tolerance": {"atol": atol, "rtol": rtol,
+                      "mode": "exact (the same bytes)" if not (atol or rtol) else "allclose"},
+        "cut": cut, "steps": steps, "cursor_at_cut": f"{intr_meta['cursor']}/{intr_meta['n_train']}",
         "epoch_at_cut": intr_meta["epoch"],
         "next_lr": {name: float(run["scheduler/next_lr"][0]) for name, run in runs.items()},
         "final_eval_loss": eval_loss,
@@ -87,8 +85,7 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
         "eval_loss_diff": {side: abs(eval_loss["continuous"] - eval_loss[name])
                            for side, name in (("positive", "resume"), ("negative", "negative"))},
         "failed_state_machines": sorted(set(trajectory_failures) | set(restore_failures)),
-        "restore_failures": restore_failures,
-        "comparisons": comparisons,
+        "restore_failures": restore_failures, "comparisons": comparisons,
         "restored_at_cut": [{"name": k, "state_machine": machine(k), **r} for k, r in at_cut.items()],
         "versions": versions(),
     }
