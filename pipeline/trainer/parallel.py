@@ -15,14 +15,6 @@ from pipeline.data.base import Batch
 R = TypeVar("R")
 
 
-def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity), the default thread count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def split(batch: Batch, shards: int) -> list[Batch]:
     """`shards` contiguous pieces along the sample axis, sizes as np.array_split (the first B % shards get one
     more); pieces are views (ids, x, y), empty when shards > B; `extra` goes to every piece unchanged."""
@@ -65,7 +57,11 @@ class Shards:
     """
 
     def __init__(self, shards: int, threads: int | None = None):
-        threads = available_cores() if threads is None else threads
+        if threads is None:  # the cores this process may run on (its CPU affinity)
+            try:
+                threads = len(os.sched_getaffinity(0))
+            except AttributeError:  # not Linux
+                threads = os.cpu_count() or 1
         if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)) or shards < 1:
             raise ValueError(f"trainer.shards must be an integer >= 1, got {shards!r}")
         if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
