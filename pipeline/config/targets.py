@@ -94,10 +94,8 @@ def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], 
             if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
                 raise ConfigError(f"{o.input_line}: hydra.searchpath must be a list of config directories")
             searchpath = tuple(value)
-        elif o.key_or_group.split(".")[-1] == "_target_" and isinstance(value, str) and "${" not in value:
-            own.add(value)
-        else:
-            own |= named(value)
+        else:  # `model._target_=x` names x as a node {_target_: x} would
+            own |= named({o.key_or_group.split(".")[-1]: value})
     return searchpath, own
 
 
