@@ -20,10 +20,8 @@ def split(batch: Batch, shards: int) -> list[Batch]:
     more); pieces are views (ids, x, y), empty when shards > B; `extra` goes to every piece unchanged."""
     B = len(batch.ids)
     bounds = np.cumsum([0] + [B // shards + (k < B % shards) for k in range(shards)])
-    return [
-        Batch(ids=batch.ids[a:b], x=batch.x[a:b], y=batch.y[a:b], extra=batch.extra)
-        for a, b in zip(bounds[:-1], bounds[1:])
-    ]
+    return [Batch(ids=batch.ids[a:b], x=batch.x[a:b], y=batch.y[a:b], extra=batch.extra)
+            for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def owned(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -62,10 +60,9 @@ class Shards:
                 threads = len(os.sched_getaffinity(0))
             except AttributeError:  # not Linux
                 threads = os.cpu_count() or 1
-        if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)) or shards < 1:
-            raise ValueError(f"trainer.shards must be an integer >= 1, got {shards!r}")
-        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
-            raise ValueError(f"trainer.threads must be an integer >= 1, got {threads!r}")
+        for key, n in (("shards", shards), ("threads", threads)):
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+                raise ValueError(f"trainer.{key} must be an integer >= 1, got {n!r}")
         self.shards, self.threads = int(shards), int(threads)
         # The calling thread works too: threads - 1 helpers. None when there is nothing to share.
         self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="shard") if self.threads > 1 else None
