@@ -56,10 +56,9 @@ def parse_duration(text: str) -> float:
 
 
 def duration_or_null(v) -> str | None:
-    if v is None:
-        return None
     try:
-        parse_duration(v)
+        if v is not None:
+            parse_duration(v)
     except ValueError as e:
         return str(e)
     return None

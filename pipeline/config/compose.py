@@ -1,5 +1,4 @@
-"""Where the config lives (conf/, the output directory), composing it as `python -m pipeline` does, and the
-composed config as plain values; how to add an extra, as this copy was installed."""
+"""Where the config lives, composing it as `python -m pipeline` does, the result as plain values; extras' hints."""
 from __future__ import annotations
 
 import os
@@ -20,9 +19,8 @@ def in_checkout() -> bool:
 
 
 def install_hint(extra: str) -> str:
-    """How to add an optional extra, matching how this pipeline was installed: an editable install (PEP 610's
-    direct_url.json says so) or an uninstalled checkout gets `pip install -e ".[extra]"` in its directory, a
-    wheel or an index install `pip install 'pipeline[extra]'` (pip keeps the installed pipeline)."""
+    """How to add an optional extra as this pipeline was installed: `pip install -e` in an editable install's (PEP
+    610's direct_url.json) or an uninstalled checkout's directory, else from the index (pip keeps this one)."""
     import importlib.metadata
     import json
     from urllib.parse import unquote, urlparse
@@ -43,9 +41,7 @@ def install_hint(extra: str) -> str:
 
 def default_output_dir() -> str:
     """<checkout>/outputs when the package runs from a source checkout, else outputs/ in the working directory."""
-    if in_checkout():
-        return str(PROJECT_ROOT / "outputs")
-    return str(Path(os.getcwd()) / "outputs")
+    return str((PROJECT_ROOT if in_checkout() else Path(os.getcwd())) / "outputs")
 
 
 def register() -> None:

@@ -1,11 +1,4 @@
-"""Run identity: the semantic config (what changes the math), its hash, the run's name, and drift between two.
-
-The run directory is `<runs_dir>/<name>-<12 hex>`, the hex being the sha256 of the canonical JSON of the
-semantic config: the resolved config minus NON_SEMANTIC keys, with every SOURCES key (a file the run reads)
-replaced by the sha256 of the file's bytes. So the same job lands in the same directory whatever the output
-directory, the working directory, or how the file's path was typed; and two different files given by the
-same relative path are two runs.
-"""
+"""Run identity: the semantic config (what changes the math), its hash, the run's name, and drift between two."""
 from __future__ import annotations
 
 import copy
@@ -19,22 +12,9 @@ from pipeline.config.schemas import TEXT_MAX_BYTES
 # Keys that do not change the math: where outputs go, how progress is shown and logged, how the run is
 # indexed, resumed and parallelised, how big an input file may be, and the verifier's own settings. Dotted
 # prefixes.
-NON_SEMANTIC = (
-    "paths",
-    "tracking",
-    "trainer.log_every",
-    "trainer.progress_bar",
-    "trainer.threads",
-    "trainer.max_time",
-    "trainer.on_nonfinite",
-    "resume",
-    "stages",
-    "checkpoint",
-    "verify",
-    "optimized_metric",
-    "hydra",
-    "data.max_bytes",
-)
+NON_SEMANTIC = ("paths", "tracking", "trainer.log_every", "trainer.progress_bar", "trainer.threads", "trainer.max_time",
+                "trainer.on_nonfinite", "resume", "stages", "checkpoint", "verify", "optimized_metric", "hydra",
+                "data.max_bytes")
 # Keys naming an input file: identity is the file's content, not the path string. Each maps to the key
 # bounding the file's size, and the bound when that is null (a config from before the key existed): a
 # bigger file is refused unread.
@@ -65,24 +45,16 @@ def get(tree: dict, dotted: str, default=None):
     return node
 
 
-def _drop(tree: dict, dotted: str) -> None:
+def _parent(tree: dict, dotted: str) -> tuple[dict, str]:
+    """(the dict holding `dotted`'s leaf, or a new empty one; the leaf's name)."""
     *parents, leaf = dotted.split(".")
     node = get(tree, ".".join(parents)) if parents else tree
-    if isinstance(node, dict):
-        node.pop(leaf, None)
-
-
-def _set(tree: dict, dotted: str, value) -> None:
-    *parents, leaf = dotted.split(".")
-    node = get(tree, ".".join(parents)) if parents else tree
-    if isinstance(node, dict) and leaf in node:
-        node[leaf] = value
+    return (node if isinstance(node, dict) else {}), leaf
 
 
 def source_hashes(config: dict) -> dict[str, str]:
-    """sha256 of every SOURCES file the config names, streamed (constant memory); OSError if one cannot be
-    read: reading.UnreadableFile, before it is opened, for a FIFO, a device, ... or a file over its bound.
-    A symlink is followed to its target (a user's data file may be a link to it)."""
+    """sha256 of every SOURCES file the config names, streamed; OSError if one cannot be read (a FIFO, a device,
+    a file over its bound: refused unopened). A symlink is followed (a user's data file may be a link to it)."""
     out = {}
     for key, (bound, default) in SOURCES.items():
         if isinstance(p := get(config, key), str):
@@ -98,9 +70,12 @@ def semantic_config(config: dict, sources: dict[str, str] | None = None) -> dict
     sources = source_hashes(config) if sources is None else sources
     out = copy.deepcopy(config)
     for key in NON_SEMANTIC:
-        _drop(out, key)
+        node, leaf = _parent(out, key)
+        node.pop(leaf, None)
     for key, sha in sources.items():
-        _set(out, key, {"sha256": sha})
+        node, leaf = _parent(out, key)
+        if leaf in node:
+            node[leaf] = {"sha256": sha}
     return out
 
 
@@ -109,8 +84,8 @@ def semantic_hash(config: dict, sources: dict[str, str] | None = None) -> str:
 
 
 def run_name(config: dict, sources: dict[str, str] | None = None, semantic: str | None = None) -> str:
-    """<experiment name>-<12 hex of the semantic config's sha256>: the stable run directory name (`semantic`:
-    that hash, if the caller has it already)."""
+    """<experiment name>-<12 hex of the semantic config's sha256> (`semantic`: that hash, if known): the same job
+    lands in the same directory whatever the output or working directory; two files at one relative path, two."""
     return f"{config.get('name', 'run')}-{(semantic or semantic_hash(config, sources))[:12]}"
 
 
@@ -129,7 +104,4 @@ def covered(key: str, allowed: list[str]) -> bool:
 
 def not_applicable(key: str) -> str | None:
     """Why an allowed change of `key` could not take effect on restored state, or None if it can."""
-    for fixed, why in FIXED_BY_STATE.items():
-        if key == fixed or key.startswith(fixed + "."):
-            return why
-    return None
+    return next((why for fixed, why in FIXED_BY_STATE.items() if covered(key, [fixed])), None)

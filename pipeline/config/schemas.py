@@ -1,10 +1,4 @@
-"""Typed schemas for every config node, one registry of them by `_target_`, and `validate`, the range checks.
-
-The dataclasses hold types only (every default is MISSING): values live in the YAML under conf/. Hydra checks
-types and keys while composing (`optimizer.lr=abc`, `model.nonexistent=1` fail naming the key);
-`validate(config)` then checks ranges on the resolved plain config, one line per bad value naming the key,
-the value and what is allowed, before the job creates anything on disk. A field's check is in its metadata.
-"""
+"""Typed schemas for every config node (types only: values live in conf/), SCHEMAS by `_target_`, `validate`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -25,8 +19,9 @@ _BUILDING: dict[str, type] = {}
 
 
 def builds(target: str, stored_as: str | None = None) -> Callable[[type], type]:
-    """Register a schema for nodes whose `_target_` is `target` (and in Hydra's ConfigStore as schema/<stored_as>)."""
+    """A dataclass schema for nodes whose `_target_` is `target` (in Hydra's ConfigStore as schema/<stored_as>)."""
     def add(schema: type) -> type:
+        schema = dataclass(schema)
         schema.stored_as = stored_as
         _BUILDING[target] = schema
         return schema
@@ -37,28 +32,21 @@ def _f(check: Callable | None = None):
     return field(default=MISSING, metadata={"check": check} if check else {})
 
 
-class Dtype(Enum):
-    float32 = "float32"
-    float64 = "float64"
+def _choice(name: str, *values: str) -> type[Enum]:
+    return Enum(name, {v: v for v in values})
 
 
-class Activation(Enum):
-    tanh = "tanh"
-    relu = "relu"
-
-
-class Mode(Enum):
-    min = "min"
-    max = "max"
-
-
+Dtype = _choice("Dtype", "float32", "float64")
+Activation = _choice("Activation", "tanh", "relu")
+Mode = _choice("Mode", "min", "max")
 # stop: a non-finite loss or metric ends the run (failed), keeping the last good checkpoints; continue: goes on
-NonFinite = Enum("NonFinite", {"stop": "stop", "continue": "continue"})
+NonFinite = _choice("NonFinite", "stop", "continue")
+KillMode = _choice("KillMode", "none", "random")
 
 
-class KillMode(Enum):
-    none = "none"
-    random = "random"
+@dataclass
+class Node:
+    _target_: str = _f()
 
 
 @dataclass
@@ -93,18 +81,14 @@ class TrainerConf:
 
 # --- model
 @builds("pipeline.model.mlp.MLP", "model/mlp")
-@dataclass
-class MLPConf:
-    _target_: str = _f()
+class MLPConf(Node):
     hidden: list[int] = _f(widths)
     activation: Activation = _f()
     dropout: float = _f(fraction)
 
 
 @builds("pipeline.model.minigpt.MiniGPT", "model/minigpt")
-@dataclass
-class MiniGPTConf:
-    _target_: str = _f()
+class MiniGPTConf(Node):
     n_layer: int = _f(at_least(1))
     n_head: int = _f(at_least(1))
     n_embd: int = _f(at_least(1))
@@ -127,9 +111,7 @@ class MiniGPTConf:
 
 # --- optimizer
 @builds("pipeline.optimizer.sgd.SGD", "optimizer/sgd")
-@dataclass
-class SGDConf:
-    _target_: str = _f()
+class SGDConf(Node):
     lr: float = _f(above(0))
     momentum: float = _f(at_least(0))
     dampening: float = _f(at_least(0))
@@ -138,9 +120,7 @@ class SGDConf:
 
 
 @builds("pipeline.optimizer.adam.Adam", "optimizer/adam")
-@dataclass
-class AdamConf:
-    _target_: str = _f()
+class AdamConf(Node):
     lr: float = _f(above(0))
     betas: list[float] = _f(probability_list)
     eps: float = _f(above(0))
@@ -148,30 +128,24 @@ class AdamConf:
 
 
 @builds("pipeline.optimizer.adam.AdamW", "optimizer/adamw")
-@dataclass
 class AdamWConf(AdamConf):
     pass
 
 
 # --- scheduler
 @builds("pipeline.scheduler.constant.Constant", "scheduler/constant")
-@dataclass
-class ConstantConf:
-    _target_: str = _f()
+class ConstantConf(Node):
+    pass
 
 
 @builds("pipeline.scheduler.step.StepLR", "scheduler/step")
-@dataclass
-class StepConf:
-    _target_: str = _f()
+class StepConf(Node):
     step_size: int = _f(at_least(1))
     gamma: float = _f(above(0))
 
 
 @builds("pipeline.scheduler.cosine.WarmupCosine", "scheduler/cosine")
-@dataclass
-class CosineConf:
-    _target_: str = _f()
+class CosineConf(Node):
     total_steps: Optional[int] = _f()  # None: the run's total number of updates
     warmup_steps: int = _f(at_least(0))
     min_lr_ratio: float = _f(at_least(0))
@@ -180,9 +154,7 @@ class CosineConf:
 
 # --- data
 @builds("pipeline.data.regression.Regression", "data/regression")
-@dataclass
-class RegressionConf:
-    _target_: str = _f()
+class RegressionConf(Node):
     n_rows: int = _f(at_least(2))
     seed: int = _f(at_least(0))
     noise: float = _f(at_least(0))
@@ -191,10 +163,9 @@ class RegressionConf:
 
 
 @dataclass
-class CorpusConf:
+class CorpusConf(Node):
     """What every token corpus on disk shares (written once under <output_dir>/data/)."""
 
-    _target_: str = _f()
     val_fraction: float = _f(open_fraction)
     block_size: int = _f(at_least(1))
     ngram_order: int = _f(at_least(1))
@@ -202,7 +173,6 @@ class CorpusConf:
 
 
 @builds("pipeline.data.grammar.GrammarCorpus", "data/grammar")
-@dataclass
 class GrammarConf(CorpusConf):
     seed: int = _f(at_least(0))
     n_sentences: int = _f(at_least(1))
@@ -212,7 +182,6 @@ TEXT_MAX_BYTES = 32 << 20  # data.max_bytes when null (a config from before the 
 
 
 @builds("pipeline.data.text.TextCorpus", "data/text")
-@dataclass
 class TextConf(CorpusConf):
     path: str = _f()
     max_bytes: Optional[int] = _f(null_or_at_least(1))  # null: TEXT_MAX_BYTES
@@ -220,52 +189,40 @@ class TextConf(CorpusConf):
 
 # --- stages, cadence, resume
 @builds("pipeline.stages.cadence.Cadence")
-@dataclass
-class CadenceConf:
-    _target_: str = _f()
+class CadenceConf(Node):
     every_epochs: int = _f(at_least(0))
     every_steps: int = _f(at_least(0))
 
 
 @builds("pipeline.stages.resume.Resume", "stage/resume")
-@dataclass
-class ResumeStageConf:
-    _target_: str = _f()
+class ResumeStageConf(Node):
     source: str = _f()
     allow_changes: list[str] = _f()
     order: int = _f()
 
 
 @builds("pipeline.stages.train.Train", "stage/train")
-@dataclass
-class TrainStageConf:
-    _target_: str = _f()
+class TrainStageConf(Node):
     eval_every: int = _f(at_least(0))
     order: int = _f()
 
 
 @builds("pipeline.stages.rotate.RotateLastN", "stage/rotate")
-@dataclass
-class RotateStageConf:
-    _target_: str = _f()
+class RotateStageConf(Node):
     keep: int = _f(at_least(1))
     cadence: Any = MISSING  # the `checkpoint` group's node
     order: int = _f()
 
 
 @builds("pipeline.stages.best.BestVal", "stage/best_val")
-@dataclass
-class BestValStageConf:
-    _target_: str = _f()
+class BestValStageConf(Node):
     monitor: str = _f()
     mode: Mode = _f()
     order: int = _f()
 
 
 @builds("pipeline.stages.early_stop.EarlyStop", "stage/early_stop")
-@dataclass
-class EarlyStopStageConf:
-    _target_: str = _f()
+class EarlyStopStageConf(Node):
     monitor: str = _f()
     mode: Mode = _f()
     patience: int = _f(at_least(1))
@@ -274,9 +231,7 @@ class EarlyStopStageConf:
 
 
 @builds("pipeline.stages.final.Final", "stage/final")
-@dataclass
-class FinalStageConf:
-    _target_: str = _f()
+class FinalStageConf(Node):
     order: int = _f()
 
 
@@ -288,9 +243,7 @@ class ResumeConf:
 
 # --- tracking
 @builds("pipeline.tracking.mlflow_tracker.MlflowTracker", "tracking/mlflow")
-@dataclass
-class MlflowTrackingConf:
-    _target_: str = _f()
+class MlflowTrackingConf(Node):
     uri: str = _f()
     artifact_location: Optional[str] = _f()
     experiment: str = _f()
@@ -298,9 +251,8 @@ class MlflowTrackingConf:
 
 
 @builds("pipeline.tracking.base.NullTracker", "tracking/none")
-@dataclass
-class NoTrackingConf:
-    _target_: str = _f()
+class NoTrackingConf(Node):
+    pass
 
 
 @dataclass
@@ -348,7 +300,8 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
 
 
 def validate(config: dict) -> None:
-    """Raise ConfigError listing every value out of range (one line each); changes nothing anywhere."""
+    """ConfigError listing every value out of range (a field's check is in its metadata), before the job creates
+    anything on disk; Hydra has checked types and keys while composing."""
     errors: list[str] = []
     for key, schema in (("trainer", TrainerConf), ("resume", ResumeConf), ("checkpoint", CadenceConf),
                         ("verify", VerifyConf)):

@@ -24,17 +24,12 @@ class UnknownTarget(ConfigError):
 
 def named(tree) -> set[str]:
     """Every string `_target_` anywhere in a tree of dicts and lists (interpolations left out: never allowed)."""
-    out: set[str] = set()
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            if k == "_target_" and isinstance(v, str) and "${" not in v:
-                out.add(v)
-            else:
-                out |= named(v)
-    elif isinstance(tree, list):
-        for v in tree:
-            out |= named(v)
-    return out
+    if isinstance(tree, list):
+        return set().union(*map(named, tree))
+    if not isinstance(tree, dict):
+        return set()
+    return set().union(*({v} if k == "_target_" and isinstance(v, str) and "${" not in v else named(v)
+                         for k, v in tree.items()))
 
 
 @lru_cache(maxsize=None)
@@ -42,15 +37,12 @@ def shipped() -> frozenset[str]:
     """The targets every YAML file of the package's conf/ tree names."""
     import yaml
 
-    out: set[str] = set()
-    for path in sorted(Path(CONFIG_DIR).rglob("*.y*ml")):
-        out |= named(yaml.safe_load(path.read_text(encoding="utf-8")))
-    return frozenset(out)
+    paths = sorted(Path(CONFIG_DIR).rglob("*.y*ml"))
+    return frozenset(named([yaml.safe_load(path.read_text(encoding="utf-8")) for path in paths]))
 
 
 def searched(searchpath: tuple[str, ...]) -> set[str]:
-    """The targets every config file of these search-path entries names (file://DIR, pkg://PACKAGE or DIR),
-    listed and read by Hydra's own config sources, as composing with `hydra.searchpath=[...]` would find them."""
+    """The targets the config files of these search-path entries name, read by Hydra's own config sources."""
     from hydra._internal.config_repository import ConfigRepository
     from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
     from hydra._internal.core_plugins.file_config_source import FileConfigSource
@@ -102,26 +94,22 @@ def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], 
             if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
                 raise ConfigError(f"{o.input_line}: hydra.searchpath must be a list of config directories")
             searchpath = tuple(value)
-        elif o.key_or_group.split(".")[-1] == "_target_" and isinstance(value, str) and "${" not in value:
-            own.add(value)
-        else:
-            own |= named(value)
+        else:  # `model._target_=x` names x as a node {_target_: x} would
+            own |= named({o.key_or_group.split(".")[-1]: value})
     return searchpath, own
 
 
 @lru_cache(maxsize=None)
 def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
-    """What the pipeline's configs name, and the user's current configuration: the config files of its
-    `hydra.searchpath` and any `_target_` given on the command line. Nothing is imported to decide but the
-    packages the user's own `pkg://` entries name (Hydra imports them to list their files)."""
+    """What the pipeline's configs, the user's `hydra.searchpath` and the command line name. Nothing is imported to
+    decide but the packages the user's own `pkg://` entries name (Hydra imports them to list their files)."""
     searchpath, own = _searchpath_and_named(overrides)
     return shipped() | frozenset(searched(searchpath)) | frozenset(own)
 
 
 def check(tree, allowed_targets: frozenset[str], path: str = "config") -> None:
-    """UnknownTarget (one line naming the key and the target) for a `_target_` that is not a string or not
-    allowed, for a class of the pipeline's own packages out of its place (PLACES: a corpus where a stage is
-    built), or for any interpolation (`${...}`, resolved when a node is built: it could name anything)."""
+    """UnknownTarget (one line naming the key) for a `_target_` not a string or not allowed, a class of the
+    pipeline's own packages out of its PLACE, or any interpolation (resolved when built, it could name anything)."""
     if isinstance(tree, dict):
         if "_target_" in tree:
             target, where = tree["_target_"], f"{path}._target_"

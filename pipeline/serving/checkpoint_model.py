@@ -1,9 +1,4 @@
-"""The pyfunc model over a checkpoint: MiniGPT rows of prompts -> their continuations, an MLP's rows -> outputs.
-
-Its artifacts are the checkpoint's own files (`checkpoint/`, restored through pipeline.run.trained.restore_checkpoint:
-every target checked, every sha256 verified) and, for a MiniGPT whose checkpoint carries no `data.json`, the
-corpus vocabulary (`vocab.json`: {"vocab": [...], "decode_join": " "}), written when it was registered.
-"""
+"""The pyfunc model over a checkpoint: MiniGPT rows of prompts -> their continuations, an MLP's rows -> outputs."""
 from __future__ import annotations
 
 import math
@@ -66,6 +61,9 @@ def _args(row: dict) -> list[str]:
 
 
 class CheckpointModel(PythonModel):
+    """Artifacts: `checkpoint/` (restored by restore_checkpoint: every target checked, every sha256 verified) and,
+    for a MiniGPT without data.json, `vocab.json` ({"vocab": [...], "decode_join": " "}) written at registering."""
+
     def load_context(self, context) -> None:
         from pipeline.run.trained import restore_checkpoint
 

@@ -1,8 +1,5 @@
-"""The code mlflow logs as the model ("models from code"): it names the class, and pickles nothing.
-
-mlflow copies this file into the logged model and runs it when the model is loaded; the class comes from the
-installed `pipeline` package, so the serving environment needs `pipeline` importable (`--env-manager local`).
-"""
+"""The code mlflow logs as the model ("models from code"), run when it loads: it names the class, pickles nothing."""
+# The class comes from the installed package: serving needs `pipeline` importable (`--env-manager local`).
 from mlflow.models import set_model
 
 from pipeline.serving.checkpoint_model import CheckpointModel

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.checkpoint.retention import Policy
+from pipeline.checkpoint.retention import Policy, check_best
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,28 @@ class Stage:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+class Watch(Stage):
+    """A stage following the best finite value of the metric `monitor` (mode min or max); it rides in checkpoints."""
+
+    def __init__(self, monitor: str, mode: str, order: int):
+        super().__init__(order)
+        if mode not in ("min", "max"):
+            raise ValueError(f"stages.{self.name}.mode must be 'min' or 'max', got {mode!r}")
+        self.monitor, self.mode = str(monitor), str(mode)
+        self.best: float | None = None
+        self.best_step: int | None = None
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "best_step": self.best_step}
+
+    def check_state_dict(self, state: dict) -> None:
+        check_best(state["best"], state["best_step"], self.mode)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best = None if state["best"] is None else float(state["best"])
+        self.best_step = state["best_step"]
 
 
 class StageStates:

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import math
 
-from pipeline.checkpoint.retention import check_best, is_better
-from pipeline.stages.base import Stage, StepEnd
+from pipeline.checkpoint.retention import is_better
+from pipeline.stages.base import StepEnd, Watch
 
 
-class EarlyStop(Stage):
+class EarlyStop(Watch):
     """An evaluation is a step whose metrics hold `monitor`; one without improvement adds to `wait`, one with
     improvement resets it, and the step at which `wait` reaches `patience` is the run's last (the final and
     best checkpoints follow as at any end; run.json's `ended` says why). Its counters ride in checkpoints."""
@@ -15,17 +15,12 @@ class EarlyStop(Stage):
     name = "early_stop"
 
     def __init__(self, monitor: str, mode: str, patience: int, min_delta: float, order: int):
-        super().__init__(order)
-        if mode not in ("min", "max"):
-            raise ValueError(f"stages.early_stop.mode must be 'min' or 'max', got {mode!r}")
+        super().__init__(monitor, mode, order)
         if int(patience) < 1:
             raise ValueError(f"stages.early_stop.patience must be >= 1, got {patience}")
         if not (math.isfinite(min_delta) and min_delta >= 0):
             raise ValueError(f"stages.early_stop.min_delta must be a finite number >= 0, got {min_delta}")
-        self.monitor, self.mode = str(monitor), str(mode)
         self.patience, self.min_delta = int(patience), float(min_delta)
-        self.best: float | None = None
-        self.best_step: int | None = None
         self.wait = 0  # evaluations since the last improvement
 
     def stop_reason(self, end: StepEnd) -> str | None:
@@ -43,14 +38,14 @@ class EarlyStop(Stage):
                 f"(mode {self.mode}, min_delta {self.min_delta:g}; {best})")
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "best_step": self.best_step, "wait": self.wait}
+        return {**super().state_dict(), "wait": self.wait}
 
     def check_state_dict(self, state: dict) -> None:
-        check_best(state["best"], state["best_step"], self.mode)
+        super().check_state_dict(state)
         wait = state["wait"]
         if type(wait) is not int or wait < 0:
             raise ValueError(f"wait {wait!r} is not a count of evaluations")
 
     def load_state_dict(self, state: dict) -> None:
-        self.best = None if state["best"] is None else float(state["best"])
-        self.best_step, self.wait = state["best_step"], int(state["wait"])
+        super().load_state_dict(state)
+        self.wait = int(state["wait"])

@@ -9,14 +9,10 @@ class Final(Stage):
     name = "final"
     link = "final"
 
-    def __init__(self, order: int):
-        super().__init__(order)
-
     def wants_checkpoint(self, end: StepEnd) -> bool:
         return end.last
 
     def policy(self) -> LatestN:
         return LatestN(1, tag=self.name)
 
-    def link_policy(self) -> LatestN:
-        return LatestN(1, tag=self.name)
+    link_policy = policy

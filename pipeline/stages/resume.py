@@ -1,10 +1,4 @@
-"""The resume stage: continue from the newest checkpoint that verifies, or from a given one, refusing drift.
-
-Its set-up decides the history the run continues and tells the run once, through `run.begin(...)`: the
-lineage, the checkpoint restored, the metrics.jsonl lines kept, the allowed changes. It reads the run
-directory through what the run offers (`run.rundir`, `run.store`, `run.rundir_of`), and changes nothing
-on disk but `run.supersede()` (a fork into a directory that holds another history).
-"""
+"""The resume stage: continue from the newest checkpoint that verifies, or from a given one, refusing drift."""
 from __future__ import annotations
 
 import hashlib
@@ -29,6 +23,9 @@ def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
 
 
 class Resume(Stage):
+    """Decides the history the run continues and tells the run once, through `run.begin(...)`; changes nothing
+    on disk but `run.supersede()` (a fork into a directory that holds another history)."""
+
     name = "resume"
 
     def __init__(self, source: str, allow_changes: list[str], order: int):
@@ -91,8 +88,7 @@ def _begin(run, ckpt: Checkpoint, lineage: dict, history: list[dict], allowed: d
 
 
 def _restore(job, ckpt: Checkpoint, allow: list[str]) -> dict:
-    """Refuse drift that is not allowed or cannot apply; else restore every part of `job` (all or nothing).
-    Returns the allowed changes, {key: [old, new]}."""
+    """Refuse drift not allowed or not applicable, else restore every part of `job`: the changes, {key: [old, new]}."""
     changes = drift(ckpt.manifest, job)
     refuse(changes, allow, ckpt.directory)
     try:

@@ -17,9 +17,7 @@ def series(lines: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def draw(lines: list[dict]) -> bytes | None:
-    """The PNG's bytes (Agg, no display needed); None when there is nothing to draw.
-
-    Imports matplotlib (~0.5 s): called at a job's end, after its final checkpoint, never on the step path."""
+    """The PNG's bytes (Agg), or None; imports matplotlib (~0.5 s): at a job's end, never on the step path."""
     if not lines:
         return None
     import matplotlib

@@ -49,13 +49,6 @@ def _si(x: float) -> str:
     return f"{x:.3g}"
 
 
-def throughput_of(state) -> Throughput:
-    """Tokens per update for token data (batch x accumulate x block), samples for rows."""
-    samples = state.iterator.batch_size * state.accumulate
-    block = state.dataset.spec.block_size if state.dataset.spec.vocab_size else 0
-    return Throughput(samples * block, "tokens") if block else Throughput(samples, "samples")
-
-
 class Display:
     def __init__(self, enabled: bool | None, log_every: int):
         self.bar_enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
@@ -65,7 +58,9 @@ class Display:
         self.redirect = contextlib.ExitStack()
 
     def on_train_start(self, state) -> None:
-        self.speed = throughput_of(state)
+        samples = state.iterator.batch_size * state.accumulate  # per update; x block: tokens, for token data
+        block = state.dataset.spec.block_size if state.dataset.spec.vocab_size else 0
+        self.speed = Throughput(samples * block, "tokens") if block else Throughput(samples, "samples")
         self.speed.start(time.perf_counter())
         if self.bar_enabled:
             self.bar = tqdm(total=state.total_steps, initial=state.step, desc="train", dynamic_ncols=True)

@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 
 from pipeline.files import killpoint
+from pipeline.trainer.parallel import owned
 from pipeline.trainer.state import TrainState
 
 # Record keys that are not metrics: the verifier compares `ids`; `step_time` is wall time (never saved).
@@ -40,34 +41,17 @@ def validate(state: TrainState) -> dict[str, float]:
     return out
 
 
-def end_of_epoch(state: TrainState) -> bool:
-    """True when the next batch would not fit in what is left of this epoch (drop_last)."""
-    it = state.iterator
-    return it.cursor + it.batch_size > it.n
-
-
 def epochs_done(state: TrainState) -> int:
-    """Epochs whose every batch has been used."""
-    return state.iterator.epoch + int(end_of_epoch(state))
-
-
-def _owned(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The same gradients as arrays of their own, safe to add into (no view, no array under two names)."""
-    out, seen = {}, set()
-    for name, g in grads.items():
-        out[name] = g if g.flags.owndata and g.flags.writeable and id(g) not in seen else g.copy()
-        seen.add(id(out[name]))
-    return out
+    """Epochs whose every batch has been used (this one too if the next batch would not fit: drop_last)."""
+    it = state.iterator
+    return it.epoch + int(it.cursor + it.batch_size > it.n)
 
 
 def train_step(state: TrainState) -> dict:
-    """One update from trainer.accumulate micro-batches; returns its record (what the verifier compares:
-    ids, lr, loss).
+    """One update from trainer.accumulate micro-batches; its record (the verifier compares ids, lr, loss).
 
-    The update's loss and gradient are the means over its micro-batches, (g_0 + ... + g_{N-1}) * (1/N) in
-    micro-batch order; each micro-batch is split into trainer.shards pieces by the shard runner. The
-    gradient is clipped (trainer.grad_clip) after the mean; `grad_norm` is the norm before clipping.
-    Checkpoints and preemptions happen only between updates: a group of micro-batches is never cut.
+    Loss and gradient are the means over the micro-batches, (g_0 + ... + g_{N-1}) * (1/N) in order, clipped
+    after the mean (`grad_norm` is the norm before). A group of micro-batches is never cut by a checkpoint.
     """
     epoch = epochs_done(state)  # the epoch the update's first micro-batch comes from
     lr = state.optimizer.lr
@@ -79,7 +63,7 @@ def train_step(state: TrainState) -> dict:
         ids.append(batch_ids)
         loss += piece_loss
         if grads is None:
-            grads = _owned(piece_grads)
+            grads = owned(piece_grads)
         else:
             for name, g in grads.items():
                 g += piece_grads[name]
@@ -114,11 +98,8 @@ def metrics_of(record: dict) -> dict:
 
 
 def fit(state: TrainState, eval_every: int, on_step_end: Callable[[dict], bool], callbacks: list) -> None:
-    """Steps until the budget is spent or on_step_end (the run's decision: checkpoint, stop) returns True.
-
-    Evaluates every `eval_every` updates (0: at the end of every epoch) and always at the last update;
-    callbacks see each record (on_train_start, on_step_end, close) before the run decides on it.
-    """
+    """Steps until the budget is spent or on_step_end (the run's decision) returns True, evaluating every
+    `eval_every` updates (0: every epoch's end) and at the last; callbacks see each record before the run."""
     for cb in callbacks:
         getattr(cb, "on_train_start", lambda s: None)(state)
     while state.step < state.total_steps:

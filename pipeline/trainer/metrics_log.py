@@ -1,7 +1,9 @@
 """metrics.jsonl: one JSON object per logged step, appended and flushed as the run goes; pipeline.log's handler."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import time
 
 from pipeline.files import jsonio
@@ -49,10 +51,8 @@ class MetricsLog:
     def close(self) -> None:
         if self.file is not None:
             file, self.file = self.file, None
-            try:
+            with contextlib.suppress(OSError):  # the failed write already raised, naming the file: keep that one
                 file.close()
-            except OSError:
-                pass  # the write that failed already raised, naming the file; a close must not replace it
 
 
 class QuietFileHandler(logging.StreamHandler):
@@ -69,13 +69,9 @@ class QuietFileHandler(logging.StreamHandler):
             super().emit(record)
 
     def handleError(self, record: logging.LogRecord) -> None:
-        import sys
-
         self.error = sys.exc_info()[1]
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.stream.close()
-        except OSError:
-            pass
         super().close()

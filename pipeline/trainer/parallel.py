@@ -1,6 +1,7 @@
 """Data-parallel shards in one process: a fixed split and a fixed-order reduction, whatever the thread count."""
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 from concurrent.futures import ThreadPoolExecutor
@@ -14,23 +15,22 @@ from pipeline.data.base import Batch
 R = TypeVar("R")
 
 
-def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity), the default thread count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def split(batch: Batch, shards: int) -> list[Batch]:
     """`shards` contiguous pieces along the sample axis, sizes as np.array_split (the first B % shards get one
     more); pieces are views (ids, x, y), empty when shards > B; `extra` goes to every piece unchanged."""
     B = len(batch.ids)
     bounds = np.cumsum([0] + [B // shards + (k < B % shards) for k in range(shards)])
-    return [
-        Batch(ids=batch.ids[a:b], x=batch.x[a:b], y=batch.y[a:b], extra=batch.extra)
-        for a, b in zip(bounds[:-1], bounds[1:])
-    ]
+    return [Batch(ids=batch.ids[a:b], x=batch.x[a:b], y=batch.y[a:b], extra=batch.extra)
+            for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def owned(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The same gradients as arrays of their own, safe to add into (no view, no array under two names)."""
+    out, seen = {}, set()
+    for name, g in grads.items():
+        out[name] = g if g.flags.owndata and g.flags.writeable and id(g) not in seen else g.copy()
+        seen.add(id(out[name]))
+    return out
 
 
 def child_rngs(rng: np.random.Generator | None, shards: int) -> list[np.random.Generator | None]:
@@ -45,29 +45,24 @@ def child_rngs(rng: np.random.Generator | None, shards: int) -> list[np.random.G
 class Shards:
     """Runs a model's loss and gradients as `shards` pieces of each batch on `threads` threads.
 
-    `shards` is semantic (part of a run's identity: it fixes the dropout draws and the summation order);
-    `threads` is not: 1, 2 or 4 threads give byte-identical losses and gradients. That holds because
-    every piece is computed by the same single-threaded code whichever thread runs it, and pieces are
-    combined in shard order once all have finished.
-
-    BLAS: OpenBLAS's thread count is one process-wide setting, and a multi-threaded GEMM may split its work
-    differently from a single-threaded one. A Shards pins BLAS to one thread from construction until
-    close(), which restores the previous count (threadpoolctl), and checks the pin again at every call:
-    every matmul inside a shard is single-threaded, the pool's threads are the only parallelism, and no
-    idle OpenBLAS worker is woken to spin-wait beside them (on a loaded machine that cost 4x). The
-    trainer's own small BLAS calls between steps (a gradient norm) run single-threaded too. Keep one Shards
-    open for the run; a closed one refuses further calls.
-
-    Thread safety asked of the model: `loss_and_grads` and `evaluate` may run concurrently on one model
-    object; they must only read `params` and must return arrays no later call writes to.
+    `shards` is semantic (the dropout draws, the summation order); `threads` is not: each piece runs the same
+    single-threaded code on any thread, and pieces are combined in shard order once all have finished.
+    A multi-threaded GEMM may split its work differently, and OpenBLAS's thread count is process-wide: so
+    BLAS is pinned to one thread from construction until close() restores it, checked at every call (no idle
+    OpenBLAS worker spin-waits beside the pool: on a loaded machine that cost 4x).
+    The model's `loss_and_grads` and `evaluate` may run concurrently: they must only read `params` and return
+    arrays no later call writes to.
     """
 
     def __init__(self, shards: int, threads: int | None = None):
-        threads = available_cores() if threads is None else threads
-        if isinstance(shards, bool) or not isinstance(shards, (int, np.integer)) or shards < 1:
-            raise ValueError(f"trainer.shards must be an integer >= 1, got {shards!r}")
-        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
-            raise ValueError(f"trainer.threads must be an integer >= 1, got {threads!r}")
+        if threads is None:  # the cores this process may run on (its CPU affinity)
+            try:
+                threads = len(os.sched_getaffinity(0))
+            except AttributeError:  # not Linux
+                threads = os.cpu_count() or 1
+        for key, n in (("shards", shards), ("threads", threads)):
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+                raise ValueError(f"trainer.{key} must be an integer >= 1, got {n!r}")
         self.shards, self.threads = int(shards), int(threads)
         # The calling thread works too: threads - 1 helpers. None when there is nothing to share.
         self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="shard") if self.threads > 1 else None
@@ -76,20 +71,16 @@ class Shards:
         self._closed = False
         self._pin_blas()
 
-    # -- the trainer's calls ------------------------------------------------------------------
-
-    def loss_and_grads(self, model, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
+    def loss_and_grads(self, model, batch: Batch,
+                       rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
         """The whole batch's mean loss and its gradients from its pieces' (l_k, g_k), in shard order:
 
             loss = sum_k (B_k / B) l_k                      (Python floats)
             grads = (g_0 + g_1 + ... + g_{n-1}) * (1 / n)   when the n pieces are equal (B divisible by shards)
             grads = sum_k g_k * (B_k / B)                   otherwise
 
-        The model's loss is a mean over its samples' elements and every sample has as many (tokens of one
-        block, targets of one row), so weighting by sample count equals one big batch up to rounding; empty
-        pieces (shards > B) weigh 0 and are not run. The sums accumulate into piece 0's arrays (the model
-        handed them over). With shards == 1 this is exactly model.loss_and_grads(batch, rng), the same draws
-        from rng included.
+        Every sample has as many loss elements, so this is one big batch up to rounding; empty pieces (shards
+        > B) are not run. shards == 1 is exactly model.loss_and_grads(batch, rng), its draws from rng included.
         """
         self._pin_blas()
         if self.shards == 1:
@@ -103,11 +94,8 @@ class Shards:
         for w, (piece_loss, _) in zip(weights, results):
             loss += w * piece_loss
         equal = len(set(sizes)) == 1
-        grads, seen = {}, set()
-        for name, g0 in results[0][1].items():
-            # Accumulate in place only into an array the model gave away whole (not a view, not seen twice).
-            acc = g0 if g0.flags.owndata and g0.flags.writeable and id(g0) not in seen else g0.copy()
-            seen.add(id(acc))
+        grads = owned(results[0][1])
+        for name, acc in grads.items():
             if equal:
                 for _, g in results[1:]:
                     acc += g[name]
@@ -116,40 +104,22 @@ class Shards:
                 acc *= weights[0]
                 for w, (_, g) in zip(weights[1:], results[1:]):
                     acc += g[name] * w
-            grads[name] = acc
         return loss, grads
 
     def mean_loss(self, model, batches: Iterable[Batch]) -> float:
-        """Mean of model.evaluate over the batches weighted by batch size, summed in batch order.
-
-        Batches are taken `threads` at a time (only that many are held); a batch is evaluated whole by one
-        thread, so the value is the same for any thread count. Empty batches are skipped.
-        """
+        """Mean of model.evaluate over the (non-empty) batches weighted by batch size, summed in batch order;
+        `threads` batches are held at a time, each evaluated whole by one thread (any thread count, same value)."""
         self._pin_blas()
         total, count = 0.0, 0
-        window: list[Batch] = []
-
-        def flush():
-            nonlocal total, count
+        nonempty = (b for b in batches if len(b.ids))
+        while window := list(itertools.islice(nonempty, self.threads)):
             losses = self._map(lambda k: model.evaluate(window[k]), list(range(len(window))))
             for b, loss in zip(window, losses):
                 total += loss * len(b.ids)
                 count += len(b.ids)
-            window.clear()
-
-        for b in batches:
-            if len(b.ids) == 0:
-                continue
-            window.append(b)
-            if len(window) == self.threads:
-                flush()
-        if window:
-            flush()
         if count == 0:
             raise ValueError("mean_loss got no samples: the validation batches are empty")
         return total / count
-
-    # -- the pool -----------------------------------------------------------------------------
 
     def _pin_blas(self) -> None:
         if self._closed:

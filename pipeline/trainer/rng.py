@@ -21,13 +21,9 @@ class Streams:
 
     def __init__(self, seed: int):
         self.seed = int(seed)
-        self.np: dict[str, np.random.Generator] = {
-            n: np.random.Generator(np.random.PCG64(_child_seed(self.seed, n))) for n in NUMPY_STREAMS
-        }
-        self.py: dict[str, random.Random] = {
-            n: random.Random(int(_child_seed(self.seed, n).generate_state(1, np.uint64)[0]))
-            for n in PYTHON_STREAMS
-        }
+        self.np = {n: np.random.Generator(np.random.PCG64(_child_seed(self.seed, n))) for n in NUMPY_STREAMS}
+        self.py = {n: random.Random(int(_child_seed(self.seed, n).generate_state(1, np.uint64)[0]))
+                   for n in PYTHON_STREAMS}
 
     def __getitem__(self, name: str):
         return self.np[name] if name in self.np else self.py[name]
@@ -36,21 +32,17 @@ class Streams:
         return [*self.np, *self.py]
 
     def state_dict(self) -> dict:
-        return {
-            **{n: numpy_state_to_json(g) for n, g in self.np.items()},
-            **{n: python_state_to_json(r) for n, r in self.py.items()},
-        }
+        return {**{n: numpy_state_to_json(g) for n, g in self.np.items()},
+                **{n: python_state_to_json(r) for n, r in self.py.items()}}
 
     def check_state_dict(self, state: dict) -> None:
         """Decode every stream onto a scratch generator: the live ones stay untouched if one is bad."""
-        for n in self.np:
+        for n in self.names():
             try:
-                np.random.PCG64().state = numpy_state_from_json(state[n])
-            except (TypeError, ValueError, KeyError) as e:
-                raise ValueError(f"stream {n!r}: {e}") from None
-        for n in self.py:
-            try:
-                random.Random().setstate(python_state_from_json(state[n]))
+                if n in self.np:
+                    np.random.PCG64().state = numpy_state_from_json(state[n])
+                else:
+                    random.Random().setstate(python_state_from_json(state[n]))
             except (TypeError, ValueError, KeyError) as e:
                 raise ValueError(f"stream {n!r}: {e}") from None
 
@@ -82,22 +74,13 @@ def numpy_state_to_json(g: np.random.Generator) -> dict:
     s = g.bit_generator.state
     if s["bit_generator"] != "PCG64":
         raise TypeError(f"unsupported bit generator {s['bit_generator']}")
-    return {
-        "bit_generator": "PCG64",
-        "state": str(s["state"]["state"]),
-        "inc": str(s["state"]["inc"]),
-        "has_uint32": int(s["has_uint32"]),
-        "uinteger": int(s["uinteger"]),
-    }
+    return {"bit_generator": "PCG64", "state": str(s["state"]["state"]), "inc": str(s["state"]["inc"]),
+            "has_uint32": int(s["has_uint32"]), "uinteger": int(s["uinteger"])}
 
 
 def numpy_state_from_json(d: dict) -> dict:
-    return {
-        "bit_generator": d["bit_generator"],
-        "state": {"state": int(d["state"]), "inc": int(d["inc"])},
-        "has_uint32": int(d["has_uint32"]),
-        "uinteger": int(d["uinteger"]),
-    }
+    return {"bit_generator": d["bit_generator"], "state": {"state": int(d["state"]), "inc": int(d["inc"])},
+            "has_uint32": int(d["has_uint32"]), "uinteger": int(d["uinteger"])}
 
 
 def python_state_to_json(r: random.Random) -> dict:

@@ -14,8 +14,7 @@ from pipeline.trainer.parallel import Shards
 
 @dataclass
 class Progress:
-    """Updates completed, how many of them were clipped, and the latest value of every metric (what run.json
-    and the final report show)."""
+    """Updates completed and clipped, the latest value of every metric (run.json's and the report's)."""
 
     step: int = 0
     metrics: dict = field(default_factory=dict)
@@ -36,10 +35,8 @@ class Progress:
             raise ValueError(f"ended {state['ended']!r} is not a reason")
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
+        self.step, self.ended, self.clipped = int(state["step"]), state["ended"], int(state["clipped"])
         self.metrics = {k: jsonio.number(v) for k, v in state["metrics"].items()}
-        self.ended = state["ended"]
-        self.clipped = int(state["clipped"])
 
 
 @dataclass
@@ -58,7 +55,7 @@ class TrainState:
     threads: int | None = None  # threads running the pieces (not semantic); None: the cores available
     stages: object = None  # the stages' states (pipeline.stages.base.StageStates); the run layer builds them
     progress: Progress = field(default_factory=Progress)
-    _runner: Shards | None = field(default=None, repr=False)
+    runner: Shards = field(init=False, repr=False)  # the shard runner: it pins BLAS to one thread until close()
 
     @property
     def step(self) -> int:
@@ -75,20 +72,12 @@ class TrainState:
     def __post_init__(self):
         # made with the state: from here on BLAS runs on one thread (the runner's pin), so every number the
         # state computes, inside the runner or not, is the same whatever the thread count
-        self._runner = Shards(self.shards, self.threads)
-
-    @property
-    def runner(self) -> Shards:
-        """The shard runner (pins BLAS to one thread until close())."""
-        if self._runner is None:
-            raise RuntimeError("this TrainState is closed")
-        return self._runner
+        self.runner = Shards(self.shards, self.threads)
 
     def close(self) -> None:
-        """Stop the shard runner's threads and give BLAS back its thread count; idempotent."""
-        if self._runner is not None:
-            self._runner.close()
-            self._runner = None
+        """Stop the shard runner's threads and give BLAS back its thread count; idempotent (a closed runner
+        refuses further calls)."""
+        self.runner.close()
 
     def parts(self) -> dict:
         """Every state machine of pipeline.stateful.PARTS under its checkpoint name."""

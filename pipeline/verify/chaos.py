@@ -26,11 +26,8 @@ def _command(argv: list[str], output_dir: Path) -> list[str]:
 
 
 def _run(cmd: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, **(env_extra or {})}
-    for k in ("PIPELINE_CHAOS", "PIPELINE_CHAOS_TRACE"):
-        if k not in (env_extra or {}):
-            env.pop(k, None)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PIPELINE_CHAOS", "PIPELINE_CHAOS_TRACE")}
+    return subprocess.run(cmd, env={**env, **(env_extra or {})}, capture_output=True, text=True)
 
 
 def _run_dir(output_dir: Path) -> RunDir:
@@ -41,12 +38,9 @@ def _run_dir(output_dir: Path) -> RunDir:
 
 
 def final_state(output_dir: Path) -> dict:
-    """What must be identical: every kept checkpoint's state files (by sha256) and links, the final state,
-    and every logged number."""
+    """What must be identical: every kept checkpoint's files (sha256) and links, the final state, every number."""
     rundir = _run_dir(output_dir)
-    kept = {}
-    for step, directory in rundir.store.steps():
-        kept[step] = file_hashes(verify(directory))
+    kept = {step: file_hashes(verify(directory)) for step, directory in rundir.store.steps()}
     final = rundir.store.link_step("final")
     _, extra = json_state(rundir.store.root / "final")
     lines = [{k: v for k, v in line.items() if k != "time"} for line in rundir.read_metrics()]
@@ -90,20 +84,16 @@ def run_chaos(config: dict, argv: list[str]) -> int:
         killed = _run(cmd, {"PIPELINE_CHAOS": f"{phase}:{k}"})
         record = {"trial": i, "phase": phase, "point": k, "killed": killed.returncode == -signal.SIGKILL}
         record["invalid_after_kill"] = invalid_visible_checkpoints(trial_dir)
-        reruns = 0
-        while True:
-            reruns += 1
+        for reruns in range(1, int(v["max_reruns"]) + 1):
             done = _run(cmd)
-            if done.returncode == 0 or reruns >= int(v["max_reruns"]):
+            if done.returncode == 0:
                 break
         record["reruns"], record["rerun_exit"] = reruns, done.returncode
         if done.returncode == 0:
             got = final_state(trial_dir)
             mismatched = [k for k in ("weights", "optim", "extra", "metrics", "step") if got[k] != reference[k]]
-            record["bit_exact"] = not mismatched
-            record["mismatched"] = mismatched
-            record["same_checkpoints_kept"] = (got["checkpoints"] == reference["checkpoints"]
-                                               and got["links"] == reference["links"])
+            record.update(bit_exact=not mismatched, mismatched=mismatched, same_checkpoints_kept=(
+                got["checkpoints"] == reference["checkpoints"] and got["links"] == reference["links"]))
         else:
             record["bit_exact"], record["error"] = False, done.stderr.strip()[-500:]
         by_phase[phase] += record["killed"]

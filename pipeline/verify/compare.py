@@ -1,5 +1,4 @@
-"""The one comparator of "the same state" (the verifier's summaries, roundtrip's state trees): exact is the same
-bytes; a tolerance loosens arrays only; a missing key, other structure or a non-finite array always fails."""
+"""The one comparator of "the same state" (the verifier's summaries, roundtrip's state trees)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +14,8 @@ RECORDS = {"records/ids": "data_iter", "records/lr": "scheduler", "records/loss"
 
 
 def diff(a, b, atol: float = 0.0, rtol: float = 0.0) -> dict:
-    """{'max_abs_diff', 'ok', 'detail'} for two leaves (arrays, or JSON values: max_abs_diff None)."""
+    """{'max_abs_diff', 'ok', 'detail'} for two leaves (arrays, or JSON values: max_abs_diff None): exact is the
+    same bytes; a tolerance loosens arrays only; a missing side, other structure or a non-finite array fails."""
     if a is MISSING or b is MISSING:
         return {"max_abs_diff": None, "ok": False, "detail": "missing on one side"}
     if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
@@ -50,8 +50,7 @@ def compare(reference: dict, other: dict, atol: float = 0.0, rtol: float = 0.0,
 
 
 def first_difference(a, b, name: str = "") -> str | None:
-    """Where two state trees (or two arrays) first differ, exactly, as "<path>: <why>"; None if they are the
-    same state."""
+    """Where two state trees (or two arrays) first differ, exactly, as "<path>: <why>"; None if they do not."""
     for key, r in compare(*(flat({name: t} if name else t) for t in (a, b))).items():
         if not r["ok"]:
             return f"{key}: {r['detail'] or 'values differ, by up to ' + repr(r['max_abs_diff'])}"

@@ -19,23 +19,18 @@ def verify_dir(config: dict) -> Path:
     return Path(config["paths"]["output_dir"]) / "verify" / run_name(config)
 
 
-def _worker(mode: str, config_path: Path, out: Path, cut: int, steps: int, checkpoint: Path | None) -> list[str]:
-    cmd = [sys.executable, "-m", "pipeline.verify.worker", "--config", str(config_path), "--mode", mode,
-           "--cut", str(cut), "--steps", str(steps), "--out", str(out / mode)]
-    if checkpoint is not None:
-        cmd += ["--checkpoint", str(checkpoint)]
-    return cmd
-
-
 def run_workers(config: dict, out: Path, cut: int, steps: int) -> tuple[list[list[str]], str | None]:
     """Runs the four processes (two at a time where they are independent); returns commands, error."""
     config_path = out / "config.json"
     config_path.write_bytes(jsonio.dumps(config))
-    ckpt = out / "interrupted" / "checkpoint"
-    first = [_worker("continuous", config_path, out, cut, steps, None),
-             _worker("interrupted", config_path, out, cut, steps, None)]
-    second = [_worker("resume", config_path, out, cut, steps, ckpt),
-              _worker("negative", config_path, out, cut, steps, ckpt)]
+    ckpt = ("--checkpoint", str(out / "interrupted" / "checkpoint"))
+
+    def worker(mode: str, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "pipeline.verify.worker", "--config", str(config_path), "--mode", mode,
+                "--cut", str(cut), "--steps", str(steps), "--out", str(out / mode), *extra]
+
+    first = [worker("continuous"), worker("interrupted")]
+    second = [worker("resume", *ckpt), worker("negative", *ckpt)]
     for batch in (first, second):
         procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in batch]
         for cmd, p in zip(batch, procs):
@@ -46,29 +41,24 @@ def run_workers(config: dict, out: Path, cut: int, steps: int) -> tuple[list[lis
     return first + second, None
 
 
-def _worst(results: dict[str, dict]) -> float | None:
-    values = [r["max_abs_diff"] for r in results.values() if r["max_abs_diff"] is not None]
+def _worst_weight(results: dict[str, dict]) -> float | None:
+    values = [r["max_abs_diff"] for k, r in results.items() if k.startswith("model/") and r["max_abs_diff"] is not None]
     return max(values) if values else None
 
 
 def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     """The verification report from the four summaries on disk."""
-    cont, cont_meta = read_summary(out / "continuous")
-    intr, intr_meta = read_summary(out / "interrupted")
-    res, res_meta = read_summary(out / "resume")
-    neg, neg_meta = read_summary(out / "negative")
+    (cont, cont_meta), (intr, intr_meta), (res, _), (neg, _) = (
+        read_summary(out / mode) for mode in ("continuous", "interrupted", "resume", "negative"))
     # The continuous run's per-update records after the cut line up with the resumed runs' records.
     after = {k: v[cut:] for k, v in cont.items() if k.startswith("records/")}
     cont_final = {**{k: v for k, v in cont.items() if not k.startswith("records/")}, **after}
-    comparisons = []
     pos = compare(cont_final, res, atol, rtol)
     negc = compare(cont_final, neg, atol, rtol)
-    for key in sorted(pos):
-        comparisons.append({"name": key, "state_machine": machine(key),
-                            "positive_max_abs_diff": pos[key]["max_abs_diff"],
-                            "negative_max_abs_diff": negc[key]["max_abs_diff"],
-                            "positive_agrees": pos[key]["ok"], "negative_diverges": not negc[key]["ok"],
-                            "detail": pos[key]["detail"] or negc[key]["detail"]})
+    comparisons = [{"name": key, "state_machine": machine(key), "positive_max_abs_diff": pos[key]["max_abs_diff"],
+                    "negative_max_abs_diff": negc[key]["max_abs_diff"], "positive_agrees": pos[key]["ok"],
+                    "negative_diverges": not negc[key]["ok"], "detail": pos[key]["detail"] or negc[key]["detail"]}
+                   for key in sorted(pos)]
     # Restored state at the cut against the interrupted process's state at the cut: names the culprit.
     restored, _ = read_summary(out / "resume", "restored")
     intr_state = {k: v for k, v in intr.items() if not k.startswith("records/")}
@@ -81,26 +71,21 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     negative = any(c["negative_diverges"] for c in comparisons if c["state_machine"] != "rng")
     # If no stream moved between the cut and the end, skipping the RNG restore cannot change anything.
     rng_moved = intr_meta["rng_states"] != cont_meta["rng_states"]
-    weights = {k: v for k, v in pos.items() if k.startswith("model/")}
-    weights_neg = {k: v for k, v in negc.items() if k.startswith("model/")}
+    runs = {"continuous": cont, "resume": res, "negative": neg}
+    eval_loss = {name: float(run["eval/losses"].mean()) for name, run in runs.items()}
     report = {
-        "positive": positive,
-        "negative_divergence_detected": negative,
-        "all_checks_passed": positive and negative,
-        "tolerance": {"atol": atol, "rtol": rtol, "mode": "exact (the same bytes)" if not (atol or rtol) else "allclose"},
-        "cut": cut, "steps": steps,
-        "cursor_at_cut": f"{intr_meta['cursor']}/{intr_meta['n_train']}",
+        "positive": positive, "negative_divergence_detected": negative, "all_checks_passed": positive and negative,
+        "tolerance": {"atol": atol, "rtol": rtol,
+                      "mode": "exact (the same bytes)" if not (atol or rtol) else "allclose"},
+        "cut": cut, "steps": steps, "cursor_at_cut": f"{intr_meta['cursor']}/{intr_meta['n_train']}",
         "epoch_at_cut": intr_meta["epoch"],
-        "next_lr": {"continuous": float(cont["scheduler/next_lr"][0]), "resume": float(res["scheduler/next_lr"][0]),
-                    "negative": float(neg["scheduler/next_lr"][0])},
-        "final_eval_loss": {"continuous": float(cont["eval/losses"].mean()), "resume": float(res["eval/losses"].mean()),
-                            "negative": float(neg["eval/losses"].mean())},
-        "max_weight_diff": {"positive": _worst(weights), "negative": _worst(weights_neg)},
-        "eval_loss_diff": {"positive": abs(float(cont["eval/losses"].mean()) - float(res["eval/losses"].mean())),
-                           "negative": abs(float(cont["eval/losses"].mean()) - float(neg["eval/losses"].mean()))},
+        "next_lr": {name: float(run["scheduler/next_lr"][0]) for name, run in runs.items()},
+        "final_eval_loss": eval_loss,
+        "max_weight_diff": {"positive": _worst_weight(pos), "negative": _worst_weight(negc)},
+        "eval_loss_diff": {side: abs(eval_loss["continuous"] - eval_loss[name])
+                           for side, name in (("positive", "resume"), ("negative", "negative"))},
         "failed_state_machines": sorted(set(trajectory_failures) | set(restore_failures)),
-        "restore_failures": restore_failures,
-        "comparisons": comparisons,
+        "restore_failures": restore_failures, "comparisons": comparisons,
         "restored_at_cut": [{"name": k, "state_machine": machine(k), **r} for k, r in at_cut.items()],
         "versions": versions(),
     }

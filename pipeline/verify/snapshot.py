@@ -1,9 +1,4 @@
-"""Everything a run's future depends on, as flat arrays and JSON, grouped by state machine.
-
-The arrays are the state tree the checkpoint holds (pipeline.stateful.capture: the one capture function), its
-numbers as 1-element arrays, plus what follows from it: the next lr, the data position, the next draw of
-every RNG stream (peeked, then put back) and the evaluation losses.
-"""
+"""Everything a run's future depends on, as flat arrays and JSON, grouped by state machine."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,7 +14,8 @@ MACHINES = tuple(p for p in PARTS if p != "stages")
 
 
 def snapshot(state) -> tuple[dict[str, np.ndarray], dict]:
-    """(arrays, json) keyed '<state machine>/<path>'; the RNG streams' next draws are peeked, not consumed."""
+    """(arrays, json) keyed '<state machine>/<path>': the checkpoint's state tree (its numbers as 1-element
+    arrays), the next lr, the data position, every stream's next draw (peeked, not consumed), the eval losses."""
     tree = copy_tree(capture(state.parts(), MACHINES))
     arrays: dict[str, np.ndarray] = {}
     for path, v in flat(tree).items():
