@@ -1,14 +1,4 @@
-"""What the tracker, the agent, the sweep callback and reindex share; imports nothing heavy (no mlflow).
-
-The run URI written into every manifest is the tracking URI followed by the mlflow UI's route to the run:
-
-    sqlite:////abs/outputs/mlflow.db#/experiments/1/runs/0123abcd...
-    http://127.0.0.1:5000#/experiments/1/runs/0123abcd...
-
-The part before `#` is what `mlflow ui --backend-store-uri ...` (or MLFLOW_TRACKING_URI) takes; the part
-after it, appended to the UI's address (http://127.0.0.1:5000/#/experiments/...), opens the run. For a
-tracking server the whole string is the run's page. `runs:/<run_id>` and bare run ids are accepted too.
-"""
+"""What the tracker, the agent, the sweep callback and reindex share; imports nothing heavy (no mlflow)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from pipeline.files.jsonio import flatten
+from pipeline.files.jsonio import NON_FINITE, flatten
 
 MAX_PARAM_VALUE = 6000  # mlflow's limit on a param value
 MAX_TAG_VALUE = 8000
@@ -28,11 +18,13 @@ _RUN_ROUTE = re.compile(r"^/?experiments/([^/]+)/runs/([0-9a-fA-F]{32})/?$")
 
 
 def run_uri(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """What a manifest's mlflow_run_uri says: the store (what `mlflow ui --backend-store-uri` takes) and, after
+    `#`, the UI's route to the run (for a tracking server the whole string is the run's page)."""
     return f"{tracking_uri}#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def parse_run_uri(uri: str | None) -> tuple[str | None, str | None, str | None]:
-    """(tracking_uri, experiment_id, run_id) of a manifest's mlflow_run_uri; Nones for what it does not say."""
+    """(tracking_uri, experiment_id, run_id) of a run_uri, `runs:/<id>` or a bare id; Nones for what it lacks."""
     if not uri or not isinstance(uri, str):
         return None, None, None
     if uri.startswith("runs:/"):
@@ -171,8 +163,7 @@ def machine_tags_of(config: dict) -> dict[str, str]:
 
 
 def tag_value(v) -> str:
-    s = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
-    return s[:MAX_TAG_VALUE]
+    return (v if isinstance(v, str) else json.dumps(v, sort_keys=True))[:MAX_TAG_VALUE]
 
 
 def tags_of(facts: dict, run_dir: str | Path, status: dict | None = None, job: dict | None = None) -> dict[str, str]:
@@ -211,20 +202,14 @@ def tags_of(facts: dict, run_dir: str | Path, status: dict | None = None, job: d
 
 def metric_points(line: dict) -> list[tuple[str, float, int, int]]:
     """(key, value, timestamp ms, step) for every metric of one metrics.jsonl line."""
-    ts = int(float(line.get("time", 0.0)) * 1000)
-    step = int(line["step"])
-    from pipeline.files.jsonio import NON_FINITE
-
+    ts, step = int(float(line.get("time", 0.0)) * 1000), int(line["step"])
     return [(k, float(NON_FINITE.get(v, v)) if isinstance(v, str) else float(v), ts, step) for k, v in line.items()
             if k not in NON_METRIC_KEYS and (isinstance(v, (int, float)) and not isinstance(v, bool) or v in NON_FINITE)]
 
 
 def is_mlflow_tracking(tracking) -> bool:
     """True when a `tracking` config node selects the mlflow tracker (mlflow or server), False for none."""
-    if tracking is None:
-        return False
     try:
-        target = tracking.get("_target_")
-    except AttributeError:
+        return tracking.get("_target_") in TRACKER_TARGETS
+    except AttributeError:  # None, or not a node
         return False
-    return target in TRACKER_TARGETS

@@ -1,12 +1,9 @@
-"""One run directory (or one sweep) into the mlflow index, from what is on disk: the same code for the live
-agent at a run's end and for `pipeline.reindex`, so a run indexed live and re-indexed later look the same.
-
-The disk is the truth and mlflow the index: tags and status follow the disk; mlflow cannot change a logged
-param or delete a metric point, so a changed param becomes a `params_changed.<key>` tag and points are
-only ever added. Every function adds only what is missing: running it twice adds nothing. Imports mlflow.
-"""
+"""A run directory (or a sweep) into the mlflow index from the disk, the truth: for the agent and reindex alike."""
 from __future__ import annotations
 
+import math
+import os
+import socket
 import stat
 from pathlib import Path
 
@@ -15,8 +12,9 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import json_state, manifest_file, read_manifest, weights_file
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.tracking import store
-from pipeline.tracking.common import (CURVES_ARTIFACT, params_of,
-                                      parse_run_uri, run_uri, tag_value, tags_of)
+from pipeline.tracking.common import (CURVES_ARTIFACT, metric_points, params_of, parse_run_uri, run_uri, tag_value,
+                                      tags_of)
+from pipeline.trainer import curves
 
 MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
 STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
@@ -35,13 +33,6 @@ def manifests(rundir: RunDir, damaged: list[str] | None = None) -> list[tuple[Pa
     return out
 
 
-def mlflow_status(rundir: RunDir, status: dict) -> str | None:
-    name = status.get("status")
-    if name == "running" and not rundir.in_use():
-        return "FAILED"  # the process died running
-    return STATUS_OF_RUN_JSON.get(name)
-
-
 def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
     """{"best/<monitor>": (value, step)} from the best-val stages' state in a checkpoint's extra.json."""
     try:
@@ -57,30 +48,15 @@ def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
     return out
 
 
-def find_or_create(client, uri: str, run_dir: Path, experiment: str, artifact_root: str | None, candidates: list,
-                   tags: dict, start_time: float):
-    run = store.find_run(client, str(run_dir), candidates)
-    if run is not None:
-        return run, False
-    experiment_id = store.ensure_experiment(client, experiment, artifact_root)
-    return store.create_run(client, experiment_id, tags, start_time), True
-
-
 def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None = None,
              job: dict | None = None, artifacts: bool = True) -> dict:
-    """Make the mlflow run of `run_dir` hold everything the directory does; returns what was added.
-
-    `parent` ({"run_id", "experiment_id"}) links it under a sweep's parent run (a run already under
-    another parent keeps it); `job` adds the sweep job's tags (name of swept values, overrides, number).
-    The run is complete (params, tags, every point, its status) before its artifacts are logged; with
-    artifacts=False they are left to sync_run_artifacts (the agent completes every waiting run first).
-    """
+    """Make the mlflow run of `run_dir` hold everything the directory does (under `parent`, unless it is under
+    another one already; with a sweep `job`'s tags); returns what was added. Its params, tags, points and
+    status come before its artifacts; artifacts=False leaves them to sync_run_artifacts."""
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
-    added = {"created": 0, "params": 0, "tags": 0, "points": 0, "artifacts": 0, "status": 0}
-    damaged: list[str] = []
-    found = manifests(rundir, damaged)
-    added["damaged"] = damaged
+    added = {"created": 0, "params": 0, "tags": 0, "points": 0, "artifacts": 0, "status": 0, "damaged": []}
+    found = manifests(rundir, added["damaged"])
     if not found:
         return {**added, "skipped": "no checkpoint manifest"}
     newest = found[-1][1]
@@ -95,10 +71,12 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     tags = tags_of(newest, run_dir, status, job)
     if parent is not None:
         tags["mlflow.parentRunId"] = parent["run_id"]
-    experiment = (config.get("tracking") or {}).get("experiment") or config.get("name") or "default"
-    started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
-    run, created = find_or_create(client, uri, run_dir, str(experiment), artifact_root, candidates, tags, started)
-    added["created"] = int(created)
+    run = store.find_run(client, str(run_dir), candidates)
+    if run is None:
+        experiment = (config.get("tracking") or {}).get("experiment") or config.get("name") or "default"
+        started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
+        run = store.create_run(client, store.ensure_experiment(client, str(experiment), artifact_root), tags, started)
+        added["created"] = 1
     if run.data.tags.get("mlflow.parentRunId") not in (None, tags.get("mlflow.parentRunId")):
         # it stays with its first sweep (and that sweep's job name and number)
         tags = {k: v for k, v in tags.items() if not k.startswith("sweep.") and k != "mlflow.runName"}
@@ -107,8 +85,9 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     added["params"] = store.sync_params(client, run, params_of(config))
     added["tags"] = store.sync_tags(client, run, tags)
     latest = {}
-    for p in store.points_of(lines):
-        latest[(p[0], p[3])] = p  # a step logged twice in the file: its last line
+    for line in lines:
+        for p in metric_points(line):
+            latest[(p[0], p[3])] = p  # a step logged twice in the file: its last line
     best = best_metrics(found[-1][0])
     when = {p[3]: p[2] for p in latest.values()}  # step -> its metrics.jsonl time: the same in every rebuild
     for key, (value, step) in best.items():
@@ -118,7 +97,8 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         latest[("best/step", step)] = ("best/step", float(step), when.get(step, 0), step)
     logged = store.logged_steps(client, run_id, {k for k, _ in latest})
     added["points"] = store.log_points(client, run_id, [p for key, p in latest.items() if key not in logged])
-    mstatus = mlflow_status(rundir, status)
+    name = status.get("status")  # "running" with nobody in the run directory: the process died running
+    mstatus = "FAILED" if name == "running" and not rundir.in_use() else STATUS_OF_RUN_JSON.get(name)
     if mstatus and client.get_run(run_id).info.status != mstatus:
         end = status.get("ended_at") or status.get("updated") or run_dir.stat().st_mtime
         client.set_terminated(run_id, status=mstatus, end_time=int(end * 1000))
@@ -200,7 +180,7 @@ def curves_png(rundir: RunDir, lines: list) -> bytes | None:
             return own.read_bytes()
     except OSError:
         pass
-    return store.curves_bytes(lines)
+    return curves.draw(lines)  # the job's own drawing: the same lines give the same bytes
 
 
 SWEEP_STATUS = {"complete": "FINISHED", "failed": "FAILED", "interrupted": "KILLED", "running": "RUNNING"}
@@ -256,8 +236,6 @@ def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, s
 def objective_points(sweep: dict, jobs: dict[int, dict]) -> list[tuple[str, float, int, int]]:
     """The parent's objective: at step n, the best of jobs 0..n, for the jobs before the first that has not
     completed (each point is then final: a job re-run later cannot change it); the latest is the best."""
-    import math
-
     key, maximize = sweep.get("objective", "objective"), sweep.get("direction") == "maximize"
     ts, best, out = int(float(sweep.get("started") or 0) * 1000), None, []
     for n in sorted(jobs):
@@ -343,9 +321,6 @@ def _ms(t) -> int | None:
 
 def _alive(sweep: dict) -> bool:
     """Whether the process that launched a sweep still runs (a sweep launched on another host: assume so)."""
-    import os
-    import socket
-
     if sweep.get("host") != socket.gethostname() or not isinstance(sweep.get("pid"), int):
         return True
     try:

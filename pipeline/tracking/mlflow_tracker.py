@@ -1,25 +1,7 @@
 """The mlflow tracker the training process holds: every call enqueues and returns; mlflow lives in the agent.
 
-The agent (pipeline/tracking/agent.py) is one helper process per machine and tracking URI, found or started
-by pipeline/tracking/link.py as soon as the job knows its URI (before building the data and the model), so
-`import mlflow` and opening the store overlap with the job's own start. It finds or creates the run, logs
-metrics in batches while training goes on, and at the end indexes the whole run directory (the same code
-as `pipeline.reindex`). One mlflow run per run directory: a resumed job continues its run.
-
-A job never waits on the index beyond `wait` seconds in all (1 s by default, whatever the load): for the
-run's URI at its last checkpoint (a manifest written before the URI is known says null; run.json and the
-run's `run_dir` tag link the two once the agent has the run), and for its last messages to be on their way
-at its end. It then hands over and leaves: the agent indexes the run directory after the job has gone, and
-records the run's URI in run.json (`python -m pipeline.reindex` completes anything it could not).
-
-Inside a SLURM job (SLURM_JOB_ID set) a run that ends for good is waited for, at the process's exit, until
-the agent has completed it (at most SLURM_WAIT): SLURM ends every process of a job when the job ends, so an
-agent a job started (the first job on a node does) dies with it, and what it had not indexed yet is lost
-until a reindex. A stopped run (KILLED: a time limit, a preemption) is not waited for: it has a deadline,
-and the requeued job's own end indexes the whole run directory.
-
-A tracking failure (mlflow missing, store unusable, server down) warns once and turns tracking off for the
-rest of the run; training and its manifests go on.
+A job waits on tracking at most `wait` seconds in all, then hands its run over and leaves: the agent indexes
+the run directory once the job has gone. A tracking failure warns once and turns tracking off for the run.
 """
 from __future__ import annotations
 
@@ -38,8 +20,8 @@ from pipeline.run.tracker import Tracker
 from pipeline.tracking.common import artifact_root, normalize_tracking_uri, params_of, store_problem, tags_of
 
 log = logging.getLogger("pipeline")
-# Seconds a process inside a SLURM job waits at its exit for the agent to complete its runs (the pre-agent
-# flush bound was 20 s; artifacts take seconds on a loaded machine): the job's allocation is held that long.
+# Seconds a process inside a SLURM job waits at its exit for the agent to complete its runs: SLURM ends every
+# process of a job with it, an agent the job started among them. Artifacts take seconds on a loaded machine.
 SLURM_WAIT = 60.0
 
 
@@ -117,14 +99,16 @@ class MlflowTracker(Tracker):
         except OSError as e:
             self._fail(f"no tracking agent: {e}")
 
+    def _linked(self) -> bool:
+        """Whether tracking is on, the agent found or started now if prepare() was not called."""
+        if self.link is None and not self.failed:
+            self.prepare()
+        return not self.failed
+
     def start(self, *, config: dict, facts: dict, run_dir: Path, previous_run_uri: str | None,
               status: dict | None = None, start_time: float | None = None) -> None:
-        if self.failed:
+        if not self._linked():
             return
-        if self.link is None:
-            self.prepare()
-            if self.failed:
-                return
         log.info("mlflow: tracking into %s (experiment %s)", self.uri, self.experiment)
         self.sid = self.link.register(self)
         self.link.send({"op": "open", "sid": self.sid, "uri": self.uri, "experiment": self.experiment,
@@ -135,12 +119,8 @@ class MlflowTracker(Tracker):
     def attach(self, run_dir: Path) -> str | None:
         """A sweep job whose run was complete before it started: have it indexed under the sweep; its URI
         if the agent answers within the job's bound on waiting (else the agent goes on after the job)."""
-        if self.failed or self.parent is None:
+        if self.parent is None or not self._linked():
             return None
-        if self.link is None:
-            self.prepare()
-            if self.failed:
-                return None
         from pipeline.tracking.link import Request
 
         req = Request()

@@ -1,8 +1,6 @@
-"""The mlflow side: open a store, find or create a run, and add to it only what is missing.
+"""The mlflow side (live agent, sweep parents, reindex): open a store, find or create a run, add what is missing.
 
-Used by the tracking agent (live runs), the sweep callback (parent runs) and `pipeline.reindex` (the index
-rebuilt from disk), so a run indexed live and the same run re-indexed later look the same. Imports mlflow:
-never import this module from the training process (the agent and the launcher do).
+Imports mlflow: never import this module from the training process (the agent and the launcher do).
 """
 from __future__ import annotations
 
@@ -27,8 +25,8 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 for _name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." etc.
     logging.getLogger(_name).setLevel(logging.WARNING)
 
-from pipeline.tracking.common import (CURVES_ARTIFACT, EXPERIMENT_KIND, EXPERIMENT_KIND_TAG,  # noqa: E402
-                                      artifact_location_uri, metric_points, sqlite_path, tag_value)
+from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri,  # noqa: E402
+                                      sqlite_path, tag_value)
 from pipeline.tracking.common import artifact_root as common_artifact_root  # noqa: E402
 
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
@@ -56,10 +54,9 @@ def _first_line(e: BaseException) -> str:
 
 
 def template_db() -> Path | None:
-    """One migrated, empty sqlite store per mlflow version and machine user, made once with mlflow's own API
-    under a lock, in $XDG_CACHE_HOME/pipeline (~/.cache/pipeline): a fresh output directory gets a copy of it
-    instead of running the schema migrations (2-4 s). It holds no experiment: the copy's first open makes
-    its Default experiment, keeping artifacts where that store's caller says. None if it cannot be made."""
+    """One migrated, empty sqlite store per mlflow version and user in $XDG_CACHE_HOME/pipeline, made once under
+    a lock: a fresh store is a copy of it, not 2-4 s of schema migrations. It holds no experiment (each copy
+    makes its own Default one, keeping artifacts where its caller says). None if it cannot be made."""
     import mlflow
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
@@ -139,10 +136,8 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
-    """The experiment's id, creating it or restoring it if deleted; marked as a machine-learning experiment
-    (mlflow's EXPERIMENT_KIND_TAG) if it is not marked yet. A new one keeps its artifacts where
-    common.artifact_root says for this store: <artifact_root>/<name> for a sqlite or file store, the
-    server's choice for a tracking server."""
+    """The experiment's id, created (its artifacts in <artifact_root>/<name>, or where a server says) or
+    restored if deleted; marked as a machine-learning experiment (EXPERIMENT_KIND_TAG) if it is not yet."""
     exp = client.get_experiment_by_name(name)
     if exp is None:
         location = None
@@ -177,6 +172,15 @@ def _quote(s: str) -> str:
     return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def _first(client: MlflowClient, ids: list[str], where: str, order: str):
+    """The first run found by `where` in these experiments (searched 100 at a time), or None."""
+    for i in range(0, len(ids), 100):
+        found = client.search_runs(ids[i:i + 100], filter_string=where, max_results=1, order_by=[order])
+        if found:
+            return found[0]
+    return None
+
+
 def find_run(client: MlflowClient, run_dir: str, candidates: list[str] = ()):
     """The run indexing `run_dir`: a candidate id (from a manifest) whose run_dir tag agrees, else the newest run
     tagged with it; None if there is none. A candidate of another run directory (a fork) is not this run."""
@@ -189,24 +193,14 @@ def find_run(client: MlflowClient, run_dir: str, candidates: list[str] = ()):
             continue
         if run.info.lifecycle_stage == "active" and run.data.tags.get("run_dir") in (None, run_dir):
             return run
-    ids = all_experiment_ids(client)
-    for i in range(0, len(ids), 100):
-        found = client.search_runs(ids[i:i + 100], filter_string=f"tags.run_dir = {_quote(run_dir)}",
-                                   max_results=1, order_by=["attributes.start_time DESC"])
-        if found:
-            return found[0]
-    return None
+    return _first(client, all_experiment_ids(client), f"tags.run_dir = {_quote(run_dir)}",
+                  "attributes.start_time DESC")
 
 
 def find_parent(client: MlflowClient, sweep_id: str, experiment_id: str | None = None):
     """The parent run of the sweep with this id (the first made, if several), or None."""
-    ids = [experiment_id] if experiment_id else all_experiment_ids(client)
-    for i in range(0, len(ids), 100):
-        found = client.search_runs(ids[i:i + 100], f"tags.`sweep.id` = {_quote(sweep_id)} and tags.sweep = 'parent'",
-                                   max_results=1, order_by=["attributes.start_time ASC"])
-        if found:
-            return found[0]
-    return None
+    return _first(client, [experiment_id] if experiment_id else all_experiment_ids(client),
+                  f"tags.`sweep.id` = {_quote(sweep_id)} and tags.sweep = 'parent'", "attributes.start_time ASC")
 
 
 def create_run(client: MlflowClient, experiment_id: str, tags: dict, start_time: float | None = None):
@@ -247,10 +241,6 @@ def log_points(client: MlflowClient, run_id: str, points: list[tuple[str, float,
     for i in range(0, len(metrics), METRICS_PER_BATCH):
         client.log_batch(run_id, metrics=metrics[i:i + METRICS_PER_BATCH])
     return len(metrics)
-
-
-def points_of(lines: list[dict]) -> list[tuple[str, float, int, int]]:
-    return [p for line in lines for p in metric_points(line)]
 
 
 def artifact_repo(client: MlflowClient, run_id: str):
@@ -296,14 +286,6 @@ def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, i
         else:
             out[info.path] = info.file_size
     return out
-
-
-def curves_bytes(lines: list[dict]) -> bytes | None:
-    """The curves drawn from these metrics.jsonl lines, as PNG bytes (pipeline.trainer.curves, the job's own
-    drawing: the same lines give the same bytes); None when there is nothing to draw."""
-    from pipeline.trainer import curves
-
-    return curves.draw(lines)
 
 
 def artifact_bytes(repo, path: str, sizes: dict[str, int] | None = None, limit: int = 64 << 20) -> bytes | None:

@@ -1,19 +1,4 @@
-"""The table a sweep ends with: each job's swept values, objective and status, the winner, where the parent is.
-
-A pure function of the sweep's records (sweep.json and jobs/*.json, as the sweep callback wrote them), so
-what the console says and what the parent run's `best.*` tags say come from the same records and the same
-choice of winner (sweep_callback.best_job). At most MAX_ROWS jobs are listed: all of them in job order if
-they fit, else the best MAX_ROWS in rank order and a line saying how many more there are and where:
-
-    sweep kernodeck-0123456789ab: 3 jobs (2 complete, 1 failed), best/val/loss (min)
-        job  optimizer.lr  best/val/loss  status
-      *   0  0.01               0.41234  complete
-          1  0.03               0.50123  complete
-          2  0.1                      -  failed
-    best: job 0 (optimizer.lr=0.01) sqlite:////abs/outputs/mlflow.db#/experiments/1/runs/0123...
-    parent: sqlite:////abs/outputs/mlflow.db#/experiments/1/runs/4567...
-    its runs: `mlflow ui --backend-store-uri sqlite:////abs/...`, then http://127.0.0.1:5000/#/experiments/1?workflowType=machine_learning
-"""
+"""The table a sweep ends with (README, Sweeps): a pure function of sweep.json and jobs/*.json."""
 from __future__ import annotations
 
 import math
@@ -48,8 +33,8 @@ def _cell(text: str) -> str:
 
 
 def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: list[str]) -> list[str]:
-    """The lines a sweep ends with (no trailing newlines). `best` is the winning job's record (or None),
-    `parent` says where the parent run is ("not tracked" with tracking=none), then any further lines."""
+    """The lines a sweep ends with: every job in job order if at most MAX_ROWS, else the best MAX_ROWS; `best` is
+    the winning job's record (sweep_callback.best_job, as the parent's best.* tags), `parent` where that run is."""
     keys = list(sweep.get("swept") or {})
     objective = str(sweep.get("objective") or "objective")
     direction = sweep.get("direction", "minimize")

@@ -1,24 +1,10 @@
-"""A Hydra callback that makes a multirun one sweep: a stable identity and directory, signals that reach
-every job, failures that fail only their job, and (with mlflow tracking) one parent run with a child per job.
+"""The Hydra callback (conf/config.yaml's hydra.callbacks) that makes a multirun one sweep, and its end.
 
-Configured under `hydra.callbacks` in conf/config.yaml; nothing happens in a single run.
-
-- on_multirun_start (the launching process, before any job): the sweep's identity is the hash of its
-  overrides (machine keys left out) and its sweeper's settings, so re-running the identical command is the
-  same sweep: the same directory `<output_dir>/sweeps/<name>-<id>/` (multirun.yaml, the sweeper's results,
-  sweep.json, jobs/<num>.json) and, with mlflow tracking, the same parent run. Signals are passed on to the
-  running jobs from now on (pipeline/run/signals.py). The parent is created (or found) through the machine's
-  tracking agent, which the jobs name it to by the sweep's id. For the Optuna sweeper, the direction
-  follows best-val's mode unless set on the command line.
-- each job's process: the Hydra task builds the job's SweepJob (job_of: its parent, its name from the swept
-  values, its number) from sweep.json, and the job records itself in jobs/<num>.json at its end (run
-  directory, status, objective, error; pipeline/run/sweep.py).
-- on_multirun_end, or the entry point when the sweeper raised (end_unfinished): sweep.json gets the outcome
-  and the parent is completed from the sweep directory (pipeline/tracking/index.py, as `reindex` would):
-  status (KILLED if interrupted, FAILED if a job failed), which jobs failed and why, the best child,
-  multirun.yaml and the sweeper's results as artifacts; on_multirun_end then prints the sweep's table and
-  exits with its code. Neither end waits for mlflow: the agent does this after the launcher exits (on SLURM
-  the end waits for it, bounded: the agent may be one a job started, which SLURM ends with it).
+Its identity is the hash of its overrides (machine keys left out) and its sweeper's settings: the identical
+command is the same sweep (directory, parent run, Optuna study). The launcher writes sweep.json before any job;
+each job reads its place from it (job_of) and records itself in jobs/<num>.json; the end is made from those
+files. The parent run is made and completed by the machine's tracking agent, which nobody waits for (except
+on SLURM: there the agent may be one a job started, which SLURM ends with it).
 """
 from __future__ import annotations
 
@@ -27,6 +13,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -74,8 +61,6 @@ def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, s
 def _stop(code: int, message: str) -> None:
     """End the launching process in one line: Hydra turns a callback's exception into a warning and goes on,
     but lets SystemExit through."""
-    import sys
-
     print(f"pipeline: {message}", file=sys.stderr)
     raise SystemExit(code)
 
@@ -83,8 +68,6 @@ def _stop(code: int, message: str) -> None:
 def job_count(task_overrides: list[str], sweeper: dict) -> int:
     """How many jobs a sweep asks for, without expanding it: a sweeper's n_trials (Optuna), else the product
     of the sweep overrides' lengths (a glob of a group's options counts as one: a group has few)."""
-    import math as m
-
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
 
@@ -97,7 +80,7 @@ def job_count(task_overrides: list[str], sweeper: dict) -> int:
         if isinstance(value, ChoiceSweep):
             n *= len(value.list)
         elif isinstance(value, RangeSweep) and value.step:
-            n *= max(0, m.ceil((value.stop - value.start) / value.step))
+            n *= max(0, math.ceil((value.stop - value.start) / value.step))
     return n
 
 
@@ -153,7 +136,6 @@ def job_of(hydra_cfg) -> SweepJob:
 class MlflowSweepCallback(Callback):
     def __init__(self) -> None:
         self.sweep: dict | None = None  # what sweep.json says: id, dir, name, swept, uri, direction, status ...
-        self.slurm = False  # a SLURM sweep, or a launcher inside a SLURM job: its end waits for the parent
         self.parent_request = None  # the agent's answer to parent_start, in the launching process only
 
     def __getstate__(self) -> dict:
@@ -182,13 +164,11 @@ class MlflowSweepCallback(Callback):
         directory = ensure_dirs(output_dir, "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
         os.environ[SWEEP_DIR_ENV] = str(directory)  # hydra.sweep.dir follows it, here and in every job
         SIGNALS_STATE.sweeping(directory, slurm_jobs=_slurm_jobs(hydra.launcher))
-        from pipeline.tracking.mlflow_tracker import in_slurm_job
-
-        self.slurm = _slurm_jobs(hydra.launcher) is not None or in_slurm_job()
         stages = _plain(config.get("stages")) or {}
         mode = (stages.get("best_val") or {}).get("mode", "min")
         direction = "maximize" if mode == "max" else "minimize"
-        if "optuna" in str(sweeper.get("_target_", "")) and not any(
+        optuna = "optuna" in str(sweeper.get("_target_", ""))
+        if optuna and not any(
                 o.startswith(("hydra.sweeper.direction=", "++hydra.sweeper.direction=")) for o in hydra.overrides.hydra):
             with open_dict(hydra.sweeper):
                 hydra.sweeper.direction = direction  # what the jobs return is best-val's best: minimise or maximise
@@ -199,7 +179,7 @@ class MlflowSweepCallback(Callback):
         except (OSError, ValueError):
             previous = {}
         started = previous.get("started") if isinstance(previous.get("started"), (int, float)) else time.time()
-        offset = _optuna_study(hydra, sweeper, directory, sweep_id) if "optuna" in str(sweeper.get("_target_", "")) else 0
+        offset = _optuna_study(hydra, sweeper, directory, sweep_id) if optuna else 0
         self.sweep = {"id": sweep_id, "dir": str(directory), "name": identity["name"],
                       "swept": swept(task, sweeper.get("params")), "direction": direction,
                       "objective": str(config.get("optimized_metric") or f"best/{(stages.get('best_val') or {}).get('monitor', 'val/loss')}"),
@@ -235,7 +215,7 @@ class MlflowSweepCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         if self.sweep is not None:
-            exit_for(end(self.sweep, None, self.slurm, self.parent_request))
+            exit_for(end(self.sweep, None, self.parent_request))
 
 
 def end_unfinished(error: str) -> bool:
@@ -248,13 +228,11 @@ def end_unfinished(error: str) -> bool:
         return False
     if (sweep.get("pid"), sweep.get("host"), sweep.get("status")) != (os.getpid(), socket.gethostname(), "running"):
         return False
-    from pipeline.tracking.mlflow_tracker import in_slurm_job
-
-    end(sweep, error, str(sweep.get("launcher", "")).endswith("SlurmLauncher") or in_slurm_job())
+    end(sweep, error)
     return True
 
 
-def end(sweep: dict, error: str | None, slurm: bool, parent_request=None) -> dict:
+def end(sweep: dict, error: str | None, parent_request=None) -> dict:
     """The sweep's outcome from its jobs' records, recorded in sweep.json and its parent run; returns
     {"status", "failed", "jobs", "table"}. `parent_request`: the agent's answer to parent_start, if known."""
     directory = Path(sweep["dir"])
@@ -266,7 +244,7 @@ def end(sweep: dict, error: str | None, slurm: bool, parent_request=None) -> dic
     replace_file(directory / "sweep.json", jsonio.dumps(sweep))
     answer = parent_request.event if parent_request is not None else None
     if parent_of(sweep) is not None:
-        _end_parent(sweep, slurm, answer)
+        _end_parent(sweep, answer)
     from pipeline.tracking.summary import sweep_table
 
     table = sweep_table(sweep, jobs, best_job(jobs, sweep["direction"]), _where_parent(sweep, answer))
@@ -276,8 +254,6 @@ def end(sweep: dict, error: str | None, slurm: bool, parent_request=None) -> dic
 def exit_for(summary: dict) -> None:
     """A sweep ends with its table (stderr, beside the verdict) and exits 0 only if every job completed: 75
     if it was interrupted, else the first failure's code."""
-    import sys
-
     for line in summary["table"]:
         print(line, file=sys.stderr)
     failed = summary["failed"]
@@ -291,20 +267,19 @@ def exit_for(summary: dict) -> None:
         raise SystemExit(min(int(j.get("code", 1)) for j in failed.values()))
 
 
-def _end_parent(sweep: dict, slurm: bool, answer: dict | None) -> None:
-    """Hand the parent's end to the agent, which completes it from the sweep directory (naming the parent by
-    the sweep's id, as the jobs do); `python -m pipeline.reindex` if it cannot. Not waited for (at most
-    END_WAIT for the message to be on its way), except on SLURM: there the agent may be one a job started,
-    which SLURM ends with that job, and a SLURM sweep's launcher has waited for its jobs anyway; it waits at
-    most SLURM_WAIT for the parent to be complete and says how it ended."""
+def _end_parent(sweep: dict, answer: dict | None) -> None:
+    """Hand the parent's end to the agent (naming the parent by the sweep's id, as the jobs do). Not waited for
+    (at most END_WAIT for the message to be on its way), except by a SLURM sweep or a launcher inside a SLURM
+    job, which waits at most SLURM_WAIT for the parent to be complete (its launcher has waited for its jobs
+    anyway) and says how it ended."""
     from pipeline.tracking.link import Request, agent_for
-    from pipeline.tracking.mlflow_tracker import SLURM_WAIT
+    from pipeline.tracking.mlflow_tracker import SLURM_WAIT, in_slurm_job
 
     link, done = agent_for(sweep["uri"]), Request()
     link.send({"op": "sweep_end", "sid": link.register(done), "uri": sweep["uri"], "sweep_dir": sweep["dir"],
                "parent": parent_of(sweep)})
     link.drain(END_WAIT)
-    if not slurm:
+    if not (str(sweep.get("launcher", "")).endswith("SlurmLauncher") or in_slurm_job()):
         _say_parent(sweep, answer)
         return
     ended = done.event if done.done.wait(SLURM_WAIT) else None
