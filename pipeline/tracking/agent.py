@@ -189,7 +189,7 @@ class Agent:
             started = time.monotonic()
             try:
                 if "run_id" in r:
-                    self.index.sync_run_artifacts(s.client, r["run_id"], Path(m["run_dir"]), bool(r["points"]))
+                    self.index.sync_run_artifacts(s.client, r["run_id"], Path(m["run_dir"]))
                     trace("finish: its artifacts", started)
                 s.conn.send({"sid": s.sid, "event": "finished"})
             except Exception as e:  # noqa: BLE001

@@ -1,7 +1,6 @@
 """A run directory (or a sweep) into the mlflow index from the disk, the truth: for the agent and reindex alike."""
 from __future__ import annotations
 
-import math
 import os
 import socket
 import stat
@@ -14,6 +13,7 @@ from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.tracking import store
 from pipeline.tracking.common import (CURVES_ARTIFACT, metric_points, params_of, parse_run_uri, run_uri, tag_value,
                                       tags_of)
+from pipeline.tracking.summary import best_job, finite
 from pipeline.trainer import curves
 
 MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
@@ -21,8 +21,7 @@ STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "
 
 
 def manifests(rundir: RunDir, damaged: list[str] | None = None) -> list[tuple[Path, dict]]:
-    """(directory, manifest) of every checkpoint whose manifest reads; the one-line reason of each other one
-    appended to `damaged` (reindex names them: a damaged checkpoint is never skipped without a word)."""
+    """(directory, manifest) of every checkpoint whose manifest reads; each other one's reason into `damaged`."""
     out = []
     for _, directory in rundir.store.steps():
         try:
@@ -105,20 +104,19 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         added["status"] = 1
     record_run_uri(rundir, run_uri(uri, run.info.experiment_id, run_id))
     if artifacts:
-        added["artifacts"] = sync_artifacts(client, run_id, rundir, found, lines, bool(added["points"]))
+        added["artifacts"] = sync_artifacts(client, run_id, rundir, found, lines)
     return {**added, "run_id": run_id, "experiment_id": run.info.experiment_id, "status_now": mstatus}
 
 
-def sync_run_artifacts(client, run_id: str, run_dir: Path, new_points: bool = False) -> int:
+def sync_run_artifacts(client, run_id: str, run_dir: Path) -> int:
     """The artifacts part of sync_run, for a run whose rest sync_run(artifacts=False) has done."""
     rundir = RunDir(Path(run_dir).resolve())
-    return sync_artifacts(client, run_id, rundir, manifests(rundir), rundir.read_metrics(), new_points)
+    return sync_artifacts(client, run_id, rundir, manifests(rundir), rundir.read_metrics())
 
 
 def record_run_uri(rundir: RunDir, uri: str) -> bool:
-    """run.json names the run's mlflow run (`mlflow_run_uri`): the disk's link to the index, also when the
-    manifests were written before the URI was known (they say null). Written by whoever holds the run's lock
-    (never beside a running job: it rewrites run.json); False, changing nothing, if a job holds it now."""
+    """run.json names the run's mlflow run (its manifests may say null), written under the run's lock (it rewrites
+    run.json: never beside a running job); False, changing nothing, if a job holds it now."""
     status = rundir.read_status()
     if not status or status.get("mlflow_run_uri") == uri:
         return True  # nothing to link (no run.json: never made here), or linked already
@@ -136,7 +134,7 @@ def record_run_uri(rundir: RunDir, uri: str) -> bool:
     return True
 
 
-def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list, new_points: bool) -> int:
+def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list) -> int:
     repo = store.artifact_repo(client, run_id)
     have = store.artifact_sizes(repo)
     final = rundir.store.link_dir("final")
@@ -171,8 +169,7 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
 
 
 def curves_png(rundir: RunDir, lines: list) -> bytes | None:
-    """The run's loss/lr curves as PNG bytes: the run directory's own curves.png when it is current (written
-    after the last metrics line), else drawn here from the whole metrics.jsonl; None with nothing to draw."""
+    """The run directory's own curves.png if written after the last metrics line, else drawn from metrics.jsonl."""
     own = rundir.path / CURVES_ARTIFACT
     try:
         if own.is_file() and own.stat().st_size <= MAX_CURVES_BYTES and \
@@ -207,11 +204,8 @@ def identity_tags(sweep: dict) -> dict[str, str]:
 
 
 def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, str], str]:
-    """Every tag of a sweep's parent run and its mlflow status, from sweep.json and jobs/*.json alone (the
-    live agent and reindex both call this): counts, the failures as the jobs' records say them now, the best
-    job and the run that indexes its run directory in THIS store."""
-    from pipeline.tracking.sweep_callback import best_job
-
+    """Every tag of a sweep's parent run and its mlflow status, from sweep.json and jobs/*.json alone: counts, the
+    failures as the jobs' records say them now, the best job and the run of its run directory in THIS store."""
     tags = identity_tags(sweep)
     failed = {n: j for n, j in sorted(jobs.items()) if j.get("status") != "complete"}
     tags.update({"sweep.jobs": str(len(jobs)), "sweep.failed": str(len(failed))})
@@ -242,9 +236,7 @@ def objective_points(sweep: dict, jobs: dict[int, dict]) -> list[tuple[str, floa
         job = jobs[n]
         if job.get("status") != "complete":
             break
-        value = job.get("objective")
-        if isinstance(value, (int, float)) and math.isfinite(jsonio.number(value)):
-            value = float(value)
+        if (value := finite(job.get("objective"))) is not None:
             best = value if best is None else (max if maximize else min)(best, value)
         if best is not None:
             out.append((key, best, ts, n))
@@ -252,8 +244,7 @@ def objective_points(sweep: dict, jobs: dict[int, dict]) -> list[tuple[str, floa
 
 
 def open_parent(client, sweep_dir: Path, artifact_root: str | None):
-    """The sweep's parent run, found by the sweep's id or created (at the sweep's first start), with the tags
-    and params sweep.json fixes. Returns (run, created)."""
+    """(the sweep's parent run, found by the sweep's id or created now; whether created), as sweep.json says."""
     sweep, _ = read_sweep(sweep_dir)
     experiment = sweep.get("experiment") or sweep.get("name") or "default"
     experiment_id = store.ensure_experiment(client, experiment, artifact_root)
@@ -278,10 +269,8 @@ def index_job(client, uri: str, run_dir: Path, artifact_root: str | None, parent
 
 def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, parent: dict | None = None,
                 children: bool = True) -> dict:
-    """Make a sweep's parent run hold what its directory says (sweep.json, jobs/*.json, multirun.yaml, the
-    sweeper's results): found by the sweep's id or created; with children=True (reindex) every job's run
-    directory is indexed under it too, in job order. Returns {"run_id", "experiment_id", "children",
-    "status", "synced": {resolved run directory: sync_run's result}}."""
+    """Make a sweep's parent run (found or created) hold what its directory says; children=True (reindex) indexes
+    every job's run directory under it too, in job order ("synced": {resolved run directory: sync_run's result})."""
     sweep_dir = Path(sweep_dir)
     sweep, jobs = read_sweep(sweep_dir)
     if parent is None:
@@ -310,13 +299,10 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
         p = sweep_dir / name
         if p.is_file() and store.artifact_bytes(repo, name, have) != p.read_bytes():
             store.log_file_as(repo, name, source=p)
-    if status != "RUNNING" and (run.info.status != status or run.info.end_time != _ms(sweep.get("ended_at"))):
-        client.set_terminated(run.info.run_id, status=status, end_time=_ms(sweep.get("ended_at")))
+    end = int(float(sweep["ended_at"]) * 1000) if isinstance(sweep.get("ended_at"), (int, float)) else None
+    if status != "RUNNING" and (run.info.status != status or run.info.end_time != end):
+        client.set_terminated(run.info.run_id, status=status, end_time=end)
     return {**parent, "children": len(jobs), "status": status, "synced": synced}
-
-
-def _ms(t) -> int | None:
-    return int(float(t) * 1000) if isinstance(t, (int, float)) else None
 
 
 def _alive(sweep: dict) -> bool:

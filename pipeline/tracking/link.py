@@ -129,12 +129,12 @@ class Link:
 
 
 class Request:
-    def __init__(self):
-        self.done = threading.Event()
+    def __init__(self, kinds: tuple[str, ...] = ("ready", "finished", "error", "pong")):
+        self.kinds, self.done = kinds, threading.Event()
         self.event: dict | None = None
 
     def on_event(self, event: dict) -> None:
-        if event.get("event") in ("ready", "finished", "error", "pong"):
+        if event.get("event") in self.kinds:
             self.event = event
             self.done.set()
 

@@ -91,10 +91,12 @@ class MlflowTracker(Tracker):
             self._fail(problem)
             return
         try:
-            from pipeline.tracking.link import agent_for
+            from pipeline.tracking.link import Request, agent_for
 
+            pong = Request(kinds=("pong",))  # the agent has the store open: a run's URI is moments away, not seconds
+            self.warm = pong.done
             self.link = agent_for(self.uri, agent_log(self.uri))
-            self.link.send({"op": "ping", "sid": self.link.register(_Pong(self.warm)), "uri": self.uri,
+            self.link.send({"op": "ping", "sid": self.link.register(pong), "uri": self.uri,
                             "artifact_location": self.artifact_location})
         except OSError as e:
             self._fail(f"no tracking agent: {e}")
@@ -151,10 +153,8 @@ class MlflowTracker(Tracker):
             self.failed = True
             if self.job is not None:  # a sweep's job: the sweep says it once, at its end
                 log.debug("mlflow tracking (%s) is off for this job: %s", self.uri, reason)
-                self.ready.set()
-                self.done.set()
-                return
-            log.warning("mlflow tracking (%s) is off for the rest of this run: %s. Training goes on and the "
+            else:
+                log.warning("mlflow tracking (%s) is off for the rest of this run: %s. Training goes on and the "
                         "manifests are written; index them later with `python -m pipeline.reindex`.",
                         self.uri, reason)
         self.ready.set()
@@ -184,9 +184,9 @@ class MlflowTracker(Tracker):
                         "manifest": raw.decode()})
 
     def finish(self, status: str, run_dir: Path) -> None:
-        """Hand the run over and leave: the agent indexes the run directory (status from run.json) once this
-        job has gone. Waits only for the last messages to be on their way, within the job's bound; inside a
-        SLURM job, a run that ends for good is also waited for at the process's exit (see the module's doc)."""
+        """Hand the run over and leave, waiting (within the job's bound) only for the last messages to be on their
+        way. Inside a SLURM job a run that ends for good is also waited for at exit (SLURM_WAIT); a KILLED one
+        is racing its limit, and the requeued job's end indexes the whole run directory."""
         if not self.active:
             return
         self.link.send({"op": "finish", "sid": self.sid, "run_dir": str(Path(run_dir).resolve()),
@@ -204,13 +204,3 @@ class MlflowTracker(Tracker):
                  "completes the run)",
                  f" (inside a SLURM job, which waits for it at its exit, at most {SLURM_WAIT:.0f} s)" if at_exit else "")
 
-
-class _Pong:
-    """The agent has the store open: a run's URI is moments away, not seconds (worth waiting for)."""
-
-    def __init__(self, warm: threading.Event):
-        self.warm = warm
-
-    def on_event(self, event: dict) -> None:
-        if event.get("event") == "pong":
-            self.warm.set()

@@ -11,7 +11,7 @@ import shutil
 import sqlite3
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager, nullcontext
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a server that is down fails in seconds, not minutes
@@ -37,20 +37,13 @@ class StoreError(Exception):
 
 
 @contextmanager
-def _init_lock(db: Path):
-    """One process at a time creates, migrates or opens a sqlite store: two migrations at once leave it
-    half-migrated. An flock on the DB's directory, taken before any mlflow object touches the DB."""
-    fd = os.open(db.parent, os.O_RDONLY | os.O_DIRECTORY)
+def _flock(path: Path, flags: int):
+    fd = os.open(path, flags, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # releases the lock
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
 
 
 def template_db() -> Path | None:
@@ -66,23 +59,14 @@ def template_db() -> Path | None:
         return path
     try:
         base.mkdir(parents=True, exist_ok=True)
-        fd = os.open(base / f"{path.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with _flock(base / f"{path.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC):
             if not path.is_file():
                 tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
                 tmp.unlink(missing_ok=True)
-                made = SqlAlchemyStore(f"sqlite:///{tmp}", (base / "no-artifacts").as_uri())
-                made.engine.dispose()
-                con = sqlite3.connect(tmp)
-                try:
-                    with con:
-                        con.execute("DELETE FROM experiments")  # the Default one: each copy makes its own
-                finally:
-                    con.close()
+                SqlAlchemyStore(f"sqlite:///{tmp}", (base / "no-artifacts").as_uri()).engine.dispose()
+                with closing(sqlite3.connect(tmp)) as con, con:
+                    con.execute("DELETE FROM experiments")  # the Default one: each copy makes its own
                 os.replace(tmp, path)  # whole or absent
-        finally:
-            os.close(fd)
         return path
     except Exception:  # noqa: BLE001 - no template: the store is migrated in place, as without one
         logging.getLogger("pipeline").debug("no migrated mlflow store template in %s", base, exc_info=True)
@@ -110,29 +94,30 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
     `artifact_root`, not the working directory. Raises StoreError (one line) if the store cannot be opened."""
     db = sqlite_path(uri)
     try:
-        if db is None:
-            client = MlflowClient(tracking_uri=uri)
-            client.search_experiments(max_results=1)  # connect now: a server that is down fails here
-            return client
-        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore  # the slow import, outside the lock
+        lock = nullcontext()
+        if db is not None:
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore  # the slow import, outside the lock
 
-        db.parent.mkdir(parents=True, exist_ok=True)
-        if not db.exists():
-            template_db()  # made (once per machine) outside this store's lock
-        with _init_lock(db):
+            db.parent.mkdir(parents=True, exist_ok=True)
             if not db.exists():
+                template_db()  # made (once per machine) outside this store's lock
+            # One process at a time creates, migrates or opens a sqlite store (two migrations at once leave it
+            # half-migrated): an flock on its directory, taken before any mlflow object touches the DB.
+            lock = _flock(db.parent, os.O_RDONLY | os.O_DIRECTORY)
+        with lock:
+            if db is not None and not db.exists():
                 _copy_template(db)
                 SqlAlchemyStore(uri, common_artifact_root(uri, artifact_root))
             client = MlflowClient(tracking_uri=uri)
-            client.search_experiments(max_results=1)
+            client.search_experiments(max_results=1)  # connect now: a server that is down fails here
         return client
-    except StoreError:
-        raise
     except Exception as e:  # noqa: BLE001 - whatever mlflow, sqlalchemy or the network raise: one line
         where = f"the mlflow store {db}" if db else f"the mlflow tracking server {uri}"
         fix = (" (move it aside and rebuild it from the manifests: python -m pipeline.reindex --rebuild)"
                if db is not None and db.exists() else "")
-        raise StoreError(f"{where} cannot be opened: {_first_line(e)}{fix}") from None
+        text = str(e).strip().splitlines()
+        why = f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
+        raise StoreError(f"{where} cannot be opened: {why}{fix}") from None
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
@@ -214,33 +199,29 @@ def sync_params(client: MlflowClient, run, params: dict[str, str]) -> int:
     have = run.data.params
     new = [Param(k, v) for k, v in params.items() if k not in have]
     changed = {f"params_changed.{k}": tag_value(v) for k, v in params.items() if k in have and have[k] != v}
-    for i in range(0, len(new), PARAMS_PER_BATCH):
-        client.log_batch(run.info.run_id, params=new[i:i + PARAMS_PER_BATCH])
-    return len(new) + sync_tags(client, run, changed)
+    return _batches(client, run.info.run_id, "params", new, PARAMS_PER_BATCH) + sync_tags(client, run, changed)
 
 
 def sync_tags(client: MlflowClient, run, tags: dict[str, str]) -> int:
     """Set the tags whose value differs (tags, unlike params, follow the manifest). Returns how many."""
-    have = run.data.tags
-    todo = [RunTag(k, v) for k, v in tags.items() if have.get(k) != v]
-    for i in range(0, len(todo), TAGS_PER_BATCH):
-        client.log_batch(run.info.run_id, tags=todo[i:i + TAGS_PER_BATCH])
-    return len(todo)
+    todo = [RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v]
+    return _batches(client, run.info.run_id, "tags", todo, TAGS_PER_BATCH)
 
 
 def logged_steps(client: MlflowClient, run_id: str, keys) -> set[tuple[str, int]]:
     """(key, step) of every metric point the run already has, for the given keys."""
-    out = set()
-    for key in keys:
-        out.update((key, m.step) for m in client.get_metric_history(run_id, key))
-    return out
+    return {(key, m.step) for key in keys for m in client.get_metric_history(run_id, key)}
 
 
 def log_points(client: MlflowClient, run_id: str, points: list[tuple[str, float, int, int]]) -> int:
     metrics = [Metric(k, v, ts, step) for k, v, ts, step in points]
-    for i in range(0, len(metrics), METRICS_PER_BATCH):
-        client.log_batch(run_id, metrics=metrics[i:i + METRICS_PER_BATCH])
-    return len(metrics)
+    return _batches(client, run_id, "metrics", metrics, METRICS_PER_BATCH)
+
+
+def _batches(client: MlflowClient, run_id: str, kind: str, items: list, size: int) -> int:
+    for i in range(0, len(items), size):
+        client.log_batch(run_id, **{kind: items[i:i + size]})
+    return len(items)
 
 
 def artifact_repo(client: MlflowClient, run_id: str):

@@ -10,12 +10,19 @@ MAX_ROWS = 12  # with the header, the best and the parent lines: under 20 lines 
 MAX_CELL = 24  # a swept value wider than this is cut (the job's run name has it whole)
 
 
-def _value(objective) -> float | None:
+def finite(objective) -> float | None:
+    """A job's objective as a float, None unless it is a finite number."""
     try:
-        v = jsonio.number(objective) if objective is not None else None
-    except (TypeError, ValueError):
+        v = jsonio.number(objective)  # a float, or JSONError (a ValueError)
+    except ValueError:
         return None
-    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+    return v if math.isfinite(v) else None
+
+
+def best_job(jobs: dict[int, dict], direction: str) -> dict | None:
+    """The winner the end table marks and the parent's best.* tags name; ties: the first job."""
+    scored = sorted((j for j in jobs.values() if finite(j.get("objective")) is not None), key=lambda j: j["num"])
+    return (min if direction == "minimize" else max)(scored, key=lambda j: j["objective"]) if scored else None
 
 
 def swept_values(job: dict, keys) -> dict[str, str]:
@@ -34,7 +41,7 @@ def _cell(text: str) -> str:
 
 def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: list[str]) -> list[str]:
     """The lines a sweep ends with: every job in job order if at most MAX_ROWS, else the best MAX_ROWS; `best` is
-    the winning job's record (sweep_callback.best_job, as the parent's best.* tags), `parent` where that run is."""
+    the winning job's record (best_job, as the parent's best.* tags), `parent` where that run is."""
     keys = list(sweep.get("swept") or {})
     objective = str(sweep.get("objective") or "objective")
     direction = sweep.get("direction", "minimize")
@@ -47,13 +54,13 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
     shown = sorted(jobs.values(), key=lambda j: j["num"])
     if len(shown) > MAX_ROWS:  # rank: the scored ones best first, then the rest in job order
         sign = 1 if direction == "minimize" else -1
-        shown.sort(key=lambda j: (_value(j.get("objective")) is None, sign * (_value(j.get("objective")) or 0.0),
+        shown.sort(key=lambda j: (finite(j.get("objective")) is None, sign * (finite(j.get("objective")) or 0.0),
                                   j["num"]))
         shown = shown[:MAX_ROWS]
     rows = [["job", *keys, objective, "status"]]
     for j in shown:
         values = swept_values(j, keys)
-        v = _value(j.get("objective"))
+        v = finite(j.get("objective"))
         rows.append([str(j["num"]), *(_cell(values.get(k, "")) for k in keys),
                      "-" if v is None else f"{v:.6g}", str(j.get("status", "unknown"))])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

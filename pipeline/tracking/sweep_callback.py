@@ -27,6 +27,7 @@ from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SWEEP_DIR_ENV, SweepJob
 from pipeline.tracking.common import (artifact_root, is_machine_key, is_mlflow_tracking, normalize_tracking_uri,
                                       store_problem)
+from pipeline.tracking.summary import best_job, experiment_page, sweep_table
 
 log = logging.getLogger("pipeline")
 END_WAIT = 1.0  # seconds the launcher waits for its last messages to the tracking agent to be on their way
@@ -245,8 +246,6 @@ def end(sweep: dict, error: str | None, parent_request=None) -> dict:
     answer = parent_request.event if parent_request is not None else None
     if parent_of(sweep) is not None:
         _end_parent(sweep, answer)
-    from pipeline.tracking.summary import sweep_table
-
     table = sweep_table(sweep, jobs, best_job(jobs, sweep["direction"]), _where_parent(sweep, answer))
     return {"status": status, "failed": failed, "jobs": jobs, "table": table}
 
@@ -315,8 +314,6 @@ def _where_parent(sweep: dict, answer: dict | None) -> list[str]:
                 "exits)"]
     if answer.get("event") != "ready":
         return [f"not tracked: {answer.get('message', 'unknown error')}"]
-    from pipeline.tracking.summary import experiment_page
-
     return [answer["uri"], f"its runs: {experiment_page(sweep['uri'], answer['experiment_id'])}"]
 
 
@@ -359,11 +356,3 @@ def read_jobs(directory: Path) -> dict[int, dict]:
             log.warning("sweep job record %s left out: %s", p, str(e).removeprefix(f"{p}: ") or type(e).__name__)
     return out
 
-
-def best_job(jobs: dict[int, dict], direction: str) -> dict | None:
-    scored = [j for j in jobs.values() if isinstance(j.get("objective"), (int, float))
-              and math.isfinite(jsonio.number(j["objective"]))]
-    if not scored:
-        return None
-    scored.sort(key=lambda j: j["num"])  # ties: the first job
-    return (min if direction == "minimize" else max)(scored, key=lambda j: j["objective"])
