@@ -61,9 +61,8 @@ SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 def store_problem(uri: str, timeout: float = 0.5) -> str | None:
-    """What is plainly wrong with a store, found in milliseconds without mlflow (a job checks this before
-    handing its run to the agent, which it does not wait for): a sqlite file that is not a database or
-    cannot be made, a server whose port refuses. None if nothing is; the agent reports the rest."""
+    """What is plainly wrong with a store, found in milliseconds without mlflow before a job hands its run to the
+    agent (a sqlite file that is not a database or cannot be made, a port that refuses); None, else."""
     db = sqlite_path(uri)
     if db is not None:
         try:
@@ -111,11 +110,9 @@ _CLIENT_SIDE_STORES = ("sqlite", "postgresql", "mysql", "mssql", "file")
 
 
 def artifact_root(uri: str, location: str | None = None) -> str | None:
-    """Where the experiments this pipeline creates in the store at `uri` keep their artifacts: None for a
-    tracking server (it chooses: `mlflow-artifacts:/` under its --artifacts-destination, or its
-    --default-artifact-root); for a store the client writes itself, `location` as an absolute URI, else
-    the sqlite DB's directory's `mlartifacts` (never the working directory). The one place this is decided:
-    the tracker, the sweep callback, reindex and store.ensure_experiment all ask it."""
+    """Where this pipeline's experiments in the store at `uri` keep their artifacts (the one place it is decided):
+    None for a tracking server (it chooses); else `location` as an absolute URI, or the sqlite DB's directory's
+    `mlartifacts`, never the working directory."""
     scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9.-]*)(\+[a-zA-Z0-9.-]*)?:", str(uri))
     if str(uri).startswith("databricks") or (scheme is not None and len(scheme.group(1)) > 1 and
                                              scheme.group(1).lower() not in _CLIENT_SIDE_STORES):
@@ -156,41 +153,26 @@ def params_of(config: dict) -> dict[str, str]:
     return {k: param_value(v) for k, v in flatten(config).items() if not is_machine_key(k)}
 
 
-def machine_tags_of(config: dict) -> dict[str, str]:
-    """`config.<key>` tags for the MACHINE_TAGS a config sets (null and `auto` say nothing): never a param."""
-    flat = flatten(config)
-    return {f"config.{k}": flat[k] for k in MACHINE_TAGS if k in flat and flat[k] not in (None, "auto", "")}
-
-
 def tag_value(v) -> str:
     return (v if isinstance(v, str) else json.dumps(v, sort_keys=True))[:MAX_TAG_VALUE]
 
 
 def tags_of(facts: dict, run_dir: str | Path, status: dict | None = None, job: dict | None = None) -> dict[str, str]:
-    """The run-level facts as tags (what a person filters on in the UI): the manifest's facts, the few
-    machine keys worth one (MACHINE_TAGS), its resumes (from run.json), and the sweep job it ran as."""
+    """The run-level facts as tags (what a person filters on): the manifest's, MACHINE_TAGS, resumes, sweep job."""
     config = facts.get("config") or {}
-    status = status or {}
-    tags = {
-        "run_dir": str(Path(run_dir).resolve()),
-        "experiment": str(config.get("name", "")),
-        "config_hash": facts.get("config_hash"),
-        "semantic_config_hash": facts.get("semantic_config_hash"),
-        "data_manifest_hash": facts.get("data_manifest_hash"),
-        "git_sha": facts.get("git_sha"),
-        "git_dirty": facts.get("git_dirty"),
-        "seed": facts.get("seed"),
-        "model.parameters": facts.get("n_params"),
-        "mlflow.runName": (job or {}).get("name") or Path(run_dir).name,
-        "mlflow.source.name": "pipeline",
-        "mlflow.source.type": "LOCAL",
-    }
-    tags.update(machine_tags_of(config))
+    flat = flatten(config)
+    tags = {"run_dir": str(Path(run_dir).resolve()), "experiment": str(config.get("name", "")),
+            **{k: facts.get(k) for k in ("config_hash", "semantic_config_hash", "data_manifest_hash", "git_sha",
+                                         "git_dirty", "seed")},
+            "model.parameters": facts.get("n_params"), "mlflow.runName": (job or {}).get("name") or Path(run_dir).name,
+            "mlflow.source.name": "pipeline", "mlflow.source.type": "LOCAL",
+            # `config.<key>` for the MACHINE_TAGS the config sets (null and `auto` say nothing): never a param
+            **{f"config.{k}": flat[k] for k in MACHINE_TAGS if k in flat and flat[k] not in (None, "auto", "")}}
     if facts.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = facts["git_sha"]
     if facts.get("allowed_changes"):
         tags["allowed_changes"] = facts["allowed_changes"]
-    resumes = status.get("resumes") or []
+    resumes = (status or {}).get("resumes") or []
     if resumes:
         tags["resumes"] = len(resumes)
         tags.update({f"resume.{i}": r.get("step") for i, r in enumerate(resumes, start=1)})

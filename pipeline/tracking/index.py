@@ -115,8 +115,7 @@ def sync_run_artifacts(client, run_id: str, run_dir: Path) -> int:
 
 
 def record_run_uri(rundir: RunDir, uri: str) -> bool:
-    """run.json names the run's mlflow run (its manifests may say null), written under the run's lock (it rewrites
-    run.json: never beside a running job); False, changing nothing, if a job holds it now."""
+    """run.json names the run's mlflow run (its manifests may say null), under the run's lock: never beside a job."""
     status = rundir.read_status()
     if not status or status.get("mlflow_run_uri") == uri:
         return True  # nothing to link (no run.json: never made here), or linked already
@@ -228,8 +227,7 @@ def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, s
 
 
 def objective_points(sweep: dict, jobs: dict[int, dict]) -> list[tuple[str, float, int, int]]:
-    """The parent's objective: at step n, the best of jobs 0..n, for the jobs before the first that has not
-    completed (each point is then final: a job re-run later cannot change it); the latest is the best."""
+    """The parent's objective: at step n, the best of jobs 0..n, up to the first job not complete (then final)."""
     key, maximize = sweep.get("objective", "objective"), sweep.get("direction") == "maximize"
     ts, best, out = int(float(sweep.get("started") or 0) * 1000), None, []
     for n in sorted(jobs):
@@ -257,8 +255,8 @@ def open_parent(client, sweep_dir: Path, artifact_root: str | None):
 
 
 def index_job(client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None, job: dict) -> dict:
-    """A sweep job's run directory under its parent: its own run, or, when that run already stands for
-    another job (a repeat in this sweep, or a job of another sweep), a child of its own pointing at it."""
+    """A sweep job's run directory under its parent: its own run, or a child pointing at the run when that one
+    already stands for another job (a repeat in this sweep, or a job of another sweep)."""
     run = store.find_run(client, str(Path(run_dir).resolve()))
     if run is not None and parent and (run.data.tags.get("mlflow.parentRunId") != parent["run_id"] or
                                        run.data.tags.get("sweep.job_num") not in (None, str(job.get("num")))):

@@ -170,8 +170,8 @@ _LINKS_LOCK = threading.Lock()
 
 
 def connect_or_spawn(path: Path, log_file: Path | None) -> socket.socket:
-    """A connected socket to the agent serving `path`, starting it if none runs (a lock file beside the socket
-    makes one process spawn while the others wait for its socket). Raises OSError if none can be."""
+    """A socket connected to the agent at `path`, started if none runs (a lock beside the socket makes one process
+    spawn while the others wait). OSError if none can be."""
     sock = _connect(path)
     if sock is not None:
         return sock
@@ -200,8 +200,8 @@ def connect_or_spawn(path: Path, log_file: Path | None) -> socket.socket:
 
 
 def agent_for(uri: str, log_file: Path | None = None) -> Link:
-    """This process's connection to the machine's agent for `uri`, returned at once (the agent is found or
-    started in the background; if it cannot be, every session on the link gets an error event)."""
+    """This process's link to the agent for `uri`, at once (found or started in the background; if it cannot be,
+    every session gets an error event)."""
     with _LINKS_LOCK:
         link = _LINKS.get(uri)
         if link is None or not link.alive():
@@ -210,8 +210,8 @@ def agent_for(uri: str, log_file: Path | None = None) -> Link:
 
 
 def wait_idle(uri: str, timeout: float = 600.0) -> bool:
-    """Wait until the agent for `uri` has nothing left to do (no other client, no run open or finishing):
-    the index is then complete. True at once if no agent runs; never starts one. For tests and benchmarks."""
+    """Wait until the agent for `uri` has nothing left to do (the index complete); True if none runs, never starts
+    one. For tests and benchmarks."""
     path = socket_path(uri)
     sock = _connect(path) if path.exists() else None
     if sock is None:

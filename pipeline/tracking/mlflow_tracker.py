@@ -119,8 +119,8 @@ class MlflowTracker(Tracker):
                         "previous_run_uri": previous_run_uri, "start_time": start_time, "parent": self.parent})
 
     def attach(self, run_dir: Path) -> str | None:
-        """A sweep job whose run was complete before it started: have it indexed under the sweep; its URI
-        if the agent answers within the job's bound on waiting (else the agent goes on after the job)."""
+        """A sweep job whose run was complete before it started: indexed under the sweep; its URI if the agent answers
+        within the job's bound."""
         if self.parent is None or not self._linked():
             return None
         from pipeline.tracking.link import Request
@@ -161,8 +161,8 @@ class MlflowTracker(Tracker):
         self.done.set()
 
     def run_uri(self, timeout: float) -> str | None:
-        """The run's URI; waits (at most half the job's bound, the rest is for its hand-over) only if the agent
-        already has the store open: a cold agent is seconds away from it, and the manifest says null."""
+        """The run's URI, waiting (at most half the job's bound) only if the agent has the store open: a cold agent
+        is seconds away from it, and the manifest says null."""
         if self.sid is None or self.failed:
             return None
         if self._uri is None and timeout > 0 and self.warm.is_set():

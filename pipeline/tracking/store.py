@@ -89,9 +89,8 @@ def _copy_template(db: Path) -> None:
 
 
 def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
-    """A client whose store is open; a new sqlite store is made here, once, under the lock: a copy of the
-    migrated template (else created and migrated in place), its Default experiment keeping artifacts under
-    `artifact_root`, not the working directory. Raises StoreError (one line) if the store cannot be opened."""
+    """A client whose store is open; a new sqlite store is made here, once, under the lock (a copy of the template,
+    its artifacts under `artifact_root`, never the working directory). StoreError (one line) if it cannot be."""
     db = sqlite_path(uri)
     try:
         lock = nullcontext()
@@ -167,8 +166,8 @@ def _first(client: MlflowClient, ids: list[str], where: str, order: str):
 
 
 def find_run(client: MlflowClient, run_dir: str, candidates: list[str] = ()):
-    """The run indexing `run_dir`: a candidate id (from a manifest) whose run_dir tag agrees, else the newest run
-    tagged with it; None if there is none. A candidate of another run directory (a fork) is not this run."""
+    """The run indexing `run_dir`: a candidate id (from a manifest) whose run_dir tag agrees (not a fork's), else
+    the newest run tagged with it; None if there is none."""
     for rid in candidates:
         if not rid:
             continue
@@ -194,8 +193,7 @@ def create_run(client: MlflowClient, experiment_id: str, tags: dict, start_time:
 
 
 def sync_params(client: MlflowClient, run, params: dict[str, str]) -> int:
-    """Log the params the run lacks (mlflow params cannot change once logged); a changed value is recorded
-    as a tag `params_changed.<key>` = the new value. Returns how many params and tags were added."""
+    """Log the params the run lacks (mlflow params never change): a changed one is a `params_changed.<key>` tag."""
     have = run.data.params
     new = [Param(k, v) for k, v in params.items() if k not in have]
     changed = {f"params_changed.{k}": tag_value(v) for k, v in params.items() if k in have and have[k] != v}
@@ -245,8 +243,7 @@ def log_file_as(repo, artifact_file: str, *, data: bytes | None = None, source: 
 
 
 def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, int]:
-    """artifact path -> size for every file under `path` (a few levels deep); read from the directory itself
-    when the artifact store is local."""
+    """artifact path -> size of every file under `path` (a few levels deep; a local store: its directory's)."""
     out = {}
     root = getattr(repo, "artifact_dir", None)  # LocalArtifactRepository
     if path is None and root is not None:
@@ -270,8 +267,7 @@ def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, i
 
 
 def artifact_bytes(repo, path: str, sizes: dict[str, int] | None = None, limit: int = 64 << 20) -> bytes | None:
-    """The content of one logged artifact (None if absent or over `limit`): read in place from a local artifact
-    store, else downloaded into a temporary directory."""
+    """One logged artifact's content (None if absent or over `limit`): read in place if local, else downloaded."""
     if sizes is not None and (path not in sizes or sizes[path] > limit):
         return None
     root = getattr(repo, "artifact_dir", None)  # LocalArtifactRepository

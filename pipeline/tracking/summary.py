@@ -81,9 +81,8 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
 
 
 def experiment_page(tracking_uri: str, experiment_id: str) -> str:
-    """Where a person sees an experiment's runs in mlflow 3's UI. Its experiment pages open on GenAI traces
-    unless the address asks for the machine-learning view (mlflow 3.17 decides the view by the address or
-    the browser's last choice, not by the experiment's mlflow.experimentKind tag)."""
+    """Where an experiment's runs show in mlflow 3's UI: 3.17 opens GenAI traces unless the address asks for the
+    machine-learning view (it does not go by the experiment's mlflow.experimentKind tag)."""
     route = f"#/experiments/{experiment_id}?workflowType=machine_learning"
     if tracking_uri.startswith(("http://", "https://")):
         return f"{tracking_uri.rstrip('/')}/{route}"

@@ -60,15 +60,13 @@ def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, s
 
 
 def _stop(code: int, message: str) -> None:
-    """End the launching process in one line: Hydra turns a callback's exception into a warning and goes on,
-    but lets SystemExit through."""
+    """One line and an exit: Hydra turns a callback's exception into a warning and goes on, but not SystemExit."""
     print(f"pipeline: {message}", file=sys.stderr)
     raise SystemExit(code)
 
 
 def job_count(task_overrides: list[str], sweeper: dict) -> int:
-    """How many jobs a sweep asks for, without expanding it: a sweeper's n_trials (Optuna), else the product
-    of the sweep overrides' lengths (a glob of a group's options counts as one: a group has few)."""
+    """How many jobs a sweep asks for, unexpanded: n_trials, else the product of its sweep lengths (a glob: one)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
 
@@ -92,8 +90,7 @@ def job_name(overrides: list[str], keys) -> str:
 
 
 def _slurm_jobs(launcher) -> Path | None:
-    """Where submitit keeps a SLURM sweep's jobs, one folder per job id (`.submitit/%j` in the sweep
-    directory by default); None for every other launcher."""
+    """Where submitit keeps a SLURM sweep's jobs, a folder per job id (`.submitit/%j`); None for other launchers."""
     if not str(launcher.get("_target_", "")).endswith("SlurmLauncher"):
         return None
     folder = str(launcher.get("submitit_folder") or "")
@@ -107,9 +104,8 @@ def parent_of(sweep: dict) -> dict | None:
 
 
 def job_of(hydra_cfg) -> SweepJob:
-    """The job a multirun's task runs, from its sweep's sweep.json (its launcher wrote it before any job) and
-    Hydra's job number and overrides; a SweepJob without a directory if there is no sweep callback, and one
-    `unreadable` (the job fails as bad input, in one line) if sweep.json is not a sweep's record."""
+    """The job a multirun's task runs, from sweep.json and Hydra's job number and overrides; without a directory
+    if there is no sweep callback, `unreadable` (bad input, one line) if sweep.json is not a sweep's record."""
     directory = os.environ.get(SWEEP_DIR_ENV)
     if not directory:
         return SweepJob()
@@ -203,8 +199,7 @@ class MlflowSweepCallback(Callback):
         log.info("sweep %s: %s", sweep_id, directory)
 
     def _start_parent(self) -> None:
-        """Ask the agent for the parent run without waiting: jobs start at once and name their parent by the
-        sweep's id (the agent answers in order); the end reads the answer."""
+        """Ask the agent for the parent run without waiting: the jobs name it by the sweep's id; the end reads it."""
         from pipeline.tracking.link import Request, agent_for
         from pipeline.tracking.mlflow_tracker import agent_log
 
@@ -220,8 +215,7 @@ class MlflowSweepCallback(Callback):
 
 
 def end_unfinished(error: str) -> bool:
-    """The entry point's end of a sweep whose sweeper raised (on_multirun_end never came): from its directory,
-    if this process launched it and it has not ended. False if there is no such sweep."""
+    """The entry point's end of a sweep whose sweeper raised, if this process launched it and it has not ended."""
     directory = os.environ.get(SWEEP_DIR_ENV)
     try:
         sweep = jsonio.read(Path(directory) / "sweep.json", 1 << 24) if directory else {}
@@ -234,8 +228,7 @@ def end_unfinished(error: str) -> bool:
 
 
 def end(sweep: dict, error: str | None, parent_request=None) -> dict:
-    """The sweep's outcome from its jobs' records, recorded in sweep.json and its parent run; returns
-    {"status", "failed", "jobs", "table"}. `parent_request`: the agent's answer to parent_start, if known."""
+    """The sweep's outcome from its jobs' records, into sweep.json and its parent run (given parent_start's answer)."""
     directory = Path(sweep["dir"])
     jobs = read_jobs(directory)
     failed = {n: j for n, j in jobs.items() if j.get("status") != "complete"}
@@ -251,8 +244,7 @@ def end(sweep: dict, error: str | None, parent_request=None) -> dict:
 
 
 def exit_for(summary: dict) -> None:
-    """A sweep ends with its table (stderr, beside the verdict) and exits 0 only if every job completed: 75
-    if it was interrupted, else the first failure's code."""
+    """The table on stderr; exit 0 only if every job completed: 75 if interrupted, else the first failure's code."""
     for line in summary["table"]:
         print(line, file=sys.stderr)
     failed = summary["failed"]
@@ -267,10 +259,8 @@ def exit_for(summary: dict) -> None:
 
 
 def _end_parent(sweep: dict, answer: dict | None) -> None:
-    """Hand the parent's end to the agent (naming the parent by the sweep's id, as the jobs do). Not waited for
-    (at most END_WAIT for the message to be on its way), except by a SLURM sweep or a launcher inside a SLURM
-    job, which waits at most SLURM_WAIT for the parent to be complete (its launcher has waited for its jobs
-    anyway) and says how it ended."""
+    """Hand the parent's end to the agent, waiting at most END_WAIT for it to be on its way; a SLURM sweep (or a
+    launcher inside a SLURM job, whose agent SLURM may end with it) waits up to SLURM_WAIT for the parent."""
     from pipeline.tracking.link import Request, agent_for
     from pipeline.tracking.mlflow_tracker import SLURM_WAIT, in_slurm_job
 
@@ -303,8 +293,7 @@ def _say_parent(sweep: dict, answer: dict | None) -> None:
 
 
 def _where_parent(sweep: dict, answer: dict | None) -> list[str]:
-    """Where the sweep's parent run is, for its end table: its URI and the experiment's page once the agent
-    has answered, else how to find it; "not tracked" with tracking=none or off."""
+    """Where the sweep's parent run is, for its end table (the agent's answer, if it came), or why it is not."""
     if "uri" not in sweep:
         return ["not tracked (tracking=none)"]
     if sweep.get("tracking_off"):
@@ -318,10 +307,8 @@ def _where_parent(sweep: dict, answer: dict | None) -> list[str]:
 
 
 def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
-    """Point the Optuna sweeper at a study kept in the sweep directory (unless the command names its own), so
-    the identical command continues it: `n_trials` is the study's total of completed trials, and the
-    sweeper is asked only for the rest. Returns how many trials the study holds already: the first new
-    trial's number, which becomes its job's number (Hydra counts each launch from 0)."""
+    """Point the Optuna sweeper at a study in the sweep directory (unless the command names one), asking only for
+    the trials it lacks; returns how many it holds: the first new trial's (and job's) number."""
     storage = sweeper.get("storage") or {"_target_": "pipeline.tracking.optuna_storage.storage",
                                          "url": f"sqlite:///{directory / OPTUNA_DB}"}
     name = sweeper.get("study_name") or sweep_id
@@ -345,8 +332,7 @@ def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
 
 
 def read_jobs(directory: Path) -> dict[int, dict]:
-    """{num: record} of a sweep's jobs/*.json; a damaged record (not strict JSON, no integer num) is a
-    report, not state: named in a warning and left out."""
+    """{num: record} of jobs/*.json; a damaged record is a report, not state: named in a warning, left out."""
     out = {}
     for p in sorted((Path(directory) / "jobs").glob("*.json")):
         try:
