@@ -84,8 +84,7 @@ class Agent:
             traceback.print_exc()
             self.import_error = f"{type(e).__name__}: {e}"
         self.sessions: dict[tuple[int, int], Session] = {}
-        self.clients: dict[str, object] = {}
-        self.artifact_roots: dict[str, str | None] = {}
+        self.clients: dict[str, tuple[object, str | None]] = {}  # uri -> (its client, its artifact root)
         self.parents: dict[str, dict] = {}  # sweep id -> its parent run, as parent_start made or found it
         self.finishing: list[tuple[Session, dict, float]] = []  # handed over, indexed once their job has gone
         self.waiters: list[tuple[Conn, object]] = []  # idle requests
@@ -114,9 +113,8 @@ class Agent:
 
     def client(self, uri: str, artifact_root: str | None = None):
         if uri not in self.clients:
-            self.clients[uri] = self.store.open_client(uri, artifact_root)
-            self.artifact_roots[uri] = artifact_root
-        return self.clients[uri]
+            self.clients[uri] = self.store.open_client(uri, artifact_root), artifact_root
+        return self.clients[uri][0]
 
     # --- a job's run, live
     def open(self, s: Session, m: dict) -> None:
@@ -178,7 +176,7 @@ class Agent:
                 continue
             started = time.monotonic()
             try:
-                r = self.index.sync_run(s.client, s.uri, Path(m["run_dir"]), self.artifact_roots.get(s.uri),
+                r = self.index.sync_run(s.client, s.uri, Path(m["run_dir"]), self.clients[s.uri][1],
                                         s.parent, m.get("job"), artifacts=False)
                 done.append((s, m, r))
             except Exception as e:  # noqa: BLE001 - reported, never raised
@@ -217,7 +215,7 @@ class Agent:
 
     def sweep_end(self, s: Session, m: dict) -> None:
         client = self.client(m["uri"])
-        r = self.index.sync_parent(client, m["uri"], Path(m["sweep_dir"]), self.artifact_roots.get(m["uri"]),
+        r = self.index.sync_parent(client, m["uri"], Path(m["sweep_dir"]), self.clients[m["uri"]][1],
                                    self.parent_of(client, m["parent"]), children=False)
         s.conn.send({"sid": s.sid, "event": "finished", "status": r["status"], "children": r["children"],
                      "uri": self.common.run_uri(m["uri"], r["experiment_id"], r["run_id"])})

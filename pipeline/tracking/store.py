@@ -243,16 +243,8 @@ def log_file_as(repo, artifact_file: str, *, data: bytes | None = None, source: 
 
 
 def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, int]:
-    """artifact path -> size of every file under `path` (a few levels deep; a local store: its directory's)."""
+    """artifact path -> size of every file under `path` (a few levels deep)."""
     out = {}
-    root = getattr(repo, "artifact_dir", None)  # LocalArtifactRepository
-    if path is None and root is not None:
-        local = Path(root)
-        if local.is_dir():
-            for f in local.rglob("*"):
-                if f.is_file():
-                    out[f.relative_to(local).as_posix()] = f.stat().st_size
-        return out
     try:
         infos = repo.list_artifacts(path)
     except (MlflowException, OSError):
