@@ -49,9 +49,8 @@ def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
 
 def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None = None,
              job: dict | None = None, artifacts: bool = True) -> dict:
-    """Make the mlflow run of `run_dir` hold everything the directory does (under `parent`, unless it is under
-    another one already; with a sweep `job`'s tags); returns what was added. Its params, tags, points and
-    status come before its artifacts; artifacts=False leaves them to sync_run_artifacts."""
+    """Make the mlflow run of `run_dir` hold everything the directory does (under `parent` unless under another
+    already; with a sweep `job`'s tags): artifacts last, or left to sync_run_artifacts; returns what was added."""
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
     added = {"created": 0, "params": 0, "tags": 0, "points": 0, "artifacts": 0, "status": 0, "damaged": []}
@@ -267,8 +266,8 @@ def index_job(client, uri: str, run_dir: Path, artifact_root: str | None, parent
 
 def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, parent: dict | None = None,
                 children: bool = True) -> dict:
-    """Make a sweep's parent run (found or created) hold what its directory says; children=True (reindex) indexes
-    every job's run directory under it too, in job order ("synced": {resolved run directory: sync_run's result})."""
+    """Make a sweep's parent run hold what its directory says; children=True (reindex) indexes each job's run
+    directory under it too, in job order ("synced": {resolved run directory: sync_run's result})."""
     sweep_dir = Path(sweep_dir)
     sweep, jobs = read_sweep(sweep_dir)
     if parent is None:

@@ -31,8 +31,8 @@ def in_slurm_job() -> bool:
 
 
 def wait_at_exit(event: threading.Event, what: str) -> None:
-    """Inside a SLURM job: at this process's exit (after the run directory is released, so the agent indexes
-    it whole and links run.json), wait at most SLURM_WAIT for `event`, the agent's answer for `what`."""
+    """Inside a SLURM job: at exit (the run directory released: the agent indexes it whole), wait at most
+    SLURM_WAIT for `event`, the agent's answer for `what`."""
     def wait() -> None:
         if not event.wait(SLURM_WAIT):
             log.warning("mlflow: the tracking agent did not complete %s within %.0f s of this SLURM job's end; "
@@ -67,11 +67,11 @@ class MlflowTracker(Tracker):
         self.parent = sweep.parent if sweep is not None else None
         self.off = sweep.tracking_off if sweep is not None else None  # the sweep said why, once
 
-    def _wait_for(self, event: threading.Event, timeout: float) -> bool:
-        """event.wait, within what is left of the job's bound on waiting for tracking."""
+    def _wait_for(self, wait, timeout: float):
+        """wait(seconds) (an event's wait, a drain, a check), within what is left of the job's bound."""
         t0 = time.monotonic()
         try:
-            return event.wait(max(0.0, min(timeout, self.wait - self.waited)))
+            return wait(max(0.0, min(timeout, self.wait - self.waited)))
         finally:
             self.waited += time.monotonic() - t0
 
@@ -84,9 +84,7 @@ class MlflowTracker(Tracker):
         if self.off:
             self.failed = True
             return
-        t0 = time.monotonic()
-        problem = store_problem(self.uri, timeout=self.wait / 2)
-        self.waited += time.monotonic() - t0
+        problem = self._wait_for(lambda seconds: store_problem(self.uri, timeout=seconds), self.wait / 2)
         if problem:
             self._fail(problem)
             return
@@ -120,7 +118,7 @@ class MlflowTracker(Tracker):
 
     def attach(self, run_dir: Path) -> str | None:
         """A sweep job whose run was complete before it started: indexed under the sweep; its URI if the agent answers
-        within the job's bound."""
+        in time."""
         if self.parent is None or not self._linked():
             return None
         from pipeline.tracking.link import Request
@@ -131,7 +129,7 @@ class MlflowTracker(Tracker):
                         "parent": self.parent, "job": self.job})
         if in_slurm_job():
             wait_at_exit(req.done, f"the sweep's record of run {run_dir}")
-        self._wait_for(req.done, self.wait)
+        self._wait_for(req.done.wait, self.wait)
         self.link.drain(self.wait - self.waited)
         if req.event and req.event.get("event") == "error":
             self._fail(req.event.get("message", "unknown error"))
@@ -166,7 +164,7 @@ class MlflowTracker(Tracker):
         if self.sid is None or self.failed:
             return None
         if self._uri is None and timeout > 0 and self.warm.is_set():
-            self._wait_for(self.ready, min(timeout, self.wait / 2 - self.waited))
+            self._wait_for(self.ready.wait, min(timeout, self.wait / 2 - self.waited))
         return None if self.failed else self._uri
 
     def log_line(self, line: dict) -> None:
@@ -195,9 +193,7 @@ class MlflowTracker(Tracker):
         at_exit = status != "KILLED" and in_slurm_job()
         if at_exit:
             wait_at_exit(self.done, f"run {self._uri or run_dir}")
-        t0 = time.monotonic()
-        sent = self.link.drain(self.wait - self.waited)
-        self.waited += time.monotonic() - t0
+        sent = self._wait_for(self.link.drain, self.wait)
         log.info("mlflow: this job waited %.3f s on tracking in all (bound %.1f s); the tracking agent finishes "
                  "run %s after it exits%s%s", self.waited, self.wait, self._uri or "(not created yet)",
                  "" if sent else " (its last messages were not sent in time: `python -m pipeline.reindex` "
