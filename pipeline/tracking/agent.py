@@ -167,8 +167,8 @@ class Agent:
         self.finishing.append((s, m, time.monotonic() + GONE_WAIT))
 
     def finish_gone(self) -> None:
-        """Complete every handed-over run whose job has left its run directory (then nothing there changes):
-        first each one's points and status, then their artifacts."""
+        """Complete each handed-over run whose job has left (nothing changes then): its points and status, then
+        artifacts."""
         waiting, done = [], []
         for s, m, deadline in self.finishing:
             if _held_by(Path(m["run_dir"]), m.get("pid")) and time.monotonic() < deadline:
@@ -194,8 +194,7 @@ class Agent:
                 self.fail(s, e)
 
     def attach(self, s: Session, m: dict) -> None:
-        """A job whose run directory was complete before it started: index it (creating its run if the
-        store lacks it) under the sweep's parent, and report it."""
+        """A job whose run directory was complete before it started: indexed (its run made if the store lacks it)."""
         client = self.client(m["uri"], m.get("artifact_location"))
         parent, job = self.parent_of(client, m.get("parent")), m.get("job") or {}
         r = self.index.index_job(client, m["uri"], Path(m["run_dir"]), m.get("artifact_location"), parent, job)
