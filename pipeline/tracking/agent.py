@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -255,10 +256,8 @@ class Agent:
 
     def close_conn(self, conn: Conn) -> None:
         """The client's process went away without finishing its runs: keep what was sent, end them FAILED."""
-        for key, s in list(self.sessions.items()):
-            if key[0] != conn.cid:
-                continue
-            del self.sessions[key]
+        for key in [k for k in self.sessions if k[0] == conn.cid]:
+            s = self.sessions.pop(key)
             if s.failed or s.run_id is None:
                 continue
             try:
@@ -283,15 +282,11 @@ class Agent:
             timeout = max(0.0, last_flush + FLUSH_EVERY - time.monotonic()) if pending else 1.0
             if self.finishing or self.waiters:
                 timeout = min(timeout, 0.05)  # a job leaves within moments of handing over
-            try:
-                batch = [inbox.get(timeout=timeout)]
-            except queue.Empty:
-                batch = []
-            while len(batch) < 5000:
-                try:
+            batch = []
+            with contextlib.suppress(queue.Empty):
+                batch.append(inbox.get(timeout=timeout))
+                while len(batch) < 5000:
                     batch.append(inbox.get_nowait())
-                except queue.Empty:
-                    break
             for conn, m in batch:
                 if m is EOF:
                     self.close_conn(conn)
@@ -381,10 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         agent.loop(inbox, clients, args.idle)
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(args.listen)  # no longer findable: a new client starts a new agent ...
-        except OSError:
-            pass
         server.close()
     agent.loop(inbox, clients, 0.0)  # ... and whoever connected meanwhile is served until it leaves
 

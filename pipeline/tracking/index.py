@@ -1,6 +1,7 @@
 """A run directory (or a sweep) into the mlflow index from the disk, the truth: for the agent and reindex alike."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
@@ -169,12 +170,10 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
 def curves_png(rundir: RunDir, lines: list) -> bytes | None:
     """The run directory's own curves.png if written after the last metrics line, else drawn from metrics.jsonl."""
     own = rundir.path / CURVES_ARTIFACT
-    try:
+    with contextlib.suppress(OSError):
         if own.is_file() and own.stat().st_size <= MAX_CURVES_BYTES and \
                 own.stat().st_mtime >= rundir.metrics_path.stat().st_mtime:
             return own.read_bytes()
-    except OSError:
-        pass
     return curves.draw(lines)  # the job's own drawing: the same lines give the same bytes
 
 

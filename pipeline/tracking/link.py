@@ -6,6 +6,7 @@ reaches it) and outlives the jobs: they hand their runs over and leave. Imports 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -79,11 +80,9 @@ class Link:
         try:
             while True:
                 batch = [self.queue.get()]
-                while True:
-                    try:
+                with contextlib.suppress(queue.Empty):
+                    while True:
                         batch.append(self.queue.get_nowait())
-                    except queue.Empty:
-                        break
                 out, marks = [], []
                 for msg in batch:
                     if isinstance(msg, threading.Event):
@@ -180,10 +179,7 @@ def connect_or_spawn(path: Path, log_file: Path | None) -> socket.socket:
         fcntl.flock(fd, fcntl.LOCK_EX)
         sock = _connect(path)
         if sock is None:
-            try:
-                os.unlink(path)  # a stale socket of an agent that died
-            except FileNotFoundError:
-                pass
+            path.unlink(missing_ok=True)  # a stale socket of an agent that died
             proc = spawn(path, log_file)
             deadline = time.monotonic() + SPAWN_WAIT
             while sock is None and time.monotonic() < deadline:
