@@ -148,12 +148,9 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
         name, source = (source.name, source) if isinstance(source, Path) else source
         todo.append((f"{folder}/{name}", source))
     for p in (rundir.hydra_dir / "config.yaml", rundir.hydra_dir / "overrides.yaml", rundir.log_path):
-        try:
-            st = p.stat()
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode):  # a FIFO or a device where a file should be: never opened (it would block)
-            todo.append((f"hydra/{p.name}" if p != rundir.log_path else p.name, p))
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(p.stat().st_mode):  # a FIFO or a device where a file should be: never opened (it blocks)
+                todo.append((f"hydra/{p.name}" if p != rundir.log_path else p.name, p))
     added = 0
     for artifact, source in todo:
         size = len(source) if isinstance(source, bytes) else source.stat().st_size

@@ -11,7 +11,7 @@ import shutil
 import sqlite3
 import tempfile
 import time
-from contextlib import closing, contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext, suppress
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a server that is down fails in seconds, not minutes
@@ -168,15 +168,11 @@ def _first(client: MlflowClient, ids: list[str], where: str, order: str):
 def find_run(client: MlflowClient, run_dir: str, candidates: list[str] = ()):
     """The run indexing `run_dir`: a candidate id (from a manifest) whose run_dir tag agrees (not a fork's), else
     the newest run tagged with it; None if there is none."""
-    for rid in candidates:
-        if not rid:
-            continue
-        try:
+    for rid in filter(None, candidates):
+        with suppress(MlflowException):
             run = client.get_run(rid)
-        except MlflowException:
-            continue
-        if run.info.lifecycle_stage == "active" and run.data.tags.get("run_dir") in (None, run_dir):
-            return run
+            if run.info.lifecycle_stage == "active" and run.data.tags.get("run_dir") in (None, run_dir):
+                return run
     return _first(client, all_experiment_ids(client), f"tags.run_dir = {_quote(run_dir)}",
                   "attributes.start_time DESC")
 

@@ -157,13 +157,12 @@ class MlflowSweepCallback(Callback):
 
     def _start(self, config: DictConfig, hydra, task: list[str], sweeper: dict, identity: dict) -> None:
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
-        output_dir = Path(str(config.paths.output_dir))
-        directory = ensure_dirs(output_dir, "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
+        directory = ensure_dirs(Path(str(config.paths.output_dir)), "sweeps",
+                                f"{identity['name'] or 'sweep'}-{sweep_id}")
         os.environ[SWEEP_DIR_ENV] = str(directory)  # hydra.sweep.dir follows it, here and in every job
         SIGNALS_STATE.sweeping(directory, slurm_jobs=_slurm_jobs(hydra.launcher))
-        stages = _plain(config.get("stages")) or {}
-        mode = (stages.get("best_val") or {}).get("mode", "min")
-        direction = "maximize" if mode == "max" else "minimize"
+        best_val = (_plain(config.get("stages")) or {}).get("best_val") or {}
+        direction = "maximize" if best_val.get("mode", "min") == "max" else "minimize"
         optuna = "optuna" in str(sweeper.get("_target_", ""))
         if optuna and not any(
                 o.startswith(("hydra.sweeper.direction=", "++hydra.sweeper.direction=")) for o in hydra.overrides.hydra):
@@ -179,7 +178,7 @@ class MlflowSweepCallback(Callback):
         offset = _optuna_study(hydra, sweeper, directory, sweep_id) if optuna else 0
         self.sweep = {"id": sweep_id, "dir": str(directory), "name": identity["name"],
                       "swept": swept(task, sweeper.get("params")), "direction": direction,
-                      "objective": str(config.get("optimized_metric") or f"best/{(stages.get('best_val') or {}).get('monitor', 'val/loss')}"),
+                      "objective": str(config.get("optimized_metric") or f"best/{best_val.get('monitor', 'val/loss')}"),
                       "launcher": str(hydra.launcher.get("_target_", "")), "sweeper": str(sweeper.get("_target_", "")),
                       "overrides": task, "started": started, "status": "running", "pid": os.getpid(),
                       "host": socket.gethostname(), "git_sha": git_info().get("git_sha"), "job_offset": offset}
