@@ -1,9 +1,4 @@
-"""The training side of the tracking agent: find the machine's agent for a tracking URI, or start it.
-
-One agent per (user, tracking URI), over a Unix socket named for the URI, so `import mlflow` and opening the
-store happen once and stay warm across a machine's jobs. It runs in its own session (a job's signal never
-reaches it) and outlives the jobs: they hand their runs over and leave. Imports nothing heavy.
-"""
+"""The job's side of the tracking agent (imports nothing heavy): find the agent for a tracking URI, or start it."""
 from __future__ import annotations
 
 import contextlib

@@ -1,8 +1,4 @@
-"""The mlflow tracker the training process holds: every call enqueues and returns; mlflow lives in the agent.
-
-A job waits on tracking at most `wait` seconds in all, then hands its run over and leaves: the agent indexes
-the run directory once the job has gone. A tracking failure warns once and turns tracking off for the run.
-"""
+"""The mlflow tracker the training process holds: every call enqueues and returns; mlflow lives in the agent."""
 from __future__ import annotations
 
 import atexit
@@ -48,7 +44,8 @@ def agent_log(uri: str) -> Path:
 
 
 class MlflowTracker(Tracker):
-    """conf/tracking/mlflow.yaml (sqlite under the output directory) and conf/tracking/server.yaml (http)."""
+    """conf/tracking/mlflow.yaml (sqlite under the output directory) and conf/tracking/server.yaml (http). A job
+    waits on it at most `wait` s in all; a failure warns once and turns tracking off for the run."""
 
     def __init__(self, uri: str, experiment: str, artifact_location: str | None, wait: float,
                  sweep: SweepJob | None = None, **_):

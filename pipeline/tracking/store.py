@@ -1,7 +1,4 @@
-"""The mlflow side (live agent, sweep parents, reindex): open a store, find or create a run, add what is missing.
-
-Imports mlflow: never import this module from the training process (the agent and the launcher do).
-"""
+"""The mlflow side of the index (imports mlflow: never from the training process): stores, runs, what is missing."""
 from __future__ import annotations
 
 import fcntl

@@ -1,11 +1,4 @@
-"""The Hydra callback (conf/config.yaml's hydra.callbacks) that makes a multirun one sweep, and its end.
-
-Its identity is the hash of its overrides (machine keys left out) and its sweeper's settings: the identical
-command is the same sweep (directory, parent run, Optuna study). The launcher writes sweep.json before any job;
-each job reads its place from it (job_of) and records itself in jobs/<num>.json; the end is made from those
-files. The parent run is made and completed by the machine's tracking agent, which nobody waits for (except
-on SLURM: there the agent may be one a job started, which SLURM ends with it).
-"""
+"""The Hydra callback that makes a multirun one sweep (identity, directory, signals, parent run) and its end."""
 from __future__ import annotations
 
 import hashlib
