@@ -28,6 +28,10 @@ def socket_path(uri: str) -> Path:
     return Path(tempfile.gettempdir()) / f"pipeline-mlflow-{os.getuid()}-{digest}.sock"
 
 
+def agent_log(uri: str) -> Path:
+    return socket_path(uri).with_suffix(".log")
+
+
 class Link:
     """Requests go through a writer thread, which finds or starts the agent and then writes what was queued
     meanwhile (no caller waits for an agent to start); a reader thread hands each event to the handler that

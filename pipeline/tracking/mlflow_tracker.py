@@ -4,7 +4,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,12 +34,6 @@ def wait_at_exit(event: threading.Event, what: str) -> None:
                         "`python -m pipeline.reindex` completes it", what, SLURM_WAIT)
 
     atexit.register(wait)
-
-
-def agent_log(uri: str) -> Path:
-    from pipeline.tracking.link import socket_path
-
-    return Path(tempfile.gettempdir()) / (socket_path(uri).stem + ".log")
 
 
 class MlflowTracker(Tracker):
@@ -86,7 +79,7 @@ class MlflowTracker(Tracker):
             self._fail(problem)
             return
         try:
-            from pipeline.tracking.link import Request, agent_for
+            from pipeline.tracking.link import Request, agent_for, agent_log
 
             pong = Request(kinds=("pong",))  # the agent has the store open: a run's URI is moments away, not seconds
             self.warm = pong.done

@@ -192,8 +192,7 @@ class MlflowSweepCallback(Callback):
 
     def _start_parent(self) -> None:
         """Ask the agent for the parent run without waiting: the jobs name it by the sweep's id; the end reads it."""
-        from pipeline.tracking.link import Request, agent_for
-        from pipeline.tracking.mlflow_tracker import agent_log
+        from pipeline.tracking.link import Request, agent_for, agent_log
 
         s = self.sweep
         link = agent_for(s["uri"], agent_log(s["uri"]))  # at once: the agent starts beside the jobs
