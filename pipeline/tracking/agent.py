@@ -34,9 +34,7 @@ EOF = object()
 
 class Conn:
     def __init__(self, cid: int, sock: socket.socket):
-        self.cid, self.sock = cid, sock
-        self.out = sock.makefile("wb")
-        self.closed = False
+        self.cid, self.out, self.closed = cid, sock.makefile("wb"), False
 
     def send(self, event: dict) -> None:
         if self.closed:

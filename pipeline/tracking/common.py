@@ -99,9 +99,7 @@ def artifact_location_uri(location: str | None) -> str | None:
     if location in (None, ""):
         return None
     location = str(location)
-    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", location):
-        return location
-    return Path(location).resolve().as_uri()
+    return location if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", location) else Path(location).resolve().as_uri()
 
 
 # Stores whose client writes the artifacts itself (a database or a directory): the caller says where.
