@@ -232,11 +232,11 @@ class Agent:
             self.waiters.append((conn, m.get("sid")))
             return
         if op in self.OPENING:
-            s = self.sessions[key] = Session(conn, m["sid"])
+            s = Session(conn, m["sid"])
             if self.import_error:
                 self.fail(s, f"mlflow could not be imported: {self.import_error}")
-                self.sessions.pop(key, None)
                 return
+            self.sessions[key] = s
         else:
             s = self.sessions.get(key)
             if s is None or s.failed:
