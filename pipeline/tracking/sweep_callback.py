@@ -236,8 +236,7 @@ def end(sweep: dict, error: str | None, parent_request=None) -> dict:
 
 def exit_for(summary: dict) -> None:
     """The table on stderr; exit 0 only if every job completed: 75 if interrupted, else the first failure's code."""
-    for line in summary["table"]:
-        print(line, file=sys.stderr)
+    print(*summary["table"], sep="\n", file=sys.stderr)
     failed = summary["failed"]
     if summary["status"] == "interrupted":
         print(f"pipeline: the sweep was interrupted; {len(failed)} of {len(summary['jobs'])} jobs did not finish: "
