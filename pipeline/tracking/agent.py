@@ -1,31 +1,8 @@
-"""`python -m pipeline.tracking.agent --listen SOCKET`: the helper process that talks to mlflow for a machine.
-
-Why a process and not a thread: `import mlflow` (~3 s) and opening a store (1-3 s) are Python work that holds
-the GIL; in a thread of the training process they stall training. Here they run beside it, once per machine
-and tracking URI (pipeline/tracking/link.py finds or starts the agent), and the training side only enqueues.
-The agent binds its socket before importing mlflow, so a job connects at once and its messages wait.
-
-Protocol: JSON lines; each request names a session `sid` unique on its connection.
-  {"op": "open", "sid", "uri", "artifact_location", "experiment", "run_dir", "params", "tags", "start_time",
-   "previous_run_uri", "parent": {"run_id", "experiment_id"} | null}              -> ready {uri, run_id, ...}
-  {"op": "metrics", "sid", "lines": [metrics.jsonl lines]}
-  {"op": "checkpoint", "sid", "artifact": "checkpoints/<step>/<file>", "manifest": "<manifest.json text>"}
-  {"op": "finish", "sid", "run_dir", "job", "pid"}  flush; once the job has gone (its pid no longer holds
-                                     the run directory's lock), index the whole run directory    -> finished
-  {"op": "attach", "sid", "uri", "artifact_location", "run_dir", "parent", "job"}  a run done before -> finished
-  {"op": "parent_start", "sid", "uri", "artifact_location", "sweep_id", "sweep_dir"}  from its sweep.json -> ready
-  {"op": "sweep_end", "sid", "uri", "sweep_dir", "parent"}  complete the parent from the sweep dir -> finished {uri}
-  {"op": "ping", "sid", "uri"}                   open the store now (warm it)              -> pong
-  {"op": "idle", "sid"}        answered once no other client is connected and no run is open or finishing
-                               (the index is complete: for tests and benchmarks)            -> idle
-Events out: {"sid", "event": "ready" | "finished" | "pong" | "error", ...}. A connection that closes with a
-run still open (its process died) has it flushed and ended FAILED. A failing mlflow call reports one error
-for its session, which is dropped; other sessions go on. Without clients and work for --idle seconds, the
-agent exits. PIPELINE_TRACKING_AGENT_DELAY (seconds, a test hook) makes it that much slower to start.
-"""
+"""`python -m pipeline.tracking.agent --listen SOCKET`: the process that talks to mlflow for a machine's jobs."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -42,6 +19,8 @@ FLUSH_EVERY = 1.0  # seconds: each log_batch is a sqlite commit (an fsync); batc
 GONE_WAIT = 120.0  # seconds a finished run waits for its job to leave before it is indexed anyway
 TRACE = bool(os.environ.get("PIPELINE_TRACKING_AGENT_TRACE"))  # each request's time, in the agent's log
 T0 = time.monotonic()
+# Why a process, not a thread: `import mlflow` (~3 s) and opening a store (1-3 s) hold the GIL and would stall
+# training. The Agent imports them once main has bound the socket, so a job connects at once.
 
 
 def trace(what: str, started: float) -> None:
@@ -55,9 +34,7 @@ EOF = object()
 
 class Conn:
     def __init__(self, cid: int, sock: socket.socket):
-        self.cid, self.sock = cid, sock
-        self.out = sock.makefile("wb")
-        self.closed = False
+        self.cid, self.out, self.closed = cid, sock.makefile("wb"), False
 
     def send(self, event: dict) -> None:
         if self.closed:
@@ -82,12 +59,31 @@ class Session:
         self.parent: dict | None = None
 
 
+# JSON lines; each request names a session `sid` unique on its connection; events out: {"sid", "event", ...}.
+#   open {uri, artifact_location, experiment, run_dir, params, tags, start_time, previous_run_uri, parent} -> ready
+#   metrics {lines}; checkpoint {artifact, manifest}: into the open session's run
+#   finish {run_dir, job, pid}: flush; index the run directory once the job has gone            -> finished
+#   attach {uri, artifact_location, run_dir, parent, job}: a run done before                     -> finished
+#   parent_start {uri, artifact_location, sweep_id, sweep_dir} -> ready; sweep_end {uri, sweep_dir, parent} -> finished
+#   ping {uri}: open the store now -> pong; idle: answered once nothing else is connected or open (tests, benches)
+# A failing mlflow call reports one error for its session, which is dropped; a connection that closes with a run
+# open (its process died) has it flushed and ended FAILED; without clients and work for --idle s, the agent exits.
 class Agent:
-    def __init__(self, import_error: str | None):
-        self.import_error = import_error
+    def __init__(self):
+        self.import_error = None
+        started = time.monotonic()
+        try:
+            # Everything the agent will run, now (mlflow: the slow part, while the readers buffer): a module
+            # imported minutes later, from a checkout changed meanwhile, would not match those already loaded
+            # (an ImportError in sweep_end left parents RUNNING).
+            from pipeline.tracking import common, index, store, sweep_callback  # noqa: F401
+            self.common, self.index, self.store = common, index, store
+            trace("import mlflow", started)
+        except BaseException as e:  # noqa: BLE001
+            traceback.print_exc()
+            self.import_error = f"{type(e).__name__}: {e}"
         self.sessions: dict[tuple[int, int], Session] = {}
-        self.clients: dict[str, object] = {}
-        self.artifact_roots: dict[str, str | None] = {}
+        self.clients: dict[str, tuple[object, str | None]] = {}  # uri -> (its client, its artifact root)
         self.parents: dict[str, dict] = {}  # sweep id -> its parent run, as parent_start made or found it
         self.finishing: list[tuple[Session, dict, float]] = []  # handed over, indexed once their job has gone
         self.waiters: list[tuple[Conn, object]] = []  # idle requests
@@ -98,9 +94,7 @@ class Agent:
             return ref
         sweep_id = ref.get("sweep_id")
         if sweep_id not in self.parents:
-            from pipeline.tracking import store
-
-            found = store.find_parent(client, sweep_id)
+            found = self.store.find_parent(client, sweep_id)
             if found is None:
                 return None
             self.parents[sweep_id] = {"run_id": found.info.run_id, "experiment_id": found.info.experiment_id}
@@ -110,72 +104,61 @@ class Agent:
         s.pending = []
         if not s.failed:
             s.failed = True
-            msg = e if isinstance(e, str) else f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            first = str(e).strip().splitlines()[:1]
+            msg = e if isinstance(e, str) else f"{type(e).__name__}: {''.join(first)}"
             if not isinstance(e, str) and type(e).__name__ != "StoreError":
                 traceback.print_exception(e, file=sys.stderr)
             s.conn.send({"sid": s.sid, "event": "error", "message": msg[:2000]})
 
     def client(self, uri: str, artifact_root: str | None = None):
-        from pipeline.tracking import store
-
         if uri not in self.clients:
-            self.clients[uri] = store.open_client(uri, artifact_root)
-            self.artifact_roots[uri] = artifact_root
-        return self.clients[uri]
+            self.clients[uri] = self.store.open_client(uri, artifact_root), artifact_root
+        return self.clients[uri][0]
 
     # --- a job's run, live
     def open(self, s: Session, m: dict) -> None:
-        from pipeline.tracking import store
-        from pipeline.tracking.common import parse_run_uri, run_uri
-
         s.uri = uri = m["uri"]
         s.client = client = self.client(uri, m.get("artifact_location"))
         parent = s.parent = self.parent_of(client, m.get("parent"))
-        prev_uri, _, prev_id = parse_run_uri(m.get("previous_run_uri"))
+        prev_uri, _, prev_id = self.common.parse_run_uri(m.get("previous_run_uri"))
         candidates = [prev_id] if prev_id and prev_uri in (None, uri) else []
-        run = store.find_run(client, m["run_dir"], candidates)
+        run = self.store.find_run(client, m["run_dir"], candidates)
         tags = dict(m["tags"])
         if parent:
             tags["mlflow.parentRunId"] = parent["run_id"]
         if run is None:
             experiment_id = parent["experiment_id"] if parent else \
-                store.ensure_experiment(client, m["experiment"], m.get("artifact_location"))
+                self.store.ensure_experiment(client, m["experiment"], m.get("artifact_location"))
             if m.get("previous_run_uri"):
                 tags["continued_from"] = m["previous_run_uri"]  # a fork, or a run indexed in another store
-            run = store.create_run(client, experiment_id, tags, m.get("start_time"))
+            run = self.store.create_run(client, experiment_id, tags, m.get("start_time"))
         else:
-            s.logged = store.logged_steps(client, run.info.run_id, run.data.metrics.keys())
+            s.logged = self.store.logged_steps(client, run.info.run_id, run.data.metrics.keys())
             if run.data.tags.get("mlflow.parentRunId") not in (None, tags.get("mlflow.parentRunId")):
                 tags["mlflow.parentRunId"] = run.data.tags["mlflow.parentRunId"]  # stays with its first sweep
             if run.info.status != "RUNNING":
                 client.update_run(run.info.run_id, status="RUNNING")
-            store.sync_tags(client, run, tags)
-        store.sync_params(client, run, m["params"])
+            self.store.sync_tags(client, run, tags)
+        self.store.sync_params(client, run, m["params"])
         s.run_id = run.info.run_id
-        s.repo = store.artifact_repo(client, s.run_id)
-        s.conn.send({"sid": s.sid, "event": "ready", "uri": run_uri(uri, run.info.experiment_id, s.run_id),
-                     "run_id": s.run_id, "experiment_id": run.info.experiment_id})
+        s.repo = self.store.artifact_repo(client, s.run_id)
+        s.conn.send({"sid": s.sid, "event": "ready", "run_id": s.run_id, "experiment_id": run.info.experiment_id,
+                     "uri": self.common.run_uri(uri, run.info.experiment_id, s.run_id)})
 
     def metrics(self, s: Session, m: dict) -> None:
-        from pipeline.tracking.common import metric_points
-
         for line in m["lines"]:
-            s.pending += [p for p in metric_points(line) if (p[0], p[3]) not in s.logged]
+            s.pending += [p for p in self.common.metric_points(line) if (p[0], p[3]) not in s.logged]
         if len(s.pending) >= MAX_PENDING:
             self.flush(s)
 
     def flush(self, s: Session) -> None:
         if s.pending and not s.failed and s.run_id:
-            from pipeline.tracking import store
-
             points, s.pending = s.pending, []
-            store.log_points(s.client, s.run_id, points)
+            self.store.log_points(s.client, s.run_id, points)
             s.logged.update((p[0], p[3]) for p in points)
 
     def checkpoint(self, s: Session, m: dict) -> None:
-        from pipeline.tracking import store
-
-        store.log_file_as(s.repo, m["artifact"], data=m["manifest"].encode())
+        self.store.log_file_as(s.repo, m["artifact"], data=m["manifest"].encode())
 
     def finish(self, s: Session, m: dict) -> None:
         """The job hands its run over and leaves: its points now, the run directory once it has gone."""
@@ -183,10 +166,8 @@ class Agent:
         self.finishing.append((s, m, time.monotonic() + GONE_WAIT))
 
     def finish_gone(self) -> None:
-        """Complete every handed-over run whose job has left its run directory (then nothing there changes):
-        first each one's points and status, then their artifacts."""
-        from pipeline.tracking.index import sync_run, sync_run_artifacts
-
+        """Complete each handed-over run whose job has left (nothing changes then): its points and status, then
+        artifacts."""
         waiting, done = [], []
         for s, m, deadline in self.finishing:
             if _held_by(Path(m["run_dir"]), m.get("pid")) and time.monotonic() < deadline:
@@ -194,8 +175,8 @@ class Agent:
                 continue
             started = time.monotonic()
             try:
-                r = sync_run(s.client, s.uri, Path(m["run_dir"]), self.artifact_roots.get(s.uri), s.parent,
-                             m.get("job"), artifacts=False)
+                r = self.index.sync_run(s.client, s.uri, Path(m["run_dir"]), self.clients[s.uri][1],
+                                        s.parent, m.get("job"), artifacts=False)
                 done.append((s, m, r))
             except Exception as e:  # noqa: BLE001 - reported, never raised
                 self.fail(s, e)
@@ -205,48 +186,37 @@ class Agent:
             started = time.monotonic()
             try:
                 if "run_id" in r:
-                    sync_run_artifacts(s.client, r["run_id"], Path(m["run_dir"]), bool(r["points"]))
+                    self.index.sync_run_artifacts(s.client, r["run_id"], Path(m["run_dir"]))
                     trace("finish: its artifacts", started)
                 s.conn.send({"sid": s.sid, "event": "finished"})
             except Exception as e:  # noqa: BLE001
                 self.fail(s, e)
 
     def attach(self, s: Session, m: dict) -> None:
-        """A job whose run directory was complete before it started: index it (creating its run if the
-        store lacks it) under the sweep's parent, and report it."""
-        from pipeline.tracking.common import run_uri
-        from pipeline.tracking.index import index_job
-
+        """A job whose run directory was complete before it started: indexed (its run made if the store lacks it)."""
         client = self.client(m["uri"], m.get("artifact_location"))
         parent, job = self.parent_of(client, m.get("parent")), m.get("job") or {}
-        r = index_job(client, m["uri"], Path(m["run_dir"]), m.get("artifact_location"), parent, job)
-        uri = run_uri(m["uri"], r["experiment_id"], r["run_id"]) if "run_id" in r else None
+        r = self.index.index_job(client, m["uri"], Path(m["run_dir"]), m.get("artifact_location"), parent, job)
+        uri = self.common.run_uri(m["uri"], r["experiment_id"], r["run_id"]) if "run_id" in r else None
         s.conn.send({"sid": s.sid, "event": "finished", "uri": uri})
 
     # --- a sweep's parent run
     def parent_start(self, s: Session, m: dict) -> None:
         """The sweep's parent, made from its sweep.json by the code reindex uses (pipeline/tracking/index.py)."""
-        from pipeline.tracking.common import run_uri
-        from pipeline.tracking.index import open_parent
-
         client = self.client(m["uri"], m.get("artifact_location"))
-        run, created = open_parent(client, Path(m["sweep_dir"]), m.get("artifact_location"))
+        run, created = self.index.open_parent(client, Path(m["sweep_dir"]), m.get("artifact_location"))
         if not created:  # the same sweep again: its parent goes on
             client.update_run(run.info.run_id, status="RUNNING")
-        experiment_id = run.info.experiment_id
-        self.parents[m["sweep_id"]] = {"run_id": run.info.run_id, "experiment_id": experiment_id}
-        s.conn.send({"sid": s.sid, "event": "ready", "uri": run_uri(m["uri"], experiment_id, run.info.run_id),
-                     "run_id": run.info.run_id, "experiment_id": experiment_id, "reused": not created})
+        ids = self.parents[m["sweep_id"]] = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
+        uri = self.common.run_uri(m["uri"], run.info.experiment_id, run.info.run_id)
+        s.conn.send({"sid": s.sid, "event": "ready", "uri": uri, **ids, "reused": not created})
 
     def sweep_end(self, s: Session, m: dict) -> None:
-        from pipeline.tracking.common import run_uri
-        from pipeline.tracking.index import sync_parent
-
         client = self.client(m["uri"])
-        r = sync_parent(client, m["uri"], Path(m["sweep_dir"]), self.artifact_roots.get(m["uri"]),
-                        self.parent_of(client, m["parent"]), children=False)
+        r = self.index.sync_parent(client, m["uri"], Path(m["sweep_dir"]), self.clients[m["uri"]][1],
+                                   self.parent_of(client, m["parent"]), children=False)
         s.conn.send({"sid": s.sid, "event": "finished", "status": r["status"], "children": r["children"],
-                     "uri": run_uri(m["uri"], r["experiment_id"], r["run_id"])})
+                     "uri": self.common.run_uri(m["uri"], r["experiment_id"], r["run_id"])})
 
     def ping(self, s: Session, m: dict) -> None:
         self.client(m["uri"], m.get("artifact_location"))
@@ -262,11 +232,11 @@ class Agent:
             self.waiters.append((conn, m.get("sid")))
             return
         if op in self.OPENING:
-            s = self.sessions[key] = Session(conn, m["sid"])
+            s = Session(conn, m["sid"])
             if self.import_error:
                 self.fail(s, f"mlflow could not be imported: {self.import_error}")
-                self.sessions.pop(key, None)
                 return
+            self.sessions[key] = s
         else:
             s = self.sessions.get(key)
             if s is None or s.failed:
@@ -284,10 +254,8 @@ class Agent:
 
     def close_conn(self, conn: Conn) -> None:
         """The client's process went away without finishing its runs: keep what was sent, end them FAILED."""
-        for key, s in list(self.sessions.items()):
-            if key[0] != conn.cid:
-                continue
-            del self.sessions[key]
+        for key in [k for k in self.sessions if k[0] == conn.cid]:
+            s = self.sessions.pop(key)
             if s.failed or s.run_id is None:
                 continue
             try:
@@ -312,15 +280,11 @@ class Agent:
             timeout = max(0.0, last_flush + FLUSH_EVERY - time.monotonic()) if pending else 1.0
             if self.finishing or self.waiters:
                 timeout = min(timeout, 0.05)  # a job leaves within moments of handing over
-            try:
-                batch = [inbox.get(timeout=timeout)]
-            except queue.Empty:
-                batch = []
-            while len(batch) < 5000:
-                try:
+            batch = []
+            with contextlib.suppress(queue.Empty):
+                batch.append(inbox.get(timeout=timeout))
+                while len(batch) < 5000:
                     batch.append(inbox.get_nowait())
-                except queue.Empty:
-                    break
             for conn, m in batch:
                 if m is EOF:
                     self.close_conn(conn)
@@ -403,28 +367,15 @@ def main(argv: list[str] | None = None) -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    import_error = None
     time.sleep(float(os.environ.get("PIPELINE_TRACKING_AGENT_DELAY", "0") or 0))  # a test hook: a slow agent
-    started = time.monotonic()
-    try:
-        from pipeline.tracking import store  # noqa: F401  (mlflow: the slow part, while the readers buffer)
-        # Everything the agent will run, now: a module imported minutes later, from a checkout changed
-        # meanwhile, would not match those already loaded (an ImportError in sweep_end left parents RUNNING).
-        from pipeline.tracking import index, sweep_callback  # noqa: F401
-        trace("import mlflow", started)
-    except BaseException as e:  # noqa: BLE001
-        traceback.print_exc()
-        import_error = f"{type(e).__name__}: {e}"
+    agent = Agent()
     for name in ("alembic", "mlflow", "sqlalchemy"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    agent = Agent(import_error)
     try:
         agent.loop(inbox, clients, args.idle)
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(args.listen)  # no longer findable: a new client starts a new agent ...
-        except OSError:
-            pass
         server.close()
     agent.loop(inbox, clients, 0.0)  # ... and whoever connected meanwhile is served until it leaves
 

@@ -1,14 +1,4 @@
-"""What the tracker, the agent, the sweep callback and reindex share; imports nothing heavy (no mlflow).
-
-The run URI written into every manifest is the tracking URI followed by the mlflow UI's route to the run:
-
-    sqlite:////abs/outputs/mlflow.db#/experiments/1/runs/0123abcd...
-    http://127.0.0.1:5000#/experiments/1/runs/0123abcd...
-
-The part before `#` is what `mlflow ui --backend-store-uri ...` (or MLFLOW_TRACKING_URI) takes; the part
-after it, appended to the UI's address (http://127.0.0.1:5000/#/experiments/...), opens the run. For a
-tracking server the whole string is the run's page. `runs:/<run_id>` and bare run ids are accepted too.
-"""
+"""What the tracker, the agent, the sweep callback and reindex share; imports nothing heavy (no mlflow)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from pipeline.files.jsonio import flatten
+from pipeline.files.jsonio import NON_FINITE, flatten
 
 MAX_PARAM_VALUE = 6000  # mlflow's limit on a param value
 MAX_TAG_VALUE = 8000
@@ -28,11 +18,13 @@ _RUN_ROUTE = re.compile(r"^/?experiments/([^/]+)/runs/([0-9a-fA-F]{32})/?$")
 
 
 def run_uri(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """What a manifest's mlflow_run_uri says: the store (what `mlflow ui --backend-store-uri` takes) and, after
+    `#`, the UI's route to the run (for a tracking server the whole string is the run's page)."""
     return f"{tracking_uri}#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def parse_run_uri(uri: str | None) -> tuple[str | None, str | None, str | None]:
-    """(tracking_uri, experiment_id, run_id) of a manifest's mlflow_run_uri; Nones for what it does not say."""
+    """(tracking_uri, experiment_id, run_id) of a run_uri, `runs:/<id>` or a bare id; Nones for what it lacks."""
     if not uri or not isinstance(uri, str):
         return None, None, None
     if uri.startswith("runs:/"):
@@ -69,9 +61,8 @@ SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 def store_problem(uri: str, timeout: float = 0.5) -> str | None:
-    """What is plainly wrong with a store, found in milliseconds without mlflow (a job checks this before
-    handing its run to the agent, which it does not wait for): a sqlite file that is not a database or
-    cannot be made, a server whose port refuses. None if nothing is; the agent reports the rest."""
+    """What is plainly wrong with a store, found in milliseconds without mlflow before a job hands its run to the
+    agent (a sqlite file that is not a database or cannot be made, a port that refuses); None, else."""
     db = sqlite_path(uri)
     if db is not None:
         try:
@@ -108,9 +99,7 @@ def artifact_location_uri(location: str | None) -> str | None:
     if location in (None, ""):
         return None
     location = str(location)
-    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", location):
-        return location
-    return Path(location).resolve().as_uri()
+    return location if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", location) else Path(location).resolve().as_uri()
 
 
 # Stores whose client writes the artifacts itself (a database or a directory): the caller says where.
@@ -119,11 +108,9 @@ _CLIENT_SIDE_STORES = ("sqlite", "postgresql", "mysql", "mssql", "file")
 
 
 def artifact_root(uri: str, location: str | None = None) -> str | None:
-    """Where the experiments this pipeline creates in the store at `uri` keep their artifacts: None for a
-    tracking server (it chooses: `mlflow-artifacts:/` under its --artifacts-destination, or its
-    --default-artifact-root); for a store the client writes itself, `location` as an absolute URI, else
-    the sqlite DB's directory's `mlartifacts` (never the working directory). The one place this is decided:
-    the tracker, the sweep callback, reindex and store.ensure_experiment all ask it."""
+    """Where this pipeline's experiments in the store at `uri` keep their artifacts (the one place it is decided):
+    None for a tracking server (it chooses); else `location` as an absolute URI, or the sqlite DB's directory's
+    `mlartifacts`, never the working directory."""
     scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9.-]*)(\+[a-zA-Z0-9.-]*)?:", str(uri))
     if str(uri).startswith("databricks") or (scheme is not None and len(scheme.group(1)) > 1 and
                                              scheme.group(1).lower() not in _CLIENT_SIDE_STORES):
@@ -164,42 +151,26 @@ def params_of(config: dict) -> dict[str, str]:
     return {k: param_value(v) for k, v in flatten(config).items() if not is_machine_key(k)}
 
 
-def machine_tags_of(config: dict) -> dict[str, str]:
-    """`config.<key>` tags for the MACHINE_TAGS a config sets (null and `auto` say nothing): never a param."""
-    flat = flatten(config)
-    return {f"config.{k}": flat[k] for k in MACHINE_TAGS if k in flat and flat[k] not in (None, "auto", "")}
-
-
 def tag_value(v) -> str:
-    s = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
-    return s[:MAX_TAG_VALUE]
+    return (v if isinstance(v, str) else json.dumps(v, sort_keys=True))[:MAX_TAG_VALUE]
 
 
 def tags_of(facts: dict, run_dir: str | Path, status: dict | None = None, job: dict | None = None) -> dict[str, str]:
-    """The run-level facts as tags (what a person filters on in the UI): the manifest's facts, the few
-    machine keys worth one (MACHINE_TAGS), its resumes (from run.json), and the sweep job it ran as."""
+    """The run-level facts as tags (what a person filters on): the manifest's, MACHINE_TAGS, resumes, sweep job."""
     config = facts.get("config") or {}
-    status = status or {}
-    tags = {
-        "run_dir": str(Path(run_dir).resolve()),
-        "experiment": str(config.get("name", "")),
-        "config_hash": facts.get("config_hash"),
-        "semantic_config_hash": facts.get("semantic_config_hash"),
-        "data_manifest_hash": facts.get("data_manifest_hash"),
-        "git_sha": facts.get("git_sha"),
-        "git_dirty": facts.get("git_dirty"),
-        "seed": facts.get("seed"),
-        "model.parameters": facts.get("n_params"),
-        "mlflow.runName": (job or {}).get("name") or Path(run_dir).name,
-        "mlflow.source.name": "pipeline",
-        "mlflow.source.type": "LOCAL",
-    }
-    tags.update(machine_tags_of(config))
+    flat = flatten(config)
+    tags = {"run_dir": str(Path(run_dir).resolve()), "experiment": str(config.get("name", "")),
+            **{k: facts.get(k) for k in ("config_hash", "semantic_config_hash", "data_manifest_hash", "git_sha",
+                                         "git_dirty", "seed")},
+            "model.parameters": facts.get("n_params"), "mlflow.runName": (job or {}).get("name") or Path(run_dir).name,
+            "mlflow.source.name": "pipeline", "mlflow.source.type": "LOCAL",
+            # `config.<key>` for the MACHINE_TAGS the config sets (null and `auto` say nothing): never a param
+            **{f"config.{k}": flat[k] for k in MACHINE_TAGS if k in flat and flat[k] not in (None, "auto", "")}}
     if facts.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = facts["git_sha"]
     if facts.get("allowed_changes"):
         tags["allowed_changes"] = facts["allowed_changes"]
-    resumes = status.get("resumes") or []
+    resumes = (status or {}).get("resumes") or []
     if resumes:
         tags["resumes"] = len(resumes)
         tags.update({f"resume.{i}": r.get("step") for i, r in enumerate(resumes, start=1)})
@@ -211,20 +182,14 @@ def tags_of(facts: dict, run_dir: str | Path, status: dict | None = None, job: d
 
 def metric_points(line: dict) -> list[tuple[str, float, int, int]]:
     """(key, value, timestamp ms, step) for every metric of one metrics.jsonl line."""
-    ts = int(float(line.get("time", 0.0)) * 1000)
-    step = int(line["step"])
-    from pipeline.files.jsonio import NON_FINITE
-
+    ts, step = int(float(line.get("time", 0.0)) * 1000), int(line["step"])
     return [(k, float(NON_FINITE.get(v, v)) if isinstance(v, str) else float(v), ts, step) for k, v in line.items()
             if k not in NON_METRIC_KEYS and (isinstance(v, (int, float)) and not isinstance(v, bool) or v in NON_FINITE)]
 
 
 def is_mlflow_tracking(tracking) -> bool:
     """True when a `tracking` config node selects the mlflow tracker (mlflow or server), False for none."""
-    if tracking is None:
-        return False
     try:
-        target = tracking.get("_target_")
-    except AttributeError:
+        return tracking.get("_target_") in TRACKER_TARGETS
+    except AttributeError:  # None, or not a node
         return False
-    return target in TRACKER_TARGETS

@@ -1,12 +1,9 @@
-"""One run directory (or one sweep) into the mlflow index, from what is on disk: the same code for the live
-agent at a run's end and for `pipeline.reindex`, so a run indexed live and re-indexed later look the same.
-
-The disk is the truth and mlflow the index: tags and status follow the disk; mlflow cannot change a logged
-param or delete a metric point, so a changed param becomes a `params_changed.<key>` tag and points are
-only ever added. Every function adds only what is missing: running it twice adds nothing. Imports mlflow.
-"""
+"""A run directory (or a sweep) into the mlflow index from the disk, the truth: for the agent and reindex alike."""
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import stat
 from pathlib import Path
 
@@ -15,16 +12,17 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import json_state, manifest_file, read_manifest, weights_file
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.tracking import store
-from pipeline.tracking.common import (CURVES_ARTIFACT, params_of,
-                                      parse_run_uri, run_uri, tag_value, tags_of)
+from pipeline.tracking.common import (CURVES_ARTIFACT, metric_points, params_of, parse_run_uri, run_uri, tag_value,
+                                      tags_of)
+from pipeline.tracking.summary import best_job, finite
+from pipeline.trainer import curves
 
 MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
 STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
 
 
 def manifests(rundir: RunDir, damaged: list[str] | None = None) -> list[tuple[Path, dict]]:
-    """(directory, manifest) of every checkpoint whose manifest reads; the one-line reason of each other one
-    appended to `damaged` (reindex names them: a damaged checkpoint is never skipped without a word)."""
+    """(directory, manifest) of every checkpoint whose manifest reads; each other one's reason into `damaged`."""
     out = []
     for _, directory in rundir.store.steps():
         try:
@@ -33,13 +31,6 @@ def manifests(rundir: RunDir, damaged: list[str] | None = None) -> list[tuple[Pa
             if damaged is not None:
                 damaged.append(str(e))
     return out
-
-
-def mlflow_status(rundir: RunDir, status: dict) -> str | None:
-    name = status.get("status")
-    if name == "running" and not rundir.in_use():
-        return "FAILED"  # the process died running
-    return STATUS_OF_RUN_JSON.get(name)
 
 
 def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
@@ -57,30 +48,14 @@ def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
     return out
 
 
-def find_or_create(client, uri: str, run_dir: Path, experiment: str, artifact_root: str | None, candidates: list,
-                   tags: dict, start_time: float):
-    run = store.find_run(client, str(run_dir), candidates)
-    if run is not None:
-        return run, False
-    experiment_id = store.ensure_experiment(client, experiment, artifact_root)
-    return store.create_run(client, experiment_id, tags, start_time), True
-
-
 def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None = None,
              job: dict | None = None, artifacts: bool = True) -> dict:
-    """Make the mlflow run of `run_dir` hold everything the directory does; returns what was added.
-
-    `parent` ({"run_id", "experiment_id"}) links it under a sweep's parent run (a run already under
-    another parent keeps it); `job` adds the sweep job's tags (name of swept values, overrides, number).
-    The run is complete (params, tags, every point, its status) before its artifacts are logged; with
-    artifacts=False they are left to sync_run_artifacts (the agent completes every waiting run first).
-    """
+    """Make the mlflow run of `run_dir` hold everything the directory does (under `parent` unless under another
+    already; with a sweep `job`'s tags): artifacts last, or left to sync_run_artifacts; returns what was added."""
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
-    added = {"created": 0, "params": 0, "tags": 0, "points": 0, "artifacts": 0, "status": 0}
-    damaged: list[str] = []
-    found = manifests(rundir, damaged)
-    added["damaged"] = damaged
+    added = {"created": 0, "params": 0, "tags": 0, "points": 0, "artifacts": 0, "status": 0, "damaged": []}
+    found = manifests(rundir, added["damaged"])
     if not found:
         return {**added, "skipped": "no checkpoint manifest"}
     newest = found[-1][1]
@@ -95,10 +70,12 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     tags = tags_of(newest, run_dir, status, job)
     if parent is not None:
         tags["mlflow.parentRunId"] = parent["run_id"]
-    experiment = (config.get("tracking") or {}).get("experiment") or config.get("name") or "default"
-    started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
-    run, created = find_or_create(client, uri, run_dir, str(experiment), artifact_root, candidates, tags, started)
-    added["created"] = int(created)
+    run = store.find_run(client, str(run_dir), candidates)
+    if run is None:
+        experiment = (config.get("tracking") or {}).get("experiment") or config.get("name") or "default"
+        started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
+        run = store.create_run(client, store.ensure_experiment(client, str(experiment), artifact_root), tags, started)
+        added["created"] = 1
     if run.data.tags.get("mlflow.parentRunId") not in (None, tags.get("mlflow.parentRunId")):
         # it stays with its first sweep (and that sweep's job name and number)
         tags = {k: v for k, v in tags.items() if not k.startswith("sweep.") and k != "mlflow.runName"}
@@ -107,8 +84,9 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     added["params"] = store.sync_params(client, run, params_of(config))
     added["tags"] = store.sync_tags(client, run, tags)
     latest = {}
-    for p in store.points_of(lines):
-        latest[(p[0], p[3])] = p  # a step logged twice in the file: its last line
+    for line in lines:
+        for p in metric_points(line):
+            latest[(p[0], p[3])] = p  # a step logged twice in the file: its last line
     best = best_metrics(found[-1][0])
     when = {p[3]: p[2] for p in latest.values()}  # step -> its metrics.jsonl time: the same in every rebuild
     for key, (value, step) in best.items():
@@ -118,27 +96,26 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         latest[("best/step", step)] = ("best/step", float(step), when.get(step, 0), step)
     logged = store.logged_steps(client, run_id, {k for k, _ in latest})
     added["points"] = store.log_points(client, run_id, [p for key, p in latest.items() if key not in logged])
-    mstatus = mlflow_status(rundir, status)
+    name = status.get("status")  # "running" with nobody in the run directory: the process died running
+    mstatus = "FAILED" if name == "running" and not rundir.in_use() else STATUS_OF_RUN_JSON.get(name)
     if mstatus and client.get_run(run_id).info.status != mstatus:
         end = status.get("ended_at") or status.get("updated") or run_dir.stat().st_mtime
         client.set_terminated(run_id, status=mstatus, end_time=int(end * 1000))
         added["status"] = 1
     record_run_uri(rundir, run_uri(uri, run.info.experiment_id, run_id))
     if artifacts:
-        added["artifacts"] = sync_artifacts(client, run_id, rundir, found, lines, bool(added["points"]))
+        added["artifacts"] = sync_artifacts(client, run_id, rundir, found, lines)
     return {**added, "run_id": run_id, "experiment_id": run.info.experiment_id, "status_now": mstatus}
 
 
-def sync_run_artifacts(client, run_id: str, run_dir: Path, new_points: bool = False) -> int:
+def sync_run_artifacts(client, run_id: str, run_dir: Path) -> int:
     """The artifacts part of sync_run, for a run whose rest sync_run(artifacts=False) has done."""
     rundir = RunDir(Path(run_dir).resolve())
-    return sync_artifacts(client, run_id, rundir, manifests(rundir), rundir.read_metrics(), new_points)
+    return sync_artifacts(client, run_id, rundir, manifests(rundir), rundir.read_metrics())
 
 
 def record_run_uri(rundir: RunDir, uri: str) -> bool:
-    """run.json names the run's mlflow run (`mlflow_run_uri`): the disk's link to the index, also when the
-    manifests were written before the URI was known (they say null). Written by whoever holds the run's lock
-    (never beside a running job: it rewrites run.json); False, changing nothing, if a job holds it now."""
+    """run.json names the run's mlflow run (its manifests may say null), under the run's lock: never beside a job."""
     status = rundir.read_status()
     if not status or status.get("mlflow_run_uri") == uri:
         return True  # nothing to link (no run.json: never made here), or linked already
@@ -156,7 +133,7 @@ def record_run_uri(rundir: RunDir, uri: str) -> bool:
     return True
 
 
-def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list, new_points: bool) -> int:
+def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list) -> int:
     repo = store.artifact_repo(client, run_id)
     have = store.artifact_sizes(repo)
     final = rundir.store.link_dir("final")
@@ -171,12 +148,9 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
         name, source = (source.name, source) if isinstance(source, Path) else source
         todo.append((f"{folder}/{name}", source))
     for p in (rundir.hydra_dir / "config.yaml", rundir.hydra_dir / "overrides.yaml", rundir.log_path):
-        try:
-            st = p.stat()
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode):  # a FIFO or a device where a file should be: never opened (it would block)
-            todo.append((f"hydra/{p.name}" if p != rundir.log_path else p.name, p))
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(p.stat().st_mode):  # a FIFO or a device where a file should be: never opened (it blocks)
+                todo.append((f"hydra/{p.name}" if p != rundir.log_path else p.name, p))
     added = 0
     for artifact, source in todo:
         size = len(source) if isinstance(source, bytes) else source.stat().st_size
@@ -191,16 +165,13 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
 
 
 def curves_png(rundir: RunDir, lines: list) -> bytes | None:
-    """The run's loss/lr curves as PNG bytes: the run directory's own curves.png when it is current (written
-    after the last metrics line), else drawn here from the whole metrics.jsonl; None with nothing to draw."""
+    """The run directory's own curves.png if written after the last metrics line, else drawn from metrics.jsonl."""
     own = rundir.path / CURVES_ARTIFACT
-    try:
+    with contextlib.suppress(OSError):
         if own.is_file() and own.stat().st_size <= MAX_CURVES_BYTES and \
                 own.stat().st_mtime >= rundir.metrics_path.stat().st_mtime:
             return own.read_bytes()
-    except OSError:
-        pass
-    return store.curves_bytes(lines)
+    return curves.draw(lines)  # the job's own drawing: the same lines give the same bytes
 
 
 SWEEP_STATUS = {"complete": "FINISHED", "failed": "FAILED", "interrupted": "KILLED", "running": "RUNNING"}
@@ -227,11 +198,8 @@ def identity_tags(sweep: dict) -> dict[str, str]:
 
 
 def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, str], str]:
-    """Every tag of a sweep's parent run and its mlflow status, from sweep.json and jobs/*.json alone (the
-    live agent and reindex both call this): counts, the failures as the jobs' records say them now, the best
-    job and the run that indexes its run directory in THIS store."""
-    from pipeline.tracking.sweep_callback import best_job
-
+    """Every tag of a sweep's parent run and its mlflow status, from sweep.json and jobs/*.json alone: counts, the
+    failures as the jobs' records say them now, the best job and the run of its run directory in THIS store."""
     tags = identity_tags(sweep)
     failed = {n: j for n, j in sorted(jobs.items()) if j.get("status") != "complete"}
     tags.update({"sweep.jobs": str(len(jobs)), "sweep.failed": str(len(failed))})
@@ -254,19 +222,14 @@ def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, s
 
 
 def objective_points(sweep: dict, jobs: dict[int, dict]) -> list[tuple[str, float, int, int]]:
-    """The parent's objective: at step n, the best of jobs 0..n, for the jobs before the first that has not
-    completed (each point is then final: a job re-run later cannot change it); the latest is the best."""
-    import math
-
+    """The parent's objective: at step n, the best of jobs 0..n, up to the first job not complete (then final)."""
     key, maximize = sweep.get("objective", "objective"), sweep.get("direction") == "maximize"
     ts, best, out = int(float(sweep.get("started") or 0) * 1000), None, []
     for n in sorted(jobs):
         job = jobs[n]
         if job.get("status") != "complete":
             break
-        value = job.get("objective")
-        if isinstance(value, (int, float)) and math.isfinite(jsonio.number(value)):
-            value = float(value)
+        if (value := finite(job.get("objective"))) is not None:
             best = value if best is None else (max if maximize else min)(best, value)
         if best is not None:
             out.append((key, best, ts, n))
@@ -274,8 +237,7 @@ def objective_points(sweep: dict, jobs: dict[int, dict]) -> list[tuple[str, floa
 
 
 def open_parent(client, sweep_dir: Path, artifact_root: str | None):
-    """The sweep's parent run, found by the sweep's id or created (at the sweep's first start), with the tags
-    and params sweep.json fixes. Returns (run, created)."""
+    """(the sweep's parent run, found by the sweep's id or created now; whether created), as sweep.json says."""
     sweep, _ = read_sweep(sweep_dir)
     experiment = sweep.get("experiment") or sweep.get("name") or "default"
     experiment_id = store.ensure_experiment(client, experiment, artifact_root)
@@ -288,8 +250,8 @@ def open_parent(client, sweep_dir: Path, artifact_root: str | None):
 
 
 def index_job(client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None, job: dict) -> dict:
-    """A sweep job's run directory under its parent: its own run, or, when that run already stands for
-    another job (a repeat in this sweep, or a job of another sweep), a child of its own pointing at it."""
+    """A sweep job's run directory under its parent: its own run, or a child pointing at the run when that one
+    already stands for another job (a repeat in this sweep, or a job of another sweep)."""
     run = store.find_run(client, str(Path(run_dir).resolve()))
     if run is not None and parent and (run.data.tags.get("mlflow.parentRunId") != parent["run_id"] or
                                        run.data.tags.get("sweep.job_num") not in (None, str(job.get("num")))):
@@ -300,10 +262,8 @@ def index_job(client, uri: str, run_dir: Path, artifact_root: str | None, parent
 
 def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, parent: dict | None = None,
                 children: bool = True) -> dict:
-    """Make a sweep's parent run hold what its directory says (sweep.json, jobs/*.json, multirun.yaml, the
-    sweeper's results): found by the sweep's id or created; with children=True (reindex) every job's run
-    directory is indexed under it too, in job order. Returns {"run_id", "experiment_id", "children",
-    "status", "synced": {resolved run directory: sync_run's result}}."""
+    """Make a sweep's parent run hold what its directory says; children=True (reindex) indexes each job's run
+    directory under it too, in job order ("synced": {resolved run directory: sync_run's result})."""
     sweep_dir = Path(sweep_dir)
     sweep, jobs = read_sweep(sweep_dir)
     if parent is None:
@@ -332,20 +292,14 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
         p = sweep_dir / name
         if p.is_file() and store.artifact_bytes(repo, name, have) != p.read_bytes():
             store.log_file_as(repo, name, source=p)
-    if status != "RUNNING" and (run.info.status != status or run.info.end_time != _ms(sweep.get("ended_at"))):
-        client.set_terminated(run.info.run_id, status=status, end_time=_ms(sweep.get("ended_at")))
+    end = int(float(sweep["ended_at"]) * 1000) if isinstance(sweep.get("ended_at"), (int, float)) else None
+    if status != "RUNNING" and (run.info.status != status or run.info.end_time != end):
+        client.set_terminated(run.info.run_id, status=status, end_time=end)
     return {**parent, "children": len(jobs), "status": status, "synced": synced}
-
-
-def _ms(t) -> int | None:
-    return int(float(t) * 1000) if isinstance(t, (int, float)) else None
 
 
 def _alive(sweep: dict) -> bool:
     """Whether the process that launched a sweep still runs (a sweep launched on another host: assume so)."""
-    import os
-    import socket
-
     if sweep.get("host") != socket.gethostname() or not isinstance(sweep.get("pid"), int):
         return True
     try:

@@ -1,18 +1,7 @@
-"""The training side of the tracking agent: find the machine's agent for a tracking URI, or start it.
-
-One agent per (user, tracking URI) on a machine: every run, sweep and job that tracks into the same store
-talks to it over a Unix socket whose path is derived from the URI, so `import mlflow` (~3 s) and opening
-the store happen once and stay warm across the jobs and runs of the machine; the agent exits after
-`IDLE_SECONDS` without clients (5 minutes: the next run of a working session finds it warm). It runs in
-its own session: a signal meant for a job (Ctrl-C, SLURM's SIGTERM) never reaches it, and it outlives the
-jobs: they hand their runs over and leave, it finishes them. Nobody waits for it to start: a Link is made
-at once and connects (spawning the agent if need be) in its writer thread, queueing what is sent meanwhile.
-
-Messages are JSON lines; a request carries a session id `sid`, the agent answers events for it. This module
-imports nothing heavy: it is on the training process's path.
-"""
+"""The job's side of the tracking agent (imports nothing heavy): find the agent for a tracking URI, or start it."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -39,18 +28,14 @@ def socket_path(uri: str) -> Path:
     return Path(tempfile.gettempdir()) / f"pipeline-mlflow-{os.getuid()}-{digest}.sock"
 
 
-def project_pythonpath() -> str:
-    """PYTHONPATH for the agent: the directory holding this `pipeline` package first."""
-    root = str(Path(__file__).resolve().parents[2])
-    return os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+def agent_log(uri: str) -> Path:
+    return socket_path(uri).with_suffix(".log")
 
 
 class Link:
-    """A connection to an agent: requests go through a writer thread, events are dispatched by a reader
-    thread to the handler that registered the session (a tracker, or a Request).
-
-    Made at once: the writer thread finds or starts the agent, then writes what was queued meanwhile, so
-    no caller waits for an agent to start (`drain` waits, bounded, for what was sent to be on its way)."""
+    """Requests go through a writer thread, which finds or starts the agent and then writes what was queued
+    meanwhile (no caller waits for an agent to start); a reader thread hands each event to the handler that
+    registered its session (a tracker, or a Request)."""
 
     def __init__(self, uri: str, log_file: Path | None):
         self.uri, self.log_file, self.path = uri, log_file, socket_path(uri)
@@ -74,14 +59,8 @@ class Link:
             handler.on_event({"event": "error", "message": self.dead})
         return sid
 
-    def send(self, msg: dict | None) -> None:
+    def send(self, msg: dict) -> None:
         self.queue.put(msg)
-
-    def request(self, msg: dict, timeout: float) -> dict | None:
-        """Send one request and wait for its last event ("finished", "ready" or "error"), or None."""
-        req = Request()
-        self.send({**msg, "sid": self.register(req)})
-        return req.event if req.done.wait(timeout) else None
 
     def drain(self, timeout: float) -> bool:
         """Wait at most `timeout` s until everything sent so far is written to the agent's socket."""
@@ -100,19 +79,14 @@ class Link:
         try:
             while True:
                 batch = [self.queue.get()]
-                while True:
-                    try:
+                with contextlib.suppress(queue.Empty):
+                    while True:
                         batch.append(self.queue.get_nowait())
-                    except queue.Empty:
-                        break
-                out, closing, marks = [], False, []
+                out, marks = [], []
                 for msg in batch:
                     if isinstance(msg, threading.Event):
                         marks.append(msg)
                         continue
-                    if msg is None:
-                        closing = True
-                        break
                     last = out[-1] if out else None
                     if msg["op"] == "metrics" and last and last["op"] == "metrics" and last["sid"] == msg["sid"]:
                         last["lines"] = last["lines"] + msg["lines"]  # consecutive lines travel together
@@ -123,9 +97,6 @@ class Link:
                     wfile.flush()
                 for mark in marks:
                     mark.set()
-                if closing:
-                    self.sock.shutdown(socket.SHUT_WR)
-                    return
         except (OSError, ValueError) as e:
             self._died(f"the tracking agent stopped reading ({e})")
 
@@ -154,18 +125,14 @@ class Link:
         for handler in orphans:
             handler.on_event({"event": "error", "message": self.dead})
 
-    def close(self) -> None:
-        """End this connection (the agent ends any run it still holds open for it, FAILED)."""
-        self.send(None)
-
 
 class Request:
-    def __init__(self):
-        self.done = threading.Event()
+    def __init__(self, kinds: tuple[str, ...] = ("ready", "finished", "error", "pong")):
+        self.kinds, self.done = kinds, threading.Event()
         self.event: dict | None = None
 
     def on_event(self, event: dict) -> None:
-        if event.get("event") in ("ready", "finished", "error", "pong"):
+        if event.get("event") in self.kinds:
             self.event = event
             self.done.set()
 
@@ -184,7 +151,8 @@ def _connect(path: Path) -> socket.socket | None:
 
 def spawn(path: Path, log_file: Path | None) -> subprocess.Popen:
     """Start an agent serving `path`, in its own session (no job's signal reaches it)."""
-    env = dict(os.environ, PYTHONPATH=project_pythonpath())
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding this `pipeline` package, first
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     out = open(log_file, "ab") if log_file is not None else subprocess.DEVNULL
     try:
         return subprocess.Popen([sys.executable, "-m", "pipeline.tracking.agent", "--listen", str(path),
@@ -200,11 +168,8 @@ _LINKS_LOCK = threading.Lock()
 
 
 def connect_or_spawn(path: Path, log_file: Path | None) -> socket.socket:
-    """A connected socket to the agent serving `path`, starting it if none runs.
-
-    A lock file beside the socket makes one process spawn while the others wait for its socket.
-    Raises OSError if no agent can be reached or started.
-    """
+    """A socket connected to the agent at `path`, started if none runs (a lock beside the socket makes one process
+    spawn while the others wait). OSError if none can be."""
     sock = _connect(path)
     if sock is not None:
         return sock
@@ -213,10 +178,7 @@ def connect_or_spawn(path: Path, log_file: Path | None) -> socket.socket:
         fcntl.flock(fd, fcntl.LOCK_EX)
         sock = _connect(path)
         if sock is None:
-            try:
-                os.unlink(path)  # a stale socket of an agent that died
-            except FileNotFoundError:
-                pass
+            path.unlink(missing_ok=True)  # a stale socket of an agent that died
             proc = spawn(path, log_file)
             deadline = time.monotonic() + SPAWN_WAIT
             while sock is None and time.monotonic() < deadline:
@@ -233,8 +195,8 @@ def connect_or_spawn(path: Path, log_file: Path | None) -> socket.socket:
 
 
 def agent_for(uri: str, log_file: Path | None = None) -> Link:
-    """This process's connection to the machine's agent for `uri`, returned at once (the agent is found or
-    started in the background; if it cannot be, every session on the link gets an error event)."""
+    """This process's link to the agent for `uri`, at once (found or started in the background; if it cannot be,
+    every session gets an error event)."""
     with _LINKS_LOCK:
         link = _LINKS.get(uri)
         if link is None or not link.alive():
@@ -243,8 +205,8 @@ def agent_for(uri: str, log_file: Path | None = None) -> Link:
 
 
 def wait_idle(uri: str, timeout: float = 600.0) -> bool:
-    """Wait until the agent for `uri` has nothing left to do (no other client, no run open or finishing):
-    the index is then complete. True at once if no agent runs; never starts one. For tests and benchmarks."""
+    """Wait until the agent for `uri` has nothing left to do (the index complete); True if none runs, never starts
+    one. For tests and benchmarks."""
     path = socket_path(uri)
     sock = _connect(path) if path.exists() else None
     if sock is None:

@@ -1,32 +1,9 @@
-"""The mlflow tracker the training process holds: every call enqueues and returns; mlflow lives in the agent.
-
-The agent (pipeline/tracking/agent.py) is one helper process per machine and tracking URI, found or started
-by pipeline/tracking/link.py as soon as the job knows its URI (before building the data and the model), so
-`import mlflow` and opening the store overlap with the job's own start. It finds or creates the run, logs
-metrics in batches while training goes on, and at the end indexes the whole run directory (the same code
-as `pipeline.reindex`). One mlflow run per run directory: a resumed job continues its run.
-
-A job never waits on the index beyond `wait` seconds in all (1 s by default, whatever the load): for the
-run's URI at its last checkpoint (a manifest written before the URI is known says null; run.json and the
-run's `run_dir` tag link the two once the agent has the run), and for its last messages to be on their way
-at its end. It then hands over and leaves: the agent indexes the run directory after the job has gone, and
-records the run's URI in run.json (`python -m pipeline.reindex` completes anything it could not).
-
-Inside a SLURM job (SLURM_JOB_ID set) a run that ends for good is waited for, at the process's exit, until
-the agent has completed it (at most SLURM_WAIT): SLURM ends every process of a job when the job ends, so an
-agent a job started (the first job on a node does) dies with it, and what it had not indexed yet is lost
-until a reindex. A stopped run (KILLED: a time limit, a preemption) is not waited for: it has a deadline,
-and the requeued job's own end indexes the whole run directory.
-
-A tracking failure (mlflow missing, store unusable, server down) warns once and turns tracking off for the
-rest of the run; training and its manifests go on.
-"""
+"""The mlflow tracker the training process holds: every call enqueues and returns; mlflow lives in the agent."""
 from __future__ import annotations
 
 import atexit
 import logging
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,8 +15,8 @@ from pipeline.run.tracker import Tracker
 from pipeline.tracking.common import artifact_root, normalize_tracking_uri, params_of, store_problem, tags_of
 
 log = logging.getLogger("pipeline")
-# Seconds a process inside a SLURM job waits at its exit for the agent to complete its runs (the pre-agent
-# flush bound was 20 s; artifacts take seconds on a loaded machine): the job's allocation is held that long.
+# Seconds a process inside a SLURM job waits at its exit for the agent to complete its runs: SLURM ends every
+# process of a job with it, an agent the job started among them. Artifacts take seconds on a loaded machine.
 SLURM_WAIT = 60.0
 
 
@@ -49,8 +26,8 @@ def in_slurm_job() -> bool:
 
 
 def wait_at_exit(event: threading.Event, what: str) -> None:
-    """Inside a SLURM job: at this process's exit (after the run directory is released, so the agent indexes
-    it whole and links run.json), wait at most SLURM_WAIT for `event`, the agent's answer for `what`."""
+    """Inside a SLURM job: at exit (the run directory released: the agent indexes it whole), wait at most
+    SLURM_WAIT for `event`, the agent's answer for `what`."""
     def wait() -> None:
         if not event.wait(SLURM_WAIT):
             log.warning("mlflow: the tracking agent did not complete %s within %.0f s of this SLURM job's end; "
@@ -59,14 +36,9 @@ def wait_at_exit(event: threading.Event, what: str) -> None:
     atexit.register(wait)
 
 
-def agent_log(uri: str) -> Path:
-    from pipeline.tracking.link import socket_path
-
-    return Path(tempfile.gettempdir()) / (socket_path(uri).stem + ".log")
-
-
 class MlflowTracker(Tracker):
-    """conf/tracking/mlflow.yaml (sqlite under the output directory) and conf/tracking/server.yaml (http)."""
+    """conf/tracking/mlflow.yaml (sqlite under the output directory) and conf/tracking/server.yaml (http). A job
+    waits on it at most `wait` s in all; a failure warns once and turns tracking off for the run."""
 
     def __init__(self, uri: str, experiment: str, artifact_location: str | None, wait: float,
                  sweep: SweepJob | None = None, **_):
@@ -85,11 +57,11 @@ class MlflowTracker(Tracker):
         self.parent = sweep.parent if sweep is not None else None
         self.off = sweep.tracking_off if sweep is not None else None  # the sweep said why, once
 
-    def _wait_for(self, event: threading.Event, timeout: float) -> bool:
-        """event.wait, within what is left of the job's bound on waiting for tracking."""
+    def _wait_for(self, wait, timeout: float):
+        """wait(seconds) (an event's wait, a drain, a check), within what is left of the job's bound."""
         t0 = time.monotonic()
         try:
-            return event.wait(max(0.0, min(timeout, self.wait - self.waited)))
+            return wait(max(0.0, min(timeout, self.wait - self.waited)))
         finally:
             self.waited += time.monotonic() - t0
 
@@ -102,29 +74,31 @@ class MlflowTracker(Tracker):
         if self.off:
             self.failed = True
             return
-        t0 = time.monotonic()
-        problem = store_problem(self.uri, timeout=self.wait / 2)
-        self.waited += time.monotonic() - t0
+        problem = self._wait_for(lambda seconds: store_problem(self.uri, timeout=seconds), self.wait / 2)
         if problem:
             self._fail(problem)
             return
         try:
-            from pipeline.tracking.link import agent_for
+            from pipeline.tracking.link import Request, agent_for, agent_log
 
+            pong = Request(kinds=("pong",))  # the agent has the store open: a run's URI is moments away, not seconds
+            self.warm = pong.done
             self.link = agent_for(self.uri, agent_log(self.uri))
-            self.link.send({"op": "ping", "sid": self.link.register(_Pong(self.warm)), "uri": self.uri,
+            self.link.send({"op": "ping", "sid": self.link.register(pong), "uri": self.uri,
                             "artifact_location": self.artifact_location})
         except OSError as e:
             self._fail(f"no tracking agent: {e}")
 
+    def _linked(self) -> bool:
+        """Whether tracking is on, the agent found or started now if prepare() was not called."""
+        if self.link is None and not self.failed:
+            self.prepare()
+        return not self.failed
+
     def start(self, *, config: dict, facts: dict, run_dir: Path, previous_run_uri: str | None,
               status: dict | None = None, start_time: float | None = None) -> None:
-        if self.failed:
+        if not self._linked():
             return
-        if self.link is None:
-            self.prepare()
-            if self.failed:
-                return
         log.info("mlflow: tracking into %s (experiment %s)", self.uri, self.experiment)
         self.sid = self.link.register(self)
         self.link.send({"op": "open", "sid": self.sid, "uri": self.uri, "experiment": self.experiment,
@@ -133,14 +107,10 @@ class MlflowTracker(Tracker):
                         "previous_run_uri": previous_run_uri, "start_time": start_time, "parent": self.parent})
 
     def attach(self, run_dir: Path) -> str | None:
-        """A sweep job whose run was complete before it started: have it indexed under the sweep; its URI
-        if the agent answers within the job's bound on waiting (else the agent goes on after the job)."""
-        if self.failed or self.parent is None:
+        """A sweep job whose run was complete before it started: indexed under the sweep; its URI if the agent answers
+        in time."""
+        if self.parent is None or not self._linked():
             return None
-        if self.link is None:
-            self.prepare()
-            if self.failed:
-                return None
         from pipeline.tracking.link import Request
 
         req = Request()
@@ -149,7 +119,7 @@ class MlflowTracker(Tracker):
                         "parent": self.parent, "job": self.job})
         if in_slurm_job():
             wait_at_exit(req.done, f"the sweep's record of run {run_dir}")
-        self._wait_for(req.done, self.wait)
+        self._wait_for(req.done.wait, self.wait)
         self.link.drain(self.wait - self.waited)
         if req.event and req.event.get("event") == "error":
             self._fail(req.event.get("message", "unknown error"))
@@ -171,22 +141,20 @@ class MlflowTracker(Tracker):
             self.failed = True
             if self.job is not None:  # a sweep's job: the sweep says it once, at its end
                 log.debug("mlflow tracking (%s) is off for this job: %s", self.uri, reason)
-                self.ready.set()
-                self.done.set()
-                return
-            log.warning("mlflow tracking (%s) is off for the rest of this run: %s. Training goes on and the "
+            else:
+                log.warning("mlflow tracking (%s) is off for the rest of this run: %s. Training goes on and the "
                         "manifests are written; index them later with `python -m pipeline.reindex`.",
                         self.uri, reason)
         self.ready.set()
         self.done.set()
 
     def run_uri(self, timeout: float) -> str | None:
-        """The run's URI; waits (at most half the job's bound, the rest is for its hand-over) only if the agent
-        already has the store open: a cold agent is seconds away from it, and the manifest says null."""
+        """The run's URI, waiting (at most half the job's bound) only if the agent has the store open: a cold agent
+        is seconds away from it, and the manifest says null."""
         if self.sid is None or self.failed:
             return None
         if self._uri is None and timeout > 0 and self.warm.is_set():
-            self._wait_for(self.ready, min(timeout, self.wait / 2 - self.waited))
+            self._wait_for(self.ready.wait, min(timeout, self.wait / 2 - self.waited))
         return None if self.failed else self._uri
 
     def log_line(self, line: dict) -> None:
@@ -204,9 +172,9 @@ class MlflowTracker(Tracker):
                         "manifest": raw.decode()})
 
     def finish(self, status: str, run_dir: Path) -> None:
-        """Hand the run over and leave: the agent indexes the run directory (status from run.json) once this
-        job has gone. Waits only for the last messages to be on their way, within the job's bound; inside a
-        SLURM job, a run that ends for good is also waited for at the process's exit (see the module's doc)."""
+        """Hand the run over and leave, waiting (within the job's bound) only for the last messages to be on their
+        way. Inside a SLURM job a run that ends for good is also waited for at exit (SLURM_WAIT); a KILLED one
+        is racing its limit, and the requeued job's end indexes the whole run directory."""
         if not self.active:
             return
         self.link.send({"op": "finish", "sid": self.sid, "run_dir": str(Path(run_dir).resolve()),
@@ -215,22 +183,10 @@ class MlflowTracker(Tracker):
         at_exit = status != "KILLED" and in_slurm_job()
         if at_exit:
             wait_at_exit(self.done, f"run {self._uri or run_dir}")
-        t0 = time.monotonic()
-        sent = self.link.drain(self.wait - self.waited)
-        self.waited += time.monotonic() - t0
+        sent = self._wait_for(self.link.drain, self.wait)
         log.info("mlflow: this job waited %.3f s on tracking in all (bound %.1f s); the tracking agent finishes "
                  "run %s after it exits%s%s", self.waited, self.wait, self._uri or "(not created yet)",
                  "" if sent else " (its last messages were not sent in time: `python -m pipeline.reindex` "
                  "completes the run)",
                  f" (inside a SLURM job, which waits for it at its exit, at most {SLURM_WAIT:.0f} s)" if at_exit else "")
 
-
-class _Pong:
-    """The agent has the store open: a run's URI is moments away, not seconds (worth waiting for)."""
-
-    def __init__(self, warm: threading.Event):
-        self.warm = warm
-
-    def on_event(self, event: dict) -> None:
-        if event.get("event") == "pong":
-            self.warm.set()

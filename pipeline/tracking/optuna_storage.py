@@ -1,10 +1,4 @@
-"""The Optuna study of a sweep, kept in the sweep directory: optuna 2's sqlite RDBStorage under SQLAlchemy 2.
-
-The Optuna sweeper pins optuna 2.x, whose RDBStorage stamps its schema version on a connection it never
-commits; SQLAlchemy 2 no longer autocommits, so the stamp is rolled back and the next check fails with a
-bare AssertionError. `storage` records the version in a committed transaction first. The sweep callback
-names it in `hydra.sweeper.storage`: `{_target_: pipeline.tracking.optuna_storage.storage, url: sqlite:///...}`.
-"""
+"""The Optuna study of a sweep, kept in the sweep directory: optuna 2's sqlite RDBStorage under SQLAlchemy 2."""
 from __future__ import annotations
 
 import logging
@@ -39,6 +33,7 @@ def _stamp(url: str) -> None:
 
 
 def storage(url: str):
-    """The storage optuna.create_study would make of `url`, with its schema version recorded."""
+    """The storage optuna.create_study would make of `url`, with its schema version recorded: optuna 2 stamps it
+    on a connection it never commits, which SQLAlchemy 2 rolls back (the next check fails, a bare AssertionError)."""
     _stamp(url)
     return _CachedStorage(RDBStorage(url))

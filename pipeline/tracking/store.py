@@ -1,9 +1,4 @@
-"""The mlflow side: open a store, find or create a run, and add to it only what is missing.
-
-Used by the tracking agent (live runs), the sweep callback (parent runs) and `pipeline.reindex` (the index
-rebuilt from disk), so a run indexed live and the same run re-indexed later look the same. Imports mlflow:
-never import this module from the training process (the agent and the launcher do).
-"""
+"""The mlflow side of the index (imports mlflow: never from the training process): stores, runs, what is missing."""
 from __future__ import annotations
 
 import fcntl
@@ -13,7 +8,7 @@ import shutil
 import sqlite3
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager, nullcontext, suppress
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a server that is down fails in seconds, not minutes
@@ -27,8 +22,8 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 for _name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." etc.
     logging.getLogger(_name).setLevel(logging.WARNING)
 
-from pipeline.tracking.common import (CURVES_ARTIFACT, EXPERIMENT_KIND, EXPERIMENT_KIND_TAG,  # noqa: E402
-                                      artifact_location_uri, metric_points, sqlite_path, tag_value)
+from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri,  # noqa: E402
+                                      sqlite_path, tag_value)
 from pipeline.tracking.common import artifact_root as common_artifact_root  # noqa: E402
 
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
@@ -39,10 +34,8 @@ class StoreError(Exception):
 
 
 @contextmanager
-def _init_lock(db: Path):
-    """One process at a time creates, migrates or opens a sqlite store: two migrations at once leave it
-    half-migrated. An flock on the DB's directory, taken before any mlflow object touches the DB."""
-    fd = os.open(db.parent, os.O_RDONLY | os.O_DIRECTORY)
+def _flock(path: Path, flags: int):
+    fd = os.open(path, flags, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -50,16 +43,10 @@ def _init_lock(db: Path):
         os.close(fd)  # releases the lock
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
-
-
 def template_db() -> Path | None:
-    """One migrated, empty sqlite store per mlflow version and machine user, made once with mlflow's own API
-    under a lock, in $XDG_CACHE_HOME/pipeline (~/.cache/pipeline): a fresh output directory gets a copy of it
-    instead of running the schema migrations (2-4 s). It holds no experiment: the copy's first open makes
-    its Default experiment, keeping artifacts where that store's caller says. None if it cannot be made."""
+    """One migrated, empty sqlite store per mlflow version and user in $XDG_CACHE_HOME/pipeline, made once under
+    a lock: a fresh store is a copy of it, not 2-4 s of schema migrations. It holds no experiment (each copy
+    makes its own Default one, keeping artifacts where its caller says). None if it cannot be made."""
     import mlflow
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
@@ -69,23 +56,14 @@ def template_db() -> Path | None:
         return path
     try:
         base.mkdir(parents=True, exist_ok=True)
-        fd = os.open(base / f"{path.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with _flock(base / f"{path.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC):
             if not path.is_file():
                 tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
                 tmp.unlink(missing_ok=True)
-                made = SqlAlchemyStore(f"sqlite:///{tmp}", (base / "no-artifacts").as_uri())
-                made.engine.dispose()
-                con = sqlite3.connect(tmp)
-                try:
-                    with con:
-                        con.execute("DELETE FROM experiments")  # the Default one: each copy makes its own
-                finally:
-                    con.close()
+                SqlAlchemyStore(f"sqlite:///{tmp}", (base / "no-artifacts").as_uri()).engine.dispose()
+                with closing(sqlite3.connect(tmp)) as con, con:
+                    con.execute("DELETE FROM experiments")  # the Default one: each copy makes its own
                 os.replace(tmp, path)  # whole or absent
-        finally:
-            os.close(fd)
         return path
     except Exception:  # noqa: BLE001 - no template: the store is migrated in place, as without one
         logging.getLogger("pipeline").debug("no migrated mlflow store template in %s", base, exc_info=True)
@@ -108,41 +86,39 @@ def _copy_template(db: Path) -> None:
 
 
 def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
-    """A client whose store is open; a new sqlite store is made here, once, under the lock: a copy of the
-    migrated template (else created and migrated in place), its Default experiment keeping artifacts under
-    `artifact_root`, not the working directory. Raises StoreError (one line) if the store cannot be opened."""
+    """A client whose store is open; a new sqlite store is made here, once, under the lock (a copy of the template,
+    its artifacts under `artifact_root`, never the working directory). StoreError (one line) if it cannot be."""
     db = sqlite_path(uri)
     try:
-        if db is None:
-            client = MlflowClient(tracking_uri=uri)
-            client.search_experiments(max_results=1)  # connect now: a server that is down fails here
-            return client
-        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore  # the slow import, outside the lock
+        lock = nullcontext()
+        if db is not None:
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore  # the slow import, outside the lock
 
-        db.parent.mkdir(parents=True, exist_ok=True)
-        if not db.exists():
-            template_db()  # made (once per machine) outside this store's lock
-        with _init_lock(db):
+            db.parent.mkdir(parents=True, exist_ok=True)
             if not db.exists():
+                template_db()  # made (once per machine) outside this store's lock
+            # One process at a time creates, migrates or opens a sqlite store (two migrations at once leave it
+            # half-migrated): an flock on its directory, taken before any mlflow object touches the DB.
+            lock = _flock(db.parent, os.O_RDONLY | os.O_DIRECTORY)
+        with lock:
+            if db is not None and not db.exists():
                 _copy_template(db)
                 SqlAlchemyStore(uri, common_artifact_root(uri, artifact_root))
             client = MlflowClient(tracking_uri=uri)
-            client.search_experiments(max_results=1)
+            client.search_experiments(max_results=1)  # connect now: a server that is down fails here
         return client
-    except StoreError:
-        raise
     except Exception as e:  # noqa: BLE001 - whatever mlflow, sqlalchemy or the network raise: one line
         where = f"the mlflow store {db}" if db else f"the mlflow tracking server {uri}"
         fix = (" (move it aside and rebuild it from the manifests: python -m pipeline.reindex --rebuild)"
                if db is not None and db.exists() else "")
-        raise StoreError(f"{where} cannot be opened: {_first_line(e)}{fix}") from None
+        text = str(e).strip().splitlines()
+        why = f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
+        raise StoreError(f"{where} cannot be opened: {why}{fix}") from None
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
-    """The experiment's id, creating it or restoring it if deleted; marked as a machine-learning experiment
-    (mlflow's EXPERIMENT_KIND_TAG) if it is not marked yet. A new one keeps its artifacts where
-    common.artifact_root says for this store: <artifact_root>/<name> for a sqlite or file store, the
-    server's choice for a tracking server."""
+    """The experiment's id, created (its artifacts in <artifact_root>/<name>, or where a server says) or
+    restored if deleted; marked as a machine-learning experiment (EXPERIMENT_KIND_TAG) if it is not yet."""
     exp = client.get_experiment_by_name(name)
     if exp is None:
         location = None
@@ -177,36 +153,31 @@ def _quote(s: str) -> str:
     return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def find_run(client: MlflowClient, run_dir: str, candidates: list[str] = ()):
-    """The run indexing `run_dir`: a candidate id (from a manifest) whose run_dir tag agrees, else the newest run
-    tagged with it; None if there is none. A candidate of another run directory (a fork) is not this run."""
-    for rid in candidates:
-        if not rid:
-            continue
-        try:
-            run = client.get_run(rid)
-        except MlflowException:
-            continue
-        if run.info.lifecycle_stage == "active" and run.data.tags.get("run_dir") in (None, run_dir):
-            return run
-    ids = all_experiment_ids(client)
+def _first(client: MlflowClient, ids: list[str], where: str, order: str):
+    """The first run found by `where` in these experiments (searched 100 at a time), or None."""
     for i in range(0, len(ids), 100):
-        found = client.search_runs(ids[i:i + 100], filter_string=f"tags.run_dir = {_quote(run_dir)}",
-                                   max_results=1, order_by=["attributes.start_time DESC"])
+        found = client.search_runs(ids[i:i + 100], filter_string=where, max_results=1, order_by=[order])
         if found:
             return found[0]
     return None
+
+
+def find_run(client: MlflowClient, run_dir: str, candidates: list[str] = ()):
+    """The run indexing `run_dir`: a candidate id (from a manifest) whose run_dir tag agrees (not a fork's), else
+    the newest run tagged with it; None if there is none."""
+    for rid in filter(None, candidates):
+        with suppress(MlflowException):
+            run = client.get_run(rid)
+            if run.info.lifecycle_stage == "active" and run.data.tags.get("run_dir") in (None, run_dir):
+                return run
+    return _first(client, all_experiment_ids(client), f"tags.run_dir = {_quote(run_dir)}",
+                  "attributes.start_time DESC")
 
 
 def find_parent(client: MlflowClient, sweep_id: str, experiment_id: str | None = None):
     """The parent run of the sweep with this id (the first made, if several), or None."""
-    ids = [experiment_id] if experiment_id else all_experiment_ids(client)
-    for i in range(0, len(ids), 100):
-        found = client.search_runs(ids[i:i + 100], f"tags.`sweep.id` = {_quote(sweep_id)} and tags.sweep = 'parent'",
-                                   max_results=1, order_by=["attributes.start_time ASC"])
-        if found:
-            return found[0]
-    return None
+    return _first(client, [experiment_id] if experiment_id else all_experiment_ids(client),
+                  f"tags.`sweep.id` = {_quote(sweep_id)} and tags.sweep = 'parent'", "attributes.start_time ASC")
 
 
 def create_run(client: MlflowClient, experiment_id: str, tags: dict, start_time: float | None = None):
@@ -215,42 +186,33 @@ def create_run(client: MlflowClient, experiment_id: str, tags: dict, start_time:
 
 
 def sync_params(client: MlflowClient, run, params: dict[str, str]) -> int:
-    """Log the params the run lacks (mlflow params cannot change once logged); a changed value is recorded
-    as a tag `params_changed.<key>` = the new value. Returns how many params and tags were added."""
+    """Log the params the run lacks (mlflow params never change): a changed one is a `params_changed.<key>` tag."""
     have = run.data.params
     new = [Param(k, v) for k, v in params.items() if k not in have]
     changed = {f"params_changed.{k}": tag_value(v) for k, v in params.items() if k in have and have[k] != v}
-    for i in range(0, len(new), PARAMS_PER_BATCH):
-        client.log_batch(run.info.run_id, params=new[i:i + PARAMS_PER_BATCH])
-    return len(new) + sync_tags(client, run, changed)
+    return _batches(client, run.info.run_id, "params", new, PARAMS_PER_BATCH) + sync_tags(client, run, changed)
 
 
 def sync_tags(client: MlflowClient, run, tags: dict[str, str]) -> int:
     """Set the tags whose value differs (tags, unlike params, follow the manifest). Returns how many."""
-    have = run.data.tags
-    todo = [RunTag(k, v) for k, v in tags.items() if have.get(k) != v]
-    for i in range(0, len(todo), TAGS_PER_BATCH):
-        client.log_batch(run.info.run_id, tags=todo[i:i + TAGS_PER_BATCH])
-    return len(todo)
+    todo = [RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v]
+    return _batches(client, run.info.run_id, "tags", todo, TAGS_PER_BATCH)
 
 
 def logged_steps(client: MlflowClient, run_id: str, keys) -> set[tuple[str, int]]:
     """(key, step) of every metric point the run already has, for the given keys."""
-    out = set()
-    for key in keys:
-        out.update((key, m.step) for m in client.get_metric_history(run_id, key))
-    return out
+    return {(key, m.step) for key in keys for m in client.get_metric_history(run_id, key)}
 
 
 def log_points(client: MlflowClient, run_id: str, points: list[tuple[str, float, int, int]]) -> int:
     metrics = [Metric(k, v, ts, step) for k, v, ts, step in points]
-    for i in range(0, len(metrics), METRICS_PER_BATCH):
-        client.log_batch(run_id, metrics=metrics[i:i + METRICS_PER_BATCH])
-    return len(metrics)
+    return _batches(client, run_id, "metrics", metrics, METRICS_PER_BATCH)
 
 
-def points_of(lines: list[dict]) -> list[tuple[str, float, int, int]]:
-    return [p for line in lines for p in metric_points(line)]
+def _batches(client: MlflowClient, run_id: str, kind: str, items: list, size: int) -> int:
+    for i in range(0, len(items), size):
+        client.log_batch(run_id, **{kind: items[i:i + size]})
+    return len(items)
 
 
 def artifact_repo(client: MlflowClient, run_id: str):
@@ -274,17 +236,8 @@ def log_file_as(repo, artifact_file: str, *, data: bytes | None = None, source: 
 
 
 def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, int]:
-    """artifact path -> size for every file under `path` (a few levels deep); read from the directory itself
-    when the artifact store is local."""
+    """artifact path -> size of every file under `path` (a few levels deep)."""
     out = {}
-    root = getattr(repo, "artifact_dir", None)  # LocalArtifactRepository
-    if path is None and root is not None:
-        local = Path(root)
-        if local.is_dir():
-            for f in local.rglob("*"):
-                if f.is_file():
-                    out[f.relative_to(local).as_posix()] = f.stat().st_size
-        return out
     try:
         infos = repo.list_artifacts(path)
     except (MlflowException, OSError):
@@ -298,17 +251,8 @@ def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, i
     return out
 
 
-def curves_bytes(lines: list[dict]) -> bytes | None:
-    """The curves drawn from these metrics.jsonl lines, as PNG bytes (pipeline.trainer.curves, the job's own
-    drawing: the same lines give the same bytes); None when there is nothing to draw."""
-    from pipeline.trainer import curves
-
-    return curves.draw(lines)
-
-
 def artifact_bytes(repo, path: str, sizes: dict[str, int] | None = None, limit: int = 64 << 20) -> bytes | None:
-    """The content of one logged artifact (None if absent or over `limit`): read in place from a local artifact
-    store, else downloaded into a temporary directory."""
+    """One logged artifact's content (None if absent or over `limit`): read in place if local, else downloaded."""
     if sizes is not None and (path not in sizes or sizes[path] > limit):
         return None
     root = getattr(repo, "artifact_dir", None)  # LocalArtifactRepository
@@ -324,8 +268,8 @@ def artifact_bytes(repo, path: str, sizes: dict[str, int] | None = None, limit: 
 
 
 def reference_run(client: MlflowClient, run, parent: dict, job: dict):
-    """A child of `parent` for a sweep job whose run directory another job's run already stands for: the
-    same params and final metrics, tagged with the run it repeats (no run_dir tag: that one is the run)."""
+    """A child of `parent` for a sweep job whose run directory another job's run stands for: its params and final
+    metrics, tagged with the run it repeats (no run_dir tag: that one is the run)."""
     name = f"{job.get('name') or run.data.tags.get('mlflow.runName', '')} (same run as {run.info.run_id[:8]})"
     tags = {k: v for k, v in run.data.tags.items() if not k.startswith(("mlflow.", "sweep.")) and k != "run_dir"}
     tags.update({"mlflow.parentRunId": parent["run_id"], "mlflow.runName": name, "repeat_of": run.info.run_id,

@@ -1,19 +1,4 @@
-"""The table a sweep ends with: each job's swept values, objective and status, the winner, where the parent is.
-
-A pure function of the sweep's records (sweep.json and jobs/*.json, as the sweep callback wrote them), so
-what the console says and what the parent run's `best.*` tags say come from the same records and the same
-choice of winner (sweep_callback.best_job). At most MAX_ROWS jobs are listed: all of them in job order if
-they fit, else the best MAX_ROWS in rank order and a line saying how many more there are and where:
-
-    sweep kernodeck-0123456789ab: 3 jobs (2 complete, 1 failed), best/val/loss (min)
-        job  optimizer.lr  best/val/loss  status
-      *   0  0.01               0.41234  complete
-          1  0.03               0.50123  complete
-          2  0.1                      -  failed
-    best: job 0 (optimizer.lr=0.01) sqlite:////abs/outputs/mlflow.db#/experiments/1/runs/0123...
-    parent: sqlite:////abs/outputs/mlflow.db#/experiments/1/runs/4567...
-    its runs: `mlflow ui --backend-store-uri sqlite:////abs/...`, then http://127.0.0.1:5000/#/experiments/1?workflowType=machine_learning
-"""
+"""The table a sweep ends with (README, Sweeps): a pure function of sweep.json and jobs/*.json."""
 from __future__ import annotations
 
 import math
@@ -25,12 +10,19 @@ MAX_ROWS = 12  # with the header, the best and the parent lines: under 20 lines 
 MAX_CELL = 24  # a swept value wider than this is cut (the job's run name has it whole)
 
 
-def _value(objective) -> float | None:
+def finite(objective) -> float | None:
+    """A job's objective as a float, None unless it is a finite number."""
     try:
-        v = jsonio.number(objective) if objective is not None else None
-    except (TypeError, ValueError):
+        v = jsonio.number(objective)  # a float, or JSONError (a ValueError)
+    except ValueError:
         return None
-    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+    return v if math.isfinite(v) else None
+
+
+def best_job(jobs: dict[int, dict], direction: str) -> dict | None:
+    """The winner the end table marks and the parent's best.* tags name; ties: the first job."""
+    scored = sorted((j for j in jobs.values() if finite(j.get("objective")) is not None), key=lambda j: j["num"])
+    return (min if direction == "minimize" else max)(scored, key=lambda j: j["objective"]) if scored else None
 
 
 def swept_values(job: dict, keys) -> dict[str, str]:
@@ -48,8 +40,8 @@ def _cell(text: str) -> str:
 
 
 def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: list[str]) -> list[str]:
-    """The lines a sweep ends with (no trailing newlines). `best` is the winning job's record (or None),
-    `parent` says where the parent run is ("not tracked" with tracking=none), then any further lines."""
+    """The lines a sweep ends with: every job in job order if at most MAX_ROWS, else the best MAX_ROWS; `best` is
+    the winning job's record (best_job, as the parent's best.* tags), `parent` where that run is."""
     keys = list(sweep.get("swept") or {})
     objective = str(sweep.get("objective") or "objective")
     direction = sweep.get("direction", "minimize")
@@ -62,13 +54,13 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
     shown = sorted(jobs.values(), key=lambda j: j["num"])
     if len(shown) > MAX_ROWS:  # rank: the scored ones best first, then the rest in job order
         sign = 1 if direction == "minimize" else -1
-        shown.sort(key=lambda j: (_value(j.get("objective")) is None, sign * (_value(j.get("objective")) or 0.0),
+        shown.sort(key=lambda j: (finite(j.get("objective")) is None, sign * (finite(j.get("objective")) or 0.0),
                                   j["num"]))
         shown = shown[:MAX_ROWS]
     rows = [["job", *keys, objective, "status"]]
     for j in shown:
         values = swept_values(j, keys)
-        v = _value(j.get("objective"))
+        v = finite(j.get("objective"))
         rows.append([str(j["num"]), *(_cell(values.get(k, "")) for k in keys),
                      "-" if v is None else f"{v:.6g}", str(j.get("status", "unknown"))])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -89,9 +81,8 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
 
 
 def experiment_page(tracking_uri: str, experiment_id: str) -> str:
-    """Where a person sees an experiment's runs in mlflow 3's UI. Its experiment pages open on GenAI traces
-    unless the address asks for the machine-learning view (mlflow 3.17 decides the view by the address or
-    the browser's last choice, not by the experiment's mlflow.experimentKind tag)."""
+    """Where an experiment's runs show in mlflow 3's UI: 3.17 opens GenAI traces unless the address asks for the
+    machine-learning view (it does not go by the experiment's mlflow.experimentKind tag)."""
     route = f"#/experiments/{experiment_id}?workflowType=machine_learning"
     if tracking_uri.startswith(("http://", "https://")):
         return f"{tracking_uri.rstrip('/')}/{route}"

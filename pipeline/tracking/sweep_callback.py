@@ -1,25 +1,4 @@
-"""A Hydra callback that makes a multirun one sweep: a stable identity and directory, signals that reach
-every job, failures that fail only their job, and (with mlflow tracking) one parent run with a child per job.
-
-Configured under `hydra.callbacks` in conf/config.yaml; nothing happens in a single run.
-
-- on_multirun_start (the launching process, before any job): the sweep's identity is the hash of its
-  overrides (machine keys left out) and its sweeper's settings, so re-running the identical command is the
-  same sweep: the same directory `<output_dir>/sweeps/<name>-<id>/` (multirun.yaml, the sweeper's results,
-  sweep.json, jobs/<num>.json) and, with mlflow tracking, the same parent run. Signals are passed on to the
-  running jobs from now on (pipeline/run/signals.py). The parent is created (or found) through the machine's
-  tracking agent, which the jobs name it to by the sweep's id. For the Optuna sweeper, the direction
-  follows best-val's mode unless set on the command line.
-- each job's process: the Hydra task builds the job's SweepJob (job_of: its parent, its name from the swept
-  values, its number) from sweep.json, and the job records itself in jobs/<num>.json at its end (run
-  directory, status, objective, error; pipeline/run/sweep.py).
-- on_multirun_end, or the entry point when the sweeper raised (end_unfinished): sweep.json gets the outcome
-  and the parent is completed from the sweep directory (pipeline/tracking/index.py, as `reindex` would):
-  status (KILLED if interrupted, FAILED if a job failed), which jobs failed and why, the best child,
-  multirun.yaml and the sweeper's results as artifacts; on_multirun_end then prints the sweep's table and
-  exits with its code. Neither end waits for mlflow: the agent does this after the launcher exits (on SLURM
-  the end waits for it, bounded: the agent may be one a job started, which SLURM ends with it).
-"""
+"""The Hydra callback that makes a multirun one sweep (identity, directory, signals, parent run) and its end."""
 from __future__ import annotations
 
 import hashlib
@@ -27,6 +6,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -40,6 +20,7 @@ from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SWEEP_DIR_ENV, SweepJob
 from pipeline.tracking.common import (artifact_root, is_machine_key, is_mlflow_tracking, normalize_tracking_uri,
                                       store_problem)
+from pipeline.tracking.summary import best_job, experiment_page, sweep_table
 
 log = logging.getLogger("pipeline")
 END_WAIT = 1.0  # seconds the launcher waits for its last messages to the tracking agent to be on their way
@@ -72,19 +53,13 @@ def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, s
 
 
 def _stop(code: int, message: str) -> None:
-    """End the launching process in one line: Hydra turns a callback's exception into a warning and goes on,
-    but lets SystemExit through."""
-    import sys
-
+    """One line and an exit: Hydra turns a callback's exception into a warning and goes on, but not SystemExit."""
     print(f"pipeline: {message}", file=sys.stderr)
     raise SystemExit(code)
 
 
 def job_count(task_overrides: list[str], sweeper: dict) -> int:
-    """How many jobs a sweep asks for, without expanding it: a sweeper's n_trials (Optuna), else the product
-    of the sweep overrides' lengths (a glob of a group's options counts as one: a group has few)."""
-    import math as m
-
+    """How many jobs a sweep asks for, unexpanded: n_trials, else the product of its sweep lengths (a glob: one)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
 
@@ -97,7 +72,7 @@ def job_count(task_overrides: list[str], sweeper: dict) -> int:
         if isinstance(value, ChoiceSweep):
             n *= len(value.list)
         elif isinstance(value, RangeSweep) and value.step:
-            n *= max(0, m.ceil((value.stop - value.start) / value.step))
+            n *= max(0, math.ceil((value.stop - value.start) / value.step))
     return n
 
 
@@ -108,8 +83,7 @@ def job_name(overrides: list[str], keys) -> str:
 
 
 def _slurm_jobs(launcher) -> Path | None:
-    """Where submitit keeps a SLURM sweep's jobs, one folder per job id (`.submitit/%j` in the sweep
-    directory by default); None for every other launcher."""
+    """Where submitit keeps a SLURM sweep's jobs, a folder per job id (`.submitit/%j`); None for other launchers."""
     if not str(launcher.get("_target_", "")).endswith("SlurmLauncher"):
         return None
     folder = str(launcher.get("submitit_folder") or "")
@@ -123,9 +97,8 @@ def parent_of(sweep: dict) -> dict | None:
 
 
 def job_of(hydra_cfg) -> SweepJob:
-    """The job a multirun's task runs, from its sweep's sweep.json (its launcher wrote it before any job) and
-    Hydra's job number and overrides; a SweepJob without a directory if there is no sweep callback, and one
-    `unreadable` (the job fails as bad input, in one line) if sweep.json is not a sweep's record."""
+    """The job a multirun's task runs, from sweep.json and Hydra's job number and overrides; without a directory
+    if there is no sweep callback, `unreadable` (bad input, one line) if sweep.json is not a sweep's record."""
     directory = os.environ.get(SWEEP_DIR_ENV)
     if not directory:
         return SweepJob()
@@ -153,7 +126,6 @@ def job_of(hydra_cfg) -> SweepJob:
 class MlflowSweepCallback(Callback):
     def __init__(self) -> None:
         self.sweep: dict | None = None  # what sweep.json says: id, dir, name, swept, uri, direction, status ...
-        self.slurm = False  # a SLURM sweep, or a launcher inside a SLURM job: its end waits for the parent
         self.parent_request = None  # the agent's answer to parent_start, in the launching process only
 
     def __getstate__(self) -> dict:
@@ -178,17 +150,14 @@ class MlflowSweepCallback(Callback):
 
     def _start(self, config: DictConfig, hydra, task: list[str], sweeper: dict, identity: dict) -> None:
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
-        output_dir = Path(str(config.paths.output_dir))
-        directory = ensure_dirs(output_dir, "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
+        directory = ensure_dirs(Path(str(config.paths.output_dir)), "sweeps",
+                                f"{identity['name'] or 'sweep'}-{sweep_id}")
         os.environ[SWEEP_DIR_ENV] = str(directory)  # hydra.sweep.dir follows it, here and in every job
         SIGNALS_STATE.sweeping(directory, slurm_jobs=_slurm_jobs(hydra.launcher))
-        from pipeline.tracking.mlflow_tracker import in_slurm_job
-
-        self.slurm = _slurm_jobs(hydra.launcher) is not None or in_slurm_job()
-        stages = _plain(config.get("stages")) or {}
-        mode = (stages.get("best_val") or {}).get("mode", "min")
-        direction = "maximize" if mode == "max" else "minimize"
-        if "optuna" in str(sweeper.get("_target_", "")) and not any(
+        best_val = (_plain(config.get("stages")) or {}).get("best_val") or {}
+        direction = "maximize" if best_val.get("mode", "min") == "max" else "minimize"
+        optuna = "optuna" in str(sweeper.get("_target_", ""))
+        if optuna and not any(
                 o.startswith(("hydra.sweeper.direction=", "++hydra.sweeper.direction=")) for o in hydra.overrides.hydra):
             with open_dict(hydra.sweeper):
                 hydra.sweeper.direction = direction  # what the jobs return is best-val's best: minimise or maximise
@@ -199,10 +168,10 @@ class MlflowSweepCallback(Callback):
         except (OSError, ValueError):
             previous = {}
         started = previous.get("started") if isinstance(previous.get("started"), (int, float)) else time.time()
-        offset = _optuna_study(hydra, sweeper, directory, sweep_id) if "optuna" in str(sweeper.get("_target_", "")) else 0
+        offset = _optuna_study(hydra, sweeper, directory, sweep_id) if optuna else 0
         self.sweep = {"id": sweep_id, "dir": str(directory), "name": identity["name"],
                       "swept": swept(task, sweeper.get("params")), "direction": direction,
-                      "objective": str(config.get("optimized_metric") or f"best/{(stages.get('best_val') or {}).get('monitor', 'val/loss')}"),
+                      "objective": str(config.get("optimized_metric") or f"best/{best_val.get('monitor', 'val/loss')}"),
                       "launcher": str(hydra.launcher.get("_target_", "")), "sweeper": str(sweeper.get("_target_", "")),
                       "overrides": task, "started": started, "status": "running", "pid": os.getpid(),
                       "host": socket.gethostname(), "git_sha": git_info().get("git_sha"), "job_offset": offset}
@@ -222,10 +191,8 @@ class MlflowSweepCallback(Callback):
         log.info("sweep %s: %s", sweep_id, directory)
 
     def _start_parent(self) -> None:
-        """Ask the agent for the parent run without waiting: jobs start at once and name their parent by the
-        sweep's id (the agent answers in order); the end reads the answer."""
-        from pipeline.tracking.link import Request, agent_for
-        from pipeline.tracking.mlflow_tracker import agent_log
+        """Ask the agent for the parent run without waiting: the jobs name it by the sweep's id; the end reads it."""
+        from pipeline.tracking.link import Request, agent_for, agent_log
 
         s = self.sweep
         link = agent_for(s["uri"], agent_log(s["uri"]))  # at once: the agent starts beside the jobs
@@ -235,12 +202,11 @@ class MlflowSweepCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         if self.sweep is not None:
-            exit_for(end(self.sweep, None, self.slurm, self.parent_request))
+            exit_for(end(self.sweep, None, self.parent_request))
 
 
 def end_unfinished(error: str) -> bool:
-    """The entry point's end of a sweep whose sweeper raised (on_multirun_end never came): from its directory,
-    if this process launched it and it has not ended. False if there is no such sweep."""
+    """The entry point's end of a sweep whose sweeper raised, if this process launched it and it has not ended."""
     directory = os.environ.get(SWEEP_DIR_ENV)
     try:
         sweep = jsonio.read(Path(directory) / "sweep.json", 1 << 24) if directory else {}
@@ -248,15 +214,12 @@ def end_unfinished(error: str) -> bool:
         return False
     if (sweep.get("pid"), sweep.get("host"), sweep.get("status")) != (os.getpid(), socket.gethostname(), "running"):
         return False
-    from pipeline.tracking.mlflow_tracker import in_slurm_job
-
-    end(sweep, error, str(sweep.get("launcher", "")).endswith("SlurmLauncher") or in_slurm_job())
+    end(sweep, error)
     return True
 
 
-def end(sweep: dict, error: str | None, slurm: bool, parent_request=None) -> dict:
-    """The sweep's outcome from its jobs' records, recorded in sweep.json and its parent run; returns
-    {"status", "failed", "jobs", "table"}. `parent_request`: the agent's answer to parent_start, if known."""
+def end(sweep: dict, error: str | None, parent_request=None) -> dict:
+    """The sweep's outcome from its jobs' records, into sweep.json and its parent run (given parent_start's answer)."""
     directory = Path(sweep["dir"])
     jobs = read_jobs(directory)
     failed = {n: j for n, j in jobs.items() if j.get("status") != "complete"}
@@ -266,20 +229,14 @@ def end(sweep: dict, error: str | None, slurm: bool, parent_request=None) -> dic
     replace_file(directory / "sweep.json", jsonio.dumps(sweep))
     answer = parent_request.event if parent_request is not None else None
     if parent_of(sweep) is not None:
-        _end_parent(sweep, slurm, answer)
-    from pipeline.tracking.summary import sweep_table
-
+        _end_parent(sweep, answer)
     table = sweep_table(sweep, jobs, best_job(jobs, sweep["direction"]), _where_parent(sweep, answer))
     return {"status": status, "failed": failed, "jobs": jobs, "table": table}
 
 
 def exit_for(summary: dict) -> None:
-    """A sweep ends with its table (stderr, beside the verdict) and exits 0 only if every job completed: 75
-    if it was interrupted, else the first failure's code."""
-    import sys
-
-    for line in summary["table"]:
-        print(line, file=sys.stderr)
+    """The table on stderr; exit 0 only if every job completed: 75 if interrupted, else the first failure's code."""
+    print(*summary["table"], sep="\n", file=sys.stderr)
     failed = summary["failed"]
     if summary["status"] == "interrupted":
         print(f"pipeline: the sweep was interrupted; {len(failed)} of {len(summary['jobs'])} jobs did not finish: "
@@ -291,20 +248,17 @@ def exit_for(summary: dict) -> None:
         raise SystemExit(min(int(j.get("code", 1)) for j in failed.values()))
 
 
-def _end_parent(sweep: dict, slurm: bool, answer: dict | None) -> None:
-    """Hand the parent's end to the agent, which completes it from the sweep directory (naming the parent by
-    the sweep's id, as the jobs do); `python -m pipeline.reindex` if it cannot. Not waited for (at most
-    END_WAIT for the message to be on its way), except on SLURM: there the agent may be one a job started,
-    which SLURM ends with that job, and a SLURM sweep's launcher has waited for its jobs anyway; it waits at
-    most SLURM_WAIT for the parent to be complete and says how it ended."""
+def _end_parent(sweep: dict, answer: dict | None) -> None:
+    """Hand the parent's end to the agent, waiting at most END_WAIT for it to be on its way; a SLURM sweep (or a
+    launcher inside a SLURM job, whose agent SLURM may end with it) waits up to SLURM_WAIT for the parent."""
     from pipeline.tracking.link import Request, agent_for
-    from pipeline.tracking.mlflow_tracker import SLURM_WAIT
+    from pipeline.tracking.mlflow_tracker import SLURM_WAIT, in_slurm_job
 
     link, done = agent_for(sweep["uri"]), Request()
     link.send({"op": "sweep_end", "sid": link.register(done), "uri": sweep["uri"], "sweep_dir": sweep["dir"],
                "parent": parent_of(sweep)})
     link.drain(END_WAIT)
-    if not slurm:
+    if not (str(sweep.get("launcher", "")).endswith("SlurmLauncher") or in_slurm_job()):
         _say_parent(sweep, answer)
         return
     ended = done.event if done.done.wait(SLURM_WAIT) else None
@@ -329,8 +283,7 @@ def _say_parent(sweep: dict, answer: dict | None) -> None:
 
 
 def _where_parent(sweep: dict, answer: dict | None) -> list[str]:
-    """Where the sweep's parent run is, for its end table: its URI and the experiment's page once the agent
-    has answered, else how to find it; "not tracked" with tracking=none or off."""
+    """Where the sweep's parent run is, for its end table (the agent's answer, if it came), or why it is not."""
     if "uri" not in sweep:
         return ["not tracked (tracking=none)"]
     if sweep.get("tracking_off"):
@@ -340,16 +293,12 @@ def _where_parent(sweep: dict, answer: dict | None) -> list[str]:
                 "exits)"]
     if answer.get("event") != "ready":
         return [f"not tracked: {answer.get('message', 'unknown error')}"]
-    from pipeline.tracking.summary import experiment_page
-
     return [answer["uri"], f"its runs: {experiment_page(sweep['uri'], answer['experiment_id'])}"]
 
 
 def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
-    """Point the Optuna sweeper at a study kept in the sweep directory (unless the command names its own), so
-    the identical command continues it: `n_trials` is the study's total of completed trials, and the
-    sweeper is asked only for the rest. Returns how many trials the study holds already: the first new
-    trial's number, which becomes its job's number (Hydra counts each launch from 0)."""
+    """Point the Optuna sweeper at a study in the sweep directory (unless the command names one), asking only for
+    the trials it lacks; returns how many it holds: the first new trial's (and job's) number."""
     storage = sweeper.get("storage") or {"_target_": "pipeline.tracking.optuna_storage.storage",
                                          "url": f"sqlite:///{directory / OPTUNA_DB}"}
     name = sweeper.get("study_name") or sweep_id
@@ -373,8 +322,7 @@ def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
 
 
 def read_jobs(directory: Path) -> dict[int, dict]:
-    """{num: record} of a sweep's jobs/*.json; a damaged record (not strict JSON, no integer num) is a
-    report, not state: named in a warning and left out."""
+    """{num: record} of jobs/*.json; a damaged record is a report, not state: named in a warning, left out."""
     out = {}
     for p in sorted((Path(directory) / "jobs").glob("*.json")):
         try:
@@ -384,11 +332,3 @@ def read_jobs(directory: Path) -> dict[int, dict]:
             log.warning("sweep job record %s left out: %s", p, str(e).removeprefix(f"{p}: ") or type(e).__name__)
     return out
 
-
-def best_job(jobs: dict[int, dict], direction: str) -> dict | None:
-    scored = [j for j in jobs.values() if isinstance(j.get("objective"), (int, float))
-              and math.isfinite(jsonio.number(j["objective"]))]
-    if not scored:
-        return None
-    scored.sort(key=lambda j: j["num"])  # ties: the first job
-    return (min if direction == "minimize" else max)(scored, key=lambda j: j["objective"])

@@ -14,7 +14,7 @@ import pytest
 from conftest import KERNODECK, Proc, env_for_subprocess, run_pipeline, wait_until
 from pipeline.run.directory import RunDir
 from pipeline.tracking.link import wait_idle
-from pipeline.tracking.store import curves_bytes
+from pipeline.trainer.curves import draw as curves_bytes
 
 pytestmark = pytest.mark.slow
 
