@@ -6,6 +6,7 @@ import os
 import re
 from pathlib import Path
 
+from pipeline.files import reading
 from pipeline.files.jsonio import NON_FINITE, flatten
 
 MAX_PARAM_VALUE = 6000  # mlflow's limit on a param value
@@ -68,7 +69,7 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
         try:
             db.parent.mkdir(parents=True, exist_ok=True)  # the agent would make it too
             if db.exists():
-                with open(db, "rb") as f:
+                with reading.open_file(db, follow=True) as f:  # a FIFO or device is refused, never waited on
                     head = f.read(len(SQLITE_HEADER))
                 if head and head != SQLITE_HEADER:
                     return (f"the mlflow store {db} cannot be opened: it is not a sqlite database (move it aside "

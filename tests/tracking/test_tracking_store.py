@@ -2,6 +2,7 @@
 cannot be opened (one line, never a traceback), and `reindex --rebuild`."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +91,18 @@ def test_a_fresh_store_keeps_every_artifact_under_the_output_directory(tmp_path)
         for e in MlflowClient(uri).search_experiments():
             assert e.artifact_location.startswith(f"file://{out}/mlartifacts"), (uri, e.name, e.artifact_location)
     assert list((tmp_path / "cwd").iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_store_path_that_is_not_a_file_is_named_without_waiting_on_it(tmp_path, kind):
+    """A FIFO where mlflow.db should be would block a plain open() until a writer came: refused from its stat."""
+    from pipeline.tracking.common import store_problem
+
+    db = tmp_path / "mlflow.db"
+    if kind == "fifo":
+        os.mkfifo(db)
+    else:
+        db.mkdir()
+    problem = store_problem(f"sqlite:///{db}")
+    assert problem is not None and problem.startswith(f"the mlflow store {db} cannot be opened: is a")
+    assert db.exists()  # left as it was
