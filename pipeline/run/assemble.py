@@ -1,15 +1,5 @@
-"""The one place a run is assembled: its parts (the state machines and stages), its facts, its job.
-
-    build_state(config, spec, n_train)   every part of pipeline.stateful.PARTS, stages included, from a config
-                                         and its data's spec: a run, the verifier, roundtrip and every tool
-                                         opening a checkpoint (trained.restore_checkpoint, once the config's
-                                         targets are allowed) build them this way
-    assemble(config)                     the data, those parts and the manifest's run-level facts: a Job without a
-                                         tracker or run directory (the verifier's processes and roundtrip)
-    build(config)                        a run's whole Job: values validated, the run identified, assemble(), the
-                                         tracker -- nothing under the run directory is created here (only the
-                                         shared corpus cache, if missing)
-"""
+"""The one place a run is assembled: its parts (build_state: a run, the verifier, roundtrip and every tool opening
+a checkpoint build them this way), its facts, its job (build: nothing under the run directory is created)."""
 from __future__ import annotations
 
 import inspect
@@ -150,8 +140,8 @@ def check_pairing(config: dict) -> None:
 
 
 def assemble(config: dict, sources: dict | None = None) -> Job:
-    """The data, every part and the run-level manifest facts of a run of the resolved `config` (`sources`:
-    its files' hashes, computed if not given); ValueError or OSError for values its objects refuse."""
+    """The data, every part and the run-level manifest facts: a Job without a tracker or run directory (the
+    verifier's processes, roundtrip); ValueError or OSError for values its objects refuse."""
     sources = identity.source_hashes(config) if sources is None else sources
     dataset = build_dataset(config)
     state = build_state(config, dataset.spec, dataset.n_train, dataset)

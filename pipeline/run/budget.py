@@ -1,16 +1,5 @@
-"""trainer.max_time: this process's wall-time budget; spent, the run checkpoints and exits 75, like a preemption.
-
-The budget is the wall time of this process since it started (as the OS records it, so interpreter start-up
-and imports count), not training time summed over resumes: it stands for a scheduler's time limit, and a
-requeued job gets a fresh limit. A run whose budget is spent stops at a step end, writes the checkpoint a
-signal would, and exits 75 (EX_TEMPFAIL): re-running the identical command continues it. Every process makes
-at least one update, so a budget shorter than start-up still finishes the run, one requeue at a time.
-
-The decision is taken at every step end: go on only if one more update and one more checkpoint, each as long
-as the slowest this process has seen, would still end inside the budget; else checkpoint now. (Before the
-first save its duration is unknown and counted as 0.) Leave a margin below the scheduler's limit for what
-follows the checkpoint: the tracker's hand-over (at most tracking.wait) and exit.
-"""
+"""trainer.max_time: this process's wall-time budget (README: A time budget); spent, the run checkpoints and
+exits 75, like a preemption. Before the first save, a save's duration is unknown and counted as 0."""
 from __future__ import annotations
 
 import os
@@ -50,7 +39,8 @@ class Budget:
         return cls(None if value is None else parse_duration(value))
 
     def step_ended(self) -> bool:
-        """Record a step end; True if the budget cannot hold another update and checkpoint after this one."""
+        """Record a step end; True if the budget cannot hold another update and checkpoint, each as long as the
+        slowest seen."""
         if self.deadline is None:
             return False
         now = monotonic()

@@ -1,8 +1,10 @@
 """What a run says at its start (model, data, run directory) and its end (best, checkpoints, next commands)."""
 from __future__ import annotations
 
+import math
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,7 +21,7 @@ def start_block(job, run_dir: Path) -> str:
     lines.append(f"  {'group':<{width}}  {'arrays':>6}  {'params':>10}  shape")
     for group, shapes, n, note in rows:
         lines.append(f"  {group:<{width}}  {len(shapes):>6}  {n:>10,}  "
-                     f"{'x'.join(map(str, max(shapes, key=_size))) if shapes else '-'}{'  ' + note if note else ''}")
+                     f"{'x'.join(map(str, max(shapes, key=math.prod))) if shapes else '-'}{'  ' + note if note else ''}")
     spec = data.spec
     if spec.vocab_size:
         what = (f"{data.n_train:,} train windows, {getattr(data, 'n_val', 0):,} val windows of {spec.block_size} "
@@ -31,28 +33,16 @@ def start_block(job, run_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def _size(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def command(overrides: list[str]) -> str:
     """The identical command, for a shell: the same Python, the same overrides."""
     return shlex.join([_python(), "-m", "pipeline", *overrides])
 
 
 def _python() -> str:
-    exe = sys.executable or "python"
-    return "python" if os.path.basename(exe) == "python" and _on_path(exe) else exe
-
-
-def _on_path(exe: str) -> bool:
-    import shutil
-
-    found = shutil.which("python")
-    return found is not None and os.path.realpath(found) == os.path.realpath(exe)
+    """`python` if that is the one on PATH, else this interpreter's path."""
+    exe, found = sys.executable or "python", shutil.which("python")
+    same = found is not None and os.path.realpath(found) == os.path.realpath(exe)
+    return "python" if os.path.basename(exe) == "python" and same else exe
 
 
 def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, links: dict[str, Path | None],

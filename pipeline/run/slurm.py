@@ -1,12 +1,9 @@
 """A SLURM job that was told to stop (a time-limit warning, a signal to its steps) puts itself back in the queue.
 
-SLURM signals a job before its time limit only if asked (`--signal=USR1@N`; submitit asks for
-`USR2@<signal_delay_s>`), and a signal sent with `scancel --signal=TERM JOBID` reaches the job's steps
-while the job itself stays RUNNING: in both cases nothing requeues the job unless it does so itself. A job
-that SLURM is requeueing already (`scontrol requeue`, preemption) has its restart count raised while it
-still runs; one that SLURM ends for good (`scancel`) is COMPLETING: both are left alone (`scontrol
-requeue` would revive a cancelled job). Either way a requeued job's process exits without a result, so
-that submitit waits for the next run rather than reporting the job done.
+SLURM signals a job before its time limit only if asked (`--signal=USR1@N`; submitit asks for USR2), and
+`scancel --signal=TERM JOBID` reaches the job's steps while the job stays RUNNING: either way only the job
+itself can requeue it. A job SLURM is requeueing already (its restart count raised) or ending for good
+(COMPLETING: `scontrol requeue` would revive it) is left alone.
 """
 from __future__ import annotations
 
@@ -30,9 +27,8 @@ def job_id() -> str | None:
 
 
 def requeue_self() -> tuple[bool, str] | None:
-    """Make sure this SLURM job runs again: (True, a sentence for the log) if SLURM is requeueing it already
-    or it was still RUNNING (or stopped by its time limit) and requeued itself; (False, why) if it is ending
-    for good; None outside SLURM. Call it last: SLURM answers a requeue with SIGTERM to the job."""
+    """Make sure this SLURM job runs again: (True, a sentence for the log) if it is requeued, (False, why) if it
+    ends for good, None outside SLURM. Call it last: SLURM answers a requeue with SIGTERM to the job."""
     job = job_id()
     if job is None or shutil.which("scontrol") is None:
         return None
@@ -54,10 +50,9 @@ def requeue_self() -> tuple[bool, str] | None:
 
 
 def signal_jobs(submitit_dir: Path, signum: int) -> list[str]:
-    """Pass a signal to the steps of every SLURM job submitit submitted from `submitit_dir` (its folders are
-    the job ids; an array's tasks all get it through the array's id); the jobs checkpoint and stop like a
-    run that is sent the signal. Jobs that have ended or not started answer with an error, which is
-    ignored: a job that starts later sees the sweep's stop and refuses to. Returns the ids signalled."""
+    """Pass a signal to the steps of every SLURM job submitted from `submitit_dir` (its folders are the job ids;
+    an array's tasks get it through the array's id); returns the ids signalled. Jobs that have ended or not
+    started answer with an error, ignored: one that starts later sees the sweep's stop and refuses to."""
     if shutil.which("scancel") is None or not submitit_dir.is_dir():
         return []
     ids = sorted({p.name.split("_")[0] for p in submitit_dir.iterdir() if re.fullmatch(r"\d+(_\d+)?", p.name)})

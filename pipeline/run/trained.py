@@ -1,19 +1,5 @@
 """A checkpoint put to use (show, evaluate, sample, export): verified, restored, and given the data it needs.
 
-    restore_checkpoint(dir, ovr)   the one way a tool opens a checkpoint: its manifest checked against itself,
-                                   every `_target_` of its config against pipeline.config.targets (nothing named is
-                                   imported before), then the parts that config builds, store.load verifying
-                                   the files against them (sizes, sha256, layout, every part's fit), restored
-    data_config(manifest, ovr)     where the data comes from: the checkpoint's own `data` node, with
-                                   `data.KEY=V` overrides applied to it, or another dataset chosen by `data=NAME`
-                                   (composed like `python -m pipeline`); `paths.output_dir=` moves the corpus
-                                   cache (default: the output directory the checkpoint lies in, never one
-                                   its manifest names); the checkpoint's own `data.path` only if the file
-                                   there is the one it was trained on (its sha256 in the manifest)
-    own_data / other_data          the dataset built from that, checked against what the checkpoint learned
-    data_facts(manifest, ovr, dir) the vocabulary, decode join and special tokens the checkpoint learned: its
-                                   data.json (no corpus needed), or for a schema 2.0 checkpoint its own data
-
 Every refusal is a ConfigError or CheckpointError of one line; the callers exit 2 with it.
 """
 from __future__ import annotations
@@ -23,7 +9,7 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline.config import targets
+from pipeline.config import identity, targets
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint import store
 from pipeline.checkpoint.store import load, manifest_fault, read_manifest
@@ -43,9 +29,9 @@ class UnknownTargetError(CheckpointError):
 
 
 def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict, TrainState]:
-    """(manifest, the restored state machines) of a checkpoint that fully verifies; CheckpointError if not
-    (UnknownTargetError if its config names code nothing the user runs names: then nothing was imported or
-    built). `overrides` may give `hydra.searchpath=[...]`, the user's own configs (and so their classes)."""
+    """(manifest, the restored state) of a checkpoint that fully verifies: its manifest checked against itself,
+    every `_target_` of its config allowed before anything is imported (UnknownTargetError), then the parts
+    built and store.load verifying every file against them. `overrides` may give `hydra.searchpath=[...]`."""
     from pipeline.run.assemble import build_state
 
     directory = Path(directory)
@@ -65,8 +51,8 @@ def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict
     except Exception as e:  # noqa: BLE001 - a model or data this installation cannot build: one line
         raise manifest_fault(directory, f"its config does not build here: "
                                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    # One read of every file: sizes and sha256, each tensor file's layout before its data is allocated, and
-    # every part's fit (pipeline.stateful.check); restore cannot refuse after it.
+    # One read of every file: sizes, sha256, each tensor file's layout before allocation, every part's fit:
+    # restore cannot refuse after it.
     ckpt = load(directory, parts := state.parts())
     if ckpt.manifest != manifest:
         raise manifest_fault(directory, "changed while it was read")
@@ -92,7 +78,7 @@ def _parse(overrides: list[str]):
 
 def cache_home(directory: Path) -> str:
     """The output directory a checkpoint lies in (`<output_dir>/runs/<run>/checkpoints/<step>`), where its run
-    cached its corpus; else (an archive, a lone checkpoint) the user's default one. Never the manifest's `paths.output_dir`: a checkpoint
+    cached its corpus; else (an archive, a lone checkpoint) the default one. Never the manifest's: a checkpoint
     does not choose where a tool writes."""
     from pipeline.config.compose import default_output_dir
 
@@ -107,8 +93,6 @@ def cache_home(directory: Path) -> str:
 def _own_source(manifest: dict, node: dict, directory: Path) -> None:
     """The checkpoint's own `data.path` is read only if it holds the bytes the checkpoint was trained on: a
     checkpoint does not choose which of the user's files a tool reads."""
-    from pipeline.config import identity
-
     path, sha = node.get("path"), (manifest.get("sources") or {}).get("data.path")
     if not isinstance(path, str):
         return
@@ -127,7 +111,7 @@ def _own_source(manifest: dict, node: dict, directory: Path) -> None:
 
 def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     """{"paths": {"output_dir"}, "data": node}: the checkpoint's data with `data.KEY=V` applied, or the
-    composed `data=NAME`; the values range-checked like a run's."""
+    composed `data=NAME` (like `python -m pipeline`); the values range-checked like a run's."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -177,8 +161,7 @@ def build_data(config: dict):
 
 
 def own_data(manifest: dict, overrides: list[str], directory: Path):
-    """The dataset the checkpoint at `directory` was trained on (its data_manifest_hash), for its vocabulary;
-    ConfigError if what the config builds here is other data."""
+    """The dataset the checkpoint at `directory` was trained on (its data_manifest_hash), else ConfigError."""
     config = data_config(manifest, list(overrides), directory)
     dataset = build_data(config)
     if dataset.manifest_hash != manifest["data_manifest_hash"]:
@@ -189,9 +172,8 @@ def own_data(manifest: dict, overrides: list[str], directory: Path):
 
 
 def data_facts(manifest: dict, overrides: list[str], directory: Path) -> dict:
-    """{"vocab", "decode_join", "specials"} of the checkpoint at `directory` (whose verified `manifest` is
-    given): its data.json, so its corpus may be gone; a schema 2.0 checkpoint has none, and its own data is
-    built (own_data: `overrides` may say where its text file or corpus cache is)."""
+    """{"vocab", "decode_join", "specials"} of a verified checkpoint: its data.json (no corpus needed), or for a
+    schema 2.0 checkpoint its own data, built (`overrides` may say where its text file or corpus cache is)."""
     from pipeline.data.base import inference_facts
 
     facts = store.data_facts(directory, manifest)
@@ -199,8 +181,7 @@ def data_facts(manifest: dict, overrides: list[str], directory: Path) -> dict:
 
 
 def check_fits(manifest: dict, dataset, vocab: list[str] | None = None) -> None:
-    """Refuse data whose spec (vocabulary size, sequence length, features, targets) differs from the
-    checkpoint's, naming each difference; given the checkpoint's vocabulary, the data's too."""
+    """Refuse data whose spec differs from the checkpoint's, naming each difference; given a vocabulary, its too."""
     saved = {k: v for k, v in manifest["data_spec"].items() if k != "n_train"}
     here = asdict(dataset.spec)
     diff = [f"{k} {saved[k]} -> {here.get(k)}" for k in saved if saved[k] != here.get(k)]
@@ -216,9 +197,8 @@ def check_fits(manifest: dict, dataset, vocab: list[str] | None = None) -> None:
 
 
 def other_data(manifest: dict, overrides: list[str], directory: Path):
-    """The dataset `overrides` ask for (the checkpoint's own by default: regenerated from its config if its
-    corpus is gone), refused if the model cannot read it: its spec, and its vocabulary against the
-    checkpoint's data.json."""
+    """The dataset `overrides` ask for (the checkpoint's own by default, regenerated if its corpus is gone),
+    refused if the model cannot read it: its spec, and its vocabulary against the checkpoint's."""
     config = data_config(manifest, list(overrides), directory)
     dataset = build_data(config)
     if dataset.manifest_hash == manifest["data_manifest_hash"]:
