@@ -3,6 +3,7 @@ from pipeline.run.signals import SIGNALS_STATE
 
 SIGNALS_STATE.install()  # first: from here to the last instruction a signal never ends in a traceback
 
+import os  # noqa: E402
 import sys  # noqa: E402
 
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED  # noqa: E402
@@ -19,9 +20,8 @@ def _plain(cfg) -> dict:
         return to_plain(cfg)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
-        msg = str(e).splitlines()[0]
         hint = " (data=text needs data.path=FILE)" if key == "data.path" else ""
-        print(f"pipeline: bad config: {key + ': ' if key else ''}{msg}{hint}", file=sys.stderr)
+        print(f"pipeline: bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
 
 
@@ -46,8 +46,6 @@ def _one_repository_for_help() -> None:
 
 
 def main() -> None:
-    import os
-
     import hydra
 
     from pipeline.config.compose import CONFIG_DIR, register

@@ -1,9 +1,6 @@
 """The state protocol: every part's state_dict() as one tree (arrays to safetensors, the rest to JSON), and a
-two-phase restore that changes nothing unless every part fits.
-
-A part has `state_dict()` (str-keyed dicts; leaves are numpy arrays or JSON values) and `load_state_dict(state)`;
-it may add `check_state_dict(state)` (ValueError for impossible values of the right shape) and
-`free_form_state` (paths of objects whose keys vary, such as metrics by name, left to its own check).
+two-phase restore that changes nothing unless every part fits. A part may add `check_state_dict(state)`
+(ValueError for impossible values) and `free_form_state` (paths of objects whose keys vary, left to that check).
 """
 from __future__ import annotations
 
@@ -76,7 +73,7 @@ def split(tree: dict) -> tuple[dict[str, np.ndarray], dict]:
 
 def merge(arrays: Mapping[str, np.ndarray], json_tree: dict) -> dict:
     """The inverse of split: arrays put back at their paths (missing dicts created)."""
-    tree = _copy_dicts(json_tree)
+    tree = copy_tree(json_tree)
     for path, a in arrays.items():
         *parents, leaf = path.split(SEP)
         node = tree
@@ -89,10 +86,6 @@ def merge(arrays: Mapping[str, np.ndarray], json_tree: dict) -> dict:
             raise ValueError(f"{path!r} is both an array and a JSON value")
         node[leaf] = a
     return tree
-
-
-def _copy_dicts(node):
-    return {k: _copy_dicts(v) for k, v in node.items()} if isinstance(node, dict) else node
 
 
 _KINDS = ((type(None), "null"), (bool, "bool"), (int, "int"), (float, "float"), (str, "str"), (list, "list"),

@@ -1,6 +1,7 @@
 """A run directory's layout (README: The run directory), its lock, and its run.json and metrics.jsonl."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import io
@@ -9,8 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from pipeline.files import jsonio
-from pipeline.files import reading
+from pipeline.files import jsonio, reading
 from pipeline.files.atomic import UnsafePathError, ensure_dirs, named, open_append, refuse_link, replace_file
 from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.store import CheckpointStore
@@ -59,8 +59,8 @@ class RunDir:
         if self._read_only_medium():
             return self._acquire_shared()
         ensure_dirs(self.path.parent, self.path.name)
-        for path, kind in ((self.lock_path, "file"), (self.status_path, "file"), (self.metrics_path, "file"), (self.log_path, "file"),
-                           (self.hydra_dir, "directory"), (self.store.root, "directory"),
+        for path, kind in ((self.lock_path, "file"), (self.status_path, "file"), (self.metrics_path, "file"),
+                           (self.log_path, "file"), (self.hydra_dir, "directory"), (self.store.root, "directory"),
                            (self.path / "superseded", "directory")):
             refuse_link(path, kind)
         try:
@@ -110,12 +110,10 @@ class RunDir:
     def forget(self) -> None:
         """Release, and remove the directory if it holds nothing but an empty lock (a refused run leaves none)."""
         self.release()
-        try:
+        with contextlib.suppress(OSError):
             if os.listdir(self.path) == [self.lock_path.name] and os.path.getsize(self.lock_path) == 0:
                 os.unlink(self.lock_path)
                 os.rmdir(self.path)
-        except OSError:
-            pass
 
     def release(self) -> None:
         if self._fd is not None:
@@ -130,11 +128,7 @@ class RunDir:
         except OSError:
             return False
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return False
-        except BlockingIOError:
-            return True
+            return not _lock_within(fd, 0.0)  # a lock taken is released by the close
         finally:
             os.close(fd)
 

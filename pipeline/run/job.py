@@ -8,6 +8,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from pipeline.run import budget
 from pipeline.files.atomic import NewDirs, UnsafePathError, environment_error
@@ -116,7 +117,6 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
         fail(EXIT_BAD_INPUT, e)
     except OSError as e:
         _environment(e)
-        raise
     rundir = RunDir(job.run_dir)
     if sweep is not None:
         sweep.run_dir = str(rundir.path)
@@ -128,7 +128,6 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
         fail(EXIT_BAD_INPUT, e)
     except OSError as e:
         _environment(e)
-        raise
     # Log lines of the set-up wait in memory: a refused run must not write into the run's log.
     held = logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1)
     logging.getLogger().addHandler(held)
@@ -154,7 +153,6 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
                  requeue=True)
         except OSError as e:
             _environment(e)
-            raise
         if rundir.read_only and not run.complete:
             fail(EXIT_ERROR, f"run directory {rundir.path} is on a read-only filesystem and the run is not "
                              "complete (nothing was written); make it writable (or copy it), then re-run the same "
@@ -180,7 +178,6 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
                 kept = rundir.store.steps()
                 _environment(e, said + (f"; the run continues from its checkpoint of step {kept[-1][0]}" if kept
                                         else ""))
-                raise
             if sweep is not None:
                 sweep.run_uri = job.facts.get("mlflow_run_uri")
             if code:
@@ -195,10 +192,11 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
         rundir.release()
 
 
-def _environment(e: OSError, note: str = "") -> None:
-    """A full disk, a read-only or forbidden place: one line and EXIT_ERROR (anything else: its traceback)."""
+def _environment(e: OSError, note: str = "") -> NoReturn:
+    """A full disk, a read-only or forbidden place: one line and EXIT_ERROR (anything else raised on: its traceback)."""
     if (message := environment_error(e)) is not None:
         fail(EXIT_ERROR, message + note)
+    raise e
 
 
 def _log_file(rundir: RunDir, held: logging.handlers.MemoryHandler) -> logging.Handler:

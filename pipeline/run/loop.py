@@ -9,9 +9,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline.run import budget
 from pipeline.files import killpoint
-from pipeline.run import report
+from pipeline.run import budget, report
 from pipeline.files.atomic import environment_error, named
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
@@ -41,12 +40,12 @@ class NonFiniteError(Exception):
 
 
 class Run:
-    def __init__(self, job: Job, rundir: RunDir, signals: Signals, started: float | None = None,
-                 overrides: list[str] | None = None, in_sweep: bool = False):
+    def __init__(self, job: Job, rundir: RunDir, signals: Signals, started: float, overrides: list[str],
+                 in_sweep: bool):
         self.job, self.rundir, self.signals = job, rundir, signals
         self.in_sweep = in_sweep  # a sweep's job: its siblings differ on purpose, and its time is its own
-        self.overrides = list(overrides or [])  # the command's, for the identical command in the end summary
-        self.job_started = started = started or time.time()  # a sweep's job: when it started, not its process
+        self.overrides = list(overrides)  # the command's, for the identical command in the end summary
+        self.job_started = started  # a sweep's job: when it started, not its process
         self.state = job.state
         self.store = rundir.store
         self.lineage: dict | None = None
@@ -106,8 +105,7 @@ class Run:
             raise NonFiniteError(f"step {record['step']}: {bad[0]} is {metrics[bad[0]]} (non-finite); stopping "
                                  "with the last good checkpoints kept (trainer.on_nonfinite=continue trains on)")
         end = StepEnd(step=self.state.step, metrics=metrics, epoch_done=epoch_ended(self.state, record),
-                      epochs_done=epochs_done(self.state),
-                      last=self.state.step >= self.state.total_steps)
+                      epochs_done=epochs_done(self.state), last=self.state.step >= self.state.total_steps)
         # every stage sees every step end (a stateful one must not miss the step another stops on)
         stop = next((r for r in [s.stop_reason(end) for s in self.job.stages] if r), None)
         if stop:
@@ -116,8 +114,7 @@ class Run:
             self.state.progress.ended = stop or "max_steps"
         tags = [s.name for s in self.job.stages if s.wants_checkpoint(end)]
         # A spent trainer.max_time is a preemption announced in advance: checkpoint now, exit 75, requeue.
-        out_of_time = self.budget.step_ended()
-        preempted = self.signals.received is not None or out_of_time
+        preempted = self.budget.step_ended() or self.signals.received is not None
         if tags or preempted or end.last:
             self.checkpoint(metrics, tags, final=end.last or preempted)
         if end.last:
@@ -243,11 +240,9 @@ class Run:
                         self.state.step, EXIT_PREEMPTED)
             tracker.finish("KILLED", self.rundir.path)
             return EXIT_PREEMPTED
-        except NonFiniteError as e:
-            self._failed(str(e))
-            raise
-        except BaseException as e:
-            self._failed(environment_error(e) or f"{type(e).__name__}: {e}")
+        except BaseException as e:  # a non-finite loss says so itself; anything else with its type
+            self._failed(str(e) if isinstance(e, NonFiniteError) else
+                         environment_error(e) or f"{type(e).__name__}: {e}")
             raise
         log.info("done at step %d (%s) after %.1f s in this %s: %s", self.state.step, self.state.progress.ended,
                  time.time() - self.job_started if self.in_sweep else budget.process_age(),

@@ -20,8 +20,8 @@ def start_block(job, run_dir: Path) -> str:
              + (" (tied: counted once)" if getattr(model, "aliases", None) else "")]
     lines.append(f"  {'group':<{width}}  {'arrays':>6}  {'params':>10}  shape")
     for group, shapes, n, note in rows:
-        lines.append(f"  {group:<{width}}  {len(shapes):>6}  {n:>10,}  "
-                     f"{'x'.join(map(str, max(shapes, key=math.prod))) if shapes else '-'}{'  ' + note if note else ''}")
+        biggest = "x".join(map(str, max(shapes, key=math.prod))) if shapes else "-"
+        lines.append(f"  {group:<{width}}  {len(shapes):>6}  {n:>10,}  {biggest}{'  ' + note if note else ''}")
     spec = data.spec
     if spec.vocab_size:
         what = (f"{data.n_train:,} train windows, {getattr(data, 'n_val', 0):,} val windows of {spec.block_size} "

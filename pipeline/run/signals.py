@@ -32,7 +32,6 @@ class Interrupted(BaseException):
     """A signal before the run held its directory (BaseException: no `except Exception` swallows it)."""
 
     def __init__(self, signum: int):
-        self.signum = signum
         super().__init__(signal.Signals(signum).name)
 
 
@@ -52,13 +51,10 @@ def descendants(root: int) -> list[int]:
     out, todo = [], list(children.get(root, []))
     while todo:
         pid = todo.pop()
-        try:
-            if os.getsid(pid) != session:
-                continue
-        except OSError:
-            continue
-        out.append(pid)
-        todo.extend(children.get(pid, []))
+        with contextlib.suppress(OSError):  # a process that has ended
+            if os.getsid(pid) == session:
+                out.append(pid)
+                todo.extend(children.get(pid, []))
     return out
 
 

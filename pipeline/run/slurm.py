@@ -1,9 +1,7 @@
 """A SLURM job that was told to stop (a time-limit warning, a signal to its steps) puts itself back in the queue.
 
-SLURM signals a job before its time limit only if asked (`--signal=USR1@N`; submitit asks for USR2), and
-`scancel --signal=TERM JOBID` reaches the job's steps while the job stays RUNNING: either way only the job
-itself can requeue it. A job SLURM is requeueing already (its restart count raised) or ending for good
-(COMPLETING: `scontrol requeue` would revive it) is left alone.
+Only the job itself can: SLURM signals before a time limit only if asked (`--signal=USR1@N`; submitit asks for
+USR2), and `scancel --signal=TERM JOBID` reaches the steps while the job stays RUNNING.
 """
 from __future__ import annotations
 
@@ -39,7 +37,7 @@ def requeue_self() -> tuple[bool, str] | None:
         # a requeue by SLURM (`scontrol requeue`, preemption) counts the next run before this one has ended
         if int(fields.get("Restarts") or 0) > int(os.environ.get("SLURM_RESTART_COUNT") or 0):
             return True, f"SLURM job {job} is being requeued: it resumes from its newest checkpoint"
-        if state != "RUNNING" and reason != "TimeLimit":
+        if state != "RUNNING" and reason != "TimeLimit":  # ending for good (scancel): a requeue would revive it
             return False, f"SLURM job {job} is {state} (reason {reason}): it ends here, not requeued"
         r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired, ValueError) as e:

@@ -15,7 +15,7 @@ from pipeline.checkpoint import store
 from pipeline.checkpoint.store import load, manifest_fault, read_manifest
 from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import SCHEMAS, validate
-from pipeline.data.base import DataSpec
+from pipeline.data.base import DataSpec, inference_facts
 from pipeline.stateful import restore
 from pipeline.trainer.state import TrainState
 
@@ -174,26 +174,8 @@ def own_data(manifest: dict, overrides: list[str], directory: Path):
 def data_facts(manifest: dict, overrides: list[str], directory: Path) -> dict:
     """{"vocab", "decode_join", "specials"} of a verified checkpoint: its data.json (no corpus needed), or for a
     schema 2.0 checkpoint its own data, built (`overrides` may say where its text file or corpus cache is)."""
-    from pipeline.data.base import inference_facts
-
     facts = store.data_facts(directory, manifest)
     return facts if facts is not None else inference_facts(own_data(manifest, overrides, directory))
-
-
-def check_fits(manifest: dict, dataset, vocab: list[str] | None = None) -> None:
-    """Refuse data whose spec differs from the checkpoint's, naming each difference; given a vocabulary, its too."""
-    saved = {k: v for k, v in manifest["data_spec"].items() if k != "n_train"}
-    here = asdict(dataset.spec)
-    diff = [f"{k} {saved[k]} -> {here.get(k)}" for k in saved if saved[k] != here.get(k)]
-    if diff:
-        raise ConfigError(f"data {type(dataset).__name__}: its spec differs from the checkpoint's "
-                          f"({', '.join(diff)}): the model cannot read it")
-    if vocab is not None and getattr(dataset, "vocab", None) is not None:
-        changed = [i for i, (a, b) in enumerate(zip(vocab, dataset.vocab)) if a != b]
-        if changed:
-            i = changed[0]
-            raise ConfigError(f"data {type(dataset).__name__}: its vocabulary differs from the checkpoint's at "
-                              f"{len(changed)} ids (id {i}: {vocab[i]!r} -> {dataset.vocab[i]!r})")
 
 
 def other_data(manifest: dict, overrides: list[str], directory: Path):
@@ -206,9 +188,18 @@ def other_data(manifest: dict, overrides: list[str], directory: Path):
     vocab = None
     if getattr(dataset, "vocab", None) is not None:
         try:
-            vocab = data_facts(manifest, [o for o in overrides if o.startswith(("paths.", "hydra."))], directory)["vocab"]
+            where = [o for o in overrides if o.startswith(("paths.", "hydra."))]
+            vocab = data_facts(manifest, where, directory)["vocab"]
         except ConfigError as e:  # a schema 2.0 checkpoint whose own data does not build here
             log.warning("cannot compare vocabularies (the checkpoint's own data does not build here: %s); "
                         "checking the spec only", e)
-    check_fits(manifest, dataset, vocab)
+    saved = {k: v for k, v in manifest["data_spec"].items() if k != "n_train"}
+    here = asdict(dataset.spec)
+    if diff := [f"{k} {saved[k]} -> {here.get(k)}" for k in saved if saved[k] != here.get(k)]:
+        raise ConfigError(f"data {type(dataset).__name__}: its spec differs from the checkpoint's "
+                          f"({', '.join(diff)}): the model cannot read it")
+    if vocab is not None and (changed := [i for i, (a, b) in enumerate(zip(vocab, dataset.vocab)) if a != b]):
+        i = changed[0]
+        raise ConfigError(f"data {type(dataset).__name__}: its vocabulary differs from the checkpoint's at "
+                          f"{len(changed)} ids (id {i}: {vocab[i]!r} -> {dataset.vocab[i]!r})")
     return dataset
