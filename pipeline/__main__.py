@@ -3,6 +3,7 @@ from pipeline.run.signals import SIGNALS_STATE
 
 SIGNALS_STATE.install()  # first: from here to the last instruction a signal never ends in a traceback
 
+import contextlib  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
@@ -86,10 +87,8 @@ def main() -> None:
         from pipeline.tracking.sweep_callback import end_unfinished  # a sweep whose sweeper raised: its end
 
         if (message := environment_error(e)) is not None:  # a full or read-only disk, outside any one job
-            try:
-                end_unfinished(message)  # a sweep's sweep.json says failed, if the disk lets it
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):  # a sweep's sweep.json says failed, if the disk lets it
+                end_unfinished(message)
             print(f"pipeline: {message}", file=sys.stderr)
             sys.exit(EXIT_ERROR)
         if started and end_unfinished(f"{type(e).__name__}: {e}"):

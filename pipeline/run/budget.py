@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import time
 
-from pipeline.config.checks import parse_duration
-
 monotonic = time.monotonic  # the clock every measurement here reads (tests substitute their own)
 _IMPORTED = monotonic()
 
@@ -26,17 +24,10 @@ class Budget:
     """A deadline on the monotonic clock, and the longest step and save seen so far in this process."""
 
     def __init__(self, seconds: float | None, age: float | None = None):
-        self.seconds = seconds
-        now = monotonic()
-        self.deadline = None if seconds is None else now - (process_age() if age is None else age) + seconds
+        self.deadline = None if seconds is None else monotonic() - (process_age() if age is None else age) + seconds
         self.last_end: float | None = None
         self.slowest_step = 0.0  # step end to step end: the update, its evaluation, logging and any save
         self.slowest_save = 0.0
-
-    @classmethod
-    def from_config(cls, trainer: dict) -> "Budget":
-        value = trainer.get("max_time")
-        return cls(None if value is None else parse_duration(value))
 
     def step_ended(self) -> bool:
         """Record a step end; True if the budget cannot hold another update and checkpoint, each as long as the

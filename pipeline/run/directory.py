@@ -27,12 +27,12 @@ class RunBusyError(Exception):
     """Another process holds the run directory."""
 
 
-def _lock_within(fd: int, grace: float) -> bool:
-    """Take the exclusive lock, trying again for `grace` seconds; False if it stayed held."""
+def _lock_within(fd: int, grace: float, kind: int = fcntl.LOCK_EX) -> bool:
+    """Take the lock, trying again for `grace` seconds; False if it stayed held."""
     deadline = time.monotonic() + grace
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
             if time.monotonic() >= deadline:
@@ -91,9 +91,7 @@ class RunDir:
             fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _lock_within(fd, 0.0, fcntl.LOCK_SH):
             os.close(fd)
             raise RunBusyError(f"run directory {self.path} is in use by another process; wait for it to finish "
                                "or stop it first") from None

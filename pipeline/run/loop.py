@@ -18,6 +18,7 @@ from pipeline.checkpoint.retention import AnyOf, LatestN
 from pipeline.checkpoint.store import Checkpoint
 from pipeline.run.assemble import Job
 from pipeline.run.directory import RunDir
+from pipeline.config.checks import parse_duration
 from pipeline.config.errors import EXIT_OK, EXIT_PREEMPTED
 from pipeline.run.signals import Signals
 from pipeline.stages.base import StepEnd
@@ -56,7 +57,8 @@ class Run:
         self.history: dict = {"started": started, "resumes": []}  # run.json: first start, resumes
         self.keep = AnyOf(tuple(p for s in job.stages if (p := s.policy()) is not None) + (LatestN(1),))
         self.links = {s.link: s.link_policy() for s in job.stages if s.link}
-        self.budget = budget.Budget.from_config(job.config["trainer"])  # trainer.max_time
+        max_time = job.config["trainer"].get("max_time")
+        self.budget = budget.Budget(None if max_time is None else parse_duration(max_time))
 
     # --- before training: what the resume stage decides (pipeline/stages/resume.py)
     def begin(self, lineage: dict, resumed: Checkpoint | None = None, metrics: list[dict] | None = None,

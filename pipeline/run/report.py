@@ -33,25 +33,14 @@ def start_block(job, run_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def command(overrides: list[str]) -> str:
-    """The identical command, for a shell: the same Python, the same overrides."""
-    return shlex.join([_python(), "-m", "pipeline", *overrides])
-
-
-def _python() -> str:
-    """`python` if that is the one on PATH, else this interpreter's path."""
-    exe, found = sys.executable or "python", shutil.which("python")
-    same = found is not None and os.path.realpath(found) == os.path.realpath(exe)
-    return "python" if os.path.basename(exe) == "python" and same else exe
-
-
 def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, links: dict[str, Path | None],
               curve: Path | None, run_uri: str | None, tracking_uri: str | None, overrides: list[str],
               samples: bool) -> str:
-    """At most 12 lines: where the run ended, its best, checkpoints, curve, index, and the next commands.
-
-    best: (monitor, value, step) or None; links: final/best/newest -> checkpoint directory or None."""
-    py = _python()
+    """At most 12 lines: where the run ended, its `best` (monitor, value, step), checkpoints (`links`: final,
+    best, newest -> a directory or None), curve, index, and the next commands."""
+    py, found = sys.executable or "python", shutil.which("python")  # `python` if that is the one on PATH
+    if os.path.basename(py) == "python" and found is not None and os.path.realpath(found) == os.path.realpath(py):
+        py = "python"
     lines = [f"{status} at step {step}: {run_dir}"]
     if best is not None:
         lines.append(f"  best        {best[0]}={best[1]:.6g} at step {best[2]}")
@@ -60,7 +49,7 @@ def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, link
     lines.append(f"  checkpoints {root}/: {' '.join(ckpts)}" if ckpts else "  checkpoints none")
     lines.append(f"  curve       {curve if curve else 'none (nothing logged)'}")
     lines.append(f"  mlflow      {run_uri or ('not indexed yet' if tracking_uri else 'not tracked')}")
-    lines.append(f"  resume      {command(overrides)}")  # a complete run: says so and exits 0
+    lines.append(f"  resume      {shlex.join([py, '-m', 'pipeline', *overrides])}")  # complete: says so, exits 0
     target = links.get("best") or links.get("final") or links.get("newest")
     if target is not None:
         lines.append(f"  evaluate    {shlex.join([py, '-m', 'pipeline.evaluate', str(target)])}")

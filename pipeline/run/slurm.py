@@ -13,23 +13,15 @@ import subprocess
 from pathlib import Path
 
 
-def job_id() -> str | None:
-    """This process's SLURM job, as `scontrol` must name it (an array task as ARRAY_TASK: its own
-    SLURM_JOB_ID can be the array's, and requeueing that requeues every task)."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if not job or os.environ.get("SLURM_JOB_PARTITION") is None:
-        return None
-    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
-        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    return job
-
-
 def requeue_self() -> tuple[bool, str] | None:
     """Make sure this SLURM job runs again: (True, a sentence for the log) if it is requeued, (False, why) if it
     ends for good, None outside SLURM. Call it last: SLURM answers a requeue with SIGTERM to the job."""
-    job = job_id()
-    if job is None or shutil.which("scontrol") is None:
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or os.environ.get("SLURM_JOB_PARTITION") is None or shutil.which("scontrol") is None:
         return None
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        # an array task by its own name: its SLURM_JOB_ID can be the array's, whose requeue requeues every task
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
     try:
         shown = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, timeout=60)
         fields = dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
