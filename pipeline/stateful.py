@@ -110,9 +110,8 @@ def _where(path: tuple) -> str:
 
 
 def misfit(live, got, path: tuple = (), free: tuple[str, ...] = ()) -> tuple[tuple, str] | None:
-    """(the keys to the value at fault, why) if `got` cannot replace the live state `live`, else None: same
-    keys, array shapes/dtypes, JSON kinds. A missing or unexpected key is named by its own path. Paths in
-    `free` ("/"-joined) hold objects whose keys vary (metrics by name): only their being objects is checked."""
+    """(the keys to the value at fault, why) if `got` cannot replace the live state `live` (same keys, array
+    shapes/dtypes, JSON kinds), else None. Paths in `free` ("/"-joined) are only checked to be objects."""
     where = _where(path)
     for kind, what in ((dict, "an object"), (np.ndarray, "an array"), (list, "a list")):
         if isinstance(live, kind) and not isinstance(got, kind):

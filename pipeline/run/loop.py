@@ -84,7 +84,7 @@ class Run:
         return self.superseded
 
     def rundir_of(self, path: Path) -> RunDir:
-        """Another run directory, to read (the stages cannot import RunDir: a lower layer)."""
+        """Another run directory, to read (for the stages, a layer below RunDir)."""
         return RunDir(path)
 
     # --- training

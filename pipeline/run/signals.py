@@ -1,12 +1,11 @@
 """SIGTERM, SIGINT, SIGUSR1/2 and SIGHUP, from the first instruction of a job to its last: never a traceback.
 
-Until a run is set up nothing durable is written (a resume's supersede() is `atomic()`), so a signal raises
-`Interrupted` and the entry point prints one line. While a run trains (`deferring()`) it only sets a flag: the
-update finishes, a checkpoint is written, the process exits EXIT_PREEMPTED. Only the first signal counts, and
-once the exit code is decided (`finish()`) the kernel ignores them (SIG_IGN, not a blocked mask: another
-thread would take it), so Python's default action at shutdown (exit -15) never applies. A sweep's launcher
-(`sweeping()`) passes a signal on to its jobs' processes (workers, local jobs, SLURM jobs' steps), which
-checkpoint and stop, and marks the sweep so jobs not started refuse to: the identical command continues it.
+Before a run is set up nothing durable is written (supersede() is `atomic()`): a signal raises `Interrupted`,
+one line. While it trains (`deferring()`) a signal sets a flag: the update finishes, a checkpoint is written,
+exit EXIT_PREEMPTED. Only the first counts; once the exit code is decided (`finish()`) the kernel ignores them
+(SIG_IGN: a blocked mask would leave them to another thread), so Python's default action at shutdown (-15)
+never applies. A sweep's launcher (`sweeping()`) passes one on to its jobs' processes, which checkpoint and
+stop, and marks the sweep: jobs not started refuse to, and the identical command continues it.
 """
 from __future__ import annotations
 

@@ -148,11 +148,12 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     return config
 
 
-def build_data(config: dict):
+def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict, object]:
     from pipeline.run.assemble import build_dataset
 
+    config = data_config(manifest, list(overrides), directory)
     try:
-        return build_dataset(config)
+        return config, build_dataset(config)
     except (ValueError, OSError) as e:
         raise ConfigError(f"data: {e}") from None
     except Exception as e:  # noqa: BLE001 - an unimportable _target_ or a constructor's own error
@@ -162,8 +163,7 @@ def build_data(config: dict):
 
 def own_data(manifest: dict, overrides: list[str], directory: Path):
     """The dataset the checkpoint at `directory` was trained on (its data_manifest_hash), else ConfigError."""
-    config = data_config(manifest, list(overrides), directory)
-    dataset = build_data(config)
+    config, dataset = _built(manifest, overrides, directory)
     if dataset.manifest_hash != manifest["data_manifest_hash"]:
         raise ConfigError(f"data {config['data'].get('_target_')}: builds data {dataset.manifest_hash[:12]}, but the "
                           f"checkpoint was trained on {manifest['data_manifest_hash'][:12]}: give the data it was "
@@ -181,8 +181,7 @@ def data_facts(manifest: dict, overrides: list[str], directory: Path) -> dict:
 def other_data(manifest: dict, overrides: list[str], directory: Path):
     """The dataset `overrides` ask for (the checkpoint's own by default, regenerated if its corpus is gone),
     refused if the model cannot read it: its spec, and its vocabulary against the checkpoint's."""
-    config = data_config(manifest, list(overrides), directory)
-    dataset = build_data(config)
+    _, dataset = _built(manifest, overrides, directory)
     if dataset.manifest_hash == manifest["data_manifest_hash"]:
         return dataset
     vocab = None
