@@ -30,8 +30,7 @@ class Budget:
         self.slowest_save = 0.0
 
     def step_ended(self) -> bool:
-        """Record a step end; True if the budget cannot hold another update and checkpoint, each as long as the
-        slowest seen."""
+        """Record a step end; True if another update and checkpoint, each as slow as the slowest, would overrun."""
         if self.deadline is None:
             return False
         now = monotonic()

@@ -83,8 +83,7 @@ class RunDir:
             return False
 
     def _acquire_shared(self) -> None:
-        """A read-only medium: no lock file is created; an existing one is held shared (refused while a writer
-        still holds it elsewhere)."""
+        """A read-only medium: no lock file is created; an existing one is held shared (refused while written)."""
         refuse_link(self.lock_path)
         self.read_only = True
         try:

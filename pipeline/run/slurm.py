@@ -40,9 +40,8 @@ def requeue_self() -> tuple[bool, str] | None:
 
 
 def signal_jobs(submitit_dir: Path, signum: int) -> list[str]:
-    """Pass a signal to the steps of every SLURM job submitted from `submitit_dir` (its folders are the job ids;
-    an array's tasks get it through the array's id); returns the ids signalled. Jobs that have ended or not
-    started answer with an error, ignored: one that starts later sees the sweep's stop and refuses to."""
+    """Pass a signal to the steps of every SLURM job submitted from `submitit_dir` (its folders are the job ids);
+    returns the ids. A job not running answers with an error, ignored: one that starts later refuses to."""
     if shutil.which("scancel") is None or not submitit_dir.is_dir():
         return []
     ids = sorted({p.name.split("_")[0] for p in submitit_dir.iterdir() if re.fullmatch(r"\d+(_\d+)?", p.name)})

@@ -77,9 +77,8 @@ def _parse(overrides: list[str]):
 
 
 def cache_home(directory: Path) -> str:
-    """The output directory a checkpoint lies in (`<output_dir>/runs/<run>/checkpoints/<step>`), where its run
-    cached its corpus; else (an archive, a lone checkpoint) the default one. Never the manifest's: a checkpoint
-    does not choose where a tool writes."""
+    """The output directory a checkpoint lies in (`<output_dir>/runs/<run>/checkpoints/<step>`: its corpus cache),
+    else (an archive, a lone checkpoint) the default; never the manifest's: a checkpoint picks no place to write."""
     from pipeline.config.compose import default_output_dir
 
     step = Path(directory).absolute()
