@@ -123,10 +123,7 @@ def misfit(live, got, path: tuple = (), free: tuple[str, ...] = ()) -> tuple[tup
         if missing or extra:
             parts = ([f"lacks {missing[:5]}"] if missing else []) + ([f"has unexpected {extra[:5]}"] if extra else [])
             return (*path, (missing or extra)[0]), f"{where}: keys differ: the saved state " + " and ".join(parts)
-        for k in live:
-            if found := misfit(live[k], got[k], (*path, k), free):
-                return found
-        return None
+        return next(filter(None, (misfit(live[k], got[k], (*path, k), free) for k in live)), None)
     if isinstance(live, np.ndarray):
         if got.shape != live.shape or got.dtype != live.dtype:
             return path, f"{where}: saved {got.dtype}{list(got.shape)}, the live run has {live.dtype}{list(live.shape)}"
@@ -134,10 +131,7 @@ def misfit(live, got, path: tuple = (), free: tuple[str, ...] = ()) -> tuple[tup
     if isinstance(live, list):
         if len(live) != len(got):
             return path, f"{where}: a list of {len(got)}, the live run has {len(live)}"
-        for i, (a, b) in enumerate(zip(live, got)):
-            if found := misfit(a, b, (*path, i)):
-                return found
-        return None
+        return next(filter(None, (misfit(a, b, (*path, i)) for i, (a, b) in enumerate(zip(live, got)))), None)
     if not _compatible(_json_kind(live), _json_kind(got)):
         return path, f"{where}: expected {_json_kind(live)}, got {_json_kind(got)}"
     return None

@@ -115,10 +115,8 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     from omegaconf.errors import OmegaConfBaseException
 
     parsed = _parse(overrides)
-    output_dir = cache_home(directory)
-    for o in parsed:
-        if o.key_or_group == "paths.output_dir":
-            output_dir = str(o.value())
+    output_dir = next((str(o.value()) for o in reversed(parsed) if o.key_or_group == "paths.output_dir"),
+                      cache_home(directory))
     if any(o.key_or_group == "data" for o in parsed):
         from hydra.errors import HydraException
 
