@@ -31,6 +31,7 @@ class Interrupted(BaseException):
     """A signal before the run held its directory (BaseException: no `except Exception` swallows it)."""
 
     def __init__(self, signum: int):
+        self.signum = signum
         super().__init__(signal.Signals(signum).name)
 
 
@@ -50,10 +51,13 @@ def descendants(root: int) -> list[int]:
     out, todo = [], list(children.get(root, []))
     while todo:
         pid = todo.pop()
-        with contextlib.suppress(OSError):  # a process that has ended
-            if os.getsid(pid) == session:
-                out.append(pid)
-                todo.extend(children.get(pid, []))
+        try:
+            if os.getsid(pid) != session:
+                continue
+        except OSError:
+            continue
+        out.append(pid)
+        todo.extend(children.get(pid, []))
     return out
 
 
@@ -98,11 +102,15 @@ class Signals:
             return
         log.warning("received %s: passing it to the sweep's running jobs; no new job starts", name)
         if self.marker is not None:
-            with contextlib.suppress(OSError):
+            try:
                 self.marker.touch()
+            except OSError:
+                pass
         for pid in descendants(os.getpid()):
-            with contextlib.suppress(OSError):
+            try:
                 os.kill(pid, signum)
+            except OSError:
+                pass
         if self.slurm_jobs is not None:  # the jobs run on the cluster, not below this process
             from pipeline.run.slurm import signal_jobs
 
