@@ -3,11 +3,12 @@ from pipeline.run.signals import SIGNALS_STATE
 
 SIGNALS_STATE.install()  # first: from here to the last instruction a signal never ends in a traceback
 
+import contextlib  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED  # noqa: E402
 from pipeline.run.signals import Interrupted  # noqa: E402
-
 
 
 def _plain(cfg) -> dict:
@@ -20,23 +21,15 @@ def _plain(cfg) -> dict:
         return to_plain(cfg)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
-        msg = str(e).splitlines()[0]
         hint = " (data=text needs data.path=FILE)" if key == "data.path" else ""
-        print(f"pipeline: bad config: {key + ': ' if key else ''}{msg}{hint}", file=sys.stderr)
+        print(f"pipeline: bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
 
 
-def _one_line(e: BaseException) -> str:
-    from pipeline.config.errors import error_line
-
-    return error_line(e)
-
-
 def _one_repository_for_help() -> None:
-    """Hydra's --help lists every group's options (its own hydra/* ones too, which our template does not show)
-    through ~150 lookups, each building a fresh config repository: a deep copy of every config registered in
-    the ConfigStore (the plugins' launchers and sweepers, our schemas), 4-5x the time of composing the config.
-    For --help, one repository per (config, overrides) answers them all: it is read, never changed, there."""
+    """Hydra's --help makes ~150 group lookups, each building a fresh config repository (a deep copy of every
+    config in the ConfigStore: 4-5x the time of composing). For --help one per (config, overrides) serves
+    them all: it is read, never changed, there."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.core.object_type import ObjectType
 
@@ -54,8 +47,6 @@ def _one_repository_for_help() -> None:
 
 
 def main() -> None:
-    import os
-
     import hydra
 
     from pipeline.config.compose import CONFIG_DIR, register
@@ -91,29 +82,28 @@ def main() -> None:
         task()
     except Exception as e:
         if SIGNALS_STATE.interrupted_start():
-            # the handler's exception, raised inside a library (composing, building), came out as another one
-            raise Interrupted(SIGNALS_STATE.received) from e
+            raise  # the handler's exception, raised inside a library (composing, building), came out as another
         from pipeline.files.atomic import environment_error
         from pipeline.tracking.sweep_callback import end_unfinished  # a sweep whose sweeper raised: its end
 
         if (message := environment_error(e)) is not None:  # a full or read-only disk, outside any one job
-            try:
-                end_unfinished(message)  # a sweep's sweep.json says failed, if the disk lets it
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):  # a sweep's sweep.json says failed, if the disk lets it
+                end_unfinished(message)
             print(f"pipeline: {message}", file=sys.stderr)
             sys.exit(EXIT_ERROR)
         if started and end_unfinished(f"{type(e).__name__}: {e}"):
             raise  # an error inside a job: its traceback, exit 1
         if started or not report_own:
             raise
-        print(f"pipeline: bad config or override: {_one_line(e)}", file=sys.stderr)
+        from pipeline.config.errors import error_line
+
+        print(f"pipeline: bad config or override: {error_line(e)}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
 
 
 def _main() -> None:
-    """main(), with a signal that a library turned into another exception while importing (a dataclass's
-    __set_name__ wraps it in a RuntimeError) still the interruption it is."""
+    """main(), with a signal that a library turned into another exception (a dataclass's __set_name__ wraps it
+    in a RuntimeError while importing) still the interruption it is."""
     try:
         main()
     except Exception as e:

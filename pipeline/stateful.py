@@ -1,19 +1,10 @@
-"""The state protocol: every stateful part's state_dict() as one tree; arrays to safetensors, the rest to JSON.
-
-A part is anything with `state_dict() -> dict` (nested dicts with str keys; leaves are numpy arrays or JSON
-values) and `load_state_dict(state)`; it may add `check_state_dict(state)` raising ValueError for a state
-that has the right shape but impossible values, and `free_form_state` (paths of objects whose keys vary, such
-as metrics by name, left to its own check). PARTS is the one place that lists the run's state machines.
-
-    capture(parts)            -> {part: state_dict}: the live arrays, not copies (copy_tree to keep them)
-    split(tree), merge(...)   <-> ({"<part>/<key>/...": array}, JSON tree without the arrays)
-    restore(parts, tree)      two-phase: every part is checked against its live state first (keys, array
-                              shapes and dtypes, JSON types, then its own check), and only then all load;
-                              a state that does not fit raises StateMismatch and changes nothing.
+"""The state protocol: every part's state_dict() as one tree (arrays to safetensors, the rest to JSON), and a
+two-phase restore that changes nothing unless every part fits. A part may add `check_state_dict(state)`
+(ValueError for impossible values) and `free_form_state` (paths of objects whose keys vary, left to that check).
 """
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from typing import Mapping
 
 import numpy as np
 
@@ -25,15 +16,8 @@ PARTS = ("model", "optimizer", "scheduler", "data_iter", "progress", "stages", "
 SEP = "/"
 
 
-class Stateful(Protocol):
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-
 class StateMismatch(ValueError):
-    """A saved state that does not fit the live part: `part` and `reason` say which and why; `path` is the
-    keys below the part to the value at fault (() when the part's own check did not say which)."""
+    """A saved state that does not fit the live part; `path`: the keys below the part to the value at fault."""
 
     def __init__(self, part: str, reason: str, path: tuple = ()):
         self.part, self.reason, self.path = part, reason, tuple(path)
@@ -41,15 +25,15 @@ class StateMismatch(ValueError):
 
 
 class BadValue(ValueError):
-    """What a part's check_state_dict raises for one value it refuses: `key` (a key, or a tuple of keys
-    below the part) says which, so the reader can name the file that holds it."""
+    """A part's check_state_dict refusing one value: `key` (keys below the part) lets the reader name its file."""
 
     def __init__(self, key: str | tuple, reason: str):
         self.key = (key,) if isinstance(key, str) else tuple(key)
         super().__init__(reason)
 
 
-def capture(parts: Mapping[str, Stateful], only: tuple[str, ...] = PARTS) -> dict[str, dict]:
+def capture(parts: Mapping, only: tuple[str, ...] = PARTS) -> dict[str, dict]:
+    """{part: state_dict}: the live arrays, not copies (copy_tree keeps them)."""
     return {name: parts[name].state_dict() for name in only}
 
 
@@ -89,7 +73,7 @@ def split(tree: dict) -> tuple[dict[str, np.ndarray], dict]:
 
 def merge(arrays: Mapping[str, np.ndarray], json_tree: dict) -> dict:
     """The inverse of split: arrays put back at their paths (missing dicts created)."""
-    tree = _copy_dicts(json_tree)
+    tree = copy_tree(json_tree)
     for path, a in arrays.items():
         *parents, leaf = path.split(SEP)
         node = tree
@@ -104,28 +88,12 @@ def merge(arrays: Mapping[str, np.ndarray], json_tree: dict) -> dict:
     return tree
 
 
-def _copy_dicts(node):
-    return {k: _copy_dicts(v) for k, v in node.items()} if isinstance(node, dict) else node
+_KINDS = ((type(None), "null"), (bool, "bool"), (int, "int"), (float, "float"), (str, "str"), (list, "list"),
+          (dict, "object"), (np.ndarray, "array"))  # bool before int: a bool is an int
 
 
 def _json_kind(v) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "bool"
-    if isinstance(v, int):
-        return "int"
-    if isinstance(v, float):
-        return "float"
-    if isinstance(v, str):
-        return "str"
-    if isinstance(v, list):
-        return "list"
-    if isinstance(v, dict):
-        return "object"
-    if isinstance(v, np.ndarray):
-        return "array"
-    return type(v).__name__
+    return next((name for kind, name in _KINDS if isinstance(v, kind)), type(v).__name__)
 
 
 def _compatible(live: str, got: str) -> bool:
@@ -142,38 +110,28 @@ def _where(path: tuple) -> str:
 
 
 def misfit(live, got, path: tuple = (), free: tuple[str, ...] = ()) -> tuple[tuple, str] | None:
-    """(the keys to the value at fault, why) if `got` cannot replace the live state `live`, else None: same
-    keys, array shapes/dtypes, JSON kinds. A missing or unexpected key is named by its own path. Paths in
-    `free` ("/"-joined) hold objects whose keys vary (metrics by name): only their being objects is checked."""
+    """(the keys to the value at fault, why) if `got` cannot replace the live state `live` (same keys, array
+    shapes/dtypes, JSON kinds), else None. Paths in `free` ("/"-joined) are only checked to be objects."""
     where = _where(path)
+    for kind, what in ((dict, "an object"), (np.ndarray, "an array"), (list, "a list")):
+        if isinstance(live, kind) and not isinstance(got, kind):
+            return path, f"{where}: expected {what}, got {_json_kind(got)}"
     if isinstance(live, dict):
-        if not isinstance(got, dict):
-            return path, f"{where}: expected an object, got {_json_kind(got)}"
         if path and SEP.join(map(str, path)) in free:
             return None
         missing, extra = sorted(set(live) - set(got)), sorted(set(got) - set(live))
         if missing or extra:
             parts = ([f"lacks {missing[:5]}"] if missing else []) + ([f"has unexpected {extra[:5]}"] if extra else [])
             return (*path, (missing or extra)[0]), f"{where}: keys differ: the saved state " + " and ".join(parts)
-        for k in live:
-            if found := misfit(live[k], got[k], (*path, k), free):
-                return found
-        return None
+        return next(filter(None, (misfit(live[k], got[k], (*path, k), free) for k in live)), None)
     if isinstance(live, np.ndarray):
-        if not isinstance(got, np.ndarray):
-            return path, f"{where}: expected an array, got {_json_kind(got)}"
         if got.shape != live.shape or got.dtype != live.dtype:
             return path, f"{where}: saved {got.dtype}{list(got.shape)}, the live run has {live.dtype}{list(live.shape)}"
         return None
     if isinstance(live, list):
-        if not isinstance(got, list):
-            return path, f"{where}: expected a list, got {_json_kind(got)}"
         if len(live) != len(got):
             return path, f"{where}: a list of {len(got)}, the live run has {len(live)}"
-        for i, (a, b) in enumerate(zip(live, got)):
-            if found := misfit(a, b, (*path, i)):
-                return found
-        return None
+        return next(filter(None, (misfit(a, b, (*path, i)) for i, (a, b) in enumerate(zip(live, got)))), None)
     if not _compatible(_json_kind(live), _json_kind(got)):
         return path, f"{where}: expected {_json_kind(live)}, got {_json_kind(got)}"
     return None
@@ -185,7 +143,7 @@ def fit_reason(live, got, path: str = "", free: tuple[str, ...] = ()) -> str | N
     return found[1] if found else None
 
 
-def check(parts: Mapping[str, Stateful], tree: Mapping, only: tuple[str, ...] = PARTS) -> None:
+def check(parts: Mapping, tree: Mapping, only: tuple[str, ...] = PARTS) -> None:
     """Raise StateMismatch naming the first part whose saved state would not fit; changes nothing."""
     for name in only:
         if name not in tree:
@@ -201,7 +159,7 @@ def check(parts: Mapping[str, Stateful], tree: Mapping, only: tuple[str, ...] = 
                 raise StateMismatch(name, str(e) or type(e).__name__, getattr(e, "key", ())) from None
 
 
-def restore(parts: Mapping[str, Stateful], tree: Mapping, only: tuple[str, ...] = PARTS) -> None:
+def restore(parts: Mapping, tree: Mapping, only: tuple[str, ...] = PARTS) -> None:
     """Check every part, then load every part (in PARTS order); nothing changes unless all fit."""
     only = tuple(p for p in PARTS if p in only)
     check(parts, tree, only)

@@ -1,15 +1,5 @@
-"""The one place a run is assembled: its parts (the state machines and stages), its facts, its job.
-
-    build_state(config, spec, n_train)   every part of pipeline.stateful.PARTS, stages included, from a config
-                                         and its data's spec: a run, the verifier, roundtrip and every tool
-                                         opening a checkpoint (trained.restore_checkpoint, once the config's
-                                         targets are allowed) build them this way
-    assemble(config)                     the data, those parts and the manifest's run-level facts: a Job without a
-                                         tracker or run directory (the verifier's processes and roundtrip)
-    build(config)                        a run's whole Job: values validated, the run identified, assemble(), the
-                                         tracker -- nothing under the run directory is created here (only the
-                                         shared corpus cache, if missing)
-"""
+"""The one place a run is assembled: its parts (build_state: a run, the verifier, roundtrip and every tool opening
+a checkpoint build them this way), its facts, its job (build: nothing under the run directory is created)."""
 from __future__ import annotations
 
 import inspect
@@ -59,11 +49,10 @@ def _call(node: dict, **live):
 
 
 def build_dataset(config: dict):
-    data_dir = Path(config["paths"]["output_dir"]) / "data"
     node = dict(config["data"])
     if isinstance(node.get("path"), str):
         node["path"] = str(Path(node["path"]).expanduser().resolve())
-    return _call(node, cache_dir=str(data_dir))
+    return _call(node, cache_dir=str(Path(config["paths"]["output_dir"]) / "data"))
 
 
 def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> TrainState:
@@ -99,10 +88,6 @@ def build_tracker(config: dict, sweep: SweepJob | None = None) -> Tracker:
     return Tracker() if tracking is None else _call(tracking, sweep=sweep)
 
 
-def data_spec(dataset) -> dict:
-    return {**asdict(dataset.spec), "n_train": int(dataset.n_train)}
-
-
 @dataclass
 class Job:
     config: dict
@@ -125,14 +110,6 @@ class Job:
         return self.facts["semantic_config_hash"]
 
 
-def run_dir_for(config: dict, semantic_hash: str) -> Path:
-    """<runs_dir>/<name>-<semantic hash>; resume=never gets a fresh, unique sibling."""
-    name = identity.run_name(config, semantic=semantic_hash)
-    if config["resume"]["source"] == "never":
-        name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    return Path(config["paths"]["runs_dir"]) / name
-
-
 KINDS = {"tokens": "token sequences", "rows": "rows of features"}
 
 
@@ -150,12 +127,13 @@ def check_pairing(config: dict) -> None:
 
 
 def assemble(config: dict, sources: dict | None = None) -> Job:
-    """The data, every part and the run-level manifest facts of a run of the resolved `config` (`sources`:
-    its files' hashes, computed if not given); ValueError or OSError for values its objects refuse."""
+    """The data, every part and the run-level manifest facts: a Job without a tracker or run directory (the
+    verifier's processes, roundtrip); ValueError or OSError for values its objects refuse."""
     sources = identity.source_hashes(config) if sources is None else sources
     dataset = build_dataset(config)
     state = build_state(config, dataset.spec, dataset.n_train, dataset)
-    facts = mf.run_facts(config, sources, dataset.manifest_hash, data_spec(dataset), inference_facts(dataset))
+    spec = {**asdict(dataset.spec), "n_train": int(dataset.n_train)}
+    facts = mf.run_facts(config, sources, dataset.manifest_hash, spec, inference_facts(dataset))
     facts["n_params"] = int(sum(p.size for p in state.model.params.values()))
     return Job(config, state, sources, facts)
 
@@ -175,5 +153,8 @@ def build(config: dict, sweep: SweepJob | None = None) -> Job:
         job = assemble(config, sources)
     except (ValueError, OSError) as e:
         raise ConfigError(str(e)) from None
-    job.tracker, job.run_dir = tracker, run_dir_for(config, job.facts["semantic_config_hash"])
+    name = identity.run_name(config, semantic=job.semantic_hash)  # <runs_dir>/<name>-<semantic hash>
+    if config["resume"]["source"] == "never":  # a fresh, unique sibling
+        name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    job.tracker, job.run_dir = tracker, Path(config["paths"]["runs_dir"]) / name
     return job

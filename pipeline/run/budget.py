@@ -1,22 +1,9 @@
-"""trainer.max_time: this process's wall-time budget; spent, the run checkpoints and exits 75, like a preemption.
-
-The budget is the wall time of this process since it started (as the OS records it, so interpreter start-up
-and imports count), not training time summed over resumes: it stands for a scheduler's time limit, and a
-requeued job gets a fresh limit. A run whose budget is spent stops at a step end, writes the checkpoint a
-signal would, and exits 75 (EX_TEMPFAIL): re-running the identical command continues it. Every process makes
-at least one update, so a budget shorter than start-up still finishes the run, one requeue at a time.
-
-The decision is taken at every step end: go on only if one more update and one more checkpoint, each as long
-as the slowest this process has seen, would still end inside the budget; else checkpoint now. (Before the
-first save its duration is unknown and counted as 0.) Leave a margin below the scheduler's limit for what
-follows the checkpoint: the tracker's hand-over (at most tracking.wait) and exit.
-"""
+"""trainer.max_time: this process's wall-time budget (README: A time budget); spent, the run checkpoints and
+exits 75, like a preemption. Before the first save, a save's duration is unknown and counted as 0."""
 from __future__ import annotations
 
 import os
 import time
-
-from pipeline.config.checks import parse_duration
 
 monotonic = time.monotonic  # the clock every measurement here reads (tests substitute their own)
 _IMPORTED = monotonic()
@@ -37,20 +24,13 @@ class Budget:
     """A deadline on the monotonic clock, and the longest step and save seen so far in this process."""
 
     def __init__(self, seconds: float | None, age: float | None = None):
-        self.seconds = seconds
-        now = monotonic()
-        self.deadline = None if seconds is None else now - (process_age() if age is None else age) + seconds
+        self.deadline = None if seconds is None else monotonic() - (process_age() if age is None else age) + seconds
         self.last_end: float | None = None
         self.slowest_step = 0.0  # step end to step end: the update, its evaluation, logging and any save
         self.slowest_save = 0.0
 
-    @classmethod
-    def from_config(cls, trainer: dict) -> "Budget":
-        value = trainer.get("max_time")
-        return cls(None if value is None else parse_duration(value))
-
     def step_ended(self) -> bool:
-        """Record a step end; True if the budget cannot hold another update and checkpoint after this one."""
+        """Record a step end; True if another update and checkpoint, each as slow as the slowest, would overrun."""
         if self.deadline is None:
             return False
         now = monotonic()

@@ -1,16 +1,7 @@
-"""A run directory's layout, its lock, and the small files beside the checkpoints (run.json, metrics.jsonl).
-
-    <runs_dir>/<name>-<hash>/
-      .lock                 one process at a time (an advisory lock the kernel releases when it dies)
-      .hydra/               the composed config and the overrides, written once the lock is held
-      pipeline.log          the log of every process that ran here
-      run.json              status (running, preempted, complete, failed), step, metrics, replaced atomically
-      metrics.jsonl         one JSON object per logged step, appended (only the last line can be torn)
-      checkpoints/          the checkpoint store (pipeline/checkpoint/store.py)
-      superseded/<when>/    another run history this directory held before a resume from elsewhere
-"""
+"""A run directory's layout (README: The run directory), its lock, and its run.json and metrics.jsonl."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import io
@@ -19,8 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from pipeline.files import jsonio
-from pipeline.files import reading
+from pipeline.files import jsonio, reading
 from pipeline.files.atomic import UnsafePathError, ensure_dirs, named, open_append, refuse_link, replace_file
 from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.store import CheckpointStore
@@ -37,12 +27,12 @@ class RunBusyError(Exception):
     """Another process holds the run directory."""
 
 
-def _lock_within(fd: int, grace: float) -> bool:
-    """Take the exclusive lock, trying again for `grace` seconds; False if it stayed held."""
+def _lock_within(fd: int, grace: float, kind: int = fcntl.LOCK_EX) -> bool:
+    """Take the lock, trying again for `grace` seconds; False if it stayed held."""
     deadline = time.monotonic() + grace
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
             if time.monotonic() >= deadline:
@@ -69,9 +59,8 @@ class RunDir:
         if self._read_only_medium():
             return self._acquire_shared()
         ensure_dirs(self.path.parent, self.path.name)
-        refuse_link(self.lock_path)
-        for path, kind in ((self.status_path, "file"), (self.metrics_path, "file"), (self.log_path, "file"),
-                           (self.hydra_dir, "directory"), (self.store.root, "directory"),
+        for path, kind in ((self.lock_path, "file"), (self.status_path, "file"), (self.metrics_path, "file"),
+                           (self.log_path, "file"), (self.hydra_dir, "directory"), (self.store.root, "directory"),
                            (self.path / "superseded", "directory")):
             refuse_link(path, kind)
         try:
@@ -88,31 +77,27 @@ class RunDir:
         self._fd = fd
 
     def _read_only_medium(self) -> bool:
-        """The run directory exists where nothing can be written (a read-only mount, an archive)."""
         try:
             return os.path.isdir(self.path) and os.statvfs(self.path).f_flag & os.ST_RDONLY != 0
         except OSError:
             return False
 
     def _acquire_shared(self) -> None:
-        """A read-only medium: no lock file is created; an existing one is held shared (a reader beside any
-        other reader, refused while a writer still holds it elsewhere)."""
+        """A read-only medium: no lock file is created; an existing one is held shared (refused while written)."""
         refuse_link(self.lock_path)
         self.read_only = True
         try:
             fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _lock_within(fd, 0.0, fcntl.LOCK_SH):
             os.close(fd)
             raise RunBusyError(f"run directory {self.path} is in use by another process; wait for it to finish "
                                "or stop it first") from None
         self._fd = fd
 
     def claim(self) -> None:
-        """Write this process's pid into the lock: it is running here now (after its set-up was accepted)."""
+        """Write this process's pid into the lock: it runs here now (its set-up was accepted)."""
         try:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
@@ -120,15 +105,12 @@ class RunDir:
             raise named(e, self.lock_path)
 
     def forget(self) -> None:
-        """Release, and remove the directory if this process created it and it holds nothing but the lock
-        (a refused run leaves no run directory behind)."""
+        """Release, and remove the directory if it holds nothing but an empty lock (a refused run leaves none)."""
         self.release()
-        try:
+        with contextlib.suppress(OSError):
             if os.listdir(self.path) == [self.lock_path.name] and os.path.getsize(self.lock_path) == 0:
                 os.unlink(self.lock_path)
                 os.rmdir(self.path)
-        except OSError:
-            pass
 
     def release(self) -> None:
         if self._fd is not None:
@@ -143,33 +125,20 @@ class RunDir:
         except OSError:
             return False
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return False
-        except BlockingIOError:
-            return True
+            return not _lock_within(fd, 0.0)  # a lock taken is released by the close
         finally:
             os.close(fd)
 
     # --- run.json
-    def _read(self, path: Path, limit: int) -> bytes | None:
-        try:
-            return reading.read_bytes(path, limit)
-        except FileNotFoundError:
-            return None
-        except (OSError, jsonio.JSONError) as e:
-            raise RunFileError(self.path, path.name, e.strerror if isinstance(e, OSError) and e.strerror else str(e)) \
-                from None
-
     def read_status(self) -> dict:
         """run.json ({} if there is none); RunFileError if it is damaged: not strict JSON, or not an object."""
-        raw = self._read(self.status_path, MAX_RUN_JSON)
-        if raw is None:
-            return {}
         try:
-            status = jsonio.loads(raw)
-        except jsonio.JSONError as e:
-            raise RunFileError(self.path, self.status_path.name, str(e)) from None
+            status = jsonio.loads(reading.read_bytes(self.status_path, MAX_RUN_JSON))
+        except FileNotFoundError:
+            return {}
+        except (OSError, jsonio.JSONError) as e:
+            raise RunFileError(self.path, self.status_path.name,
+                               e.strerror if isinstance(e, OSError) and e.strerror else str(e)) from None
         if not isinstance(status, dict):
             raise RunFileError(self.path, self.status_path.name, "not a JSON object")
         return status
@@ -178,12 +147,9 @@ class RunDir:
         replace_file(self.status_path, jsonio.dumps({**fields, "updated": time.time()}))
 
     def write_status_in_place(self, **fields) -> None:
-        """run.json rewritten inside its own bytes: the last resort when the disk is too full for the
-        temporary an atomic replace needs (write_status), so a run that fails for want of space still says
-        so rather than `running`. Overwriting blocks the file already owns needs no new space; the record is
-        shortened to fit and padded with spaces (valid JSON). The price is the atomicity: a reader at that
-        very moment, or a crash in the middle, sees a torn file, which every reader treats as no run.json
-        (read_status: {}), and the checkpoints, not run.json, are what a resume trusts."""
+        """run.json rewritten inside its own bytes (which need no new space), shortened to fit and padded with
+        spaces: the last resort on a disk too full for write_status's temporary, so a failed run does not say
+        `running`. Not atomic: a torn run.json is refused as damaged, and a resume trusts the checkpoints."""
         fd = os.open(self.status_path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             room = os.fstat(fd).st_size
@@ -202,9 +168,8 @@ class RunDir:
 
     # --- metrics.jsonl
     def read_metrics(self) -> list[dict]:
-        """metrics.jsonl's lines. A last line without its newline is torn (a process was killed writing it)
-        and dropped; any other line that is not a strict JSON object with an integer step is damage, which
-        no writer leaves: RunFileError naming the file and the line (nothing is dropped or rewritten)."""
+        """metrics.jsonl's lines. A last line without its newline is torn (killed while writing) and dropped;
+        any other line not a strict JSON object with an integer step is damage: RunFileError naming the line."""
         try:
             f = io.BufferedReader(reading.open_file(self.metrics_path, MAX_METRICS), reading.CHUNK)
         except FileNotFoundError:
@@ -244,15 +209,14 @@ class RunDir:
 
     # --- the rest
     def write_hydra(self, config_yaml: str, overrides: list[str]) -> None:
-        """The composed config and the overrides, as Hydra's .hydra/ holds them (written under the lock)."""
+        """The composed config and the overrides, as Hydra's .hydra/ holds them."""
         ensure_dirs(self.path, ".hydra")
         replace_file(self.hydra_dir / "config.yaml", config_yaml.encode())
         replace_file(self.hydra_dir / "overrides.yaml",
                      "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides).encode() or b"[]\n")
 
     def supersede(self) -> Path:
-        """Move the run history this directory holds (checkpoints, metrics, status) into superseded/<when>/;
-        nothing is deleted. Returns where it went."""
+        """Move the run history (checkpoints, metrics, status) into superseded/<when>/, returned; nothing is deleted."""
         dest = ensure_dirs(self.path, "superseded") / time.strftime("%Y%m%d-%H%M%S")
         n = 0
         while os.path.lexists(dest):

@@ -1,11 +1,5 @@
-"""One job from a plain config: build it, hold its run directory, run its stages, exit with what happened.
-
-Exit codes: 0 done (or already complete); 1 an error in the job (a non-finite loss, a bug) or of the machine
-(a full disk, a read-only or forbidden place: one line naming the path, run.json saying failed); 2 bad input (a
-value out of range, groups that do not fit, a busy run directory, a refused drift, an unusable checkpoint,
-a planted symlink) -- one line on stderr, and nothing on disk changed; 75 preempted or interrupted: the
-identical command continues.
-"""
+"""One job from a plain config: build it, hold its run directory, run its stages, exit with what happened
+(README: Exit codes)."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +8,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from pipeline.run import budget
 from pipeline.files.atomic import NewDirs, UnsafePathError, environment_error
@@ -33,7 +28,7 @@ log = logging.getLogger("pipeline")
 
 class JobFailed(Exception):
     """A job that ends with an exit code: a single run exits with it; a multirun's sweep records it and goes
-    on with the others. `requeue`: stopped by a signal or its time budget."""
+    on. `requeue`: stopped by a signal or its time budget."""
 
     def __init__(self, code: int, message: str, requeue: bool = False):
         self.code, self.requeue = code, requeue
@@ -45,15 +40,12 @@ def fail(code: int, message: object, requeue: bool = False) -> None:
 
 
 def _failed(e: JobFailed, sweep: SweepJob | None) -> float:
-    """One line on stderr, and the exit code: at once for a single run; for a multirun job, its failure.
-
-    A run stopped by a signal or its time budget (`requeue`) inside a SLURM job makes sure the job runs again
-    (pipeline.run.slurm); the process then exits rather than returning, so submitit waits for the requeued job.
-    (Not a job whose sweep was stopped: its launcher is ending the sweep, and the identical command
-    continues it.)"""
+    """One line on stderr; a single run exits with the code, a multirun's job records it. A `requeue` inside a
+    SLURM job requeues it and exits rather than returns, so submitit waits for the requeued job (not when its
+    sweep was stopped: its launcher is ending the sweep)."""
     print(f"pipeline: {e}", file=sys.stderr)
     requeue = e.requeue and not SIGNALS_STATE.sweep_interrupted(sweep.dir if sweep is not None else None)
-    if requeue and (slurm := requeue_self()) is not None:  # (a stopped sweep's launcher holds it back anyway)
+    if requeue and (slurm := requeue_self()) is not None:
         requeued, said = slurm
         print(f"pipeline: {said}", file=sys.stderr)
         if requeued:
@@ -125,7 +117,6 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
         fail(EXIT_BAD_INPUT, e)
     except OSError as e:
         _environment(e)
-        raise
     rundir = RunDir(job.run_dir)
     if sweep is not None:
         sweep.run_dir = str(rundir.path)
@@ -137,7 +128,6 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
         fail(EXIT_BAD_INPUT, e)
     except OSError as e:
         _environment(e)
-        raise
     # Log lines of the set-up wait in memory: a refused run must not write into the run's log.
     held = logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1)
     logging.getLogger().addHandler(held)
@@ -163,7 +153,6 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
                  requeue=True)
         except OSError as e:
             _environment(e)
-            raise
         if rundir.read_only and not run.complete:
             fail(EXIT_ERROR, f"run directory {rundir.path} is on a read-only filesystem and the run is not "
                              "complete (nothing was written); make it writable (or copy it), then re-run the same "
@@ -189,7 +178,6 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
                 kept = rundir.store.steps()
                 _environment(e, said + (f"; the run continues from its checkpoint of step {kept[-1][0]}" if kept
                                         else ""))
-                raise
             if sweep is not None:
                 sweep.run_uri = job.facts.get("mlflow_run_uri")
             if code:
@@ -204,10 +192,11 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
         rundir.release()
 
 
-def _environment(e: OSError, note: str = "") -> None:
-    """A full disk, a read-only or forbidden place: one line and EXIT_ERROR (anything else: its traceback)."""
+def _environment(e: OSError, note: str = "") -> NoReturn:
+    """A full disk, a read-only or forbidden place: one line and EXIT_ERROR (anything else raised on: its traceback)."""
     if (message := environment_error(e)) is not None:
         fail(EXIT_ERROR, message + note)
+    raise e
 
 
 def _log_file(rundir: RunDir, held: logging.handlers.MemoryHandler) -> logging.Handler:

@@ -1,11 +1,5 @@
-"""One job in its run directory: the stages' set-up (the resume stage decides where it starts), training with one
-step-end decision, checkpoint, retain, finish.
-
-After every update the run asks each stage, in order, whether to stop here (early stopping) and whether it
-wants a checkpoint of this step (and lets it update its own state); a preemption signal asks for one too.
-At most one checkpoint per step is written, tagged with the stages that asked for it; then the store keeps
-exactly what some stage's policy (or the newest-checkpoint pin) keeps, and points each stage's link.
-"""
+"""One job in its run directory: the stages' set-up, training with one decision per step end, checkpoint, retain,
+finish (at most one checkpoint per step, tagged with the stages that asked for it)."""
 from __future__ import annotations
 
 import errno
@@ -15,9 +9,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline.run import budget
 from pipeline.files import killpoint
-from pipeline.run import report
+from pipeline.run import budget, report
 from pipeline.files.atomic import environment_error, named
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
@@ -25,6 +18,7 @@ from pipeline.checkpoint.retention import AnyOf, LatestN
 from pipeline.checkpoint.store import Checkpoint
 from pipeline.run.assemble import Job
 from pipeline.run.directory import RunDir
+from pipeline.config.checks import parse_duration
 from pipeline.config.errors import EXIT_OK, EXIT_PREEMPTED
 from pipeline.run.signals import Signals
 from pipeline.stages.base import StepEnd
@@ -47,12 +41,12 @@ class NonFiniteError(Exception):
 
 
 class Run:
-    def __init__(self, job: Job, rundir: RunDir, signals: Signals, started: float | None = None,
-                 overrides: list[str] | None = None, in_sweep: bool = False):
+    def __init__(self, job: Job, rundir: RunDir, signals: Signals, started: float, overrides: list[str],
+                 in_sweep: bool):
         self.job, self.rundir, self.signals = job, rundir, signals
         self.in_sweep = in_sweep  # a sweep's job: its siblings differ on purpose, and its time is its own
-        self.overrides = list(overrides or [])  # the command's, for the identical command in the end summary
-        self.job_started = started or time.time()  # a sweep's job: when it started, not its process
+        self.overrides = list(overrides)  # the command's, for the identical command in the end summary
+        self.job_started = started  # a sweep's job: when it started, not its process
         self.state = job.state
         self.store = rundir.store
         self.lineage: dict | None = None
@@ -60,16 +54,16 @@ class Run:
         self.resumed: Checkpoint | None = None
         self.metrics_kept: list[dict] | None = None  # what metrics.jsonl is cut to, written once the run claims
         self.superseded: Path | None = None  # where an earlier history went (resume.source), if it moved
-        self.history: dict = {"started": started or time.time(), "resumes": []}  # run.json: first start, resumes
+        self.history: dict = {"started": started, "resumes": []}  # run.json: first start, resumes
         self.keep = AnyOf(tuple(p for s in job.stages if (p := s.policy()) is not None) + (LatestN(1),))
         self.links = {s.link: s.link_policy() for s in job.stages if s.link}
-        self.budget = budget.Budget.from_config(job.config["trainer"])  # trainer.max_time
+        max_time = job.config["trainer"].get("max_time")
+        self.budget = budget.Budget(None if max_time is None else parse_duration(max_time))
 
     # --- before training: what the resume stage decides (pipeline/stages/resume.py)
     def begin(self, lineage: dict, resumed: Checkpoint | None = None, metrics: list[dict] | None = None,
               allowed: dict | None = None) -> None:
-        """The history this run continues: its lineage, the checkpoint its state was restored from (None:
-        from scratch), the metrics.jsonl lines it keeps (None: the file as it is), the allowed changes."""
+        """The history this run continues: `resumed` None from scratch; `metrics` None keeps metrics.jsonl as it is."""
         self.lineage, self.resumed = lineage, resumed
         self.complete = resumed is not None and self.state.progress.ended is not None
         if allowed:
@@ -90,7 +84,7 @@ class Run:
         return self.superseded
 
     def rundir_of(self, path: Path) -> RunDir:
-        """Another run directory, to read (a source checkpoint's run, a sibling run)."""
+        """Another run directory, to read (for the stages, a layer below RunDir)."""
         return RunDir(path)
 
     # --- training
@@ -113,8 +107,7 @@ class Run:
             raise NonFiniteError(f"step {record['step']}: {bad[0]} is {metrics[bad[0]]} (non-finite); stopping "
                                  "with the last good checkpoints kept (trainer.on_nonfinite=continue trains on)")
         end = StepEnd(step=self.state.step, metrics=metrics, epoch_done=epoch_ended(self.state, record),
-                      epochs_done=epochs_done(self.state),
-                      last=self.state.step >= self.state.total_steps)
+                      epochs_done=epochs_done(self.state), last=self.state.step >= self.state.total_steps)
         # every stage sees every step end (a stateful one must not miss the step another stops on)
         stop = next((r for r in [s.stop_reason(end) for s in self.job.stages] if r), None)
         if stop:
@@ -123,8 +116,7 @@ class Run:
             self.state.progress.ended = stop or "max_steps"
         tags = [s.name for s in self.job.stages if s.wants_checkpoint(end)]
         # A spent trainer.max_time is a preemption announced in advance: checkpoint now, exit 75, requeue.
-        out_of_time = self.budget.step_ended()
-        preempted = self.signals.received is not None or out_of_time
+        preempted = self.budget.step_ended() or self.signals.received is not None
         if tags or preempted or end.last:
             self.checkpoint(metrics, tags, final=end.last or preempted)
         if end.last:
@@ -134,7 +126,6 @@ class Run:
         return False
 
     def checkpoint(self, metrics: dict, tags: list[str], final: bool = False) -> Checkpoint:
-        """Save this step once (for every stage that asked), then keep what the policies keep."""
         tracker = self.job.tracker
         # Only the last save (the end, or a preemption) waits for the tracked run's URI: earlier manifests
         # carry it once the tracker knows it, so training never waits for mlflow to start.
@@ -169,7 +160,7 @@ class Run:
             self.rundir.write_status_in_place(**fields)
 
     def _failed(self, error: str) -> None:
-        """run.json says failed and why, and the tracked run too; the error in hand stays the one reported."""
+        """run.json and the tracked run say failed; the error in hand stays the one reported."""
         try:
             self.write_status("failed", error=error[:2000])
         except OSError as e:
@@ -182,7 +173,7 @@ class Run:
         self.job.tracker.finish("FAILED", self.rundir.path)
 
     def _draw(self) -> Path | None:
-        """curves.png from the whole metrics.jsonl (a resumed run's earlier steps too); a failure is a warning."""
+        """curves.png from the whole metrics.jsonl (a resumed run's earlier steps too)."""
         try:
             return curves.write(self.rundir.path, self.rundir.read_metrics())
         except (OSError, CheckpointError, ValueError) as e:
@@ -190,8 +181,7 @@ class Run:
             return None
 
     def _summary(self, status: str) -> None:
-        """After the last checkpoint: curves.png from the whole history, then the end summary (both off the
-        step path: matplotlib's import alone is ~0.5 s). A curve that cannot be written is a warning."""
+        """curves.png, then the end summary: after the last checkpoint (matplotlib's import alone is ~0.5 s)."""
         curve = self._draw()
         kept = self.store.steps()
         links = {name: self.store.root / name if self.store.link_dir(name) else None for name in ("final", "best")}
@@ -205,11 +195,12 @@ class Run:
             tracking_uri=getattr(tracker, "uri", None), overrides=self.overrides,
             samples=bool(self.state.dataset.spec.vocab_size)))
 
-    def setup(self) -> None:
-        """Every stage's set-up (the resume stage restores or starts); a fresh run if none decided.
+    def _metrics(self) -> str:
+        return " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items()))
 
-        It runs while a signal still stops the process at once (a long load is interruptible), so it writes
-        nothing durable (execute() does, after the run claimed its directory) except supersede(), whole."""
+    def setup(self) -> None:
+        """Every stage's set-up (the resume stage restores or starts). A signal still stops the process at once
+        here (a long load is interruptible), so it writes nothing durable but supersede(), whole."""
         killpoint.point("setup", "start")
         for s in self.job.stages:
             s.setup(self)
@@ -217,7 +208,6 @@ class Run:
             start_fresh(self)
 
     def execute(self) -> int:
-        """Train and finish after setup(); returns the process exit code (0 or EXIT_PREEMPTED)."""
         if self.complete:
             # A process killed between its last save and its last word: finish what it left (links, pruning,
             # status); idempotent, so a complete run is left exactly as it was.
@@ -228,8 +218,7 @@ class Run:
                 if not (self.rundir.path / curves.NAME).exists():  # killed before its curve was drawn
                     self._draw()
             self.job.tracker.attach(self.rundir.path)  # a sweep job: its run shows in the sweep
-            print(f"run {self.rundir.path} is complete at step {self.state.step}: "
-                  + " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
+            print(f"run {self.rundir.path} is complete at step {self.state.step}: {self._metrics()}")
             return EXIT_OK
         tracker = self.job.tracker
         if self.metrics_kept is not None:
@@ -253,16 +242,13 @@ class Run:
                         self.state.step, EXIT_PREEMPTED)
             tracker.finish("KILLED", self.rundir.path)
             return EXIT_PREEMPTED
-        except NonFiniteError as e:
-            self._failed(str(e))
-            raise
-        except BaseException as e:
-            self._failed(environment_error(e) or f"{type(e).__name__}: {e}")
+        except BaseException as e:  # a non-finite loss says so itself; anything else with its type
+            self._failed(str(e) if isinstance(e, NonFiniteError) else
+                         environment_error(e) or f"{type(e).__name__}: {e}")
             raise
         log.info("done at step %d (%s) after %.1f s in this %s: %s", self.state.step, self.state.progress.ended,
                  time.time() - self.job_started if self.in_sweep else budget.process_age(),
-                 "job" if self.in_sweep else "process",
-                 " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items())))
+                 "job" if self.in_sweep else "process", self._metrics())
         self._summary("complete")
         tracker.finish("FINISHED", self.rundir.path)
         return EXIT_OK

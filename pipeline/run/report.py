@@ -1,8 +1,10 @@
 """What a run says at its start (model, data, run directory) and its end (best, checkpoints, next commands)."""
 from __future__ import annotations
 
+import math
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,8 +20,8 @@ def start_block(job, run_dir: Path) -> str:
              + (" (tied: counted once)" if getattr(model, "aliases", None) else "")]
     lines.append(f"  {'group':<{width}}  {'arrays':>6}  {'params':>10}  shape")
     for group, shapes, n, note in rows:
-        lines.append(f"  {group:<{width}}  {len(shapes):>6}  {n:>10,}  "
-                     f"{'x'.join(map(str, max(shapes, key=_size))) if shapes else '-'}{'  ' + note if note else ''}")
+        biggest = "x".join(map(str, max(shapes, key=math.prod))) if shapes else "-"
+        lines.append(f"  {group:<{width}}  {len(shapes):>6}  {n:>10,}  {biggest}{'  ' + note if note else ''}")
     spec = data.spec
     if spec.vocab_size:
         what = (f"{data.n_train:,} train windows, {getattr(data, 'n_val', 0):,} val windows of {spec.block_size} "
@@ -31,37 +33,14 @@ def start_block(job, run_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def _size(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def command(overrides: list[str]) -> str:
-    """The identical command, for a shell: the same Python, the same overrides."""
-    return shlex.join([_python(), "-m", "pipeline", *overrides])
-
-
-def _python() -> str:
-    exe = sys.executable or "python"
-    return "python" if os.path.basename(exe) == "python" and _on_path(exe) else exe
-
-
-def _on_path(exe: str) -> bool:
-    import shutil
-
-    found = shutil.which("python")
-    return found is not None and os.path.realpath(found) == os.path.realpath(exe)
-
-
 def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, links: dict[str, Path | None],
               curve: Path | None, run_uri: str | None, tracking_uri: str | None, overrides: list[str],
               samples: bool) -> str:
-    """At most 12 lines: where the run ended, its best, checkpoints, curve, index, and the next commands.
-
-    best: (monitor, value, step) or None; links: final/best/newest -> checkpoint directory or None."""
-    py = _python()
+    """At most 12 lines: where the run ended, its `best` (monitor, value, step), checkpoints (`links`: final,
+    best, newest -> a directory or None), curve, index, and the next commands."""
+    py, found = sys.executable or "python", shutil.which("python")  # `python` if that is the one on PATH
+    if os.path.basename(py) == "python" and found is not None and os.path.realpath(found) == os.path.realpath(py):
+        py = "python"
     lines = [f"{status} at step {step}: {run_dir}"]
     if best is not None:
         lines.append(f"  best        {best[0]}={best[1]:.6g} at step {best[2]}")
@@ -70,7 +49,7 @@ def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, link
     lines.append(f"  checkpoints {root}/: {' '.join(ckpts)}" if ckpts else "  checkpoints none")
     lines.append(f"  curve       {curve if curve else 'none (nothing logged)'}")
     lines.append(f"  mlflow      {run_uri or ('not indexed yet' if tracking_uri else 'not tracked')}")
-    lines.append(f"  resume      {command(overrides)}")  # a complete run: says so and exits 0
+    lines.append(f"  resume      {shlex.join([py, '-m', 'pipeline', *overrides])}")  # complete: says so, exits 0
     target = links.get("best") or links.get("final") or links.get("newest")
     if target is not None:
         lines.append(f"  evaluate    {shlex.join([py, '-m', 'pipeline.evaluate', str(target)])}")

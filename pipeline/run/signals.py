@@ -1,18 +1,11 @@
 """SIGTERM, SIGINT, SIGUSR1/2 and SIGHUP, from the first instruction of a job to its last: never a traceback.
 
-Until a run has set itself up (loaded what it resumes from), nothing durable is being written (the corpus
-is published by rename; a resume's supersede() is `atomic()`), so a signal stops the process at once:
-`Interrupted` unwinds to the entry point, which prints one line. While a run trains (`deferring()`), a
-signal only sets a flag: the current update finishes, a checkpoint is written, and the process exits
-EXIT_PREEMPTED. A second signal changes nothing, at any moment: the handler only records the first; and once
-the exit code is decided (`finish()`, at every entry point's end) the kernel ignores them (SIG_IGN), so the
-default action Python restores while it shuts down (which ended the process with -15) never applies. (Not a
-blocked mask: another thread would still take the signal.) In the process that launched a sweep
-(`sweeping()`), a signal is passed on to the
-processes running its jobs (joblib's workers, submitit's local jobs, the steps of its SLURM jobs), each of
-which checkpoints and stops (a SLURM job stopped so does not requeue itself), and the jobs not started yet
-refuse to start: the sweep ends, and the identical command continues it.
-Either way: EX_TEMPFAIL, try again.
+Before a run is set up nothing durable is written (supersede() is `atomic()`): a signal raises `Interrupted`,
+one line. While it trains (`deferring()`) a signal sets a flag: the update finishes, a checkpoint is written,
+exit EXIT_PREEMPTED. Only the first counts; once the exit code is decided (`finish()`) the kernel ignores them
+(SIG_IGN: a blocked mask would leave them to another thread), so Python's default action at shutdown (-15)
+never applies. A sweep's launcher (`sweeping()`) passes one on to its jobs' processes, which checkpoint and
+stop, and marks the sweep: jobs not started refuse to, and the identical command continues it.
 """
 from __future__ import annotations
 
@@ -43,8 +36,7 @@ class Interrupted(BaseException):
 
 
 def descendants(root: int) -> list[int]:
-    """Pids of every process below `root` in its own session (a helper started in a session of its own,
-    such as the tracking agent, is not a job and is left alone)."""
+    """Pids of every process below `root` in its session (the tracking agent, in a session of its own, is no job)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -125,8 +117,7 @@ class Signals:
             threading.Thread(target=signal_jobs, args=(self.slurm_jobs, signum), daemon=True).start()
 
     def finish(self) -> None:
-        """The exit code is decided: from now on the kernel ignores these signals, so the default action
-        Python restores at shutdown cannot end the process with -15. Called last by the entry points."""
+        """The exit code is decided: from now on the kernel ignores these signals (called last by entry points)."""
         self.mode = DONE
         if threading.current_thread() is not threading.main_thread():
             return
@@ -164,8 +155,8 @@ class Signals:
             self.mode = previous
 
     def sweeping(self, sweep_dir: Path, slurm_jobs: Path | None = None) -> None:
-        """In the process that launches a sweep's jobs (see the module docstring), from a fresh start (no
-        marker of an earlier stop); `slurm_jobs`: the submitit folder of a sweep whose jobs SLURM runs."""
+        """In the process that launches a sweep's jobs, from a fresh start (no marker of an earlier stop);
+        `slurm_jobs`: the submitit folder of a sweep whose jobs SLURM runs."""
         self.install()
         self.marker = Path(sweep_dir) / MARKER
         self.marker.unlink(missing_ok=True)
@@ -190,9 +181,8 @@ SIGNALS_STATE = Signals()  # one per process: the entry point installs it before
 
 
 def tool_exit(name: str, main, interrupted: str = "nothing was written") -> None:
-    """The `__main__` of every tool (sample, evaluate, show, export_hf, reindex, register, roundtrip, archive, verify): exit
-    with what main() returns; SIGINT, SIGTERM, SIGUSR1/2 end it with one line `<name>: interrupted by SIGINT;
-    <interrupted>` and EXIT_PREEMPTED, never a KeyboardInterrupt traceback nor a negative code."""
+    """Every tool's `__main__`: exit with what main() returns; a signal ends it with one line `<name>: interrupted
+    by SIGINT; <interrupted>` and EXIT_PREEMPTED, never a KeyboardInterrupt traceback nor a negative code."""
     SIGNALS_STATE.install()
     try:
         code = main()

@@ -1,12 +1,7 @@
 """A SLURM job that was told to stop (a time-limit warning, a signal to its steps) puts itself back in the queue.
 
-SLURM signals a job before its time limit only if asked (`--signal=USR1@N`; submitit asks for
-`USR2@<signal_delay_s>`), and a signal sent with `scancel --signal=TERM JOBID` reaches the job's steps
-while the job itself stays RUNNING: in both cases nothing requeues the job unless it does so itself. A job
-that SLURM is requeueing already (`scontrol requeue`, preemption) has its restart count raised while it
-still runs; one that SLURM ends for good (`scancel`) is COMPLETING: both are left alone (`scontrol
-requeue` would revive a cancelled job). Either way a requeued job's process exits without a result, so
-that submitit waits for the next run rather than reporting the job done.
+Only the job itself can: SLURM signals before a time limit only if asked (`--signal=USR1@N`; submitit asks for
+USR2), and `scancel --signal=TERM JOBID` reaches the steps while the job stays RUNNING.
 """
 from __future__ import annotations
 
@@ -18,24 +13,15 @@ import subprocess
 from pathlib import Path
 
 
-def job_id() -> str | None:
-    """This process's SLURM job, as `scontrol` must name it (an array task as ARRAY_TASK: its own
-    SLURM_JOB_ID can be the array's, and requeueing that requeues every task)."""
+def requeue_self() -> tuple[bool, str] | None:
+    """Make sure this SLURM job runs again: (True, a sentence for the log) if it is requeued, (False, why) if it
+    ends for good, None outside SLURM. Call it last: SLURM answers a requeue with SIGTERM to the job."""
     job = os.environ.get("SLURM_JOB_ID")
-    if not job or os.environ.get("SLURM_JOB_PARTITION") is None:
+    if not job or os.environ.get("SLURM_JOB_PARTITION") is None or shutil.which("scontrol") is None:
         return None
     if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
-        return f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    return job
-
-
-def requeue_self() -> tuple[bool, str] | None:
-    """Make sure this SLURM job runs again: (True, a sentence for the log) if SLURM is requeueing it already
-    or it was still RUNNING (or stopped by its time limit) and requeued itself; (False, why) if it is ending
-    for good; None outside SLURM. Call it last: SLURM answers a requeue with SIGTERM to the job."""
-    job = job_id()
-    if job is None or shutil.which("scontrol") is None:
-        return None
+        # an array task by its own name: its SLURM_JOB_ID can be the array's, whose requeue requeues every task
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
     try:
         shown = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, timeout=60)
         fields = dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
@@ -43,7 +29,7 @@ def requeue_self() -> tuple[bool, str] | None:
         # a requeue by SLURM (`scontrol requeue`, preemption) counts the next run before this one has ended
         if int(fields.get("Restarts") or 0) > int(os.environ.get("SLURM_RESTART_COUNT") or 0):
             return True, f"SLURM job {job} is being requeued: it resumes from its newest checkpoint"
-        if state != "RUNNING" and reason != "TimeLimit":
+        if state != "RUNNING" and reason != "TimeLimit":  # ending for good (scancel): a requeue would revive it
             return False, f"SLURM job {job} is {state} (reason {reason}): it ends here, not requeued"
         r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired, ValueError) as e:
@@ -54,10 +40,8 @@ def requeue_self() -> tuple[bool, str] | None:
 
 
 def signal_jobs(submitit_dir: Path, signum: int) -> list[str]:
-    """Pass a signal to the steps of every SLURM job submitit submitted from `submitit_dir` (its folders are
-    the job ids; an array's tasks all get it through the array's id); the jobs checkpoint and stop like a
-    run that is sent the signal. Jobs that have ended or not started answer with an error, which is
-    ignored: a job that starts later sees the sweep's stop and refuses to. Returns the ids signalled."""
+    """Pass a signal to the steps of every SLURM job submitted from `submitit_dir` (its folders are the job ids);
+    returns the ids. A job not running answers with an error, ignored: one that starts later refuses to."""
     if shutil.which("scancel") is None or not submitit_dir.is_dir():
         return []
     ids = sorted({p.name.split("_")[0] for p in submitit_dir.iterdir() if re.fullmatch(r"\d+(_\d+)?", p.name)})

@@ -12,7 +12,7 @@ class Tracker:
 
     def start(self, *, config: dict, facts: dict, run_dir: Path, previous_run_uri: str | None,
               status: dict | None = None, start_time: float | None = None) -> None:
-        """Begin (or continue, given the run URI a resumed checkpoint recorded) the tracked run."""
+        """Begin (or continue the resumed checkpoint's `previous_run_uri`) the tracked run."""
 
     def attach(self, run_dir: Path) -> str | None:
         """A sweep job whose run was already complete: make the index show it in the sweep."""

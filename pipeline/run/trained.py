@@ -1,19 +1,5 @@
 """A checkpoint put to use (show, evaluate, sample, export): verified, restored, and given the data it needs.
 
-    restore_checkpoint(dir, ovr)   the one way a tool opens a checkpoint: its manifest checked against itself,
-                                   every `_target_` of its config against pipeline.config.targets (nothing named is
-                                   imported before), then the parts that config builds, store.load verifying
-                                   the files against them (sizes, sha256, layout, every part's fit), restored
-    data_config(manifest, ovr)     where the data comes from: the checkpoint's own `data` node, with
-                                   `data.KEY=V` overrides applied to it, or another dataset chosen by `data=NAME`
-                                   (composed like `python -m pipeline`); `paths.output_dir=` moves the corpus
-                                   cache (default: the output directory the checkpoint lies in, never one
-                                   its manifest names); the checkpoint's own `data.path` only if the file
-                                   there is the one it was trained on (its sha256 in the manifest)
-    own_data / other_data          the dataset built from that, checked against what the checkpoint learned
-    data_facts(manifest, ovr, dir) the vocabulary, decode join and special tokens the checkpoint learned: its
-                                   data.json (no corpus needed), or for a schema 2.0 checkpoint its own data
-
 Every refusal is a ConfigError or CheckpointError of one line; the callers exit 2 with it.
 """
 from __future__ import annotations
@@ -23,13 +9,13 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline.config import targets
+from pipeline.config import identity, targets
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint import store
 from pipeline.checkpoint.store import load, manifest_fault, read_manifest
 from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import SCHEMAS, validate
-from pipeline.data.base import DataSpec
+from pipeline.data.base import DataSpec, inference_facts
 from pipeline.stateful import restore
 from pipeline.trainer.state import TrainState
 
@@ -43,9 +29,9 @@ class UnknownTargetError(CheckpointError):
 
 
 def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict, TrainState]:
-    """(manifest, the restored state machines) of a checkpoint that fully verifies; CheckpointError if not
-    (UnknownTargetError if its config names code nothing the user runs names: then nothing was imported or
-    built). `overrides` may give `hydra.searchpath=[...]`, the user's own configs (and so their classes)."""
+    """(manifest, the restored state) of a checkpoint that fully verifies: its manifest checked against itself,
+    every `_target_` of its config allowed before anything is imported (UnknownTargetError), then the parts
+    built and store.load verifying every file against them. `overrides` may give `hydra.searchpath=[...]`."""
     from pipeline.run.assemble import build_state
 
     directory = Path(directory)
@@ -65,8 +51,8 @@ def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict
     except Exception as e:  # noqa: BLE001 - a model or data this installation cannot build: one line
         raise manifest_fault(directory, f"its config does not build here: "
                                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    # One read of every file: sizes and sha256, each tensor file's layout before its data is allocated, and
-    # every part's fit (pipeline.stateful.check); restore cannot refuse after it.
+    # One read of every file: sizes, sha256, each tensor file's layout before allocation, every part's fit:
+    # restore cannot refuse after it.
     ckpt = load(directory, parts := state.parts())
     if ckpt.manifest != manifest:
         raise manifest_fault(directory, "changed while it was read")
@@ -91,9 +77,8 @@ def _parse(overrides: list[str]):
 
 
 def cache_home(directory: Path) -> str:
-    """The output directory a checkpoint lies in (`<output_dir>/runs/<run>/checkpoints/<step>`), where its run
-    cached its corpus; else (an archive, a lone checkpoint) the user's default one. Never the manifest's `paths.output_dir`: a checkpoint
-    does not choose where a tool writes."""
+    """The output directory a checkpoint lies in (`<output_dir>/runs/<run>/checkpoints/<step>`: its corpus cache),
+    else (an archive, a lone checkpoint) the default; never the manifest's: a checkpoint picks no place to write."""
     from pipeline.config.compose import default_output_dir
 
     step = Path(directory).absolute()
@@ -107,8 +92,6 @@ def cache_home(directory: Path) -> str:
 def _own_source(manifest: dict, node: dict, directory: Path) -> None:
     """The checkpoint's own `data.path` is read only if it holds the bytes the checkpoint was trained on: a
     checkpoint does not choose which of the user's files a tool reads."""
-    from pipeline.config import identity
-
     path, sha = node.get("path"), (manifest.get("sources") or {}).get("data.path")
     if not isinstance(path, str):
         return
@@ -127,15 +110,13 @@ def _own_source(manifest: dict, node: dict, directory: Path) -> None:
 
 def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     """{"paths": {"output_dir"}, "data": node}: the checkpoint's data with `data.KEY=V` applied, or the
-    composed `data=NAME`; the values range-checked like a run's."""
+    composed `data=NAME` (like `python -m pipeline`); the values range-checked like a run's."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     parsed = _parse(overrides)
-    output_dir = cache_home(directory)
-    for o in parsed:
-        if o.key_or_group == "paths.output_dir":
-            output_dir = str(o.value())
+    output_dir = next((str(o.value()) for o in reversed(parsed) if o.key_or_group == "paths.output_dir"),
+                      cache_home(directory))
     if any(o.key_or_group == "data" for o in parsed):
         from hydra.errors import HydraException
 
@@ -164,11 +145,12 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     return config
 
 
-def build_data(config: dict):
+def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict, object]:
     from pipeline.run.assemble import build_dataset
 
+    config = data_config(manifest, list(overrides), directory)
     try:
-        return build_dataset(config)
+        return config, build_dataset(config)
     except (ValueError, OSError) as e:
         raise ConfigError(f"data: {e}") from None
     except Exception as e:  # noqa: BLE001 - an unimportable _target_ or a constructor's own error
@@ -177,10 +159,8 @@ def build_data(config: dict):
 
 
 def own_data(manifest: dict, overrides: list[str], directory: Path):
-    """The dataset the checkpoint at `directory` was trained on (its data_manifest_hash), for its vocabulary;
-    ConfigError if what the config builds here is other data."""
-    config = data_config(manifest, list(overrides), directory)
-    dataset = build_data(config)
+    """The dataset the checkpoint at `directory` was trained on (its data_manifest_hash), else ConfigError."""
+    config, dataset = _built(manifest, overrides, directory)
     if dataset.manifest_hash != manifest["data_manifest_hash"]:
         raise ConfigError(f"data {config['data'].get('_target_')}: builds data {dataset.manifest_hash[:12]}, but the "
                           f"checkpoint was trained on {manifest['data_manifest_hash'][:12]}: give the data it was "
@@ -189,46 +169,33 @@ def own_data(manifest: dict, overrides: list[str], directory: Path):
 
 
 def data_facts(manifest: dict, overrides: list[str], directory: Path) -> dict:
-    """{"vocab", "decode_join", "specials"} of the checkpoint at `directory` (whose verified `manifest` is
-    given): its data.json, so its corpus may be gone; a schema 2.0 checkpoint has none, and its own data is
-    built (own_data: `overrides` may say where its text file or corpus cache is)."""
-    from pipeline.data.base import inference_facts
-
+    """{"vocab", "decode_join", "specials"} of a verified checkpoint: its data.json (no corpus needed), or for a
+    schema 2.0 checkpoint its own data, built (`overrides` may say where its text file or corpus cache is)."""
     facts = store.data_facts(directory, manifest)
     return facts if facts is not None else inference_facts(own_data(manifest, overrides, directory))
 
 
-def check_fits(manifest: dict, dataset, vocab: list[str] | None = None) -> None:
-    """Refuse data whose spec (vocabulary size, sequence length, features, targets) differs from the
-    checkpoint's, naming each difference; given the checkpoint's vocabulary, the data's too."""
-    saved = {k: v for k, v in manifest["data_spec"].items() if k != "n_train"}
-    here = asdict(dataset.spec)
-    diff = [f"{k} {saved[k]} -> {here.get(k)}" for k in saved if saved[k] != here.get(k)]
-    if diff:
-        raise ConfigError(f"data {type(dataset).__name__}: its spec differs from the checkpoint's "
-                          f"({', '.join(diff)}): the model cannot read it")
-    if vocab is not None and getattr(dataset, "vocab", None) is not None:
-        changed = [i for i, (a, b) in enumerate(zip(vocab, dataset.vocab)) if a != b]
-        if changed:
-            i = changed[0]
-            raise ConfigError(f"data {type(dataset).__name__}: its vocabulary differs from the checkpoint's at "
-                              f"{len(changed)} ids (id {i}: {vocab[i]!r} -> {dataset.vocab[i]!r})")
-
-
 def other_data(manifest: dict, overrides: list[str], directory: Path):
-    """The dataset `overrides` ask for (the checkpoint's own by default: regenerated from its config if its
-    corpus is gone), refused if the model cannot read it: its spec, and its vocabulary against the
-    checkpoint's data.json."""
-    config = data_config(manifest, list(overrides), directory)
-    dataset = build_data(config)
+    """The dataset `overrides` ask for (the checkpoint's own by default, regenerated if its corpus is gone),
+    refused if the model cannot read it: its spec, and its vocabulary against the checkpoint's."""
+    _, dataset = _built(manifest, overrides, directory)
     if dataset.manifest_hash == manifest["data_manifest_hash"]:
         return dataset
     vocab = None
     if getattr(dataset, "vocab", None) is not None:
         try:
-            vocab = data_facts(manifest, [o for o in overrides if o.startswith(("paths.", "hydra."))], directory)["vocab"]
+            where = [o for o in overrides if o.startswith(("paths.", "hydra."))]
+            vocab = data_facts(manifest, where, directory)["vocab"]
         except ConfigError as e:  # a schema 2.0 checkpoint whose own data does not build here
             log.warning("cannot compare vocabularies (the checkpoint's own data does not build here: %s); "
                         "checking the spec only", e)
-    check_fits(manifest, dataset, vocab)
+    saved = {k: v for k, v in manifest["data_spec"].items() if k != "n_train"}
+    here = asdict(dataset.spec)
+    if diff := [f"{k} {saved[k]} -> {here.get(k)}" for k in saved if saved[k] != here.get(k)]:
+        raise ConfigError(f"data {type(dataset).__name__}: its spec differs from the checkpoint's "
+                          f"({', '.join(diff)}): the model cannot read it")
+    if vocab is not None and (changed := [i for i, (a, b) in enumerate(zip(vocab, dataset.vocab)) if a != b]):
+        i = changed[0]
+        raise ConfigError(f"data {type(dataset).__name__}: its vocabulary differs from the checkpoint's at "
+                          f"{len(changed)} ids (id {i}: {vocab[i]!r} -> {dataset.vocab[i]!r})")
     return dataset
