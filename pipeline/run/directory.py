@@ -121,7 +121,7 @@ class RunDir:
     def in_use(self) -> bool:
         """True if a live process holds the lock (reading never creates or changes anything)."""
         try:
-            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             return False
         try:

@@ -310,14 +310,14 @@ class Agent:
 
 def _held_by(run_dir: Path, pid: int | None) -> bool:
     """Whether the process `pid` still holds the run directory's lock (a job that has not left yet)."""
+    from pipeline.files import reading
     from pipeline.run.directory import RunDir
 
     rundir = RunDir(run_dir)
     if not rundir.in_use():
         return False
     try:
-        with open(rundir.lock_path, "rb") as f:
-            holder = f.read(64).decode(errors="replace").strip()
+        holder = reading.read_bytes(rundir.lock_path, 64).decode(errors="replace").strip()  # no link, FIFO
     except OSError:
         return False
     return holder in ("", str(pid))  # "": a new holder not yet claimed, or the job before its claim

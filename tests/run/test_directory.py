@@ -1,0 +1,33 @@
+"""A run directory's lock as read by the tools and the tracking agent: a planted FIFO or link is never waited on."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pipeline.run.directory import RunDir
+from pipeline.tracking.agent import _held_by
+
+
+@pytest.mark.parametrize("planted", ["fifo", "symlink"])
+def test_a_lock_that_is_not_a_file_reads_as_free_without_blocking(tmp_path, planted):
+    run = tmp_path / "run"
+    run.mkdir()
+    if planted == "fifo":
+        os.mkfifo(run / ".lock")  # open(2) for reading would wait here for a writer forever
+    else:
+        (tmp_path / "elsewhere").write_text(str(os.getpid()))
+        (run / ".lock").symlink_to(tmp_path / "elsewhere")
+    assert RunDir(run).in_use() is False
+    assert _held_by(run, os.getpid()) is False
+    assert os.path.lexists(run / ".lock")  # read, never changed
+
+
+def test_a_held_lock_is_in_use_until_released(tmp_path):
+    rundir = RunDir(tmp_path / "run")
+    rundir.acquire()
+    try:
+        assert rundir.in_use() is True
+    finally:
+        rundir.release()
+    assert rundir.in_use() is False
