@@ -77,18 +77,22 @@ def searched(searchpath: tuple[str, ...]) -> set[str]:
     return out
 
 
-def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], set[str]]:
-    """The `hydra.searchpath=[...]` override's entries, and the targets the overrides name themselves."""
+def parse_overrides(overrides) -> list:
+    """Hydra's own parse of command-line overrides; ConfigError, one line, for one it cannot parse."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        return OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as e:
         raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+
+
+def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], set[str]]:
+    """The `hydra.searchpath=[...]` override's entries, and the targets the overrides name themselves."""
     searchpath: tuple[str, ...] = ()
     own: set[str] = set()
-    for o in parsed:
+    for o in parse_overrides(overrides):
         value = o.value()
         if o.key_or_group == "hydra.searchpath":
             if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):

@@ -61,13 +61,7 @@ def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict
 
 
 def _parse(overrides: list[str]):
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException as e:
-        raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+    parsed = targets.parse_overrides(overrides)
     for o in parsed:
         key = o.key_or_group
         if not any(key == k or key.startswith(k + ".") for k in DATA_KEYS) or o.is_sweep_override():

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeline.files import jsonio, reading
 from pipeline.files.atomic import ensure_dirs, environment_error, replace_file
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
+from pipeline.config.targets import parse_overrides
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SWEEP_DIR_ENV, SweepJob
 from pipeline.tracking.common import (artifact_root, is_machine_key, is_mlflow_tracking, normalize_tracking_uri,
@@ -42,10 +43,8 @@ def _plain(node, resolve: bool = True):
 
 def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, str]:
     """{key: the values given} for every override that sweeps (a,b / range / interval / choice ...)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     out = {}
-    for o in OverridesParser.create().parse_overrides(task_overrides):
+    for o in parse_overrides(task_overrides):
         if o.is_sweep_override():
             out[o.get_key_element().lstrip("+~")] = o.input_line.split("=", 1)[1]
     out.update({str(k): str(v) for k, v in (sweeper_params or {}).items()})
@@ -60,14 +59,13 @@ def _stop(code: int, message: str) -> None:
 
 def job_count(task_overrides: list[str], sweeper: dict) -> int:
     """How many jobs a sweep asks for, unexpanded: n_trials, else the product of its sweep lengths (a glob: one)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
 
     if isinstance(sweeper.get("n_trials"), int):
         return sweeper["n_trials"]
     params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
     n = 1
-    for o in OverridesParser.create().parse_overrides([*task_overrides, *params]):
+    for o in parse_overrides([*task_overrides, *params]):
         value = o.value() if o.is_sweep_override() else None
         if isinstance(value, ChoiceSweep):
             n *= len(value.list)
