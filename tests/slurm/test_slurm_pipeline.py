@@ -19,14 +19,14 @@ from conftest import Proc, run_pipeline, wait_until
 from pipeline.run.directory import RunDir
 from pipeline.verify.chaos import final_state
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-
 # A small MiniGPT, paced to at least PACE_S per update in the SLURM jobs (the references run unpaced).
 MINIGPT = ("model.n_layer=1", "model.n_embd=16", "model.n_head=2", "data.n_sentences=400", "data.block_size=16",
            "trainer.batch_size=8", "trainer.progress_bar=false", "checkpoint=every_n_steps", "trainer.log_every=10")
 PACE_S = 0.1
 LIMIT_S, DELAY_S = 60, 20  # one minute (SLURM's least), warned 20 s before: the warning lands 10-40 s in
 WAIT = 900  # seconds for anything on the cluster; a loaded machine is slow, a requeue takes ~7 s
+# each test waits up to WAIT on the cluster at several points: the suite-wide hang guard would cut a loaded run short
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(3 * WAIT)]
 
 
 def launcher(partition: str, *extra: str) -> tuple[str, ...]:
