@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 from hydra.utils import get_class, instantiate
 
+from pipeline.files.atomic import environment_error
 from pipeline.config import identity
 from pipeline.checkpoint import manifest as mf
 from pipeline.data.base import DataSpec, inference_facts
@@ -152,6 +153,8 @@ def build(config: dict, sweep: SweepJob | None = None) -> Job:
     try:
         job = assemble(config, sources)
     except (ValueError, OSError) as e:
+        if environment_error(e) is not None:  # a full or read-only disk while the corpus is made: not bad input
+            raise
         raise ConfigError(str(e)) from None
     name = identity.run_name(config, semantic=job.semantic_hash)  # <runs_dir>/<name>-<semantic hash>
     if config["resume"]["source"] == "never":  # a fresh, unique sibling

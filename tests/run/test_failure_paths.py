@@ -133,6 +133,19 @@ def test_a_full_disk_at_the_lock_is_one_line_exit_1_and_no_run_directory(tmpfs, 
 
 
 @pytest.mark.slow
+def test_a_full_disk_while_the_corpus_is_made_is_one_line_exit_1_not_bad_input(tmpfs, tmp_path):
+    out = tmpfs / "out"
+    out.mkdir()
+    _fill(tmpfs)
+    proc = run_pipeline(["data.n_sentences=2000", "trainer.max_steps=2", f"paths.output_dir={out}", "tracking=none"],
+                        tmp_path)
+    assert proc.returncode == 1, proc.stderr  # the machine's fault: the same command works once there is room
+    line = _one_line(proc.stderr)
+    assert "ENOSPC" in line, line
+    assert list(out.glob("data/*/MANIFEST.json")) == []  # no corpus published half-made
+
+
+@pytest.mark.slow
 def test_a_read_only_medium_confirms_a_complete_run_and_writes_nothing(tmpfs, tmp_path):
     out = tmpfs / "out"
     args = [*KERNODECK[:1], "trainer.progress_bar=false", f"paths.output_dir={out}"]  # tracking=mlflow: the default
