@@ -179,6 +179,11 @@ def manifest_file(directory: Path) -> tuple[str, bytes]:
         raise CheckpointError(directory, MANIFEST, _os_reason(e)) from None
 
 
+def weights_bytes(manifest: dict) -> int:
+    """The size the manifest lists for the weights file: what the model its config describes can hold at most."""
+    return int(manifest["files"][WEIGHTS]["size"])
+
+
 def weights_file(directory: Path) -> Path:
     """weights.safetensors, checked a regular file of its listed size, for a streaming reader; else CheckpointError."""
     return _opened(Path(directory))[0] / WEIGHTS

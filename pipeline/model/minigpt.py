@@ -76,6 +76,12 @@ class MiniGPT(NamedParams):
         self.aliases = {"lm_head.weight": "transformer.wte.weight"}
         keep_freed_memory()
 
+    @staticmethod
+    def n_params(spec: DataSpec, n_layer: int, n_embd: int, block_size: int | None, **_) -> int:
+        """The parameter count __init__ would allocate (tied head once), computed without allocating it."""
+        d, positions = int(n_embd), int(spec.block_size if block_size is None else block_size)
+        return (int(spec.vocab_size) + positions) * d + int(n_layer) * (12 * d * d + 13 * d) + 2 * d
+
     def _init_params(self, std: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
         # GPT-2's init. Draws are float64 then cast, so float32 and float64 models share one init;
         # the draw order is the (fixed) insertion order below.

@@ -48,6 +48,12 @@ class MLP(NamedParams):
             self.params[f"layers.{i}.weight"] = rng.uniform(-bound, bound, (fan_in, fan_out)).astype(self.dtype)
             self.params[f"layers.{i}.bias"] = rng.uniform(-bound, bound, (fan_out,)).astype(self.dtype)
 
+    @staticmethod
+    def n_params(spec: DataSpec, hidden: list[int], **_) -> int:
+        """The parameter count __init__ would allocate, computed without allocating it."""
+        widths = [int(spec.n_features), *map(int, hidden), int(spec.n_targets)]
+        return sum((a + 1) * b for a, b in zip(widths[:-1], widths[1:]))
+
     def forward(self, x: np.ndarray, rng: np.random.Generator | None = None):
         # x [B, in] -> out [B, out]; rng None means eval mode (no dropout, no draws)
         caches, h = [], x

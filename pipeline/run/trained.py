@@ -9,6 +9,8 @@ import logging
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
+
 from pipeline.config import identity, targets
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint import store
@@ -44,9 +46,10 @@ def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict
         validate(manifest["config"])  # the ranges a run's values are held to, before anything is sized by them
     except ConfigError as e:
         raise manifest_fault(directory, f"its config holds a value a run refuses: {e}") from None
+    spec = dict(manifest["data_spec"])
+    n_train = int(spec.pop("n_train"))
+    _fits_its_weights(directory, manifest, DataSpec(**spec))
     try:
-        spec = dict(manifest["data_spec"])
-        n_train = int(spec.pop("n_train"))
         state = build_state(manifest["config"], DataSpec(**spec), n_train)
     except Exception as e:  # noqa: BLE001 - a model or data this installation cannot build: one line
         raise manifest_fault(directory, f"its config does not build here: "
@@ -58,6 +61,24 @@ def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict
         raise manifest_fault(directory, "changed while it was read")
     restore(parts, ckpt.state)
     return manifest, state
+
+
+def _fits_its_weights(directory: Path, manifest: dict, spec: DataSpec) -> None:
+    """A config whose model is bigger than its weights file is refused before a byte is allocated for it (a planted
+    width would otherwise be built first and found wrong after, or exhaust memory on the way)."""
+    from hydra.utils import get_class
+
+    node = manifest["config"]["model"]
+    try:
+        count = getattr(get_class(node["_target_"]), "n_params", None)
+        wanted = None if count is None else count(spec, **{k: v for k, v in node.items() if k != "_target_"})
+    except Exception as e:  # noqa: BLE001 - a model this installation cannot build: one line
+        raise manifest_fault(directory, f"its config does not build here: {type(e).__name__}: {e}") from None
+    itemsize = np.dtype(manifest["config"]["trainer"]["dtype"]).itemsize
+    if wanted is not None and wanted * itemsize > store.weights_bytes(manifest):
+        raise manifest_fault(directory, f"its config describes a model of {wanted:,} parameters ({wanted * itemsize:,} "
+                                        f"bytes), more than its weights file holds ({store.weights_bytes(manifest):,} "
+                                        "bytes); it was not built")
 
 
 def _parse(overrides: list[str]):

@@ -339,3 +339,20 @@ def test_a_checkpoint_stuffed_with_files_is_refused_at_the_first_stranger(finish
     with pytest.raises(CheckpointError, match=r"junk-\d{4}: present but not listed in manifest.json"):
         store.load(checkpoint, {})
     assert len(seen) <= 6  # the five files of a checkpoint at most, then the first stranger
+
+
+@pytest.mark.parametrize("module", ["pipeline.evaluate", "pipeline.sample"])
+def test_a_planted_width_is_refused_before_the_model_is_built(finished, tmp_path, module):
+    """10^12 parameters (4 TB, were they allocated) in a config whose weights file holds a few KB: one line, exit 2."""
+    out = tmp_path / "out"
+    shutil.copytree(finished, out, symlinks=True)
+    checkpoint = the_run(out) / "checkpoints" / "final"
+    plant(checkpoint, "model.hidden", [1_000_000, 1_000_000])
+    (tmp_path / "cwd").mkdir()
+    before = tree(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", module, str(checkpoint), *TOOLS[module]], cwd=tmp_path / "cwd",
+                          env=env_for_subprocess(), capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "describes a model of 1,000,0" in proc.stderr and "more than its weights file holds" in proc.stderr
+    assert tree(tmp_path) == before
