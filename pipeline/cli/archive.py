@@ -1,28 +1,15 @@
 """`python -m pipeline.archive SOURCE DEST`: a run, sweep or checkpoint copied to DEST, verified, reloaded and resumed there.
 
-DEST is laid out like an output directory, so every tool works on it (`show DEST/runs/<run>`, `evaluate
-DEST/runs/<run>/checkpoints/best`):
-
-    DEST/
-      README.md            what is there, and the commands to evaluate, sample, export and resume from it
-      MANIFEST.json        every other file (but recovery.json) with its size and sha256, and every link
-      recovery.json        the checks run on DEST alone and the resume proof (written last, before publishing)
-      runs/<run>/          .hydra/, run.json, metrics.jsonl, data-identity.json (+ corpus-MANIFEST.json),
-                           checkpoints/step-*/ (whole) and the links to them (best, final), relative
-      data/<corpus>/       the corpus, with --with-data
-      sources/<sha>-<name> the text files a run was trained on (data.path), with --with-data
-
-It is built as a hidden temporary sibling of DEST, checked there from its own bytes (sizes and sha256 against
-the source manifests, every checkpoint restored as a resume would, a resume in a fresh process compared bit
-for bit with what the original run recorded after that step), and renamed into place only if every check
-passed: DEST appears complete or not at all. SOURCE is only read (regular files, never through a link out of
-a run). Exit 0 published; 1 a check failed (the temporary is kept and named); 2 bad input, one line.
+DEST is laid out like an output directory (README: Archiving and recovering), built as a hidden temporary sibling,
+checked there from its own bytes (sizes and sha256, every checkpoint restored, a resume compared bit for bit) and
+renamed into place only if every check passed. SOURCE is only read. Exit 0 published; 1 a check failed (the
+temporary is kept and named); 2 bad input, one line.
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    from pipeline.run.signals import SIGNALS_STATE
+from pipeline.run.signals import SIGNALS_STATE, tool_exit
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
     SIGNALS_STATE.install()
 
 import argparse
@@ -38,11 +25,12 @@ from pathlib import Path
 
 from pipeline.files import jsonio
 from pipeline.files import reading
-from pipeline.files.atomic import TMP_PREFIX, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir, open_new, publish_dir, remove_tree
+from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir, open_new,
+                                   publish_dir, remove_tree, write_new)
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import (CHECKPOINTS, STEP_DIR, CheckpointStore, checkpoint_dir, copy_list,
                                        is_checkpoint_dir, read_manifest, verify)
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
 
 NAME = "pipeline.archive"
 SELECTIONS = ("best", "final", "newest")
@@ -193,14 +181,9 @@ class Builder:
 
     def write(self, rel: str, data: bytes) -> None:
         ensure_dirs(self.root, *Path(rel).parent.parts)
-        fd = open_new(self.root / rel)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        entry = write_new(self.root / rel, data)
         if rel not in ("MANIFEST.json", "recovery.json"):
-            self.files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            self.files[rel] = entry
 
     def link(self, rel: str, target: str) -> None:
         os.symlink(target, self.root / rel)
@@ -350,17 +333,13 @@ def run_overrides(run: Path) -> list[str] | None:
     return [str(v) for v in value] if isinstance(value, list) else None
 
 
-def searchpath(overrides: list[str] | None) -> list[str]:
-    return [o for o in overrides or [] if o.startswith("hydra.searchpath=")]
-
-
 def restore_all(root: Path, extra: list[str]) -> list[dict]:
     """Every archived checkpoint restored from DEST with the full verification of a resume."""
     from pipeline.run.trained import restore_checkpoint
 
     checks = []
     for run in sorted((root / "runs").iterdir()):
-        overrides = searchpath(run_overrides(run)) or extra
+        overrides = [o for o in run_overrides(run) or [] if o.startswith("hydra.searchpath=")] or extra
         for step_dir in sorted((run / CHECKPOINTS).iterdir()):
             if step_dir.is_symlink():
                 continue
@@ -368,12 +347,12 @@ def restore_all(root: Path, extra: list[str]) -> list[dict]:
             try:
                 manifest, _ = restore_checkpoint(step_dir, overrides)
                 checks.append({"check": f"restore {rel}", "passed": True, "detail": f"step {manifest['step']}"})
-            except (CheckpointError, Exception) as e:  # noqa: BLE001 - a check's failure is its result
+            except Exception as e:  # noqa: BLE001 - a check's failure is its result
                 checks.append({"check": f"restore {rel}", "passed": False, "detail": str(e).splitlines()[0]})
     return checks
 
 
-def _resume_overrides(overrides: list[str], root: Path, run: Path, identity: dict, extra: list[str]) -> list[str]:
+def _resume_overrides(overrides: list[str], root: Path, identity: dict, extra: list[str]) -> list[str]:
     """The run's own overrides (.hydra/overrides.yaml holds no hydra.* ones: the search path given to the archive
     is added), without where it wrote, how it resumed and was tracked, and with its archived data files."""
     kept = [o for o in overrides if not o.lstrip("+~").startswith(("paths.", "resume", "tracking", "data.path="))]
@@ -405,7 +384,7 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     end = max(last_logged, steps[-1][0])
     candidates = [(s, d) for s, d in steps if s < end]
     step, source = candidates[-1] if candidates else steps[-1]
-    args = [*_resume_overrides(overrides, root, run, identity, extra), f"resume.source={source}",
+    args = [*_resume_overrides(overrides, root, identity, extra), f"resume.source={source}",
             f"paths.output_dir={scratch / 'out'}", "tracking=none", "trainer.progress_bar=false"]
     shown = [a.replace(str(root), str(dest)) for a in args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
@@ -504,9 +483,11 @@ def readme(dest: Path, exported: dict) -> str:
 
 # --- the command ------------------------------------------------------------------------------------------
 
-def _stale(dest: Path) -> list[Path]:
-    prefix = f"{TMP_PREFIX}{dest.name}-"
-    return sorted(p for p in dest.parent.iterdir() if p.name.startswith(prefix)) if dest.parent.is_dir() else []
+def _failed(checks: list[dict]) -> dict | None:
+    """Every check printed, ok or FAIL; the first that failed, if one did."""
+    for c in checks:
+        print(f"{'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['detail']}")
+    return next((c for c in checks if not c["passed"]), None)
 
 
 def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: list[str], argv: list[str]) -> int:
@@ -517,7 +498,8 @@ def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: 
     real_src, real_dest = os.path.realpath(source), os.path.realpath(dest)
     if real_dest == real_src or real_dest.startswith(real_src.rstrip("/") + "/"):
         raise BadSource(f"{dest}: inside SOURCE {source}; archive elsewhere")
-    for p in _stale(dest):
+    stale = f"{TMP_PREFIX}{dest.name}-"
+    for p in sorted(p for p in dest.parent.iterdir() if p.name.startswith(stale)):
         print(f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)", file=sys.stderr)
     plans = plan(source, which)
     if len({p.name for p in plans}) != len(plans):
@@ -528,13 +510,11 @@ def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: 
         b = Builder(tmp)
         exported = {"runs": {}}
         for p in plans:
-            exported["runs"][p.name] = archive_run(b, p, with_data)
-            rel_run = tmp / "runs" / p.name
-            identity = jsonio.read(rel_run / "data-identity.json", MAX_SMALL)
-            overrides = run_overrides(rel_run) or []
-            exported["runs"][p.name]["resume_overrides"] = [
-                o.replace(str(tmp), str(dest)) for o in _resume_overrides(overrides, tmp, rel_run, identity, extra)]
-            exported["runs"][p.name]["model"] = p.newest["config"]["model"].get("_target_")
+            exported["runs"][p.name] = run = archive_run(b, p, with_data)
+            identity = jsonio.read(tmp / "runs" / p.name / "data-identity.json", MAX_SMALL)
+            overrides = _resume_overrides(run_overrides(tmp / "runs" / p.name) or [], tmp, identity, extra)
+            run["resume_overrides"] = [o.replace(str(tmp), str(dest)) for o in overrides]
+            run["model"] = p.newest["config"]["model"].get("_target_")
         if _kind(source) == "sweep":  # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
             name = Path(os.path.realpath(source)).name
             for f in (p for p in sorted(Path(source).iterdir()) if not p.is_dir() or p.is_symlink()):
@@ -551,11 +531,8 @@ def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: 
                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result, "exported": exported}
         b.write("recovery.json", jsonio.dumps(report))
         fsync_dir(tmp)
-        for c in result["checks"]:
-            print(f"{'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['detail']}")
-        if not result["all_checks_passed"]:
+        if failed := _failed(result["checks"]):
             keep_tmp = True
-            failed = next(c for c in result["checks"] if not c["passed"])
             print(f"{NAME}: check failed: {failed['check']}: {failed['detail']}; nothing published (see {tmp})",
                   file=sys.stderr)
             return EXIT_ERROR
@@ -571,11 +548,7 @@ def check_archive(dest: Path, extra: list[str]) -> int:
     """--check DEST: every file, link and checkpoint of a published archive, from its bytes."""
     if not (dest / "MANIFEST.json").is_file():
         raise BadSource(f"{dest}: not an archive (no MANIFEST.json)")
-    result = checks_on(dest, dest, None, extra, prove=False)
-    for c in result["checks"]:
-        print(f"{'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['detail']}")
-    if not result["all_checks_passed"]:
-        failed = next(c for c in result["checks"] if not c["passed"])
+    if failed := _failed(checks_on(dest, dest, None, extra, prove=False)["checks"]):
         print(f"{NAME}: {dest}: {failed['detail']}", file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK
@@ -593,28 +566,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_intermixed_args(argv)
     extra = [*([args.dest] if args.check and args.dest else []), *args.overrides]  # a str: Path() eats pkg://
     if bad := [o for o in extra if not o.startswith("hydra.searchpath=")]:
-        print(f"{NAME}: {bad[0]}: only hydra.searchpath=[...] can be given here", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse(NAME, f"{bad[0]}: only hydra.searchpath=[...] can be given here")
     which = args.checkpoints
     if which != "all" and not set(which.split(",")) <= set(SELECTIONS):
-        print(f"{NAME}: --checkpoints={which}: give any of best,final,newest (comma-separated) or all", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse(NAME, f"--checkpoints={which}: give any of best,final,newest (comma-separated) or all")
     try:
         if args.check:
             return check_archive(args.source, extra)
         if args.dest is None:
-            print(f"{NAME}: give SOURCE and DEST (or --check DEST)", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            raise BadSource("give SOURCE and DEST (or --check DEST)")
         return build_archive(args.source, Path(os.path.abspath(args.dest)), which, args.with_data, args.overrides, argv)
     except (BadSource, CheckpointError, UnsafePathError, ValueError) as e:
-        print(f"{NAME}: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse(NAME, e)
     except OSError as e:
-        print(f"{NAME}: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse(NAME, f"{e.filename or ''}: {e.strerror or e}")
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import tool_exit
-
     tool_exit(NAME, main, "no archive was published (its hidden temporary is removed or ignored)")
