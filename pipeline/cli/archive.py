@@ -59,9 +59,7 @@ class RunPlan:
 
     @property
     def output_dir(self) -> Path | None:
-        if self.run_dir is not None and self.run_dir.parent.name == "runs":
-            return self.run_dir.parent.parent
-        return None
+        return self.run_dir.parent.parent if self.run_dir is not None and self.run_dir.parent.name == "runs" else None
 
 
 def _kind(path: Path) -> str:
@@ -90,16 +88,13 @@ def _select(store: CheckpointStore, which: str) -> tuple[dict[str, Path], dict[s
     if not steps:
         raise BadSource(f"{store.root}: no checkpoints to archive")
     by_name = {d.name: d for _, d in steps}
-    if which == "all":
-        chosen = set(by_name)
-    else:
-        chosen = set()
-        for want in which.split(","):
-            if want == "newest":  # the newest a resume continues from: before a finished run's final
-                finished = links.get("final") == steps[-1][1].name and len(steps) > 1
-                chosen.add(steps[-2 if finished else -1][1].name)
-            elif want in links and links[want] in by_name:
-                chosen.add(links[want])
+    chosen = set(by_name) if which == "all" else set()
+    for want in which.split(",") if which != "all" else ():
+        if want == "newest":  # the newest a resume continues from: before a finished run's final
+            finished = links.get("final") == steps[-1][1].name and len(steps) > 1
+            chosen.add(steps[-2 if finished else -1][1].name)
+        elif want in links and links[want] in by_name:
+            chosen.add(links[want])
     return {n: by_name[n] for n in sorted(chosen)}, {k: t for k, t in links.items() if t in chosen}
 
 
@@ -141,24 +136,6 @@ def plan(source: Path, which: str) -> list[RunPlan]:
 
 # --- copying --------------------------------------------------------------------------------------------
 
-def copy_file(src: Path, dst: Path, limit: int, follow: bool = False) -> dict:
-    """src's bytes into a new file dst (never through a link), fsynced; {"size", "sha256"} of what was copied."""
-    h, size = hashlib.sha256(), 0
-    with reading.open_file(src, limit, follow=follow) as f:
-        fd = open_new(dst)
-        try:
-            for piece in reading.chunks(f, src, limit):
-                h.update(piece)
-                size += len(piece)
-                view = memoryview(piece)
-                while view:
-                    view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return {"size": size, "sha256": h.hexdigest()}
-
-
 class Builder:
     """DEST being built in its temporary: every file copied with its hash, every link, and what each should be."""
 
@@ -169,15 +146,28 @@ class Builder:
         self.links: dict[str, str] = {}
 
     def copy(self, src: Path, rel: str, limit: int, expected: dict | None = None, witness: str = "",
-             follow: bool = False) -> dict:
+             follow: bool = False) -> None:
+        """src's bytes into a new file at rel (never through a link), fsynced, and hashed as they are copied."""
         ensure_dirs(self.root, *Path(rel).parent.parts)
-        entry = copy_file(src, self.root / rel, limit, follow)
+        h, size = hashlib.sha256(), 0
+        with reading.open_file(src, limit, follow=follow) as f:
+            fd = open_new(self.root / rel)
+            try:
+                for piece in reading.chunks(f, src, limit):
+                    h.update(piece)
+                    size += len(piece)
+                    view = memoryview(piece)
+                    while view:
+                        view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        entry = {"size": size, "sha256": h.hexdigest()}
         if expected is not None:
             if (entry["size"], entry["sha256"]) != (expected["size"], expected["sha256"]):
                 raise BadSource(f"{src}: its bytes differ from {witness} (changed or damaged while being archived)")
             self.expected[rel] = (expected, witness)
         self.files[rel] = entry
-        return entry
 
     def write(self, rel: str, data: bytes) -> None:
         ensure_dirs(self.root, *Path(rel).parent.parts)
@@ -229,7 +219,7 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     for link, target in sorted(p.links.items()):
         b.link(f"{base}/{CHECKPOINTS}/{link}", target)  # relative, beside its step directory, as a run has it
     if p.run_dir is not None:
-        if (p.run_dir / ".hydra").exists() or os.path.lexists(p.run_dir / ".hydra"):
+        if os.path.lexists(p.run_dir / ".hydra"):
             if os.path.islink(p.run_dir / ".hydra"):
                 raise BadSource(f"{p.run_dir / '.hydra'}: is a symlink; a run's files must be inside it")
             for f in _regular_files(p.run_dir / ".hydra"):
@@ -388,18 +378,12 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
             f"paths.output_dir={scratch / 'out'}", "tracking=none", "trainer.progress_bar=false"]
     shown = [a.replace(str(root), str(dest)) for a in args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=scratch, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate()
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
+    # run() kills the child on any exception (a signal's included) before it is raised
+    proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=scratch, env=env, capture_output=True, text=True)
     result = {"run": run.name, "command": "python -m pipeline " + " ".join(shown).replace(str(scratch), "<scratch>"),
               "from": source.relative_to(root).as_posix(), "step_recovered": step, "exit": proc.returncode}
     if proc.returncode != 0:
-        result.update(passed=False, detail=(err.strip().splitlines() or ["(no output)"])[-1])
+        result.update(passed=False, detail=(proc.stderr.strip().splitlines() or ["(no output)"])[-1])
         return result
     (resumed_run,) = [p for p in (scratch / "out" / "runs").iterdir() if p.is_dir()]
     got = [ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end]  # a preempted run goes on past end
@@ -433,17 +417,14 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
                        f"{len(b.expected)} files listed by checkpoint and corpus manifests"})
     checks += restore_all(root, extra)
     proofs = []
-    if prove:
-        for run in sorted((root / "runs").iterdir()):
-            scratch = Path(tempfile.mkdtemp(prefix="pipeline-archive-resume-"))
-            try:
-                proofs.append(resume_proof(root, dest, run, scratch, extra))
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
-    for p in proofs:
-        if p["passed"] is not None:
-            checks.append({"check": f"resume {p['run']} from step {p.get('step_recovered')}", "passed": p["passed"],
-                           "detail": p.get("detail") or p.get("compared")})
+    for run in sorted((root / "runs").iterdir()) if prove else ():
+        scratch = Path(tempfile.mkdtemp(prefix="pipeline-archive-resume-"))
+        try:
+            proofs.append(resume_proof(root, dest, run, scratch, extra))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    checks += [{"check": f"resume {p['run']} from step {p.get('step_recovered')}", "passed": p["passed"],
+                "detail": p.get("detail") or p.get("compared")} for p in proofs if p["passed"] is not None]
     return {"checks": checks, "resume": proofs, "all_checks_passed": all(c["passed"] for c in checks)}
 
 
@@ -565,8 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="re-verify an archive: python -m pipeline.archive --check DEST")
     args = ap.parse_intermixed_args(argv)
     extra = [*([args.dest] if args.check and args.dest else []), *args.overrides]  # a str: Path() eats pkg://
-    if bad := [o for o in extra if not o.startswith("hydra.searchpath=")]:
-        return refuse(NAME, f"{bad[0]}: only hydra.searchpath=[...] can be given here")
+    if (bad := next((o for o in extra if not o.startswith("hydra.searchpath=")), None)) is not None:
+        return refuse(NAME, f"{bad}: only hydra.searchpath=[...] can be given here")
     which = args.checkpoints
     if which != "all" and not set(which.split(",")) <= set(SELECTIONS):
         return refuse(NAME, f"--checkpoints={which}: give any of best,final,newest (comma-separated) or all")

@@ -28,16 +28,12 @@ def expected_shapes(*, n_layer: int, n_embd: int, n_positions: int, vocab_size: 
     shapes = {"transformer.wte.weight": (vocab_size, d), "transformer.wpe.weight": (n_positions, d)}
     for i in range(n_layer):
         h = f"transformer.h.{i}."
-        shapes.update(
-            {
-                h + "ln_1.weight": (d,), h + "ln_1.bias": (d,),
-                h + "attn.c_attn.weight": (d, 3 * d), h + "attn.c_attn.bias": (3 * d,),
-                h + "attn.c_proj.weight": (d, d), h + "attn.c_proj.bias": (d,),
-                h + "ln_2.weight": (d,), h + "ln_2.bias": (d,),
-                h + "mlp.c_fc.weight": (d, 4 * d), h + "mlp.c_fc.bias": (4 * d,),
-                h + "mlp.c_proj.weight": (4 * d, d), h + "mlp.c_proj.bias": (d,),
-            }
-        )  # fmt: skip
+        shapes.update({h + "ln_1.weight": (d,), h + "ln_1.bias": (d,),
+                       h + "attn.c_attn.weight": (d, 3 * d), h + "attn.c_attn.bias": (3 * d,),
+                       h + "attn.c_proj.weight": (d, d), h + "attn.c_proj.bias": (d,),
+                       h + "ln_2.weight": (d,), h + "ln_2.bias": (d,),
+                       h + "mlp.c_fc.weight": (d, 4 * d), h + "mlp.c_fc.bias": (4 * d,),
+                       h + "mlp.c_proj.weight": (4 * d, d), h + "mlp.c_proj.bias": (d,)})  # fmt: skip
     shapes.update({"transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,)})
     return shapes
 

@@ -118,7 +118,8 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     from pipeline.tracking.common import default_uri, normalize_tracking_uri, parse_run_uri, sqlite_path, tag_value
     from pipeline.tracking.store import ensure_experiment, open_client
 
-    uri = normalize_tracking_uri(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri(cache_home(given)))
+    uri = normalize_tracking_uri(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+                                 or default_uri(cache_home(given)))
     db = sqlite_path(uri)
     artifact_root = str(db.parent / "mlartifacts") if db is not None else None
     client = open_client(uri, artifact_root)

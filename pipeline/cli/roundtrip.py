@@ -24,7 +24,6 @@ if __name__ == "__main__":  # first: a signal while the rest is imported ends in
 
 import argparse
 import os
-import shutil
 import signal
 import struct
 import subprocess
@@ -35,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.files import jsonio
-from pipeline.files.atomic import TMP_PREFIX, write_new
+from pipeline.files.atomic import TMP_PREFIX, remove_tree, write_new
 from pipeline.checkpoint import store
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.tensors import read_tensors, write_tensors
@@ -84,13 +83,10 @@ def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
     after = fresh.snapshot()
     differences = {m: d for m in PARTS if (d := first_difference(before[m], after[m], m))}
     return {
-        "passed": [m for m in PARTS if m not in differences],
-        "differences": differences,
+        "passed": [m for m in PARTS if m not in differences], "differences": differences,
         # a part the fresh objects already matched proves nothing about its restore
         "unchanged_by_training": [m for m in PARTS if first_difference(before[m], untouched[m], m) is None],
-        "directory": directory,
-        "sha256": store.file_hashes(manifest)["weights"],
-        "run": run,
+        "directory": directory, "sha256": store.file_hashes(manifest)["weights"], "run": run,
     }
 
 
@@ -145,9 +141,14 @@ def check_tying(config: dict, d: dict) -> dict:
     size = path.stat().st_size
     header_bytes, head = header(path)
     metadata = head.get("__metadata__", {})
+    extra = size - expected  # what size_delta_pct is relative to, and where the excess is, in words:
+    where = (f"all {extra} of them its safetensors header" if extra == header_bytes
+             else f"{header_bytes} of them its safetensors header, {extra - header_bytes} not")
     out = {"weights_file_size_bytes": size, "expected_size_bytes_no_tying": expected,
            "weights_header_bytes": header_bytes, "size_delta_pct": round(100.0 * (size - expected) / expected, 4),
-           "size_within_4kib": abs(size - expected) < SIZE_SLACK, "tied": aliases}
+           "size_within_4kib": abs(size - expected) < SIZE_SLACK, "tied": aliases,
+           "size_delta_note": f"relative to the unique parameters' {expected} bytes (a tied array counted once): "
+                              f"the weights file has {size}, {extra:+d} bytes, {where}"}
     if not aliases:
         out["weight_tying_preserved"] = None
         out["weight_tying_note"] = "no tied weights in this model (model.aliases is empty): nothing to preserve"
@@ -167,17 +168,6 @@ def check_tying(config: dict, d: dict) -> dict:
     out["weight_tying_checks"] = checks
     out["weight_tying_preserved"] = all(checks.values())
     return out
-
-
-def size_note(tying: dict) -> str:
-    """What size_delta_pct is relative to, and where the excess is."""
-    size, expected, head = (tying[k] for k in ("weights_file_size_bytes", "expected_size_bytes_no_tying",
-                                               "weights_header_bytes"))
-    extra = size - expected
-    where = (f"all {extra} of them its safetensors header" if extra == head
-             else f"{head} of them its safetensors header, {extra - head} not")
-    return (f"relative to the unique parameters' {expected} bytes (a tied array counted once): the weights file "
-            f"has {size}, {extra:+d} bytes, {where}")
 
 
 def check_atomic(overrides: list[str], work: Path) -> dict:
@@ -217,11 +207,7 @@ def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = Tr
     out = Path(config["paths"]["output_dir"]) / "roundtrip" / run_name(config)
     out.mkdir(parents=True, exist_ok=True)
     for old in ("checkpoint", "manifest.json", RESULTS):
-        p = out / old
-        if p.is_symlink() or p.is_file():  # a link is removed, never followed (rmtree would refuse it)
-            p.unlink()
-        elif p.is_dir():
-            shutil.rmtree(p)
+        remove_tree(out / old)  # a link is removed, never followed
     scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=out))
     try:
         d = check_byte_equivalence(config, out, steps)
@@ -233,15 +219,15 @@ def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = Tr
         atomic = check_atomic(overrides, scratch)
     finally:
         if not keep:
-            shutil.rmtree(scratch, ignore_errors=True)
+            remove_tree(scratch)
     results = {
-        **tying,  # the weights file's size against the unique parameters', what is tied, and the tying checks
+        **tying,  # the weights file's size against the unique parameters' (and why), the tying checks
         "byte_equivalent_state_machines": d["passed"], "all_byte_equal": len(d["passed"]) == len(PARTS),
         "continuation_test_passed": continuation["passed"], "atomic_write_resilient": atomic["passed"],
         "manifest_schema_version": manifest.get("schema_version"), "state_differences": d["differences"],
         "unchanged_by_training": d["unchanged_by_training"], "continuation": continuation, "atomic": atomic,
         "checkpoint": str(d["directory"]), "checkpoint_sha256": d["sha256"], "steps": steps,
-        "overrides": list(overrides), "size_delta_note": size_note(tying),
+        "overrides": list(overrides),
     }
     results["passed"] = bool(results["all_byte_equal"] and results["continuation_test_passed"]
                              and results["weight_tying_preserved"] is not False and results["atomic_write_resilient"]

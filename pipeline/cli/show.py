@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     path, overrides = args.path, tuple(args.overrides)
     if not path.is_dir():
         return refuse(NAME, f"{path}: not a directory")
-    if bad := [o for o in overrides if not o.startswith("hydra.searchpath=")]:
-        return refuse(NAME, f"{bad[0]}: only hydra.searchpath=[...] can be given here")
+    if (bad := next((o for o in overrides if not o.startswith("hydra.searchpath=")), None)) is not None:
+        return refuse(NAME, f"{bad}: only hydra.searchpath=[...] can be given here")
     try:
         checkpoint_dir(path)  # nothing is read through a link out of a run
     except CheckpointError as e:
