@@ -31,6 +31,8 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import (CHECKPOINTS, STEP_DIR, CheckpointStore, checkpoint_dir, copy_list,
                                        is_checkpoint_dir, read_manifest, verify)
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
+from pipeline.config.identity import run_name
+from pipeline.run.directory import RunDir
 
 NAME = "pipeline.archive"
 SELECTIONS = ("best", "final", "newest")
@@ -123,8 +125,6 @@ def plan(source: Path, which: str) -> list[RunPlan]:
         in_run = directory.parent.name == CHECKPOINTS and STEP_DIR.match(directory.name)
         run_dir = directory.parent.parent if in_run else None
         manifest = read_manifest(directory)
-        from pipeline.config.identity import run_name
-
         name = run_dir.name if run_dir else run_name(manifest["config"], manifest["sources"])
         step_name = directory.name if in_run else f"step-{manifest['step']:08d}"
         links = {k: t for k, t in CheckpointStore(directory.parent).links().items() if t == step_name} if in_run else {}
@@ -227,21 +227,20 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
         for fn, limit in (("run.json", MAX_SMALL), ("metrics.jsonl", MAX_METRICS)):
             if os.path.lexists(p.run_dir / fn):
                 b.copy(p.run_dir / fn, f"{base}/{fn}", limit)
-    newest = p.newest
-    data_hash, sources = newest["data_manifest_hash"], dict(newest["sources"])
+    data_hash, sources, data = p.newest["data_manifest_hash"], dict(p.newest["sources"]), p.newest["config"]["data"]
     corpus = find_corpus(p.output_dir, data_hash)
-    identity = {"data_manifest_hash": data_hash, "sources": sources, "data": newest["config"]["data"],
+    identity = {"data_manifest_hash": data_hash, "sources": sources, "data": data,
                 "corpus": corpus.name if corpus else None, "data_archived": with_data}
     if sources and not with_data:
-        keys = ", ".join(f"{k}={newest['config']['data'].get(k.split('.', 1)[1])}" for k in sources)
+        keys = ", ".join(f"{k}={data.get(k.split('.', 1)[1])}" for k in sources)
         raise BadSource(f"run {p.name} was trained on {keys}, which its config cannot regenerate: give --with-data "
                         "to archive it")
     if corpus is not None:
         b.copy(corpus / "MANIFEST.json", f"{base}/corpus-MANIFEST.json", MAX_SMALL,
                {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash}, "the checkpoints' data_manifest_hash")
     if with_data:
-        if corpus is None and data_hash and newest["config"]["data"].get("_target_", "").startswith("pipeline.data.") \
-                and "regression" not in newest["config"]["data"]["_target_"]:
+        if corpus is None and data_hash and data.get("_target_", "").startswith("pipeline.data.") \
+                and "regression" not in data["_target_"]:
             raise BadSource(f"run {p.name}: its corpus (MANIFEST.json sha256 {data_hash[:12]}) is not under "
                             f"{p.output_dir}/data/; --with-data needs it there")
         if corpus is not None and f"data/{corpus.name}/MANIFEST.json" not in b.files:
@@ -255,7 +254,7 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
                    {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash}, "data_manifest_hash")
         archived = {}
         for key, sha in sorted(sources.items()):
-            src = Path(str(newest["config"]["data"].get(key.split(".", 1)[1]))).expanduser()
+            src = Path(str(data.get(key.split(".", 1)[1]))).expanduser()
             rel = f"sources/{sha[:12]}-{src.name}"
             if rel not in b.files:
                 try:
@@ -353,8 +352,6 @@ def _resume_overrides(overrides: list[str], root: Path, identity: dict, extra: l
 
 
 def _metric_lines(path: Path) -> list[dict]:
-    from pipeline.run.directory import RunDir
-
     return [{k: v for k, v in ln.items() if k != "time"} for ln in RunDir(path).read_metrics()]
 
 

@@ -13,7 +13,9 @@ if __name__ == "__main__":  # first: a signal while the rest is imported ends in
 import argparse
 from pathlib import Path
 
-from pipeline.config.errors import EXIT_OK, refuse
+from pipeline.files import jsonio
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.config.errors import EXIT_OK, ConfigError, refuse
 
 
 def evaluate_checkpoint(directory: Path, overrides: list[str] = ()) -> dict:
@@ -37,10 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="data overrides")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
-    from pipeline.files import jsonio
-    from pipeline.checkpoint.errors import CheckpointError
-    from pipeline.config.errors import ConfigError
-
     try:
         result = evaluate_checkpoint(args.checkpoint, args.overrides)
     except (CheckpointError, ConfigError) as e:

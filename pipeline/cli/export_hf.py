@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save
 
-from pipeline.config.errors import refuse
-from pipeline.files.atomic import replace_file
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.config.errors import ConfigError, refuse
+from pipeline.files.atomic import UnsafePathError, replace_file
 
 NAME = "pipeline.export_hf"
 EOS = "<eos>"  # the grammar corpus's end of sentence: GPT-2's <|endoftext|> role (bos, eos and pad)
@@ -145,9 +146,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR")
     parser.add_argument("overrides", nargs="*", help="data.path=FILE, paths.output_dir=DIR, hydra.searchpath=[...]")
     args = parser.parse_args(argv)
-    from pipeline.files.atomic import UnsafePathError
-    from pipeline.checkpoint import CheckpointError
-    from pipeline.config.errors import ConfigError
     from pipeline.run.trained import data_facts, restore_checkpoint
 
     try:

@@ -93,7 +93,8 @@ def using_store(uri: str):
 
 def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     """Log the checkpoint at `checkpoint_dir` as a pyfunc model (from code, no pickle) and register it as the
-    next version of `name` in `tracking_uri` (default: see the module docstring); the mlflow ModelVersion.
+    next version of `name` in `tracking_uri` (else MLFLOW_TRACKING_URI, else the mlflow.db of the output
+    directory the checkpoint lies in, where `tracking=mlflow` indexes its runs); the mlflow ModelVersion.
     CheckpointError / ConfigError / StoreError (one line) for a checkpoint, data or store that will not do."""
     from pipeline.files import jsonio
     from pipeline.checkpoint.store import checkpoint_dir as resolve, data_facts

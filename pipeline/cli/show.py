@@ -69,13 +69,9 @@ def describe_run(run_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
         out.update(checkpoints=[], links={}, temporaries=[], valid=False, reason=str(e))
         return out
     out["links"] = {name: {"target": t, "exists": (rundir.store.root / t).is_dir()} for name, t in links.items()}
-    checkpoints = []
-    for step, directory in steps:
-        d = describe_checkpoint(directory, overrides)
-        d["listed_step"] = step
-        d["links"] = sorted(name for name, t in links.items() if t == directory.name)
-        checkpoints.append(d)
-    out["checkpoints"] = checkpoints
+    out["checkpoints"] = checkpoints = [
+        {**describe_checkpoint(directory, overrides), "listed_step": step,
+         "links": sorted(name for name, t in links.items() if t == directory.name)} for step, directory in steps]
     root = rundir.store.root
     out["temporaries"] = sorted(p.name for p in root.iterdir() if p.name.startswith(TMP_PREFIX)) if root.is_dir() else []
     out["valid"] = all(c["valid"] for c in checkpoints) and all(link["exists"] for link in out["links"].values())
