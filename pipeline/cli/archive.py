@@ -376,7 +376,8 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     shown = [a.replace(str(root), str(dest)) for a in args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
     # run() kills the child on any exception (a signal's included) before it is raised
-    proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=scratch, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=scratch, env=env, capture_output=True,
+                          text=True)
     result = {"run": run.name, "command": "python -m pipeline " + " ".join(shown).replace(str(scratch), "<scratch>"),
               "from": source.relative_to(root).as_posix(), "step_recovered": step, "exit": proc.returncode}
     if proc.returncode != 0:
