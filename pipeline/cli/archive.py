@@ -1,28 +1,15 @@
 """`python -m pipeline.archive SOURCE DEST`: a run, sweep or checkpoint copied to DEST, verified, reloaded and resumed there.
 
-DEST is laid out like an output directory, so every tool works on it (`show DEST/runs/<run>`, `evaluate
-DEST/runs/<run>/checkpoints/best`):
-
-    DEST/
-      README.md            what is there, and the commands to evaluate, sample, export and resume from it
-      MANIFEST.json        every other file (but recovery.json) with its size and sha256, and every link
-      recovery.json        the checks run on DEST alone and the resume proof (written last, before publishing)
-      runs/<run>/          .hydra/, run.json, metrics.jsonl, data-identity.json (+ corpus-MANIFEST.json),
-                           checkpoints/step-*/ (whole) and the links to them (best, final), relative
-      data/<corpus>/       the corpus, with --with-data
-      sources/<sha>-<name> the text files a run was trained on (data.path), with --with-data
-
-It is built as a hidden temporary sibling of DEST, checked there from its own bytes (sizes and sha256 against
-the source manifests, every checkpoint restored as a resume would, a resume in a fresh process compared bit
-for bit with what the original run recorded after that step), and renamed into place only if every check
-passed: DEST appears complete or not at all. SOURCE is only read (regular files, never through a link out of
-a run). Exit 0 published; 1 a check failed (the temporary is kept and named); 2 bad input, one line.
+DEST is laid out like an output directory (README: Archiving and recovering), built as a hidden temporary sibling,
+checked there from its own bytes (sizes and sha256, every checkpoint restored, a resume compared bit for bit) and
+renamed into place only if every check passed. SOURCE is only read. Exit 0 published; 1 a check failed (the
+temporary is kept and named); 2 bad input, one line.
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    from pipeline.run.signals import SIGNALS_STATE
+from pipeline.run.signals import SIGNALS_STATE, tool_exit
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
     SIGNALS_STATE.install()
 
 import argparse
@@ -38,11 +25,14 @@ from pathlib import Path
 
 from pipeline.files import jsonio
 from pipeline.files import reading
-from pipeline.files.atomic import TMP_PREFIX, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir, open_new, publish_dir, remove_tree
+from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir, open_new,
+                                   publish_dir, remove_tree, write_new)
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import (CHECKPOINTS, STEP_DIR, CheckpointStore, checkpoint_dir, copy_list,
                                        is_checkpoint_dir, read_manifest, verify)
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
+from pipeline.config.identity import run_name
+from pipeline.run.directory import RunDir
 
 NAME = "pipeline.archive"
 SELECTIONS = ("best", "final", "newest")
@@ -71,9 +61,7 @@ class RunPlan:
 
     @property
     def output_dir(self) -> Path | None:
-        if self.run_dir is not None and self.run_dir.parent.name == "runs":
-            return self.run_dir.parent.parent
-        return None
+        return self.run_dir.parent.parent if self.run_dir is not None and self.run_dir.parent.name == "runs" else None
 
 
 def _kind(path: Path) -> str:
@@ -102,16 +90,13 @@ def _select(store: CheckpointStore, which: str) -> tuple[dict[str, Path], dict[s
     if not steps:
         raise BadSource(f"{store.root}: no checkpoints to archive")
     by_name = {d.name: d for _, d in steps}
-    if which == "all":
-        chosen = set(by_name)
-    else:
-        chosen = set()
-        for want in which.split(","):
-            if want == "newest":  # the newest a resume continues from: before a finished run's final
-                finished = links.get("final") == steps[-1][1].name and len(steps) > 1
-                chosen.add(steps[-2 if finished else -1][1].name)
-            elif want in links and links[want] in by_name:
-                chosen.add(links[want])
+    chosen = set(by_name) if which == "all" else set()
+    for want in which.split(",") if which != "all" else ():
+        if want == "newest":  # the newest a resume continues from: before a finished run's final
+            finished = links.get("final") == steps[-1][1].name and len(steps) > 1
+            chosen.add(steps[-2 if finished else -1][1].name)
+        elif want in links and links[want] in by_name:
+            chosen.add(links[want])
     return {n: by_name[n] for n in sorted(chosen)}, {k: t for k, t in links.items() if t in chosen}
 
 
@@ -140,8 +125,6 @@ def plan(source: Path, which: str) -> list[RunPlan]:
         in_run = directory.parent.name == CHECKPOINTS and STEP_DIR.match(directory.name)
         run_dir = directory.parent.parent if in_run else None
         manifest = read_manifest(directory)
-        from pipeline.config.identity import run_name
-
         name = run_dir.name if run_dir else run_name(manifest["config"], manifest["sources"])
         step_name = directory.name if in_run else f"step-{manifest['step']:08d}"
         links = {k: t for k, t in CheckpointStore(directory.parent).links().items() if t == step_name} if in_run else {}
@@ -153,24 +136,6 @@ def plan(source: Path, which: str) -> list[RunPlan]:
 
 # --- copying --------------------------------------------------------------------------------------------
 
-def copy_file(src: Path, dst: Path, limit: int, follow: bool = False) -> dict:
-    """src's bytes into a new file dst (never through a link), fsynced; {"size", "sha256"} of what was copied."""
-    h, size = hashlib.sha256(), 0
-    with reading.open_file(src, limit, follow=follow) as f:
-        fd = open_new(dst)
-        try:
-            for piece in reading.chunks(f, src, limit):
-                h.update(piece)
-                size += len(piece)
-                view = memoryview(piece)
-                while view:
-                    view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return {"size": size, "sha256": h.hexdigest()}
-
-
 class Builder:
     """DEST being built in its temporary: every file copied with its hash, every link, and what each should be."""
 
@@ -181,26 +146,34 @@ class Builder:
         self.links: dict[str, str] = {}
 
     def copy(self, src: Path, rel: str, limit: int, expected: dict | None = None, witness: str = "",
-             follow: bool = False) -> dict:
+             follow: bool = False) -> None:
+        """src's bytes into a new file at rel (never through a link), fsynced, and hashed as they are copied."""
         ensure_dirs(self.root, *Path(rel).parent.parts)
-        entry = copy_file(src, self.root / rel, limit, follow)
+        h, size = hashlib.sha256(), 0
+        with reading.open_file(src, limit, follow=follow) as f:
+            fd = open_new(self.root / rel)
+            try:
+                for piece in reading.chunks(f, src, limit):
+                    h.update(piece)
+                    size += len(piece)
+                    view = memoryview(piece)
+                    while view:
+                        view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        entry = {"size": size, "sha256": h.hexdigest()}
         if expected is not None:
             if (entry["size"], entry["sha256"]) != (expected["size"], expected["sha256"]):
                 raise BadSource(f"{src}: its bytes differ from {witness} (changed or damaged while being archived)")
             self.expected[rel] = (expected, witness)
         self.files[rel] = entry
-        return entry
 
     def write(self, rel: str, data: bytes) -> None:
         ensure_dirs(self.root, *Path(rel).parent.parts)
-        fd = open_new(self.root / rel)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        entry = write_new(self.root / rel, data)
         if rel not in ("MANIFEST.json", "recovery.json"):
-            self.files[rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            self.files[rel] = entry
 
     def link(self, rel: str, target: str) -> None:
         os.symlink(target, self.root / rel)
@@ -246,7 +219,7 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     for link, target in sorted(p.links.items()):
         b.link(f"{base}/{CHECKPOINTS}/{link}", target)  # relative, beside its step directory, as a run has it
     if p.run_dir is not None:
-        if (p.run_dir / ".hydra").exists() or os.path.lexists(p.run_dir / ".hydra"):
+        if os.path.lexists(p.run_dir / ".hydra"):
             if os.path.islink(p.run_dir / ".hydra"):
                 raise BadSource(f"{p.run_dir / '.hydra'}: is a symlink; a run's files must be inside it")
             for f in _regular_files(p.run_dir / ".hydra"):
@@ -254,21 +227,20 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
         for fn, limit in (("run.json", MAX_SMALL), ("metrics.jsonl", MAX_METRICS)):
             if os.path.lexists(p.run_dir / fn):
                 b.copy(p.run_dir / fn, f"{base}/{fn}", limit)
-    newest = p.newest
-    data_hash, sources = newest["data_manifest_hash"], dict(newest["sources"])
+    data_hash, sources, data = p.newest["data_manifest_hash"], dict(p.newest["sources"]), p.newest["config"]["data"]
     corpus = find_corpus(p.output_dir, data_hash)
-    identity = {"data_manifest_hash": data_hash, "sources": sources, "data": newest["config"]["data"],
+    identity = {"data_manifest_hash": data_hash, "sources": sources, "data": data,
                 "corpus": corpus.name if corpus else None, "data_archived": with_data}
     if sources and not with_data:
-        keys = ", ".join(f"{k}={newest['config']['data'].get(k.split('.', 1)[1])}" for k in sources)
+        keys = ", ".join(f"{k}={data.get(k.split('.', 1)[1])}" for k in sources)
         raise BadSource(f"run {p.name} was trained on {keys}, which its config cannot regenerate: give --with-data "
                         "to archive it")
     if corpus is not None:
         b.copy(corpus / "MANIFEST.json", f"{base}/corpus-MANIFEST.json", MAX_SMALL,
                {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash}, "the checkpoints' data_manifest_hash")
     if with_data:
-        if corpus is None and data_hash and newest["config"]["data"].get("_target_", "").startswith("pipeline.data.") \
-                and "regression" not in newest["config"]["data"]["_target_"]:
+        if corpus is None and data_hash and data.get("_target_", "").startswith("pipeline.data.") \
+                and "regression" not in data["_target_"]:
             raise BadSource(f"run {p.name}: its corpus (MANIFEST.json sha256 {data_hash[:12]}) is not under "
                             f"{p.output_dir}/data/; --with-data needs it there")
         if corpus is not None and f"data/{corpus.name}/MANIFEST.json" not in b.files:
@@ -282,7 +254,7 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
                    {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash}, "data_manifest_hash")
         archived = {}
         for key, sha in sorted(sources.items()):
-            src = Path(str(newest["config"]["data"].get(key.split(".", 1)[1]))).expanduser()
+            src = Path(str(data.get(key.split(".", 1)[1]))).expanduser()
             rel = f"sources/{sha[:12]}-{src.name}"
             if rel not in b.files:
                 try:
@@ -350,17 +322,13 @@ def run_overrides(run: Path) -> list[str] | None:
     return [str(v) for v in value] if isinstance(value, list) else None
 
 
-def searchpath(overrides: list[str] | None) -> list[str]:
-    return [o for o in overrides or [] if o.startswith("hydra.searchpath=")]
-
-
 def restore_all(root: Path, extra: list[str]) -> list[dict]:
     """Every archived checkpoint restored from DEST with the full verification of a resume."""
     from pipeline.run.trained import restore_checkpoint
 
     checks = []
     for run in sorted((root / "runs").iterdir()):
-        overrides = searchpath(run_overrides(run)) or extra
+        overrides = [o for o in run_overrides(run) or [] if o.startswith("hydra.searchpath=")] or extra
         for step_dir in sorted((run / CHECKPOINTS).iterdir()):
             if step_dir.is_symlink():
                 continue
@@ -368,12 +336,12 @@ def restore_all(root: Path, extra: list[str]) -> list[dict]:
             try:
                 manifest, _ = restore_checkpoint(step_dir, overrides)
                 checks.append({"check": f"restore {rel}", "passed": True, "detail": f"step {manifest['step']}"})
-            except (CheckpointError, Exception) as e:  # noqa: BLE001 - a check's failure is its result
+            except Exception as e:  # noqa: BLE001 - a check's failure is its result
                 checks.append({"check": f"restore {rel}", "passed": False, "detail": str(e).splitlines()[0]})
     return checks
 
 
-def _resume_overrides(overrides: list[str], root: Path, run: Path, identity: dict, extra: list[str]) -> list[str]:
+def _resume_overrides(overrides: list[str], root: Path, identity: dict, extra: list[str]) -> list[str]:
     """The run's own overrides (.hydra/overrides.yaml holds no hydra.* ones: the search path given to the archive
     is added), without where it wrote, how it resumed and was tracked, and with its archived data files."""
     kept = [o for o in overrides if not o.lstrip("+~").startswith(("paths.", "resume", "tracking", "data.path="))]
@@ -384,8 +352,6 @@ def _resume_overrides(overrides: list[str], root: Path, run: Path, identity: dic
 
 
 def _metric_lines(path: Path) -> list[dict]:
-    from pipeline.run.directory import RunDir
-
     return [{k: v for k, v in ln.items() if k != "time"} for ln in RunDir(path).read_metrics()]
 
 
@@ -405,22 +371,17 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     end = max(last_logged, steps[-1][0])
     candidates = [(s, d) for s, d in steps if s < end]
     step, source = candidates[-1] if candidates else steps[-1]
-    args = [*_resume_overrides(overrides, root, run, identity, extra), f"resume.source={source}",
+    args = [*_resume_overrides(overrides, root, identity, extra), f"resume.source={source}",
             f"paths.output_dir={scratch / 'out'}", "tracking=none", "trainer.progress_bar=false"]
     shown = [a.replace(str(root), str(dest)) for a in args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=scratch, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate()
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
+    # run() kills the child on any exception (a signal's included) before it is raised
+    proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=scratch, env=env, capture_output=True,
+                          text=True)
     result = {"run": run.name, "command": "python -m pipeline " + " ".join(shown).replace(str(scratch), "<scratch>"),
               "from": source.relative_to(root).as_posix(), "step_recovered": step, "exit": proc.returncode}
     if proc.returncode != 0:
-        result.update(passed=False, detail=(err.strip().splitlines() or ["(no output)"])[-1])
+        result.update(passed=False, detail=(proc.stderr.strip().splitlines() or ["(no output)"])[-1])
         return result
     (resumed_run,) = [p for p in (scratch / "out" / "runs").iterdir() if p.is_dir()]
     got = [ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end]  # a preempted run goes on past end
@@ -454,17 +415,14 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
                        f"{len(b.expected)} files listed by checkpoint and corpus manifests"})
     checks += restore_all(root, extra)
     proofs = []
-    if prove:
-        for run in sorted((root / "runs").iterdir()):
-            scratch = Path(tempfile.mkdtemp(prefix="pipeline-archive-resume-"))
-            try:
-                proofs.append(resume_proof(root, dest, run, scratch, extra))
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
-    for p in proofs:
-        if p["passed"] is not None:
-            checks.append({"check": f"resume {p['run']} from step {p.get('step_recovered')}", "passed": p["passed"],
-                           "detail": p.get("detail") or p.get("compared")})
+    for run in sorted((root / "runs").iterdir()) if prove else ():
+        scratch = Path(tempfile.mkdtemp(prefix="pipeline-archive-resume-"))
+        try:
+            proofs.append(resume_proof(root, dest, run, scratch, extra))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    checks += [{"check": f"resume {p['run']} from step {p.get('step_recovered')}", "passed": p["passed"],
+                "detail": p.get("detail") or p.get("compared")} for p in proofs if p["passed"] is not None]
     return {"checks": checks, "resume": proofs, "all_checks_passed": all(c["passed"] for c in checks)}
 
 
@@ -504,9 +462,11 @@ def readme(dest: Path, exported: dict) -> str:
 
 # --- the command ------------------------------------------------------------------------------------------
 
-def _stale(dest: Path) -> list[Path]:
-    prefix = f"{TMP_PREFIX}{dest.name}-"
-    return sorted(p for p in dest.parent.iterdir() if p.name.startswith(prefix)) if dest.parent.is_dir() else []
+def _failed(checks: list[dict]) -> dict | None:
+    """Every check printed, ok or FAIL; the first that failed, if one did."""
+    for c in checks:
+        print(f"{'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['detail']}")
+    return next((c for c in checks if not c["passed"]), None)
 
 
 def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: list[str], argv: list[str]) -> int:
@@ -517,7 +477,8 @@ def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: 
     real_src, real_dest = os.path.realpath(source), os.path.realpath(dest)
     if real_dest == real_src or real_dest.startswith(real_src.rstrip("/") + "/"):
         raise BadSource(f"{dest}: inside SOURCE {source}; archive elsewhere")
-    for p in _stale(dest):
+    stale = f"{TMP_PREFIX}{dest.name}-"
+    for p in sorted(p for p in dest.parent.iterdir() if p.name.startswith(stale)):
         print(f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)", file=sys.stderr)
     plans = plan(source, which)
     if len({p.name for p in plans}) != len(plans):
@@ -528,13 +489,11 @@ def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: 
         b = Builder(tmp)
         exported = {"runs": {}}
         for p in plans:
-            exported["runs"][p.name] = archive_run(b, p, with_data)
-            rel_run = tmp / "runs" / p.name
-            identity = jsonio.read(rel_run / "data-identity.json", MAX_SMALL)
-            overrides = run_overrides(rel_run) or []
-            exported["runs"][p.name]["resume_overrides"] = [
-                o.replace(str(tmp), str(dest)) for o in _resume_overrides(overrides, tmp, rel_run, identity, extra)]
-            exported["runs"][p.name]["model"] = p.newest["config"]["model"].get("_target_")
+            exported["runs"][p.name] = run = archive_run(b, p, with_data)
+            identity = jsonio.read(tmp / "runs" / p.name / "data-identity.json", MAX_SMALL)
+            overrides = _resume_overrides(run_overrides(tmp / "runs" / p.name) or [], tmp, identity, extra)
+            run["resume_overrides"] = [o.replace(str(tmp), str(dest)) for o in overrides]
+            run["model"] = p.newest["config"]["model"].get("_target_")
         if _kind(source) == "sweep":  # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
             name = Path(os.path.realpath(source)).name
             for f in (p for p in sorted(Path(source).iterdir()) if not p.is_dir() or p.is_symlink()):
@@ -551,11 +510,8 @@ def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: 
                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result, "exported": exported}
         b.write("recovery.json", jsonio.dumps(report))
         fsync_dir(tmp)
-        for c in result["checks"]:
-            print(f"{'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['detail']}")
-        if not result["all_checks_passed"]:
+        if failed := _failed(result["checks"]):
             keep_tmp = True
-            failed = next(c for c in result["checks"] if not c["passed"])
             print(f"{NAME}: check failed: {failed['check']}: {failed['detail']}; nothing published (see {tmp})",
                   file=sys.stderr)
             return EXIT_ERROR
@@ -571,11 +527,7 @@ def check_archive(dest: Path, extra: list[str]) -> int:
     """--check DEST: every file, link and checkpoint of a published archive, from its bytes."""
     if not (dest / "MANIFEST.json").is_file():
         raise BadSource(f"{dest}: not an archive (no MANIFEST.json)")
-    result = checks_on(dest, dest, None, extra, prove=False)
-    for c in result["checks"]:
-        print(f"{'ok  ' if c['passed'] else 'FAIL'} {c['check']}: {c['detail']}")
-    if not result["all_checks_passed"]:
-        failed = next(c for c in result["checks"] if not c["passed"])
+    if failed := _failed(checks_on(dest, dest, None, extra, prove=False)["checks"]):
         print(f"{NAME}: {dest}: {failed['detail']}", file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK
@@ -592,29 +544,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="re-verify an archive: python -m pipeline.archive --check DEST")
     args = ap.parse_intermixed_args(argv)
     extra = [*([args.dest] if args.check and args.dest else []), *args.overrides]  # a str: Path() eats pkg://
-    if bad := [o for o in extra if not o.startswith("hydra.searchpath=")]:
-        print(f"{NAME}: {bad[0]}: only hydra.searchpath=[...] can be given here", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    if (bad := next((o for o in extra if not o.startswith("hydra.searchpath=")), None)) is not None:
+        return refuse(NAME, f"{bad}: only hydra.searchpath=[...] can be given here")
     which = args.checkpoints
     if which != "all" and not set(which.split(",")) <= set(SELECTIONS):
-        print(f"{NAME}: --checkpoints={which}: give any of best,final,newest (comma-separated) or all", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse(NAME, f"--checkpoints={which}: give any of best,final,newest (comma-separated) or all")
     try:
         if args.check:
             return check_archive(args.source, extra)
         if args.dest is None:
-            print(f"{NAME}: give SOURCE and DEST (or --check DEST)", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            raise BadSource("give SOURCE and DEST (or --check DEST)")
         return build_archive(args.source, Path(os.path.abspath(args.dest)), which, args.with_data, args.overrides, argv)
     except (BadSource, CheckpointError, UnsafePathError, ValueError) as e:
-        print(f"{NAME}: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse(NAME, e)
     except OSError as e:
-        print(f"{NAME}: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse(NAME, f"{e.filename or ''}: {e.strerror or e}")
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import tool_exit
-
     tool_exit(NAME, main, "no archive was published (its hidden temporary is removed or ignored)")

@@ -1,25 +1,21 @@
 """`python -m pipeline.evaluate CHECKPOINT [overrides] [--json]`: the validation metrics of any checkpoint.
 
-The checkpoint is fully verified (as a resume would) and restored; its model is evaluated on the validation
-batches of its own data, or of another dataset given by overrides (`data=NAME ...` composed like
-`python -m pipeline`, or `data.KEY=VALUE` applied to the checkpoint's own data node) whose spec -- and, for
-token data, vocabulary -- is the one the model learned. The metrics are those a run logs when it evaluates
-(`val/loss`, `val/ppl`, the data's baselines), from the same function, so on the checkpoint's own data they
-equal what its run measured at that step. One line of key=value (or --json); exit 0, or 2 with one line for
-a checkpoint that does not verify or data that does not fit.
+The metrics come from the function a run evaluates with, so on the checkpoint's own data they equal what its
+run measured at that step; other data (`data=NAME ...`, `data.KEY=VALUE`) must fit the model's spec and vocabulary.
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    from pipeline.run.signals import SIGNALS_STATE
+from pipeline.run.signals import SIGNALS_STATE, tool_exit
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
     SIGNALS_STATE.install()
 
 import argparse
-import sys
 from pathlib import Path
 
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_OK
+from pipeline.files import jsonio
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.config.errors import EXIT_OK, ConfigError, refuse
 
 
 def evaluate_checkpoint(directory: Path, overrides: list[str] = ()) -> dict:
@@ -29,8 +25,7 @@ def evaluate_checkpoint(directory: Path, overrides: list[str] = ()) -> dict:
     from pipeline.trainer.loop import validate
 
     manifest, state = restore_checkpoint(directory, list(overrides))
-    dataset = other_data(manifest, list(overrides), directory)
-    state.dataset = dataset
+    state.dataset = dataset = other_data(manifest, list(overrides), directory)
     return {"checkpoint": str(directory), "step": manifest["step"], "data": type(dataset).__name__,
             "data_manifest_hash": dataset.manifest_hash,
             "own_data": dataset.manifest_hash == manifest["data_manifest_hash"], "metrics": validate(state)}
@@ -44,15 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="data overrides")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
-    from pipeline.files import jsonio
-    from pipeline.checkpoint.errors import CheckpointError
-    from pipeline.config.errors import ConfigError
-
     try:
         result = evaluate_checkpoint(args.checkpoint, args.overrides)
     except (CheckpointError, ConfigError) as e:
-        print(f"pipeline.evaluate: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse("pipeline.evaluate", e)
     if args.json:
         print(jsonio.dumps(result).decode(), end="")
     else:
@@ -61,6 +51,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import tool_exit
-
     tool_exit("pipeline.evaluate", main)

@@ -1,25 +1,24 @@
 """Write MiniGPT weights as a Hugging Face GPT-2 directory: config.json, model.safetensors, and the corpus
-vocabulary as a tokenizer (tokenizer.json + tokenizer_config.json), so that `AutoTokenizer.from_pretrained`
-and `transformers.pipeline("text-generation", model=DIR)` work on it. Files are written like checkpoints:
-each replaced atomically, mode 0644 (less the umask), never through a symlink."""
+vocabulary as a tokenizer (tokenizer.json + tokenizer_config.json); each file replaced atomically, mode 0644."""
 from __future__ import annotations
 
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    from pipeline.run.signals import SIGNALS_STATE
+from pipeline.run.signals import SIGNALS_STATE, tool_exit
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
     SIGNALS_STATE.install()
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save
 
-from pipeline.config.errors import EXIT_BAD_INPUT
-from pipeline.files.atomic import replace_file
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.config.errors import ConfigError, refuse
+from pipeline.files.atomic import UnsafePathError, replace_file
 
+NAME = "pipeline.export_hf"
 EOS = "<eos>"  # the grammar corpus's end of sentence: GPT-2's <|endoftext|> role (bos, eos and pad)
 TIED = "lm_head.weight"  # the head is wte: HF ties it on load (tie_word_embeddings), so it is not stored
 
@@ -30,16 +29,12 @@ def expected_shapes(*, n_layer: int, n_embd: int, n_positions: int, vocab_size: 
     shapes = {"transformer.wte.weight": (vocab_size, d), "transformer.wpe.weight": (n_positions, d)}
     for i in range(n_layer):
         h = f"transformer.h.{i}."
-        shapes.update(
-            {
-                h + "ln_1.weight": (d,), h + "ln_1.bias": (d,),
-                h + "attn.c_attn.weight": (d, 3 * d), h + "attn.c_attn.bias": (3 * d,),
-                h + "attn.c_proj.weight": (d, d), h + "attn.c_proj.bias": (d,),
-                h + "ln_2.weight": (d,), h + "ln_2.bias": (d,),
-                h + "mlp.c_fc.weight": (d, 4 * d), h + "mlp.c_fc.bias": (4 * d,),
-                h + "mlp.c_proj.weight": (4 * d, d), h + "mlp.c_proj.bias": (d,),
-            }
-        )  # fmt: skip
+        shapes.update({h + "ln_1.weight": (d,), h + "ln_1.bias": (d,),
+                       h + "attn.c_attn.weight": (d, 3 * d), h + "attn.c_attn.bias": (3 * d,),
+                       h + "attn.c_proj.weight": (d, d), h + "attn.c_proj.bias": (d,),
+                       h + "ln_2.weight": (d,), h + "ln_2.bias": (d,),
+                       h + "mlp.c_fc.weight": (d, 4 * d), h + "mlp.c_fc.bias": (4 * d,),
+                       h + "mlp.c_proj.weight": (4 * d, d), h + "mlp.c_proj.bias": (d,)})  # fmt: skip
     shapes.update({"transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,)})
     return shapes
 
@@ -48,30 +43,16 @@ def gpt2_config(*, n_layer: int, n_head: int, n_embd: int, n_positions: int, voc
                 eos_token_id: int | None = None) -> dict:
     """A GPT2Config matching MiniGPT: gelu_new, LayerNorm eps 1e-5, 4x MLP, tied head, no dropout."""
     return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": vocab_size,
-        "n_positions": n_positions,
-        "n_embd": n_embd,
-        "n_layer": n_layer,
-        "n_head": n_head,
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
+        "n_positions": n_positions, "n_embd": n_embd, "n_layer": n_layer, "n_head": n_head,
         "n_inner": None,  # 4 * n_embd
-        "activation_function": "gelu_new",
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True,
+        "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
         "use_cache": True,
         # GPT2Config defaults these to 50256, outside a small vocabulary: the corpus's <eos> plays all three
         # roles, as <|endoftext|> does in GPT-2; a vocabulary without one (data=text) has none.
-        "bos_token_id": eos_token_id,
-        "eos_token_id": eos_token_id,
-        "pad_token_id": eos_token_id,
+        "bos_token_id": eos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id,
         "torch_dtype": "float32",
     }
 
@@ -118,19 +99,9 @@ def tokenizer_files(vocab: list[str], join: str, n_positions: int, eos: str | No
             "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
 
 
-def write_hf(
-    params: dict[str, np.ndarray],
-    *,
-    n_layer: int,
-    n_head: int,
-    n_embd: int,
-    n_positions: int,
-    vocab_size: int,
-    out_dir,
-    vocab: list[str] | None = None,
-    join: str | None = None,
-    eos: str | None = EOS,
-) -> Path:
+def write_hf(params: dict[str, np.ndarray], *, n_layer: int, n_head: int, n_embd: int, n_positions: int,
+             vocab_size: int, out_dir, vocab: list[str] | None = None, join: str | None = None,
+             eos: str | None = EOS) -> Path:
     """Check names and shapes, then write config.json and model.safetensors (float32) into out_dir, and the
     tokenizer files when the vocabulary (and how the corpus joins its tokens) is given; `eos`, the corpus's
     end-of-sentence token if in the vocabulary, is the bos, eos and pad token."""
@@ -166,11 +137,6 @@ def write_hf(
     return out
 
 
-def _refuse(message: object) -> None:
-    print(f"pipeline.export_hf: {message}", file=sys.stderr)
-    raise SystemExit(EXIT_BAD_INPUT)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Export a MiniGPT checkpoint as a Hugging Face GPT-2 directory.",
                                      epilog="The vocabulary is the checkpoint's data.json; only for a checkpoint "
@@ -180,30 +146,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR")
     parser.add_argument("overrides", nargs="*", help="data.path=FILE, paths.output_dir=DIR, hydra.searchpath=[...]")
     args = parser.parse_args(argv)
-    from pipeline.files.atomic import UnsafePathError
-    from pipeline.checkpoint.errors import CheckpointError
-    from pipeline.config.errors import ConfigError
     from pipeline.run.trained import data_facts, restore_checkpoint
 
     try:
         manifest, state = restore_checkpoint(Path(args.checkpoint), args.overrides)  # fully verified
         model = manifest["config"]["model"]
         if not str(model.get("_target_", "")).endswith("MiniGPT"):
-            _refuse(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
+            raise SystemExit(refuse(NAME, f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT"))
         facts = data_facts(manifest, args.overrides, Path(args.checkpoint))  # the vocabulary the model was trained on
         if facts["vocab"] is None:
-            _refuse(f"{args.checkpoint}: its data has no vocabulary to make a tokenizer of")
+            raise SystemExit(refuse(NAME, f"{args.checkpoint}: its data has no vocabulary to make a tokenizer of"))
         weights = state.model.state_dict()
         out = write_hf(weights, n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
                        n_positions=weights["transformer.wpe.weight"].shape[0],
                        vocab_size=weights["transformer.wte.weight"].shape[0], out_dir=args.out_dir,
                        vocab=facts["vocab"], join=facts["decode_join"], eos=facts["specials"].get("eos"))
     except (CheckpointError, ConfigError, UnsafePathError, ValueError) as e:
-        _refuse(e)
+        raise SystemExit(refuse(NAME, e))
     print(f"wrote {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import tool_exit
-
-    tool_exit("pipeline.export_hf", main, "OUT_DIR may hold part of the export (each file whole); re-run the same command")
+    tool_exit(NAME, main, "OUT_DIR may hold part of the export (each file whole); re-run the same command")

@@ -1,30 +1,16 @@
 """`python -m pipeline.register CHECKPOINT NAME [--tracking-uri URI]`: the checkpoint as an mlflow model, registered.
 
-The model is logged from code (mlflow's "models from code": pipeline/serving/pyfunc_model.py), so nothing in
-it is a pickle: its artifacts are the checkpoint's own files (safetensors and JSON, all of them, the optimizer's
-state included: pipeline.run.trained.restore_checkpoint, which loads it, verifies every file) and, for a MiniGPT
-whose checkpoint does not carry it, its corpus vocabulary as JSON.
-It is logged in a run of its own (named `register NAME`, tagged with the checkpoint and its training run) in
-the experiment the checkpoint's run was tracked in, and registered as the next version of NAME:
-
-    mlflow.pyfunc.load_model("models:/NAME/1").predict([{"prompt": "the man", "max_new_tokens": 20, "seed": 0}])
-    mlflow models serve -m models:/NAME/1 --env-manager local --host 127.0.0.1 --port 5001
-
-A MiniGPT's rows give `prompt` and optionally `max_new_tokens`, `temperature`, `top_k`, `seed`; each answer is
-`python -m pipeline.sample CHECKPOINT ...`'s text. An MLP's rows are its features; its answers, its outputs.
-Loading it needs the `pipeline` package importable (serve with `--env-manager local`).
-
-The store: --tracking-uri, else MLFLOW_TRACKING_URI, else the sqlite store of the output directory the
-checkpoint lies in (`<output_dir>/mlflow.db`, where `tracking=mlflow` indexes its runs). Exit 0 printing
-`models:/NAME/VERSION`; 2 with one line for a name with `/`, a checkpoint that does not verify, data that
-does not build, or a store that cannot be opened (all but the store before mlflow is imported); 1 with one
-line if mlflow refuses.
+Logged from code (pipeline/serving/pyfunc_model.py), so nothing in it is a pickle: its artifacts are the
+checkpoint's own files (and, for a MiniGPT whose checkpoint lacks it, its vocabulary as JSON), in a run of its
+own in the experiment the checkpoint's run was tracked in (README: The model in mlflow's registry). Exit 0
+printing `models:/NAME/VERSION`; 2 (one line) for a bad name, checkpoint, data or store, all but the store
+refused before mlflow is imported; 1 (one line) if mlflow refuses.
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    from pipeline.run.signals import SIGNALS_STATE
+from pipeline.run.signals import SIGNALS_STATE, tool_exit
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
     SIGNALS_STATE.install()
 
 import argparse
@@ -34,17 +20,12 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, ConfigError, refuse
 
+NAME = "pipeline.register"
 CODE = Path(__file__).resolve().parents[1] / "serving" / "pyfunc_model.py"
 ARTIFACT_PATH = "model"  # the model's name inside its run
-
-
-def tracking_uri_for(directory: Path, given: str | None = None) -> str:
-    from pipeline.tracking.common import default_uri, normalize_tracking_uri
-    from pipeline.run.trained import cache_home
-
-    return normalize_tracking_uri(given or os.environ.get("MLFLOW_TRACKING_URI") or default_uri(cache_home(directory)))
 
 
 def signature_of(manifest: dict, model, prompt: str = ""):
@@ -112,14 +93,13 @@ def using_store(uri: str):
 
 def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     """Log the checkpoint at `checkpoint_dir` as a pyfunc model (from code, no pickle) and register it as the
-    next version of `name` in `tracking_uri` (default: see the module docstring); the mlflow ModelVersion.
+    next version of `name` in `tracking_uri` (else MLFLOW_TRACKING_URI, else the mlflow.db of the output
+    directory the checkpoint lies in, where `tracking=mlflow` indexes its runs); the mlflow ModelVersion.
     CheckpointError / ConfigError / StoreError (one line) for a checkpoint, data or store that will not do."""
     from pipeline.files import jsonio
     from pipeline.checkpoint.store import checkpoint_dir as resolve, data_facts
     from pipeline.serving import CHECKPOINT, VOCAB
-    from pipeline.run.trained import own_data, restore_checkpoint
-
-    from pipeline.config.errors import ConfigError
+    from pipeline.run.trained import cache_home, own_data, restore_checkpoint
 
     if not name.strip() or "/" in name:
         raise ConfigError(f"name {name!r}: a registered model needs a name without '/' (it is models:/NAME/VERSION)")
@@ -136,10 +116,11 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
 
     import mlflow
 
-    from pipeline.tracking.common import parse_run_uri, sqlite_path, tag_value
+    from pipeline.tracking.common import default_uri, normalize_tracking_uri, parse_run_uri, sqlite_path, tag_value
     from pipeline.tracking.store import ensure_experiment, open_client
 
-    uri = tracking_uri_for(given, tracking_uri)
+    uri = normalize_tracking_uri(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+                                 or default_uri(cache_home(given)))
     db = sqlite_path(uri)
     artifact_root = str(db.parent / "mlartifacts") if db is not None else None
     client = open_client(uri, artifact_root)
@@ -171,14 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the store (default: MLFLOW_TRACKING_URI, else sqlite:///<OUTPUT_DIR>/mlflow.db)")
     args = parser.parse_args(argv)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # else a bar per copy of the files
-    from pipeline.checkpoint.errors import CheckpointError
-    from pipeline.config.errors import ConfigError
-
     try:
         version = register(Path(args.checkpoint), args.name, args.tracking_uri)
     except (CheckpointError, ConfigError) as e:
-        print(f"pipeline.register: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse(NAME, e)
     except Exception as e:  # noqa: BLE001 - mlflow's refusals (a bad name, a server's error): one line
         # a store's refusal comes once register() imported the store (and mlflow): never import it for a
         # checkpoint refused before (a few seconds of every refusal)
@@ -186,17 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         from mlflow.exceptions import MlflowException
 
         if isinstance(e, StoreError):
-            print(f"pipeline.register: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            return refuse(NAME, e)
         if not isinstance(e, MlflowException):
             raise
-        print(f"pipeline.register: mlflow: {str(e).splitlines()[0]}", file=sys.stderr)
+        print(f"{NAME}: mlflow: {str(e).splitlines()[0]}", file=sys.stderr)
         return EXIT_ERROR
     print(f"models:/{version.name}/{version.version}")
     return EXIT_OK
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import tool_exit
-
-    tool_exit("pipeline.register", main, "a run or a model version may be partly logged; register again for a new one")
+    tool_exit(NAME, main, "a run or a model version may be partly logged; register again for a new one")

@@ -1,43 +1,32 @@
 """`python -m pipeline.reindex [OUTPUT_DIR] [--tracking-uri URI] [--rebuild]`: the mlflow index, from disk.
 
-The manifests are the truth and mlflow the index over them. For every run directory under OUTPUT_DIR/runs
-this finds the run's mlflow run (by the run URI its manifests recorded, else by its `run_dir` tag) or
-creates it, and adds only what is missing: params, tags (set to the disk's values where they differ, resume
-history included), metric points from metrics.jsonl, the best value, checkpoint manifests, the final
-weights, the composed config and the log, the curves, and the status and start and end times from run.json
-(a run still marked running whose directory no process holds ended FAILED). For every sweep under
-OUTPUT_DIR/sweeps it does the same for the sweep's parent run, with its jobs' runs linked under it. Running
-it twice adds nothing; a run directory in use by a running job is left to that job.
-
-In a sqlite (or file) store, new experiments keep their artifacts under OUTPUT_DIR/mlartifacts whatever
-the URI names; a tracking server keeps them where it says (its --artifacts-destination). A store that
-cannot be opened is one line (exit 2); `--rebuild` moves it aside (never deletes it) and builds a new one
-from the disk. Exit 1 if some run directory could not be indexed.
+The manifests are the truth, mlflow the index over them: each run directory's mlflow run (found by the run URI
+its manifests recorded, else its `run_dir` tag, or created) and each sweep's parent run get only what is missing,
+so running it twice adds nothing; a directory a running job holds is left to it, one nobody holds but marked
+running ends FAILED. `--rebuild` moves a broken sqlite store aside (never deleted). Exit 2 for a store that
+cannot be opened, 1 if some run directory could not be indexed.
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    from pipeline.run.signals import SIGNALS_STATE
+from pipeline.run.signals import SIGNALS_STATE, tool_exit
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
     SIGNALS_STATE.install()
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
 
 
-def reindex(output_dir: Path, uri: str | None = None, artifact_location: str | None = None, out=None) -> list[dict]:
+def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) -> list[dict]:
     from pipeline.run.directory import RunDir
     from pipeline.tracking import store
-    from pipeline.tracking.common import artifact_root, default_uri, normalize_tracking_uri, run_uri
+    from pipeline.tracking.common import artifact_root, run_uri
     from pipeline.tracking.index import sync_parent, sync_run
 
-    out = out or sys.stdout
     output_dir = Path(output_dir).resolve()
-    uri = normalize_tracking_uri(uri or default_uri(output_dir))
     artifact_location = artifact_root(uri, artifact_location or str(output_dir / "mlartifacts"))  # server: None
     client = store.open_client(uri, artifact_location)
     results, synced = [], {}  # synced: the sweeps' job directories, indexed with their parents already
@@ -46,10 +35,10 @@ def reindex(output_dir: Path, uri: str | None = None, artifact_location: str | N
             r = sync_parent(client, uri, sweep_dir.parent, artifact_location)
             synced.update(r.pop("synced"))
             print(f"sweep {sweep_dir.parent.name}: {run_uri(uri, r['experiment_id'], r['run_id'])} "
-                  f"({r['children']} jobs, {r['status']})", file=out)
+                  f"({r['children']} jobs, {r['status']})")
         except Exception as e:  # noqa: BLE001
             results.append({"error": f"{type(e).__name__}: {e}", "sweep_dir": str(sweep_dir.parent)})
-            print(f"sweep {sweep_dir.parent.name}: ERROR {type(e).__name__}: {e}", file=out)
+            print(f"sweep {sweep_dir.parent.name}: ERROR {type(e).__name__}: {e}")
     runs_dir = output_dir / "runs"
     for run_dir in sorted(p for p in runs_dir.iterdir() if p.is_dir()) if runs_dir.is_dir() else []:
         try:
@@ -61,22 +50,22 @@ def reindex(output_dir: Path, uri: str | None = None, artifact_location: str | N
         r["run_dir"] = str(run_dir)
         results.append(r)
         for reason in r.get("damaged") or ():
-            print(f"{run_dir.name}: not indexed, damaged: {reason}", file=out)
+            print(f"{run_dir.name}: not indexed, damaged: {reason}")
         if "error" in r:
-            print(f"{run_dir.name}: ERROR {r['error']}", file=out)
+            print(f"{run_dir.name}: ERROR {r['error']}")
         elif "skipped" in r:
-            print(f"{run_dir.name}: skipped ({r['skipped']})", file=out)
+            print(f"{run_dir.name}: skipped ({r['skipped']})")
         else:
             what = ", ".join(f"+{r[k]} {k}" for k in ("params", "tags", "points", "artifacts") if r[k])
             verb = "created" if r["created"] else ("updated" if what or r["status"] else "up to date")
             if r["status"]:
                 what = ", ".join(filter(None, [what, f"status {r['status_now']}"]))
             print(f"{run_dir.name}: {verb} {run_uri(uri, r['experiment_id'], r['run_id'])}"
-                  + (f" ({what})" if what else ""), file=out)
+                  + (f" ({what})" if what else ""))
     changed = sum(1 for r in results if any(r.get(k) for k in ("created", "params", "tags", "points",
                                                                      "artifacts", "status")))
     print(f"reindexed {len(results)} run directories into {uri}: {changed} changed, "
-          f"{sum('error' in r for r in results)} errors", file=out)
+          f"{sum('error' in r for r in results)} errors")
     return results
 
 
@@ -109,20 +98,16 @@ def main(argv: list[str] | None = None) -> int:
 
     output_dir = Path(args.output_dir or default_output_dir())
     if not output_dir.is_dir():
-        print(f"reindex: no such output directory: {output_dir}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse("reindex", f"no such output directory: {output_dir}")
     uri = normalize_tracking_uri(args.tracking_uri or default_uri(output_dir))
     if args.rebuild and (aside := move_aside(uri)) is not None:
         print(f"moved the old store aside: {aside}")
     try:
         results = reindex(output_dir, uri, args.artifact_location)
     except StoreError as e:
-        print(f"reindex: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse("reindex", e)
     return EXIT_ERROR if any("error" in r for r in results) else EXIT_OK
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import tool_exit
-
     tool_exit("reindex", main, "the index may be partly updated; re-run the same command (it adds nothing twice)")

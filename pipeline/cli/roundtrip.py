@@ -1,34 +1,29 @@
 """`python -m pipeline.roundtrip [overrides]`: four checks of the checkpoint format on the composed config.
 
-Each check runs on fresh objects built from the same config; the results go to
-`<paths.output_dir>/roundtrip/<run name>/roundtrip_results.json` (exit 0 if all pass, 1 if not, 2 on a bad
-override):
+Each runs on fresh objects built from the config; results go to `<paths.output_dir>/roundtrip/<run name>/
+roundtrip_results.json` (exit 0 if all pass, 1 if not, 2 on a bad override):
 
-* byte equivalence: train N steps, save, load into fresh objects, restore; every part of the state
-  (pipeline.stateful.PARTS) must equal the live one byte for byte;
-* continuation: 2N steps straight against N, save, and N more in a separate process that composes the
-  same config and loads the checkpoint: bit-identical losses and every part of the state;
-* weight tying: tied names stored once (header metadata `ALIAS(...)`), one object again after loading,
-  and a weights file within 4 KiB of the unique parameters' bytes. A model without tied parameters
-  reports `weight_tying_preserved: null` with the note "no tied weights in this model": there is nothing to
-  preserve, and "true" would claim a check that did not run;
-* atomic write: a save SIGKILLed in a separate process just before its rename leaves no checkpoint, only
-  a temporary that readers ignore and the next save removes.
+* byte equivalence: train N steps, save, load into fresh objects; every part (pipeline.stateful.PARTS) equal;
+* continuation: 2N steps straight against N, save, and N more in a separate process that composes the same
+  config and loads the checkpoint: bit-identical losses and every part of the state;
+* weight tying: tied names stored once (header metadata `ALIAS(...)`), one object again after loading, and a
+  weights file within 4 KiB of the unique parameters' bytes; without tied parameters `weight_tying_preserved`
+  is null with a note, as "true" would claim a check that did not run;
+* atomic write: a save SIGKILLed in a separate process just before its rename leaves no checkpoint, only a
+  temporary that readers ignore and the next save removes.
 
-`expected_size_bytes_no_tying` is the bytes of the unique parameters (a tied array counted once), without
-the safetensors header; `size_delta_pct` is the file's excess over it, which for tiny models is mostly the
-header (`weights_header_bytes`); `size_delta_note` says so in words, and the printed summary carries both notes.
+`size_delta_pct` is the weights file's excess over the unique parameters' bytes (`expected_size_bytes_no_tying`,
+a tied array counted once), for tiny models mostly the header (`weights_header_bytes`); `size_delta_note` says so.
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    from pipeline.run.signals import SIGNALS_STATE
+from pipeline.run.signals import SIGNALS_STATE, tool_exit
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
     SIGNALS_STATE.install()
 
 import argparse
 import os
-import shutil
 import signal
 import struct
 import subprocess
@@ -39,13 +34,13 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.files import jsonio
-from pipeline.files.atomic import TMP_PREFIX, write_new
+from pipeline.files.atomic import TMP_PREFIX, remove_tree, write_new
 from pipeline.checkpoint import store
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.tensors import read_tensors, write_tensors
 from pipeline.config.identity import run_name
 from pipeline.config.compose import PROJECT_ROOT, compose, to_plain
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK, error_line
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, error_line, refuse
 from pipeline.stateful import PARTS, merge, split
 from pipeline.verify.compare import first_difference
 from pipeline.verify.worker import Fresh
@@ -60,11 +55,11 @@ def losses(run: Fresh, n: int) -> list[float]:
     return [float(r["train/loss"]) for r in run.train(n)]
 
 
-def unique_arrays(arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
-    seen: dict[int, np.ndarray] = {}
-    for a in arrays.values():
-        seen.setdefault(id(a), a)
-    return list(seen.values())
+def child(args: list[str], overrides: list[str], **env: str) -> subprocess.CompletedProcess:
+    """`python -m pipeline.roundtrip ARGS -- OVERRIDES` in a fresh process that imports this project."""
+    path = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return subprocess.run([sys.executable, "-m", "pipeline.roundtrip", *args, "--", *overrides],
+                          env={**os.environ, "PYTHONPATH": path, **env}, capture_output=True, text=True)
 
 
 def header(path: Path) -> tuple[int, dict]:
@@ -88,13 +83,10 @@ def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
     after = fresh.snapshot()
     differences = {m: d for m in PARTS if (d := first_difference(before[m], after[m], m))}
     return {
-        "passed": [m for m in PARTS if m not in differences],
-        "differences": differences,
+        "passed": [m for m in PARTS if m not in differences], "differences": differences,
         # a part the fresh objects already matched proves nothing about its restore
         "unchanged_by_training": [m for m in PARTS if first_difference(before[m], untouched[m], m) is None],
-        "directory": directory,
-        "sha256": store.file_hashes(manifest)["weights"],
-        "run": run,
+        "directory": directory, "sha256": store.file_hashes(manifest)["weights"], "run": run,
     }
 
 
@@ -107,7 +99,7 @@ def check_continuation(config: dict, overrides: list[str], work: Path, steps: in
     first.save(directory)
     if separate_process:
         out = work / "continuation" / "resumed"
-        proc = continue_in_subprocess(overrides, directory, steps, out)
+        proc = child(["--continue-from", str(directory), "--steps", str(steps), "--out", str(out)], overrides)
         if proc.returncode != 0:
             return {"passed": False, "separate_process": True,
                     "error": f"continuation process exited {proc.returncode}: {proc.stderr.strip()[-2000:]}"}
@@ -124,14 +116,6 @@ def check_continuation(config: dict, overrides: list[str], work: Path, steps: in
               "state": first_difference(reference.snapshot(), resumed)}
     return {"passed": all(v is None for v in checks.values()), "separate_process": separate_process,
             "steps": [steps, steps], "differences": {k: v for k, v in checks.items() if v}}
-
-
-def continue_in_subprocess(overrides: list[str], checkpoint: Path, steps: int, out: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    cmd = [sys.executable, "-m", "pipeline.roundtrip", "--continue-from", str(checkpoint), "--steps", str(steps),
-           "--out", str(out), "--", *overrides]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True)
 
 
 def run_continuation(overrides: list[str], checkpoint: Path, steps: int, out: Path) -> None:
@@ -152,14 +136,19 @@ def check_tying(config: dict, d: dict) -> dict:
     model, directory = d["run"].state.model, d["directory"]
     live = model.state_dict()
     aliases = dict(model.aliases)
-    expected = sum(a.nbytes for a in unique_arrays(live))
+    expected = sum(a.nbytes for a in {id(a): a for a in live.values()}.values())  # a tied array counted once
     path = store.weights_file(directory)
     size = path.stat().st_size
     header_bytes, head = header(path)
     metadata = head.get("__metadata__", {})
+    extra = size - expected  # what size_delta_pct is relative to, and where the excess is, in words:
+    where = (f"all {extra} of them its safetensors header" if extra == header_bytes
+             else f"{header_bytes} of them its safetensors header, {extra - header_bytes} not")
     out = {"weights_file_size_bytes": size, "expected_size_bytes_no_tying": expected,
            "weights_header_bytes": header_bytes, "size_delta_pct": round(100.0 * (size - expected) / expected, 4),
-           "size_within_4kib": abs(size - expected) < SIZE_SLACK, "tied": aliases}
+           "size_within_4kib": abs(size - expected) < SIZE_SLACK, "tied": aliases,
+           "size_delta_note": f"relative to the unique parameters' {expected} bytes (a tied array counted once): "
+                              f"the weights file has {size}, {extra:+d} bytes, {where}"}
     if not aliases:
         out["weight_tying_preserved"] = None
         out["weight_tying_note"] = "no tied weights in this model (model.aliases is empty): nothing to preserve"
@@ -181,30 +170,18 @@ def check_tying(config: dict, d: dict) -> dict:
     return out
 
 
-def size_note(tying: dict) -> str:
-    """What size_delta_pct is relative to, and where the excess is."""
-    size, expected, head = (tying[k] for k in ("weights_file_size_bytes", "expected_size_bytes_no_tying",
-                                               "weights_header_bytes"))
-    extra = size - expected
-    where = (f"all {extra} of them its safetensors header" if extra == head
-             else f"{head} of them its safetensors header, {extra - head} not")
-    return (f"relative to the unique parameters' {expected} bytes (a tied array counted once): the weights file "
-            f"has {size}, {extra:+d} bytes, {where}")
-
-
 def check_atomic(overrides: list[str], work: Path) -> dict:
     """A save SIGKILLed just before its rename (a separate process) leaves no checkpoint; its temporary is
     ignored by readers and removed by the next save, which verifies."""
     out = work / "atomic"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    cmd = [sys.executable, "-m", "pipeline.roundtrip", "--save-to", str(out), "--steps", "2", "--", *overrides]
-    killed = subprocess.run(cmd, env={**env, "PIPELINE_CHAOS": "save:4"}, capture_output=True, text=True)
+    args = ["--save-to", str(out), "--steps", "2"]
+    killed = child(args, overrides, PIPELINE_CHAOS="save:4")
     interrupted = killed.returncode == -signal.SIGKILL
     parent = out / "saves"
     leftovers_after_kill = sorted(p.name for p in parent.iterdir() if p.name.startswith(TMP_PREFIX)) if parent.is_dir() else []
     no_final = not any(p.name.startswith("step-") for p in parent.iterdir()) if parent.is_dir() else True
     ignored = store.CheckpointStore(parent).steps() == []
-    again = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    again = child(args, overrides)
     leftovers = sorted(p.name for p in parent.iterdir() if p.name.startswith(TMP_PREFIX))
     try:
         store.verify(parent / store.step_dir_name(2))
@@ -230,11 +207,7 @@ def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = Tr
     out = Path(config["paths"]["output_dir"]) / "roundtrip" / run_name(config)
     out.mkdir(parents=True, exist_ok=True)
     for old in ("checkpoint", "manifest.json", RESULTS):
-        p = out / old
-        if p.is_symlink() or p.is_file():  # a link is removed, never followed (rmtree would refuse it)
-            p.unlink()
-        elif p.is_dir():
-            shutil.rmtree(p)
+        remove_tree(out / old)  # a link is removed, never followed
     scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=out))
     try:
         d = check_byte_equivalence(config, out, steps)
@@ -246,33 +219,16 @@ def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = Tr
         atomic = check_atomic(overrides, scratch)
     finally:
         if not keep:
-            shutil.rmtree(scratch, ignore_errors=True)
+            remove_tree(scratch)
     results = {
-        "byte_equivalent_state_machines": d["passed"],
-        "all_byte_equal": len(d["passed"]) == len(PARTS),
-        "continuation_test_passed": continuation["passed"],
-        "weight_tying_preserved": tying["weight_tying_preserved"],
-        "atomic_write_resilient": atomic["passed"],
-        "weights_file_size_bytes": tying["weights_file_size_bytes"],
-        "expected_size_bytes_no_tying": tying["expected_size_bytes_no_tying"],
-        "size_delta_pct": tying["size_delta_pct"],
-        "manifest_schema_version": manifest.get("schema_version"),
-        "weights_header_bytes": tying["weights_header_bytes"],
-        "size_within_4kib": tying["size_within_4kib"],
-        "tied": tying["tied"],
-        "state_differences": d["differences"],
-        "unchanged_by_training": d["unchanged_by_training"],
-        "continuation": continuation,
-        "atomic": atomic,
-        "checkpoint": str(d["directory"]),
-        "checkpoint_sha256": d["sha256"],
-        "steps": steps,
+        **tying,  # the weights file's size against the unique parameters' (and why), the tying checks
+        "byte_equivalent_state_machines": d["passed"], "all_byte_equal": len(d["passed"]) == len(PARTS),
+        "continuation_test_passed": continuation["passed"], "atomic_write_resilient": atomic["passed"],
+        "manifest_schema_version": manifest.get("schema_version"), "state_differences": d["differences"],
+        "unchanged_by_training": d["unchanged_by_training"], "continuation": continuation, "atomic": atomic,
+        "checkpoint": str(d["directory"]), "checkpoint_sha256": d["sha256"], "steps": steps,
         "overrides": list(overrides),
     }
-    for key in ("weight_tying_note", "weight_tying_checks"):
-        if key in tying:
-            results[key] = tying[key]
-    results["size_delta_note"] = size_note(tying)
     results["passed"] = bool(results["all_byte_equal"] and results["continuation_test_passed"]
                              and results["weight_tying_preserved"] is not False and results["atomic_write_resilient"]
                              and results["size_within_4kib"] and results["manifest_schema_version"] == store.SCHEMA_VERSION)
@@ -300,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         to_plain(compose(args.overrides))
     except Exception as e:  # hydra's override and config errors: one line, exit 2
-        print(f"roundtrip: bad config or override: {error_line(e)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse("roundtrip", f"bad config or override: {error_line(e)}")
     results, path = roundtrip(args.overrides, args.steps, not args.in_process, args.keep)
     notes = {"weight_tying_preserved": results.get("weight_tying_note"), "size_delta_pct": results["size_delta_note"]}
     for key in ("byte_equivalent_state_machines", "all_byte_equal", "continuation_test_passed",
@@ -314,6 +269,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import tool_exit
-
     tool_exit("roundtrip", main, "no results were written; re-run the same command")

@@ -14,9 +14,9 @@ Exit 0; 2 with one line for a checkpoint that does not verify or a bad argument 
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    from pipeline.run.signals import SIGNALS_STATE
+from pipeline.run.signals import SIGNALS_STATE, tool_exit
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
     SIGNALS_STATE.install()
 
 import sys
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_OK
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_OK, ConfigError, refuse
 
 # One forward pass per token: 100,000 is already minutes of text; more is a typo, refused before any work.
 MAX_NEW_TOKENS = 100_000
@@ -43,8 +44,6 @@ class Options:
 def parse_options(args: list[str]) -> tuple[Options, list[str]]:
     """key=value arguments -> (Options, the data overrides); ConfigError naming a bad one. The prompt is taken
     verbatim (commas and quotes included), not through Hydra's override grammar."""
-    from pipeline.config.errors import ConfigError
-
     values, overrides = {}, []
     kinds = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "seed": int}
     for arg in args:
@@ -82,8 +81,6 @@ def split_prompt(prompt: str, join: str) -> list[str]:
 
 def encode(prompt: str, vocab: list[str], join: str, eos: str | None = "<eos>") -> list[int]:
     """The prompt's ids; an empty prompt is [id of `eos`] (the token every sentence ends with)."""
-    from pipeline.config.errors import ConfigError
-
     index = {t: i for i, t in enumerate(vocab)}
     tokens = split_prompt(prompt, join)
     unknown = list(dict.fromkeys(t for t in tokens if t not in index))
@@ -121,7 +118,6 @@ def generate(model, ids: list[int], options: Options) -> list[int]:
 
 
 def sample(directory: Path, args: list[str]) -> str:
-    from pipeline.config.errors import ConfigError
     from pipeline.run.trained import data_facts, restore_checkpoint
 
     options, overrides = parse_options(args)
@@ -149,18 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return EXIT_OK if argv else EXIT_BAD_INPUT
-    from pipeline.checkpoint.errors import CheckpointError
-    from pipeline.config.errors import ConfigError
-
     try:
         print(sample(Path(argv[0]), argv[1:]))
     except (CheckpointError, ConfigError) as e:
-        print(f"pipeline.sample: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse("pipeline.sample", e)
     return EXIT_OK
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import tool_exit
-
     tool_exit("pipeline.sample", main)

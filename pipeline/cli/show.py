@@ -1,29 +1,20 @@
 """`python -m pipeline.show PATH [hydra.searchpath=[...]] [--json]`: what a checkpoint or a run directory
 holds, and whether it verifies.
 
-PATH is either a checkpoint directory (`.../checkpoints/step-00000010`, or the `best`/`final` link): its
-manifest summarised, then the same full verification evaluate does (manifest against itself, sizes,
-sha256, and every tensor's name, shape and dtype against what the manifest's config builds); or a run
-directory (`<output_dir>/runs/<name>-<hash>/`, or its `checkpoints/`): run.json's status and every
-checkpoint with its step, metrics, tags and validity, and where the links point. A config naming your own
-classes needs your config directory: `hydra.searchpath=[pkg://moons.conf]` (or file://DIR).
-
-Exit 0 if everything shown verifies, 1 if something does not (a damaged checkpoint or run.json: the
-one-line reason is printed), 2 with one line on stderr if PATH is not a directory, is a link that no tool
-follows (out of its run's checkpoints/, see pipeline/checkpoint/store.py), an argument is bad, or a
-checkpoint's config names a `_target_` that neither the pipeline's configs nor yours name (nothing it names
-is imported or built). Reading never writes: temporaries are listed, not removed.
+PATH is a checkpoint (its manifest summarised, then the full verification a resume does) or a run directory (or
+its `checkpoints/`: run.json's status, every checkpoint's step, metrics, tags and validity, where the links point).
+Exit 0 if everything shown verifies, 1 if not (the reason printed), 2 (one line) for a PATH that is not a directory,
+a link no tool follows, a bad argument or a `_target_` no config names. Reading never writes.
 """
 from __future__ import annotations
 
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    from pipeline.run.signals import SIGNALS_STATE
+from pipeline.run.signals import SIGNALS_STATE, tool_exit
 
+if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
     SIGNALS_STATE.install()
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from pipeline.files import jsonio
@@ -31,8 +22,9 @@ from pipeline.files.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import checkpoint_dir, file_hashes, is_checkpoint_dir, manifest_as_written
 from pipeline.run.directory import RunDir
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_OK
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, ConfigError, refuse
 
+NAME = "pipeline.show"
 SUMMARY = ("schema_version", "step", "epoch", "metrics", "tags", "config_hash", "data_manifest_hash", "git_sha",
            "git_dirty", "seed", "mlflow_run_uri", "lineage")
 
@@ -77,13 +69,9 @@ def describe_run(run_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
         out.update(checkpoints=[], links={}, temporaries=[], valid=False, reason=str(e))
         return out
     out["links"] = {name: {"target": t, "exists": (rundir.store.root / t).is_dir()} for name, t in links.items()}
-    checkpoints = []
-    for step, directory in steps:
-        d = describe_checkpoint(directory, overrides)
-        d["listed_step"] = step
-        d["links"] = sorted(name for name, t in links.items() if t == directory.name)
-        checkpoints.append(d)
-    out["checkpoints"] = checkpoints
+    out["checkpoints"] = checkpoints = [
+        {**describe_checkpoint(directory, overrides), "listed_step": step,
+         "links": sorted(name for name, t in links.items() if t == directory.name)} for step, directory in steps]
     root = rundir.store.root
     out["temporaries"] = sorted(p.name for p in root.iterdir() if p.name.startswith(TMP_PREFIX)) if root.is_dir() else []
     out["valid"] = all(c["valid"] for c in checkpoints) and all(link["exists"] for link in out["links"].values())
@@ -101,13 +89,11 @@ def _metrics(metrics) -> str:
 def render_checkpoint(d: dict) -> str:
     lines = [f"checkpoint {d['path']}" + (f" -> {d['link_target']}" if "link_target" in d else "")]
     if "step" in d:
-        lines.append(f"  step {d['step']}  epoch {d.get('epoch')}  schema_version {d.get('schema_version')}"
-                     f"  tags {','.join(d.get('tags') or []) or '-'}")
-        lines.append(f"  metrics: {_metrics(d.get('metrics'))}")
-        lines.append(f"  config_hash: {d.get('config_hash')}")
-        lines.append(f"  data_manifest_hash: {d.get('data_manifest_hash')}")
         dirty = {True: " (dirty)", False: "", None: ""}.get(d.get("git_dirty"), "")
-        lines.append(f"  git_sha: {d.get('git_sha')}{dirty}  seed: {d.get('seed')}")
+        lines += [f"  step {d['step']}  epoch {d.get('epoch')}  schema_version {d.get('schema_version')}"
+                  f"  tags {','.join(d.get('tags') or []) or '-'}", f"  metrics: {_metrics(d.get('metrics'))}",
+                  f"  config_hash: {d.get('config_hash')}", f"  data_manifest_hash: {d.get('data_manifest_hash')}",
+                  f"  git_sha: {d.get('git_sha')}{dirty}  seed: {d.get('seed')}"]
     for name, entry in sorted((d.get("files") or {}).items()):
         if isinstance(entry, dict):
             lines.append(f"  {name:<22} {entry.get('size', '?'):>12} B  sha256 {entry.get('sha256')}")
@@ -137,48 +123,37 @@ def render_run(d: dict) -> str:
     return "\n".join(lines)
 
 
-def is_run_dir(path: Path) -> bool:
-    rundir = RunDir(path)
-    return rundir.store.root.is_dir() or rundir.status_path.is_file()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.show", description=__doc__.splitlines()[0])
     ap.add_argument("path", type=Path, help="a checkpoint directory or a run directory")
     ap.add_argument("overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are")
     ap.add_argument("--json", action="store_true", help="print the description as JSON")
     args = ap.parse_args(argv)
-    from pipeline.config.errors import ConfigError
     from pipeline.config.targets import allowed
     from pipeline.run.trained import UnknownTargetError
 
-    path = args.path
+    path, overrides = args.path, tuple(args.overrides)
     if not path.is_dir():
-        print(f"pipeline.show: {path}: not a directory", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if bad := [o for o in args.overrides if not o.startswith("hydra.searchpath=")]:
-        print(f"pipeline.show: {bad[0]}: only hydra.searchpath=[...] can be given here", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse(NAME, f"{path}: not a directory")
+    if (bad := next((o for o in overrides if not o.startswith("hydra.searchpath=")), None)) is not None:
+        return refuse(NAME, f"{bad}: only hydra.searchpath=[...] can be given here")
     try:
         checkpoint_dir(path)  # nothing is read through a link out of a run
     except CheckpointError as e:
-        print(f"pipeline.show: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse(NAME, e)
     if RunDir(path.parent).store.root == path and not is_checkpoint_dir(path):
         path = path.parent  # a run's checkpoints/ stands for the run
     try:
-        overrides = tuple(args.overrides)
         allowed(overrides)  # a search path that is not there: said once, before any checkpoint is read
-        d = describe_run(path, overrides) if is_run_dir(path) else describe_checkpoint(path, overrides)
+        rundir = RunDir(path)
+        describe = describe_run if rundir.store.root.is_dir() or rundir.status_path.is_file() else describe_checkpoint
+        d = describe(path, overrides)
     except (UnknownTargetError, ConfigError) as e:
-        print(f"pipeline.show: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return refuse(NAME, e)
     print(jsonio.dumps(d).decode() if args.json else (render_run(d) if d["kind"] == "run" else render_checkpoint(d)),
           end="" if args.json else "\n")
     return EXIT_OK if d["valid"] else EXIT_ERROR
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import tool_exit
-
-    tool_exit("pipeline.show", main)
+    tool_exit(NAME, main)

@@ -1,9 +1,17 @@
 """What a bad config is (ConfigError), how a composition error reads in one line, and every exit code."""
 from __future__ import annotations
 
+import sys
+
 # Every entry point's exit codes (README: Exit codes): 0 done, 1 an error in the job, 2 bad input (nothing
 # started or changed), 75 preempted or interrupted (EX_TEMPFAIL: re-run the same command to resume).
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
+
+
+def refuse(tool: str, message: object) -> int:
+    """The one line a tool prints for bad input (`tool: message` on stderr); EXIT_BAD_INPUT, for main to return."""
+    print(f"{tool}: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 class ConfigError(ValueError):

@@ -47,3 +47,8 @@ def test_no_entry_point_exits_with_a_literal():
                             _literal_int(v) for v in ast.walk(r.value)):
                         found.append(f"{name}:{r.lineno}")
     assert not found, found
+
+
+def test_refuse_is_one_line_on_stderr_naming_the_tool_and_exit_2(capsys):
+    assert errors.refuse("pipeline.show", "x: not a directory") == errors.EXIT_BAD_INPUT == 2
+    assert capsys.readouterr() == ("", "pipeline.show: x: not a directory\n")
