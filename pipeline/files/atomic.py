@@ -22,6 +22,11 @@ _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 class UnsafePathError(OSError):
     """Something other than what we would have created sits where we write (a symlink, a directory...)."""
 
+    def __str__(self) -> str:  # one sentence for a person: "<path>: <reason>" or the reason naming it, no [Errno N]
+        if self.strerror is None:
+            return super().__str__()
+        return f"{self.filename}: {self.strerror}" if self.filename else self.strerror
+
 
 def environment_error(e: BaseException) -> str | None:
     """One line for an OSError of the machine (a full disk, a read-only or forbidden place), else None."""

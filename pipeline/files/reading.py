@@ -19,9 +19,6 @@ KINDS = ((stat.S_ISDIR, "a directory", errno.EISDIR), (stat.S_ISFIFO, "a FIFO", 
 class UnreadableFile(UnsafePathError):
     """Not a regular file, or over the reader's bound: refused like a planted link; str() is "<path>: <reason>"."""
 
-    def __str__(self) -> str:
-        return f"{self.filename}: {self.strerror}"
-
 
 def kind_of(st: os.stat_result) -> str:
     """'a FIFO', 'a character device', ... for what an lstat/fstat describes ('a regular file' included)."""

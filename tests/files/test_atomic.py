@@ -1,6 +1,7 @@
 """Writes that never follow a planted link nor leave a torn file (pipeline/files/atomic.py)."""
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -94,3 +95,16 @@ def test_remove_temporaries_does_not_follow_links(tmp_path, victim):
     os.symlink(victim, d / f"{TMP_PREFIX}dir" / "v")
     remove_temporaries(d)
     assert list(d.iterdir()) == [] and (outside / "keep").exists() and victim.read_text() == "precious"
+
+
+def test_a_refusal_reads_as_one_sentence_without_an_errno_prefix(tmp_path):
+    """What the tools print after "pipeline: " is str(e): the path and the reason, never "[Errno 40] ..."."""
+    from pipeline.files.atomic import refuse_link
+    from pipeline.files.reading import UnreadableFile
+
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UnsafePathError) as caught:
+        refuse_link(tmp_path / "link", "file")
+    assert str(caught.value) == f"{tmp_path / 'link'} is a symlink; refusing to follow it (remove it)"
+    assert caught.value.errno == errno.ELOOP  # the code is kept for callers that branch on it
+    assert str(UnreadableFile(errno.EINVAL, "is a FIFO, not a regular file", "/p")) == "/p: is a FIFO, not a regular file"
