@@ -74,9 +74,6 @@ class Signals:
         """Take over the signals (main thread only; elsewhere, e.g. a worker thread, leave them be)."""
         if self.installed or threading.current_thread() is not threading.main_thread():
             return
-        for s in SIGNALS:
-            signal.signal(s, self._handler)
-        self.installed = True
         previous, spec = sys.excepthook, getattr(sys.modules.get("__main__"), "__spec__", None)
         name = getattr(spec, "name", None) or "pipeline"  # the module `python -m` runs, or the main entry
 
@@ -88,7 +85,10 @@ class Signals:
             self.finish()
             os._exit(EXIT_PREEMPTED)  # noqa: SLF001 - the interpreter's own shutdown would print the traceback
 
-        sys.excepthook = hook
+        sys.excepthook = hook  # first: a signal between two of the handlers below already ends in one line
+        for s in SIGNALS:
+            signal.signal(s, self._handler)
+        self.installed = True
 
     def _handler(self, signum, frame) -> None:
         if self.received is not None or self.mode == DONE:
@@ -183,8 +183,8 @@ SIGNALS_STATE = Signals()  # one per process: the entry point installs it before
 def tool_exit(name: str, main, interrupted: str = "nothing was written") -> None:
     """Every tool's `__main__`: exit with what main() returns; a signal ends it with one line `<name>: interrupted
     by SIGINT; <interrupted>` and EXIT_PREEMPTED, never a KeyboardInterrupt traceback nor a negative code."""
-    SIGNALS_STATE.install()
     try:
+        SIGNALS_STATE.install()  # inside: a signal right after its handler is installed is already ours
         code = main()
     except Interrupted as e:
         code = _interrupted(name, e.args[0], interrupted)

@@ -259,6 +259,23 @@ def test_an_interrupted_tool_says_so_in_one_line_and_exits_75(tmp_path, sig):
     assert _one_line(err) == f"pipeline.sample: interrupted by {sig.name}; nothing was written"
 
 
+
+@pytest.mark.parametrize("entry", ["tool_exit", "module"])
+def test_a_signal_while_the_handlers_are_installed_ends_in_one_line(entry):
+    """The signal lands right after the first handler is in place, before install() returns (the race a
+    poll of SigCgt then a kill hits): still one line and 75, from tool_exit and from a module's top level."""
+    run = ("tool_exit('pipeline.sample', lambda: 0)" if entry == "tool_exit"
+           else "SIGNALS_STATE.install()\nprint('installed')")
+    code = ("import os, signal\nreal = signal.signal\n"
+            "def first_then_kill(s, h):\n    real(s, h)\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "signal.signal = first_then_kill\n"
+            "from pipeline.run.signals import SIGNALS_STATE, tool_exit\n" + run + "\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env_for_subprocess(), capture_output=True, text=True)
+    assert proc.returncode == 75, proc.stderr
+    name = "pipeline.sample" if entry == "tool_exit" else "pipeline"
+    assert _one_line(proc.stderr) == f"{name}: interrupted by SIGTERM; nothing was written"
+    assert proc.stdout == ""
+
 def test_every_tool_ends_through_tool_exit():
     root = Path(__file__).resolve().parents[2] / "pipeline"
     for name in ("cli/sample", "cli/evaluate", "cli/export_hf", "cli/show", "cli/reindex", "cli/register",
