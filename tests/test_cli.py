@@ -111,6 +111,29 @@ def test_help_lists_the_config_groups(cli, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+
+def test_hydra_mode_is_composed_for_only_where_something_can_set_it(tmp_path):
+    """The start skips Hydra's first composition (it only reads hydra.mode) unless an override, another config
+    directory or a config file of the tree can set hydra.mode."""
+    from pipeline.__main__ import mode_is_the_command_lines
+
+    conf = tmp_path / "conf"
+    (conf / "experiment").mkdir(parents=True)
+    (conf / "config.yaml").write_text("stages:\n  best_val:\n    mode: min\n")  # a monitor's mode is not Hydra's
+    assert mode_is_the_command_lines(["-m", "optimizer.lr=0.1,0.2"], conf)
+    for argv in (["hydra.mode=MULTIRUN"], ["--config-dir", "x"], ["-cd=x"], ["--config-name=other"],
+                 ["hydra.searchpath=[file://x]"]):
+        assert not mode_is_the_command_lines(argv, conf), argv
+    (conf / "experiment" / "grid.yaml").write_text("# @package _global_\nhydra:\n  mode: MULTIRUN\n")
+    assert not mode_is_the_command_lines([], conf)
+
+
+def test_hydra_mode_multirun_as_an_override_still_sweeps(cli, tmp_path):
+    out = tmp_path / "out"
+    proc = cli("hydra.mode=MULTIRUN", *KERNODECK, "optimizer.lr=0.01,0.02", f"paths.output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list((out / "runs").iterdir())) == 2 and len(list((out / "sweeps").iterdir())) == 1
+
 def hf_cosine_with_warmup(base_lr, step, warmup, total):
     if step < warmup:
         return base_lr * step / max(1, warmup)
