@@ -315,6 +315,14 @@ def slurm_unavailable() -> str | None:
     return None
 
 
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`--numprocesses=auto`: a worker per core, and one more when the slurm tests run: their worker spends
+    minutes asleep on the cluster's clock (one-minute time limits, requeues, paced jobs) while its core idles."""
+    cores = len(os.sched_getaffinity(0))
+    slurm_tests_run = slurm_unavailable() is None and "slow" not in (config.getoption("markexpr") or "")
+    return cores + 1 if slurm_tests_run else cores
+
 def pytest_collection_modifyitems(items) -> None:
     """The slurm tests share one cluster and its CPUs: one xdist worker runs them all, one after another."""
     for item in items:
@@ -386,7 +394,8 @@ def mlflow_server(root: Path, *store_args: str):
     log = open(root / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
                              "--workers", "1", "--backend-store-uri", f"sqlite:///{root}/srv.db", *store_args],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root,
+                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job runners
     uri = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: healthy(uri), "mlflow server to come up", limit=600)
@@ -400,6 +409,19 @@ def mlflow_server(root: Path, *store_args: str):
             proc.wait()
         log.close()
 
+
+
+SHARED_SERVER = pytest.mark.xdist_group("mlflow-server")  # the tests of the shared server: one worker, one start
+
+
+@pytest.fixture(scope="session")
+def shared_mlflow_server(tmp_path_factory):
+    """(URI, artifacts destination) of one `mlflow server` for the session, serving artifacts (mlflow's default
+    --artifacts-destination): a start costs ~15 s, so the tests marked SHARED_SERVER share it, each in an
+    experiment of its own."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    with mlflow_server(root, "--artifacts-destination", str(root / "server-artifacts")) as uri:
+        yield uri, root / "server-artifacts"
 
 def tree(root: Path, mtimes: str = "files") -> dict:
     """Every entry under `root` by relative path: its kind, size, mode, content (a file's sha256, a link's

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import KERNODECK, env_for_subprocess, mlflow_server, wait_until
+from conftest import KERNODECK, SHARED_SERVER, env_for_subprocess
 from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, MACHINE_TAGS, artifact_root,
                                       is_machine_key, params_of, tags_of)
 from pipeline.tracking.summary import MAX_ROWS, sweep_table
@@ -155,12 +155,10 @@ def test_a_sweep_without_tracking_ends_with_its_table(tmp_path):
 
 
 # --- end to end: a real tracking server that keeps the artifacts
-@pytest.fixture(scope="module")
-def artifact_server(tmp_path_factory):
-    """`mlflow server` on 127.0.0.1 and a free port, serving artifacts from its own --artifacts-destination."""
-    root = tmp_path_factory.mktemp("artifact-server")
-    with mlflow_server(root, "--artifacts-destination", str(root / "server-artifacts")) as uri:
-        yield uri, root / "server-artifacts"
+@pytest.fixture
+def artifact_server(shared_mlflow_server):
+    """The shared `mlflow server`, serving artifacts from its own --artifacts-destination."""
+    return shared_mlflow_server
 
 
 def _files(directory: Path) -> list[Path]:
@@ -168,6 +166,7 @@ def _files(directory: Path) -> list[Path]:
 
 
 @pytest.mark.slow
+@SHARED_SERVER
 def test_mlflow_tracking_uri_of_a_server_keeps_every_artifact_on_the_server(tmp_path, artifact_server):
     from mlflow import MlflowClient
 

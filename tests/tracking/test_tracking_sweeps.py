@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import KERNODECK, Proc, env_for_subprocess, run_pipeline, wait_until
-from conftest import mlflow_server as real_mlflow_server
+from conftest import KERNODECK, SHARED_SERVER, Proc, env_for_subprocess, run_pipeline, wait_until
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import descendants
 from pipeline.tracking.common import parse_run_uri
@@ -36,20 +35,21 @@ def sweep(out: Path, *overrides: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def family(uri: str):
-    """(client, parents, children) of every run in the store."""
+def family(uri: str, experiment: str | None = None):
+    """(client, parents, children) of every run in the store, or in its `experiment`."""
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)
-    ids = [e.experiment_id for e in client.search_experiments()]
+    ids = [e.experiment_id for e in client.search_experiments() if experiment in (None, e.name)]
     runs = client.search_runs(ids, max_results=1000)
     parents = [r for r in runs if r.data.tags.get("sweep") == "parent"]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     return client, parents, children
 
 
-def check_family(uri: str, n_children: int, status: str = "FINISHED", jobs: int | None = None):
-    client, parents, children = family(uri)
+def check_family(uri: str, n_children: int, status: str = "FINISHED", jobs: int | None = None,
+                 experiment: str | None = None):
+    client, parents, children = family(uri, experiment)
     assert len(parents) == 1, [p.data.tags.get("mlflow.runName") for p in parents]
     (parent,) = parents
     assert parent.info.status == status, parent.data.tags
@@ -191,21 +191,20 @@ def test_an_interrupted_joblib_sweep_stops_every_job_and_the_same_command_finish
             assert tags["resumes"] == "1"
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    """`mlflow server` on 127.0.0.1 and a free port, with its own sqlite store and artifact root."""
-    root = tmp_path_factory.mktemp("server")
-    with real_mlflow_server(root, "--default-artifact-root", str(root / "art")) as uri:
-        yield uri
+@pytest.fixture
+def mlflow_server(shared_mlflow_server):
+    return shared_mlflow_server[0]
 
 
+@SHARED_SERVER
 def test_a_tracking_server_receives_the_same_structure(tmp_path, mlflow_server):
     out = tmp_path / "out"
-    proc = sweep(out, "tracking=server", f"tracking.uri={mlflow_server}", "optimizer.lr=0.01,0.03")
+    proc = sweep(out, "tracking=server", f"tracking.uri={mlflow_server}", "tracking.experiment=same-structure",
+                 "optimizer.lr=0.01,0.03")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     no_tracking_trouble(proc)
     assert not (out / "mlflow.db").exists()
-    client, parent, children = check_family(mlflow_server, 2)
+    client, parent, children = check_family(mlflow_server, 2, experiment="same-structure")
     for child in children:
         check_finished_child(client, child, out)
         files = {a.path for a in client.list_artifacts(child.info.run_id)}
@@ -213,6 +212,7 @@ def test_a_tracking_server_receives_the_same_structure(tmp_path, mlflow_server):
     assert sorted(c.data.tags["mlflow.runName"] for c in children) == ["optimizer.lr=0.01", "optimizer.lr=0.03"]
 
 
+@SHARED_SERVER
 def test_mlflow_tracking_uri_from_the_environment_wins(tmp_path, mlflow_server):
     out = tmp_path / "out"
     env = {**env_for_subprocess(), "MLFLOW_TRACKING_URI": mlflow_server, "MLFLOW_EXPERIMENT_NAME": "from-env"}
