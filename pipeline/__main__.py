@@ -57,9 +57,18 @@ def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
     `argv` names hydra.mode or another config, and no YAML under `conf_dir` sets a `mode:` to RUN or MULTIRUN."""
     from pathlib import Path
 
+    from pipeline.files import reading
+
     if any(a.startswith(_OTHER_CONFIGS) or "hydra.mode" in a for a in argv):
         return False
-    return not any(_MODE_FROM.search(f.read_text(errors="replace")) for f in Path(conf_dir).rglob("*.yaml"))
+    for f in Path(conf_dir).rglob("*.yaml"):
+        try:
+            text = reading.read_bytes(f, 1 << 20).decode(errors="replace")
+        except OSError:  # a link, a FIFO, a file over 1 MiB: left to Hydra's own way, whatever it makes of it
+            return False
+        if _MODE_FROM.search(text):
+            return False
+    return True
 
 
 def _one_composition_to_run(conf_dir) -> None:

@@ -124,6 +124,10 @@ def test_hydra_mode_is_composed_for_only_where_something_can_set_it(tmp_path):
     for argv in (["hydra.mode=MULTIRUN"], ["--config-dir", "x"], ["-cd=x"], ["--config-name=other"],
                  ["hydra.searchpath=[file://x]"]):
         assert not mode_is_the_command_lines(argv, conf), argv
+    fifo = conf / "experiment" / "fifo.yaml"
+    os.mkfifo(fifo)  # never opened: what cannot be read as a file is left to Hydra
+    assert not mode_is_the_command_lines([], conf)
+    fifo.unlink()
     (conf / "experiment" / "grid.yaml").write_text("# @package _global_\nhydra:\n  mode: MULTIRUN\n")
     assert not mode_is_the_command_lines([], conf)
 
