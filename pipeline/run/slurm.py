@@ -22,21 +22,34 @@ def requeue_self() -> tuple[bool, str] | None:
     if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
         # an array task by its own name: its SLURM_JOB_ID can be the array's, whose requeue requeues every task
         job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+
+    def requeued_already(fields: dict) -> bool:
+        # a requeue by SLURM (`scontrol requeue`, preemption, submitit's own handler) counts the next run
+        # before this one has ended
+        return int(fields.get("Restarts") or 0) > int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
     try:
-        shown = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, timeout=60)
-        fields = dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
+        fields = _job_fields(job)
         state, reason = fields.get("JobState", "?"), fields.get("Reason", "?")
-        # a requeue by SLURM (`scontrol requeue`, preemption) counts the next run before this one has ended
-        if int(fields.get("Restarts") or 0) > int(os.environ.get("SLURM_RESTART_COUNT") or 0):
+        if requeued_already(fields):
             return True, f"SLURM job {job} is being requeued: it resumes from its newest checkpoint"
         if state != "RUNNING" and reason != "TimeLimit":  # ending for good (scancel): a requeue would revive it
             return False, f"SLURM job {job} is {state} (reason {reason}): it ends here, not requeued"
         r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        if r.returncode != 0 and requeued_already(_job_fields(job)):  # another requeue came first
+            return True, f"SLURM job {job} is being requeued: it resumes from its newest checkpoint"
     except (OSError, subprocess.TimeoutExpired, ValueError) as e:
         return False, f"SLURM job {job}: scontrol failed ({e}): not requeued"
     if r.returncode != 0:
-        return False, f"SLURM job {job}: `scontrol requeue` failed: {(r.stderr or r.stdout).strip()}"
+        said = (r.stderr or r.stdout).strip() or f"exit {r.returncode}"
+        return False, f"SLURM job {job}: `scontrol requeue` failed: {said}"
     return True, f"SLURM job {job} ({state}, reason {reason}) requeued: it resumes from its newest checkpoint"
+
+
+def _job_fields(job: str) -> dict:
+    """`scontrol show job JOB -o` as {field: value}."""
+    shown = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, timeout=60)
+    return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
 
 
 def signal_jobs(submitit_dir: Path, signum: int) -> list[str]:

@@ -62,6 +62,22 @@ def test_a_job_slurm_is_requeueing_leaves_it_to_slurm(scontrol, monkeypatch):
     assert calls(log) == ["show job 41 -o"]
 
 
+
+@pytest.mark.parametrize("then", [1, 0])
+def test_a_requeue_that_loses_the_race_to_another_asks_again(scontrol, tmp_path, then):
+    """submitit's own handler (or SLURM) requeued the job between our look and our `scontrol requeue`, which
+    then fails: a second look that counts the next run says requeued; one that does not, not requeued."""
+    log = scontrol("RUNNING")
+    count = tmp_path / "shows"
+    (tmp_path / "bin" / "scontrol").write_text(
+        f'#!/bin/sh\necho "$@" >> {log}\n'
+        f'if [ "$1" = show ]; then echo x >> {count}; n=$(wc -l < {count}); r=0; [ "$n" -gt 1 ] && r={then}\n'
+        f'  echo "JobId=41 JobState=RUNNING Reason=None Restarts=$r"; exit 0; fi\nexit 1\n')
+    requeued, said = slurm.requeue_self()
+    assert calls(log) == ["show job 41 -o", "requeue 41", "show job 41 -o"]
+    assert requeued == bool(then)
+    assert ("being requeued" in said) if then else said == "SLURM job 41: `scontrol requeue` failed: exit 1"
+
 def test_a_cancelled_job_ends_for_good(scontrol, monkeypatch):
     monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
     log = scontrol("COMPLETING", restarts=3)  # `scancel`: no requeue, or it would revive a cancelled job
