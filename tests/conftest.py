@@ -324,10 +324,14 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return cores + 1 if slurm_tests_run else cores
 
 def pytest_collection_modifyitems(items) -> None:
-    """The slurm tests share one cluster and its CPUs: one xdist worker runs them all, one after another."""
+    """The slurm tests share one cluster and its CPUs: one xdist worker runs them all, one after another. And
+    the longest go first, the slurm group (the longest chain), then the other slow tests: one of minutes begun
+    last would be the suite's tail, alone on a core while the other idles; the short ones fill the end."""
     for item in items:
         if item.get_closest_marker("slurm") is not None:
             item.add_marker(pytest.mark.xdist_group("slurm"))
+    first = ("slurm", "slow")
+    items.sort(key=lambda item: next((i for i, m in enumerate(first) if item.get_closest_marker(m)), len(first)))
 
 
 def pytest_runtest_setup(item) -> None:
