@@ -323,6 +323,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
     slurm_tests_run = slurm_unavailable() is None and "slow" not in (config.getoption("markexpr") or "")
     return cores + 1 if slurm_tests_run else cores
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group markers into the node ids
 def pytest_collection_modifyitems(items) -> None:
     """The slurm tests share one cluster and its CPUs: one xdist worker runs them all, one after another. And
     the longest go first, the slurm group (the longest chain), then the other slow tests: one of minutes begun

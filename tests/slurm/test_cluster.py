@@ -131,3 +131,11 @@ def test_cli_up_and_down_stop_every_pid_and_touch_nothing_outside(slurm_installe
     after = snapshot()
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     assert not changed, f"the cluster changed files outside {d}: {changed}"
+
+
+def test_the_slurm_tests_run_on_one_worker(request):
+    """Under xdist's loadgroup a test's group is in its node id: proof that conftest marked the slurm tests
+    before xdist read the marks (marked after, they were spread over the workers, sharing the cluster)."""
+    if not request.config.getoption("loadgroup", False) or "PYTEST_XDIST_WORKER" not in os.environ:
+        pytest.skip("not under xdist's --dist=loadgroup")
+    assert request.node.nodeid.endswith("@slurm"), request.node.nodeid
