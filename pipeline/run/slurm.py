@@ -54,14 +54,16 @@ def _job_fields(job: str) -> dict:
 
 def signal_jobs(submitit_dir: Path, signum: int) -> list[str]:
     """Pass a signal to the steps of every SLURM job submitted from `submitit_dir` (its folders are the job ids);
-    returns the ids. A job not running answers with an error, ignored: one that starts later refuses to."""
+    returns the ids. A job not running is left alone: one that starts later refuses to (the sweep's marker)."""
     if shutil.which("scancel") is None or not submitit_dir.is_dir():
         return []
     ids = sorted({p.name.split("_")[0] for p in submitit_dir.iterdir() if re.fullmatch(r"\d+(_\d+)?", p.name)})
     if ids:
         try:
-            subprocess.run(["scancel", f"--signal={signal.Signals(signum).name[3:]}", *ids], capture_output=True,
-                           timeout=60)
+            # the running ones only: to a pending task scancel answers "try again later" and retries 5 s later,
+            # when the task may have just started, before its Python handles signals (it dies without a result)
+            subprocess.run(["scancel", "--state=RUNNING", f"--signal={signal.Signals(signum).name[3:]}", *ids],
+                           capture_output=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired):
             return []  # an unreachable controller: the jobs run on; the pending ones still refuse to start
     return ids

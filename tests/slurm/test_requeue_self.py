@@ -104,7 +104,8 @@ def test_a_stopped_sweep_signals_the_steps_of_each_job_it_submitted_once(tmp_pat
     for name in ("12", "12_0", "12_1", "9", ".submission_file_x.sh", "notes"):
         (folder / name).mkdir(parents=True)
     assert slurm.signal_jobs(folder, signal.SIGTERM) == ["12", "9"]  # an array's id reaches all its tasks
-    assert calls(log) == ["--signal=TERM 12 9"]  # to the steps (no --full): the batch shell lives on
+    # to the steps (no --full: the batch shell lives on) of the running jobs (a pending one would be retried later)
+    assert calls(log) == ["--state=RUNNING --signal=TERM 12 9"]
     assert slurm.signal_jobs(tmp_path / "none", signal.SIGINT) == []
 
 
