@@ -323,14 +323,12 @@ def pytest_xdist_auto_num_workers(config) -> int:
     slurm_tests_run = slurm_unavailable() is None and "slow" not in (config.getoption("markexpr") or "")
     return cores + 1 if slurm_tests_run else cores
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group markers into the node ids
+
 def pytest_collection_modifyitems(items) -> None:
-    """The slurm tests share one cluster and its CPUs: one xdist worker runs them all, one after another. And
-    the longest go first, the slurm group (the longest chain), then the other slow tests: one of minutes begun
-    last would be the suite's tail, alone on a core while the other idles; the short ones fill the end."""
-    for item in items:
-        if item.get_closest_marker("slurm") is not None:
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+    """The longest go first, the slurm tests (one chain on one worker: their modules' xdist_group, given where
+    they are defined, since xdist reads the marks in its own hook of this name, before or after this one), then
+    the other slow tests: one of minutes begun last would be the suite's tail, alone on a core while the other
+    idles; the short ones fill the end."""
     first = ("slurm", "slow")
     items.sort(key=lambda item: next((i for i, m in enumerate(first) if item.get_closest_marker(m)), len(first)))
 

@@ -14,7 +14,7 @@ import pytest
 
 import cluster as slurm
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]  # one cluster: one worker, in turn
 
 WAIT = 300  # seconds; generous, because the machine may be busy: a pass takes a few seconds
 CLUSTER_PY = Path(slurm.__file__)
@@ -134,8 +134,9 @@ def test_cli_up_and_down_stop_every_pid_and_touch_nothing_outside(slurm_installe
 
 
 def test_the_slurm_tests_run_on_one_worker(request):
-    """Under xdist's loadgroup a test's group is in its node id: proof that conftest marked the slurm tests
-    before xdist read the marks (marked after, they were spread over the workers, sharing the cluster)."""
+    """Under xdist's loadgroup a test's group is in its node id: proof that the slurm tests carry their group
+    where xdist reads it (a mark added by a conftest hook came too late on some pytest versions: the tests were
+    spread over the workers, sharing the cluster)."""
     if not request.config.getoption("loadgroup", False) or "PYTEST_XDIST_WORKER" not in os.environ:
         pytest.skip("not under xdist's --dist=loadgroup")
     assert request.node.nodeid.endswith("@slurm"), request.node.nodeid

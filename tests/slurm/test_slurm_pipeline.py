@@ -26,7 +26,8 @@ PACE_S = 0.1
 LIMIT_S, DELAY_S = 60, 20  # one minute (SLURM's least), warned 20 s before: the warning lands 10-40 s in
 WAIT = 900  # seconds for anything on the cluster; a loaded machine is slow, a requeue takes ~7 s
 # each test waits up to WAIT on the cluster at several points: the suite-wide hang guard would cut a loaded run short
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(3 * WAIT)]
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm"), pytest.mark.slow,  # one cluster: one worker
+              pytest.mark.timeout(3 * WAIT)]
 
 
 def launcher(partition: str, *extra: str) -> tuple[str, ...]:
