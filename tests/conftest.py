@@ -320,7 +320,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
     """`--numprocesses=auto`: a worker per core, and one more when the slurm tests run: their worker spends
     minutes asleep on the cluster's clock (one-minute time limits, requeues, paced jobs) while its core idles."""
     cores = len(os.sched_getaffinity(0))
-    slurm_tests_run = slurm_unavailable() is None and "slow" not in (config.getoption("markexpr") or "")
+    slurm_tests_run = slurm_unavailable() is None and "not slow" not in (config.getoption("markexpr") or "")
     return cores + 1 if slurm_tests_run else cores
 
 
