@@ -117,7 +117,7 @@ def misfit(live, got, path: tuple = (), free: tuple[str, ...] = ()) -> tuple[tup
         if isinstance(live, kind) and not isinstance(got, kind):
             return path, f"{where}: expected {what}, got {_json_kind(got)}"
     if isinstance(live, dict):
-        if path and SEP.join(map(str, path)) in free:
+        if SEP.join(map(str, path)) in free:  # "" frees the part's top level
             return None
         missing, extra = sorted(set(live) - set(got)), sorted(set(got) - set(live))
         if missing or extra:

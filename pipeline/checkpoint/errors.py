@@ -14,6 +14,10 @@ class CheckpointError(Exception):
         super().__init__(f"{self.kind} {self.directory}: {file + ': ' if file else ''}{reason}")
 
 
+class MisfitError(CheckpointError):
+    """A checkpoint whose files verify but whose state does not fit the live run (another config, not damage)."""
+
+
 class RunFileError(CheckpointError):
     """A run's own file (run.json, metrics.jsonl) that is damaged; refused like a damaged checkpoint."""
 

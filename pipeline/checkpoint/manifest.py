@@ -1,6 +1,7 @@
 """manifest.json: the truth about a checkpoint and its run (fields: README, Checkpoints), built and checked here."""
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import re
@@ -43,6 +44,21 @@ def git_info(root: str = str(PROJECT_ROOT)) -> dict:
 
 
 @lru_cache(maxsize=None)
+def code_sha256(package: str = str(Path(__file__).resolve().parents[1])) -> str:
+    """sha256 over the package's Python files (each one's path and bytes, in path order): which code trained a
+    run, with or without git (an uncommitted edit changes it, a commit of the same bytes does not)."""
+    h = hashlib.sha256()
+    root = Path(package)
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" in path.parts or not path.is_file():
+            continue
+        data = path.read_bytes()
+        h.update(f"{path.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+@lru_cache(maxsize=None)
 def versions() -> dict:
     out = {"python": platform.python_version()}
     for name in PACKAGES:
@@ -82,7 +98,7 @@ def hardware() -> dict:
 
 def run_facts(config: dict, sources: dict, data_manifest_hash: str, data_spec: dict, data_facts: dict) -> dict:
     """The fields every checkpoint of a run carries, computed once; `data_facts` become each one's data.json."""
-    return {DATA_FACTS: data_facts, **git_info(), "config": config, "config_hash": config_hash(config),
+    return {DATA_FACTS: data_facts, **git_info(), "code_sha256": code_sha256(), "config": config, "config_hash": config_hash(config),
             "semantic_config_hash": semantic_hash(config, sources), "sources": dict(sources),
             "data_manifest_hash": data_manifest_hash, "data_spec": dict(data_spec), "seed": config["trainer"]["seed"],
             "versions": versions(), "hardware": hardware(), "mlflow_run_uri": None}

@@ -11,6 +11,7 @@ class Record:
     step: int
     metrics: dict = field(default_factory=dict, hash=False, compare=False)
     tags: frozenset = frozenset()
+    lineage: str | None = None  # the id of the run history that wrote it
 
 
 class Policy(Protocol):

@@ -20,9 +20,9 @@ from pipeline.files import reading
 from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, new_temp_dir, publish_dir,
                              remove_temporaries, remove_tree, replace_link, write_new)
 from pipeline.checkpoint import manifest as mf
-from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint.errors import CheckpointError, MisfitError
 from pipeline.checkpoint.retention import AnyOf, Policy, Record, Steps, select_one
-from pipeline.checkpoint.tensors import DigestMismatch, layout, read_tensors, write_tensors
+from pipeline.checkpoint.tensors import DigestMismatch, LayoutMisfit, layout, read_tensors, write_tensors
 from pipeline.stateful import PARTS, SEP, StateMismatch, capture, check, merge, split
 
 WEIGHTS, OPTIM, EXTRA, MANIFEST = "weights.safetensors", "optim.safetensors", "extra.json", "manifest.json"
@@ -56,7 +56,7 @@ class Checkpoint:
 
 def record_of(manifest: dict) -> Record:
     metrics = {k: jsonio.number(v) for k, v in manifest["metrics"].items()}
-    return Record(int(manifest["step"]), metrics, frozenset(manifest["tags"]))
+    return Record(int(manifest["step"]), metrics, frozenset(manifest["tags"]), manifest["lineage"]["id"])
 
 
 def _by_file(tree: dict) -> tuple[dict, dict, dict]:
@@ -322,6 +322,8 @@ def _read_tensor_file(directory: Path, name: str, entry: dict, expect: dict | No
         arrays, _ = read_tensors(directory / name, expected_sha256=entry["sha256"], expect=expect)
     except DigestMismatch:
         raise CheckpointError(directory, name, CORRUPTED) from None
+    except LayoutMisfit as e:
+        raise MisfitError(directory, name, str(e)) from None
     except (ValueError, OSError) as e:
         raise CheckpointError(directory, name, _os_reason(e)) from None
     return arrays
@@ -414,8 +416,8 @@ def load(directory: Path, parts: Mapping | None = None) -> Checkpoint:
         try:
             check(parts, tree)
         except StateMismatch as e:
-            raise CheckpointError(directory, files_of(e, tree, live), f"{e.part} does not fit the live run: "
-                                                                       f"{e.reason}") from None
+            raise MisfitError(directory, files_of(e, tree, live), f"{e.part} does not fit the live run: "
+                                                                    f"{e.reason}") from None
     return Checkpoint(given, manifest, tree, data)
 
 
@@ -477,14 +479,17 @@ class CheckpointStore:
                     self._records[step] = record_of(read_manifest(directory))
         return [self._records[s] for s in sorted(self._records)]
 
-    def newest_valid(self, parts: Mapping | None = None) -> tuple[Checkpoint | None, list[str]]:
-        """The newest checkpoint that verifies (and fits `parts`), and a line for each newer one skipped."""
+    def newest_valid(self, parts: Mapping | None = None) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
+        """The newest checkpoint that verifies (and fits `parts`), and (directory, why) for each newer one skipped:
+        damaged, or verified but made by a config whose state does not fit the live run."""
         skipped = []
         for _, directory in reversed(self.steps()):
             try:
                 return load(directory, parts), skipped
+            except MisfitError as e:
+                skipped.append((directory, f"it verifies, but does not fit this config: {e}"))
             except CheckpointError as e:
-                skipped.append(str(e))
+                skipped.append((directory, f"damaged: {e}"))
         return None, skipped
 
     def newest_manifest(self) -> tuple[Path, dict] | None:
@@ -505,13 +510,14 @@ class CheckpointStore:
         self._records[step] = record_of(manifest)
         return Checkpoint(directory, manifest, tree, fields[mf.DATA_FACTS])
 
-    def retain(self, policy: Policy, links: dict[str, Policy], upto: int) -> None:
+    def retain(self, policy: Policy, links: dict[str, Policy], upto: int, lineage: str) -> None:
         """Point each link at what its policy selects, then delete the step directories no policy keeps.
 
-        Steps after `upto` (the current step) are left-overs of an attempt this run fell back past: never kept.
-        A link no stage declares any more (a stage removed by override) keeps its target."""
+        Only checkpoints of the history being run (`lineage`, up to the current step `upto`) are ever linked or
+        deleted; any other step directory (another history's, an unreadable one) is left where it is. A link
+        no stage declares any more (a stage removed by override) keeps its target."""
         present_steps, present_links = self.scan()  # once: linking changes no step directory
-        records = [r for r in self.records() if r.step <= upto]
+        records = [r for r in self.records() if r.step <= upto and r.lineage == lineage]
         orphan_targets = {int(STEP_DIR.match(t).group(1)) for name, t in present_links.items() if name not in links}
         keep = AnyOf((policy, Steps(frozenset(orphan_targets)), *links.values())).keep(records)
         for name, link_policy in links.items():
@@ -520,7 +526,7 @@ class CheckpointStore:
                 killpoint.point("save", f"before {name} link")
                 replace_link(self.root / name, step_dir_name(target))
         for step, directory in present_steps:
-            if step not in keep:
+            if step not in keep and step in {r.step for r in records}:
                 killpoint.point("save", "before delete")
                 discard_dir(directory)
                 self._records.pop(step, None)

@@ -164,6 +164,10 @@ class _Malformed(ValueError):
     pass
 
 
+class LayoutMisfit(ValueError):
+    """A file that verifies but holds other names, dtypes or shapes than the live state expects."""
+
+
 class _Misfit(_Malformed):
     """A well-formed file holding other tensors than expected."""
 
@@ -292,5 +296,5 @@ def read_tensors(path: Path, expected_sha256: str | None = None,
     if expected_sha256 is not None and digest != expected_sha256:
         raise DigestMismatch(f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}...")
     if problem:
-        raise ValueError(problem)
+        raise (LayoutMisfit if problem.startswith("does not fit") else ValueError)(problem)
     return resolve_aliases(arrays, metadata), metadata

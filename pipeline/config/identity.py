@@ -27,6 +27,9 @@ FIXED_BY_STATE = {
 }
 
 
+_ABSENT = object()
+
+
 def canonical_json(obj) -> bytes:
     """The bytes every hash in this project is taken over: sorted keys, no spaces, UTF-8, standard JSON."""
     return jsonio.dumps(obj, canonical=True)
@@ -95,6 +98,24 @@ def changed_keys(old: dict, new: dict) -> dict[str, tuple]:
     absent = "<absent>"
     return {k: (a.get(k, absent), b.get(k, absent)) for k in sorted(set(a) | set(b))
             if canonical_json(a.get(k, absent)) != canonical_json(b.get(k, absent))}
+
+
+def described(old: dict, new: dict, keys=None) -> list[str]:
+    """Each change between two configs in words: `key old -> new`, or a whole node (a stage) `added`/`removed`;
+    `keys`: only the changed keys for which it returns True."""
+    said: dict[str, str] = {}
+    for key, (a, b) in changed_keys(old, new).items():
+        if keys is not None and not keys(key):
+            continue
+        parts = key.split(".")
+        for i in range(1, len(parts) + 1):
+            node = ".".join(parts[:i])
+            if get(old, node, _ABSENT) is _ABSENT or get(new, node, _ABSENT) is _ABSENT:
+                said[node] = f"{node} {'added' if get(old, node, _ABSENT) is _ABSENT else 'removed'}"
+                break
+        else:
+            said[key] = f"{key} {a!r} -> {b!r}"
+    return list(said.values())
 
 
 def covered(key: str, allowed: list[str]) -> bool:

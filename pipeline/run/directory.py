@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from pipeline.files import jsonio, reading
-from pipeline.files.atomic import UnsafePathError, ensure_dirs, named, open_append, refuse_link, replace_file
+from pipeline.files.atomic import (UnsafePathError, ensure_dirs, fsync_dir, named, open_append, refuse_link,
+                                   replace_file)
 from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.store import CheckpointStore
 
@@ -215,16 +216,53 @@ class RunDir:
         replace_file(self.hydra_dir / "overrides.yaml",
                      "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides).encode() or b"[]\n")
 
-    def supersede(self) -> Path:
-        """Move the run history (checkpoints, metrics, status) into superseded/<when>/, returned; nothing is deleted."""
+    def _superseded_dir(self) -> Path:
         dest = ensure_dirs(self.path, "superseded") / time.strftime("%Y%m%d-%H%M%S")
         n = 0
         while os.path.lexists(dest):
             n += 1
             dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
         os.mkdir(dest)
+        return dest
+
+    def supersede(self) -> Path:
+        """Move the run history (checkpoints, metrics, status) into superseded/<when>/, returned; nothing is deleted."""
+        dest = self._superseded_dir()
         for p in (self.store.root, self.metrics_path, self.status_path):
             if os.path.lexists(p):
                 os.rename(p, dest / p.name)
+        fsync_dir(self.path)
+        self.store = CheckpointStore(self.store.root)
+        return dest
+
+    def set_aside(self, step_dirs: list[Path], metrics: bool, snapshot: bool) -> Path:
+        """Into superseded/<when>/, returned: these step directories, moved; with `metrics`, metrics.jsonl as it is
+        now; with `snapshot`, every other step directory and link of checkpoints/ as it stands. What stays in
+        place is kept by second names (hard links) to the same files: no byte is copied, and a file is never
+        rewritten in place, so each name keeps what it holds now."""
+        dest = self._superseded_dir()
+        store = dest / self.store.root.name
+        if step_dirs or snapshot:
+            os.mkdir(store)
+        for d in step_dirs:
+            os.rename(d, store / d.name)
+        if snapshot:
+            steps, links = self.store.scan()
+            for _, d in steps:
+                os.mkdir(store / d.name)
+                with os.scandir(d) as it:
+                    for e in it:
+                        if e.is_file(follow_symlinks=False):
+                            os.link(e.path, store / d.name / e.name, follow_symlinks=False)
+                fsync_dir(store / d.name)
+            for name, target in links.items():
+                os.symlink(target, store / name)
+        if step_dirs or snapshot:
+            fsync_dir(store)
+            fsync_dir(self.store.root)
+        if metrics and os.path.lexists(self.metrics_path):
+            refuse_link(self.metrics_path)
+            os.link(self.metrics_path, dest / self.metrics_path.name, follow_symlinks=False)
+        fsync_dir(dest)
         self.store = CheckpointStore(self.store.root)
         return dest

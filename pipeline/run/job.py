@@ -159,7 +159,7 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
                              "command")
         with SIGNALS_STATE.deferring():
             try:
-                if not rundir.read_only:
+                if not rundir.read_only and not run.settled():  # a finished run's re-run changes no file of it
                     try:
                         rundir.claim()
                         rundir.write_hydra(config_yaml, overrides)

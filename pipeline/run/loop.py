@@ -18,6 +18,7 @@ from pipeline.checkpoint.retention import AnyOf, LatestN
 from pipeline.checkpoint.store import Checkpoint
 from pipeline.run.assemble import Job
 from pipeline.run.directory import RunDir
+from pipeline.config import identity
 from pipeline.config.checks import parse_duration
 from pipeline.config.errors import EXIT_OK, EXIT_PREEMPTED
 from pipeline.run.signals import Signals
@@ -30,6 +31,7 @@ from pipeline.trainer.loop import epoch_ended, epochs_done, fit, metrics_of
 from pipeline.trainer.metrics_log import MetricsLog
 
 log = logging.getLogger("pipeline")
+RETENTION = ("stages", "checkpoint")  # config nodes that choose which checkpoints stay
 
 
 class Preempted(Exception):
@@ -48,40 +50,76 @@ class Run:
         self.overrides = list(overrides)  # the command's, for the identical command in the end summary
         self.job_started = started  # a sweep's job: when it started, not its process
         self.state = job.state
-        self.store = rundir.store
         self.lineage: dict | None = None
         self.complete = False
         self.resumed: Checkpoint | None = None
         self.metrics_kept: list[dict] | None = None  # what metrics.jsonl is cut to, written once the run claims
         self.superseded: Path | None = None  # where an earlier history went (resume.source), if it moved
+        self.aside: list[Path] = []  # newer checkpoints the resume fell back past: to superseded/, never deleted
+        self.metrics_cut = False  # metrics.jsonl holds lines past the resumed step: the whole file is kept aside
+        self.retuned: list[str] = []  # retention or the math changed since the checkpoint: its store is kept aside
         self.history: dict = {"started": started, "resumes": []}  # run.json: first start, resumes
         self.keep = AnyOf(tuple(p for s in job.stages if (p := s.policy()) is not None) + (LatestN(1),))
         self.links = {s.link: s.link_policy() for s in job.stages if s.link}
         max_time = job.config["trainer"].get("max_time")
         self.budget = budget.Budget(None if max_time is None else parse_duration(max_time))
 
+    @property
+    def store(self):
+        return self.rundir.store  # a new object once a history moves aside
+
     # --- before training: what the resume stage decides (pipeline/stages/resume.py)
     def begin(self, lineage: dict, resumed: Checkpoint | None = None, metrics: list[dict] | None = None,
-              allowed: dict | None = None) -> None:
+              allowed: dict | None = None, metrics_cut: bool = False) -> None:
         """The history this run continues: `resumed` None from scratch; `metrics` None keeps metrics.jsonl as it is."""
         self.lineage, self.resumed = lineage, resumed
         self.complete = resumed is not None and self.state.progress.ended is not None
         if allowed:
             self.job.facts["allowed_changes"] = allowed
         if not self.complete:
-            self.metrics_kept = metrics
+            self.metrics_kept, self.metrics_cut = metrics, metrics_cut
         own = resumed is not None and resumed.directory.parent == self.store.root  # not a fork's source
+        if own:
+            self.retuned = identity.described(resumed.manifest["config"], self.job.config,
+                                              lambda k: identity.covered(k, list(RETENTION)) or k in (allowed or {}))
         previous = self.rundir.read_status() if own else {}
         if isinstance(previous.get("started"), (int, float)):
             self.history = {"started": previous["started"], "resumes": list(previous.get("resumes") or [])}
             if not self.complete:
                 self.history["resumes"].append({"step": resumed.step, "time": time.time()})
 
+    def settled(self) -> bool:
+        """A complete run whose run.json says so: a re-run confirms it and changes no file of it."""
+        return self.complete and self.rundir.read_status().get("status") == "complete"
+
+    def set_aside(self, directories: list[Path]) -> None:
+        """Step directories this run will not continue, moved to superseded/ once it claims the directory."""
+        self.aside = list(directories)
+
+    def holds_history(self) -> bool:
+        """Whether the run directory holds a history (checkpoints, metrics, a status) a fresh start must keep."""
+        rundir = self.rundir
+        return bool(self.store.steps() or rundir.metrics_path.exists() or rundir.status_path.exists())
+
     def supersede(self) -> Path:
         """Move the run directory's other history aside, whole (a signal waits): set-up's one durable change."""
         with self.signals.atomic():
             self.superseded = self.rundir.supersede()
         return self.superseded
+
+    def keep_history(self) -> None:
+        """Before this run changes anything it found: the checkpoints it fell back past go to superseded/<when>/,
+        and so does what it cuts back (metrics.jsonl past its resume step), or what a changed policy could prune
+        (every checkpoint and link as they stood, as second names of the same files: no bytes copied). Nothing
+        earlier is deleted: an earlier history's best and final stay reachable whatever the live stages say."""
+        if not (self.aside or self.metrics_cut or self.retuned):
+            return
+        where = self.rundir.set_aside(self.aside, metrics=self.metrics_cut, snapshot=bool(self.retuned))
+        kept = [p.name for p in self.aside] + ["metrics.jsonl"] * self.metrics_cut
+        if self.retuned:
+            kept.append(f"the checkpoints as they stood (changed since the checkpoint: {', '.join(self.retuned)})")
+        log.warning("kept in %s (nothing is deleted): %s", where, "; ".join(kept))
+        self.aside, self.metrics_cut, self.retuned = [], False, []
 
     def rundir_of(self, path: Path) -> RunDir:
         """Another run directory, to read (for the stages, a layer below RunDir)."""
@@ -137,7 +175,7 @@ class Run:
             ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
         except OSError as e:
             raise named(e, self.store.root)  # a write inside the temporary checkpoint: name the store
-        self.store.retain(self.keep, self.links, upto=self.state.step)
+        self.store.retain(self.keep, self.links, upto=self.state.step, lineage=self.lineage["id"])
         self.budget.saved(budget.monotonic() - started)
         tracker.log_checkpoint(ckpt.directory, ckpt.manifest)
         return ckpt
@@ -195,6 +233,10 @@ class Run:
             tracking_uri=getattr(tracker, "uri", None), overrides=self.overrides,
             samples=bool(self.state.dataset.spec.vocab_size)))
 
+    def unapplied(self) -> str:
+        """What of the live config differs from the config the finished run recorded."""
+        return "; ".join(identity.described(self.resumed.manifest["config"], self.job.config))
+
     def _metrics(self) -> str:
         return " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items()))
 
@@ -210,17 +252,22 @@ class Run:
     def execute(self) -> int:
         if self.complete:
             # A process killed between its last save and its last word: finish what it left (links, pruning,
-            # status); idempotent, so a complete run is left exactly as it was.
+            # status). A run that says complete is left exactly as it is, whatever the live config says now.
             if not self.rundir.read_only:  # on a read-only medium it is confirmed as it is
-                self.store.retain(self.keep, self.links, upto=self.state.step)
-                if self.rundir.read_status().get("status") != "complete":
+                if not self.settled():
+                    self.keep_history()
+                    self.store.retain(self.keep, self.links, upto=self.state.step, lineage=self.lineage["id"])
                     self.write_status("complete")
                 if not (self.rundir.path / curves.NAME).exists():  # killed before its curve was drawn
                     self._draw()
             self.job.tracker.attach(self.rundir.path)  # a sweep job: its run shows in the sweep
             print(f"run {self.rundir.path} is complete at step {self.state.step}: {self._metrics()}")
+            if unapplied := self.unapplied():
+                log.warning("not applied to a finished run: %s (resume.allow_changes=[...] with more steps trains "
+                            "it on; resume=never trains anew)", unapplied)
             return EXIT_OK
         tracker = self.job.tracker
+        self.keep_history()
         if self.metrics_kept is not None:
             self.rundir.keep_metrics(self.metrics_kept)
         log.info("%s", report.start_block(self.job, self.rundir.path))

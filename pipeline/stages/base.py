@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.checkpoint.retention import Policy, check_best
+from pipeline.stateful import BadValue, fit_reason
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,18 @@ class Stage:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def continues(self, saved: dict) -> str | None:
+        """Why a saved state of this stage no longer means the same with the live parameters (None: it does)."""
+        return None
+
+    def fit_reason(self, saved: dict) -> str | None:
+        """Why `saved` cannot replace this stage's state (keys, JSON kinds), or None."""
+        return fit_reason(self.state_dict(), saved, self.name)
+
 
 class Watch(Stage):
-    """A stage following the best finite value of the metric `monitor` (mode min or max); it rides in checkpoints."""
+    """A stage following the best finite value of the metric `monitor` (mode min or max); it rides in checkpoints
+    with the monitor and mode it was measured by, so another monitor or mode starts a new best history."""
 
     def __init__(self, monitor: str, mode: str, order: int):
         super().__init__(order)
@@ -64,7 +74,19 @@ class Watch(Stage):
         self.best_step: int | None = None
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "best_step": self.best_step}
+        return {"best": self.best, "best_step": self.best_step, "monitor": self.monitor, "mode": self.mode}
+
+    def continues(self, saved: dict) -> str | None:
+        # A state saved before monitor and mode rode along was measured by the live ones (nothing else could
+        # resume it then).
+        old = (saved.get("monitor", self.monitor), saved.get("mode", self.mode))
+        if old != (self.monitor, self.mode):
+            return f"monitor {old[0]!r:.80} mode {old[1]!r:.10} -> {self.monitor!r} mode {self.mode!r}"
+        return None
+
+    def fit_reason(self, saved: dict) -> str | None:
+        live = {k: v for k, v in self.state_dict().items() if k in saved or k not in ("monitor", "mode")}
+        return fit_reason(live, saved, self.name)
 
     def check_state_dict(self, state: dict) -> None:
         check_best(state["best"], state["best_step"], self.mode)
@@ -75,28 +97,43 @@ class Watch(Stage):
 
 
 class StageStates:
-    """The `stages` part of the state: every stage's own state by name. A stage added or removed by
-    override since the checkpoint (stages are not part of the run's identity) starts fresh or is dropped."""
+    """The `stages` part of the state: every stage's own state by name. Stages are not part of the run's
+    identity, so a resume meets stages added, removed or re-tuned by override since the checkpoint: a stage the
+    checkpoint holds no state for starts fresh, a saved state no stage claims is dropped, and a re-tuned stage
+    keeps its state unless `continues` says it no longer means the same (then it starts fresh too). `notes`
+    says, after a load, what was not restored; `fresh` names the stages that start anew."""
+
+    free_form_state = ("",)  # the names vary with the config: each stage checks its own entry
 
     def __init__(self, stages: list[Stage]):
         self.stages = stages
-        self.free_form_state = ("",)
+        self.notes: list[str] = []
+        self.fresh: set[str] = set()
 
     def state_dict(self) -> dict:
         return {s.name: s.state_dict() for s in self.stages}
 
-    def check_state_dict(self, state: dict) -> None:
-        from pipeline.stateful import fit_reason
+    def _restored(self, state: dict) -> list[Stage]:
+        return [s for s in self.stages if isinstance(state.get(s.name), dict) and not s.continues(state[s.name])]
 
-        for s in self.stages:
-            if s.name in state:
-                if reason := fit_reason(s.state_dict(), state[s.name], s.name):
-                    raise ValueError(reason)
-                own = getattr(s, "check_state_dict", None)
-                if own is not None:
-                    own(state[s.name])
+    def check_state_dict(self, state: dict) -> None:
+        for name, saved in state.items():
+            if not isinstance(saved, dict):
+                raise BadValue(name, f"{name}: expected an object, got {type(saved).__name__}")
+        for s in self._restored(state):
+            if reason := s.fit_reason(state[s.name]):
+                raise BadValue(s.name, reason)
+            own = getattr(s, "check_state_dict", None)
+            if own is not None:
+                own(state[s.name])
 
     def load_state_dict(self, state: dict) -> None:
-        for s in self.stages:
-            if s.name in state:
-                s.load_state_dict(state[s.name])
+        restored = self._restored(state)
+        for s in restored:
+            s.load_state_dict(state[s.name])
+        live = {s.name for s in self.stages}
+        self.fresh = live - {s.name for s in restored}
+        self.notes = [f"{s.name}: {s.continues(state[s.name])}: a new history from here" if s.name in state else
+                      f"{s.name}: not in the checkpoint, starts fresh here" for s in self.stages if s.name in self.fresh]
+        self.notes += [f"{name}: no such stage in this config, its saved state is dropped"
+                       for name in sorted(set(state) - live)]

@@ -42,10 +42,11 @@ class Resume(Stage):
 
     def _own(self, run) -> None:
         ckpt, skipped = run.store.newest_valid(run.job.parts)
-        for reason in skipped:
-            log.warning("not resuming from a damaged checkpoint, falling back: %s", reason)
         if ckpt is None:
-            return start_fresh(run)
+            return start_fresh(run, [why for _, why in skipped])
+        for directory, why in skipped:
+            log.warning("not resuming from %s (it goes to superseded/, nothing is deleted): %s", directory.name, why)
+        run.set_aside([directory for directory, _ in skipped])
         _continue(run, ckpt, ckpt.manifest["lineage"], run.rundir.read_metrics(), self.allow_changes)
 
     def _fork(self, run, source: Path) -> None:
@@ -60,17 +61,23 @@ class Resume(Stage):
         allowed = _restore(run.job, src, self.allow_changes)  # refusals first: nothing on disk has changed yet
         owner = run.rundir_of(source.parent.parent)  # the source's run directory, if it is a step of one
         history = owner.read_metrics() if owner.store.root == source.parent else []
-        rundir = run.rundir
-        if run.store.steps() or rundir.metrics_path.exists() or rundir.status_path.exists():
+        if run.holds_history():
             where = run.supersede()
             log.warning("this run directory held another run history; moved it to %s (nothing deleted) to "
                         "continue from %s", where, source)
-        _begin(run, src, lineage, history, allowed)
+        _begin(run, src, lineage, history, allowed, own=False)
 
 
-def start_fresh(run) -> None:
-    """A history from scratch (what a killed attempt logged before its first checkpoint is dropped)."""
-    run.begin(lineage_of(run.job.semantic_hash, None), metrics=[] if run.rundir.metrics_path.exists() else None)
+def start_fresh(run, skipped: list[str] = ()) -> None:
+    """A history from scratch; what an earlier one left in the run directory (checkpoints none of which this
+    run can continue, metrics.jsonl, run.json) is moved whole to superseded/ first, never deleted."""
+    for why in skipped:
+        log.warning("not resuming from a checkpoint: %s", why)
+    if run.holds_history() and not run.rundir.read_only:  # read-only: the job ends next, nothing written
+        where = run.supersede()
+        log.warning("this run directory held an earlier run history that this start does not continue; moved it "
+                    "to %s (nothing deleted)", where)
+    run.begin(lineage_of(run.job.semantic_hash, None))
     log.info("starting a new run in %s", run.rundir.path)
     if not run.in_sweep:  # in a sweep, the siblings differ on purpose
         say_if_a_sibling_differs(run)
@@ -80,11 +87,32 @@ def _continue(run, ckpt: Checkpoint, lineage: dict, history: list[dict], allow: 
     _begin(run, ckpt, lineage, history, _restore(run.job, ckpt, allow))
 
 
-def _begin(run, ckpt: Checkpoint, lineage: dict, history: list[dict], allowed: dict) -> None:
-    run.begin(lineage, ckpt, [ln for ln in history if ln["step"] <= ckpt.step], allowed)
+def _begin(run, ckpt: Checkpoint, lineage: dict, history: list[dict], allowed: dict, own: bool = True) -> None:
+    """`history`: the metrics the checkpoint's run logged (own: this directory's, cut back to the resumed step)."""
+    kept = [ln for ln in history if ln["step"] <= ckpt.step]
+    run.begin(lineage, ckpt, kept, allowed, metrics_cut=own and len(kept) < len(history))
+    if differs := code_change(ckpt.manifest, run.job.facts):
+        log.warning("%s %s was trained by other code than this: %s; %s", "run" if run.complete else "checkpoint",
+                    ckpt.directory, differs, "it is left as it is (resume=never trains it anew with this code)"
+                    if run.complete else "resuming with this code (resume=never trains anew)")
     if not run.complete:
         log.info("resuming from step %d of %d (epoch %d): %s", ckpt.step, run.state.total_steps, run.state.epoch,
                  ckpt.directory)
+
+
+def code_change(manifest: dict, facts: dict) -> str | None:
+    """How the code a checkpoint was written by differs from this process's (None: the same, or unknown)."""
+    def name(f: dict) -> str:
+        dirty = " with uncommitted changes" if f.get("git_dirty") else ""
+        code = f" (code sha256 {f['code_sha256'][:12]})" if isinstance(f.get("code_sha256"), str) else ""
+        return f"commit {str(f.get('git_sha'))[:12]}{dirty}{code}"
+    if isinstance(manifest.get("code_sha256"), str) and isinstance(facts.get("code_sha256"), str):
+        same = manifest["code_sha256"] == facts["code_sha256"]
+    elif "unknown" in (manifest.get("git_sha"), facts.get("git_sha")) or not manifest.get("git_sha"):
+        return None
+    else:  # a checkpoint from before code_sha256: two edits of one commit cannot be told apart
+        same = (manifest.get("git_sha"), manifest.get("git_dirty")) == (facts.get("git_sha"), facts.get("git_dirty"))
+    return None if same else f"{name(manifest)}, now {name(facts)}"
 
 
 def _restore(job, ckpt: Checkpoint, allow: list[str]) -> dict:
@@ -93,6 +121,8 @@ def _restore(job, ckpt: Checkpoint, allow: list[str]) -> dict:
     refuse(changes, allow, ckpt.directory)
     try:
         restore(job.parts, ckpt.state)
+        for note in job.parts["stages"].notes:
+            log.info("resuming at step %d: stages.%s", ckpt.step, note)
     except StateMismatch as e:
         why = f" (with the allowed changes {', '.join(changes)})" if changes else ""
         raise CheckpointError(ckpt.directory, files_of(e, ckpt.state, capture(job.parts)),
