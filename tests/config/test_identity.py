@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from conftest import KERNODECK, TINY, config_of, run_job, the_run
-from pipeline.config.identity import changed_keys, covered, run_name, semantic_config, semantic_hash
+from conftest import KERNODECK, PROJECT_ROOT, TINY, config_of, run_job, the_run
+from pipeline.config.identity import SOURCES, changed_keys, covered, run_name, semantic_config, semantic_hash
 from pipeline.run.assemble import build
 
 
@@ -78,3 +78,98 @@ def test_resume_never_gets_a_unique_directory_even_in_the_same_second(tmp_path):
     cfg = config_of(*KERNODECK, f"paths.output_dir={tmp_path}", "resume=never")
     names = {build(cfg).run_dir.name for _ in range(5)}
     assert len(names) == 5 and all(n.startswith(run_name(cfg)) for n in names)
+
+
+# --- every leaf of every shipped config -----------------------------------------------------------------------
+# The keys that may change without naming another run, each with why it leaves the math alone. Every other leaf
+# of every shipped option must change the semantic hash: a key wrongly left out would let a changed model or
+# schedule resume into the old run (drift compares the same semantic config) or share its name.
+NOT_SEMANTIC = {
+    "paths": "where the outputs go",
+    "tracking": "how the run is indexed in mlflow; the manifests are the truth",
+    "trainer.log_every": "how often metrics are logged, not what they are",
+    "trainer.progress_bar": "how progress is shown",
+    "trainer.threads": "threads running the same shards: byte-identical updates (trainer/parallel.py)",
+    "trainer.max_time": "when the process checkpoints and exits for a requeue; the resumed run goes on bit for bit",
+    "trainer.on_nonfinite": "whether a non-finite loss ends the run; the updates before it are the same",
+    "resume": "whether and from what the run resumes, not what it computes",
+    "stages": "when to evaluate (pure), checkpoint, keep and stop: never what an update computes",
+    "checkpoint": "when checkpoints are written; a resume from any of them goes on bit for bit",
+    "verify": "the verifier's own settings",
+    "optimized_metric": "what a sweeper optimises across runs",
+    "data.max_bytes": "a bound on the input file's size; the file's bytes are hashed (data.path)",
+}
+
+
+def shipped_configs(tmp_path) -> list[dict]:
+    """Configs that between them use every option of every group under conf/ (plain, as the job sees them)."""
+    conf = PROJECT_ROOT / "conf"
+    top = {p.name for p in conf.iterdir() if p.is_dir()} - {"hydra"}  # hydra's node is not in the plain config
+    groups = {str(d.relative_to(conf)): sorted(f.stem for f in d.glob("*.yaml"))
+              for d in conf.rglob("*") if d.is_dir() and d.relative_to(conf).parts[0] in top}
+    (tmp_path / "corpus.txt").write_text("the cat sat on the mat. " * 20)
+    experiments = groups.pop("experiment")  # an experiment overrides other groups: each composed on its own
+    combos = [[f"experiment={e}"] for e in experiments]
+    for i in range(max(len(options) for options in groups.values())):  # the i-th option of every group at once
+        combo = [f"{'' if '/' not in g else '+'}{g}={options[i % len(options)]}" for g, options in groups.items()]
+        if "data=text" in combo:
+            combo.append(f"data.path={tmp_path / 'corpus.txt'}")
+        combos.append(combo)
+    used = {o for combo in combos for o in combo}
+    assert all(f"{g}={o}" in used or f"+{g}={o}" in used for g, opts in groups.items() for o in opts)
+    return [config_of(*combo, f"paths.output_dir={tmp_path / 'out'}") for combo in combos]
+
+
+def leaves(tree: dict, prefix: str = ""):
+    """(dotted key, value) of every leaf; a list is one leaf."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def changed(key: str, value, tmp_path):
+    """Another value of the leaf's type; a file key: another file with other bytes."""
+    if key in SOURCES:
+        (tmp_path / "other.txt").write_text("a different corpus. " * 20)
+        return str(tmp_path / "other.txt")
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value * 1.5 + 1
+    if isinstance(value, str):
+        return value + "-changed"
+    if isinstance(value, list):
+        return [*value, value[-1] if value else 1]
+    assert value is None, (key, value)
+    return 1
+
+
+def with_leaf(config: dict, key: str, value) -> dict:
+    import copy
+
+    out = copy.deepcopy(config)
+    *parents, leaf = key.split(".")
+    node = out
+    for p in parents:
+        node = node[p]
+    node[leaf] = value
+    return out
+
+
+def test_every_leaf_of_every_shipped_config_is_in_the_identity_unless_declared_not(tmp_path):
+    """Regression (#29): model.n_layer or the whole scheduler left out of the hash went unnoticed."""
+    wrong, seen = [], set()
+    for config in shipped_configs(tmp_path):
+        base = semantic_hash(config)
+        for key, value in leaves(config):
+            seen.add(key)
+            same = semantic_hash(with_leaf(config, key, changed(key, value, tmp_path))) == base
+            if same != covered(key, list(NOT_SEMANTIC)):
+                wrong.append(f"{key}={value!r}: {'not ' if same else ''}in the identity")
+    assert not wrong, "\n".join(wrong)
+    assert {"model.n_layer", "scheduler.warmup_steps", "scheduler.gamma", "data.path"} <= seen  # the walk reached them
+    assert [k for k in NOT_SEMANTIC if not any(covered(s, [k]) for s in seen)] == []  # no stale entry

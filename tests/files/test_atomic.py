@@ -108,3 +108,155 @@ def test_a_refusal_reads_as_one_sentence_without_an_errno_prefix(tmp_path):
     assert str(caught.value) == f"{tmp_path / 'link'} is a symlink; refusing to follow it (remove it)"
     assert caught.value.errno == errno.ELOOP  # the code is kept for callers that branch on it
     assert str(UnreadableFile(errno.EINVAL, "is a FIFO, not a regular file", "/p")) == "/p: is a FIFO, not a regular file"
+
+
+# --- the durability order of a save ---------------------------------------------------------------------------
+# A crash may come between any two system calls, and the kernel may write a directory's entries to disk in any
+# order until they are fsynced. So a save must fsync every file, then the temporary directory (its entries),
+# then rename it into place, then fsync the parent (the rename); and a replace must rename the old step aside,
+# never delete it, until the new one is in place. Nothing else here would notice a missing fsync.
+
+
+class Syscalls:
+    """The fsyncs (by the path the fd names), renames and tree removals of a save, in the order they returned.
+
+    `invariant` (if set) is asserted before and after every rename and removal: a crash can come at any of them."""
+
+    def __init__(self, monkeypatch):
+        import shutil
+
+        self.events: list[tuple] = []
+        self.invariant = None
+        real = {"fsync": os.fsync, "rename": os.rename, "replace": os.replace, "unlink": os.unlink,
+                "rmtree": shutil.rmtree}
+
+        def fsync(fd):
+            where = os.readlink(f"/proc/self/fd/{fd}")  # before the call: the fd is still open
+            real["fsync"](fd)
+            self.events.append(("fsync", where))
+
+        def moved(kind):
+            def call(src, dst, *args, **kwargs):
+                self.check(f"before {kind} {src} -> {dst}")
+                real[kind](src, dst, *args, **kwargs)
+                self.events.append(("rename", os.path.realpath(src), os.path.realpath(dst)))
+                self.check(f"after {kind} {src} -> {dst}")
+            return call
+
+        def removed(kind):
+            def call(path, *args, **kwargs):
+                self.check(f"before {kind} {path}")
+                fd = kwargs.get("dir_fd")  # rmtree removes by names relative to a directory's fd
+                where = os.path.realpath(path) if fd is None else os.path.join(os.readlink(f"/proc/self/fd/{fd}"), path)
+                real[kind](path, *args, **kwargs)
+                self.events.append(("remove", where))
+                self.check(f"after {kind} {path}")
+            return call
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "rename", moved("rename"))
+        monkeypatch.setattr(os, "replace", moved("replace"))
+        monkeypatch.setattr(os, "unlink", removed("unlink"))
+        monkeypatch.setattr(shutil, "rmtree", removed("rmtree"))
+
+    def check(self, when: str) -> None:
+        if self.invariant is not None and not self.invariant():
+            why, self.invariant = self.invariant.__doc__, None  # once: the save's own clean-up runs next
+            raise AssertionError(f"{when}: {why}")
+
+    def index(self, *event) -> int:
+        assert event in self.events, f"{event} never happened: {self.events}"
+        return self.events.index(event)
+
+
+@pytest.fixture
+def syscalls(monkeypatch) -> Syscalls:
+    return Syscalls(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def tiny_state(tmp_path_factory):
+    """What store.write is given: the state tree and manifest fields of a fresh kernodeck job (nothing trained)."""
+    from conftest import KERNODECK
+    from pipeline.config.compose import compose, to_plain
+    from pipeline.stateful import capture
+    from pipeline.verify.worker import Fresh
+
+    out = tmp_path_factory.mktemp("state")
+    run = Fresh(to_plain(compose([*KERNODECK, f"paths.output_dir={out}"])))
+    return capture(run.parts), run.fields()
+
+
+def inodes(parent) -> dict[int, str]:
+    return {os.lstat(os.path.join(parent, n)).st_ino: n for n in os.listdir(parent)}
+
+
+def assert_saved_in_durable_order(events: Syscalls, final) -> int:
+    """Every file fsynced, then the temporary directory, then the rename into `final`, then the parent; returns
+    the index of the parent's fsync."""
+    final = os.path.realpath(final)
+    parent = os.path.dirname(final)
+    (tmp,) = [e[1] for e in events.events if e[0] == "rename" and e[2] == final]
+    assert os.path.basename(tmp).startswith(TMP_PREFIX), "the new step is written under a temporary name"
+    names = sorted(os.listdir(final))
+    last_file = max(events.index("fsync", os.path.join(tmp, n)) for n in names)  # each file fsynced in the temporary
+    tmp_synced = events.index("fsync", tmp)
+    renamed = events.index("rename", tmp, final)
+    parent_synced = events.events.index(("fsync", parent), renamed)
+    assert last_file < tmp_synced < renamed < parent_synced, events.events
+    return parent_synced
+
+
+def test_a_checkpoint_is_fsynced_file_by_file_then_its_directory_then_renamed_then_the_parent(tmp_path, syscalls,
+                                                                                                 tiny_state):
+    """Without the temporary directory's fsync a crash after the rename can leave a step with missing files."""
+    from pipeline.checkpoint.store import MANIFEST, step_dir_name, write
+
+    final = tmp_path / "checkpoints" / step_dir_name(3)
+    write(final, *tiny_state)
+    assert MANIFEST in os.listdir(final) and len(os.listdir(final)) >= 4  # weights, optim, extra, data, manifest
+    assert_saved_in_durable_order(syscalls, final)
+
+
+def test_replacing_a_checkpoint_renames_the_old_one_aside_until_the_new_one_is_in_place(tmp_path, syscalls,
+                                                                                          tiny_state):
+    """A crash at any moment of a replace leaves a complete step N: the old one (at worst renamed aside) or the new."""
+    from pipeline.checkpoint.store import MANIFEST, step_dir_name, write
+
+    final = tmp_path / "checkpoints" / step_dir_name(3)
+    write(final, *tiny_state)
+    old = os.lstat(final).st_ino
+    syscalls.events.clear()
+
+    def survives():
+        """neither a complete step N nor the old one renamed aside (deleted before the new one was in place)"""
+        if os.path.isfile(final / MANIFEST):
+            return True
+        name = inodes(final.parent).get(old)
+        return name is not None and os.path.isfile(final.parent / name / MANIFEST)
+
+    syscalls.invariant = survives
+    write(final, *tiny_state, replace=True)
+    syscalls.invariant = None
+    parent_synced = assert_saved_in_durable_order(syscalls, final)
+    assert os.lstat(final).st_ino != old and old not in inodes(final.parent)  # the new step, the old one gone
+    # The old one left by a rename, before the new one came in, and was removed only once that was durable.
+    real = os.path.realpath(final)
+    aside = [e for e in syscalls.events if e[0] == "rename" and e[1] == real]
+    assert len(aside) == 1 and os.path.basename(aside[0][2]).startswith(TMP_PREFIX), syscalls.events
+    (came_in,) = [e for e in syscalls.events if e[0] == "rename" and e[2] == real]
+    assert syscalls.index(*aside[0]) < syscalls.index(*came_in)
+    assert syscalls.index("remove", aside[0][2]) > parent_synced
+    assert [n for n in os.listdir(final.parent) if n.startswith(TMP_PREFIX)] == []
+
+
+def test_publish_dir_keeps_the_same_order_for_any_directory(tmp_path, syscalls):
+    """The order lives in publish_dir itself, not only in the checkpoint store's use of it."""
+    for round_ in ("new", "replaced"):
+        syscalls.events.clear()
+        tmp = new_temp_dir(tmp_path, "step-1")
+        write_new(tmp / "a", round_.encode())
+        write_new(tmp / "MANIFEST.json", b"{}")
+        publish_dir(tmp, tmp_path / "step-1", replace=True)
+        assert (tmp_path / "step-1" / "a").read_bytes() == round_.encode()
+        assert_saved_in_durable_order(syscalls, tmp_path / "step-1")
