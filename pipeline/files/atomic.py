@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import os
@@ -141,15 +142,43 @@ def new_temp_dir(parent: Path, name: str) -> Path:
     return tmp
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    global _renameat2
+    if _renameat2 is None:
+        try:
+            _renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+            _renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+        except (OSError, AttributeError):
+            _renameat2 = False
+    if not _renameat2:
+        return False
+    if _renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):  # a filesystem without it
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+_renameat2 = None  # libc's, looked up once (False: this libc has none)
+AT_FDCWD, RENAME_EXCHANGE = -100, 2
+
+
 def publish_dir(tmp: Path, final: Path, replace: bool = False) -> None:
-    """Rename the complete temporary directory to `final`; replace=True first renames an existing one aside
-    (then removes it), so no reader ever sees a half-deleted one."""
+    """Rename the complete temporary directory to `final`. replace=True swaps it with an existing one in one step
+    (then removes the old one, now under the temporary's name), so `final` is complete at every instant; where
+    the filesystem cannot swap, the old one is renamed aside first (no reader sees it half-deleted)."""
     fsync_dir(tmp)
     doomed = None
     if os.path.lexists(final):
         refuse_link(final, "directory")
         if not replace:
             raise UnsafePathError(errno.EEXIST, f"{final} already exists")
+        if _exchange(tmp, final):
+            fsync_dir(final.parent)
+            remove_tree(tmp)
+            return
         doomed = temp_name(final)
         os.rename(final, doomed)
     os.rename(tmp, final)

@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from pipeline.files import atomic
+
 from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, new_temp_dir, open_append,
                              publish_dir, remove_temporaries, replace_file, replace_link, write_new)
 
@@ -153,6 +155,18 @@ class Syscalls:
                 self.check(f"after {kind} {path}")
             return call
 
+        real_exchange = atomic._exchange
+
+        def exchange(a, b):  # one step: `b` is the new directory, the old one now under `a`'s name
+            self.check(f"before exchange {a} <-> {b}")
+            swapped = real_exchange(a, b)
+            if swapped:
+                self.events.append(("rename", os.path.realpath(a), os.path.realpath(b)))
+                self.events.append(("exchange", os.path.realpath(b), os.path.realpath(a)))
+            self.check(f"after exchange {a} <-> {b}")
+            return swapped
+
+        monkeypatch.setattr(atomic, "_exchange", exchange)
         monkeypatch.setattr(os, "fsync", fsync)
         monkeypatch.setattr(os, "rename", moved("rename"))
         monkeypatch.setattr(os, "replace", moved("replace"))
@@ -218,34 +232,45 @@ def test_a_checkpoint_is_fsynced_file_by_file_then_its_directory_then_renamed_th
     assert_saved_in_durable_order(syscalls, final)
 
 
-def test_replacing_a_checkpoint_renames_the_old_one_aside_until_the_new_one_is_in_place(tmp_path, syscalls,
-                                                                                          tiny_state):
-    """A crash at any moment of a replace leaves a complete step N: the old one (at worst renamed aside) or the new."""
+@pytest.mark.parametrize("swap", [True, False], ids=["exchange", "rename-aside"])
+def test_replacing_a_checkpoint_never_leaves_a_moment_without_a_complete_step(tmp_path, syscalls, tiny_state, swap,
+                                                                               monkeypatch):
+    """A crash at any moment of a replace leaves a complete step N: with the filesystem's exchange, step N itself
+    at every instant; without it (rename-aside), the old one at worst renamed aside, never deleted first."""
     from pipeline.checkpoint.store import MANIFEST, step_dir_name, write
 
+    if not swap:
+        monkeypatch.setattr(atomic, "_renameat2", False)  # a filesystem or libc without renameat2
     final = tmp_path / "checkpoints" / step_dir_name(3)
     write(final, *tiny_state)
     old = os.lstat(final).st_ino
     syscalls.events.clear()
 
+    def complete():
+        """no complete step N at this instant"""
+        return os.path.isfile(final / MANIFEST)
+
     def survives():
         """neither a complete step N nor the old one renamed aside (deleted before the new one was in place)"""
-        if os.path.isfile(final / MANIFEST):
-            return True
         name = inodes(final.parent).get(old)
-        return name is not None and os.path.isfile(final.parent / name / MANIFEST)
+        return complete() or name is not None and os.path.isfile(final.parent / name / MANIFEST)
 
-    syscalls.invariant = survives
+    syscalls.invariant = complete if swap else survives
     write(final, *tiny_state, replace=True)
     syscalls.invariant = None
     parent_synced = assert_saved_in_durable_order(syscalls, final)
     assert os.lstat(final).st_ino != old and old not in inodes(final.parent)  # the new step, the old one gone
-    # The old one left by a rename, before the new one came in, and was removed only once that was durable.
     real = os.path.realpath(final)
-    aside = [e for e in syscalls.events if e[0] == "rename" and e[1] == real]
+    # The old one left (swapped out, or renamed aside before the new one came in), and was removed only once
+    # the new one was durable.
+    aside = [e for e in syscalls.events if e[0] in ("rename", "exchange") and e[1] == real]
     assert len(aside) == 1 and os.path.basename(aside[0][2]).startswith(TMP_PREFIX), syscalls.events
+    assert aside[0][0] == ("exchange" if swap else "rename")
     (came_in,) = [e for e in syscalls.events if e[0] == "rename" and e[2] == real]
-    assert syscalls.index(*aside[0]) < syscalls.index(*came_in)
+    if swap:
+        assert syscalls.index(*aside[0]) == syscalls.index(*came_in) + 1  # one step, recorded as two
+    else:
+        assert syscalls.index(*aside[0]) < syscalls.index(*came_in)
     assert syscalls.index("remove", aside[0][2]) > parent_synced
     assert [n for n in os.listdir(final.parent) if n.startswith(TMP_PREFIX)] == []
 
