@@ -17,7 +17,7 @@ NAME_COLUMN = 34  # in the tree, the descriptions start at this column
 FILE_TOKEN = re.compile(r"(?<![\w<>./-])([\w.<>-]+(?:/[\w.<>-]+)*(?:\.(?:jsonl?|tokens|safetensors|yaml|log|db)\b|/))")
 # In the tree, but not written by the commands this test runs: why each is absent here.
 CONDITIONAL = {
-    "runs/<name>-<hash>/superseded/<when>/": "only after a resume.source=... into the run directory",
+    "runs/<name>-<hash>/superseded/<when>/": "only after a resume that changes the config, falls back or starts anew",
     "sweeps/<name>-<sweep-id>/.submitit/<job-id>/": "only on SLURM",
 }
 

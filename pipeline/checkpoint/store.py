@@ -17,8 +17,8 @@ import numpy as np
 from pipeline.files import jsonio
 from pipeline.files import killpoint
 from pipeline.files import reading
-from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, new_temp_dir, publish_dir,
-                             remove_temporaries, remove_tree, replace_link, write_new)
+from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, fsync_dir, new_temp_dir,
+                                   publish_dir, remove_temporaries, remove_tree, replace_link, write_new)
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
 from pipeline.checkpoint.retention import AnyOf, Policy, Record, Steps, select_one
@@ -530,6 +530,30 @@ class CheckpointStore:
                 killpoint.point("save", "before delete")
                 discard_dir(directory)
                 self._records.pop(step, None)
+
+    def keep_into(self, dest: Path, step_dirs: list[Path], snapshot: bool) -> None:
+        """Move these step directories into `dest` (a new store beside nothing); with `snapshot`, give every
+        other step directory's files and every link a second name there too (hard links: no byte copied; a
+        checkpoint's files are never rewritten in place, so each name keeps what it holds now)."""
+        if not (step_dirs or snapshot):
+            return
+        os.mkdir(dest)
+        for d in step_dirs:
+            os.rename(d, dest / d.name)
+        if snapshot:
+            steps, links = self.scan()
+            for _, d in steps:
+                os.mkdir(dest / d.name)
+                with os.scandir(d) as it:
+                    for e in it:
+                        if e.is_file(follow_symlinks=False):
+                            os.link(e.path, dest / d.name / e.name, follow_symlinks=False)
+                fsync_dir(dest / d.name)
+            for name, target in links.items():
+                os.symlink(target, dest / name)
+        fsync_dir(dest)
+        fsync_dir(self.root)
+        self._records = None
 
     def link_dir(self, name: str) -> Path | None:
         """The step directory a link points at, if the link exists and names one here."""

@@ -236,30 +236,11 @@ class RunDir:
         return dest
 
     def set_aside(self, step_dirs: list[Path], metrics: bool, snapshot: bool) -> Path:
-        """Into superseded/<when>/, returned: these step directories, moved; with `metrics`, metrics.jsonl as it is
-        now; with `snapshot`, every other step directory and link of checkpoints/ as it stands. What stays in
-        place is kept by second names (hard links) to the same files: no byte is copied, and a file is never
-        rewritten in place, so each name keeps what it holds now."""
+        """Into superseded/<when>/, returned: these step directories, moved; with `snapshot`, every other step
+        directory and link of checkpoints/ as it stands (CheckpointStore.keep_into); with `metrics`,
+        metrics.jsonl as it is now, a second name for the file until it is rewritten."""
         dest = self._superseded_dir()
-        store = dest / self.store.root.name
-        if step_dirs or snapshot:
-            os.mkdir(store)
-        for d in step_dirs:
-            os.rename(d, store / d.name)
-        if snapshot:
-            steps, links = self.store.scan()
-            for _, d in steps:
-                os.mkdir(store / d.name)
-                with os.scandir(d) as it:
-                    for e in it:
-                        if e.is_file(follow_symlinks=False):
-                            os.link(e.path, store / d.name / e.name, follow_symlinks=False)
-                fsync_dir(store / d.name)
-            for name, target in links.items():
-                os.symlink(target, store / name)
-        if step_dirs or snapshot:
-            fsync_dir(store)
-            fsync_dir(self.store.root)
+        self.store.keep_into(dest / self.store.root.name, step_dirs, snapshot)
         if metrics and os.path.lexists(self.metrics_path):
             refuse_link(self.metrics_path)
             os.link(self.metrics_path, dest / self.metrics_path.name, follow_symlinks=False)

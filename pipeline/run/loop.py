@@ -31,7 +31,9 @@ from pipeline.trainer.loop import epoch_ended, epochs_done, fit, metrics_of
 from pipeline.trainer.metrics_log import MetricsLog
 
 log = logging.getLogger("pipeline")
-RETENTION = ("stages", "checkpoint")  # config nodes that choose which checkpoints stay
+# Keys that only say where a run writes, how it shows progress and how long one process may run: a resume that
+# changes any other key of the recorded config keeps the checkpoints as they stood (keep_history).
+WHERE_AND_HOW_LONG = ("paths", "tracking", "hydra", "resume", "verify", "trainer.progress_bar", "trainer.max_time")
 
 
 class Preempted(Exception):
@@ -57,7 +59,7 @@ class Run:
         self.superseded: Path | None = None  # where an earlier history went (resume.source), if it moved
         self.aside: list[Path] = []  # newer checkpoints the resume fell back past: to superseded/, never deleted
         self.metrics_cut = False  # metrics.jsonl holds lines past the resumed step: the whole file is kept aside
-        self.retuned: list[str] = []  # retention or the math changed since the checkpoint: its store is kept aside
+        self.retuned: list[str] = []  # the config changed since the checkpoint: its store is kept as it stood
         self.history: dict = {"started": started, "resumes": []}  # run.json: first start, resumes
         self.keep = AnyOf(tuple(p for s in job.stages if (p := s.policy()) is not None) + (LatestN(1),))
         self.links = {s.link: s.link_policy() for s in job.stages if s.link}
@@ -81,7 +83,7 @@ class Run:
         own = resumed is not None and resumed.directory.parent == self.store.root  # not a fork's source
         if own:
             self.retuned = identity.described(resumed.manifest["config"], self.job.config,
-                                              lambda k: identity.covered(k, list(RETENTION)) or k in (allowed or {}))
+                                              lambda k: not identity.covered(k, list(WHERE_AND_HOW_LONG)))
         previous = self.rundir.read_status() if own else {}
         if isinstance(previous.get("started"), (int, float)):
             self.history = {"started": previous["started"], "resumes": list(previous.get("resumes") or [])}

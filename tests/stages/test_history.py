@@ -1,0 +1,190 @@
+"""A config-only change never costs a run its history: over a catalogue of changes, each on an interrupted and
+on a complete run, the re-run is refused with every file as it was, or it continues (or starts its own run),
+and every earlier checkpoint and metrics.jsonl line is still in the run directory or under its superseded/."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import KERNODECK, kept, metrics, run_job, the_run, tree
+
+# kernodeck: 6 updates an epoch, a rotating checkpoint every epoch, best-val at every evaluation (every 4)
+BASE = (*KERNODECK, "trainer.max_steps=40", "trainer.eval_every=4")
+CUT = 20  # the interrupted run's last checkpoint
+KILLED_AFTER = 23  # ... and what it logged before it was killed (SIGKILL: no checkpoint of these)
+
+# name: (overrides, the same math as the base run: its final weights must be the uninterrupted run's)
+CHANGES = {
+    "nothing": ((), True),
+    "early_stop added": (("+stages/early_stop=default",), False),
+    "early_stop added, patience 1": (("+stages/early_stop=default", "stages.early_stop.patience=1"), False),
+    "best_val removed": (("~stages.best_val",), True),
+    "rotate removed": (("~stages.rotate_last_3",), True),
+    "final removed": (("~stages.final",), True),
+    "rotate keep 1": (("stages.rotate_last_3.keep=1",), True),
+    "best_val monitor": (("stages.best_val.monitor=train/loss",), True),
+    "best_val mode": (("stages.best_val.mode=max",), True),
+    "cadence": (("checkpoint=every_n_steps", "checkpoint.every_steps=2"), True),
+    "threads": (("trainer.threads=1",), True),
+    "log_every": (("trainer.log_every=5",), True),
+    "max_steps": (("trainer.max_steps=50",), False),
+    "lr": (("optimizer.lr=0.05",), False),
+    "lr allowed": (("optimizer.lr=0.05", "resume.allow_changes=[optimizer.lr]"), False),
+    "a bad value": (("stages.rotate_last_3.keep=0",), False),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The base run, uninterrupted."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    assert run_job(*BASE, f"paths.output_dir={out}")[0] == 0
+    return the_run(out)
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory, reference) -> Path:
+    """The base run stopped at CUT (a SIGTERM: its checkpoint written), then what a process killed at
+    KILLED_AFTER had logged past it: metrics.jsonl ahead of the newest checkpoint."""
+    import pipeline.trainer.loop as loop
+    from pipeline.run.signals import SIGNALS_STATE
+
+    out = tmp_path_factory.mktemp("interrupted") / "out"
+    real = loop.train_step
+
+    def step(state):
+        record = real(state)
+        if state.step == CUT:
+            SIGNALS_STATE.received = 15
+        return record
+
+    loop.train_step = step
+    try:
+        assert run_job(*BASE, f"paths.output_dir={out}")[0] == 75
+    finally:
+        loop.train_step, SIGNALS_STATE.received = real, None
+    run = the_run(out)
+    later = [ln for ln in (reference / "metrics.jsonl").read_text().splitlines(keepends=True)
+             if CUT < int(ln.split('"step":')[1].split(",")[0].split("}")[0]) <= KILLED_AFTER]
+    assert later
+    with open(run / "metrics.jsonl", "a") as f:
+        f.writelines(later)
+    return out
+
+
+@pytest.fixture(scope="module")
+def complete(reference) -> Path:
+    return reference.parent.parent
+
+
+def weights_everywhere(run: Path) -> set[str]:
+    return {hashlib.sha256(p.read_bytes()).hexdigest() for p in run.rglob("weights.safetensors")}
+
+
+def lines_everywhere(run: Path) -> set[str]:
+    files = [run / "metrics.jsonl", *run.glob("superseded/*/metrics.jsonl")]
+    return {ln for f in files if f.exists() for ln in f.read_text().splitlines()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state", ["interrupted", "complete"])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_config_only_change_keeps_every_earlier_checkpoint_and_metrics_line(change, state, request, tmp_path,
+                                                                              reference, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="pipeline")
+    out = shutil.copytree(request.getfixturevalue(state), tmp_path / "out", symlinks=True)
+    run = the_run(out)
+    before = tree(run)
+    weights, lines = weights_everywhere(run), lines_everywhere(run)
+    overrides, same_math = CHANGES[change]
+    capsys.readouterr()
+    code, _ = run_job(*BASE, *overrides, f"paths.output_dir={out}")
+    said = capsys.readouterr()
+    if code != 0:
+        assert code == 2 and len(said.err.strip().splitlines()) == 1, said.err  # refused in one line ...
+        assert tree(run) == before  # ... with every file as it was
+        return
+    if change == "nothing":  # the identical command: the run that never stopped, its rotation included
+        assert kept(run) == kept(reference)
+        assert metrics(run) == metrics(reference)
+        return
+    assert weights <= weights_everywhere(run), "an earlier checkpoint is gone"
+    assert lines <= lines_everywhere(run), "an earlier metrics.jsonl line is gone"
+    others = [p for p in (out / "runs").iterdir() if p != run]
+    if others:  # a changed hyperparameter: its own run, this one untouched
+        assert tree(run) == before
+        return
+    if state == "complete":
+        assert tree(run) == before  # a finished run re-run with any change is confirmed, nothing written
+        assert f"run {run} is complete" in said.out
+        return
+    assert f"resuming from step {CUT}" in caplog.text
+    if same_math:  # the resumed run is the run that never stopped
+        last = f"checkpoints/step-{40:08d}/weights.safetensors"
+        assert (run / last).read_bytes() == (reference / last).read_bytes()
+
+
+@pytest.mark.slow
+def test_a_new_monitor_starts_a_new_best_history_and_keeps_the_old_best(interrupted, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="pipeline")
+    out = shutil.copytree(interrupted, tmp_path / "out", symlinks=True)
+    run = the_run(out)
+    old_best = (run / "checkpoints" / "best").resolve()
+    old_bytes = (old_best / "weights.safetensors").read_bytes()
+    assert run_job(*BASE, "stages.best_val.monitor=train/loss", f"paths.output_dir={out}")[0] == 0
+    assert "stages.best_val: monitor 'val/loss' mode 'min' -> 'train/loss' mode 'min': a new history" in caplog.text
+    (kept,) = run.glob("superseded/*/checkpoints")
+    assert (kept / "best" / "weights.safetensors").read_bytes() == old_bytes  # the earlier best, by its link
+    from pipeline.files import jsonio
+
+    extra = jsonio.read(run / "checkpoints" / "final" / "extra.json", 1 << 20)
+    assert extra["stages"]["best_val"]["monitor"] == "train/loss"
+    assert extra["stages"]["best_val"]["best_step"] > CUT  # a new best history, from the resume on
+
+
+@pytest.mark.slow
+def test_a_stage_added_to_a_run_in_progress_counts_from_the_resume(interrupted, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="pipeline")
+    out = shutil.copytree(interrupted, tmp_path / "out", symlinks=True)
+    run = the_run(out)
+    assert run_job(*BASE, "+stages/early_stop=default", "stages.early_stop.patience=1",
+                   "stages.early_stop.min_delta=0.01", f"paths.output_dir={out}")[0] == 0
+    assert "stages.early_stop: not in the checkpoint, starts fresh here" in caplog.text
+    from pipeline.files import jsonio
+
+    status = jsonio.read(run / "run.json", 1 << 20)
+    assert status["status"] == "complete" and status["ended"].startswith("early_stop")
+    # fresh at the resume: its first evaluation after CUT (24) is its best, the next (28), not better by 0.01,
+    # ends the run
+    assert status["step"] == 28
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_moved_aside_not_deleted(interrupted, tmp_path, caplog):
+    out = shutil.copytree(interrupted, tmp_path / "out", symlinks=True)
+    run = the_run(out)
+    newest = run / "checkpoints" / f"step-{CUT:08d}"
+    data = bytearray((newest / "weights.safetensors").read_bytes())
+    data[-3] ^= 0x10
+    (newest / "weights.safetensors").write_bytes(bytes(data))
+    assert run_job(*BASE, f"paths.output_dir={out}")[0] == 0
+    assert f"not resuming from {newest.name} (it goes to superseded/, nothing is deleted): damaged:" in caplog.text
+    (moved,) = run.glob(f"superseded/*/checkpoints/{newest.name}")
+    assert (moved / "weights.safetensors").read_bytes() == bytes(data)  # as it was found, damage and all
+
+
+@pytest.mark.slow
+def test_a_fresh_start_in_a_directory_with_a_history_moves_it_aside(interrupted, tmp_path):
+    out = shutil.copytree(interrupted, tmp_path / "out", symlinks=True)
+    run = the_run(out)
+    for step_dir in (run / "checkpoints").glob("step-*"):  # no checkpoint it can use
+        (step_dir / "manifest.json").write_text("{}")
+    weights, lines = weights_everywhere(run), lines_everywhere(run)
+    assert run_job(*BASE, f"paths.output_dir={out}")[0] == 0
+    assert weights <= weights_everywhere(run) and lines <= lines_everywhere(run)
+    (moved,) = run.glob("superseded/*")
+    assert (moved / "run.json").is_file() and (moved / "metrics.jsonl").is_file()
