@@ -193,7 +193,7 @@ class Run:
             status=status, step=self.state.step, run_dir=self.rundir.path, best=best, links=links, curve=curve,
             run_uri=self.job.facts.get("mlflow_run_uri") or tracker.run_uri(timeout=0.0),
             tracking_uri=getattr(tracker, "uri", None), overrides=self.overrides,
-            samples=bool(self.state.dataset.spec.vocab_size)))
+            samples=bool(self.state.dataset.spec.vocab_size), experiment_id=getattr(tracker, "experiment_id", None)))
 
     def _metrics(self) -> str:
         return " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items()))
