@@ -80,6 +80,26 @@ def _one_composition_to_run(conf_dir) -> None:
         Hydra.get_mode = lambda self, config_name, overrides: None
 
 
+def command_args(hydra_cfg, conf_dir) -> list[str]:
+    """The arguments that compose this job's config again, in the same shell: Hydra's `--config-path`,
+    `--config-dir` (absolute, as Hydra holds them) and `--config-name` where the command gave them, its
+    `hydra.searchpath=[...]` override as typed, then the job's overrides (the task's; a sweep job's own values)."""
+    from pathlib import Path
+
+    args = []
+    for source in hydra_cfg.runtime.config_sources:
+        if source.schema != "file":
+            continue
+        if source.provider == "main" and Path(source.path).resolve() != Path(conf_dir).resolve():
+            args += ["--config-path", source.path]
+        elif source.provider == "command-line":
+            args += ["--config-dir", source.path]
+    if hydra_cfg.job.config_name != "config":
+        args += ["--config-name", hydra_cfg.job.config_name]
+    args += [o for o in hydra_cfg.overrides.hydra if o.lstrip("+").startswith("hydra.searchpath=")]
+    return args + list(hydra_cfg.overrides.task)
+
+
 def main() -> None:
     import hydra
 
@@ -111,7 +131,8 @@ def main() -> None:
 
             sweep = job_of(hydra_cfg)
         config = _plain(cfg)
-        return app.main(config, list(hydra_cfg.overrides.task), OmegaConf.to_yaml(cfg), sweep)
+        return app.main(config, list(hydra_cfg.overrides.task), OmegaConf.to_yaml(cfg), sweep,
+                        command_args(hydra_cfg, CONFIG_DIR))
 
     try:
         task()

@@ -64,16 +64,20 @@ def objective(job, name: str | None) -> float:
     return float(job.state.metrics.get(name, math.nan))
 
 
-def main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None = None) -> float:
+def main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None = None,
+         command: list[str] | None = None) -> float:
     """Run one job; its objective, or (a single run) the process exits with a code other than 0. A multirun's
-    job (`sweep`) records itself in its sweep at its end, an exception out of it included."""
+    job (`sweep`) records itself in its sweep at its end, an exception out of it included. `command`: the
+    arguments that run it again (Hydra's config flags, the search path, the overrides) for its end summary;
+    None: `overrides`."""
+    command = list(overrides) if command is None else list(command)
     if sweep is None:
         try:
-            return _main(config, overrides, config_yaml, None)
+            return _main(config, overrides, config_yaml, None, command)
         except JobFailed as e:
             return _failed(e, None)
     try:
-        value = _multirun(config, overrides, config_yaml, sweep)
+        value = _multirun(config, overrides, config_yaml, sweep, command)
     except Exception as e:
         sweep.record(error=e)
         raise
@@ -81,7 +85,7 @@ def main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
     return value
 
 
-def _multirun(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob) -> float:
+def _multirun(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob, command: list[str]) -> float:
     try:
         SIGNALS_STATE.install()  # a joblib or submitit worker: this job's own signals
         if sweep.unreadable:
@@ -90,27 +94,27 @@ def _multirun(config: dict, overrides: list[str], config_yaml: str, sweep: Sweep
             fail(EXIT_PREEMPTED, "the sweep was interrupted before this job started; re-run the same command")
         if SIGNALS_STATE.mode != SWEEP:
             SIGNALS_STATE.received = None  # a worker's earlier job was stopped; this one starts afresh
-        return _main(config, overrides, config_yaml, sweep)
+        return _main(config, overrides, config_yaml, sweep, command)
     except JobFailed as e:
         return _failed(e, sweep)
     except Interrupted as e:
         return _failed(JobFailed(EXIT_PREEMPTED, f"interrupted by {e} before the run started", requeue=True), sweep)
 
 
-def _main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None) -> float:
+def _main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None, command: list[str]) -> float:
     # Directories this command creates (the output directory, runs/, data/): removed again if the command
     # ends without a run (refused, interrupted, failed) and they are still empty; nothing older is touched.
     made = NewDirs(config["paths"]["output_dir"], config["paths"]["runs_dir"],
                    Path(config["paths"]["output_dir"]) / "data")
     try:
-        return _job(config, overrides, config_yaml, sweep)
+        return _job(config, overrides, config_yaml, sweep, command)
     except BaseException:
         if sweep is None:
             made.prune()
         raise
 
 
-def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None) -> float:
+def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None, command: list[str]) -> float:
     try:
         job = build(config, sweep)
     except ConfigError as e:
@@ -134,7 +138,7 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
     file_handler = None
     try:
         started = (sweep and sweep.started) or time.time() - budget.process_age()  # a job's, or this process's
-        run = Run(job, rundir, SIGNALS_STATE, started=started, overrides=overrides,
+        run = Run(job, rundir, SIGNALS_STATE, started=started, overrides=command,
                   in_sweep=sweep is not None and sweep.dir is not None)
         try:
             run.setup()  # a signal here stops the process at once: set-up writes nothing but supersede()

@@ -233,7 +233,7 @@ class Run:
             status=status, step=self.state.step, run_dir=self.rundir.path, best=best, links=links, curve=curve,
             run_uri=self.job.facts.get("mlflow_run_uri") or tracker.run_uri(timeout=0.0),
             tracking_uri=getattr(tracker, "uri", None), overrides=self.overrides,
-            samples=bool(self.state.dataset.spec.vocab_size)))
+            samples=bool(self.state.dataset.spec.vocab_size), experiment_id=getattr(tracker, "experiment_id", None)))
 
     def unapplied(self) -> str:
         """What of the live config differs from the config the finished run recorded."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -33,11 +34,63 @@ def start_block(job, run_dir: Path) -> str:
     return "\n".join(lines)
 
 
+# Hydra's flags that name the configs a run was composed from: a flag and its value, as `python -m pipeline` takes them
+CONFIG_FLAGS = ("--config-dir", "--config-path", "--config-name")
+DIR_FLAGS = ("--config-dir", "--config-path")
+UI_QUERY = "?workflowType=machine_learning"  # mlflow 3's UI opens an experiment in its GenAI view without it
+UI_LOCAL = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+
+
+def hydra_quoted(text: str) -> str:
+    """`text` as one element of a list in Hydra's override grammar, quoted unless it is plain (spaces, commas,
+    brackets, quotes and backslashes kept as they are)."""
+    if re.fullmatch(r"[\w/.:@%+-]+", text):
+        return text
+    quote = '"' if '"' not in text else "'"
+    # inside quotes Hydra reads `\` + quote as the quote and `\\` before a quote (or the closing one) as `\`
+    return quote + re.sub(rf"(\\*)({quote}|$)", lambda m: m[1] * 2 + ("\\" + m[2] if m[2] else ""), text) + quote
+
+
+def tool_args(command: list[str]) -> list[str]:
+    """What a tool that opens the run's checkpoints (evaluate, sample) needs of the run's `command` (CONFIG_FLAGS
+    and overrides, as `python -m pipeline` took them): the configs that may name its classes, as the one
+    `hydra.searchpath=[...]` those tools take. The config directories of `--config-dir`/`--config-path` come
+    first, as `file://` entries, then the run's own search path."""
+    dirs, searchpath, flag = [], None, None
+    for arg in command:
+        if flag is not None:
+            if flag in DIR_FLAGS:
+                dirs.append("file://" + os.path.abspath(arg))
+            flag = None
+        elif arg in CONFIG_FLAGS:
+            flag = arg
+        elif arg.lstrip("+").startswith("hydra.searchpath="):
+            searchpath = arg
+    if not dirs:
+        return [searchpath] if searchpath else []
+    entries = []
+    if searchpath:
+        from pipeline.config.targets import parse_overrides
+
+        (parsed,) = parse_overrides([searchpath])
+        entries = [str(e) for e in parsed.value()]
+    return [f"hydra.searchpath=[{','.join(hydra_quoted(e) for e in [*dirs, *entries])}]"]
+
+
+def ui_page(server: str, experiment_id: str | None) -> str:
+    """The mlflow UI's page of the experiment (None: of every experiment) at `server` (http://HOST:PORT[/prefix]),
+    in its machine-learning view."""
+    return f"{server.rstrip('/')}/#/experiments{'/' + experiment_id if experiment_id else ''}{UI_QUERY}"
+
+
 def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, links: dict[str, Path | None],
               curve: Path | None, run_uri: str | None, tracking_uri: str | None, overrides: list[str],
-              samples: bool) -> str:
+              samples: bool, experiment_id: str | None = None) -> str:
     """At most 12 lines: where the run ended, its `best` (monitor, value, step), checkpoints (`links`: final,
-    best, newest -> a directory or None), curve, index, and the next commands."""
+    best, newest -> a directory or None), curve, index, and the next commands, each as it runs pasted in the
+    same shell: `overrides` are the run's command's arguments (CONFIG_FLAGS and overrides), and the tools get
+    the configs it used (tool_args). mlflow: a tracking server's own page of the run's experiment
+    (`experiment_id`; None: of every experiment), else the command serving the store, and that page."""
     py, found = sys.executable or "python", shutil.which("python")  # `python` if that is the one on PATH
     if os.path.basename(py) == "python" and found is not None and os.path.realpath(found) == os.path.realpath(py):
         py = "python"
@@ -52,9 +105,14 @@ def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, link
     lines.append(f"  resume      {shlex.join([py, '-m', 'pipeline', *overrides])}")  # complete: says so, exits 0
     target = links.get("best") or links.get("final") or links.get("newest")
     if target is not None:
-        lines.append(f"  evaluate    {shlex.join([py, '-m', 'pipeline.evaluate', str(target)])}")
+        configs = tool_args(overrides)
+        lines.append(f"  evaluate    {shlex.join([py, '-m', 'pipeline.evaluate', str(target), *configs])}")
         if samples:
-            lines.append(f"  sample      {shlex.join([py, '-m', 'pipeline.sample', str(target)])} prompt=\"\"")
-    if tracking_uri:
+            sample = shlex.join([py, "-m", "pipeline.sample", str(target), *configs])
+            lines.append(f"  sample      {sample} prompt=\"\"")
+    if tracking_uri and tracking_uri.startswith(("http://", "https://")):  # a server: its UI is at its address
+        lines.append(f"  mlflow ui   {ui_page(tracking_uri, experiment_id)}")
+    elif tracking_uri:
         lines.append(f"  mlflow ui   {shlex.join(['mlflow', 'ui', '--backend-store-uri', tracking_uri])}")
+        lines.append(f"  then open   {ui_page(UI_LOCAL, experiment_id)}")
     return "\n".join(lines)

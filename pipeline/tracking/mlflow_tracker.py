@@ -51,6 +51,7 @@ class MlflowTracker(Tracker):
         self.link = None
         self.ready, self.done, self.warm = threading.Event(), threading.Event(), threading.Event()
         self._uri: str | None = None
+        self.experiment_id: str | None = None  # the experiment the agent logs the run to, once it said (ready)
         self.failed = self.finished = False
         self._warned = threading.Lock()
         self.job = sweep.tags if sweep is not None else None  # a sweep's job: its child run's tags
@@ -128,6 +129,7 @@ class MlflowTracker(Tracker):
     def on_event(self, event: dict) -> None:
         kind = event.get("event")
         if kind == "ready":
+            self.experiment_id = event.get("experiment_id")
             self._uri = event["uri"]
             log.info("mlflow: run %s", self._uri)
             self.ready.set()

@@ -5,17 +5,20 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from pipeline.run.assemble import build
 from pipeline.model.base import summary
-from pipeline.run.report import start_block
+from pipeline.run.report import end_block, hydra_quoted, start_block, tool_args
 from pipeline.trainer import curves
 from pipeline.trainer.display import Throughput
+from pipeline.run.directory import RunDir
 from pipeline.run.signals import SIGNALS_STATE
-from tests.conftest import KERNODECK, TINY, config_of, env_for_subprocess, run_job, run_pipeline, the_run
+from tests.conftest import (KERNODECK, PROJECT_ROOT, SHARED_SERVER, TINY, config_of, env_for_subprocess, run_job,
+                            run_pipeline, the_run, wait_until)
 
 
 def _unique_size(model) -> int:
@@ -80,7 +83,7 @@ def _summary_of(stdout: str) -> dict[str, str]:
     start = max(i for i, ln in enumerate(lines) if re.search(r"\] - (complete|preempted|failed) at step", ln))
     out = {}
     for ln in lines[start + 1:]:
-        m = re.match(r"  (best|checkpoints|curve|mlflow ui|mlflow|resume|evaluate|sample) +(.*)$", ln)
+        m = re.match(r"  (best|checkpoints|curve|mlflow ui|mlflow|resume|evaluate|sample|then open) +(.*)$", ln)
         if not m:
             break
         out[m[1]] = m[2]
@@ -176,3 +179,115 @@ def test_a_complete_run_killed_before_its_curve_gets_it_on_the_next_command(tmp_
     png.unlink()  # as a kill between the final checkpoint and the curve leaves it
     assert run_job(*args)[0] == 0
     assert png.read_bytes() == drawn
+
+
+MOONS = PROJECT_ROOT / "examples" / "moons"
+
+
+def _pasted(said: dict[str, str], cwd, env) -> dict[str, subprocess.CompletedProcess]:
+    """Each command of the end summary, run as printed (split as a shell splits it) in the run's shell: its
+    working directory and environment."""
+    return {key: subprocess.run(shlex.split(said[key]), cwd=cwd, env=env, capture_output=True, text=True)
+            for key in ("resume", "evaluate", "sample") if key in said}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["searchpath", "config-dir"])
+def test_the_end_summary_commands_of_a_run_of_your_own_configs_work_pasted(tmp_path, monkeypatch, how):
+    """examples/moons as its README runs it (hydra.searchpath=[pkg://moons.conf]), and the same configs given
+    by `--config-dir DIR --config-name NAME` (a path with a space): resume and evaluate need them to compose the
+    run and to build its classes, and are refused (exit 2) without them."""
+    monkeypatch.setenv("PYTHONPATH", str(MOONS))  # the example's package importable, as in its README
+    cwd, out = tmp_path / "the cwd", tmp_path / "o u t"
+    if how == "searchpath":
+        configs = ["hydra.searchpath=[pkg://moons.conf]"]
+    else:
+        import shutil
+
+        mine = cwd / "my conf"  # relative on the command line: the summary must not depend on it
+        shutil.copytree(MOONS / "moons" / "conf", mine)
+        (mine / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\n")  # the pipeline's, through mine
+        configs = ["--config-dir", "my conf", "--config-name", "mine"]
+    args = [*configs, "experiment=moons", "tracking=none", "trainer.progress_bar=false", "trainer.max_steps=16",
+            f"paths.output_dir={out}"]
+    proc = run_pipeline(args, cwd)
+    assert proc.returncode == 0, proc.stderr
+    said = _summary_of(proc.stdout)
+    final = RunDir(the_run(out)).store.root / "best"
+    assert shlex.split(said["evaluate"])[3] == str(final)
+    done = _pasted(said, cwd, env_for_subprocess())
+    assert set(done) == {"resume", "evaluate"}  # no sample: not a text model
+    for key, ran in done.items():
+        assert ran.returncode == 0, (key, said[key], ran.stderr)
+    assert "is complete at step 16" in done["resume"].stdout
+    assert re.fullmatch(r"step=16 val/loss=\S+\n", done["evaluate"].stdout)
+
+
+def test_the_tools_get_the_runs_config_directories_as_one_search_path():
+    assert tool_args(["experiment=moons", "x.y=1"]) == []
+    assert tool_args(["hydra.searchpath=[pkg://moons.conf]", "x=1"]) == ["hydra.searchpath=[pkg://moons.conf]"]
+    assert tool_args(["--config-dir", "/a b/c", "--config-name", "mine", "hydra.searchpath=[pkg://m.conf]"]) == \
+        ['hydra.searchpath=["file:///a b/c",pkg://m.conf]']
+    assert tool_args(["--config-path", "/x", "--config-dir", "/y", "--config-name", "z"]) == \
+        ["hydra.searchpath=[file:///x,file:///y]"]
+    from pipeline.config.targets import parse_overrides
+
+    for path in ["/a b", "/it's", 'a"b', "/x'\"y", "c:\\x\\", "a\\'b", "x,y]z[", "a=b", "/plain/dir-1.2"]:
+        (parsed,) = parse_overrides([f"hydra.searchpath=[{hydra_quoted(path)},pkg://m.conf]"])
+        assert parsed.value() == [path, "pkg://m.conf"], path
+
+
+def _ui(tracking_uri: str, experiment_id: str | None) -> list[str]:
+    block = end_block(status="complete", step=1, run_dir=PROJECT_ROOT, best=None, links={"final": None},
+                      curve=None, run_uri=None, tracking_uri=tracking_uri, overrides=[], samples=False,
+                      experiment_id=experiment_id)
+    return [ln for ln in block.splitlines() if ln.startswith(("  mlflow ui", "  then open"))]
+
+
+def test_the_ui_line_is_a_servers_own_page_and_a_local_stores_command():
+    assert _ui("http://127.0.0.1:5005", "7") == \
+        ["  mlflow ui   http://127.0.0.1:5005/#/experiments/7?workflowType=machine_learning"]
+    assert _ui("https://host/mlflow/", None) == \
+        ["  mlflow ui   https://host/mlflow/#/experiments?workflowType=machine_learning"]  # not indexed yet
+    assert _ui("sqlite:////tmp/a b/mlflow.db", "3") == \
+        ["  mlflow ui   mlflow ui --backend-store-uri 'sqlite:////tmp/a b/mlflow.db'",
+         "  then open   http://127.0.0.1:5000/#/experiments/3?workflowType=machine_learning"]
+    assert _ui(None, None) == []
+
+
+@pytest.mark.slow
+@SHARED_SERVER
+def test_under_a_tracking_server_the_ui_line_is_its_experiments_page(tmp_path, shared_mlflow_server):
+    """The server's own address (no `mlflow ui --backend-store-uri http://...`: a traceback), on the page of
+    the experiment the run went to once the tracking agent has said which (else the list of experiments: the
+    summary does not wait for it), in the machine-learning view; the page answers."""
+    import urllib.request
+
+    from mlflow import MlflowClient
+
+    server, name = shared_mlflow_server[0], "end-summary-ui"
+    env = {**env_for_subprocess(), "PIPELINE_TRACKING_AGENT_IDLE": "30"}  # the second run finds it warm
+    client, pages = MlflowClient(server), []
+    for seed in (1, 2):
+        args = ["experiment=kernodeck", "trainer.progress_bar=false", "tracking=server", f"tracking.uri={server}",
+                f"tracking.experiment={name}", "tracking.wait=60", "trainer.max_steps=200", f"trainer.seed={seed}",
+                f"paths.output_dir={tmp_path / str(seed)}"]
+        (tmp_path / "cwd").mkdir(exist_ok=True)
+        proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=tmp_path / "cwd", env=env,
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        said = _summary_of(proc.stdout)
+        assert "then open" not in said and "--backend-store-uri" not in proc.stdout
+        page = re.fullmatch(re.escape(server) + r"/#/experiments(?:/(\w+))?\?workflowType=machine_learning",
+                            said["mlflow ui"])
+        assert page, said["mlflow ui"]
+        wait_until(lambda: client.get_experiment_by_name(name) is not None, "the run's experiment")
+        experiment = client.get_experiment_by_name(name).experiment_id
+        if said["mlflow"].startswith(server):  # the run's URI known: the page is its experiment's
+            assert page[1] == experiment and f"#/experiments/{experiment}/runs/" in said["mlflow"]
+        else:
+            assert said["mlflow"] == "not indexed yet" and page[1] is None
+        pages.append(said["mlflow ui"])
+        with urllib.request.urlopen(said["mlflow ui"].partition("#")[0], timeout=60) as r:
+            assert r.status == 200 and b"<html" in r.read().lower()
+    assert pages[1] == f"{server}/#/experiments/{experiment}?workflowType=machine_learning"  # a warm agent
