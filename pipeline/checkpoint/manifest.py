@@ -58,6 +58,23 @@ def code_sha256(package: str = str(Path(__file__).resolve().parents[1])) -> str:
     return h.hexdigest()
 
 
+def code_change(manifest: dict, facts: dict | None = None) -> str | None:
+    """How the code a checkpoint was written by differs from `facts`' (this process's by default): None if the
+    same, or if it cannot be told."""
+    facts = facts if facts is not None else {**git_info(), "code_sha256": code_sha256()}
+    def name(f: dict) -> str:
+        dirty = " with uncommitted changes" if f.get("git_dirty") else ""
+        code = f" (code sha256 {f['code_sha256'][:12]})" if isinstance(f.get("code_sha256"), str) else ""
+        return f"commit {str(f.get('git_sha'))[:12]}{dirty}{code}"
+    if isinstance(manifest.get("code_sha256"), str) and isinstance(facts.get("code_sha256"), str):
+        same = manifest["code_sha256"] == facts["code_sha256"]
+    elif "unknown" in (manifest.get("git_sha"), facts.get("git_sha")) or not manifest.get("git_sha"):
+        return None
+    else:  # a checkpoint from before code_sha256: two edits of one commit cannot be told apart
+        same = (manifest.get("git_sha"), manifest.get("git_dirty")) == (facts.get("git_sha"), facts.get("git_dirty"))
+    return None if same else f"{name(manifest)}, now {name(facts)}"
+
+
 @lru_cache(maxsize=None)
 def versions() -> dict:
     out = {"python": platform.python_version()}

@@ -20,13 +20,14 @@ from pathlib import Path
 from pipeline.files import jsonio
 from pipeline.files.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint.manifest import code_change
 from pipeline.checkpoint.store import checkpoint_dir, file_hashes, is_checkpoint_dir, manifest_as_written
 from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, ConfigError, refuse
 
 NAME = "pipeline.show"
 SUMMARY = ("schema_version", "step", "epoch", "metrics", "tags", "config_hash", "data_manifest_hash", "git_sha",
-           "git_dirty", "seed", "mlflow_run_uri", "lineage")
+           "git_dirty", "code_sha256", "seed", "mlflow_run_uri", "lineage")
 
 
 def describe_checkpoint(directory: Path, overrides: tuple[str, ...] = ()) -> dict:
@@ -40,6 +41,8 @@ def describe_checkpoint(directory: Path, overrides: tuple[str, ...] = ()) -> dic
         out["link_target"] = os.readlink(directory)
     manifest = manifest_as_written(directory)
     out.update({k: manifest[k] for k in SUMMARY if k in manifest})
+    if manifest:
+        out["other_code"] = code_change(manifest)  # None: this code trained it (or it cannot be told)
     files = manifest.get("files")
     if isinstance(files, dict):
         out["files"] = files
@@ -93,7 +96,9 @@ def render_checkpoint(d: dict) -> str:
         lines += [f"  step {d['step']}  epoch {d.get('epoch')}  schema_version {d.get('schema_version')}"
                   f"  tags {','.join(d.get('tags') or []) or '-'}", f"  metrics: {_metrics(d.get('metrics'))}",
                   f"  config_hash: {d.get('config_hash')}", f"  data_manifest_hash: {d.get('data_manifest_hash')}",
-                  f"  git_sha: {d.get('git_sha')}{dirty}  seed: {d.get('seed')}"]
+                  f"  git_sha: {d.get('git_sha')}{dirty}  code_sha256: {d.get('code_sha256')}  seed: {d.get('seed')}"]
+        if d.get("other_code"):
+            lines.append(f"  trained by other code than this: {d['other_code']}")
     for name, entry in sorted((d.get("files") or {}).items()):
         if isinstance(entry, dict):
             lines.append(f"  {name:<22} {entry.get('size', '?'):>12} B  sha256 {entry.get('sha256')}")
@@ -116,6 +121,8 @@ def render_run(d: dict) -> str:
         verdict = "valid" if c["valid"] else f"INVALID: {c['reason']}"
         lines.append(f"  step {c.get('step', c['listed_step']):>8}  epoch {c.get('epoch', '?')}{links}  "
                      f"{_metrics(c.get('metrics'))}  {verdict}")
+    if d["checkpoints"] and d["checkpoints"][-1].get("other_code"):
+        lines.append(f"  trained by other code than this: {d['checkpoints'][-1]['other_code']}")
     for name, link in d["links"].items():
         lines.append(f"  {name} -> {link['target']}" + ("" if link["exists"] else "  (MISSING: dangling link)"))
     if d["temporaries"]:

@@ -5,6 +5,7 @@ import hashlib
 import logging
 from pathlib import Path
 
+from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import Checkpoint, checkpoint_dir, file_hashes, files_of, load
 from pipeline.config import identity
@@ -91,28 +92,13 @@ def _begin(run, ckpt: Checkpoint, lineage: dict, history: list[dict], allowed: d
     """`history`: the metrics the checkpoint's run logged (own: this directory's, cut back to the resumed step)."""
     kept = [ln for ln in history if ln["step"] <= ckpt.step]
     run.begin(lineage, ckpt, kept, allowed, metrics_cut=own and len(kept) < len(history))
-    if differs := code_change(ckpt.manifest, run.job.facts):
+    if differs := mf.code_change(ckpt.manifest, run.job.facts):
         log.warning("%s %s was trained by other code than this: %s; %s", "run" if run.complete else "checkpoint",
                     ckpt.directory, differs, "it is left as it is (resume=never trains it anew with this code)"
                     if run.complete else "resuming with this code (resume=never trains anew)")
     if not run.complete:
         log.info("resuming from step %d of %d (epoch %d): %s", ckpt.step, run.state.total_steps, run.state.epoch,
                  ckpt.directory)
-
-
-def code_change(manifest: dict, facts: dict) -> str | None:
-    """How the code a checkpoint was written by differs from this process's (None: the same, or unknown)."""
-    def name(f: dict) -> str:
-        dirty = " with uncommitted changes" if f.get("git_dirty") else ""
-        code = f" (code sha256 {f['code_sha256'][:12]})" if isinstance(f.get("code_sha256"), str) else ""
-        return f"commit {str(f.get('git_sha'))[:12]}{dirty}{code}"
-    if isinstance(manifest.get("code_sha256"), str) and isinstance(facts.get("code_sha256"), str):
-        same = manifest["code_sha256"] == facts["code_sha256"]
-    elif "unknown" in (manifest.get("git_sha"), facts.get("git_sha")) or not manifest.get("git_sha"):
-        return None
-    else:  # a checkpoint from before code_sha256: two edits of one commit cannot be told apart
-        same = (manifest.get("git_sha"), manifest.get("git_dirty")) == (facts.get("git_sha"), facts.get("git_dirty"))
-    return None if same else f"{name(manifest)}, now {name(facts)}"
 
 
 def _restore(job, ckpt: Checkpoint, allow: list[str]) -> dict:

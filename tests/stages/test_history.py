@@ -188,3 +188,26 @@ def test_a_fresh_start_in_a_directory_with_a_history_moves_it_aside(interrupted,
     assert weights <= weights_everywhere(run) and lines <= lines_everywhere(run)
     (moved,) = run.glob("superseded/*")
     assert (moved / "run.json").is_file() and (moved / "metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_a_run_trained_by_other_code_says_so_when_resumed_found_complete_and_shown(interrupted, complete, tmp_path,
+                                                                                  caplog, capsys):
+    from pipeline.cli import show
+    from pipeline.files import jsonio
+
+    caplog.set_level(logging.INFO, logger="pipeline")
+    for state, source in (("interrupted", interrupted), ("complete", complete)):
+        out = shutil.copytree(source, tmp_path / state, symlinks=True)
+        run = the_run(out)
+        for manifest in (run / "checkpoints").glob("step-*/manifest.json"):  # listed nowhere: edited freely
+            m = jsonio.read(manifest, 1 << 24)
+            m["code_sha256"] = "0" * 64
+            manifest.write_bytes(jsonio.dumps(m))
+        capsys.readouterr()
+        show.main([str(run)])
+        assert "trained by other code than this: commit" in capsys.readouterr().out
+        caplog.clear()
+        assert run_job(*BASE, f"paths.output_dir={out}")[0] == 0
+        assert "was trained by other code than this: commit" in caplog.text, state
+        assert "(code sha256 000000000000), now commit" in caplog.text
