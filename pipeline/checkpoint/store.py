@@ -479,17 +479,17 @@ class CheckpointStore:
                     self._records[step] = record_of(read_manifest(directory))
         return [self._records[s] for s in sorted(self._records)]
 
-    def newest_valid(self, parts: Mapping | None = None) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
-        """The newest checkpoint that verifies (and fits `parts`), and (directory, why) for each newer one skipped:
-        damaged, or verified but made by a config whose state does not fit the live run."""
+    def newest_valid(self, parts: Mapping | None = None) -> tuple[Checkpoint | None, list[tuple[Path, str, str]]]:
+        """The newest checkpoint that verifies (and fits `parts`), and (directory, what it is, the error) for each
+        newer one skipped: damaged, or verified but made by a config whose state does not fit the live run."""
         skipped = []
         for _, directory in reversed(self.steps()):
             try:
                 return load(directory, parts), skipped
             except MisfitError as e:
-                skipped.append((directory, f"it verifies, but does not fit this config: {e}"))
+                skipped.append((directory, "a checkpoint that verifies but does not fit this config", str(e)))
             except CheckpointError as e:
-                skipped.append((directory, f"damaged: {e}"))
+                skipped.append((directory, "a damaged checkpoint", str(e)))
         return None, skipped
 
     def newest_manifest(self) -> tuple[Path, dict] | None:

@@ -43,11 +43,11 @@ class Resume(Stage):
 
     def _own(self, run) -> None:
         ckpt, skipped = run.store.newest_valid(run.job.parts)
+        for _, what, error in skipped:
+            log.warning("not resuming from %s (kept in superseded/, nothing is deleted), falling back: %s", what, error)
         if ckpt is None:
-            return start_fresh(run, [why for _, why in skipped])
-        for directory, why in skipped:
-            log.warning("not resuming from %s (it goes to superseded/, nothing is deleted): %s", directory.name, why)
-        run.set_aside([directory for directory, _ in skipped])
+            return start_fresh(run)
+        run.set_aside([directory for directory, _, _ in skipped])
         _continue(run, ckpt, ckpt.manifest["lineage"], run.rundir.read_metrics(), self.allow_changes)
 
     def _fork(self, run, source: Path) -> None:
@@ -69,11 +69,9 @@ class Resume(Stage):
         _begin(run, src, lineage, history, allowed, own=False)
 
 
-def start_fresh(run, skipped: list[str] = ()) -> None:
+def start_fresh(run) -> None:
     """A history from scratch; what an earlier one left in the run directory (checkpoints none of which this
     run can continue, metrics.jsonl, run.json) is moved whole to superseded/ first, never deleted."""
-    for why in skipped:
-        log.warning("not resuming from a checkpoint: %s", why)
     if run.holds_history() and not run.rundir.read_only:  # read-only: the job ends next, nothing written
         where = run.supersede()
         log.warning("this run directory held an earlier run history that this start does not continue; moved it "

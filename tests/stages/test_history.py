@@ -172,7 +172,8 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_not_deleted(interrupted, tmp
     data[-3] ^= 0x10
     (newest / "weights.safetensors").write_bytes(bytes(data))
     assert run_job(*BASE, f"paths.output_dir={out}")[0] == 0
-    assert f"not resuming from {newest.name} (it goes to superseded/, nothing is deleted): damaged:" in caplog.text
+    assert ("not resuming from a damaged checkpoint (kept in superseded/, nothing is deleted), falling back: "
+            f"checkpoint {newest}: weights.safetensors: sha256 differs") in caplog.text
     (moved,) = run.glob(f"superseded/*/checkpoints/{newest.name}")
     assert (moved / "weights.safetensors").read_bytes() == bytes(data)  # as it was found, damage and all
 
