@@ -5,16 +5,18 @@ import hashlib
 import logging
 import math
 import os
+import shutil
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.files import jsonio, reading
-from pipeline.files.atomic import ensure_dirs, environment_error, replace_file
+from pipeline.files.atomic import NewDirs, ensure_dirs, environment_error, replace_file
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
 from pipeline.config.targets import parse_overrides
 from pipeline.run.signals import SIGNALS_STATE
@@ -89,6 +91,19 @@ def _slurm_jobs(launcher) -> Path | None:
     return Path(prefix) if prefix.endswith("/") else Path(prefix).parent
 
 
+@dataclass
+class _Start:
+    """What a sweep's start changed, to undo if no job ever runs: the directories it made, and the files of an
+    existing sweep directory as they were (None: absent)."""
+    directory: Path
+    made: NewDirs
+    files: dict
+
+
+# The sweep this process started (its launcher), for the entry point: one per process, like SWEEP_DIR_ENV.
+_started: list[_Start] = []
+
+
 def parent_of(sweep: dict) -> dict | None:
     """How the jobs and the end name the sweep's parent run to the agent: by the sweep's id (None: untracked)."""
     return {"sweep_id": sweep["id"]} if "uri" in sweep and not sweep.get("tracking_off") else None
@@ -125,6 +140,8 @@ class MlflowSweepCallback(Callback):
     def __init__(self) -> None:
         self.sweep: dict | None = None  # what sweep.json says: id, dir, name, swept, uri, direction, status ...
         self.parent_request = None  # the agent's answer to parent_start, in the launching process only
+        self.launcher_pid: int | None = None  # the process that started the sweep
+        self.launched = False  # its parent run asked for, its line said
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "parent_request": None}  # Hydra pickles this object to every job
@@ -148,6 +165,9 @@ class MlflowSweepCallback(Callback):
 
     def _start(self, config: DictConfig, hydra, task: list[str], sweeper: dict, identity: dict) -> None:
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
+        target = Path(os.path.abspath(config.paths.output_dir), "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
+        files = {n: b for n in START_FILES if (b := _bytes_of(target / n)) is not _UNREADABLE}
+        _started[:] = [_Start(target, NewDirs(target), files)]
         directory = ensure_dirs(Path(str(config.paths.output_dir)), "sweeps",
                                 f"{identity['name'] or 'sweep'}-{sweep_id}")
         os.environ[SWEEP_DIR_ENV] = str(directory)  # hydra.sweep.dir follows it, here and in every job
@@ -184,9 +204,22 @@ class MlflowSweepCallback(Callback):
                 log.warning("mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their "
                             "manifests; index them later with `python -m pipeline.reindex`.", uri, problem)
         replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
+        self.launcher_pid = os.getpid()
+        # Where the jobs run in this process, the parent run and the sweep's line wait for its first job (Hydra
+        # composes them all first: a sweep refused then leaves no parent run and says one line); other
+        # launchers' jobs need the parent at once.
+        if not self.sweep["launcher"].endswith(".BasicLauncher"):
+            self._launching()
+
+    def _launching(self) -> None:
+        self.launched = True
         if parent_of(self.sweep) is not None:
             self._start_parent()
-        log.info("sweep %s: %s", sweep_id, directory)
+        log.info("sweep %s: %s", self.sweep["id"], self.sweep["dir"])
+
+    def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        if self.sweep is not None and not self.launched and self.launcher_pid == os.getpid():
+            self._launching()
 
     def _start_parent(self) -> None:
         """Ask the agent for the parent run without waiting: the jobs name it by the sweep's id; the end reads it."""
@@ -201,6 +234,48 @@ class MlflowSweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         if self.sweep is not None:
             exit_for(end(self.sweep, None, self.parent_request))
+
+
+START_FILES = ("sweep.json", "multirun.yaml", OPTUNA_DB)  # what a sweep's launcher writes before its first job
+
+
+_UNREADABLE = object()  # a file an undo leaves as it is
+
+
+def _bytes_of(path: Path):
+    """A file's bytes as a sweep's start found them (an Optuna database: b"" for present), None if absent."""
+    if not os.path.lexists(path):
+        return None
+    if path.name == OPTUNA_DB:
+        return b""
+    try:
+        return reading.read_bytes(path, 1 << 26)
+    except OSError:
+        return _UNREADABLE
+
+
+def discard_unlaunched() -> bool:
+    """The entry point's undo of a sweep this process started whose jobs never ran (Hydra could not compose them,
+    or the sweeper raised first): what its start wrote goes, the directories it made too (an earlier sweep's
+    directory gets its files back), so that no sweep is left `running`; False if it had a job or there is none."""
+    if not _started:
+        return False
+    start = _started.pop()
+    jobs = start.directory / "jobs"
+    if jobs.exists() and any(jobs.iterdir()):
+        return False
+    if start.directory in start.made.missing:
+        shutil.rmtree(start.directory, ignore_errors=True)
+    else:
+        for name, data in start.files.items():
+            path = start.directory / name
+            if data is None:
+                path.unlink(missing_ok=True)
+            elif name != OPTUNA_DB:
+                replace_file(path, data)
+    start.made.prune()
+    os.environ.pop(SWEEP_DIR_ENV, None)
+    return True
 
 
 def end_unfinished(error: str) -> bool:

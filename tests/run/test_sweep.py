@@ -151,3 +151,28 @@ def test_the_entry_point_ends_only_a_running_sweep_this_process_launched(tmp_pat
     assert not sweep_callback.end_unfinished("again")  # ended: once
     monkeypatch.delenv(SWEEP_DIR_ENV)
     assert not sweep_callback.end_unfinished("a single run")
+
+
+def _tree(root) -> dict:
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def test_a_sweep_refused_before_any_job_leaves_no_sweep_and_no_directory_it_made(tmp_path):
+    """Hydra refuses the jobs' overrides only after the sweep's start wrote sweep.json ("running") and
+    multirun.yaml: the refusal undoes that start, so reindex finds no sweep that never ran."""
+    from conftest import KERNODECK, refused_in_one_line
+    from pipeline.tracking.link import wait_idle
+
+    out = tmp_path / "fresh" / "out"
+    for tracking in ("tracking=none", "tracking=mlflow"):
+        line = refused_in_one_line(["-m", *KERNODECK, "optimizer.lrr=1e-3,3e-3", tracking,
+                                    f"paths.output_dir={out}"], tmp_path)
+        assert "optimizer.lrr" in line
+        wait_idle(f"sqlite:///{out}/mlflow.db")  # a parent run started would be on its way: it must not be
+        assert not (tmp_path / "fresh").exists()
+    used = tmp_path / "used"
+    (used / "sweeps" / "other").mkdir(parents=True)
+    (used / "sweeps" / "other" / "sweep.json").write_text("{}")
+    before = _tree(used)
+    refused_in_one_line(["-m", *KERNODECK, "model=mlp,bogus", f"paths.output_dir={used}"], tmp_path)
+    assert _tree(used) == before
