@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.files import jsonio, reading
 from pipeline.files.atomic import NewDirs, ensure_dirs, environment_error, replace_file
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, ConfigError
 from pipeline.config.targets import parse_overrides
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SWEEP_DIR_ENV, SweepJob
@@ -91,6 +91,33 @@ def _slurm_jobs(launcher) -> Path | None:
     return Path(prefix) if prefix.endswith("/") else Path(prefix).parent
 
 
+def swept_monitor_inputs(keys) -> bool:
+    """True if a swept key may change what check_monitors says from job to job (a group such as `experiment` may
+    set anything)."""
+    from pipeline.run.assemble import MONITOR_KEYS
+
+    def related(k: str) -> bool:
+        return k == "experiment" or any(k == m or k.startswith((f"{m}.", f"{m}/")) or m.startswith(f"{k}.")
+                                        for m in MONITOR_KEYS)
+    return any(related(str(k).lstrip("+~")) for k in keys)
+
+
+def refuse_monitors(config: DictConfig, swept_keys) -> None:
+    """A monitor or optimized_metric every job shares that names no metric the jobs log: one line and exit 2,
+    before the sweep writes anything (one that a swept key may change is each job's own refusal, recorded)."""
+    from pipeline.run.assemble import MONITOR_KEYS, check_monitors
+
+    if swept_monitor_inputs(swept_keys):
+        return
+    try:
+        plain = {k.split(".")[0]: _plain(config.get(k.split(".")[0])) for k in MONITOR_KEYS}
+        check_monitors(plain)
+    except ConfigError as e:
+        _stop(EXIT_BAD_INPUT, str(e))
+    except Exception as e:  # noqa: BLE001 - what cannot be judged here is judged by each job
+        log.debug("monitors not checked before the sweep: %s", e)
+
+
 @dataclass
 class _Start:
     """What a sweep's start changed, to undo if no job ever runs: the directories it made, and the files of an
@@ -156,6 +183,7 @@ class MlflowSweepCallback(Callback):
         if (count := job_count(task, sweeper)) > MAX_JOBS:  # before anything is written or expanded
             _stop(EXIT_BAD_INPUT, f"this sweep asks for {count:,} jobs: at most {MAX_JOBS:,} in one multirun "
                                   "(split it, or sample it with a sweeper such as Optuna and its n_trials)")
+        refuse_monitors(config, swept(task, sweeper.get("params")))
         try:
             self._start(config, hydra, task, sweeper, identity)
         except OSError as e:
