@@ -238,6 +238,10 @@ class MlflowSweepCallback(Callback):
         # launchers' jobs need the parent at once.
         if not self.sweep["launcher"].endswith(".BasicLauncher"):
             self._launching()
+        elif parent_of(self.sweep) is not None:
+            from pipeline.tracking.link import agent_for, agent_log
+
+            agent_for(self.sweep["uri"], agent_log(self.sweep["uri"]))  # warm meanwhile (mlflow's import): no request
 
     def _launching(self) -> None:
         self.launched = True
