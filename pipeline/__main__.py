@@ -147,6 +147,11 @@ def main() -> None:
                 end_unfinished(message)
             print(f"pipeline: {message}", file=sys.stderr)
             sys.exit(EXIT_ERROR)
+        if not started:  # refused before any job ran (Hydra could not compose them): the sweep leaves nothing
+            from pipeline.tracking.sweep_callback import discard_unlaunched
+
+            with contextlib.suppress(OSError):
+                discard_unlaunched()
         if started and end_unfinished(f"{type(e).__name__}: {e}"):
             raise  # an error inside a job: its traceback, exit 1
         if started or not report_own:

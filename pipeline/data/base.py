@@ -30,6 +30,7 @@ class Dataset(Protocol):
     spec: DataSpec
     n_train: int  # number of training samples the iterator permutes
     manifest_hash: str  # sha256 identifying the exact data (data_manifest_hash)
+    baselines: tuple[str, ...]  # the names baseline_metrics gives, known before the data is built (absent: none)
 
     def train_batch(self, ids: np.ndarray, dtype: np.dtype) -> Batch: ...
 

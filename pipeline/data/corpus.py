@@ -196,6 +196,7 @@ class TokenDataset:
     """Non-overlapping windows of T+1 tokens over a verified corpus directory (the Dataset protocol)."""
 
     kind = "tokens"
+    baselines = ("val/ngram_baseline_ppl",)  # what baseline_metrics gives
     specials: dict[str, str] = {}  # role -> token of the vocabulary ({"eos": "<eos>"}): what a tool starts from
 
     def __init__(self, cache_dir: str, name: str, params: dict, val_batch_size: int,
@@ -245,7 +246,7 @@ class TokenDataset:
             yield Batch(ids=ids, x=x, y=y)
 
     def baseline_metrics(self) -> dict[str, float]:
-        return {"val/ngram_baseline_ppl": float(self.manifest["baseline"]["val_ppl"])}
+        return {self.baselines[0]: float(self.manifest["baseline"]["val_ppl"])}
 
     def decode(self, ids) -> str:
         return self._join.join(self.vocab[int(i)] for i in np.asarray(ids).reshape(-1))

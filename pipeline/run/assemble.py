@@ -2,6 +2,7 @@
 a checkpoint build them this way), its facts, its job (build: nothing under the run directory is created)."""
 from __future__ import annotations
 
+import difflib
 import inspect
 import time
 import uuid
@@ -16,6 +17,7 @@ from pipeline.config import identity
 from pipeline.checkpoint import manifest as mf
 from pipeline.data.base import DataSpec, inference_facts
 from pipeline.data.iterator import DataIterator
+from pipeline.trainer.loop import kept, train_metric_names, val_metric_names
 from pipeline.trainer.rng import Streams
 from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import validate
@@ -127,6 +129,39 @@ def check_pairing(config: dict) -> None:
                           "and model=mlp with data=regression")
 
 
+# The config keys check_monitors reads: a sweep that sweeps none of them has the same answer for every job.
+MONITOR_KEYS = ("data", "trainer.grad_clip", "stages", "optimized_metric")
+
+
+def metric_names(config: dict) -> list[str]:
+    """Every metric the configured run measures (what a stage's `monitor` may name), from the data's class."""
+    try:
+        data = get_class(config["data"]["_target_"])
+    except Exception as e:  # noqa: BLE001 - hydra's locate error: one line naming the target
+        raise ConfigError(f"cannot import a _target_: {str(e).splitlines()[0]}") from None
+    return sorted({*train_metric_names(data, float(config["trainer"]["grad_clip"])), *val_metric_names(data)})
+
+
+def check_monitors(config: dict) -> None:
+    """ConfigError, one line, for a stage's `monitor` or `optimized_metric` naming a metric the run never logs (a
+    typo would never write `best`, never stop early, optimise NaN), with the closest names; before anything is built."""
+    names = metric_names(config)
+    wanted = [(f"stages.{key}.monitor", node["monitor"], names) for key, node in (config.get("stages") or {}).items()
+              if isinstance(node, dict) and "monitor" in node]
+    if config.get("optimized_metric") is not None:
+        wanted.append(("optimized_metric", config["optimized_metric"], [n for n in names if kept(n)]))
+    errors = []
+    for key, value, known in wanted:
+        if value not in known:
+            close = difflib.get_close_matches(str(value), known, n=3)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            why = "logged, but not a metric whose last value the run keeps" if value in names else \
+                "this run logs no such metric"
+            errors.append(f"{key}={value}: {why}; {hint}it can be one of: {', '.join(known)}")
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+
 def assemble(config: dict, sources: dict | None = None) -> Job:
     """The data, every part and the run-level manifest facts: a Job without a tracker or run directory (the
     verifier's processes, roundtrip); ValueError or OSError for values its objects refuse."""
@@ -143,6 +178,7 @@ def build(config: dict, sweep: SweepJob | None = None) -> Job:
     """The whole job, or ConfigError (one line) for a bad value, a missing file, or groups that clash."""
     validate(config)
     check_pairing(config)
+    check_monitors(config)
     tracker = build_tracker(config, sweep)
     tracker.prepare()  # the tracking agent starts (or is found warm) while the data and the model are built
     try:

@@ -165,12 +165,14 @@ class Agent:
         self.flush(s)
         self.finishing.append((s, m, time.monotonic() + GONE_WAIT))
 
-    def finish_gone(self) -> None:
-        """Complete each handed-over run whose job has left (nothing changes then): its points and status, then
-        artifacts."""
+    def finish_gone(self, complete: Path | None = None) -> None:
+        """Complete each handed-over run whose job has left (nothing changes then), or whose run directory is
+        `complete` (resolved; a later job of the same process holds it only to find it done): its points and
+        status, then artifacts."""
         waiting, done = [], []
         for s, m, deadline in self.finishing:
-            if _held_by(Path(m["run_dir"]), m.get("pid")) and time.monotonic() < deadline:
+            if Path(m["run_dir"]).resolve() != complete and _held_by(Path(m["run_dir"]), m.get("pid")) \
+                    and time.monotonic() < deadline:
                 waiting.append((s, m, deadline))
                 continue
             started = time.monotonic()
@@ -194,6 +196,8 @@ class Agent:
 
     def attach(self, s: Session, m: dict) -> None:
         """A job whose run directory was complete before it started: indexed (its run made if the store lacks it)."""
+        if self.finishing:  # the run this repeats, handed over by an earlier job of the same process: complete first
+            self.finish_gone(complete=Path(m["run_dir"]).resolve())
         client = self.client(m["uri"], m.get("artifact_location"))
         parent, job = self.parent_of(client, m.get("parent")), m.get("job") or {}
         r = self.index.index_job(client, m["uri"], Path(m["run_dir"]), m.get("artifact_location"), parent, job)

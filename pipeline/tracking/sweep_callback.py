@@ -5,17 +5,19 @@ import hashlib
 import logging
 import math
 import os
+import shutil
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.files import jsonio, reading
-from pipeline.files.atomic import ensure_dirs, environment_error, replace_file
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED
+from pipeline.files.atomic import NewDirs, ensure_dirs, environment_error, replace_file
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, ConfigError
 from pipeline.config.targets import parse_overrides
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SWEEP_DIR_ENV, SweepJob
@@ -89,6 +91,46 @@ def _slurm_jobs(launcher) -> Path | None:
     return Path(prefix) if prefix.endswith("/") else Path(prefix).parent
 
 
+def swept_monitor_inputs(keys) -> bool:
+    """True if a swept key may change what check_monitors says from job to job (a group such as `experiment` may
+    set anything)."""
+    from pipeline.run.assemble import MONITOR_KEYS
+
+    def related(k: str) -> bool:
+        return k == "experiment" or any(k == m or k.startswith((f"{m}.", f"{m}/")) or m.startswith(f"{k}.")
+                                        for m in MONITOR_KEYS)
+    return any(related(str(k).lstrip("+~")) for k in keys)
+
+
+def refuse_monitors(config: DictConfig, swept_keys) -> None:
+    """A monitor or optimized_metric every job shares that names no metric the jobs log: one line and exit 2,
+    before the sweep writes anything (one that a swept key may change is each job's own refusal, recorded)."""
+    from pipeline.run.assemble import MONITOR_KEYS, check_monitors
+
+    if swept_monitor_inputs(swept_keys):
+        return
+    try:
+        plain = {k.split(".")[0]: _plain(config.get(k.split(".")[0])) for k in MONITOR_KEYS}
+        check_monitors(plain)
+    except ConfigError as e:
+        _stop(EXIT_BAD_INPUT, str(e))
+    except Exception as e:  # noqa: BLE001 - what cannot be judged here is judged by each job
+        log.debug("monitors not checked before the sweep: %s", e)
+
+
+@dataclass
+class _Start:
+    """What a sweep's start changed, to undo if no job ever runs: the directories it made, and the files of an
+    existing sweep directory as they were (None: absent)."""
+    directory: Path
+    made: NewDirs
+    files: dict
+
+
+# The sweep this process started (its launcher), for the entry point: one per process, like SWEEP_DIR_ENV.
+_started: list[_Start] = []
+
+
 def parent_of(sweep: dict) -> dict | None:
     """How the jobs and the end name the sweep's parent run to the agent: by the sweep's id (None: untracked)."""
     return {"sweep_id": sweep["id"]} if "uri" in sweep and not sweep.get("tracking_off") else None
@@ -125,6 +167,8 @@ class MlflowSweepCallback(Callback):
     def __init__(self) -> None:
         self.sweep: dict | None = None  # what sweep.json says: id, dir, name, swept, uri, direction, status ...
         self.parent_request = None  # the agent's answer to parent_start, in the launching process only
+        self.launcher_pid: int | None = None  # the process that started the sweep
+        self.launched = False  # its parent run asked for, its line said
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "parent_request": None}  # Hydra pickles this object to every job
@@ -139,6 +183,7 @@ class MlflowSweepCallback(Callback):
         if (count := job_count(task, sweeper)) > MAX_JOBS:  # before anything is written or expanded
             _stop(EXIT_BAD_INPUT, f"this sweep asks for {count:,} jobs: at most {MAX_JOBS:,} in one multirun "
                                   "(split it, or sample it with a sweeper such as Optuna and its n_trials)")
+        refuse_monitors(config, swept(task, sweeper.get("params")))
         try:
             self._start(config, hydra, task, sweeper, identity)
         except OSError as e:
@@ -148,6 +193,9 @@ class MlflowSweepCallback(Callback):
 
     def _start(self, config: DictConfig, hydra, task: list[str], sweeper: dict, identity: dict) -> None:
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
+        target = Path(os.path.abspath(config.paths.output_dir), "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
+        files = {n: b for n in START_FILES if (b := _bytes_of(target / n)) is not _UNREADABLE}
+        _started[:] = [_Start(target, NewDirs(target), files)]
         directory = ensure_dirs(Path(str(config.paths.output_dir)), "sweeps",
                                 f"{identity['name'] or 'sweep'}-{sweep_id}")
         os.environ[SWEEP_DIR_ENV] = str(directory)  # hydra.sweep.dir follows it, here and in every job
@@ -184,9 +232,26 @@ class MlflowSweepCallback(Callback):
                 log.warning("mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their "
                             "manifests; index them later with `python -m pipeline.reindex`.", uri, problem)
         replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
+        self.launcher_pid = os.getpid()
+        # Where the jobs run in this process, the parent run and the sweep's line wait for its first job (Hydra
+        # composes them all first: a sweep refused then leaves no parent run and says one line); other
+        # launchers' jobs need the parent at once.
+        if not self.sweep["launcher"].endswith(".BasicLauncher"):
+            self._launching()
+        elif parent_of(self.sweep) is not None:
+            from pipeline.tracking.link import agent_for, agent_log
+
+            agent_for(self.sweep["uri"], agent_log(self.sweep["uri"]))  # warm meanwhile (mlflow's import): no request
+
+    def _launching(self) -> None:
+        self.launched = True
         if parent_of(self.sweep) is not None:
             self._start_parent()
-        log.info("sweep %s: %s", sweep_id, directory)
+        log.info("sweep %s: %s", self.sweep["id"], self.sweep["dir"])
+
+    def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        if self.sweep is not None and not self.launched and self.launcher_pid == os.getpid():
+            self._launching()
 
     def _start_parent(self) -> None:
         """Ask the agent for the parent run without waiting: the jobs name it by the sweep's id; the end reads it."""
@@ -201,6 +266,48 @@ class MlflowSweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         if self.sweep is not None:
             exit_for(end(self.sweep, None, self.parent_request))
+
+
+START_FILES = ("sweep.json", "multirun.yaml", OPTUNA_DB)  # what a sweep's launcher writes before its first job
+
+
+_UNREADABLE = object()  # a file an undo leaves as it is
+
+
+def _bytes_of(path: Path):
+    """A file's bytes as a sweep's start found them (an Optuna database: b"" for present), None if absent."""
+    if not os.path.lexists(path):
+        return None
+    if path.name == OPTUNA_DB:
+        return b""
+    try:
+        return reading.read_bytes(path, 1 << 26)
+    except OSError:
+        return _UNREADABLE
+
+
+def discard_unlaunched() -> bool:
+    """The entry point's undo of a sweep this process started whose jobs never ran (Hydra could not compose them,
+    or the sweeper raised first): what its start wrote goes, the directories it made too (an earlier sweep's
+    directory gets its files back), so that no sweep is left `running`; False if it had a job or there is none."""
+    if not _started:
+        return False
+    start = _started.pop()
+    jobs = start.directory / "jobs"
+    if jobs.exists() and any(jobs.iterdir()):
+        return False
+    if start.directory in start.made.missing:
+        shutil.rmtree(start.directory, ignore_errors=True)
+    else:
+        for name, data in start.files.items():
+            path = start.directory / name
+            if data is None:
+                path.unlink(missing_ok=True)
+            elif name != OPTUNA_DB:
+                replace_file(path, data)
+    start.made.prune()
+    os.environ.pop(SWEEP_DIR_ENV, None)
+    return True
 
 
 def end_unfinished(error: str) -> bool:

@@ -15,6 +15,29 @@ from pipeline.trainer.state import TrainState
 NOT_METRICS = ("step", "epoch", "ids", "step_time")
 
 
+# What a run measures, declared beside the code that measures it (train_step, validate): a config's monitors and
+# optimized_metric are checked against these names before anything is built (pipeline/run/assemble.py).
+def counts_tokens(data) -> bool:
+    """A dataset (class or instance) of token sequences: its losses also have a perplexity (train/ppl, val/ppl)."""
+    return getattr(data, "kind", None) == "tokens"
+
+
+def train_metric_names(data, grad_clip: float) -> tuple[str, ...]:
+    """The metrics of train_step's record: every update's."""
+    return ("train/loss", "lr", "grad_norm") + (("clipped",) if grad_clip > 0 else ()) + \
+        (("train/ppl",) if counts_tokens(data) else ())
+
+
+def val_metric_names(data) -> tuple[str, ...]:
+    """The metrics validate() measures: an evaluation's (the data's `baselines`: what its baseline_metrics gives)."""
+    return ("val/loss",) + (("val/ppl",) if counts_tokens(data) else ()) + tuple(getattr(data, "baselines", ()))
+
+
+def kept(name: str) -> bool:
+    """A metric the run keeps as its latest value (state.metrics: run.json, what optimized_metric reads)."""
+    return "/" in name
+
+
 def grad_norm(grads: dict[str, np.ndarray]) -> float:
     """The global L2 norm over every gradient array (a Python float: accumulated in double precision)."""
     return math.sqrt(sum(float(np.vdot(g, g)) for g in grads.values()))
@@ -35,7 +58,7 @@ def validate(state: TrainState) -> dict[str, float]:
     """Mean validation loss over the fixed validation batches, weighted by batch size, summed in batch order."""
     loss = state.runner.mean_loss(state.model, state.dataset.val_batches(state.dtype))
     out = {"val/loss": loss}
-    if state.dataset.spec.vocab_size:
+    if counts_tokens(state.dataset):
         out["val/ppl"] = math.exp(min(loss, 700.0))
     out.update(state.dataset.baseline_metrics())
     return out
@@ -82,7 +105,7 @@ def train_step(state: TrainState) -> dict:
     record = {"step": state.step, "epoch": epoch, "train/loss": loss, "lr": lr, "grad_norm": gnorm}
     if state.grad_clip > 0:
         record["clipped"] = state.progress.clipped
-    if state.dataset.spec.vocab_size:
+    if counts_tokens(state.dataset):
         record["train/ppl"] = math.exp(min(loss, 700.0))
     record["ids"] = ids[0] if len(ids) == 1 else np.concatenate(ids)
     return record
@@ -112,7 +135,7 @@ def fit(state: TrainState, eval_every: int, on_step_end: Callable[[dict], bool],
         if due or last:
             with np.errstate(all="ignore"):
                 record.update(validate(state))
-        state.progress.metrics.update({k: v for k, v in record.items() if "/" in k})
+        state.progress.metrics.update({k: v for k, v in record.items() if kept(k)})
         for cb in callbacks:
             cb.on_step_end(state, record)
         if on_step_end(record):

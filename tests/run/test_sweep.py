@@ -151,3 +151,60 @@ def test_the_entry_point_ends_only_a_running_sweep_this_process_launched(tmp_pat
     assert not sweep_callback.end_unfinished("again")  # ended: once
     monkeypatch.delenv(SWEEP_DIR_ENV)
     assert not sweep_callback.end_unfinished("a single run")
+
+
+def _tree(root) -> dict:
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def test_a_sweep_refused_before_any_job_leaves_no_sweep_and_no_directory_it_made(tmp_path):
+    """Hydra refuses the jobs' overrides only after the sweep's start wrote sweep.json ("running") and
+    multirun.yaml: the refusal undoes that start, so reindex finds no sweep that never ran."""
+    from conftest import KERNODECK, refused_in_one_line
+    from pipeline.tracking.link import wait_idle
+
+    out = tmp_path / "fresh" / "out"
+    for tracking in ("tracking=none", "tracking=mlflow"):
+        line = refused_in_one_line(["-m", *KERNODECK, "optimizer.lrr=1e-3,3e-3", tracking,
+                                    f"paths.output_dir={out}"], tmp_path)
+        assert "optimizer.lrr" in line
+        wait_idle(f"sqlite:///{out}/mlflow.db")  # a parent run started would be on its way: it must not be
+        assert not (tmp_path / "fresh").exists()
+    used = tmp_path / "used"
+    (used / "sweeps" / "other").mkdir(parents=True)
+    (used / "sweeps" / "other" / "sweep.json").write_text("{}")
+    before = _tree(used)
+    refused_in_one_line(["-m", *KERNODECK, "model=mlp,bogus", f"paths.output_dir={used}"], tmp_path)
+    assert _tree(used) == before
+
+
+def test_a_monitor_every_job_shares_refuses_the_sweep_before_it_starts(tmp_path):
+    from conftest import KERNODECK, refused_in_one_line
+
+    out = tmp_path / "out"
+    line = refused_in_one_line(["-m", *KERNODECK, "optimizer.lr=1e-3,3e-3", "stages.best_val.monitor=val/los",
+                                f"paths.output_dir={out}"], tmp_path)
+    assert line.startswith("pipeline: stages.best_val.monitor=val/los: ") and "did you mean val/loss?" in line
+    assert not out.exists()
+
+
+def test_only_a_swept_key_check_monitors_reads_leaves_the_monitor_to_each_job():
+    assert not sweep_callback.swept_monitor_inputs(["optimizer.lr", "model", "trainer.seed"])
+    for key in ("stages.best_val.monitor", "+stages/early_stop", "data", "data.path", "trainer.grad_clip",
+                "trainer", "optimized_metric", "experiment"):
+        assert sweep_callback.swept_monitor_inputs([key]), key
+
+
+@pytest.mark.slow
+def test_a_swept_monitor_fails_only_its_own_job_recorded_in_the_sweep(tmp_path):
+    from conftest import KERNODECK, run_pipeline
+
+    out = tmp_path / "out"
+    proc = run_pipeline(["-m", *KERNODECK, "stages.best_val.monitor=val/los,val/loss", f"paths.output_dir={out}"],
+                        tmp_path)
+    assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-3000:]
+    (sweep,) = (out / "sweeps").iterdir()
+    jobs = {n: json.loads((sweep / "jobs" / f"{n}.json").read_text()) for n in (0, 1)}
+    assert (jobs[0]["status"], jobs[0]["code"]) == ("failed", EXIT_BAD_INPUT) and "did you mean" in jobs[0]["error"]
+    assert jobs[1]["status"] == "complete"
+    assert json.loads((sweep / "sweep.json").read_text())["status"] == "failed"
