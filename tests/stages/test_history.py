@@ -35,6 +35,9 @@ CHANGES = {
     "lr": (("optimizer.lr=0.05",), False),
     "lr allowed": (("optimizer.lr=0.05", "resume.allow_changes=[optimizer.lr]"), False),
     "a bad value": (("stages.rotate_last_3.keep=0",), False),
+    "a monitor never logged": (("stages.best_val.monitor=val/los",), False),
+    "an early stop on a monitor never logged": (("+stages/early_stop=default", "stages.early_stop.monitor=val/los"),
+                                                False),
 }
 
 
