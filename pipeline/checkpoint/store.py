@@ -30,6 +30,9 @@ DATA = "data.json"
 REQUIRED = (WEIGHTS, OPTIM, EXTRA, DATA)
 REQUIRED_BY = {"2.0": (WEIGHTS, OPTIM, EXTRA), mf.SCHEMA_VERSION: REQUIRED}  # schema_version -> files it lists
 MAX_JSON = 16 << 20  # bytes of manifest.json, extra.json or data.json: a few KB (a 65,536-token vocabulary, < 1 MB)
+# data.json's strings, bounded so that decoding a sample costs what its tokens say: a corpus's tokens are
+# characters or lexicon words, its decode_join '' or ' ', its specials a role or two (eos).
+MAX_TOKEN, MAX_JOIN, MAX_SPECIALS = 256, 16, 16
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 CHECKPOINTS = "checkpoints"  # the name of a run's checkpoint store: links inside it stay inside it
 MAX_HOPS = 8  # links followed from a path to its checkpoint directory
@@ -254,10 +257,14 @@ def _data_problem(data, spec: dict) -> str | None:
         return "vocab must be a list of distinct tokens"
     if len(vocab) != size:
         return f"vocab holds {len(vocab)} tokens, but the manifest's data_spec says vocab_size {size!r:.20}"
-    if not isinstance(join, str):
-        return "decode_join must be a string"
-    if not (isinstance(specials, dict) and all(isinstance(t, str) and t in vocab for t in specials.values())):
-        return "specials must map roles to tokens of vocab"
+    if longest := max((t for t in vocab if len(t) > MAX_TOKEN), key=len, default=None):
+        return f"a token of {len(longest)} characters: tokens are at most {MAX_TOKEN}"
+    if not isinstance(join, str) or len(join) > MAX_JOIN:
+        return f"decode_join must be a string of at most {MAX_JOIN} characters (a text's is '' or ' ')"
+    if not (isinstance(specials, dict) and len(specials) <= MAX_SPECIALS
+            and all(isinstance(r, str) and len(r) <= MAX_TOKEN and isinstance(t, str) and t in vocab
+                    for r, t in specials.items())):
+        return f"specials must map at most {MAX_SPECIALS} roles to tokens of vocab"
     return None
 
 
