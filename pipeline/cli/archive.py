@@ -322,23 +322,69 @@ def run_overrides(run: Path) -> list[str] | None:
     return [str(v) for v in value] if isinstance(value, list) else None
 
 
+def recorded_searchpath(root: Path, run: Path, extra: list[str]) -> str | None:
+    """The `hydra.searchpath=[...]` the archive says run `run` was made with (its .hydra/overrides.yaml, else
+    recovery.json), if the command line did not give it: named in a refusal, never used."""
+    said = [o for o in run_overrides(run) or []]
+    try:
+        said += [str(o) for o in jsonio.read(root / "recovery.json", MAX_SMALL)["exported"]["runs"][run.name]
+                 ["resume_overrides"]]
+    except Exception:  # noqa: BLE001 - no recovery.json (being built), or not one this tool wrote
+        pass
+    said = [" ".join(o.split())[:300] for o in said if o.lstrip("+").startswith("hydra.searchpath=")]
+    return next((o.lstrip("+") for o in said if o.lstrip("+") not in extra), None)
+
+
+def _trust_hint(root: Path, run: Path, extra: list[str]) -> str:
+    searchpath = recorded_searchpath(root, run, extra)
+    return "" if searchpath is None else (f"; this archive's run {run.name} was made with {searchpath}; give it on "
+                                          "the command line if you trust it")
+
+
 def restore_all(root: Path, extra: list[str]) -> list[dict]:
-    """Every archived checkpoint restored from DEST with the full verification of a resume."""
-    from pipeline.run.trained import restore_checkpoint
+    """Every archived checkpoint restored from DEST with the full verification of a resume. What its configs may
+    build is decided by the command line alone (`extra`): nothing in the archive widens it."""
+    from pipeline.run.trained import UnknownTargetError, restore_checkpoint
 
     checks = []
     for run in sorted((root / "runs").iterdir()):
-        overrides = [o for o in run_overrides(run) or [] if o.startswith("hydra.searchpath=")] or extra
         for step_dir in sorted((run / CHECKPOINTS).iterdir()):
             if step_dir.is_symlink():
                 continue
             rel = step_dir.relative_to(root).as_posix()
             try:
-                manifest, _ = restore_checkpoint(step_dir, overrides)
+                manifest, _ = restore_checkpoint(step_dir, extra)
                 checks.append({"check": f"restore {rel}", "passed": True, "detail": f"step {manifest['step']}"})
             except Exception as e:  # noqa: BLE001 - a check's failure is its result
-                checks.append({"check": f"restore {rel}", "passed": False, "detail": str(e).splitlines()[0]})
+                hint = _trust_hint(root, run, extra) if isinstance(e, UnknownTargetError) else ""
+                checks.append({"check": f"restore {rel}", "passed": False, "detail": str(e).splitlines()[0] + hint})
     return checks
+
+
+def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str | None:
+    """Why the resume proof's command `args` (the archive's own overrides among them) would build what the command
+    line does not allow, or None: an argument from the archive may not be a flag or a `hydra` one, and the config
+    it composes may name only the `_target_`s the shipped conf/ and `extra` name (pipeline/config/targets.py)."""
+    from pipeline.config import targets
+    from pipeline.config.compose import compose, to_plain
+    from pipeline.config.errors import ConfigError, error_line
+
+    where = f"run {run.name}'s .hydra/overrides.yaml or data-identity.json"
+    try:
+        if bad := next((a for a in args if a not in extra and a.lstrip().startswith("-")), None):
+            return f"{where} gives {bad[:200]!r}, a flag: only the command line may give one"
+        for o in targets.parse_overrides([a for a in args if a not in extra]):
+            if o.key_or_group.startswith("hydra"):
+                return f"{where} gives {o.input_line[:200]!r}: only the command line may give hydra.*" + \
+                    _trust_hint(root, run, extra)
+        targets.check(to_plain(compose(args)), targets.allowed(tuple(extra)))
+    except targets.UnknownTarget as e:
+        return f"{where}: {e}{_trust_hint(root, run, extra)}"
+    except ConfigError as e:
+        return f"{where}: {e}"
+    except Exception as e:  # noqa: BLE001 - Hydra's and omegaconf's own errors: one line
+        return f"{where}: does not compose: {error_line(e)}"
+    return None
 
 
 def _resume_overrides(overrides: list[str], root: Path, identity: dict, extra: list[str]) -> list[str]:
@@ -374,6 +420,8 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     args = [*_resume_overrides(overrides, root, identity, extra), f"resume.source={source}",
             f"paths.output_dir={scratch / 'out'}", "tracking=none", "trainer.progress_bar=false"]
     shown = [a.replace(str(root), str(dest)) for a in args]
+    if (problem := untrusted(args, extra, root, run)) is not None:  # the child takes them as its command line
+        return {"run": run.name, "passed": False, "step_recovered": step, "detail": problem}
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
     # run() kills the child on any exception (a signal's included) before it is raised
     proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=scratch, env=env, capture_output=True,

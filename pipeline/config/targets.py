@@ -13,9 +13,25 @@ HINT = "give your config directory with hydra.searchpath=[...] to use your own c
 # Where the job builds a class of each of the pipeline's own packages (`pipeline.<package>.*`): the config's
 # top-level node it is built under. A checkpoint may name only shipped classes, but a shipped class is still
 # code: a corpus built where a stage is (it writes its cache wherever its `cache_dir` says) or a tracker where
-# the model is must be refused like an unknown class.
+# the model is must be refused like an unknown class. A class the shipped conf/ names is held tighter still: to
+# the very slots conf/ builds it in (`slots()`): a cadence is no stage, a stage no cadence, a callback no tracker.
 PLACES = {"model": "model", "data": "data", "optimizer": "optimizer", "scheduler": "scheduler", "stages": "stages",
           "checkpoint": "stages", "tracking": "tracking", "hydra": "tracking"}
+
+
+def slot(keys: tuple[str, ...]) -> str:
+    """The slot a node at `keys` (its path in the config) is built in: `model`, `data`, `optimizer`, `scheduler`,
+    `tracking`, `checkpoint` (a checkpoint cadence, also a stage's `cadence`), `stages.<name>` (any stage),
+    `hydra.callbacks.<name>`; anywhere else, its own dotted path."""
+    if len(keys) == 1 and keys[0] in ("model", "data", "optimizer", "scheduler", "tracking", "checkpoint"):
+        return keys[0]
+    if len(keys) == 2 and keys[0] == "stages":
+        return "stages.<name>"
+    if len(keys) == 3 and keys[0] == "stages" and keys[2] == "cadence":
+        return "checkpoint"
+    if len(keys) == 3 and keys[:2] == ("hydra", "callbacks"):
+        return "hydra.callbacks.<name>"
+    return ".".join(keys) or "the top level"
 
 
 class UnknownTarget(ConfigError):
@@ -32,13 +48,46 @@ def named(tree) -> set[str]:
                          for k, v in tree.items()))
 
 
+def _placed(tree, keys: tuple[str, ...], out: dict[str, set[str]]) -> None:
+    """Every string `_target_` in a tree, by the slot it is at."""
+    if isinstance(tree, list):
+        for i, v in enumerate(tree):
+            _placed(v, (*keys[:-1], f"{keys[-1] if keys else ''}[{i}]"), out)
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            if k == "_target_" and isinstance(v, str) and "${" not in v:
+                out.setdefault(v, set()).add(slot(keys))
+            else:
+                _placed(v, (*keys, str(k)), out)
+
+
+def _conf_trees() -> list[tuple[tuple[str, ...], object]]:
+    """Each YAML file of the package's conf/ tree, with the config path it is composed at (its group's
+    folders; the root for config.yaml and a `# @package _global_` file)."""
+    import yaml
+
+    out = []
+    for path in sorted(Path(CONFIG_DIR).rglob("*.y*ml")):
+        text = path.read_text(encoding="utf-8")
+        group = path.relative_to(CONFIG_DIR).parent.parts
+        glob = any(line.strip().replace(" ", "") == "#@package_global_" for line in text.splitlines()[:5])
+        out.append((() if glob else group, yaml.safe_load(text)))
+    return out
+
+
 @lru_cache(maxsize=None)
 def shipped() -> frozenset[str]:
     """The targets every YAML file of the package's conf/ tree names."""
-    import yaml
+    return frozenset(named([tree for _, tree in _conf_trees()]))
 
-    paths = sorted(Path(CONFIG_DIR).rglob("*.y*ml"))
-    return frozenset(named([yaml.safe_load(path.read_text(encoding="utf-8")) for path in paths]))
+
+@lru_cache(maxsize=None)
+def slots() -> dict[str, frozenset[str]]:
+    """Each shipped target of the pipeline's own package, and the slots (`slot()`) conf/ builds it in."""
+    out: dict[str, set[str]] = {}
+    for keys, tree in _conf_trees():
+        _placed(tree, keys, out)
+    return {t: frozenset(s) for t, s in out.items() if t.startswith("pipeline.")}
 
 
 def searched(searchpath: tuple[str, ...]) -> set[str]:
@@ -111,9 +160,10 @@ def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
     return shipped() | frozenset(searched(searchpath)) | frozenset(own)
 
 
-def check(tree, allowed_targets: frozenset[str], path: str = "config") -> None:
+def check(tree, allowed_targets: frozenset[str], path: str = "config", keys: tuple[str, ...] = ()) -> None:
     """UnknownTarget (one line naming the key) for a `_target_` not a string or not allowed, a class of the
-    pipeline's own packages out of its PLACE, or any interpolation (resolved when built, it could name anything)."""
+    pipeline's own packages out of its place (a shipped one out of the slots conf/ builds it in), or any
+    interpolation (resolved when built, it could name anything). The one test of a config read from a file."""
     if isinstance(tree, dict):
         if "_target_" in tree:
             target, where = tree["_target_"], f"{path}._target_"
@@ -122,22 +172,28 @@ def check(tree, allowed_targets: frozenset[str], path: str = "config") -> None:
             if "${" not in target and target not in allowed_targets:
                 raise UnknownTarget(f"{where} names {target!r:.200}, which neither the pipeline's configs nor yours "
                                     f"name ({HINT})")
-            _in_place(target, where)
+            _in_place(target, where, keys)
         for k, v in tree.items():
-            check(v, allowed_targets, f"{path}.{k}")
+            check(v, allowed_targets, f"{path}.{k}", (*keys, str(k)))
     elif isinstance(tree, list):
         for i, v in enumerate(tree):
-            check(v, allowed_targets, f"{path}[{i}]")
+            check(v, allowed_targets, f"{path}[{i}]", (*keys[:-1], f"{keys[-1] if keys else ''}[{i}]"))
     elif isinstance(tree, str) and "${" in tree:
         raise UnknownTarget(f"{path} holds the interpolation {tree!r:.200}; a saved config is resolved and holds "
                             "none (it would be resolved when the node is built)")
 
 
-def _in_place(target: str, where: str) -> None:
+def _in_place(target: str, where: str, keys: tuple[str, ...]) -> None:
     parts = target.split(".")
     if len(parts) < 3 or parts[0] != "pipeline":
         return  # your own classes: built wherever your configs put them
-    top = where.split(".")[1].split("[")[0] if where.count(".") > 1 else ""
+    here = slot(keys)
+    if target in slots():  # one of conf/'s own: only in a slot conf/ builds it in
+        if here not in slots()[target]:
+            raise UnknownTarget(f"{where} names {target!r:.200}, a class the pipeline builds only under "
+                                f"{' or '.join(sorted(slots()[target]))}, never under {here}")
+        return
+    top = keys[0].split("[")[0] if len(keys) > 0 else ""
     if PLACES.get(top) != parts[1]:
         home = [k for k, v in PLACES.items() if v == parts[1]]
         raise UnknownTarget(f"{where} names {target!r:.200}, a class the pipeline builds only under "

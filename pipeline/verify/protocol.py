@@ -19,15 +19,17 @@ def verify_dir(config: dict) -> Path:
     return Path(config["paths"]["output_dir"]) / "verify" / run_name(config)
 
 
-def run_workers(config: dict, out: Path, cut: int, steps: int) -> tuple[list[list[str]], str | None]:
-    """Runs the four processes (two at a time where they are independent); returns commands, error."""
+def run_workers(config: dict, out: Path, cut: int, steps: int, overrides: list[str] = ()) -> tuple[list[list[str]], str | None]:
+    """Runs the four processes (two at a time where they are independent); returns commands, error. Each gets
+    the `overrides` config.json was composed from: what they allow it to build (pipeline/config/targets.py)."""
     config_path = out / "config.json"
     config_path.write_bytes(jsonio.dumps(config))
     ckpt = ("--checkpoint", str(out / "interrupted" / "checkpoint"))
 
     def worker(mode: str, *extra: str) -> list[str]:
         return [sys.executable, "-m", "pipeline.verify.worker", "--config", str(config_path), "--mode", mode,
-                "--cut", str(cut), "--steps", str(steps), "--out", str(out / mode), *extra]
+                "--cut", str(cut), "--steps", str(steps), "--out", str(out / mode), *extra,
+                *(f"--override={o}" for o in overrides)]
 
     first = [worker("continuous"), worker("interrupted")]
     second = [worker("resume", *ckpt), worker("negative", *ckpt)]
@@ -109,7 +111,7 @@ def run_protocol(config: dict, argv: list[str]) -> int:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     t0 = time.time()
-    commands, error = run_workers(config, out, cut, steps)
+    commands, error = run_workers(config, out, cut, steps, argv)
     if error is None:
         try:
             report = verdict(out, cut, steps, atol, rtol)

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from pipeline.files import jsonio
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint import store
+from pipeline.config import targets
+from pipeline.config.errors import EXIT_BAD_INPUT, ConfigError
 from pipeline.run.assemble import assemble
 from pipeline.stages.resume import lineage_of
 from pipeline.stateful import PARTS, capture, copy_tree, restore
@@ -52,9 +55,17 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--checkpoint", help="the interrupted run's checkpoint (resume, negative)")
+    ap.add_argument("--override", action="append", default=[],
+                    help="an override the config was composed from: what its `_target_`s may name")
     args = ap.parse_args(argv)
 
-    run = Fresh(jsonio.read(Path(args.config), 1 << 24))
+    config = jsonio.read(Path(args.config), 1 << 24)
+    try:  # a file decides no code: only conf/ and this command line's overrides name what it may build
+        targets.check(config, targets.allowed(tuple(args.override)))
+    except ConfigError as e:
+        print(f"pipeline.verify.worker: {args.config}: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    run = Fresh(config)
     out = Path(args.out)
     restored = None
     if args.mode in ("resume", "negative"):
