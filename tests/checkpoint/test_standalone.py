@@ -195,3 +195,22 @@ def test_the_commands_stand_alone(grammar, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert jsonio.loads(proc.stdout.encode())["metrics"] == grammar["metrics"]
     shutil.rmtree(grammar["out"] / "data")
+
+
+@pytest.mark.parametrize("plant, words", [
+    (lambda d: d.__setitem__("decode_join", " " * (4 << 20)), "decode_join must be a string of at most 16"),
+    (lambda d: d["vocab"].__setitem__(3, "w" * 257), "a token of 257 characters: tokens are at most 256"),
+    (lambda d: d.__setitem__("specials", {f"role{i}": "<eos>" for i in range(17)}), "at most 16 roles"),
+])
+def test_data_json_strings_are_bounded(plant, words, grammar, tmp_path):
+    """A planted 4 MiB decode_join (hashes recomputed) would cost sample gigabytes: refused before it decodes."""
+    ckpt = copy_of(grammar["ckpt"], tmp_path)
+    data = json.loads((ckpt / DATA).read_text())
+    plant(data)
+    (ckpt / DATA).write_text(json.dumps(data))
+    relist(ckpt, DATA)
+    with pytest.raises(CheckpointError) as info:
+        store.data_facts(ckpt)
+    assert info.value.file == DATA and words in info.value.reason, info.value
+    line = refused_in_one_line([str(ckpt), "prompt=the"], tmp_path, module="pipeline.sample")
+    assert words in line, line
