@@ -65,7 +65,7 @@ def private_dir(directory: Path) -> Path:
         os.mkdir(directory, 0o700)
     problem = private_problem(directory)
     if problem is not None:
-        raise OSError(errno.EPERM, f"the tracking agent's directory {directory} {problem}: not used")
+        raise OSError(f"the tracking agent's directory {directory} {problem}: not used")
     return directory
 
 
@@ -213,8 +213,8 @@ def _connect(path: Path) -> socket.socket | None:
     try:
         pid, uid, _ = peer_credentials(sock)
         if uid != os.getuid():
-            raise OSError(errno.EPERM, f"the process listening on {path} (pid {pid}) runs as uid {uid}, not as this "
-                                       f"user (uid {os.getuid()}): refused, nothing sent to it")
+            raise OSError(f"the process listening on {path} (pid {pid}) runs as uid {uid}, not as this user "
+                          f"(uid {os.getuid()}): refused, nothing sent to it")
         sock.settimeout(None)
         return sock
     except BaseException:
