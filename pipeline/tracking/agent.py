@@ -15,6 +15,9 @@ import traceback
 from pathlib import Path
 
 MAX_PENDING = 1000  # metric points: one log_batch
+# Bytes of one request line: a checkpoint's manifest.json (at most 16 MiB, as JSON text within 6 times that) or
+# link.MAX_METRICS_LINES metrics lines. A longer line closes its connection, as its client's process ending would.
+MAX_REQUEST = 112 << 20
 FLUSH_EVERY = 1.0  # seconds: each log_batch is a sqlite commit (an fsync); batching spares the disk
 GONE_WAIT = 120.0  # seconds a finished run waits for its job to leave before it is indexed anyway
 TRACE = bool(os.environ.get("PIPELINE_TRACKING_AGENT_TRACE"))  # each request's time, in the agent's log
@@ -328,24 +331,41 @@ def _held_by(run_dir: Path, pid: int | None) -> bool:
 
 
 def _read(conn: Conn, sock: socket.socket, inbox: queue.Queue) -> None:
+    from pipeline.tracking.link import read_line
+
     try:
-        for raw in sock.makefile("rb"):
+        requests = sock.makefile("rb")
+        while raw := read_line(requests, MAX_REQUEST):
             try:
                 inbox.put((conn, json.loads(raw)))
             except json.JSONDecodeError:
                 continue
+    except ValueError as e:
+        print(f"tracking agent: connection {conn.cid} closed: {e}", file=sys.stderr, flush=True)
     except OSError:
         pass
     inbox.put((conn, EOF))
 
 
 def _accept(server: socket.socket, inbox: queue.Queue, clients: set) -> None:
+    """Serve each client of this user's (SO_PEERCRED); another user's connection is closed unread."""
+    from pipeline.tracking.link import peer_credentials
+
     cid = 1
     while True:
         try:
             sock, _ = server.accept()
         except OSError:
             return
+        try:
+            pid, uid, _ = peer_credentials(sock)
+        except OSError:
+            pid, uid = None, None
+        if uid != os.getuid():
+            print(f"tracking agent: refused a client (pid {pid}, uid {uid}): it does not run as this agent's user "
+                  f"(uid {os.getuid()})", file=sys.stderr, flush=True)
+            sock.close()
+            continue
         conn = Conn(cid, sock)
         clients.add(cid)
         threading.Thread(target=_read, args=(conn, sock, inbox), daemon=True).start()
@@ -360,6 +380,13 @@ def main(argv: list[str] | None = None) -> None:
     # Signals meant for jobs (Ctrl-C, SLURM's SIGTERM) must not cut a flush short: the agent ends when idle.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    from pipeline.tracking.link import private_dir
+
+    try:
+        private_dir(Path(args.listen).parent)  # the job checked it; so does the agent, before it binds there
+    except OSError as e:
+        print(f"tracking agent: {e.strerror or e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = f"{args.listen}.{os.getpid()}"
     server.bind(tmp)

@@ -7,9 +7,12 @@ import fcntl
 import hashlib
 import itertools
 import json
+import logging
 import os
 import queue
 import socket
+import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -20,16 +23,74 @@ from pathlib import Path
 # Without clients this long, the agent exits: long enough for the next run of a working session.
 IDLE_SECONDS = float(os.environ.get("PIPELINE_TRACKING_AGENT_IDLE", "300"))
 SPAWN_WAIT = 60.0  # seconds to wait for a new agent to bind its socket (it does so before importing mlflow)
+MAX_EVENT = 1 << 20  # bytes of one line from the agent (its events are small: an error message is cut at 2000)
+MAX_METRICS_LINES = 1000  # metrics.jsonl lines in one message to the agent (it reads at most agent.MAX_REQUEST)
+log = logging.getLogger("pipeline")
+
+
+# The socket and the log live in a directory only this user can enter: another user's process can neither
+# listen where a job connects (and read its events, or answer with a forged run URI) nor plant a link where
+# the agent's log is opened. Both ends check the other's uid as well (SO_PEERCRED).
+def private_problem(directory: Path) -> str | None:
+    """Why `directory` is not this user's alone (None if it is): a real directory (not a link), owned by this
+    user, with no permission for group or others."""
+    try:
+        st = os.lstat(directory)
+    except OSError as e:
+        return f"cannot be examined ({e.strerror or e})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}, which lets other users in (it must be 0700)"
+    return None
+
+
+def runtime_dir() -> Path:
+    """Where the agents' sockets and logs live: $XDG_RUNTIME_DIR if it is this user's alone, else
+    `<temp dir>/pipeline-<uid>`, which `private_dir` makes (0700)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg) and private_problem(Path(xdg)) is None:
+        return Path(xdg)
+    return Path(tempfile.gettempdir()) / f"pipeline-{os.getuid()}"
+
+
+def private_dir(directory: Path) -> Path:
+    """`directory`, made (0700) if missing, once it is checked to be this user's alone: else OSError naming it (the
+    directory is not used: nothing connects, binds or writes there)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    problem = private_problem(directory)
+    if problem is not None:
+        raise OSError(f"the tracking agent's directory {directory} {problem}: not used")
+    return directory
 
 
 def socket_path(uri: str) -> Path:
     """Short and per user: a Unix socket path must fit in ~100 bytes whatever the URI."""
     digest = hashlib.sha256(uri.encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"pipeline-mlflow-{os.getuid()}-{digest}.sock"
+    return runtime_dir() / f"pipeline-mlflow-{digest}.sock"
 
 
 def agent_log(uri: str) -> Path:
     return socket_path(uri).with_suffix(".log")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a connected Unix socket (Linux's SO_PEERCRED)."""
+    size = struct.calcsize("3i")
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, size))
+
+
+def read_line(f, limit: int) -> bytes:
+    """One line of at most `limit` bytes (b"" at the end); ValueError for a longer one."""
+    raw = f.readline(limit + 1)
+    if len(raw) > limit:
+        raise ValueError(f"a line longer than {limit} bytes")
+    return raw
 
 
 class Link:
@@ -88,7 +149,8 @@ class Link:
                         marks.append(msg)
                         continue
                     last = out[-1] if out else None
-                    if msg["op"] == "metrics" and last and last["op"] == "metrics" and last["sid"] == msg["sid"]:
+                    if (msg["op"] == "metrics" and last and last["op"] == "metrics" and last["sid"] == msg["sid"]
+                            and len(last["lines"]) < MAX_METRICS_LINES):
                         last["lines"] = last["lines"] + msg["lines"]  # consecutive lines travel together
                     else:
                         out.append(msg)
@@ -102,7 +164,8 @@ class Link:
 
     def _read(self) -> None:
         try:
-            for raw in self.sock.makefile("rb"):
+            events = self.sock.makefile("rb")
+            while raw := read_line(events, MAX_EVENT):
                 try:
                     event = json.loads(raw)
                 except json.JSONDecodeError:
@@ -138,29 +201,58 @@ class Request:
 
 
 def _connect(path: Path) -> socket.socket | None:
+    """A socket connected to the agent at `path`; None if nothing listens there; OSError if what listens there runs
+    as another user (nothing has been sent to it)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(10.0)
         sock.connect(str(path))
-        sock.settimeout(None)
-        return sock
     except OSError:
         sock.close()
         return None
+    try:
+        pid, uid, _ = peer_credentials(sock)
+        if uid != os.getuid():
+            raise OSError(f"the process listening on {path} (pid {pid}) runs as uid {uid}, not as this user "
+                          f"(uid {os.getuid()}): refused, nothing sent to it")
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def open_log(log_file: Path) -> int | None:
+    """The agent's log, opened to append without following a link (a regular file, made 0600); None, with one
+    warning, if it cannot be: the agent then logs nowhere."""
+    try:
+        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o600)
+    except OSError as e:
+        why = "it is a symlink, not followed" if e.errno == errno.ELOOP else (e.strerror or str(e))
+        log.warning("the tracking agent's log %s cannot be opened (%s): the agent logs nowhere", log_file, why)
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device: never written to, never waited on
+        os.close(fd)
+        log.warning("the tracking agent's log %s is not a regular file: the agent logs nowhere", log_file)
+        return None
+    os.set_blocking(fd, True)
+    return fd
 
 
 def spawn(path: Path, log_file: Path | None) -> subprocess.Popen:
     """Start an agent serving `path`, in its own session (no job's signal reaches it)."""
     root = str(Path(__file__).resolve().parents[2])  # the directory holding this `pipeline` package, first
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    out = open(log_file, "ab") if log_file is not None else subprocess.DEVNULL
+    fd = open_log(log_file) if log_file is not None else None
+    out = subprocess.DEVNULL if fd is None else fd
     try:
         return subprocess.Popen([sys.executable, "-m", "pipeline.tracking.agent", "--listen", str(path),
                                  "--idle", str(IDLE_SECONDS)], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                 env=env, close_fds=True, start_new_session=True)
     finally:
-        if out is not subprocess.DEVNULL:
-            out.close()
+        if fd is not None:
+            os.close(fd)
 
 
 _LINKS: dict[str, Link] = {}
@@ -169,7 +261,11 @@ _LINKS_LOCK = threading.Lock()
 
 def connect_or_spawn(path: Path, log_file: Path | None) -> socket.socket:
     """A socket connected to the agent at `path`, started if none runs (a lock beside the socket makes one process
-    spawn while the others wait). OSError if none can be."""
+    spawn while the others wait). OSError if none can be, or if `path`'s directory is not this user's alone (checked
+    first: nothing is then sent, bound, or written there)."""
+    private_dir(path.parent)
+    if log_file is not None and log_file.parent != path.parent:
+        private_dir(log_file.parent)
     sock = _connect(path)
     if sock is not None:
         return sock
@@ -208,13 +304,18 @@ def wait_idle(uri: str, timeout: float = 600.0) -> bool:
     """Wait until the agent for `uri` has nothing left to do (the index complete); True if none runs, never starts
     one. For tests and benchmarks."""
     path = socket_path(uri)
-    sock = _connect(path) if path.exists() else None
+    if private_problem(path.parent) is not None:
+        return True  # no agent of this user's is started there
+    try:
+        sock = _connect(path) if path.exists() else None
+    except OSError:
+        return False  # another user's process: never asked
     if sock is None:
         return True
     try:
         sock.settimeout(timeout)
         sock.sendall((json.dumps({"op": "idle", "sid": 1, "uri": uri}) + "\n").encode())
-        line = sock.makefile("rb").readline()
+        line = read_line(sock.makefile("rb"), MAX_EVENT)
         return bool(line) and json.loads(line).get("event") == "idle"
     except (OSError, ValueError):
         return False
