@@ -130,7 +130,7 @@ def plan(source: Path, which: str) -> list[RunPlan]:
         run_dir = directory.parent.parent if in_run else None
         manifest = read_manifest(directory)
         if run_dir is None:  # the run's directory name comes from the manifest: one name, inside DEST
-            names.checked(manifest["config"].get("name", "run"), f"{directory / 'manifest.json'}: config.name")
+            names.checked(manifest["config"].get("name", "run"), f"{directory}: its manifest's config.name")
         name = run_dir.name if run_dir else run_name(manifest["config"], manifest["sources"])
         step_name = directory.name if in_run else f"step-{manifest['step']:08d}"
         links = {k: t for k, t in CheckpointStore(directory.parent).links().items() if t == step_name} if in_run else {}

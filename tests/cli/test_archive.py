@@ -268,7 +268,7 @@ def test_a_lone_checkpoint_naming_a_path_is_refused_and_nothing_lands_outside_de
     cwd = tmp_path / "cwd"  # the finished run's working directory
     before = tree(tmp_path)
     line = refused_in_one_line([str(loose), str(dest)], cwd, module="pipeline.archive")
-    assert line.startswith("pipeline.archive: ") and "manifest.json: config.name=" in line, line
+    assert line.startswith("pipeline.archive: ") and f"{loose}: its manifest's config.name=" in line, line
     assert repr(m["config"]["name"])[:20] in line, line
     assert tree(tmp_path) == before  # no DEST, no temporary, nothing escaped beside it or above it
 
