@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import KERNODECK, env_for_subprocess, the_run
+from conftest import KERNODECK, TINY, env_for_subprocess, the_run
 
 pytestmark = pytest.mark.slow
 RSS_BOUND_MB = 450  # a legitimate kernodeck run peaks near 150 MB: no input may make us allocate much more
@@ -112,6 +112,18 @@ def link_to_victim(rel: str):
         elif target.exists() or target.is_symlink():
             target.unlink()
         os.symlink(victim, target)
+    return plant
+
+
+def link_output_entry(entry: str, dangling: bool = False):
+    """<output_dir>/<entry> replaced by a link to the directory holding the victim (or a dangling one beside it)."""
+    def plant(out, run, victim, tmp):
+        target = out / entry
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+        os.symlink(victim.parent / "new.db" if dangling else victim.parent, target)
     return plant
 
 
@@ -339,6 +351,22 @@ CASES = [
     Case("old-temp-name-links", 0, ("complete",),
          lambda o, r, v, t: [os.symlink(v, r / n) for n in (".run.json.tmp", "metrics.jsonl.tmp")] and None,
          refused=False),
+    # links planted at an output directory's own entries: never followed (the output directory itself may be one)
+    Case("link-at-output-mlflow-db", 2, ("mlflow.db", "symlink"), link_output_entry("mlflow.db", dangling=True),
+         base=(*KERNODECK[:-2], "trainer.progress_bar=false")),
+    Case("link-at-output-mlartifacts", 2, ("mlartifacts", "symlink"), link_output_entry("mlartifacts"),
+         base=(*KERNODECK[:-2], "trainer.progress_bar=false")),
+    Case("link-at-output-data", 2, ("data", "symlink"), link_output_entry("data"), base=TINY),
+    Case("link-at-output-runs", 2, ("runs", "symlink"), link_output_entry("runs")),
+    Case("link-at-output-sweeps", 2, ("sweeps", "symlink"), link_output_entry("sweeps"),
+         base=("-m", *KERNODECK), args=("optimizer.lr=0.1,0.2",)),
+    # names that are not one directory's name: refused before anything is made
+    Case("name-escaping", 2, ("name='../../escaped'", "'/'"), args=("name=../../escaped",)),
+    Case("name-absolute", 2, ("name=", "'/'"), lambda o, r, v, t: (f"name={t}/outside/x",)),
+    Case("name-300-chars", 2, ("name='nnn", "300 bytes"), args=("name=" + "n" * 300,)),
+    Case("name-newline", 2, ("name='a\\nb'", "control characters"), args=("name='a\nb'",)),
+    Case("sweep-name-escaping", 2, ("name='../../escaped'", "'/'"), base=("-m", *KERNODECK),
+         args=("name=../../escaped", "optimizer.lr=0.1,0.2")),
     # bad values: no run directory, no traceback
     Case("batch-0", 2, ("trainer.batch_size=0",), args=("trainer.batch_size=0",)),
     Case("batch-negative", 2, ("trainer.batch_size=-2",), args=("trainer.batch_size=-2",)),

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.files import jsonio
+from pipeline.files import jsonio, names
 from pipeline.files import reading
 from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir, open_new,
                                    publish_dir, remove_tree, write_new)
@@ -53,6 +53,9 @@ class RunPlan:
 
     def __init__(self, name: str, run_dir: Path | None, checkpoints: dict[str, Path], links: dict[str, str]):
         self.name, self.run_dir, self.checkpoints, self.links = name, run_dir, checkpoints, links
+        for what, value in (("run directory name", name), *(("step name", n) for n in checkpoints),
+                            *(("link name", n) for n in links)):  # each becomes one entry under DEST
+            names.checked(value, f"{run_dir or next(iter(checkpoints.values()))}: {what}", reserve=0)
         self.manifests = {n: read_manifest(p) for n, p in checkpoints.items()}
 
     @property
@@ -107,11 +110,12 @@ def plan(source: Path, which: str) -> list[RunPlan]:
         from pipeline.tracking.sweep_callback import read_jobs
 
         runs_dir = source.parent.parent / "runs"  # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
-        names = sorted({Path(j["run_dir"]).name for j in read_jobs(source).values() if isinstance(j.get("run_dir"), str)})
-        if not names:
+        runs = sorted({Path(j["run_dir"]).name for j in read_jobs(source).values() if isinstance(j.get("run_dir"), str)})
+        if not runs:
             raise BadSource(f"{source}: a sweep none of whose jobs/*.json names a run directory")
         plans = []
-        for n in names:
+        for n in runs:
+            names.checked(n, f"{source / 'jobs'}: a run_dir's name", reserve=0)
             if not (runs_dir / n).is_dir():
                 raise BadSource(f"{runs_dir / n}: the run of a job of sweep {source.name} is not there")
             plans += plan(runs_dir / n, which)
@@ -125,6 +129,8 @@ def plan(source: Path, which: str) -> list[RunPlan]:
         in_run = directory.parent.name == CHECKPOINTS and STEP_DIR.match(directory.name)
         run_dir = directory.parent.parent if in_run else None
         manifest = read_manifest(directory)
+        if run_dir is None:  # the run's directory name comes from the manifest: one name, inside DEST
+            names.checked(manifest["config"].get("name", "run"), f"{directory}: its manifest's config.name")
         name = run_dir.name if run_dir else run_name(manifest["config"], manifest["sources"])
         step_name = directory.name if in_run else f"step-{manifest['step']:08d}"
         links = {k: t for k, t in CheckpointStore(directory.parent).links().items() if t == step_name} if in_run else {}
@@ -145,13 +151,19 @@ class Builder:
         self.expected: dict[str, tuple[dict, str]] = {}  # relative path -> (entry, which source manifest says so)
         self.links: dict[str, str] = {}
 
+    def place(self, rel: str) -> Path:
+        """root/rel with its directories made, every part of `rel` one name (names.problem): never outside root."""
+        *parents, name = rel.split("/")
+        names.checked(name, f"{self.root}: an entry of {'/'.join(parents) or 'the archive'}", reserve=0)
+        return ensure_dirs(self.root, *parents) / name
+
     def copy(self, src: Path, rel: str, limit: int, expected: dict | None = None, witness: str = "",
              follow: bool = False) -> None:
         """src's bytes into a new file at rel (never through a link), fsynced, and hashed as they are copied."""
-        ensure_dirs(self.root, *Path(rel).parent.parts)
+        where = self.place(rel)
         h, size = hashlib.sha256(), 0
         with reading.open_file(src, limit, follow=follow) as f:
-            fd = open_new(self.root / rel)
+            fd = open_new(where)
             try:
                 for piece in reading.chunks(f, src, limit):
                     h.update(piece)
@@ -170,13 +182,12 @@ class Builder:
         self.files[rel] = entry
 
     def write(self, rel: str, data: bytes) -> None:
-        ensure_dirs(self.root, *Path(rel).parent.parts)
-        entry = write_new(self.root / rel, data)
+        entry = write_new(self.place(rel), data)
         if rel not in ("MANIFEST.json", "recovery.json"):
             self.files[rel] = entry
 
     def link(self, rel: str, target: str) -> None:
-        os.symlink(target, self.root / rel)
+        os.symlink(target, self.place(rel))
         self.links[rel] = target
 
 

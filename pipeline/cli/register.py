@@ -96,13 +96,14 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     next version of `name` in `tracking_uri` (else MLFLOW_TRACKING_URI, else the mlflow.db of the output
     directory the checkpoint lies in, where `tracking=mlflow` indexes its runs); the mlflow ModelVersion.
     CheckpointError / ConfigError / StoreError (one line) for a checkpoint, data or store that will not do."""
-    from pipeline.files import jsonio
+    from pipeline.files import jsonio, names
     from pipeline.checkpoint.store import checkpoint_dir as resolve, data_facts
     from pipeline.serving import CHECKPOINT, VOCAB
     from pipeline.run.trained import cache_home, own_data, restore_checkpoint
 
-    if not name.strip() or "/" in name:
-        raise ConfigError(f"name {name!r}: a registered model needs a name without '/' (it is models:/NAME/VERSION)")
+    if (why := names.problem(name, reserve=0)) is not None or not name.strip():
+        raise ConfigError(f"NAME={names.shown(name)}: {why or 'must not be blank'} (a registered model's name is "
+                          "models:/NAME/VERSION and a directory of a file store)")
     given = Path(checkpoint_dir)
     directory = resolve(given)  # `final`, `best`: the step directory they stand for
     manifest, state = restore_checkpoint(directory)  # refused here, before mlflow is imported or a byte written

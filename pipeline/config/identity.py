@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 from pipeline.files import jsonio
+from pipeline.files import names
 from pipeline.files import reading
 from pipeline.config.schemas import TEXT_MAX_BYTES
 
@@ -88,8 +89,10 @@ def semantic_hash(config: dict, sources: dict[str, str] | None = None) -> str:
 
 def run_name(config: dict, sources: dict[str, str] | None = None, semantic: str | None = None) -> str:
     """<experiment name>-<12 hex of the semantic config's sha256> (`semantic`: that hash, if known): the same job
-    lands in the same directory whatever the output or working directory; two files at one relative path, two."""
-    return f"{config.get('name', 'run')}-{(semantic or semantic_hash(config, sources))[:12]}"
+    lands in the same directory whatever the output or working directory; two files at one relative path, two.
+    BadName (a ValueError, one line) if the name cannot be one directory's (names.checked)."""
+    name = names.checked(config.get("name", "run"), "name")
+    return f"{name}-{(semantic or semantic_hash(config, sources))[:12]}"
 
 
 def changed_keys(old: dict, new: dict) -> dict[str, tuple]:

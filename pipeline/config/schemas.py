@@ -11,6 +11,7 @@ from omegaconf import MISSING
 from pipeline.config.checks import (above, at_least, duration_or_null, fraction, null_or_at_least, open_fraction,
                                     probability_list, widths)
 from pipeline.config.errors import ConfigError
+from pipeline.files import names
 
 # `_target_` -> the schema of a node building it, filled by @builds while this module loads and then frozen
 # as SCHEMAS (end of file); a schema stored as `schema/<group>/<option>` is the first entry of that option's
@@ -303,6 +304,8 @@ def validate(config: dict) -> None:
     """ConfigError listing every value out of range (a field's check is in its metadata), before the job creates
     anything on disk; Hydra has checked types and keys while composing."""
     errors: list[str] = []
+    if "name" in config and (why := names.problem(config["name"])):  # the run's and the sweep's directory name
+        errors.append(f"name={names.shown(config['name'])}: {why}")
     for key, schema in (("trainer", TrainerConf), ("resume", ResumeConf), ("checkpoint", CadenceConf),
                         ("verify", VerifyConf)):
         if isinstance(config.get(key), dict):

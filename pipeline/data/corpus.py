@@ -14,7 +14,8 @@ import numpy as np
 
 from pipeline.files import jsonio
 from pipeline.files import reading
-from pipeline.files.atomic import TMP_PREFIX, ensure_dirs, new_temp_dir, publish_dir, remove_tree, write_new
+from pipeline.files.atomic import (TMP_PREFIX, ensure_dirs, new_temp_dir, publish_dir, refuse_link, remove_tree,
+                                   write_new)
 from pipeline.data import ngram
 from pipeline.data.base import Batch, DataSpec
 from pipeline.files.notice import notice
@@ -163,6 +164,7 @@ def _clean_stale_temps(parent: Path) -> None:
 def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], CorpusContent]) -> Path:
     """<data_dir>/<name>-<hash>/, built by `build` only if absent; safe under concurrent writers."""
     parent = Path(data_dir)
+    refuse_link(parent, "directory")  # <output_dir>/data linked elsewhere would receive the corpus
     final = parent / f"{name}-{short_hash(params)}"
     if final.exists():
         verify_corpus(final, params)

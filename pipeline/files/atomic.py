@@ -11,6 +11,8 @@ import stat
 import uuid
 from pathlib import Path
 
+from pipeline.files import names
+
 TMP_PREFIX = ".tmp-"  # every reader ignores these; a directory's owner removes stale ones
 # Failures of the machine, not of the job: one line naming the path, and what to do (exit EXIT_ERROR).
 _FULL = "free space there (or set paths.output_dir elsewhere), then re-run the same command"
@@ -123,8 +125,12 @@ def open_append(path: Path):
 
 
 def ensure_dirs(root: Path, *parts: str) -> Path:
-    """root/parts... as real directories, the deepest returned; `root` alone may be (or sit behind) a user's link."""
+    """root/parts... as real directories, the deepest returned; `root` alone may be (or sit behind) a user's link.
+    Each part is one name (names.problem: no '/', '.', '..'): nothing is made outside `root`."""
     path = Path(root)
+    for part in parts:
+        if (why := names.problem(part, reserve=0)) is not None:
+            raise UnsafePathError(errno.EINVAL, f"{path}: a directory named {names.shown(part)} inside it {why}")
     os.makedirs(path, exist_ok=True)
     for part in parts:
         path = path / part
@@ -133,6 +139,23 @@ def ensure_dirs(root: Path, *parts: str) -> Path:
         except FileExistsError:
             refuse_link(path, "directory")
     return path
+
+
+# What the pipeline makes inside an output directory (paths.output_dir): the directory itself may be a user's link
+# (to another disk), its own entries never are; a link planted at one would send the writes meant for it elsewhere.
+OUTPUT_ENTRIES = ("mlflow.db", "mlartifacts", "data", "runs", "sweeps")
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """UnsafePathError naming the first of OUTPUT_ENTRIES under `output_dir` that is a symlink (dangling or not),
+    before anything is created there; the output directory itself is not looked at."""
+    for entry in OUTPUT_ENTRIES:
+        path = Path(output_dir) / entry
+        if os.path.islink(path):
+            target = names.shown(os.readlink(path))
+            raise UnsafePathError(errno.ELOOP, f"{path} is a symlink (to {target}); an output directory's own {entry} "
+                                               "is never followed elsewhere: remove the link (or set paths.output_dir "
+                                               "to where it points)")
 
 
 def new_temp_dir(parent: Path, name: str) -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from hydra.utils import get_class, instantiate
 
-from pipeline.files.atomic import environment_error
+from pipeline.files.atomic import UnsafePathError, check_output_dir, environment_error
 from pipeline.config import identity
 from pipeline.checkpoint import manifest as mf
 from pipeline.data.base import DataSpec, inference_facts
@@ -177,6 +177,10 @@ def assemble(config: dict, sources: dict | None = None) -> Job:
 def build(config: dict, sweep: SweepJob | None = None) -> Job:
     """The whole job, or ConfigError (one line) for a bad value, a missing file, or groups that clash."""
     validate(config)
+    try:
+        check_output_dir(Path(config["paths"]["output_dir"]))  # before the tracker, the data or a run make anything
+    except UnsafePathError as e:
+        raise ConfigError(str(e)) from None
     check_pairing(config)
     check_monitors(config)
     tracker = build_tracker(config, sweep)

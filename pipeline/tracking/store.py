@@ -22,6 +22,7 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 for _name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." etc.
     logging.getLogger(_name).setLevel(logging.WARNING)
 
+from pipeline.files.atomic import UnsafePathError, refuse_link  # noqa: E402
 from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri,  # noqa: E402
                                       sqlite_path, tag_value)
 from pipeline.tracking.common import artifact_root as common_artifact_root  # noqa: E402
@@ -89,6 +90,12 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
     """A client whose store is open; a new sqlite store is made here, once, under the lock (a copy of the template,
     its artifacts under `artifact_root`, never the working directory). StoreError (one line) if it cannot be."""
     db = sqlite_path(uri)
+    if db is not None:
+        try:  # a link planted at the store or beside it would create or fill a store elsewhere
+            refuse_link(db)
+            refuse_link(db.parent / "mlartifacts", "directory")
+        except UnsafePathError as e:
+            raise StoreError(f"the mlflow store cannot be opened: {e}") from None
     try:
         lock = nullcontext()
         if db is not None:

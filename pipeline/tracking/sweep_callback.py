@@ -15,8 +15,9 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline.files import jsonio, reading
-from pipeline.files.atomic import NewDirs, ensure_dirs, environment_error, replace_file
+from pipeline.files import jsonio, names, reading
+from pipeline.files.atomic import (NewDirs, UnsafePathError, check_output_dir, ensure_dirs, environment_error,
+                                   replace_file)
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, ConfigError
 from pipeline.config.targets import parse_overrides
 from pipeline.run.signals import SIGNALS_STATE
@@ -180,12 +181,16 @@ class MlflowSweepCallback(Callback):
         sweeper = _plain(hydra.sweeper, resolve=False) or {}
         identity = {"name": str(config.get("name", "")), "overrides": sorted(o for o in task if not is_machine_key(
             o.split("=", 1)[0].lstrip("+~"))), "sweeper": {k: v for k, v in sweeper.items() if k not in NOT_IDENTITY}}
+        if (why := names.problem(identity["name"] or "sweep")) is not None:  # <output_dir>/sweeps/<name>-<id>
+            _stop(EXIT_BAD_INPUT, f"name={names.shown(identity['name'])}: {why}")
         if (count := job_count(task, sweeper)) > MAX_JOBS:  # before anything is written or expanded
             _stop(EXIT_BAD_INPUT, f"this sweep asks for {count:,} jobs: at most {MAX_JOBS:,} in one multirun "
                                   "(split it, or sample it with a sweeper such as Optuna and its n_trials)")
         refuse_monitors(config, swept(task, sweeper.get("params")))
         try:
             self._start(config, hydra, task, sweeper, identity)
+        except UnsafePathError as e:  # a link planted at sweeps/ (or another of the output directory's entries)
+            _stop(EXIT_BAD_INPUT, str(e))
         except OSError as e:
             if (message := environment_error(e)) is None:
                 raise
@@ -193,6 +198,7 @@ class MlflowSweepCallback(Callback):
 
     def _start(self, config: DictConfig, hydra, task: list[str], sweeper: dict, identity: dict) -> None:
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
+        check_output_dir(Path(str(config.paths.output_dir)))  # before its files are read or anything is made
         target = Path(os.path.abspath(config.paths.output_dir), "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
         files = {n: b for n in START_FILES if (b := _bytes_of(target / n)) is not _UNREADABLE}
         _started[:] = [_Start(target, NewDirs(target), files)]

@@ -247,3 +247,46 @@ def test_a_checkpoint_alone_is_archived_with_its_run_files_or_restored_only(tmp_
     report = json.loads((tmp_path / "two" / "recovery.json").read_text())
     assert report["all_checks_passed"] and report["resume"][0]["passed"] is None
     assert [c["check"] for c in report["checks"]][-1].startswith("restore runs/")
+
+
+@pytest.mark.parametrize("name", ["../../ESCAPED", "/ABSOLUTE", "a\nb", "n" * 300],
+                         ids=["parent", "absolute", "newline", "300-chars"])
+def test_a_lone_checkpoint_naming_a_path_is_refused_and_nothing_lands_outside_dest(tmp_path, finished, name):
+    """A checkpoint alone is archived under runs/<its config's name>-<hash>/: a manifest whose config.name is a
+    path (its config_hash and semantic_config_hash recomputed, as whoever edits it would) is refused in one line
+    naming the manifest and the value, before DEST's temporary is made; nothing appears anywhere."""
+    from pipeline.config.identity import config_hash, semantic_hash
+
+    loose = tmp_path / "loose" / "step-00000012"
+    shutil.copytree(finished / "checkpoints" / "step-00000012", loose)
+    m = json.loads((loose / "manifest.json").read_text())
+    m["config"]["name"] = name if name != "/ABSOLUTE" else str(tmp_path / "ABSOLUTE")
+    m["config_hash"], m["semantic_config_hash"] = config_hash(m["config"]), semantic_hash(m["config"], m["sources"])
+    (loose / "manifest.json").write_text(json.dumps(m))
+    dest = tmp_path / "x" / "y" / "dest"
+    dest.parent.mkdir(parents=True)
+    cwd = tmp_path / "cwd"  # the finished run's working directory
+    before = tree(tmp_path)
+    line = refused_in_one_line([str(loose), str(dest)], cwd, module="pipeline.archive")
+    assert line.startswith("pipeline.archive: ") and f"{loose}: its manifest's config.name=" in line, line
+    assert repr(m["config"]["name"])[:20] in line, line
+    assert tree(tmp_path) == before  # no DEST, no temporary, nothing escaped beside it or above it
+
+
+def test_archive_builds_only_single_names_inside_its_root(tmp_path):
+    from pipeline.cli.archive import Builder
+    from pipeline.files.atomic import UnsafePathError
+    from pipeline.files.names import BadName
+
+    root = tmp_path / "root"
+    root.mkdir()
+    b = Builder(root)
+    for rel in ("runs/../../escaped/f", "../f", "/abs/f", "runs//f"):
+        with pytest.raises(UnsafePathError):
+            b.write(rel, b"x")
+    for rel in ("runs/..", "runs/a\nb", "runs/" + "n" * 300):
+        with pytest.raises(BadName):
+            b.write(rel, b"x")
+    with pytest.raises(BadName):
+        b.link("runs/..", "x")
+    assert os.listdir(tmp_path) == ["root"] and os.listdir(root) in ([], ["runs"])

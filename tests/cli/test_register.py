@@ -212,7 +212,11 @@ def test_a_checkpoint_that_is_not_one_is_refused_in_one_line_before_mlflow(tmp_p
     assert line.startswith("pipeline.register: ") and "nowhere" in line
     assert not (tmp_path / "cwd" / "mlflow.db").exists()
     line = refused_in_one_line([str(tmp_path / "nowhere"), "a/b"], tmp_path / "cwd", module="pipeline.register")
-    assert "name 'a/b'" in line
+    assert "NAME='a/b'" in line
+    for name, why in (("a\nb", "control characters"), ("..", "'..'"), ("n" * 300, "300 bytes"), (" ", "blank")):
+        line = refused_in_one_line([str(tmp_path / "nowhere"), name], tmp_path / "cwd", module="pipeline.register")
+        assert f"NAME={repr(name)[:20]}" in line and why in line, line
+    assert os.listdir(tmp_path / "cwd") == []
 
 
 def test_a_refused_checkpoint_never_imports_mlflow(tmp_path):

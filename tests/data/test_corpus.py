@@ -237,3 +237,16 @@ def test_text_corpus_errors_name_the_path(tmp_path):
     wide.write_text("".join(chr(0x4E00 + i) for i in range(600)) * 2, encoding="utf-8")
     with pytest.raises(ValueError, match=r"wide\.txt: 600 distinct characters"):
         TextCorpus(str(tmp_path / "data"), str(wide), **TEXT_SMALL)
+
+
+def test_a_linked_data_directory_never_receives_a_corpus(tmp_path):
+    """<output_dir>/data linked elsewhere (a tool's cache as much as a run's): refused before anything is built."""
+    from pipeline.files.atomic import UnsafePathError
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, tmp_path / "data")
+    built = []
+    with pytest.raises(UnsafePathError, match="data is a symlink"):
+        corpus.ensure_corpus(tmp_path / "data", "grammar", {"seed": 0}, lambda: built.append(1))
+    assert built == [] and os.listdir(elsewhere) == []

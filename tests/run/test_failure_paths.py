@@ -329,6 +329,44 @@ def test_a_refused_run_leaves_no_trace(tmp_path):
     assert _tree(used) == before and not (tmp_path / "fresh").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["parent", "absolute", "300 chars", "newline", "tab", "dot-dot"])
+@pytest.mark.parametrize("mode", ["run", "multirun"])
+def test_a_name_that_is_not_one_directory_name_is_refused_before_anything_is_made(tmp_path, kind, mode):
+    """`name` becomes <runs_dir>/<name>-<hash> (a sweep's <output_dir>/sweeps/<name>-<id>): a path in it, an
+    absolute one, one too long for a file name or holding a control character is one line, exit 2, and nothing
+    is created, neither the output directory nor anything beside it."""
+    sentinel = tmp_path / "sentinel"
+    sentinel.mkdir()
+    (sentinel / "keep.txt").write_text("precious\n")
+    out = tmp_path / "a" / "b" / "out"
+    name = {"parent": "../../escaped", "absolute": f"{sentinel}/x", "300 chars": "n" * 300, "newline": "'a\nb'",
+            "tab": "a\tb", "dot-dot": ".."}[kind]  # the newline quoted: Hydra's lexer passes it on
+    multirun = ["-m", "optimizer.lr=0.1,0.2"] if mode == "multirun" else []
+    cwd = tmp_path / "cwd"
+    before = _tree(tmp_path)
+    line = refused_in_one_line([*multirun, *KERNODECK, f"name={name}", f"paths.output_dir={out}"], cwd)
+    assert line.startswith("pipeline: name=") and repr(name.strip("'"))[:20] in line, line
+    assert _tree(tmp_path) == {**before, "cwd": None}  # the sentinel as it was, no output directory, no escape
+    assert not (tmp_path / "a").exists()
+
+
+def test_the_one_name_check():
+    from pipeline.files.names import BadName, NAME_MAX, SUFFIX_BYTES, checked, problem
+
+    for bad in ("", ".", "..", "a/b", "/abs", "a\nb", "a\x00b", "a\x7fb", "a\u2028b", None, 3,
+                "é" * ((NAME_MAX - SUFFIX_BYTES) // 2 + 1)):
+        assert problem(bad) is not None, bad
+    for good in ("default", "a.b", "...", "my run", "é" * ((NAME_MAX - SUFFIX_BYTES) // 2), "x" * NAME_MAX):
+        assert problem(good, reserve=0) is None, good
+    assert problem("x" * NAME_MAX) is not None  # a run's name leaves room for its suffixes
+    with pytest.raises(BadName, match=r"^name='\.\./x': must not contain '/'"):
+        checked("../x", "name")
+    with pytest.raises(BadName) as e:
+        checked("y" * 1000, "name")
+    assert len(str(e.value)) < 200 and "\n" not in str(e.value)
+
+
 def test_a_failing_log_stream_is_recorded_not_printed(capsys):
     import logging
 
