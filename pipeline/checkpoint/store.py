@@ -18,7 +18,7 @@ from pipeline.files import jsonio
 from pipeline.files import killpoint
 from pipeline.files import reading
 from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, fsync_dir, new_temp_dir,
-                                   publish_dir, remove_temporaries, remove_tree, replace_link, write_new)
+                                   publish_dir, remove_temporaries, remove_tree, replace_link, second_name, write_new)
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
 from pipeline.checkpoint.retention import AnyOf, Policy, Record, Steps, select_one
@@ -554,7 +554,7 @@ class CheckpointStore:
                 with os.scandir(d) as it:
                     for e in it:
                         if e.is_file(follow_symlinks=False):
-                            os.link(e.path, dest / d.name / e.name, follow_symlinks=False)
+                            second_name(Path(e.path), dest / d.name / e.name)
                 fsync_dir(dest / d.name)
             for name, target in links.items():
                 os.symlink(target, dest / name)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pipeline.files import jsonio, reading
 from pipeline.files.atomic import (UnsafePathError, ensure_dirs, fsync_dir, named, open_append, refuse_link,
-                                   replace_file)
+                                   replace_file, second_name)
 from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.store import CheckpointStore
 
@@ -243,7 +243,7 @@ class RunDir:
         self.store.keep_into(dest / self.store.root.name, step_dirs, snapshot)
         if metrics and os.path.lexists(self.metrics_path):
             refuse_link(self.metrics_path)
-            os.link(self.metrics_path, dest / self.metrics_path.name, follow_symlinks=False)
+            second_name(self.metrics_path, dest / self.metrics_path.name)
         fsync_dir(dest)
         self.store = CheckpointStore(self.store.root)
         return dest

@@ -285,3 +285,25 @@ def test_publish_dir_keeps_the_same_order_for_any_directory(tmp_path, syscalls):
         publish_dir(tmp, tmp_path / "step-1", replace=True)
         assert (tmp_path / "step-1" / "a").read_bytes() == round_.encode()
         assert_saved_in_durable_order(syscalls, tmp_path / "step-1")
+
+
+@pytest.mark.parametrize("hard_links", [True, False], ids=["hard-link", "copy"])
+def test_a_second_name_holds_the_bytes_after_the_first_is_replaced(tmp_path, monkeypatch, hard_links):
+    """What superseded/ keeps of a file that is then rewritten (replace_file: a new inode) keeps its old bytes."""
+    from pipeline.files.atomic import replace_file, second_name
+
+    src = tmp_path / "metrics.jsonl"
+    src.write_bytes(b"old\n")
+    if not hard_links:  # a filesystem without hard links
+        def no_link(*a, **k):
+            raise OSError(errno.EPERM, "Operation not permitted")
+        monkeypatch.setattr(os, "link", no_link)
+    second_name(src, tmp_path / "kept")
+    replace_file(src, b"new\n")
+    assert (tmp_path / "kept").read_bytes() == b"old\n" and src.read_bytes() == b"new\n"
+    os.symlink(tmp_path / "kept", tmp_path / "link")
+    try:  # never read through a link: a second name of the link itself, or refused
+        second_name(tmp_path / "link", tmp_path / "through")
+        assert os.path.islink(tmp_path / "through")
+    except OSError as e:
+        assert e.errno == errno.ELOOP
