@@ -380,13 +380,14 @@ def main(argv: list[str] | None = None) -> None:
     # Signals meant for jobs (Ctrl-C, SLURM's SIGTERM) must not cut a flush short: the agent ends when idle.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    from pipeline.config.errors import EXIT_ERROR
     from pipeline.tracking.link import private_dir
 
     try:
         private_dir(Path(args.listen).parent)  # the job checked it; so does the agent, before it binds there
     except OSError as e:
         print(f"tracking agent: {e.strerror or e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        sys.exit(EXIT_ERROR)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = f"{args.listen}.{os.getpid()}"
     server.bind(tmp)
