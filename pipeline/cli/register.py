@@ -91,6 +91,20 @@ def using_store(uri: str):
                 os.environ[k] = v
 
 
+def store_uri(checkpoint: Path, tracking_uri: str | None) -> str:
+    """The store a checkpoint is registered in: the one named (--tracking-uri, else MLFLOW_TRACKING_URI), else the
+    mlflow.db of the output directory it lies in; a checkpoint in an archive needs one named (ConfigError):
+    neither the archive nor the checkout's outputs/ is written unasked."""
+    from pipeline.run.trained import cache_home, in_archive
+    from pipeline.tracking.common import default_uri, normalize_tracking_uri
+
+    named = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not named and in_archive(checkpoint):
+        raise ConfigError(f"checkpoint {checkpoint} lies in an archive: name the store to register it in with "
+                          "--tracking-uri URI (or MLFLOW_TRACKING_URI); nothing was written")
+    return normalize_tracking_uri(named or default_uri(cache_home(checkpoint)))
+
+
 def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     """Log the checkpoint at `checkpoint_dir` as a pyfunc model (from code, no pickle) and register it as the
     next version of `name` in `tracking_uri` (else MLFLOW_TRACKING_URI, else the mlflow.db of the output
@@ -99,7 +113,7 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     from pipeline.files import jsonio, names
     from pipeline.checkpoint.store import checkpoint_dir as resolve, data_facts
     from pipeline.serving import CHECKPOINT, VOCAB
-    from pipeline.run.trained import cache_home, own_data, restore_checkpoint
+    from pipeline.run.trained import own_data, restore_checkpoint
 
     if (why := names.problem(name, reserve=0)) is not None or not name.strip():
         raise ConfigError(f"NAME={names.shown(name)}: {why or 'must not be blank'} (a registered model's name is "
@@ -115,13 +129,12 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
         dataset = own_data(manifest, [], given)
         vocab = {"vocab": list(dataset.vocab), "decode_join": dataset.manifest["decode_join"]}
 
+    uri = store_uri(given, tracking_uri)  # an archive's checkpoint without a store named: refused before mlflow
     import mlflow
 
-    from pipeline.tracking.common import default_uri, normalize_tracking_uri, parse_run_uri, sqlite_path, tag_value
+    from pipeline.tracking.common import parse_run_uri, sqlite_path, tag_value
     from pipeline.tracking.store import ensure_experiment, open_client
 
-    uri = normalize_tracking_uri(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-                                 or default_uri(cache_home(given)))
     db = sqlite_path(uri)
     artifact_root = str(db.parent / "mlartifacts") if db is not None else None
     client = open_client(uri, artifact_root)
@@ -169,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{NAME}: mlflow: {str(e).splitlines()[0]}", file=sys.stderr)
         return EXIT_ERROR
+    print(f"registered in the model registry of {store_uri(Path(args.checkpoint), args.tracking_uri)} "
+          f"(logged as run {version.run_id})")
     print(f"models:/{version.name}/{version.version}")
     return EXIT_OK
 

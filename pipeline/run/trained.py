@@ -100,10 +100,15 @@ def cache_home(directory: Path) -> str:
 
     step = Path(directory).absolute()
     runs = step.parent.parent.parent
-    archived = (runs.parent / "recovery.json").exists()  # an archive (pipeline.cli.archive) stays as it was checked
-    if step.parent.name == "checkpoints" and runs.name == "runs" and not archived:
+    if step.parent.name == "checkpoints" and runs.name == "runs" and not in_archive(directory):
         return str(runs.parent)
     return default_output_dir()
+
+
+def in_archive(directory: Path) -> bool:
+    """Whether a checkpoint lies in an archive (pipeline.cli.archive), which stays as it was checked."""
+    runs = Path(directory).absolute().parent.parent.parent
+    return (runs.parent / "recovery.json").exists()
 
 
 def _own_source(manifest: dict, node: dict, directory: Path) -> None:

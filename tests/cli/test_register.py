@@ -22,6 +22,7 @@ import pytest
 
 from conftest import KERNODECK, TINY, env_for_subprocess, refused_in_one_line, run_pipeline, the_run, \
     wait_until
+from pipeline.config.errors import ConfigError
 from pipeline.run.directory import RunDir
 
 GPT, MLP = "tiny-gpt", "kernodeck-mlp"
@@ -263,3 +264,20 @@ def test_the_vocabulary_is_the_checkpoints_own_data_json_when_it_has_one(tmp_pat
         read_vocab(tmp_path, str(tmp_path / "vocab.json"))
     with pytest.raises(MlflowException, match="needs its vocabulary"):
         read_vocab(tmp_path, None)
+
+
+def test_the_store_is_the_one_named_else_the_runs_and_an_archive_needs_one_named(tmp_path, monkeypatch):
+    """A checkpoint in an archive is registered only into a store the user names: never silently into the
+    archive (it stays as it was checked) nor into the checkout's outputs/."""
+    from pipeline.cli.register import store_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    step = tmp_path / "out" / "runs" / "r-0123456789ab" / "checkpoints" / "step-00000010"
+    step.mkdir(parents=True)
+    assert store_uri(step, None) == f"sqlite:///{tmp_path / 'out'}/mlflow.db"
+    assert store_uri(step, f"sqlite:///{tmp_path}/mine.db") == f"sqlite:///{tmp_path}/mine.db"
+    (tmp_path / "out" / "recovery.json").write_text("{}")  # now an archive
+    with pytest.raises(ConfigError, match=r"lies in an archive: name the store to register it in with --tracking-uri"):
+        store_uri(step, None)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/env.db")
+    assert store_uri(step, None) == f"sqlite:///{tmp_path}/env.db"
