@@ -49,14 +49,16 @@ class LatestN:
 
 @dataclass(frozen=True)
 class BestN:
-    """The n records with the best finite `monitor` (mode min or max); ties keep the earlier step."""
+    """The n records with the best finite `monitor` (mode min or max) after step `since` (where this best
+    history began: 0, or the resume that changed its monitor or mode); ties keep the earlier step."""
     monitor: str
     mode: str = "min"
     n: int = 1
+    since: int = 0
 
     def keep(self, records: Sequence[Record]) -> set[int]:
-        scored = [(r.metrics[self.monitor], r.step) for r in records
-                  if isinstance(r.metrics.get(self.monitor), (int, float)) and math.isfinite(r.metrics[self.monitor])]
+        scored = [(r.metrics[self.monitor], r.step) for r in records if r.step > self.since
+                  and isinstance(r.metrics.get(self.monitor), (int, float)) and math.isfinite(r.metrics[self.monitor])]
         sign = 1.0 if self.mode == "min" else -1.0
         ranked = sorted(scored, key=lambda vs: (sign * vs[0], vs[1]))
         return {step for _, step in ranked[: self.n]}

@@ -61,8 +61,6 @@ class Run:
         self.metrics_cut = False  # metrics.jsonl holds lines past the resumed step: the whole file is kept aside
         self.retuned: list[str] = []  # the config changed since the checkpoint: its store is kept as it stood
         self.history: dict = {"started": started, "resumes": []}  # run.json: first start, resumes
-        self.keep = AnyOf(tuple(p for s in job.stages if (p := s.policy()) is not None) + (LatestN(1),))
-        self.links = {s.link: s.link_policy() for s in job.stages if s.link}
         max_time = job.config["trainer"].get("max_time")
         self.budget = budget.Budget(None if max_time is None else parse_duration(max_time))
 
@@ -177,10 +175,17 @@ class Run:
             ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
         except OSError as e:
             raise named(e, self.store.root)  # a write inside the temporary checkpoint: name the store
-        self.store.retain(self.keep, self.links, upto=self.state.step, lineage=self.lineage["id"])
+        self.retain()
         self.budget.saved(budget.monotonic() - started)
         tracker.log_checkpoint(ckpt.directory, ckpt.manifest)
         return ckpt
+
+    def retain(self) -> None:
+        """The stages' policies as they stand now (a best history restarted at the resume ranks from there)."""
+        stages = self.job.stages
+        keep = AnyOf(tuple(p for s in stages if (p := s.policy()) is not None) + (LatestN(1),))
+        self.store.retain(keep, {s.link: s.link_policy() for s in stages if s.link}, upto=self.state.step,
+                          lineage=self.lineage["id"])
 
     # --- run.json
     def write_status(self, status: str, **extra) -> None:
@@ -258,7 +263,7 @@ class Run:
             if not self.rundir.read_only:  # on a read-only medium it is confirmed as it is
                 if not self.settled():
                     self.keep_history()
-                    self.store.retain(self.keep, self.links, upto=self.state.step, lineage=self.lineage["id"])
+                    self.retain()
                     self.write_status("complete")
                 if not (self.rundir.path / curves.NAME).exists():  # killed before its curve was drawn
                     self._draw()

@@ -56,6 +56,10 @@ class Stage:
         """Why a saved state of this stage no longer means the same with the live parameters (None: it does)."""
         return None
 
+    def start_at(self, step: int) -> None:
+        """This stage starts fresh at a resume to `step` (its state was not in the checkpoint, or means another
+        thing now)."""
+
     def fit_reason(self, saved: dict) -> str | None:
         """Why `saved` cannot replace this stage's state (keys, JSON kinds), or None."""
         return fit_reason(self.state_dict(), saved, self.name)
@@ -72,9 +76,14 @@ class Watch(Stage):
         self.monitor, self.mode = str(monitor), str(mode)
         self.best: float | None = None
         self.best_step: int | None = None
+        self.since = 0  # the step this best history began at (a resume that changed monitor or mode)
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "best_step": self.best_step, "monitor": self.monitor, "mode": self.mode}
+        return {"best": self.best, "best_step": self.best_step, "monitor": self.monitor, "mode": self.mode,
+                "since": self.since}
+
+    def start_at(self, step: int) -> None:
+        self.since = int(step)
 
     def continues(self, saved: dict) -> str | None:
         # A state saved before monitor and mode rode along was measured by the live ones (nothing else could
@@ -85,15 +94,19 @@ class Watch(Stage):
         return None
 
     def fit_reason(self, saved: dict) -> str | None:
-        live = {k: v for k, v in self.state_dict().items() if k in saved or k not in ("monitor", "mode")}
+        live = {k: v for k, v in self.state_dict().items() if k in saved or k not in ("monitor", "mode", "since")}
         return fit_reason(live, saved, self.name)
 
     def check_state_dict(self, state: dict) -> None:
         check_best(state["best"], state["best_step"], self.mode)
+        since = state.get("since", 0)
+        if type(since) is not int or since < 0:
+            raise ValueError(f"since {since!r:.40} is not a step")
 
     def load_state_dict(self, state: dict) -> None:
         self.best = None if state["best"] is None else float(state["best"])
         self.best_step = state["best_step"]
+        self.since = state.get("since", 0)
 
 
 class StageStates:

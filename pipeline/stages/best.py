@@ -17,6 +17,6 @@ class BestVal(Watch):
         return True
 
     def policy(self) -> BestN:
-        return BestN(self.monitor, self.mode, 1)
+        return BestN(self.monitor, self.mode, 1, self.since)
 
     link_policy = policy

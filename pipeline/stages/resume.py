@@ -105,6 +105,9 @@ def _restore(job, ckpt: Checkpoint, allow: list[str]) -> dict:
     refuse(changes, allow, ckpt.directory)
     try:
         restore(job.parts, ckpt.state)
+        for s in job.stages:
+            if s.name in job.parts["stages"].fresh:
+                s.start_at(ckpt.step)
         for note in job.parts["stages"].notes:
             log.info("resuming at step %d: stages.%s", ckpt.step, note)
     except StateMismatch as e:

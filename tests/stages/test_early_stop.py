@@ -62,7 +62,7 @@ def test_its_state_is_the_count_and_the_best_and_a_resumed_stage_decides_the_sam
         second.check_state_dict(first.state_dict())
         second.load_state_dict(first.state_dict())
         assert cut + feed(second, values[cut:]) == 10, cut
-    assert whole.state_dict() == {"best": 3.0, "best_step": 6, "wait": 4, "monitor": "m", "mode": "min"}
+    assert whole.state_dict() == {"best": 3.0, "best_step": 6, "wait": 4, "monitor": "m", "mode": "min", "since": 0}
 
 
 @pytest.mark.parametrize("state", [

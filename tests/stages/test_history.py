@@ -132,21 +132,27 @@ def test_a_config_only_change_keeps_every_earlier_checkpoint_and_metrics_line(ch
 
 
 @pytest.mark.slow
-def test_a_new_monitor_starts_a_new_best_history_and_keeps_the_old_best(interrupted, tmp_path, caplog):
+@pytest.mark.parametrize("change, said", [
+    ("stages.best_val.monitor=train/loss", "monitor 'val/loss' mode 'min' -> 'train/loss' mode 'min'"),
+    ("stages.best_val.mode=max", "monitor 'val/loss' mode 'min' -> 'val/loss' mode 'max'"),  # step 12 ranks first
+])
+def test_a_new_monitor_starts_a_new_best_history_and_keeps_the_old_best(change, said, interrupted, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="pipeline")
     out = shutil.copytree(interrupted, tmp_path / "out", symlinks=True)
     run = the_run(out)
     old_best = (run / "checkpoints" / "best").resolve()
     old_bytes = (old_best / "weights.safetensors").read_bytes()
-    assert run_job(*BASE, "stages.best_val.monitor=train/loss", f"paths.output_dir={out}")[0] == 0
-    assert "stages.best_val: monitor 'val/loss' mode 'min' -> 'train/loss' mode 'min': a new history" in caplog.text
+    assert run_job(*BASE, change, f"paths.output_dir={out}")[0] == 0
+    assert f"stages.best_val: {said}: a new history" in caplog.text
     (kept,) = run.glob("superseded/*/checkpoints")
     assert (kept / "best" / "weights.safetensors").read_bytes() == old_bytes  # the earlier best, by its link
     from pipeline.files import jsonio
 
     extra = jsonio.read(run / "checkpoints" / "final" / "extra.json", 1 << 20)
-    assert extra["stages"]["best_val"]["monitor"] == "train/loss"
-    assert extra["stages"]["best_val"]["best_step"] > CUT  # a new best history, from the resume on
+    assert extra["stages"]["best_val"]["best_step"] > CUT  # a new best history, from the resume on ...
+    assert extra["stages"]["best_val"]["since"] == CUT
+    best = int((run / "checkpoints" / "best").resolve().name.split("-")[1])
+    assert best == extra["stages"]["best_val"]["best_step"]  # ... and the link follows it, not an older step
 
 
 @pytest.mark.slow
