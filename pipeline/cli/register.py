@@ -24,24 +24,21 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, ConfigError, refuse
 
 NAME = "pipeline.register"
-CODE = Path(__file__).resolve().parents[1] / "serving" / "pyfunc_model.py"
+SERVING = Path(__file__).resolve().parents[1] / "serving"
+CODE = SERVING / "pyfunc_model.py"  # an MLP: rows of features, as its signature says
+GENERATOR_CODE = SERVING / "generator_pyfunc_model.py"  # a MiniGPT: rows typed by its predict (Row)
 ARTIFACT_PATH = "model"  # the model's name inside its run
 
 
 def signature_of(manifest: dict, model, prompt: str = ""):
-    """(signature, input example): MiniGPT prompts (and sample's options) -> texts; MLP features -> outputs, as
+    """(signature, input example): a MiniGPT's signature is its predict's type (None here: mlflow takes it from
+    pipeline.serving.checkpoint_model.Row and checks each row against it); an MLP's, features -> outputs, as
     tensors of the model's dtype. The example's prompt is one the vocabulary has (an empty one needs <eos>)."""
     from mlflow.models import ModelSignature
-    from mlflow.types import ColSpec, Schema, TensorSpec
-    from mlflow.types.schema import AnyType
-
-    from pipeline.serving import OPTIONS
+    from mlflow.types import Schema, TensorSpec
 
     if hasattr(model, "logits"):
-        # The options untyped: mlflow refuses an int64 column as double and, as long, the floats (with NaN) a
-        # column becomes when some rows leave it out; the model checks them as pipeline.cli.sample does.
-        inputs = Schema([ColSpec("string", "prompt"), *(ColSpec(AnyType(), k, required=False) for k in OPTIONS[1:])])
-        return ModelSignature(inputs, Schema([ColSpec("string")])), [{"prompt": prompt, "max_new_tokens": 4, "seed": 0}]
+        return None, [{"prompt": prompt, "max_new_tokens": 4, "seed": 0}]
     spec = manifest["data_spec"]
     dtype = getattr(model, "dtype", "float64")
     inputs = Schema([TensorSpec(dtype, (-1, spec["n_features"]))])
@@ -152,7 +149,8 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
             artifacts[VOCAB] = str(Path(tmp) / "vocab.json")
         with using_store(uri), mlflow.start_run(experiment_id=experiment_id, run_name=f"register {name}",
                                                 tags={k: tag_value(v) for k, v in tags.items() if v is not None}):
-            info = mlflow.pyfunc.log_model(name=ARTIFACT_PATH, python_model=str(CODE), artifacts=artifacts,
+            code = GENERATOR_CODE if signature is None else CODE  # a MiniGPT's signature: predict's type hints
+            info = mlflow.pyfunc.log_model(name=ARTIFACT_PATH, python_model=str(code), artifacts=artifacts,
                                            signature=signature, input_example=example,
                                            pip_requirements=requirements(), registered_model_name=name)
     return client.get_model_version(name, str(info.registered_model_version))

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
+import pydantic
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
@@ -92,3 +94,30 @@ class CheckpointModel(PythonModel):
             except ConfigError as e:
                 raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from None
         return out
+
+
+class Row(pydantic.BaseModel):
+    """A MiniGPT row as mlflow hands it over: `prompt` and sample's options, nothing else. Declared as the type
+    of GeneratorModel.predict's input, so mlflow checks each row against it before predict: an unknown column
+    is refused there (a signature alone only warns and drops it)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    prompt: str
+    max_new_tokens: Any = None  # checked as pipeline.cli.sample checks them (_args)
+    temperature: Any = None
+    top_k: Any = None
+    seed: Any = None
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _only_options(cls, row):
+        if isinstance(row, dict) and (unknown := sorted(set(row) - set(OPTIONS), key=str)):
+            raise ValueError(f"unknown column(s) {unknown}: a row gives {', '.join(OPTIONS)}")
+        return row
+
+
+class GeneratorModel(CheckpointModel):
+    """A MiniGPT checkpoint: rows of prompts (Row) -> their continuations."""
+
+    def predict(self, context, model_input: list[Row], params=None) -> list[str]:
+        return super().predict(context, [row.model_dump() for row in model_input], params)

@@ -81,9 +81,14 @@ LOAD = textwrap.dedent("""
         refused = None
     except MlflowException as e:
         refused = str(e)
+    try:
+        gpt.predict([{"prompt": "the", "promt": "man"}])  # a typo'd column: mlflow's schema alone drops it
+        unknown = None
+    except MlflowException as e:
+        unknown = str(e)
     mlflow.set_tracking_uri(mlp_uri)
     mlp = mlflow.pyfunc.load_model("models:/%s/1")
-    print(json.dumps({"texts": list(gpt.predict(rows)), "refused": refused,
+    print(json.dumps({"texts": list(gpt.predict(rows)), "refused": refused, "unknown": unknown,
                       "outputs": np.asarray(mlp.predict(np.array(x))).tolist()}))
 """ % (GPT, MLP))
 
@@ -105,6 +110,7 @@ def test_a_fresh_process_loads_each_model_by_name_and_gets_the_projects_own_answ
     assert command.returncode == 0 and command.stdout == got["texts"][0] + "\n"
     assert len(got["texts"][2].split(" ")) == 2 + 50  # sample's default max_new_tokens
     assert "prompt: not in the corpus vocabulary" in got["refused"] and "'zebra'" in got["refused"]
+    assert "unknown column(s) ['promt']: a row gives prompt, max_new_tokens" in got["unknown"], got["unknown"]
     assert np.array_equal(np.array(got["outputs"]), mlp_forward(models[MLP][0], x))  # exact: JSON keeps float64
 
 
@@ -164,8 +170,11 @@ def free_port() -> int:
 def post(port: int, body: dict) -> dict:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return {"error": e.code, "body": e.read().decode(errors="replace")[:2000]}
 
 
 def answers(port: int) -> bool:
@@ -197,8 +206,9 @@ def test_mlflow_models_serve_answers_invocations_with_the_samples_text(registere
 
         wait_until(up, "mlflow models serve to answer /ping")
         expected = sample(checkpoint, args_of(ROWS[1]))
-        assert post(port, {"dataframe_records": [ROWS[1]]}) == {"predictions": [expected]}
         assert post(port, {"inputs": [ROWS[1]]}) == {"predictions": [expected]}
+        refused = post(port, {"inputs": [{**ROWS[1], "promt": "the"}]})  # a typo'd column: refused, not dropped
+        assert refused["error"] == 400 and "unknown column(s) ['promt']" in refused["body"], refused
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # the server and its workers: the session it leads
         try:
