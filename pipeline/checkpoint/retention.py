@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,28 @@ class LatestN:
         return set(steps[-self.n:]) if self.n > 0 else set()
 
 
+def rank(mode: str):
+    """The order of evaluations, best first: by value (mode min or max), then the earlier step (a later equal value
+    does not displace one already kept: Lightning's strict comparison for a full top-k)."""
+    sign = 1.0 if mode == "min" else -1.0
+    return lambda value_step: (sign * value_step[0], value_step[1])
+
+
+def admit(top: Sequence[tuple[float, int]], value, step: int, n: int, mode: str) -> list[tuple[float, int]] | None:
+    """The n best (value, step) once this evaluation is counted, best first, if it is among them; else None.
+    `top`: the n best so far, best first (steps before `step`). NaN and infinities never enter."""
+    if not is_better(value, None, mode):
+        return None
+    if len(top) >= n and rank(mode)((float(value), step)) >= rank(mode)(top[n - 1]):
+        return None
+    return sorted([*top, (float(value), step)], key=rank(mode))[:n]
+
+
 @dataclass(frozen=True)
 class BestN:
     """The n records with the best finite `monitor` (mode min or max) after step `since` (where this best
-    history began: 0, or the resume that changed its monitor or mode); ties keep the earlier step."""
+    history began: 0, or the resume that changed its monitor or mode), in `rank` order: ties keep the earlier
+    step."""
     monitor: str
     mode: str = "min"
     n: int = 1
@@ -59,9 +77,7 @@ class BestN:
     def keep(self, records: Sequence[Record]) -> set[int]:
         scored = [(r.metrics[self.monitor], r.step) for r in records if r.step > self.since
                   and isinstance(r.metrics.get(self.monitor), (int, float)) and math.isfinite(r.metrics[self.monitor])]
-        sign = 1.0 if self.mode == "min" else -1.0
-        ranked = sorted(scored, key=lambda vs: (sign * vs[0], vs[1]))
-        return {step for _, step in ranked[: self.n]}
+        return {step for _, step in sorted(scored, key=rank(self.mode))[: self.n]}
 
 
 @dataclass(frozen=True)
@@ -80,6 +96,22 @@ class AnyOf:
 
     def keep(self, records: Sequence[Record]) -> set[int]:
         return set().union(*(p.keep(records) for p in self.policies))
+
+
+@dataclass(frozen=True)
+class Named:
+    """Second names for the steps `policy` keeps (links beside step-*), each made by `name(record)` (None: the
+    record has its step directory's name only)."""
+    policy: Policy
+    name: Callable[[Record], str | None]
+
+    def links(self, records: Sequence[Record]) -> dict[str, int]:
+        kept = self.policy.keep(records)
+        return {name: r.step for r in records if r.step in kept and (name := self.name(r)) is not None}
+
+    def owns(self, name: str, record: Record) -> bool:
+        """Whether `name` is the one this naming gives `record` (a link it retires when the policy lets go)."""
+        return self.name(record) == name
 
 
 def select_one(policy: Policy, records: Sequence[Record]) -> int | None:

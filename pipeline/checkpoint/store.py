@@ -21,7 +21,7 @@ from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, discard_dir, ens
                                    publish_dir, remove_temporaries, remove_tree, replace_link, second_name, write_new)
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
-from pipeline.checkpoint.retention import AnyOf, Policy, Record, Steps, select_one
+from pipeline.checkpoint.retention import AnyOf, Named, Policy, Record, Steps, select_one
 from pipeline.checkpoint.tensors import DigestMismatch, LayoutMisfit, layout, read_tensors, write_tensors
 from pipeline.stateful import PARTS, SEP, StateMismatch, capture, check, merge, split
 
@@ -517,21 +517,35 @@ class CheckpointStore:
         self._records[step] = record_of(manifest)
         return Checkpoint(directory, manifest, tree, fields[mf.DATA_FACTS])
 
-    def retain(self, policy: Policy, links: dict[str, Policy], upto: int, lineage: str) -> None:
+    def retain(self, policy: Policy, links: dict[str, Policy], upto: int, lineage: str,
+               named: tuple[Named, ...] = ()) -> None:
         """Point each link at what its policy selects, then delete the step directories no policy keeps.
 
         Only checkpoints of the history being run (`lineage`, up to the current step `upto`) are ever linked or
         deleted; any other step directory (another history's, an unreadable one) is left where it is. A link
-        no stage declares any more (a stage removed by override) keeps its target."""
+        no stage declares any more (a stage removed by override) keeps its target. `named`: second names of
+        kept steps; a name one of them gave a step it no longer keeps goes before that step may."""
         present_steps, present_links = self.scan()  # once: linking changes no step directory
         records = [r for r in self.records() if r.step <= upto and r.lineage == lineage]
-        orphan_targets = {int(STEP_DIR.match(t).group(1)) for name, t in present_links.items() if name not in links}
+        by_step = {r.step: r for r in records}
+        wanted = {name: step for n in named for name, step in n.links(records).items() if name not in links}
+        retired = {name for name, t in present_links.items() if name not in links and name not in wanted
+                   and (r := by_step.get(int(STEP_DIR.match(t).group(1)))) and any(n.owns(name, r) for n in named)}
+        orphan_targets = {int(STEP_DIR.match(t).group(1)) for name, t in present_links.items()
+                          if name not in links and name not in retired}
         keep = AnyOf((policy, Steps(frozenset(orphan_targets)), *links.values())).keep(records)
         for name, link_policy in links.items():
             target = select_one(link_policy, records)
             if target is not None and present_links.get(name) != step_dir_name(target):
                 killpoint.point("save", f"before {name} link")
                 replace_link(self.root / name, step_dir_name(target))
+        for name, step in wanted.items():
+            if present_links.get(name) != step_dir_name(step):
+                replace_link(self.root / name, step_dir_name(step))
+        for name in retired:  # before its step directory: a link never names a missing step
+            os.unlink(self.root / name)
+        if retired:
+            fsync_dir(self.root)
         for step, directory in present_steps:
             if step not in keep and step in {r.step for r in records}:
                 killpoint.point("save", "before delete")

@@ -11,7 +11,7 @@ from omegaconf import MISSING
 from pipeline.config.checks import (above, at_least, duration_or_null, fraction, null_or_at_least, open_fraction,
                                     probability_list, widths)
 from pipeline.config.errors import ConfigError
-from pipeline.files import names
+from pipeline.files import names, patterns
 
 # `_target_` -> the schema of a node building it, filled by @builds while this module loads and then frozen
 # as SCHEMAS (end of file); a schema stored as `schema/<group>/<option>` is the first entry of that option's
@@ -29,12 +29,21 @@ def builds(target: str, stored_as: str | None = None) -> Callable[[type], type]:
     return add
 
 
-def _f(check: Callable | None = None):
-    return field(default=MISSING, metadata={"check": check} if check else {})
+_NONE = object()
+
+
+def _f(check: Callable | None = None, absent=_NONE):
+    """A field; `absent`: for a key added after checkpoints were written without it, what their configs mean."""
+    return field(default=MISSING, metadata={**({"check": check} if check else {}),
+                                            **({"absent": absent} if absent is not _NONE else {})})
 
 
 def _choice(name: str, *values: str) -> type[Enum]:
     return Enum(name, {v: v for v in values})
+
+
+def name_pattern(v) -> str | None:
+    return None if v is None else patterns.problem(v)
 
 
 Dtype = _choice("Dtype", "float32", "float64")
@@ -220,6 +229,8 @@ class BestValStageConf(Node):
     monitor: str = _f()
     mode: Mode = _f()
     order: int = _f()
+    keep: int = _f(at_least(1), absent=1)  # the k best checkpoints by monitor (Lightning's save_top_k)
+    filename: Optional[str] = _f(name_pattern, absent=None)  # a link beside step-* per kept checkpoint, or null
 
 
 @builds("pipeline.stages.early_stop.EarlyStop", "stage/early_stop")
@@ -300,6 +311,14 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
         errors.extend(cross(node))
 
 
+def as_written_now(node: dict) -> dict:
+    """A node of a config written before some keys of its schema existed, with what their absence means."""
+    schema = SCHEMAS.get(node.get("_target_")) if isinstance(node, dict) else None
+    if schema is None:
+        return node
+    return {**{f.name: f.metadata["absent"] for f in fields(schema) if "absent" in f.metadata}, **node}
+
+
 def validate(config: dict) -> None:
     """ConfigError listing every value out of range (a field's check is in its metadata), before the job creates
     anything on disk; Hydra has checked types and keys while composing."""
@@ -316,7 +335,8 @@ def validate(config: dict) -> None:
         if isinstance(node, dict) and node.get("_target_") in SCHEMAS:
             schema = SCHEMAS[node["_target_"]]
             # a stage added by override (+stages.NAME={...}) is not typed while composing: it names every key
-            if key.startswith("stages.") and (missing := [f.name for f in fields(schema) if f.name not in node]):
+            if key.startswith("stages.") and (missing := [f.name for f in fields(schema)
+                                                          if f.name not in node and "absent" not in f.metadata]):
                 errors.append(f"{key}: no {', '.join(missing)} (a {node['_target_']} stage takes "
                               f"{', '.join(f.name for f in fields(schema))})")
             _check_node(schema, node, f"{key}.", errors)

@@ -20,7 +20,7 @@ from pipeline.data.iterator import DataIterator
 from pipeline.trainer.loop import kept, train_metric_names, val_metric_names
 from pipeline.trainer.rng import Streams
 from pipeline.config.errors import ConfigError
-from pipeline.config.schemas import validate
+from pipeline.config.schemas import as_written_now, validate
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
 from pipeline.stages.base import StageStates
@@ -79,7 +79,7 @@ def build_stages(config: dict) -> list:
     stages = []
     for key, node in (config.get("stages") or {}).items():
         if node is not None:
-            stage = instantiate(node)
+            stage = instantiate(as_written_now(node))  # a checkpoint's config may predate a stage's key
             stage.name = str(key)
             stages.append(stage)
     return sorted(stages, key=lambda s: s.order)

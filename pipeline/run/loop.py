@@ -185,7 +185,7 @@ class Run:
         stages = self.job.stages
         keep = AnyOf(tuple(p for s in stages if (p := s.policy()) is not None) + (LatestN(1),))
         self.store.retain(keep, {s.link: s.link_policy() for s in stages if s.link}, upto=self.state.step,
-                          lineage=self.lineage["id"])
+                          lineage=self.lineage["id"], named=tuple(n for s in stages if (n := s.named()) is not None))
 
     # --- run.json
     def write_status(self, status: str, **extra) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.checkpoint.retention import Policy, check_best
+from pipeline.checkpoint.retention import Named, Policy, check_best
 from pipeline.stateful import BadValue, fit_reason
 
 
@@ -44,6 +44,10 @@ class Stage:
 
     def link_policy(self) -> Policy | None:
         """The one checkpoint `link` points at."""
+        return None
+
+    def named(self) -> Named | None:
+        """Second names (links beside step-*) for the checkpoints this stage keeps."""
         return None
 
     def state_dict(self) -> dict:

@@ -1,22 +1,85 @@
-"""Keeps the checkpoint of the best evaluation of `monitor` (min or max), pointed at by checkpoints/best."""
+"""Keeps the checkpoints of the `keep` best evaluations of `monitor` (min or max; Lightning's save_top_k), the best
+pointed at by checkpoints/best."""
 from __future__ import annotations
 
-from pipeline.checkpoint.retention import BestN, is_better
+import math
+
+from pipeline.checkpoint.retention import BestN, Named, Record, admit, rank
+from pipeline.files import patterns
 from pipeline.stages.base import StepEnd, Watch
+from pipeline.stateful import fit_reason
 
 
 class BestVal(Watch):
     name = "best_val"
     link = "best"
 
+    def __init__(self, monitor: str, mode: str, order: int, keep: int, filename: str | None):
+        super().__init__(monitor, mode, order)
+        if type(keep) is not int or keep < 1:
+            raise ValueError(f"stages.{self.name}.keep must be an integer >= 1, got {keep!r}")
+        if filename is not None and (why := patterns.problem(filename)):
+            raise ValueError(f"stages.{self.name}.filename={filename!r:.80}: {why}")
+        self.keep = keep
+        self.filename = filename  # a pattern naming each kept checkpoint by its values (`{step}-{val/loss:.3f}`)
+        self.top: list[tuple[float, int]] = []  # the `keep` best (value, step) since `since`, best first
+
     def wants_checkpoint(self, end: StepEnd) -> bool:
-        value = end.metrics.get(self.monitor)
-        if not is_better(value, self.best, self.mode):  # NaN and infinities never become best
+        top = admit(self.top, end.metrics.get(self.monitor), end.step, self.keep, self.mode)
+        if top is None:  # NaN and infinities never enter, nor a value no better than the keep-th best
             return False
-        self.best, self.best_step = float(value), end.step
+        self.top = top
+        self.best, self.best_step = top[0]
         return True
 
     def policy(self) -> BestN:
+        return BestN(self.monitor, self.mode, self.keep, self.since)
+
+    def link_policy(self) -> BestN:
         return BestN(self.monitor, self.mode, 1, self.since)
 
-    link_policy = policy
+    def named(self) -> Named | None:
+        return None if self.filename is None else Named(self.policy(), self.name_of)
+
+    def name_of(self, record: Record) -> str | None:
+        return patterns.render(self.filename, record.step, record.metrics)
+
+    # state: Watch's (best, best_step, ...), and with keep > 1 the top list (keep = 1: the same bytes as before)
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.keep > 1:
+            state["top"] = [[value, step] for value, step in self.top]
+        return state
+
+    def start_at(self, step: int) -> None:
+        super().start_at(step)
+        self.top = []
+
+    def fit_reason(self, saved: dict) -> str | None:
+        # `top` is as long as the evaluations counted so far, and absent where the checkpoint kept one best
+        if not isinstance(saved.get("top", []), list):
+            return f"{self.name}.top: expected a list of [value, step], got {type(saved['top']).__name__}"
+        live = {k: v for k, v in super().state_dict().items() if k in saved or k not in ("monitor", "mode", "since")}
+        return fit_reason(live, {k: v for k, v in saved.items() if k != "top"}, self.name)
+
+    def check_state_dict(self, state: dict) -> None:
+        super().check_state_dict(state)
+        if "top" not in state:
+            return
+        top = state["top"]
+        if not all(isinstance(e, list) and len(e) == 2 and type(e[1]) is int and e[1] >= 0
+                   and isinstance(e[0], (int, float)) and type(e[0]) is not bool and math.isfinite(e[0]) for e in top):
+            raise ValueError(f"top {top!r:.80} is not a list of [finite value, step]")
+        pairs = [(float(v), s) for v, s in top]
+        if pairs != sorted(pairs, key=rank(self.mode)) or len({s for _, s in pairs}) != len(pairs):
+            raise ValueError(f"top {top!r:.80} is not ranked best first, one entry a step")
+        if (pairs[0] if pairs else (None, None)) != (state["best"], state["best_step"]):
+            raise ValueError(f"top {top!r:.80} does not begin with the best {state['best']!r} at step "
+                             f"{state['best_step']!r}")
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        # A checkpoint that kept one best (keep was 1) knows that one: the top list grows from it.
+        saved = [(float(v), s) for v, s in state["top"]] if "top" in state else \
+            ([] if self.best is None else [(self.best, self.best_step)])
+        self.top = saved[: self.keep]

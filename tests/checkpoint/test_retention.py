@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.checkpoint.retention import AnyOf, BestN, LatestN, Record, Steps, is_better, select_one
+from pipeline.checkpoint.retention import AnyOf, BestN, LatestN, Named, Record, Steps, admit, is_better, select_one
 
 
 def R(step, tags=(), **metrics):
@@ -79,3 +79,79 @@ def test_best_is_never_evicted_and_kept_set_matches_the_policies(values, keep, m
         oracle = min(s for v, s in finite if v == target)  # the first of ties
     assert best_at == oracle
     assert kept == set(steps[-keep:]) | ({oracle} if oracle is not None else set())
+
+
+# --- the k best (stages.best_val.keep): the stage's rule (admit) and the policy (BestN) are one order
+
+@pytest.mark.parametrize("top, value, step, n, mode, after", [
+    ([], 2.0, 5, 1, "min", [(2.0, 5)]),
+    ([(2.0, 5)], 2.0, 9, 1, "min", None),  # a tie does not displace the earlier step (keep=1 as ever)
+    ([(2.0, 5)], 1.0, 9, 1, "min", [(1.0, 9)]),
+    ([(2.0, 5)], 3.0, 9, 2, "min", [(2.0, 5), (3.0, 9)]),  # room left: any finite value enters
+    ([(2.0, 5), (3.0, 9)], 3.0, 12, 2, "min", None),  # ties the 2nd best: the earlier one stays
+    ([(2.0, 5), (3.0, 9)], 2.5, 12, 2, "min", [(2.0, 5), (2.5, 12)]),
+    ([(2.0, 5), (3.0, 9)], 2.0, 12, 3, "min", [(2.0, 5), (2.0, 12), (3.0, 9)]),  # equal values: older first
+    ([(3.0, 5), (2.0, 9)], 2.5, 12, 2, "max", [(3.0, 5), (2.5, 12)]),
+    ([(3.0, 5), (2.0, 9)], 1.0, 12, 2, "max", None),
+    ([], math.nan, 5, 3, "min", None), ([], math.inf, 5, 3, "max", None), ([], -math.inf, 5, 3, "min", None),
+    ([(1.0, 5)], None, 9, 3, "min", None),  # no evaluation at this step
+])
+def test_admit_is_the_top_k_with_the_earlier_step_first_among_equals(top, value, step, n, mode, after):
+    assert admit(top, value, step, n, mode) == after
+
+
+TIES = [R(2, val_loss=1.0), R(4, val_loss=3.0), R(6, val_loss=1.0), R(8, val_loss=math.nan), R(10, val_loss=2.0),
+        R(12, val_loss=1.0)]
+
+
+@pytest.mark.parametrize("policy, kept", [
+    (BestN("val/loss", "min", 1), {2}),
+    (BestN("val/loss", "min", 2), {2, 6}),
+    (BestN("val/loss", "min", 3), {2, 6, 12}),
+    (BestN("val/loss", "min", 4), {2, 6, 12, 10}),
+    (BestN("val/loss", "max", 2), {4, 10}),
+    (BestN("val/loss", "max", 9), {2, 4, 6, 10, 12}),  # NaN never kept
+    (BestN("val/loss", "min", 3, since=6), {10, 12}),  # a history begun at 6 ranks what came after it only
+], ids=repr)
+def test_best_n_with_ties_and_nan(policy, kept):
+    assert policy.keep(TIES) == kept
+
+
+def simulate_k(values: list[float], k: int, rotate: int, mode: str, evaluate_every: int = 1):
+    """The default stages with best_val.keep=k over a run saving every epoch (rotate-last-`rotate`) and evaluating
+    every `evaluate_every` epochs; the store deletes what no policy keeps after every save."""
+    records, top, kept = [], [], set()
+    for epoch, v in enumerate(values, start=1):
+        step = 10 * epoch
+        evaluated = epoch % evaluate_every == 0
+        tags = {"rotate"} | ({"final"} if epoch == len(values) else set())
+        if evaluated and (new := admit(top, v, step, k, mode)) is not None:
+            top = new
+            tags.add("best_val")
+        records.append(R(step, tags, **({"m": v} if evaluated else {})))
+        policy = AnyOf((LatestN(rotate, "rotate"), BestN("m", mode, k), LatestN(1, "final"), LatestN(1)))
+        kept = policy.keep(records)
+        assert {s for _, s in top} <= kept, "a best checkpoint the stage counts was deleted"
+        records = [r for r in records if r.step in kept]
+    return kept, select_one(BestN("m", mode, 1), records), top
+
+
+@given(st.lists(st.sampled_from([0.5, 1.0, 1.0, 2.0, 3.0, math.nan, math.inf, -math.inf]), min_size=1, max_size=30)
+       | st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=30),
+       st.integers(1, 4), st.integers(1, 4), st.sampled_from(["min", "max"]), st.integers(1, 3))
+def test_top_k_composed_with_rotate_and_final_keeps_exactly_the_oracle(values, k, rotate, mode, every):
+    kept, best_at, top = simulate_k(values, k, rotate, mode, every)
+    steps = [10 * (i + 1) for i in range(len(values))]
+    sign = 1.0 if mode == "min" else -1.0
+    evaluated = [(v, s) for i, (v, s) in enumerate(zip(values, steps)) if (i + 1) % every == 0 and math.isfinite(v)]
+    oracle = sorted(evaluated, key=lambda vs: (sign * vs[0], vs[1]))[:k]  # the k best, the earlier of equals first
+    assert top == [(float(v), s) for v, s in oracle]
+    assert kept == set(steps[-rotate:]) | {s for _, s in oracle}
+    assert best_at == (oracle[0][1] if oracle else None)
+
+
+def test_named_links_name_the_kept_steps_and_own_only_their_own_names():
+    named = Named(BestN("val/loss", "min", 2), lambda r: f"{r.step}-{r.metrics['val/loss']:.1f}")
+    assert named.links(TIES) == {"2-1.0": 2, "6-1.0": 6}
+    assert named.owns("6-1.0", TIES[2]) and not named.owns("6-2.0", TIES[2]) and not named.owns("best", TIES[2])
+    assert Named(BestN("val/loss", "min", 2), lambda r: None).links(TIES) == {}  # no name: the step's only

@@ -79,4 +79,4 @@ def test_a_stage_added_by_override_without_a_key_of_its_class_is_one_line_naming
         validate(config_of(*KERNODECK, "+stages.x={_target_:pipeline.stages.best.BestVal,order:35}",
                            f"paths.output_dir={tmp_path}"))
     assert str(info.value) == "stages.x: no monitor, mode (a pipeline.stages.best.BestVal stage takes _target_, " \
-                              "monitor, mode, order)"
+                              "monitor, mode, order, keep, filename)"

@@ -1,0 +1,86 @@
+"""A name made from a pattern and a checkpoint's values (`{step}-{val/loss:.3f}`), checked as one path component."""
+from __future__ import annotations
+
+import math
+import re
+import string
+
+from pipeline.files import names
+
+FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_/.-]{0,63}$")  # `step`, or a metric's name (val/loss, or val_loss)
+# A number's format spec, bounded: [sign][#][0][width<=99][,_][.precision<=20][type]
+SPEC = re.compile(r"^[+ -]?#?0?(\d{1,2})?[,_]?(\.(\d{1,2}))?[deEfFgG%]?$")
+MAX_PRECISION = 20
+WIDE = 24  # characters of one value past which it is written `.6g` (1e+300 rather than 301 digits)
+STEP_LIKE = re.compile(r"^step-\d")  # a step directory's name, never a link's
+
+
+def _fields(pattern: str) -> list[tuple[str, str | None, str, str | None]]:
+    return list(string.Formatter().parse(pattern))
+
+
+def problem(pattern) -> str | None:
+    """Why `pattern` cannot name checkpoints, or None: plain text and `{field:spec}` fields (no conversion, no
+    attribute or index), `{step}` among them (one name a step), and a name it makes is one path component
+    that no step directory has."""
+    if not isinstance(pattern, str) or not pattern:
+        return "must be a non-empty string such as '{step}-{val/loss:.3f}'"
+    try:
+        parsed = _fields(pattern)
+    except ValueError as e:
+        return f"is not a format pattern ({e})"
+    fields = [(f, spec, conv) for _, f, spec, conv in parsed if f is not None]
+    for f, spec, conv in fields:
+        if conv is not None or not FIELD.match(f) or "{" in spec or not SPEC.match(spec):
+            return (f"field {{{f}{'!' + conv if conv else ''}{':' + spec if spec else ''}}} is not a metric or step "
+                    "with a number format such as .3f")
+        if (m := SPEC.match(spec)) and m.group(3) and int(m.group(3)) > MAX_PRECISION:
+            return f"field {{{f}:{spec}}}: at most {MAX_PRECISION} digits"
+    if any(f == "step" and not re.match(r"^[+ -]?0?\d{0,2}d?$", spec) for f, spec, _ in fields):
+        return "{step} takes an integer format only (such as {step:06d}): two steps must never share a name"
+    if "step" not in {f for f, _, _ in fields}:
+        return "must contain {step} (the step is what tells two checkpoints apart)"
+    example = _text(pattern, 0, {f: 0.0 for f, _, _ in fields})
+    if _refused(example):
+        return (f"makes {names.shown(example)}, which cannot name a link beside the step directories "
+                "(not step-<digits>, not hidden, one path component)")
+    return None
+
+
+def _value(metrics: dict, field: str):
+    """A metric by its name, or with '_' standing for '/' (Lightning's val_loss for val/loss); None if absent."""
+    if field in metrics:
+        return metrics[field]
+    return metrics.get(field.replace("_", "/"))
+
+
+def _one(value, spec: str) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    try:
+        text = format(value, spec)
+    except (ValueError, TypeError):  # a float given `d`: the value as it is, shortly
+        text = format(float(value), ".6g")
+    return text if len(text) <= WIDE else format(float(value), ".6g")
+
+
+def _refused(name: str) -> bool:
+    return bool(names.problem(name, reserve=0) or STEP_LIKE.match(name) or name.startswith("."))
+
+
+def render(pattern: str, step: int, metrics: dict) -> str | None:
+    """The name `pattern` gives a checkpoint of `step` with these metrics, or None where it would not be one
+    path component (the checkpoint then has its step directory's name only)."""
+    name = _text(pattern, step, metrics)
+    return None if _refused(name) else name
+
+
+def _text(pattern: str, step: int, metrics: dict) -> str:
+    out = []
+    for literal, field, spec, _ in _fields(pattern):
+        out.append(literal)
+        if field is not None:
+            out.append(_one(step if field == "step" else _value(metrics, field), spec or ""))
+    return "".join(out)
