@@ -541,8 +541,10 @@ class CheckpointStore:
                 replace_link(self.root / name, step_dir_name(target))
         for name, step in wanted.items():
             if present_links.get(name) != step_dir_name(step):
+                killpoint.point("save", "before a named link")
                 replace_link(self.root / name, step_dir_name(step))
         for name in retired:  # before its step directory: a link never names a missing step
+            killpoint.point("save", "before a name is retired")
             os.unlink(self.root / name)
         if retired:
             fsync_dir(self.root)

@@ -1,0 +1,145 @@
+"""stages.best_val.keep=k (the k best checkpoints by monitor, Lightning's save_top_k) and stages.best_val.filename
+(a link beside step-* per kept checkpoint, named by its values), end to end on kernodeck (6 updates an epoch):
+the kept set against an oracle computed from the run's own metrics.jsonl, through preemptions and kills."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import KERNODECK, PROJECT_ROOT, kept, metrics, refused_in_one_line, run_job, the_run
+from pipeline.run.directory import RunDir
+from pipeline.stages.best import BestVal
+
+# evaluations every 2 updates, a rotating checkpoint every epoch (6), 30 updates: 15 evaluations, 5 epochs
+BASE = (*KERNODECK, "trainer.max_steps=30", "trainer.eval_every=2", "stages.rotate_last_3.keep=2")
+PATTERN = "{step}-{val_loss:.4f}"
+NAMED = (f"stages.best_val.filename='{PATTERN}'",)
+
+
+def best_val(**kw) -> BestVal:
+    return BestVal(**{"monitor": "m", "mode": "min", "order": 30, "keep": 1, "filename": None, **kw})
+
+
+def oracle(run, k: int, mode: str = "min") -> list[int]:
+    """The k best evaluations' steps in the run's own metrics.jsonl, best first, the earlier of equals first."""
+    sign = 1.0 if mode == "min" else -1.0
+    evals = [(ln["val/loss"], ln["step"]) for ln in RunDir(run).read_metrics() if "val/loss" in ln]
+    return [s for _, s in sorted(evals, key=lambda vs: (sign * vs[0], vs[1]))[:k]]
+
+
+def steps(run) -> set[int]:
+    return {s for s, _ in RunDir(run).store.steps()}
+
+
+def test_keep_1_saves_the_state_it_always_saved_and_keep_k_adds_its_ranking():
+    one = best_val()
+    assert set(one.state_dict()) == {"best", "best_step", "monitor", "mode", "since"}
+    three = best_val(keep=3)
+    for step, v in ((1, 3.0), (2, 1.0), (3, math.nan), (4, 2.0), (5, 1.0), (6, 5.0)):
+        three.wants_checkpoint(type("E", (), {"metrics": {"m": v}, "step": step})())
+    assert three.state_dict()["top"] == [[1.0, 2], [1.0, 5], [2.0, 4]] and three.best_step == 2
+    # a checkpoint of keep=1 resumed with keep=3: its one best begins the list; keep=3 resumed with keep=2: cut
+    grown = best_val(keep=3)
+    grown.load_state_dict(one.state_dict() | {"best": 1.5, "best_step": 7})
+    assert grown.top == [(1.5, 7)]
+    cut = best_val(keep=2)
+    assert cut.fit_reason(three.state_dict()) is None
+    cut.load_state_dict(three.state_dict())
+    assert cut.top == [(1.0, 2), (1.0, 5)] and cut.policy().n == 2 and cut.link_policy().n == 1
+
+
+@pytest.mark.parametrize("top, words", [
+    ([[2.0, 4], [1.0, 2]], "not ranked best first"),
+    ([[1.0, 2], [1.0, 2]], "one entry a step"),
+    ([[1.0, 3]], "does not begin with the best"),
+    ([[math.inf, 2]], "not a list of"), ([[1.0, -1]], "not a list of"), ([["1", 2]], "not a list of"),
+])
+def test_a_saved_ranking_that_is_not_one_is_refused(top, words):
+    with pytest.raises(ValueError, match=words):
+        best_val(keep=3).check_state_dict({"best": 1.0, "best_step": 2, "monitor": "m", "mode": "min", "top": top})
+
+
+def test_keep_and_filename_are_checked_in_one_line(tmp_path):
+    for bad, words in (("stages.best_val.keep=0", "stages.best_val.keep=0: must be a number >= 1"),
+                       ("stages.best_val.filename='a/{step}'", "stages.best_val.filename='a/{step}': makes 'a/0'"),
+                       ("stages.best_val.filename='{val_loss}'", "must contain {step}"),
+                       ("stages.best_val.filename='step-{step:08d}'", "not step-<digits>"),
+                       ("stages.best_val.filename='{step.__class__!r}'", "is not a metric or step")):
+        line = refused_in_one_line([*BASE, bad, f"paths.output_dir={tmp_path / 'out'}"], tmp_path)
+        assert words in line, line
+        assert not (tmp_path / "out" / "runs").exists()
+
+
+@pytest.mark.parametrize("k, mode", [(1, "min"), (2, "max"), (3, "min")])
+def test_a_run_keeps_the_k_best_of_its_own_evaluations_with_rotate_and_final(tmp_path, k, mode):
+    out = tmp_path / "out"
+    assert run_job(*BASE, f"stages.best_val.keep={k}", f"stages.best_val.mode={mode}", *NAMED,
+                   f"paths.output_dir={out}")[0] == 0
+    run = the_run(out)
+    best = oracle(run, k, mode)
+    assert steps(run) == {24, 30} | set(best)  # rotate's newest two (final is 30) and the k best
+    store = RunDir(run).store
+    assert store.link_step("best") == best[0] and store.link_step("final") == 30
+    lines = {ln["step"]: ln for ln in RunDir(run).read_metrics()}
+    names = {f"{s}-{lines[s]['val/loss']:.4f}": f"step-{s:08d}" for s in best}
+    assert store.links() == {"best": f"step-{best[0]:08d}", "final": f"step-{30:08d}", **names}
+    for name in names:  # relative links beside the step directories, each naming one that exists
+        assert os.readlink(store.root / name) == names[name] and (store.root / name / "manifest.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole") / "out"
+    assert run_job(*BASE, "stages.best_val.keep=3", *NAMED, f"paths.output_dir={out}")[0] == 0
+    return the_run(out)
+
+
+def test_keep_3_preempted_twice_and_resumed_keeps_what_the_uninterrupted_run_keeps(tmp_path, preempt_at,
+                                                                                   uninterrupted):
+    from pipeline.run.signals import SIGNALS_STATE
+
+    out = tmp_path / "out"
+    for at in (9, 17, None):  # between evaluations, and on one that enters the top 3
+        preempt_at(at)
+        assert run_job(*BASE, "stages.best_val.keep=3", *NAMED, f"paths.output_dir={out}")[0] == (75 if at else 0)
+        SIGNALS_STATE.received = None
+    run = the_run(out)
+    assert kept(run) == kept(uninterrupted)  # every kept checkpoint's bytes, and the links with their names
+    assert metrics(run) == metrics(uninterrupted)
+    assert oracle(uninterrupted, 3)[0] == RunDir(uninterrupted).store.link_step("best")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", range(1, 40, 3))
+def test_a_kill_at_any_save_point_loses_nothing_and_the_rerun_keeps_the_same_set(tmp_path, point, uninterrupted):
+    """SIGKILL inside a save or a retention (between the rename and the links, between a name's retirement
+    and its step's deletion...), then the identical command: the same checkpoints and links as the run never
+    killed, and no link ever names a missing step."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "pipeline", *BASE, "stages.best_val.keep=3", *NAMED, f"paths.output_dir={out}"]
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "PIPELINE_CHAOS": f"save:{point}"}
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == -9, first.stderr[-2000:]
+    store = RunDir(the_run(out)).store
+    assert all((store.root / target).is_dir() for target in store.links().values())
+    env.pop("PIPELINE_CHAOS")
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert kept(the_run(out)) == kept(uninterrupted)
+
+
+@pytest.mark.slow  # 17 real processes, 8 of them SIGKILLed
+def test_chaos_mode_with_keep_3_and_named_links(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pipeline.verify", "experiment=kernodeck", "tracking=none",
+                        "trainer.eval_every=1", "stages.best_val.keep=3", *NAMED,
+                        "verify.kill=random", "verify.trials=8", f"paths.output_dir={tmp_path}"],
+                       env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (path,) = (tmp_path / "verify").glob("*/chaos/verification.json")
+    report = json.loads(path.read_text())
+    assert report["trials"] == 8 and report["bit_exact"] == 8 and report["same_checkpoints_kept"] == 8
