@@ -14,6 +14,7 @@ from pipeline.config.schemas import TEXT_MAX_BYTES
 # indexed, resumed and parallelised, how big an input file may be, and the verifier's own settings. Dotted
 # prefixes.
 NON_SEMANTIC = ("paths", "tracking", "trainer.log_every", "trainer.progress_bar", "trainer.threads", "trainer.max_time",
+                "trainer.profile",
                 "trainer.on_nonfinite", "resume", "stages", "checkpoint", "verify", "optimized_metric", "hydra",
                 "data.max_bytes")
 # Keys naming an input file: identity is the file's content, not the path string. Each maps to the key

@@ -81,6 +81,7 @@ class TrainerConf:
     grad_clip: float = _f(at_least(0))  # the largest global L2 norm of a gradient; 0 = no clipping
     shards: int = _f(at_least(1))  # pieces each micro-batch is split into: semantic (summation order, dropout)
     threads: Optional[int] = _f(null_or_at_least(1))  # threads running the pieces: not semantic; null = the cores
+    profile: bool = _f(absent=False)  # a table of wall time per phase at the end; not semantic, changes no number
 
     @staticmethod
     def cross(c: dict) -> list[str]:

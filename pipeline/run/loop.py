@@ -29,11 +29,13 @@ from pipeline.trainer import curves
 from pipeline.trainer.display import Display
 from pipeline.trainer.loop import epoch_ended, epochs_done, fit, metrics_of
 from pipeline.trainer.metrics_log import MetricsLog
+from pipeline.trainer.profile import Profile
 
 log = logging.getLogger("pipeline")
 # Keys that only say where a run writes, how it shows progress and how long one process may run: a resume that
 # changes any other key of the recorded config keeps the checkpoints as they stood (keep_history).
-WHERE_AND_HOW_LONG = ("paths", "tracking", "hydra", "resume", "verify", "trainer.progress_bar", "trainer.max_time")
+WHERE_AND_HOW_LONG = ("paths", "tracking", "hydra", "resume", "verify", "trainer.progress_bar", "trainer.max_time",
+                      "trainer.profile")
 
 
 class Preempted(Exception):
@@ -63,6 +65,7 @@ class Run:
         self.history: dict = {"started": started, "resumes": []}  # run.json: first start, resumes
         max_time = job.config["trainer"].get("max_time")
         self.budget = budget.Budget(None if max_time is None else parse_duration(max_time))
+        self.profile = Profile(job.config["trainer"].get("profile"))  # absent from a config older than the key
 
     @property
     def store(self):
@@ -128,14 +131,18 @@ class Run:
     # --- training
     def train(self, eval_every: int) -> None:
         trainer = self.job.config["trainer"]
-        callbacks = [MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[self.job.tracker.log_line]),
+        callbacks = [MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[self._log_line]),
                      Display(trainer["progress_bar"], trainer["log_every"])]
         try:
             self.budget.start()
-            fit(self.state, eval_every, self.step_end, callbacks)
+            fit(self.state, eval_every, self.step_end, callbacks, self.profile)
         finally:
             for cb in callbacks:
                 cb.close()
+
+    def _log_line(self, line: dict) -> None:
+        with self.profile.phase("tracking hand-over"):
+            self.job.tracker.log_line(line)
 
     def step_end(self, record: dict) -> bool:
         """The one decision after every update: stop?, checkpoint (who asked)?, preempted? True ends training."""
@@ -167,17 +174,20 @@ class Run:
         tracker = self.job.tracker
         # Only the last save (the end, or a preemption) waits for the tracked run's URI: earlier manifests
         # carry it once the tracker knows it, so training never waits for mlflow to start.
-        self.job.facts["mlflow_run_uri"] = tracker.run_uri(timeout=30.0 if final else 0.0)
-        fields = mf.build(self.job.facts, step=self.state.step, epoch=self.state.epoch, metrics=metrics,
-                          tags=tags, lineage=self.lineage)
-        started = budget.monotonic()
-        try:
-            ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
-        except OSError as e:
-            raise named(e, self.store.root)  # a write inside the temporary checkpoint: name the store
-        self.retain()
-        self.budget.saved(budget.monotonic() - started)
-        tracker.log_checkpoint(ckpt.directory, ckpt.manifest)
+        with self.profile.phase("tracking hand-over"):
+            self.job.facts["mlflow_run_uri"] = tracker.run_uri(timeout=30.0 if final else 0.0)
+        with self.profile.phase("checkpoint"):
+            fields = mf.build(self.job.facts, step=self.state.step, epoch=self.state.epoch, metrics=metrics,
+                              tags=tags, lineage=self.lineage)
+            started = budget.monotonic()
+            try:
+                ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
+            except OSError as e:
+                raise named(e, self.store.root)  # a write inside the temporary checkpoint: name the store
+            self.retain()
+            self.budget.saved(budget.monotonic() - started)
+        with self.profile.phase("tracking hand-over"):
+            tracker.log_checkpoint(ckpt.directory, ckpt.manifest)
         return ckpt
 
     def retain(self) -> None:
@@ -226,6 +236,10 @@ class Run:
             return None
 
     def _summary(self, status: str) -> None:
+        with self.profile.phase("end summary"):
+            self._summarise(status)
+
+    def _summarise(self, status: str) -> None:
         """curves.png, then the end summary: after the last checkpoint (matplotlib's import alone is ~0.5 s)."""
         curve = self._draw()
         kept = self.store.steps()
@@ -274,14 +288,16 @@ class Run:
                             "it on; resume=never trains anew)", unapplied)
             return EXIT_OK
         tracker = self.job.tracker
+        self.profile.start()
         self.keep_history()
         if self.metrics_kept is not None:
             self.rundir.keep_metrics(self.metrics_kept)
         log.info("%s", report.start_block(self.job, self.rundir.path))
         self.write_status("running")
-        tracker.start(config=self.job.config, facts=self.job.facts, run_dir=self.rundir.path,
-                      previous_run_uri=(self.resumed.manifest.get("mlflow_run_uri") if self.resumed else None),
-                      status=self.rundir.read_status(), start_time=self.history["started"])
+        with self.profile.phase("tracking hand-over"):
+            tracker.start(config=self.job.config, facts=self.job.facts, run_dir=self.rundir.path,
+                          previous_run_uri=(self.resumed.manifest.get("mlflow_run_uri") if self.resumed else None),
+                          status=self.rundir.read_status(), start_time=self.history["started"])
         try:
             if self.signals.received is not None:
                 raise Preempted(self.signals.name)  # arrived while setting up: nothing new to save
@@ -294,7 +310,7 @@ class Run:
             self._summary("preempted")
             log.warning("preempted by %s at step %d; re-run the same command to resume (exit %d)", stop,
                         self.state.step, EXIT_PREEMPTED)
-            tracker.finish("KILLED", self.rundir.path)
+            self._finish("KILLED")
             return EXIT_PREEMPTED
         except BaseException as e:  # a non-finite loss says so itself; anything else with its type
             self._failed(str(e) if isinstance(e, NonFiniteError) else
@@ -304,6 +320,13 @@ class Run:
                  time.time() - self.job_started if self.in_sweep else budget.process_age(),
                  "job" if self.in_sweep else "process", self._metrics())
         self._summary("complete")
-        tracker.finish("FINISHED", self.rundir.path)
+        self._finish("FINISHED")
         return EXIT_OK
+
+    def _finish(self, status: str) -> None:
+        """The tracked run's end, then trainer.profile's table (this process's share of the run)."""
+        with self.profile.phase("tracking hand-over"):
+            self.job.tracker.finish(status, self.rundir.path)
+        if self.profile.on:
+            print(self.profile.table(), flush=True)
 

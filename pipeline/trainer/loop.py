@@ -9,6 +9,7 @@ import numpy as np
 
 from pipeline.files import killpoint
 from pipeline.trainer.parallel import owned
+from pipeline.trainer.profile import OFF, Profile
 from pipeline.trainer.state import TrainState
 
 # Record keys that are not metrics: the verifier compares `ids`; `step_time` is wall time (never saved).
@@ -70,7 +71,7 @@ def epochs_done(state: TrainState) -> int:
     return it.epoch + int(it.cursor + it.batch_size > it.n)
 
 
-def train_step(state: TrainState) -> dict:
+def train_step(state: TrainState, profile: Profile = OFF) -> dict:
     """One update from trainer.accumulate micro-batches; its record (the verifier compares ids, lr, loss).
 
     Loss and gradient are the means over the micro-batches, (g_0 + ... + g_{N-1}) * (1/N) in order, clipped
@@ -80,27 +81,31 @@ def train_step(state: TrainState) -> dict:
     lr = state.optimizer.lr
     ids, loss, grads = [], 0.0, None
     for _ in range(state.accumulate):
-        batch_ids = state.iterator.next_ids()
-        batch = state.dataset.augment(state.dataset.train_batch(batch_ids, state.dtype), state.streams)
-        piece_loss, piece_grads = state.runner.loss_and_grads(state.model, batch, state.streams["dropout"])
-        ids.append(batch_ids)
-        loss += piece_loss
-        if grads is None:
-            grads = owned(piece_grads)
-        else:
-            for name, g in grads.items():
-                g += piece_grads[name]
+        with profile.phase("data"):
+            batch_ids = state.iterator.next_ids()
+            batch = state.dataset.augment(state.dataset.train_batch(batch_ids, state.dtype), state.streams)
+        with profile.phase("forward/backward"):
+            piece_loss, piece_grads = state.runner.loss_and_grads(state.model, batch, state.streams["dropout"])
+            ids.append(batch_ids)
+            loss += piece_loss
+            if grads is None:
+                grads = owned(piece_grads)
+            else:
+                for name, g in grads.items():
+                    g += piece_grads[name]
     if state.accumulate > 1:
-        loss /= state.accumulate
-        for g in grads.values():
-            g *= 1.0 / state.accumulate
+        with profile.phase("forward/backward"):
+            loss /= state.accumulate
+            for g in grads.values():
+                g *= 1.0 / state.accumulate
     killpoint.point("train", "after backward")
-    gnorm = grad_norm(grads)
-    clipped = state.grad_clip > 0 and clip(grads, gnorm, state.grad_clip)
-    state.progress.clipped += int(clipped)
-    state.optimizer.step(grads)
-    killpoint.point("train", "after optimizer step")
-    state.scheduler.step()
+    with profile.phase("optimizer"):
+        gnorm = grad_norm(grads)
+        clipped = state.grad_clip > 0 and clip(grads, gnorm, state.grad_clip)
+        state.progress.clipped += int(clipped)
+        state.optimizer.step(grads)
+        killpoint.point("train", "after optimizer step")
+        state.scheduler.step()
     state.progress.step += 1
     record = {"step": state.step, "epoch": epoch, "train/loss": loss, "lr": lr, "grad_norm": gnorm}
     if state.grad_clip > 0:
@@ -120,7 +125,8 @@ def metrics_of(record: dict) -> dict:
     return {k: v for k, v in record.items() if k not in NOT_METRICS}
 
 
-def fit(state: TrainState, eval_every: int, on_step_end: Callable[[dict], bool], callbacks: list) -> None:
+def fit(state: TrainState, eval_every: int, on_step_end: Callable[[dict], bool], callbacks: list,
+        profile: Profile = OFF) -> None:
     """Steps until the budget is spent or on_step_end (the run's decision) returns True, evaluating every
     `eval_every` updates (0: every epoch's end) and at the last; callbacks see each record before the run."""
     for cb in callbacks:
@@ -128,12 +134,12 @@ def fit(state: TrainState, eval_every: int, on_step_end: Callable[[dict], bool],
     while state.step < state.total_steps:
         t0 = time.perf_counter()
         with np.errstate(all="ignore"):  # an overflow is reported once, by the run, as a non-finite metric
-            record = train_step(state)
+            record = train_step(state) if profile is OFF else train_step(state, profile)
         record["step_time"] = time.perf_counter() - t0
         last = state.step >= state.total_steps
         due = state.step % eval_every == 0 if eval_every > 0 else epoch_ended(state, record)
         if due or last:
-            with np.errstate(all="ignore"):
+            with np.errstate(all="ignore"), profile.phase("evaluation"):
                 record.update(validate(state))
         state.progress.metrics.update({k: v for k, v in record.items() if kept(k)})
         for cb in callbacks:

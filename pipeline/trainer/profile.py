@@ -1,0 +1,55 @@
+"""trainer.profile: wall time per phase of a run (time.perf_counter around the phases that exist), one table at
+the end; off, every phase is a shared no-op context. It reads clocks only: no number of the run changes."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+# The phases, in the table's order; `end summary` is curves.png and the summary's lines; `other` is the wall time
+# no phase covers (run.json, metrics.jsonl, the progress lines, the stages' decisions), so the rows add up to the
+# wall from the run's start (after set-up: the resume's load is not in it).
+PHASES = ("data", "forward/backward", "optimizer", "evaluation", "checkpoint", "tracking hand-over", "end summary",
+          "other")
+_OFF = contextlib.nullcontext()
+
+
+class Profile:
+    def __init__(self, on: bool):
+        self.on = bool(on)
+        self.seconds = dict.fromkeys(PHASES[:-1], 0.0)
+        self.calls = dict.fromkeys(PHASES[:-1], 0)
+        self.started = time.perf_counter()
+
+    def start(self) -> None:
+        """The wall time counts from here."""
+        self.started = time.perf_counter()
+
+    def phase(self, name: str):
+        """A context that adds its wall time to `name` (nested phases are not subtracted: keep them apart)."""
+        return self._timed(name) if self.on else _OFF
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+            self.calls[name] += 1
+
+    def rows(self) -> list[tuple[str, int, float]]:
+        """(phase, calls, seconds) for every phase, `other` last; the seconds add up to the wall since start."""
+        wall = time.perf_counter() - self.started
+        rows = [(name, self.calls[name], self.seconds[name]) for name in PHASES[:-1]]
+        return rows + [("other", 0, max(0.0, wall - sum(s for _, _, s in rows))), ("wall", 0, wall)]
+
+    def table(self) -> str:
+        rows = self.rows()
+        wall = rows[-1][2] or 1e-12
+        lines = [f"{'phase':<20}{'calls':>8}{'seconds':>12}{'share':>8}"]
+        for name, calls, seconds in rows:
+            lines.append(f"{name:<20}{calls or '':>8}{seconds:>12.4f}{seconds / wall:>8.1%}")
+        return "profile (trainer.profile=true):\n" + "\n".join(lines)
+
+
+OFF = Profile(False)  # never records: the default of every timed function
