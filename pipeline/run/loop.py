@@ -29,7 +29,7 @@ from pipeline.trainer import curves
 from pipeline.trainer.display import Display
 from pipeline.trainer.loop import epoch_ended, epochs_done, fit, metrics_of
 from pipeline.trainer.metrics_log import MetricsLog
-from pipeline.trainer.profile import Profile
+from pipeline.trainer.phases import Profile
 
 log = logging.getLogger("pipeline")
 # Keys that only say where a run writes, how it shows progress and how long one process may run: a resume that

@@ -9,7 +9,7 @@ import numpy as np
 
 from pipeline.files import killpoint
 from pipeline.trainer.parallel import owned
-from pipeline.trainer.profile import OFF, Profile
+from pipeline.trainer.phases import OFF, Profile
 from pipeline.trainer.state import TrainState
 
 # Record keys that are not metrics: the verifier compares `ids`; `step_time` is wall time (never saved).
@@ -134,7 +134,7 @@ def fit(state: TrainState, eval_every: int, on_step_end: Callable[[dict], bool],
     while state.step < state.total_steps:
         t0 = time.perf_counter()
         with np.errstate(all="ignore"):  # an overflow is reported once, by the run, as a non-finite metric
-            record = train_step(state) if profile is OFF else train_step(state, profile)
+            record = train_step(state, profile) if profile.on else train_step(state)
         record["step_time"] = time.perf_counter() - t0
         last = state.step >= state.total_steps
         due = state.step % eval_every == 0 if eval_every > 0 else epoch_ended(state, record)

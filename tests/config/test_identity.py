@@ -92,6 +92,7 @@ NOT_SEMANTIC = {
     "trainer.threads": "threads running the same shards: byte-identical updates (trainer/parallel.py)",
     "trainer.max_time": "when the process checkpoints and exits for a requeue; the resumed run goes on bit for bit",
     "trainer.on_nonfinite": "whether a non-finite loss ends the run; the updates before it are the same",
+    "trainer.profile": "whether the run times its phases: it reads clocks only",
     "resume": "whether and from what the run resumes, not what it computes",
     "stages": "when to evaluate (pure), checkpoint, keep and stop: never what an update computes",
     "checkpoint": "when checkpoints are written; a resume from any of them goes on bit for bit",

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import KERNODECK, PROJECT_ROOT, kept, metrics, run_job, run_pipeline, the_run
 from pipeline.run.directory import RunDir
-from pipeline.trainer.profile import PHASES, Profile
+from pipeline.trainer.phases import PHASES, Profile
 
 CONFIG_DIR = PROJECT_ROOT / "conf"
 
