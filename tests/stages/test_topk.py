@@ -143,3 +143,27 @@ def test_chaos_mode_with_keep_3_and_named_links(tmp_path):
     (path,) = (tmp_path / "verify").glob("*/chaos/verification.json")
     report = json.loads(path.read_text())
     assert report["trials"] == 8 and report["bit_exact"] == 8 and report["same_checkpoints_kept"] == 8
+
+
+@pytest.mark.parametrize("step, metrics, name", [
+    (12, {"val/loss": 1.23456}, "12-1.2346"),
+    (12, {"val/loss": 2}, "12-2.0000"),  # an integer value takes the float format
+    (12, {"val/loss": math.nan}, "12-nan"), (12, {"val/loss": math.inf}, "12-inf"),
+    (12, {"val/loss": -math.inf}, "12--inf"),
+    (12, {"val/loss": 1e300}, "12-1e+300"), (12, {"val/loss": -1e300}, "12--1e+300"),  # not 300 digits
+    (12, {}, "12-none"),  # not measured at that step
+])
+def test_a_name_from_the_pattern_is_one_short_path_component_whatever_the_value(step, metrics, name):
+    from pipeline.files import names, patterns
+
+    assert patterns.render(PATTERN, step, metrics) == name and names.problem(name, reserve=0) is None
+
+
+def test_a_pattern_is_data_never_code():
+    from pipeline.files import patterns
+
+    # a field is a metric's name, never an attribute, an index or a conversion of a Python object
+    assert patterns.render("{step}-{val.__class__}", 3, {"val.__class__": 1.5}) == "3-1.5"
+    assert patterns.problem("{step}-{m[0]}") and patterns.problem("{step!s}") and patterns.problem("{step:{w}}")
+    assert patterns.problem("{step:.2f}")  # two steps could share a name
+    assert patterns.render("{step}" + "x" * 300, 3, {}) is None  # too long for a file name: no link, no error
