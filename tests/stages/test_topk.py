@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import KERNODECK, PROJECT_ROOT, kept, metrics, refused_in_one_line, run_job, the_run
+from conftest import KERNODECK, PROJECT_ROOT, kept, metrics, refused_in_one_line, run_job, run_pipeline, the_run
 from pipeline.run.directory import RunDir
 from pipeline.stages.best import BestVal
 
@@ -135,13 +135,11 @@ def test_a_kill_at_any_save_point_loses_nothing_and_the_rerun_keeps_the_same_set
 
 @pytest.mark.slow  # 17 real processes, 8 of them SIGKILLed
 def test_chaos_mode_with_keep_3_and_named_links(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "pipeline.verify", "experiment=kernodeck", "tracking=none",
-                        "trainer.eval_every=1", "stages.best_val.keep=3", *NAMED,
-                        "verify.kill=random", "verify.trials=8", f"paths.output_dir={tmp_path}"],
-                       env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}, capture_output=True, text=True)
+    r = run_pipeline(["experiment=kernodeck", "tracking=none", "trainer.eval_every=1", "stages.best_val.keep=3",
+                      *NAMED, "verify.kill=random", "verify.trials=8", f"paths.output_dir={tmp_path}"], tmp_path,
+                     module="pipeline.verify")
     assert r.returncode == 0, r.stdout + r.stderr
-    (path,) = (tmp_path / "verify").glob("*/chaos/verification.json")
-    report = json.loads(path.read_text())
+    (report,) = [json.loads(p.read_text()) for p in (tmp_path / "verify").glob("*/chaos/verification.json")]
     assert report["trials"] == 8 and report["bit_exact"] == 8 and report["same_checkpoints_kept"] == 8
 
 
