@@ -165,3 +165,17 @@ def test_a_pattern_is_data_never_code():
     assert patterns.problem("{step}-{m[0]}") and patterns.problem("{step!s}") and patterns.problem("{step:{w}}")
     assert patterns.problem("{step:.2f}")  # two steps could share a name
     assert patterns.render("{step}" + "x" * 300, 3, {}) is None  # too long for a file name: no link, no error
+
+
+def test_a_config_written_before_keep_and_filename_still_validates_and_builds_with_one_best(tmp_path):
+    """A checkpoint's config from before the keys (tools build its stages from it): keep 1, no names."""
+    from conftest import config_of
+    from pipeline.config.schemas import validate
+    from pipeline.run.assemble import build_stages
+
+    config = config_of(*KERNODECK, f"paths.output_dir={tmp_path}")
+    for key in ("keep", "filename"):
+        del config["stages"]["best_val"][key]
+    validate(config)
+    (best,) = [s for s in build_stages(config) if s.name == "best_val"]
+    assert best.keep == 1 and best.named() is None and set(best.state_dict()) == set(best_val().state_dict())
