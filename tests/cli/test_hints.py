@@ -54,7 +54,7 @@ def test_evaluate_says_it_the_same_way(tmp_path, finished_job):
     best = the_run(finished_job(*KERNODECK)) / "checkpoints" / "best"
     err = refused_in_one_line([str(best), "data=foo"], tmp_path / "cwd", module="pipeline.evaluate")
     assert err.strip() == ("pipeline.evaluate: bad override: In 'config': Could not find 'data/foo'; "
-                           "available options in 'data': grammar, regression, text")
+                           "available options in 'data': grammar, grammar_tiny, regression, text")
 
 
 # -- the install hint ---------------------------------------------------------------------------------
