@@ -96,6 +96,16 @@ def run_name(config: dict, sources: dict[str, str] | None = None, semantic: str 
     return f"{name}-{(semantic or semantic_hash(config, sources))[:12]}"
 
 
+def experiment_name(name: str, model_target: str = "", data_target: str = "") -> str:
+    """The mlflow experiment a job reports to unless tracking.experiment says otherwise: the experiment config's
+    `name`, or for the job no experiment config names (`default`, a near-twin of mlflow's own `Default`) the
+    data and model modules' names, `grammar-minigpt`. The run directory keeps `name` either way."""
+    if name != "default":
+        return name
+    parts = [str(t).rsplit(".", 2)[-2] for t in (data_target, model_target) if str(t).count(".") >= 1]
+    return "-".join(parts) or name
+
+
 def changed_keys(old: dict, new: dict) -> dict[str, tuple]:
     """Dotted key -> (old, new) for every leaf that differs; a missing side is reported as '<absent>'."""
     a, b = jsonio.flatten(old), jsonio.flatten(new)

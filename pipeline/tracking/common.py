@@ -156,6 +156,17 @@ def tag_value(v) -> str:
     return (v if isinstance(v, str) else json.dumps(v, sort_keys=True))[:MAX_TAG_VALUE]
 
 
+def experiment_of(config: dict) -> str:
+    """The mlflow experiment a run's config reports to: its tracking.experiment, or (a config tracked by none,
+    indexed later) the name tracking=mlflow would have given it (identity.experiment_name)."""
+    from pipeline.config.identity import experiment_name
+
+    tracked = (config.get("tracking") or {}).get("experiment")
+    return str(tracked) if tracked else experiment_name(str(config.get("name") or "default"),
+                                                        (config.get("model") or {}).get("_target_", ""),
+                                                        (config.get("data") or {}).get("_target_", ""))
+
+
 def tags_of(facts: dict, run_dir: str | Path, status: dict | None = None, job: dict | None = None) -> dict[str, str]:
     """The run-level facts as tags (what a person filters on): the manifest's, MACHINE_TAGS, resumes, sweep job."""
     config = facts.get("config") or {}

@@ -12,9 +12,9 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import json_state, manifest_file, read_manifest, weights_file
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.tracking import store
-from pipeline.tracking.common import (CURVES_ARTIFACT, metric_points, params_of, parse_run_uri, run_uri, tag_value,
-                                      tags_of)
-from pipeline.tracking.summary import best_job, finite
+from pipeline.tracking.common import (CURVES_ARTIFACT, experiment_of, metric_points, params_of, parse_run_uri,
+                                      run_uri, tag_value, tags_of)
+from pipeline.tracking.summary import best_job, finite, parent_name
 from pipeline.trainer import curves
 
 MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
@@ -72,7 +72,7 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         tags["mlflow.parentRunId"] = parent["run_id"]
     run = store.find_run(client, str(run_dir), candidates)
     if run is None:
-        experiment = (config.get("tracking") or {}).get("experiment") or config.get("name") or "default"
+        experiment = experiment_of(config)
         started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
         run = store.create_run(client, store.ensure_experiment(client, str(experiment), artifact_root), tags, started)
         added["created"] = 1
@@ -187,7 +187,7 @@ def read_sweep(sweep_dir: Path) -> tuple[dict, dict[int, dict]]:
 
 def identity_tags(sweep: dict) -> dict[str, str]:
     """The parent's tags that sweep.json fixes when the sweep starts (the same whoever creates the run)."""
-    tags = {"mlflow.runName": f"sweep {sweep.get('name', '')} {' '.join(sweep.get('swept') or {})}".strip(),
+    tags = {"mlflow.runName": parent_name(sweep.get("swept") or {}),
             "sweep": "parent", "sweep.id": sweep["id"], "sweep.dir": str(sweep.get("dir", "")),
             "sweep.overrides": " ".join(sweep.get("overrides") or []), "mlflow.source.name": "pipeline -m",
             "sweep.launcher": sweep.get("launcher", ""), "sweep.sweeper": sweep.get("sweeper", ""),

@@ -19,12 +19,14 @@ from pipeline.files import jsonio, names, reading
 from pipeline.files.atomic import (NewDirs, UnsafePathError, check_output_dir, ensure_dirs, environment_error,
                                    replace_file)
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, ConfigError
+from pipeline.config.identity import experiment_name
 from pipeline.config.targets import parse_overrides
+from pipeline.run.report import run_page
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SWEEP_DIR_ENV, SweepJob
 from pipeline.tracking.common import (artifact_root, is_machine_key, is_mlflow_tracking, normalize_tracking_uri,
                                       store_problem)
-from pipeline.tracking.summary import best_job, experiment_page, sweep_table
+from pipeline.tracking.summary import best_job, experiment_page, shown_value, sweep_table
 
 log = logging.getLogger("pipeline")
 END_WAIT = 1.0  # seconds the launcher waits for its last messages to the tracking agent to be on their way
@@ -78,8 +80,10 @@ def job_count(task_overrides: list[str], sweeper: dict) -> int:
 
 
 def job_name(overrides: list[str], keys) -> str:
-    """The swept values of one job, as a person reads them: `optimizer.lr=0.003 model.n_layer=2`."""
-    picked = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in keys]
+    """The swept values of one job, as a person reads them: `optimizer.lr=0.003162 model.n_layer=2` (floats
+    shortened by shown_value)."""
+    picked = [o.split("=", 1)[0] + "=" + shown_value(o.split("=", 1)[1]) for o in overrides
+              if o.split("=", 1)[0].lstrip("+~") in keys]
     return " ".join(picked) or " ".join(o for o in overrides if not is_machine_key(o.split("=", 1)[0].lstrip("+~")))
 
 
@@ -228,9 +232,11 @@ class MlflowSweepCallback(Callback):
                       "overrides": task, "started": started, "status": "running", "pid": os.getpid(),
                       "host": socket.gethostname(), "git_sha": git_info().get("git_sha"), "job_offset": offset}
         tracking = config.get("tracking")
+        # the parent's experiment, also for a sweep tracked by none (reindex puts the parent beside its children)
+        self.sweep["experiment"] = str(tracking.experiment) if is_mlflow_tracking(tracking) else experiment_name(
+            str(config.get("name", "")), *(str(OmegaConf.select(config, f"{g}._target_", default="")) for g in ("model", "data")))
         if is_mlflow_tracking(tracking):
             uri = self.sweep["uri"] = normalize_tracking_uri(str(tracking.uri))
-            self.sweep["experiment"] = str(tracking.experiment)
             location = tracking.get("artifact_location")  # a tracking server chooses its own: None
             self.sweep["artifact_location"] = artifact_root(uri, str(location) if location else None)
             if problem := store_problem(uri, timeout=END_WAIT / 2):
@@ -404,7 +410,7 @@ def _where_parent(sweep: dict, answer: dict | None) -> list[str]:
                 "exits)"]
     if answer.get("event") != "ready":
         return [f"not tracked: {answer.get('message', 'unknown error')}"]
-    return [answer["uri"], f"its runs: {experiment_page(sweep['uri'], answer['experiment_id'])}"]
+    return [run_page(answer["uri"]), f"its runs: {experiment_page(sweep['uri'], answer['experiment_id'])}"]
 
 
 def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
