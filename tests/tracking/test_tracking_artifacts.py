@@ -210,6 +210,7 @@ def test_mlflow_tracking_uri_of_a_server_keeps_every_artifact_on_the_server(tmp_
         assert table[-1] == (f"parent: sweep.id={sweep_id} in {uri} (the tracking agent completes it after this "
                              "process exits)")
     else:
-        assert table[-2] == f"parent: {uri}#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}"
+        assert table[-2] == (f"parent: {uri}/#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}"
+                             "?workflowType=machine_learning")
         assert table[-1] == f"its runs: {uri}/#/experiments/{exp.experiment_id}?workflowType=machine_learning"
     assert parent.data.tags["best.job"] == str(checked["best"]["num"])  # the table and the parent agree
