@@ -23,6 +23,7 @@ from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
 def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) -> list[dict]:
     from pipeline.run.directory import RunDir
     from pipeline.tracking import store
+    from pipeline.run.report import run_page
     from pipeline.tracking.common import artifact_root, run_uri
     from pipeline.tracking.index import sync_parent, sync_run
 
@@ -34,7 +35,7 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
         try:
             r = sync_parent(client, uri, sweep_dir.parent, artifact_location)
             synced.update(r.pop("synced"))
-            print(f"sweep {sweep_dir.parent.name}: {run_uri(uri, r['experiment_id'], r['run_id'])} "
+            print(f"sweep {sweep_dir.parent.name}: {run_page(run_uri(uri, r['experiment_id'], r['run_id']))} "
                   f"({r['children']} jobs, {r['status']})")
         except Exception as e:  # noqa: BLE001
             results.append({"error": f"{type(e).__name__}: {e}", "sweep_dir": str(sweep_dir.parent)})
@@ -60,7 +61,7 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
             verb = "created" if r["created"] else ("updated" if what or r["status"] else "up to date")
             if r["status"]:
                 what = ", ".join(filter(None, [what, f"status {r['status_now']}"]))
-            print(f"{run_dir.name}: {verb} {run_uri(uri, r['experiment_id'], r['run_id'])}"
+            print(f"{run_dir.name}: {verb} {run_page(run_uri(uri, r['experiment_id'], r['run_id']))}"
                   + (f" ({what})" if what else ""))
     changed = sum(1 for r in results if any(r.get(k) for k in ("created", "params", "tags", "points",
                                                                      "artifacts", "status")))

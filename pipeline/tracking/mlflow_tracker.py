@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import manifest_file
+from pipeline.run.report import run_page
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
 from pipeline.tracking.common import artifact_root, normalize_tracking_uri, params_of, store_problem, tags_of
@@ -131,7 +132,7 @@ class MlflowTracker(Tracker):
         if kind == "ready":
             self.experiment_id = event.get("experiment_id")
             self._uri = event["uri"]
-            log.info("mlflow: run %s", self._uri)
+            log.info("mlflow: run %s", run_page(self._uri))
             self.ready.set()
         elif kind == "error":
             self._fail(event.get("message", "unknown error"))

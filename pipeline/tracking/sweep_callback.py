@@ -380,7 +380,7 @@ def _end_parent(sweep: dict, answer: dict | None) -> None:
         return
     ended = done.event if done.done.wait(SLURM_WAIT) else None
     if ended is not None and ended.get("event") == "finished":
-        log.info("mlflow: sweep parent run %s complete: %s", ended.get("uri") or "", ended.get("status"))
+        log.info("mlflow: sweep parent run %s complete: %s", run_page(ended.get("uri") or ""), ended.get("status"))
     else:
         log.warning("mlflow: the tracking agent did not complete the sweep's parent run (%s); "
                     "`python -m pipeline.reindex` completes it", (ended or {}).get(
@@ -392,7 +392,7 @@ def _say_parent(sweep: dict, answer: dict | None) -> None:
     if answer is None:
         log.info("mlflow: the tracking agent completes the sweep's parent run after this process exits")
     elif answer.get("event") == "ready":
-        log.info("mlflow: sweep parent run %s%s", answer["uri"], " (continued)" if answer.get("reused") else "")
+        log.info("mlflow: sweep parent run %s%s", run_page(answer["uri"]), " (continued)" if answer.get("reused") else "")
     else:
         log.warning("mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
                     "index them with `python -m pipeline.reindex`.", sweep["uri"],
