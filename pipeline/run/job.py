@@ -28,15 +28,15 @@ log = logging.getLogger("pipeline")
 
 class JobFailed(Exception):
     """A job that ends with an exit code: a single run exits with it; a multirun's sweep records it and goes
-    on. `requeue`: stopped by a signal or its time budget."""
+    on. `requeue`: stopped by a signal or its time budget; `started`: False if it stopped before its run began."""
 
-    def __init__(self, code: int, message: str, requeue: bool = False):
-        self.code, self.requeue = code, requeue
+    def __init__(self, code: int, message: str, requeue: bool = False, started: bool = True):
+        self.code, self.requeue, self.started = code, requeue, started
         super().__init__(message)
 
 
-def fail(code: int, message: object, requeue: bool = False) -> None:
-    raise JobFailed(code, str(message), requeue)
+def fail(code: int, message: object, requeue: bool = False, started: bool = True) -> None:
+    raise JobFailed(code, str(message), requeue, started)
 
 
 def _failed(e: JobFailed, sweep: SweepJob | None) -> float:
@@ -52,7 +52,7 @@ def _failed(e: JobFailed, sweep: SweepJob | None) -> float:
             sys.exit(e.code)
     if sweep is None:
         sys.exit(e.code)
-    sweep.failure = {"code": e.code, "error": str(e)[:2000]}
+    sweep.failure = {"code": e.code, "error": str(e)[:2000], **({} if e.started else {"status": "not started"})}
     return math.nan  # the sweep goes on; its end says which jobs failed and why
 
 
@@ -91,14 +91,16 @@ def _multirun(config: dict, overrides: list[str], config_yaml: str, sweep: Sweep
         if sweep.unreadable:
             fail(EXIT_BAD_INPUT, sweep.unreadable)
         if SIGNALS_STATE.sweep_interrupted(sweep.dir):
-            fail(EXIT_PREEMPTED, "the sweep was interrupted before this job started; re-run the same command")
+            fail(EXIT_PREEMPTED, "the sweep was interrupted before this job started; re-run the same command",
+                 started=False)
         if SIGNALS_STATE.mode != SWEEP:
             SIGNALS_STATE.received = None  # a worker's earlier job was stopped; this one starts afresh
         return _main(config, overrides, config_yaml, sweep, command)
     except JobFailed as e:
         return _failed(e, sweep)
     except Interrupted as e:
-        return _failed(JobFailed(EXIT_PREEMPTED, f"interrupted by {e} before the run started", requeue=True), sweep)
+        return _failed(JobFailed(EXIT_PREEMPTED, f"interrupted by {e} before the run started", requeue=True,
+                                 started=False), sweep)
 
 
 def _main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None, command: list[str]) -> float:

@@ -28,7 +28,7 @@ class SweepJob:
     started: float | None = None
     run_dir: str | None = None  # set by the job runner as it learns them
     run_uri: str | None = None
-    failure: dict | None = None  # {"code", "error"}
+    failure: dict | None = None  # {"code", "error"}, and {"status": "not started"} if its run never began
     unreadable: str | None = None  # why its sweep.json could not be read: the job fails as bad input
 
     @property

@@ -71,6 +71,21 @@ def test_a_job_failure_in_a_multirun_is_its_record_not_an_exit(tmp_path, monkeyp
     assert exit_.value.code == EXIT_BAD_INPUT
 
 
+def test_a_job_of_an_interrupted_sweep_that_never_started_is_recorded_and_shown_as_not_started(tmp_path, monkeypatch,
+                                                                                             capsys):
+    from pipeline.run.signals import SIGNALS_STATE
+    from pipeline.tracking.summary import sweep_table
+
+    monkeypatch.setattr(SIGNALS_STATE, "sweep_interrupted", lambda d: d == tmp_path)
+    monkeypatch.setattr(runner, "_main", lambda *a: pytest.fail("a job of a stopped sweep started"))
+    assert math.isnan(runner.main({}, [], "", sweep_job(tmp_path)))
+    r = record_of(tmp_path)
+    assert (r["status"], r["code"]) == ("not started", EXIT_PREEMPTED)  # the sweep's end still says interrupted
+    assert "interrupted before this job started" in capsys.readouterr().err
+    table = sweep_table({"id": "abc", "swept": {"optimizer.lr": "0.1"}}, {3: r}, None, ["not tracked"])
+    assert table[0].endswith("1 jobs (1 not started), objective (min)") and table[2].split()[-2:] == ["not", "started"]
+
+
 def test_a_multirun_without_the_sweep_callback_records_nothing(tmp_path):
     SweepJob().record(1.0)
     assert SweepJob().tags is None and not list(tmp_path.iterdir())
