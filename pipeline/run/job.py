@@ -85,9 +85,32 @@ def main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
     return value
 
 
+class JobLabel(logging.Formatter):
+    """A console formatter that starts each line of a record with its job's label (`[job 3] `): jobs that run
+    side by side (joblib) write to one console."""
+
+    def __init__(self, inner: logging.Formatter | None, label: str):
+        super().__init__()
+        self.inner, self.label = inner or logging.Formatter(), label
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(f"{self.label} {line}" for line in self.inner.format(record).split("\n"))
+
+
+def label_console(label: str) -> None:
+    """The root logger's console handlers (Hydra's, set up for each job; a worker's next job relabels them) start
+    each line with `label`; a run's pipeline.log is its own and stays as it is."""
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, QuietFileHandler):
+            inner = handler.formatter.inner if isinstance(handler.formatter, JobLabel) else handler.formatter
+            handler.setFormatter(JobLabel(inner, label))
+
+
 def _multirun(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob, command: list[str]) -> float:
     try:
         SIGNALS_STATE.install()  # a joblib or submitit worker: this job's own signals
+        if sweep.parallel:
+            label_console(f"[job {sweep.num}]")
         if sweep.unreadable:
             fail(EXIT_BAD_INPUT, sweep.unreadable)
         if SIGNALS_STATE.sweep_interrupted(sweep.dir):

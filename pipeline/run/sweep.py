@@ -23,6 +23,7 @@ class SweepJob:
     num: int = 0  # Hydra's job number, plus the trials an Optuna study held before this launch
     overrides: list[str] = field(default_factory=list)
     name: str = ""  # the swept values, as a person reads them
+    parallel: bool = False  # its launcher runs jobs side by side (joblib): its console lines carry `[job <num>]`
     parent: dict | None = None  # {"sweep_id"}: how the agent finds the parent run (None: not tracked)
     tracking_off: str | None = None  # why tracking is off for the sweep (its launcher said so, once)
     started: float | None = None

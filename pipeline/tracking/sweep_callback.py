@@ -165,6 +165,7 @@ def job_of(hydra_cfg) -> SweepJob:
     return SweepJob(dir=Path(directory), sweep_id=sweep["id"], overrides=overrides,
                     num=int(hydra_cfg.job.get("num", 0)) + int(sweep.get("job_offset") or 0),
                     name=job_name(overrides, sweep["swept"]), parent=parent_of(sweep),
+                    parallel=not str(sweep.get("launcher", "")).endswith(".BasicLauncher"),
                     tracking_off=sweep.get("tracking_off"), started=time.time())
 
 
