@@ -188,7 +188,8 @@ class MlflowTracker(Tracker):
             wait_at_exit(self.done, f"run {self._uri or run_dir}")
         sent = self._wait_for(self.link.drain, self.wait)
         log.info("mlflow: this job waited %.3f s on tracking in all (bound %.1f s); the tracking agent finishes "
-                 "run %s after it exits%s%s", self.waited, self.wait, run_page(self._uri) if self._uri else "(not created yet)",
+                 "run %s after it exits%s%s", self.waited, self.wait,
+                 run_page(self._uri) if self._uri else "(not created yet)",
                  "" if sent else " (its last messages were not sent in time: `python -m pipeline.reindex` "
                  "completes the run)",
                  f" (inside a SLURM job, which waits for it at its exit, at most {SLURM_WAIT:.0f} s)" if at_exit else "")
