@@ -11,7 +11,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, PROJECT_ROOT, run_pipeline
 
 README = (PROJECT_ROOT / "README.md").read_text()
@@ -156,8 +155,8 @@ def pipeline_command(command: str) -> tuple[str, list[str]] | None:
     words = shlex.split(command)
     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
         words = words[1:]
-    if len(words) >= 3 and words[0] in ("python", "python3") and words[1] == "-m" and words[2].split(".")[0] == "pipeline":
-        return words[2], words[3:]
+    if len(words) >= 3 and words[0] in ("python", "python3") and words[1] == "-m":
+        return (words[2], words[3:]) if words[2].split(".")[0] == "pipeline" else None
     return None
 
 
@@ -225,9 +224,9 @@ def test_every_documented_job_composes_and_validates_as_written(monkeypatch):
     composes with the real configs (Hydra's own groups for launchers and sweepers included) and passes the checks
     a job makes before it starts; each run a page names by its directory (`runs/<name>-<hash>`) is a run one of
     the page's commands makes."""
+    from conftest import compose
     from omegaconf import open_dict
 
-    from conftest import compose
     from pipeline.config.compose import to_plain
     from pipeline.config.identity import run_name
     from pipeline.config.schemas import validate
