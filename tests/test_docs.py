@@ -75,3 +75,10 @@ def test_strict_mode_fails_on_a_broken_anchor(tmp_path):
     page.write_text(page.read_text().replace("(#your-own-text)", "(#your-own-txt)"))
     proc = build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert proc.returncode != 0 and "your-own-txt" in proc.stderr, proc.stderr
+
+
+def test_the_readme_is_read_in_minutes():
+    """At most 200 lines: the rest lives in the pages, each of which the README links."""
+    readme = (PROJECT_ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    assert {f"docs/{p.name}" for p in PAGES[1:] if p.name != "index.md"} <= set(links(PROJECT_ROOT / "README.md"))
