@@ -85,7 +85,7 @@ def test_an_editable_install_is_told_to_install_the_extra_editable_in_its_checko
 
 
 @pytest.mark.parametrize("direct_url", [
-    {"url": "file:///tmp/dist/pipeline-0.1.0-py3-none-any.whl", "archive_info": {}},  # the README's wheel
+    {"url": "file:///tmp/dist/pipeline-0.1.0-py3-none-any.whl", "archive_info": {}},  # docs/install.md's wheel
     {"url": "file:///home/me/pipeline", "dir_info": {}},  # pip install . (not editable)
     None,  # from an index: PEP 610 records nothing
 ])
