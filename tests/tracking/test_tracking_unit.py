@@ -67,7 +67,7 @@ def test_tracking_group_defaults_to_mlflow_under_the_output_dir(compose_cfg, tmp
 def test_tracker_module_does_not_import_mlflow():
     import subprocess
 
-    code = ("import sys, pipeline.tracking.mlflow_tracker, pipeline.tracking.sweep_callback, "
+    code = ("import sys, pipeline.tracking.mlflow_tracker, pipeline.sweep.callback, "
             "pipeline.run.job; print('mlflow' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[2])
@@ -100,7 +100,7 @@ def test_non_finite_metric_values_reach_mlflow_as_floats():
 
 
 def test_swept_keys_and_job_names():
-    from pipeline.tracking.sweep_callback import job_name, swept
+    from pipeline.sweep.callback import job_name, swept
 
     keys = swept(["experiment=kernodeck", "optimizer.lr=0.01,0.03", "model.hidden=[4],[8]", "paths.output_dir=/o"],
                  {"trainer.seed": "range(0,3)"})
