@@ -232,7 +232,8 @@ class SweepCallback(Callback):
             hydra.overrides.hydra.append(f"hydra.sweep.dir={_quoted(directory)}")
         SIGNALS_STATE.sweeping(directory, slurm_jobs=_slurm_jobs(hydra.launcher), launcher=self)
         best_val = (_plain(config.get("stages")) or {}).get("best_val") or {}
-        direction = "maximize" if best_val.get("mode", "min") == "max" else "minimize"
+        # best-val's mode (conf/stages/default.yaml); without that stage the jobs return NaN, either way round
+        direction = "maximize" if best_val.get("mode") == "max" else "minimize"
         optuna = "optuna" in str(sweeper.get("_target_", ""))
         if optuna and not any(
                 o.startswith(("hydra.sweeper.direction=", "++hydra.sweeper.direction=")) for o in hydra.overrides.hydra):
@@ -248,7 +249,8 @@ class SweepCallback(Callback):
         offset = _optuna_study(hydra, sweeper, directory, sweep_id) if optuna else 0
         self.sweep = {"id": sweep_id, "dir": str(directory), "name": identity["name"],
                       "swept": swept(task, sweeper.get("params")), "direction": direction,
-                      "objective": str(config.get("optimized_metric") or f"best/{best_val.get('monitor', 'val/loss')}"),
+                      "objective": config.get("optimized_metric") or (
+                          f"best/{best_val['monitor']}" if best_val else None),
                       "launcher": str(hydra.launcher.get("_target_", "")), "sweeper": str(sweeper.get("_target_", "")),
                       "overrides": task, "started": started, "status": "running", "pid": os.getpid(),
                       "host": socket.gethostname(), "git_sha": git_info().get("git_sha"), "job_offset": offset}
