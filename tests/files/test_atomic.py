@@ -307,4 +307,3 @@ def test_a_second_name_holds_the_bytes_after_the_first_is_replaced(tmp_path, mon
         assert os.path.islink(tmp_path / "through")
     except OSError as e:
         assert e.errno == errno.ELOOP
-
