@@ -32,7 +32,7 @@ STORE_WAIT = 0.5  # seconds the launcher gives the tracking store to answer whet
 # directory) and how many trials it should hold (a re-run with more continues the same study).
 NOT_IDENTITY = ("storage", "study_name", "n_trials")
 OPTUNA_DB = "optuna.db"
-MAX_JOBS = 10_000  # a sweep's bound, counted before the sweeper expands its overrides (README, Sweeps)
+MAX_JOBS = 10_000  # a sweep's bound, counted before the sweeper expands its overrides (docs/tracking.md: Sweeps)
 
 
 def _plain(node, resolve: bool = True):
