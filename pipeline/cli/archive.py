@@ -107,7 +107,7 @@ def plan(source: Path, which: str) -> list[RunPlan]:
     """The runs SOURCE stands for, each with the checkpoints to keep (every one verified, read-only)."""
     kind = _kind(source)
     if kind == "sweep":
-        from pipeline.tracking.sweep_callback import read_jobs
+        from pipeline.sweep.summary import read_jobs
 
         runs_dir = source.parent.parent / "runs"  # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
         runs = sorted({Path(j["run_dir"]).name for j in read_jobs(source).values() if isinstance(j.get("run_dir"), str)})

@@ -11,12 +11,11 @@ from pipeline.files.atomic import ensure_dirs, replace_file
 from pipeline.config.errors import EXIT_PREEMPTED
 
 log = logging.getLogger("pipeline")
-SWEEP_DIR_ENV = "PIPELINE_SWEEP_DIR"  # set by the sweep's launcher; conf/config.yaml's hydra.sweep.dir reads it
 
 
 @dataclass
 class SweepJob:
-    """Built by the Hydra task from its sweep's sweep.json (pipeline.tracking.sweep_callback.job_of); `dir`
+    """Built by the Hydra task from its sweep's sweep.json (pipeline.sweep.callback.job_of); `dir`
     None: a multirun without the sweep callback, which records nothing."""
     dir: Path | None = None
     sweep_id: str | None = None

@@ -14,7 +14,7 @@ from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.tracking import store
 from pipeline.tracking.common import (CURVES_ARTIFACT, experiment_of, metric_points, params_of, parse_run_uri,
                                       run_uri, tag_value, tags_of)
-from pipeline.tracking.summary import best_job, finite, parent_name
+from pipeline.sweep.summary import best_job, finite, parent_name, read_jobs
 from pipeline.trainer import curves
 
 MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
@@ -180,8 +180,6 @@ DERIVED_PARENT_TAGS = ("sweep.failures", "best.job", "best.params", "best.value"
 
 
 def read_sweep(sweep_dir: Path) -> tuple[dict, dict[int, dict]]:
-    from pipeline.tracking.sweep_callback import read_jobs
-
     return jsonio.read(Path(sweep_dir) / "sweep.json", 1 << 24), read_jobs(Path(sweep_dir))
 
 

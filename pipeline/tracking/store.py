@@ -11,13 +11,9 @@ import time
 from contextlib import closing, contextmanager, nullcontext, suppress
 from pathlib import Path
 
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a server that is down fails in seconds, not minutes
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
-
-from mlflow import MlflowClient  # noqa: E402
-from mlflow.entities import Metric, Param, RunTag, ViewType  # noqa: E402
-from mlflow.exceptions import MlflowException  # noqa: E402
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag, ViewType
+from mlflow.exceptions import MlflowException
 
 for _name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." etc.
     logging.getLogger(_name).setLevel(logging.WARNING)
@@ -28,6 +24,10 @@ from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, arti
 from pipeline.tracking.common import artifact_root as common_artifact_root  # noqa: E402
 
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
+# A server that is down fails in seconds, not minutes. mlflow reads these from the environment at each request
+# only, so open_client sets them (unless the user did) in the process that opens a client, never on import.
+HTTP_SETTINGS = (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+                 ("MLFLOW_HTTP_REQUEST_TIMEOUT", "20"))
 
 
 class StoreError(Exception):
@@ -89,6 +89,8 @@ def _copy_template(db: Path) -> None:
 def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
     """A client whose store is open; a new sqlite store is made here, once, under the lock (a copy of the template,
     its artifacts under `artifact_root`, never the working directory). StoreError (one line) if it cannot be."""
+    for key, value in HTTP_SETTINGS:
+        os.environ.setdefault(key, value)
     db = sqlite_path(uri)
     if db is not None:
         try:  # a link planted at the store or beside it would create or fill a store elsewhere

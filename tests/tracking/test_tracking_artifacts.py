@@ -12,8 +12,7 @@ import pytest
 from conftest import KERNODECK, SHARED_SERVER, env_for_subprocess
 from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, MACHINE_TAGS, artifact_root,
                                       is_machine_key, params_of, tags_of)
-from pipeline.tracking.summary import MAX_ROWS, sweep_table
-from pipeline.tracking.sweep_callback import best_job, read_jobs
+from pipeline.sweep.summary import MAX_ROWS, best_job, read_jobs, sweep_table
 
 
 # --- where artifacts go

@@ -1,12 +1,16 @@
 """The table a sweep ends with (docs/tracking.md: Sweeps): a pure function of sweep.json and jobs/*.json."""
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections import Counter
+from pathlib import Path
 
 from pipeline.files import jsonio
-from pipeline.run.report import run_page, ui_page, ui_server
+from pipeline.run.report import run_page
+
+log = logging.getLogger("pipeline")
 
 MAX_ROWS = 12  # with the header, the best and the parent lines: under 20 lines whatever the sweep's size
 MAX_CELL = 24  # a swept value wider than this is cut (the job's run name has it whole)
@@ -103,9 +107,14 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
     return [*lines, f"parent: {parent[0]}", *parent[1:]]
 
 
-def experiment_page(tracking_uri: str, experiment_id: str) -> str:
-    """Where an experiment's runs show in mlflow 3's UI: 3.17 opens GenAI traces unless the address asks for the
-    machine-learning view (it does not go by the experiment's mlflow.experimentKind tag)."""
-    page = ui_page(ui_server(tracking_uri), experiment_id)
-    return page if ui_server(tracking_uri) == tracking_uri else \
-        f"`mlflow ui --backend-store-uri {tracking_uri}`, then {page}"
+def read_jobs(directory: Path) -> dict[int, dict]:
+    """{num: record} of jobs/*.json; a damaged record is a report, not state: named in a warning, left out."""
+    out = {}
+    for p in sorted((Path(directory) / "jobs").glob("*.json")):
+        try:
+            record = jsonio.read(p, 1 << 20)
+            out[int(record["num"])] = record
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("sweep job record %s left out: %s", p, str(e).removeprefix(f"{p}: ") or type(e).__name__)
+    return out
+
