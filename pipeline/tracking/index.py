@@ -152,6 +152,11 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
             if stat.S_ISREG(p.stat().st_mode):  # a FIFO or a device where a file should be: never opened (it blocks)
                 todo.append((f"hydra/{p.name}" if p != rundir.log_path else p.name, p))
     added = 0
+    # A checkpoint retention retired is gone from disk: its manifest, logged live when it was saved, goes from
+    # the index too (a rebuild from disk never sees it). A damaged one is still on disk: kept.
+    kept = {d.name for _, d in rundir.store.steps()}
+    for name in sorted({a.split("/")[1] for a in have if a.startswith("checkpoints/") and a.count("/") == 2} - kept):
+        repo.delete_artifacts(f"checkpoints/{name}")
     for artifact, source in todo:
         size = len(source) if isinstance(source, bytes) else source.stat().st_size
         if have.get(artifact) != size:
