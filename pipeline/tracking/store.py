@@ -26,6 +26,7 @@ from pipeline.files.atomic import UnsafePathError, refuse_link  # noqa: E402
 from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri,  # noqa: E402
                                       sqlite_path, tag_value)
 from pipeline.tracking.common import artifact_root as common_artifact_root  # noqa: E402
+from pipeline.tracking.sharing import check_shared  # noqa: E402
 
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 
@@ -113,6 +114,8 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
                 SqlAlchemyStore(uri, common_artifact_root(uri, artifact_root))
             client = MlflowClient(tracking_uri=uri)
             client.search_experiments(max_results=1)  # connect now: a server that is down fails here
+            if db is not None:
+                check_shared(client, db)
         return client
     except Exception as e:  # noqa: BLE001 - whatever mlflow, sqlalchemy or the network raise: one line
         where = f"the mlflow store {db}" if db else f"the mlflow tracking server {uri}"
