@@ -87,7 +87,9 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     for line in lines:
         for p in metric_points(line):
             latest[(p[0], p[3])] = p  # a step logged twice in the file: its last line
-    best = best_metrics(found[-1][0])
+    # The best is the run's result: logged once it has ended for good, never from a preempted segment (a resumed
+    # run's index would keep that segment's best beside the final one, which a rebuild from disk cannot know).
+    best = best_metrics(found[-1][0]) if status.get("status") != "preempted" else {}
     when = {p[3]: p[2] for p in latest.values()}  # step -> its metrics.jsonl time: the same in every rebuild
     for key, (value, step) in best.items():
         latest[(key, step)] = (key, value, when.get(step, 0), step)

@@ -280,7 +280,9 @@ def artifact_bytes(repo, path: str, sizes: dict[str, int] | None = None, limit: 
 def reference_run(client: MlflowClient, run, parent: dict, job: dict):
     """A child of `parent` for a sweep job whose run directory another job's run stands for: its params and final
     metrics, tagged with the run it repeats (no run_dir tag: that one is the run)."""
-    name = f"{job.get('name') or run.data.tags.get('mlflow.runName', '')} (same run as {run.info.run_id[:8]})"
+    # named by the run directory it repeats, as on disk: a run id is the store's own (a rebuild makes others)
+    same = Path(run.data.tags.get("run_dir") or run.info.run_id).name
+    name = f"{job.get('name') or run.data.tags.get('mlflow.runName', '')} (same run as {same})"
     tags = {k: v for k, v in run.data.tags.items() if not k.startswith(("mlflow.", "sweep.")) and k != "run_dir"}
     tags.update({"mlflow.parentRunId": parent["run_id"], "mlflow.runName": name, "repeat_of": run.info.run_id,
                  "repeat_of.run_dir": run.data.tags.get("run_dir", ""), "sweep.id": str(job.get("sweep_id")),
