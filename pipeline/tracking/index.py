@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pipeline.files import jsonio
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import json_state, manifest_file, read_manifest, weights_file
+from pipeline.checkpoint.store import json_state, manifest_file, read_manifest, step_dir_name, weights_file
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.tracking import store
 from pipeline.tracking.common import (CURVES_ARTIFACT, metric_points, params_of, parse_run_uri, run_uri, tag_value,
@@ -155,8 +155,11 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
                 todo.append((f"hydra/{p.name}" if p != rundir.log_path else p.name, p))
     added = 0
     # A checkpoint retention retired is gone from disk: its manifest, logged live when it was saved, goes from
-    # the index too (a rebuild from disk never sees it). A damaged one is still on disk: kept.
-    kept = {d.name for _, d in rundir.store.steps()}
+    # the index too (a rebuild from disk never sees it). A damaged one is still on disk: kept; so is the one
+    # each resume started from (the index keeps where a preempted job stopped).
+    resumed_from = {step_dir_name(r["step"]) for r in (rundir.read_status().get("resumes") or [])
+                    if isinstance(r, dict) and isinstance(r.get("step"), int)}
+    kept = {d.name for _, d in rundir.store.steps()} | resumed_from
     for name in sorted({a.split("/")[1] for a in have if a.startswith("checkpoints/") and a.count("/") == 2} - kept):
         repo.delete_artifacts(f"checkpoints/{name}")
     for artifact, source in todo:
