@@ -17,7 +17,7 @@ HOSTS_TAG = "pipeline.hosts"  # on the store's Default experiment: every host th
 MAX_HOSTS = 50
 TEAM_SETUP = ("run `mlflow server --backend-store-uri postgresql+psycopg://USER@DBHOST/DB --artifacts-destination "
               "DIR --host HOST --port 5000` and track with `tracking=server tracking.uri=http://HOST:5000` "
-              "(README, Tracking: the team setup)")
+              "(docs/tracking.md: Team setup)")
 
 
 def read_mounts() -> str:
