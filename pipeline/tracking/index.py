@@ -87,7 +87,9 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     for line in lines:
         for p in metric_points(line):
             latest[(p[0], p[3])] = p  # a step logged twice in the file: its last line
-    best = best_metrics(found[-1][0])
+    # The best is the run's result: logged once it has ended for good, never from a preempted segment (a resumed
+    # run's index would keep that segment's best beside the final one, which a rebuild from disk cannot know).
+    best = best_metrics(found[-1][0]) if status.get("status") != "preempted" else {}
     when = {p[3]: p[2] for p in latest.values()}  # step -> its metrics.jsonl time: the same in every rebuild
     for key, (value, step) in best.items():
         latest[(key, step)] = (key, value, when.get(step, 0), step)
@@ -152,6 +154,12 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
             if stat.S_ISREG(p.stat().st_mode):  # a FIFO or a device where a file should be: never opened (it blocks)
                 todo.append((f"hydra/{p.name}" if p != rundir.log_path else p.name, p))
     added = 0
+    # A checkpoint retention retired is gone from disk: its manifest, logged live when it was saved, goes from
+    # the index too (a rebuild from disk never sees it; the run's resume.N tags keep where each resume started).
+    # A damaged one is still on disk: kept.
+    kept = {d.name for _, d in rundir.store.steps()}
+    for name in sorted({a.split("/")[1] for a in have if a.startswith("checkpoints/") and a.count("/") == 2} - kept):
+        repo.delete_artifacts(f"checkpoints/{name}")
     for artifact, source in todo:
         size = len(source) if isinstance(source, bytes) else source.stat().st_size
         if have.get(artifact) != size:

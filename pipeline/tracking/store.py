@@ -22,6 +22,7 @@ from pipeline.files.atomic import UnsafePathError, refuse_link  # noqa: E402
 from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri,  # noqa: E402
                                       sqlite_path, tag_value)
 from pipeline.tracking.common import artifact_root as common_artifact_root  # noqa: E402
+from pipeline.tracking.sharing import check_shared  # noqa: E402
 
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 # A server that is down fails in seconds, not minutes. mlflow reads these from the environment at each request
@@ -115,6 +116,8 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
                 SqlAlchemyStore(uri, common_artifact_root(uri, artifact_root))
             client = MlflowClient(tracking_uri=uri)
             client.search_experiments(max_results=1)  # connect now: a server that is down fails here
+            if db is not None:
+                check_shared(client, db)
         return client
     except Exception as e:  # noqa: BLE001 - whatever mlflow, sqlalchemy or the network raise: one line
         where = f"the mlflow store {db}" if db else f"the mlflow tracking server {uri}"
@@ -279,7 +282,9 @@ def artifact_bytes(repo, path: str, sizes: dict[str, int] | None = None, limit: 
 def reference_run(client: MlflowClient, run, parent: dict, job: dict):
     """A child of `parent` for a sweep job whose run directory another job's run stands for: its params and final
     metrics, tagged with the run it repeats (no run_dir tag: that one is the run)."""
-    name = f"{job.get('name') or run.data.tags.get('mlflow.runName', '')} (same run as {run.info.run_id[:8]})"
+    # named by the run directory it repeats, as on disk: a run id is the store's own (a rebuild makes others)
+    same = Path(run.data.tags.get("run_dir") or run.info.run_id).name
+    name = f"{job.get('name') or run.data.tags.get('mlflow.runName', '')} (same run as {same})"
     tags = {k: v for k, v in run.data.tags.items() if not k.startswith(("mlflow.", "sweep.")) and k != "run_dir"}
     tags.update({"mlflow.parentRunId": parent["run_id"], "mlflow.runName": name, "repeat_of": run.info.run_id,
                  "repeat_of.run_dir": run.data.tags.get("run_dir", ""), "sweep.id": str(job.get("sweep_id")),
