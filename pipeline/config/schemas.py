@@ -1,6 +1,7 @@
 """Typed schemas for every config node (types only: values live in conf/), SCHEMAS by `_target_`, `validate`."""
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from types import MappingProxyType
@@ -298,6 +299,10 @@ class Config:
 
 
 def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
+    known = [f.name for f in fields(schema)]
+    for key in sorted(set(node) - set(known) - {"_target_"}):  # `+trainer.max_stpes=3` passes Hydra: a typo here
+        near = difflib.get_close_matches(str(key), known, n=1)
+        errors.append(f"{prefix}{key}: no such key{f'; did you mean {prefix}{near[0]}?' if near else ''}")
     for f in fields(schema):
         if f.name not in node:
             continue

@@ -115,3 +115,11 @@ def test_a_stage_added_by_override_without_a_key_of_its_class_is_one_line_naming
                            f"paths.output_dir={tmp_path}"))
     assert str(info.value) == "stages.x: no monitor, mode (a pipeline.stages.best.BestVal stage takes _target_, " \
                               "monitor, mode, order, keep, filename)"
+
+
+def test_a_key_added_with_plus_that_no_schema_has_is_refused_with_the_nearest(tmp_path):
+    """`+trainer.max_stpes=3` passes Hydra (a `+` adds what the node lacks): the schema names the typo."""
+    with pytest.raises(ConfigError, match=r"trainer.max_stpes: no such key; did you mean trainer.max_steps\?"):
+        validate(config_of(*KERNODECK, "+trainer.max_stpes=3", f"paths.output_dir={tmp_path}"))
+    with pytest.raises(ConfigError, match=r"optimizer.zzz: no such key$"):
+        validate(config_of(*KERNODECK, "+optimizer.zzz=1", f"paths.output_dir={tmp_path}"))
