@@ -46,6 +46,30 @@ def test_no_import_cycle_between_subpackages_and_modules():
             visit(n, [])
 
 
+def test_no_cycle_between_packages_function_level_imports_included():
+    """Issue #31: serving imported generation from cli/sample.py while cli/register.py imported serving. A package
+    (a first-level folder under pipeline/) reaches no package that reaches it back, through any import."""
+    edges: dict[str, set[str]] = {}
+    for name, tree in modules().items():
+        for node in ast.walk(tree):
+            found = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            edges.setdefault(unit(name), set()).update(
+                unit(t) for t in found if t.startswith("pipeline.") and unit(t) != unit(name))
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for m in edges.get(todo.pop(), ()):
+                if m not in seen:
+                    seen.add(m)
+                    todo.append(m)
+        return seen
+
+    cycles = sorted(f"{a} <-> {b}" for a in edges for b in reach(a) if a < b and a in reach(b))
+    assert cycles == []
+
+
 def test_the_entry_the_run_and_tracking_share_no_state_through_globals():
     """The job, the sweep's parent and the tracker are passed as objects: no `global` statement in these layers,
     and the run layer imports nothing of tracking (the cycle test above checks the rest)."""
