@@ -146,9 +146,9 @@ def _docstrings(tree: ast.Module) -> set[int]:
 def test_only_the_checkpoint_store_names_a_checkpoints_files():
     """Issue #20: only pipeline/checkpoint/ reads or writes inside a checkpoint; everyone else asks the store
     (a path ending in one of its files, or one of its file-name constants, is a read or write of one)."""
-    from pipeline.checkpoint import store
+    from pipeline.checkpoint import directory
 
-    values = {getattr(store, c) for c in CHECKPOINT_FILES if isinstance(getattr(store, c), str)}
+    values = {getattr(directory, c) for c in CHECKPOINT_FILES if isinstance(getattr(directory, c), str)}
     assert values == {"weights.safetensors", "optim.safetensors", "extra.json", "manifest.json", "data.json"}
     named = set()
     for name, tree in modules().items():
@@ -158,7 +158,7 @@ def test_only_the_checkpoint_store_names_a_checkpoints_files():
         for n in ast.walk(tree):
             if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in prose:
                 named |= {(name, v) for v in values if n.value == v or n.value.endswith("/" + v)}
-            elif isinstance(n, ast.ImportFrom) and n.module == "pipeline.checkpoint.store":
+            elif isinstance(n, ast.ImportFrom) and n.module == "pipeline.checkpoint.directory":
                 named |= {(name, a.name) for a in n.names if a.name in CHECKPOINT_FILES}
             elif isinstance(n, ast.Attribute) and n.attr in CHECKPOINT_FILES:
                 named.add((name, n.attr))

@@ -1,4 +1,4 @@
-"""A run directory's layout (README: The run directory), its lock, and its run.json and metrics.jsonl."""
+"""A run directory: what it holds (README: The run directory), its lock, and its run.json and metrics.jsonl."""
 from __future__ import annotations
 
 import contextlib
@@ -42,6 +42,9 @@ def _lock_within(fd: int, grace: float, kind: int = fcntl.LOCK_EX) -> bool:
 
 
 class RunDir:
+    """A run directory, the only code that knows what it holds: .hydra/ (the composed config, the overrides),
+    checkpoints/ (a CheckpointStore), run.json, metrics.jsonl, pipeline.log, the lock and superseded/."""
+
     def __init__(self, path: Path):
         self.path = Path(path)
         self.lock_path = self.path / ".lock"
@@ -49,9 +52,33 @@ class RunDir:
         self.metrics_path = self.path / "metrics.jsonl"
         self.log_path = self.path / "pipeline.log"
         self.hydra_dir = self.path / ".hydra"
+        self.overrides_path = self.hydra_dir / "overrides.yaml"
         self.store = CheckpointStore(self.path / "checkpoints")
         self._fd: int | None = None
         self.read_only = False  # on a read-only medium: a complete run may be confirmed, nothing written
+
+    @classmethod
+    def of_checkpoint(cls, directory: Path) -> RunDir | None:
+        """The run whose store `directory` lies in (RUN/checkpoints/step-NNNNNNNN, RUN/checkpoints/best), else None."""
+        run = cls(Path(directory).parent.parent)
+        return run if run.store.root == Path(directory).parent else None
+
+    def is_run(self) -> bool:
+        """Whether it holds a run: its store of checkpoints or its run.json."""
+        return self.store.root.is_dir() or self.status_path.is_file()
+
+    def records(self) -> list[tuple[str, Path, int]]:
+        """(name inside the run, path, byte bound) of each record it keeps beside its checkpoints (.hydra/'s files,
+        run.json, metrics.jsonl; the lock and the log belong to a process); UnsafePathError for a link or anything
+        but a regular file among them."""
+        out = []
+        if os.path.lexists(self.hydra_dir):
+            refuse_link(self.hydra_dir, "directory")
+            for e in sorted(os.scandir(self.hydra_dir), key=lambda e: e.name):
+                refuse_link(Path(e.path))
+                out.append((f"{self.hydra_dir.name}/{e.name}", Path(e.path), MAX_RUN_JSON))
+        return out + [(p.name, p, limit) for p, limit in ((self.status_path, MAX_RUN_JSON),
+                                                          (self.metrics_path, MAX_METRICS)) if os.path.lexists(p)]
 
     # --- the lock
     def acquire(self) -> None:
@@ -213,7 +240,7 @@ class RunDir:
         """The composed config and the overrides, as Hydra's .hydra/ holds them."""
         ensure_dirs(self.path, ".hydra")
         replace_file(self.hydra_dir / "config.yaml", config_yaml.encode())
-        replace_file(self.hydra_dir / "overrides.yaml",
+        replace_file(self.overrides_path,
                      "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides).encode() or b"[]\n")
 
     def _superseded_dir(self) -> Path:

@@ -21,9 +21,9 @@ def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str
     """(vocab, decode_join, eos): the checkpoint's own data.json (verified against its manifest) if it has one,
     else (a schema 2.0 checkpoint) the vocab.json registered beside it."""
     from pipeline.files import jsonio
-    from pipeline.checkpoint.store import data_facts
+    from pipeline.checkpoint.directory import CheckpointDir
 
-    facts = data_facts(checkpoint)
+    facts = CheckpointDir(checkpoint).data_facts()
     if facts is not None:
         return facts["vocab"], facts["decode_join"], (facts.get("specials") or {}).get("eos")
     if vocab_json is None:
