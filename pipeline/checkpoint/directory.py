@@ -279,12 +279,7 @@ class CheckpointDir:
 
     def manifest(self) -> dict:
         """manifest.json, bounded in size and depth and checked against itself; CheckpointError otherwise."""
-        try:
-            raw = reading.read_bytes(self.resolved() / MANIFEST, MAX_JSON)
-        except FileNotFoundError:
-            raise self.fault("missing (an incomplete or foreign directory)") from None
-        except OSError as e:
-            raise self.fault(_os_reason(e)) from None
+        _, raw = self.manifest_file()
         try:
             return mf.check(jsonio.loads(raw))
         except (jsonio.JSONError, mf.ManifestError) as e:
@@ -304,11 +299,12 @@ class CheckpointDir:
 
     def manifest_file(self) -> tuple[str, bytes]:
         """(name, bytes) of manifest.json as on disk, bounded, for an index to upload; CheckpointError otherwise."""
-        directory = self.resolved()
         try:
-            return MANIFEST, reading.read_bytes(directory / MANIFEST, MAX_JSON)
+            return MANIFEST, reading.read_bytes(self.resolved() / MANIFEST, MAX_JSON)
+        except FileNotFoundError:
+            raise self.fault("missing (an incomplete or foreign directory)") from None
         except OSError as e:
-            raise CheckpointError(directory, MANIFEST, _os_reason(e)) from None
+            raise self.fault(_os_reason(e)) from None
 
     def weights_file(self) -> Path:
         """weights.safetensors, checked a regular file of its listed size, for a streaming reader; else CheckpointError."""

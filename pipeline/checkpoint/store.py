@@ -142,25 +142,6 @@ class CheckpointStore:
                 discard_dir(directory)
                 self._records.pop(step, None)
 
-    def keep_into(self, dest: Path, step_dirs: list[Path], snapshot: bool) -> None:
-        """Move these step directories into `dest` (a new store beside nothing); with `snapshot`, give every
-        other step directory's files and every link a second name there too (hard links: no byte copied; a
-        checkpoint's files are never rewritten in place, so each name keeps what it holds now)."""
-        if not (step_dirs or snapshot):
-            return
-        os.mkdir(dest)
-        for d in step_dirs:
-            os.rename(d, dest / d.name)
-        if snapshot:
-            steps, links = self.scan()
-            for _, d in steps:
-                CheckpointDir(d).second_names(dest / d.name)
-            for name, target in links.items():
-                os.symlink(target, dest / name)
-        fsync_dir(dest)
-        fsync_dir(self.root)
-        self._records = None
-
     def link_dir(self, name: str) -> Path | None:
         """The step directory a link points at, if the link exists and names one here."""
         target = self.links().get(name)

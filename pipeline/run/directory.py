@@ -14,6 +14,7 @@ from pipeline.files import jsonio, reading
 from pipeline.files.atomic import (UnsafePathError, ensure_dirs, fsync_dir, named, open_append, refuse_link,
                                    replace_file, second_name)
 from pipeline.checkpoint.errors import RunFileError
+from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.checkpoint.store import CheckpointStore
 
 MAX_RUN_JSON = 16 << 20
@@ -264,10 +265,21 @@ class RunDir:
 
     def set_aside(self, step_dirs: list[Path], metrics: bool, snapshot: bool) -> Path:
         """Into superseded/<when>/, returned: these step directories, moved; with `snapshot`, every other step
-        directory and link of checkpoints/ as it stands (CheckpointStore.keep_into); with `metrics`,
-        metrics.jsonl as it is now, a second name for the file until it is rewritten."""
+        directory (its files' second names, CheckpointDir.second_names: no byte copied) and link of checkpoints/
+        as it stands; with `metrics`, metrics.jsonl as it is now, a second name for the file until it is rewritten."""
         dest = self._superseded_dir()
-        self.store.keep_into(dest / self.store.root.name, step_dirs, snapshot)
+        if step_dirs or snapshot:
+            kept = dest / self.store.root.name
+            os.mkdir(kept)
+            for d in step_dirs:
+                os.rename(d, kept / d.name)
+            steps, links = self.store.scan() if snapshot else ([], {})
+            for _, d in steps:
+                CheckpointDir(d).second_names(kept / d.name)
+            for name, target in links.items():
+                os.symlink(target, kept / name)
+            fsync_dir(kept)
+            fsync_dir(self.store.root)
         if metrics and os.path.lexists(self.metrics_path):
             refuse_link(self.metrics_path)
             second_name(self.metrics_path, dest / self.metrics_path.name)
