@@ -1,4 +1,4 @@
-"""One checkpoint directory (layout: README, Checkpoints): the only code that opens, creates or renames a file in one."""
+"""One checkpoint directory (layout: docs/checkpoints.md): the only code that opens, creates or renames a file in one."""
 from __future__ import annotations
 
 import errno

@@ -1,4 +1,4 @@
-"""manifest.json: the truth about a checkpoint and its run (fields: README, Checkpoints), built and checked here."""
+"""manifest.json: the truth about a checkpoint and its run (fields: docs/checkpoints.md), built and checked here."""
 from __future__ import annotations
 
 import hashlib
@@ -77,7 +77,7 @@ def code_change(manifest: dict, facts: dict | None = None) -> str | None:
 
 @lru_cache(maxsize=None)
 def versions() -> dict:
-    out = {"python": platform.python_version()}
+    out: dict[str, str | None] = {"python": platform.python_version()}
     for name in PACKAGES:
         try:
             out[name] = metadata.version(name)

@@ -1,4 +1,4 @@
-"""A run's store of checkpoints: its step directories and links, saving through CheckpointDir, retention."""
+"""A run's store of checkpoints (layout: docs/checkpoints.md): its step directories and links, saving, retention."""
 from __future__ import annotations
 
 import contextlib

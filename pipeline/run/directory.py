@@ -1,4 +1,4 @@
-"""A run directory: what it holds (README: The run directory), its lock, and its run.json and metrics.jsonl."""
+"""A run directory: what it holds (docs/outputs.md), its lock, and its run.json and metrics.jsonl."""
 from __future__ import annotations
 
 import contextlib
