@@ -1,4 +1,4 @@
-"""One checkpoint directory (layout: docs/checkpoints.md): the only code that opens, creates or renames a file in one."""
+"""One checkpoint directory (layout: docs/checkpoints.md): the only code that opens, creates or renames its files."""
 from __future__ import annotations
 
 import errno
@@ -265,7 +265,7 @@ class CheckpointDir:
             killpoint.point("save", "after weights")
             killpoint.point("save", "after optim")
             files[EXTRA] = write_new(tmp / EXTRA, jsonio.dumps(extra, indent=None))
-            files[DATA] = write_new(tmp / DATA, jsonio.dumps(data, indent=None))  # sorted keys: the same bytes each save
+            files[DATA] = write_new(tmp / DATA, jsonio.dumps(data, indent=None))  # sorted keys: same bytes each save
             manifest = {**fields, "files": files}
             killpoint.point("save", "before manifest")
             write_new(tmp / MANIFEST, jsonio.dumps(manifest))  # last: a directory with a manifest is complete
@@ -290,7 +290,7 @@ class CheckpointDir:
         return error(self.path, MANIFEST, reason)
 
     def manifest_as_written(self) -> dict:
-        """manifest.json as on disk, bounded but unchecked ({}: unreadable or not an object), to show beside a verdict."""
+        """manifest.json as on disk, bounded but unchecked ({}: unreadable or not an object), shown beside a verdict."""
         try:
             manifest = jsonio.read(self.resolved() / MANIFEST, MAX_JSON)
         except (OSError, ValueError, CheckpointError):
@@ -307,7 +307,7 @@ class CheckpointDir:
             raise self.fault(_os_reason(e)) from None
 
     def weights_file(self) -> Path:
-        """weights.safetensors, checked a regular file of its listed size, for a streaming reader; else CheckpointError."""
+        """weights.safetensors, checked a regular file of its listed size, to stream; else CheckpointError."""
         return self._opened()[0] / WEIGHTS
 
     def copy_to(self, dest: Path, manifest: dict) -> dict[str, dict]:
@@ -360,7 +360,8 @@ class CheckpointDir:
                 raise CheckpointError(directory, MANIFEST, f"lists an invalid file name {name!r:.80}")
             if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
                     and isinstance(entry.get("sha256"), str) and mf.SHA256.match(entry["sha256"])):
-                raise CheckpointError(directory, MANIFEST, f"entry for {name} needs an integer size and a sha256 hex digest")
+                raise CheckpointError(directory, MANIFEST,
+                                      f"entry for {name} needs an integer size and a sha256 hex digest")
         for name in REQUIRED_BY[manifest["schema_version"]]:
             if name not in listed:
                 raise CheckpointError(directory, MANIFEST, f"does not list {name}")

@@ -12,7 +12,8 @@ from pipeline.files import jsonio
 from pipeline.files import killpoint
 from pipeline.files.atomic import TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, fsync_dir, replace_link
 from pipeline.checkpoint import manifest as mf
-from pipeline.checkpoint.directory import STEP_DIR, STORE, Checkpoint, CheckpointDir, _shown, link_problem, step_dir_name
+from pipeline.checkpoint.directory import (STEP_DIR, STORE, Checkpoint, CheckpointDir, _shown, link_problem,
+                                          step_dir_name)
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
 from pipeline.checkpoint.retention import AnyOf, Named, Policy, Record, Steps, select_one
 

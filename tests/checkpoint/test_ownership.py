@@ -36,7 +36,8 @@ def _module_of(frame) -> str | None:
 def _hook(event: str, args: tuple) -> None:
     if _recording is None or not (event in WRITES or event == "open"):
         return
-    if event == "open" and not (args[2] is not None and args[2] & WRITE_FLAGS or args[1] and set(args[1]) & set("wax+")):
+    writing = (args[2] is not None and args[2] & WRITE_FLAGS) or (args[1] and set(args[1]) & set("wax+"))
+    if event == "open" and not writing:
         return
     for path in args[:2] if event in ("os.rename", "os.replace", "os.symlink", "os.link", "shutil.copyfile",
                                       "shutil.move") else args[:1]:
@@ -106,7 +107,8 @@ def test_only_run_directory_says_where_checkpoints_lie():
     for name, tree in _modules().items():
         # not a path: a docstring, a key of a dict (a report's "checkpoints") or of a subscript
         skip = {id(n.body[0].value) for n in ast.walk(tree)
-                if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body and isinstance(n.body[0], ast.Expr)}
+                if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
+                and isinstance(n.body[0], ast.Expr)}
         skip |= {id(k) for n in ast.walk(tree) if isinstance(n, ast.Dict) for k in n.keys}
         skip |= {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript)}
         spelled |= {name for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
