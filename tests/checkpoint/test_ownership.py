@@ -36,8 +36,8 @@ def _module_of(frame) -> str | None:
 def _hook(event: str, args: tuple) -> None:
     if _recording is None or not (event in WRITES or event == "open"):
         return
-    writing = (args[2] is not None and args[2] & WRITE_FLAGS) or (args[1] and set(args[1]) & set("wax+"))
-    if event == "open" and not writing:
+    if event == "open" and not ((args[2] is not None and args[2] & WRITE_FLAGS)
+                                or (args[1] and set(args[1]) & set("wax+"))):
         return
     for path in args[:2] if event in ("os.rename", "os.replace", "os.symlink", "os.link", "shutil.copyfile",
                                       "shutil.move") else args[:1]:
