@@ -3,9 +3,9 @@
     python bench/bench_checkpoint.py [--mib 256] [--repeats 3] [--dir DIR]
 
 A ~256 MiB state (four float32 weight matrices plus Adam's two moments each, and the other parts of a
-run's state) is saved with pipeline.checkpoint.store.write (hashing, fsync of every file, rename, fsync of
+run's state) is saved with pipeline.checkpoint.directory.CheckpointDir.write (hashing, fsync of every file, rename, fsync of
 the parent included) and compared with a raw write + fsync of the same bytes; load + full verification
-against the expected layout (pipeline.checkpoint.store.load) is compared with a raw read + sha256 of the
+against the expected layout (pipeline.checkpoint.directory.CheckpointDir.load) is compared with a raw read + sha256 of the
 same bytes. Measurements
 alternate and the medians are compared, so each ratio comes from one run on one (noisy, shared) machine.
 Reads are warm (page cache) on both sides: dropping caches would disturb the other users of the machine.
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.checkpoint import manifest as mf  # noqa: E402
-from pipeline.checkpoint import store  # noqa: E402
+from pipeline.checkpoint.directory import CheckpointDir  # noqa: E402
 from pipeline.data.iterator import DataIterator  # noqa: E402
 from pipeline.model.base import NamedParams  # noqa: E402
 from pipeline.optimizer.adam import Adam  # noqa: E402
@@ -84,7 +84,7 @@ def bench_fields() -> dict:
 
 
 def save(parts: dict, directory: Path) -> None:
-    store.write(directory, capture(parts), bench_fields())
+    CheckpointDir(directory).write(capture(parts), bench_fields())
 
 
 def raw_write(path: Path, arrays: list[np.ndarray]) -> None:
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             times["save"].append(timed(lambda: save(parts, ckpt)))
             os.sync()
             times["raw_read"].append(timed(lambda: raw_read_sha(raw_file)))
-            times["load"].append(timed(lambda: store.load(ckpt, parts)))
+            times["load"].append(timed(lambda: CheckpointDir(ckpt).load(parts)))
             raw_file.unlink()
             shutil.rmtree(ckpt)
             if r < 0:
@@ -184,10 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| measure | time (s) | MiB/s | ratio | target | ok |")
     print("| --- | ---: | ---: | ---: | --- | --- |")
     print(f"| raw write + fsync | {med['raw_write']:.3f} | {mib_s(med['raw_write']):.0f} | | | |")
-    print(f"| store.write (hash, fsync, rename) | {med['save']:.3f} | {mib_s(med['save']):.0f} | "
+    print(f"| CheckpointDir.write (hash, fsync, rename) | {med['save']:.3f} | {mib_s(med['save']):.0f} | "
           f"{save_ratio:.2f}x raw throughput | >= {TARGETS['save']:.2f} | {save_ratio >= TARGETS['save']} |")
     print(f"| raw read + sha256 (warm) | {med['raw_read']:.3f} | {mib_s(med['raw_read']):.0f} | | | |")
-    print(f"| store.load + verify (warm) | {med['load']:.3f} | {mib_s(med['load']):.0f} | "
+    print(f"| CheckpointDir.load + verify (warm) | {med['load']:.3f} | {mib_s(med['load']):.0f} | "
           f"{load_ratio:.2f}x raw time | <= {TARGETS['load']:.2f} | {load_ratio <= TARGETS['load']} |")
     print(f"| extra peak RSS during save | | {mem['extra_bytes'] / MIB:.1f} MiB | "
           f"{100 * mem_ratio:.1f}% of state | <= {100 * TARGETS['memory']:.0f}% | {mem_ratio <= TARGETS['memory']} |")

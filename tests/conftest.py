@@ -411,7 +411,7 @@ def tree(root: Path, mtimes: str = "files") -> dict:
 
 def kept(run_dir: Path, store=None) -> tuple[dict, dict]:
     """{step: sha256 of weights, optim and extra} of every checkpoint kept, and the links."""
-    from pipeline.checkpoint.store import EXTRA, OPTIM, WEIGHTS
+    from pipeline.checkpoint.directory import EXTRA, OPTIM, WEIGHTS
     from pipeline.run.directory import RunDir
 
     store = store or RunDir(run_dir).store

@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import KERNODECK, PROJECT_ROOT, TINY, Proc, compose, env_for_subprocess, the_run, wait_until
-from pipeline.checkpoint.store import verify
+from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import SIGNALS
 
@@ -215,7 +215,7 @@ def test_sigterm_then_sigint_during_training_still_saves_and_exits_75(tmp_path):
     assert status["status"] == "preempted"
     newest = RunDir(run).store.steps()[-1]
     assert newest[0] == status["step"] >= 200
-    verify(newest[1])
+    CheckpointDir(newest[1]).verify()
 
 
 @pytest.mark.slow

@@ -46,6 +46,30 @@ def test_no_import_cycle_between_subpackages_and_modules():
             visit(n, [])
 
 
+def test_no_cycle_between_packages_function_level_imports_included():
+    """Issue #31: serving imported generation from cli/sample.py while cli/register.py imported serving. A package
+    (a first-level folder under pipeline/) reaches no package that reaches it back, through any import."""
+    edges: dict[str, set[str]] = {}
+    for name, tree in modules().items():
+        for node in ast.walk(tree):
+            found = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            edges.setdefault(unit(name), set()).update(
+                unit(t) for t in found if t.startswith("pipeline.") and unit(t) != unit(name))
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for m in edges.get(todo.pop(), ()):
+                if m not in seen:
+                    seen.add(m)
+                    todo.append(m)
+        return seen
+
+    cycles = sorted(f"{a} <-> {b}" for a in edges for b in reach(a) if a < b and a in reach(b))
+    assert cycles == []
+
+
 def test_the_entry_the_run_and_tracking_share_no_state_through_globals():
     """The job, the sweep's parent and the tracker are passed as objects: no `global` statement in these layers,
     and the run layer imports nothing of tracking (the cycle test above checks the rest)."""
@@ -122,9 +146,9 @@ def _docstrings(tree: ast.Module) -> set[int]:
 def test_only_the_checkpoint_store_names_a_checkpoints_files():
     """Issue #20: only pipeline/checkpoint/ reads or writes inside a checkpoint; everyone else asks the store
     (a path ending in one of its files, or one of its file-name constants, is a read or write of one)."""
-    from pipeline.checkpoint import store
+    from pipeline.checkpoint import directory
 
-    values = {getattr(store, c) for c in CHECKPOINT_FILES if isinstance(getattr(store, c), str)}
+    values = {getattr(directory, c) for c in CHECKPOINT_FILES if isinstance(getattr(directory, c), str)}
     assert values == {"weights.safetensors", "optim.safetensors", "extra.json", "manifest.json", "data.json"}
     named = set()
     for name, tree in modules().items():
@@ -134,7 +158,7 @@ def test_only_the_checkpoint_store_names_a_checkpoints_files():
         for n in ast.walk(tree):
             if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in prose:
                 named |= {(name, v) for v in values if n.value == v or n.value.endswith("/" + v)}
-            elif isinstance(n, ast.ImportFrom) and n.module == "pipeline.checkpoint.store":
+            elif isinstance(n, ast.ImportFrom) and n.module == "pipeline.checkpoint.directory":
                 named |= {(name, a.name) for a in n.names if a.name in CHECKPOINT_FILES}
             elif isinstance(n, ast.Attribute) and n.attr in CHECKPOINT_FILES:
                 named.add((name, n.attr))

@@ -13,7 +13,6 @@ if __name__ == "__main__":  # first: a signal while the rest is imported ends in
     SIGNALS_STATE.install()
 
 import argparse
-import hashlib
 import os
 import shutil
 import stat
@@ -26,10 +25,10 @@ from pathlib import Path
 from pipeline.files import jsonio, names
 from pipeline.files import reading
 from pipeline.files.atomic import (TMP_PREFIX, NewDirs, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir,
-                                   open_new, publish_dir, remove_tree, write_new)
+                                   publish_dir, remove_tree, write_new)
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import (CHECKPOINTS, STEP_DIR, CheckpointStore, checkpoint_dir, copy_list,
-                                       is_checkpoint_dir, read_manifest, verify)
+from pipeline.checkpoint.directory import STEP_DIR, CheckpointDir, step_dir_name
+from pipeline.checkpoint.store import CheckpointStore
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
 from pipeline.config.identity import run_name
 from pipeline.run.directory import RunDir
@@ -37,7 +36,6 @@ from pipeline.run.directory import RunDir
 NAME = "pipeline.archive"
 SELECTIONS = ("best", "final", "newest")
 MAX_SMALL = 16 << 20  # bytes of a run's small files (.hydra/*, run.json, a corpus's MANIFEST.json)
-MAX_METRICS = 1 << 30
 MAX_FILE = 1 << 40  # a checkpoint or corpus file: bounded by its manifest's size, checked before copying
 MAX_CORPORA = 10_000  # corpus directories looked at when finding a run's corpus by its hash
 
@@ -56,7 +54,7 @@ class RunPlan:
         for what, value in (("run directory name", name), *(("step name", n) for n in checkpoints),
                             *(("link name", n) for n in links)):  # each becomes one entry under DEST
             names.checked(value, f"{run_dir or next(iter(checkpoints.values()))}: {what}", reserve=0)
-        self.manifests = {n: read_manifest(p) for n, p in checkpoints.items()}
+        self.manifests = {n: CheckpointDir(p).manifest() for n, p in checkpoints.items()}
 
     @property
     def newest(self) -> dict:
@@ -76,12 +74,12 @@ def _kind(path: Path) -> str:
         st = os.stat(path)  # a link the user typed is followed, as its target could be typed instead
     if not stat.S_ISDIR(st.st_mode):
         raise BadSource(f"{path}: is {reading.kind_of(st)}, not a run, sweep or checkpoint directory")
-    if is_checkpoint_dir(path):
+    if CheckpointDir(path).exists():
         return "checkpoint"
-    if (path / CHECKPOINTS).is_dir() or (path / "run.json").is_file():
+    if RunDir(path).is_run():
         return "run"
-    if path.name == CHECKPOINTS and (path.parent / "run.json").is_file():
-        raise BadSource(f"{path}: a run's checkpoints/; give the run directory {path.parent}")
+    if RunDir(path.parent).store.root == path and RunDir(path.parent).status_path.is_file():
+        raise BadSource(f"{path}: a run's store of checkpoints; give the run directory {path.parent}")
     if (path / "jobs").is_dir() and (path / "sweep.json").is_file():
         return "sweep"
     raise BadSource(f"{path}: not a run directory (no checkpoints/ or run.json), a sweep directory (no "
@@ -122,21 +120,21 @@ def plan(source: Path, which: str) -> list[RunPlan]:
         return plans
     if kind == "run":
         run_dir = Path(os.path.realpath(source))
-        chosen, links = _select(CheckpointStore(run_dir / CHECKPOINTS), which)
+        chosen, links = _select(RunDir(run_dir).store, which)
         result = RunPlan(run_dir.name, run_dir, chosen, links)
     else:
-        directory = checkpoint_dir(source)
-        in_run = directory.parent.name == CHECKPOINTS and STEP_DIR.match(directory.name)
-        run_dir = directory.parent.parent if in_run else None
-        manifest = read_manifest(directory)
+        directory = CheckpointDir(source).resolved()
+        in_run = RunDir.of_checkpoint(directory) if STEP_DIR.match(directory.name) else None
+        run_dir = in_run.path if in_run else None
+        manifest = CheckpointDir(directory).manifest()
         if run_dir is None:  # the run's directory name comes from the manifest: one name, inside DEST
             names.checked(manifest["config"].get("name", "run"), f"{directory}: its manifest's config.name")
         name = run_dir.name if run_dir else run_name(manifest["config"], manifest["sources"])
-        step_name = directory.name if in_run else f"step-{manifest['step']:08d}"
-        links = {k: t for k, t in CheckpointStore(directory.parent).links().items() if t == step_name} if in_run else {}
+        step_name = directory.name if in_run else step_dir_name(manifest["step"])
+        links = {k: t for k, t in in_run.store.links().items() if t == step_name} if in_run else {}
         result = RunPlan(name, run_dir, {step_name: directory}, links)
     for directory in result.checkpoints.values():
-        verify(directory)  # sizes, sha256, layout: a damaged checkpoint is bad input
+        CheckpointDir(directory).verify()  # sizes, sha256, layout: a damaged checkpoint is bad input
     return [result]
 
 
@@ -160,21 +158,7 @@ class Builder:
     def copy(self, src: Path, rel: str, limit: int, expected: dict | None = None, witness: str = "",
              follow: bool = False) -> None:
         """src's bytes into a new file at rel (never through a link), fsynced, and hashed as they are copied."""
-        where = self.place(rel)
-        h, size = hashlib.sha256(), 0
-        with reading.open_file(src, limit, follow=follow) as f:
-            fd = open_new(where)
-            try:
-                for piece in reading.chunks(f, src, limit):
-                    h.update(piece)
-                    size += len(piece)
-                    view = memoryview(piece)
-                    while view:
-                        view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        entry = {"size": size, "sha256": h.hexdigest()}
+        entry = reading.copy_new(src, self.place(rel), limit, follow=follow)
         if expected is not None:
             if (entry["size"], entry["sha256"]) != (expected["size"], expected["sha256"]):
                 raise BadSource(f"{src}: its bytes differ from {witness} (changed or damaged while being archived)")
@@ -189,16 +173,6 @@ class Builder:
     def link(self, rel: str, target: str) -> None:
         os.symlink(target, self.place(rel))
         self.links[rel] = target
-
-
-def _regular_files(directory: Path) -> list[Path]:
-    out = []
-    for e in sorted(os.scandir(directory), key=lambda e: e.name):
-        st = e.stat(follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode):
-            raise BadSource(f"{e.path}: is {reading.kind_of(st)}; a run's files must be regular files inside it")
-        out.append(Path(e.path))
-    return out
 
 
 def find_corpus(output_dir: Path | None, data_hash: str) -> Path | None:
@@ -220,24 +194,20 @@ def find_corpus(output_dir: Path | None, data_hash: str) -> Path | None:
 def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     """Copy one run into b.root/runs/<name>/; returns what was exported."""
     base = f"runs/{p.name}"
-    ensure_dirs(b.root, "runs", p.name, CHECKPOINTS)
-    for name, directory in p.checkpoints.items():
-        files = copy_list(directory, p.manifests[name])  # exactly the listed files, regular, of their sizes
-        witness = str(files[-1][1])  # the manifest listing them
-        for fn, src, entry in files:
-            b.copy(src, f"{base}/{CHECKPOINTS}/{name}/{fn}", entry["size"] if entry else MAX_SMALL, entry, witness)
-        fsync_dir(b.root / base / CHECKPOINTS / name)
-    for link, target in sorted(p.links.items()):
-        b.link(f"{base}/{CHECKPOINTS}/{link}", target)  # relative, beside its step directory, as a run has it
-    if p.run_dir is not None:
-        if os.path.lexists(p.run_dir / ".hydra"):
-            if os.path.islink(p.run_dir / ".hydra"):
-                raise BadSource(f"{p.run_dir / '.hydra'}: is a symlink; a run's files must be inside it")
-            for f in _regular_files(p.run_dir / ".hydra"):
-                b.copy(f, f"{base}/.hydra/{f.name}", MAX_SMALL)
-        for fn, limit in (("run.json", MAX_SMALL), ("metrics.jsonl", MAX_METRICS)):
-            if os.path.lexists(p.run_dir / fn):
-                b.copy(p.run_dir / fn, f"{base}/{fn}", limit)
+    ensure_dirs(b.root, "runs", p.name)
+    store = RunDir(b.root / base).store.root
+    ensure_dirs(store.parent, store.name)
+    for name, directory in p.checkpoints.items():  # exactly the listed files, each hashed as it is copied
+        listed = p.manifests[name]["files"]
+        for fn, entry in CheckpointDir(directory).copy_to(store / name, p.manifests[name]).items():
+            rel = (store / name / fn).relative_to(b.root).as_posix()
+            b.files[rel] = entry
+            if fn in listed:
+                b.expected[rel] = (listed[fn], f"the manifest of {directory}")
+    for link, target in sorted(p.links.items()):  # relative, beside its step directory, as a run has it
+        b.link((store / link).relative_to(b.root).as_posix(), target)
+    for rel, path, limit in RunDir(p.run_dir).records() if p.run_dir is not None else ():
+        b.copy(path, f"{base}/{rel}", limit)
     data_hash, sources, data = p.newest["data_manifest_hash"], dict(p.newest["sources"]), p.newest["config"]["data"]
     corpus = find_corpus(p.output_dir, data_hash)
     identity = {"data_manifest_hash": data_hash, "sources": sources, "data": data,
@@ -326,7 +296,7 @@ def run_overrides(run: Path) -> list[str] | None:
     """The overrides the run was last started with (.hydra/overrides.yaml), or None if it has none."""
     import yaml
 
-    path = run / ".hydra" / "overrides.yaml"
+    path = RunDir(run).overrides_path
     if not path.is_file():
         return None
     value = yaml.safe_load(reading.read_bytes(path, MAX_SMALL))
@@ -359,7 +329,7 @@ def restore_all(root: Path, extra: list[str]) -> list[dict]:
 
     checks = []
     for run in sorted((root / "runs").iterdir()):
-        for step_dir in sorted((run / CHECKPOINTS).iterdir()):
+        for step_dir in sorted(RunDir(run).store.root.iterdir()):
             if step_dir.is_symlink():
                 continue
             rel = step_dir.relative_to(root).as_posix()
@@ -416,14 +386,14 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     """A fresh `python -m pipeline` resumes from the newest archived checkpoint the original went past (else
     the newest), to the run's own end; its later metrics.jsonl lines, and its final state files, compared bit
     for bit with the archived ones."""
-    store = CheckpointStore(run / CHECKPOINTS)
+    store = RunDir(run).store
     steps = store.steps()
     overrides = run_overrides(run)
     identity = jsonio.read(run / "data-identity.json", MAX_SMALL)
     if overrides is None:
         return {"run": run.name, "passed": None, "detail": "no .hydra/overrides.yaml (a checkpoint archived "
                                                            "without its run): not resumed"}
-    archived = _metric_lines(run) if (run / "metrics.jsonl").exists() else []
+    archived = _metric_lines(run) if RunDir(run).metrics_path.exists() else []
     last_logged = max((ln["step"] for ln in archived), default=steps[-1][0])
     end = max(last_logged, steps[-1][0])
     candidates = [(s, d) for s, d in steps if s < end]
@@ -446,10 +416,10 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     got = [ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end]  # a preempted run goes on past end
     want = [ln for ln in archived if ln["step"] > step]
     compared = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
-    final = CheckpointStore(resumed_run / CHECKPOINTS)
+    final = RunDir(resumed_run).store
     original_final = store.link_dir("final")
     if original_final is not None and final.link_dir("final") is not None and step < end:
-        a, bb = read_manifest(original_final), read_manifest(final.link_dir("final"))["files"]
+        a, bb = CheckpointDir(original_final).manifest(), CheckpointDir(final.link_dir("final")).manifest()["files"]
         compared["final_step"] = a["step"]
         compared["final_files_equal"] = {n: e["sha256"] == bb.get(n, {}).get("sha256") for n, e in a["files"].items()}
     ok = compared["metrics_equal"] and all(compared.get("final_files_equal", {}).values())
@@ -499,7 +469,7 @@ def readme(dest: Path, exported: dict) -> str:
         newest = order[-1]
         resume_from = order[-2] if len(order) > 1 and "final" in ck[newest]["links"] else newest  # as the proof does
         best = "best" if any("best" in c["links"] for c in ck.values()) else newest
-        at = f"{dest}/runs/{name}/checkpoints"
+        at = RunDir(dest / "runs" / name).store.root
         over = " ".join(run["resume_overrides"])
         sp = " ".join(o for o in run["resume_overrides"] if o.startswith("hydra.searchpath="))
         lines += [f"## {name}", "", "Checkpoints: " + ", ".join(
@@ -569,7 +539,7 @@ def _build_archive(source: Path, dest: Path, which: str, with_data: bool, extra:
             name = Path(os.path.realpath(source)).name
             for f in (p for p in sorted(Path(source).iterdir()) if not p.is_dir() or p.is_symlink()):
                 b.copy(f, f"sweeps/{name}/{f.name}", MAX_SMALL)
-            for f in _regular_files(Path(source) / "jobs"):
+            for f in sorted((Path(source) / "jobs").iterdir()):  # each a regular file: b.copy refuses the rest
                 b.copy(f, f"sweeps/{name}/jobs/{f.name}", MAX_SMALL)
             exported["sweep"] = name
         b.write("README.md", readme(dest, exported).encode())

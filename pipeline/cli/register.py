@@ -108,7 +108,7 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     directory the checkpoint lies in, where `tracking=mlflow` indexes its runs); the mlflow ModelVersion.
     CheckpointError / ConfigError / StoreError (one line) for a checkpoint, data or store that will not do."""
     from pipeline.files import jsonio, names
-    from pipeline.checkpoint.store import checkpoint_dir as resolve, data_facts
+    from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.serving import CHECKPOINT, VOCAB
     from pipeline.run.trained import own_data, restore_checkpoint
 
@@ -116,13 +116,14 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
         raise ConfigError(f"NAME={names.shown(name)}: {why or 'must not be blank'} (a registered model's name is "
                           "models:/NAME/VERSION and a directory of a file store)")
     given = Path(checkpoint_dir)
-    directory = resolve(given)  # `final`, `best`: the step directory they stand for
+    checkpoint = CheckpointDir(given)
+    directory = checkpoint.resolved()  # `final`, `best`: the step directory they stand for
     manifest, state = restore_checkpoint(directory)  # refused here, before mlflow is imported or a byte written
     if not (hasattr(state.model, "logits") or hasattr(state.model, "predict")):
         raise ConfigError(f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
                           "neither generates tokens (logits) nor predicts rows (predict): nothing to serve")
     vocab = None
-    if hasattr(state.model, "logits") and data_facts(directory, manifest) is None:  # schema 2.0: no data.json
+    if hasattr(state.model, "logits") and checkpoint.data_facts(manifest) is None:  # schema 2.0: no data.json
         dataset = own_data(manifest, [], given)
         vocab = {"vocab": list(dataset.vocab), "decode_join": dataset.manifest["decode_join"]}
 
@@ -143,7 +144,9 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     tags = {"checkpoint": str(directory), "step": manifest.get("step"), "config_hash": manifest.get("config_hash"),
             "training_run_id": run_id, "training_run_uri": manifest.get("mlflow_run_uri")}
     with tempfile.TemporaryDirectory(prefix="pipeline-register-") as tmp:
-        artifacts = {CHECKPOINT: str(directory)}
+        # mlflow uploads a copy made from the verified files (one that changed since is refused here)
+        checkpoint.copy_to(Path(tmp) / directory.name, manifest)
+        artifacts = {CHECKPOINT: str(Path(tmp) / directory.name)}
         if vocab is not None:
             (Path(tmp) / "vocab.json").write_bytes(jsonio.dumps(vocab))
             artifacts[VOCAB] = str(Path(tmp) / "vocab.json")

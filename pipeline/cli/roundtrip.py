@@ -35,7 +35,9 @@ import numpy as np
 
 from pipeline.files import jsonio
 from pipeline.files.atomic import TMP_PREFIX, remove_tree, write_new
-from pipeline.checkpoint import store
+from pipeline.checkpoint.directory import CheckpointDir, file_hashes, step_dir_name
+from pipeline.checkpoint.manifest import SCHEMA_VERSION
+from pipeline.checkpoint.store import CheckpointStore
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.tensors import read_tensors, write_tensors
 from pipeline.config.identity import run_name
@@ -75,7 +77,7 @@ def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
     run = Fresh(config)
     run.train(steps)
     before = run.snapshot()
-    directory = work / "checkpoint" / store.step_dir_name(run.state.step)
+    directory = work / "checkpoint" / step_dir_name(run.state.step)
     manifest = run.save(directory)
     fresh = Fresh(config)
     untouched = fresh.snapshot()
@@ -86,7 +88,7 @@ def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
         "passed": [m for m in PARTS if m not in differences], "differences": differences,
         # a part the fresh objects already matched proves nothing about its restore
         "unchanged_by_training": [m for m in PARTS if first_difference(before[m], untouched[m], m) is None],
-        "directory": directory, "sha256": store.file_hashes(manifest)["weights"], "run": run,
+        "directory": directory, "sha256": file_hashes(manifest)["weights"], "run": run,
     }
 
 
@@ -95,7 +97,7 @@ def check_continuation(config: dict, overrides: list[str], work: Path, steps: in
     losses_ref = losses(reference, 2 * steps)
     first = Fresh(config)
     losses_a = losses(first, steps)
-    directory = work / "continuation" / store.step_dir_name(first.state.step)
+    directory = work / "continuation" / step_dir_name(first.state.step)
     first.save(directory)
     if separate_process:
         out = work / "continuation" / "resumed"
@@ -137,7 +139,7 @@ def check_tying(config: dict, d: dict) -> dict:
     live = model.state_dict()
     aliases = dict(model.aliases)
     expected = sum(a.nbytes for a in {id(a): a for a in live.values()}.values())  # a tied array counted once
-    path = store.weights_file(directory)
+    path = CheckpointDir(directory).weights_file()
     size = path.stat().st_size
     header_bytes, head = header(path)
     metadata = head.get("__metadata__", {})
@@ -180,11 +182,11 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
     parent = out / "saves"
     leftovers_after_kill = sorted(p.name for p in parent.iterdir() if p.name.startswith(TMP_PREFIX)) if parent.is_dir() else []
     no_final = not any(p.name.startswith("step-") for p in parent.iterdir()) if parent.is_dir() else True
-    ignored = store.CheckpointStore(parent).steps() == []
+    ignored = CheckpointStore(parent).steps() == []
     again = child(args, overrides)
     leftovers = sorted(p.name for p in parent.iterdir() if p.name.startswith(TMP_PREFIX))
     try:
-        store.verify(parent / store.step_dir_name(2))
+        CheckpointDir(parent / step_dir_name(2)).verify()
         verifies = True
     except CheckpointError:
         verifies = False
@@ -197,7 +199,7 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
 def save_in_this_process(overrides: list[str], out: Path, steps: int) -> None:
     run = Fresh(to_plain(compose(overrides)))
     run.train(steps)
-    run.save(out / "saves" / store.step_dir_name(run.state.step))
+    run.save(out / "saves" / step_dir_name(run.state.step))
 
 
 # -- the command --------------------------------------------------------------------------------
@@ -211,7 +213,7 @@ def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = Tr
     scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=out))
     try:
         d = check_byte_equivalence(config, out, steps)
-        name, raw = store.manifest_file(d["directory"])
+        name, raw = CheckpointDir(d["directory"]).manifest_file()
         manifest = jsonio.loads(raw)
         write_new(out / name, raw)
         tying = check_tying(config, d)
@@ -231,7 +233,7 @@ def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = Tr
     }
     results["passed"] = bool(results["all_byte_equal"] and results["continuation_test_passed"]
                              and results["weight_tying_preserved"] is not False and results["atomic_write_resilient"]
-                             and results["size_within_4kib"] and results["manifest_schema_version"] == store.SCHEMA_VERSION)
+                             and results["size_within_4kib"] and results["manifest_schema_version"] == SCHEMA_VERSION)
     path = out / RESULTS
     path.write_bytes(jsonio.dumps(results))
     return results, path

@@ -21,7 +21,7 @@ from pipeline.files import jsonio
 from pipeline.files.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import code_change
-from pipeline.checkpoint.store import checkpoint_dir, file_hashes, is_checkpoint_dir, manifest_as_written
+from pipeline.checkpoint.directory import CheckpointDir, file_hashes
 from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, ConfigError, refuse
 
@@ -39,7 +39,7 @@ def describe_checkpoint(directory: Path, overrides: tuple[str, ...] = ()) -> dic
     out: dict = {"kind": "checkpoint", "path": str(directory)}
     if directory.is_symlink():
         out["link_target"] = os.readlink(directory)
-    manifest = manifest_as_written(directory)
+    manifest = CheckpointDir(directory).manifest_as_written()
     out.update({k: manifest[k] for k in SUMMARY if k in manifest})
     if manifest:
         out["other_code"] = code_change(manifest)  # None: this code trained it (or it cannot be told)
@@ -145,15 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     if (bad := next((o for o in overrides if not o.startswith("hydra.searchpath=")), None)) is not None:
         return refuse(NAME, f"{bad}: only hydra.searchpath=[...] can be given here")
     try:
-        checkpoint_dir(path)  # nothing is read through a link out of a run
+        CheckpointDir(path).resolved()  # nothing is read through a link out of a run
     except CheckpointError as e:
         return refuse(NAME, e)
-    if RunDir(path.parent).store.root == path and not is_checkpoint_dir(path):
+    if RunDir(path.parent).store.root == path and not CheckpointDir(path).exists():
         path = path.parent  # a run's checkpoints/ stands for the run
     try:
         allowed(overrides)  # a search path that is not there: said once, before any checkpoint is read
         rundir = RunDir(path)
-        describe = describe_run if rundir.store.root.is_dir() or rundir.status_path.is_file() else describe_checkpoint
+        describe = describe_run if rundir.is_run() else describe_checkpoint
         d = describe(path, overrides)
     except (UnknownTargetError, ConfigError) as e:
         return refuse(NAME, e)

@@ -7,7 +7,7 @@ import hashlib
 import os
 import stat
 
-from pipeline.files.atomic import UnsafePathError
+from pipeline.files.atomic import UnsafePathError, open_new, write_all
 
 CHUNK = 1 << 20  # bytes per read while hashing or reading whole
 
@@ -94,3 +94,19 @@ def sha256(path, limit: int | None = None, follow: bool = False, bound: str | No
         for piece in chunks(f, path, limit, bound):
             h.update(piece)
     return h.hexdigest()
+
+
+def copy_new(src, dest, limit: int, follow: bool = False) -> dict:
+    """src's bytes (bounded) into a file created now at dest, fsynced, hashed as they are copied: {"size", "sha256"}."""
+    h, size = hashlib.sha256(), 0
+    with open_file(src, limit, follow=follow) as f:
+        fd = open_new(dest)
+        try:
+            for piece in chunks(f, src, limit):
+                h.update(piece)
+                size += len(piece)
+                write_all(fd, piece)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return {"size": size, "sha256": h.hexdigest()}

@@ -1,4 +1,4 @@
-"""A run directory's layout (docs/outputs.md), its lock, and its run.json and metrics.jsonl."""
+"""A run directory: what it holds (docs/outputs.md), its lock, and its run.json and metrics.jsonl."""
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +14,7 @@ from pipeline.files import jsonio, reading
 from pipeline.files.atomic import (UnsafePathError, ensure_dirs, fsync_dir, named, open_append, refuse_link,
                                    replace_file, second_name)
 from pipeline.checkpoint.errors import RunFileError
+from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.checkpoint.store import CheckpointStore
 
 MAX_RUN_JSON = 16 << 20
@@ -42,6 +43,9 @@ def _lock_within(fd: int, grace: float, kind: int = fcntl.LOCK_EX) -> bool:
 
 
 class RunDir:
+    """A run directory, the only code that knows what it holds: .hydra/ (the composed config, the overrides),
+    checkpoints/ (a CheckpointStore), run.json, metrics.jsonl, pipeline.log, the lock and superseded/."""
+
     def __init__(self, path: Path):
         self.path = Path(path)
         self.lock_path = self.path / ".lock"
@@ -49,9 +53,33 @@ class RunDir:
         self.metrics_path = self.path / "metrics.jsonl"
         self.log_path = self.path / "pipeline.log"
         self.hydra_dir = self.path / ".hydra"
+        self.overrides_path = self.hydra_dir / "overrides.yaml"
         self.store = CheckpointStore(self.path / "checkpoints")
         self._fd: int | None = None
         self.read_only = False  # on a read-only medium: a complete run may be confirmed, nothing written
+
+    @classmethod
+    def of_checkpoint(cls, directory: Path) -> RunDir | None:
+        """The run whose store `directory` lies in (RUN/checkpoints/step-NNNNNNNN, RUN/checkpoints/best), else None."""
+        run = cls(Path(directory).parent.parent)
+        return run if run.store.root == Path(directory).parent else None
+
+    def is_run(self) -> bool:
+        """Whether it holds a run: its store of checkpoints or its run.json."""
+        return self.store.root.is_dir() or self.status_path.is_file()
+
+    def records(self) -> list[tuple[str, Path, int]]:
+        """(name inside the run, path, byte bound) of each record it keeps beside its checkpoints (.hydra/'s files,
+        run.json, metrics.jsonl; the lock and the log belong to a process); UnsafePathError for a link or anything
+        but a regular file among them."""
+        out = []
+        if os.path.lexists(self.hydra_dir):
+            refuse_link(self.hydra_dir, "directory")
+            for e in sorted(os.scandir(self.hydra_dir), key=lambda e: e.name):
+                refuse_link(Path(e.path))
+                out.append((f"{self.hydra_dir.name}/{e.name}", Path(e.path), MAX_RUN_JSON))
+        return out + [(p.name, p, limit) for p, limit in ((self.status_path, MAX_RUN_JSON),
+                                                          (self.metrics_path, MAX_METRICS)) if os.path.lexists(p)]
 
     # --- the lock
     def acquire(self) -> None:
@@ -213,7 +241,7 @@ class RunDir:
         """The composed config and the overrides, as Hydra's .hydra/ holds them."""
         ensure_dirs(self.path, ".hydra")
         replace_file(self.hydra_dir / "config.yaml", config_yaml.encode())
-        replace_file(self.hydra_dir / "overrides.yaml",
+        replace_file(self.overrides_path,
                      "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides).encode() or b"[]\n")
 
     def _superseded_dir(self) -> Path:
@@ -237,10 +265,21 @@ class RunDir:
 
     def set_aside(self, step_dirs: list[Path], metrics: bool, snapshot: bool) -> Path:
         """Into superseded/<when>/, returned: these step directories, moved; with `snapshot`, every other step
-        directory and link of checkpoints/ as it stands (CheckpointStore.keep_into); with `metrics`,
-        metrics.jsonl as it is now, a second name for the file until it is rewritten."""
+        directory (its files' second names, CheckpointDir.second_names: no byte copied) and link of checkpoints/
+        as it stands; with `metrics`, metrics.jsonl as it is now, a second name for the file until it is rewritten."""
         dest = self._superseded_dir()
-        self.store.keep_into(dest / self.store.root.name, step_dirs, snapshot)
+        if step_dirs or snapshot:
+            kept = dest / self.store.root.name
+            os.mkdir(kept)
+            for d in step_dirs:
+                os.rename(d, kept / d.name)
+            steps, links = self.store.scan() if snapshot else ([], {})
+            for _, d in steps:
+                CheckpointDir(d).second_names(kept / d.name)
+            for name, target in links.items():
+                os.symlink(target, kept / name)
+            fsync_dir(kept)
+            fsync_dir(self.store.root)
         if metrics and os.path.lexists(self.metrics_path):
             refuse_link(self.metrics_path)
             second_name(self.metrics_path, dest / self.metrics_path.name)

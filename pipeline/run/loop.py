@@ -15,7 +15,7 @@ from pipeline.files.atomic import environment_error, named
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.retention import AnyOf, LatestN
-from pipeline.checkpoint.store import Checkpoint
+from pipeline.checkpoint.directory import Checkpoint
 from pipeline.run.assemble import Job
 from pipeline.run.directory import RunDir
 from pipeline.config import identity

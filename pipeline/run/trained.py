@@ -13,11 +13,11 @@ import numpy as np
 
 from pipeline.config import identity, targets
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint import store
-from pipeline.checkpoint.store import load, manifest_fault, read_manifest
+from pipeline.checkpoint.directory import CheckpointDir, weights_bytes
 from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import SCHEMAS, validate
 from pipeline.data.base import DataSpec, inference_facts
+from pipeline.run.directory import RunDir
 from pipeline.stateful import restore
 from pipeline.trainer.state import TrainState
 
@@ -34,37 +34,37 @@ class UnknownTargetError(CheckpointError):
 def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict, TrainState]:
     """(manifest, the restored state) of a checkpoint that fully verifies: its manifest checked against itself,
     every `_target_` of its config allowed before anything is imported (UnknownTargetError), then the parts
-    built and store.load verifying every file against them. `overrides` may give `hydra.searchpath=[...]`."""
+    built and CheckpointDir.load verifying every file against them. `overrides` may give `hydra.searchpath=[...]`."""
     from pipeline.run.assemble import build_state
 
-    directory = Path(directory)
-    manifest = read_manifest(directory)  # bounded, and its hashes agree with its config: nothing built yet
+    checkpoint = CheckpointDir(directory)
+    manifest = checkpoint.manifest()  # bounded, and its hashes agree with its config: nothing built yet
     try:
         targets.check(manifest["config"], targets.allowed(tuple(overrides)))
     except targets.UnknownTarget as e:
-        raise manifest_fault(directory, str(e), UnknownTargetError) from None
+        raise checkpoint.fault(str(e), UnknownTargetError) from None
     try:
         validate(manifest["config"])  # the ranges a run's values are held to, before anything is sized by them
     except ConfigError as e:
-        raise manifest_fault(directory, f"its config holds a value a run refuses: {e}") from None
+        raise checkpoint.fault(f"its config holds a value a run refuses: {e}") from None
     spec = dict(manifest["data_spec"])
     n_train = int(spec.pop("n_train"))
-    _fits_its_weights(directory, manifest, DataSpec(**spec))
+    _fits_its_weights(checkpoint, manifest, DataSpec(**spec))
     try:
         state = build_state(manifest["config"], DataSpec(**spec), n_train)
     except Exception as e:  # noqa: BLE001 - a model or data this installation cannot build: one line
-        raise manifest_fault(directory, f"its config does not build here: "
+        raise checkpoint.fault(f"its config does not build here: "
                                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     # One read of every file: sizes, sha256, each tensor file's layout before allocation, every part's fit:
     # restore cannot refuse after it.
-    ckpt = load(directory, parts := state.parts())
+    ckpt = checkpoint.load(parts := state.parts())
     if ckpt.manifest != manifest:
-        raise manifest_fault(directory, "changed while it was read")
+        raise checkpoint.fault("changed while it was read")
     restore(parts, ckpt.state)
     return manifest, state
 
 
-def _fits_its_weights(directory: Path, manifest: dict, spec: DataSpec) -> None:
+def _fits_its_weights(checkpoint: CheckpointDir, manifest: dict, spec: DataSpec) -> None:
     """A config whose model is far bigger than its weights file is refused before a byte is allocated for it (a planted
     width would otherwise be built first and found wrong after, or exhaust memory on the way)."""
     from hydra.utils import get_class
@@ -74,12 +74,12 @@ def _fits_its_weights(directory: Path, manifest: dict, spec: DataSpec) -> None:
         count = getattr(get_class(node["_target_"]), "n_params", None)
         wanted = None if count is None else count(spec, **{k: v for k, v in node.items() if k != "_target_"})
     except Exception as e:  # noqa: BLE001 - a model this installation cannot build: one line
-        raise manifest_fault(directory, f"its config does not build here: {type(e).__name__}: {e}") from None
+        raise checkpoint.fault(f"its config does not build here: {type(e).__name__}: {e}") from None
     itemsize = np.dtype(manifest["config"]["trainer"]["dtype"]).itemsize
-    # Only a gross excess is refused here: a near miss is built (cheaply) and named precisely by store.load.
-    if wanted is not None and wanted * itemsize > 2 * store.weights_bytes(manifest) + SLACK_BYTES:
-        raise manifest_fault(directory, f"its config describes a model of {wanted:,} parameters ({wanted * itemsize:,} "
-                                        f"bytes), more than its weights file holds ({store.weights_bytes(manifest):,} "
+    # Only a gross excess is refused here: a near miss is built (cheaply) and named precisely by CheckpointDir.load.
+    if wanted is not None and wanted * itemsize > 2 * weights_bytes(manifest) + SLACK_BYTES:
+        raise checkpoint.fault(f"its config describes a model of {wanted:,} parameters ({wanted * itemsize:,} "
+                                        f"bytes), more than its weights file holds ({weights_bytes(manifest):,} "
                                         "bytes); it was not built")
 
 
@@ -98,10 +98,9 @@ def cache_home(directory: Path) -> str:
     else (an archive, a lone checkpoint) the default; never the manifest's: a checkpoint picks no place to write."""
     from pipeline.config.compose import default_output_dir
 
-    step = Path(directory).absolute()
-    runs = step.parent.parent.parent
-    if step.parent.name == "checkpoints" and runs.name == "runs" and not in_archive(directory):
-        return str(runs.parent)
+    run = RunDir.of_checkpoint(Path(directory).absolute())
+    if run is not None and run.path.parent.name == "runs" and not in_archive(directory):
+        return str(run.path.parent.parent)
     return default_output_dir()
 
 
@@ -193,7 +192,7 @@ def own_data(manifest: dict, overrides: list[str], directory: Path):
 def data_facts(manifest: dict, overrides: list[str], directory: Path) -> dict:
     """{"vocab", "decode_join", "specials"} of a verified checkpoint: its data.json (no corpus needed), or for a
     schema 2.0 checkpoint its own data, built (`overrides` may say where its text file or corpus cache is)."""
-    facts = store.data_facts(directory, manifest)
+    facts = CheckpointDir(directory).data_facts(manifest)
     return facts if facts is not None else inference_facts(own_data(manifest, overrides, directory))
 
 

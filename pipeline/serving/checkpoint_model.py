@@ -21,9 +21,9 @@ def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str
     """(vocab, decode_join, eos): the checkpoint's own data.json (verified against its manifest) if it has one,
     else (a schema 2.0 checkpoint) the vocab.json registered beside it."""
     from pipeline.files import jsonio
-    from pipeline.checkpoint.store import data_facts
+    from pipeline.checkpoint.directory import CheckpointDir
 
-    facts = data_facts(checkpoint)
+    facts = CheckpointDir(checkpoint).data_facts()
     if facts is not None:
         return facts["vocab"], facts["decode_join"], (facts.get("specials") or {}).get("eos")
     if vocab_json is None:
@@ -45,7 +45,7 @@ def _rows(model_input) -> list[dict]:
 
 
 def _args(row: dict) -> list[str]:
-    """A row as pipeline.cli.sample's key=value arguments; a missing value (None, NaN) takes the default."""
+    """A row as parse_options's key=value arguments; a missing value (None, NaN) takes the default."""
     unknown = sorted(set(row) - set(OPTIONS))
     if unknown:
         raise MlflowException(f"unknown column(s) {unknown}: a row gives {', '.join(OPTIONS)}",
@@ -83,7 +83,7 @@ class CheckpointModel(PythonModel):
             x = np.asarray(model_input.to_numpy() if hasattr(model_input, "to_numpy") else model_input,
                            dtype=getattr(self.model, "dtype", np.float64))  # [B, n_features]
             return self.model.predict(x)  # [B, n_targets]
-        from pipeline.cli.sample import continuation, parse_options
+        from pipeline.model.generate import continuation, parse_options
         from pipeline.config.errors import ConfigError
 
         out = []
@@ -103,7 +103,7 @@ class Row(pydantic.BaseModel):
 
     model_config = pydantic.ConfigDict(extra="forbid")
     prompt: str
-    max_new_tokens: Any = None  # checked as pipeline.cli.sample checks them (_args)
+    max_new_tokens: Any = None  # checked as pipeline.model.generate checks them (_args)
     temperature: Any = None
     top_k: Any = None
     seed: Any = None

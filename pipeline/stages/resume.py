@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import Checkpoint, checkpoint_dir, file_hashes, files_of, load
+from pipeline.checkpoint.directory import Checkpoint, CheckpointDir, file_hashes, files_of
 from pipeline.config import identity
 from pipeline.stages.base import Stage
 from pipeline.stages.drift import drift, refuse, say_if_a_sibling_differs
@@ -51,8 +51,8 @@ class Resume(Stage):
         _continue(run, ckpt, ckpt.manifest["lineage"], run.rundir.read_metrics(), self.allow_changes)
 
     def _fork(self, run, source: Path) -> None:
-        source = checkpoint_dir(source).resolve()  # a link out of a run is refused, not followed
-        src = load(source)  # its fit is checked once the drift is known (an allowed change may be why)
+        source = CheckpointDir(source).resolved().resolve()  # a link out of a run is refused, not followed
+        src = CheckpointDir(source).load()  # its fit is checked once the drift is known (an allowed change may be why)
         origin = {"checkpoint": str(source), "step": src.step,
                   "weights_sha256": file_hashes(src.manifest)["weights"]}
         lineage = lineage_of(run.job.semantic_hash, origin)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pipeline.files import jsonio
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import json_state, manifest_file, read_manifest, weights_file
+from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.tracking import store
 from pipeline.tracking.common import (CURVES_ARTIFACT, experiment_of, metric_points, params_of, parse_run_uri,
@@ -26,7 +26,7 @@ def manifests(rundir: RunDir, damaged: list[str] | None = None) -> list[tuple[Pa
     out = []
     for _, directory in rundir.store.steps():
         try:
-            out.append((directory, read_manifest(directory)))
+            out.append((directory, CheckpointDir(directory).manifest()))
         except CheckpointError as e:
             if damaged is not None:
                 damaged.append(str(e))
@@ -36,7 +36,7 @@ def manifests(rundir: RunDir, damaged: list[str] | None = None) -> list[tuple[Pa
 def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
     """{"best/<monitor>": (value, step)} from the best-val stages' state in a checkpoint's extra.json."""
     try:
-        manifest, extra = json_state(directory)
+        manifest, extra = CheckpointDir(directory).json_state()
     except (OSError, CheckpointError):
         return {}
     config = manifest["config"]
@@ -139,12 +139,12 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     repo = store.artifact_repo(client, run_id)
     have = store.artifact_sizes(repo)
     final = rundir.store.link_dir("final")
-    reads = [(f"checkpoints/{d.name}", manifest_file, d) for d, _ in found]
-    reads += [("final", weights_file, final), ("final", manifest_file, final)] if final is not None else []
+    reads = [(d.relative_to(rundir.path).as_posix(), CheckpointDir.manifest_file, d) for d, _ in found]
+    reads += [("final", CheckpointDir.weights_file, final), ("final", CheckpointDir.manifest_file, final)] if final else []
     todo: list[tuple[str, Path | bytes]] = []
     for folder, read, directory in reads:  # the store reads a checkpoint's files: never a link or a FIFO
         try:
-            source = read(directory)
+            source = read(CheckpointDir(directory))
         except (OSError, CheckpointError):
             continue  # a damaged checkpoint: reindex names it
         name, source = (source.name, source) if isinstance(source, Path) else source

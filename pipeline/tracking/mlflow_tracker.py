@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import manifest_file
+from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.run.report import run_page
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
@@ -173,11 +173,11 @@ class MlflowTracker(Tracker):
         if not self.active:
             return
         try:
-            name, raw = manifest_file(directory)  # the bytes on disk, not a re-serialisation
+            name, raw = CheckpointDir(directory).manifest_file()  # the bytes on disk, not a re-serialisation
         except CheckpointError:
             return
-        self.link.send({"op": "checkpoint", "sid": self.sid, "artifact": f"checkpoints/{Path(directory).name}/{name}",
-                        "manifest": raw.decode()})
+        artifact = Path(Path(directory).parent.name, Path(directory).name, name).as_posix()  # as in the run directory
+        self.link.send({"op": "checkpoint", "sid": self.sid, "artifact": artifact, "manifest": raw.decode()})
 
     def finish(self, status: str, run_dir: Path) -> None:
         """Hand the run over and leave, waiting (within the job's bound) only for the last messages to be on their

@@ -14,7 +14,7 @@ from pathlib import Path
 from pipeline.files import jsonio
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import versions
-from pipeline.checkpoint.store import file_hashes, json_state, verify
+from pipeline.checkpoint.directory import CheckpointDir, file_hashes
 from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE, EXIT_ERROR as EXIT_MISMATCH, EXIT_OK
 from pipeline.verify.protocol import verify_dir
@@ -40,10 +40,10 @@ def _run_dir(output_dir: Path) -> RunDir:
 def final_state(output_dir: Path) -> dict:
     """What must be identical: every kept checkpoint's files (sha256) and links, the final state, every number."""
     rundir = _run_dir(output_dir)
-    kept = {step: file_hashes(verify(directory)) for step, directory in rundir.store.steps()}
+    kept = {step: file_hashes(CheckpointDir(directory).verify()) for step, directory in rundir.store.steps()}
     final = rundir.store.link_step("final")
     assert final is not None, f"{output_dir}: the run has no final checkpoint"
-    _, extra = json_state(rundir.store.root / "final")
+    _, extra = CheckpointDir(rundir.store.root / "final").json_state()
     lines = [{k: v for k, v in line.items() if k != "time"} for line in rundir.read_metrics()]
     return {"weights": kept[final]["weights"], "optim": kept[final]["optim"], "extra": extra, "metrics": lines,
             "step": final, "checkpoints": kept, "links": rundir.store.links()}
@@ -54,7 +54,7 @@ def invalid_visible_checkpoints(output_dir: Path) -> list[str]:
     for run in (output_dir / "runs").glob("*"):
         for _, directory in RunDir(run).store.steps():
             try:
-                verify(directory)
+                CheckpointDir(directory).verify()
             except CheckpointError as e:
                 bad.append(str(e))
     return bad

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipeline.files import jsonio
 from pipeline.checkpoint import manifest as mf
-from pipeline.checkpoint import store
+from pipeline.checkpoint.directory import Checkpoint, CheckpointDir
 from pipeline.config import targets
 from pipeline.config.errors import EXIT_BAD_INPUT, ConfigError
 from pipeline.run.assemble import assemble
@@ -36,10 +36,10 @@ class Fresh:
                         lineage=lineage_of(facts["semantic_config_hash"], None))
 
     def save(self, directory: Path) -> dict:
-        return store.write(directory, capture(self.parts), self.fields())
+        return CheckpointDir(directory).write(capture(self.parts), self.fields())
 
-    def load(self, directory: Path, only: tuple[str, ...] = PARTS) -> store.Checkpoint:
-        ckpt = store.load(directory, self.parts)
+    def load(self, directory: Path, only: tuple[str, ...] = PARTS) -> Checkpoint:
+        ckpt = CheckpointDir(directory).load(self.parts)
         restore(self.parts, ckpt.state, only=only)
         return ckpt
 

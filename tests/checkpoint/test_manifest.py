@@ -15,7 +15,7 @@ import pytest
 
 from conftest import KERNODECK, PROJECT_ROOT, the_run
 from pipeline.checkpoint import manifest as mf
-from pipeline.checkpoint.store import DATA, EXTRA, MANIFEST, OPTIM, WEIGHTS
+from pipeline.checkpoint.directory import DATA, EXTRA, MANIFEST, OPTIM, WEIGHTS
 from pipeline.run.directory import RunDir
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")

@@ -14,9 +14,8 @@ import pytest
 
 from conftest import TINY, refused_in_one_line, run_job, run_pipeline, the_run
 from pipeline.files import jsonio
-from pipeline.checkpoint import store
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import DATA, MANIFEST
+from pipeline.checkpoint.directory import DATA, MANIFEST, CheckpointDir
 from pipeline.cli.evaluate import evaluate_checkpoint
 from pipeline.run.directory import RunDir
 from pipeline.cli.sample import sample
@@ -75,8 +74,8 @@ def text(tmp_path_factory, finished_job) -> dict:
 
 def copy_of(ckpt: Path, tmp_path: Path) -> Path:
     """A copy of a checkpoint in a run layout of its own, for a test to damage."""
-    directory = tmp_path / "runs" / "r" / "checkpoints" / store.checkpoint_dir(ckpt).name
-    shutil.copytree(store.checkpoint_dir(ckpt), directory)
+    directory = tmp_path / "runs" / "r" / "checkpoints" / CheckpointDir(ckpt).resolved().name
+    shutil.copytree(CheckpointDir(ckpt).resolved(), directory)
     return directory
 
 
@@ -115,14 +114,14 @@ def test_without_its_corpus_a_checkpoint_exports_the_same(which, grammar, text, 
 def test_data_json_holds_the_corpus_vocabulary_join_and_specials(grammar, text):
     from pipeline.data.grammar import vocabulary
 
-    assert store.data_facts(grammar["ckpt"]) == {"vocab": vocabulary(), "decode_join": " ",
+    assert CheckpointDir(grammar["ckpt"]).data_facts() == {"vocab": vocabulary(), "decode_join": " ",
                                                  "specials": {"eos": "<eos>"}}
     chars = sorted(set(text["kept"].read_text()))
-    assert store.data_facts(text["ckpt"]) == {"vocab": chars, "decode_join": "", "specials": {}}
+    assert CheckpointDir(text["ckpt"]).data_facts() == {"vocab": chars, "decode_join": "", "specials": {}}
 
 
 def test_data_json_is_the_same_bytes_in_every_checkpoint_of_a_run(grammar):
-    entries = {json.dumps(store.read_manifest(d)["files"][DATA]) for _, d in RunDir(the_run(grammar["out"])).store.steps()}
+    entries = {json.dumps(CheckpointDir(d).manifest()["files"][DATA]) for _, d in RunDir(the_run(grammar["out"])).store.steps()}
     assert len(entries) == 1
 
 
@@ -153,9 +152,9 @@ def test_a_flipped_byte_in_data_json_is_refused_naming_it(grammar, tmp_path):
     raw = bytearray((ckpt / DATA).read_bytes())
     raw[len(raw) // 2] ^= 0x01
     (ckpt / DATA).write_bytes(bytes(raw))
-    for reader in (store.load, store.data_facts):
+    for reader in (CheckpointDir.load, CheckpointDir.data_facts):
         with pytest.raises(CheckpointError) as info:
-            reader(ckpt)
+            reader(CheckpointDir(ckpt))
         assert info.value.file == DATA and "corrupted" in info.value.reason
     line = refused_in_one_line([str(ckpt), "prompt=the"], tmp_path, module="pipeline.sample")
     assert f"{DATA}: sha256 differs" in line, line
@@ -174,7 +173,7 @@ def test_a_new_checkpoint_without_its_data_json_is_refused_naming_it(damage, gra
         (ckpt / DATA).write_text(json.dumps(data))
         relist(ckpt, DATA)
     with pytest.raises(CheckpointError) as info:
-        store.load(ckpt)
+        CheckpointDir(ckpt).load()
     e = info.value
     assert DATA in str(e) and "\n" not in str(e), e
     expected = {"unlisted": (MANIFEST, "does not list data.json"), "missing": (DATA, "listed in manifest.json but missing"),
@@ -187,7 +186,7 @@ def test_a_schema_2_0_checkpoint_without_data_json_builds_its_data_instead(gramm
     ckpt = copy_of(grammar["ckpt"], tmp_path)
     (ckpt / DATA).unlink()
     relist(ckpt, drop=DATA, schema_version="2.0")
-    assert store.data_facts(ckpt) is None and store.load(ckpt).data is None
+    assert CheckpointDir(ckpt).data_facts() is None and CheckpointDir(ckpt).load().data is None
     # its own corpus is built where the checkpoint lies (here tmp_path), as before data.json
     assert sample(ckpt, PROMPTS["grammar"]) == grammar["before"]["sample"]
     assert list((tmp_path / "data").iterdir())
@@ -217,7 +216,7 @@ def test_data_json_strings_are_bounded(plant, words, grammar, tmp_path):
     (ckpt / DATA).write_text(json.dumps(data))
     relist(ckpt, DATA)
     with pytest.raises(CheckpointError) as info:
-        store.data_facts(ckpt)
+        CheckpointDir(ckpt).data_facts()
     assert info.value.file == DATA and words in info.value.reason, info.value
     line = refused_in_one_line([str(ckpt), "prompt=the"], tmp_path, module="pipeline.sample")
     assert words in line, line

@@ -20,8 +20,8 @@ from safetensors.numpy import load_file, save_file
 from conftest import KERNODECK, TINY, env_for_subprocess, tree
 from pipeline.files.atomic import TMP_PREFIX
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.store import (CORRUPTED, EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointStore, checkpoint_dir,
-                                       files_of, json_state, load, read_manifest, step_dir_name, verify)
+from pipeline.checkpoint.directory import CORRUPTED, EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointDir, files_of, step_dir_name
+from pipeline.checkpoint.store import CheckpointStore
 from pipeline.verify.worker import Fresh
 from pipeline.config.compose import compose, to_plain
 from pipeline.stateful import PARTS, StateMismatch, capture, check, copy_tree, restore
@@ -52,7 +52,7 @@ def ckpt(saved, tmp_path) -> Path:
 
 
 def rejects(directory: Path, file: str, *reason_words: str, run: Fresh | None = None) -> CheckpointError:
-    """load() raises naming directory, file and reason, changing nothing on disk or in `run`."""
+    """CheckpointDir.load() raises naming directory, file and reason, changing nothing on disk or in `run`."""
     root = directory.parent
     before = tree(root, mtimes="all")
     run = run or fresh(directory.parent.parent)
@@ -162,7 +162,7 @@ def test_tied_weights_are_stored_once_and_one_object_after_load(tmp_path):
         header = json.loads(f.read(n))
     assert "lm_head.weight" not in header
     assert header["__metadata__"]["lm_head.weight"] == "ALIAS(transformer.wte.weight)"
-    ckpt = load(tmp_path / "c", run.parts)
+    ckpt = CheckpointDir(tmp_path / "c").load(run.parts)
     assert ckpt.state["model"]["lm_head.weight"] is ckpt.state["model"]["transformer.wte.weight"]
     other = fresh(tmp_path, base=TINY)
     other.load(tmp_path / "c")
@@ -210,13 +210,13 @@ def test_a_save_killed_with_sigkill_is_all_or_nothing(tmp_path, k):
     store = CheckpointStore(out)
     if SAVE_POINTS[k] == "after rename":
         assert [s for s, _ in store.steps()] == [4] and temporaries(out) == []
-        verify(out / step_dir_name(4))  # visible means complete
+        CheckpointDir(out / step_dir_name(4)).verify()  # visible means complete
         return
     assert store.steps() == [] and len(temporaries(out)) == 1  # readers see nothing
     again = subprocess.run(cmd, cwd=tmp_path, env=env_for_subprocess(), capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
     assert temporaries(out) == [] and [s for s, _ in store.steps()] == [4]  # the next save cleaned up
-    verify(out / step_dir_name(4))
+    CheckpointDir(out / step_dir_name(4)).verify()
 
 
 def test_a_save_over_an_existing_step_replaces_it_whole(tmp_path):
@@ -227,11 +227,11 @@ def test_a_save_over_an_existing_step_replaces_it_whole(tmp_path):
     store = CheckpointStore(tmp_path / "checkpoints")
     store.save(3, capture(a.parts), a.fields())
     store.save(3, capture(b.parts), b.fields())
-    ckpt = load(tmp_path / "checkpoints" / step_dir_name(3), b.parts)
+    ckpt = CheckpointDir(tmp_path / "checkpoints" / step_dir_name(3)).load(b.parts)
     assert ckpt.manifest["config"]["optimizer"]["lr"] == 0.05 and temporaries(store.root) == []
 
 
-# -- load(): the files ---------------------------------------------------------------------------
+# -- CheckpointDir.load(): the files ---------------------------------------------------------------------------
 
 def test_missing_manifest(ckpt):
     (ckpt / MANIFEST).unlink()
@@ -365,7 +365,7 @@ def test_a_tensor_in_optim_that_belongs_to_no_part(ckpt):
 
 def test_not_a_directory(tmp_path):
     with pytest.raises(CheckpointError, match="not a directory"):
-        load(tmp_path / "nowhere")
+        CheckpointDir(tmp_path / "nowhere").load()
 
 
 # -- restore: the live objects ------------------------------------------------------------------------
@@ -395,7 +395,7 @@ def test_an_incoherent_json_state_leaves_live_objects_untouched(ckpt, change, pa
     live = copy_tree(capture(run.parts))
     error = rejects(ckpt, EXTRA, part, "does not fit", run=run)  # verifying against the live parts refuses it
     assert error.reason.startswith(f"{part} does not fit the live run")
-    ckpt_state = load(ckpt).state  # the files alone are fine ...
+    ckpt_state = CheckpointDir(ckpt).load().state  # the files alone are fine ...
     with pytest.raises(StateMismatch) as info:  # ... and restoring them refuses, all or nothing
         restore(run.parts, ckpt_state)
     assert info.value.part == part
@@ -459,7 +459,7 @@ def test_an_array_where_json_was_names_both_files(ckpt):
     edit_extra(ckpt, lambda e: e["optimizer"].pop("t"))
     rewrite_optim(ckpt, lambda a: a.__setitem__("optimizer/t", np.zeros(1, np.int64)))
     rejects(ckpt, OPTIM, "has unexpected ['optimizer/t']")
-    run, tree = fresh(ckpt.parent.parent), load(ckpt).state
+    run, tree = fresh(ckpt.parent.parent), CheckpointDir(ckpt).load().state
     with pytest.raises(StateMismatch) as info:
         check(run.parts, tree)
     assert info.value.path == ("t",) and "expected int, got array" in info.value.reason
@@ -482,7 +482,7 @@ def test_a_renamed_step_directory_is_refused(ckpt):
     renamed = ckpt.with_name(step_dir_name(12))
     os.rename(ckpt, renamed)
     with pytest.raises(CheckpointError) as info:
-        load(renamed)
+        CheckpointDir(renamed).load()
     assert str(info.value) == (f"checkpoint {renamed}: its name says step 12, but manifest.json and extra.json "
                                "say step 10 (renamed or copied in from another step)")
 
@@ -492,9 +492,9 @@ def test_a_renamed_step_directory_is_refused(ckpt):
 def refused_link(path: Path, *words: str) -> str:
     """Every reader refuses `path` with one line (read_manifest, load, verify, json_state: what every tool opens)."""
     messages = set()
-    for read in (read_manifest, load, verify, checkpoint_dir, json_state):
+    for read in (CheckpointDir.manifest, CheckpointDir.load, CheckpointDir.verify, CheckpointDir.resolved, CheckpointDir.json_state):
         with pytest.raises(CheckpointError) as info:
-            read(path)
+            read(CheckpointDir(path))
         messages.add(str(info.value))
     (message,) = messages
     assert "\n" not in message
@@ -506,8 +506,8 @@ def refused_link(path: Path, *words: str) -> str:
 def test_a_run_link_names_a_step_directory_beside_it(ckpt, tmp_path):
     root = ckpt.parent
     os.symlink(ckpt.name, root / "best")
-    assert checkpoint_dir(root / "best") == ckpt
-    assert load(root / "best").directory == root / "best" and verify(root / "best")["step"] == 10
+    assert CheckpointDir(root / "best").resolved() == ckpt
+    assert CheckpointDir(root / "best").load().directory == root / "best" and CheckpointDir(root / "best").verify()["step"] == 10
     outside = tmp_path / "outside" / ckpt.name  # a valid checkpoint: only the link is wrong
     outside.parent.mkdir()
     shutil.copytree(ckpt, outside)
@@ -524,11 +524,11 @@ def test_a_users_own_link_is_followed_but_not_out_of_a_run(ckpt, tmp_path):
     root = ckpt.parent
     mine = tmp_path / "mine"
     os.symlink(ckpt, mine)  # the user's own link, outside any checkpoints/: as if they typed its target
-    assert checkpoint_dir(mine) == ckpt and verify(mine)["step"] == 10
+    assert CheckpointDir(mine).resolved() == ckpt and CheckpointDir(mine).verify()["step"] == 10
     os.symlink(ckpt.name, root / "best")
     mine.unlink()
     os.symlink(root / "best", mine)  # through a run's link that obeys the rule
-    assert checkpoint_dir(mine) == ckpt
+    assert CheckpointDir(mine).resolved() == ckpt
     os.symlink(str(tmp_path), root / "evil")
     mine.unlink()
     os.symlink(root / "evil", mine)  # through a run's link that does not
@@ -539,7 +539,7 @@ def test_a_run_link_typed_inside_checkpoints_is_still_a_run_link(ckpt, tmp_path,
     os.symlink(str(tmp_path), ckpt.parent / "best")
     monkeypatch.chdir(ckpt.parent)
     refused_link(Path("best"), f"checkpoint {ckpt.parent / 'best'}: is a symlink to {str(tmp_path)!r}")
-    assert checkpoint_dir(Path(ckpt.name)) == Path(ckpt.name)  # no link: the path as given
+    assert CheckpointDir(Path(ckpt.name)).resolved() == Path(ckpt.name)  # no link: the path as given
 
 
 def test_a_checkpoints_directory_that_is_a_link_is_refused(ckpt, tmp_path):
@@ -559,9 +559,9 @@ def test_a_cycle_of_links_is_refused(tmp_path):
 # -- what other readers take from inside checkpoints/: through the store, verified -------------------------
 
 def test_json_state_is_the_manifest_and_extra_json_as_written(saved):
-    manifest, extra = json_state(saved)
+    manifest, extra = CheckpointDir(saved).json_state()
     assert manifest == manifest_of(saved) and extra == json.loads((saved / EXTRA).read_text())  # the files' own
-    loaded = load(saved).state
+    loaded = CheckpointDir(saved).load().state
     assert extra["stages"] == loaded["stages"] and extra["progress"] == loaded["progress"]
 
 
@@ -579,9 +579,9 @@ def not_an_object(directory: Path) -> None:
 ])
 def test_json_state_refuses_what_load_refuses_naming_the_file(ckpt, damage, file, words):
     damage(ckpt)
-    for read in (json_state, load):
+    for read in (CheckpointDir.json_state, CheckpointDir.load):
         with pytest.raises(CheckpointError) as info:
-            read(ckpt)
+            read(CheckpointDir(ckpt))
         assert info.value.file == file and all(w in info.value.reason for w in words), str(info.value)
 
 

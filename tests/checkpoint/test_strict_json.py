@@ -16,7 +16,7 @@ from conftest import KERNODECK
 from pipeline.files import jsonio
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError, RunFileError
-from pipeline.checkpoint.store import EXTRA, MANIFEST, WEIGHTS, load, read_manifest, step_dir_name
+from pipeline.checkpoint.directory import EXTRA, MANIFEST, WEIGHTS, CheckpointDir, step_dir_name
 from pipeline.cli.roundtrip import Fresh
 from pipeline.run.directory import RunDir
 from pipeline.config.compose import compose, to_plain
@@ -95,11 +95,11 @@ def relist(directory, name):
 
 
 def refused(directory, file, words):
-    """load() refuses (read_manifest too, for manifest.json) in one line naming the directory and the file."""
-    readers = (read_manifest, load) if file == MANIFEST else (load,)
+    """CheckpointDir.load refuses (CheckpointDir.manifest too, for manifest.json) in one line naming the directory and the file."""
+    readers = (CheckpointDir.manifest, CheckpointDir.load) if file == MANIFEST else (CheckpointDir.load,)
     for read in readers:
         with pytest.raises(CheckpointError) as info:
-            read(directory)
+            read(CheckpointDir(directory))
         message = str(info.value)
         assert message.startswith(f"checkpoint {directory}: {file}: ") and words in message, message
         assert "\n" not in message

@@ -226,11 +226,11 @@ def test_a_moved_text_file_is_not_needed_but_by_a_schema_2_0_checkpoint(text_exp
     import hashlib
     import shutil
 
-    from pipeline.checkpoint.store import DATA, checkpoint_dir
+    from pipeline.checkpoint.directory import DATA, CheckpointDir
 
     ckpt, hf = text_export
-    old = tmp_path / "runs" / "r" / "checkpoints" / checkpoint_dir(ckpt).name  # its corpus cache: tmp_path/data
-    shutil.copytree(checkpoint_dir(ckpt), old)
+    old = tmp_path / "runs" / "r" / "checkpoints" / CheckpointDir(ckpt).resolved().name  # its corpus cache: tmp_path/data
+    shutil.copytree(CheckpointDir(ckpt).resolved(), old)
     (old / DATA).unlink()
     m = json.loads((old / "manifest.json").read_text())
     del m["files"][DATA]

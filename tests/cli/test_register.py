@@ -256,19 +256,19 @@ def test_a_row_becomes_samples_arguments_missing_values_taking_its_defaults():
 
 
 def test_the_vocabulary_is_the_checkpoints_own_data_json_when_it_has_one(tmp_path, monkeypatch):
-    """data.json, verified by the store (store.data_facts, tested with the checkpoint), else (schema 2.0) the
+    """data.json, verified by the store (CheckpointDir.data_facts, tested with the checkpoint), else (schema 2.0) the
     vocab.json registered beside the checkpoint."""
     from mlflow.exceptions import MlflowException
 
-    from pipeline.checkpoint import store
+    from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.serving.checkpoint_model import read_vocab
 
     (tmp_path / "vocab.json").write_text(json.dumps({"vocab": ["<eos>", "a"], "decode_join": " "}))
-    monkeypatch.setattr(store, "data_facts", lambda d: None)
+    monkeypatch.setattr(CheckpointDir, "data_facts", lambda self: None)
     assert read_vocab(tmp_path, str(tmp_path / "vocab.json")) == (["<eos>", "a"], " ", "<eos>")
-    monkeypatch.setattr(store, "data_facts", lambda d: {"vocab": ["x", "y"], "decode_join": "", "specials": {}})
+    monkeypatch.setattr(CheckpointDir, "data_facts", lambda self: {"vocab": ["x", "y"], "decode_join": "", "specials": {}})
     assert read_vocab(tmp_path, str(tmp_path / "vocab.json")) == (["x", "y"], "", None)
-    monkeypatch.setattr(store, "data_facts", lambda d: None)
+    monkeypatch.setattr(CheckpointDir, "data_facts", lambda self: None)
     (tmp_path / "vocab.json").write_text(json.dumps({"vocab": [1, 2], "decode_join": ""}))
     with pytest.raises(MlflowException, match="a list of strings `vocab`"):
         read_vocab(tmp_path, str(tmp_path / "vocab.json"))

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from conftest import TINY
 from pipeline.cli import roundtrip
-from pipeline.checkpoint.store import SCHEMA_VERSION, WEIGHTS, verify
+from pipeline.checkpoint.directory import WEIGHTS, CheckpointDir
+from pipeline.checkpoint.manifest import SCHEMA_VERSION
 from pipeline.stateful import PARTS
 
 SEED_FIELDS = {"byte_equivalent_state_machines": list, "all_byte_equal": bool, "continuation_test_passed": bool,
@@ -39,7 +40,7 @@ def test_kernodeck_passes_and_writes_the_seed_fields(tmp_path, cli):
     assert r["weights_file_size_bytes"] - r["expected_size_bytes_no_tying"] == r["weights_header_bytes"]
     assert r["manifest_schema_version"] == SCHEMA_VERSION
     assert json.loads((path.parent / "manifest.json").read_text())["step"] == 10
-    verify(Path(r["checkpoint"]))
+    CheckpointDir(Path(r["checkpoint"])).verify()
     assert r["atomic"]["checks"]["interrupted"] and r["atomic"]["checks"]["temporary_left"]
     assert not list((tmp_path / "cwd").iterdir())  # nothing written to the working directory
     assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []  # scratch removed

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import KERNODECK, TINY, refused_in_one_line, run_job, run_pipeline, the_run
 from pipeline.run.directory import RunDir
-from pipeline.cli.sample import encode, next_token, sample, split_prompt
+from pipeline.cli.sample import sample
+from pipeline.model.generate import encode, next_token, split_prompt
 from pipeline.config.errors import ConfigError
 from conftest import text_overrides
 

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import KERNODECK, run_pipeline, the_run
 from pipeline.cli import show as pinspect
-from pipeline.checkpoint.store import MANIFEST, WEIGHTS, step_dir_name
+from pipeline.checkpoint.directory import MANIFEST, WEIGHTS, step_dir_name
 
 
 @pytest.fixture(scope="module")

@@ -190,7 +190,7 @@ def syscalls(monkeypatch) -> Syscalls:
 
 @pytest.fixture(scope="module")
 def tiny_state(tmp_path_factory):
-    """What store.write is given: the state tree and manifest fields of a fresh kernodeck job (nothing trained)."""
+    """What CheckpointDir.write is given: the state tree and manifest fields of a fresh kernodeck job (nothing trained)."""
     from conftest import KERNODECK
     from pipeline.config.compose import compose, to_plain
     from pipeline.stateful import capture
@@ -224,10 +224,10 @@ def assert_saved_in_durable_order(events: Syscalls, final) -> int:
 def test_a_checkpoint_is_fsynced_file_by_file_then_its_directory_then_renamed_then_the_parent(tmp_path, syscalls,
                                                                                                  tiny_state):
     """Without the temporary directory's fsync a crash after the rename can leave a step with missing files."""
-    from pipeline.checkpoint.store import MANIFEST, step_dir_name, write
+    from pipeline.checkpoint.directory import MANIFEST, CheckpointDir, step_dir_name
 
     final = tmp_path / "checkpoints" / step_dir_name(3)
-    write(final, *tiny_state)
+    CheckpointDir(final).write(*tiny_state)
     assert MANIFEST in os.listdir(final) and len(os.listdir(final)) >= 4  # weights, optim, extra, data, manifest
     assert_saved_in_durable_order(syscalls, final)
 
@@ -237,12 +237,12 @@ def test_replacing_a_checkpoint_never_leaves_a_moment_without_a_complete_step(tm
                                                                                monkeypatch):
     """A crash at any moment of a replace leaves a complete step N: with the filesystem's exchange, step N itself
     at every instant; without it (rename-aside), the old one at worst renamed aside, never deleted first."""
-    from pipeline.checkpoint.store import MANIFEST, step_dir_name, write
+    from pipeline.checkpoint.directory import MANIFEST, CheckpointDir, step_dir_name
 
     if not swap:
         monkeypatch.setattr(atomic, "_renameat2", lambda: None)  # a filesystem or libc without renameat2
     final = tmp_path / "checkpoints" / step_dir_name(3)
-    write(final, *tiny_state)
+    CheckpointDir(final).write(*tiny_state)
     old = os.lstat(final).st_ino
     syscalls.events.clear()
 
@@ -256,7 +256,7 @@ def test_replacing_a_checkpoint_never_leaves_a_moment_without_a_complete_step(tm
         return complete() or name is not None and os.path.isfile(final.parent / name / MANIFEST)
 
     syscalls.invariant = complete if swap else survives
-    write(final, *tiny_state, replace=True)
+    CheckpointDir(final).write(*tiny_state, replace=True)
     syscalls.invariant = None
     parent_synced = assert_saved_in_durable_order(syscalls, final)
     assert os.lstat(final).st_ino != old and old not in inodes(final.parent)  # the new step, the old one gone

@@ -11,7 +11,8 @@ import pytest
 
 from conftest import KERNODECK, kept, metrics, run_job, the_run
 from pipeline.files import jsonio
-from pipeline.checkpoint.store import EXTRA, WEIGHTS, CheckpointStore
+from pipeline.checkpoint.directory import EXTRA, WEIGHTS
+from pipeline.checkpoint.store import CheckpointStore
 from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_PREEMPTED
 from pipeline.run.signals import SIGNALS_STATE

@@ -316,7 +316,8 @@ def test_the_corpus_cache_is_beside_the_run_never_inside_an_archive(tmp_path):
 @pytest.mark.slow
 def test_a_checkpoint_stuffed_with_files_is_refused_at_the_first_stranger(finished, tmp_path, monkeypatch):
     """A million planted files in a checkpoint cost one entry each of the scan that meets them, not a table."""
-    from pipeline.checkpoint import store
+    from pipeline.checkpoint import directory
+    from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.checkpoint.errors import CheckpointError
 
     checkpoint = tmp_path / "step-00000004"
@@ -335,9 +336,9 @@ def test_a_checkpoint_stuffed_with_files_is_refused_at_the_first_stranger(finish
         def __exit__(self, *exc):
             return self.it.__exit__(*exc)
 
-    monkeypatch.setattr(store.os, "scandir", Counted)
+    monkeypatch.setattr(directory.os, "scandir", Counted)
     with pytest.raises(CheckpointError, match=r"junk-\d{4}: present but not listed in manifest.json"):
-        store.load(checkpoint, {})
+        CheckpointDir(checkpoint).load({})
     assert len(seen) <= 6  # the five files of a checkpoint at most, then the first stranger
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import env_for_subprocess
-from pipeline.checkpoint.store import verify
+from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.run.directory import RunDir
 
 SWEEP = ["-m", "experiment=kernodeck", "tracking=none", "optimizer.lr=0.01,0.02,0.03", "hydra/job_logging=disabled"]
@@ -26,7 +26,7 @@ def sweep(out: Path, chaos: str | None = None) -> subprocess.CompletedProcess:
 def finals(out: Path) -> dict[str, dict]:
     result = {}
     for run in sorted((out / "runs").iterdir()):
-        manifest = verify(RunDir(run).store.link_dir("final"))
+        manifest = CheckpointDir(RunDir(run).store.link_dir("final")).verify()
         result[run.name] = {"lr": manifest["config"]["optimizer"]["lr"], "step": manifest["step"],
                             "weights": manifest["files"]["weights.safetensors"]["sha256"],
                             "optim": manifest["files"]["optim.safetensors"]["sha256"]}

@@ -1,0 +1,430 @@
+"""One checkpoint directory (layout: docs/checkpoints.md): the only code that opens, creates or renames its files."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from pipeline.files import jsonio
+from pipeline.files import killpoint
+from pipeline.files import reading
+from pipeline.files.atomic import (fsync_dir, new_temp_dir, publish_dir, remove_temporaries, remove_tree, second_name,
+                                   write_new)
+from pipeline.checkpoint import manifest as mf
+from pipeline.checkpoint.errors import CheckpointError, MisfitError
+from pipeline.checkpoint.tensors import DigestMismatch, LayoutMisfit, layout, read_tensors, write_tensors
+from pipeline.stateful import PARTS, SEP, StateMismatch, capture, check, merge, split
+
+WEIGHTS, OPTIM, EXTRA, MANIFEST = "weights.safetensors", "optim.safetensors", "extra.json", "manifest.json"
+DATA = "data.json"
+REQUIRED = (WEIGHTS, OPTIM, EXTRA, DATA)
+REQUIRED_BY = {"2.0": (WEIGHTS, OPTIM, EXTRA), mf.SCHEMA_VERSION: REQUIRED}  # schema_version -> files it lists
+MAX_JSON = 16 << 20  # bytes of manifest.json, extra.json or data.json: a few KB (a 65,536-token vocabulary, < 1 MB)
+# data.json's strings, bounded so that decoding a sample costs what its tokens say: a corpus's tokens are
+# characters or lexicon words, its decode_join '' or ' ', its specials a role or two (eos).
+MAX_TOKEN, MAX_JOIN, MAX_SPECIALS = 256, 16, 16
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
+STORE = "checkpoints"  # what a run's store of checkpoints is called (pipeline/run/directory.py puts it in the run)
+MAX_HOPS = 8  # links followed from a path to its checkpoint directory
+LINKED = "is a symlink; a checkpoint's files must be regular files inside it"
+CORRUPTED = "sha256 differs from manifest.json (corrupted)"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+@dataclass
+class Checkpoint:
+    directory: Path
+    manifest: dict
+    state: dict  # {part: state_dict}: arrays (tied names one object) and JSON values
+    data: dict | None = None  # data.json, verified (None: a schema 2.0 checkpoint, written without it)
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+
+def _by_file(tree: dict) -> tuple[dict, dict, dict]:
+    """A state tree as what weights.safetensors, optim.safetensors and extra.json hold."""
+    arrays, json_tree = split(tree)
+    other = {k: a for k, a in arrays.items() if not k.startswith("model" + SEP)}
+    return tree["model"], other, {k: v for k, v in json_tree.items() if k != "model"}
+
+
+def _shown(target: str) -> str:
+    return repr(target if len(target) <= 200 else target[:200] + "...")
+
+
+def link_problem(name: str, target: str) -> str | None:
+    """Why a link called `name` inside checkpoints/ may not point at `target` (None: it may)."""
+    if STEP_DIR.match(name):
+        return "a step directory must be a directory, not a link"
+    if not STEP_DIR.match(target):
+        return "a link in checkpoints/ names a step directory beside it (step-NNNNNNNN)"
+    return None
+
+
+def weights_bytes(manifest: dict) -> int:
+    """The size the manifest lists for the weights file: what the model its config describes can hold at most."""
+    return int(manifest["files"][WEIGHTS]["size"])
+
+
+def file_hashes(manifest: dict) -> dict[str, str | None]:
+    """{"weights", "optim", "extra", "data": sha256} of the files a manifest (verified or as written) lists readably."""
+    files = manifest["files"] if isinstance(manifest.get("files"), dict) else {}
+    roles = {WEIGHTS: "weights", OPTIM: "optim", EXTRA: "extra", DATA: "data"}
+    return {roles[n]: e.get("sha256") for n, e in files.items() if n in roles and isinstance(e, dict)}
+
+
+def _os_reason(e: BaseException) -> str:
+    if not isinstance(e, OSError):
+        return str(e)
+    return LINKED if e.errno == errno.ELOOP else e.strerror or type(e).__name__
+
+
+def _data_problem(data, spec: dict) -> str | None:
+    """Why data.json cannot be the data of a checkpoint whose manifest says `spec` (None: it can)."""
+    if not (isinstance(data, dict) and set(data) == {"vocab", "decode_join", "specials"}):
+        return "must be an object of vocab, decode_join and specials"
+    vocab, join, specials = data["vocab"], data["decode_join"], data["specials"]
+    size = spec.get("vocab_size")
+    if vocab is None:
+        if size or join is not None or specials != {}:
+            return f"has no vocabulary, but the manifest's data_spec says vocab_size {size!r:.20}"
+        return None
+    if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)) or len(set(vocab)) != len(vocab):
+        return "vocab must be a list of distinct tokens"
+    if len(vocab) != size:
+        return f"vocab holds {len(vocab)} tokens, but the manifest's data_spec says vocab_size {size!r:.20}"
+    if longest := max((t for t in vocab if len(t) > MAX_TOKEN), key=len, default=None):
+        return f"a token of {len(longest)} characters: tokens are at most {MAX_TOKEN}"
+    if not isinstance(join, str) or len(join) > MAX_JOIN:
+        return f"decode_join must be a string of at most {MAX_JOIN} characters (a text's is '' or ' ')"
+    if not (isinstance(specials, dict) and len(specials) <= MAX_SPECIALS
+            and all(isinstance(r, str) and len(r) <= MAX_TOKEN and isinstance(t, str) and t in vocab
+                    for r, t in specials.items())):
+        return f"specials must map at most {MAX_SPECIALS} roles to tokens of vocab"
+    return None
+
+
+def _listed_json(directory: Path, name: str, listed: dict):
+    """A listed JSON file, bounded, hashed against its listing, parsed strictly; CheckpointError naming it."""
+    try:
+        raw = reading.read_bytes(directory / name, MAX_JSON)
+    except OSError as e:
+        raise CheckpointError(directory, name, _os_reason(e)) from None
+    if hashlib.sha256(raw).hexdigest() != listed[name]["sha256"]:
+        raise CheckpointError(directory, name, CORRUPTED)
+    try:
+        return jsonio.loads(raw)
+    except jsonio.JSONError as e:
+        raise CheckpointError(directory, name, str(e)) from None
+
+
+def _read_tensor_file(directory: Path, name: str, entry: dict, expect: dict | None) -> dict[str, np.ndarray]:
+    try:
+        arrays, _ = read_tensors(directory / name, expected_sha256=entry["sha256"], expect=expect)
+    except DigestMismatch:
+        raise CheckpointError(directory, name, CORRUPTED) from None
+    except LayoutMisfit as e:
+        raise MisfitError(directory, name, str(e)) from None
+    except (ValueError, OSError) as e:
+        raise CheckpointError(directory, name, _os_reason(e)) from None
+    return arrays
+
+
+_ABSENT = object()
+
+
+def _at(tree, keys: tuple):
+    for k in keys:
+        if not (isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree)
+                or isinstance(k, str) and isinstance(tree, dict) and k in tree):
+            return _ABSENT
+        tree = tree[k]
+    return tree
+
+
+def _holders(part: str, value) -> set[str]:
+    if part == "model" or isinstance(value, np.ndarray):
+        return {WEIGHTS if part == "model" else OPTIM}
+    if isinstance(value, dict) and value:
+        return set().union(*(_holders(part, v) for v in value.values()))
+    return {EXTRA}
+
+
+def files_of(e: StateMismatch, saved: dict, live: dict) -> str:
+    """The file(s) holding a StateMismatch's value: where the saved one was read from, the live one would be."""
+    files = set()
+    for tree in (saved, live):
+        value = _at(tree, (e.part, *e.path))
+        if value is not _ABSENT:
+            files |= _holders(e.part, value)
+    return " and ".join(f for f in (WEIGHTS, OPTIM, EXTRA) if f in files) or EXTRA
+
+
+def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[str, str] | None:
+    """(file(s), reason) if manifest.json's step, extra.json's progress.step and the directory's name (if it has
+    one) disagree: the odd one out is the file that lies."""
+    m = STEP_DIR.match(directory.name)
+    named = int(m.group(1)) if m else None
+    if saved_step == manifest_step:
+        if named is None or named == manifest_step:
+            return None
+        return "", (f"its name says step {named}, but manifest.json and extra.json say step {manifest_step} "
+                    "(renamed or copied in from another step)")
+    if named == manifest_step:
+        return EXTRA, (f"progress.step {saved_step!r:.40} differs from step {manifest_step} of manifest.json and "
+                       "the directory's name")
+    if named is not None and named == saved_step:
+        return MANIFEST, (f"step {manifest_step} differs from progress.step {saved_step} of extra.json and the "
+                          "directory's name")
+    neither = "" if named is None else f" (and the directory's name says {named})"
+    return f"{MANIFEST} and {EXTRA}", (f"the manifest's step {manifest_step} and progress.step {saved_step!r:.40} "
+                                       f"differ{neither}")
+
+
+
+
+def _read_extra(directory: Path, listed: dict) -> dict:
+    extra = _listed_json(directory, EXTRA, listed)
+    if not isinstance(extra, dict):
+        raise CheckpointError(directory, EXTRA, "not a JSON object")
+    return extra
+
+
+def _read_data(directory: Path, manifest: dict, listed: dict) -> dict | None:
+    """data.json, checked against the manifest's data_spec; None for a schema 2.0 checkpoint."""
+    if DATA not in REQUIRED_BY[manifest["schema_version"]]:
+        return None
+    data = _listed_json(directory, DATA, listed)
+    if problem := _data_problem(data, manifest["data_spec"]):
+        raise CheckpointError(directory, DATA, problem)
+    return data
+
+
+class CheckpointDir:
+    """A checkpoint directory as given (a step directory, or a link to one such as RUN/checkpoints/best):
+    written once, atomically; every read bounded and verified against its manifest."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def exists(self) -> bool:
+        """Whether it has a manifest.json (even a dangling link): a checkpoint, if perhaps a damaged one."""
+        return os.path.lexists(self.path / MANIFEST)
+
+    def resolved(self) -> Path:
+        """The directory the path stands for, else CheckpointError naming the link and where it points. Every
+        reader comes here: a link inside a run's store must name a step directory beside it (best, final), the
+        store must not be a link; a link elsewhere (`ln -s RUN/checkpoints/best mine`) is followed, as its
+        target could be typed instead."""
+        given = self.path
+        path = given if given.is_absolute() else Path.cwd() / given  # `best`, typed inside the store, is a run's link
+        for hop in range(MAX_HOPS):
+            if path.parent.name == STORE and os.path.islink(path.parent):
+                raise CheckpointError(given, "", f"{path.parent} is a symlink to {_shown(os.readlink(path.parent))}; "
+                                                 f"a run's {STORE}/ must be a directory inside it")
+            if not os.path.islink(path):
+                return path if hop else given
+            target = os.readlink(path)
+            if path.parent.name == STORE and (problem := link_problem(path.name, target)):
+                where = f" (reached through {given})" if hop else ""
+                raise CheckpointError(path, "", f"is a symlink to {_shown(target)}{where}, out of its run's {STORE}/: "
+                                                f"{problem}; remove it")
+            path = path.parent / target
+        raise CheckpointError(given, "", f"more than {MAX_HOPS} symlinks to follow")
+
+    def write(self, tree: dict, fields: dict, replace: bool = False) -> dict:
+        """Write `tree` as a checkpoint here, atomically (replace=True swaps out one already there); `fields`:
+        the manifest's but `files`, and `data_facts`, written as data.json. Returns the manifest."""
+        directory = self.path
+        fields = dict(fields)
+        data = fields.pop(mf.DATA_FACTS)
+        weights, other, extra = _by_file(tree)
+        os.makedirs(directory.parent, exist_ok=True)
+        remove_temporaries(directory.parent)
+        tmp = new_temp_dir(directory.parent, directory.name)
+        try:
+            # Each file is hashed from the bytes as they are written and fsynced before it is listed; the two
+            # tensor files are written side by side, as sha256 of one stream is slower than the disk.
+            with ThreadPoolExecutor(1, thread_name_prefix="save-weights") as pool:
+                weights_entry = pool.submit(write_tensors, tmp / WEIGHTS, weights)
+                files = {OPTIM: write_tensors(tmp / OPTIM, other)}
+                files[WEIGHTS] = weights_entry.result()
+            killpoint.point("save", "after weights")
+            killpoint.point("save", "after optim")
+            files[EXTRA] = write_new(tmp / EXTRA, jsonio.dumps(extra, indent=None))
+            files[DATA] = write_new(tmp / DATA, jsonio.dumps(data, indent=None))  # sorted keys: same bytes each save
+            manifest = {**fields, "files": files}
+            killpoint.point("save", "before manifest")
+            write_new(tmp / MANIFEST, jsonio.dumps(manifest))  # last: a directory with a manifest is complete
+            killpoint.point("save", "before rename")
+            publish_dir(tmp, directory, replace=replace)
+            killpoint.point("save", "after rename")
+        except BaseException:
+            remove_tree(tmp)  # a signal or an error mid-save: the half-made temporary goes now or at the next save
+            raise
+        return manifest
+
+    def manifest(self) -> dict:
+        """manifest.json, bounded in size and depth and checked against itself; CheckpointError otherwise."""
+        _, raw = self.manifest_file()
+        try:
+            return mf.check(jsonio.loads(raw))
+        except (jsonio.JSONError, mf.ManifestError) as e:
+            raise self.fault(str(e)) from None
+
+    def fault(self, reason: str, error: type = CheckpointError) -> CheckpointError:
+        """The error naming its manifest.json for `reason`."""
+        return error(self.path, MANIFEST, reason)
+
+    def manifest_as_written(self) -> dict:
+        """manifest.json as on disk, bounded but unchecked ({}: unreadable or not an object), shown beside a verdict."""
+        try:
+            manifest = jsonio.read(self.resolved() / MANIFEST, MAX_JSON)
+        except (OSError, ValueError, CheckpointError):
+            return {}
+        return manifest if isinstance(manifest, dict) else {}
+
+    def manifest_file(self) -> tuple[str, bytes]:
+        """(name, bytes) of manifest.json as on disk, bounded, for an index to upload; CheckpointError otherwise."""
+        try:
+            return MANIFEST, reading.read_bytes(self.resolved() / MANIFEST, MAX_JSON)
+        except FileNotFoundError:
+            raise self.fault("missing (an incomplete or foreign directory)") from None
+        except OSError as e:
+            raise self.fault(_os_reason(e)) from None
+
+    def weights_file(self) -> Path:
+        """weights.safetensors, checked a regular file of its listed size, to stream; else CheckpointError."""
+        return self._opened()[0] / WEIGHTS
+
+    def copy_to(self, dest: Path, manifest: dict) -> dict[str, dict]:
+        """Its files copied into `dest` (a new directory inside an existing one), manifest.json last, each hashed
+        as it is copied; the checkpoint must still hold exactly the files the verified `manifest` lists, and each
+        copy their bytes. {name: {"size", "sha256"}} as copied; else CheckpointError naming the file."""
+        directory, _, listed = self._opened(manifest)
+        os.mkdir(dest)
+        copied = {}
+        for name in [*sorted(listed), MANIFEST]:
+            entry = listed.get(name)
+            copied[name] = reading.copy_new(directory / name, dest / name, entry["size"] if entry else MAX_JSON)
+            if entry is not None and (copied[name]["size"], copied[name]["sha256"]) != (entry["size"], entry["sha256"]):
+                raise CheckpointError(directory, name, "its bytes differ from manifest.json (changed or damaged "
+                                                       "while being copied)")
+        fsync_dir(dest)
+        return copied
+
+    def second_names(self, dest: Path) -> None:
+        """Every file of it given a second name in the new directory `dest` (hard links: no byte copied; a
+        checkpoint's files are never rewritten in place, so each name keeps what it holds now)."""
+        os.mkdir(dest)
+        with os.scandir(self.path) as it:
+            for e in it:
+                if e.is_file(follow_symlinks=False):
+                    second_name(Path(e.path), dest / e.name)
+        fsync_dir(dest)
+
+    def data_facts(self, manifest: dict | None = None) -> dict | None:
+        """Its data.json, verified, without reading the tensors (None: schema 2.0); given a `manifest` a caller
+        verified before, the checkpoint must still have it."""
+        return _read_data(*self._opened(manifest))
+
+    def json_state(self) -> tuple[dict, dict]:
+        """(manifest, extra.json), each verified, without reading the tensors; else CheckpointError."""
+        directory, manifest, listed = self._opened()
+        return manifest, _read_extra(directory, listed)
+
+    def _opened(self, expected: dict | None = None) -> tuple[Path, dict, dict]:
+        """(directory, manifest, listing) of the checkpoint the path stands for, its listing checked: every listed
+        file present as a regular file of its listed size, nothing unlisted (and its manifest still the
+        `expected` one a caller read before)."""
+        directory = self.resolved()  # read from where the links lead; errors name that directory
+        if not directory.is_dir():
+            raise CheckpointError(self.path, "", "not a directory")
+        manifest = CheckpointDir(directory).manifest()
+        listed = manifest["files"]
+        for name, entry in listed.items():
+            if name in ("", ".", "..", MANIFEST) or "/" in name or "\\" in name or "\0" in name:
+                raise CheckpointError(directory, MANIFEST, f"lists an invalid file name {name!r:.80}")
+            if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
+                    and isinstance(entry.get("sha256"), str) and mf.SHA256.match(entry["sha256"])):
+                raise CheckpointError(directory, MANIFEST,
+                                      f"entry for {name} needs an integer size and a sha256 hex digest")
+        for name in REQUIRED_BY[manifest["schema_version"]]:
+            if name not in listed:
+                raise CheckpointError(directory, MANIFEST, f"does not list {name}")
+        present = {}
+        with os.scandir(directory) as it:  # the first stranger ends the scan: a million planted files cost nothing
+            for e in it:
+                if e.name != MANIFEST and e.name not in listed:
+                    raise CheckpointError(directory, f"{e.name:.100}", "present but not listed in manifest.json")
+                present[e.name] = e
+        for name, entry in sorted(listed.items()):
+            if name not in present:
+                raise CheckpointError(directory, name, "listed in manifest.json but missing")
+            st = present[name].stat(follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                raise CheckpointError(directory, name, LINKED)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(directory, name, f"is {reading.kind_of(st)}, not a regular file")
+            if st.st_size != entry["size"]:
+                raise CheckpointError(directory, name, f"size {st.st_size} bytes, manifest says {entry['size']}")
+        if expected is not None and manifest != expected:
+            raise CheckpointError(directory, MANIFEST, "changed while it was read")
+        return directory, manifest, listed
+
+    def load(self, parts: Mapping | None = None) -> Checkpoint:
+        """Read and fully verify a checkpoint, else CheckpointError naming the file; given the live `parts` (or a
+        config's), the tensor files must hold their layout (checked before anything is allocated) and every
+        part's state must fit (pipeline.stateful.check): a verified checkpoint is one the run can restore."""
+        directory, manifest, listed = self._opened()
+        extra = _read_extra(directory, listed)
+        data = _read_data(directory, manifest, listed)
+        live = capture(parts) if parts is not None else None
+        weights_layout, optim_layout = (None, None) if live is None else [layout(t) for t in _by_file(live)[:2]]
+        with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:  # side by side, as in write()
+            weights_read = pool.submit(_read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], weights_layout)
+            try:
+                other = _read_tensor_file(directory, OPTIM, listed[OPTIM], optim_layout)
+            finally:
+                weights = weights_read.result()  # weights.safetensors' own error first, as the files are listed
+        for path in other:
+            part = path.split(SEP, 1)[0]
+            if part not in PARTS or part == "model" or SEP not in path:
+                raise CheckpointError(directory, OPTIM, f"tensor {path!r:.80} belongs to no state machine")
+        try:
+            tree = merge(other, extra)
+        except ValueError as e:
+            raise CheckpointError(directory, OPTIM, str(e)) from None
+        tree["model"] = weights
+        missing = [p for p in PARTS if p not in tree]
+        if missing:
+            raise CheckpointError(directory, EXTRA, f"lacks the state of {missing}")
+        progress = tree["progress"]
+        saved_step = progress.get("step") if isinstance(progress, dict) else None
+        if lie := _step_witnesses(directory, manifest["step"], saved_step):
+            raise CheckpointError(directory, *lie)
+        if parts is not None:
+            try:
+                check(parts, tree)
+            except StateMismatch as e:
+                raise MisfitError(directory, files_of(e, tree, live), f"{e.part} does not fit the live run: "
+                                                                        f"{e.reason}") from None
+        return Checkpoint(self.path, manifest, tree, data)
+
+
+    def verify(self, parts: Mapping | None = None) -> dict:
+        """load() for its verdict: the manifest, or CheckpointError."""
+        return self.load(parts).manifest

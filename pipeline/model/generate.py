@@ -1,0 +1,103 @@
+"""Text from a token model: options, the prompt's tokens, draws from softmax(logits / temperature) (sample, serving)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.config.errors import ConfigError
+
+# One forward pass per token: 100,000 is already minutes of text; more is a typo, refused before any work.
+MAX_NEW_TOKENS = 100_000
+
+
+@dataclass(frozen=True)
+class Options:
+    prompt: str = ""
+    max_new_tokens: int = 50
+    temperature: float = 1.0
+    top_k: int = 0  # 0: every token
+    seed: int = 0
+
+
+def parse_options(args: list[str]) -> tuple[Options, list[str]]:
+    """key=value arguments -> (Options, the data overrides); ConfigError naming a bad one. The prompt is taken
+    verbatim (commas and quotes included), not through Hydra's override grammar."""
+    values, overrides = {}, []
+    kinds = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "seed": int}
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        bare = key.lstrip("+~")
+        if bare == "data" or bare.startswith(("data.", "paths.", "hydra.")):
+            overrides.append(arg)
+            continue
+        if not eq or key not in kinds:
+            raise ConfigError(f"{arg!r}: expected one of {', '.join(f'{k}=...' for k in kinds)} "
+                              "(or data.path=FILE, paths.output_dir=DIR)")
+        try:
+            values[key] = kinds[key](value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r}: must be {'an integer' if kinds[key] is int else 'a number'}") \
+                from None
+    options = Options(**values)
+    checks = {"max_new_tokens": options.max_new_tokens >= 0, "temperature": np.isfinite(options.temperature)
+              and options.temperature >= 0, "top_k": options.top_k >= 0, "seed": options.seed >= 0}
+    for key, ok in checks.items():
+        if not ok:
+            raise ConfigError(f"{key}={getattr(options, key)!r}: must be >= 0")
+    if options.max_new_tokens > MAX_NEW_TOKENS:
+        raise ConfigError(f"max_new_tokens={options.max_new_tokens}: at most {MAX_NEW_TOKENS:,} (one forward pass "
+                          "per token); sample in several calls for more")
+    return options, overrides
+
+
+def split_prompt(prompt: str, join: str) -> list[str]:
+    """The prompt's tokens as the corpus would have them: words for " ", characters for ""."""
+    if join == "":
+        return list(prompt)
+    return prompt.split() if join.isspace() else [t for t in prompt.split(join) if t]
+
+
+def encode(prompt: str, vocab: list[str], join: str, eos: str | None = "<eos>") -> list[int]:
+    """The prompt's ids; an empty prompt is [id of `eos`] (the token every sentence ends with)."""
+    index = {t: i for i, t in enumerate(vocab)}
+    tokens = split_prompt(prompt, join)
+    unknown = list(dict.fromkeys(t for t in tokens if t not in index))
+    if unknown:
+        shown = ", ".join(repr(t) for t in unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+        raise ConfigError(f"prompt: not in the corpus vocabulary of {len(vocab)} tokens: {shown}")
+    if not tokens:
+        if eos not in index:
+            raise ConfigError(f"prompt: empty, and this vocabulary has no {eos or 'end-of-sentence token'} to start from")
+        tokens = [eos]
+    return [index[t] for t in tokens]
+
+
+def next_token(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> int:
+    # logits [V] -> one id; inverse CDF of one uniform draw, so each token costs exactly one draw
+    if temperature == 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature  # [V]
+    if 0 < top_k < z.size:
+        kth = np.partition(z, -top_k)[-top_k]
+        z = np.where(z >= kth, z, -np.inf)  # ties at the k-th value are all kept
+    p = np.exp(z - z.max())  # [V]
+    cdf = np.cumsum(p)  # [V]
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), z.size - 1))
+
+
+def generate(model, ids: list[int], options: Options) -> list[int]:
+    """The prompt's ids followed by max_new_tokens drawn ones; `model.logits(x [1, T]) -> [1, T, V]`."""
+    rng = np.random.default_rng(options.seed)  # this command's own stream, never the global one
+    out = list(ids)
+    for _ in range(options.max_new_tokens):
+        context = np.asarray(out[-model.block_size:], dtype=np.int64)[None, :]  # [1, T]
+        out.append(next_token(model.logits(context)[0, -1], options.temperature, options.top_k, rng))
+    return out
+
+
+def continuation(model, vocab: list[str], join: str, options: Options, eos: str | None = "<eos>") -> str:
+    """The prompt and its max_new_tokens drawn tokens, as text (what the command prints, and a registered
+    model's predict returns); an empty prompt starts after `eos` when the vocabulary has one."""
+    ids = generate(model, encode(options.prompt, vocab, join, eos), options)
+    return join.join(vocab[i] for i in ids)
