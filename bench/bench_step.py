@@ -8,6 +8,8 @@
 The numpy side is the real training computation: MiniGPT through pipeline.trainer.parallel.Shards (the batch
 split into --shards pieces run on --threads threads, BLAS single-threaded inside each) and AdamW from
 pipeline.optimizer.adam. torch gets the same --threads (torch.set_num_threads).
+Every mode first prints where it was measured: the CPU model, the BLAS numpy calls (threadpoolctl's internal_api,
+version, architecture) and the load average; the JSON line repeats them under "machine".
 
 FLOP count (stated, analytic): forward = 2 * tokens * (12 * n_layer * d^2 + V * d)   [c_attn, c_proj, c_fc,
 mlp.c_proj and the tied head; embeddings, biases, LayerNorm, softmax and GELU not counted]
@@ -30,7 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info, threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -162,6 +164,30 @@ def make_numpy_step(args, model, batch):
 
 def loadavg() -> str:
     return "load average %.2f %.2f %.2f" % os.getloadavg()
+
+
+def machine() -> dict:
+    """Where a figure was measured: the CPU model, its cores, the BLAS numpy calls, the load."""
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    blas = [{k: lib.get(k) for k in ("internal_api", "architecture", "version", "threading_layer")}
+            for lib in threadpool_info() if lib.get("user_api") == "blas"]  # fmt: skip
+    return {"cpu": cpu, "cores": os.cpu_count(), "blas": blas, "numpy": np.__version__,
+            "loadavg": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
+
+
+def print_machine() -> dict:
+    m = machine()
+    blas = "; ".join(f"{b['internal_api']} {b['version']} ({b['architecture']}, {b['threading_layer']})"
+                     for b in m["blas"]) or "none found"  # fmt: skip
+    print(f"cpu: {m['cpu']} ({m['cores']} cores); numpy {m['numpy']}, BLAS {blas}; {loadavg()}")
+    return m
 
 
 def run_memory(args) -> dict:
@@ -454,9 +480,11 @@ def main(argv=None) -> None:
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--n-layer", type=int, default=2)
     args = ap.parse_args(argv)
+    where = print_machine()
     # The caller's BLAS setting: what torch's twin and the matmul figure see; Shards pins 1 inside its calls.
     with threadpool_limits(limits=args.threads, user_api="blas"):
         out = run_memory(args) if args.memory else run_profile(args) if args.profile else run_speed(args)
+    out["machine"] = {**where, "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
     print(json.dumps(out))
 
 
