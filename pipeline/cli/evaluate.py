@@ -18,7 +18,7 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.config.errors import EXIT_OK, ConfigError, refuse
 
 
-def evaluate_checkpoint(directory: Path, overrides: list[str] = ()) -> dict:
+def evaluate_checkpoint(directory: Path, overrides: tuple[str, ...] | list[str] = ()) -> dict:
     """{"checkpoint", "step", "data", "data_manifest_hash", "own_data", "metrics"}; ConfigError or
     CheckpointError (one line) if the checkpoint does not verify or the data does not fit its model."""
     from pipeline.run.trained import other_data, restore_checkpoint
