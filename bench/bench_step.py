@@ -37,11 +37,11 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from pipeline.data.base import Batch, DataSpec  # noqa: E402
-from pipeline.model import minigpt as minigpt_module  # noqa: E402
-from pipeline.model.minigpt import MiniGPT  # noqa: E402
-from pipeline.optimizer.adam import AdamW  # noqa: E402
-from pipeline.trainer.parallel import Shards, split  # noqa: E402
+from pipeline.data.base import Batch, DataSpec
+from pipeline.model import minigpt as minigpt_module
+from pipeline.model.minigpt import MiniGPT
+from pipeline.optimizer.adam import AdamW
+from pipeline.trainer.parallel import Shards, split
 
 LR, WD, BETAS, EPS = 3e-4, 0.1, (0.9, 0.999), 1e-8
 
@@ -164,7 +164,7 @@ def make_numpy_step(args, model, batch):
 
 
 def loadavg() -> str:
-    return "load average %.2f %.2f %.2f" % os.getloadavg()
+    return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
 
 
 def machine() -> dict:
@@ -208,7 +208,8 @@ def run_memory(args) -> dict:
         "peak_growth_pct": round(growth, 2),
     }  # fmt: skip
     print(f"numpy, {args.shards} shards on {args.threads} threads: peak RSS (VmHWM) {out['peak_rss_mb_100']} MiB "
-          f"after 100 steps, {out['peak_rss_mb_1000']} MiB after 1000 steps: growth {out['peak_growth_pct']}%")  # fmt: skip
+          f"after 100 steps, {out['peak_rss_mb_1000']} MiB after 1000 steps: "
+          f"growth {out['peak_growth_pct']}%")
     print(f"current RSS (VmRSS): {out['rss_mb_100']} -> {out['rss_mb_1000']} MiB")
     return out
 
@@ -334,7 +335,8 @@ def run_profile(args) -> dict:
 
     opt = AdamW(model.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     shard_total, opt_total = [], []
-    minigpt_module.L = SimpleNamespace(**{**{n: getattr(layers, n) for n in dir(layers) if not n.startswith("__")}, **patched})
+    every = {n: getattr(layers, n) for n in dir(layers) if not n.startswith("__")}
+    minigpt_module.L = SimpleNamespace(**{**every, **patched})
     minigpt_module.cross_entropy = timed_loss
     try:
         with Shards(1, 1) as one:  # a shard's work on this thread, BLAS single-threaded as in the runner
@@ -408,8 +410,9 @@ def run_profile(args) -> dict:
         return statistics.median(xs) * 1e3 if xs else 0.0
 
     rows, attributed, bound_total = [], 0.0, 0.0
-    print(f"one shard ({len(piece.ids)} of B={args.batch} samples, T={args.block}) on one thread, single-threaded BLAS; "
-          f"median ms over {args.steps} steps after {args.warmup} warm-up; {loadavg()}")  # fmt: skip
+    print(f"one shard ({len(piece.ids)} of B={args.batch} samples, T={args.block}) on one thread, "
+          f"single-threaded BLAS; median ms over {args.steps} steps after {args.warmup} warm-up; "
+          f"{loadavg()}")
     print("bound: the op's gemms at the rate np.matmul reaches on their own shapes (contiguous, measured now) plus its "
           "unavoidable element-wise bytes at the np.multiply rate of its array size")  # fmt: skip
     print(f"{'op':34s} {'fwd ms':>8s} {'bwd ms':>8s} {'total':>8s} {'min total':>10s} {'MFLOP':>7s} {'MB':>6s} "
@@ -425,7 +428,8 @@ def run_profile(args) -> dict:
         rows.append({"op": label, "fwd_ms": round(f, 3), "bwd_ms": round(b, 3), "min_total_ms": round(low, 3),
                      "mflop": round(gf * 1e3, 2), "mbytes": round(mb, 2), "bound_ms": round(bnd, 3),
                      "x_bound": round(ratio, 2)})  # fmt: skip
-        print(f"{label:34s} {f:8.3f} {b:8.3f} {f + b:8.3f} {low:10.3f} {gf * 1e3:7.1f} {mb:6.2f} {bnd:7.3f} {ratio:8.2f}")
+        print(f"{label:34s} {f:8.3f} {b:8.3f} {f + b:8.3f} {low:10.3f} {gf * 1e3:7.1f} {mb:6.2f} {bnd:7.3f} "
+              f"{ratio:8.2f}")
     shard_ms, opt_ms = med(shard_total), med(opt_total)
     n_params = sum(p.size for p in model.params.values())
     opt_bound = 7 * 4 * n_params / memory_rate(4 * n_params) * 1e3  # read p, g, m, v; write p, m, v
@@ -568,8 +572,9 @@ def run_speed(args) -> dict:
             **{f"contended_{k}_min_ms": round(fastest[c, k], 2) for k in runners},
             **{f"contention_factor_{k}": round(med[c, k] / med[q, k], 2) for k in runners},
         })  # fmt: skip
-    print(f"threads {args.threads} (numpy: {args.shards} shards), V={V} B={args.batch} T={args.block} d={args.n_embd} "
-          f"heads={args.n_head} layers={args.n_layer} float32; {out['steps']} steps each after {args.warmup} warm-up")  # fmt: skip
+    print(f"threads {args.threads} (numpy: {args.shards} shards), V={V} B={args.batch} T={args.block} "
+          f"d={args.n_embd} heads={args.n_head} layers={args.n_layer} float32; {out['steps']} steps each after "
+          f"{args.warmup} warm-up")  # fmt: skip
     for cond in conditions:
         extra = f" beside {args.contend} busy-looping processes" if cond == "contended" else ""
         print(f"{cond}{extra}:")
