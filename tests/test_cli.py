@@ -328,5 +328,5 @@ def test_a_signal_a_library_wrapped_while_importing_is_still_an_interruption(mon
     with pytest.raises(Interrupted):
         entry._main()
     monkeypatch.setattr(SIGNALS_STATE, "received", None)  # no signal: the error is the error
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="Error calling __set_name__"):
         entry._main()
