@@ -1,6 +1,6 @@
 """What tracking costs, as ratios measured in one run (the machines are shared and noisy: compare ratios).
 
-    python bench/bench_tracking.py [--repeats 3]
+    python bench/bench_tracking.py [--repeats 3] [--server | --server-only]
 
 1. The cost of `import mlflow` in a fresh interpreter, and the cold agent's own start (a fresh interpreter
    that imports the agent's store module and opens an existing store): medians of --repeats, minus an empty
@@ -13,6 +13,10 @@
    Target: <= 1.5x.
 4. The same sweep beside 2 busy-looping processes (as `bench/bench_step.py --contend 2`), against its
    untracked twin under the same contention. Target: <= 1.5x.
+5. `--server` (or `--server-only`: this case alone): the team setup, a PostgreSQL and an `mlflow server` on it
+   started here on 127.0.0.1 (the tests' own, tests/mlflow_servers.py: needs the `test` extra and Debian's
+   `postgresql`), the same 4-job sweep with tracking=server against tracking=none. Target: <= 1.5x; its lag
+   is until the tracking agent is idle (every message handed to the server).
 For every mlflow case, the lag from the command's return until the index is complete: every run ended (not
 RUNNING, sweep parent included) and every metrics.jsonl point present, read from the sqlite file itself
 (no mlflow here) every 20 ms. Target: <= the cold agent's start (1) + 2 s.
@@ -148,10 +152,54 @@ def sweep_pair(work: Path, cwd: Path, repeats: int, tag: str) -> tuple[dict, lis
     return walls, lags
 
 
+def server_case(work: Path, cwd: Path, repeats: int) -> dict:
+    """5.: the 4-job sweep reporting to an mlflow server on PostgreSQL, against tracking=none."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from mlflow_servers import mlflow_server, postgres_instance, postgres_unavailable
+
+    from pipeline.tracking.link import wait_idle
+
+    if why := postgres_unavailable():
+        sys.exit(why)
+    root = work / "server"
+    root.mkdir()
+    t0 = time.perf_counter()
+    with postgres_instance() as db, mlflow_server(root, "--artifacts-destination", str(root / "artifacts"),
+                                                  backend=db) as uri:
+        print(f"\n5. the team setup: PostgreSQL and mlflow server {uri} up in {time.perf_counter() - t0:.1f} s")
+        walls, lags = {"none": [], "server": []}, []
+        for i in range(repeats):
+            for tracking in (("none", "server") if i % 2 == 0 else ("server", "none")):
+                target = work / f"sweep-server-{tracking}-{i}"
+                extra = [f"tracking.uri={uri}", f"tracking.experiment=bench-{i}"] if tracking == "server" else []
+                wait_for_no_agent(uri)
+                walls[tracking].append(timed(pipeline("-m", "experiment=kernodeck", f"paths.output_dir={target}",
+                                                      f"tracking={tracking}", *extra, "trainer.progress_bar=false",
+                                                      "optimizer.lr=0.01,0.02,0.03,0.04"), cwd))
+                if tracking == "server":
+                    t1 = time.perf_counter()
+                    if not wait_idle(uri, 300):
+                        sys.exit(f"the tracking agent of {uri} went away before it was idle")
+                    lags.append(time.perf_counter() - t1)
+    s_none, s_server = statistics.median(walls["none"]), statistics.median(walls["server"])
+    print(f"   a 4-job kernodeck sweep, basic launcher, fresh output directory (median of {repeats}):")
+    print("   command: python -m pipeline -m experiment=kernodeck paths.output_dir=<fresh> tracking=<none|server> "
+          "[tracking.uri=http://127.0.0.1:PORT] trainer.progress_bar=false optimizer.lr=0.01,0.02,0.03,0.04")
+    for k, v in walls.items():
+        print(f"   tracking={k:<6} {statistics.median(v):6.2f} s   ({fmt(v)})")
+    print(f"   ratio server/none = {s_server / s_none:.2f}; target <= 1.5: "
+          f"{'met' if s_server <= 1.5 * s_none else 'NOT met'}")
+    print(f"   tracking agent idle {statistics.median(lags):.2f} s after the command returned ({fmt(lags)})",
+          flush=True)
+    return {**walls, "lag": lags}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--server", action="store_true", help="also 5.: the sweep against an mlflow server on PostgreSQL")
+    ap.add_argument("--server-only", action="store_true", help="5. alone")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-tracking-"))
     cwd = work / "cwd"
@@ -160,6 +208,12 @@ def main() -> None:
     busy = BusyLoops(2)
     results: dict = {"load_start": round(os.getloadavg()[0], 2)}
     try:
+        if args.server_only:
+            results["server"] = server_case(work, cwd, args.repeats)
+            results["load_end"] = round(os.getloadavg()[0], 2)
+            print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
+            print(json.dumps(results))
+            return
         t0 = time.perf_counter()
         timed([sys.executable, "-c", "from pipeline.tracking import store; print(store.template_db())"], cwd)
         print(f"\n0. the migrated template store is ready ({time.perf_counter() - t0:.2f} s, made now if it was not)")
@@ -219,6 +273,8 @@ def main() -> None:
                   f"target <= agent start + 2 s = {lag_budget:.2f} s: "
                   f"{'met' if statistics.median(lags) <= lag_budget else 'NOT met'}", flush=True)
             results[tag] = {**sweeps, "lag": lags}
+        if args.server:
+            results["server"] = server_case(work, cwd, args.repeats)
         results["load_end"] = round(os.getloadavg()[0], 2)
         print(f"\nload average at the end {os.getloadavg()[0]:.1f}")
         print(json.dumps(results))

@@ -127,7 +127,7 @@ def main() -> None:
         hydra_cfg = HydraConfig.get()
         sweep = None
         if hydra_cfg.mode == RunMode.MULTIRUN:  # a single run never imports the sweep's code
-            from pipeline.tracking.sweep_callback import job_of
+            from pipeline.sweep.callback import job_of
 
             sweep = job_of(hydra_cfg)
         config = _plain(cfg)
@@ -140,19 +140,18 @@ def main() -> None:
         if SIGNALS_STATE.interrupted_start():
             raise  # the handler's exception, raised inside a library (composing, building), came out as another
         from pipeline.files.atomic import environment_error
-        from pipeline.tracking.sweep_callback import end_unfinished  # a sweep whose sweeper raised: its end
 
+        sweep = SIGNALS_STATE.launching  # the sweep this process launches, if any: ended or undone here
         if (message := environment_error(e)) is not None:  # a full or read-only disk, outside any one job
             with contextlib.suppress(OSError):  # a sweep's sweep.json says failed, if the disk lets it
-                end_unfinished(message)
+                if sweep is not None:
+                    sweep.end_unfinished(message)
             print(f"pipeline: {message}", file=sys.stderr)
             sys.exit(EXIT_ERROR)
-        if not started:  # refused before any job ran (Hydra could not compose them): the sweep leaves nothing
-            from pipeline.tracking.sweep_callback import discard_unlaunched
-
+        if not started and sweep is not None:  # refused before any job ran (Hydra could not compose them)
             with contextlib.suppress(OSError):
-                discard_unlaunched()
-        if started and end_unfinished(f"{type(e).__name__}: {e}"):
+                sweep.discard_unlaunched()  # the sweep leaves nothing
+        if started and sweep is not None and sweep.end_unfinished(f"{type(e).__name__}: {e}"):
             raise  # an error inside a job: its traceback, exit 1
         if started or not report_own:
             raise

@@ -7,7 +7,6 @@ not depend on the cwd).
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import signal
@@ -377,42 +376,7 @@ def slurm_env(slurm_cluster, monkeypatch) -> dict[str, str]:
     return slurm_cluster.client_env()
 
 
-@contextlib.contextmanager
-def mlflow_server(root: Path, *store_args: str):
-    """A real `mlflow server` on 127.0.0.1 and a free port (its sqlite store and `store_args` under `root`),
-    up until the block ends: yields its URI."""
-    import socket
-    import urllib.request
-
-    def healthy(uri: str) -> bool:
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=5) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(root / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", "1", "--backend-store-uri", f"sqlite:///{root}/srv.db", *store_args],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root,
-                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job runners
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: healthy(uri), "mlflow server to come up", limit=600)
-        yield uri
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group (start_new_session)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-
-
+from mlflow_servers import mlflow_server, postgres, postgres_mlflow_server  # noqa: E402,F401  (fixtures)
 
 SHARED_SERVER = pytest.mark.xdist_group("mlflow-server")  # the tests of the shared server: one worker, one start
 

@@ -77,7 +77,7 @@ def test_no_test_doubles_in_the_package():
 # function-level import is the same dependency, only later).
 LAYERS = (("files",), ("config",),
           ("stateful", "model", "data", "optimizer", "scheduler", "checkpoint", "stages", "trainer"),
-          ("run",), ("tracking",), ("verify",), ("cli", "serving", "__main__"))
+          ("run",), ("sweep",), ("tracking",), ("verify",), ("cli", "serving", "__main__"))
 
 
 def layer(module: str) -> int:

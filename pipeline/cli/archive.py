@@ -25,8 +25,8 @@ from pathlib import Path
 
 from pipeline.files import jsonio, names
 from pipeline.files import reading
-from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir, open_new,
-                                   publish_dir, remove_tree, write_new)
+from pipeline.files.atomic import (TMP_PREFIX, NewDirs, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir,
+                                   open_new, publish_dir, remove_tree, write_new)
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import (CHECKPOINTS, STEP_DIR, CheckpointStore, checkpoint_dir, copy_list,
                                        is_checkpoint_dir, read_manifest, verify)
@@ -107,7 +107,7 @@ def plan(source: Path, which: str) -> list[RunPlan]:
     """The runs SOURCE stands for, each with the checkpoints to keep (every one verified, read-only)."""
     kind = _kind(source)
     if kind == "sweep":
-        from pipeline.tracking.sweep_callback import read_jobs
+        from pipeline.sweep.summary import read_jobs
 
         runs_dir = source.parent.parent / "runs"  # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
         runs = sorted({Path(j["run_dir"]).name for j in read_jobs(source).values() if isinstance(j.get("run_dir"), str)})
@@ -529,13 +529,25 @@ def _failed(checks: list[dict]) -> dict | None:
 
 
 def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: list[str], argv: list[str]) -> int:
+    """DEST's missing parents made as `mkdir -p` does, and removed again if no archive is published there."""
+    made = NewDirs(dest.parent)
+    try:
+        return _build_archive(source, dest, which, with_data, extra, argv)
+    finally:
+        if not os.path.lexists(dest):
+            made.prune()
+
+
+def _build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: list[str], argv: list[str]) -> int:
     if os.path.lexists(dest):
         raise BadSource(f"{dest}: already exists; an archive is never overwritten or merged into (choose a new DEST)")
-    if not dest.parent.is_dir():
-        raise BadSource(f"{dest.parent}: does not exist (DEST's parent must)")
     real_src, real_dest = os.path.realpath(source), os.path.realpath(dest)
     if real_dest == real_src or real_dest.startswith(real_src.rstrip("/") + "/"):
         raise BadSource(f"{dest}: inside SOURCE {source}; archive elsewhere")
+    try:
+        os.makedirs(dest.parent, exist_ok=True)
+    except OSError as e:
+        raise BadSource(f"{dest.parent}: cannot be made for DEST ({e.strerror or e})") from None
     stale = f"{TMP_PREFIX}{dest.name}-"
     for p in sorted(p for p in dest.parent.iterdir() if p.name.startswith(stale)):
         print(f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)", file=sys.stderr)

@@ -23,6 +23,7 @@ from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
 def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) -> list[dict]:
     from pipeline.run.directory import RunDir
     from pipeline.tracking import store
+    from pipeline.run.report import run_page
     from pipeline.tracking.common import artifact_root, run_uri
     from pipeline.tracking.index import sync_parent, sync_run
 
@@ -30,17 +31,18 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
     artifact_location = artifact_root(uri, artifact_location or str(output_dir / "mlartifacts"))  # server: None
     client = store.open_client(uri, artifact_location)
     results, synced = [], {}  # synced: the sweeps' job directories, indexed with their parents already
-    for sweep_dir in sorted((output_dir / "sweeps").glob("*/sweep.json")):
-        try:
-            r = sync_parent(client, uri, sweep_dir.parent, artifact_location)
-            synced.update(r.pop("synced"))
-            print(f"sweep {sweep_dir.parent.name}: {run_uri(uri, r['experiment_id'], r['run_id'])} "
-                  f"({r['children']} jobs, {r['status']})")
-        except Exception as e:  # noqa: BLE001
-            results.append({"error": f"{type(e).__name__}: {e}", "sweep_dir": str(sweep_dir.parent)})
-            print(f"sweep {sweep_dir.parent.name}: ERROR {type(e).__name__}: {e}")
-    runs_dir = output_dir / "runs"
-    for run_dir in sorted(p for p in runs_dir.iterdir() if p.is_dir()) if runs_dir.is_dir() else []:
+    for _, kind, path in history(output_dir):
+        if kind == "sweep":
+            try:
+                r = sync_parent(client, uri, path, artifact_location)
+                synced.update(r.pop("synced"))
+                print(f"sweep {path.name}: {run_page(run_uri(uri, r['experiment_id'], r['run_id']))} "
+                      f"({r['children']} jobs, {r['status']})")
+            except Exception as e:  # noqa: BLE001
+                results.append({"error": f"{type(e).__name__}: {e}", "sweep_dir": str(path)})
+                print(f"sweep {path.name}: ERROR {type(e).__name__}: {e}")
+            continue
+        run_dir = path
         try:
             r = synced.get(str(run_dir.resolve())) or (
                 {"skipped": "in use by a running job"} if RunDir(run_dir).in_use()
@@ -60,13 +62,35 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
             verb = "created" if r["created"] else ("updated" if what or r["status"] else "up to date")
             if r["status"]:
                 what = ", ".join(filter(None, [what, f"status {r['status_now']}"]))
-            print(f"{run_dir.name}: {verb} {run_uri(uri, r['experiment_id'], r['run_id'])}"
+            print(f"{run_dir.name}: {verb} {run_page(run_uri(uri, r['experiment_id'], r['run_id']))}"
                   + (f" ({what})" if what else ""))
     changed = sum(1 for r in results if any(r.get(k) for k in ("created", "params", "tags", "points",
                                                                      "artifacts", "status")))
     print(f"reindexed {len(results)} run directories into {uri}: {changed} changed, "
           f"{sum('error' in r for r in results)} errors")
     return results
+
+
+def history(output_dir: Path) -> list[tuple[float, str, Path]]:
+    """(start time, "sweep" or "run", directory) of every sweep and run directory, in the order they started: the
+    live index saw them in that order (a lone run a later sweep finds done stays lone, the sweep's job a repeat
+    of it), and a rebuild replays it. A start time that cannot be read sorts first (by name)."""
+    from pipeline.run.directory import RunDir
+    from pipeline.tracking.index import read_sweep
+
+    def started(read) -> float:
+        try:
+            t = read().get("started")
+        except Exception:  # noqa: BLE001 - damaged: sync_parent or sync_run reports it in its turn
+            return 0.0
+        return float(t) if isinstance(t, (int, float)) else 0.0
+
+    found = [(started(lambda d=p.parent: read_sweep(d)[0]), "sweep", p.parent)
+             for p in sorted((output_dir / "sweeps").glob("*/sweep.json"))]
+    runs_dir = output_dir / "runs"
+    found += [(started(RunDir(p).read_status), "run", p)
+              for p in (sorted(p for p in runs_dir.iterdir() if p.is_dir()) if runs_dir.is_dir() else [])]
+    return sorted(found, key=lambda f: (f[0], f[1], str(f[2])))
 
 
 def move_aside(uri: str) -> Path | None:

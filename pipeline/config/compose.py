@@ -45,12 +45,16 @@ def default_output_dir() -> str:
 
 
 def register() -> None:
-    """The `default_output_dir` resolver, and every schema in Hydra's ConfigStore (config_schema, schema/*)."""
+    """The `default_output_dir` and `experiment_name` resolvers, and every schema in Hydra's ConfigStore (config_schema, schema/*)."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("default_output_dir"):
         OmegaConf.register_new_resolver("default_output_dir", default_output_dir)
+    if not OmegaConf.has_resolver("experiment_name"):
+        from pipeline.config.identity import experiment_name
+
+        OmegaConf.register_new_resolver("experiment_name", experiment_name)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     for schema in SCHEMAS.values():

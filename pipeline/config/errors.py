@@ -32,4 +32,22 @@ def error_line(e: BaseException) -> str:
     if options:
         where = f" in '{missing.rsplit('/', 1)[0]}'" if missing and "/" in missing else ""
         line += f"; available options{where}: {', '.join(options)}"
-    return line
+    return line + closest(e, cause)
+
+
+def closest(e: BaseException, cause: BaseException | None) -> str:
+    """`; did you mean X?` for an unknown key (the closest of its node's keys) or an unknown option of a group (the
+    closest of its options), by difflib's similarity; "" if nothing is close."""
+    import difflib
+
+    options, missing = getattr(e, "options", None), getattr(e, "missing_cfg_file", None)
+    if options and missing:  # model/minigtp
+        group, _, name = str(missing).rpartition("/")
+        found = difflib.get_close_matches(name, [str(o) for o in options], n=1)
+        return f"; did you mean {group}={found[0]}?" if found and group else ""
+    node, key, full = (getattr(cause, a, None) for a in ("parent_node", "key", "full_key"))
+    if not isinstance(key, str) or not isinstance(full, str) or not hasattr(node, "keys"):
+        return ""
+    found = difflib.get_close_matches(key, [str(k) for k in node.keys() if k != "hydra"], n=1)
+    prefix = full[:-len(key)] if full.endswith(key) else ""
+    return f"; did you mean {prefix}{found[0]}?" if found else ""

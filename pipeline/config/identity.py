@@ -17,6 +17,17 @@ NON_SEMANTIC = ("paths", "tracking", "trainer.log_every", "trainer.progress_bar"
                 "trainer.profile",
                 "trainer.on_nonfinite", "resume", "stages", "checkpoint", "verify", "optimized_metric", "hydra",
                 "data.max_bytes")
+# Keys that say where and how a run ran on this machine, not what it computes: kept out of the params (they
+# would clutter every comparison of runs, and a path of one machine means nothing on another). Dotted
+# prefixes; `data.path` is a file of this machine (the run's identity is its content: data_manifest_hash).
+MACHINE_KEYS = ("paths", "tracking", "verify", "resume", "stages.resume", "hydra", "trainer.progress_bar",
+                "trainer.threads", "trainer.max_time", "data.path", "data.max_bytes")
+
+
+def is_machine_key(key: str) -> bool:
+    return any(key == m or key.startswith(m + ".") for m in MACHINE_KEYS)
+
+
 # Keys naming an input file: identity is the file's content, not the path string. Each maps to the key
 # bounding the file's size, and the bound when that is null (a config from before the key existed): a
 # bigger file is refused unread.
@@ -94,6 +105,16 @@ def run_name(config: dict, sources: dict[str, str] | None = None, semantic: str 
     BadName (a ValueError, one line) if the name cannot be one directory's (names.checked)."""
     name = names.checked(config.get("name", "run"), "name")
     return f"{name}-{(semantic or semantic_hash(config, sources))[:12]}"
+
+
+def experiment_name(name: str, model_target: str = "", data_target: str = "") -> str:
+    """The mlflow experiment a job reports to unless tracking.experiment says otherwise: the experiment config's
+    `name`, or for the job no experiment config names (`default`, a near-twin of mlflow's own `Default`) the
+    data and model modules' names, `grammar-minigpt`. The run directory keeps `name` either way."""
+    if name != "default":
+        return name
+    parts = [str(t).rsplit(".", 2)[-2] for t in (data_target, model_target) if str(t).count(".") >= 1]
+    return "-".join(parts) or name
 
 
 def changed_keys(old: dict, new: dict) -> dict[str, tuple]:

@@ -263,7 +263,7 @@ class MlflowTrackingConf(Node):
     wait: float = _f(at_least(0))  # seconds a job waits on tracking in all
 
 
-@builds("pipeline.tracking.base.NullTracker", "tracking/none")
+@builds("pipeline.run.tracker.Tracker", "tracking/none")
 class NoTrackingConf(Node):
     pass
 

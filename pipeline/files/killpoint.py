@@ -6,27 +6,40 @@ PIPELINE_CHAOS_PACE=<seconds> sleeps at every train and setup point (a slow run,
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
 
-_phase, _k, _signals = (os.environ.get("PIPELINE_CHAOS", "").split(":") + ["", ""])[:3]
-_target = int(_k) if _k.isdigit() else None
-_send = [signal.Signals[f"SIG{name}"] for name in _signals.split("+") if name] or [signal.SIGKILL]
-_trace = os.environ.get("PIPELINE_CHAOS_TRACE")
-_hits = {"train": 0, "save": 0, "setup": 0}
-_pace = float(os.environ.get("PIPELINE_CHAOS_PACE") or 0)
+
+class _Plan:
+    """What PIPELINE_CHAOS* ask of this process, and the points reached so far."""
+
+    def __init__(self, environ):
+        phase, k, signals = (environ.get("PIPELINE_CHAOS", "").split(":") + ["", ""])[:3]
+        self.phase, self.target = phase, int(k) if k.isdigit() else None
+        self.send = [signal.Signals[f"SIG{name}"] for name in signals.split("+") if name] or [signal.SIGKILL]
+        self.trace = environ.get("PIPELINE_CHAOS_TRACE")
+        self.pace = float(environ.get("PIPELINE_CHAOS_PACE") or 0)
+        self.hits = {"train": 0, "save": 0, "setup": 0}
+
+
+@functools.cache
+def _plan() -> _Plan:
+    """Read at the first kill point, not on import: importing this module reads and keeps nothing."""
+    return _Plan(os.environ)
 
 
 def point(phase: str, where: str) -> None:
-    if _target is None and _trace is None and not _pace:
+    plan = _plan()
+    if plan.target is None and plan.trace is None and not plan.pace:
         return
-    _hits[phase] += 1
-    if _trace is not None:
-        with open(_trace, "a") as f:
-            f.write(f"{phase} {_hits[phase]} {where}\n")
-    if _pace and phase in ("train", "setup"):
-        time.sleep(_pace)  # after the trace: a test sees where the process is waiting
-    if phase == _phase and _hits[phase] == _target:
-        for sig in _send:
+    plan.hits[phase] += 1
+    if plan.trace is not None:
+        with open(plan.trace, "a") as f:
+            f.write(f"{phase} {plan.hits[phase]} {where}\n")
+    if plan.pace and phase in ("train", "setup"):
+        time.sleep(plan.pace)  # after the trace: a test sees where the process is waiting
+    if phase == plan.phase and plan.hits[phase] == plan.target:
+        for sig in plan.send:
             os.kill(os.getpid(), sig)

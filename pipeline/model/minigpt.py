@@ -13,7 +13,6 @@ from pipeline.model.losses import cross_entropy
 from pipeline.model import layers as L
 from pipeline.model.base import NamedParams
 
-_DTYPES = ("float32", "float64")
 _MALLOC_TUNED = False
 
 
@@ -51,16 +50,9 @@ class MiniGPT(NamedParams):
     def __init__(self, spec: DataSpec, n_layer: int, n_head: int, n_embd: int, block_size: int | None,
                  dropout: float, attn_dropout: float | None, init_std: float, dtype: str,
                  rng: np.random.Generator | None):
-        if spec.vocab_size <= 0:
-            raise ValueError(f"model=minigpt needs a token dataset (e.g. data=grammar or data=text); this data "
-                             f"gives feature rows ({spec.n_features} features): use model=mlp")
-        if n_embd % n_head:
-            raise ValueError(f"n_embd {n_embd} is not divisible by n_head {n_head}")
-        if np.dtype(dtype).name not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        # The values are validated (config/schemas.py: ranges, n_embd % n_head, dtype) and paired with the data
+        # (run/assemble.py check_pairing) before any model is built.
         attn_dropout = dropout if attn_dropout is None else attn_dropout
-        if not (0.0 <= dropout < 1.0 and 0.0 <= attn_dropout < 1.0):
-            raise ValueError(f"dropout probabilities must be in [0, 1), got {dropout}, {attn_dropout}")
         if rng is None:
             # No hidden default seed: every draw of a run must come from one of its named streams.
             raise ValueError("MiniGPT needs rng (the run's init stream) to initialise its weights")

@@ -31,13 +31,7 @@ class MLP(NamedParams):
 
     def __init__(self, spec: DataSpec, hidden: list[int], activation: str, dropout: float, dtype: str,
                  rng: np.random.Generator):
-        if spec.vocab_size or not (spec.n_features and spec.n_targets):
-            raise ValueError(f"model=mlp needs a dataset of feature rows (e.g. data=regression); this data gives "
-                             f"tokens (vocab_size {spec.vocab_size}): use model=minigpt")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {dropout}")
+        # validated (config/schemas.py) and paired with the data (run/assemble.py check_pairing) before it is built
         self.activation, self.dropout, self.dtype = ACTIVATIONS[activation], float(dropout), np.dtype(dtype)
         widths = [spec.n_features, *hidden, spec.n_targets]
         self.n_layers = len(widths) - 1

@@ -28,15 +28,15 @@ log = logging.getLogger("pipeline")
 
 class JobFailed(Exception):
     """A job that ends with an exit code: a single run exits with it; a multirun's sweep records it and goes
-    on. `requeue`: stopped by a signal or its time budget."""
+    on. `requeue`: stopped by a signal or its time budget; `started`: False if it stopped before its run began."""
 
-    def __init__(self, code: int, message: str, requeue: bool = False):
-        self.code, self.requeue = code, requeue
+    def __init__(self, code: int, message: str, requeue: bool = False, started: bool = True):
+        self.code, self.requeue, self.started = code, requeue, started
         super().__init__(message)
 
 
-def fail(code: int, message: object, requeue: bool = False) -> None:
-    raise JobFailed(code, str(message), requeue)
+def fail(code: int, message: object, requeue: bool = False, started: bool = True) -> None:
+    raise JobFailed(code, str(message), requeue, started)
 
 
 def _failed(e: JobFailed, sweep: SweepJob | None) -> float:
@@ -52,7 +52,7 @@ def _failed(e: JobFailed, sweep: SweepJob | None) -> float:
             sys.exit(e.code)
     if sweep is None:
         sys.exit(e.code)
-    sweep.failure = {"code": e.code, "error": str(e)[:2000]}
+    sweep.failure = {"code": e.code, "error": str(e)[:2000], **({} if e.started else {"status": "not started"})}
     return math.nan  # the sweep goes on; its end says which jobs failed and why
 
 
@@ -85,20 +85,45 @@ def main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
     return value
 
 
+class JobLabel(logging.Formatter):
+    """A console formatter that starts each line of a record with its job's label (`[job 3] `): jobs that run
+    side by side (joblib) write to one console."""
+
+    def __init__(self, inner: logging.Formatter | None, label: str):
+        super().__init__()
+        self.inner, self.label = inner or logging.Formatter(), label
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(f"{self.label} {line}" for line in self.inner.format(record).split("\n"))
+
+
+def label_console(label: str) -> None:
+    """The root logger's console handlers (Hydra's, set up for each job; a worker's next job relabels them) start
+    each line with `label`; a run's pipeline.log is its own and stays as it is."""
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, QuietFileHandler):
+            inner = handler.formatter.inner if isinstance(handler.formatter, JobLabel) else handler.formatter
+            handler.setFormatter(JobLabel(inner, label))
+
+
 def _multirun(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob, command: list[str]) -> float:
     try:
         SIGNALS_STATE.install()  # a joblib or submitit worker: this job's own signals
+        if sweep.parallel:
+            label_console(f"[job {sweep.num}]")
         if sweep.unreadable:
             fail(EXIT_BAD_INPUT, sweep.unreadable)
         if SIGNALS_STATE.sweep_interrupted(sweep.dir):
-            fail(EXIT_PREEMPTED, "the sweep was interrupted before this job started; re-run the same command")
+            fail(EXIT_PREEMPTED, "the sweep was interrupted before this job started; re-run the same command",
+                 started=False)
         if SIGNALS_STATE.mode != SWEEP:
             SIGNALS_STATE.received = None  # a worker's earlier job was stopped; this one starts afresh
         return _main(config, overrides, config_yaml, sweep, command)
     except JobFailed as e:
         return _failed(e, sweep)
     except Interrupted as e:
-        return _failed(JobFailed(EXIT_PREEMPTED, f"interrupted by {e} before the run started", requeue=True), sweep)
+        return _failed(JobFailed(EXIT_PREEMPTED, f"interrupted by {e} before the run started", requeue=True,
+                                 started=False), sweep)
 
 
 def _main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None, command: list[str]) -> float:

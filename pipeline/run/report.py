@@ -83,6 +83,20 @@ def ui_page(server: str, experiment_id: str | None) -> str:
     return f"{server.rstrip('/')}/#/experiments{'/' + experiment_id if experiment_id else ''}{UI_QUERY}"
 
 
+def ui_server(tracking_uri: str) -> str:
+    """Where the UI of the store at `tracking_uri` is: a tracking server's own address, else `mlflow ui`'s."""
+    return tracking_uri if tracking_uri.startswith(("http://", "https://")) else UI_LOCAL
+
+
+def run_page(run_uri: str) -> str:
+    """The mlflow UI's page of a run from its run URI (`<store>#/experiments/<id>/runs/<id>`, as a manifest's
+    mlflow_run_uri says it), in the machine-learning view; anything else as it is."""
+    store, sep, route = run_uri.partition("#")
+    if not sep or not route.startswith("/experiments/"):
+        return run_uri
+    return f"{ui_server(store).rstrip('/')}/#{route}{UI_QUERY}"
+
+
 def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, links: dict[str, Path | None],
               curve: Path | None, run_uri: str | None, tracking_uri: str | None, overrides: list[str],
               samples: bool, experiment_id: str | None = None) -> str:
@@ -101,7 +115,7 @@ def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, link
     root = next((Path(v).parent for v in links.values() if v is not None), None)
     lines.append(f"  checkpoints {root}/: {' '.join(ckpts)}" if ckpts else "  checkpoints none")
     lines.append(f"  curve       {curve if curve else 'none (nothing logged)'}")
-    lines.append(f"  mlflow      {run_uri or ('not indexed yet' if tracking_uri else 'not tracked')}")
+    lines.append(f"  mlflow      {run_page(run_uri) if run_uri else 'not indexed yet' if tracking_uri else 'not tracked'}")
     lines.append(f"  resume      {shlex.join([py, '-m', 'pipeline', *overrides])}")  # complete: says so, exits 0
     target = links.get("best") or links.get("final") or links.get("newest")
     if target is not None:
@@ -110,7 +124,7 @@ def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, link
         if samples:
             sample = shlex.join([py, "-m", "pipeline.sample", str(target), *configs])
             lines.append(f"  sample      {sample} prompt=\"\"")
-    if tracking_uri and tracking_uri.startswith(("http://", "https://")):  # a server: its UI is at its address
+    if tracking_uri and ui_server(tracking_uri) == tracking_uri:  # a server: its UI is at its address
         lines.append(f"  mlflow ui   {ui_page(tracking_uri, experiment_id)}")
     elif tracking_uri:
         lines.append(f"  mlflow ui   {shlex.join(['mlflow', 'ui', '--backend-store-uri', tracking_uri])}")

@@ -68,6 +68,7 @@ class Signals:
         self.installed = False
         self.marker: Path | None = None  # a sweep's "interrupted" file, which its jobs check before starting
         self.slurm_jobs: Path | None = None  # a SLURM sweep's submitit folder (its job ids), jobs not ours
+        self.launching = None  # the sweep callback of the sweep this process launches: the entry ends or undoes it
         self.held = False  # a run has held its directory (deferring) in this process
 
     def install(self) -> None:
@@ -154,10 +155,11 @@ class Signals:
         finally:
             self.mode = previous
 
-    def sweeping(self, sweep_dir: Path, slurm_jobs: Path | None = None) -> None:
+    def sweeping(self, sweep_dir: Path, slurm_jobs: Path | None = None, launcher=None) -> None:
         """In the process that launches a sweep's jobs, from a fresh start (no marker of an earlier stop);
-        `slurm_jobs`: the submitit folder of a sweep whose jobs SLURM runs."""
+        `slurm_jobs`: the submitit folder of a sweep whose jobs SLURM runs; `launcher`: its sweep callback."""
         self.install()
+        self.launching = launcher
         self.marker = Path(sweep_dir) / MARKER
         self.marker.unlink(missing_ok=True)
         self.mode, self.slurm_jobs = SWEEP, slurm_jobs

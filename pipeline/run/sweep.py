@@ -11,24 +11,24 @@ from pipeline.files.atomic import ensure_dirs, replace_file
 from pipeline.config.errors import EXIT_PREEMPTED
 
 log = logging.getLogger("pipeline")
-SWEEP_DIR_ENV = "PIPELINE_SWEEP_DIR"  # set by the sweep's launcher; conf/config.yaml's hydra.sweep.dir reads it
 
 
 @dataclass
 class SweepJob:
-    """Built by the Hydra task from its sweep's sweep.json (pipeline.tracking.sweep_callback.job_of); `dir`
+    """Built by the Hydra task from its sweep's sweep.json (pipeline.sweep.callback.job_of); `dir`
     None: a multirun without the sweep callback, which records nothing."""
     dir: Path | None = None
     sweep_id: str | None = None
     num: int = 0  # Hydra's job number, plus the trials an Optuna study held before this launch
     overrides: list[str] = field(default_factory=list)
     name: str = ""  # the swept values, as a person reads them
+    parallel: bool = False  # its launcher runs jobs side by side (joblib): its console lines carry `[job <num>]`
     parent: dict | None = None  # {"sweep_id"}: how the agent finds the parent run (None: not tracked)
     tracking_off: str | None = None  # why tracking is off for the sweep (its launcher said so, once)
     started: float | None = None
     run_dir: str | None = None  # set by the job runner as it learns them
     run_uri: str | None = None
-    failure: dict | None = None  # {"code", "error"}
+    failure: dict | None = None  # {"code", "error"}, and {"status": "not started"} if its run never began
     unreadable: str | None = None  # why its sweep.json could not be read: the job fails as bad input
 
     @property

@@ -1,11 +1,39 @@
-"""The tracker protocol the run calls; every method does nothing here (pipeline/tracking/ implements it)."""
+"""The tracker protocols the run and the sweep call; every method does nothing here (pipeline/tracking/ implements
+them, tracking=none is these)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 
+class SweepParent:
+    """A sweep's parent run, as the sweep's launcher drives it (none here: the sweep is not tracked). Built from the
+    `tracking` node's plain values; what start() learns stays in the launching process."""
+
+    def __init__(self, **_):
+        pass
+
+    def facts(self, timeout: float) -> dict:
+        """What sweep.json records for the jobs and the end (e.g. the store's uri, or why tracking is off)."""
+        return {}
+
+    def warm(self, sweep: dict) -> None:
+        """The sweep's jobs run in this process: get tracking ready meanwhile, without asking for the parent."""
+
+    def start(self, sweep: dict) -> None:
+        """Ask for the parent run, never waiting: the jobs name it by the sweep's id."""
+
+    def end(self, sweep: dict) -> list[str]:
+        """Hand over the parent's end (waiting a bounded moment); the lines saying where it is, for the end table."""
+        return ["not tracked (tracking=none)"]
+
+
 class Tracker:
     """Every call returns quickly: the training loop never waits for tracking."""
+
+    sweep_parent: type[SweepParent] = SweepParent  # what a sweep tracked this way builds for its parent run
+
+    def __init__(self, **_):
+        pass
 
     def prepare(self) -> None:
         """As soon as the job knows its config: start whatever tracking needs, off the job's path."""

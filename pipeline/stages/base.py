@@ -74,9 +74,7 @@ class Watch(Stage):
     with the monitor and mode it was measured by, so another monitor or mode starts a new best history."""
 
     def __init__(self, monitor: str, mode: str, order: int):
-        super().__init__(order)
-        if mode not in ("min", "max"):
-            raise ValueError(f"stages.{self.name}.mode must be 'min' or 'max', got {mode!r}")
+        super().__init__(order)  # mode is min or max: config/schemas.py
         self.monitor, self.mode = str(monitor), str(mode)
         self.best: float | None = None
         self.best_step: int | None = None

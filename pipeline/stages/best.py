@@ -15,12 +15,8 @@ class BestVal(Watch):
     link = "best"
 
     def __init__(self, monitor: str, mode: str, order: int, keep: int, filename: str | None):
-        super().__init__(monitor, mode, order)
-        if type(keep) is not int or keep < 1:
-            raise ValueError(f"stages.{self.name}.keep must be an integer >= 1, got {keep!r}")
-        if filename is not None and (why := patterns.problem(filename)):
-            raise ValueError(f"stages.{self.name}.filename={filename!r:.80}: {why}")
-        self.keep = keep
+        super().__init__(monitor, mode, order)  # keep >= 1, filename a pattern: config/schemas.py
+        self.keep = int(keep)
         self.filename = filename  # a pattern naming each kept checkpoint by its values (`{step}-{val/loss:.3f}`)
         self.top: list[tuple[float, int]] = []  # the `keep` best (value, step) since `since`, best first
 

@@ -1,8 +1,6 @@
 """Ends the run once `monitor` has not improved by more than `min_delta` for `patience` evaluations in a row."""
 from __future__ import annotations
 
-import math
-
 from pipeline.checkpoint.retention import is_better
 from pipeline.stages.base import StepEnd, Watch
 
@@ -15,11 +13,7 @@ class EarlyStop(Watch):
     name = "early_stop"
 
     def __init__(self, monitor: str, mode: str, patience: int, min_delta: float, order: int):
-        super().__init__(monitor, mode, order)
-        if int(patience) < 1:
-            raise ValueError(f"stages.early_stop.patience must be >= 1, got {patience}")
-        if not (math.isfinite(min_delta) and min_delta >= 0):
-            raise ValueError(f"stages.early_stop.min_delta must be a finite number >= 0, got {min_delta}")
+        super().__init__(monitor, mode, order)  # patience >= 1, min_delta >= 0: config/schemas.py
         self.patience, self.min_delta = int(patience), float(min_delta)
         self.wait = 0  # evaluations since the last improvement
 

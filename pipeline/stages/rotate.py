@@ -10,9 +10,7 @@ class RotateLastN(Stage):
     name = "rotate"
 
     def __init__(self, keep: int, cadence: Cadence, order: int):
-        super().__init__(order)
-        if keep < 1:
-            raise ValueError(f"stages.{self.name}.keep must be >= 1, got {keep}")
+        super().__init__(order)  # keep >= 1: config/schemas.py
         self.keep, self.cadence = int(keep), cadence
 
     def wants_checkpoint(self, end: StepEnd) -> bool:

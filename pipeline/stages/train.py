@@ -9,8 +9,6 @@ class Train(Stage):
 
     def __init__(self, eval_every: int, order: int):
         super().__init__(order)
-        if eval_every < 0:
-            raise ValueError(f"stages.train.eval_every must be >= 0, got {eval_every}")
         self.eval_every = int(eval_every)
 
     def run(self, run) -> None:

@@ -80,7 +80,7 @@ class Agent:
             # Everything the agent will run, now (mlflow: the slow part, while the readers buffer): a module
             # imported minutes later, from a checkout changed meanwhile, would not match those already loaded
             # (an ImportError in sweep_end left parents RUNNING).
-            from pipeline.tracking import common, index, store, sweep_callback  # noqa: F401
+            from pipeline.tracking import common, index, store  # noqa: F401
             self.common, self.index, self.store = common, index, store
             trace("import mlflow", started)
         except BaseException as e:  # noqa: BLE001

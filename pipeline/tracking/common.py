@@ -7,12 +7,16 @@ import re
 from pathlib import Path
 
 from pipeline.files import reading
+from pipeline.config.identity import MACHINE_KEYS, is_machine_key  # noqa: F401 - the tracker's params leave them out
 from pipeline.files.jsonio import NON_FINITE, flatten
 
 MAX_PARAM_VALUE = 6000  # mlflow's limit on a param value
 MAX_TAG_VALUE = 8000
 NON_METRIC_KEYS = ("step", "epoch", "time")
 CURVES_ARTIFACT = "curves.png"
+# Seconds a process inside a SLURM job waits at its exit for the agent to complete its runs: SLURM ends every
+# process of a job with it, an agent the job started among them. Artifacts take seconds on a loaded machine.
+SLURM_WAIT = 60.0
 TRACKER_TARGETS = ("pipeline.tracking.mlflow_tracker.MlflowTracker",)
 
 _RUN_ROUTE = re.compile(r"^/?experiments/([^/]+)/runs/([0-9a-fA-F]{32})/?$")
@@ -131,20 +135,11 @@ def param_value(v) -> str:
     return s if len(s) <= MAX_PARAM_VALUE else s[:MAX_PARAM_VALUE - 15] + "...[truncated]"
 
 
-# Keys that say where and how a run ran on this machine, not what it computes: kept out of the params (they
-# would clutter every comparison of runs, and a path of one machine means nothing on another). Dotted
-# prefixes; `data.path` is a file of this machine (the run's identity is its content: data_manifest_hash).
-MACHINE_KEYS = ("paths", "tracking", "verify", "resume", "stages.resume", "hydra", "trainer.progress_bar",
-                "trainer.threads", "trainer.max_time", "data.path", "data.max_bytes")
 # The few machine keys worth a `config.<key>` tag (what a person filters on: which file, resumed from
 # where, on how many threads, under which time limit); the rest is in the run's .hydra/config.yaml artifact.
 MACHINE_TAGS = ("resume.source", "data.path", "trainer.threads", "trainer.max_time")
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # mlflow 3's marking of an experiment's kind (its UI's selector)
 EXPERIMENT_KIND = "custom_model_development"  # "Machine learning": runs, not GenAI traces
-
-
-def is_machine_key(key: str) -> bool:
-    return any(key == m or key.startswith(m + ".") for m in MACHINE_KEYS)
 
 
 def params_of(config: dict) -> dict[str, str]:
@@ -154,6 +149,17 @@ def params_of(config: dict) -> dict[str, str]:
 
 def tag_value(v) -> str:
     return (v if isinstance(v, str) else json.dumps(v, sort_keys=True))[:MAX_TAG_VALUE]
+
+
+def experiment_of(config: dict) -> str:
+    """The mlflow experiment a run's config reports to: its tracking.experiment, or (a config tracked by none,
+    indexed later) the name tracking=mlflow would have given it (identity.experiment_name)."""
+    from pipeline.config.identity import experiment_name
+
+    tracked = (config.get("tracking") or {}).get("experiment")
+    return str(tracked) if tracked else experiment_name(str(config.get("name") or "default"),
+                                                        (config.get("model") or {}).get("_target_", ""),
+                                                        (config.get("data") or {}).get("_target_", ""))
 
 
 def tags_of(facts: dict, run_dir: str | Path, status: dict | None = None, job: dict | None = None) -> dict[str, str]:
@@ -194,3 +200,8 @@ def is_mlflow_tracking(tracking) -> bool:
         return tracking.get("_target_") in TRACKER_TARGETS
     except AttributeError:  # None, or not a node
         return False
+
+
+def in_slurm_job() -> bool:
+    """Whether this process runs inside a SLURM job, whose end ends every process it started."""
+    return bool(os.environ.get("SLURM_JOB_ID"))

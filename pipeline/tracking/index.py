@@ -12,9 +12,9 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import json_state, manifest_file, read_manifest, weights_file
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.tracking import store
-from pipeline.tracking.common import (CURVES_ARTIFACT, metric_points, params_of, parse_run_uri, run_uri, tag_value,
-                                      tags_of)
-from pipeline.tracking.summary import best_job, finite
+from pipeline.tracking.common import (CURVES_ARTIFACT, experiment_of, metric_points, params_of, parse_run_uri,
+                                      run_uri, tag_value, tags_of)
+from pipeline.sweep.summary import best_job, finite, parent_name, read_jobs
 from pipeline.trainer import curves
 
 MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
@@ -72,7 +72,7 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         tags["mlflow.parentRunId"] = parent["run_id"]
     run = store.find_run(client, str(run_dir), candidates)
     if run is None:
-        experiment = (config.get("tracking") or {}).get("experiment") or config.get("name") or "default"
+        experiment = experiment_of(config)
         started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
         run = store.create_run(client, store.ensure_experiment(client, str(experiment), artifact_root), tags, started)
         added["created"] = 1
@@ -87,7 +87,9 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     for line in lines:
         for p in metric_points(line):
             latest[(p[0], p[3])] = p  # a step logged twice in the file: its last line
-    best = best_metrics(found[-1][0])
+    # The best is the run's result: logged once it has ended for good, never from a preempted segment (a resumed
+    # run's index would keep that segment's best beside the final one, which a rebuild from disk cannot know).
+    best = best_metrics(found[-1][0]) if status.get("status") != "preempted" else {}
     when = {p[3]: p[2] for p in latest.values()}  # step -> its metrics.jsonl time: the same in every rebuild
     for key, (value, step) in best.items():
         latest[(key, step)] = (key, value, when.get(step, 0), step)
@@ -152,6 +154,12 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
             if stat.S_ISREG(p.stat().st_mode):  # a FIFO or a device where a file should be: never opened (it blocks)
                 todo.append((f"hydra/{p.name}" if p != rundir.log_path else p.name, p))
     added = 0
+    # A checkpoint retention retired is gone from disk: its manifest, logged live when it was saved, goes from
+    # the index too (a rebuild from disk never sees it; the run's resume.N tags keep where each resume started).
+    # A damaged one is still on disk: kept.
+    kept = {d.name for _, d in rundir.store.steps()}
+    for name in sorted({a.split("/")[1] for a in have if a.startswith("checkpoints/") and a.count("/") == 2} - kept):
+        repo.delete_artifacts(f"checkpoints/{name}")
     for artifact, source in todo:
         size = len(source) if isinstance(source, bytes) else source.stat().st_size
         if have.get(artifact) != size:
@@ -180,14 +188,12 @@ DERIVED_PARENT_TAGS = ("sweep.failures", "best.job", "best.params", "best.value"
 
 
 def read_sweep(sweep_dir: Path) -> tuple[dict, dict[int, dict]]:
-    from pipeline.tracking.sweep_callback import read_jobs
-
     return jsonio.read(Path(sweep_dir) / "sweep.json", 1 << 24), read_jobs(Path(sweep_dir))
 
 
 def identity_tags(sweep: dict) -> dict[str, str]:
     """The parent's tags that sweep.json fixes when the sweep starts (the same whoever creates the run)."""
-    tags = {"mlflow.runName": f"sweep {sweep.get('name', '')} {' '.join(sweep.get('swept') or {})}".strip(),
+    tags = {"mlflow.runName": parent_name(sweep.get("swept") or {}),
             "sweep": "parent", "sweep.id": sweep["id"], "sweep.dir": str(sweep.get("dir", "")),
             "sweep.overrides": " ".join(sweep.get("overrides") or []), "mlflow.source.name": "pipeline -m",
             "sweep.launcher": sweep.get("launcher", ""), "sweep.sweeper": sweep.get("sweeper", ""),

@@ -11,22 +11,17 @@ from typing import TYPE_CHECKING
 
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import manifest_file
+from pipeline.run.report import run_page
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
-from pipeline.tracking.common import artifact_root, normalize_tracking_uri, params_of, store_problem, tags_of
+from pipeline.tracking.common import (SLURM_WAIT, artifact_root, in_slurm_job, normalize_tracking_uri, params_of,
+                                      store_problem, tags_of)
+from pipeline.tracking.sweep_parent import MlflowSweepParent
 
 if TYPE_CHECKING:
     from pipeline.tracking.link import Link
 
 log = logging.getLogger("pipeline")
-# Seconds a process inside a SLURM job waits at its exit for the agent to complete its runs: SLURM ends every
-# process of a job with it, an agent the job started among them. Artifacts take seconds on a loaded machine.
-SLURM_WAIT = 60.0
-
-
-def in_slurm_job() -> bool:
-    """Whether this process runs inside a SLURM job, whose end ends every process it started."""
-    return bool(os.environ.get("SLURM_JOB_ID"))
 
 
 def wait_at_exit(event: threading.Event, what: str) -> None:
@@ -43,6 +38,8 @@ def wait_at_exit(event: threading.Event, what: str) -> None:
 class MlflowTracker(Tracker):
     """conf/tracking/mlflow.yaml (sqlite under the output directory) and conf/tracking/server.yaml (http). A job
     waits on it at most `wait` s in all; a failure warns once and turns tracking off for the run."""
+
+    sweep_parent = MlflowSweepParent
 
     def __init__(self, uri: str, experiment: str, artifact_location: str | None, wait: float,
                  sweep: SweepJob | None = None, **_):
@@ -140,7 +137,7 @@ class MlflowTracker(Tracker):
         if kind == "ready":
             self.experiment_id = event.get("experiment_id")
             self._uri = event["uri"]
-            log.info("mlflow: run %s", self._uri)
+            log.info("mlflow: run %s", run_page(self._uri))
             self.ready.set()
         elif kind == "error":
             self._fail(event.get("message", "unknown error"))
@@ -196,7 +193,8 @@ class MlflowTracker(Tracker):
             wait_at_exit(self.done, f"run {self._uri or run_dir}")
         sent = self._wait_for(self.link.drain, self.wait)
         log.info("mlflow: this job waited %.3f s on tracking in all (bound %.1f s); the tracking agent finishes "
-                 "run %s after it exits%s%s", self.waited, self.wait, self._uri or "(not created yet)",
+                 "run %s after it exits%s%s", self.waited, self.wait,
+                 run_page(self._uri) if self._uri else "(not created yet)",
                  "" if sent else " (its last messages were not sent in time: `python -m pipeline.reindex` "
                  "completes the run)",
                  f" (inside a SLURM job, which waits for it at its exit, at most {SLURM_WAIT:.0f} s)" if at_exit else "")

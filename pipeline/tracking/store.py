@@ -11,13 +11,9 @@ import time
 from contextlib import closing, contextmanager, nullcontext, suppress
 from pathlib import Path
 
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a server that is down fails in seconds, not minutes
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
-
-from mlflow import MlflowClient  # noqa: E402
-from mlflow.entities import Metric, Param, RunTag, ViewType  # noqa: E402
-from mlflow.exceptions import MlflowException  # noqa: E402
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag, ViewType
+from mlflow.exceptions import MlflowException
 
 for _name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." etc.
     logging.getLogger(_name).setLevel(logging.WARNING)
@@ -26,8 +22,13 @@ from pipeline.files.atomic import UnsafePathError, refuse_link  # noqa: E402
 from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri,  # noqa: E402
                                       sqlite_path, tag_value)
 from pipeline.tracking.common import artifact_root as common_artifact_root  # noqa: E402
+from pipeline.tracking.sharing import check_shared  # noqa: E402
 
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
+# A server that is down fails in seconds, not minutes. mlflow reads these from the environment at each request
+# only, so open_client sets them (unless the user did) in the process that opens a client, never on import.
+HTTP_SETTINGS = (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+                 ("MLFLOW_HTTP_REQUEST_TIMEOUT", "20"))
 
 
 class StoreError(Exception):
@@ -89,6 +90,8 @@ def _copy_template(db: Path) -> None:
 def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
     """A client whose store is open; a new sqlite store is made here, once, under the lock (a copy of the template,
     its artifacts under `artifact_root`, never the working directory). StoreError (one line) if it cannot be."""
+    for key, value in HTTP_SETTINGS:
+        os.environ.setdefault(key, value)
     db = sqlite_path(uri)
     if db is not None:
         try:  # a link planted at the store or beside it would create or fill a store elsewhere
@@ -113,6 +116,8 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
                 SqlAlchemyStore(uri, common_artifact_root(uri, artifact_root))
             client = MlflowClient(tracking_uri=uri)
             client.search_experiments(max_results=1)  # connect now: a server that is down fails here
+            if db is not None:
+                check_shared(client, db)
         return client
     except Exception as e:  # noqa: BLE001 - whatever mlflow, sqlalchemy or the network raise: one line
         where = f"the mlflow store {db}" if db else f"the mlflow tracking server {uri}"
@@ -277,7 +282,9 @@ def artifact_bytes(repo, path: str, sizes: dict[str, int] | None = None, limit: 
 def reference_run(client: MlflowClient, run, parent: dict, job: dict):
     """A child of `parent` for a sweep job whose run directory another job's run stands for: its params and final
     metrics, tagged with the run it repeats (no run_dir tag: that one is the run)."""
-    name = f"{job.get('name') or run.data.tags.get('mlflow.runName', '')} (same run as {run.info.run_id[:8]})"
+    # named by the run directory it repeats, as on disk: a run id is the store's own (a rebuild makes others)
+    same = Path(run.data.tags.get("run_dir") or run.info.run_id).name
+    name = f"{job.get('name') or run.data.tags.get('mlflow.runName', '')} (same run as {same})"
     tags = {k: v for k, v in run.data.tags.items() if not k.startswith(("mlflow.", "sweep.")) and k != "run_dir"}
     tags.update({"mlflow.parentRunId": parent["run_id"], "mlflow.runName": name, "repeat_of": run.info.run_id,
                  "repeat_of.run_dir": run.data.tags.get("run_dir", ""), "sweep.id": str(job.get("sweep_id")),

@@ -60,9 +60,6 @@ class Shards:
                 threads = len(os.sched_getaffinity(0))
             except AttributeError:  # not Linux
                 threads = os.cpu_count() or 1
-        for key, n in (("shards", shards), ("threads", threads)):
-            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-                raise ValueError(f"trainer.{key} must be an integer >= 1, got {n!r}")
         self.shards, self.threads = int(shards), int(threads)
         # The calling thread works too: threads - 1 helpers. None when there is nothing to share.
         self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="shard") if self.threads > 1 else None

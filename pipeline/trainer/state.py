@@ -53,11 +53,12 @@ class TrainState:
     dataset: Dataset
     dtype: np.dtype
     total_steps: int
-    accumulate: int = 1  # micro-batches per update
-    grad_clip: float = 0.0  # the largest global L2 norm of an update's gradient; 0: no clipping
-    shards: int = 1  # pieces each micro-batch is split into (semantic: the dropout draws, the summation order)
-    threads: int | None = None  # threads running the pieces (not semantic); None: the cores available
-    stages: object = None  # the stages' states (pipeline.stages.base.StageStates); the run layer builds them
+    # trainer.* (their values live in conf/trainer/default.yaml: no default here to disagree with it)
+    accumulate: int  # micro-batches per update
+    grad_clip: float  # the largest global L2 norm of an update's gradient; 0: no clipping
+    shards: int  # pieces each micro-batch is split into (semantic: the dropout draws, the summation order)
+    threads: int | None  # threads running the pieces (not semantic); None: the cores available
+    stages: object  # the stages' states (pipeline.stages.base.StageStates); the run layer builds them
     progress: Progress = field(default_factory=Progress)
     runner: Shards = field(init=False, repr=False)  # the shard runner: it pins BLAS to one thread until close()
 

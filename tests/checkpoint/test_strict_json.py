@@ -20,7 +20,7 @@ from pipeline.checkpoint.store import EXTRA, MANIFEST, WEIGHTS, load, read_manif
 from pipeline.cli.roundtrip import Fresh
 from pipeline.run.directory import RunDir
 from pipeline.config.compose import compose, to_plain
-from pipeline.tracking.sweep_callback import read_jobs
+from pipeline.sweep.summary import read_jobs
 
 
 # -- loads ------------------------------------------------------------------------------------------

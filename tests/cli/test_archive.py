@@ -152,6 +152,19 @@ def test_an_existing_dest_and_bad_sources_are_refused_in_one_line(tmp_path, fini
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".tmp-d", "d1", "d2", "d3", "d4"))]
 
 
+def test_dests_missing_parents_are_made_and_gone_again_when_nothing_is_published(tmp_path, finished):
+    assert "not a run" in refused_in_one_line([str(tmp_path / "cwd"), str(tmp_path / "x" / "y" / "d")], tmp_path,
+                                               module="pipeline.archive")
+    assert not (tmp_path / "x").exists()  # refused: the parents it made are removed again
+    (tmp_path / "file").write_text("keep")
+    assert "cannot be made for DEST" in refused_in_one_line([str(finished), str(tmp_path / "file" / "d")], tmp_path,
+                                                             module="pipeline.archive")
+    assert (tmp_path / "file").read_text() == "keep"
+    dest = tmp_path / "deep" / "er" / "dest"  # as `mkdir -p` would
+    assert archive(finished, dest, cwd=tmp_path).returncode == 0
+    assert archive("--check", dest, cwd=tmp_path).returncode == 0
+
+
 def test_text_data_needs_with_data_and_then_resumes_from_the_archived_file(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)

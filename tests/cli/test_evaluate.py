@@ -129,3 +129,10 @@ def test_a_checkpoint_that_does_not_verify_and_foreign_overrides_are_refused(tin
     assert "manifest.json: missing" in refused([str(tmp_path)], tmp_path / "cwd")
     assert "model.n_layer=2: only data=NAME" in refused([str(tiny / "final"), "model.n_layer=2"], tmp_path / "cwd")
     assert "data.seed" in refused([str(tiny / "final"), "data.seed=abc"], tmp_path / "cwd")
+
+
+def test_data_of_another_kind_is_refused_before_the_model_is_built(tiny, tmp_path):
+    """A minigpt checkpoint on rows of features: the data's spec against the checkpoint's, in one line (the
+    model's constructor trusts its data, as it trusts its values)."""
+    err = refused([str(tiny / "final"), "data=regression"], tmp_path / "cwd")
+    assert "data Regression: its spec differs" in err and "vocab_size 250 -> 0" in err, err

@@ -18,24 +18,43 @@ from pipeline.config.compose import install_hint
 
 # -- an unknown option of a group ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("override, group, options", [
-    ("optimizer=adamm", "optimizer", "adam, adamw, sgd"),
-    ("model=foo", "model", "minigpt, mlp"),
-    ("+stages/early_stop=nope", "stages/early_stop", "default"),
+@pytest.mark.parametrize("override, group, options, meant", [
+    ("optimizer=adamm", "optimizer", "adam, adamw, sgd", "; did you mean optimizer=adam?"),
+    ("model=minigtp", "model", "minigpt, mlp", "; did you mean model=minigpt?"),
+    ("model=foo", "model", "minigpt, mlp", ""),  # nothing close: no guess
+    ("+stages/early_stop=defualt", "stages/early_stop", "default", "; did you mean stages/early_stop=default?"),
 ])
-def test_an_unknown_option_is_one_line_listing_the_groups_options(tmp_path, override, group, options):
+def test_an_unknown_option_is_one_line_listing_the_groups_options(tmp_path, override, group, options, meant):
     err = refused_in_one_line([override, f"paths.output_dir={tmp_path / 'out'}"], tmp_path / "cwd")
     wrong = override.lstrip("+").replace("=", "/")
     assert err.strip() == (f"pipeline: bad config or override: In 'config': Could not find '{wrong}'; "
-                           f"available options in '{group}': {options}")
+                           f"available options in '{group}': {options}{meant}")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("override, meant", [
+    ("trainer.max_stpes=3", "trainer.max_steps"),
+    ("optimzer.lr=0.1", "optimizer"),
+    ("stages.best_val.moniter=val/ppl", "stages.best_val.monitor"),
+])
+def test_an_unknown_key_is_one_line_naming_the_closest_key(tmp_path, override, meant):
+    err = refused_in_one_line([override, f"paths.output_dir={tmp_path / 'out'}"], tmp_path / "cwd")
+    assert err.strip().startswith(f"pipeline: bad config or override: Could not override '{override.split('=')[0]}'")
+    assert err.strip().endswith(f"; did you mean {meant}?"), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_key_nothing_is_close_to_gets_no_guess(tmp_path):
+    err = refused_in_one_line(["trainer.qqqqq=1", f"paths.output_dir={tmp_path / 'out'}"], tmp_path / "cwd")
+    assert err.strip().endswith("Key 'qqqqq' not in 'TrainerConf'"), err
 
 
 def test_the_verifier_and_roundtrip_say_it_the_same_way(tmp_path):
     for module in ("pipeline.verify", "pipeline.roundtrip"):
         proc = run_pipeline(["optimizer=adamm", f"paths.output_dir={tmp_path / 'out'}"], tmp_path / "cwd", module)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-        assert proc.stderr.strip().endswith("available options in 'optimizer': adam, adamw, sgd"), proc.stderr
+        assert proc.stderr.strip().endswith("available options in 'optimizer': adam, adamw, sgd; did you mean "
+                                            "optimizer=adam?"), proc.stderr
 
 
 def test_error_line_keeps_one_line_whatever_hydra_gives():

@@ -63,3 +63,16 @@ def test_the_stages_of_the_default_pipeline_give_every_key_of_their_schema():
 def test_the_bound_for_a_null_max_bytes_is_the_yamls():
     (text,) = [node for path, node in option_files() if path == "data/text.yaml"]
     assert text["max_bytes"] == TEXT_MAX_BYTES
+
+
+def test_the_train_state_takes_every_trainer_key_it_holds_without_a_default():
+    """Regression (#31): TrainState said shards=1 where conf/trainer/default.yaml says 2, unseen because the one
+    caller passes them all; a field named like a trainer key has no default to disagree with the YAML."""
+    from dataclasses import MISSING
+
+    from pipeline.trainer.state import TrainState
+
+    trainer = yaml.safe_load((CONFIG_DIR / "trainer" / "default.yaml").read_text(encoding="utf-8"))
+    held = [f for f in fields(TrainState) if f.name in trainer]
+    assert {f.name for f in held} >= {"accumulate", "grad_clip", "shards", "threads"}
+    assert [f.name for f in held if f.default is not MISSING or f.default_factory is not MISSING] == []

@@ -67,6 +67,41 @@ def test_minigpt_cross_checks(tmp_path):
         validate(config_of(*TINY, "model.n_head=3", f"paths.output_dir={tmp_path}"))
 
 
+# The checks the constructors trust (each once, here): a model, a stage or the trainer built from a config
+# that passed validate() does not check these again.
+@pytest.mark.parametrize("overrides, words", [
+    ((*TINY, "model.n_embd=10", "model.n_head=4"), "model.n_embd=10 is not divisible by model.n_head=4"),
+    ((*TINY, "trainer.dtype=float16"), "trainer.dtype=float16"),  # the typed schema, while composing
+    ((*TINY, "model.dropout=1.0"), "model.dropout=1.0: must be in [0, 1)"),
+    ((*TINY, "model.attn_dropout=-0.1"), "model.attn_dropout=-0.1: must be in [0, 1)"),
+    ((*KERNODECK, "model.activation=sigmoid"), "model.activation=sigmoid"),
+    ((*KERNODECK, "stages.best_val.keep=0"), "stages.best_val.keep=0: must be a number >= 1"),
+    ((*KERNODECK, "stages.best_val.mode=mid"), "stages.best_val.mode=mid"),
+    ((*KERNODECK, "+stages.best_val.filename='{step'"), "stages.best_val.filename"),
+    ((*KERNODECK, "stages.train.eval_every=-1"), "stages.train.eval_every=-1: must be a number >= 0"),
+    ((*KERNODECK, "+stages/early_stop=default", "stages.early_stop.patience=0"),
+     "stages.early_stop.patience=0: must be a number >= 1"),
+    ((*KERNODECK, "+stages/early_stop=default", "stages.early_stop.min_delta=-1"),
+     "stages.early_stop.min_delta=-1.0: must be a number >= 0"),
+    ((*KERNODECK, "+stages/early_stop=default", "stages.early_stop.min_delta=inf"), "stages.early_stop.min_delta"),
+    ((*KERNODECK, "trainer.shards=0"), "trainer.shards=0: must be a number >= 1"),
+    ((*KERNODECK, "trainer.shards=2.5"), "trainer.shards=2.5"),
+    ((*KERNODECK, "trainer.shards=true"), "trainer.shards=true"),
+    ((*KERNODECK, "trainer.threads=0"), "trainer.threads=0: must be null or a number >= 1"),
+    ((*KERNODECK, "data=grammar"), "pair model=minigpt with data=grammar"),
+])
+def test_each_value_check_the_constructors_trust_refuses_before_anything_is_built(overrides, words, tmp_path):
+    from hydra.errors import ConfigCompositionException
+
+    from pipeline.run.assemble import check_pairing
+
+    with pytest.raises((ConfigError, ConfigCompositionException)) as info:
+        config = config_of(*overrides, f"paths.output_dir={tmp_path}")
+        validate(config)
+        check_pairing(config)  # the model against the data: run/assemble.py, the one place
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
 def test_every_shipped_combination_validates(tmp_path):
     for overrides in ((), KERNODECK, TINY, ("optimizer=sgd",), ("scheduler=step",), ("scheduler=constant",),
                       ("resume=never",), ("tracking=server",), ("checkpoint=every_n_steps",)):

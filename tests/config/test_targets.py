@@ -37,7 +37,7 @@ CASES = [
     ("scheduler", "pipeline.scheduler.base.Scheduler", UNSHIPPED),
     ("scheduler", "pipeline.optimizer.adam.Adam", OUT_OF_SLOT),
     ("tracking", "pipeline.tracking.common.normalize_tracking_uri", UNSHIPPED),
-    ("tracking", "pipeline.tracking.sweep_callback.MlflowSweepCallback", OUT_OF_SLOT),
+    ("tracking", "pipeline.sweep.callback.SweepCallback", OUT_OF_SLOT),
     ("checkpoint", "pipeline.stages.rotate.RotateLastN", OUT_OF_SLOT),
     ("checkpoint", "pipeline.stages.cadence.Nope", UNSHIPPED),
     ("stages.rotate_last_3.cadence", "pipeline.stages.final.Final", OUT_OF_SLOT),
@@ -92,7 +92,7 @@ def test_every_shipped_pipeline_class_has_its_slots():
     assert set(slots) == {t for t in targets.shipped() if t.startswith("pipeline.")}
     assert slots["pipeline.stages.cadence.Cadence"] == {"checkpoint"}
     assert slots["pipeline.stages.final.Final"] == {"stages.<name>"}
-    assert slots["pipeline.tracking.sweep_callback.MlflowSweepCallback"] == {"hydra.callbacks.<name>"}
+    assert slots["pipeline.sweep.callback.SweepCallback"] == {"hydra.callbacks.<name>"}
 
 
 @pytest.mark.parametrize("key, target, words", CASES, ids=IDS)

@@ -296,7 +296,7 @@ def test_absurd_sizes_are_refused_up_front(tmp_path):
 
 
 def test_job_count_without_expanding():
-    from pipeline.tracking.sweep_callback import job_count
+    from pipeline.sweep.callback import job_count
 
     assert job_count(["a=1,2,3", "b=range(0,10,3)", "c=5"], {}) == 12
     assert job_count(["a=range(0,1000000)"], {"params": {"b": "1,2"}}) == 2_000_000

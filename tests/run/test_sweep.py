@@ -11,8 +11,8 @@ import pytest
 
 from pipeline.run import job as runner
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED
-from pipeline.run.sweep import SWEEP_DIR_ENV, SweepJob
-from pipeline.tracking import sweep_callback
+from pipeline.run.sweep import SweepJob
+from pipeline.sweep import callback as sweep_callback
 
 
 def sweep_job(tmp_path, **kw) -> SweepJob:
@@ -71,6 +71,21 @@ def test_a_job_failure_in_a_multirun_is_its_record_not_an_exit(tmp_path, monkeyp
     assert exit_.value.code == EXIT_BAD_INPUT
 
 
+def test_a_job_of_an_interrupted_sweep_that_never_started_is_recorded_and_shown_as_not_started(tmp_path, monkeypatch,
+                                                                                             capsys):
+    from pipeline.run.signals import SIGNALS_STATE
+    from pipeline.sweep.summary import sweep_table
+
+    monkeypatch.setattr(SIGNALS_STATE, "sweep_interrupted", lambda d: d == tmp_path)
+    monkeypatch.setattr(runner, "_main", lambda *a: pytest.fail("a job of a stopped sweep started"))
+    assert math.isnan(runner.main({}, [], "", sweep_job(tmp_path)))
+    r = record_of(tmp_path)
+    assert (r["status"], r["code"]) == ("not started", EXIT_PREEMPTED)  # the sweep's end still says interrupted
+    assert "interrupted before this job started" in capsys.readouterr().err
+    table = sweep_table({"id": "abc", "swept": {"optimizer.lr": "0.1"}}, {3: r}, None, ["not tracked"])
+    assert table[0].endswith("1 jobs (1 not started), objective (min)") and table[2].split()[-2:] == ["not", "started"]
+
+
 def test_a_multirun_without_the_sweep_callback_records_nothing(tmp_path):
     SweepJob().record(1.0)
     assert SweepJob().tags is None and not list(tmp_path.iterdir())
@@ -83,24 +98,25 @@ def write_sweep(tmp_path, **kw) -> dict:
     return sweep
 
 
-def hydra_cfg(num: int):
+def hydra_cfg(num: int, sweep_dir=None):
+    """A job's HydraConfig: with the sweep callback and its launcher's sweep directory (None: no callback)."""
+    callbacks = {} if sweep_dir is None else {"sweep": {"_target_": "pipeline.sweep.callback.SweepCallback"}}
     return types.SimpleNamespace(overrides=types.SimpleNamespace(task=["experiment=k", "optimizer.lr=0.3"]),
-                                 job={"num": num})
+                                 job={"num": num}, sweep=types.SimpleNamespace(dir=str(sweep_dir)),
+                                 get={"callbacks": callbacks}.get)
 
 
-def test_the_job_is_read_from_its_sweeps_directory(tmp_path, monkeypatch):
-    monkeypatch.setenv(SWEEP_DIR_ENV, str(tmp_path))
+def test_the_job_is_read_from_its_sweeps_directory(tmp_path):
     write_sweep(tmp_path, uri="sqlite:///x.db")
-    job = sweep_callback.job_of(hydra_cfg(2))
+    job = sweep_callback.job_of(hydra_cfg(2, tmp_path))
     assert (job.dir, job.sweep_id, job.num, job.name, job.parent, job.tracking_off) == \
         (tmp_path, "abc", 7, "optimizer.lr=0.3", {"sweep_id": "abc"}, None)  # 2 + the study's 5 trials before
     write_sweep(tmp_path, uri="sqlite:///x.db", tracking_off="the store is not a database")
-    job = sweep_callback.job_of(hydra_cfg(0))
+    job = sweep_callback.job_of(hydra_cfg(0, tmp_path))
     assert (job.parent, job.tracking_off) == (None, "the store is not a database")
     write_sweep(tmp_path)  # tracking=none
-    assert sweep_callback.job_of(hydra_cfg(0)).parent is None
-    monkeypatch.delenv(SWEEP_DIR_ENV)
-    assert sweep_callback.job_of(hydra_cfg(0)).dir is None
+    assert sweep_callback.job_of(hydra_cfg(0, tmp_path)).parent is None
+    assert sweep_callback.job_of(hydra_cfg(0)).dir is None  # a multirun without the callback
 
 
 @pytest.mark.parametrize("make, reason", [
@@ -114,9 +130,8 @@ def test_a_job_whose_sweep_json_cannot_be_read_fails_as_bad_input_in_one_line(tm
                                                                             reason):
     """Missing, damaged, not a sweep's record, a FIFO (never opened: it would block): the job's one line names
     the file, it is recorded as failed with exit 2, and nothing runs (was a traceback)."""
-    monkeypatch.setenv(SWEEP_DIR_ENV, str(tmp_path))
     make(tmp_path / "sweep.json")
-    job = sweep_callback.job_of(hydra_cfg(2))
+    job = sweep_callback.job_of(hydra_cfg(2, tmp_path))
     monkeypatch.setattr(runner, "_main", lambda *a: pytest.fail("the job ran without its sweep"))
     assert math.isnan(runner.main({}, [], "", job))
     err = capsys.readouterr().err
@@ -125,32 +140,34 @@ def test_a_job_whose_sweep_json_cannot_be_read_fails_as_bad_input_in_one_line(tm
     assert (r["status"], r["code"], r["overrides"]) == ("failed", EXIT_BAD_INPUT, ["experiment=k", "optimizer.lr=0.3"])
 
 
-def test_the_callback_reaches_its_jobs_without_its_pending_parent_request():
+def test_the_callback_reaches_its_jobs_without_its_pending_parent_request(tmp_path):
     from pipeline.tracking.link import Request
+    from pipeline.tracking.sweep_parent import MlflowSweepParent
 
-    callback = sweep_callback.MlflowSweepCallback()
-    callback.sweep, callback.parent_request = {"id": "abc"}, Request()
+    callback = sweep_callback.SweepCallback()
+    callback.sweep = {"id": "abc"}
+    callback.parent = MlflowSweepParent(uri=f"sqlite:///{tmp_path}/m.db", experiment="e")
+    callback.parent.request = Request()
     copy = pickle.loads(pickle.dumps(callback))  # as Hydra hands it to every job
-    assert copy.sweep == {"id": "abc"} and copy.parent_request is None
-    assert callback.parent_request is not None
+    assert copy.sweep == {"id": "abc"} and copy.parent.request is None and copy.parent.uri == callback.parent.uri
+    assert callback.parent.request is not None
 
 
 def test_the_entry_point_ends_only_a_running_sweep_this_process_launched(tmp_path, monkeypatch, capsys):
     import os
     import socket
 
-    monkeypatch.setenv(SWEEP_DIR_ENV, str(tmp_path))
-    write_sweep(tmp_path, pid=os.getpid() + 1, host=socket.gethostname())
-    assert not sweep_callback.end_unfinished("ValueError: x")  # another process's
+    callback = sweep_callback.SweepCallback()
+    assert not callback.end_unfinished("a single run")  # no sweep launched here
+    callback.sweep = write_sweep(tmp_path, pid=os.getpid() + 1, host=socket.gethostname())
+    assert not callback.end_unfinished("ValueError: x")  # another process's
     assert json.loads((tmp_path / "sweep.json").read_text())["status"] == "running"
     write_sweep(tmp_path, pid=os.getpid(), host=socket.gethostname())
     sweep_job(tmp_path, failure={"code": 1, "error": "boom"}).record()
-    assert sweep_callback.end_unfinished("ValueError: x")
+    assert callback.end_unfinished("ValueError: x")
     ended = json.loads((tmp_path / "sweep.json").read_text())
     assert (ended["status"], ended["error"]) == ("failed", "ValueError: x") and ended["ended_at"] > 0
-    assert not sweep_callback.end_unfinished("again")  # ended: once
-    monkeypatch.delenv(SWEEP_DIR_ENV)
-    assert not sweep_callback.end_unfinished("a single run")
+    assert not callback.end_unfinished("again")  # ended: once
 
 
 def _tree(root) -> dict:

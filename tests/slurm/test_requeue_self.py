@@ -118,7 +118,7 @@ def test_a_stopped_sweep_signals_the_steps_of_each_job_it_submitted_once(tmp_pat
 def test_only_a_slurm_sweep_names_its_submitit_folder(target, folder, expected):
     from omegaconf import OmegaConf
 
-    from pipeline.tracking.sweep_callback import _slurm_jobs
+    from pipeline.sweep.callback import _slurm_jobs
 
     launcher = OmegaConf.create({"_target_": target, **({"submitit_folder": folder} if folder else {})})
     assert _slurm_jobs(launcher) == (Path(expected) if expected else None)

@@ -12,16 +12,12 @@ from pathlib import Path
 import pytest
 
 from conftest import KERNODECK, Proc, env_for_subprocess, run_pipeline, wait_until
+from index_compare import same_index, snapshot
 from pipeline.run.directory import RunDir
 from pipeline.tracking.link import wait_idle
 from pipeline.trainer.curves import draw as curves_bytes
 
 pytestmark = pytest.mark.slow
-
-# Tags that say which store a run is in, not what is on disk: left out of the comparison (the parent link and
-# best.run_id are compared as the runs they name).
-STORE_INTERNAL = ("mlflow.parentRunId", "best.run_id", "repeat_of", "mlflow.user")
-
 
 def pipeline(out: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
     proc = run_pipeline([*args, *KERNODECK[:1], "tracking=mlflow", f"paths.output_dir={out}",
@@ -29,44 +25,6 @@ def pipeline(out: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert wait_idle(f"sqlite:///{out}/mlflow.db"), "the tracking agent went away before the index was complete"
     return proc
-
-
-def snapshot(uri: str) -> dict:
-    """Every run of the store, keyed by what names it on disk (its run_dir, its sweep's id and job number)."""
-    from mlflow import MlflowClient
-    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
-
-    client = MlflowClient(uri)
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()], max_results=1000)
-
-    def key(r):
-        t = r.data.tags
-        if t.get("sweep") == "parent":
-            return ("parent", t["sweep.id"])
-        if "repeat_of" in t:
-            return ("repeat", t["sweep.id"], t["sweep.job_num"])
-        return ("run", t["run_dir"])
-
-    key_of = {r.info.run_id: key(r) for r in runs}
-    assert len(set(key_of.values())) == len(runs), sorted(key_of.values())
-    out = {}
-    for r in runs:
-        tags = r.data.tags
-        if "best.run_id" in tags:
-            assert tags["best.run_id"] in key_of, "best.run_id names a run this store does not hold"
-        root = Path(get_artifact_repository(r.info.artifact_uri).artifact_dir)  # a local artifact store
-        out[key_of[r.info.run_id]] = {
-            "params": r.data.params,
-            "tags": {k: v for k, v in tags.items() if k not in STORE_INTERNAL},
-            "parent": key_of.get(tags.get("mlflow.parentRunId")),
-            "best": key_of.get(tags.get("best.run_id")),
-            "repeat_of": key_of.get(tags.get("repeat_of")),
-            "status": r.info.status, "start": r.info.start_time, "end": r.info.end_time,
-            "metrics": {k: sorted((m.step, m.value, m.timestamp) for m in client.get_metric_history(r.info.run_id, k))
-                        for k in r.data.metrics},
-            "artifacts": {f.relative_to(root).as_posix(): f.read_bytes() for f in root.rglob("*") if f.is_file()},
-        }
-    return out
 
 
 def test_a_rebuilt_index_holds_what_the_live_one_does(tmp_path):
@@ -130,8 +88,4 @@ def test_a_rebuilt_index_holds_what_the_live_one_does(tmp_path):
     rebuilt = subprocess.run([sys.executable, "-m", "pipeline.reindex", str(out), "--rebuild"],
                              env=env_for_subprocess(), capture_output=True, text=True)
     assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
-    again = snapshot(uri)
-    assert sorted(again) == sorted(live)
-    for key in live:
-        for field in live[key]:
-            assert again[key][field] == live[key][field], (key, field)
+    same_index(live, snapshot(uri))

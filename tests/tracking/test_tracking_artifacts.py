@@ -12,8 +12,7 @@ import pytest
 from conftest import KERNODECK, SHARED_SERVER, env_for_subprocess
 from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, MACHINE_TAGS, artifact_root,
                                       is_machine_key, params_of, tags_of)
-from pipeline.tracking.summary import MAX_ROWS, sweep_table
-from pipeline.tracking.sweep_callback import best_job, read_jobs
+from pipeline.sweep.summary import MAX_ROWS, best_job, read_jobs, sweep_table
 
 
 # --- where artifacts go
@@ -210,6 +209,7 @@ def test_mlflow_tracking_uri_of_a_server_keeps_every_artifact_on_the_server(tmp_
         assert table[-1] == (f"parent: sweep.id={sweep_id} in {uri} (the tracking agent completes it after this "
                              "process exits)")
     else:
-        assert table[-2] == f"parent: {uri}#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}"
+        assert table[-2] == (f"parent: {uri}/#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}"
+                             "?workflowType=machine_learning")
         assert table[-1] == f"its runs: {uri}/#/experiments/{exp.experiment_id}?workflowType=machine_learning"
     assert parent.data.tags["best.job"] == str(checked["best"]["num"])  # the table and the parent agree

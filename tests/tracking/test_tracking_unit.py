@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def test_tracking_group_defaults_to_mlflow_under_the_output_dir(compose_cfg, tmp
 def test_tracker_module_does_not_import_mlflow():
     import subprocess
 
-    code = ("import sys, pipeline.tracking.mlflow_tracker, pipeline.tracking.sweep_callback, "
+    code = ("import sys, pipeline.tracking.mlflow_tracker, pipeline.sweep.callback, "
             "pipeline.run.job; print('mlflow' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[2])
@@ -100,10 +101,32 @@ def test_non_finite_metric_values_reach_mlflow_as_floats():
 
 
 def test_swept_keys_and_job_names():
-    from pipeline.tracking.sweep_callback import job_name, swept
+    from pipeline.sweep.callback import job_name, swept
 
     keys = swept(["experiment=kernodeck", "optimizer.lr=0.01,0.03", "model.hidden=[4],[8]", "paths.output_dir=/o"],
                  {"trainer.seed": "range(0,3)"})
     assert keys == {"optimizer.lr": "0.01,0.03", "model.hidden": "[4],[8]", "trainer.seed": "range(0,3)"}
     assert job_name(["experiment=kernodeck", "optimizer.lr=0.03", "model.hidden=[4]", "paths.output_dir=/o"], keys) \
         == "optimizer.lr=0.03 model.hidden=[4]"
+
+
+def test_importing_the_mlflow_side_changes_no_more_of_the_environment_than_mlflow_itself():
+    """No process globals on import: the HTTP settings are set where a client is opened (store.open_client)."""
+    import subprocess
+
+    code = ("import os, sys; before = dict(os.environ); __import__(sys.argv[1]); "
+            "print(sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)))")
+    changed = {m: subprocess.run([sys.executable, "-c", code, m], capture_output=True, text=True,
+                                 cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+               for m in ("mlflow", "pipeline.tracking.store", "pipeline.tracking.agent")}
+    assert changed["pipeline.tracking.store"] == changed["mlflow"] == changed["pipeline.tracking.agent"], changed
+    assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in changed["mlflow"]
+
+
+def test_opening_a_client_sets_mlflows_http_settings_unless_the_user_did(tmp_path, monkeypatch):
+    from pipeline.tracking import store
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "7")
+    store.open_client(f"sqlite:///{tmp_path}/m.db")
+    assert (os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"], os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"]) == ("2", "7")

@@ -19,15 +19,16 @@ from pipeline.files import jsonio, names, reading
 from pipeline.files.atomic import (NewDirs, UnsafePathError, check_output_dir, ensure_dirs, environment_error,
                                    replace_file)
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, ConfigError
+from pipeline.config.identity import experiment_name
 from pipeline.config.targets import parse_overrides
+from pipeline.config.identity import is_machine_key
 from pipeline.run.signals import SIGNALS_STATE
-from pipeline.run.sweep import SWEEP_DIR_ENV, SweepJob
-from pipeline.tracking.common import (artifact_root, is_machine_key, is_mlflow_tracking, normalize_tracking_uri,
-                                      store_problem)
-from pipeline.tracking.summary import best_job, experiment_page, sweep_table
+from pipeline.run.sweep import SweepJob
+from pipeline.run.tracker import SweepParent
+from pipeline.sweep.summary import best_job, read_jobs, shown_value, sweep_table
 
 log = logging.getLogger("pipeline")
-END_WAIT = 1.0  # seconds the launcher waits for its last messages to the tracking agent to be on their way
+STORE_WAIT = 0.5  # seconds the launcher gives the tracking store to answer whether it can be written
 # Sweeper settings that do not make another sweep: where Optuna keeps the study (set here, in the sweep
 # directory) and how many trials it should hold (a re-run with more continues the same study).
 NOT_IDENTITY = ("storage", "study_name", "n_trials")
@@ -78,8 +79,10 @@ def job_count(task_overrides: list[str], sweeper: dict) -> int:
 
 
 def job_name(overrides: list[str], keys) -> str:
-    """The swept values of one job, as a person reads them: `optimizer.lr=0.003 model.n_layer=2`."""
-    picked = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in keys]
+    """The swept values of one job, as a person reads them: `optimizer.lr=0.003162 model.n_layer=2` (floats
+    shortened by shown_value)."""
+    picked = [o.split("=", 1)[0] + "=" + shown_value(o.split("=", 1)[1]) for o in overrides
+              if o.split("=", 1)[0].lstrip("+~") in keys]
     return " ".join(picked) or " ".join(o for o in overrides if not is_machine_key(o.split("=", 1)[0].lstrip("+~")))
 
 
@@ -128,8 +131,29 @@ class _Start:
     files: dict
 
 
-# The sweep this process started (its launcher), for the entry point: one per process, like SWEEP_DIR_ENV.
-_started: list[_Start] = []
+def parent_run(tracking) -> SweepParent:
+    """The sweep's parent run, through the interface the `tracking` node's tracker names (`sweep_parent`); for
+    tracking=none (or a tracker without one) the no-op, and nothing of pipeline/tracking/ is imported."""
+    from hydra.utils import get_class
+
+    node = _plain(tracking)
+    if not isinstance(node, dict) or not node.get("_target_"):
+        return SweepParent()
+    try:
+        tracker = get_class(str(node["_target_"]))
+    except Exception as e:  # noqa: BLE001 - Hydra wraps the import's error; the sweep must not start half-made
+        _stop(EXIT_BAD_INPUT, f"tracking._target_={node['_target_']}: {str(e).splitlines()[0]}")
+    return getattr(tracker, "sweep_parent", SweepParent)(**{k: v for k, v in node.items() if not k.startswith("_")})
+
+
+def _quoted(path: Path) -> str:
+    """A path as one value of a Hydra override (quotes and interpolations in it stay text)."""
+    return "'" + str(path).replace("'", "\\'").replace("${", "\\${") + "'"
+
+
+def _has_callback(hydra_cfg) -> bool:
+    return any(isinstance(c, (dict, DictConfig)) and c.get("_target_") == f"{__name__}.{SweepCallback.__name__}"
+               for c in (hydra_cfg.get("callbacks") or {}).values())
 
 
 def parent_of(sweep: dict) -> dict | None:
@@ -140,9 +164,9 @@ def parent_of(sweep: dict) -> dict | None:
 def job_of(hydra_cfg) -> SweepJob:
     """The job a multirun's task runs, from sweep.json and Hydra's job number and overrides; without a directory
     if there is no sweep callback, `unreadable` (bad input, one line) if sweep.json is not a sweep's record."""
-    directory = os.environ.get(SWEEP_DIR_ENV)
-    if not directory:
+    if not _has_callback(hydra_cfg):
         return SweepJob()
+    directory = str(hydra_cfg.sweep.dir)  # the launcher's override: <output_dir>/sweeps/<name>-<id>
     overrides = [str(o) for o in hydra_cfg.overrides.task]
     path = Path(directory) / "sweep.json"
     try:
@@ -161,18 +185,20 @@ def job_of(hydra_cfg) -> SweepJob:
     return SweepJob(dir=Path(directory), sweep_id=sweep["id"], overrides=overrides,
                     num=int(hydra_cfg.job.get("num", 0)) + int(sweep.get("job_offset") or 0),
                     name=job_name(overrides, sweep["swept"]), parent=parent_of(sweep),
+                    parallel=not str(sweep.get("launcher", "")).endswith(".BasicLauncher"),
                     tracking_off=sweep.get("tracking_off"), started=time.time())
 
 
-class MlflowSweepCallback(Callback):
+class SweepCallback(Callback):
     def __init__(self) -> None:
         self.sweep: dict | None = None  # what sweep.json says: id, dir, name, swept, uri, direction, status ...
-        self.parent_request = None  # the agent's answer to parent_start, in the launching process only
+        self.parent: SweepParent = SweepParent()  # the sweep's parent run, through the tracker's interface
         self.launcher_pid: int | None = None  # the process that started the sweep
         self.launched = False  # its parent run asked for, its line said
+        self.start: _Start | None = None  # what its start changed, for the entry point's undo (this process only)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "parent_request": None}  # Hydra pickles this object to every job
+        return {**self.__dict__, "start": None}  # Hydra pickles this object to every job
 
     # --- the launching process
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
@@ -201,13 +227,17 @@ class MlflowSweepCallback(Callback):
         check_output_dir(Path(str(config.paths.output_dir)))  # before its files are read or anything is made
         target = Path(os.path.abspath(config.paths.output_dir), "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
         files = {n: b for n in START_FILES if (b := _bytes_of(target / n)) is not _UNREADABLE}
-        _started[:] = [_Start(target, NewDirs(target), files)]
+        self.start = _Start(target, NewDirs(target), files)
+        self.parent = parent_run(config.get("tracking"))
         directory = ensure_dirs(Path(str(config.paths.output_dir)), "sweeps",
                                 f"{identity['name'] or 'sweep'}-{sweep_id}")
-        os.environ[SWEEP_DIR_ENV] = str(directory)  # hydra.sweep.dir follows it, here and in every job
-        SIGNALS_STATE.sweeping(directory, slurm_jobs=_slurm_jobs(hydra.launcher))
+        with open_dict(hydra):  # the launcher's and, composed again with this override, every job's
+            hydra.sweep.dir = str(directory)
+            hydra.overrides.hydra.append(f"hydra.sweep.dir={_quoted(directory)}")
+        SIGNALS_STATE.sweeping(directory, slurm_jobs=_slurm_jobs(hydra.launcher), launcher=self)
         best_val = (_plain(config.get("stages")) or {}).get("best_val") or {}
-        direction = "maximize" if best_val.get("mode", "min") == "max" else "minimize"
+        # best-val's mode (conf/stages/default.yaml); without that stage the jobs return NaN, either way round
+        direction = "maximize" if best_val.get("mode") == "max" else "minimize"
         optuna = "optuna" in str(sweeper.get("_target_", ""))
         if optuna and not any(
                 o.startswith(("hydra.sweeper.direction=", "++hydra.sweeper.direction=")) for o in hydra.overrides.hydra):
@@ -223,20 +253,15 @@ class MlflowSweepCallback(Callback):
         offset = _optuna_study(hydra, sweeper, directory, sweep_id) if optuna else 0
         self.sweep = {"id": sweep_id, "dir": str(directory), "name": identity["name"],
                       "swept": swept(task, sweeper.get("params")), "direction": direction,
-                      "objective": str(config.get("optimized_metric") or f"best/{best_val.get('monitor', 'val/loss')}"),
+                      "objective": config.get("optimized_metric") or (
+                          f"best/{best_val['monitor']}" if best_val else None),
                       "launcher": str(hydra.launcher.get("_target_", "")), "sweeper": str(sweeper.get("_target_", "")),
                       "overrides": task, "started": started, "status": "running", "pid": os.getpid(),
                       "host": socket.gethostname(), "git_sha": git_info().get("git_sha"), "job_offset": offset}
-        tracking = config.get("tracking")
-        if is_mlflow_tracking(tracking):
-            uri = self.sweep["uri"] = normalize_tracking_uri(str(tracking.uri))
-            self.sweep["experiment"] = str(tracking.experiment)
-            location = tracking.get("artifact_location")  # a tracking server chooses its own: None
-            self.sweep["artifact_location"] = artifact_root(uri, str(location) if location else None)
-            if problem := store_problem(uri, timeout=END_WAIT / 2):
-                self.sweep["tracking_off"] = problem  # the jobs read it: said once, here
-                log.warning("mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their "
-                            "manifests; index them later with `python -m pipeline.reindex`.", uri, problem)
+        # the parent's experiment, also for a sweep tracked by none (reindex puts the parent beside its children)
+        self.sweep["experiment"] = experiment_name(str(config.get("name", "")), *(
+            str(OmegaConf.select(config, f"{g}._target_", default="")) for g in ("model", "data")))
+        self.sweep.update(self.parent.facts(timeout=STORE_WAIT))
         replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
         self.launcher_pid = os.getpid()
         # Where the jobs run in this process, the parent run and the sweep's line wait for its first job (Hydra
@@ -244,34 +269,58 @@ class MlflowSweepCallback(Callback):
         # launchers' jobs need the parent at once.
         if not self.sweep["launcher"].endswith(".BasicLauncher"):
             self._launching()
-        elif parent_of(self.sweep) is not None:
-            from pipeline.tracking.link import agent_for, agent_log
-
-            agent_for(self.sweep["uri"], agent_log(self.sweep["uri"]))  # warm meanwhile (mlflow's import): no request
+        else:
+            self.parent.warm(self.sweep)
 
     def _launching(self) -> None:
         self.launched = True
-        if parent_of(self.sweep) is not None:
-            self._start_parent()
+        self.parent.start(self.sweep)
         log.info("sweep %s: %s", self.sweep["id"], self.sweep["dir"])
 
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
         if self.sweep is not None and not self.launched and self.launcher_pid == os.getpid():
             self._launching()
 
-    def _start_parent(self) -> None:
-        """Ask the agent for the parent run without waiting: the jobs name it by the sweep's id; the end reads it."""
-        from pipeline.tracking.link import Request, agent_for, agent_log
-
-        s = self.sweep
-        link = agent_for(s["uri"], agent_log(s["uri"]))  # at once: the agent starts beside the jobs
-        self.parent_request = Request()
-        link.send({"op": "parent_start", "sid": link.register(self.parent_request), "uri": s["uri"],
-                   "artifact_location": s.get("artifact_location"), "sweep_id": s["id"], "sweep_dir": s["dir"]})
-
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         if self.sweep is not None:
-            exit_for(end(self.sweep, None, self.parent_request))
+            exit_for(end(self.sweep, None, self.parent))
+
+    # --- the entry point, when the sweeper or Hydra raised in the launching process
+    def discard_unlaunched(self) -> bool:
+        """Undo this sweep's start if no job ever ran (Hydra could not compose them, or the sweeper raised first):
+        what its start wrote goes, the directories it made too (an earlier sweep's directory gets its files
+        back), so that no sweep is left `running`; False if it had a job or there is nothing to undo."""
+        start, self.start = self.start, None
+        if start is None:
+            return False
+        jobs = start.directory / "jobs"
+        if jobs.exists() and any(jobs.iterdir()):
+            return False
+        if start.directory in start.made.missing:
+            shutil.rmtree(start.directory, ignore_errors=True)
+        else:
+            for name, data in start.files.items():
+                path = start.directory / name
+                if data is None:
+                    path.unlink(missing_ok=True)
+                elif name != OPTUNA_DB:
+                    replace_file(path, data)
+        start.made.prune()
+        return True
+
+    def end_unfinished(self, error: str) -> bool:
+        """End this sweep if its sweeper raised in the process that launched it, and it has not ended."""
+        if self.sweep is None:
+            return False
+        try:
+            sweep = jsonio.read(Path(self.sweep["dir"]) / "sweep.json", 1 << 24)
+        except (OSError, ValueError):
+            return False
+        if (sweep.get("pid"), sweep.get("host"), sweep.get("status")) != (os.getpid(), socket.gethostname(),
+                                                                          "running"):
+            return False
+        end(sweep, error, self.parent)
+        return True
 
 
 START_FILES = ("sweep.json", "multirun.yaml", OPTUNA_DB)  # what a sweep's launcher writes before its first job
@@ -292,45 +341,8 @@ def _bytes_of(path: Path):
         return _UNREADABLE
 
 
-def discard_unlaunched() -> bool:
-    """The entry point's undo of a sweep this process started whose jobs never ran (Hydra could not compose them,
-    or the sweeper raised first): what its start wrote goes, the directories it made too (an earlier sweep's
-    directory gets its files back), so that no sweep is left `running`; False if it had a job or there is none."""
-    if not _started:
-        return False
-    start = _started.pop()
-    jobs = start.directory / "jobs"
-    if jobs.exists() and any(jobs.iterdir()):
-        return False
-    if start.directory in start.made.missing:
-        shutil.rmtree(start.directory, ignore_errors=True)
-    else:
-        for name, data in start.files.items():
-            path = start.directory / name
-            if data is None:
-                path.unlink(missing_ok=True)
-            elif name != OPTUNA_DB:
-                replace_file(path, data)
-    start.made.prune()
-    os.environ.pop(SWEEP_DIR_ENV, None)
-    return True
-
-
-def end_unfinished(error: str) -> bool:
-    """The entry point's end of a sweep whose sweeper raised, if this process launched it and it has not ended."""
-    directory = os.environ.get(SWEEP_DIR_ENV)
-    try:
-        sweep = jsonio.read(Path(directory) / "sweep.json", 1 << 24) if directory else {}
-    except (OSError, ValueError):
-        return False
-    if (sweep.get("pid"), sweep.get("host"), sweep.get("status")) != (os.getpid(), socket.gethostname(), "running"):
-        return False
-    end(sweep, error)
-    return True
-
-
-def end(sweep: dict, error: str | None, parent_request=None) -> dict:
-    """The sweep's outcome from its jobs' records, into sweep.json and its parent run (given parent_start's answer)."""
+def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
+    """The sweep's outcome from its jobs' records, into sweep.json and its parent run."""
     directory = Path(sweep["dir"])
     jobs = read_jobs(directory)
     failed = {n: j for n, j in jobs.items() if j.get("status") != "complete"}
@@ -338,10 +350,7 @@ def end(sweep: dict, error: str | None, parent_request=None) -> dict:
     status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
     sweep.update(status=status, ended_at=time.time(), error=error)
     replace_file(directory / "sweep.json", jsonio.dumps(sweep))
-    answer = parent_request.event if parent_request is not None else None
-    if parent_of(sweep) is not None:
-        _end_parent(sweep, answer)
-    table = sweep_table(sweep, jobs, best_job(jobs, sweep["direction"]), _where_parent(sweep, answer))
+    table = sweep_table(sweep, jobs, best_job(jobs, sweep["direction"]), parent.end(sweep))
     return {"status": status, "failed": failed, "jobs": jobs, "table": table}
 
 
@@ -359,58 +368,10 @@ def exit_for(summary: dict) -> None:
         raise SystemExit(min(int(j.get("code", 1)) for j in failed.values()))
 
 
-def _end_parent(sweep: dict, answer: dict | None) -> None:
-    """Hand the parent's end to the agent, waiting at most END_WAIT for it to be on its way; a SLURM sweep (or a
-    launcher inside a SLURM job, whose agent SLURM may end with it) waits up to SLURM_WAIT for the parent."""
-    from pipeline.tracking.link import Request, agent_for
-    from pipeline.tracking.mlflow_tracker import SLURM_WAIT, in_slurm_job
-
-    link, done = agent_for(sweep["uri"]), Request()
-    link.send({"op": "sweep_end", "sid": link.register(done), "uri": sweep["uri"], "sweep_dir": sweep["dir"],
-               "parent": parent_of(sweep)})
-    link.drain(END_WAIT)
-    if not (str(sweep.get("launcher", "")).endswith("SlurmLauncher") or in_slurm_job()):
-        _say_parent(sweep, answer)
-        return
-    ended = done.event if done.done.wait(SLURM_WAIT) else None
-    if ended is not None and ended.get("event") == "finished":
-        log.info("mlflow: sweep parent run %s complete: %s", ended.get("uri") or "", ended.get("status"))
-    else:
-        log.warning("mlflow: the tracking agent did not complete the sweep's parent run (%s); "
-                    "`python -m pipeline.reindex` completes it", (ended or {}).get(
-                        "message", f"no answer within {SLURM_WAIT:.0f} s"))
-
-
-def _say_parent(sweep: dict, answer: dict | None) -> None:
-    """The parent run's URI if the agent has answered by now; a warning if it failed (never a wait)."""
-    if answer is None:
-        log.info("mlflow: the tracking agent completes the sweep's parent run after this process exits")
-    elif answer.get("event") == "ready":
-        log.info("mlflow: sweep parent run %s%s", answer["uri"], " (continued)" if answer.get("reused") else "")
-    else:
-        log.warning("mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
-                    "index them with `python -m pipeline.reindex`.", sweep["uri"],
-                    answer.get("message", "unknown error"))
-
-
-def _where_parent(sweep: dict, answer: dict | None) -> list[str]:
-    """Where the sweep's parent run is, for its end table (the agent's answer, if it came), or why it is not."""
-    if "uri" not in sweep:
-        return ["not tracked (tracking=none)"]
-    if sweep.get("tracking_off"):
-        return [f"not tracked: {sweep['tracking_off']}"]
-    if answer is None:
-        return [f"sweep.id={sweep['id']} in {sweep['uri']} (the tracking agent completes it after this process "
-                "exits)"]
-    if answer.get("event") != "ready":
-        return [f"not tracked: {answer.get('message', 'unknown error')}"]
-    return [answer["uri"], f"its runs: {experiment_page(sweep['uri'], answer['experiment_id'])}"]
-
-
 def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
     """Point the Optuna sweeper at a study in the sweep directory (unless the command names one), asking only for
     the trials it lacks; returns how many it holds: the first new trial's (and job's) number."""
-    storage = sweeper.get("storage") or {"_target_": "pipeline.tracking.optuna_storage.storage",
+    storage = sweeper.get("storage") or {"_target_": "pipeline.sweep.optuna_storage.storage",
                                          "url": f"sqlite:///{directory / OPTUNA_DB}"}
     name = sweeper.get("study_name") or sweep_id
     done = held = 0
@@ -430,16 +391,3 @@ def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
         if isinstance(sweeper.get("n_trials"), int):
             hydra.sweeper.n_trials = max(0, sweeper["n_trials"] - done)
     return held
-
-
-def read_jobs(directory: Path) -> dict[int, dict]:
-    """{num: record} of jobs/*.json; a damaged record is a report, not state: named in a warning, left out."""
-    out = {}
-    for p in sorted((Path(directory) / "jobs").glob("*.json")):
-        try:
-            record = jsonio.read(p, 1 << 20)
-            out[int(record["num"])] = record
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("sweep job record %s left out: %s", p, str(e).removeprefix(f"{p}: ") or type(e).__name__)
-    return out
-

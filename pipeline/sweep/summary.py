@@ -1,10 +1,16 @@
 """The table a sweep ends with (docs/tracking.md: Sweeps): a pure function of sweep.json and jobs/*.json."""
 from __future__ import annotations
 
+import logging
 import math
+import re
 from collections import Counter
+from pathlib import Path
 
 from pipeline.files import jsonio
+from pipeline.run.report import run_page
+
+log = logging.getLogger("pipeline")
 
 MAX_ROWS = 12  # with the header, the best and the parent lines: under 20 lines whatever the sweep's size
 MAX_CELL = 24  # a swept value wider than this is cut (the job's run name has it whole)
@@ -23,6 +29,27 @@ def best_job(jobs: dict[int, dict], direction: str) -> dict | None:
     """The winner the end table marks and the parent's best.* tags name; ties: the first job."""
     scored = sorted((j for j in jobs.values() if finite(j.get("objective")) is not None), key=lambda j: j["num"])
     return (min if direction == "minimize" else max)(scored, key=lambda j: j["objective"]) if scored else None
+
+
+SHOWN_DIGITS = 4  # significant digits of a swept float in a run's name (mlflow's column cuts 18 to `0.0…`)
+_FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][+-]?\d+)")
+
+
+def shown_value(value: str) -> str:
+    """A swept value as a run's name shows it: a float literal with at most SHOWN_DIGITS significant digits
+    (`0.0031622776601683794` -> `0.003162`; the exact value is in the run's params), anything else as given."""
+    if not _FLOAT.fullmatch(value):
+        return value
+    short = f"{float(value):.{SHOWN_DIGITS}g}"
+    return value if float(short) == float(value) else short  # `1.0` and `1e-4` stay as the user wrote them
+
+
+def parent_name(swept) -> str:
+    """A sweep's parent run's name, by what it sweeps: `lr×n_layer sweep` (a key's last part, whole where two
+    share it)."""
+    keys = list(swept)
+    short = [k.rsplit(".", 1)[-1] for k in keys]
+    return " ".join(["×".join(s if short.count(s) == 1 else k for s, k in zip(short, keys)), "sweep"]).strip()
 
 
 def swept_values(job: dict, keys) -> dict[str, str]:
@@ -73,17 +100,21 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
         lines.append(f"  ... {len(jobs) - len(shown)} more jobs (the {len(shown)} best are shown; every job is "
                      f"in {sweep.get('dir', 'the sweep directory')}/jobs/)")
     if best is not None:
-        where = best.get("run_uri") or best.get("run_dir") or ""
+        where = run_page(best["run_uri"]) if best.get("run_uri") else best.get("run_dir") or ""
         lines.append(f"best: job {best['num']} ({best.get('name', '')}) {where}".rstrip())
     else:
         lines.append(f"best: none (no job has a finite {objective})")
     return [*lines, f"parent: {parent[0]}", *parent[1:]]
 
 
-def experiment_page(tracking_uri: str, experiment_id: str) -> str:
-    """Where an experiment's runs show in mlflow 3's UI: 3.17 opens GenAI traces unless the address asks for the
-    machine-learning view (it does not go by the experiment's mlflow.experimentKind tag)."""
-    route = f"#/experiments/{experiment_id}?workflowType=machine_learning"
-    if tracking_uri.startswith(("http://", "https://")):
-        return f"{tracking_uri.rstrip('/')}/{route}"
-    return f"`mlflow ui --backend-store-uri {tracking_uri}`, then http://127.0.0.1:5000/{route}"
+def read_jobs(directory: Path) -> dict[int, dict]:
+    """{num: record} of jobs/*.json; a damaged record is a report, not state: named in a warning, left out."""
+    out = {}
+    for p in sorted((Path(directory) / "jobs").glob("*.json")):
+        try:
+            record = jsonio.read(p, 1 << 20)
+            out[int(record["num"])] = record
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("sweep job record %s left out: %s", p, str(e).removeprefix(f"{p}: ") or type(e).__name__)
+    return out
+

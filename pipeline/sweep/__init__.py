@@ -1,0 +1,1 @@
+"""One multirun as one sweep: the Hydra callback, its end table and its Optuna study."""

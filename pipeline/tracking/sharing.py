@@ -1,0 +1,74 @@
+"""One warning when a sqlite store is shared beyond one machine: on a network filesystem, or by several hosts."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+log = logging.getLogger("pipeline")
+
+# Filesystems whose locks sqlite cannot trust (its own documentation warns against sharing a file over them).
+NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "fuse.glusterfs", "glusterfs",
+              "ceph", "fuse.cephfs", "9p", "afs", "fuse.sshfs", "panfs", "orangefs", "pvfs2", "ocfs2", "gfs2")
+MOUNTS = Path("/proc/mounts")
+MAX_MOUNTS_BYTES = 1 << 20
+HOSTS_TAG = "pipeline.hosts"  # on the store's Default experiment: every host that opened it, comma-separated
+MAX_HOSTS = 50
+TEAM_SETUP = ("run `mlflow server --backend-store-uri postgresql+psycopg://USER@DBHOST/DB --artifacts-destination "
+              "DIR --host HOST --port 5000` and track with `tracking=server tracking.uri=http://HOST:5000` "
+              "(docs/tracking.md: Team setup)")
+
+
+def read_mounts() -> str:
+    """The mount table (empty if it cannot be read), at most MAX_MOUNTS_BYTES."""
+    try:
+        with open(MOUNTS, "rb") as f:
+            return f.read(MAX_MOUNTS_BYTES).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def filesystem_of(path: Path) -> str | None:
+    """The type of the filesystem holding `path` (the longest mount point above it), or None if unknown."""
+    path = Path(os.path.realpath(path))
+    best, kind = -1, None
+    for line in read_mounts().splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (path == Path(point) or Path(point) in path.parents) and len(point) > best:
+            best, kind = len(point), fields[2]
+    return kind
+
+
+def sharing_problem(db: Path, hosts: set[str]) -> str | None:
+    """Why the sqlite store `db`, opened by `hosts`, is shared beyond one machine, in one line; None if it is not."""
+    kind = filesystem_of(db.parent)
+    if kind in NETWORK_FS:
+        return f"the mlflow store {db} is on a network filesystem ({kind})"
+    if len(hosts) > 1:
+        return f"the mlflow store {db} is opened by jobs on {len(hosts)} hosts ({', '.join(sorted(hosts)[:5])})"
+    return None
+
+
+def check_shared(client, db: Path) -> str | None:
+    """Record this host on the store and warn (one line) if the store is shared beyond one machine: sqlite's
+    locks are not to be trusted there. Returns the warning, or None."""
+    hosts: set[str] = set()
+    try:
+        exp = client.get_experiment("0")  # Default: every mlflow store has it
+        hosts = {h for h in (exp.tags or {}).get(HOSTS_TAG, "").split(",") if h}
+        me = socket.gethostname()
+        if me not in hosts and len(hosts) < MAX_HOSTS:
+            hosts.add(me)
+            client.set_experiment_tag("0", HOSTS_TAG, ",".join(sorted(hosts)))
+    except Exception:  # noqa: BLE001 - no Default experiment (deleted): the mount check still holds
+        pass
+    problem = sharing_problem(db, hosts)
+    if problem is None:
+        return None
+    text = f"{problem}: sqlite's locks are not to be trusted there; for a team or a cluster, {TEAM_SETUP}"
+    log.warning(text)
+    return text
