@@ -2,12 +2,15 @@
 
     python bench/bench_step.py [--threads 2] [--shards 2] [--steps 60]   # step times, ratio, GFLOP/s
     python bench/bench_step.py --contend 2        # numpy (and torch) beside 2 busy-looping processes
-    python bench/bench_step.py --profile          # one shard's step, per layer and op
+    python bench/bench_step.py --profile          # one shard's step per layer and op, each against its own bound,
+                                                  # and where the step's time beyond one shard goes
     python bench/bench_step.py --memory           # numpy peak RSS after 100 and 1000 steps
 
 The numpy side is the real training computation: MiniGPT through pipeline.trainer.parallel.Shards (the batch
 split into --shards pieces run on --threads threads, BLAS single-threaded inside each) and AdamW from
 pipeline.optimizer.adam. torch gets the same --threads (torch.set_num_threads).
+Every mode first prints where it was measured: the CPU model, the BLAS numpy calls (threadpoolctl's internal_api,
+version, architecture) and the load average; the JSON line repeats them under "machine".
 
 FLOP count (stated, analytic): forward = 2 * tokens * (12 * n_layer * d^2 + V * d)   [c_attn, c_proj, c_fc,
 mlp.c_proj and the tied head; embeddings, biases, LayerNorm, softmax and GELU not counted]
@@ -30,15 +33,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info, threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from pipeline.data.base import Batch, DataSpec  # noqa: E402
-from pipeline.model import minigpt as minigpt_module  # noqa: E402
-from pipeline.model.minigpt import MiniGPT  # noqa: E402
-from pipeline.optimizer.adam import AdamW  # noqa: E402
-from pipeline.trainer.parallel import Shards, split  # noqa: E402
+from pipeline.data.base import Batch, DataSpec
+from pipeline.model import minigpt as minigpt_module
+from pipeline.model.minigpt import MiniGPT
+from pipeline.optimizer.adam import AdamW
+from pipeline.trainer.parallel import Shards, split
 
 LR, WD, BETAS, EPS = 3e-4, 0.1, (0.9, 0.999), 1e-8
 
@@ -161,7 +164,31 @@ def make_numpy_step(args, model, batch):
 
 
 def loadavg() -> str:
-    return "load average %.2f %.2f %.2f" % os.getloadavg()
+    return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def machine() -> dict:
+    """Where a figure was measured: the CPU model, its cores, the BLAS numpy calls, the load."""
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    blas = [{k: lib.get(k) for k in ("internal_api", "architecture", "version", "threading_layer")}
+            for lib in threadpool_info() if lib.get("user_api") == "blas"]  # fmt: skip
+    return {"cpu": cpu, "cores": os.cpu_count(), "blas": blas, "numpy": np.__version__,
+            "loadavg": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
+
+
+def print_machine() -> dict:
+    m = machine()
+    blas = "; ".join(f"{b['internal_api']} {b['version']} ({b['architecture']}, {b['threading_layer']})"
+                     for b in m["blas"]) or "none found"  # fmt: skip
+    print(f"cpu: {m['cpu']} ({m['cores']} cores); numpy {m['numpy']}, BLAS {blas}; {loadavg()}")
+    return m
 
 
 def run_memory(args) -> dict:
@@ -181,7 +208,8 @@ def run_memory(args) -> dict:
         "peak_growth_pct": round(growth, 2),
     }  # fmt: skip
     print(f"numpy, {args.shards} shards on {args.threads} threads: peak RSS (VmHWM) {out['peak_rss_mb_100']} MiB "
-          f"after 100 steps, {out['peak_rss_mb_1000']} MiB after 1000 steps: growth {out['peak_growth_pct']}%")  # fmt: skip
+          f"after 100 steps, {out['peak_rss_mb_1000']} MiB after 1000 steps: "
+          f"growth {out['peak_growth_pct']}%")
     print(f"current RSS (VmRSS): {out['rss_mb_100']} -> {out['rss_mb_1000']} MiB")
     return out
 
@@ -237,6 +265,60 @@ class OpProfile:
         self.step_times.clear()
 
 
+def op_costs(args, b: int) -> dict[str, dict[str, tuple[list, int]]]:
+    """Each profiled op's unavoidable work for one shard of b samples: {label: {"fwd"|"bwd": (gemms, bytes)}}.
+
+    gemms are (batch, M, K, N) products as the op computes them (attention's full T x T); bytes are the element-wise
+    traffic a fused op could not avoid (its inputs read once, its outputs written once), gemm operands excluded.
+    """
+    T, d, V, nh = args.block, args.n_embd, args.vocab, args.n_head
+    n, hs, e = b * T, d // nh, 4  # tokens, head size, bytes per float32
+    att = b * nh * T * T  # attention probabilities
+    ops = {"embedding": {"fwd": ([], e * 3 * n * d), "bwd": ([], e * (n * d + V * d + T * d))}}
+    for i in range(args.n_layer):
+        h = f"h.{i}."
+        ops[h + "ln_1 + attn.c_attn"] = {"fwd": ([(1, n, d, 3 * d)], e * 2 * n * d),
+                                         "bwd": ([(1, d, n, 3 * d), (1, n, 3 * d, d)], e * 3 * n * d)}
+        ops[h + "attention"] = {"fwd": ([(b * nh, T, hs, T), (b * nh, T, T, hs)], e * 2 * att),
+                                "bwd": ([(b * nh, T, T, hs), (b * nh, T, hs, T), (b * nh, T, T, hs),
+                                         (b * nh, T, T, hs)], e * 3 * att)}
+        ops[h + "attn.c_proj"] = {"fwd": ([(1, n, d, d)], 0), "bwd": ([(1, n, d, d), (1, d, n, d)], 0)}
+        ops[h + "ln_2 + mlp.c_fc"] = {"fwd": ([(1, n, d, 4 * d)], e * 2 * n * d),
+                                      "bwd": ([(1, d, n, 4 * d), (1, n, 4 * d, d)], e * 3 * n * d)}
+        ops[h + "gelu"] = {"fwd": ([], e * 3 * n * 4 * d), "bwd": ([], e * 3 * n * 4 * d)}
+        ops[h + "mlp.c_proj"] = {"fwd": ([(1, n, 4 * d, d)], 0), "bwd": ([(1, n, d, 4 * d), (1, 4 * d, n, d)], 0)}
+    ops["ln_f"] = {"fwd": ([], e * 2 * n * d), "bwd": ([], e * 3 * n * d)}
+    ops["head (tied wte)"] = {"fwd": ([(1, n, d, V)], 0), "bwd": ([(1, n, V, d), (1, V, n, d)], 0)}
+    ops["cross-entropy (value and grad)"] = {"fwd": ([], e * 2 * n * V), "bwd": ([], 0)}
+    return ops
+
+
+def gemm_seconds(shape: tuple, reps: int = 30) -> float:
+    """Median seconds of one np.matmul of contiguous float32 operands of this (batch, M, K, N), out= given."""
+    batch, m, k, n = shape
+    r = np.random.default_rng(0)
+    a, b = r.standard_normal((batch, m, k), dtype=np.float32), r.standard_normal((batch, k, n), dtype=np.float32)
+    out = np.empty((batch, m, n), np.float32)
+    times = []
+    for _ in range(reps + 3):
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=out)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:])
+
+
+def memory_rate(nbytes: int, reps: int = 30) -> float:
+    """Bytes per second of np.multiply(a, b, out=c) on float32 arrays of nbytes each (3 x nbytes moved)."""
+    size = max(nbytes // 4, 1024)
+    a, b, c = np.ones(size, np.float32), np.ones(size, np.float32), np.empty(size, np.float32)
+    times = []
+    for _ in range(reps + 3):
+        t0 = time.perf_counter()
+        np.multiply(a, b, out=c)
+        times.append(time.perf_counter() - t0)
+    return 3 * 4 * size / statistics.median(times[3:])
+
+
 def run_profile(args) -> dict:
     model, batch = make_setup(args)
     piece = split(batch, args.shards)[0]
@@ -253,7 +335,8 @@ def run_profile(args) -> dict:
 
     opt = AdamW(model.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     shard_total, opt_total = [], []
-    minigpt_module.L = SimpleNamespace(**{**{n: getattr(layers, n) for n in dir(layers) if not n.startswith("__")}, **patched})
+    every = {n: getattr(layers, n) for n in dir(layers) if not n.startswith("__")}
+    minigpt_module.L = SimpleNamespace(**{**every, **patched})
     minigpt_module.cross_entropy = timed_loss
     try:
         with Shards(1, 1) as one:  # a shard's work on this thread, BLAS single-threaded as in the runner
@@ -269,43 +352,117 @@ def run_profile(args) -> dict:
                     opt_total.append(t2 - t1)
                 else:
                     prof.samples.clear()
+            # The bounds, measured now under the same single-threaded BLAS: each gemm shape's own rate and the
+            # element-wise memory rate at each op's array size.
+            costs = op_costs(args, len(piece.ids))
+            shapes = {g for c in costs.values() for gs, _ in c.values() for g in gs}
+            gemm_s = {g: gemm_seconds(g) for g in sorted(shapes)}
+            sizes = {nb // 3 for c in costs.values() for _, nb in c.values() if nb}
+            mem = {nb: memory_rate(nb) for nb in sorted(sizes)}
+            mm1 = matmul_gflops()
     finally:
         minigpt_module.L, minigpt_module.cross_entropy = layers, loss_fn
     prof.order.insert(prof.order.index("head (tied wte)") + 1, "cross-entropy (value and grad)")
-    # The whole step as the trainer runs it, for scale: all shards on the pool, then AdamW.
+
+    def bound_ms(label: str) -> tuple[float, float, float]:
+        # (bound ms, GFLOP, MB) of an op's forward and backward together
+        total, flop, nbytes = 0.0, 0.0, 0
+        for gemms, nb in costs.get(label, {}).values():
+            for g in gemms:
+                total += gemm_s[g]
+                flop += 2.0 * g[0] * g[1] * g[2] * g[3]
+            if nb:
+                total += nb / mem[nb // 3]
+                nbytes += nb
+        return total * 1e3, flop / 1e9, nbytes / 1e6
+
+    # The whole step as the trainer runs it, for scale: all shards on the pool, then AdamW; each shard's own
+    # start and end recorded to say where the step's time beyond one shard goes.
     model2, batch2 = make_setup(args)
     step, shards = make_numpy_step(args, model2, batch2)
+    spans: list[tuple[float, float]] = []
+    inner = model2.loss_and_grads
+
+    def recorded(b, rng):
+        t0 = time.perf_counter()
+        out = inner(b, rng)
+        spans.append((t0, time.perf_counter()))
+        return out
+
+    model2.loss_and_grads = recorded
     with shards:
         for _ in range(args.warmup):
             step()
-        full = [step() for _ in range(args.steps)]
+        full, parts = [], []
+        for _ in range(args.steps):
+            spans.clear()
+            t0 = time.perf_counter()
+            full.append(step())
+            t_fb = t0 + full[-1][1]
+            starts, ends = [a for a, _ in spans], [b for _, b in spans]
+            parts.append({"dispatch": min(starts) - t0,  # split, child rngs, pool hand-over
+                          "shard": statistics.mean(b - a for a, b in spans),  # one shard's own wall, on its thread
+                          "imbalance": max(ends) - min(ends),  # the first shard done waits for the last
+                          "start skew": max(starts) - min(starts),
+                          "reduction": t_fb - max(ends)})  # the fixed-order sum of the shards' gradients
 
     def med(xs):
         return statistics.median(xs) * 1e3 if xs else 0.0
 
-    rows, attributed = [], 0.0
-    print(f"one shard ({len(piece.ids)} of B={args.batch} samples, T={args.block}) on one thread, single-threaded BLAS; "
-          f"median ms over {args.steps} steps after {args.warmup} warm-up; {loadavg()}")  # fmt: skip
-    print(f"{'op':34s} {'fwd ms':>8s} {'bwd ms':>8s} {'total':>8s} {'min total':>10s}")
+    rows, attributed, bound_total = [], 0.0, 0.0
+    print(f"one shard ({len(piece.ids)} of B={args.batch} samples, T={args.block}) on one thread, "
+          f"single-threaded BLAS; median ms over {args.steps} steps after {args.warmup} warm-up; "
+          f"{loadavg()}")
+    print("bound: the op's gemms at the rate np.matmul reaches on their own shapes (contiguous, measured now) plus its "
+          "unavoidable element-wise bytes at the np.multiply rate of its array size")  # fmt: skip
+    print(f"{'op':34s} {'fwd ms':>8s} {'bwd ms':>8s} {'total':>8s} {'min total':>10s} {'MFLOP':>7s} {'MB':>6s} "
+          f"{'bound':>7s} {'min/bound':>9s}")  # fmt: skip
     for label in prof.order:
         fs, bs = prof.samples.get((label, "fwd"), []), prof.samples.get((label, "bwd"), [])
         f, b = med(fs), med(bs)
         low = min(x + y for x, y in zip(fs, bs)) * 1e3 if fs and bs else min(fs or bs) * 1e3
+        bnd, gf, mb = bound_ms(label)
         attributed += f + b
-        rows.append({"op": label, "fwd_ms": round(f, 3), "bwd_ms": round(b, 3), "min_total_ms": round(low, 3)})
-        print(f"{label:34s} {f:8.3f} {b:8.3f} {f + b:8.3f} {low:10.3f}")
+        bound_total += bnd
+        ratio = low / bnd if bnd else float("nan")  # the minimum: on a shared machine a median measures the load
+        rows.append({"op": label, "fwd_ms": round(f, 3), "bwd_ms": round(b, 3), "min_total_ms": round(low, 3),
+                     "mflop": round(gf * 1e3, 2), "mbytes": round(mb, 2), "bound_ms": round(bnd, 3),
+                     "x_bound": round(ratio, 2)})  # fmt: skip
+        print(f"{label:34s} {f:8.3f} {b:8.3f} {f + b:8.3f} {low:10.3f} {gf * 1e3:7.1f} {mb:6.2f} {bnd:7.3f} "
+              f"{ratio:9.2f}")
     shard_ms, opt_ms = med(shard_total), med(opt_total)
-    print(f"{'sum of ops':34s} {'':8s} {'':8s} {attributed:8.3f}")
+    shard_min, opt_min = min(shard_total) * 1e3, min(opt_total) * 1e3
+    attributed_min = sum(r["min_total_ms"] for r in rows)
+    n_params = sum(p.size for p in model.params.values())
+    opt_bound = 7 * 4 * n_params / memory_rate(4 * n_params) * 1e3  # read p, g, m, v; write p, m, v
+    print(f"{'sum of ops':34s} {'':8s} {'':8s} {attributed:8.3f} {attributed_min:10.3f} {'':7s} {'':6s} "
+          f"{bound_total:7.3f} {attributed_min / bound_total:9.2f}")  # fmt: skip
     print(f"{'glue (residual adds, Python)':34s} {'':8s} {'':8s} {shard_ms - attributed:8.3f}")
-    print(f"{'shard fwd+bwd':34s} {'':8s} {'':8s} {shard_ms:8.3f}")
-    print(f"{'AdamW (all parameters)':34s} {'':8s} {'':8s} {opt_ms:8.3f}")
+    print(f"{'shard fwd+bwd':34s} {'':8s} {'':8s} {shard_ms:8.3f} {shard_min:10.3f} {'':7s} {'':6s} "
+          f"{bound_total:7.3f} {shard_min / bound_total:9.2f}")  # fmt: skip
+    print(f"{'AdamW (all parameters)':34s} {'':8s} {'':8s} {opt_ms:8.3f} {opt_min:10.3f} {'':7s} "
+          f"{7 * 4 * n_params / 1e6:6.2f} {opt_bound:7.3f} {opt_min / opt_bound:9.2f}")  # fmt: skip
     full_step, full_fb = med([t[0] for t in full]), med([t[1] for t in full])
     print(f"the trainer's step, {args.shards} shards on {args.threads} threads: {full_step:.2f} ms "
           f"(fwd+bwd of all shards and their reduction {full_fb:.2f}, AdamW {full_step - full_fb:.2f})")
+    over = {k: med([p[k] for p in parts]) for k in parts[0]}
+    print(f"  beyond one shard alone ({shard_ms:.2f} ms): {full_fb - shard_ms:+.2f} ms = a shard beside the other "
+          f"{over['shard'] - shard_ms:+.2f} (median shard {over['shard']:.2f}), start skew {over['start skew']:.2f}, "
+          f"imbalance {over['imbalance']:.2f}, dispatch {over['dispatch']:.2f}, reduction {over['reduction']:.2f} "
+          f"(medians: they need not add up)")  # fmt: skip
+    step_gflop = 3 * forward_flops(args.vocab, args.batch, args.block, args.n_embd, args.n_layer, args.n_head) / 1e9
+    print(f"f32 matmul n=256 on one thread: {mm1:.1f} GFLOP/s; the step's {step_gflop:.3f} GFLOP at that rate on "
+          f"{args.threads} threads: {step_gflop / mm1 / args.threads * 1e3:.2f} ms; {loadavg()}")  # fmt: skip
     return {
         "mode": "profile", "shards": args.shards, "threads": args.threads, "shard_samples": len(piece.ids),
-        "ops": rows, "shard_fwd_bwd_ms": round(shard_ms, 3), "adamw_ms": round(opt_ms, 3),
-        "step_ms": round(full_step, 3), "step_fwd_bwd_ms": round(full_fb, 3), "loadavg_1min": round(os.getloadavg()[0], 2),
+        "ops": rows, "shard_fwd_bwd_ms": round(shard_ms, 3), "shard_fwd_bwd_min_ms": round(shard_min, 3),
+        "shard_bound_ms": round(bound_total, 3),
+        "adamw_ms": round(opt_ms, 3), "adamw_bound_ms": round(opt_bound, 3),
+        "step_ms": round(full_step, 3), "step_fwd_bwd_ms": round(full_fb, 3),
+        "two_shard_overhead_ms": {k: round(v, 3) for k, v in over.items()},
+        "gemm_gflops": {"x".join(map(str, g)): round(2 * g[0] * g[1] * g[2] * g[3] / t / 1e9, 1)
+                        for g, t in gemm_s.items()},
+        "matmul256_gflops_1thread": round(mm1, 1), "loadavg_1min": round(os.getloadavg()[0], 2),
     }  # fmt: skip
 
 
@@ -418,8 +575,9 @@ def run_speed(args) -> dict:
             **{f"contended_{k}_min_ms": round(fastest[c, k], 2) for k in runners},
             **{f"contention_factor_{k}": round(med[c, k] / med[q, k], 2) for k in runners},
         })  # fmt: skip
-    print(f"threads {args.threads} (numpy: {args.shards} shards), V={V} B={args.batch} T={args.block} d={args.n_embd} "
-          f"heads={args.n_head} layers={args.n_layer} float32; {out['steps']} steps each after {args.warmup} warm-up")  # fmt: skip
+    print(f"threads {args.threads} (numpy: {args.shards} shards), V={V} B={args.batch} T={args.block} "
+          f"d={args.n_embd} heads={args.n_head} layers={args.n_layer} float32; {out['steps']} steps each after "
+          f"{args.warmup} warm-up")  # fmt: skip
     for cond in conditions:
         extra = f" beside {args.contend} busy-looping processes" if cond == "contended" else ""
         print(f"{cond}{extra}:")
@@ -454,9 +612,11 @@ def main(argv=None) -> None:
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--n-layer", type=int, default=2)
     args = ap.parse_args(argv)
+    where = print_machine()
     # The caller's BLAS setting: what torch's twin and the matmul figure see; Shards pins 1 inside its calls.
     with threadpool_limits(limits=args.threads, user_api="blas"):
         out = run_memory(args) if args.memory else run_profile(args) if args.profile else run_speed(args)
+    out["machine"] = {**where, "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
     print(json.dumps(out))
 
 

@@ -16,8 +16,36 @@ class Adam(Optimizer):
         super().__init__(params, lr)
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps, self.weight_decay = float(eps), float(weight_decay)
+        self._flat: _Flat | None = None
+
+    def _buffer(self, kind: str, name: str) -> np.ndarray:
+        # Moments of a model of one dtype live in two flat arrays; each name's buffer is a view into them.
+        if self._flat is None and len({p.dtype for p in self.params.values()}) == 1:
+            self._flat = _Flat(self.params, self.state)
+        return super()._buffer(kind, name)
+
+    def step(self, grads: dict[str, np.ndarray]) -> None:
+        """One update of every parameter. A model of one dtype (and gradients of it) is updated as one flat array:
+        each operation one pass over all parameters instead of one call per parameter, the same bits per element."""
+        names = list(self.params)
+        if names:
+            self._buffer(self.buffers[0], names[0])  # builds the flat arrays where they apply
+        flat = self._flat
+        if flat is None or set(grads) != set(self.params) or any(grads[n].dtype != flat.p.dtype for n in names):
+            super().step(grads)  # per parameter (also the one that refuses gradients that do not match)
+            return
+        self.t += 1
+        np.concatenate([self.params[n].reshape(-1) for n in names], out=flat.p)
+        np.concatenate([grads[n].reshape(-1) for n in names], out=flat.g)
+        self._apply(flat.p, flat.g, flat.m, flat.v, flat.tmp)
+        for n, part in zip(names, flat.views(flat.p)):
+            np.copyto(self.params[n], part)
 
     def _update(self, name: str, p: np.ndarray, g: np.ndarray) -> None:
+        m, v = self._buffer("exp_avg", name), self._buffer("exp_avg_sq", name)
+        self._apply(p, g, m, v, np.empty_like(m))  # out=: an array even for 0-d parameters
+
+    def _apply(self, p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, tmp: np.ndarray) -> None:
         # torch's formulas, each elementwise operation in torch's order, through one scratch array: the same
         # bits as the plain expressions without their five temporaries per parameter.
         dt = p.dtype.type
@@ -26,8 +54,7 @@ class Adam(Optimizer):
                 p *= dt(1 - self.lr * self.weight_decay)
             else:
                 g = g + dt(self.weight_decay) * p
-        m, v = self._buffer("exp_avg", name), self._buffer("exp_avg_sq", name)
-        tmp = np.subtract(g, m, out=np.empty_like(m))  # g - m (out=: an array even for 0-d parameters)
+        np.subtract(g, m, out=tmp)  # g - m
         tmp *= dt(1 - self.beta1)
         m += tmp  # torch: exp_avg.lerp_(grad, 1 - beta1), i.e. m += (g - m) * (1 - beta1)
         v *= dt(self.beta2)
@@ -42,6 +69,25 @@ class Adam(Optimizer):
         np.divide(m, tmp, out=tmp)
         tmp *= dt(self.lr / bias_correction1)
         p -= tmp  # p -= lr / bc1 * (m / denom)
+
+
+class _Flat:
+    """Flat arrays over every parameter in dict order: the moments m and v (each name's state buffer a view into
+    them, so checkpoints see per-name arrays), and the step's scratch copies of the parameters and gradients."""
+
+    def __init__(self, params: dict[str, np.ndarray], state: dict[str, np.ndarray]):
+        self.shapes = [p.shape for p in params.values()]
+        self.bounds = np.cumsum([0] + [p.size for p in params.values()]).tolist()
+        dtype = next(iter(params.values())).dtype
+        n = self.bounds[-1]
+        self.m, self.v = np.zeros(n, dtype), np.zeros(n, dtype)
+        self.p, self.g, self.tmp = np.empty(n, dtype), np.empty(n, dtype), np.empty(n, dtype)
+        for kind, flat in (("exp_avg", self.m), ("exp_avg_sq", self.v)):
+            for name, view in zip(params, self.views(flat)):
+                state[f"{kind}.{name}"] = view
+
+    def views(self, flat: np.ndarray) -> list[np.ndarray]:
+        return [flat[a:b].reshape(shape) for a, b, shape in zip(self.bounds[:-1], self.bounds[1:], self.shapes)]
 
 
 class AdamW(Adam):
