@@ -7,11 +7,6 @@ temporary is kept and named); 2 bad input, one line.
 """
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import argparse
 import hashlib
 import os
@@ -41,8 +36,10 @@ MAX_METRICS = 1 << 30
 MAX_FILE = 1 << 40  # a checkpoint or corpus file: bounded by its manifest's size, checked before copying
 MAX_CORPORA = 10_000  # corpus directories looked at when finding a run's corpus by its hash
 
+INTERRUPTED = "no archive was published (its hidden temporary is removed or ignored)"  # what an interruption left (pipeline/run/signals.run_command)
 
-class BadSource(Exception):
+
+class BadSource(CommandError):
     """SOURCE (or DEST) cannot be archived: one line, exit 2."""
 
 
@@ -621,4 +618,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    tool_exit(NAME, main, "no archive was published (its hidden temporary is removed or ignored)")
+    from pipeline.run.signals import run_command
+
+    run_command(NAME, main, INTERRUPTED)

@@ -5,11 +5,6 @@ run measured at that step; other data (`data=NAME ...`, `data.KEY=VALUE`) must f
 """
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import argparse
 from pathlib import Path
 
@@ -51,4 +46,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    tool_exit("pipeline.evaluate", main)
+    from pipeline.run.signals import run_command
+
+    run_command("pipeline.evaluate", main)

@@ -2,11 +2,6 @@
 vocabulary as a tokenizer (tokenizer.json + tokenizer_config.json); each file replaced atomically, mode 0644."""
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import argparse
 import json
 from pathlib import Path
@@ -21,6 +16,8 @@ from pipeline.files.atomic import UnsafePathError, replace_file
 NAME = "pipeline.export_hf"
 EOS = "<eos>"  # the grammar corpus's end of sentence: GPT-2's <|endoftext|> role (bos, eos and pad)
 TIED = "lm_head.weight"  # the head is wte: HF ties it on load (tie_word_embeddings), so it is not stored
+
+INTERRUPTED = "OUT_DIR may hold part of the export (each file whole); re-run the same command"  # what an interruption left (pipeline/run/signals.run_command)
 
 
 def expected_shapes(*, n_layer: int, n_embd: int, n_positions: int, vocab_size: int) -> dict[str, tuple[int, ...]]:
@@ -167,4 +164,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    tool_exit(NAME, main, "OUT_DIR may hold part of the export (each file whole); re-run the same command")
+    from pipeline.run.signals import run_command
+
+    run_command(NAME, main, INTERRUPTED)

@@ -8,11 +8,6 @@ refused before mlflow is imported; 1 (one line) if mlflow refuses.
 """
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import argparse
 import os
 import sys
@@ -28,6 +23,8 @@ SERVING = Path(__file__).resolve().parents[1] / "serving"
 CODE = SERVING / "pyfunc_model.py"  # an MLP: rows of features, as its signature says
 GENERATOR_CODE = SERVING / "generator_pyfunc_model.py"  # a MiniGPT: rows typed by its predict (Row)
 ARTIFACT_PATH = "model"  # the model's name inside its run
+
+INTERRUPTED = "a run or a model version may be partly logged; register again for a new one"  # what an interruption left (pipeline/run/signals.run_command)
 
 
 def signature_of(manifest: dict, model, prompt: str = ""):
@@ -187,4 +184,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    tool_exit(NAME, main, "a run or a model version may be partly logged; register again for a new one")
+    from pipeline.run.signals import run_command
+
+    run_command(NAME, main, INTERRUPTED)

@@ -8,16 +8,13 @@ cannot be opened, 1 if some run directory could not be indexed.
 """
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import argparse
 import time
 from pathlib import Path
 
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
+
+INTERRUPTED = "the index may be partly updated; re-run the same command (it adds nothing twice)"  # what an interruption left (pipeline/run/signals.run_command)
 
 
 def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) -> list[dict]:
@@ -98,16 +95,18 @@ def main(argv: list[str] | None = None) -> int:
 
     output_dir = Path(args.output_dir or default_output_dir())
     if not output_dir.is_dir():
-        return refuse("reindex", f"no such output directory: {output_dir}")
+        return refuse("pipeline.reindex", f"no such output directory: {output_dir}")
     uri = normalize_tracking_uri(args.tracking_uri or default_uri(output_dir))
     if args.rebuild and (aside := move_aside(uri)) is not None:
         print(f"moved the old store aside: {aside}")
     try:
         results = reindex(output_dir, uri, args.artifact_location)
     except StoreError as e:
-        return refuse("reindex", e)
+        return refuse("pipeline.reindex", e)
     return EXIT_ERROR if any("error" in r for r in results) else EXIT_OK
 
 
 if __name__ == "__main__":
-    tool_exit("reindex", main, "the index may be partly updated; re-run the same command (it adds nothing twice)")
+    from pipeline.run.signals import run_command
+
+    run_command("pipeline.reindex", main, INTERRUPTED)

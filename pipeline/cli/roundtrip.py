@@ -17,11 +17,6 @@ a tied array counted once), for tiny models mostly the header (`weights_header_b
 """
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import argparse
 import os
 import signal
@@ -53,6 +48,8 @@ RESULTS = "roundtrip_results.json"
 
 def losses(run: Fresh, n: int) -> list[float]:
     return [float(r["train/loss"]) for r in run.train(n)]
+
+INTERRUPTED = "no results were written; re-run the same command"  # what an interruption left (pipeline/run/signals.run_command)
 
 
 def child(args: list[str], overrides: list[str], **env: str) -> subprocess.CompletedProcess:
@@ -256,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         to_plain(compose(args.overrides))
     except Exception as e:  # hydra's override and config errors: one line, exit 2
-        return refuse("roundtrip", f"bad config or override: {error_line(e)}")
+        return refuse("pipeline.roundtrip", f"bad config or override: {error_line(e)}")
     results, path = roundtrip(args.overrides, args.steps, not args.in_process, args.keep)
     notes = {"weight_tying_preserved": results.get("weight_tying_note"), "size_delta_pct": results["size_delta_note"]}
     for key in ("byte_equivalent_state_machines", "all_byte_equal", "continuation_test_passed",
@@ -269,4 +266,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    tool_exit("roundtrip", main, "no results were written; re-run the same command")
+    from pipeline.run.signals import run_command
+
+    run_command("pipeline.roundtrip", main, INTERRUPTED)

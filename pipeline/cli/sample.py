@@ -14,11 +14,6 @@ Exit 0; 2 with one line for a checkpoint that does not verify or a bad argument 
 """
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,4 +148,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    tool_exit("pipeline.sample", main)
+    from pipeline.run.signals import run_command
+
+    run_command("pipeline.sample", main)

@@ -8,11 +8,6 @@ a link no tool follows, a bad argument or a `_target_` no config names. Reading 
 """
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import argparse
 import os
 from pathlib import Path
@@ -163,4 +158,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    tool_exit(NAME, main)
+    from pipeline.run.signals import run_command
+
+    run_command(NAME, main)

@@ -22,6 +22,7 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 for _name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." etc.
     logging.getLogger(_name).setLevel(logging.WARNING)
 
+from pipeline.config.errors import CommandError
 from pipeline.files.atomic import UnsafePathError, refuse_link  # noqa: E402
 from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri,  # noqa: E402
                                       sqlite_path, tag_value)
@@ -30,7 +31,7 @@ from pipeline.tracking.common import artifact_root as common_artifact_root  # no
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 
 
-class StoreError(Exception):
+class StoreError(CommandError):
     """An mlflow store that cannot be opened or written (one line: where, why, and what to do)."""
 
 
