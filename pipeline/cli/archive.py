@@ -22,10 +22,9 @@ from pipeline.files import jsonio, names
 from pipeline.files import reading
 from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir, open_new,
                                    publish_dir, remove_tree, write_new)
-from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import (CHECKPOINTS, STEP_DIR, CheckpointStore, checkpoint_dir, copy_list,
                                        is_checkpoint_dir, read_manifest, verify)
-from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError, refuse
 from pipeline.config.identity import run_name
 from pipeline.run.directory import RunDir
 
@@ -611,10 +610,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.dest is None:
             raise BadSource("give SOURCE and DEST (or --check DEST)")
         return build_archive(args.source, Path(os.path.abspath(args.dest)), which, args.with_data, args.overrides, argv)
-    except (BadSource, CheckpointError, UnsafePathError, ValueError) as e:
-        return refuse(NAME, e)
-    except OSError as e:
-        return refuse(NAME, f"{e.filename or ''}: {e.strerror or e}")
+    except ValueError as e:  # a value a file holds that is out of range: bad input
+        raise CommandError(str(e)) from e
+    except OSError as e:  # what SOURCE or DEST cannot give or take: bad input, nothing published
+        if isinstance(e, UnsafePathError):
+            raise
+        raise CommandError(f"{e.filename or ''}: {e.strerror or e}") from e
 
 
 if __name__ == "__main__":

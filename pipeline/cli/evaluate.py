@@ -9,8 +9,7 @@ import argparse
 from pathlib import Path
 
 from pipeline.files import jsonio
-from pipeline.checkpoint.errors import CheckpointError
-from pipeline.config.errors import EXIT_OK, ConfigError, refuse
+from pipeline.config.errors import EXIT_OK
 
 
 def evaluate_checkpoint(directory: Path, overrides: list[str] = ()) -> dict:
@@ -34,10 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="data overrides")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
-    try:
-        result = evaluate_checkpoint(args.checkpoint, args.overrides)
-    except (CheckpointError, ConfigError) as e:
-        return refuse("pipeline.evaluate", e)
+    result = evaluate_checkpoint(args.checkpoint, args.overrides)
     if args.json:
         print(jsonio.dumps(result).decode(), end="")
     else:

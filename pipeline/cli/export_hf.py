@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save
 
-from pipeline.checkpoint.errors import CheckpointError
-from pipeline.config.errors import ConfigError, refuse
-from pipeline.files.atomic import UnsafePathError, replace_file
+from pipeline.config.errors import CommandError
+from pipeline.files.atomic import replace_file
 
 NAME = "pipeline.export_hf"
 EOS = "<eos>"  # the grammar corpus's end of sentence: GPT-2's <|endoftext|> role (bos, eos and pad)
@@ -149,17 +148,17 @@ def main(argv: list[str] | None = None) -> None:
         manifest, state = restore_checkpoint(Path(args.checkpoint), args.overrides)  # fully verified
         model = manifest["config"]["model"]
         if not str(model.get("_target_", "")).endswith("MiniGPT"):
-            raise SystemExit(refuse(NAME, f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT"))
+            raise CommandError(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
         facts = data_facts(manifest, args.overrides, Path(args.checkpoint))  # the vocabulary the model was trained on
         if facts["vocab"] is None:
-            raise SystemExit(refuse(NAME, f"{args.checkpoint}: its data has no vocabulary to make a tokenizer of"))
+            raise CommandError(f"{args.checkpoint}: its data has no vocabulary to make a tokenizer of")
         weights = state.model.state_dict()
         out = write_hf(weights, n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
                        n_positions=weights["transformer.wpe.weight"].shape[0],
                        vocab_size=weights["transformer.wte.weight"].shape[0], out_dir=args.out_dir,
                        vocab=facts["vocab"], join=facts["decode_join"], eos=facts["specials"].get("eos"))
-    except (CheckpointError, ConfigError, UnsafePathError, ValueError) as e:
-        raise SystemExit(refuse(NAME, e))
+    except ValueError as e:  # a weight whose shape does not fit: bad input
+        raise CommandError(str(e)) from e
     print(f"wrote {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")
 
 

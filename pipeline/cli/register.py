@@ -15,8 +15,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.checkpoint.errors import CheckpointError
-from pipeline.config.errors import EXIT_ERROR, EXIT_OK, ConfigError, refuse
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError, ConfigError
 
 NAME = "pipeline.register"
 SERVING = Path(__file__).resolve().parents[1] / "serving"
@@ -163,20 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # else a bar per copy of the files
     try:
         version = register(Path(args.checkpoint), args.name, args.tracking_uri)
-    except (CheckpointError, ConfigError) as e:
-        return refuse(NAME, e)
-    except Exception as e:  # noqa: BLE001 - mlflow's refusals (a bad name, a server's error): one line
-        # a store's refusal comes once register() imported the store (and mlflow): never import it for a
-        # checkpoint refused before (a few seconds of every refusal)
-        from pipeline.tracking.store import StoreError
-        from mlflow.exceptions import MlflowException
-
-        if isinstance(e, StoreError):
-            return refuse(NAME, e)
-        if not isinstance(e, MlflowException):
+    except Exception as e:
+        # mlflow's refusals (a bad name, a server's error) come once register() imported mlflow: never import
+        # it for a checkpoint refused before (a few seconds of every refusal)
+        if "mlflow" not in sys.modules or not isinstance(e, sys.modules["mlflow"].exceptions.MlflowException):
             raise
-        print(f"{NAME}: mlflow: {str(e).splitlines()[0]}", file=sys.stderr)
-        return EXIT_ERROR
+        raise CommandError(f"mlflow: {str(e).splitlines()[0]}", exit_code=EXIT_ERROR) from e
     print(f"registered in the model registry of {store_uri(Path(args.checkpoint), args.tracking_uri)} "
           f"(logged as run {version.run_id})")
     print(f"models:/{version.name}/{version.version}")

@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from pipeline.config.compose import default_output_dir
     from pipeline.tracking.common import default_uri, normalize_tracking_uri
-    from pipeline.tracking.store import StoreError
 
     output_dir = Path(args.output_dir or default_output_dir())
     if not output_dir.is_dir():
@@ -99,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     uri = normalize_tracking_uri(args.tracking_uri or default_uri(output_dir))
     if args.rebuild and (aside := move_aside(uri)) is not None:
         print(f"moved the old store aside: {aside}")
-    try:
-        results = reindex(output_dir, uri, args.artifact_location)
-    except StoreError as e:
-        return refuse("pipeline.reindex", e)
+    results = reindex(output_dir, uri, args.artifact_location)
     return EXIT_ERROR if any("error" in r for r in results) else EXIT_OK
 
 

@@ -35,7 +35,7 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.tensors import read_tensors, write_tensors
 from pipeline.config.identity import run_name
 from pipeline.config.compose import PROJECT_ROOT, compose, to_plain
-from pipeline.config.errors import EXIT_ERROR, EXIT_OK, error_line, refuse
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK
 from pipeline.stateful import PARTS, merge, split
 from pipeline.verify.compare import first_difference
 from pipeline.verify.worker import Fresh
@@ -250,10 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_to is not None:
         save_in_this_process(args.overrides, args.save_to, args.steps)
         return EXIT_OK
-    try:
-        to_plain(compose(args.overrides))
-    except Exception as e:  # hydra's override and config errors: one line, exit 2
-        return refuse("pipeline.roundtrip", f"bad config or override: {error_line(e)}")
+    to_plain(compose(args.overrides))  # a bad override: one line, exit 2 (config/errors.exit_code)
     results, path = roundtrip(args.overrides, args.steps, not args.in_process, args.keep)
     notes = {"weight_tying_preserved": results.get("weight_tying_note"), "size_delta_pct": results["size_delta_note"]}
     for key in ("byte_equivalent_state_machines", "all_byte_equal", "continuation_test_passed",

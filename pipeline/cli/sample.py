@@ -20,8 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.checkpoint.errors import CheckpointError
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_OK, ConfigError, refuse
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_OK, ConfigError
 
 # One forward pass per token: 100,000 is already minutes of text; more is a typo, refused before any work.
 MAX_NEW_TOKENS = 100_000
@@ -140,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return EXIT_OK if argv else EXIT_BAD_INPUT
-    try:
-        print(sample(Path(argv[0]), argv[1:]))
-    except (CheckpointError, ConfigError) as e:
-        return refuse("pipeline.sample", e)
+    print(sample(Path(argv[0]), argv[1:]))
     return EXIT_OK
 
 

@@ -18,7 +18,7 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import code_change
 from pipeline.checkpoint.store import checkpoint_dir, file_hashes, is_checkpoint_dir, manifest_as_written
 from pipeline.run.directory import RunDir
-from pipeline.config.errors import EXIT_ERROR, EXIT_OK, ConfigError, refuse
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
 
 NAME = "pipeline.show"
 SUMMARY = ("schema_version", "step", "epoch", "metrics", "tags", "config_hash", "data_manifest_hash", "git_sha",
@@ -132,26 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the description as JSON")
     args = ap.parse_args(argv)
     from pipeline.config.targets import allowed
-    from pipeline.run.trained import UnknownTargetError
 
     path, overrides = args.path, tuple(args.overrides)
     if not path.is_dir():
         return refuse(NAME, f"{path}: not a directory")
     if (bad := next((o for o in overrides if not o.startswith("hydra.searchpath=")), None)) is not None:
         return refuse(NAME, f"{bad}: only hydra.searchpath=[...] can be given here")
-    try:
-        checkpoint_dir(path)  # nothing is read through a link out of a run
-    except CheckpointError as e:
-        return refuse(NAME, e)
+    checkpoint_dir(path)  # nothing is read through a link out of a run
     if RunDir(path.parent).store.root == path and not is_checkpoint_dir(path):
         path = path.parent  # a run's checkpoints/ stands for the run
-    try:
-        allowed(overrides)  # a search path that is not there: said once, before any checkpoint is read
-        rundir = RunDir(path)
-        describe = describe_run if rundir.store.root.is_dir() or rundir.status_path.is_file() else describe_checkpoint
-        d = describe(path, overrides)
-    except (UnknownTargetError, ConfigError) as e:
-        return refuse(NAME, e)
+    allowed(overrides)  # a search path that is not there: said once, before any checkpoint is read
+    rundir = RunDir(path)
+    describe = describe_run if rundir.store.root.is_dir() or rundir.status_path.is_file() else describe_checkpoint
+    d = describe(path, overrides)
     print(jsonio.dumps(d).decode() if args.json else (render_run(d) if d["kind"] == "run" else render_checkpoint(d)),
           end="" if args.json else "\n")
     return EXIT_OK if d["valid"] else EXIT_ERROR

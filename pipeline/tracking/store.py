@@ -11,22 +11,23 @@ import time
 from contextlib import closing, contextmanager, nullcontext, suppress
 from pathlib import Path
 
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag, ViewType
+from mlflow.exceptions import MlflowException
+
+from pipeline.config.errors import CommandError
+from pipeline.files.atomic import UnsafePathError, refuse_link
+from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri,
+                                      sqlite_path, tag_value)
+from pipeline.tracking.common import artifact_root as common_artifact_root
+
+# read by mlflow at each request, so set here, once imported
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a server that is down fails in seconds, not minutes
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
 
-from mlflow import MlflowClient  # noqa: E402
-from mlflow.entities import Metric, Param, RunTag, ViewType  # noqa: E402
-from mlflow.exceptions import MlflowException  # noqa: E402
-
 for _name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." etc.
     logging.getLogger(_name).setLevel(logging.WARNING)
-
-from pipeline.config.errors import CommandError
-from pipeline.files.atomic import UnsafePathError, refuse_link  # noqa: E402
-from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri,  # noqa: E402
-                                      sqlite_path, tag_value)
-from pipeline.tracking.common import artifact_root as common_artifact_root  # noqa: E402
 
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 
