@@ -25,6 +25,7 @@ from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, ensure_dirs, fsy
 from pipeline.checkpoint.store import (CHECKPOINTS, STEP_DIR, CheckpointStore, checkpoint_dir, copy_list,
                                        is_checkpoint_dir, read_manifest, verify)
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError, refuse
+from pipeline.run.signals import command, run_command
 from pipeline.config.identity import run_name
 from pipeline.run.directory import RunDir
 
@@ -588,6 +589,7 @@ def check_archive(dest: Path, extra: list[str]) -> int:
     return EXIT_OK
 
 
+@command("pipeline.archive")
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.splitlines()[0])
@@ -619,6 +621,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import run_command
-
     run_command(NAME, main, INTERRUPTED)

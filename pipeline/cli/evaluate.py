@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipeline.files import jsonio
 from pipeline.config.errors import EXIT_OK
+from pipeline.run.signals import command, run_command
 
 
 def evaluate_checkpoint(directory: Path, overrides: list[str] = ()) -> dict:
@@ -25,6 +26,7 @@ def evaluate_checkpoint(directory: Path, overrides: list[str] = ()) -> dict:
             "own_data": dataset.manifest_hash == manifest["data_manifest_hash"], "metrics": validate(state)}
 
 
+@command("pipeline.evaluate")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n\n")[0],
                                  epilog="Overrides: data=NAME, data.KEY=VALUE, paths.output_dir=DIR (where the "
@@ -42,6 +44,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import run_command
-
     run_command("pipeline.evaluate", main)

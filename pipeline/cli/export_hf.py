@@ -10,6 +10,7 @@ import numpy as np
 from safetensors.numpy import save
 
 from pipeline.config.errors import CommandError
+from pipeline.run.signals import command, run_command
 from pipeline.files.atomic import replace_file
 
 NAME = "pipeline.export_hf"
@@ -133,6 +134,7 @@ def write_hf(params: dict[str, np.ndarray], *, n_layer: int, n_head: int, n_embd
     return out
 
 
+@command("pipeline.export_hf")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Export a MiniGPT checkpoint as a Hugging Face GPT-2 directory.",
                                      epilog="The vocabulary is the checkpoint's data.json; only for a checkpoint "
@@ -163,6 +165,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import run_command
-
     run_command(NAME, main, INTERRUPTED)

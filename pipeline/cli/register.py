@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError, ConfigError
+from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.register"
 SERVING = Path(__file__).resolve().parents[1] / "serving"
@@ -152,6 +153,7 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     return client.get_model_version(name, str(info.registered_model_version))
 
 
+@command("pipeline.register")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.register", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoint directory (RUN/checkpoints/final, .../step-NNNNNNNN)")
@@ -175,6 +177,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import run_command
-
     run_command(NAME, main, INTERRUPTED)

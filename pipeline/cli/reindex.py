@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
+from pipeline.run.signals import command, run_command
 
 INTERRUPTED = "the index may be partly updated; re-run the same command (it adds nothing twice)"  # what an interruption left (pipeline/run/signals.run_command)
 
@@ -78,6 +79,7 @@ def move_aside(uri: str) -> Path | None:
     return aside
 
 
+@command("pipeline.reindex")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.reindex", description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", nargs="?", default=None,
@@ -103,6 +105,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import run_command
-
     run_command("pipeline.reindex", main, INTERRUPTED)

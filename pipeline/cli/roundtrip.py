@@ -36,6 +36,7 @@ from pipeline.checkpoint.tensors import read_tensors, write_tensors
 from pipeline.config.identity import run_name
 from pipeline.config.compose import PROJECT_ROOT, compose, to_plain
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK
+from pipeline.run.signals import command, run_command
 from pipeline.stateful import PARTS, merge, split
 from pipeline.verify.compare import first_difference
 from pipeline.verify.worker import Fresh
@@ -234,6 +235,7 @@ def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = Tr
     return results, path
 
 
+@command("pipeline.roundtrip")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.roundtrip", description=__doc__.splitlines()[0])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m pipeline")
@@ -263,6 +265,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import run_command
-
     run_command("pipeline.roundtrip", main, INTERRUPTED)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_OK, ConfigError
+from pipeline.run.signals import command, run_command
 
 # One forward pass per token: 100,000 is already minutes of text; more is a typo, refused before any work.
 MAX_NEW_TOKENS = 100_000
@@ -134,6 +135,7 @@ def continuation(model, vocab: list[str], join: str, options: Options, eos: str 
     return join.join(vocab[i] for i in ids)
 
 
+@command("pipeline.sample")
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -144,6 +146,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import run_command
-
     run_command("pipeline.sample", main)

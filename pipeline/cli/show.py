@@ -19,6 +19,7 @@ from pipeline.checkpoint.manifest import code_change
 from pipeline.checkpoint.store import checkpoint_dir, file_hashes, is_checkpoint_dir, manifest_as_written
 from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
+from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.show"
 SUMMARY = ("schema_version", "step", "epoch", "metrics", "tags", "config_hash", "data_manifest_hash", "git_sha",
@@ -125,6 +126,7 @@ def render_run(d: dict) -> str:
     return "\n".join(lines)
 
 
+@command("pipeline.show")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.show", description=__doc__.splitlines()[0])
     ap.add_argument("path", type=Path, help="a checkpoint directory or a run directory")
@@ -151,6 +153,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.run.signals import run_command
-
     run_command(NAME, main)

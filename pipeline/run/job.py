@@ -41,28 +41,22 @@ def objective(job, name: str | None) -> float:
 
 def main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None = None,
          command: list[str] | None = None) -> float:
-    """Run one job; its objective. A single run's failure is raised (JobFailed, or an error carrying its exit
-    code) for the entry's one wrapper; a multirun's job (`sweep`) records its end in its sweep, an exception out
-    of it included, and a failure with a code returns NaN (the sweep goes on). `command`: the arguments that run
-    it again (Hydra's config flags, the search path, the overrides) for its end summary; None: `overrides`."""
-    # Directories this command creates (the output directory, runs/, data/): removed again if a single run
-    # ends without a run (refused, interrupted, failed) and they are still empty; nothing older is touched.
-    made = NewDirs(config["paths"]["output_dir"], config["paths"]["runs_dir"],
-                   Path(config["paths"]["output_dir"]) / "data")
+    """Run one job; its objective. A failure that carries an exit code is one line on stderr: a single run
+    exits with the code, a multirun's job (`sweep`) records it and returns NaN (the sweep goes on); its end
+    is recorded in its sweep, an exception out of it included. `command`: the arguments that run it again
+    (Hydra's config flags, the search path, the overrides) for its end summary; None: `overrides`."""
     try:
         if sweep is not None:
             _start_in_sweep(sweep)
         value = _job(config, overrides, config_yaml, sweep, list(overrides) if command is None else list(command))
     except BaseException as e:
-        if sweep is None:
-            made.prune()
         if (failed := _failed(e, sweep)) is None:
             if sweep is not None:
                 sweep.record(error=e)
             raise
-        if sweep is None:
-            raise failed from (None if failed is e else e)  # the entry's wrapper says it and exits with its code
         print(f"pipeline: {failed}", file=sys.stderr)
+        if sweep is None:
+            sys.exit(failed.exit_code)
         sweep.failure = {"code": failed.exit_code, "error": str(failed)[:2000]}
         value = math.nan  # the sweep goes on; its end says which jobs failed and why
     if sweep is not None:
@@ -104,13 +98,29 @@ def _failed(e: BaseException, sweep: SweepJob | None) -> JobFailed | None:
 
 
 def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None, command: list[str]) -> float:
-    job = build(config, sweep)
-    rundir = RunDir(job.run_dir)
-    if sweep is not None:
-        sweep.run_dir = str(rundir.path)
-    log.info("run directory: %s", rundir.path)
-    created = not rundir.path.exists()
-    rundir.acquire()
+    """Build the job (validate, identity, assemble), hold its run directory, run it."""
+    # Directories this command creates (the output directory, runs/, data/): removed again if a single run
+    # ends without a run (refused, interrupted, failed) and they are still empty; nothing older is touched.
+    made = NewDirs(config["paths"]["output_dir"], config["paths"]["runs_dir"],
+                   Path(config["paths"]["output_dir"]) / "data")
+    try:
+        job = build(config, sweep)
+        rundir = RunDir(job.run_dir)
+        if sweep is not None:
+            sweep.run_dir = str(rundir.path)
+        log.info("run directory: %s", rundir.path)
+        created = not rundir.path.exists()
+        rundir.acquire()
+        return _run(job, rundir, created, config, overrides, config_yaml, sweep, command)
+    except BaseException:
+        if sweep is None:
+            made.prune()
+        raise
+
+
+def _run(job, rundir: RunDir, created: bool, config: dict, overrides: list[str], config_yaml: str,
+         sweep: SweepJob | None, command: list[str]) -> float:
+    """Set the run up (its stages), then run it with signals deferred; the run directory is released at the end."""
     # Log lines of the set-up wait in memory: a refused run must not write into the run's log.
     held = logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1)
     logging.getLogger().addHandler(held)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pipeline.run.signals import command
 
 
+@command("pipeline.verify")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.verify", description=__doc__.split("\n\n")[0],
                                  epilog="Overrides are those of `python -m pipeline` (experiment=kernodeck, "
