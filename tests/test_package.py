@@ -158,3 +158,12 @@ def test_no_module_level_mutable_container_is_shared_with_another_unit():
             if isinstance(node, ast.ImportFrom) and node.module and unit(node.module) != unit(name):
                 shared += [f"{name} imports {node.module}.{a.name}" for a in node.names if (node.module, a.name) in mutable]
     assert shared == []
+
+
+def test_tests_mirror_the_package():
+    """A test file sits under the folder of the code it tests: tests/<unit>/ for pipeline/<unit>/."""
+    tests = Path(__file__).resolve().parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    units = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    beyond = {"slurm": "the live cluster's tests", "examples": "the examples/ folder's tests"}
+    assert folders - units - set(beyond) == set(), "a tests/ folder no pipeline/ unit is named by"

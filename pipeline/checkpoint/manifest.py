@@ -77,7 +77,7 @@ def code_change(manifest: dict, facts: dict | None = None) -> str | None:
 
 @lru_cache(maxsize=None)
 def versions() -> dict:
-    out = {"python": platform.python_version()}
+    out: dict[str, str | None] = {"python": platform.python_version()}
     for name in PACKAGES:
         try:
             out[name] = metadata.version(name)

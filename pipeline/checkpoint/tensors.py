@@ -45,7 +45,8 @@ class _Hasher:
     runs ahead at memory speed and its fsync overlaps the hash catching up."""
 
     def __init__(self):
-        self._h, self._pending, self.nbytes = hashlib.sha256(), deque(), 0
+        self._h, self.nbytes = hashlib.sha256(), 0
+        self._pending: deque = deque()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
 
     def update(self, buf) -> None:
@@ -75,7 +76,7 @@ def _c_bytes(a: np.ndarray) -> np.ndarray:
 
 
 def _bytes_of(a: np.ndarray) -> memoryview:
-    return memoryview(a.reshape(-1).view(np.uint8))  # a is C-contiguous: both are views, no copy
+    return a.reshape(-1).view(np.uint8).data  # a is C-contiguous: both are views, no copy
 
 
 def split_aliases(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -289,8 +290,8 @@ def read_tensors(path: Path, expected_sha256: str | None = None,
                 raise _Malformed("the file grew while it was read")
         except _Malformed as e:
             # Integrity first: hash the rest, so a damaged file is reported as damaged, not as malformed.
-            while chunk := f.read(CHUNK):
-                h.update(chunk)
+            while rest := f.read(CHUNK):
+                h.update(rest)
             problem = f"does not fit: {e}" if isinstance(e, _Misfit) else f"not a valid safetensors file: {e}"
         digest = h.hexdigest()
     if expected_sha256 is not None and digest != expected_sha256:

@@ -13,7 +13,7 @@ from pipeline.config.errors import EXIT_OK
 from pipeline.run.signals import command, run_command
 
 
-def evaluate_checkpoint(directory: Path, overrides: list[str] = ()) -> dict:
+def evaluate_checkpoint(directory: Path, overrides: tuple[str, ...] | list[str] = ()) -> dict:
     """{"checkpoint", "step", "data", "data_manifest_hash", "own_data", "metrics"}; ConfigError or
     CheckpointError (one line) if the checkpoint does not verify or the data does not fit its model."""
     from pipeline.run.trained import other_data, restore_checkpoint

@@ -23,7 +23,7 @@ INTERRUPTED = "OUT_DIR may hold part of the export (each file whole); re-run the
 def expected_shapes(*, n_layer: int, n_embd: int, n_positions: int, vocab_size: int) -> dict[str, tuple[int, ...]]:
     """HF GPT2LMHeadModel's stored weights (Conv1D layout, weight [in, out]), without the tied head."""
     d = n_embd
-    shapes = {"transformer.wte.weight": (vocab_size, d), "transformer.wpe.weight": (n_positions, d)}
+    shapes: dict[str, tuple[int, ...]] = {"transformer.wte.weight": (vocab_size, d), "transformer.wpe.weight": (n_positions, d)}
     for i in range(n_layer):
         h = f"transformer.h.{i}."
         shapes.update({h + "ln_1.weight": (d,), h + "ln_1.bias": (d,),
@@ -54,7 +54,7 @@ def gpt2_config(*, n_layer: int, n_head: int, n_embd: int, n_positions: int, voc
     }
 
 
-def tokenizer_files(vocab: list[str], join: str, n_positions: int, eos: str | None = EOS) -> dict[str, bytes]:
+def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos: str | None = EOS) -> dict[str, bytes]:
     """tokenizer.json (a `tokenizers` WordLevel model over the corpus vocabulary, ids unchanged) and
     tokenizer_config.json. Words (join " "): split at whitespace; characters (join ""): every character one
     token, decoded fused. No unknown token: text outside the vocabulary is an error.

@@ -59,7 +59,7 @@ def val_target_positions(n_tokens: int, block_size: int) -> np.ndarray:
     return np.arange(1, n_windows(n_tokens, block_size) * block_size + 1, dtype=np.int64)
 
 
-def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes]:
+def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes | memoryview]:
     """Every file of the corpus directory as bytes: a pure function of the content and params."""
     V, T, order = len(content.vocab), int(params["block_size"]), int(params["ngram_order"])
     if V > MAX_VOCAB:
@@ -71,7 +71,7 @@ def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes]:
     # The token files' bytes are views of the arrays when they already are uint16 (a text corpus): no copy.
     files: dict[str, bytes | memoryview] = {}
     for split, toks in splits.items():
-        files[f"{split}.tokens"] = memoryview(np.ascontiguousarray(toks, dtype=TOKEN_DTYPE)).cast("B")
+        files[f"{split}.tokens"] = np.ascontiguousarray(toks, dtype=TOKEN_DTYPE).data.cast("B")
     files["vocab.json"] = canonical_json(list(content.vocab))
 
     positions = val_target_positions(len(splits["val"]), T)
@@ -112,7 +112,7 @@ def verify_corpus(directory: Path, params: dict | None = None, keep: tuple[str, 
                                                 and isinstance(e.get("sha256"), str) and "/" not in fn
                                                 and fn not in ("", ".", "..") for fn, e in files.items())):
             raise ValueError(f"{mpath}: 'files' must map file names to their bytes and sha256; {fix}")
-        kept = {"MANIFEST.json": raw} if "MANIFEST.json" in keep else {}
+        kept: dict = {"MANIFEST.json": raw} if "MANIFEST.json" in keep else {}
         for fn, entry in files.items():
             path = directory / fn
             size, sha256, data = _read_listed(path, entry["bytes"], keep=fn in keep)
@@ -140,7 +140,7 @@ def _read_listed(path: Path, listed: int, keep: bool) -> tuple[int, str | None, 
         buffer = np.empty(size if keep else min(size, reading.CHUNK), dtype=np.uint8)  # kept whole, or a piece
         at = 0
         while at < size:
-            piece = memoryview(buffer)[at if keep else 0 :][: min(reading.CHUNK, size - at)]
+            piece = buffer.data[at if keep else 0 :][: min(reading.CHUNK, size - at)]
             n = reading.read_exact(f, piece)
             h.update(piece[:n])
             at += n

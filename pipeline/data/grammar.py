@@ -329,7 +329,7 @@ def generate(seed: int, n_sentences: int) -> tuple[list[list[str]], list[dict], 
 
 def token_stream(sentences: list[list[str]], index: dict[str, int]) -> np.ndarray:
     eos = index[EOS]
-    out = []
+    out: list[int] = []
     for words in sentences:
         out.extend(index[w] for w in words)
         out.append(eos)
@@ -365,4 +365,4 @@ class GrammarCorpus(TokenDataset):
                   "n_sentences": int(n_sentences), "val_fraction": float(val_fraction), "block_size": int(block_size),
                   "ngram_order": int(ngram_order)}
         super().__init__(cache_dir, "grammar", params, val_batch_size,
-                         lambda: build_grammar_corpus(params["seed"], params["n_sentences"], params["val_fraction"]))
+                         lambda: build_grammar_corpus(int(seed), int(n_sentences), float(val_fraction)))

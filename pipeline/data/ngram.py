@@ -174,8 +174,8 @@ def prob(model: KneserNey, history: np.ndarray, targets: np.ndarray) -> np.ndarr
 def distribution(model: KneserNey, history) -> np.ndarray:
     """The full next-token distribution [V] after a history (its last order-1 tokens are used)."""
     V, n = model.vocab_size, model.order - 1
-    h = [-1] * n + [int(t) for t in history]
-    h = np.asarray(h[len(h) - n :] if n else [], dtype=np.int64)
+    padded = [-1] * n + [int(t) for t in history]
+    h = np.asarray(padded[len(padded) - n :] if n else [], dtype=np.int64)
     return prob(model, np.broadcast_to(h, (V, n)), np.arange(V))
 
 

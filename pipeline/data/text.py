@@ -129,4 +129,4 @@ class TextCorpus(TokenDataset):
                       "val_fraction": float(val_fraction), "block_size": int(block_size),
                       "ngram_order": int(ngram_order)}
             super().__init__(cache_dir, "text", params, val_batch_size, lambda: build_text_corpus(
-                Path(path), text.tokens(), text.vocab, params["val_fraction"], params["block_size"]))
+                Path(path), text.tokens(), text.vocab, float(val_fraction), int(block_size)))

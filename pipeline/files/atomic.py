@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import hashlib
 import os
 import shutil
@@ -72,7 +73,7 @@ def write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
-def write_new(path: Path, data: bytes) -> dict:
+def write_new(path: Path, data: bytes | memoryview) -> dict:
     """Write bytes to a new file and fsync them; returns the file's {"size", "sha256"}."""
     fd = open_new(path)
     try:
@@ -120,7 +121,7 @@ def open_append(path: Path):
     refuse_link(path)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     file = os.fdopen(fd, "a", encoding="utf-8")
-    file.buffer.raw.name = str(path)  # not the fd's number: a failed write names the file
+    file.buffer.raw.name = str(path)  # type: ignore[attr-defined]  # not the fd's number: a failed write names the file
     return file
 
 
@@ -167,16 +168,10 @@ def new_temp_dir(parent: Path, name: str) -> Path:
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two directory entries in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    global _renameat2
-    if _renameat2 is None:
-        try:
-            _renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-            _renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
-        except (OSError, AttributeError):
-            _renameat2 = False
-    if not _renameat2:
+    renameat2 = _renameat2()
+    if renameat2 is None:
         return False
-    if _renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):  # a filesystem without it
@@ -184,7 +179,17 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-_renameat2 = None  # libc's, looked up once (False: this libc has none)
+@functools.cache
+def _renameat2():
+    """libc's renameat2, looked up once; None where this libc has none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    return fn
+
+
 AT_FDCWD, RENAME_EXCHANGE = -100, 2
 
 

@@ -43,4 +43,5 @@ def checked(value: object, what: str, reserve: int = SUFFIX_BYTES) -> str:
     """`value` if it can be one path component; BadName `<what>=<value>: <why>` otherwise."""
     if (why := problem(value, reserve)) is not None:
         raise BadName(f"{what}={shown(value)}: {why}")
+    assert isinstance(value, str)  # problem() refuses every non-string
     return value

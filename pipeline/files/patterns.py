@@ -15,7 +15,7 @@ WIDE = 24  # characters of one value past which it is written `.6g` (1e+300 rath
 STEP_LIKE = re.compile(r"^step-\d")  # a step directory's name, never a link's
 
 
-def _fields(pattern: str) -> list[tuple[str, str | None, str, str | None]]:
+def _fields(pattern: str) -> list[tuple[str, str | None, str | None, str | None]]:
     return list(string.Formatter().parse(pattern))
 
 
@@ -29,7 +29,7 @@ def problem(pattern) -> str | None:
         parsed = _fields(pattern)
     except ValueError as e:
         return f"is not a format pattern ({e})"
-    fields = [(f, spec, conv) for _, f, spec, conv in parsed if f is not None]
+    fields = [(f, spec or "", conv) for _, f, spec, conv in parsed if f is not None]
     for f, spec, conv in fields:
         if conv is not None or not FIELD.match(f) or "{" in spec or not SPEC.match(spec):
             return (f"field {{{f}{'!' + conv if conv else ''}{':' + spec if spec else ''}}} is not a metric or step "

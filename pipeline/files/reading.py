@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import errno
+import io
 import hashlib
 import os
 import stat
-from typing import BinaryIO
 
 from pipeline.files.atomic import UnsafePathError
 
@@ -39,7 +39,7 @@ def _hint(bound: str | None) -> str:
     return f" set by {bound} (raise it to read a bigger file)" if bound else ""
 
 
-def open_file(path, limit: int | None = None, follow: bool = False, bound: str | None = None) -> BinaryIO:
+def open_file(path, limit: int | None = None, follow: bool = False, bound: str | None = None) -> io.FileIO:
     """`path`, unbuffered, if a regular file of at most `limit` bytes; else UnreadableFile (`bound`: the setting).
 
     open(2) of a FIFO blocks until a writer appears, and a FIFO or /dev/zero never ends: refused by the stat,
@@ -56,13 +56,13 @@ def open_file(path, limit: int | None = None, follow: bool = False, bound: str |
     try:
         _refuse(path, os.fstat(fd), limit, bound)  # whatever was swapped in since the stat
         os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb", buffering=0)
+        return io.FileIO(fd, "rb", closefd=True)
     except BaseException:
         os.close(fd)
         raise
 
 
-def read_exact(f: BinaryIO, buf: memoryview) -> int:
+def read_exact(f: io.RawIOBase, buf: memoryview) -> int:
     """Fill `buf` from `f`; the number of bytes read (fewer only at the end of the file)."""
     got = 0
     while got < len(buf) and (n := f.readinto(buf[got:])):
@@ -70,7 +70,7 @@ def read_exact(f: BinaryIO, buf: memoryview) -> int:
     return got
 
 
-def chunks(f: BinaryIO, path, limit: int | None = None, bound: str | None = None, size: int = CHUNK):
+def chunks(f: io.RawIOBase, path, limit: int | None = None, bound: str | None = None, size: int = CHUNK):
     """The bytes of an open file in pieces of at most `size`, refusing (UnreadableFile) past `limit`."""
     total = 0
     while piece := f.read(size if limit is None else min(size, limit + 1 - total)):

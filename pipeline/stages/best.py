@@ -42,6 +42,7 @@ class BestVal(Watch):
         return None if self.filename is None else Named(self.policy(), self.name_of)
 
     def name_of(self, record: Record) -> str | None:
+        assert self.filename is not None  # named() hands this out only with a pattern
         return patterns.render(self.filename, record.step, record.metrics)
 
     # state: Watch's (best, best_step, ...), and with keep > 1 the top list (keep = 1: the same bytes as before)
@@ -80,6 +81,6 @@ class BestVal(Watch):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         # A checkpoint that kept one best (keep was 1) knows that one: the top list grows from it.
-        saved = [(float(v), s) for v, s in state["top"]] if "top" in state else \
-            ([] if self.best is None else [(self.best, self.best_step)])
+        saved = [(float(v), int(s)) for v, s in state["top"]] if "top" in state else \
+            ([] if self.best is None or self.best_step is None else [(self.best, self.best_step)])
         self.top = saved[: self.keep]

@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 MAX_PENDING = 1000  # metric points: one log_batch
 # Bytes of one request line: a checkpoint's manifest.json (at most 16 MiB, as JSON text within 6 times that) or
@@ -52,10 +53,10 @@ class Conn:
 class Session:
     def __init__(self, conn: Conn, sid: int):
         self.conn, self.sid = conn, sid
-        self.client = None
-        self.uri: str | None = None
+        self.client: Any = None  # its store's MlflowClient, once opened (mlflow is imported lazily)
+        self.uri = ""  # its store, once opened
         self.run_id: str | None = None
-        self.repo = None
+        self.repo: Any = None
         self.logged: set = set()  # (key, step) already in mlflow (a resumed run): not logged again
         self.pending: list = []
         self.failed = False
@@ -85,8 +86,8 @@ class Agent:
         except BaseException as e:  # noqa: BLE001
             traceback.print_exc()
             self.import_error = f"{type(e).__name__}: {e}"
-        self.sessions: dict[tuple[int, int], Session] = {}
-        self.clients: dict[str, tuple[object, str | None]] = {}  # uri -> (its client, its artifact root)
+        self.sessions: dict[tuple[int, Any], Session] = {}  # (connection, the request's sid)
+        self.clients: dict[str, tuple[Any, str | None]] = {}  # uri -> (its client, its artifact root)
         self.parents: dict[str, dict] = {}  # sweep id -> its parent run, as parent_start made or found it
         self.finishing: list[tuple[Session, dict, float]] = []  # handed over, indexed once their job has gone
         self.waiters: list[tuple[Conn, object]] = []  # idle requests
@@ -96,6 +97,8 @@ class Agent:
         if not ref or "run_id" in ref:
             return ref
         sweep_id = ref.get("sweep_id")
+        if not isinstance(sweep_id, str):
+            return None
         if sweep_id not in self.parents:
             found = self.store.find_parent(client, sweep_id)
             if found is None:
@@ -234,7 +237,7 @@ class Agent:
 
     def handle(self, conn: Conn, m: dict) -> None:
         key = (conn.cid, m.get("sid"))
-        op = m.get("op")
+        op = str(m.get("op"))
         if op == "idle":
             self.waiters.append((conn, m.get("sid")))
             return
@@ -245,11 +248,12 @@ class Agent:
                 return
             self.sessions[key] = s
         else:
-            s = self.sessions.get(key)
-            if s is None or s.failed:
+            found = self.sessions.get(key)
+            if found is None or found.failed:
                 if op == "finish":
                     conn.send({"sid": m.get("sid"), "event": "finished"})
                 return
+            s = found
         started = time.monotonic()
         try:
             getattr(self, op)(s, m)

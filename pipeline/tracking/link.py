@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 # Without clients this long, the agent exits: long enough for the next run of a working session.
 IDLE_SECONDS = float(os.environ.get("PIPELINE_TRACKING_AGENT_IDLE", "300"))
@@ -93,6 +94,10 @@ def read_line(f, limit: int) -> bytes:
     return raw
 
 
+class Handler(Protocol):
+    def on_event(self, event: dict) -> None: ...  # the agent's events for one session
+
+
 class Link:
     """Requests go through a writer thread, which finds or starts the agent and then writes what was queued
     meanwhile (no caller waits for an agent to start); a reader thread hands each event to the handler that
@@ -102,7 +107,7 @@ class Link:
         self.uri, self.log_file, self.path = uri, log_file, socket_path(uri)
         self.sock: socket.socket | None = None
         self.queue: queue.Queue = queue.Queue()
-        self.handlers: dict[int, object] = {}
+        self.handlers: dict[int, Handler] = {}
         self.ids = itertools.count(1)
         self.dead: str | None = None
         self.lock = threading.Lock()
@@ -131,19 +136,20 @@ class Link:
 
     def _write(self) -> None:
         try:
-            self.sock = connect_or_spawn(self.path, self.log_file)
+            self.sock = sock = connect_or_spawn(self.path, self.log_file)
         except OSError as e:
             self._died(str(e))
             return
-        threading.Thread(target=self._read, daemon=True, name="tracking_read").start()
-        wfile = self.sock.makefile("wb")
+        threading.Thread(target=self._read, args=(sock,), daemon=True, name="tracking_read").start()
+        wfile = sock.makefile("wb")
         try:
             while True:
                 batch = [self.queue.get()]
                 with contextlib.suppress(queue.Empty):
                     while True:
                         batch.append(self.queue.get_nowait())
-                out, marks = [], []
+                out: list[dict] = []
+                marks: list[threading.Event] = []
                 for msg in batch:
                     if isinstance(msg, threading.Event):
                         marks.append(msg)
@@ -162,9 +168,9 @@ class Link:
         except (OSError, ValueError) as e:
             self._died(f"the tracking agent stopped reading ({e})")
 
-    def _read(self) -> None:
+    def _read(self, sock: socket.socket) -> None:
         try:
-            events = self.sock.makefile("rb")
+            events = sock.makefile("rb")
             while raw := read_line(events, MAX_EVENT):
                 try:
                     event = json.loads(raw)

@@ -7,12 +7,16 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.store import manifest_file
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
 from pipeline.tracking.common import artifact_root, normalize_tracking_uri, params_of, store_problem, tags_of
+
+if TYPE_CHECKING:
+    from pipeline.tracking.link import Link
 
 log = logging.getLogger("pipeline")
 # Seconds a process inside a SLURM job waits at its exit for the agent to complete its runs: SLURM ends every
@@ -48,7 +52,7 @@ class MlflowTracker(Tracker):
         self.wait = float(wait)
         self.waited = 0.0  # seconds this job has waited on tracking so far (never more than self.wait)
         self.sid: int | None = None
-        self.link = None
+        self._link: Link | None = None  # the agent's, once started (prepare)
         self.ready, self.done, self.warm = threading.Event(), threading.Event(), threading.Event()
         self._uri: str | None = None
         self.experiment_id: str | None = None  # the experiment the agent logs the run to, once it said (ready)
@@ -84,17 +88,22 @@ class MlflowTracker(Tracker):
 
             pong = Request(kinds=("pong",))  # the agent has the store open: a run's URI is moments away, not seconds
             self.warm = pong.done
-            self.link = agent_for(self.uri, agent_log(self.uri))
-            self.link.send({"op": "ping", "sid": self.link.register(pong), "uri": self.uri,
+            self._link = link = agent_for(self.uri, agent_log(self.uri))
+            link.send({"op": "ping", "sid": link.register(pong), "uri": self.uri,
                             "artifact_location": self.artifact_location})
         except OSError as e:
             self._fail(f"no tracking agent: {e}")
 
     def _linked(self) -> bool:
         """Whether tracking is on, the agent found or started now if prepare() was not called."""
-        if self.link is None and not self.failed:
+        if self._link is None and not self.failed:
             self.prepare()
         return not self.failed
+
+    @property
+    def link(self) -> Link:
+        assert self._link is not None, "the agent is used before prepare() linked it"
+        return self._link
 
     def start(self, *, config: dict, facts: dict, run_dir: Path, previous_run_uri: str | None,
               status: dict | None = None, start_time: float | None = None) -> None:

@@ -69,6 +69,7 @@ class Display:
             self.redirect.enter_context(logging_redirect_tqdm([logging.getLogger()]))
 
     def on_step_end(self, state, record: dict) -> None:
+        assert self.speed is not None, "on_train_start comes first"
         self.speed.step(time.perf_counter())
         val = {k: v for k, v in record.items() if k.startswith("val/")}
         rates = self.speed.rates()

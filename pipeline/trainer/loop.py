@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -93,6 +93,7 @@ def train_step(state: TrainState, profile: Profile = OFF) -> dict:
             else:
                 for name, g in grads.items():
                     g += piece_grads[name]
+    assert grads is not None  # accumulate >= 1 pieces
     if state.accumulate > 1:
         with profile.phase("forward/backward"):
             loss /= state.accumulate
@@ -107,7 +108,7 @@ def train_step(state: TrainState, profile: Profile = OFF) -> dict:
         killpoint.point("train", "after optimizer step")
         state.scheduler.step()
     state.progress.step += 1
-    record = {"step": state.step, "epoch": epoch, "train/loss": loss, "lr": lr, "grad_norm": gnorm}
+    record: dict[str, Any] = {"step": state.step, "epoch": epoch, "train/loss": loss, "lr": lr, "grad_norm": gnorm}
     if state.grad_clip > 0:
         record["clipped"] = state.progress.clipped
     if counts_tokens(state.dataset):

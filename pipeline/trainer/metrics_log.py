@@ -1,6 +1,8 @@
 """metrics.jsonl: one JSON object per logged step, appended and flushed as the run goes; pipeline.log's handler."""
 from __future__ import annotations
 
+from typing import TextIO
+
 import contextlib
 import logging
 import sys
@@ -29,7 +31,7 @@ class MetricsLog:
 
     def __init__(self, open_file, log_every: int, sinks: list | None = None):
         self.open_file, self.log_every, self.sinks = open_file, int(log_every), list(sinks or [])
-        self.file = None
+        self.file: TextIO | None = None
 
     def on_train_start(self, state) -> None:
         self.file = self.open_file()
@@ -38,6 +40,7 @@ class MetricsLog:
         if not is_logged(record, self.log_every, state.total_steps):
             return
         line = log_line(record)
+        assert self.file is not None, "on_train_start comes first"
         try:
             self.file.write(jsonio.dumps_line(line) + "\n")
             self.file.flush()

@@ -4,6 +4,8 @@ from __future__ import annotations
 import random
 import zlib
 
+from typing import Any
+
 import numpy as np
 
 # Every random draw in a run comes from one of these; nothing touches global np.random or random.
@@ -63,9 +65,9 @@ class Streams:
             out[n] = float(g.random())
             g.bit_generator.state = saved
         for n, r in self.py.items():
-            saved = r.getstate()
+            kept = r.getstate()
             out[n] = r.random()
-            r.setstate(saved)
+            r.setstate(kept)
         return out
 
 
@@ -78,7 +80,7 @@ def numpy_state_to_json(g: np.random.Generator) -> dict:
             "has_uint32": int(s["has_uint32"]), "uinteger": int(s["uinteger"])}
 
 
-def numpy_state_from_json(d: dict) -> dict:
+def numpy_state_from_json(d: dict) -> Any:  # numpy's typed state dict
     return {"bit_generator": d["bit_generator"], "state": {"state": int(d["state"]), "inc": int(d["inc"])},
             "has_uint32": int(d["has_uint32"]), "uinteger": int(d["uinteger"])}
 

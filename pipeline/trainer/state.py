@@ -6,7 +6,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.files import jsonio
+from pipeline.data.base import Dataset
 from pipeline.data.iterator import DataIterator
+from pipeline.model.base import Model
+from pipeline.optimizer.base import Optimizer
+from pipeline.scheduler.base import Scheduler
 from pipeline.stateful import PARTS
 from pipeline.trainer.rng import Streams
 from pipeline.trainer.parallel import Shards
@@ -41,12 +45,12 @@ class Progress:
 
 @dataclass
 class TrainState:
-    model: object
-    optimizer: object
-    scheduler: object
+    model: Model
+    optimizer: Optimizer
+    scheduler: Scheduler
     iterator: DataIterator
     streams: Streams
-    dataset: object
+    dataset: Dataset
     dtype: np.dtype
     total_steps: int
     accumulate: int = 1  # micro-batches per update

@@ -42,6 +42,7 @@ def final_state(output_dir: Path) -> dict:
     rundir = _run_dir(output_dir)
     kept = {step: file_hashes(verify(directory)) for step, directory in rundir.store.steps()}
     final = rundir.store.link_step("final")
+    assert final is not None, f"{output_dir}: the run has no final checkpoint"
     _, extra = json_state(rundir.store.root / "final")
     lines = [{k: v for k, v in line.items() if k != "time"} for line in rundir.read_metrics()]
     return {"weights": kept[final]["weights"], "optim": kept[final]["optim"], "extra": extra, "metrics": lines,
@@ -75,14 +76,16 @@ def run_chaos(config: dict, argv: list[str]) -> int:
     counts = Counter(line.split()[0] for line in trace.read_text().splitlines())
     reference = final_state(out / "reference")
     rng = random.Random(int(v["seed"]))
-    trials, by_phase, exact, same_kept, invalid = [], Counter(), 0, 0, []
+    trials: list[dict] = []
+    by_phase: Counter[str] = Counter()
+    exact, same_kept, invalid = 0, 0, []
     for i in range(int(v["trials"])):
         phase = ("train", "save")[i] if i < 2 else rng.choice(("train", "save"))
         k = rng.randint(1, counts[phase])
         trial_dir = out / f"trial-{i:04d}"
         cmd = _command(argv, trial_dir)
         killed = _run(cmd, {"PIPELINE_CHAOS": f"{phase}:{k}"})
-        record = {"trial": i, "phase": phase, "point": k, "killed": killed.returncode == -signal.SIGKILL}
+        record: dict = {"trial": i, "phase": phase, "point": k, "killed": killed.returncode == -signal.SIGKILL}
         record["invalid_after_kill"] = invalid_visible_checkpoints(trial_dir)
         for reruns in range(1, int(v["max_reruns"]) + 1):
             done = _run(cmd)

@@ -51,7 +51,7 @@ def compare(reference: dict, other: dict, atol: float = 0.0, rtol: float = 0.0,
 
 def first_difference(a, b, name: str = "") -> str | None:
     """Where two state trees (or two arrays) first differ, exactly, as "<path>: <why>"; None if they do not."""
-    for key, r in compare(*(flat({name: t} if name else t) for t in (a, b))).items():
+    for key, r in compare(flat({name: a} if name else a), flat({name: b} if name else b)).items():
         if not r["ok"]:
             return f"{key}: {r['detail'] or 'values differ, by up to ' + repr(r['max_abs_diff'])}"
     return None

@@ -240,7 +240,7 @@ def test_replacing_a_checkpoint_never_leaves_a_moment_without_a_complete_step(tm
     from pipeline.checkpoint.store import MANIFEST, step_dir_name, write
 
     if not swap:
-        monkeypatch.setattr(atomic, "_renameat2", False)  # a filesystem or libc without renameat2
+        monkeypatch.setattr(atomic, "_renameat2", lambda: None)  # a filesystem or libc without renameat2
     final = tmp_path / "checkpoints" / step_dir_name(3)
     write(final, *tiny_state)
     old = os.lstat(final).st_ino
