@@ -133,26 +133,26 @@ def main() -> None:
 
     try:
         return task()
-    except BaseException as e:
+    except Exception as e:
         _sweep_cleanup(e, started)
-        if started or not report_own or not isinstance(e, Exception) or exit_code(e) is not None:
+        if started or not report_own or exit_code(e) is not None:
             raise
         raise ConfigError(f"bad config or override: {error_line(e)}") from e  # Hydra refused to compose the jobs
 
 
-def _sweep_cleanup(e: BaseException, started: list) -> None:
-    """A sweep this process launched ends: refused before any job ran, it leaves nothing; else its sweep.json
-    says failed (its sweeper raised)."""
+def _sweep_cleanup(e: Exception, started: list) -> None:
+    """A sweep this process launched ends: on a full or read-only disk its sweep.json says so (if the disk lets
+    it); refused before any job ran, it leaves nothing; else its sweep.json says failed (its sweeper raised)."""
+    from pipeline.files.atomic import environment_error
     from pipeline.tracking.sweep_callback import SWEEP_DIR_ENV, discard_unlaunched, end_unfinished
 
     if SWEEP_DIR_ENV not in os.environ:
         return
     with contextlib.suppress(OSError):
-        known = exit_code(e) if isinstance(e, Exception) else None
-        if not started:
+        if (message := environment_error(e)) is not None:
+            end_unfinished(message)
+        elif not started:
             discard_unlaunched()
-        elif known is not None:
-            end_unfinished(known[1])
         else:
             end_unfinished(f"{type(e).__name__}: {e}")
 

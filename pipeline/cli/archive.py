@@ -36,7 +36,7 @@ MAX_METRICS = 1 << 30
 MAX_FILE = 1 << 40  # a checkpoint or corpus file: bounded by its manifest's size, checked before copying
 MAX_CORPORA = 10_000  # corpus directories looked at when finding a run's corpus by its hash
 
-INTERRUPTED = "no archive was published (its hidden temporary is removed or ignored)"  # what an interruption left (pipeline/run/signals.run_command)
+INTERRUPTED = "no archive was published (its hidden temporary is removed or ignored)"
 
 
 class BadSource(CommandError):

@@ -17,7 +17,7 @@ NAME = "pipeline.export_hf"
 EOS = "<eos>"  # the grammar corpus's end of sentence: GPT-2's <|endoftext|> role (bos, eos and pad)
 TIED = "lm_head.weight"  # the head is wte: HF ties it on load (tie_word_embeddings), so it is not stored
 
-INTERRUPTED = "OUT_DIR may hold part of the export (each file whole); re-run the same command"  # what an interruption left (pipeline/run/signals.run_command)
+INTERRUPTED = "OUT_DIR may hold part of the export (each file whole); re-run the same command"
 
 
 def expected_shapes(*, n_layer: int, n_embd: int, n_positions: int, vocab_size: int) -> dict[str, tuple[int, ...]]:

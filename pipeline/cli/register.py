@@ -24,7 +24,7 @@ CODE = SERVING / "pyfunc_model.py"  # an MLP: rows of features, as its signature
 GENERATOR_CODE = SERVING / "generator_pyfunc_model.py"  # a MiniGPT: rows typed by its predict (Row)
 ARTIFACT_PATH = "model"  # the model's name inside its run
 
-INTERRUPTED = "a run or a model version may be partly logged; register again for a new one"  # what an interruption left (pipeline/run/signals.run_command)
+INTERRUPTED = "a run or a model version may be partly logged; register again for a new one"
 
 
 def signature_of(manifest: dict, model, prompt: str = ""):

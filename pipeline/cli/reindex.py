@@ -15,7 +15,7 @@ from pathlib import Path
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
 from pipeline.run.signals import command, run_command
 
-INTERRUPTED = "the index may be partly updated; re-run the same command (it adds nothing twice)"  # what an interruption left (pipeline/run/signals.run_command)
+INTERRUPTED = "the index may be partly updated; re-run the same command (it adds nothing twice)"
 
 
 def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) -> list[dict]:

@@ -50,7 +50,7 @@ RESULTS = "roundtrip_results.json"
 def losses(run: Fresh, n: int) -> list[float]:
     return [float(r["train/loss"]) for r in run.train(n)]
 
-INTERRUPTED = "no results were written; re-run the same command"  # what an interruption left (pipeline/run/signals.run_command)
+INTERRUPTED = "no results were written; re-run the same command"
 
 
 def child(args: list[str], overrides: list[str], **env: str) -> subprocess.CompletedProcess:

@@ -42,7 +42,7 @@ def exit_code(e: BaseException) -> tuple[int, str] | None:
         return EXIT_BAD_INPUT, str(e)
     if (message := environment_error(e)) is not None:  # a full or read-only disk
         return EXIT_ERROR, message
-    if type(e).__module__.split(".")[0] in ("hydra", "omegaconf", "yaml"):  # a composition error: bad config or override
+    if type(e).__module__.split(".")[0] in ("hydra", "omegaconf", "yaml"):  # Hydra could not compose the config
         return EXIT_BAD_INPUT, f"bad config or override: {error_line(e)}"
     return None
 
