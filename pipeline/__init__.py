@@ -17,7 +17,9 @@ class _ToolNames(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
 
     def find_spec(self, name, path=None, target=None):
         tool = name.removeprefix(f"{__name__}.")
-        return importlib.machinery.ModuleSpec(name, self) if tool in TOOLS and tool != name else None
+        if tool not in TOOLS or tool == name:
+            return None
+        return importlib.machinery.ModuleSpec(name, self, origin=f"{__path__[0]}/cli/{tool}.py")  # argv[0] of -m
 
     def create_module(self, spec):
         return importlib.import_module(f"{__name__}.cli.{spec.name.rsplit('.', 1)[1]}")
