@@ -330,3 +330,15 @@ def test_a_signal_a_library_wrapped_while_importing_is_still_an_interruption(mon
     monkeypatch.setattr(SIGNALS_STATE, "received", None)  # no signal: the error is the error
     with pytest.raises(RuntimeError, match="__set_name__"):
         run_command("pipeline", importing)
+
+
+def test_a_tool_is_one_module_and_both_spellings_run_it(tmp_path):
+    """`python -m pipeline show` and `python -m pipeline.show` run pipeline/cli/show.py, imported once."""
+    import pipeline.cli.show
+    import pipeline.show
+
+    assert pipeline.show is pipeline.cli.show and pipeline.cli.show.__spec__.name == "pipeline.cli.show"
+    for argv in (["pipeline", "show"], ["pipeline.show"]):
+        p = subprocess.run([sys.executable, "-m", *argv, str(tmp_path / "nowhere")], env=env_for_subprocess(),
+                           cwd=tmp_path, capture_output=True, text=True)
+        assert (p.returncode, p.stdout, p.stderr) == (2, "", f"pipeline.show: {tmp_path / 'nowhere'}: not a directory\n")

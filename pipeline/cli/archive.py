@@ -24,7 +24,7 @@ from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, ensure_dirs, fsy
                                    publish_dir, remove_tree, write_new)
 from pipeline.checkpoint.store import (CHECKPOINTS, STEP_DIR, CheckpointStore, checkpoint_dir, copy_list,
                                        is_checkpoint_dir, read_manifest, verify)
-from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError, refuse
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
 from pipeline.run.signals import command, run_command
 from pipeline.config.identity import run_name
 from pipeline.run.directory import RunDir
@@ -602,10 +602,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_intermixed_args(argv)
     extra = [*([args.dest] if args.check and args.dest else []), *args.overrides]  # a str: Path() eats pkg://
     if (bad := next((o for o in extra if not o.startswith("hydra.searchpath=")), None)) is not None:
-        return refuse(NAME, f"{bad}: only hydra.searchpath=[...] can be given here")
+        raise CommandError(f"{bad}: only hydra.searchpath=[...] can be given here")
     which = args.checkpoints
     if which != "all" and not set(which.split(",")) <= set(SELECTIONS):
-        return refuse(NAME, f"--checkpoints={which}: give any of best,final,newest (comma-separated) or all")
+        raise CommandError(f"--checkpoints={which}: give any of best,final,newest (comma-separated) or all")
     try:
         if args.check:
             return check_archive(args.source, extra)

@@ -12,7 +12,7 @@ import argparse
 import time
 from pathlib import Path
 
-from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
 from pipeline.run.signals import command, run_command
 
 INTERRUPTED = "the index may be partly updated; re-run the same command (it adds nothing twice)"
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     output_dir = Path(args.output_dir or default_output_dir())
     if not output_dir.is_dir():
-        return refuse("pipeline.reindex", f"no such output directory: {output_dir}")
+        raise CommandError(f"no such output directory: {output_dir}")
     uri = normalize_tracking_uri(args.tracking_uri or default_uri(output_dir))
     if args.rebuild and (aside := move_aside(uri)) is not None:
         print(f"moved the old store aside: {aside}")

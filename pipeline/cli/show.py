@@ -18,7 +18,7 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import code_change
 from pipeline.checkpoint.store import checkpoint_dir, file_hashes, is_checkpoint_dir, manifest_as_written
 from pipeline.run.directory import RunDir
-from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
 from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.show"
@@ -137,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
 
     path, overrides = args.path, tuple(args.overrides)
     if not path.is_dir():
-        return refuse(NAME, f"{path}: not a directory")
+        raise CommandError(f"{path}: not a directory")
     if (bad := next((o for o in overrides if not o.startswith("hydra.searchpath=")), None)) is not None:
-        return refuse(NAME, f"{bad}: only hydra.searchpath=[...] can be given here")
+        raise CommandError(f"{bad}: only hydra.searchpath=[...] can be given here")
     checkpoint_dir(path)  # nothing is read through a link out of a run
     if RunDir(path.parent).store.root == path and not is_checkpoint_dir(path):
         path = path.parent  # a run's checkpoints/ stands for the run

@@ -1,8 +1,6 @@
 """Every exit code, the errors that carry one (CommandError), and exit_code(): the one map from an error to its code."""
 from __future__ import annotations
 
-import sys
-
 # Every entry point's exit codes (README: Exit codes): 0 done, 1 an error in the job, 2 bad input (nothing
 # started or changed), 75 preempted or interrupted (EX_TEMPFAIL: re-run the same command to resume).
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
@@ -45,12 +43,6 @@ def exit_code(e: BaseException) -> tuple[int, str] | None:
     if type(e).__module__.split(".")[0] in ("hydra", "omegaconf", "yaml"):  # Hydra could not compose the config
         return EXIT_BAD_INPUT, f"bad config or override: {error_line(e)}"
     return None
-
-
-def refuse(tool: str, message: object) -> int:
-    """The one line a tool prints for bad input (`tool: message` on stderr); EXIT_BAD_INPUT, for main to return."""
-    print(f"{tool}: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
 
 
 def error_line(e: BaseException) -> str:
