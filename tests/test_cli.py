@@ -328,7 +328,7 @@ def test_a_signal_a_library_wrapped_while_importing_is_still_an_interruption(mon
         run_command("pipeline", importing)
     assert capsys.readouterr().err == "pipeline: interrupted by SIGTERM; nothing was written\n"
     monkeypatch.setattr(SIGNALS_STATE, "received", None)  # no signal: the error is the error
-    with pytest.raises(RuntimeError, match="__set_name__"):
+    with pytest.raises(RuntimeError, match="Error calling __set_name__"):
         run_command("pipeline", importing)
 
 

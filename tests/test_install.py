@@ -62,7 +62,7 @@ def env_without_checkout() -> dict:
 @pytest.mark.slow
 def test_a_wheel_installed_in_a_fresh_venv_runs_from_an_empty_directory(tmp_path):
     src = copy_source(tmp_path / "src")
-    # built as the README builds it: in pip's isolated build environment (build-system.requires), since the
+    # built as docs/install.md builds it: in pip's isolated build environment (build-system.requires), since the
     # running interpreter's own setuptools may be older (a fresh Python 3.11 virtualenv has 65.5)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
                     str(tmp_path / "dist"), str(src)], check=True, capture_output=True, text=True,
@@ -111,7 +111,7 @@ def test_a_wheel_installed_in_a_fresh_venv_runs_from_an_empty_directory(tmp_path
     assert run_dir.name.startswith("kernodeck-")
     manifest = json.loads((run_dir / "checkpoints" / "final" / "manifest.json").read_text())
     assert manifest["step"] == 10 and manifest["git_sha"] == "unknown" and manifest["versions"]["pipeline"] == "0.1.0"
-    # the tools, files of pipeline/cli/ in the wheel, run by their README names
+    # the tools, files of pipeline/cli/ in the wheel, run by their documented names
     for tool, says in ((["pipeline.show", str(run_dir)], "status: complete  step 10/10"),
                        (["pipeline.evaluate", str(run_dir / "checkpoints" / "final")], "step=10 val/loss=")):
         used = subprocess.run([python, "-m", *tool], cwd=work, env=env, capture_output=True, text=True)

@@ -1,4 +1,4 @@
-"""manifest.json: the truth about a checkpoint and its run (fields: README, Checkpoints), built and checked here."""
+"""manifest.json: the truth about a checkpoint and its run (fields: docs/checkpoints.md), built and checked here."""
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,4 @@
-"""The only code that touches checkpoint directories (layout: README, Checkpoints): write, load, list, link, prune."""
+"""The only code that touches checkpoint directories (layout: docs/checkpoints.md): write, load, list, link, prune."""
 from __future__ import annotations
 
 import contextlib

@@ -2,7 +2,7 @@
 
 Logged from code (pipeline/serving/pyfunc_model.py), so nothing in it is a pickle: its artifacts are the
 checkpoint's own files (and, for a MiniGPT whose checkpoint lacks it, its vocabulary as JSON), in a run of its
-own in the experiment the checkpoint's run was tracked in (README: The model in mlflow's registry). Exit 0
+own in the experiment the checkpoint's run was tracked in (docs/serving.md: The model in mlflow's registry). Exit 0
 printing `models:/NAME/VERSION`; 2 (one line) for a bad name, checkpoint, data or store, all but the store
 refused before mlflow is imported; 1 (one line) if mlflow refuses.
 """

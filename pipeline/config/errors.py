@@ -1,7 +1,7 @@
 """Every exit code, the errors that carry one (CommandError), and exit_code(): the one map from an error to its code."""
 from __future__ import annotations
 
-# Every entry point's exit codes (README: Exit codes): 0 done, 1 an error in the job, 2 bad input (nothing
+# Every entry point's exit codes (docs/stages.md: Exit codes): 0 done, 1 an error in the job, 2 bad input (nothing
 # started or changed), 75 preempted or interrupted (EX_TEMPFAIL: re-run the same command to resume).
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
 

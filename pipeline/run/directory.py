@@ -1,4 +1,4 @@
-"""A run directory's layout (README: The run directory), its lock, and its run.json and metrics.jsonl."""
+"""A run directory's layout (docs/outputs.md), its lock, and its run.json and metrics.jsonl."""
 from __future__ import annotations
 
 import contextlib

@@ -1,5 +1,5 @@
 """One job from a plain config: build it, hold its run directory, run its stages, exit with what happened
-(README: Exit codes)."""
+(docs/stages.md: Exit codes)."""
 from __future__ import annotations
 
 import logging

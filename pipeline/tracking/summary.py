@@ -1,4 +1,4 @@
-"""The table a sweep ends with (README, Sweeps): a pure function of sweep.json and jobs/*.json."""
+"""The table a sweep ends with (docs/tracking.md: Sweeps): a pure function of sweep.json and jobs/*.json."""
 from __future__ import annotations
 
 import math

@@ -32,7 +32,7 @@ END_WAIT = 1.0  # seconds the launcher waits for its last messages to the tracki
 # directory) and how many trials it should hold (a re-run with more continues the same study).
 NOT_IDENTITY = ("storage", "study_name", "n_trials")
 OPTUNA_DB = "optuna.db"
-MAX_JOBS = 10_000  # a sweep's bound, counted before the sweeper expands its overrides (README, Sweeps)
+MAX_JOBS = 10_000  # a sweep's bound, counted before the sweeper expands its overrides (docs/tracking.md: Sweeps)
 
 
 def _plain(node, resolve: bool = True):

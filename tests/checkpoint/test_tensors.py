@@ -105,5 +105,5 @@ def test_an_unexpected_layout_is_refused_before_allocating(tmp_path):
 def test_a_symlinked_file_is_not_followed(tmp_path):
     write_tensors(tmp_path / "real.safetensors", {"w": np.zeros(2)})
     (tmp_path / "link.safetensors").symlink_to(tmp_path / "real.safetensors")
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="is a symlink, not a regular file"):
         read_tensors(tmp_path / "link.safetensors")

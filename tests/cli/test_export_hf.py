@@ -48,11 +48,11 @@ def test_written_files_round_trip(tmp_path):
 
 def test_rejects_mismatched_weights(tmp_path):
     sd = small_model().state_dict()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"transformer.wpe.weight: shape \(16, 32\), expected \(8, 32\)"):
         write_hf(sd, out_dir=tmp_path, **{**CFG, "n_positions": 8})
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match=r"parameter names differ from GPT-2's: \['transformer.ln_f.bias'"):
         write_hf({k: v for k, v in sd.items() if "ln_f" not in k}, out_dir=tmp_path, **CFG)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="lm_head.weight differs from transformer.wte.weight"):
         write_hf({**sd, "lm_head.weight": sd["lm_head.weight"] + 1}, out_dir=tmp_path, **CFG)
 
 

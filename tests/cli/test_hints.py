@@ -85,7 +85,7 @@ def test_an_editable_install_is_told_to_install_the_extra_editable_in_its_checko
 
 
 @pytest.mark.parametrize("direct_url", [
-    {"url": "file:///tmp/dist/pipeline-0.1.0-py3-none-any.whl", "archive_info": {}},  # the README's wheel
+    {"url": "file:///tmp/dist/pipeline-0.1.0-py3-none-any.whl", "archive_info": {}},  # docs/install.md's wheel
     {"url": "file:///home/me/pipeline", "dir_info": {}},  # pip install . (not editable)
     None,  # from an index: PEP 610 records nothing
 ])
@@ -104,7 +104,7 @@ def test_export_hf_without_tokenizers_gives_the_hint(monkeypatch):
 
     installed_as(monkeypatch, {"url": "file:///tmp/dist/pipeline-0.1.0-py3-none-any.whl", "archive_info": {}})
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` fails as if not installed
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match="needs the `tokenizers` package") as e:
         tokenizer_files(["a", "b"], " ", 8)
     assert str(e.value) == "writing the tokenizer needs the `tokenizers` package: pip install 'pipeline[hf]'"
 

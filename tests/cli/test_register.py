@@ -231,7 +231,7 @@ def test_a_checkpoint_that_is_not_one_is_refused_in_one_line_before_mlflow(tmp_p
 
 
 def test_a_refused_checkpoint_never_imports_mlflow(tmp_path):
-    """The refusal comes before mlflow is imported (seconds of every refused command), as the README says."""
+    """The refusal comes before mlflow is imported (seconds of every refused command), as docs/serving.md says."""
     probe = ("import atexit, runpy, sys\n"
              "atexit.register(lambda: print('mlflow imported' if 'mlflow' in sys.modules else 'no mlflow'))\n"
              "sys.argv = ['pipeline.register', *sys.argv[1:]]\n"

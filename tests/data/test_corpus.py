@@ -75,7 +75,7 @@ def test_train_windows_shift_by_one(small):
         np.testing.assert_array_equal(b.y[row], toks[i * T + 1 : i * T + T + 1])
     assert small.n_train == (len(toks) - 1) // T
     assert small.augment(b, streams=None) is b
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=r"train window ids must be in \[0, \d+\), got \[\d+, \d+\]"):
         small.train_batch(np.array([small.n_train]), np.float32)
 
 

@@ -65,7 +65,7 @@ def test_epochs_are_reshuffled():
 
 
 def test_batch_size_larger_than_data_is_rejected():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="trainer.batch_size=4: must be between 1 and the 3 training samples"):
         DataIterator(3, 4, gen(0))
 
 

@@ -256,7 +256,7 @@ def test_a_data_path_that_is_not_a_regular_file_is_bad_input(kind, finished, tmp
 # --- memory: data=text bounded by data.max_bytes, and a file at the bound builds within its bound -------------
 
 REFUSED_RSS_MB = 300  # a refusal reads nothing: the interpreter and its imports (measured ~50-200 MB)
-BUILD_RSS_MB = 1200  # a corpus just under the 32 MiB bound, prose-like: measured ~430 MB (README: Your own text)
+BUILD_RSS_MB = 1200  # a corpus just under the 32 MiB bound, prose-like: measured ~430 MB (docs/configs.md)
 MEASURE = """
 import os, sys
 pid = os.posix_spawn(sys.executable, [sys.executable, *sys.argv[2:]], os.environ)

@@ -76,7 +76,7 @@ def test_embedding_grads_with_repeated_tokens(rng):
 
 
 def test_embedding_rejects_too_long_sequences(rng):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="sequence length 5 exceeds the 4 learned positions"):
         L.embedding_forward(np.zeros((1, 5), dtype=np.int64), np.zeros((3, 2)), np.zeros((4, 2)))
 
 

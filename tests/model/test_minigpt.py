@@ -163,7 +163,7 @@ def test_init_draws_only_from_the_given_rng():
     assert not np.array_equal(a.params[WTE], make(seed=4).params[WTE])
     f64 = make(seed=3, dtype="float64")  # same draws, only rounded differently
     assert all(np.array_equal(f64.params[k].astype(np.float32), a.params[k]) for k in a.params)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="MiniGPT needs rng"):
         MiniGPT(DataSpec(vocab_size=11), **BASE, rng=None)  # no hidden default seed
 
 
@@ -206,7 +206,7 @@ def test_determinism_and_dtypes(dtype):
 def test_sequence_length_limits():
     m = make(vocab=11, block_size=8, n_embd=16, n_head=2)
     m.evaluate(batch(11, B=2, T=3))  # shorter than block_size is fine
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="sequence length 9 exceeds the 8 learned positions"):
         m.evaluate(batch(11, B=2, T=9))
 
 

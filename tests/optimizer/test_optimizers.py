@@ -110,9 +110,9 @@ def test_sgd_hand_derivation_spot_values():
 
 
 def test_sgd_nesterov_needs_momentum_and_no_dampening():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="nesterov momentum requires momentum > 0 and dampening = 0"):
         sgd({"w": np.zeros(2)}, lr=0.1, momentum=0.0, nesterov=True)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="nesterov momentum requires momentum > 0 and dampening = 0"):
         sgd({"w": np.zeros(2)}, lr=0.1, momentum=0.9, dampening=0.1, nesterov=True)
 
 
@@ -142,7 +142,7 @@ def test_adam_and_adamw_differ_with_weight_decay():
 
 def test_step_rejects_gradients_that_do_not_match_parameters():
     opt = adam({"w": np.zeros(2)}, lr=0.1)
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match=r"gradients do not match parameters: \['v', 'w'\]"):
         opt.step({"v": np.zeros(2)})
     assert opt.t == 0
 

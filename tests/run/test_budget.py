@@ -23,7 +23,7 @@ def test_dd_hh_mm_ss(text, seconds):
 
 @pytest.mark.parametrize("text", ["3:50:00", "00:24:00:00", "00:00:60:00", "00:00:00:00", "1h", "", "-1:00:00:00"])
 def test_other_formats_are_refused_naming_the_one_expected(text, tmp_path):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"must be (DD:HH:MM:SS|a positive duration)"):
         parse_duration(text)
     with pytest.raises(ConfigError, match=r"trainer.max_time=.*: must be"):
         validate(config_of(*KERNODECK, f"trainer.max_time='{text}'", f"paths.output_dir={tmp_path}"))

@@ -41,7 +41,7 @@ def test_step_lr_sequence():
 
 
 def test_step_lr_rejects_step_size_below_one():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="scheduler.step_size must be >= 1, got 0"):
         StepLR(optimizer(0.1), step_size=0, gamma=0.5)
 
 
@@ -88,7 +88,7 @@ def test_cosine_total_steps_defaults_to_the_runs_total():
     assert sched.total_steps == 10
     got = lrs_used(opt, sched, 10)
     assert got == pytest.approx([hf_cosine_with_warmup(0.1, k, 2, 10) for k in range(10)], rel=1e-12, abs=1e-18)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="scheduler needs total_steps >= 1 and warmup_steps >= 0, got None, 2"):
         WarmupCosine(optimizer(0.1), total_steps=None, warmup_steps=2, min_lr_ratio=0.0, num_cycles=0.5,
                      run_total_steps=None)
 

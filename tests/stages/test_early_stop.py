@@ -74,7 +74,7 @@ def test_its_state_is_the_count_and_the_best_and_a_resumed_stage_decides_the_sam
     {"best": 1.0, "best_step": 3, "wait": 1.5},
 ])
 def test_an_impossible_saved_state_is_refused(state):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="is not a (best value and its step|finite number|count of evaluations)"):
         early_stop().check_state_dict(state)
 
 

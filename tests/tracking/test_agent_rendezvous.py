@@ -367,7 +367,7 @@ def test_the_agent_serves_no_client_of_another_uid(base):
 def test_a_line_longer_than_the_bound_ends_the_connection_unbuffered():
     a, b = socket.socketpair()
     a.sendall(b"x" * 5000 + b"\n")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="a line longer than 4096 bytes"):
         link.read_line(b.makefile("rb"), 4096)
     a.sendall(b'{"sid": 1}\n')
     assert link.read_line(b.makefile("rb"), 4096) == b'{"sid": 1}\n'  # a short one passes whole

@@ -210,7 +210,7 @@ def test_a_failing_shard_raises_and_the_pool_still_works():
     (dict(shards=2, threads="2"), "trainer.threads"),
 ])  # fmt: skip
 def test_bad_values_are_refused_in_one_sentence(kw, name):
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match=f"^{name}") as e:
         Shards(**kw)
     msg = str(e.value)
     assert msg.startswith(name) and msg.count(". ") == 0 and "\n" not in msg

@@ -38,7 +38,7 @@ def test_names():
     s = Streams(0)
     assert s.names() == [*NUMPY_STREAMS, *PYTHON_STREAMS]
     assert set(s.names()) >= {"init", "data_order", "noise", "dropout", "python"}
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="nope"):
         s["nope"]
 
 
@@ -69,9 +69,9 @@ def test_numpy_state_keeps_128_bit_integers_exact():
 
 def test_load_state_dict_rejects_missing_or_extra_streams():
     state = Streams(0).state_dict()
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match=r"RNG streams differ: \['noise'\]"):
         Streams(0).load_state_dict({k: v for k, v in state.items() if k != "noise"})
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match=r"RNG streams differ: \['extra'\]"):
         Streams(0).load_state_dict({**state, "extra": state["noise"]})
 
 
