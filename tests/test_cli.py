@@ -341,4 +341,5 @@ def test_a_tool_is_one_module_and_both_spellings_run_it(tmp_path):
     for argv in (["pipeline", "show"], ["pipeline.show"]):
         p = subprocess.run([sys.executable, "-m", *argv, str(tmp_path / "nowhere")], env=env_for_subprocess(),
                            cwd=tmp_path, capture_output=True, text=True)
-        assert (p.returncode, p.stdout, p.stderr) == (2, "", f"pipeline.show: {tmp_path / 'nowhere'}: not a directory\n")
+        said = f"pipeline.show: {tmp_path / 'nowhere'}: not a directory\n"
+        assert (p.returncode, p.stdout, p.stderr) == (2, "", said)

@@ -87,13 +87,13 @@ def _failed(e: BaseException, sweep: SweepJob | None) -> JobFailed | None:
         if known is None:
             return None
         e = JobFailed(*known)
-    if e.requeue and not SIGNALS_STATE.sweep_interrupted(sweep.dir if sweep is not None else None):
-        if (slurm := requeue_self()) is not None:
-            requeued, said = slurm
-            if requeued:
-                print(f"pipeline: {e}\npipeline: {said}", file=sys.stderr)
-                sys.exit(e.exit_code)
-            e = JobFailed(e.exit_code, f"{e}\npipeline: {said}")
+    if (e.requeue and not SIGNALS_STATE.sweep_interrupted(sweep.dir if sweep is not None else None)
+            and (slurm := requeue_self()) is not None):
+        requeued, said = slurm
+        if requeued:
+            print(f"pipeline: {e}\npipeline: {said}", file=sys.stderr)
+            sys.exit(e.exit_code)
+        e = JobFailed(e.exit_code, f"{e}\npipeline: {said}")
     return e
 
 

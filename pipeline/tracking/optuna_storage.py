@@ -12,7 +12,6 @@ import sqlalchemy
 from optuna.storages import RDBStorage
 from optuna.storages._cached_storage import _CachedStorage
 
-
 for _name in ("alembic", "alembic.runtime.plugins"):  # its migrations' INFO lines, at each new store
     logging.getLogger(_name).setLevel(logging.WARNING)
 
