@@ -217,7 +217,7 @@ def run_command(name: str, main: Callable[[], int | None] | str, interrupted: st
     except (Exception, Refusal):
         if not SIGNALS_STATE.interrupted_start():
             raise
-        code = _interrupted(name, SIGNALS_STATE.name, interrupted)  # a library made another error of it
+        code = _interrupted(name, str(SIGNALS_STATE.name), interrupted)  # a library made another error of it
     finally:
         SIGNALS_STATE.finish()  # the code is decided: a later signal changes nothing
     sys.exit(code)
