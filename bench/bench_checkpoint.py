@@ -39,11 +39,11 @@ from pipeline.checkpoint.directory import CheckpointDir  # noqa: E402
 from pipeline.data.iterator import DataIterator  # noqa: E402
 from pipeline.model.base import NamedParams  # noqa: E402
 from pipeline.optimizer.adam import Adam  # noqa: E402
-from pipeline.trainer.rng import Streams  # noqa: E402
-from pipeline.stages.resume import lineage_of  # noqa: E402
 from pipeline.scheduler.constant import Constant  # noqa: E402
 from pipeline.stages.base import StageStates  # noqa: E402
+from pipeline.stages.resume import lineage_of  # noqa: E402
 from pipeline.stateful import capture  # noqa: E402
+from pipeline.trainer.rng import Streams  # noqa: E402
 from pipeline.trainer.state import Progress  # noqa: E402
 
 TARGETS = {"save": 0.65, "load": 1.5, "memory": 0.10}
@@ -158,10 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             os.sync()
             times["raw_write"].append(timed(lambda: raw_write(raw_file, arrays)))
             os.sync()
-            times["save"].append(timed(lambda: save(parts, ckpt)))
+            times["save"].append(timed(lambda ckpt=ckpt: save(parts, ckpt)))
             os.sync()
             times["raw_read"].append(timed(lambda: raw_read_sha(raw_file)))
-            times["load"].append(timed(lambda: CheckpointDir(ckpt).load(parts)))
+            times["load"].append(timed(lambda ckpt=ckpt: CheckpointDir(ckpt).load(parts)))
             raw_file.unlink()
             shutil.rmtree(ckpt)
             if r < 0:

@@ -14,8 +14,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar
 
 import hypothesis
 import pytest
@@ -113,7 +114,7 @@ def refused_in_one_line(args: Sequence[str], cwd: Path, module: str = "pipeline"
 class Proc:
     """A running `python -m pipeline`, its output going to files (a full pipe would block it)."""
 
-    started: list[Proc] = []  # every Proc of the current test; the `no_leftover_procs` fixture kills survivors
+    started: ClassVar[list[Proc]] = []  # every Proc of the current test; the `no_leftover_procs` fixture kills survivors
 
     def __init__(self, args: Sequence[str], cwd: Path, env: dict | None = None):
         Path(cwd).mkdir(parents=True, exist_ok=True)

@@ -6,21 +6,26 @@ import hashlib
 import os
 import re
 import stat
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 
-from pipeline.files import jsonio
-from pipeline.files import killpoint
-from pipeline.files import reading
-from pipeline.files.atomic import (fsync_dir, new_temp_dir, publish_dir, remove_temporaries, remove_tree, second_name,
-                                   write_new)
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
 from pipeline.checkpoint.tensors import DigestMismatch, LayoutMisfit, layout, read_tensors, write_tensors
+from pipeline.files import jsonio, killpoint, reading
+from pipeline.files.atomic import (
+    fsync_dir,
+    new_temp_dir,
+    publish_dir,
+    remove_temporaries,
+    remove_tree,
+    second_name,
+    write_new,
+)
 from pipeline.stateful import PARTS, SEP, StateMismatch, capture, check, merge, split
 
 WEIGHTS, OPTIM, EXTRA, MANIFEST = "weights.safetensors", "optim.safetensors", "extra.json", "manifest.json"
@@ -148,8 +153,8 @@ _ABSENT = object()
 
 def _at(tree, keys: tuple):
     for k in keys:
-        if not (isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree)
-                or isinstance(k, str) and isinstance(tree, dict) and k in tree):
+        if not ((isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree))
+                or (isinstance(k, str) and isinstance(tree, dict) and k in tree)):
             return _ABSENT
         tree = tree[k]
     return tree

@@ -6,12 +6,12 @@ import os
 import platform
 import re
 import subprocess
-from functools import lru_cache
+from functools import cache
 from importlib import metadata
 from pathlib import Path
 
-from pipeline.files import jsonio
 from pipeline.config.identity import config_hash, semantic_hash
+from pipeline.files import jsonio
 
 SCHEMA_VERSION = "2.1"
 READABLE = ("2.0", SCHEMA_VERSION)  # 2.0: no data.json (the tools build its data to find its vocabulary)
@@ -25,7 +25,7 @@ class ManifestError(ValueError):
     """manifest.json contradicts itself or lacks a field (the message says which)."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def git_info(root: str = str(PROJECT_ROOT)) -> dict:
     unknown = {"git_sha": "unknown", "git_dirty": None}
     if not (Path(root) / "pyproject.toml").is_file():
@@ -43,7 +43,7 @@ def git_info(root: str = str(PROJECT_ROOT)) -> dict:
         return unknown
 
 
-@lru_cache(maxsize=None)
+@cache
 def code_sha256(package: str = str(Path(__file__).resolve().parents[1])) -> str:
     """sha256 over the package's Python files (each one's path and bytes, in path order): which code trained a
     run, with or without git (an uncommitted edit changes it, a commit of the same bytes does not)."""
@@ -75,7 +75,7 @@ def code_change(manifest: dict, facts: dict | None = None) -> str | None:
     return None if same else f"{name(manifest)}, now {name(facts)}"
 
 
-@lru_cache(maxsize=None)
+@cache
 def versions() -> dict:
     out: dict[str, str | None] = {"python": platform.python_version()}
     for name in PACKAGES:
@@ -103,7 +103,7 @@ def _ram_gb() -> float | None:
         return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def hardware() -> dict:
     from threadpoolctl import threadpool_info
 

@@ -5,17 +5,23 @@ import contextlib
 import errno
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
-from pipeline.files import jsonio
-from pipeline.files import killpoint
-from pipeline.files.atomic import TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, fsync_dir, replace_link
 from pipeline.checkpoint import manifest as mf
-from pipeline.checkpoint.directory import (STEP_DIR, STORE, Checkpoint, CheckpointDir, _shown, link_problem,
-                                          step_dir_name)
+from pipeline.checkpoint.directory import (
+    STEP_DIR,
+    STORE,
+    Checkpoint,
+    CheckpointDir,
+    _shown,
+    link_problem,
+    step_dir_name,
+)
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
 from pipeline.checkpoint.retention import AnyOf, Named, Policy, Record, Steps, select_one
+from pipeline.files import jsonio, killpoint
+from pipeline.files.atomic import TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, fsync_dir, replace_link
 
 
 def _record(manifest: dict) -> Record:

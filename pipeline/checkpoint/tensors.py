@@ -19,8 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.files import jsonio
-from pipeline.files import reading
+from pipeline.files import jsonio, reading
 from pipeline.files.atomic import open_new, write_all
 
 ALIAS = re.compile(r"^ALIAS\((.+)\)$")

@@ -8,6 +8,7 @@ temporary is kept and named); 2 bad input, one line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import stat
@@ -17,16 +18,24 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.files import jsonio, names
-from pipeline.files import reading
-from pipeline.files.atomic import (TMP_PREFIX, NewDirs, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir,
-                                   publish_dir, remove_tree, write_new)
 from pipeline.checkpoint.directory import STEP_DIR, CheckpointDir, step_dir_name
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
-from pipeline.run.signals import command, run_command
 from pipeline.config.identity import run_name
+from pipeline.files import jsonio, names, reading
+from pipeline.files.atomic import (
+    TMP_PREFIX,
+    NewDirs,
+    UnsafePathError,
+    ensure_dirs,
+    fsync_dir,
+    new_temp_dir,
+    publish_dir,
+    remove_tree,
+    write_new,
+)
 from pipeline.run.directory import RunDir
+from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.archive"
 SELECTIONS = ("best", "final", "newest")
@@ -303,12 +312,10 @@ def run_overrides(run: Path) -> list[str] | None:
 def recorded_searchpath(root: Path, run: Path, extra: list[str]) -> str | None:
     """The `hydra.searchpath=[...]` the archive says run `run` was made with (its .hydra/overrides.yaml, else
     recovery.json), if the command line did not give it: named in a refusal, never used."""
-    said = [o for o in run_overrides(run) or []]
-    try:
+    said = list(run_overrides(run) or [])
+    with contextlib.suppress(Exception):
         said += [str(o) for o in jsonio.read(root / "recovery.json", MAX_SMALL)["exported"]["runs"][run.name]
                  ["resume_overrides"]]
-    except Exception:  # noqa: BLE001 - no recovery.json (being built), or not one this tool wrote
-        pass
     said = [" ".join(o.split())[:300] for o in said if o.lstrip("+").startswith("hydra.searchpath=")]
     return next((o.lstrip("+") for o in said if o.lstrip("+") not in extra), None)
 
@@ -333,7 +340,7 @@ def restore_all(root: Path, extra: list[str]) -> list[dict]:
             try:
                 manifest, _ = restore_checkpoint(step_dir, extra)
                 checks.append({"check": f"restore {rel}", "passed": True, "detail": f"step {manifest['step']}"})
-            except Exception as e:  # noqa: BLE001 - a check's failure is its result
+            except Exception as e:
                 hint = _trust_hint(root, run, extra) if isinstance(e, UnknownTargetError) else ""
                 checks.append({"check": f"restore {rel}", "passed": False, "detail": str(e).splitlines()[0] + hint})
     return checks
@@ -360,7 +367,7 @@ def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str |
         return f"{where}: {e}{_trust_hint(root, run, extra)}"
     except ConfigError as e:
         return f"{where}: {e}"
-    except Exception as e:  # noqa: BLE001 - Hydra's and omegaconf's own errors: one line
+    except Exception as e:
         return f"{where}: does not compose: {error_line(e)}"
     return None
 

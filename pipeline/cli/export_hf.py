@@ -10,8 +10,8 @@ import numpy as np
 from safetensors.numpy import save
 
 from pipeline.config.errors import CommandError
-from pipeline.run.signals import command, run_command
 from pipeline.files.atomic import replace_file
+from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.export_hf"
 EOS = "<eos>"  # the grammar corpus's end of sentence: GPT-2's <|endoftext|> role (bos, eos and pad)

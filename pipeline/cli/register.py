@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError, ConfigError
@@ -52,10 +52,8 @@ def requirements() -> list[str]:
 
     out = []
     for name in ("mlflow", "numpy", "pandas", "safetensors", "hydra-core", "omegaconf"):
-        try:
+        with suppress(PackageNotFoundError):
             out.append(f"{name}=={version(name)}")
-        except PackageNotFoundError:
-            pass
     return out
 
 
@@ -104,10 +102,10 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     next version of `name` in `tracking_uri` (else MLFLOW_TRACKING_URI, else the mlflow.db of the output
     directory the checkpoint lies in, where `tracking=mlflow` indexes its runs); the mlflow ModelVersion.
     CheckpointError / ConfigError / StoreError (one line) for a checkpoint, data or store that will not do."""
-    from pipeline.files import jsonio, names
     from pipeline.checkpoint.directory import CheckpointDir
-    from pipeline.serving import CHECKPOINT, VOCAB
+    from pipeline.files import jsonio, names
     from pipeline.run.trained import own_data, restore_checkpoint
+    from pipeline.serving import CHECKPOINT, VOCAB
 
     if (why := names.problem(name, reserve=0)) is not None or not name.strip():
         raise ConfigError(f"NAME={names.shown(name)}: {why or 'must not be blank'} (a registered model's name is "

@@ -28,16 +28,16 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.files import jsonio
-from pipeline.files.atomic import TMP_PREFIX, remove_tree, write_new
 from pipeline.checkpoint.directory import CheckpointDir, file_hashes, step_dir_name
+from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import SCHEMA_VERSION
 from pipeline.checkpoint.store import CheckpointStore
-from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.tensors import read_tensors, write_tensors
-from pipeline.config.identity import run_name
 from pipeline.config.compose import PROJECT_ROOT, compose, to_plain
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK
+from pipeline.config.identity import run_name
+from pipeline.files import jsonio
+from pipeline.files.atomic import TMP_PREFIX, remove_tree, write_new
 from pipeline.run.signals import command, run_command
 from pipeline.stateful import PARTS, merge, split
 from pipeline.verify.compare import first_difference

@@ -12,13 +12,13 @@ import argparse
 import os
 from pathlib import Path
 
-from pipeline.files import jsonio
-from pipeline.files.atomic import TMP_PREFIX
+from pipeline.checkpoint.directory import CheckpointDir, file_hashes
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import code_change
-from pipeline.checkpoint.directory import CheckpointDir, file_hashes
-from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
+from pipeline.files import jsonio
+from pipeline.files.atomic import TMP_PREFIX
+from pipeline.run.directory import RunDir
 from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.show"

@@ -5,10 +5,8 @@ import copy
 import hashlib
 from pathlib import Path
 
-from pipeline.files import jsonio
-from pipeline.files import names
-from pipeline.files import reading
 from pipeline.config.schemas import TEXT_MAX_BYTES
+from pipeline.files import jsonio, names, reading
 
 # Keys that do not change the math: where outputs go, how progress is shown and logged, how the run is
 # indexed, resumed and parallelised, how big an input file may be, and the verifier's own settings. Dotted

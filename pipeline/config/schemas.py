@@ -2,15 +2,24 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
-from pipeline.config.checks import (above, at_least, duration_or_null, fraction, null_or_at_least, open_fraction,
-                                    probability_list, widths)
+from pipeline.config.checks import (
+    above,
+    at_least,
+    duration_or_null,
+    fraction,
+    null_or_at_least,
+    open_fraction,
+    probability_list,
+    widths,
+)
 from pipeline.config.errors import ConfigError
 from pipeline.files import names, patterns
 
@@ -25,7 +34,7 @@ def builds(target: str, stored_as: str | None = None) -> Callable[[type], type]:
     def add(schema: type) -> type:
         schema = dataclass(schema)
         schema.stored_as = stored_as
-        _BUILDING[target] = schema
+        _BUILDING[target] = schema  # noqa: F821 - deleted once frozen: a later @builds fails loudly
         return schema
     return add
 
@@ -75,13 +84,13 @@ class TrainerConf:
     dtype: Dtype = _f()
     eval_every: int = _f(at_least(0))
     log_every: int = _f(at_least(0))
-    progress_bar: Optional[bool] = _f()
+    progress_bar: bool | None = _f()
     on_nonfinite: NonFinite = _f()
-    max_time: Optional[str] = _f(duration_or_null)  # DD:HH:MM:SS of this process's wall time; null = no budget
+    max_time: str | None = _f(duration_or_null)  # DD:HH:MM:SS of this process's wall time; null = no budget
     accumulate: int = _f(at_least(1))  # micro-batches (of batch_size) per update
     grad_clip: float = _f(at_least(0))  # the largest global L2 norm of a gradient; 0 = no clipping
     shards: int = _f(at_least(1))  # pieces each micro-batch is split into: semantic (summation order, dropout)
-    threads: Optional[int] = _f(null_or_at_least(1))  # threads running the pieces: not semantic; null = the cores
+    threads: int | None = _f(null_or_at_least(1))  # threads running the pieces: not semantic; null = the cores
     profile: bool = _f(absent=False)  # a table of wall time per phase at the end; not semantic, changes no number
 
     @staticmethod
@@ -104,9 +113,9 @@ class MiniGPTConf(Node):
     n_layer: int = _f(at_least(1))
     n_head: int = _f(at_least(1))
     n_embd: int = _f(at_least(1))
-    block_size: Optional[int] = _f()  # null: the data's sequence length
+    block_size: int | None = _f()  # null: the data's sequence length
     dropout: float = _f(fraction)
-    attn_dropout: Optional[float] = _f()  # null: dropout's
+    attn_dropout: float | None = _f()  # null: dropout's
     init_std: float = _f(above(0))
 
     @staticmethod
@@ -158,7 +167,7 @@ class StepConf(Node):
 
 @builds("pipeline.scheduler.cosine.WarmupCosine", "scheduler/cosine")
 class CosineConf(Node):
-    total_steps: Optional[int] = _f()  # None: the run's total number of updates
+    total_steps: int | None = _f()  # None: the run's total number of updates
     warmup_steps: int = _f(at_least(0))
     min_lr_ratio: float = _f(at_least(0))
     num_cycles: float = _f(above(0))
@@ -196,7 +205,7 @@ TEXT_MAX_BYTES = 32 << 20  # data.max_bytes when null (a config from before the 
 @builds("pipeline.data.text.TextCorpus", "data/text")
 class TextConf(CorpusConf):
     path: str = _f()
-    max_bytes: Optional[int] = _f(null_or_at_least(1))  # null: TEXT_MAX_BYTES
+    max_bytes: int | None = _f(null_or_at_least(1))  # null: TEXT_MAX_BYTES
 
 
 # --- stages, cadence, resume
@@ -232,7 +241,7 @@ class BestValStageConf(Node):
     mode: Mode = _f()
     order: int = _f()
     keep: int = _f(at_least(1), absent=1)  # the k best checkpoints by monitor (Lightning's save_top_k)
-    filename: Optional[str] = _f(name_pattern, absent=None)  # a link beside step-* per kept checkpoint, or null
+    filename: str | None = _f(name_pattern, absent=None)  # a link beside step-* per kept checkpoint, or null
 
 
 @builds("pipeline.stages.early_stop.EarlyStop", "stage/early_stop")
@@ -259,7 +268,7 @@ class ResumeConf:
 @builds("pipeline.tracking.mlflow_tracker.MlflowTracker", "tracking/mlflow")
 class MlflowTrackingConf(Node):
     uri: str = _f()
-    artifact_location: Optional[str] = _f()
+    artifact_location: str | None = _f()
     experiment: str = _f()
     wait: float = _f(at_least(0))  # seconds a job waits on tracking in all
 
@@ -284,7 +293,7 @@ class VerifyConf:
 @dataclass
 class Config:
     name: str = _f()  # the experiment's name: the first part of the run directory's name
-    optimized_metric: Optional[str] = _f()  # what a sweep optimises (null: best-val's best)
+    optimized_metric: str | None = _f()  # what a sweep optimises (null: best-val's best)
     paths: PathsConf = field(default_factory=PathsConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
     model: Any = MISSING

@@ -4,14 +4,14 @@ from __future__ import annotations
 import codecs
 import hashlib
 import itertools
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 
-from pipeline.files import reading
-from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDataset, n_windows
 from pipeline.config.schemas import TEXT_MAX_BYTES
+from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDataset, n_windows
+from pipeline.files import reading
 
 TEXT_VERSION = 1
 PIECE = 4 << 20  # bytes decoded at a time: a piece costs at most ~9x itself (its str and its UTF-32 copy)
@@ -99,12 +99,12 @@ class TextFile:
 def build_text_corpus(path: Path, tokens: np.ndarray, vocab: list[str], val_fraction: float,
                       block_size: int) -> CorpusContent:
     # The last val_fraction of the text is held out, in one piece, so no val window overlaps training.
-    n_val = int(round(len(tokens) * val_fraction))
+    n_val = round(len(tokens) * val_fraction)
     train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]  # views, no copies
     if min(n_windows(len(train), block_size), n_windows(len(val), block_size)) < 1:
         raise TextError(f"data.path={path}: too short: {len(tokens)} characters leave {len(train)} train and "
                         f"{len(val)} val, each needing at least {block_size + 1}")
-    stats = {"characters": {"train": int(len(train)), "val": int(len(val))}}
+    stats = {"characters": {"train": len(train), "val": len(val)}}
     return CorpusContent(train=train, val=val, vocab=vocab, join="", stats=stats)
 
 

@@ -10,13 +10,21 @@ import os
 import time
 from pathlib import Path
 
-from pipeline.files import jsonio, reading
-from pipeline.files.atomic import (UnsafePathError, ensure_dirs, fsync_dir, named, open_append, refuse_link,
-                                   replace_file, second_name)
-from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.directory import CheckpointDir
+from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.config.errors import CommandError
+from pipeline.files import jsonio, reading
+from pipeline.files.atomic import (
+    UnsafePathError,
+    ensure_dirs,
+    fsync_dir,
+    named,
+    open_append,
+    refuse_link,
+    replace_file,
+    second_name,
+)
 
 MAX_RUN_JSON = 16 << 20
 MAX_METRICS = 1 << 30  # metrics.jsonl is read line by line when a run resumes
@@ -132,7 +140,7 @@ class RunDir:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
         except OSError as e:
-            raise named(e, self.lock_path)
+            raise named(e, self.lock_path) from e
 
     def forget(self) -> None:
         """Release, and remove the directory if it holds nothing but an empty lock (a refused run leaves none)."""

@@ -9,18 +9,18 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline.files import killpoint
-from pipeline.run import budget, report
-from pipeline.files.atomic import environment_error, named
 from pipeline.checkpoint import manifest as mf
+from pipeline.checkpoint.directory import Checkpoint
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.retention import AnyOf, LatestN
-from pipeline.checkpoint.directory import Checkpoint
-from pipeline.run.assemble import Job
-from pipeline.run.directory import RunDir
 from pipeline.config import identity
 from pipeline.config.checks import parse_duration
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, EXIT_PREEMPTED, CommandError
+from pipeline.files import killpoint
+from pipeline.files.atomic import environment_error, named
+from pipeline.run import budget, report
+from pipeline.run.assemble import Job
+from pipeline.run.directory import RunDir
 from pipeline.run.signals import Signals
 from pipeline.stages.base import StepEnd
 from pipeline.stages.resume import start_fresh
@@ -185,7 +185,7 @@ class Run:
             try:
                 ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
             except OSError as e:
-                raise named(e, self.store.root)  # a write inside the temporary checkpoint: name the store
+                raise named(e, self.store.root) from e  # a write inside the temporary checkpoint: name the store
             self.retain()
             self.budget.saved(budget.monotonic() - started)
         with self.profile.phase("tracking hand-over"):
@@ -195,7 +195,7 @@ class Run:
     def retain(self) -> None:
         """The stages' policies as they stand now (a best history restarted at the resume ranks from there)."""
         stages = self.job.stages
-        keep = AnyOf(tuple(p for s in stages if (p := s.policy()) is not None) + (LatestN(1),))
+        keep = AnyOf((*tuple(p for s in stages if (p := s.policy()) is not None), LatestN(1)))
         self.store.retain(keep, {s.link: s.link_policy() for s in stages if s.link}, upto=self.state.step,
                           lineage=self.lineage["id"], named=tuple(n for s in stages if (n := s.named()) is not None))
 
@@ -225,7 +225,7 @@ class Run:
         try:
             if self.store.steps():
                 self._summary("failed")
-        except Exception as e:  # noqa: BLE001 -- the error in hand is the one to report
+        except Exception as e:
             log.debug("no end summary: %s", e)
         self.job.tracker.finish("FAILED", self.rundir.path)
 

@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.config.errors import EXIT_PREEMPTED
 from pipeline.files import jsonio
 from pipeline.files.atomic import ensure_dirs, replace_file
-from pipeline.config.errors import EXIT_PREEMPTED
 
 log = logging.getLogger("pipeline")
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import identity, targets
-from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.directory import CheckpointDir, weights_bytes
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.config import identity, targets
 from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import SCHEMAS, validate
 from pipeline.data.base import DataSpec, inference_facts
@@ -52,9 +52,9 @@ def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict
     _fits_its_weights(checkpoint, manifest, DataSpec(**spec))
     try:
         state = build_state(manifest["config"], DataSpec(**spec), n_train)
-    except Exception as e:  # noqa: BLE001 - a model or data this installation cannot build: one line
+    except Exception as e:
         raise checkpoint.fault(f"its config does not build here: "
-                                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     # One read of every file: sizes, sha256, each tensor file's layout before allocation, every part's fit:
     # restore cannot refuse after it.
     ckpt = checkpoint.load(parts := state.parts())
@@ -73,7 +73,7 @@ def _fits_its_weights(checkpoint: CheckpointDir, manifest: dict, spec: DataSpec)
     try:
         count = getattr(get_class(node["_target_"]), "n_params", None)
         wanted = None if count is None else count(spec, **{k: v for k, v in node.items() if k != "_target_"})
-    except Exception as e:  # noqa: BLE001 - a model this installation cannot build: one line
+    except Exception as e:
         raise checkpoint.fault(f"its config does not build here: {type(e).__name__}: {e}") from None
     itemsize = np.dtype(manifest["config"]["trainer"]["dtype"]).itemsize
     # Only a gross excess is refused here: a near miss is built (cheaply) and named precisely by CheckpointDir.load.
@@ -174,7 +174,7 @@ def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict,
         return config, build_dataset(config)
     except (ValueError, OSError) as e:
         raise ConfigError(f"data: {e}") from None
-    except Exception as e:  # noqa: BLE001 - an unimportable _target_ or a constructor's own error
+    except Exception as e:
         raise ConfigError(f"data does not build: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \
             from None
 

@@ -15,13 +15,18 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline.files import jsonio, names, reading
-from pipeline.files.atomic import (NewDirs, UnsafePathError, check_output_dir, ensure_dirs, environment_error,
-                                   replace_file)
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, CommandError, ConfigError, Refusal
-from pipeline.config.identity import experiment_name
+from pipeline.config.identity import experiment_name, is_machine_key
 from pipeline.config.targets import parse_overrides
-from pipeline.config.identity import is_machine_key
+from pipeline.files import jsonio, names, reading
+from pipeline.files.atomic import (
+    NewDirs,
+    UnsafePathError,
+    check_output_dir,
+    ensure_dirs,
+    environment_error,
+    replace_file,
+)
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import SweepParent
@@ -41,7 +46,7 @@ def _plain(node, resolve: bool = True):
         return node
     try:
         return OmegaConf.to_container(node, resolve=resolve, enum_to_str=True)
-    except Exception:  # noqa: BLE001 - an interpolation that cannot resolve yet: keep it as written
+    except Exception:
         return OmegaConf.to_container(node, resolve=False, enum_to_str=True)
 
 
@@ -117,7 +122,7 @@ def refuse_monitors(config: DictConfig, swept_keys) -> None:
         check_monitors(plain)
     except ConfigError as e:
         _stop(EXIT_BAD_INPUT, str(e))
-    except Exception as e:  # noqa: BLE001 - what cannot be judged here is judged by each job
+    except Exception as e:
         log.debug("monitors not checked before the sweep: %s", e)
 
 
@@ -140,7 +145,7 @@ def parent_run(tracking) -> SweepParent:
         return SweepParent()
     try:
         tracker = get_class(str(node["_target_"]))
-    except Exception as e:  # noqa: BLE001 - Hydra wraps the import's error; the sweep must not start half-made
+    except Exception as e:
         _stop(EXIT_BAD_INPUT, f"tracking._target_={node['_target_']}: {str(e).splitlines()[0]}")
     return getattr(tracker, "sweep_parent", SweepParent)(**{k: v for k, v in node.items() if not k.startswith("_")})
 

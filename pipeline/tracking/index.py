@@ -7,14 +7,22 @@ import socket
 import stat
 from pathlib import Path
 
-from pipeline.files import jsonio
-from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.directory import CheckpointDir
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.files import jsonio
 from pipeline.run.directory import RunBusyError, RunDir
-from pipeline.tracking import store
-from pipeline.tracking.common import (CURVES_ARTIFACT, experiment_of, metric_points, params_of, parse_run_uri,
-                                      run_uri, tag_value, tags_of)
 from pipeline.sweep.summary import best_job, finite, parent_name, read_jobs
+from pipeline.tracking import store
+from pipeline.tracking.common import (
+    CURVES_ARTIFACT,
+    experiment_of,
+    metric_points,
+    params_of,
+    parse_run_uri,
+    run_uri,
+    tag_value,
+    tags_of,
+)
 from pipeline.trainer import curves
 
 MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
@@ -277,7 +285,7 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
         parent = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
     synced = {}
     if children:
-        for num, job in sorted(jobs.items()):
+        for _num, job in sorted(jobs.items()):
             if job.get("run_dir") and Path(job["run_dir"]).is_dir() and not RunDir(job["run_dir"]).in_use():
                 r = index_job(client, uri, Path(job["run_dir"]), artifact_root, parent,
                               {k: job.get(k) for k in ("sweep_id", "num", "overrides", "name")})

@@ -17,8 +17,7 @@ from mlflow.exceptions import MlflowException
 
 from pipeline.config.errors import CommandError
 from pipeline.files.atomic import UnsafePathError, refuse_link
-from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri,
-                                      sqlite_path, tag_value)
+from pipeline.tracking.common import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri, sqlite_path, tag_value
 from pipeline.tracking.common import artifact_root as common_artifact_root
 from pipeline.tracking.sharing import check_shared
 
@@ -68,7 +67,7 @@ def template_db() -> Path | None:
                     con.execute("DELETE FROM experiments")  # the Default one: each copy makes its own
                 os.replace(tmp, path)  # whole or absent
         return path
-    except Exception:  # noqa: BLE001 - no template: the store is migrated in place, as without one
+    except Exception:
         logging.getLogger("pipeline").debug("no migrated mlflow store template in %s", base, exc_info=True)
         return None
 
@@ -120,7 +119,7 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
             if db is not None:
                 check_shared(client, db)
         return client
-    except Exception as e:  # noqa: BLE001 - whatever mlflow, sqlalchemy or the network raise: one line
+    except Exception as e:
         where = f"the mlflow store {db}" if db else f"the mlflow tracking server {uri}"
         fix = (" (move it aside and rebuild it from the manifests: python -m pipeline.reindex --rebuild)"
                if db is not None and db.exists() else "")

@@ -7,10 +7,12 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.files import jsonio
 from pipeline.checkpoint.manifest import versions
-from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE, EXIT_ERROR as EXIT_MISMATCH, EXIT_OK
+from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE
+from pipeline.config.errors import EXIT_ERROR as EXIT_MISMATCH
+from pipeline.config.errors import EXIT_OK
 from pipeline.config.identity import run_name
+from pipeline.files import jsonio
 from pipeline.verify.compare import compare, machine
 from pipeline.verify.snapshot import read_summary
 

@@ -11,16 +11,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import TINY, refused_in_one_line, run_job, run_pipeline, text_overrides, the_run
 
-from conftest import TINY, refused_in_one_line, run_job, run_pipeline, the_run
-from pipeline.files import jsonio
-from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.directory import DATA, MANIFEST, CheckpointDir
+from pipeline.checkpoint.errors import CheckpointError
 from pipeline.cli.evaluate import evaluate_checkpoint
-from pipeline.run.directory import RunDir
 from pipeline.cli.sample import sample
 from pipeline.config.errors import ConfigError
-from conftest import text_overrides
+from pipeline.files import jsonio
+from pipeline.run.directory import RunDir
 
 NEEDS_TOKENIZERS = pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
                                       reason="tokenizers is not installed (pip install 'pipeline[hf]')")

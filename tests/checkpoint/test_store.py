@@ -15,16 +15,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import KERNODECK, TINY, env_for_subprocess, tree
 from safetensors.numpy import load_file, save_file
 
-from conftest import KERNODECK, TINY, env_for_subprocess, tree
-from pipeline.files.atomic import TMP_PREFIX
+from pipeline.checkpoint.directory import (
+    CORRUPTED,
+    EXTRA,
+    MANIFEST,
+    OPTIM,
+    WEIGHTS,
+    CheckpointDir,
+    files_of,
+    step_dir_name,
+)
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.directory import CORRUPTED, EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointDir, files_of, step_dir_name
 from pipeline.checkpoint.store import CheckpointStore
-from pipeline.verify.worker import Fresh
 from pipeline.config.compose import compose, to_plain
+from pipeline.files.atomic import TMP_PREFIX
 from pipeline.stateful import PARTS, StateMismatch, capture, check, copy_tree, restore
+from pipeline.verify.worker import Fresh
 
 
 def fresh(tmp_path, *overrides: str, base=KERNODECK) -> Fresh:

@@ -9,12 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import KERNODECK, PROJECT_ROOT, TINY, env_for_subprocess, refused_in_one_line, run_pipeline, the_run
 
-from conftest import (KERNODECK, PROJECT_ROOT, TINY, env_for_subprocess, refused_in_one_line,
-                      run_pipeline, the_run)
 from pipeline.config import compose
 from pipeline.config.compose import install_hint
-
 
 # -- an unknown option of a group ---------------------------------------------------------------------
 

@@ -7,10 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, run_pipeline, the_run
-from pipeline.cli import show as pinspect
+
 from pipeline.checkpoint.directory import MANIFEST, WEIGHTS, step_dir_name
+from pipeline.cli import show as pinspect
 
 
 @pytest.fixture(scope="module")

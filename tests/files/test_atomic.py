@@ -7,9 +7,19 @@ import os
 import pytest
 
 from pipeline.files import atomic
-
-from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, new_temp_dir, open_append,
-                             publish_dir, remove_temporaries, replace_file, replace_link, write_new)
+from pipeline.files.atomic import (
+    TMP_PREFIX,
+    UnsafePathError,
+    discard_dir,
+    ensure_dirs,
+    new_temp_dir,
+    open_append,
+    publish_dir,
+    remove_temporaries,
+    replace_file,
+    replace_link,
+    write_new,
+)
 
 
 @pytest.fixture
@@ -192,6 +202,7 @@ def syscalls(monkeypatch) -> Syscalls:
 def tiny_state(tmp_path_factory):
     """What CheckpointDir.write is given: the state tree and manifest fields of a fresh kernodeck job (nothing trained)."""
     from conftest import KERNODECK
+
     from pipeline.config.compose import compose, to_plain
     from pipeline.stateful import capture
     from pipeline.verify.worker import Fresh
@@ -253,7 +264,7 @@ def test_replacing_a_checkpoint_never_leaves_a_moment_without_a_complete_step(tm
     def survives():
         """neither a complete step N nor the old one renamed aside (deleted before the new one was in place)"""
         name = inodes(final.parent).get(old)
-        return complete() or name is not None and os.path.isfile(final.parent / name / MANIFEST)
+        return complete() or (name is not None and os.path.isfile(final.parent / name / MANIFEST))
 
     syscalls.invariant = complete if swap else survives
     CheckpointDir(final).write(*tiny_state, replace=True)

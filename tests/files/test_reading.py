@@ -14,13 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import KERNODECK, env_for_subprocess, the_run, tree
+
 from pipeline.config import identity
-from pipeline.files import reading
 from pipeline.data import ngram
 from pipeline.data import text as text_mod
 from pipeline.data.text import TextCorpus, TextFile
+from pipeline.files import reading
 from pipeline.files.reading import UnreadableFile
 
 TEXT = dict(val_fraction=0.1, block_size=64, ngram_order=5, val_batch_size=32, max_bytes=1 << 20)  # data=text's (a smaller bound)
@@ -97,7 +97,7 @@ def test_sizes_are_bounded_before_and_while_reading(tmp_path):
     big = tmp_path / "big"
     with open(big, "wb") as f:
         f.truncate(1 << 30)  # sparse
-    with pytest.raises(UnreadableFile, match="1073741824 bytes, over the 1024-byte limit set by data.max_bytes"):
+    with pytest.raises(UnreadableFile, match=r"1073741824 bytes, over the 1024-byte limit set by data.max_bytes"):
         reading.sha256(big, 1024, bound="data.max_bytes")
     small = tmp_path / "small"
     small.write_bytes(b"abc")
@@ -118,7 +118,7 @@ def test_source_hashes_refuse_a_file_over_its_bound_unread(tmp_path):
     with open(p, "wb") as f:
         f.truncate(2000)
     config = {"data": {"path": str(p), "max_bytes": 1000}}
-    with pytest.raises(UnreadableFile, match="2000 bytes, over the 1000-byte limit set by data.max_bytes"):
+    with pytest.raises(UnreadableFile, match=r"2000 bytes, over the 1000-byte limit set by data.max_bytes"):
         identity.source_hashes(config)
     config["data"]["max_bytes"] = 2000
     assert identity.source_hashes(config) == {"data.path": hashlib.sha256(bytes(2000)).hexdigest()}
@@ -128,7 +128,7 @@ def test_source_hashes_refuse_a_file_over_its_bound_unread(tmp_path):
 # --- data=text in pieces: the bytes the whole-file reading gave ---------------------------------------------
 
 def random_text(rng: np.random.Generator, n: int) -> str:
-    alphabet = list("ab c\n,é—日本🙂\u00a0ß") + ["\ufeff"]
+    alphabet = [*list("ab c\n,é—日本🙂\xa0ß"), "\ufeff"]
     return "".join(rng.choice(alphabet, n))
 
 

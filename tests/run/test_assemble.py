@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import config_of
-from pipeline.run.assemble import assemble, build
+
 from pipeline.model.mlp import MLP
 from pipeline.optimizer.adam import Adam, AdamW
+from pipeline.run.assemble import assemble, build
 from pipeline.scheduler.step import StepLR
 from pipeline.stages.base import StageStates
 from pipeline.stateful import PARTS

@@ -6,8 +6,8 @@ import logging
 import re
 
 import pytest
-
 from conftest import KERNODECK, run_pipeline
+
 from pipeline.run.job import label_console
 from pipeline.trainer.metrics_log import QuietFileHandler
 

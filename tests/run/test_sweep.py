@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from pipeline.run import job as runner
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from pipeline.run import job as runner
 from pipeline.run.sweep import SweepJob
 from pipeline.sweep import callback as sweep_callback
 
@@ -178,6 +178,7 @@ def test_a_sweep_refused_before_any_job_leaves_no_sweep_and_no_directory_it_made
     """Hydra refuses the jobs' overrides only after the sweep's start wrote sweep.json ("running") and
     multirun.yaml: the refusal undoes that start, so reindex finds no sweep that never ran."""
     from conftest import KERNODECK, refused_in_one_line
+
     from pipeline.tracking.link import wait_idle
 
     out = tmp_path / "fresh" / "out"

@@ -8,11 +8,18 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, SHARED_SERVER, env_for_subprocess
-from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, MACHINE_TAGS, artifact_root,
-                                      is_machine_key, params_of, tags_of)
+
 from pipeline.sweep.summary import MAX_ROWS, best_job, read_jobs, sweep_table
+from pipeline.tracking.common import (
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
+    MACHINE_TAGS,
+    artifact_root,
+    is_machine_key,
+    params_of,
+    tags_of,
+)
 
 
 # --- where artifacts go

@@ -6,8 +6,17 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline.tracking.common import (flatten, is_mlflow_tracking, metric_points, normalize_tracking_uri,
-                                      param_value, params_of, parse_run_uri, run_uri, tags_of)
+from pipeline.tracking.common import (
+    flatten,
+    is_mlflow_tracking,
+    metric_points,
+    normalize_tracking_uri,
+    param_value,
+    params_of,
+    parse_run_uri,
+    run_uri,
+    tags_of,
+)
 
 RID = "0123456789abcdef0123456789abcdef"
 
@@ -96,7 +105,7 @@ def test_tracker_that_cannot_start_its_agent_warns_once_and_stays_quiet(monkeypa
 
 
 def test_non_finite_metric_values_reach_mlflow_as_floats():
-    points = dict((k, v) for k, v, _, _ in metric_points({"step": 3, "time": 1.0, "a": "NaN", "b": "Infinity", "c": 1}))
+    points = {k: v for k, v, _, _ in metric_points({"step": 3, "time": 1.0, "a": "NaN", "b": "Infinity", "c": 1})}
     assert math.isnan(points["a"]) and points["b"] == math.inf and points["c"] == 1.0
 
 

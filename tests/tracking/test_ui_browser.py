@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import env_for_subprocess, wait_until
+
 from pipeline.tracking.link import wait_idle
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -31,7 +31,7 @@ def mlflow_ui(uri: str, root: Path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(root / "ui.log", "w")
+    log = open(root / "ui.log", "w")  # noqa: SIM115 - the UI's output for its lifetime, closed with it
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
                              "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True, cwd=root,

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from pipeline.config.identity import experiment_name
 from pipeline.run.report import end_block, run_page
-from pipeline.tracking.common import experiment_of
-from pipeline.sweep.summary import parent_name, shown_value, sweep_table
 from pipeline.sweep.callback import job_name
+from pipeline.sweep.summary import parent_name, shown_value, sweep_table
+from pipeline.tracking.common import experiment_of
 from tests.conftest import PROJECT_ROOT, config_of
 
 RID = "0123456789abcdef0123456789abcdef"
