@@ -115,7 +115,8 @@ def hardware() -> dict:
 
 def run_facts(config: dict, sources: dict, data_manifest_hash: str, data_spec: dict, data_facts: dict) -> dict:
     """The fields every checkpoint of a run carries, computed once; `data_facts` become each one's data.json."""
-    return {DATA_FACTS: data_facts, **git_info(), "code_sha256": code_sha256(), "config": config, "config_hash": config_hash(config),
+    return {DATA_FACTS: data_facts, **git_info(), "code_sha256": code_sha256(), "config": config,
+            "config_hash": config_hash(config),
             "semantic_config_hash": semantic_hash(config, sources), "sources": dict(sources),
             "data_manifest_hash": data_manifest_hash, "data_spec": dict(data_spec), "seed": config["trainer"]["seed"],
             "versions": versions(), "hardware": hardware(), "mlflow_run_uri": None}
@@ -141,7 +142,8 @@ def check(m) -> dict:
     version = m.get("schema_version")
     if version not in READABLE:
         raise ManifestError(f"schema_version {version!r}: this pipeline reads schema_version "
-                            f"{' and '.join(map(repr, READABLE))} only (a checkpoint of another version of the pipeline)")
+                            f"{' and '.join(map(repr, READABLE))} only "
+                            "(a checkpoint of another version of the pipeline)")
     step = _require(m, "step", int, "a non-negative integer")
     if step < 0 or _require(m, "epoch", int, "a non-negative integer") < 0:
         raise ManifestError("'step' and 'epoch' must be non-negative")

@@ -1,4 +1,5 @@
-"""`python -m pipeline.archive SOURCE DEST`: a run, sweep or checkpoint copied to DEST, verified, reloaded and resumed there.
+"""`python -m pipeline.archive SOURCE DEST`: a run, sweep or checkpoint copied to DEST, verified, reloaded and resumed
+there.
 
 DEST is laid out like an output directory (docs/archive.md), built as a hidden temporary sibling,
 checked there from its own bytes (sizes and sha256, every checkpoint restored, a resume compared bit for bit) and
@@ -114,7 +115,8 @@ def plan(source: Path, which: str) -> list[RunPlan]:
         from pipeline.sweep.summary import read_jobs
 
         runs_dir = source.parent.parent / "runs"  # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
-        runs = sorted({Path(j["run_dir"]).name for j in read_jobs(source).values() if isinstance(j.get("run_dir"), str)})
+        runs = sorted({Path(j["run_dir"]).name for j in read_jobs(source).values()
+                       if isinstance(j.get("run_dir"), str)})
         if not runs:
             raise BadSource(f"{source}: a sweep none of whose jobs/*.json names a run directory")
         plans = []
@@ -224,7 +226,8 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
                         "to archive it")
     if corpus is not None:
         b.copy(corpus / "MANIFEST.json", f"{base}/corpus-MANIFEST.json", MAX_SMALL,
-               {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash}, "the checkpoints' data_manifest_hash")
+               {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash},
+               "the checkpoints' data_manifest_hash")
     if with_data:
         if corpus is None and data_hash and data.get("_target_", "").startswith("pipeline.data.") \
                 and "regression" not in data["_target_"]:
@@ -253,7 +256,8 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             archived[key] = rel
         identity["sources_archived"] = archived
     b.write(f"{base}/data-identity.json", jsonio.dumps(identity))
-    return {"checkpoints": {n: {"step": m["step"], "tags": m["tags"], "links": sorted(k for k, t in p.links.items() if t == n)}
+    return {"checkpoints": {n: {"step": m["step"], "tags": m["tags"],
+                                "links": sorted(k for k, t in p.links.items() if t == n)}
                             for n, m in sorted(p.manifests.items())},
             "data": {k: identity[k] for k in ("data_manifest_hash", "sources", "corpus")},
             "with_data": bool(with_data)}
@@ -477,9 +481,11 @@ def readme(dest: Path, exported: dict) -> str:
         over = " ".join(run["resume_overrides"])
         sp = " ".join(o for o in run["resume_overrides"] if o.startswith("hydra.searchpath="))
         lines += [f"## {name}", "", "Checkpoints: " + ", ".join(
-            f"{n} (step {c['step']}{', ' + '/'.join(c['links']) if c['links'] else ''})" for n, c in sorted(ck.items())),
+            f"{n} (step {c['step']}{', ' + '/'.join(c['links']) if c['links'] else ''})"
+            for n, c in sorted(ck.items())),
             f"Data: data_manifest_hash {run['data']['data_manifest_hash']}, corpus {run['data']['corpus'] or '-'}, "
-            f"sources {run['data']['sources'] or '-'}{' (archived under sources/ and data/)' if run['with_data'] else ''}.",
+            f"sources {run['data']['sources'] or '-'}"
+            f"{' (archived under sources/ and data/)' if run['with_data'] else ''}.",
             "", "```bash",
             f"python -m pipeline.show {dest}/runs/{name} {sp}".rstrip(),
             f"python -m pipeline.evaluate {at}/{best} paths.output_dir=SCRATCH {sp}".rstrip()]
@@ -487,8 +493,11 @@ def readme(dest: Path, exported: dict) -> str:
             lines += [f"python -m pipeline.sample {at}/final prompt=\"the\" max_new_tokens=20 paths.output_dir=SCRATCH",
                       f"python -m pipeline.export_hf {at}/final HF_DIR"]
         done = resume_from != newest
-        lines += [f"python -m pipeline {over} resume.source={at}/{resume_from} paths.output_dir=SCRATCH".replace("  ", " "),
-                  "```", "", f"The resume {'repeats the steps after ' + resume_from + ' of the finished run, to its final bytes' if done else 'continues the run from its newest checkpoint'}; "
+        lines += [f"python -m pipeline {over} resume.source={at}/{resume_from} paths.output_dir=SCRATCH"
+                  .replace("  ", " "),
+                  "```", "", "The resume " + (f"repeats the steps after {resume_from} of the finished run, to its "
+                                             "final bytes" if done else "continues the run from its newest checkpoint")
+                  + "; "
                   "`python -m pipeline.archive --check` re-verifies every byte.", ""]
     return "\n".join(lines)
 
@@ -551,7 +560,8 @@ def _build_archive(source: Path, dest: Path, which: str, with_data: bool, extra:
         result = checks_on(tmp, dest, b, extra, prove=True)
         exported["files"] = len(b.files)
         exported["bytes"] = sum(e["size"] for e in b.files.values())
-        report = {"archive": str(dest), "source": str(source), "command": "python -m pipeline.archive " + " ".join(argv),
+        report = {"archive": str(dest), "source": str(source),
+                  "command": "python -m pipeline.archive " + " ".join(argv),
                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result, "exported": exported}
         b.write("recovery.json", jsonio.dumps(report))
         fsync_dir(tmp)
@@ -582,12 +592,14 @@ def check_archive(dest: Path, extra: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.splitlines()[0])
-    ap.add_argument("source", type=Path, help="a run directory, a sweep directory or a checkpoint (or DEST with --check)")
+    ap.add_argument("source", type=Path,
+                    help="a run directory, a sweep directory or a checkpoint (or DEST with --check)")
     ap.add_argument("dest", nargs="?", help="where the archive appears (must not exist)")
     ap.add_argument("overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are")
     ap.add_argument("--checkpoints", default="best,final,newest", help="best,final,newest (any of them) or all")
     ap.add_argument("--with-data", action="store_true", help="archive the corpus and the text files too")
-    ap.add_argument("--check", action="store_true", help="re-verify an archive: python -m pipeline.archive --check DEST")
+    ap.add_argument("--check", action="store_true",
+                    help="re-verify an archive: python -m pipeline.archive --check DEST")
     args = ap.parse_intermixed_args(argv)
     extra = [*([args.dest] if args.check and args.dest else []), *args.overrides]  # a str: Path() eats pkg://
     if (bad := next((o for o in extra if not o.startswith("hydra.searchpath=")), None)) is not None:

@@ -134,7 +134,8 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     config = manifest["config"]
     experiment = experiment_of(config)
     experiment_id = ensure_experiment(client, str(experiment), artifact_root)
-    signature, example = signature_of(manifest, state.model, next((t for t in (vocab or {}).get("vocab", ()) if t.strip()), ""))
+    first_word = next((t for t in (vocab or {}).get("vocab", ()) if t.strip()), "")
+    signature, example = signature_of(manifest, state.model, first_word)
     _, _, run_id = parse_run_uri(manifest.get("mlflow_run_uri"))
     tags = {"checkpoint": str(directory), "step": manifest.get("step"), "config_hash": manifest.get("config_hash"),
             "training_run_id": run_id, "training_run_uri": manifest.get("mlflow_run_uri")}

@@ -206,7 +206,8 @@ class TokenDataset:
 
     kind = "tokens"
     baselines = ("val/ngram_baseline_ppl",)  # what baseline_metrics gives
-    specials: ClassVar[dict[str, str]] = {}  # role -> token of the vocabulary ({"eos": "<eos>"}): what a tool starts from
+    # role -> token of the vocabulary ({"eos": "<eos>"}): what a tool starts from
+    specials: ClassVar[dict[str, str]] = {}
 
     def __init__(self, cache_dir: str, name: str, params: dict, val_batch_size: int,
                  build: Callable[[], CorpusContent]):

@@ -243,8 +243,8 @@ class SweepCallback(Callback):
         # best-val's mode (conf/stages/default.yaml); without that stage the jobs return NaN, either way round
         direction = "maximize" if best_val.get("mode") == "max" else "minimize"
         optuna = "optuna" in str(sweeper.get("_target_", ""))
-        if optuna and not any(
-                o.startswith(("hydra.sweeper.direction=", "++hydra.sweeper.direction=")) for o in hydra.overrides.hydra):
+        given = ("hydra.sweeper.direction=", "++hydra.sweeper.direction=")
+        if optuna and not any(o.startswith(given) for o in hydra.overrides.hydra):
             with open_dict(hydra.sweeper):
                 hydra.sweeper.direction = direction  # what the jobs return is best-val's best: minimise or maximise
         from pipeline.checkpoint.manifest import git_info
@@ -367,7 +367,8 @@ def exit_for(summary: dict) -> None:
               "re-run the same command to continue it", file=sys.stderr)
         raise SystemExit(EXIT_PREEMPTED)
     if failed:
-        listing = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}" for n, j in failed.items())
+        listing = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
+                            for n, j in failed.items())
         print(f"pipeline: {len(failed)} of {len(summary['jobs'])} jobs failed: {listing}", file=sys.stderr)
         raise SystemExit(min(int(j.get("code", 1)) for j in failed.values()))
 

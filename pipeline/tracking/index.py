@@ -148,7 +148,8 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     have = store.artifact_sizes(repo)
     final = rundir.store.link_dir("final")
     reads = [(d.relative_to(rundir.path).as_posix(), CheckpointDir.manifest_file, d) for d, _ in found]
-    reads += [("final", CheckpointDir.weights_file, final), ("final", CheckpointDir.manifest_file, final)] if final else []
+    if final:
+        reads += [("final", CheckpointDir.weights_file, final), ("final", CheckpointDir.manifest_file, final)]
     todo: list[tuple[str, Path | bytes]] = []
     for folder, read, directory in reads:  # the store reads a checkpoint's files: never a link or a FIFO
         try:

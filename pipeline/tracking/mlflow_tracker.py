@@ -204,5 +204,6 @@ class MlflowTracker(Tracker):
                  run_page(self._uri) if self._uri else "(not created yet)",
                  "" if sent else " (its last messages were not sent in time: `python -m pipeline.reindex` "
                  "completes the run)",
-                 f" (inside a SLURM job, which waits for it at its exit, at most {SLURM_WAIT:.0f} s)" if at_exit else "")
+                 f" (inside a SLURM job, which waits for it at its exit, at most {SLURM_WAIT:.0f} s)"
+                 if at_exit else "")
 

@@ -21,7 +21,8 @@ def verify_dir(config: dict) -> Path:
     return Path(config["paths"]["output_dir"]) / "verify" / run_name(config)
 
 
-def run_workers(config: dict, out: Path, cut: int, steps: int, overrides: tuple[str, ...] | list[str] = ()) -> tuple[list[list[str]], str | None]:
+def run_workers(config: dict, out: Path, cut: int, steps: int,
+                overrides: tuple[str, ...] | list[str] = ()) -> tuple[list[list[str]], str | None]:
     """Runs the four processes (two at a time where they are independent); returns commands, error. Each gets
     the `overrides` config.json was composed from: what they allow it to build (pipeline/config/targets.py)."""
     config_path = out / "config.json"
