@@ -3,10 +3,10 @@
     python bench/bench_checkpoint.py [--mib 256] [--repeats 3] [--dir DIR]
 
 A ~256 MiB state (four float32 weight matrices plus Adam's two moments each, and the other parts of a
-run's state) is saved with pipeline.checkpoint.directory.CheckpointDir.write (hashing, fsync of every file, rename, fsync of
-the parent included) and compared with a raw write + fsync of the same bytes; load + full verification
-against the expected layout (pipeline.checkpoint.directory.CheckpointDir.load) is compared with a raw read + sha256 of the
-same bytes. Measurements
+run's state) is saved with pipeline.checkpoint.directory.CheckpointDir.write (hashing, fsync of every file, rename,
+fsync of the parent included) and compared with a raw write + fsync of the same bytes; load + full verification
+against the expected layout (pipeline.checkpoint.directory.CheckpointDir.load) is compared with a raw read + sha256
+of the same bytes. Measurements
 alternate and the medians are compared, so each ratio comes from one run on one (noisy, shared) machine.
 Reads are warm (page cache) on both sides: dropping caches would disturb the other users of the machine.
 Extra peak memory during save is measured in a child process: peak RSS (VmHWM, reset through
@@ -80,7 +80,8 @@ def state_arrays(parts: dict) -> list[np.ndarray]:
 def bench_fields() -> dict:
     config = {"bench": "checkpoint", "trainer": {"seed": 0}}
     facts = mf.run_facts(config, {}, "none", {}, {"vocab": None, "decode_join": None, "specials": {}})
-    return mf.build(facts, step=7, epoch=0, metrics={}, tags=[], lineage=lineage_of(facts["semantic_config_hash"], None))
+    return mf.build(facts, step=7, epoch=0, metrics={}, tags=[],
+                    lineage=lineage_of(facts["semantic_config_hash"], None))
 
 
 def save(parts: dict, directory: Path) -> None:

@@ -215,14 +215,15 @@ OUT_OF_RUN = ("checkpoints/best: is a symlink to", "elsewhere/step-00000010", "o
 SHOW = "pipeline.show"
 CASES = [
     # manifest.json
-    Case("manifest-missing", 1, ("manifest.json", "missing"), then(write_file("manifest.json", b"", False),
-                                                                   lambda o, r, v, t: (step(r, 10) / "manifest.json").unlink()),
+    Case("manifest-missing", 1, ("manifest.json", "missing"),
+         then(write_file("manifest.json", b"", False), lambda o, r, v, t: (step(r, 10) / "manifest.json").unlink()),
          module=SHOW),
     Case("manifest-500MB", 1, ("manifest.json", "over the", "limit"),
          lambda o, r, v, t: (sparse(step(r, 10) / "manifest.json", 500 << 20), inspect_final(r))[1], module=SHOW),
     Case("manifest-deep", 1, ("manifest.json", "nested deeper"),
          write_file("manifest.json", b"[" * 200000 + b"]" * 200000, False), module=SHOW),
-    Case("manifest-not-json", 1, ("manifest.json", "not valid JSON"), write_file("manifest.json", b"{x", False), module=SHOW),
+    Case("manifest-not-json", 1, ("manifest.json", "not valid JSON"), write_file("manifest.json", b"{x", False),
+         module=SHOW),
     Case("manifest-bare-nan", 1, ("manifest.json", "NaN"),
          write_file("manifest.json", b'{"schema_version": "2.0", "step": NaN}', False), module=SHOW),
     Case("manifest-config-edited", 1, ("manifest.json", "config_hash"),
@@ -261,14 +262,16 @@ CASES = [
          lambda o, r, v, t: (sparse(step(r, 10) / "extra.json", 100 << 20), relist(step(r, 10), "extra.json"),
                              inspect_final(r))[2], module=SHOW),
     Case("extra-stage-state-type", 1, ("extra.json", "stages", "does not fit"),
-         lambda o, r, v, t: (lambda p: (p.write_text(json.dumps({**(e := json.loads(p.read_text())),
-                                                                  "stages": {**e["stages"], "best_val": {"best": "low", "best_step": 3}}})),
-                                         relist(step(r, 10), "extra.json"), inspect_final(r))[2])(step(r, 10) / "extra.json"),
+         lambda o, r, v, t: (lambda p: (
+             p.write_text(json.dumps({**(e := json.loads(p.read_text())),
+                                      "stages": {**e["stages"], "best_val": {"best": "low", "best_step": 3}}})),
+             relist(step(r, 10), "extra.json"), inspect_final(r))[2])(step(r, 10) / "extra.json"),
          module=SHOW),
     Case("extra-rng-garbage", 1, ("extra.json", "rng"),
-         lambda o, r, v, t: (lambda p: (p.write_text(json.dumps({**(e := json.loads(p.read_text())),
-                                                                  "rng": {**e["rng"], "noise": {"state": "x" * 100000}}})),
-                                         relist(step(r, 10), "extra.json"), inspect_final(r))[2])(step(r, 10) / "extra.json"),
+         lambda o, r, v, t: (lambda p: (
+             p.write_text(json.dumps({**(e := json.loads(p.read_text())),
+                                      "rng": {**e["rng"], "noise": {"state": "x" * 100000}}})),
+             relist(step(r, 10), "extra.json"), inspect_final(r))[2])(step(r, 10) / "extra.json"),
          module=SHOW),
     Case("extra-bitflip", 1, ("extra.json", "sha256"),
          lambda o, r, v, t: (lambda p: (p.write_bytes(bytes([p.read_bytes()[0] ^ 1]) + p.read_bytes()[1:]),
@@ -372,7 +375,8 @@ CASES = [
     Case("batch-over-data", 2, ("trainer.batch_size=1000", "24"), args=("trainer.batch_size=1000",)),
     Case("hidden-0", 2, ("model.hidden=[0]",), args=("model.hidden=[0]",)),
     Case("negative-steps", 2, ("trainer.max_steps=-5",), args=("trainer.max_steps=-5", "trainer.epochs=0")),
-    Case("nothing-to-train", 2, ("trainer.max_steps=0", "trainer.epochs=0"), args=("trainer.max_steps=0", "trainer.epochs=0")),
+    Case("nothing-to-train", 2, ("trainer.max_steps=0", "trainer.epochs=0"),
+         args=("trainer.max_steps=0", "trainer.epochs=0")),
     Case("negative-lr", 2, ("optimizer.lr=-1.0",), args=("optimizer.lr=-1",)),
     Case("betas-out-of-range", 2, ("optimizer.betas",), args=("optimizer.betas=[0.9,1.5]",)),
     Case("lr-not-a-number", 2, ("optimizer.lr=abc",), args=("optimizer.lr=abc",)),
@@ -398,7 +402,8 @@ import os, sys
 pid = os.posix_spawn(sys.executable, [sys.executable, *sys.argv[2:]], os.environ)
 _, status, usage = os.wait4(pid, 0)
 open(sys.argv[1], "w").write(str(usage.ru_maxrss))
-sys.exit(os.waitstatus_to_exitcode(status) % 256 if os.waitstatus_to_exitcode(status) >= 0 else 128 - os.waitstatus_to_exitcode(status))
+sys.exit(os.waitstatus_to_exitcode(status) % 256 if os.waitstatus_to_exitcode(status) >= 0 \
+else 128 - os.waitstatus_to_exitcode(status))
 """
 
 

@@ -94,7 +94,8 @@ def relist(directory, name):
 
 
 def refused(directory, file, words):
-    """CheckpointDir.load refuses (CheckpointDir.manifest too, for manifest.json) in one line naming the directory and the file."""
+    """CheckpointDir.load refuses (CheckpointDir.manifest too, for manifest.json) in one line naming the directory
+    and the file."""
     readers = (CheckpointDir.manifest, CheckpointDir.load) if file == MANIFEST else (CheckpointDir.load,)
     for read in readers:
         with pytest.raises(CheckpointError) as info:

@@ -72,7 +72,8 @@ def recover_from_dest_alone(tmp_path, overrides, searchpath=(), sample=False):
     assert inspect.returncode == 0, inspect.stdout + inspect.stderr
     scratch = tmp_path / "scratch"
     best = archived / "checkpoints" / "best"
-    ev = run_pipeline([str(best), f"paths.output_dir={scratch}", *searchpath, "--json"], cwd, module="pipeline.evaluate")
+    ev = run_pipeline([str(best), f"paths.output_dir={scratch}", *searchpath, "--json"], cwd,
+                      module="pipeline.evaluate")
     assert ev.returncode == 0, ev.stderr
     manifest = json.loads((best / "manifest.json").read_text())
     assert json.loads(ev.stdout)["metrics"]["val/loss"] == manifest["metrics"]["val/loss"]
@@ -191,8 +192,8 @@ def test_sigkill_during_an_archive_never_leaves_a_dest_that_passes_as_complete(t
     for i in range(20):
         dest = tmp_path / f"dest-{i}"
         p = subprocess.Popen([sys.executable, "-m", "pipeline.archive", str(finished), str(dest)], cwd=tmp_path,
-                             env={**env_for_subprocess(), "TMPDIR": str(scratch)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+                             env={**env_for_subprocess(), "TMPDIR": str(scratch)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
         time.sleep(rng.uniform(0, duration))
         os.killpg(p.pid, signal.SIGKILL)  # the archiver and its resume process
         p.wait()

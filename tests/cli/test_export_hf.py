@@ -63,7 +63,8 @@ def test_cli_refuses_a_missing_checkpoint(tmp_path):
 # Optional extras: skip only when a package is not installed, never on an ImportError of an installed one.
 NEEDS_TOKENIZERS = pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
                                       reason="tokenizers is not installed (pip install 'pipeline[hf]')")
-NEEDS_HF = pytest.mark.skipif(importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
+NEEDS_HF = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
+                              or importlib.util.find_spec("torch") is None,
                               reason="transformers and torch are not installed (pip install 'pipeline[hf,bench]')")
 
 
@@ -228,7 +229,8 @@ def test_a_moved_text_file_is_not_needed_but_by_a_schema_2_0_checkpoint(text_exp
     from pipeline.checkpoint.directory import DATA, CheckpointDir
 
     ckpt, hf = text_export
-    old = tmp_path / "runs" / "r" / "checkpoints" / CheckpointDir(ckpt).resolved().name  # its corpus cache: tmp_path/data
+    # its corpus cache: tmp_path/data
+    old = tmp_path / "runs" / "r" / "checkpoints" / CheckpointDir(ckpt).resolved().name
     shutil.copytree(CheckpointDir(ckpt).resolved(), old)
     (old / DATA).unlink()
     m = json.loads((old / "manifest.json").read_text())

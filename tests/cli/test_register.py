@@ -265,7 +265,8 @@ def test_the_vocabulary_is_the_checkpoints_own_data_json_when_it_has_one(tmp_pat
     (tmp_path / "vocab.json").write_text(json.dumps({"vocab": ["<eos>", "a"], "decode_join": " "}))
     monkeypatch.setattr(CheckpointDir, "data_facts", lambda self: None)
     assert read_vocab(tmp_path, str(tmp_path / "vocab.json")) == (["<eos>", "a"], " ", "<eos>")
-    monkeypatch.setattr(CheckpointDir, "data_facts", lambda self: {"vocab": ["x", "y"], "decode_join": "", "specials": {}})
+    monkeypatch.setattr(CheckpointDir, "data_facts",
+                        lambda self: {"vocab": ["x", "y"], "decode_join": "", "specials": {}})
     assert read_vocab(tmp_path, str(tmp_path / "vocab.json")) == (["x", "y"], "", None)
     monkeypatch.setattr(CheckpointDir, "data_facts", lambda self: None)
     (tmp_path / "vocab.json").write_text(json.dumps({"vocab": [1, 2], "decode_join": ""}))

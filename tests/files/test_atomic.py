@@ -119,7 +119,8 @@ def test_a_refusal_reads_as_one_sentence_without_an_errno_prefix(tmp_path):
         refuse_link(tmp_path / "link", "file")
     assert str(caught.value) == f"{tmp_path / 'link'} is a symlink; refusing to follow it (remove it)"
     assert caught.value.errno == errno.ELOOP  # the code is kept for callers that branch on it
-    assert str(UnreadableFile(errno.EINVAL, "is a FIFO, not a regular file", "/p")) == "/p: is a FIFO, not a regular file"
+    assert (str(UnreadableFile(errno.EINVAL, "is a FIFO, not a regular file", "/p"))
+            == "/p: is a FIFO, not a regular file")
 
 
 # --- the durability order of a save ---------------------------------------------------------------------------
@@ -200,7 +201,8 @@ def syscalls(monkeypatch) -> Syscalls:
 
 @pytest.fixture(scope="module")
 def tiny_state(tmp_path_factory):
-    """What CheckpointDir.write is given: the state tree and manifest fields of a fresh kernodeck job (nothing trained)."""
+    """What CheckpointDir.write is given: the state tree and manifest fields of a fresh kernodeck job
+    (nothing trained)."""
     from conftest import KERNODECK
 
     from pipeline.config.compose import compose, to_plain

@@ -23,7 +23,8 @@ from pipeline.data.text import TextCorpus, TextFile
 from pipeline.files import reading
 from pipeline.files.reading import UnreadableFile
 
-TEXT = dict(val_fraction=0.1, block_size=64, ngram_order=5, val_batch_size=32, max_bytes=1 << 20)  # data=text's (a smaller bound)
+# data=text's (a smaller bound)
+TEXT = dict(val_fraction=0.1, block_size=64, ngram_order=5, val_batch_size=32, max_bytes=1 << 20)
 
 SAFETY_NET = 600  # seconds: only so a regression fails instead of hanging; a refusal takes a few seconds
 KINDS = ("fifo", "device", "socket")
@@ -311,7 +312,8 @@ def test_a_text_file_just_under_the_bound_builds_within_its_memory_bound(tmp_pat
     cwd.mkdir()
     build = ("from pipeline.data.text import TextCorpus; import sys; "
              "d = TextCorpus(sys.argv[1], sys.argv[2], val_fraction=0.1, block_size=64, ngram_order=5, "
-             f"val_batch_size=32, max_bytes={TEXT_MAX_BYTES}); print(d.n_train, d.n_val, d.manifest['baseline']['val_ppl'])")
+             f"val_batch_size=32, max_bytes={TEXT_MAX_BYTES}); "
+             "print(d.n_train, d.n_val, d.manifest['baseline']['val_ppl'])")
     proc, mb = measured(["-c", build, str(tmp_path / "data"), str(p)], cwd)
     assert proc.returncode == 0, proc.stderr
     n_train, n_val, ppl = proc.stdout.split()

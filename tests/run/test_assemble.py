@@ -29,7 +29,8 @@ def test_kernodeck_builds_seed_003(kernodeck):
     model = state.model
     assert type(model) is MLP
     shapes = {k: v.shape for k, v in model.params.items()}
-    assert shapes == {"layers.0.weight": (2, 8), "layers.0.bias": (8,), "layers.1.weight": (8, 1), "layers.1.bias": (1,)}
+    assert shapes == {"layers.0.weight": (2, 8), "layers.0.bias": (8,),
+                      "layers.1.weight": (8, 1), "layers.1.bias": (1,)}
     assert sum(p.size for p in model.params.values()) == 33  # 2*8 + 8 + 8*1 + 1
     assert model.dropout == 0.25
     assert state.dtype == np.float64 and all(p.dtype == np.float64 for p in model.params.values())

@@ -444,13 +444,15 @@ def test_a_signal_while_a_tool_is_still_imported_ends_in_one_line(module, tmp_pa
             "real = builtins.__import__\n"
             "def slow(name, *a, **k):\n"
             "    m = sys.modules.get('pipeline.run.signals')\n"
-            "    if getattr(getattr(m, 'SIGNALS_STATE', None), 'installed', False):  # the first import after the take-over\n"
+            "    if getattr(getattr(m, 'SIGNALS_STATE', None), 'installed', False):"
+            "  # the first import after the take-over\n"
             "        builtins.__import__ = real\n"
             "        os.kill(os.getpid(), signal.SIGTERM)\n"
             "    return real(name, *a, **k)\n"
             "builtins.__import__ = slow\n"
             f"sys.argv = ['{module}', '--help']\n"
-            f"runpy.run_module('{module}' + ('.__main__' if '{module}'.endswith('verify') else ''), run_name='__main__', alter_sys=True)\n")
+            f"runpy.run_module('{module}' + ('.__main__' if '{module}'.endswith('verify') else ''), "
+            "run_name='__main__', alter_sys=True)\n")
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                        env=env_for_subprocess())
     assert p.returncode == 75, p.stderr

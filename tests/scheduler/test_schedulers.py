@@ -101,7 +101,8 @@ def test_constant():
 
 SCHEDULERS = [
     pytest.param(lambda o: StepLR(o, step_size=3, gamma=0.5), id="step"),
-    pytest.param(lambda o: WarmupCosine(o, total_steps=15, warmup_steps=4, min_lr_ratio=0.05, num_cycles=0.5), id="cosine"),
+    pytest.param(lambda o: WarmupCosine(o, total_steps=15, warmup_steps=4, min_lr_ratio=0.05, num_cycles=0.5),
+                 id="cosine"),
     pytest.param(lambda o: Constant(o), id="constant"),
 ]
 

@@ -145,7 +145,8 @@ SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,sched_interval=2,bf
 SlurmdParameters=config_overrides
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} Sockets=1 CoresPerSocket={cpus} ThreadsPerCore=1 RealMemory={mem_mb} State=UNKNOWN
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} Sockets=1 CoresPerSocket={cpus} ThreadsPerCore=1 \
+RealMemory={mem_mb} State=UNKNOWN
 PartitionName={PARTITION} Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """
 

@@ -202,7 +202,8 @@ def test_mlflow_tracking_uri_of_a_server_keeps_every_artifact_on_the_server(tmp_
         assert run.info.artifact_uri.startswith("mlflow-artifacts:/"), run.info.artifact_uri
         assert {a.path for a in client.list_artifacts(run.info.run_id)}, run.data.tags.get("mlflow.runName")
     for run in [*children, *singles]:
-        assert {"curves.png", "final", "checkpoints", "hydra"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert ({"curves.png", "final", "checkpoints", "hydra"}
+                <= {a.path for a in client.list_artifacts(run.info.run_id)})
     served = _files(destination)
     assert any(p.name == "weights.safetensors" for p in served) and any(p.name == "multirun.yaml" for p in served)
     assert _files(out / "mlartifacts") == [] and not (out / "mlflow.db").exists()  # nothing on the client's side
