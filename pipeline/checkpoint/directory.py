@@ -37,6 +37,13 @@ MAX_JSON = 16 << 20  # bytes of manifest.json, extra.json or data.json: a few KB
 # characters or lexicon words, its decode_join '' or ' ', its specials a role or two (eos).
 MAX_TOKEN, MAX_JOIN, MAX_SPECIALS = 256, 16, 16
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def step_number(name: str) -> int:
+    """step-00000042 -> 42; ValueError for a name no step directory has."""
+    if (m := STEP_DIR.match(name)) is None:
+        raise ValueError(f"{name!r} is not a step directory's name")
+    return int(m.group(1))
 STORE = "checkpoints"  # what a run's store of checkpoints is called (pipeline/run/directory.py puts it in the run)
 MAX_HOPS = 8  # links followed from a path to its checkpoint directory
 LINKED = "is a symlink; a checkpoint's files must be regular files inside it"
@@ -156,7 +163,7 @@ def _at(tree, keys: tuple):
         if not ((isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree))
                 or (isinstance(k, str) and isinstance(tree, dict) and k in tree)):
             return _ABSENT
-        tree = tree[k]
+        tree = tree[k]  # type: ignore[index]  # checked just above: an int for a list, a str for a dict
     return tree
 
 
@@ -421,7 +428,7 @@ class CheckpointDir:
         saved_step = progress.get("step") if isinstance(progress, dict) else None
         if lie := _step_witnesses(directory, manifest["step"], saved_step):
             raise CheckpointError(directory, *lie)
-        if parts is not None:
+        if parts is not None and live is not None:
             try:
                 check(parts, tree)
             except StateMismatch as e:

@@ -31,7 +31,7 @@ _BUILDING: dict[str, type] = {}
 
 def builds(target: str, stored_as: str | None = None) -> Callable[[type], type]:
     """A dataclass schema for nodes whose `_target_` is `target` (in Hydra's ConfigStore as schema/<stored_as>)."""
-    def add(schema: type) -> type:
+    def add(schema: Any) -> Any:  # a class, made a dataclass carrying where Hydra stores it
         schema = dataclass(schema)
         schema.stored_as = stored_as
         _BUILDING[target] = schema  # noqa: F821 - deleted once frozen: a later @builds fails loudly
@@ -48,20 +48,16 @@ def _f(check: Callable | None = None, absent=_NONE):
                                             **({"absent": absent} if absent is not _NONE else {})})
 
 
-def _choice(name: str, *values: str) -> type[Enum]:
-    return Enum(name, {v: v for v in values})
-
-
 def name_pattern(v) -> str | None:
     return None if v is None else patterns.problem(v)
 
 
-Dtype = _choice("Dtype", "float32", "float64")
-Activation = _choice("Activation", "tanh", "relu")
-Mode = _choice("Mode", "min", "max")
+Dtype = Enum("Dtype", {"float32": "float32", "float64": "float64"})
+Activation = Enum("Activation", {"tanh": "tanh", "relu": "relu"})
+Mode = Enum("Mode", {"min": "min", "max": "max"})
 # stop: a non-finite loss or metric ends the run (failed), keeping the last good checkpoints; continue: goes on
-NonFinite = _choice("NonFinite", "stop", "continue")
-KillMode = _choice("KillMode", "none", "random")
+NonFinite = Enum("NonFinite", {"stop": "stop", "continue": "continue"})
+KillMode = Enum("KillMode", {"none": "none", "random": "random"})
 
 
 @dataclass
@@ -328,7 +324,7 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
 
 def as_written_now(node: dict) -> dict:
     """A node of a config written before some keys of its schema existed, with what their absence means."""
-    schema = SCHEMAS.get(node.get("_target_")) if isinstance(node, dict) else None
+    schema = SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None
     if schema is None:
         return node
     return {**{f.name: f.metadata["absent"] for f in fields(schema) if "absent" in f.metadata}, **node}
@@ -340,8 +336,9 @@ def validate(config: dict) -> None:
     errors: list[str] = []
     if "name" in config and (why := names.problem(config["name"])):  # the run's and the sweep's directory name
         errors.append(f"name={names.shown(config['name'])}: {why}")
-    for key, schema in (("trainer", TrainerConf), ("resume", ResumeConf), ("checkpoint", CadenceConf),
-                        ("verify", VerifyConf)):
+    fixed: tuple[tuple[str, type], ...] = (("trainer", TrainerConf), ("resume", ResumeConf),
+                                           ("checkpoint", CadenceConf), ("verify", VerifyConf))
+    for key, schema in fixed:
         if isinstance(config.get(key), dict):
             _check_node(schema, config[key], f"{key}.", errors)
     nodes = [(key, config.get(key)) for key in ("model", "optimizer", "scheduler", "data", "tracking")]
@@ -359,5 +356,5 @@ def validate(config: dict) -> None:
         raise ConfigError("; ".join(errors))
 
 
-SCHEMAS: Mapping[str, type] = MappingProxyType(dict(_BUILDING))  # read-only from here on
+SCHEMAS: Mapping[str, Any] = MappingProxyType(dict(_BUILDING))  # read-only from here on
 del _BUILDING

@@ -6,8 +6,10 @@ import difflib
 import inspect
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from hydra.utils import get_class, instantiate
@@ -38,6 +40,7 @@ def _call(node: dict, **live):
     """Build a `_target_` node with live objects passed as keyword arguments (never through the config:
     instantiate() would wrap them in DictConfigs); keyword arguments its target does not take are dropped."""
     factory = instantiate(node, _partial_=True)
+    accepted: Mapping[str, inspect.Parameter]
     try:
         accepted = inspect.signature(factory.func).parameters
     except (TypeError, ValueError):
@@ -97,12 +100,12 @@ class Job:
     state: TrainState
     sources: dict  # SOURCES keys -> sha256 of the file's bytes
     facts: dict  # the run-level manifest fields
-    tracker: object = None  # build() gives a run its tracker and run directory
+    tracker: Tracker = field(default_factory=Tracker)  # build() gives a run its tracker and run directory
     run_dir: Path | None = None
 
     @property
     def stages(self) -> list:
-        return self.state.stages.stages
+        return cast(StageStates, self.state.stages).stages
 
     @property
     def parts(self) -> dict:

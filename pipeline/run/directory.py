@@ -136,6 +136,7 @@ class RunDir:
 
     def claim(self) -> None:
         """Write this process's pid into the lock: it runs here now (its set-up was accepted)."""
+        assert self._fd is not None, "acquire() comes first"
         try:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
@@ -214,7 +215,8 @@ class RunDir:
             return []
         except OSError as e:
             raise RunFileError(self.path, self.metrics_path.name, e.strerror or str(e)) from None
-        lines, total = [], 0
+        lines: list[dict] = []
+        total = 0
         with f:  # line by line, each bounded: one planted 1 GB line costs MAX_METRICS_LINE, not gigabytes
             for number in itertools.count(1):
                 text = f.readline(MAX_METRICS_LINE + 1)
@@ -234,6 +236,7 @@ class RunDir:
                     raise RunFileError(self.path, self.metrics_path.name, f"line {number}: not an object with an "
                                                                           "integer step")
                 lines.append(line)
+        raise AssertionError("unreachable: the loop ends at the file's end")
 
     def keep_metrics(self, lines: list[dict]) -> None:
         """Replace metrics.jsonl by `lines` atomically (a resumed run appends from there)."""

@@ -85,12 +85,13 @@ class Run:
             self.metrics_kept, self.metrics_cut = metrics, metrics_cut
         own = resumed is not None and resumed.directory.parent == self.store.root  # not a fork's source
         if own:
+            assert resumed is not None
             self.retuned = identity.described(resumed.manifest["config"], self.job.config,
                                               lambda k: not identity.covered(k, list(WHERE_AND_HOW_LONG)))
         previous = self.rundir.read_status() if own else {}
         if isinstance(previous.get("started"), (int, float)):
             self.history = {"started": previous["started"], "resumes": list(previous.get("resumes") or [])}
-            if not self.complete:
+            if not self.complete and resumed is not None:
                 self.history["resumes"].append({"step": resumed.step, "time": time.time()})
 
     def settled(self) -> bool:
@@ -133,7 +134,7 @@ class Run:
     # --- training
     def train(self, eval_every: int) -> None:
         trainer = self.job.config["trainer"]
-        callbacks = [MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[self._log_line]),
+        callbacks: list[MetricsLog | Display] = [MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[self._log_line]),
                      Display(trainer["progress_bar"], trainer["log_every"])]
         try:
             self.budget.start()
@@ -179,6 +180,7 @@ class Run:
         with self.profile.phase("tracking hand-over"):
             self.job.facts["mlflow_run_uri"] = tracker.run_uri(timeout=30.0 if final else 0.0)
         with self.profile.phase("checkpoint"):
+            assert self.lineage is not None, "begin() comes before the first checkpoint"
             fields = mf.build(self.job.facts, step=self.state.step, epoch=self.state.epoch, metrics=metrics,
                               tags=tags, lineage=self.lineage)
             started = budget.monotonic()
@@ -195,6 +197,7 @@ class Run:
     def retain(self) -> None:
         """The stages' policies as they stand now (a best history restarted at the resume ranks from there)."""
         stages = self.job.stages
+        assert self.lineage is not None, "begin() comes before retention"
         keep = AnyOf((*tuple(p for s in stages if (p := s.policy()) is not None), LatestN(1)))
         self.store.retain(keep, {s.link: s.link_policy() for s in stages if s.link}, upto=self.state.step,
                           lineage=self.lineage["id"], named=tuple(n for s in stages if (n := s.named()) is not None))
@@ -258,6 +261,7 @@ class Run:
 
     def unapplied(self) -> str:
         """What of the live config differs from the config the finished run recorded."""
+        assert self.resumed is not None, "only a finished run, resumed, has a config to compare"
         return "; ".join(identity.described(self.resumed.manifest["config"], self.job.config))
 
     def _metrics(self) -> str:

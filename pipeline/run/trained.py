@@ -8,6 +8,7 @@ import copy
 import logging
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,7 @@ class UnknownTargetError(CheckpointError):
     """A checkpoint whose config names a `_target_` neither the pipeline's configs nor the user's name."""
 
 
-def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict, TrainState]:
+def restore_checkpoint(directory: Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict, TrainState]:
     """(manifest, the restored state) of a checkpoint that fully verifies: its manifest checked against itself,
     every `_target_` of its config allowed before anything is imported (UnknownTargetError), then the parts
     built and CheckpointDir.load verifying every file against them. `overrides` may give `hydra.searchpath=[...]`."""
@@ -160,13 +161,14 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
                     raise ConfigError(f"{o.input_line}: {str(e).splitlines()[0]}") from None
         node = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         if not any(o.key_or_group == "data.path" for o in parsed):
+            assert isinstance(node, dict)  # a mapping's container
             _own_source(manifest, node, directory)
     config = {"paths": {"output_dir": output_dir}, "data": node}
     validate(config)
     return config
 
 
-def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict, object]:
+def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict, Any]:  # (config, its dataset)
     from pipeline.run.assemble import build_dataset
 
     config = data_config(manifest, list(overrides), directory)
