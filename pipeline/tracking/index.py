@@ -14,7 +14,7 @@ from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.tracking import store
 from pipeline.tracking.common import (CURVES_ARTIFACT, experiment_of, metric_points, params_of, parse_run_uri,
                                       run_uri, tag_value, tags_of)
-from pipeline.sweep.summary import best_job, finite, parent_name, read_jobs
+from pipeline.sweep.summary import best_job, direction, finite, parent_name, read_jobs
 from pipeline.trainer import curves
 
 MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
@@ -212,7 +212,7 @@ def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, s
     if failed:
         tags["sweep.failures"] = tag_value("; ".join(f"job {n} ({j.get('name', '')}): {j.get('status')}: "
                                                      f"{j.get('error', '')}" for n, j in failed.items()))
-    best = best_job(jobs, sweep.get("direction", "minimize"))
+    best = best_job(jobs, sweep)
     if best is not None:
         tags.update({"best.job": str(best["num"]), "best.params": tag_value(best.get("name", "")),
                      "best.value": repr(best["objective"])})
@@ -229,7 +229,7 @@ def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, s
 
 def objective_points(sweep: dict, jobs: dict[int, dict]) -> list[tuple[str, float, int, int]]:
     """The parent's objective: at step n, the best of jobs 0..n, up to the first job not complete (then final)."""
-    key, maximize = sweep.get("objective", "objective"), sweep.get("direction") == "maximize"
+    key, maximize = sweep.get("objective", "objective"), direction(sweep) == "maximize"
     ts, best, out = int(float(sweep.get("started") or 0) * 1000), None, []
     for n in sorted(jobs):
         job = jobs[n]
