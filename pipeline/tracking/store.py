@@ -17,8 +17,7 @@ from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.exceptions import MlflowException
 
 from pipeline.files.atomic import UnsafePathError, refuse_link
-from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri, sqlite_path,
-                                      tag_value)
+from pipeline.tracking.common import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri, sqlite_path, tag_value
 from pipeline.tracking.common import artifact_root as common_artifact_root
 from pipeline.tracking.sharing import check_shared
 
