@@ -16,6 +16,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.exceptions import MlflowException
 
+from pipeline.config.errors import CommandError
 from pipeline.files.atomic import UnsafePathError, refuse_link
 from pipeline.tracking.common import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri, sqlite_path, tag_value
 from pipeline.tracking.common import artifact_root as common_artifact_root
@@ -37,7 +38,7 @@ def _quiet_migrations() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-class StoreError(Exception):
+class StoreError(CommandError):
     """An mlflow store that cannot be opened or written (one line: where, why, and what to do)."""
 
 
