@@ -133,6 +133,37 @@ def test_hydra_mode_is_composed_for_only_where_something_can_set_it(tmp_path):
     assert not mode_is_the_command_lines([], conf)
 
 
+HYDRA_METHODS = ("from hydra._internal.hydra import Hydra\n"
+                 "from hydra._internal.config_loader_impl import ConfigLoaderImpl\n"
+                 "def methods():\n"
+                 "    return Hydra.__dict__['get_mode'], ConfigLoaderImpl.__dict__['get_group_options']\n")
+
+
+@pytest.mark.parametrize("argv", [["--help"], [*KERNODECK, "tracking=none"]], ids=["help", "job"])
+def test_the_entrys_hydra_shortcuts_last_only_as_long_as_its_call(argv, tmp_path):
+    """The entry replaces Hydra's get_mode (and, for --help, get_group_options) around its one call to Hydra:
+    during it they are its own, after it returns they are Hydra's again (no process-wide change outlives it)."""
+    args = ["pipeline", *argv] + ([] if argv == ["--help"] else [f"paths.output_dir={tmp_path / 'out'}"])
+    code = (HYDRA_METHODS + "import json, sys\n"
+            "import pipeline.__main__ as m\n"
+            "import pipeline.run.job as app\n"
+            "original, during = methods(), []\n"
+            "app.main = lambda *a, **k: during.append(methods()) or 0.0\n"  # the job: only where Hydra is then
+            f"sys.argv = {args!r}\n"
+            "try:\n"
+            "    m.main()\n"
+            "except SystemExit as e:\n"
+            "    assert not e.code, e.code\n"
+            "print(json.dumps([methods() == original, [d[0] is original[0] for d in during]]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env_for_subprocess(), capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    restored, replaced_during = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert restored is True
+    if argv != ["--help"]:
+        assert replaced_during == [False]  # the job ran while get_mode was the entry's own
+
+
 def test_hydra_mode_multirun_as_an_override_still_sweeps(cli, tmp_path):
     out = tmp_path / "out"
     proc = cli("hydra.mode=MULTIRUN", *KERNODECK, "optimizer.lr=0.01,0.02", f"paths.output_dir={out}")

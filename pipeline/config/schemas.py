@@ -43,7 +43,8 @@ _NONE = object()
 
 
 def _f(check: Callable | None = None, absent=_NONE):
-    """A field; `absent`: for a key added after checkpoints were written without it, what their configs mean."""
+    """A field; `absent`: for a key added (or made non-null) after checkpoints were written without it (or with
+    null), what their configs mean. A field with `absent` is not Optional, or its `absent` is None."""
     return field(default=MISSING, metadata={**({"check": check} if check else {}),
                                             **({"absent": absent} if absent is not _NONE else {})})
 
@@ -195,13 +196,11 @@ class GrammarConf(CorpusConf):
     n_sentences: int = _f(at_least(1))
 
 
-TEXT_MAX_BYTES = 32 << 20  # data.max_bytes when null (a config from before the key); conf/data/text.yaml's value
-
-
 @builds("pipeline.data.text.TextCorpus", "data/text")
 class TextConf(CorpusConf):
     path: str = _f()
-    max_bytes: int | None = _f(null_or_at_least(1))  # null: TEXT_MAX_BYTES
+    # a config written while the key could be null (or before it) meant 32 MiB: conf/data/text.yaml's value
+    max_bytes: int = _f(at_least(1), absent=32 << 20)
 
 
 # --- stages, cadence, resume
@@ -304,6 +303,7 @@ class Config:
 
 
 def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
+    node = as_written_now(node)
     known = [f.name for f in fields(schema)]
     for key in sorted(set(node) - set(known) - {"_target_"}):  # `+trainer.max_stpes=3` passes Hydra: a typo here
         near = difflib.get_close_matches(str(key), known, n=1)
@@ -323,11 +323,14 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
 
 
 def as_written_now(node: dict) -> dict:
-    """A node of a config written before some keys of its schema existed, with what their absence means."""
+    """A node of a config written before some keys of its schema existed (or could be null), with what their
+    absence (or null) means: the one place an old config's missing or null key gets its meaning."""
     schema = SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None
     if schema is None:
         return node
-    return {**{f.name: f.metadata["absent"] for f in fields(schema) if "absent" in f.metadata}, **node}
+    old = {f.name: f.metadata["absent"] for f in fields(schema)
+           if "absent" in f.metadata and node.get(f.name) is None}
+    return {**node, **old}
 
 
 def validate(config: dict) -> None:

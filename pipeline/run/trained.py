@@ -16,7 +16,7 @@ from pipeline.checkpoint.directory import CheckpointDir, weights_bytes
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.config import identity, targets
 from pipeline.config.errors import ConfigError
-from pipeline.config.schemas import SCHEMAS, validate
+from pipeline.config.schemas import SCHEMAS, as_written_now, validate
 from pipeline.data.base import DataSpec, inference_facts
 from pipeline.run.directory import RunDir
 from pipeline.stateful import restore
@@ -150,7 +150,7 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
         except (HydraException, OmegaConfBaseException) as e:
             raise ConfigError(f"bad override: {error_line(e)}") from None
     else:
-        node = copy.deepcopy(manifest["config"]["data"])
+        node = as_written_now(copy.deepcopy(manifest["config"]["data"]))  # a key it predates, or null then
         schema = SCHEMAS.get(node.get("_target_"))  # the checkpoint's data node, typed by its schema
         cfg = OmegaConf.merge(OmegaConf.structured(schema), node) if schema else OmegaConf.create(node)
         for o in parsed:

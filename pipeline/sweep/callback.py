@@ -354,7 +354,7 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
     status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
     sweep.update(status=status, ended_at=time.time(), error=error)
     replace_file(directory / "sweep.json", jsonio.dumps(sweep))
-    table = sweep_table(sweep, jobs, best_job(jobs, sweep["direction"]), parent.end(sweep))
+    table = sweep_table(sweep, jobs, best_job(jobs, sweep), parent.end(sweep))
     return {"status": status, "failed": failed, "jobs": jobs, "table": table}
 
 

@@ -11,7 +11,7 @@ from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.files import jsonio
 from pipeline.run.directory import RunBusyError, RunDir
-from pipeline.sweep.summary import best_job, finite, parent_name, read_jobs
+from pipeline.sweep.summary import best_job, direction, finite, parent_name, read_jobs
 from pipeline.tracking import store
 from pipeline.tracking.common import (
     CURVES_ARTIFACT,
@@ -167,8 +167,9 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     # the index too (a rebuild from disk never sees it; the run's resume.N tags keep where each resume started).
     # A damaged one is still on disk: kept.
     kept = {d.name for _, d in rundir.store.steps()}
-    for name in sorted({a.split("/")[1] for a in have if a.startswith("checkpoints/") and a.count("/") == 2} - kept):
-        repo.delete_artifacts(f"checkpoints/{name}")
+    folder = rundir.store.root.relative_to(rundir.path).as_posix()  # the artifacts mirror the run's layout
+    for name in sorted({a.split("/")[1] for a in have if a.startswith(f"{folder}/") and a.count("/") == 2} - kept):
+        repo.delete_artifacts(f"{folder}/{name}")
     for artifact, source in todo:
         size = len(source) if isinstance(source, bytes) else source.stat().st_size
         if have.get(artifact) != size:
@@ -221,7 +222,7 @@ def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, s
     if failed:
         tags["sweep.failures"] = tag_value("; ".join(f"job {n} ({j.get('name', '')}): {j.get('status')}: "
                                                      f"{j.get('error', '')}" for n, j in failed.items()))
-    best = best_job(jobs, sweep.get("direction", "minimize"))
+    best = best_job(jobs, sweep)
     if best is not None:
         tags.update({"best.job": str(best["num"]), "best.params": tag_value(best.get("name", "")),
                      "best.value": repr(best["objective"])})
@@ -238,7 +239,7 @@ def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, s
 
 def objective_points(sweep: dict, jobs: dict[int, dict]) -> list[tuple[str, float, int, int]]:
     """The parent's objective: at step n, the best of jobs 0..n, up to the first job not complete (then final)."""
-    key, maximize = sweep.get("objective", "objective"), sweep.get("direction") == "maximize"
+    key, maximize = sweep.get("objective", "objective"), direction(sweep) == "maximize"
     ts, best, out = int(float(sweep.get("started") or 0) * 1000), None, []
     for n in sorted(jobs):
         job = jobs[n]

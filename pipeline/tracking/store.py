@@ -9,6 +9,7 @@ import sqlite3
 import tempfile
 import time
 from contextlib import closing, contextmanager, nullcontext, suppress
+from functools import cache
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -21,14 +22,20 @@ from pipeline.tracking.common import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artif
 from pipeline.tracking.common import artifact_root as common_artifact_root
 from pipeline.tracking.sharing import check_shared
 
-for _name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." etc.
-    logging.getLogger(_name).setLevel(logging.WARNING)
-
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 # A server that is down fails in seconds, not minutes. mlflow reads these from the environment at each request
 # only, so open_client sets them (unless the user did) in the process that opens a client, never on import.
 HTTP_SETTINGS = (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
                  ("MLFLOW_HTTP_REQUEST_TIMEOUT", "20"))
+
+
+@cache
+def _quiet_migrations() -> None:
+    """mlflow's and alembic's "Creating initial MLflow database tables..." and each migration's lines at INFO: a
+    store is made or migrated where the user did not ask to watch it. Set once, where a store is first opened,
+    never on import (importing a module changes no process state)."""
+    for name in ("mlflow.store.db.utils", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 class StoreError(CommandError):
@@ -49,6 +56,7 @@ def template_db() -> Path | None:
     """One migrated, empty sqlite store per mlflow version and user in $XDG_CACHE_HOME/pipeline, made once under
     a lock: a fresh store is a copy of it, not 2-4 s of schema migrations. It holds no experiment (each copy
     makes its own Default one, keeping artifacts where its caller says). None if it cannot be made."""
+    _quiet_migrations()
     import mlflow
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
@@ -90,6 +98,7 @@ def _copy_template(db: Path) -> None:
 def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
     """A client whose store is open; a new sqlite store is made here, once, under the lock (a copy of the template,
     its artifacts under `artifact_root`, never the working directory). StoreError (one line) if it cannot be."""
+    _quiet_migrations()
     for key, value in HTTP_SETTINGS:
         os.environ.setdefault(key, value)
     db = sqlite_path(uri)

@@ -254,7 +254,8 @@ def test_help_lists_what_hydras_own_help_lists(tmp_path):
     ours = run_pipeline(["--help"], tmp_path)
     env = env_for_subprocess()
     plain = subprocess.run([sys.executable, "-c", "import sys, runpy; from pipeline import __main__ as m; "
-                            "m._one_repository_for_help = lambda: None; sys.argv = ['pipeline', '--help']; m.main()"],
+                            "m._one_repository_for_help = lambda stack: None; "
+                            "sys.argv = ['pipeline', '--help']; m.main()"],
                            cwd=tmp_path, env=env, capture_output=True, text=True)
     assert ours.returncode == 0 and plain.returncode == 0, ours.stderr + plain.stderr
     assert ours.stdout == plain.stdout

@@ -82,7 +82,8 @@ def test_a_job_of_an_interrupted_sweep_that_never_started_is_recorded_and_shown_
     r = record_of(tmp_path)
     assert (r["status"], r["code"]) == ("not started", EXIT_PREEMPTED)  # the sweep's end still says interrupted
     assert "interrupted before this job started" in capsys.readouterr().err
-    table = sweep_table({"id": "abc", "swept": {"optimizer.lr": "0.1"}}, {3: r}, None, ["not tracked"])
+    table = sweep_table({"id": "abc", "swept": {"optimizer.lr": "0.1"}, "direction": "minimize"}, {3: r}, None,
+                        ["not tracked"])
     assert table[0].endswith("1 jobs (1 not started), objective (min)") and table[2].split()[-2:] == ["not", "started"]
 
 

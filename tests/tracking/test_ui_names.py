@@ -52,7 +52,7 @@ def test_every_printed_address_opens_the_runs_view():
         block = end_block(status="complete", step=1, run_dir=PROJECT_ROOT, best=None, links={"final": None},
                           curve=None, run_uri=uri, tracking_uri=store, overrides=[], samples=False, experiment_id="3")
         assert f"  mlflow      {ui}/#/experiments/3/runs/{RID}{RUNS_VIEW}" in block.splitlines()
-        sweep = {"id": "s", "name": "n", "swept": {"optimizer.lr": "0.1,0.3"}, "uri": store}
+        sweep = {"id": "s", "name": "n", "swept": {"optimizer.lr": "0.1,0.3"}, "uri": store, "direction": "minimize"}
         jobs = {0: {"num": 0, "overrides": ["optimizer.lr=0.1"], "objective": 1.0, "status": "complete",
                     "name": "optimizer.lr=0.1", "run_uri": uri}}
         table = sweep_table(sweep, jobs, jobs[0], [run_page(uri), "its runs: x"])
