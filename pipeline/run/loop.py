@@ -134,8 +134,9 @@ class Run:
     # --- training
     def train(self, eval_every: int) -> None:
         trainer = self.job.config["trainer"]
-        callbacks: list[MetricsLog | Display] = [MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[self._log_line]),
-                     Display(trainer["progress_bar"], trainer["log_every"])]
+        callbacks: list[MetricsLog | Display] = [
+            MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[self._log_line]),
+            Display(trainer["progress_bar"], trainer["log_every"])]
         try:
             self.budget.start()
             fit(self.state, eval_every, self.step_end, callbacks, self.profile)
