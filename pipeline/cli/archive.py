@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from pipeline.checkpoint.directory import STEP_DIR, CheckpointDir, step_dir_name
 from pipeline.checkpoint.store import CheckpointStore
@@ -126,6 +127,7 @@ def plan(source: Path, which: str) -> list[RunPlan]:
                 raise BadSource(f"{runs_dir / n}: the run of a job of sweep {source.name} is not there")
             plans += plan(runs_dir / n, which)
         return plans
+    run_dir: Path | None
     if kind == "run":
         run_dir = Path(os.path.realpath(source))
         chosen, links = _select(RunDir(run_dir).store, which)
@@ -423,11 +425,10 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     (resumed_run,) = [p for p in (scratch / "out" / "runs").iterdir() if p.is_dir()]
     got = [ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end]  # a preempted run goes on past end
     want = [ln for ln in archived if ln["step"] > step]
-    compared = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
-    final = RunDir(resumed_run).store
-    original_final = store.link_dir("final")
-    if original_final is not None and final.link_dir("final") is not None and step < end:
-        a, bb = CheckpointDir(original_final).manifest(), CheckpointDir(final.link_dir("final")).manifest()["files"]
+    compared: dict[str, Any] = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
+    original_final, resumed_final = store.link_dir("final"), RunDir(resumed_run).store.link_dir("final")
+    if original_final is not None and resumed_final is not None and step < end:
+        a, bb = CheckpointDir(original_final).manifest(), CheckpointDir(resumed_final).manifest()["files"]
         compared["final_step"] = a["step"]
         compared["final_files_equal"] = {n: e["sha256"] == bb.get(n, {}).get("sha256") for n, e in a["files"].items()}
     ok = compared["metrics_equal"] and all(compared.get("final_files_equal", {}).values())
@@ -541,13 +542,13 @@ def _build_archive(source: Path, dest: Path, which: str, with_data: bool, extra:
     keep_tmp = False
     try:
         b = Builder(tmp)
-        exported = {"runs": {}}
-        for p in plans:
-            exported["runs"][p.name] = run = archive_run(b, p, with_data)
-            identity = jsonio.read(tmp / "runs" / p.name / "data-identity.json", MAX_SMALL)
-            overrides = _resume_overrides(run_overrides(tmp / "runs" / p.name) or [], tmp, identity, extra)
+        exported: dict[str, Any] = {"runs": {}}
+        for run_plan in plans:
+            exported["runs"][run_plan.name] = run = archive_run(b, run_plan, with_data)
+            identity = jsonio.read(tmp / "runs" / run_plan.name / "data-identity.json", MAX_SMALL)
+            overrides = _resume_overrides(run_overrides(tmp / "runs" / run_plan.name) or [], tmp, identity, extra)
             run["resume_overrides"] = [o.replace(str(tmp), str(dest)) for o in overrides]
-            run["model"] = p.newest["config"]["model"].get("_target_")
+            run["model"] = run_plan.newest["config"]["model"].get("_target_")
         if _kind(source) == "sweep":  # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
             name = Path(os.path.realpath(source)).name
             for f in (p for p in sorted(Path(source).iterdir()) if not p.is_dir() or p.is_symlink()):

@@ -14,6 +14,7 @@ import sys
 import tempfile
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError, ConfigError
 from pipeline.run.signals import command, run_command
@@ -37,7 +38,7 @@ def signature_of(manifest: dict, model, prompt: str = ""):
     if hasattr(model, "logits"):
         return None, [{"prompt": prompt, "max_new_tokens": 4, "seed": 0}]
     spec = manifest["data_spec"]
-    dtype = getattr(model, "dtype", "float64")
+    dtype: Any = getattr(model, "dtype", "float64")  # a numpy dtype or its name: TensorSpec takes both
     inputs = Schema([TensorSpec(dtype, (-1, spec["n_features"]))])
     import numpy as np
 
@@ -68,7 +69,7 @@ def using_store(uri: str):
     from mlflow.tracking._tracking_service import utils as tracking
 
     env = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
-    saved = tracking._tracking_uri, registry._registry_uri
+    saved: tuple[Any, Any] = tracking._tracking_uri, registry._registry_uri
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     try:

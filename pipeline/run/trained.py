@@ -151,7 +151,7 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
             raise ConfigError(f"bad override: {error_line(e)}") from None
     else:
         node = as_written_now(copy.deepcopy(manifest["config"]["data"]))  # a key it predates, or null then
-        schema = SCHEMAS.get(node.get("_target_"))  # the checkpoint's data node, typed by its schema
+        schema = SCHEMAS.get(str(node.get("_target_")))  # the checkpoint's data node, typed by its schema
         cfg = OmegaConf.merge(OmegaConf.structured(schema), node) if schema else OmegaConf.create(node)
         for o in parsed:
             if o.key_or_group.startswith("data."):

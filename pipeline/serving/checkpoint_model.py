@@ -71,7 +71,7 @@ class CheckpointModel(PythonModel):
 
         self.directory = Path(context.artifacts[CHECKPOINT])
         _, state = restore_checkpoint(self.directory)
-        self.model = state.model
+        self.model: Any = state.model  # a MiniGPT (logits) or a regression model (predict)
         self.generates = hasattr(self.model, "logits") and hasattr(self.model, "block_size")
         if self.generates:
             self.vocab, self.join, self.eos = read_vocab(self.directory, context.artifacts.get(VOCAB))

@@ -77,7 +77,7 @@ def job_count(task_overrides: list[str], sweeper: dict) -> int:
         value = o.value() if o.is_sweep_override() else None
         if isinstance(value, ChoiceSweep):
             n *= len(value.list)
-        elif isinstance(value, RangeSweep) and value.step:
+        elif isinstance(value, RangeSweep) and value.step and value.start is not None and value.stop is not None:
             n *= max(0, math.ceil((value.stop - value.start) / value.step))
     return n
 
@@ -176,7 +176,8 @@ def job_of(hydra_cfg) -> SweepJob:
     try:
         sweep = jsonio.read(path, 1 << 24)
     except (OSError, jsonio.JSONError) as e:
-        problem = str(e) if isinstance(e, (reading.UnreadableFile, jsonio.JSONError)) else f"{path}: {e.strerror}"
+        problem: str | None = (str(e) if isinstance(e, (reading.UnreadableFile, jsonio.JSONError))
+                               else f"{path}: {e.strerror}")
     else:
         ok = isinstance(sweep, dict) and isinstance(sweep.get("id"), str) and isinstance(sweep.get("swept"), dict)
         offset = sweep.get("job_offset") if ok else None
@@ -277,6 +278,7 @@ class SweepCallback(Callback):
             self.parent.warm(self.sweep)
 
     def _launching(self) -> None:
+        assert self.sweep is not None, "on_multirun_start comes first"
         self.launched = True
         self.parent.start(self.sweep)
         log.info("sweep %s: %s", self.sweep["id"], self.sweep["dir"])

@@ -108,8 +108,8 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
                      "-" if v is None else f"{v:.6g}", str(j.get("status", "unknown"))])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     numeric = {0, len(widths) - 2}  # the job number and the objective: right-aligned
-    for r, j in zip(rows, [None, *shown]):
-        mark = "*" if j is not None and best is not None and j["num"] == best["num"] else " "
+    for r, row_job in zip(rows, [None, *shown]):  # the header row has no job
+        mark = "*" if row_job is not None and best is not None and row_job["num"] == best["num"] else " "
         cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
         lines.append(f"  {mark} " + "  ".join(cells).rstrip())
     if len(jobs) > len(shown):

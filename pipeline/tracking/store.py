@@ -8,7 +8,7 @@ import shutil
 import sqlite3
 import tempfile
 import time
-from contextlib import closing, contextmanager, nullcontext, suppress
+from contextlib import AbstractContextManager, closing, contextmanager, nullcontext, suppress
 from functools import cache
 from pathlib import Path
 
@@ -109,7 +109,7 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
         except UnsafePathError as e:
             raise StoreError(f"the mlflow store cannot be opened: {e}") from None
     try:
-        lock = nullcontext()
+        lock: AbstractContextManager = nullcontext()
         if db is not None:
             from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore  # the slow import, outside the lock
 
@@ -183,7 +183,7 @@ def _first(client: MlflowClient, ids: list[str], where: str, order: str):
     return None
 
 
-def find_run(client: MlflowClient, run_dir: str, candidates: list[str] = ()):
+def find_run(client: MlflowClient, run_dir: str, candidates: list[str] | tuple[str, ...] = ()):
     """The run indexing `run_dir`: a candidate id (from a manifest) whose run_dir tag agrees (not a fork's), else
     the newest run tagged with it; None if there is none."""
     for rid in filter(None, candidates):
@@ -232,7 +232,7 @@ def log_points(client: MlflowClient, run_id: str, points: list[tuple[str, float,
 
 def _batches(client: MlflowClient, run_id: str, kind: str, items: list, size: int) -> int:
     for i in range(0, len(items), size):
-        client.log_batch(run_id, **{kind: items[i:i + size]})
+        client.log_batch(run_id, **{kind: items[i:i + size]})  # type: ignore[arg-type]  # metrics, params or tags
     return len(items)
 
 
@@ -252,13 +252,14 @@ def log_file_as(repo, artifact_file: str, *, data: bytes | None = None, source: 
         if data is not None:
             local.write_bytes(data)
         else:
+            assert source is not None  # one of data and source
             os.symlink(Path(source).resolve(), local)  # the artifact store copies the target's bytes
         repo.log_artifact(str(local), artifact_dir or None)
 
 
 def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, int]:
     """artifact path -> size of every file under `path` (a few levels deep)."""
-    out = {}
+    out: dict[str, int] = {}
     try:
         infos = repo.list_artifacts(path)
     except (MlflowException, OSError):
