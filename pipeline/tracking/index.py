@@ -12,8 +12,8 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.tracking import store
-from pipeline.tracking.common import (CURVES_ARTIFACT, experiment_of, metric_points, params_of, parse_run_uri,
-                                      run_uri, tag_value, tags_of)
+from pipeline.tracking.common import (CURVES_ARTIFACT, DERIVED_RUN_TAGS, experiment_of, metric_points, params_of,
+                                      parse_run_uri, run_uri, tag_value, tags_of)
 from pipeline.sweep.summary import best_job, finite, parent_name, read_jobs
 from pipeline.trainer import curves
 
@@ -82,7 +82,7 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         tags["mlflow.parentRunId"] = run.data.tags["mlflow.parentRunId"]
     run_id = run.info.run_id
     added["params"] = store.sync_params(client, run, params_of(config))
-    added["tags"] = store.sync_tags(client, run, tags)
+    added["tags"] = store.sync_tags(client, run, tags, DERIVED_RUN_TAGS)
     latest = {}
     for line in lines:
         for p in metric_points(line):
@@ -285,10 +285,7 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
                     synced[str(Path(job["run_dir"]).resolve())] = r
     run = client.get_run(parent["run_id"])
     tags, status = parent_tags(client, sweep, jobs)
-    store.sync_tags(client, run, tags)
-    for key in DERIVED_PARENT_TAGS:
-        if key in run.data.tags and key not in tags:
-            client.delete_tag(run.info.run_id, key)
+    store.sync_tags(client, run, tags, DERIVED_PARENT_TAGS)
     points = objective_points(sweep, jobs)
     logged = store.logged_steps(client, run.info.run_id, {p[0] for p in points})
     store.log_points(client, run.info.run_id, [p for p in points if (p[0], p[3]) not in logged])
