@@ -18,6 +18,9 @@ from pipeline.sweep.summary import best_job, finite, parent_name, read_jobs
 from pipeline.trainer import curves
 
 MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
+# An artifact this small is compared by content, not size: a resume rewrites .hydra/*.yaml in place, a new history
+# makes step directories of the same names (its weights, too big to read, follow their manifest).
+MAX_COMPARED_BYTES = 1 << 20
 STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
 
 
@@ -140,7 +143,7 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     have = store.artifact_sizes(repo)
     final = rundir.store.link_dir("final")
     reads = [(d.relative_to(rundir.path).as_posix(), CheckpointDir.manifest_file, d) for d, _ in found]
-    reads += [("final", CheckpointDir.weights_file, final), ("final", CheckpointDir.manifest_file, final)] if final else []
+    reads += [("final", CheckpointDir.manifest_file, final), ("final", CheckpointDir.weights_file, final)] if final else []
     todo: list[tuple[str, Path | bytes]] = []
     for folder, read, directory in reads:  # the store reads a checkpoint's files: never a link or a FIFO
         try:
@@ -160,9 +163,13 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     kept = {d.name for _, d in rundir.store.steps()}
     for name in sorted({a.split("/")[1] for a in have if a.startswith("checkpoints/") and a.count("/") == 2} - kept):
         repo.delete_artifacts(f"checkpoints/{name}")
+    final_changed = False
     for artifact, source in todo:
         size = len(source) if isinstance(source, bytes) else source.stat().st_size
-        if have.get(artifact) != size:
+        if have.get(artifact) != size or (size <= MAX_COMPARED_BYTES and store.artifact_bytes(repo, artifact, have) !=
+                                          (source if isinstance(source, bytes) else source.read_bytes())) \
+                or (final_changed and artifact.startswith("final/")):
+            final_changed = final_changed or artifact.startswith("final/")  # the weights follow their manifest
             store.log_file_as(repo, artifact, **{"data" if isinstance(source, bytes) else "source": source})
             added += 1
     png = curves_png(rundir, lines)
