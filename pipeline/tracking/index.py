@@ -143,7 +143,8 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     have = store.artifact_sizes(repo)
     final = rundir.store.link_dir("final")
     reads = [(d.relative_to(rundir.path).as_posix(), CheckpointDir.manifest_file, d) for d, _ in found]
-    reads += [("final", CheckpointDir.manifest_file, final), ("final", CheckpointDir.weights_file, final)] if final else []
+    if final:  # its manifest first: the weights are logged again when it is
+        reads += [("final", CheckpointDir.manifest_file, final), ("final", CheckpointDir.weights_file, final)]
     todo: list[tuple[str, Path | bytes]] = []
     for folder, read, directory in reads:  # the store reads a checkpoint's files: never a link or a FIFO
         try:
@@ -161,8 +162,9 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     # the index too (a rebuild from disk never sees it; the run's resume.N tags keep where each resume started).
     # A damaged one is still on disk: kept.
     kept = {d.name for _, d in rundir.store.steps()}
-    for name in sorted({a.split("/")[1] for a in have if a.startswith("checkpoints/") and a.count("/") == 2} - kept):
-        repo.delete_artifacts(f"checkpoints/{name}")
+    folder = rundir.store.root.relative_to(rundir.path).as_posix()  # the artifacts mirror the run's layout
+    for name in sorted({a.split("/")[1] for a in have if a.startswith(f"{folder}/") and a.count("/") == 2} - kept):
+        repo.delete_artifacts(f"{folder}/{name}")
     final_changed = False
     for artifact, source in todo:
         size = len(source) if isinstance(source, bytes) else source.stat().st_size
