@@ -144,7 +144,7 @@ class Agent:
                 tags["mlflow.parentRunId"] = run.data.tags["mlflow.parentRunId"]  # stays with its first sweep
             if run.info.status != "RUNNING":
                 client.update_run(run.info.run_id, status="RUNNING")
-            self.store.sync_tags(client, run, tags)
+            self.store.sync_tags(client, run, tags, self.common.DERIVED_RUN_TAGS)
         self.store.sync_params(client, run, m["params"])
         s.run_id = run.info.run_id
         s.repo = self.store.artifact_repo(client, s.run_id)

@@ -142,6 +142,11 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # mlflow 3's marking of an experi
 EXPERIMENT_KIND = "custom_model_development"  # "Machine learning": runs, not GenAI traces
 
 
+# The tags tags_of takes from the newest manifest that a later one may no longer say (a resume without the first
+# process's trainer.max_time): deleted then, so that the live run holds what a rebuild from disk does.
+DERIVED_RUN_TAGS = ("config.", "allowed_changes", "mlflow.source.git.commit")
+
+
 def params_of(config: dict) -> dict[str, str]:
     """The flattened resolved config as mlflow params (dotted keys, values as text), machine keys left out."""
     return {k: param_value(v) for k, v in flatten(config).items() if not is_machine_key(k)}

@@ -17,6 +17,7 @@ from pipeline.sweep.summary import best_job, direction, finite, parent_name, rea
 from pipeline.tracking import store
 from pipeline.tracking.common import (
     CURVES_ARTIFACT,
+    DERIVED_RUN_TAGS,
     experiment_of,
     metric_points,
     params_of,
@@ -28,7 +29,14 @@ from pipeline.tracking.common import (
 from pipeline.trainer import curves
 
 MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
+# An artifact this small is compared by content, not size: a resume rewrites .hydra/*.yaml in place, a new history
+# makes step directories of the same names (its weights, too big to read, follow their manifest).
+MAX_COMPARED_BYTES = 1 << 20
 STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
+
+
+def _bytes_of(source: Path | bytes) -> bytes:
+    return source if isinstance(source, bytes) else source.read_bytes()  # a small regular file (checked above)
 
 
 def manifests(rundir: RunDir, damaged: list[str] | None = None) -> list[tuple[Path, dict]]:
@@ -94,7 +102,7 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         tags["mlflow.parentRunId"] = run.data.tags["mlflow.parentRunId"]
     run_id = run.info.run_id
     added["params"] = store.sync_params(client, run, params_of(config))
-    added["tags"] = store.sync_tags(client, run, tags)
+    added["tags"] = store.sync_tags(client, run, tags, DERIVED_RUN_TAGS)
     latest = {}
     for line in lines:
         for p in metric_points(line):
@@ -153,8 +161,8 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     final = rundir.store.link_dir("final")
     reads: list[tuple[str, Callable[[CheckpointDir], Path | tuple[str, bytes]], Path]] = [
         (d.relative_to(rundir.path).as_posix(), CheckpointDir.manifest_file, d) for d, _ in found]
-    if final:
-        reads += [("final", CheckpointDir.weights_file, final), ("final", CheckpointDir.manifest_file, final)]
+    if final:  # its manifest first: the weights are logged again when it is
+        reads += [("final", CheckpointDir.manifest_file, final), ("final", CheckpointDir.weights_file, final)]
     todo: list[tuple[str, Path | bytes]] = []
     for folder, read, directory in reads:  # the store reads a checkpoint's files: never a link or a FIFO
         try:
@@ -174,9 +182,13 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     folder = rundir.store.root.relative_to(rundir.path).as_posix()  # the artifacts mirror the run's layout
     for name in sorted({a.split("/")[1] for a in have if a.startswith(f"{folder}/") and a.count("/") == 2} - kept):
         repo.delete_artifacts(f"{folder}/{name}")
+    final_changed = False
     for artifact, source in todo:
         size = len(source) if isinstance(source, bytes) else source.stat().st_size
-        if have.get(artifact) != size:
+        if have.get(artifact) != size or (size <= MAX_COMPARED_BYTES and store.artifact_bytes(repo, artifact, have) !=
+                                          _bytes_of(source)) \
+                or (final_changed and artifact.startswith("final/")):
+            final_changed = final_changed or artifact.startswith("final/")  # the weights follow their manifest
             if isinstance(source, bytes):
                 store.log_file_as(repo, artifact, data=source)
             else:
@@ -302,10 +314,7 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
                     synced[str(Path(job["run_dir"]).resolve())] = r
     run = client.get_run(parent["run_id"])
     tags, status = parent_tags(client, sweep, jobs)
-    store.sync_tags(client, run, tags)
-    for key in DERIVED_PARENT_TAGS:
-        if key in run.data.tags and key not in tags:
-            client.delete_tag(run.info.run_id, key)
+    store.sync_tags(client, run, tags, DERIVED_PARENT_TAGS)
     points = objective_points(sweep, jobs)
     logged = store.logged_steps(client, run.info.run_id, {p[0] for p in points})
     store.log_points(client, run.info.run_id, [p for p in points if (p[0], p[3]) not in logged])

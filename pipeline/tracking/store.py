@@ -214,10 +214,15 @@ def sync_params(client: MlflowClient, run, params: dict[str, str]) -> int:
     return _batches(client, run.info.run_id, "params", new, PARAMS_PER_BATCH) + sync_tags(client, run, changed)
 
 
-def sync_tags(client: MlflowClient, run, tags: dict[str, str]) -> int:
-    """Set the tags whose value differs (tags, unlike params, follow the manifest). Returns how many."""
+def sync_tags(client: MlflowClient, run, tags: dict[str, str], derived: tuple[str, ...] = ()) -> int:
+    """Set the tags whose value differs (tags, unlike params, follow the manifest), and delete the run's tags
+    among `derived` (a key, or every key under a prefix ending in `.`) that `tags` no longer says. Returns how many."""
     todo = [RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v]
-    return _batches(client, run.info.run_id, "tags", todo, TAGS_PER_BATCH)
+    stale = [k for k in run.data.tags if k not in tags and any(k == d or (d.endswith(".") and k.startswith(d))
+                                                                for d in derived)]
+    for key in stale:
+        client.delete_tag(run.info.run_id, key)
+    return _batches(client, run.info.run_id, "tags", todo, TAGS_PER_BATCH) + len(stale)
 
 
 def logged_steps(client: MlflowClient, run_id: str, keys) -> set[tuple[str, int]]:

@@ -1,8 +1,12 @@
 """The comparison of a live mlflow index with one rebuilt from disk: every run, field by field."""
 from __future__ import annotations
 
+import sqlite3
 import tempfile
+from contextlib import closing
 from pathlib import Path
+
+from pipeline.tracking.common import sqlite_path
 
 # Tags that say which store a run is in, not what is on disk: left out of the comparison (the parent link and
 # best.run_id are compared as the runs they name).
@@ -19,6 +23,18 @@ def artifacts(client, run_id: str) -> dict[str, bytes]:
 def snapshot(uri: str, experiments: tuple[str, ...] = ()) -> dict:
     """Every run of the store (of these experiments, if named), keyed by what names it on disk (its run_dir, its
     sweep's id and job number); artifacts read through the store (a local directory or a server's)."""
+    db = sqlite_path(uri)
+    if db is None:
+        return _snapshot(uri, experiments)
+    # mlflow keeps one engine per store URI for the life of the process: a store moved aside (reindex --rebuild)
+    # and made anew at the same path would be read from the old file. A copy at a path of its own is read instead.
+    with tempfile.TemporaryDirectory() as tmp, closing(sqlite3.connect(db)) as src, \
+            closing(sqlite3.connect(Path(tmp) / db.name)) as copy:
+        src.backup(copy)
+        return _snapshot(f"sqlite:///{Path(tmp) / db.name}", experiments)
+
+
+def _snapshot(uri: str, experiments: tuple[str, ...]) -> dict:
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)

@@ -89,3 +89,28 @@ def test_a_rebuilt_index_holds_what_the_live_one_does(tmp_path):
                              env=env_for_subprocess(), capture_output=True, text=True)
     assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
     same_index(live, snapshot(uri))
+
+
+def test_a_resume_that_drops_a_machine_key_leaves_no_tag_of_it(tmp_path):
+    """A first process under a time budget (exit 75) and a resume without one: the live index says the run as the
+    resume ended it (no `config.trainer.max_time`, no `config.trainer.threads`), as a rebuild from disk does."""
+    out, cwd = tmp_path / "out", tmp_path / "cwd"
+    uri = f"sqlite:///{out}/mlflow.db"
+    long = ("trainer.max_steps=400", "checkpoint=every_n_steps", "checkpoint.every_steps=50", "trainer.eval_every=50")
+    budget = Proc([*KERNODECK[:1], "tracking=mlflow", f"paths.output_dir={out}", "trainer.progress_bar=false", *long,
+                   "trainer.max_time=00:00:00:02", "trainer.threads=1"], cwd, env={"PIPELINE_CHAOS_PACE": "0.01"})
+    assert budget.wait() == 75, budget.stderr[-3000:]
+    assert wait_idle(uri)
+    (first,) = snapshot(uri).values()
+    assert first["status"] == "KILLED" and first["tags"]["config.trainer.max_time"] == "00:00:00:02"
+    assert first["tags"]["config.trainer.threads"] == "1"
+    pipeline(out, cwd, *long)
+    live = snapshot(uri)
+    (run,) = live.values()
+    assert run["status"] == "FINISHED" and run["tags"]["resumes"] == "1"
+    assert not {"config.trainer.max_time", "config.trainer.threads"} & set(run["tags"]), run["tags"]
+
+    rebuilt = subprocess.run([sys.executable, "-m", "pipeline.reindex", str(out), "--rebuild"],
+                             env=env_for_subprocess(), capture_output=True, text=True)
+    assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
+    same_index(live, snapshot(uri))
