@@ -127,11 +127,14 @@ def test_importing_the_mlflow_side_changes_no_more_of_the_environment_than_mlflo
 
     code = ("import os, sys; before = dict(os.environ); __import__(sys.argv[1]); "
             "print(sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)))")
-    changed = {m: subprocess.run([sys.executable, "-c", code, m], capture_output=True, text=True,
-                                 cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+    changed = {m: set(json.loads(subprocess.run([sys.executable, "-c", code, m], capture_output=True, text=True,
+                                                cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+                                 .replace("'", '"')))
                for m in ("mlflow", "pipeline.tracking.store", "pipeline.tracking.agent")}
-    assert changed["pipeline.tracking.store"] == changed["mlflow"] == changed["pipeline.tracking.agent"], changed
-    assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in changed["mlflow"]
+    # mlflow's own import may set its telemetry session id (not every time): ours add nothing to what it sets
+    assert changed["pipeline.tracking.store"] <= changed["mlflow"], changed
+    assert changed["pipeline.tracking.agent"] <= changed["mlflow"], changed
+    assert not any(k.startswith("MLFLOW_HTTP_") for k in set().union(*changed.values())), changed
 
 
 def test_importing_the_mlflow_side_changes_no_logger_level_and_opening_a_store_quiets_its_migrations(tmp_path):
