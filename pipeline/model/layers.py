@@ -165,7 +165,7 @@ def gelu_forward(x: np.ndarray):
             z *= xs  # z = -2u
             np.exp(z, out=h)  # e
             h += 1.0
-            np.reciprocal(h, out=h)  # h = 1 / (1 + e)
+            np.divide(1.0, h, out=h)  # h = 1 / (1 + e): the same bits as np.reciprocal, at about half its time
             np.multiply(xs, h, out=o)  # x h
             np.multiply(x2, -6.0 * _GELU_A * _GELU_C, out=z)
             z += -2.0 * _GELU_C  # z'
