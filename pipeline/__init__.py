@@ -1,6 +1,34 @@
 """A declarative numpy training pipeline whose resumed run equals the run that never stopped (ARCHITECTURE.md).
-The tools in pipeline/cli/ run as `python -m pipeline.<tool>` and import as pipeline.cli.<tool>: that folder is on
-this package's search path."""
-import os as _os
 
-__path__.append(_os.path.join(__path__[0], "cli"))
+Each tool is a module of pipeline/cli/ run as `python -m pipeline TOOL ...` (pipeline/__main__.py). The older
+spelling `python -m pipeline.TOOL ...` still works: the finder below answers for `pipeline.TOOL` with that same
+module object (imported), or with the one entry's dispatch to it (run as a program)."""
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+
+TOOLS = ("archive", "evaluate", "export_hf", "register", "reindex", "roundtrip", "sample", "show")
+
+
+class _ToolNames(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
+    """`pipeline.sample` is `pipeline.cli.sample`; `python -m pipeline.sample` is `python -m pipeline sample`."""
+
+    def find_spec(self, name, path=None, target=None):
+        tool = name.removeprefix(f"{__name__}.")
+        if tool not in TOOLS or tool == name:
+            return None
+        return importlib.machinery.ModuleSpec(name, self, origin=f"{__path__[0]}/cli/{tool}.py")  # argv[0] of -m
+
+    def create_module(self, spec):
+        return importlib.import_module(f"{__name__}.cli.{spec.name.rsplit('.', 1)[1]}")
+
+    def exec_module(self, module):  # the import system gave it the alias's spec: its own again
+        module.__spec__ = importlib.util.spec_from_file_location(module.__name__, module.__file__)
+
+    def get_source(self, name):  # what `python -m pipeline.TOOL` runs: the one entry, signals first
+        return f"from pipeline.__main__ import run_tool\nrun_tool({name.rsplit('.', 1)[1]!r})\n"
+
+
+sys.meta_path.append(_ToolNames())

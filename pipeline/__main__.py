@@ -1,15 +1,13 @@
-"""`python -m pipeline [overrides]`: the Hydra entry point; the DictConfig stops here."""
-from pipeline.run.signals import SIGNALS_STATE
+"""`python -m pipeline [overrides]`: the Hydra entry point (the DictConfig stops here); `python -m pipeline TOOL
+...`: the tool pipeline/cli/TOOL.py. Both run through the one wrapper, run/signals.run_command."""
+import contextlib
+import os
+import re
+import sys
 
-SIGNALS_STATE.install()  # first: from here to the last instruction a signal never ends in a traceback
-
-import contextlib  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
-
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED  # noqa: E402
-from pipeline.run.signals import Interrupted  # noqa: E402
+from pipeline import TOOLS
+from pipeline.config.errors import ConfigError, error_line, exit_code
+from pipeline.run.signals import SIGNALS_STATE, run_command
 
 
 def _plain(cfg) -> dict:
@@ -23,8 +21,7 @@ def _plain(cfg) -> dict:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         hint = " (data=text needs data.path=FILE)" if key == "data.path" else ""
-        print(f"pipeline: bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        raise ConfigError(f"bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}") from None
 
 
 def _one_repository_for_help() -> None:
@@ -135,56 +132,41 @@ def main() -> None:
                         command_args(hydra_cfg, CONFIG_DIR))
 
     try:
-        task()
+        return task()
     except Exception as e:
         if SIGNALS_STATE.interrupted_start():
             raise  # the handler's exception, raised inside a library (composing, building), came out as another
-        from pipeline.files.atomic import environment_error
-
-        sweep = SIGNALS_STATE.launching  # the sweep this process launches, if any: ended or undone here
-        if (message := environment_error(e)) is not None:  # a full or read-only disk, outside any one job
-            with contextlib.suppress(OSError):  # a sweep's sweep.json says failed, if the disk lets it
-                if sweep is not None:
-                    sweep.end_unfinished(message)
-            print(f"pipeline: {message}", file=sys.stderr)
-            sys.exit(EXIT_ERROR)
-        if not started and sweep is not None:  # refused before any job ran (Hydra could not compose them)
-            with contextlib.suppress(OSError):
-                sweep.discard_unlaunched()  # the sweep leaves nothing
-        if started and sweep is not None and sweep.end_unfinished(f"{type(e).__name__}: {e}"):
-            raise  # an error inside a job: its traceback, exit 1
-        if started or not report_own:
+        _sweep_cleanup(e, started)
+        if started or not report_own or exit_code(e) is not None:
             raise
-        from pipeline.config.errors import error_line
-
-        print(f"pipeline: bad config or override: {error_line(e)}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        raise ConfigError(f"bad config or override: {error_line(e)}") from e  # Hydra refused to compose the jobs
 
 
-def _main() -> None:
-    """main(), with a signal that a library turned into another exception (a dataclass's __set_name__ wraps it
-    in a RuntimeError while importing) still the interruption it is."""
-    try:
-        main()
-    except Exception as e:
-        if SIGNALS_STATE.interrupted_start():
-            raise Interrupted(SIGNALS_STATE.received) from e
-        raise
+def _sweep_cleanup(e: Exception, started: list) -> None:
+    """A sweep this process launched ends: on a full or read-only disk its sweep.json says so (if the disk lets
+    it); refused before any job ran, it leaves nothing; else its sweep.json says failed (its sweeper raised)."""
+    from pipeline.files.atomic import environment_error
+
+    sweep = SIGNALS_STATE.launching  # the sweep this process launches, if any: ended or undone here
+    if sweep is None:
+        return
+    with contextlib.suppress(OSError):
+        if (message := environment_error(e)) is not None:
+            sweep.end_unfinished(message)
+        elif not started:
+            sweep.discard_unlaunched()
+        else:
+            sweep.end_unfinished(f"{type(e).__name__}: {e}")
+
+
+def run_tool(tool: str) -> None:
+    """`python -m pipeline TOOL args`: pipeline/cli/TOOL.py's main, imported once the signals are ours."""
+    run_command(f"pipeline.{tool}", f"pipeline.cli.{tool}")
 
 
 if __name__ == "__main__":
-    try:
-        _main()
-        SIGNALS_STATE.finish()  # done: a signal while the interpreter shuts down changes nothing
-    except SystemExit:
-        SIGNALS_STATE.finish()  # the exit code is decided
-        raise
-    except Interrupted as e:
-        print(f"pipeline: interrupted by {e} before the run started; nothing was changed; re-run the same "
-              f"command (exit {EXIT_PREEMPTED})", file=sys.stderr)
-        from pipeline.run.slurm import requeue_self
-
-        if (slurm := requeue_self()) is not None:  # a SLURM job warned while starting runs again
-            print(f"pipeline: {slurm[1]}", file=sys.stderr)
-        SIGNALS_STATE.finish()
-        sys.exit(EXIT_PREEMPTED)
+    if len(sys.argv) > 1 and sys.argv[1] in TOOLS:
+        tool = sys.argv.pop(1)
+        sys.argv[0] = f"pipeline.{tool}"
+        run_tool(tool)
+    run_command("pipeline", main)

@@ -310,11 +310,10 @@ def test_json_written_by_a_run_is_standard(tmp_path, cli):
     assert os.listdir(tmp_path / "cwd") == []
 
 
-def test_a_signal_a_library_wrapped_while_importing_is_still_an_interruption(monkeypatch):
+def test_a_signal_a_library_wrapped_while_importing_is_still_an_interruption(monkeypatch, capsys):
     """Seen once: the handler's Interrupted, raised while a dataclass was being created during an import,
     came out as `RuntimeError: Error calling __set_name__`; it is the interruption, exit 75, not a traceback."""
-    import pipeline.__main__ as entry
-    from pipeline.run.signals import SIGNALS_STATE, Interrupted
+    from pipeline.run.signals import SIGNALS_STATE, Interrupted, run_command
 
     def importing():
         try:
@@ -322,11 +321,25 @@ def test_a_signal_a_library_wrapped_while_importing_is_still_an_interruption(mon
         except Interrupted as e:
             raise RuntimeError("Error calling __set_name__ on '_FieldInfo' instance") from e
 
-    monkeypatch.setattr(entry, "main", importing)
+    monkeypatch.setattr(SIGNALS_STATE, "finish", lambda: None)  # this test process keeps its handlers
     monkeypatch.setattr(SIGNALS_STATE, "received", signal.SIGTERM)
     monkeypatch.setattr(SIGNALS_STATE, "held", False)
-    with pytest.raises(Interrupted):
-        entry._main()
+    with pytest.raises(SystemExit, match="75"):
+        run_command("pipeline", importing)
+    assert capsys.readouterr().err == "pipeline: interrupted by SIGTERM; nothing was written\n"
     monkeypatch.setattr(SIGNALS_STATE, "received", None)  # no signal: the error is the error
     with pytest.raises(RuntimeError, match="Error calling __set_name__"):
-        entry._main()
+        run_command("pipeline", importing)
+
+
+def test_a_tool_is_one_module_and_both_spellings_run_it(tmp_path):
+    """`python -m pipeline show` and `python -m pipeline.show` run pipeline/cli/show.py, imported once."""
+    import pipeline.cli.show
+    import pipeline.show
+
+    assert pipeline.show is pipeline.cli.show and pipeline.cli.show.__spec__.name == "pipeline.cli.show"
+    for argv in (["pipeline", "show"], ["pipeline.show"]):
+        p = subprocess.run([sys.executable, "-m", *argv, str(tmp_path / "nowhere")], env=env_for_subprocess(),
+                           cwd=tmp_path, capture_output=True, text=True)
+        said = f"pipeline.show: {tmp_path / 'nowhere'}: not a directory\n"
+        assert (p.returncode, p.stdout, p.stderr) == (2, "", said)

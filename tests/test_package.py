@@ -191,3 +191,12 @@ def test_tests_mirror_the_package():
     units = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     beyond = {"slurm": "the live cluster's tests", "examples": "the examples/ folder's tests"}
     assert folders - units - set(beyond) == set(), "a tests/ folder no pipeline/ unit is named by"
+
+
+def test_signals_are_taken_over_by_the_one_wrapper_and_no_module_imports_after_code():
+    """run/signals.run_command installs them for every command (run/job.py again in a sweep's worker process);
+    no module runs code before its imports to take them over earlier (`noqa: E402`)."""
+    texts = {p.relative_to(PACKAGE.parent).as_posix(): p.read_text() for p in PACKAGE.rglob("*.py")}
+    assert sorted(n for n, t in texts.items() if "SIGNALS_STATE.install()" in t) == [
+        "pipeline/run/job.py", "pipeline/run/signals.py"]
+    assert [n for n, t in texts.items() if "noqa: E402" in t] == []

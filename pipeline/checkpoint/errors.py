@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.config.errors import CommandError
 
-class CheckpointError(Exception):
+
+class CheckpointError(CommandError):
     """`file` names the file at fault ("" when it is the directory itself, or a link to it)."""
 
     kind = "checkpoint"

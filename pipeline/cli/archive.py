@@ -7,11 +7,6 @@ temporary is kept and named); 2 bad input, one line.
 """
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import argparse
 import os
 import shutil
@@ -26,10 +21,10 @@ from pipeline.files import jsonio, names
 from pipeline.files import reading
 from pipeline.files.atomic import (TMP_PREFIX, NewDirs, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir,
                                    publish_dir, remove_tree, write_new)
-from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.directory import STEP_DIR, CheckpointDir, step_dir_name
 from pipeline.checkpoint.store import CheckpointStore
-from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
+from pipeline.run.signals import command, run_command
 from pipeline.config.identity import run_name
 from pipeline.run.directory import RunDir
 
@@ -39,8 +34,10 @@ MAX_SMALL = 16 << 20  # bytes of a run's small files (.hydra/*, run.json, a corp
 MAX_FILE = 1 << 40  # a checkpoint or corpus file: bounded by its manifest's size, checked before copying
 MAX_CORPORA = 10_000  # corpus directories looked at when finding a run's corpus by its hash
 
+INTERRUPTED = "no archive was published (its hidden temporary is removed or ignored)"
 
-class BadSource(Exception):
+
+class BadSource(CommandError):
     """SOURCE (or DEST) cannot be archived: one line, exit 2."""
 
 
@@ -574,6 +571,7 @@ def check_archive(dest: Path, extra: list[str]) -> int:
     return EXIT_OK
 
 
+@command("pipeline.archive")
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.splitlines()[0])
@@ -586,21 +584,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_intermixed_args(argv)
     extra = [*([args.dest] if args.check and args.dest else []), *args.overrides]  # a str: Path() eats pkg://
     if (bad := next((o for o in extra if not o.startswith("hydra.searchpath=")), None)) is not None:
-        return refuse(NAME, f"{bad}: only hydra.searchpath=[...] can be given here")
+        raise CommandError(f"{bad}: only hydra.searchpath=[...] can be given here")
     which = args.checkpoints
     if which != "all" and not set(which.split(",")) <= set(SELECTIONS):
-        return refuse(NAME, f"--checkpoints={which}: give any of best,final,newest (comma-separated) or all")
+        raise CommandError(f"--checkpoints={which}: give any of best,final,newest (comma-separated) or all")
     try:
         if args.check:
             return check_archive(args.source, extra)
         if args.dest is None:
             raise BadSource("give SOURCE and DEST (or --check DEST)")
         return build_archive(args.source, Path(os.path.abspath(args.dest)), which, args.with_data, args.overrides, argv)
-    except (BadSource, CheckpointError, UnsafePathError, ValueError) as e:
-        return refuse(NAME, e)
-    except OSError as e:
-        return refuse(NAME, f"{e.filename or ''}: {e.strerror or e}")
+    except ValueError as e:  # a value a file holds that is out of range: bad input
+        raise CommandError(str(e)) from e
+    except OSError as e:  # what SOURCE or DEST cannot give or take: bad input, nothing published
+        if isinstance(e, UnsafePathError):
+            raise
+        raise CommandError(f"{e.filename or ''}: {e.strerror or e}") from e
 
 
 if __name__ == "__main__":
-    tool_exit(NAME, main, "no archive was published (its hidden temporary is removed or ignored)")
+    run_command(NAME, main, INTERRUPTED)

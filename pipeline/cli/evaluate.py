@@ -5,17 +5,12 @@ run measured at that step; other data (`data=NAME ...`, `data.KEY=VALUE`) must f
 """
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import argparse
 from pathlib import Path
 
 from pipeline.files import jsonio
-from pipeline.checkpoint.errors import CheckpointError
-from pipeline.config.errors import EXIT_OK, ConfigError, refuse
+from pipeline.config.errors import EXIT_OK
+from pipeline.run.signals import command, run_command
 
 
 def evaluate_checkpoint(directory: Path, overrides: tuple[str, ...] | list[str] = ()) -> dict:
@@ -31,6 +26,7 @@ def evaluate_checkpoint(directory: Path, overrides: tuple[str, ...] | list[str] 
             "own_data": dataset.manifest_hash == manifest["data_manifest_hash"], "metrics": validate(state)}
 
 
+@command("pipeline.evaluate")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n\n")[0],
                                  epilog="Overrides: data=NAME, data.KEY=VALUE, paths.output_dir=DIR (where the "
@@ -39,10 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="data overrides")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
-    try:
-        result = evaluate_checkpoint(args.checkpoint, args.overrides)
-    except (CheckpointError, ConfigError) as e:
-        return refuse("pipeline.evaluate", e)
+    result = evaluate_checkpoint(args.checkpoint, args.overrides)
     if args.json:
         print(jsonio.dumps(result).decode(), end="")
     else:
@@ -51,4 +44,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    tool_exit("pipeline.evaluate", main)
+    run_command("pipeline.evaluate", main)

@@ -2,11 +2,6 @@
 vocabulary as a tokenizer (tokenizer.json + tokenizer_config.json); each file replaced atomically, mode 0644."""
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import argparse
 import json
 from pathlib import Path
@@ -14,13 +9,15 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save
 
-from pipeline.checkpoint.errors import CheckpointError
-from pipeline.config.errors import ConfigError, refuse
-from pipeline.files.atomic import UnsafePathError, replace_file
+from pipeline.config.errors import CommandError
+from pipeline.run.signals import command, run_command
+from pipeline.files.atomic import replace_file
 
 NAME = "pipeline.export_hf"
 EOS = "<eos>"  # the grammar corpus's end of sentence: GPT-2's <|endoftext|> role (bos, eos and pad)
 TIED = "lm_head.weight"  # the head is wte: HF ties it on load (tie_word_embeddings), so it is not stored
+
+INTERRUPTED = "OUT_DIR may hold part of the export (each file whole); re-run the same command"
 
 
 def expected_shapes(*, n_layer: int, n_embd: int, n_positions: int, vocab_size: int) -> dict[str, tuple[int, ...]]:
@@ -137,6 +134,7 @@ def write_hf(params: dict[str, np.ndarray], *, n_layer: int, n_head: int, n_embd
     return out
 
 
+@command("pipeline.export_hf")
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Export a MiniGPT checkpoint as a Hugging Face GPT-2 directory.",
                                      epilog="The vocabulary is the checkpoint's data.json; only for a checkpoint "
@@ -152,19 +150,19 @@ def main(argv: list[str] | None = None) -> None:
         manifest, state = restore_checkpoint(Path(args.checkpoint), args.overrides)  # fully verified
         model = manifest["config"]["model"]
         if not str(model.get("_target_", "")).endswith("MiniGPT"):
-            raise SystemExit(refuse(NAME, f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT"))
+            raise CommandError(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
         facts = data_facts(manifest, args.overrides, Path(args.checkpoint))  # the vocabulary the model was trained on
         if facts["vocab"] is None:
-            raise SystemExit(refuse(NAME, f"{args.checkpoint}: its data has no vocabulary to make a tokenizer of"))
+            raise CommandError(f"{args.checkpoint}: its data has no vocabulary to make a tokenizer of")
         weights = state.model.state_dict()
         out = write_hf(weights, n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
                        n_positions=weights["transformer.wpe.weight"].shape[0],
                        vocab_size=weights["transformer.wte.weight"].shape[0], out_dir=args.out_dir,
                        vocab=facts["vocab"], join=facts["decode_join"], eos=facts["specials"].get("eos"))
-    except (CheckpointError, ConfigError, UnsafePathError, ValueError) as e:
-        raise SystemExit(refuse(NAME, e))
+    except ValueError as e:  # a weight whose shape does not fit: bad input
+        raise CommandError(str(e)) from e
     print(f"wrote {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")
 
 
 if __name__ == "__main__":
-    tool_exit(NAME, main, "OUT_DIR may hold part of the export (each file whole); re-run the same command")
+    run_command(NAME, main, INTERRUPTED)

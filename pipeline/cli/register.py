@@ -8,11 +8,6 @@ refused before mlflow is imported; 1 (one line) if mlflow refuses.
 """
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import argparse
 import os
 import sys
@@ -20,14 +15,16 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.checkpoint.errors import CheckpointError
-from pipeline.config.errors import EXIT_ERROR, EXIT_OK, ConfigError, refuse
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError, ConfigError
+from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.register"
 SERVING = Path(__file__).resolve().parents[1] / "serving"
 CODE = SERVING / "pyfunc_model.py"  # an MLP: rows of features, as its signature says
 GENERATOR_CODE = SERVING / "generator_pyfunc_model.py"  # a MiniGPT: rows typed by its predict (Row)
 ARTIFACT_PATH = "model"  # the model's name inside its run
+
+INTERRUPTED = "a run or a model version may be partly logged; register again for a new one"
 
 
 def signature_of(manifest: dict, model, prompt: str = ""):
@@ -159,6 +156,7 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     return client.get_model_version(name, str(info.registered_model_version))
 
 
+@command("pipeline.register")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.register", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoint directory (RUN/checkpoints/final, .../step-NNNNNNNN)")
@@ -169,20 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # else a bar per copy of the files
     try:
         version = register(Path(args.checkpoint), args.name, args.tracking_uri)
-    except (CheckpointError, ConfigError) as e:
-        return refuse(NAME, e)
-    except Exception as e:  # noqa: BLE001 - mlflow's refusals (a bad name, a server's error): one line
-        # a store's refusal comes once register() imported the store (and mlflow): never import it for a
-        # checkpoint refused before (a few seconds of every refusal)
-        from pipeline.tracking.store import StoreError
-        from mlflow.exceptions import MlflowException
-
-        if isinstance(e, StoreError):
-            return refuse(NAME, e)
-        if not isinstance(e, MlflowException):
+    except Exception as e:
+        # mlflow's refusals (a bad name, a server's error) come once register() imported mlflow: never import
+        # it for a checkpoint refused before (a few seconds of every refusal)
+        if "mlflow" not in sys.modules or not isinstance(e, sys.modules["mlflow"].exceptions.MlflowException):
             raise
-        print(f"{NAME}: mlflow: {str(e).splitlines()[0]}", file=sys.stderr)
-        return EXIT_ERROR
+        raise CommandError(f"mlflow: {str(e).splitlines()[0]}", exit_code=EXIT_ERROR) from e
     print(f"registered in the model registry of {store_uri(Path(args.checkpoint), args.tracking_uri)} "
           f"(logged as run {version.run_id})")
     print(f"models:/{version.name}/{version.version}")
@@ -190,4 +180,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    tool_exit(NAME, main, "a run or a model version may be partly logged; register again for a new one")
+    run_command(NAME, main, INTERRUPTED)

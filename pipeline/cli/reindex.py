@@ -8,16 +8,14 @@ cannot be opened, 1 if some run directory could not be indexed.
 """
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import argparse
 import time
 from pathlib import Path
 
-from pipeline.config.errors import EXIT_ERROR, EXIT_OK, refuse
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
+from pipeline.run.signals import command, run_command
+
+INTERRUPTED = "the index may be partly updated; re-run the same command (it adds nothing twice)"
 
 
 def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) -> list[dict]:
@@ -105,6 +103,7 @@ def move_aside(uri: str) -> Path | None:
     return aside
 
 
+@command("pipeline.reindex")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.reindex", description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", nargs="?", default=None,
@@ -118,20 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from pipeline.config.compose import default_output_dir
     from pipeline.tracking.common import default_uri, normalize_tracking_uri
-    from pipeline.tracking.store import StoreError
 
     output_dir = Path(args.output_dir or default_output_dir())
     if not output_dir.is_dir():
-        return refuse("reindex", f"no such output directory: {output_dir}")
+        raise CommandError(f"no such output directory: {output_dir}")
     uri = normalize_tracking_uri(args.tracking_uri or default_uri(output_dir))
     if args.rebuild and (aside := move_aside(uri)) is not None:
         print(f"moved the old store aside: {aside}")
-    try:
-        results = reindex(output_dir, uri, args.artifact_location)
-    except StoreError as e:
-        return refuse("reindex", e)
+    results = reindex(output_dir, uri, args.artifact_location)
     return EXIT_ERROR if any("error" in r for r in results) else EXIT_OK
 
 
 if __name__ == "__main__":
-    tool_exit("reindex", main, "the index may be partly updated; re-run the same command (it adds nothing twice)")
+    run_command("pipeline.reindex", main, INTERRUPTED)

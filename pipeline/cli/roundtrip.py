@@ -17,11 +17,6 @@ a tied array counted once), for tiny models mostly the header (`weights_header_b
 """
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import argparse
 import os
 import signal
@@ -42,7 +37,8 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.tensors import read_tensors, write_tensors
 from pipeline.config.identity import run_name
 from pipeline.config.compose import PROJECT_ROOT, compose, to_plain
-from pipeline.config.errors import EXIT_ERROR, EXIT_OK, error_line, refuse
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK
+from pipeline.run.signals import command, run_command
 from pipeline.stateful import PARTS, merge, split
 from pipeline.verify.compare import first_difference
 from pipeline.verify.worker import Fresh
@@ -55,6 +51,8 @@ RESULTS = "roundtrip_results.json"
 
 def losses(run: Fresh, n: int) -> list[float]:
     return [float(r["train/loss"]) for r in run.train(n)]
+
+INTERRUPTED = "no results were written; re-run the same command"
 
 
 def child(args: list[str], overrides: list[str], **env: str) -> subprocess.CompletedProcess:
@@ -239,6 +237,7 @@ def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = Tr
     return results, path
 
 
+@command("pipeline.roundtrip")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.roundtrip", description=__doc__.splitlines()[0])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m pipeline")
@@ -255,10 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_to is not None:
         save_in_this_process(args.overrides, args.save_to, args.steps)
         return EXIT_OK
-    try:
-        to_plain(compose(args.overrides))
-    except Exception as e:  # hydra's override and config errors: one line, exit 2
-        return refuse("roundtrip", f"bad config or override: {error_line(e)}")
+    to_plain(compose(args.overrides))  # a bad override: one line, exit 2 (config/errors.exit_code)
     results, path = roundtrip(args.overrides, args.steps, not args.in_process, args.keep)
     notes = {"weight_tying_preserved": results.get("weight_tying_note"), "size_delta_pct": results["size_delta_note"]}
     for key in ("byte_equivalent_state_machines", "all_byte_equal", "continuation_test_passed",
@@ -271,4 +267,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    tool_exit("roundtrip", main, "no results were written; re-run the same command")
+    run_command("pipeline.roundtrip", main, INTERRUPTED)

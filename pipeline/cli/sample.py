@@ -14,17 +14,12 @@ Exit 0; 2 with one line for a checkpoint that does not verify or a bad argument 
 """
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import sys
 from pathlib import Path
 
-from pipeline.checkpoint.errors import CheckpointError
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_OK, ConfigError, refuse
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_OK, ConfigError
 from pipeline.model.generate import continuation, parse_options
+from pipeline.run.signals import command, run_command
 
 
 def sample(directory: Path, args: list[str]) -> str:
@@ -43,17 +38,15 @@ def sample(directory: Path, args: list[str]) -> str:
     return continuation(model, vocab, join, options, facts["specials"].get("eos"))
 
 
+@command("pipeline.sample")
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return EXIT_OK if argv else EXIT_BAD_INPUT
-    try:
-        print(sample(Path(argv[0]), argv[1:]))
-    except (CheckpointError, ConfigError) as e:
-        return refuse("pipeline.sample", e)
+    print(sample(Path(argv[0]), argv[1:]))
     return EXIT_OK
 
 
 if __name__ == "__main__":
-    tool_exit("pipeline.sample", main)
+    run_command("pipeline.sample", main)

@@ -8,11 +8,6 @@ a link no tool follows, a bad argument or a `_target_` no config names. Reading 
 """
 from __future__ import annotations
 
-from pipeline.run.signals import SIGNALS_STATE, tool_exit
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    SIGNALS_STATE.install()
-
 import argparse
 import os
 from pathlib import Path
@@ -23,7 +18,8 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import code_change
 from pipeline.checkpoint.directory import CheckpointDir, file_hashes
 from pipeline.run.directory import RunDir
-from pipeline.config.errors import EXIT_ERROR, EXIT_OK, ConfigError, refuse
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
+from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.show"
 SUMMARY = ("schema_version", "step", "epoch", "metrics", "tags", "config_hash", "data_manifest_hash", "git_sha",
@@ -130,6 +126,7 @@ def render_run(d: dict) -> str:
     return "\n".join(lines)
 
 
+@command("pipeline.show")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.show", description=__doc__.splitlines()[0])
     ap.add_argument("path", type=Path, help="a checkpoint directory or a run directory")
@@ -137,30 +134,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the description as JSON")
     args = ap.parse_args(argv)
     from pipeline.config.targets import allowed
-    from pipeline.run.trained import UnknownTargetError
 
     path, overrides = args.path, tuple(args.overrides)
     if not path.is_dir():
-        return refuse(NAME, f"{path}: not a directory")
+        raise CommandError(f"{path}: not a directory")
     if (bad := next((o for o in overrides if not o.startswith("hydra.searchpath=")), None)) is not None:
-        return refuse(NAME, f"{bad}: only hydra.searchpath=[...] can be given here")
-    try:
-        CheckpointDir(path).resolved()  # nothing is read through a link out of a run
-    except CheckpointError as e:
-        return refuse(NAME, e)
+        raise CommandError(f"{bad}: only hydra.searchpath=[...] can be given here")
+    CheckpointDir(path).resolved()  # nothing is read through a link out of a run
     if RunDir(path.parent).store.root == path and not CheckpointDir(path).exists():
         path = path.parent  # a run's checkpoints/ stands for the run
-    try:
-        allowed(overrides)  # a search path that is not there: said once, before any checkpoint is read
-        rundir = RunDir(path)
-        describe = describe_run if rundir.is_run() else describe_checkpoint
-        d = describe(path, overrides)
-    except (UnknownTargetError, ConfigError) as e:
-        return refuse(NAME, e)
+    allowed(overrides)  # a search path that is not there: said once, before any checkpoint is read
+    rundir = RunDir(path)
+    describe = describe_run if rundir.is_run() else describe_checkpoint
+    d = describe(path, overrides)
     print(jsonio.dumps(d).decode() if args.json else (render_run(d) if d["kind"] == "run" else render_checkpoint(d)),
           end="" if args.json else "\n")
     return EXIT_OK if d["valid"] else EXIT_ERROR
 
 
 if __name__ == "__main__":
-    tool_exit(NAME, main)
+    run_command(NAME, main)

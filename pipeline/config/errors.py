@@ -1,21 +1,48 @@
-"""What a bad config is (ConfigError), how a composition error reads in one line, and every exit code."""
+"""Every exit code, the errors that carry one (CommandError), and exit_code(): the one map from an error to its code."""
 from __future__ import annotations
-
-import sys
 
 # Every entry point's exit codes (docs/stages.md: Exit codes): 0 done, 1 an error in the job, 2 bad input (nothing
 # started or changed), 75 preempted or interrupted (EX_TEMPFAIL: re-run the same command to resume).
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
 
 
-def refuse(tool: str, message: object) -> int:
-    """The one line a tool prints for bad input (`tool: message` on stderr); EXIT_BAD_INPUT, for main to return."""
-    print(f"{tool}: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+class CommandError(Exception):
+    """An error a command ends with: its one line (str) and its exit code (the class's, or the one given)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, *args, exit_code: int | None = None):
+        super().__init__(*args)
+        if exit_code is not None:
+            self.exit_code = exit_code
 
 
-class ConfigError(ValueError):
+class ConfigError(CommandError, ValueError):
     """A config value out of range, or groups that do not go together (one line per problem)."""
+
+
+class Refusal(BaseException):
+    """A CommandError carried through code that makes a warning of every Exception (Hydra's callbacks)."""
+
+    def __init__(self, error: CommandError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def exit_code(e: BaseException) -> tuple[int, str] | None:
+    """(code, one line) for an error a command ends with, ours or a library's; None: a bug, left to its traceback."""
+    from pipeline.files.atomic import UnsafePathError, environment_error
+
+    e = e.error if isinstance(e, Refusal) else e
+    if isinstance(e, CommandError):
+        return e.exit_code, str(e)
+    if isinstance(e, UnsafePathError):  # a link or a stray file where we would write: the files layer's own
+        return EXIT_BAD_INPUT, str(e)
+    if (message := environment_error(e)) is not None:  # a full or read-only disk
+        return EXIT_ERROR, message
+    if type(e).__module__.split(".")[0] in ("hydra", "omegaconf", "yaml"):  # Hydra could not compose the config
+        return EXIT_BAD_INPUT, f"bad config or override: {error_line(e)}"
+    return None
 
 
 def error_line(e: BaseException) -> str:

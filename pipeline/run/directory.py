@@ -16,6 +16,7 @@ from pipeline.files.atomic import (UnsafePathError, ensure_dirs, fsync_dir, name
 from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.checkpoint.store import CheckpointStore
+from pipeline.config.errors import CommandError
 
 MAX_RUN_JSON = 16 << 20
 MAX_METRICS = 1 << 30  # metrics.jsonl is read line by line when a run resumes
@@ -25,7 +26,7 @@ MAX_METRICS_LINE = 1 << 20  # a logged step is a few hundred bytes
 LOCK_GRACE = 2.0  # seconds
 
 
-class RunBusyError(Exception):
+class RunBusyError(CommandError):
     """Another process holds the run directory."""
 
 

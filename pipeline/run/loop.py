@@ -20,7 +20,7 @@ from pipeline.run.assemble import Job
 from pipeline.run.directory import RunDir
 from pipeline.config import identity
 from pipeline.config.checks import parse_duration
-from pipeline.config.errors import EXIT_OK, EXIT_PREEMPTED
+from pipeline.config.errors import EXIT_ERROR, EXIT_OK, EXIT_PREEMPTED, CommandError
 from pipeline.run.signals import Signals
 from pipeline.stages.base import StepEnd
 from pipeline.stages.resume import start_fresh
@@ -42,8 +42,10 @@ class Preempted(Exception):
     """A signal arrived during training: the step finished and its checkpoint is written."""
 
 
-class NonFiniteError(Exception):
+class NonFiniteError(CommandError):
     """A non-finite training loss or validation metric with trainer.on_nonfinite=stop."""
+
+    exit_code = EXIT_ERROR
 
 
 class Run:

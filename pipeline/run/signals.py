@@ -10,14 +10,18 @@ stop, and marks the sweep: jobs not started refuse to, and the identical command
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
-from pipeline.config.errors import EXIT_PREEMPTED
+from pipeline.config.errors import EXIT_PREEMPTED, Refusal, exit_code
 
 log = logging.getLogger("pipeline")
 MARKER = "interrupted"  # a stopped sweep's file in its directory: its jobs check it before they start
@@ -182,18 +186,40 @@ class Signals:
 SIGNALS_STATE = Signals()  # one per process: the entry point installs it before importing anything heavy
 
 
-def tool_exit(name: str, main, interrupted: str = "nothing was written") -> None:
-    """Every tool's `__main__`: exit with what main() returns; a signal ends it with one line `<name>: interrupted
-    by SIGINT; <interrupted>` and EXIT_PREEMPTED, never a KeyboardInterrupt traceback nor a negative code."""
+def command(name: str):
+    """A command's main as a function that returns its exit code: an error that carries one
+    (config/errors.exit_code) is one line `<name>: <line>` on stderr, and its code is returned."""
+    def wrap(main: Callable[..., int | None]) -> Callable[..., int | None]:
+        @functools.wraps(main)
+        def run(*args, **kwargs) -> int | None:
+            try:
+                return main(*args, **kwargs)
+            except (Exception, Refusal) as e:
+                if SIGNALS_STATE.interrupted_start() or (known := exit_code(e)) is None:
+                    raise  # a signal a library made another error of (run_command says it), or a bug
+                print(f"{name}: {known[1]}", file=sys.stderr)
+                return known[0]
+        return run
+    return wrap
+
+
+def run_command(name: str, main: Callable[[], int | None] | str, interrupted: str = "nothing was written") -> NoReturn:
+    """The one way in and out of every command: take over the signals, run `main` (a function, or a module
+    imported only now whose main() it calls and whose INTERRUPTED says what an interruption left) as a
+    `command`, exit with its code. A signal is `<name>: interrupted by SIGINT; <interrupted>` and
+    EXIT_PREEMPTED, never a traceback nor a negative code."""
     try:
         SIGNALS_STATE.install()  # inside: a signal right after its handler is installed is already ours
-        code = main()
+        if isinstance(main, str):
+            module = importlib.import_module(main)
+            main, interrupted = module.main, getattr(module, "INTERRUPTED", interrupted)
+        code = command(name)(main)()
     except Interrupted as e:
         code = _interrupted(name, e.args[0], interrupted)
-    except Exception:
-        if SIGNALS_STATE.received is None:
+    except (Exception, Refusal):
+        if not SIGNALS_STATE.interrupted_start():
             raise
-        code = _interrupted(name, SIGNALS_STATE.name, interrupted)  # a library made another error of it
+        code = _interrupted(name, str(SIGNALS_STATE.name), interrupted)  # a library made another error of it
     finally:
         SIGNALS_STATE.finish()  # the code is decided: a later signal changes nothing
     sys.exit(code)

@@ -5,12 +5,13 @@ import logging
 
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.config import identity
+from pipeline.config.errors import CommandError
 
 log = logging.getLogger("pipeline")
 MAX_HINTED = 8  # changes a sibling may differ in and still be mentioned (more: another experiment)
 
 
-class DriftError(Exception):
+class DriftError(CommandError):
     """The checkpoint was made by a different config or data than the current run's, and that is not allowed."""
 
 

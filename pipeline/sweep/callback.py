@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeline.files import jsonio, names, reading
 from pipeline.files.atomic import (NewDirs, UnsafePathError, check_output_dir, ensure_dirs, environment_error,
                                    replace_file)
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, ConfigError
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, CommandError, ConfigError, Refusal
 from pipeline.config.identity import experiment_name
 from pipeline.config.targets import parse_overrides
 from pipeline.config.identity import is_machine_key
@@ -56,9 +56,8 @@ def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, s
 
 
 def _stop(code: int, message: str) -> None:
-    """One line and an exit: Hydra turns a callback's exception into a warning and goes on, but not SystemExit."""
-    print(f"pipeline: {message}", file=sys.stderr)
-    raise SystemExit(code)
+    """The sweep refused: Hydra makes a warning of a callback's Exception and goes on, not of a Refusal."""
+    raise Refusal(CommandError(message, exit_code=code))
 
 
 def job_count(task_overrides: list[str], sweeper: dict) -> int:

@@ -4,16 +4,16 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-for _name in ("alembic", "alembic.runtime.plugins"):
-    logging.getLogger(_name).setLevel(logging.WARNING)
+import alembic.config
+import alembic.migration
+import alembic.script
+import optuna.storages._rdb.storage as rdb
+import sqlalchemy
+from optuna.storages import RDBStorage
+from optuna.storages._cached_storage import _CachedStorage
 
-import alembic.config  # noqa: E402
-import alembic.migration  # noqa: E402
-import alembic.script  # noqa: E402
-import optuna.storages._rdb.storage as rdb  # noqa: E402
-import sqlalchemy  # noqa: E402
-from optuna.storages import RDBStorage  # noqa: E402
-from optuna.storages._cached_storage import _CachedStorage  # noqa: E402
+for _name in ("alembic", "alembic.runtime.plugins"):  # its migrations' INFO lines, at each new store
+    logging.getLogger(_name).setLevel(logging.WARNING)
 
 
 def _stamp(url: str) -> None:

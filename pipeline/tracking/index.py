@@ -158,8 +158,9 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     # the index too (a rebuild from disk never sees it; the run's resume.N tags keep where each resume started).
     # A damaged one is still on disk: kept.
     kept = {d.name for _, d in rundir.store.steps()}
-    for name in sorted({a.split("/")[1] for a in have if a.startswith("checkpoints/") and a.count("/") == 2} - kept):
-        repo.delete_artifacts(f"checkpoints/{name}")
+    folder = rundir.store.root.relative_to(rundir.path).as_posix()  # the artifacts mirror the run's layout
+    for name in sorted({a.split("/")[1] for a in have if a.startswith(f"{folder}/") and a.count("/") == 2} - kept):
+        repo.delete_artifacts(f"{folder}/{name}")
     for artifact, source in todo:
         size = len(source) if isinstance(source, bytes) else source.stat().st_size
         if have.get(artifact) != size:

@@ -15,14 +15,15 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.exceptions import MlflowException
 
+from pipeline.config.errors import CommandError
+from pipeline.files.atomic import UnsafePathError, refuse_link
+from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri,
+                                      sqlite_path, tag_value)
+from pipeline.tracking.common import artifact_root as common_artifact_root
+from pipeline.tracking.sharing import check_shared
+
 for _name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." etc.
     logging.getLogger(_name).setLevel(logging.WARNING)
-
-from pipeline.files.atomic import UnsafePathError, refuse_link  # noqa: E402
-from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri,  # noqa: E402
-                                      sqlite_path, tag_value)
-from pipeline.tracking.common import artifact_root as common_artifact_root  # noqa: E402
-from pipeline.tracking.sharing import check_shared  # noqa: E402
 
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 # A server that is down fails in seconds, not minutes. mlflow reads these from the environment at each request
@@ -31,7 +32,7 @@ HTTP_SETTINGS = (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST
                  ("MLFLOW_HTTP_REQUEST_TIMEOUT", "20"))
 
 
-class StoreError(Exception):
+class StoreError(CommandError):
     """An mlflow store that cannot be opened or written (one line: where, why, and what to do)."""
 
 

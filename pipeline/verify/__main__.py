@@ -1,53 +1,6 @@
-"""`python -m pipeline.verify [overrides]`: prove a resumed run equals the uninterrupted one, bit for bit.
-
-Runs, each in a fresh process, the continuous run (verify.steps updates), the interrupted one (verify.cut
-updates, checkpoint, stop), the full resume, and a negative control that restores everything but the RNG
-streams; verify.kill=random instead SIGKILLs the real command at random points (chaos mode).
-Exit 0: the full resume agrees and the negative control diverges; 1: a comparison failed (or the negative
-control cannot diverge); 2: the verification could not complete (a bad override included).
-"""
-from __future__ import annotations
-
-if __name__ == "__main__":  # first: a signal while the rest is imported ends in one line, never -15
-    from pipeline.run.signals import SIGNALS_STATE
-
-    SIGNALS_STATE.install()
-
-import argparse
-import sys
-
-from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE  # 2: the verification could not complete
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.verify", description=__doc__.split("\n\n")[0],
-                                 epilog="Overrides are those of `python -m pipeline` (experiment=kernodeck, "
-                                        "verify.cut=5, verify.steps=10, verify.kill=random, verify.trials=20).")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides")
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from pipeline.config.compose import compose, to_plain
-    from pipeline.config.errors import ConfigError, error_line
-    from pipeline.config.schemas import validate
-
-    try:
-        config = to_plain(compose(args.overrides))
-        validate(config)
-    except (HydraException, OmegaConfBaseException, ConfigError) as e:
-        print(f"pipeline.verify: bad override: {error_line(e)}", file=sys.stderr)
-        return EXIT_INCOMPLETE
-    if config["verify"]["kill"] == "random":
-        from pipeline.verify.chaos import run_chaos
-
-        return run_chaos(config, args.overrides)
-    from pipeline.verify.protocol import run_protocol
-
-    return run_protocol(config, args.overrides)
-
+"""`python -m pipeline.verify [overrides]`: pipeline/verify/command.py, through the one wrapper (run/signals.py)."""
 
 if __name__ == "__main__":
-    from pipeline.run.signals import tool_exit
+    from pipeline.run.signals import run_command
 
-    tool_exit("pipeline.verify", main, "the verification did not finish; re-run the same command")
+    run_command("pipeline.verify", "pipeline.verify.command")

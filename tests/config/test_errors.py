@@ -4,6 +4,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import pipeline
 from pipeline.config import errors
 
@@ -49,6 +51,41 @@ def test_no_entry_point_exits_with_a_literal():
     assert not found, found
 
 
-def test_refuse_is_one_line_on_stderr_naming_the_tool_and_exit_2(capsys):
-    assert errors.refuse("pipeline.show", "x: not a directory") == errors.EXIT_BAD_INPUT == 2
+def test_a_commands_refusal_is_one_line_on_stderr_naming_it_and_its_code(capsys):
+    from pipeline.run.signals import command
+
+    @command("pipeline.show")
+    def main(error):
+        raise error
+
+    assert main(errors.CommandError("x: not a directory")) == errors.EXIT_BAD_INPUT == 2
     assert capsys.readouterr() == ("", "pipeline.show: x: not a directory\n")
+    assert main(errors.CommandError("a check failed", exit_code=errors.EXIT_ERROR)) == 1
+    assert capsys.readouterr().err == "pipeline.show: a check failed\n"
+    with pytest.raises(ZeroDivisionError, match="a bug"):  # a bug keeps its traceback
+        main(ZeroDivisionError("a bug"))
+
+
+def test_every_error_of_ours_carries_its_code_and_one_map_gives_a_librarys():
+    import errno
+
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ValidationError
+
+    from pipeline.checkpoint.errors import CheckpointError
+    from pipeline.files.atomic import UnsafePathError
+    from pipeline.run.directory import RunBusyError
+    from pipeline.run.loop import NonFiniteError
+    from pipeline.stages.drift import DriftError
+
+    bad_input = [errors.ConfigError("k=v: out of range"), CheckpointError("/c", "manifest.json", "missing"),
+                 DriftError("drift"), RunBusyError("busy"), UnsafePathError(errno.EEXIST, "/x: a link")]
+    assert [errors.exit_code(e)[0] for e in bad_input] == [errors.EXIT_BAD_INPUT] * 5
+    assert errors.exit_code(NonFiniteError("loss is nan")) == (errors.EXIT_ERROR, "loss is nan")
+    full = errors.exit_code(OSError(errno.ENOSPC, "No space left on device", "/out/x"))
+    assert full[0] == errors.EXIT_ERROR and full[1].startswith("cannot write /out/x: No space left on device")
+    assert errors.exit_code(ConfigCompositionException("no such group"))[0] == errors.EXIT_BAD_INPUT
+    assert errors.exit_code(ValidationError("not a float"))[1] == "bad config or override: not a float"
+    assert errors.exit_code(errors.Refusal(errors.CommandError("too many jobs"))) == (2, "too many jobs")
+    assert errors.exit_code(ZeroDivisionError("a bug")) is None
+    assert errors.exit_code(OSError(errno.ENOENT, "No such file")) is None

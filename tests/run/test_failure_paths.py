@@ -243,10 +243,10 @@ def _handles_sigterm(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_an_interrupted_tool_says_so_in_one_line_and_exits_75(tmp_path, sig):
-    """The one wrapper every tool's __main__ uses (signals.tool_exit), around a main() that waits."""
-    code = ("import time; from pipeline.run.signals import tool_exit\n"
+    """The one wrapper every tool's __main__ uses (signals.run_command), around a main() that waits."""
+    code = ("import time; from pipeline.run.signals import run_command\n"
             "def main():\n    time.sleep(600)\n    return 0\n"
-            "tool_exit('pipeline.sample', main)\n")
+            "run_command('pipeline.sample', main)\n")
     p = subprocess.Popen([sys.executable, "-c", code], env=env_for_subprocess(), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
@@ -260,28 +260,28 @@ def test_an_interrupted_tool_says_so_in_one_line_and_exits_75(tmp_path, sig):
 
 
 
-@pytest.mark.parametrize("entry", ["tool_exit", "module"])
+@pytest.mark.parametrize("entry", ["run_command", "module"])
 def test_a_signal_while_the_handlers_are_installed_ends_in_one_line(entry):
     """The signal lands right after the first handler is in place, before install() returns (the race a
-    poll of SigCgt then a kill hits): still one line and 75, from tool_exit and from a module's top level."""
-    run = ("tool_exit('pipeline.sample', lambda: 0)" if entry == "tool_exit"
+    poll of SigCgt then a kill hits): still one line and 75, from run_command and from a module's top level."""
+    run = ("run_command('pipeline.sample', lambda: 0)" if entry == "run_command"
            else "SIGNALS_STATE.install()\nprint('installed')")
     code = ("import os, signal\nreal = signal.signal\n"
             "def first_then_kill(s, h):\n    real(s, h)\n    os.kill(os.getpid(), signal.SIGTERM)\n"
             "signal.signal = first_then_kill\n"
-            "from pipeline.run.signals import SIGNALS_STATE, tool_exit\n" + run + "\n")
+            "from pipeline.run.signals import SIGNALS_STATE, run_command\n" + run + "\n")
     proc = subprocess.run([sys.executable, "-c", code], env=env_for_subprocess(), capture_output=True, text=True)
     assert proc.returncode == 75, proc.stderr
-    name = "pipeline.sample" if entry == "tool_exit" else "pipeline"
+    name = "pipeline.sample" if entry == "run_command" else "pipeline"
     assert _one_line(proc.stderr) == f"{name}: interrupted by SIGTERM; nothing was written"
     assert proc.stdout == ""
 
-def test_every_tool_ends_through_tool_exit():
+def test_every_tool_ends_through_run_command():
     root = Path(__file__).resolve().parents[2] / "pipeline"
     for name in ("cli/sample", "cli/evaluate", "cli/export_hf", "cli/show", "cli/reindex", "cli/register",
-                 "cli/roundtrip", "cli/archive", "verify/__main__"):
+                 "cli/roundtrip", "cli/archive", "verify/__main__", "__main__"):
         text = (root / f"{name}.py").read_text()
-        assert "tool_exit(" in text.split('if __name__ == "__main__":')[-1], name
+        assert "run_command(" in text.split('if __name__ == "__main__":')[-1], name
 
 
 def test_absurd_sizes_are_refused_up_front(tmp_path):
@@ -437,7 +437,7 @@ def test_sample_interrupted_by_ctrl_c_is_one_line_exit_75(tmp_path):
                                     "pipeline.archive", "pipeline.register"])
 def test_a_signal_while_a_tool_is_still_imported_ends_in_one_line(module, tmp_path):
     """Every tool takes over the signals before its other imports, and a signal raised at module level (no
-    try of tool_exit around it yet) still ends in one line and 75, not a traceback nor -15."""
+    try of run_command around it yet) still ends in one line and 75, not a traceback nor -15."""
     # the child runs the tool's module as __main__ (as `python -m` does) and is signalled at its first import
     # after the take-over
     code = ("import os, signal, sys, runpy, builtins\n"

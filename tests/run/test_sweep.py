@@ -49,7 +49,7 @@ def test_an_exception_out_of_a_job_is_recorded_with_code_1_and_raised_on(tmp_pat
     def broken(*a):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr(runner, "_multirun", broken)
+    monkeypatch.setattr(runner, "_job", broken)
     job = sweep_job(tmp_path)
     with pytest.raises(ZeroDivisionError):
         runner.main({}, [], "", job)
@@ -59,9 +59,9 @@ def test_an_exception_out_of_a_job_is_recorded_with_code_1_and_raised_on(tmp_pat
 
 def test_a_job_failure_in_a_multirun_is_its_record_not_an_exit(tmp_path, monkeypatch, capsys):
     def refused(*a):
-        runner.fail(EXIT_BAD_INPUT, "bad value")
+        raise runner.JobFailed(EXIT_BAD_INPUT, "bad value")
 
-    monkeypatch.setattr(runner, "_main", refused)
+    monkeypatch.setattr(runner, "_job", refused)
     job = sweep_job(tmp_path)
     assert math.isnan(runner.main({}, [], "", job))
     assert capsys.readouterr().err == "pipeline: bad value\n"
@@ -77,7 +77,7 @@ def test_a_job_of_an_interrupted_sweep_that_never_started_is_recorded_and_shown_
     from pipeline.sweep.summary import sweep_table
 
     monkeypatch.setattr(SIGNALS_STATE, "sweep_interrupted", lambda d: d == tmp_path)
-    monkeypatch.setattr(runner, "_main", lambda *a: pytest.fail("a job of a stopped sweep started"))
+    monkeypatch.setattr(runner, "_job", lambda *a: pytest.fail("a job of a stopped sweep started"))
     assert math.isnan(runner.main({}, [], "", sweep_job(tmp_path)))
     r = record_of(tmp_path)
     assert (r["status"], r["code"]) == ("not started", EXIT_PREEMPTED)  # the sweep's end still says interrupted
@@ -132,7 +132,7 @@ def test_a_job_whose_sweep_json_cannot_be_read_fails_as_bad_input_in_one_line(tm
     the file, it is recorded as failed with exit 2, and nothing runs (was a traceback)."""
     make(tmp_path / "sweep.json")
     job = sweep_callback.job_of(hydra_cfg(2, tmp_path))
-    monkeypatch.setattr(runner, "_main", lambda *a: pytest.fail("the job ran without its sweep"))
+    monkeypatch.setattr(runner, "_job", lambda *a: pytest.fail("the job ran without its sweep"))
     assert math.isnan(runner.main({}, [], "", job))
     err = capsys.readouterr().err
     assert err.startswith(f"pipeline: {tmp_path / 'sweep.json'}: ") and reason in err and err.count("\n") == 1, err
