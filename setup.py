@@ -7,7 +7,8 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-CONF_PACKAGES = sorted({".".join(("pipeline", "conf", *p.parent.relative_to("conf").parts)) for p in Path("conf").rglob("*.yaml")})
+CONF_PACKAGES = sorted({".".join(("pipeline", "conf", *p.parent.relative_to("conf").parts))
+                        for p in Path("conf").rglob("*.yaml")})
 
 setup(
     packages=find_packages(include=["pipeline", "pipeline.*"]) + CONF_PACKAGES,

@@ -30,8 +30,10 @@ def main() -> int:
     print(r.stdout.strip())
     print(json.dumps({"trials": report["trials"], "bit_exact": report["bit_exact"],
                       "same_checkpoints_kept": report["same_checkpoints_kept"],
-                      "kills_by_phase": report["kills_by_phase"], "kill_points_available": report["kill_points_available"],
-                      "distinct_kill_points_hit": len(points), "invalid_visible_checkpoints": len(report["invalid_visible_checkpoints"]),
+                      "kills_by_phase": report["kills_by_phase"],
+                      "kill_points_available": report["kill_points_available"],
+                      "distinct_kill_points_hit": len(points),
+                      "invalid_visible_checkpoints": len(report["invalid_visible_checkpoints"]),
                       "seconds": round(time.time() - t0, 1), "exit": r.returncode}))
     print("command:", " ".join(cmd[1:]))
     return r.returncode

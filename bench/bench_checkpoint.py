@@ -3,10 +3,10 @@
     python bench/bench_checkpoint.py [--mib 256] [--repeats 3] [--dir DIR]
 
 A ~256 MiB state (four float32 weight matrices plus Adam's two moments each, and the other parts of a
-run's state) is saved with pipeline.checkpoint.directory.CheckpointDir.write (hashing, fsync of every file, rename, fsync of
-the parent included) and compared with a raw write + fsync of the same bytes; load + full verification
-against the expected layout (pipeline.checkpoint.directory.CheckpointDir.load) is compared with a raw read + sha256 of the
-same bytes. Measurements
+run's state) is saved with pipeline.checkpoint.directory.CheckpointDir.write (hashing, fsync of every file, rename,
+fsync of the parent included) and compared with a raw write + fsync of the same bytes; load + full verification
+against the expected layout (pipeline.checkpoint.directory.CheckpointDir.load) is compared with a raw read + sha256
+of the same bytes. Measurements
 alternate and the medians are compared, so each ratio comes from one run on one (noisy, shared) machine.
 Reads are warm (page cache) on both sides: dropping caches would disturb the other users of the machine.
 Extra peak memory during save is measured in a child process: peak RSS (VmHWM, reset through
@@ -39,11 +39,11 @@ from pipeline.checkpoint.directory import CheckpointDir  # noqa: E402
 from pipeline.data.iterator import DataIterator  # noqa: E402
 from pipeline.model.base import NamedParams  # noqa: E402
 from pipeline.optimizer.adam import Adam  # noqa: E402
-from pipeline.trainer.rng import Streams  # noqa: E402
-from pipeline.stages.resume import lineage_of  # noqa: E402
 from pipeline.scheduler.constant import Constant  # noqa: E402
 from pipeline.stages.base import StageStates  # noqa: E402
+from pipeline.stages.resume import lineage_of  # noqa: E402
 from pipeline.stateful import capture  # noqa: E402
+from pipeline.trainer.rng import Streams  # noqa: E402
 from pipeline.trainer.state import Progress  # noqa: E402
 
 TARGETS = {"save": 0.65, "load": 1.5, "memory": 0.10}
@@ -80,7 +80,8 @@ def state_arrays(parts: dict) -> list[np.ndarray]:
 def bench_fields() -> dict:
     config = {"bench": "checkpoint", "trainer": {"seed": 0}}
     facts = mf.run_facts(config, {}, "none", {}, {"vocab": None, "decode_join": None, "specials": {}})
-    return mf.build(facts, step=7, epoch=0, metrics={}, tags=[], lineage=lineage_of(facts["semantic_config_hash"], None))
+    return mf.build(facts, step=7, epoch=0, metrics={}, tags=[],
+                    lineage=lineage_of(facts["semantic_config_hash"], None))
 
 
 def save(parts: dict, directory: Path) -> None:
@@ -158,10 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             os.sync()
             times["raw_write"].append(timed(lambda: raw_write(raw_file, arrays)))
             os.sync()
-            times["save"].append(timed(lambda: save(parts, ckpt)))
+            times["save"].append(timed(lambda ckpt=ckpt: save(parts, ckpt)))
             os.sync()
             times["raw_read"].append(timed(lambda: raw_read_sha(raw_file)))
-            times["load"].append(timed(lambda: CheckpointDir(ckpt).load(parts)))
+            times["load"].append(timed(lambda ckpt=ckpt: CheckpointDir(ckpt).load(parts)))
             raw_file.unlink()
             shutil.rmtree(ckpt)
             if r < 0:

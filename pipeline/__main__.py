@@ -24,14 +24,26 @@ def _plain(cfg) -> dict:
         raise ConfigError(f"bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}") from None
 
 
-def _one_repository_for_help() -> None:
+@contextlib.contextmanager
+def _replaced(owner: type, name: str, value):
+    """`owner.name` is `value` inside the block, and what it was after, however the block ends."""
+    old = owner.__dict__[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def _one_repository_for_help(stack: contextlib.ExitStack) -> None:
     """Hydra's --help makes ~150 group lookups, each building a fresh config repository (a deep copy of every
     config in the ConfigStore: 4-5x the time of composing). For --help one per (config, overrides) serves
     them all: it is read, never changed, there."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.core.object_type import ObjectType
 
-    if not hasattr(ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo"):
+    if not hasattr(ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo") \
+            or "get_group_options" not in ConfigLoaderImpl.__dict__:
         return  # another Hydra: its own way, however long it takes
 
     def get_group_options(self, group_name, results_filter=ObjectType.CONFIG, config_name=None, overrides=None):
@@ -41,7 +53,7 @@ def _one_repository_for_help() -> None:
             repos[key] = self._parse_overrides_and_create_caching_repo(config_name, list(key[1]))[1]
         return repos[key].get_group_options(group_name, results_filter)
 
-    ConfigLoaderImpl.get_group_options = get_group_options
+    stack.enter_context(_replaced(ConfigLoaderImpl, "get_group_options", get_group_options))
 
 
 # what can make hydra.mode anything but None: an override, a config from elsewhere, or a config of ours that sets it
@@ -68,13 +80,24 @@ def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
     return True
 
 
-def _one_composition_to_run(conf_dir) -> None:
+def _one_composition_to_run(stack: contextlib.ExitStack, argv: list[str], conf_dir) -> None:
     """Hydra composes the whole config once only to read hydra.mode (get_mode), then again to run it: ~0.9 s of
     every start. Where mode_is_the_command_lines, get_mode's answer is known without composing: None."""
     from hydra._internal.hydra import Hydra
 
-    if mode_is_the_command_lines(sys.argv[1:], conf_dir) and hasattr(Hydra, "get_mode"):
-        Hydra.get_mode = lambda self, config_name, overrides: None
+    if mode_is_the_command_lines(argv, conf_dir) and "get_mode" in Hydra.__dict__:
+        stack.enter_context(_replaced(Hydra, "get_mode", lambda self, config_name, overrides: None))
+
+
+@contextlib.contextmanager
+def hydra_shortcuts(argv: list[str], conf_dir):
+    """Hydra with this entry's two shortcuts for the one call that runs it (one repository for --help, no
+    composition only to read hydra.mode), and its methods as they were after: nothing outlives the call."""
+    with contextlib.ExitStack() as stack:
+        if "--help" in argv or "-h" in argv:
+            _one_repository_for_help(stack)
+        _one_composition_to_run(stack, argv, conf_dir)
+        yield
 
 
 def command_args(hydra_cfg, conf_dir) -> list[str]:
@@ -103,9 +126,6 @@ def main() -> None:
     from pipeline.config.compose import CONFIG_DIR, register
 
     register()
-    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
-        _one_repository_for_help()
-    _one_composition_to_run(CONFIG_DIR)
     # Hydra prints a composition error (a bad override, an unknown group) on several lines and exits 1; asked
     # to raise it instead, this entry point reports it in one line with exit 2, like every other bad input.
     report_own = "HYDRA_FULL_ERROR" not in os.environ
@@ -132,7 +152,8 @@ def main() -> None:
                         command_args(hydra_cfg, CONFIG_DIR))
 
     try:
-        return task()
+        with hydra_shortcuts(sys.argv[1:], CONFIG_DIR):
+            return task()
     except Exception as e:
         if SIGNALS_STATE.interrupted_start():
             raise  # the handler's exception, raised inside a library (composing, building), came out as another

@@ -4,7 +4,7 @@ two-phase restore that changes nothing unless every part fits. A part may add `c
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

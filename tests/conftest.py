@@ -14,8 +14,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import ClassVar
 
 import hypothesis
 import pytest
@@ -30,7 +31,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]  # tests/ -> the project root
 os.environ.setdefault("PIPELINE_TRACKING_AGENT_IDLE", "3")
 # The one tiny job most tests train: MiniGPT on a small grammar corpus, a few seconds in-process.
 TINY = ("model.n_layer=1", "model.n_embd=16", "model.n_head=2", "data.n_sentences=400", "data.block_size=16",
-        "data.val_batch_size=16", "optimizer.lr=0.01", "scheduler.warmup_steps=2", "trainer.batch_size=8", "trainer.max_steps=12", "trainer.eval_every=4",
+        "data.val_batch_size=16", "optimizer.lr=0.01", "scheduler.warmup_steps=2", "trainer.batch_size=8",
+        "trainer.max_steps=12", "trainer.eval_every=4",
         "trainer.log_every=1", "checkpoint=every_n_steps", "checkpoint.every_steps=3", "tracking=none",
         "trainer.progress_bar=false")
 KERNODECK = ("experiment=kernodeck", "tracking=none", "trainer.progress_bar=false")
@@ -113,7 +115,8 @@ def refused_in_one_line(args: Sequence[str], cwd: Path, module: str = "pipeline"
 class Proc:
     """A running `python -m pipeline`, its output going to files (a full pipe would block it)."""
 
-    started: list[Proc] = []  # every Proc of the current test; the `no_leftover_procs` fixture kills survivors
+    # every Proc of the current test; the `no_leftover_procs` fixture kills survivors
+    started: ClassVar[list[Proc]] = []
 
     def __init__(self, args: Sequence[str], cwd: Path, env: dict | None = None):
         Path(cwd).mkdir(parents=True, exist_ok=True)
@@ -308,7 +311,8 @@ def slurm_unavailable() -> str | None:
     """Why this machine cannot run a cluster, in one line; None when it can."""
     missing = slurm.missing()
     if missing:
-        return f"slurm tests skipped: {'/'.join(missing[:3])}{'...' if len(missing) > 3 else ''} not installed; {SLURM_HOW}"
+        return (f"slurm tests skipped: {'/'.join(missing[:3])}{'...' if len(missing) > 3 else ''} not installed; "
+                f"{SLURM_HOW}")
     if os.geteuid() != 0:
         return "slurm tests skipped: slurmd must run as root; run the tests as root (CI does)"
     return None

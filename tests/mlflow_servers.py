@@ -38,7 +38,7 @@ def mlflow_server(root: Path, *store_args: str, backend: str | None = None):
             return False
 
     port = free_port()
-    log = open(root / "server.log", "w")
+    log = open(root / "server.log", "w")  # noqa: SIM115 - the server's output for its lifetime, closed with it
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
                              "--workers", "1", "--backend-store-uri", backend or f"sqlite:///{root}/srv.db",
                              *store_args],

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import KERNODECK, PROJECT_ROOT, TINY, Proc, compose, env_for_subprocess, the_run, wait_until
 from omegaconf import OmegaConf
 
-from conftest import KERNODECK, PROJECT_ROOT, TINY, Proc, compose, env_for_subprocess, the_run, wait_until
 from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import SIGNALS
@@ -49,7 +49,7 @@ def test_kernodeck_run_writes_ten_metric_lines_and_nothing_in_the_cwd(kernodeck_
     assert [line["lr"] for line in lines] == pytest.approx(
         [0.03] * 3 + [0.015] * 3 + [0.0075] * 3 + [0.00375], rel=1e-12, abs=0)
     for line in lines:
-        assert KEYS <= set(line), line
+        assert set(line) >= KEYS, line
         assert math.isfinite(line["train/loss"]) and line["grad_norm"] > 0
     assert [line["epoch"] for line in lines] == [0] * 6 + [1] * 4
     assert "val/loss" in lines[4] and "val/loss" in lines[9]  # eval_every 5
@@ -61,6 +61,7 @@ def test_kernodeck_run_writes_ten_metric_lines_and_nothing_in_the_cwd(kernodeck_
 def test_the_cli_trains_what_the_job_computes(kernodeck_by_the_cli, tmp_path):
     """The same seed, lr and data order as build + train_step in this process."""
     from conftest import config_of
+
     from pipeline.run.assemble import build
     from pipeline.trainer.loop import train_step
 
@@ -132,6 +133,37 @@ def test_hydra_mode_is_composed_for_only_where_something_can_set_it(tmp_path):
     assert not mode_is_the_command_lines([], conf)
 
 
+HYDRA_METHODS = ("from hydra._internal.hydra import Hydra\n"
+                 "from hydra._internal.config_loader_impl import ConfigLoaderImpl\n"
+                 "def methods():\n"
+                 "    return Hydra.__dict__['get_mode'], ConfigLoaderImpl.__dict__['get_group_options']\n")
+
+
+@pytest.mark.parametrize("argv", [["--help"], [*KERNODECK, "tracking=none"]], ids=["help", "job"])
+def test_the_entrys_hydra_shortcuts_last_only_as_long_as_its_call(argv, tmp_path):
+    """The entry replaces Hydra's get_mode (and, for --help, get_group_options) around its one call to Hydra:
+    during it they are its own, after it returns they are Hydra's again (no process-wide change outlives it)."""
+    args = ["pipeline", *argv] + ([] if argv == ["--help"] else [f"paths.output_dir={tmp_path / 'out'}"])
+    code = (HYDRA_METHODS + "import json, sys\n"
+            "import pipeline.__main__ as m\n"
+            "import pipeline.run.job as app\n"
+            "original, during = methods(), []\n"
+            "app.main = lambda *a, **k: during.append(methods()) or 0.0\n"  # the job: only where Hydra is then
+            f"sys.argv = {args!r}\n"
+            "try:\n"
+            "    m.main()\n"
+            "except SystemExit as e:\n"
+            "    assert not e.code, e.code\n"
+            "print(json.dumps([methods() == original, [d[0] is original[0] for d in during]]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env_for_subprocess(), capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    restored, replaced_during = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert restored is True
+    if argv != ["--help"]:
+        assert replaced_during == [False]  # the job ran while get_mode was the entry's own
+
+
 def test_hydra_mode_multirun_as_an_override_still_sweeps(cli, tmp_path):
     out = tmp_path / "out"
     proc = cli("hydra.mode=MULTIRUN", *KERNODECK, "optimizer.lr=0.01,0.02", f"paths.output_dir={out}")
@@ -193,7 +225,7 @@ def test_a_signal_during_start_up_exits_75_in_one_line(tmp_path, sig):
     for delay in (0.0, 0.3, 1.0):  # while importing, composing, building (a new run each time)
         # long enough never to finish first: a signal after the last instruction finds Python's default handlers
         proc = Proc([*TINY, "trainer.max_steps=5000", f"paths.output_dir={tmp_path / str(delay)}"], tmp_path / "cwd")
-        wait_until(lambda: all(catches(proc.p.pid, s) for s in SIGNALS), "the entry point's handlers", proc)
+        wait_until(lambda proc=proc: all(catches(proc.p.pid, s) for s in SIGNALS), "the entry point's handlers", proc)
         time.sleep(delay)
         proc.send_signal(sig)
         code = proc.wait()
@@ -256,7 +288,7 @@ def test_sigterm_at_three_steps_then_resume_is_bit_identical(tmp_path, args, tar
     stopped_at = []
     for target in targets:
         proc = Proc([*args, f"paths.output_dir={out}"], tmp_path / "cwd")
-        wait_until(lambda: steps_logged(out) >= target, f"step {target}", proc)
+        wait_until(lambda target=target: steps_logged(out) >= target, f"step {target}", proc)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait() == 75, proc.stderr
         status = RunDir(the_run(out)).read_status()
@@ -306,7 +338,7 @@ def test_json_written_by_a_run_is_standard(tmp_path, cli):
     for p in the_run(out).rglob("*"):
         if p.suffix in (".json", ".jsonl"):
             for text in p.read_text().splitlines() if p.suffix == ".jsonl" else [p.read_text()]:
-                json.loads(text, parse_constant=lambda c: pytest.fail(f"{p}: bare {c}"))
+                json.loads(text, parse_constant=lambda c, p=p: pytest.fail(f"{p}: bare {c}"))
     assert os.listdir(tmp_path / "cwd") == []
 
 

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import CHILD_TAIL_LINES, PROJECT_ROOT, child_outputs
 
 FAILING_CHILD = [sys.executable, "-c", "import sys\nfor i in range(100): print(f'line {i}', file=sys.stderr)\n"

@@ -11,15 +11,14 @@ import shutil
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
-
 from conftest import KERNODECK, TINY, env_for_subprocess, the_run
+from safetensors.numpy import load_file, save_file
 
 pytestmark = pytest.mark.slow
 RSS_BOUND_MB = 450  # a legitimate kernodeck run peaks near 150 MB: no input may make us allocate much more
@@ -213,96 +212,99 @@ def edit_run_file(name: str, change, inspected: bool = False):
 
 
 OUT_OF_RUN = ("checkpoints/best: is a symlink to", "elsewhere/step-00000010", "out of its run's checkpoints/")
-I = "pipeline.show"
+SHOW = "pipeline.show"
 CASES = [
     # manifest.json
-    Case("manifest-missing", 1, ("manifest.json", "missing"), then(write_file("manifest.json", b"", False),
-                                                                   lambda o, r, v, t: (step(r, 10) / "manifest.json").unlink()),
-         module=I),
+    Case("manifest-missing", 1, ("manifest.json", "missing"),
+         then(write_file("manifest.json", b"", False), lambda o, r, v, t: (step(r, 10) / "manifest.json").unlink()),
+         module=SHOW),
     Case("manifest-500MB", 1, ("manifest.json", "over the", "limit"),
-         lambda o, r, v, t: (sparse(step(r, 10) / "manifest.json", 500 << 20), inspect_final(r))[1], module=I),
+         lambda o, r, v, t: (sparse(step(r, 10) / "manifest.json", 500 << 20), inspect_final(r))[1], module=SHOW),
     Case("manifest-deep", 1, ("manifest.json", "nested deeper"),
-         write_file("manifest.json", b"[" * 200000 + b"]" * 200000, False), module=I),
-    Case("manifest-not-json", 1, ("manifest.json", "not valid JSON"), write_file("manifest.json", b"{x", False), module=I),
+         write_file("manifest.json", b"[" * 200000 + b"]" * 200000, False), module=SHOW),
+    Case("manifest-not-json", 1, ("manifest.json", "not valid JSON"), write_file("manifest.json", b"{x", False),
+         module=SHOW),
     Case("manifest-bare-nan", 1, ("manifest.json", "NaN"),
-         write_file("manifest.json", b'{"schema_version": "2.0", "step": NaN}', False), module=I),
+         write_file("manifest.json", b'{"schema_version": "2.0", "step": NaN}', False), module=SHOW),
     Case("manifest-config-edited", 1, ("manifest.json", "config_hash"),
-         edit_manifest(lambda m: m["config"]["optimizer"].__setitem__("lr", 9.0)), module=I),
+         edit_manifest(lambda m: m["config"]["optimizer"].__setitem__("lr", 9.0)), module=SHOW),
     Case("manifest-old-schema", 1, ("manifest.json", "schema_version '1.0'", "'2.0'"),
-         edit_manifest(lambda m: m.__setitem__("schema_version", "1.0")), module=I),
+         edit_manifest(lambda m: m.__setitem__("schema_version", "1.0")), module=SHOW),
     Case("manifest-escaping-file", 1, ("manifest.json", "invalid file name"),
-         edit_manifest(lambda m: m["files"].__setitem__("../../victim", m["files"]["extra.json"])), module=I),
+         edit_manifest(lambda m: m["files"].__setitem__("../../victim", m["files"]["extra.json"])), module=SHOW),
     Case("manifest-seed-edited", 1, ("manifest.json", "seed"), edit_manifest(lambda m: m.__setitem__("seed", 1)),
-         module=I),
+         module=SHOW),
     Case("manifest-duplicate-files", 1, ("manifest.json", "duplicate key 'files'"), manifest_text(lying_files_table),
-         module=I),
+         module=SHOW),
     Case("manifest-metric-1e999", 1, ("manifest.json", "number 1e999 is out of range"),
-         manifest_text(lambda t: t.replace('"metrics": {', '"metrics": {"val/huge": 1e999, ', 1)), module=I),
+         manifest_text(lambda t: t.replace('"metrics": {', '"metrics": {"val/huge": 1e999, ', 1)), module=SHOW),
     Case("manifest-step-edited", 1, ("manifest.json", "step 11 differs from progress.step 10 of extra.json"),
-         edit_manifest(lambda m: m.__setitem__("step", 11)), module=I),
+         edit_manifest(lambda m: m.__setitem__("step", 11)), module=SHOW),
     Case("manifest-config-out-of-range", 1, ("manifest.json", "a run refuses", "model.hidden=[0]"),
-         rehashed(lambda c: c["model"].__setitem__("hidden", [0])), module=I),
+         rehashed(lambda c: c["model"].__setitem__("hidden", [0])), module=SHOW),
     Case("manifest-corpus-as-stage", 2, ("manifest.json", "config.stages.best_val._target_",
                                          "pipeline.data.grammar.GrammarCorpus", "only under data"),
          rehashed(lambda c: c["stages"].__setitem__("best_val", {"_target_": "pipeline.data.grammar.GrammarCorpus",
                                                                  "cache_dir": "{tmp}/chosen", "n_sentences": 50})),
-         module=I),
+         module=SHOW),
     # which file holds the damage: arrays in optim.safetensors, JSON values in extra.json
     Case("optim-permutation", 1, ("optim.safetensors", "data_iter", "not a permutation"),
-         edit_optim(not_a_permutation), module=I),
+         edit_optim(not_a_permutation), module=SHOW),
     Case("optim-moment-dtype", 1, ("optim.safetensors", "exp_avg"),
          edit_optim(lambda a: a.__setitem__(k := next(n for n in a if "exp_avg/" in n), a[k].astype(np.float32))),
-         module=I),
+         module=SHOW),
     Case("extra-counter", 1, ("extra.json", "optimizer", "t=-1 is negative"),
-         edit_extra(lambda e: e["optimizer"].__setitem__("t", -1)), module=I),
+         edit_extra(lambda e: e["optimizer"].__setitem__("t", -1)), module=SHOW),
     # extra.json
     Case("extra-deep", 1, ("extra.json", "nested deeper"), write_file("extra.json", b"[" * 200000 + b"]" * 200000),
-         module=I),
+         module=SHOW),
     Case("extra-oversized", 1, ("extra.json", "over the", "limit"),
          lambda o, r, v, t: (sparse(step(r, 10) / "extra.json", 100 << 20), relist(step(r, 10), "extra.json"),
-                             inspect_final(r))[2], module=I),
+                             inspect_final(r))[2], module=SHOW),
     Case("extra-stage-state-type", 1, ("extra.json", "stages", "does not fit"),
-         lambda o, r, v, t: (lambda p: (p.write_text(json.dumps({**(e := json.loads(p.read_text())),
-                                                                  "stages": {**e["stages"], "best_val": {"best": "low", "best_step": 3}}})),
-                                         relist(step(r, 10), "extra.json"), inspect_final(r))[2])(step(r, 10) / "extra.json"),
-         module=I),
+         lambda o, r, v, t: (lambda p: (
+             p.write_text(json.dumps({**(e := json.loads(p.read_text())),
+                                      "stages": {**e["stages"], "best_val": {"best": "low", "best_step": 3}}})),
+             relist(step(r, 10), "extra.json"), inspect_final(r))[2])(step(r, 10) / "extra.json"),
+         module=SHOW),
     Case("extra-rng-garbage", 1, ("extra.json", "rng"),
-         lambda o, r, v, t: (lambda p: (p.write_text(json.dumps({**(e := json.loads(p.read_text())),
-                                                                  "rng": {**e["rng"], "noise": {"state": "x" * 100000}}})),
-                                         relist(step(r, 10), "extra.json"), inspect_final(r))[2])(step(r, 10) / "extra.json"),
-         module=I),
+         lambda o, r, v, t: (lambda p: (
+             p.write_text(json.dumps({**(e := json.loads(p.read_text())),
+                                      "rng": {**e["rng"], "noise": {"state": "x" * 100000}}})),
+             relist(step(r, 10), "extra.json"), inspect_final(r))[2])(step(r, 10) / "extra.json"),
+         module=SHOW),
     Case("extra-bitflip", 1, ("extra.json", "sha256"),
          lambda o, r, v, t: (lambda p: (p.write_bytes(bytes([p.read_bytes()[0] ^ 1]) + p.read_bytes()[1:]),
-                                         inspect_final(r))[1])(step(r, 10) / "extra.json"), module=I),
+                                         inspect_final(r))[1])(step(r, 10) / "extra.json"), module=SHOW),
     # safetensors files
     Case("weights-oversized-header", 1, ("weights.safetensors", "header of", "over the"),
          lambda o, r, v, t: (
              (step(r, 10) / "weights.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b" " * 64),
-             relist(step(r, 10), "weights.safetensors"), inspect_final(r))[2], module=I),
+             relist(step(r, 10), "weights.safetensors"), inspect_final(r))[2], module=SHOW),
     Case("weights-dtype-list", 1, ("weights.safetensors", "dtype"),
          write_file("weights.safetensors", header_file({"layers.0.bias": {"dtype": ["F64"], "shape": [8],
                                                                             "data_offsets": [0, 64]}}, b"\0" * 64)),
-         module=I),
+         module=SHOW),
     Case("weights-deep-header", 1, ("weights.safetensors", "nested deeper"),
-         write_file("weights.safetensors", header_file(b"[" * 100000 + b"]" * 100000)), module=I),
+         write_file("weights.safetensors", header_file(b"[" * 100000 + b"]" * 100000)), module=SHOW),
     Case("weights-truncated", 1, ("weights.safetensors", "size"),
          lambda o, r, v, t: ((step(r, 10) / "weights.safetensors").write_bytes(
-             (step(r, 10) / "weights.safetensors").read_bytes()[:-5]), inspect_final(r))[1], module=I),
+             (step(r, 10) / "weights.safetensors").read_bytes()[:-5]), inspect_final(r))[1], module=SHOW),
     Case("weights-1000x", 1, ("weights.safetensors", "more than a checkpoint of this config can hold"),
          lambda o, r, v, t: (sparse(step(r, 10) / "weights.safetensors", 600 << 20),
-                             relist(step(r, 10), "weights.safetensors"), inspect_final(r))[2], module=I),
+                             relist(step(r, 10), "weights.safetensors"), inspect_final(r))[2], module=SHOW),
     Case("weights-other-shape", 1, ("weights.safetensors", "does not fit"),
          write_file("weights.safetensors", header_file({"layers.0.bias": {"dtype": "F64", "shape": [9],
                                                                             "data_offsets": [0, 72]}}, b"\0" * 72)),
-         module=I),
+         module=SHOW),
     Case("weights-symlink", 1, ("weights.safetensors", "symlink"),
          lambda o, r, v, t: ((step(r, 10) / "weights.safetensors").unlink(),
-                             os.symlink(v, step(r, 10) / "weights.safetensors"), inspect_final(r))[2], module=I),
+                             os.symlink(v, step(r, 10) / "weights.safetensors"), inspect_final(r))[2], module=SHOW),
     Case("optim-symlink", 1, ("optim.safetensors", "symlink"),
          lambda o, r, v, t: ((step(r, 10) / "optim.safetensors").unlink(),
-                             os.symlink(v, step(r, 10) / "optim.safetensors"), inspect_final(r))[2], module=I),
+                             os.symlink(v, step(r, 10) / "optim.safetensors"), inspect_final(r))[2], module=SHOW),
     Case("unlisted-file", 1, ("notes.txt", "not listed"),
-         lambda o, r, v, t: ((step(r, 10) / "notes.txt").write_text("x"), inspect_final(r))[1], module=I),
+         lambda o, r, v, t: ((step(r, 10) / "notes.txt").write_text("x"), inspect_final(r))[1], module=SHOW),
     # the same damage met by a resume from that checkpoint: exit 2, nothing changed
     Case("resume-from-deep-manifest", 2, ("manifest.json", "nested deeper"),
          then(write_file("manifest.json", b"[" * 200000 + b"]" * 200000, False), resume_from())),
@@ -319,7 +321,7 @@ CASES = [
     Case("resume-from-permutation", 2, ("optim.safetensors", "not a permutation"),
          then(edit_optim(not_a_permutation), resume_from())),
     # a link out of the run: refused by every tool
-    Case("best-outside-inspect", 2, OUT_OF_RUN, best_outside("{best}"), module=I),
+    Case("best-outside-inspect", 2, OUT_OF_RUN, best_outside("{best}"), module=SHOW),
     Case("best-outside-evaluate", 2, OUT_OF_RUN, best_outside("{best}"), module="pipeline.evaluate"),
     Case("best-outside-sample", 2, OUT_OF_RUN, best_outside("{best}", "prompt=a"), module="pipeline.sample"),
     Case("best-outside-export", 2, OUT_OF_RUN, best_outside("{best}", "{tmp}/hf"), module="pipeline.export_hf"),
@@ -336,7 +338,7 @@ CASES = [
     Case("run-json-duplicate-key", 2, ("run.json", "duplicate key 'status'"),
          edit_run_file("run.json", lambda t: '{"status": "running", ' + t.lstrip()[1:])),
     Case("run-json-duplicate-key-inspect", 1, ("run.json", "duplicate key 'status'"),
-         edit_run_file("run.json", lambda t: '{"status": "running", ' + t.lstrip()[1:], inspected=True), module=I),
+         edit_run_file("run.json", lambda t: '{"status": "running", ' + t.lstrip()[1:], inspected=True), module=SHOW),
     # planted links in the run directory
     Case("link-at-lock", 2, (".lock", "symlink"), link_to_victim(".lock")),
     Case("link-at-run-json", 2, ("run.json", "symlink"), link_to_victim("run.json")),
@@ -373,7 +375,8 @@ CASES = [
     Case("batch-over-data", 2, ("trainer.batch_size=1000", "24"), args=("trainer.batch_size=1000",)),
     Case("hidden-0", 2, ("model.hidden=[0]",), args=("model.hidden=[0]",)),
     Case("negative-steps", 2, ("trainer.max_steps=-5",), args=("trainer.max_steps=-5", "trainer.epochs=0")),
-    Case("nothing-to-train", 2, ("trainer.max_steps=0", "trainer.epochs=0"), args=("trainer.max_steps=0", "trainer.epochs=0")),
+    Case("nothing-to-train", 2, ("trainer.max_steps=0", "trainer.epochs=0"),
+         args=("trainer.max_steps=0", "trainer.epochs=0")),
     Case("negative-lr", 2, ("optimizer.lr=-1.0",), args=("optimizer.lr=-1",)),
     Case("betas-out-of-range", 2, ("optimizer.betas",), args=("optimizer.betas=[0.9,1.5]",)),
     Case("lr-not-a-number", 2, ("optimizer.lr=abc",), args=("optimizer.lr=abc",)),
@@ -399,7 +402,8 @@ import os, sys
 pid = os.posix_spawn(sys.executable, [sys.executable, *sys.argv[2:]], os.environ)
 _, status, usage = os.wait4(pid, 0)
 open(sys.argv[1], "w").write(str(usage.ru_maxrss))
-sys.exit(os.waitstatus_to_exitcode(status) % 256 if os.waitstatus_to_exitcode(status) >= 0 else 128 - os.waitstatus_to_exitcode(status))
+sys.exit(os.waitstatus_to_exitcode(status) % 256 if os.waitstatus_to_exitcode(status) >= 0 \
+else 128 - os.waitstatus_to_exitcode(status))
 """
 
 
@@ -464,12 +468,12 @@ def test_hostile_input(case: Case, finished, tmp_path):
     (tmp_path / "stdout.txt").unlink()
     assert p.returncode == case.code, f"exit {p.returncode}: {stderr[-3000:]}{stdout[-1000:]}"
     assert "Traceback" not in stderr + stdout, stderr
-    said = [ln for ln in (stdout if case.module == I and case.code == 1 else stderr).splitlines() if ln.strip()]
+    said = [ln for ln in (stdout if case.module == SHOW and case.code == 1 else stderr).splitlines() if ln.strip()]
     if case.code != 0:
         # inspect's verdict: its INVALID line (the last line for a checkpoint, the second for a run's run.json)
-        message = next((ln for ln in reversed(said) if "INVALID" in ln), said[-1]) if case.module == I and \
+        message = next((ln for ln in reversed(said) if "INVALID" in ln), said[-1]) if case.module == SHOW and \
             case.code == 1 else "\n".join(said)
-        assert len(said) >= 1 and (case.module == I or len(said) == 1), said
+        assert len(said) >= 1 and (case.module == SHOW or len(said) == 1), said
         for word in case.words:
             assert word in message, message
     assert maxrss_kb / 1024 < RSS_BOUND_MB, f"peak RSS {maxrss_kb / 1024:.0f} MB"

@@ -174,13 +174,15 @@ def test_no_module_level_mutable_container_is_shared_with_another_unit():
             value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if value is not None else []
             if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
-                    isinstance(value, ast.Call) and getattr(value.func, "id", "") in ("dict", "list", "set", "defaultdict")):
+                    isinstance(value, ast.Call)
+                    and getattr(value.func, "id", "") in ("dict", "list", "set", "defaultdict")):
                 mutable.update({(name, t.id): True for t in targets if isinstance(t, ast.Name)})
     shared = []
     for name, tree in modules().items():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and unit(node.module) != unit(name):
-                shared += [f"{name} imports {node.module}.{a.name}" for a in node.names if (node.module, a.name) in mutable]
+                shared += [f"{name} imports {node.module}.{a.name}"
+                           for a in node.names if (node.module, a.name) in mutable]
     assert shared == []
 
 

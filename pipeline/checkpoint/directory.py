@@ -6,21 +6,26 @@ import hashlib
 import os
 import re
 import stat
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 
-from pipeline.files import jsonio
-from pipeline.files import killpoint
-from pipeline.files import reading
-from pipeline.files.atomic import (fsync_dir, new_temp_dir, publish_dir, remove_temporaries, remove_tree, second_name,
-                                   write_new)
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
 from pipeline.checkpoint.tensors import DigestMismatch, LayoutMisfit, layout, read_tensors, write_tensors
+from pipeline.files import jsonio, killpoint, reading
+from pipeline.files.atomic import (
+    fsync_dir,
+    new_temp_dir,
+    publish_dir,
+    remove_temporaries,
+    remove_tree,
+    second_name,
+    write_new,
+)
 from pipeline.stateful import PARTS, SEP, StateMismatch, capture, check, merge, split
 
 WEIGHTS, OPTIM, EXTRA, MANIFEST = "weights.safetensors", "optim.safetensors", "extra.json", "manifest.json"
@@ -32,6 +37,13 @@ MAX_JSON = 16 << 20  # bytes of manifest.json, extra.json or data.json: a few KB
 # characters or lexicon words, its decode_join '' or ' ', its specials a role or two (eos).
 MAX_TOKEN, MAX_JOIN, MAX_SPECIALS = 256, 16, 16
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def step_number(name: str) -> int:
+    """step-00000042 -> 42; ValueError for a name no step directory has."""
+    if (m := STEP_DIR.match(name)) is None:
+        raise ValueError(f"{name!r} is not a step directory's name")
+    return int(m.group(1))
 STORE = "checkpoints"  # what a run's store of checkpoints is called (pipeline/run/directory.py puts it in the run)
 MAX_HOPS = 8  # links followed from a path to its checkpoint directory
 LINKED = "is a symlink; a checkpoint's files must be regular files inside it"
@@ -148,10 +160,10 @@ _ABSENT = object()
 
 def _at(tree, keys: tuple):
     for k in keys:
-        if not (isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree)
-                or isinstance(k, str) and isinstance(tree, dict) and k in tree):
+        if not ((isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree))
+                or (isinstance(k, str) and isinstance(tree, dict) and k in tree)):
             return _ABSENT
-        tree = tree[k]
+        tree = tree[k]  # type: ignore[index]  # checked just above: an int for a list, a str for a dict
     return tree
 
 
@@ -416,7 +428,7 @@ class CheckpointDir:
         saved_step = progress.get("step") if isinstance(progress, dict) else None
         if lie := _step_witnesses(directory, manifest["step"], saved_step):
             raise CheckpointError(directory, *lie)
-        if parts is not None:
+        if parts is not None and live is not None:
             try:
                 check(parts, tree)
             except StateMismatch as e:

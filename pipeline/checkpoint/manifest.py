@@ -6,12 +6,12 @@ import os
 import platform
 import re
 import subprocess
-from functools import lru_cache
+from functools import cache
 from importlib import metadata
 from pathlib import Path
 
-from pipeline.files import jsonio
 from pipeline.config.identity import config_hash, semantic_hash
+from pipeline.files import jsonio
 
 SCHEMA_VERSION = "2.1"
 READABLE = ("2.0", SCHEMA_VERSION)  # 2.0: no data.json (the tools build its data to find its vocabulary)
@@ -25,7 +25,7 @@ class ManifestError(ValueError):
     """manifest.json contradicts itself or lacks a field (the message says which)."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def git_info(root: str = str(PROJECT_ROOT)) -> dict:
     unknown = {"git_sha": "unknown", "git_dirty": None}
     if not (Path(root) / "pyproject.toml").is_file():
@@ -43,7 +43,7 @@ def git_info(root: str = str(PROJECT_ROOT)) -> dict:
         return unknown
 
 
-@lru_cache(maxsize=None)
+@cache
 def code_sha256(package: str = str(Path(__file__).resolve().parents[1])) -> str:
     """sha256 over the package's Python files (each one's path and bytes, in path order): which code trained a
     run, with or without git (an uncommitted edit changes it, a commit of the same bytes does not)."""
@@ -75,7 +75,7 @@ def code_change(manifest: dict, facts: dict | None = None) -> str | None:
     return None if same else f"{name(manifest)}, now {name(facts)}"
 
 
-@lru_cache(maxsize=None)
+@cache
 def versions() -> dict:
     out: dict[str, str | None] = {"python": platform.python_version()}
     for name in PACKAGES:
@@ -103,7 +103,7 @@ def _ram_gb() -> float | None:
         return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def hardware() -> dict:
     from threadpoolctl import threadpool_info
 
@@ -115,7 +115,8 @@ def hardware() -> dict:
 
 def run_facts(config: dict, sources: dict, data_manifest_hash: str, data_spec: dict, data_facts: dict) -> dict:
     """The fields every checkpoint of a run carries, computed once; `data_facts` become each one's data.json."""
-    return {DATA_FACTS: data_facts, **git_info(), "code_sha256": code_sha256(), "config": config, "config_hash": config_hash(config),
+    return {DATA_FACTS: data_facts, **git_info(), "code_sha256": code_sha256(), "config": config,
+            "config_hash": config_hash(config),
             "semantic_config_hash": semantic_hash(config, sources), "sources": dict(sources),
             "data_manifest_hash": data_manifest_hash, "data_spec": dict(data_spec), "seed": config["trainer"]["seed"],
             "versions": versions(), "hardware": hardware(), "mlflow_run_uri": None}
@@ -141,7 +142,8 @@ def check(m) -> dict:
     version = m.get("schema_version")
     if version not in READABLE:
         raise ManifestError(f"schema_version {version!r}: this pipeline reads schema_version "
-                            f"{' and '.join(map(repr, READABLE))} only (a checkpoint of another version of the pipeline)")
+                            f"{' and '.join(map(repr, READABLE))} only "
+                            "(a checkpoint of another version of the pipeline)")
     step = _require(m, "step", int, "a non-negative integer")
     if step < 0 or _require(m, "epoch", int, "a non-negative integer") < 0:
         raise ManifestError("'step' and 'epoch' must be non-negative")

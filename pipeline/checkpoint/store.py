@@ -5,17 +5,24 @@ import contextlib
 import errno
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
-from pipeline.files import jsonio
-from pipeline.files import killpoint
-from pipeline.files.atomic import TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, fsync_dir, replace_link
 from pipeline.checkpoint import manifest as mf
-from pipeline.checkpoint.directory import (STEP_DIR, STORE, Checkpoint, CheckpointDir, _shown, link_problem,
-                                          step_dir_name)
+from pipeline.checkpoint.directory import (
+    STEP_DIR,
+    STORE,
+    Checkpoint,
+    CheckpointDir,
+    _shown,
+    link_problem,
+    step_dir_name,
+    step_number,
+)
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
 from pipeline.checkpoint.retention import AnyOf, Named, Policy, Record, Steps, select_one
+from pipeline.files import jsonio, killpoint
+from pipeline.files.atomic import TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, fsync_dir, replace_link
 
 
 def _record(manifest: dict) -> Record:
@@ -75,10 +82,15 @@ class CheckpointStore:
                     self._records[step] = _record(CheckpointDir(directory).manifest())
         return [self._records[s] for s in sorted(self._records)]
 
+    def _recorded(self) -> dict[int, Record]:
+        self.records()
+        assert self._records is not None
+        return self._records
+
     def newest_valid(self, parts: Mapping | None = None) -> tuple[Checkpoint | None, list[tuple[Path, str, str]]]:
         """The newest checkpoint that verifies (and fits `parts`), and (directory, what it is, the error) for each
         newer one skipped: damaged, or verified but made by a config whose state does not fit the live run."""
-        skipped = []
+        skipped: list[tuple[Path, str, str]] = []
         for _, directory in reversed(self.steps()):
             try:
                 return CheckpointDir(directory).load(parts), skipped
@@ -102,8 +114,7 @@ class CheckpointStore:
         ensure_dirs(self.root.parent, self.root.name)
         directory = self.root / step_dir_name(step)
         manifest = CheckpointDir(directory).write(tree, fields, replace=True)
-        self.records()
-        self._records[step] = _record(manifest)
+        self._recorded()[step] = _record(manifest)
         return Checkpoint(directory, manifest, tree, fields[mf.DATA_FACTS])
 
     def retain(self, policy: Policy, links: dict[str, Policy], upto: int, lineage: str,
@@ -119,8 +130,8 @@ class CheckpointStore:
         by_step = {r.step: r for r in records}
         wanted = {name: step for n in named for name, step in n.links(records).items() if name not in links}
         retired = {name for name, t in present_links.items() if name not in links and name not in wanted
-                   and (r := by_step.get(int(STEP_DIR.match(t).group(1)))) and any(n.owns(name, r) for n in named)}
-        orphan_targets = {int(STEP_DIR.match(t).group(1)) for name, t in present_links.items()
+                   and (r := by_step.get(step_number(t))) and any(n.owns(name, r) for n in named)}
+        orphan_targets = {step_number(t) for name, t in present_links.items()
                           if name not in links and name not in retired}
         keep = AnyOf((policy, Steps(frozenset(orphan_targets)), *links.values())).keep(records)
         for name, link_policy in links.items():
@@ -141,7 +152,7 @@ class CheckpointStore:
             if step not in keep and step in {r.step for r in records}:
                 killpoint.point("save", "before delete")
                 discard_dir(directory)
-                self._records.pop(step, None)
+                self._recorded().pop(step, None)
 
     def link_dir(self, name: str) -> Path | None:
         """The step directory a link points at, if the link exists and names one here."""
@@ -150,4 +161,4 @@ class CheckpointStore:
 
     def link_step(self, name: str) -> int | None:
         target = self.links().get(name)
-        return int(STEP_DIR.match(target).group(1)) if target else None
+        return step_number(target) if target else None

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.files import jsonio
-from pipeline.files import reading
+from pipeline.files import jsonio, reading
 from pipeline.files.atomic import open_new, write_all
 
 ALIAS = re.compile(r"^ALIAS\((.+)\)$")
@@ -209,7 +208,8 @@ def _check_header(header, data_len: int) -> tuple[dict[str, str], list[tuple[str
     position = 0
     for begin, name, _, _, nbytes in entries:
         if begin != position:
-            raise _Malformed(f"tensor {name!r}: data_offsets overlap or leave a gap (starts at {begin}, expected {position})")
+            raise _Malformed(f"tensor {name!r}: data_offsets overlap or leave a gap "
+                             f"(starts at {begin}, expected {position})")
         position += nbytes
     if position != data_len:
         raise _Malformed(f"the tensors cover {position} data bytes, the file holds {data_len}")

@@ -1,4 +1,5 @@
-"""`python -m pipeline.archive SOURCE DEST`: a run, sweep or checkpoint copied to DEST, verified, reloaded and resumed there.
+"""`python -m pipeline.archive SOURCE DEST`: a run, sweep or checkpoint copied to DEST, verified, reloaded and resumed
+there.
 
 DEST is laid out like an output directory (docs/archive.md), built as a hidden temporary sibling,
 checked there from its own bytes (sizes and sha256, every checkpoint restored, a resume compared bit for bit) and
@@ -8,6 +9,7 @@ temporary is kept and named); 2 bad input, one line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import stat
@@ -16,17 +18,26 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from pipeline.files import jsonio, names
-from pipeline.files import reading
-from pipeline.files.atomic import (TMP_PREFIX, NewDirs, UnsafePathError, ensure_dirs, fsync_dir, new_temp_dir,
-                                   publish_dir, remove_tree, write_new)
 from pipeline.checkpoint.directory import STEP_DIR, CheckpointDir, step_dir_name
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
-from pipeline.run.signals import command, run_command
 from pipeline.config.identity import run_name
+from pipeline.files import jsonio, names, reading
+from pipeline.files.atomic import (
+    TMP_PREFIX,
+    NewDirs,
+    UnsafePathError,
+    ensure_dirs,
+    fsync_dir,
+    new_temp_dir,
+    publish_dir,
+    remove_tree,
+    write_new,
+)
 from pipeline.run.directory import RunDir
+from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.archive"
 SELECTIONS = ("best", "final", "newest")
@@ -105,7 +116,8 @@ def plan(source: Path, which: str) -> list[RunPlan]:
         from pipeline.sweep.summary import read_jobs
 
         runs_dir = source.parent.parent / "runs"  # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
-        runs = sorted({Path(j["run_dir"]).name for j in read_jobs(source).values() if isinstance(j.get("run_dir"), str)})
+        runs = sorted({Path(j["run_dir"]).name for j in read_jobs(source).values()
+                       if isinstance(j.get("run_dir"), str)})
         if not runs:
             raise BadSource(f"{source}: a sweep none of whose jobs/*.json names a run directory")
         plans = []
@@ -115,6 +127,7 @@ def plan(source: Path, which: str) -> list[RunPlan]:
                 raise BadSource(f"{runs_dir / n}: the run of a job of sweep {source.name} is not there")
             plans += plan(runs_dir / n, which)
         return plans
+    run_dir: Path | None
     if kind == "run":
         run_dir = Path(os.path.realpath(source))
         chosen, links = _select(RunDir(run_dir).store, which)
@@ -215,7 +228,8 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
                         "to archive it")
     if corpus is not None:
         b.copy(corpus / "MANIFEST.json", f"{base}/corpus-MANIFEST.json", MAX_SMALL,
-               {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash}, "the checkpoints' data_manifest_hash")
+               {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash},
+               "the checkpoints' data_manifest_hash")
     if with_data:
         if corpus is None and data_hash and data.get("_target_", "").startswith("pipeline.data.") \
                 and "regression" not in data["_target_"]:
@@ -244,7 +258,8 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             archived[key] = rel
         identity["sources_archived"] = archived
     b.write(f"{base}/data-identity.json", jsonio.dumps(identity))
-    return {"checkpoints": {n: {"step": m["step"], "tags": m["tags"], "links": sorted(k for k, t in p.links.items() if t == n)}
+    return {"checkpoints": {n: {"step": m["step"], "tags": m["tags"],
+                                "links": sorted(k for k, t in p.links.items() if t == n)}
                             for n, m in sorted(p.manifests.items())},
             "data": {k: identity[k] for k in ("data_manifest_hash", "sources", "corpus")},
             "with_data": bool(with_data)}
@@ -303,12 +318,10 @@ def run_overrides(run: Path) -> list[str] | None:
 def recorded_searchpath(root: Path, run: Path, extra: list[str]) -> str | None:
     """The `hydra.searchpath=[...]` the archive says run `run` was made with (its .hydra/overrides.yaml, else
     recovery.json), if the command line did not give it: named in a refusal, never used."""
-    said = [o for o in run_overrides(run) or []]
-    try:
+    said = list(run_overrides(run) or [])
+    with contextlib.suppress(Exception):
         said += [str(o) for o in jsonio.read(root / "recovery.json", MAX_SMALL)["exported"]["runs"][run.name]
                  ["resume_overrides"]]
-    except Exception:  # noqa: BLE001 - no recovery.json (being built), or not one this tool wrote
-        pass
     said = [" ".join(o.split())[:300] for o in said if o.lstrip("+").startswith("hydra.searchpath=")]
     return next((o.lstrip("+") for o in said if o.lstrip("+") not in extra), None)
 
@@ -333,7 +346,7 @@ def restore_all(root: Path, extra: list[str]) -> list[dict]:
             try:
                 manifest, _ = restore_checkpoint(step_dir, extra)
                 checks.append({"check": f"restore {rel}", "passed": True, "detail": f"step {manifest['step']}"})
-            except Exception as e:  # noqa: BLE001 - a check's failure is its result
+            except Exception as e:
                 hint = _trust_hint(root, run, extra) if isinstance(e, UnknownTargetError) else ""
                 checks.append({"check": f"restore {rel}", "passed": False, "detail": str(e).splitlines()[0] + hint})
     return checks
@@ -360,7 +373,7 @@ def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str |
         return f"{where}: {e}{_trust_hint(root, run, extra)}"
     except ConfigError as e:
         return f"{where}: {e}"
-    except Exception as e:  # noqa: BLE001 - Hydra's and omegaconf's own errors: one line
+    except Exception as e:
         return f"{where}: does not compose: {error_line(e)}"
     return None
 
@@ -412,11 +425,10 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     (resumed_run,) = [p for p in (scratch / "out" / "runs").iterdir() if p.is_dir()]
     got = [ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end]  # a preempted run goes on past end
     want = [ln for ln in archived if ln["step"] > step]
-    compared = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
-    final = RunDir(resumed_run).store
-    original_final = store.link_dir("final")
-    if original_final is not None and final.link_dir("final") is not None and step < end:
-        a, bb = CheckpointDir(original_final).manifest(), CheckpointDir(final.link_dir("final")).manifest()["files"]
+    compared: dict[str, Any] = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
+    original_final, resumed_final = store.link_dir("final"), RunDir(resumed_run).store.link_dir("final")
+    if original_final is not None and resumed_final is not None and step < end:
+        a, bb = CheckpointDir(original_final).manifest(), CheckpointDir(resumed_final).manifest()["files"]
         compared["final_step"] = a["step"]
         compared["final_files_equal"] = {n: e["sha256"] == bb.get(n, {}).get("sha256") for n, e in a["files"].items()}
     ok = compared["metrics_equal"] and all(compared.get("final_files_equal", {}).values())
@@ -470,9 +482,11 @@ def readme(dest: Path, exported: dict) -> str:
         over = " ".join(run["resume_overrides"])
         sp = " ".join(o for o in run["resume_overrides"] if o.startswith("hydra.searchpath="))
         lines += [f"## {name}", "", "Checkpoints: " + ", ".join(
-            f"{n} (step {c['step']}{', ' + '/'.join(c['links']) if c['links'] else ''})" for n, c in sorted(ck.items())),
+            f"{n} (step {c['step']}{', ' + '/'.join(c['links']) if c['links'] else ''})"
+            for n, c in sorted(ck.items())),
             f"Data: data_manifest_hash {run['data']['data_manifest_hash']}, corpus {run['data']['corpus'] or '-'}, "
-            f"sources {run['data']['sources'] or '-'}{' (archived under sources/ and data/)' if run['with_data'] else ''}.",
+            f"sources {run['data']['sources'] or '-'}"
+            f"{' (archived under sources/ and data/)' if run['with_data'] else ''}.",
             "", "```bash",
             f"python -m pipeline.show {dest}/runs/{name} {sp}".rstrip(),
             f"python -m pipeline.evaluate {at}/{best} paths.output_dir=SCRATCH {sp}".rstrip()]
@@ -480,8 +494,11 @@ def readme(dest: Path, exported: dict) -> str:
             lines += [f"python -m pipeline.sample {at}/final prompt=\"the\" max_new_tokens=20 paths.output_dir=SCRATCH",
                       f"python -m pipeline.export_hf {at}/final HF_DIR"]
         done = resume_from != newest
-        lines += [f"python -m pipeline {over} resume.source={at}/{resume_from} paths.output_dir=SCRATCH".replace("  ", " "),
-                  "```", "", f"The resume {'repeats the steps after ' + resume_from + ' of the finished run, to its final bytes' if done else 'continues the run from its newest checkpoint'}; "
+        lines += [f"python -m pipeline {over} resume.source={at}/{resume_from} paths.output_dir=SCRATCH"
+                  .replace("  ", " "),
+                  "```", "", "The resume " + (f"repeats the steps after {resume_from} of the finished run, to its "
+                                             "final bytes" if done else "continues the run from its newest checkpoint")
+                  + "; "
                   "`python -m pipeline.archive --check` re-verifies every byte.", ""]
     return "\n".join(lines)
 
@@ -525,13 +542,13 @@ def _build_archive(source: Path, dest: Path, which: str, with_data: bool, extra:
     keep_tmp = False
     try:
         b = Builder(tmp)
-        exported = {"runs": {}}
-        for p in plans:
-            exported["runs"][p.name] = run = archive_run(b, p, with_data)
-            identity = jsonio.read(tmp / "runs" / p.name / "data-identity.json", MAX_SMALL)
-            overrides = _resume_overrides(run_overrides(tmp / "runs" / p.name) or [], tmp, identity, extra)
+        exported: dict[str, Any] = {"runs": {}}
+        for run_plan in plans:
+            exported["runs"][run_plan.name] = run = archive_run(b, run_plan, with_data)
+            identity = jsonio.read(tmp / "runs" / run_plan.name / "data-identity.json", MAX_SMALL)
+            overrides = _resume_overrides(run_overrides(tmp / "runs" / run_plan.name) or [], tmp, identity, extra)
             run["resume_overrides"] = [o.replace(str(tmp), str(dest)) for o in overrides]
-            run["model"] = p.newest["config"]["model"].get("_target_")
+            run["model"] = run_plan.newest["config"]["model"].get("_target_")
         if _kind(source) == "sweep":  # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
             name = Path(os.path.realpath(source)).name
             for f in (p for p in sorted(Path(source).iterdir()) if not p.is_dir() or p.is_symlink()):
@@ -544,7 +561,8 @@ def _build_archive(source: Path, dest: Path, which: str, with_data: bool, extra:
         result = checks_on(tmp, dest, b, extra, prove=True)
         exported["files"] = len(b.files)
         exported["bytes"] = sum(e["size"] for e in b.files.values())
-        report = {"archive": str(dest), "source": str(source), "command": "python -m pipeline.archive " + " ".join(argv),
+        report = {"archive": str(dest), "source": str(source),
+                  "command": "python -m pipeline.archive " + " ".join(argv),
                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result, "exported": exported}
         b.write("recovery.json", jsonio.dumps(report))
         fsync_dir(tmp)
@@ -575,12 +593,14 @@ def check_archive(dest: Path, extra: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.splitlines()[0])
-    ap.add_argument("source", type=Path, help="a run directory, a sweep directory or a checkpoint (or DEST with --check)")
+    ap.add_argument("source", type=Path,
+                    help="a run directory, a sweep directory or a checkpoint (or DEST with --check)")
     ap.add_argument("dest", nargs="?", help="where the archive appears (must not exist)")
     ap.add_argument("overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are")
     ap.add_argument("--checkpoints", default="best,final,newest", help="best,final,newest (any of them) or all")
     ap.add_argument("--with-data", action="store_true", help="archive the corpus and the text files too")
-    ap.add_argument("--check", action="store_true", help="re-verify an archive: python -m pipeline.archive --check DEST")
+    ap.add_argument("--check", action="store_true",
+                    help="re-verify an archive: python -m pipeline.archive --check DEST")
     args = ap.parse_intermixed_args(argv)
     extra = [*([args.dest] if args.check and args.dest else []), *args.overrides]  # a str: Path() eats pkg://
     if (bad := next((o for o in extra if not o.startswith("hydra.searchpath=")), None)) is not None:

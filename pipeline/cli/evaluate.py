@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.files import jsonio
 from pipeline.config.errors import EXIT_OK
+from pipeline.files import jsonio
 from pipeline.run.signals import command, run_command
 
 

@@ -10,8 +10,8 @@ import numpy as np
 from safetensors.numpy import save
 
 from pipeline.config.errors import CommandError
-from pipeline.run.signals import command, run_command
 from pipeline.files.atomic import replace_file
+from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.export_hf"
 EOS = "<eos>"  # the grammar corpus's end of sentence: GPT-2's <|endoftext|> role (bos, eos and pad)
@@ -23,7 +23,8 @@ INTERRUPTED = "OUT_DIR may hold part of the export (each file whole); re-run the
 def expected_shapes(*, n_layer: int, n_embd: int, n_positions: int, vocab_size: int) -> dict[str, tuple[int, ...]]:
     """HF GPT2LMHeadModel's stored weights (Conv1D layout, weight [in, out]), without the tied head."""
     d = n_embd
-    shapes: dict[str, tuple[int, ...]] = {"transformer.wte.weight": (vocab_size, d), "transformer.wpe.weight": (n_positions, d)}
+    shapes: dict[str, tuple[int, ...]] = {"transformer.wte.weight": (vocab_size, d),
+                                          "transformer.wpe.weight": (n_positions, d)}
     for i in range(n_layer):
         h = f"transformer.h.{i}."
         shapes.update({h + "ln_1.weight": (d,), h + "ln_1.bias": (d,),
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Export a MiniGPT checkpoint as a Hugging Face GPT-2 directory.",
                                      epilog="The vocabulary is the checkpoint's data.json; only for a checkpoint "
                                             "written before it (schema 2.0) is the training data built, found with "
-                                            "data.path=FILE (a moved text file), paths.output_dir=DIR (the corpus cache)")
+                                            "data.path=FILE (a moved text file), "
+                                            "paths.output_dir=DIR (the corpus cache)")
     parser.add_argument("checkpoint", metavar="CHECKPOINT")
     parser.add_argument("out_dir", metavar="OUT_DIR")
     parser.add_argument("overrides", nargs="*", help="data.path=FILE, paths.output_dir=DIR, hydra.searchpath=[...]")

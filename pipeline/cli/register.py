@@ -12,8 +12,9 @@ import argparse
 import os
 import sys
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError, ConfigError
 from pipeline.run.signals import command, run_command
@@ -37,7 +38,7 @@ def signature_of(manifest: dict, model, prompt: str = ""):
     if hasattr(model, "logits"):
         return None, [{"prompt": prompt, "max_new_tokens": 4, "seed": 0}]
     spec = manifest["data_spec"]
-    dtype = getattr(model, "dtype", "float64")
+    dtype: Any = getattr(model, "dtype", "float64")  # a numpy dtype or its name: TensorSpec takes both
     inputs = Schema([TensorSpec(dtype, (-1, spec["n_features"]))])
     import numpy as np
 
@@ -52,10 +53,8 @@ def requirements() -> list[str]:
 
     out = []
     for name in ("mlflow", "numpy", "pandas", "safetensors", "hydra-core", "omegaconf"):
-        try:
+        with suppress(PackageNotFoundError):
             out.append(f"{name}=={version(name)}")
-        except PackageNotFoundError:
-            pass
     return out
 
 
@@ -70,7 +69,7 @@ def using_store(uri: str):
     from mlflow.tracking._tracking_service import utils as tracking
 
     env = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
-    saved = tracking._tracking_uri, registry._registry_uri
+    saved: tuple[Any, Any] = tracking._tracking_uri, registry._registry_uri
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     try:
@@ -104,10 +103,10 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     next version of `name` in `tracking_uri` (else MLFLOW_TRACKING_URI, else the mlflow.db of the output
     directory the checkpoint lies in, where `tracking=mlflow` indexes its runs); the mlflow ModelVersion.
     CheckpointError / ConfigError / StoreError (one line) for a checkpoint, data or store that will not do."""
-    from pipeline.files import jsonio, names
     from pipeline.checkpoint.directory import CheckpointDir
-    from pipeline.serving import CHECKPOINT, VOCAB
+    from pipeline.files import jsonio, names
     from pipeline.run.trained import own_data, restore_checkpoint
+    from pipeline.serving import CHECKPOINT, VOCAB
 
     if (why := names.problem(name, reserve=0)) is not None or not name.strip():
         raise ConfigError(f"NAME={names.shown(name)}: {why or 'must not be blank'} (a registered model's name is "
@@ -136,7 +135,8 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     config = manifest["config"]
     experiment = experiment_of(config)
     experiment_id = ensure_experiment(client, str(experiment), artifact_root)
-    signature, example = signature_of(manifest, state.model, next((t for t in (vocab or {}).get("vocab", ()) if t.strip()), ""))
+    first_word = next((t for t in (vocab or {}).get("vocab", ()) if t.strip()), "")
+    signature, example = signature_of(manifest, state.model, first_word)
     _, _, run_id = parse_run_uri(manifest.get("mlflow_run_uri"))
     tags = {"checkpoint": str(directory), "step": manifest.get("step"), "config_hash": manifest.get("config_hash"),
             "training_run_id": run_id, "training_run_uri": manifest.get("mlflow_run_uri")}

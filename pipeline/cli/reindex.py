@@ -20,8 +20,8 @@ INTERRUPTED = "the index may be partly updated; re-run the same command (it adds
 
 def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) -> list[dict]:
     from pipeline.run.directory import RunDir
-    from pipeline.tracking import store
     from pipeline.run.report import run_page
+    from pipeline.tracking import store
     from pipeline.tracking.common import artifact_root, run_uri
     from pipeline.tracking.index import sync_parent, sync_run
 
@@ -36,7 +36,7 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
                 synced.update(r.pop("synced"))
                 print(f"sweep {path.name}: {run_page(run_uri(uri, r['experiment_id'], r['run_id']))} "
                       f"({r['children']} jobs, {r['status']})")
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 results.append({"error": f"{type(e).__name__}: {e}", "sweep_dir": str(path)})
                 print(f"sweep {path.name}: ERROR {type(e).__name__}: {e}")
             continue
@@ -45,7 +45,7 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
             r = synced.get(str(run_dir.resolve())) or (
                 {"skipped": "in use by a running job"} if RunDir(run_dir).in_use()
                 else sync_run(client, uri, run_dir, artifact_location))
-        except Exception as e:  # noqa: BLE001 - one broken run does not stop the others
+        except Exception as e:
             r = {"error": f"{type(e).__name__}: {e}"}
         r["run_dir"] = str(run_dir)
         results.append(r)
@@ -79,7 +79,7 @@ def history(output_dir: Path) -> list[tuple[float, str, Path]]:
     def started(read) -> float:
         try:
             t = read().get("started")
-        except Exception:  # noqa: BLE001 - damaged: sync_parent or sync_run reports it in its turn
+        except Exception:
             return 0.0
         return float(t) if isinstance(t, (int, float)) else 0.0
 

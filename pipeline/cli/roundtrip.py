@@ -28,16 +28,16 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.files import jsonio
-from pipeline.files.atomic import TMP_PREFIX, remove_tree, write_new
 from pipeline.checkpoint.directory import CheckpointDir, file_hashes, step_dir_name
+from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import SCHEMA_VERSION
 from pipeline.checkpoint.store import CheckpointStore
-from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.tensors import read_tensors, write_tensors
-from pipeline.config.identity import run_name
 from pipeline.config.compose import PROJECT_ROOT, compose, to_plain
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK
+from pipeline.config.identity import run_name
+from pipeline.files import jsonio
+from pipeline.files.atomic import TMP_PREFIX, remove_tree, write_new
 from pipeline.run.signals import command, run_command
 from pipeline.stateful import PARTS, merge, split
 from pipeline.verify.compare import first_difference
@@ -90,7 +90,8 @@ def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
     }
 
 
-def check_continuation(config: dict, overrides: list[str], work: Path, steps: int, separate_process: bool = True) -> dict:
+def check_continuation(config: dict, overrides: list[str], work: Path, steps: int,
+                       separate_process: bool = True) -> dict:
     reference = Fresh(config)
     losses_ref = losses(reference, 2 * steps)
     first = Fresh(config)
@@ -178,7 +179,8 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
     killed = child(args, overrides, PIPELINE_CHAOS="save:4")
     interrupted = killed.returncode == -signal.SIGKILL
     parent = out / "saves"
-    leftovers_after_kill = sorted(p.name for p in parent.iterdir() if p.name.startswith(TMP_PREFIX)) if parent.is_dir() else []
+    leftovers_after_kill = sorted(p.name for p in parent.iterdir()
+                                  if p.name.startswith(TMP_PREFIX)) if parent.is_dir() else []
     no_final = not any(p.name.startswith("step-") for p in parent.iterdir()) if parent.is_dir() else True
     ignored = CheckpointStore(parent).steps() == []
     again = child(args, overrides)
@@ -202,7 +204,8 @@ def save_in_this_process(overrides: list[str], out: Path, steps: int) -> None:
 
 # -- the command --------------------------------------------------------------------------------
 
-def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = True, keep: bool = False) -> tuple[dict, Path]:
+def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = True,
+              keep: bool = False) -> tuple[dict, Path]:
     config = to_plain(compose(overrides))
     out = Path(config["paths"]["output_dir"]) / "roundtrip" / run_name(config)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,13 +12,13 @@ import argparse
 import os
 from pathlib import Path
 
-from pipeline.files import jsonio
-from pipeline.files.atomic import TMP_PREFIX
+from pipeline.checkpoint.directory import CheckpointDir, file_hashes
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import code_change
-from pipeline.checkpoint.directory import CheckpointDir, file_hashes
-from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
+from pipeline.files import jsonio
+from pipeline.files.atomic import TMP_PREFIX
+from pipeline.run.directory import RunDir
 from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.show"
@@ -72,7 +72,8 @@ def describe_run(run_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
         {**describe_checkpoint(directory, overrides), "listed_step": step,
          "links": sorted(name for name, t in links.items() if t == directory.name)} for step, directory in steps]
     root = rundir.store.root
-    out["temporaries"] = sorted(p.name for p in root.iterdir() if p.name.startswith(TMP_PREFIX)) if root.is_dir() else []
+    out["temporaries"] = sorted(p.name for p in root.iterdir()
+                                if p.name.startswith(TMP_PREFIX)) if root.is_dir() else []
     out["valid"] = all(c["valid"] for c in checkpoints) and all(link["exists"] for link in out["links"].values())
     if damaged:
         out["valid"], out["reason"] = False, damaged
@@ -122,7 +123,8 @@ def render_run(d: dict) -> str:
     for name, link in d["links"].items():
         lines.append(f"  {name} -> {link['target']}" + ("" if link["exists"] else "  (MISSING: dangling link)"))
     if d["temporaries"]:
-        lines.append(f"  ignored temporaries (an interrupted save; the next save removes them): {', '.join(d['temporaries'])}")
+        lines.append("  ignored temporaries (an interrupted save; the next save removes them): "
+                     + ", ".join(d["temporaries"]))
     return "\n".join(lines)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Callable
+from collections.abc import Callable
 
 
 def _num(v) -> bool:

@@ -75,6 +75,7 @@ def closest(e: BaseException, cause: BaseException | None) -> str:
     node, key, full = (getattr(cause, a, None) for a in ("parent_node", "key", "full_key"))
     if not isinstance(key, str) or not isinstance(full, str) or not hasattr(node, "keys"):
         return ""
-    found = difflib.get_close_matches(key, [str(k) for k in node.keys() if k != "hydra"], n=1)
+    keys = node.keys()  # type: ignore[union-attr]  # hasattr above: an OmegaConf node or a dict
+    found = difflib.get_close_matches(key, [str(k) for k in keys if k != "hydra"], n=1)
     prefix = full[:-len(key)] if full.endswith(key) else ""
     return f"; did you mean {prefix}{found[0]}?" if found else ""

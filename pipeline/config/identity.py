@@ -5,10 +5,9 @@ import copy
 import hashlib
 from pathlib import Path
 
-from pipeline.files import jsonio
-from pipeline.files import names
-from pipeline.files import reading
-from pipeline.config.schemas import TEXT_MAX_BYTES
+from pipeline.config.errors import ConfigError
+from pipeline.config.schemas import as_written_now
+from pipeline.files import jsonio, names, reading
 
 # Keys that do not change the math: where outputs go, how progress is shown and logged, how the run is
 # indexed, resumed and parallelised, how big an input file may be, and the verifier's own settings. Dotted
@@ -29,9 +28,9 @@ def is_machine_key(key: str) -> bool:
 
 
 # Keys naming an input file: identity is the file's content, not the path string. Each maps to the key
-# bounding the file's size, and the bound when that is null (a config from before the key existed): a
-# bigger file is refused unread.
-SOURCES = {"data.path": ("data.max_bytes", TEXT_MAX_BYTES)}
+# bounding the file's size (its value as the config was written now, `as_written_now`): a bigger file is refused
+# unread.
+SOURCES = {"data.path": "data.max_bytes"}
 # Keys a resumed run cannot apply: what they choose is fixed by the restored state itself.
 FIXED_BY_STATE = {
     "trainer.seed": "the RNG streams, the initial weights and the data order come from the checkpoint",
@@ -72,11 +71,13 @@ def source_hashes(config: dict) -> dict[str, str]:
     """sha256 of every SOURCES file the config names, streamed; OSError if one cannot be read (a FIFO, a device,
     a file over its bound: refused unopened). A symlink is followed (a user's data file may be a link to it)."""
     out = {}
-    for key, (bound, default) in SOURCES.items():
+    for key, bound in SOURCES.items():
         if isinstance(p := get(config, key), str):
-            limit = get(config, bound)
-            out[key] = reading.sha256(Path(p).expanduser(), default if limit is None else limit, follow=True,
-                                      bound=bound)
+            node, leaf = _parent(config, bound)
+            if not isinstance(limit := as_written_now(node).get(leaf), int):
+                raise ConfigError(f"{key}={p}: names a file but {bound} (the bound of its size) is not set: add "
+                                  f"{bound}=BYTES")
+            out[key] = reading.sha256(Path(p).expanduser(), limit, follow=True, bound=bound)
     return out
 
 

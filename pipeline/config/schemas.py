@@ -2,15 +2,24 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
-from pipeline.config.checks import (above, at_least, duration_or_null, fraction, null_or_at_least, open_fraction,
-                                    probability_list, widths)
+from pipeline.config.checks import (
+    above,
+    at_least,
+    duration_or_null,
+    fraction,
+    null_or_at_least,
+    open_fraction,
+    probability_list,
+    widths,
+)
 from pipeline.config.errors import ConfigError
 from pipeline.files import names, patterns
 
@@ -22,10 +31,10 @@ _BUILDING: dict[str, type] = {}
 
 def builds(target: str, stored_as: str | None = None) -> Callable[[type], type]:
     """A dataclass schema for nodes whose `_target_` is `target` (in Hydra's ConfigStore as schema/<stored_as>)."""
-    def add(schema: type) -> type:
+    def add(schema: Any) -> Any:  # a class, made a dataclass carrying where Hydra stores it
         schema = dataclass(schema)
         schema.stored_as = stored_as
-        _BUILDING[target] = schema
+        _BUILDING[target] = schema  # noqa: F821 - deleted once frozen: a later @builds fails loudly
         return schema
     return add
 
@@ -34,25 +43,22 @@ _NONE = object()
 
 
 def _f(check: Callable | None = None, absent=_NONE):
-    """A field; `absent`: for a key added after checkpoints were written without it, what their configs mean."""
+    """A field; `absent`: for a key added (or made non-null) after checkpoints were written without it (or with
+    null), what their configs mean. A field with `absent` is not Optional, or its `absent` is None."""
     return field(default=MISSING, metadata={**({"check": check} if check else {}),
                                             **({"absent": absent} if absent is not _NONE else {})})
-
-
-def _choice(name: str, *values: str) -> type[Enum]:
-    return Enum(name, {v: v for v in values})
 
 
 def name_pattern(v) -> str | None:
     return None if v is None else patterns.problem(v)
 
 
-Dtype = _choice("Dtype", "float32", "float64")
-Activation = _choice("Activation", "tanh", "relu")
-Mode = _choice("Mode", "min", "max")
+Dtype = Enum("Dtype", {"float32": "float32", "float64": "float64"})
+Activation = Enum("Activation", {"tanh": "tanh", "relu": "relu"})
+Mode = Enum("Mode", {"min": "min", "max": "max"})
 # stop: a non-finite loss or metric ends the run (failed), keeping the last good checkpoints; continue: goes on
-NonFinite = _choice("NonFinite", "stop", "continue")
-KillMode = _choice("KillMode", "none", "random")
+NonFinite = Enum("NonFinite", {"stop": "stop", "continue": "continue"})
+KillMode = Enum("KillMode", {"none": "none", "random": "random"})
 
 
 @dataclass
@@ -75,13 +81,13 @@ class TrainerConf:
     dtype: Dtype = _f()
     eval_every: int = _f(at_least(0))
     log_every: int = _f(at_least(0))
-    progress_bar: Optional[bool] = _f()
+    progress_bar: bool | None = _f()
     on_nonfinite: NonFinite = _f()
-    max_time: Optional[str] = _f(duration_or_null)  # DD:HH:MM:SS of this process's wall time; null = no budget
+    max_time: str | None = _f(duration_or_null)  # DD:HH:MM:SS of this process's wall time; null = no budget
     accumulate: int = _f(at_least(1))  # micro-batches (of batch_size) per update
     grad_clip: float = _f(at_least(0))  # the largest global L2 norm of a gradient; 0 = no clipping
     shards: int = _f(at_least(1))  # pieces each micro-batch is split into: semantic (summation order, dropout)
-    threads: Optional[int] = _f(null_or_at_least(1))  # threads running the pieces: not semantic; null = the cores
+    threads: int | None = _f(null_or_at_least(1))  # threads running the pieces: not semantic; null = the cores
     profile: bool = _f(absent=False)  # a table of wall time per phase at the end; not semantic, changes no number
 
     @staticmethod
@@ -104,9 +110,9 @@ class MiniGPTConf(Node):
     n_layer: int = _f(at_least(1))
     n_head: int = _f(at_least(1))
     n_embd: int = _f(at_least(1))
-    block_size: Optional[int] = _f()  # null: the data's sequence length
+    block_size: int | None = _f()  # null: the data's sequence length
     dropout: float = _f(fraction)
-    attn_dropout: Optional[float] = _f()  # null: dropout's
+    attn_dropout: float | None = _f()  # null: dropout's
     init_std: float = _f(above(0))
 
     @staticmethod
@@ -158,7 +164,7 @@ class StepConf(Node):
 
 @builds("pipeline.scheduler.cosine.WarmupCosine", "scheduler/cosine")
 class CosineConf(Node):
-    total_steps: Optional[int] = _f()  # None: the run's total number of updates
+    total_steps: int | None = _f()  # None: the run's total number of updates
     warmup_steps: int = _f(at_least(0))
     min_lr_ratio: float = _f(at_least(0))
     num_cycles: float = _f(above(0))
@@ -190,13 +196,11 @@ class GrammarConf(CorpusConf):
     n_sentences: int = _f(at_least(1))
 
 
-TEXT_MAX_BYTES = 32 << 20  # data.max_bytes when null (a config from before the key); conf/data/text.yaml's value
-
-
 @builds("pipeline.data.text.TextCorpus", "data/text")
 class TextConf(CorpusConf):
     path: str = _f()
-    max_bytes: Optional[int] = _f(null_or_at_least(1))  # null: TEXT_MAX_BYTES
+    # a config written while the key could be null (or before it) meant 32 MiB: conf/data/text.yaml's value
+    max_bytes: int = _f(at_least(1), absent=32 << 20)
 
 
 # --- stages, cadence, resume
@@ -232,7 +236,7 @@ class BestValStageConf(Node):
     mode: Mode = _f()
     order: int = _f()
     keep: int = _f(at_least(1), absent=1)  # the k best checkpoints by monitor (Lightning's save_top_k)
-    filename: Optional[str] = _f(name_pattern, absent=None)  # a link beside step-* per kept checkpoint, or null
+    filename: str | None = _f(name_pattern, absent=None)  # a link beside step-* per kept checkpoint, or null
 
 
 @builds("pipeline.stages.early_stop.EarlyStop", "stage/early_stop")
@@ -259,7 +263,7 @@ class ResumeConf:
 @builds("pipeline.tracking.mlflow_tracker.MlflowTracker", "tracking/mlflow")
 class MlflowTrackingConf(Node):
     uri: str = _f()
-    artifact_location: Optional[str] = _f()
+    artifact_location: str | None = _f()
     experiment: str = _f()
     wait: float = _f(at_least(0))  # seconds a job waits on tracking in all
 
@@ -284,7 +288,7 @@ class VerifyConf:
 @dataclass
 class Config:
     name: str = _f()  # the experiment's name: the first part of the run directory's name
-    optimized_metric: Optional[str] = _f()  # what a sweep optimises (null: best-val's best)
+    optimized_metric: str | None = _f()  # what a sweep optimises (null: best-val's best)
     paths: PathsConf = field(default_factory=PathsConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
     model: Any = MISSING
@@ -299,6 +303,7 @@ class Config:
 
 
 def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
+    node = as_written_now(node)
     known = [f.name for f in fields(schema)]
     for key in sorted(set(node) - set(known) - {"_target_"}):  # `+trainer.max_stpes=3` passes Hydra: a typo here
         near = difflib.get_close_matches(str(key), known, n=1)
@@ -318,11 +323,14 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
 
 
 def as_written_now(node: dict) -> dict:
-    """A node of a config written before some keys of its schema existed, with what their absence means."""
-    schema = SCHEMAS.get(node.get("_target_")) if isinstance(node, dict) else None
+    """A node of a config written before some keys of its schema existed (or could be null), with what their
+    absence (or null) means: the one place an old config's missing or null key gets its meaning."""
+    schema = SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None
     if schema is None:
         return node
-    return {**{f.name: f.metadata["absent"] for f in fields(schema) if "absent" in f.metadata}, **node}
+    old = {f.name: f.metadata["absent"] for f in fields(schema)
+           if "absent" in f.metadata and node.get(f.name) is None}
+    return {**node, **old}
 
 
 def validate(config: dict) -> None:
@@ -331,8 +339,9 @@ def validate(config: dict) -> None:
     errors: list[str] = []
     if "name" in config and (why := names.problem(config["name"])):  # the run's and the sweep's directory name
         errors.append(f"name={names.shown(config['name'])}: {why}")
-    for key, schema in (("trainer", TrainerConf), ("resume", ResumeConf), ("checkpoint", CadenceConf),
-                        ("verify", VerifyConf)):
+    fixed: tuple[tuple[str, type], ...] = (("trainer", TrainerConf), ("resume", ResumeConf),
+                                           ("checkpoint", CadenceConf), ("verify", VerifyConf))
+    for key, schema in fixed:
         if isinstance(config.get(key), dict):
             _check_node(schema, config[key], f"{key}.", errors)
     nodes = [(key, config.get(key)) for key in ("model", "optimizer", "scheduler", "data", "tracking")]
@@ -350,5 +359,5 @@ def validate(config: dict) -> None:
         raise ConfigError("; ".join(errors))
 
 
-SCHEMAS: Mapping[str, type] = MappingProxyType(dict(_BUILDING))  # read-only from here on
+SCHEMAS: Mapping[str, Any] = MappingProxyType(dict(_BUILDING))  # read-only from here on
 del _BUILDING

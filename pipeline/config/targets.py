@@ -1,7 +1,7 @@
 """Which `_target_`s a config read from disk may name: those in the pipeline's YAML and in your own configs."""
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from pipeline.config.compose import CONFIG_DIR
@@ -75,13 +75,13 @@ def _conf_trees() -> list[tuple[tuple[str, ...], object]]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def shipped() -> frozenset[str]:
     """The targets every YAML file of the package's conf/ tree names."""
     return frozenset(named([tree for _, tree in _conf_trees()]))
 
 
-@lru_cache(maxsize=None)
+@cache
 def slots() -> dict[str, frozenset[str]]:
     """Each shipped target of the pipeline's own package, and the slots (`slot()`) conf/ builds it in."""
     out: dict[str, set[str]] = {}
@@ -108,21 +108,21 @@ def searched(searchpath: tuple[str, ...]) -> set[str]:
     out: set[str] = set()
     try:
         sources = ConfigRepository(csp).get_sources()
-    except Exception as e:  # noqa: BLE001 - an unknown scheme: Hydra's one-line reason
+    except Exception as e:
         raise ConfigError(f"hydra.searchpath: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     for source, entry in zip(sources, searchpath):
         if not source.available():
             raise ConfigError(f"hydra.searchpath: {entry} is not available (no such config directory, or a package "
                               "without __init__.py)")
 
-        def walk(group: str) -> None:
+        def walk(source, group: str) -> None:
             for name in source.list(group, ObjectType.CONFIG):
                 config = source.load_config(f"{group}/{name}" if group else name).config
                 out.update(named(OmegaConf.to_container(config, resolve=False)))
             for name in source.list(group, ObjectType.GROUP):
-                walk(f"{group}/{name}" if group else name)
+                walk(source, f"{group}/{name}" if group else name)
 
-        walk("")
+        walk(source, "")
     return out
 
 
@@ -152,7 +152,7 @@ def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], 
     return searchpath, own
 
 
-@lru_cache(maxsize=None)
+@cache
 def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
     """What the pipeline's configs, the user's `hydra.searchpath` and the command line name. Nothing is imported to
     decide but the packages the user's own `pkg://` entries name (Hydra imports them to list their files)."""

@@ -1,8 +1,9 @@
 """What every dataset gives the trainer: a spec for building the model, batches by sample id, a hash."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 

@@ -6,18 +6,25 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import ClassVar
 
 import numpy as np
 
-from pipeline.files import jsonio
-from pipeline.files import reading
-from pipeline.files.atomic import (TMP_PREFIX, ensure_dirs, new_temp_dir, publish_dir, refuse_link, remove_tree,
-                                   write_new)
 from pipeline.data import ngram
 from pipeline.data.base import Batch, DataSpec
+from pipeline.files import jsonio, reading
+from pipeline.files.atomic import (
+    TMP_PREFIX,
+    ensure_dirs,
+    new_temp_dir,
+    publish_dir,
+    refuse_link,
+    remove_tree,
+    write_new,
+)
 from pipeline.files.notice import notice
 
 FORMAT_VERSION = 1
@@ -80,10 +87,10 @@ def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes |
     manifest = {
         "format": FORMAT_VERSION, "generator": name, "params": params, "params_hash": short_hash(params),
         "seed": params.get("seed"), "vocab_size": V, "token_dtype": TOKEN_DTYPE.str, "decode_join": content.join,
-        "tokens": {s: int(len(t)) for s, t in splits.items()},
+        "tokens": {s: len(t) for s, t in splits.items()},
         "windows": {s: n_windows(len(t), T) for s, t in splits.items()},
         "baseline": {"model": "interpolated modified Kneser-Ney", "ngram_order": order,
-                     "val_targets": int(len(positions)), "val_ppl": ppl},
+                     "val_targets": len(positions), "val_ppl": ppl},
         "stats": content.stats,
         "files": {fn: {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)} for fn, b in sorted(files.items())},
     }
@@ -199,7 +206,8 @@ class TokenDataset:
 
     kind = "tokens"
     baselines = ("val/ngram_baseline_ppl",)  # what baseline_metrics gives
-    specials: dict[str, str] = {}  # role -> token of the vocabulary ({"eos": "<eos>"}): what a tool starts from
+    # role -> token of the vocabulary ({"eos": "<eos>"}): what a tool starts from
+    specials: ClassVar[dict[str, str]] = {}
 
     def __init__(self, cache_dir: str, name: str, params: dict, val_batch_size: int,
                  build: Callable[[], CorpusContent]):

@@ -6,6 +6,7 @@ import random
 from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import ClassVar
 
 import numpy as np
 
@@ -125,7 +126,7 @@ def vocabulary() -> list[str]:
 class Choice:
     """A fixed weighted choice: cumulative weights for bisect and each item's log-probability."""
 
-    __slots__ = ("items", "cum", "total", "logp")
+    __slots__ = ("cum", "items", "logp", "total")
 
     def __init__(self, items, weights=None):
         pairs = [(it, float(w)) for it, w in zip(items, weights or [1.0] * len(items)) if w > 0]
@@ -340,7 +341,7 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
     vocab = vocabulary()
     index = {w: i for i, w in enumerate(vocab)}
     sentences, _, logps = generate(seed, n_sentences)
-    n_val = max(1, int(round(n_sentences * val_fraction)))
+    n_val = max(1, round(n_sentences * val_fraction))
     if n_val >= n_sentences:
         raise ValueError(f"n_sentences={n_sentences} leaves no training sentences at val_fraction={val_fraction}")
     train, val = token_stream(sentences[:-n_val], index), token_stream(sentences[-n_val:], index)
@@ -357,7 +358,7 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
 class GrammarCorpus(TokenDataset):
     """`data=grammar`: the grammar corpus under <output_dir>/data/grammar-<hash>/, generated once."""
 
-    specials = {"eos": EOS}  # every sentence ends with it: an empty prompt starts after one
+    specials: ClassVar[dict[str, str]] = {"eos": EOS}  # every sentence ends with it: an empty prompt starts after one
 
     def __init__(self, cache_dir: str, seed: int, n_sentences: int, val_fraction: float, block_size: int,
                  ngram_order: int, val_batch_size: int):

@@ -4,14 +4,13 @@ from __future__ import annotations
 import codecs
 import hashlib
 import itertools
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 
-from pipeline.files import reading
 from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDataset, n_windows
-from pipeline.config.schemas import TEXT_MAX_BYTES
+from pipeline.files import reading
 
 TEXT_VERSION = 1
 PIECE = 4 << 20  # bytes decoded at a time: a piece costs at most ~9x itself (its str and its UTF-32 copy)
@@ -47,7 +46,7 @@ class TextFile:
     TextError or an OSError (reading.UnreadableFile for a FIFO, a device, a directory, ... or a file over
     `max_bytes`, refused before it is opened) naming data.path. A symlink is followed to its file."""
 
-    def __init__(self, path: Path, max_bytes: int = TEXT_MAX_BYTES):
+    def __init__(self, path: Path, max_bytes: int):
         self.path, self.max_bytes = Path(path), int(max_bytes)
         self.f = reading.open_file(self.path, self.max_bytes, follow=True, bound="data.max_bytes")
         try:
@@ -99,12 +98,12 @@ class TextFile:
 def build_text_corpus(path: Path, tokens: np.ndarray, vocab: list[str], val_fraction: float,
                       block_size: int) -> CorpusContent:
     # The last val_fraction of the text is held out, in one piece, so no val window overlaps training.
-    n_val = int(round(len(tokens) * val_fraction))
+    n_val = round(len(tokens) * val_fraction)
     train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]  # views, no copies
     if min(n_windows(len(train), block_size), n_windows(len(val), block_size)) < 1:
         raise TextError(f"data.path={path}: too short: {len(tokens)} characters leave {len(train)} train and "
                         f"{len(val)} val, each needing at least {block_size + 1}")
-    stats = {"characters": {"train": int(len(train)), "val": int(len(val))}}
+    stats = {"characters": {"train": len(train), "val": len(val)}}
     return CorpusContent(train=train, val=val, vocab=vocab, join="", stats=stats)
 
 
@@ -112,14 +111,13 @@ class TextCorpus(TokenDataset):
     """`data=text data.path=FILE`: the file's characters under <output_dir>/data/text-<hash>/.
 
     The hash covers the file's content (its sha256), not its path: moving the file reuses the corpus.
-    `max_bytes` bounds the file's size (data.max_bytes, not part of the corpus's identity; None, from a config
-    made before the key existed: TEXT_MAX_BYTES).
+    `max_bytes` bounds the file's size (data.max_bytes, not part of the corpus's identity).
     """
 
     def __init__(self, cache_dir: str, path: str, val_fraction: float, block_size: int, ngram_order: int,
-                 val_batch_size: int, max_bytes: int | None):
+                 val_batch_size: int, max_bytes: int):
         try:
-            text = TextFile(Path(path), TEXT_MAX_BYTES if max_bytes is None else max_bytes)
+            text = TextFile(Path(path), max_bytes)
         except FileNotFoundError:
             raise FileNotFoundError(f"data.path={path}: text file not found") from None
         except OSError as e:

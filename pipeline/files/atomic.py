@@ -80,7 +80,7 @@ def write_new(path: Path, data: bytes | memoryview) -> dict:
         write_all(fd, data)
         os.fsync(fd)
     except OSError as e:
-        raise named(e, path)
+        raise named(e, path) from e
     finally:
         os.close(fd)
     return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}

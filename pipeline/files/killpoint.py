@@ -16,7 +16,7 @@ class _Plan:
     """What PIPELINE_CHAOS* ask of this process, and the points reached so far."""
 
     def __init__(self, environ):
-        phase, k, signals = (environ.get("PIPELINE_CHAOS", "").split(":") + ["", ""])[:3]
+        phase, k, signals = ([*environ.get("PIPELINE_CHAOS", "").split(":"), "", ""])[:3]
         self.phase, self.target = phase, int(k) if k.isdigit() else None
         self.send = [signal.Signals[f"SIG{name}"] for name in signals.split("+") if name] or [signal.SIGKILL]
         self.trace = environ.get("PIPELINE_CHAOS_TRACE")

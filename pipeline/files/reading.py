@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import errno
-import io
 import hashlib
+import io
 import os
 import stat
 

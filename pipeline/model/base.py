@@ -1,6 +1,8 @@
 """The model protocol the trainer, optimizers and checkpoints rely on, and the state protocol models share."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Protocol
 
 import numpy as np
@@ -10,7 +12,7 @@ from pipeline.data.base import Batch
 
 class Model(Protocol):
     params: dict[str, np.ndarray]  # unique trainable arrays by canonical name, updated in place
-    aliases: dict[str, str]  # tied name -> canonical name; both names are one ndarray object
+    aliases: Mapping[str, str]  # tied name -> canonical name; both names are one ndarray object
 
     # Training forward (dropout from rng) and backward; grads keyed like params (tied grads summed).
     def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]: ...
@@ -34,7 +36,7 @@ class NamedParams:
     """State protocol for models whose state is `params` plus tied `aliases` (one object under two names)."""
 
     params: dict[str, np.ndarray]
-    aliases: dict[str, str] = {}
+    aliases: Mapping[str, str] = MappingProxyType({})  # none unless a model ties some
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Every name, tied aliases included, mapped to the live array (no copies)."""

@@ -64,11 +64,13 @@ def encode(prompt: str, vocab: list[str], join: str, eos: str | None = "<eos>") 
     tokens = split_prompt(prompt, join)
     unknown = list(dict.fromkeys(t for t in tokens if t not in index))
     if unknown:
-        shown = ", ".join(repr(t) for t in unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+        more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+        shown = ", ".join(repr(t) for t in unknown[:10]) + more
         raise ConfigError(f"prompt: not in the corpus vocabulary of {len(vocab)} tokens: {shown}")
     if not tokens:
         if eos not in index:
-            raise ConfigError(f"prompt: empty, and this vocabulary has no {eos or 'end-of-sentence token'} to start from")
+            raise ConfigError(f"prompt: empty, and this vocabulary has no {eos or 'end-of-sentence token'} "
+                              "to start from")
         tokens = [eos]
     return [index[t] for t in tokens]
 

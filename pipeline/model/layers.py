@@ -50,7 +50,7 @@ def head_backward(dlogits: np.ndarray, cache, row_scale: np.ndarray | None = Non
 def embedding_forward(idx: np.ndarray, wte: np.ndarray, wpe: np.ndarray):
     # idx [B, T] int, wte [V, d], wpe [Tmax, d] -> token + position embedding [B, T, d]
     T = idx.shape[1]
-    if T > wpe.shape[0]:
+    if wpe.shape[0] < T:
         raise ValueError(f"sequence length {T} exceeds the {wpe.shape[0]} learned positions")
     out = np.take(wte, idx, axis=0)  # [B, T, d]
     out += wpe[:T]  # [B, T, d] + [T, d]

@@ -9,9 +9,9 @@ from functools import partial
 import numpy as np
 
 from pipeline.data.base import Batch, DataSpec
-from pipeline.model.losses import cross_entropy, cross_entropy_factored
 from pipeline.model import layers as L
 from pipeline.model.base import NamedParams
+from pipeline.model.losses import cross_entropy, cross_entropy_factored
 
 _MALLOC_TUNED = False
 

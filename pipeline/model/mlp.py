@@ -1,11 +1,13 @@
 """A multilayer perceptron with explicit forward and backward over named arrays, and inverted dropout."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from pipeline.data.base import Batch, DataSpec
-from pipeline.model.losses import mse
 from pipeline.model.base import NamedParams
+from pipeline.model.losses import mse
 
 
 def _tanh(z):
@@ -36,7 +38,7 @@ class MLP(NamedParams):
         widths = [spec.n_features, *hidden, spec.n_targets]
         self.n_layers = len(widths) - 1
         self.params: dict[str, np.ndarray] = {}
-        for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:])):
+        for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
             # torch.nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias
             bound = 1.0 / np.sqrt(fan_in)
             self.params[f"layers.{i}.weight"] = rng.uniform(-bound, bound, (fan_in, fan_out)).astype(self.dtype)
@@ -46,7 +48,7 @@ class MLP(NamedParams):
     def n_params(spec: DataSpec, hidden: list[int], **_) -> int:
         """The parameter count __init__ would allocate, computed without allocating it."""
         widths = [int(spec.n_features), *map(int, hidden), int(spec.n_targets)]
-        return sum((a + 1) * b for a, b in zip(widths[:-1], widths[1:]))
+        return sum((a + 1) * b for a, b in itertools.pairwise(widths))
 
     def forward(self, x: np.ndarray, rng: np.random.Generator | None = None):
         # x [B, in] -> out [B, out]; rng None means eval mode (no dropout, no draws)

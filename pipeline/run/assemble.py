@@ -6,24 +6,26 @@ import difflib
 import inspect
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from hydra.utils import get_class, instantiate
 
-from pipeline.files.atomic import UnsafePathError, check_output_dir, environment_error
-from pipeline.config import identity
 from pipeline.checkpoint import manifest as mf
-from pipeline.data.base import DataSpec, inference_facts
-from pipeline.data.iterator import DataIterator
-from pipeline.trainer.loop import kept, train_metric_names, val_metric_names
-from pipeline.trainer.rng import Streams
+from pipeline.config import identity
 from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import as_written_now, validate
+from pipeline.data.base import DataSpec, inference_facts
+from pipeline.data.iterator import DataIterator
+from pipeline.files.atomic import UnsafePathError, check_output_dir, environment_error
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
 from pipeline.stages.base import StageStates
+from pipeline.trainer.loop import kept, train_metric_names, val_metric_names
+from pipeline.trainer.rng import Streams
 from pipeline.trainer.state import TrainState
 
 
@@ -38,6 +40,7 @@ def _call(node: dict, **live):
     """Build a `_target_` node with live objects passed as keyword arguments (never through the config:
     instantiate() would wrap them in DictConfigs); keyword arguments its target does not take are dropped."""
     factory = instantiate(node, _partial_=True)
+    accepted: Mapping[str, inspect.Parameter]
     try:
         accepted = inspect.signature(factory.func).parameters
     except (TypeError, ValueError):
@@ -97,12 +100,12 @@ class Job:
     state: TrainState
     sources: dict  # SOURCES keys -> sha256 of the file's bytes
     facts: dict  # the run-level manifest fields
-    tracker: object = None  # build() gives a run its tracker and run directory
+    tracker: Tracker = field(default_factory=Tracker)  # build() gives a run its tracker and run directory
     run_dir: Path | None = None
 
     @property
     def stages(self) -> list:
-        return self.state.stages.stages
+        return cast(StageStates, self.state.stages).stages
 
     @property
     def parts(self) -> dict:
@@ -120,7 +123,7 @@ def check_pairing(config: dict) -> None:
     """A model that cannot train on the data is refused before the data is built (a corpus generated)."""
     try:
         model, data = get_class(config["model"]["_target_"]), get_class(config["data"]["_target_"])
-    except Exception as e:  # noqa: BLE001 - hydra's locate error: one line naming the target
+    except Exception as e:
         raise ConfigError(f"cannot import a _target_: {str(e).splitlines()[0]}") from None
     needs, kind = getattr(model, "needs", None), getattr(data, "kind", None)
     if needs and kind and needs != kind:
@@ -137,7 +140,7 @@ def metric_names(config: dict) -> list[str]:
     """Every metric the configured run measures (what a stage's `monitor` may name), from the data's class."""
     try:
         data = get_class(config["data"]["_target_"])
-    except Exception as e:  # noqa: BLE001 - hydra's locate error: one line naming the target
+    except Exception as e:
         raise ConfigError(f"cannot import a _target_: {str(e).splitlines()[0]}") from None
     return sorted({*train_metric_names(data, float(config["trainer"]["grad_clip"])), *val_metric_names(data)})
 

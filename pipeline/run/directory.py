@@ -10,13 +10,21 @@ import os
 import time
 from pathlib import Path
 
-from pipeline.files import jsonio, reading
-from pipeline.files.atomic import (UnsafePathError, ensure_dirs, fsync_dir, named, open_append, refuse_link,
-                                   replace_file, second_name)
-from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.directory import CheckpointDir
+from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.config.errors import CommandError
+from pipeline.files import jsonio, reading
+from pipeline.files.atomic import (
+    UnsafePathError,
+    ensure_dirs,
+    fsync_dir,
+    named,
+    open_append,
+    refuse_link,
+    replace_file,
+    second_name,
+)
 
 MAX_RUN_JSON = 16 << 20
 MAX_METRICS = 1 << 30  # metrics.jsonl is read line by line when a run resumes
@@ -128,11 +136,12 @@ class RunDir:
 
     def claim(self) -> None:
         """Write this process's pid into the lock: it runs here now (its set-up was accepted)."""
+        assert self._fd is not None, "acquire() comes first"
         try:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
         except OSError as e:
-            raise named(e, self.lock_path)
+            raise named(e, self.lock_path) from e
 
     def forget(self) -> None:
         """Release, and remove the directory if it holds nothing but an empty lock (a refused run leaves none)."""
@@ -206,7 +215,8 @@ class RunDir:
             return []
         except OSError as e:
             raise RunFileError(self.path, self.metrics_path.name, e.strerror or str(e)) from None
-        lines, total = [], 0
+        lines: list[dict] = []
+        total = 0
         with f:  # line by line, each bounded: one planted 1 GB line costs MAX_METRICS_LINE, not gigabytes
             for number in itertools.count(1):
                 text = f.readline(MAX_METRICS_LINE + 1)
@@ -226,6 +236,7 @@ class RunDir:
                     raise RunFileError(self.path, self.metrics_path.name, f"line {number}: not an object with an "
                                                                           "integer step")
                 lines.append(line)
+        raise AssertionError("unreachable: the loop ends at the file's end")
 
     def keep_metrics(self, lines: list[dict]) -> None:
         """Replace metrics.jsonl by `lines` atomically (a resumed run appends from there)."""

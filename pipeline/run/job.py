@@ -131,6 +131,7 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
                    Path(config["paths"]["output_dir"]) / "data")
     try:
         job = build(config, sweep)
+        assert job.run_dir is not None  # build() names it
         rundir = RunDir(job.run_dir)
         if sweep is not None:
             sweep.run_dir = str(rundir.path)

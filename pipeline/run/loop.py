@@ -9,18 +9,18 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline.files import killpoint
-from pipeline.run import budget, report
-from pipeline.files.atomic import environment_error, named
 from pipeline.checkpoint import manifest as mf
+from pipeline.checkpoint.directory import Checkpoint
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.retention import AnyOf, LatestN
-from pipeline.checkpoint.directory import Checkpoint
-from pipeline.run.assemble import Job
-from pipeline.run.directory import RunDir
 from pipeline.config import identity
 from pipeline.config.checks import parse_duration
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, EXIT_PREEMPTED, CommandError
+from pipeline.files import killpoint
+from pipeline.files.atomic import environment_error, named
+from pipeline.run import budget, report
+from pipeline.run.assemble import Job
+from pipeline.run.directory import RunDir
 from pipeline.run.signals import Signals
 from pipeline.stages.base import StepEnd
 from pipeline.stages.resume import start_fresh
@@ -85,12 +85,13 @@ class Run:
             self.metrics_kept, self.metrics_cut = metrics, metrics_cut
         own = resumed is not None and resumed.directory.parent == self.store.root  # not a fork's source
         if own:
+            assert resumed is not None
             self.retuned = identity.described(resumed.manifest["config"], self.job.config,
                                               lambda k: not identity.covered(k, list(WHERE_AND_HOW_LONG)))
         previous = self.rundir.read_status() if own else {}
         if isinstance(previous.get("started"), (int, float)):
             self.history = {"started": previous["started"], "resumes": list(previous.get("resumes") or [])}
-            if not self.complete:
+            if not self.complete and resumed is not None:
                 self.history["resumes"].append({"step": resumed.step, "time": time.time()})
 
     def settled(self) -> bool:
@@ -133,8 +134,9 @@ class Run:
     # --- training
     def train(self, eval_every: int) -> None:
         trainer = self.job.config["trainer"]
-        callbacks = [MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[self._log_line]),
-                     Display(trainer["progress_bar"], trainer["log_every"])]
+        callbacks: list[MetricsLog | Display] = [
+            MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[self._log_line]),
+            Display(trainer["progress_bar"], trainer["log_every"])]
         try:
             self.budget.start()
             fit(self.state, eval_every, self.step_end, callbacks, self.profile)
@@ -179,13 +181,14 @@ class Run:
         with self.profile.phase("tracking hand-over"):
             self.job.facts["mlflow_run_uri"] = tracker.run_uri(timeout=30.0 if final else 0.0)
         with self.profile.phase("checkpoint"):
+            assert self.lineage is not None, "begin() comes before the first checkpoint"
             fields = mf.build(self.job.facts, step=self.state.step, epoch=self.state.epoch, metrics=metrics,
                               tags=tags, lineage=self.lineage)
             started = budget.monotonic()
             try:
                 ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
             except OSError as e:
-                raise named(e, self.store.root)  # a write inside the temporary checkpoint: name the store
+                raise named(e, self.store.root) from e  # a write inside the temporary checkpoint: name the store
             self.retain()
             self.budget.saved(budget.monotonic() - started)
         with self.profile.phase("tracking hand-over"):
@@ -195,7 +198,8 @@ class Run:
     def retain(self) -> None:
         """The stages' policies as they stand now (a best history restarted at the resume ranks from there)."""
         stages = self.job.stages
-        keep = AnyOf(tuple(p for s in stages if (p := s.policy()) is not None) + (LatestN(1),))
+        assert self.lineage is not None, "begin() comes before retention"
+        keep = AnyOf((*tuple(p for s in stages if (p := s.policy()) is not None), LatestN(1)))
         self.store.retain(keep, {s.link: s.link_policy() for s in stages if s.link}, upto=self.state.step,
                           lineage=self.lineage["id"], named=tuple(n for s in stages if (n := s.named()) is not None))
 
@@ -225,7 +229,7 @@ class Run:
         try:
             if self.store.steps():
                 self._summary("failed")
-        except Exception as e:  # noqa: BLE001 -- the error in hand is the one to report
+        except Exception as e:
             log.debug("no end summary: %s", e)
         self.job.tracker.finish("FAILED", self.rundir.path)
 
@@ -258,6 +262,7 @@ class Run:
 
     def unapplied(self) -> str:
         """What of the live config differs from the config the finished run recorded."""
+        assert self.resumed is not None, "only a finished run, resumed, has a config to compare"
         return "; ".join(identity.described(self.resumed.manifest["config"], self.job.config))
 
     def _metrics(self) -> str:

@@ -115,7 +115,8 @@ def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, link
     root = next((Path(v).parent for v in links.values() if v is not None), None)
     lines.append(f"  checkpoints {root}/: {' '.join(ckpts)}" if ckpts else "  checkpoints none")
     lines.append(f"  curve       {curve if curve else 'none (nothing logged)'}")
-    lines.append(f"  mlflow      {run_page(run_uri) if run_uri else 'not indexed yet' if tracking_uri else 'not tracked'}")
+    where = run_page(run_uri) if run_uri else "not indexed yet" if tracking_uri else "not tracked"
+    lines.append(f"  mlflow      {where}")
     lines.append(f"  resume      {shlex.join([py, '-m', 'pipeline', *overrides])}")  # complete: says so, exits 0
     target = links.get("best") or links.get("final") or links.get("newest")
     if target is not None:

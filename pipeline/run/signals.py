@@ -88,7 +88,7 @@ class Signals:
             _interrupted(name.removesuffix(".__main__"), value.args[0], "nothing was written")
             sys.stderr.flush()
             self.finish()
-            os._exit(EXIT_PREEMPTED)  # noqa: SLF001 - the interpreter's own shutdown would print the traceback
+            os._exit(EXIT_PREEMPTED)
 
         sys.excepthook = hook  # first: a signal between two of the handlers below already ends in one line
         for s in SIGNALS:
@@ -107,15 +107,11 @@ class Signals:
             return
         log.warning("received %s: passing it to the sweep's running jobs; no new job starts", name)
         if self.marker is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.marker.touch()
-            except OSError:
-                pass
         for pid in descendants(os.getpid()):
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(pid, signum)
-            except OSError:
-                pass
         if self.slurm_jobs is not None:  # the jobs run on the cluster, not below this process
             from pipeline.run.slurm import signal_jobs
 

@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.config.errors import EXIT_PREEMPTED
 from pipeline.files import jsonio
 from pipeline.files.atomic import ensure_dirs, replace_file
-from pipeline.config.errors import EXIT_PREEMPTED
 
 log = logging.getLogger("pipeline")
 
@@ -45,7 +45,7 @@ class SweepJob:
         if error is not None and self.failure is None:
             self.failure = {"code": 1, "error": f"{type(error).__name__}: {error}"[:2000]}
         failure = self.failure
-        record = {**self.tags, "run_dir": self.run_dir, "run_uri": self.run_uri, "started": self.started,
+        record = {**(self.tags or {}), "run_dir": self.run_dir, "run_uri": self.run_uri, "started": self.started,
                   "ended_at": time.time(),
                   "objective": float(objective) if isinstance(objective, (int, float)) and error is None else None,
                   "status": "complete" if failure is None else

@@ -8,14 +8,15 @@ import copy
 import logging
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from pipeline.config import identity, targets
-from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.directory import CheckpointDir, weights_bytes
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.config import identity, targets
 from pipeline.config.errors import ConfigError
-from pipeline.config.schemas import SCHEMAS, validate
+from pipeline.config.schemas import SCHEMAS, as_written_now, validate
 from pipeline.data.base import DataSpec, inference_facts
 from pipeline.run.directory import RunDir
 from pipeline.stateful import restore
@@ -31,7 +32,7 @@ class UnknownTargetError(CheckpointError):
     """A checkpoint whose config names a `_target_` neither the pipeline's configs nor the user's name."""
 
 
-def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict, TrainState]:
+def restore_checkpoint(directory: Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict, TrainState]:
     """(manifest, the restored state) of a checkpoint that fully verifies: its manifest checked against itself,
     every `_target_` of its config allowed before anything is imported (UnknownTargetError), then the parts
     built and CheckpointDir.load verifying every file against them. `overrides` may give `hydra.searchpath=[...]`."""
@@ -52,9 +53,9 @@ def restore_checkpoint(directory: Path, overrides: list[str] = ()) -> tuple[dict
     _fits_its_weights(checkpoint, manifest, DataSpec(**spec))
     try:
         state = build_state(manifest["config"], DataSpec(**spec), n_train)
-    except Exception as e:  # noqa: BLE001 - a model or data this installation cannot build: one line
+    except Exception as e:
         raise checkpoint.fault(f"its config does not build here: "
-                                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     # One read of every file: sizes, sha256, each tensor file's layout before allocation, every part's fit:
     # restore cannot refuse after it.
     ckpt = checkpoint.load(parts := state.parts())
@@ -73,7 +74,7 @@ def _fits_its_weights(checkpoint: CheckpointDir, manifest: dict, spec: DataSpec)
     try:
         count = getattr(get_class(node["_target_"]), "n_params", None)
         wanted = None if count is None else count(spec, **{k: v for k, v in node.items() if k != "_target_"})
-    except Exception as e:  # noqa: BLE001 - a model this installation cannot build: one line
+    except Exception as e:
         raise checkpoint.fault(f"its config does not build here: {type(e).__name__}: {e}") from None
     itemsize = np.dtype(manifest["config"]["trainer"]["dtype"]).itemsize
     # Only a gross excess is refused here: a near miss is built (cheaply) and named precisely by CheckpointDir.load.
@@ -149,8 +150,8 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
         except (HydraException, OmegaConfBaseException) as e:
             raise ConfigError(f"bad override: {error_line(e)}") from None
     else:
-        node = copy.deepcopy(manifest["config"]["data"])
-        schema = SCHEMAS.get(node.get("_target_"))  # the checkpoint's data node, typed by its schema
+        node = as_written_now(copy.deepcopy(manifest["config"]["data"]))  # a key it predates, or null then
+        schema = SCHEMAS.get(str(node.get("_target_")))  # the checkpoint's data node, typed by its schema
         cfg = OmegaConf.merge(OmegaConf.structured(schema), node) if schema else OmegaConf.create(node)
         for o in parsed:
             if o.key_or_group.startswith("data."):
@@ -160,13 +161,14 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
                     raise ConfigError(f"{o.input_line}: {str(e).splitlines()[0]}") from None
         node = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         if not any(o.key_or_group == "data.path" for o in parsed):
+            assert isinstance(node, dict)  # a mapping's container
             _own_source(manifest, node, directory)
     config = {"paths": {"output_dir": output_dir}, "data": node}
     validate(config)
     return config
 
 
-def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict, object]:
+def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict, Any]:  # (config, its dataset)
     from pipeline.run.assemble import build_dataset
 
     config = data_config(manifest, list(overrides), directory)
@@ -174,7 +176,7 @@ def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict,
         return config, build_dataset(config)
     except (ValueError, OSError) as e:
         raise ConfigError(f"data: {e}") from None
-    except Exception as e:  # noqa: BLE001 - an unimportable _target_ or a constructor's own error
+    except Exception as e:
         raise ConfigError(f"data does not build: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \
             from None
 

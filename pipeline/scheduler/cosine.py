@@ -9,7 +9,8 @@ class WarmupCosine(Scheduler):
                  run_total_steps: int | None = None):
         total_steps = total_steps if total_steps is not None else run_total_steps
         if total_steps is None or total_steps < 1 or warmup_steps < 0:
-            raise ValueError(f"scheduler needs total_steps >= 1 and warmup_steps >= 0, got {total_steps}, {warmup_steps}")
+            raise ValueError("scheduler needs total_steps >= 1 and warmup_steps >= 0, "
+                             f"got {total_steps}, {warmup_steps}")
         self.total_steps, self.warmup_steps = int(total_steps), int(warmup_steps)
         self.min_lr_ratio, self.num_cycles = float(min_lr_ratio), float(num_cycles)
         super().__init__(optimizer)

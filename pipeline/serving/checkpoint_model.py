@@ -20,8 +20,8 @@ MAX_VOCAB_JSON = 64 << 20  # bytes; a vocabulary of a million tokens is a few MB
 def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str, str | None]:
     """(vocab, decode_join, eos): the checkpoint's own data.json (verified against its manifest) if it has one,
     else (a schema 2.0 checkpoint) the vocab.json registered beside it."""
-    from pipeline.files import jsonio
     from pipeline.checkpoint.directory import CheckpointDir
+    from pipeline.files import jsonio
 
     facts = CheckpointDir(checkpoint).data_facts()
     if facts is not None:
@@ -54,7 +54,7 @@ def _args(row: dict) -> list[str]:
     for key in OPTIONS:
         value = row.get(key)
         value = value.item() if isinstance(value, np.generic) else value
-        if value is None or isinstance(value, float) and math.isnan(value):
+        if value is None or (isinstance(value, float) and math.isnan(value)):
             continue
         if isinstance(value, float) and key != "temperature" and value.is_integer():
             value = int(value)  # a column with a missing value arrives as floats
@@ -71,7 +71,7 @@ class CheckpointModel(PythonModel):
 
         self.directory = Path(context.artifacts[CHECKPOINT])
         _, state = restore_checkpoint(self.directory)
-        self.model = state.model
+        self.model: Any = state.model  # a MiniGPT (logits) or a regression model (predict)
         self.generates = hasattr(self.model, "logits") and hasattr(self.model, "block_size")
         if self.generates:
             self.vocab, self.join, self.eos = read_vocab(self.directory, context.artifacts.get(VOCAB))
@@ -83,8 +83,8 @@ class CheckpointModel(PythonModel):
             x = np.asarray(model_input.to_numpy() if hasattr(model_input, "to_numpy") else model_input,
                            dtype=getattr(self.model, "dtype", np.float64))  # [B, n_features]
             return self.model.predict(x)  # [B, n_targets]
-        from pipeline.model.generate import continuation, parse_options
         from pipeline.config.errors import ConfigError
+        from pipeline.model.generate import continuation, parse_options
 
         out = []
         for row in _rows(model_input):

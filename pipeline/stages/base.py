@@ -149,6 +149,7 @@ class StageStates:
         live = {s.name for s in self.stages}
         self.fresh = live - {s.name for s in restored}
         self.notes = [f"{s.name}: {s.continues(state[s.name])}: a new history from here" if s.name in state else
-                      f"{s.name}: not in the checkpoint, starts fresh here" for s in self.stages if s.name in self.fresh]
+                      f"{s.name}: not in the checkpoint, starts fresh here"
+                      for s in self.stages if s.name in self.fresh]
         self.notes += [f"{name}: no such stage in this config, its saved state is dropped"
                        for name in sorted(set(state) - live)]

@@ -6,8 +6,8 @@ import logging
 from pathlib import Path
 
 from pipeline.checkpoint import manifest as mf
-from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.directory import Checkpoint, CheckpointDir, file_hashes, files_of
+from pipeline.checkpoint.errors import CheckpointError
 from pipeline.config import identity
 from pipeline.stages.base import Stage
 from pipeline.stages.drift import drift, refuse, say_if_a_sibling_differs

@@ -15,13 +15,18 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline.files import jsonio, names, reading
-from pipeline.files.atomic import (NewDirs, UnsafePathError, check_output_dir, ensure_dirs, environment_error,
-                                   replace_file)
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, CommandError, ConfigError, Refusal
-from pipeline.config.identity import experiment_name
+from pipeline.config.identity import experiment_name, is_machine_key
 from pipeline.config.targets import parse_overrides
-from pipeline.config.identity import is_machine_key
+from pipeline.files import jsonio, names, reading
+from pipeline.files.atomic import (
+    NewDirs,
+    UnsafePathError,
+    check_output_dir,
+    ensure_dirs,
+    environment_error,
+    replace_file,
+)
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import SweepParent
@@ -41,7 +46,7 @@ def _plain(node, resolve: bool = True):
         return node
     try:
         return OmegaConf.to_container(node, resolve=resolve, enum_to_str=True)
-    except Exception:  # noqa: BLE001 - an interpolation that cannot resolve yet: keep it as written
+    except Exception:
         return OmegaConf.to_container(node, resolve=False, enum_to_str=True)
 
 
@@ -72,7 +77,7 @@ def job_count(task_overrides: list[str], sweeper: dict) -> int:
         value = o.value() if o.is_sweep_override() else None
         if isinstance(value, ChoiceSweep):
             n *= len(value.list)
-        elif isinstance(value, RangeSweep) and value.step:
+        elif isinstance(value, RangeSweep) and value.step and value.start is not None and value.stop is not None:
             n *= max(0, math.ceil((value.stop - value.start) / value.step))
     return n
 
@@ -117,7 +122,7 @@ def refuse_monitors(config: DictConfig, swept_keys) -> None:
         check_monitors(plain)
     except ConfigError as e:
         _stop(EXIT_BAD_INPUT, str(e))
-    except Exception as e:  # noqa: BLE001 - what cannot be judged here is judged by each job
+    except Exception as e:
         log.debug("monitors not checked before the sweep: %s", e)
 
 
@@ -140,7 +145,7 @@ def parent_run(tracking) -> SweepParent:
         return SweepParent()
     try:
         tracker = get_class(str(node["_target_"]))
-    except Exception as e:  # noqa: BLE001 - Hydra wraps the import's error; the sweep must not start half-made
+    except Exception as e:
         _stop(EXIT_BAD_INPUT, f"tracking._target_={node['_target_']}: {str(e).splitlines()[0]}")
     return getattr(tracker, "sweep_parent", SweepParent)(**{k: v for k, v in node.items() if not k.startswith("_")})
 
@@ -171,7 +176,8 @@ def job_of(hydra_cfg) -> SweepJob:
     try:
         sweep = jsonio.read(path, 1 << 24)
     except (OSError, jsonio.JSONError) as e:
-        problem = str(e) if isinstance(e, (reading.UnreadableFile, jsonio.JSONError)) else f"{path}: {e.strerror}"
+        problem: str | None = (str(e) if isinstance(e, (reading.UnreadableFile, jsonio.JSONError))
+                               else f"{path}: {e.strerror}")
     else:
         ok = isinstance(sweep, dict) and isinstance(sweep.get("id"), str) and isinstance(sweep.get("swept"), dict)
         offset = sweep.get("job_offset") if ok else None
@@ -238,8 +244,8 @@ class SweepCallback(Callback):
         # best-val's mode (conf/stages/default.yaml); without that stage the jobs return NaN, either way round
         direction = "maximize" if best_val.get("mode") == "max" else "minimize"
         optuna = "optuna" in str(sweeper.get("_target_", ""))
-        if optuna and not any(
-                o.startswith(("hydra.sweeper.direction=", "++hydra.sweeper.direction=")) for o in hydra.overrides.hydra):
+        given = ("hydra.sweeper.direction=", "++hydra.sweeper.direction=")
+        if optuna and not any(o.startswith(given) for o in hydra.overrides.hydra):
             with open_dict(hydra.sweeper):
                 hydra.sweeper.direction = direction  # what the jobs return is best-val's best: minimise or maximise
         from pipeline.checkpoint.manifest import git_info
@@ -272,6 +278,7 @@ class SweepCallback(Callback):
             self.parent.warm(self.sweep)
 
     def _launching(self) -> None:
+        assert self.sweep is not None, "on_multirun_start comes first"
         self.launched = True
         self.parent.start(self.sweep)
         log.info("sweep %s: %s", self.sweep["id"], self.sweep["dir"])
@@ -349,7 +356,7 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
     status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
     sweep.update(status=status, ended_at=time.time(), error=error)
     replace_file(directory / "sweep.json", jsonio.dumps(sweep))
-    table = sweep_table(sweep, jobs, best_job(jobs, sweep["direction"]), parent.end(sweep))
+    table = sweep_table(sweep, jobs, best_job(jobs, sweep), parent.end(sweep))
     return {"status": status, "failed": failed, "jobs": jobs, "table": table}
 
 
@@ -362,7 +369,8 @@ def exit_for(summary: dict) -> None:
               "re-run the same command to continue it", file=sys.stderr)
         raise SystemExit(EXIT_PREEMPTED)
     if failed:
-        listing = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}" for n, j in failed.items())
+        listing = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
+                            for n, j in failed.items())
         print(f"pipeline: {len(failed)} of {len(summary['jobs'])} jobs failed: {listing}", file=sys.stderr)
         raise SystemExit(min(int(j.get("code", 1)) for j in failed.values()))
 

@@ -25,10 +25,26 @@ def finite(objective) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def best_job(jobs: dict[int, dict], direction: str) -> dict | None:
-    """The winner the end table marks and the parent's best.* tags name; ties: the first job."""
+class SweepRecordError(ValueError):
+    """A sweep.json that does not say what every reader needs of it."""
+
+
+def direction(sweep: dict) -> str:
+    """"minimize" or "maximize", as the sweep's start recorded it in sweep.json (from best-val's mode): every
+    record has said it since sweep.json exists, so one without it is refused, never read as a guess."""
+    value = sweep.get("direction")
+    if value not in ("minimize", "maximize"):
+        raise SweepRecordError(f"{Path(str(sweep.get('dir', '.'))) / 'sweep.json'}: direction={value!r}: not "
+                               "minimize or maximize (the sweep's start records it; re-run the sweep)")
+    return value
+
+
+def best_job(jobs: dict[int, dict], sweep: dict) -> dict | None:
+    """The winner the end table marks and the parent's best.* tags name, by the sweep's direction; ties: the
+    first job."""
     scored = sorted((j for j in jobs.values() if finite(j.get("objective")) is not None), key=lambda j: j["num"])
-    return (min if direction == "minimize" else max)(scored, key=lambda j: j["objective"]) if scored else None
+    pick = min if direction(sweep) == "minimize" else max
+    return pick(scored, key=lambda j: j["objective"]) if scored else None
 
 
 SHOWN_DIGITS = 4  # significant digits of a swept float in a run's name (mlflow's column cuts 18 to `0.0…`)
@@ -71,16 +87,16 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
     the winning job's record (best_job, as the parent's best.* tags), `parent` where that run is."""
     keys = list(sweep.get("swept") or {})
     objective = str(sweep.get("objective") or "objective")
-    direction = sweep.get("direction", "minimize")
+    minimize = direction(sweep) == "minimize"
     counts = Counter(str(j.get("status", "unknown")) for j in jobs.values())
     tally = ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: (kv[0] != "complete", kv[0])))
     lines = [f"sweep {sweep.get('name') or 'sweep'}-{sweep.get('id', '?')}: {len(jobs)} jobs"
-             + (f" ({tally})" if tally else "") + f", {objective} ({'min' if direction == 'minimize' else 'max'})"]
+             + (f" ({tally})" if tally else "") + f", {objective} ({'min' if minimize else 'max'})"]
     if not jobs:
         return [*lines, f"parent: {parent[0]}", *parent[1:]]
     shown = sorted(jobs.values(), key=lambda j: j["num"])
     if len(shown) > MAX_ROWS:  # rank: the scored ones best first, then the rest in job order
-        sign = 1 if direction == "minimize" else -1
+        sign = 1 if minimize else -1
         shown.sort(key=lambda j: (finite(j.get("objective")) is None, sign * (finite(j.get("objective")) or 0.0),
                                   j["num"]))
         shown = shown[:MAX_ROWS]
@@ -92,8 +108,8 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
                      "-" if v is None else f"{v:.6g}", str(j.get("status", "unknown"))])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     numeric = {0, len(widths) - 2}  # the job number and the objective: right-aligned
-    for r, j in zip(rows, [None, *shown]):
-        mark = "*" if j is not None and best is not None and j["num"] == best["num"] else " "
+    for r, row_job in zip(rows, [None, *shown]):  # the header row has no job
+        mark = "*" if row_job is not None and best is not None and row_job["num"] == best["num"] else " "
         cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
         lines.append(f"  {mark} " + "  ".join(cells).rstrip())
     if len(jobs) > len(shown):

@@ -80,10 +80,10 @@ class Agent:
             # Everything the agent will run, now (mlflow: the slow part, while the readers buffer): a module
             # imported minutes later, from a checkout changed meanwhile, would not match those already loaded
             # (an ImportError in sweep_end left parents RUNNING).
-            from pipeline.tracking import common, index, store  # noqa: F401
+            from pipeline.tracking import common, index, store
             self.common, self.index, self.store = common, index, store
             trace("import mlflow", started)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             traceback.print_exc()
             self.import_error = f"{type(e).__name__}: {e}"
         self.sessions: dict[tuple[int, Any], Session] = {}  # (connection, the request's sid)
@@ -186,7 +186,7 @@ class Agent:
                 r = self.index.sync_run(s.client, s.uri, Path(m["run_dir"]), self.clients[s.uri][1],
                                         s.parent, m.get("job"), artifacts=False)
                 done.append((s, m, r))
-            except Exception as e:  # noqa: BLE001 - reported, never raised
+            except Exception as e:
                 self.fail(s, e)
             trace("finish: the run complete", started)
         self.finishing = waiting
@@ -197,7 +197,7 @@ class Agent:
                     self.index.sync_run_artifacts(s.client, r["run_id"], Path(m["run_dir"]))
                     trace("finish: its artifacts", started)
                 s.conn.send({"sid": s.sid, "event": "finished"})
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self.fail(s, e)
 
     def attach(self, s: Session, m: dict) -> None:
@@ -257,7 +257,7 @@ class Agent:
         started = time.monotonic()
         try:
             getattr(self, op)(s, m)
-        except Exception as e:  # noqa: BLE001 - any tracking failure is reported, never raised
+        except Exception as e:
             self.fail(s, e)
         trace(op, started)
         if op not in ("open", "metrics", "checkpoint"):
@@ -273,7 +273,7 @@ class Agent:
                 self.flush(s)
                 s.client.set_tag(s.run_id, "ended", "the training process exited without finishing the run")
                 s.client.set_terminated(s.run_id, status="FAILED", end_time=int(time.time() * 1000))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 traceback.print_exception(e, file=sys.stderr)
 
     def answer_idle(self, clients: set) -> None:
@@ -309,7 +309,7 @@ class Agent:
                 for s in list(self.sessions.values()):
                     try:
                         self.flush(s)
-                    except Exception as e:  # noqa: BLE001
+                    except Exception as e:
                         self.fail(s, e)
                 last_flush = time.monotonic()
             self.answer_idle(clients)

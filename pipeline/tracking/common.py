@@ -6,8 +6,8 @@ import os
 import re
 from pathlib import Path
 
-from pipeline.files import reading
 from pipeline.config.identity import MACHINE_KEYS, is_machine_key  # noqa: F401 - the tracker's params leave them out
+from pipeline.files import reading
 from pipeline.files.jsonio import NON_FINITE, flatten
 
 MAX_PARAM_VALUE = 6000  # mlflow's limit on a param value
@@ -191,7 +191,8 @@ def metric_points(line: dict) -> list[tuple[str, float, int, int]]:
     """(key, value, timestamp ms, step) for every metric of one metrics.jsonl line."""
     ts, step = int(float(line.get("time", 0.0)) * 1000), int(line["step"])
     return [(k, float(NON_FINITE.get(v, v)) if isinstance(v, str) else float(v), ts, step) for k, v in line.items()
-            if k not in NON_METRIC_KEYS and (isinstance(v, (int, float)) and not isinstance(v, bool) or v in NON_FINITE)]
+            if k not in NON_METRIC_KEYS
+            and ((isinstance(v, (int, float)) and not isinstance(v, bool)) or v in NON_FINITE)]
 
 
 def is_mlflow_tracking(tracking) -> bool:

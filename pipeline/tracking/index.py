@@ -5,16 +5,26 @@ import contextlib
 import os
 import socket
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from pipeline.files import jsonio
-from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.directory import CheckpointDir
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.files import jsonio
 from pipeline.run.directory import RunBusyError, RunDir
+from pipeline.sweep.summary import best_job, direction, finite, parent_name, read_jobs
 from pipeline.tracking import store
-from pipeline.tracking.common import (CURVES_ARTIFACT, experiment_of, metric_points, params_of, parse_run_uri,
-                                      run_uri, tag_value, tags_of)
-from pipeline.sweep.summary import best_job, finite, parent_name, read_jobs
+from pipeline.tracking.common import (
+    CURVES_ARTIFACT,
+    experiment_of,
+    metric_points,
+    params_of,
+    parse_run_uri,
+    run_uri,
+    tag_value,
+    tags_of,
+)
 from pipeline.trainer import curves
 
 MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
@@ -54,8 +64,10 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     already; with a sweep `job`'s tags): artifacts last, or left to sync_run_artifacts; returns what was added."""
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
-    added = {"created": 0, "params": 0, "tags": 0, "points": 0, "artifacts": 0, "status": 0, "damaged": []}
-    found = manifests(rundir, added["damaged"])
+    damaged: list[str] = []
+    added: dict[str, Any] = {"created": 0, "params": 0, "tags": 0, "points": 0, "artifacts": 0, "status": 0,
+                             "damaged": damaged}
+    found = manifests(rundir, damaged)
     if not found:
         return {**added, "skipped": "no checkpoint manifest"}
     newest = found[-1][1]
@@ -98,7 +110,7 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         latest[("best/step", step)] = ("best/step", float(step), when.get(step, 0), step)
     logged = store.logged_steps(client, run_id, {k for k, _ in latest})
     added["points"] = store.log_points(client, run_id, [p for key, p in latest.items() if key not in logged])
-    name = status.get("status")  # "running" with nobody in the run directory: the process died running
+    name = str(status.get("status"))  # "running" with nobody in the run directory: the process died running
     mstatus = "FAILED" if name == "running" and not rundir.in_use() else STATUS_OF_RUN_JSON.get(name)
     if mstatus and client.get_run(run_id).info.status != mstatus:
         end = status.get("ended_at") or status.get("updated") or run_dir.stat().st_mtime
@@ -139,16 +151,17 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     repo = store.artifact_repo(client, run_id)
     have = store.artifact_sizes(repo)
     final = rundir.store.link_dir("final")
-    reads = [(d.relative_to(rundir.path).as_posix(), CheckpointDir.manifest_file, d) for d, _ in found]
-    reads += [("final", CheckpointDir.weights_file, final), ("final", CheckpointDir.manifest_file, final)] if final else []
+    reads: list[tuple[str, Callable[[CheckpointDir], Path | tuple[str, bytes]], Path]] = [
+        (d.relative_to(rundir.path).as_posix(), CheckpointDir.manifest_file, d) for d, _ in found]
+    if final:
+        reads += [("final", CheckpointDir.weights_file, final), ("final", CheckpointDir.manifest_file, final)]
     todo: list[tuple[str, Path | bytes]] = []
     for folder, read, directory in reads:  # the store reads a checkpoint's files: never a link or a FIFO
         try:
-            source = read(CheckpointDir(directory))
+            got = read(CheckpointDir(directory))
         except (OSError, CheckpointError):
             continue  # a damaged checkpoint: reindex names it
-        name, source = (source.name, source) if isinstance(source, Path) else source
-        todo.append((f"{folder}/{name}", source))
+        todo.append((f"{folder}/{got.name}", got) if isinstance(got, Path) else (f"{folder}/{got[0]}", got[1]))
     for p in (rundir.hydra_dir / "config.yaml", rundir.hydra_dir / "overrides.yaml", rundir.log_path):
         with contextlib.suppress(OSError):
             if stat.S_ISREG(p.stat().st_mode):  # a FIFO or a device where a file should be: never opened (it blocks)
@@ -164,7 +177,10 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     for artifact, source in todo:
         size = len(source) if isinstance(source, bytes) else source.stat().st_size
         if have.get(artifact) != size:
-            store.log_file_as(repo, artifact, **{"data" if isinstance(source, bytes) else "source": source})
+            if isinstance(source, bytes):
+                store.log_file_as(repo, artifact, data=source)
+            else:
+                store.log_file_as(repo, artifact, source=source)
             added += 1
     png = curves_png(rundir, lines)
     if png is not None and store.artifact_bytes(repo, CURVES_ARTIFACT, have) != png:
@@ -213,7 +229,7 @@ def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, s
     if failed:
         tags["sweep.failures"] = tag_value("; ".join(f"job {n} ({j.get('name', '')}): {j.get('status')}: "
                                                      f"{j.get('error', '')}" for n, j in failed.items()))
-    best = best_job(jobs, sweep.get("direction", "minimize"))
+    best = best_job(jobs, sweep)
     if best is not None:
         tags.update({"best.job": str(best["num"]), "best.params": tag_value(best.get("name", "")),
                      "best.value": repr(best["objective"])})
@@ -230,7 +246,7 @@ def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, s
 
 def objective_points(sweep: dict, jobs: dict[int, dict]) -> list[tuple[str, float, int, int]]:
     """The parent's objective: at step n, the best of jobs 0..n, up to the first job not complete (then final)."""
-    key, maximize = sweep.get("objective", "objective"), sweep.get("direction") == "maximize"
+    key, maximize = sweep.get("objective", "objective"), direction(sweep) == "maximize"
     ts, best, out = int(float(sweep.get("started") or 0) * 1000), None, []
     for n in sorted(jobs):
         job = jobs[n]
@@ -278,7 +294,7 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
         parent = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
     synced = {}
     if children:
-        for num, job in sorted(jobs.items()):
+        for _num, job in sorted(jobs.items()):
             if job.get("run_dir") and Path(job["run_dir"]).is_dir() and not RunDir(job["run_dir"]).in_use():
                 r = index_job(client, uri, Path(job["run_dir"]), artifact_root, parent,
                               {k: job.get(k) for k in ("sweep_id", "num", "overrides", "name")})

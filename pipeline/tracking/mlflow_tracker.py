@@ -9,13 +9,20 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.directory import CheckpointDir
+from pipeline.checkpoint.errors import CheckpointError
 from pipeline.run.report import run_page
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
-from pipeline.tracking.common import (SLURM_WAIT, artifact_root, in_slurm_job, normalize_tracking_uri, params_of,
-                                      store_problem, tags_of)
+from pipeline.tracking.common import (
+    SLURM_WAIT,
+    artifact_root,
+    in_slurm_job,
+    normalize_tracking_uri,
+    params_of,
+    store_problem,
+    tags_of,
+)
 from pipeline.tracking.sweep_parent import MlflowSweepParent
 
 if TYPE_CHECKING:
@@ -197,5 +204,6 @@ class MlflowTracker(Tracker):
                  run_page(self._uri) if self._uri else "(not created yet)",
                  "" if sent else " (its last messages were not sent in time: `python -m pipeline.reindex` "
                  "completes the run)",
-                 f" (inside a SLURM job, which waits for it at its exit, at most {SLURM_WAIT:.0f} s)" if at_exit else "")
+                 f" (inside a SLURM job, which waits for it at its exit, at most {SLURM_WAIT:.0f} s)"
+                 if at_exit else "")
 

@@ -8,7 +8,8 @@ import shutil
 import sqlite3
 import tempfile
 import time
-from contextlib import closing, contextmanager, nullcontext, suppress
+from contextlib import AbstractContextManager, closing, contextmanager, nullcontext, suppress
+from functools import cache
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -17,19 +18,24 @@ from mlflow.exceptions import MlflowException
 
 from pipeline.config.errors import CommandError
 from pipeline.files.atomic import UnsafePathError, refuse_link
-from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri,
-                                      sqlite_path, tag_value)
+from pipeline.tracking.common import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri, sqlite_path, tag_value
 from pipeline.tracking.common import artifact_root as common_artifact_root
 from pipeline.tracking.sharing import check_shared
-
-for _name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." etc.
-    logging.getLogger(_name).setLevel(logging.WARNING)
 
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 # A server that is down fails in seconds, not minutes. mlflow reads these from the environment at each request
 # only, so open_client sets them (unless the user did) in the process that opens a client, never on import.
 HTTP_SETTINGS = (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
                  ("MLFLOW_HTTP_REQUEST_TIMEOUT", "20"))
+
+
+@cache
+def _quiet_migrations() -> None:
+    """mlflow's and alembic's "Creating initial MLflow database tables..." and each migration's lines at INFO: a
+    store is made or migrated where the user did not ask to watch it. Set once, where a store is first opened,
+    never on import (importing a module changes no process state)."""
+    for name in ("mlflow.store.db.utils", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 class StoreError(CommandError):
@@ -50,6 +56,7 @@ def template_db() -> Path | None:
     """One migrated, empty sqlite store per mlflow version and user in $XDG_CACHE_HOME/pipeline, made once under
     a lock: a fresh store is a copy of it, not 2-4 s of schema migrations. It holds no experiment (each copy
     makes its own Default one, keeping artifacts where its caller says). None if it cannot be made."""
+    _quiet_migrations()
     import mlflow
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
@@ -68,7 +75,7 @@ def template_db() -> Path | None:
                     con.execute("DELETE FROM experiments")  # the Default one: each copy makes its own
                 os.replace(tmp, path)  # whole or absent
         return path
-    except Exception:  # noqa: BLE001 - no template: the store is migrated in place, as without one
+    except Exception:
         logging.getLogger("pipeline").debug("no migrated mlflow store template in %s", base, exc_info=True)
         return None
 
@@ -91,6 +98,7 @@ def _copy_template(db: Path) -> None:
 def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
     """A client whose store is open; a new sqlite store is made here, once, under the lock (a copy of the template,
     its artifacts under `artifact_root`, never the working directory). StoreError (one line) if it cannot be."""
+    _quiet_migrations()
     for key, value in HTTP_SETTINGS:
         os.environ.setdefault(key, value)
     db = sqlite_path(uri)
@@ -101,7 +109,7 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
         except UnsafePathError as e:
             raise StoreError(f"the mlflow store cannot be opened: {e}") from None
     try:
-        lock = nullcontext()
+        lock: AbstractContextManager = nullcontext()
         if db is not None:
             from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore  # the slow import, outside the lock
 
@@ -120,7 +128,7 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
             if db is not None:
                 check_shared(client, db)
         return client
-    except Exception as e:  # noqa: BLE001 - whatever mlflow, sqlalchemy or the network raise: one line
+    except Exception as e:
         where = f"the mlflow store {db}" if db else f"the mlflow tracking server {uri}"
         fix = (" (move it aside and rebuild it from the manifests: python -m pipeline.reindex --rebuild)"
                if db is not None and db.exists() else "")
@@ -175,7 +183,7 @@ def _first(client: MlflowClient, ids: list[str], where: str, order: str):
     return None
 
 
-def find_run(client: MlflowClient, run_dir: str, candidates: list[str] = ()):
+def find_run(client: MlflowClient, run_dir: str, candidates: list[str] | tuple[str, ...] = ()):
     """The run indexing `run_dir`: a candidate id (from a manifest) whose run_dir tag agrees (not a fork's), else
     the newest run tagged with it; None if there is none."""
     for rid in filter(None, candidates):
@@ -224,7 +232,7 @@ def log_points(client: MlflowClient, run_id: str, points: list[tuple[str, float,
 
 def _batches(client: MlflowClient, run_id: str, kind: str, items: list, size: int) -> int:
     for i in range(0, len(items), size):
-        client.log_batch(run_id, **{kind: items[i:i + size]})
+        client.log_batch(run_id, **{kind: items[i:i + size]})  # type: ignore[arg-type]  # metrics, params or tags
     return len(items)
 
 
@@ -244,13 +252,14 @@ def log_file_as(repo, artifact_file: str, *, data: bytes | None = None, source: 
         if data is not None:
             local.write_bytes(data)
         else:
+            assert source is not None  # one of data and source
             os.symlink(Path(source).resolve(), local)  # the artifact store copies the target's bytes
         repo.log_artifact(str(local), artifact_dir or None)
 
 
 def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, int]:
     """artifact path -> size of every file under `path` (a few levels deep)."""
-    out = {}
+    out: dict[str, int] = {}
     try:
         infos = repo.list_artifacts(path)
     except (MlflowException, OSError):

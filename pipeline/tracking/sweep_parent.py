@@ -82,7 +82,8 @@ def _say(uri: str, answer: dict | None) -> None:
     if answer is None:
         log.info("mlflow: the tracking agent completes the sweep's parent run after this process exits")
     elif answer.get("event") == "ready":
-        log.info("mlflow: sweep parent run %s%s", run_page(answer["uri"]), " (continued)" if answer.get("reused") else "")
+        log.info("mlflow: sweep parent run %s%s", run_page(answer["uri"]),
+                 " (continued)" if answer.get("reused") else "")
     else:
         log.warning("mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
                     "index them with `python -m pipeline.reindex`.", uri, answer.get("message", "unknown error"))

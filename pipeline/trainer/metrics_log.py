@@ -1,12 +1,11 @@
 """metrics.jsonl: one JSON object per logged step, appended and flushed as the run goes; pipeline.log's handler."""
 from __future__ import annotations
 
-from typing import TextIO
-
 import contextlib
 import logging
 import sys
 import time
+from typing import TextIO
 
 from pipeline.files import jsonio
 

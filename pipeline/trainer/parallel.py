@@ -4,8 +4,9 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, TypeVar
+from typing import TypeVar
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
@@ -21,7 +22,7 @@ def split(batch: Batch, shards: int) -> list[Batch]:
     B = len(batch.ids)
     bounds = np.cumsum([0] + [B // shards + (k < B % shards) for k in range(shards)])
     return [Batch(ids=batch.ids[a:b], x=batch.x[a:b], y=batch.y[a:b], extra=batch.extra)
-            for a, b in zip(bounds[:-1], bounds[1:])]
+            for a, b in itertools.pairwise(bounds)]
 
 
 def owned(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

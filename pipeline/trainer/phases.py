@@ -41,7 +41,7 @@ class Profile:
         """(phase, calls, seconds) for every phase, `other` last; the seconds add up to the wall since start."""
         wall = time.perf_counter() - self.started
         rows = [(name, self.calls[name], self.seconds[name]) for name in PHASES[:-1]]
-        return rows + [("other", 0, max(0.0, wall - sum(s for _, _, s in rows))), ("wall", 0, wall)]
+        return [*rows, ("other", 0, max(0.0, wall - sum(s for _, _, s in rows))), ("wall", 0, wall)]
 
     def table(self) -> str:
         rows = self.rows()

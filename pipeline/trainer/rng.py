@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import random
 import zlib
-
 from typing import Any
 
 import numpy as np

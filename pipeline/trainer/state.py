@@ -5,15 +5,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.files import jsonio
 from pipeline.data.base import Dataset
 from pipeline.data.iterator import DataIterator
+from pipeline.files import jsonio
 from pipeline.model.base import Model
 from pipeline.optimizer.base import Optimizer
 from pipeline.scheduler.base import Scheduler
 from pipeline.stateful import PARTS
-from pipeline.trainer.rng import Streams
 from pipeline.trainer.parallel import Shards
+from pipeline.trainer.rng import Streams
 
 
 @dataclass

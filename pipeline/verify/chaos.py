@@ -11,12 +11,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from pipeline.files import jsonio
+from pipeline.checkpoint.directory import CheckpointDir, file_hashes
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import versions
-from pipeline.checkpoint.directory import CheckpointDir, file_hashes
+from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE
+from pipeline.config.errors import EXIT_ERROR as EXIT_MISMATCH
+from pipeline.config.errors import EXIT_OK
+from pipeline.files import jsonio
 from pipeline.run.directory import RunDir
-from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE, EXIT_ERROR as EXIT_MISMATCH, EXIT_OK
 from pipeline.verify.protocol import verify_dir
 
 
@@ -87,7 +89,7 @@ def run_chaos(config: dict, argv: list[str]) -> int:
         killed = _run(cmd, {"PIPELINE_CHAOS": f"{phase}:{k}"})
         record: dict = {"trial": i, "phase": phase, "point": k, "killed": killed.returncode == -signal.SIGKILL}
         record["invalid_after_kill"] = invalid_visible_checkpoints(trial_dir)
-        for reruns in range(1, int(v["max_reruns"]) + 1):
+        for reruns in range(1, int(v["max_reruns"]) + 1):  # noqa: B007 - the count is read after the loop
             done = _run(cmd)
             if done.returncode == 0:
                 break

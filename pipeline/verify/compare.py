@@ -30,10 +30,7 @@ def diff(a, b, atol: float = 0.0, rtol: float = 0.0) -> dict:
     if not finite.all():
         return {"max_abs_diff": None, "ok": False, "detail": f"{int((~finite).sum())} non-finite values"}
     d = np.abs(fa - fb)
-    if atol or rtol:
-        ok = bool(np.all(d <= atol + rtol * np.abs(fb)))
-    else:
-        ok = a.tobytes() == b.tobytes()
+    ok = bool(np.all(d <= atol + rtol * np.abs(fb))) if atol or rtol else a.tobytes() == b.tobytes()
     return {"max_abs_diff": float(d.max()), "ok": ok, "detail": ""}
 
 

@@ -7,10 +7,12 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.files import jsonio
 from pipeline.checkpoint.manifest import versions
-from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE, EXIT_ERROR as EXIT_MISMATCH, EXIT_OK
+from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE
+from pipeline.config.errors import EXIT_ERROR as EXIT_MISMATCH
+from pipeline.config.errors import EXIT_OK
 from pipeline.config.identity import run_name
+from pipeline.files import jsonio
 from pipeline.verify.compare import compare, machine
 from pipeline.verify.snapshot import read_summary
 
@@ -19,7 +21,8 @@ def verify_dir(config: dict) -> Path:
     return Path(config["paths"]["output_dir"]) / "verify" / run_name(config)
 
 
-def run_workers(config: dict, out: Path, cut: int, steps: int, overrides: tuple[str, ...] | list[str] = ()) -> tuple[list[list[str]], str | None]:
+def run_workers(config: dict, out: Path, cut: int, steps: int,
+                overrides: tuple[str, ...] | list[str] = ()) -> tuple[list[list[str]], str | None]:
     """Runs the four processes (two at a time where they are independent); returns commands, error. Each gets
     the `overrides` config.json was composed from: what they allow it to build (pipeline/config/targets.py)."""
     config_path = out / "config.json"

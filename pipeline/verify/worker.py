@@ -5,11 +5,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.files import jsonio
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.directory import Checkpoint, CheckpointDir
 from pipeline.config import targets
 from pipeline.config.errors import EXIT_BAD_INPUT, ConfigError
+from pipeline.files import jsonio
 from pipeline.run.assemble import assemble
 from pipeline.stages.resume import lineage_of
 from pipeline.stateful import PARTS, capture, copy_tree, restore

@@ -12,8 +12,8 @@ from importlib import metadata
 
 import numpy as np
 import pytest
-
 from conftest import KERNODECK, PROJECT_ROOT, the_run
+
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.directory import DATA, EXTRA, MANIFEST, OPTIM, WEIGHTS
 from pipeline.run.directory import RunDir

@@ -48,9 +48,7 @@ def violations(source: str, filename: str = "<string>") -> list[str]:
             root = node.module.split(".")[0]
             for a in node.names:
                 names[a.asname or a.name] = f"{node.module}.{a.name}"
-                if root in MODULES:
-                    flag(node, f"from {node.module} import {a.name}")
-                elif f"{node.module}.{a.name}" in CALLS:
+                if root in MODULES or f"{node.module}.{a.name}" in CALLS:
                     flag(node, f"from {node.module} import {a.name}")
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, run_job, the_run
 
 PACKAGE = Path(__file__).resolve().parents[2] / "pipeline"

@@ -11,16 +11,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import TINY, refused_in_one_line, run_job, run_pipeline, text_overrides, the_run
 
-from conftest import TINY, refused_in_one_line, run_job, run_pipeline, the_run
-from pipeline.files import jsonio
-from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.directory import DATA, MANIFEST, CheckpointDir
+from pipeline.checkpoint.errors import CheckpointError
 from pipeline.cli.evaluate import evaluate_checkpoint
-from pipeline.run.directory import RunDir
 from pipeline.cli.sample import sample
 from pipeline.config.errors import ConfigError
-from conftest import text_overrides
+from pipeline.files import jsonio
+from pipeline.run.directory import RunDir
 
 NEEDS_TOKENIZERS = pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
                                       reason="tokenizers is not installed (pip install 'pipeline[hf]')")
@@ -121,7 +120,8 @@ def test_data_json_holds_the_corpus_vocabulary_join_and_specials(grammar, text):
 
 
 def test_data_json_is_the_same_bytes_in_every_checkpoint_of_a_run(grammar):
-    entries = {json.dumps(CheckpointDir(d).manifest()["files"][DATA]) for _, d in RunDir(the_run(grammar["out"])).store.steps()}
+    entries = {json.dumps(CheckpointDir(d).manifest()["files"][DATA])
+               for _, d in RunDir(the_run(grammar["out"])).store.steps()}
     assert len(entries) == 1
 
 
@@ -176,7 +176,8 @@ def test_a_new_checkpoint_without_its_data_json_is_refused_naming_it(damage, gra
         CheckpointDir(ckpt).load()
     e = info.value
     assert DATA in str(e) and "\n" not in str(e), e
-    expected = {"unlisted": (MANIFEST, "does not list data.json"), "missing": (DATA, "listed in manifest.json but missing"),
+    expected = {"unlisted": (MANIFEST, "does not list data.json"),
+                "missing": (DATA, "listed in manifest.json but missing"),
                 "missing and unlisted": (MANIFEST, "does not list data.json"),
                 "a vocabulary of another size": (DATA, "data_spec says vocab_size")}[damage]
     assert (e.file, expected[1] in e.reason) == (expected[0], True), e

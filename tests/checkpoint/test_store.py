@@ -15,16 +15,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import KERNODECK, TINY, env_for_subprocess, tree
 from safetensors.numpy import load_file, save_file
 
-from conftest import KERNODECK, TINY, env_for_subprocess, tree
-from pipeline.files.atomic import TMP_PREFIX
+from pipeline.checkpoint.directory import (
+    CORRUPTED,
+    EXTRA,
+    MANIFEST,
+    OPTIM,
+    WEIGHTS,
+    CheckpointDir,
+    files_of,
+    step_dir_name,
+)
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.checkpoint.directory import CORRUPTED, EXTRA, MANIFEST, OPTIM, WEIGHTS, CheckpointDir, files_of, step_dir_name
 from pipeline.checkpoint.store import CheckpointStore
-from pipeline.verify.worker import Fresh
 from pipeline.config.compose import compose, to_plain
+from pipeline.files.atomic import TMP_PREFIX
 from pipeline.stateful import PARTS, StateMismatch, capture, check, copy_tree, restore
+from pipeline.verify.worker import Fresh
 
 
 def fresh(tmp_path, *overrides: str, base=KERNODECK) -> Fresh:
@@ -492,7 +501,8 @@ def test_a_renamed_step_directory_is_refused(ckpt):
 def refused_link(path: Path, *words: str) -> str:
     """Every reader refuses `path` with one line (read_manifest, load, verify, json_state: what every tool opens)."""
     messages = set()
-    for read in (CheckpointDir.manifest, CheckpointDir.load, CheckpointDir.verify, CheckpointDir.resolved, CheckpointDir.json_state):
+    for read in (CheckpointDir.manifest, CheckpointDir.load, CheckpointDir.verify, CheckpointDir.resolved,
+                 CheckpointDir.json_state):
         with pytest.raises(CheckpointError) as info:
             read(CheckpointDir(path))
         messages.add(str(info.value))
@@ -507,7 +517,8 @@ def test_a_run_link_names_a_step_directory_beside_it(ckpt, tmp_path):
     root = ckpt.parent
     os.symlink(ckpt.name, root / "best")
     assert CheckpointDir(root / "best").resolved() == ckpt
-    assert CheckpointDir(root / "best").load().directory == root / "best" and CheckpointDir(root / "best").verify()["step"] == 10
+    assert (CheckpointDir(root / "best").load().directory == root / "best"
+            and CheckpointDir(root / "best").verify()["step"] == 10)
     outside = tmp_path / "outside" / ckpt.name  # a valid checkpoint: only the link is wrong
     outside.parent.mkdir()
     shutil.copytree(ckpt, outside)

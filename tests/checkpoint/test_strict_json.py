@@ -11,17 +11,16 @@ import struct
 import sys
 
 import pytest
-
 from conftest import KERNODECK
-from pipeline.files import jsonio
-from pipeline.checkpoint import manifest as mf
-from pipeline.checkpoint.errors import CheckpointError, RunFileError
-from pipeline.checkpoint.directory import EXTRA, MANIFEST, WEIGHTS, CheckpointDir, step_dir_name
-from pipeline.cli.roundtrip import Fresh
-from pipeline.run.directory import RunDir
-from pipeline.config.compose import compose, to_plain
-from pipeline.sweep.summary import read_jobs
 
+from pipeline.checkpoint import manifest as mf
+from pipeline.checkpoint.directory import EXTRA, MANIFEST, WEIGHTS, CheckpointDir, step_dir_name
+from pipeline.checkpoint.errors import CheckpointError, RunFileError
+from pipeline.cli.roundtrip import Fresh
+from pipeline.config.compose import compose, to_plain
+from pipeline.files import jsonio
+from pipeline.run.directory import RunDir
+from pipeline.sweep.summary import read_jobs
 
 # -- loads ------------------------------------------------------------------------------------------
 
@@ -95,7 +94,8 @@ def relist(directory, name):
 
 
 def refused(directory, file, words):
-    """CheckpointDir.load refuses (CheckpointDir.manifest too, for manifest.json) in one line naming the directory and the file."""
+    """CheckpointDir.load refuses (CheckpointDir.manifest too, for manifest.json) in one line naming the directory
+    and the file."""
     readers = (CheckpointDir.manifest, CheckpointDir.load) if file == MANIFEST else (CheckpointDir.load,)
     for read in readers:
         with pytest.raises(CheckpointError) as info:

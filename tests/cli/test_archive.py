@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, PROJECT_ROOT, TINY, env_for_subprocess, refused_in_one_line, run_pipeline, the_run
 
 pytestmark = pytest.mark.slow
@@ -73,7 +72,8 @@ def recover_from_dest_alone(tmp_path, overrides, searchpath=(), sample=False):
     assert inspect.returncode == 0, inspect.stdout + inspect.stderr
     scratch = tmp_path / "scratch"
     best = archived / "checkpoints" / "best"
-    ev = run_pipeline([str(best), f"paths.output_dir={scratch}", *searchpath, "--json"], cwd, module="pipeline.evaluate")
+    ev = run_pipeline([str(best), f"paths.output_dir={scratch}", *searchpath, "--json"], cwd,
+                      module="pipeline.evaluate")
     assert ev.returncode == 0, ev.stderr
     manifest = json.loads((best / "manifest.json").read_text())
     assert json.loads(ev.stdout)["metrics"]["val/loss"] == manifest["metrics"]["val/loss"]
@@ -82,7 +82,7 @@ def recover_from_dest_alone(tmp_path, overrides, searchpath=(), sample=False):
                           f"paths.output_dir={scratch}"], cwd, module="pipeline.sample")
         assert s.returncode == 0 and s.stdout.strip(), s.stderr
     earliest = sorted(p for p in (archived / "checkpoints").iterdir() if not p.is_symlink())[0]
-    kept = [o for o in overrides]
+    kept = list(overrides)
     resumed = run_pipeline([*kept, f"resume.source={earliest}", f"paths.output_dir={tmp_path / 'resumed'}"], cwd)
     assert resumed.returncode == 0, resumed.stderr
     final = the_run(tmp_path / "resumed") / "checkpoints" / "final" / "weights.safetensors"
@@ -177,7 +177,7 @@ def test_text_data_needs_with_data_and_then_resumes_from_the_archived_file(tmp_p
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "dest" / "recovery.json").read_text())
     assert report["all_checks_passed"] and "data.path=" in report["resume"][0]["command"]
-    assert list((tmp_path / "dest" / "sources").iterdir())[0].read_bytes() == text.read_bytes()
+    assert next(iter((tmp_path / "dest" / "sources").iterdir())).read_bytes() == text.read_bytes()
 
 
 def test_sigkill_during_an_archive_never_leaves_a_dest_that_passes_as_complete(tmp_path, finished):
@@ -192,8 +192,8 @@ def test_sigkill_during_an_archive_never_leaves_a_dest_that_passes_as_complete(t
     for i in range(20):
         dest = tmp_path / f"dest-{i}"
         p = subprocess.Popen([sys.executable, "-m", "pipeline.archive", str(finished), str(dest)], cwd=tmp_path,
-                             env={**env_for_subprocess(), "TMPDIR": str(scratch)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+                             env={**env_for_subprocess(), "TMPDIR": str(scratch)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
         time.sleep(rng.uniform(0, duration))
         os.killpg(p.pid, signal.SIGKILL)  # the archiver and its resume process
         p.wait()

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import KERNODECK, TINY, refused_in_one_line, run_job, run_pipeline, text_overrides, the_run
-from pipeline.files import jsonio
+
 from pipeline.cli.evaluate import evaluate_checkpoint
+from pipeline.files import jsonio
 from pipeline.run.directory import RunDir
 
 VAL = ("val/loss", "val/ppl", "val/ngram_baseline_ppl")

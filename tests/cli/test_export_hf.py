@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from pipeline.data.base import DataSpec
 from pipeline.cli.export_hf import main, write_hf
-
+from pipeline.data.base import DataSpec
 from pipeline.model.minigpt import MiniGPT
 
 CFG = dict(n_layer=2, n_head=4, n_embd=32, n_positions=16, vocab_size=97)
@@ -52,7 +51,7 @@ def test_rejects_mismatched_weights(tmp_path):
         write_hf(sd, out_dir=tmp_path, **{**CFG, "n_positions": 8})
     with pytest.raises(KeyError, match=r"parameter names differ from GPT-2's: \['transformer.ln_f.bias'"):
         write_hf({k: v for k, v in sd.items() if "ln_f" not in k}, out_dir=tmp_path, **CFG)
-    with pytest.raises(ValueError, match="lm_head.weight differs from transformer.wte.weight"):
+    with pytest.raises(ValueError, match=r"lm_head.weight differs from transformer.wte.weight"):
         write_hf({**sd, "lm_head.weight": sd["lm_head.weight"] + 1}, out_dir=tmp_path, **CFG)
 
 
@@ -64,7 +63,8 @@ def test_cli_refuses_a_missing_checkpoint(tmp_path):
 # Optional extras: skip only when a package is not installed, never on an ImportError of an installed one.
 NEEDS_TOKENIZERS = pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
                                       reason="tokenizers is not installed (pip install 'pipeline[hf]')")
-NEEDS_HF = pytest.mark.skipif(importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
+NEEDS_HF = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
+                              or importlib.util.find_spec("torch") is None,
                               reason="transformers and torch are not installed (pip install 'pipeline[hf,bench]')")
 
 
@@ -96,6 +96,7 @@ def exported(tmp_path: Path, *overrides: str, out: Path | None = None) -> tuple[
     """(the final checkpoint of a tiny run, the directory export_hf wrote from it); the run trained into
     tmp_path/out unless it is given (`out`, a finished output directory)."""
     from conftest import run_job, the_run
+
     from pipeline.run.directory import RunDir
 
     if out is None:
@@ -196,7 +197,7 @@ OUT["generation"] = {"generated": out["generated_text"], "greedy": tok.decode(id
 @NEEDS_HF
 @pytest.mark.parametrize("which", ["grammar", "text"])
 def test_auto_tokenizer_maps_the_corpus_vocabulary_id_for_id(grammar_export, text_export, transformers_answers, which):
-    ckpt, hf = grammar_export if which == "grammar" else text_export
+    ckpt, _hf = grammar_export if which == "grammar" else text_export
     corpus, ids, text = val_text(ckpt)
     got = transformers_answers[which]
     assert got["vocab"] == {t: i for i, t in enumerate(corpus.vocab)}
@@ -211,7 +212,7 @@ def test_auto_tokenizer_maps_the_corpus_vocabulary_id_for_id(grammar_export, tex
 def test_transformers_generates_from_the_export_as_our_greedy_sampler_does(grammar_export, transformers_answers):
     from pipeline.cli.sample import sample
 
-    ckpt, hf = grammar_export
+    ckpt, _hf = grammar_export
     got = transformers_answers["generation"]
     words = got["generated"].split(" ")  # prompt + " w1 w2 ...": one space between every two words
     assert words[:2] == ["the", "man"] and len(words) == 7 and set(words) <= set(corpus_of(ckpt).vocab)
@@ -228,7 +229,8 @@ def test_a_moved_text_file_is_not_needed_but_by_a_schema_2_0_checkpoint(text_exp
     from pipeline.checkpoint.directory import DATA, CheckpointDir
 
     ckpt, hf = text_export
-    old = tmp_path / "runs" / "r" / "checkpoints" / CheckpointDir(ckpt).resolved().name  # its corpus cache: tmp_path/data
+    # its corpus cache: tmp_path/data
+    old = tmp_path / "runs" / "r" / "checkpoints" / CheckpointDir(ckpt).resolved().name
     shutil.copytree(CheckpointDir(ckpt).resolved(), old)
     (old / DATA).unlink()
     m = json.loads((old / "manifest.json").read_text())

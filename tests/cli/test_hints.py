@@ -9,12 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import KERNODECK, PROJECT_ROOT, TINY, env_for_subprocess, refused_in_one_line, run_pipeline, the_run
 
-from conftest import (KERNODECK, PROJECT_ROOT, TINY, env_for_subprocess, refused_in_one_line,
-                      run_pipeline, the_run)
 from pipeline.config import compose
 from pipeline.config.compose import install_hint
-
 
 # -- an unknown option of a group ---------------------------------------------------------------------
 
@@ -256,7 +254,8 @@ def test_help_lists_what_hydras_own_help_lists(tmp_path):
     ours = run_pipeline(["--help"], tmp_path)
     env = env_for_subprocess()
     plain = subprocess.run([sys.executable, "-c", "import sys, runpy; from pipeline import __main__ as m; "
-                            "m._one_repository_for_help = lambda: None; sys.argv = ['pipeline', '--help']; m.main()"],
+                            "m._one_repository_for_help = lambda stack: None; "
+                            "sys.argv = ['pipeline', '--help']; m.main()"],
                            cwd=tmp_path, env=env, capture_output=True, text=True)
     assert ours.returncode == 0 and plain.returncode == 0, ours.stderr + plain.stderr
     assert ours.stdout == plain.stdout

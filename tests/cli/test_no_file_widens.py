@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, PROJECT_ROOT, env_for_subprocess, run_job, the_run
+
 from pipeline.config.identity import config_hash, semantic_hash
 
 pytestmark = pytest.mark.slow

@@ -19,9 +19,8 @@ from urllib.parse import unquote, urlparse
 
 import numpy as np
 import pytest
+from conftest import KERNODECK, TINY, env_for_subprocess, refused_in_one_line, run_pipeline, the_run, wait_until
 
-from conftest import KERNODECK, TINY, env_for_subprocess, refused_in_one_line, run_pipeline, the_run, \
-    wait_until
 from pipeline.config.errors import ConfigError
 from pipeline.run.directory import RunDir
 
@@ -75,7 +74,7 @@ LOAD = textwrap.dedent("""
     from mlflow.exceptions import MlflowException
     gpt_uri, mlp_uri, rows, x = json.loads(sys.stdin.read())
     mlflow.set_tracking_uri(gpt_uri)
-    gpt = mlflow.pyfunc.load_model("models:/%s/1")
+    gpt = mlflow.pyfunc.load_model("models:/{gpt}/1")
     try:
         gpt.predict([{"prompt": "the zebra"}])
         refused = None
@@ -87,10 +86,10 @@ LOAD = textwrap.dedent("""
     except MlflowException as e:
         unknown = str(e)
     mlflow.set_tracking_uri(mlp_uri)
-    mlp = mlflow.pyfunc.load_model("models:/%s/1")
+    mlp = mlflow.pyfunc.load_model("models:/{mlp}/1")
     print(json.dumps({"texts": list(gpt.predict(rows)), "refused": refused, "unknown": unknown,
                       "outputs": np.asarray(mlp.predict(np.array(x))).tolist()}))
-""" % (GPT, MLP))
+""").replace("{gpt}", GPT).replace("{mlp}", MLP)
 
 
 @pytest.mark.slow
@@ -266,7 +265,8 @@ def test_the_vocabulary_is_the_checkpoints_own_data_json_when_it_has_one(tmp_pat
     (tmp_path / "vocab.json").write_text(json.dumps({"vocab": ["<eos>", "a"], "decode_join": " "}))
     monkeypatch.setattr(CheckpointDir, "data_facts", lambda self: None)
     assert read_vocab(tmp_path, str(tmp_path / "vocab.json")) == (["<eos>", "a"], " ", "<eos>")
-    monkeypatch.setattr(CheckpointDir, "data_facts", lambda self: {"vocab": ["x", "y"], "decode_join": "", "specials": {}})
+    monkeypatch.setattr(CheckpointDir, "data_facts",
+                        lambda self: {"vocab": ["x", "y"], "decode_join": "", "specials": {}})
     assert read_vocab(tmp_path, str(tmp_path / "vocab.json")) == (["x", "y"], "", None)
     monkeypatch.setattr(CheckpointDir, "data_facts", lambda self: None)
     (tmp_path / "vocab.json").write_text(json.dumps({"vocab": [1, 2], "decode_join": ""}))

@@ -5,9 +5,10 @@ import json
 from pathlib import Path
 
 from conftest import TINY
-from pipeline.cli import roundtrip
+
 from pipeline.checkpoint.directory import WEIGHTS, CheckpointDir
 from pipeline.checkpoint.manifest import SCHEMA_VERSION
+from pipeline.cli import roundtrip
 from pipeline.stateful import PARTS
 
 SEED_FIELDS = {"byte_equivalent_state_machines": list, "all_byte_equal": bool, "continuation_test_passed": bool,
@@ -48,7 +49,7 @@ def test_kernodeck_passes_and_writes_the_seed_fields(tmp_path, cli):
 
 def test_tied_minigpt_passes(tmp_path):
     overrides = [*TINY, "model.dropout=0.1", f"paths.output_dir={tmp_path}"]
-    r, path = roundtrip.roundtrip(overrides, steps=5, separate_process=False)
+    r, _path = roundtrip.roundtrip(overrides, steps=5, separate_process=False)
     assert r["passed"] and r["weight_tying_preserved"] is True, r
     assert r["tied"] == {"lm_head.weight": "transformer.wte.weight"}
     assert abs(r["weights_file_size_bytes"] - r["expected_size_bytes_no_tying"]) < 4096

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import KERNODECK, TINY, refused_in_one_line, run_job, run_pipeline, text_overrides, the_run
 
-from conftest import KERNODECK, TINY, refused_in_one_line, run_job, run_pipeline, the_run
-from pipeline.run.directory import RunDir
 from pipeline.cli.sample import sample
-from pipeline.model.generate import encode, next_token, split_prompt
 from pipeline.config.errors import ConfigError
-from conftest import text_overrides
+from pipeline.model.generate import encode, next_token, split_prompt
+from pipeline.run.directory import RunDir
 
 
 def trained(out: Path, *overrides: str) -> Path:

@@ -7,10 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, run_pipeline, the_run
-from pipeline.cli import show as pinspect
+
 from pipeline.checkpoint.directory import MANIFEST, WEIGHTS, step_dir_name
+from pipeline.cli import show as pinspect
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,9 @@ def snapshot(root: Path) -> dict:
         for name in dirnames + filenames:
             p = Path(dirpath) / name
             st = p.lstat()
-            out[str(p.relative_to(root))] = (os.readlink(p) if p.is_symlink() else p.read_bytes() if p.is_file() else None,
-                                            st.st_mtime_ns, st.st_mode)
+            out[str(p.relative_to(root))] = (
+                os.readlink(p) if p.is_symlink() else p.read_bytes() if p.is_file() else None,
+                st.st_mtime_ns, st.st_mode)
     return out
 
 
@@ -90,7 +91,8 @@ def test_corrupted_checkpoint(run_dir, capsys):
     before = snapshot(run_dir)
     assert pinspect.main([str(directory)]) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == f"INVALID: checkpoint {directory}: weights.safetensors: sha256 differs from manifest.json (corrupted)"
+    assert last == (f"INVALID: checkpoint {directory}: "
+                    "weights.safetensors: sha256 differs from manifest.json (corrupted)")
     code, d = inspect_json(run_dir)
     assert code == 1 and not d["valid"]
     bad, good = d["checkpoints"]

@@ -1,6 +1,6 @@
 """Every default lives in one place, the YAML under conf/: a class built from config takes each of its node's
-keys with no default of its own (one could disagree with the YAML unseen), and the one value code must know
-(data.max_bytes when null) is the YAML's."""
+keys with no default of its own (one could disagree with the YAML unseen), and what an old config's missing or
+null key means (`absent`) is said once, in its schema."""
 from __future__ import annotations
 
 import inspect
@@ -11,7 +11,7 @@ import yaml
 from hydra.utils import get_class
 
 from pipeline.config.compose import CONFIG_DIR
-from pipeline.config.schemas import SCHEMAS, TEXT_MAX_BYTES
+from pipeline.config.schemas import SCHEMAS, validate
 
 
 def option_files() -> list:
@@ -50,7 +50,7 @@ def test_every_shipped_option_is_typed_by_the_schema_of_its_target_and_gives_eve
         if schema.stored_as is not None and "defaults" in node:
             assert node["defaults"][0] == f"/schema/{schema.stored_as}@_here_", path
     # stages live in conf/stages/default.yaml as one node each, not a file of their own
-    assert {t for t in SCHEMAS if ".stages." not in t or t.endswith("Cadence") or t.endswith("EarlyStop")} <= seen
+    assert {t for t in SCHEMAS if ".stages." not in t or t.endswith(("Cadence", "EarlyStop"))} <= seen
 
 
 def test_the_stages_of_the_default_pipeline_give_every_key_of_their_schema():
@@ -60,9 +60,47 @@ def test_the_stages_of_the_default_pipeline_give_every_key_of_their_schema():
             assert set(node) == {"_target_", *keys(SCHEMAS[node["_target_"]])}, name
 
 
-def test_the_bound_for_a_null_max_bytes_is_the_yamls():
+TEXT = "pipeline.data.text.TextCorpus"
+
+
+def test_data_max_bytes_is_the_yamls_number_and_null_is_refused_on_the_command_line():
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from pipeline.config.compose import compose, to_plain
+
     (text,) = [node for path, node in option_files() if path == "data/text.yaml"]
-    assert text["max_bytes"] == TEXT_MAX_BYTES
+    assert isinstance(text["max_bytes"], int) and text["max_bytes"] >= 1
+    assert to_plain(compose(["data=text", "data.path=x"]))["data"]["max_bytes"] == text["max_bytes"]
+    with pytest.raises((HydraException, OmegaConfBaseException), match="max_bytes"):
+        compose(["data=text", "data.path=x", "data.max_bytes=null"])
+
+
+@pytest.mark.parametrize("written", [{"max_bytes": None}, {}], ids=["null", "before the key"])
+def test_a_config_written_with_a_null_or_no_max_bytes_validates_and_means_32_mib(written, tmp_path):
+    """A checkpoint's config from when data.max_bytes could be null (or did not exist) meant 32 MiB: it still
+    validates, and a file over 32 MiB is refused by that bound, one under it is read."""
+    from pipeline.config import identity
+
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.truncate((32 << 20) + 1)  # sparse: nothing written
+    config = {"data": {"_target_": TEXT, "path": str(big), "val_fraction": 0.1, "block_size": 8, "ngram_order": 2,
+                       "val_batch_size": 4, **written}}
+    validate(config)
+    with pytest.raises(OSError, match=r"over the 33554432-byte limit set by data\.max_bytes"):
+        identity.source_hashes(config)
+    small = tmp_path / "small.txt"
+    small.write_text("abc")
+    assert identity.source_hashes({"data": {**config["data"], "path": str(small)}})["data.path"]
+
+
+def test_a_file_named_by_a_node_that_gives_no_bound_is_refused_in_one_sentence():
+    from pipeline.config import identity
+    from pipeline.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data\.path=f: names a file but data.max_bytes .* is not set"):
+        identity.source_hashes({"data": {"_target_": "my.own.Data", "path": "f"}})
 
 
 def test_the_train_state_takes_every_trainer_key_it_holds_without_a_default():

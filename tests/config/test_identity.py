@@ -4,8 +4,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from conftest import KERNODECK, PROJECT_ROOT, TINY, config_of, run_job, the_run
+
 from pipeline.config.identity import SOURCES, changed_keys, covered, run_name, semantic_config, semantic_hash
 from pipeline.run.assemble import build
 

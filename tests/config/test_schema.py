@@ -5,9 +5,9 @@ from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import fields
 
 import pytest
+from conftest import KERNODECK, TINY, config_of
 from omegaconf import MISSING
 
-from conftest import KERNODECK, TINY, config_of
 from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import SCHEMAS, Config, validate
 
@@ -58,12 +58,12 @@ def test_a_bad_value_is_one_line_naming_the_key_value_and_range(override, words,
 
 
 def test_no_training_at_all_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="trainer.max_steps=0 and trainer.epochs=0"):
+    with pytest.raises(ConfigError, match=r"trainer.max_steps=0 and trainer.epochs=0"):
         validate(config_of(*KERNODECK, "trainer.max_steps=0", "trainer.epochs=0", f"paths.output_dir={tmp_path}"))
 
 
 def test_minigpt_cross_checks(tmp_path):
-    with pytest.raises(ConfigError, match="model.n_embd=16 is not divisible by model.n_head=3"):
+    with pytest.raises(ConfigError, match=r"model.n_embd=16 is not divisible by model.n_head=3"):
         validate(config_of(*TINY, "model.n_head=3", f"paths.output_dir={tmp_path}"))
 
 

@@ -13,8 +13,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, run_job, the_run
+
 from pipeline.config import targets
 from pipeline.config.identity import config_hash, semantic_hash
 

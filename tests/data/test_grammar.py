@@ -65,7 +65,7 @@ def test_possessives_and_reflexives_follow_the_subject():
     sentences, meta, _ = grammar.generate(5, 3000)
     checked = 0
     for words, m in zip(sentences, meta):
-        subj, obj, poss, refl = grammar.PRONOUNS[m["agreement"]]
+        _subj, _obj, poss, refl = grammar.PRONOUNS[m["agreement"]]
         for w in words[m["verb"] :]:
             if w in {r for *_, r in grammar.PRONOUNS.values()}:
                 assert w == refl, (words, m)

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.data.iterator import DataIterator
-from pipeline.trainer.rng import numpy_state_from_json, numpy_state_to_json
 from pipeline.stateful import StateMismatch, restore
+from pipeline.trainer.rng import numpy_state_from_json, numpy_state_to_json
 
 
 def gen(seed: int) -> np.random.Generator:
@@ -65,7 +65,7 @@ def test_epochs_are_reshuffled():
 
 
 def test_batch_size_larger_than_data_is_rejected():
-    with pytest.raises(ValueError, match="trainer.batch_size=4: must be between 1 and the 3 training samples"):
+    with pytest.raises(ValueError, match=r"trainer.batch_size=4: must be between 1 and the 3 training samples"):
         DataIterator(3, 4, gen(0))
 
 

@@ -37,7 +37,7 @@ def _reference_prob(tokens, order, V, discounts, history, w):
         if total == 0:
             continue
         freed = sum(d(k, c) for c in after.values())
-        c = after.get(ctx + (w,), 0)
+        c = after.get((*ctx, w), 0)
         p = (max(c - d(k, c), 0.0) + freed * p) / total
     return p
 

@@ -7,12 +7,21 @@ import json
 
 import numpy as np
 import pytest
+from conftest import (
+    PROJECT_ROOT,
+    central_differences,
+    config_of,
+    kept,
+    metrics,
+    refused_in_one_line,
+    run_job,
+    run_pipeline,
+    the_run,
+)
 
-from conftest import PROJECT_ROOT, central_differences, config_of, refused_in_one_line, run_job, run_pipeline, the_run
-from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_PREEMPTED
+from pipeline.run.directory import RunDir
 from pipeline.run.signals import SIGNALS_STATE
-from conftest import kept, metrics
 
 EXAMPLE = PROJECT_ROOT / "examples" / "moons"
 MOONS = ("hydra.searchpath=[pkg://moons.conf]", "experiment=moons", "tracking=none", "trainer.progress_bar=false")

@@ -7,9 +7,19 @@ import os
 import pytest
 
 from pipeline.files import atomic
-
-from pipeline.files.atomic import (TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, new_temp_dir, open_append,
-                             publish_dir, remove_temporaries, replace_file, replace_link, write_new)
+from pipeline.files.atomic import (
+    TMP_PREFIX,
+    UnsafePathError,
+    discard_dir,
+    ensure_dirs,
+    new_temp_dir,
+    open_append,
+    publish_dir,
+    remove_temporaries,
+    replace_file,
+    replace_link,
+    write_new,
+)
 
 
 @pytest.fixture
@@ -109,7 +119,8 @@ def test_a_refusal_reads_as_one_sentence_without_an_errno_prefix(tmp_path):
         refuse_link(tmp_path / "link", "file")
     assert str(caught.value) == f"{tmp_path / 'link'} is a symlink; refusing to follow it (remove it)"
     assert caught.value.errno == errno.ELOOP  # the code is kept for callers that branch on it
-    assert str(UnreadableFile(errno.EINVAL, "is a FIFO, not a regular file", "/p")) == "/p: is a FIFO, not a regular file"
+    assert (str(UnreadableFile(errno.EINVAL, "is a FIFO, not a regular file", "/p"))
+            == "/p: is a FIFO, not a regular file")
 
 
 # --- the durability order of a save ---------------------------------------------------------------------------
@@ -190,8 +201,10 @@ def syscalls(monkeypatch) -> Syscalls:
 
 @pytest.fixture(scope="module")
 def tiny_state(tmp_path_factory):
-    """What CheckpointDir.write is given: the state tree and manifest fields of a fresh kernodeck job (nothing trained)."""
+    """What CheckpointDir.write is given: the state tree and manifest fields of a fresh kernodeck job
+    (nothing trained)."""
     from conftest import KERNODECK
+
     from pipeline.config.compose import compose, to_plain
     from pipeline.stateful import capture
     from pipeline.verify.worker import Fresh
@@ -253,7 +266,7 @@ def test_replacing_a_checkpoint_never_leaves_a_moment_without_a_complete_step(tm
     def survives():
         """neither a complete step N nor the old one renamed aside (deleted before the new one was in place)"""
         name = inodes(final.parent).get(old)
-        return complete() or name is not None and os.path.isfile(final.parent / name / MANIFEST)
+        return complete() or (name is not None and os.path.isfile(final.parent / name / MANIFEST))
 
     syscalls.invariant = complete if swap else survives
     CheckpointDir(final).write(*tiny_state, replace=True)

@@ -7,8 +7,7 @@ import os
 
 import pytest
 
-from pipeline.files import jsonio
-from pipeline.files import reading
+from pipeline.files import jsonio, reading
 from pipeline.files.reading import UnreadableFile
 
 

@@ -14,16 +14,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
+import yaml
 from conftest import KERNODECK, env_for_subprocess, the_run, tree
+
 from pipeline.config import identity
-from pipeline.files import reading
 from pipeline.data import ngram
 from pipeline.data import text as text_mod
 from pipeline.data.text import TextCorpus, TextFile
+from pipeline.files import reading
 from pipeline.files.reading import UnreadableFile
 
-TEXT = dict(val_fraction=0.1, block_size=64, ngram_order=5, val_batch_size=32, max_bytes=1 << 20)  # data=text's (a smaller bound)
+# data=text's (a smaller bound)
+TEXT = dict(val_fraction=0.1, block_size=64, ngram_order=5, val_batch_size=32, max_bytes=1 << 20)
 
 SAFETY_NET = 600  # seconds: only so a regression fails instead of hanging; a refusal takes a few seconds
 KINDS = ("fifo", "device", "socket")
@@ -97,7 +99,7 @@ def test_sizes_are_bounded_before_and_while_reading(tmp_path):
     big = tmp_path / "big"
     with open(big, "wb") as f:
         f.truncate(1 << 30)  # sparse
-    with pytest.raises(UnreadableFile, match="1073741824 bytes, over the 1024-byte limit set by data.max_bytes"):
+    with pytest.raises(UnreadableFile, match=r"1073741824 bytes, over the 1024-byte limit set by data.max_bytes"):
         reading.sha256(big, 1024, bound="data.max_bytes")
     small = tmp_path / "small"
     small.write_bytes(b"abc")
@@ -118,7 +120,7 @@ def test_source_hashes_refuse_a_file_over_its_bound_unread(tmp_path):
     with open(p, "wb") as f:
         f.truncate(2000)
     config = {"data": {"path": str(p), "max_bytes": 1000}}
-    with pytest.raises(UnreadableFile, match="2000 bytes, over the 1000-byte limit set by data.max_bytes"):
+    with pytest.raises(UnreadableFile, match=r"2000 bytes, over the 1000-byte limit set by data.max_bytes"):
         identity.source_hashes(config)
     config["data"]["max_bytes"] = 2000
     assert identity.source_hashes(config) == {"data.path": hashlib.sha256(bytes(2000)).hexdigest()}
@@ -128,7 +130,7 @@ def test_source_hashes_refuse_a_file_over_its_bound_unread(tmp_path):
 # --- data=text in pieces: the bytes the whole-file reading gave ---------------------------------------------
 
 def random_text(rng: np.random.Generator, n: int) -> str:
-    alphabet = list("ab c\n,é—日本🙂\u00a0ß") + ["\ufeff"]
+    alphabet = [*list("ab c\n,é—日本🙂\xa0ß"), "\ufeff"]
     return "".join(rng.choice(alphabet, n))
 
 
@@ -139,7 +141,7 @@ def test_text_in_pieces_equals_the_whole_file_decoded(piece, tmp_path, monkeypat
     text = random_text(rng, 3000)
     p = tmp_path / "t.txt"
     p.write_bytes(text.encode())
-    with TextFile(p) as f:
+    with TextFile(p, 1 << 20) as f:
         tokens = f.tokens()
         vocab = sorted(set(text))  # the oracle: what reading the whole file into a str gave
         assert f.vocab == vocab and f.sha256 == hashlib.sha256(text.encode()).hexdigest()
@@ -155,13 +157,13 @@ def test_text_in_pieces_equals_the_whole_file_decoded(piece, tmp_path, monkeypat
             except UnicodeDecodeError as e:
                 expected = e.start
             with pytest.raises(ValueError, match=rf"not valid UTF-8 \(bad byte at offset {expected}\)"):
-                TextFile(p)
+                TextFile(p, 1 << 20)
 
 
 def test_a_text_file_changed_between_its_passes_is_refused(tmp_path):
     p = tmp_path / "t.txt"
     p.write_text("abc" * 100)
-    with TextFile(p) as f:
+    with TextFile(p, 1 << 20) as f:
         p.write_text("abd" * 100)  # same size, other bytes
         with pytest.raises(ValueError, match="changed while it was read"):
             f.tokens()
@@ -303,20 +305,22 @@ def test_a_text_file_over_the_bound_is_refused_unread(tmp_path):
 
 @pytest.mark.slow
 def test_a_text_file_just_under_the_bound_builds_within_its_memory_bound(tmp_path):
-    from pipeline.config.schemas import TEXT_MAX_BYTES
+    from pipeline.config.compose import CONFIG_DIR
 
+    max_bytes = yaml.safe_load((CONFIG_DIR / "data" / "text.yaml").read_text(encoding="utf-8"))["max_bytes"]
     p = tmp_path / "t.txt"
-    word_salad(p, TEXT_MAX_BYTES - 1)
+    word_salad(p, max_bytes - 1)
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     build = ("from pipeline.data.text import TextCorpus; import sys; "
              "d = TextCorpus(sys.argv[1], sys.argv[2], val_fraction=0.1, block_size=64, ngram_order=5, "
-             f"val_batch_size=32, max_bytes={TEXT_MAX_BYTES}); print(d.n_train, d.n_val, d.manifest['baseline']['val_ppl'])")
+             f"val_batch_size=32, max_bytes={max_bytes}); "
+             "print(d.n_train, d.n_val, d.manifest['baseline']['val_ppl'])")
     proc, mb = measured(["-c", build, str(tmp_path / "data"), str(p)], cwd)
     assert proc.returncode == 0, proc.stderr
     n_train, n_val, ppl = proc.stdout.split()
-    assert int(n_train) + int(n_val) >= (TEXT_MAX_BYTES - 1) // 64 - 2 and float(ppl) > 1
-    assert mb < BUILD_RSS_MB, f"peak RSS {mb:.0f} MB for a {TEXT_MAX_BYTES >> 20} MiB file"
+    assert int(n_train) + int(n_val) >= (max_bytes - 1) // 64 - 2 and float(ppl) > 1
+    assert mb < BUILD_RSS_MB, f"peak RSS {mb:.0f} MB for a {max_bytes >> 20} MiB file"
 
 
 @pytest.mark.slow

@@ -7,11 +7,10 @@ import warnings
 
 import numpy as np
 import pytest
-
 from conftest import central_differences
 
-from pipeline.model.losses import cross_entropy, cross_entropy_factored
 from pipeline.model import layers as L
+from pipeline.model.losses import cross_entropy, cross_entropy_factored
 
 EPS = 1e-6  # central-difference step
 TOL = 1e-6  # max relative error
@@ -271,7 +270,7 @@ def test_attention_grads(rng, p):
     def fwd():
         return L.attention_forward(qkv, 2, p, np.random.default_rng(11) if p else None)
 
-    out, cache = fwd()
+    _out, cache = fwd()
     dqkv = L.attention_backward(R, cache)
     assert dqkv.shape == qkv.shape
     assert rel_err(dqkv, numeric_grad(lambda: fwd()[0], qkv, R)) < TOL

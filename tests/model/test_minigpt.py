@@ -13,7 +13,8 @@ from pipeline.model.minigpt import MiniGPT
 
 WTE = "transformer.wte.weight"
 TOL = 1e-6  # max relative error of the gradient check
-FLOOR = 1e-6  # |a| + |b| below this is judged absolutely (e.g. the k-bias gradient, exactly 0 by softmax shift invariance)
+# |a| + |b| below this is judged absolutely (e.g. the k-bias gradient, exactly 0 by softmax shift invariance)
+FLOOR = 1e-6
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:

@@ -6,7 +6,6 @@ import functools
 
 import numpy as np
 import pytest
-
 from conftest import central_differences
 
 from pipeline.data.base import Batch, DataSpec
@@ -99,7 +98,7 @@ def test_backward_matches_finite_differences_for_every_parameter(hidden, activat
     def f():
         return float(np.sum(model.forward(x, rng())[0] * r))
 
-    out, caches = model.forward(x, rng())
+    _out, caches = model.forward(x, rng())
     if dropout:
         masks = [c["mask"] for c in caches if "mask" in c]
         assert len(masks) == len(hidden)  # dropout after every hidden layer

@@ -274,7 +274,8 @@ class _PlainAdamW(_PlainAdam):
     decoupled = True
 
 
-@pytest.mark.parametrize("cls, ref_cls, wd", [(Adam, _PlainAdam, 0.0), (Adam, _PlainAdam, 0.1), (AdamW, _PlainAdamW, 0.1)])
+@pytest.mark.parametrize("cls, ref_cls, wd",
+                         [(Adam, _PlainAdam, 0.0), (Adam, _PlainAdam, 0.1), (AdamW, _PlainAdamW, 0.1)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_adam_update_is_bitwise_the_plain_expressions(cls, ref_cls, wd, dtype):
     g = np.random.default_rng(3)

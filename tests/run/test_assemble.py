@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import config_of
-from pipeline.run.assemble import assemble, build
+
 from pipeline.model.mlp import MLP
 from pipeline.optimizer.adam import Adam, AdamW
+from pipeline.run.assemble import assemble, build
+from pipeline.run.tracker import Tracker
 from pipeline.scheduler.step import StepLR
 from pipeline.stages.base import StageStates
 from pipeline.stateful import PARTS
@@ -29,7 +30,8 @@ def test_kernodeck_builds_seed_003(kernodeck):
     model = state.model
     assert type(model) is MLP
     shapes = {k: v.shape for k, v in model.params.items()}
-    assert shapes == {"layers.0.weight": (2, 8), "layers.0.bias": (8,), "layers.1.weight": (8, 1), "layers.1.bias": (1,)}
+    assert shapes == {"layers.0.weight": (2, 8), "layers.0.bias": (8,),
+                      "layers.1.weight": (8, 1), "layers.1.bias": (1,)}
     assert sum(p.size for p in model.params.values()) == 33  # 2*8 + 8 + 8*1 + 1
     assert model.dropout == 0.25
     assert state.dtype == np.float64 and all(p.dtype == np.float64 for p in model.params.values())
@@ -131,7 +133,7 @@ def test_assemble_gives_the_verifier_and_roundtrip_a_runs_parts_and_facts(kernod
     """What a run's manifest says of itself, a run of the same config assembled elsewhere says too."""
     run, alone = build(kernodeck), assemble(kernodeck)
     assert alone.facts == run.facts and alone.sources == run.sources and alone.facts["n_params"] == 33
-    assert alone.tracker is None and alone.run_dir is None
+    assert type(alone.tracker) is Tracker and alone.run_dir is None  # the no-op until build() gives one
     for name, a in run.parts.items():
         assert type(alone.parts[name]) is type(a)
     for k, p in run.state.model.params.items():

@@ -4,15 +4,14 @@ the run that never stopped. No wall-clock assertions: the clock is the test's, o
 from __future__ import annotations
 
 import pytest
+from conftest import KERNODECK, config_of, kept, metrics, run_job, run_pipeline, the_run
 
 import pipeline.run.budget as budget
-from conftest import KERNODECK, config_of, run_job, run_pipeline, the_run
 from pipeline.config.checks import parse_duration
-from pipeline.run.budget import Budget
-from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_PREEMPTED, ConfigError
 from pipeline.config.schemas import validate
-from conftest import kept, metrics
+from pipeline.run.budget import Budget
+from pipeline.run.directory import RunDir
 
 
 @pytest.mark.parametrize("text, seconds", [("00:03:50:00", 13800.0), ("01:00:00:00", 86400.0),

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, Proc, env_for_subprocess, refused_in_one_line, run_pipeline, the_run, wait_until
+
 from pipeline.run.directory import RunDir
 from pipeline.verify.chaos import final_state, invalid_visible_checkpoints
 
@@ -252,7 +252,7 @@ def test_an_interrupted_tool_says_so_in_one_line_and_exits_75(tmp_path, sig):
     try:
         wait_until(lambda: _handles_sigterm(p.pid), "the handlers")
         p.send_signal(sig)
-        out, err = p.communicate(timeout=300)
+        _out, err = p.communicate(timeout=300)
     finally:
         p.kill()
     assert p.returncode == 75, err
@@ -352,7 +352,7 @@ def test_a_name_that_is_not_one_directory_name_is_refused_before_anything_is_mad
 
 
 def test_the_one_name_check():
-    from pipeline.files.names import BadName, NAME_MAX, SUFFIX_BYTES, checked, problem
+    from pipeline.files.names import NAME_MAX, SUFFIX_BYTES, BadName, checked, problem
 
     for bad in ("", ".", "..", "a/b", "/abs", "a\nb", "a\x00b", "a\x7fb", "a\u2028b", None, 3,
                 "é" * ((NAME_MAX - SUFFIX_BYTES) // 2 + 1)):
@@ -444,13 +444,15 @@ def test_a_signal_while_a_tool_is_still_imported_ends_in_one_line(module, tmp_pa
             "real = builtins.__import__\n"
             "def slow(name, *a, **k):\n"
             "    m = sys.modules.get('pipeline.run.signals')\n"
-            "    if getattr(getattr(m, 'SIGNALS_STATE', None), 'installed', False):  # the first import after the take-over\n"
+            "    if getattr(getattr(m, 'SIGNALS_STATE', None), 'installed', False):"
+            "  # the first import after the take-over\n"
             "        builtins.__import__ = real\n"
             "        os.kill(os.getpid(), signal.SIGTERM)\n"
             "    return real(name, *a, **k)\n"
             "builtins.__import__ = slow\n"
             f"sys.argv = ['{module}', '--help']\n"
-            f"runpy.run_module('{module}' + ('.__main__' if '{module}'.endswith('verify') else ''), run_name='__main__', alter_sys=True)\n")
+            f"runpy.run_module('{module}' + ('.__main__' if '{module}'.endswith('verify') else ''), "
+            "run_name='__main__', alter_sys=True)\n")
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                        env=env_for_subprocess())
     assert p.returncode == 75, p.stderr
@@ -482,8 +484,8 @@ def test_roundtrip_removes_a_planted_link_in_its_directory_never_what_it_points_
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "v.txt").write_text("precious\n")
-    from pipeline.config.identity import run_name
     from pipeline.config.compose import compose, to_plain
+    from pipeline.config.identity import run_name
 
     config = to_plain(compose([*KERNODECK, f"paths.output_dir={out}"]))
     home = out / "roundtrip" / run_name(config)

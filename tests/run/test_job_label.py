@@ -6,8 +6,8 @@ import logging
 import re
 
 import pytest
-
 from conftest import KERNODECK, run_pipeline
+
 from pipeline.run.job import label_console
 from pipeline.trainer.metrics_log import QuietFileHandler
 
@@ -23,7 +23,8 @@ def test_each_line_of_a_record_carries_the_label_and_a_workers_next_job_relabels
     root.warning("done\n  best x")
     label_console("[job 5]")  # the same worker's next job
     root.warning("next")
-    assert console.getvalue().splitlines() == ["[job 3] [WARNING] - done", "[job 3]   best x", "[job 5] [WARNING] - next"]
+    assert console.getvalue().splitlines() == ["[job 3] [WARNING] - done", "[job 3]   best x",
+                                               "[job 5] [WARNING] - next"]
     assert file.getvalue().splitlines() == ["[WARNING] - done", "  best x", "[WARNING] - next"]
 
 

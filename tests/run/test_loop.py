@@ -8,13 +8,13 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, kept, metrics, run_job, the_run
-from pipeline.files import jsonio
+
 from pipeline.checkpoint.directory import EXTRA, WEIGHTS
 from pipeline.checkpoint.store import CheckpointStore
-from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_PREEMPTED
+from pipeline.files import jsonio
+from pipeline.run.directory import RunDir
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.stages.resume import lineage_of
 
@@ -217,7 +217,7 @@ def test_the_manifest_and_run_json_are_standard_json(finished_job):
     out = finished_job(*KERNODECK)
     for p in the_run(out).rglob("*.json*"):
         for text in p.read_text().splitlines() if p.suffix == ".jsonl" else [p.read_text()]:
-            json.loads(text, parse_constant=lambda c: pytest.fail(f"{p}: bare {c}"))
+            json.loads(text, parse_constant=lambda c, p=p: pytest.fail(f"{p}: bare {c}"))
 
 
 def test_auto_resume_falls_back_past_a_checkpoint_whose_state_does_not_fit(tmp_path, preempt_at, finished_job):

@@ -4,8 +4,8 @@ created; a typo is one line naming the key, the value and the closest names, exi
 from __future__ import annotations
 
 import pytest
-
 from conftest import KERNODECK, TINY, config_of, refused_in_one_line, run_job, the_run
+
 from pipeline.config.errors import ConfigError
 from pipeline.run.assemble import assemble, check_monitors, metric_names
 from pipeline.trainer.loop import fit, metrics_of

@@ -6,8 +6,8 @@ import math
 import sqlite3
 
 import pytest
-
 from conftest import KERNODECK, PROJECT_ROOT, kept, metrics, run_job, run_pipeline, the_run
+
 from pipeline.run.directory import RunDir
 from pipeline.trainer.phases import PHASES, Profile
 

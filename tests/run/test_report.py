@@ -10,15 +10,25 @@ import sys
 import numpy as np
 import pytest
 
-from pipeline.run.assemble import build
 from pipeline.model.base import summary
+from pipeline.run.assemble import build
+from pipeline.run.directory import RunDir
 from pipeline.run.report import end_block, hydra_quoted, start_block, tool_args
+from pipeline.run.signals import SIGNALS_STATE
 from pipeline.trainer import curves
 from pipeline.trainer.display import Throughput
-from pipeline.run.directory import RunDir
-from pipeline.run.signals import SIGNALS_STATE
-from tests.conftest import (KERNODECK, PROJECT_ROOT, SHARED_SERVER, TINY, config_of, env_for_subprocess, run_job,
-                            run_pipeline, the_run, wait_until)
+from tests.conftest import (
+    KERNODECK,
+    PROJECT_ROOT,
+    SHARED_SERVER,
+    TINY,
+    config_of,
+    env_for_subprocess,
+    run_job,
+    run_pipeline,
+    the_run,
+    wait_until,
+)
 
 
 def _unique_size(model) -> int:

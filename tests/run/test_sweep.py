@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from pipeline.run import job as runner
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from pipeline.run import job as runner
 from pipeline.run.sweep import SweepJob
 from pipeline.sweep import callback as sweep_callback
 
@@ -82,7 +82,8 @@ def test_a_job_of_an_interrupted_sweep_that_never_started_is_recorded_and_shown_
     r = record_of(tmp_path)
     assert (r["status"], r["code"]) == ("not started", EXIT_PREEMPTED)  # the sweep's end still says interrupted
     assert "interrupted before this job started" in capsys.readouterr().err
-    table = sweep_table({"id": "abc", "swept": {"optimizer.lr": "0.1"}}, {3: r}, None, ["not tracked"])
+    table = sweep_table({"id": "abc", "swept": {"optimizer.lr": "0.1"}, "direction": "minimize"}, {3: r}, None,
+                        ["not tracked"])
     assert table[0].endswith("1 jobs (1 not started), objective (min)") and table[2].split()[-2:] == ["not", "started"]
 
 
@@ -178,6 +179,7 @@ def test_a_sweep_refused_before_any_job_leaves_no_sweep_and_no_directory_it_made
     """Hydra refuses the jobs' overrides only after the sweep's start wrote sweep.json ("running") and
     multirun.yaml: the refusal undoes that start, so reindex finds no sweep that never ran."""
     from conftest import KERNODECK, refused_in_one_line
+
     from pipeline.tracking.link import wait_idle
 
     out = tmp_path / "fresh" / "out"

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, PROJECT_ROOT, env_for_subprocess, run_job, the_run, tree
+
 from pipeline.config import targets
 from pipeline.config.identity import config_hash, semantic_hash
 

@@ -1,6 +1,7 @@
 """Learning-rate schedules: the lr each update uses, and the scheduler state round trip."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -12,7 +13,6 @@ from pipeline.optimizer.sgd import SGD
 from pipeline.scheduler.constant import Constant
 from pipeline.scheduler.cosine import WarmupCosine
 from pipeline.scheduler.step import StepLR
-
 
 PLAIN = {SGD: dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0),
          Adam: dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)}  # torch.optim's defaults
@@ -41,7 +41,7 @@ def test_step_lr_sequence():
 
 
 def test_step_lr_rejects_step_size_below_one():
-    with pytest.raises(ValueError, match="scheduler.step_size must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"scheduler.step_size must be >= 1, got 0"):
         StepLR(optimizer(0.1), step_size=0, gamma=0.5)
 
 
@@ -77,7 +77,7 @@ def test_cosine_shape():
     got = lrs_used(opt, WarmupCosine(opt, total_steps=20, warmup_steps=5, min_lr_ratio=0.0, num_cycles=0.5), 20)
     assert got[0] == 0.0  # transformers' warmup starts at 0
     assert got[:6] == pytest.approx([0.0, 0.02, 0.04, 0.06, 0.08, 0.1], rel=1e-12, abs=0)
-    assert all(a > b for a, b in zip(got[5:], got[6:]))  # strictly decreasing after the warmup
+    assert all(a > b for a, b in itertools.pairwise(got[5:]))  # strictly decreasing after the warmup
     assert opt.lr == pytest.approx(0.0, abs=1e-18)
 
 
@@ -101,7 +101,8 @@ def test_constant():
 
 SCHEDULERS = [
     pytest.param(lambda o: StepLR(o, step_size=3, gamma=0.5), id="step"),
-    pytest.param(lambda o: WarmupCosine(o, total_steps=15, warmup_steps=4, min_lr_ratio=0.05, num_cycles=0.5), id="cosine"),
+    pytest.param(lambda o: WarmupCosine(o, total_steps=15, warmup_steps=4, min_lr_ratio=0.05, num_cycles=0.5),
+                 id="cosine"),
     pytest.param(lambda o: Constant(o), id="constant"),
 ]
 

@@ -14,6 +14,7 @@ daemons run in the foreground as children of `up` in their own sessions, so thei
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -90,10 +91,8 @@ def _start_time(pid: int) -> int | None:
 
 
 def _signal(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # it exited between the check and the signal
         os.kill(pid, sig)
-    except ProcessLookupError:  # it exited between the check and the signal
-        pass
 
 
 def slurm_conf(d: Path, host: str, ctld_port: int, slurmd_port: int, cpus: int, mem_mb: int) -> str:
@@ -146,7 +145,8 @@ SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,sched_interval=2,bf
 SlurmdParameters=config_overrides
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} Sockets=1 CoresPerSocket={cpus} ThreadsPerCore=1 RealMemory={mem_mb} State=UNKNOWN
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} Sockets=1 CoresPerSocket={cpus} ThreadsPerCore=1 \
+RealMemory={mem_mb} State=UNKNOWN
 PartitionName={PARTITION} Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -200,7 +200,7 @@ class Cluster:
         tmp.replace(path)
 
     @classmethod
-    def load(cls, d: str | Path) -> "Cluster":
+    def load(cls, d: str | Path) -> Cluster:
         path = Path(d) / "cluster.json"
         try:
             return cls(**json.loads(path.read_text()))
@@ -235,7 +235,7 @@ class Cluster:
 
     def _stop(self, procs: dict[str, int], wait: float) -> list[str]:
         starts = {n: _start_time(p) for n, p in procs.items()}
-        for n, p in procs.items():
+        for p in procs.values():
             _signal(p, signal.SIGTERM)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and any(_start_time(p) == starts[n] for n, p in procs.items()):
@@ -245,11 +245,9 @@ class Cluster:
             if _start_time(p) == starts[n]:
                 _signal(p, signal.SIGKILL)
                 killed.append(f"{n}[{p}]")
-        for n, p in procs.items():  # reap our own children so no zombie stays behind
-            try:
+        for p in procs.values():  # reap our own children so no zombie stays behind
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(p, os.WNOHANG)
-            except ChildProcessError:
-                pass
         return killed
 
     def strays(self) -> dict[str, int]:

@@ -10,9 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import cluster as slurm
+import pytest
 
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]  # one cluster: one worker, in turn
 
@@ -99,7 +98,8 @@ def test_four_jobs_run_at_once(slurm_cluster, tmp_path):
                  detail=lambda: slurm_cluster.run("squeue", check=False).stdout)
     finally:
         (tmp_path / "go").touch()
-    wait_for(f"array {job} finished", lambda: not slurm_cluster.run("squeue", "-h", "-j", job, check=False).stdout.strip())
+    wait_for(f"array {job} finished",
+             lambda: not slurm_cluster.run("squeue", "-h", "-j", job, check=False).stdout.strip())
 
 
 def test_cli_up_and_down_stop_every_pid_and_touch_nothing_outside(slurm_installed, tmp_path):

@@ -14,8 +14,8 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from conftest import Proc, run_pipeline, wait_until
+
 from pipeline.run.directory import RunDir
 from pipeline.verify.chaos import final_state
 
@@ -142,7 +142,7 @@ def test_a_four_job_sweep_equals_the_basic_launchers(slurm_cluster, slurm_env, t
         assert same_run_dir[0].name == same_run_dir[1].name
     for run in (tmp_path / "basic" / "runs").iterdir():
         ref, got = RunDir(run), RunDir(tmp_path / "slurm" / "runs" / run.name)
-        assert [line for line in got.read_metrics()] != []
+        assert list(got.read_metrics()) != []
         strip = lambda lines: [{k: v for k, v in line.items() if k != "time"} for line in lines]  # noqa: E731
         assert strip(got.read_metrics()) == strip(ref.read_metrics())
 

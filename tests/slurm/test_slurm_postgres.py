@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import Proc, env_for_subprocess, wait_until
-from pipeline.tracking.link import wait_idle
 from test_slurm_pipeline import submitted
 
+from pipeline.tracking.link import wait_idle
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "tracking"))
-from index_compare import same_index, snapshot  # noqa: E402
+from index_compare import same_index, snapshot
 
 WAIT = 900  # seconds for anything on the cluster (a loaded machine is slow)
 pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm"), pytest.mark.slow,  # one cluster: one worker

@@ -7,14 +7,13 @@ import json
 import math
 
 import pytest
+from conftest import KERNODECK, compose, kept, metrics, run_job, run_pipeline, the_run
 
-from conftest import KERNODECK, compose, run_job, run_pipeline, the_run
-from pipeline.run.directory import RunDir
 from pipeline.config.errors import EXIT_PREEMPTED
+from pipeline.run.directory import RunDir
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.stages.base import StepEnd
 from pipeline.stages.early_stop import EarlyStop
-from conftest import kept, metrics
 
 
 def early_stop(**kw) -> EarlyStop:
@@ -74,7 +73,7 @@ def test_its_state_is_the_count_and_the_best_and_a_resumed_stage_decides_the_sam
     {"best": 1.0, "best_step": 3, "wait": 1.5},
 ])
 def test_an_impossible_saved_state_is_refused(state):
-    with pytest.raises(ValueError, match="is not a (best value and its step|finite number|count of evaluations)"):
+    with pytest.raises(ValueError, match=r"is not a (best value and its step|finite number|count of evaluations)"):
         early_stop().check_state_dict(state)
 
 

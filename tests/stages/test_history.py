@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, kept, metrics, run_job, the_run, tree
 
 # kernodeck: 6 updates an epoch, a rotating checkpoint every epoch, best-val at every evaluation (every 4)

@@ -3,8 +3,8 @@ removing, re-tuning and adding stages by override, typed stage options."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import KERNODECK, compose, run_job, the_run
+
 from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.run.directory import RunDir
 

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import env_for_subprocess
+
 from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.run.directory import RunDir
 

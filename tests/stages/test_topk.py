@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import KERNODECK, PROJECT_ROOT, kept, metrics, refused_in_one_line, run_job, run_pipeline, the_run
+
 from pipeline.run.directory import RunDir
 from pipeline.stages.best import BestVal
 
@@ -170,6 +170,7 @@ def test_a_pattern_is_data_never_code():
 def test_a_config_written_before_keep_and_filename_still_validates_and_builds_with_one_best(tmp_path):
     """A checkpoint's config from before the keys (tools build its stages from it): keep 1, no names."""
     from conftest import config_of
+
     from pipeline.config.schemas import validate
     from pipeline.run.assemble import build_stages
 

@@ -6,6 +6,7 @@ A refused directory is what an unreachable agent is: one warning, training goes 
 tests of a second user run as root: a forked child drops to `nobody` (uid 65534) and plays the other user."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -193,7 +194,7 @@ class Nobody:
                 os.setgid(NOBODY)
                 os.setuid(NOBODY)
                 result = fn(stop_r, lambda: os.write(ready_w, b"r"), *args)
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 result, code = {"error": repr(e)}, 1
             os.write(result_w, json.dumps(result).encode())
             os._exit(code)
@@ -209,7 +210,7 @@ class Nobody:
         chunks = []
         while select.select([self.result_r], [], [], WAIT)[0] and (chunk := os.read(self.result_r, 65536)):
             chunks.append(chunk)
-        _, status = os.waitpid(self.pid, 0)
+        _, _status = os.waitpid(self.pid, 0)
         for fd in (self.ready_r, self.result_r):
             os.close(fd)
         self.result = json.loads(b"".join(chunks) or b"{}")
@@ -318,10 +319,8 @@ def connect_and_ask(stop_fd: int, ready, sock_path: str) -> dict:
     c.connect(sock_path)
     with_answer = "(no answer, and the connection stayed open)"
     c.settimeout(30.0)  # the refused connection closes at once; this only ends a check of the code without the fix
-    try:
+    with contextlib.suppress(OSError):  # already closed
         c.sendall(b'{"op": "ping", "sid": 1, "uri": "sqlite:///x.db"}\n')
-    except OSError:
-        pass  # already closed
     try:
         with_answer = c.recv(65536).decode(errors="replace")
     except (ConnectionError, BrokenPipeError):

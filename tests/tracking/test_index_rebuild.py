@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, Proc, env_for_subprocess, run_pipeline, wait_until
 from index_compare import same_index, snapshot
+
 from pipeline.run.directory import RunDir
 from pipeline.tracking.link import wait_idle
 from pipeline.trainer.curves import draw as curves_bytes

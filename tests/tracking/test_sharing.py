@@ -37,7 +37,8 @@ def test_other_network_filesystems_too(tmp_path, monkeypatch, caplog, kind):
 
 def test_a_local_store_of_one_host_gets_none(tmp_path, monkeypatch, caplog):
     # the nearest mount point decides: a local disk mounted under a network one
-    mounts(monkeypatch, "/dev/sda1 / ext4 rw 0 0", f"srv:/x {tmp_path} nfs rw 0 0", f"/dev/sdb1 {tmp_path}/local xfs rw 0 0")
+    mounts(monkeypatch, "/dev/sda1 / ext4 rw 0 0", f"srv:/x {tmp_path} nfs rw 0 0",
+           f"/dev/sdb1 {tmp_path}/local xfs rw 0 0")
     uri = f"sqlite:///{tmp_path}/local/mlflow.db"
     assert opened(uri, caplog) == []
     assert opened(uri, caplog) == []  # the same host again

@@ -8,11 +8,18 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, SHARED_SERVER, env_for_subprocess
-from pipeline.tracking.common import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, MACHINE_TAGS, artifact_root,
-                                      is_machine_key, params_of, tags_of)
+
 from pipeline.sweep.summary import MAX_ROWS, best_job, read_jobs, sweep_table
+from pipeline.tracking.common import (
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
+    MACHINE_TAGS,
+    artifact_root,
+    is_machine_key,
+    params_of,
+    tags_of,
+)
 
 
 # --- where artifacts go
@@ -89,7 +96,7 @@ def _marked(lines: list[str]) -> list[int]:
 
 def test_the_table_marks_the_winner_of_the_records_in_either_direction():
     jobs = _jobs({0: 0.5, 1: 0.2, 2: "NaN", 3: None}, {2: "failed", 3: "preempted"})
-    lines = sweep_table(SWEEP, jobs, best_job(jobs, "minimize"), ["not tracked (tracking=none)"])
+    lines = sweep_table(SWEEP, jobs, best_job(jobs, SWEEP), ["not tracked (tracking=none)"])
     assert lines[0] == "sweep kernodeck-0123456789ab: 4 jobs (2 complete, 1 failed, 1 preempted), best/val/loss (min)"
     assert lines[1].split() == ["job", "optimizer.lr", "best/val/loss", "status"]
     rows = [line.split() for line in lines[2:6]]
@@ -98,12 +105,12 @@ def test_the_table_marks_the_winner_of_the_records_in_either_direction():
     assert _marked(lines) == [1] and lines[-2] == "best: job 1 (optimizer.lr=1) /r/1"
     assert lines[-1] == "parent: not tracked (tracking=none)"
     maximize = {**SWEEP, "direction": "maximize"}
-    assert _marked(sweep_table(maximize, jobs, best_job(jobs, "maximize"), ["x"])) == [0]
+    assert _marked(sweep_table(maximize, jobs, best_job(jobs, maximize), ["x"])) == [0]
 
 
 def test_a_big_sweep_shows_its_best_jobs_and_how_many_more():
     jobs = _jobs({n: (n * 7) % 101 if n % 9 else None for n in range(250)})
-    lines = sweep_table(SWEEP, jobs, best_job(jobs, "minimize"), ["p", "its runs: q"])
+    lines = sweep_table(SWEEP, jobs, best_job(jobs, SWEEP), ["p", "its runs: q"])
     assert len(lines) < 20
     shown = [int(line.split()[-4]) for line in lines[2:2 + MAX_ROWS]]
     scored = sorted((j["objective"], n) for n, j in jobs.items() if j["objective"] is not None)
@@ -137,7 +144,7 @@ def _check_table(table: list[str], out: Path) -> dict:
     assert sorted(rows) == [0, 1, 2]
     for n, job in jobs.items():
         assert f"{job['objective']:.6g}" in rows[n].split() and job["overrides"][-1].split("=")[1] in rows[n]
-    best = best_job(jobs, "minimize")
+    best = best_job(jobs, sweep)
     assert _marked(table) == [best["num"]]
     return {"sweep": sweep, "best": best}
 
@@ -195,7 +202,8 @@ def test_mlflow_tracking_uri_of_a_server_keeps_every_artifact_on_the_server(tmp_
         assert run.info.artifact_uri.startswith("mlflow-artifacts:/"), run.info.artifact_uri
         assert {a.path for a in client.list_artifacts(run.info.run_id)}, run.data.tags.get("mlflow.runName")
     for run in [*children, *singles]:
-        assert {"curves.png", "final", "checkpoints", "hydra"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert ({"curves.png", "final", "checkpoints", "hydra"}
+                <= {a.path for a in client.list_artifacts(run.info.run_id)})
     served = _files(destination)
     assert any(p.name == "weights.safetensors" for p in served) and any(p.name == "multirun.yaml" for p in served)
     assert _files(out / "mlartifacts") == [] and not (out / "mlflow.db").exists()  # nothing on the client's side

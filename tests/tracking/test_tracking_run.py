@@ -157,7 +157,8 @@ def test_every_metric_point_of_metrics_jsonl_once_with_its_step_and_time(tracked
     assert {"train/loss", "lr", "grad_norm", "val/loss"} <= keys
     for key in keys:
         expected = [(ln["step"], ln[key], int(ln["time"] * 1000)) for ln in lines if key in ln]
-        history = sorted((m.step, m.value, m.timestamp) for m in tracked.client.get_metric_history(tracked.run.info.run_id, key))
+        history = sorted((m.step, m.value, m.timestamp)
+                         for m in tracked.client.get_metric_history(tracked.run.info.run_id, key))
         assert history == expected, key  # continuous across the resume, nothing twice
     assert len([ln for ln in lines if "train/loss" in ln]) == len(lines) >= 500
 
@@ -187,7 +188,8 @@ def test_manifests_and_run_json_name_the_run_and_the_resumed_job_continued_it(tr
     rid = tracked.run.info.run_id
     named = [m["mlflow_run_uri"] for m in [*tracked.first_manifests.values(), *manifests(tracked.run_dir).values()]]
     assert {parse_run_uri(u)[2] for u in named if u is not None} <= {rid}
-    base, experiment_id, run_id = parse_run_uri(json.loads((tracked.run_dir / "run.json").read_text())["mlflow_run_uri"])
+    base, experiment_id, run_id = parse_run_uri(
+        json.loads((tracked.run_dir / "run.json").read_text())["mlflow_run_uri"])
     assert (base, experiment_id, run_id) == (f"sqlite:///{tracked.out}/mlflow.db", tracked.run.info.experiment_id, rid)
 
 

@@ -6,6 +6,7 @@ The agent is the real one made slow to start (PIPELINE_TRACKING_AGENT_DELAY, far
 and it is killed the moment the job's process has exited, as SLURM's process tracking would kill it."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, env_for_subprocess
-from pipeline.tracking.link import socket_path
-from pipeline.run.directory import RunDir
 from test_tracking_wait import check_complete, runs_of, slow_env, waits_in
+
+from pipeline.run.directory import RunDir
+from pipeline.tracking.link import socket_path
 
 pytestmark = pytest.mark.slow
 IN_SLURM = {"SLURM_JOB_ID": "4242", "PIPELINE_TRACKING_AGENT_DELAY": "5"}  # no SLURM_JOB_PARTITION: no requeue
@@ -40,10 +41,8 @@ def kill_agents(uri: str) -> list[int]:
     """SIGKILL every agent of `uri`, as SLURM kills a job's processes at its end."""
     pids = agents_of(uri)
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return pids
 
 

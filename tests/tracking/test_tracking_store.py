@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, env_for_subprocess, run_pipeline, the_run
+
 from pipeline.run.directory import RunDir
 from pipeline.tracking.link import wait_idle
 

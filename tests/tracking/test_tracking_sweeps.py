@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, SHARED_SERVER, Proc, env_for_subprocess, run_pipeline, wait_until
+
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import descendants
 from pipeline.tracking.common import parse_run_uri
@@ -67,7 +67,8 @@ def check_finished_child(client, child, out: Path, steps: int = 10):
     # the final manifest names the run if its URI was known by then; run.json names it in any case
     assert parse_run_uri(final["mlflow_run_uri"])[2] in (None, child.info.run_id)
     assert parse_run_uri(RunDir(run_dir).read_status()["mlflow_run_uri"])[2] == child.info.run_id
-    assert len(client.get_metric_history(child.info.run_id, "train/loss")) == len(RunDir(run_dir).read_metrics()) == steps
+    assert (len(client.get_metric_history(child.info.run_id, "train/loss"))
+            == len(RunDir(run_dir).read_metrics()) == steps)
 
 
 def no_tracking_trouble(proc) -> None:
@@ -114,7 +115,8 @@ def test_a_failing_job_fails_only_itself_and_the_sweep_says_which(tmp_path):
 def test_a_busy_job_fails_only_itself(tmp_path):
     out = tmp_path / "out"
     busy = Proc([*KERNODECK, "trainer.max_steps=200000", "checkpoint=every_n_steps",
-                 "checkpoint.every_steps=100000", "trainer.log_every=1000", f"paths.output_dir={out}"], tmp_path / "cwd")
+                 "checkpoint.every_steps=100000", "trainer.log_every=1000", f"paths.output_dir={out}"],
+                tmp_path / "cwd")
     try:
         wait_until(lambda: any((out / "runs").glob("*/metrics.jsonl")) if (out / "runs").exists() else False,
                    "the busy run to start", busy)
@@ -132,12 +134,12 @@ def test_rerunning_a_sweep_reuses_its_parent_and_retrains_nothing(tmp_path):
     out = tmp_path / "out"
     args = ("optimizer.lr=0.01,0.03",)
     assert sweep(out, *args).returncode == 0
-    client, parent, children = check_family(f"sqlite:///{out}/mlflow.db", 2)
+    _, parent, children = check_family(f"sqlite:///{out}/mlflow.db", 2)
     weights = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("weights.safetensors")}
     again = sweep(out, *args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count("is complete at step 10") == 2
-    client, parent2, children2 = check_family(f"sqlite:///{out}/mlflow.db", 2)
+    _client, parent2, children2 = check_family(f"sqlite:///{out}/mlflow.db", 2)
     assert parent2.info.run_id == parent.info.run_id
     assert {c.info.run_id for c in children2} == {c.info.run_id for c in children}
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("weights.safetensors")} == weights
@@ -173,7 +175,8 @@ def test_an_interrupted_joblib_sweep_stops_every_job_and_the_same_command_finish
     settle(f"sqlite:///{out}/mlflow.db")
     assert "the sweep was interrupted" in launcher.stderr and "Traceback" not in launcher.stderr
     for pid in workers:  # no process left behind
-        wait_until(lambda: not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
+        wait_until(lambda pid=pid: (not Path(f"/proc/{pid}").exists()
+                                    or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]),
                    f"worker {pid} to exit")
     statuses = {p.name: RunDir(p).read_status().get("status") for p in (out / "runs").iterdir()}
     assert "preempted" in statuses.values() and "running" not in statuses.values(), statuses
@@ -204,7 +207,7 @@ def test_a_tracking_server_receives_the_same_structure(tmp_path, mlflow_server):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     no_tracking_trouble(proc)
     assert not (out / "mlflow.db").exists()
-    client, parent, children = check_family(mlflow_server, 2, experiment="same-structure")
+    client, _parent, children = check_family(mlflow_server, 2, experiment="same-structure")
     for child in children:
         check_finished_child(client, child, out)
         files = {a.path for a in client.list_artifacts(child.info.run_id)}
@@ -234,7 +237,7 @@ def test_submitit_local_two_job_sweep(tmp_path):
     out = tmp_path / "out"
     proc = sweep(out, "hydra/launcher=submitit_local", "optimizer.lr=0.01,0.03")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    client, parent, children = check_family(f"sqlite:///{out}/mlflow.db", 2)
+    client, _parent, children = check_family(f"sqlite:///{out}/mlflow.db", 2)
     for child in children:
         check_finished_child(client, child, out)
 
@@ -257,11 +260,12 @@ def test_optuna_trials_are_children_repeats_included_and_the_direction_follows_b
 def test_reindex_of_a_deleted_db_reproduces_the_live_index(tmp_path):
     out = tmp_path / "out"
     assert sweep(out, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "optimizer.lr=0.01,0.03").returncode == 0
-    assert run_pipeline([*KERNODECK[:1], f"paths.output_dir={out}", "model.hidden=[4]"], tmp_path / "cwd").returncode == 0
+    assert run_pipeline([*KERNODECK[:1], f"paths.output_dir={out}", "model.hidden=[4]"],
+                        tmp_path / "cwd").returncode == 0
     settle(f"sqlite:///{out}/mlflow.db")
 
     def index(uri):
-        client, parents, children = family(uri)
+        client, _parents, _children = family(uri)
         ids = [e.experiment_id for e in client.search_experiments()]
         runs = client.search_runs(ids, max_results=1000)
         name_of = {r.info.run_id: r.data.tags.get("mlflow.runName") for r in runs}

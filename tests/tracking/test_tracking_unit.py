@@ -1,13 +1,24 @@
 """Tracking pieces that need no subprocess: URIs, params, the config group, the tracker without mlflow."""
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
 import sys
 from pathlib import Path
 
-from pipeline.tracking.common import (flatten, is_mlflow_tracking, metric_points, normalize_tracking_uri,
-                                      param_value, params_of, parse_run_uri, run_uri, tags_of)
+from pipeline.tracking.common import (
+    flatten,
+    is_mlflow_tracking,
+    metric_points,
+    normalize_tracking_uri,
+    param_value,
+    params_of,
+    parse_run_uri,
+    run_uri,
+    tags_of,
+)
 
 RID = "0123456789abcdef0123456789abcdef"
 
@@ -96,7 +107,7 @@ def test_tracker_that_cannot_start_its_agent_warns_once_and_stays_quiet(monkeypa
 
 
 def test_non_finite_metric_values_reach_mlflow_as_floats():
-    points = dict((k, v) for k, v, _, _ in metric_points({"step": 3, "time": 1.0, "a": "NaN", "b": "Infinity", "c": 1}))
+    points = {k: v for k, v, _, _ in metric_points({"step": 3, "time": 1.0, "a": "NaN", "b": "Infinity", "c": 1})}
     assert math.isnan(points["a"]) and points["b"] == math.inf and points["c"] == 1.0
 
 
@@ -121,6 +132,31 @@ def test_importing_the_mlflow_side_changes_no_more_of_the_environment_than_mlflo
                for m in ("mlflow", "pipeline.tracking.store", "pipeline.tracking.agent")}
     assert changed["pipeline.tracking.store"] == changed["mlflow"] == changed["pipeline.tracking.agent"], changed
     assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in changed["mlflow"]
+
+
+def test_importing_the_mlflow_side_changes_no_logger_level_and_opening_a_store_quiets_its_migrations(tmp_path):
+    """No process globals on import: mlflow's and alembic's migration loggers are set to WARNING where a store is
+    first opened (store.open_client), not when pipeline.tracking.store is imported."""
+    import subprocess
+
+    code = ("import json, logging, sys\n"
+            "import mlflow, mlflow.store.tracking.sqlalchemy_store\n"  # what mlflow's own imports set
+            "def levels():\n"
+            "    loggers = logging.root.manager.loggerDict.items()\n"
+            "    return {n: g.level for n, g in loggers if isinstance(g, logging.Logger)} | {'': logging.root.level}\n"
+            "before = levels()\n"
+            "from pipeline.tracking import store\n"
+            "after = levels()\n"
+            "changed = sorted(n for n in after if after[n] != before.get(n, logging.NOTSET))\n"
+            "store.open_client(sys.argv[1])\n"
+            "opened = {n: logging.getLogger(n).level for n in ('mlflow.store.db.utils', 'alembic')}\n"
+            "print(json.dumps([changed, opened]))\n")
+    proc = subprocess.run([sys.executable, "-c", code, f"sqlite:///{tmp_path}/m.db"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    changed, opened = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert changed == []
+    assert opened == {"mlflow.store.db.utils": logging.WARNING, "alembic": logging.WARNING}
 
 
 def test_opening_a_client_sets_mlflows_http_settings_unless_the_user_did(tmp_path, monkeypatch):

@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from conftest import KERNODECK, env_for_subprocess, wait_until
+
 from pipeline.run.directory import RunDir
 from pipeline.tracking.common import parse_run_uri
 from pipeline.tracking.link import wait_idle

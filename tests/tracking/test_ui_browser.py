@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import env_for_subprocess, wait_until
+
 from pipeline.tracking.link import wait_idle
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -31,7 +31,7 @@ def mlflow_ui(uri: str, root: Path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(root / "ui.log", "w")
+    log = open(root / "ui.log", "w")  # noqa: SIM115 - the UI's output for its lifetime, closed with it
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
                              "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True, cwd=root,
@@ -85,8 +85,8 @@ def printed(lines: list[str], prefix: str) -> str | None:
 def test_the_printed_addresses_open_the_runs_view_with_the_runs_names(tmp_path):
     out, cwd = tmp_path / "out", tmp_path / "cwd"
     uri = f"sqlite:///{out}/mlflow.db"
-    sweep_args = ["-m", "experiment=kernodeck", "trainer.progress_bar=false", f"paths.output_dir={out}", "tracking.wait=60",
-                  "optimizer.lr=0.0031622776601683794,0.03"]
+    sweep_args = ["-m", "experiment=kernodeck", "trainer.progress_bar=false", f"paths.output_dir={out}",
+                  "tracking.wait=60", "optimizer.lr=0.0031622776601683794,0.03"]
     sweep = run(sweep_args, cwd)
     assert sweep.returncode == 0, sweep.stderr[-3000:]
     single = run(["experiment=kernodeck", "trainer.progress_bar=false", f"paths.output_dir={out}", "tracking.wait=60",
@@ -116,4 +116,5 @@ def test_the_printed_addresses_open_the_runs_view_with_the_runs_names(tmp_path):
     if "best" in seen:  # the winner's own page
         assert "optimizer.lr=0.03" in seen["best"] and "Model metrics" in seen["best"], seen["best"][:1000]
     if "mlflow" in seen:  # the single run's page
-        assert re.search(r"Run [0-9a-f]{32}", seen["mlflow"]) and "Model metrics" in seen["mlflow"], seen["mlflow"][:1000]
+        assert (re.search(r"Run [0-9a-f]{32}", seen["mlflow"])
+                and "Model metrics" in seen["mlflow"]), seen["mlflow"][:1000]

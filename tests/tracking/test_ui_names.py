@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from pipeline.config.identity import experiment_name
 from pipeline.run.report import end_block, run_page
-from pipeline.tracking.common import experiment_of
-from pipeline.sweep.summary import parent_name, shown_value, sweep_table
 from pipeline.sweep.callback import job_name
+from pipeline.sweep.summary import parent_name, shown_value, sweep_table
+from pipeline.tracking.common import experiment_of
 from tests.conftest import PROJECT_ROOT, config_of
 
 RID = "0123456789abcdef0123456789abcdef"
@@ -52,7 +52,7 @@ def test_every_printed_address_opens_the_runs_view():
         block = end_block(status="complete", step=1, run_dir=PROJECT_ROOT, best=None, links={"final": None},
                           curve=None, run_uri=uri, tracking_uri=store, overrides=[], samples=False, experiment_id="3")
         assert f"  mlflow      {ui}/#/experiments/3/runs/{RID}{RUNS_VIEW}" in block.splitlines()
-        sweep = {"id": "s", "name": "n", "swept": {"optimizer.lr": "0.1,0.3"}, "uri": store}
+        sweep = {"id": "s", "name": "n", "swept": {"optimizer.lr": "0.1,0.3"}, "uri": store, "direction": "minimize"}
         jobs = {0: {"num": 0, "overrides": ["optimizer.lr=0.1"], "objective": 1.0, "status": "complete",
                     "name": "optimizer.lr=0.1", "run_uri": uri}}
         table = sweep_table(sweep, jobs, jobs[0], [run_page(uri), "its runs: x"])

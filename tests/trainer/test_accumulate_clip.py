@@ -7,14 +7,13 @@ import math
 
 import numpy as np
 import pytest
+from conftest import KERNODECK, TINY, config_of, kept, metrics, run_job, the_run
 
-from conftest import KERNODECK, TINY, config_of, run_job, the_run
+from pipeline.config.errors import EXIT_PREEMPTED
 from pipeline.run.assemble import build_dataset, build_state
 from pipeline.run.directory import RunDir
-from pipeline.config.errors import EXIT_PREEMPTED
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.trainer.loop import clip, grad_norm, train_step
-from conftest import kept, metrics
 
 
 def state_of(*overrides: str):

@@ -36,7 +36,8 @@ def test_json_values_compare_by_type_and_value():
 
 def test_a_key_on_one_side_only_is_a_difference():
     r = compare({"model/w": np.zeros(1)}, {"model/v": np.zeros(1)})
-    assert {k: v["detail"] for k, v in r.items()} == {"model/v": "missing on one side", "model/w": "missing on one side"}
+    assert {k: v["detail"] for k, v in r.items()} == {"model/v": "missing on one side",
+                                                      "model/w": "missing on one side"}
     assert compare({"progress/ended": None}, {})["progress/ended"]["ok"] is False  # None is a value, not absence
 
 

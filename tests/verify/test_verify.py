@@ -9,7 +9,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import PROJECT_ROOT
 
 # Each patch makes one state machine's restore do nothing, in every worker process (via sitecustomize).

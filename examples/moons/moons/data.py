@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -40,8 +40,10 @@ class TwoMoons:
         self.n_train, self.jitter = int(n_train), float(jitter)
         self.spec = DataSpec(n_features=2, n_targets=2)
         params = {"name": "moons", "n_train": n_train, "n_val": n_val, "noise": noise, "seed": seed}
-        digest = {"x": hashlib.sha256(self.x.tobytes()).hexdigest(), "y": hashlib.sha256(self.y.tobytes()).hexdigest()}
-        self.manifest_hash = hashlib.sha256(json.dumps({**params, "sha256": digest}, sort_keys=True).encode()).hexdigest()
+        digest = {"x": hashlib.sha256(self.x.tobytes()).hexdigest(),
+                  "y": hashlib.sha256(self.y.tobytes()).hexdigest()}
+        described = json.dumps({**params, "sha256": digest}, sort_keys=True).encode()
+        self.manifest_hash = hashlib.sha256(described).hexdigest()
 
     def train_batch(self, ids: np.ndarray, dtype) -> Batch:
         return Batch(ids=ids, x=self.x[ids].astype(dtype), y=self.y[ids])  # x [B, 2], y [B]
