@@ -36,10 +36,15 @@ def head_forward(x: np.ndarray, w: np.ndarray):
     return x2 @ w.T, (x2, w)
 
 
-def head_backward(dlogits: np.ndarray, cache):
-    # dlogits [N, V] -> dx [N, d], dw [V, d] (the head's share of the tied weight's gradient)
+def head_backward(dlogits: np.ndarray, cache, row_scale: np.ndarray | None = None):
+    # dlogits [N, V] (times row_scale [N] per row if given) -> dx [N, d], dw [V, d] (the head's share of the
+    # tied weight's gradient). The row scale is applied to the [N, d] operands, 8x fewer elements than dlogits.
     x2, w = cache
-    return dlogits @ w, dlogits.T @ x2
+    if row_scale is None:
+        return dlogits @ w, dlogits.T @ x2
+    dx = dlogits @ w  # [N, d]
+    dx *= row_scale[:, None]
+    return dx, dlogits.T @ (x2 * row_scale[:, None])
 
 
 def embedding_forward(idx: np.ndarray, wte: np.ndarray, wpe: np.ndarray):
@@ -165,7 +170,7 @@ def gelu_forward(x: np.ndarray):
             z *= xs  # z = -2u
             np.exp(z, out=h)  # e
             h += 1.0
-            np.reciprocal(h, out=h)  # h = 1 / (1 + e)
+            np.divide(1.0, h, out=h)  # h = 1 / (1 + e): the same bits as np.reciprocal, at about half its time
             np.multiply(xs, h, out=o)  # x h
             np.multiply(x2, -6.0 * _GELU_A * _GELU_C, out=z)
             z += -2.0 * _GELU_C  # z'

@@ -11,7 +11,7 @@ import numpy as np
 from pipeline.data.base import Batch, DataSpec
 from pipeline.model import layers as L
 from pipeline.model.base import NamedParams
-from pipeline.model.losses import cross_entropy
+from pipeline.model.losses import cross_entropy, cross_entropy_factored
 
 _MALLOC_TUNED = False
 
@@ -132,12 +132,12 @@ class MiniGPT(NamedParams):
         logits, head_c = L.head_forward(h, self.lm_head)  # [N, V] tied head, no bias
         return logits, (emb_c, emb_dc, blocks, lnf_c, head_c)
 
-    def _backward(self, dlogits: np.ndarray, caches, shape) -> dict[str, np.ndarray]:
-        # dlogits [N, V] -> grads keyed like self.params
+    def _backward(self, dlogits: np.ndarray, row_scale: np.ndarray, caches, shape) -> dict[str, np.ndarray]:
+        # dlogits [N, V] * row_scale [N] per row -> grads keyed like self.params
         emb_c, emb_dc, blocks, lnf_c, head_c = caches
         B, T = shape
         g: dict[str, np.ndarray] = {}
-        dh, dwte_head = L.head_backward(dlogits, head_c)  # [N, d], [V, d] head use of the tied weight
+        dh, dwte_head = L.head_backward(dlogits, head_c, row_scale)  # [N, d], [V, d] head use of the tied weight
         dh = dh.reshape(B, T, self.n_embd)  # [B, T, d]
         dh, g["transformer.ln_f.weight"], g["transformer.ln_f.bias"] = L.layernorm_backward(dh, lnf_c)  # [B, T, d]
         for i in reversed(range(self.n_layer)):
@@ -166,8 +166,8 @@ class MiniGPT(NamedParams):
     def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
         x, y = np.asarray(batch.x), np.asarray(batch.y)  # [B, T] int
         logits, caches = self._forward(x, rng)  # [N, V]
-        loss, dlogits = cross_entropy(logits, y.reshape(-1), overwrite=True)  # dlogits [N, V], in logits' memory
-        return loss, self._backward(dlogits, caches, x.shape)
+        loss, d, row_scale = cross_entropy_factored(logits, y.reshape(-1))  # dlogits = d * row_scale, in logits'
+        return loss, self._backward(d, row_scale, caches, x.shape)
 
     def evaluate(self, batch: Batch) -> float:
         logits, _ = self._forward(np.asarray(batch.x), None)  # [N, V]

@@ -10,7 +10,7 @@ import pytest
 from conftest import central_differences
 
 from pipeline.model import layers as L
-from pipeline.model.losses import cross_entropy
+from pipeline.model.losses import cross_entropy, cross_entropy_factored
 
 EPS = 1e-6  # central-difference step
 TOL = 1e-6  # max relative error
@@ -126,6 +126,23 @@ def test_head_grads(rng):
 
     assert rel_err(dx, numeric_grad(f, x, R).reshape(6, 4)) < TOL
     assert rel_err(dw, numeric_grad(f, w, R)) < TOL
+
+
+def test_head_backward_with_a_row_scale_is_the_scaled_dlogits_backward(rng):
+    x, w = rng.standard_normal((2, 3, 4)), rng.standard_normal((7, 4))
+    _, cache = L.head_forward(x, w)
+    d, scale = rng.standard_normal((6, 7)), rng.uniform(0.5, 2.0, 6)
+    for got, want in zip(L.head_backward(d, cache, scale), L.head_backward(d * scale[:, None], cache)):
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_cross_entropy_factored_is_cross_entropy(rng, dtype):
+    logits, targets = (rng.standard_normal((6, 7)) * 2).astype(dtype), rng.integers(0, 7, 6)
+    loss, dlogits = cross_entropy(logits, targets)
+    floss, d, scale = cross_entropy_factored(logits.copy(), targets)
+    assert floss == loss and d.dtype == scale.dtype == dtype
+    np.testing.assert_allclose(d * scale[:, None], dlogits, rtol=1e-5 if dtype == np.float32 else 1e-13, atol=1e-7)
 
 
 def test_gelu_is_gpt2_tanh_approximation_and_grads(rng):

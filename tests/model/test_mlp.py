@@ -193,3 +193,17 @@ def test_cross_entropy_is_stable_for_large_logits():
     big_loss, big_grad = cross_entropy(logits + 1000.0, targets)  # softmax is shift invariant
     assert np.isfinite(big_loss) and big_loss == pytest.approx(loss, rel=1e-12)
     np.testing.assert_allclose(big_grad, grad, rtol=1e-10, atol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("offset", [60.0, -60.0, -70.0, 300.0])
+def test_cross_entropy_is_shift_invariant_across_the_unshifted_range(dtype, offset):
+    # Logits within +-64 skip the row-max shift, others take it: both paths give the small logits' values.
+    g = np.random.default_rng(6)
+    logits, targets = g.normal(size=(5, 9)) * 3, g.integers(0, 9, size=5)
+    loss, grad = cross_entropy(logits.astype(dtype), targets)
+    moved_loss, moved_grad = cross_entropy((logits + offset).astype(dtype), targets)
+    assert np.isfinite(moved_loss) and moved_grad.dtype == dtype
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    assert moved_loss == pytest.approx(loss, rel=tol, abs=tol * 64)
+    np.testing.assert_allclose(moved_grad, grad, rtol=tol * 64, atol=tol)
