@@ -26,9 +26,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def mlflow_server(root: Path, *store_args: str, backend: str | None = None):
-    """A real `mlflow server` on 127.0.0.1 and a free port (its store `backend`, by default a sqlite file under
-    `root`, and `store_args`), up until the block ends: yields its URI."""
+def mlflow_server(root: Path, *store_args: str, backend: str | None = None, command: str = "server"):
+    """A real `mlflow server` (or `mlflow ui`: `command`) on 127.0.0.1 and a free port (its store `backend`, by
+    default a sqlite file under `root`, and `store_args`), up until the block ends: yields its URI."""
 
     def healthy(uri: str) -> bool:
         try:
@@ -38,8 +38,8 @@ def mlflow_server(root: Path, *store_args: str, backend: str | None = None):
             return False
 
     port = free_port()
-    log = open(root / "server.log", "w")  # noqa: SIM115 - the server's output for its lifetime, closed with it
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+    log = open(root / f"{command}.log", "w")  # noqa: SIM115 - the server's output for its lifetime, closed with it
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", command, "--host", "127.0.0.1", "--port", str(port),
                              "--workers", "1", "--backend-store-uri", backend or f"sqlite:///{root}/srv.db",
                              *store_args],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root,
@@ -50,7 +50,8 @@ def mlflow_server(root: Path, *store_args: str, backend: str | None = None):
         while not healthy(uri) and proc.poll() is None and time.monotonic() - t0 < 600:
             time.sleep(0.1)
         if not healthy(uri):
-            pytest.fail(f"mlflow server not up (exit {proc.poll()}): {(root / 'server.log').read_text()[-3000:]}")
+            said = (root / f"{command}.log").read_text()[-3000:]
+            pytest.fail(f"mlflow {command} not up (exit {proc.poll()}): {said}")
         yield uri
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group (start_new_session)

@@ -2,19 +2,15 @@
 loaded in headless Chromium (Debian's `chromium`), in the runs view, showing the runs by their names."""
 from __future__ import annotations
 
-import contextlib
 import html
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import env_for_subprocess, wait_until
+from conftest import env_for_subprocess
+from mlflow_servers import mlflow_server
 
 from pipeline.tracking.link import wait_idle
 
@@ -25,37 +21,9 @@ pytestmark = [pytest.mark.slow,
 UI_LOCAL = "http://127.0.0.1:5000"  # where the printed addresses expect `mlflow ui`
 
 
-@contextlib.contextmanager
 def mlflow_ui(uri: str, root: Path):
     """`mlflow ui` serving the store at `uri` on 127.0.0.1 and a free port, until the block ends: its address."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(root / "ui.log", "w")  # noqa: SIM115 - the UI's output for its lifetime, closed with it
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
-                             "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=root,
-                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
-    address = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"{address}/health", timeout=5) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    try:
-        wait_until(healthy, "mlflow ui to come up", limit=600)
-        yield address
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    return mlflow_server(root, backend=uri, command="ui")
 
 
 def page_text(address: str, profile: Path) -> str:
