@@ -314,3 +314,9 @@ def test_ci_runs_the_readmes_test_command_as_written_in_a_fresh_virtualenv():
     assert 'venv_dir=$(mktemp -d /tmp/pipeline-ci-venv.XXXXXX)' in lines
     # the cluster's tooling keeps the system interpreter, before and after the virtualenv
     assert not [line for line in lines if "cluster.py" in line and "$system_python" not in line]
+
+
+def test_ci_is_a_valid_bash_script():
+    """`bash -n` parses the whole script without running it: a merge's leftover marker fails here, not in CI."""
+    proc = subprocess.run(["bash", "-n", str(PROJECT_ROOT / ".ci" / "run")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
