@@ -6,7 +6,7 @@ import re
 import sys
 
 from pipeline import TOOLS
-from pipeline.config.errors import ConfigError, error_line, exit_code
+from pipeline.config.errors import ConfigError, Refusal, error_line, exit_code
 from pipeline.run.signals import SIGNALS_STATE, run_command
 
 
@@ -147,7 +147,10 @@ def main() -> None:
             from pipeline.sweep.callback import job_of
 
             sweep = job_of(hydra_cfg)
-        config = _plain(cfg)
+        try:
+            config = _plain(cfg)
+        except ConfigError as e:  # Hydra writes a line of its own over a task's Exception: ours is the one line
+            raise Refusal(e) from None
         return app.main(config, list(hydra_cfg.overrides.task), OmegaConf.to_yaml(cfg), sweep,
                         command_args(hydra_cfg, CONFIG_DIR))
 
