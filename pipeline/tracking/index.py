@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.files import jsonio
+from pipeline.files import jsonio, reading
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.sweep.summary import best_job, direction, finite, parent_name, read_jobs
 from pipeline.tracking import store
@@ -36,7 +36,11 @@ STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "
 
 
 def _bytes_of(source: Path | bytes) -> bytes:
-    return source if isinstance(source, bytes) else source.read_bytes()  # a small regular file (checked above)
+    """A small artifact's bytes: a FIFO, a device or a file grown past the bound since its stat is refused."""
+    if isinstance(source, bytes):
+        return source
+    with reading.open_file(source, MAX_COMPARED_BYTES, follow=True) as f:
+        return f.read(MAX_COMPARED_BYTES + 1)
 
 
 def manifests(rundir: RunDir, damaged: list[str] | None = None) -> list[tuple[Path, dict]]:
@@ -184,10 +188,13 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
         repo.delete_artifacts(f"{folder}/{name}")
     final_changed = False
     for artifact, source in todo:
-        size = len(source) if isinstance(source, bytes) else source.stat().st_size
-        if have.get(artifact) != size or (size <= MAX_COMPARED_BYTES and store.artifact_bytes(repo, artifact, have) !=
-                                          _bytes_of(source)) \
-                or (final_changed and artifact.startswith("final/")):
+        try:
+            size = len(source) if isinstance(source, bytes) else source.stat().st_size
+            changed = have.get(artifact) != size or (size <= MAX_COMPARED_BYTES and
+                                                     store.artifact_bytes(repo, artifact, have) != _bytes_of(source))
+        except OSError:
+            continue  # replaced since it was listed (a FIFO, a device, a file grown past the bound): the next sync
+        if changed or (final_changed and artifact.startswith("final/")):
             final_changed = final_changed or artifact.startswith("final/")  # the weights follow their manifest
             if isinstance(source, bytes):
                 store.log_file_as(repo, artifact, data=source)

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from pipeline.tracking.common import (
     flatten,
     is_mlflow_tracking,
@@ -169,3 +171,18 @@ def test_opening_a_client_sets_mlflows_http_settings_unless_the_user_did(tmp_pat
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "7")
     store.open_client(f"sqlite:///{tmp_path}/m.db")
     assert (os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"], os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"]) == ("2", "7")
+
+
+def test_a_small_artifact_is_read_bounded_never_from_a_fifo_or_a_device(tmp_path):
+    """The index compares small artifacts by content: what it reads is a regular file within the bound."""
+    from pipeline.files.reading import UnreadableFile
+    from pipeline.tracking.index import MAX_COMPARED_BYTES, _bytes_of
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "big").write_bytes(b"x" * (MAX_COMPARED_BYTES + 1))
+    for path, why in ((tmp_path / "fifo", "FIFO"), (Path("/dev/zero"), "character device"),
+                      (tmp_path / "big", "over the")):
+        with pytest.raises(UnreadableFile, match=why):
+            _bytes_of(path)
+    (tmp_path / "ok").write_bytes(b"overrides")
+    assert _bytes_of(tmp_path / "ok") == b"overrides" and _bytes_of(b"raw") == b"raw"
