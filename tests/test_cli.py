@@ -62,7 +62,7 @@ def test_the_cli_trains_what_the_job_computes(kernodeck_by_the_cli, tmp_path):
     """The same seed, lr and data order as build + train_step in this process."""
     from conftest import config_of
 
-    from pipeline.run.assemble import build
+    from pipeline.run.job import build
     from pipeline.trainer.loop import train_step
 
     proc, out, _ = kernodeck_by_the_cli

@@ -10,7 +10,7 @@ from functools import cache
 from importlib import metadata
 from pathlib import Path
 
-from pipeline.config.identity import config_hash, semantic_hash
+from pipeline.config.identity import Identity, config_hash, semantic_hash
 from pipeline.files import jsonio
 
 SCHEMA_VERSION = "2.1"
@@ -113,11 +113,12 @@ def hardware() -> dict:
             "blas": blas}
 
 
-def run_facts(config: dict, sources: dict, data_manifest_hash: str, data_spec: dict, data_facts: dict) -> dict:
-    """The fields every checkpoint of a run carries, computed once; `data_facts` become each one's data.json."""
+def run_facts(config: dict, identity: Identity, data_manifest_hash: str, data_spec: dict, data_facts: dict) -> dict:
+    """The fields every checkpoint of a run carries, computed once (`identity`: the config's); `data_facts` become
+    each one's data.json."""
     return {DATA_FACTS: data_facts, **git_info(), "code_sha256": code_sha256(), "config": config,
-            "config_hash": config_hash(config),
-            "semantic_config_hash": semantic_hash(config, sources), "sources": dict(sources),
+            "config_hash": identity.config_hash,
+            "semantic_config_hash": identity.semantic_hash, "sources": dict(identity.sources),
             "data_manifest_hash": data_manifest_hash, "data_spec": dict(data_spec), "seed": config["trainer"]["seed"],
             "versions": versions(), "hardware": hardware(), "mlflow_run_uri": None}
 

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config.errors import ConfigError
@@ -106,6 +109,31 @@ def run_name(config: dict, sources: dict[str, str] | None = None, semantic: str 
     BadName (a ValueError, one line) if the name cannot be one directory's (names.checked)."""
     name = names.checked(config.get("name", "run"), "name")
     return f"{name}-{(semantic or semantic_hash(config, sources))[:12]}"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A job's identity, computed once: what its manifests carry of its config, and its run directory's name."""
+
+    sources: dict[str, str]  # SOURCES keys -> sha256 of the file's bytes
+    config_hash: str
+    semantic_hash: str
+    name: str  # run_name; with resume.source=never a fresh, unique sibling of it
+
+
+def identify(config: dict) -> Identity:
+    """The identity of a validated config; ConfigError (one line, naming the key) for a source file that cannot be
+    read."""
+    try:
+        sources = source_hashes(config)
+    except OSError as e:
+        key = next(k for k in SOURCES if get(config, k) is not None)
+        raise ConfigError(f"{key}={get(config, key)}: {e.strerror or e}") from None
+    semantic = semantic_hash(config, sources)
+    name = run_name(config, semantic=semantic)
+    if config["resume"]["source"] == "never":  # a fresh, unique sibling
+        name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    return Identity(sources, config_hash(config), semantic, name)
 
 
 def experiment_name(name: str, model_target: str = "", data_target: str = "") -> str:

@@ -40,12 +40,9 @@ class UnknownTarget(ConfigError):
 
 def named(tree) -> set[str]:
     """Every string `_target_` anywhere in a tree of dicts and lists (interpolations left out: never allowed)."""
-    if isinstance(tree, list):
-        return set().union(*map(named, tree))
-    if not isinstance(tree, dict):
-        return set()
-    return set().union(*({v} if k == "_target_" and isinstance(v, str) and "${" not in v else named(v)
-                         for k, v in tree.items()))
+    out: dict[str, set[str]] = {}
+    _placed(tree, (), out)
+    return set(out)
 
 
 def _placed(tree, keys: tuple[str, ...], out: dict[str, set[str]]) -> None:

@@ -1,11 +1,9 @@
-"""The one place a run is assembled: its parts (build_state: a run, the verifier, roundtrip and every tool opening
-a checkpoint build them this way), its facts, its job (build: nothing under the run directory is created)."""
+"""The one place a run's objects are built: its parts (build_state: a run, the verifier, roundtrip and every tool
+opening a checkpoint build them this way), its facts, its tracker; the model checked against the data first."""
 from __future__ import annotations
 
 import difflib
 import inspect
-import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,23 +15,15 @@ from hydra.utils import get_class, instantiate
 from pipeline.checkpoint import manifest as mf
 from pipeline.config import identity
 from pipeline.config.errors import ConfigError
-from pipeline.config.schemas import as_written_now, validate
+from pipeline.config.schemas import as_written_now
 from pipeline.data.base import DataSpec, inference_facts
 from pipeline.data.iterator import DataIterator
-from pipeline.files.atomic import UnsafePathError, check_output_dir, environment_error
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
 from pipeline.stages.base import StageStates
 from pipeline.trainer.loop import kept, train_metric_names, val_metric_names
 from pipeline.trainer.rng import Streams
 from pipeline.trainer.state import TrainState
-
-
-def total_steps(trainer: dict, batches_per_epoch: int) -> int:
-    """Updates in the run: max_steps, else every epoch's micro-batches in groups of trainer.accumulate."""
-    if trainer["max_steps"] > 0:
-        return int(trainer["max_steps"])
-    return int(trainer["epochs"]) * batches_per_epoch // int(trainer["accumulate"])
 
 
 def _call(node: dict, **live):
@@ -62,19 +52,23 @@ def build_dataset(config: dict):
 
 
 def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> TrainState:
-    """Streams first, then the model (from the init stream), optimizer, iterator (data_order), scheduler, stages."""
+    """The stages, the streams, the iterator (data_order), then the model (from the init stream), optimizer, scheduler
+    (each stream is its own generator: the order draws nothing from another)."""
     trainer = config["trainer"]
     dtype = np.dtype(trainer["dtype"])
+    stages = build_stages(config)
     streams = Streams(trainer["seed"])
+    iterator = DataIterator(n_train, trainer["batch_size"], streams["data_order"])
+    # updates in the run: max_steps (> 0), else every epoch's micro-batches in groups of trainer.accumulate
+    epochs, accumulate = int(trainer["epochs"]), int(trainer["accumulate"])
+    steps = int(trainer["max_steps"]) or epochs * iterator.batches_per_epoch // accumulate
     model = _call(config["model"], spec=spec, dtype=dtype.name, rng=streams["init"])
     optimizer = _call(config["optimizer"], params=model.params)
-    iterator = DataIterator(n_train, trainer["batch_size"], streams["data_order"])
-    steps = total_steps(trainer, iterator.batches_per_epoch)
     scheduler = _call(config["scheduler"], optimizer=optimizer, run_total_steps=steps)
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, iterator=iterator, streams=streams,
-                      dataset=dataset, dtype=dtype, total_steps=steps, accumulate=int(trainer["accumulate"]),
+                      dataset=dataset, dtype=dtype, total_steps=steps, accumulate=accumulate,
                       grad_clip=float(trainer["grad_clip"]), shards=int(trainer["shards"]),
-                      threads=trainer["threads"], stages=StageStates(build_stages(config)))
+                      threads=trainer["threads"], stages=StageStates(stages))
 
 
 def build_stages(config: dict) -> list:
@@ -100,7 +94,7 @@ class Job:
     state: TrainState
     sources: dict  # SOURCES keys -> sha256 of the file's bytes
     facts: dict  # the run-level manifest fields
-    tracker: Tracker = field(default_factory=Tracker)  # build() gives a run its tracker and run directory
+    tracker: Tracker = field(default_factory=Tracker)  # run/job.py build() gives a run its tracker and directory
     run_dir: Path | None = None
 
     @property
@@ -165,42 +159,13 @@ def check_monitors(config: dict) -> None:
         raise ConfigError("; ".join(errors))
 
 
-def assemble(config: dict, sources: dict | None = None) -> Job:
-    """The data, every part and the run-level manifest facts: a Job without a tracker or run directory (the
-    verifier's processes, roundtrip); ValueError or OSError for values its objects refuse."""
-    sources = identity.source_hashes(config) if sources is None else sources
+def assemble(config: dict, ident: identity.Identity) -> Job:
+    """The data, every part and the run-level manifest facts of a validated config and its identity: a Job without a
+    tracker or run directory (the verifier's processes, roundtrip); ValueError or OSError for values its objects
+    refuse."""
     dataset = build_dataset(config)
     state = build_state(config, dataset.spec, dataset.n_train, dataset)
     spec = {**asdict(dataset.spec), "n_train": int(dataset.n_train)}
-    facts = mf.run_facts(config, sources, dataset.manifest_hash, spec, inference_facts(dataset))
+    facts = mf.run_facts(config, ident, dataset.manifest_hash, spec, inference_facts(dataset))
     facts["n_params"] = int(sum(p.size for p in state.model.params.values()))
-    return Job(config, state, sources, facts)
-
-
-def build(config: dict, sweep: SweepJob | None = None) -> Job:
-    """The whole job, or ConfigError (one line) for a bad value, a missing file, or groups that clash."""
-    validate(config)
-    try:
-        check_output_dir(Path(config["paths"]["output_dir"]))  # before the tracker, the data or a run make anything
-    except UnsafePathError as e:
-        raise ConfigError(str(e)) from None
-    check_pairing(config)
-    check_monitors(config)
-    tracker = build_tracker(config, sweep)
-    tracker.prepare()  # the tracking agent starts (or is found warm) while the data and the model are built
-    try:
-        sources = identity.source_hashes(config)
-    except OSError as e:
-        key = next(k for k in identity.SOURCES if identity.get(config, k) is not None)
-        raise ConfigError(f"{key}={identity.get(config, key)}: {e.strerror or e}") from None
-    try:
-        job = assemble(config, sources)
-    except (ValueError, OSError) as e:
-        if environment_error(e) is not None:  # a full or read-only disk while the corpus is made: not bad input
-            raise
-        raise ConfigError(str(e)) from None
-    name = identity.run_name(config, semantic=job.semantic_hash)  # <runs_dir>/<name>-<semantic hash>
-    if config["resume"]["source"] == "never":  # a fresh, unique sibling
-        name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    job.tracker, job.run_dir = tracker, Path(config["paths"]["runs_dir"]) / name
-    return job
+    return Job(config, state, ident.sources, facts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import io
 import itertools
 import os
@@ -63,9 +64,15 @@ class RunDir:
         self.log_path = self.path / "pipeline.log"
         self.hydra_dir = self.path / ".hydra"
         self.overrides_path = self.hydra_dir / "overrides.yaml"
-        self.store = CheckpointStore(self.path / "checkpoints")
+        self.checkpoints = self.path / "checkpoints"
         self._fd: int | None = None
         self.read_only = False  # on a read-only medium: a complete run may be confirmed, nothing written
+        self.created = False  # acquire() made the directory: forget() removes it again while it holds nothing
+
+    @functools.cached_property
+    def store(self) -> CheckpointStore:
+        """Its checkpoints/ (a new store once a history moves aside)."""
+        return CheckpointStore(self.checkpoints)
 
     @classmethod
     def of_checkpoint(cls, directory: Path) -> RunDir | None:
@@ -92,13 +99,14 @@ class RunDir:
 
     # --- the lock
     def acquire(self) -> None:
-        """Create the directory if needed and take its lock; RunBusyError (changing nothing) if it is held,
-        UnsafePathError if anything the run writes is a link planted to make it write elsewhere."""
+        """Create the directory if needed (`created`) and take its lock; RunBusyError (changing nothing) if it is
+        held, UnsafePathError if anything the run writes is a link planted to make it write elsewhere."""
         if self._read_only_medium():
             return self._acquire_shared()
+        self.created = not os.path.lexists(self.path)
         ensure_dirs(self.path.parent, self.path.name)
         for path, kind in ((self.lock_path, "file"), (self.status_path, "file"), (self.metrics_path, "file"),
-                           (self.log_path, "file"), (self.hydra_dir, "directory"), (self.store.root, "directory"),
+                           (self.log_path, "file"), (self.hydra_dir, "directory"), (self.checkpoints, "directory"),
                            (self.path / "superseded", "directory")):
             refuse_link(path, kind)
         try:
@@ -134,20 +142,28 @@ class RunDir:
                                "or stop it first") from None
         self._fd = fd
 
-    def claim(self) -> None:
-        """Write this process's pid into the lock: it runs here now (its set-up was accepted)."""
+    def claim(self, config_yaml: str, overrides: list[str]):
+        """This process runs here now (its set-up was accepted): its pid into the lock, the composed config and the
+        overrides into .hydra/ (as Hydra's holds them); its pipeline.log, returned open for appending."""
         assert self._fd is not None, "acquire() comes first"
         try:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
         except OSError as e:
+            self.forget()
             raise named(e, self.lock_path) from e
+        ensure_dirs(self.path, ".hydra")
+        replace_file(self.hydra_dir / "config.yaml", config_yaml.encode())
+        replace_file(self.overrides_path,
+                     "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides).encode() or b"[]\n")
+        return open_append(self.log_path)
 
     def forget(self) -> None:
-        """Release, and remove the directory if it holds nothing but an empty lock (a refused run leaves none)."""
+        """Release, and remove the directory if acquire() created it and it holds nothing but an empty lock (a
+        refused run leaves none)."""
         self.release()
         with contextlib.suppress(OSError):
-            if os.listdir(self.path) == [self.lock_path.name] and os.path.getsize(self.lock_path) == 0:
+            if self.created and os.listdir(self.path) == [self.lock_path.name] and os.path.getsize(self.lock_path) == 0:
                 os.unlink(self.lock_path)
                 os.rmdir(self.path)
 
@@ -245,17 +261,7 @@ class RunDir:
     def open_metrics(self):
         return open_append(self.metrics_path)
 
-    def open_log(self):
-        return open_append(self.log_path)
-
     # --- the rest
-    def write_hydra(self, config_yaml: str, overrides: list[str]) -> None:
-        """The composed config and the overrides, as Hydra's .hydra/ holds them."""
-        ensure_dirs(self.path, ".hydra")
-        replace_file(self.hydra_dir / "config.yaml", config_yaml.encode())
-        replace_file(self.overrides_path,
-                     "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides).encode() or b"[]\n")
-
     def _superseded_dir(self) -> Path:
         dest = ensure_dirs(self.path, "superseded") / time.strftime("%Y%m%d-%H%M%S")
         n = 0

@@ -1,5 +1,5 @@
-"""One job from a plain config: build it, hold its run directory, run its stages, exit with what happened
-(docs/stages.md: Exit codes)."""
+"""One job from a plain config, top to bottom: validate, identity, assemble (build), hold its run directory, run
+its stages, exit with what happened (docs/stages.md: Exit codes)."""
 from __future__ import annotations
 
 import logging
@@ -9,10 +9,12 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, CommandError, exit_code
-from pipeline.files.atomic import NewDirs, environment_error
+from pipeline.config import identity
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, CommandError, ConfigError, exit_code
+from pipeline.config.schemas import validate
+from pipeline.files.atomic import NewDirs, check_output_dir, environment_error
 from pipeline.run import budget
-from pipeline.run.assemble import build
+from pipeline.run.assemble import Job, assemble, build_tracker, check_monitors, check_pairing
 from pipeline.run.directory import RunDir
 from pipeline.run.loop import Run
 from pipeline.run.signals import SIGNALS_STATE, SWEEP, Interrupted
@@ -30,14 +32,6 @@ class JobFailed(CommandError):
     def __init__(self, code: int, message: str, requeue: bool = False, started: bool = True):
         super().__init__(message, exit_code=code)
         self.requeue, self.started = requeue, started
-
-
-def objective(job, name: str | None) -> float:
-    """What a sweeper optimises: `optimized_metric` (null: the best value of the best-val stage's monitor)."""
-    if name is None:
-        best = [s.best for s in job.stages if getattr(s, "link", None) == "best" and hasattr(s, "best")]
-        return float(best[0]) if best and best[0] is not None else math.nan
-    return float(job.state.metrics.get(name, math.nan))
 
 
 def main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None = None,
@@ -123,36 +117,43 @@ def _failed(e: BaseException, sweep: SweepJob | None) -> JobFailed | None:
     return e
 
 
+def build(config: dict, sweep: SweepJob | None = None) -> Job:
+    """Validate, identity, assemble: the whole job, nothing under its run directory created; ConfigError (one line)
+    for a bad value, a missing file, or groups that clash."""
+    validate(config)
+    check_pairing(config)
+    check_monitors(config)
+    tracker = build_tracker(config, sweep)
+    tracker.prepare()  # the tracking agent starts (or is found warm) while the data and the model are built
+    ident = identity.identify(config)
+    try:
+        job = assemble(config, ident)
+    except (ValueError, OSError) as e:
+        if environment_error(e) is not None:  # a full or read-only disk while the corpus is made: not bad input
+            raise
+        raise ConfigError(str(e)) from None
+    job.tracker, job.run_dir = tracker, Path(config["paths"]["runs_dir"]) / ident.name
+    return job
+
+
 def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None, command: list[str]) -> float:
-    """Build the job (validate, identity, assemble), hold its run directory, run it."""
+    """The job in one line: build it, hold its run directory, set its stages up, claim the directory, run it with
+    signals deferred, its objective; the run directory is released at the end."""
     # Directories this command creates (the output directory, runs/, data/): removed again if a single run
     # ends without a run (refused, interrupted, failed) and they are still empty; nothing older is touched.
     made = NewDirs(config["paths"]["output_dir"], config["paths"]["runs_dir"],
                    Path(config["paths"]["output_dir"]) / "data")
+    check_output_dir(Path(config["paths"]["output_dir"]))  # before anything is made (a link there: bad input)
+    held = logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1)
+    job = rundir = file_handler = None
     try:
         job = build(config, sweep)
-        assert job.run_dir is not None  # build() names it
         rundir = RunDir(job.run_dir)
         if sweep is not None:
             sweep.run_dir = str(rundir.path)
         log.info("run directory: %s", rundir.path)
-        created = not rundir.path.exists()
         rundir.acquire()
-        return _run(job, rundir, created, config, overrides, config_yaml, sweep, command)
-    except BaseException:
-        if sweep is None:
-            made.prune()
-        raise
-
-
-def _run(job, rundir: RunDir, created: bool, config: dict, overrides: list[str], config_yaml: str,
-         sweep: SweepJob | None, command: list[str]) -> float:
-    """Set the run up (its stages), then run it with signals deferred; the run directory is released at the end."""
-    # Log lines of the set-up wait in memory: a refused run must not write into the run's log.
-    held = logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1)
-    logging.getLogger().addHandler(held)
-    file_handler = None
-    try:
+        logging.getLogger().addHandler(held)  # the set-up's lines wait: a refused run writes nothing into its log
         started = (sweep and sweep.started) or time.time() - budget.process_age()  # a job's, or this process's
         run = Run(job, rundir, SIGNALS_STATE, started=started, overrides=command,
                   in_sweep=sweep is not None and sweep.dir is not None)
@@ -165,8 +166,7 @@ def _run(job, rundir: RunDir, created: bool, config: dict, overrides: list[str],
                                             "is not complete (nothing was written); make it writable (or copy it), "
                                             "then re-run the same command")
         except BaseException as e:
-            if created:
-                rundir.forget()
+            rundir.forget()
             if isinstance(e, Interrupted):
                 moved = (f"; the earlier history was moved to {run.superseded}" if run.superseded
                          else "; nothing was written")
@@ -176,40 +176,33 @@ def _run(job, rundir: RunDir, created: bool, config: dict, overrides: list[str],
         with SIGNALS_STATE.deferring():
             try:
                 if not rundir.read_only and not run.settled():  # a finished run's re-run changes no file of it
-                    rundir.claim()
-                    rundir.write_hydra(config_yaml, overrides)
-                    file_handler = _log_file(rundir, held)
+                    file_handler = QuietFileHandler(rundir.claim(config_yaml, overrides))
+                    file_handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+                    held.setTarget(file_handler)
+                    held.flush()  # the set-up's lines first
+                    logging.getLogger().removeHandler(held)
+                    logging.getLogger().addHandler(file_handler)
                 code = run.execute()
             except OSError as e:
-                if created and file_handler is None:
-                    rundir.forget()
                 if (message := environment_error(e)) is None:
                     raise
-                said = "; run.json says failed" if rundir.read_status().get("status") == "failed" else ""
-                kept = rundir.store.steps()
-                raise JobFailed(EXIT_ERROR, message + said + (
-                    f"; the run continues from its checkpoint of step {kept[-1][0]}" if kept else "")) from None
+                raise JobFailed(EXIT_ERROR, run.failure(message)) from None
             if sweep is not None:
                 sweep.run_uri = job.facts.get("mlflow_run_uri")
             if code:
                 raise JobFailed(code, f"preempted at step {job.state.step}; re-run the same command to resume",
                                 requeue=True)
-            return objective(job, config.get("optimized_metric"))
+            return run.objective()
+    except BaseException:
+        if sweep is None:
+            made.prune()
+        raise
     finally:
-        job.state.close()
+        if job is not None:
+            job.state.close()
         logging.getLogger().removeHandler(held)
         if file_handler is not None:
             logging.getLogger().removeHandler(file_handler)
             file_handler.close()
-        rundir.release()
-
-
-def _log_file(rundir: RunDir, held: logging.handlers.MemoryHandler) -> logging.Handler:
-    """<run>/pipeline.log (never through a symlink), starting with the set-up lines held so far."""
-    handler = QuietFileHandler(rundir.open_log())
-    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-    held.setTarget(handler)
-    held.flush()
-    logging.getLogger().removeHandler(held)
-    logging.getLogger().addHandler(handler)
-    return handler
+        if rundir is not None:
+            rundir.release()

@@ -267,6 +267,19 @@ class Run:
         assert self.resumed is not None, "only a finished run, resumed, has a config to compare"
         return "; ".join(identity.described(self.resumed.manifest["config"], self.job.config))
 
+    def failure(self, message: str) -> str:
+        """A full or read-only disk's one line, with what run.json says and where a re-run continues."""
+        said = "; run.json says failed" if self.rundir.read_status().get("status") == "failed" else ""
+        kept = self.store.steps()
+        return message + said + (f"; the run continues from its checkpoint of step {kept[-1][0]}" if kept else "")
+
+    def objective(self) -> float:
+        """What a sweeper optimises: `optimized_metric` (null: the best value of the best-val stage's monitor)."""
+        if (name := self.job.config["optimized_metric"]) is None:
+            best = [s.best for s in self.job.stages if getattr(s, "link", None) == "best" and hasattr(s, "best")]
+            return float(best[0]) if best and best[0] is not None else math.nan
+        return float(self.state.metrics.get(name, math.nan))
+
     def _metrics(self) -> str:
         return " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items()))
 

@@ -84,16 +84,6 @@ def _fits_its_weights(checkpoint: CheckpointDir, manifest: dict, spec: DataSpec)
                                         "bytes); it was not built")
 
 
-def _parse(overrides: list[str]):
-    parsed = targets.parse_overrides(overrides)
-    for o in parsed:
-        key = o.key_or_group
-        if not any(key == k or key.startswith(k + ".") for k in DATA_KEYS) or o.is_sweep_override():
-            raise ConfigError(f"{o.input_line}: only data=NAME, data.KEY=VALUE, paths.output_dir=DIR and "
-                              "hydra.searchpath=[...] can be given here; the rest is the checkpoint's")
-    return parsed
-
-
 def cache_home(directory: Path) -> str:
     """The output directory a checkpoint lies in (`<output_dir>/runs/<run>/checkpoints/<step>`: its corpus cache),
     else (an archive, a lone checkpoint) the default; never the manifest's: a checkpoint picks no place to write."""
@@ -136,7 +126,11 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    parsed = _parse(overrides)
+    parsed = targets.parse_overrides(overrides)
+    for o in parsed:
+        if not identity.covered(o.key_or_group, list(DATA_KEYS)) or o.is_sweep_override():
+            raise ConfigError(f"{o.input_line}: only data=NAME, data.KEY=VALUE, paths.output_dir=DIR and "
+                              "hydra.searchpath=[...] can be given here; the rest is the checkpoint's")
     output_dir = next((str(o.value()) for o in reversed(parsed) if o.key_or_group == "paths.output_dir"),
                       cache_home(directory))
     if any(o.key_or_group == "data" for o in parsed):

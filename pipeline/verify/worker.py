@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.directory import Checkpoint, CheckpointDir
-from pipeline.config import targets
+from pipeline.config import identity, targets
 from pipeline.config.errors import EXIT_BAD_INPUT, ConfigError
 from pipeline.files import jsonio
 from pipeline.run.assemble import assemble
@@ -23,7 +23,7 @@ class Fresh:
     """One run of `config` (pipeline.run.assemble) stepped in this process, without a run directory."""
 
     def __init__(self, config: dict):
-        self.job = assemble(config)
+        self.job = assemble(config, identity.identify(config))
         self.state, self.parts = self.job.state, self.job.parts
 
     def train(self, n: int) -> list[dict]:

@@ -6,8 +6,17 @@ import shutil
 import pytest
 from conftest import KERNODECK, PROJECT_ROOT, TINY, config_of, run_job, the_run
 
-from pipeline.config.identity import SOURCES, changed_keys, covered, run_name, semantic_config, semantic_hash
-from pipeline.run.assemble import build
+from pipeline.config.identity import (
+    SOURCES,
+    changed_keys,
+    config_hash,
+    covered,
+    identify,
+    run_name,
+    semantic_config,
+    semantic_hash,
+)
+from pipeline.run.job import build
 
 
 def test_the_output_directory_is_not_part_of_the_identity(tmp_path):
@@ -71,6 +80,19 @@ def test_changed_keys_and_covered():
         "a.c": (2, 3), "d": ("<absent>", 0)}
     assert covered("optimizer.lr", ["optimizer"]) and covered("optimizer.lr", ["optimizer.lr"])
     assert not covered("optimizer.lr", ["optim"]) and not covered("optimizer", ["optimizer.lr"])
+
+
+def test_identify_is_the_hashes_and_the_name_in_one_value_and_never_a_fresh_sibling(tmp_path):
+    """One call, one frozen value: what the manifests carry of the config and the run directory's name."""
+    config = config_of(*KERNODECK, f"paths.output_dir={tmp_path}")
+    ident = identify(config)
+    assert (ident.sources, ident.config_hash, ident.semantic_hash, ident.name) == (
+        {}, config_hash(config), semantic_hash(config), run_name(config))
+    with pytest.raises(AttributeError, match="cannot assign"):
+        ident.name = "other"  # type: ignore[misc]
+    fresh = identify(config_of(*KERNODECK, f"paths.output_dir={tmp_path}", "resume=never"))
+    assert fresh.name.startswith(f"{ident.name}-") and fresh.name != identify(config | {"resume": {
+        "source": "never", "allow_changes": []}}).name
 
 
 def test_resume_never_gets_a_unique_directory_even_in_the_same_second(tmp_path):

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from conftest import config_of
 
+from pipeline.config import identity
 from pipeline.model.mlp import MLP
 from pipeline.optimizer.adam import Adam, AdamW
-from pipeline.run.assemble import assemble, build
+from pipeline.run.assemble import assemble
+from pipeline.run.job import build
 from pipeline.run.tracker import Tracker
 from pipeline.scheduler.step import StepLR
 from pipeline.stages.base import StageStates
@@ -131,7 +133,7 @@ def test_the_parts_are_the_one_list_of_state_machines(kernodeck):
 
 def test_assemble_gives_the_verifier_and_roundtrip_a_runs_parts_and_facts(kernodeck):
     """What a run's manifest says of itself, a run of the same config assembled elsewhere says too."""
-    run, alone = build(kernodeck), assemble(kernodeck)
+    run, alone = build(kernodeck), assemble(kernodeck, identity.identify(kernodeck))
     assert alone.facts == run.facts and alone.sources == run.sources and alone.facts["n_params"] == 33
     assert type(alone.tracker) is Tracker and alone.run_dir is None  # the no-op until build() gives one
     for name, a in run.parts.items():
@@ -141,7 +143,6 @@ def test_assemble_gives_the_verifier_and_roundtrip_a_runs_parts_and_facts(kernod
 
 
 def test_the_semantic_hash_is_computed_once_and_names_the_run_directory(kernodeck, monkeypatch):
-    from pipeline.config import identity
 
     calls = []
     real = identity.semantic_config

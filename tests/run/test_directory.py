@@ -31,3 +31,29 @@ def test_a_held_lock_is_in_use_until_released(tmp_path):
     finally:
         rundir.release()
     assert rundir.in_use() is False
+
+
+def test_claim_writes_the_pid_the_config_and_the_overrides_and_opens_the_log(tmp_path):
+    rundir = RunDir(tmp_path / "run")
+    rundir.acquire()
+    try:
+        with rundir.claim("a: 1\n", ["optimizer.lr=0.1", "x='y z'"]) as log:
+            log.write("first line\n")
+        assert (rundir.path / ".lock").read_text() == f"{os.getpid()}\n"
+        assert (rundir.path / ".hydra" / "config.yaml").read_text() == "a: 1\n"
+        assert (rundir.path / ".hydra" / "overrides.yaml").read_text() == '- "optimizer.lr=0.1"\n- "x=\'y z\'"\n'
+        assert (rundir.path / "pipeline.log").read_text() == "first line\n"
+    finally:
+        rundir.release()
+
+
+def test_forget_removes_only_a_directory_that_acquire_created_and_left_empty(tmp_path):
+    made = RunDir(tmp_path / "made")
+    made.acquire()
+    made.forget()
+    assert not made.path.exists()  # a refused run leaves no directory behind
+    found = RunDir(tmp_path / "found")
+    found.path.mkdir()
+    found.acquire()
+    found.forget()
+    assert sorted(os.listdir(found.path)) == [".lock"]  # one it found stays (its lock is never a run's record)

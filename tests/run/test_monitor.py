@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import KERNODECK, TINY, config_of, refused_in_one_line, run_job, the_run
 
+from pipeline.config import identity
 from pipeline.config.errors import ConfigError
 from pipeline.run.assemble import assemble, check_monitors, metric_names
 from pipeline.trainer.loop import fit, metrics_of
@@ -60,7 +61,7 @@ def test_a_monitor_of_a_stage_added_by_override_is_checked():
 def test_the_declared_names_are_exactly_what_a_run_measures(tmp_path, overrides):
     """The declaration cannot drift from the code: a real run's step records hold every declared name, no other."""
     config = config_of(*overrides, "trainer.max_steps=4", "trainer.eval_every=2", f"paths.output_dir={tmp_path}")
-    job = assemble(config)
+    job = assemble(config, identity.identify(config))
     seen: set[str] = set()
     fit(job.state, 2, lambda record: seen.update(metrics_of(record)) and False, [])
     assert sorted(seen) == metric_names(config)

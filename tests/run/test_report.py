@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from pipeline.model.base import summary
-from pipeline.run.assemble import build
 from pipeline.run.directory import RunDir
+from pipeline.run.job import build
 from pipeline.run.report import end_block, hydra_quoted, start_block, tool_args
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.trainer import curves
