@@ -5,7 +5,7 @@ import hashlib
 import json
 import logging
 import os
-import time
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,15 +17,14 @@ from pipeline.data import ngram
 from pipeline.data.base import Batch, DataSpec
 from pipeline.files import jsonio, reading
 from pipeline.files.atomic import (
-    TMP_PREFIX,
     ensure_dirs,
     new_temp_dir,
     publish_dir,
     refuse_link,
+    remove_temporaries,
     remove_tree,
     write_new,
 )
-from pipeline.files.notice import notice
 
 FORMAT_VERSION = 1
 TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 512
@@ -158,14 +157,13 @@ def _read_listed(path: Path, listed: int, keep: bool) -> tuple[int, str | None, 
     return size, h.hexdigest(), buffer if keep else None
 
 
-def _clean_stale_temps(parent: Path) -> None:
-    now = time.time()
-    for p in parent.glob(f"{TMP_PREFIX}*"):
-        try:
-            if now - p.lstat().st_mtime > _STALE_TMP_SECONDS:
-                remove_tree(p)
-        except FileNotFoundError:
-            pass  # its writer finished or another cleaner got there first
+def _notice(message: str) -> None:
+    """`message` as an INFO record where the log reaches a handler, else on stderr if a terminal: never on a pipe,
+    where stderr carries only a refusal's one line, which scripts read."""
+    if log.hasHandlers():
+        log.info(message)
+    elif sys.stderr is not None and sys.stderr.isatty():
+        print(message, file=sys.stderr, flush=True)
 
 
 def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], CorpusContent]) -> Path:
@@ -178,9 +176,9 @@ def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], C
         return final
     ensure_dirs(parent)
     # Other writers may be generating it now: their temporaries are young; an hour-old one is a crashed writer's.
-    _clean_stale_temps(parent)
+    remove_temporaries(parent, older_than=_STALE_TMP_SECONDS)
     shown = ", ".join(f"{k}={v}" for k, v in params.items() if k not in ("generator", "version", "source_sha256"))
-    notice(log, f"generating the {name} corpus ({shown}) into {final}; this takes a while once, then it is cached")
+    _notice(f"generating the {name} corpus ({shown}) into {final}; this takes a while once, then it is cached")
     files = render(build(), name, params)
     tmp = new_temp_dir(parent, final.name)
     try:

@@ -103,16 +103,13 @@ def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
                  ctx_backoff=ctx_backoff, discounts=d)
 
 
-def _check(tokens: np.ndarray, order: int, V: int) -> None:
+def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
+    """Order 1, 2, ..., `order` in turn; lower orders use Kneser-Ney continuation counts. Each is built from
+    the tokens alone, so a caller that drops one before asking for the next holds one level at a time."""
     if not 1 <= order <= max_order(V):
         raise ValueError(f"n-gram order {order} must be in [1, {max_order(V)}] for vocab size {V}")
     if len(tokens) < order:
         raise ValueError(f"{len(tokens)} tokens are too few to fit an order-{order} n-gram")
-
-
-def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
-    """Order 1, 2, ..., `order` in turn; lower orders use Kneser-Ney continuation counts. Each is built from
-    the tokens alone, so a caller that drops one before asking for the next holds one level at a time."""
     for k in range(1, order + 1):
         if k == order:
             held = [_sorted_keys(tokens, k, V)]
@@ -126,9 +123,8 @@ def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
 
 def fit(tokens: np.ndarray, order: int, vocab_size: int) -> KneserNey:
     """Fit on one token stream [N] (any integer dtype)."""
-    V = int(vocab_size)
-    _check(tokens, order, V)
-    return KneserNey(order=int(order), vocab_size=V, levels=tuple(_levels(np.asarray(tokens), order, V)))
+    levels = tuple(_levels(np.asarray(tokens), order, int(vocab_size)))
+    return KneserNey(order=int(order), vocab_size=int(vocab_size), levels=levels)
 
 
 def _lookup(sorted_keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
@@ -215,5 +211,4 @@ def fitted_perplexity(train: np.ndarray, order: int, vocab_size: int, tokens: np
                       positions: np.ndarray) -> float:
     """perplexity(fit(train, order, vocab_size), tokens, positions), to the last bit, one level at a time."""
     V = int(vocab_size)
-    _check(train, order, V)
     return float(np.exp(-np.mean(np.log(_raised(_levels(np.asarray(train), order, V), V, tokens, positions)))))

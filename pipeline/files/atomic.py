@@ -9,6 +9,7 @@ import hashlib
 import os
 import shutil
 import stat
+import time
 import uuid
 from pathlib import Path
 
@@ -73,17 +74,23 @@ def write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
-def write_new(path: Path, data: bytes | memoryview) -> dict:
-    """Write bytes to a new file and fsync them; returns the file's {"size", "sha256"}."""
+def write_new(path: Path, data, h=None, fsync: bool = True) -> dict:
+    """Bytes, or an iterable of byte pieces, into a file created now at `path`, each piece hashed as it is written
+    (into `h`, a hashlib-like sha256, else a new one) and fsynced; returns the file's {"size", "sha256"}."""
+    h, size = h or hashlib.sha256(), 0
     fd = open_new(path)
     try:
-        write_all(fd, data)
-        os.fsync(fd)
+        for piece in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
+            h.update(piece)
+            size += len(piece)
+            write_all(fd, piece)
+        if fsync:
+            os.fsync(fd)  # while a hash on a helper thread catches up
     except OSError as e:
         raise named(e, path) from e
     finally:
         os.close(fd)
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"size": size, "sha256": h.hexdigest()}
 
 
 def refuse_link(path: Path, what: str = "file") -> None:
@@ -220,18 +227,11 @@ def second_name(src: Path, dst: Path) -> None:
     filesystem has no hard links; never through a link at either end."""
     try:
         os.link(src, dst, follow_symlinks=False)
-        return
     except OSError as e:
         if e.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
             raise
-    with open(src, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as fin:
-        fd = open_new(Path(dst))
-        try:
-            while chunk := fin.read(1 << 20):
-                write_all(fd, chunk)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open(src, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as fin:
+            write_new(Path(dst), iter(lambda: fin.read(1 << 20), b""))
 
 
 def discard_dir(directory: Path) -> None:
@@ -266,15 +266,19 @@ def remove_tree(path: Path) -> None:
             os.unlink(path)
 
 
-def remove_temporaries(parent: Path) -> None:
-    """Leftovers of writes that died before their rename; only the directory's owner (lock holder) calls this."""
+def remove_temporaries(parent: Path, older_than: float | None = None) -> None:
+    """Leftovers of writes that died before their rename: all of them where the caller owns `parent` (holds its
+    lock), else those older than `older_than` seconds (younger ones may be other writers' at work)."""
     try:
-        names = os.listdir(parent)
+        entries = os.listdir(parent)
     except (FileNotFoundError, NotADirectoryError):
         return
-    for name in names:
-        if name.startswith(TMP_PREFIX):
-            remove_tree(Path(parent) / name)
+    now = time.time()
+    for name in entries:
+        path = Path(parent) / name
+        with contextlib.suppress(FileNotFoundError):  # its writer finished, or another cleaner got there first
+            if name.startswith(TMP_PREFIX) and (older_than is None or now - path.lstat().st_mtime > older_than):
+                remove_tree(path)
 
 
 class NewDirs:
