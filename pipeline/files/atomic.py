@@ -21,7 +21,6 @@ _FULL = "free space there (or set paths.output_dir elsewhere), then re-run the s
 _LOCKED = "make it writable (or set paths.output_dir elsewhere), then re-run the same command"
 ENVIRONMENT = {errno.ENOSPC: _FULL, errno.EDQUOT: _FULL, errno.EFBIG: _FULL, errno.EROFS: _LOCKED,
                errno.EACCES: _LOCKED, errno.EPERM: _LOCKED, errno.EIO: "check the device, then re-run the same command"}
-_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class UnsafePathError(OSError):
@@ -56,34 +55,25 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def open_new(path: Path) -> int:
-    """A file descriptor on a file created now at `path`; refuses anything already there (link included)."""
-    try:
-        return os.open(path, _NEW, 0o644)
-    except FileExistsError:
-        raise UnsafePathError(errno.EEXIST, f"{path} already exists; refusing to write through it") from None
-
-
 def temp_name(path: Path) -> Path:
     return Path(path).with_name(f"{TMP_PREFIX}{Path(path).name}-{uuid.uuid4().hex[:12]}")
-
-
-def write_all(fd: int, data) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 def write_new(path: Path, data, h=None, fsync: bool = True) -> dict:
     """Bytes, or an iterable of byte pieces, into a file created now at `path`, each piece hashed as it is written
     (into `h`, a hashlib-like sha256, else a new one) and fsynced; returns the file's {"size", "sha256"}."""
     h, size = h or hashlib.sha256(), 0
-    fd = open_new(path)
+    try:  # created now: anything already there (a planted link included) is refused
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        raise UnsafePathError(errno.EEXIST, f"{path} already exists; refusing to write through it") from None
     try:
         for piece in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
             h.update(piece)
-            size += len(piece)
-            write_all(fd, piece)
+            view = memoryview(piece).cast("B")  # os.write counts bytes
+            size += len(view)
+            while view:
+                view = view[os.write(fd, view) :]
         if fsync:
             os.fsync(fd)  # while a hash on a helper thread catches up
     except OSError as e:
