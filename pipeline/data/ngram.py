@@ -156,23 +156,15 @@ def _mixed(level: Level, k: int, V: int, history: np.ndarray, targets: np.ndarra
     return np.where(seen, p_k, p)
 
 
-def prob(model: KneserNey, history: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """p(target | history) for each row; history [N, order-1] with -1 for missing (stream start) tokens."""
-    V = model.vocab_size
-    history = np.asarray(history, dtype=np.int64).reshape(len(targets), model.order - 1)
-    targets = np.asarray(targets, dtype=np.int64)  # [N]
-    p = np.full(len(targets), 1.0 / V)  # order 0: uniform
-    for k, level in enumerate(model.levels, start=1):
-        p = _mixed(level, k, V, history, targets, p)
-    return p
-
-
 def distribution(model: KneserNey, history) -> np.ndarray:
     """The full next-token distribution [V] after a history (its last order-1 tokens are used)."""
     V, n = model.vocab_size, model.order - 1
     padded = [-1] * n + [int(t) for t in history]
-    h = np.asarray(padded[len(padded) - n :] if n else [], dtype=np.int64)
-    return prob(model, np.broadcast_to(h, (V, n)), np.arange(V))
+    h = np.broadcast_to(np.asarray(padded[len(padded) - n :] if n else [], dtype=np.int64), (V, n))  # [V, n]
+    p, targets = np.full(V, 1.0 / V), np.arange(V, dtype=np.int64)  # order 0: uniform
+    for k, level in enumerate(model.levels, start=1):
+        p = _mixed(level, k, V, h, targets, p)
+    return p
 
 
 PIECE = 1 << 20  # positions scored at a time
