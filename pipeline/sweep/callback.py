@@ -150,25 +150,11 @@ def parent_run(tracking) -> SweepParent:
     return getattr(tracker, "sweep_parent", SweepParent)(**{k: v for k, v in node.items() if not k.startswith("_")})
 
 
-def _quoted(path: Path) -> str:
-    """A path as one value of a Hydra override (quotes and interpolations in it stay text)."""
-    return "'" + str(path).replace("'", "\\'").replace("${", "\\${") + "'"
-
-
-def _has_callback(hydra_cfg) -> bool:
-    return any(isinstance(c, (dict, DictConfig)) and c.get("_target_") == f"{__name__}.{SweepCallback.__name__}"
-               for c in (hydra_cfg.get("callbacks") or {}).values())
-
-
-def parent_of(sweep: dict) -> dict | None:
-    """How the jobs and the end name the sweep's parent run to the agent: by the sweep's id (None: untracked)."""
-    return {"sweep_id": sweep["id"]} if "uri" in sweep and not sweep.get("tracking_off") else None
-
-
 def job_of(hydra_cfg) -> SweepJob:
     """The job a multirun's task runs, from sweep.json and Hydra's job number and overrides; without a directory
     if there is no sweep callback, `unreadable` (bad input, one line) if sweep.json is not a sweep's record."""
-    if not _has_callback(hydra_cfg):
+    if not any(isinstance(c, (dict, DictConfig)) and c.get("_target_") == f"{__name__}.{SweepCallback.__name__}"
+               for c in (hydra_cfg.get("callbacks") or {}).values()):
         return SweepJob()
     directory = str(hydra_cfg.sweep.dir)  # the launcher's override: <output_dir>/sweeps/<name>-<id>
     overrides = [str(o) for o in hydra_cfg.overrides.task]
@@ -189,7 +175,8 @@ def job_of(hydra_cfg) -> SweepJob:
                         unreadable=f"{problem}; the sweep's launcher writes it before any job: re-run the sweep")
     return SweepJob(dir=Path(directory), sweep_id=sweep["id"], overrides=overrides,
                     num=int(hydra_cfg.job.get("num", 0)) + int(sweep.get("job_offset") or 0),
-                    name=job_name(overrides, sweep["swept"]), parent=parent_of(sweep),
+                    name=job_name(overrides, sweep["swept"]),
+                    parent={"sweep_id": sweep["id"]} if "uri" in sweep and not sweep.get("tracking_off") else None,
                     parallel=not str(sweep.get("launcher", "")).endswith(".BasicLauncher"),
                     tracking_off=sweep.get("tracking_off"), started=time.time())
 
@@ -234,11 +221,12 @@ class SweepCallback(Callback):
         files = {n: b for n in START_FILES if (b := _bytes_of(target / n)) is not _UNREADABLE}
         self.start = _Start(target, NewDirs(target), files)
         self.parent = parent_run(config.get("tracking"))
-        directory = ensure_dirs(Path(str(config.paths.output_dir)), "sweeps",
-                                f"{identity['name'] or 'sweep'}-{sweep_id}")
+        directory = ensure_dirs(Path(str(config.paths.output_dir)), "sweeps", target.name)
         with open_dict(hydra):  # the launcher's and, composed again with this override, every job's
             hydra.sweep.dir = str(directory)
-            hydra.overrides.hydra.append(f"hydra.sweep.dir={_quoted(directory)}")
+            # one quoted value: quotes and interpolations in the path stay text
+            quoted = str(directory).replace("'", "\\'").replace("${", "\\${")
+            hydra.overrides.hydra.append(f"hydra.sweep.dir='{quoted}'")
         SIGNALS_STATE.sweeping(directory, slurm_jobs=_slurm_jobs(hydra.launcher), launcher=self)
         best_val = (_plain(config.get("stages")) or {}).get("best_val") or {}
         # best-val's mode (conf/stages/default.yaml); without that stage the jobs return NaN, either way round
@@ -288,8 +276,21 @@ class SweepCallback(Callback):
             self._launching()
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        if self.sweep is not None:
-            exit_for(end(self.sweep, None, self.parent))
+        """The table on stderr; exit 0 only if every job completed: 75 if interrupted, else the first failure's code."""
+        if self.sweep is None:
+            return
+        summary = end(self.sweep, None, self.parent)
+        print(*summary["table"], sep="\n", file=sys.stderr)
+        failed = summary["failed"]
+        if summary["status"] == "interrupted":
+            print(f"pipeline: the sweep was interrupted; {len(failed)} of {len(summary['jobs'])} jobs did not finish: "
+                  "re-run the same command to continue it", file=sys.stderr)
+            raise SystemExit(EXIT_PREEMPTED)
+        if failed:
+            listing = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
+                                for n, j in failed.items())
+            print(f"pipeline: {len(failed)} of {len(summary['jobs'])} jobs failed: {listing}", file=sys.stderr)
+            raise SystemExit(min(int(j.get("code", 1)) for j in failed.values()))
 
     # --- the entry point, when the sweeper or Hydra raised in the launching process
     def discard_unlaunched(self) -> bool:
@@ -358,21 +359,6 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
     replace_file(directory / "sweep.json", jsonio.dumps(sweep))
     table = sweep_table(sweep, jobs, best_job(jobs, sweep), parent.end(sweep))
     return {"status": status, "failed": failed, "jobs": jobs, "table": table}
-
-
-def exit_for(summary: dict) -> None:
-    """The table on stderr; exit 0 only if every job completed: 75 if interrupted, else the first failure's code."""
-    print(*summary["table"], sep="\n", file=sys.stderr)
-    failed = summary["failed"]
-    if summary["status"] == "interrupted":
-        print(f"pipeline: the sweep was interrupted; {len(failed)} of {len(summary['jobs'])} jobs did not finish: "
-              "re-run the same command to continue it", file=sys.stderr)
-        raise SystemExit(EXIT_PREEMPTED)
-    if failed:
-        listing = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
-                            for n, j in failed.items())
-        print(f"pipeline: {len(failed)} of {len(summary['jobs'])} jobs failed: {listing}", file=sys.stderr)
-        raise SystemExit(min(int(j.get("code", 1)) for j in failed.values()))
 
 
 def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:

@@ -164,7 +164,7 @@ class Agent:
             s.logged.update((p[0], p[3]) for p in points)
 
     def checkpoint(self, s: Session, m: dict) -> None:
-        self.store.log_file_as(s.repo, m["artifact"], data=m["manifest"].encode())
+        self.store.log_file_as(s.repo, m["artifact"], m["manifest"].encode())
 
     def finish(self, s: Session, m: dict) -> None:
         """The job hands its run over and leaves: its points now, the run directory once it has gone."""
@@ -194,7 +194,7 @@ class Agent:
             started = time.monotonic()
             try:
                 if "run_id" in r:
-                    self.index.sync_run_artifacts(s.client, r["run_id"], Path(m["run_dir"]))
+                    self.index.sync_artifacts(s.client, r["run_id"], Path(m["run_dir"]))
                     trace("finish: its artifacts", started)
                 s.conn.send({"sid": s.sid, "event": "finished"})
             except Exception as e:
@@ -219,7 +219,7 @@ class Agent:
             client.update_run(run.info.run_id, status="RUNNING")
         ids = self.parents[m["sweep_id"]] = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
         uri = self.common.run_uri(m["uri"], run.info.experiment_id, run.info.run_id)
-        s.conn.send({"sid": s.sid, "event": "ready", "uri": uri, **ids, "reused": not created})
+        s.conn.send({"sid": s.sid, "event": "ready", "uri": uri, **ids})
 
     def sweep_end(self, s: Session, m: dict) -> None:
         client = self.client(m["uri"])

@@ -99,14 +99,6 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
     return None
 
 
-def artifact_location_uri(location: str | None) -> str | None:
-    """A local directory becomes an absolute file: URI; a URI (s3://, mlflow-artifacts:, file:) is kept."""
-    if location in (None, ""):
-        return None
-    location = str(location)
-    return location if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", location) else Path(location).resolve().as_uri()
-
-
 # Stores whose client writes the artifacts itself (a database or a directory): the caller says where.
 # Anything else (http, https, databricks, ...) is a tracking server, which says where.
 _CLIENT_SIDE_STORES = ("sqlite", "postgresql", "mysql", "mssql", "file")
@@ -120,10 +112,12 @@ def artifact_root(uri: str, location: str | None = None) -> str | None:
     if str(uri).startswith("databricks") or (scheme is not None and len(scheme.group(1)) > 1 and
                                              scheme.group(1).lower() not in _CLIENT_SIDE_STORES):
         return None  # (a one-letter scheme is a Windows drive: a local path)
-    if location:
-        return artifact_location_uri(location)
     db = sqlite_path(str(uri))
-    return artifact_location_uri(str(db.parent / "mlartifacts")) if db is not None else None
+    location = location or (str(db.parent / "mlartifacts") if db is not None else None)
+    if not location:
+        return None
+    # a local directory becomes an absolute file: URI; a URI (s3://, mlflow-artifacts:, file:) is kept
+    return location if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", location) else Path(location).resolve().as_uri()
 
 
 def default_uri(output_dir: str | Path) -> str:

@@ -73,7 +73,7 @@ def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
 def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None = None,
              job: dict | None = None, artifacts: bool = True) -> dict:
     """Make the mlflow run of `run_dir` hold everything the directory does (under `parent` unless under another
-    already; with a sweep `job`'s tags): artifacts last, or left to sync_run_artifacts; returns what was added."""
+    already; with a sweep `job`'s tags): artifacts last, or left to sync_artifacts; returns what was added."""
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
     damaged: list[str] = []
@@ -130,14 +130,8 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         added["status"] = 1
     record_run_uri(rundir, run_uri(uri, run.info.experiment_id, run_id))
     if artifacts:
-        added["artifacts"] = sync_artifacts(client, run_id, rundir, found, lines)
+        added["artifacts"] = sync_artifacts(client, run_id, run_dir, found, lines)
     return {**added, "run_id": run_id, "experiment_id": run.info.experiment_id, "status_now": mstatus}
-
-
-def sync_run_artifacts(client, run_id: str, run_dir: Path) -> int:
-    """The artifacts part of sync_run, for a run whose rest sync_run(artifacts=False) has done."""
-    rundir = RunDir(Path(run_dir).resolve())
-    return sync_artifacts(client, run_id, rundir, manifests(rundir), rundir.read_metrics())
 
 
 def record_run_uri(rundir: RunDir, uri: str) -> bool:
@@ -159,7 +153,10 @@ def record_run_uri(rundir: RunDir, uri: str) -> bool:
     return True
 
 
-def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list) -> int:
+def sync_artifacts(client, run_id: str, run_dir: Path, found: list | None = None, lines: list | None = None) -> int:
+    """The artifacts part of sync_run (for the agent, once sync_run(artifacts=False) has done the rest)."""
+    rundir = RunDir(Path(run_dir).resolve())
+    found = manifests(rundir) if found is None else found
     repo = store.artifact_repo(client, run_id)
     have = store.artifact_sizes(repo)
     final = rundir.store.link_dir("final")
@@ -174,11 +171,10 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
         except (OSError, CheckpointError):
             continue  # a damaged checkpoint: reindex names it
         todo.append((f"{folder}/{got.name}", got) if isinstance(got, Path) else (f"{folder}/{got[0]}", got[1]))
-    for p in (rundir.hydra_dir / "config.yaml", rundir.hydra_dir / "overrides.yaml", rundir.log_path):
-        with contextlib.suppress(OSError):
-            if stat.S_ISREG(p.stat().st_mode):  # a FIFO or a device where a file should be: never opened (it blocks)
-                todo.append((f"hydra/{p.name}" if p != rundir.log_path else p.name, p))
-    added = 0
+    todo += [(f"hydra/{p.name}", p) for p in (rundir.hydra_dir / "config.yaml", rundir.hydra_dir / "overrides.yaml")]
+    todo.append((rundir.log_path.name, rundir.log_path))
+    if (png := curves_png(rundir, rundir.read_metrics() if lines is None else lines)) is not None:
+        todo.append((CURVES_ARTIFACT, png))
     # A checkpoint retention retired is gone from disk: its manifest, logged live when it was saved, goes from
     # the index too (a rebuild from disk never sees it; the run's resume.N tags keep where each resume started).
     # A damaged one is still on disk: kept.
@@ -186,35 +182,35 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     folder = rundir.store.root.relative_to(rundir.path).as_posix()  # the artifacts mirror the run's layout
     for name in sorted({a.split("/")[1] for a in have if a.startswith(f"{folder}/") and a.count("/") == 2} - kept):
         repo.delete_artifacts(f"{folder}/{name}")
-    final_changed = False
+    return log_changed(repo, have, todo)
+
+
+def log_changed(repo, have: dict[str, int], todo: list[tuple[str, Path | bytes]]) -> int:
+    """Log each (artifact, bytes or file) whose size or, if small, content differs from what the run has; a file
+    that is missing or not regular (a FIFO, a device: it would block) is skipped. Returns how many were logged."""
+    added, final_changed = 0, False
     for artifact, source in todo:
         try:
+            if not isinstance(source, bytes) and not stat.S_ISREG(source.stat().st_mode):
+                continue
             size = len(source) if isinstance(source, bytes) else source.stat().st_size
             changed = have.get(artifact) != size or (size <= MAX_COMPARED_BYTES and
                                                      store.artifact_bytes(repo, artifact, have) != _bytes_of(source))
         except OSError:
-            continue  # replaced since it was listed (a FIFO, a device, a file grown past the bound): the next sync
+            continue  # absent, or replaced since it was listed (a FIFO, a device, a file grown past the bound)
         if changed or (final_changed and artifact.startswith("final/")):
             final_changed = final_changed or artifact.startswith("final/")  # the weights follow their manifest
-            if isinstance(source, bytes):
-                store.log_file_as(repo, artifact, data=source)
-            else:
-                store.log_file_as(repo, artifact, source=source)
+            store.log_file_as(repo, artifact, source)
             added += 1
-    png = curves_png(rundir, lines)
-    if png is not None and store.artifact_bytes(repo, CURVES_ARTIFACT, have) != png:
-        store.log_file_as(repo, CURVES_ARTIFACT, data=png)
-        added += 1
     return added
 
 
 def curves_png(rundir: RunDir, lines: list) -> bytes | None:
     """The run directory's own curves.png if written after the last metrics line, else drawn from metrics.jsonl."""
     own = rundir.path / CURVES_ARTIFACT
-    with contextlib.suppress(OSError):
-        if own.is_file() and own.stat().st_size <= MAX_CURVES_BYTES and \
-                own.stat().st_mtime >= rundir.metrics_path.stat().st_mtime:
-            return own.read_bytes()
+    with contextlib.suppress(OSError):  # a link, a FIFO or a file over the bound: drawn again
+        if own.stat().st_mtime >= rundir.metrics_path.stat().st_mtime:
+            return reading.read_bytes(own, MAX_CURVES_BYTES)
     return curves.draw(lines)  # the job's own drawing: the same lines give the same bytes
 
 
@@ -223,8 +219,8 @@ SWEEP_STATUS = {"complete": "FINISHED", "failed": "FAILED", "interrupted": "KILL
 DERIVED_PARENT_TAGS = ("sweep.failures", "best.job", "best.params", "best.value", "best.run_id", "ended")
 
 
-def read_sweep(sweep_dir: Path) -> tuple[dict, dict[int, dict]]:
-    return jsonio.read(Path(sweep_dir) / "sweep.json", 1 << 24), read_jobs(Path(sweep_dir))
+def read_sweep(sweep_dir: Path) -> dict:
+    return jsonio.read(Path(sweep_dir) / "sweep.json", 1 << 24)
 
 
 def identity_tags(sweep: dict) -> dict[str, str]:
@@ -280,7 +276,7 @@ def objective_points(sweep: dict, jobs: dict[int, dict]) -> list[tuple[str, floa
 
 def open_parent(client, sweep_dir: Path, artifact_root: str | None):
     """(the sweep's parent run, found by the sweep's id or created now; whether created), as sweep.json says."""
-    sweep, _ = read_sweep(sweep_dir)
+    sweep = read_sweep(sweep_dir)
     experiment = sweep.get("experiment") or sweep.get("name") or "default"
     experiment_id = store.ensure_experiment(client, experiment, artifact_root)
     found = store.find_parent(client, sweep["id"], experiment_id)
@@ -307,7 +303,7 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
     """Make a sweep's parent run hold what its directory says; children=True (reindex) indexes each job's run
     directory under it too, in job order ("synced": {resolved run directory: sync_run's result})."""
     sweep_dir = Path(sweep_dir)
-    sweep, jobs = read_sweep(sweep_dir)
+    sweep, jobs = read_sweep(sweep_dir), read_jobs(sweep_dir)
     if parent is None:
         run, _ = open_parent(client, sweep_dir, artifact_root)
         parent = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
@@ -326,11 +322,8 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
     logged = store.logged_steps(client, run.info.run_id, {p[0] for p in points})
     store.log_points(client, run.info.run_id, [p for p in points if (p[0], p[3]) not in logged])
     repo = store.artifact_repo(client, run.info.run_id)
-    have = store.artifact_sizes(repo)
-    for name in ("multirun.yaml", "optimization_results.yaml", "sweep.json"):
-        p = sweep_dir / name
-        if p.is_file() and store.artifact_bytes(repo, name, have) != p.read_bytes():
-            store.log_file_as(repo, name, source=p)
+    log_changed(repo, store.artifact_sizes(repo),
+                [(name, sweep_dir / name) for name in ("multirun.yaml", "optimization_results.yaml", "sweep.json")])
     end = int(float(sweep["ended_at"]) * 1000) if isinstance(sweep.get("ended_at"), (int, float)) else None
     if status != "RUNNING" and (run.info.status != status or run.info.end_time != end):
         client.set_terminated(run.info.run_id, status=status, end_time=end)

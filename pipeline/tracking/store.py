@@ -18,7 +18,7 @@ from mlflow.exceptions import MlflowException
 
 from pipeline.config.errors import CommandError
 from pipeline.files.atomic import UnsafePathError, refuse_link
-from pipeline.tracking.common import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri, sqlite_path, tag_value
+from pipeline.tracking.common import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, sqlite_path, tag_value
 from pipeline.tracking.common import artifact_root as common_artifact_root
 from pipeline.tracking.sharing import check_shared
 
@@ -145,7 +145,7 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None
         location = None
         if root := common_artifact_root(client.tracking_uri, artifact_root):
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "experiment"
-            location = artifact_location_uri(root.rstrip("/") + "/" + safe)
+            location = root.rstrip("/") + "/" + safe
         try:
             return client.create_experiment(name, artifact_location=location,
                                             tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
@@ -249,15 +249,14 @@ def artifact_repo(client: MlflowClient, run_id: str):
                                    tracking_uri=client._tracking_client.tracking_uri)
 
 
-def log_file_as(repo, artifact_file: str, *, data: bytes | None = None, source: Path | None = None) -> None:
+def log_file_as(repo, artifact_file: str, source: Path | bytes) -> None:
     """Log bytes or a file at the artifact path `artifact_file` (dir/name), whatever the local file is called."""
     artifact_dir, _, name = artifact_file.rpartition("/")
     with tempfile.TemporaryDirectory(prefix="pipeline-artifact-") as tmp:
         local = Path(tmp) / name
-        if data is not None:
-            local.write_bytes(data)
+        if isinstance(source, bytes):
+            local.write_bytes(source)
         else:
-            assert source is not None  # one of data and source
             os.symlink(Path(source).resolve(), local)  # the artifact store copies the target's bytes
         repo.log_artifact(str(local), artifact_dir or None)
 
