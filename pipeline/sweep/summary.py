@@ -78,10 +78,6 @@ def swept_values(job: dict, keys) -> dict[str, str]:
     return out
 
 
-def _cell(text: str) -> str:
-    return text if len(text) <= MAX_CELL else text[:MAX_CELL - 3] + "..."
-
-
 def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: list[str]) -> list[str]:
     """The lines a sweep ends with: every job in job order if at most MAX_ROWS, else the best MAX_ROWS; `best` is
     the winning job's record (best_job, as the parent's best.* tags), `parent` where that run is."""
@@ -104,7 +100,8 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
     for j in shown:
         values = swept_values(j, keys)
         v = finite(j.get("objective"))
-        rows.append([str(j["num"]), *(_cell(values.get(k, "")) for k in keys),
+        cells = [values.get(k, "") for k in keys]
+        rows.append([str(j["num"]), *(c if len(c) <= MAX_CELL else c[:MAX_CELL - 3] + "..." for c in cells),
                      "-" if v is None else f"{v:.6g}", str(j.get("status", "unknown"))])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     numeric = {0, len(widths) - 2}  # the job number and the objective: right-aligned

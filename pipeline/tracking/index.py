@@ -14,18 +14,7 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.files import jsonio, reading
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.sweep.summary import best_job, direction, finite, parent_name, read_jobs
-from pipeline.tracking import store
-from pipeline.tracking.common import (
-    CURVES_ARTIFACT,
-    DERIVED_RUN_TAGS,
-    experiment_of,
-    metric_points,
-    params_of,
-    parse_run_uri,
-    run_uri,
-    tag_value,
-    tags_of,
-)
+from pipeline.tracking import common, store
 from pipeline.trainer import curves
 
 MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
@@ -88,15 +77,15 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     lines = rundir.read_metrics()
     candidates = []
     for _, manifest in reversed(found):
-        base, _, rid = parse_run_uri(manifest.get("mlflow_run_uri"))
+        base, _, rid = common.parse_run_uri(manifest.get("mlflow_run_uri"))
         if rid and base in (None, uri) and rid not in candidates:
             candidates.append(rid)
-    tags = tags_of(newest, run_dir, status, job)
+    tags = common.tags_of(newest, run_dir, status, job)
     if parent is not None:
         tags["mlflow.parentRunId"] = parent["run_id"]
     run = store.find_run(client, str(run_dir), candidates)
     if run is None:
-        experiment = experiment_of(config)
+        experiment = common.experiment_of(config)
         started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
         run = store.create_run(client, store.ensure_experiment(client, str(experiment), artifact_root), tags, started)
         added["created"] = 1
@@ -105,11 +94,11 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         tags = {k: v for k, v in tags.items() if not k.startswith("sweep.") and k != "mlflow.runName"}
         tags["mlflow.parentRunId"] = run.data.tags["mlflow.parentRunId"]
     run_id = run.info.run_id
-    added["params"] = store.sync_params(client, run, params_of(config))
-    added["tags"] = store.sync_tags(client, run, tags, DERIVED_RUN_TAGS)
+    added["params"] = store.sync_params(client, run, common.params_of(config))
+    added["tags"] = store.sync_tags(client, run, tags, common.DERIVED_RUN_TAGS)
     latest = {}
     for line in lines:
-        for p in metric_points(line):
+        for p in common.metric_points(line):
             latest[(p[0], p[3])] = p  # a step logged twice in the file: its last line
     # The best is the run's result: logged once it has ended for good, never from a preempted segment (a resumed
     # run's index would keep that segment's best beside the final one, which a rebuild from disk cannot know).
@@ -128,7 +117,7 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         end = status.get("ended_at") or status.get("updated") or run_dir.stat().st_mtime
         client.set_terminated(run_id, status=mstatus, end_time=int(end * 1000))
         added["status"] = 1
-    record_run_uri(rundir, run_uri(uri, run.info.experiment_id, run_id))
+    record_run_uri(rundir, common.run_uri(uri, run.info.experiment_id, run_id))
     if artifacts:
         added["artifacts"] = sync_artifacts(client, run_id, run_dir, found, lines)
     return {**added, "run_id": run_id, "experiment_id": run.info.experiment_id, "status_now": mstatus}
@@ -174,7 +163,7 @@ def sync_artifacts(client, run_id: str, run_dir: Path, found: list | None = None
     todo += [(f"hydra/{p.name}", p) for p in (rundir.hydra_dir / "config.yaml", rundir.hydra_dir / "overrides.yaml")]
     todo.append((rundir.log_path.name, rundir.log_path))
     if (png := curves_png(rundir, rundir.read_metrics() if lines is None else lines)) is not None:
-        todo.append((CURVES_ARTIFACT, png))
+        todo.append((common.CURVES_ARTIFACT, png))
     # A checkpoint retention retired is gone from disk: its manifest, logged live when it was saved, goes from
     # the index too (a rebuild from disk never sees it; the run's resume.N tags keep where each resume started).
     # A damaged one is still on disk: kept.
@@ -207,7 +196,7 @@ def log_changed(repo, have: dict[str, int], todo: list[tuple[str, Path | bytes]]
 
 def curves_png(rundir: RunDir, lines: list) -> bytes | None:
     """The run directory's own curves.png if written after the last metrics line, else drawn from metrics.jsonl."""
-    own = rundir.path / CURVES_ARTIFACT
+    own = rundir.path / common.CURVES_ARTIFACT
     with contextlib.suppress(OSError):  # a link, a FIFO or a file over the bound: drawn again
         if own.stat().st_mtime >= rundir.metrics_path.stat().st_mtime:
             return reading.read_bytes(own, MAX_CURVES_BYTES)
@@ -232,7 +221,7 @@ def identity_tags(sweep: dict) -> dict[str, str]:
             "experiment": sweep.get("name", ""), "git_sha": str(sweep.get("git_sha"))}
     if sweep.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = sweep["git_sha"]
-    return {k: tag_value(v) for k, v in tags.items()}
+    return {k: common.tag_value(v) for k, v in tags.items()}
 
 
 def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, str], str]:
@@ -242,20 +231,24 @@ def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, s
     failed = {n: j for n, j in sorted(jobs.items()) if j.get("status") != "complete"}
     tags.update({"sweep.jobs": str(len(jobs)), "sweep.failed": str(len(failed))})
     if failed:
-        tags["sweep.failures"] = tag_value("; ".join(f"job {n} ({j.get('name', '')}): {j.get('status')}: "
+        tags["sweep.failures"] = common.tag_value("; ".join(f"job {n} ({j.get('name', '')}): {j.get('status')}: "
                                                      f"{j.get('error', '')}" for n, j in failed.items()))
     best = best_job(jobs, sweep)
     if best is not None:
-        tags.update({"best.job": str(best["num"]), "best.params": tag_value(best.get("name", "")),
+        tags.update({"best.job": str(best["num"]), "best.params": common.tag_value(best.get("name", "")),
                      "best.value": repr(best["objective"])})
         if best.get("run_dir"):  # by its run_dir tag: a run id the job recorded may be another store's
             found = store.find_run(client, str(Path(best["run_dir"]).resolve()))
             if found is not None:
                 tags["best.run_id"] = found.info.run_id
     status = SWEEP_STATUS.get(sweep.get("status", "running"), "RUNNING")
-    if status == "RUNNING" and not _alive(sweep):
-        status = "FAILED"  # its launching process died without ending it
-        tags["ended"] = "the launching process exited without ending the sweep"
+    # running, but its launching process (seen from its own host: elsewhere it is taken as alive) has died
+    if status == "RUNNING" and sweep.get("host") == socket.gethostname() and isinstance(sweep.get("pid"), int):
+        with contextlib.suppress(PermissionError):
+            try:
+                os.kill(sweep["pid"], 0)
+            except ProcessLookupError:
+                status, tags["ended"] = "FAILED", "the launching process exited without ending the sweep"
     return tags, status
 
 
@@ -283,19 +276,36 @@ def open_parent(client, sweep_dir: Path, artifact_root: str | None):
     tags = identity_tags(sweep)
     run = found or store.create_run(client, experiment_id, tags, sweep.get("started"))
     store.sync_tags(client, run, tags)
-    store.sync_params(client, run, {k: tag_value(v)[:6000] for k, v in (sweep.get("swept") or {}).items()})
+    store.sync_params(client, run, {k: common.param_value(v) for k, v in (sweep.get("swept") or {}).items()})
     return client.get_run(run.info.run_id), found is None
 
 
 def index_job(client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None, job: dict) -> dict:
-    """A sweep job's run directory under its parent: its own run, or a child pointing at the run when that one
-    already stands for another job (a repeat in this sweep, or a job of another sweep)."""
+    """A sweep job's run directory under its parent: its own run, or a child of the parent pointing at the run when
+    that one already stands for another job (a repeat in this sweep, or a job of another sweep)."""
     run = store.find_run(client, str(Path(run_dir).resolve()))
-    if run is not None and parent and (run.data.tags.get("mlflow.parentRunId") != parent["run_id"] or
-                                       run.data.tags.get("sweep.job_num") not in (None, str(job.get("num")))):
-        ref = store.reference_run(client, run, parent, job)
-        return {"run_id": ref.info.run_id, "experiment_id": ref.info.experiment_id, "repeat_of": run.info.run_id}
-    return sync_run(client, uri, Path(run_dir), artifact_root, parent, job)
+    if run is None or not parent or (run.data.tags.get("mlflow.parentRunId") == parent["run_id"] and
+                                     run.data.tags.get("sweep.job_num") in (None, str(job.get("num")))):
+        return sync_run(client, uri, Path(run_dir), artifact_root, parent, job)
+    # The child is named by the run directory it repeats, as on disk (a run id is the store's own: a rebuild makes
+    # others), holds its params and final metrics, and no run_dir tag (that one is the run).
+    same = Path(run.data.tags.get("run_dir") or run.info.run_id).name
+    name = f"{job.get('name') or run.data.tags.get('mlflow.runName', '')} (same run as {same})"
+    tags = {k: v for k, v in run.data.tags.items() if not k.startswith(("mlflow.", "sweep.")) and k != "run_dir"}
+    tags.update({"mlflow.parentRunId": parent["run_id"], "mlflow.runName": name, "repeat_of": run.info.run_id,
+                 "repeat_of.run_dir": run.data.tags.get("run_dir", ""), "sweep.id": str(job.get("sweep_id")),
+                 "sweep.job_num": str(job.get("num")), "sweep.job_overrides": " ".join(job.get("overrides") or [])})
+    found = client.search_runs([parent["experiment_id"]], f"tags.`sweep.id` = '{job.get('sweep_id')}' and "
+                               f"tags.`sweep.job_num` = '{job.get('num')}' and tags.repeat_of = '{run.info.run_id}'",
+                               max_results=1)
+    child = found[0] if found else None
+    if child is None:  # its times and points are the run's it repeats: the same in the live index and in a rebuild
+        child = client.create_run(parent["experiment_id"], start_time=run.info.start_time, tags=tags, run_name=name)
+        store.sync_params(client, child, run.data.params)
+        end = run.info.end_time or run.info.start_time
+        store.log_points(client, child.info.run_id, [(k, v, end, 0) for k, v in sorted(run.data.metrics.items())])
+        client.set_terminated(child.info.run_id, status=run.info.status, end_time=end)
+    return {"run_id": child.info.run_id, "experiment_id": child.info.experiment_id, "repeat_of": run.info.run_id}
 
 
 def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, parent: dict | None = None,
@@ -328,16 +338,3 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
     if status != "RUNNING" and (run.info.status != status or run.info.end_time != end):
         client.set_terminated(run.info.run_id, status=status, end_time=end)
     return {**parent, "children": len(jobs), "status": status, "synced": synced}
-
-
-def _alive(sweep: dict) -> bool:
-    """Whether the process that launched a sweep still runs (a sweep launched on another host: assume so)."""
-    if sweep.get("host") != socket.gethostname() or not isinstance(sweep.get("pid"), int):
-        return True
-    try:
-        os.kill(sweep["pid"], 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True

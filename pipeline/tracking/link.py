@@ -50,15 +50,6 @@ def private_problem(directory: Path) -> str | None:
     return None
 
 
-def runtime_dir() -> Path:
-    """Where the agents' sockets and logs live: $XDG_RUNTIME_DIR if it is this user's alone, else
-    `<temp dir>/pipeline-<uid>`, which `private_dir` makes (0700)."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isabs(xdg) and private_problem(Path(xdg)) is None:
-        return Path(xdg)
-    return Path(tempfile.gettempdir()) / f"pipeline-{os.getuid()}"
-
-
 def private_dir(directory: Path) -> Path:
     """`directory`, made (0700) if missing, once it is checked to be this user's alone: else OSError naming it (the
     directory is not used: nothing connects, binds or writes there)."""
@@ -71,9 +62,12 @@ def private_dir(directory: Path) -> Path:
 
 
 def socket_path(uri: str) -> Path:
-    """Short and per user: a Unix socket path must fit in ~100 bytes whatever the URI."""
-    digest = hashlib.sha256(uri.encode()).hexdigest()[:16]
-    return runtime_dir() / f"pipeline-mlflow-{digest}.sock"
+    """Short and per user (a Unix socket path must fit in ~100 bytes whatever the URI), in $XDG_RUNTIME_DIR if it
+    is this user's alone, else in `<temp dir>/pipeline-<uid>`, which `private_dir` makes (0700)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    private = xdg and os.path.isabs(xdg) and private_problem(Path(xdg)) is None
+    directory = Path(xdg) if private else Path(tempfile.gettempdir()) / f"pipeline-{os.getuid()}"
+    return directory / f"pipeline-mlflow-{hashlib.sha256(uri.encode()).hexdigest()[:16]}.sock"
 
 
 def agent_log(uri: str) -> Path:

@@ -291,27 +291,3 @@ def artifact_bytes(repo, path: str, sizes: dict[str, int] | None = None, limit: 
             return got.read_bytes() if got.is_file() and got.stat().st_size <= limit else None
     except (MlflowException, OSError):
         return None
-
-
-def reference_run(client: MlflowClient, run, parent: dict, job: dict):
-    """A child of `parent` for a sweep job whose run directory another job's run stands for: its params and final
-    metrics, tagged with the run it repeats (no run_dir tag: that one is the run)."""
-    # named by the run directory it repeats, as on disk: a run id is the store's own (a rebuild makes others)
-    same = Path(run.data.tags.get("run_dir") or run.info.run_id).name
-    name = f"{job.get('name') or run.data.tags.get('mlflow.runName', '')} (same run as {same})"
-    tags = {k: v for k, v in run.data.tags.items() if not k.startswith(("mlflow.", "sweep.")) and k != "run_dir"}
-    tags.update({"mlflow.parentRunId": parent["run_id"], "mlflow.runName": name, "repeat_of": run.info.run_id,
-                 "repeat_of.run_dir": run.data.tags.get("run_dir", ""), "sweep.id": str(job.get("sweep_id")),
-                 "sweep.job_num": str(job.get("num")), "sweep.job_overrides": " ".join(job.get("overrides") or [])})
-    found = client.search_runs([parent["experiment_id"]], f"tags.`sweep.id` = '{job.get('sweep_id')}' and "
-                               f"tags.`sweep.job_num` = '{job.get('num')}' and tags.repeat_of = '{run.info.run_id}'",
-                               max_results=1)
-    if found:
-        return found[0]
-    # its times and points are the run's it repeats: the same in the live index and in a rebuilt one
-    child = client.create_run(parent["experiment_id"], start_time=run.info.start_time, tags=tags, run_name=name)
-    sync_params(client, child, run.data.params)
-    end = run.info.end_time or run.info.start_time
-    log_points(client, child.info.run_id, [(k, v, end, 0) for k, v in sorted(run.data.metrics.items())])
-    client.set_terminated(child.info.run_id, status=run.info.status, end_time=end)
-    return child

@@ -69,7 +69,8 @@ class MlflowSweepParent(SweepParent):
             log.info("mlflow: the tracking agent completes the sweep's parent run after this process exits")
         elif answer.get("event") != "ready":
             log.warning("mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
-                        "index them with `python -m pipeline.reindex`.", self.uri, answer.get("message", "unknown error"))
+                        "index them with `python -m pipeline.reindex`.", self.uri,
+                        answer.get("message", "unknown error"))
         if answer is None:
             return [f"sweep.id={sweep['id']} in {self.uri} (the tracking agent completes it after this process exits)"]
         if answer.get("event") != "ready":
