@@ -80,11 +80,11 @@ class MlflowTracker(Tracker):
             self._fail(problem)
             return
         try:
-            from pipeline.tracking.link import Request, agent_for, agent_log
+            from pipeline.tracking.link import Request, agent_for
 
             pong = Request(kinds=("pong",))  # the agent has the store open: a run's URI is moments away, not seconds
             self.warm = pong.done
-            self._link = link = agent_for(self.uri, agent_log(self.uri))
+            self._link = link = agent_for(self.uri)
             link.send({"op": "ping", "sid": link.register(pong), "uri": self.uri,
                             "artifact_location": self.artifact_location})
         except OSError as e:

@@ -6,7 +6,7 @@ import logging
 from pipeline.run.report import run_page, ui_page, ui_server
 from pipeline.run.tracker import SweepParent
 from pipeline.tracking.common import SLURM_WAIT, artifact_root, in_slurm_job, normalize_tracking_uri, store_problem
-from pipeline.tracking.link import Request, agent_for, agent_log
+from pipeline.tracking.link import Request, agent_for
 
 log = logging.getLogger("pipeline")
 END_WAIT = 1.0  # seconds the launcher waits for its last messages to the tracking agent to be on their way
@@ -35,12 +35,12 @@ class MlflowSweepParent(SweepParent):
 
     def warm(self, sweep: dict) -> None:
         if not sweep.get("tracking_off"):
-            agent_for(self.uri, agent_log(self.uri))  # mlflow's import, meanwhile: no request
+            agent_for(self.uri)  # mlflow's import, meanwhile: no request
 
     def start(self, sweep: dict) -> None:
         if sweep.get("tracking_off"):
             return
-        link = agent_for(self.uri, agent_log(self.uri))  # at once: the agent starts beside the jobs
+        link = agent_for(self.uri)  # at once: the agent starts beside the jobs
         self.request = Request()
         link.send({"op": "parent_start", "sid": link.register(self.request), "uri": self.uri,
                    "artifact_location": sweep.get("artifact_location"), "sweep_id": sweep["id"],
