@@ -1,6 +1,7 @@
 """The Hydra callback that makes a multirun one sweep (identity, directory, signals, parent run) and its end."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -218,7 +219,13 @@ class SweepCallback(Callback):
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
         check_output_dir(Path(str(config.paths.output_dir)))  # before its files are read or anything is made
         target = Path(os.path.abspath(config.paths.output_dir), "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
-        files = {n: b for n in START_FILES if (b := _bytes_of(target / n)) is not _UNREADABLE}
+        files: dict[str, bytes | None] = {}  # what the launcher writes before its first job, as it was (None: absent)
+        for name in ("sweep.json", "multirun.yaml", OPTUNA_DB):
+            if not os.path.lexists(target / name):
+                files[name] = None
+            elif name != OPTUNA_DB:  # a study found there stays as it is, and so does a file that does not read
+                with contextlib.suppress(OSError):
+                    files[name] = reading.read_bytes(target / name, 1 << 26)
         self.start = _Start(target, NewDirs(target), files)
         self.parent = parent_run(config.get("tracking"))
         directory = ensure_dirs(Path(str(config.paths.output_dir)), "sweeps", target.name)
@@ -310,7 +317,7 @@ class SweepCallback(Callback):
                 path = start.directory / name
                 if data is None:
                     path.unlink(missing_ok=True)
-                elif name != OPTUNA_DB:
+                else:
                     replace_file(path, data)
         start.made.prune()
         return True
@@ -328,24 +335,6 @@ class SweepCallback(Callback):
             return False
         end(sweep, error, self.parent)
         return True
-
-
-START_FILES = ("sweep.json", "multirun.yaml", OPTUNA_DB)  # what a sweep's launcher writes before its first job
-
-
-_UNREADABLE = object()  # a file an undo leaves as it is
-
-
-def _bytes_of(path: Path):
-    """A file's bytes as a sweep's start found them (an Optuna database: b"" for present), None if absent."""
-    if not os.path.lexists(path):
-        return None
-    if path.name == OPTUNA_DB:
-        return b""
-    try:
-        return reading.read_bytes(path, 1 << 26)
-    except OSError:
-        return _UNREADABLE
 
 
 def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
