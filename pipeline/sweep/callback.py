@@ -19,15 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, CommandError, ConfigError, Refusal
 from pipeline.config.identity import experiment_name, is_machine_key
 from pipeline.config.targets import parse_overrides
-from pipeline.files import jsonio, names, reading
-from pipeline.files.atomic import (
-    NewDirs,
-    UnsafePathError,
-    check_output_dir,
-    ensure_dirs,
-    environment_error,
-    replace_file,
-)
+from pipeline.files import atomic, jsonio, names, reading
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import SweepParent
@@ -132,7 +124,7 @@ class _Start:
     """What a sweep's start changed, to undo if no job ever runs: the directories it made, and the files of an
     existing sweep directory as they were (None: absent)."""
     directory: Path
-    made: NewDirs
+    made: atomic.NewDirs
     files: dict
 
 
@@ -208,16 +200,16 @@ class SweepCallback(Callback):
         refuse_monitors(config, swept(task, sweeper.get("params")))
         try:
             self._start(config, hydra, task, sweeper, identity)
-        except UnsafePathError as e:  # a link planted at sweeps/ (or another of the output directory's entries)
+        except atomic.UnsafePathError as e:  # a link planted at sweeps/ (or another of the output directory's entries)
             _stop(EXIT_BAD_INPUT, str(e))
         except OSError as e:
-            if (message := environment_error(e)) is None:
+            if (message := atomic.environment_error(e)) is None:
                 raise
             _stop(EXIT_ERROR, message)
 
     def _start(self, config: DictConfig, hydra, task: list[str], sweeper: dict, identity: dict) -> None:
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
-        check_output_dir(Path(str(config.paths.output_dir)))  # before its files are read or anything is made
+        atomic.check_output_dir(Path(str(config.paths.output_dir)))  # before its files are read or anything is made
         target = Path(os.path.abspath(config.paths.output_dir), "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
         files: dict[str, bytes | None] = {}  # what the launcher writes before its first job, as it was (None: absent)
         for name in ("sweep.json", "multirun.yaml", OPTUNA_DB):
@@ -226,9 +218,9 @@ class SweepCallback(Callback):
             elif name != OPTUNA_DB:  # a study found there stays as it is, and so does a file that does not read
                 with contextlib.suppress(OSError):
                     files[name] = reading.read_bytes(target / name, 1 << 26)
-        self.start = _Start(target, NewDirs(target), files)
+        self.start = _Start(target, atomic.NewDirs(target), files)
         self.parent = parent_run(config.get("tracking"))
-        directory = ensure_dirs(Path(str(config.paths.output_dir)), "sweeps", target.name)
+        directory = atomic.ensure_dirs(Path(str(config.paths.output_dir)), "sweeps", target.name)
         with open_dict(hydra):  # the launcher's and, composed again with this override, every job's
             hydra.sweep.dir = str(directory)
             # one quoted value: quotes and interpolations in the path stay text
@@ -262,7 +254,7 @@ class SweepCallback(Callback):
         self.sweep["experiment"] = experiment_name(str(config.get("name", "")), *(
             str(OmegaConf.select(config, f"{g}._target_", default="")) for g in ("model", "data")))
         self.sweep.update(self.parent.facts(timeout=STORE_WAIT))
-        replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
+        atomic.replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
         self.launcher_pid = os.getpid()
         # Where the jobs run in this process, the parent run and the sweep's line wait for its first job (Hydra
         # composes them all first: a sweep refused then leaves no parent run and says one line); other
@@ -318,7 +310,7 @@ class SweepCallback(Callback):
                 if data is None:
                     path.unlink(missing_ok=True)
                 else:
-                    replace_file(path, data)
+                    atomic.replace_file(path, data)
         start.made.prune()
         return True
 
@@ -345,7 +337,7 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
     interrupted = SIGNALS_STATE.received is not None or any(j.get("code") == EXIT_PREEMPTED for j in jobs.values())
     status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
     sweep.update(status=status, ended_at=time.time(), error=error)
-    replace_file(directory / "sweep.json", jsonio.dumps(sweep))
+    atomic.replace_file(directory / "sweep.json", jsonio.dumps(sweep))
     table = sweep_table(sweep, jobs, best_job(jobs, sweep), parent.end(sweep))
     return {"status": status, "failed": failed, "jobs": jobs, "table": table}
 
