@@ -93,10 +93,8 @@ class Agent:
         self.waiters: list[tuple[Conn, object]] = []  # idle requests
 
     def parent_of(self, client, ref: dict | None) -> dict | None:
-        """A job's parent, given as {"run_id", ...} or by its sweep's id (the launcher does not wait for it)."""
-        if not ref or "run_id" in ref:
-            return ref
-        sweep_id = ref.get("sweep_id")
+        """A job's parent run, named by its sweep's id ({"sweep_id"}: the launcher does not wait for the run)."""
+        sweep_id = (ref or {}).get("sweep_id")
         if not isinstance(sweep_id, str):
             return None
         if sweep_id not in self.parents:

@@ -5,7 +5,6 @@ import contextlib
 import os
 import socket
 import stat
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,17 +148,17 @@ def sync_artifacts(client, run_id: str, run_dir: Path, found: list | None = None
     repo = store.artifact_repo(client, run_id)
     have = store.artifact_sizes(repo)
     final = rundir.store.link_dir("final")
-    reads: list[tuple[str, Callable[[CheckpointDir], Path | tuple[str, bytes]], Path]] = [
-        (d.relative_to(rundir.path).as_posix(), CheckpointDir.manifest_file, d) for d, _ in found]
-    if final:  # its manifest first: the weights are logged again when it is
-        reads += [("final", CheckpointDir.manifest_file, final), ("final", CheckpointDir.weights_file, final)]
     todo: list[tuple[str, Path | bytes]] = []
-    for folder, read, directory in reads:  # the store reads a checkpoint's files: never a link or a FIFO
-        try:
-            got = read(CheckpointDir(directory))
+    checkpoints = [(d.relative_to(rundir.path).as_posix(), d) for d, _ in found]
+    for folder, directory in checkpoints + ([("final", final)] if final else []):
+        try:  # CheckpointDir reads a checkpoint's files: never a link or a FIFO
+            name, raw = CheckpointDir(directory).manifest_file()
+            todo.append((f"{folder}/{name}", raw))
+            if folder == "final":  # after its manifest: the weights are logged again when it is
+                weights = CheckpointDir(directory).weights_file()
+                todo.append((f"final/{weights.name}", weights))
         except (OSError, CheckpointError):
             continue  # a damaged checkpoint: reindex names it
-        todo.append((f"{folder}/{got.name}", got) if isinstance(got, Path) else (f"{folder}/{got[0]}", got[1]))
     todo += [(f"hydra/{p.name}", p) for p in (rundir.hydra_dir / "config.yaml", rundir.hydra_dir / "overrides.yaml")]
     todo.append((rundir.log_path.name, rundir.log_path))
     if (png := curves_png(rundir, rundir.read_metrics() if lines is None else lines)) is not None:
