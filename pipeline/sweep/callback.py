@@ -23,7 +23,7 @@ from pipeline.files import atomic, jsonio, names, reading
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import SweepParent
-from pipeline.sweep.summary import best_job, read_jobs, shown_value, sweep_table
+from pipeline.sweep.summary import best_job, read_jobs, shown_value, sweep_table, swept_values
 
 log = logging.getLogger("pipeline")
 STORE_WAIT = 0.5  # seconds the launcher gives the tracking store to answer whether it can be written
@@ -78,8 +78,7 @@ def job_count(task_overrides: list[str], sweeper: dict) -> int:
 def job_name(overrides: list[str], keys) -> str:
     """The swept values of one job, as a person reads them: `optimizer.lr=0.003162 model.n_layer=2` (floats
     shortened by shown_value)."""
-    picked = [o.split("=", 1)[0] + "=" + shown_value(o.split("=", 1)[1]) for o in overrides
-              if o.split("=", 1)[0].lstrip("+~") in keys]
+    picked = [f"{k}={shown_value(v)}" for k, v in swept_values(overrides, keys).items()]
     return " ".join(picked) or " ".join(o for o in overrides if not is_machine_key(o.split("=", 1)[0].lstrip("+~")))
 
 

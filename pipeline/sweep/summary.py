@@ -68,10 +68,10 @@ def parent_name(swept) -> str:
     return " ".join(["×".join(s if short.count(s) == 1 else k for s, k in zip(short, keys)), "sweep"]).strip()
 
 
-def swept_values(job: dict, keys) -> dict[str, str]:
-    """{swept key: the value this job ran with}, read from its overrides (`+key=v` and `key=v` alike)."""
+def swept_values(overrides: list[str], keys) -> dict[str, str]:
+    """{swept key: the value a job ran with}, read from its overrides (`+key=v` and `key=v` alike)."""
     out = {}
-    for o in job.get("overrides") or []:
+    for o in overrides:
         key, sep, value = str(o).partition("=")
         if sep and key.lstrip("+~") in keys:
             out[key.lstrip("+~")] = value
@@ -98,7 +98,7 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
         shown = shown[:MAX_ROWS]
     rows = [["job", *keys, objective, "status"]]
     for j in shown:
-        values = swept_values(j, keys)
+        values = swept_values(j.get("overrides") or [], keys)
         v = finite(j.get("objective"))
         cells = [values.get(k, "") for k in keys]
         rows.append([str(j["num"]), *(c if len(c) <= MAX_CELL else c[:MAX_CELL - 3] + "..." for c in cells),

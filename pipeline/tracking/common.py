@@ -1,4 +1,4 @@
-"""What the tracker, the agent, the sweep callback and reindex share; imports nothing heavy (no mlflow)."""
+"""What the tracker, the agent, the index, reindex and register share; imports nothing heavy (no mlflow)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from pipeline.config.identity import MACHINE_KEYS, is_machine_key  # noqa: F401 - the tracker's params leave them out
+from pipeline.config.identity import is_machine_key
 from pipeline.files import reading
 from pipeline.files.jsonio import NON_FINITE, flatten
 
