@@ -7,18 +7,15 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.run.report import run_page
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
-from pipeline.tracking import common
+from pipeline.tracking import common, link
+from pipeline.tracking.link import Link, Request
 from pipeline.tracking.sweep_parent import MlflowSweepParent
-
-if TYPE_CHECKING:
-    from pipeline.tracking.link import Link
 
 log = logging.getLogger("pipeline")
 
@@ -80,13 +77,11 @@ class MlflowTracker(Tracker):
             self._fail(problem)
             return
         try:
-            from pipeline.tracking.link import Request, agent_for
-
             pong = Request(kinds=("pong",))  # the agent has the store open: a run's URI is moments away, not seconds
             self.warm = pong.done
-            self._link = link = agent_for(self.uri)
-            link.send({"op": "ping", "sid": link.register(pong), "uri": self.uri,
-                            "artifact_location": self.artifact_location})
+            self._link = link.agent_for(self.uri)  # looked up at each call: a test may put another in its place
+            self._link.send({"op": "ping", "sid": self._link.register(pong), "uri": self.uri,
+                             "artifact_location": self.artifact_location})
         except OSError as e:
             self._fail(f"no tracking agent: {e}")
 
@@ -117,8 +112,6 @@ class MlflowTracker(Tracker):
         in time."""
         if self.parent is None or not self._linked():
             return None
-        from pipeline.tracking.link import Request
-
         req = Request()
         self.link.send({"op": "attach", "sid": self.link.register(req), "uri": self.uri,
                         "artifact_location": self.artifact_location, "run_dir": str(Path(run_dir).resolve()),
