@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import queue
 import signal
@@ -14,6 +15,9 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from pipeline.config.errors import EXIT_ERROR
+from pipeline.tracking.link import peer_credentials, private_dir, read_line
 
 MAX_PENDING = 1000  # metric points: one log_batch
 # Bytes of one request line: a checkpoint's manifest.json (at most 16 MiB, as JSON text within 6 times that) or
@@ -333,8 +337,6 @@ def _held_by(run_dir: Path, pid: int | None) -> bool:
 
 
 def _read(conn: Conn, sock: socket.socket, inbox: queue.Queue) -> None:
-    from pipeline.tracking.link import read_line
-
     try:
         requests = sock.makefile("rb")
         while raw := read_line(requests, MAX_REQUEST):
@@ -351,8 +353,6 @@ def _read(conn: Conn, sock: socket.socket, inbox: queue.Queue) -> None:
 
 def _accept(server: socket.socket, inbox: queue.Queue, clients: set) -> None:
     """Serve each client of this user's (SO_PEERCRED); another user's connection is closed unread."""
-    from pipeline.tracking.link import peer_credentials
-
     cid = 1
     while True:
         try:
@@ -382,9 +382,6 @@ def main(argv: list[str] | None = None) -> None:
     # Signals meant for jobs (Ctrl-C, SLURM's SIGTERM) must not cut a flush short: the agent ends when idle.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    from pipeline.config.errors import EXIT_ERROR
-    from pipeline.tracking.link import private_dir
-
     try:
         private_dir(Path(args.listen).parent)  # the job checked it; so does the agent, before it binds there
     except OSError as e:
@@ -398,8 +395,6 @@ def main(argv: list[str] | None = None) -> None:
     inbox: queue.Queue = queue.Queue()
     clients: set = set()
     threading.Thread(target=_accept, args=(server, inbox, clients), daemon=True).start()
-    import logging
-
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     time.sleep(float(os.environ.get("PIPELINE_TRACKING_AGENT_DELAY", "0") or 0))  # a test hook: a slow agent
     agent = Agent()
