@@ -13,9 +13,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
 from hydra.experimental.callback import Callback
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from pipeline.checkpoint.manifest import git_info
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, CommandError, ConfigError, Refusal
 from pipeline.config.identity import experiment_name, is_machine_key
 from pipeline.config.targets import parse_overrides
@@ -60,8 +63,6 @@ def _stop(code: int, message: str) -> None:
 
 def job_count(task_overrides: list[str], sweeper: dict) -> int:
     """How many jobs a sweep asks for, unexpanded: n_trials, else the product of its sweep lengths (a glob: one)."""
-    from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
-
     if isinstance(sweeper.get("n_trials"), int):
         return sweeper["n_trials"]
     params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
@@ -130,8 +131,6 @@ class _Start:
 def parent_run(tracking) -> SweepParent:
     """The sweep's parent run, through the interface the `tracking` node's tracker names (`sweep_parent`); for
     tracking=none (or a tracker without one) the no-op, and nothing of pipeline/tracking/ is imported."""
-    from hydra.utils import get_class
-
     node = _plain(tracking)
     if not isinstance(node, dict) or not node.get("_target_"):
         return SweepParent()
@@ -234,8 +233,6 @@ class SweepCallback(Callback):
         if optuna and not any(o.startswith(given) for o in hydra.overrides.hydra):
             with open_dict(hydra.sweeper):
                 hydra.sweeper.direction = direction  # what the jobs return is best-val's best: minimise or maximise
-        from pipeline.checkpoint.manifest import git_info
-
         try:
             previous = jsonio.read(directory / "sweep.json", 1 << 24)
         except (OSError, ValueError):
