@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
 from hydra.experimental.callback import Callback
-from hydra.utils import get_class
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.checkpoint.manifest import git_info
@@ -346,8 +346,7 @@ def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
     name = sweeper.get("study_name") or sweep_id
     done = held = 0
     if sweeper.get("storage") or (directory / OPTUNA_DB).exists():
-        import optuna
-        from hydra.utils import instantiate
+        import optuna  # heavy: only for a sweep of Optuna's
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         try:

@@ -4,9 +4,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from pipeline.config.identity import is_machine_key
+from pipeline.config.identity import experiment_name, is_machine_key
 from pipeline.files import reading
 from pipeline.files.jsonio import NON_FINITE, flatten
 
@@ -83,12 +85,8 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
         except OSError as e:
             return f"the mlflow store {db} cannot be opened: {e.strerror or e}"
         return None
-    from urllib.parse import urlsplit
-
     parts = urlsplit(uri)
     if parts.scheme in ("http", "https") and parts.hostname:
-        import socket
-
         try:
             socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
                                      timeout=timeout).close()
@@ -153,8 +151,6 @@ def tag_value(v) -> str:
 def experiment_of(config: dict) -> str:
     """The mlflow experiment a run's config reports to: its tracking.experiment, or (a config tracked by none,
     indexed later) the name tracking=mlflow would have given it (identity.experiment_name)."""
-    from pipeline.config.identity import experiment_name
-
     tracked = (config.get("tracking") or {}).get("experiment")
     return str(tracked) if tracked else experiment_name(str(config.get("name") or "default"),
                                                         (config.get("model") or {}).get("_target_", ""),
