@@ -111,7 +111,7 @@ def artifact_root(uri: str, location: str | None = None) -> str | None:
                                              scheme.group(1).lower() not in _CLIENT_SIDE_STORES):
         return None  # (a one-letter scheme is a Windows drive: a local path)
     db = sqlite_path(str(uri))
-    location = location or (str(db.parent / "mlartifacts") if db is not None else None)
+    location = str(location or (db.parent / "mlartifacts" if db is not None else ""))
     if not location:
         return None
     # a local directory becomes an absolute file: URI; a URI (s3://, mlflow-artifacts:, file:) is kept

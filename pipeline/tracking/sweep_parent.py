@@ -19,7 +19,7 @@ class MlflowSweepParent(SweepParent):
     def __init__(self, uri: str, experiment: str, artifact_location: str | None = None, **_):
         self.uri = normalize_tracking_uri(str(uri))
         self.experiment = str(experiment)
-        self.artifact_location = artifact_root(self.uri, str(artifact_location) if artifact_location else None)
+        self.artifact_location = artifact_root(self.uri, artifact_location)
         self.request: Request | None = None  # the agent's answer to parent_start, in the launching process only
 
     def __getstate__(self) -> dict:
