@@ -128,25 +128,18 @@ class Agent:
         s.uri = uri = m["uri"]
         s.client = client = self.client(uri, m.get("artifact_location"))
         parent = s.parent = self.parent_of(client, m.get("parent"))
-        prev_uri, _, prev_id = self.common.parse_run_uri(m.get("previous_run_uri"))
-        candidates = [prev_id] if prev_id and prev_uri in (None, uri) else []
-        run = self.store.find_run(client, m["run_dir"], candidates)
-        tags = dict(m["tags"])
-        if parent:
-            tags["mlflow.parentRunId"] = parent["run_id"]
-        if run is None:
-            experiment_id = parent["experiment_id"] if parent else \
-                self.store.ensure_experiment(client, m["experiment"], m.get("artifact_location"))
-            if m.get("previous_run_uri"):
-                tags["continued_from"] = m["previous_run_uri"]  # a fork, or a run indexed in another store
-            run = self.store.create_run(client, experiment_id, tags, m.get("start_time"))
-        else:
-            s.logged = self.store.logged_steps(client, run.info.run_id, run.data.metrics.keys())
-            if run.data.tags.get("mlflow.parentRunId") not in (None, tags.get("mlflow.parentRunId")):
-                tags["mlflow.parentRunId"] = run.data.tags["mlflow.parentRunId"]  # stays with its first sweep
-            if run.info.status != "RUNNING":
-                client.update_run(run.info.run_id, status="RUNNING")
-            self.store.sync_tags(client, run, tags, self.common.DERIVED_RUN_TAGS)
+        previous = m.get("previous_run_uri")
+        prev_uri, _, prev_id = self.common.parse_run_uri(previous)
+        tags = {**m["tags"], **({"mlflow.parentRunId": parent["run_id"]} if parent else {})}
+        experiment = parent["experiment_id"] if parent else None
+        run, tags, _ = self.index.open_run(
+            client, m["run_dir"], [prev_id] if prev_id and prev_uri in (None, uri) else [], tags, m.get("start_time"),
+            lambda: experiment or self.store.ensure_experiment(client, m["experiment"], m.get("artifact_location")),
+            {"continued_from": previous} if previous else None)  # a fork, or a run indexed in another store
+        s.logged = self.store.logged_steps(client, run.info.run_id, run.data.metrics.keys())
+        if run.info.status != "RUNNING":
+            client.update_run(run.info.run_id, status="RUNNING")
+        self.store.sync_tags(client, run, tags, self.common.DERIVED_RUN_TAGS)
         self.store.sync_params(client, run, m["params"])
         s.run_id = run.info.run_id
         s.repo = self.store.artifact_repo(client, s.run_id)

@@ -5,6 +5,7 @@ import contextlib
 import os
 import socket
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,16 +83,10 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     tags = common.tags_of(newest, run_dir, status, job)
     if parent is not None:
         tags["mlflow.parentRunId"] = parent["run_id"]
-    run = store.find_run(client, str(run_dir), candidates)
-    if run is None:
-        experiment = common.experiment_of(config)
-        started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
-        run = store.create_run(client, store.ensure_experiment(client, str(experiment), artifact_root), tags, started)
-        added["created"] = 1
-    if run.data.tags.get("mlflow.parentRunId") not in (None, tags.get("mlflow.parentRunId")):
-        # it stays with its first sweep (and that sweep's job name and number)
-        tags = {k: v for k, v in tags.items() if not k.startswith("sweep.") and k != "mlflow.runName"}
-        tags["mlflow.parentRunId"] = run.data.tags["mlflow.parentRunId"]
+    started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
+    run, tags, created = open_run(client, str(run_dir), candidates, tags, started, lambda: store.ensure_experiment(
+        client, str(common.experiment_of(config)), artifact_root))
+    added["created"] = int(created)
     run_id = run.info.run_id
     added["params"] = store.sync_params(client, run, common.params_of(config))
     added["tags"] = store.sync_tags(client, run, tags, common.DERIVED_RUN_TAGS)
@@ -120,6 +115,20 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     if artifacts:
         added["artifacts"] = sync_artifacts(client, run_id, run_dir, found, lines)
     return {**added, "run_id": run_id, "experiment_id": run.info.experiment_id, "status_now": mstatus}
+
+
+def open_run(client, run_dir: str, candidates: list[str], tags: dict[str, str], started: float | None,
+             experiment_id: Callable[[], str], created_tags: dict[str, str] | None = None) -> tuple[Any, dict, bool]:
+    """(the run indexing `run_dir`, the tags it is to hold, whether it is new): found by store.find_run, else
+    created in experiment_id() with `created_tags` too. A run under another sweep's parent stays with its first
+    sweep, and that sweep's job name and number: the live index and a rebuild from disk say the same."""
+    run = store.find_run(client, run_dir, candidates)
+    if run is None:
+        return store.create_run(client, experiment_id(), {**tags, **(created_tags or {})}, started), tags, True
+    if run.data.tags.get("mlflow.parentRunId") not in (None, tags.get("mlflow.parentRunId")):
+        tags = {k: v for k, v in tags.items() if not k.startswith("sweep.") and k != "mlflow.runName"}
+        tags["mlflow.parentRunId"] = run.data.tags["mlflow.parentRunId"]
+    return run, tags, False
 
 
 def record_run_uri(rundir: RunDir, uri: str) -> bool:
