@@ -64,8 +64,8 @@ def private_dir(directory: Path) -> Path:
 def socket_path(uri: str) -> Path:
     """Short and per user (a Unix socket path must fit in ~100 bytes whatever the URI), in $XDG_RUNTIME_DIR if it
     is this user's alone, else in `<temp dir>/pipeline-<uid>`, which `private_dir` makes (0700)."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    private = xdg and os.path.isabs(xdg) and private_problem(Path(xdg)) is None
+    xdg = os.environ.get("XDG_RUNTIME_DIR") or ""
+    private = os.path.isabs(xdg) and private_problem(Path(xdg)) is None
     directory = Path(xdg) if private else Path(tempfile.gettempdir()) / f"pipeline-{os.getuid()}"
     return directory / f"pipeline-mlflow-{hashlib.sha256(uri.encode()).hexdigest()[:16]}.sock"
 
