@@ -96,12 +96,6 @@ def _json_kind(v) -> str:
     return next((name for kind, name in _KINDS if isinstance(v, kind)), type(v).__name__)
 
 
-def _compatible(live: str, got: str) -> bool:
-    # A fresh part has null where a trained one has a value (no best metric yet), and an int where JSON may
-    # hold a float written without a fraction; anything else must be the same kind.
-    return live == got or live == "null" or got == "null" or {live, got} == {"int", "float"}
-
-
 def _where(path: tuple) -> str:
     out = ""
     for p in path:
@@ -112,11 +106,10 @@ def _where(path: tuple) -> str:
 def misfit(live, got, path: tuple = (), free: tuple[str, ...] = ()) -> tuple[tuple, str] | None:
     """(the keys to the value at fault, why) if `got` cannot replace the live state `live` (same keys, array
     shapes/dtypes, JSON kinds), else None. Paths in `free` ("/"-joined) are only checked to be objects."""
-    where = _where(path)
-    for kind, what in ((dict, "an object"), (np.ndarray, "an array"), (list, "a list")):
-        if isinstance(live, kind) and not isinstance(got, kind):
-            return path, f"{where}: expected {what}, got {_json_kind(got)}"
-    if isinstance(live, dict):
+    where, kind, got_kind = _where(path), _json_kind(live), _json_kind(got)
+    if kind in ("object", "array", "list") and got_kind != kind:
+        return path, f"{where}: expected {'a' if kind == 'list' else 'an'} {kind}, got {got_kind}"
+    if kind == "object":
         if SEP.join(map(str, path)) in free:  # "" frees the part's top level
             return None
         missing, extra = sorted(set(live) - set(got)), sorted(set(got) - set(live))
@@ -124,16 +117,18 @@ def misfit(live, got, path: tuple = (), free: tuple[str, ...] = ()) -> tuple[tup
             parts = ([f"lacks {missing[:5]}"] if missing else []) + ([f"has unexpected {extra[:5]}"] if extra else [])
             return (*path, (missing or extra)[0]), f"{where}: keys differ: the saved state " + " and ".join(parts)
         return next(filter(None, (misfit(live[k], got[k], (*path, k), free) for k in live)), None)
-    if isinstance(live, np.ndarray):
+    if kind == "array":
         if got.shape != live.shape or got.dtype != live.dtype:
             return path, f"{where}: saved {got.dtype}{list(got.shape)}, the live run has {live.dtype}{list(live.shape)}"
         return None
-    if isinstance(live, list):
+    if kind == "list":
         if len(live) != len(got):
             return path, f"{where}: a list of {len(got)}, the live run has {len(live)}"
         return next(filter(None, (misfit(a, b, (*path, i)) for i, (a, b) in enumerate(zip(live, got)))), None)
-    if not _compatible(_json_kind(live), _json_kind(got)):
-        return path, f"{where}: expected {_json_kind(live)}, got {_json_kind(got)}"
+    # A fresh part has null where a trained one has a value (no best metric yet), and an int where JSON may
+    # hold a float written without a fraction; anything else must be the same kind.
+    if kind != got_kind and "null" not in (kind, got_kind) and {kind, got_kind} != {"int", "float"}:
+        return path, f"{where}: expected {kind}, got {got_kind}"
     return None
 
 

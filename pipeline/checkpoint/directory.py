@@ -206,8 +206,6 @@ def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[st
                                        f"differ{neither}")
 
 
-
-
 def _read_extra(directory: Path, listed: dict) -> dict:
     extra = _listed_json(directory, EXTRA, listed)
     if not isinstance(extra, dict):
@@ -284,8 +282,10 @@ class CheckpointDir:
             killpoint.point("save", "before rename")
             publish_dir(tmp, directory, replace=replace)
             killpoint.point("save", "after rename")
-        except BaseException:
+        except BaseException as e:
             remove_tree(tmp)  # a signal or an error mid-save: the half-made temporary goes now or at the next save
+            if isinstance(e, OSError) and str(e.filename or "").startswith(str(tmp)):
+                e.filename = str(directory)  # the checkpoint being saved, not its temporary
             raise
         return manifest
 
@@ -435,7 +435,6 @@ class CheckpointDir:
                 raise MisfitError(directory, files_of(e, tree, live), f"{e.part} does not fit the live run: "
                                                                         f"{e.reason}") from None
         return Checkpoint(self.path, manifest, tree, data)
-
 
     def verify(self, parts: Mapping | None = None) -> dict:
         """load() for its verdict: the manifest, or CheckpointError."""

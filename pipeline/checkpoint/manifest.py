@@ -1,6 +1,7 @@
 """manifest.json: the truth about a checkpoint and its run (fields: docs/checkpoints.md), built and checked here."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -86,31 +87,21 @@ def versions() -> dict:
     return out
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _ram_gb() -> float | None:
-    try:
-        return round(int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) / 2**20, 1)  # kB
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 @cache
 def hardware() -> dict:
     from threadpoolctl import threadpool_info
 
+    cpu: str | None = None
+    ram_gb: float | None = None
+    with contextlib.suppress(OSError):
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), None)
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        ram_gb = round(int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) / 2**20, 1)  # kB
     blas = [{"library": i.get("internal_api"), "version": i.get("version"), "threads": i.get("num_threads")}
             for i in threadpool_info() if i.get("user_api") == "blas"]
-    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "ram_gb": _ram_gb(), "machine": platform.machine(),
-            "blas": blas}
+    return {"cpu": (platform.processor() or "unknown") if cpu is None else cpu, "cores": os.cpu_count(),
+            "ram_gb": ram_gb, "machine": platform.machine(), "blas": blas}
 
 
 def run_facts(config: dict, sources: dict, data_manifest_hash: str, data_spec: dict, data_facts: dict) -> dict:

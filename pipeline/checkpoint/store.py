@@ -73,18 +73,13 @@ class CheckpointStore:
     def links(self) -> dict[str, str]:
         return self.scan()[1]
 
-    def records(self) -> list[Record]:
+    def _recorded(self) -> dict[int, Record]:
         """Each step directory's record, read from its manifest once (unreadable ones have none)."""
         if self._records is None:
             self._records = {}
             for step, directory in self.steps():
                 with contextlib.suppress(CheckpointError):
                     self._records[step] = _record(CheckpointDir(directory).manifest())
-        return [self._records[s] for s in sorted(self._records)]
-
-    def _recorded(self) -> dict[int, Record]:
-        self.records()
-        assert self._records is not None
         return self._records
 
     def newest_valid(self, parts: Mapping | None = None) -> tuple[Checkpoint | None, list[tuple[Path, str, str]]]:
@@ -126,7 +121,7 @@ class CheckpointStore:
         no stage declares any more (a stage removed by override) keeps its target. `named`: second names of
         kept steps; a name one of them gave a step it no longer keeps goes before that step may."""
         present_steps, present_links = self.scan()  # once: linking changes no step directory
-        records = [r for r in self.records() if r.step <= upto and r.lineage == lineage]
+        records = [r for _, r in sorted(self._recorded().items()) if r.step <= upto and r.lineage == lineage]
         by_step = {r.step: r for r in records}
         wanted = {name: step for n in named for name, step in n.links(records).items() if name not in links}
         retired = {name for name, t in present_links.items() if name not in links and name not in wanted

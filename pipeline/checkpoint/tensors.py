@@ -8,6 +8,7 @@ library writes non-contiguous ones wrong, silently), 0-d shapes kept. Tied array
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.files import jsonio, reading
-from pipeline.files.atomic import open_new, write_all
+from pipeline.files.atomic import write_new
 
 ALIAS = re.compile(r"^ALIAS\((.+)\)$")
 CHUNK = 8 << 20  # bytes per write/read/hash step
@@ -44,12 +45,11 @@ class _Hasher:
     runs ahead at memory speed and its fsync overlaps the hash catching up."""
 
     def __init__(self):
-        self._h, self.nbytes = hashlib.sha256(), 0
+        self._h = hashlib.sha256()
         self._pending: deque = deque()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
 
     def update(self, buf) -> None:
-        self.nbytes += len(buf)
         self._pending.append(self._pool.submit(self._h.update, buf))  # hashlib releases the GIL on big buffers
         while self._pending and self._pending[0].done():
             self._pending.popleft().result()  # surfaces errors early, keeps the queue short
@@ -122,23 +122,10 @@ def write_tensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str,
     if "__metadata__" in unique:
         raise ValueError("'__metadata__' cannot name a tensor")
     head, order = encode_header(unique, meta)
-    fd = open_new(path)
-    try:
-        with _Hasher() as h:
-            h.update(head)
-            write_all(fd, head)
-            for name in order:
-                data = _bytes_of(unique[name])
-                for i in range(0, len(data), CHUNK):
-                    chunk = data[i : i + CHUNK]
-                    h.update(chunk)  # hashed on the helper thread while this one writes it
-                    write_all(fd, chunk)
-            if fsync:
-                os.fsync(fd)  # while the hash catches up on its thread
-            digest = h.hexdigest()
-    finally:
-        os.close(fd)
-    return {"size": h.nbytes, "sha256": digest}
+    views = [_bytes_of(unique[name]) for name in order]
+    pieces = itertools.chain([head], (v[i : i + CHUNK] for v in views for i in range(0, len(v), CHUNK)))
+    with _Hasher() as h:  # each piece hashed on the helper thread while this one writes it
+        return write_new(path, pieces, h, fsync)
 
 
 def resolve_aliases(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> dict[str, np.ndarray]:
@@ -161,15 +148,11 @@ def resolve_aliases(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> 
 
 
 class _Malformed(ValueError):
-    pass
+    """Not a safetensors file (the reason)."""
 
 
-class LayoutMisfit(ValueError):
+class LayoutMisfit(_Malformed):
     """A file that verifies but holds other names, dtypes or shapes than the live state expects."""
-
-
-class _Misfit(_Malformed):
-    """A well-formed file holding other tensors than expected."""
 
 
 def _read_exact(f, buf: memoryview) -> None:
@@ -256,7 +239,7 @@ def read_tensors(path: Path, expected_sha256: str | None = None,
             raise ValueError(f"{size} bytes, more than a checkpoint of this config can hold "
                              f"({expect['data_bytes']} bytes of tensors)")
         arrays: dict[str, np.ndarray] = {}
-        problem = None
+        problem: _Malformed | None = None
         try:
             if size < 8:
                 raise _Malformed(f"{size} bytes: too short for a safetensors header")
@@ -277,7 +260,7 @@ def read_tensors(path: Path, expected_sha256: str | None = None,
                 raise _Malformed(f"header: {e}") from None
             metadata, entries = _check_header(header, size - 8 - n)
             if expect is not None and (reason := _layout_reason(entries, metadata, expect)):
-                raise _Misfit(reason)
+                raise LayoutMisfit(reason)
             for name, dtype, shape, nbytes in entries:
                 a = np.empty(shape, dtype=dtype)
                 data = _bytes_of(a)
@@ -292,10 +275,11 @@ def read_tensors(path: Path, expected_sha256: str | None = None,
             # Integrity first: hash the rest, so a damaged file is reported as damaged, not as malformed.
             while rest := f.read(CHUNK):
                 h.update(rest)
-            problem = f"does not fit: {e}" if isinstance(e, _Misfit) else f"not a valid safetensors file: {e}"
+            problem = e
         digest = h.hexdigest()
     if expected_sha256 is not None and digest != expected_sha256:
         raise DigestMismatch(f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}...")
-    if problem:
-        raise (LayoutMisfit if problem.startswith("does not fit") else ValueError)(problem)
+    if problem is not None:
+        what = "does not fit" if isinstance(problem, LayoutMisfit) else "not a valid safetensors file"
+        raise type(problem)(f"{what}: {problem}")
     return resolve_aliases(arrays, metadata), metadata

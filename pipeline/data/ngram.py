@@ -103,16 +103,13 @@ def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
                  ctx_backoff=ctx_backoff, discounts=d)
 
 
-def _check(tokens: np.ndarray, order: int, V: int) -> None:
+def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
+    """Order 1, 2, ..., `order` in turn; lower orders use Kneser-Ney continuation counts. Each is built from
+    the tokens alone, so a caller that drops one before asking for the next holds one level at a time."""
     if not 1 <= order <= max_order(V):
         raise ValueError(f"n-gram order {order} must be in [1, {max_order(V)}] for vocab size {V}")
     if len(tokens) < order:
         raise ValueError(f"{len(tokens)} tokens are too few to fit an order-{order} n-gram")
-
-
-def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
-    """Order 1, 2, ..., `order` in turn; lower orders use Kneser-Ney continuation counts. Each is built from
-    the tokens alone, so a caller that drops one before asking for the next holds one level at a time."""
     for k in range(1, order + 1):
         if k == order:
             held = [_sorted_keys(tokens, k, V)]
@@ -126,9 +123,8 @@ def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
 
 def fit(tokens: np.ndarray, order: int, vocab_size: int) -> KneserNey:
     """Fit on one token stream [N] (any integer dtype)."""
-    V = int(vocab_size)
-    _check(tokens, order, V)
-    return KneserNey(order=int(order), vocab_size=V, levels=tuple(_levels(np.asarray(tokens), order, V)))
+    levels = tuple(_levels(np.asarray(tokens), order, int(vocab_size)))
+    return KneserNey(order=int(order), vocab_size=int(vocab_size), levels=levels)
 
 
 def _lookup(sorted_keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
@@ -160,23 +156,15 @@ def _mixed(level: Level, k: int, V: int, history: np.ndarray, targets: np.ndarra
     return np.where(seen, p_k, p)
 
 
-def prob(model: KneserNey, history: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """p(target | history) for each row; history [N, order-1] with -1 for missing (stream start) tokens."""
-    V = model.vocab_size
-    history = np.asarray(history, dtype=np.int64).reshape(len(targets), model.order - 1)
-    targets = np.asarray(targets, dtype=np.int64)  # [N]
-    p = np.full(len(targets), 1.0 / V)  # order 0: uniform
-    for k, level in enumerate(model.levels, start=1):
-        p = _mixed(level, k, V, history, targets, p)
-    return p
-
-
 def distribution(model: KneserNey, history) -> np.ndarray:
     """The full next-token distribution [V] after a history (its last order-1 tokens are used)."""
     V, n = model.vocab_size, model.order - 1
     padded = [-1] * n + [int(t) for t in history]
-    h = np.asarray(padded[len(padded) - n :] if n else [], dtype=np.int64)
-    return prob(model, np.broadcast_to(h, (V, n)), np.arange(V))
+    h = np.broadcast_to(np.asarray(padded[len(padded) - n :] if n else [], dtype=np.int64), (V, n))  # [V, n]
+    p, targets = np.full(V, 1.0 / V), np.arange(V, dtype=np.int64)  # order 0: uniform
+    for k, level in enumerate(model.levels, start=1):
+        p = _mixed(level, k, V, h, targets, p)
+    return p
 
 
 PIECE = 1 << 20  # positions scored at a time
@@ -215,5 +203,4 @@ def fitted_perplexity(train: np.ndarray, order: int, vocab_size: int, tokens: np
                       positions: np.ndarray) -> float:
     """perplexity(fit(train, order, vocab_size), tokens, positions), to the last bit, one level at a time."""
     V = int(vocab_size)
-    _check(train, order, V)
     return float(np.exp(-np.mean(np.log(_raised(_levels(np.asarray(train), order, V), V, tokens, positions)))))

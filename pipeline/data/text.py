@@ -88,23 +88,22 @@ class TextFile:
             raise TextError(f"data.path={self.path}: changed while it was read; give it once it is complete")
         return out
 
+    def content(self, val_fraction: float, block_size: int) -> CorpusContent:
+        """The corpus: the last val_fraction of the text held out in one piece, so no val window overlaps training."""
+        tokens = self.tokens()
+        n_val = round(len(tokens) * val_fraction)
+        train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]  # views, no copies
+        if min(n_windows(len(train), block_size), n_windows(len(val), block_size)) < 1:
+            raise TextError(f"data.path={self.path}: too short: {len(tokens)} characters leave {len(train)} train "
+                            f"and {len(val)} val, each needing at least {block_size + 1}")
+        stats = {"characters": {"train": len(train), "val": len(val)}}
+        return CorpusContent(train=train, val=val, vocab=self.vocab, join="", stats=stats)
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.f.close()
-
-
-def build_text_corpus(path: Path, tokens: np.ndarray, vocab: list[str], val_fraction: float,
-                      block_size: int) -> CorpusContent:
-    # The last val_fraction of the text is held out, in one piece, so no val window overlaps training.
-    n_val = round(len(tokens) * val_fraction)
-    train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]  # views, no copies
-    if min(n_windows(len(train), block_size), n_windows(len(val), block_size)) < 1:
-        raise TextError(f"data.path={path}: too short: {len(tokens)} characters leave {len(train)} train and "
-                        f"{len(val)} val, each needing at least {block_size + 1}")
-    stats = {"characters": {"train": len(train), "val": len(val)}}
-    return CorpusContent(train=train, val=val, vocab=vocab, join="", stats=stats)
 
 
 class TextCorpus(TokenDataset):
@@ -126,5 +125,5 @@ class TextCorpus(TokenDataset):
             params = {"generator": "text", "version": TEXT_VERSION, "source_sha256": text.sha256,
                       "val_fraction": float(val_fraction), "block_size": int(block_size),
                       "ngram_order": int(ngram_order)}
-            super().__init__(cache_dir, "text", params, val_batch_size, lambda: build_text_corpus(
-                Path(path), text.tokens(), text.vocab, float(val_fraction), int(block_size)))
+            super().__init__(cache_dir, "text", params, val_batch_size,
+                             lambda: text.content(float(val_fraction), int(block_size)))

@@ -9,6 +9,7 @@ import hashlib
 import os
 import shutil
 import stat
+import time
 import uuid
 from pathlib import Path
 
@@ -20,7 +21,6 @@ _FULL = "free space there (or set paths.output_dir elsewhere), then re-run the s
 _LOCKED = "make it writable (or set paths.output_dir elsewhere), then re-run the same command"
 ENVIRONMENT = {errno.ENOSPC: _FULL, errno.EDQUOT: _FULL, errno.EFBIG: _FULL, errno.EROFS: _LOCKED,
                errno.EACCES: _LOCKED, errno.EPERM: _LOCKED, errno.EIO: "check the device, then re-run the same command"}
-_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class UnsafePathError(OSError):
@@ -55,35 +55,32 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def open_new(path: Path) -> int:
-    """A file descriptor on a file created now at `path`; refuses anything already there (link included)."""
-    try:
-        return os.open(path, _NEW, 0o644)
-    except FileExistsError:
-        raise UnsafePathError(errno.EEXIST, f"{path} already exists; refusing to write through it") from None
-
-
 def temp_name(path: Path) -> Path:
     return Path(path).with_name(f"{TMP_PREFIX}{Path(path).name}-{uuid.uuid4().hex[:12]}")
 
 
-def write_all(fd: int, data) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def write_new(path: Path, data: bytes | memoryview) -> dict:
-    """Write bytes to a new file and fsync them; returns the file's {"size", "sha256"}."""
-    fd = open_new(path)
+def write_new(path: Path, data, h=None, fsync: bool = True) -> dict:
+    """Bytes, or an iterable of byte pieces, into a file created now at `path`, each piece hashed as it is written
+    (into `h`, a hashlib-like sha256, else a new one) and fsynced; returns the file's {"size", "sha256"}."""
+    h, size = h or hashlib.sha256(), 0
+    try:  # created now: anything already there (a planted link included) is refused
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        raise UnsafePathError(errno.EEXIST, f"{path} already exists; refusing to write through it") from None
     try:
-        write_all(fd, data)
-        os.fsync(fd)
+        for piece in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
+            h.update(piece)
+            view = memoryview(piece).cast("B")  # os.write counts bytes
+            size += len(view)
+            while view:
+                view = view[os.write(fd, view) :]
+        if fsync:
+            os.fsync(fd)  # while a hash on a helper thread catches up
     except OSError as e:
         raise named(e, path) from e
     finally:
         os.close(fd)
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"size": size, "sha256": h.hexdigest()}
 
 
 def refuse_link(path: Path, what: str = "file") -> None:
@@ -220,18 +217,11 @@ def second_name(src: Path, dst: Path) -> None:
     filesystem has no hard links; never through a link at either end."""
     try:
         os.link(src, dst, follow_symlinks=False)
-        return
     except OSError as e:
         if e.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
             raise
-    with open(src, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as fin:
-        fd = open_new(Path(dst))
-        try:
-            while chunk := fin.read(1 << 20):
-                write_all(fd, chunk)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open(src, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as fin:
+            write_new(Path(dst), iter(lambda: fin.read(1 << 20), b""))
 
 
 def discard_dir(directory: Path) -> None:
@@ -266,15 +256,19 @@ def remove_tree(path: Path) -> None:
             os.unlink(path)
 
 
-def remove_temporaries(parent: Path) -> None:
-    """Leftovers of writes that died before their rename; only the directory's owner (lock holder) calls this."""
+def remove_temporaries(parent: Path, older_than: float | None = None) -> None:
+    """Leftovers of writes that died before their rename: all of them where the caller owns `parent` (holds its
+    lock), else those older than `older_than` seconds (younger ones may be other writers' at work)."""
     try:
-        names = os.listdir(parent)
+        entries = os.listdir(parent)
     except (FileNotFoundError, NotADirectoryError):
         return
-    for name in names:
-        if name.startswith(TMP_PREFIX):
-            remove_tree(Path(parent) / name)
+    now = time.time()
+    for name in entries:
+        path = Path(parent) / name
+        with contextlib.suppress(FileNotFoundError):  # its writer finished, or another cleaner got there first
+            if name.startswith(TMP_PREFIX) and (older_than is None or now - path.lstat().st_mtime > older_than):
+                remove_tree(path)
 
 
 class NewDirs:

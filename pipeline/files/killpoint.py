@@ -12,26 +12,21 @@ import signal
 import time
 
 
+@functools.cache  # one plan, read at the first kill point, not on import: importing this module keeps nothing
 class _Plan:
     """What PIPELINE_CHAOS* ask of this process, and the points reached so far."""
 
-    def __init__(self, environ):
-        phase, k, signals = ([*environ.get("PIPELINE_CHAOS", "").split(":"), "", ""])[:3]
+    def __init__(self):
+        phase, k, signals = ([*os.environ.get("PIPELINE_CHAOS", "").split(":"), "", ""])[:3]
         self.phase, self.target = phase, int(k) if k.isdigit() else None
         self.send = [signal.Signals[f"SIG{name}"] for name in signals.split("+") if name] or [signal.SIGKILL]
-        self.trace = environ.get("PIPELINE_CHAOS_TRACE")
-        self.pace = float(environ.get("PIPELINE_CHAOS_PACE") or 0)
+        self.trace = os.environ.get("PIPELINE_CHAOS_TRACE")
+        self.pace = float(os.environ.get("PIPELINE_CHAOS_PACE") or 0)
         self.hits = {"train": 0, "save": 0, "setup": 0}
 
 
-@functools.cache
-def _plan() -> _Plan:
-    """Read at the first kill point, not on import: importing this module reads and keeps nothing."""
-    return _Plan(os.environ)
-
-
 def point(phase: str, where: str) -> None:
-    plan = _plan()
+    plan = _Plan()
     if plan.target is None and plan.trace is None and not plan.pace:
         return
     plan.hits[phase] += 1

@@ -21,9 +21,7 @@ def shown(value: object) -> str:
 
 
 def problem(value: object, reserve: int = SUFFIX_BYTES) -> str | None:
-    """Why `value` cannot name one entry of a directory (with `reserve` bytes of suffixes added), or None: a
-    non-empty string without '/', not '.' or '..', without control characters (a newline, NUL...), and at most
-    NAME_MAX - reserve bytes in UTF-8."""
+    """Why `value` cannot name one entry of a directory (with `reserve` bytes of suffixes added), or None."""
     if not isinstance(value, str) or not value:
         return "must be a non-empty string (it names a directory)"
     if "/" in value:

@@ -15,18 +15,12 @@ WIDE = 24  # characters of one value past which it is written `.6g` (1e+300 rath
 STEP_LIKE = re.compile(r"^step-\d")  # a step directory's name, never a link's
 
 
-def _fields(pattern: str) -> list[tuple[str, str | None, str | None, str | None]]:
-    return list(string.Formatter().parse(pattern))
-
-
 def problem(pattern) -> str | None:
-    """Why `pattern` cannot name checkpoints, or None: plain text and `{field:spec}` fields (no conversion, no
-    attribute or index), `{step}` among them (one name a step), and a name it makes is one path component
-    that no step directory has."""
+    """Why `pattern` cannot name checkpoints, or None."""
     if not isinstance(pattern, str) or not pattern:
         return "must be a non-empty string such as '{step}-{val/loss:.3f}'"
     try:
-        parsed = _fields(pattern)
+        parsed = list(string.Formatter().parse(pattern))
     except ValueError as e:
         return f"is not a format pattern ({e})"
     fields = [(f, spec or "", conv) for _, f, spec, conv in parsed if f is not None]
@@ -45,13 +39,6 @@ def problem(pattern) -> str | None:
         return (f"makes {names.shown(example)}, which cannot name a link beside the step directories "
                 "(not step-<digits>, not hidden, one path component)")
     return None
-
-
-def _value(metrics: dict, field: str):
-    """A metric by its name, or with '_' standing for '/' (Lightning's val_loss for val/loss); None if absent."""
-    if field in metrics:
-        return metrics[field]
-    return metrics.get(field.replace("_", "/"))
 
 
 def _one(value, spec: str) -> str:
@@ -79,8 +66,9 @@ def render(pattern: str, step: int, metrics: dict) -> str | None:
 
 def _text(pattern: str, step: int, metrics: dict) -> str:
     out = []
-    for literal, field, spec, _ in _fields(pattern):
+    for literal, field, spec, _ in string.Formatter().parse(pattern):
         out.append(literal)
-        if field is not None:
-            out.append(_one(step if field == "step" else _value(metrics, field), spec or ""))
+        if field is not None:  # a metric by its name, or with '_' for '/' (Lightning's val_loss for val/loss)
+            value = step if field == "step" else metrics.get(field, metrics.get(field.replace("_", "/")))
+            out.append(_one(value, spec or ""))
     return "".join(out)

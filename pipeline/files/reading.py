@@ -7,7 +7,7 @@ import io
 import os
 import stat
 
-from pipeline.files.atomic import UnsafePathError, open_new, write_all
+from pipeline.files.atomic import UnsafePathError, write_new
 
 CHUNK = 1 << 20  # bytes per read while hashing or reading whole
 
@@ -98,15 +98,5 @@ def sha256(path, limit: int | None = None, follow: bool = False, bound: str | No
 
 def copy_new(src, dest, limit: int, follow: bool = False) -> dict:
     """src's bytes (bounded) into a file created now at dest, fsynced, hashed as they are copied: {"size", "sha256"}."""
-    h, size = hashlib.sha256(), 0
     with open_file(src, limit, follow=follow) as f:
-        fd = open_new(dest)
-        try:
-            for piece in chunks(f, src, limit):
-                h.update(piece)
-                size += len(piece)
-                write_all(fd, piece)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return {"size": size, "sha256": h.hexdigest()}
+        return write_new(dest, chunks(f, src, limit))

@@ -16,20 +16,13 @@ class Adam(Optimizer):
         super().__init__(params, lr)
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps, self.weight_decay = float(eps), float(weight_decay)
-        self._flat: _Flat | None = None
-
-    def _buffer(self, kind: str, name: str) -> np.ndarray:
         # Moments of a model of one dtype live in two flat arrays; each name's buffer is a view into them.
-        if self._flat is None and len({p.dtype for p in self.params.values()}) == 1:
-            self._flat = _Flat(self.params, self.state)
-        return super()._buffer(kind, name)
+        self._flat = _Flat(self.params, self.state) if len({p.dtype for p in self.params.values()}) == 1 else None
 
     def step(self, grads: dict[str, np.ndarray]) -> None:
         """One update of every parameter. A model of one dtype (and gradients of it) is updated as one flat array:
         each operation one pass over all parameters instead of one call per parameter, the same bits per element."""
         names = list(self.params)
-        if names:
-            self._buffer(self.buffers[0], names[0])  # builds the flat arrays where they apply
         flat = self._flat
         if flat is None or set(grads) != set(self.params) or any(grads[n].dtype != flat.p.dtype for n in names):
             super().step(grads)  # per parameter (also the one that refuses gradients that do not match)

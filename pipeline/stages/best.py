@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from pipeline.checkpoint.retention import BestN, Named, Record, admit, rank
+from pipeline.checkpoint.retention import BestN, Named, admit, rank
 from pipeline.files import patterns
 from pipeline.stages.base import StepEnd, Watch
 from pipeline.stateful import fit_reason
@@ -35,11 +35,9 @@ class BestVal(Watch):
         return BestN(self.monitor, self.mode, 1, self.since)
 
     def named(self) -> Named | None:
-        return None if self.filename is None else Named(self.policy(), self.name_of)
-
-    def name_of(self, record: Record) -> str | None:
-        assert self.filename is not None  # named() hands this out only with a pattern
-        return patterns.render(self.filename, record.step, record.metrics)
+        if (pattern := self.filename) is None:
+            return None
+        return Named(self.policy(), lambda record: patterns.render(pattern, record.step, record.metrics))
 
     # state: Watch's (best, best_step, ...), and with keep > 1 the top list (keep = 1: the same bytes as before)
     def state_dict(self) -> dict:

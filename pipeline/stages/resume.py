@@ -35,20 +35,20 @@ class Resume(Stage):
 
     def setup(self, run) -> None:
         if self.source == NEVER:
-            start_fresh(run)
-        elif self.source == AUTO:
-            self._own(run)
-        else:
-            self._fork(run, Path(self.source).expanduser())
-
-    def _own(self, run) -> None:
+            return start_fresh(run)
+        if self.source != AUTO:
+            return self._fork(run, Path(self.source).expanduser())
         ckpt, skipped = run.store.newest_valid(run.job.parts)
         for _, what, error in skipped:
             log.warning("not resuming from %s (kept in superseded/, nothing is deleted), falling back: %s", what, error)
         if ckpt is None:
             return start_fresh(run)
         run.set_aside([directory for directory, _, _ in skipped])
-        _continue(run, ckpt, ckpt.manifest["lineage"], run.rundir.read_metrics(), self.allow_changes)
+        self._continue(run, ckpt, ckpt.manifest["lineage"])
+
+    def _continue(self, run, ckpt: Checkpoint, lineage: dict) -> None:
+        """This directory's own history from `ckpt` on (its metrics cut back to the checkpoint's step)."""
+        _begin(run, ckpt, lineage, run.rundir.read_metrics(), _restore(run.job, ckpt, self.allow_changes))
 
     def _fork(self, run, source: Path) -> None:
         source = CheckpointDir(source).resolved().resolve()  # a link out of a run is refused, not followed
@@ -58,7 +58,7 @@ class Resume(Stage):
         lineage = lineage_of(run.job.semantic_hash, origin)
         own, _ = run.store.newest_valid(run.job.parts)
         if own is not None and own.manifest["lineage"]["id"] == lineage["id"]:
-            return _continue(run, own, lineage, run.rundir.read_metrics(), self.allow_changes)  # this fork, again
+            return self._continue(run, own, lineage)  # this fork, again
         allowed = _restore(run.job, src, self.allow_changes)  # refusals first: nothing on disk has changed yet
         owner = run.rundir_of(source.parent.parent)  # the source's run directory, if it is a step of one
         history = owner.read_metrics() if owner.store.root == source.parent else []
@@ -80,10 +80,6 @@ def start_fresh(run) -> None:
     log.info("starting a new run in %s", run.rundir.path)
     if not run.in_sweep:  # in a sweep, the siblings differ on purpose
         say_if_a_sibling_differs(run)
-
-
-def _continue(run, ckpt: Checkpoint, lineage: dict, history: list[dict], allow: list[str]) -> None:
-    _begin(run, ckpt, lineage, history, _restore(run.job, ckpt, allow))
 
 
 def _begin(run, ckpt: Checkpoint, lineage: dict, history: list[dict], allowed: dict, own: bool = True) -> None:

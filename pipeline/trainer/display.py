@@ -10,6 +10,8 @@ import time
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from pipeline.trainer.metrics_log import is_logged
+
 log = logging.getLogger("pipeline")
 
 WINDOW = 20  # updates the throughput is measured over (the recent rate, not the run's average)
@@ -52,7 +54,7 @@ def _si(x: float) -> str:
 class Display:
     def __init__(self, enabled: bool | None, log_every: int):
         self.bar_enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
-        self.log_every = max(1, int(log_every))
+        self.log_every = int(log_every)
         self.bar = None
         self.speed: Throughput | None = None
         self.redirect = contextlib.ExitStack()
@@ -71,7 +73,6 @@ class Display:
     def on_step_end(self, state, record: dict) -> None:
         assert self.speed is not None, "on_train_start comes first"
         self.speed.step(time.perf_counter())
-        val = {k: v for k, v in record.items() if k.startswith("val/")}
         rates = self.speed.rates()
         if self.bar is not None:
             self.bar.update(1)
@@ -79,8 +80,8 @@ class Display:
             if rates is not None:
                 post["tok/s" if self.speed.unit == "tokens" else "samples/s"] = _si(rates[1])
             self.bar.set_postfix(post, refresh=False)
-        if (self.bar is None and record["step"] % self.log_every == 0) or val or record["step"] == state.total_steps:
-            extra = "".join(f" {k}={v:.4f}" for k, v in val.items())
+        if is_logged(record, 0 if self.bar else self.log_every, state.total_steps):  # with the bar: evaluations
+            extra = "".join(f" {k}={v:.4f}" for k, v in record.items() if k.startswith("val/"))
             speed = self.speed.text()
             log.info("step %d/%d epoch %d loss=%.6f lr=%.6g%s%s", record["step"], state.total_steps,
                      record["epoch"], record["train/loss"], record["lr"], extra, f" ({speed})" if speed else "")

@@ -12,17 +12,11 @@ from pipeline.files import jsonio
 LOGGED = ("train/loss", "train/ppl", "lr", "grad_norm", "clipped")
 
 
-def log_line(record: dict) -> dict:
-    line = {"step": record["step"], "epoch": record["epoch"], "time": time.time()}
-    line.update({k: record[k] for k in LOGGED if k in record})
-    line.update({k: v for k, v in record.items() if k.startswith("val/")})
-    return line
-
-
 def is_logged(record: dict, log_every: int, total_steps: int) -> bool:
+    """A step with a line (in metrics.jsonl; in the log, without the bar): one that evaluated, the last, and
+    every `log_every`th (0: none)."""
     step = record["step"]
-    has_val = any(k.startswith("val/") for k in record)
-    return has_val or step == total_steps or (log_every > 0 and step % log_every == 0)
+    return any(k.startswith("val/") for k in record) or step == total_steps or (log_every > 0 and step % log_every == 0)
 
 
 class MetricsLog:
@@ -38,7 +32,9 @@ class MetricsLog:
     def on_step_end(self, state, record: dict) -> None:
         if not is_logged(record, self.log_every, state.total_steps):
             return
-        line = log_line(record)
+        line = {"step": record["step"], "epoch": record["epoch"], "time": time.time()}
+        line.update({k: record[k] for k in LOGGED if k in record})
+        line.update({k: v for k, v in record.items() if k.startswith("val/")})
         assert self.file is not None, "on_train_start comes first"
         try:
             self.file.write(jsonio.dumps_line(line) + "\n")

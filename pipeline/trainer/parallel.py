@@ -130,17 +130,16 @@ class Shards:
         """[fn(k) for k in keys], run by the calling thread and up to threads - 1 helpers, each taking the next
         key as it frees up; results in key order, whatever finished first. After a failure the remaining keys
         are dropped, and the first exception is re-raised once every thread has stopped."""
-        results: list = [None] * len(keys)
         if self._pool is None or len(keys) == 1:
-            for i, k in enumerate(keys):
-                results[i] = fn(k)
-            return results
+            return [fn(k) for k in keys]
+        results: list = [None] * len(keys)
         todo: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(len(keys)):
             todo.put(i)
+        failed: list[bool] = []
 
         def work() -> None:
-            while True:
+            while not failed:  # after a failure nobody starts another key
                 try:
                     i = todo.get_nowait()
                 except queue.Empty:
@@ -148,11 +147,7 @@ class Shards:
                 try:
                     results[i] = fn(keys[i])
                 except BaseException:
-                    try:  # nobody starts another key
-                        while True:
-                            todo.get_nowait()
-                    except queue.Empty:
-                        pass
+                    failed.append(True)
                     raise
 
         helpers = [self._pool.submit(work) for _ in range(min(self.threads, len(keys)) - 1)]

@@ -18,7 +18,7 @@ class Profile:
         self.on = bool(on)
         self.seconds = dict.fromkeys(PHASES[:-1], 0.0)
         self.calls = dict.fromkeys(PHASES[:-1], 0)
-        self.started = time.perf_counter()
+        self.start()
 
     def start(self) -> None:
         """The wall time counts from here."""
@@ -37,18 +37,14 @@ class Profile:
             self.seconds[name] += time.perf_counter() - t0
             self.calls[name] += 1
 
-    def rows(self) -> list[tuple[str, int, float]]:
-        """(phase, calls, seconds) for every phase, `other` last; the seconds add up to the wall since start."""
+    def table(self) -> str:
+        """Calls and seconds of every phase, `other` last: the rows add up to the wall since start."""
         wall = time.perf_counter() - self.started
         rows = [(name, self.calls[name], self.seconds[name]) for name in PHASES[:-1]]
-        return [*rows, ("other", 0, max(0.0, wall - sum(s for _, _, s in rows))), ("wall", 0, wall)]
-
-    def table(self) -> str:
-        rows = self.rows()
-        wall = rows[-1][2] or 1e-12
+        rows += [("other", 0, max(0.0, wall - sum(s for _, _, s in rows))), ("wall", 0, wall)]
         lines = [f"{'phase':<20}{'calls':>8}{'seconds':>12}{'share':>8}"]
         for name, calls, seconds in rows:
-            lines.append(f"{name:<20}{calls or '':>8}{seconds:>12.4f}{seconds / wall:>8.1%}")
+            lines.append(f"{name:<20}{calls or '':>8}{seconds:>12.4f}{seconds / (wall or 1e-12):>8.1%}")
         return "profile (trainer.profile=true):\n" + "\n".join(lines)
 
 

@@ -255,6 +255,10 @@ def test_params_handed_over_as_a_dictconfig_become_a_plain_dict_of_the_same_arra
 class _PlainAdam(Adam):
     """Adam's update as the plain numpy expressions (five temporaries a parameter): the bitwise oracle."""
 
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._flat = None  # one parameter at a time through _update below, never Adam's flat path
+
     def _update(self, name, p, g):
         dt = p.dtype.type
         if self.weight_decay:
