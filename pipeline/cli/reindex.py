@@ -83,7 +83,7 @@ def history(output_dir: Path) -> list[tuple[float, str, Path]]:
             return 0.0
         return float(t) if isinstance(t, (int, float)) else 0.0
 
-    found = [(started(lambda d=p.parent: read_sweep(d)[0]), "sweep", p.parent)
+    found = [(started(lambda d=p.parent: read_sweep(d)), "sweep", p.parent)
              for p in sorted((output_dir / "sweeps").glob("*/sweep.json"))]
     runs_dir = output_dir / "runs"
     found += [(started(RunDir(p).read_status), "run", p)

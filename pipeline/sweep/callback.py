@@ -1,6 +1,7 @@
 """The Hydra callback that makes a multirun one sweep (identity, directory, signals, parent run) and its end."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -12,25 +13,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
 from hydra.experimental.callback import Callback
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from pipeline.checkpoint.manifest import git_info
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, CommandError, ConfigError, Refusal
 from pipeline.config.identity import experiment_name, is_machine_key
 from pipeline.config.targets import parse_overrides
-from pipeline.files import jsonio, names, reading
-from pipeline.files.atomic import (
-    NewDirs,
-    UnsafePathError,
-    check_output_dir,
-    ensure_dirs,
-    environment_error,
-    replace_file,
-)
+from pipeline.files import atomic, jsonio, names, reading
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import SweepParent
-from pipeline.sweep.summary import best_job, read_jobs, shown_value, sweep_table
+from pipeline.sweep.summary import best_job, read_jobs, shown_value, sweep_table, swept_values
 
 log = logging.getLogger("pipeline")
 STORE_WAIT = 0.5  # seconds the launcher gives the tracking store to answer whether it can be written
@@ -67,8 +63,6 @@ def _stop(code: int, message: str) -> None:
 
 def job_count(task_overrides: list[str], sweeper: dict) -> int:
     """How many jobs a sweep asks for, unexpanded: n_trials, else the product of its sweep lengths (a glob: one)."""
-    from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
-
     if isinstance(sweeper.get("n_trials"), int):
         return sweeper["n_trials"]
     params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
@@ -85,8 +79,7 @@ def job_count(task_overrides: list[str], sweeper: dict) -> int:
 def job_name(overrides: list[str], keys) -> str:
     """The swept values of one job, as a person reads them: `optimizer.lr=0.003162 model.n_layer=2` (floats
     shortened by shown_value)."""
-    picked = [o.split("=", 1)[0] + "=" + shown_value(o.split("=", 1)[1]) for o in overrides
-              if o.split("=", 1)[0].lstrip("+~") in keys]
+    picked = [f"{k}={shown_value(v)}" for k, v in swept_values(overrides, keys).items()]
     return " ".join(picked) or " ".join(o for o in overrides if not is_machine_key(o.split("=", 1)[0].lstrip("+~")))
 
 
@@ -131,15 +124,13 @@ class _Start:
     """What a sweep's start changed, to undo if no job ever runs: the directories it made, and the files of an
     existing sweep directory as they were (None: absent)."""
     directory: Path
-    made: NewDirs
+    made: atomic.NewDirs
     files: dict
 
 
 def parent_run(tracking) -> SweepParent:
     """The sweep's parent run, through the interface the `tracking` node's tracker names (`sweep_parent`); for
     tracking=none (or a tracker without one) the no-op, and nothing of pipeline/tracking/ is imported."""
-    from hydra.utils import get_class
-
     node = _plain(tracking)
     if not isinstance(node, dict) or not node.get("_target_"):
         return SweepParent()
@@ -150,25 +141,11 @@ def parent_run(tracking) -> SweepParent:
     return getattr(tracker, "sweep_parent", SweepParent)(**{k: v for k, v in node.items() if not k.startswith("_")})
 
 
-def _quoted(path: Path) -> str:
-    """A path as one value of a Hydra override (quotes and interpolations in it stay text)."""
-    return "'" + str(path).replace("'", "\\'").replace("${", "\\${") + "'"
-
-
-def _has_callback(hydra_cfg) -> bool:
-    return any(isinstance(c, (dict, DictConfig)) and c.get("_target_") == f"{__name__}.{SweepCallback.__name__}"
-               for c in (hydra_cfg.get("callbacks") or {}).values())
-
-
-def parent_of(sweep: dict) -> dict | None:
-    """How the jobs and the end name the sweep's parent run to the agent: by the sweep's id (None: untracked)."""
-    return {"sweep_id": sweep["id"]} if "uri" in sweep and not sweep.get("tracking_off") else None
-
-
 def job_of(hydra_cfg) -> SweepJob:
     """The job a multirun's task runs, from sweep.json and Hydra's job number and overrides; without a directory
     if there is no sweep callback, `unreadable` (bad input, one line) if sweep.json is not a sweep's record."""
-    if not _has_callback(hydra_cfg):
+    if not any(isinstance(c, (dict, DictConfig)) and c.get("_target_") == f"{__name__}.{SweepCallback.__name__}"
+               for c in (hydra_cfg.get("callbacks") or {}).values()):
         return SweepJob()
     directory = str(hydra_cfg.sweep.dir)  # the launcher's override: <output_dir>/sweeps/<name>-<id>
     overrides = [str(o) for o in hydra_cfg.overrides.task]
@@ -189,7 +166,8 @@ def job_of(hydra_cfg) -> SweepJob:
                         unreadable=f"{problem}; the sweep's launcher writes it before any job: re-run the sweep")
     return SweepJob(dir=Path(directory), sweep_id=sweep["id"], overrides=overrides,
                     num=int(hydra_cfg.job.get("num", 0)) + int(sweep.get("job_offset") or 0),
-                    name=job_name(overrides, sweep["swept"]), parent=parent_of(sweep),
+                    name=job_name(overrides, sweep["swept"]),
+                    parent={"sweep_id": sweep["id"]} if "uri" in sweep and not sweep.get("tracking_off") else None,
                     parallel=not str(sweep.get("launcher", "")).endswith(".BasicLauncher"),
                     tracking_off=sweep.get("tracking_off"), started=time.time())
 
@@ -220,25 +198,32 @@ class SweepCallback(Callback):
         refuse_monitors(config, swept(task, sweeper.get("params")))
         try:
             self._start(config, hydra, task, sweeper, identity)
-        except UnsafePathError as e:  # a link planted at sweeps/ (or another of the output directory's entries)
+        except atomic.UnsafePathError as e:  # a link planted at sweeps/ (or another of the output directory's entries)
             _stop(EXIT_BAD_INPUT, str(e))
         except OSError as e:
-            if (message := environment_error(e)) is None:
+            if (message := atomic.environment_error(e)) is None:
                 raise
             _stop(EXIT_ERROR, message)
 
     def _start(self, config: DictConfig, hydra, task: list[str], sweeper: dict, identity: dict) -> None:
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
-        check_output_dir(Path(str(config.paths.output_dir)))  # before its files are read or anything is made
+        atomic.check_output_dir(Path(str(config.paths.output_dir)))  # before its files are read or anything is made
         target = Path(os.path.abspath(config.paths.output_dir), "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
-        files = {n: b for n in START_FILES if (b := _bytes_of(target / n)) is not _UNREADABLE}
-        self.start = _Start(target, NewDirs(target), files)
+        files: dict[str, bytes | None] = {}  # what the launcher writes before its first job, as it was (None: absent)
+        for name in ("sweep.json", "multirun.yaml", OPTUNA_DB):
+            if not os.path.lexists(target / name):
+                files[name] = None
+            elif name != OPTUNA_DB:  # a study found there stays as it is, and so does a file that does not read
+                with contextlib.suppress(OSError):
+                    files[name] = reading.read_bytes(target / name, 1 << 26)
+        self.start = _Start(target, atomic.NewDirs(target), files)
         self.parent = parent_run(config.get("tracking"))
-        directory = ensure_dirs(Path(str(config.paths.output_dir)), "sweeps",
-                                f"{identity['name'] or 'sweep'}-{sweep_id}")
+        directory = atomic.ensure_dirs(Path(str(config.paths.output_dir)), "sweeps", target.name)
         with open_dict(hydra):  # the launcher's and, composed again with this override, every job's
             hydra.sweep.dir = str(directory)
-            hydra.overrides.hydra.append(f"hydra.sweep.dir={_quoted(directory)}")
+            # one quoted value: quotes and interpolations in the path stay text
+            quoted = str(directory).replace("'", "\\'").replace("${", "\\${")
+            hydra.overrides.hydra.append(f"hydra.sweep.dir='{quoted}'")
         SIGNALS_STATE.sweeping(directory, slurm_jobs=_slurm_jobs(hydra.launcher), launcher=self)
         best_val = (_plain(config.get("stages")) or {}).get("best_val") or {}
         # best-val's mode (conf/stages/default.yaml); without that stage the jobs return NaN, either way round
@@ -248,8 +233,6 @@ class SweepCallback(Callback):
         if optuna and not any(o.startswith(given) for o in hydra.overrides.hydra):
             with open_dict(hydra.sweeper):
                 hydra.sweeper.direction = direction  # what the jobs return is best-val's best: minimise or maximise
-        from pipeline.checkpoint.manifest import git_info
-
         try:
             previous = jsonio.read(directory / "sweep.json", 1 << 24)
         except (OSError, ValueError):
@@ -267,7 +250,7 @@ class SweepCallback(Callback):
         self.sweep["experiment"] = experiment_name(str(config.get("name", "")), *(
             str(OmegaConf.select(config, f"{g}._target_", default="")) for g in ("model", "data")))
         self.sweep.update(self.parent.facts(timeout=STORE_WAIT))
-        replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
+        atomic.replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
         self.launcher_pid = os.getpid()
         # Where the jobs run in this process, the parent run and the sweep's line wait for its first job (Hydra
         # composes them all first: a sweep refused then leaves no parent run and says one line); other
@@ -288,8 +271,21 @@ class SweepCallback(Callback):
             self._launching()
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        if self.sweep is not None:
-            exit_for(end(self.sweep, None, self.parent))
+        """The table on stderr; exit 0 only if every job completed: 75 if interrupted, else the first failure's code."""
+        if self.sweep is None:
+            return
+        summary = end(self.sweep, None, self.parent)
+        print(*summary["table"], sep="\n", file=sys.stderr)
+        failed = summary["failed"]
+        if summary["status"] == "interrupted":
+            print(f"pipeline: the sweep was interrupted; {len(failed)} of {len(summary['jobs'])} jobs did not finish: "
+                  "re-run the same command to continue it", file=sys.stderr)
+            raise SystemExit(EXIT_PREEMPTED)
+        if failed:
+            listing = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
+                                for n, j in failed.items())
+            print(f"pipeline: {len(failed)} of {len(summary['jobs'])} jobs failed: {listing}", file=sys.stderr)
+            raise SystemExit(min(int(j.get("code", 1)) for j in failed.values()))
 
     # --- the entry point, when the sweeper or Hydra raised in the launching process
     def discard_unlaunched(self) -> bool:
@@ -309,8 +305,8 @@ class SweepCallback(Callback):
                 path = start.directory / name
                 if data is None:
                     path.unlink(missing_ok=True)
-                elif name != OPTUNA_DB:
-                    replace_file(path, data)
+                else:
+                    atomic.replace_file(path, data)
         start.made.prune()
         return True
 
@@ -329,24 +325,6 @@ class SweepCallback(Callback):
         return True
 
 
-START_FILES = ("sweep.json", "multirun.yaml", OPTUNA_DB)  # what a sweep's launcher writes before its first job
-
-
-_UNREADABLE = object()  # a file an undo leaves as it is
-
-
-def _bytes_of(path: Path):
-    """A file's bytes as a sweep's start found them (an Optuna database: b"" for present), None if absent."""
-    if not os.path.lexists(path):
-        return None
-    if path.name == OPTUNA_DB:
-        return b""
-    try:
-        return reading.read_bytes(path, 1 << 26)
-    except OSError:
-        return _UNREADABLE
-
-
 def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
     """The sweep's outcome from its jobs' records, into sweep.json and its parent run."""
     directory = Path(sweep["dir"])
@@ -355,24 +333,9 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
     interrupted = SIGNALS_STATE.received is not None or any(j.get("code") == EXIT_PREEMPTED for j in jobs.values())
     status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
     sweep.update(status=status, ended_at=time.time(), error=error)
-    replace_file(directory / "sweep.json", jsonio.dumps(sweep))
+    atomic.replace_file(directory / "sweep.json", jsonio.dumps(sweep))
     table = sweep_table(sweep, jobs, best_job(jobs, sweep), parent.end(sweep))
     return {"status": status, "failed": failed, "jobs": jobs, "table": table}
-
-
-def exit_for(summary: dict) -> None:
-    """The table on stderr; exit 0 only if every job completed: 75 if interrupted, else the first failure's code."""
-    print(*summary["table"], sep="\n", file=sys.stderr)
-    failed = summary["failed"]
-    if summary["status"] == "interrupted":
-        print(f"pipeline: the sweep was interrupted; {len(failed)} of {len(summary['jobs'])} jobs did not finish: "
-              "re-run the same command to continue it", file=sys.stderr)
-        raise SystemExit(EXIT_PREEMPTED)
-    if failed:
-        listing = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
-                            for n, j in failed.items())
-        print(f"pipeline: {len(failed)} of {len(summary['jobs'])} jobs failed: {listing}", file=sys.stderr)
-        raise SystemExit(min(int(j.get("code", 1)) for j in failed.values()))
 
 
 def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
@@ -383,8 +346,7 @@ def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
     name = sweeper.get("study_name") or sweep_id
     done = held = 0
     if sweeper.get("storage") or (directory / OPTUNA_DB).exists():
-        import optuna
-        from hydra.utils import instantiate
+        import optuna  # heavy: only for a sweep of Optuna's
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         try:

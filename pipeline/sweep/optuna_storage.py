@@ -12,13 +12,14 @@ import sqlalchemy
 from optuna.storages import RDBStorage
 from optuna.storages._cached_storage import _CachedStorage
 
-for _name in ("alembic", "alembic.runtime.plugins"):  # its migrations' INFO lines, at each new store
-    logging.getLogger(_name).setLevel(logging.WARNING)
 
-
-def _stamp(url: str) -> None:
-    """Record optuna's schema version (its alembic head) in a store that lacks it, in a committed transaction:
-    RDBStorage then finds it and stamps nothing (a new store's tables are made at that head)."""
+def storage(url: str):
+    """The storage optuna.create_study would make of `url`, with its schema version recorded: optuna 2 stamps it
+    on a connection it never commits, which SQLAlchemy 2 rolls back (the next check fails, a bare AssertionError)."""
+    for name in ("alembic", "alembic.runtime.plugins"):  # its migrations' INFO lines: quiet where a store is opened
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # its alembic head, in a committed transaction where the store lacks it: RDBStorage then finds it and stamps
+    # nothing (a new store's tables are made at that head)
     here = Path(rdb.__file__).parent
     config = alembic.config.Config(str(here / "alembic.ini"))
     config.set_main_option("script_location", rdb.escape_alembic_config_value(str(here / "alembic")))
@@ -30,10 +31,4 @@ def _stamp(url: str) -> None:
                 context.stamp(alembic.script.ScriptDirectory.from_config(config), "head")
     finally:
         engine.dispose()
-
-
-def storage(url: str):
-    """The storage optuna.create_study would make of `url`, with its schema version recorded: optuna 2 stamps it
-    on a connection it never commits, which SQLAlchemy 2 rolls back (the next check fails, a bare AssertionError)."""
-    _stamp(url)
     return _CachedStorage(RDBStorage(url))

@@ -68,18 +68,14 @@ def parent_name(swept) -> str:
     return " ".join(["×".join(s if short.count(s) == 1 else k for s, k in zip(short, keys)), "sweep"]).strip()
 
 
-def swept_values(job: dict, keys) -> dict[str, str]:
-    """{swept key: the value this job ran with}, read from its overrides (`+key=v` and `key=v` alike)."""
+def swept_values(overrides: list[str], keys) -> dict[str, str]:
+    """{swept key: the value a job ran with}, read from its overrides (`+key=v` and `key=v` alike)."""
     out = {}
-    for o in job.get("overrides") or []:
+    for o in overrides:
         key, sep, value = str(o).partition("=")
         if sep and key.lstrip("+~") in keys:
             out[key.lstrip("+~")] = value
     return out
-
-
-def _cell(text: str) -> str:
-    return text if len(text) <= MAX_CELL else text[:MAX_CELL - 3] + "..."
 
 
 def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: list[str]) -> list[str]:
@@ -102,9 +98,10 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
         shown = shown[:MAX_ROWS]
     rows = [["job", *keys, objective, "status"]]
     for j in shown:
-        values = swept_values(j, keys)
+        values = swept_values(j.get("overrides") or [], keys)
         v = finite(j.get("objective"))
-        rows.append([str(j["num"]), *(_cell(values.get(k, "")) for k in keys),
+        cells = [values.get(k, "") for k in keys]
+        rows.append([str(j["num"]), *(c if len(c) <= MAX_CELL else c[:MAX_CELL - 3] + "..." for c in cells),
                      "-" if v is None else f"{v:.6g}", str(j.get("status", "unknown"))])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     numeric = {0, len(widths) - 2}  # the job number and the objective: right-aligned

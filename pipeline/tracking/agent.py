@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import queue
 import signal
@@ -14,6 +15,9 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from pipeline.config.errors import EXIT_ERROR
+from pipeline.tracking.link import peer_credentials, private_dir, read_line
 
 MAX_PENDING = 1000  # metric points: one log_batch
 # Bytes of one request line: a checkpoint's manifest.json (at most 16 MiB, as JSON text within 6 times that) or
@@ -93,10 +97,8 @@ class Agent:
         self.waiters: list[tuple[Conn, object]] = []  # idle requests
 
     def parent_of(self, client, ref: dict | None) -> dict | None:
-        """A job's parent, given as {"run_id", ...} or by its sweep's id (the launcher does not wait for it)."""
-        if not ref or "run_id" in ref:
-            return ref
-        sweep_id = ref.get("sweep_id")
+        """A job's parent run, named by its sweep's id ({"sweep_id"}: the launcher does not wait for the run)."""
+        sweep_id = (ref or {}).get("sweep_id")
         if not isinstance(sweep_id, str):
             return None
         if sweep_id not in self.parents:
@@ -126,25 +128,18 @@ class Agent:
         s.uri = uri = m["uri"]
         s.client = client = self.client(uri, m.get("artifact_location"))
         parent = s.parent = self.parent_of(client, m.get("parent"))
-        prev_uri, _, prev_id = self.common.parse_run_uri(m.get("previous_run_uri"))
-        candidates = [prev_id] if prev_id and prev_uri in (None, uri) else []
-        run = self.store.find_run(client, m["run_dir"], candidates)
-        tags = dict(m["tags"])
-        if parent:
-            tags["mlflow.parentRunId"] = parent["run_id"]
-        if run is None:
-            experiment_id = parent["experiment_id"] if parent else \
-                self.store.ensure_experiment(client, m["experiment"], m.get("artifact_location"))
-            if m.get("previous_run_uri"):
-                tags["continued_from"] = m["previous_run_uri"]  # a fork, or a run indexed in another store
-            run = self.store.create_run(client, experiment_id, tags, m.get("start_time"))
-        else:
-            s.logged = self.store.logged_steps(client, run.info.run_id, run.data.metrics.keys())
-            if run.data.tags.get("mlflow.parentRunId") not in (None, tags.get("mlflow.parentRunId")):
-                tags["mlflow.parentRunId"] = run.data.tags["mlflow.parentRunId"]  # stays with its first sweep
-            if run.info.status != "RUNNING":
-                client.update_run(run.info.run_id, status="RUNNING")
-            self.store.sync_tags(client, run, tags, self.common.DERIVED_RUN_TAGS)
+        previous = m.get("previous_run_uri")
+        prev_uri, _, prev_id = self.common.parse_run_uri(previous)
+        tags = {**m["tags"], **({"mlflow.parentRunId": parent["run_id"]} if parent else {})}
+        experiment = parent["experiment_id"] if parent else None
+        run, tags, _ = self.index.open_run(
+            client, m["run_dir"], [prev_id] if prev_id and prev_uri in (None, uri) else [], tags, m.get("start_time"),
+            lambda: experiment or self.store.ensure_experiment(client, m["experiment"], m.get("artifact_location")),
+            {"continued_from": previous} if previous else None)  # a fork, or a run indexed in another store
+        s.logged = self.store.logged_steps(client, run.info.run_id, run.data.metrics.keys())
+        if run.info.status != "RUNNING":
+            client.update_run(run.info.run_id, status="RUNNING")
+        self.store.sync_tags(client, run, tags, self.common.DERIVED_RUN_TAGS)
         self.store.sync_params(client, run, m["params"])
         s.run_id = run.info.run_id
         s.repo = self.store.artifact_repo(client, s.run_id)
@@ -164,7 +159,7 @@ class Agent:
             s.logged.update((p[0], p[3]) for p in points)
 
     def checkpoint(self, s: Session, m: dict) -> None:
-        self.store.log_file_as(s.repo, m["artifact"], data=m["manifest"].encode())
+        self.store.log_file_as(s.repo, m["artifact"], m["manifest"].encode())
 
     def finish(self, s: Session, m: dict) -> None:
         """The job hands its run over and leaves: its points now, the run directory once it has gone."""
@@ -194,7 +189,7 @@ class Agent:
             started = time.monotonic()
             try:
                 if "run_id" in r:
-                    self.index.sync_run_artifacts(s.client, r["run_id"], Path(m["run_dir"]))
+                    self.index.sync_artifacts(s.client, r["run_id"], Path(m["run_dir"]))
                     trace("finish: its artifacts", started)
                 s.conn.send({"sid": s.sid, "event": "finished"})
             except Exception as e:
@@ -219,7 +214,7 @@ class Agent:
             client.update_run(run.info.run_id, status="RUNNING")
         ids = self.parents[m["sweep_id"]] = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
         uri = self.common.run_uri(m["uri"], run.info.experiment_id, run.info.run_id)
-        s.conn.send({"sid": s.sid, "event": "ready", "uri": uri, **ids, "reused": not created})
+        s.conn.send({"sid": s.sid, "event": "ready", "uri": uri, **ids})
 
     def sweep_end(self, s: Session, m: dict) -> None:
         client = self.client(m["uri"])
@@ -335,8 +330,6 @@ def _held_by(run_dir: Path, pid: int | None) -> bool:
 
 
 def _read(conn: Conn, sock: socket.socket, inbox: queue.Queue) -> None:
-    from pipeline.tracking.link import read_line
-
     try:
         requests = sock.makefile("rb")
         while raw := read_line(requests, MAX_REQUEST):
@@ -353,8 +346,6 @@ def _read(conn: Conn, sock: socket.socket, inbox: queue.Queue) -> None:
 
 def _accept(server: socket.socket, inbox: queue.Queue, clients: set) -> None:
     """Serve each client of this user's (SO_PEERCRED); another user's connection is closed unread."""
-    from pipeline.tracking.link import peer_credentials
-
     cid = 1
     while True:
         try:
@@ -384,9 +375,6 @@ def main(argv: list[str] | None = None) -> None:
     # Signals meant for jobs (Ctrl-C, SLURM's SIGTERM) must not cut a flush short: the agent ends when idle.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    from pipeline.config.errors import EXIT_ERROR
-    from pipeline.tracking.link import private_dir
-
     try:
         private_dir(Path(args.listen).parent)  # the job checked it; so does the agent, before it binds there
     except OSError as e:
@@ -400,8 +388,6 @@ def main(argv: list[str] | None = None) -> None:
     inbox: queue.Queue = queue.Queue()
     clients: set = set()
     threading.Thread(target=_accept, args=(server, inbox, clients), daemon=True).start()
-    import logging
-
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     time.sleep(float(os.environ.get("PIPELINE_TRACKING_AGENT_DELAY", "0") or 0))  # a test hook: a slow agent
     agent = Agent()

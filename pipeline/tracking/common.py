@@ -1,12 +1,14 @@
-"""What the tracker, the agent, the sweep callback and reindex share; imports nothing heavy (no mlflow)."""
+"""What the tracker, the agent, the index, reindex and register share; imports nothing heavy (no mlflow)."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from pipeline.config.identity import MACHINE_KEYS, is_machine_key  # noqa: F401 - the tracker's params leave them out
+from pipeline.config.identity import experiment_name, is_machine_key
 from pipeline.files import reading
 from pipeline.files.jsonio import NON_FINITE, flatten
 
@@ -83,12 +85,8 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
         except OSError as e:
             return f"the mlflow store {db} cannot be opened: {e.strerror or e}"
         return None
-    from urllib.parse import urlsplit
-
     parts = urlsplit(uri)
     if parts.scheme in ("http", "https") and parts.hostname:
-        import socket
-
         try:
             socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
                                      timeout=timeout).close()
@@ -97,14 +95,6 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
         except OSError:
             return None  # slow, not refused: the agent finds out
     return None
-
-
-def artifact_location_uri(location: str | None) -> str | None:
-    """A local directory becomes an absolute file: URI; a URI (s3://, mlflow-artifacts:, file:) is kept."""
-    if location in (None, ""):
-        return None
-    location = str(location)
-    return location if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", location) else Path(location).resolve().as_uri()
 
 
 # Stores whose client writes the artifacts itself (a database or a directory): the caller says where.
@@ -120,10 +110,12 @@ def artifact_root(uri: str, location: str | None = None) -> str | None:
     if str(uri).startswith("databricks") or (scheme is not None and len(scheme.group(1)) > 1 and
                                              scheme.group(1).lower() not in _CLIENT_SIDE_STORES):
         return None  # (a one-letter scheme is a Windows drive: a local path)
-    if location:
-        return artifact_location_uri(location)
     db = sqlite_path(str(uri))
-    return artifact_location_uri(str(db.parent / "mlartifacts")) if db is not None else None
+    location = str(location or (db.parent / "mlartifacts" if db is not None else ""))
+    if not location:
+        return None
+    # a local directory becomes an absolute file: URI; a URI (s3://, mlflow-artifacts:, file:) is kept
+    return location if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", location) else Path(location).resolve().as_uri()
 
 
 def default_uri(output_dir: str | Path) -> str:
@@ -159,8 +151,6 @@ def tag_value(v) -> str:
 def experiment_of(config: dict) -> str:
     """The mlflow experiment a run's config reports to: its tracking.experiment, or (a config tracked by none,
     indexed later) the name tracking=mlflow would have given it (identity.experiment_name)."""
-    from pipeline.config.identity import experiment_name
-
     tracked = (config.get("tracking") or {}).get("experiment")
     return str(tracked) if tracked else experiment_name(str(config.get("name") or "default"),
                                                         (config.get("model") or {}).get("_target_", ""),

@@ -14,18 +14,7 @@ from pipeline.checkpoint.errors import CheckpointError
 from pipeline.files import jsonio, reading
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.sweep.summary import best_job, direction, finite, parent_name, read_jobs
-from pipeline.tracking import store
-from pipeline.tracking.common import (
-    CURVES_ARTIFACT,
-    DERIVED_RUN_TAGS,
-    experiment_of,
-    metric_points,
-    params_of,
-    parse_run_uri,
-    run_uri,
-    tag_value,
-    tags_of,
-)
+from pipeline.tracking import common, store
 from pipeline.trainer import curves
 
 MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
@@ -73,7 +62,7 @@ def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
 def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None = None,
              job: dict | None = None, artifacts: bool = True) -> dict:
     """Make the mlflow run of `run_dir` hold everything the directory does (under `parent` unless under another
-    already; with a sweep `job`'s tags): artifacts last, or left to sync_run_artifacts; returns what was added."""
+    already; with a sweep `job`'s tags): artifacts last, or left to sync_artifacts; returns what was added."""
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
     damaged: list[str] = []
@@ -88,28 +77,22 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     lines = rundir.read_metrics()
     candidates = []
     for _, manifest in reversed(found):
-        base, _, rid = parse_run_uri(manifest.get("mlflow_run_uri"))
+        base, _, rid = common.parse_run_uri(manifest.get("mlflow_run_uri"))
         if rid and base in (None, uri) and rid not in candidates:
             candidates.append(rid)
-    tags = tags_of(newest, run_dir, status, job)
+    tags = common.tags_of(newest, run_dir, status, job)
     if parent is not None:
         tags["mlflow.parentRunId"] = parent["run_id"]
-    run = store.find_run(client, str(run_dir), candidates)
-    if run is None:
-        experiment = experiment_of(config)
-        started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
-        run = store.create_run(client, store.ensure_experiment(client, str(experiment), artifact_root), tags, started)
-        added["created"] = 1
-    if run.data.tags.get("mlflow.parentRunId") not in (None, tags.get("mlflow.parentRunId")):
-        # it stays with its first sweep (and that sweep's job name and number)
-        tags = {k: v for k, v in tags.items() if not k.startswith("sweep.") and k != "mlflow.runName"}
-        tags["mlflow.parentRunId"] = run.data.tags["mlflow.parentRunId"]
+    started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
+    run, tags, created = open_run(client, str(run_dir), candidates, tags, started, lambda: store.ensure_experiment(
+        client, str(common.experiment_of(config)), artifact_root))
+    added["created"] = int(created)
     run_id = run.info.run_id
-    added["params"] = store.sync_params(client, run, params_of(config))
-    added["tags"] = store.sync_tags(client, run, tags, DERIVED_RUN_TAGS)
+    added["params"] = store.sync_params(client, run, common.params_of(config))
+    added["tags"] = store.sync_tags(client, run, tags, common.DERIVED_RUN_TAGS)
     latest = {}
     for line in lines:
-        for p in metric_points(line):
+        for p in common.metric_points(line):
             latest[(p[0], p[3])] = p  # a step logged twice in the file: its last line
     # The best is the run's result: logged once it has ended for good, never from a preempted segment (a resumed
     # run's index would keep that segment's best beside the final one, which a rebuild from disk cannot know).
@@ -128,16 +111,24 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         end = status.get("ended_at") or status.get("updated") or run_dir.stat().st_mtime
         client.set_terminated(run_id, status=mstatus, end_time=int(end * 1000))
         added["status"] = 1
-    record_run_uri(rundir, run_uri(uri, run.info.experiment_id, run_id))
+    record_run_uri(rundir, common.run_uri(uri, run.info.experiment_id, run_id))
     if artifacts:
-        added["artifacts"] = sync_artifacts(client, run_id, rundir, found, lines)
+        added["artifacts"] = sync_artifacts(client, run_id, run_dir, found, lines)
     return {**added, "run_id": run_id, "experiment_id": run.info.experiment_id, "status_now": mstatus}
 
 
-def sync_run_artifacts(client, run_id: str, run_dir: Path) -> int:
-    """The artifacts part of sync_run, for a run whose rest sync_run(artifacts=False) has done."""
-    rundir = RunDir(Path(run_dir).resolve())
-    return sync_artifacts(client, run_id, rundir, manifests(rundir), rundir.read_metrics())
+def open_run(client, run_dir: str, candidates: list[str], tags: dict[str, str], started: float | None,
+             experiment_id: Callable[[], str], created_tags: dict[str, str] | None = None) -> tuple[Any, dict, bool]:
+    """(the run indexing `run_dir`, the tags it is to hold, whether it is new): found by store.find_run, else
+    created in experiment_id() with `created_tags` too. A run under another sweep's parent stays with its first
+    sweep, and that sweep's job name and number: the live index and a rebuild from disk say the same."""
+    run = store.find_run(client, run_dir, candidates)
+    if run is None:
+        return store.create_run(client, experiment_id(), {**tags, **(created_tags or {})}, started), tags, True
+    if run.data.tags.get("mlflow.parentRunId") not in (None, tags.get("mlflow.parentRunId")):
+        tags = {k: v for k, v in tags.items() if not k.startswith("sweep.") and k != "mlflow.runName"}
+        tags["mlflow.parentRunId"] = run.data.tags["mlflow.parentRunId"]
+    return run, tags, False
 
 
 def record_run_uri(rundir: RunDir, uri: str) -> bool:
@@ -159,26 +150,28 @@ def record_run_uri(rundir: RunDir, uri: str) -> bool:
     return True
 
 
-def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list) -> int:
+def sync_artifacts(client, run_id: str, run_dir: Path, found: list | None = None, lines: list | None = None) -> int:
+    """The artifacts part of sync_run (for the agent, once sync_run(artifacts=False) has done the rest)."""
+    rundir = RunDir(Path(run_dir).resolve())
+    found = manifests(rundir) if found is None else found
     repo = store.artifact_repo(client, run_id)
     have = store.artifact_sizes(repo)
     final = rundir.store.link_dir("final")
-    reads: list[tuple[str, Callable[[CheckpointDir], Path | tuple[str, bytes]], Path]] = [
-        (d.relative_to(rundir.path).as_posix(), CheckpointDir.manifest_file, d) for d, _ in found]
-    if final:  # its manifest first: the weights are logged again when it is
-        reads += [("final", CheckpointDir.manifest_file, final), ("final", CheckpointDir.weights_file, final)]
     todo: list[tuple[str, Path | bytes]] = []
-    for folder, read, directory in reads:  # the store reads a checkpoint's files: never a link or a FIFO
-        try:
-            got = read(CheckpointDir(directory))
+    checkpoints = [(d.relative_to(rundir.path).as_posix(), d) for d, _ in found]
+    for folder, directory in checkpoints + ([("final", final)] if final else []):
+        try:  # CheckpointDir reads a checkpoint's files: never a link or a FIFO
+            name, raw = CheckpointDir(directory).manifest_file()
+            todo.append((f"{folder}/{name}", raw))
+            if folder == "final":  # after its manifest: the weights are logged again when it is
+                weights = CheckpointDir(directory).weights_file()
+                todo.append((f"final/{weights.name}", weights))
         except (OSError, CheckpointError):
             continue  # a damaged checkpoint: reindex names it
-        todo.append((f"{folder}/{got.name}", got) if isinstance(got, Path) else (f"{folder}/{got[0]}", got[1]))
-    for p in (rundir.hydra_dir / "config.yaml", rundir.hydra_dir / "overrides.yaml", rundir.log_path):
-        with contextlib.suppress(OSError):
-            if stat.S_ISREG(p.stat().st_mode):  # a FIFO or a device where a file should be: never opened (it blocks)
-                todo.append((f"hydra/{p.name}" if p != rundir.log_path else p.name, p))
-    added = 0
+    todo += [(f"hydra/{p.name}", p) for p in (rundir.hydra_dir / "config.yaml", rundir.hydra_dir / "overrides.yaml")]
+    todo.append((rundir.log_path.name, rundir.log_path))
+    if (png := curves_png(rundir, rundir.read_metrics() if lines is None else lines)) is not None:
+        todo.append((common.CURVES_ARTIFACT, png))
     # A checkpoint retention retired is gone from disk: its manifest, logged live when it was saved, goes from
     # the index too (a rebuild from disk never sees it; the run's resume.N tags keep where each resume started).
     # A damaged one is still on disk: kept.
@@ -186,35 +179,35 @@ def sync_artifacts(client, run_id: str, rundir: RunDir, found: list, lines: list
     folder = rundir.store.root.relative_to(rundir.path).as_posix()  # the artifacts mirror the run's layout
     for name in sorted({a.split("/")[1] for a in have if a.startswith(f"{folder}/") and a.count("/") == 2} - kept):
         repo.delete_artifacts(f"{folder}/{name}")
-    final_changed = False
+    return log_changed(repo, have, todo)
+
+
+def log_changed(repo, have: dict[str, int], todo: list[tuple[str, Path | bytes]]) -> int:
+    """Log each (artifact, bytes or file) whose size or, if small, content differs from what the run has; a file
+    that is missing or not regular (a FIFO, a device: it would block) is skipped. Returns how many were logged."""
+    added, final_changed = 0, False
     for artifact, source in todo:
         try:
+            if not isinstance(source, bytes) and not stat.S_ISREG(source.stat().st_mode):
+                continue
             size = len(source) if isinstance(source, bytes) else source.stat().st_size
             changed = have.get(artifact) != size or (size <= MAX_COMPARED_BYTES and
                                                      store.artifact_bytes(repo, artifact, have) != _bytes_of(source))
         except OSError:
-            continue  # replaced since it was listed (a FIFO, a device, a file grown past the bound): the next sync
+            continue  # absent, or replaced since it was listed (a FIFO, a device, a file grown past the bound)
         if changed or (final_changed and artifact.startswith("final/")):
             final_changed = final_changed or artifact.startswith("final/")  # the weights follow their manifest
-            if isinstance(source, bytes):
-                store.log_file_as(repo, artifact, data=source)
-            else:
-                store.log_file_as(repo, artifact, source=source)
+            store.log_file_as(repo, artifact, source)
             added += 1
-    png = curves_png(rundir, lines)
-    if png is not None and store.artifact_bytes(repo, CURVES_ARTIFACT, have) != png:
-        store.log_file_as(repo, CURVES_ARTIFACT, data=png)
-        added += 1
     return added
 
 
 def curves_png(rundir: RunDir, lines: list) -> bytes | None:
     """The run directory's own curves.png if written after the last metrics line, else drawn from metrics.jsonl."""
-    own = rundir.path / CURVES_ARTIFACT
-    with contextlib.suppress(OSError):
-        if own.is_file() and own.stat().st_size <= MAX_CURVES_BYTES and \
-                own.stat().st_mtime >= rundir.metrics_path.stat().st_mtime:
-            return own.read_bytes()
+    own = rundir.path / common.CURVES_ARTIFACT
+    with contextlib.suppress(OSError):  # a link, a FIFO or a file over the bound: drawn again
+        if own.stat().st_mtime >= rundir.metrics_path.stat().st_mtime:
+            return reading.read_bytes(own, MAX_CURVES_BYTES)
     return curves.draw(lines)  # the job's own drawing: the same lines give the same bytes
 
 
@@ -223,8 +216,8 @@ SWEEP_STATUS = {"complete": "FINISHED", "failed": "FAILED", "interrupted": "KILL
 DERIVED_PARENT_TAGS = ("sweep.failures", "best.job", "best.params", "best.value", "best.run_id", "ended")
 
 
-def read_sweep(sweep_dir: Path) -> tuple[dict, dict[int, dict]]:
-    return jsonio.read(Path(sweep_dir) / "sweep.json", 1 << 24), read_jobs(Path(sweep_dir))
+def read_sweep(sweep_dir: Path) -> dict:
+    return jsonio.read(Path(sweep_dir) / "sweep.json", 1 << 24)
 
 
 def identity_tags(sweep: dict) -> dict[str, str]:
@@ -236,7 +229,7 @@ def identity_tags(sweep: dict) -> dict[str, str]:
             "experiment": sweep.get("name", ""), "git_sha": str(sweep.get("git_sha"))}
     if sweep.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = sweep["git_sha"]
-    return {k: tag_value(v) for k, v in tags.items()}
+    return {k: common.tag_value(v) for k, v in tags.items()}
 
 
 def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, str], str]:
@@ -246,20 +239,24 @@ def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, s
     failed = {n: j for n, j in sorted(jobs.items()) if j.get("status") != "complete"}
     tags.update({"sweep.jobs": str(len(jobs)), "sweep.failed": str(len(failed))})
     if failed:
-        tags["sweep.failures"] = tag_value("; ".join(f"job {n} ({j.get('name', '')}): {j.get('status')}: "
+        tags["sweep.failures"] = common.tag_value("; ".join(f"job {n} ({j.get('name', '')}): {j.get('status')}: "
                                                      f"{j.get('error', '')}" for n, j in failed.items()))
     best = best_job(jobs, sweep)
     if best is not None:
-        tags.update({"best.job": str(best["num"]), "best.params": tag_value(best.get("name", "")),
+        tags.update({"best.job": str(best["num"]), "best.params": common.tag_value(best.get("name", "")),
                      "best.value": repr(best["objective"])})
         if best.get("run_dir"):  # by its run_dir tag: a run id the job recorded may be another store's
             found = store.find_run(client, str(Path(best["run_dir"]).resolve()))
             if found is not None:
                 tags["best.run_id"] = found.info.run_id
     status = SWEEP_STATUS.get(sweep.get("status", "running"), "RUNNING")
-    if status == "RUNNING" and not _alive(sweep):
-        status = "FAILED"  # its launching process died without ending it
-        tags["ended"] = "the launching process exited without ending the sweep"
+    # running, but its launching process (seen from its own host: elsewhere it is taken as alive) has died
+    if status == "RUNNING" and sweep.get("host") == socket.gethostname() and isinstance(sweep.get("pid"), int):
+        with contextlib.suppress(PermissionError):
+            try:
+                os.kill(sweep["pid"], 0)
+            except ProcessLookupError:
+                status, tags["ended"] = "FAILED", "the launching process exited without ending the sweep"
     return tags, status
 
 
@@ -280,26 +277,43 @@ def objective_points(sweep: dict, jobs: dict[int, dict]) -> list[tuple[str, floa
 
 def open_parent(client, sweep_dir: Path, artifact_root: str | None):
     """(the sweep's parent run, found by the sweep's id or created now; whether created), as sweep.json says."""
-    sweep, _ = read_sweep(sweep_dir)
+    sweep = read_sweep(sweep_dir)
     experiment = sweep.get("experiment") or sweep.get("name") or "default"
     experiment_id = store.ensure_experiment(client, experiment, artifact_root)
     found = store.find_parent(client, sweep["id"], experiment_id)
     tags = identity_tags(sweep)
     run = found or store.create_run(client, experiment_id, tags, sweep.get("started"))
     store.sync_tags(client, run, tags)
-    store.sync_params(client, run, {k: tag_value(v)[:6000] for k, v in (sweep.get("swept") or {}).items()})
+    store.sync_params(client, run, {k: common.param_value(v) for k, v in (sweep.get("swept") or {}).items()})
     return client.get_run(run.info.run_id), found is None
 
 
 def index_job(client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None, job: dict) -> dict:
-    """A sweep job's run directory under its parent: its own run, or a child pointing at the run when that one
-    already stands for another job (a repeat in this sweep, or a job of another sweep)."""
+    """A sweep job's run directory under its parent: its own run, or a child of the parent pointing at the run when
+    that one already stands for another job (a repeat in this sweep, or a job of another sweep)."""
     run = store.find_run(client, str(Path(run_dir).resolve()))
-    if run is not None and parent and (run.data.tags.get("mlflow.parentRunId") != parent["run_id"] or
-                                       run.data.tags.get("sweep.job_num") not in (None, str(job.get("num")))):
-        ref = store.reference_run(client, run, parent, job)
-        return {"run_id": ref.info.run_id, "experiment_id": ref.info.experiment_id, "repeat_of": run.info.run_id}
-    return sync_run(client, uri, Path(run_dir), artifact_root, parent, job)
+    if run is None or not parent or (run.data.tags.get("mlflow.parentRunId") == parent["run_id"] and
+                                     run.data.tags.get("sweep.job_num") in (None, str(job.get("num")))):
+        return sync_run(client, uri, Path(run_dir), artifact_root, parent, job)
+    # The child is named by the run directory it repeats, as on disk (a run id is the store's own: a rebuild makes
+    # others), holds its params and final metrics, and no run_dir tag (that one is the run).
+    same = Path(run.data.tags.get("run_dir") or run.info.run_id).name
+    name = f"{job.get('name') or run.data.tags.get('mlflow.runName', '')} (same run as {same})"
+    tags = {k: v for k, v in run.data.tags.items() if not k.startswith(("mlflow.", "sweep.")) and k != "run_dir"}
+    tags.update({"mlflow.parentRunId": parent["run_id"], "mlflow.runName": name, "repeat_of": run.info.run_id,
+                 "repeat_of.run_dir": run.data.tags.get("run_dir", ""), "sweep.id": str(job.get("sweep_id")),
+                 "sweep.job_num": str(job.get("num")), "sweep.job_overrides": " ".join(job.get("overrides") or [])})
+    found = client.search_runs([parent["experiment_id"]], f"tags.`sweep.id` = '{job.get('sweep_id')}' and "
+                               f"tags.`sweep.job_num` = '{job.get('num')}' and tags.repeat_of = '{run.info.run_id}'",
+                               max_results=1)
+    child = found[0] if found else None
+    if child is None:  # its times and points are the run's it repeats: the same in the live index and in a rebuild
+        child = client.create_run(parent["experiment_id"], start_time=run.info.start_time, tags=tags, run_name=name)
+        store.sync_params(client, child, run.data.params)
+        end = run.info.end_time or run.info.start_time
+        store.log_points(client, child.info.run_id, [(k, v, end, 0) for k, v in sorted(run.data.metrics.items())])
+        client.set_terminated(child.info.run_id, status=run.info.status, end_time=end)
+    return {"run_id": child.info.run_id, "experiment_id": child.info.experiment_id, "repeat_of": run.info.run_id}
 
 
 def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, parent: dict | None = None,
@@ -307,7 +321,7 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
     """Make a sweep's parent run hold what its directory says; children=True (reindex) indexes each job's run
     directory under it too, in job order ("synced": {resolved run directory: sync_run's result})."""
     sweep_dir = Path(sweep_dir)
-    sweep, jobs = read_sweep(sweep_dir)
+    sweep, jobs = read_sweep(sweep_dir), read_jobs(sweep_dir)
     if parent is None:
         run, _ = open_parent(client, sweep_dir, artifact_root)
         parent = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
@@ -326,25 +340,9 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
     logged = store.logged_steps(client, run.info.run_id, {p[0] for p in points})
     store.log_points(client, run.info.run_id, [p for p in points if (p[0], p[3]) not in logged])
     repo = store.artifact_repo(client, run.info.run_id)
-    have = store.artifact_sizes(repo)
-    for name in ("multirun.yaml", "optimization_results.yaml", "sweep.json"):
-        p = sweep_dir / name
-        if p.is_file() and store.artifact_bytes(repo, name, have) != p.read_bytes():
-            store.log_file_as(repo, name, source=p)
+    log_changed(repo, store.artifact_sizes(repo),
+                [(name, sweep_dir / name) for name in ("multirun.yaml", "optimization_results.yaml", "sweep.json")])
     end = int(float(sweep["ended_at"]) * 1000) if isinstance(sweep.get("ended_at"), (int, float)) else None
     if status != "RUNNING" and (run.info.status != status or run.info.end_time != end):
         client.set_terminated(run.info.run_id, status=status, end_time=end)
     return {**parent, "children": len(jobs), "status": status, "synced": synced}
-
-
-def _alive(sweep: dict) -> bool:
-    """Whether the process that launched a sweep still runs (a sweep launched on another host: assume so)."""
-    if sweep.get("host") != socket.gethostname() or not isinstance(sweep.get("pid"), int):
-        return True
-    try:
-        os.kill(sweep["pid"], 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True

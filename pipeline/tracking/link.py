@@ -50,15 +50,6 @@ def private_problem(directory: Path) -> str | None:
     return None
 
 
-def runtime_dir() -> Path:
-    """Where the agents' sockets and logs live: $XDG_RUNTIME_DIR if it is this user's alone, else
-    `<temp dir>/pipeline-<uid>`, which `private_dir` makes (0700)."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isabs(xdg) and private_problem(Path(xdg)) is None:
-        return Path(xdg)
-    return Path(tempfile.gettempdir()) / f"pipeline-{os.getuid()}"
-
-
 def private_dir(directory: Path) -> Path:
     """`directory`, made (0700) if missing, once it is checked to be this user's alone: else OSError naming it (the
     directory is not used: nothing connects, binds or writes there)."""
@@ -71,9 +62,12 @@ def private_dir(directory: Path) -> Path:
 
 
 def socket_path(uri: str) -> Path:
-    """Short and per user: a Unix socket path must fit in ~100 bytes whatever the URI."""
-    digest = hashlib.sha256(uri.encode()).hexdigest()[:16]
-    return runtime_dir() / f"pipeline-mlflow-{digest}.sock"
+    """Short and per user (a Unix socket path must fit in ~100 bytes whatever the URI), in $XDG_RUNTIME_DIR if it
+    is this user's alone, else in `<temp dir>/pipeline-<uid>`, which `private_dir` makes (0700)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR") or ""
+    private = os.path.isabs(xdg) and private_problem(Path(xdg)) is None
+    directory = Path(xdg) if private else Path(tempfile.gettempdir()) / f"pipeline-{os.getuid()}"
+    return directory / f"pipeline-mlflow-{hashlib.sha256(uri.encode()).hexdigest()[:16]}.sock"
 
 
 def agent_log(uri: str) -> Path:
@@ -103,9 +97,8 @@ class Link:
     meanwhile (no caller waits for an agent to start); a reader thread hands each event to the handler that
     registered its session (a tracker, or a Request)."""
 
-    def __init__(self, uri: str, log_file: Path | None):
-        self.uri, self.log_file, self.path = uri, log_file, socket_path(uri)
-        self.sock: socket.socket | None = None
+    def __init__(self, uri: str):
+        self.path, self.log_file = socket_path(uri), agent_log(uri)
         self.queue: queue.Queue = queue.Queue()
         self.handlers: dict[int, Handler] = {}
         self.ids = itertools.count(1)
@@ -136,7 +129,7 @@ class Link:
 
     def _write(self) -> None:
         try:
-            self.sock = sock = connect_or_spawn(self.path, self.log_file)
+            sock = connect_or_spawn(self.path, self.log_file)
         except OSError as e:
             self._died(str(e))
             return
@@ -228,33 +221,29 @@ def _connect(path: Path) -> socket.socket | None:
         raise
 
 
-def open_log(log_file: Path) -> int | None:
-    """The agent's log, opened to append without following a link (a regular file, made 0600); None, with one
-    warning, if it cannot be: the agent then logs nowhere."""
+def spawn(path: Path, log_file: Path) -> subprocess.Popen:
+    """Start an agent serving `path`, in its own session (no job's signal reaches it), writing to `log_file` if
+    that opens to append without following a link as a regular file (made 0600); else, with one warning, nowhere."""
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding this `pipeline` package, first
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    fd: int | None = None
     try:
         fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                      0o600)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device: never written to, never waited on
+            raise OSError(errno.EINVAL, "it is not a regular file")
+        os.set_blocking(fd, True)
     except OSError as e:
         why = "it is a symlink, not followed" if e.errno == errno.ELOOP else (e.strerror or str(e))
         log.warning("the tracking agent's log %s cannot be opened (%s): the agent logs nowhere", log_file, why)
-        return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device: never written to, never waited on
-        os.close(fd)
-        log.warning("the tracking agent's log %s is not a regular file: the agent logs nowhere", log_file)
-        return None
-    os.set_blocking(fd, True)
-    return fd
-
-
-def spawn(path: Path, log_file: Path | None) -> subprocess.Popen:
-    """Start an agent serving `path`, in its own session (no job's signal reaches it)."""
-    root = str(Path(__file__).resolve().parents[2])  # the directory holding this `pipeline` package, first
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    fd = open_log(log_file) if log_file is not None else None
-    out = subprocess.DEVNULL if fd is None else fd
+        if fd is not None:
+            os.close(fd)
+        fd = None
     try:
         return subprocess.Popen([sys.executable, "-m", "pipeline.tracking.agent", "--listen", str(path),
-                                 "--idle", str(IDLE_SECONDS)], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                 "--idle", str(IDLE_SECONDS)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL if fd is None else fd,
+                                stderr=subprocess.DEVNULL if fd is None else fd,
                                 env=env, close_fds=True, start_new_session=True)
     finally:
         if fd is not None:
@@ -265,13 +254,11 @@ _LINKS: dict[str, Link] = {}
 _LINKS_LOCK = threading.Lock()
 
 
-def connect_or_spawn(path: Path, log_file: Path | None) -> socket.socket:
+def connect_or_spawn(path: Path, log_file: Path) -> socket.socket:
     """A socket connected to the agent at `path`, started if none runs (a lock beside the socket makes one process
-    spawn while the others wait). OSError if none can be, or if `path`'s directory is not this user's alone (checked
-    first: nothing is then sent, bound, or written there)."""
+    spawn while the others wait). OSError if none can be, or if `path`'s directory, which holds the log too, is not
+    this user's alone (checked first: nothing is then sent, bound, or written there)."""
     private_dir(path.parent)
-    if log_file is not None and log_file.parent != path.parent:
-        private_dir(log_file.parent)
     sock = _connect(path)
     if sock is not None:
         return sock
@@ -285,8 +272,8 @@ def connect_or_spawn(path: Path, log_file: Path | None) -> socket.socket:
             deadline = time.monotonic() + SPAWN_WAIT
             while sock is None and time.monotonic() < deadline:
                 if proc.poll() is not None:
-                    raise OSError(errno.ECHILD, f"the tracking agent exited at start (code {proc.returncode})"
-                                  + (f"; see {log_file}" if log_file else ""))
+                    raise OSError(errno.ECHILD, f"the tracking agent exited at start (code {proc.returncode}); "
+                                  f"see {log_file}")
                 time.sleep(0.01)
                 sock = _connect(path) if path.exists() else None
             if sock is None:
@@ -296,13 +283,13 @@ def connect_or_spawn(path: Path, log_file: Path | None) -> socket.socket:
         os.close(fd)
 
 
-def agent_for(uri: str, log_file: Path | None = None) -> Link:
-    """This process's link to the agent for `uri`, at once (found or started in the background; if it cannot be,
-    every session gets an error event)."""
+def agent_for(uri: str) -> Link:
+    """This process's link to the agent for `uri`, at once (found or started in the background, logging to
+    agent_log(uri); if it cannot be, every session gets an error event)."""
     with _LINKS_LOCK:
         link = _LINKS.get(uri)
         if link is None or not link.alive():
-            link = _LINKS[uri] = Link(uri, log_file)
+            link = _LINKS[uri] = Link(uri)
         return link
 
 

@@ -7,26 +7,15 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.run.report import run_page
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
-from pipeline.tracking.common import (
-    SLURM_WAIT,
-    artifact_root,
-    in_slurm_job,
-    normalize_tracking_uri,
-    params_of,
-    store_problem,
-    tags_of,
-)
+from pipeline.tracking import common, link
+from pipeline.tracking.link import Link, Request
 from pipeline.tracking.sweep_parent import MlflowSweepParent
-
-if TYPE_CHECKING:
-    from pipeline.tracking.link import Link
 
 log = logging.getLogger("pipeline")
 
@@ -35,9 +24,9 @@ def wait_at_exit(event: threading.Event, what: str) -> None:
     """Inside a SLURM job: at exit (the run directory released: the agent indexes it whole), wait at most
     SLURM_WAIT for `event`, the agent's answer for `what`."""
     def wait() -> None:
-        if not event.wait(SLURM_WAIT):
+        if not event.wait(common.SLURM_WAIT):
             log.warning("mlflow: the tracking agent did not complete %s within %.0f s of this SLURM job's end; "
-                        "`python -m pipeline.reindex` completes it", what, SLURM_WAIT)
+                        "`python -m pipeline.reindex` completes it", what, common.SLURM_WAIT)
 
     atexit.register(wait)
 
@@ -50,9 +39,9 @@ class MlflowTracker(Tracker):
 
     def __init__(self, uri: str, experiment: str, artifact_location: str | None, wait: float,
                  sweep: SweepJob | None = None, **_):
-        self.uri = normalize_tracking_uri(uri)
+        self.uri = common.normalize_tracking_uri(uri)
         self.experiment = str(experiment)
-        self.artifact_location = artifact_root(self.uri, artifact_location)  # None: the server chooses
+        self.artifact_location = common.artifact_root(self.uri, artifact_location)  # None: the server chooses
         self.wait = float(wait)
         self.waited = 0.0  # seconds this job has waited on tracking so far (never more than self.wait)
         self.sid: int | None = None
@@ -83,18 +72,16 @@ class MlflowTracker(Tracker):
         if self.off:
             self.failed = True
             return
-        problem = self._wait_for(lambda seconds: store_problem(self.uri, timeout=seconds), self.wait / 2)
+        problem = self._wait_for(lambda seconds: common.store_problem(self.uri, timeout=seconds), self.wait / 2)
         if problem:
             self._fail(problem)
             return
         try:
-            from pipeline.tracking.link import Request, agent_for, agent_log
-
             pong = Request(kinds=("pong",))  # the agent has the store open: a run's URI is moments away, not seconds
             self.warm = pong.done
-            self._link = link = agent_for(self.uri, agent_log(self.uri))
-            link.send({"op": "ping", "sid": link.register(pong), "uri": self.uri,
-                            "artifact_location": self.artifact_location})
+            self._link = link.agent_for(self.uri)  # looked up at each call: a test may put another in its place
+            self._link.send({"op": "ping", "sid": self._link.register(pong), "uri": self.uri,
+                             "artifact_location": self.artifact_location})
         except OSError as e:
             self._fail(f"no tracking agent: {e}")
 
@@ -117,7 +104,7 @@ class MlflowTracker(Tracker):
         self.sid = self.link.register(self)
         self.link.send({"op": "open", "sid": self.sid, "uri": self.uri, "experiment": self.experiment,
                         "artifact_location": self.artifact_location, "run_dir": str(Path(run_dir).resolve()),
-                        "params": params_of(config), "tags": tags_of(facts, run_dir, status, self.job),
+                        "params": common.params_of(config), "tags": common.tags_of(facts, run_dir, status, self.job),
                         "previous_run_uri": previous_run_uri, "start_time": start_time, "parent": self.parent})
 
     def attach(self, run_dir: Path) -> str | None:
@@ -125,13 +112,11 @@ class MlflowTracker(Tracker):
         in time."""
         if self.parent is None or not self._linked():
             return None
-        from pipeline.tracking.link import Request
-
         req = Request()
         self.link.send({"op": "attach", "sid": self.link.register(req), "uri": self.uri,
                         "artifact_location": self.artifact_location, "run_dir": str(Path(run_dir).resolve()),
                         "parent": self.parent, "job": self.job})
-        if in_slurm_job():
+        if common.in_slurm_job():
             wait_at_exit(req.done, f"the sweep's record of run {run_dir}")
         self._wait_for(req.done.wait, self.wait)
         self.link.drain(self.wait - self.waited)
@@ -195,7 +180,7 @@ class MlflowTracker(Tracker):
         self.link.send({"op": "finish", "sid": self.sid, "run_dir": str(Path(run_dir).resolve()),
                         "parent": self.parent, "job": self.job, "pid": os.getpid()})
         self.finished = True
-        at_exit = status != "KILLED" and in_slurm_job()
+        at_exit = status != "KILLED" and common.in_slurm_job()
         if at_exit:
             wait_at_exit(self.done, f"run {self._uri or run_dir}")
         sent = self._wait_for(self.link.drain, self.wait)
@@ -204,6 +189,6 @@ class MlflowTracker(Tracker):
                  run_page(self._uri) if self._uri else "(not created yet)",
                  "" if sent else " (its last messages were not sent in time: `python -m pipeline.reindex` "
                  "completes the run)",
-                 f" (inside a SLURM job, which waits for it at its exit, at most {SLURM_WAIT:.0f} s)"
+                 f" (inside a SLURM job, which waits for it at its exit, at most {common.SLURM_WAIT:.0f} s)"
                  if at_exit else "")
 

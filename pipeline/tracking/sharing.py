@@ -29,30 +29,6 @@ def read_mounts() -> str:
         return ""
 
 
-def filesystem_of(path: Path) -> str | None:
-    """The type of the filesystem holding `path` (the longest mount point above it), or None if unknown."""
-    path = Path(os.path.realpath(path))
-    best, kind = -1, None
-    for line in read_mounts().splitlines():
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        if (path == Path(point) or Path(point) in path.parents) and len(point) > best:
-            best, kind = len(point), fields[2]
-    return kind
-
-
-def sharing_problem(db: Path, hosts: set[str]) -> str | None:
-    """Why the sqlite store `db`, opened by `hosts`, is shared beyond one machine, in one line; None if it is not."""
-    kind = filesystem_of(db.parent)
-    if kind in NETWORK_FS:
-        return f"the mlflow store {db} is on a network filesystem ({kind})"
-    if len(hosts) > 1:
-        return f"the mlflow store {db} is opened by jobs on {len(hosts)} hosts ({', '.join(sorted(hosts)[:5])})"
-    return None
-
-
 def check_shared(client, db: Path) -> str | None:
     """Record this host on the store and warn (one line) if the store is shared beyond one machine: sqlite's
     locks are not to be trusted there. Returns the warning, or None."""
@@ -66,8 +42,17 @@ def check_shared(client, db: Path) -> str | None:
             client.set_experiment_tag("0", HOSTS_TAG, ",".join(sorted(hosts)))
     except Exception:
         pass
-    problem = sharing_problem(db, hosts)
-    if problem is None:
+    where, best, kind = Path(os.path.realpath(db.parent)), -1, None
+    for line in read_mounts().splitlines():  # its filesystem: the longest mount point above it
+        fields = line.split()
+        point = Path(fields[1].replace("\\040", " ")) if len(fields) >= 3 else None
+        if point is not None and (point == where or point in where.parents) and len(str(point)) > best:
+            best, kind = len(str(point)), fields[2]
+    if kind in NETWORK_FS:
+        problem = f"the mlflow store {db} is on a network filesystem ({kind})"
+    elif len(hosts) > 1:
+        problem = f"the mlflow store {db} is opened by jobs on {len(hosts)} hosts ({', '.join(sorted(hosts)[:5])})"
+    else:
         return None
     text = f"{problem}: sqlite's locks are not to be trusted there; for a team or a cluster, {TEAM_SETUP}"
     log.warning(text)

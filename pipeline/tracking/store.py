@@ -18,7 +18,7 @@ from mlflow.exceptions import MlflowException
 
 from pipeline.config.errors import CommandError
 from pipeline.files.atomic import UnsafePathError, refuse_link
-from pipeline.tracking.common import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, artifact_location_uri, sqlite_path, tag_value
+from pipeline.tracking.common import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, sqlite_path, tag_value
 from pipeline.tracking.common import artifact_root as common_artifact_root
 from pipeline.tracking.sharing import check_shared
 
@@ -145,7 +145,7 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None
         location = None
         if root := common_artifact_root(client.tracking_uri, artifact_root):
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "experiment"
-            location = artifact_location_uri(root.rstrip("/") + "/" + safe)
+            location = root.rstrip("/") + "/" + safe
         try:
             return client.create_experiment(name, artifact_location=location,
                                             tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
@@ -249,15 +249,14 @@ def artifact_repo(client: MlflowClient, run_id: str):
                                    tracking_uri=client._tracking_client.tracking_uri)
 
 
-def log_file_as(repo, artifact_file: str, *, data: bytes | None = None, source: Path | None = None) -> None:
+def log_file_as(repo, artifact_file: str, source: Path | bytes) -> None:
     """Log bytes or a file at the artifact path `artifact_file` (dir/name), whatever the local file is called."""
     artifact_dir, _, name = artifact_file.rpartition("/")
     with tempfile.TemporaryDirectory(prefix="pipeline-artifact-") as tmp:
         local = Path(tmp) / name
-        if data is not None:
-            local.write_bytes(data)
+        if isinstance(source, bytes):
+            local.write_bytes(source)
         else:
-            assert source is not None  # one of data and source
             os.symlink(Path(source).resolve(), local)  # the artifact store copies the target's bytes
         repo.log_artifact(str(local), artifact_dir or None)
 
@@ -292,27 +291,3 @@ def artifact_bytes(repo, path: str, sizes: dict[str, int] | None = None, limit: 
             return got.read_bytes() if got.is_file() and got.stat().st_size <= limit else None
     except (MlflowException, OSError):
         return None
-
-
-def reference_run(client: MlflowClient, run, parent: dict, job: dict):
-    """A child of `parent` for a sweep job whose run directory another job's run stands for: its params and final
-    metrics, tagged with the run it repeats (no run_dir tag: that one is the run)."""
-    # named by the run directory it repeats, as on disk: a run id is the store's own (a rebuild makes others)
-    same = Path(run.data.tags.get("run_dir") or run.info.run_id).name
-    name = f"{job.get('name') or run.data.tags.get('mlflow.runName', '')} (same run as {same})"
-    tags = {k: v for k, v in run.data.tags.items() if not k.startswith(("mlflow.", "sweep.")) and k != "run_dir"}
-    tags.update({"mlflow.parentRunId": parent["run_id"], "mlflow.runName": name, "repeat_of": run.info.run_id,
-                 "repeat_of.run_dir": run.data.tags.get("run_dir", ""), "sweep.id": str(job.get("sweep_id")),
-                 "sweep.job_num": str(job.get("num")), "sweep.job_overrides": " ".join(job.get("overrides") or [])})
-    found = client.search_runs([parent["experiment_id"]], f"tags.`sweep.id` = '{job.get('sweep_id')}' and "
-                               f"tags.`sweep.job_num` = '{job.get('num')}' and tags.repeat_of = '{run.info.run_id}'",
-                               max_results=1)
-    if found:
-        return found[0]
-    # its times and points are the run's it repeats: the same in the live index and in a rebuilt one
-    child = client.create_run(parent["experiment_id"], start_time=run.info.start_time, tags=tags, run_name=name)
-    sync_params(client, child, run.data.params)
-    end = run.info.end_time or run.info.start_time
-    log_points(client, child.info.run_id, [(k, v, end, 0) for k, v in sorted(run.data.metrics.items())])
-    client.set_terminated(child.info.run_id, status=run.info.status, end_time=end)
-    return child

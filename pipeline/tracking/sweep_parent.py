@@ -6,7 +6,7 @@ import logging
 from pipeline.run.report import run_page, ui_page, ui_server
 from pipeline.run.tracker import SweepParent
 from pipeline.tracking.common import SLURM_WAIT, artifact_root, in_slurm_job, normalize_tracking_uri, store_problem
-from pipeline.tracking.link import Request, agent_for, agent_log
+from pipeline.tracking.link import Request, agent_for
 
 log = logging.getLogger("pipeline")
 END_WAIT = 1.0  # seconds the launcher waits for its last messages to the tracking agent to be on their way
@@ -19,7 +19,7 @@ class MlflowSweepParent(SweepParent):
     def __init__(self, uri: str, experiment: str, artifact_location: str | None = None, **_):
         self.uri = normalize_tracking_uri(str(uri))
         self.experiment = str(experiment)
-        self.artifact_location = artifact_root(self.uri, str(artifact_location) if artifact_location else None)
+        self.artifact_location = artifact_root(self.uri, artifact_location)
         self.request: Request | None = None  # the agent's answer to parent_start, in the launching process only
 
     def __getstate__(self) -> dict:
@@ -35,63 +35,47 @@ class MlflowSweepParent(SweepParent):
 
     def warm(self, sweep: dict) -> None:
         if not sweep.get("tracking_off"):
-            agent_for(self.uri, agent_log(self.uri))  # mlflow's import, meanwhile: no request
+            agent_for(self.uri)  # mlflow's import, meanwhile: no request
 
     def start(self, sweep: dict) -> None:
         if sweep.get("tracking_off"):
             return
-        link = agent_for(self.uri, agent_log(self.uri))  # at once: the agent starts beside the jobs
+        link = agent_for(self.uri)  # at once: the agent starts beside the jobs
         self.request = Request()
         link.send({"op": "parent_start", "sid": link.register(self.request), "uri": self.uri,
                    "artifact_location": sweep.get("artifact_location"), "sweep_id": sweep["id"],
                    "sweep_dir": sweep["dir"]})
 
     def end(self, sweep: dict) -> list[str]:
+        """Hand the parent's end to the agent, waiting at most END_WAIT for it to be on its way (a SLURM sweep, or a
+        launcher inside a SLURM job, whose agent SLURM may end with it, up to SLURM_WAIT for the parent); the lines
+        saying where the parent is, for the end table."""
         if sweep.get("tracking_off"):
             return [f"not tracked: {sweep['tracking_off']}"]
         answer = self.request.event if self.request is not None else None
-        self._end(sweep, answer)
-        if answer is None:
-            return [f"sweep.id={sweep['id']} in {self.uri} (the tracking agent completes it after this process "
-                    "exits)"]
-        if answer.get("event") != "ready":
-            return [f"not tracked: {answer.get('message', 'unknown error')}"]
-        return [run_page(answer["uri"]), f"its runs: {experiment_page(self.uri, answer['experiment_id'])}"]
-
-    def _end(self, sweep: dict, answer: dict | None) -> None:
-        """Hand the parent's end to the agent, waiting at most END_WAIT for it to be on its way; a SLURM sweep (or
-        a launcher inside a SLURM job, whose agent SLURM may end with it) waits up to SLURM_WAIT for the parent."""
         link, done = agent_for(self.uri), Request()
         link.send({"op": "sweep_end", "sid": link.register(done), "uri": self.uri, "sweep_dir": sweep["dir"],
                    "parent": {"sweep_id": sweep["id"]}})
         link.drain(END_WAIT)
-        if not (str(sweep.get("launcher", "")).endswith("SlurmLauncher") or in_slurm_job()):
-            _say(self.uri, answer)
-            return
-        ended = done.event if done.done.wait(SLURM_WAIT) else None
-        if ended is not None and ended.get("event") == "finished":
+        slurm = str(sweep.get("launcher", "")).endswith("SlurmLauncher") or in_slurm_job()
+        ended = (done.event if done.done.wait(SLURM_WAIT) else None) if slurm else None
+        if slurm and ended is not None and ended.get("event") == "finished":
             log.info("mlflow: sweep parent run %s complete: %s", run_page(ended.get("uri") or ""), ended.get("status"))
-        else:
+        elif slurm:
             log.warning("mlflow: the tracking agent did not complete the sweep's parent run (%s); "
                         "`python -m pipeline.reindex` completes it", (ended or {}).get(
                             "message", f"no answer within {SLURM_WAIT:.0f} s"))
-
-
-def _say(uri: str, answer: dict | None) -> None:
-    """The parent run's URI if the agent has answered by now; a warning if it failed (never a wait)."""
-    if answer is None:
-        log.info("mlflow: the tracking agent completes the sweep's parent run after this process exits")
-    elif answer.get("event") == "ready":
-        log.info("mlflow: sweep parent run %s%s", run_page(answer["uri"]),
-                 " (continued)" if answer.get("reused") else "")
-    else:
-        log.warning("mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
-                    "index them with `python -m pipeline.reindex`.", uri, answer.get("message", "unknown error"))
-
-
-def experiment_page(tracking_uri: str, experiment_id: str) -> str:
-    """Where an experiment's runs show in mlflow 3's UI: 3.17 opens GenAI traces unless the address asks for the
-    machine-learning view (it does not go by the experiment's mlflow.experimentKind tag)."""
-    page = ui_page(ui_server(tracking_uri), experiment_id)
-    return page if ui_server(tracking_uri) == tracking_uri else \
-        f"`mlflow ui --backend-store-uri {tracking_uri}`, then {page}"
+        elif answer is None:
+            log.info("mlflow: the tracking agent completes the sweep's parent run after this process exits")
+        elif answer.get("event") != "ready":
+            log.warning("mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
+                        "index them with `python -m pipeline.reindex`.", self.uri,
+                        answer.get("message", "unknown error"))
+        if answer is None:
+            return [f"sweep.id={sweep['id']} in {self.uri} (the tracking agent completes it after this process exits)"]
+        if answer.get("event") != "ready":
+            return [f"not tracked: {answer.get('message', 'unknown error')}"]
+        # the experiment's runs view; a sqlite store has no server: say how to start one
+        page = ui_page(ui_server(self.uri), answer["experiment_id"])
+        runs = page if ui_server(self.uri) == self.uri else f"`mlflow ui --backend-store-uri {self.uri}`, then {page}"
+        return [run_page(answer["uri"]), f"its runs: {runs}"]
