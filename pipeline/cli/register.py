@@ -126,15 +126,11 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     uri = store_uri(given, tracking_uri)  # an archive's checkpoint without a store named: refused before mlflow
     import mlflow
 
-    from pipeline.tracking.common import experiment_of, parse_run_uri, sqlite_path, tag_value
+    from pipeline.tracking.common import experiment_of, parse_run_uri, tag_value
     from pipeline.tracking.store import ensure_experiment, open_client
 
-    db = sqlite_path(uri)
-    artifact_root = str(db.parent / "mlartifacts") if db is not None else None
-    client = open_client(uri, artifact_root)
-    config = manifest["config"]
-    experiment = experiment_of(config)
-    experiment_id = ensure_experiment(client, str(experiment), artifact_root)
+    client = open_client(uri)  # a sqlite store's artifacts beside it (tracking.common.artifact_root), as a run's
+    experiment_id = ensure_experiment(client, str(experiment_of(manifest["config"])), None)
     first_word = next((t for t in (vocab or {}).get("vocab", ()) if t.strip()), "")
     signature, example = signature_of(manifest, state.model, first_word)
     _, _, run_id = parse_run_uri(manifest.get("mlflow_run_uri"))
