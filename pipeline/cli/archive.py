@@ -492,7 +492,8 @@ def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: 
     real_src, real_dest = os.path.realpath(source), os.path.realpath(dest)
     if real_dest == real_src or real_dest.startswith(real_src.rstrip("/") + "/"):
         raise BadSource(f"{dest}: inside SOURCE {source}; archive elsewhere")
-    made, tmp, keep_tmp = NewDirs(dest.parent), None, False
+    made, keep_tmp = NewDirs(dest.parent), False
+    tmp: Path | None = None
     try:
         try:
             os.makedirs(dest.parent, exist_ok=True)

@@ -99,10 +99,9 @@ def store_uri(checkpoint: Path, tracking_uri: str | None) -> str:
 
 
 def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
-    """Log the checkpoint at `checkpoint_dir` as a pyfunc model (from code, no pickle) and register it as the
-    next version of `name` in `tracking_uri` (else MLFLOW_TRACKING_URI, else the mlflow.db of the output
-    directory the checkpoint lies in, where `tracking=mlflow` indexes its runs); the mlflow ModelVersion.
-    CheckpointError / ConfigError / StoreError (one line) for a checkpoint, data or store that will not do."""
+    """The checkpoint at `checkpoint_dir` logged as a pyfunc model and registered as the next version of `name`
+    in the store (store_uri); the mlflow ModelVersion. CheckpointError / ConfigError / StoreError (one line) for
+    a checkpoint, data or store that will not do."""
     from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.files import jsonio, names
     from pipeline.run.trained import own_data, restore_checkpoint

@@ -126,7 +126,6 @@ def run_continuation(overrides: list[str], checkpoint: Path, steps: int, out: Pa
 
 
 def check_tying(config: dict, d: dict) -> dict:
-    """Tied names stored once and one object again after loading; the file's size against unique bytes."""
     model, directory = d["run"].state.model, d["directory"]
     live = model.state_dict()
     aliases = dict(model.aliases)
@@ -167,8 +166,6 @@ def check_tying(config: dict, d: dict) -> dict:
 
 
 def check_atomic(overrides: list[str], work: Path) -> dict:
-    """A save SIGKILLed just before its rename (a separate process) leaves no checkpoint; its temporary is
-    ignored by readers and removed by the next save, which verifies."""
     out = work / "atomic"
     args = ["--save-to", str(out), "--steps", "2"]
     killed = child(args, overrides, PIPELINE_CHAOS="save:4")
