@@ -37,6 +37,13 @@ def keep_freed_memory() -> bool:
     return _MALLOC_TUNED
 
 
+def release_freed_memory() -> None:
+    """Hand the heap keep_freed_memory kept back to the OS (glibc's malloc_trim): once the steps are over, so
+    what comes after (matplotlib at a job's end) does not stack on the training working set's pages."""
+    if _MALLOC_TUNED:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 class MiniGPT(NamedParams):
     """GPT-2: wte + wpe, n_layer x (x + attn(ln_1 x); x + mlp(ln_2 x)), ln_f, head tied to wte.
 

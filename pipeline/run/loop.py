@@ -18,6 +18,7 @@ from pipeline.config.checks import parse_duration
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, EXIT_PREEMPTED, CommandError
 from pipeline.files import killpoint
 from pipeline.files.atomic import environment_error, named
+from pipeline.model.minigpt import release_freed_memory
 from pipeline.run import budget, report
 from pipeline.run.assemble import Job
 from pipeline.run.directory import RunDir
@@ -247,6 +248,7 @@ class Run:
 
     def _summarise(self, status: str) -> None:
         """curves.png, then the end summary: after the last checkpoint (matplotlib's import alone is ~0.5 s)."""
+        release_freed_memory()
         curve = self._draw()
         kept = self.store.steps()
         links = {name: self.store.root / name if self.store.link_dir(name) else None for name in ("final", "best")}
