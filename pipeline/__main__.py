@@ -4,24 +4,11 @@ import contextlib
 import os
 import re
 import sys
+from pathlib import Path
 
 from pipeline import TOOLS
 from pipeline.config.errors import ConfigError, Refusal, error_line, exit_code
 from pipeline.run.signals import SIGNALS_STATE, run_command
-
-
-def _plain(cfg) -> dict:
-    """The resolved config as plain values; one line naming the key if a value is missing or cannot resolve."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    from pipeline.config.compose import to_plain
-
-    try:
-        return to_plain(cfg)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None)
-        hint = " (data=text needs data.path=FILE)" if key == "data.path" else ""
-        raise ConfigError(f"bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}") from None
 
 
 @contextlib.contextmanager
@@ -35,27 +22,6 @@ def _replaced(owner: type, name: str, value):
         setattr(owner, name, old)
 
 
-def _one_repository_for_help(stack: contextlib.ExitStack) -> None:
-    """Hydra's --help makes ~150 group lookups, each building a fresh config repository (a deep copy of every
-    config in the ConfigStore: 4-5x the time of composing). For --help one per (config, overrides) serves
-    them all: it is read, never changed, there."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra.core.object_type import ObjectType
-
-    if not hasattr(ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo") \
-            or "get_group_options" not in ConfigLoaderImpl.__dict__:
-        return  # another Hydra: its own way, however long it takes
-
-    def get_group_options(self, group_name, results_filter=ObjectType.CONFIG, config_name=None, overrides=None):
-        repos = self.__dict__.setdefault("_pipeline_help_repos", {})
-        key = (config_name, tuple(overrides or ()))
-        if key not in repos:
-            repos[key] = self._parse_overrides_and_create_caching_repo(config_name, list(key[1]))[1]
-        return repos[key].get_group_options(group_name, results_filter)
-
-    stack.enter_context(_replaced(ConfigLoaderImpl, "get_group_options", get_group_options))
-
-
 # what can make hydra.mode anything but None: an override, a config from elsewhere, or a config of ours that sets it
 _MODE_FROM = re.compile(r"hydra\.mode|^\s*mode\s*:\s*['\"]?(run|multirun|1|2)\b", re.IGNORECASE | re.MULTILINE)
 _OTHER_CONFIGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "hydra.searchpath")
@@ -64,8 +30,6 @@ _OTHER_CONFIGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name"
 def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
     """True if hydra.mode is None for this command, so that `-m` alone decides run or multirun: nothing in
     `argv` names hydra.mode or another config, and no YAML under `conf_dir` sets a `mode:` to RUN or MULTIRUN."""
-    from pathlib import Path
-
     from pipeline.files import reading
 
     if any(a.startswith(_OTHER_CONFIGS) or "hydra.mode" in a for a in argv):
@@ -80,23 +44,32 @@ def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
     return True
 
 
-def _one_composition_to_run(stack: contextlib.ExitStack, argv: list[str], conf_dir) -> None:
-    """Hydra composes the whole config once only to read hydra.mode (get_mode), then again to run it: ~0.9 s of
-    every start. Where mode_is_the_command_lines, get_mode's answer is known without composing: None."""
-    from hydra._internal.hydra import Hydra
-
-    if mode_is_the_command_lines(argv, conf_dir) and "get_mode" in Hydra.__dict__:
-        stack.enter_context(_replaced(Hydra, "get_mode", lambda self, config_name, overrides: None))
-
-
 @contextlib.contextmanager
 def hydra_shortcuts(argv: list[str], conf_dir):
-    """Hydra with this entry's two shortcuts for the one call that runs it (one repository for --help, no
-    composition only to read hydra.mode), and its methods as they were after: nothing outlives the call."""
+    """Hydra with this entry's two shortcuts for the one call that runs it, and its methods as they were after:
+    nothing outlives the call. Another Hydra, without these methods, goes its own way, however long it takes."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.hydra import Hydra
+    from hydra.core.object_type import ObjectType
+
+    # Hydra's --help makes ~150 group lookups, each building a fresh config repository (a deep copy of every
+    # config in the ConfigStore: 4-5x the time of composing). For --help one per (config, overrides) serves
+    # them all: it is read, never changed, there.
+    def get_group_options(self, group_name, results_filter=ObjectType.CONFIG, config_name=None, overrides=None):
+        repos = self.__dict__.setdefault("_pipeline_help_repos", {})
+        key = (config_name, tuple(overrides or ()))
+        if key not in repos:
+            repos[key] = self._parse_overrides_and_create_caching_repo(config_name, list(key[1]))[1]
+        return repos[key].get_group_options(group_name, results_filter)
+
+    # Hydra composes the whole config once only to read hydra.mode (get_mode), then again to run it: ~0.9 s of
+    # every start. Where mode_is_the_command_lines, get_mode's answer is known without composing: None.
     with contextlib.ExitStack() as stack:
-        if "--help" in argv or "-h" in argv:
-            _one_repository_for_help(stack)
-        _one_composition_to_run(stack, argv, conf_dir)
+        if ("--help" in argv or "-h" in argv) and "get_group_options" in ConfigLoaderImpl.__dict__ \
+                and hasattr(ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo"):
+            stack.enter_context(_replaced(ConfigLoaderImpl, "get_group_options", get_group_options))
+        if mode_is_the_command_lines(argv, conf_dir) and "get_mode" in Hydra.__dict__:
+            stack.enter_context(_replaced(Hydra, "get_mode", lambda self, config_name, overrides: None))
         yield
 
 
@@ -104,8 +77,6 @@ def command_args(hydra_cfg, conf_dir) -> list[str]:
     """The arguments that compose this job's config again, in the same shell: Hydra's `--config-path`,
     `--config-dir` (absolute, as Hydra holds them) and `--config-name` where the command gave them, its
     `hydra.searchpath=[...]` override as typed, then the job's overrides (the task's; a sweep job's own values)."""
-    from pathlib import Path
-
     args = []
     for source in hydra_cfg.runtime.config_sources:
         if source.schema != "file":
@@ -138,7 +109,9 @@ def main() -> None:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
         from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
 
+        from pipeline.config.compose import to_plain
         from pipeline.run import job as app
 
         hydra_cfg = HydraConfig.get()
@@ -148,9 +121,13 @@ def main() -> None:
 
             sweep = job_of(hydra_cfg)
         try:
-            config = _plain(cfg)
-        except ConfigError as e:  # Hydra writes a line of its own over a task's Exception: ours is the one line
-            raise Refusal(e) from None
+            config = to_plain(cfg)
+        except OmegaConfBaseException as e:  # a value missing or not resolving: one line naming the key
+            key = getattr(e, "full_key", None)
+            hint = " (data=text needs data.path=FILE)" if key == "data.path" else ""
+            # a Refusal passes Hydra, which writes a line of its own over a task's Exception
+            raise Refusal(ConfigError(f"bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}")) \
+                from None
         return app.main(config, list(hydra_cfg.overrides.task), OmegaConf.to_yaml(cfg), sweep,
                         command_args(hydra_cfg, CONFIG_DIR))
 
@@ -160,27 +137,21 @@ def main() -> None:
     except Exception as e:
         if SIGNALS_STATE.interrupted_start():
             raise  # the handler's exception, raised inside a library (composing, building), came out as another
-        _sweep_cleanup(e, started)
+        if (sweep := SIGNALS_STATE.launching) is not None:  # the sweep this process launches ends here
+            from pipeline.files.atomic import environment_error
+
+            # on a full or read-only disk its sweep.json says so (if the disk lets it); refused before any job ran,
+            # it leaves nothing; else its sweep.json says failed (its sweeper raised)
+            with contextlib.suppress(OSError):
+                if (message := environment_error(e)) is not None:
+                    sweep.end_unfinished(message)
+                elif not started:
+                    sweep.discard_unlaunched()
+                else:
+                    sweep.end_unfinished(f"{type(e).__name__}: {e}")
         if started or not report_own or exit_code(e) is not None:
             raise
         raise ConfigError(f"bad config or override: {error_line(e)}") from e  # Hydra refused to compose the jobs
-
-
-def _sweep_cleanup(e: Exception, started: list) -> None:
-    """A sweep this process launched ends: on a full or read-only disk its sweep.json says so (if the disk lets
-    it); refused before any job ran, it leaves nothing; else its sweep.json says failed (its sweeper raised)."""
-    from pipeline.files.atomic import environment_error
-
-    sweep = SIGNALS_STATE.launching  # the sweep this process launches, if any: ended or undone here
-    if sweep is None:
-        return
-    with contextlib.suppress(OSError):
-        if (message := environment_error(e)) is not None:
-            sweep.end_unfinished(message)
-        elif not started:
-            sweep.discard_unlaunched()
-        else:
-            sweep.end_unfinished(f"{type(e).__name__}: {e}")
 
 
 def run_tool(tool: str) -> None:

@@ -1,1 +1,1 @@
-"""The command-line tools, each run as `python -m pipeline.<tool>` (this folder is on the package's search path)."""
+"""The command-line tools, each run as `python -m pipeline TOOL` (or `python -m pipeline.TOOL`, pipeline/__init__)."""

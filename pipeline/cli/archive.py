@@ -55,22 +55,15 @@ class BadSource(CommandError):
 # --- what SOURCE holds ----------------------------------------------------------------------------------
 
 class RunPlan:
-    """One run to archive: where it lies, which checkpoints, its overrides, its data."""
+    """One run to archive: where it lies, which checkpoints (each verified: a damaged one is bad input), its links."""
 
     def __init__(self, name: str, run_dir: Path | None, checkpoints: dict[str, Path], links: dict[str, str]):
         self.name, self.run_dir, self.checkpoints, self.links = name, run_dir, checkpoints, links
         for what, value in (("run directory name", name), *(("step name", n) for n in checkpoints),
                             *(("link name", n) for n in links)):  # each becomes one entry under DEST
             names.checked(value, f"{run_dir or next(iter(checkpoints.values()))}: {what}", reserve=0)
-        self.manifests = {n: CheckpointDir(p).manifest() for n, p in checkpoints.items()}
-
-    @property
-    def newest(self) -> dict:
-        return self.manifests[max(self.manifests, key=lambda n: self.manifests[n]["step"])]
-
-    @property
-    def output_dir(self) -> Path | None:
-        return self.run_dir.parent.parent if self.run_dir is not None and self.run_dir.parent.name == "runs" else None
+        self.manifests = {n: CheckpointDir(p).verify() for n, p in checkpoints.items()}  # sizes, sha256, layout
+        self.newest = self.manifests[max(self.manifests, key=lambda n: self.manifests[n]["step"])]
 
 
 def _kind(path: Path) -> str:
@@ -127,25 +120,18 @@ def plan(source: Path, which: str) -> list[RunPlan]:
                 raise BadSource(f"{runs_dir / n}: the run of a job of sweep {source.name} is not there")
             plans += plan(runs_dir / n, which)
         return plans
-    run_dir: Path | None
     if kind == "run":
         run_dir = Path(os.path.realpath(source))
-        chosen, links = _select(RunDir(run_dir).store, which)
-        result = RunPlan(run_dir.name, run_dir, chosen, links)
-    else:
-        directory = CheckpointDir(source).resolved()
-        in_run = RunDir.of_checkpoint(directory) if STEP_DIR.match(directory.name) else None
-        run_dir = in_run.path if in_run else None
-        manifest = CheckpointDir(directory).manifest()
-        if run_dir is None:  # the run's directory name comes from the manifest: one name, inside DEST
-            names.checked(manifest["config"].get("name", "run"), f"{directory}: its manifest's config.name")
-        name = run_dir.name if run_dir else run_name(manifest["config"], manifest["sources"])
-        step_name = directory.name if in_run else step_dir_name(manifest["step"])
-        links = {k: t for k, t in in_run.store.links().items() if t == step_name} if in_run else {}
-        result = RunPlan(name, run_dir, {step_name: directory}, links)
-    for directory in result.checkpoints.values():
-        CheckpointDir(directory).verify()  # sizes, sha256, layout: a damaged checkpoint is bad input
-    return [result]
+        return [RunPlan(run_dir.name, run_dir, *_select(RunDir(run_dir).store, which))]
+    directory = CheckpointDir(source).resolved()
+    in_run = RunDir.of_checkpoint(directory) if STEP_DIR.match(directory.name) else None
+    if in_run is not None:
+        return [RunPlan(in_run.path.name, in_run.path, {directory.name: directory},
+                        {k: t for k, t in in_run.store.links().items() if t == directory.name})]
+    manifest = CheckpointDir(directory).manifest()  # the run's directory name comes from it: one name, inside DEST
+    names.checked(manifest["config"].get("name", "run"), f"{directory}: its manifest's config.name")
+    return [RunPlan(run_name(manifest["config"], manifest["sources"]), None,
+                    {step_dir_name(manifest["step"]): directory}, {})]
 
 
 # --- copying --------------------------------------------------------------------------------------------
@@ -185,9 +171,10 @@ class Builder:
         self.links[rel] = target
 
 
-def find_corpus(output_dir: Path | None, data_hash: str) -> Path | None:
-    """The corpus directory under <output_dir>/data/ whose MANIFEST.json hashes to `data_hash`, if any."""
-    data = output_dir / "data" if output_dir else None
+def find_corpus(run_dir: Path | None, data_hash: str) -> Path | None:
+    """The corpus directory under <output_dir>/data/ (of a run in <output_dir>/runs/) whose MANIFEST.json hashes
+    to `data_hash`, if any."""
+    data = run_dir.parent.parent / "data" if run_dir is not None and run_dir.parent.name == "runs" else None
     if data is None or not data.is_dir() or data.is_symlink():
         return None
     for i, e in enumerate(sorted(os.scandir(data), key=lambda e: e.name)):
@@ -219,7 +206,7 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     for rel, path, limit in RunDir(p.run_dir).records() if p.run_dir is not None else ():
         b.copy(path, f"{base}/{rel}", limit)
     data_hash, sources, data = p.newest["data_manifest_hash"], dict(p.newest["sources"]), p.newest["config"]["data"]
-    corpus = find_corpus(p.output_dir, data_hash)
+    corpus = find_corpus(p.run_dir, data_hash)
     identity = {"data_manifest_hash": data_hash, "sources": sources, "data": data,
                 "corpus": corpus.name if corpus else None, "data_archived": with_data}
     if sources and not with_data:
@@ -227,23 +214,22 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
         raise BadSource(f"run {p.name} was trained on {keys}, which its config cannot regenerate: give --with-data "
                         "to archive it")
     if corpus is not None:
-        b.copy(corpus / "MANIFEST.json", f"{base}/corpus-MANIFEST.json", MAX_SMALL,
-               {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash},
+        corpus_manifest = {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash}
+        b.copy(corpus / "MANIFEST.json", f"{base}/corpus-MANIFEST.json", MAX_SMALL, corpus_manifest,
                "the checkpoints' data_manifest_hash")
     if with_data:
         if corpus is None and data_hash and data.get("_target_", "").startswith("pipeline.data.") \
                 and "regression" not in data["_target_"]:
-            raise BadSource(f"run {p.name}: its corpus (MANIFEST.json sha256 {data_hash[:12]}) is not under "
-                            f"{p.output_dir}/data/; --with-data needs it there")
+            raise BadSource(f"run {p.name}: its corpus (MANIFEST.json sha256 {data_hash[:12]}) is not beside its "
+                            "run, under <output_dir>/data/; --with-data needs it there")
         if corpus is not None and f"data/{corpus.name}/MANIFEST.json" not in b.files:
             from pipeline.data.corpus import MAX_JSON, verify_corpus
 
-            cm, _ = verify_corpus(corpus)
-            for fn, entry in sorted(cm["files"].items()):
+            for fn, entry in sorted(verify_corpus(corpus)[0]["files"].items()):
                 b.copy(corpus / fn, f"data/{corpus.name}/{fn}", entry["bytes"],
                        {"size": entry["bytes"], "sha256": entry["sha256"]}, f"{corpus / 'MANIFEST.json'}")
-            b.copy(corpus / "MANIFEST.json", f"data/{corpus.name}/MANIFEST.json", MAX_JSON,
-                   {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash}, "data_manifest_hash")
+            b.copy(corpus / "MANIFEST.json", f"data/{corpus.name}/MANIFEST.json", MAX_JSON, corpus_manifest,
+                   "data_manifest_hash")
         archived = {}
         for key, sha in sorted(sources.items()):
             src = Path(str(data.get(key.split(".", 1)[1]))).expanduser()
@@ -267,26 +253,18 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
 
 # --- checks on DEST alone ---------------------------------------------------------------------------------
 
-def walk(root: Path) -> tuple[dict[str, os.stat_result], dict[str, str]]:
-    """Every file (by relative path) and every link under root, nothing followed."""
-    files, links = {}, {}
+def check_files(root: Path, listing: dict) -> list[str]:
+    """Every file listed in MANIFEST.json present with its size and sha256, every link as listed, nothing else
+    (nothing followed); a line for each difference, naming the file."""
+    problems, files, links = [], {}, {}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         for n in dirnames + filenames:
             full = Path(dirpath) / n
-            rel = full.relative_to(root).as_posix()
             st = os.lstat(full)
             if stat.S_ISLNK(st.st_mode):
-                links[rel] = os.readlink(full)
+                links[full.relative_to(root).as_posix()] = os.readlink(full)
             elif not stat.S_ISDIR(st.st_mode):
-                files[rel] = st
-    return files, links
-
-
-def check_files(root: Path, listing: dict) -> list[str]:
-    """Every file listed in MANIFEST.json present with its size and sha256, every link as listed, nothing else;
-    a line for each difference, naming the file."""
-    problems = []
-    files, links = walk(root)
+                files[full.relative_to(root).as_posix()] = st
     for rel in sorted(set(files) - set(listing["files"]) - {"MANIFEST.json", "recovery.json"}):
         problems.append(f"{rel}: present but not listed in MANIFEST.json")
     for rel, entry in sorted(listing["files"].items()):
@@ -315,19 +293,15 @@ def run_overrides(run: Path) -> list[str] | None:
     return [str(v) for v in value] if isinstance(value, list) else None
 
 
-def recorded_searchpath(root: Path, run: Path, extra: list[str]) -> str | None:
+def _trust_hint(root: Path, run: Path, extra: list[str]) -> str:
     """The `hydra.searchpath=[...]` the archive says run `run` was made with (its .hydra/overrides.yaml, else
     recovery.json), if the command line did not give it: named in a refusal, never used."""
     said = list(run_overrides(run) or [])
     with contextlib.suppress(Exception):
         said += [str(o) for o in jsonio.read(root / "recovery.json", MAX_SMALL)["exported"]["runs"][run.name]
                  ["resume_overrides"]]
-    said = [" ".join(o.split())[:300] for o in said if o.lstrip("+").startswith("hydra.searchpath=")]
-    return next((o.lstrip("+") for o in said if o.lstrip("+") not in extra), None)
-
-
-def _trust_hint(root: Path, run: Path, extra: list[str]) -> str:
-    searchpath = recorded_searchpath(root, run, extra)
+    said = [" ".join(o.split())[:300].lstrip("+") for o in said if o.lstrip("+").startswith("hydra.searchpath=")]
+    searchpath = next((o for o in said if o not in extra), None)
     return "" if searchpath is None else (f"; this archive's run {run.name} was made with {searchpath}; give it on "
                                           "the command line if you trust it")
 
@@ -378,14 +352,14 @@ def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str |
     return None
 
 
-def _resume_overrides(overrides: list[str], root: Path, identity: dict, extra: list[str]) -> list[str]:
-    """The run's own overrides (.hydra/overrides.yaml holds no hydra.* ones: the search path given to the archive
-    is added), without where it wrote, how it resumed and was tracked, and with its archived data files."""
-    kept = [o for o in overrides if not o.lstrip("+~").startswith(("paths.", "resume", "tracking", "data.path="))]
+def _resume_overrides(run: Path, root: Path, extra: list[str]) -> list[str]:
+    """The archived run's own overrides (.hydra/overrides.yaml holds no hydra.* ones: the search path given to the
+    archive is added), without where it wrote, how it resumed and was tracked, and with its archived data files."""
+    kept = [o for o in run_overrides(run) or [] if not o.lstrip("+~").startswith(("paths.", "resume", "tracking",
+                                                                                   "data.path="))]
     kept += [o for o in extra if o not in kept]
-    for key, rel in (identity.get("sources_archived") or {}).items():
-        kept.append(f"{key}={root / rel}")
-    return kept
+    identity = jsonio.read(run / "data-identity.json", MAX_SMALL)
+    return kept + [f"{key}={root / rel}" for key, rel in (identity.get("sources_archived") or {}).items()]
 
 
 def _metric_lines(path: Path) -> list[dict]:
@@ -396,19 +370,17 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     """A fresh `python -m pipeline` resumes from the newest archived checkpoint the original went past (else
     the newest), to the run's own end; its later metrics.jsonl lines, and its final state files, compared bit
     for bit with the archived ones."""
-    store = RunDir(run).store
-    steps = store.steps()
-    overrides = run_overrides(run)
-    identity = jsonio.read(run / "data-identity.json", MAX_SMALL)
-    if overrides is None:
+    if run_overrides(run) is None:
         return {"run": run.name, "passed": None, "detail": "no .hydra/overrides.yaml (a checkpoint archived "
                                                            "without its run): not resumed"}
-    archived = _metric_lines(run) if RunDir(run).metrics_path.exists() else []
+    store = RunDir(run).store
+    steps = store.steps()
+    archived = _metric_lines(run)
     last_logged = max((ln["step"] for ln in archived), default=steps[-1][0])
     end = max(last_logged, steps[-1][0])
     candidates = [(s, d) for s, d in steps if s < end]
     step, source = candidates[-1] if candidates else steps[-1]
-    args = [*_resume_overrides(overrides, root, identity, extra), f"resume.source={source}",
+    args = [*_resume_overrides(run, root, extra), f"resume.source={source}",
             f"paths.output_dir={scratch / 'out'}", "tracking=none", "trainer.progress_bar=false"]
     shown = [a.replace(str(root), str(dest)) for a in args]
     if (problem := untrusted(args, extra, root, run)) is not None:  # the child takes them as its command line
@@ -513,40 +485,32 @@ def _failed(checks: list[dict]) -> dict | None:
 
 
 def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: list[str], argv: list[str]) -> int:
-    """DEST's missing parents made as `mkdir -p` does, and removed again if no archive is published there."""
-    made = NewDirs(dest.parent)
-    try:
-        return _build_archive(source, dest, which, with_data, extra, argv)
-    finally:
-        if not os.path.lexists(dest):
-            made.prune()
-
-
-def _build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: list[str], argv: list[str]) -> int:
+    """DEST built in its temporary, checked and published; its missing parents made as `mkdir -p` does, and
+    removed again if no archive is published there."""
     if os.path.lexists(dest):
         raise BadSource(f"{dest}: already exists; an archive is never overwritten or merged into (choose a new DEST)")
     real_src, real_dest = os.path.realpath(source), os.path.realpath(dest)
     if real_dest == real_src or real_dest.startswith(real_src.rstrip("/") + "/"):
         raise BadSource(f"{dest}: inside SOURCE {source}; archive elsewhere")
+    made, keep_tmp = NewDirs(dest.parent), False
+    tmp: Path | None = None
     try:
-        os.makedirs(dest.parent, exist_ok=True)
-    except OSError as e:
-        raise BadSource(f"{dest.parent}: cannot be made for DEST ({e.strerror or e})") from None
-    stale = f"{TMP_PREFIX}{dest.name}-"
-    for p in sorted(p for p in dest.parent.iterdir() if p.name.startswith(stale)):
-        print(f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)", file=sys.stderr)
-    plans = plan(source, which)
-    if len({p.name for p in plans}) != len(plans):
-        raise BadSource(f"{source}: two runs of the same name")
-    tmp = new_temp_dir(dest.parent, dest.name)
-    keep_tmp = False
-    try:
+        try:
+            os.makedirs(dest.parent, exist_ok=True)
+        except OSError as e:
+            raise BadSource(f"{dest.parent}: cannot be made for DEST ({e.strerror or e})") from None
+        stale = f"{TMP_PREFIX}{dest.name}-"
+        for p in sorted(p for p in dest.parent.iterdir() if p.name.startswith(stale)):
+            print(f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)", file=sys.stderr)
+        plans = plan(source, which)
+        if len({p.name for p in plans}) != len(plans):
+            raise BadSource(f"{source}: two runs of the same name")
+        tmp = new_temp_dir(dest.parent, dest.name)
         b = Builder(tmp)
         exported: dict[str, Any] = {"runs": {}}
         for run_plan in plans:
             exported["runs"][run_plan.name] = run = archive_run(b, run_plan, with_data)
-            identity = jsonio.read(tmp / "runs" / run_plan.name / "data-identity.json", MAX_SMALL)
-            overrides = _resume_overrides(run_overrides(tmp / "runs" / run_plan.name) or [], tmp, identity, extra)
+            overrides = _resume_overrides(tmp / "runs" / run_plan.name, tmp, extra)
             run["resume_overrides"] = [o.replace(str(tmp), str(dest)) for o in overrides]
             run["model"] = run_plan.newest["config"]["model"].get("_target_")
         if _kind(source) == "sweep":  # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
@@ -575,8 +539,10 @@ def _build_archive(source: Path, dest: Path, which: str, with_data: bool, extra:
         print(f"archived {source} to {dest}: {exported['files']} files, {exported['bytes']} bytes; recovery.json")
         return EXIT_OK
     finally:
-        if not keep_tmp:
+        if tmp is not None and not keep_tmp:
             remove_tree(tmp)
+        if not os.path.lexists(dest):
+            made.prune()
 
 
 def check_archive(dest: Path, extra: list[str]) -> int:

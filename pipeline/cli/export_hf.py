@@ -103,8 +103,6 @@ def write_hf(params: dict[str, np.ndarray], *, n_layer: int, n_head: int, n_embd
     """Check names and shapes, then write config.json and model.safetensors (float32) into out_dir, and the
     tokenizer files when the vocabulary (and how the corpus joins its tokens) is given; `eos`, the corpus's
     end-of-sentence token if in the vocabulary, is the bos, eos and pad token."""
-    if n_embd % n_head:
-        raise ValueError(f"n_embd {n_embd} is not divisible by n_head {n_head}")
     shapes = expected_shapes(n_layer=n_layer, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size)
     given = set(params) - {TIED}
     if given != set(shapes):

@@ -99,10 +99,9 @@ def store_uri(checkpoint: Path, tracking_uri: str | None) -> str:
 
 
 def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
-    """Log the checkpoint at `checkpoint_dir` as a pyfunc model (from code, no pickle) and register it as the
-    next version of `name` in `tracking_uri` (else MLFLOW_TRACKING_URI, else the mlflow.db of the output
-    directory the checkpoint lies in, where `tracking=mlflow` indexes its runs); the mlflow ModelVersion.
-    CheckpointError / ConfigError / StoreError (one line) for a checkpoint, data or store that will not do."""
+    """The checkpoint at `checkpoint_dir` logged as a pyfunc model and registered as the next version of `name`
+    in the store (store_uri); the mlflow ModelVersion. CheckpointError / ConfigError / StoreError (one line) for
+    a checkpoint, data or store that will not do."""
     from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.files import jsonio, names
     from pipeline.run.trained import own_data, restore_checkpoint
@@ -126,14 +125,11 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     uri = store_uri(given, tracking_uri)  # an archive's checkpoint without a store named: refused before mlflow
     import mlflow
 
-    from pipeline.tracking.common import artifact_root, experiment_of, parse_run_uri, tag_value
+    from pipeline.tracking.common import experiment_of, parse_run_uri, tag_value
     from pipeline.tracking.store import ensure_experiment, open_client
 
-    root = artifact_root(uri)  # the store's own: a sqlite store's mlartifacts, as the jobs' runs
-    client = open_client(uri, root)
-    config = manifest["config"]
-    experiment = experiment_of(config)
-    experiment_id = ensure_experiment(client, str(experiment), root)
+    client = open_client(uri)  # a sqlite store's artifacts beside it (tracking.common.artifact_root), as a run's
+    experiment_id = ensure_experiment(client, str(experiment_of(manifest["config"])), None)
     first_word = next((t for t in (vocab or {}).get("vocab", ()) if t.strip()), "")
     signature, example = signature_of(manifest, state.model, first_word)
     _, _, run_id = parse_run_uri(manifest.get("mlflow_run_uri"))

@@ -91,18 +91,6 @@ def history(output_dir: Path) -> list[tuple[float, str, Path]]:
     return sorted(found, key=lambda f: (f[0], f[1], str(f[2])))
 
 
-def move_aside(uri: str) -> Path | None:
-    """The sqlite file behind `uri`, renamed to <name>.broken-<time> (never deleted); None for other URIs."""
-    from pipeline.tracking.common import sqlite_path
-
-    db = sqlite_path(uri)
-    if db is None or not db.exists():
-        return None
-    aside = db.with_name(f"{db.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
-    db.rename(aside)
-    return aside
-
-
 @command("pipeline.reindex")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.reindex", description=__doc__.split("\n\n")[0])
@@ -116,13 +104,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="move an existing sqlite store aside (never deleted) and build a new one from disk")
     args = parser.parse_args(argv)
     from pipeline.config.compose import default_output_dir
-    from pipeline.tracking.common import default_uri, normalize_tracking_uri
+    from pipeline.tracking.common import default_uri, normalize_tracking_uri, sqlite_path
 
     output_dir = Path(args.output_dir or default_output_dir())
     if not output_dir.is_dir():
         raise CommandError(f"no such output directory: {output_dir}")
     uri = normalize_tracking_uri(args.tracking_uri or default_uri(output_dir))
-    if args.rebuild and (aside := move_aside(uri)) is not None:
+    if args.rebuild and (db := sqlite_path(uri)) is not None and db.exists():  # a sqlite file: renamed, never deleted
+        aside = db.with_name(f"{db.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
+        db.rename(aside)
         print(f"moved the old store aside: {aside}")
     results = reindex(output_dir, uri, args.artifact_location)
     return EXIT_ERROR if any("error" in r for r in results) else EXIT_OK

@@ -62,13 +62,6 @@ def child(args: list[str], overrides: list[str], **env: str) -> subprocess.Compl
                           env={**os.environ, "PYTHONPATH": path, **env}, capture_output=True, text=True)
 
 
-def header(path: Path) -> tuple[int, dict]:
-    """(header bytes including the 8-byte length, the header) read straight from the file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return 8 + n, jsonio.loads(f.read(n))
-
-
 # -- the four checks ----------------------------------------------------------------------------
 
 def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
@@ -133,14 +126,15 @@ def run_continuation(overrides: list[str], checkpoint: Path, steps: int, out: Pa
 
 
 def check_tying(config: dict, d: dict) -> dict:
-    """Tied names stored once and one object again after loading; the file's size against unique bytes."""
     model, directory = d["run"].state.model, d["directory"]
     live = model.state_dict()
     aliases = dict(model.aliases)
     expected = sum(a.nbytes for a in {id(a): a for a in live.values()}.values())  # a tied array counted once
     path = CheckpointDir(directory).weights_file()
     size = path.stat().st_size
-    header_bytes, head = header(path)
+    with open(path, "rb") as f:  # the header read straight from the file, its bytes counting the 8-byte length
+        (n,) = struct.unpack("<Q", f.read(8))
+        header_bytes, head = 8 + n, jsonio.loads(f.read(n))
     metadata = head.get("__metadata__", {})
     extra = size - expected  # what size_delta_pct is relative to, and where the excess is, in words:
     where = (f"all {extra} of them its safetensors header" if extra == header_bytes
@@ -172,8 +166,6 @@ def check_tying(config: dict, d: dict) -> dict:
 
 
 def check_atomic(overrides: list[str], work: Path) -> dict:
-    """A save SIGKILLed just before its rename (a separate process) leaves no checkpoint; its temporary is
-    ignored by readers and removed by the next save, which verifies."""
     out = work / "atomic"
     args = ["--save-to", str(out), "--steps", "2"]
     killed = child(args, overrides, PIPELINE_CHAOS="save:4")
@@ -194,12 +186,6 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
               "readers_ignore_temporary": ignored, "next_save_cleans_up": again.returncode == 0 and not leftovers,
               "next_save_verifies": verifies}
     return {"passed": all(checks.values()), "checks": checks, "leftovers": leftovers}
-
-
-def save_in_this_process(overrides: list[str], out: Path, steps: int) -> None:
-    run = Fresh(to_plain(compose(overrides)))
-    run.train(steps)
-    run.save(out / "saves" / step_dir_name(run.state.step))
 
 
 # -- the command --------------------------------------------------------------------------------
@@ -255,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         run_continuation(args.overrides, args.continue_from, args.steps, args.out)
         return EXIT_OK
     if args.save_to is not None:
-        save_in_this_process(args.overrides, args.save_to, args.steps)
+        run = Fresh(to_plain(compose(args.overrides)))
+        run.train(args.steps)
+        run.save(args.save_to / "saves" / step_dir_name(run.state.step))
         return EXIT_OK
     to_plain(compose(args.overrides))  # a bad override: one line, exit 2 (config/errors.exit_code)
     results, path = roundtrip(args.overrides, args.steps, not args.in_process, args.keep)

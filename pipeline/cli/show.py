@@ -146,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if RunDir(path.parent).store.root == path and not CheckpointDir(path).exists():
         path = path.parent  # a run's checkpoints/ stands for the run
     allowed(overrides)  # a search path that is not there: said once, before any checkpoint is read
-    rundir = RunDir(path)
-    describe = describe_run if rundir.is_run() else describe_checkpoint
-    d = describe(path, overrides)
+    d = (describe_run if RunDir(path).is_run() else describe_checkpoint)(path, overrides)
     print(jsonio.dumps(d).decode() if args.json else (render_run(d) if d["kind"] == "run" else render_checkpoint(d)),
           end="" if args.json else "\n")
     return EXIT_OK if d["valid"] else EXIT_ERROR

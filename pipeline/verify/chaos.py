@@ -32,16 +32,12 @@ def _run(cmd: list[str], env_extra: dict | None = None) -> subprocess.CompletedP
     return subprocess.run(cmd, env={**env, **(env_extra or {})}, capture_output=True, text=True)
 
 
-def _run_dir(output_dir: Path) -> RunDir:
+def final_state(output_dir: Path) -> dict:
+    """What must be identical: every kept checkpoint's files (sha256) and links, the final state, every number."""
     runs = [p for p in (output_dir / "runs").iterdir() if p.is_dir()]
     if len(runs) != 1:
         raise RuntimeError(f"expected one run directory under {output_dir / 'runs'}, found {len(runs)}")
-    return RunDir(runs[0])
-
-
-def final_state(output_dir: Path) -> dict:
-    """What must be identical: every kept checkpoint's files (sha256) and links, the final state, every number."""
-    rundir = _run_dir(output_dir)
+    rundir = RunDir(runs[0])
     kept = {step: file_hashes(CheckpointDir(directory).verify()) for step, directory in rundir.store.steps()}
     final = rundir.store.link_step("final")
     assert final is not None, f"{output_dir}: the run has no final checkpoint"
@@ -64,10 +60,7 @@ def invalid_visible_checkpoints(output_dir: Path) -> list[str]:
 
 def run_chaos(config: dict, argv: list[str]) -> int:
     v = config["verify"]
-    out = verify_dir(config) / "chaos"
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out = verify_dir(config, "chaos")
     t0 = time.time()
     # The reference: the identical command, uninterrupted, counting the kill points it passes.
     trace = out / "reference.trace"

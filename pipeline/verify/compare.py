@@ -39,11 +39,10 @@ def _json(v) -> str:
     return json.dumps(v, sort_keys=True, default=repr)
 
 
-def compare(reference: dict, other: dict, atol: float = 0.0, rtol: float = 0.0,
-            keys: list[str] | None = None) -> dict[str, dict]:
+def compare(reference: dict, other: dict, atol: float = 0.0, rtol: float = 0.0) -> dict[str, dict]:
     """Every key of either side, compared; a key on one side only is a structural difference."""
-    names = sorted(set(reference) | set(other)) if keys is None else keys
-    return {k: diff(reference.get(k, MISSING), other.get(k, MISSING), atol, rtol) for k in names}
+    return {k: diff(reference.get(k, MISSING), other.get(k, MISSING), atol, rtol)
+            for k in sorted(set(reference) | set(other))}
 
 
 def first_difference(a, b, name: str = "") -> str | None:

@@ -17,8 +17,13 @@ from pipeline.verify.compare import compare, machine
 from pipeline.verify.snapshot import read_summary
 
 
-def verify_dir(config: dict) -> Path:
-    return Path(config["paths"]["output_dir"]) / "verify" / run_name(config)
+def verify_dir(config: dict, *sub: str) -> Path:
+    """<output_dir>/verify/<run name>/<sub>, made afresh (an earlier verification's files removed)."""
+    out = Path(config["paths"]["output_dir"]).joinpath("verify", run_name(config), *sub)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    return out
 
 
 def run_workers(config: dict, out: Path, cut: int, steps: int,
@@ -106,13 +111,10 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
 def run_protocol(config: dict, argv: list[str]) -> int:
     v = config["verify"]
     cut, steps, atol, rtol = int(v["cut"]), int(v["steps"]), float(v["atol"]), float(v["rtol"])
-    out = verify_dir(config)
     if not 0 < cut < steps:
         print(f"pipeline.verify: verify.cut must be in (0, verify.steps={steps}), got {cut}", file=sys.stderr)
         return EXIT_INCOMPLETE
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out = verify_dir(config)
     t0 = time.time()
     commands, error = run_workers(config, out, cut, steps, argv)
     if error is None:
