@@ -148,6 +148,7 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
     job = rundir = file_handler = None
     try:
         job = build(config, sweep)
+        assert job.run_dir is not None  # build() names it
         rundir = RunDir(job.run_dir)
         if sweep is not None:
             sweep.run_dir = str(rundir.path)
