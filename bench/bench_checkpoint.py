@@ -36,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.checkpoint import manifest as mf  # noqa: E402
 from pipeline.checkpoint.directory import CheckpointDir  # noqa: E402
+from pipeline.config import identity  # noqa: E402
+from pipeline.config.identity import Identity  # noqa: E402
 from pipeline.data.iterator import DataIterator  # noqa: E402
 from pipeline.model.base import NamedParams  # noqa: E402
 from pipeline.optimizer.adam import Adam  # noqa: E402
@@ -79,7 +81,8 @@ def state_arrays(parts: dict) -> list[np.ndarray]:
 
 def bench_fields() -> dict:
     config = {"bench": "checkpoint", "trainer": {"seed": 0}}
-    facts = mf.run_facts(config, {}, "none", {}, {"vocab": None, "decode_join": None, "specials": {}})
+    ident = Identity({}, identity.config_hash(config), identity.semantic_hash(config, {}), "bench")
+    facts = mf.run_facts(config, ident, "none", {}, {"vocab": None, "decode_join": None, "specials": {}})
     return mf.build(facts, step=7, epoch=0, metrics={}, tags=[],
                     lineage=lineage_of(facts["semantic_config_hash"], None))
 
