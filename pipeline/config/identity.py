@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import hashlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ def canonical_json(obj) -> bytes:
 
 
 def config_hash(config: dict) -> str:
-    return hashlib.sha256(canonical_json(config)).hexdigest()
+    return jsonio.digest(config)
 
 
 def get(tree: dict, dotted: str, default=None):
@@ -84,10 +83,9 @@ def source_hashes(config: dict) -> dict[str, str]:
     return out
 
 
-def semantic_config(config: dict, sources: dict[str, str] | None = None) -> dict:
+def semantic_config(config: dict, sources: dict[str, str]) -> dict:
     """The config minus NON_SEMANTIC keys, SOURCES keys replaced by {"sha256": ...} of the file's bytes
-    (`sources` gives them, e.g. as a manifest recorded them; None reads the files)."""
-    sources = source_hashes(config) if sources is None else sources
+    (`sources`: source_hashes, or as a manifest recorded them)."""
     out = copy.deepcopy(config)
     for key in NON_SEMANTIC:
         node, leaf = _parent(out, key)
@@ -99,16 +97,20 @@ def semantic_config(config: dict, sources: dict[str, str] | None = None) -> dict
     return out
 
 
-def semantic_hash(config: dict, sources: dict[str, str] | None = None) -> str:
-    return config_hash(semantic_config(config, sources))
+def semantic_hash(config: dict, sources: dict[str, str]) -> str:
+    semantic = semantic_config(config, sources)
+    return config_hash(semantic)
 
 
-def run_name(config: dict, sources: dict[str, str] | None = None, semantic: str | None = None) -> str:
-    """<experiment name>-<12 hex of the semantic config's sha256> (`semantic`: that hash, if known): the same job
-    lands in the same directory whatever the output or working directory; two files at one relative path, two.
-    BadName (a ValueError, one line) if the name cannot be one directory's (names.checked)."""
-    name = names.checked(config.get("name", "run"), "name")
-    return f"{name}-{(semantic or semantic_hash(config, sources))[:12]}"
+def run_name(config: dict, sources: dict[str, str] | None = None) -> str:
+    """<experiment name>-<12 hex of the semantic config's sha256> (`sources`: None reads the files): the same job
+    lands in the same directory whatever the output or working directory; two files at one relative path, two."""
+    return _named(config, semantic_hash(config, source_hashes(config) if sources is None else sources))
+
+
+def _named(config: dict, semantic: str) -> str:
+    """BadName (a ValueError, one line) if the name cannot be one directory's (names.checked)."""
+    return f"{names.checked(config.get('name', 'run'), 'name')}-{semantic[:12]}"
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ def identify(config: dict) -> Identity:
         key = next(k for k in SOURCES if get(config, k) is not None)
         raise ConfigError(f"{key}={get(config, key)}: {e.strerror or e}") from None
     semantic = semantic_hash(config, sources)
-    name = run_name(config, semantic=semantic)
+    name = _named(config, semantic)
     if config["resume"]["source"] == "never":  # a fresh, unique sibling
         name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     return Identity(sources, config_hash(config), semantic, name)

@@ -1,6 +1,7 @@
 """Standard JSON (RFC 8259) in and out: non-finite floats as strings, strict and bounded on reading."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from types import MappingProxyType
@@ -43,6 +44,11 @@ def dumps(obj, *, indent: int | None = 2, canonical: bool = False) -> bytes:
     text = json.dumps(_finite(obj), sort_keys=True, indent=None if canonical else indent, ensure_ascii=False,
                       separators=(",", ":") if canonical else None, allow_nan=False)
     return text.encode() if canonical else (text + "\n").encode()
+
+
+def digest(obj) -> str:
+    """sha256 hex of the canonical form: every hash of a config or a history in this project."""
+    return hashlib.new("sha256", dumps(obj, canonical=True)).hexdigest()
 
 
 def dumps_line(obj) -> str:

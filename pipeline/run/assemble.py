@@ -18,7 +18,6 @@ from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import as_written_now
 from pipeline.data.base import DataSpec, inference_facts
 from pipeline.data.iterator import DataIterator
-from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
 from pipeline.stages.base import StageStates
 from pipeline.trainer.loop import kept, train_metric_names, val_metric_names
@@ -80,12 +79,6 @@ def build_stages(config: dict) -> list:
             stage.name = str(key)
             stages.append(stage)
     return sorted(stages, key=lambda s: s.order)
-
-
-def build_tracker(config: dict, sweep: SweepJob | None = None) -> Tracker:
-    """The `tracking` node's tracker (no node: the protocol's no-op), told which sweep job it tracks."""
-    tracking = config.get("tracking")
-    return Tracker() if tracking is None else _call(tracking, sweep=sweep)
 
 
 @dataclass
@@ -162,7 +155,9 @@ def check_monitors(config: dict) -> None:
 def assemble(config: dict, ident: identity.Identity) -> Job:
     """The data, every part and the run-level manifest facts of a validated config and its identity: a Job without a
     tracker or run directory (the verifier's processes, roundtrip); ValueError or OSError for values its objects
-    refuse."""
+    refuse; ConfigError for a model the data cannot train, or a monitor the run never logs, before any data is made."""
+    check_pairing(config)
+    check_monitors(config)
     dataset = build_dataset(config)
     state = build_state(config, dataset.spec, dataset.n_train, dataset)
     spec = {**asdict(dataset.spec), "n_train": int(dataset.n_train)}

@@ -3,6 +3,12 @@ them, tracking=none is these)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hydra.utils import instantiate
+
+if TYPE_CHECKING:
+    from pipeline.run.sweep import SweepJob
 
 
 class SweepParent:
@@ -59,3 +65,9 @@ class Tracker:
     def finish(self, status: str, run_dir: Path) -> None:
         """Hand the run over (waiting a bounded moment at most); status is FINISHED, FAILED or KILLED."""
 
+
+
+def tracker_for(config: dict, sweep: SweepJob | None = None) -> Tracker:
+    """The `tracking` node's tracker (no node: this protocol's no-op), told which sweep job it tracks."""
+    tracking = config.get("tracking")
+    return Tracker() if tracking is None else instantiate(tracking, _partial_=True)(sweep=sweep)

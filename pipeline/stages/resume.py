@@ -1,7 +1,6 @@
 """The resume stage: continue from the newest checkpoint that verifies, or from a given one, refusing drift."""
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
@@ -19,8 +18,7 @@ AUTO, NEVER = "auto", "never"
 
 def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
     """A run history's identity: its config and where it started (None: from scratch; else a checkpoint)."""
-    digest = hashlib.sha256(identity.canonical_json({"semantic_config_hash": semantic_hash, "origin": origin}))
-    return {"id": digest.hexdigest(), "origin": origin}
+    return {"id": identity.config_hash({"semantic_config_hash": semantic_hash, "origin": origin}), "origin": origin}
 
 
 class Resume(Stage):

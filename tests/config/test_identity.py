@@ -15,6 +15,7 @@ from pipeline.config.identity import (
     run_name,
     semantic_config,
     semantic_hash,
+    source_hashes,
 )
 from pipeline.run.job import build
 
@@ -24,7 +25,7 @@ def test_the_output_directory_is_not_part_of_the_identity(tmp_path):
     a = config_of(*TINY, f"paths.output_dir={tmp_path / 'a'}")
     b = config_of(*TINY, f"paths.output_dir={tmp_path / 'b'}", "tracking=mlflow", "trainer.log_every=7")
     assert run_name(a) == run_name(b)
-    assert "paths" not in semantic_config(a) and "tracking" not in semantic_config(a)
+    assert "paths" not in semantic_config(a, {}) and "tracking" not in semantic_config(a, {})
 
 
 def test_a_copied_output_directory_is_the_same_run(tmp_path):
@@ -72,7 +73,7 @@ def test_semantic_keys_change_the_name_and_others_do_not(tmp_path):
     for override in ("stages.rotate_last_3.keep=5", "checkpoint.every_steps=2", "resume.allow_changes=[x]",
                      "verify.cut=3", "trainer.progress_bar=true"):
         assert run_name(config_of(*KERNODECK, f"paths.output_dir={tmp_path}", override)) == run_name(base)
-    assert semantic_hash(base) == semantic_hash(dict(base))
+    assert semantic_hash(base, {}) == semantic_hash(dict(base), {})
 
 
 def test_changed_keys_and_covered():
@@ -87,7 +88,7 @@ def test_identify_is_the_hashes_and_the_name_in_one_value_and_never_a_fresh_sibl
     config = config_of(*KERNODECK, f"paths.output_dir={tmp_path}")
     ident = identify(config)
     assert (ident.sources, ident.config_hash, ident.semantic_hash, ident.name) == (
-        {}, config_hash(config), semantic_hash(config), run_name(config))
+        {}, config_hash(config), semantic_hash(config, {}), run_name(config))
     with pytest.raises(AttributeError, match="cannot assign"):
         ident.name = "other"  # type: ignore[misc]
     fresh = identify(config_of(*KERNODECK, f"paths.output_dir={tmp_path}", "resume=never"))
@@ -187,10 +188,11 @@ def test_every_leaf_of_every_shipped_config_is_in_the_identity_unless_declared_n
     """Regression (#29): model.n_layer or the whole scheduler left out of the hash went unnoticed."""
     wrong, seen = [], set()
     for config in shipped_configs(tmp_path):
-        base = semantic_hash(config)
+        base = semantic_hash(config, source_hashes(config))
         for key, value in leaves(config):
             seen.add(key)
-            same = semantic_hash(with_leaf(config, key, changed(key, value, tmp_path))) == base
+            other = with_leaf(config, key, changed(key, value, tmp_path))
+            same = semantic_hash(other, source_hashes(other)) == base
             if same != covered(key, list(NOT_SEMANTIC)):
                 wrong.append(f"{key}={value!r}: {'not ' if same else ''}in the identity")
     assert not wrong, "\n".join(wrong)

@@ -152,15 +152,3 @@ def test_the_semantic_hash_is_computed_once_and_names_the_run_directory(kernodec
     assert job.run_dir.name == identity.run_name(kernodeck, job.sources) == \
         f"kernodeck-{job.facts['semantic_config_hash'][:12]}"
 
-
-def test_the_tracker_is_told_the_sweep_job_it_tracks(kernodeck, tmp_path):
-    from pipeline.run.assemble import build_tracker
-    from pipeline.run.sweep import SweepJob
-
-    job = SweepJob(dir=tmp_path, sweep_id="abc", num=1, parent={"sweep_id": "abc"})
-    tracking = {"_target_": "pipeline.tracking.mlflow_tracker.MlflowTracker", "uri": f"sqlite:///{tmp_path}/m.db",
-                "experiment": "e", "artifact_location": None, "wait": 1.0}
-    tracker = build_tracker({"tracking": tracking}, job)
-    assert tracker.parent == {"sweep_id": "abc"} and tracker.job["num"] == 1
-    assert build_tracker({"tracking": tracking}).parent is None
-    assert type(build_tracker({"tracking": None}, job)).__name__ == "Tracker"  # no node: the no-op protocol
