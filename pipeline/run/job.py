@@ -182,7 +182,7 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
                     held.flush()  # the set-up's lines first
                     logging.getLogger().removeHandler(held)
                     logging.getLogger().addHandler(file_handler)
-                code = run.execute()
+                code, value = run.execute()
             except OSError as e:
                 if (message := environment_error(e)) is None:
                     raise
@@ -192,7 +192,7 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
             if code:
                 raise JobFailed(code, f"preempted at step {job.state.step}; re-run the same command to resume",
                                 requeue=True)
-            return run.objective()
+            return value
     except BaseException:
         if sweep is None:
             made.prune()

@@ -292,7 +292,8 @@ class Run:
         if self.lineage is None:
             start_fresh(self)
 
-    def execute(self) -> int:
+    def execute(self) -> tuple[int, float]:
+        """The run's exit code and its objective (NaN if it did not complete)."""
         if self.complete:
             # A process killed between its last save and its last word: finish what it left (links, pruning,
             # status). A run that says complete is left exactly as it is, whatever the live config says now.
@@ -308,7 +309,7 @@ class Run:
             if unapplied := self.unapplied():
                 log.warning("not applied to a finished run: %s (resume.allow_changes=[...] with more steps trains "
                             "it on; resume=never trains anew)", unapplied)
-            return EXIT_OK
+            return EXIT_OK, self.objective()
         tracker = self.job.tracker
         self.profile.start()
         self.keep_history()
@@ -327,28 +328,26 @@ class Run:
                 if hasattr(s, "run"):
                     s.run(self)
             self.write_status("complete")
+            stopped_by = None
         except Preempted as stop:
-            self.write_status("preempted", preempted_by=str(stop))
-            self._summary("preempted")
-            log.warning("preempted by %s at step %d; re-run the same command to resume (exit %d)", stop,
-                        self.state.step, EXIT_PREEMPTED)
-            self._finish("KILLED")
-            return EXIT_PREEMPTED
+            stopped_by = str(stop)
+            self.write_status("preempted", preempted_by=stopped_by)
         except BaseException as e:  # a non-finite loss says so itself; anything else with its type
             self._failed(str(e) if isinstance(e, NonFiniteError) else
                          environment_error(e) or f"{type(e).__name__}: {e}")
             raise
-        log.info("done at step %d (%s) after %.1f s in this %s: %s", self.state.step, self.state.progress.ended,
-                 time.time() - self.job_started if self.in_sweep else budget.process_age(),
-                 "job" if self.in_sweep else "process", self._metrics())
-        self._summary("complete")
-        self._finish("FINISHED")
-        return EXIT_OK
-
-    def _finish(self, status: str) -> None:
-        """The tracked run's end, then trainer.profile's table (this process's share of the run)."""
+        if stopped_by is None:
+            log.info("done at step %d (%s) after %.1f s in this %s: %s", self.state.step, self.state.progress.ended,
+                     time.time() - self.job_started if self.in_sweep else budget.process_age(),
+                     "job" if self.in_sweep else "process", self._metrics())
+        code, value = (EXIT_OK, self.objective()) if stopped_by is None else (EXIT_PREEMPTED, math.nan)
+        self._summary("complete" if stopped_by is None else "preempted")
+        if stopped_by is not None:
+            log.warning("preempted by %s at step %d; re-run the same command to resume (exit %d)", stopped_by,
+                        self.state.step, EXIT_PREEMPTED)
+        # the tracked run's end, then trainer.profile's table (this process's share of the run)
         with self.profile.phase("tracking hand-over"):
-            self.job.tracker.finish(status, self.rundir.path)
+            self.job.tracker.finish("FINISHED" if stopped_by is None else "KILLED", self.rundir.path)
         if self.profile.on:
             print(self.profile.table(), flush=True)
-
+        return code, value
