@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config.errors import ConfigError
-from pipeline.config.schemas import as_written_now
 from pipeline.files import jsonio, names, reading
 
 # Keys that do not change the math: where outputs go, how progress is shown and logged, how the run is
@@ -30,8 +29,8 @@ def is_machine_key(key: str) -> bool:
 
 
 # Keys naming an input file: identity is the file's content, not the path string. Each maps to the key
-# bounding the file's size (its value as the config was written now, `as_written_now`): a bigger file is refused
-# unread.
+# bounding the file's size (a checkpoint's older config is read as written now first: run/trained.py): a bigger
+# file is refused unread.
 SOURCES = {"data.path": "data.max_bytes"}
 # Keys a resumed run cannot apply: what they choose is fixed by the restored state itself.
 FIXED_BY_STATE = {
@@ -75,8 +74,7 @@ def source_hashes(config: dict) -> dict[str, str]:
     out = {}
     for key, bound in SOURCES.items():
         if isinstance(p := get(config, key), str):
-            node, leaf = _parent(config, bound)
-            if not isinstance(limit := as_written_now(node).get(leaf), int):
+            if not isinstance(limit := get(config, bound), int):
                 raise ConfigError(f"{key}={p}: names a file but {bound} (the bound of its size) is not set: add "
                                   f"{bound}=BYTES")
             out[key] = reading.sha256(Path(p).expanduser(), limit, follow=True, bound=bound)

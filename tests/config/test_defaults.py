@@ -79,20 +79,27 @@ def test_data_max_bytes_is_the_yamls_number_and_null_is_refused_on_the_command_l
 @pytest.mark.parametrize("written", [{"max_bytes": None}, {}], ids=["null", "before the key"])
 def test_a_config_written_with_a_null_or_no_max_bytes_validates_and_means_32_mib(written, tmp_path):
     """A checkpoint's config from when data.max_bytes could be null (or did not exist) meant 32 MiB: it still
-    validates, and a file over 32 MiB is refused by that bound, one under it is read."""
-    from pipeline.config import identity
+    validates, and a file over 32 MiB is refused by that bound, one under it is read (run/trained.py reads a
+    checkpoint's data node as written now before it hashes its file)."""
+    from pipeline.config.errors import ConfigError
+    from pipeline.files import reading
+    from pipeline.run.trained import data_config
 
     big = tmp_path / "big.txt"
     with open(big, "wb") as f:
         f.truncate((32 << 20) + 1)  # sparse: nothing written
-    config = {"data": {"_target_": TEXT, "path": str(big), "val_fraction": 0.1, "block_size": 8, "ngram_order": 2,
-                       "val_batch_size": 4, **written}}
-    validate(config)
-    with pytest.raises(OSError, match=r"over the 33554432-byte limit set by data\.max_bytes"):
-        identity.source_hashes(config)
+    node = {"_target_": TEXT, "path": str(big), "val_fraction": 0.1, "block_size": 8, "ngram_order": 2,
+            "val_batch_size": 4, **written}
+    validate({"data": node})
+    manifest = {"config": {"data": node}, "sources": {"data.path": "0" * 64}}
+    with pytest.raises(ConfigError, match=r"over the 33554432-byte limit set by data\.max_bytes"):
+        data_config(manifest, [], tmp_path / "run" / "checkpoints" / "step-00000001")
     small = tmp_path / "small.txt"
     small.write_text("abc")
-    assert identity.source_hashes({"data": {**config["data"], "path": str(small)}})["data.path"]
+    manifest = {"config": {"data": {**node, "path": str(small)}},
+                "sources": {"data.path": reading.sha256(small, 3)}}
+    config = data_config(manifest, [], tmp_path / "run" / "checkpoints" / "step-00000001")
+    assert config["data"]["max_bytes"] == 32 << 20
 
 
 def test_a_file_named_by_a_node_that_gives_no_bound_is_refused_in_one_sentence():
