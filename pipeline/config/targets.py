@@ -1,6 +1,7 @@
 """Which `_target_`s a config read from disk may name: those in the pipeline's YAML and in your own configs."""
 from __future__ import annotations
 
+import re
 from functools import cache
 from pathlib import Path
 
@@ -132,6 +133,23 @@ def parse_overrides(overrides) -> list:
         return OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as e:
         raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+
+
+def literal(text: str) -> str:
+    """`text` as a value omegaconf reads back as `text` where it resolves a config: no `${` an interpolation."""
+    # omegaconf reads `\${` as `${`, and the backslashes before it two for one
+    return re.sub(r"(\\*)\$\{", lambda m: m[1] * 2 + "\\${", text)
+
+
+def hydra_quoted(text: str) -> str:
+    """`text` as one override value (alone or in a list) that Hydra's parser reads back as exactly `text`: a path
+    of plain characters as it is, anything else quoted. Hydra searches `hydra.searchpath`'s entries as parsed; a
+    value read from the composed config (`hydra.sweep.dir`) is also resolved by omegaconf: quote `literal(text)`."""
+    if "/" in text and re.fullmatch(r"[\w/.:@%+-]+", text):  # no `/`: `true`, `null`, `1.5` would not be text
+        return text
+    quote = '"' if '"' not in text else "'"
+    # inside quotes Hydra reads `\` + quote as the quote and `\\` before a quote (or the closing one) as `\`
+    return quote + re.sub(rf"(\\*)({quote}|$)", lambda m: m[1] * 2 + ("\\" + m[2] if m[2] else ""), text) + quote
 
 
 def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], set[str]]:

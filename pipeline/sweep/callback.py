@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeline.checkpoint.manifest import git_info
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, CommandError, ConfigError, Refusal
 from pipeline.config.identity import experiment_name, is_machine_key
-from pipeline.config.targets import parse_overrides
+from pipeline.config.targets import hydra_quoted, literal, parse_overrides
 from pipeline.files import atomic, jsonio, names, reading
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SweepJob
@@ -220,10 +220,8 @@ class SweepCallback(Callback):
         self.parent = parent_run(config.get("tracking"))
         directory = atomic.ensure_dirs(Path(str(config.paths.output_dir)), "sweeps", target.name)
         with open_dict(hydra):  # the launcher's and, composed again with this override, every job's
-            hydra.sweep.dir = str(directory)
-            # one quoted value: quotes and interpolations in the path stay text
-            quoted = str(directory).replace("'", "\\'").replace("${", "\\${")
-            hydra.overrides.hydra.append(f"hydra.sweep.dir='{quoted}'")
+            hydra.sweep.dir = literal(str(directory))  # a `${` in the path stays text
+            hydra.overrides.hydra.append(f"hydra.sweep.dir={hydra_quoted(literal(str(directory)))}")
         SIGNALS_STATE.sweeping(directory, slurm_jobs=_slurm_jobs(hydra.launcher), launcher=self)
         best_val = (_plain(config.get("stages")) or {}).get("best_val") or {}
         # best-val's mode (conf/stages/default.yaml); without that stage the jobs return NaN, either way round
