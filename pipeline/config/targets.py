@@ -136,15 +136,13 @@ def parse_overrides(overrides) -> list:
 
 
 def literal(text: str) -> str:
-    """`text` as a value omegaconf reads back as `text` where it resolves a config: no `${` an interpolation."""
-    # omegaconf reads `\${` as `${`, and the backslashes before it two for one
+    r"""`text` as a value omegaconf resolves to `text`: it reads `\${` as `${` (the backslashes before, two for one)."""
     return re.sub(r"(\\*)\$\{", lambda m: m[1] * 2 + "\\${", text)
 
 
 def hydra_quoted(text: str) -> str:
-    """`text` as one override value (alone or in a list) that Hydra's parser reads back as exactly `text`: a path
-    of plain characters as it is, anything else quoted. Hydra searches `hydra.searchpath`'s entries as parsed; a
-    value read from the composed config (`hydra.sweep.dir`) is also resolved by omegaconf: quote `literal(text)`."""
+    """`text` as one override value, alone or in a list, that Hydra's parser reads back as exactly `text` (as it
+    takes hydra.searchpath's entries); quote `literal(text)` for a value read from the resolved config."""
     if "/" in text and re.fullmatch(r"[\w/.:@%+-]+", text):  # no `/`: `true`, `null`, `1.5` would not be text
         return text
     quote = '"' if '"' not in text else "'"
