@@ -5,6 +5,8 @@ import re
 from functools import cache
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from pipeline.config.compose import CONFIG_DIR
 from pipeline.config.errors import ConfigError
 
@@ -133,6 +135,11 @@ def parse_overrides(overrides) -> list:
         return OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as e:
         raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+
+
+def as_given(overrides) -> list[str]:
+    r"""Hydra's record of overrides (`hydra.overrides.task`, `.hydra`) as given: unresolved, a `\${` kept escaped."""
+    return [str(o) for o in OmegaConf.to_container(overrides) or []]
 
 
 def literal(text: str) -> str:
