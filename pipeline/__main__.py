@@ -77,6 +77,8 @@ def command_args(hydra_cfg, conf_dir) -> list[str]:
     """The arguments that compose this job's config again, in the same shell: Hydra's `--config-path`,
     `--config-dir` (absolute, as Hydra holds them) and `--config-name` where the command gave them, its
     `hydra.searchpath=[...]` override as typed, then the job's overrides (the task's; a sweep job's own values)."""
+    from pipeline.config.targets import as_given
+
     args = []
     for source in hydra_cfg.runtime.config_sources:
         if source.schema != "file":
@@ -87,14 +89,15 @@ def command_args(hydra_cfg, conf_dir) -> list[str]:
             args += ["--config-dir", source.path]
     if hydra_cfg.job.config_name != "config":
         args += ["--config-name", hydra_cfg.job.config_name]
-    args += [o for o in hydra_cfg.overrides.hydra if o.lstrip("+").startswith("hydra.searchpath=")]
-    return args + list(hydra_cfg.overrides.task)
+    args += [o for o in as_given(hydra_cfg.overrides.hydra) if o.lstrip("+").startswith("hydra.searchpath=")]
+    return args + as_given(hydra_cfg.overrides.task)
 
 
 def main() -> None:
     import hydra
 
     from pipeline.config.compose import CONFIG_DIR, register
+    from pipeline.config.targets import as_given
 
     register()
     # Hydra prints a composition error (a bad override, an unknown group) on several lines and exits 1; asked
@@ -128,7 +131,7 @@ def main() -> None:
             # a Refusal passes Hydra, which writes a line of its own over a task's Exception
             raise Refusal(ConfigError(f"bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}")) \
                 from None
-        return app.main(config, list(hydra_cfg.overrides.task), OmegaConf.to_yaml(cfg), sweep,
+        return app.main(config, as_given(hydra_cfg.overrides.task), OmegaConf.to_yaml(cfg), sweep,
                         command_args(hydra_cfg, CONFIG_DIR))
 
     try:

@@ -20,10 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hydra.utils import get_class
+
 from pipeline.checkpoint.directory import STEP_DIR, CheckpointDir, step_dir_name
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
 from pipeline.config.identity import run_name
+from pipeline.config.targets import shipped
+from pipeline.data.corpus import MAX_JSON, verify_corpus
 from pipeline.files import jsonio, names, reading
 from pipeline.files.atomic import (
     TMP_PREFIX,
@@ -43,7 +47,6 @@ NAME = "pipeline.archive"
 SELECTIONS = ("best", "final", "newest")
 MAX_SMALL = 16 << 20  # bytes of a run's small files (.hydra/*, run.json, a corpus's MANIFEST.json)
 MAX_FILE = 1 << 40  # a checkpoint or corpus file: bounded by its manifest's size, checked before copying
-MAX_CORPORA = 10_000  # corpus directories looked at when finding a run's corpus by its hash
 
 INTERRUPTED = "no archive was published (its hidden temporary is removed or ignored)"
 
@@ -171,23 +174,6 @@ class Builder:
         self.links[rel] = target
 
 
-def find_corpus(run_dir: Path | None, data_hash: str) -> Path | None:
-    """The corpus directory under <output_dir>/data/ (of a run in <output_dir>/runs/) whose MANIFEST.json hashes
-    to `data_hash`, if any."""
-    data = run_dir.parent.parent / "data" if run_dir is not None and run_dir.parent.name == "runs" else None
-    if data is None or not data.is_dir() or data.is_symlink():
-        return None
-    for i, e in enumerate(sorted(os.scandir(data), key=lambda e: e.name)):
-        if i >= MAX_CORPORA or e.name.startswith(TMP_PREFIX) or not e.is_dir(follow_symlinks=False):
-            continue
-        try:
-            if reading.sha256(Path(e.path) / "MANIFEST.json", MAX_SMALL) == data_hash:
-                return Path(e.path)
-        except OSError:
-            continue
-    return None
-
-
 def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     """Copy one run into b.root/runs/<name>/; returns what was exported."""
     base = f"runs/{p.name}"
@@ -206,7 +192,7 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     for rel, path, limit in RunDir(p.run_dir).records() if p.run_dir is not None else ():
         b.copy(path, f"{base}/{rel}", limit)
     data_hash, sources, data = p.newest["data_manifest_hash"], dict(p.newest["sources"]), p.newest["config"]["data"]
-    corpus = find_corpus(p.run_dir, data_hash)
+    corpus = RunDir(p.run_dir).corpus(data_hash) if p.run_dir is not None else None
     identity = {"data_manifest_hash": data_hash, "sources": sources, "data": data,
                 "corpus": corpus.name if corpus else None, "data_archived": with_data}
     if sources and not with_data:
@@ -218,13 +204,11 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
         b.copy(corpus / "MANIFEST.json", f"{base}/corpus-MANIFEST.json", MAX_SMALL, corpus_manifest,
                "the checkpoints' data_manifest_hash")
     if with_data:
-        if corpus is None and data_hash and data.get("_target_", "").startswith("pipeline.data.") \
-                and "regression" not in data["_target_"]:
+        target = str(data.get("_target_", ""))  # asked of its class only if we ship it: a file imports nothing else
+        if corpus is None and data_hash and target in shipped() and getattr(get_class(target), "keeps_corpus", False):
             raise BadSource(f"run {p.name}: its corpus (MANIFEST.json sha256 {data_hash[:12]}) is not beside its "
                             "run, under <output_dir>/data/; --with-data needs it there")
         if corpus is not None and f"data/{corpus.name}/MANIFEST.json" not in b.files:
-            from pipeline.data.corpus import MAX_JSON, verify_corpus
-
             for fn, entry in sorted(verify_corpus(corpus)[0]["files"].items()):
                 b.copy(corpus / fn, f"data/{corpus.name}/{fn}", entry["bytes"],
                        {"size": entry["bytes"], "sha256": entry["sha256"]}, f"{corpus / 'MANIFEST.json'}")

@@ -1,8 +1,11 @@
 """Which `_target_`s a config read from disk may name: those in the pipeline's YAML and in your own configs."""
 from __future__ import annotations
 
+import re
 from functools import cache
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 from pipeline.config.compose import CONFIG_DIR
 from pipeline.config.errors import ConfigError
@@ -132,6 +135,26 @@ def parse_overrides(overrides) -> list:
         return OverridesParser.create().parse_overrides(list(overrides))
     except HydraException as e:
         raise ConfigError(f"bad override: {str(e).splitlines()[0]}") from None
+
+
+def as_given(overrides) -> list[str]:
+    r"""Hydra's record of overrides (`hydra.overrides.task`, `.hydra`) as given: unresolved, a `\${` kept escaped."""
+    return [str(o) for o in OmegaConf.to_container(overrides) or []]
+
+
+def literal(text: str) -> str:
+    r"""`text` as a value omegaconf resolves to `text`: it reads `\${` as `${` (the backslashes before, two for one)."""
+    return re.sub(r"(\\*)\$\{", lambda m: m[1] * 2 + "\\${", text)
+
+
+def hydra_quoted(text: str) -> str:
+    """`text` as one override value, alone or in a list, that Hydra's parser reads back as exactly `text` (as it
+    takes hydra.searchpath's entries); quote `literal(text)` for a value read from the resolved config."""
+    if "/" in text and re.fullmatch(r"[\w/.:@%+-]+", text):  # no `/`: `true`, `null`, `1.5` would not be text
+        return text
+    quote = '"' if '"' not in text else "'"
+    # inside quotes Hydra reads `\` + quote as the quote and `\\` before a quote (or the closing one) as `\`
+    return quote + re.sub(rf"(\\*)({quote}|$)", lambda m: m[1] * 2 + ("\\" + m[2] if m[2] else ""), text) + quote
 
 
 def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], set[str]]:

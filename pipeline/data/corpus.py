@@ -1,6 +1,7 @@
 """Token corpora on disk (written once, atomically, with a hashed MANIFEST.json) and the dataset over them."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -17,6 +18,7 @@ from pipeline.data import ngram
 from pipeline.data.base import Batch, DataSpec
 from pipeline.files import jsonio, reading
 from pipeline.files.atomic import (
+    TMP_PREFIX,
     ensure_dirs,
     new_temp_dir,
     publish_dir,
@@ -31,6 +33,7 @@ TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 
 MAX_VOCAB = 512
 MAX_JSON = 16 << 20  # bytes of MANIFEST.json or vocab.json read (a few KB each)
 MAX_FILE = 4 << 30  # bytes of any corpus file read (2^31 tokens)
+MAX_CORPORA = 10_000  # corpus directories looked at when finding one by its manifest's hash
 SPLITS = ("train", "val")
 log = logging.getLogger("pipeline")
 _STALE_TMP_SECONDS = 3600.0  # a generation takes seconds: an hour-old temp dir is a crashed writer's
@@ -198,10 +201,23 @@ def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], C
     return final
 
 
+def find_corpus(data_dir: Path, manifest_hash: str) -> Path | None:
+    """The corpus in `data_dir` whose MANIFEST.json hashes to `manifest_hash`, if any (no link, no temporary)."""
+    if not data_dir.is_dir() or data_dir.is_symlink():
+        return None
+    for e in sorted(os.scandir(data_dir), key=lambda e: e.name)[:MAX_CORPORA]:
+        if not e.name.startswith(TMP_PREFIX) and e.is_dir(follow_symlinks=False):
+            with contextlib.suppress(OSError):
+                if reading.sha256(Path(e.path) / "MANIFEST.json", MAX_JSON) == manifest_hash:
+                    return Path(e.path)
+    return None
+
+
 class TokenDataset:
     """Non-overlapping windows of T+1 tokens over a verified corpus directory (the Dataset protocol)."""
 
     kind = "tokens"
+    keeps_corpus = True  # on disk, in the output directory's corpus cache (what `archive --with-data` copies)
     baselines = ("val/ngram_baseline_ppl",)  # what baseline_metrics gives
     # role -> token of the vocabulary ({"eos": "<eos>"}): what a tool starts from
     specials: ClassVar[dict[str, str]] = {}

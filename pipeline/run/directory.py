@@ -15,6 +15,7 @@ from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.config.errors import CommandError
+from pipeline.data.corpus import find_corpus
 from pipeline.files import jsonio, reading
 from pipeline.files.atomic import (
     UnsafePathError,
@@ -79,6 +80,15 @@ class RunDir:
         """The run whose store `directory` lies in (RUN/checkpoints/step-NNNNNNNN, RUN/checkpoints/best), else None."""
         run = cls(Path(directory).parent.parent)
         return run if run.store.root == Path(directory).parent else None
+
+    @property
+    def output_dir(self) -> Path | None:
+        """The output directory it lies in (<output_dir>/runs/<run>), else None."""
+        return self.path.parent.parent if self.path.parent.name == "runs" else None
+
+    def corpus(self, manifest_hash: str) -> Path | None:
+        """The corpus it was trained on (by its MANIFEST.json's hash) in its output directory's corpus cache."""
+        return None if self.output_dir is None else find_corpus(self.output_dir / "data", manifest_hash)
 
     def is_run(self) -> bool:
         """Whether it holds a run: its store of checkpoints or its run.json."""

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import shlex
 import shutil
 import sys
@@ -41,16 +40,6 @@ UI_QUERY = "?workflowType=machine_learning"  # mlflow 3's UI opens an experiment
 UI_LOCAL = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
 
 
-def hydra_quoted(text: str) -> str:
-    """`text` as one element of a list in Hydra's override grammar, quoted unless it is plain (spaces, commas,
-    brackets, quotes and backslashes kept as they are)."""
-    if re.fullmatch(r"[\w/.:@%+-]+", text):
-        return text
-    quote = '"' if '"' not in text else "'"
-    # inside quotes Hydra reads `\` + quote as the quote and `\\` before a quote (or the closing one) as `\`
-    return quote + re.sub(rf"(\\*)({quote}|$)", lambda m: m[1] * 2 + ("\\" + m[2] if m[2] else ""), text) + quote
-
-
 def tool_args(command: list[str]) -> list[str]:
     """What a tool that opens the run's checkpoints (evaluate, sample) needs of the run's `command` (CONFIG_FLAGS
     and overrides, as `python -m pipeline` took them): the configs that may name its classes, as the one
@@ -68,10 +57,10 @@ def tool_args(command: list[str]) -> list[str]:
             searchpath = arg
     if not dirs:
         return [searchpath] if searchpath else []
+    from pipeline.config.targets import hydra_quoted, parse_overrides
+
     entries = []
     if searchpath:
-        from pipeline.config.targets import parse_overrides
-
         (parsed,) = parse_overrides([searchpath])
         entries = [str(e) for e in parsed.value()]
     return [f"hydra.searchpath=[{','.join(hydra_quoted(e) for e in [*dirs, *entries])}]"]

@@ -90,8 +90,8 @@ def cache_home(directory: Path) -> str:
     from pipeline.config.compose import default_output_dir
 
     run = RunDir.of_checkpoint(Path(directory).absolute())
-    if run is not None and run.path.parent.name == "runs" and not in_archive(directory):
-        return str(run.path.parent.parent)
+    if run is not None and run.output_dir is not None and not in_archive(directory):
+        return str(run.output_dir)
     return default_output_dir()
 
 

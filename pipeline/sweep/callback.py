@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipeline.checkpoint.manifest import git_info
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, CommandError, ConfigError, Refusal
 from pipeline.config.identity import experiment_name, is_machine_key
-from pipeline.config.targets import parse_overrides
+from pipeline.config.targets import as_given, hydra_quoted, literal, parse_overrides
 from pipeline.files import atomic, jsonio, names, reading
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SweepJob
@@ -148,7 +148,7 @@ def job_of(hydra_cfg) -> SweepJob:
                for c in (hydra_cfg.get("callbacks") or {}).values()):
         return SweepJob()
     directory = str(hydra_cfg.sweep.dir)  # the launcher's override: <output_dir>/sweeps/<name>-<id>
-    overrides = [str(o) for o in hydra_cfg.overrides.task]
+    overrides = as_given(hydra_cfg.overrides.task)
     path = Path(directory) / "sweep.json"
     try:
         sweep = jsonio.read(path, 1 << 24)
@@ -186,7 +186,7 @@ class SweepCallback(Callback):
     # --- the launching process
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         hydra = config.hydra
-        task = [str(o) for o in hydra.overrides.task]
+        task = as_given(hydra.overrides.task)
         sweeper = _plain(hydra.sweeper, resolve=False) or {}
         identity = {"name": str(config.get("name", "")), "overrides": sorted(o for o in task if not is_machine_key(
             o.split("=", 1)[0].lstrip("+~"))), "sweeper": {k: v for k, v in sweeper.items() if k not in NOT_IDENTITY}}
@@ -220,17 +220,15 @@ class SweepCallback(Callback):
         self.parent = parent_run(config.get("tracking"))
         directory = atomic.ensure_dirs(Path(str(config.paths.output_dir)), "sweeps", target.name)
         with open_dict(hydra):  # the launcher's and, composed again with this override, every job's
-            hydra.sweep.dir = str(directory)
-            # one quoted value: quotes and interpolations in the path stay text
-            quoted = str(directory).replace("'", "\\'").replace("${", "\\${")
-            hydra.overrides.hydra.append(f"hydra.sweep.dir='{quoted}'")
+            hydra.sweep.dir = literal(str(directory))  # a `${` in the path stays text
+            hydra.overrides.hydra.append(f"hydra.sweep.dir={hydra_quoted(literal(str(directory)))}")
         SIGNALS_STATE.sweeping(directory, slurm_jobs=_slurm_jobs(hydra.launcher), launcher=self)
         best_val = (_plain(config.get("stages")) or {}).get("best_val") or {}
         # best-val's mode (conf/stages/default.yaml); without that stage the jobs return NaN, either way round
         direction = "maximize" if best_val.get("mode") == "max" else "minimize"
         optuna = "optuna" in str(sweeper.get("_target_", ""))
         given = ("hydra.sweeper.direction=", "++hydra.sweeper.direction=")
-        if optuna and not any(o.startswith(given) for o in hydra.overrides.hydra):
+        if optuna and not any(o.startswith(given) for o in as_given(hydra.overrides.hydra)):
             with open_dict(hydra.sweeper):
                 hydra.sweeper.direction = direction  # what the jobs return is best-val's best: minimise or maximise
         try:

@@ -165,6 +165,19 @@ def test_dests_missing_parents_are_made_and_gone_again_when_nothing_is_published
     assert archive("--check", dest, cwd=tmp_path).returncode == 0
 
 
+def test_with_data_needs_the_corpus_of_data_that_keeps_one_and_archives_data_that_keeps_none(tmp_path, finished):
+    out = finished.parent.parent
+    (out / "data").rename(out / "moved")  # the grammar run's corpus is no longer beside it
+    line = refused_in_one_line([str(finished), str(tmp_path / "dest"), "--with-data"], tmp_path,
+                               module="pipeline.archive")
+    assert "its corpus (MANIFEST.json sha256" in line and "--with-data needs it there" in line, line
+    assert not (tmp_path / "dest").exists()
+    rows = train(KERNODECK, tmp_path / "rows", tmp_path / "cwd")  # regression data: generated, no corpus on disk
+    proc = archive(rows, tmp_path / "dest", "--with-data", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "dest" / "recovery.json").read_text())["all_checks_passed"]
+
+
 def test_text_data_needs_with_data_and_then_resumes_from_the_archived_file(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from pipeline.data import corpus
 from pipeline.data.grammar import GrammarCorpus, build_grammar_corpus
 from pipeline.data.text import TextCorpus
+from pipeline.files.atomic import TMP_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(n_sentences=1500, val_fraction=0.1, block_size=32, ngram_order=3, val_batch_size=32)
@@ -250,3 +252,21 @@ def test_a_linked_data_directory_never_receives_a_corpus(tmp_path):
     with pytest.raises(UnsafePathError, match="data is a symlink"):
         corpus.ensure_corpus(tmp_path / "data", "grammar", {"seed": 0}, lambda: built.append(1))
     assert built == [] and os.listdir(elsewhere) == []
+
+
+def test_a_corpus_is_found_by_its_manifests_hash_never_through_a_link_nor_in_a_temporary(small, tmp_path,
+                                                                                         monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copytree(small.directory, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", data / "a-linked")
+    shutil.copytree(small.directory, data / f"{TMP_PREFIX}grammar-x")  # a writer's, not yet published
+    (data / "b-other").mkdir()
+    (data / "b-other" / "MANIFEST.json").write_text("{}")
+    assert corpus.find_corpus(data, small.manifest_hash) is None
+    shutil.copytree(small.directory, data / "c-real")
+    assert corpus.find_corpus(data, small.manifest_hash) == data / "c-real"
+    os.symlink(data, tmp_path / "linked-data")
+    assert corpus.find_corpus(tmp_path / "linked-data", small.manifest_hash) is None
+    monkeypatch.setattr(corpus, "MAX_CORPORA", 3)  # c-real is the fourth entry: never looked at
+    assert corpus.find_corpus(data, small.manifest_hash) is None

@@ -1,6 +1,7 @@
 """A run directory's lock as read by the tools and the tracking agent: a planted FIFO or link is never waited on."""
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
@@ -57,3 +58,13 @@ def test_forget_removes_only_a_directory_that_acquire_created_and_left_empty(tmp
     found.acquire()
     found.forget()
     assert sorted(os.listdir(found.path)) == [".lock"]  # one it found stays (its lock is never a run's record)
+
+
+def test_a_run_finds_its_corpus_by_its_hash_in_its_output_directorys_corpus_cache(tmp_path):
+    manifest = b'{"files": {}}'
+    (tmp_path / "out" / "data" / "grammar-1").mkdir(parents=True)
+    (tmp_path / "out" / "data" / "grammar-1" / "MANIFEST.json").write_bytes(manifest)
+    sha = hashlib.sha256(manifest).hexdigest()
+    assert RunDir(tmp_path / "out" / "runs" / "r").corpus(sha) == tmp_path / "out" / "data" / "grammar-1"
+    assert RunDir(tmp_path / "out" / "runs" / "r").corpus("0" * 64) is None
+    assert RunDir(tmp_path / "out" / "r").corpus(sha) is None  # not in an output directory's runs/

@@ -13,7 +13,7 @@ import pytest
 from pipeline.model.base import summary
 from pipeline.run.directory import RunDir
 from pipeline.run.job import build
-from pipeline.run.report import end_block, hydra_quoted, start_block, tool_args
+from pipeline.run.report import end_block, start_block, tool_args
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.trainer import curves
 from pipeline.trainer.display import Throughput
@@ -239,12 +239,7 @@ def test_the_tools_get_the_runs_config_directories_as_one_search_path():
     assert tool_args(["--config-dir", "/a b/c", "--config-name", "mine", "hydra.searchpath=[pkg://m.conf]"]) == \
         ['hydra.searchpath=["file:///a b/c",pkg://m.conf]']
     assert tool_args(["--config-path", "/x", "--config-dir", "/y", "--config-name", "z"]) == \
-        ["hydra.searchpath=[file:///x,file:///y]"]
-    from pipeline.config.targets import parse_overrides
-
-    for path in ["/a b", "/it's", 'a"b', "/x'\"y", "c:\\x\\", "a\\'b", "x,y]z[", "a=b", "/plain/dir-1.2"]:
-        (parsed,) = parse_overrides([f"hydra.searchpath=[{hydra_quoted(path)},pkg://m.conf]"])
-        assert parsed.value() == [path, "pkg://m.conf"], path
+        ["hydra.searchpath=[file:///x,file:///y]"]  # any directory name: tests/config/test_quoting.py
 
 
 def _ui(tracking_uri: str, experiment_id: str | None) -> list[str]:

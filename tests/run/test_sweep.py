@@ -8,6 +8,7 @@ import pickle
 import types
 
 import pytest
+from omegaconf import OmegaConf
 
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from pipeline.run import job as runner
@@ -102,7 +103,8 @@ def write_sweep(tmp_path, **kw) -> dict:
 def hydra_cfg(num: int, sweep_dir=None):
     """A job's HydraConfig: with the sweep callback and its launcher's sweep directory (None: no callback)."""
     callbacks = {} if sweep_dir is None else {"sweep": {"_target_": "pipeline.sweep.callback.SweepCallback"}}
-    return types.SimpleNamespace(overrides=types.SimpleNamespace(task=["experiment=k", "optimizer.lr=0.3"]),
+    task = OmegaConf.create(["experiment=k", "optimizer.lr=0.3"])  # Hydra's record, a ListConfig
+    return types.SimpleNamespace(overrides=types.SimpleNamespace(task=task),
                                  job={"num": num}, sweep=types.SimpleNamespace(dir=str(sweep_dir)),
                                  get={"callbacks": callbacks}.get)
 
