@@ -155,9 +155,7 @@ def check_monitors(config: dict) -> None:
 def assemble(config: dict, ident: identity.Identity) -> Job:
     """The data, every part and the run-level manifest facts of a validated config and its identity: a Job without a
     tracker or run directory (the verifier's processes, roundtrip); ValueError or OSError for values its objects
-    refuse; ConfigError for a model the data cannot train, or a monitor the run never logs, before any data is made."""
-    check_pairing(config)
-    check_monitors(config)
+    refuse."""
     dataset = build_dataset(config)
     state = build_state(config, dataset.spec, dataset.n_train, dataset)
     spec = {**asdict(dataset.spec), "n_train": int(dataset.n_train)}

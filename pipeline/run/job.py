@@ -14,7 +14,7 @@ from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, C
 from pipeline.config.schemas import validate
 from pipeline.files.atomic import NewDirs, check_output_dir, environment_error
 from pipeline.run import budget
-from pipeline.run.assemble import Job, assemble
+from pipeline.run.assemble import Job, assemble, check_monitors, check_pairing
 from pipeline.run.directory import RunDir
 from pipeline.run.loop import Run
 from pipeline.run.signals import SIGNALS_STATE, SWEEP, Interrupted
@@ -122,6 +122,8 @@ def build(config: dict, sweep: SweepJob | None = None) -> Job:
     """Validate, identity, assemble: the whole job, nothing under its run directory created; ConfigError (one line)
     for a bad value, a missing file, or groups that clash."""
     validate(config)
+    check_pairing(config)  # before the tracker prepares: it makes the output directory and its store
+    check_monitors(config)
     ident = identity.identify(config)
     tracker = tracker_for(config, sweep)
     tracker.prepare()  # the tracking agent starts (or is found warm) while the data and the model are built

@@ -74,3 +74,21 @@ def test_a_correct_non_default_monitor_is_accepted(tmp_path):
                       "optimized_metric=val/ppl", f"paths.output_dir={out}")
     assert code == 0
     assert (the_run(out) / "checkpoints" / "best").is_symlink()
+
+
+
+@pytest.mark.parametrize("refused, said", [("stages.best_val.monitor=val/los", "did you mean val/loss"),
+                                           ("model=mlp", "pair model=minigpt")], ids=["monitor", "pairing"])
+def test_a_refused_job_is_refused_before_its_tracker_prepares(tmp_path, monkeypatch, refused, said):
+    """The monitors and the model/data pairing are checked before the tracker prepares (which makes the output
+    directory and its store): a refused job with tracking on leaves nothing on disk either."""
+    from pipeline.run.job import build
+    from pipeline.run.tracker import Tracker
+
+    prepared = []
+    monkeypatch.setattr(Tracker, "prepare", lambda self: prepared.append(1))
+    with pytest.raises(ConfigError, match=said):
+        build(config_of(refused, "tracking=none", f"paths.output_dir={tmp_path / 'out'}"))
+    assert prepared == []
+    build(config_of(*KERNODECK, f"paths.output_dir={tmp_path / 'out'}"))
+    assert prepared == [1]  # the same build of a good config does prepare it
