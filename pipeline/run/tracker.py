@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hydra.utils import instantiate
-
 if TYPE_CHECKING:
     from pipeline.run.sweep import SweepJob
 
@@ -69,5 +67,7 @@ class Tracker:
 
 def tracker_for(config: dict, sweep: SweepJob | None = None) -> Tracker:
     """The `tracking` node's tracker (no node: this protocol's no-op), told which sweep job it tracks."""
+    from pipeline.run.assemble import _call  # as every node is built: a class that takes no `sweep` is not told
+
     tracking = config.get("tracking")
-    return Tracker() if tracking is None else instantiate(tracking, _partial_=True)(sweep=sweep)
+    return Tracker() if tracking is None else _call(tracking, sweep=sweep)

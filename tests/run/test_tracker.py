@@ -13,3 +13,29 @@ def test_the_tracker_is_told_the_sweep_job_it_tracks(tmp_path):
     assert tracker.parent == {"sweep_id": "abc"} and tracker.job["num"] == 1
     assert tracker_for({"tracking": tracking}).parent is None
     assert type(tracker_for({"tracking": None}, job)).__name__ == "Tracker"  # no node: the no-op protocol
+
+
+OWN_TRACKER = '''
+from pipeline.run.tracker import Tracker
+
+
+class OwnTracker(Tracker):
+    def __init__(self, wait: float = 1.0):
+        self.wait = wait
+'''
+
+
+def test_a_tracker_of_your_own_need_not_take_the_sweep_job_and_a_key_it_does_not_take_is_refused(tmp_path,
+                                                                                                 monkeypatch):
+    import pytest
+
+    from pipeline.config.errors import ConfigError
+    from pipeline.run.sweep import SweepJob
+    from pipeline.run.tracker import tracker_for
+
+    (tmp_path / "own_tracking.py").write_text(OWN_TRACKER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    job = SweepJob(dir=tmp_path, sweep_id="abc", num=1, parent={"sweep_id": "abc"})
+    assert tracker_for({"tracking": {"_target_": "own_tracking.OwnTracker", "wait": 2.0}}, job).wait == 2.0
+    with pytest.raises(ConfigError, match="own_tracking.OwnTracker takes no argument 'wiat'"):
+        tracker_for({"tracking": {"_target_": "own_tracking.OwnTracker", "wiat": 2.0}})
