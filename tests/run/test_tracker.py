@@ -37,5 +37,5 @@ def test_a_tracker_of_your_own_need_not_take_the_sweep_job_and_a_key_it_does_not
     monkeypatch.syspath_prepend(str(tmp_path))
     job = SweepJob(dir=tmp_path, sweep_id="abc", num=1, parent={"sweep_id": "abc"})
     assert tracker_for({"tracking": {"_target_": "own_tracking.OwnTracker", "wait": 2.0}}, job).wait == 2.0
-    with pytest.raises(ConfigError, match="own_tracking.OwnTracker takes no argument 'wiat'"):
+    with pytest.raises(ConfigError, match=r"own_tracking\.OwnTracker takes no argument 'wiat'"):
         tracker_for({"tracking": {"_target_": "own_tracking.OwnTracker", "wiat": 2.0}})
