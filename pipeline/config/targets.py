@@ -150,7 +150,8 @@ def literal(text: str) -> str:
 def hydra_quoted(text: str) -> str:
     """`text` as one override value, alone or in a list, that Hydra's parser reads back as exactly `text` (as it
     takes hydra.searchpath's entries); quote `literal(text)` for a value read from the resolved config."""
-    if "/" in text and re.fullmatch(r"[\w/.:@%+-]+", text):  # no `/`: `true`, `null`, `1.5` would not be text
+    # no `/`: `true`, `null`, `1.5` would not be text; ASCII only: Hydra's lexer takes no other letter unquoted
+    if "/" in text and re.fullmatch(r"[\w/.:@%+-]+", text, re.ASCII):
         return text
     quote = '"' if '"' not in text else "'"
     # inside quotes Hydra reads `\` + quote as the quote and `\\` before a quote (or the closing one) as `\`

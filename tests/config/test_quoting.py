@@ -13,7 +13,7 @@ from pipeline.config.targets import hydra_quoted, literal
 
 AWKWARD = ["/a b", "/it's", 'a"b', "/x'\"y", "c:\\x\\", "a\\'b", "a\\\\", "\\", "x,y]z[", "[a,b]", "{a: 1}", "a=b",
            "/plain/dir-1.2", "${x}", "/d/${x}/e", "a\\${x}", "a\\\\${x}\\", "it's \"${x}\", \\", " padded ", "",
-           "true", "null", "1.5"]
+           "true", "null", "1.5", "/tmp/résumé", "/données/x-1", "naïve"]  # Hydra's lexer takes only ASCII unquoted
 
 
 @pytest.mark.parametrize("value", AWKWARD)
