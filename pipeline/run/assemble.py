@@ -18,6 +18,7 @@ from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import as_written_now
 from pipeline.data.base import DataSpec, inference_facts
 from pipeline.data.iterator import DataIterator
+from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
 from pipeline.stages.base import StageStates
 from pipeline.trainer.loop import kept, train_metric_names, val_metric_names
@@ -79,6 +80,13 @@ def build_stages(config: dict) -> list:
             stage.name = str(key)
             stages.append(stage)
     return sorted(stages, key=lambda s: s.order)
+
+
+def build_tracker(config: dict, sweep: SweepJob | None = None) -> Tracker:
+    """The `tracking` node's tracker (no node: the protocol's no-op), told which sweep job it tracks (a class of
+    your own that takes no `sweep` is not told, as every node is built)."""
+    tracking = config.get("tracking")
+    return Tracker() if tracking is None else _call(tracking, sweep=sweep)
 
 
 @dataclass

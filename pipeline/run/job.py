@@ -14,13 +14,12 @@ from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, C
 from pipeline.config.schemas import validate
 from pipeline.files.atomic import NewDirs, check_output_dir, environment_error
 from pipeline.run import budget
-from pipeline.run.assemble import Job, assemble, check_monitors, check_pairing
+from pipeline.run.assemble import Job, assemble, build_tracker, check_monitors, check_pairing
 from pipeline.run.directory import RunDir
 from pipeline.run.loop import Run
 from pipeline.run.signals import SIGNALS_STATE, SWEEP, Interrupted
 from pipeline.run.slurm import requeue_self
 from pipeline.run.sweep import SweepJob
-from pipeline.run.tracker import tracker_for
 from pipeline.trainer.metrics_log import QuietFileHandler
 
 log = logging.getLogger("pipeline")
@@ -122,10 +121,10 @@ def build(config: dict, sweep: SweepJob | None = None) -> Job:
     """Validate, identity, assemble: the whole job, nothing under its run directory created; ConfigError (one line)
     for a bad value, a missing file, or groups that clash."""
     validate(config)
+    ident = identity.identify(config)
     check_pairing(config)  # before the tracker prepares: it makes the output directory and its store
     check_monitors(config)
-    ident = identity.identify(config)
-    tracker = tracker_for(config, sweep)
+    tracker = build_tracker(config, sweep)
     tracker.prepare()  # the tracking agent starts (or is found warm) while the data and the model are built
     try:
         job = assemble(config, ident)

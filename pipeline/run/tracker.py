@@ -3,10 +3,6 @@ them, tracking=none is these)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pipeline.run.sweep import SweepJob
 
 
 class SweepParent:
@@ -62,12 +58,3 @@ class Tracker:
 
     def finish(self, status: str, run_dir: Path) -> None:
         """Hand the run over (waiting a bounded moment at most); status is FINISHED, FAILED or KILLED."""
-
-
-
-def tracker_for(config: dict, sweep: SweepJob | None = None) -> Tracker:
-    """The `tracking` node's tracker (no node: this protocol's no-op), told which sweep job it tracks."""
-    from pipeline.run.assemble import _call  # as every node is built: a class that takes no `sweep` is not told
-
-    tracking = config.get("tracking")
-    return Tracker() if tracking is None else _call(tracking, sweep=sweep)
