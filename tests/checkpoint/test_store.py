@@ -363,13 +363,24 @@ def test_safetensors_header_lying_about_offsets(ckpt):
     rejects(ckpt, WEIGHTS, "not a valid safetensors file")
 
 
-def test_a_tensor_in_optim_that_belongs_to_no_part(ckpt):
-    arrays = load_file(str(ckpt / OPTIM))
-    arrays["nobody/x"] = np.zeros(2)
-    (ckpt / OPTIM).unlink()
-    save_file(arrays, str(ckpt / OPTIM))
-    relist(ckpt, OPTIM)
-    rejects(ckpt, OPTIM)
+@pytest.mark.parametrize("file, change, key", [
+    (OPTIM, lambda a: a.__setitem__("model/layers.0.bias", a["optimizer/exp_avg/layers.0.bias"]),
+     "model/layers.0.bias"),
+    (OPTIM, lambda a: a.__setitem__("nobody/x", np.zeros(2)), "nobody/x"),
+    (OPTIM, lambda a: a.__setitem__("scheduler", np.zeros(2)), "scheduler"),
+    (EXTRA, lambda e: e.__setitem__("model", {"layers.0.bias": [0.0] * 8}), "model"),
+    (EXTRA, lambda e: e.__setitem__("nobody", {}), "nobody"),
+], ids=["model-in-optim", "no-part-in-optim", "a-part-itself-in-optim", "model-in-extra", "no-part-in-extra"])
+def test_a_key_outside_its_files_namespace_is_refused(ckpt, file, change, key):
+    """Each file holds its own parts' keys (weights.safetensors the model's; optim.safetensors and extra.json
+    the other parts'): a key the file may not hold is refused naming it, with or without the live run, never
+    merged in to be dropped or to shadow what the right file holds."""
+    (rewrite_optim if file == OPTIM else edit_extra)(ckpt, change)
+    with pytest.raises(CheckpointError) as info:
+        CheckpointDir(ckpt).verify()
+    assert info.value.file == file and info.value.reason.startswith(f"{'tensor' if file == OPTIM else 'key'} "
+                                                                    f"{key!r} is the state of no part"), info.value
+    rejects(ckpt, file)
 
 
 def test_not_a_directory(tmp_path):
