@@ -194,7 +194,7 @@ def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[st
     one) disagree: the odd one out is the file that lies."""
     m = STEP_DIR.match(directory.name)
     named = int(m.group(1)) if m else None
-    if saved_step == manifest_step:
+    if type(saved_step) is int and saved_step == manifest_step:  # JSON true == 1 and 10.0 == 10 in Python
         if named is None or named == manifest_step:
             return None
         return "", (f"its name says step {named}, but manifest.json and extra.json say step {manifest_step} "

@@ -498,6 +498,19 @@ def test_the_directory_name_says_which_step_lies(ckpt, tmp_path):
     assert "directory's name" not in error.reason
 
 
+@pytest.mark.parametrize("saved_step, step", [(True, 1), (10.0, 10)], ids=["bool", "float"])
+def test_a_progress_step_that_is_no_integer_is_refused(ckpt, saved_step, step):
+    """JSON true equals 1 and 10.0 equals 10 in Python; neither is the integer step the manifest and the name say."""
+    directory = ckpt.with_name(step_dir_name(step))
+    os.rename(ckpt, directory)
+    write_manifest(directory, {**manifest_of(directory), "step": step})
+    edit_extra(directory, lambda e: e["progress"].__setitem__("step", saved_step))
+    with pytest.raises(CheckpointError) as info:
+        CheckpointDir(directory).load()
+    assert (info.value.file, info.value.reason) == (
+        EXTRA, f"progress.step {saved_step!r} differs from step {step} of manifest.json and the directory's name")
+
+
 def test_a_renamed_step_directory_is_refused(ckpt):
     renamed = ckpt.with_name(step_dir_name(12))
     os.rename(ckpt, renamed)
