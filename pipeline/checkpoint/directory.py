@@ -37,6 +37,10 @@ MAX_JSON = 16 << 20  # bytes of manifest.json, extra.json or data.json: a few KB
 # characters or lexicon words, its decode_join '' or ' ', its specials a role or two (eos).
 MAX_TOKEN, MAX_JOIN, MAX_SPECIALS = 256, 16, 16
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
+# Each file's own key namespace: weights.safetensors is the model's state alone; optim.safetensors' tensors
+# ("optimizer/exp_avg/...") and extra.json's keys are those of every other part. A key outside it is refused:
+# merged in, it would be dropped or shadow what the right file holds.
+NOT_MODEL = tuple(p for p in PARTS if p != "model")
 
 
 def step_number(name: str) -> int:
@@ -190,7 +194,7 @@ def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[st
     one) disagree: the odd one out is the file that lies."""
     m = STEP_DIR.match(directory.name)
     named = int(m.group(1)) if m else None
-    if saved_step == manifest_step:
+    if type(saved_step) is int and saved_step == manifest_step:  # JSON true == 1 and 10.0 == 10 in Python
         if named is None or named == manifest_step:
             return None
         return "", (f"its name says step {named}, but manifest.json and extra.json say step {manifest_step} "
@@ -210,6 +214,9 @@ def _read_extra(directory: Path, listed: dict) -> dict:
     extra = _listed_json(directory, EXTRA, listed)
     if not isinstance(extra, dict):
         raise CheckpointError(directory, EXTRA, "not a JSON object")
+    if stranger := next((k for k in extra if k not in NOT_MODEL), None):
+        raise CheckpointError(directory, EXTRA, f"key {stranger!r:.80} is the state of no part it holds "
+                                                f"(those of {', '.join(NOT_MODEL)})")
     return extra
 
 
@@ -413,9 +420,10 @@ class CheckpointDir:
             finally:
                 weights = weights_read.result()  # weights.safetensors' own error first, as the files are listed
         for path in other:
-            part = path.split(SEP, 1)[0]
-            if part not in PARTS or part == "model" or SEP not in path:
-                raise CheckpointError(directory, OPTIM, f"tensor {path!r:.80} belongs to no state machine")
+            part, sep, _ = path.partition(SEP)
+            if part not in NOT_MODEL or not sep:
+                raise CheckpointError(directory, OPTIM, f"tensor {path!r:.80} is the state of no part it holds "
+                                                        f"(those of {', '.join(NOT_MODEL)})")
         try:
             tree = merge(other, extra)
         except ValueError as e:

@@ -68,8 +68,8 @@ class _Hasher:
 
 def _c_bytes(a: np.ndarray) -> np.ndarray:
     """`a` as C-contiguous little-endian, copied only when it is not already (0-d stays 0-d)."""
-    if a.dtype.byteorder == ">":
-        a = a.astype(a.dtype.newbyteorder("<"))
+    if a.dtype != (little := a.dtype.newbyteorder("<")):  # big-endian, or native on a big-endian machine
+        a = a.astype(little)
     # np.ascontiguousarray would turn a 0-d array into shape [1]; a C-order copy keeps the shape.
     return a if a.flags.c_contiguous else a.copy(order="C")
 

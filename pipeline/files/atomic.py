@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from pipeline.files import names
+from pipeline.files import killpoint, names
 
 TMP_PREFIX = ".tmp-"  # every reader ignores these; a directory's owner removes stale ones
 # Failures of the machine, not of the job: one line naming the path, and what to do (exit EXIT_ERROR).
@@ -239,7 +239,8 @@ def replace_link(link: Path, target_name: str) -> None:
         raise UnsafePathError(errno.EEXIST, f"{link} exists and is not a link; refusing to replace it")
     tmp = temp_name(link)
     os.symlink(target_name, tmp)
-    os.replace(tmp, link)
+    killpoint.point("save", "before a link's rename")  # killed here, the link still names its old target
+    os.replace(tmp, link)  # a rename over the old link: a reader finds one target or the other, never none
     fsync_dir(link.parent)
 
 

@@ -363,13 +363,24 @@ def test_safetensors_header_lying_about_offsets(ckpt):
     rejects(ckpt, WEIGHTS, "not a valid safetensors file")
 
 
-def test_a_tensor_in_optim_that_belongs_to_no_part(ckpt):
-    arrays = load_file(str(ckpt / OPTIM))
-    arrays["nobody/x"] = np.zeros(2)
-    (ckpt / OPTIM).unlink()
-    save_file(arrays, str(ckpt / OPTIM))
-    relist(ckpt, OPTIM)
-    rejects(ckpt, OPTIM)
+@pytest.mark.parametrize("file, change, key", [
+    (OPTIM, lambda a: a.__setitem__("model/layers.0.bias", a["optimizer/exp_avg/layers.0.bias"]),
+     "model/layers.0.bias"),
+    (OPTIM, lambda a: a.__setitem__("nobody/x", np.zeros(2)), "nobody/x"),
+    (OPTIM, lambda a: a.__setitem__("scheduler", np.zeros(2)), "scheduler"),
+    (EXTRA, lambda e: e.__setitem__("model", {"layers.0.bias": [0.0] * 8}), "model"),
+    (EXTRA, lambda e: e.__setitem__("nobody", {}), "nobody"),
+], ids=["model-in-optim", "no-part-in-optim", "a-part-itself-in-optim", "model-in-extra", "no-part-in-extra"])
+def test_a_key_outside_its_files_namespace_is_refused(ckpt, file, change, key):
+    """Each file holds its own parts' keys (weights.safetensors the model's; optim.safetensors and extra.json
+    the other parts'): a key the file may not hold is refused naming it, with or without the live run, never
+    merged in to be dropped or to shadow what the right file holds."""
+    (rewrite_optim if file == OPTIM else edit_extra)(ckpt, change)
+    with pytest.raises(CheckpointError) as info:
+        CheckpointDir(ckpt).verify()
+    assert info.value.file == file and info.value.reason.startswith(f"{'tensor' if file == OPTIM else 'key'} "
+                                                                    f"{key!r} is the state of no part"), info.value
+    rejects(ckpt, file)
 
 
 def test_not_a_directory(tmp_path):
@@ -485,6 +496,19 @@ def test_the_directory_name_says_which_step_lies(ckpt, tmp_path):
     os.rename(ckpt, loose)
     error = rejects(loose, f"{MANIFEST} and {EXTRA}", "the manifest's step 11 and progress.step 10 differ")
     assert "directory's name" not in error.reason
+
+
+@pytest.mark.parametrize("saved_step, step", [(True, 1), (10.0, 10)], ids=["bool", "float"])
+def test_a_progress_step_that_is_no_integer_is_refused(ckpt, saved_step, step):
+    """JSON true equals 1 and 10.0 equals 10 in Python; neither is the integer step the manifest and the name say."""
+    directory = ckpt.with_name(step_dir_name(step))
+    os.rename(ckpt, directory)
+    write_manifest(directory, {**manifest_of(directory), "step": step})
+    edit_extra(directory, lambda e: e["progress"].__setitem__("step", saved_step))
+    with pytest.raises(CheckpointError) as info:
+        CheckpointDir(directory).load()
+    assert (info.value.file, info.value.reason) == (
+        EXTRA, f"progress.step {saved_step!r} differs from step {step} of manifest.json and the directory's name")
 
 
 def test_a_renamed_step_directory_is_refused(ckpt):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from pipeline.checkpoint.tensors import MAX_HEADER, layout, read_tensors, write_tensors
+from pipeline.checkpoint.tensors import MAX_HEADER, TO_NUMPY, layout, read_tensors, write_tensors
 
 
 def _views(w: np.ndarray) -> dict[str, np.ndarray]:
@@ -54,6 +54,42 @@ def test_writer_matches_the_library_and_reads_its_files(tmp_path):
     back = load_file(str(ours))
     for k, v in arrays.items():
         assert back[k].dtype == v.dtype and back[k].shape == v.shape and np.array_equal(back[k], v), k
+
+
+def _one_of_each_dtype() -> dict[str, np.ndarray]:
+    """An array of every dtype our writer stores, named by its code, with values that tell signed from unsigned,
+    one width from another and one byte order from the other."""
+    out = {}
+    for code, dtype in TO_NUMPY.items():
+        if dtype.kind == "b":
+            values = [True, False, False, True]
+        elif dtype.kind in "iu":
+            values = [np.iinfo(dtype).min, np.iinfo(dtype).max, 1, 2]
+        else:
+            values = [1.5, -2.0, np.inf, np.finfo(dtype).tiny]
+        out[code] = np.array(values, dtype.newbyteorder("="))
+    return out
+
+
+@pytest.mark.parametrize("order", ["=", ">"], ids=["native", "big-endian"])
+def test_every_dtype_agrees_with_the_library_both_ways(tmp_path, order):
+    """Ours written, the library's read, and the library's written, ours read, for every dtype in our table, from
+    arrays in either byte order: each file holds the same bytes and every array comes back with its dtype and
+    value (a big-endian array is stored little-endian, as the format says)."""
+    want = _one_of_each_dtype()
+    given = {k: a.astype(a.dtype.newbyteorder(order)) for k, a in want.items()}
+    ours, lib = tmp_path / "ours.safetensors", tmp_path / "lib.safetensors"
+    write_tensors(ours, given)
+    save_file(given, str(lib), metadata={"format": "np"})
+    a, b = ours.read_bytes(), lib.read_bytes()
+    n = struct.unpack("<Q", a[:8])[0]
+    assert json.loads(a[8:8 + n]) == json.loads(b[8:8 + n])  # the same dtype codes, shapes and offsets
+    assert a[8 + n:] == b[8 + n:]  # the same data bytes
+    for reader, arrays in (("the library reading ours", load_file(str(ours))), ("ours reading the library's",
+                                                                               read_tensors(lib)[0])):
+        for k, v in want.items():
+            got = arrays[k]
+            assert (got.dtype, got.shape, got.tobytes()) == (v.dtype, v.shape, v.tobytes()), (reader, k, got)
 
 
 def test_an_oversized_header_is_refused_with_its_size_before_it_is_read(tmp_path):

@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
+from conftest import env_for_subprocess, wait_until
 
 from pipeline.files import atomic
 from pipeline.files.atomic import (
@@ -320,3 +325,73 @@ def test_a_second_name_holds_the_bytes_after_the_first_is_replaced(tmp_path, mon
         assert os.path.islink(tmp_path / "through")
     except OSError as e:
         assert e.errno == errno.ELOOP
+
+
+# --- a link replaced (checkpoints/best, final): never missing, whatever runs beside it or kills it ------------
+
+def test_every_system_call_of_a_link_replacement_leaves_the_link(tmp_path, syscalls):
+    """A crash can come at any rename or removal: before and after each, the link names the old or new target."""
+    link = tmp_path / "best"
+    replace_link(link, "step-1")
+
+    def named():
+        """the link is missing (or names neither step)"""
+        return os.path.islink(link) and os.readlink(link) in ("step-1", "step-2")
+
+    syscalls.invariant = named
+    replace_link(link, "step-2")
+    syscalls.invariant = None
+    assert os.readlink(link) == "step-2"
+
+
+READER = """
+import json, os, sys
+link, ready, stop = sys.argv[1:]
+seen = {}
+open(ready, "w").close()
+while not os.path.exists(stop):
+    for _ in range(1000):
+        try:
+            target = os.readlink(link)
+        except FileNotFoundError:
+            target = "missing"
+        seen[target] = seen.get(target, 0) + 1
+print(json.dumps(seen))
+"""
+
+
+def test_a_reader_never_finds_a_link_missing_while_it_is_replaced(tmp_path):
+    """A second process reads the link in a loop (as `sample RUN/checkpoints/best` would) while it is replaced
+    hundreds of times: it sees both targets, and never no link."""
+    link, ready, stop = tmp_path / "best", tmp_path / "ready", tmp_path / "stop"
+    replace_link(link, "step-1")
+    reader = subprocess.Popen([sys.executable, "-c", READER, str(link), str(ready), str(stop)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        wait_until(ready.exists, "the reader to start")
+        for i in range(500):
+            replace_link(link, f"step-{i % 2 + 1}")
+    finally:
+        stop.touch()
+        out, _ = reader.communicate()
+    seen = json.loads(out)
+    assert set(seen) == {"step-1", "step-2"}, seen  # no "missing"; and both seen: it read while links changed
+
+
+REPLACE = "import sys; from pathlib import Path; from pipeline.files.atomic import replace_link; " \
+          "replace_link(Path(sys.argv[1]), 'step-2')"
+
+
+def test_a_kill_inside_a_link_replacement_leaves_the_old_link(tmp_path):
+    """SIGKILL at the kill point inside replace_link (PIPELINE_CHAOS, a real process): the link still names its
+    old target; the next replacement (and a save's clean-up of temporaries) finishes the job."""
+    link, trace = tmp_path / "best", tmp_path / "trace.txt"
+    replace_link(link, "step-1")
+    env = {**env_for_subprocess(), "PIPELINE_CHAOS": "save:1", "PIPELINE_CHAOS_TRACE": str(trace)}
+    proc = subprocess.run([sys.executable, "-c", REPLACE, str(link)], env=env, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert trace.read_text() == "save 1 before a link's rename\n"
+    assert os.readlink(link) == "step-1"
+    replace_link(link, "step-2")
+    remove_temporaries(tmp_path)
+    assert os.readlink(link) == "step-2" and sorted(p.name for p in tmp_path.iterdir()) == ["best", "trace.txt"]
