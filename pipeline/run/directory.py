@@ -21,6 +21,7 @@ from pipeline.files.atomic import (
     UnsafePathError,
     ensure_dirs,
     fsync_dir,
+    move,
     named,
     open_append,
     refuse_link,
@@ -286,7 +287,7 @@ class RunDir:
         dest = self._superseded_dir()
         for p in (self.store.root, self.metrics_path, self.status_path):
             if os.path.lexists(p):
-                os.rename(p, dest / p.name)
+                move(p, dest / p.name)
         fsync_dir(self.path)
         self.store = CheckpointStore(self.store.root)
         return dest
@@ -300,7 +301,7 @@ class RunDir:
             kept = dest / self.store.root.name
             os.mkdir(kept)
             for d in step_dirs:
-                os.rename(d, kept / d.name)
+                move(d, kept / d.name)
             steps, links = self.store.scan() if snapshot else ([], {})
             for _, d in steps:
                 CheckpointDir(d).second_names(kept / d.name)

@@ -320,3 +320,82 @@ def test_a_second_name_holds_the_bytes_after_the_first_is_replaced(tmp_path, mon
         assert os.path.islink(tmp_path / "through")
     except OSError as e:
         assert e.errno == errno.ELOOP
+
+
+def cross_device(monkeypatch, other) -> None:
+    """The directory `other` is another filesystem: os.rename refuses a rename into it from outside (EXDEV)."""
+    rename = os.rename
+
+    def inside(p) -> bool:
+        return os.path.commonpath([os.path.abspath(p), os.path.abspath(other)]) == os.path.abspath(other)
+
+    def call(src, to, *args, **kwargs):
+        if inside(to) and not inside(src):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(to))
+        return rename(src, to, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", call)
+
+
+def test_a_move_across_filesystems_copies_durably_before_the_original_goes(tmp_path, syscalls, monkeypatch):
+    """superseded/ on another filesystem: the step directory is copied whole (every file fsynced, then the
+    directory, renamed into place, the parent fsynced), and only then is the original removed; at every
+    instant one of the two is whole."""
+    from conftest import tree
+
+    from pipeline.files.atomic import move
+
+    src, dst = tmp_path / "checkpoints" / "step-00000021", tmp_path / "superseded" / "step-00000021"
+    src.mkdir(parents=True)
+    dst.parent.mkdir()
+    for name, data in (("weights.safetensors", b"w" * 3000), ("manifest.json", b"{}"), ("extra.json", b"[]")):
+        (src / name).write_bytes(data)
+    found = {k: v[3] for k, v in tree(src).items()}
+
+    def whole() -> bool:
+        """the step directory is whole where it was or where it goes"""
+        return any(os.path.isdir(d) and {k: v[3] for k, v in tree(d).items()} == found for d in (src, dst))
+
+    cross_device(monkeypatch, dst.parent)
+    syscalls.invariant = whole
+    move(src, dst)
+    assert not os.path.lexists(src) and {k: v[3] for k, v in tree(dst).items()} == found
+    parent_synced = assert_saved_in_durable_order(syscalls, dst)
+    removed = next(i for i, e in enumerate(syscalls.events) if e[0] in ("rename", "remove")
+                   and e[1] == os.path.realpath(src))
+    assert parent_synced < removed, syscalls.events
+    assert os.listdir(dst.parent) == [dst.name]  # no temporary left
+
+
+def test_a_move_across_filesystems_that_fails_midway_leaves_the_original_as_it_was(tmp_path, monkeypatch):
+    from conftest import tree
+
+    from pipeline.files.atomic import move
+
+    src, dst = tmp_path / "checkpoints", tmp_path / "superseded" / "checkpoints"
+    (src / "step-00000006").mkdir(parents=True)
+    (src / "step-00000006" / "weights.safetensors").write_bytes(b"w" * 3000)
+    (src / "step-00000006" / "manifest.json").write_bytes(b"{}")
+    os.symlink("step-00000006", src / "best")
+    dst.parent.mkdir()
+    before = tree(src)
+    cross_device(monkeypatch, dst.parent)
+    written = []
+    real = atomic.write_new
+
+    def full(path, data, *args, **kwargs):  # the disk fills up at the second file
+        if written:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        written.append(path)
+        return real(path, data, *args, **kwargs)
+
+    monkeypatch.setattr(atomic, "write_new", full)
+    with pytest.raises(OSError, match="No space left on device") as caught:
+        move(src, dst)
+    assert caught.value.errno == errno.ENOSPC
+    assert tree(src) == before and os.listdir(dst.parent) == []  # as it was; the half copy gone
+    monkeypatch.setattr(atomic, "write_new", real)
+    move(src, dst)  # room again: links stay links
+    assert not os.path.lexists(src)
+    assert {k: v[3] for k, v in tree(dst).items()} == {k: v[3] for k, v in before.items()}
+    assert os.readlink(dst / "best") == "step-00000006"

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -259,10 +260,10 @@ def forked(tmp_path_factory, preempted, fork_source) -> Path:
 
 
 def step_dirs(out: Path) -> dict[tuple, Path]:
-    """Every step directory under the output directory's runs/ (their checkpoints/ and superseded/), links not
-    followed, by its content: the sorted (name, sha256) of its files."""
+    """Every step directory under `out` (an output directory's run directories: their checkpoints/ and
+    superseded/), links not followed, by its content: the sorted (name, sha256) of its files."""
     found = {}
-    for dirpath, dirnames, _ in os.walk(out / "runs"):
+    for dirpath, dirnames, _ in os.walk(out):
         for name in dirnames:
             d = Path(dirpath) / name
             if re.fullmatch(r"step-\d{8}", name) and not d.is_symlink():
@@ -348,3 +349,59 @@ def test_every_way_into_a_run_directory_keeps_every_step_directory_and_metrics_l
     live = jsonio.read(run / "checkpoints" / "final" / "manifest.json", 1 << 24)["lineage"]["id"]
     for k in before.keys() - after.keys():  # the lineage the run went on with, its own retention
         assert lineages[k] == live, f"{before[k]}, of another lineage, is gone"
+
+
+def other_filesystem(tmp_path: Path) -> Path:
+    """A new directory on another filesystem than tmp_path (/dev/shm), which a mount namespace can bind; else skip."""
+    import subprocess
+    import tempfile
+
+    if not shutil.which("unshare") or not os.path.isdir("/dev/shm") \
+            or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs unshare and /dev/shm on another filesystem than the test's tmp_path")
+    if subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True).returncode:
+        pytest.skip("needs a mount namespace (unshare --mount: root, or user namespaces)")
+    return Path(tempfile.mkdtemp(dir="/dev/shm", prefix="pipeline-test-"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mounted, way", [("superseded", "fallback past a damaged step"),
+                                          ("checkpoints", "fallback past a damaged step"),
+                                          ("checkpoints", "fresh")])
+def test_a_history_moved_to_another_filesystem_is_copied_whole_before_its_original_goes(mounted, way, interrupted,
+                                                                                        tmp_path):
+    """The run directory's superseded/ (or its checkpoints/) is a bind mount of another filesystem: a rename
+    cannot cross it (EXDEV; EBUSY for a mount point), so what moves aside is copied whole, then removed."""
+    import subprocess
+
+    from conftest import env_for_subprocess
+
+    other = other_filesystem(tmp_path)
+    try:
+        out = shutil.copytree(interrupted, tmp_path / "out", symlinks=True)
+        run = the_run(out)
+        damaged = {p.resolve() for p in WAYS[way][1](run) if p}
+        before, lines = {**step_dirs(out)}, all_lines(out)
+        if mounted == "checkpoints":  # its content moves to the other filesystem, mounted back in its place
+            shutil.copytree(run / "checkpoints", other / "checkpoints", symlinks=True)
+            shutil.rmtree(run / "checkpoints")
+            (run / "checkpoints").mkdir()
+            source = other / "checkpoints"
+        else:
+            (run / "superseded").mkdir()
+            source = other
+        script = 'mount --bind "$1" "$2"; shift 2; exec "$@"'
+        proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-ec", script, "sh",
+                               str(source), str(run / mounted), sys.executable, "-m", "pipeline", *BASE,
+                               f"paths.output_dir={out}"], cwd=tmp_path, env=env_for_subprocess(),
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert all_lines(out) | {ln for f in other.rglob("metrics.jsonl") for ln in f.read_text().splitlines()} \
+            >= lines, "an earlier metrics.jsonl line is gone"
+        live = step_dirs(other / "checkpoints" if mounted == "checkpoints" else run / "checkpoints")
+        aside = step_dirs(other if mounted == "superseded" else run / "superseded")
+        moved = [k for k, d in before.items() if way == "fresh" or d.resolve() in damaged]
+        assert moved and all(k in aside and k not in live for k in moved)  # copied whole, the original gone
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
