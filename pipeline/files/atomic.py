@@ -11,6 +11,7 @@ import shutil
 import stat
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.files import names
@@ -224,11 +225,11 @@ def second_name(src: Path, dst: Path) -> None:
             write_new(Path(dst), iter(lambda: fin.read(1 << 20), b""))
 
 
-def move(src: Path, dst: Path) -> None:
-    """`src` (a file, link or directory) renamed to the new name `dst`; where `dst` lies on another filesystem (a
-    bind mount: EXDEV, or `src` a mount point: EBUSY), copied there whole under a temporary name, every file and
-    directory fsynced, renamed into place, and only then `src` removed (a mount point emptied): one whole copy is
-    always kept, and an error on the way (a full disk) leaves `src` as it was."""
+def move(src: Path, dst: Path, copy: Callable[[Path, Path], None] | None = None) -> None:
+    """`src` renamed to the new name `dst`; where `dst` lies on another filesystem (a bind mount: EXDEV, or `src` a
+    mount point: EBUSY), `copy(src, tmp)` (default second_name, for a file) makes it whole and fsynced under a
+    temporary name beside `dst`, renamed into place, and only then is `src` removed (a mount point emptied): one
+    whole copy is always kept, and an error on the way (a full disk) leaves `src` as it was."""
     src, dst = Path(src), Path(dst)
     try:
         os.rename(src, dst)
@@ -238,7 +239,7 @@ def move(src: Path, dst: Path) -> None:
             raise
     tmp = temp_name(dst)
     try:
-        _copy(src, tmp)
+        (copy or second_name)(src, tmp)
         os.rename(tmp, dst)
         fsync_dir(dst.parent)
     except BaseException:
@@ -250,23 +251,6 @@ def move(src: Path, dst: Path) -> None:
         else:
             os.unlink(gone)
             fsync_dir(gone.parent)
-
-
-def _copy(src: Path, dst: Path) -> None:
-    """`src` copied to the new `dst`, links as links (never followed), each file and directory fsynced."""
-    st = os.lstat(src)
-    if stat.S_ISLNK(st.st_mode):
-        os.symlink(os.readlink(src), dst)
-    elif stat.S_ISDIR(st.st_mode):
-        os.mkdir(dst)
-        for name in sorted(os.listdir(src)):
-            _copy(src / name, dst / name)
-        fsync_dir(dst)
-    elif stat.S_ISREG(st.st_mode):
-        with open(src, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as fin:
-            write_new(dst, iter(lambda: fin.read(1 << 20), b""))
-    else:
-        raise UnsafePathError(errno.EEXIST, f"{src} is not a regular file, directory or link; refusing to copy it")
 
 
 def discard_dir(directory: Path) -> None:

@@ -322,63 +322,63 @@ def test_a_second_name_holds_the_bytes_after_the_first_is_replaced(tmp_path, mon
         assert e.errno == errno.ELOOP
 
 
-def cross_device(monkeypatch, other) -> None:
-    """The directory `other` is another filesystem: os.rename refuses a rename into it from outside (EXDEV)."""
-    rename = os.rename
+def step_dir(path) -> dict:
+    """A step directory of three files at `path`; returns each file's sha256 by name."""
+    import hashlib
 
-    def inside(p) -> bool:
-        return os.path.commonpath([os.path.abspath(p), os.path.abspath(other)]) == os.path.abspath(other)
+    path.mkdir(parents=True)
+    for name, data in (("weights.safetensors", b"w" * 3000), ("manifest.json", b"{}"), ("extra.json", b"[]")):
+        (path / name).write_bytes(data)
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()}
 
-    def call(src, to, *args, **kwargs):
-        if inside(to) and not inside(src):
-            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(to))
-        return rename(src, to, *args, **kwargs)
 
-    monkeypatch.setattr(os, "rename", call)
+def same(path, found: dict) -> bool:
+    import hashlib
+
+    return os.path.isdir(path) and {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()} == found
 
 
 def test_a_move_across_filesystems_copies_durably_before_the_original_goes(tmp_path, syscalls, monkeypatch):
     """superseded/ on another filesystem: the step directory is copied whole (every file fsynced, then the
     directory, renamed into place, the parent fsynced), and only then is the original removed; at every
     instant one of the two is whole."""
-    from conftest import tree
+    from conftest import cross_device
 
+    from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.files.atomic import move
 
     src, dst = tmp_path / "checkpoints" / "step-00000021", tmp_path / "superseded" / "step-00000021"
-    src.mkdir(parents=True)
+    found = step_dir(src)
     dst.parent.mkdir()
-    for name, data in (("weights.safetensors", b"w" * 3000), ("manifest.json", b"{}"), ("extra.json", b"[]")):
-        (src / name).write_bytes(data)
-    found = {k: v[3] for k, v in tree(src).items()}
 
     def whole() -> bool:
         """the step directory is whole where it was or where it goes"""
-        return any(os.path.isdir(d) and {k: v[3] for k, v in tree(d).items()} == found for d in (src, dst))
+        return same(src, found) or same(dst, found)
 
     cross_device(monkeypatch, dst.parent)
     syscalls.invariant = whole
-    move(src, dst)
-    assert not os.path.lexists(src) and {k: v[3] for k, v in tree(dst).items()} == found
+    move(src, dst, copy=lambda step, to: CheckpointDir(step).second_names(to))
+    assert not os.path.lexists(src) and same(dst, found)
     parent_synced = assert_saved_in_durable_order(syscalls, dst)
     removed = next(i for i, e in enumerate(syscalls.events) if e[0] in ("rename", "remove")
                    and e[1] == os.path.realpath(src))
     assert parent_synced < removed, syscalls.events
     assert os.listdir(dst.parent) == [dst.name]  # no temporary left
+    file = tmp_path / "metrics.jsonl"
+    file.write_bytes(b"{}\n")
+    move(file, tmp_path / "superseded" / file.name)  # a file: its bytes, fsynced
+    assert not os.path.lexists(file) and (tmp_path / "superseded" / file.name).read_bytes() == b"{}\n"
 
 
 def test_a_move_across_filesystems_that_fails_midway_leaves_the_original_as_it_was(tmp_path, monkeypatch):
-    from conftest import tree
+    from conftest import cross_device
 
+    from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.files.atomic import move
 
-    src, dst = tmp_path / "checkpoints", tmp_path / "superseded" / "checkpoints"
-    (src / "step-00000006").mkdir(parents=True)
-    (src / "step-00000006" / "weights.safetensors").write_bytes(b"w" * 3000)
-    (src / "step-00000006" / "manifest.json").write_bytes(b"{}")
-    os.symlink("step-00000006", src / "best")
+    src, dst = tmp_path / "checkpoints" / "step-00000006", tmp_path / "superseded" / "step-00000006"
+    found = step_dir(src)
     dst.parent.mkdir()
-    before = tree(src)
     cross_device(monkeypatch, dst.parent)
     written = []
     real = atomic.write_new
@@ -391,11 +391,6 @@ def test_a_move_across_filesystems_that_fails_midway_leaves_the_original_as_it_w
 
     monkeypatch.setattr(atomic, "write_new", full)
     with pytest.raises(OSError, match="No space left on device") as caught:
-        move(src, dst)
+        move(src, dst, copy=lambda step, to: CheckpointDir(step).second_names(to))
     assert caught.value.errno == errno.ENOSPC
-    assert tree(src) == before and os.listdir(dst.parent) == []  # as it was; the half copy gone
-    monkeypatch.setattr(atomic, "write_new", real)
-    move(src, dst)  # room again: links stay links
-    assert not os.path.lexists(src)
-    assert {k: v[3] for k, v in tree(dst).items()} == {k: v[3] for k, v in before.items()}
-    assert os.readlink(dst / "best") == "step-00000006"
+    assert same(src, found) and os.listdir(dst.parent) == []  # as it was; the half copy gone

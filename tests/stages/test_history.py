@@ -365,9 +365,8 @@ def other_filesystem(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mounted, way", [("superseded", "fallback past a damaged step"),
-                                          ("checkpoints", "fallback past a damaged step"),
-                                          ("checkpoints", "fresh")])
+@pytest.mark.parametrize("mounted, way", [("superseded", "fallback past a damaged step"), ("superseded", "fresh"),
+                                          ("checkpoints", "fallback past a damaged step"), ("checkpoints", "fresh")])
 def test_a_history_moved_to_another_filesystem_is_copied_whole_before_its_original_goes(mounted, way, interrupted,
                                                                                         tmp_path):
     """The run directory's superseded/ (or its checkpoints/) is a bind mount of another filesystem: a rename
@@ -381,7 +380,8 @@ def test_a_history_moved_to_another_filesystem_is_copied_whole_before_its_origin
         out = shutil.copytree(interrupted, tmp_path / "out", symlinks=True)
         run = the_run(out)
         damaged = {p.resolve() for p in WAYS[way][1](run) if p}
-        before, lines = {**step_dirs(out)}, all_lines(out)
+        before, lines = step_dirs(out), all_lines(out)
+        links = {p.name: os.readlink(p) for p in (run / "checkpoints").iterdir() if p.is_symlink()}
         if mounted == "checkpoints":  # its content moves to the other filesystem, mounted back in its place
             shutil.copytree(run / "checkpoints", other / "checkpoints", symlinks=True)
             shutil.rmtree(run / "checkpoints")
@@ -403,5 +403,8 @@ def test_a_history_moved_to_another_filesystem_is_copied_whole_before_its_origin
         aside = step_dirs(other if mounted == "superseded" else run / "superseded")
         moved = [k for k, d in before.items() if way == "fresh" or d.resolve() in damaged]
         assert moved and all(k in aside and k not in live for k in moved)  # copied whole, the original gone
+        if way == "fresh":  # the store moved whole: its links too
+            (store,) = (other if mounted == "superseded" else run / "superseded").glob("*/checkpoints")
+            assert {p.name: os.readlink(p) for p in store.iterdir() if p.is_symlink()} == links != {}
     finally:
         shutil.rmtree(other, ignore_errors=True)
