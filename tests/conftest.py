@@ -7,6 +7,7 @@ not depend on the cwd).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import signal
@@ -411,6 +412,22 @@ def tree(root: Path, mtimes: str = "files") -> dict:
             when = st.st_mtime_ns if mtimes == "all" or (mtimes == "files" and content is not None) else None
             out[str(p.relative_to(root))] = (kind, st.st_size, st.st_mode, content, when)
     return out
+
+
+def cross_device(monkeypatch, other) -> None:
+    """The directory `other` is another filesystem: os.rename and os.link refuse to reach into it from outside."""
+    def inside(p) -> bool:
+        return os.path.commonpath([os.path.abspath(p), os.path.abspath(other)]) == os.path.abspath(other)
+
+    def refusing(real):
+        def call(src, to, *args, **kwargs):
+            if inside(to) and not inside(src):
+                raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(to))
+            return real(src, to, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "rename", refusing(os.rename))
+    monkeypatch.setattr(os, "link", refusing(os.link))
 
 
 def kept(run_dir: Path, store=None) -> tuple[dict, dict]:

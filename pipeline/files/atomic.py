@@ -11,6 +11,7 @@ import shutil
 import stat
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.files import killpoint, names
@@ -222,6 +223,34 @@ def second_name(src: Path, dst: Path) -> None:
             raise
         with open(src, "rb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as fin:
             write_new(Path(dst), iter(lambda: fin.read(1 << 20), b""))
+
+
+def move(src: Path, dst: Path, copy: Callable[[Path, Path], None] | None = None) -> None:
+    """`src` renamed to the new name `dst`; where `dst` lies on another filesystem (a bind mount: EXDEV, or `src` a
+    mount point: EBUSY), `copy(src, tmp)` (default second_name, for a file) makes it whole and fsynced under a
+    temporary name beside `dst`, renamed into place, and only then is `src` removed (a mount point emptied): one
+    whole copy is always kept, and an error on the way (a full disk) leaves `src` as it was."""
+    src, dst = Path(src), Path(dst)
+    try:
+        os.rename(src, dst)
+        return
+    except OSError as e:
+        if not (e.errno == errno.EXDEV or (e.errno == errno.EBUSY and os.path.ismount(src))):
+            raise
+    tmp = temp_name(dst)
+    try:
+        (copy or second_name)(src, tmp)
+        os.rename(tmp, dst)
+        fsync_dir(dst.parent)
+    except BaseException:
+        remove_tree(tmp)
+        raise
+    for gone in [src / name for name in os.listdir(src)] if os.path.ismount(src) else [src]:
+        if os.path.isdir(gone) and not os.path.islink(gone):
+            discard_dir(gone)
+        else:
+            os.unlink(gone)
+            fsync_dir(gone.parent)
 
 
 def discard_dir(directory: Path) -> None:

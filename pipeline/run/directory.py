@@ -21,6 +21,7 @@ from pipeline.files.atomic import (
     UnsafePathError,
     ensure_dirs,
     fsync_dir,
+    move,
     named,
     open_append,
     refuse_link,
@@ -284,12 +285,27 @@ class RunDir:
     def supersede(self) -> Path:
         """Move the run history (checkpoints, metrics, status) into superseded/<when>/, returned; nothing is deleted."""
         dest = self._superseded_dir()
-        for p in (self.store.root, self.metrics_path, self.status_path):
+        if os.path.lexists(self.store.root):
+            move(self.store.root, dest / self.store.root.name, copy=self._names_again)
+        for p in (self.metrics_path, self.status_path):
             if os.path.lexists(p):
-                os.rename(p, dest / p.name)
+                move(p, dest / p.name)
         fsync_dir(self.path)
         self.store = CheckpointStore(self.store.root)
         return dest
+
+    @staticmethod
+    def _names_again(store: Path, dest: Path) -> None:
+        """In `dest` (made if missing), every step directory of the store `store` (CheckpointDir.second_names: hard
+        links, or fsynced copies across filesystems) and its links, as they stand."""
+        if not os.path.isdir(dest):
+            os.mkdir(dest)
+        steps, links = CheckpointStore(store).scan()
+        for _, d in steps:
+            CheckpointDir(d).second_names(dest / d.name)
+        for name, target in links.items():
+            os.symlink(target, dest / name)
+        fsync_dir(dest)
 
     def set_aside(self, step_dirs: list[Path], metrics: bool, snapshot: bool) -> Path:
         """Into superseded/<when>/, returned: these step directories, moved; with `snapshot`, every other step
@@ -300,12 +316,9 @@ class RunDir:
             kept = dest / self.store.root.name
             os.mkdir(kept)
             for d in step_dirs:
-                os.rename(d, kept / d.name)
-            steps, links = self.store.scan() if snapshot else ([], {})
-            for _, d in steps:
-                CheckpointDir(d).second_names(kept / d.name)
-            for name, target in links.items():
-                os.symlink(target, kept / name)
+                move(d, kept / d.name, copy=lambda step, to: CheckpointDir(step).second_names(to))
+            if snapshot:
+                self._names_again(self.store.root, kept)
             fsync_dir(kept)
             fsync_dir(self.store.root)
         if metrics and os.path.lexists(self.metrics_path):

@@ -99,9 +99,12 @@ class Run:
         """A complete run whose run.json says so: a re-run confirms it and changes no file of it."""
         return self.complete and self.rundir.read_status().get("status") == "complete"
 
-    def set_aside(self, directories: list[Path]) -> None:
-        """Step directories this run will not continue, moved to superseded/ once it claims the directory."""
-        self.aside = list(directories)
+    def set_aside(self, skipped: list[tuple[Path, str, str]]) -> None:
+        """The step directories a resume falls back past ((directory, what it is, why), newest first), each said in
+        one line: moved to superseded/ once the run claims the directory (keep_history), never deleted."""
+        for _, what, error in skipped:
+            log.warning("not resuming from %s (kept in superseded/, nothing is deleted), falling back: %s", what, error)
+        self.aside = [directory for directory, _, _ in skipped]
 
     def holds_history(self) -> bool:
         """Whether the run directory holds a history (checkpoints, metrics, a status) a fresh start must keep."""
@@ -112,6 +115,7 @@ class Run:
         """Move the run directory's other history aside, whole (a signal waits): set-up's one durable change."""
         with self.signals.atomic():
             self.superseded = self.rundir.supersede()
+        self.aside = []  # moved with the rest
         return self.superseded
 
     def keep_history(self) -> None:

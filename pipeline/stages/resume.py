@@ -37,11 +37,9 @@ class Resume(Stage):
         if self.source != AUTO:
             return self._fork(run, Path(self.source).expanduser())
         ckpt, skipped = run.store.newest_valid(run.job.parts)
-        for _, what, error in skipped:
-            log.warning("not resuming from %s (kept in superseded/, nothing is deleted), falling back: %s", what, error)
+        run.set_aside(skipped)
         if ckpt is None:
             return start_fresh(run)
-        run.set_aside([directory for directory, _, _ in skipped])
         self._continue(run, ckpt, ckpt.manifest["lineage"])
 
     def _continue(self, run, ckpt: Checkpoint, lineage: dict) -> None:
@@ -54,8 +52,9 @@ class Resume(Stage):
         origin = {"checkpoint": str(source), "step": src.step,
                   "weights_sha256": file_hashes(src.manifest)["weights"]}
         lineage = lineage_of(run.job.semantic_hash, origin)
-        own, _ = run.store.newest_valid(run.job.parts)
+        own, skipped = run.store.newest_valid(run.job.parts)
         if own is not None and own.manifest["lineage"]["id"] == lineage["id"]:
+            run.set_aside(skipped)
             return self._continue(run, own, lineage)  # this fork, again
         allowed = _restore(run.job, src, self.allow_changes)  # refusals first: nothing on disk has changed yet
         owner = run.rundir_of(source.parent.parent)  # the source's run directory, if it is a step of one

@@ -58,10 +58,12 @@ def writes():
 
 
 @pytest.mark.slow
-def test_only_checkpoint_dir_writes_inside_a_checkpoint(tmp_path, writes):
-    """A run saving and rotating its checkpoints, a resume setting a superseded history aside, and the archive
-    copying a run: every file created inside a checkpoint directory is created by CheckpointDir (or the tensor
-    writer it calls, in its own thread)."""
+def test_only_checkpoint_dir_writes_inside_a_checkpoint(tmp_path, writes, monkeypatch):
+    """A run saving and rotating its checkpoints, a resume setting a superseded history aside (also onto another
+    filesystem, where it is copied), and the archive copying a run: every file created inside a checkpoint
+    directory is created by CheckpointDir (or the tensor writer it calls, in its own thread)."""
+    from conftest import cross_device
+
     from pipeline.checkpoint.directory import WEIGHTS
     from pipeline.cli import archive
     from pipeline.run.directory import RunDir
@@ -73,6 +75,14 @@ def test_only_checkpoint_dir_writes_inside_a_checkpoint(tmp_path, writes):
     (newest / WEIGHTS).write_bytes(b"damaged")
     assert run_job(*TINY, f"paths.output_dir={out}")[0] == 0  # the damaged one set aside, the run resumed
     assert run_job(*TINY, f"paths.output_dir={out}", "resume=never")[0] == 0  # the history superseded
+    with monkeypatch.context() as m:  # superseded/ on another filesystem: what goes there is copied
+        cross_device(m, run / "superseded")
+        (RunDir(run).store.steps()[-1][1] / WEIGHTS).write_bytes(b"damaged")
+        assert run_job(*TINY, f"paths.output_dir={out}")[0] == 0  # set aside, copied
+        for _, step in RunDir(run).store.steps():  # none usable: a fresh start moves the history, copied
+            (step / "manifest.json").write_text("{}")
+        assert run_job(*TINY, f"paths.output_dir={out}")[0] == 0
+    assert any("/superseded/" in path for _, _, path in writes), writes  # the copies were seen
     archived = archive.main([str(run), str(tmp_path / "dest")])
     assert {event for _, event, _ in writes} >= {"open"}, writes  # the hook saw the saves
     assert any("/dest/" in path or "/.tmp-dest" in path for _, _, path in writes), writes  # and the archive's

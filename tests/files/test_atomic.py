@@ -395,3 +395,77 @@ def test_a_kill_inside_a_link_replacement_leaves_the_old_link(tmp_path):
     replace_link(link, "step-2")
     remove_temporaries(tmp_path)
     assert os.readlink(link) == "step-2" and sorted(p.name for p in tmp_path.iterdir()) == ["best", "trace.txt"]
+
+
+def step_dir(path) -> dict:
+    """A step directory of three files at `path`; returns each file's sha256 by name."""
+    import hashlib
+
+    path.mkdir(parents=True)
+    for name, data in (("weights.safetensors", b"w" * 3000), ("manifest.json", b"{}"), ("extra.json", b"[]")):
+        (path / name).write_bytes(data)
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()}
+
+
+def same(path, found: dict) -> bool:
+    import hashlib
+
+    return os.path.isdir(path) and {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()} == found
+
+
+def test_a_move_across_filesystems_copies_durably_before_the_original_goes(tmp_path, syscalls, monkeypatch):
+    """superseded/ on another filesystem: the step directory is copied whole (every file fsynced, then the
+    directory, renamed into place, the parent fsynced), and only then is the original removed; at every
+    instant one of the two is whole."""
+    from conftest import cross_device
+
+    from pipeline.checkpoint.directory import CheckpointDir
+    from pipeline.files.atomic import move
+
+    src, dst = tmp_path / "checkpoints" / "step-00000021", tmp_path / "superseded" / "step-00000021"
+    found = step_dir(src)
+    dst.parent.mkdir()
+
+    def whole() -> bool:
+        """the step directory is whole where it was or where it goes"""
+        return same(src, found) or same(dst, found)
+
+    cross_device(monkeypatch, dst.parent)
+    syscalls.invariant = whole
+    move(src, dst, copy=lambda step, to: CheckpointDir(step).second_names(to))
+    assert not os.path.lexists(src) and same(dst, found)
+    parent_synced = assert_saved_in_durable_order(syscalls, dst)
+    removed = next(i for i, e in enumerate(syscalls.events) if e[0] in ("rename", "remove")
+                   and e[1] == os.path.realpath(src))
+    assert parent_synced < removed, syscalls.events
+    assert os.listdir(dst.parent) == [dst.name]  # no temporary left
+    file = tmp_path / "metrics.jsonl"
+    file.write_bytes(b"{}\n")
+    move(file, tmp_path / "superseded" / file.name)  # a file: its bytes, fsynced
+    assert not os.path.lexists(file) and (tmp_path / "superseded" / file.name).read_bytes() == b"{}\n"
+
+
+def test_a_move_across_filesystems_that_fails_midway_leaves_the_original_as_it_was(tmp_path, monkeypatch):
+    from conftest import cross_device
+
+    from pipeline.checkpoint.directory import CheckpointDir
+    from pipeline.files.atomic import move
+
+    src, dst = tmp_path / "checkpoints" / "step-00000006", tmp_path / "superseded" / "step-00000006"
+    found = step_dir(src)
+    dst.parent.mkdir()
+    cross_device(monkeypatch, dst.parent)
+    written = []
+    real = atomic.write_new
+
+    def full(path, data, *args, **kwargs):  # the disk fills up at the second file
+        if written:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        written.append(path)
+        return real(path, data, *args, **kwargs)
+
+    monkeypatch.setattr(atomic, "write_new", full)
+    with pytest.raises(OSError, match="No space left on device") as caught:
+        move(src, dst, copy=lambda step, to: CheckpointDir(step).second_names(to))
+    assert caught.value.errno == errno.ENOSPC
+    assert same(src, found) and os.listdir(dst.parent) == []  # as it was; the half copy gone

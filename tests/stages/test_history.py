@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,27 +54,39 @@ def reference(tmp_path_factory) -> Path:
     return the_run(out)
 
 
-@pytest.fixture(scope="module")
-def interrupted(tmp_path_factory, reference) -> Path:
-    """The base run stopped at CUT (a SIGTERM: its checkpoint written), then what a process killed at
-    KILLED_AFTER had logged past it: metrics.jsonl ahead of the newest checkpoint."""
+def stopped_at(step: int, *overrides: str, out: Path) -> None:
+    """The base run (with `overrides`) in `out`, stopped by a SIGTERM during update `step`: its checkpoint written."""
     import pipeline.trainer.loop as loop
     from pipeline.run.signals import SIGNALS_STATE
 
-    out = tmp_path_factory.mktemp("interrupted") / "out"
     real = loop.train_step
 
-    def step(state):
+    def train_step(state):
         record = real(state)
-        if state.step == CUT:
+        if state.step == step:
             SIGNALS_STATE.received = 15
         return record
 
-    loop.train_step = step
+    loop.train_step = train_step
     try:
-        assert run_job(*BASE, f"paths.output_dir={out}")[0] == 75
+        assert run_job(*BASE, *overrides, f"paths.output_dir={out}")[0] == 75
     finally:
         loop.train_step, SIGNALS_STATE.received = real, None
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory) -> Path:
+    """The base run stopped at CUT by a SIGTERM: its checkpoint written, no metrics line past it."""
+    out = tmp_path_factory.mktemp("preempted") / "out"
+    stopped_at(CUT, out=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory, reference, preempted) -> Path:
+    """The preempted run, then what a process killed at KILLED_AFTER had logged past it: metrics.jsonl ahead of
+    the newest checkpoint."""
+    out = shutil.copytree(preempted, tmp_path_factory.mktemp("interrupted") / "out", symlinks=True)
     run = the_run(out)
     later = [ln for ln in (reference / "metrics.jsonl").read_text().splitlines(keepends=True)
              if CUT < int(ln.split('"step":')[1].split(",")[0].split("}")[0]) <= KILLED_AFTER]
@@ -223,3 +238,173 @@ def test_a_run_trained_by_other_code_says_so_when_resumed_found_complete_and_sho
         assert run_job(*BASE, f"paths.output_dir={out}")[0] == 0
         assert "was trained by other code than this: commit" in caplog.text, state
         assert "(code sha256 000000000000), now commit" in caplog.text
+
+
+# --- every way into a run directory keeps what it finds ------------------------------------------------------
+FORKED_AT = 21  # a fork of the preempted run's step 18, itself stopped here (its step 20, a best, before it)
+
+
+@pytest.fixture(scope="module")
+def fork_source(tmp_path_factory, preempted) -> Path:
+    """A step of another run to fork from (a copy: forking reads it, nothing may write it)."""
+    out = shutil.copytree(preempted, tmp_path_factory.mktemp("source") / "out", symlinks=True)
+    return the_run(out) / "checkpoints" / f"step-{18:08d}"
+
+
+@pytest.fixture(scope="module")
+def forked(tmp_path_factory, preempted, fork_source) -> Path:
+    """The preempted run's directory forked from `fork_source` (its history moved aside), stopped at FORKED_AT."""
+    out = shutil.copytree(preempted, tmp_path_factory.mktemp("forked") / "out", symlinks=True)
+    stopped_at(FORKED_AT, f"resume.source={fork_source}", out=out)
+    return out
+
+
+def step_dirs(out: Path) -> dict[tuple, Path]:
+    """Every step directory under `out` (an output directory's run directories: their checkpoints/ and
+    superseded/), links not followed, by its content: the sorted (name, sha256) of its files."""
+    found = {}
+    for dirpath, dirnames, _ in os.walk(out):
+        for name in dirnames:
+            d = Path(dirpath) / name
+            if re.fullmatch(r"step-\d{8}", name) and not d.is_symlink():
+                found[tuple(sorted((f.name, hashlib.sha256(f.read_bytes()).hexdigest()) for f in d.iterdir()
+                                   if f.is_file() and not f.is_symlink()))] = d
+    return found
+
+
+def all_lines(out: Path) -> set[str]:
+    return {ln for run in (out / "runs").iterdir() for ln in lines_everywhere(run)}
+
+
+def damage(step_dir: Path) -> Path:
+    weights = step_dir / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x10
+    weights.write_bytes(bytes(data))
+    return step_dir
+
+
+def recode(run: Path) -> None:
+    """Every checkpoint's manifest says another version of the code made it (code_sha256 is listed nowhere)."""
+    from pipeline.files import jsonio
+
+    for manifest in (run / "checkpoints").glob("step-*/manifest.json"):
+        m = jsonio.read(manifest, 1 << 24)
+        m["code_sha256"] = "0" * 64
+        manifest.write_bytes(jsonio.dumps(m))
+
+
+# name: (the directory entered, its change before the command (given its run, returns the steps it damaged),
+# the command's own overrides (fork: resume.source of `fork_source`), whether the run goes on with the lineage
+# it found, so that its own retention may prune that lineage's verified steps as the uninterrupted run would)
+WAYS = {
+    "fresh": ("interrupted", lambda run: [p.joinpath("manifest.json").write_text("{}") and p
+                                          for p in (run / "checkpoints").glob("step-*")], (), False),
+    "continue": ("interrupted", lambda run: [], (), True),
+    "complete": ("complete", lambda run: [], (), False),
+    "fork": ("preempted", lambda run: [], ("fork",), False),
+    "fork again": ("forked", lambda run: [], ("fork",), True),
+    "fork again past a damaged step": ("forked", lambda run: [damage(run / "checkpoints" / f"step-{FORKED_AT:08d}")],
+                                       ("fork",), True),
+    "fallback past a damaged step": ("interrupted", lambda run: [damage(run / "checkpoints" / f"step-{CUT:08d}")],
+                                     (), True),
+    "re-tune only": ("preempted", lambda run: [], ("stages.rotate_last_3.keep=1",), False),
+    "other code": ("interrupted", lambda run: recode(run) or [], (), True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("way", list(WAYS))
+def test_every_way_into_a_run_directory_keeps_every_step_directory_and_metrics_line(way, request, tmp_path, caplog,
+                                                                                    fork_source):
+    """Whatever a start, resume, fork or fallback finds (every step directory, every metrics.jsonl line) is after
+    it still in a run directory or under its superseded/; only the run's own retention, going on with the
+    lineage it found under the same policies, prunes that lineage's verified checkpoints (as the run that never
+    stopped did)."""
+    from pipeline.files import jsonio
+
+    caplog.set_level(logging.INFO, logger="pipeline")
+    entered, change, overrides, goes_on = WAYS[way]
+    out = shutil.copytree(request.getfixturevalue(entered), tmp_path / "out", symlinks=True)
+    run = the_run(out)
+    damaged = {p.resolve() for p in change(run) if p}
+    before, lines = step_dirs(out), all_lines(out)
+    lineages = {k: jsonio.loads(d.joinpath("manifest.json").read_bytes()).get("lineage", {}).get("id")
+                for k, d in before.items()}
+    assert damaged <= {p.resolve() for p in before.values()}
+    if way.startswith("fork again"):  # the fork's own older step: what a re-run continues from
+        assert len(list((run / "checkpoints").glob("step-*"))) >= 2
+    fork = (f"resume.source={fork_source}",) if "fork" in overrides else ()
+    assert run_job(*BASE, *fork, *(o for o in overrides if o != "fork"), f"paths.output_dir={out}")[0] == 0
+    after = step_dirs(out)
+    assert lines <= all_lines(out), "an earlier metrics.jsonl line is gone"
+    lost = [before[k] for k in before.keys() - after.keys()]
+    for d in damaged:  # passed over, kept as found, and said so
+        assert d not in [p.resolve() for p in lost], f"{d.name}, damaged, is gone"
+        assert f"not resuming from a damaged checkpoint (kept in superseded/, nothing is deleted), falling back: " \
+               f"checkpoint {run / 'checkpoints' / d.name}" in caplog.text
+    if not goes_on:
+        assert not lost, f"gone: {lost}"
+        return
+    live = jsonio.read(run / "checkpoints" / "final" / "manifest.json", 1 << 24)["lineage"]["id"]
+    for k in before.keys() - after.keys():  # the lineage the run went on with, its own retention
+        assert lineages[k] == live, f"{before[k]}, of another lineage, is gone"
+
+
+def other_filesystem(tmp_path: Path) -> Path:
+    """A new directory on another filesystem than tmp_path (/dev/shm), which a mount namespace can bind; else skip."""
+    import subprocess
+    import tempfile
+
+    if not shutil.which("unshare") or not os.path.isdir("/dev/shm") \
+            or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs unshare and /dev/shm on another filesystem than the test's tmp_path")
+    if subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True).returncode:
+        pytest.skip("needs a mount namespace (unshare --mount: root, or user namespaces)")
+    return Path(tempfile.mkdtemp(dir="/dev/shm", prefix="pipeline-test-"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mounted, way", [("superseded", "fallback past a damaged step"), ("superseded", "fresh"),
+                                          ("checkpoints", "fallback past a damaged step"), ("checkpoints", "fresh")])
+def test_a_history_moved_to_another_filesystem_is_copied_whole_before_its_original_goes(mounted, way, interrupted,
+                                                                                        tmp_path):
+    """The run directory's superseded/ (or its checkpoints/) is a bind mount of another filesystem: a rename
+    cannot cross it (EXDEV; EBUSY for a mount point), so what moves aside is copied whole, then removed."""
+    import subprocess
+
+    from conftest import env_for_subprocess
+
+    other = other_filesystem(tmp_path)
+    try:
+        out = shutil.copytree(interrupted, tmp_path / "out", symlinks=True)
+        run = the_run(out)
+        damaged = {p.resolve() for p in WAYS[way][1](run) if p}
+        before, lines = step_dirs(out), all_lines(out)
+        links = {p.name: os.readlink(p) for p in (run / "checkpoints").iterdir() if p.is_symlink()}
+        if mounted == "checkpoints":  # its content moves to the other filesystem, mounted back in its place
+            shutil.copytree(run / "checkpoints", other / "checkpoints", symlinks=True)
+            shutil.rmtree(run / "checkpoints")
+            (run / "checkpoints").mkdir()
+            source = other / "checkpoints"
+        else:
+            (run / "superseded").mkdir()
+            source = other
+        script = 'mount --bind "$1" "$2"; shift 2; exec "$@"'
+        proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-ec", script, "sh",
+                               str(source), str(run / mounted), sys.executable, "-m", "pipeline", *BASE,
+                               f"paths.output_dir={out}"], cwd=tmp_path, env=env_for_subprocess(),
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert all_lines(out) | {ln for f in other.rglob("metrics.jsonl") for ln in f.read_text().splitlines()} \
+            >= lines, "an earlier metrics.jsonl line is gone"
+        live = step_dirs(other / "checkpoints" if mounted == "checkpoints" else run / "checkpoints")
+        aside = step_dirs(other if mounted == "superseded" else run / "superseded")
+        moved = [k for k, d in before.items() if way == "fresh" or d.resolve() in damaged]
+        assert moved and all(k in aside and k not in live for k in moved)  # copied whole, the original gone
+        if way == "fresh":  # the store moved whole: its links too
+            (store,) = (other if mounted == "superseded" else run / "superseded").glob("*/checkpoints")
+            assert {p.name: os.readlink(p) for p in store.iterdir() if p.is_symlink()} == links != {}
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
