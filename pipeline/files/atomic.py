@@ -240,6 +240,10 @@ def move(src: Path, dst: Path, copy: Callable[[Path, Path], None] | None = None)
     tmp = temp_name(dst)
     try:
         (copy or second_name)(src, tmp)
+        if missing := sorted(_entries(src) - _entries(tmp)):  # a planted directory, link or FIFO the copy skips
+            raise OSError(errno.EXDEV, f"{dst.parent} is another filesystem and {missing[0][0]!r:.80} of {src} would "
+                                       "not be copied whole; nothing moved (move it yourself, or keep superseded/ "
+                                       "on the run's filesystem)")
         os.rename(tmp, dst)
         fsync_dir(dst.parent)
     except BaseException:
@@ -251,6 +255,16 @@ def move(src: Path, dst: Path, copy: Callable[[Path, Path], None] | None = None)
         else:
             os.unlink(gone)
             fsync_dir(gone.parent)
+
+
+def _entries(root: Path) -> set[tuple[str, bool]]:
+    """(relative path, is a regular file) of everything under `root` (links not followed); a file: nothing."""
+    out = set()
+    for parent, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(parent, name)
+            out.add((os.path.relpath(path, root), stat.S_ISREG(os.lstat(path).st_mode)))
+    return out
 
 
 def discard_dir(directory: Path) -> None:

@@ -469,3 +469,24 @@ def test_a_move_across_filesystems_that_fails_midway_leaves_the_original_as_it_w
         move(src, dst, copy=lambda step, to: CheckpointDir(step).second_names(to))
     assert caught.value.errno == errno.ENOSPC
     assert same(src, found) and os.listdir(dst.parent) == []  # as it was; the half copy gone
+
+
+@pytest.mark.parametrize("planted", ["directory", "link", "fifo"])
+def test_a_move_across_filesystems_refuses_what_it_would_not_copy_whole(tmp_path, monkeypatch, planted):
+    # the step directory's own files are copied; anything else in it would be lost with the original: refused
+    from conftest import cross_device
+
+    from pipeline.checkpoint.directory import CheckpointDir
+    from pipeline.files.atomic import move
+
+    src, dst = tmp_path / "checkpoints" / "step-00000006", tmp_path / "superseded" / "step-00000006"
+    step_dir(src)
+    {"directory": lambda p: (p.mkdir(), (p / "notes.txt").write_text("mine")),
+     "link": lambda p: p.symlink_to("weights.safetensors"), "fifo": os.mkfifo}[planted](src / "planted")
+    found = {p.relative_to(src): (p.is_symlink(), p.is_dir()) for p in src.rglob("*")}
+    dst.parent.mkdir()
+    cross_device(monkeypatch, dst.parent)
+    with pytest.raises(OSError, match=r"another filesystem and 'planted.*' of .* would not be copied whole"):
+        move(src, dst, copy=lambda step, to: CheckpointDir(step).second_names(to))
+    assert {p.relative_to(src): (p.is_symlink(), p.is_dir()) for p in src.rglob("*")} == found
+    assert os.listdir(dst.parent) == []
