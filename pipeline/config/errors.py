@@ -54,8 +54,8 @@ def error_line(e: BaseException) -> str:
         parts.append(str(cause).strip().splitlines()[0].rstrip(".:"))
     override = getattr(e, "override", None)  # hydra's OverrideParseException: an override its grammar cannot read
     if isinstance(override, str) and override:
-        key, _, value = override.partition("=")
-        quoted = f"\"{key}='{value}'\"" if value and not set(value) & set("'\"$`\\!") else "it"
+        name, _, value = override.partition("=")
+        quoted = f"\"{name}='{value}'\"" if value and not set(value) & set("'\"$`\\!") else "it"
         return f"{override}: {parts[0]}; if the value is text, quote it for Hydra inside the shell's quotes: {quoted}"
     key = getattr(e, "full_key", None) or getattr(cause, "full_key", None)
     line = ": ".join(parts) + (f" (key {key})" if key and key not in " ".join(parts) else "")
@@ -80,8 +80,7 @@ def closest(e: BaseException, cause: BaseException | None) -> str:
     node, key, full = (getattr(cause, a, None) for a in ("parent_node", "key", "full_key"))
     if not isinstance(key, str) or not isinstance(full, str) or not hasattr(node, "keys"):
         return ""
-    keys = node.keys()  # type: ignore[union-attr]  # hasattr above: an OmegaConf node or a dict
-    keys = [str(k) for k in keys]
+    keys = [str(k) for k in node.keys()]  # type: ignore[union-attr]  # noqa: SIM118 - an OmegaConf node or a dict
     if key in keys:  # a key that is there (its value was wrong): nothing to suggest
         return ""
     if full == f"stages.{key}" and (added := stage_options(key)):  # a stage that is off unless added
