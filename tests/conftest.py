@@ -105,6 +105,13 @@ def run_pipeline(args: Sequence[str], cwd: Path, module: str = "pipeline") -> su
                           capture_output=True, text=True)
 
 
+def pasted(line: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A command line the pipeline printed, run as pasted into a shell (its `PYTHONPATH=...` prefix applies), from
+    `cwd`, in `env` (this checkout's first on the path, if not given)."""
+    return subprocess.run(["bash", "-c", line], cwd=cwd, env=env_for_subprocess() if env is None else env,
+                          capture_output=True, text=True)
+
+
 def refused_in_one_line(args: Sequence[str], cwd: Path, module: str = "pipeline") -> str:
     """`python -m <module> *args` must refuse: exit 2, nothing on stdout, one line on stderr (returned)."""
     proc = run_pipeline(args, cwd, module=module)

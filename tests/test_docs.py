@@ -85,3 +85,23 @@ def test_the_readme_is_read_in_minutes():
     readme = (PROJECT_ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
     assert {f"docs/{p.name}" for p in PAGES[1:] if p.name != "index.md"} <= set(links(PROJECT_ROOT / "README.md"))
+
+
+def test_every_key_a_stage_is_tuned_by_is_on_the_stages_page():
+    """Each key of a shipped stage that its YAML sets to a value of its own (not `order`, not a `${...}` another
+    section sets) is named on docs/stages.md as the override that tunes it (`stages.best_val.keep`)."""
+    from conftest import config_of
+    from omegaconf import OmegaConf
+
+    from pipeline.config.compose import CONFIG_DIR
+
+    text = (PROJECT_ROOT / "docs" / "stages.md").read_text()
+    config = config_of("+stages/early_stop=default")
+    yaml = CONFIG_DIR / "stages"  # each stage as its YAML writes it (interpolations unresolved)
+    stages = {**OmegaConf.to_container(OmegaConf.load(yaml / "default.yaml")),
+              "early_stop": OmegaConf.to_container(OmegaConf.load(yaml / "early_stop" / "default.yaml"))}
+    tuned = [f"stages.{name}.{key}" for name, node in stages.items() if isinstance(node, dict)
+             for key, value in node.items() if key not in ("_target_", "order", "defaults")
+             and not (isinstance(value, str) and value.startswith("${")) and key in config["stages"][name]]
+    assert "stages.best_val.keep" in tuned and "stages.early_stop.patience" in tuned
+    assert not [k for k in tuned if k not in text], [k for k in tuned if k not in text]

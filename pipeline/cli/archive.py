@@ -238,18 +238,23 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
 # --- checks on DEST alone ---------------------------------------------------------------------------------
 
 def check_files(root: Path, listing: dict) -> list[str]:
-    """Every file listed in MANIFEST.json present with its size and sha256, every link as listed, nothing else
-    (nothing followed); a line for each difference, naming the file."""
-    problems, files, links = [], {}, {}
+    """Every file listed in MANIFEST.json present with its size and sha256, every link as listed, nothing else (a
+    directory holds something listed; nothing followed); a line for each difference, naming the file."""
+    problems, files, links, dirs = [], {}, {}, set()
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         for n in dirnames + filenames:
             full = Path(dirpath) / n
             st = os.lstat(full)
             if stat.S_ISLNK(st.st_mode):
                 links[full.relative_to(root).as_posix()] = os.readlink(full)
-            elif not stat.S_ISDIR(st.st_mode):
+            elif stat.S_ISDIR(st.st_mode):
+                dirs.add(full.relative_to(root).as_posix())
+            else:
                 files[full.relative_to(root).as_posix()] = st
-    for rel in sorted(set(files) - set(listing["files"]) - {"MANIFEST.json", "recovery.json"}):
+    listed_dirs = {"/".join(rel.split("/")[:i]) for rel in (*listing["files"], *listing["links"])
+                   for i in range(1, rel.count("/") + 1)}
+    for rel in sorted((set(files) - set(listing["files"]) - {"MANIFEST.json", "recovery.json"})
+                      | (dirs - listed_dirs)):
         problems.append(f"{rel}: present but not listed in MANIFEST.json")
     for rel, entry in sorted(listing["files"].items()):
         if rel not in files:
@@ -401,6 +406,8 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
     problems = check_files(root, listing)
     checks = [{"check": "sizes and sha256 against MANIFEST.json", "passed": not problems,
                "detail": problems[0] if problems else f"{len(listing['files'])} files, {len(listing['links'])} links"}]
+    if problems:  # what lies there is not the archive MANIFEST.json lists: nothing in it is read as a run
+        return {"checks": checks, "resume": [], "all_checks_passed": False}
     if b is not None:
         wrong = [rel for rel, (entry, _) in b.expected.items()
                  if listing["files"].get(rel, {}).get("sha256") != entry["sha256"]]

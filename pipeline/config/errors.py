@@ -50,8 +50,13 @@ def error_line(e: BaseException) -> str:
     option of a group the options there are (Hydra lists them on lines of their own)."""
     parts = [str(e).strip().splitlines()[0].rstrip(".:")] if str(e).strip() else [type(e).__name__]
     cause = e.__cause__ or e.__context__
-    if cause is not None and str(cause).strip():
+    if cause is not None and str(cause).strip() and str(cause).strip().splitlines()[0].rstrip(".:") not in parts:
         parts.append(str(cause).strip().splitlines()[0].rstrip(".:"))
+    override = getattr(e, "override", None)  # hydra's OverrideParseException: an override its grammar cannot read
+    if isinstance(override, str) and override:
+        name, _, value = override.partition("=")
+        quoted = f"\"{name}='{value}'\"" if value and not set(value) & set("'\"$`\\!") else "it"
+        return f"{override}: {parts[0]}; if the value is text, quote it for Hydra inside the shell's quotes: {quoted}"
     key = getattr(e, "full_key", None) or getattr(cause, "full_key", None)
     line = ": ".join(parts) + (f" (key {key})" if key and key not in " ".join(parts) else "")
     options = getattr(e, "options", None)  # hydra's MissingConfigException: the group's options, if it has any
@@ -75,7 +80,19 @@ def closest(e: BaseException, cause: BaseException | None) -> str:
     node, key, full = (getattr(cause, a, None) for a in ("parent_node", "key", "full_key"))
     if not isinstance(key, str) or not isinstance(full, str) or not hasattr(node, "keys"):
         return ""
-    keys = node.keys()  # type: ignore[union-attr]  # hasattr above: an OmegaConf node or a dict
-    found = difflib.get_close_matches(key, [str(k) for k in keys if k != "hydra"], n=1)
+    keys = [str(k) for k in node.keys()]  # type: ignore[union-attr]  # noqa: SIM118 - an OmegaConf node or a dict
+    if key in keys:  # a key that is there (its value was wrong): nothing to suggest
+        return ""
+    if full == f"stages.{key}" and (added := stage_options(key)):  # a stage that is off unless added
+        return f"; stage {key} is off unless added: add {' or '.join(f'+stages/{key}={o}' for o in added)}"
+    found = difflib.get_close_matches(key, [k for k in keys if k != "hydra"], n=1)
     prefix = full[:-len(key)] if full.endswith(key) else ""
     return f"; did you mean {prefix}{found[0]}?" if found else ""
+
+
+def stage_options(name: str) -> list[str]:
+    """The options of the shipped stage group conf/stages/<name>/ (early_stop: default), or none."""
+    from pipeline.config.compose import CONFIG_DIR
+
+    group = CONFIG_DIR / "stages" / name
+    return sorted(p.stem for p in group.glob("*.yaml")) if name.isidentifier() and group.is_dir() else []

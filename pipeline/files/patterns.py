@@ -4,15 +4,18 @@ from __future__ import annotations
 import math
 import re
 import string
+from pathlib import Path
 
-from pipeline.files import names
+from pipeline.files import atomic, names
 
-FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_/.-]{0,63}$")  # `step`, or a metric's name (val/loss, or val_loss)
+# `step`, or a metric's name (val/loss, or val_loss): a plain name, never an attribute (`.`) or an index (`[`)
+FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_/-]{0,63}$")
 # A number's format spec, bounded: [sign][#][0][width<=99][,_][.precision<=20][type]
 SPEC = re.compile(r"^[+ -]?#?0?(\d{1,2})?[,_]?(\.(\d{1,2}))?[deEfFgG%]?$")
 MAX_PRECISION = 20
 WIDE = 24  # characters of one value past which it is written `.6g` (1e+300 rather than 301 digits)
 STEP_LIKE = re.compile(r"^step-\d")  # a step directory's name, never a link's
+TEMPORARY = len(atomic.temp_name(Path("x")).name) - 1  # bytes a link's temporary name adds to the link's (18)
 
 
 def problem(pattern) -> str | None:
@@ -27,18 +30,33 @@ def problem(pattern) -> str | None:
     for f, spec, conv in fields:
         if conv is not None or not FIELD.match(f) or "{" in spec or not SPEC.match(spec):
             return (f"field {{{f}{'!' + conv if conv else ''}{':' + spec if spec else ''}}} is not a metric or step "
-                    "with a number format such as .3f")
+                    "with a number format such as .3f (a plain name: no attribute, index or conversion)")
         if (m := SPEC.match(spec)) and m.group(3) and int(m.group(3)) > MAX_PRECISION:
             return f"field {{{f}:{spec}}}: at most {MAX_PRECISION} digits"
     if any(f == "step" and not re.match(r"^[+ -]?0?\d{0,2}d?$", spec) for f, spec, _ in fields):
         return "{step} takes an integer format only (such as {step:06d}): two steps must never share a name"
     if "step" not in {f for f, _, _ in fields}:
         return "must contain {step} (the step is what tells two checkpoints apart)"
+    longest = len("".join(text + ("x" * WIDE if f is not None else "") for text, f, _, _ in parsed).encode())
+    if longest > names.NAME_MAX - TEMPORARY:
+        return (f"makes names of up to {longest} bytes (each field up to {WIDE} characters); at most "
+                f"{names.NAME_MAX - TEMPORARY} (a file name holds {names.NAME_MAX} bytes, with the {TEMPORARY} "
+                "of a link's temporary name)")
     example = _text(pattern, 0, {f: 0.0 for f, _, _ in fields})
     if _refused(example):
         return (f"makes {names.shown(example)}, which cannot name a link beside the step directories "
                 "(not step-<digits>, not hidden, one path component)")
     return None
+
+
+def metric_fields(pattern: str) -> list[str]:
+    """The metrics a valid pattern names, each as written (`val_loss` or `val/loss`), `step` left out."""
+    return [f for _, f, _, _ in string.Formatter().parse(pattern) if f is not None and f != "step"]
+
+
+def spellings(field: str) -> tuple[str, str]:
+    """The metric names a field may stand for: itself, or with '/' for '_' (Lightning's val_loss for val/loss)."""
+    return field, field.replace("_", "/")
 
 
 def _one(value, spec: str) -> str:
@@ -54,7 +72,7 @@ def _one(value, spec: str) -> str:
 
 
 def _refused(name: str) -> bool:
-    return bool(names.problem(name, reserve=0) or STEP_LIKE.match(name) or name.startswith("."))
+    return bool(names.problem(name, reserve=TEMPORARY) or STEP_LIKE.match(name) or name.startswith("."))
 
 
 def render(pattern: str, step: int, metrics: dict) -> str | None:
@@ -69,6 +87,7 @@ def _text(pattern: str, step: int, metrics: dict) -> str:
     for literal, field, spec, _ in string.Formatter().parse(pattern):
         out.append(literal)
         if field is not None:  # a metric by its name, or with '_' for '/' (Lightning's val_loss for val/loss)
-            value = step if field == "step" else metrics.get(field, metrics.get(field.replace("_", "/")))
+            mine, lightning = spellings(field)
+            value = step if field == "step" else metrics.get(mine, metrics.get(lightning))
             out.append(_one(value, spec or ""))
     return "".join(out)

@@ -18,6 +18,7 @@ from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import as_written_now
 from pipeline.data.base import DataSpec, inference_facts
 from pipeline.data.iterator import DataIterator
+from pipeline.files import patterns
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
 from pipeline.stages.base import StageStates
@@ -141,21 +142,28 @@ def metric_names(config: dict) -> list[str]:
 
 
 def check_monitors(config: dict) -> None:
-    """ConfigError, one line, for a stage's `monitor` or `optimized_metric` naming a metric the run never logs (a
-    typo would never write `best`, never stop early, optimise NaN), with the closest names; before anything is built."""
+    """ConfigError, one line, for a stage's `monitor`, a field of its `filename` pattern or `optimized_metric` naming
+    a metric the run never logs (a typo would never write `best`, never stop early, optimise NaN, name every
+    checkpoint `10-none`), with the closest names; before anything is built."""
     names = metric_names(config)
-    wanted = [(f"stages.{key}.monitor", node["monitor"], names) for key, node in (config.get("stages") or {}).items()
-              if isinstance(node, dict) and "monitor" in node]
+    stages = [(key, node) for key, node in (config.get("stages") or {}).items() if isinstance(node, dict)]
+    wanted = [(f"stages.{key}.monitor={node['monitor']}", node["monitor"], names) for key, node in stages
+              if "monitor" in node]
+    for key, node in stages:  # a field is a metric by its name, or by Lightning's val_loss for val/loss
+        if isinstance(pattern := node.get("filename"), str) and patterns.problem(pattern) is None:
+            wanted += [(f"stages.{key}.filename={pattern!r}: field {{{f}}}", f, names) for f in
+                       patterns.metric_fields(pattern) if not set(patterns.spellings(f)) & set(names)]
     if config.get("optimized_metric") is not None:
-        wanted.append(("optimized_metric", config["optimized_metric"], [n for n in names if kept(n)]))
+        wanted.append((f"optimized_metric={config['optimized_metric']}", config["optimized_metric"],
+                       [n for n in names if kept(n)]))
     errors = []
-    for key, value, known in wanted:
+    for what, value, known in wanted:
         if value not in known:
             close = difflib.get_close_matches(str(value), known, n=3)
             hint = f"did you mean {' or '.join(close)}? " if close else ""
             why = "logged, but not a metric whose last value the run keeps" if value in names else \
                 "this run logs no such metric"
-            errors.append(f"{key}={value}: {why}; {hint}it can be one of: {', '.join(known)}")
+            errors.append(f"{what}: {why}; {hint}it can be one of: {', '.join(known)}")
     if errors:
         raise ConfigError("; ".join(errors))
 

@@ -97,6 +97,10 @@ def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, link
     py, found = sys.executable or "python", shutil.which("python")  # `python` if that is the one on PATH
     if os.path.basename(py) == "python" and found is not None and os.path.realpath(found) == os.path.realpath(py):
         py = "python"
+    # the PYTHONPATH this process was given, absolute: a package of your own is found by the lines pasted, also
+    # where PYTHONPATH was set for the one command (`PYTHONPATH=examples/moons python -m pipeline ...`)
+    path = os.pathsep.join(os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    py = f"PYTHONPATH={shlex.quote(path)} {shlex.quote(py)}" if path else shlex.quote(py)
     lines = [f"{status} at step {step}: {run_dir}"]
     if best is not None:
         lines.append(f"  best        {best[0]}={best[1]:.6g} at step {best[2]}")
@@ -106,13 +110,13 @@ def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, link
     lines.append(f"  curve       {curve if curve else 'none (nothing logged)'}")
     where = run_page(run_uri) if run_uri else "not indexed yet" if tracking_uri else "not tracked"
     lines.append(f"  mlflow      {where}")
-    lines.append(f"  resume      {shlex.join([py, '-m', 'pipeline', *overrides])}")  # complete: says so, exits 0
+    lines.append(f"  resume      {py} {shlex.join(['-m', 'pipeline', *overrides])}")  # complete: says so, exits 0
     target = links.get("best") or links.get("final") or links.get("newest")
     if target is not None:
         configs = tool_args(overrides)
-        lines.append(f"  evaluate    {shlex.join([py, '-m', 'pipeline.evaluate', str(target), *configs])}")
+        lines.append(f"  evaluate    {py} {shlex.join(['-m', 'pipeline.evaluate', str(target), *configs])}")
         if samples:
-            sample = shlex.join([py, "-m", "pipeline.sample", str(target), *configs])
+            sample = f"{py} {shlex.join(['-m', 'pipeline.sample', str(target), *configs])}"
             lines.append(f"  sample      {sample} prompt=\"\"")
     if tracking_uri and ui_server(tracking_uri) == tracking_uri:  # a server: its UI is at its address
         lines.append(f"  mlflow ui   {ui_page(tracking_uri, experiment_id)}")

@@ -103,7 +103,9 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
         report["reason"] = ("the resumed run differs from the continuous one in: "
                             + ", ".join(report["failed_state_machines"]))
     elif not negative:
-        report["reason"] = ("the negative control cannot diverge: no random stream draws after the cut"
+        report["reason"] = ("the negative control cannot diverge: no random stream draws after the cut (this config "
+                            "uses no randomness there, so skipping the RNG restore changes nothing: add dropout or "
+                            "data augmentation, or move verify.cut before an epoch's shuffle)"
                             if not rng_moved else "the negative control did not diverge although streams moved")
     return report
 

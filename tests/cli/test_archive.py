@@ -123,6 +123,21 @@ def test_a_flipped_byte_in_the_archive_is_named(tmp_path, finished):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("planted, first", [("runs/NOTES.txt", "runs/NOTES.txt"), ("runs/junk/", "runs/junk"),
+                                             ("runs/junk/NOTES.txt", "runs/junk"), ("NOTES.txt", "NOTES.txt")])
+def test_anything_planted_in_the_archive_is_named_as_not_listed(tmp_path, finished, planted, first):
+    """A file or a directory, empty or not, that MANIFEST.json does not list: exit 1 naming the first (topmost)
+    such entry, before anything in the archive is read as a run (a file where a run would be is not one)."""
+    dest = tmp_path / "dest"
+    assert archive(finished, dest, cwd=tmp_path).returncode == 0
+    target = dest / planted
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.mkdir() if planted.endswith("/") else target.write_text("mine\n")
+    proc = archive("--check", dest, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr == f"pipeline.archive: {dest}: {first}: present but not listed in MANIFEST.json\n", proc.stderr
+
+
 def test_an_existing_dest_and_bad_sources_are_refused_in_one_line(tmp_path, finished):
     dest = tmp_path / "dest"
     dest.mkdir()

@@ -89,3 +89,31 @@ def test_every_error_of_ours_carries_its_code_and_one_map_gives_a_librarys():
     assert errors.exit_code(errors.Refusal(errors.CommandError("too many jobs"))) == (2, "too many jobs")
     assert errors.exit_code(ZeroDivisionError("a bug")) is None
     assert errors.exit_code(OSError(errno.ENOENT, "No such file")) is None
+
+
+
+@pytest.mark.parametrize("override, said, fix, key, value", [
+    # a value of the wrong type: the key is right, so no "did you mean" (it named the key typed)
+    ("optimizer.lr=abc", "optimizer.lr=abc: Value 'abc' of type 'str' could not be converted to Float\n", None, "", 0),
+    ("optimizer.lrr=0.01", "; did you mean optimizer.lr?\n", "optimizer.lr=0.01", "optimizer.lr", 0.01),
+    # a stage that is off unless added: how to add it
+    ("stages.early_stop.patience=3", "; stage early_stop is off unless added: add +stages/early_stop=default\n",
+     "+stages/early_stop=default stages.early_stop.patience=3", "stages.early_stop.patience", 3),
+    # a pattern Hydra's grammar cannot read: once, with the override quoted as it would work
+    ("stages.best_val.filename={step}-{val/loss:.3f}", "bad config or override: stages.best_val.filename={step}-"
+     "{val/loss:.3f}: no viable alternative at input '{step}'; if the value is text, quote it for Hydra inside the "
+     "shell's quotes: \"stages.best_val.filename='{step}-{val/loss:.3f}'\"\n",
+     "\"stages.best_val.filename='{step}-{val/loss:.3f}'\"", "stages.best_val.filename", "{step}-{val/loss:.3f}"),
+], ids=["type", "typo", "stage-not-added", "unquoted"])
+def test_a_refused_override_says_in_one_line_what_would_work(tmp_path, override, said, fix, key, value):
+    import functools
+    import shlex
+
+    from conftest import config_of, refused_in_one_line
+
+    line = refused_in_one_line(["experiment=kernodeck", override, f"paths.output_dir={tmp_path}"], tmp_path)
+    assert line.endswith(said), line
+    assert ("did you mean" in line) == ("did you mean" in said), line
+    if fix is not None:  # what the line says to type, as the shell splits it, composes to the value meant
+        config = config_of("experiment=kernodeck", *shlex.split(fix))
+        assert functools.reduce(lambda node, k: node[k], key.split("."), config) == value

@@ -69,10 +69,31 @@ def test_keep_and_filename_are_checked_in_one_line(tmp_path):
                        ("stages.best_val.filename='a/{step}'", "stages.best_val.filename='a/{step}': makes 'a/0'"),
                        ("stages.best_val.filename='{val_loss}'", "must contain {step}"),
                        ("stages.best_val.filename='step-{step:08d}'", "not step-<digits>"),
-                       ("stages.best_val.filename='{step.__class__!r}'", "is not a metric or step")):
+                       ("stages.best_val.filename='{step.__class__!r}'", "is not a metric or step"),
+                       # a field names a metric the run logs, as a monitor does, or the run names every link `10-none`
+                       ("stages.best_val.filename='{step}-{val/los:.3f}'",
+                        "stages.best_val.filename='{step}-{val/los:.3f}': field {val/los}: this run logs no such "
+                        "metric; did you mean val/loss?"),
+                       ("stages.best_val.filename='{step}-{val/loss.__class__}'", "no attribute, index or conversion"),
+                       ("stages.best_val.filename='{step}-{val/loss[0]}'", "no attribute, index or conversion"),
+                       # a name the pattern can make, with its link's temporary name 18 bytes longer, must fit 255
+                       (f"stages.best_val.filename='{{step}}-{'x' * 213}'", "makes names of up to 238 bytes")):
         line = refused_in_one_line([*BASE, bad, f"paths.output_dir={tmp_path / 'out'}"], tmp_path)
         assert words in line, line
         assert not (tmp_path / "out" / "runs").exists()
+
+
+def test_the_longest_name_a_pattern_may_make_names_a_link_at_every_save(tmp_path):
+    """The bound is exact: every name 237 bytes (a 24-digit step, the widest a field is written), its temporary
+    name 255, and the run keeps it through its saves and a re-run (the pattern one byte longer: refused above)."""
+    pattern = "{step:024d}-" + "x" * 212
+    args = [*KERNODECK, "trainer.max_steps=6", f"stages.best_val.filename='{pattern}'", "stages.best_val.keep=2",
+            f"paths.output_dir={tmp_path / 'out'}"]
+    for _ in range(2):
+        assert run_job(*args)[0] == 0
+    links = RunDir(the_run(tmp_path / "out")).store.links()
+    named = {n for n in links if n not in ("best", "final")}
+    assert named and all(len(n.encode()) == 237 and n.endswith("x" * 212) for n in named), links
 
 
 @pytest.mark.parametrize("k, mode", [(1, "min"), (2, "max"), (3, "min")])
@@ -163,6 +184,7 @@ def test_a_pattern_is_data_never_code():
     # a field is a metric's name, never an attribute, an index or a conversion of a Python object
     assert patterns.render("{step}-{val.__class__}", 3, {"val.__class__": 1.5}) == "3-1.5"
     assert patterns.problem("{step}-{m[0]}") and patterns.problem("{step!s}") and patterns.problem("{step:{w}}")
+    assert patterns.problem("{step}-{val.__class__}")  # attribute access: refused, though render reads it as a name
     assert patterns.problem("{step:.2f}")  # two steps could share a name
     assert patterns.render("{step}" + "x" * 300, 3, {}) is None  # too long for a file name: no link, no error
 

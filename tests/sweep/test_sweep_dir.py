@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
-import subprocess
 
 import yaml
-from conftest import KERNODECK, env_for_subprocess, run_pipeline
+from conftest import KERNODECK, pasted, run_pipeline
 
 from pipeline.config.targets import hydra_quoted, literal
 
@@ -26,6 +24,5 @@ def test_a_sweep_and_its_jobs_resume_commands_keep_an_output_directory_with_quot
     runs = sorted((out / "runs").iterdir())
     assert len(runs) == 2 and all(given in yaml.safe_load((r / ".hydra" / "overrides.yaml").read_text()) for r in runs)
     resume = re.findall(r"^  resume +(.*)$", proc.stdout, re.M)[-1]
-    pasted = subprocess.run(shlex.split(resume), cwd=tmp_path, env=env_for_subprocess(), capture_output=True,
-                            text=True)
-    assert pasted.returncode == 0 and "is complete at step" in pasted.stdout, (resume, pasted.stderr[-2000:])
+    again = pasted(resume, tmp_path)
+    assert again.returncode == 0 and "is complete at step" in again.stdout, (resume, again.stderr[-2000:])

@@ -66,6 +66,8 @@ def test_no_randomness_after_the_cut_means_the_negative_control_cannot_diverge(t
     assert r.returncode == 1, r.stderr
     assert report["positive"] is True and report["negative_divergence_detected"] is False
     assert "cannot diverge" in report["reason"]
+    # the failure line says why and what would give the control something to differ by
+    assert f"FAILED: {report['reason']}\n" in r.stdout and "add dropout or data augmentation" in report["reason"]
 
 
 def test_incomplete_verification_exits_2(tmp_path):
