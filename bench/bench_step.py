@@ -140,7 +140,7 @@ def peak_rss_mb() -> tuple[float, float]:
 def make_setup(args):
     spec = DataSpec(vocab_size=args.vocab, block_size=args.block)
     model = MiniGPT(spec, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block,
-                    dropout=0.0, attn_dropout=None, init_std=0.02, dtype="float32",
+                    dropout=0.0, attn_dropout=None, init_std=0.02, bias=True, gelu="tanh", dtype="float32",
                     rng=np.random.default_rng(0))  # fmt: skip
     r = np.random.default_rng(1)
     x = r.integers(0, args.vocab, (args.batch, args.block))

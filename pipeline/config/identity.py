@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config.errors import ConfigError
+from pipeline.config.schemas import as_written_before
 from pipeline.files import jsonio, names, reading
 
 # Keys that do not change the math: where outputs go, how progress is shown and logged, how the run is
@@ -82,9 +83,10 @@ def source_hashes(config: dict) -> dict[str, str]:
 
 
 def semantic_config(config: dict, sources: dict[str, str]) -> dict:
-    """The config minus NON_SEMANTIC keys, SOURCES keys replaced by {"sha256": ...} of the file's bytes
-    (`sources`: source_hashes, or as a manifest recorded them)."""
-    out = copy.deepcopy(config)
+    """The config minus NON_SEMANTIC keys and keys at what their absence means (a key added since, at the old
+    behaviour), SOURCES keys replaced by {"sha256": ...} of the file's bytes (`sources`: source_hashes, or as a
+    manifest recorded them)."""
+    out = copy.deepcopy(as_written_before(config))
     for key in NON_SEMANTIC:
         node, leaf = _parent(out, key)
         node.pop(leaf, None)

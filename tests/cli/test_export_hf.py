@@ -23,7 +23,7 @@ def small_model() -> MiniGPT:
     # init_std 0.2 gives logits of O(1), so the comparison below is not between near-zero numbers.
     return MiniGPT(
         DataSpec(vocab_size=97), n_layer=2, n_head=4, n_embd=32, block_size=16, dropout=0.0, attn_dropout=None,
-        init_std=0.2, dtype="float32", rng=np.random.default_rng(0),
+        init_std=0.2, bias=True, gelu="tanh", dtype="float32", rng=np.random.default_rng(0),
     )  # fmt: skip
 
 
