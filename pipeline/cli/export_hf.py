@@ -45,7 +45,8 @@ def gpt2_config(*, n_layer: int, n_head: int, n_embd: int, n_positions: int, voc
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
         "n_positions": n_positions, "n_embd": n_embd, "n_layer": n_layer, "n_head": n_head,
         "n_inner": None,  # 4 * n_embd
-        "activation_function": {"tanh": "gelu_new", "erf": "gelu"}[gelu], "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "activation_function": {"tanh": "gelu_new", "erf": "gelu"}[gelu],
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
         "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
         "use_cache": True,
