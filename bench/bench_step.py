@@ -151,7 +151,7 @@ def make_setup(args):
 def make_numpy_step(args, model, batch):
     """The trainer's step: Shards.loss_and_grads then the real AdamW (no dropout: torch's twin has none)."""
     shards = Shards(args.shards, args.threads)
-    opt = AdamW(model.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = AdamW(model.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, weight_decay_on="all")
 
     def step():
         t0 = time.perf_counter()
@@ -333,7 +333,7 @@ def run_profile(args) -> dict:
         prof.step_times["cross-entropy (value and grad)", "fwd"] += time.perf_counter() - t0
         return out
 
-    opt = AdamW(model.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = AdamW(model.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, weight_decay_on="all")
     shard_total, opt_total = [], []
     every = {n: getattr(layers, n) for n in dir(layers) if not n.startswith("__")}
     minigpt_module.L = SimpleNamespace(**{**every, **patched})

@@ -55,6 +55,7 @@ def name_pattern(v) -> str | None:
 
 Dtype = Enum("Dtype", {"float32": "float32", "float64": "float64"})
 Activation = Enum("Activation", {"tanh": "tanh", "relu": "relu"})
+DecayOn = Enum("DecayOn", {"all": "all", "matrices": "matrices"})  # matrices: 2-D and up (GPT-2's groups)
 Gelu = Enum("Gelu", {"tanh": "tanh", "erf": "erf"})  # GPT-2's approximation, or the exact one (torch's default)
 Mode = Enum("Mode", {"min": "min", "max": "max"})
 # stop: a non-finite loss or metric ends the run (failed), keeping the last good checkpoints; continue: goes on
@@ -146,6 +147,7 @@ class AdamConf(Node):
     betas: list[float] = _f(probability_list)
     eps: float = _f(above(0))
     weight_decay: float = _f(at_least(0))
+    weight_decay_on: DecayOn = _f(absent="all")
 
 
 @builds("pipeline.optimizer.adam.AdamW", "optimizer/adamw")
@@ -169,6 +171,7 @@ class StepConf(Node):
 class CosineConf(Node):
     total_steps: int | None = _f()  # None: the run's total number of updates
     warmup_steps: int = _f(at_least(0))
+    warmup_offset: int = _f(at_least(0), absent=0)  # update k of the warm-up at lr (k + offset) / (warmup + offset)
     min_lr_ratio: float = _f(at_least(0))
     num_cycles: float = _f(above(0))
 

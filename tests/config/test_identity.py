@@ -198,3 +198,21 @@ def test_every_leaf_of_every_shipped_config_is_in_the_identity_unless_declared_n
     assert not wrong, "\n".join(wrong)
     assert {"model.n_layer", "scheduler.warmup_steps", "scheduler.gamma", "data.path"} <= seen  # the walk reached them
     assert [k for k in NOT_SEMANTIC if not any(covered(s, [k]) for s in seen)] == []  # no stale entry
+
+
+ADDED = {"model": ("bias", "gelu"), "optimizer": ("weight_decay_on",), "scheduler": ("warmup_offset",)}
+
+
+def test_a_key_added_at_its_old_behaviour_changes_no_run_name():
+    # The names the code before these keys gave (the README's run directory among them): a run directory written
+    # then is found by the identical command, and drift sees no change; a key set otherwise is a new identity.
+    assert run_name(config_of("trainer.max_steps=64")) == "default-b28c52f1161c"
+    assert run_name(config_of(*KERNODECK)) == run_name(config_of(*KERNODECK, "model.hidden=[8]"))
+    now = config_of()
+    before = {k: ({n: v for n, v in node.items() if n not in ADDED.get(k, ())} if isinstance(node, dict) else node)
+              for k, node in now.items()}
+    assert before["model"] != now["model"] and semantic_config(before, {}) == semantic_config(now, {})
+    for key in ("model.bias=false", "model.gelu=erf", "optimizer.weight_decay_on=matrices",
+                "scheduler.warmup_offset=1"):
+        assert run_name(config_of(key)) != run_name(now), key
+        assert changed_keys(semantic_config(before, {}), semantic_config(config_of(key), {})), key
