@@ -82,6 +82,7 @@ class TrainerConf:
     batch_size: int = _f(at_least(1))
     dtype: Dtype = _f()
     eval_every: int = _f(at_least(0))
+    eval_batches: int | None = _f(null_or_at_least(1), absent=None)  # the first N validation batches; null: all
     log_every: int = _f(at_least(0))
     progress_bar: bool | None = _f()
     on_nonfinite: NonFinite = _f()
