@@ -152,11 +152,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR")
     parser.add_argument("overrides", nargs="*", help="data.path=FILE, paths.output_dir=DIR, hydra.searchpath=[...]")
     args = parser.parse_args(argv)
+    from pipeline.config.schemas import as_written_now
     from pipeline.run.trained import data_facts, restore_checkpoint
 
     try:
         manifest, state = restore_checkpoint(Path(args.checkpoint), args.overrides)  # fully verified
-        model = manifest["config"]["model"]
+        model = as_written_now(manifest["config"]["model"])  # bias and gelu: a checkpoint may predate them
         if not str(model.get("_target_", "")).endswith("MiniGPT"):
             raise CommandError(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
         facts = data_facts(manifest, args.overrides, Path(args.checkpoint))  # the vocabulary the model was trained on
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
                        n_positions=weights["transformer.wpe.weight"].shape[0],
                        vocab_size=weights["transformer.wte.weight"].shape[0], out_dir=args.out_dir,
                        vocab=facts["vocab"], join=facts["decode_join"], eos=facts["specials"].get("eos"),
-                       gelu=state.model.gelu, bias=state.model.bias)
+                       gelu=model["gelu"], bias=model["bias"])
     except ValueError as e:  # a weight whose shape does not fit: bad input
         raise CommandError(str(e)) from e
     print(f"wrote {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")
