@@ -72,7 +72,7 @@ def test_a_bias_free_model_exports_with_zero_biases_and_computes_the_same(tmp_pa
         np.copyto(p, stored[name])
     x = np.random.default_rng(1).integers(0, 97, (3, 16))
     np.testing.assert_array_equal(full.logits(x), free.logits(x))
-    with pytest.raises(KeyError, match=r"a bias-free model holds transformer.h.0.ln_1.bias"):
+    with pytest.raises(KeyError, match=r"a bias-free model holds transformer.h.0.attn.c_attn.bias"):
         write_hf(small_model().state_dict(), out_dir=tmp_path, **CFG, bias=False)
 
 
