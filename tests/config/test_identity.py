@@ -11,6 +11,8 @@ from pipeline.config.identity import (
     changed_keys,
     config_hash,
     covered,
+    described,
+    get,
     identify,
     run_name,
     semantic_config,
@@ -133,7 +135,8 @@ def shipped_configs(tmp_path) -> list[dict]:
               for d in conf.rglob("*") if d.is_dir() and d.relative_to(conf).parts[0] in top}
     (tmp_path / "corpus.txt").write_text("the cat sat on the mat. " * 20)
     experiments = groups.pop("experiment")  # an experiment overrides other groups: each composed on its own
-    combos = [[f"experiment={e}"] for e in experiments]
+    combos = [[f"experiment={e}", f"data.path={tmp_path / 'corpus.txt'}"] if e == "nanogpt_char_cpu"
+              else [f"experiment={e}"] for e in experiments]  # an experiment on your own text names it
     for i in range(max(len(options) for options in groups.values())):  # the i-th option of every group at once
         combo = [f"{'' if '/' not in g else '+'}{g}={options[i % len(options)]}" for g, options in groups.items()]
         if "data=text" in combo:
@@ -215,4 +218,6 @@ def test_a_key_added_at_its_old_behaviour_changes_no_run_name():
     for key in ("model.bias=false", "model.gelu=erf", "optimizer.weight_decay_on=matrices",
                 "scheduler.warmup_offset=1"):
         assert run_name(config_of(key)) != run_name(now), key
-        assert changed_keys(semantic_config(before, {}), semantic_config(config_of(key), {})), key
+        old, new = semantic_config(before, {}), semantic_config(config_of(key), {})
+        assert described(old, new) == [f"{key.split('=')[0]} {get(old, key.split('=')[0])!r} -> "
+                                       f"{get(new, key.split('=')[0])!r}"], key
