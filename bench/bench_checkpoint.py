@@ -64,7 +64,7 @@ def build_parts(mib: float, seed: int = 0) -> dict:
     rows = max(1, per_array // (4 * cols))
     g = np.random.default_rng(seed)
     params = {f"layers.{i}.weight": g.standard_normal((rows, cols), dtype=np.float32) for i in range(4)}
-    optimizer = Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    optimizer = Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, weight_decay_on="all")
     for kind in optimizer.buffers:  # materialise the moments with non-trivial values
         for v in optimizer.state_dict()[kind].values():
             v[...] = g.standard_normal(v.shape, dtype=np.float32)

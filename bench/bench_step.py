@@ -140,7 +140,7 @@ def peak_rss_mb() -> tuple[float, float]:
 def make_setup(args):
     spec = DataSpec(vocab_size=args.vocab, block_size=args.block)
     model = MiniGPT(spec, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block,
-                    dropout=0.0, attn_dropout=None, init_std=0.02, dtype="float32",
+                    dropout=0.0, attn_dropout=None, init_std=0.02, bias=True, gelu="tanh", dtype="float32",
                     rng=np.random.default_rng(0))  # fmt: skip
     r = np.random.default_rng(1)
     x = r.integers(0, args.vocab, (args.batch, args.block))
@@ -151,7 +151,7 @@ def make_setup(args):
 def make_numpy_step(args, model, batch):
     """The trainer's step: Shards.loss_and_grads then the real AdamW (no dropout: torch's twin has none)."""
     shards = Shards(args.shards, args.threads)
-    opt = AdamW(model.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = AdamW(model.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, weight_decay_on="all")
 
     def step():
         t0 = time.perf_counter()
@@ -333,7 +333,7 @@ def run_profile(args) -> dict:
         prof.step_times["cross-entropy (value and grad)", "fwd"] += time.perf_counter() - t0
         return out
 
-    opt = AdamW(model.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = AdamW(model.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, weight_decay_on="all")
     shard_total, opt_total = [], []
     every = {n: getattr(layers, n) for n in dir(layers) if not n.startswith("__")}
     minigpt_module.L = SimpleNamespace(**{**every, **patched})

@@ -38,13 +38,15 @@ def expected_shapes(*, n_layer: int, n_embd: int, n_positions: int, vocab_size: 
 
 
 def gpt2_config(*, n_layer: int, n_head: int, n_embd: int, n_positions: int, vocab_size: int,
-                eos_token_id: int | None = None) -> dict:
-    """A GPT2Config matching MiniGPT: gelu_new, LayerNorm eps 1e-5, 4x MLP, tied head, no dropout."""
+                eos_token_id: int | None = None, gelu: str = "tanh") -> dict:
+    """A GPT2Config matching MiniGPT: its GELU (tanh: gelu_new, erf: gelu), LayerNorm eps 1e-5, 4x MLP, tied head,
+    no dropout."""
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
         "n_positions": n_positions, "n_embd": n_embd, "n_layer": n_layer, "n_head": n_head,
         "n_inner": None,  # 4 * n_embd
-        "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "activation_function": {"tanh": "gelu_new", "erf": "gelu"}[gelu],
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
         "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
         "use_cache": True,
@@ -99,11 +101,17 @@ def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos: s
 
 def write_hf(params: dict[str, np.ndarray], *, n_layer: int, n_head: int, n_embd: int, n_positions: int,
              vocab_size: int, out_dir, vocab: list[str] | None = None, join: str | None = None,
-             eos: str | None = EOS) -> Path:
+             eos: str | None = EOS, gelu: str = "tanh", bias: bool = True) -> Path:
     """Check names and shapes, then write config.json and model.safetensors (float32) into out_dir, and the
     tokenizer files when the vocabulary (and how the corpus joins its tokens) is given; `eos`, the corpus's
-    end-of-sentence token if in the vocabulary, is the bos, eos and pad token."""
+    end-of-sentence token if in the vocabulary, is the bos, eos and pad token. A bias-free model (`bias`
+    False: no `*.bias` given) is written with zero biases, which GPT-2 computes with as if it had none."""
     shapes = expected_shapes(n_layer=n_layer, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size)
+    if not bias:
+        zeros = {name: np.zeros(shape, np.float32) for name, shape in shapes.items() if name.endswith(".bias")}
+        if clash := sorted(set(zeros) & set(params)):
+            raise KeyError(f"a bias-free model holds {clash[0]}")
+        params = {**params, **zeros}
     given = set(params) - {TIED}
     if given != set(shapes):
         raise KeyError(f"parameter names differ from GPT-2's: {sorted(given ^ set(shapes))}")
@@ -123,7 +131,7 @@ def write_hf(params: dict[str, np.ndarray], *, n_layer: int, n_head: int, n_embd
         files.update(tokenizer_files(list(vocab), join, n_positions, eos))
     eos_id = list(vocab).index(eos) if vocab is not None and eos is not None and eos in vocab else None
     config = gpt2_config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size,
-                         eos_token_id=eos_id)
+                         eos_token_id=eos_id, gelu=gelu)
     files["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
     files["model.safetensors"] = save(tensors, metadata={"format": "pt"})
     out = Path(out_dir)
@@ -144,11 +152,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR")
     parser.add_argument("overrides", nargs="*", help="data.path=FILE, paths.output_dir=DIR, hydra.searchpath=[...]")
     args = parser.parse_args(argv)
+    from pipeline.config.schemas import as_written_now
     from pipeline.run.trained import data_facts, restore_checkpoint
 
     try:
         manifest, state = restore_checkpoint(Path(args.checkpoint), args.overrides)  # fully verified
-        model = manifest["config"]["model"]
+        model = as_written_now(manifest["config"]["model"])  # bias and gelu: a checkpoint may predate them
         if not str(model.get("_target_", "")).endswith("MiniGPT"):
             raise CommandError(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
         facts = data_facts(manifest, args.overrides, Path(args.checkpoint))  # the vocabulary the model was trained on
@@ -158,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         out = write_hf(weights, n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
                        n_positions=weights["transformer.wpe.weight"].shape[0],
                        vocab_size=weights["transformer.wte.weight"].shape[0], out_dir=args.out_dir,
-                       vocab=facts["vocab"], join=facts["decode_join"], eos=facts["specials"].get("eos"))
+                       vocab=facts["vocab"], join=facts["decode_join"], eos=facts["specials"].get("eos"),
+                       gelu=model["gelu"], bias=model["bias"])
     except ValueError as e:  # a weight whose shape does not fit: bad input
         raise CommandError(str(e)) from e
     print(f"wrote {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")

@@ -4,8 +4,9 @@ Text from a MiniGPT checkpoint, through the vocabulary of the corpus it was trai
 data.json: the corpus itself is not needed): the prompt is split as the corpus joins tokens (words at
 whitespace for data=grammar, characters for data=text), a word outside the vocabulary is refused naming it,
 and the tokens are decoded with the corpus's join. An empty prompt starts after the corpus's end-of-sentence
-token (`<eos>`) when it has one. Each new token is drawn from softmax(logits / temperature) over the
-top_k most likely tokens (0: all) of the last block_size tokens; temperature=0 takes the most likely one.
+token (`<eos>`), or for characters without one at a newline (nanoGPT's start). Each new token is drawn from
+softmax(logits / temperature) over the top_k most likely tokens (0: all) of the last block_size tokens;
+temperature=0 takes the most likely one.
 The draws come from this command's own numpy Generator seeded with `seed`: the same seed, the same text.
 Only for a checkpoint written before data.json existed (schema 2.0) is its training data built, found with
 `data.path=FILE` (a moved text file) and `paths.output_dir=DIR` (the corpus cache).

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config.errors import ConfigError
+from pipeline.config.schemas import as_written_before, config_written_now
 from pipeline.files import jsonio, names, reading
 
 # Keys that do not change the math: where outputs go, how progress is shown and logged, how the run is
@@ -82,9 +83,10 @@ def source_hashes(config: dict) -> dict[str, str]:
 
 
 def semantic_config(config: dict, sources: dict[str, str]) -> dict:
-    """The config minus NON_SEMANTIC keys, SOURCES keys replaced by {"sha256": ...} of the file's bytes
-    (`sources`: source_hashes, or as a manifest recorded them)."""
-    out = copy.deepcopy(config)
+    """The config as written now (a key it predates holds what its absence means) minus NON_SEMANTIC keys,
+    SOURCES keys replaced by {"sha256": ...} of the file's bytes (`sources`: source_hashes, or as a manifest
+    recorded them): what drift compares."""
+    out = copy.deepcopy(config_written_now(config))
     for key in NON_SEMANTIC:
         node, leaf = _parent(out, key)
         node.pop(leaf, None)
@@ -96,8 +98,9 @@ def semantic_config(config: dict, sources: dict[str, str]) -> dict:
 
 
 def semantic_hash(config: dict, sources: dict[str, str]) -> str:
-    semantic = semantic_config(config, sources)
-    return config_hash(semantic)
+    """The semantic config's hash, keys at what their absence means left out: a key added later at the old
+    behaviour changes no run's identity (its run directory, its lineage)."""
+    return config_hash(as_written_before(semantic_config(config, sources)))
 
 
 def run_name(config: dict, sources: dict[str, str] | None = None) -> str:

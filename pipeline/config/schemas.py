@@ -55,6 +55,8 @@ def name_pattern(v) -> str | None:
 
 Dtype = Enum("Dtype", {"float32": "float32", "float64": "float64"})
 Activation = Enum("Activation", {"tanh": "tanh", "relu": "relu"})
+DecayOn = Enum("DecayOn", {"all": "all", "matrices": "matrices"})  # matrices: 2-D and up (GPT-2's groups)
+Gelu = Enum("Gelu", {"tanh": "tanh", "erf": "erf"})  # GPT-2's approximation, or the exact one (torch's default)
 Mode = Enum("Mode", {"min": "min", "max": "max"})
 # stop: a non-finite loss or metric ends the run (failed), keeping the last good checkpoints; continue: goes on
 NonFinite = Enum("NonFinite", {"stop": "stop", "continue": "continue"})
@@ -80,6 +82,7 @@ class TrainerConf:
     batch_size: int = _f(at_least(1))
     dtype: Dtype = _f()
     eval_every: int = _f(at_least(0))
+    eval_batches: int | None = _f(null_or_at_least(1), absent=None)  # the first N validation batches; null: all
     log_every: int = _f(at_least(0))
     progress_bar: bool | None = _f()
     on_nonfinite: NonFinite = _f()
@@ -114,6 +117,8 @@ class MiniGPTConf(Node):
     dropout: float = _f(fraction)
     attn_dropout: float | None = _f()  # null: dropout's
     init_std: float = _f(above(0))
+    bias: bool = _f(absent=True)  # false: no bias in any linear layer or LayerNorm (nanoGPT's bias=False)
+    gelu: Gelu = _f(absent="tanh")
 
     @staticmethod
     def cross(c: dict) -> list[str]:
@@ -143,6 +148,7 @@ class AdamConf(Node):
     betas: list[float] = _f(probability_list)
     eps: float = _f(above(0))
     weight_decay: float = _f(at_least(0))
+    weight_decay_on: DecayOn = _f(absent="all")
 
 
 @builds("pipeline.optimizer.adam.AdamW", "optimizer/adamw")
@@ -166,6 +172,7 @@ class StepConf(Node):
 class CosineConf(Node):
     total_steps: int | None = _f()  # None: the run's total number of updates
     warmup_steps: int = _f(at_least(0))
+    warmup_offset: int = _f(at_least(0), absent=0)  # update k of the warm-up at lr (k + offset) / (warmup + offset)
     min_lr_ratio: float = _f(at_least(0))
     num_cycles: float = _f(above(0))
 
@@ -322,15 +329,38 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
         errors.extend(cross(node))
 
 
-def as_written_now(node: dict) -> dict:
+def as_written_now(node: dict, schema: type | None = None) -> dict:
     """A node of a config written before some keys of its schema existed (or could be null), with what their
     absence (or null) means: the one place an old config's missing or null key gets its meaning."""
-    schema = SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None
+    schema = schema or (SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None)
     if schema is None:
         return node
     old = {f.name: f.metadata["absent"] for f in fields(schema)
            if "absent" in f.metadata and node.get(f.name) is None}
     return {**node, **old}
+
+
+def _schema_of(key: str, node) -> type | None:
+    if key == "trainer":
+        return TrainerConf
+    return SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None
+
+
+def config_written_now(config: dict) -> dict:
+    """A whole config (a checkpoint's, say) with every node as_written_now: what a tool builds from."""
+    return {k: as_written_now(node, schema) if (schema := _schema_of(k, node)) else node
+            for k, node in config.items()}
+
+
+def as_written_before(config: dict) -> dict:
+    """The config less every key still at what its absence means (its schema's `absent`): what a config written
+    before those keys existed holds, so a key added later at today's behaviour changes no run's identity."""
+    out = dict(config)
+    for key, node in config.items():
+        if (schema := _schema_of(key, node)) is not None:
+            absent = {f.name: f.metadata["absent"] for f in fields(schema) if "absent" in f.metadata}
+            out[key] = {k: v for k, v in node.items() if not (k in absent and absent[k] == v)}
+    return out
 
 
 def validate(config: dict) -> None:

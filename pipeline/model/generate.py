@@ -1,6 +1,7 @@
 """Text from a token model: options, the prompt's tokens, draws from softmax(logits / temperature) (sample, serving)."""
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,19 +60,23 @@ def split_prompt(prompt: str, join: str) -> list[str]:
 
 
 def encode(prompt: str, vocab: list[str], join: str, eos: str | None = "<eos>") -> list[int]:
-    """The prompt's ids; an empty prompt is [id of `eos`] (the token every sentence ends with)."""
+    """The prompt's ids; an empty prompt is [id of `eos`] (the token every sentence ends with), or for a
+    character vocabulary without one [id of a newline] (where nanoGPT's sample.py starts)."""
     index = {t: i for i, t in enumerate(vocab)}
     tokens = split_prompt(prompt, join)
     unknown = list(dict.fromkeys(t for t in tokens if t not in index))
     if unknown:
         more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
         shown = ", ".join(repr(t) for t in unknown[:10]) + more
-        raise ConfigError(f"prompt: not in the corpus vocabulary of {len(vocab)} tokens: {shown}")
+        typed = " (a newline is typed prompt=$'\\n' in bash)" if "\\" in unknown and "\n" in index else ""
+        raise ConfigError(f"prompt: not in the corpus vocabulary of {len(vocab)} tokens: {shown}{typed}")
     if not tokens:
-        if eos not in index:
+        start = eos if eos in index else "\n" if join == "" and "\n" in index else None
+        if start is None:
             raise ConfigError(f"prompt: empty, and this vocabulary has no {eos or 'end-of-sentence token'} "
-                              "to start from")
-        tokens = [eos]
+                              f"{'nor newline ' if join == '' else ''}to start from: give one, e.g. "
+                              f"prompt={shlex.quote(vocab[0])}")
+        tokens = [start]
     return [index[t] for t in tokens]
 
 

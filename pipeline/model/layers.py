@@ -99,20 +99,21 @@ def _normalize_backward(dxhat: np.ndarray, xhat: np.ndarray, rstd: np.ndarray) -
     return dxhat
 
 
-def layernorm_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 1e-5):
-    # x [..., d], w [d], b [d] -> out [..., d], normalised over the last axis
+def layernorm_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, eps: float = 1e-5):
+    # x [..., d], w [d], b [d] or None -> out [..., d], normalised over the last axis
     xhat, rstd = _normalize(x.reshape(-1, x.shape[-1]), eps)  # [N, d], [N]
     out = xhat * w  # [N, d]
-    out += b  # [N, d]
-    return out.reshape(x.shape), (xhat, rstd, w, x.shape)
+    if b is not None:
+        out += b  # [N, d]
+    return out.reshape(x.shape), (xhat, rstd, w, x.shape, b is not None)
 
 
 def layernorm_backward(dout: np.ndarray, cache):
-    # dout [..., d] -> dx [..., d], dw [d], db [d]
-    xhat, rstd, w, shape = cache
+    # dout [..., d] -> dx [..., d], dw [d], db [d] (None without bias)
+    xhat, rstd, w, shape, has_bias = cache
     d2 = dout.reshape(-1, w.shape[0])  # [N, d]
     dw = np.einsum("nd,nd->d", d2, xhat)  # [d]: no [N, d] temporary
-    db = _filled(d2.shape[0], 1.0, d2.dtype) @ d2  # [d] as a gemv
+    db = _filled(d2.shape[0], 1.0, d2.dtype) @ d2 if has_bias else None  # [d] as a gemv
     return _normalize_backward(d2 * w, xhat, rstd).reshape(shape), dw, db
 
 
@@ -121,26 +122,30 @@ def layernorm_backward(dout: np.ndarray, cache):
 # The [N, d] affine passes (forward) and the dxhat = dout * g, dg, dbeta passes (backward) become [d, out] work.
 
 
-def layernorm_linear_forward(x: np.ndarray, g: np.ndarray, beta: np.ndarray, w: np.ndarray, b: np.ndarray,
-                             eps: float = 1e-5):  # fmt: skip
-    # x [..., d], g [d], beta [d] (the norm's), w [d, out], b [out] (the linear's) -> out [..., out]
+def layernorm_linear_forward(x: np.ndarray, g: np.ndarray, beta: np.ndarray | None, w: np.ndarray,
+                             b: np.ndarray | None, eps: float = 1e-5):  # fmt: skip
+    # x [..., d], g [d], beta [d] (the norm's), w [d, out], b [out] (the linear's); beta and b both or neither
+    # (a bias-free model) -> out [..., out]
     xhat, rstd = _normalize(x.reshape(-1, x.shape[-1]), eps)  # [N, d], [N]
     wf = g[:, None] * w  # [d, out] folded weight
     out = xhat @ wf  # [N, out]
-    out += beta @ w + b  # [N, out] + [out] folded bias
+    if beta is not None:
+        out += beta @ w + b  # [N, out] + [out] folded bias
     return out.reshape(*x.shape[:-1], w.shape[1]), (xhat, rstd, g, beta, w, wf, x.shape)
 
 
 def layernorm_linear_backward(dout: np.ndarray, cache):
-    # dout [..., out] -> dx [..., d], dg [d], dbeta [d], dw [d, out], db [out]
+    # dout [..., out] -> dx [..., d], dg [d], dbeta [d], dw [d, out], db [out] (dbeta, db None without bias)
     xhat, rstd, g, beta, w, wf, shape = cache
     d2 = dout.reshape(-1, w.shape[1])  # [N, out]
     dwf = xhat.T @ d2  # [d, out] grad wrt the folded weight
-    db = _filled(d2.shape[0], 1.0, d2.dtype) @ d2  # [out] grad wrt the folded bias, = the linear's db
     dw = g[:, None] * dwf  # [d, out] through wf = g w
-    dw += beta[:, None] * db  # [d, out] through beta @ w
+    db = dbeta = None
+    if beta is not None:
+        db = _filled(d2.shape[0], 1.0, d2.dtype) @ d2  # [out] grad wrt the folded bias, = the linear's db
+        dw += beta[:, None] * db  # [d, out] through beta @ w
+        dbeta = w @ db  # [d]
     dg = np.einsum("io,io->i", dwf, w)  # [d]
-    dbeta = w @ db  # [d]
     dx = _normalize_backward(d2 @ wf.T, xhat, rstd)  # [N, d]
     return dx.reshape(shape), dg, dbeta, dw, db
 
@@ -179,6 +184,24 @@ def gelu_forward(x: np.ndarray):
             x2 *= z  # x h (1 - h) z'
             np.subtract(h, x2, out=g)
     return out.reshape(x.shape), (grad, x.shape)
+
+
+def gelu_erf_forward(x: np.ndarray):
+    # x [...] -> x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2 = erfc(-x / sqrt 2) / 2: the exact GELU (torch's
+    # default, nanoGPT's).
+    # The cache is the derivative Phi(x) + x phi(x), phi the standard normal density: the backward is one multiply.
+    from scipy.special import erfc  # a ufunc: numpy has none; imported only by a model that asks for it
+
+    phi = np.multiply(x, x)  # x^2
+    phi *= -0.5
+    np.exp(phi, out=phi)
+    phi *= 1.0 / math.sqrt(2.0 * math.pi)  # phi(x)
+    cdf = erfc(x * (-1.0 / math.sqrt(2.0)))  # 1 + erf(x / sqrt 2) without its cancellation for x < 0
+    cdf *= 0.5  # Phi(x)
+    out = x * cdf
+    phi *= x
+    phi += cdf  # Phi(x) + x phi(x)
+    return out, (phi.reshape(-1), x.shape)
 
 
 def gelu_backward(dout: np.ndarray, cache):

@@ -55,7 +55,7 @@ class MiniGPT(NamedParams):
     needs = "tokens"  # the data kind it trains on
 
     def __init__(self, spec: DataSpec, n_layer: int, n_head: int, n_embd: int, block_size: int | None,
-                 dropout: float, attn_dropout: float | None, init_std: float, dtype: str,
+                 dropout: float, attn_dropout: float | None, init_std: float, bias: bool, gelu: str, dtype: str,
                  rng: np.random.Generator | None):
         # The values are validated (config/schemas.py: ranges, n_embd % n_head, dtype) and paired with the data
         # (run/assemble.py check_pairing) before any model is built.
@@ -71,15 +71,19 @@ class MiniGPT(NamedParams):
             raise ValueError(f"model.block_size {self.block_size} is shorter than the data's sequences "
                              f"({spec.block_size} tokens)")
         self.dropout, self.attn_dropout, self.dtype = float(dropout), float(attn_dropout), np.dtype(dtype)
+        # bias=False: no bias in any linear layer or LayerNorm (nanoGPT's option); gelu: tanh (GPT-2's) or erf
+        self.bias, self.gelu = bool(bias), str(gelu)
+        self._gelu_forward = {"tanh": L.gelu_forward, "erf": L.gelu_erf_forward}[self.gelu]
         self.params = self._init_params(float(init_std), rng)
         self.aliases = {"lm_head.weight": "transformer.wte.weight"}
         keep_freed_memory()
 
     @staticmethod
-    def n_params(spec: DataSpec, n_layer: int, n_embd: int, block_size: int | None, **_) -> int:
+    def n_params(spec: DataSpec, n_layer: int, n_embd: int, block_size: int | None, bias: bool, **_) -> int:
         """The parameter count __init__ would allocate (tied head once), computed without allocating it."""
         d, positions = int(n_embd), int(spec.block_size if block_size is None else block_size)
-        return (int(spec.vocab_size) + positions) * d + int(n_layer) * (12 * d * d + 13 * d) + 2 * d
+        per_layer, final = (13 * d, 2 * d) if bias else (2 * d, d)  # LayerNorm gains, and 11 d of biases a layer
+        return (int(spec.vocab_size) + positions) * d + int(n_layer) * (12 * d * d + per_layer) + final
 
     def _init_params(self, std: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
         # GPT-2's init. Draws are float64 then cast, so float32 and float64 models share one init;
@@ -102,6 +106,8 @@ class MiniGPT(NamedParams):
             p[h + "mlp.c_fc.weight"], p[h + "mlp.c_fc.bias"] = normal((d, 4 * d), std), zeros(4 * d)
             p[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"] = normal((4 * d, d), proj_std), zeros(d)
         p["transformer.ln_f.weight"], p["transformer.ln_f.bias"] = ones(d), zeros(d)
+        if not self.bias:  # the same draws in the same order: a bias-free model's weights are the biased one's
+            p = {name: a for name, a in p.items() if not name.endswith(".bias")}
         return p
 
     @property
@@ -121,21 +127,22 @@ class MiniGPT(NamedParams):
         for i in range(self.n_layer):
             k = f"transformer.h.{i}."
             a, qkv_c = L.layernorm_linear_forward(
-                h, p[k + "ln_1.weight"], p[k + "ln_1.bias"], p[k + "attn.c_attn.weight"], p[k + "attn.c_attn.bias"]
+                h, p[k + "ln_1.weight"], p.get(k + "ln_1.bias"), p[k + "attn.c_attn.weight"],
+                p.get(k + "attn.c_attn.bias"),
             )  # [B, T, 3d] = c_attn(ln_1(h))
             a, att_c = L.attention_forward(a, self.n_head, pa, rng)  # [B, T, d]
-            a, aproj_c = L.linear_forward(a, p[k + "attn.c_proj.weight"], p[k + "attn.c_proj.bias"])  # [B, T, d]
+            a, aproj_c = L.linear_forward(a, p[k + "attn.c_proj.weight"], p.get(k + "attn.c_proj.bias"))  # [B, T, d]
             a, adrop_c = L.dropout_forward(a, pd, rng)  # [B, T, d]
             h += a  # [B, T, d] in place: no cache holds the residual stream (embedding output is a fresh copy)
             m, fc_c = L.layernorm_linear_forward(
-                h, p[k + "ln_2.weight"], p[k + "ln_2.bias"], p[k + "mlp.c_fc.weight"], p[k + "mlp.c_fc.bias"]
+                h, p[k + "ln_2.weight"], p.get(k + "ln_2.bias"), p[k + "mlp.c_fc.weight"], p.get(k + "mlp.c_fc.bias")
             )  # [B, T, 4d] = c_fc(ln_2(h))
-            m, gelu_c = L.gelu_forward(m)  # [B, T, 4d]
-            m, mproj_c = L.linear_forward(m, p[k + "mlp.c_proj.weight"], p[k + "mlp.c_proj.bias"])  # [B, T, d]
+            m, gelu_c = self._gelu_forward(m)  # [B, T, 4d]
+            m, mproj_c = L.linear_forward(m, p[k + "mlp.c_proj.weight"], p.get(k + "mlp.c_proj.bias"))  # [B, T, d]
             m, mdrop_c = L.dropout_forward(m, pd, rng)  # [B, T, d]
             h += m  # [B, T, d]
             blocks.append((qkv_c, att_c, aproj_c, adrop_c, fc_c, gelu_c, mproj_c, mdrop_c))
-        h, lnf_c = L.layernorm_forward(h, p["transformer.ln_f.weight"], p["transformer.ln_f.bias"])  # [B, T, d]
+        h, lnf_c = L.layernorm_forward(h, p["transformer.ln_f.weight"], p.get("transformer.ln_f.bias"))  # [B, T, d]
         logits, head_c = L.head_forward(h, self.lm_head)  # [N, V] tied head, no bias
         return logits, (emb_c, emb_dc, blocks, lnf_c, head_c)
 

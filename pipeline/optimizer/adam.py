@@ -12,10 +12,14 @@ class Adam(Optimizer):
     buffers = ("exp_avg", "exp_avg_sq")
     decoupled = False
 
-    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 weight_decay_on: str):
         super().__init__(params, lr)
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps, self.weight_decay = float(eps), float(weight_decay)
+        # all: every parameter; matrices: those of 2 or more dimensions (weights and embeddings, not biases nor
+        # LayerNorm gains: GPT-2's, nanoGPT's and HF's groups)
+        self.decays = {name: weight_decay_on == "all" or p.ndim >= 2 for name, p in self.params.items()}
         # Moments of a model of one dtype live in two flat arrays; each name's buffer is a view into them.
         self._flat = _Flat(self.params, self.state) if len({p.dtype for p in self.params.values()}) == 1 else None
 
@@ -30,23 +34,38 @@ class Adam(Optimizer):
         self.t += 1
         np.concatenate([self.params[n].reshape(-1) for n in names], out=flat.p)
         np.concatenate([grads[n].reshape(-1) for n in names], out=flat.g)
-        self._apply(flat.p, flat.g, flat.m, flat.v, flat.tmp)
+        everything = all(self.decays.values())
+        if self.weight_decay and not everything:
+            for n, p, g in zip(names, flat.views(flat.p), flat.views(flat.g)):
+                if self.decays[n]:
+                    self._decay(p, g, scratch=True)
+        self._apply(flat.p, flat.g, flat.m, flat.v, flat.tmp, decay=everything)
         for n, part in zip(names, flat.views(flat.p)):
             np.copyto(self.params[n], part)
 
     def _update(self, name: str, p: np.ndarray, g: np.ndarray) -> None:
         m, v = self._buffer("exp_avg", name), self._buffer("exp_avg_sq", name)
-        self._apply(p, g, m, v, np.empty_like(m))  # out=: an array even for 0-d parameters
+        self._apply(p, g, m, v, np.empty_like(m), decay=self.decays[name])  # out=: an array even for 0-d ones
 
-    def _apply(self, p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, tmp: np.ndarray) -> None:
+    def _decay(self, p: np.ndarray, g: np.ndarray, scratch: bool = False) -> np.ndarray:
+        """Weight decay, torch's: decoupled (AdamW) shrinks p in place; L2 (Adam) returns g + wd p, written into
+        g only where g is the step's own scratch copy (`scratch`), never into a caller's gradient."""
+        dt = p.dtype.type
+        if self.decoupled:
+            p *= dt(1 - self.lr * self.weight_decay)
+            return g
+        if scratch:
+            g += dt(self.weight_decay) * p
+            return g
+        return g + dt(self.weight_decay) * p
+
+    def _apply(self, p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, tmp: np.ndarray,
+               decay: bool) -> None:
         # torch's formulas, each elementwise operation in torch's order, through one scratch array: the same
         # bits as the plain expressions without their five temporaries per parameter.
+        if self.weight_decay and decay:
+            g = self._decay(p, g)
         dt = p.dtype.type
-        if self.weight_decay:
-            if self.decoupled:
-                p *= dt(1 - self.lr * self.weight_decay)
-            else:
-                g = g + dt(self.weight_decay) * p
         np.subtract(g, m, out=tmp)  # g - m
         tmp *= dt(1 - self.beta1)
         m += tmp  # torch: exp_avg.lerp_(grad, 1 - beta1), i.e. m += (g - m) * (1 - beta1)

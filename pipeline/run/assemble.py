@@ -69,7 +69,7 @@ def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> Tra
     return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, iterator=iterator, streams=streams,
                       dataset=dataset, dtype=dtype, total_steps=steps, accumulate=accumulate,
                       grad_clip=float(trainer["grad_clip"]), shards=int(trainer["shards"]),
-                      threads=trainer["threads"], stages=StageStates(stages))
+                      threads=trainer["threads"], eval_batches=trainer["eval_batches"], stages=StageStates(stages))
 
 
 def build_stages(config: dict) -> list:

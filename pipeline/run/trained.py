@@ -16,7 +16,7 @@ from pipeline.checkpoint.directory import CheckpointDir, weights_bytes
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.config import identity, targets
 from pipeline.config.errors import ConfigError
-from pipeline.config.schemas import SCHEMAS, as_written_now, validate
+from pipeline.config.schemas import SCHEMAS, as_written_now, config_written_now, validate
 from pipeline.data.base import DataSpec, inference_facts
 from pipeline.run.directory import RunDir
 from pipeline.stateful import restore
@@ -44,15 +44,16 @@ def restore_checkpoint(directory: Path, overrides: list[str] | tuple[str, ...] =
         targets.check(manifest["config"], targets.allowed(tuple(overrides)))
     except targets.UnknownTarget as e:
         raise checkpoint.fault(str(e), UnknownTargetError) from None
+    config = config_written_now(manifest["config"])  # a key added since means what its absence meant
     try:
-        validate(manifest["config"])  # the ranges a run's values are held to, before anything is sized by them
+        validate(config)  # the ranges a run's values are held to, before anything is sized by them
     except ConfigError as e:
         raise checkpoint.fault(f"its config holds a value a run refuses: {e}") from None
     spec = dict(manifest["data_spec"])
     n_train = int(spec.pop("n_train"))
-    _fits_its_weights(checkpoint, manifest, DataSpec(**spec))
+    _fits_its_weights(checkpoint, manifest, config["model"], DataSpec(**spec))
     try:
-        state = build_state(manifest["config"], DataSpec(**spec), n_train)
+        state = build_state(config, DataSpec(**spec), n_train)
     except Exception as e:
         raise checkpoint.fault(f"its config does not build here: "
                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
@@ -65,12 +66,11 @@ def restore_checkpoint(directory: Path, overrides: list[str] | tuple[str, ...] =
     return manifest, state
 
 
-def _fits_its_weights(checkpoint: CheckpointDir, manifest: dict, spec: DataSpec) -> None:
+def _fits_its_weights(checkpoint: CheckpointDir, manifest: dict, node: dict, spec: DataSpec) -> None:
     """A config whose model is far bigger than its weights file is refused before a byte is allocated for it (a planted
     width would otherwise be built first and found wrong after, or exhaust memory on the way)."""
     from hydra.utils import get_class
 
-    node = manifest["config"]["model"]
     try:
         count = getattr(get_class(node["_target_"]), "n_params", None)
         wanted = None if count is None else count(spec, **{k: v for k, v in node.items() if k != "_target_"})

@@ -1,6 +1,7 @@
 """The step loop: one batch, one forward and backward, one optimizer update, one scheduler step."""
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -57,8 +58,10 @@ def clip(grads: dict[str, np.ndarray], norm: float, max_norm: float) -> bool:
 
 
 def validate(state: TrainState) -> dict[str, float]:
-    """Mean validation loss over the fixed validation batches, weighted by batch size, summed in batch order."""
-    loss = state.runner.mean_loss(state.model, state.dataset.val_batches(state.dtype))
+    """Mean validation loss over the fixed validation batches (the first trainer.eval_batches of them, if set:
+    the same subset every time), weighted by batch size, summed in batch order."""
+    batches = itertools.islice(state.dataset.val_batches(state.dtype), state.eval_batches)  # None: all
+    loss = state.runner.mean_loss(state.model, batches)
     out = {"val/loss": loss}
     if counts_tokens(state.dataset):
         out["val/ppl"] = math.exp(min(loss, 700.0))

@@ -58,6 +58,7 @@ class TrainState:
     grad_clip: float  # the largest global L2 norm of an update's gradient; 0: no clipping
     shards: int  # pieces each micro-batch is split into (semantic: the dropout draws, the summation order)
     threads: int | None  # threads running the pieces (not semantic); None: the cores available
+    eval_batches: int | None  # an evaluation reads the first N validation batches; None: all of them
     stages: object  # the stages' states (pipeline.stages.base.StageStates); the run layer builds them
     progress: Progress = field(default_factory=Progress)
     runner: Shards = field(init=False, repr=False)  # the shard runner: it pins BLAS to one thread until close()

@@ -19,12 +19,17 @@ from pipeline.model.minigpt import MiniGPT
 CFG = dict(n_layer=2, n_head=4, n_embd=32, n_positions=16, vocab_size=97)
 
 
-def small_model() -> MiniGPT:
+def small_model(bias: bool = True, gelu: str = "tanh") -> MiniGPT:
     # init_std 0.2 gives logits of O(1), so the comparison below is not between near-zero numbers.
-    return MiniGPT(
+    m = MiniGPT(
         DataSpec(vocab_size=97), n_layer=2, n_head=4, n_embd=32, block_size=16, dropout=0.0, attn_dropout=None,
-        init_std=0.2, dtype="float32", rng=np.random.default_rng(0),
+        init_std=0.2, bias=bias, gelu=gelu, dtype="float32", rng=np.random.default_rng(0),
     )  # fmt: skip
+    r = np.random.default_rng(5)
+    for name, p in m.params.items():  # LayerNorm gains and biases away from GPT-2's 1 and 0
+        if "ln_" in name or name.endswith("bias"):
+            p += (0.1 * r.standard_normal(p.shape)).astype(p.dtype)
+    return m
 
 
 def test_written_files_round_trip(tmp_path):
@@ -55,6 +60,22 @@ def test_rejects_mismatched_weights(tmp_path):
         write_hf({**sd, "lm_head.weight": sd["lm_head.weight"] + 1}, out_dir=tmp_path, **CFG)
 
 
+def test_a_bias_free_model_exports_with_zero_biases_and_computes_the_same(tmp_path):
+    free = small_model(bias=False, gelu="erf")
+    write_hf(free.state_dict(), out_dir=tmp_path, **CFG, bias=False, gelu="erf")
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    biases = {k for k in stored if k.endswith(".bias")}
+    assert len(biases) == 2 * 6 + 1 and all(not stored[k].any() for k in biases)
+    assert json.loads((tmp_path / "config.json").read_text())["activation_function"] == "gelu"
+    full = small_model(bias=True, gelu="erf")  # GPT-2's layout with every bias, loaded from the export
+    for name, p in full.params.items():
+        np.copyto(p, stored[name])
+    x = np.random.default_rng(1).integers(0, 97, (3, 16))
+    np.testing.assert_array_equal(full.logits(x), free.logits(x))
+    with pytest.raises(KeyError, match=r"a bias-free model holds transformer.h.0.attn.c_attn.bias"):
+        write_hf(small_model().state_dict(), out_dir=tmp_path, **CFG, bias=False)
+
+
 def test_cli_refuses_a_missing_checkpoint(tmp_path):
     assert main([str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
@@ -69,12 +90,13 @@ NEEDS_HF = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
 
 
 @NEEDS_HF
-def test_transformers_loads_it_and_agrees(tmp_path):
+@pytest.mark.parametrize(("bias", "gelu"), [(True, "tanh"), (False, "erf")])
+def test_transformers_loads_it_and_agrees(tmp_path, bias, gelu):
     import torch
     import transformers
 
-    m = small_model()
-    write_hf(m.state_dict(), out_dir=tmp_path, **CFG)
+    m = small_model(bias, gelu)
+    write_hf(m.state_dict(), out_dir=tmp_path, **CFG, bias=bias, gelu=gelu)
     hf, info = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path), output_loading_info=True)
     # Only the causal-mask buffer (attn.bias / masked_bias in older versions) may be reported missing.
     assert all(k.endswith(("attn.bias", "attn.masked_bias")) for k in info["missing_keys"]), info

@@ -4,7 +4,10 @@ words and characters through the corpus vocabulary, and one-line refusals."""
 from __future__ import annotations
 
 import math
+import re
+import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -52,8 +55,12 @@ def test_prompts_split_as_the_corpus_joins_its_tokens():
     assert encode("", vocab, " ") == [0]  # an empty prompt starts after <eos>
     with pytest.raises(ConfigError, match=r"not in the corpus vocabulary of 4 tokens: 'woman', 'dogs'"):
         encode("the woman , dogs woman", vocab, " ")
-    with pytest.raises(ConfigError, match="no <eos>"):
+    chars = ["\n", " ", "a", "b"]
+    assert encode("", chars, "") == [0]  # a character vocabulary without <eos> starts at a newline (nanoGPT's)
+    with pytest.raises(ConfigError, match=r"no <eos> nor newline to start from: give one, e.g. prompt=a$"):
         encode("", ["a", "b"], "")
+    with pytest.raises(ConfigError, match=re.escape("(a newline is typed prompt=$'\\n' in bash)")):
+        encode("\\n", chars, "")  # what bash passes for prompt='\n': a backslash and an n
 
 
 def test_the_same_seed_gives_the_same_text_from_its_own_generator(tiny):
@@ -108,3 +115,19 @@ def test_the_command_and_its_refusals(tiny, tmp_path, finished_job):
     shutil.copytree(tiny, damaged)
     (damaged / "extra.json").write_text("{}")
     assert "extra.json" in refused([str(damaged), "prompt=the"], tmp_path / "cwd")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["grammar", "text"])
+def test_the_printed_sample_line_runs_as_printed(kind, tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("to be or not to be\nthat is the question\n" * 40)
+    job = TINY if kind == "grammar" else text_overrides(text)
+    done = run_pipeline([*job, f"paths.output_dir={tmp_path / 'out'}"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    line = next(ln for ln in (done.stdout + done.stderr).splitlines() if ln.lstrip().startswith("sample "))
+    argv = shlex.split(line.split("sample", 1)[1])
+    assert argv[:3] == [sys.executable if argv[0] != "python" else "python", "-m", "pipeline.sample"]
+    drawn = run_pipeline(argv[3:], tmp_path, module="pipeline.sample")
+    assert drawn.returncode == 0, drawn.stderr
+    assert drawn.stdout.strip()

@@ -8,6 +8,7 @@ from dataclasses import fields
 
 import pytest
 import yaml
+from conftest import config_of
 from hydra.utils import get_class
 
 from pipeline.config.compose import CONFIG_DIR
@@ -121,3 +122,25 @@ def test_the_train_state_takes_every_trainer_key_it_holds_without_a_default():
     held = [f for f in fields(TrainState) if f.name in trainer]
     assert {f.name for f in held} >= {"accumulate", "grad_clip", "shards", "threads"}
     assert [f.name for f in held if f.default is not MISSING or f.default_factory is not MISSING] == []
+
+
+def test_the_nanogpt_recipe_is_nanogpts_cpu_command_line(tmp_path):
+    # nanoGPT's train.py defaults, config/train_shakespeare_char.py and its README's CPU flags, key by key
+    text = tmp_path / "input.txt"
+    text.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50)
+    c = config_of("experiment=nanogpt_char_cpu", f"data.path={text}")
+    assert {k: c["model"][k] for k in ("n_layer", "n_head", "n_embd", "dropout", "bias", "gelu")} == \
+        {"n_layer": 4, "n_head": 4, "n_embd": 128, "dropout": 0.0, "bias": False, "gelu": "erf"}
+    assert c["model"]["init_std"] == 0.02 and c["data"]["block_size"] == 64 and c["data"]["val_fraction"] == 0.1
+    opt = c["optimizer"]
+    assert (opt["_target_"].endswith("AdamW"), opt["lr"], opt["betas"], opt["weight_decay"], opt["weight_decay_on"]) \
+        == (True, 1e-3, [0.9, 0.99], 0.1, "matrices")
+    sch = c["scheduler"]
+    assert (sch["warmup_steps"], sch["warmup_offset"]) == (100, 1)
+    assert sch["min_lr_ratio"] * opt["lr"] == pytest.approx(1e-4) and sch["total_steps"] is None  # = max_iters
+    t = c["trainer"]
+    assert (t["max_steps"], t["batch_size"], t["accumulate"], t["grad_clip"], t["eval_every"], t["eval_batches"],
+            t["dtype"]) == (2000, 12, 1, 1.0, 250, 20, "float32")
+    assert c["data"]["val_batch_size"] == t["batch_size"]  # estimate_loss reads batches of batch_size
+    with pytest.raises(Exception, match=r"data\.path"):
+        config_of("experiment=nanogpt_char_cpu")

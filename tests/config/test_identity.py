@@ -11,6 +11,8 @@ from pipeline.config.identity import (
     changed_keys,
     config_hash,
     covered,
+    described,
+    get,
     identify,
     run_name,
     semantic_config,
@@ -133,7 +135,8 @@ def shipped_configs(tmp_path) -> list[dict]:
               for d in conf.rglob("*") if d.is_dir() and d.relative_to(conf).parts[0] in top}
     (tmp_path / "corpus.txt").write_text("the cat sat on the mat. " * 20)
     experiments = groups.pop("experiment")  # an experiment overrides other groups: each composed on its own
-    combos = [[f"experiment={e}"] for e in experiments]
+    combos = [[f"experiment={e}", f"data.path={tmp_path / 'corpus.txt'}"] if e == "nanogpt_char_cpu"
+              else [f"experiment={e}"] for e in experiments]  # an experiment on your own text names it
     for i in range(max(len(options) for options in groups.values())):  # the i-th option of every group at once
         combo = [f"{'' if '/' not in g else '+'}{g}={options[i % len(options)]}" for g, options in groups.items()]
         if "data=text" in combo:
@@ -198,3 +201,23 @@ def test_every_leaf_of_every_shipped_config_is_in_the_identity_unless_declared_n
     assert not wrong, "\n".join(wrong)
     assert {"model.n_layer", "scheduler.warmup_steps", "scheduler.gamma", "data.path"} <= seen  # the walk reached them
     assert [k for k in NOT_SEMANTIC if not any(covered(s, [k]) for s in seen)] == []  # no stale entry
+
+
+ADDED = {"model": ("bias", "gelu"), "optimizer": ("weight_decay_on",), "scheduler": ("warmup_offset",)}
+
+
+def test_a_key_added_at_its_old_behaviour_changes_no_run_name():
+    # The names the code before these keys gave (the README's run directory among them): a run directory written
+    # then is found by the identical command, and drift sees no change; a key set otherwise is a new identity.
+    assert run_name(config_of("trainer.max_steps=64")) == "default-b28c52f1161c"
+    assert run_name(config_of(*KERNODECK)) == run_name(config_of(*KERNODECK, "model.hidden=[8]"))
+    now = config_of()
+    before = {k: ({n: v for n, v in node.items() if n not in ADDED.get(k, ())} if isinstance(node, dict) else node)
+              for k, node in now.items()}
+    assert before["model"] != now["model"] and semantic_config(before, {}) == semantic_config(now, {})
+    for key in ("model.bias=false", "model.gelu=erf", "optimizer.weight_decay_on=matrices",
+                "scheduler.warmup_offset=1"):
+        assert run_name(config_of(key)) != run_name(now), key
+        old, new = semantic_config(before, {}), semantic_config(config_of(key), {})
+        assert described(old, new) == [f"{key.split('=')[0]} {get(old, key.split('=')[0])!r} -> "
+                                       f"{get(new, key.split('=')[0])!r}"], key

@@ -184,6 +184,56 @@ def test_gelu_is_exact_against_extended_precision_and_finite_far_out():
     assert out.dtype == grad.dtype == np.float32
 
 
+def test_erf_gelu_is_exact_against_extended_precision_and_its_grads(rng):
+    # x Phi(x) with Phi from math.erfc (a few ulp, no cancellation far left) in long double: the oracle; its derivative
+    # Phi + x phi against finite differences; float32 stays float32 and far out takes its limits silently.
+    x = np.linspace(-8, 8, 1601)
+    xl = x.astype(np.longdouble)
+    phi_cdf = np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in x], dtype=np.longdouble)
+    out, cache = L.gelu_erf_forward(x)
+    want = (xl * phi_cdf).astype(np.float64)
+    # Past x = -5 erfc's condition number (~x^2) widens the bound, as for the tanh form
+    np.testing.assert_allclose(out[x >= -5], want[x >= -5], rtol=1e-14, atol=0)
+    np.testing.assert_allclose(out[x < -5], want[x < -5], rtol=1e-13, atol=0)
+    dens = np.exp(-xl * xl / 2) / np.sqrt(np.longdouble(2 * math.pi))
+    np.testing.assert_allclose(L.gelu_backward(np.ones_like(x), cache), (phi_cdf + xl * dens).astype(np.float64),
+                               rtol=1e-13, atol=1e-15)  # fmt: skip
+    y = rng.standard_normal((3, 7)) * 2
+    R = projector(y.shape)
+    dy = L.gelu_backward(R, L.gelu_erf_forward(y)[1])
+    assert rel_err(dy, numeric_grad(lambda: L.gelu_erf_forward(y)[0], y, R)) < TOL
+    far = np.array([-1e4, -100.0, 100.0, 1e4], dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, cache = L.gelu_erf_forward(far)
+        grad = L.gelu_backward(np.ones_like(far), cache)
+    np.testing.assert_array_equal(out, [0, 0, 100, 1e4])
+    np.testing.assert_array_equal(grad, [0, 0, 1, 1])
+    assert out.dtype == grad.dtype == np.float32
+
+
+def test_layernorm_and_its_linear_without_bias_are_the_zero_bias_ones(rng):
+    # A bias-free model passes None for the norm's beta and the linear's b: the same numbers as zeros, no grads.
+    x = rng.standard_normal((2, 3, 6))
+    g, w = rng.standard_normal(6), rng.standard_normal((6, 5))
+    out, cache = L.layernorm_linear_forward(x, g, None, w, None)
+    ref, ref_cache = L.layernorm_linear_forward(x, g, np.zeros(6), w, np.zeros(5))
+    np.testing.assert_array_equal(out, ref)
+    R = projector(out.shape)
+    got, want = L.layernorm_linear_backward(R, cache), L.layernorm_linear_backward(R, ref_cache)
+    assert got[2] is None and got[4] is None
+    for a, b in zip((got[0], got[1], got[3]), (want[0], want[1], want[3])):
+        np.testing.assert_array_equal(a, b)
+    out, cache = L.layernorm_forward(x, g, None)
+    ref, ref_cache = L.layernorm_forward(x, g, np.zeros(6))
+    np.testing.assert_array_equal(out, ref)
+    R = projector(x.shape)
+    (dx, dg, db), (rx, rg, _) = L.layernorm_backward(R, cache), L.layernorm_backward(R, ref_cache)
+    assert db is None
+    np.testing.assert_array_equal(dx, rx)
+    np.testing.assert_array_equal(dg, rg)
+
+
 def test_dropout_fixed_mask_grads(rng):
     x = rng.standard_normal((4, 5))
     R = projector(x.shape)

@@ -40,7 +40,7 @@ def numeric_grad(f, x: np.ndarray, h: float = 1e-3) -> np.ndarray:
 
 # What these tests build unless they say otherwise (the class has no defaults: conf/model/minigpt.yaml's values)
 BASE = dict(n_layer=2, n_head=4, n_embd=64, block_size=None, dropout=0.0, attn_dropout=None, init_std=0.02,
-            dtype="float32")
+            bias=True, gelu="tanh", dtype="float32")
 
 
 def make(vocab=11, seed=0, **kw) -> MiniGPT:
@@ -79,6 +79,31 @@ def test_whole_model_gradient_check(dropout):
     for name, p in m.params.items():
         assert rel_err(grads[name], numeric_grad(loss, p)) < TOL, name
     assert np.all(grads["transformer.wpe.weight"][5] == 0)
+
+
+@pytest.mark.parametrize(("bias", "gelu"), [(False, "tanh"), (True, "erf"), (False, "erf")])
+def test_bias_free_and_erf_models_gradient_check(bias, gelu):
+    m, b = make(n_layer=2, n_head=2, n_embd=8, block_size=6, init_std=0.3, dtype="float64", bias=bias, gelu=gelu), \
+        batch(11, B=2, T=5)
+    r = np.random.default_rng(1)
+    for name, p in m.params.items():
+        if "ln_" in name or name.endswith("bias"):
+            p += 0.1 * r.standard_normal(p.shape)
+    assert bias or not any(name.endswith(".bias") for name in m.params)
+    counted = MiniGPT.n_params(DataSpec(vocab_size=11, block_size=6), n_layer=2, n_embd=8, block_size=6, bias=bias)
+    assert sum(p.size for p in m.params.values()) == counted
+    _, grads = m.loss_and_grads(b, None)
+    assert list(grads) == list(m.params)
+    for name, p in m.params.items():
+        assert rel_err(grads[name], numeric_grad(lambda: m.evaluate(b), p)) < TOL, name
+
+
+def test_a_bias_free_model_is_the_biased_one_with_zero_biases():
+    # The same draws in the same order: the weights equal, and the logits equal those of zero biases.
+    free, full = make(n_embd=16, n_head=2, bias=False), make(n_embd=16, n_head=2, bias=True)
+    assert all(np.array_equal(p, full.params[name]) for name, p in free.params.items())
+    x = np.random.default_rng(3).integers(0, 11, (2, 7))
+    np.testing.assert_array_equal(free.logits(x), full.logits(x))  # GPT-2's init: every bias is 0
 
 
 class _Untied(MiniGPT):

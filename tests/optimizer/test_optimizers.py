@@ -17,7 +17,7 @@ LRS = [0.1, 0.05, 0.02]  # the lr a scheduler set before each step (torch reads 
 REL = 1e-12
 # torch.optim's own defaults, which the hand derivations take too (the classes have none: the YAML holds them)
 SGD_DEFAULTS = dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0)
-ADAM_DEFAULTS = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+ADAM_DEFAULTS = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, weight_decay_on="all")
 DEFAULTS = {SGD: SGD_DEFAULTS, Adam: ADAM_DEFAULTS, AdamW: ADAM_DEFAULTS}
 
 
@@ -140,6 +140,17 @@ def test_adam_and_adamw_differ_with_weight_decay():
     assert run(Adam, weight_decay=0.1)[-1] != pytest.approx(run(AdamW, weight_decay=0.1)[-1], rel=1e-9)
 
 
+def test_weight_decay_on_matrices_decays_2d_weights_only():
+    # AdamW's hand derivation per parameter: the matrix decays (weight_decay 0.1), the vector is plain Adam
+    w, b = np.array([[0.8, -1.3]]), np.array([0.8, -1.3])
+    opt = AdamW({"w": w, "b": b}, lr=LRS[0], **{**ADAM_DEFAULTS, "weight_decay": 0.1, "weight_decay_on": "matrices"})
+    for g, lr in zip(GRADS, LRS):
+        opt.lr = lr
+        opt.step({"w": np.array([g]), "b": np.array(g)})
+    assert_trajectory([w[0].tolist()], adam_by_hand(P0, GRADS, LRS, weight_decay=0.1, decoupled=True)[-1:])
+    assert_trajectory([b.tolist()], adam_by_hand(P0, GRADS, LRS)[-1:])
+
+
 def test_step_rejects_gradients_that_do_not_match_parameters():
     opt = adam({"w": np.zeros(2)}, lr=0.1)
     with pytest.raises(KeyError, match=r"gradients do not match parameters: \['v', 'w'\]"):
@@ -258,10 +269,11 @@ class _PlainAdam(Adam):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self._flat = None  # one parameter at a time through _update below, never Adam's flat path
+        self.on_matrices = kw["weight_decay_on"] == "matrices"
 
     def _update(self, name, p, g):
         dt = p.dtype.type
-        if self.weight_decay:
+        if self.weight_decay and (p.ndim >= 2 or not self.on_matrices):
             if self.decoupled:
                 p *= dt(1 - self.lr * self.weight_decay)
             else:
@@ -278,15 +290,17 @@ class _PlainAdamW(_PlainAdam):
     decoupled = True
 
 
-@pytest.mark.parametrize("cls, ref_cls, wd",
-                         [(Adam, _PlainAdam, 0.0), (Adam, _PlainAdam, 0.1), (AdamW, _PlainAdamW, 0.1)])
+@pytest.mark.parametrize("cls, ref_cls, wd, on",
+                         [(Adam, _PlainAdam, 0.0, "all"), (Adam, _PlainAdam, 0.1, "all"),
+                          (AdamW, _PlainAdamW, 0.1, "all"), (Adam, _PlainAdam, 0.1, "matrices"),
+                          (AdamW, _PlainAdamW, 0.1, "matrices")])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_adam_update_is_bitwise_the_plain_expressions(cls, ref_cls, wd, dtype):
+def test_adam_update_is_bitwise_the_plain_expressions(cls, ref_cls, wd, on, dtype):
     g = np.random.default_rng(3)
-    shapes = {"a": (5, 7), "b": (7,), "c": ()}
+    shapes = {"a": (5, 7), "b": (7,), "c": (), "d": (3, 2)}
     params = {k: g.normal(size=s).astype(dtype) for k, s in shapes.items()}
     ref_params = {k: v.copy() for k, v in params.items()}
-    kw = {**ADAM_DEFAULTS, "lr": 0.01, "weight_decay": wd}
+    kw = {**ADAM_DEFAULTS, "lr": 0.01, "weight_decay": wd, "weight_decay_on": on}
     opt, ref = cls(params, **kw), ref_cls(ref_params, **kw)
     for lr in (0.01, 0.02, 0.005, 0.01):
         grads = {k: g.normal(size=s).astype(dtype) for k, s in shapes.items()}

@@ -15,7 +15,7 @@ from pipeline.scheduler.cosine import WarmupCosine
 from pipeline.scheduler.step import StepLR
 
 PLAIN = {SGD: dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0),
-         Adam: dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)}  # torch.optim's defaults
+         Adam: dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, weight_decay_on="all")}  # torch.optim's defaults
 
 
 def optimizer(lr: float, cls=SGD):
@@ -64,7 +64,8 @@ def hf_cosine_with_warmup(base_lr, step, warmup, total, num_cycles=0.5, min_lr_r
 ])
 def test_cosine_with_warmup_matches_transformers_formula(warmup, total, num_cycles, min_lr):
     opt = optimizer(0.1)
-    sched = WarmupCosine(opt, total_steps=total, warmup_steps=warmup, num_cycles=num_cycles, min_lr_ratio=min_lr)
+    sched = WarmupCosine(opt, total_steps=total, warmup_steps=warmup, warmup_offset=0, num_cycles=num_cycles,
+                         min_lr_ratio=min_lr)
     got = lrs_used(opt, sched, total)
     expected = [hf_cosine_with_warmup(0.1, k, warmup, total, num_cycles, min_lr) for k in range(total)]
     assert got == pytest.approx(expected, rel=1e-12, abs=1e-18)
@@ -74,23 +75,44 @@ def test_cosine_with_warmup_matches_transformers_formula(warmup, total, num_cycl
 
 def test_cosine_shape():
     opt = optimizer(0.1)
-    got = lrs_used(opt, WarmupCosine(opt, total_steps=20, warmup_steps=5, min_lr_ratio=0.0, num_cycles=0.5), 20)
+    got = lrs_used(opt, WarmupCosine(opt, total_steps=20, warmup_steps=5, warmup_offset=0, min_lr_ratio=0.0,
+                                     num_cycles=0.5), 20)
     assert got[0] == 0.0  # transformers' warmup starts at 0
     assert got[:6] == pytest.approx([0.0, 0.02, 0.04, 0.06, 0.08, 0.1], rel=1e-12, abs=0)
     assert all(a > b for a, b in itertools.pairwise(got[5:]))  # strictly decreasing after the warmup
     assert opt.lr == pytest.approx(0.0, abs=1e-18)
 
 
+def nanogpt_lr(it: int, lr=1e-3, warmup_iters=100, lr_decay_iters=2000, min_lr=1e-4) -> float:
+    """nanoGPT's train.py get_lr, transcribed."""
+    if it < warmup_iters:
+        return lr * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return min_lr + coeff * (lr - min_lr)
+
+
+def test_a_warmup_offset_of_one_is_nanogpts_schedule_whose_first_update_moves():
+    opt = optimizer(1e-3)
+    sched = WarmupCosine(opt, total_steps=2000, warmup_steps=100, warmup_offset=1, min_lr_ratio=0.1,
+                         num_cycles=0.5)
+    got = lrs_used(opt, sched, 2000)
+    assert got[0] == pytest.approx(1e-3 / 101, rel=1e-15)  # not 0: the first update moves the weights
+    assert got == pytest.approx([nanogpt_lr(k) for k in range(2000)], rel=1e-12, abs=0)
+
+
 def test_cosine_total_steps_defaults_to_the_runs_total():
     opt = optimizer(0.1)
-    sched = WarmupCosine(opt, total_steps=None, warmup_steps=2, min_lr_ratio=0.0, num_cycles=0.5,
+    sched = WarmupCosine(opt, total_steps=None, warmup_steps=2, warmup_offset=0, min_lr_ratio=0.0, num_cycles=0.5,
                          run_total_steps=10)
     assert sched.total_steps == 10
     got = lrs_used(opt, sched, 10)
     assert got == pytest.approx([hf_cosine_with_warmup(0.1, k, 2, 10) for k in range(10)], rel=1e-12, abs=1e-18)
     with pytest.raises(ValueError, match="scheduler needs total_steps >= 1 and warmup_steps >= 0, got None, 2"):
-        WarmupCosine(optimizer(0.1), total_steps=None, warmup_steps=2, min_lr_ratio=0.0, num_cycles=0.5,
-                     run_total_steps=None)
+        WarmupCosine(optimizer(0.1), total_steps=None, warmup_steps=2, warmup_offset=0, min_lr_ratio=0.0,
+                     num_cycles=0.5, run_total_steps=None)
 
 
 def test_constant():
@@ -101,7 +123,8 @@ def test_constant():
 
 SCHEDULERS = [
     pytest.param(lambda o: StepLR(o, step_size=3, gamma=0.5), id="step"),
-    pytest.param(lambda o: WarmupCosine(o, total_steps=15, warmup_steps=4, min_lr_ratio=0.05, num_cycles=0.5),
+    pytest.param(lambda o: WarmupCosine(o, total_steps=15, warmup_steps=4, warmup_offset=0, min_lr_ratio=0.05,
+                                        num_cycles=0.5),
                  id="cosine"),
     pytest.param(lambda o: Constant(o), id="constant"),
 ]

@@ -201,3 +201,21 @@ def test_shards_are_part_of_the_run_s_identity(tmp_path):
     assert run_job(*TINY, "trainer.shards=1", f"paths.output_dir={tmp_path}")[0] == 0
     assert run_job(*TINY, "trainer.shards=2", f"paths.output_dir={tmp_path}")[0] == 0
     assert len(list((tmp_path / "runs").iterdir())) == 2
+
+
+def test_an_evaluation_reads_the_first_eval_batches_the_same_every_time():
+    # trainer.eval_batches=N (nanoGPT's eval_iters, Lightning's limit_val_batches): the mean over the first N
+    # validation batches, weighted by their sizes, the same subset each time; null reads them all
+    from pipeline.trainer.loop import validate
+
+    small = (*TINY, "data.val_batch_size=4")
+    full, part = state_of(*small), state_of(*small, "trainer.eval_batches=2")
+    batches = list(full.dataset.val_batches(full.dtype))
+    assert len(batches) > 2
+    losses = [(full.model.evaluate(b), len(b.ids)) for b in batches]
+
+    def mean(pairs):
+        return sum(loss * n for loss, n in pairs) / sum(n for _, n in pairs)
+
+    assert validate(part)["val/loss"] == mean(losses[:2]) == validate(part)["val/loss"]
+    assert validate(full)["val/loss"] == mean(losses) != mean(losses[:2])

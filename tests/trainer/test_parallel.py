@@ -15,7 +15,8 @@ THREADS = (1, 2, 4)
 
 def minigpt(dropout=0.0, dtype="float32") -> MiniGPT:
     return MiniGPT(DataSpec(vocab_size=23), n_layer=2, n_head=2, n_embd=16, block_size=8, dropout=dropout,
-                   attn_dropout=dropout, init_std=0.02, dtype=dtype, rng=np.random.default_rng(0))  # fmt: skip
+                   attn_dropout=dropout, init_std=0.02, bias=True, gelu="tanh", dtype=dtype,
+                   rng=np.random.default_rng(0))  # fmt: skip
 
 
 def tokens(B, T=8, vocab=23, seed=1) -> Batch:
