@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import math
 import re
-import shlex
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import KERNODECK, TINY, refused_in_one_line, run_job, run_pipeline, text_overrides, the_run
+from conftest import KERNODECK, TINY, pasted, refused_in_one_line, run_job, run_pipeline, text_overrides, the_run
 
 from pipeline.cli.sample import sample
 from pipeline.config.errors import ConfigError
@@ -126,8 +124,6 @@ def test_the_printed_sample_line_runs_as_printed(kind, tmp_path):
     done = run_pipeline([*job, f"paths.output_dir={tmp_path / 'out'}"], tmp_path)
     assert done.returncode == 0, done.stderr
     line = next(ln for ln in (done.stdout + done.stderr).splitlines() if ln.lstrip().startswith("sample "))
-    argv = shlex.split(line.split("sample", 1)[1])
-    assert argv[:3] == [sys.executable if argv[0] != "python" else "python", "-m", "pipeline.sample"]
-    drawn = run_pipeline(argv[3:], tmp_path, module="pipeline.sample")
+    drawn = pasted(line.split("sample", 1)[1], tmp_path)
     assert drawn.returncode == 0, drawn.stderr
     assert drawn.stdout.strip()
