@@ -107,7 +107,7 @@ def main() -> None:
     started = []
 
     @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
-    def task(cfg) -> float:
+    def task(cfg) -> float | None:
         started.append(True)
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
