@@ -4,7 +4,7 @@ from __future__ import annotations
 # Every entry point's exit codes (docs/stages.md: Exit codes): 0 done, 1 an error in the job, 2 bad input (nothing
 # started or changed), 75 preempted or interrupted (EX_TEMPFAIL: re-run the same command to resume).
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
-EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: SLURM could not be reached (no client here, or no controller answered)
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: SLURM could not be reached (no client here, or no controller answered): re-run
 
 
 class CommandError(Exception):
