@@ -313,7 +313,8 @@ class SweepCallback(Callback):
 
     def end_unfinished(self, error: str) -> bool:
         """End this sweep if its sweeper raised in the process that launched it, and it has not ended; one that
-        was interrupted (whatever its sweeper or launcher made of the signal) ends as interrupted, exit 75."""
+        was interrupted (whatever its sweeper or launcher made of the signal) ends as interrupted, exit 75, and
+        one whose jobs failed says so and exits with their code, as at a sweep's end."""
         if self.sweep is None:
             return False
         try:
@@ -324,8 +325,8 @@ class SweepCallback(Callback):
                                                                           "running"):
             return False
         summary = end(sweep, error, self.parent)
-        if summary["status"] == "interrupted":
-            self._report(summary)
+        if summary["status"] == "interrupted" or summary["failed"]:  # what its sweeper stumbled on (Optuna's best
+            self._report(summary)  # trial, when none completed): the table, the jobs' failures and their code
         return True
 
 

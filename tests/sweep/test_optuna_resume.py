@@ -88,6 +88,16 @@ def test_a_failed_trial_is_replaced_and_the_re_run_asks_only_for_the_missing_one
 
 
 @pytest.mark.slow
+def test_a_study_whose_every_trial_failed_ends_with_its_table_and_their_code(tmp_path):
+    """Optuna's sweeper then finds no best trial and raises: the jobs' failures are the sweep's end, not that."""
+    out = tmp_path / "out"
+    proc = sweep(out, "hydra.sweeper.n_trials=2", "optimizer.lr=choice(-1.0,-2.0)")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "pipeline: 2 of 2 jobs failed: job 0 " in proc.stderr
+    assert [state for state, _ in study(out)] == ["FAIL", "FAIL"]
+
+
+@pytest.mark.slow
 def test_a_continued_study_asks_for_new_trials_the_same_ones_for_the_same_study(tmp_path):
     def continued(out: Path) -> list[dict]:
         for n in (2, 4):
