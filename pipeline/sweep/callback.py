@@ -279,8 +279,9 @@ class SweepCallback(Callback):
         print(*summary["table"], sep="\n", file=sys.stderr)
         failed = summary["failed"]
         if summary["status"] == "interrupted":
-            print(f"pipeline: the sweep was interrupted; {len(failed)} of {len(summary['jobs'])} jobs did not finish: "
-                  "re-run the same command to continue it", file=sys.stderr)
+            said = f"{len(failed)} of {len(summary['jobs'])} jobs did not finish" if summary["jobs"] else "no job ran"
+            print(f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it",
+                  file=sys.stderr)
             raise SystemExit(EXIT_PREEMPTED)
         if failed:
             listing = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
