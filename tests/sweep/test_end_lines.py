@@ -9,6 +9,8 @@ import sys
 import pytest
 from conftest import KERNODECK, env_for_subprocess
 
+from pipeline.config.errors import EXIT_UNAVAILABLE
+
 
 def launch(out, *overrides: str, path: str | None = None) -> subprocess.CompletedProcess:
     env = {**env_for_subprocess(), "PIPELINE_TRACKING_AGENT_IDLE": "60"}  # a second launch finds the agent warm
@@ -47,7 +49,7 @@ def test_a_slurm_that_cannot_be_reached_is_said_so_with_its_own_code_and_nothing
             f.chmod(0o755)
     out = tmp_path / "out"
     proc = launch(out, "tracking=none", "hydra/launcher=slurm", "optimizer.lr=0.01,0.02", path=str(bin_dir))
-    assert proc.returncode == 69, proc.stderr[-3000:]
+    assert proc.returncode == EXIT_UNAVAILABLE == 69, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("pipeline: SLURM could not be reached: ") and "bad config" not in proc.stderr
     assert ("Unable to contact slurm controller" in last) == (client == "unreachable")
