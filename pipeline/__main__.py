@@ -107,7 +107,7 @@ def main() -> None:
     started = []
 
     @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
-    def task(cfg) -> float:
+    def task(cfg) -> float | None:
         started.append(True)
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
@@ -143,12 +143,13 @@ def main() -> None:
         if (sweep := SIGNALS_STATE.launching) is not None:  # the sweep this process launches ends here
             from pipeline.files.atomic import environment_error
 
-            # on a full or read-only disk its sweep.json says so (if the disk lets it); refused before any job ran,
-            # it leaves nothing; else its sweep.json says failed (its sweeper raised)
+            # on a full or read-only disk its sweep.json says so (if the disk lets it); refused before any job ran
+            # (no signal came: a launcher's workers that a signal ended are no refusal), it leaves nothing; else
+            # its sweep.json says failed (its sweeper raised), or interrupted: its table, exit 75
             with contextlib.suppress(OSError):
                 if (message := environment_error(e)) is not None:
                     sweep.end_unfinished(message)
-                elif not started:
+                elif not started and SIGNALS_STATE.received is None:
                     sweep.discard_unlaunched()
                 else:
                     sweep.end_unfinished(f"{type(e).__name__}: {e}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 # Every entry point's exit codes (docs/stages.md: Exit codes): 0 done, 1 an error in the job, 2 bad input (nothing
 # started or changed), 75 preempted or interrupted (EX_TEMPFAIL: re-run the same command to resume).
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: SLURM could not be reached (no client here, or no controller answered): re-run
 
 
 class CommandError(Exception):
@@ -40,8 +41,26 @@ def exit_code(e: BaseException) -> tuple[int, str] | None:
         return EXIT_BAD_INPUT, str(e)
     if (message := environment_error(e)) is not None:  # a full or read-only disk
         return EXIT_ERROR, message
+    if (message := slurm_unreachable(e)) is not None:
+        return EXIT_UNAVAILABLE, message
     if type(e).__module__.split(".")[0] in ("hydra", "omegaconf", "yaml"):  # Hydra could not compose the config
         return EXIT_BAD_INPUT, f"bad config or override: {error_line(e)}"
+    return None
+
+
+def slurm_unreachable(e: BaseException) -> str | None:
+    """One line if `e` is submitit saying there is no SLURM client here, or `sbatch` saying that it could not reach
+    its controller (SLURM's own words); None for anything else, a refused submission included."""
+    import re
+    import subprocess
+
+    if isinstance(e, RuntimeError) and str(e).startswith('Could not detect "srun"'):
+        return "SLURM could not be reached: no SLURM client (srun, sbatch) on this machine"
+    cause = e.__cause__
+    if (isinstance(cause, subprocess.CalledProcessError) and str(cause.cmd[0]) == "sbatch"
+            and re.search(r"contact slurm controller|configuration source|timed out|zero bytes", str(e), re.I)):
+        said = [line for line in str(e).splitlines() if line.strip()]
+        return f"SLURM could not be reached: {said[-1].strip()}; nothing was submitted, re-run once it answers"
     return None
 
 

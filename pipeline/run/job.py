@@ -19,7 +19,7 @@ from pipeline.run.directory import RunDir
 from pipeline.run.loop import Run
 from pipeline.run.signals import SIGNALS_STATE, SWEEP, Interrupted
 from pipeline.run.slurm import requeue_self
-from pipeline.run.sweep import SweepJob
+from pipeline.run.sweep import SweepInterrupted, SweepJob
 from pipeline.trainer.metrics_log import QuietFileHandler
 
 log = logging.getLogger("pipeline")
@@ -35,11 +35,13 @@ class JobFailed(CommandError):
 
 
 def main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None = None,
-         command: list[str] | None = None) -> float:
-    """Run one job; its objective. A failure that carries an exit code is one line on stderr: a single run
-    exits with the code, a multirun's job (`sweep`) records it and returns NaN (the sweep goes on); its end
-    is recorded in its sweep, an exception out of it included. `command`: the arguments that run it again
-    (Hydra's config flags, the search path, the overrides) for its end summary; None: `overrides`."""
+         command: list[str] | None = None) -> float | None:
+    """Run one job; its objective, None if it has none (a sweeper told NaN refuses it: Optuna's then fails in its
+    own error path). A failure that carries an exit code is one line on stderr: a single run exits with the code,
+    a multirun's job (`sweep`) records it and returns None (the sweep goes on), or raises SweepInterrupted if its
+    sweep was interrupted (no sweeper asks for another job); its end is recorded in its sweep, an exception out
+    of it included. `command`: the arguments that run it again (Hydra's config flags, the search path, the
+    overrides) for its end summary; None: `overrides`."""
     try:
         if sweep is not None:
             _start_in_sweep(sweep)
@@ -54,10 +56,12 @@ def main(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
             sys.exit(failed.exit_code)
         sweep.failure = {"code": failed.exit_code, "error": str(failed)[:2000],
                          **({} if failed.started else {"status": "not started"})}
-        value = math.nan  # the sweep goes on; its end says which jobs failed and why
+        value = None  # the sweep goes on; its end says which jobs failed and why
     if sweep is not None:
         sweep.record(value)
-    return value
+        if sweep.failure is not None and SIGNALS_STATE.sweep_interrupted(sweep.dir):
+            raise SweepInterrupted(f"job {sweep.num} stopped: the sweep was interrupted")
+    return None if value is None or math.isnan(value) else value
 
 
 class JobLabel(logging.Formatter):

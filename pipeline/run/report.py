@@ -77,6 +77,11 @@ def ui_server(tracking_uri: str) -> str:
     return tracking_uri if tracking_uri.startswith(("http://", "https://")) else UI_LOCAL
 
 
+def ui_command(tracking_uri: str) -> str:
+    """The shell command that serves the UI of a store without a server (quoted: a path may hold spaces)."""
+    return shlex.join(["mlflow", "ui", "--backend-store-uri", tracking_uri])
+
+
 def run_page(run_uri: str) -> str:
     """The mlflow UI's page of a run from its run URI (`<store>#/experiments/<id>/runs/<id>`, as a manifest's
     mlflow_run_uri says it), in the machine-learning view; anything else as it is."""
@@ -121,6 +126,6 @@ def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, link
     if tracking_uri and ui_server(tracking_uri) == tracking_uri:  # a server: its UI is at its address
         lines.append(f"  mlflow ui   {ui_page(tracking_uri, experiment_id)}")
     elif tracking_uri:
-        lines.append(f"  mlflow ui   {shlex.join(['mlflow', 'ui', '--backend-store-uri', tracking_uri])}")
+        lines.append(f"  mlflow ui   {ui_command(tracking_uri)}")
         lines.append(f"  then open   {ui_page(UI_LOCAL, experiment_id)}")
     return "\n".join(lines)

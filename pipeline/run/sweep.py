@@ -6,11 +6,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config.errors import EXIT_PREEMPTED
+from pipeline.config.errors import EXIT_PREEMPTED, CommandError
 from pipeline.files import jsonio
 from pipeline.files.atomic import ensure_dirs, replace_file
 
 log = logging.getLogger("pipeline")
+
+
+class SweepInterrupted(CommandError):
+    """What a job of an interrupted sweep raises after its record: every sweeper stops there (Optuna's marks its
+    trial failed and asks for no other), and the launching process ends the sweep, exit 75."""
+
+    exit_code = EXIT_PREEMPTED
 
 
 @dataclass

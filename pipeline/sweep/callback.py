@@ -270,14 +270,18 @@ class SweepCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         """The table on stderr; exit 0 only if every job completed: 75 if interrupted, else the first failure's code."""
-        if self.sweep is None:
-            return
-        summary = end(self.sweep, None, self.parent)
+        if self.sweep is not None:
+            self._report(end(self.sweep, None, self.parent))
+
+    @staticmethod
+    def _report(summary: dict) -> None:
+        """The end table on stderr, then the exit line and code unless every job of this launch completed."""
         print(*summary["table"], sep="\n", file=sys.stderr)
         failed = summary["failed"]
         if summary["status"] == "interrupted":
-            print(f"pipeline: the sweep was interrupted; {len(failed)} of {len(summary['jobs'])} jobs did not finish: "
-                  "re-run the same command to continue it", file=sys.stderr)
+            said = f"{len(failed)} of {len(summary['jobs'])} jobs did not finish" if summary["jobs"] else "no job ran"
+            print(f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it",
+                  file=sys.stderr)
             raise SystemExit(EXIT_PREEMPTED)
         if failed:
             listing = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
@@ -309,7 +313,9 @@ class SweepCallback(Callback):
         return True
 
     def end_unfinished(self, error: str) -> bool:
-        """End this sweep if its sweeper raised in the process that launched it, and it has not ended."""
+        """End this sweep if its sweeper raised in the process that launched it, and it has not ended; one that
+        was interrupted (whatever its sweeper or launcher made of the signal) ends as interrupted, exit 75, and
+        one whose jobs failed says so and exits with their code, as at a sweep's end."""
         if self.sweep is None:
             return False
         try:
@@ -319,7 +325,9 @@ class SweepCallback(Callback):
         if (sweep.get("pid"), sweep.get("host"), sweep.get("status")) != (os.getpid(), socket.gethostname(),
                                                                           "running"):
             return False
-        end(sweep, error, self.parent)
+        summary = end(sweep, error, self.parent)
+        if summary["status"] == "interrupted" or summary["failed"]:  # what its sweeper stumbled on (Optuna's best
+            self._report(summary)  # trial, when none completed): the table, the jobs' failures and their code
         return True
 
 
@@ -327,8 +335,12 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
     """The sweep's outcome from its jobs' records, into sweep.json and its parent run."""
     directory = Path(sweep["dir"])
     jobs = read_jobs(directory)
-    failed = {n: j for n, j in jobs.items() if j.get("status") != "complete"}
-    interrupted = SIGNALS_STATE.received is not None or any(j.get("code") == EXIT_PREEMPTED for j in jobs.values())
+    # what this launch ran: an Optuna study's earlier trials are never run again (a failed one is replaced), so only
+    # its new ones (from job_offset) decide whether the sweep still has work for a re-run
+    launched = {n: j for n, j in jobs.items() if n >= int(sweep.get("job_offset") or 0)}
+    failed = {n: j for n, j in launched.items() if j.get("status") != "complete"}
+    interrupted = SIGNALS_STATE.received is not None or any(j.get("code") == EXIT_PREEMPTED
+                                                            for j in launched.values())
     status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
     sweep.update(status=status, ended_at=time.time(), error=error)
     atomic.replace_file(directory / "sweep.json", jsonio.dumps(sweep))
@@ -357,4 +369,7 @@ def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
         hydra.sweeper.storage, hydra.sweeper.study_name = storage, name
         if isinstance(sweeper.get("n_trials"), int):
             hydra.sweeper.n_trials = max(0, sweeper["n_trials"] - done)
+        seed = (sweeper.get("sampler") or {}).get("seed")
+        if held and type(seed) is int:  # seeded as at the start, it would ask for the trials it began with again
+            hydra.sweeper.sampler.seed = seed + held
     return held

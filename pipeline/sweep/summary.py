@@ -48,15 +48,16 @@ def best_job(jobs: dict[int, dict], sweep: dict) -> dict | None:
 
 
 SHOWN_DIGITS = 4  # significant digits of a swept float in a run's name (mlflow's column cuts 18 to `0.0…`)
+TABLE_DIGITS = 6  # ... and in the end table, as a job's own lines print its numbers (`:.6g`)
 _FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][+-]?\d+)")
 
 
-def shown_value(value: str) -> str:
-    """A swept value as a run's name shows it: a float literal with at most SHOWN_DIGITS significant digits
+def shown_value(value: str, digits: int = SHOWN_DIGITS) -> str:
+    """A swept value as a run's name shows it: a float literal with at most `digits` significant digits
     (`0.0031622776601683794` -> `0.003162`; the exact value is in the run's params), anything else as given."""
     if not _FLOAT.fullmatch(value):
         return value
-    short = f"{float(value):.{SHOWN_DIGITS}g}"
+    short = f"{float(value):.{digits}g}"
     return value if float(short) == float(value) else short  # `1.0` and `1e-4` stay as the user wrote them
 
 
@@ -100,7 +101,7 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
     for j in shown:
         values = swept_values(j.get("overrides") or [], keys)
         v = finite(j.get("objective"))
-        cells = [values.get(k, "") for k in keys]
+        cells = [shown_value(values.get(k, ""), TABLE_DIGITS) for k in keys]
         rows.append([str(j["num"]), *(c if len(c) <= MAX_CELL else c[:MAX_CELL - 3] + "..." for c in cells),
                      "-" if v is None else f"{v:.6g}", str(j.get("status", "unknown"))])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from pipeline.run.report import run_page, ui_page, ui_server
+from pipeline.run.report import run_page, ui_command, ui_page, ui_server
 from pipeline.run.tracker import SweepParent
 from pipeline.tracking.common import SLURM_WAIT, artifact_root, in_slurm_job, normalize_tracking_uri, store_problem
 from pipeline.tracking.link import Request, agent_for
@@ -77,5 +77,5 @@ class MlflowSweepParent(SweepParent):
             return [f"not tracked: {answer.get('message', 'unknown error')}"]
         # the experiment's runs view; a sqlite store has no server: say how to start one
         page = ui_page(ui_server(self.uri), answer["experiment_id"])
-        runs = page if ui_server(self.uri) == self.uri else f"`mlflow ui --backend-store-uri {self.uri}`, then {page}"
+        runs = page if ui_server(self.uri) == self.uri else f"`{ui_command(self.uri)}`, then {page}"
         return [run_page(answer["uri"]), f"its runs: {runs}"]

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from pipeline.run import job as runner
-from pipeline.run.sweep import SweepJob
+from pipeline.run.sweep import SweepInterrupted, SweepJob
 from pipeline.sweep import callback as sweep_callback
 
 
@@ -64,7 +64,7 @@ def test_a_job_failure_in_a_multirun_is_its_record_not_an_exit(tmp_path, monkeyp
 
     monkeypatch.setattr(runner, "_job", refused)
     job = sweep_job(tmp_path)
-    assert math.isnan(runner.main({}, [], "", job))
+    assert runner.main({}, [], "", job) is None
     assert capsys.readouterr().err == "pipeline: bad value\n"
     assert (record_of(tmp_path)["code"], record_of(tmp_path)["status"]) == (EXIT_BAD_INPUT, "failed")
     with pytest.raises(SystemExit) as exit_:  # a single run: the process exits with it
@@ -79,7 +79,8 @@ def test_a_job_of_an_interrupted_sweep_that_never_started_is_recorded_and_shown_
 
     monkeypatch.setattr(SIGNALS_STATE, "sweep_interrupted", lambda d: d == tmp_path)
     monkeypatch.setattr(runner, "_job", lambda *a: pytest.fail("a job of a stopped sweep started"))
-    assert math.isnan(runner.main({}, [], "", sweep_job(tmp_path)))
+    with pytest.raises(SweepInterrupted):  # after its record: no sweeper asks for another job (Optuna's would)
+        runner.main({}, [], "", sweep_job(tmp_path))
     r = record_of(tmp_path)
     assert (r["status"], r["code"]) == ("not started", EXIT_PREEMPTED)  # the sweep's end still says interrupted
     assert "interrupted before this job started" in capsys.readouterr().err
@@ -136,7 +137,7 @@ def test_a_job_whose_sweep_json_cannot_be_read_fails_as_bad_input_in_one_line(tm
     make(tmp_path / "sweep.json")
     job = sweep_callback.job_of(hydra_cfg(2, tmp_path))
     monkeypatch.setattr(runner, "_job", lambda *a: pytest.fail("the job ran without its sweep"))
-    assert math.isnan(runner.main({}, [], "", job))
+    assert runner.main({}, [], "", job) is None
     err = capsys.readouterr().err
     assert err.startswith(f"pipeline: {tmp_path / 'sweep.json'}: ") and reason in err and err.count("\n") == 1, err
     r = record_of(tmp_path, 2)

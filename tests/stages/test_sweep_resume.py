@@ -1,16 +1,18 @@
 """Re-running an interrupted -m sweep: finished jobs are skipped, interrupted ones resume, missing ones start."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import env_for_subprocess
+from conftest import Proc, env_for_subprocess, run_pipeline, wait_until
 
 from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.run.directory import RunDir
+from pipeline.run.signals import descendants
 
 SWEEP = ["-m", "experiment=kernodeck", "tracking=none", "optimizer.lr=0.01,0.02,0.03", "hydra/job_logging=disabled"]
 
@@ -53,3 +55,26 @@ def test_interrupted_sweep_resumes_job_by_job(tmp_path):
     assert log.count("is complete at step 10") == 1  # the finished job was skipped, not retrained
     assert finals(out) == finals(tmp_path / "ref")
     assert len(finals(out)) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_a_joblib_sweep_starts_its_workers_is_an_interruption_not_a_bad_config(tmp_path, sig):
+    """The workers exist but handle no signal yet (they import and compose first): the one passed on ends them,
+    and the launcher's pool says a worker was terminated; the sweep still ends interrupted, exit 75, kept."""
+    out = tmp_path / "out"
+    args = [*SWEEP[:3], "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "optimizer.lr=0.01,0.02",
+            f"paths.output_dir={out}"]
+    launcher = Proc(args, tmp_path / "cwd")
+    wait_until(lambda: len(descendants(launcher.p.pid)) >= 3, "the pool's workers", launcher)  # 2 and the tracker
+    launcher.send_signal(sig)
+    assert launcher.wait() == 75, launcher.stderr[-3000:]
+    assert "bad config" not in launcher.stderr
+    # (a SIGINT passed on to a worker still importing Python's site module has that worker print its own traceback)
+    assert "Traceback" not in launcher.stderr or sig == signal.SIGINT
+    assert "the sweep was interrupted" in launcher.stderr
+    (directory,) = (out / "sweeps").iterdir()
+    assert json.loads((directory / "sweep.json").read_text())["status"] == "interrupted"
+    done = run_pipeline(args, tmp_path / "cwd")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [RunDir(r).read_status()["status"] for r in (out / "runs").iterdir()] == ["complete", "complete"]
