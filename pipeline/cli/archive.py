@@ -133,7 +133,7 @@ def plan(source: Path, which: str) -> list[RunPlan]:
                         {k: t for k, t in in_run.store.links().items() if t == directory.name})]
     manifest = CheckpointDir(directory).manifest()  # the run's directory name comes from it: one name, inside DEST
     names.checked(manifest["config"].get("name", "run"), f"{directory}: its manifest's config.name")
-    return [RunPlan(run_name(manifest["config"], manifest["sources"]), None,
+    return [RunPlan(run_name(manifest["config"], manifest["sources"], manifest["lineage"]), None,
                     {step_dir_name(manifest["step"]): directory}, {})]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -65,29 +66,75 @@ def test_a_preempted_best_step_is_best(tmp_path, preempt_at):
 
 def test_a_fork_into_an_occupied_run_directory_keeps_nothing_of_the_other_history(tmp_path, finished_job):
     """Regression (#10.1): resume.source into a run directory holding another history's step of the same
-    number kept the old directory; now the other history is moved aside whole and the new one written."""
+    number kept the old directory; now the other history is moved aside whole and the new one written. A fork has
+    a directory of its own (#39.22): the other history is put there, as a clean run's directory held a fork once."""
     out = finished_job(*KERNODECK, *LONG, copy_to=tmp_path / "out")  # run A: lr 0.03
     args = (*KERNODECK, *LONG, f"paths.output_dir={out}")
     run_a = the_run(out)
     assert run_job(*args, "optimizer.lr=0.05")[0] == 0  # run B: lr 0.05, its own directory
     run_b = next(p for p in (out / "runs").iterdir() if p != run_a)
-    old_b = kept(run_b)
     source = RunDir(run_a).store.root / "step-00000018"
-    code, _ = run_job(*args, "optimizer.lr=0.05", f"resume.source={source}", "resume.allow_changes=[optimizer.lr]")
-    assert code == 0
-    new_b = kept(run_b)
+    fork = (*args, "optimizer.lr=0.05", f"resume.source={source}", "resume.allow_changes=[optimizer.lr]")
+    assert run_job(*fork)[0] == 0
+    (run_f,) = [p for p in (out / "runs").iterdir() if p not in (run_a, run_b)]
+    shutil.rmtree(run_f)
+    shutil.copytree(run_b, run_f, symlinks=True)  # another history (run B's) where the fork goes
+    old_b = kept(run_f)
+    assert run_job(*fork)[0] == 0
+    new_b = kept(run_f)
     assert new_b[1] == old_b[1]  # the same links ...
     for step in new_b[0]:  # ... to new checkpoints: none of the earlier lr=0.05 run's survives
         assert new_b[0][step][WEIGHTS] != old_b[0].get(step, {}).get(WEIGHTS)
-    (moved,) = (run_b / "superseded").iterdir()  # the other history, whole, beside it
+    (moved,) = (run_f / "superseded").iterdir()  # the other history, whole, beside it
     assert kept(None, CheckpointStore(moved / "checkpoints")) == old_b
     assert (moved / "metrics.jsonl").is_file() and (moved / "run.json").is_file()
-    manifest = jsonio.read(RunDir(run_b).store.root / "final" / "manifest.json", 1 << 24)
+    manifest = jsonio.read(RunDir(run_f).store.root / "final" / "manifest.json", 1 << 24)
     assert manifest["lineage"]["origin"]["checkpoint"] == str(source)
     assert manifest["allowed_changes"] == {"optimizer.lr": [0.03, 0.05]}
-    lines = metrics(run_b)
+    lines = metrics(run_f)
     assert [ln["step"] for ln in lines] == list(range(1, 31))
     assert lines[:18] == metrics(run_a)[:18]  # the history before the cut is the source run's
+
+
+def test_a_fork_never_takes_a_clean_runs_directory(tmp_path, finished_job):
+    """#39.22: a fork with an allowed change (6 steps at lr 0.03, then 4 at 0.05) was written to the directory a clean
+    lr=0.05 run is named by, so the clean run's command (and a sweep's job) found it complete as its own. Now the
+    fork's directory is named by its history: the clean run after it starts fresh in its own, with its own results,
+    those of the same clean run in another output directory (the oracle)."""
+    out = finished_job(*KERNODECK, copy_to=tmp_path / "out")  # run A: lr 0.03
+    run_a = the_run(out)
+    args = (*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05")
+    fork = (*args, f"resume.source={RunDir(run_a).store.root / 'step-00000006'}", "resume.allow_changes=[optimizer.lr]")
+    assert run_job(*fork)[0] == 0
+    (run_f,) = [p for p in (out / "runs").iterdir() if p != run_a]
+    assert run_job(*args)[0] == 0  # the clean lr=0.05 run
+    (run_c,) = [p for p in (out / "runs").iterdir() if p not in (run_a, run_f)]
+    assert run_f.name.split("-")[0] == run_c.name.split("-")[0] == "kernodeck"
+    clean = finished_job(*KERNODECK, "optimizer.lr=0.05")
+    assert run_c.name == the_run(clean).name  # a plain run's name as before
+    assert RunDir(run_c).read_status()["resumes"] == [] and not (run_c / "superseded").exists()
+    assert metrics(run_c) == metrics(the_run(clean)) != metrics(run_f)
+    assert kept(run_c) == kept(the_run(clean))
+    assert run_job(*fork)[0] == 0 and [p.name for p in (out / "runs").iterdir()].count(run_f.name) == 1
+    assert kept(run_f)[0][10][WEIGHTS] != kept(run_c)[0][10][WEIGHTS]
+
+
+def test_a_fork_whose_source_was_replaced_is_refused(tmp_path, finished_job):
+    """#39.4: the fork's lineage holds its source's weights: with A's step 6 replaced by another run's step 6, the
+    identical fork command is a fork of other weights, refused (that run's seed differs), never its complete self."""
+    out = finished_job(*KERNODECK, copy_to=tmp_path / "out")  # run A
+    other = finished_job(*KERNODECK, "trainer.seed=7")
+    run_a = the_run(out)
+    source = RunDir(run_a).store.root / "step-00000006"
+    fork = (*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05", f"resume.source={source}",
+            "resume.allow_changes=[optimizer.lr]")
+    assert run_job(*fork)[0] == 0
+    shutil.rmtree(source)
+    shutil.copytree(RunDir(the_run(other)).store.root / "step-00000006", source)
+    before = tree_bytes(out)
+    assert run_job(*fork)[0] == 2
+    assert {k: v for k, v in tree_bytes(out).items() if not k.endswith(".lock")} == \
+        {k: v for k, v in before.items() if not k.endswith(".lock")}
 
 
 def test_an_allowed_change_takes_effect_from_the_cut(tmp_path, finished_job):
@@ -177,8 +224,9 @@ def test_the_hint_for_a_sibling_with_other_data_is_a_command_that_continues_it(t
     assert f"differs from the interrupted run {run_a.name} in data.noise 0.05 -> 0.1; data_manifest_hash" in said
     source, keys = re.search(r"use resume\.source=(\S+) resume\.allow_changes=\[([^]]*)]", said).groups()
     assert (source, keys) == (str(RunDir(run_a).store.root / "step-00000005"), "data.noise")
+    before = set((out / "runs").iterdir())
     assert run_job(*args, "data.noise=0.1", f"resume.source={source}", f"resume.allow_changes=[{keys}]")[0] == 0
-    run_b = next(p for p in (out / "runs").iterdir() if p != run_a)
+    (run_b,) = set((out / "runs").iterdir()) - before  # a fork's own directory
     manifest = jsonio.read(RunDir(run_b).store.root / "final" / "manifest.json", 1 << 24)
     assert manifest["lineage"]["origin"]["checkpoint"] == source and manifest["step"] == 10
     assert set(manifest["allowed_changes"]) == {"data.noise", "data_manifest_hash"}
