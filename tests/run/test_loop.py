@@ -314,3 +314,53 @@ def test_a_lock_held_for_milliseconds_waits_a_held_one_is_busy(tmp_path, monkeyp
     with pytest.raises(rd.RunBusyError, match="in use by another process"):
         RunDir(tmp_path / "run").acquire()
     os.close(other)
+
+
+def test_a_fork_with_nothing_left_to_train_is_refused(tmp_path, capsys, finished_job):
+    """#39.11: debug=fdr (trainer.max_steps=1) forked from step 6 wrote run.json `complete at step 6 of 1` and no
+    checkpoint; so did a fork of a finished run's end. A plain re-run of a finished run says complete and changes
+    nothing, its checkpoints its own; a fork that would train nothing is refused in one line, nothing written."""
+    out = finished_job(*KERNODECK, copy_to=tmp_path / "out")
+    args = (*KERNODECK, f"paths.output_dir={out}")
+    store = RunDir(the_run(out)).store
+    before = {k: v for k, v in tree_bytes(out).items() if not k.endswith(".lock")}
+    for fork in [("debug=fdr", f"resume.source={store.root / 'step-00000006'}",
+                  "resume.allow_changes=[trainer.max_steps]"),
+                 (f"resume.source={store.root / 'final'}",),
+                 ("optimizer.lr=0.05", f"resume.source={store.root / 'final'}", "resume.allow_changes=[optimizer.lr]")]:
+        assert run_job(*args, *fork)[0] == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "refusing to resume from" in err and "train" in err, err
+        assert {k: v for k, v in tree_bytes(out).items() if not k.endswith(".lock")} == before
+    assert run_job(*args)[0] == 0  # the finished run itself: complete, as it was
+    assert {k: v for k, v in tree_bytes(out).items() if not k.endswith(".lock")} == before
+    assert run_job(*args, "trainer.max_steps=12", f"resume.source={store.root / 'final'}",
+                   "resume.allow_changes=[trainer.max_steps]")[0] == 0  # more steps: a fork that trains
+
+
+def test_a_preempted_run_of_resume_never_says_what_continues_it(tmp_path, capsys, caplog, preempt_at, finished_job):
+    """#39.10: debug=limit (resume=never) stopped by SIGTERM said `re-run the same command to resume`, and that
+    command started a new run from step 0. What it says now follows from the resume setting: the identical command
+    starts anew (as it does), and the command it gives continues this run to the uninterrupted run's end."""
+    out = tmp_path / "out"
+    args = (*KERNODECK, "debug=limit", f"paths.output_dir={out}")
+    preempt_at(3)
+    with caplog.at_level("INFO", logger="pipeline"):
+        assert run_job(*args)[0] == EXIT_PREEMPTED
+    SIGNALS_STATE.received = None
+    preempt_at(None)
+    stopped = the_run(out)
+    err = capsys.readouterr().err
+    assert "re-run the same command" not in err + caplog.text
+    (source,) = re.findall(r"starts a new run \(resume=never\); add resume\.source=(\S+) to continue this one", err)
+    assert source == str(RunDir(stopped).store.root / "step-00000003")
+    (again,) = [ln for ln in caplog.text.splitlines() if ln.strip().startswith("resume ")]  # the end summary's
+    assert again.endswith(f"debug=limit paths.output_dir={out} resume.source={source}")
+    assert run_job(*args)[0] == 0  # the identical command: a new run from step 0, as said
+    (new,) = [p for p in (out / "runs").iterdir() if p != stopped]
+    assert metrics(new)[0]["step"] == 1 and RunDir(new).read_status()["resumes"] == []
+    assert run_job(*args, f"resume.source={source}")[0] == 0  # the command it gave: this run, continued
+    (continued,) = [p for p in (out / "runs").iterdir() if p not in (stopped, new)]
+    ref = the_run(finished_job(*KERNODECK, "debug=limit"))
+    assert metrics(continued) == metrics(ref)
+    assert kept(continued)[0][4][WEIGHTS] == kept(ref)[0][4][WEIGHTS]
