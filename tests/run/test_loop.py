@@ -202,10 +202,18 @@ def test_rerunning_a_fork_continues_it_rather_than_starting_it_again(tmp_path, p
 def test_a_changed_hyperparameter_on_a_finished_run_says_how_to_continue_it(tmp_path, caplog, finished_job):
     out = finished_job(*KERNODECK, copy_to=tmp_path / "out")
     with caplog.at_level("INFO", logger="pipeline"):
-        assert run_job(*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05")[0] == 0
+        assert run_job(*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05", "trainer.max_steps=12")[0] == 0
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "differs from the finished run" in said and "optimizer.lr 0.03 -> 0.05" in said
-    assert "resume.allow_changes=[optimizer.lr]" in said and "resume.source=" in said
+    source, keys = re.search(r"use resume\.source=(\S+) resume\.allow_changes=\[([^]]*)]", said).groups()
+    assert keys == "optimizer.lr,trainer.max_steps"
+    assert run_job(*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05", "trainer.max_steps=12",
+                   f"resume.source={source}", f"resume.allow_changes=[{keys}]")[0] == 0  # the hint's command trains on
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pipeline"):  # the same steps: a fork of its end would train nothing
+        assert run_job(*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05")[0] == 0
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "differs from the finished run" in said and "resume.source=" not in said
 
 
 def test_the_hint_for_a_sibling_with_other_data_is_a_command_that_continues_it(tmp_path, caplog, preempt_at):
