@@ -69,6 +69,11 @@ class Resume(Stage):
         ckpt, skipped = run.store.newest_valid(run.job.parts)
         for _, what, error in skipped:
             log.warning("not resuming from %s (kept in superseded/, nothing is deleted), falling back: %s", what, error)
+        if ckpt is not None and ckpt.manifest["lineage"].get("origin") is not None:
+            log.warning("%s is a fork's (of %s), written where a clean run's directory is before forks were named "
+                        "apart: not this run's history", ckpt.directory, ckpt.manifest["lineage"]["origin"].get(
+                            "checkpoint"))
+            ckpt = None
         if ckpt is None:
             return start_fresh(run)
         run.set_aside([directory for directory, _, _ in skipped])

@@ -119,6 +119,25 @@ def test_a_fork_never_takes_a_clean_runs_directory(tmp_path, finished_job):
     assert kept(run_f)[0][10][WEIGHTS] != kept(run_c)[0][10][WEIGHTS]
 
 
+def test_a_fork_written_in_a_clean_runs_directory_is_not_that_clean_run(tmp_path, finished_job):
+    """#39.22: a fork made before forks had directories of their own lies where the clean run's is: the clean
+    command starts fresh (the fork moved whole to superseded/) instead of taking the fork as its complete self."""
+    out = finished_job(*KERNODECK, copy_to=tmp_path / "out")
+    run_a = the_run(out)
+    args = (*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05")
+    assert run_job(*args, f"resume.source={RunDir(run_a).store.root / 'step-00000006'}",
+                   "resume.allow_changes=[optimizer.lr]")[0] == 0
+    (run_f,) = [p for p in (out / "runs").iterdir() if p != run_a]
+    clean = the_run(finished_job(*KERNODECK, "optimizer.lr=0.05"))
+    old_fork = kept(run_f)
+    run_f.rename(out / "runs" / clean.name)  # where the fork was written before
+    assert run_job(*args)[0] == 0
+    run_c = out / "runs" / clean.name
+    assert metrics(run_c) == metrics(clean) and kept(run_c) == kept(clean)
+    (moved,) = (run_c / "superseded").iterdir()
+    assert kept(None, CheckpointStore(moved / "checkpoints")) == old_fork
+
+
 def test_a_fork_whose_source_was_replaced_is_refused(tmp_path, finished_job):
     """#39.4: the fork's lineage holds its source's weights: with A's step 6 replaced by another run's step 6, the
     identical fork command is a fork of other weights, refused (that run's seed differs), never its complete self."""
