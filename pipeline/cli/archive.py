@@ -133,7 +133,7 @@ def plan(source: Path, which: str) -> list[RunPlan]:
                         {k: t for k, t in in_run.store.links().items() if t == directory.name})]
     manifest = CheckpointDir(directory).manifest()  # the run's directory name comes from it: one name, inside DEST
     names.checked(manifest["config"].get("name", "run"), f"{directory}: its manifest's config.name")
-    return [RunPlan(run_name(manifest["config"], manifest["sources"]), None,
+    return [RunPlan(run_name(manifest["config"], manifest["sources"], manifest["lineage"]), None,
                     {step_dir_name(manifest["step"]): directory}, {})]
 
 
@@ -356,8 +356,8 @@ def _metric_lines(path: Path) -> list[dict]:
 
 
 def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[str]) -> dict:
-    """A fresh `python -m pipeline` resumes from the newest archived checkpoint the original went past (else
-    the newest), to the run's own end; its later metrics.jsonl lines, and its final state files, compared bit
+    """A fresh `python -m pipeline` resumes from the newest archived checkpoint the original went past (none:
+    not resumed), to the run's own end; its later metrics.jsonl lines, and its final state files, compared bit
     for bit with the archived ones."""
     if run_overrides(run) is None:
         return {"run": run.name, "passed": None, "detail": "no .hydra/overrides.yaml (a checkpoint archived "
@@ -368,7 +368,10 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     last_logged = max((ln["step"] for ln in archived), default=steps[-1][0])
     end = max(last_logged, steps[-1][0])
     candidates = [(s, d) for s, d in steps if s < end]
-    step, source = candidates[-1] if candidates else steps[-1]
+    if not candidates:  # a fork of the run's end would train nothing (refused); its restore is checked already
+        return {"run": run.name, "passed": None, "step_recovered": steps[-1][0],
+                "detail": f"the original recorded nothing after step {steps[-1][0]}: nothing later to resume"}
+    step, source = candidates[-1]
     args = [*_resume_overrides(run, root, extra), f"resume.source={source}",
             f"paths.output_dir={scratch / 'out'}", "tracking=none", "trainer.progress_bar=false"]
     shown = [a.replace(str(root), str(dest)) for a in args]
@@ -393,9 +396,6 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
         compared["final_step"] = a["step"]
         compared["final_files_equal"] = {n: e["sha256"] == bb.get(n, {}).get("sha256") for n, e in a["files"].items()}
     ok = compared["metrics_equal"] and all(compared.get("final_files_equal", {}).values())
-    if step >= end:
-        compared["note"] = (f"the original recorded nothing after step {step}: the resumed process restored it and "
-                            "confirmed the run complete; nothing later to compare")
     result.update(passed=bool(ok), compared=compared, to_step=end)
     return result
 

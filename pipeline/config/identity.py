@@ -103,15 +103,23 @@ def semantic_hash(config: dict, sources: dict[str, str]) -> str:
     return config_hash(as_written_before(semantic_config(config, sources)))
 
 
-def run_name(config: dict, sources: dict[str, str] | None = None) -> str:
+def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
+    """A run history's identity: its config and where it started (None: from scratch; else a checkpoint)."""
+    return {"id": config_hash({"semantic_config_hash": semantic_hash, "origin": origin}), "origin": origin}
+
+
+def run_name(config: dict, sources: dict[str, str] | None = None, lineage: dict | None = None) -> str:
     """<experiment name>-<12 hex of the semantic config's sha256> (`sources`: None reads the files): the same job
-    lands in the same directory whatever the output or working directory; two files at one relative path, two."""
-    return _named(config, semantic_hash(config, source_hashes(config) if sources is None else sources))
+    lands in the same directory whatever the output or working directory; two files at one relative path, two.
+    A fork (`lineage` with an origin: a manifest's) is named by its history's id instead."""
+    return _named(config, semantic_hash(config, source_hashes(config) if sources is None else sources), lineage)
 
 
-def _named(config: dict, semantic: str) -> str:
-    """BadName (a ValueError, one line) if the name cannot be one directory's (names.checked)."""
-    return f"{names.checked(config.get('name', 'run'), 'name')}-{semantic[:12]}"
+def _named(config: dict, semantic: str, lineage: dict | None = None) -> str:
+    """BadName (a ValueError, one line) if the name cannot be one directory's (names.checked). A fork's history
+    continues another run's checkpoint: it is named by its lineage, never a clean run's directory."""
+    key = lineage["id"] if lineage is not None and lineage.get("origin") is not None else semantic
+    return f"{names.checked(config.get('name', 'run'), 'name')}-{key[:12]}"
 
 
 @dataclass(frozen=True)
@@ -122,21 +130,23 @@ class Identity:
     config_hash: str
     semantic_hash: str
     name: str  # run_name; with resume.source=never a fresh, unique sibling of it
+    lineage: dict  # the history it starts: lineage_of(semantic_hash, the fork's origin or None)
 
 
-def identify(config: dict) -> Identity:
-    """The identity of a validated config; ConfigError (one line, naming the key) for a source file that cannot be
-    read."""
+def identify(config: dict, origin: dict | None = None) -> Identity:
+    """The identity of a validated config (`origin`: the checkpoint a fork, resume.source=PATH, continues);
+    ConfigError (one line, naming the key) for a source file that cannot be read."""
     try:
         sources = source_hashes(config)
     except OSError as e:
         key = next(k for k in SOURCES if get(config, k) is not None)
         raise ConfigError(f"{key}={get(config, key)}: {e.strerror or e}") from None
     semantic = semantic_hash(config, sources)
-    name = _named(config, semantic)
+    lineage = lineage_of(semantic, origin)
+    name = _named(config, semantic, lineage)
     if config["resume"]["source"] == "never":  # a fresh, unique sibling
         name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    return Identity(sources, config_hash(config), semantic, name)
+    return Identity(sources, config_hash(config), semantic, name, lineage)
 
 
 def experiment_name(name: str, model_target: str = "", data_target: str = "") -> str:

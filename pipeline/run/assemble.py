@@ -96,6 +96,7 @@ class Job:
     state: TrainState
     sources: dict  # SOURCES keys -> sha256 of the file's bytes
     facts: dict  # the run-level manifest fields
+    lineage: dict  # the history it starts (identity.Identity.lineage; a fork's names its origin)
     tracker: Tracker = field(default_factory=Tracker)  # run/job.py build() gives a run its tracker and directory
     run_dir: Path | None = None
 
@@ -177,4 +178,4 @@ def assemble(config: dict, ident: identity.Identity) -> Job:
     spec = {**asdict(dataset.spec), "n_train": int(dataset.n_train)}
     facts = mf.run_facts(config, ident, dataset.manifest_hash, spec, inference_facts(dataset))
     facts["n_params"] = int(sum(p.size for p in state.model.params.values()))
-    return Job(config, state, ident.sources, facts)
+    return Job(config, state, ident.sources, facts, ident.lineage)

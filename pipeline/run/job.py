@@ -20,6 +20,7 @@ from pipeline.run.loop import Run
 from pipeline.run.signals import SIGNALS_STATE, SWEEP, Interrupted
 from pipeline.run.slurm import requeue_self
 from pipeline.run.sweep import SweepInterrupted, SweepJob
+from pipeline.stages.resume import origin_of
 from pipeline.trainer.metrics_log import QuietFileHandler
 
 log = logging.getLogger("pipeline")
@@ -125,7 +126,7 @@ def build(config: dict, sweep: SweepJob | None = None) -> Job:
     """Validate, identity, assemble: the whole job, nothing under its run directory created; ConfigError (one line)
     for a bad value, a missing file, or groups that clash."""
     validate(config)
-    ident = identity.identify(config)
+    ident = identity.identify(config, origin_of(config["resume"]["source"]))  # a fork is named by its origin too
     check_pairing(config)  # before the tracker prepares: it makes the output directory and its store
     check_monitors(config)
     tracker = build_tracker(config, sweep)
@@ -195,8 +196,7 @@ def _job(config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob |
             if sweep is not None:
                 sweep.run_uri = job.facts.get("mlflow_run_uri")
             if code:
-                raise JobFailed(code, f"preempted at step {job.state.step}; re-run the same command to resume",
-                                requeue=True)
+                raise JobFailed(code, f"preempted at step {job.state.step}; {run.resume_hint()}", requeue=True)
             return value
     except BaseException:
         if sweep is None:

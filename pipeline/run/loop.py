@@ -24,7 +24,7 @@ from pipeline.run.assemble import Job
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import Signals
 from pipeline.stages.base import StepEnd
-from pipeline.stages.resume import start_fresh
+from pipeline.stages.resume import continued_by, resume_hint, start_fresh
 from pipeline.stateful import capture
 from pipeline.trainer import curves
 from pipeline.trainer.display import Display
@@ -264,6 +264,8 @@ class Run:
             status=status, step=self.state.step, run_dir=self.rundir.path, best=best, links=links, curve=curve,
             run_uri=self.job.facts.get("mlflow_run_uri") or tracker.run_uri(timeout=0.0),
             tracking_uri=getattr(tracker, "uri", None), overrides=self.overrides,
+            resume=continued_by(self.job.config["resume"]["source"], self.overrides, links["newest"],
+                                status == "complete"),
             samples=bool(self.state.dataset.spec.vocab_size), experiment_id=getattr(tracker, "experiment_id", None)))
 
     def unapplied(self) -> str:
@@ -275,7 +277,12 @@ class Run:
         """A full or read-only disk's one line, with what run.json says and where a re-run continues."""
         said = "; run.json says failed" if self.rundir.read_status().get("status") == "failed" else ""
         kept = self.store.steps()
-        return message + said + (f"; the run continues from its checkpoint of step {kept[-1][0]}" if kept else "")
+        return message + said + (f"; {self.resume_hint()}, from its checkpoint of step {kept[-1][0]}" if kept else "")
+
+    def resume_hint(self) -> str:
+        """What continues this stopped run (what the identical command does depends on resume.source)."""
+        kept = self.store.steps()
+        return resume_hint(self.job.config["resume"]["source"], kept[-1][1] if kept else None)
 
     def objective(self) -> float:
         """What a sweeper optimises: `optimized_metric` (null: the best value of the best-val stage's monitor)."""
@@ -347,8 +354,8 @@ class Run:
         code, value = (EXIT_OK, self.objective()) if stopped_by is None else (EXIT_PREEMPTED, math.nan)
         self._summary("complete" if stopped_by is None else "preempted")
         if stopped_by is not None:
-            log.warning("preempted by %s at step %d; re-run the same command to resume (exit %d)", stopped_by,
-                        self.state.step, EXIT_PREEMPTED)
+            log.warning("preempted by %s at step %d; %s (exit %d)", stopped_by, self.state.step, self.resume_hint(),
+                        EXIT_PREEMPTED)
         # the tracked run's end, then trainer.profile's table (this process's share of the run)
         with self.profile.phase("tracking hand-over"):
             self.job.tracker.finish("FINISHED" if stopped_by is None else "KILLED", self.rundir.path)

@@ -73,6 +73,7 @@ def say_if_a_sibling_differs(run) -> None:
     keys = ",".join(k for k in changes if not allowed(k, [c for c in changes if c != k]))  # data.x covers the data
     what = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
     finished = status["status"] == "complete"
-    log.info("this config differs from the %s run %s in %s: starting a new run; to continue that one instead "
-             "use resume.source=%s resume.allow_changes=[%s]", "finished" if finished else "interrupted",
-             other.name, what, store.root / ("final" if finished else newest.name), keys)
+    how = ("; to continue that one instead use resume.source="
+           f"{store.root / ('final' if finished else newest.name)} resume.allow_changes=[{keys}]")
+    log.info("this config differs from the %s run %s in %s: starting a new run%s", "finished" if finished else
+             "interrupted", other.name, what, how if manifest["step"] < run.state.total_steps else "")  # else refused

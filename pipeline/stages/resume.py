@@ -7,18 +7,48 @@ from pathlib import Path
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.directory import Checkpoint, CheckpointDir, file_hashes, files_of
 from pipeline.checkpoint.errors import CheckpointError
-from pipeline.config import identity
+from pipeline.config.identity import lineage_of
+from pipeline.config.targets import hydra_quoted
 from pipeline.stages.base import Stage
-from pipeline.stages.drift import drift, refuse, say_if_a_sibling_differs
+from pipeline.stages.drift import DriftError, drift, refuse, say_if_a_sibling_differs
 from pipeline.stateful import StateMismatch, capture, restore
 
 log = logging.getLogger("pipeline")
 AUTO, NEVER = "auto", "never"
 
 
-def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
-    """A run history's identity: its config and where it started (None: from scratch; else a checkpoint)."""
-    return {"id": identity.config_hash({"semantic_config_hash": semantic_hash, "origin": origin}), "origin": origin}
+def origin_of(source: str) -> dict | None:
+    """The checkpoint a fork (resume.source=PATH) continues, as its lineage and run name record it; None for auto and
+    never. CheckpointError if it does not read (a link out of a run is refused, not followed)."""
+    if source in (AUTO, NEVER):
+        return None
+    path = CheckpointDir(Path(source).expanduser()).resolved().resolve()
+    return _origin(path, CheckpointDir(path).manifest())
+
+
+def _origin(path: Path, manifest: dict) -> dict:
+    return {"checkpoint": str(path), "step": manifest["step"], "weights_sha256": file_hashes(manifest)["weights"]}
+
+
+def continued_by(source: str, overrides: list[str], newest: Path | None, complete: bool) -> list[str]:
+    """The arguments of the command that continues a run ([]: none does): the identical command, but with
+    resume=never that starts a new run, so a stopped one is continued from its `newest` checkpoint, as a fork."""
+    if source != NEVER:
+        return list(overrides)
+    if newest is None or complete:
+        return []
+    kept = [o for o in overrides if not o.lstrip("+").startswith("resume.source=")]
+    return [*kept, f"resume.source={hydra_quoted(str(newest))}"]
+
+
+def resume_hint(source: str, newest: Path | None) -> str:
+    """What to do to continue a stopped run, from what the identical command will do (continued_by)."""
+    if source != NEVER:
+        return "re-run the same command to resume"
+    if newest is None:
+        return "nothing to resume from (no checkpoint); the same command starts a new run (resume=never)"
+    return (f"the same command starts a new run (resume=never); add {continued_by(source, [], newest, False)[0]} "
+            "to continue this one")
 
 
 class Resume(Stage):
@@ -38,6 +68,11 @@ class Resume(Stage):
             return self._fork(run, Path(self.source).expanduser())
         ckpt, skipped = run.store.newest_valid(run.job.parts)
         run.set_aside(skipped)
+        if ckpt is not None and ckpt.manifest["lineage"].get("origin") is not None:
+            log.warning("%s is a fork's (of %s), written where a clean run's directory is before forks were named "
+                        "apart: not this run's history", ckpt.directory, ckpt.manifest["lineage"]["origin"].get(
+                            "checkpoint"))
+            ckpt = None
         if ckpt is None:
             return start_fresh(run)
         self._continue(run, ckpt, ckpt.manifest["lineage"])
@@ -49,14 +84,15 @@ class Resume(Stage):
     def _fork(self, run, source: Path) -> None:
         source = CheckpointDir(source).resolved().resolve()  # a link out of a run is refused, not followed
         src = CheckpointDir(source).load()  # its fit is checked once the drift is known (an allowed change may be why)
-        origin = {"checkpoint": str(source), "step": src.step,
-                  "weights_sha256": file_hashes(src.manifest)["weights"]}
-        lineage = lineage_of(run.job.semantic_hash, origin)
+        lineage = run.job.lineage  # its origin was read as the run was named (origin_of): the same checkpoint
+        if _origin(source, src.manifest) != lineage["origin"]:
+            raise CheckpointError(source, "", "not the checkpoint this run was named after (it changed while the run "
+                                              "started, or stages.resume.source is not resume.source)")
         own, skipped = run.store.newest_valid(run.job.parts)
         if own is not None and own.manifest["lineage"]["id"] == lineage["id"]:
             run.set_aside(skipped)
             return self._continue(run, own, lineage)  # this fork, again
-        allowed = _restore(run.job, src, self.allow_changes)  # refusals first: nothing on disk has changed yet
+        allowed = _restore(run.job, src, self.allow_changes, fork=True)  # refusals first: nothing on disk changed yet
         owner = run.rundir_of(source.parent.parent)  # the source's run directory, if it is a step of one
         history = owner.read_metrics() if owner.store.root == source.parent else []
         if run.holds_history():
@@ -92,8 +128,10 @@ def _begin(run, ckpt: Checkpoint, lineage: dict, history: list[dict], allowed: d
                  ckpt.directory)
 
 
-def _restore(job, ckpt: Checkpoint, allow: list[str]) -> dict:
-    """Refuse drift not allowed or not applicable, else restore every part of `job`: the changes, {key: [old, new]}."""
+def _restore(job, ckpt: Checkpoint, allow: list[str], fork: bool = False) -> dict:
+    """Refuse drift not allowed or not applicable, else restore every part of `job`: the changes, {key: [old, new]};
+    refused too if the restored run has nothing left to train and is not this directory's complete run (a fork of a
+    run that ended, a step past this config's total): it would end without a checkpoint of its own."""
     changes = drift(ckpt.manifest, job)
     refuse(changes, allow, ckpt.directory)
     try:
@@ -107,8 +145,18 @@ def _restore(job, ckpt: Checkpoint, allow: list[str]) -> dict:
         why = f" (with the allowed changes {', '.join(changes)})" if changes else ""
         raise CheckpointError(ckpt.directory, files_of(e, ckpt.state, capture(job.parts)),
                               f"{e.part} does not fit the live run{why}: {e.reason}") from None
+    state = job.state
+    if changes:
+        state.progress.ended = None  # e.g. more steps for a finished run
+    if fork and state.progress.ended is not None:
+        raise DriftError(f"refusing to resume from {ckpt.directory}: its run ended there (at step {ckpt.step}, "
+                         f"{state.progress.ended}), so a fork of it trains nothing; use that checkpoint as it is, or "
+                         "train it on with a larger trainer.max_steps and resume.allow_changes=[trainer.max_steps]")
+    if state.progress.ended is None and state.step >= state.total_steps:
+        raise DriftError(f"refusing to resume from {ckpt.directory}: it is at step {ckpt.step}, and this config "
+                         f"ends at step {state.total_steps} (trainer.max_steps or trainer.epochs): nothing is left to "
+                         "train; resume from an earlier checkpoint or train longer")
     if changes:
         log.warning("resuming with allowed changes, in effect from step %d: %s", ckpt.step,
                     ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items()))
-        job.state.progress.ended = None  # e.g. more steps for a finished run
     return {k: [old, new] for k, (old, new) in changes.items()}
