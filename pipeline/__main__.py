@@ -143,14 +143,12 @@ def main() -> None:
         if (sweep := SIGNALS_STATE.launching) is not None:  # the sweep this process launches ends here
             from pipeline.files.atomic import environment_error
 
-            # on a full or read-only disk its sweep.json says so (if the disk lets it); refused before any job ran,
-            # it leaves nothing; else its sweep.json says failed (its sweeper raised)
+            # on a full or read-only disk its sweep.json says so (if the disk lets it); refused before any job ran
+            # and before its parent run was asked for, it leaves nothing; else its sweep.json says how it ended
             with contextlib.suppress(OSError):
                 if (message := environment_error(e)) is not None:
                     sweep.end_unfinished(message)
-                elif not started:
-                    sweep.discard_unlaunched()
-                else:
+                elif started or not sweep.discard_unlaunched():
                     sweep.end_unfinished(f"{type(e).__name__}: {e}")
         if started or not report_own or exit_code(e) is not None:
             raise
