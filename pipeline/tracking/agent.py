@@ -266,7 +266,7 @@ class Agent:
                 continue
             try:
                 self.flush(s)
-                s.client.set_tag(s.run_id, "ended", self.common.DIED)
+                s.client.set_tag(s.run_id, "ended", "the training process exited without finishing the run")
                 s.client.set_terminated(s.run_id, status="FAILED", end_time=int(time.time() * 1000))
             except Exception as e:
                 traceback.print_exception(e, file=sys.stderr)

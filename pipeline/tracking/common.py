@@ -135,10 +135,8 @@ EXPERIMENT_KIND = "custom_model_development"  # "Machine learning": runs, not Ge
 
 
 # The tags tags_of takes from the newest manifest that a later one may no longer say (a resume without the first
-# process's trainer.max_time), and `ended` (DIED) while run.json says running with nobody in the run directory:
-# deleted once no longer said (a resume), so that the live run holds what a rebuild from disk does.
-DERIVED_RUN_TAGS = ("config.", "allowed_changes", "mlflow.source.git.commit", "ended")
-DIED = "the training process exited without finishing the run"
+# process's trainer.max_time): deleted then, so that the live run holds what a rebuild from disk does.
+DERIVED_RUN_TAGS = ("config.", "allowed_changes", "mlflow.source.git.commit")
 
 
 def params_of(config: dict) -> dict[str, str]:

@@ -84,10 +84,6 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     tags = common.tags_of(newest, run_dir, status, job)
     if parent is not None:
         tags["mlflow.parentRunId"] = parent["run_id"]
-    name = str(status.get("status"))  # "running" with nobody in the run directory: the process died running
-    died = name == "running" and not rundir.in_use()
-    if died:
-        tags["ended"] = common.DIED
     started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
     run, tags, created = open_run(client, str(run_dir), candidates, tags, started, lambda: store.ensure_experiment(
         client, str(common.experiment_of(config)), artifact_root))
@@ -110,7 +106,8 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         latest[("best/step", step)] = ("best/step", float(step), when.get(step, 0), step)
     logged = store.logged_steps(client, run_id, {k for k, _ in latest})
     added["points"] = store.log_points(client, run_id, [p for key, p in latest.items() if key not in logged])
-    mstatus = "FAILED" if died else STATUS_OF_RUN_JSON.get(name)
+    name = str(status.get("status"))  # "running" with nobody in the run directory: the process died running
+    mstatus = "FAILED" if name == "running" and not rundir.in_use() else STATUS_OF_RUN_JSON.get(name)
     if mstatus and client.get_run(run_id).info.status != mstatus:
         end = status.get("ended_at") or status.get("updated") or run_dir.stat().st_mtime
         client.set_terminated(run_id, status=mstatus, end_time=int(end * 1000))
