@@ -144,14 +144,12 @@ def main() -> None:
             from pipeline.files.atomic import environment_error
 
             # on a full or read-only disk its sweep.json says so (if the disk lets it); refused before any job ran
-            # (no signal came: a launcher's workers that a signal ended are no refusal), it leaves nothing; else
-            # its sweep.json says failed (its sweeper raised), or interrupted: its table, exit 75
+            # (no signal came: a launcher's workers that a signal ended are no refusal) and before its parent run was
+            # asked for, it leaves nothing; else its sweep.json says how it ended (interrupted: its table, exit 75)
             with contextlib.suppress(OSError):
                 if (message := environment_error(e)) is not None:
                     sweep.end_unfinished(message)
-                elif not started and SIGNALS_STATE.received is None:
-                    sweep.discard_unlaunched()
-                else:
+                elif started or SIGNALS_STATE.received is not None or not sweep.discard_unlaunched():
                     sweep.end_unfinished(f"{type(e).__name__}: {e}")
         if started or not report_own or exit_code(e) is not None:
             raise

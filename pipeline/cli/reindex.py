@@ -1,10 +1,11 @@
 """`python -m pipeline.reindex [OUTPUT_DIR] [--tracking-uri URI] [--rebuild]`: the mlflow index, from disk.
 
-The manifests are the truth, mlflow the index over them: each run directory's mlflow run (found by the run URI
-its manifests recorded, else its `run_dir` tag, or created) and each sweep's parent run get only what is missing,
-so running it twice adds nothing; a directory a running job holds is left to it, one nobody holds but marked
-running ends FAILED. `--rebuild` moves a broken sqlite store aside (never deleted). Exit 2 for a store that
-cannot be opened, 1 if some run directory could not be indexed.
+The manifests are the truth, mlflow the index over them: each run directory's mlflow run (found by its `run_dir`
+tag, the run its manifests name first, or created) and each sweep's parent run get only what is missing,
+so running it twice adds nothing; a run directory pointing at another store is left as it is; a directory a
+running job holds is left to it, one nobody holds but marked running ends FAILED. `--rebuild` moves a broken
+sqlite store aside (never deleted). Exit 2 for a store that cannot be opened, 1 if some run directory could not
+be indexed.
 """
 from __future__ import annotations
 

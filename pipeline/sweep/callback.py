@@ -293,9 +293,10 @@ class SweepCallback(Callback):
     def discard_unlaunched(self) -> bool:
         """Undo this sweep's start if no job ever ran (Hydra could not compose them, or the sweeper raised first):
         what its start wrote goes, the directories it made too (an earlier sweep's directory gets its files
-        back), so that no sweep is left `running`; False if it had a job or there is nothing to undo."""
+        back), so that no sweep is left `running`; False if it had a job, its parent run was asked for (the index
+        holds the sweep: its record and first start stay, for a re-run and a rebuild), or there is nothing to undo."""
         start, self.start = self.start, None
-        if start is None:
+        if start is None or self.launched:
             return False
         jobs = start.directory / "jobs"
         if jobs.exists() and any(jobs.iterdir()):

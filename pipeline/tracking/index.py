@@ -75,9 +75,10 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     config = newest.get("config") or {}
     status = rundir.read_status()
     lines = rundir.read_metrics()
-    candidates = []
+    candidates, named = [], []  # named: the stores its manifests name, newest first
     for _, manifest in reversed(found):
         base, _, rid = common.parse_run_uri(manifest.get("mlflow_run_uri"))
+        named.append(base)
         if rid and base in (None, uri) and rid not in candidates:
             candidates.append(rid)
     tags = common.tags_of(newest, run_dir, status, job)
@@ -111,7 +112,11 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         end = status.get("ended_at") or status.get("updated") or run_dir.stat().st_mtime
         client.set_terminated(run_id, status=mstatus, end_time=int(end * 1000))
         added["status"] = 1
-    record_run_uri(rundir, common.run_uri(uri, run.info.experiment_id, run_id))
+    # The run directory points at its own store (its newest manifest naming one, else run.json's, else this one):
+    # an index built in another store (a copy, a colleague's server) reads the directory and leaves it as it was.
+    named.append(common.parse_run_uri(status.get("mlflow_run_uri"))[0])
+    if next(filter(None, named), None) in (None, uri):
+        record_run_uri(rundir, common.run_uri(uri, run.info.experiment_id, run_id))
     if artifacts:
         added["artifacts"] = sync_artifacts(client, run_id, run_dir, found, lines)
     return {**added, "run_id": run_id, "experiment_id": run.info.experiment_id, "status_now": mstatus}

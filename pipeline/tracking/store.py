@@ -23,10 +23,12 @@ from pipeline.tracking.common import artifact_root as common_artifact_root
 from pipeline.tracking.sharing import check_shared
 
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
-# A server that is down fails in seconds, not minutes. mlflow reads these from the environment at each request
-# only, so open_client sets them (unless the user did) in the process that opens a client, never on import.
+# A server that is down fails in seconds, not minutes; and mlflow prints no download bars or "View run" lines
+# between the pipeline's own (reindex's). mlflow reads these from the environment at each use only, so
+# open_client sets them (unless the user did) in the process that opens a client, never on import.
 HTTP_SETTINGS = (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
-                 ("MLFLOW_HTTP_REQUEST_TIMEOUT", "20"))
+                 ("MLFLOW_HTTP_REQUEST_TIMEOUT", "20"), ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false"),
+                 ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true"))
 
 
 @cache
@@ -184,12 +186,13 @@ def _first(client: MlflowClient, ids: list[str], where: str, order: str):
 
 
 def find_run(client: MlflowClient, run_dir: str, candidates: list[str] | tuple[str, ...] = ()):
-    """The run indexing `run_dir`: a candidate id (from a manifest) whose run_dir tag agrees (not a fork's), else
-    the newest run tagged with it; None if there is none."""
+    """The run indexing `run_dir`: a candidate id (from a manifest) whose run_dir tag names it, else the newest run
+    tagged with it; None if there is none. An id read from a file is a hint: a run without that tag (someone
+    else's, a fork's) is never written into."""
     for rid in filter(None, candidates):
         with suppress(MlflowException):
             run = client.get_run(rid)
-            if run.info.lifecycle_stage == "active" and run.data.tags.get("run_dir") in (None, run_dir):
+            if run.info.lifecycle_stage == "active" and run.data.tags.get("run_dir") == run_dir:
                 return run
     return _first(client, all_experiment_ids(client), f"tags.run_dir = {_quote(run_dir)}",
                   "attributes.start_time DESC")

@@ -78,4 +78,4 @@ def same_index(live: dict, rebuilt: dict) -> None:
             got, want = rebuilt[key][field], live[key][field]
             where = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k)) \
                 if isinstance(got, dict) and isinstance(want, dict) else None
-            assert got == want, (key, field, {k: (want.get(k), got.get(k)) for k in where} if where else None)
+            assert got == want, (key, field, {k: (want.get(k), got.get(k)) for k in where} if where else (want, got))

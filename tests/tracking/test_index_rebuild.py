@@ -114,3 +114,36 @@ def test_a_resume_that_drops_a_machine_key_leaves_no_tag_of_it(tmp_path):
                              env=env_for_subprocess(), capture_output=True, text=True)
     assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
     same_index(live, snapshot(uri))
+
+
+def test_a_sweep_whose_jobs_die_before_recording_themselves_keeps_its_first_start_in_a_rebuild_elsewhere(tmp_path):
+    """A joblib sweep whose jobs are killed before any has recorded itself (the launcher's error path, after it
+    asked for the parent run), then finished by the identical command: sweep.json keeps the first start, the live
+    parent holds it, and `reindex --tracking-uri` into another store builds the same index, that start included."""
+    out, cwd = tmp_path / "out", tmp_path / "cwd"
+    uri = f"sqlite:///{out}/mlflow.db"
+    pipeline(out, cwd, "trainer.max_steps=5", "optimizer.lr=0.1")  # the agent warm: it makes the parent at once
+    grid = ("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "optimizer.lr=0.01,0.03", "trainer.max_steps=30")
+    killed = Proc([*grid, *KERNODECK[:1], "tracking=mlflow", f"paths.output_dir={out}", "trainer.progress_bar=false"],
+                  cwd, env={"PIPELINE_CHAOS": "setup:1"})  # each job SIGKILLed as its run's setup begins
+    assert killed.wait() != 0, killed.stderr[-3000:]
+    assert wait_idle(uri)
+    records = list((out / "sweeps").glob("*/sweep.json"))
+    assert len(records) == 1, "the sweep's record is gone, and its first start with it (the index holds its parent)"
+    sweep_json = records[0]
+    first = json.loads(sweep_json.read_text())
+    jobs = sweep_json.parent / "jobs"
+    assert not (jobs.exists() and any(jobs.iterdir())) and first["status"] == "failed", first
+    (cut,) = [v for k, v in snapshot(uri).items() if k[0] == "parent"]
+    assert cut["start"] == int(first["started"] * 1000)
+    pipeline(out, cwd, *grid)
+    assert json.loads(sweep_json.read_text())["started"] == first["started"]
+
+    live = snapshot(uri)
+    (parent,) = [v for k, v in live.items() if k[0] == "parent"]
+    assert parent["start"] == int(first["started"] * 1000) and parent["status"] == "FINISHED"
+    elsewhere = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    rebuilt = subprocess.run([sys.executable, "-m", "pipeline.reindex", str(out), "--tracking-uri", elsewhere],
+                             env=env_for_subprocess(), capture_output=True, text=True)
+    assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
+    same_index(live, snapshot(elsewhere))
