@@ -253,7 +253,8 @@ def fork_source(tmp_path_factory, preempted) -> Path:
 
 @pytest.fixture(scope="module")
 def forked(tmp_path_factory, preempted, fork_source) -> Path:
-    """The preempted run's directory forked from `fork_source` (its history moved aside), stopped at FORKED_AT."""
+    """The preempted run's output directory with a fork of `fork_source` beside it (a fork is a run directory of its
+    own, named by its lineage), stopped at FORKED_AT."""
     out = shutil.copytree(preempted, tmp_path_factory.mktemp("forked") / "out", symlinks=True)
     stopped_at(FORKED_AT, f"resume.source={fork_source}", out=out)
     return out
@@ -326,7 +327,8 @@ def test_every_way_into_a_run_directory_keeps_every_step_directory_and_metrics_l
     caplog.set_level(logging.INFO, logger="pipeline")
     entered, change, overrides, goes_on = WAYS[way]
     out = shutil.copytree(request.getfixturevalue(entered), tmp_path / "out", symlinks=True)
-    run = the_run(out)
+    clean = {p.name for p in (request.getfixturevalue("preempted") / "runs").iterdir()}
+    run = next(p for p in (out / "runs").iterdir() if entered != "forked" or p.name not in clean)  # the fork's own
     damaged = {p.resolve() for p in change(run) if p}
     before, lines = step_dirs(out), all_lines(out)
     lineages = {k: jsonio.loads(d.joinpath("manifest.json").read_bytes()).get("lineage", {}).get("id")
