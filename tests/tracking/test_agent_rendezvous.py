@@ -404,7 +404,7 @@ def agents_serving(sock: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_an_agent_that_exits_leaves_nothing_in_the_private_directory(base, tmp_path):
+def test_an_agent_that_exits_leaves_nothing_in_the_private_directory(tmp_path, base):  # tmp_path first: not in base
     """Each store tracked has its own agent, socket, lock and log: an idle agent's end takes all of them along (a
     day of tests left hundreds)."""
     out = tmp_path / "out"
