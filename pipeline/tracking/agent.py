@@ -74,6 +74,7 @@ class Session:
 #   attach {uri, artifact_location, run_dir, parent, job}: a run done before                     -> finished
 #   parent_start {uri, artifact_location, sweep_id, sweep_dir} -> ready; sweep_end {uri, sweep_dir, parent} -> finished
 #   ping {uri}: open the store now -> pong; idle: answered once nothing else is connected or open (tests, benches)
+# pong and open's ready carry the store's "warning" (a sqlite store shared beyond one host), if it has one.
 # A failing mlflow call reports one error for its session, which is dropped; a connection that closes with a run
 # open (its process died) has it flushed and ended FAILED; without clients and work for --idle s, the agent exits.
 class Agent:
@@ -127,6 +128,7 @@ class Agent:
                   file=sys.stderr, flush=True)
             self.store.forget_store(uri)
             self.parents = {k: v for k, v in self.parents.items() if k[0] != uri}  # runs of the old store
+            del self.clients[uri]
             have = None
         if have is None:
             client, warning = self.store.open_store(uri, artifact_root)
@@ -438,7 +440,8 @@ def main(argv: list[str] | None = None) -> None:
             os.unlink(args.listen)  # no longer findable: a new client starts a new agent ...
         server.close()
     agent.loop(inbox, clients, 0.0)  # ... and whoever connected meanwhile is served until it leaves
-    remove_agent_files(Path(args.listen))
+    with contextlib.suppress(OSError):
+        remove_agent_files(Path(args.listen))
 
 
 if __name__ == "__main__":
