@@ -26,9 +26,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def mlflow_server(root: Path, *store_args: str, backend: str | None = None, command: str = "server"):
-    """A real `mlflow server` (or `mlflow ui`: `command`) on 127.0.0.1 and a free port (its store `backend`, by
-    default a sqlite file under `root`, and `store_args`), up until the block ends: yields its URI."""
+def mlflow_server(root: Path, *store_args: str, backend: str | None = None, command: str = "server",
+                  port: int | None = None):
+    """A real `mlflow server` (or `mlflow ui`: `command`) on 127.0.0.1 and `port` (by default a free one) (its
+    store `backend`, by default a sqlite file under `root`, and `store_args`), up until the block ends: yields its
+    URI."""
 
     def healthy(uri: str) -> bool:
         try:
@@ -37,7 +39,7 @@ def mlflow_server(root: Path, *store_args: str, backend: str | None = None, comm
         except OSError:
             return False
 
-    port = free_port()
+    port = port or free_port()
     log = open(root / f"{command}.log", "w")  # noqa: SIM115 - the server's output for its lifetime, closed with it
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", command, "--host", "127.0.0.1", "--port", str(port),
                              "--workers", "1", "--backend-store-uri", backend or f"sqlite:///{root}/srv.db",

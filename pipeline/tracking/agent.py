@@ -14,10 +14,10 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeline.config.errors import EXIT_ERROR
-from pipeline.tracking.link import peer_credentials, private_dir, read_line
+from pipeline.tracking.link import peer_credentials, private_dir, read_line, remove_agent_files
 
 MAX_PENDING = 1000  # metric points: one log_batch
 # Bytes of one request line: a checkpoint's manifest.json (at most 16 MiB, as JSON text within 6 times that) or
@@ -74,6 +74,7 @@ class Session:
 #   attach {uri, artifact_location, run_dir, parent, job}: a run done before                     -> finished
 #   parent_start {uri, artifact_location, sweep_id, sweep_dir} -> ready; sweep_end {uri, sweep_dir, parent} -> finished
 #   ping {uri}: open the store now -> pong; idle: answered once nothing else is connected or open (tests, benches)
+# pong and open's ready carry the store's "warning" (a sqlite store shared beyond one host), if it has one.
 # A failing mlflow call reports one error for its session, which is dropped; a connection that closes with a run
 # open (its process died) has it flushed and ended FAILED; without clients and work for --idle s, the agent exits.
 class Agent:
@@ -91,22 +92,22 @@ class Agent:
             traceback.print_exc()
             self.import_error = f"{type(e).__name__}: {e}"
         self.sessions: dict[tuple[int, Any], Session] = {}  # (connection, the request's sid)
-        self.clients: dict[str, tuple[Any, str | None]] = {}  # uri -> (its client, its artifact root)
-        self.parents: dict[str, dict] = {}  # sweep id -> its parent run, as parent_start made or found it
+        self.clients: dict[str, Opened] = {}  # uri -> its store, open
+        self.parents: dict[tuple[str, str], dict] = {}  # (uri, sweep id) -> its parent run, as made or found
         self.finishing: list[tuple[Session, dict, float]] = []  # handed over, indexed once their job has gone
         self.waiters: list[tuple[Conn, object]] = []  # idle requests
 
-    def parent_of(self, client, ref: dict | None) -> dict | None:
+    def parent_of(self, uri: str, ref: dict | None) -> dict | None:
         """A job's parent run, named by its sweep's id ({"sweep_id"}: the launcher does not wait for the run)."""
         sweep_id = (ref or {}).get("sweep_id")
         if not isinstance(sweep_id, str):
             return None
-        if sweep_id not in self.parents:
-            found = self.store.find_parent(client, sweep_id)
+        if (uri, sweep_id) not in self.parents:
+            found = self.store.find_parent(self.client(uri), sweep_id)
             if found is None:
                 return None
-            self.parents[sweep_id] = {"run_id": found.info.run_id, "experiment_id": found.info.experiment_id}
-        return self.parents[sweep_id]
+            self.parents[uri, sweep_id] = {"run_id": found.info.run_id, "experiment_id": found.info.experiment_id}
+        return self.parents[uri, sweep_id]
 
     def fail(self, s: Session, e: BaseException | str) -> None:
         s.pending = []
@@ -118,16 +119,35 @@ class Agent:
                 traceback.print_exception(e, file=sys.stderr)
             s.conn.send({"sid": s.sid, "event": "error", "message": msg[:2000]})
 
+    def opened(self, uri: str, artifact_root: str | None = None) -> Opened:
+        """The store at `uri`, opened once, and again once a sqlite store's file is not the one opened (removed or
+        replaced: `rm -rf outputs`, a rebuild), whose connections would write to a deleted file."""
+        have = self.clients.get(uri)
+        if have is not None and have.file != _file_of(uri):
+            print(f"tracking agent: the mlflow store {uri} was removed or replaced since it was opened: opened anew",
+                  file=sys.stderr, flush=True)
+            self.store.forget_store(uri)
+            self.parents = {k: v for k, v in self.parents.items() if k[0] != uri}  # runs of the old store
+            del self.clients[uri]
+            have = None
+        if have is None:
+            client, warning = self.store.open_store(uri, artifact_root)
+            have = self.clients[uri] = Opened(client, artifact_root, _file_of(uri), warning)
+        return have
+
     def client(self, uri: str, artifact_root: str | None = None):
-        if uri not in self.clients:
-            self.clients[uri] = self.store.open_client(uri, artifact_root), artifact_root
-        return self.clients[uri][0]
+        return self.opened(uri, artifact_root).client
+
+    def warned(self, uri: str) -> dict:
+        """The store's warning (a sqlite store shared beyond one machine) for the job's own output: {} if none."""
+        warning = self.clients[uri].warning if uri in self.clients else None
+        return {"warning": warning} if warning else {}
 
     # --- a job's run, live
     def open(self, s: Session, m: dict) -> None:
         s.uri = uri = m["uri"]
         s.client = client = self.client(uri, m.get("artifact_location"))
-        parent = s.parent = self.parent_of(client, m.get("parent"))
+        parent = s.parent = self.parent_of(uri, m.get("parent"))
         previous = m.get("previous_run_uri")
         prev_uri, _, prev_id = self.common.parse_run_uri(previous)
         tags = {**m["tags"], **({"mlflow.parentRunId": parent["run_id"]} if parent else {})}
@@ -144,7 +164,7 @@ class Agent:
         s.run_id = run.info.run_id
         s.repo = self.store.artifact_repo(client, s.run_id)
         s.conn.send({"sid": s.sid, "event": "ready", "run_id": s.run_id, "experiment_id": run.info.experiment_id,
-                     "uri": self.common.run_uri(uri, run.info.experiment_id, s.run_id)})
+                     "uri": self.common.run_uri(uri, run.info.experiment_id, s.run_id), **self.warned(uri)})
 
     def metrics(self, s: Session, m: dict) -> None:
         for line in m["lines"]:
@@ -178,7 +198,7 @@ class Agent:
                 continue
             started = time.monotonic()
             try:
-                r = self.index.sync_run(s.client, s.uri, Path(m["run_dir"]), self.clients[s.uri][1],
+                r = self.index.sync_run(s.client, s.uri, Path(m["run_dir"]), self.clients[s.uri].artifact_root,
                                         s.parent, m.get("job"), artifacts=False)
                 done.append((s, m, r))
             except Exception as e:
@@ -200,7 +220,7 @@ class Agent:
         if self.finishing:  # the run this repeats, handed over by an earlier job of the same process: complete first
             self.finish_gone(complete=Path(m["run_dir"]).resolve())
         client = self.client(m["uri"], m.get("artifact_location"))
-        parent, job = self.parent_of(client, m.get("parent")), m.get("job") or {}
+        parent, job = self.parent_of(m["uri"], m.get("parent")), m.get("job") or {}
         r = self.index.index_job(client, m["uri"], Path(m["run_dir"]), m.get("artifact_location"), parent, job)
         uri = self.common.run_uri(m["uri"], r["experiment_id"], r["run_id"]) if "run_id" in r else None
         s.conn.send({"sid": s.sid, "event": "finished", "uri": uri})
@@ -212,20 +232,21 @@ class Agent:
         run, created = self.index.open_parent(client, Path(m["sweep_dir"]), m.get("artifact_location"))
         if not created:  # the same sweep again: its parent goes on
             client.update_run(run.info.run_id, status="RUNNING")
-        ids = self.parents[m["sweep_id"]] = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
+        ids = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
+        self.parents[m["uri"], m["sweep_id"]] = ids
         uri = self.common.run_uri(m["uri"], run.info.experiment_id, run.info.run_id)
         s.conn.send({"sid": s.sid, "event": "ready", "uri": uri, **ids})
 
     def sweep_end(self, s: Session, m: dict) -> None:
         client = self.client(m["uri"])
-        r = self.index.sync_parent(client, m["uri"], Path(m["sweep_dir"]), self.clients[m["uri"]][1],
-                                   self.parent_of(client, m["parent"]), children=False)
+        r = self.index.sync_parent(client, m["uri"], Path(m["sweep_dir"]), self.clients[m["uri"]].artifact_root,
+                                   self.parent_of(m["uri"], m["parent"]), children=False)
         s.conn.send({"sid": s.sid, "event": "finished", "status": r["status"], "children": r["children"],
                      "uri": self.common.run_uri(m["uri"], r["experiment_id"], r["run_id"])})
 
     def ping(self, s: Session, m: dict) -> None:
         self.client(m["uri"], m.get("artifact_location"))
-        s.conn.send({"sid": s.sid, "event": "pong"})
+        s.conn.send({"sid": s.sid, "event": "pong", **self.warned(m["uri"])})
 
     # --- dispatch
     OPENING = ("open", "attach", "parent_start", "sweep_end", "ping")
@@ -314,6 +335,25 @@ class Agent:
                 return
 
 
+class Opened(NamedTuple):
+    client: Any  # its MlflowClient
+    artifact_root: str | None
+    file: tuple[int, int] | None  # a sqlite store's file as opened (device, inode); None for any other store
+    warning: str | None  # sharing.check_shared's, said to each job that uses the store
+
+
+def _file_of(uri: str) -> tuple[int, int] | None:
+    """(device, inode) of a sqlite store's file, None if it has none (yet) or the store is not a sqlite file."""
+    from pipeline.tracking.common import sqlite_path
+
+    db = sqlite_path(uri)
+    try:
+        st = os.stat(db) if db is not None else None
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if st is not None else None
+
+
 def _held_by(run_dir: Path, pid: int | None) -> bool:
     """Whether the process `pid` still holds the run directory's lock (a job that has not left yet)."""
     from pipeline.files import reading
@@ -400,6 +440,8 @@ def main(argv: list[str] | None = None) -> None:
             os.unlink(args.listen)  # no longer findable: a new client starts a new agent ...
         server.close()
     agent.loop(inbox, clients, 0.0)  # ... and whoever connected meanwhile is served until it leaves
+    with contextlib.suppress(OSError):
+        remove_agent_files(Path(args.listen))
 
 
 if __name__ == "__main__":

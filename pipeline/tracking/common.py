@@ -87,14 +87,33 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
         return None
     parts = urlsplit(uri)
     if parts.scheme in ("http", "https") and parts.hostname:
-        try:
-            socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
-                                     timeout=timeout).close()
-        except (ConnectionRefusedError, socket.gaierror) as e:
-            return f"the mlflow tracking server {uri} cannot be reached: {e.strerror or e}"
+        import urllib.error
+        import urllib.request
+
+        try:  # any API path: the server checks the Host header before it routes
+            urllib.request.urlopen(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search?max_results=1",
+                                   timeout=timeout).close()
+        except urllib.error.HTTPError as e:
+            with e:
+                said = e.read(4096).decode(errors="replace") if e.code == 403 else ""
+            return host_refused(uri) if INVALID_HOST in said else None  # else (auth, ...): the agent finds out
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, (ConnectionRefusedError, socket.gaierror)):
+                return f"the mlflow tracking server {uri} cannot be reached: {e.reason.strerror or e.reason}"
         except OSError:
-            return None  # slow, not refused: the agent finds out
+            pass  # slow, not refused: the agent finds out
     return None
+
+
+INVALID_HOST = "Invalid Host header"  # mlflow server's 403 to a host name it was not given with --allowed-hosts
+
+
+def host_refused(uri: str) -> str:
+    """A server that refuses the host name it is reached by, and the fix (mlflow >= 3.5 accepts only localhost and
+    private addresses unless told)."""
+    netloc = urlsplit(uri).netloc.rpartition("@")[2]
+    return (f"the mlflow tracking server {uri} refuses the host name {netloc} (403: {INVALID_HOST}): start it with "
+            f"`mlflow server ... --allowed-hosts {netloc}` (docs/tracking.md: Team setup)")
 
 
 # Stores whose client writes the artifacts itself (a database or a directory): the caller says where.

@@ -71,7 +71,41 @@ def socket_path(uri: str) -> Path:
 
 
 def agent_log(uri: str) -> Path:
-    return socket_path(uri).with_suffix(".log")
+    return log_beside(socket_path(uri))
+
+
+def log_beside(sock: Path) -> Path:
+    return sock.with_suffix(".log")
+
+
+# An agent's files (socket, lock, log) live as long as it does: each URI ever tracked would leave its own.
+def spawn_lock(path: Path) -> int:
+    """An fd holding the flock of the lock beside the socket `path`: of the file at its path now (one an exiting
+    agent removed while this process waited for it locks nothing: taken again)."""
+    lock = f"{path}.lock"
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(lock, follow_symlinks=False)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def remove_agent_files(path: Path) -> bool:
+    """An agent's end, its socket gone: its lock and log are removed under the lock, unless another agent serves
+    `path` by now (its socket is there again: they are its). Whether they were removed."""
+    fd = spawn_lock(path)
+    try:
+        if os.path.lexists(path):
+            return False
+        log_beside(path).unlink(missing_ok=True)
+        Path(f"{path}.lock").unlink()
+        return True
+    finally:
+        os.close(fd)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -262,9 +296,8 @@ def connect_or_spawn(path: Path, log_file: Path) -> socket.socket:
     sock = _connect(path)
     if sock is not None:
         return sock
-    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = spawn_lock(path)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         sock = _connect(path)
         if sock is None:
             path.unlink(missing_ok=True)  # a stale socket of an agent that died

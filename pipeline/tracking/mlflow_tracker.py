@@ -31,6 +31,17 @@ def wait_at_exit(event: threading.Event, what: str) -> None:
     atexit.register(wait)
 
 
+class Pong(Request):
+    """The agent's answer to a ping (the store is open), handed to `heard` too."""
+    def __init__(self, heard):
+        super().__init__(kinds=("pong",))
+        self.heard = heard
+
+    def on_event(self, event: dict) -> None:
+        self.heard(event)
+        super().on_event(event)
+
+
 class MlflowTracker(Tracker):
     """conf/tracking/mlflow.yaml (sqlite under the output directory) and conf/tracking/server.yaml (http). A job
     waits on it at most `wait` s in all; a failure warns once and turns tracking off for the run."""
@@ -51,6 +62,7 @@ class MlflowTracker(Tracker):
         self.experiment_id: str | None = None  # the experiment the agent logs the run to, once it said (ready)
         self.failed = self.finished = False
         self._warned = threading.Lock()
+        self._store_warned = False  # the store's own warning (a sqlite store shared beyond one host), said once
         self.job = sweep.tags if sweep is not None else None  # a sweep's job: its child run's tags
         self.parent = sweep.parent if sweep is not None else None
         self.off = sweep.tracking_off if sweep is not None else None  # the sweep said why, once
@@ -77,7 +89,7 @@ class MlflowTracker(Tracker):
             self._fail(problem)
             return
         try:
-            pong = Request(kinds=("pong",))  # the agent has the store open: a run's URI is moments away, not seconds
+            pong = Pong(self._heard)  # the agent has the store open: a run's URI is moments away, not seconds
             self.warm = pong.done
             self._link = link.agent_for(self.uri)  # looked up at each call: a test may put another in its place
             self._link.send({"op": "ping", "sid": self._link.register(pong), "uri": self.uri,
@@ -124,7 +136,14 @@ class MlflowTracker(Tracker):
             self._fail(req.event.get("message", "unknown error"))
         return (req.event or {}).get("uri")
 
+    def _heard(self, event: dict) -> None:
+        """What the agent says of the store (it opens it, in its own process), on this job's output once."""
+        if event.get("warning") and not self._store_warned:
+            self._store_warned = True
+            log.warning("mlflow: %s", event["warning"])
+
     def on_event(self, event: dict) -> None:
+        self._heard(event)
         kind = event.get("event")
         if kind == "ready":
             self.experiment_id = event.get("experiment_id")

@@ -16,8 +16,8 @@ MAX_MOUNTS_BYTES = 1 << 20
 HOSTS_TAG = "pipeline.hosts"  # on the store's Default experiment: every host that opened it, comma-separated
 MAX_HOSTS = 50
 TEAM_SETUP = ("run `mlflow server --backend-store-uri postgresql+psycopg://USER@DBHOST/DB --artifacts-destination "
-              "DIR --host HOST --port 5000` and track with `tracking=server tracking.uri=http://HOST:5000` "
-              "(docs/tracking.md: Team setup)")
+              "DIR --host HOST --port 5000 --allowed-hosts HOST:5000` and track with "
+              "`tracking=server tracking.uri=http://HOST:5000` (docs/tracking.md: Team setup)")
 
 
 def read_mounts() -> str:

@@ -18,7 +18,14 @@ from mlflow.exceptions import MlflowException
 
 from pipeline.config.errors import CommandError
 from pipeline.files.atomic import UnsafePathError, refuse_link
-from pipeline.tracking.common import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, sqlite_path, tag_value
+from pipeline.tracking.common import (
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
+    INVALID_HOST,
+    host_refused,
+    sqlite_path,
+    tag_value,
+)
 from pipeline.tracking.common import artifact_root as common_artifact_root
 from pipeline.tracking.sharing import check_shared
 
@@ -38,6 +45,19 @@ def _quiet_migrations() -> None:
     never on import (importing a module changes no process state)."""
     for name in ("mlflow.store.db.utils", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def forget_store(uri: str) -> None:
+    """Drop what mlflow keeps open for `uri` in this process (a database store's engine, its pooled connections
+    and the store objects built on it): a sqlite file removed or replaced since is then opened anew, not written
+    through connections to the deleted one."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    from mlflow.tracking._tracking_service import utils
+
+    engine = SqlAlchemyStore._engine_map.pop(uri, None)  # one engine per database URI, for the process's life
+    if engine is not None:
+        engine.dispose()
+    utils._tracking_store_registry._get_store_with_resolved_uri.cache_clear()  # the stores, per URI
 
 
 class StoreError(CommandError):
@@ -98,8 +118,13 @@ def _copy_template(db: Path) -> None:
 
 
 def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
-    """A client whose store is open; a new sqlite store is made here, once, under the lock (a copy of the template,
-    its artifacts under `artifact_root`, never the working directory). StoreError (one line) if it cannot be."""
+    return open_store(uri, artifact_root)[0]
+
+
+def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient, str | None]:
+    """A client whose store is open, and the store's warning (sharing.check_shared) or None; a new sqlite store is
+    made here, once, under the lock (a copy of the template, its artifacts under `artifact_root`, never the
+    working directory). StoreError (one line) if it cannot be."""
     _quiet_migrations()
     for key, value in HTTP_SETTINGS:
         os.environ.setdefault(key, value)
@@ -127,13 +152,14 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
                 SqlAlchemyStore(uri, common_artifact_root(uri, artifact_root))
             client = MlflowClient(tracking_uri=uri)
             client.search_experiments(max_results=1)  # connect now: a server that is down fails here
-            if db is not None:
-                check_shared(client, db)
-        return client
+            warning = check_shared(client, db) if db is not None else None
+        return client, warning
     except Exception as e:
         where = f"the mlflow store {db}" if db else f"the mlflow tracking server {uri}"
         fix = (" (move it aside and rebuild it from the manifests: python -m pipeline.reindex --rebuild)"
                if db is not None and db.exists() else "")
+        if db is None and INVALID_HOST in str(e):
+            raise StoreError(host_refused(uri)) from None
         text = str(e).strip().splitlines()
         why = f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
         raise StoreError(f"{where} cannot be opened: {why}{fix}") from None

@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import KERNODECK, run_pipeline
 
 from pipeline.tracking import agent, link, mlflow_tracker
+from pipeline.tracking.link import wait_idle
 
 NOBODY = 65534
 WAIT = 120.0  # seconds: a generous bound on any wait here (a loaded machine is slow; none is ever reached)
@@ -387,3 +389,77 @@ def test_the_agent_drops_a_connection_sending_an_oversized_request(monkeypatch):
     reader.join(WAIT)
     a.close()
     b.close()
+
+
+# --- an agent's files live as long as it does
+def agents_serving(sock: Path) -> list[int]:
+    """The pids of the running agents listening at `sock` (a zombie's cmdline is empty)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            if proc.name.isdigit() and b"pipeline.tracking.agent" in cmd and str(sock).encode() in cmd:
+                pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_an_agent_that_exits_leaves_nothing_in_the_private_directory(tmp_path, base):  # tmp_path first: not in base
+    """Each store tracked has its own agent, socket, lock and log: an idle agent's end takes all of them along (a
+    day of tests left hundreds)."""
+    out = tmp_path / "out"
+    uri = f"sqlite:///{out}/mlflow.db"
+    path = link.socket_path(uri)
+    assert path.parent.parent == base  # the job's agent lives here too (TMPDIR)
+    proc = run_pipeline([*KERNODECK[:1], "trainer.progress_bar=false", f"paths.output_dir={out}"], tmp_path / "cwd")
+    assert proc.returncode == 0 and "mlflow tracking (" not in proc.stdout + proc.stderr, proc.stdout[-3000:]
+    assert wait_idle(uri)
+    deadline = time.monotonic() + WAIT * 5
+    while agents_serving(path):  # it exits once idle (PIPELINE_TRACKING_AGENT_IDLE)
+        assert time.monotonic() < deadline, "the agent did not exit"
+        time.sleep(0.05)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    ids = [e.experiment_id for e in client.search_experiments()]
+    assert len(client.search_runs(ids)) == 1  # an agent served the job: its run is indexed
+    assert os.listdir(path.parent) == []
+
+
+def test_an_exiting_agent_keeps_the_files_of_an_agent_serving_its_socket_again(base):
+    path = link.socket_path(uri_in(base))
+    link.private_dir(path.parent)
+    server = listener(path)  # a new agent, started after the old one's socket was gone
+    link.agent_log(uri_in(base)).write_bytes(b"the new agent's log\n")
+    os.close(link.spawn_lock(path))
+    assert not link.remove_agent_files(path)
+    assert sorted(os.listdir(path.parent)) == sorted(
+        [path.name, f"{path.name}.lock", link.agent_log(uri_in(base)).name])
+    server.close()
+    path.unlink()  # that one exits too: now they go
+    assert link.remove_agent_files(path) and os.listdir(path.parent) == []
+
+
+def test_a_lock_removed_while_a_spawner_waits_on_it_is_taken_anew(base):
+    """A job waiting for the lock an exiting agent holds, and removes: its lock is on a file no other process can
+    open any more, so it takes the one at the lock's path now (else two jobs could spawn two agents at once)."""
+    path = link.socket_path(uri_in(base))
+    link.private_dir(path.parent)
+    lock = f"{path}.lock"
+    held = link.spawn_lock(path)
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(link.spawn_lock(path)), daemon=True)
+    waiter.start()
+    deadline = time.monotonic() + WAIT
+    while sum(os.readlink(f"/proc/self/fd/{fd}") == lock for fd in os.listdir("/proc/self/fd")
+              if os.path.islink(f"/proc/self/fd/{fd}")) < 2:  # the waiter has the old file open
+        assert time.monotonic() < deadline, "the waiter never opened the lock"
+        time.sleep(0.01)
+    os.unlink(lock)  # as an exiting agent does, holding the lock
+    os.close(held)
+    waiter.join(WAIT)
+    (fd,) = got
+    try:
+        assert os.path.samestat(os.fstat(fd), os.stat(lock))
+    finally:
+        os.close(fd)

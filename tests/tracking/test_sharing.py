@@ -3,10 +3,14 @@ one warning with the team setup to use instead; a store on a local disk opened f
 from __future__ import annotations
 
 import logging
+import socket
 
 import pytest
 
 from pipeline.tracking import sharing, store
+from pipeline.tracking.mlflow_tracker import MlflowTracker
+
+WAIT = 120.0  # seconds: a generous bound on the agent's answers (a loaded machine is slow)
 
 
 def opened(uri: str, caplog) -> list[str]:
@@ -52,3 +56,26 @@ def test_a_store_opened_from_a_second_host_gets_one_warning(tmp_path, monkeypatc
     monkeypatch.setattr(sharing.socket, "gethostname", lambda: "node-b")
     (warning,) = opened(uri, caplog)
     assert "opened by jobs on 2 hosts (node-a, node-b)" in warning and "postgresql" in warning
+
+
+def test_a_job_on_a_store_another_host_opened_says_so_on_its_own_output(tmp_path, monkeypatch, caplog):
+    """The store is opened by the tracking agent, in its own process with its own log: its warning reaches the
+    job's output, once."""
+    uri = f"sqlite:///{tmp_path}/out/mlflow.db"
+    with monkeypatch.context() as m:
+        m.setattr(sharing.socket, "gethostname", lambda: "another-node")
+        store.open_client(uri)  # a job of another host made the store
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="pipeline")
+    tracker = MlflowTracker(uri=uri, experiment="e", artifact_location=None, wait=1.0)
+    tracker.prepare()
+    assert tracker.warm.wait(WAIT), "the agent did not open the store"
+    tracker.start(config={"name": "e"}, facts={}, run_dir=tmp_path / "run", previous_run_uri=None)
+    assert tracker.ready.wait(WAIT) and not tracker.failed
+    tracker.finish("FINISHED", tmp_path / "run")
+    assert tracker.done.wait(WAIT), "the agent did not complete the run"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    (warning,) = warnings
+    me = socket.gethostname()
+    assert f"opened by jobs on 2 hosts ({', '.join(sorted(['another-node', me]))})" in warning
+    assert "--allowed-hosts" in warning and "docs/tracking.md: Team setup" in warning

@@ -2,15 +2,20 @@
 cannot be opened (one line, never a traceback), and `reindex --rebuild`."""
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from conftest import KERNODECK, env_for_subprocess, run_pipeline, the_run
 
 from pipeline.run.directory import RunDir
+from pipeline.tracking import link
 from pipeline.tracking.link import wait_idle
 
 pytestmark = pytest.mark.slow
@@ -122,3 +127,51 @@ def test_a_link_at_the_store_or_its_artifacts_is_refused_by_every_opener(tmp_pat
         open_client(f"sqlite:///{out / 'mlflow.db'}")
     assert f"{out / entry} is a symlink" in str(e.value) and "\n" not in str(e.value)
     assert os.listdir(elsewhere) == [] and sorted(os.listdir(out)) == [entry]
+
+
+def test_a_store_removed_while_its_agent_runs_is_made_anew_by_the_next_job(tmp_path, monkeypatch):
+    """`rm -rf outputs` and the same command again, while the first job's agent still runs: the agent notices its
+    store is not the file it opened and opens the new one (it wrote to the deleted file: a read-only database)."""
+    monkeypatch.setenv("PIPELINE_TRACKING_AGENT_IDLE", "600")  # one agent for both jobs, as in a working session
+    out = tmp_path / "outputs"
+    uri = f"sqlite:///{out}/mlflow.db"
+    args = [*KERNODECK[:1], f"paths.output_dir={out}", "trainer.progress_bar=false"]
+    agent_pid = None
+    try:
+        for attempt in range(2):
+            if attempt:
+                shutil.rmtree(out)
+            proc = run_pipeline(args, tmp_path / "cwd")
+            log = proc.stdout + proc.stderr
+            assert proc.returncode == 0 and "mlflow tracking (" not in log, log[-3000:]
+            assert wait_idle(uri)
+            sock = link._connect(link.socket_path(uri))
+            assert sock is not None, "no agent serves the store"
+            pid = link.peer_credentials(sock)[0]
+            sock.close()
+            assert agent_pid in (None, pid), "the second job was served by a new agent: nothing tested"
+            agent_pid = pid
+            client, runs = runs_of(uri)
+            (run,) = runs
+            assert run.info.status == "FINISHED" and run.data.tags["run_dir"] == str(the_run(out))
+            assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 10
+    finally:
+        if agent_pid is not None:
+            os.kill(agent_pid, signal.SIGKILL)  # it ignores the signals jobs get; its files go with it below
+            wait_gone(agent_pid)
+            link.socket_path(uri).unlink(missing_ok=True)
+            link.remove_agent_files(link.socket_path(uri))
+
+
+def wait_gone(pid: int) -> None:
+    """Wait (at most a generous 600 s) until `pid` has exited, reaped or not."""
+    for _ in range(60000):
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] in "ZX":
+                return
+        except OSError:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"process {pid} did not exit")
