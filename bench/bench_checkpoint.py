@@ -81,10 +81,10 @@ def state_arrays(parts: dict) -> list[np.ndarray]:
 
 def bench_fields() -> dict:
     config = {"bench": "checkpoint", "trainer": {"seed": 0}}
-    ident = Identity({}, identity.config_hash(config), identity.semantic_hash(config, {}), "bench")
+    semantic = identity.semantic_hash(config, {})
+    ident = Identity({}, identity.config_hash(config), semantic, "bench", lineage_of(semantic, None))
     facts = mf.run_facts(config, ident, "none", {}, {"vocab": None, "decode_join": None, "specials": {}})
-    return mf.build(facts, step=7, epoch=0, metrics={}, tags=[],
-                    lineage=lineage_of(facts["semantic_config_hash"], None))
+    return mf.build(facts, step=7, epoch=0, metrics={}, tags=[], lineage=ident.lineage)
 
 
 def save(parts: dict, directory: Path) -> None:

@@ -19,8 +19,10 @@ class SweepParent:
     def warm(self, sweep: dict) -> None:
         """The sweep's jobs run in this process: get tracking ready meanwhile, without asking for the parent."""
 
-    def start(self, sweep: dict) -> None:
-        """Ask for the parent run, never waiting: the jobs name it by the sweep's id."""
+    def start(self, sweep: dict) -> bool:
+        """Ask for the parent run, never waiting: the jobs name it by the sweep's id. True if it was asked of an
+        index (which then holds the sweep's first start)."""
+        return False
 
     def end(self, sweep: dict) -> list[str]:
         """Hand over the parent's end (waiting a bounded moment); the lines saying where it is, for the end table."""

@@ -178,6 +178,7 @@ class SweepCallback(Callback):
         self.parent: SweepParent = SweepParent()  # the sweep's parent run, through the tracker's interface
         self.launcher_pid: int | None = None  # the process that started the sweep
         self.launched = False  # its parent run asked for, its line said
+        self.indexed = False  # an index was asked for its parent run: it holds the sweep's first start
         self.start: _Start | None = None  # what its start changed, for the entry point's undo (this process only)
 
     def __getstate__(self) -> dict:
@@ -261,7 +262,7 @@ class SweepCallback(Callback):
     def _launching(self) -> None:
         assert self.sweep is not None, "on_multirun_start comes first"
         self.launched = True
-        self.parent.start(self.sweep)
+        self.indexed = self.parent.start(self.sweep)
         log.info("sweep %s: %s", self.sweep["id"], self.sweep["dir"])
 
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
@@ -293,10 +294,11 @@ class SweepCallback(Callback):
     def discard_unlaunched(self) -> bool:
         """Undo this sweep's start if no job ever ran (Hydra could not compose them, or the sweeper raised first):
         what its start wrote goes, the directories it made too (an earlier sweep's directory gets its files
-        back), so that no sweep is left `running`; False if it had a job, its parent run was asked for (the index
-        holds the sweep: its record and first start stay, for a re-run and a rebuild), or there is nothing to undo."""
+        back), so that no sweep is left `running`; False if it had a job, an index was asked for its parent run
+        (it holds the sweep: its record and first start stay, for a re-run and a rebuild), or there is nothing to
+        undo."""
         start, self.start = self.start, None
-        if start is None or self.launched:
+        if start is None or self.indexed:
             return False
         jobs = start.directory / "jobs"
         if jobs.exists() and any(jobs.iterdir()):

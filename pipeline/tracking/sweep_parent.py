@@ -37,14 +37,15 @@ class MlflowSweepParent(SweepParent):
         if not sweep.get("tracking_off"):
             agent_for(self.uri)  # mlflow's import, meanwhile: no request
 
-    def start(self, sweep: dict) -> None:
+    def start(self, sweep: dict) -> bool:
         if sweep.get("tracking_off"):
-            return
+            return False
         link = agent_for(self.uri)  # at once: the agent starts beside the jobs
         self.request = Request()
         link.send({"op": "parent_start", "sid": link.register(self.request), "uri": self.uri,
                    "artifact_location": sweep.get("artifact_location"), "sweep_id": sweep["id"],
                    "sweep_dir": sweep["dir"]})
+        return True
 
     def end(self, sweep: dict) -> list[str]:
         """Hand the parent's end to the agent, waiting at most END_WAIT for it to be on its way (a SLURM sweep, or a
