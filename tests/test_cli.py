@@ -233,6 +233,18 @@ def test_a_signal_during_start_up_exits_75_in_one_line(tmp_path, sig):
         assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("raised", ["Interrupted(15)", "ValueError('a bug')"])
+def test_a_signal_raised_inside_a_callback_python_runs_itself_is_no_traceback(tmp_path, raised):
+    # a signal can land in a weakref's callback inside the import system, where no exception propagates (Python
+    # prints "Exception ignored"): an interruption is held by the signal state, and only other errors are printed
+    code = ("import weakref\nfrom pipeline.run.signals import SIGNALS_STATE, Interrupted\nSIGNALS_STATE.install()\n"
+            f"class A: pass\na = A()\ndef cb(ref): raise {raised}\nr = weakref.ref(a, cb)\ndel a\nprint('on')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env_for_subprocess(), capture_output=True,
+                          text=True)
+    assert proc.returncode == 0 and proc.stdout == "on\n"
+    assert ("Traceback" in proc.stderr) == raised.startswith("ValueError"), proc.stderr
+
+
 @pytest.mark.slow
 def test_sigterm_then_sigint_during_training_still_saves_and_exits_75(tmp_path):
     out = tmp_path / "out"

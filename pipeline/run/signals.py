@@ -91,6 +91,14 @@ class Signals:
             os._exit(EXIT_PREEMPTED)
 
         sys.excepthook = hook  # first: a signal between two of the handlers below already ends in one line
+        unraisable = sys.unraisablehook
+
+        def swallow(u):  # the handler's raise landed in a callback Python runs for itself (a weakref's inside the
+            # import system, a __del__): it cannot propagate; `received` holds the signal, acted on at the next check
+            if not isinstance(u.exc_value, Interrupted):
+                unraisable(u)
+
+        sys.unraisablehook = swallow
         for s in SIGNALS:
             signal.signal(s, self._handler)
         self.installed = True
