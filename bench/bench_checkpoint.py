@@ -15,6 +15,7 @@ Extra peak memory during save is measured in a child process: peak RSS (VmHWM, r
 The bench files go to a temporary directory on the disk that holds this checkout (not tmpfs) and are
 removed at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,16 +64,26 @@ def build_parts(mib: float, seed: int = 0) -> dict:
     cols = 1024
     rows = max(1, per_array // (4 * cols))
     g = np.random.default_rng(seed)
-    params = {f"layers.{i}.weight": g.standard_normal((rows, cols), dtype=np.float32) for i in range(4)}
-    optimizer = Adam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, weight_decay_on="all")
+    params = {
+        f"layers.{i}.weight": g.standard_normal((rows, cols), dtype=np.float32) for i in range(4)
+    }
+    optimizer = Adam(
+        params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, weight_decay_on="all"
+    )
     for kind in optimizer.buffers:  # materialise the moments with non-trivial values
         for v in optimizer.state_dict()[kind].values():
             v[...] = g.standard_normal(v.shape, dtype=np.float32)
     optimizer.t = 7
     streams = Streams(seed)
-    return {"model": Weights(params), "optimizer": optimizer, "scheduler": Constant(optimizer),
-            "data_iter": DataIterator(1000, 10, streams["data_order"]), "rng": streams,
-            "progress": Progress(step=7), "stages": StageStates([])}
+    return {
+        "model": Weights(params),
+        "optimizer": optimizer,
+        "scheduler": Constant(optimizer),
+        "data_iter": DataIterator(1000, 10, streams["data_order"]),
+        "rng": streams,
+        "progress": Progress(step=7),
+        "stages": StageStates([]),
+    }
 
 
 def state_arrays(parts: dict) -> list[np.ndarray]:
@@ -82,8 +93,12 @@ def state_arrays(parts: dict) -> list[np.ndarray]:
 def bench_fields() -> dict:
     config = {"bench": "checkpoint", "trainer": {"seed": 0}}
     semantic = identity.semantic_hash(config, {})
-    ident = Identity({}, identity.config_hash(config), semantic, "bench", lineage_of(semantic, None))
-    facts = mf.run_facts(config, ident, "none", {}, {"vocab": None, "decode_join": None, "specials": {}})
+    ident = Identity(
+        {}, identity.config_hash(config), semantic, "bench", lineage_of(semantic, None)
+    )
+    facts = mf.run_facts(
+        config, ident, "none", {}, {"vocab": None, "decode_join": None, "specials": {}}
+    )
     return mf.build(facts, step=7, epoch=0, metrics={}, tags=[], lineage=ident.lineage)
 
 
@@ -127,21 +142,36 @@ def memory_child(mib: float, directory: str) -> None:
     state_bytes = sum(a.nbytes for a in state_arrays(parts))
     base = rss_kib("VmRSS")
     try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        Path("/proc/self/clear_refs").write_text(
+            "5"
+        )  # resets VmHWM to the current RSS (Linux >= 4.0)
         method = "VmHWM after clear_refs"
     except OSError:
         method = "VmHWM since start (clear_refs unavailable)"
     save(parts, Path(directory) / "step-00000007")
     peak = rss_kib("VmHWM")
-    print(json.dumps({"state_bytes": state_bytes, "base_kib": base, "peak_kib": peak,
-                      "extra_bytes": max(0, peak - base) * 1024, "method": method}))
+    print(
+        json.dumps(
+            {
+                "state_bytes": state_bytes,
+                "base_kib": base,
+                "peak_kib": peak,
+                "extra_bytes": max(0, peak - base) * 1024,
+                "method": method,
+            }
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=float, default=256.0, help="state size in MiB (params + moments)")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--dir", default=None, help="scratch parent directory (default: a temp dir beside the checkout)")
+    ap.add_argument(
+        "--dir",
+        default=None,
+        help="scratch parent directory (default: a temp dir beside the checkout)",
+    )
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.memory_child:
@@ -171,8 +201,12 @@ def main(argv: list[str] | None = None) -> int:
             if r < 0:
                 times = {k: [] for k in times}
         med = {k: statistics.median(v) for k, v in times.items()}
-        child = subprocess.run([sys.executable, __file__, "--mib", str(args.mib), "--memory-child", str(scratch)],
-                               capture_output=True, text=True, check=True)
+        child = subprocess.run(
+            [sys.executable, __file__, "--mib", str(args.mib), "--memory-child", str(scratch)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         mem = json.loads(child.stdout.strip().splitlines()[-1])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -182,26 +216,47 @@ def main(argv: list[str] | None = None) -> int:
     mem_ratio = mem["extra_bytes"] / mem["state_bytes"]
     mib_s = lambda t: nbytes / MIB / t  # noqa: E731
     print(f"command: python bench/bench_checkpoint.py --mib {args.mib:g} --repeats {args.repeats}")
-    print(f"state: {nbytes / MIB:.1f} MiB ({len(arrays)} float32 arrays: params + Adam moments); "
-          f"medians of {args.repeats}; scratch on {scratch.parent}")
+    print(
+        f"state: {nbytes / MIB:.1f} MiB ({len(arrays)} float32 arrays: params + Adam moments); "
+        f"medians of {args.repeats}; scratch on {scratch.parent}"
+    )
     print()
     print("| measure | time (s) | MiB/s | ratio | target | ok |")
     print("| --- | ---: | ---: | ---: | --- | --- |")
     print(f"| raw write + fsync | {med['raw_write']:.3f} | {mib_s(med['raw_write']):.0f} | | | |")
-    print(f"| CheckpointDir.write (hash, fsync, rename) | {med['save']:.3f} | {mib_s(med['save']):.0f} | "
-          f"{save_ratio:.2f}x raw throughput | >= {TARGETS['save']:.2f} | {save_ratio >= TARGETS['save']} |")
-    print(f"| raw read + sha256 (warm) | {med['raw_read']:.3f} | {mib_s(med['raw_read']):.0f} | | | |")
-    print(f"| CheckpointDir.load + verify (warm) | {med['load']:.3f} | {mib_s(med['load']):.0f} | "
-          f"{load_ratio:.2f}x raw time | <= {TARGETS['load']:.2f} | {load_ratio <= TARGETS['load']} |")
-    print(f"| extra peak RSS during save | | {mem['extra_bytes'] / MIB:.1f} MiB | "
-          f"{100 * mem_ratio:.1f}% of state | <= {100 * TARGETS['memory']:.0f}% | {mem_ratio <= TARGETS['memory']} |")
-    best_save, best_load = min(times["raw_write"]) / min(times["save"]), min(times["load"]) / min(times["raw_read"])
+    print(
+        f"| CheckpointDir.write (hash, fsync, rename) | {med['save']:.3f} | {mib_s(med['save']):.0f} | "
+        f"{save_ratio:.2f}x raw throughput | >= {TARGETS['save']:.2f} | {save_ratio >= TARGETS['save']} |"
+    )
+    print(
+        f"| raw read + sha256 (warm) | {med['raw_read']:.3f} | {mib_s(med['raw_read']):.0f} | | | |"
+    )
+    print(
+        f"| CheckpointDir.load + verify (warm) | {med['load']:.3f} | {mib_s(med['load']):.0f} | "
+        f"{load_ratio:.2f}x raw time | <= {TARGETS['load']:.2f} | {load_ratio <= TARGETS['load']} |"
+    )
+    print(
+        f"| extra peak RSS during save | | {mem['extra_bytes'] / MIB:.1f} MiB | "
+        f"{100 * mem_ratio:.1f}% of state | <= {100 * TARGETS['memory']:.0f}% | {mem_ratio <= TARGETS['memory']} |"
+    )
+    best_save, best_load = (
+        min(times["raw_write"]) / min(times["save"]),
+        min(times["load"]) / min(times["raw_read"]),
+    )
     print()
-    print(f"best-of-{args.repeats} ratios (less sensitive to other load on the machine): "
-          f"save {best_save:.2f}x raw throughput, load {best_load:.2f}x raw time")
+    print(
+        f"best-of-{args.repeats} ratios (less sensitive to other load on the machine): "
+        f"save {best_save:.2f}x raw throughput, load {best_load:.2f}x raw time"
+    )
     print("all times (s): " + json.dumps({k: [round(t, 3) for t in v] for k, v in times.items()}))
-    print(f"memory: {mem['method']}; base RSS {mem['base_kib'] / 1024:.0f} MiB, peak {mem['peak_kib'] / 1024:.0f} MiB")
-    ok = save_ratio >= TARGETS["save"] and load_ratio <= TARGETS["load"] and mem_ratio <= TARGETS["memory"]
+    print(
+        f"memory: {mem['method']}; base RSS {mem['base_kib'] / 1024:.0f} MiB, peak {mem['peak_kib'] / 1024:.0f} MiB"
+    )
+    ok = (
+        save_ratio >= TARGETS["save"]
+        and load_ratio <= TARGETS["load"]
+        and mem_ratio <= TARGETS["memory"]
+    )
     return 0 if ok else 1
 
 

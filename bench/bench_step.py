@@ -16,6 +16,7 @@ FLOP count (stated, analytic): forward = 2 * tokens * (12 * n_layer * d^2 + V * 
 mlp.c_proj and the tied head; embeddings, biases, LayerNorm, softmax and GELU not counted]
 + n_layer * 2 * 2 * B * n_head * T^2 * hs   [q.k and att.v, full T x T as computed];  step = 3 x forward.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,9 @@ from types import SimpleNamespace
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # run from a checkout without installing
 
 from pipeline.data.base import Batch, DataSpec
 from pipeline.model import minigpt as minigpt_module
@@ -61,7 +64,9 @@ def build_torch(np_model: MiniGPT, attn: str):
             self.ln_1, self.ln_2 = nn.LayerNorm(d, eps=1e-5), nn.LayerNorm(d, eps=1e-5)
             self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
             self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-            self.register_buffer("mask", torch.ones(T, T, dtype=torch.bool).tril(), persistent=False)
+            self.register_buffer(
+                "mask", torch.ones(T, T, dtype=torch.bool).tril(), persistent=False
+            )
 
         def forward(self, x):
             B, t, _ = x.shape
@@ -101,7 +106,9 @@ def build_torch(np_model: MiniGPT, attn: str):
                 mod.bias.copy_(torch.from_numpy(p[h + name + ".bias"]))
             for mod, name in ((blk.c_attn, "attn.c_attn"), (blk.c_proj, "attn.c_proj"), (blk.c_fc, "mlp.c_fc"),
                               (blk.mlp_proj, "mlp.c_proj")):  # fmt: skip
-                mod.weight.copy_(torch.from_numpy(p[h + name + ".weight"].T.copy()))  # Conv1D [in, out] -> [out, in]
+                mod.weight.copy_(
+                    torch.from_numpy(p[h + name + ".weight"].T.copy())
+                )  # Conv1D [in, out] -> [out, in]
                 mod.bias.copy_(torch.from_numpy(p[h + name + ".bias"]))
         model.ln_f.weight.copy_(torch.from_numpy(p["transformer.ln_f.weight"]))
         model.ln_f.bias.copy_(torch.from_numpy(p["transformer.ln_f.bias"]))
@@ -130,7 +137,9 @@ def matmul_gflops(n: int = 256, reps: int = 200) -> float:
 def peak_rss_mb() -> tuple[float, float]:
     """(VmHWM, VmRSS) in MiB from /proc, falling back to ru_maxrss for both."""
     try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+        fields = dict(
+            line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines()
+        )
         return int(fields["VmHWM"].split()[0]) / 1024, int(fields["VmRSS"].split()[0]) / 1024
     except (OSError, KeyError):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -207,9 +216,11 @@ def run_memory(args) -> dict:
         "rss_mb_100": round(marks[100][1], 1), "rss_mb_1000": round(marks[1000][1], 1),
         "peak_growth_pct": round(growth, 2),
     }  # fmt: skip
-    print(f"numpy, {args.shards} shards on {args.threads} threads: peak RSS (VmHWM) {out['peak_rss_mb_100']} MiB "
-          f"after 100 steps, {out['peak_rss_mb_1000']} MiB after 1000 steps: "
-          f"growth {out['peak_growth_pct']}%")
+    print(
+        f"numpy, {args.shards} shards on {args.threads} threads: peak RSS (VmHWM) {out['peak_rss_mb_100']} MiB "
+        f"after 100 steps, {out['peak_rss_mb_1000']} MiB after 1000 steps: "
+        f"growth {out['peak_growth_pct']}%"
+    )
     print(f"current RSS (VmRSS): {out['rss_mb_100']} -> {out['rss_mb_1000']} MiB")
     return out
 
@@ -223,10 +234,17 @@ class OpProfile:
     """
 
     def __init__(self, model):
-        self.names = {id(p): n.removeprefix("transformer.").removesuffix(".weight") for n, p in model.params.items()}
+        self.names = {
+            id(p): n.removeprefix("transformer.").removesuffix(".weight")
+            for n, p in model.params.items()
+        }
         self.order: list[str] = []  # row labels, first seen first
-        self.pending = defaultdict(list)  # function family -> forward labels awaiting their backward
-        self.step_times = defaultdict(float)  # (label, "fwd" | "bwd") -> seconds in the current step
+        self.pending = defaultdict(
+            list
+        )  # function family -> forward labels awaiting their backward
+        self.step_times = defaultdict(
+            float
+        )  # (label, "fwd" | "bwd") -> seconds in the current step
         self.samples = defaultdict(list)  # (label, "fwd" | "bwd") -> per-step seconds
 
     def _label(self, family: str, args) -> str:
@@ -277,16 +295,30 @@ def op_costs(args, b: int) -> dict[str, dict[str, tuple[list, int]]]:
     ops = {"embedding": {"fwd": ([], e * 3 * n * d), "bwd": ([], e * (n * d + V * d + T * d))}}
     for i in range(args.n_layer):
         h = f"h.{i}."
-        ops[h + "ln_1 + attn.c_attn"] = {"fwd": ([(1, n, d, 3 * d)], e * 2 * n * d),
-                                         "bwd": ([(1, d, n, 3 * d), (1, n, 3 * d, d)], e * 3 * n * d)}
-        ops[h + "attention"] = {"fwd": ([(b * nh, T, hs, T), (b * nh, T, T, hs)], e * 2 * att),
-                                "bwd": ([(b * nh, T, T, hs), (b * nh, T, hs, T), (b * nh, T, T, hs),
-                                         (b * nh, T, T, hs)], e * 3 * att)}
-        ops[h + "attn.c_proj"] = {"fwd": ([(1, n, d, d)], 0), "bwd": ([(1, n, d, d), (1, d, n, d)], 0)}
-        ops[h + "ln_2 + mlp.c_fc"] = {"fwd": ([(1, n, d, 4 * d)], e * 2 * n * d),
-                                      "bwd": ([(1, d, n, 4 * d), (1, n, 4 * d, d)], e * 3 * n * d)}
+        ops[h + "ln_1 + attn.c_attn"] = {
+            "fwd": ([(1, n, d, 3 * d)], e * 2 * n * d),
+            "bwd": ([(1, d, n, 3 * d), (1, n, 3 * d, d)], e * 3 * n * d),
+        }
+        ops[h + "attention"] = {
+            "fwd": ([(b * nh, T, hs, T), (b * nh, T, T, hs)], e * 2 * att),
+            "bwd": (
+                [(b * nh, T, T, hs), (b * nh, T, hs, T), (b * nh, T, T, hs), (b * nh, T, T, hs)],
+                e * 3 * att,
+            ),
+        }
+        ops[h + "attn.c_proj"] = {
+            "fwd": ([(1, n, d, d)], 0),
+            "bwd": ([(1, n, d, d), (1, d, n, d)], 0),
+        }
+        ops[h + "ln_2 + mlp.c_fc"] = {
+            "fwd": ([(1, n, d, 4 * d)], e * 2 * n * d),
+            "bwd": ([(1, d, n, 4 * d), (1, n, 4 * d, d)], e * 3 * n * d),
+        }
         ops[h + "gelu"] = {"fwd": ([], e * 3 * n * 4 * d), "bwd": ([], e * 3 * n * 4 * d)}
-        ops[h + "mlp.c_proj"] = {"fwd": ([(1, n, 4 * d, d)], 0), "bwd": ([(1, n, d, 4 * d), (1, 4 * d, n, d)], 0)}
+        ops[h + "mlp.c_proj"] = {
+            "fwd": ([(1, n, 4 * d, d)], 0),
+            "bwd": ([(1, n, d, 4 * d), (1, 4 * d, n, d)], 0),
+        }
     ops["ln_f"] = {"fwd": ([], e * 2 * n * d), "bwd": ([], e * 3 * n * d)}
     ops["head (tied wte)"] = {"fwd": ([(1, n, d, V)], 0), "bwd": ([(1, n, V, d), (1, V, n, d)], 0)}
     ops["cross-entropy (value and grad)"] = {"fwd": ([], e * 2 * n * V), "bwd": ([], 0)}
@@ -297,7 +329,10 @@ def gemm_seconds(shape: tuple, reps: int = 30) -> float:
     """Median seconds of one np.matmul of contiguous float32 operands of this (batch, M, K, N), out= given."""
     batch, m, k, n = shape
     r = np.random.default_rng(0)
-    a, b = r.standard_normal((batch, m, k), dtype=np.float32), r.standard_normal((batch, k, n), dtype=np.float32)
+    a, b = (
+        r.standard_normal((batch, m, k), dtype=np.float32),
+        r.standard_normal((batch, k, n), dtype=np.float32),
+    )
     out = np.empty((batch, m, n), np.float32)
     times = []
     for _ in range(reps + 3):
@@ -324,7 +359,11 @@ def run_profile(args) -> dict:
     piece = split(batch, args.shards)[0]
     prof = OpProfile(model)
     layers = minigpt_module.L
-    patched = {n: prof.wrap(n, getattr(layers, n)) for n in dir(layers) if n.endswith(("_forward", "_backward"))}
+    patched = {
+        n: prof.wrap(n, getattr(layers, n))
+        for n in dir(layers)
+        if n.endswith(("_forward", "_backward"))
+    }
     loss_fn = minigpt_module.cross_entropy_factored  # what MiniGPT.loss_and_grads calls
 
     def timed_loss(*a, **kw):
@@ -339,7 +378,9 @@ def run_profile(args) -> dict:
     minigpt_module.L = SimpleNamespace(**{**every, **patched})
     minigpt_module.cross_entropy_factored = timed_loss
     try:
-        with Shards(1, 1) as one:  # a shard's work on this thread, BLAS single-threaded as in the runner
+        with Shards(
+            1, 1
+        ) as one:  # a shard's work on this thread, BLAS single-threaded as in the runner
             for i in range(args.warmup + args.steps):
                 t0 = time.perf_counter()
                 _, grads = one.loss_and_grads(model, piece, None)
@@ -400,19 +441,27 @@ def run_profile(args) -> dict:
             full.append(step())
             t_fb = t0 + full[-1][1]
             starts, ends = [a for a, _ in spans], [b for _, b in spans]
-            parts.append({"dispatch": min(starts) - t0,  # split, child rngs, pool hand-over
-                          "shard": statistics.mean(b - a for a, b in spans),  # one shard's own wall, on its thread
-                          "imbalance": max(ends) - min(ends),  # the first shard done waits for the last
-                          "start skew": max(starts) - min(starts),
-                          "reduction": t_fb - max(ends)})  # the fixed-order sum of the shards' gradients
+            parts.append(
+                {
+                    "dispatch": min(starts) - t0,  # split, child rngs, pool hand-over
+                    "shard": statistics.mean(
+                        b - a for a, b in spans
+                    ),  # one shard's own wall, on its thread
+                    "imbalance": max(ends) - min(ends),  # the first shard done waits for the last
+                    "start skew": max(starts) - min(starts),
+                    "reduction": t_fb - max(ends),
+                }
+            )  # the fixed-order sum of the shards' gradients
 
     def med(xs):
         return statistics.median(xs) * 1e3 if xs else 0.0
 
     rows, attributed, bound_total = [], 0.0, 0.0
-    print(f"one shard ({len(piece.ids)} of B={args.batch} samples, T={args.block}) on one thread, "
-          f"single-threaded BLAS; median ms over {args.steps} steps after {args.warmup} warm-up; "
-          f"{loadavg()}")
+    print(
+        f"one shard ({len(piece.ids)} of B={args.batch} samples, T={args.block}) on one thread, "
+        f"single-threaded BLAS; median ms over {args.steps} steps after {args.warmup} warm-up; "
+        f"{loadavg()}"
+    )
     print("bound: the op's gemms at the rate np.matmul reaches on their own shapes (contiguous, measured now) plus its "
           "unavoidable element-wise bytes at the np.multiply rate of its array size")  # fmt: skip
     print(f"{'op':34s} {'fwd ms':>8s} {'bwd ms':>8s} {'total':>8s} {'min total':>10s} {'MFLOP':>7s} {'MB':>6s} "
@@ -424,12 +473,16 @@ def run_profile(args) -> dict:
         bnd, gf, mb = bound_ms(label)
         attributed += f + b
         bound_total += bnd
-        ratio = low / bnd if bnd else float("nan")  # the minimum: on a shared machine a median measures the load
+        ratio = (
+            low / bnd if bnd else float("nan")
+        )  # the minimum: on a shared machine a median measures the load
         rows.append({"op": label, "fwd_ms": round(f, 3), "bwd_ms": round(b, 3), "min_total_ms": round(low, 3),
                      "mflop": round(gf * 1e3, 2), "mbytes": round(mb, 2), "bound_ms": round(bnd, 3),
                      "x_bound": round(ratio, 2)})  # fmt: skip
-        print(f"{label:34s} {f:8.3f} {b:8.3f} {f + b:8.3f} {low:10.3f} {gf * 1e3:7.1f} {mb:6.2f} {bnd:7.3f} "
-              f"{ratio:9.2f}")
+        print(
+            f"{label:34s} {f:8.3f} {b:8.3f} {f + b:8.3f} {low:10.3f} {gf * 1e3:7.1f} {mb:6.2f} {bnd:7.3f} "
+            f"{ratio:9.2f}"
+        )
     shard_ms, opt_ms = med(shard_total), med(opt_total)
     shard_min, opt_min = min(shard_total) * 1e3, min(opt_total) * 1e3
     attributed_min = sum(r["min_total_ms"] for r in rows)
@@ -443,14 +496,20 @@ def run_profile(args) -> dict:
     print(f"{'AdamW (all parameters)':34s} {'':8s} {'':8s} {opt_ms:8.3f} {opt_min:10.3f} {'':7s} "
           f"{7 * 4 * n_params / 1e6:6.2f} {opt_bound:7.3f} {opt_min / opt_bound:9.2f}")  # fmt: skip
     full_step, full_fb = med([t[0] for t in full]), med([t[1] for t in full])
-    print(f"the trainer's step, {args.shards} shards on {args.threads} threads: {full_step:.2f} ms "
-          f"(fwd+bwd of all shards and their reduction {full_fb:.2f}, AdamW {full_step - full_fb:.2f})")
+    print(
+        f"the trainer's step, {args.shards} shards on {args.threads} threads: {full_step:.2f} ms "
+        f"(fwd+bwd of all shards and their reduction {full_fb:.2f}, AdamW {full_step - full_fb:.2f})"
+    )
     over = {k: med([p[k] for p in parts]) for k in parts[0]}
     print(f"  beyond one shard alone ({shard_ms:.2f} ms): {full_fb - shard_ms:+.2f} ms = a shard beside the other "
           f"{over['shard'] - shard_ms:+.2f} (median shard {over['shard']:.2f}), start skew {over['start skew']:.2f}, "
           f"imbalance {over['imbalance']:.2f}, dispatch {over['dispatch']:.2f}, reduction {over['reduction']:.2f} "
           f"(medians: they need not add up)")  # fmt: skip
-    step_gflop = 3 * forward_flops(args.vocab, args.batch, args.block, args.n_embd, args.n_layer, args.n_head) / 1e9
+    step_gflop = (
+        3
+        * forward_flops(args.vocab, args.batch, args.block, args.n_embd, args.n_layer, args.n_head)
+        / 1e9
+    )
     print(f"f32 matmul n=256 on one thread: {mm1:.1f} GFLOP/s; the step's {step_gflop:.3f} GFLOP at that rate on "
           f"{args.threads} threads: {step_gflop / mm1 / args.threads * 1e3:.2f} ms; {loadavg()}")  # fmt: skip
     return {
@@ -470,7 +529,9 @@ class BusyLoops:
     """K busy-looping processes (pure Python `while True`), paused (SIGSTOP) or running (SIGCONT) on demand."""
 
     def __init__(self, k: int):
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
+        self.procs = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)
+        ]
         self.pause()
 
     def pause(self) -> None:
@@ -498,7 +559,9 @@ def run_speed(args) -> dict:
     torch_models = {a: build_torch(model, a) for a in ("sdpa", "manual")}
     # Same weights, same batch: the first losses must agree (a check that the two models are the same).
     with torch.no_grad():
-        t_loss = torch.nn.functional.cross_entropy(torch_models["sdpa"][0](xt).view(-1, V), yt.view(-1)).item()
+        t_loss = torch.nn.functional.cross_entropy(
+            torch_models["sdpa"][0](xt).view(-1, V), yt.view(-1)
+        ).item()
     np_loss = model.evaluate(batch)
 
     def torch_step(name):
@@ -515,7 +578,11 @@ def run_speed(args) -> dict:
 
         return step
 
-    runners = {"numpy": numpy_step, "torch_sdpa": torch_step("sdpa"), "torch_manual": torch_step("manual")}
+    runners = {
+        "numpy": numpy_step,
+        "torch_sdpa": torch_step("sdpa"),
+        "torch_manual": torch_step("manual"),
+    }
     conditions = ["quiet"] + (["contended"] if args.contend else [])
     times = {(c, k): [] for c in conditions for k in runners}
     busy = BusyLoops(args.contend) if args.contend else None
@@ -546,8 +613,12 @@ def run_speed(args) -> dict:
     final = {"numpy": model.evaluate(batch)}
     with torch.no_grad():
         for name, (tm, _) in torch_models.items():
-            final[f"torch_{name}"] = torch.nn.functional.cross_entropy(tm(xt).view(-1, V), yt.view(-1)).item()
-    step_flops = 3 * forward_flops(V, args.batch, args.block, args.n_embd, args.n_layer, args.n_head)
+            final[f"torch_{name}"] = torch.nn.functional.cross_entropy(
+                tm(xt).view(-1, V), yt.view(-1)
+            ).item()
+    step_flops = 3 * forward_flops(
+        V, args.batch, args.block, args.n_embd, args.n_layer, args.n_head
+    )
     mm = matmul_gflops()
     out = {
         "mode": "speed", "threads": args.threads, "shards": args.shards, "steps": len(times[q, "numpy"]),
@@ -589,22 +660,39 @@ def run_speed(args) -> dict:
           f"(vs {best_med}); step {out['step_gflop']} GFLOP -> numpy {out['numpy_step_gflops']} GFLOP/s; "
           f"numpy f32 matmul n=256: {out['numpy_matmul256_gflops']} GFLOP/s")  # fmt: skip
     if args.contend:
-        print("median contended / quiet: " + ", ".join(f"{k} {out[f'contention_factor_{k}']:.2f}x" for k in runners))
-    print(f"loss numpy / torch: initial {np_loss:.6f} / {t_loss:.6f}, after {out['updates_each']} AdamW updates "
-          + ", ".join(f"{k} {v:.6f}" for k, v in final.items()) + f"; {loadavg()}")
+        print(
+            "median contended / quiet: "
+            + ", ".join(f"{k} {out[f'contention_factor_{k}']:.2f}x" for k in runners)
+        )
+    print(
+        f"loss numpy / torch: initial {np_loss:.6f} / {t_loss:.6f}, after {out['updates_each']} AdamW updates "
+        + ", ".join(f"{k} {v:.6f}" for k, v in final.items())
+        + f"; {loadavg()}"
+    )
     return out
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2, help="numpy shard threads and torch.set_num_threads")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="numpy shard threads and torch.set_num_threads"
+    )
     ap.add_argument("--shards", type=int, default=2, help="pieces each numpy batch is split into")
     ap.add_argument("--steps", type=int, default=60, help="timed steps per contestant (>= 50)")
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--contend", type=int, default=0, metavar="K",
-                    help="also time every contestant beside K busy-looping processes (K = cores)")
-    ap.add_argument("--profile", action="store_true", help="one shard's step per layer and op instead")
-    ap.add_argument("--memory", action="store_true", help="peak RSS after 100 and 1000 numpy steps instead")
+    ap.add_argument(
+        "--contend",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also time every contestant beside K busy-looping processes (K = cores)",
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="one shard's step per layer and op instead"
+    )
+    ap.add_argument(
+        "--memory", action="store_true", help="peak RSS after 100 and 1000 numpy steps instead"
+    )
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--block", type=int, default=64)
@@ -615,7 +703,13 @@ def main(argv=None) -> None:
     where = print_machine()
     # The caller's BLAS setting: what torch's twin and the matmul figure see; Shards pins 1 inside its calls.
     with threadpool_limits(limits=args.threads, user_api="blas"):
-        out = run_memory(args) if args.memory else run_profile(args) if args.profile else run_speed(args)
+        out = (
+            run_memory(args)
+            if args.memory
+            else run_profile(args)
+            if args.profile
+            else run_speed(args)
+        )
     out["machine"] = {**where, "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
     print(json.dumps(out))
 

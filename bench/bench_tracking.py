@@ -24,6 +24,7 @@ Everything runs as subprocesses under a temporary directory; the agents' idle ti
 that a cold start can be waited for. The migrated template store is made once before the measurements
 (once per machine and mlflow version, as in use).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,9 @@ from bench_step import BusyLoops  # noqa: E402  the busy loops of bench_step.py 
 
 
 def env() -> dict:
-    e = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "MLFLOW_TRACKING_URI")}
+    e = {
+        k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "MLFLOW_TRACKING_URI")
+    }
     e["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [e.get("PYTHONPATH")])])
     e["PIPELINE_TRACKING_AGENT_IDLE"] = IDLE
     return e
@@ -89,11 +92,20 @@ def index_complete(out: Path, before: set[Path]) -> bool:
     except sqlite3.Error:
         return False
     try:
-        runs = {d: (rid, status) for rid, status, d in con.execute(
-            "SELECT r.run_uuid, r.status, t.value FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
-            "AND t.key = 'run_dir' WHERE r.lifecycle_stage = 'active'")}
-        parents = [s for (s,) in con.execute("SELECT r.status FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
-                                             "AND t.key = 'sweep' AND t.value = 'parent'")]
+        runs = {
+            d: (rid, status)
+            for rid, status, d in con.execute(
+                "SELECT r.run_uuid, r.status, t.value FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
+                "AND t.key = 'run_dir' WHERE r.lifecycle_stage = 'active'"
+            )
+        }
+        parents = [
+            s
+            for (s,) in con.execute(
+                "SELECT r.status FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
+                "AND t.key = 'sweep' AND t.value = 'parent'"
+            )
+        ]
         if any(s == "RUNNING" for s in parents):
             return False
         for run_dir in run_dirs(out) - before:
@@ -104,8 +116,12 @@ def index_complete(out: Path, before: set[Path]) -> bool:
             for line in RunDir(run_dir).read_metrics():
                 for key, _, _, step in metric_points(line):
                     want.setdefault(key, set()).add(step)
-            have = dict(con.execute("SELECT key, COUNT(DISTINCT step) FROM metrics WHERE run_uuid = ? GROUP BY key",
-                                    (rid,)).fetchall())
+            have = dict(
+                con.execute(
+                    "SELECT key, COUNT(DISTINCT step) FROM metrics WHERE run_uuid = ? GROUP BY key",
+                    (rid,),
+                ).fetchall()
+            )
             if any(have.get(k, 0) < len(steps) for k, steps in want.items()):
                 return False
         return True
@@ -119,7 +135,9 @@ def lag(out: Path, before: set[Path], limit: float = 300.0) -> float:
     t0 = time.perf_counter()
     while not index_complete(out, before):
         if time.perf_counter() - t0 > limit:
-            sys.exit(f"the index of {out} was not complete {limit:.0f} s after its command returned")
+            sys.exit(
+                f"the index of {out} was not complete {limit:.0f} s after its command returned"
+            )
         time.sleep(0.02)
     return time.perf_counter() - t0
 
@@ -141,11 +159,21 @@ def startup(cwd: Path, repeats: int, uri: str) -> tuple[float, float, float]:
 def sweep_pair(work: Path, cwd: Path, repeats: int, tag: str) -> tuple[dict, list[float]]:
     walls, lags = {"none": [], "mlflow": []}, []
     for i in range(repeats):
-        for tracking in (("none", "mlflow") if i % 2 == 0 else ("mlflow", "none")):
+        for tracking in ("none", "mlflow") if i % 2 == 0 else ("mlflow", "none"):
             target = work / f"sweep-{tag}-{tracking}-{i}"
-            walls[tracking].append(timed(pipeline("-m", "experiment=kernodeck", f"paths.output_dir={target}",
-                                                  f"tracking={tracking}", "trainer.progress_bar=false",
-                                                  "optimizer.lr=0.01,0.02,0.03,0.04"), cwd))
+            walls[tracking].append(
+                timed(
+                    pipeline(
+                        "-m",
+                        "experiment=kernodeck",
+                        f"paths.output_dir={target}",
+                        f"tracking={tracking}",
+                        "trainer.progress_bar=false",
+                        "optimizer.lr=0.01,0.02,0.03,0.04",
+                    ),
+                    cwd,
+                )
+            )
             if tracking == "mlflow":
                 lags.append(lag(target, set()))
                 wait_for_no_agent(f"sqlite:///{target}/mlflow.db")
@@ -164,33 +192,60 @@ def server_case(work: Path, cwd: Path, repeats: int) -> dict:
     root = work / "server"
     root.mkdir()
     t0 = time.perf_counter()
-    with postgres_instance() as db, mlflow_server(root, "--artifacts-destination", str(root / "artifacts"),
-                                                  backend=db) as uri:
-        print(f"\n5. the team setup: PostgreSQL and mlflow server {uri} up in {time.perf_counter() - t0:.1f} s")
+    with (
+        postgres_instance() as db,
+        mlflow_server(root, "--artifacts-destination", str(root / "artifacts"), backend=db) as uri,
+    ):
+        print(
+            f"\n5. the team setup: PostgreSQL and mlflow server {uri} up in {time.perf_counter() - t0:.1f} s"
+        )
         walls, lags = {"none": [], "server": []}, []
         for i in range(repeats):
-            for tracking in (("none", "server") if i % 2 == 0 else ("server", "none")):
+            for tracking in ("none", "server") if i % 2 == 0 else ("server", "none"):
                 target = work / f"sweep-server-{tracking}-{i}"
-                extra = [f"tracking.uri={uri}", f"tracking.experiment=bench-{i}"] if tracking == "server" else []
+                extra = (
+                    [f"tracking.uri={uri}", f"tracking.experiment=bench-{i}"]
+                    if tracking == "server"
+                    else []
+                )
                 wait_for_no_agent(uri)
-                walls[tracking].append(timed(pipeline("-m", "experiment=kernodeck", f"paths.output_dir={target}",
-                                                      f"tracking={tracking}", *extra, "trainer.progress_bar=false",
-                                                      "optimizer.lr=0.01,0.02,0.03,0.04"), cwd))
+                walls[tracking].append(
+                    timed(
+                        pipeline(
+                            "-m",
+                            "experiment=kernodeck",
+                            f"paths.output_dir={target}",
+                            f"tracking={tracking}",
+                            *extra,
+                            "trainer.progress_bar=false",
+                            "optimizer.lr=0.01,0.02,0.03,0.04",
+                        ),
+                        cwd,
+                    )
+                )
                 if tracking == "server":
                     t1 = time.perf_counter()
                     if not wait_idle(uri, 300):
                         sys.exit(f"the tracking agent of {uri} went away before it was idle")
                     lags.append(time.perf_counter() - t1)
     s_none, s_server = statistics.median(walls["none"]), statistics.median(walls["server"])
-    print(f"   a 4-job kernodeck sweep, basic launcher, fresh output directory (median of {repeats}):")
-    print("   command: python -m pipeline -m experiment=kernodeck paths.output_dir=<fresh> tracking=<none|server> "
-          "[tracking.uri=http://127.0.0.1:PORT] trainer.progress_bar=false optimizer.lr=0.01,0.02,0.03,0.04")
+    print(
+        f"   a 4-job kernodeck sweep, basic launcher, fresh output directory (median of {repeats}):"
+    )
+    print(
+        "   command: python -m pipeline -m experiment=kernodeck paths.output_dir=<fresh> tracking=<none|server> "
+        "[tracking.uri=http://127.0.0.1:PORT] trainer.progress_bar=false optimizer.lr=0.01,0.02,0.03,0.04"
+    )
     for k, v in walls.items():
         print(f"   tracking={k:<6} {statistics.median(v):6.2f} s   ({fmt(v)})")
-    print(f"   ratio server/none = {s_server / s_none:.2f}; target <= 1.5: "
-          f"{'met' if s_server <= 1.5 * s_none else 'NOT met'}")
-    print(f"   tracking agent idle {statistics.median(lags):.2f} s after the command returned ({fmt(lags)})",
-          flush=True)
+    print(
+        f"   ratio server/none = {s_server / s_none:.2f}; target <= 1.5: "
+        f"{'met' if s_server <= 1.5 * s_none else 'NOT met'}"
+    )
+    print(
+        f"   tracking agent idle {statistics.median(lags):.2f} s after the command returned ({fmt(lags)})",
+        flush=True,
+    )
     return {**walls, "lag": lags}
 
 
@@ -198,13 +253,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--server", action="store_true", help="also 5.: the sweep against an mlflow server on PostgreSQL")
+    ap.add_argument(
+        "--server",
+        action="store_true",
+        help="also 5.: the sweep against an mlflow server on PostgreSQL",
+    )
     ap.add_argument("--server-only", action="store_true", help="5. alone")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-tracking-"))
     cwd = work / "cwd"
     cwd.mkdir()
-    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; scratch {work}", flush=True)
+    print(
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; scratch {work}", flush=True
+    )
     busy = BusyLoops(2)
     results: dict = {"load_start": round(os.getloadavg()[0], 2)}
     try:
@@ -215,8 +276,17 @@ def main() -> None:
             print(json.dumps(results))
             return
         t0 = time.perf_counter()
-        timed([sys.executable, "-c", "from pipeline.tracking import store; print(store.template_db())"], cwd)
-        print(f"\n0. the migrated template store is ready ({time.perf_counter() - t0:.2f} s, made now if it was not)")
+        timed(
+            [
+                sys.executable,
+                "-c",
+                "from pipeline.tracking import store; print(store.template_db())",
+            ],
+            cwd,
+        )
+        print(
+            f"\n0. the migrated template store is ready ({time.perf_counter() - t0:.2f} s, made now if it was not)"
+        )
 
         out = work / "single"
         job = ("experiment=kernodeck", f"paths.output_dir={out}", "trainer.progress_bar=false")
@@ -227,31 +297,49 @@ def main() -> None:
         busy.resume()
         c_import, c_agent_start, c_base = startup(cwd, args.repeats, uri)
         busy.pause()
-        print(f"\n1. quiet: import mlflow {import_cost:.2f} s, cold agent start (import + open an existing store) "
-              f"{agent_start:.2f} s (medians of {args.repeats}, less {base:.2f} s for `pass`)")
-        print(f"   beside 2 busy loops: import mlflow {c_import:.2f} s, cold agent start {c_agent_start:.2f} s "
-              f"(less {c_base:.2f} s)", flush=True)
+        print(
+            f"\n1. quiet: import mlflow {import_cost:.2f} s, cold agent start (import + open an existing store) "
+            f"{agent_start:.2f} s (medians of {args.repeats}, less {base:.2f} s for `pass`)"
+        )
+        print(
+            f"   beside 2 busy loops: import mlflow {c_import:.2f} s, cold agent start {c_agent_start:.2f} s "
+            f"(less {c_base:.2f} s)",
+            flush=True,
+        )
 
         walls, lags = {"none": [], "mlflow": []}, []
         for i in range(args.repeats):
-            for tracking in (("none", "mlflow") if i % 2 == 0 else ("mlflow", "none")):
+            for tracking in ("none", "mlflow") if i % 2 == 0 else ("mlflow", "none"):
                 wait_for_no_agent(uri)
                 before = run_dirs(out)
-                walls[tracking].append(timed(pipeline(*job, f"tracking={tracking}", f"trainer.seed={10 * i}",
-                                                      "resume=never"), cwd))
+                walls[tracking].append(
+                    timed(
+                        pipeline(
+                            *job, f"tracking={tracking}", f"trainer.seed={10 * i}", "resume=never"
+                        ),
+                        cwd,
+                    )
+                )
                 if tracking == "mlflow":
                     lags.append(lag(out, before))
         none, mlflow = statistics.median(walls["none"]), statistics.median(walls["mlflow"])
         budget, lag_budget = none + import_cost + 1.0, agent_start + 2.0
-        print(f"\n2. a single kernodeck job (median of {args.repeats}, cold agent, existing store):")
+        print(
+            f"\n2. a single kernodeck job (median of {args.repeats}, cold agent, existing store):"
+        )
         print(f"   command: python -m pipeline {' '.join(job)} tracking=<none|mlflow> resume=never")
         for k, v in walls.items():
             print(f"   tracking={k:<6} {statistics.median(v):6.2f} s   ({fmt(v)})")
-        print(f"   mlflow - none = {mlflow - none:.2f} s; target <= import + 1 s = {import_cost + 1:.2f} s: "
-              f"{'met' if mlflow <= budget else 'NOT met'}")
-        print(f"   index complete {statistics.median(lags):.2f} s after the command returned ({fmt(lags)}); "
-              f"target <= agent start + 2 s = {lag_budget:.2f} s: "
-              f"{'met' if statistics.median(lags) <= lag_budget else 'NOT met'}", flush=True)
+        print(
+            f"   mlflow - none = {mlflow - none:.2f} s; target <= import + 1 s = {import_cost + 1:.2f} s: "
+            f"{'met' if mlflow <= budget else 'NOT met'}"
+        )
+        print(
+            f"   index complete {statistics.median(lags):.2f} s after the command returned ({fmt(lags)}); "
+            f"target <= agent start + 2 s = {lag_budget:.2f} s: "
+            f"{'met' if statistics.median(lags) <= lag_budget else 'NOT met'}",
+            flush=True,
+        )
         results["single"] = {"none": walls["none"], "mlflow": walls["mlflow"], "lag": lags}
 
         for n, (tag, contended) in enumerate((("quiet", False), ("contended", True)), start=3):
@@ -259,19 +347,32 @@ def main() -> None:
                 busy.resume()
             sweeps, lags = sweep_pair(work, cwd, args.repeats, tag)
             busy.pause()
-            s_none, s_mlflow = statistics.median(sweeps["none"]), statistics.median(sweeps["mlflow"])
+            s_none, s_mlflow = (
+                statistics.median(sweeps["none"]),
+                statistics.median(sweeps["mlflow"]),
+            )
             lag_budget = (c_agent_start if contended else agent_start) + 2.0
-            print(f"\n{n}. a 4-job kernodeck sweep, basic launcher, fresh output directory (median of {args.repeats})"
-                  + (", beside 2 busy loops" if contended else "") + ":")
-            print("   command: python -m pipeline -m experiment=kernodeck paths.output_dir=<fresh> "
-                  "tracking=<none|mlflow> trainer.progress_bar=false optimizer.lr=0.01,0.02,0.03,0.04")
+            print(
+                f"\n{n}. a 4-job kernodeck sweep, basic launcher, fresh output directory (median of {args.repeats})"
+                + (", beside 2 busy loops" if contended else "")
+                + ":"
+            )
+            print(
+                "   command: python -m pipeline -m experiment=kernodeck paths.output_dir=<fresh> "
+                "tracking=<none|mlflow> trainer.progress_bar=false optimizer.lr=0.01,0.02,0.03,0.04"
+            )
             for k, v in sweeps.items():
                 print(f"   tracking={k:<6} {statistics.median(v):6.2f} s   ({fmt(v)})")
-            print(f"   ratio mlflow/none = {s_mlflow / s_none:.2f}; target <= 1.5: "
-                  f"{'met' if s_mlflow <= 1.5 * s_none else 'NOT met'}")
-            print(f"   index complete {statistics.median(lags):.2f} s after the command returned ({fmt(lags)}); "
-                  f"target <= agent start + 2 s = {lag_budget:.2f} s: "
-                  f"{'met' if statistics.median(lags) <= lag_budget else 'NOT met'}", flush=True)
+            print(
+                f"   ratio mlflow/none = {s_mlflow / s_none:.2f}; target <= 1.5: "
+                f"{'met' if s_mlflow <= 1.5 * s_none else 'NOT met'}"
+            )
+            print(
+                f"   index complete {statistics.median(lags):.2f} s after the command returned ({fmt(lags)}); "
+                f"target <= agent start + 2 s = {lag_budget:.2f} s: "
+                f"{'met' if statistics.median(lags) <= lag_budget else 'NOT met'}",
+                flush=True,
+            )
             results[tag] = {**sweeps, "lag": lags}
         if args.server:
             results["server"] = server_case(work, cwd, args.repeats)

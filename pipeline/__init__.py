@@ -3,6 +3,7 @@
 Each tool is a module of pipeline/cli/ run as `python -m pipeline TOOL ...` (pipeline/__main__.py). The older
 spelling `python -m pipeline.TOOL ...` still works: the finder below answers for `pipeline.TOOL` with that same
 module object (imported), or with the one entry's dispatch to it (run as a program)."""
+
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -19,7 +20,9 @@ class _ToolNames(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
         tool = name.removeprefix(f"{__name__}.")
         if tool not in TOOLS or tool == name:
             return None
-        return importlib.machinery.ModuleSpec(name, self, origin=f"{__path__[0]}/cli/{tool}.py")  # argv[0] of -m
+        return importlib.machinery.ModuleSpec(
+            name, self, origin=f"{__path__[0]}/cli/{tool}.py"
+        )  # argv[0] of -m
 
     def create_module(self, spec):
         return importlib.import_module(f"{__name__}.cli.{spec.name.rsplit('.', 1)[1]}")

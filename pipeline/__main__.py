@@ -1,5 +1,6 @@
 """`python -m pipeline [overrides]`: the Hydra entry point (the DictConfig stops here); `python -m pipeline TOOL
 ...`: the tool pipeline/cli/TOOL.py. Both run through the one wrapper, run/signals.run_command."""
+
 import contextlib
 import os
 import re
@@ -23,8 +24,18 @@ def _replaced(owner: type, name: str, value):
 
 
 # what can make hydra.mode anything but None: an override, a config from elsewhere, or a config of ours that sets it
-_MODE_FROM = re.compile(r"hydra\.mode|^\s*mode\s*:\s*['\"]?(run|multirun|1|2)\b", re.IGNORECASE | re.MULTILINE)
-_OTHER_CONFIGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "hydra.searchpath")
+_MODE_FROM = re.compile(
+    r"hydra\.mode|^\s*mode\s*:\s*['\"]?(run|multirun|1|2)\b", re.IGNORECASE | re.MULTILINE
+)
+_OTHER_CONFIGS = (
+    "--config-dir",
+    "-cd",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "hydra.searchpath",
+)
 
 
 def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
@@ -37,7 +48,9 @@ def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
     for f in Path(conf_dir).rglob("*.yaml"):
         try:
             text = reading.read_bytes(f, 1 << 20).decode(errors="replace")
-        except OSError:  # a link, a FIFO, a file over 1 MiB: left to Hydra's own way, whatever it makes of it
+        except (
+            OSError
+        ):  # a link, a FIFO, a file over 1 MiB: left to Hydra's own way, whatever it makes of it
             return False
         if _MODE_FROM.search(text):
             return False
@@ -55,7 +68,9 @@ def hydra_shortcuts(argv: list[str], conf_dir):
     # Hydra's --help makes ~150 group lookups, each building a fresh config repository (a deep copy of every
     # config in the ConfigStore: 4-5x the time of composing). For --help one per (config, overrides) serves
     # them all: it is read, never changed, there.
-    def get_group_options(self, group_name, results_filter=ObjectType.CONFIG, config_name=None, overrides=None):
+    def get_group_options(
+        self, group_name, results_filter=ObjectType.CONFIG, config_name=None, overrides=None
+    ):
         repos = self.__dict__.setdefault("_pipeline_help_repos", {})
         key = (config_name, tuple(overrides or ()))
         if key not in repos:
@@ -65,11 +80,16 @@ def hydra_shortcuts(argv: list[str], conf_dir):
     # Hydra composes the whole config once only to read hydra.mode (get_mode), then again to run it: ~0.9 s of
     # every start. Where mode_is_the_command_lines, get_mode's answer is known without composing: None.
     with contextlib.ExitStack() as stack:
-        if ("--help" in argv or "-h" in argv) and "get_group_options" in ConfigLoaderImpl.__dict__ \
-                and hasattr(ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo"):
+        if (
+            ("--help" in argv or "-h" in argv)
+            and "get_group_options" in ConfigLoaderImpl.__dict__
+            and hasattr(ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo")
+        ):
             stack.enter_context(_replaced(ConfigLoaderImpl, "get_group_options", get_group_options))
         if mode_is_the_command_lines(argv, conf_dir) and "get_mode" in Hydra.__dict__:
-            stack.enter_context(_replaced(Hydra, "get_mode", lambda self, config_name, overrides: None))
+            stack.enter_context(
+                _replaced(Hydra, "get_mode", lambda self, config_name, overrides: None)
+            )
         yield
 
 
@@ -89,7 +109,11 @@ def command_args(hydra_cfg, conf_dir) -> list[str]:
             args += ["--config-dir", source.path]
     if hydra_cfg.job.config_name != "config":
         args += ["--config-name", hydra_cfg.job.config_name]
-    args += [o for o in as_given(hydra_cfg.overrides.hydra) if o.lstrip("+").startswith("hydra.searchpath=")]
+    args += [
+        o
+        for o in as_given(hydra_cfg.overrides.hydra)
+        if o.lstrip("+").startswith("hydra.searchpath=")
+    ]
     return args + as_given(hydra_cfg.overrides.task)
 
 
@@ -125,14 +149,24 @@ def main() -> None:
             sweep = job_of(hydra_cfg)
         try:
             config = to_plain(cfg)
-        except OmegaConfBaseException as e:  # a value missing or not resolving: one line naming the key
+        except (
+            OmegaConfBaseException
+        ) as e:  # a value missing or not resolving: one line naming the key
             key = getattr(e, "full_key", None)
             hint = " (data=text needs data.path=FILE)" if key == "data.path" else ""
             # a Refusal passes Hydra, which writes a line of its own over a task's Exception
-            raise Refusal(ConfigError(f"bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}")) \
-                from None
-        return app.main(config, as_given(hydra_cfg.overrides.task), OmegaConf.to_yaml(cfg), sweep,
-                        command_args(hydra_cfg, CONFIG_DIR))
+            raise Refusal(
+                ConfigError(
+                    f"bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}"
+                )
+            ) from None
+        return app.main(
+            config,
+            as_given(hydra_cfg.overrides.task),
+            OmegaConf.to_yaml(cfg),
+            sweep,
+            command_args(hydra_cfg, CONFIG_DIR),
+        )
 
     try:
         with hydra_shortcuts(sys.argv[1:], CONFIG_DIR):
@@ -140,7 +174,9 @@ def main() -> None:
     except Exception as e:
         if SIGNALS_STATE.interrupted_start():
             raise  # the handler's exception, raised inside a library (composing, building), came out as another
-        if (sweep := SIGNALS_STATE.launching) is not None:  # the sweep this process launches ends here
+        if (
+            sweep := SIGNALS_STATE.launching
+        ) is not None:  # the sweep this process launches ends here
             from pipeline.files.atomic import environment_error
 
             # on a full or read-only disk its sweep.json says so (if the disk lets it); refused before any job ran
@@ -149,11 +185,15 @@ def main() -> None:
             with contextlib.suppress(OSError):
                 if (message := environment_error(e)) is not None:
                     sweep.end_unfinished(message)
-                elif started or SIGNALS_STATE.received is not None or not sweep.discard_unlaunched():
+                elif (
+                    started or SIGNALS_STATE.received is not None or not sweep.discard_unlaunched()
+                ):
                     sweep.end_unfinished(f"{type(e).__name__}: {e}")
         if started or not report_own or exit_code(e) is not None:
             raise
-        raise ConfigError(f"bad config or override: {error_line(e)}") from e  # Hydra refused to compose the jobs
+        raise ConfigError(
+            f"bad config or override: {error_line(e)}"
+        ) from e  # Hydra refused to compose the jobs
 
 
 def run_tool(tool: str) -> None:

@@ -2,6 +2,7 @@
 two-phase restore that changes nothing unless every part fits. A part may add `check_state_dict(state)`
 (ValueError for impossible values) and `free_form_state` (paths of objects whose keys vary, left to that check).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -59,8 +60,10 @@ def split(tree: dict) -> tuple[dict[str, np.ndarray], dict]:
             if isinstance(v, np.ndarray):
                 keys = (*path, k)
                 if not all(isinstance(p, str) and p and SEP not in p for p in keys):
-                    raise ValueError(f"array {keys}: keys on the way to an array must be non-empty strings "
-                                     f"without {SEP!r}")
+                    raise ValueError(
+                        f"array {keys}: keys on the way to an array must be non-empty strings "
+                        f"without {SEP!r}"
+                    )
                 arrays[SEP.join(keys)] = v
             elif isinstance(v, dict):
                 out[k] = walk(v, (*path, k))
@@ -80,7 +83,9 @@ def merge(arrays: Mapping[str, np.ndarray], json_tree: dict) -> dict:
         for p in parents:
             nxt = node.setdefault(p, {})
             if not isinstance(nxt, dict):
-                raise ValueError(f"array {path!r} sits under {p!r}, which is not an object in the JSON state")
+                raise ValueError(
+                    f"array {path!r} sits under {p!r}, which is not an object in the JSON state"
+                )
             node = nxt
         if leaf in node:
             raise ValueError(f"{path!r} is both an array and a JSON value")
@@ -88,8 +93,16 @@ def merge(arrays: Mapping[str, np.ndarray], json_tree: dict) -> dict:
     return tree
 
 
-_KINDS = ((type(None), "null"), (bool, "bool"), (int, "int"), (float, "float"), (str, "str"), (list, "list"),
-          (dict, "object"), (np.ndarray, "array"))  # bool before int: a bool is an int
+_KINDS = (
+    (type(None), "null"),
+    (bool, "bool"),
+    (int, "int"),
+    (float, "float"),
+    (str, "str"),
+    (list, "list"),
+    (dict, "object"),
+    (np.ndarray, "array"),
+)  # bool before int: a bool is an int
 
 
 def _json_kind(v) -> str:
@@ -114,17 +127,28 @@ def misfit(live, got, path: tuple = (), free: tuple[str, ...] = ()) -> tuple[tup
             return None
         missing, extra = sorted(set(live) - set(got)), sorted(set(got) - set(live))
         if missing or extra:
-            parts = ([f"lacks {missing[:5]}"] if missing else []) + ([f"has unexpected {extra[:5]}"] if extra else [])
-            return (*path, (missing or extra)[0]), f"{where}: keys differ: the saved state " + " and ".join(parts)
+            parts = ([f"lacks {missing[:5]}"] if missing else []) + (
+                [f"has unexpected {extra[:5]}"] if extra else []
+            )
+            return (
+                *path,
+                (missing or extra)[0],
+            ), f"{where}: keys differ: the saved state " + " and ".join(parts)
         return next(filter(None, (misfit(live[k], got[k], (*path, k), free) for k in live)), None)
     if kind == "array":
         if got.shape != live.shape or got.dtype != live.dtype:
-            return path, f"{where}: saved {got.dtype}{list(got.shape)}, the live run has {live.dtype}{list(live.shape)}"
+            return (
+                path,
+                f"{where}: saved {got.dtype}{list(got.shape)}, the live run has {live.dtype}{list(live.shape)}",
+            )
         return None
     if kind == "list":
         if len(live) != len(got):
             return path, f"{where}: a list of {len(got)}, the live run has {len(live)}"
-        return next(filter(None, (misfit(a, b, (*path, i)) for i, (a, b) in enumerate(zip(live, got)))), None)
+        return next(
+            filter(None, (misfit(a, b, (*path, i)) for i, (a, b) in enumerate(zip(live, got)))),
+            None,
+        )
     # A fresh part has null where a trained one has a value (no best metric yet), and an int where JSON may
     # hold a float written without a fraction; anything else must be the same kind.
     if kind != got_kind and "null" not in (kind, got_kind) and {kind, got_kind} != {"int", "float"}:
@@ -144,14 +168,18 @@ def check(parts: Mapping, tree: Mapping, only: tuple[str, ...] = PARTS) -> None:
         if name not in tree:
             raise StateMismatch(name, "missing from the saved state")
         part = parts[name]
-        if found := misfit(part.state_dict(), tree[name], free=getattr(part, "free_form_state", ())):
+        if found := misfit(
+            part.state_dict(), tree[name], free=getattr(part, "free_form_state", ())
+        ):
             raise StateMismatch(name, found[1], found[0])
         own = getattr(part, "check_state_dict", None)
         if own is not None:
             try:
                 own(tree[name])
             except (ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
-                raise StateMismatch(name, str(e) or type(e).__name__, getattr(e, "key", ())) from None
+                raise StateMismatch(
+                    name, str(e) or type(e).__name__, getattr(e, "key", ())
+                ) from None
 
 
 def restore(parts: Mapping, tree: Mapping, only: tuple[str, ...] = PARTS) -> None:

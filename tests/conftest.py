@@ -5,6 +5,7 @@ Nothing here writes into the repository: composing writes nothing, every run get
 the test's tmp_path, and subprocesses start from an empty temporary cwd (so a test also proves outputs do
 not depend on the cwd).
 """
+
 from __future__ import annotations
 
 import errno
@@ -23,19 +24,36 @@ import hypothesis
 import pytest
 
 # Hypothesis keeps no example database and writes its caches outside the repository.
-hypothesis.configuration.set_hypothesis_home_dir(tempfile.mkdtemp(prefix="pipeline-tests-hypothesis-"))
+hypothesis.configuration.set_hypothesis_home_dir(
+    tempfile.mkdtemp(prefix="pipeline-tests-hypothesis-")
+)
 hypothesis.settings.register_profile("pipeline", database=None, deadline=None)
 hypothesis.settings.load_profile("pipeline")
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]  # tests/ -> the project root, independent of the package
+PROJECT_ROOT = (
+    Path(__file__).resolve().parents[1]
+)  # tests/ -> the project root, independent of the package
 # Each test's output directory is its own tracking URI, hence its own tracking agent: let idle ones go soon.
 os.environ.setdefault("PIPELINE_TRACKING_AGENT_IDLE", "3")
 # The one tiny job most tests train: MiniGPT on a small grammar corpus, a few seconds in-process.
-TINY = ("model.n_layer=1", "model.n_embd=16", "model.n_head=2", "data.n_sentences=400", "data.block_size=16",
-        "data.val_batch_size=16", "optimizer.lr=0.01", "scheduler.warmup_steps=2", "trainer.batch_size=8",
-        "trainer.max_steps=12", "trainer.eval_every=4",
-        "trainer.log_every=1", "checkpoint=every_n_steps", "checkpoint.every_steps=3", "tracking=none",
-        "trainer.progress_bar=false")
+TINY = (
+    "model.n_layer=1",
+    "model.n_embd=16",
+    "model.n_head=2",
+    "data.n_sentences=400",
+    "data.block_size=16",
+    "data.val_batch_size=16",
+    "optimizer.lr=0.01",
+    "scheduler.warmup_steps=2",
+    "trainer.batch_size=8",
+    "trainer.max_steps=12",
+    "trainer.eval_every=4",
+    "trainer.log_every=1",
+    "checkpoint=every_n_steps",
+    "checkpoint.every_steps=3",
+    "tracking=none",
+    "trainer.progress_bar=false",
+)
 KERNODECK = ("experiment=kernodeck", "tracking=none", "trainer.progress_bar=false")
 
 
@@ -46,7 +64,9 @@ def central_differences(f, x, R=None, eps: float = 1e-6):
     import numpy as np
 
     g = np.zeros_like(x)
-    for i in np.ndindex(x.shape):  # by index: x may be a view (a tied head is the embedding's transpose)
+    for i in np.ndindex(
+        x.shape
+    ):  # by index: x may be a view (a tied head is the embedding's transpose)
         old = x[i]
         x[i] = old + eps
         fp = f()
@@ -79,7 +99,9 @@ def run_job(*overrides: str) -> tuple[int, float | None]:
     from pipeline.config.compose import to_plain
     from pipeline.run import job as app
 
-    cfg = compose(*overrides)  # composed once: a composition costs about a second, as much as a tiny run
+    cfg = compose(
+        *overrides
+    )  # composed once: a composition costs about a second, as much as a tiny run
     try:
         return 0, app.main(to_plain(cfg), list(overrides), OmegaConf.to_yaml(cfg))
     except SystemExit as e:
@@ -98,18 +120,30 @@ def env_for_subprocess() -> dict:
     return env
 
 
-def run_pipeline(args: Sequence[str], cwd: Path, module: str = "pipeline") -> subprocess.CompletedProcess:
+def run_pipeline(
+    args: Sequence[str], cwd: Path, module: str = "pipeline"
+) -> subprocess.CompletedProcess:
     """`python -m <module> *args` from `cwd`, output captured; this checkout's package first on the path."""
     Path(cwd).mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env_for_subprocess(),
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env_for_subprocess(),
+        capture_output=True,
+        text=True,
+    )
 
 
 def pasted(line: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     """A command line the pipeline printed, run as pasted into a shell (its `PYTHONPATH=...` prefix applies), from
     `cwd`, in `env` (this checkout's first on the path, if not given)."""
-    return subprocess.run(["bash", "-c", line], cwd=cwd, env=env_for_subprocess() if env is None else env,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        ["bash", "-c", line],
+        cwd=cwd,
+        env=env_for_subprocess() if env is None else env,
+        capture_output=True,
+        text=True,
+    )
 
 
 def refused_in_one_line(args: Sequence[str], cwd: Path, module: str = "pipeline") -> str:
@@ -130,9 +164,14 @@ class Proc:
         Path(cwd).mkdir(parents=True, exist_ok=True)
         self.err_path = Path(cwd) / f"stderr-{time.monotonic_ns()}.txt"
         with open(self.err_path, "w") as err:
-            self.p = subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=cwd,
-                                      env={**env_for_subprocess(), **(env or {})}, stdout=subprocess.DEVNULL,
-                                      stderr=err, text=True)
+            self.p = subprocess.Popen(
+                [sys.executable, "-m", "pipeline", *args],
+                cwd=cwd,
+                env={**env_for_subprocess(), **(env or {})},
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                text=True,
+            )
         Proc.started.append(self)
 
     def wait(self) -> int:
@@ -162,7 +201,9 @@ def wait_until(predicate, what: str, proc: Proc | None = None, limit: float = 60
     t0 = time.time()
     while not predicate():
         if proc is not None and proc.p.poll() is not None:
-            pytest.fail(f"the process exited ({proc.p.returncode}) before {what}: {proc.stderr[-2000:]}")
+            pytest.fail(
+                f"the process exited ({proc.p.returncode}) before {what}: {proc.stderr[-2000:]}"
+            )
         if time.time() - t0 > limit:
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(0.02)
@@ -232,7 +273,9 @@ def compose_cfg():
 def pipeline_runner():
     """run_pipeline(args, cwd=...) for module- or session-scoped fixtures."""
 
-    def _run(args: Sequence[str], cwd: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
+    def _run(
+        args: Sequence[str], cwd: Path, timeout: float | None = None
+    ) -> subprocess.CompletedProcess:
         return run_pipeline(args, cwd)
 
     return _run
@@ -242,7 +285,9 @@ def pipeline_runner():
 def cli(tmp_path):
     """cli(*args) runs `python -m pipeline *args` from an empty tmp cwd (tmp_path/"cwd")."""
 
-    def _run(*args: str, cwd: Path | None = None, module: str = "pipeline") -> subprocess.CompletedProcess:
+    def _run(
+        *args: str, cwd: Path | None = None, module: str = "pipeline"
+    ) -> subprocess.CompletedProcess:
         return run_pipeline(args, cwd if cwd is not None else tmp_path / "cwd", module)
 
     return _run
@@ -319,19 +364,22 @@ def slurm_unavailable() -> str | None:
     """Why this machine cannot run a cluster, in one line; None when it can."""
     missing = slurm.missing()
     if missing:
-        return (f"slurm tests skipped: {'/'.join(missing[:3])}{'...' if len(missing) > 3 else ''} not installed; "
-                f"{SLURM_HOW}")
+        return (
+            f"slurm tests skipped: {'/'.join(missing[:3])}{'...' if len(missing) > 3 else ''} not installed; "
+            f"{SLURM_HOW}"
+        )
     if os.geteuid() != 0:
         return "slurm tests skipped: slurmd must run as root; run the tests as root (CI does)"
     return None
-
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """`--numprocesses=auto`: a worker per core, and one more when the slurm tests run: their worker spends
     minutes asleep on the cluster's clock (one-minute time limits, requeues, paced jobs) while its core idles."""
     cores = len(os.sched_getaffinity(0))
-    slurm_tests_run = slurm_unavailable() is None and "not slow" not in (config.getoption("markexpr") or "")
+    slurm_tests_run = slurm_unavailable() is None and "not slow" not in (
+        config.getoption("markexpr") or ""
+    )
     return cores + 1 if slurm_tests_run else cores
 
 
@@ -341,7 +389,11 @@ def pytest_collection_modifyitems(items) -> None:
     the other slow tests: one of minutes begun last would be the suite's tail, alone on a core while the other
     idles; the short ones fill the end."""
     first = ("slurm", "slow")
-    items.sort(key=lambda item: next((i for i, m in enumerate(first) if item.get_closest_marker(m)), len(first)))
+    items.sort(
+        key=lambda item: next(
+            (i for i, m in enumerate(first) if item.get_closest_marker(m)), len(first)
+        )
+    )
 
 
 def pytest_runtest_setup(item) -> None:
@@ -368,8 +420,10 @@ def slurm_cluster(slurm_installed, tmp_path_factory):
         c = slurm.Cluster.load(shared)
         dead = sorted(set(c.pids) - set(c.alive()))
         if dead:
-            pytest.fail(f"{SLURM_DIR_ENV}={shared}: {', '.join(dead)} not running; bring it up with "
-                        f"`python tests/slurm/cluster.py up --dir {shared}`\n{c.logs()}")
+            pytest.fail(
+                f"{SLURM_DIR_ENV}={shared}: {', '.join(dead)} not running; bring it up with "
+                f"`python tests/slurm/cluster.py up --dir {shared}`\n{c.logs()}"
+            )
         yield c
         return
     # a short path: the munge socket and slurmd's step sockets live inside it (sun_path is 108 bytes)
@@ -390,7 +444,9 @@ def slurm_env(slurm_cluster, monkeypatch) -> dict[str, str]:
 
 from mlflow_servers import mlflow_server, postgres, postgres_mlflow_server  # noqa: E402,F401  (fixtures)
 
-SHARED_SERVER = pytest.mark.xdist_group("mlflow-server")  # the tests of the shared server: one worker, one start
+SHARED_SERVER = pytest.mark.xdist_group(
+    "mlflow-server"
+)  # the tests of the shared server: one worker, one start
 
 
 @pytest.fixture(scope="session")
@@ -401,6 +457,7 @@ def shared_mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow-server")
     with mlflow_server(root, "--artifacts-destination", str(root / "server-artifacts")) as uri:
         yield uri, root / "server-artifacts"
+
 
 def tree(root: Path, mtimes: str = "files") -> dict:
     """Every entry under `root` by relative path: its kind, size, mode, content (a file's sha256, a link's
@@ -414,23 +471,36 @@ def tree(root: Path, mtimes: str = "files") -> dict:
             p = Path(dirpath) / name
             st = p.lstat()
             kind = stat.S_IFMT(st.st_mode)
-            content = os.readlink(p) if stat.S_ISLNK(st.st_mode) else \
-                hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else None
-            when = st.st_mtime_ns if mtimes == "all" or (mtimes == "files" and content is not None) else None
+            content = (
+                os.readlink(p)
+                if stat.S_ISLNK(st.st_mode)
+                else hashlib.sha256(p.read_bytes()).hexdigest()
+                if stat.S_ISREG(st.st_mode)
+                else None
+            )
+            when = (
+                st.st_mtime_ns
+                if mtimes == "all" or (mtimes == "files" and content is not None)
+                else None
+            )
             out[str(p.relative_to(root))] = (kind, st.st_size, st.st_mode, content, when)
     return out
 
 
 def cross_device(monkeypatch, other) -> None:
     """The directory `other` is another filesystem: os.rename and os.link refuse to reach into it from outside."""
+
     def inside(p) -> bool:
-        return os.path.commonpath([os.path.abspath(p), os.path.abspath(other)]) == os.path.abspath(other)
+        return os.path.commonpath([os.path.abspath(p), os.path.abspath(other)]) == os.path.abspath(
+            other
+        )
 
     def refusing(real):
         def call(src, to, *args, **kwargs):
             if inside(to) and not inside(src):
                 raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(to))
             return real(src, to, *args, **kwargs)
+
         return call
 
     monkeypatch.setattr(os, "rename", refusing(os.rename))
@@ -445,7 +515,9 @@ def kept(run_dir: Path, store=None) -> tuple[dict, dict]:
     store = store or RunDir(run_dir).store
     out = {}
     for step, d in store.steps():
-        out[step] = {n: hashlib.sha256((d / n).read_bytes()).hexdigest() for n in (WEIGHTS, OPTIM, EXTRA)}
+        out[step] = {
+            n: hashlib.sha256((d / n).read_bytes()).hexdigest() for n in (WEIGHTS, OPTIM, EXTRA)
+        }
     return out, store.links()
 
 
@@ -456,6 +528,17 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def text_overrides(path: Path) -> tuple[str, ...]:
-    return ("data=text", f"data.path={path}", "data.block_size=8", "data.val_batch_size=4", "model.n_layer=1",
-            "model.n_embd=16", "model.n_head=2", "trainer.batch_size=4", "trainer.max_steps=3",
-            "trainer.eval_every=3", "tracking=none", "trainer.progress_bar=false")
+    return (
+        "data=text",
+        f"data.path={path}",
+        "data.block_size=8",
+        "data.val_batch_size=4",
+        "model.n_layer=1",
+        "model.n_embd=16",
+        "model.n_head=2",
+        "trainer.batch_size=4",
+        "trainer.max_steps=3",
+        "trainer.eval_every=3",
+        "tracking=none",
+        "trainer.progress_bar=false",
+    )

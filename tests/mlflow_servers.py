@@ -1,4 +1,5 @@
 """Real tracking servers for the tests: `mlflow server` on a sqlite file or on a PostgreSQL started here."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def mlflow_server(root: Path, *store_args: str, backend: str | None = None, command: str = "server",
-                  port: int | None = None):
+def mlflow_server(
+    root: Path,
+    *store_args: str,
+    backend: str | None = None,
+    command: str = "server",
+    port: int | None = None,
+):
     """A real `mlflow server` (or `mlflow ui`: `command`) on 127.0.0.1 and `port` (by default a free one) (its
     store `backend`, by default a sqlite file under `root`, and `store_args`), up until the block ends: yields its
     URI."""
@@ -41,11 +47,28 @@ def mlflow_server(root: Path, *store_args: str, backend: str | None = None, comm
 
     port = port or free_port()
     log = open(root / f"{command}.log", "w")  # noqa: SIM115 - the server's output for its lifetime, closed with it
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", command, "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", "1", "--backend-store-uri", backend or f"sqlite:///{root}/srv.db",
-                             *store_args],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root,
-                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job runners
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            command,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            backend or f"sqlite:///{root}/srv.db",
+            *store_args,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=root,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+    )  # no job runners
     uri = f"http://127.0.0.1:{port}"
     try:
         t0 = time.monotonic()  # a generous limit: a loaded machine is slow
@@ -71,7 +94,9 @@ def postgres_bin() -> Path | None:
     on_path = shutil.which("pg_ctl")
     if on_path and shutil.which("initdb"):
         return Path(on_path).resolve().parent
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"), key=lambda p: int(Path(p).parts[-3]))
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"), key=lambda p: int(Path(p).parts[-3])
+    )
     return Path(found[-1]).parent if found else None
 
 
@@ -92,7 +117,9 @@ def postgres_instance():
     database `mlflow`: yields its SQLAlchemy URI (mlflow's). Run as `nobody` when we are root: postgres refuses
     to run as root. Stopped and removed when the block ends."""
     bindir = postgres_bin()
-    root = Path(tempfile.mkdtemp(prefix="pipeline-tests-postgres-"))  # in /tmp: `nobody` can reach it
+    root = Path(
+        tempfile.mkdtemp(prefix="pipeline-tests-postgres-")
+    )  # in /tmp: `nobody` can reach it
     data, port = root / "data", free_port()
     as_user = ["runuser", "-u", "nobody", "--"] if os.geteuid() == 0 else []
     if as_user:
@@ -101,14 +128,46 @@ def postgres_instance():
     def run(*args: str) -> None:
         proc = subprocess.run([*as_user, *args], capture_output=True, text=True, cwd=root)
         if proc.returncode != 0:
-            pytest.fail(f"{' '.join(args[:2])} failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-3000:]}")
+            pytest.fail(
+                f"{' '.join(args[:2])} failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-3000:]}"
+            )
 
     try:
-        run(str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
-        run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "postgres.log"), "-w", "-t", "300",
-            "-o", f"-h 127.0.0.1 -p {port} -k {root} -c fsync=off", "start")
+        run(
+            str(bindir / "initdb"),
+            "-D",
+            str(data),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        )
+        run(
+            str(bindir / "pg_ctl"),
+            "-D",
+            str(data),
+            "-l",
+            str(root / "postgres.log"),
+            "-w",
+            "-t",
+            "300",
+            "-o",
+            f"-h 127.0.0.1 -p {port} -k {root} -c fsync=off",
+            "start",
+        )
         try:
-            run(str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", "mlflow")
+            run(
+                str(bindir / "createdb"),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-U",
+                "postgres",
+                "mlflow",
+            )
             yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/mlflow"
         finally:
             run(str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
@@ -131,5 +190,7 @@ def postgres():
 def postgres_mlflow_server(postgres, tmp_path_factory):
     """(URI, artifacts destination) of one `mlflow server` on the session's PostgreSQL: the team setup."""
     root = tmp_path_factory.mktemp("mlflow-postgres-server")
-    with mlflow_server(root, "--artifacts-destination", str(root / "server-artifacts"), backend=postgres) as uri:
+    with mlflow_server(
+        root, "--artifacts-destination", str(root / "server-artifacts"), backend=postgres
+    ) as uri:
         yield uri, root / "server-artifacts"

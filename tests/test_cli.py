@@ -1,5 +1,6 @@
 """`python -m pipeline` end to end, as a subprocess from an empty temporary cwd: what a user sees, exit codes,
 signals from start-up to the last save, and a busy run directory left untouched."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import KERNODECK, PROJECT_ROOT, TINY, Proc, compose, env_for_subprocess, the_run, wait_until
+from conftest import (
+    KERNODECK,
+    PROJECT_ROOT,
+    TINY,
+    Proc,
+    compose,
+    env_for_subprocess,
+    the_run,
+    wait_until,
+)
 from omegaconf import OmegaConf
 
 from pipeline.checkpoint.directory import CheckpointDir
@@ -47,7 +57,8 @@ def test_kernodeck_run_writes_ten_metric_lines_and_nothing_in_the_cwd(kernodeck_
     lines = lines_of(out)
     assert [line["step"] for line in lines] == list(range(1, 11))
     assert [line["lr"] for line in lines] == pytest.approx(
-        [0.03] * 3 + [0.015] * 3 + [0.0075] * 3 + [0.00375], rel=1e-12, abs=0)
+        [0.03] * 3 + [0.015] * 3 + [0.0075] * 3 + [0.00375], rel=1e-12, abs=0
+    )
     for line in lines:
         assert set(line) >= KEYS, line
         assert math.isfinite(line["train/loss"]) and line["grad_norm"] > 0
@@ -55,7 +66,9 @@ def test_kernodeck_run_writes_ten_metric_lines_and_nothing_in_the_cwd(kernodeck_
     assert "val/loss" in lines[4] and "val/loss" in lines[9]  # eval_every 5
     assert list(cwd.iterdir()) == []  # nothing written relative to the cwd
     run = the_run(out)
-    assert (run / ".hydra" / "config.yaml").is_file() and "kernodeck" in (run / "pipeline.log").read_text()
+    assert (run / ".hydra" / "config.yaml").is_file() and "kernodeck" in (
+        run / "pipeline.log"
+    ).read_text()
 
 
 def test_the_cli_trains_what_the_job_computes(kernodeck_by_the_cli, tmp_path):
@@ -70,17 +83,25 @@ def test_the_cli_trains_what_the_job_computes(kernodeck_by_the_cli, tmp_path):
     state = build(config_of(*KERNODECK, f"paths.output_dir={tmp_path / 'other'}")).state
     records = [train_step(state) for _ in range(10)]
     for r, line in zip(records, lines_of(out)):
-        assert (line["step"], line["epoch"], line["lr"], line["train/loss"], line["grad_norm"]) == \
-            (r["step"], r["epoch"], r["lr"], r["train/loss"], r["grad_norm"])
+        assert (line["step"], line["epoch"], line["lr"], line["train/loss"], line["grad_norm"]) == (
+            r["step"],
+            r["epoch"],
+            r["lr"],
+            r["train/loss"],
+            r["grad_norm"],
+        )
 
 
-@pytest.mark.parametrize("override,key", [
-    ("optimizer.lr=abc", "optimizer.lr"),
-    ("model.nonexistent=1", "model.nonexistent"),
-    ("optimizer.lr=-1", "optimizer.lr"),
-    ("trainer.batch_size=0", "trainer.batch_size"),
-    ("stages.best_val.mode=maximum", "mode"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("optimizer.lr=abc", "optimizer.lr"),
+        ("model.nonexistent=1", "model.nonexistent"),
+        ("optimizer.lr=-1", "optimizer.lr"),
+        ("trainer.batch_size=0", "trainer.batch_size"),
+        ("stages.best_val.mode=maximum", "mode"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2_and_no_run_directory(cli, tmp_path, override, key):
     out = tmp_path / "out"
     proc = cli(*KERNODECK, override, f"paths.output_dir={out}")
@@ -91,7 +112,11 @@ def test_bad_input_is_one_line_exit_2_and_no_run_directory(cli, tmp_path, overri
 
 
 def test_cfg_job_prints_the_composed_config(cli, tmp_path):
-    overrides = ["experiment=kernodeck", "optimizer.lr=0.05", f"paths.output_dir={tmp_path / 'out'}"]
+    overrides = [
+        "experiment=kernodeck",
+        "optimizer.lr=0.05",
+        f"paths.output_dir={tmp_path / 'out'}",
+    ]
     proc = cli("--cfg", "job", *overrides)
     assert proc.returncode == 0, proc.stderr
     printed = OmegaConf.to_container(OmegaConf.create(proc.stdout), resolve=False)
@@ -105,12 +130,15 @@ def test_cfg_job_prints_the_composed_config(cli, tmp_path):
 def test_help_lists_the_config_groups(cli, tmp_path):
     proc = cli("--help", f"paths.output_dir={tmp_path / 'out'}")
     assert proc.returncode == 0, proc.stderr
-    listed = {line.split(":", 1)[0] for line in proc.stdout.splitlines() if ":" in line and not line.startswith(" ")}
+    listed = {
+        line.split(":", 1)[0]
+        for line in proc.stdout.splitlines()
+        if ":" in line and not line.startswith(" ")
+    }
     assert set(GROUPS) <= listed, listed
     assert "optimizer: adam, adamw, sgd" in proc.stdout
     assert "experiment: kernodeck" in proc.stdout
     assert not (tmp_path / "out").exists()
-
 
 
 def test_hydra_mode_is_composed_for_only_where_something_can_set_it(tmp_path):
@@ -120,43 +148,63 @@ def test_hydra_mode_is_composed_for_only_where_something_can_set_it(tmp_path):
 
     conf = tmp_path / "conf"
     (conf / "experiment").mkdir(parents=True)
-    (conf / "config.yaml").write_text("stages:\n  best_val:\n    mode: min\n")  # a monitor's mode is not Hydra's
+    (conf / "config.yaml").write_text(
+        "stages:\n  best_val:\n    mode: min\n"
+    )  # a monitor's mode is not Hydra's
     assert mode_is_the_command_lines(["-m", "optimizer.lr=0.1,0.2"], conf)
-    for argv in (["hydra.mode=MULTIRUN"], ["--config-dir", "x"], ["-cd=x"], ["--config-name=other"],
-                 ["hydra.searchpath=[file://x]"]):
+    for argv in (
+        ["hydra.mode=MULTIRUN"],
+        ["--config-dir", "x"],
+        ["-cd=x"],
+        ["--config-name=other"],
+        ["hydra.searchpath=[file://x]"],
+    ):
         assert not mode_is_the_command_lines(argv, conf), argv
     fifo = conf / "experiment" / "fifo.yaml"
     os.mkfifo(fifo)  # never opened: what cannot be read as a file is left to Hydra
     assert not mode_is_the_command_lines([], conf)
     fifo.unlink()
-    (conf / "experiment" / "grid.yaml").write_text("# @package _global_\nhydra:\n  mode: MULTIRUN\n")
+    (conf / "experiment" / "grid.yaml").write_text(
+        "# @package _global_\nhydra:\n  mode: MULTIRUN\n"
+    )
     assert not mode_is_the_command_lines([], conf)
 
 
-HYDRA_METHODS = ("from hydra._internal.hydra import Hydra\n"
-                 "from hydra._internal.config_loader_impl import ConfigLoaderImpl\n"
-                 "def methods():\n"
-                 "    return Hydra.__dict__['get_mode'], ConfigLoaderImpl.__dict__['get_group_options']\n")
+HYDRA_METHODS = (
+    "from hydra._internal.hydra import Hydra\n"
+    "from hydra._internal.config_loader_impl import ConfigLoaderImpl\n"
+    "def methods():\n"
+    "    return Hydra.__dict__['get_mode'], ConfigLoaderImpl.__dict__['get_group_options']\n"
+)
 
 
 @pytest.mark.parametrize("argv", [["--help"], [*KERNODECK, "tracking=none"]], ids=["help", "job"])
 def test_the_entrys_hydra_shortcuts_last_only_as_long_as_its_call(argv, tmp_path):
     """The entry replaces Hydra's get_mode (and, for --help, get_group_options) around its one call to Hydra:
     during it they are its own, after it returns they are Hydra's again (no process-wide change outlives it)."""
-    args = ["pipeline", *argv] + ([] if argv == ["--help"] else [f"paths.output_dir={tmp_path / 'out'}"])
-    code = (HYDRA_METHODS + "import json, sys\n"
-            "import pipeline.__main__ as m\n"
-            "import pipeline.run.job as app\n"
-            "original, during = methods(), []\n"
-            "app.main = lambda *a, **k: during.append(methods()) or 0.0\n"  # the job: only where Hydra is then
-            f"sys.argv = {args!r}\n"
-            "try:\n"
-            "    m.main()\n"
-            "except SystemExit as e:\n"
-            "    assert not e.code, e.code\n"
-            "print(json.dumps([methods() == original, [d[0] is original[0] for d in during]]))\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env_for_subprocess(), capture_output=True,
-                          text=True)
+    args = ["pipeline", *argv] + (
+        [] if argv == ["--help"] else [f"paths.output_dir={tmp_path / 'out'}"]
+    )
+    code = (
+        HYDRA_METHODS + "import json, sys\n"
+        "import pipeline.__main__ as m\n"
+        "import pipeline.run.job as app\n"
+        "original, during = methods(), []\n"
+        "app.main = lambda *a, **k: during.append(methods()) or 0.0\n"  # the job: only where Hydra is then
+        f"sys.argv = {args!r}\n"
+        "try:\n"
+        "    m.main()\n"
+        "except SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+        "print(json.dumps([methods() == original, [d[0] is original[0] for d in during]]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env_for_subprocess(),
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     restored, replaced_during = json.loads(proc.stdout.strip().splitlines()[-1])
     assert restored is True
@@ -166,9 +214,12 @@ def test_the_entrys_hydra_shortcuts_last_only_as_long_as_its_call(argv, tmp_path
 
 def test_hydra_mode_multirun_as_an_override_still_sweeps(cli, tmp_path):
     out = tmp_path / "out"
-    proc = cli("hydra.mode=MULTIRUN", *KERNODECK, "optimizer.lr=0.01,0.02", f"paths.output_dir={out}")
+    proc = cli(
+        "hydra.mode=MULTIRUN", *KERNODECK, "optimizer.lr=0.01,0.02", f"paths.output_dir={out}"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(list((out / "runs").iterdir())) == 2 and len(list((out / "sweeps").iterdir())) == 1
+
 
 def hf_cosine_with_warmup(base_lr, step, warmup, total):
     if step < warmup:
@@ -179,13 +230,22 @@ def hf_cosine_with_warmup(base_lr, step, warmup, total):
 
 def test_sgd_cosine_schedule(cli, tmp_path):
     out = tmp_path / "out"
-    proc = cli(*TINY, "optimizer=sgd", "optimizer.lr=0.1", "scheduler=cosine", "scheduler.warmup_steps=5",
-               "trainer.max_steps=20", f"paths.output_dir={out}")
+    proc = cli(
+        *TINY,
+        "optimizer=sgd",
+        "optimizer.lr=0.1",
+        "scheduler=cosine",
+        "scheduler.warmup_steps=5",
+        "trainer.max_steps=20",
+        f"paths.output_dir={out}",
+    )
     assert proc.returncode == 0, proc.stderr
     lines = lines_of(out)
     assert lines[-1]["step"] == 20
     for line in lines:
-        assert line["lr"] == pytest.approx(hf_cosine_with_warmup(0.1, line["step"] - 1, 5, 20), rel=1e-12, abs=1e-18)
+        assert line["lr"] == pytest.approx(
+            hf_cosine_with_warmup(0.1, line["step"] - 1, 5, 20), rel=1e-12, abs=1e-18
+        )
 
 
 def test_default_output_dir_is_the_checkouts_outputs_whatever_the_cwd(cli, tmp_path):
@@ -198,8 +258,14 @@ def test_default_output_dir_is_the_checkouts_outputs_whatever_the_cwd(cli, tmp_p
 
 # -- signals ------------------------------------------------------------------------------------------
 
-LONG = (*KERNODECK, "trainer.max_steps=200000", "trainer.log_every=100", "trainer.eval_every=50000",
-        "checkpoint=every_n_steps", "checkpoint.every_steps=100000")
+LONG = (
+    *KERNODECK,
+    "trainer.max_steps=200000",
+    "trainer.log_every=100",
+    "trainer.eval_every=50000",
+    "checkpoint=every_n_steps",
+    "checkpoint.every_steps=100000",
+)
 
 
 def steps_logged(out: Path) -> int:
@@ -224,23 +290,39 @@ def test_a_signal_during_start_up_exits_75_in_one_line(tmp_path, sig):
     """From the first instruction of the entry point: a signal before training is never a traceback."""
     for delay in (0.0, 0.3, 1.0):  # while importing, composing, building (a new run each time)
         # long enough never to finish first: a signal after the last instruction finds Python's default handlers
-        proc = Proc([*TINY, "trainer.max_steps=5000", f"paths.output_dir={tmp_path / str(delay)}"], tmp_path / "cwd")
-        wait_until(lambda proc=proc: all(catches(proc.p.pid, s) for s in SIGNALS), "the entry point's handlers", proc)
+        proc = Proc(
+            [*TINY, "trainer.max_steps=5000", f"paths.output_dir={tmp_path / str(delay)}"],
+            tmp_path / "cwd",
+        )
+        wait_until(
+            lambda proc=proc: all(catches(proc.p.pid, s) for s in SIGNALS),
+            "the entry point's handlers",
+            proc,
+        )
         time.sleep(delay)
         proc.send_signal(sig)
         code = proc.wait()
         assert code == 75, (delay, proc.stderr)
-        assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, (
+            proc.stderr
+        )
 
 
 @pytest.mark.parametrize("raised", ["Interrupted(15)", "ValueError('a bug')"])
 def test_a_signal_raised_inside_a_callback_python_runs_itself_is_no_traceback(tmp_path, raised):
     # a signal can land in a weakref's callback inside the import system, where no exception propagates (Python
     # prints "Exception ignored"): an interruption is held by the signal state, and only other errors are printed
-    code = ("import weakref\nfrom pipeline.run.signals import SIGNALS_STATE, Interrupted\nSIGNALS_STATE.install()\n"
-            f"class A: pass\na = A()\ndef cb(ref): raise {raised}\nr = weakref.ref(a, cb)\ndel a\nprint('on')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env_for_subprocess(), capture_output=True,
-                          text=True)
+    code = (
+        "import weakref\nfrom pipeline.run.signals import SIGNALS_STATE, Interrupted\nSIGNALS_STATE.install()\n"
+        f"class A: pass\na = A()\ndef cb(ref): raise {raised}\nr = weakref.ref(a, cb)\ndel a\nprint('on')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env_for_subprocess(),
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0 and proc.stdout == "on\n"
     assert ("Traceback" in proc.stderr) == raised.startswith("ValueError"), proc.stderr
 
@@ -251,7 +333,9 @@ def test_sigterm_then_sigint_during_training_still_saves_and_exits_75(tmp_path):
     proc = Proc([*LONG, f"paths.output_dir={out}"], tmp_path / "cwd")
     wait_until(lambda: steps_logged(out) >= 200, "step 200", proc)
     proc.send_signal(signal.SIGTERM)
-    proc.send_signal(signal.SIGINT)  # a second signal changes nothing: the save in progress completes
+    proc.send_signal(
+        signal.SIGINT
+    )  # a second signal changes nothing: the save in progress completes
     assert proc.wait() == 75, proc.stderr
     assert "Traceback" not in proc.stderr
     run = the_run(out)
@@ -270,16 +354,27 @@ def test_a_refused_process_changes_nothing_in_the_busy_run(tmp_path):
     try:
         wait_until(lambda: steps_logged(out) >= 200, "step 200", first)
         run = the_run(out)
-        watched = [run / ".hydra" / "config.yaml", run / ".hydra" / "overrides.yaml", run / "pipeline.log",
-                   run / ".lock", run / "run.json"]
+        watched = [
+            run / ".hydra" / "config.yaml",
+            run / ".hydra" / "overrides.yaml",
+            run / "pipeline.log",
+            run / ".lock",
+            run / "run.json",
+        ]
         before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in watched}
-        second = Proc([*LONG, f"paths.output_dir={out}", "trainer.log_every=100"], tmp_path / "cwd2")
+        second = Proc(
+            [*LONG, f"paths.output_dir={out}", "trainer.log_every=100"], tmp_path / "cwd2"
+        )
         assert second.wait() == 2
         assert "is in use by another process" in second.stderr and str(run) in second.stderr
         assert len(second.stderr.strip().splitlines()) == 1 or "Traceback" not in second.stderr
-        after = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in watched if p.name != "pipeline.log"}
+        after = {
+            p: (p.read_bytes(), p.stat().st_mtime_ns) for p in watched if p.name != "pipeline.log"
+        }
         assert after == {p: v for p, v in before.items() if p.name != "pipeline.log"}
-        assert before[run / "pipeline.log"][0] in (run / "pipeline.log").read_bytes()  # only the owner appends
+        assert (
+            before[run / "pipeline.log"][0] in (run / "pipeline.log").read_bytes()
+        )  # only the owner appends
         assert b"in use" not in (run / "pipeline.log").read_bytes()
         assert first.p.poll() is None  # the first run carries on undisturbed
     finally:
@@ -288,11 +383,32 @@ def test_a_refused_process_changes_nothing_in_the_busy_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,targets", [
-    ((*KERNODECK, "trainer.max_steps=4000", "trainer.eval_every=500", "trainer.log_every=1",
-      "checkpoint=every_n_steps", "checkpoint.every_steps=250"), (600, 1700, 2900)),
-    ((*TINY, "trainer.max_steps=900", "trainer.eval_every=200", "checkpoint.every_steps=200"), (150, 420, 700)),
-], ids=["kernodeck", "minigpt"])
+@pytest.mark.parametrize(
+    "args,targets",
+    [
+        (
+            (
+                *KERNODECK,
+                "trainer.max_steps=4000",
+                "trainer.eval_every=500",
+                "trainer.log_every=1",
+                "checkpoint=every_n_steps",
+                "checkpoint.every_steps=250",
+            ),
+            (600, 1700, 2900),
+        ),
+        (
+            (
+                *TINY,
+                "trainer.max_steps=900",
+                "trainer.eval_every=200",
+                "checkpoint.every_steps=200",
+            ),
+            (150, 420, 700),
+        ),
+    ],
+    ids=["kernodeck", "minigpt"],
+)
 def test_sigterm_at_three_steps_then_resume_is_bit_identical(tmp_path, args, targets):
     ref_out, out = tmp_path / "ref", tmp_path / "out"
     ref = Proc([*args, f"paths.output_dir={ref_out}"], tmp_path / "cwd")
@@ -309,7 +425,9 @@ def test_sigterm_at_three_steps_then_resume_is_bit_identical(tmp_path, args, tar
     assert len(set(stopped_at)) == 3 and stopped_at == sorted(stopped_at), stopped_at
     assert Proc([*args, f"paths.output_dir={out}"], tmp_path / "cwd").wait() == 0
     a, b = RunDir(the_run(out)), RunDir(the_run(ref_out))
-    assert without_time(a.read_metrics()) == without_time(b.read_metrics())  # every loss, lr and grad norm
+    assert without_time(a.read_metrics()) == without_time(
+        b.read_metrics()
+    )  # every loss, lr and grad norm
     assert a.store.links() == b.store.links()
     for (sa, da), (sb, db) in zip(a.store.steps(), b.store.steps(), strict=True):
         assert sa == sb
@@ -319,12 +437,20 @@ def test_sigterm_at_three_steps_then_resume_is_bit_identical(tmp_path, args, tar
 
 def test_a_damaged_newest_checkpoint_is_skipped_saying_why(tmp_path, cli, finished_job):
     out = tmp_path / "out"
-    args = (*KERNODECK, "trainer.max_steps=40", "checkpoint=every_n_steps", "checkpoint.every_steps=10",
-            "~stages.best_val")
+    args = (
+        *KERNODECK,
+        "trainer.max_steps=40",
+        "checkpoint=every_n_steps",
+        "checkpoint.every_steps=10",
+        "~stages.best_val",
+    )
     ref = finished_job(*args)  # the uninterrupted run (in-process: the same bytes as the command's)
-    killed = subprocess.run([sys.executable, "-m", "pipeline", *args, f"paths.output_dir={out}"],
-                            env={**env_for_subprocess(), "PIPELINE_CHAOS": "train:70"}, capture_output=True,
-                            text=True)  # 2 kill points per step: killed inside step 35
+    killed = subprocess.run(
+        [sys.executable, "-m", "pipeline", *args, f"paths.output_dir={out}"],
+        env={**env_for_subprocess(), "PIPELINE_CHAOS": "train:70"},
+        capture_output=True,
+        text=True,
+    )  # 2 kill points per step: killed inside step 35
     assert killed.returncode == -signal.SIGKILL
     store = RunDir(the_run(out)).store
     assert [s for s, _ in store.steps()] == [10, 20, 30]
@@ -340,8 +466,9 @@ def test_a_damaged_newest_checkpoint_is_skipped_saying_why(tmp_path, cli, finish
     a, b = RunDir(the_run(out)), RunDir(the_run(ref))
     assert without_time(a.read_metrics()) == without_time(b.read_metrics())
     assert [s for s, _ in a.store.steps()] == [s for s, _ in b.store.steps()]
-    assert (a.store.link_dir("final") / "weights.safetensors").read_bytes() == \
-        (b.store.link_dir("final") / "weights.safetensors").read_bytes()
+    assert (a.store.link_dir("final") / "weights.safetensors").read_bytes() == (
+        b.store.link_dir("final") / "weights.safetensors"
+    ).read_bytes()
 
 
 def test_json_written_by_a_run_is_standard(tmp_path, cli):
@@ -365,7 +492,9 @@ def test_a_signal_a_library_wrapped_while_importing_is_still_an_interruption(mon
         except Interrupted as e:
             raise RuntimeError("Error calling __set_name__ on '_FieldInfo' instance") from e
 
-    monkeypatch.setattr(SIGNALS_STATE, "finish", lambda: None)  # this test process keeps its handlers
+    monkeypatch.setattr(
+        SIGNALS_STATE, "finish", lambda: None
+    )  # this test process keeps its handlers
     monkeypatch.setattr(SIGNALS_STATE, "received", signal.SIGTERM)
     monkeypatch.setattr(SIGNALS_STATE, "held", False)
     with pytest.raises(SystemExit, match="75"):
@@ -381,9 +510,17 @@ def test_a_tool_is_one_module_and_both_spellings_run_it(tmp_path):
     import pipeline.cli.show
     import pipeline.show
 
-    assert pipeline.show is pipeline.cli.show and pipeline.cli.show.__spec__.name == "pipeline.cli.show"
+    assert (
+        pipeline.show is pipeline.cli.show
+        and pipeline.cli.show.__spec__.name == "pipeline.cli.show"
+    )
     for argv in (["pipeline", "show"], ["pipeline.show"]):
-        p = subprocess.run([sys.executable, "-m", *argv, str(tmp_path / "nowhere")], env=env_for_subprocess(),
-                           cwd=tmp_path, capture_output=True, text=True)
+        p = subprocess.run(
+            [sys.executable, "-m", *argv, str(tmp_path / "nowhere")],
+            env=env_for_subprocess(),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
         said = f"pipeline.show: {tmp_path / 'nowhere'}: not a directory\n"
         assert (p.returncode, p.stdout, p.stderr) == (2, "", said)

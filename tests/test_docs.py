@@ -1,5 +1,6 @@
 """The docs: MkDocs builds the pages under docs/ in strict mode (a broken link or anchor is an error), and every
 relative link and anchor of README.md and docs/*.md lands on a file and a heading that exist."""
+
 from __future__ import annotations
 
 import re
@@ -24,7 +25,11 @@ def anchors(page: Path) -> set[str]:
 
 def links(page: Path) -> list[str]:
     """The relative links of a page, outside its code blocks (a web address is not checked here)."""
-    return [t for t in LINK.findall(FENCED.sub("", page.read_text())) if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+    return [
+        t
+        for t in LINK.findall(FENCED.sub("", page.read_text()))
+        if not re.match(r"[a-z][a-z0-9+.-]*:", t)
+    ]
 
 
 def broken_links(pages: list[Path]) -> list[str]:
@@ -46,15 +51,34 @@ def test_every_relative_link_and_anchor_resolves():
 
 
 def test_a_broken_link_or_anchor_is_found(tmp_path):
-    (tmp_path / "a.md").write_text("# A page\n\n## Some part\n\n```\n[x](nowhere.md)\n```\n"
-                                   "[ok](#some-part) [ok](b.md#b) [bad](b.md#c) [bad](c.md) [web](https://x.org)\n")
+    (tmp_path / "a.md").write_text(
+        "# A page\n\n## Some part\n\n```\n[x](nowhere.md)\n```\n"
+        "[ok](#some-part) [ok](b.md#b) [bad](b.md#c) [bad](c.md) [web](https://x.org)\n"
+    )
     (tmp_path / "b.md").write_text("# B\n")
-    assert broken_links([tmp_path / "a.md"]) == ["a.md: b.md#c: no heading #c in b.md", "a.md: c.md: no such file"]
+    assert broken_links([tmp_path / "a.md"]) == [
+        "a.md: b.md#c: no heading #c in b.md",
+        "a.md: c.md: no such file",
+    ]
 
 
 def build(config: Path, site: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config),
-                           "--site-dir", str(site)], capture_output=True, text=True, cwd=config.parent)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(config),
+            "--site-dir",
+            str(site),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=config.parent,
+    )
 
 
 def test_the_docs_build_in_strict_mode(tmp_path):
@@ -84,7 +108,9 @@ def test_the_readme_is_read_in_minutes():
     """At most 200 lines: the rest lives in the pages, each of which the README links."""
     readme = (PROJECT_ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
-    assert {f"docs/{p.name}" for p in PAGES[1:] if p.name != "index.md"} <= set(links(PROJECT_ROOT / "README.md"))
+    assert {f"docs/{p.name}" for p in PAGES[1:] if p.name != "index.md"} <= set(
+        links(PROJECT_ROOT / "README.md")
+    )
 
 
 def test_every_key_a_stage_is_tuned_by_is_on_the_stages_page():
@@ -98,10 +124,18 @@ def test_every_key_a_stage_is_tuned_by_is_on_the_stages_page():
     text = (PROJECT_ROOT / "docs" / "stages.md").read_text()
     config = config_of("+stages/early_stop=default")
     yaml = CONFIG_DIR / "stages"  # each stage as its YAML writes it (interpolations unresolved)
-    stages = {**OmegaConf.to_container(OmegaConf.load(yaml / "default.yaml")),
-              "early_stop": OmegaConf.to_container(OmegaConf.load(yaml / "early_stop" / "default.yaml"))}
-    tuned = [f"stages.{name}.{key}" for name, node in stages.items() if isinstance(node, dict)
-             for key, value in node.items() if key not in ("_target_", "order", "defaults")
-             and not (isinstance(value, str) and value.startswith("${")) and key in config["stages"][name]]
+    stages = {
+        **OmegaConf.to_container(OmegaConf.load(yaml / "default.yaml")),
+        "early_stop": OmegaConf.to_container(OmegaConf.load(yaml / "early_stop" / "default.yaml")),
+    }
+    tuned = [
+        f"stages.{name}.{key}"
+        for name, node in stages.items()
+        if isinstance(node, dict)
+        for key, value in node.items()
+        if key not in ("_target_", "order", "defaults")
+        and not (isinstance(value, str) and value.startswith("${"))
+        and key in config["stages"][name]
+    ]
     assert "stages.best_val.keep" in tuned and "stages.early_stop.patience" in tuned
     assert not [k for k in tuned if k not in text], [k for k in tuned if k not in text]

@@ -1,4 +1,5 @@
 """The package's shape: no import cycles, one module for the run directory's layout, no test doubles inside."""
+
 from __future__ import annotations
 
 import ast
@@ -10,7 +11,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pipeline"
 def modules() -> dict[str, ast.Module]:
     out = {}
     for p in PACKAGE.rglob("*.py"):
-        name = ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).replace(".__init__", "")
+        name = ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).replace(
+            ".__init__", ""
+        )
         out[name] = ast.parse(p.read_text())
     return out
 
@@ -25,9 +28,16 @@ def test_no_import_cycle_between_subpackages_and_modules():
     """Regression: checkpoint -> model -> data -> checkpoint was a cycle at import time."""
     edges: dict[str, set[str]] = {}
     for name, tree in modules().items():
-        for node in tree.body:  # what importing the module imports (function-level imports are deferred)
-            found = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        for (
+            node
+        ) in tree.body:  # what importing the module imports (function-level imports are deferred)
+            found = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else []
+            )
             for target in found:
                 if target.startswith("pipeline.") and unit(target) != unit(name):
                     edges.setdefault(unit(name), set()).add(unit(target))
@@ -52,10 +62,16 @@ def test_no_cycle_between_packages_function_level_imports_included():
     edges: dict[str, set[str]] = {}
     for name, tree in modules().items():
         for node in ast.walk(tree):
-            found = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            found = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else []
+            )
             edges.setdefault(unit(name), set()).update(
-                unit(t) for t in found if t.startswith("pipeline.") and unit(t) != unit(name))
+                unit(t) for t in found if t.startswith("pipeline.") and unit(t) != unit(name)
+            )
 
     def reach(start: str) -> set[str]:
         seen, todo = set(), [start]
@@ -73,19 +89,38 @@ def test_no_cycle_between_packages_function_level_imports_included():
 def test_the_entry_the_run_and_tracking_share_no_state_through_globals():
     """The job, the sweep's parent and the tracker are passed as objects: no `global` statement in these layers,
     and the run layer imports nothing of tracking (the cycle test above checks the rest)."""
-    shared = [(name, n.names) for name, tree in modules().items() if unit(name) in ("run", "tracking", "__main__")
-              for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    shared = [
+        (name, n.names)
+        for name, tree in modules().items()
+        if unit(name) in ("run", "tracking", "__main__")
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Global)
+    ]
     assert shared == []
-    run_imports = [node.module for name, tree in modules().items() if unit(name) == "run"
-                   for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
-                   and node.module.startswith("pipeline.tracking")]
+    run_imports = [
+        node.module
+        for name, tree in modules().items()
+        if unit(name) == "run"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and node.module
+        and node.module.startswith("pipeline.tracking")
+    ]
     assert run_imports == []
 
 
 def test_one_module_knows_where_checkpoints_live():
-    spelled = [name for name, tree in modules().items()  # path / "checkpoints"
-               if any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and isinstance(n.right, ast.Constant)
-                      and n.right.value == "checkpoints" for n in ast.walk(tree))]
+    spelled = [
+        name
+        for name, tree in modules().items()  # path / "checkpoints"
+        if any(
+            isinstance(n, ast.BinOp)
+            and isinstance(n.op, ast.Div)
+            and isinstance(n.right, ast.Constant)
+            and n.right.value == "checkpoints"
+            for n in ast.walk(tree)
+        )
+    ]
     assert spelled == ["pipeline.run.directory"]
 
 
@@ -99,9 +134,16 @@ def test_no_test_doubles_in_the_package():
 
 # The layers, lowest first: a module imports only from its own layer or lower ones (anywhere in the module: a
 # function-level import is the same dependency, only later).
-LAYERS = (("files",), ("config",),
-          ("stateful", "model", "data", "optimizer", "scheduler", "checkpoint", "stages", "trainer"),
-          ("run",), ("sweep",), ("tracking",), ("verify",), ("cli", "serving", "__main__"))
+LAYERS = (
+    ("files",),
+    ("config",),
+    ("stateful", "model", "data", "optimizer", "scheduler", "checkpoint", "stages", "trainer"),
+    ("run",),
+    ("sweep",),
+    ("tracking",),
+    ("verify",),
+    ("cli", "serving", "__main__"),
+)
 
 
 def layer(module: str) -> int:
@@ -114,10 +156,18 @@ def test_no_module_imports_from_a_higher_layer():
         if name == "pipeline":
             continue
         for node in ast.walk(tree):
-            found = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
-            upward += [f"{name} -> {t}" for t in found
-                       if t.startswith("pipeline.") and layer(t) > layer(name)]
+            found = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module
+                else []
+            )
+            upward += [
+                f"{name} -> {t}"
+                for t in found
+                if t.startswith("pipeline.") and layer(t) > layer(name)
+            ]
     assert upward == []
 
 
@@ -130,17 +180,33 @@ def test_the_package_root_holds_a_handful_of_modules_none_named_like_the_standar
     assert clash == []
 
 
-CHECKPOINT_FILES = ("WEIGHTS", "OPTIM", "EXTRA", "MANIFEST", "DATA", "REQUIRED", "REQUIRED_BY")  # the store's names
+CHECKPOINT_FILES = (
+    "WEIGHTS",
+    "OPTIM",
+    "EXTRA",
+    "MANIFEST",
+    "DATA",
+    "REQUIRED",
+    "REQUIRED_BY",
+)  # the store's names
 # What must stay, each (module, what it names): roundtrip writes its own copy of the manifest under that name
 # (a documented output, removed before the checkpoint exists); the served model's package imports nothing of
 # the pipeline at import time, yet names the file its refusal is about.
-NAMES_A_CHECKPOINT_FILE = {("pipeline.cli.roundtrip", "manifest.json"), ("pipeline.serving", "data.json")}
+NAMES_A_CHECKPOINT_FILE = {
+    ("pipeline.cli.roundtrip", "manifest.json"),
+    ("pipeline.serving", "data.json"),
+}
 
 
 def _docstrings(tree: ast.Module) -> set[int]:
-    return {id(n.body[0].value) for n in ast.walk(tree)
-            if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.body
-            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
 
 
 def test_only_the_checkpoint_store_names_a_checkpoints_files():
@@ -148,8 +214,16 @@ def test_only_the_checkpoint_store_names_a_checkpoints_files():
     (a path ending in one of its files, or one of its file-name constants, is a read or write of one)."""
     from pipeline.checkpoint import directory
 
-    values = {getattr(directory, c) for c in CHECKPOINT_FILES if isinstance(getattr(directory, c), str)}
-    assert values == {"weights.safetensors", "optim.safetensors", "extra.json", "manifest.json", "data.json"}
+    values = {
+        getattr(directory, c) for c in CHECKPOINT_FILES if isinstance(getattr(directory, c), str)
+    }
+    assert values == {
+        "weights.safetensors",
+        "optim.safetensors",
+        "extra.json",
+        "manifest.json",
+        "data.json",
+    }
     named = set()
     for name, tree in modules().items():
         if unit(name) == "checkpoint":
@@ -172,17 +246,29 @@ def test_no_module_level_mutable_container_is_shared_with_another_unit():
     for name, tree in modules().items():
         for node in tree.body:
             value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if value is not None else []
-            if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
-                    isinstance(value, ast.Call)
-                    and getattr(value.func, "id", "") in ("dict", "list", "set", "defaultdict")):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if value is not None
+                else []
+            )
+            if isinstance(
+                value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+            ) or (
+                isinstance(value, ast.Call)
+                and getattr(value.func, "id", "") in ("dict", "list", "set", "defaultdict")
+            ):
                 mutable.update({(name, t.id): True for t in targets if isinstance(t, ast.Name)})
     shared = []
     for name, tree in modules().items():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and unit(node.module) != unit(name):
-                shared += [f"{name} imports {node.module}.{a.name}"
-                           for a in node.names if (node.module, a.name) in mutable]
+                shared += [
+                    f"{name} imports {node.module}.{a.name}"
+                    for a in node.names
+                    if (node.module, a.name) in mutable
+                ]
     assert shared == []
 
 
@@ -200,5 +286,7 @@ def test_signals_are_taken_over_by_the_one_wrapper_and_no_module_imports_after_c
     no module runs code before its imports to take them over earlier (`noqa: E402`)."""
     texts = {p.relative_to(PACKAGE.parent).as_posix(): p.read_text() for p in PACKAGE.rglob("*.py")}
     assert sorted(n for n, t in texts.items() if "SIGNALS_STATE.install()" in t) == [
-        "pipeline/run/job.py", "pipeline/run/signals.py"]
+        "pipeline/run/job.py",
+        "pipeline/run/signals.py",
+    ]
     assert [n for n, t in texts.items() if "noqa: E402" in t] == []

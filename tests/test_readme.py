@@ -2,6 +2,7 @@
 that exists, composes and validates as written, and names the runs it makes; the tree of docs/outputs.md is the
 tree a job, a sweep, a roundtrip and a verification write; .gitignore covers what the commands create; .ci/run
 runs the README's test command, as written, in a fresh virtualenv."""
+
 from __future__ import annotations
 
 import re
@@ -16,7 +17,9 @@ from conftest import KERNODECK, PROJECT_ROOT, run_pipeline
 README = (PROJECT_ROOT / "README.md").read_text()
 PAGES = [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md"))]
 NAME_COLUMN = 34  # in the tree, the descriptions start at this column
-FILE_TOKEN = re.compile(r"(?<![\w<>./-])([\w.<>-]+(?:/[\w.<>-]+)*(?:\.(?:jsonl?|tokens|safetensors|yaml|log|db)\b|/))")
+FILE_TOKEN = re.compile(
+    r"(?<![\w<>./-])([\w.<>-]+(?:/[\w.<>-]+)*(?:\.(?:jsonl?|tokens|safetensors|yaml|log|db)\b|/))"
+)
 # In the tree, but not written by the commands this test runs: why each is absent here.
 CONDITIONAL = {
     "runs/<name>-<hash>/superseded/<when>/": "only after a resume that changes the config, falls back or starts anew",
@@ -50,7 +53,9 @@ def documented_tree(block: str) -> set[str]:
                 paths.add(last)
             if last.endswith("/"):
                 parents.append(last)
-        if last.endswith("/"):  # a directory's description (or its continuation line) may list its content
+        if last.endswith(
+            "/"
+        ):  # a directory's description (or its continuation line) may list its content
             paths.update(last + token for token in FILE_TOKEN.findall(line[NAME_COLUMN:]))
     # the directories a path passes through are in the tree too
     return paths | {p[: i + 1] for p in paths for i, c in enumerate(p[:-1]) if c == "/"}
@@ -59,15 +64,24 @@ def documented_tree(block: str) -> set[str]:
 def pattern(path: str) -> re.Pattern:
     """A documented name as a regex: <placeholder> stands for any name, ... for any rest, a digit for any."""
     parts = re.split(r"(<[^>]+>|\.\.\.|\d)", path.rstrip("/"))
-    regex = "".join({"...": ".+"}.get(p, "[^/]+" if p.startswith("<") else r"\d" if p.isdigit() else re.escape(p))
-                    for p in parts if p)
+    regex = "".join(
+        {"...": ".+"}.get(
+            p, "[^/]+" if p.startswith("<") else r"\d" if p.isdigit() else re.escape(p)
+        )
+        for p in parts
+        if p
+    )
     return re.compile(regex + "/?")
 
 
 def real_tree(root: Path, documented: set[str]) -> set[str]:
     """Every path under root, down to where the documentation stops listing (a documented directory none of
     whose content is listed, like mlartifacts/, is one entry); symlinks are leaves."""
-    listed = {d for d in documented if d.endswith("/") and any(p != d and p.startswith(d) for p in documented)}
+    listed = {
+        d
+        for d in documented
+        if d.endswith("/") and any(p != d and p.startswith(d) for p in documented)
+    }
     listed_dirs = [pattern(d) for d in listed]
     open_dirs = [pattern(d) for d in documented if d.endswith("/") and d not in listed]
     found = set()
@@ -76,8 +90,10 @@ def real_tree(root: Path, documented: set[str]) -> set[str]:
         for p in sorted(d.iterdir()):
             name = rel + p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
             found.add(name)
-            if name.endswith("/") and (any(d.fullmatch(name) for d in listed_dirs)
-                                       or not any(o.fullmatch(name) for o in open_dirs)):
+            if name.endswith("/") and (
+                any(d.fullmatch(name) for d in listed_dirs)
+                or not any(o.fullmatch(name) for o in open_dirs)
+            ):
                 walk(p, name)
 
     walk(root, "")
@@ -85,40 +101,74 @@ def real_tree(root: Path, documented: set[str]) -> set[str]:
 
 
 def test_the_tree_parser_reads_names_placeholders_and_listed_files():
-    block = ("outputs/\n  runs/<name>-<hash>/             one run\n    .hydra/  pipeline.log         logs\n"
-             "    checkpoints/\n      step-00000768/              weights.safetensors, extra.json\n"
-             "      best -> step-...            symlink\n  a.db  b/                        an index\n")
+    block = (
+        "outputs/\n  runs/<name>-<hash>/             one run\n    .hydra/  pipeline.log         logs\n"
+        "    checkpoints/\n      step-00000768/              weights.safetensors, extra.json\n"
+        "      best -> step-...            symlink\n  a.db  b/                        an index\n"
+    )
     assert documented_tree(block) == {
-        "runs/", "runs/<name>-<hash>/", "runs/<name>-<hash>/.hydra/", "runs/<name>-<hash>/pipeline.log",
-        "runs/<name>-<hash>/checkpoints/", "runs/<name>-<hash>/checkpoints/step-00000768/",
+        "runs/",
+        "runs/<name>-<hash>/",
+        "runs/<name>-<hash>/.hydra/",
+        "runs/<name>-<hash>/pipeline.log",
+        "runs/<name>-<hash>/checkpoints/",
+        "runs/<name>-<hash>/checkpoints/step-00000768/",
         "runs/<name>-<hash>/checkpoints/step-00000768/weights.safetensors",
-        "runs/<name>-<hash>/checkpoints/step-00000768/extra.json", "runs/<name>-<hash>/checkpoints/best",
-        "a.db", "b/"}
-    assert pattern("runs/<name>-<hash>/checkpoints/step-00000768/").fullmatch("runs/k-0a1b/checkpoints/step-00000003/")
+        "runs/<name>-<hash>/checkpoints/step-00000768/extra.json",
+        "runs/<name>-<hash>/checkpoints/best",
+        "a.db",
+        "b/",
+    }
+    assert pattern("runs/<name>-<hash>/checkpoints/step-00000768/").fullmatch(
+        "runs/k-0a1b/checkpoints/step-00000003/"
+    )
     assert not pattern("runs/<name>-<hash>/").fullmatch("runs/k/x/")
 
 
 @pytest.mark.slow
 def test_where_outputs_go_is_the_tree_the_commands_write(tmp_path):
     out = tmp_path / "outputs"
-    tiny = ["model.n_layer=1", "model.n_embd=16", "model.n_head=2", "data.n_sentences=400", "data.block_size=16",
-            "data.val_batch_size=16", "trainer.batch_size=8", "trainer.max_steps=6", "trainer.eval_every=3",
-            "checkpoint=every_n_steps", "checkpoint.every_steps=3", "trainer.progress_bar=false",
-            f"paths.output_dir={out}"]  # tracking=mlflow, the default: the index is in the tree
-    for args, module in [(tiny, "pipeline"), (["-m", *tiny, "optimizer.lr=0.002,0.003"], "pipeline"),
-                         ([*KERNODECK, f"paths.output_dir={out}"], "pipeline.roundtrip"),
-                         ([*KERNODECK, f"paths.output_dir={out}"], "pipeline.verify")]:
+    tiny = [
+        "model.n_layer=1",
+        "model.n_embd=16",
+        "model.n_head=2",
+        "data.n_sentences=400",
+        "data.block_size=16",
+        "data.val_batch_size=16",
+        "trainer.batch_size=8",
+        "trainer.max_steps=6",
+        "trainer.eval_every=3",
+        "checkpoint=every_n_steps",
+        "checkpoint.every_steps=3",
+        "trainer.progress_bar=false",
+        f"paths.output_dir={out}",
+    ]  # tracking=mlflow, the default: the index is in the tree
+    for args, module in [
+        (tiny, "pipeline"),
+        (["-m", *tiny, "optimizer.lr=0.002,0.003"], "pipeline"),
+        ([*KERNODECK, f"paths.output_dir={out}"], "pipeline.roundtrip"),
+        ([*KERNODECK, f"paths.output_dir={out}"], "pipeline.verify"),
+    ]:
         proc = run_pipeline(args, tmp_path / "cwd", module=module)
         assert proc.returncode == 0, (module, proc.stderr)
 
-    documented = documented_tree(readme_block("The tree", (PROJECT_ROOT / "docs" / "outputs.md").read_text()))
+    documented = documented_tree(
+        readme_block("The tree", (PROJECT_ROOT / "docs" / "outputs.md").read_text())
+    )
     real = real_tree(out, documented)
     patterns = {d: pattern(d) for d in documented}
     undocumented = sorted(p for p in real if not any(r.fullmatch(p) for r in patterns.values()))
     assert not undocumented, f"written but not in docs/outputs.md's tree: {undocumented}"
-    conditional = {d for d in documented  # a conditional path, or a directory holding nothing else
-                   if all(any(c.startswith(p) for c in CONDITIONAL) for p in documented if p.startswith(d))}
-    missing = sorted(d for d, r in patterns.items() if d not in conditional and not any(r.fullmatch(p) for p in real))
+    conditional = {
+        d
+        for d in documented  # a conditional path, or a directory holding nothing else
+        if all(any(c.startswith(p) for c in CONDITIONAL) for p in documented if p.startswith(d))
+    }
+    missing = sorted(
+        d
+        for d, r in patterns.items()
+        if d not in conditional and not any(r.fullmatch(p) for p in real)
+    )
     assert not missing, f"in docs/outputs.md's tree but not written: {missing}"
     assert set(CONDITIONAL) <= documented  # what is left out above is in the page
 
@@ -187,26 +237,42 @@ def compositions(args: list[str]) -> list[list[str]]:
 
 def documented_commands() -> list[tuple[str, str, list[str]]]:
     """(page, module, arguments) of every pipeline command on every page, as written."""
-    return [(page.name, *parsed) for page in PAGES for c in commands(page) if (parsed := pipeline_command(c))]
+    return [
+        (page.name, *parsed)
+        for page in PAGES
+        for c in commands(page)
+        if (parsed := pipeline_command(c))
+    ]
 
 
 def test_the_pages_show_commands():
     """The parser finds what the pages show: a change to their format cannot make the checks below vacuous."""
     found = documented_commands()
-    assert len(found) > 60 and {page for page, _, _ in found} >= {p.name for p in PAGES} - {"index.md"}
-    assert ("README.md", "pipeline", ["-m", "experiment=kernodeck", "optimizer.lr=0.01,0.03,0.1"]) in found
-    assert compositions(["-m", "hydra/sweeper=optuna", "optimizer.lr=tag(log,interval(1e-4,1e-2))", "a=1,2"]) == [
-        ["hydra/sweeper=optuna", "a=1"], ["hydra/sweeper=optuna", "a=2"]]
+    assert len(found) > 60 and {page for page, _, _ in found} >= {p.name for p in PAGES} - {
+        "index.md"
+    }
+    assert (
+        "README.md",
+        "pipeline",
+        ["-m", "experiment=kernodeck", "optimizer.lr=0.01,0.03,0.1"],
+    ) in found
+    assert compositions(
+        ["-m", "hydra/sweeper=optuna", "optimizer.lr=tag(log,interval(1e-4,1e-2))", "a=1,2"]
+    ) == [["hydra/sweeper=optuna", "a=1"], ["hydra/sweeper=optuna", "a=2"]]
 
 
 def test_every_page_starts_with_a_runnable_example():
     for page in PAGES[1:]:
         text = page.read_text()
         first = FENCE.search(text)
-        assert first and first.group(1) == "bash", f"{page.name}: its first code block is not a bash example"
+        assert first and first.group(1) == "bash", (
+            f"{page.name}: its first code block is not a bash example"
+        )
         assert text[: first.start()].count("\n") <= 2, f"{page.name}: the example is not at the top"
         example = [c for c in commands(page) if c in first.group(2)]
-        assert example and not any(map(has_placeholder, example)), f"{page.name}: its example has a placeholder"
+        assert example and not any(map(has_placeholder, example)), (
+            f"{page.name}: its example has a placeholder"
+        )
 
 
 def test_every_documented_command_names_a_module_that_runs():
@@ -216,7 +282,9 @@ def test_every_documented_command_names_a_module_that_runs():
         spec = importlib.util.find_spec(module)
         assert spec is not None, f"{page}: python -m {module}: no such module"
         if spec.submodule_search_locations is not None:  # a package runs through its __main__
-            assert importlib.util.find_spec(f"{module}.__main__") is not None, f"{page}: {module} has no __main__"
+            assert importlib.util.find_spec(f"{module}.__main__") is not None, (
+                f"{page}: {module} has no __main__"
+            )
 
 
 def test_every_documented_job_composes_and_validates_as_written(monkeypatch):
@@ -231,31 +299,46 @@ def test_every_documented_job_composes_and_validates_as_written(monkeypatch):
     from pipeline.config.identity import run_name
     from pipeline.config.schemas import validate
 
-    monkeypatch.syspath_prepend(str(PROJECT_ROOT / "examples" / "moons"))  # PYTHONPATH=examples/moons
-    checked: set[tuple[str, ...]] = set()  # each distinct override list once (a composition takes a second)
+    monkeypatch.syspath_prepend(
+        str(PROJECT_ROOT / "examples" / "moons")
+    )  # PYTHONPATH=examples/moons
+    checked: set[tuple[str, ...]] = (
+        set()
+    )  # each distinct override list once (a composition takes a second)
     names: set[str] = set()
     named: dict[str, set[str]] = {}
     for page in PAGES:
         for command in commands(page):
             parsed = pipeline_command(command)
-            if (parsed is None or parsed[0] not in ("pipeline", "pipeline.verify", "pipeline.roundtrip")
-                    or has_placeholder(command) or "--config-dir" in parsed[1]):
+            if (
+                parsed is None
+                or parsed[0] not in ("pipeline", "pipeline.verify", "pipeline.roundtrip")
+                or has_placeholder(command)
+                or "--config-dir" in parsed[1]
+            ):
                 continue
             for overrides in compositions(parsed[1]):
                 if tuple(overrides) in checked:
                     continue
-                cfg = compose(*overrides, return_hydra_config=True)  # the hydra/ groups it names exist
+                cfg = compose(
+                    *overrides, return_hydra_config=True
+                )  # the hydra/ groups it names exist
                 with open_dict(cfg):
                     del cfg["hydra"]  # resolved only inside a launched job (hydra.job.num)
                 config = to_plain(cfg)
                 validate(config)
                 names.add(run_name(config))
                 checked.add(tuple(overrides))
-        named[page.name] = {m for _, body in FENCE.findall(page.read_text())
-                            for m in re.findall(r"runs/(\w+-[0-9a-f]{12})\b", body)}
+        named[page.name] = {
+            m
+            for _, body in FENCE.findall(page.read_text())
+            for m in re.findall(r"runs/(\w+-[0-9a-f]{12})\b", body)
+        }
     assert len(checked) > 25
     for page, runs in named.items():
-        assert runs <= names, f"{page}: names runs no documented command makes: {sorted(runs - names)}"
+        assert runs <= names, (
+            f"{page}: names runs no documented command makes: {sorted(runs - names)}"
+        )
 
 
 # -- .gitignore ---------------------------------------------------------------------------------------
@@ -288,18 +371,35 @@ def test_gitignore_covers_what_the_documented_commands_create(tmp_path):
     for path in CREATED:
         (scratch / path).parent.mkdir(parents=True, exist_ok=True)
         (scratch / path).write_text("")
-    proc = subprocess.run(["git", "-C", str(scratch), "check-ignore", "--no-index", *CREATED],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["git", "-C", str(scratch), "check-ignore", "--no-index", *CREATED],
+        capture_output=True,
+        text=True,
+    )
     ignored = set(proc.stdout.split())
     assert not set(CREATED) - ignored, {p: CREATED[p] for p in set(CREATED) - ignored}
     # and nothing of the project's own: its sources stay visible
-    kept = subprocess.run(["git", "-C", str(scratch), "check-ignore", "--no-index", "pipeline/__init__.py",
-                           "conf/config.yaml", "tests/test_readme.py", ".ci/run", "README.md"],
-                          capture_output=True, text=True)
+    kept = subprocess.run(
+        [
+            "git",
+            "-C",
+            str(scratch),
+            "check-ignore",
+            "--no-index",
+            "pipeline/__init__.py",
+            "conf/config.yaml",
+            "tests/test_readme.py",
+            ".ci/run",
+            "README.md",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert kept.returncode == 1 and kept.stdout == "", kept.stdout
 
 
 # -- .ci/run ------------------------------------------------------------------------------------------
+
 
 def test_ci_runs_the_readmes_test_command_as_written_in_a_fresh_virtualenv():
     two = readme_block("Two commands").splitlines()
@@ -308,15 +408,21 @@ def test_ci_runs_the_readmes_test_command_as_written_in_a_fresh_virtualenv():
     script = (PROJECT_ROOT / ".ci" / "run").read_text().splitlines()
     lines = [line for line in script if line and not line.startswith("#")]
     assert lines[-1] == command  # the last command: its exit code is the script's
-    venv = next(i for i, line in enumerate(lines) if re.fullmatch(r'"\$system_python" -m venv "\$venv_dir"', line))
+    venv = next(
+        i
+        for i, line in enumerate(lines)
+        if re.fullmatch(r'"\$system_python" -m venv "\$venv_dir"', line)
+    )
     activate = lines.index('source "$venv_dir/bin/activate"')
     assert venv < activate < len(lines) - 1
-    assert 'venv_dir=$(mktemp -d /tmp/pipeline-ci-venv.XXXXXX)' in lines
+    assert "venv_dir=$(mktemp -d /tmp/pipeline-ci-venv.XXXXXX)" in lines
     # the cluster's tooling keeps the system interpreter, before and after the virtualenv
     assert not [line for line in lines if "cluster.py" in line and "$system_python" not in line]
 
 
 def test_ci_is_a_valid_bash_script():
     """`bash -n` parses the whole script without running it: a merge's leftover marker fails here, not in CI."""
-    proc = subprocess.run(["bash", "-n", str(PROJECT_ROOT / ".ci" / "run")], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["bash", "-n", str(PROJECT_ROOT / ".ci" / "run")], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr

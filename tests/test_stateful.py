@@ -1,11 +1,22 @@
 """The state protocol (pipeline/stateful.py): one capture, arrays split from JSON and merged back, and a
 two-phase restore that changes nothing unless every part fits."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipeline.stateful import PARTS, StateMismatch, capture, copy_tree, fit_reason, flat, merge, restore, split
+from pipeline.stateful import (
+    PARTS,
+    StateMismatch,
+    capture,
+    copy_tree,
+    fit_reason,
+    flat,
+    merge,
+    restore,
+    split,
+)
 
 
 class Part:
@@ -21,14 +32,25 @@ class Part:
 
 
 def test_split_and_merge_are_inverse():
-    tree = {"model": {"w": np.arange(3.0)}, "optimizer": {"t": 3, "exp_avg": {"w": np.ones(3)}},
-            "progress": {"step": 3, "metrics": {"train/loss": 1.5}}, "rng": {"a": {"state": "123"}}}
+    tree = {
+        "model": {"w": np.arange(3.0)},
+        "optimizer": {"t": 3, "exp_avg": {"w": np.ones(3)}},
+        "progress": {"step": 3, "metrics": {"train/loss": 1.5}},
+        "rng": {"a": {"state": "123"}},
+    }
     arrays, json_tree = split(tree)
     assert set(arrays) == {"model/w", "optimizer/exp_avg/w"}
-    assert json_tree == {"model": {}, "optimizer": {"t": 3, "exp_avg": {}}, "progress": tree["progress"],
-                         "rng": tree["rng"]}
+    assert json_tree == {
+        "model": {},
+        "optimizer": {"t": 3, "exp_avg": {}},
+        "progress": tree["progress"],
+        "rng": tree["rng"],
+    }
     back = merge(arrays, json_tree)
-    assert back["optimizer"]["exp_avg"]["w"] is arrays["optimizer/exp_avg/w"] and back["progress"] == tree["progress"]
+    assert (
+        back["optimizer"]["exp_avg"]["w"] is arrays["optimizer/exp_avg/w"]
+        and back["progress"] == tree["progress"]
+    )
     with pytest.raises(ValueError, match="keys on the way to an array"):
         split({"model": {"a/b": np.zeros(1)}})
     with pytest.raises(ValueError, match="both an array and a JSON value"):
@@ -45,16 +67,19 @@ def test_capture_is_live_and_copy_tree_is_not():
     assert copied["model"]["w"] is not a and np.array_equal(copied["model"]["w"], a)
 
 
-@pytest.mark.parametrize("live, got, words", [
-    ({"w": np.zeros(2)}, {"w": np.zeros(3)}, "float64[3]"),
-    ({"w": np.zeros(2)}, {"w": np.zeros(2, np.float32)}, "float32"),
-    ({"w": np.zeros(2)}, {"w": [0.0, 0.0]}, "expected an array"),
-    ({"a": 1, "b": 2}, {"a": 1}, "lacks ['b']"),
-    ({"a": 1}, {"a": 1, "z": 0}, "unexpected ['z']"),
-    ({"t": 1}, {"t": "1"}, "expected int, got str"),
-    ({"l": [1, 2]}, {"l": [1]}, "a list of 1"),
-    ({"o": {"x": 1}}, {"o": 5}, "expected an object"),
-])
+@pytest.mark.parametrize(
+    "live, got, words",
+    [
+        ({"w": np.zeros(2)}, {"w": np.zeros(3)}, "float64[3]"),
+        ({"w": np.zeros(2)}, {"w": np.zeros(2, np.float32)}, "float32"),
+        ({"w": np.zeros(2)}, {"w": [0.0, 0.0]}, "expected an array"),
+        ({"a": 1, "b": 2}, {"a": 1}, "lacks ['b']"),
+        ({"a": 1}, {"a": 1, "z": 0}, "unexpected ['z']"),
+        ({"t": 1}, {"t": "1"}, "expected int, got str"),
+        ({"l": [1, 2]}, {"l": [1]}, "a list of 1"),
+        ({"o": {"x": 1}}, {"o": 5}, "expected an object"),
+    ],
+)
 def test_fit_reason_names_what_does_not_fit(live, got, words):
     assert words in fit_reason(live, got)
 

@@ -1,4 +1,5 @@
 """One checkpoint directory (layout: docs/checkpoints.md): the only code that opens, creates or renames its files."""
+
 from __future__ import annotations
 
 import errno
@@ -15,7 +16,13 @@ import numpy as np
 
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
-from pipeline.checkpoint.tensors import DigestMismatch, LayoutMisfit, layout, read_tensors, write_tensors
+from pipeline.checkpoint.tensors import (
+    DigestMismatch,
+    LayoutMisfit,
+    layout,
+    read_tensors,
+    write_tensors,
+)
 from pipeline.files import jsonio, killpoint, reading
 from pipeline.files.atomic import (
     fsync_dir,
@@ -28,11 +35,21 @@ from pipeline.files.atomic import (
 )
 from pipeline.stateful import PARTS, SEP, StateMismatch, capture, check, merge, split
 
-WEIGHTS, OPTIM, EXTRA, MANIFEST = "weights.safetensors", "optim.safetensors", "extra.json", "manifest.json"
+WEIGHTS, OPTIM, EXTRA, MANIFEST = (
+    "weights.safetensors",
+    "optim.safetensors",
+    "extra.json",
+    "manifest.json",
+)
 DATA = "data.json"
 REQUIRED = (WEIGHTS, OPTIM, EXTRA, DATA)
-REQUIRED_BY = {"2.0": (WEIGHTS, OPTIM, EXTRA), mf.SCHEMA_VERSION: REQUIRED}  # schema_version -> files it lists
-MAX_JSON = 16 << 20  # bytes of manifest.json, extra.json or data.json: a few KB (a 65,536-token vocabulary, < 1 MB)
+REQUIRED_BY = {
+    "2.0": (WEIGHTS, OPTIM, EXTRA),
+    mf.SCHEMA_VERSION: REQUIRED,
+}  # schema_version -> files it lists
+MAX_JSON = (
+    16 << 20
+)  # bytes of manifest.json, extra.json or data.json: a few KB (a 65,536-token vocabulary, < 1 MB)
 # data.json's strings, bounded so that decoding a sample costs what its tokens say: a corpus's tokens are
 # characters or lexicon words, its decode_join '' or ' ', its specials a role or two (eos).
 MAX_TOKEN, MAX_JOIN, MAX_SPECIALS = 256, 16, 16
@@ -48,6 +65,8 @@ def step_number(name: str) -> int:
     if (m := STEP_DIR.match(name)) is None:
         raise ValueError(f"{name!r} is not a step directory's name")
     return int(m.group(1))
+
+
 STORE = "checkpoints"  # what a run's store of checkpoints is called (pipeline/run/directory.py puts it in the run)
 MAX_HOPS = 8  # links followed from a path to its checkpoint directory
 LINKED = "is a symlink; a checkpoint's files must be regular files inside it"
@@ -63,7 +82,9 @@ class Checkpoint:
     directory: Path
     manifest: dict
     state: dict  # {part: state_dict}: arrays (tied names one object) and JSON values
-    data: dict | None = None  # data.json, verified (None: a schema 2.0 checkpoint, written without it)
+    data: dict | None = (
+        None  # data.json, verified (None: a schema 2.0 checkpoint, written without it)
+    )
 
     @property
     def step(self) -> int:
@@ -99,7 +120,9 @@ def file_hashes(manifest: dict) -> dict[str, str | None]:
     """{"weights", "optim", "extra", "data": sha256} of the files a manifest (verified or as written) lists readably."""
     files = manifest["files"] if isinstance(manifest.get("files"), dict) else {}
     roles = {WEIGHTS: "weights", OPTIM: "optim", EXTRA: "extra", DATA: "data"}
-    return {roles[n]: e.get("sha256") for n, e in files.items() if n in roles and isinstance(e, dict)}
+    return {
+        roles[n]: e.get("sha256") for n, e in files.items() if n in roles and isinstance(e, dict)
+    }
 
 
 def _os_reason(e: BaseException) -> str:
@@ -118,17 +141,26 @@ def _data_problem(data, spec: dict) -> str | None:
         if size or join is not None or specials != {}:
             return f"has no vocabulary, but the manifest's data_spec says vocab_size {size!r:.20}"
         return None
-    if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)) or len(set(vocab)) != len(vocab):
+    if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)) or len(
+        set(vocab)
+    ) != len(vocab):
         return "vocab must be a list of distinct tokens"
     if len(vocab) != size:
         return f"vocab holds {len(vocab)} tokens, but the manifest's data_spec says vocab_size {size!r:.20}"
     if longest := max((t for t in vocab if len(t) > MAX_TOKEN), key=len, default=None):
         return f"a token of {len(longest)} characters: tokens are at most {MAX_TOKEN}"
     if not isinstance(join, str) or len(join) > MAX_JOIN:
-        return f"decode_join must be a string of at most {MAX_JOIN} characters (a text's is '' or ' ')"
-    if not (isinstance(specials, dict) and len(specials) <= MAX_SPECIALS
-            and all(isinstance(r, str) and len(r) <= MAX_TOKEN and isinstance(t, str) and t in vocab
-                    for r, t in specials.items())):
+        return (
+            f"decode_join must be a string of at most {MAX_JOIN} characters (a text's is '' or ' ')"
+        )
+    if not (
+        isinstance(specials, dict)
+        and len(specials) <= MAX_SPECIALS
+        and all(
+            isinstance(r, str) and len(r) <= MAX_TOKEN and isinstance(t, str) and t in vocab
+            for r, t in specials.items()
+        )
+    ):
         return f"specials must map at most {MAX_SPECIALS} roles to tokens of vocab"
     return None
 
@@ -147,7 +179,9 @@ def _listed_json(directory: Path, name: str, listed: dict):
         raise CheckpointError(directory, name, str(e)) from None
 
 
-def _read_tensor_file(directory: Path, name: str, entry: dict, expect: dict | None) -> dict[str, np.ndarray]:
+def _read_tensor_file(
+    directory: Path, name: str, entry: dict, expect: dict | None
+) -> dict[str, np.ndarray]:
     try:
         arrays, _ = read_tensors(directory / name, expected_sha256=entry["sha256"], expect=expect)
     except DigestMismatch:
@@ -164,8 +198,10 @@ _ABSENT = object()
 
 def _at(tree, keys: tuple):
     for k in keys:
-        if not ((isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree))
-                or (isinstance(k, str) and isinstance(tree, dict) and k in tree)):
+        if not (
+            (isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree))
+            or (isinstance(k, str) and isinstance(tree, dict) and k in tree)
+        ):
             return _ABSENT
         tree = tree[k]  # type: ignore[index]  # checked just above: an int for a list, a str for a dict
     return tree
@@ -194,20 +230,29 @@ def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[st
     one) disagree: the odd one out is the file that lies."""
     m = STEP_DIR.match(directory.name)
     named = int(m.group(1)) if m else None
-    if type(saved_step) is int and saved_step == manifest_step:  # JSON true == 1 and 10.0 == 10 in Python
+    if (
+        type(saved_step) is int and saved_step == manifest_step
+    ):  # JSON true == 1 and 10.0 == 10 in Python
         if named is None or named == manifest_step:
             return None
-        return "", (f"its name says step {named}, but manifest.json and extra.json say step {manifest_step} "
-                    "(renamed or copied in from another step)")
+        return "", (
+            f"its name says step {named}, but manifest.json and extra.json say step {manifest_step} "
+            "(renamed or copied in from another step)"
+        )
     if named == manifest_step:
-        return EXTRA, (f"progress.step {saved_step!r:.40} differs from step {manifest_step} of manifest.json and "
-                       "the directory's name")
+        return EXTRA, (
+            f"progress.step {saved_step!r:.40} differs from step {manifest_step} of manifest.json and "
+            "the directory's name"
+        )
     if named is not None and named == saved_step:
-        return MANIFEST, (f"step {manifest_step} differs from progress.step {saved_step} of extra.json and the "
-                          "directory's name")
+        return MANIFEST, (
+            f"step {manifest_step} differs from progress.step {saved_step} of extra.json and the "
+            "directory's name"
+        )
     neither = "" if named is None else f" (and the directory's name says {named})"
-    return f"{MANIFEST} and {EXTRA}", (f"the manifest's step {manifest_step} and progress.step {saved_step!r:.40} "
-                                       f"differ{neither}")
+    return f"{MANIFEST} and {EXTRA}", (
+        f"the manifest's step {manifest_step} and progress.step {saved_step!r:.40} differ{neither}"
+    )
 
 
 def _read_extra(directory: Path, listed: dict) -> dict:
@@ -215,8 +260,12 @@ def _read_extra(directory: Path, listed: dict) -> dict:
     if not isinstance(extra, dict):
         raise CheckpointError(directory, EXTRA, "not a JSON object")
     if stranger := next((k for k in extra if k not in NOT_MODEL), None):
-        raise CheckpointError(directory, EXTRA, f"key {stranger!r:.80} is the state of no part it holds "
-                                                f"(those of {', '.join(NOT_MODEL)})")
+        raise CheckpointError(
+            directory,
+            EXTRA,
+            f"key {stranger!r:.80} is the state of no part it holds "
+            f"(those of {', '.join(NOT_MODEL)})",
+        )
     return extra
 
 
@@ -247,18 +296,28 @@ class CheckpointDir:
         store must not be a link; a link elsewhere (`ln -s RUN/checkpoints/best mine`) is followed, as its
         target could be typed instead."""
         given = self.path
-        path = given if given.is_absolute() else Path.cwd() / given  # `best`, typed inside the store, is a run's link
+        path = (
+            given if given.is_absolute() else Path.cwd() / given
+        )  # `best`, typed inside the store, is a run's link
         for hop in range(MAX_HOPS):
             if path.parent.name == STORE and os.path.islink(path.parent):
-                raise CheckpointError(given, "", f"{path.parent} is a symlink to {_shown(os.readlink(path.parent))}; "
-                                                 f"a run's {STORE}/ must be a directory inside it")
+                raise CheckpointError(
+                    given,
+                    "",
+                    f"{path.parent} is a symlink to {_shown(os.readlink(path.parent))}; "
+                    f"a run's {STORE}/ must be a directory inside it",
+                )
             if not os.path.islink(path):
                 return path if hop else given
             target = os.readlink(path)
             if path.parent.name == STORE and (problem := link_problem(path.name, target)):
                 where = f" (reached through {given})" if hop else ""
-                raise CheckpointError(path, "", f"is a symlink to {_shown(target)}{where}, out of its run's {STORE}/: "
-                                                f"{problem}; remove it")
+                raise CheckpointError(
+                    path,
+                    "",
+                    f"is a symlink to {_shown(target)}{where}, out of its run's {STORE}/: "
+                    f"{problem}; remove it",
+                )
             path = path.parent / target
         raise CheckpointError(given, "", f"more than {MAX_HOPS} symlinks to follow")
 
@@ -282,15 +341,21 @@ class CheckpointDir:
             killpoint.point("save", "after weights")
             killpoint.point("save", "after optim")
             files[EXTRA] = write_new(tmp / EXTRA, jsonio.dumps(extra, indent=None))
-            files[DATA] = write_new(tmp / DATA, jsonio.dumps(data, indent=None))  # sorted keys: same bytes each save
+            files[DATA] = write_new(
+                tmp / DATA, jsonio.dumps(data, indent=None)
+            )  # sorted keys: same bytes each save
             manifest = {**fields, "files": files}
             killpoint.point("save", "before manifest")
-            write_new(tmp / MANIFEST, jsonio.dumps(manifest))  # last: a directory with a manifest is complete
+            write_new(
+                tmp / MANIFEST, jsonio.dumps(manifest)
+            )  # last: a directory with a manifest is complete
             killpoint.point("save", "before rename")
             publish_dir(tmp, directory, replace=replace)
             killpoint.point("save", "after rename")
         except BaseException as e:
-            remove_tree(tmp)  # a signal or an error mid-save: the half-made temporary goes now or at the next save
+            remove_tree(
+                tmp
+            )  # a signal or an error mid-save: the half-made temporary goes now or at the next save
             if isinstance(e, OSError) and str(e.filename or "").startswith(str(tmp)):
                 e.filename = str(directory)  # the checkpoint being saved, not its temporary
             raise
@@ -338,10 +403,18 @@ class CheckpointDir:
         copied = {}
         for name in [*sorted(listed), MANIFEST]:
             entry = listed.get(name)
-            copied[name] = reading.copy_new(directory / name, dest / name, entry["size"] if entry else MAX_JSON)
-            if entry is not None and (copied[name]["size"], copied[name]["sha256"]) != (entry["size"], entry["sha256"]):
-                raise CheckpointError(directory, name, "its bytes differ from manifest.json (changed or damaged "
-                                                       "while being copied)")
+            copied[name] = reading.copy_new(
+                directory / name, dest / name, entry["size"] if entry else MAX_JSON
+            )
+            if entry is not None and (copied[name]["size"], copied[name]["sha256"]) != (
+                entry["size"],
+                entry["sha256"],
+            ):
+                raise CheckpointError(
+                    directory,
+                    name,
+                    "its bytes differ from manifest.json (changed or damaged while being copied)",
+                )
         fsync_dir(dest)
         return copied
 
@@ -376,19 +449,33 @@ class CheckpointDir:
         listed = manifest["files"]
         for name, entry in listed.items():
             if name in ("", ".", "..", MANIFEST) or "/" in name or "\\" in name or "\0" in name:
-                raise CheckpointError(directory, MANIFEST, f"lists an invalid file name {name!r:.80}")
-            if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
-                    and isinstance(entry.get("sha256"), str) and mf.SHA256.match(entry["sha256"])):
-                raise CheckpointError(directory, MANIFEST,
-                                      f"entry for {name} needs an integer size and a sha256 hex digest")
+                raise CheckpointError(
+                    directory, MANIFEST, f"lists an invalid file name {name!r:.80}"
+                )
+            if not (
+                isinstance(entry, dict)
+                and type(entry.get("size")) is int
+                and entry["size"] >= 0
+                and isinstance(entry.get("sha256"), str)
+                and mf.SHA256.match(entry["sha256"])
+            ):
+                raise CheckpointError(
+                    directory,
+                    MANIFEST,
+                    f"entry for {name} needs an integer size and a sha256 hex digest",
+                )
         for name in REQUIRED_BY[manifest["schema_version"]]:
             if name not in listed:
                 raise CheckpointError(directory, MANIFEST, f"does not list {name}")
         present = {}
-        with os.scandir(directory) as it:  # the first stranger ends the scan: a million planted files cost nothing
+        with os.scandir(
+            directory
+        ) as it:  # the first stranger ends the scan: a million planted files cost nothing
             for e in it:
                 if e.name != MANIFEST and e.name not in listed:
-                    raise CheckpointError(directory, f"{e.name:.100}", "present but not listed in manifest.json")
+                    raise CheckpointError(
+                        directory, f"{e.name:.100}", "present but not listed in manifest.json"
+                    )
                 present[e.name] = e
         for name, entry in sorted(listed.items()):
             if name not in present:
@@ -397,9 +484,13 @@ class CheckpointDir:
             if stat.S_ISLNK(st.st_mode):
                 raise CheckpointError(directory, name, LINKED)
             if not stat.S_ISREG(st.st_mode):
-                raise CheckpointError(directory, name, f"is {reading.kind_of(st)}, not a regular file")
+                raise CheckpointError(
+                    directory, name, f"is {reading.kind_of(st)}, not a regular file"
+                )
             if st.st_size != entry["size"]:
-                raise CheckpointError(directory, name, f"size {st.st_size} bytes, manifest says {entry['size']}")
+                raise CheckpointError(
+                    directory, name, f"size {st.st_size} bytes, manifest says {entry['size']}"
+                )
         if expected is not None and manifest != expected:
             raise CheckpointError(directory, MANIFEST, "changed while it was read")
         return directory, manifest, listed
@@ -412,18 +503,30 @@ class CheckpointDir:
         extra = _read_extra(directory, listed)
         data = _read_data(directory, manifest, listed)
         live = capture(parts) if parts is not None else None
-        weights_layout, optim_layout = (None, None) if live is None else [layout(t) for t in _by_file(live)[:2]]
-        with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:  # side by side, as in write()
-            weights_read = pool.submit(_read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], weights_layout)
+        weights_layout, optim_layout = (
+            (None, None) if live is None else [layout(t) for t in _by_file(live)[:2]]
+        )
+        with ThreadPoolExecutor(
+            1, thread_name_prefix="load-weights"
+        ) as pool:  # side by side, as in write()
+            weights_read = pool.submit(
+                _read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], weights_layout
+            )
             try:
                 other = _read_tensor_file(directory, OPTIM, listed[OPTIM], optim_layout)
             finally:
-                weights = weights_read.result()  # weights.safetensors' own error first, as the files are listed
+                weights = (
+                    weights_read.result()
+                )  # weights.safetensors' own error first, as the files are listed
         for path in other:
             part, sep, _ = path.partition(SEP)
             if part not in NOT_MODEL or not sep:
-                raise CheckpointError(directory, OPTIM, f"tensor {path!r:.80} is the state of no part it holds "
-                                                        f"(those of {', '.join(NOT_MODEL)})")
+                raise CheckpointError(
+                    directory,
+                    OPTIM,
+                    f"tensor {path!r:.80} is the state of no part it holds "
+                    f"(those of {', '.join(NOT_MODEL)})",
+                )
         try:
             tree = merge(other, extra)
         except ValueError as e:
@@ -440,8 +543,11 @@ class CheckpointDir:
             try:
                 check(parts, tree)
             except StateMismatch as e:
-                raise MisfitError(directory, files_of(e, tree, live), f"{e.part} does not fit the live run: "
-                                                                        f"{e.reason}") from None
+                raise MisfitError(
+                    directory,
+                    files_of(e, tree, live),
+                    f"{e.part} does not fit the live run: {e.reason}",
+                ) from None
         return Checkpoint(self.path, manifest, tree, data)
 
     def verify(self, parts: Mapping | None = None) -> dict:

@@ -1,4 +1,5 @@
 """The one error a reader of a checkpoint or of a run's files sees: directory, file and reason in one line."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """manifest.json: the truth about a checkpoint and its run (fields: docs/checkpoints.md), built and checked here."""
+
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +16,13 @@ from pipeline.config.identity import Identity, config_hash, semantic_hash
 from pipeline.files import jsonio
 
 SCHEMA_VERSION = "2.1"
-READABLE = ("2.0", SCHEMA_VERSION)  # 2.0: no data.json (the tools build its data to find its vocabulary)
-DATA_FACTS = "data_facts"  # the run facts' entry the store writes as data.json, not into manifest.json
+READABLE = (
+    "2.0",
+    SCHEMA_VERSION,
+)  # 2.0: no data.json (the tools build its data to find its vocabulary)
+DATA_FACTS = (
+    "data_facts"  # the run facts' entry the store writes as data.json, not into manifest.json
+)
 PACKAGES = ("pipeline", "numpy", "safetensors", "hydra-core", "omegaconf", "mlflow")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -34,11 +40,17 @@ def git_info(root: str = str(PROJECT_ROOT)) -> dict:
         # virtualenv inside a project) is not this code's; `versions` names the pipeline release instead.
         return unknown
     try:
-        sha = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        sha = subprocess.run(
+            ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30
+        )
         if sha.returncode != 0:
             return unknown
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return {"git_sha": sha.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.SubprocessError):
         return unknown
@@ -63,16 +75,27 @@ def code_change(manifest: dict, facts: dict | None = None) -> str | None:
     """How the code a checkpoint was written by differs from `facts`' (this process's by default): None if the
     same, or if it cannot be told."""
     facts = facts if facts is not None else {**git_info(), "code_sha256": code_sha256()}
+
     def name(f: dict) -> str:
         dirty = " with uncommitted changes" if f.get("git_dirty") else ""
-        code = f" (code sha256 {f['code_sha256'][:12]})" if isinstance(f.get("code_sha256"), str) else ""
+        code = (
+            f" (code sha256 {f['code_sha256'][:12]})"
+            if isinstance(f.get("code_sha256"), str)
+            else ""
+        )
         return f"commit {str(f.get('git_sha'))[:12]}{dirty}{code}"
+
     if isinstance(manifest.get("code_sha256"), str) and isinstance(facts.get("code_sha256"), str):
         same = manifest["code_sha256"] == facts["code_sha256"]
-    elif "unknown" in (manifest.get("git_sha"), facts.get("git_sha")) or not manifest.get("git_sha"):
+    elif "unknown" in (manifest.get("git_sha"), facts.get("git_sha")) or not manifest.get(
+        "git_sha"
+    ):
         return None
     else:  # a checkpoint from before code_sha256: two edits of one commit cannot be told apart
-        same = (manifest.get("git_sha"), manifest.get("git_dirty")) == (facts.get("git_sha"), facts.get("git_dirty"))
+        same = (manifest.get("git_sha"), manifest.get("git_dirty")) == (
+            facts.get("git_sha"),
+            facts.get("git_dirty"),
+        )
     return None if same else f"{name(manifest)}, now {name(facts)}"
 
 
@@ -94,30 +117,71 @@ def hardware() -> dict:
     cpu: str | None = None
     ram_gb: float | None = None
     with contextlib.suppress(OSError):
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), None)
+        cpu = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            None,
+        )
     with contextlib.suppress(OSError, IndexError, ValueError):
-        ram_gb = round(int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) / 2**20, 1)  # kB
-    blas = [{"library": i.get("internal_api"), "version": i.get("version"), "threads": i.get("num_threads")}
-            for i in threadpool_info() if i.get("user_api") == "blas"]
-    return {"cpu": (platform.processor() or "unknown") if cpu is None else cpu, "cores": os.cpu_count(),
-            "ram_gb": ram_gb, "machine": platform.machine(), "blas": blas}
+        ram_gb = round(
+            int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) / 2**20, 1
+        )  # kB
+    blas = [
+        {
+            "library": i.get("internal_api"),
+            "version": i.get("version"),
+            "threads": i.get("num_threads"),
+        }
+        for i in threadpool_info()
+        if i.get("user_api") == "blas"
+    ]
+    return {
+        "cpu": (platform.processor() or "unknown") if cpu is None else cpu,
+        "cores": os.cpu_count(),
+        "ram_gb": ram_gb,
+        "machine": platform.machine(),
+        "blas": blas,
+    }
 
 
-def run_facts(config: dict, identity: Identity, data_manifest_hash: str, data_spec: dict, data_facts: dict) -> dict:
+def run_facts(
+    config: dict, identity: Identity, data_manifest_hash: str, data_spec: dict, data_facts: dict
+) -> dict:
     """The fields every checkpoint of a run carries, computed once (`identity`: the config's); `data_facts` become
     each one's data.json."""
-    return {DATA_FACTS: data_facts, **git_info(), "code_sha256": code_sha256(), "config": config,
-            "config_hash": identity.config_hash,
-            "semantic_config_hash": identity.semantic_hash, "sources": dict(identity.sources),
-            "data_manifest_hash": data_manifest_hash, "data_spec": dict(data_spec), "seed": config["trainer"]["seed"],
-            "versions": versions(), "hardware": hardware(), "mlflow_run_uri": None}
+    return {
+        DATA_FACTS: data_facts,
+        **git_info(),
+        "code_sha256": code_sha256(),
+        "config": config,
+        "config_hash": identity.config_hash,
+        "semantic_config_hash": identity.semantic_hash,
+        "sources": dict(identity.sources),
+        "data_manifest_hash": data_manifest_hash,
+        "data_spec": dict(data_spec),
+        "seed": config["trainer"]["seed"],
+        "versions": versions(),
+        "hardware": hardware(),
+        "mlflow_run_uri": None,
+    }
 
 
-def build(facts: dict, *, step: int, epoch: int, metrics: dict, tags: list[str], lineage: dict) -> dict:
+def build(
+    facts: dict, *, step: int, epoch: int, metrics: dict, tags: list[str], lineage: dict
+) -> dict:
     """Every field but `files`, which the store adds once the files are written."""
-    return {**facts, "schema_version": SCHEMA_VERSION, "step": int(step), "epoch": int(epoch),
-            "metrics": dict(metrics), "tags": sorted(tags), "lineage": lineage}
+    return {
+        **facts,
+        "schema_version": SCHEMA_VERSION,
+        "step": int(step),
+        "epoch": int(epoch),
+        "metrics": dict(metrics),
+        "tags": sorted(tags),
+        "lineage": lineage,
+    }
 
 
 def _require(m: dict, key: str, kinds, what: str):
@@ -133,9 +197,11 @@ def check(m) -> dict:
         raise ManifestError("not a JSON object")
     version = m.get("schema_version")
     if version not in READABLE:
-        raise ManifestError(f"schema_version {version!r}: this pipeline reads schema_version "
-                            f"{' and '.join(map(repr, READABLE))} only "
-                            "(a checkpoint of another version of the pipeline)")
+        raise ManifestError(
+            f"schema_version {version!r}: this pipeline reads schema_version "
+            f"{' and '.join(map(repr, READABLE))} only "
+            "(a checkpoint of another version of the pipeline)"
+        )
     step = _require(m, "step", int, "a non-negative integer")
     if step < 0 or _require(m, "epoch", int, "a non-negative integer") < 0:
         raise ManifestError("'step' and 'epoch' must be non-negative")
@@ -155,15 +221,23 @@ def check(m) -> dict:
     if not all(isinstance(v, str) and SHA256.match(v) for v in sources.values()):
         raise ManifestError("'sources' must map config keys to sha256 hex digests")
     if _require(m, "config_hash", str, "a sha256 hex digest") != config_hash(config):
-        raise ManifestError("'config_hash' is not the sha256 of 'config' (the config was edited after saving)")
-    if _require(m, "semantic_config_hash", str, "a sha256 hex digest") != semantic_hash(config, sources):
-        raise ManifestError("'semantic_config_hash' does not match 'config' (the config was edited after saving)")
+        raise ManifestError(
+            "'config_hash' is not the sha256 of 'config' (the config was edited after saving)"
+        )
+    if _require(m, "semantic_config_hash", str, "a sha256 hex digest") != semantic_hash(
+        config, sources
+    ):
+        raise ManifestError(
+            "'semantic_config_hash' does not match 'config' (the config was edited after saving)"
+        )
     _require(m, "data_manifest_hash", str, "a string")
     _require(m, "data_spec", dict, "an object")
     if m.get("mlflow_run_uri") is not None:
         _require(m, "mlflow_run_uri", str, "a string or null")
     trainer = config.get("trainer") if isinstance(config.get("trainer"), dict) else {}
     if m.get("seed") != trainer.get("seed"):
-        raise ManifestError(f"'seed' {m.get('seed')!r} differs from config trainer.seed {trainer.get('seed')!r}")
+        raise ManifestError(
+            f"'seed' {m.get('seed')!r} differs from config trainer.seed {trainer.get('seed')!r}"
+        )
     _require(m, "files", dict, "an object")
     return m

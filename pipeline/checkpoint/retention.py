@@ -1,4 +1,5 @@
 """Which checkpoints survive: pure policies over records (step, metrics, tags: a manifest's), composed with AnyOf."""
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,9 @@ def is_better(value, best, mode: str, min_delta: float = 0.0) -> bool:
 
 def check_best(best, step, mode: str) -> None:
     """A saved (best, best_step) pair: both None, or a finite number and the step (>= 0) it was reached at."""
-    if (best is None) != (step is None) or (step is not None and (type(step) is not int or step < 0)):
+    if (best is None) != (step is None) or (
+        step is not None and (type(step) is not int or step < 0)
+    ):
         raise ValueError(f"best {best!r} at step {step!r} is not a best value and its step")
     if best is not None and not is_better(best, None, mode):
         raise ValueError(f"best {best!r} is not a finite number")
@@ -40,12 +43,13 @@ def check_best(best, step, mode: str) -> None:
 @dataclass(frozen=True)
 class LatestN:
     """The newest n records (among those tagged `tag`, if given)."""
+
     n: int
     tag: str | None = None
 
     def keep(self, records: Sequence[Record]) -> set[int]:
         steps = sorted(r.step for r in records if self.tag is None or self.tag in r.tags)
-        return set(steps[-self.n:]) if self.n > 0 else set()
+        return set(steps[-self.n :]) if self.n > 0 else set()
 
 
 def rank(mode: str):
@@ -55,7 +59,9 @@ def rank(mode: str):
     return lambda value_step: (sign * value_step[0], value_step[1])
 
 
-def admit(top: Sequence[tuple[float, int]], value, step: int, n: int, mode: str) -> list[tuple[float, int]] | None:
+def admit(
+    top: Sequence[tuple[float, int]], value, step: int, n: int, mode: str
+) -> list[tuple[float, int]] | None:
     """The n best (value, step) once this evaluation is counted, best first, if it is among them; else None.
     `top`: the n best so far, best first (steps before `step`). NaN and infinities never enter."""
     if not is_better(value, None, mode):
@@ -70,20 +76,27 @@ class BestN:
     """The n records with the best finite `monitor` (mode min or max) after step `since` (where this best
     history began: 0, or the resume that changed its monitor or mode), in `rank` order: ties keep the earlier
     step."""
+
     monitor: str
     mode: str = "min"
     n: int = 1
     since: int = 0
 
     def keep(self, records: Sequence[Record]) -> set[int]:
-        scored = [(r.metrics[self.monitor], r.step) for r in records if r.step > self.since
-                  and isinstance(r.metrics.get(self.monitor), (int, float)) and math.isfinite(r.metrics[self.monitor])]
+        scored = [
+            (r.metrics[self.monitor], r.step)
+            for r in records
+            if r.step > self.since
+            and isinstance(r.metrics.get(self.monitor), (int, float))
+            and math.isfinite(r.metrics[self.monitor])
+        ]
         return {step for _, step in sorted(scored, key=rank(self.mode))[: self.n]}
 
 
 @dataclass(frozen=True)
 class Steps:
     """Exactly these steps (a pin)."""
+
     steps: frozenset
 
     def keep(self, records: Sequence[Record]) -> set[int]:
@@ -93,6 +106,7 @@ class Steps:
 @dataclass(frozen=True)
 class AnyOf:
     """Keep what any of the policies keeps."""
+
     policies: tuple
 
     def keep(self, records: Sequence[Record]) -> set[int]:
@@ -103,12 +117,15 @@ class AnyOf:
 class Named:
     """Second names for the steps `policy` keeps (links beside step-*), each made by `name(record)` (None: the
     record has its step directory's name only)."""
+
     policy: Policy
     name: Callable[[Record], str | None]
 
     def links(self, records: Sequence[Record]) -> dict[str, int]:
         kept = self.policy.keep(records)
-        return {name: r.step for r in records if r.step in kept and (name := self.name(r)) is not None}
+        return {
+            name: r.step for r in records if r.step in kept and (name := self.name(r)) is not None
+        }
 
     def owns(self, name: str, record: Record) -> bool:
         """Whether `name` is the one this naming gives `record` (a link it retires when the policy lets go)."""

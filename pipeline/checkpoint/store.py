@@ -1,4 +1,5 @@
 """A run's store of checkpoints (layout: docs/checkpoints.md): its step directories and links, saving, retention."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,12 +23,21 @@ from pipeline.checkpoint.directory import (
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
 from pipeline.checkpoint.retention import AnyOf, Named, Policy, Record, Steps, select_one
 from pipeline.files import jsonio, killpoint
-from pipeline.files.atomic import TMP_PREFIX, UnsafePathError, discard_dir, ensure_dirs, fsync_dir, replace_link
+from pipeline.files.atomic import (
+    TMP_PREFIX,
+    UnsafePathError,
+    discard_dir,
+    ensure_dirs,
+    fsync_dir,
+    replace_link,
+)
 
 
 def _record(manifest: dict) -> Record:
     metrics = {k: jsonio.number(v) for k, v in manifest["metrics"].items()}
-    return Record(int(manifest["step"]), metrics, frozenset(manifest["tags"]), manifest["lineage"]["id"])
+    return Record(
+        int(manifest["step"]), metrics, frozenset(manifest["tags"]), manifest["lineage"]["id"]
+    )
 
 
 class CheckpointStore:
@@ -46,8 +56,9 @@ class CheckpointStore:
             return [], {}
         st = os.lstat(self.root)
         if not stat.S_ISDIR(st.st_mode):
-            raise UnsafePathError(errno.ELOOP, f"{self.root} is not a directory (a symlink or a file); "
-                                               "remove it")
+            raise UnsafePathError(
+                errno.ELOOP, f"{self.root} is not a directory (a symlink or a file); remove it"
+            )
         steps, links = [], {}
         with os.scandir(self.root) as it:
             for e in it:
@@ -57,14 +68,19 @@ class CheckpointStore:
                 if e.is_symlink():
                     target = os.readlink(e.path)
                     if problem := link_problem(e.name, target):
-                        raise UnsafePathError(errno.ELOOP, f"{e.path} is a symlink to {_shown(target)}: {problem}; "
-                                                           "remove it")
+                        raise UnsafePathError(
+                            errno.ELOOP,
+                            f"{e.path} is a symlink to {_shown(target)}: {problem}; remove it",
+                        )
                     links[e.name] = target
                 elif m and e.is_dir(follow_symlinks=False):
                     steps.append((int(m.group(1)), Path(e.path)))
                 else:
-                    raise UnsafePathError(errno.EEXIST, f"{e.path} is not a checkpoint step directory; "
-                                                        f"{STORE}/ holds step directories and links only: remove it")
+                    raise UnsafePathError(
+                        errno.EEXIST,
+                        f"{e.path} is not a checkpoint step directory; "
+                        f"{STORE}/ holds step directories and links only: remove it",
+                    )
         return sorted(steps), links
 
     def steps(self) -> list[tuple[int, Path]]:
@@ -82,7 +98,9 @@ class CheckpointStore:
                     self._records[step] = _record(CheckpointDir(directory).manifest())
         return self._records
 
-    def newest_valid(self, parts: Mapping | None = None) -> tuple[Checkpoint | None, list[tuple[Path, str, str]]]:
+    def newest_valid(
+        self, parts: Mapping | None = None
+    ) -> tuple[Checkpoint | None, list[tuple[Path, str, str]]]:
         """The newest checkpoint that verifies (and fits `parts`), and (directory, what it is, the error) for each
         newer one skipped: damaged, or verified but made by a config whose state does not fit the live run."""
         skipped: list[tuple[Path, str, str]] = []
@@ -90,7 +108,9 @@ class CheckpointStore:
             try:
                 return CheckpointDir(directory).load(parts), skipped
             except MisfitError as e:
-                skipped.append((directory, "a checkpoint that verifies but does not fit this config", str(e)))
+                skipped.append(
+                    (directory, "a checkpoint that verifies but does not fit this config", str(e))
+                )
             except CheckpointError as e:
                 skipped.append((directory, "a damaged checkpoint", str(e)))
         return None, skipped
@@ -112,8 +132,14 @@ class CheckpointStore:
         self._recorded()[step] = _record(manifest)
         return Checkpoint(directory, manifest, tree, fields[mf.DATA_FACTS])
 
-    def retain(self, policy: Policy, links: dict[str, Policy], upto: int, lineage: str,
-               named: tuple[Named, ...] = ()) -> None:
+    def retain(
+        self,
+        policy: Policy,
+        links: dict[str, Policy],
+        upto: int,
+        lineage: str,
+        named: tuple[Named, ...] = (),
+    ) -> None:
         """Point each link at what its policy selects, then delete the step directories no policy keeps.
 
         Only checkpoints of the history being run (`lineage`, up to the current step `upto`) are ever linked or
@@ -121,13 +147,31 @@ class CheckpointStore:
         no stage declares any more (a stage removed by override) keeps its target. `named`: second names of
         kept steps; a name one of them gave a step it no longer keeps goes before that step may."""
         present_steps, present_links = self.scan()  # once: linking changes no step directory
-        records = [r for _, r in sorted(self._recorded().items()) if r.step <= upto and r.lineage == lineage]
+        records = [
+            r
+            for _, r in sorted(self._recorded().items())
+            if r.step <= upto and r.lineage == lineage
+        ]
         by_step = {r.step: r for r in records}
-        wanted = {name: step for n in named for name, step in n.links(records).items() if name not in links}
-        retired = {name for name, t in present_links.items() if name not in links and name not in wanted
-                   and (r := by_step.get(step_number(t))) and any(n.owns(name, r) for n in named)}
-        orphan_targets = {step_number(t) for name, t in present_links.items()
-                          if name not in links and name not in retired}
+        wanted = {
+            name: step
+            for n in named
+            for name, step in n.links(records).items()
+            if name not in links
+        }
+        retired = {
+            name
+            for name, t in present_links.items()
+            if name not in links
+            and name not in wanted
+            and (r := by_step.get(step_number(t)))
+            and any(n.owns(name, r) for n in named)
+        }
+        orphan_targets = {
+            step_number(t)
+            for name, t in present_links.items()
+            if name not in links and name not in retired
+        }
         keep = AnyOf((policy, Steps(frozenset(orphan_targets)), *links.values())).keep(records)
         for name, link_policy in links.items():
             target = select_one(link_policy, records)

@@ -5,6 +5,7 @@ the very bytes written or read, on a helper thread (sha256 is slower than this d
 a loaded array is read straight into its own buffer (1x memory); arrays go out C-contiguous little-endian (the
 library writes non-contiguous ones wrong, silently), 0-d shapes kept. Tied arrays are stored once: ALIAS(name).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -50,7 +51,9 @@ class _Hasher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
 
     def update(self, buf) -> None:
-        self._pending.append(self._pool.submit(self._h.update, buf))  # hashlib releases the GIL on big buffers
+        self._pending.append(
+            self._pool.submit(self._h.update, buf)
+        )  # hashlib releases the GIL on big buffers
         while self._pending and self._pending[0].done():
             self._pending.popleft().result()  # surfaces errors early, keeps the queue short
 
@@ -68,7 +71,9 @@ class _Hasher:
 
 def _c_bytes(a: np.ndarray) -> np.ndarray:
     """`a` as C-contiguous little-endian, copied only when it is not already (0-d stays 0-d)."""
-    if a.dtype != (little := a.dtype.newbyteorder("<")):  # big-endian, or native on a big-endian machine
+    if a.dtype != (
+        little := a.dtype.newbyteorder("<")
+    ):  # big-endian, or native on a big-endian machine
         a = a.astype(little)
     # np.ascontiguousarray would turn a 0-d array into shape [1]; a C-order copy keeps the shape.
     return a if a.flags.c_contiguous else a.copy(order="C")
@@ -94,7 +99,9 @@ def split_aliases(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
     return unique, aliases
 
 
-def encode_header(unique: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[bytes, list[str]]:
+def encode_header(
+    unique: dict[str, np.ndarray], metadata: dict[str, str]
+) -> tuple[bytes, list[str]]:
     """The 8-byte length + padded JSON header, and the names in data order (the library's own layout)."""
     order = sorted(unique, key=lambda n: (-RANK[FROM_NUMPY[unique[n].dtype.newbyteorder("<")]], n))
     # Metadata sorted: the library serialises it from a hash map whose order changes from process to
@@ -103,16 +110,23 @@ def encode_header(unique: dict[str, np.ndarray], metadata: dict[str, str]) -> tu
     offset = 0
     for name in order:
         a = unique[name]
-        header[name] = {"dtype": FROM_NUMPY[a.dtype.newbyteorder("<")], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {
+            "dtype": FROM_NUMPY[a.dtype.newbyteorder("<")],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + a.nbytes],
+        }
         offset += a.nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     return struct.pack("<Q", len(raw)) + raw, order
 
 
-def write_tensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
-                  fsync: bool = True) -> dict:
+def write_tensors(
+    path: Path,
+    arrays: dict[str, np.ndarray],
+    metadata: dict[str, str] | None = None,
+    fsync: bool = True,
+) -> dict:
     """Write a new safetensors file at `path` (which must not exist), fsynced; returns its {"size", "sha256"}."""
     unique, aliases = split_aliases(arrays)
     meta = {"format": "np", **(metadata or {}), **{k: f"ALIAS({v})" for k, v in aliases.items()}}
@@ -123,16 +137,22 @@ def write_tensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str,
         raise ValueError("'__metadata__' cannot name a tensor")
     head, order = encode_header(unique, meta)
     views = [_bytes_of(unique[name]) for name in order]
-    pieces = itertools.chain([head], (v[i : i + CHUNK] for v in views for i in range(0, len(v), CHUNK)))
+    pieces = itertools.chain(
+        [head], (v[i : i + CHUNK] for v in views for i in range(0, len(v), CHUNK))
+    )
     with _Hasher() as h:  # each piece hashed on the helper thread while this one writes it
         return write_new(path, pieces, h, fsync)
 
 
-def resolve_aliases(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> dict[str, np.ndarray]:
+def resolve_aliases(
+    arrays: dict[str, np.ndarray], metadata: dict[str, str]
+) -> dict[str, np.ndarray]:
     """Every ALIAS(target) in metadata becomes the very object stored under target; raises ValueError."""
     links = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
     out = dict(arrays)
-    for name in sorted(links):  # sorted: the same file gives the same message whatever the header order
+    for name in sorted(
+        links
+    ):  # sorted: the same file gives the same message whatever the header order
         if name in arrays:
             raise ValueError(f"{name} is both stored and declared an alias")
         chain, target = [name], links[name]
@@ -160,13 +180,16 @@ def _read_exact(f, buf: memoryview) -> None:
         raise _Malformed("truncated: the file ends inside the data the header describes")
 
 
-def _check_header(header, data_len: int) -> tuple[dict[str, str], list[tuple[str, np.dtype, tuple, int]]]:
+def _check_header(
+    header, data_len: int
+) -> tuple[dict[str, str], list[tuple[str, np.dtype, tuple, int]]]:
     """(metadata, [(name, dtype, shape, nbytes)] in data order) or _Malformed, as the library validates."""
     if not isinstance(header, dict):
         raise _Malformed("header is not a JSON object")
     metadata = header.get("__metadata__") or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                 for k, v in metadata.items()):
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
         raise _Malformed("__metadata__ is not a str -> str object")
     entries = []
     for name, info in header.items():
@@ -175,7 +198,9 @@ def _check_header(header, data_len: int) -> tuple[dict[str, str], list[tuple[str
         try:
             code, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (TypeError, KeyError, ValueError):
-            raise _Malformed(f"tensor {name!r}: needs dtype, shape and data_offsets [begin, end]") from None
+            raise _Malformed(
+                f"tensor {name!r}: needs dtype, shape and data_offsets [begin, end]"
+            ) from None
         if not isinstance(code, str) or code not in TO_NUMPY:
             raise _Malformed(f"tensor {name!r}: dtype {code!r} has no numpy equivalent here")
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
@@ -185,14 +210,18 @@ def _check_header(header, data_len: int) -> tuple[dict[str, str], list[tuple[str
         dtype = TO_NUMPY[code]
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes:
-            raise _Malformed(f"tensor {name!r}: data_offsets span {end - begin} bytes, shape needs {nbytes}")
+            raise _Malformed(
+                f"tensor {name!r}: data_offsets span {end - begin} bytes, shape needs {nbytes}"
+            )
         entries.append((begin, name, dtype, tuple(shape), nbytes))
     entries.sort(key=lambda e: (e[0], e[0] + e[4]))
     position = 0
     for begin, name, _, _, nbytes in entries:
         if begin != position:
-            raise _Malformed(f"tensor {name!r}: data_offsets overlap or leave a gap "
-                             f"(starts at {begin}, expected {position})")
+            raise _Malformed(
+                f"tensor {name!r}: data_offsets overlap or leave a gap "
+                f"(starts at {begin}, expected {position})"
+            )
         position += nbytes
     if position != data_len:
         raise _Malformed(f"the tensors cover {position} data bytes, the file holds {data_len}")
@@ -203,8 +232,14 @@ def layout(arrays: dict[str, np.ndarray]) -> dict:
     """What a file of these arrays holds: {"tensors": {name: (code, shape)}, "aliases": {alias: name},
     "data_bytes": n}, to check a file's header against before reading (and allocating) its data."""
     unique, aliases = split_aliases(arrays)
-    tensors = {k: (FROM_NUMPY[a.dtype.newbyteorder("<")], tuple(a.shape)) for k, a in unique.items()}
-    return {"tensors": tensors, "aliases": aliases, "data_bytes": sum(a.nbytes for a in unique.values())}
+    tensors = {
+        k: (FROM_NUMPY[a.dtype.newbyteorder("<")], tuple(a.shape)) for k, a in unique.items()
+    }
+    return {
+        "tensors": tensors,
+        "aliases": aliases,
+        "data_bytes": sum(a.nbytes for a in unique.values()),
+    }
 
 
 def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
@@ -212,8 +247,10 @@ def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
     want = expect["tensors"]
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
-        return ("tensors differ from what the config builds: " + "; ".join(
-            ([f"lacks {missing[:5]}"] if missing else []) + ([f"has unexpected {extra[:5]}"] if extra else [])))
+        return "tensors differ from what the config builds: " + "; ".join(
+            ([f"lacks {missing[:5]}"] if missing else [])
+            + ([f"has unexpected {extra[:5]}"] if extra else [])
+        )
     for name in sorted(want):
         if got[name] != want[name]:
             (gc, gs), (wc, ws) = got[name], want[name]
@@ -224,8 +261,9 @@ def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
     return None
 
 
-def read_tensors(path: Path, expected_sha256: str | None = None,
-                 expect: dict | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def read_tensors(
+    path: Path, expected_sha256: str | None = None, expect: dict | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Arrays (aliases resolved to one object) and the header metadata, read and hashed in one pass.
 
     DigestMismatch (a ValueError) if the bytes do not hash to `expected_sha256`, whatever else is wrong with
@@ -236,8 +274,10 @@ def read_tensors(path: Path, expected_sha256: str | None = None,
     with reading.open_file(path) as f, _Hasher() as h:
         size = os.fstat(f.fileno()).st_size
         if expect is not None and size > 8 + MAX_HEADER + expect["data_bytes"]:
-            raise ValueError(f"{size} bytes, more than a checkpoint of this config can hold "
-                             f"({expect['data_bytes']} bytes of tensors)")
+            raise ValueError(
+                f"{size} bytes, more than a checkpoint of this config can hold "
+                f"({expect['data_bytes']} bytes of tensors)"
+            )
         arrays: dict[str, np.ndarray] = {}
         problem: _Malformed | None = None
         try:
@@ -267,7 +307,9 @@ def read_tensors(path: Path, expected_sha256: str | None = None,
                 for i in range(0, nbytes, CHUNK):
                     chunk = data[i : i + CHUNK]
                     _read_exact(f, chunk)
-                    h.update(chunk)  # hashed on the helper thread while this one reads the next chunk
+                    h.update(
+                        chunk
+                    )  # hashed on the helper thread while this one reads the next chunk
                 arrays[name] = a if dtype.isnative else a.astype(dtype.newbyteorder("="))
             if f.read(1):
                 raise _Malformed("the file grew while it was read")
@@ -278,8 +320,12 @@ def read_tensors(path: Path, expected_sha256: str | None = None,
             problem = e
         digest = h.hexdigest()
     if expected_sha256 is not None and digest != expected_sha256:
-        raise DigestMismatch(f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}...")
+        raise DigestMismatch(
+            f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}..."
+        )
     if problem is not None:
-        what = "does not fit" if isinstance(problem, LayoutMisfit) else "not a valid safetensors file"
+        what = (
+            "does not fit" if isinstance(problem, LayoutMisfit) else "not a valid safetensors file"
+        )
         raise type(problem)(f"{what}: {problem}")
     return resolve_aliases(arrays, metadata), metadata

@@ -6,6 +6,7 @@ checked there from its own bytes (sizes and sha256, every checkpoint restored, a
 renamed into place only if every check passed. SOURCE is only read. Exit 0 published; 1 a check failed (the
 temporary is kept and named); 2 bad input, one line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,7 +47,9 @@ from pipeline.run.signals import command, run_command
 NAME = "pipeline.archive"
 SELECTIONS = ("best", "final", "newest")
 MAX_SMALL = 16 << 20  # bytes of a run's small files (.hydra/*, run.json, a corpus's MANIFEST.json)
-MAX_FILE = 1 << 40  # a checkpoint or corpus file: bounded by its manifest's size, checked before copying
+MAX_FILE = (
+    1 << 40
+)  # a checkpoint or corpus file: bounded by its manifest's size, checked before copying
 
 INTERRUPTED = "no archive was published (its hidden temporary is removed or ignored)"
 
@@ -57,15 +60,25 @@ class BadSource(CommandError):
 
 # --- what SOURCE holds ----------------------------------------------------------------------------------
 
+
 class RunPlan:
     """One run to archive: where it lies, which checkpoints (each verified: a damaged one is bad input), its links."""
 
-    def __init__(self, name: str, run_dir: Path | None, checkpoints: dict[str, Path], links: dict[str, str]):
+    def __init__(
+        self, name: str, run_dir: Path | None, checkpoints: dict[str, Path], links: dict[str, str]
+    ):
         self.name, self.run_dir, self.checkpoints, self.links = name, run_dir, checkpoints, links
-        for what, value in (("run directory name", name), *(("step name", n) for n in checkpoints),
-                            *(("link name", n) for n in links)):  # each becomes one entry under DEST
-            names.checked(value, f"{run_dir or next(iter(checkpoints.values()))}: {what}", reserve=0)
-        self.manifests = {n: CheckpointDir(p).verify() for n, p in checkpoints.items()}  # sizes, sha256, layout
+        for what, value in (
+            ("run directory name", name),
+            *(("step name", n) for n in checkpoints),
+            *(("link name", n) for n in links),
+        ):  # each becomes one entry under DEST
+            names.checked(
+                value, f"{run_dir or next(iter(checkpoints.values()))}: {what}", reserve=0
+            )
+        self.manifests = {
+            n: CheckpointDir(p).verify() for n, p in checkpoints.items()
+        }  # sizes, sha256, layout
         self.newest = self.manifests[max(self.manifests, key=lambda n: self.manifests[n]["step"])]
 
 
@@ -75,23 +88,33 @@ def _kind(path: Path) -> str:
     except FileNotFoundError:
         raise BadSource(f"{path}: does not exist") from None
     if stat.S_ISLNK(st.st_mode):
-        st = os.stat(path)  # a link the user typed is followed, as its target could be typed instead
+        st = os.stat(
+            path
+        )  # a link the user typed is followed, as its target could be typed instead
     if not stat.S_ISDIR(st.st_mode):
-        raise BadSource(f"{path}: is {reading.kind_of(st)}, not a run, sweep or checkpoint directory")
+        raise BadSource(
+            f"{path}: is {reading.kind_of(st)}, not a run, sweep or checkpoint directory"
+        )
     if CheckpointDir(path).exists():
         return "checkpoint"
     if RunDir(path).is_run():
         return "run"
     if RunDir(path.parent).store.root == path and RunDir(path.parent).status_path.is_file():
-        raise BadSource(f"{path}: a run's store of checkpoints; give the run directory {path.parent}")
+        raise BadSource(
+            f"{path}: a run's store of checkpoints; give the run directory {path.parent}"
+        )
     if (path / "jobs").is_dir() and (path / "sweep.json").is_file():
         return "sweep"
-    raise BadSource(f"{path}: not a run directory (no checkpoints/ or run.json), a sweep directory (no "
-                    "sweep.json and jobs/) or a checkpoint (no manifest.json)")
+    raise BadSource(
+        f"{path}: not a run directory (no checkpoints/ or run.json), a sweep directory (no "
+        "sweep.json and jobs/) or a checkpoint (no manifest.json)"
+    )
 
 
 def _select(store: CheckpointStore, which: str) -> tuple[dict[str, Path], dict[str, str]]:
-    steps, links = store.scan()  # a stray link or file in checkpoints/ is refused here (UnsafePathError)
+    steps, links = (
+        store.scan()
+    )  # a stray link or file in checkpoints/ is refused here (UnsafePathError)
     if not steps:
         raise BadSource(f"{store.root}: no checkpoints to archive")
     by_name = {d.name: d for _, d in steps}
@@ -111,16 +134,25 @@ def plan(source: Path, which: str) -> list[RunPlan]:
     if kind == "sweep":
         from pipeline.sweep.summary import read_jobs
 
-        runs_dir = source.parent.parent / "runs"  # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
-        runs = sorted({Path(j["run_dir"]).name for j in read_jobs(source).values()
-                       if isinstance(j.get("run_dir"), str)})
+        runs_dir = (
+            source.parent.parent / "runs"
+        )  # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
+        runs = sorted(
+            {
+                Path(j["run_dir"]).name
+                for j in read_jobs(source).values()
+                if isinstance(j.get("run_dir"), str)
+            }
+        )
         if not runs:
             raise BadSource(f"{source}: a sweep none of whose jobs/*.json names a run directory")
         plans = []
         for n in runs:
             names.checked(n, f"{source / 'jobs'}: a run_dir's name", reserve=0)
             if not (runs_dir / n).is_dir():
-                raise BadSource(f"{runs_dir / n}: the run of a job of sweep {source.name} is not there")
+                raise BadSource(
+                    f"{runs_dir / n}: the run of a job of sweep {source.name} is not there"
+                )
             plans += plan(runs_dir / n, which)
         return plans
     if kind == "run":
@@ -129,15 +161,30 @@ def plan(source: Path, which: str) -> list[RunPlan]:
     directory = CheckpointDir(source).resolved()
     in_run = RunDir.of_checkpoint(directory) if STEP_DIR.match(directory.name) else None
     if in_run is not None:
-        return [RunPlan(in_run.path.name, in_run.path, {directory.name: directory},
-                        {k: t for k, t in in_run.store.links().items() if t == directory.name})]
-    manifest = CheckpointDir(directory).manifest()  # the run's directory name comes from it: one name, inside DEST
+        return [
+            RunPlan(
+                in_run.path.name,
+                in_run.path,
+                {directory.name: directory},
+                {k: t for k, t in in_run.store.links().items() if t == directory.name},
+            )
+        ]
+    manifest = CheckpointDir(
+        directory
+    ).manifest()  # the run's directory name comes from it: one name, inside DEST
     names.checked(manifest["config"].get("name", "run"), f"{directory}: its manifest's config.name")
-    return [RunPlan(run_name(manifest["config"], manifest["sources"], manifest["lineage"]), None,
-                    {step_dir_name(manifest["step"]): directory}, {})]
+    return [
+        RunPlan(
+            run_name(manifest["config"], manifest["sources"], manifest["lineage"]),
+            None,
+            {step_dir_name(manifest["step"]): directory},
+            {},
+        )
+    ]
 
 
 # --- copying --------------------------------------------------------------------------------------------
+
 
 class Builder:
     """DEST being built in its temporary: every file copied with its hash, every link, and what each should be."""
@@ -145,22 +192,35 @@ class Builder:
     def __init__(self, root: Path):
         self.root = root
         self.files: dict[str, dict] = {}  # relative path -> {"size", "sha256"} as copied
-        self.expected: dict[str, tuple[dict, str]] = {}  # relative path -> (entry, which source manifest says so)
+        self.expected: dict[
+            str, tuple[dict, str]
+        ] = {}  # relative path -> (entry, which source manifest says so)
         self.links: dict[str, str] = {}
 
     def place(self, rel: str) -> Path:
         """root/rel with its directories made, every part of `rel` one name (names.problem): never outside root."""
         *parents, name = rel.split("/")
-        names.checked(name, f"{self.root}: an entry of {'/'.join(parents) or 'the archive'}", reserve=0)
+        names.checked(
+            name, f"{self.root}: an entry of {'/'.join(parents) or 'the archive'}", reserve=0
+        )
         return ensure_dirs(self.root, *parents) / name
 
-    def copy(self, src: Path, rel: str, limit: int, expected: dict | None = None, witness: str = "",
-             follow: bool = False) -> None:
+    def copy(
+        self,
+        src: Path,
+        rel: str,
+        limit: int,
+        expected: dict | None = None,
+        witness: str = "",
+        follow: bool = False,
+    ) -> None:
         """src's bytes into a new file at rel (never through a link), fsynced, and hashed as they are copied."""
         entry = reading.copy_new(src, self.place(rel), limit, follow=follow)
         if expected is not None:
             if (entry["size"], entry["sha256"]) != (expected["size"], expected["sha256"]):
-                raise BadSource(f"{src}: its bytes differ from {witness} (changed or damaged while being archived)")
+                raise BadSource(
+                    f"{src}: its bytes differ from {witness} (changed or damaged while being archived)"
+                )
             self.expected[rel] = (expected, witness)
         self.files[rel] = entry
 
@@ -180,62 +240,118 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     ensure_dirs(b.root, "runs", p.name)
     store = RunDir(b.root / base).store.root
     ensure_dirs(store.parent, store.name)
-    for name, directory in p.checkpoints.items():  # exactly the listed files, each hashed as it is copied
+    for (
+        name,
+        directory,
+    ) in p.checkpoints.items():  # exactly the listed files, each hashed as it is copied
         listed = p.manifests[name]["files"]
         for fn, entry in CheckpointDir(directory).copy_to(store / name, p.manifests[name]).items():
             rel = (store / name / fn).relative_to(b.root).as_posix()
             b.files[rel] = entry
             if fn in listed:
                 b.expected[rel] = (listed[fn], f"the manifest of {directory}")
-    for link, target in sorted(p.links.items()):  # relative, beside its step directory, as a run has it
+    for link, target in sorted(
+        p.links.items()
+    ):  # relative, beside its step directory, as a run has it
         b.link((store / link).relative_to(b.root).as_posix(), target)
     for rel, path, limit in RunDir(p.run_dir).records() if p.run_dir is not None else ():
         b.copy(path, f"{base}/{rel}", limit)
-    data_hash, sources, data = p.newest["data_manifest_hash"], dict(p.newest["sources"]), p.newest["config"]["data"]
+    data_hash, sources, data = (
+        p.newest["data_manifest_hash"],
+        dict(p.newest["sources"]),
+        p.newest["config"]["data"],
+    )
     corpus = RunDir(p.run_dir).corpus(data_hash) if p.run_dir is not None else None
-    identity = {"data_manifest_hash": data_hash, "sources": sources, "data": data,
-                "corpus": corpus.name if corpus else None, "data_archived": with_data}
+    identity = {
+        "data_manifest_hash": data_hash,
+        "sources": sources,
+        "data": data,
+        "corpus": corpus.name if corpus else None,
+        "data_archived": with_data,
+    }
     if sources and not with_data:
         keys = ", ".join(f"{k}={data.get(k.split('.', 1)[1])}" for k in sources)
-        raise BadSource(f"run {p.name} was trained on {keys}, which its config cannot regenerate: give --with-data "
-                        "to archive it")
+        raise BadSource(
+            f"run {p.name} was trained on {keys}, which its config cannot regenerate: give --with-data "
+            "to archive it"
+        )
     if corpus is not None:
         corpus_manifest = {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash}
-        b.copy(corpus / "MANIFEST.json", f"{base}/corpus-MANIFEST.json", MAX_SMALL, corpus_manifest,
-               "the checkpoints' data_manifest_hash")
+        b.copy(
+            corpus / "MANIFEST.json",
+            f"{base}/corpus-MANIFEST.json",
+            MAX_SMALL,
+            corpus_manifest,
+            "the checkpoints' data_manifest_hash",
+        )
     if with_data:
-        target = str(data.get("_target_", ""))  # asked of its class only if we ship it: a file imports nothing else
-        if corpus is None and data_hash and target in shipped() and getattr(get_class(target), "keeps_corpus", False):
-            raise BadSource(f"run {p.name}: its corpus (MANIFEST.json sha256 {data_hash[:12]}) is not beside its "
-                            "run, under <output_dir>/data/; --with-data needs it there")
+        target = str(
+            data.get("_target_", "")
+        )  # asked of its class only if we ship it: a file imports nothing else
+        if (
+            corpus is None
+            and data_hash
+            and target in shipped()
+            and getattr(get_class(target), "keeps_corpus", False)
+        ):
+            raise BadSource(
+                f"run {p.name}: its corpus (MANIFEST.json sha256 {data_hash[:12]}) is not beside its "
+                "run, under <output_dir>/data/; --with-data needs it there"
+            )
         if corpus is not None and f"data/{corpus.name}/MANIFEST.json" not in b.files:
             for fn, entry in sorted(verify_corpus(corpus)[0]["files"].items()):
-                b.copy(corpus / fn, f"data/{corpus.name}/{fn}", entry["bytes"],
-                       {"size": entry["bytes"], "sha256": entry["sha256"]}, f"{corpus / 'MANIFEST.json'}")
-            b.copy(corpus / "MANIFEST.json", f"data/{corpus.name}/MANIFEST.json", MAX_JSON, corpus_manifest,
-                   "data_manifest_hash")
+                b.copy(
+                    corpus / fn,
+                    f"data/{corpus.name}/{fn}",
+                    entry["bytes"],
+                    {"size": entry["bytes"], "sha256": entry["sha256"]},
+                    f"{corpus / 'MANIFEST.json'}",
+                )
+            b.copy(
+                corpus / "MANIFEST.json",
+                f"data/{corpus.name}/MANIFEST.json",
+                MAX_JSON,
+                corpus_manifest,
+                "data_manifest_hash",
+            )
         archived = {}
         for key, sha in sorted(sources.items()):
             src = Path(str(data.get(key.split(".", 1)[1]))).expanduser()
             rel = f"sources/{sha[:12]}-{src.name}"
             if rel not in b.files:
                 try:
-                    b.copy(src, rel, MAX_FILE, {"size": os.path.getsize(src), "sha256": sha},
-                           "the checkpoints' sources", follow=True)
+                    b.copy(
+                        src,
+                        rel,
+                        MAX_FILE,
+                        {"size": os.path.getsize(src), "sha256": sha},
+                        "the checkpoints' sources",
+                        follow=True,
+                    )
                 except FileNotFoundError:
-                    raise BadSource(f"run {p.name}: {key}={src} (the file it was trained on) is not there; "
-                                    "archive it where the file is") from None
+                    raise BadSource(
+                        f"run {p.name}: {key}={src} (the file it was trained on) is not there; "
+                        "archive it where the file is"
+                    ) from None
             archived[key] = rel
         identity["sources_archived"] = archived
     b.write(f"{base}/data-identity.json", jsonio.dumps(identity))
-    return {"checkpoints": {n: {"step": m["step"], "tags": m["tags"],
-                                "links": sorted(k for k, t in p.links.items() if t == n)}
-                            for n, m in sorted(p.manifests.items())},
-            "data": {k: identity[k] for k in ("data_manifest_hash", "sources", "corpus")},
-            "with_data": bool(with_data)}
+    return {
+        "checkpoints": {
+            n: {
+                "step": m["step"],
+                "tags": m["tags"],
+                "links": sorted(k for k, t in p.links.items() if t == n),
+            }
+            for n, m in sorted(p.manifests.items())
+        },
+        "data": {k: identity[k] for k in ("data_manifest_hash", "sources", "corpus")},
+        "with_data": bool(with_data),
+    }
 
 
 # --- checks on DEST alone ---------------------------------------------------------------------------------
+
 
 def check_files(root: Path, listing: dict) -> list[str]:
     """Every file listed in MANIFEST.json present with its size and sha256, every link as listed, nothing else (a
@@ -251,10 +367,15 @@ def check_files(root: Path, listing: dict) -> list[str]:
                 dirs.add(full.relative_to(root).as_posix())
             else:
                 files[full.relative_to(root).as_posix()] = st
-    listed_dirs = {"/".join(rel.split("/")[:i]) for rel in (*listing["files"], *listing["links"])
-                   for i in range(1, rel.count("/") + 1)}
-    for rel in sorted((set(files) - set(listing["files"]) - {"MANIFEST.json", "recovery.json"})
-                      | (dirs - listed_dirs)):
+    listed_dirs = {
+        "/".join(rel.split("/")[:i])
+        for rel in (*listing["files"], *listing["links"])
+        for i in range(1, rel.count("/") + 1)
+    }
+    for rel in sorted(
+        (set(files) - set(listing["files"]) - {"MANIFEST.json", "recovery.json"})
+        | (dirs - listed_dirs)
+    ):
         problems.append(f"{rel}: present but not listed in MANIFEST.json")
     for rel, entry in sorted(listing["files"].items()):
         if rel not in files:
@@ -262,7 +383,9 @@ def check_files(root: Path, listing: dict) -> list[str]:
         elif not stat.S_ISREG(files[rel].st_mode):
             problems.append(f"{rel}: is {reading.kind_of(files[rel])}, not a regular file")
         elif files[rel].st_size != entry["size"]:
-            problems.append(f"{rel}: size {files[rel].st_size} bytes, MANIFEST.json says {entry['size']}")
+            problems.append(
+                f"{rel}: size {files[rel].st_size} bytes, MANIFEST.json says {entry['size']}"
+            )
         elif reading.sha256(root / rel, entry["size"]) != entry["sha256"]:
             problems.append(f"{rel}: sha256 differs from MANIFEST.json (corrupted)")
     if links != listing["links"]:
@@ -287,12 +410,26 @@ def _trust_hint(root: Path, run: Path, extra: list[str]) -> str:
     recovery.json), if the command line did not give it: named in a refusal, never used."""
     said = list(run_overrides(run) or [])
     with contextlib.suppress(Exception):
-        said += [str(o) for o in jsonio.read(root / "recovery.json", MAX_SMALL)["exported"]["runs"][run.name]
-                 ["resume_overrides"]]
-    said = [" ".join(o.split())[:300].lstrip("+") for o in said if o.lstrip("+").startswith("hydra.searchpath=")]
+        said += [
+            str(o)
+            for o in jsonio.read(root / "recovery.json", MAX_SMALL)["exported"]["runs"][run.name][
+                "resume_overrides"
+            ]
+        ]
+    said = [
+        " ".join(o.split())[:300].lstrip("+")
+        for o in said
+        if o.lstrip("+").startswith("hydra.searchpath=")
+    ]
     searchpath = next((o for o in said if o not in extra), None)
-    return "" if searchpath is None else (f"; this archive's run {run.name} was made with {searchpath}; give it on "
-                                          "the command line if you trust it")
+    return (
+        ""
+        if searchpath is None
+        else (
+            f"; this archive's run {run.name} was made with {searchpath}; give it on "
+            "the command line if you trust it"
+        )
+    )
 
 
 def restore_all(root: Path, extra: list[str]) -> list[dict]:
@@ -308,10 +445,22 @@ def restore_all(root: Path, extra: list[str]) -> list[dict]:
             rel = step_dir.relative_to(root).as_posix()
             try:
                 manifest, _ = restore_checkpoint(step_dir, extra)
-                checks.append({"check": f"restore {rel}", "passed": True, "detail": f"step {manifest['step']}"})
+                checks.append(
+                    {
+                        "check": f"restore {rel}",
+                        "passed": True,
+                        "detail": f"step {manifest['step']}",
+                    }
+                )
             except Exception as e:
                 hint = _trust_hint(root, run, extra) if isinstance(e, UnknownTargetError) else ""
-                checks.append({"check": f"restore {rel}", "passed": False, "detail": str(e).splitlines()[0] + hint})
+                checks.append(
+                    {
+                        "check": f"restore {rel}",
+                        "passed": False,
+                        "detail": str(e).splitlines()[0] + hint,
+                    }
+                )
     return checks
 
 
@@ -329,8 +478,10 @@ def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str |
             return f"{where} gives {bad[:200]!r}, a flag: only the command line may give one"
         for o in targets.parse_overrides([a for a in args if a not in extra]):
             if o.key_or_group.startswith("hydra"):
-                return f"{where} gives {o.input_line[:200]!r}: only the command line may give hydra.*" + \
-                    _trust_hint(root, run, extra)
+                return (
+                    f"{where} gives {o.input_line[:200]!r}: only the command line may give hydra.*"
+                    + _trust_hint(root, run, extra)
+                )
         targets.check(to_plain(compose(args)), targets.allowed(tuple(extra)))
     except targets.UnknownTarget as e:
         return f"{where}: {e}{_trust_hint(root, run, extra)}"
@@ -344,11 +495,16 @@ def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str |
 def _resume_overrides(run: Path, root: Path, extra: list[str]) -> list[str]:
     """The archived run's own overrides (.hydra/overrides.yaml holds no hydra.* ones: the search path given to the
     archive is added), without where it wrote, how it resumed and was tracked, and with its archived data files."""
-    kept = [o for o in run_overrides(run) or [] if not o.lstrip("+~").startswith(("paths.", "resume", "tracking",
-                                                                                   "data.path="))]
+    kept = [
+        o
+        for o in run_overrides(run) or []
+        if not o.lstrip("+~").startswith(("paths.", "resume", "tracking", "data.path="))
+    ]
     kept += [o for o in extra if o not in kept]
     identity = jsonio.read(run / "data-identity.json", MAX_SMALL)
-    return kept + [f"{key}={root / rel}" for key, rel in (identity.get("sources_archived") or {}).items()]
+    return kept + [
+        f"{key}={root / rel}" for key, rel in (identity.get("sources_archived") or {}).items()
+    ]
 
 
 def _metric_lines(path: Path) -> list[dict]:
@@ -360,41 +516,80 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     not resumed), to the run's own end; its later metrics.jsonl lines, and its final state files, compared bit
     for bit with the archived ones."""
     if run_overrides(run) is None:
-        return {"run": run.name, "passed": None, "detail": "no .hydra/overrides.yaml (a checkpoint archived "
-                                                           "without its run): not resumed"}
+        return {
+            "run": run.name,
+            "passed": None,
+            "detail": "no .hydra/overrides.yaml (a checkpoint archived "
+            "without its run): not resumed",
+        }
     store = RunDir(run).store
     steps = store.steps()
     archived = _metric_lines(run)
     last_logged = max((ln["step"] for ln in archived), default=steps[-1][0])
     end = max(last_logged, steps[-1][0])
     candidates = [(s, d) for s, d in steps if s < end]
-    if not candidates:  # a fork of the run's end would train nothing (refused); its restore is checked already
-        return {"run": run.name, "passed": None, "step_recovered": steps[-1][0],
-                "detail": f"the original recorded nothing after step {steps[-1][0]}: nothing later to resume"}
+    if (
+        not candidates
+    ):  # a fork of the run's end would train nothing (refused); its restore is checked already
+        return {
+            "run": run.name,
+            "passed": None,
+            "step_recovered": steps[-1][0],
+            "detail": f"the original recorded nothing after step {steps[-1][0]}: nothing later to resume",
+        }
     step, source = candidates[-1]
-    args = [*_resume_overrides(run, root, extra), f"resume.source={source}",
-            f"paths.output_dir={scratch / 'out'}", "tracking=none", "trainer.progress_bar=false"]
+    args = [
+        *_resume_overrides(run, root, extra),
+        f"resume.source={source}",
+        f"paths.output_dir={scratch / 'out'}",
+        "tracking=none",
+        "trainer.progress_bar=false",
+    ]
     shown = [a.replace(str(root), str(dest)) for a in args]
-    if (problem := untrusted(args, extra, root, run)) is not None:  # the child takes them as its command line
+    if (
+        problem := untrusted(args, extra, root, run)
+    ) is not None:  # the child takes them as its command line
         return {"run": run.name, "passed": False, "step_recovered": step, "detail": problem}
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
     # run() kills the child on any exception (a signal's included) before it is raised
-    proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=scratch, env=env, capture_output=True,
-                          text=True)
-    result = {"run": run.name, "command": "python -m pipeline " + " ".join(shown).replace(str(scratch), "<scratch>"),
-              "from": source.relative_to(root).as_posix(), "step_recovered": step, "exit": proc.returncode}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", *args],
+        cwd=scratch,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    result = {
+        "run": run.name,
+        "command": "python -m pipeline " + " ".join(shown).replace(str(scratch), "<scratch>"),
+        "from": source.relative_to(root).as_posix(),
+        "step_recovered": step,
+        "exit": proc.returncode,
+    }
     if proc.returncode != 0:
-        result.update(passed=False, detail=(proc.stderr.strip().splitlines() or ["(no output)"])[-1])
+        result.update(
+            passed=False, detail=(proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        )
         return result
     (resumed_run,) = [p for p in (scratch / "out" / "runs").iterdir() if p.is_dir()]
-    got = [ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end]  # a preempted run goes on past end
+    got = [
+        ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end
+    ]  # a preempted run goes on past end
     want = [ln for ln in archived if ln["step"] > step]
     compared: dict[str, Any] = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
-    original_final, resumed_final = store.link_dir("final"), RunDir(resumed_run).store.link_dir("final")
+    original_final, resumed_final = (
+        store.link_dir("final"),
+        RunDir(resumed_run).store.link_dir("final"),
+    )
     if original_final is not None and resumed_final is not None and step < end:
-        a, bb = CheckpointDir(original_final).manifest(), CheckpointDir(resumed_final).manifest()["files"]
+        a, bb = (
+            CheckpointDir(original_final).manifest(),
+            CheckpointDir(resumed_final).manifest()["files"],
+        )
         compared["final_step"] = a["step"]
-        compared["final_files_equal"] = {n: e["sha256"] == bb.get(n, {}).get("sha256") for n, e in a["files"].items()}
+        compared["final_files_equal"] = {
+            n: e["sha256"] == bb.get(n, {}).get("sha256") for n, e in a["files"].items()
+        }
     ok = compared["metrics_equal"] and all(compared.get("final_files_equal", {}).values())
     result.update(passed=bool(ok), compared=compared, to_step=end)
     return result
@@ -404,16 +599,34 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
     """Every check of the archive at root (its final name `dest`), from its own bytes."""
     listing = jsonio.read(root / "MANIFEST.json", 1 << 30)
     problems = check_files(root, listing)
-    checks = [{"check": "sizes and sha256 against MANIFEST.json", "passed": not problems,
-               "detail": problems[0] if problems else f"{len(listing['files'])} files, {len(listing['links'])} links"}]
-    if problems:  # what lies there is not the archive MANIFEST.json lists: nothing in it is read as a run
+    checks = [
+        {
+            "check": "sizes and sha256 against MANIFEST.json",
+            "passed": not problems,
+            "detail": problems[0]
+            if problems
+            else f"{len(listing['files'])} files, {len(listing['links'])} links",
+        }
+    ]
+    if (
+        problems
+    ):  # what lies there is not the archive MANIFEST.json lists: nothing in it is read as a run
         return {"checks": checks, "resume": [], "all_checks_passed": False}
     if b is not None:
-        wrong = [rel for rel, (entry, _) in b.expected.items()
-                 if listing["files"].get(rel, {}).get("sha256") != entry["sha256"]]
-        checks.append({"check": "sizes and sha256 against the source manifests", "passed": not wrong and not problems,
-                       "detail": f"{wrong[0]} differs from {b.expected[wrong[0]][1]}" if wrong else
-                       f"{len(b.expected)} files listed by checkpoint and corpus manifests"})
+        wrong = [
+            rel
+            for rel, (entry, _) in b.expected.items()
+            if listing["files"].get(rel, {}).get("sha256") != entry["sha256"]
+        ]
+        checks.append(
+            {
+                "check": "sizes and sha256 against the source manifests",
+                "passed": not wrong and not problems,
+                "detail": f"{wrong[0]} differs from {b.expected[wrong[0]][1]}"
+                if wrong
+                else f"{len(b.expected)} files listed by checkpoint and corpus manifests",
+            }
+        )
     checks += restore_all(root, extra)
     proofs = []
     for run in sorted((root / "runs").iterdir()) if prove else ():
@@ -422,51 +635,89 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
             proofs.append(resume_proof(root, dest, run, scratch, extra))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-    checks += [{"check": f"resume {p['run']} from step {p.get('step_recovered')}", "passed": p["passed"],
-                "detail": p.get("detail") or p.get("compared")} for p in proofs if p["passed"] is not None]
-    return {"checks": checks, "resume": proofs, "all_checks_passed": all(c["passed"] for c in checks)}
+    checks += [
+        {
+            "check": f"resume {p['run']} from step {p.get('step_recovered')}",
+            "passed": p["passed"],
+            "detail": p.get("detail") or p.get("compared"),
+        }
+        for p in proofs
+        if p["passed"] is not None
+    ]
+    return {
+        "checks": checks,
+        "resume": proofs,
+        "all_checks_passed": all(c["passed"] for c in checks),
+    }
 
 
 # --- README -------------------------------------------------------------------------------------------------
 
+
 def readme(dest: Path, exported: dict) -> str:
-    lines = [f"# Archive {dest.name}", "",
-             "Made by `python -m pipeline.archive`. Every file is listed with its size and sha256 in MANIFEST.json;",
-             "recovery.json holds the checks run on this directory alone and the resume proof. Re-check it with",
-             f"`python -m pipeline.archive --check {dest}`. Give `paths.output_dir=SCRATCH` to the commands below so",
-             "that a regenerated corpus goes there, not into this archive.", ""]
+    lines = [
+        f"# Archive {dest.name}",
+        "",
+        "Made by `python -m pipeline.archive`. Every file is listed with its size and sha256 in MANIFEST.json;",
+        "recovery.json holds the checks run on this directory alone and the resume proof. Re-check it with",
+        f"`python -m pipeline.archive --check {dest}`. Give `paths.output_dir=SCRATCH` to the commands below so",
+        "that a regenerated corpus goes there, not into this archive.",
+        "",
+    ]
     for name, run in sorted(exported["runs"].items()):
         ck = run["checkpoints"]
         order = sorted(ck, key=lambda n: ck[n]["step"])
         newest = order[-1]
-        resume_from = order[-2] if len(order) > 1 and "final" in ck[newest]["links"] else newest  # as the proof does
+        resume_from = (
+            order[-2] if len(order) > 1 and "final" in ck[newest]["links"] else newest
+        )  # as the proof does
         best = "best" if any("best" in c["links"] for c in ck.values()) else newest
         at = RunDir(dest / "runs" / name).store.root
         over = " ".join(run["resume_overrides"])
         sp = " ".join(o for o in run["resume_overrides"] if o.startswith("hydra.searchpath="))
-        lines += [f"## {name}", "", "Checkpoints: " + ", ".join(
-            f"{n} (step {c['step']}{', ' + '/'.join(c['links']) if c['links'] else ''})"
-            for n, c in sorted(ck.items())),
+        lines += [
+            f"## {name}",
+            "",
+            "Checkpoints: "
+            + ", ".join(
+                f"{n} (step {c['step']}{', ' + '/'.join(c['links']) if c['links'] else ''})"
+                for n, c in sorted(ck.items())
+            ),
             f"Data: data_manifest_hash {run['data']['data_manifest_hash']}, corpus {run['data']['corpus'] or '-'}, "
             f"sources {run['data']['sources'] or '-'}"
             f"{' (archived under sources/ and data/)' if run['with_data'] else ''}.",
-            "", "```bash",
+            "",
+            "```bash",
             f"python -m pipeline.show {dest}/runs/{name} {sp}".rstrip(),
-            f"python -m pipeline.evaluate {at}/{best} paths.output_dir=SCRATCH {sp}".rstrip()]
+            f"python -m pipeline.evaluate {at}/{best} paths.output_dir=SCRATCH {sp}".rstrip(),
+        ]
         if "minigpt" in str(run.get("model", "")).lower():
-            lines += [f"python -m pipeline.sample {at}/final prompt=\"the\" max_new_tokens=20 paths.output_dir=SCRATCH",
-                      f"python -m pipeline.export_hf {at}/final HF_DIR"]
+            lines += [
+                f'python -m pipeline.sample {at}/final prompt="the" max_new_tokens=20 paths.output_dir=SCRATCH',
+                f"python -m pipeline.export_hf {at}/final HF_DIR",
+            ]
         done = resume_from != newest
-        lines += [f"python -m pipeline {over} resume.source={at}/{resume_from} paths.output_dir=SCRATCH"
-                  .replace("  ", " "),
-                  "```", "", "The resume " + (f"repeats the steps after {resume_from} of the finished run, to its "
-                                             "final bytes" if done else "continues the run from its newest checkpoint")
-                  + "; "
-                  "`python -m pipeline.archive --check` re-verifies every byte.", ""]
+        lines += [
+            f"python -m pipeline {over} resume.source={at}/{resume_from} paths.output_dir=SCRATCH".replace(
+                "  ", " "
+            ),
+            "```",
+            "",
+            "The resume "
+            + (
+                f"repeats the steps after {resume_from} of the finished run, to its final bytes"
+                if done
+                else "continues the run from its newest checkpoint"
+            )
+            + "; "
+            "`python -m pipeline.archive --check` re-verifies every byte.",
+            "",
+        ]
     return "\n".join(lines)
 
 
 # --- the command ------------------------------------------------------------------------------------------
+
 
 def _failed(checks: list[dict]) -> dict | None:
     """Every check printed, ok or FAIL; the first that failed, if one did."""
@@ -475,11 +726,15 @@ def _failed(checks: list[dict]) -> dict | None:
     return next((c for c in checks if not c["passed"]), None)
 
 
-def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: list[str], argv: list[str]) -> int:
+def build_archive(
+    source: Path, dest: Path, which: str, with_data: bool, extra: list[str], argv: list[str]
+) -> int:
     """DEST built in its temporary, checked and published; its missing parents made as `mkdir -p` does, and
     removed again if no archive is published there."""
     if os.path.lexists(dest):
-        raise BadSource(f"{dest}: already exists; an archive is never overwritten or merged into (choose a new DEST)")
+        raise BadSource(
+            f"{dest}: already exists; an archive is never overwritten or merged into (choose a new DEST)"
+        )
     real_src, real_dest = os.path.realpath(source), os.path.realpath(dest)
     if real_dest == real_src or real_dest.startswith(real_src.rstrip("/") + "/"):
         raise BadSource(f"{dest}: inside SOURCE {source}; archive elsewhere")
@@ -492,7 +747,10 @@ def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: 
             raise BadSource(f"{dest.parent}: cannot be made for DEST ({e.strerror or e})") from None
         stale = f"{TMP_PREFIX}{dest.name}-"
         for p in sorted(p for p in dest.parent.iterdir() if p.name.startswith(stale)):
-            print(f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)", file=sys.stderr)
+            print(
+                f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)",
+                file=sys.stderr,
+            )
         plans = plan(source, which)
         if len({p.name for p in plans}) != len(plans):
             raise BadSource(f"{source}: two runs of the same name")
@@ -504,11 +762,17 @@ def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: 
             overrides = _resume_overrides(tmp / "runs" / run_plan.name, tmp, extra)
             run["resume_overrides"] = [o.replace(str(tmp), str(dest)) for o in overrides]
             run["model"] = run_plan.newest["config"]["model"].get("_target_")
-        if _kind(source) == "sweep":  # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
+        if (
+            _kind(source) == "sweep"
+        ):  # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
             name = Path(os.path.realpath(source)).name
-            for f in (p for p in sorted(Path(source).iterdir()) if not p.is_dir() or p.is_symlink()):
+            for f in (
+                p for p in sorted(Path(source).iterdir()) if not p.is_dir() or p.is_symlink()
+            ):
                 b.copy(f, f"sweeps/{name}/{f.name}", MAX_SMALL)
-            for f in sorted((Path(source) / "jobs").iterdir()):  # each a regular file: b.copy refuses the rest
+            for f in sorted(
+                (Path(source) / "jobs").iterdir()
+            ):  # each a regular file: b.copy refuses the rest
                 b.copy(f, f"sweeps/{name}/jobs/{f.name}", MAX_SMALL)
             exported["sweep"] = name
         b.write("README.md", readme(dest, exported).encode())
@@ -516,18 +780,27 @@ def build_archive(source: Path, dest: Path, which: str, with_data: bool, extra: 
         result = checks_on(tmp, dest, b, extra, prove=True)
         exported["files"] = len(b.files)
         exported["bytes"] = sum(e["size"] for e in b.files.values())
-        report = {"archive": str(dest), "source": str(source),
-                  "command": "python -m pipeline.archive " + " ".join(argv),
-                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result, "exported": exported}
+        report = {
+            "archive": str(dest),
+            "source": str(source),
+            "command": "python -m pipeline.archive " + " ".join(argv),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **result,
+            "exported": exported,
+        }
         b.write("recovery.json", jsonio.dumps(report))
         fsync_dir(tmp)
         if failed := _failed(result["checks"]):
             keep_tmp = True
-            print(f"{NAME}: check failed: {failed['check']}: {failed['detail']}; nothing published (see {tmp})",
-                  file=sys.stderr)
+            print(
+                f"{NAME}: check failed: {failed['check']}: {failed['detail']}; nothing published (see {tmp})",
+                file=sys.stderr,
+            )
             return EXIT_ERROR
         publish_dir(tmp, dest)
-        print(f"archived {source} to {dest}: {exported['files']} files, {exported['bytes']} bytes; recovery.json")
+        print(
+            f"archived {source} to {dest}: {exported['files']} files, {exported['bytes']} bytes; recovery.json"
+        )
         return EXIT_OK
     finally:
         if tmp is not None and not keep_tmp:
@@ -550,27 +823,51 @@ def check_archive(dest: Path, extra: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.splitlines()[0])
-    ap.add_argument("source", type=Path,
-                    help="a run directory, a sweep directory or a checkpoint (or DEST with --check)")
+    ap.add_argument(
+        "source",
+        type=Path,
+        help="a run directory, a sweep directory or a checkpoint (or DEST with --check)",
+    )
     ap.add_argument("dest", nargs="?", help="where the archive appears (must not exist)")
-    ap.add_argument("overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are")
-    ap.add_argument("--checkpoints", default="best,final,newest", help="best,final,newest (any of them) or all")
-    ap.add_argument("--with-data", action="store_true", help="archive the corpus and the text files too")
-    ap.add_argument("--check", action="store_true",
-                    help="re-verify an archive: python -m pipeline.archive --check DEST")
+    ap.add_argument(
+        "overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are"
+    )
+    ap.add_argument(
+        "--checkpoints", default="best,final,newest", help="best,final,newest (any of them) or all"
+    )
+    ap.add_argument(
+        "--with-data", action="store_true", help="archive the corpus and the text files too"
+    )
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="re-verify an archive: python -m pipeline.archive --check DEST",
+    )
     args = ap.parse_intermixed_args(argv)
-    extra = [*([args.dest] if args.check and args.dest else []), *args.overrides]  # a str: Path() eats pkg://
+    extra = [
+        *([args.dest] if args.check and args.dest else []),
+        *args.overrides,
+    ]  # a str: Path() eats pkg://
     if (bad := next((o for o in extra if not o.startswith("hydra.searchpath=")), None)) is not None:
         raise CommandError(f"{bad}: only hydra.searchpath=[...] can be given here")
     which = args.checkpoints
     if which != "all" and not set(which.split(",")) <= set(SELECTIONS):
-        raise CommandError(f"--checkpoints={which}: give any of best,final,newest (comma-separated) or all")
+        raise CommandError(
+            f"--checkpoints={which}: give any of best,final,newest (comma-separated) or all"
+        )
     try:
         if args.check:
             return check_archive(args.source, extra)
         if args.dest is None:
             raise BadSource("give SOURCE and DEST (or --check DEST)")
-        return build_archive(args.source, Path(os.path.abspath(args.dest)), which, args.with_data, args.overrides, argv)
+        return build_archive(
+            args.source,
+            Path(os.path.abspath(args.dest)),
+            which,
+            args.with_data,
+            args.overrides,
+            argv,
+        )
     except ValueError as e:  # a value a file holds that is out of range: bad input
         raise CommandError(str(e)) from e
     except OSError as e:  # what SOURCE or DEST cannot give or take: bad input, nothing published

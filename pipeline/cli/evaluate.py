@@ -3,6 +3,7 @@
 The metrics come from the function a run evaluates with, so on the checkpoint's own data they equal what its
 run measured at that step; other data (`data=NAME ...`, `data.KEY=VALUE`) must fit the model's spec and vocabulary.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,16 +22,24 @@ def evaluate_checkpoint(directory: Path, overrides: tuple[str, ...] | list[str] 
 
     manifest, state = restore_checkpoint(directory, list(overrides))
     state.dataset = dataset = other_data(manifest, list(overrides), directory)
-    return {"checkpoint": str(directory), "step": manifest["step"], "data": type(dataset).__name__,
-            "data_manifest_hash": dataset.manifest_hash,
-            "own_data": dataset.manifest_hash == manifest["data_manifest_hash"], "metrics": validate(state)}
+    return {
+        "checkpoint": str(directory),
+        "step": manifest["step"],
+        "data": type(dataset).__name__,
+        "data_manifest_hash": dataset.manifest_hash,
+        "own_data": dataset.manifest_hash == manifest["data_manifest_hash"],
+        "metrics": validate(state),
+    }
 
 
 @command("pipeline.evaluate")
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n\n")[0],
-                                 epilog="Overrides: data=NAME, data.KEY=VALUE, paths.output_dir=DIR (where the "
-                                        "corpus cache is; default the run's), hydra.searchpath=[...]")
+    ap = argparse.ArgumentParser(
+        prog="python -m pipeline.evaluate",
+        description=__doc__.split("\n\n")[0],
+        epilog="Overrides: data=NAME, data.KEY=VALUE, paths.output_dir=DIR (where the "
+        "corpus cache is; default the run's), hydra.searchpath=[...]",
+    )
     ap.add_argument("checkpoint", type=Path, help="a checkpoint directory (step-*, best, final)")
     ap.add_argument("overrides", nargs="*", help="data overrides")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -39,7 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(jsonio.dumps(result).decode(), end="")
     else:
-        print(" ".join([f"step={result['step']}", *(f"{k}={v:.6g}" for k, v in sorted(result["metrics"].items()))]))
+        print(
+            " ".join(
+                [
+                    f"step={result['step']}",
+                    *(f"{k}={v:.6g}" for k, v in sorted(result["metrics"].items())),
+                ]
+            )
+        )
     return EXIT_OK
 
 

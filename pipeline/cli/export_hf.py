@@ -1,5 +1,6 @@
 """Write MiniGPT weights as a Hugging Face GPT-2 directory: config.json, model.safetensors, and the corpus
 vocabulary as a tokenizer (tokenizer.json + tokenizer_config.json); each file replaced atomically, mode 0644."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,11 +21,15 @@ TIED = "lm_head.weight"  # the head is wte: HF ties it on load (tie_word_embeddi
 INTERRUPTED = "OUT_DIR may hold part of the export (each file whole); re-run the same command"
 
 
-def expected_shapes(*, n_layer: int, n_embd: int, n_positions: int, vocab_size: int) -> dict[str, tuple[int, ...]]:
+def expected_shapes(
+    *, n_layer: int, n_embd: int, n_positions: int, vocab_size: int
+) -> dict[str, tuple[int, ...]]:
     """HF GPT2LMHeadModel's stored weights (Conv1D layout, weight [in, out]), without the tied head."""
     d = n_embd
-    shapes: dict[str, tuple[int, ...]] = {"transformer.wte.weight": (vocab_size, d),
-                                          "transformer.wpe.weight": (n_positions, d)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "transformer.wte.weight": (vocab_size, d),
+        "transformer.wpe.weight": (n_positions, d),
+    }
     for i in range(n_layer):
         h = f"transformer.h.{i}."
         shapes.update({h + "ln_1.weight": (d,), h + "ln_1.bias": (d,),
@@ -37,27 +42,50 @@ def expected_shapes(*, n_layer: int, n_embd: int, n_positions: int, vocab_size: 
     return shapes
 
 
-def gpt2_config(*, n_layer: int, n_head: int, n_embd: int, n_positions: int, vocab_size: int,
-                eos_token_id: int | None = None, gelu: str = "tanh") -> dict:
+def gpt2_config(
+    *,
+    n_layer: int,
+    n_head: int,
+    n_embd: int,
+    n_positions: int,
+    vocab_size: int,
+    eos_token_id: int | None = None,
+    gelu: str = "tanh",
+) -> dict:
     """A GPT2Config matching MiniGPT: its GELU (tanh: gelu_new, erf: gelu), LayerNorm eps 1e-5, 4x MLP, tied head,
     no dropout."""
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab_size,
-        "n_positions": n_positions, "n_embd": n_embd, "n_layer": n_layer, "n_head": n_head,
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab_size,
+        "n_positions": n_positions,
+        "n_embd": n_embd,
+        "n_layer": n_layer,
+        "n_head": n_head,
         "n_inner": None,  # 4 * n_embd
         "activation_function": {"tanh": "gelu_new", "erf": "gelu"}[gelu],
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-        "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
         "use_cache": True,
         # GPT2Config defaults these to 50256, outside a small vocabulary: the corpus's <eos> plays all three
         # roles, as <|endoftext|> does in GPT-2; a vocabulary without one (data=text) has none.
-        "bos_token_id": eos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id,
+        "bos_token_id": eos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": eos_token_id,
         "torch_dtype": "float32",
     }
 
 
-def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos: str | None = EOS) -> dict[str, bytes]:
+def tokenizer_files(
+    vocab: list[str], join: str | None, n_positions: int, eos: str | None = EOS
+) -> dict[str, bytes]:
     """tokenizer.json (a `tokenizers` WordLevel model over the corpus vocabulary, ids unchanged) and
     tokenizer_config.json. Words (join " "): split at whitespace; characters (join ""): every character one
     token, decoded fused. No unknown token: text outside the vocabulary is an error.
@@ -72,7 +100,9 @@ def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos: s
             raise
         from pipeline.config.compose import install_hint
 
-        raise ValueError(f"writing the tokenizer needs the `tokenizers` package: {install_hint('hf')}") from None
+        raise ValueError(
+            f"writing the tokenizer needs the `tokenizers` package: {install_hint('hf')}"
+        ) from None
 
     if len(set(vocab)) != len(vocab):
         raise ValueError("the vocabulary repeats a token; a tokenizer needs each once")
@@ -81,13 +111,19 @@ def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos: s
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         tok.decoder = decoders.Replace(Regex("^"), " ")  # a space before every word
     elif join == "":
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # [\s\S]: newlines too
+        tok.pre_tokenizer = pre_tokenizers.Split(
+            Regex(r"[\s\S]"), behavior="isolated"
+        )  # [\s\S]: newlines too
         tok.decoder = decoders.Fuse()
     else:
-        raise ValueError(f"no tokenizer for a corpus decoded with {join!r} between tokens (words or characters only)")
+        raise ValueError(
+            f"no tokenizer for a corpus decoded with {join!r} between tokens (words or characters only)"
+        )
     specials = [eos] if eos is not None and eos in vocab else []
     if specials:
-        tok.add_special_tokens(specials)  # already in the vocabulary: same id, never split, skippable on decode
+        tok.add_special_tokens(
+            specials
+        )  # already in the vocabulary: same id, never split, skippable on decode
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": n_positions,
@@ -95,20 +131,40 @@ def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos: s
         "clean_up_tokenization_spaces": False,
         **({"bos_token": eos, "eos_token": eos, "pad_token": eos} if specials else {}),
     }
-    return {"tokenizer.json": tok.to_str(pretty=True).encode() + b"\n",
-            "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
+    return {
+        "tokenizer.json": tok.to_str(pretty=True).encode() + b"\n",
+        "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode(),
+    }
 
 
-def write_hf(params: dict[str, np.ndarray], *, n_layer: int, n_head: int, n_embd: int, n_positions: int,
-             vocab_size: int, out_dir, vocab: list[str] | None = None, join: str | None = None,
-             eos: str | None = EOS, gelu: str = "tanh", bias: bool = True) -> Path:
+def write_hf(
+    params: dict[str, np.ndarray],
+    *,
+    n_layer: int,
+    n_head: int,
+    n_embd: int,
+    n_positions: int,
+    vocab_size: int,
+    out_dir,
+    vocab: list[str] | None = None,
+    join: str | None = None,
+    eos: str | None = EOS,
+    gelu: str = "tanh",
+    bias: bool = True,
+) -> Path:
     """Check names and shapes, then write config.json and model.safetensors (float32) into out_dir, and the
     tokenizer files when the vocabulary (and how the corpus joins its tokens) is given; `eos`, the corpus's
     end-of-sentence token if in the vocabulary, is the bos, eos and pad token. A bias-free model (`bias`
     False: no `*.bias` given) is written with zero biases, which GPT-2 computes with as if it had none."""
-    shapes = expected_shapes(n_layer=n_layer, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size)
+    shapes = expected_shapes(
+        n_layer=n_layer, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size
+    )
     if not bias:
-        zeros = {name: np.zeros(shape, np.float32) for name, shape in shapes.items() if name.endswith(".bias")}
+        zeros = {
+            name: np.zeros(shape, np.float32)
+            for name, shape in shapes.items()
+            if name.endswith(".bias")
+        }
         if clash := sorted(set(zeros) & set(params)):
             raise KeyError(f"a bias-free model holds {clash[0]}")
         params = {**params, **zeros}
@@ -129,9 +185,18 @@ def write_hf(params: dict[str, np.ndarray], *, n_layer: int, n_head: int, n_embd
         if len(vocab) != vocab_size:
             raise ValueError(f"the vocabulary has {len(vocab)} tokens, the model {vocab_size}")
         files.update(tokenizer_files(list(vocab), join, n_positions, eos))
-    eos_id = list(vocab).index(eos) if vocab is not None and eos is not None and eos in vocab else None
-    config = gpt2_config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size,
-                         eos_token_id=eos_id, gelu=gelu)
+    eos_id = (
+        list(vocab).index(eos) if vocab is not None and eos is not None and eos in vocab else None
+    )
+    config = gpt2_config(
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        n_positions=n_positions,
+        vocab_size=vocab_size,
+        eos_token_id=eos_id,
+        gelu=gelu,
+    )
     files["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
     files["model.safetensors"] = save(tensors, metadata={"format": "pt"})
     out = Path(out_dir)
@@ -143,32 +208,53 @@ def write_hf(params: dict[str, np.ndarray], *, n_layer: int, n_head: int, n_embd
 
 @command("pipeline.export_hf")
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Export a MiniGPT checkpoint as a Hugging Face GPT-2 directory.",
-                                     epilog="The vocabulary is the checkpoint's data.json; only for a checkpoint "
-                                            "written before it (schema 2.0) is the training data built, found with "
-                                            "data.path=FILE (a moved text file), "
-                                            "paths.output_dir=DIR (the corpus cache)")
+    parser = argparse.ArgumentParser(
+        description="Export a MiniGPT checkpoint as a Hugging Face GPT-2 directory.",
+        epilog="The vocabulary is the checkpoint's data.json; only for a checkpoint "
+        "written before it (schema 2.0) is the training data built, found with "
+        "data.path=FILE (a moved text file), "
+        "paths.output_dir=DIR (the corpus cache)",
+    )
     parser.add_argument("checkpoint", metavar="CHECKPOINT")
     parser.add_argument("out_dir", metavar="OUT_DIR")
-    parser.add_argument("overrides", nargs="*", help="data.path=FILE, paths.output_dir=DIR, hydra.searchpath=[...]")
+    parser.add_argument(
+        "overrides", nargs="*", help="data.path=FILE, paths.output_dir=DIR, hydra.searchpath=[...]"
+    )
     args = parser.parse_args(argv)
     from pipeline.config.schemas import as_written_now
     from pipeline.run.trained import data_facts, restore_checkpoint
 
     try:
-        manifest, state = restore_checkpoint(Path(args.checkpoint), args.overrides)  # fully verified
-        model = as_written_now(manifest["config"]["model"])  # bias and gelu: a checkpoint may predate them
+        manifest, state = restore_checkpoint(
+            Path(args.checkpoint), args.overrides
+        )  # fully verified
+        model = as_written_now(
+            manifest["config"]["model"]
+        )  # bias and gelu: a checkpoint may predate them
         if not str(model.get("_target_", "")).endswith("MiniGPT"):
             raise CommandError(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
-        facts = data_facts(manifest, args.overrides, Path(args.checkpoint))  # the vocabulary the model was trained on
+        facts = data_facts(
+            manifest, args.overrides, Path(args.checkpoint)
+        )  # the vocabulary the model was trained on
         if facts["vocab"] is None:
-            raise CommandError(f"{args.checkpoint}: its data has no vocabulary to make a tokenizer of")
+            raise CommandError(
+                f"{args.checkpoint}: its data has no vocabulary to make a tokenizer of"
+            )
         weights = state.model.state_dict()
-        out = write_hf(weights, n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
-                       n_positions=weights["transformer.wpe.weight"].shape[0],
-                       vocab_size=weights["transformer.wte.weight"].shape[0], out_dir=args.out_dir,
-                       vocab=facts["vocab"], join=facts["decode_join"], eos=facts["specials"].get("eos"),
-                       gelu=model["gelu"], bias=model["bias"])
+        out = write_hf(
+            weights,
+            n_layer=model["n_layer"],
+            n_head=model["n_head"],
+            n_embd=model["n_embd"],
+            n_positions=weights["transformer.wpe.weight"].shape[0],
+            vocab_size=weights["transformer.wte.weight"].shape[0],
+            out_dir=args.out_dir,
+            vocab=facts["vocab"],
+            join=facts["decode_join"],
+            eos=facts["specials"].get("eos"),
+            gelu=model["gelu"],
+            bias=model["bias"],
+        )
     except ValueError as e:  # a weight whose shape does not fit: bad input
         raise CommandError(str(e)) from e
     print(f"wrote {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")

@@ -6,6 +6,7 @@ own in the experiment the checkpoint's run was tracked in (docs/serving.md: The 
 printing `models:/NAME/VERSION`; 2 (one line) for a bad name, checkpoint, data or store, all but the store
 refused before mlflow is imported; 1 (one line) if mlflow refuses.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,12 +39,15 @@ def signature_of(manifest: dict, model, prompt: str = ""):
     if hasattr(model, "logits"):
         return None, [{"prompt": prompt, "max_new_tokens": 4, "seed": 0}]
     spec = manifest["data_spec"]
-    dtype: Any = getattr(model, "dtype", "float64")  # a numpy dtype or its name: TensorSpec takes both
+    dtype: Any = getattr(
+        model, "dtype", "float64"
+    )  # a numpy dtype or its name: TensorSpec takes both
     inputs = Schema([TensorSpec(dtype, (-1, spec["n_features"]))])
     import numpy as np
 
-    return ModelSignature(inputs, Schema([TensorSpec(dtype, (-1, spec["n_targets"]))])), \
-        np.zeros((1, spec["n_features"]), dtype=dtype)
+    return ModelSignature(inputs, Schema([TensorSpec(dtype, (-1, spec["n_targets"]))])), np.zeros(
+        (1, spec["n_features"]), dtype=dtype
+    )
 
 
 def requirements() -> list[str]:
@@ -75,7 +79,9 @@ def using_store(uri: str):
     try:
         yield
     finally:
-        mlflow.set_tracking_uri(saved[0])  # through the setter: it also resets what mlflow derived from it
+        mlflow.set_tracking_uri(
+            saved[0]
+        )  # through the setter: it also resets what mlflow derived from it
         registry._registry_uri = saved[1]
         for k, v in env.items():
             if v is None:
@@ -93,8 +99,10 @@ def store_uri(checkpoint: Path, tracking_uri: str | None) -> str:
 
     named = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not named and in_archive(checkpoint):
-        raise ConfigError(f"checkpoint {checkpoint} lies in an archive: name the store to register it in with "
-                          "--tracking-uri URI (or MLFLOW_TRACKING_URI); nothing was written")
+        raise ConfigError(
+            f"checkpoint {checkpoint} lies in an archive: name the store to register it in with "
+            "--tracking-uri URI (or MLFLOW_TRACKING_URI); nothing was written"
+        )
     return normalize_tracking_uri(named or default_uri(cache_home(checkpoint)))
 
 
@@ -108,33 +116,50 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     from pipeline.serving import CHECKPOINT, VOCAB
 
     if (why := names.problem(name, reserve=0)) is not None or not name.strip():
-        raise ConfigError(f"NAME={names.shown(name)}: {why or 'must not be blank'} (a registered model's name is "
-                          "models:/NAME/VERSION and a directory of a file store)")
+        raise ConfigError(
+            f"NAME={names.shown(name)}: {why or 'must not be blank'} (a registered model's name is "
+            "models:/NAME/VERSION and a directory of a file store)"
+        )
     given = Path(checkpoint_dir)
     checkpoint = CheckpointDir(given)
     directory = checkpoint.resolved()  # `final`, `best`: the step directory they stand for
-    manifest, state = restore_checkpoint(directory)  # refused here, before mlflow is imported or a byte written
+    manifest, state = restore_checkpoint(
+        directory
+    )  # refused here, before mlflow is imported or a byte written
     if not (hasattr(state.model, "logits") or hasattr(state.model, "predict")):
-        raise ConfigError(f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
-                          "neither generates tokens (logits) nor predicts rows (predict): nothing to serve")
+        raise ConfigError(
+            f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
+            "neither generates tokens (logits) nor predicts rows (predict): nothing to serve"
+        )
     vocab = None
-    if hasattr(state.model, "logits") and checkpoint.data_facts(manifest) is None:  # schema 2.0: no data.json
+    if (
+        hasattr(state.model, "logits") and checkpoint.data_facts(manifest) is None
+    ):  # schema 2.0: no data.json
         dataset = own_data(manifest, [], given)
         vocab = {"vocab": list(dataset.vocab), "decode_join": dataset.manifest["decode_join"]}
 
-    uri = store_uri(given, tracking_uri)  # an archive's checkpoint without a store named: refused before mlflow
+    uri = store_uri(
+        given, tracking_uri
+    )  # an archive's checkpoint without a store named: refused before mlflow
     import mlflow
 
     from pipeline.tracking.common import experiment_of, parse_run_uri, tag_value
     from pipeline.tracking.store import ensure_experiment, open_client
 
-    client = open_client(uri)  # a sqlite store's artifacts beside it (tracking.common.artifact_root), as a run's
+    client = open_client(
+        uri
+    )  # a sqlite store's artifacts beside it (tracking.common.artifact_root), as a run's
     experiment_id = ensure_experiment(client, str(experiment_of(manifest["config"])), None)
     first_word = next((t for t in (vocab or {}).get("vocab", ()) if t.strip()), "")
     signature, example = signature_of(manifest, state.model, first_word)
     _, _, run_id = parse_run_uri(manifest.get("mlflow_run_uri"))
-    tags = {"checkpoint": str(directory), "step": manifest.get("step"), "config_hash": manifest.get("config_hash"),
-            "training_run_id": run_id, "training_run_uri": manifest.get("mlflow_run_uri")}
+    tags = {
+        "checkpoint": str(directory),
+        "step": manifest.get("step"),
+        "config_hash": manifest.get("config_hash"),
+        "training_run_id": run_id,
+        "training_run_uri": manifest.get("mlflow_run_uri"),
+    }
     with tempfile.TemporaryDirectory(prefix="pipeline-register-") as tmp:
         # mlflow uploads a copy made from the verified files (one that changed since is refused here)
         checkpoint.copy_to(Path(tmp) / directory.name, manifest)
@@ -142,34 +167,61 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
         if vocab is not None:
             (Path(tmp) / "vocab.json").write_bytes(jsonio.dumps(vocab))
             artifacts[VOCAB] = str(Path(tmp) / "vocab.json")
-        with using_store(uri), mlflow.start_run(experiment_id=experiment_id, run_name=f"register {name}",
-                                                tags={k: tag_value(v) for k, v in tags.items() if v is not None}):
-            code = GENERATOR_CODE if signature is None else CODE  # a MiniGPT's signature: predict's type hints
-            info = mlflow.pyfunc.log_model(name=ARTIFACT_PATH, python_model=str(code), artifacts=artifacts,
-                                           signature=signature, input_example=example,
-                                           pip_requirements=requirements(), registered_model_name=name)
+        with (
+            using_store(uri),
+            mlflow.start_run(
+                experiment_id=experiment_id,
+                run_name=f"register {name}",
+                tags={k: tag_value(v) for k, v in tags.items() if v is not None},
+            ),
+        ):
+            code = (
+                GENERATOR_CODE if signature is None else CODE
+            )  # a MiniGPT's signature: predict's type hints
+            info = mlflow.pyfunc.log_model(
+                name=ARTIFACT_PATH,
+                python_model=str(code),
+                artifacts=artifacts,
+                signature=signature,
+                input_example=example,
+                pip_requirements=requirements(),
+                registered_model_name=name,
+            )
     return client.get_model_version(name, str(info.registered_model_version))
 
 
 @command("pipeline.register")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.register", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a checkpoint directory (RUN/checkpoints/final, .../step-NNNNNNNN)")
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.register", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "checkpoint", help="a checkpoint directory (RUN/checkpoints/final, .../step-NNNNNNNN)"
+    )
     parser.add_argument("name", help="the registered model's name")
-    parser.add_argument("--tracking-uri", default=None,
-                        help="the store (default: MLFLOW_TRACKING_URI, else sqlite:///<OUTPUT_DIR>/mlflow.db)")
+    parser.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="the store (default: MLFLOW_TRACKING_URI, else sqlite:///<OUTPUT_DIR>/mlflow.db)",
+    )
     args = parser.parse_args(argv)
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # else a bar per copy of the files
+    os.environ.setdefault(
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false"
+    )  # else a bar per copy of the files
     try:
         version = register(Path(args.checkpoint), args.name, args.tracking_uri)
     except Exception as e:
         # mlflow's refusals (a bad name, a server's error) come once register() imported mlflow: never import
         # it for a checkpoint refused before (a few seconds of every refusal)
-        if "mlflow" not in sys.modules or not isinstance(e, sys.modules["mlflow"].exceptions.MlflowException):
+        if "mlflow" not in sys.modules or not isinstance(
+            e, sys.modules["mlflow"].exceptions.MlflowException
+        ):
             raise
         raise CommandError(f"mlflow: {str(e).splitlines()[0]}", exit_code=EXIT_ERROR) from e
-    print(f"registered in the model registry of {store_uri(Path(args.checkpoint), args.tracking_uri)} "
-          f"(logged as run {version.run_id})")
+    print(
+        f"registered in the model registry of {store_uri(Path(args.checkpoint), args.tracking_uri)} "
+        f"(logged as run {version.run_id})"
+    )
     print(f"models:/{version.name}/{version.version}")
     return EXIT_OK
 

@@ -7,6 +7,7 @@ running job holds is left to it, one nobody holds but marked running ends FAILED
 sqlite store aside (never deleted). Exit 2 for a store that cannot be opened, 1 if some run directory could not
 be indexed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,16 +28,23 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
     from pipeline.tracking.index import sync_parent, sync_run
 
     output_dir = Path(output_dir).resolve()
-    artifact_location = artifact_root(uri, artifact_location or str(output_dir / "mlartifacts"))  # server: None
+    artifact_location = artifact_root(
+        uri, artifact_location or str(output_dir / "mlartifacts")
+    )  # server: None
     client = store.open_client(uri, artifact_location)
-    results, synced = [], {}  # synced: the sweeps' job directories, indexed with their parents already
+    results, synced = (
+        [],
+        {},
+    )  # synced: the sweeps' job directories, indexed with their parents already
     for _, kind, path in history(output_dir):
         if kind == "sweep":
             try:
                 r = sync_parent(client, uri, path, artifact_location)
                 synced.update(r.pop("synced"))
-                print(f"sweep {path.name}: {run_page(run_uri(uri, r['experiment_id'], r['run_id']))} "
-                      f"({r['children']} jobs, {r['status']})")
+                print(
+                    f"sweep {path.name}: {run_page(run_uri(uri, r['experiment_id'], r['run_id']))} "
+                    f"({r['children']} jobs, {r['status']})"
+                )
             except Exception as e:
                 results.append({"error": f"{type(e).__name__}: {e}", "sweep_dir": str(path)})
                 print(f"sweep {path.name}: ERROR {type(e).__name__}: {e}")
@@ -44,8 +52,10 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
         run_dir = path
         try:
             r = synced.get(str(run_dir.resolve())) or (
-                {"skipped": "in use by a running job"} if RunDir(run_dir).in_use()
-                else sync_run(client, uri, run_dir, artifact_location))
+                {"skipped": "in use by a running job"}
+                if RunDir(run_dir).in_use()
+                else sync_run(client, uri, run_dir, artifact_location)
+            )
         except Exception as e:
             r = {"error": f"{type(e).__name__}: {e}"}
         r["run_dir"] = str(run_dir)
@@ -57,16 +67,27 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
         elif "skipped" in r:
             print(f"{run_dir.name}: skipped ({r['skipped']})")
         else:
-            what = ", ".join(f"+{r[k]} {k}" for k in ("params", "tags", "points", "artifacts") if r[k])
-            verb = "created" if r["created"] else ("updated" if what or r["status"] else "up to date")
+            what = ", ".join(
+                f"+{r[k]} {k}" for k in ("params", "tags", "points", "artifacts") if r[k]
+            )
+            verb = (
+                "created" if r["created"] else ("updated" if what or r["status"] else "up to date")
+            )
             if r["status"]:
                 what = ", ".join(filter(None, [what, f"status {r['status_now']}"]))
-            print(f"{run_dir.name}: {verb} {run_page(run_uri(uri, r['experiment_id'], r['run_id']))}"
-                  + (f" ({what})" if what else ""))
-    changed = sum(1 for r in results if any(r.get(k) for k in ("created", "params", "tags", "points",
-                                                                     "artifacts", "status")))
-    print(f"reindexed {len(results)} run directories into {uri}: {changed} changed, "
-          f"{sum('error' in r for r in results)} errors")
+            print(
+                f"{run_dir.name}: {verb} {run_page(run_uri(uri, r['experiment_id'], r['run_id']))}"
+                + (f" ({what})" if what else "")
+            )
+    changed = sum(
+        1
+        for r in results
+        if any(r.get(k) for k in ("created", "params", "tags", "points", "artifacts", "status"))
+    )
+    print(
+        f"reindexed {len(results)} run directories into {uri}: {changed} changed, "
+        f"{sum('error' in r for r in results)} errors"
+    )
     return results
 
 
@@ -84,25 +105,45 @@ def history(output_dir: Path) -> list[tuple[float, str, Path]]:
             return 0.0
         return float(t) if isinstance(t, (int, float)) else 0.0
 
-    found = [(started(lambda d=p.parent: read_sweep(d)), "sweep", p.parent)
-             for p in sorted((output_dir / "sweeps").glob("*/sweep.json"))]
+    found = [
+        (started(lambda d=p.parent: read_sweep(d)), "sweep", p.parent)
+        for p in sorted((output_dir / "sweeps").glob("*/sweep.json"))
+    ]
     runs_dir = output_dir / "runs"
-    found += [(started(RunDir(p).read_status), "run", p)
-              for p in (sorted(p for p in runs_dir.iterdir() if p.is_dir()) if runs_dir.is_dir() else [])]
+    found += [
+        (started(RunDir(p).read_status), "run", p)
+        for p in (sorted(p for p in runs_dir.iterdir() if p.is_dir()) if runs_dir.is_dir() else [])
+    ]
     return sorted(found, key=lambda f: (f[0], f[1], str(f[2])))
 
 
 @command("pipeline.reindex")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.reindex", description=__doc__.split("\n\n")[0])
-    parser.add_argument("output_dir", nargs="?", default=None,
-                        help="the pipeline's output directory (paths.output_dir; default: <project>/outputs)")
-    parser.add_argument("--tracking-uri", default=None, help="where to index (default: sqlite:///<OUTPUT_DIR>/mlflow.db)")
-    parser.add_argument("--artifact-location", default=None,
-                        help="artifact root for experiments it creates in a sqlite or file store (default: "
-                             "<OUTPUT_DIR>/mlartifacts; a tracking server chooses its own)")
-    parser.add_argument("--rebuild", action="store_true",
-                        help="move an existing sqlite store aside (never deleted) and build a new one from disk")
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.reindex", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "output_dir",
+        nargs="?",
+        default=None,
+        help="the pipeline's output directory (paths.output_dir; default: <project>/outputs)",
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="where to index (default: sqlite:///<OUTPUT_DIR>/mlflow.db)",
+    )
+    parser.add_argument(
+        "--artifact-location",
+        default=None,
+        help="artifact root for experiments it creates in a sqlite or file store (default: "
+        "<OUTPUT_DIR>/mlartifacts; a tracking server chooses its own)",
+    )
+    parser.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="move an existing sqlite store aside (never deleted) and build a new one from disk",
+    )
     args = parser.parse_args(argv)
     from pipeline.config.compose import default_output_dir
     from pipeline.tracking.common import default_uri, normalize_tracking_uri, sqlite_path
@@ -111,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     if not output_dir.is_dir():
         raise CommandError(f"no such output directory: {output_dir}")
     uri = normalize_tracking_uri(args.tracking_uri or default_uri(output_dir))
-    if args.rebuild and (db := sqlite_path(uri)) is not None and db.exists():  # a sqlite file: renamed, never deleted
+    if (
+        args.rebuild and (db := sqlite_path(uri)) is not None and db.exists()
+    ):  # a sqlite file: renamed, never deleted
         aside = db.with_name(f"{db.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
         db.rename(aside)
         print(f"moved the old store aside: {aside}")

@@ -15,6 +15,7 @@ roundtrip_results.json` (exit 0 if all pass, 1 if not, 2 on a bad override):
 `size_delta_pct` is the weights file's excess over the unique parameters' bytes (`expected_size_bytes_no_tying`,
 a tied array counted once), for tiny models mostly the header (`weights_header_bytes`); `size_delta_note` says so.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,10 @@ RESULTS = "roundtrip_results.json"
 
 # -- the objects and the weights file ------------------------------------------------------------
 
+
 def losses(run: Fresh, n: int) -> list[float]:
     return [float(r["train/loss"]) for r in run.train(n)]
+
 
 INTERRUPTED = "no results were written; re-run the same command"
 
@@ -58,11 +61,16 @@ INTERRUPTED = "no results were written; re-run the same command"
 def child(args: list[str], overrides: list[str], **env: str) -> subprocess.CompletedProcess:
     """`python -m pipeline.roundtrip ARGS -- OVERRIDES` in a fresh process that imports this project."""
     path = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return subprocess.run([sys.executable, "-m", "pipeline.roundtrip", *args, "--", *overrides],
-                          env={**os.environ, "PYTHONPATH": path, **env}, capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.roundtrip", *args, "--", *overrides],
+        env={**os.environ, "PYTHONPATH": path, **env},
+        capture_output=True,
+        text=True,
+    )
 
 
 # -- the four checks ----------------------------------------------------------------------------
+
 
 def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
     run = Fresh(config)
@@ -76,15 +84,21 @@ def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
     after = fresh.snapshot()
     differences = {m: d for m in PARTS if (d := first_difference(before[m], after[m], m))}
     return {
-        "passed": [m for m in PARTS if m not in differences], "differences": differences,
+        "passed": [m for m in PARTS if m not in differences],
+        "differences": differences,
         # a part the fresh objects already matched proves nothing about its restore
-        "unchanged_by_training": [m for m in PARTS if first_difference(before[m], untouched[m], m) is None],
-        "directory": directory, "sha256": file_hashes(manifest)["weights"], "run": run,
+        "unchanged_by_training": [
+            m for m in PARTS if first_difference(before[m], untouched[m], m) is None
+        ],
+        "directory": directory,
+        "sha256": file_hashes(manifest)["weights"],
+        "run": run,
     }
 
 
-def check_continuation(config: dict, overrides: list[str], work: Path, steps: int,
-                       separate_process: bool = True) -> dict:
+def check_continuation(
+    config: dict, overrides: list[str], work: Path, steps: int, separate_process: bool = True
+) -> dict:
     reference = Fresh(config)
     losses_ref = losses(reference, 2 * steps)
     first = Fresh(config)
@@ -93,10 +107,15 @@ def check_continuation(config: dict, overrides: list[str], work: Path, steps: in
     first.save(directory)
     if separate_process:
         out = work / "continuation" / "resumed"
-        proc = child(["--continue-from", str(directory), "--steps", str(steps), "--out", str(out)], overrides)
+        proc = child(
+            ["--continue-from", str(directory), "--steps", str(steps), "--out", str(out)], overrides
+        )
         if proc.returncode != 0:
-            return {"passed": False, "separate_process": True,
-                    "error": f"continuation process exited {proc.returncode}: {proc.stderr.strip()[-2000:]}"}
+            return {
+                "passed": False,
+                "separate_process": True,
+                "error": f"continuation process exited {proc.returncode}: {proc.stderr.strip()[-2000:]}",
+            }
         arrays, _ = read_tensors(out / "continued.safetensors")
         losses_b = arrays.pop("losses").tolist()
         json_tree = jsonio.read(out / "continued.json", 1 << 24)
@@ -106,10 +125,16 @@ def check_continuation(config: dict, overrides: list[str], work: Path, steps: in
         second.load(directory)
         losses_b = losses(second, steps)
         resumed = second.snapshot()
-    checks = {"losses": first_difference(np.array(losses_ref), np.array(losses_a + losses_b), "losses"),
-              "state": first_difference(reference.snapshot(), resumed)}
-    return {"passed": all(v is None for v in checks.values()), "separate_process": separate_process,
-            "steps": [steps, steps], "differences": {k: v for k, v in checks.items() if v}}
+    checks = {
+        "losses": first_difference(np.array(losses_ref), np.array(losses_a + losses_b), "losses"),
+        "state": first_difference(reference.snapshot(), resumed),
+    }
+    return {
+        "passed": all(v is None for v in checks.values()),
+        "separate_process": separate_process,
+        "steps": [steps, steps],
+        "differences": {k: v for k, v in checks.items() if v},
+    }
 
 
 def run_continuation(overrides: list[str], checkpoint: Path, steps: int, out: Path) -> None:
@@ -129,24 +154,40 @@ def check_tying(config: dict, d: dict) -> dict:
     model, directory = d["run"].state.model, d["directory"]
     live = model.state_dict()
     aliases = dict(model.aliases)
-    expected = sum(a.nbytes for a in {id(a): a for a in live.values()}.values())  # a tied array counted once
+    expected = sum(
+        a.nbytes for a in {id(a): a for a in live.values()}.values()
+    )  # a tied array counted once
     path = CheckpointDir(directory).weights_file()
     size = path.stat().st_size
-    with open(path, "rb") as f:  # the header read straight from the file, its bytes counting the 8-byte length
+    with open(
+        path, "rb"
+    ) as f:  # the header read straight from the file, its bytes counting the 8-byte length
         (n,) = struct.unpack("<Q", f.read(8))
         header_bytes, head = 8 + n, jsonio.loads(f.read(n))
     metadata = head.get("__metadata__", {})
-    extra = size - expected  # what size_delta_pct is relative to, and where the excess is, in words:
-    where = (f"all {extra} of them its safetensors header" if extra == header_bytes
-             else f"{header_bytes} of them its safetensors header, {extra - header_bytes} not")
-    out = {"weights_file_size_bytes": size, "expected_size_bytes_no_tying": expected,
-           "weights_header_bytes": header_bytes, "size_delta_pct": round(100.0 * (size - expected) / expected, 4),
-           "size_within_4kib": abs(size - expected) < SIZE_SLACK, "tied": aliases,
-           "size_delta_note": f"relative to the unique parameters' {expected} bytes (a tied array counted once): "
-                              f"the weights file has {size}, {extra:+d} bytes, {where}"}
+    extra = (
+        size - expected
+    )  # what size_delta_pct is relative to, and where the excess is, in words:
+    where = (
+        f"all {extra} of them its safetensors header"
+        if extra == header_bytes
+        else f"{header_bytes} of them its safetensors header, {extra - header_bytes} not"
+    )
+    out = {
+        "weights_file_size_bytes": size,
+        "expected_size_bytes_no_tying": expected,
+        "weights_header_bytes": header_bytes,
+        "size_delta_pct": round(100.0 * (size - expected) / expected, 4),
+        "size_within_4kib": abs(size - expected) < SIZE_SLACK,
+        "tied": aliases,
+        "size_delta_note": f"relative to the unique parameters' {expected} bytes (a tied array counted once): "
+        f"the weights file has {size}, {extra:+d} bytes, {where}",
+    }
     if not aliases:
         out["weight_tying_preserved"] = None
-        out["weight_tying_note"] = "no tied weights in this model (model.aliases is empty): nothing to preserve"
+        out["weight_tying_note"] = (
+            "no tied weights in this model (model.aliases is empty): nothing to preserve"
+        )
         return out
     fresh = Fresh(config)
     ckpt = fresh.load(directory)
@@ -157,7 +198,9 @@ def check_tying(config: dict, d: dict) -> dict:
         "header_alias": all(metadata.get(a) == f"ALIAS({t})" for a, t in aliases.items()),
         "stored_once": all(a not in head for a in aliases),
         "one_object_after_load": all(loaded[a] is loaded[t] for a, t in aliases.items()),
-        "one_object_after_apply": all(fresh_live[a] is fresh.state.model.params[t] for a, t in aliases.items()),
+        "one_object_after_apply": all(
+            fresh_live[a] is fresh.state.model.params[t] for a, t in aliases.items()
+        ),
         "size_within_4kib": out["size_within_4kib"],
     }
     out["weight_tying_checks"] = checks
@@ -171,9 +214,14 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
     killed = child(args, overrides, PIPELINE_CHAOS="save:4")
     interrupted = killed.returncode == -signal.SIGKILL
     parent = out / "saves"
-    leftovers_after_kill = sorted(p.name for p in parent.iterdir()
-                                  if p.name.startswith(TMP_PREFIX)) if parent.is_dir() else []
-    no_final = not any(p.name.startswith("step-") for p in parent.iterdir()) if parent.is_dir() else True
+    leftovers_after_kill = (
+        sorted(p.name for p in parent.iterdir() if p.name.startswith(TMP_PREFIX))
+        if parent.is_dir()
+        else []
+    )
+    no_final = (
+        not any(p.name.startswith("step-") for p in parent.iterdir()) if parent.is_dir() else True
+    )
     ignored = CheckpointStore(parent).steps() == []
     again = child(args, overrides)
     leftovers = sorted(p.name for p in parent.iterdir() if p.name.startswith(TMP_PREFIX))
@@ -182,16 +230,23 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
         verifies = True
     except CheckpointError:
         verifies = False
-    checks = {"interrupted": interrupted, "no_final_directory": no_final, "temporary_left": bool(leftovers_after_kill),
-              "readers_ignore_temporary": ignored, "next_save_cleans_up": again.returncode == 0 and not leftovers,
-              "next_save_verifies": verifies}
+    checks = {
+        "interrupted": interrupted,
+        "no_final_directory": no_final,
+        "temporary_left": bool(leftovers_after_kill),
+        "readers_ignore_temporary": ignored,
+        "next_save_cleans_up": again.returncode == 0 and not leftovers,
+        "next_save_verifies": verifies,
+    }
     return {"passed": all(checks.values()), "checks": checks, "leftovers": leftovers}
 
 
 # -- the command --------------------------------------------------------------------------------
 
-def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = True,
-              keep: bool = False) -> tuple[dict, Path]:
+
+def roundtrip(
+    overrides: list[str], steps: int = 10, separate_process: bool = True, keep: bool = False
+) -> tuple[dict, Path]:
     config = to_plain(compose(overrides))
     out = Path(config["paths"]["output_dir"]) / "roundtrip" / run_name(config)
     out.mkdir(parents=True, exist_ok=True)
@@ -211,16 +266,28 @@ def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = Tr
             remove_tree(scratch)
     results = {
         **tying,  # the weights file's size against the unique parameters' (and why), the tying checks
-        "byte_equivalent_state_machines": d["passed"], "all_byte_equal": len(d["passed"]) == len(PARTS),
-        "continuation_test_passed": continuation["passed"], "atomic_write_resilient": atomic["passed"],
-        "manifest_schema_version": manifest.get("schema_version"), "state_differences": d["differences"],
-        "unchanged_by_training": d["unchanged_by_training"], "continuation": continuation, "atomic": atomic,
-        "checkpoint": str(d["directory"]), "checkpoint_sha256": d["sha256"], "steps": steps,
+        "byte_equivalent_state_machines": d["passed"],
+        "all_byte_equal": len(d["passed"]) == len(PARTS),
+        "continuation_test_passed": continuation["passed"],
+        "atomic_write_resilient": atomic["passed"],
+        "manifest_schema_version": manifest.get("schema_version"),
+        "state_differences": d["differences"],
+        "unchanged_by_training": d["unchanged_by_training"],
+        "continuation": continuation,
+        "atomic": atomic,
+        "checkpoint": str(d["directory"]),
+        "checkpoint_sha256": d["sha256"],
+        "steps": steps,
         "overrides": list(overrides),
     }
-    results["passed"] = bool(results["all_byte_equal"] and results["continuation_test_passed"]
-                             and results["weight_tying_preserved"] is not False and results["atomic_write_resilient"]
-                             and results["size_within_4kib"] and results["manifest_schema_version"] == SCHEMA_VERSION)
+    results["passed"] = bool(
+        results["all_byte_equal"]
+        and results["continuation_test_passed"]
+        and results["weight_tying_preserved"] is not False
+        and results["atomic_write_resilient"]
+        and results["size_within_4kib"]
+        and results["manifest_schema_version"] == SCHEMA_VERSION
+    )
     path = out / RESULTS
     path.write_bytes(jsonio.dumps(results))
     return results, path
@@ -228,13 +295,28 @@ def roundtrip(overrides: list[str], steps: int = 10, separate_process: bool = Tr
 
 @command("pipeline.roundtrip")
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.roundtrip", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m pipeline.roundtrip", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m pipeline")
-    ap.add_argument("--steps", type=int, default=10, help="steps before the checkpoint, and after it (default 10)")
-    ap.add_argument("--in-process", action="store_true", help="continue in this process instead of a fresh one")
-    ap.add_argument("--keep", action="store_true", help="keep the scratch directories of the checks")
-    ap.add_argument("--continue-from", type=Path, help=argparse.SUPPRESS)  # the continuation's child process
-    ap.add_argument("--save-to", type=Path, help=argparse.SUPPRESS)  # the atomic check's child process
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=10,
+        help="steps before the checkpoint, and after it (default 10)",
+    )
+    ap.add_argument(
+        "--in-process", action="store_true", help="continue in this process instead of a fresh one"
+    )
+    ap.add_argument(
+        "--keep", action="store_true", help="keep the scratch directories of the checks"
+    )
+    ap.add_argument(
+        "--continue-from", type=Path, help=argparse.SUPPRESS
+    )  # the continuation's child process
+    ap.add_argument(
+        "--save-to", type=Path, help=argparse.SUPPRESS
+    )  # the atomic check's child process
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_intermixed_args(argv)  # options may come between the overrides
     if args.continue_from is not None:
@@ -247,10 +329,21 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     to_plain(compose(args.overrides))  # a bad override: one line, exit 2 (config/errors.exit_code)
     results, path = roundtrip(args.overrides, args.steps, not args.in_process, args.keep)
-    notes = {"weight_tying_preserved": results.get("weight_tying_note"), "size_delta_pct": results["size_delta_note"]}
-    for key in ("byte_equivalent_state_machines", "all_byte_equal", "continuation_test_passed",
-                "weight_tying_preserved", "atomic_write_resilient", "weights_file_size_bytes",
-                "expected_size_bytes_no_tying", "size_delta_pct", "manifest_schema_version"):
+    notes = {
+        "weight_tying_preserved": results.get("weight_tying_note"),
+        "size_delta_pct": results["size_delta_note"],
+    }
+    for key in (
+        "byte_equivalent_state_machines",
+        "all_byte_equal",
+        "continuation_test_passed",
+        "weight_tying_preserved",
+        "atomic_write_resilient",
+        "weights_file_size_bytes",
+        "expected_size_bytes_no_tying",
+        "size_delta_pct",
+        "manifest_schema_version",
+    ):
         note = f"  # {notes[key]}" if notes.get(key) else ""
         print(f"{key}: {jsonio.dumps_line(results[key])}{note}")
     print(f"{'PASS' if results['passed'] else 'FAIL'}: {path}")

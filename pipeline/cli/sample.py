@@ -13,6 +13,7 @@ Only for a checkpoint written before data.json existed (schema 2.0) is its train
 Exit 0; 2 with one line for a checkpoint that does not verify or a bad argument (max_new_tokens above
 100,000 included, refused before any work); 75 with one line if interrupted (SIGINT, SIGTERM).
 """
+
 from __future__ import annotations
 
 import sys
@@ -30,12 +31,16 @@ def sample(directory: Path, args: list[str]) -> str:
     manifest, state = restore_checkpoint(directory, overrides)
     model = state.model
     if not (hasattr(model, "logits") and hasattr(model, "block_size")):
-        raise ConfigError(f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
-                          "does not generate tokens (sample needs a MiniGPT)")
+        raise ConfigError(
+            f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
+            "does not generate tokens (sample needs a MiniGPT)"
+        )
     facts = data_facts(manifest, overrides, directory)
     vocab, join = facts["vocab"], facts["decode_join"]
     if vocab is None or join is None:
-        raise ConfigError(f"data {manifest['config']['data'].get('_target_')} has no vocabulary to decode tokens with")
+        raise ConfigError(
+            f"data {manifest['config']['data'].get('_target_')} has no vocabulary to decode tokens with"
+        )
     return continuation(model, vocab, join, options, facts["specials"].get("eos"))
 
 

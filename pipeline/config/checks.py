@@ -1,4 +1,5 @@
 """Value checks for schema fields: each takes a value and returns None, or what is allowed."""
+
 from __future__ import annotations
 
 import math
@@ -11,15 +12,21 @@ def _num(v) -> bool:
 
 
 def at_least(lo) -> Callable:
-    return lambda v: None if _num(v) and math.isfinite(v) and v >= lo else f"must be a number >= {lo}"
+    return lambda v: (
+        None if _num(v) and math.isfinite(v) and v >= lo else f"must be a number >= {lo}"
+    )
 
 
 def above(lo) -> Callable:
-    return lambda v: None if _num(v) and math.isfinite(v) and v > lo else f"must be a finite number > {lo}"
+    return lambda v: (
+        None if _num(v) and math.isfinite(v) and v > lo else f"must be a finite number > {lo}"
+    )
 
 
 def null_or_at_least(lo) -> Callable:
-    return lambda v: None if v is None or at_least(lo)(v) is None else f"must be null or a number >= {lo}"
+    return lambda v: (
+        None if v is None or at_least(lo)(v) is None else f"must be null or a number >= {lo}"
+    )
 
 
 def fraction(v) -> str | None:
@@ -31,13 +38,19 @@ def open_fraction(v) -> str | None:
 
 
 def probability_list(v) -> str | None:
-    return None if isinstance(v, list) and len(v) == 2 and all(fraction(x) is None for x in v) \
+    return (
+        None
+        if isinstance(v, list) and len(v) == 2 and all(fraction(x) is None for x in v)
         else "must be two numbers in [0, 1)"
+    )
 
 
 def widths(v) -> str | None:
-    return None if isinstance(v, list) and all(isinstance(x, int) and x >= 1 for x in v) \
+    return (
+        None
+        if isinstance(v, list) and all(isinstance(x, int) and x >= 1 for x in v)
         else "must be a list of layer widths >= 1"
+    )
 
 
 DURATION = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
@@ -47,7 +60,9 @@ def parse_duration(text: str) -> float:
     """'DD:HH:MM:SS' (Lightning's max_time format) -> seconds; ValueError saying the format otherwise."""
     m = DURATION.match(str(text).strip())
     if not m or int(m.group(2)) > 23 or int(m.group(3)) > 59 or int(m.group(4)) > 59:
-        raise ValueError("must be DD:HH:MM:SS (e.g. 00:03:50:00), hours < 24, minutes and seconds < 60")
+        raise ValueError(
+            "must be DD:HH:MM:SS (e.g. 00:03:50:00), hours < 24, minutes and seconds < 60"
+        )
     days, hours, minutes, seconds = (int(g) for g in m.groups())
     total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
     if total <= 0:

@@ -1,4 +1,5 @@
 """Where the config lives, composing it as `python -m pipeline` does, the result as plain values; extras' hints."""
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,9 @@ def install_hint(extra: str) -> str:
     from urllib.parse import unquote, urlparse
 
     try:
-        direct = json.loads(importlib.metadata.distribution("pipeline").read_text("direct_url.json") or "null")
+        direct = json.loads(
+            importlib.metadata.distribution("pipeline").read_text("direct_url.json") or "null"
+        )
     except (importlib.metadata.PackageNotFoundError, ValueError):
         direct = None
     url = urlparse(direct.get("url", "")) if isinstance(direct, dict) else None
@@ -71,8 +74,9 @@ def compose(overrides=(), return_hydra_config: bool = False):
 
     register()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="pipeline"):
-        return hydra_compose(config_name="config", overrides=list(overrides),
-                             return_hydra_config=return_hydra_config)
+        return hydra_compose(
+            config_name="config", overrides=list(overrides), return_hydra_config=return_hydra_config
+        )
 
 
 def to_plain(cfg) -> dict:

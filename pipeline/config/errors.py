@@ -1,4 +1,5 @@
 """Every exit code, the errors that carry one (CommandError), and exit_code(): the one map from an error to its code."""
+
 from __future__ import annotations
 
 # Every entry point's exit codes (docs/stages.md: Exit codes): 0 done, 1 an error in the job, 2 bad input (nothing
@@ -37,13 +38,19 @@ def exit_code(e: BaseException) -> tuple[int, str] | None:
     e = e.error if isinstance(e, Refusal) else e
     if isinstance(e, CommandError):
         return e.exit_code, str(e)
-    if isinstance(e, UnsafePathError):  # a link or a stray file where we would write: the files layer's own
+    if isinstance(
+        e, UnsafePathError
+    ):  # a link or a stray file where we would write: the files layer's own
         return EXIT_BAD_INPUT, str(e)
     if (message := environment_error(e)) is not None:  # a full or read-only disk
         return EXIT_ERROR, message
     if (message := slurm_unreachable(e)) is not None:
         return EXIT_UNAVAILABLE, message
-    if type(e).__module__.split(".")[0] in ("hydra", "omegaconf", "yaml"):  # Hydra could not compose the config
+    if type(e).__module__.split(".")[0] in (
+        "hydra",
+        "omegaconf",
+        "yaml",
+    ):  # Hydra could not compose the config
         return EXIT_BAD_INPUT, f"bad config or override: {error_line(e)}"
     return None
 
@@ -57,8 +64,13 @@ def slurm_unreachable(e: BaseException) -> str | None:
     if isinstance(e, RuntimeError) and str(e).startswith('Could not detect "srun"'):
         return "SLURM could not be reached: no SLURM client (srun, sbatch) on this machine"
     cause = e.__cause__
-    if (isinstance(cause, subprocess.CalledProcessError) and str(cause.cmd[0]) == "sbatch"
-            and re.search(r"contact slurm controller|configuration source|timed out|zero bytes", str(e), re.I)):
+    if (
+        isinstance(cause, subprocess.CalledProcessError)
+        and str(cause.cmd[0]) == "sbatch"
+        and re.search(
+            r"contact slurm controller|configuration source|timed out|zero bytes", str(e), re.I
+        )
+    ):
         said = [line for line in str(e).splitlines() if line.strip()]
         return f"SLURM could not be reached: {said[-1].strip()}; nothing was submitted, re-run once it answers"
     return None
@@ -69,16 +81,24 @@ def error_line(e: BaseException) -> str:
     option of a group the options there are (Hydra lists them on lines of their own)."""
     parts = [str(e).strip().splitlines()[0].rstrip(".:")] if str(e).strip() else [type(e).__name__]
     cause = e.__cause__ or e.__context__
-    if cause is not None and str(cause).strip() and str(cause).strip().splitlines()[0].rstrip(".:") not in parts:
+    if (
+        cause is not None
+        and str(cause).strip()
+        and str(cause).strip().splitlines()[0].rstrip(".:") not in parts
+    ):
         parts.append(str(cause).strip().splitlines()[0].rstrip(".:"))
-    override = getattr(e, "override", None)  # hydra's OverrideParseException: an override its grammar cannot read
+    override = getattr(
+        e, "override", None
+    )  # hydra's OverrideParseException: an override its grammar cannot read
     if isinstance(override, str) and override:
         name, _, value = override.partition("=")
         quoted = f"\"{name}='{value}'\"" if value and not set(value) & set("'\"$`\\!") else "it"
         return f"{override}: {parts[0]}; if the value is text, quote it for Hydra inside the shell's quotes: {quoted}"
     key = getattr(e, "full_key", None) or getattr(cause, "full_key", None)
     line = ": ".join(parts) + (f" (key {key})" if key and key not in " ".join(parts) else "")
-    options = getattr(e, "options", None)  # hydra's MissingConfigException: the group's options, if it has any
+    options = getattr(
+        e, "options", None
+    )  # hydra's MissingConfigException: the group's options, if it has any
     missing = getattr(e, "missing_cfg_file", None)
     if options:
         where = f" in '{missing.rsplit('/', 1)[0]}'" if missing and "/" in missing else ""
@@ -102,10 +122,12 @@ def closest(e: BaseException, cause: BaseException | None) -> str:
     keys = [str(k) for k in node.keys()]  # type: ignore[union-attr]  # noqa: SIM118 - an OmegaConf node or a dict
     if key in keys:  # a key that is there (its value was wrong): nothing to suggest
         return ""
-    if full == f"stages.{key}" and (added := stage_options(key)):  # a stage that is off unless added
+    if full == f"stages.{key}" and (
+        added := stage_options(key)
+    ):  # a stage that is off unless added
         return f"; stage {key} is off unless added: add {' or '.join(f'+stages/{key}={o}' for o in added)}"
     found = difflib.get_close_matches(key, [k for k in keys if k != "hydra"], n=1)
-    prefix = full[:-len(key)] if full.endswith(key) else ""
+    prefix = full[: -len(key)] if full.endswith(key) else ""
     return f"; did you mean {prefix}{found[0]}?" if found else ""
 
 
@@ -114,4 +136,8 @@ def stage_options(name: str) -> list[str]:
     from pipeline.config.compose import CONFIG_DIR
 
     group = CONFIG_DIR / "stages" / name
-    return sorted(p.stem for p in group.glob("*.yaml")) if name.isidentifier() and group.is_dir() else []
+    return (
+        sorted(p.stem for p in group.glob("*.yaml"))
+        if name.isidentifier() and group.is_dir()
+        else []
+    )

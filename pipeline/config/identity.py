@@ -1,4 +1,5 @@
 """Run identity: the semantic config (what changes the math), its hash, the run's name, and drift between two."""
+
 from __future__ import annotations
 
 import copy
@@ -14,15 +15,39 @@ from pipeline.files import jsonio, names, reading
 # Keys that do not change the math: where outputs go, how progress is shown and logged, how the run is
 # indexed, resumed and parallelised, how big an input file may be, and the verifier's own settings. Dotted
 # prefixes.
-NON_SEMANTIC = ("paths", "tracking", "trainer.log_every", "trainer.progress_bar", "trainer.threads", "trainer.max_time",
-                "trainer.profile",
-                "trainer.on_nonfinite", "resume", "stages", "checkpoint", "verify", "optimized_metric", "hydra",
-                "data.max_bytes")
+NON_SEMANTIC = (
+    "paths",
+    "tracking",
+    "trainer.log_every",
+    "trainer.progress_bar",
+    "trainer.threads",
+    "trainer.max_time",
+    "trainer.profile",
+    "trainer.on_nonfinite",
+    "resume",
+    "stages",
+    "checkpoint",
+    "verify",
+    "optimized_metric",
+    "hydra",
+    "data.max_bytes",
+)
 # Keys that say where and how a run ran on this machine, not what it computes: kept out of the params (they
 # would clutter every comparison of runs, and a path of one machine means nothing on another). Dotted
 # prefixes; `data.path` is a file of this machine (the run's identity is its content: data_manifest_hash).
-MACHINE_KEYS = ("paths", "tracking", "verify", "resume", "stages.resume", "hydra", "trainer.progress_bar",
-                "trainer.threads", "trainer.max_time", "data.path", "data.max_bytes")
+MACHINE_KEYS = (
+    "paths",
+    "tracking",
+    "verify",
+    "resume",
+    "stages.resume",
+    "hydra",
+    "trainer.progress_bar",
+    "trainer.threads",
+    "trainer.max_time",
+    "data.path",
+    "data.max_bytes",
+)
 
 
 def is_machine_key(key: str) -> bool:
@@ -76,8 +101,10 @@ def source_hashes(config: dict) -> dict[str, str]:
     for key, bound in SOURCES.items():
         if isinstance(p := get(config, key), str):
             if not isinstance(limit := get(config, bound), int):
-                raise ConfigError(f"{key}={p}: names a file but {bound} (the bound of its size) is not set: add "
-                                  f"{bound}=BYTES")
+                raise ConfigError(
+                    f"{key}={p}: names a file but {bound} (the bound of its size) is not set: add "
+                    f"{bound}=BYTES"
+                )
             out[key] = reading.sha256(Path(p).expanduser(), limit, follow=True, bound=bound)
     return out
 
@@ -105,14 +132,23 @@ def semantic_hash(config: dict, sources: dict[str, str]) -> str:
 
 def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
     """A run history's identity: its config and where it started (None: from scratch; else a checkpoint)."""
-    return {"id": config_hash({"semantic_config_hash": semantic_hash, "origin": origin}), "origin": origin}
+    return {
+        "id": config_hash({"semantic_config_hash": semantic_hash, "origin": origin}),
+        "origin": origin,
+    }
 
 
-def run_name(config: dict, sources: dict[str, str] | None = None, lineage: dict | None = None) -> str:
+def run_name(
+    config: dict, sources: dict[str, str] | None = None, lineage: dict | None = None
+) -> str:
     """<experiment name>-<12 hex of the semantic config's sha256> (`sources`: None reads the files): the same job
     lands in the same directory whatever the output or working directory; two files at one relative path, two.
     A fork (`lineage` with an origin: a manifest's) is named by its history's id instead."""
-    return _named(config, semantic_hash(config, source_hashes(config) if sources is None else sources), lineage)
+    return _named(
+        config,
+        semantic_hash(config, source_hashes(config) if sources is None else sources),
+        lineage,
+    )
 
 
 def _named(config: dict, semantic: str, lineage: dict | None = None) -> str:
@@ -155,7 +191,9 @@ def experiment_name(name: str, model_target: str = "", data_target: str = "") ->
     data and model modules' names, `grammar-minigpt`. The run directory keeps `name` either way."""
     if name != "default":
         return name
-    parts = [str(t).rsplit(".", 2)[-2] for t in (data_target, model_target) if str(t).count(".") >= 1]
+    parts = [
+        str(t).rsplit(".", 2)[-2] for t in (data_target, model_target) if str(t).count(".") >= 1
+    ]
     return "-".join(parts) or name
 
 
@@ -163,8 +201,11 @@ def changed_keys(old: dict, new: dict) -> dict[str, tuple]:
     """Dotted key -> (old, new) for every leaf that differs; a missing side is reported as '<absent>'."""
     a, b = jsonio.flatten(old), jsonio.flatten(new)
     absent = "<absent>"
-    return {k: (a.get(k, absent), b.get(k, absent)) for k in sorted(set(a) | set(b))
-            if canonical_json(a.get(k, absent)) != canonical_json(b.get(k, absent))}
+    return {
+        k: (a.get(k, absent), b.get(k, absent))
+        for k in sorted(set(a) | set(b))
+        if canonical_json(a.get(k, absent)) != canonical_json(b.get(k, absent))
+    }
 
 
 def described(old: dict, new: dict, keys=None) -> list[str]:
@@ -178,7 +219,9 @@ def described(old: dict, new: dict, keys=None) -> list[str]:
         for i in range(1, len(parts) + 1):
             node = ".".join(parts[:i])
             if get(old, node, _ABSENT) is _ABSENT or get(new, node, _ABSENT) is _ABSENT:
-                said[node] = f"{node} {'added' if get(old, node, _ABSENT) is _ABSENT else 'removed'}"
+                said[node] = (
+                    f"{node} {'added' if get(old, node, _ABSENT) is _ABSENT else 'removed'}"
+                )
                 break
         else:
             said[key] = f"{key} {a!r} -> {b!r}"

@@ -1,4 +1,5 @@
 """Typed schemas for every config node (types only: values live in conf/), SCHEMAS by `_target_`, `validate`."""
+
 from __future__ import annotations
 
 import difflib
@@ -31,11 +32,13 @@ _BUILDING: dict[str, type] = {}
 
 def builds(target: str, stored_as: str | None = None) -> Callable[[type], type]:
     """A dataclass schema for nodes whose `_target_` is `target` (in Hydra's ConfigStore as schema/<stored_as>)."""
+
     def add(schema: Any) -> Any:  # a class, made a dataclass carrying where Hydra stores it
         schema = dataclass(schema)
         schema.stored_as = stored_as
         _BUILDING[target] = schema  # noqa: F821 - deleted once frozen: a later @builds fails loudly
         return schema
+
     return add
 
 
@@ -45,8 +48,13 @@ _NONE = object()
 def _f(check: Callable | None = None, absent=_NONE):
     """A field; `absent`: for a key added (or made non-null) after checkpoints were written without it (or with
     null), what their configs mean. A field with `absent` is not Optional, or its `absent` is None."""
-    return field(default=MISSING, metadata={**({"check": check} if check else {}),
-                                            **({"absent": absent} if absent is not _NONE else {})})
+    return field(
+        default=MISSING,
+        metadata={
+            **({"check": check} if check else {}),
+            **({"absent": absent} if absent is not _NONE else {}),
+        },
+    )
 
 
 def name_pattern(v) -> str | None:
@@ -55,8 +63,12 @@ def name_pattern(v) -> str | None:
 
 Dtype = Enum("Dtype", {"float32": "float32", "float64": "float64"})
 Activation = Enum("Activation", {"tanh": "tanh", "relu": "relu"})
-DecayOn = Enum("DecayOn", {"all": "all", "matrices": "matrices"})  # matrices: 2-D and up (GPT-2's groups)
-Gelu = Enum("Gelu", {"tanh": "tanh", "erf": "erf"})  # GPT-2's approximation, or the exact one (torch's default)
+DecayOn = Enum(
+    "DecayOn", {"all": "all", "matrices": "matrices"}
+)  # matrices: 2-D and up (GPT-2's groups)
+Gelu = Enum(
+    "Gelu", {"tanh": "tanh", "erf": "erf"}
+)  # GPT-2's approximation, or the exact one (torch's default)
 Mode = Enum("Mode", {"min": "min", "max": "max"})
 # stop: a non-finite loss or metric ends the run (failed), keeping the last good checkpoints; continue: goes on
 NonFinite = Enum("NonFinite", {"stop": "stop", "continue": "continue"})
@@ -82,21 +94,33 @@ class TrainerConf:
     batch_size: int = _f(at_least(1))
     dtype: Dtype = _f()
     eval_every: int = _f(at_least(0))
-    eval_batches: int | None = _f(null_or_at_least(1), absent=None)  # the first N validation batches; null: all
+    eval_batches: int | None = _f(
+        null_or_at_least(1), absent=None
+    )  # the first N validation batches; null: all
     log_every: int = _f(at_least(0))
     progress_bar: bool | None = _f()
     on_nonfinite: NonFinite = _f()
-    max_time: str | None = _f(duration_or_null)  # DD:HH:MM:SS of this process's wall time; null = no budget
+    max_time: str | None = _f(
+        duration_or_null
+    )  # DD:HH:MM:SS of this process's wall time; null = no budget
     accumulate: int = _f(at_least(1))  # micro-batches (of batch_size) per update
     grad_clip: float = _f(at_least(0))  # the largest global L2 norm of a gradient; 0 = no clipping
-    shards: int = _f(at_least(1))  # pieces each micro-batch is split into: semantic (summation order, dropout)
-    threads: int | None = _f(null_or_at_least(1))  # threads running the pieces: not semantic; null = the cores
-    profile: bool = _f(absent=False)  # a table of wall time per phase at the end; not semantic, changes no number
+    shards: int = _f(
+        at_least(1)
+    )  # pieces each micro-batch is split into: semantic (summation order, dropout)
+    threads: int | None = _f(
+        null_or_at_least(1)
+    )  # threads running the pieces: not semantic; null = the cores
+    profile: bool = _f(
+        absent=False
+    )  # a table of wall time per phase at the end; not semantic, changes no number
 
     @staticmethod
     def cross(c: dict) -> list[str]:
         if c["max_steps"] == 0 and c["epochs"] == 0:
-            return ["trainer.max_steps=0 and trainer.epochs=0: give one of them > 0 (the run would train nothing)"]
+            return [
+                "trainer.max_steps=0 and trainer.epochs=0: give one of them > 0 (the run would train nothing)"
+            ]
         return []
 
 
@@ -117,7 +141,9 @@ class MiniGPTConf(Node):
     dropout: float = _f(fraction)
     attn_dropout: float | None = _f()  # null: dropout's
     init_std: float = _f(above(0))
-    bias: bool = _f(absent=True)  # false: no bias in any linear layer or LayerNorm (nanoGPT's bias=False)
+    bias: bool = _f(
+        absent=True
+    )  # false: no bias in any linear layer or LayerNorm (nanoGPT's bias=False)
     gelu: Gelu = _f(absent="tanh")
 
     @staticmethod
@@ -172,7 +198,9 @@ class StepConf(Node):
 class CosineConf(Node):
     total_steps: int | None = _f()  # None: the run's total number of updates
     warmup_steps: int = _f(at_least(0))
-    warmup_offset: int = _f(at_least(0), absent=0)  # update k of the warm-up at lr (k + offset) / (warmup + offset)
+    warmup_offset: int = _f(
+        at_least(0), absent=0
+    )  # update k of the warm-up at lr (k + offset) / (warmup + offset)
     min_lr_ratio: float = _f(at_least(0))
     num_cycles: float = _f(above(0))
 
@@ -242,8 +270,12 @@ class BestValStageConf(Node):
     monitor: str = _f()
     mode: Mode = _f()
     order: int = _f()
-    keep: int = _f(at_least(1), absent=1)  # the k best checkpoints by monitor (Lightning's save_top_k)
-    filename: str | None = _f(name_pattern, absent=None)  # a link beside step-* per kept checkpoint, or null
+    keep: int = _f(
+        at_least(1), absent=1
+    )  # the k best checkpoints by monitor (Lightning's save_top_k)
+    filename: str | None = _f(
+        name_pattern, absent=None
+    )  # a link beside step-* per kept checkpoint, or null
 
 
 @builds("pipeline.stages.early_stop.EarlyStop", "stage/early_stop")
@@ -262,7 +294,9 @@ class FinalStageConf(Node):
 
 @dataclass
 class ResumeConf:
-    source: str = _f()  # auto: newest checkpoint that verifies | never: a fresh directory | a checkpoint path
+    source: str = (
+        _f()
+    )  # auto: newest checkpoint that verifies | never: a fresh directory | a checkpoint path
     allow_changes: list[str] = _f()  # dotted keys allowed to differ from the checkpoint
 
 
@@ -286,7 +320,9 @@ class VerifyConf:
     steps: int = _f(at_least(2))  # updates in all
     atol: float = _f(at_least(0))  # exact by default
     rtol: float = _f(at_least(0))
-    kill: KillMode = _f()  # none | random: chaos mode, SIGKILL at random points and re-run until complete
+    kill: KillMode = (
+        _f()
+    )  # none | random: chaos mode, SIGKILL at random points and re-run until complete
     trials: int = _f(at_least(1))
     seed: int = _f(at_least(0))  # chooses the chaos kill points
     max_reruns: int = _f(at_least(1))
@@ -312,9 +348,13 @@ class Config:
 def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
     node = as_written_now(node)
     known = [f.name for f in fields(schema)]
-    for key in sorted(set(node) - set(known) - {"_target_"}):  # `+trainer.max_stpes=3` passes Hydra: a typo here
+    for key in sorted(
+        set(node) - set(known) - {"_target_"}
+    ):  # `+trainer.max_stpes=3` passes Hydra: a typo here
         near = difflib.get_close_matches(str(key), known, n=1)
-        errors.append(f"{prefix}{key}: no such key{f'; did you mean {prefix}{near[0]}?' if near else ''}")
+        errors.append(
+            f"{prefix}{key}: no such key{f'; did you mean {prefix}{near[0]}?' if near else ''}"
+        )
     for f in fields(schema):
         if f.name not in node:
             continue
@@ -322,7 +362,11 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
         check = f.metadata.get("check")
         if check is not None and (why := check(value)):
             errors.append(f"{prefix}{f.name}={value!r}: {why}")
-        if isinstance(value, dict) and isinstance(value.get("_target_"), str) and value["_target_"] in SCHEMAS:
+        if (
+            isinstance(value, dict)
+            and isinstance(value.get("_target_"), str)
+            and value["_target_"] in SCHEMAS
+        ):
             _check_node(SCHEMAS[value["_target_"]], value, f"{prefix}{f.name}.", errors)
     cross = getattr(schema, "cross", None)
     if cross is not None and not any(e.startswith(prefix) for e in errors):
@@ -335,8 +379,11 @@ def as_written_now(node: dict, schema: type | None = None) -> dict:
     schema = schema or (SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None)
     if schema is None:
         return node
-    old = {f.name: f.metadata["absent"] for f in fields(schema)
-           if "absent" in f.metadata and node.get(f.name) is None}
+    old = {
+        f.name: f.metadata["absent"]
+        for f in fields(schema)
+        if "absent" in f.metadata and node.get(f.name) is None
+    }
     return {**node, **old}
 
 
@@ -348,8 +395,10 @@ def _schema_of(key: str, node) -> type | None:
 
 def config_written_now(config: dict) -> dict:
     """A whole config (a checkpoint's, say) with every node as_written_now: what a tool builds from."""
-    return {k: as_written_now(node, schema) if (schema := _schema_of(k, node)) else node
-            for k, node in config.items()}
+    return {
+        k: as_written_now(node, schema) if (schema := _schema_of(k, node)) else node
+        for k, node in config.items()
+    }
 
 
 def as_written_before(config: dict) -> dict:
@@ -358,7 +407,9 @@ def as_written_before(config: dict) -> dict:
     out = dict(config)
     for key, node in config.items():
         if (schema := _schema_of(key, node)) is not None:
-            absent = {f.name: f.metadata["absent"] for f in fields(schema) if "absent" in f.metadata}
+            absent = {
+                f.name: f.metadata["absent"] for f in fields(schema) if "absent" in f.metadata
+            }
             out[key] = {k: v for k, v in node.items() if not (k in absent and absent[k] == v)}
     return out
 
@@ -367,23 +418,38 @@ def validate(config: dict) -> None:
     """ConfigError listing every value out of range (a field's check is in its metadata), before the job creates
     anything on disk; Hydra has checked types and keys while composing."""
     errors: list[str] = []
-    if "name" in config and (why := names.problem(config["name"])):  # the run's and the sweep's directory name
+    if "name" in config and (
+        why := names.problem(config["name"])
+    ):  # the run's and the sweep's directory name
         errors.append(f"name={names.shown(config['name'])}: {why}")
-    fixed: tuple[tuple[str, type], ...] = (("trainer", TrainerConf), ("resume", ResumeConf),
-                                           ("checkpoint", CadenceConf), ("verify", VerifyConf))
+    fixed: tuple[tuple[str, type], ...] = (
+        ("trainer", TrainerConf),
+        ("resume", ResumeConf),
+        ("checkpoint", CadenceConf),
+        ("verify", VerifyConf),
+    )
     for key, schema in fixed:
         if isinstance(config.get(key), dict):
             _check_node(schema, config[key], f"{key}.", errors)
-    nodes = [(key, config.get(key)) for key in ("model", "optimizer", "scheduler", "data", "tracking")]
+    nodes = [
+        (key, config.get(key)) for key in ("model", "optimizer", "scheduler", "data", "tracking")
+    ]
     nodes += [(f"stages.{name}", node) for name, node in (config.get("stages") or {}).items()]
     for key, node in nodes:
         if isinstance(node, dict) and node.get("_target_") in SCHEMAS:
             schema = SCHEMAS[node["_target_"]]
             # a stage added by override (+stages.NAME={...}) is not typed while composing: it names every key
-            if key.startswith("stages.") and (missing := [f.name for f in fields(schema)
-                                                          if f.name not in node and "absent" not in f.metadata]):
-                errors.append(f"{key}: no {', '.join(missing)} (a {node['_target_']} stage takes "
-                              f"{', '.join(f.name for f in fields(schema))})")
+            if key.startswith("stages.") and (
+                missing := [
+                    f.name
+                    for f in fields(schema)
+                    if f.name not in node and "absent" not in f.metadata
+                ]
+            ):
+                errors.append(
+                    f"{key}: no {', '.join(missing)} (a {node['_target_']} stage takes "
+                    f"{', '.join(f.name for f in fields(schema))})"
+                )
             _check_node(schema, node, f"{key}.", errors)
     if errors:
         raise ConfigError("; ".join(errors))

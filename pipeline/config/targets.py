@@ -1,4 +1,5 @@
 """Which `_target_`s a config read from disk may name: those in the pipeline's YAML and in your own configs."""
+
 from __future__ import annotations
 
 import re
@@ -18,15 +19,30 @@ HINT = "give your config directory with hydra.searchpath=[...] to use your own c
 # code: a corpus built where a stage is (it writes its cache wherever its `cache_dir` says) or a tracker where
 # the model is must be refused like an unknown class. A class the shipped conf/ names is held tighter still: to
 # the very slots conf/ builds it in (`slots()`): a cadence is no stage, a stage no cadence, a callback no tracker.
-PLACES = {"model": "model", "data": "data", "optimizer": "optimizer", "scheduler": "scheduler", "stages": "stages",
-          "checkpoint": "stages", "tracking": "tracking", "hydra": "tracking"}
+PLACES = {
+    "model": "model",
+    "data": "data",
+    "optimizer": "optimizer",
+    "scheduler": "scheduler",
+    "stages": "stages",
+    "checkpoint": "stages",
+    "tracking": "tracking",
+    "hydra": "tracking",
+}
 
 
 def slot(keys: tuple[str, ...]) -> str:
     """The slot a node at `keys` (its path in the config) is built in: `model`, `data`, `optimizer`, `scheduler`,
     `tracking`, `checkpoint` (a checkpoint cadence, also a stage's `cadence`), `stages.<name>` (any stage),
     `hydra.callbacks.<name>`; anywhere else, its own dotted path."""
-    if len(keys) == 1 and keys[0] in ("model", "data", "optimizer", "scheduler", "tracking", "checkpoint"):
+    if len(keys) == 1 and keys[0] in (
+        "model",
+        "data",
+        "optimizer",
+        "scheduler",
+        "tracking",
+        "checkpoint",
+    ):
         return keys[0]
     if len(keys) == 2 and keys[0] == "stages":
         return "stages.<name>"
@@ -70,7 +86,9 @@ def _conf_trees() -> list[tuple[tuple[str, ...], object]]:
     for path in sorted(Path(CONFIG_DIR).rglob("*.y*ml")):
         text = path.read_text(encoding="utf-8")
         group = path.relative_to(CONFIG_DIR).parent.parts
-        glob = any(line.strip().replace(" ", "") == "#@package_global_" for line in text.splitlines()[:5])
+        glob = any(
+            line.strip().replace(" ", "") == "#@package_global_" for line in text.splitlines()[:5]
+        )
         out.append((() if glob else group, yaml.safe_load(text)))
     return out
 
@@ -95,12 +113,17 @@ def searched(searchpath: tuple[str, ...]) -> set[str]:
     from hydra._internal.config_repository import ConfigRepository
     from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
     from hydra._internal.core_plugins.file_config_source import FileConfigSource
-    from hydra._internal.core_plugins.importlib_resources_config_source import ImportlibResourcesConfigSource
+    from hydra._internal.core_plugins.importlib_resources_config_source import (
+        ImportlibResourcesConfigSource,
+    )
     from hydra._internal.sources_registry import SourcesRegistry
     from hydra.core.object_type import ObjectType
     from omegaconf import OmegaConf
 
-    for source_type in (FileConfigSource, ImportlibResourcesConfigSource):  # Hydra's own file:// and pkg://
+    for source_type in (
+        FileConfigSource,
+        ImportlibResourcesConfigSource,
+    ):  # Hydra's own file:// and pkg://
         SourcesRegistry.instance().register(source_type)
     csp = ConfigSearchPathImpl()
     for entry in searchpath:
@@ -109,11 +132,15 @@ def searched(searchpath: tuple[str, ...]) -> set[str]:
     try:
         sources = ConfigRepository(csp).get_sources()
     except Exception as e:
-        raise ConfigError(f"hydra.searchpath: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise ConfigError(
+            f"hydra.searchpath: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
     for source, entry in zip(sources, searchpath):
         if not source.available():
-            raise ConfigError(f"hydra.searchpath: {entry} is not available (no such config directory, or a package "
-                              "without __init__.py)")
+            raise ConfigError(
+                f"hydra.searchpath: {entry} is not available (no such config directory, or a package "
+                "without __init__.py)"
+            )
 
         def walk(source, group: str) -> None:
             for name in source.list(group, ObjectType.CONFIG):
@@ -155,7 +182,11 @@ def hydra_quoted(text: str) -> str:
         return text
     quote = '"' if '"' not in text else "'"
     # inside quotes Hydra reads `\` + quote as the quote and `\\` before a quote (or the closing one) as `\`
-    return quote + re.sub(rf"(\\*)({quote}|$)", lambda m: m[1] * 2 + ("\\" + m[2] if m[2] else ""), text) + quote
+    return (
+        quote
+        + re.sub(rf"(\\*)({quote}|$)", lambda m: m[1] * 2 + ("\\" + m[2] if m[2] else ""), text)
+        + quote
+    )
 
 
 def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], set[str]]:
@@ -166,7 +197,9 @@ def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], 
         value = o.value()
         if o.key_or_group == "hydra.searchpath":
             if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-                raise ConfigError(f"{o.input_line}: hydra.searchpath must be a list of config directories")
+                raise ConfigError(
+                    f"{o.input_line}: hydra.searchpath must be a list of config directories"
+                )
             searchpath = tuple(value)
         else:  # `model._target_=x` names x as a node {_target_: x} would
             own |= named({o.key_or_group.split(".")[-1]: value})
@@ -181,7 +214,9 @@ def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
     return shipped() | frozenset(searched(searchpath)) | frozenset(own)
 
 
-def check(tree, allowed_targets: frozenset[str], path: str = "config", keys: tuple[str, ...] = ()) -> None:
+def check(
+    tree, allowed_targets: frozenset[str], path: str = "config", keys: tuple[str, ...] = ()
+) -> None:
     """UnknownTarget (one line naming the key) for a `_target_` not a string or not allowed, a class of the
     pipeline's own packages out of its place (a shipped one out of the slots conf/ builds it in), or any
     interpolation (resolved when built, it could name anything). The one test of a config read from a file."""
@@ -191,17 +226,23 @@ def check(tree, allowed_targets: frozenset[str], path: str = "config", keys: tup
             if not isinstance(target, str):
                 raise UnknownTarget(f"{where} is {target!r:.80}, not the name of a class")
             if "${" not in target and target not in allowed_targets:
-                raise UnknownTarget(f"{where} names {target!r:.200}, which neither the pipeline's configs nor yours "
-                                    f"name ({HINT})")
+                raise UnknownTarget(
+                    f"{where} names {target!r:.200}, which neither the pipeline's configs nor yours "
+                    f"name ({HINT})"
+                )
             _in_place(target, where, keys)
         for k, v in tree.items():
             check(v, allowed_targets, f"{path}.{k}", (*keys, str(k)))
     elif isinstance(tree, list):
         for i, v in enumerate(tree):
-            check(v, allowed_targets, f"{path}[{i}]", (*keys[:-1], f"{keys[-1] if keys else ''}[{i}]"))
+            check(
+                v, allowed_targets, f"{path}[{i}]", (*keys[:-1], f"{keys[-1] if keys else ''}[{i}]")
+            )
     elif isinstance(tree, str) and "${" in tree:
-        raise UnknownTarget(f"{path} holds the interpolation {tree!r:.200}; a saved config is resolved and holds "
-                            "none (it would be resolved when the node is built)")
+        raise UnknownTarget(
+            f"{path} holds the interpolation {tree!r:.200}; a saved config is resolved and holds "
+            "none (it would be resolved when the node is built)"
+        )
 
 
 def _in_place(target: str, where: str, keys: tuple[str, ...]) -> None:
@@ -211,11 +252,15 @@ def _in_place(target: str, where: str, keys: tuple[str, ...]) -> None:
     here = slot(keys)
     if target in slots():  # one of conf/'s own: only in a slot conf/ builds it in
         if here not in slots()[target]:
-            raise UnknownTarget(f"{where} names {target!r:.200}, a class the pipeline builds only under "
-                                f"{' or '.join(sorted(slots()[target]))}, never under {here}")
+            raise UnknownTarget(
+                f"{where} names {target!r:.200}, a class the pipeline builds only under "
+                f"{' or '.join(sorted(slots()[target]))}, never under {here}"
+            )
         return
     top = keys[0].split("[")[0] if len(keys) > 0 else ""
     if PLACES.get(top) != parts[1]:
         home = [k for k, v in PLACES.items() if v == parts[1]]
-        raise UnknownTarget(f"{where} names {target!r:.200}, a class the pipeline builds only under "
-                            f"{' or '.join(home) or 'no node'}, never under {top or 'the top level'}")
+        raise UnknownTarget(
+            f"{where} names {target!r:.200}, a class the pipeline builds only under "
+            f"{' or '.join(home) or 'no node'}, never under {top or 'the top level'}"
+        )

@@ -1,4 +1,5 @@
 """What every dataset gives the trainer: a spec for building the model, batches by sample id, a hash."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -31,15 +32,21 @@ class Dataset(Protocol):
     spec: DataSpec
     n_train: int  # number of training samples the iterator permutes
     manifest_hash: str  # sha256 identifying the exact data (data_manifest_hash)
-    baselines: tuple[str, ...]  # the names baseline_metrics gives, known before the data is built (absent: none)
+    baselines: tuple[
+        str, ...
+    ]  # the names baseline_metrics gives, known before the data is built (absent: none)
 
     def train_batch(self, ids: np.ndarray, dtype: np.dtype) -> Batch: ...
 
-    def augment(self, batch: Batch, streams) -> Batch: ...  # training randomness from the run's named streams
+    def augment(
+        self, batch: Batch, streams
+    ) -> Batch: ...  # training randomness from the run's named streams
 
     def val_batches(self, dtype: np.dtype) -> Iterator[Batch]: ...
 
-    def baseline_metrics(self) -> dict[str, float]: ...  # fixed reference metrics (val/ngram_baseline_ppl) or {}
+    def baseline_metrics(
+        self,
+    ) -> dict[str, float]: ...  # fixed reference metrics (val/ngram_baseline_ppl) or {}
 
 
 def inference_facts(dataset) -> dict:

@@ -1,4 +1,5 @@
 """Token corpora on disk (written once, atomically, with a hashed MANIFEST.json) and the dataset over them."""
+
 from __future__ import annotations
 
 import contextlib
@@ -36,7 +37,9 @@ MAX_FILE = 4 << 30  # bytes of any corpus file read (2^31 tokens)
 MAX_CORPORA = 10_000  # corpus directories looked at when finding one by its manifest's hash
 SPLITS = ("train", "val")
 log = logging.getLogger("pipeline")
-_STALE_TMP_SECONDS = 3600.0  # a generation takes seconds: an hour-old temp dir is a crashed writer's
+_STALE_TMP_SECONDS = (
+    3600.0  # a generation takes seconds: an hour-old temp dir is a crashed writer's
+)
 
 
 @dataclass
@@ -72,11 +75,15 @@ def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes |
     """Every file of the corpus directory as bytes: a pure function of the content and params."""
     V, T, order = len(content.vocab), int(params["block_size"]), int(params["ngram_order"])
     if V > MAX_VOCAB:
-        raise ValueError(f"{name} corpus has {V} distinct tokens, more than the {MAX_VOCAB} allowed")
+        raise ValueError(
+            f"{name} corpus has {V} distinct tokens, more than the {MAX_VOCAB} allowed"
+        )
     splits = {"train": np.asarray(content.train), "val": np.asarray(content.val)}
     for split, toks in splits.items():
         if n_windows(len(toks), T) < 1:
-            raise ValueError(f"{name} corpus {split} split has {len(toks)} tokens, too few for one block of {T}+1")
+            raise ValueError(
+                f"{name} corpus {split} split has {len(toks)} tokens, too few for one block of {T}+1"
+            )
     # The token files' bytes are views of the arrays when they already are uint16 (a text corpus): no copy.
     files: dict[str, bytes | memoryview] = {}
     for split, toks in splits.items():
@@ -87,20 +94,35 @@ def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes |
     # Rounded so that last-ulp differences in log() between machines do not change the manifest bytes.
     ppl = round(ngram.fitted_perplexity(splits["train"], order, V, splits["val"], positions), 4)
     manifest = {
-        "format": FORMAT_VERSION, "generator": name, "params": params, "params_hash": short_hash(params),
-        "seed": params.get("seed"), "vocab_size": V, "token_dtype": TOKEN_DTYPE.str, "decode_join": content.join,
+        "format": FORMAT_VERSION,
+        "generator": name,
+        "params": params,
+        "params_hash": short_hash(params),
+        "seed": params.get("seed"),
+        "vocab_size": V,
+        "token_dtype": TOKEN_DTYPE.str,
+        "decode_join": content.join,
         "tokens": {s: len(t) for s, t in splits.items()},
         "windows": {s: n_windows(len(t), T) for s, t in splits.items()},
-        "baseline": {"model": "interpolated modified Kneser-Ney", "ngram_order": order,
-                     "val_targets": len(positions), "val_ppl": ppl},
+        "baseline": {
+            "model": "interpolated modified Kneser-Ney",
+            "ngram_order": order,
+            "val_targets": len(positions),
+            "val_ppl": ppl,
+        },
         "stats": content.stats,
-        "files": {fn: {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)} for fn, b in sorted(files.items())},
+        "files": {
+            fn: {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)}
+            for fn, b in sorted(files.items())
+        },
     }
     files["MANIFEST.json"] = canonical_json(manifest)
     return files
 
 
-def verify_corpus(directory: Path, params: dict | None = None, keep: tuple[str, ...] = ()) -> tuple[dict, dict]:
+def verify_corpus(
+    directory: Path, params: dict | None = None, keep: tuple[str, ...] = ()
+) -> tuple[dict, dict]:
     """(the parsed manifest, {name: bytes as uint8 array} of the files named in `keep`), after checking every
     file's size and sha256 (each read once, bounded, never through a link); a ValueError names what is wrong."""
     directory = Path(directory)
@@ -109,24 +131,40 @@ def verify_corpus(directory: Path, params: dict | None = None, keep: tuple[str, 
     try:  # an OSError names the file being read, `path`
         raw = reading.read_bytes(mpath, MAX_JSON)
         try:
-            manifest = jsonio.loads(raw)  # strict: a duplicate key or 1e999 is refused, not read one way
+            manifest = jsonio.loads(
+                raw
+            )  # strict: a duplicate key or 1e999 is refused, not read one way
         except ValueError as e:
             raise ValueError(f"{mpath}: {e}; {fix}") from None
         if canonical_json(manifest) != raw:
             raise ValueError(f"{mpath}: not in canonical form (edited by hand?); {fix}")
-        if params is not None and (not isinstance(manifest, dict) or manifest.get("params") != params):
+        if params is not None and (
+            not isinstance(manifest, dict) or manifest.get("params") != params
+        ):
             raise ValueError(f"{mpath}: params differ from the requested {params}; {fix}")
         files = manifest.get("files") if isinstance(manifest, dict) else None
-        if not (isinstance(files, dict) and all(isinstance(e, dict) and type(e.get("bytes")) is int
-                                                and isinstance(e.get("sha256"), str) and "/" not in fn
-                                                and fn not in ("", ".", "..") for fn, e in files.items())):
-            raise ValueError(f"{mpath}: 'files' must map file names to their bytes and sha256; {fix}")
+        if not (
+            isinstance(files, dict)
+            and all(
+                isinstance(e, dict)
+                and type(e.get("bytes")) is int
+                and isinstance(e.get("sha256"), str)
+                and "/" not in fn
+                and fn not in ("", ".", "..")
+                for fn, e in files.items()
+            )
+        ):
+            raise ValueError(
+                f"{mpath}: 'files' must map file names to their bytes and sha256; {fix}"
+            )
         kept: dict = {"MANIFEST.json": raw} if "MANIFEST.json" in keep else {}
         for fn, entry in files.items():
             path = directory / fn
             size, sha256, data = _read_listed(path, entry["bytes"], keep=fn in keep)
             if size != entry["bytes"]:
-                raise ValueError(f"{path}: {size} bytes but MANIFEST.json says {entry['bytes']}; {fix}")
+                raise ValueError(
+                    f"{path}: {size} bytes but MANIFEST.json says {entry['bytes']}; {fix}"
+                )
             if sha256 != entry["sha256"]:
                 raise ValueError(f"{path}: sha256 mismatch with MANIFEST.json; {fix}")
             if fn in keep:
@@ -146,7 +184,9 @@ def _read_listed(path: Path, listed: int, keep: bool) -> tuple[int, str | None, 
         if size != listed:
             return size, None, None
         h = hashlib.sha256()
-        buffer = np.empty(size if keep else min(size, reading.CHUNK), dtype=np.uint8)  # kept whole, or a piece
+        buffer = np.empty(
+            size if keep else min(size, reading.CHUNK), dtype=np.uint8
+        )  # kept whole, or a piece
         at = 0
         while at < size:
             piece = buffer.data[at if keep else 0 :][: min(reading.CHUNK, size - at)]
@@ -169,7 +209,9 @@ def _notice(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], CorpusContent]) -> Path:
+def ensure_corpus(
+    data_dir: Path, name: str, params: dict, build: Callable[[], CorpusContent]
+) -> Path:
     """<data_dir>/<name>-<hash>/, built by `build` only if absent, safe beside other writers; its reader verifies it."""
     parent = Path(data_dir)
     refuse_link(parent, "directory")  # <output_dir>/data linked elsewhere would receive the corpus
@@ -179,8 +221,12 @@ def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], C
     ensure_dirs(parent)
     # Other writers may be generating it now: their temporaries are young; an hour-old one is a crashed writer's.
     remove_temporaries(parent, older_than=_STALE_TMP_SECONDS)
-    shown = ", ".join(f"{k}={v}" for k, v in params.items() if k not in ("generator", "version", "source_sha256"))
-    _notice(f"generating the {name} corpus ({shown}) into {final}; this takes a while once, then it is cached")
+    shown = ", ".join(
+        f"{k}={v}" for k, v in params.items() if k not in ("generator", "version", "source_sha256")
+    )
+    _notice(
+        f"generating the {name} corpus ({shown}) into {final}; this takes a while once, then it is cached"
+    )
     files = render(build(), name, params)
     tmp = new_temp_dir(parent, final.name)
     try:
@@ -194,10 +240,15 @@ def ensure_corpus(data_dir: Path, name: str, params: dict, build: Callable[[], C
             # Another writer published first; its bytes must equal ours, which verify checks.
     finally:
         remove_tree(tmp)
-    if verify_corpus(final, params, keep=("MANIFEST.json",))[1]["MANIFEST.json"] != files["MANIFEST.json"]:
+    if (
+        verify_corpus(final, params, keep=("MANIFEST.json",))[1]["MANIFEST.json"]
+        != files["MANIFEST.json"]
+    ):
         # Same params, other bytes: the existing corpus came from another version of the generator.
-        raise ValueError(f"{final / 'MANIFEST.json'}: differs from the one these params generate; delete {final} "
-                         "to regenerate")
+        raise ValueError(
+            f"{final / 'MANIFEST.json'}: differs from the one these params generate; delete {final} "
+            "to regenerate"
+        )
     return final
 
 
@@ -217,13 +268,21 @@ class TokenDataset:
     """Non-overlapping windows of T+1 tokens over a verified corpus directory (the Dataset protocol)."""
 
     kind = "tokens"
-    keeps_corpus = True  # on disk, in the output directory's corpus cache (what `archive --with-data` copies)
+    keeps_corpus = (
+        True  # on disk, in the output directory's corpus cache (what `archive --with-data` copies)
+    )
     baselines = ("val/ngram_baseline_ppl",)  # what baseline_metrics gives
     # role -> token of the vocabulary ({"eos": "<eos>"}): what a tool starts from
     specials: ClassVar[dict[str, str]] = {}
 
-    def __init__(self, cache_dir: str, name: str, params: dict, val_batch_size: int,
-                 build: Callable[[], CorpusContent]):
+    def __init__(
+        self,
+        cache_dir: str,
+        name: str,
+        params: dict,
+        val_batch_size: int,
+        build: Callable[[], CorpusContent],
+    ):
         # <cache_dir>/<name>-<hash of params>/, generated by `build` if absent, then opened
         self.directory = ensure_corpus(Path(cache_dir), name, params, build)
         names = ("MANIFEST.json", "vocab.json", *(f"{s}.tokens" for s in SPLITS))
@@ -255,7 +314,9 @@ class TokenDataset:
     def train_batch(self, ids: np.ndarray, dtype: np.dtype | None = None) -> Batch:
         ids = np.asarray(ids, dtype=np.int64)  # [B]
         if ids.size and (ids.min() < 0 or ids.max() >= self.n_train):
-            raise IndexError(f"train window ids must be in [0, {self.n_train}), got [{ids.min()}, {ids.max()}]")
+            raise IndexError(
+                f"train window ids must be in [0, {self.n_train}), got [{ids.min()}, {ids.max()}]"
+            )
         x, y = self._windows("train", ids)
         return Batch(ids=ids.copy(), x=x, y=y)
 
@@ -276,4 +337,8 @@ class TokenDataset:
 
     def inference_facts(self) -> dict:
         """What reading and writing the model's tokens needs of this data (a checkpoint's data.json)."""
-        return {"vocab": list(self.vocab), "decode_join": self._join, "specials": dict(self.specials)}
+        return {
+            "vocab": list(self.vocab),
+            "decode_join": self._join,
+            "specials": dict(self.specials),
+        }

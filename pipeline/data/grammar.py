@@ -1,4 +1,5 @@
 """A deterministic English verb-grammar corpus whose subjects fix verb forms several words later."""
+
 from __future__ import annotations
 
 import math
@@ -18,29 +19,49 @@ EOS, COMMA = "<eos>", ","
 
 # Agreement is carried as the pronoun a subject stands for: it fixes person, number and gender at once.
 # subject, object, possessive, reflexive
-PRONOUNS = {forms[0]: forms for forms in (
-    ("I", "me", "my", "myself"), ("you", "you", "your", "yourself"), ("he", "him", "his", "himself"),
-    ("she", "her", "her", "herself"), ("it", "it", "its", "itself"), ("we", "us", "our", "ourselves"),
-    ("they", "them", "their", "themselves"),
-)}
+PRONOUNS = {
+    forms[0]: forms
+    for forms in (
+        ("I", "me", "my", "myself"),
+        ("you", "you", "your", "yourself"),
+        ("he", "him", "his", "himself"),
+        ("she", "her", "her", "herself"),
+        ("it", "it", "its", "itself"),
+        ("we", "us", "our", "ourselves"),
+        ("they", "them", "their", "themselves"),
+    )
+}
 THIRD_SINGULAR = ("he", "she", "it")
 
 # singular, plural, pronoun a singular stands for, class; each noun has one class so a string has one parse
 NOUNS = (
-    ("man", "men", "he", "person"), ("woman", "women", "she", "person"),
-    ("boy", "boys", "he", "person"), ("girl", "girls", "she", "person"),
-    ("king", "kings", "he", "person"), ("queen", "queens", "she", "person"),
-    ("dog", "dogs", "it", "animal"), ("cat", "cats", "it", "animal"),
-    ("bird", "birds", "it", "animal"), ("horse", "horses", "it", "animal"),
-    ("mouse", "mice", "it", "animal"), ("fox", "foxes", "it", "animal"),
-    ("apple", "apples", "it", "food"), ("cake", "cakes", "it", "food"),
-    ("egg", "eggs", "it", "food"), ("orange", "oranges", "it", "food"),
-    ("book", "books", "it", "text"), ("letter", "letters", "it", "text"),
-    ("story", "stories", "it", "text"), ("poem", "poems", "it", "text"),
-    ("car", "cars", "it", "vehicle"), ("bike", "bikes", "it", "vehicle"),
+    ("man", "men", "he", "person"),
+    ("woman", "women", "she", "person"),
+    ("boy", "boys", "he", "person"),
+    ("girl", "girls", "she", "person"),
+    ("king", "kings", "he", "person"),
+    ("queen", "queens", "she", "person"),
+    ("dog", "dogs", "it", "animal"),
+    ("cat", "cats", "it", "animal"),
+    ("bird", "birds", "it", "animal"),
+    ("horse", "horses", "it", "animal"),
+    ("mouse", "mice", "it", "animal"),
+    ("fox", "foxes", "it", "animal"),
+    ("apple", "apples", "it", "food"),
+    ("cake", "cakes", "it", "food"),
+    ("egg", "eggs", "it", "food"),
+    ("orange", "oranges", "it", "food"),
+    ("book", "books", "it", "text"),
+    ("letter", "letters", "it", "text"),
+    ("story", "stories", "it", "text"),
+    ("poem", "poems", "it", "text"),
+    ("car", "cars", "it", "vehicle"),
+    ("bike", "bikes", "it", "vehicle"),
     ("boat", "boats", "it", "vehicle"),
-    ("ball", "balls", "it", "thing"), ("box", "boxes", "it", "thing"),
-    ("key", "keys", "it", "thing"), ("cup", "cups", "it", "thing"),
+    ("ball", "balls", "it", "thing"),
+    ("box", "boxes", "it", "thing"),
+    ("key", "keys", "it", "thing"),
+    ("cup", "cups", "it", "thing"),
     ("hat", "hats", "it", "thing"),
 )
 ANIMATE = ("person", "animal")
@@ -48,7 +69,18 @@ INANIMATE = ("food", "text", "vehicle", "thing")
 PLACES = ("park", "garden", "house", "kitchen", "school", "forest")
 
 ATTRIBUTIVE = {
-    "animate": ("tall", "young", "old", "small", "big", "little", "lazy", "clever", "brave", "happy"),
+    "animate": (
+        "tall",
+        "young",
+        "old",
+        "small",
+        "big",
+        "little",
+        "lazy",
+        "clever",
+        "brave",
+        "happy",
+    ),
     "inanimate": ("old", "small", "big", "new", "red", "blue", "green", "heavy", "cheap", "little"),
 }
 PREDICATIVE = {
@@ -74,9 +106,12 @@ class Verb:
 
 
 VERBS = (
-    Verb("run", "runs", "ran", "running", "run"), Verb("sleep", "sleeps", "slept", "sleeping", "slept"),
-    Verb("sing", "sings", "sang", "singing", "sung"), Verb("laugh", "laughs", "laughed", "laughing", "laughed"),
-    Verb("swim", "swims", "swam", "swimming", "swum"), Verb("walk", "walks", "walked", "walking", "walked"),
+    Verb("run", "runs", "ran", "running", "run"),
+    Verb("sleep", "sleeps", "slept", "sleeping", "slept"),
+    Verb("sing", "sings", "sang", "singing", "sung"),
+    Verb("laugh", "laughs", "laughed", "laughing", "laughed"),
+    Verb("swim", "swims", "swam", "swimming", "swum"),
+    Verb("walk", "walks", "walked", "walking", "walked"),
     Verb("jump", "jumps", "jumped", "jumping", "jumped"),
     Verb("eat", "eats", "ate", "eating", "eaten", ("food",)),
     Verb("cook", "cooks", "cooked", "cooking", "cooked", ("food",)),
@@ -108,13 +143,37 @@ TIME_PHRASES = {
 }
 PREPOSITIONS = ("near", "with", "behind")
 PLACE_PREPOSITIONS = ("in", "near", "behind")
-FUNCTION_WORDS = ("a", "an", "that", "not", "very", "will", "be", "been", "do", "does", "did", "am", "is", "are", "was",
-                  "were", "has", "have")
+FUNCTION_WORDS = (
+    "a",
+    "an",
+    "that",
+    "not",
+    "very",
+    "will",
+    "be",
+    "been",
+    "do",
+    "does",
+    "did",
+    "am",
+    "is",
+    "are",
+    "was",
+    "were",
+    "has",
+    "have",
+)
 
 
 def vocabulary() -> list[str]:
     """Every word the grammar can emit, fixed by the lexicon (not by a sample), specials first."""
-    words = {*FUNCTION_WORDS, *PLACES, *PREPOSITIONS, *PLACE_PREPOSITIONS, *(w for n in NOUNS for w in n[:2])}
+    words = {
+        *FUNCTION_WORDS,
+        *PLACES,
+        *PREPOSITIONS,
+        *PLACE_PREPOSITIONS,
+        *(w for n in NOUNS for w in n[:2]),
+    }
     words |= {w for forms in PRONOUNS.values() for w in forms}
     words |= {w for table in (ATTRIBUTIVE, PREDICATIVE) for adjs in table.values() for w in adjs}
     words |= {d for dets in DETERMINERS.values() for d, _ in dets}
@@ -180,19 +239,35 @@ PRONOUN = Choice(tuple(PRONOUNS))
 SUBJECT_IS_PRONOUN, INNER_SUBJECT_IS_PRONOUN = _coin(0.3), _coin(0.3)
 SUBJECT_CLASSES = Choice((ANIMATE, INANIMATE), (4, 1))
 POSTMODIFIER = Choice(("none", "pp", "rc"), (4, 2.5, 3.5))
-PREPOSITION, PLACE_PREPOSITION, PLACE = Choice(PREPOSITIONS), Choice(PLACE_PREPOSITIONS), Choice(PLACES)
+PREPOSITION, PLACE_PREPOSITION, PLACE = (
+    Choice(PREPOSITIONS),
+    Choice(PLACE_PREPOSITIONS),
+    Choice(PLACES),
+)
 PP_CLASSES = ("person", "animal", "vehicle", "thing")
 SUBJECT_RELATIVE = _coin(0.4)
-NEGATED, COPULA, VERY, INTRANSITIVE_VP, PLACE_PP = _coin(0.15), _coin(0.2), _coin(0.2), _coin(0.35), _coin(0.5)
+NEGATED, COPULA, VERY, INTRANSITIVE_VP, PLACE_PP = (
+    _coin(0.15),
+    _coin(0.2),
+    _coin(0.2),
+    _coin(0.35),
+    _coin(0.5),
+)
 INTRANSITIVE_VERB, TRANSITIVE_VERB = Choice(INTRANSITIVE), Choice(TRANSITIVE)
 VERB_TAKING = {c: Choice([v for v in TRANSITIVE if c in v.objects]) for c in ANIMATE + INANIMATE}
 OBJECT_KIND = {
-    v.base: Choice(("reflexive", "possessive", "pronoun", "np"),
-                   (1.5 if v.reflexive else 0, 2.5, 1.0 if v.objects == ANIMATE else 0, 5))
+    v.base: Choice(
+        ("reflexive", "possessive", "pronoun", "np"),
+        (1.5 if v.reflexive else 0, 2.5, 1.0 if v.objects == ANIMATE else 0, 5),
+    )
     for v in TRANSITIVE
 }
-CLASS_OF = {cs: Choice(cs) for cs in {v.objects for v in TRANSITIVE} | {ANIMATE, INANIMATE, PP_CLASSES}}
-OBJECT_PRONOUN = {a: Choice([PRONOUNS[p][1] for p in PRONOUNS if p not in (a, "it")]) for a in PRONOUNS}
+CLASS_OF = {
+    cs: Choice(cs) for cs in {v.objects for v in TRANSITIVE} | {ANIMATE, INANIMATE, PP_CLASSES}
+}
+OBJECT_PRONOUN = {
+    a: Choice([PRONOUNS[p][1] for p in PRONOUNS if p not in (a, "it")]) for a in PRONOUNS
+}
 PREDICATE = {k: Choice(adjs) for k, adjs in PREDICATIVE.items()}
 
 
@@ -343,7 +418,9 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
     sentences, _, logps = generate(seed, n_sentences)
     n_val = max(1, round(n_sentences * val_fraction))
     if n_val >= n_sentences:
-        raise ValueError(f"n_sentences={n_sentences} leaves no training sentences at val_fraction={val_fraction}")
+        raise ValueError(
+            f"n_sentences={n_sentences} leaves no training sentences at val_fraction={val_fraction}"
+        )
     train, val = token_stream(sentences[:-n_val], index), token_stream(sentences[-n_val:], index)
     # The generator's own log-probability of each sentence bounds what any model can reach on it; a bound
     # from above, since a rare string with two derivations (e.g. "read" present/past) is charged for one.
@@ -358,12 +435,33 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
 class GrammarCorpus(TokenDataset):
     """`data=grammar`: the grammar corpus under <output_dir>/data/grammar-<hash>/, generated once."""
 
-    specials: ClassVar[dict[str, str]] = {"eos": EOS}  # every sentence ends with it: an empty prompt starts after one
+    specials: ClassVar[dict[str, str]] = {
+        "eos": EOS
+    }  # every sentence ends with it: an empty prompt starts after one
 
-    def __init__(self, cache_dir: str, seed: int, n_sentences: int, val_fraction: float, block_size: int,
-                 ngram_order: int, val_batch_size: int):
-        params = {"generator": "grammar", "version": GRAMMAR_VERSION, "seed": int(seed),
-                  "n_sentences": int(n_sentences), "val_fraction": float(val_fraction), "block_size": int(block_size),
-                  "ngram_order": int(ngram_order)}
-        super().__init__(cache_dir, "grammar", params, val_batch_size,
-                         lambda: build_grammar_corpus(int(seed), int(n_sentences), float(val_fraction)))
+    def __init__(
+        self,
+        cache_dir: str,
+        seed: int,
+        n_sentences: int,
+        val_fraction: float,
+        block_size: int,
+        ngram_order: int,
+        val_batch_size: int,
+    ):
+        params = {
+            "generator": "grammar",
+            "version": GRAMMAR_VERSION,
+            "seed": int(seed),
+            "n_sentences": int(n_sentences),
+            "val_fraction": float(val_fraction),
+            "block_size": int(block_size),
+            "ngram_order": int(ngram_order),
+        }
+        super().__init__(
+            cache_dir,
+            "grammar",
+            params,
+            val_batch_size,
+            lambda: build_grammar_corpus(int(seed), int(n_sentences), float(val_fraction)),
+        )

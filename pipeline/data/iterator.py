@@ -1,4 +1,5 @@
 """A data iterator whose whole state is (epoch, permutation, cursor): it stops and continues mid-epoch."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +15,9 @@ class DataIterator:
 
     def __init__(self, n: int, batch_size: int, rng: np.random.Generator):
         if not 1 <= batch_size <= n:
-            raise ValueError(f"trainer.batch_size={batch_size}: must be between 1 and the {n} training samples")
+            raise ValueError(
+                f"trainer.batch_size={batch_size}: must be between 1 and the {n} training samples"
+            )
         self.n, self.batch_size, self.rng = int(n), int(batch_size), rng
         self.epoch = 0
         self.permutation = rng.permutation(self.n).astype(np.int64)  # [n]
@@ -40,9 +43,14 @@ class DataIterator:
     def check_state_dict(self, state: dict) -> None:
         perm = state["permutation"]
         if perm.dtype.kind not in "iu" or not np.array_equal(np.sort(perm), np.arange(self.n)):
-            raise BadValue("permutation", f"permutation is not a permutation of the {self.n} sample ids")
+            raise BadValue(
+                "permutation", f"permutation is not a permutation of the {self.n} sample ids"
+            )
         if not (0 <= state["cursor"] <= self.n and state["epoch"] >= 0):
-            raise BadValue("cursor", f"cursor {state['cursor']} or epoch {state['epoch']} out of range (n={self.n})")
+            raise BadValue(
+                "cursor",
+                f"cursor {state['cursor']} or epoch {state['epoch']} out of range (n={self.n})",
+            )
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])

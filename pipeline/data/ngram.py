@@ -1,4 +1,5 @@
 """An interpolated modified Kneser-Ney n-gram language model over integer tokens, fitted with numpy."""
+
 from __future__ import annotations
 
 import math
@@ -99,8 +100,14 @@ def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
         # after it: they would get probability 0 (an infinite perplexity). The fallback discounts are > 0.
         d = FALLBACK
         ctx_backoff = backoff(d)
-    return Level(keys=keys, counts=counts, ctx_keys=ctx_keys, ctx_total=np.add.reduceat(counts, start),
-                 ctx_backoff=ctx_backoff, discounts=d)
+    return Level(
+        keys=keys,
+        counts=counts,
+        ctx_keys=ctx_keys,
+        ctx_total=np.add.reduceat(counts, start),
+        ctx_backoff=ctx_backoff,
+        discounts=d,
+    )
 
 
 def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
@@ -118,7 +125,9 @@ def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
             held = [_counted([_sorted_keys(tokens, k + 1, V)])[0]]  # every distinct (k+1)-gram once
             np.remainder(held[0], V**k, out=held[0])  # its last k tokens
             held[0].sort()
-        yield _level(*_counted(held), V)  # the generator keeps no reference: the caller's drop frees it
+        yield _level(
+            *_counted(held), V
+        )  # the generator keeps no reference: the caller's drop frees it
 
 
 def fit(tokens: np.ndarray, order: int, vocab_size: int) -> KneserNey:
@@ -140,7 +149,9 @@ def _discount_of(level: Level, counts: np.ndarray) -> np.ndarray:
     return np.where(counts == 0, 0.0, np.where(counts == 1, d1, np.where(counts == 2, d2, d3)))
 
 
-def _mixed(level: Level, k: int, V: int, history: np.ndarray, targets: np.ndarray, p: np.ndarray) -> np.ndarray:
+def _mixed(
+    level: Level, k: int, V: int, history: np.ndarray, targets: np.ndarray, p: np.ndarray
+) -> np.ndarray:
     """p(target | history) up to order k, from order k's counts and `p`, the probabilities up to order k-1."""
     ctx_tokens = history[:, history.shape[1] - (k - 1) :]  # [N, k-1] the nearest k-1 tokens
     known = (ctx_tokens >= 0).all(axis=1)
@@ -160,7 +171,9 @@ def distribution(model: KneserNey, history) -> np.ndarray:
     """The full next-token distribution [V] after a history (its last order-1 tokens are used)."""
     V, n = model.vocab_size, model.order - 1
     padded = [-1] * n + [int(t) for t in history]
-    h = np.broadcast_to(np.asarray(padded[len(padded) - n :] if n else [], dtype=np.int64), (V, n))  # [V, n]
+    h = np.broadcast_to(
+        np.asarray(padded[len(padded) - n :] if n else [], dtype=np.int64), (V, n)
+    )  # [V, n]
     p, targets = np.full(V, 1.0 / V), np.arange(V, dtype=np.int64)  # order 0: uniform
     for k, level in enumerate(model.levels, start=1):
         p = _mixed(level, k, V, h, targets, p)
@@ -185,7 +198,9 @@ def _raised(levels, V: int, tokens: np.ndarray, positions: np.ndarray) -> np.nda
         for a in range(0, len(positions), PIECE):
             at = positions[a : a + PIECE]
             history = _history(tokens, at, k - 1)
-            p[a : a + PIECE] = _mixed(level, k, V, history, tokens[at].astype(np.int64), p[a : a + PIECE])
+            p[a : a + PIECE] = _mixed(
+                level, k, V, history, tokens[at].astype(np.int64), p[a : a + PIECE]
+            )
         del level
     return p
 
@@ -199,8 +214,13 @@ def perplexity(model: KneserNey, tokens: np.ndarray, positions: np.ndarray) -> f
     return float(np.exp(-np.mean(stream_log_probs(model, tokens, positions))))
 
 
-def fitted_perplexity(train: np.ndarray, order: int, vocab_size: int, tokens: np.ndarray,
-                      positions: np.ndarray) -> float:
+def fitted_perplexity(
+    train: np.ndarray, order: int, vocab_size: int, tokens: np.ndarray, positions: np.ndarray
+) -> float:
     """perplexity(fit(train, order, vocab_size), tokens, positions), to the last bit, one level at a time."""
     V = int(vocab_size)
-    return float(np.exp(-np.mean(np.log(_raised(_levels(np.asarray(train), order, V), V, tokens, positions)))))
+    return float(
+        np.exp(
+            -np.mean(np.log(_raised(_levels(np.asarray(train), order, V), V, tokens, positions)))
+        )
+    )

@@ -1,4 +1,5 @@
 """Seed 003's regression set: 24 rows, two inputs, one target; a fixed synthetic relation plus noise."""
+
 from __future__ import annotations
 
 import hashlib
@@ -30,9 +31,16 @@ class Regression:
         self.input_gain, self.input_noise = float(input_gain), float(input_noise)
         self.spec = DataSpec(n_features=2, n_targets=1)
         self.n_train = n_rows
-        manifest = {**self.params, "sha256": {
-            "x": hashlib.sha256(self.x.tobytes()).hexdigest(), "y": hashlib.sha256(self.y.tobytes()).hexdigest()}}
-        self.manifest_hash = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+        manifest = {
+            **self.params,
+            "sha256": {
+                "x": hashlib.sha256(self.x.tobytes()).hexdigest(),
+                "y": hashlib.sha256(self.y.tobytes()).hexdigest(),
+            },
+        }
+        self.manifest_hash = hashlib.sha256(
+            json.dumps(manifest, sort_keys=True).encode()
+        ).hexdigest()
 
     def train_batch(self, ids: np.ndarray, dtype) -> Batch:
         return Batch(ids=ids, x=self.x[ids].astype(dtype), y=self.y[ids].astype(dtype))

@@ -1,4 +1,5 @@
 """A character-level corpus from the user's own UTF-8 text file, read in pieces (never whole, never a str)."""
+
 from __future__ import annotations
 
 import codecs
@@ -13,7 +14,9 @@ from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDat
 from pipeline.files import reading
 
 TEXT_VERSION = 1
-PIECE = 4 << 20  # bytes decoded at a time: a piece costs at most ~9x itself (its str and its UTF-32 copy)
+PIECE = (
+    4 << 20
+)  # bytes decoded at a time: a piece costs at most ~9x itself (its str and its UTF-32 copy)
 N_CODE_POINTS = 0x110000
 
 
@@ -31,10 +34,13 @@ def _code_points(pieces: Iterable[bytes], path: Path) -> Iterator[np.ndarray]:
             if raw and not pending and raw.isascii():
                 yield np.frombuffer(raw, dtype=np.uint8)  # its bytes are its code points
             else:
-                yield np.frombuffer(decoder.decode(raw, final=not raw).encode("utf-32-le"), dtype="<u4")
+                yield np.frombuffer(
+                    decoder.decode(raw, final=not raw).encode("utf-32-le"), dtype="<u4"
+                )
         except UnicodeDecodeError as e:
-            raise TextError(f"data.path={path}: not valid UTF-8 (bad byte at offset {offset - pending + e.start})") \
-                from None
+            raise TextError(
+                f"data.path={path}: not valid UTF-8 (bad byte at offset {offset - pending + e.start})"
+            ) from None
         offset += len(raw)
 
 
@@ -57,8 +63,10 @@ class TextFile:
             self.sha256 = h.hexdigest()
             self.code_points = np.flatnonzero(seen)  # the vocabulary, sorted
             if len(self.code_points) > MAX_VOCAB:
-                raise TextError(f"data.path={self.path}: {len(self.code_points)} distinct characters, more than "
-                                f"the {MAX_VOCAB} allowed")
+                raise TextError(
+                    f"data.path={self.path}: {len(self.code_points)} distinct characters, more than "
+                    f"the {MAX_VOCAB} allowed"
+                )
         except BaseException:
             self.f.close()
             raise
@@ -85,17 +93,24 @@ class TextFile:
             np.take(table, cps, out=out[at : at + len(cps)])
             at += len(cps)
         if at != self.n or h.hexdigest() != self.sha256:
-            raise TextError(f"data.path={self.path}: changed while it was read; give it once it is complete")
+            raise TextError(
+                f"data.path={self.path}: changed while it was read; give it once it is complete"
+            )
         return out
 
     def content(self, val_fraction: float, block_size: int) -> CorpusContent:
         """The corpus: the last val_fraction of the text held out in one piece, so no val window overlaps training."""
         tokens = self.tokens()
         n_val = round(len(tokens) * val_fraction)
-        train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val :]  # views, no copies
+        train, val = (
+            tokens[: len(tokens) - n_val],
+            tokens[len(tokens) - n_val :],
+        )  # views, no copies
         if min(n_windows(len(train), block_size), n_windows(len(val), block_size)) < 1:
-            raise TextError(f"data.path={self.path}: too short: {len(tokens)} characters leave {len(train)} train "
-                            f"and {len(val)} val, each needing at least {block_size + 1}")
+            raise TextError(
+                f"data.path={self.path}: too short: {len(tokens)} characters leave {len(train)} train "
+                f"and {len(val)} val, each needing at least {block_size + 1}"
+            )
         stats = {"characters": {"train": len(train), "val": len(val)}}
         return CorpusContent(train=train, val=val, vocab=self.vocab, join="", stats=stats)
 
@@ -113,8 +128,16 @@ class TextCorpus(TokenDataset):
     `max_bytes` bounds the file's size (data.max_bytes, not part of the corpus's identity).
     """
 
-    def __init__(self, cache_dir: str, path: str, val_fraction: float, block_size: int, ngram_order: int,
-                 val_batch_size: int, max_bytes: int):
+    def __init__(
+        self,
+        cache_dir: str,
+        path: str,
+        val_fraction: float,
+        block_size: int,
+        ngram_order: int,
+        val_batch_size: int,
+        max_bytes: int,
+    ):
         try:
             text = TextFile(Path(path), max_bytes)
         except FileNotFoundError:
@@ -122,8 +145,18 @@ class TextCorpus(TokenDataset):
         except OSError as e:
             raise TextError(f"data.path={path}: {e.strerror or e}") from None
         with text:
-            params = {"generator": "text", "version": TEXT_VERSION, "source_sha256": text.sha256,
-                      "val_fraction": float(val_fraction), "block_size": int(block_size),
-                      "ngram_order": int(ngram_order)}
-            super().__init__(cache_dir, "text", params, val_batch_size,
-                             lambda: text.content(float(val_fraction), int(block_size)))
+            params = {
+                "generator": "text",
+                "version": TEXT_VERSION,
+                "source_sha256": text.sha256,
+                "val_fraction": float(val_fraction),
+                "block_size": int(block_size),
+                "ngram_order": int(ngram_order),
+            }
+            super().__init__(
+                cache_dir,
+                "text",
+                params,
+                val_batch_size,
+                lambda: text.content(float(val_fraction), int(block_size)),
+            )

@@ -1,4 +1,5 @@
 """Writes that never follow a planted link nor leave a torn file: O_EXCL temporaries, fsync, rename over."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,14 +21,23 @@ TMP_PREFIX = ".tmp-"  # every reader ignores these; a directory's owner removes 
 # Failures of the machine, not of the job: one line naming the path, and what to do (exit EXIT_ERROR).
 _FULL = "free space there (or set paths.output_dir elsewhere), then re-run the same command"
 _LOCKED = "make it writable (or set paths.output_dir elsewhere), then re-run the same command"
-ENVIRONMENT = {errno.ENOSPC: _FULL, errno.EDQUOT: _FULL, errno.EFBIG: _FULL, errno.EROFS: _LOCKED,
-               errno.EACCES: _LOCKED, errno.EPERM: _LOCKED, errno.EIO: "check the device, then re-run the same command"}
+ENVIRONMENT = {
+    errno.ENOSPC: _FULL,
+    errno.EDQUOT: _FULL,
+    errno.EFBIG: _FULL,
+    errno.EROFS: _LOCKED,
+    errno.EACCES: _LOCKED,
+    errno.EPERM: _LOCKED,
+    errno.EIO: "check the device, then re-run the same command",
+}
 
 
 class UnsafePathError(OSError):
     """Something other than what we would have created sits where we write (a symlink, a directory...)."""
 
-    def __str__(self) -> str:  # one sentence for a person: "<path>: <reason>" or the reason naming it, no [Errno N]
+    def __str__(
+        self,
+    ) -> str:  # one sentence for a person: "<path>: <reason>" or the reason naming it, no [Errno N]
         if self.strerror is None:
             return super().__str__()
         return f"{self.filename}: {self.strerror}" if self.filename else self.strerror
@@ -65,9 +75,13 @@ def write_new(path: Path, data, h=None, fsync: bool = True) -> dict:
     (into `h`, a hashlib-like sha256, else a new one) and fsynced; returns the file's {"size", "sha256"}."""
     h, size = h or hashlib.sha256(), 0
     try:  # created now: anything already there (a planted link included) is refused
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+        )
     except FileExistsError:
-        raise UnsafePathError(errno.EEXIST, f"{path} already exists; refusing to write through it") from None
+        raise UnsafePathError(
+            errno.EEXIST, f"{path} already exists; refusing to write through it"
+        ) from None
     try:
         for piece in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
             h.update(piece)
@@ -91,10 +105,14 @@ def refuse_link(path: Path, what: str = "file") -> None:
     except FileNotFoundError:
         return
     if stat.S_ISLNK(st.st_mode):
-        raise UnsafePathError(errno.ELOOP, f"{path} is a symlink; refusing to follow it (remove it)")
+        raise UnsafePathError(
+            errno.ELOOP, f"{path} is a symlink; refusing to follow it (remove it)"
+        )
     want = stat.S_ISDIR if what == "directory" else stat.S_ISREG
     if not want(st.st_mode):
-        raise UnsafePathError(errno.EEXIST, f"{path} is not a regular {what}; refusing to replace it")
+        raise UnsafePathError(
+            errno.EEXIST, f"{path} is not a regular {what}; refusing to replace it"
+        )
 
 
 def replace_file(path: Path, data: bytes) -> dict:
@@ -129,7 +147,9 @@ def ensure_dirs(root: Path, *parts: str) -> Path:
     path = Path(root)
     for part in parts:
         if (why := names.problem(part, reserve=0)) is not None:
-            raise UnsafePathError(errno.EINVAL, f"{path}: a directory named {names.shown(part)} inside it {why}")
+            raise UnsafePathError(
+                errno.EINVAL, f"{path}: a directory named {names.shown(part)} inside it {why}"
+            )
     os.makedirs(path, exist_ok=True)
     for part in parts:
         path = path / part
@@ -152,9 +172,12 @@ def check_output_dir(output_dir: Path) -> None:
         path = Path(output_dir) / entry
         if os.path.islink(path):
             target = names.shown(os.readlink(path))
-            raise UnsafePathError(errno.ELOOP, f"{path} is a symlink (to {target}); an output directory's own {entry} "
-                                               "is never followed elsewhere: remove the link (or set paths.output_dir "
-                                               "to where it points)")
+            raise UnsafePathError(
+                errno.ELOOP,
+                f"{path} is a symlink (to {target}); an output directory's own {entry} "
+                "is never followed elsewhere: remove the link (or set paths.output_dir "
+                "to where it points)",
+            )
 
 
 def new_temp_dir(parent: Path, name: str) -> Path:
@@ -172,7 +195,12 @@ def _exchange(a: Path, b: Path) -> bool:
     if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):  # a filesystem without it
+    if err in (
+        errno.EINVAL,
+        errno.ENOSYS,
+        errno.ENOTSUP,
+        errno.EOPNOTSUPP,
+    ):  # a filesystem without it
         return False
     raise OSError(err, os.strerror(err), str(b))
 
@@ -240,10 +268,15 @@ def move(src: Path, dst: Path, copy: Callable[[Path, Path], None] | None = None)
     tmp = temp_name(dst)
     try:
         (copy or second_name)(src, tmp)
-        if missing := sorted(_entries(src) - _entries(tmp)):  # a planted directory, link or FIFO the copy skips
-            raise OSError(errno.EXDEV, f"{dst.parent} is another filesystem and {missing[0][0]!r:.80} of {src} would "
-                                       "not be copied whole; nothing moved (move it yourself, or keep superseded/ "
-                                       "on the run's filesystem)")
+        if missing := sorted(
+            _entries(src) - _entries(tmp)
+        ):  # a planted directory, link or FIFO the copy skips
+            raise OSError(
+                errno.EXDEV,
+                f"{dst.parent} is another filesystem and {missing[0][0]!r:.80} of {src} would "
+                "not be copied whole; nothing moved (move it yourself, or keep superseded/ "
+                "on the run's filesystem)",
+            )
         os.rename(tmp, dst)
         fsync_dir(dst.parent)
     except BaseException:
@@ -279,11 +312,17 @@ def discard_dir(directory: Path) -> None:
 def replace_link(link: Path, target_name: str) -> None:
     """Point a relative symlink (e.g. checkpoints/best) at target_name atomically."""
     if os.path.lexists(link) and not os.path.islink(link):
-        raise UnsafePathError(errno.EEXIST, f"{link} exists and is not a link; refusing to replace it")
+        raise UnsafePathError(
+            errno.EEXIST, f"{link} exists and is not a link; refusing to replace it"
+        )
     tmp = temp_name(link)
     os.symlink(target_name, tmp)
-    killpoint.point("save", "before a link's rename")  # killed here, the link still names its old target
-    os.replace(tmp, link)  # a rename over the old link: a reader finds one target or the other, never none
+    killpoint.point(
+        "save", "before a link's rename"
+    )  # killed here, the link still names its old target
+    os.replace(
+        tmp, link
+    )  # a rename over the old link: a reader finds one target or the other, never none
     fsync_dir(link.parent)
 
 
@@ -310,8 +349,12 @@ def remove_temporaries(parent: Path, older_than: float | None = None) -> None:
     now = time.time()
     for name in entries:
         path = Path(parent) / name
-        with contextlib.suppress(FileNotFoundError):  # its writer finished, or another cleaner got there first
-            if name.startswith(TMP_PREFIX) and (older_than is None or now - path.lstat().st_mtime > older_than):
+        with contextlib.suppress(
+            FileNotFoundError
+        ):  # its writer finished, or another cleaner got there first
+            if name.startswith(TMP_PREFIX) and (
+                older_than is None or now - path.lstat().st_mtime > older_than
+            ):
                 remove_tree(path)
 
 

@@ -1,4 +1,5 @@
 """Standard JSON (RFC 8259) in and out: non-finite floats as strings, strict and bounded on reading."""
+
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +11,9 @@ from pipeline.files import reading
 
 MAX_DEPTH = 64
 # Python writes NaN bare, which is not JSON; we write protobuf's JSON mapping for floats instead.
-NON_FINITE = MappingProxyType({"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf})  # read-only
+NON_FINITE = MappingProxyType(
+    {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+)  # read-only
 
 
 class JSONError(ValueError):
@@ -41,8 +44,14 @@ def number(v) -> float:
 
 def dumps(obj, *, indent: int | None = 2, canonical: bool = False) -> bytes:
     """UTF-8 bytes of standard JSON; canonical=True is the hashing form (sorted keys, no spaces)."""
-    text = json.dumps(_finite(obj), sort_keys=True, indent=None if canonical else indent, ensure_ascii=False,
-                      separators=(",", ":") if canonical else None, allow_nan=False)
+    text = json.dumps(
+        _finite(obj),
+        sort_keys=True,
+        indent=None if canonical else indent,
+        ensure_ascii=False,
+        separators=(",", ":") if canonical else None,
+        allow_nan=False,
+    )
     return text.encode() if canonical else (text + "\n").encode()
 
 
@@ -100,8 +109,13 @@ def _int(text: str) -> int:
 def loads(data: bytes | str):
     """Standard JSON, strictly (a checkpoint must mean the same to every reader); else a one-line JSONError."""
     try:
-        obj = json.loads(data, parse_constant=_reject_constant, object_pairs_hook=_unique, parse_float=_float,
-                         parse_int=_int)
+        obj = json.loads(
+            data,
+            parse_constant=_reject_constant,
+            object_pairs_hook=_unique,
+            parse_float=_float,
+            parse_int=_int,
+        )
     except RecursionError:
         raise JSONError(f"nested deeper than {MAX_DEPTH} levels") from None
     except UnicodeDecodeError as e:

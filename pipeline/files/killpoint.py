@@ -4,6 +4,7 @@ Phases: "train" (inside steps), "save" (inside checkpoint writes), "setup" (befo
 <phase>:<k>:TERM+INT sends those signals instead; PIPELINE_CHAOS_TRACE=<file> appends every point reached;
 PIPELINE_CHAOS_PACE=<seconds> sleeps at every train and setup point (a slow run, every number unchanged).
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,7 +20,9 @@ class _Plan:
     def __init__(self):
         phase, k, signals = ([*os.environ.get("PIPELINE_CHAOS", "").split(":"), "", ""])[:3]
         self.phase, self.target = phase, int(k) if k.isdigit() else None
-        self.send = [signal.Signals[f"SIG{name}"] for name in signals.split("+") if name] or [signal.SIGKILL]
+        self.send = [signal.Signals[f"SIG{name}"] for name in signals.split("+") if name] or [
+            signal.SIGKILL
+        ]
         self.trace = os.environ.get("PIPELINE_CHAOS_TRACE")
         self.pace = float(os.environ.get("PIPELINE_CHAOS_PACE") or 0)
         self.hits = {"train": 0, "save": 0, "setup": 0}

@@ -1,4 +1,5 @@
 """The one check of a name that becomes a path component: a run's, a sweep's, a step's, a registered model's."""
+
 from __future__ import annotations
 
 import unicodedata
@@ -17,7 +18,7 @@ class BadName(ValueError):
 def shown(value: object) -> str:
     """The value's repr, cut to about SHOWN characters: a refusal stays one short line whatever it was given."""
     text = repr(value)
-    return text if len(text) <= SHOWN else f"{text[:SHOWN - 3]}..."
+    return text if len(text) <= SHOWN else f"{text[: SHOWN - 3]}..."
 
 
 def problem(value: object, reserve: int = SUFFIX_BYTES) -> str | None:
@@ -32,8 +33,12 @@ def problem(value: object, reserve: int = SUFFIX_BYTES) -> str | None:
         return "must not contain control characters (a newline, a tab, NUL...)"
     size = len(value.encode("utf-8", "surrogateescape"))
     if size > NAME_MAX - reserve:
-        return (f"is {size} bytes; at most {NAME_MAX - reserve} (a file name holds {NAME_MAX} bytes, "
-                f"with the {reserve} the pipeline may add)" if reserve else f"is {size} bytes; at most {NAME_MAX}")
+        return (
+            f"is {size} bytes; at most {NAME_MAX - reserve} (a file name holds {NAME_MAX} bytes, "
+            f"with the {reserve} the pipeline may add)"
+            if reserve
+            else f"is {size} bytes; at most {NAME_MAX}"
+        )
     return None
 
 

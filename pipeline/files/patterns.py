@@ -1,4 +1,5 @@
 """A name made from a pattern and a checkpoint's values (`{step}-{val/loss:.3f}`), checked as one path component."""
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,9 @@ SPEC = re.compile(r"^[+ -]?#?0?(\d{1,2})?[,_]?(\.(\d{1,2}))?[deEfFgG%]?$")
 MAX_PRECISION = 20
 WIDE = 24  # characters of one value past which it is written `.6g` (1e+300 rather than 301 digits)
 STEP_LIKE = re.compile(r"^step-\d")  # a step directory's name, never a link's
-TEMPORARY = len(atomic.temp_name(Path("x")).name) - 1  # bytes a link's temporary name adds to the link's (18)
+TEMPORARY = (
+    len(atomic.temp_name(Path("x")).name) - 1
+)  # bytes a link's temporary name adds to the link's (18)
 
 
 def problem(pattern) -> str | None:
@@ -29,23 +32,31 @@ def problem(pattern) -> str | None:
     fields = [(f, spec or "", conv) for _, f, spec, conv in parsed if f is not None]
     for f, spec, conv in fields:
         if conv is not None or not FIELD.match(f) or "{" in spec or not SPEC.match(spec):
-            return (f"field {{{f}{'!' + conv if conv else ''}{':' + spec if spec else ''}}} is not a metric or step "
-                    "with a number format such as .3f (a plain name: no attribute, index or conversion)")
+            return (
+                f"field {{{f}{'!' + conv if conv else ''}{':' + spec if spec else ''}}} is not a metric or step "
+                "with a number format such as .3f (a plain name: no attribute, index or conversion)"
+            )
         if (m := SPEC.match(spec)) and m.group(3) and int(m.group(3)) > MAX_PRECISION:
             return f"field {{{f}:{spec}}}: at most {MAX_PRECISION} digits"
     if any(f == "step" and not re.match(r"^[+ -]?0?\d{0,2}d?$", spec) for f, spec, _ in fields):
         return "{step} takes an integer format only (such as {step:06d}): two steps must never share a name"
     if "step" not in {f for f, _, _ in fields}:
         return "must contain {step} (the step is what tells two checkpoints apart)"
-    longest = len("".join(text + ("x" * WIDE if f is not None else "") for text, f, _, _ in parsed).encode())
+    longest = len(
+        "".join(text + ("x" * WIDE if f is not None else "") for text, f, _, _ in parsed).encode()
+    )
     if longest > names.NAME_MAX - TEMPORARY:
-        return (f"makes names of up to {longest} bytes (each field up to {WIDE} characters); at most "
-                f"{names.NAME_MAX - TEMPORARY} (a file name holds {names.NAME_MAX} bytes, with the {TEMPORARY} "
-                "of a link's temporary name)")
+        return (
+            f"makes names of up to {longest} bytes (each field up to {WIDE} characters); at most "
+            f"{names.NAME_MAX - TEMPORARY} (a file name holds {names.NAME_MAX} bytes, with the {TEMPORARY} "
+            "of a link's temporary name)"
+        )
     example = _text(pattern, 0, {f: 0.0 for f, _, _ in fields})
     if _refused(example):
-        return (f"makes {names.shown(example)}, which cannot name a link beside the step directories "
-                "(not step-<digits>, not hidden, one path component)")
+        return (
+            f"makes {names.shown(example)}, which cannot name a link beside the step directories "
+            "(not step-<digits>, not hidden, one path component)"
+        )
     return None
 
 
@@ -72,7 +83,9 @@ def _one(value, spec: str) -> str:
 
 
 def _refused(name: str) -> bool:
-    return bool(names.problem(name, reserve=TEMPORARY) or STEP_LIKE.match(name) or name.startswith("."))
+    return bool(
+        names.problem(name, reserve=TEMPORARY) or STEP_LIKE.match(name) or name.startswith(".")
+    )
 
 
 def render(pattern: str, step: int, metrics: dict) -> str | None:
@@ -86,7 +99,9 @@ def _text(pattern: str, step: int, metrics: dict) -> str:
     out = []
     for literal, field, spec, _ in string.Formatter().parse(pattern):
         out.append(literal)
-        if field is not None:  # a metric by its name, or with '_' for '/' (Lightning's val_loss for val/loss)
+        if (
+            field is not None
+        ):  # a metric by its name, or with '_' for '/' (Lightning's val_loss for val/loss)
             mine, lightning = spellings(field)
             value = step if field == "step" else metrics.get(mine, metrics.get(lightning))
             out.append(_one(value, spec or ""))

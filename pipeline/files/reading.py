@@ -1,4 +1,5 @@
 """Opening a file to read: a regular file only (no link unless followed on purpose), never blocking, bounded."""
+
 from __future__ import annotations
 
 import errno
@@ -11,9 +12,14 @@ from pipeline.files.atomic import UnsafePathError, write_new
 
 CHUNK = 1 << 20  # bytes per read while hashing or reading whole
 
-KINDS = ((stat.S_ISDIR, "a directory", errno.EISDIR), (stat.S_ISFIFO, "a FIFO", errno.EINVAL),
-         (stat.S_ISCHR, "a character device", errno.EINVAL), (stat.S_ISBLK, "a block device", errno.EINVAL),
-         (stat.S_ISSOCK, "a socket", errno.EINVAL), (stat.S_ISLNK, "a symlink", errno.ELOOP))
+KINDS = (
+    (stat.S_ISDIR, "a directory", errno.EISDIR),
+    (stat.S_ISFIFO, "a FIFO", errno.EINVAL),
+    (stat.S_ISCHR, "a character device", errno.EINVAL),
+    (stat.S_ISBLK, "a block device", errno.EINVAL),
+    (stat.S_ISSOCK, "a socket", errno.EINVAL),
+    (stat.S_ISLNK, "a symlink", errno.ELOOP),
+)
 
 
 class UnreadableFile(UnsafePathError):
@@ -22,8 +28,11 @@ class UnreadableFile(UnsafePathError):
 
 def kind_of(st: os.stat_result) -> str:
     """'a FIFO', 'a character device', ... for what an lstat/fstat describes ('a regular file' included)."""
-    return "a regular file" if stat.S_ISREG(st.st_mode) else next(
-        (name for test, name, _ in KINDS if test(st.st_mode)), "not a regular file")
+    return (
+        "a regular file"
+        if stat.S_ISREG(st.st_mode)
+        else next((name for test, name, _ in KINDS if test(st.st_mode)), "not a regular file")
+    )
 
 
 def _refuse(path, st: os.stat_result, limit: int | None, bound: str | None) -> None:
@@ -31,27 +40,38 @@ def _refuse(path, st: os.stat_result, limit: int | None, bound: str | None) -> N
         code = next((c for test, _, c in KINDS if test(st.st_mode)), errno.EINVAL)
         raise UnreadableFile(code, f"is {kind_of(st)}, not a regular file", os.fspath(path))
     if limit is not None and st.st_size > limit:
-        raise UnreadableFile(errno.EFBIG, f"{st.st_size} bytes, over the {limit}-byte limit" + _hint(bound),
-                             os.fspath(path))
+        raise UnreadableFile(
+            errno.EFBIG,
+            f"{st.st_size} bytes, over the {limit}-byte limit" + _hint(bound),
+            os.fspath(path),
+        )
 
 
 def _hint(bound: str | None) -> str:
     return f" set by {bound} (raise it to read a bigger file)" if bound else ""
 
 
-def open_file(path, limit: int | None = None, follow: bool = False, bound: str | None = None) -> io.FileIO:
+def open_file(
+    path, limit: int | None = None, follow: bool = False, bound: str | None = None
+) -> io.FileIO:
     """`path`, unbuffered, if a regular file of at most `limit` bytes; else UnreadableFile (`bound`: the setting).
 
     open(2) of a FIFO blocks until a writer appears, and a FIFO or /dev/zero never ends: refused by the stat,
     then opened O_NONBLOCK (a FIFO swapped in since cannot block) and checked again on the descriptor."""
-    st = os.stat(path, follow_symlinks=follow)  # nothing opened yet: a FIFO or a device is refused unopened
+    st = os.stat(
+        path, follow_symlinks=follow
+    )  # nothing opened yet: a FIFO or a device is refused unopened
     _refuse(path, st, limit, bound)
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    flags = (
+        os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    )
     try:
         fd = os.open(path, flags)
     except OSError as e:
         if e.errno == errno.ELOOP and not follow:  # a link swapped in since the lstat
-            raise UnreadableFile(errno.ELOOP, "is a symlink, not a regular file", os.fspath(path)) from None
+            raise UnreadableFile(
+                errno.ELOOP, "is a symlink, not a regular file", os.fspath(path)
+            ) from None
         raise
     try:
         _refuse(path, os.fstat(fd), limit, bound)  # whatever was swapped in since the stat
@@ -70,14 +90,19 @@ def read_exact(f: io.RawIOBase, buf: memoryview) -> int:
     return got
 
 
-def chunks(f: io.RawIOBase, path, limit: int | None = None, bound: str | None = None, size: int = CHUNK):
+def chunks(
+    f: io.RawIOBase, path, limit: int | None = None, bound: str | None = None, size: int = CHUNK
+):
     """The bytes of an open file in pieces of at most `size`, refusing (UnreadableFile) past `limit`."""
     total = 0
     while piece := f.read(size if limit is None else min(size, limit + 1 - total)):
         total += len(piece)
         if limit is not None and total > limit:
-            raise UnreadableFile(errno.EFBIG, f"grew past the {limit}-byte limit while being read" + _hint(bound),
-                                 os.fspath(path))
+            raise UnreadableFile(
+                errno.EFBIG,
+                f"grew past the {limit}-byte limit while being read" + _hint(bound),
+                os.fspath(path),
+            )
         yield piece
 
 

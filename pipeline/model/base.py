@@ -1,4 +1,5 @@
 """The model protocol the trainer, optimizers and checkpoints rely on, and the state protocol models share."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -15,7 +16,9 @@ class Model(Protocol):
     aliases: Mapping[str, str]  # tied name -> canonical name; both names are one ndarray object
 
     # Training forward (dropout from rng) and backward; grads keyed like params (tied grads summed).
-    def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]: ...
+    def loss_and_grads(
+        self, batch: Batch, rng: np.random.Generator | None
+    ) -> tuple[float, dict[str, np.ndarray]]: ...
 
     def evaluate(self, batch: Batch) -> float: ...  # mean loss without dropout
 
@@ -48,7 +51,9 @@ class NamedParams:
     def check_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
         live, got = tie_groups(self.state_dict()), tie_groups(arrays)
         if live != got:
-            raise ValueError(f"tied names differ: the saved weights tie {got}, the live model {live}")
+            raise ValueError(
+                f"tied names differ: the saved weights tie {got}, the live model {live}"
+            )
 
     def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
         """Copy values into the live arrays in place, so object identity (and tying) survives."""
@@ -56,7 +61,9 @@ class NamedParams:
             np.copyto(p, arrays[name])
 
 
-def summary(params: dict[str, np.ndarray], aliases: dict[str, str] | None = None) -> tuple[list[tuple], int]:
+def summary(
+    params: dict[str, np.ndarray], aliases: dict[str, str] | None = None
+) -> tuple[list[tuple], int]:
     """Lightning's ModelSummary over named arrays: (rows, total). A row is (group, shapes, params, note); the
     group is a name's first component, with the index for a stack (`transformer.h.0`, `layers.1`). Each array
     counts once, under its canonical name: a tied alias adds a "tied to" note, not parameters."""
@@ -67,12 +74,14 @@ def summary(params: dict[str, np.ndarray], aliases: dict[str, str] | None = None
         row[2] += int(p.size)
     for alias, target in sorted((aliases or {}).items()):
         rows.setdefault(_group(alias), [_group(alias), [], 0, ""])[3] = f"{alias} tied to {target}"
-    return [tuple(row) for row in rows.values()], sum(int(p.size) for p in {id(p): p for p in params.values()}.values())
+    return [tuple(row) for row in rows.values()], sum(
+        int(p.size) for p in {id(p): p for p in params.values()}.values()
+    )
 
 
 def _group(name: str) -> str:
     parts = name.split(".")
     for i, part in enumerate(parts[:-1]):
         if part.isdigit():
-            return ".".join(parts[:i + 1])
+            return ".".join(parts[: i + 1])
     return ".".join(parts[:-1]) or name

@@ -1,4 +1,5 @@
 """Text from a token model: options, the prompt's tokens, draws from softmax(logits / temperature) (sample, serving)."""
+
 from __future__ import annotations
 
 import shlex
@@ -33,22 +34,31 @@ def parse_options(args: list[str]) -> tuple[Options, list[str]]:
             overrides.append(arg)
             continue
         if not eq or key not in kinds:
-            raise ConfigError(f"{arg!r}: expected one of {', '.join(f'{k}=...' for k in kinds)} "
-                              "(or data.path=FILE, paths.output_dir=DIR)")
+            raise ConfigError(
+                f"{arg!r}: expected one of {', '.join(f'{k}=...' for k in kinds)} "
+                "(or data.path=FILE, paths.output_dir=DIR)"
+            )
         try:
             values[key] = kinds[key](value)
         except ValueError:
-            raise ConfigError(f"{key}={value!r}: must be {'an integer' if kinds[key] is int else 'a number'}") \
-                from None
+            raise ConfigError(
+                f"{key}={value!r}: must be {'an integer' if kinds[key] is int else 'a number'}"
+            ) from None
     options = Options(**values)
-    checks = {"max_new_tokens": options.max_new_tokens >= 0, "temperature": np.isfinite(options.temperature)
-              and options.temperature >= 0, "top_k": options.top_k >= 0, "seed": options.seed >= 0}
+    checks = {
+        "max_new_tokens": options.max_new_tokens >= 0,
+        "temperature": np.isfinite(options.temperature) and options.temperature >= 0,
+        "top_k": options.top_k >= 0,
+        "seed": options.seed >= 0,
+    }
     for key, ok in checks.items():
         if not ok:
             raise ConfigError(f"{key}={getattr(options, key)!r}: must be >= 0")
     if options.max_new_tokens > MAX_NEW_TOKENS:
-        raise ConfigError(f"max_new_tokens={options.max_new_tokens}: at most {MAX_NEW_TOKENS:,} (one forward pass "
-                          "per token); sample in several calls for more")
+        raise ConfigError(
+            f"max_new_tokens={options.max_new_tokens}: at most {MAX_NEW_TOKENS:,} (one forward pass "
+            "per token); sample in several calls for more"
+        )
     return options, overrides
 
 
@@ -68,14 +78,22 @@ def encode(prompt: str, vocab: list[str], join: str, eos: str | None = "<eos>") 
     if unknown:
         more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
         shown = ", ".join(repr(t) for t in unknown[:10]) + more
-        typed = " (a newline is typed prompt=$'\\n' in bash)" if "\\" in unknown and "\n" in index else ""
-        raise ConfigError(f"prompt: not in the corpus vocabulary of {len(vocab)} tokens: {shown}{typed}")
+        typed = (
+            " (a newline is typed prompt=$'\\n' in bash)"
+            if "\\" in unknown and "\n" in index
+            else ""
+        )
+        raise ConfigError(
+            f"prompt: not in the corpus vocabulary of {len(vocab)} tokens: {shown}{typed}"
+        )
     if not tokens:
         start = eos if eos in index else "\n" if join == "" and "\n" in index else None
         if start is None:
-            raise ConfigError(f"prompt: empty, and this vocabulary has no {eos or 'end-of-sentence token'} "
-                              f"{'nor newline ' if join == '' else ''}to start from: give one, e.g. "
-                              f"prompt={shlex.quote(vocab[0])}")
+            raise ConfigError(
+                f"prompt: empty, and this vocabulary has no {eos or 'end-of-sentence token'} "
+                f"{'nor newline ' if join == '' else ''}to start from: give one, e.g. "
+                f"prompt={shlex.quote(vocab[0])}"
+            )
         tokens = [start]
     return [index[t] for t in tokens]
 
@@ -98,12 +116,16 @@ def generate(model, ids: list[int], options: Options) -> list[int]:
     rng = np.random.default_rng(options.seed)  # this command's own stream, never the global one
     out = list(ids)
     for _ in range(options.max_new_tokens):
-        context = np.asarray(out[-model.block_size:], dtype=np.int64)[None, :]  # [1, T]
-        out.append(next_token(model.logits(context)[0, -1], options.temperature, options.top_k, rng))
+        context = np.asarray(out[-model.block_size :], dtype=np.int64)[None, :]  # [1, T]
+        out.append(
+            next_token(model.logits(context)[0, -1], options.temperature, options.top_k, rng)
+        )
     return out
 
 
-def continuation(model, vocab: list[str], join: str, options: Options, eos: str | None = "<eos>") -> str:
+def continuation(
+    model, vocab: list[str], join: str, options: Options, eos: str | None = "<eos>"
+) -> str:
     """The prompt and its max_new_tokens drawn tokens, as text (what the command prints, and a registered
     model's predict returns); an empty prompt starts after `eos` when the vocabulary has one."""
     ids = generate(model, encode(options.prompt, vocab, join, eos), options)

@@ -1,4 +1,5 @@
 """Functional layers: forward(...) -> (out, cache) and backward(dout, cache) -> grads, in the input's dtype."""
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,9 @@ def linear_backward(dout: np.ndarray, cache):
     d2 = dout.reshape(-1, w.shape[1])  # [N, out]
     dx = (d2 @ w.T).reshape(shape)  # [N, in] -> [..., in]
     dw = x2.T @ d2  # [in, out]
-    db = _filled(d2.shape[0], 1.0, d2.dtype) @ d2 if has_bias else None  # [out]: a BLAS gemv, faster than sum(axis=0)
+    db = (
+        _filled(d2.shape[0], 1.0, d2.dtype) @ d2 if has_bias else None
+    )  # [out]: a BLAS gemv, faster than sum(axis=0)
     return dx, dw, db
 
 
@@ -142,7 +145,9 @@ def layernorm_linear_backward(dout: np.ndarray, cache):
     dw = g[:, None] * dwf  # [d, out] through wf = g w
     db = dbeta = None
     if beta is not None:
-        db = _filled(d2.shape[0], 1.0, d2.dtype) @ d2  # [out] grad wrt the folded bias, = the linear's db
+        db = (
+            _filled(d2.shape[0], 1.0, d2.dtype) @ d2
+        )  # [out] grad wrt the folded bias, = the linear's db
         dw += beta[:, None] * db  # [d, out] through beta @ w
         dbeta = w @ db  # [d]
     dg = np.einsum("io,io->i", dwf, w)  # [d]
@@ -164,10 +169,20 @@ def gelu_forward(x: np.ndarray):
     xf = np.ascontiguousarray(x).reshape(-1)  # [n] flat view
     out, grad = np.empty_like(xf), np.empty_like(xf)  # [n] each
     m = min(_GELU_CHUNK, xf.size)
-    s1, s2, s3 = np.empty(m, xf.dtype), np.empty(m, xf.dtype), np.empty(m, xf.dtype)  # [chunk] scratch
-    with np.errstate(over="ignore"):  # x < ~-5 (float32): e = inf, h = 0, out = -0 and grad = 0, as the limit
+    s1, s2, s3 = (
+        np.empty(m, xf.dtype),
+        np.empty(m, xf.dtype),
+        np.empty(m, xf.dtype),
+    )  # [chunk] scratch
+    with np.errstate(
+        over="ignore"
+    ):  # x < ~-5 (float32): e = inf, h = 0, out = -0 and grad = 0, as the limit
         for s in range(0, xf.size, _GELU_CHUNK):
-            xs, o, g = xf[s : s + _GELU_CHUNK], out[s : s + _GELU_CHUNK], grad[s : s + _GELU_CHUNK]  # [chunk] views
+            xs, o, g = (
+                xf[s : s + _GELU_CHUNK],
+                out[s : s + _GELU_CHUNK],
+                grad[s : s + _GELU_CHUNK],
+            )  # [chunk] views
             x2, z, h = s1[: xs.size], s2[: xs.size], s3[: xs.size]
             np.multiply(xs, xs, out=x2)  # x^2
             np.multiply(x2, -2.0 * _GELU_A * _GELU_C, out=z)
@@ -175,7 +190,9 @@ def gelu_forward(x: np.ndarray):
             z *= xs  # z = -2u
             np.exp(z, out=h)  # e
             h += 1.0
-            np.divide(1.0, h, out=h)  # h = 1 / (1 + e): the same bits as np.reciprocal, at about half its time
+            np.divide(
+                1.0, h, out=h
+            )  # h = 1 / (1 + e): the same bits as np.reciprocal, at about half its time
             np.multiply(xs, h, out=o)  # x h
             np.multiply(x2, -6.0 * _GELU_A * _GELU_C, out=z)
             z += -2.0 * _GELU_C  # z'
@@ -190,13 +207,17 @@ def gelu_erf_forward(x: np.ndarray):
     # x [...] -> x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2 = erfc(-x / sqrt 2) / 2: the exact GELU (torch's
     # default, nanoGPT's).
     # The cache is the derivative Phi(x) + x phi(x), phi the standard normal density: the backward is one multiply.
-    from scipy.special import erfc  # a ufunc: numpy has none; imported only by a model that asks for it
+    from scipy.special import (
+        erfc,
+    )  # a ufunc: numpy has none; imported only by a model that asks for it
 
     phi = np.multiply(x, x)  # x^2
     phi *= -0.5
     np.exp(phi, out=phi)
     phi *= 1.0 / math.sqrt(2.0 * math.pi)  # phi(x)
-    cdf = erfc(x * (-1.0 / math.sqrt(2.0)))  # 1 + erf(x / sqrt 2) without its cancellation for x < 0
+    cdf = erfc(
+        x * (-1.0 / math.sqrt(2.0))
+    )  # 1 + erf(x / sqrt 2) without its cancellation for x < 0
     cdf *= 0.5  # Phi(x)
     out = x * cdf
     phi *= x
@@ -218,7 +239,9 @@ def dropout_forward(x: np.ndarray, p: float, rng: np.random.Generator | None):
         raise ValueError(f"dropout p must be in [0, 1), got {p}")
     # Always draw float32 uniforms: cheaper, and float32/float64 models then get the same masks.
     keep = rng.random(x.shape, dtype=np.float32) >= p  # [...] bool
-    mask = np.multiply(keep, x.dtype.type(1.0 / (1.0 - p)))  # [...] 0 or 1/(1-p) in x's dtype: inverted dropout
+    mask = np.multiply(
+        keep, x.dtype.type(1.0 / (1.0 - p))
+    )  # [...] 0 or 1/(1-p) in x's dtype: inverted dropout
     return x * mask, mask
 
 
@@ -231,7 +254,9 @@ def dropout_backward(dout: np.ndarray, cache):
 def _causal_bias(T: int, n_head: int, dtype: np.dtype) -> np.ndarray:
     # [Tk, nh*Tq]: -inf where key j > query i (the future), else 0
     bias = np.triu(np.full((T, T), -np.inf, dtype=dtype), k=1).T  # [Tk, Tq]
-    full = np.ascontiguousarray(np.broadcast_to(bias[:, None, :], (T, n_head, T))).reshape(T, n_head * T)
+    full = np.ascontiguousarray(np.broadcast_to(bias[:, None, :], (T, n_head, T))).reshape(
+        T, n_head * T
+    )
     full.flags.writeable = False
     return full
 
@@ -241,7 +266,9 @@ def _causal_bias(T: int, n_head: int, dtype: np.dtype) -> np.ndarray:
 # matmul reads and writes each [Tk, Tq] slab of this layout through BLAS leading dimensions: no copies.
 
 
-def attention_forward(qkv: np.ndarray, n_head: int, p: float = 0.0, rng: np.random.Generator | None = None):
+def attention_forward(
+    qkv: np.ndarray, n_head: int, p: float = 0.0, rng: np.random.Generator | None = None
+):
     # qkv [B, T, 3d] (c_attn output: q | k | v, heads contiguous inside each) -> causal MHA out [B, T, d]
     B, T, C3 = qkv.shape
     d = C3 // 3
@@ -251,18 +278,28 @@ def attention_forward(qkv: np.ndarray, n_head: int, p: float = 0.0, rng: np.rand
     k = heads[:, :, 1].transpose(0, 2, 1, 3)  # [B, nh, T, hs]
     v = heads[:, :, 2].transpose(0, 2, 1, 3)  # [B, nh, T, hs]
     scale = 1.0 / math.sqrt(hs)  # python float: stays in the array dtype
-    qs = heads[:, :, 0].transpose(0, 2, 1, 3) * scale  # [B, nh, T, hs]; scaling q is 4x cheaper than scores
+    qs = (
+        heads[:, :, 0].transpose(0, 2, 1, 3) * scale
+    )  # [B, nh, T, hs]; scaling q is 4x cheaper than scores
     att = np.empty((B, T, n_head, T), dtype=qkv.dtype)  # [B, Tk, nh, Tq]
-    np.matmul(k, qs.transpose(0, 1, 3, 2), out=att.transpose(0, 2, 1, 3))  # [B, nh, Tk, Tq] k.q/sqrt(hs)
+    np.matmul(
+        k, qs.transpose(0, 1, 3, 2), out=att.transpose(0, 2, 1, 3)
+    )  # [B, nh, Tk, Tq] k.q/sqrt(hs)
     a3 = att.reshape(B, T, n_head * T)  # [B, Tk, nh*Tq] view
     a3 += _causal_bias(T, n_head, att.dtype)  # [B, Tk, nh*Tq] future keys -> -inf
-    a3 -= a3.max(axis=1, keepdims=True)  # [B, Tk, nh*Tq]; key j = i is never masked: every max is finite
+    a3 -= a3.max(
+        axis=1, keepdims=True
+    )  # [B, Tk, nh*Tq]; key j = i is never masked: every max is finite
     np.exp(a3, out=a3)  # [B, Tk, nh*Tq]
-    a3 /= (_filled(T, 1.0, a3.dtype) @ a3)[:, None]  # [B, Tk, nh*Tq] / [B, 1, nh*Tq]: the sum over keys as B gemvs
+    a3 /= (_filled(T, 1.0, a3.dtype) @ a3)[
+        :, None
+    ]  # [B, Tk, nh*Tq] / [B, 1, nh*Tq]: the sum over keys as B gemvs
     att_d, dcache = dropout_forward(att, p, rng)  # [B, Tk, nh, Tq]
     out = np.empty((B, T, d), dtype=qkv.dtype)  # [B, T, d]
     # [B, nh, Tq, Tk] @ [B, nh, Tk, hs] -> [B, nh, Tq, hs], written into the heads' strided slots: heads merged
-    np.matmul(att_d.transpose(0, 2, 3, 1), v, out=out.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3))
+    np.matmul(
+        att_d.transpose(0, 2, 3, 1), v, out=out.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
+    )
     return out, (qs, k, v, att, att_d, dcache, out, n_head, scale)
 
 
@@ -274,17 +311,27 @@ def attention_backward(dout: np.ndarray, cache):
     dy = dout.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)  # [B, nh, Tq, hs] view
     dqkv = np.empty((B, T, 3, n_head, hs), dtype=dout.dtype)  # [B, T, 3, nh, hs]
     # matmul writes straight into the strided q/k/v slots of dqkv: no merge copy afterwards.
-    np.matmul(att_d.transpose(0, 2, 1, 3), dy, out=dqkv[:, :, 2].transpose(0, 2, 1, 3))  # dv [B, nh, Tk, hs]
+    np.matmul(
+        att_d.transpose(0, 2, 1, 3), dy, out=dqkv[:, :, 2].transpose(0, 2, 1, 3)
+    )  # dv [B, nh, Tk, hs]
     datt = np.empty((B, T, n_head, T), dtype=dout.dtype)  # [B, Tk, nh, Tq]
-    np.matmul(v, dy.transpose(0, 1, 3, 2), out=datt.transpose(0, 2, 1, 3))  # [B, nh, Tk, Tq] grad wrt att_d
+    np.matmul(
+        v, dy.transpose(0, 1, 3, 2), out=datt.transpose(0, 2, 1, 3)
+    )  # [B, nh, Tk, Tq] grad wrt att_d
     datt = dropout_backward(datt, dcache)  # [B, Tk, nh, Tq] grad wrt the softmax output
     # Softmax backward needs sum_j datt_ij att_ij = dy_i . y_i (FlashAttention's D): computed on [T, hs],
     # 4x smaller than [T, T], and it holds with dropout too since y = (att * mask) @ v.
-    rows = np.einsum("bthe,bthe->bht", dout.reshape(B, T, n_head, hs), out.reshape(B, T, n_head, hs))  # [B, nh, Tq]
+    rows = np.einsum(
+        "bthe,bthe->bht", dout.reshape(B, T, n_head, hs), out.reshape(B, T, n_head, hs)
+    )  # [B, nh, Tq]
     d3 = datt.reshape(B, T, n_head * T)  # [B, Tk, nh*Tq]
     d3 -= rows.reshape(B, 1, n_head * T)  # [B, Tk, nh*Tq]
     d3 *= att.reshape(B, T, n_head * T)  # [B, Tk, nh*Tq] grad wrt the scaled scores; 0 where masked
-    np.matmul(datt.transpose(0, 2, 3, 1), k, out=dqkv[:, :, 0].transpose(0, 2, 1, 3))  # d(qs) [B, nh, Tq, hs]
+    np.matmul(
+        datt.transpose(0, 2, 3, 1), k, out=dqkv[:, :, 0].transpose(0, 2, 1, 3)
+    )  # d(qs) [B, nh, Tq, hs]
     dqkv[:, :, 0] *= scale  # [B, T, nh, hs] dq = d(qs) * scale
-    np.matmul(datt.transpose(0, 2, 1, 3), qs, out=dqkv[:, :, 1].transpose(0, 2, 1, 3))  # dk [B, nh, Tk, hs]
+    np.matmul(
+        datt.transpose(0, 2, 1, 3), qs, out=dqkv[:, :, 1].transpose(0, 2, 1, 3)
+    )  # dk [B, nh, Tk, hs]
     return dqkv.reshape(B, T, 3 * d)

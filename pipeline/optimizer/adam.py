@@ -1,4 +1,5 @@
 """Adam (L2 weight decay) and AdamW (decoupled weight decay), as torch.optim computes them."""
+
 from __future__ import annotations
 
 import math
@@ -12,24 +13,43 @@ class Adam(Optimizer):
     buffers = ("exp_avg", "exp_avg_sq")
     decoupled = False
 
-    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 weight_decay_on: str):
+    def __init__(
+        self,
+        params,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        weight_decay_on: str,
+    ):
         super().__init__(params, lr)
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps, self.weight_decay = float(eps), float(weight_decay)
         # all: every parameter; matrices: those of 2 or more dimensions (weights and embeddings, not biases nor
         # LayerNorm gains: GPT-2's, nanoGPT's and HF's groups)
-        self.decays = {name: weight_decay_on == "all" or p.ndim >= 2 for name, p in self.params.items()}
+        self.decays = {
+            name: weight_decay_on == "all" or p.ndim >= 2 for name, p in self.params.items()
+        }
         # Moments of a model of one dtype live in two flat arrays; each name's buffer is a view into them.
-        self._flat = _Flat(self.params, self.state) if len({p.dtype for p in self.params.values()}) == 1 else None
+        self._flat = (
+            _Flat(self.params, self.state)
+            if len({p.dtype for p in self.params.values()}) == 1
+            else None
+        )
 
     def step(self, grads: dict[str, np.ndarray]) -> None:
         """One update of every parameter. A model of one dtype (and gradients of it) is updated as one flat array:
         each operation one pass over all parameters instead of one call per parameter, the same bits per element."""
         names = list(self.params)
         flat = self._flat
-        if flat is None or set(grads) != set(self.params) or any(grads[n].dtype != flat.p.dtype for n in names):
-            super().step(grads)  # per parameter (also the one that refuses gradients that do not match)
+        if (
+            flat is None
+            or set(grads) != set(self.params)
+            or any(grads[n].dtype != flat.p.dtype for n in names)
+        ):
+            super().step(
+                grads
+            )  # per parameter (also the one that refuses gradients that do not match)
             return
         self.t += 1
         np.concatenate([self.params[n].reshape(-1) for n in names], out=flat.p)
@@ -45,7 +65,9 @@ class Adam(Optimizer):
 
     def _update(self, name: str, p: np.ndarray, g: np.ndarray) -> None:
         m, v = self._buffer("exp_avg", name), self._buffer("exp_avg_sq", name)
-        self._apply(p, g, m, v, np.empty_like(m), decay=self.decays[name])  # out=: an array even for 0-d ones
+        self._apply(
+            p, g, m, v, np.empty_like(m), decay=self.decays[name]
+        )  # out=: an array even for 0-d ones
 
     def _decay(self, p: np.ndarray, g: np.ndarray, scratch: bool = False) -> np.ndarray:
         """Weight decay, torch's: decoupled (AdamW) shrinks p in place; L2 (Adam) returns g + wd p, written into
@@ -59,8 +81,15 @@ class Adam(Optimizer):
             return g
         return g + dt(self.weight_decay) * p
 
-    def _apply(self, p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, tmp: np.ndarray,
-               decay: bool) -> None:
+    def _apply(
+        self,
+        p: np.ndarray,
+        g: np.ndarray,
+        m: np.ndarray,
+        v: np.ndarray,
+        tmp: np.ndarray,
+        decay: bool,
+    ) -> None:
         # torch's formulas, each elementwise operation in torch's order, through one scratch array: the same
         # bits as the plain expressions without their five temporaries per parameter.
         if self.weight_decay and decay:
@@ -99,7 +128,10 @@ class _Flat:
                 state[f"{kind}.{name}"] = view
 
     def views(self, flat: np.ndarray) -> list[np.ndarray]:
-        return [flat[a:b].reshape(shape) for a, b, shape in zip(self.bounds[:-1], self.bounds[1:], self.shapes)]
+        return [
+            flat[a:b].reshape(shape)
+            for a, b, shape in zip(self.bounds[:-1], self.bounds[1:], self.shapes)
+        ]
 
 
 class AdamW(Adam):

@@ -1,4 +1,5 @@
 """What optimizers share: the params they update, the lr a scheduler sets, and state (de)serialisation."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,7 +28,9 @@ class Optimizer:
 
     def step(self, grads: dict[str, np.ndarray]) -> None:
         if set(grads) != set(self.params):
-            raise KeyError(f"gradients do not match parameters: {sorted(set(grads) ^ set(self.params))}")
+            raise KeyError(
+                f"gradients do not match parameters: {sorted(set(grads) ^ set(self.params))}"
+            )
         self.t += 1
         for name, p in self.params.items():
             self._update(name, p, grads[name])
@@ -42,8 +45,13 @@ class Optimizer:
         for kind in self.buffers:
             for name in self.params:
                 self._buffer(kind, name)
-        return {"t": self.t, **{kind: {name: self.state[f"{kind}.{name}"] for name in self.params}
-                                for kind in self.buffers}}
+        return {
+            "t": self.t,
+            **{
+                kind: {name: self.state[f"{kind}.{name}"] for name in self.params}
+                for kind in self.buffers
+            },
+        }
 
     def check_state_dict(self, state: dict) -> None:
         if state["t"] < 0:

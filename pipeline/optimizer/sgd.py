@@ -1,4 +1,5 @@
 """SGD with momentum, dampening, Nesterov and L2 weight decay, as torch.optim.SGD computes it."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +8,15 @@ from pipeline.optimizer.base import Optimizer
 
 
 class SGD(Optimizer):
-    def __init__(self, params, lr: float, momentum: float, dampening: float, nesterov: bool, weight_decay: float):
+    def __init__(
+        self,
+        params,
+        lr: float,
+        momentum: float,
+        dampening: float,
+        nesterov: bool,
+        weight_decay: float,
+    ):
         super().__init__(params, lr)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov momentum requires momentum > 0 and dampening = 0")

@@ -1,5 +1,6 @@
 """The one place a run's objects are built: its parts (build_state: a run, the verifier, roundtrip and every tool
 opening a checkpoint build them this way), its facts, its tracker; the model checked against the data first."""
+
 from __future__ import annotations
 
 import difflib
@@ -38,10 +39,14 @@ def _call(node: dict, **live):
         accepted = {}
     if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
         live = {k: v for k, v in live.items() if k in accepted}
-        if accepted and (unknown := [k for k in node if not k.startswith("_") and k not in accepted]):
+        if accepted and (
+            unknown := [k for k in node if not k.startswith("_") and k not in accepted]
+        ):
             # a schema-less option (your own model or data) with a key its class does not take: a typo
-            raise ConfigError(f"{node['_target_']} takes no argument {unknown[0]!r} (its config has a key it does "
-                              f"not know); it takes: {', '.join(k for k in accepted if k not in live)}")
+            raise ConfigError(
+                f"{node['_target_']} takes no argument {unknown[0]!r} (its config has a key it does "
+                f"not know); it takes: {', '.join(k for k in accepted if k not in live)}"
+            )
     return factory(**live)
 
 
@@ -66,10 +71,22 @@ def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> Tra
     model = _call(config["model"], spec=spec, dtype=dtype.name, rng=streams["init"])
     optimizer = _call(config["optimizer"], params=model.params)
     scheduler = _call(config["scheduler"], optimizer=optimizer, run_total_steps=steps)
-    return TrainState(model=model, optimizer=optimizer, scheduler=scheduler, iterator=iterator, streams=streams,
-                      dataset=dataset, dtype=dtype, total_steps=steps, accumulate=accumulate,
-                      grad_clip=float(trainer["grad_clip"]), shards=int(trainer["shards"]),
-                      threads=trainer["threads"], eval_batches=trainer["eval_batches"], stages=StageStates(stages))
+    return TrainState(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        iterator=iterator,
+        streams=streams,
+        dataset=dataset,
+        dtype=dtype,
+        total_steps=steps,
+        accumulate=accumulate,
+        grad_clip=float(trainer["grad_clip"]),
+        shards=int(trainer["shards"]),
+        threads=trainer["threads"],
+        eval_batches=trainer["eval_batches"],
+        stages=StageStates(stages),
+    )
 
 
 def build_stages(config: dict) -> list:
@@ -77,7 +94,9 @@ def build_stages(config: dict) -> list:
     stages = []
     for key, node in (config.get("stages") or {}).items():
         if node is not None:
-            stage = instantiate(as_written_now(node))  # a checkpoint's config may predate a stage's key
+            stage = instantiate(
+                as_written_now(node)
+            )  # a checkpoint's config may predate a stage's key
             stage.name = str(key)
             stages.append(stage)
     return sorted(stages, key=lambda s: s.order)
@@ -97,7 +116,9 @@ class Job:
     sources: dict  # SOURCES keys -> sha256 of the file's bytes
     facts: dict  # the run-level manifest fields
     lineage: dict  # the history it starts (identity.Identity.lineage; a fork's names its origin)
-    tracker: Tracker = field(default_factory=Tracker)  # run/job.py build() gives a run its tracker and directory
+    tracker: Tracker = field(
+        default_factory=Tracker
+    )  # run/job.py build() gives a run its tracker and directory
     run_dir: Path | None = None
 
     @property
@@ -124,9 +145,11 @@ def check_pairing(config: dict) -> None:
         raise ConfigError(f"cannot import a _target_: {str(e).splitlines()[0]}") from None
     needs, kind = getattr(model, "needs", None), getattr(data, "kind", None)
     if needs and kind and needs != kind:
-        raise ConfigError(f"model {model.__name__} trains on {KINDS.get(needs, needs)}, but data {data.__name__} "
-                          f"gives {KINDS.get(kind, kind)}: pair model=minigpt with data=grammar or data=text, "
-                          "and model=mlp with data=regression")
+        raise ConfigError(
+            f"model {model.__name__} trains on {KINDS.get(needs, needs)}, but data {data.__name__} "
+            f"gives {KINDS.get(kind, kind)}: pair model=minigpt with data=grammar or data=text, "
+            "and model=mlp with data=regression"
+        )
 
 
 # The config keys check_monitors reads: a sweep that sweeps none of them has the same answer for every job.
@@ -139,7 +162,9 @@ def metric_names(config: dict) -> list[str]:
         data = get_class(config["data"]["_target_"])
     except Exception as e:
         raise ConfigError(f"cannot import a _target_: {str(e).splitlines()[0]}") from None
-    return sorted({*train_metric_names(data, float(config["trainer"]["grad_clip"])), *val_metric_names(data)})
+    return sorted(
+        {*train_metric_names(data, float(config["trainer"]["grad_clip"])), *val_metric_names(data)}
+    )
 
 
 def check_monitors(config: dict) -> None:
@@ -147,23 +172,42 @@ def check_monitors(config: dict) -> None:
     a metric the run never logs (a typo would never write `best`, never stop early, optimise NaN, name every
     checkpoint `10-none`), with the closest names; before anything is built."""
     names = metric_names(config)
-    stages = [(key, node) for key, node in (config.get("stages") or {}).items() if isinstance(node, dict)]
-    wanted = [(f"stages.{key}.monitor={node['monitor']}", node["monitor"], names) for key, node in stages
-              if "monitor" in node]
-    for key, node in stages:  # a field is a metric by its name, or by Lightning's val_loss for val/loss
+    stages = [
+        (key, node) for key, node in (config.get("stages") or {}).items() if isinstance(node, dict)
+    ]
+    wanted = [
+        (f"stages.{key}.monitor={node['monitor']}", node["monitor"], names)
+        for key, node in stages
+        if "monitor" in node
+    ]
+    for (
+        key,
+        node,
+    ) in stages:  # a field is a metric by its name, or by Lightning's val_loss for val/loss
         if isinstance(pattern := node.get("filename"), str) and patterns.problem(pattern) is None:
-            wanted += [(f"stages.{key}.filename={pattern!r}: field {{{f}}}", f, names) for f in
-                       patterns.metric_fields(pattern) if not set(patterns.spellings(f)) & set(names)]
+            wanted += [
+                (f"stages.{key}.filename={pattern!r}: field {{{f}}}", f, names)
+                for f in patterns.metric_fields(pattern)
+                if not set(patterns.spellings(f)) & set(names)
+            ]
     if config.get("optimized_metric") is not None:
-        wanted.append((f"optimized_metric={config['optimized_metric']}", config["optimized_metric"],
-                       [n for n in names if kept(n)]))
+        wanted.append(
+            (
+                f"optimized_metric={config['optimized_metric']}",
+                config["optimized_metric"],
+                [n for n in names if kept(n)],
+            )
+        )
     errors = []
     for what, value, known in wanted:
         if value not in known:
             close = difflib.get_close_matches(str(value), known, n=3)
             hint = f"did you mean {' or '.join(close)}? " if close else ""
-            why = "logged, but not a metric whose last value the run keeps" if value in names else \
-                "this run logs no such metric"
+            why = (
+                "logged, but not a metric whose last value the run keeps"
+                if value in names
+                else "this run logs no such metric"
+            )
             errors.append(f"{what}: {why}; {hint}it can be one of: {', '.join(known)}")
     if errors:
         raise ConfigError("; ".join(errors))

@@ -1,5 +1,6 @@
 """trainer.max_time: this process's wall-time budget (docs/stages.md: A time budget); spent, the run checkpoints and
 exits 75, like a preemption. Before the first save, a save's duration is unknown and counted as 0."""
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,9 @@ def process_age() -> float:
     try:
         with open("/proc/self/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5), in clock ticks since boot
+        started = int(fields[19]) / os.sysconf(
+            "SC_CLK_TCK"
+        )  # field 22 of stat(5), in clock ticks since boot
         return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
     except (OSError, ValueError, IndexError, AttributeError):
         return monotonic() - _IMPORTED
@@ -24,9 +27,15 @@ class Budget:
     """A deadline on the monotonic clock, and the longest step and save seen so far in this process."""
 
     def __init__(self, seconds: float | None, age: float | None = None):
-        self.deadline = None if seconds is None else monotonic() - (process_age() if age is None else age) + seconds
+        self.deadline = (
+            None
+            if seconds is None
+            else monotonic() - (process_age() if age is None else age) + seconds
+        )
         self.last_end: float | None = None
-        self.slowest_step = 0.0  # step end to step end: the update, its evaluation, logging and any save
+        self.slowest_step = (
+            0.0  # step end to step end: the update, its evaluation, logging and any save
+        )
         self.slowest_save = 0.0
 
     def step_ended(self) -> bool:

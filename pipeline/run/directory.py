@@ -1,4 +1,5 @@
 """A run directory: what it holds (docs/outputs.md), its lock, and its run.json and metrics.jsonl."""
+
 from __future__ import annotations
 
 import contextlib
@@ -68,8 +69,12 @@ class RunDir:
         self.overrides_path = self.hydra_dir / "overrides.yaml"
         self.checkpoints = self.path / "checkpoints"
         self._fd: int | None = None
-        self.read_only = False  # on a read-only medium: a complete run may be confirmed, nothing written
-        self.created = False  # acquire() made the directory: forget() removes it again while it holds nothing
+        self.read_only = (
+            False  # on a read-only medium: a complete run may be confirmed, nothing written
+        )
+        self.created = (
+            False  # acquire() made the directory: forget() removes it again while it holds nothing
+        )
 
     @functools.cached_property
     def store(self) -> CheckpointStore:
@@ -89,7 +94,11 @@ class RunDir:
 
     def corpus(self, manifest_hash: str) -> Path | None:
         """The corpus it was trained on (by its MANIFEST.json's hash) in its output directory's corpus cache."""
-        return None if self.output_dir is None else find_corpus(self.output_dir / "data", manifest_hash)
+        return (
+            None
+            if self.output_dir is None
+            else find_corpus(self.output_dir / "data", manifest_hash)
+        )
 
     def is_run(self) -> bool:
         """Whether it holds a run: its store of checkpoints or its run.json."""
@@ -105,8 +114,11 @@ class RunDir:
             for e in sorted(os.scandir(self.hydra_dir), key=lambda e: e.name):
                 refuse_link(Path(e.path))
                 out.append((f"{self.hydra_dir.name}/{e.name}", Path(e.path), MAX_RUN_JSON))
-        return out + [(p.name, p, limit) for p, limit in ((self.status_path, MAX_RUN_JSON),
-                                                          (self.metrics_path, MAX_METRICS)) if os.path.lexists(p)]
+        return out + [
+            (p.name, p, limit)
+            for p, limit in ((self.status_path, MAX_RUN_JSON), (self.metrics_path, MAX_METRICS))
+            if os.path.lexists(p)
+        ]
 
     # --- the lock
     def acquire(self) -> None:
@@ -116,21 +128,33 @@ class RunDir:
             return self._acquire_shared()
         self.created = not os.path.lexists(self.path)
         ensure_dirs(self.path.parent, self.path.name)
-        for path, kind in ((self.lock_path, "file"), (self.status_path, "file"), (self.metrics_path, "file"),
-                           (self.log_path, "file"), (self.hydra_dir, "directory"), (self.checkpoints, "directory"),
-                           (self.path / "superseded", "directory")):
+        for path, kind in (
+            (self.lock_path, "file"),
+            (self.status_path, "file"),
+            (self.metrics_path, "file"),
+            (self.log_path, "file"),
+            (self.hydra_dir, "directory"),
+            (self.checkpoints, "directory"),
+            (self.path / "superseded", "directory"),
+        ):
             refuse_link(path, kind)
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            fd = os.open(
+                self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+            )
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise UnsafePathError(errno.ELOOP, f"{self.lock_path} is a symlink; remove it") from None
+                raise UnsafePathError(
+                    errno.ELOOP, f"{self.lock_path} is a symlink; remove it"
+                ) from None
             raise
         if not _lock_within(fd, LOCK_GRACE):
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise RunBusyError(f"run directory {self.path} is in use by another process (pid {holder}); "
-                               "wait for it to finish or stop it first") from None
+            raise RunBusyError(
+                f"run directory {self.path} is in use by another process (pid {holder}); "
+                "wait for it to finish or stop it first"
+            ) from None
         self._fd = fd
 
     def _read_only_medium(self) -> bool:
@@ -149,8 +173,10 @@ class RunDir:
             return
         if not _lock_within(fd, 0.0, fcntl.LOCK_SH):
             os.close(fd)
-            raise RunBusyError(f"run directory {self.path} is in use by another process; wait for it to finish "
-                               "or stop it first") from None
+            raise RunBusyError(
+                f"run directory {self.path} is in use by another process; wait for it to finish "
+                "or stop it first"
+            ) from None
         self._fd = fd
 
     def claim(self, config_yaml: str, overrides: list[str]):
@@ -165,8 +191,10 @@ class RunDir:
             raise named(e, self.lock_path) from e
         ensure_dirs(self.path, ".hydra")
         replace_file(self.hydra_dir / "config.yaml", config_yaml.encode())
-        replace_file(self.overrides_path,
-                     "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides).encode() or b"[]\n")
+        replace_file(
+            self.overrides_path,
+            "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides).encode() or b"[]\n",
+        )
         return open_append(self.log_path)
 
     def forget(self) -> None:
@@ -174,7 +202,11 @@ class RunDir:
         refused run leaves none)."""
         self.release()
         with contextlib.suppress(OSError):
-            if self.created and os.listdir(self.path) == [self.lock_path.name] and os.path.getsize(self.lock_path) == 0:
+            if (
+                self.created
+                and os.listdir(self.path) == [self.lock_path.name]
+                and os.path.getsize(self.lock_path) == 0
+            ):
                 os.unlink(self.lock_path)
                 os.rmdir(self.path)
 
@@ -203,8 +235,11 @@ class RunDir:
         except FileNotFoundError:
             return {}
         except (OSError, jsonio.JSONError) as e:
-            raise RunFileError(self.path, self.status_path.name,
-                               e.strerror if isinstance(e, OSError) and e.strerror else str(e)) from None
+            raise RunFileError(
+                self.path,
+                self.status_path.name,
+                e.strerror if isinstance(e, OSError) and e.strerror else str(e),
+            ) from None
         if not isinstance(status, dict):
             raise RunFileError(self.path, self.status_path.name, "not a JSON object")
         return status
@@ -222,8 +257,10 @@ class RunDir:
             record = {**fields, "updated": time.time()}
             data = jsonio.dumps(record)
             if len(data) > room:  # the fields that matter most, the reason cut to fit
-                record = {k: record[k] for k in ("status", "step", "error", "updated") if k in record}
-                record["error"] = str(record.get("error", ""))[:max(0, room - 160)]
+                record = {
+                    k: record[k] for k in ("status", "step", "error", "updated") if k in record
+                }
+                record["error"] = str(record.get("error", ""))[: max(0, room - 160)]
                 data = jsonio.dumps(record)
             if len(data) > room:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.status_path))
@@ -249,25 +286,37 @@ class RunDir:
                 text = f.readline(MAX_METRICS_LINE + 1)
                 total += len(text)
                 if total > MAX_METRICS:
-                    raise RunFileError(self.path, self.metrics_path.name, f"grew past the {MAX_METRICS}-byte limit")
+                    raise RunFileError(
+                        self.path, self.metrics_path.name, f"grew past the {MAX_METRICS}-byte limit"
+                    )
                 if len(text) > MAX_METRICS_LINE:
-                    raise RunFileError(self.path, self.metrics_path.name, f"line {number}: over the "
-                                                                          f"{MAX_METRICS_LINE}-byte limit of a line")
+                    raise RunFileError(
+                        self.path,
+                        self.metrics_path.name,
+                        f"line {number}: over the {MAX_METRICS_LINE}-byte limit of a line",
+                    )
                 if not text.endswith(b"\n"):
                     return lines  # b"" at the end, else the torn last line: dropped
                 try:
                     line = jsonio.loads(text[:-1])
                 except jsonio.JSONError as e:
-                    raise RunFileError(self.path, self.metrics_path.name, f"line {number}: {e}") from None
+                    raise RunFileError(
+                        self.path, self.metrics_path.name, f"line {number}: {e}"
+                    ) from None
                 if not isinstance(line, dict) or type(line.get("step")) is not int:
-                    raise RunFileError(self.path, self.metrics_path.name, f"line {number}: not an object with an "
-                                                                          "integer step")
+                    raise RunFileError(
+                        self.path,
+                        self.metrics_path.name,
+                        f"line {number}: not an object with an integer step",
+                    )
                 lines.append(line)
         raise AssertionError("unreachable: the loop ends at the file's end")
 
     def keep_metrics(self, lines: list[dict]) -> None:
         """Replace metrics.jsonl by `lines` atomically (a resumed run appends from there)."""
-        replace_file(self.metrics_path, "".join(jsonio.dumps_line(ln) + "\n" for ln in lines).encode())
+        replace_file(
+            self.metrics_path, "".join(jsonio.dumps_line(ln) + "\n" for ln in lines).encode()
+        )
 
     def open_metrics(self):
         return open_append(self.metrics_path)

@@ -1,5 +1,6 @@
 """One job in its run directory: the stages' set-up, training with one decision per step end, checkpoint, retain,
 finish (at most one checkpoint per step, tagged with the stages that asked for it)."""
+
 from __future__ import annotations
 
 import errno
@@ -35,8 +36,16 @@ from pipeline.trainer.phases import Profile
 log = logging.getLogger("pipeline")
 # Keys that only say where a run writes, how it shows progress and how long one process may run: a resume that
 # changes any other key of the recorded config keeps the checkpoints as they stood (keep_history).
-WHERE_AND_HOW_LONG = ("paths", "tracking", "hydra", "resume", "verify", "trainer.progress_bar", "trainer.max_time",
-                      "trainer.profile")
+WHERE_AND_HOW_LONG = (
+    "paths",
+    "tracking",
+    "hydra",
+    "resume",
+    "verify",
+    "trainer.progress_bar",
+    "trainer.max_time",
+    "trainer.profile",
+)
 
 
 class Preempted(Exception):
@@ -50,33 +59,62 @@ class NonFiniteError(CommandError):
 
 
 class Run:
-    def __init__(self, job: Job, rundir: RunDir, signals: Signals, started: float, overrides: list[str],
-                 in_sweep: bool):
+    def __init__(
+        self,
+        job: Job,
+        rundir: RunDir,
+        signals: Signals,
+        started: float,
+        overrides: list[str],
+        in_sweep: bool,
+    ):
         self.job, self.rundir, self.signals = job, rundir, signals
-        self.in_sweep = in_sweep  # a sweep's job: its siblings differ on purpose, and its time is its own
-        self.overrides = list(overrides)  # the command's, for the identical command in the end summary
+        self.in_sweep = (
+            in_sweep  # a sweep's job: its siblings differ on purpose, and its time is its own
+        )
+        self.overrides = list(
+            overrides
+        )  # the command's, for the identical command in the end summary
         self.job_started = started  # a sweep's job: when it started, not its process
         self.state = job.state
         self.lineage: dict | None = None
         self.complete = False
         self.resumed: Checkpoint | None = None
-        self.metrics_kept: list[dict] | None = None  # what metrics.jsonl is cut to, written once the run claims
-        self.superseded: Path | None = None  # where an earlier history went (resume.source), if it moved
-        self.aside: list[Path] = []  # newer checkpoints the resume fell back past: to superseded/, never deleted
-        self.metrics_cut = False  # metrics.jsonl holds lines past the resumed step: the whole file is kept aside
-        self.retuned: list[str] = []  # the config changed since the checkpoint: its store is kept as it stood
+        self.metrics_kept: list[dict] | None = (
+            None  # what metrics.jsonl is cut to, written once the run claims
+        )
+        self.superseded: Path | None = (
+            None  # where an earlier history went (resume.source), if it moved
+        )
+        self.aside: list[
+            Path
+        ] = []  # newer checkpoints the resume fell back past: to superseded/, never deleted
+        self.metrics_cut = (
+            False  # metrics.jsonl holds lines past the resumed step: the whole file is kept aside
+        )
+        self.retuned: list[
+            str
+        ] = []  # the config changed since the checkpoint: its store is kept as it stood
         self.history: dict = {"started": started, "resumes": []}  # run.json: first start, resumes
         max_time = job.config["trainer"].get("max_time")
         self.budget = budget.Budget(None if max_time is None else parse_duration(max_time))
-        self.profile = Profile(job.config["trainer"].get("profile"))  # absent from a config older than the key
+        self.profile = Profile(
+            job.config["trainer"].get("profile")
+        )  # absent from a config older than the key
 
     @property
     def store(self):
         return self.rundir.store  # a new object once a history moves aside
 
     # --- before training: what the resume stage decides (pipeline/stages/resume.py)
-    def begin(self, lineage: dict, resumed: Checkpoint | None = None, metrics: list[dict] | None = None,
-              allowed: dict | None = None, metrics_cut: bool = False) -> None:
+    def begin(
+        self,
+        lineage: dict,
+        resumed: Checkpoint | None = None,
+        metrics: list[dict] | None = None,
+        allowed: dict | None = None,
+        metrics_cut: bool = False,
+    ) -> None:
         """The history this run continues: `resumed` None from scratch; `metrics` None keeps metrics.jsonl as it is."""
         self.lineage, self.resumed = lineage, resumed
         self.complete = resumed is not None and self.state.progress.ended is not None
@@ -84,14 +122,22 @@ class Run:
             self.job.facts["allowed_changes"] = allowed
         if not self.complete:
             self.metrics_kept, self.metrics_cut = metrics, metrics_cut
-        own = resumed is not None and resumed.directory.parent == self.store.root  # not a fork's source
+        own = (
+            resumed is not None and resumed.directory.parent == self.store.root
+        )  # not a fork's source
         if own:
             assert resumed is not None
-            self.retuned = identity.described(resumed.manifest["config"], self.job.config,
-                                              lambda k: not identity.covered(k, list(WHERE_AND_HOW_LONG)))
+            self.retuned = identity.described(
+                resumed.manifest["config"],
+                self.job.config,
+                lambda k: not identity.covered(k, list(WHERE_AND_HOW_LONG)),
+            )
         previous = self.rundir.read_status() if own else {}
         if isinstance(previous.get("started"), (int, float)):
-            self.history = {"started": previous["started"], "resumes": list(previous.get("resumes") or [])}
+            self.history = {
+                "started": previous["started"],
+                "resumes": list(previous.get("resumes") or []),
+            }
             if not self.complete and resumed is not None:
                 self.history["resumes"].append({"step": resumed.step, "time": time.time()})
 
@@ -103,13 +149,19 @@ class Run:
         """The step directories a resume falls back past ((directory, what it is, why), newest first), each said in
         one line: moved to superseded/ once the run claims the directory (keep_history), never deleted."""
         for _, what, error in skipped:
-            log.warning("not resuming from %s (kept in superseded/, nothing is deleted), falling back: %s", what, error)
+            log.warning(
+                "not resuming from %s (kept in superseded/, nothing is deleted), falling back: %s",
+                what,
+                error,
+            )
         self.aside = [directory for directory, _, _ in skipped]
 
     def holds_history(self) -> bool:
         """Whether the run directory holds a history (checkpoints, metrics, a status) a fresh start must keep."""
         rundir = self.rundir
-        return bool(self.store.steps() or rundir.metrics_path.exists() or rundir.status_path.exists())
+        return bool(
+            self.store.steps() or rundir.metrics_path.exists() or rundir.status_path.exists()
+        )
 
     def supersede(self) -> Path:
         """Move the run directory's other history aside, whole (a signal waits): set-up's one durable change."""
@@ -125,10 +177,14 @@ class Run:
         earlier is deleted: an earlier history's best and final stay reachable whatever the live stages say."""
         if not (self.aside or self.metrics_cut or self.retuned):
             return
-        where = self.rundir.set_aside(self.aside, metrics=self.metrics_cut, snapshot=bool(self.retuned))
+        where = self.rundir.set_aside(
+            self.aside, metrics=self.metrics_cut, snapshot=bool(self.retuned)
+        )
         kept = [p.name for p in self.aside] + ["metrics.jsonl"] * self.metrics_cut
         if self.retuned:
-            kept.append(f"the checkpoints as they stood (changed since the checkpoint: {', '.join(self.retuned)})")
+            kept.append(
+                f"the checkpoints as they stood (changed since the checkpoint: {', '.join(self.retuned)})"
+            )
         log.warning("kept in %s (nothing is deleted): %s", where, "; ".join(kept))
         self.aside, self.metrics_cut, self.retuned = [], False, []
 
@@ -141,7 +197,8 @@ class Run:
         trainer = self.job.config["trainer"]
         callbacks: list[MetricsLog | Display] = [
             MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[self._log_line]),
-            Display(trainer["progress_bar"], trainer["log_every"])]
+            Display(trainer["progress_bar"], trainer["log_every"]),
+        ]
         try:
             self.budget.start()
             fit(self.state, eval_every, self.step_end, callbacks, self.profile)
@@ -158,10 +215,17 @@ class Run:
         metrics = metrics_of(record)
         bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
         if bad and self.job.config["trainer"]["on_nonfinite"] == "stop":
-            raise NonFiniteError(f"step {record['step']}: {bad[0]} is {metrics[bad[0]]} (non-finite); stopping "
-                                 "with the last good checkpoints kept (trainer.on_nonfinite=continue trains on)")
-        end = StepEnd(step=self.state.step, metrics=metrics, epoch_done=epoch_ended(self.state, record),
-                      epochs_done=epochs_done(self.state), last=self.state.step >= self.state.total_steps)
+            raise NonFiniteError(
+                f"step {record['step']}: {bad[0]} is {metrics[bad[0]]} (non-finite); stopping "
+                "with the last good checkpoints kept (trainer.on_nonfinite=continue trains on)"
+            )
+        end = StepEnd(
+            step=self.state.step,
+            metrics=metrics,
+            epoch_done=epoch_ended(self.state, record),
+            epochs_done=epochs_done(self.state),
+            last=self.state.step >= self.state.total_steps,
+        )
         # every stage sees every step end (a stateful one must not miss the step another stops on)
         stop = next((r for r in [s.stop_reason(end) for s in self.job.stages] if r), None)
         if stop:
@@ -176,7 +240,9 @@ class Run:
         if end.last:
             return True
         if preempted:
-            raise Preempted(self.signals.name or f"trainer.max_time={self.job.config['trainer']['max_time']}")
+            raise Preempted(
+                self.signals.name or f"trainer.max_time={self.job.config['trainer']['max_time']}"
+            )
         return False
 
     def checkpoint(self, metrics: dict, tags: list[str], final: bool = False) -> Checkpoint:
@@ -187,13 +253,21 @@ class Run:
             self.job.facts["mlflow_run_uri"] = tracker.run_uri(timeout=30.0 if final else 0.0)
         with self.profile.phase("checkpoint"):
             assert self.lineage is not None, "begin() comes before the first checkpoint"
-            fields = mf.build(self.job.facts, step=self.state.step, epoch=self.state.epoch, metrics=metrics,
-                              tags=tags, lineage=self.lineage)
+            fields = mf.build(
+                self.job.facts,
+                step=self.state.step,
+                epoch=self.state.epoch,
+                metrics=metrics,
+                tags=tags,
+                lineage=self.lineage,
+            )
             started = budget.monotonic()
             try:
                 ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
             except OSError as e:
-                raise named(e, self.store.root) from e  # a write inside the temporary checkpoint: name the store
+                raise named(
+                    e, self.store.root
+                ) from e  # a write inside the temporary checkpoint: name the store
             self.retain()
             self.budget.saved(budget.monotonic() - started)
         with self.profile.phase("tracking hand-over"):
@@ -205,23 +279,39 @@ class Run:
         stages = self.job.stages
         assert self.lineage is not None, "begin() comes before retention"
         keep = AnyOf((*tuple(p for s in stages if (p := s.policy()) is not None), LatestN(1)))
-        self.store.retain(keep, {s.link: s.link_policy() for s in stages if s.link}, upto=self.state.step,
-                          lineage=self.lineage["id"], named=tuple(n for s in stages if (n := s.named()) is not None))
+        self.store.retain(
+            keep,
+            {s.link: s.link_policy() for s in stages if s.link},
+            upto=self.state.step,
+            lineage=self.lineage["id"],
+            named=tuple(n for s in stages if (n := s.named()) is not None),
+        )
 
     # --- run.json
     def write_status(self, status: str, **extra) -> None:
         if status != "running":
             extra["ended_at"] = time.time()
-        fields = dict(status=status, step=self.state.step, total_steps=self.state.total_steps,
-                      epoch=self.state.epoch, metrics=self.state.metrics, ended=self.state.progress.ended,
-                      config_hash=self.job.facts["config_hash"],
-                      data_manifest_hash=self.job.facts["data_manifest_hash"], **self.history, **extra)
+        fields = dict(
+            status=status,
+            step=self.state.step,
+            total_steps=self.state.total_steps,
+            epoch=self.state.epoch,
+            metrics=self.state.metrics,
+            ended=self.state.progress.ended,
+            config_hash=self.job.facts["config_hash"],
+            data_manifest_hash=self.job.facts["data_manifest_hash"],
+            **self.history,
+            **extra,
+        )
         try:
             self.rundir.write_status(**fields)
         except OSError as e:
             # Too full for the atomic replace's temporary: an ending still must not leave `running` behind.
-            if status == "running" or e.errno not in (errno.ENOSPC, errno.EDQUOT) \
-                    or not self.rundir.status_path.exists():
+            if (
+                status == "running"
+                or e.errno not in (errno.ENOSPC, errno.EDQUOT)
+                or not self.rundir.status_path.exists()
+            ):
                 raise
             self.rundir.write_status_in_place(**fields)
 
@@ -243,7 +333,9 @@ class Run:
         try:
             return curves.write(self.rundir.path, self.rundir.read_metrics())
         except (OSError, CheckpointError, ValueError) as e:
-            log.warning("could not draw %s: %s", self.rundir.path / curves.NAME, environment_error(e) or e)
+            log.warning(
+                "could not draw %s: %s", self.rundir.path / curves.NAME, environment_error(e) or e
+            )
             return None
 
     def _summary(self, status: str) -> None:
@@ -255,18 +347,42 @@ class Run:
         release_freed_memory()
         curve = self._draw()
         kept = self.store.steps()
-        links = {name: self.store.root / name if self.store.link_dir(name) else None for name in ("final", "best")}
+        links = {
+            name: self.store.root / name if self.store.link_dir(name) else None
+            for name in ("final", "best")
+        }
         links["newest"] = kept[-1][1] if kept else None
-        best = next(((s.monitor, s.best, s.best_step) for s in self.job.stages
-                     if s.link == "best" and getattr(s, "best", None) is not None), None)
+        best = next(
+            (
+                (s.monitor, s.best, s.best_step)
+                for s in self.job.stages
+                if s.link == "best" and getattr(s, "best", None) is not None
+            ),
+            None,
+        )
         tracker = self.job.tracker
-        log.info("%s", report.end_block(
-            status=status, step=self.state.step, run_dir=self.rundir.path, best=best, links=links, curve=curve,
-            run_uri=self.job.facts.get("mlflow_run_uri") or tracker.run_uri(timeout=0.0),
-            tracking_uri=getattr(tracker, "uri", None), overrides=self.overrides,
-            resume=continued_by(self.job.config["resume"]["source"], self.overrides, links["newest"],
-                                status == "complete"),
-            samples=bool(self.state.dataset.spec.vocab_size), experiment_id=getattr(tracker, "experiment_id", None)))
+        log.info(
+            "%s",
+            report.end_block(
+                status=status,
+                step=self.state.step,
+                run_dir=self.rundir.path,
+                best=best,
+                links=links,
+                curve=curve,
+                run_uri=self.job.facts.get("mlflow_run_uri") or tracker.run_uri(timeout=0.0),
+                tracking_uri=getattr(tracker, "uri", None),
+                overrides=self.overrides,
+                resume=continued_by(
+                    self.job.config["resume"]["source"],
+                    self.overrides,
+                    links["newest"],
+                    status == "complete",
+                ),
+                samples=bool(self.state.dataset.spec.vocab_size),
+                experiment_id=getattr(tracker, "experiment_id", None),
+            ),
+        )
 
     def unapplied(self) -> str:
         """What of the live config differs from the config the finished run recorded."""
@@ -275,9 +391,15 @@ class Run:
 
     def failure(self, message: str) -> str:
         """A full or read-only disk's one line, with what run.json says and where a re-run continues."""
-        said = "; run.json says failed" if self.rundir.read_status().get("status") == "failed" else ""
+        said = (
+            "; run.json says failed" if self.rundir.read_status().get("status") == "failed" else ""
+        )
         kept = self.store.steps()
-        return message + said + (f"; {self.resume_hint()}, from its checkpoint of step {kept[-1][0]}" if kept else "")
+        return (
+            message
+            + said
+            + (f"; {self.resume_hint()}, from its checkpoint of step {kept[-1][0]}" if kept else "")
+        )
 
     def resume_hint(self) -> str:
         """What continues this stopped run (what the identical command does depends on resume.source)."""
@@ -287,7 +409,11 @@ class Run:
     def objective(self) -> float:
         """What a sweeper optimises: `optimized_metric` (null: the best value of the best-val stage's monitor)."""
         if (name := self.job.config["optimized_metric"]) is None:
-            best = [s.best for s in self.job.stages if getattr(s, "link", None) == "best" and hasattr(s, "best")]
+            best = [
+                s.best
+                for s in self.job.stages
+                if getattr(s, "link", None) == "best" and hasattr(s, "best")
+            ]
             return float(best[0]) if best and best[0] is not None else math.nan
         return float(self.state.metrics.get(name, math.nan))
 
@@ -313,13 +439,20 @@ class Run:
                     self.keep_history()
                     self.retain()
                     self.write_status("complete")
-                if not (self.rundir.path / curves.NAME).exists():  # killed before its curve was drawn
+                if not (
+                    self.rundir.path / curves.NAME
+                ).exists():  # killed before its curve was drawn
                     self._draw()
             self.job.tracker.attach(self.rundir.path)  # a sweep job: its run shows in the sweep
-            print(f"run {self.rundir.path} is complete at step {self.state.step}: {self._metrics()}")
+            print(
+                f"run {self.rundir.path} is complete at step {self.state.step}: {self._metrics()}"
+            )
             if unapplied := self.unapplied():
-                log.warning("not applied to a finished run: %s (resume.allow_changes=[...] with more steps trains "
-                            "it on; resume=never trains anew)", unapplied)
+                log.warning(
+                    "not applied to a finished run: %s (resume.allow_changes=[...] with more steps trains "
+                    "it on; resume=never trains anew)",
+                    unapplied,
+                )
             return EXIT_OK, self.objective()
         tracker = self.job.tracker
         self.profile.start()
@@ -329,9 +462,16 @@ class Run:
         log.info("%s", report.start_block(self.job, self.rundir.path))
         self.write_status("running")
         with self.profile.phase("tracking hand-over"):
-            tracker.start(config=self.job.config, facts=self.job.facts, run_dir=self.rundir.path,
-                          previous_run_uri=(self.resumed.manifest.get("mlflow_run_uri") if self.resumed else None),
-                          status=self.rundir.read_status(), start_time=self.history["started"])
+            tracker.start(
+                config=self.job.config,
+                facts=self.job.facts,
+                run_dir=self.rundir.path,
+                previous_run_uri=(
+                    self.resumed.manifest.get("mlflow_run_uri") if self.resumed else None
+                ),
+                status=self.rundir.read_status(),
+                start_time=self.history["started"],
+            )
         try:
             if self.signals.received is not None:
                 raise Preempted(self.signals.name)  # arrived while setting up: nothing new to save
@@ -344,21 +484,38 @@ class Run:
             stopped_by = str(stop)
             self.write_status("preempted", preempted_by=stopped_by)
         except BaseException as e:  # a non-finite loss says so itself; anything else with its type
-            self._failed(str(e) if isinstance(e, NonFiniteError) else
-                         environment_error(e) or f"{type(e).__name__}: {e}")
+            self._failed(
+                str(e)
+                if isinstance(e, NonFiniteError)
+                else environment_error(e) or f"{type(e).__name__}: {e}"
+            )
             raise
         if stopped_by is None:
-            log.info("done at step %d (%s) after %.1f s in this %s: %s", self.state.step, self.state.progress.ended,
-                     time.time() - self.job_started if self.in_sweep else budget.process_age(),
-                     "job" if self.in_sweep else "process", self._metrics())
-        code, value = (EXIT_OK, self.objective()) if stopped_by is None else (EXIT_PREEMPTED, math.nan)
+            log.info(
+                "done at step %d (%s) after %.1f s in this %s: %s",
+                self.state.step,
+                self.state.progress.ended,
+                time.time() - self.job_started if self.in_sweep else budget.process_age(),
+                "job" if self.in_sweep else "process",
+                self._metrics(),
+            )
+        code, value = (
+            (EXIT_OK, self.objective()) if stopped_by is None else (EXIT_PREEMPTED, math.nan)
+        )
         self._summary("complete" if stopped_by is None else "preempted")
         if stopped_by is not None:
-            log.warning("preempted by %s at step %d; %s (exit %d)", stopped_by, self.state.step, self.resume_hint(),
-                        EXIT_PREEMPTED)
+            log.warning(
+                "preempted by %s at step %d; %s (exit %d)",
+                stopped_by,
+                self.state.step,
+                self.resume_hint(),
+                EXIT_PREEMPTED,
+            )
         # the tracked run's end, then trainer.profile's table (this process's share of the run)
         with self.profile.phase("tracking hand-over"):
-            self.job.tracker.finish("FINISHED" if stopped_by is None else "KILLED", self.rundir.path)
+            self.job.tracker.finish(
+                "FINISHED" if stopped_by is None else "KILLED", self.rundir.path
+            )
         if self.profile.on:
             print(self.profile.table(), flush=True)
         return code, value

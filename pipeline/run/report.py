@@ -1,4 +1,5 @@
 """What a run says at its start (model, data, run directory) and its end (best, checkpoints, next commands)."""
+
 from __future__ import annotations
 
 import math
@@ -16,18 +17,26 @@ def start_block(job, run_dir: Path) -> str:
     model, data = job.state.model, job.state.dataset
     rows, total = summary(model.params, getattr(model, "aliases", {}))
     width = max([len(r[0]) for r in rows] + [5])
-    lines = [f"model {type(model).__name__}: {total:,} parameters"
-             + (" (tied: counted once)" if getattr(model, "aliases", None) else "")]
+    lines = [
+        f"model {type(model).__name__}: {total:,} parameters"
+        + (" (tied: counted once)" if getattr(model, "aliases", None) else "")
+    ]
     lines.append(f"  {'group':<{width}}  {'arrays':>6}  {'params':>10}  shape")
     for group, shapes, n, note in rows:
         biggest = "x".join(map(str, max(shapes, key=math.prod))) if shapes else "-"
-        lines.append(f"  {group:<{width}}  {len(shapes):>6}  {n:>10,}  {biggest}{'  ' + note if note else ''}")
+        lines.append(
+            f"  {group:<{width}}  {len(shapes):>6}  {n:>10,}  {biggest}{'  ' + note if note else ''}"
+        )
     spec = data.spec
     if spec.vocab_size:
-        what = (f"{data.n_train:,} train windows, {getattr(data, 'n_val', 0):,} val windows of {spec.block_size} "
-                f"tokens, vocab {spec.vocab_size:,}")
+        what = (
+            f"{data.n_train:,} train windows, {getattr(data, 'n_val', 0):,} val windows of {spec.block_size} "
+            f"tokens, vocab {spec.vocab_size:,}"
+        )
     else:
-        what = f"{data.n_train:,} train rows, {spec.n_features} features -> {spec.n_targets} targets"
+        what = (
+            f"{data.n_train:,} train rows, {spec.n_features} features -> {spec.n_targets} targets"
+        )
     lines.append(f"data {type(data).__name__}: {what}")
     lines.append(f"run directory {run_dir}")
     return "\n".join(lines)
@@ -91,21 +100,42 @@ def run_page(run_uri: str) -> str:
     return f"{ui_server(store).rstrip('/')}/#{route}{UI_QUERY}"
 
 
-def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, links: dict[str, Path | None],
-              curve: Path | None, run_uri: str | None, tracking_uri: str | None, overrides: list[str],
-              samples: bool, experiment_id: str | None = None, resume: list[str] | None = None) -> str:
+def end_block(
+    *,
+    status: str,
+    step: int,
+    run_dir: Path,
+    best: tuple | None,
+    links: dict[str, Path | None],
+    curve: Path | None,
+    run_uri: str | None,
+    tracking_uri: str | None,
+    overrides: list[str],
+    samples: bool,
+    experiment_id: str | None = None,
+    resume: list[str] | None = None,
+) -> str:
     """At most 12 lines: where the run ended, its `best` (monitor, value, step), checkpoints (`links`: final,
     best, newest -> a directory or None), curve, index, and the next commands, each as it runs pasted in the
     same shell: `overrides` are the run's command's arguments (CONFIG_FLAGS and overrides), and the tools get
     the configs it used (tool_args). mlflow: a tracking server's own page of the run's experiment
     (`experiment_id`; None: of every experiment), else the command serving the store, and that page. `resume`:
     the arguments of the command that continues the run (stages/resume.continued_by; None: `overrides`; []: none)."""
-    py, found = sys.executable or "python", shutil.which("python")  # `python` if that is the one on PATH
-    if os.path.basename(py) == "python" and found is not None and os.path.realpath(found) == os.path.realpath(py):
+    py, found = (
+        sys.executable or "python",
+        shutil.which("python"),
+    )  # `python` if that is the one on PATH
+    if (
+        os.path.basename(py) == "python"
+        and found is not None
+        and os.path.realpath(found) == os.path.realpath(py)
+    ):
         py = "python"
     # the PYTHONPATH this process was given, absolute: a package of your own is found by the lines pasted, also
     # where PYTHONPATH was set for the one command (`PYTHONPATH=examples/moons python -m pipeline ...`)
-    path = os.pathsep.join(os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
+    path = os.pathsep.join(
+        os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p
+    )
     py = f"PYTHONPATH={shlex.quote(path)} {shlex.quote(py)}" if path else shlex.quote(py)
     lines = [f"{status} at step {step}: {run_dir}"]
     if best is not None:
@@ -117,16 +147,24 @@ def end_block(*, status: str, step: int, run_dir: Path, best: tuple | None, link
     where = run_page(run_uri) if run_uri else "not indexed yet" if tracking_uri else "not tracked"
     lines.append(f"  mlflow      {where}")
     resume = overrides if resume is None else resume
-    again = f"{py} {shlex.join(['-m', 'pipeline', *resume])}" if resume else "none (resume=never: a new run each time)"
+    again = (
+        f"{py} {shlex.join(['-m', 'pipeline', *resume])}"
+        if resume
+        else "none (resume=never: a new run each time)"
+    )
     lines.append(f"  resume      {again}")  # complete: says so, exits 0
     target = links.get("best") or links.get("final") or links.get("newest")
     if target is not None:
         configs = tool_args(overrides)
-        lines.append(f"  evaluate    {py} {shlex.join(['-m', 'pipeline.evaluate', str(target), *configs])}")
+        lines.append(
+            f"  evaluate    {py} {shlex.join(['-m', 'pipeline.evaluate', str(target), *configs])}"
+        )
         if samples:
             sample = f"{py} {shlex.join(['-m', 'pipeline.sample', str(target), *configs])}"
-            lines.append(f"  sample      {sample} prompt=\"\"")
-    if tracking_uri and ui_server(tracking_uri) == tracking_uri:  # a server: its UI is at its address
+            lines.append(f'  sample      {sample} prompt=""')
+    if (
+        tracking_uri and ui_server(tracking_uri) == tracking_uri
+    ):  # a server: its UI is at its address
         lines.append(f"  mlflow ui   {ui_page(tracking_uri, experiment_id)}")
     elif tracking_uri:
         lines.append(f"  mlflow ui   {ui_command(tracking_uri)}")

@@ -7,6 +7,7 @@ exit EXIT_PREEMPTED. Only the first counts; once the exit code is decided (`fini
 never applies. A sweep's launcher (`sweeping()`) passes one on to its jobs' processes, which checkpoint and
 stop, and marks the sweep: jobs not started refuse to, and the identical command continues it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,9 @@ from typing import NoReturn
 from pipeline.config.errors import EXIT_PREEMPTED, Refusal, exit_code
 
 log = logging.getLogger("pipeline")
-MARKER = "interrupted"  # a stopped sweep's file in its directory: its jobs check it before they start
+MARKER = (
+    "interrupted"  # a stopped sweep's file in its directory: its jobs check it before they start
+)
 # USR1 is what `--signal=USR1@N` sends before a SLURM time limit, USR2 what submitit asks SLURM for; HUP what
 # a closed terminal or a dropped ssh session sends (its default would end the process with -1, unsaved).
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
@@ -70,8 +73,12 @@ class Signals:
         self.received: int | None = None
         self.mode = RAISE
         self.installed = False
-        self.marker: Path | None = None  # a sweep's "interrupted" file, which its jobs check before starting
-        self.slurm_jobs: Path | None = None  # a SLURM sweep's submitit folder (its job ids), jobs not ours
+        self.marker: Path | None = (
+            None  # a sweep's "interrupted" file, which its jobs check before starting
+        )
+        self.slurm_jobs: Path | None = (
+            None  # a SLURM sweep's submitit folder (its job ids), jobs not ours
+        )
         self.launching = None  # the sweep callback of the sweep this process launches: the entry ends or undoes it
         self.held = False  # a run has held its directory (deferring) in this process
 
@@ -80,9 +87,13 @@ class Signals:
         if self.installed or threading.current_thread() is not threading.main_thread():
             return
         previous, spec = sys.excepthook, getattr(sys.modules.get("__main__"), "__spec__", None)
-        name = getattr(spec, "name", None) or "pipeline"  # the module `python -m` runs, or the main entry
+        name = (
+            getattr(spec, "name", None) or "pipeline"
+        )  # the module `python -m` runs, or the main entry
 
-        def hook(kind, value, tb):  # a signal while an entry point's modules are still imported: one line
+        def hook(
+            kind, value, tb
+        ):  # a signal while an entry point's modules are still imported: one line
             if not isinstance(value, Interrupted):
                 return previous(kind, value, tb)
             _interrupted(name.removesuffix(".__main__"), value.args[0], "nothing was written")
@@ -90,10 +101,14 @@ class Signals:
             self.finish()
             os._exit(EXIT_PREEMPTED)
 
-        sys.excepthook = hook  # first: a signal between two of the handlers below already ends in one line
+        sys.excepthook = (
+            hook  # first: a signal between two of the handlers below already ends in one line
+        )
         unraisable = sys.unraisablehook
 
-        def swallow(u):  # the handler's raise landed in a callback Python runs for itself (a weakref's inside the
+        def swallow(
+            u,
+        ):  # the handler's raise landed in a callback Python runs for itself (a weakref's inside the
             # import system, a __del__): it cannot propagate; `received` holds the signal, acted on at the next check
             if not isinstance(u.exc_value, Interrupted):
                 unraisable(u)
@@ -123,7 +138,9 @@ class Signals:
         if self.slurm_jobs is not None:  # the jobs run on the cluster, not below this process
             from pipeline.run.slurm import signal_jobs
 
-            threading.Thread(target=signal_jobs, args=(self.slurm_jobs, signum), daemon=True).start()
+            threading.Thread(
+                target=signal_jobs, args=(self.slurm_jobs, signum), daemon=True
+            ).start()
 
     def finish(self) -> None:
         """The exit code is decided: from now on the kernel ignores these signals (called last by entry points)."""
@@ -132,8 +149,13 @@ class Signals:
             return
         previous = sys.unraisablehook
 
-        def hook(unraisable):  # a signal caught just before SIG_IGN took over: nothing to say about it
-            if not (isinstance(unraisable.exc_value, OSError) and "race condition" in str(unraisable.exc_value)):
+        def hook(
+            unraisable,
+        ):  # a signal caught just before SIG_IGN took over: nothing to say about it
+            if not (
+                isinstance(unraisable.exc_value, OSError)
+                and "race condition" in str(unraisable.exc_value)
+            ):
                 previous(unraisable)
 
         sys.unraisablehook = hook
@@ -187,12 +209,15 @@ class Signals:
         return stopped_here or bool(sweep_dir and (Path(sweep_dir) / MARKER).exists())
 
 
-SIGNALS_STATE = Signals()  # one per process: the entry point installs it before importing anything heavy
+SIGNALS_STATE = (
+    Signals()
+)  # one per process: the entry point installs it before importing anything heavy
 
 
 def command(name: str):
     """A command's main as a function that returns its exit code: an error that carries one
     (config/errors.exit_code) is one line `<name>: <line>` on stderr, and its code is returned."""
+
     def wrap(main: Callable[..., int | None]) -> Callable[..., int | None]:
         @functools.wraps(main)
         def run(*args, **kwargs) -> int | None:
@@ -203,11 +228,15 @@ def command(name: str):
                     raise  # a signal a library made another error of (run_command says it), or a bug
                 print(f"{name}: {known[1]}", file=sys.stderr)
                 return known[0]
+
         return run
+
     return wrap
 
 
-def run_command(name: str, main: Callable[[], int | None] | str, interrupted: str = "nothing was written") -> NoReturn:
+def run_command(
+    name: str, main: Callable[[], int | None] | str, interrupted: str = "nothing was written"
+) -> NoReturn:
     """The one way in and out of every command: take over the signals, run `main` (a function, or a module
     imported only now whose main() it calls and whose INTERRUPTED says what an interruption left) as a
     `command`, exit with its code. A signal is `<name>: interrupted by SIGINT; <interrupted>` and
@@ -223,7 +252,9 @@ def run_command(name: str, main: Callable[[], int | None] | str, interrupted: st
     except (Exception, Refusal):
         if not SIGNALS_STATE.interrupted_start():
             raise
-        code = _interrupted(name, str(SIGNALS_STATE.name), interrupted)  # a library made another error of it
+        code = _interrupted(
+            name, str(SIGNALS_STATE.name), interrupted
+        )  # a library made another error of it
     finally:
         SIGNALS_STATE.finish()  # the code is decided: a later signal changes nothing
     sys.exit(code)

@@ -3,6 +3,7 @@
 Only the job itself can: SLURM signals before a time limit only if asked (`--signal=USR1@N`; submitit asks for
 USR2), and `scancel --signal=TERM JOBID` reaches the steps while the job stays RUNNING.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,13 @@ def requeue_self() -> tuple[bool, str] | None:
         state, reason = fields.get("JobState", "?"), fields.get("Reason", "?")
         if requeued_already(fields):
             return True, f"SLURM job {job} is being requeued: it resumes from its newest checkpoint"
-        if state != "RUNNING" and reason != "TimeLimit":  # ending for good (scancel): a requeue would revive it
-            return False, f"SLURM job {job} is {state} (reason {reason}): it ends here, not requeued"
+        if (
+            state != "RUNNING" and reason != "TimeLimit"
+        ):  # ending for good (scancel): a requeue would revive it
+            return (
+                False,
+                f"SLURM job {job} is {state} (reason {reason}): it ends here, not requeued",
+            )
         r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
         if r.returncode != 0 and requeued_already(_job_fields(job)):  # another requeue came first
             return True, f"SLURM job {job} is being requeued: it resumes from its newest checkpoint"
@@ -43,12 +49,17 @@ def requeue_self() -> tuple[bool, str] | None:
     if r.returncode != 0:
         said = (r.stderr or r.stdout).strip() or f"exit {r.returncode}"
         return False, f"SLURM job {job}: `scontrol requeue` failed: {said}"
-    return True, f"SLURM job {job} ({state}, reason {reason}) requeued: it resumes from its newest checkpoint"
+    return (
+        True,
+        f"SLURM job {job} ({state}, reason {reason}) requeued: it resumes from its newest checkpoint",
+    )
 
 
 def _job_fields(job: str) -> dict:
     """`scontrol show job JOB -o` as {field: value}."""
-    shown = subprocess.run(["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, timeout=60)
+    shown = subprocess.run(
+        ["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, timeout=60
+    )
     return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
 
 
@@ -57,13 +68,22 @@ def signal_jobs(submitit_dir: Path, signum: int) -> list[str]:
     returns the ids. A job not running is left alone: one that starts later refuses to (the sweep's marker)."""
     if shutil.which("scancel") is None or not submitit_dir.is_dir():
         return []
-    ids = sorted({p.name.split("_")[0] for p in submitit_dir.iterdir() if re.fullmatch(r"\d+(_\d+)?", p.name)})
+    ids = sorted(
+        {
+            p.name.split("_")[0]
+            for p in submitit_dir.iterdir()
+            if re.fullmatch(r"\d+(_\d+)?", p.name)
+        }
+    )
     if ids:
         try:
             # the running ones only: to a pending task scancel answers "try again later" and retries 5 s later,
             # when the task may have just started, before its Python handles signals (it dies without a result)
-            subprocess.run(["scancel", "--state=RUNNING", f"--signal={signal.Signals(signum).name[3:]}", *ids],
-                           capture_output=True, timeout=60)
+            subprocess.run(
+                ["scancel", "--state=RUNNING", f"--signal={signal.Signals(signum).name[3:]}", *ids],
+                capture_output=True,
+                timeout=60,
+            )
         except (OSError, subprocess.TimeoutExpired):
             return []  # an unreachable controller: the jobs run on; the pending ones still refuse to start
     return ids

@@ -1,4 +1,5 @@
 """One job of a multirun, as an object the job runner passes on: who it is in its sweep, and its record at its end."""
+
 from __future__ import annotations
 
 import logging
@@ -24,26 +25,42 @@ class SweepInterrupted(CommandError):
 class SweepJob:
     """Built by the Hydra task from its sweep's sweep.json (pipeline.sweep.callback.job_of); `dir`
     None: a multirun without the sweep callback, which records nothing."""
+
     dir: Path | None = None
     sweep_id: str | None = None
     num: int = 0  # Hydra's job number, plus the trials an Optuna study held before this launch
     overrides: list[str] = field(default_factory=list)
     name: str = ""  # the swept values, as a person reads them
-    parallel: bool = False  # its launcher runs jobs side by side (joblib): its console lines carry `[job <num>]`
-    parent: dict | None = None  # {"sweep_id"}: how the agent finds the parent run (None: not tracked)
-    tracking_off: str | None = None  # why tracking is off for the sweep (its launcher said so, once)
+    parallel: bool = (
+        False  # its launcher runs jobs side by side (joblib): its console lines carry `[job <num>]`
+    )
+    parent: dict | None = (
+        None  # {"sweep_id"}: how the agent finds the parent run (None: not tracked)
+    )
+    tracking_off: str | None = (
+        None  # why tracking is off for the sweep (its launcher said so, once)
+    )
     started: float | None = None
     run_dir: str | None = None  # set by the job runner as it learns them
     run_uri: str | None = None
-    failure: dict | None = None  # {"code", "error"}, and {"status": "not started"} if its run never began
-    unreadable: str | None = None  # why its sweep.json could not be read: the job fails as bad input
+    failure: dict | None = (
+        None  # {"code", "error"}, and {"status": "not started"} if its run never began
+    )
+    unreadable: str | None = (
+        None  # why its sweep.json could not be read: the job fails as bad input
+    )
 
     @property
     def tags(self) -> dict | None:
         """What the job's tracked run and its record say about it; None outside a recorded sweep."""
         if self.dir is None:
             return None
-        return {"sweep_id": self.sweep_id, "num": self.num, "overrides": self.overrides, "name": self.name}
+        return {
+            "sweep_id": self.sweep_id,
+            "num": self.num,
+            "overrides": self.overrides,
+            "name": self.name,
+        }
 
     def record(self, objective: object = None, error: BaseException | None = None) -> None:
         """<sweep dir>/jobs/<num>.json at the job's end (an exception out of the job: code 1 and its text)."""
@@ -52,11 +69,20 @@ class SweepJob:
         if error is not None and self.failure is None:
             self.failure = {"code": 1, "error": f"{type(error).__name__}: {error}"[:2000]}
         failure = self.failure
-        record = {**(self.tags or {}), "run_dir": self.run_dir, "run_uri": self.run_uri, "started": self.started,
-                  "ended_at": time.time(),
-                  "objective": float(objective) if isinstance(objective, (int, float)) and error is None else None,
-                  "status": "complete" if failure is None else
-                  ("preempted" if failure["code"] == EXIT_PREEMPTED else "failed"), **(failure or {})}
+        record = {
+            **(self.tags or {}),
+            "run_dir": self.run_dir,
+            "run_uri": self.run_uri,
+            "started": self.started,
+            "ended_at": time.time(),
+            "objective": float(objective)
+            if isinstance(objective, (int, float)) and error is None
+            else None,
+            "status": "complete"
+            if failure is None
+            else ("preempted" if failure["code"] == EXIT_PREEMPTED else "failed"),
+            **(failure or {}),
+        }
         try:
             replace_file(ensure_dirs(self.dir, "jobs") / f"{self.num}.json", jsonio.dumps(record))
         except OSError as e:

@@ -1,5 +1,6 @@
 """The tracker protocols the run and the sweep call; every method does nothing here (pipeline/tracking/ implements
 them, tracking=none is these)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,7 +33,9 @@ class SweepParent:
 class Tracker:
     """Every call returns quickly: the training loop never waits for tracking."""
 
-    sweep_parent: type[SweepParent] = SweepParent  # what a sweep tracked this way builds for its parent run
+    sweep_parent: type[SweepParent] = (
+        SweepParent  # what a sweep tracked this way builds for its parent run
+    )
 
     def __init__(self, **_):
         pass
@@ -40,8 +43,16 @@ class Tracker:
     def prepare(self) -> None:
         """As soon as the job knows its config: start whatever tracking needs, off the job's path."""
 
-    def start(self, *, config: dict, facts: dict, run_dir: Path, previous_run_uri: str | None,
-              status: dict | None = None, start_time: float | None = None) -> None:
+    def start(
+        self,
+        *,
+        config: dict,
+        facts: dict,
+        run_dir: Path,
+        previous_run_uri: str | None,
+        status: dict | None = None,
+        start_time: float | None = None,
+    ) -> None:
         """Begin (or continue the resumed checkpoint's `previous_run_uri`) the tracked run."""
 
     def attach(self, run_dir: Path) -> str | None:

@@ -2,6 +2,7 @@
 
 Every refusal is a ConfigError or CheckpointError of one line; the callers exit 2 with it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,26 +26,34 @@ from pipeline.trainer.state import TrainState
 log = logging.getLogger("pipeline")
 # What a data override may name: the data itself, where its cache lives, and where configs are found.
 DATA_KEYS = ("data", "paths.output_dir", "hydra.searchpath")
-SLACK_BYTES = 64 << 20  # a model may exceed twice its weights file by this much before it is refused unbuilt
+SLACK_BYTES = (
+    64 << 20
+)  # a model may exceed twice its weights file by this much before it is refused unbuilt
 
 
 class UnknownTargetError(CheckpointError):
     """A checkpoint whose config names a `_target_` neither the pipeline's configs nor the user's name."""
 
 
-def restore_checkpoint(directory: Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict, TrainState]:
+def restore_checkpoint(
+    directory: Path, overrides: list[str] | tuple[str, ...] = ()
+) -> tuple[dict, TrainState]:
     """(manifest, the restored state) of a checkpoint that fully verifies: its manifest checked against itself,
     every `_target_` of its config allowed before anything is imported (UnknownTargetError), then the parts
     built and CheckpointDir.load verifying every file against them. `overrides` may give `hydra.searchpath=[...]`."""
     from pipeline.run.assemble import build_state
 
     checkpoint = CheckpointDir(directory)
-    manifest = checkpoint.manifest()  # bounded, and its hashes agree with its config: nothing built yet
+    manifest = (
+        checkpoint.manifest()
+    )  # bounded, and its hashes agree with its config: nothing built yet
     try:
         targets.check(manifest["config"], targets.allowed(tuple(overrides)))
     except targets.UnknownTarget as e:
         raise checkpoint.fault(str(e), UnknownTargetError) from None
-    config = config_written_now(manifest["config"])  # a key added since means what its absence meant
+    config = config_written_now(
+        manifest["config"]
+    )  # a key added since means what its absence meant
     try:
         validate(config)  # the ranges a run's values are held to, before anything is sized by them
     except ConfigError as e:
@@ -55,8 +64,10 @@ def restore_checkpoint(directory: Path, overrides: list[str] | tuple[str, ...] =
     try:
         state = build_state(config, DataSpec(**spec), n_train)
     except Exception as e:
-        raise checkpoint.fault(f"its config does not build here: "
-                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise checkpoint.fault(
+            f"its config does not build here: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     # One read of every file: sizes, sha256, each tensor file's layout before allocation, every part's fit:
     # restore cannot refuse after it.
     ckpt = checkpoint.load(parts := state.parts())
@@ -66,22 +77,30 @@ def restore_checkpoint(directory: Path, overrides: list[str] | tuple[str, ...] =
     return manifest, state
 
 
-def _fits_its_weights(checkpoint: CheckpointDir, manifest: dict, node: dict, spec: DataSpec) -> None:
+def _fits_its_weights(
+    checkpoint: CheckpointDir, manifest: dict, node: dict, spec: DataSpec
+) -> None:
     """A config whose model is far bigger than its weights file is refused before a byte is allocated for it (a planted
     width would otherwise be built first and found wrong after, or exhaust memory on the way)."""
     from hydra.utils import get_class
 
     try:
         count = getattr(get_class(node["_target_"]), "n_params", None)
-        wanted = None if count is None else count(spec, **{k: v for k, v in node.items() if k != "_target_"})
+        wanted = (
+            None
+            if count is None
+            else count(spec, **{k: v for k, v in node.items() if k != "_target_"})
+        )
     except Exception as e:
         raise checkpoint.fault(f"its config does not build here: {type(e).__name__}: {e}") from None
     itemsize = np.dtype(manifest["config"]["trainer"]["dtype"]).itemsize
     # Only a gross excess is refused here: a near miss is built (cheaply) and named precisely by CheckpointDir.load.
     if wanted is not None and wanted * itemsize > 2 * weights_bytes(manifest) + SLACK_BYTES:
-        raise checkpoint.fault(f"its config describes a model of {wanted:,} parameters ({wanted * itemsize:,} "
-                                        f"bytes), more than its weights file holds ({weights_bytes(manifest):,} "
-                                        "bytes); it was not built")
+        raise checkpoint.fault(
+            f"its config describes a model of {wanted:,} parameters ({wanted * itemsize:,} "
+            f"bytes), more than its weights file holds ({weights_bytes(manifest):,} "
+            "bytes); it was not built"
+        )
 
 
 def cache_home(directory: Path) -> str:
@@ -110,14 +129,20 @@ def _own_source(manifest: dict, node: dict, directory: Path) -> None:
     try:
         here = identity.source_hashes({"data": node})["data.path"]
     except FileNotFoundError:
-        raise ConfigError(f"data.path={path} (the checkpoint's): text file not found; give the file it was "
-                          "trained on with data.path=FILE") from None
+        raise ConfigError(
+            f"data.path={path} (the checkpoint's): text file not found; give the file it was "
+            "trained on with data.path=FILE"
+        ) from None
     except OSError as e:
-        raise ConfigError(f"data.path={path} (the checkpoint's): {getattr(e, 'strerror', None) or e}; give the "
-                          "file it was trained on with data.path=FILE") from None
+        raise ConfigError(
+            f"data.path={path} (the checkpoint's): {getattr(e, 'strerror', None) or e}; give the "
+            "file it was trained on with data.path=FILE"
+        ) from None
     if here != sha:
-        raise ConfigError(f"data.path={path} (the checkpoint's): not the file checkpoint {directory} was trained on "
-                          f"(sha256 {here[:12]}, the manifest says {str(sha)[:12]}); give it with data.path=FILE")
+        raise ConfigError(
+            f"data.path={path} (the checkpoint's): not the file checkpoint {directory} was trained on "
+            f"(sha256 {here[:12]}, the manifest says {str(sha)[:12]}); give it with data.path=FILE"
+        )
 
 
 def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
@@ -129,10 +154,14 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     parsed = targets.parse_overrides(overrides)
     for o in parsed:
         if not identity.covered(o.key_or_group, list(DATA_KEYS)) or o.is_sweep_override():
-            raise ConfigError(f"{o.input_line}: only data=NAME, data.KEY=VALUE, paths.output_dir=DIR and "
-                              "hydra.searchpath=[...] can be given here; the rest is the checkpoint's")
-    output_dir = next((str(o.value()) for o in reversed(parsed) if o.key_or_group == "paths.output_dir"),
-                      cache_home(directory))
+            raise ConfigError(
+                f"{o.input_line}: only data=NAME, data.KEY=VALUE, paths.output_dir=DIR and "
+                "hydra.searchpath=[...] can be given here; the rest is the checkpoint's"
+            )
+    output_dir = next(
+        (str(o.value()) for o in reversed(parsed) if o.key_or_group == "paths.output_dir"),
+        cache_home(directory),
+    )
     if any(o.key_or_group == "data" for o in parsed):
         from hydra.errors import HydraException
 
@@ -144,13 +173,21 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
         except (HydraException, OmegaConfBaseException) as e:
             raise ConfigError(f"bad override: {error_line(e)}") from None
     else:
-        node = as_written_now(copy.deepcopy(manifest["config"]["data"]))  # a key it predates, or null then
-        schema = SCHEMAS.get(str(node.get("_target_")))  # the checkpoint's data node, typed by its schema
-        cfg = OmegaConf.merge(OmegaConf.structured(schema), node) if schema else OmegaConf.create(node)
+        node = as_written_now(
+            copy.deepcopy(manifest["config"]["data"])
+        )  # a key it predates, or null then
+        schema = SCHEMAS.get(
+            str(node.get("_target_"))
+        )  # the checkpoint's data node, typed by its schema
+        cfg = (
+            OmegaConf.merge(OmegaConf.structured(schema), node)
+            if schema
+            else OmegaConf.create(node)
+        )
         for o in parsed:
             if o.key_or_group.startswith("data."):
                 try:
-                    OmegaConf.update(cfg, o.key_or_group[len("data."):], o.value(), merge=True)
+                    OmegaConf.update(cfg, o.key_or_group[len("data.") :], o.value(), merge=True)
                 except OmegaConfBaseException as e:
                     raise ConfigError(f"{o.input_line}: {str(e).splitlines()[0]}") from None
         node = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -162,7 +199,9 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     return config
 
 
-def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict, Any]:  # (config, its dataset)
+def _built(
+    manifest: dict, overrides: list[str], directory: Path
+) -> tuple[dict, Any]:  # (config, its dataset)
     from pipeline.run.assemble import build_dataset
 
     config = data_config(manifest, list(overrides), directory)
@@ -171,17 +210,20 @@ def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict,
     except (ValueError, OSError) as e:
         raise ConfigError(f"data: {e}") from None
     except Exception as e:
-        raise ConfigError(f"data does not build: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") \
-            from None
+        raise ConfigError(
+            f"data does not build: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
 
 
 def own_data(manifest: dict, overrides: list[str], directory: Path):
     """The dataset the checkpoint at `directory` was trained on (its data_manifest_hash), else ConfigError."""
     config, dataset = _built(manifest, overrides, directory)
     if dataset.manifest_hash != manifest["data_manifest_hash"]:
-        raise ConfigError(f"data {config['data'].get('_target_')}: builds data {dataset.manifest_hash[:12]}, but the "
-                          f"checkpoint was trained on {manifest['data_manifest_hash'][:12]}: give the data it was "
-                          "trained on (data.path=FILE for a moved text file)")
+        raise ConfigError(
+            f"data {config['data'].get('_target_')}: builds data {dataset.manifest_hash[:12]}, but the "
+            f"checkpoint was trained on {manifest['data_manifest_hash'][:12]}: give the data it was "
+            "trained on (data.path=FILE for a moved text file)"
+        )
     return dataset
 
 
@@ -204,15 +246,24 @@ def other_data(manifest: dict, overrides: list[str], directory: Path):
             where = [o for o in overrides if o.startswith(("paths.", "hydra."))]
             vocab = data_facts(manifest, where, directory)["vocab"]
         except ConfigError as e:  # a schema 2.0 checkpoint whose own data does not build here
-            log.warning("cannot compare vocabularies (the checkpoint's own data does not build here: %s); "
-                        "checking the spec only", e)
+            log.warning(
+                "cannot compare vocabularies (the checkpoint's own data does not build here: %s); "
+                "checking the spec only",
+                e,
+            )
     saved = {k: v for k, v in manifest["data_spec"].items() if k != "n_train"}
     here = asdict(dataset.spec)
     if diff := [f"{k} {saved[k]} -> {here.get(k)}" for k in saved if saved[k] != here.get(k)]:
-        raise ConfigError(f"data {type(dataset).__name__}: its spec differs from the checkpoint's "
-                          f"({', '.join(diff)}): the model cannot read it")
-    if vocab is not None and (changed := [i for i, (a, b) in enumerate(zip(vocab, dataset.vocab)) if a != b]):
+        raise ConfigError(
+            f"data {type(dataset).__name__}: its spec differs from the checkpoint's "
+            f"({', '.join(diff)}): the model cannot read it"
+        )
+    if vocab is not None and (
+        changed := [i for i, (a, b) in enumerate(zip(vocab, dataset.vocab)) if a != b]
+    ):
         i = changed[0]
-        raise ConfigError(f"data {type(dataset).__name__}: its vocabulary differs from the checkpoint's at "
-                          f"{len(changed)} ids (id {i}: {vocab[i]!r} -> {dataset.vocab[i]!r})")
+        raise ConfigError(
+            f"data {type(dataset).__name__}: its vocabulary differs from the checkpoint's at "
+            f"{len(changed)} ids (id {i}: {vocab[i]!r} -> {dataset.vocab[i]!r})"
+        )
     return dataset

@@ -1,4 +1,5 @@
 """A constant learning rate."""
+
 from pipeline.scheduler.base import Scheduler
 
 

@@ -1,4 +1,5 @@
 """StepLR: lr = base_lr * gamma ** (k // step_size), torch's closed form."""
+
 from pipeline.scheduler.base import Scheduler
 
 

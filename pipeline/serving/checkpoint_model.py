@@ -1,4 +1,5 @@
 """The pyfunc model over a checkpoint: MiniGPT rows of prompts -> their continuations, an MLP's rows -> outputs."""
+
 from __future__ import annotations
 
 import math
@@ -27,12 +28,18 @@ def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str
     if facts is not None:
         return facts["vocab"], facts["decode_join"], (facts.get("specials") or {}).get("eos")
     if vocab_json is None:
-        raise MlflowException(f"{checkpoint}: a MiniGPT needs its vocabulary (no {DATA_JSON}, no vocab.json)")
+        raise MlflowException(
+            f"{checkpoint}: a MiniGPT needs its vocabulary (no {DATA_JSON}, no vocab.json)"
+        )
     record = jsonio.read(vocab_json, MAX_VOCAB_JSON)
     record = record if isinstance(record, dict) else {}
     vocab, join = record.get("vocab"), record.get("decode_join")
-    if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab) and isinstance(join, str)):
-        raise MlflowException(f"{vocab_json}: needs a list of strings `vocab` and a string `decode_join`")
+    if not (
+        isinstance(vocab, list) and all(isinstance(t, str) for t in vocab) and isinstance(join, str)
+    ):
+        raise MlflowException(
+            f"{vocab_json}: needs a list of strings `vocab` and a string `decode_join`"
+        )
     return vocab, join, ("<eos>" if "<eos>" in vocab else None)
 
 
@@ -48,8 +55,10 @@ def _args(row: dict) -> list[str]:
     """A row as parse_options's key=value arguments; a missing value (None, NaN) takes the default."""
     unknown = sorted(set(row) - set(OPTIONS))
     if unknown:
-        raise MlflowException(f"unknown column(s) {unknown}: a row gives {', '.join(OPTIONS)}",
-                              error_code=INVALID_PARAMETER_VALUE)
+        raise MlflowException(
+            f"unknown column(s) {unknown}: a row gives {', '.join(OPTIONS)}",
+            error_code=INVALID_PARAMETER_VALUE,
+        )
     args = []
     for key in OPTIONS:
         value = row.get(key)
@@ -74,14 +83,18 @@ class CheckpointModel(PythonModel):
         self.model: Any = state.model  # a MiniGPT (logits) or a regression model (predict)
         self.generates = hasattr(self.model, "logits") and hasattr(self.model, "block_size")
         if self.generates:
-            self.vocab, self.join, self.eos = read_vocab(self.directory, context.artifacts.get(VOCAB))
+            self.vocab, self.join, self.eos = read_vocab(
+                self.directory, context.artifacts.get(VOCAB)
+            )
 
     # The hint only tells mlflow not to infer a schema from it (the signature is logged); an MLP's rows arrive
     # as an ndarray [B, n_features].
     def predict(self, context, model_input: pd.DataFrame, params=None):
         if not self.generates:
-            x = np.asarray(model_input.to_numpy() if hasattr(model_input, "to_numpy") else model_input,
-                           dtype=getattr(self.model, "dtype", np.float64))  # [B, n_features]
+            x = np.asarray(
+                model_input.to_numpy() if hasattr(model_input, "to_numpy") else model_input,
+                dtype=getattr(self.model, "dtype", np.float64),
+            )  # [B, n_features]
             return self.model.predict(x)  # [B, n_targets]
         from pipeline.config.errors import ConfigError
         from pipeline.model.generate import continuation, parse_options

@@ -1,4 +1,5 @@
 """A stage: hooks the run calls in a fixed order, a retention policy, and state that rides in checkpoints."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,11 +79,18 @@ class Watch(Stage):
         self.monitor, self.mode = str(monitor), str(mode)
         self.best: float | None = None
         self.best_step: int | None = None
-        self.since = 0  # the step this best history began at (a resume that changed monitor or mode)
+        self.since = (
+            0  # the step this best history began at (a resume that changed monitor or mode)
+        )
 
     def state_dict(self) -> dict:
-        return {"best": self.best, "best_step": self.best_step, "monitor": self.monitor, "mode": self.mode,
-                "since": self.since}
+        return {
+            "best": self.best,
+            "best_step": self.best_step,
+            "monitor": self.monitor,
+            "mode": self.mode,
+            "since": self.since,
+        }
 
     def start_at(self, step: int) -> None:
         self.since = int(step)
@@ -92,11 +100,17 @@ class Watch(Stage):
         # resume it then).
         old = (saved.get("monitor", self.monitor), saved.get("mode", self.mode))
         if old != (self.monitor, self.mode):
-            return f"monitor {old[0]!r:.80} mode {old[1]!r:.10} -> {self.monitor!r} mode {self.mode!r}"
+            return (
+                f"monitor {old[0]!r:.80} mode {old[1]!r:.10} -> {self.monitor!r} mode {self.mode!r}"
+            )
         return None
 
     def fit_reason(self, saved: dict) -> str | None:
-        live = {k: v for k, v in self.state_dict().items() if k in saved or k not in ("monitor", "mode", "since")}
+        live = {
+            k: v
+            for k, v in self.state_dict().items()
+            if k in saved or k not in ("monitor", "mode", "since")
+        }
         return fit_reason(live, saved, self.name)
 
     def check_state_dict(self, state: dict) -> None:
@@ -129,7 +143,11 @@ class StageStates:
         return {s.name: s.state_dict() for s in self.stages}
 
     def _restored(self, state: dict) -> list[Stage]:
-        return [s for s in self.stages if isinstance(state.get(s.name), dict) and not s.continues(state[s.name])]
+        return [
+            s
+            for s in self.stages
+            if isinstance(state.get(s.name), dict) and not s.continues(state[s.name])
+        ]
 
     def check_state_dict(self, state: dict) -> None:
         for name, saved in state.items():
@@ -148,8 +166,14 @@ class StageStates:
             s.load_state_dict(state[s.name])
         live = {s.name for s in self.stages}
         self.fresh = live - {s.name for s in restored}
-        self.notes = [f"{s.name}: {s.continues(state[s.name])}: a new history from here" if s.name in state else
-                      f"{s.name}: not in the checkpoint, starts fresh here"
-                      for s in self.stages if s.name in self.fresh]
-        self.notes += [f"{name}: no such stage in this config, its saved state is dropped"
-                       for name in sorted(set(state) - live)]
+        self.notes = [
+            f"{s.name}: {s.continues(state[s.name])}: a new history from here"
+            if s.name in state
+            else f"{s.name}: not in the checkpoint, starts fresh here"
+            for s in self.stages
+            if s.name in self.fresh
+        ]
+        self.notes += [
+            f"{name}: no such stage in this config, its saved state is dropped"
+            for name in sorted(set(state) - live)
+        ]

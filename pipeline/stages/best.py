@@ -1,5 +1,6 @@
 """Keeps the checkpoints of the `keep` best evaluations of `monitor` (min or max; Lightning's save_top_k), the best
 pointed at by checkpoints/best."""
+
 from __future__ import annotations
 
 import math
@@ -18,11 +19,15 @@ class BestVal(Watch):
         super().__init__(monitor, mode, order)  # keep >= 1, filename a pattern: config/schemas.py
         self.keep = int(keep)
         self.filename = filename  # a pattern naming each kept checkpoint by its values (`{step}-{val/loss:.3f}`)
-        self.top: list[tuple[float, int]] = []  # the `keep` best (value, step) since `since`, best first
+        self.top: list[
+            tuple[float, int]
+        ] = []  # the `keep` best (value, step) since `since`, best first
 
     def wants_checkpoint(self, end: StepEnd) -> bool:
         top = admit(self.top, end.metrics.get(self.monitor), end.step, self.keep, self.mode)
-        if top is None:  # NaN and infinities never enter, nor a value no better than the keep-th best
+        if (
+            top is None
+        ):  # NaN and infinities never enter, nor a value no better than the keep-th best
             return False
         self.top = top
         self.best, self.best_step = top[0]
@@ -37,7 +42,9 @@ class BestVal(Watch):
     def named(self) -> Named | None:
         if (pattern := self.filename) is None:
             return None
-        return Named(self.policy(), lambda record: patterns.render(pattern, record.step, record.metrics))
+        return Named(
+            self.policy(), lambda record: patterns.render(pattern, record.step, record.metrics)
+        )
 
     # state: Watch's (best, best_step, ...), and with keep > 1 the top list (keep = 1: the same bytes as before)
     def state_dict(self) -> dict:
@@ -54,7 +61,11 @@ class BestVal(Watch):
         # `top` is as long as the evaluations counted so far, and absent where the checkpoint kept one best
         if not isinstance(saved.get("top", []), list):
             return f"{self.name}.top: expected a list of [value, step], got {type(saved['top']).__name__}"
-        live = {k: v for k, v in super().state_dict().items() if k in saved or k not in ("monitor", "mode", "since")}
+        live = {
+            k: v
+            for k, v in super().state_dict().items()
+            if k in saved or k not in ("monitor", "mode", "since")
+        }
         return fit_reason(live, {k: v for k, v in saved.items() if k != "top"}, self.name)
 
     def check_state_dict(self, state: dict) -> None:
@@ -62,19 +73,34 @@ class BestVal(Watch):
         if "top" not in state:
             return
         top = state["top"]
-        if not all(isinstance(e, list) and len(e) == 2 and type(e[1]) is int and e[1] >= 0
-                   and isinstance(e[0], (int, float)) and type(e[0]) is not bool and math.isfinite(e[0]) for e in top):
+        if not all(
+            isinstance(e, list)
+            and len(e) == 2
+            and type(e[1]) is int
+            and e[1] >= 0
+            and isinstance(e[0], (int, float))
+            and type(e[0]) is not bool
+            and math.isfinite(e[0])
+            for e in top
+        ):
             raise ValueError(f"top {top!r:.80} is not a list of [finite value, step]")
         pairs = [(float(v), s) for v, s in top]
         if pairs != sorted(pairs, key=rank(self.mode)) or len({s for _, s in pairs}) != len(pairs):
             raise ValueError(f"top {top!r:.80} is not ranked best first, one entry a step")
         if (pairs[0] if pairs else (None, None)) != (state["best"], state["best_step"]):
-            raise ValueError(f"top {top!r:.80} does not begin with the best {state['best']!r} at step "
-                             f"{state['best_step']!r}")
+            raise ValueError(
+                f"top {top!r:.80} does not begin with the best {state['best']!r} at step "
+                f"{state['best_step']!r}"
+            )
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         # A checkpoint that kept one best (keep was 1) knows that one: the top list grows from it.
-        saved = [(float(v), int(s)) for v, s in state["top"]] if "top" in state else \
-            ([] if self.best is None or self.best_step is None else [(self.best, self.best_step)])
+        saved = (
+            [(float(v), int(s)) for v, s in state["top"]]
+            if "top" in state
+            else (
+                [] if self.best is None or self.best_step is None else [(self.best, self.best_step)]
+            )
+        )
         self.top = saved[: self.keep]

@@ -1,4 +1,5 @@
 """When a periodic checkpoint is due: every N epochs and/or every N steps (the `checkpoint` group)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """Drift: what differs between the run a checkpoint was made by and this job; the refusal, and the hint."""
+
 from __future__ import annotations
 
 import logging
@@ -20,7 +21,10 @@ def drift(manifest: dict, job) -> dict[str, tuple]:
     old = identity.semantic_config(manifest["config"], manifest["sources"])
     changes = identity.changed_keys(old, identity.semantic_config(job.config, job.sources))
     if manifest["data_manifest_hash"] != job.facts["data_manifest_hash"]:
-        changes["data_manifest_hash"] = (manifest["data_manifest_hash"], job.facts["data_manifest_hash"])
+        changes["data_manifest_hash"] = (
+            manifest["data_manifest_hash"],
+            job.facts["data_manifest_hash"],
+        )
     return changes
 
 
@@ -35,12 +39,16 @@ def refuse(changes: dict[str, tuple], allow: list[str], where) -> None:
     refused = {k: v for k, v in changes.items() if not allowed(k, allow)}
     if refused:
         listing = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
-        raise DriftError(f"refusing to resume from {where}: the config or data changed ({listing}); "
-                         f"allow with resume.allow_changes=[{','.join(refused)}] or start over with resume=never")
+        raise DriftError(
+            f"refusing to resume from {where}: the config or data changed ({listing}); "
+            f"allow with resume.allow_changes=[{','.join(refused)}] or start over with resume=never"
+        )
     for key in changes:
         if why := identity.not_applicable(key):
-            raise DriftError(f"refusing to resume from {where}: resume.allow_changes lets {key} through, but it "
-                             f"cannot take effect on a resumed run ({why}); start over with resume=never")
+            raise DriftError(
+                f"refusing to resume from {where}: resume.allow_changes lets {key} through, but it "
+                f"cannot take effect on a resumed run ({why}); start over with resume=never"
+            )
 
 
 def say_if_a_sibling_differs(run) -> None:
@@ -54,7 +62,9 @@ def say_if_a_sibling_differs(run) -> None:
             status = run.rundir_of(p).read_status()
         except CheckpointError:
             continue  # another run's damaged run.json: that run's business, not this one's
-        if status.get("status") in ("complete", "preempted") and isinstance(status.get("updated"), (int, float)):
+        if status.get("status") in ("complete", "preempted") and isinstance(
+            status.get("updated"), (int, float)
+        ):
             siblings.append((status["updated"], p, status))
     if not siblings:
         return
@@ -70,10 +80,19 @@ def say_if_a_sibling_differs(run) -> None:
     changes = drift(manifest, run.job)
     if not changes or len(changes) > MAX_HINTED:
         return
-    keys = ",".join(k for k in changes if not allowed(k, [c for c in changes if c != k]))  # data.x covers the data
+    keys = ",".join(
+        k for k in changes if not allowed(k, [c for c in changes if c != k])
+    )  # data.x covers the data
     what = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
     finished = status["status"] == "complete"
-    how = ("; to continue that one instead use resume.source="
-           f"{store.root / ('final' if finished else newest.name)} resume.allow_changes=[{keys}]")
-    log.info("this config differs from the %s run %s in %s: starting a new run%s", "finished" if finished else
-             "interrupted", other.name, what, how if manifest["step"] < run.state.total_steps else "")  # else refused
+    how = (
+        "; to continue that one instead use resume.source="
+        f"{store.root / ('final' if finished else newest.name)} resume.allow_changes=[{keys}]"
+    )
+    log.info(
+        "this config differs from the %s run %s in %s: starting a new run%s",
+        "finished" if finished else "interrupted",
+        other.name,
+        what,
+        how if manifest["step"] < run.state.total_steps else "",
+    )  # else refused

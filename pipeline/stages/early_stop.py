@@ -1,4 +1,5 @@
 """Ends the run once `monitor` has not improved by more than `min_delta` for `patience` evaluations in a row."""
+
 from __future__ import annotations
 
 from pipeline.checkpoint.retention import is_better
@@ -27,9 +28,15 @@ class EarlyStop(Watch):
         self.wait += 1
         if self.wait < self.patience:
             return None
-        best = "no finite value yet" if self.best is None else f"best {self.best:.6g} at step {self.best_step}"
-        return (f"early_stop: {self.monitor} did not improve in {self.wait} evaluations "
-                f"(mode {self.mode}, min_delta {self.min_delta:g}; {best})")
+        best = (
+            "no finite value yet"
+            if self.best is None
+            else f"best {self.best:.6g} at step {self.best_step}"
+        )
+        return (
+            f"early_stop: {self.monitor} did not improve in {self.wait} evaluations "
+            f"(mode {self.mode}, min_delta {self.min_delta:g}; {best})"
+        )
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "wait": self.wait}

@@ -1,4 +1,5 @@
 """The end of training: a checkpoint of the last step, pointed at by checkpoints/final."""
+
 from __future__ import annotations
 
 from pipeline.checkpoint.retention import LatestN

@@ -1,4 +1,5 @@
 """Periodic checkpoints at the configured cadence, keeping the newest N."""
+
 from __future__ import annotations
 
 from pipeline.checkpoint.retention import LatestN

@@ -1,4 +1,5 @@
 """The train stage: the step loop, evaluating every `eval_every` updates (0: at the end of every epoch)."""
+
 from __future__ import annotations
 
 from pipeline.stages.base import Stage

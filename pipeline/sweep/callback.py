@@ -1,4 +1,5 @@
 """The Hydra callback that makes a multirun one sweep (identity, directory, signals, parent run) and its end."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +20,14 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.checkpoint.manifest import git_info
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_PREEMPTED, CommandError, ConfigError, Refusal
+from pipeline.config.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_ERROR,
+    EXIT_PREEMPTED,
+    CommandError,
+    ConfigError,
+    Refusal,
+)
 from pipeline.config.identity import experiment_name, is_machine_key
 from pipeline.config.targets import as_given, hydra_quoted, literal, parse_overrides
 from pipeline.files import atomic, jsonio, names, reading
@@ -29,7 +37,9 @@ from pipeline.run.tracker import SweepParent
 from pipeline.sweep.summary import best_job, read_jobs, shown_value, sweep_table, swept_values
 
 log = logging.getLogger("pipeline")
-STORE_WAIT = 0.5  # seconds the launcher gives the tracking store to answer whether it can be written
+STORE_WAIT = (
+    0.5  # seconds the launcher gives the tracking store to answer whether it can be written
+)
 # Sweeper settings that do not make another sweep: where Optuna keeps the study (set here, in the sweep
 # directory) and how many trials it should hold (a re-run with more continues the same study).
 NOT_IDENTITY = ("storage", "study_name", "n_trials")
@@ -71,7 +81,12 @@ def job_count(task_overrides: list[str], sweeper: dict) -> int:
         value = o.value() if o.is_sweep_override() else None
         if isinstance(value, ChoiceSweep):
             n *= len(value.list)
-        elif isinstance(value, RangeSweep) and value.step and value.start is not None and value.stop is not None:
+        elif (
+            isinstance(value, RangeSweep)
+            and value.step
+            and value.start is not None
+            and value.stop is not None
+        ):
             n *= max(0, math.ceil((value.stop - value.start) / value.step))
     return n
 
@@ -80,7 +95,9 @@ def job_name(overrides: list[str], keys) -> str:
     """The swept values of one job, as a person reads them: `optimizer.lr=0.003162 model.n_layer=2` (floats
     shortened by shown_value)."""
     picked = [f"{k}={shown_value(v)}" for k, v in swept_values(overrides, keys).items()]
-    return " ".join(picked) or " ".join(o for o in overrides if not is_machine_key(o.split("=", 1)[0].lstrip("+~")))
+    return " ".join(picked) or " ".join(
+        o for o in overrides if not is_machine_key(o.split("=", 1)[0].lstrip("+~"))
+    )
 
 
 def _slurm_jobs(launcher) -> Path | None:
@@ -98,8 +115,11 @@ def swept_monitor_inputs(keys) -> bool:
     from pipeline.run.assemble import MONITOR_KEYS
 
     def related(k: str) -> bool:
-        return k == "experiment" or any(k == m or k.startswith((f"{m}.", f"{m}/")) or m.startswith(f"{k}.")
-                                        for m in MONITOR_KEYS)
+        return k == "experiment" or any(
+            k == m or k.startswith((f"{m}.", f"{m}/")) or m.startswith(f"{k}.")
+            for m in MONITOR_KEYS
+        )
+
     return any(related(str(k).lstrip("+~")) for k in keys)
 
 
@@ -123,6 +143,7 @@ def refuse_monitors(config: DictConfig, swept_keys) -> None:
 class _Start:
     """What a sweep's start changed, to undo if no job ever runs: the directories it made, and the files of an
     existing sweep directory as they were (None: absent)."""
+
     directory: Path
     made: atomic.NewDirs
     files: dict
@@ -138,14 +159,19 @@ def parent_run(tracking) -> SweepParent:
         tracker = get_class(str(node["_target_"]))
     except Exception as e:
         _stop(EXIT_BAD_INPUT, f"tracking._target_={node['_target_']}: {str(e).splitlines()[0]}")
-    return getattr(tracker, "sweep_parent", SweepParent)(**{k: v for k, v in node.items() if not k.startswith("_")})
+    return getattr(tracker, "sweep_parent", SweepParent)(
+        **{k: v for k, v in node.items() if not k.startswith("_")}
+    )
 
 
 def job_of(hydra_cfg) -> SweepJob:
     """The job a multirun's task runs, from sweep.json and Hydra's job number and overrides; without a directory
     if there is no sweep callback, `unreadable` (bad input, one line) if sweep.json is not a sweep's record."""
-    if not any(isinstance(c, (dict, DictConfig)) and c.get("_target_") == f"{__name__}.{SweepCallback.__name__}"
-               for c in (hydra_cfg.get("callbacks") or {}).values()):
+    if not any(
+        isinstance(c, (dict, DictConfig))
+        and c.get("_target_") == f"{__name__}.{SweepCallback.__name__}"
+        for c in (hydra_cfg.get("callbacks") or {}).values()
+    ):
         return SweepJob()
     directory = str(hydra_cfg.sweep.dir)  # the launcher's override: <output_dir>/sweeps/<name>-<id>
     overrides = as_given(hydra_cfg.overrides.task)
@@ -153,33 +179,63 @@ def job_of(hydra_cfg) -> SweepJob:
     try:
         sweep = jsonio.read(path, 1 << 24)
     except (OSError, jsonio.JSONError) as e:
-        problem: str | None = (str(e) if isinstance(e, (reading.UnreadableFile, jsonio.JSONError))
-                               else f"{path}: {e.strerror}")
+        problem: str | None = (
+            str(e)
+            if isinstance(e, (reading.UnreadableFile, jsonio.JSONError))
+            else f"{path}: {e.strerror}"
+        )
     else:
-        ok = isinstance(sweep, dict) and isinstance(sweep.get("id"), str) and isinstance(sweep.get("swept"), dict)
+        ok = (
+            isinstance(sweep, dict)
+            and isinstance(sweep.get("id"), str)
+            and isinstance(sweep.get("swept"), dict)
+        )
         offset = sweep.get("job_offset") if ok else None
-        problem = None if ok else f"{path}: not a sweep's record (an object with an id and what it sweeps)"
-        if ok and offset is not None and not (type(offset) is int and 0 <= offset <= 10 ** 9):
+        problem = (
+            None
+            if ok
+            else f"{path}: not a sweep's record (an object with an id and what it sweeps)"
+        )
+        if ok and offset is not None and not (type(offset) is int and 0 <= offset <= 10**9):
             problem = f"{path}: job_offset must be a non-negative integer (the trials its study held), got {offset!r}"
     if problem is not None:
-        return SweepJob(dir=Path(directory), overrides=overrides, num=int(hydra_cfg.job.get("num", 0)),
-                        unreadable=f"{problem}; the sweep's launcher writes it before any job: re-run the sweep")
-    return SweepJob(dir=Path(directory), sweep_id=sweep["id"], overrides=overrides,
-                    num=int(hydra_cfg.job.get("num", 0)) + int(sweep.get("job_offset") or 0),
-                    name=job_name(overrides, sweep["swept"]),
-                    parent={"sweep_id": sweep["id"]} if "uri" in sweep and not sweep.get("tracking_off") else None,
-                    parallel=not str(sweep.get("launcher", "")).endswith(".BasicLauncher"),
-                    tracking_off=sweep.get("tracking_off"), started=time.time())
+        return SweepJob(
+            dir=Path(directory),
+            overrides=overrides,
+            num=int(hydra_cfg.job.get("num", 0)),
+            unreadable=f"{problem}; the sweep's launcher writes it before any job: re-run the sweep",
+        )
+    return SweepJob(
+        dir=Path(directory),
+        sweep_id=sweep["id"],
+        overrides=overrides,
+        num=int(hydra_cfg.job.get("num", 0)) + int(sweep.get("job_offset") or 0),
+        name=job_name(overrides, sweep["swept"]),
+        parent={"sweep_id": sweep["id"]}
+        if "uri" in sweep and not sweep.get("tracking_off")
+        else None,
+        parallel=not str(sweep.get("launcher", "")).endswith(".BasicLauncher"),
+        tracking_off=sweep.get("tracking_off"),
+        started=time.time(),
+    )
 
 
 class SweepCallback(Callback):
     def __init__(self) -> None:
-        self.sweep: dict | None = None  # what sweep.json says: id, dir, name, swept, uri, direction, status ...
-        self.parent: SweepParent = SweepParent()  # the sweep's parent run, through the tracker's interface
+        self.sweep: dict | None = (
+            None  # what sweep.json says: id, dir, name, swept, uri, direction, status ...
+        )
+        self.parent: SweepParent = (
+            SweepParent()
+        )  # the sweep's parent run, through the tracker's interface
         self.launcher_pid: int | None = None  # the process that started the sweep
         self.launched = False  # its parent run asked for, its line said
-        self.indexed = False  # an index was asked for its parent run: it holds the sweep's first start
-        self.start: _Start | None = None  # what its start changed, for the entry point's undo (this process only)
+        self.indexed = (
+            False  # an index was asked for its parent run: it holds the sweep's first start
+        )
+        self.start: _Start | None = (
+            None  # what its start changed, for the entry point's undo (this process only)
+        )
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "start": None}  # Hydra pickles this object to every job
@@ -189,32 +245,56 @@ class SweepCallback(Callback):
         hydra = config.hydra
         task = as_given(hydra.overrides.task)
         sweeper = _plain(hydra.sweeper, resolve=False) or {}
-        identity = {"name": str(config.get("name", "")), "overrides": sorted(o for o in task if not is_machine_key(
-            o.split("=", 1)[0].lstrip("+~"))), "sweeper": {k: v for k, v in sweeper.items() if k not in NOT_IDENTITY}}
-        if (why := names.problem(identity["name"] or "sweep")) is not None:  # <output_dir>/sweeps/<name>-<id>
+        identity = {
+            "name": str(config.get("name", "")),
+            "overrides": sorted(
+                o for o in task if not is_machine_key(o.split("=", 1)[0].lstrip("+~"))
+            ),
+            "sweeper": {k: v for k, v in sweeper.items() if k not in NOT_IDENTITY},
+        }
+        if (
+            why := names.problem(identity["name"] or "sweep")
+        ) is not None:  # <output_dir>/sweeps/<name>-<id>
             _stop(EXIT_BAD_INPUT, f"name={names.shown(identity['name'])}: {why}")
         if (count := job_count(task, sweeper)) > MAX_JOBS:  # before anything is written or expanded
-            _stop(EXIT_BAD_INPUT, f"this sweep asks for {count:,} jobs: at most {MAX_JOBS:,} in one multirun "
-                                  "(split it, or sample it with a sweeper such as Optuna and its n_trials)")
+            _stop(
+                EXIT_BAD_INPUT,
+                f"this sweep asks for {count:,} jobs: at most {MAX_JOBS:,} in one multirun "
+                "(split it, or sample it with a sweeper such as Optuna and its n_trials)",
+            )
         refuse_monitors(config, swept(task, sweeper.get("params")))
         try:
             self._start(config, hydra, task, sweeper, identity)
-        except atomic.UnsafePathError as e:  # a link planted at sweeps/ (or another of the output directory's entries)
+        except (
+            atomic.UnsafePathError
+        ) as e:  # a link planted at sweeps/ (or another of the output directory's entries)
             _stop(EXIT_BAD_INPUT, str(e))
         except OSError as e:
             if (message := atomic.environment_error(e)) is None:
                 raise
             _stop(EXIT_ERROR, message)
 
-    def _start(self, config: DictConfig, hydra, task: list[str], sweeper: dict, identity: dict) -> None:
+    def _start(
+        self, config: DictConfig, hydra, task: list[str], sweeper: dict, identity: dict
+    ) -> None:
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
-        atomic.check_output_dir(Path(str(config.paths.output_dir)))  # before its files are read or anything is made
-        target = Path(os.path.abspath(config.paths.output_dir), "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}")
-        files: dict[str, bytes | None] = {}  # what the launcher writes before its first job, as it was (None: absent)
+        atomic.check_output_dir(
+            Path(str(config.paths.output_dir))
+        )  # before its files are read or anything is made
+        target = Path(
+            os.path.abspath(config.paths.output_dir),
+            "sweeps",
+            f"{identity['name'] or 'sweep'}-{sweep_id}",
+        )
+        files: dict[
+            str, bytes | None
+        ] = {}  # what the launcher writes before its first job, as it was (None: absent)
         for name in ("sweep.json", "multirun.yaml", OPTUNA_DB):
             if not os.path.lexists(target / name):
                 files[name] = None
-            elif name != OPTUNA_DB:  # a study found there stays as it is, and so does a file that does not read
+            elif (
+                name != OPTUNA_DB
+            ):  # a study found there stays as it is, and so does a file that does not read
                 with contextlib.suppress(OSError):
                     files[name] = reading.read_bytes(target / name, 1 << 26)
         self.start = _Start(target, atomic.NewDirs(target), files)
@@ -231,23 +311,45 @@ class SweepCallback(Callback):
         given = ("hydra.sweeper.direction=", "++hydra.sweeper.direction=")
         if optuna and not any(o.startswith(given) for o in as_given(hydra.overrides.hydra)):
             with open_dict(hydra.sweeper):
-                hydra.sweeper.direction = direction  # what the jobs return is best-val's best: minimise or maximise
+                hydra.sweeper.direction = (
+                    direction  # what the jobs return is best-val's best: minimise or maximise
+                )
         try:
             previous = jsonio.read(directory / "sweep.json", 1 << 24)
         except (OSError, ValueError):
             previous = {}
-        started = previous.get("started") if isinstance(previous.get("started"), (int, float)) else time.time()
+        started = (
+            previous.get("started")
+            if isinstance(previous.get("started"), (int, float))
+            else time.time()
+        )
         offset = _optuna_study(hydra, sweeper, directory, sweep_id) if optuna else 0
-        self.sweep = {"id": sweep_id, "dir": str(directory), "name": identity["name"],
-                      "swept": swept(task, sweeper.get("params")), "direction": direction,
-                      "objective": config.get("optimized_metric") or (
-                          f"best/{best_val['monitor']}" if best_val else None),
-                      "launcher": str(hydra.launcher.get("_target_", "")), "sweeper": str(sweeper.get("_target_", "")),
-                      "overrides": task, "started": started, "status": "running", "pid": os.getpid(),
-                      "host": socket.gethostname(), "git_sha": git_info().get("git_sha"), "job_offset": offset}
+        self.sweep = {
+            "id": sweep_id,
+            "dir": str(directory),
+            "name": identity["name"],
+            "swept": swept(task, sweeper.get("params")),
+            "direction": direction,
+            "objective": config.get("optimized_metric")
+            or (f"best/{best_val['monitor']}" if best_val else None),
+            "launcher": str(hydra.launcher.get("_target_", "")),
+            "sweeper": str(sweeper.get("_target_", "")),
+            "overrides": task,
+            "started": started,
+            "status": "running",
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "git_sha": git_info().get("git_sha"),
+            "job_offset": offset,
+        }
         # the parent's experiment, also for a sweep tracked by none (reindex puts the parent beside its children)
-        self.sweep["experiment"] = experiment_name(str(config.get("name", "")), *(
-            str(OmegaConf.select(config, f"{g}._target_", default="")) for g in ("model", "data")))
+        self.sweep["experiment"] = experiment_name(
+            str(config.get("name", "")),
+            *(
+                str(OmegaConf.select(config, f"{g}._target_", default=""))
+                for g in ("model", "data")
+            ),
+        )
         self.sweep.update(self.parent.facts(timeout=STORE_WAIT))
         atomic.replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
         self.launcher_pid = os.getpid()
@@ -280,14 +382,25 @@ class SweepCallback(Callback):
         print(*summary["table"], sep="\n", file=sys.stderr)
         failed = summary["failed"]
         if summary["status"] == "interrupted":
-            said = f"{len(failed)} of {len(summary['jobs'])} jobs did not finish" if summary["jobs"] else "no job ran"
-            print(f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it",
-                  file=sys.stderr)
+            said = (
+                f"{len(failed)} of {len(summary['jobs'])} jobs did not finish"
+                if summary["jobs"]
+                else "no job ran"
+            )
+            print(
+                f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it",
+                file=sys.stderr,
+            )
             raise SystemExit(EXIT_PREEMPTED)
         if failed:
-            listing = "; ".join(f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
-                                for n, j in failed.items())
-            print(f"pipeline: {len(failed)} of {len(summary['jobs'])} jobs failed: {listing}", file=sys.stderr)
+            listing = "; ".join(
+                f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
+                for n, j in failed.items()
+            )
+            print(
+                f"pipeline: {len(failed)} of {len(summary['jobs'])} jobs failed: {listing}",
+                file=sys.stderr,
+            )
             raise SystemExit(min(int(j.get("code", 1)) for j in failed.values()))
 
     # --- the entry point, when the sweeper or Hydra raised in the launching process
@@ -325,12 +438,19 @@ class SweepCallback(Callback):
             sweep = jsonio.read(Path(self.sweep["dir"]) / "sweep.json", 1 << 24)
         except (OSError, ValueError):
             return False
-        if (sweep.get("pid"), sweep.get("host"), sweep.get("status")) != (os.getpid(), socket.gethostname(),
-                                                                          "running"):
+        if (sweep.get("pid"), sweep.get("host"), sweep.get("status")) != (
+            os.getpid(),
+            socket.gethostname(),
+            "running",
+        ):
             return False
         summary = end(sweep, error, self.parent)
-        if summary["status"] == "interrupted" or summary["failed"]:  # what its sweeper stumbled on (Optuna's best
-            self._report(summary)  # trial, when none completed): the table, the jobs' failures and their code
+        if (
+            summary["status"] == "interrupted" or summary["failed"]
+        ):  # what its sweeper stumbled on (Optuna's best
+            self._report(
+                summary
+            )  # trial, when none completed): the table, the jobs' failures and their code
         return True
 
 
@@ -342,8 +462,9 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
     # its new ones (from job_offset) decide whether the sweep still has work for a re-run
     launched = {n: j for n, j in jobs.items() if n >= int(sweep.get("job_offset") or 0)}
     failed = {n: j for n, j in launched.items() if j.get("status") != "complete"}
-    interrupted = SIGNALS_STATE.received is not None or any(j.get("code") == EXIT_PREEMPTED
-                                                            for j in launched.values())
+    interrupted = SIGNALS_STATE.received is not None or any(
+        j.get("code") == EXIT_PREEMPTED for j in launched.values()
+    )
     status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
     sweep.update(status=status, ended_at=time.time(), error=error)
     atomic.replace_file(directory / "sweep.json", jsonio.dumps(sweep))
@@ -354,8 +475,10 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
 def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
     """Point the Optuna sweeper at a study in the sweep directory (unless the command names one), asking only for
     the trials it lacks; returns how many it holds: the first new trial's (and job's) number."""
-    storage = sweeper.get("storage") or {"_target_": "pipeline.sweep.optuna_storage.storage",
-                                         "url": f"sqlite:///{directory / OPTUNA_DB}"}
+    storage = sweeper.get("storage") or {
+        "_target_": "pipeline.sweep.optuna_storage.storage",
+        "url": f"sqlite:///{directory / OPTUNA_DB}",
+    }
     name = sweeper.get("study_name") or sweep_id
     done = held = 0
     if sweeper.get("storage") or (directory / OPTUNA_DB).exists():
@@ -363,7 +486,9 @@ def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         try:
-            trials = optuna.load_study(study_name=name, storage=instantiate(storage)).get_trials(deepcopy=False)
+            trials = optuna.load_study(study_name=name, storage=instantiate(storage)).get_trials(
+                deepcopy=False
+            )
         except KeyError:  # no such study in that storage yet
             trials = []
         held = len(trials)
@@ -373,6 +498,8 @@ def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
         if isinstance(sweeper.get("n_trials"), int):
             hydra.sweeper.n_trials = max(0, sweeper["n_trials"] - done)
         seed = (sweeper.get("sampler") or {}).get("seed")
-        if held and type(seed) is int:  # seeded as at the start, it would ask for the trials it began with again
+        if (
+            held and type(seed) is int
+        ):  # seeded as at the start, it would ask for the trials it began with again
             hydra.sweeper.sampler.seed = seed + held
     return held

@@ -1,4 +1,5 @@
 """The table a sweep ends with (docs/tracking.md: Sweeps): a pure function of sweep.json and jobs/*.json."""
+
 from __future__ import annotations
 
 import logging
@@ -12,7 +13,9 @@ from pipeline.run.report import run_page
 
 log = logging.getLogger("pipeline")
 
-MAX_ROWS = 12  # with the header, the best and the parent lines: under 20 lines whatever the sweep's size
+MAX_ROWS = (
+    12  # with the header, the best and the parent lines: under 20 lines whatever the sweep's size
+)
 MAX_CELL = 24  # a swept value wider than this is cut (the job's run name has it whole)
 
 
@@ -30,24 +33,30 @@ class SweepRecordError(ValueError):
 
 
 def direction(sweep: dict) -> str:
-    """"minimize" or "maximize", as the sweep's start recorded it in sweep.json (from best-val's mode): every
+    """ "minimize" or "maximize", as the sweep's start recorded it in sweep.json (from best-val's mode): every
     record has said it since sweep.json exists, so one without it is refused, never read as a guess."""
     value = sweep.get("direction")
     if value not in ("minimize", "maximize"):
-        raise SweepRecordError(f"{Path(str(sweep.get('dir', '.'))) / 'sweep.json'}: direction={value!r}: not "
-                               "minimize or maximize (the sweep's start records it; re-run the sweep)")
+        raise SweepRecordError(
+            f"{Path(str(sweep.get('dir', '.'))) / 'sweep.json'}: direction={value!r}: not "
+            "minimize or maximize (the sweep's start records it; re-run the sweep)"
+        )
     return value
 
 
 def best_job(jobs: dict[int, dict], sweep: dict) -> dict | None:
     """The winner the end table marks and the parent's best.* tags name, by the sweep's direction; ties: the
     first job."""
-    scored = sorted((j for j in jobs.values() if finite(j.get("objective")) is not None), key=lambda j: j["num"])
+    scored = sorted(
+        (j for j in jobs.values() if finite(j.get("objective")) is not None), key=lambda j: j["num"]
+    )
     pick = min if direction(sweep) == "minimize" else max
     return pick(scored, key=lambda j: j["objective"]) if scored else None
 
 
-SHOWN_DIGITS = 4  # significant digits of a swept float in a run's name (mlflow's column cuts 18 to `0.0…`)
+SHOWN_DIGITS = (
+    4  # significant digits of a swept float in a run's name (mlflow's column cuts 18 to `0.0…`)
+)
 TABLE_DIGITS = 6  # ... and in the end table, as a job's own lines print its numbers (`:.6g`)
 _FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][+-]?\d+)")
 
@@ -58,7 +67,9 @@ def shown_value(value: str, digits: int = SHOWN_DIGITS) -> str:
     if not _FLOAT.fullmatch(value):
         return value
     short = f"{float(value):.{digits}g}"
-    return value if float(short) == float(value) else short  # `1.0` and `1e-4` stay as the user wrote them
+    return (
+        value if float(short) == float(value) else short
+    )  # `1.0` and `1e-4` stay as the user wrote them
 
 
 def parent_name(swept) -> str:
@@ -66,7 +77,9 @@ def parent_name(swept) -> str:
     share it)."""
     keys = list(swept)
     short = [k.rsplit(".", 1)[-1] for k in keys]
-    return " ".join(["×".join(s if short.count(s) == 1 else k for s, k in zip(short, keys)), "sweep"]).strip()
+    return " ".join(
+        ["×".join(s if short.count(s) == 1 else k for s, k in zip(short, keys)), "sweep"]
+    ).strip()
 
 
 def swept_values(overrides: list[str], keys) -> dict[str, str]:
@@ -79,40 +92,66 @@ def swept_values(overrides: list[str], keys) -> dict[str, str]:
     return out
 
 
-def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: list[str]) -> list[str]:
+def sweep_table(
+    sweep: dict, jobs: dict[int, dict], best: dict | None, parent: list[str]
+) -> list[str]:
     """The lines a sweep ends with: every job in job order if at most MAX_ROWS, else the best MAX_ROWS; `best` is
     the winning job's record (best_job, as the parent's best.* tags), `parent` where that run is."""
     keys = list(sweep.get("swept") or {})
     objective = str(sweep.get("objective") or "objective")
     minimize = direction(sweep) == "minimize"
     counts = Counter(str(j.get("status", "unknown")) for j in jobs.values())
-    tally = ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: (kv[0] != "complete", kv[0])))
-    lines = [f"sweep {sweep.get('name') or 'sweep'}-{sweep.get('id', '?')}: {len(jobs)} jobs"
-             + (f" ({tally})" if tally else "") + f", {objective} ({'min' if minimize else 'max'})"]
+    tally = ", ".join(
+        f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: (kv[0] != "complete", kv[0]))
+    )
+    lines = [
+        f"sweep {sweep.get('name') or 'sweep'}-{sweep.get('id', '?')}: {len(jobs)} jobs"
+        + (f" ({tally})" if tally else "")
+        + f", {objective} ({'min' if minimize else 'max'})"
+    ]
     if not jobs:
         return [*lines, f"parent: {parent[0]}", *parent[1:]]
     shown = sorted(jobs.values(), key=lambda j: j["num"])
     if len(shown) > MAX_ROWS:  # rank: the scored ones best first, then the rest in job order
         sign = 1 if minimize else -1
-        shown.sort(key=lambda j: (finite(j.get("objective")) is None, sign * (finite(j.get("objective")) or 0.0),
-                                  j["num"]))
+        shown.sort(
+            key=lambda j: (
+                finite(j.get("objective")) is None,
+                sign * (finite(j.get("objective")) or 0.0),
+                j["num"],
+            )
+        )
         shown = shown[:MAX_ROWS]
     rows = [["job", *keys, objective, "status"]]
     for j in shown:
         values = swept_values(j.get("overrides") or [], keys)
         v = finite(j.get("objective"))
         cells = [shown_value(values.get(k, ""), TABLE_DIGITS) for k in keys]
-        rows.append([str(j["num"]), *(c if len(c) <= MAX_CELL else c[:MAX_CELL - 3] + "..." for c in cells),
-                     "-" if v is None else f"{v:.6g}", str(j.get("status", "unknown"))])
+        rows.append(
+            [
+                str(j["num"]),
+                *(c if len(c) <= MAX_CELL else c[: MAX_CELL - 3] + "..." for c in cells),
+                "-" if v is None else f"{v:.6g}",
+                str(j.get("status", "unknown")),
+            ]
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     numeric = {0, len(widths) - 2}  # the job number and the objective: right-aligned
     for r, row_job in zip(rows, [None, *shown]):  # the header row has no job
-        mark = "*" if row_job is not None and best is not None and row_job["num"] == best["num"] else " "
-        cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        mark = (
+            "*"
+            if row_job is not None and best is not None and row_job["num"] == best["num"]
+            else " "
+        )
+        cells = [
+            c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+        ]
         lines.append(f"  {mark} " + "  ".join(cells).rstrip())
     if len(jobs) > len(shown):
-        lines.append(f"  ... {len(jobs) - len(shown)} more jobs (the {len(shown)} best are shown; every job is "
-                     f"in {sweep.get('dir', 'the sweep directory')}/jobs/)")
+        lines.append(
+            f"  ... {len(jobs) - len(shown)} more jobs (the {len(shown)} best are shown; every job is "
+            f"in {sweep.get('dir', 'the sweep directory')}/jobs/)"
+        )
     if best is not None:
         where = run_page(best["run_uri"]) if best.get("run_uri") else best.get("run_dir") or ""
         lines.append(f"best: job {best['num']} ({best.get('name', '')}) {where}".rstrip())
@@ -129,6 +168,9 @@ def read_jobs(directory: Path) -> dict[int, dict]:
             record = jsonio.read(p, 1 << 20)
             out[int(record["num"])] = record
         except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("sweep job record %s left out: %s", p, str(e).removeprefix(f"{p}: ") or type(e).__name__)
+            log.warning(
+                "sweep job record %s left out: %s",
+                p,
+                str(e).removeprefix(f"{p}: ") or type(e).__name__,
+            )
     return out
-

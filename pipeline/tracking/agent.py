@@ -1,4 +1,5 @@
 """`python -m pipeline.tracking.agent --listen SOCKET`: the process that talks to mlflow for a machine's jobs."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,9 @@ MAX_PENDING = 1000  # metric points: one log_batch
 MAX_REQUEST = 112 << 20
 FLUSH_EVERY = 1.0  # seconds: each log_batch is a sqlite commit (an fsync); batching spares the disk
 GONE_WAIT = 120.0  # seconds a finished run waits for its job to leave before it is indexed anyway
-TRACE = bool(os.environ.get("PIPELINE_TRACKING_AGENT_TRACE"))  # each request's time, in the agent's log
+TRACE = bool(
+    os.environ.get("PIPELINE_TRACKING_AGENT_TRACE")
+)  # each request's time, in the agent's log
 T0 = time.monotonic()
 # Why a process, not a thread: `import mlflow` (~3 s) and opening a store (1-3 s) hold the GIL and would stall
 # training. The Agent imports them once main has bound the socket, so a job connects at once.
@@ -34,7 +37,9 @@ T0 = time.monotonic()
 def trace(what: str, started: float) -> None:
     if TRACE:
         now = time.monotonic()
-        print(f"[agent +{now - T0:7.3f} s] {what}: {now - started:.3f} s", file=sys.stderr, flush=True)
+        print(
+            f"[agent +{now - T0:7.3f} s] {what}: {now - started:.3f} s", file=sys.stderr, flush=True
+        )
 
 
 EOF = object()
@@ -86,6 +91,7 @@ class Agent:
             # imported minutes later, from a checkout changed meanwhile, would not match those already loaded
             # (an ImportError in sweep_end left parents RUNNING).
             from pipeline.tracking import common, index, store
+
             self.common, self.index, self.store = common, index, store
             trace("import mlflow", started)
         except BaseException as e:
@@ -93,8 +99,12 @@ class Agent:
             self.import_error = f"{type(e).__name__}: {e}"
         self.sessions: dict[tuple[int, Any], Session] = {}  # (connection, the request's sid)
         self.clients: dict[str, Opened] = {}  # uri -> its store, open
-        self.parents: dict[tuple[str, str], dict] = {}  # (uri, sweep id) -> its parent run, as made or found
-        self.finishing: list[tuple[Session, dict, float]] = []  # handed over, indexed once their job has gone
+        self.parents: dict[
+            tuple[str, str], dict
+        ] = {}  # (uri, sweep id) -> its parent run, as made or found
+        self.finishing: list[
+            tuple[Session, dict, float]
+        ] = []  # handed over, indexed once their job has gone
         self.waiters: list[tuple[Conn, object]] = []  # idle requests
 
     def parent_of(self, uri: str, ref: dict | None) -> dict | None:
@@ -106,7 +116,10 @@ class Agent:
             found = self.store.find_parent(self.client(uri), sweep_id)
             if found is None:
                 return None
-            self.parents[uri, sweep_id] = {"run_id": found.info.run_id, "experiment_id": found.info.experiment_id}
+            self.parents[uri, sweep_id] = {
+                "run_id": found.info.run_id,
+                "experiment_id": found.info.experiment_id,
+            }
         return self.parents[uri, sweep_id]
 
     def fail(self, s: Session, e: BaseException | str) -> None:
@@ -124,10 +137,15 @@ class Agent:
         replaced: `rm -rf outputs`, a rebuild), whose connections would write to a deleted file."""
         have = self.clients.get(uri)
         if have is not None and have.file != _file_of(uri):
-            print(f"tracking agent: the mlflow store {uri} was removed or replaced since it was opened: opened anew",
-                  file=sys.stderr, flush=True)
+            print(
+                f"tracking agent: the mlflow store {uri} was removed or replaced since it was opened: opened anew",
+                file=sys.stderr,
+                flush=True,
+            )
             self.store.forget_store(uri)
-            self.parents = {k: v for k, v in self.parents.items() if k[0] != uri}  # runs of the old store
+            self.parents = {
+                k: v for k, v in self.parents.items() if k[0] != uri
+            }  # runs of the old store
             del self.clients[uri]
             have = None
         if have is None:
@@ -153,9 +171,17 @@ class Agent:
         tags = {**m["tags"], **({"mlflow.parentRunId": parent["run_id"]} if parent else {})}
         experiment = parent["experiment_id"] if parent else None
         run, tags, _ = self.index.open_run(
-            client, m["run_dir"], [prev_id] if prev_id and prev_uri in (None, uri) else [], tags, m.get("start_time"),
-            lambda: experiment or self.store.ensure_experiment(client, m["experiment"], m.get("artifact_location")),
-            {"continued_from": previous} if previous else None)  # a fork, or a run indexed in another store
+            client,
+            m["run_dir"],
+            [prev_id] if prev_id and prev_uri in (None, uri) else [],
+            tags,
+            m.get("start_time"),
+            lambda: (
+                experiment
+                or self.store.ensure_experiment(client, m["experiment"], m.get("artifact_location"))
+            ),
+            {"continued_from": previous} if previous else None,
+        )  # a fork, or a run indexed in another store
         s.logged = self.store.logged_steps(client, run.info.run_id, run.data.metrics.keys())
         if run.info.status != "RUNNING":
             client.update_run(run.info.run_id, status="RUNNING")
@@ -163,12 +189,22 @@ class Agent:
         self.store.sync_params(client, run, m["params"])
         s.run_id = run.info.run_id
         s.repo = self.store.artifact_repo(client, s.run_id)
-        s.conn.send({"sid": s.sid, "event": "ready", "run_id": s.run_id, "experiment_id": run.info.experiment_id,
-                     "uri": self.common.run_uri(uri, run.info.experiment_id, s.run_id), **self.warned(uri)})
+        s.conn.send(
+            {
+                "sid": s.sid,
+                "event": "ready",
+                "run_id": s.run_id,
+                "experiment_id": run.info.experiment_id,
+                "uri": self.common.run_uri(uri, run.info.experiment_id, s.run_id),
+                **self.warned(uri),
+            }
+        )
 
     def metrics(self, s: Session, m: dict) -> None:
         for line in m["lines"]:
-            s.pending += [p for p in self.common.metric_points(line) if (p[0], p[3]) not in s.logged]
+            s.pending += [
+                p for p in self.common.metric_points(line) if (p[0], p[3]) not in s.logged
+            ]
         if len(s.pending) >= MAX_PENDING:
             self.flush(s)
 
@@ -192,14 +228,24 @@ class Agent:
         status, then artifacts."""
         waiting, done = [], []
         for s, m, deadline in self.finishing:
-            if Path(m["run_dir"]).resolve() != complete and _held_by(Path(m["run_dir"]), m.get("pid")) \
-                    and time.monotonic() < deadline:
+            if (
+                Path(m["run_dir"]).resolve() != complete
+                and _held_by(Path(m["run_dir"]), m.get("pid"))
+                and time.monotonic() < deadline
+            ):
                 waiting.append((s, m, deadline))
                 continue
             started = time.monotonic()
             try:
-                r = self.index.sync_run(s.client, s.uri, Path(m["run_dir"]), self.clients[s.uri].artifact_root,
-                                        s.parent, m.get("job"), artifacts=False)
+                r = self.index.sync_run(
+                    s.client,
+                    s.uri,
+                    Path(m["run_dir"]),
+                    self.clients[s.uri].artifact_root,
+                    s.parent,
+                    m.get("job"),
+                    artifacts=False,
+                )
                 done.append((s, m, r))
             except Exception as e:
                 self.fail(s, e)
@@ -221,15 +267,23 @@ class Agent:
             self.finish_gone(complete=Path(m["run_dir"]).resolve())
         client = self.client(m["uri"], m.get("artifact_location"))
         parent, job = self.parent_of(m["uri"], m.get("parent")), m.get("job") or {}
-        r = self.index.index_job(client, m["uri"], Path(m["run_dir"]), m.get("artifact_location"), parent, job)
-        uri = self.common.run_uri(m["uri"], r["experiment_id"], r["run_id"]) if "run_id" in r else None
+        r = self.index.index_job(
+            client, m["uri"], Path(m["run_dir"]), m.get("artifact_location"), parent, job
+        )
+        uri = (
+            self.common.run_uri(m["uri"], r["experiment_id"], r["run_id"])
+            if "run_id" in r
+            else None
+        )
         s.conn.send({"sid": s.sid, "event": "finished", "uri": uri})
 
     # --- a sweep's parent run
     def parent_start(self, s: Session, m: dict) -> None:
         """The sweep's parent, made from its sweep.json by the code reindex uses (pipeline/tracking/index.py)."""
         client = self.client(m["uri"], m.get("artifact_location"))
-        run, created = self.index.open_parent(client, Path(m["sweep_dir"]), m.get("artifact_location"))
+        run, created = self.index.open_parent(
+            client, Path(m["sweep_dir"]), m.get("artifact_location")
+        )
         if not created:  # the same sweep again: its parent goes on
             client.update_run(run.info.run_id, status="RUNNING")
         ids = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
@@ -239,10 +293,23 @@ class Agent:
 
     def sweep_end(self, s: Session, m: dict) -> None:
         client = self.client(m["uri"])
-        r = self.index.sync_parent(client, m["uri"], Path(m["sweep_dir"]), self.clients[m["uri"]].artifact_root,
-                                   self.parent_of(m["uri"], m["parent"]), children=False)
-        s.conn.send({"sid": s.sid, "event": "finished", "status": r["status"], "children": r["children"],
-                     "uri": self.common.run_uri(m["uri"], r["experiment_id"], r["run_id"])})
+        r = self.index.sync_parent(
+            client,
+            m["uri"],
+            Path(m["sweep_dir"]),
+            self.clients[m["uri"]].artifact_root,
+            self.parent_of(m["uri"], m["parent"]),
+            children=False,
+        )
+        s.conn.send(
+            {
+                "sid": s.sid,
+                "event": "finished",
+                "status": r["status"],
+                "children": r["children"],
+                "uri": self.common.run_uri(m["uri"], r["experiment_id"], r["run_id"]),
+            }
+        )
 
     def ping(self, s: Session, m: dict) -> None:
         self.client(m["uri"], m.get("artifact_location"))
@@ -287,7 +354,9 @@ class Agent:
                 continue
             try:
                 self.flush(s)
-                s.client.set_tag(s.run_id, "ended", "the training process exited without finishing the run")
+                s.client.set_tag(
+                    s.run_id, "ended", "the training process exited without finishing the run"
+                )
                 s.client.set_terminated(s.run_id, status="FAILED", end_time=int(time.time() * 1000))
             except Exception as e:
                 traceback.print_exception(e, file=sys.stderr)
@@ -321,7 +390,9 @@ class Agent:
                     self.handle(conn, m)
             if self.finishing:
                 self.finish_gone()
-            if time.monotonic() - last_flush >= FLUSH_EVERY:  # metrics go in batches, at most once a second
+            if (
+                time.monotonic() - last_flush >= FLUSH_EVERY
+            ):  # metrics go in batches, at most once a second
                 for s in list(self.sessions.values()):
                     try:
                         self.flush(s)
@@ -338,7 +409,9 @@ class Agent:
 class Opened(NamedTuple):
     client: Any  # its MlflowClient
     artifact_root: str | None
-    file: tuple[int, int] | None  # a sqlite store's file as opened (device, inode); None for any other store
+    file: (
+        tuple[int, int] | None
+    )  # a sqlite store's file as opened (device, inode); None for any other store
     warning: str | None  # sharing.check_shared's, said to each job that uses the store
 
 
@@ -363,7 +436,9 @@ def _held_by(run_dir: Path, pid: int | None) -> bool:
     if not rundir.in_use():
         return False
     try:
-        holder = reading.read_bytes(rundir.lock_path, 64).decode(errors="replace").strip()  # no link, FIFO
+        holder = (
+            reading.read_bytes(rundir.lock_path, 64).decode(errors="replace").strip()
+        )  # no link, FIFO
     except OSError:
         return False
     return holder in ("", str(pid))  # "": a new holder not yet claimed, or the job before its claim
@@ -397,8 +472,12 @@ def _accept(server: socket.socket, inbox: queue.Queue, clients: set) -> None:
         except OSError:
             pid, uid = None, None
         if uid != os.getuid():
-            print(f"tracking agent: refused a client (pid {pid}, uid {uid}): it does not run as this agent's user "
-                  f"(uid {os.getuid()})", file=sys.stderr, flush=True)
+            print(
+                f"tracking agent: refused a client (pid {pid}, uid {uid}): it does not run as this agent's user "
+                f"(uid {os.getuid()})",
+                file=sys.stderr,
+                flush=True,
+            )
             sock.close()
             continue
         conn = Conn(cid, sock)
@@ -410,13 +489,17 @@ def _accept(server: socket.socket, inbox: queue.Queue, clients: set) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--listen", required=True, help="the Unix socket to serve")
-    parser.add_argument("--idle", type=float, default=300.0, help="exit after this many seconds without clients")
+    parser.add_argument(
+        "--idle", type=float, default=300.0, help="exit after this many seconds without clients"
+    )
     args = parser.parse_args(argv)
     # Signals meant for jobs (Ctrl-C, SLURM's SIGTERM) must not cut a flush short: the agent ends when idle.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     try:
-        private_dir(Path(args.listen).parent)  # the job checked it; so does the agent, before it binds there
+        private_dir(
+            Path(args.listen).parent
+        )  # the job checked it; so does the agent, before it binds there
     except OSError as e:
         print(f"tracking agent: {e.strerror or e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_ERROR)
@@ -429,7 +512,9 @@ def main(argv: list[str] | None = None) -> None:
     clients: set = set()
     threading.Thread(target=_accept, args=(server, inbox, clients), daemon=True).start()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    time.sleep(float(os.environ.get("PIPELINE_TRACKING_AGENT_DELAY", "0") or 0))  # a test hook: a slow agent
+    time.sleep(
+        float(os.environ.get("PIPELINE_TRACKING_AGENT_DELAY", "0") or 0)
+    )  # a test hook: a slow agent
     agent = Agent()
     for name in ("alembic", "mlflow", "sqlalchemy"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -1,4 +1,5 @@
 """What the tracker, the agent, the index, reindex and register share; imports nothing heavy (no mlflow)."""
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def parse_run_uri(uri: str | None) -> tuple[str | None, str | None, str | None]:
     if not uri or not isinstance(uri, str):
         return None, None, None
     if uri.startswith("runs:/"):
-        rid = uri[len("runs:/"):].split("/")[0]
+        rid = uri[len("runs:/") :].split("/")[0]
         return None, None, rid or None
     if re.fullmatch(r"[0-9a-fA-F]{32}", uri):
         return None, None, uri
@@ -51,7 +52,7 @@ def normalize_tracking_uri(uri: str) -> str:
     uri = str(uri).strip()
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        path = uri[len(prefix):]
+        path = uri[len(prefix) :]
         if path and path != ":memory:":
             return prefix + str(Path(path).resolve())
     return uri
@@ -59,7 +60,7 @@ def normalize_tracking_uri(uri: str) -> str:
 
 def sqlite_path(uri: str) -> Path | None:
     if uri.startswith("sqlite:///") and "?" not in uri:
-        path = uri[len("sqlite:///"):]
+        path = uri[len("sqlite:///") :]
         return Path(path) if path and path != ":memory:" else None
     return None
 
@@ -75,11 +76,15 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
         try:
             db.parent.mkdir(parents=True, exist_ok=True)  # the agent would make it too
             if db.exists():
-                with reading.open_file(db, follow=True) as f:  # a FIFO or device is refused, never waited on
+                with reading.open_file(
+                    db, follow=True
+                ) as f:  # a FIFO or device is refused, never waited on
                     head = f.read(len(SQLITE_HEADER))
                 if head and head != SQLITE_HEADER:
-                    return (f"the mlflow store {db} cannot be opened: it is not a sqlite database (move it aside "
-                            "and rebuild it from the manifests: python -m pipeline.reindex --rebuild)")
+                    return (
+                        f"the mlflow store {db} cannot be opened: it is not a sqlite database (move it aside "
+                        "and rebuild it from the manifests: python -m pipeline.reindex --rebuild)"
+                    )
             if not os.access(db.parent, os.W_OK):
                 return f"the mlflow store {db} cannot be written: {db.parent} is not writable"
         except OSError as e:
@@ -91,12 +96,16 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
         import urllib.request
 
         try:  # any API path: the server checks the Host header before it routes
-            urllib.request.urlopen(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search?max_results=1",
-                                   timeout=timeout).close()
+            urllib.request.urlopen(
+                f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search?max_results=1",
+                timeout=timeout,
+            ).close()
         except urllib.error.HTTPError as e:
             with e:
                 said = e.read(4096).decode(errors="replace") if e.code == 403 else ""
-            return host_refused(uri) if INVALID_HOST in said else None  # else (auth, ...): the agent finds out
+            return (
+                host_refused(uri) if INVALID_HOST in said else None
+            )  # else (auth, ...): the agent finds out
         except urllib.error.URLError as e:
             if isinstance(e.reason, (ConnectionRefusedError, socket.gaierror)):
                 return f"the mlflow tracking server {uri} cannot be reached: {e.reason.strerror or e.reason}"
@@ -112,8 +121,10 @@ def host_refused(uri: str) -> str:
     """A server that refuses the host name it is reached by, and the fix (mlflow >= 3.5 accepts only localhost and
     private addresses unless told)."""
     netloc = urlsplit(uri).netloc.rpartition("@")[2]
-    return (f"the mlflow tracking server {uri} refuses the host name {netloc} (403: {INVALID_HOST}): start it with "
-            f"`mlflow server ... --allowed-hosts {netloc}` (docs/tracking.md: Team setup)")
+    return (
+        f"the mlflow tracking server {uri} refuses the host name {netloc} (403: {INVALID_HOST}): start it with "
+        f"`mlflow server ... --allowed-hosts {netloc}` (docs/tracking.md: Team setup)"
+    )
 
 
 # Stores whose client writes the artifacts itself (a database or a directory): the caller says where.
@@ -126,15 +137,22 @@ def artifact_root(uri: str, location: str | None = None) -> str | None:
     None for a tracking server (it chooses); else `location` as an absolute URI, or the sqlite DB's directory's
     `mlartifacts`, never the working directory."""
     scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9.-]*)(\+[a-zA-Z0-9.-]*)?:", str(uri))
-    if str(uri).startswith("databricks") or (scheme is not None and len(scheme.group(1)) > 1 and
-                                             scheme.group(1).lower() not in _CLIENT_SIDE_STORES):
+    if str(uri).startswith("databricks") or (
+        scheme is not None
+        and len(scheme.group(1)) > 1
+        and scheme.group(1).lower() not in _CLIENT_SIDE_STORES
+    ):
         return None  # (a one-letter scheme is a Windows drive: a local path)
     db = sqlite_path(str(uri))
     location = str(location or (db.parent / "mlartifacts" if db is not None else ""))
     if not location:
         return None
     # a local directory becomes an absolute file: URI; a URI (s3://, mlflow-artifacts:, file:) is kept
-    return location if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", location) else Path(location).resolve().as_uri()
+    return (
+        location
+        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", location)
+        else Path(location).resolve().as_uri()
+    )
 
 
 def default_uri(output_dir: str | Path) -> str:
@@ -143,13 +161,15 @@ def default_uri(output_dir: str | Path) -> str:
 
 def param_value(v) -> str:
     s = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
-    return s if len(s) <= MAX_PARAM_VALUE else s[:MAX_PARAM_VALUE - 15] + "...[truncated]"
+    return s if len(s) <= MAX_PARAM_VALUE else s[: MAX_PARAM_VALUE - 15] + "...[truncated]"
 
 
 # The few machine keys worth a `config.<key>` tag (what a person filters on: which file, resumed from
 # where, on how many threads, under which time limit); the rest is in the run's .hydra/config.yaml artifact.
 MACHINE_TAGS = ("resume.source", "data.path", "trainer.threads", "trainer.max_time")
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"  # mlflow 3's marking of an experiment's kind (its UI's selector)
+EXPERIMENT_KIND_TAG = (
+    "mlflow.experimentKind"  # mlflow 3's marking of an experiment's kind (its UI's selector)
+)
 EXPERIMENT_KIND = "custom_model_development"  # "Machine learning": runs, not GenAI traces
 
 
@@ -171,22 +191,48 @@ def experiment_of(config: dict) -> str:
     """The mlflow experiment a run's config reports to: its tracking.experiment, or (a config tracked by none,
     indexed later) the name tracking=mlflow would have given it (identity.experiment_name)."""
     tracked = (config.get("tracking") or {}).get("experiment")
-    return str(tracked) if tracked else experiment_name(str(config.get("name") or "default"),
-                                                        (config.get("model") or {}).get("_target_", ""),
-                                                        (config.get("data") or {}).get("_target_", ""))
+    return (
+        str(tracked)
+        if tracked
+        else experiment_name(
+            str(config.get("name") or "default"),
+            (config.get("model") or {}).get("_target_", ""),
+            (config.get("data") or {}).get("_target_", ""),
+        )
+    )
 
 
-def tags_of(facts: dict, run_dir: str | Path, status: dict | None = None, job: dict | None = None) -> dict[str, str]:
+def tags_of(
+    facts: dict, run_dir: str | Path, status: dict | None = None, job: dict | None = None
+) -> dict[str, str]:
     """The run-level facts as tags (what a person filters on): the manifest's, MACHINE_TAGS, resumes, sweep job."""
     config = facts.get("config") or {}
     flat = flatten(config)
-    tags = {"run_dir": str(Path(run_dir).resolve()), "experiment": str(config.get("name", "")),
-            **{k: facts.get(k) for k in ("config_hash", "semantic_config_hash", "data_manifest_hash", "git_sha",
-                                         "git_dirty", "seed")},
-            "model.parameters": facts.get("n_params"), "mlflow.runName": (job or {}).get("name") or Path(run_dir).name,
-            "mlflow.source.name": "pipeline", "mlflow.source.type": "LOCAL",
-            # `config.<key>` for the MACHINE_TAGS the config sets (null and `auto` say nothing): never a param
-            **{f"config.{k}": flat[k] for k in MACHINE_TAGS if k in flat and flat[k] not in (None, "auto", "")}}
+    tags = {
+        "run_dir": str(Path(run_dir).resolve()),
+        "experiment": str(config.get("name", "")),
+        **{
+            k: facts.get(k)
+            for k in (
+                "config_hash",
+                "semantic_config_hash",
+                "data_manifest_hash",
+                "git_sha",
+                "git_dirty",
+                "seed",
+            )
+        },
+        "model.parameters": facts.get("n_params"),
+        "mlflow.runName": (job or {}).get("name") or Path(run_dir).name,
+        "mlflow.source.name": "pipeline",
+        "mlflow.source.type": "LOCAL",
+        # `config.<key>` for the MACHINE_TAGS the config sets (null and `auto` say nothing): never a param
+        **{
+            f"config.{k}": flat[k]
+            for k in MACHINE_TAGS
+            if k in flat and flat[k] not in (None, "auto", "")
+        },
+    }
     if facts.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = facts["git_sha"]
     if facts.get("allowed_changes"):
@@ -196,17 +242,25 @@ def tags_of(facts: dict, run_dir: str | Path, status: dict | None = None, job: d
         tags["resumes"] = len(resumes)
         tags.update({f"resume.{i}": r.get("step") for i, r in enumerate(resumes, start=1)})
     if job:
-        tags.update({"sweep.id": job.get("sweep_id"), "sweep.job_num": job.get("num"),
-                     "sweep.job_overrides": " ".join(job.get("overrides") or [])})
+        tags.update(
+            {
+                "sweep.id": job.get("sweep_id"),
+                "sweep.job_num": job.get("num"),
+                "sweep.job_overrides": " ".join(job.get("overrides") or []),
+            }
+        )
     return {k: tag_value(v) for k, v in tags.items() if v is not None}
 
 
 def metric_points(line: dict) -> list[tuple[str, float, int, int]]:
     """(key, value, timestamp ms, step) for every metric of one metrics.jsonl line."""
     ts, step = int(float(line.get("time", 0.0)) * 1000), int(line["step"])
-    return [(k, float(NON_FINITE.get(v, v)) if isinstance(v, str) else float(v), ts, step) for k, v in line.items()
-            if k not in NON_METRIC_KEYS
-            and ((isinstance(v, (int, float)) and not isinstance(v, bool)) or v in NON_FINITE)]
+    return [
+        (k, float(NON_FINITE.get(v, v)) if isinstance(v, str) else float(v), ts, step)
+        for k, v in line.items()
+        if k not in NON_METRIC_KEYS
+        and ((isinstance(v, (int, float)) and not isinstance(v, bool)) or v in NON_FINITE)
+    ]
 
 
 def is_mlflow_tracking(tracking) -> bool:

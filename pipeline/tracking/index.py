@@ -1,4 +1,5 @@
 """A run directory (or a sweep) into the mlflow index from the disk, the truth: for the agent and reindex alike."""
+
 from __future__ import annotations
 
 import contextlib
@@ -59,15 +60,29 @@ def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
     return out
 
 
-def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None = None,
-             job: dict | None = None, artifacts: bool = True) -> dict:
+def sync_run(
+    client,
+    uri: str,
+    run_dir: Path,
+    artifact_root: str | None,
+    parent: dict | None = None,
+    job: dict | None = None,
+    artifacts: bool = True,
+) -> dict:
     """Make the mlflow run of `run_dir` hold everything the directory does (under `parent` unless under another
     already; with a sweep `job`'s tags): artifacts last, or left to sync_artifacts; returns what was added."""
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
     damaged: list[str] = []
-    added: dict[str, Any] = {"created": 0, "params": 0, "tags": 0, "points": 0, "artifacts": 0, "status": 0,
-                             "damaged": damaged}
+    added: dict[str, Any] = {
+        "created": 0,
+        "params": 0,
+        "tags": 0,
+        "points": 0,
+        "artifacts": 0,
+        "status": 0,
+        "damaged": damaged,
+    }
     found = manifests(rundir, damaged)
     if not found:
         return {**added, "skipped": "no checkpoint manifest"}
@@ -85,8 +100,14 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     if parent is not None:
         tags["mlflow.parentRunId"] = parent["run_id"]
     started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
-    run, tags, created = open_run(client, str(run_dir), candidates, tags, started, lambda: store.ensure_experiment(
-        client, str(common.experiment_of(config)), artifact_root))
+    run, tags, created = open_run(
+        client,
+        str(run_dir),
+        candidates,
+        tags,
+        started,
+        lambda: store.ensure_experiment(client, str(common.experiment_of(config)), artifact_root),
+    )
     added["created"] = int(created)
     run_id = run.info.run_id
     added["params"] = store.sync_params(client, run, common.params_of(config))
@@ -98,16 +119,24 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
     # The best is the run's result: logged once it has ended for good, never from a preempted segment (a resumed
     # run's index would keep that segment's best beside the final one, which a rebuild from disk cannot know).
     best = best_metrics(found[-1][0]) if status.get("status") != "preempted" else {}
-    when = {p[3]: p[2] for p in latest.values()}  # step -> its metrics.jsonl time: the same in every rebuild
+    when = {
+        p[3]: p[2] for p in latest.values()
+    }  # step -> its metrics.jsonl time: the same in every rebuild
     for key, (value, step) in best.items():
         latest[(key, step)] = (key, value, when.get(step, 0), step)
     if best:
         step = next(iter(best.values()))[1]
         latest[("best/step", step)] = ("best/step", float(step), when.get(step, 0), step)
     logged = store.logged_steps(client, run_id, {k for k, _ in latest})
-    added["points"] = store.log_points(client, run_id, [p for key, p in latest.items() if key not in logged])
-    name = str(status.get("status"))  # "running" with nobody in the run directory: the process died running
-    mstatus = "FAILED" if name == "running" and not rundir.in_use() else STATUS_OF_RUN_JSON.get(name)
+    added["points"] = store.log_points(
+        client, run_id, [p for key, p in latest.items() if key not in logged]
+    )
+    name = str(
+        status.get("status")
+    )  # "running" with nobody in the run directory: the process died running
+    mstatus = (
+        "FAILED" if name == "running" and not rundir.in_use() else STATUS_OF_RUN_JSON.get(name)
+    )
     if mstatus and client.get_run(run_id).info.status != mstatus:
         end = status.get("ended_at") or status.get("updated") or run_dir.stat().st_mtime
         client.set_terminated(run_id, status=mstatus, end_time=int(end * 1000))
@@ -119,19 +148,37 @@ def sync_run(client, uri: str, run_dir: Path, artifact_root: str | None, parent:
         record_run_uri(rundir, common.run_uri(uri, run.info.experiment_id, run_id))
     if artifacts:
         added["artifacts"] = sync_artifacts(client, run_id, run_dir, found, lines)
-    return {**added, "run_id": run_id, "experiment_id": run.info.experiment_id, "status_now": mstatus}
+    return {
+        **added,
+        "run_id": run_id,
+        "experiment_id": run.info.experiment_id,
+        "status_now": mstatus,
+    }
 
 
-def open_run(client, run_dir: str, candidates: list[str], tags: dict[str, str], started: float | None,
-             experiment_id: Callable[[], str], created_tags: dict[str, str] | None = None) -> tuple[Any, dict, bool]:
+def open_run(
+    client,
+    run_dir: str,
+    candidates: list[str],
+    tags: dict[str, str],
+    started: float | None,
+    experiment_id: Callable[[], str],
+    created_tags: dict[str, str] | None = None,
+) -> tuple[Any, dict, bool]:
     """(the run indexing `run_dir`, the tags it is to hold, whether it is new): found by store.find_run, else
     created in experiment_id() with `created_tags` too. A run under another sweep's parent stays with its first
     sweep, and that sweep's job name and number: the live index and a rebuild from disk say the same."""
     run = store.find_run(client, run_dir, candidates)
     if run is None:
-        return store.create_run(client, experiment_id(), {**tags, **(created_tags or {})}, started), tags, True
+        return (
+            store.create_run(client, experiment_id(), {**tags, **(created_tags or {})}, started),
+            tags,
+            True,
+        )
     if run.data.tags.get("mlflow.parentRunId") not in (None, tags.get("mlflow.parentRunId")):
-        tags = {k: v for k, v in tags.items() if not k.startswith("sweep.") and k != "mlflow.runName"}
+        tags = {
+            k: v for k, v in tags.items() if not k.startswith("sweep.") and k != "mlflow.runName"
+        }
         tags["mlflow.parentRunId"] = run.data.tags["mlflow.parentRunId"]
     return run, tags, False
 
@@ -155,7 +202,9 @@ def record_run_uri(rundir: RunDir, uri: str) -> bool:
     return True
 
 
-def sync_artifacts(client, run_id: str, run_dir: Path, found: list | None = None, lines: list | None = None) -> int:
+def sync_artifacts(
+    client, run_id: str, run_dir: Path, found: list | None = None, lines: list | None = None
+) -> int:
     """The artifacts part of sync_run (for the agent, once sync_run(artifacts=False) has done the rest)."""
     rundir = RunDir(Path(run_dir).resolve())
     found = manifests(rundir) if found is None else found
@@ -173,7 +222,10 @@ def sync_artifacts(client, run_id: str, run_dir: Path, found: list | None = None
                 todo.append((f"final/{weights.name}", weights))
         except (OSError, CheckpointError):
             continue  # a damaged checkpoint: reindex names it
-    todo += [(f"hydra/{p.name}", p) for p in (rundir.hydra_dir / "config.yaml", rundir.hydra_dir / "overrides.yaml")]
+    todo += [
+        (f"hydra/{p.name}", p)
+        for p in (rundir.hydra_dir / "config.yaml", rundir.hydra_dir / "overrides.yaml")
+    ]
     todo.append((rundir.log_path.name, rundir.log_path))
     if (png := curves_png(rundir, rundir.read_metrics() if lines is None else lines)) is not None:
         todo.append((common.CURVES_ARTIFACT, png))
@@ -181,8 +233,12 @@ def sync_artifacts(client, run_id: str, run_dir: Path, found: list | None = None
     # the index too (a rebuild from disk never sees it; the run's resume.N tags keep where each resume started).
     # A damaged one is still on disk: kept.
     kept = {d.name for _, d in rundir.store.steps()}
-    folder = rundir.store.root.relative_to(rundir.path).as_posix()  # the artifacts mirror the run's layout
-    for name in sorted({a.split("/")[1] for a in have if a.startswith(f"{folder}/") and a.count("/") == 2} - kept):
+    folder = rundir.store.root.relative_to(
+        rundir.path
+    ).as_posix()  # the artifacts mirror the run's layout
+    for name in sorted(
+        {a.split("/")[1] for a in have if a.startswith(f"{folder}/") and a.count("/") == 2} - kept
+    ):
         repo.delete_artifacts(f"{folder}/{name}")
     return log_changed(repo, have, todo)
 
@@ -196,12 +252,16 @@ def log_changed(repo, have: dict[str, int], todo: list[tuple[str, Path | bytes]]
             if not isinstance(source, bytes) and not stat.S_ISREG(source.stat().st_mode):
                 continue
             size = len(source) if isinstance(source, bytes) else source.stat().st_size
-            changed = have.get(artifact) != size or (size <= MAX_COMPARED_BYTES and
-                                                     store.artifact_bytes(repo, artifact, have) != _bytes_of(source))
+            changed = have.get(artifact) != size or (
+                size <= MAX_COMPARED_BYTES
+                and store.artifact_bytes(repo, artifact, have) != _bytes_of(source)
+            )
         except OSError:
             continue  # absent, or replaced since it was listed (a FIFO, a device, a file grown past the bound)
         if changed or (final_changed and artifact.startswith("final/")):
-            final_changed = final_changed or artifact.startswith("final/")  # the weights follow their manifest
+            final_changed = final_changed or artifact.startswith(
+                "final/"
+            )  # the weights follow their manifest
             store.log_file_as(repo, artifact, source)
             added += 1
     return added
@@ -216,9 +276,21 @@ def curves_png(rundir: RunDir, lines: list) -> bytes | None:
     return curves.draw(lines)  # the job's own drawing: the same lines give the same bytes
 
 
-SWEEP_STATUS = {"complete": "FINISHED", "failed": "FAILED", "interrupted": "KILLED", "running": "RUNNING"}
+SWEEP_STATUS = {
+    "complete": "FINISHED",
+    "failed": "FAILED",
+    "interrupted": "KILLED",
+    "running": "RUNNING",
+}
 # Parent tags that follow the jobs: removed when the disk no longer says them (a failure since re-run).
-DERIVED_PARENT_TAGS = ("sweep.failures", "best.job", "best.params", "best.value", "best.run_id", "ended")
+DERIVED_PARENT_TAGS = (
+    "sweep.failures",
+    "best.job",
+    "best.params",
+    "best.value",
+    "best.run_id",
+    "ended",
+)
 
 
 def read_sweep(sweep_dir: Path) -> dict:
@@ -227,11 +299,18 @@ def read_sweep(sweep_dir: Path) -> dict:
 
 def identity_tags(sweep: dict) -> dict[str, str]:
     """The parent's tags that sweep.json fixes when the sweep starts (the same whoever creates the run)."""
-    tags = {"mlflow.runName": parent_name(sweep.get("swept") or {}),
-            "sweep": "parent", "sweep.id": sweep["id"], "sweep.dir": str(sweep.get("dir", "")),
-            "sweep.overrides": " ".join(sweep.get("overrides") or []), "mlflow.source.name": "pipeline -m",
-            "sweep.launcher": sweep.get("launcher", ""), "sweep.sweeper": sweep.get("sweeper", ""),
-            "experiment": sweep.get("name", ""), "git_sha": str(sweep.get("git_sha"))}
+    tags = {
+        "mlflow.runName": parent_name(sweep.get("swept") or {}),
+        "sweep": "parent",
+        "sweep.id": sweep["id"],
+        "sweep.dir": str(sweep.get("dir", "")),
+        "sweep.overrides": " ".join(sweep.get("overrides") or []),
+        "mlflow.source.name": "pipeline -m",
+        "sweep.launcher": sweep.get("launcher", ""),
+        "sweep.sweeper": sweep.get("sweeper", ""),
+        "experiment": sweep.get("name", ""),
+        "git_sha": str(sweep.get("git_sha")),
+    }
     if sweep.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = sweep["git_sha"]
     return {k: common.tag_value(v) for k, v in tags.items()}
@@ -244,24 +323,42 @@ def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, s
     failed = {n: j for n, j in sorted(jobs.items()) if j.get("status") != "complete"}
     tags.update({"sweep.jobs": str(len(jobs)), "sweep.failed": str(len(failed))})
     if failed:
-        tags["sweep.failures"] = common.tag_value("; ".join(f"job {n} ({j.get('name', '')}): {j.get('status')}: "
-                                                     f"{j.get('error', '')}" for n, j in failed.items()))
+        tags["sweep.failures"] = common.tag_value(
+            "; ".join(
+                f"job {n} ({j.get('name', '')}): {j.get('status')}: {j.get('error', '')}"
+                for n, j in failed.items()
+            )
+        )
     best = best_job(jobs, sweep)
     if best is not None:
-        tags.update({"best.job": str(best["num"]), "best.params": common.tag_value(best.get("name", "")),
-                     "best.value": repr(best["objective"])})
-        if best.get("run_dir"):  # by its run_dir tag: a run id the job recorded may be another store's
+        tags.update(
+            {
+                "best.job": str(best["num"]),
+                "best.params": common.tag_value(best.get("name", "")),
+                "best.value": repr(best["objective"]),
+            }
+        )
+        if best.get(
+            "run_dir"
+        ):  # by its run_dir tag: a run id the job recorded may be another store's
             found = store.find_run(client, str(Path(best["run_dir"]).resolve()))
             if found is not None:
                 tags["best.run_id"] = found.info.run_id
     status = SWEEP_STATUS.get(sweep.get("status", "running"), "RUNNING")
     # running, but its launching process (seen from its own host: elsewhere it is taken as alive) has died
-    if status == "RUNNING" and sweep.get("host") == socket.gethostname() and isinstance(sweep.get("pid"), int):
+    if (
+        status == "RUNNING"
+        and sweep.get("host") == socket.gethostname()
+        and isinstance(sweep.get("pid"), int)
+    ):
         with contextlib.suppress(PermissionError):
             try:
                 os.kill(sweep["pid"], 0)
             except ProcessLookupError:
-                status, tags["ended"] = "FAILED", "the launching process exited without ending the sweep"
+                status, tags["ended"] = (
+                    "FAILED",
+                    "the launching process exited without ending the sweep",
+                )
     return tags, status
 
 
@@ -289,40 +386,81 @@ def open_parent(client, sweep_dir: Path, artifact_root: str | None):
     tags = identity_tags(sweep)
     run = found or store.create_run(client, experiment_id, tags, sweep.get("started"))
     store.sync_tags(client, run, tags)
-    store.sync_params(client, run, {k: common.param_value(v) for k, v in (sweep.get("swept") or {}).items()})
+    store.sync_params(
+        client, run, {k: common.param_value(v) for k, v in (sweep.get("swept") or {}).items()}
+    )
     return client.get_run(run.info.run_id), found is None
 
 
-def index_job(client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None, job: dict) -> dict:
+def index_job(
+    client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None, job: dict
+) -> dict:
     """A sweep job's run directory under its parent: its own run, or a child of the parent pointing at the run when
     that one already stands for another job (a repeat in this sweep, or a job of another sweep)."""
     run = store.find_run(client, str(Path(run_dir).resolve()))
-    if run is None or not parent or (run.data.tags.get("mlflow.parentRunId") == parent["run_id"] and
-                                     run.data.tags.get("sweep.job_num") in (None, str(job.get("num")))):
+    if (
+        run is None
+        or not parent
+        or (
+            run.data.tags.get("mlflow.parentRunId") == parent["run_id"]
+            and run.data.tags.get("sweep.job_num") in (None, str(job.get("num")))
+        )
+    ):
         return sync_run(client, uri, Path(run_dir), artifact_root, parent, job)
     # The child is named by the run directory it repeats, as on disk (a run id is the store's own: a rebuild makes
     # others), holds its params and final metrics, and no run_dir tag (that one is the run).
     same = Path(run.data.tags.get("run_dir") or run.info.run_id).name
     name = f"{job.get('name') or run.data.tags.get('mlflow.runName', '')} (same run as {same})"
-    tags = {k: v for k, v in run.data.tags.items() if not k.startswith(("mlflow.", "sweep.")) and k != "run_dir"}
-    tags.update({"mlflow.parentRunId": parent["run_id"], "mlflow.runName": name, "repeat_of": run.info.run_id,
-                 "repeat_of.run_dir": run.data.tags.get("run_dir", ""), "sweep.id": str(job.get("sweep_id")),
-                 "sweep.job_num": str(job.get("num")), "sweep.job_overrides": " ".join(job.get("overrides") or [])})
-    found = client.search_runs([parent["experiment_id"]], f"tags.`sweep.id` = '{job.get('sweep_id')}' and "
-                               f"tags.`sweep.job_num` = '{job.get('num')}' and tags.repeat_of = '{run.info.run_id}'",
-                               max_results=1)
+    tags = {
+        k: v
+        for k, v in run.data.tags.items()
+        if not k.startswith(("mlflow.", "sweep.")) and k != "run_dir"
+    }
+    tags.update(
+        {
+            "mlflow.parentRunId": parent["run_id"],
+            "mlflow.runName": name,
+            "repeat_of": run.info.run_id,
+            "repeat_of.run_dir": run.data.tags.get("run_dir", ""),
+            "sweep.id": str(job.get("sweep_id")),
+            "sweep.job_num": str(job.get("num")),
+            "sweep.job_overrides": " ".join(job.get("overrides") or []),
+        }
+    )
+    found = client.search_runs(
+        [parent["experiment_id"]],
+        f"tags.`sweep.id` = '{job.get('sweep_id')}' and "
+        f"tags.`sweep.job_num` = '{job.get('num')}' and tags.repeat_of = '{run.info.run_id}'",
+        max_results=1,
+    )
     child = found[0] if found else None
-    if child is None:  # its times and points are the run's it repeats: the same in the live index and in a rebuild
-        child = client.create_run(parent["experiment_id"], start_time=run.info.start_time, tags=tags, run_name=name)
+    if (
+        child is None
+    ):  # its times and points are the run's it repeats: the same in the live index and in a rebuild
+        child = client.create_run(
+            parent["experiment_id"], start_time=run.info.start_time, tags=tags, run_name=name
+        )
         store.sync_params(client, child, run.data.params)
         end = run.info.end_time or run.info.start_time
-        store.log_points(client, child.info.run_id, [(k, v, end, 0) for k, v in sorted(run.data.metrics.items())])
+        store.log_points(
+            client, child.info.run_id, [(k, v, end, 0) for k, v in sorted(run.data.metrics.items())]
+        )
         client.set_terminated(child.info.run_id, status=run.info.status, end_time=end)
-    return {"run_id": child.info.run_id, "experiment_id": child.info.experiment_id, "repeat_of": run.info.run_id}
+    return {
+        "run_id": child.info.run_id,
+        "experiment_id": child.info.experiment_id,
+        "repeat_of": run.info.run_id,
+    }
 
 
-def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, parent: dict | None = None,
-                children: bool = True) -> dict:
+def sync_parent(
+    client,
+    uri: str,
+    sweep_dir: Path,
+    artifact_root: str | None,
+    parent: dict | None = None,
+    children: bool = True,
+) -> dict:
     """Make a sweep's parent run hold what its directory says; children=True (reindex) indexes each job's run
     directory under it too, in job order ("synced": {resolved run directory: sync_run's result})."""
     sweep_dir = Path(sweep_dir)
@@ -333,9 +471,19 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
     synced = {}
     if children:
         for _num, job in sorted(jobs.items()):
-            if job.get("run_dir") and Path(job["run_dir"]).is_dir() and not RunDir(job["run_dir"]).in_use():
-                r = index_job(client, uri, Path(job["run_dir"]), artifact_root, parent,
-                              {k: job.get(k) for k in ("sweep_id", "num", "overrides", "name")})
+            if (
+                job.get("run_dir")
+                and Path(job["run_dir"]).is_dir()
+                and not RunDir(job["run_dir"]).in_use()
+            ):
+                r = index_job(
+                    client,
+                    uri,
+                    Path(job["run_dir"]),
+                    artifact_root,
+                    parent,
+                    {k: job.get(k) for k in ("sweep_id", "num", "overrides", "name")},
+                )
                 if "repeat_of" not in r:
                     synced[str(Path(job["run_dir"]).resolve())] = r
     run = client.get_run(parent["run_id"])
@@ -345,9 +493,19 @@ def sync_parent(client, uri: str, sweep_dir: Path, artifact_root: str | None, pa
     logged = store.logged_steps(client, run.info.run_id, {p[0] for p in points})
     store.log_points(client, run.info.run_id, [p for p in points if (p[0], p[3]) not in logged])
     repo = store.artifact_repo(client, run.info.run_id)
-    log_changed(repo, store.artifact_sizes(repo),
-                [(name, sweep_dir / name) for name in ("multirun.yaml", "optimization_results.yaml", "sweep.json")])
-    end = int(float(sweep["ended_at"]) * 1000) if isinstance(sweep.get("ended_at"), (int, float)) else None
+    log_changed(
+        repo,
+        store.artifact_sizes(repo),
+        [
+            (name, sweep_dir / name)
+            for name in ("multirun.yaml", "optimization_results.yaml", "sweep.json")
+        ],
+    )
+    end = (
+        int(float(sweep["ended_at"]) * 1000)
+        if isinstance(sweep.get("ended_at"), (int, float))
+        else None
+    )
     if status != "RUNNING" and (run.info.status != status or run.info.end_time != end):
         client.set_terminated(run.info.run_id, status=status, end_time=end)
     return {**parent, "children": len(jobs), "status": status, "synced": synced}

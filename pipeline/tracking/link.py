@@ -1,4 +1,5 @@
 """The job's side of the tracking agent (imports nothing heavy): find the agent for a tracking URI, or start it."""
+
 from __future__ import annotations
 
 import contextlib
@@ -23,9 +24,15 @@ from typing import Protocol
 
 # Without clients this long, the agent exits: long enough for the next run of a working session.
 IDLE_SECONDS = float(os.environ.get("PIPELINE_TRACKING_AGENT_IDLE", "300"))
-SPAWN_WAIT = 60.0  # seconds to wait for a new agent to bind its socket (it does so before importing mlflow)
-MAX_EVENT = 1 << 20  # bytes of one line from the agent (its events are small: an error message is cut at 2000)
-MAX_METRICS_LINES = 1000  # metrics.jsonl lines in one message to the agent (it reads at most agent.MAX_REQUEST)
+SPAWN_WAIT = (
+    60.0  # seconds to wait for a new agent to bind its socket (it does so before importing mlflow)
+)
+MAX_EVENT = (
+    1 << 20
+)  # bytes of one line from the agent (its events are small: an error message is cut at 2000)
+MAX_METRICS_LINES = (
+    1000  # metrics.jsonl lines in one message to the agent (it reads at most agent.MAX_REQUEST)
+)
 log = logging.getLogger("pipeline")
 
 
@@ -46,7 +53,9 @@ def private_problem(directory: Path) -> str | None:
     if st.st_uid != os.getuid():
         return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
     if st.st_mode & 0o077:
-        return f"has mode {stat.S_IMODE(st.st_mode):04o}, which lets other users in (it must be 0700)"
+        return (
+            f"has mode {stat.S_IMODE(st.st_mode):04o}, which lets other users in (it must be 0700)"
+        )
     return None
 
 
@@ -182,13 +191,22 @@ class Link:
                         marks.append(msg)
                         continue
                     last = out[-1] if out else None
-                    if (msg["op"] == "metrics" and last and last["op"] == "metrics" and last["sid"] == msg["sid"]
-                            and len(last["lines"]) < MAX_METRICS_LINES):
-                        last["lines"] = last["lines"] + msg["lines"]  # consecutive lines travel together
+                    if (
+                        msg["op"] == "metrics"
+                        and last
+                        and last["op"] == "metrics"
+                        and last["sid"] == msg["sid"]
+                        and len(last["lines"]) < MAX_METRICS_LINES
+                    ):
+                        last["lines"] = (
+                            last["lines"] + msg["lines"]
+                        )  # consecutive lines travel together
                     else:
                         out.append(msg)
                 if out:
-                    wfile.write("".join(json.dumps(m, allow_nan=False) + "\n" for m in out).encode())
+                    wfile.write(
+                        "".join(json.dumps(m, allow_nan=False) + "\n" for m in out).encode()
+                    )
                     wfile.flush()
                 for mark in marks:
                     mark.set()
@@ -246,8 +264,10 @@ def _connect(path: Path) -> socket.socket | None:
     try:
         pid, uid, _ = peer_credentials(sock)
         if uid != os.getuid():
-            raise OSError(f"the process listening on {path} (pid {pid}) runs as uid {uid}, not as this user "
-                          f"(uid {os.getuid()}): refused, nothing sent to it")
+            raise OSError(
+                f"the process listening on {path} (pid {pid}) runs as uid {uid}, not as this user "
+                f"(uid {os.getuid()}): refused, nothing sent to it"
+            )
         sock.settimeout(None)
         return sock
     except BaseException:
@@ -258,27 +278,53 @@ def _connect(path: Path) -> socket.socket | None:
 def spawn(path: Path, log_file: Path) -> subprocess.Popen:
     """Start an agent serving `path`, in its own session (no job's signal reaches it), writing to `log_file` if
     that opens to append without following a link as a regular file (made 0600); else, with one warning, nowhere."""
-    root = str(Path(__file__).resolve().parents[2])  # the directory holding this `pipeline` package, first
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    root = str(
+        Path(__file__).resolve().parents[2]
+    )  # the directory holding this `pipeline` package, first
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     fd: int | None = None
     try:
-        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     0o600)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device: never written to, never waited on
+        fd = os.open(
+            log_file,
+            os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+            0o600,
+        )
+        if not stat.S_ISREG(
+            os.fstat(fd).st_mode
+        ):  # a FIFO or a device: never written to, never waited on
             raise OSError(errno.EINVAL, "it is not a regular file")
         os.set_blocking(fd, True)
     except OSError as e:
         why = "it is a symlink, not followed" if e.errno == errno.ELOOP else (e.strerror or str(e))
-        log.warning("the tracking agent's log %s cannot be opened (%s): the agent logs nowhere", log_file, why)
+        log.warning(
+            "the tracking agent's log %s cannot be opened (%s): the agent logs nowhere",
+            log_file,
+            why,
+        )
         if fd is not None:
             os.close(fd)
         fd = None
     try:
-        return subprocess.Popen([sys.executable, "-m", "pipeline.tracking.agent", "--listen", str(path),
-                                 "--idle", str(IDLE_SECONDS)], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL if fd is None else fd,
-                                stderr=subprocess.DEVNULL if fd is None else fd,
-                                env=env, close_fds=True, start_new_session=True)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pipeline.tracking.agent",
+                "--listen",
+                str(path),
+                "--idle",
+                str(IDLE_SECONDS),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL if fd is None else fd,
+            stderr=subprocess.DEVNULL if fd is None else fd,
+            env=env,
+            close_fds=True,
+            start_new_session=True,
+        )
     finally:
         if fd is not None:
             os.close(fd)
@@ -305,12 +351,17 @@ def connect_or_spawn(path: Path, log_file: Path) -> socket.socket:
             deadline = time.monotonic() + SPAWN_WAIT
             while sock is None and time.monotonic() < deadline:
                 if proc.poll() is not None:
-                    raise OSError(errno.ECHILD, f"the tracking agent exited at start (code {proc.returncode}); "
-                                  f"see {log_file}")
+                    raise OSError(
+                        errno.ECHILD,
+                        f"the tracking agent exited at start (code {proc.returncode}); "
+                        f"see {log_file}",
+                    )
                 time.sleep(0.01)
                 sock = _connect(path) if path.exists() else None
             if sock is None:
-                raise OSError(errno.ETIMEDOUT, f"the tracking agent did not start within {SPAWN_WAIT:.0f} s")
+                raise OSError(
+                    errno.ETIMEDOUT, f"the tracking agent did not start within {SPAWN_WAIT:.0f} s"
+                )
         return sock
     finally:
         os.close(fd)

@@ -1,4 +1,5 @@
 """One warning when a sqlite store is shared beyond one machine: on a network filesystem, or by several hosts."""
+
 from __future__ import annotations
 
 import logging
@@ -9,15 +10,37 @@ from pathlib import Path
 log = logging.getLogger("pipeline")
 
 # Filesystems whose locks sqlite cannot trust (its own documentation warns against sharing a file over them).
-NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "fuse.glusterfs", "glusterfs",
-              "ceph", "fuse.cephfs", "9p", "afs", "fuse.sshfs", "panfs", "orangefs", "pvfs2", "ocfs2", "gfs2")
+NETWORK_FS = (
+    "nfs",
+    "nfs4",
+    "cifs",
+    "smb3",
+    "smbfs",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "fuse.glusterfs",
+    "glusterfs",
+    "ceph",
+    "fuse.cephfs",
+    "9p",
+    "afs",
+    "fuse.sshfs",
+    "panfs",
+    "orangefs",
+    "pvfs2",
+    "ocfs2",
+    "gfs2",
+)
 MOUNTS = Path("/proc/mounts")
 MAX_MOUNTS_BYTES = 1 << 20
 HOSTS_TAG = "pipeline.hosts"  # on the store's Default experiment: every host that opened it, comma-separated
 MAX_HOSTS = 50
-TEAM_SETUP = ("run `mlflow server --backend-store-uri postgresql+psycopg://USER@DBHOST/DB --artifacts-destination "
-              "DIR --host HOST --port 5000 --allowed-hosts HOST:5000` and track with "
-              "`tracking=server tracking.uri=http://HOST:5000` (docs/tracking.md: Team setup)")
+TEAM_SETUP = (
+    "run `mlflow server --backend-store-uri postgresql+psycopg://USER@DBHOST/DB --artifacts-destination "
+    "DIR --host HOST --port 5000 --allowed-hosts HOST:5000` and track with "
+    "`tracking=server tracking.uri=http://HOST:5000` (docs/tracking.md: Team setup)"
+)
 
 
 def read_mounts() -> str:
@@ -46,7 +69,11 @@ def check_shared(client, db: Path) -> str | None:
     for line in read_mounts().splitlines():  # its filesystem: the longest mount point above it
         fields = line.split()
         point = Path(fields[1].replace("\\040", " ")) if len(fields) >= 3 else None
-        if point is not None and (point == where or point in where.parents) and len(str(point)) > best:
+        if (
+            point is not None
+            and (point == where or point in where.parents)
+            and len(str(point)) > best
+        ):
             best, kind = len(str(point)), fields[2]
     if kind in NETWORK_FS:
         problem = f"the mlflow store {db} is on a network filesystem ({kind})"

@@ -1,4 +1,5 @@
 """The mlflow side of the index (imports mlflow: never from the training process): stores, runs, what is missing."""
+
 from __future__ import annotations
 
 import fcntl
@@ -33,9 +34,13 @@ METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 # A server that is down fails in seconds, not minutes; and mlflow prints no download bars or "View run" lines
 # between the pipeline's own (reindex's). mlflow reads these from the environment at each use only, so
 # open_client sets them (unless the user did) in the process that opens a client, never on import.
-HTTP_SETTINGS = (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
-                 ("MLFLOW_HTTP_REQUEST_TIMEOUT", "20"), ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false"),
-                 ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true"))
+HTTP_SETTINGS = (
+    ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"),
+    ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+    ("MLFLOW_HTTP_REQUEST_TIMEOUT", "20"),
+    ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false"),
+    ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true"),
+)
 
 
 @cache
@@ -54,7 +59,9 @@ def forget_store(uri: str) -> None:
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
     from mlflow.tracking._tracking_service import utils
 
-    engine = SqlAlchemyStore._engine_map.pop(uri, None)  # one engine per database URI, for the process's life
+    engine = SqlAlchemyStore._engine_map.pop(
+        uri, None
+    )  # one engine per database URI, for the process's life
     if engine is not None:
         engine.dispose()
     utils._tracking_store_registry._get_store_with_resolved_uri.cache_clear()  # the stores, per URI
@@ -92,13 +99,19 @@ def template_db() -> Path | None:
             if not path.is_file():
                 tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
                 tmp.unlink(missing_ok=True)
-                SqlAlchemyStore(f"sqlite:///{tmp}", (base / "no-artifacts").as_uri()).engine.dispose()
+                SqlAlchemyStore(
+                    f"sqlite:///{tmp}", (base / "no-artifacts").as_uri()
+                ).engine.dispose()
                 with closing(sqlite3.connect(tmp)) as con, con:
-                    con.execute("DELETE FROM experiments")  # the Default one: each copy makes its own
+                    con.execute(
+                        "DELETE FROM experiments"
+                    )  # the Default one: each copy makes its own
                 os.replace(tmp, path)  # whole or absent
         return path
     except Exception:
-        logging.getLogger("pipeline").debug("no migrated mlflow store template in %s", base, exc_info=True)
+        logging.getLogger("pipeline").debug(
+            "no migrated mlflow store template in %s", base, exc_info=True
+        )
         return None
 
 
@@ -138,7 +151,9 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
     try:
         lock: AbstractContextManager = nullcontext()
         if db is not None:
-            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore  # the slow import, outside the lock
+            from mlflow.store.tracking.sqlalchemy_store import (
+                SqlAlchemyStore,
+            )  # the slow import, outside the lock
 
             db.parent.mkdir(parents=True, exist_ok=True)
             if not db.exists():
@@ -151,13 +166,18 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
                 _copy_template(db)
                 SqlAlchemyStore(uri, common_artifact_root(uri, artifact_root))
             client = MlflowClient(tracking_uri=uri)
-            client.search_experiments(max_results=1)  # connect now: a server that is down fails here
+            client.search_experiments(
+                max_results=1
+            )  # connect now: a server that is down fails here
             warning = check_shared(client, db) if db is not None else None
         return client, warning
     except Exception as e:
         where = f"the mlflow store {db}" if db else f"the mlflow tracking server {uri}"
-        fix = (" (move it aside and rebuild it from the manifests: python -m pipeline.reindex --rebuild)"
-               if db is not None and db.exists() else "")
+        fix = (
+            " (move it aside and rebuild it from the manifests: python -m pipeline.reindex --rebuild)"
+            if db is not None and db.exists()
+            else ""
+        )
         if db is None and INVALID_HOST in str(e):
             raise StoreError(host_refused(uri)) from None
         text = str(e).strip().splitlines()
@@ -175,15 +195,18 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "experiment"
             location = root.rstrip("/") + "/" + safe
         try:
-            return client.create_experiment(name, artifact_location=location,
-                                            tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            return client.create_experiment(
+                name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+            )
         except MlflowException:  # created by another process meanwhile
             exp = client.get_experiment_by_name(name)
             if exp is None:
                 raise
     if exp.lifecycle_stage == "deleted":
         client.restore_experiment(exp.experiment_id)
-    if EXPERIMENT_KIND_TAG not in (exp.tags or {}):  # made before this mark existed, or by another tool
+    if EXPERIMENT_KIND_TAG not in (
+        exp.tags or {}
+    ):  # made before this mark existed, or by another tool
         client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return exp.experiment_id
 
@@ -191,7 +214,9 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None
 def all_experiment_ids(client: MlflowClient) -> list[str]:
     ids, token = [], None
     while True:
-        page = client.search_experiments(view_type=ViewType.ACTIVE_ONLY, max_results=1000, page_token=token)
+        page = client.search_experiments(
+            view_type=ViewType.ACTIVE_ONLY, max_results=1000, page_token=token
+        )
         ids += [e.experiment_id for e in page]
         token = page.token
         if not token:
@@ -205,7 +230,9 @@ def _quote(s: str) -> str:
 def _first(client: MlflowClient, ids: list[str], where: str, order: str):
     """The first run found by `where` in these experiments (searched 100 at a time), or None."""
     for i in range(0, len(ids), 100):
-        found = client.search_runs(ids[i:i + 100], filter_string=where, max_results=1, order_by=[order])
+        found = client.search_runs(
+            ids[i : i + 100], filter_string=where, max_results=1, order_by=[order]
+        )
         if found:
             return found[0]
     return None
@@ -220,35 +247,56 @@ def find_run(client: MlflowClient, run_dir: str, candidates: list[str] | tuple[s
             run = client.get_run(rid)
             if run.info.lifecycle_stage == "active" and run.data.tags.get("run_dir") == run_dir:
                 return run
-    return _first(client, all_experiment_ids(client), f"tags.run_dir = {_quote(run_dir)}",
-                  "attributes.start_time DESC")
+    return _first(
+        client,
+        all_experiment_ids(client),
+        f"tags.run_dir = {_quote(run_dir)}",
+        "attributes.start_time DESC",
+    )
 
 
 def find_parent(client: MlflowClient, sweep_id: str, experiment_id: str | None = None):
     """The parent run of the sweep with this id (the first made, if several), or None."""
-    return _first(client, [experiment_id] if experiment_id else all_experiment_ids(client),
-                  f"tags.`sweep.id` = {_quote(sweep_id)} and tags.sweep = 'parent'", "attributes.start_time ASC")
+    return _first(
+        client,
+        [experiment_id] if experiment_id else all_experiment_ids(client),
+        f"tags.`sweep.id` = {_quote(sweep_id)} and tags.sweep = 'parent'",
+        "attributes.start_time ASC",
+    )
 
 
-def create_run(client: MlflowClient, experiment_id: str, tags: dict, start_time: float | None = None):
+def create_run(
+    client: MlflowClient, experiment_id: str, tags: dict, start_time: float | None = None
+):
     ms = int((start_time if start_time is not None else time.time()) * 1000)
-    return client.create_run(experiment_id, start_time=ms, tags=tags, run_name=tags.get("mlflow.runName"))
+    return client.create_run(
+        experiment_id, start_time=ms, tags=tags, run_name=tags.get("mlflow.runName")
+    )
 
 
 def sync_params(client: MlflowClient, run, params: dict[str, str]) -> int:
     """Log the params the run lacks (mlflow params never change): a changed one is a `params_changed.<key>` tag."""
     have = run.data.params
     new = [Param(k, v) for k, v in params.items() if k not in have]
-    changed = {f"params_changed.{k}": tag_value(v) for k, v in params.items() if k in have and have[k] != v}
-    return _batches(client, run.info.run_id, "params", new, PARAMS_PER_BATCH) + sync_tags(client, run, changed)
+    changed = {
+        f"params_changed.{k}": tag_value(v) for k, v in params.items() if k in have and have[k] != v
+    }
+    return _batches(client, run.info.run_id, "params", new, PARAMS_PER_BATCH) + sync_tags(
+        client, run, changed
+    )
 
 
-def sync_tags(client: MlflowClient, run, tags: dict[str, str], derived: tuple[str, ...] = ()) -> int:
+def sync_tags(
+    client: MlflowClient, run, tags: dict[str, str], derived: tuple[str, ...] = ()
+) -> int:
     """Set the tags whose value differs (tags, unlike params, follow the manifest), and delete the run's tags
     among `derived` (a key, or every key under a prefix ending in `.`) that `tags` no longer says. Returns how many."""
     todo = [RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v]
-    stale = [k for k in run.data.tags if k not in tags and any(k == d or (d.endswith(".") and k.startswith(d))
-                                                                for d in derived)]
+    stale = [
+        k
+        for k in run.data.tags
+        if k not in tags and any(k == d or (d.endswith(".") and k.startswith(d)) for d in derived)
+    ]
     for key in stale:
         client.delete_tag(run.info.run_id, key)
     return _batches(client, run.info.run_id, "tags", todo, TAGS_PER_BATCH) + len(stale)
@@ -266,7 +314,7 @@ def log_points(client: MlflowClient, run_id: str, points: list[tuple[str, float,
 
 def _batches(client: MlflowClient, run_id: str, kind: str, items: list, size: int) -> int:
     for i in range(0, len(items), size):
-        client.log_batch(run_id, **{kind: items[i:i + size]})  # type: ignore[arg-type]  # metrics, params or tags
+        client.log_batch(run_id, **{kind: items[i : i + size]})  # type: ignore[arg-type]  # metrics, params or tags
     return len(items)
 
 
@@ -274,8 +322,9 @@ def artifact_repo(client: MlflowClient, run_id: str):
     """The run's artifact repository, resolved once (through the client, each call costs a get_run)."""
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
-    return get_artifact_repository(client.get_run(run_id).info.artifact_uri,
-                                   tracking_uri=client._tracking_client.tracking_uri)
+    return get_artifact_repository(
+        client.get_run(run_id).info.artifact_uri, tracking_uri=client._tracking_client.tracking_uri
+    )
 
 
 def log_file_as(repo, artifact_file: str, source: Path | bytes) -> None:
@@ -286,7 +335,9 @@ def log_file_as(repo, artifact_file: str, source: Path | bytes) -> None:
         if isinstance(source, bytes):
             local.write_bytes(source)
         else:
-            os.symlink(Path(source).resolve(), local)  # the artifact store copies the target's bytes
+            os.symlink(
+                Path(source).resolve(), local
+            )  # the artifact store copies the target's bytes
         repo.log_artifact(str(local), artifact_dir or None)
 
 
@@ -306,7 +357,9 @@ def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, i
     return out
 
 
-def artifact_bytes(repo, path: str, sizes: dict[str, int] | None = None, limit: int = 64 << 20) -> bytes | None:
+def artifact_bytes(
+    repo, path: str, sizes: dict[str, int] | None = None, limit: int = 64 << 20
+) -> bytes | None:
     """One logged artifact's content (None if absent or over `limit`): read in place if local, else downloaded."""
     if sizes is not None and (path not in sizes or sizes[path] > limit):
         return None

@@ -1,15 +1,24 @@
 """A sweep's parent run in mlflow, as its launcher drives it: the store checked, the agent asked to start and end it."""
+
 from __future__ import annotations
 
 import logging
 
 from pipeline.run.report import run_page, ui_command, ui_page, ui_server
 from pipeline.run.tracker import SweepParent
-from pipeline.tracking.common import SLURM_WAIT, artifact_root, in_slurm_job, normalize_tracking_uri, store_problem
+from pipeline.tracking.common import (
+    SLURM_WAIT,
+    artifact_root,
+    in_slurm_job,
+    normalize_tracking_uri,
+    store_problem,
+)
 from pipeline.tracking.link import Request, agent_for
 
 log = logging.getLogger("pipeline")
-END_WAIT = 1.0  # seconds the launcher waits for its last messages to the tracking agent to be on their way
+END_WAIT = (
+    1.0  # seconds the launcher waits for its last messages to the tracking agent to be on their way
+)
 
 
 class MlflowSweepParent(SweepParent):
@@ -20,17 +29,30 @@ class MlflowSweepParent(SweepParent):
         self.uri = normalize_tracking_uri(str(uri))
         self.experiment = str(experiment)
         self.artifact_location = artifact_root(self.uri, artifact_location)
-        self.request: Request | None = None  # the agent's answer to parent_start, in the launching process only
+        self.request: Request | None = (
+            None  # the agent's answer to parent_start, in the launching process only
+        )
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "request": None}  # Hydra pickles the callback, and this, to every job
+        return {
+            **self.__dict__,
+            "request": None,
+        }  # Hydra pickles the callback, and this, to every job
 
     def facts(self, timeout: float) -> dict:
-        facts = {"uri": self.uri, "experiment": self.experiment, "artifact_location": self.artifact_location}
+        facts = {
+            "uri": self.uri,
+            "experiment": self.experiment,
+            "artifact_location": self.artifact_location,
+        }
         if problem := store_problem(self.uri, timeout=timeout):
             facts["tracking_off"] = problem  # the jobs read it: said once, here
-            log.warning("mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their "
-                        "manifests; index them later with `python -m pipeline.reindex`.", self.uri, problem)
+            log.warning(
+                "mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their "
+                "manifests; index them later with `python -m pipeline.reindex`.",
+                self.uri,
+                problem,
+            )
         return facts
 
     def warm(self, sweep: dict) -> None:
@@ -42,9 +64,16 @@ class MlflowSweepParent(SweepParent):
             return False
         link = agent_for(self.uri)  # at once: the agent starts beside the jobs
         self.request = Request()
-        link.send({"op": "parent_start", "sid": link.register(self.request), "uri": self.uri,
-                   "artifact_location": sweep.get("artifact_location"), "sweep_id": sweep["id"],
-                   "sweep_dir": sweep["dir"]})
+        link.send(
+            {
+                "op": "parent_start",
+                "sid": link.register(self.request),
+                "uri": self.uri,
+                "artifact_location": sweep.get("artifact_location"),
+                "sweep_id": sweep["id"],
+                "sweep_dir": sweep["dir"],
+            }
+        )
         return True
 
     def end(self, sweep: dict) -> list[str]:
@@ -55,25 +84,45 @@ class MlflowSweepParent(SweepParent):
             return [f"not tracked: {sweep['tracking_off']}"]
         answer = self.request.event if self.request is not None else None
         link, done = agent_for(self.uri), Request()
-        link.send({"op": "sweep_end", "sid": link.register(done), "uri": self.uri, "sweep_dir": sweep["dir"],
-                   "parent": {"sweep_id": sweep["id"]}})
+        link.send(
+            {
+                "op": "sweep_end",
+                "sid": link.register(done),
+                "uri": self.uri,
+                "sweep_dir": sweep["dir"],
+                "parent": {"sweep_id": sweep["id"]},
+            }
+        )
         link.drain(END_WAIT)
         slurm = str(sweep.get("launcher", "")).endswith("SlurmLauncher") or in_slurm_job()
         ended = (done.event if done.done.wait(SLURM_WAIT) else None) if slurm else None
         if slurm and ended is not None and ended.get("event") == "finished":
-            log.info("mlflow: sweep parent run %s complete: %s", run_page(ended.get("uri") or ""), ended.get("status"))
+            log.info(
+                "mlflow: sweep parent run %s complete: %s",
+                run_page(ended.get("uri") or ""),
+                ended.get("status"),
+            )
         elif slurm:
-            log.warning("mlflow: the tracking agent did not complete the sweep's parent run (%s); "
-                        "`python -m pipeline.reindex` completes it", (ended or {}).get(
-                            "message", f"no answer within {SLURM_WAIT:.0f} s"))
+            log.warning(
+                "mlflow: the tracking agent did not complete the sweep's parent run (%s); "
+                "`python -m pipeline.reindex` completes it",
+                (ended or {}).get("message", f"no answer within {SLURM_WAIT:.0f} s"),
+            )
         elif answer is None:
-            log.info("mlflow: the tracking agent completes the sweep's parent run after this process exits")
+            log.info(
+                "mlflow: the tracking agent completes the sweep's parent run after this process exits"
+            )
         elif answer.get("event") != "ready":
-            log.warning("mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
-                        "index them with `python -m pipeline.reindex`.", self.uri,
-                        answer.get("message", "unknown error"))
+            log.warning(
+                "mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
+                "index them with `python -m pipeline.reindex`.",
+                self.uri,
+                answer.get("message", "unknown error"),
+            )
         if answer is None:
-            return [f"sweep.id={sweep['id']} in {self.uri} (the tracking agent completes it after this process exits)"]
+            return [
+                f"sweep.id={sweep['id']} in {self.uri} (the tracking agent completes it after this process exits)"
+            ]
         if answer.get("event") != "ready":
             return [f"not tracked: {answer.get('message', 'unknown error')}"]
         # the experiment's runs view; a sqlite store has no server: say how to start one

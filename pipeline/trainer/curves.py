@@ -1,4 +1,5 @@
 """curves.png: loss and lr against step from a run's metrics.jsonl, drawn here for the job and the index."""
+
 from __future__ import annotations
 
 import io
@@ -11,8 +12,13 @@ LOSSES = ("train/loss", "val/loss")
 
 def series(lines: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of `key` over the lines that hold a finite number for it, in line order."""
-    pts = [(ln["step"], ln[key]) for ln in lines  # a non-finite value (on_nonfinite=continue) is a gap
-           if isinstance(ln.get(key), (int, float)) and not isinstance(ln.get(key), bool) and math.isfinite(ln[key])]
+    pts = [
+        (ln["step"], ln[key])
+        for ln in lines  # a non-finite value (on_nonfinite=continue) is a gap
+        if isinstance(ln.get(key), (int, float))
+        and not isinstance(ln.get(key), bool)
+        and math.isfinite(ln[key])
+    ]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 

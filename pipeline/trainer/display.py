@@ -1,4 +1,5 @@
 """What a person watching sees: a tqdm bar on a terminal, plain log lines otherwise; throughput in both."""
+
 from __future__ import annotations
 
 import collections
@@ -60,12 +61,18 @@ class Display:
         self.redirect = contextlib.ExitStack()
 
     def on_train_start(self, state) -> None:
-        samples = state.iterator.batch_size * state.accumulate  # per update; x block: tokens, for token data
+        samples = (
+            state.iterator.batch_size * state.accumulate
+        )  # per update; x block: tokens, for token data
         block = state.dataset.spec.block_size if state.dataset.spec.vocab_size else 0
-        self.speed = Throughput(samples * block, "tokens") if block else Throughput(samples, "samples")
+        self.speed = (
+            Throughput(samples * block, "tokens") if block else Throughput(samples, "samples")
+        )
         self.speed.start(time.perf_counter())
         if self.bar_enabled:
-            self.bar = tqdm(total=state.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
+            self.bar = tqdm(
+                total=state.total_steps, initial=state.step, desc="train", dynamic_ncols=True
+            )
             # Every log line while the bar shows (validation, mlflow's from its thread) goes above it through
             # tqdm.write, never into the middle of it.
             self.redirect.enter_context(logging_redirect_tqdm([logging.getLogger()]))
@@ -80,11 +87,21 @@ class Display:
             if rates is not None:
                 post["tok/s" if self.speed.unit == "tokens" else "samples/s"] = _si(rates[1])
             self.bar.set_postfix(post, refresh=False)
-        if is_logged(record, 0 if self.bar else self.log_every, state.total_steps):  # with the bar: evaluations
+        if is_logged(
+            record, 0 if self.bar else self.log_every, state.total_steps
+        ):  # with the bar: evaluations
             extra = "".join(f" {k}={v:.4f}" for k, v in record.items() if k.startswith("val/"))
             speed = self.speed.text()
-            log.info("step %d/%d epoch %d loss=%.6f lr=%.6g%s%s", record["step"], state.total_steps,
-                     record["epoch"], record["train/loss"], record["lr"], extra, f" ({speed})" if speed else "")
+            log.info(
+                "step %d/%d epoch %d loss=%.6f lr=%.6g%s%s",
+                record["step"],
+                state.total_steps,
+                record["epoch"],
+                record["train/loss"],
+                record["lr"],
+                extra,
+                f" ({speed})" if speed else "",
+            )
 
     def close(self) -> None:
         if self.bar is not None:

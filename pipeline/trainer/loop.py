@@ -1,4 +1,5 @@
 """The step loop: one batch, one forward and backward, one optimizer update, one scheduler step."""
+
 from __future__ import annotations
 
 import itertools
@@ -27,13 +28,20 @@ def counts_tokens(data) -> bool:
 
 def train_metric_names(data, grad_clip: float) -> tuple[str, ...]:
     """The metrics of train_step's record: every update's."""
-    return ("train/loss", "lr", "grad_norm") + (("clipped",) if grad_clip > 0 else ()) + \
-        (("train/ppl",) if counts_tokens(data) else ())
+    return (
+        ("train/loss", "lr", "grad_norm")
+        + (("clipped",) if grad_clip > 0 else ())
+        + (("train/ppl",) if counts_tokens(data) else ())
+    )
 
 
 def val_metric_names(data) -> tuple[str, ...]:
     """The metrics validate() measures: an evaluation's (the data's `baselines`: what its baseline_metrics gives)."""
-    return ("val/loss",) + (("val/ppl",) if counts_tokens(data) else ()) + tuple(getattr(data, "baselines", ()))
+    return (
+        ("val/loss",)
+        + (("val/ppl",) if counts_tokens(data) else ())
+        + tuple(getattr(data, "baselines", ()))
+    )
 
 
 def kept(name: str) -> bool:
@@ -60,7 +68,9 @@ def clip(grads: dict[str, np.ndarray], norm: float, max_norm: float) -> bool:
 def validate(state: TrainState) -> dict[str, float]:
     """Mean validation loss over the fixed validation batches (the first trainer.eval_batches of them, if set:
     the same subset every time), weighted by batch size, summed in batch order."""
-    batches = itertools.islice(state.dataset.val_batches(state.dtype), state.eval_batches)  # None: all
+    batches = itertools.islice(
+        state.dataset.val_batches(state.dtype), state.eval_batches
+    )  # None: all
     loss = state.runner.mean_loss(state.model, batches)
     out = {"val/loss": loss}
     if counts_tokens(state.dataset):
@@ -87,9 +97,13 @@ def train_step(state: TrainState, profile: Profile = OFF) -> dict:
     for _ in range(state.accumulate):
         with profile.phase("data"):
             batch_ids = state.iterator.next_ids()
-            batch = state.dataset.augment(state.dataset.train_batch(batch_ids, state.dtype), state.streams)
+            batch = state.dataset.augment(
+                state.dataset.train_batch(batch_ids, state.dtype), state.streams
+            )
         with profile.phase("forward/backward"):
-            piece_loss, piece_grads = state.runner.loss_and_grads(state.model, batch, state.streams["dropout"])
+            piece_loss, piece_grads = state.runner.loss_and_grads(
+                state.model, batch, state.streams["dropout"]
+            )
             ids.append(batch_ids)
             loss += piece_loss
             if grads is None:
@@ -112,7 +126,13 @@ def train_step(state: TrainState, profile: Profile = OFF) -> dict:
         killpoint.point("train", "after optimizer step")
         state.scheduler.step()
     state.progress.step += 1
-    record: dict[str, Any] = {"step": state.step, "epoch": epoch, "train/loss": loss, "lr": lr, "grad_norm": gnorm}
+    record: dict[str, Any] = {
+        "step": state.step,
+        "epoch": epoch,
+        "train/loss": loss,
+        "lr": lr,
+        "grad_norm": gnorm,
+    }
     if state.grad_clip > 0:
         record["clipped"] = state.progress.clipped
     if counts_tokens(state.dataset):
@@ -130,15 +150,22 @@ def metrics_of(record: dict) -> dict:
     return {k: v for k, v in record.items() if k not in NOT_METRICS}
 
 
-def fit(state: TrainState, eval_every: int, on_step_end: Callable[[dict], bool], callbacks: list,
-        profile: Profile = OFF) -> None:
+def fit(
+    state: TrainState,
+    eval_every: int,
+    on_step_end: Callable[[dict], bool],
+    callbacks: list,
+    profile: Profile = OFF,
+) -> None:
     """Steps until the budget is spent or on_step_end (the run's decision) returns True, evaluating every
     `eval_every` updates (0: every epoch's end) and at the last; callbacks see each record before the run."""
     for cb in callbacks:
         getattr(cb, "on_train_start", lambda s: None)(state)
     while state.step < state.total_steps:
         t0 = time.perf_counter()
-        with np.errstate(all="ignore"):  # an overflow is reported once, by the run, as a non-finite metric
+        with np.errstate(
+            all="ignore"
+        ):  # an overflow is reported once, by the run, as a non-finite metric
             record = train_step(state, profile) if profile.on else train_step(state)
         record["step_time"] = time.perf_counter() - t0
         last = state.step >= state.total_steps

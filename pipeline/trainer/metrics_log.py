@@ -1,4 +1,5 @@
 """metrics.jsonl: one JSON object per logged step, appended and flushed as the run goes; pipeline.log's handler."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +17,11 @@ def is_logged(record: dict, log_every: int, total_steps: int) -> bool:
     """A step with a line (in metrics.jsonl; in the log, without the bar): one that evaluated, the last, and
     every `log_every`th (0: none)."""
     step = record["step"]
-    return any(k.startswith("val/") for k in record) or step == total_steps or (log_every > 0 and step % log_every == 0)
+    return (
+        any(k.startswith("val/") for k in record)
+        or step == total_steps
+        or (log_every > 0 and step % log_every == 0)
+    )
 
 
 class MetricsLog:
@@ -49,7 +54,9 @@ class MetricsLog:
     def close(self) -> None:
         if self.file is not None:
             file, self.file = self.file, None
-            with contextlib.suppress(OSError):  # the failed write already raised, naming the file: keep that one
+            with contextlib.suppress(
+                OSError
+            ):  # the failed write already raised, naming the file: keep that one
                 file.close()
 
 

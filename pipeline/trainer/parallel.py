@@ -1,4 +1,5 @@
 """Data-parallel shards in one process: a fixed split and a fixed-order reduction, whatever the thread count."""
+
 from __future__ import annotations
 
 import itertools
@@ -21,8 +22,10 @@ def split(batch: Batch, shards: int) -> list[Batch]:
     more); pieces are views (ids, x, y), empty when shards > B; `extra` goes to every piece unchanged."""
     B = len(batch.ids)
     bounds = np.cumsum([0] + [B // shards + (k < B % shards) for k in range(shards)])
-    return [Batch(ids=batch.ids[a:b], x=batch.x[a:b], y=batch.y[a:b], extra=batch.extra)
-            for a, b in itertools.pairwise(bounds)]
+    return [
+        Batch(ids=batch.ids[a:b], x=batch.x[a:b], y=batch.y[a:b], extra=batch.extra)
+        for a, b in itertools.pairwise(bounds)
+    ]
 
 
 def owned(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -63,14 +66,21 @@ class Shards:
                 threads = os.cpu_count() or 1
         self.shards, self.threads = int(shards), int(threads)
         # The calling thread works too: threads - 1 helpers. None when there is nothing to share.
-        self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="shard") if self.threads > 1 else None
-        self._blas = ThreadpoolController().select(user_api="blas").lib_controllers  # found once (~1 ms)
+        self._pool = (
+            ThreadPoolExecutor(self.threads - 1, thread_name_prefix="shard")
+            if self.threads > 1
+            else None
+        )
+        self._blas = (
+            ThreadpoolController().select(user_api="blas").lib_controllers
+        )  # found once (~1 ms)
         self._blas_before = [lib.get_num_threads() for lib in self._blas]
         self._closed = False
         self._pin_blas()
 
-    def loss_and_grads(self, model, batch: Batch,
-                       rng: np.random.Generator | None) -> tuple[float, dict[str, np.ndarray]]:
+    def loss_and_grads(
+        self, model, batch: Batch, rng: np.random.Generator | None
+    ) -> tuple[float, dict[str, np.ndarray]]:
         """The whole batch's mean loss and its gradients from its pieces' (l_k, g_k), in shard order:
 
             loss = sum_k (B_k / B) l_k                      (Python floats)

@@ -1,5 +1,6 @@
 """trainer.profile: wall time per phase of a run (time.perf_counter around the phases that exist), one table at
 the end; off, every phase is a shared no-op context. It reads clocks only: no number of the run changes."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,8 +9,16 @@ import time
 # The phases, in the table's order; `end summary` is curves.png and the summary's lines; `other` is the wall time
 # no phase covers (run.json, metrics.jsonl, the progress lines, the stages' decisions), so the rows add up to the
 # wall from the run's start (after set-up: the resume's load is not in it).
-PHASES = ("data", "forward/backward", "optimizer", "evaluation", "checkpoint", "tracking hand-over", "end summary",
-          "other")
+PHASES = (
+    "data",
+    "forward/backward",
+    "optimizer",
+    "evaluation",
+    "checkpoint",
+    "tracking hand-over",
+    "end summary",
+    "other",
+)
 _OFF = contextlib.nullcontext()
 
 
@@ -44,7 +53,9 @@ class Profile:
         rows += [("other", 0, max(0.0, wall - sum(s for _, _, s in rows))), ("wall", 0, wall)]
         lines = [f"{'phase':<20}{'calls':>8}{'seconds':>12}{'share':>8}"]
         for name, calls, seconds in rows:
-            lines.append(f"{name:<20}{calls or '':>8}{seconds:>12.4f}{seconds / (wall or 1e-12):>8.1%}")
+            lines.append(
+                f"{name:<20}{calls or '':>8}{seconds:>12.4f}{seconds / (wall or 1e-12):>8.1%}"
+            )
         return "profile (trainer.profile=true):\n" + "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
 """Named random streams derived from one seed; their states round-trip through JSON."""
+
 from __future__ import annotations
 
 import random
@@ -22,9 +23,14 @@ class Streams:
 
     def __init__(self, seed: int):
         self.seed = int(seed)
-        self.np = {n: np.random.Generator(np.random.PCG64(_child_seed(self.seed, n))) for n in NUMPY_STREAMS}
-        self.py = {n: random.Random(int(_child_seed(self.seed, n).generate_state(1, np.uint64)[0]))
-                   for n in PYTHON_STREAMS}
+        self.np = {
+            n: np.random.Generator(np.random.PCG64(_child_seed(self.seed, n)))
+            for n in NUMPY_STREAMS
+        }
+        self.py = {
+            n: random.Random(int(_child_seed(self.seed, n).generate_state(1, np.uint64)[0]))
+            for n in PYTHON_STREAMS
+        }
 
     def __getitem__(self, name: str):
         return self.np[name] if name in self.np else self.py[name]
@@ -33,8 +39,10 @@ class Streams:
         return [*self.np, *self.py]
 
     def state_dict(self) -> dict:
-        return {**{n: numpy_state_to_json(g) for n, g in self.np.items()},
-                **{n: python_state_to_json(r) for n, r in self.py.items()}}
+        return {
+            **{n: numpy_state_to_json(g) for n, g in self.np.items()},
+            **{n: python_state_to_json(r) for n, r in self.py.items()},
+        }
 
     def check_state_dict(self, state: dict) -> None:
         """Decode every stream onto a scratch generator: the live ones stay untouched if one is bad."""
@@ -75,13 +83,22 @@ def numpy_state_to_json(g: np.random.Generator) -> dict:
     s = g.bit_generator.state
     if s["bit_generator"] != "PCG64":
         raise TypeError(f"unsupported bit generator {s['bit_generator']}")
-    return {"bit_generator": "PCG64", "state": str(s["state"]["state"]), "inc": str(s["state"]["inc"]),
-            "has_uint32": int(s["has_uint32"]), "uinteger": int(s["uinteger"])}
+    return {
+        "bit_generator": "PCG64",
+        "state": str(s["state"]["state"]),
+        "inc": str(s["state"]["inc"]),
+        "has_uint32": int(s["has_uint32"]),
+        "uinteger": int(s["uinteger"]),
+    }
 
 
 def numpy_state_from_json(d: dict) -> Any:  # numpy's typed state dict
-    return {"bit_generator": d["bit_generator"], "state": {"state": int(d["state"]), "inc": int(d["inc"])},
-            "has_uint32": int(d["has_uint32"]), "uinteger": int(d["uinteger"])}
+    return {
+        "bit_generator": d["bit_generator"],
+        "state": {"state": int(d["state"]), "inc": int(d["inc"])},
+        "has_uint32": int(d["has_uint32"]),
+        "uinteger": int(d["uinteger"]),
+    }
 
 
 def python_state_to_json(r: random.Random) -> dict:

@@ -1,4 +1,5 @@
 """The live objects one training run steps: the state machines, the data, and the run's progress counters."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,12 +23,19 @@ class Progress:
 
     step: int = 0
     metrics: dict = field(default_factory=dict)
-    ended: str | None = None  # why the run ended ("max_steps", or a stage's reason); None while it goes on
+    ended: str | None = (
+        None  # why the run ended ("max_steps", or a stage's reason); None while it goes on
+    )
     clipped: int = 0  # updates whose gradient trainer.grad_clip scaled down
     free_form_state = ("metrics",)
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "metrics": dict(self.metrics), "ended": self.ended, "clipped": self.clipped}
+        return {
+            "step": self.step,
+            "metrics": dict(self.metrics),
+            "ended": self.ended,
+            "clipped": self.clipped,
+        }
 
     def check_state_dict(self, state: dict) -> None:
         for key in ("step", "clipped"):
@@ -39,7 +47,11 @@ class Progress:
             raise ValueError(f"ended {state['ended']!r} is not a reason")
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self.ended, self.clipped = int(state["step"]), state["ended"], int(state["clipped"])
+        self.step, self.ended, self.clipped = (
+            int(state["step"]),
+            state["ended"],
+            int(state["clipped"]),
+        )
         self.metrics = {k: jsonio.number(v) for k, v in state["metrics"].items()}
 
 
@@ -58,10 +70,16 @@ class TrainState:
     grad_clip: float  # the largest global L2 norm of an update's gradient; 0: no clipping
     shards: int  # pieces each micro-batch is split into (semantic: the dropout draws, the summation order)
     threads: int | None  # threads running the pieces (not semantic); None: the cores available
-    eval_batches: int | None  # an evaluation reads the first N validation batches; None: all of them
-    stages: object  # the stages' states (pipeline.stages.base.StageStates); the run layer builds them
+    eval_batches: (
+        int | None
+    )  # an evaluation reads the first N validation batches; None: all of them
+    stages: (
+        object  # the stages' states (pipeline.stages.base.StageStates); the run layer builds them
+    )
     progress: Progress = field(default_factory=Progress)
-    runner: Shards = field(init=False, repr=False)  # the shard runner: it pins BLAS to one thread until close()
+    runner: Shards = field(
+        init=False, repr=False
+    )  # the shard runner: it pins BLAS to one thread until close()
 
     @property
     def step(self) -> int:
@@ -90,4 +108,7 @@ class TrainState:
         return {name: getattr(self, ATTRIBUTE.get(name, name)) for name in PARTS}
 
 
-ATTRIBUTE = {"data_iter": "iterator", "rng": "streams"}  # the parts not held under their checkpoint names
+ATTRIBUTE = {
+    "data_iter": "iterator",
+    "rng": "streams",
+}  # the parts not held under their checkpoint names

@@ -1,4 +1,5 @@
 """Chaos mode: SIGKILL the real command at random points in steps and saves, re-run it, demand bit-exactness."""
+
 from __future__ import annotations
 
 import os
@@ -24,11 +25,20 @@ from pipeline.verify.protocol import verify_dir
 
 def _command(argv: list[str], output_dir: Path) -> list[str]:
     kept = [a for a in argv if not a.startswith(("verify.", "paths.output_dir="))]
-    return [sys.executable, "-m", "pipeline", *kept, f"paths.output_dir={output_dir}", "hydra/job_logging=disabled"]
+    return [
+        sys.executable,
+        "-m",
+        "pipeline",
+        *kept,
+        f"paths.output_dir={output_dir}",
+        "hydra/job_logging=disabled",
+    ]
 
 
 def _run(cmd: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PIPELINE_CHAOS", "PIPELINE_CHAOS_TRACE")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PIPELINE_CHAOS", "PIPELINE_CHAOS_TRACE")
+    }
     return subprocess.run(cmd, env={**env, **(env_extra or {})}, capture_output=True, text=True)
 
 
@@ -36,15 +46,27 @@ def final_state(output_dir: Path) -> dict:
     """What must be identical: every kept checkpoint's files (sha256) and links, the final state, every number."""
     runs = [p for p in (output_dir / "runs").iterdir() if p.is_dir()]
     if len(runs) != 1:
-        raise RuntimeError(f"expected one run directory under {output_dir / 'runs'}, found {len(runs)}")
+        raise RuntimeError(
+            f"expected one run directory under {output_dir / 'runs'}, found {len(runs)}"
+        )
     rundir = RunDir(runs[0])
-    kept = {step: file_hashes(CheckpointDir(directory).verify()) for step, directory in rundir.store.steps()}
+    kept = {
+        step: file_hashes(CheckpointDir(directory).verify())
+        for step, directory in rundir.store.steps()
+    }
     final = rundir.store.link_step("final")
     assert final is not None, f"{output_dir}: the run has no final checkpoint"
     _, extra = CheckpointDir(rundir.store.root / "final").json_state()
     lines = [{k: v for k, v in line.items() if k != "time"} for line in rundir.read_metrics()]
-    return {"weights": kept[final]["weights"], "optim": kept[final]["optim"], "extra": extra, "metrics": lines,
-            "step": final, "checkpoints": kept, "links": rundir.store.links()}
+    return {
+        "weights": kept[final]["weights"],
+        "optim": kept[final]["optim"],
+        "extra": extra,
+        "metrics": lines,
+        "step": final,
+        "checkpoints": kept,
+        "links": rundir.store.links(),
+    }
 
 
 def invalid_visible_checkpoints(output_dir: Path) -> list[str]:
@@ -66,7 +88,9 @@ def run_chaos(config: dict, argv: list[str]) -> int:
     trace = out / "reference.trace"
     ref = _run(_command(argv, out / "reference"), {"PIPELINE_CHAOS_TRACE": str(trace)})
     if ref.returncode != 0:
-        print(f"chaos: the reference run failed (exit {ref.returncode}): {ref.stderr.strip()[-500:]}")
+        print(
+            f"chaos: the reference run failed (exit {ref.returncode}): {ref.stderr.strip()[-500:]}"
+        )
         return EXIT_INCOMPLETE
     counts = Counter(line.split()[0] for line in trace.read_text().splitlines())
     reference = final_state(out / "reference")
@@ -80,7 +104,12 @@ def run_chaos(config: dict, argv: list[str]) -> int:
         trial_dir = out / f"trial-{i:04d}"
         cmd = _command(argv, trial_dir)
         killed = _run(cmd, {"PIPELINE_CHAOS": f"{phase}:{k}"})
-        record: dict = {"trial": i, "phase": phase, "point": k, "killed": killed.returncode == -signal.SIGKILL}
+        record: dict = {
+            "trial": i,
+            "phase": phase,
+            "point": k,
+            "killed": killed.returncode == -signal.SIGKILL,
+        }
         record["invalid_after_kill"] = invalid_visible_checkpoints(trial_dir)
         for reruns in range(1, int(v["max_reruns"]) + 1):  # noqa: B007 - the count is read after the loop
             done = _run(cmd)
@@ -89,9 +118,19 @@ def run_chaos(config: dict, argv: list[str]) -> int:
         record["reruns"], record["rerun_exit"] = reruns, done.returncode
         if done.returncode == 0:
             got = final_state(trial_dir)
-            mismatched = [k for k in ("weights", "optim", "extra", "metrics", "step") if got[k] != reference[k]]
-            record.update(bit_exact=not mismatched, mismatched=mismatched, same_checkpoints_kept=(
-                got["checkpoints"] == reference["checkpoints"] and got["links"] == reference["links"]))
+            mismatched = [
+                k
+                for k in ("weights", "optim", "extra", "metrics", "step")
+                if got[k] != reference[k]
+            ]
+            record.update(
+                bit_exact=not mismatched,
+                mismatched=mismatched,
+                same_checkpoints_kept=(
+                    got["checkpoints"] == reference["checkpoints"]
+                    and got["links"] == reference["links"]
+                ),
+            )
         else:
             record["bit_exact"], record["error"] = False, done.stderr.strip()[-500:]
         by_phase[phase] += record["killed"]
@@ -101,15 +140,25 @@ def run_chaos(config: dict, argv: list[str]) -> int:
         trials.append(record)
         shutil.rmtree(trial_dir, ignore_errors=True)
     report = {
-        "mode": "chaos", "trials": len(trials), "bit_exact": exact, "same_checkpoints_kept": same_kept,
+        "mode": "chaos",
+        "trials": len(trials),
+        "bit_exact": exact,
+        "same_checkpoints_kept": same_kept,
         "kills_by_phase": dict(by_phase),
-        "kill_points_available": dict(counts), "invalid_visible_checkpoints": invalid,
-        "all_checks_passed": exact == same_kept == len(trials) and not invalid and all(t["killed"] for t in trials),
-        "command": " ".join(_command(argv, Path("<trial dir>"))), "seconds": round(time.time() - t0, 1),
-        "versions": versions(), "trial_records": trials,
+        "kill_points_available": dict(counts),
+        "invalid_visible_checkpoints": invalid,
+        "all_checks_passed": exact == same_kept == len(trials)
+        and not invalid
+        and all(t["killed"] for t in trials),
+        "command": " ".join(_command(argv, Path("<trial dir>"))),
+        "seconds": round(time.time() - t0, 1),
+        "versions": versions(),
+        "trial_records": trials,
     }
     (out / "verification.json").write_bytes(jsonio.dumps(report))
-    print(f"chaos: {exact}/{len(trials)} trials bit-exact, {same_kept}/{len(trials)} kept the same checkpoints "
-          f"and links; kills by phase {dict(by_phase)}; "
-          f"{len(invalid)} invalid visible checkpoints; report {out / 'verification.json'}")
+    print(
+        f"chaos: {exact}/{len(trials)} trials bit-exact, {same_kept}/{len(trials)} kept the same checkpoints "
+        f"and links; kills by phase {dict(by_phase)}; "
+        f"{len(invalid)} invalid visible checkpoints; report {out / 'verification.json'}"
+    )
     return EXIT_OK if report["all_checks_passed"] else EXIT_MISMATCH

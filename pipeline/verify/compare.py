@@ -1,4 +1,5 @@
 """The one comparator of "the same state" (the verifier's summaries, roundtrip's state trees)."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,12 @@ from pipeline.stateful import PARTS, flat
 MISSING = object()
 MACHINE_OF = {**{p: p for p in PARTS}, "eval": "model"}
 # Per-update records after the cut, and which state machine a mismatch there points at first.
-RECORDS = {"records/ids": "data_iter", "records/lr": "scheduler", "records/loss": "model", "records/step": "data_iter"}
+RECORDS = {
+    "records/ids": "data_iter",
+    "records/lr": "scheduler",
+    "records/loss": "model",
+    "records/step": "data_iter",
+}
 
 
 def diff(a, b, atol: float = 0.0, rtol: float = 0.0) -> dict:
@@ -20,15 +26,27 @@ def diff(a, b, atol: float = 0.0, rtol: float = 0.0) -> dict:
         return {"max_abs_diff": None, "ok": False, "detail": "missing on one side"}
     if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
         same = type(a) is type(b) and _json(a) == _json(b)
-        return {"max_abs_diff": None, "ok": same, "detail": "" if same else f"{_json(a)} vs {_json(b)}"}
+        return {
+            "max_abs_diff": None,
+            "ok": same,
+            "detail": "" if same else f"{_json(a)} vs {_json(b)}",
+        }
     if a.shape != b.shape or a.dtype != b.dtype:
-        return {"max_abs_diff": None, "ok": False, "detail": f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"}
+        return {
+            "max_abs_diff": None,
+            "ok": False,
+            "detail": f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}",
+        }
     if a.size == 0:
         return {"max_abs_diff": 0.0, "ok": True, "detail": ""}
     fa, fb = a.astype(np.float64), b.astype(np.float64)
     finite = np.isfinite(fa) & np.isfinite(fb)
     if not finite.all():
-        return {"max_abs_diff": None, "ok": False, "detail": f"{int((~finite).sum())} non-finite values"}
+        return {
+            "max_abs_diff": None,
+            "ok": False,
+            "detail": f"{int((~finite).sum())} non-finite values",
+        }
     d = np.abs(fa - fb)
     ok = bool(np.all(d <= atol + rtol * np.abs(fb))) if atol or rtol else a.tobytes() == b.tobytes()
     return {"max_abs_diff": float(d.max()), "ok": ok, "detail": ""}
@@ -41,8 +59,10 @@ def _json(v) -> str:
 
 def compare(reference: dict, other: dict, atol: float = 0.0, rtol: float = 0.0) -> dict[str, dict]:
     """Every key of either side, compared; a key on one side only is a structural difference."""
-    return {k: diff(reference.get(k, MISSING), other.get(k, MISSING), atol, rtol)
-            for k in sorted(set(reference) | set(other))}
+    return {
+        k: diff(reference.get(k, MISSING), other.get(k, MISSING), atol, rtol)
+        for k in sorted(set(reference) | set(other))
+    }
 
 
 def first_difference(a, b, name: str = "") -> str | None:

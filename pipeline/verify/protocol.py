@@ -1,4 +1,5 @@
 """Seed 003's protocol in four fresh processes: continuous, interrupted, full resume, resume without RNG."""
+
 from __future__ import annotations
 
 import shutil
@@ -26,8 +27,9 @@ def verify_dir(config: dict, *sub: str) -> Path:
     return out
 
 
-def run_workers(config: dict, out: Path, cut: int, steps: int,
-                overrides: tuple[str, ...] | list[str] = ()) -> tuple[list[list[str]], str | None]:
+def run_workers(
+    config: dict, out: Path, cut: int, steps: int, overrides: tuple[str, ...] | list[str] = ()
+) -> tuple[list[list[str]], str | None]:
     """Runs the four processes (two at a time where they are independent); returns commands, error. Each gets
     the `overrides` config.json was composed from: what they allow it to build (pipeline/config/targets.py)."""
     config_path = out / "config.json"
@@ -35,46 +37,81 @@ def run_workers(config: dict, out: Path, cut: int, steps: int,
     ckpt = ("--checkpoint", str(out / "interrupted" / "checkpoint"))
 
     def worker(mode: str, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "pipeline.verify.worker", "--config", str(config_path), "--mode", mode,
-                "--cut", str(cut), "--steps", str(steps), "--out", str(out / mode), *extra,
-                *(f"--override={o}" for o in overrides)]
+        return [
+            sys.executable,
+            "-m",
+            "pipeline.verify.worker",
+            "--config",
+            str(config_path),
+            "--mode",
+            mode,
+            "--cut",
+            str(cut),
+            "--steps",
+            str(steps),
+            "--out",
+            str(out / mode),
+            *extra,
+            *(f"--override={o}" for o in overrides),
+        ]
 
     first = [worker("continuous"), worker("interrupted")]
     second = [worker("resume", *ckpt), worker("negative", *ckpt)]
     for batch in (first, second):
-        procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in batch]
+        procs = [
+            subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for c in batch
+        ]
         for cmd, p in zip(batch, procs):
             _, err = p.communicate()
             if p.returncode != 0:
                 tail = (err.strip().splitlines() or ["(no output)"])[-1]
-                return first + second, f"{cmd[cmd.index('--mode') + 1]} process exited {p.returncode}: {tail}"
+                return (
+                    first + second,
+                    f"{cmd[cmd.index('--mode') + 1]} process exited {p.returncode}: {tail}",
+                )
     return first + second, None
 
 
 def _worst_weight(results: dict[str, dict]) -> float | None:
-    values = [r["max_abs_diff"] for k, r in results.items() if k.startswith("model/") and r["max_abs_diff"] is not None]
+    values = [
+        r["max_abs_diff"]
+        for k, r in results.items()
+        if k.startswith("model/") and r["max_abs_diff"] is not None
+    ]
     return max(values) if values else None
 
 
 def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     """The verification report from the four summaries on disk."""
     (cont, cont_meta), (intr, intr_meta), (res, _), (neg, _) = (
-        read_summary(out / mode) for mode in ("continuous", "interrupted", "resume", "negative"))
+        read_summary(out / mode) for mode in ("continuous", "interrupted", "resume", "negative")
+    )
     # The continuous run's per-update records after the cut line up with the resumed runs' records.
     after = {k: v[cut:] for k, v in cont.items() if k.startswith("records/")}
     cont_final = {**{k: v for k, v in cont.items() if not k.startswith("records/")}, **after}
     pos = compare(cont_final, res, atol, rtol)
     negc = compare(cont_final, neg, atol, rtol)
-    comparisons = [{"name": key, "state_machine": machine(key), "positive_max_abs_diff": pos[key]["max_abs_diff"],
-                    "negative_max_abs_diff": negc[key]["max_abs_diff"], "positive_agrees": pos[key]["ok"],
-                    "negative_diverges": not negc[key]["ok"], "detail": pos[key]["detail"] or negc[key]["detail"]}
-                   for key in sorted(pos)]
+    comparisons = [
+        {
+            "name": key,
+            "state_machine": machine(key),
+            "positive_max_abs_diff": pos[key]["max_abs_diff"],
+            "negative_max_abs_diff": negc[key]["max_abs_diff"],
+            "positive_agrees": pos[key]["ok"],
+            "negative_diverges": not negc[key]["ok"],
+            "detail": pos[key]["detail"] or negc[key]["detail"],
+        }
+        for key in sorted(pos)
+    ]
     # Restored state at the cut against the interrupted process's state at the cut: names the culprit.
     restored, _ = read_summary(out / "resume", "restored")
     intr_state = {k: v for k, v in intr.items() if not k.startswith("records/")}
     at_cut = compare(intr_state, restored, atol, rtol)
     restore_failures = sorted({machine(k) for k, r in at_cut.items() if not r["ok"]})
-    trajectory_failures = sorted({c["state_machine"] for c in comparisons if not c["positive_agrees"]})
+    trajectory_failures = sorted(
+        {c["state_machine"] for c in comparisons if not c["positive_agrees"]}
+    )
     positive = not trajectory_failures and not restore_failures
     # The negative control counts only if the run itself went elsewhere: its streams' next draws always
     # differ (they were not restored), which alone proves nothing about the trajectory.
@@ -84,29 +121,45 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     runs = {"continuous": cont, "resume": res, "negative": neg}
     eval_loss = {name: float(run["eval/losses"].mean()) for name, run in runs.items()}
     report = {
-        "positive": positive, "negative_divergence_detected": negative, "all_checks_passed": positive and negative,
-        "tolerance": {"atol": atol, "rtol": rtol,
-                      "mode": "exact (the same bytes)" if not (atol or rtol) else "allclose"},
-        "cut": cut, "steps": steps, "cursor_at_cut": f"{intr_meta['cursor']}/{intr_meta['n_train']}",
+        "positive": positive,
+        "negative_divergence_detected": negative,
+        "all_checks_passed": positive and negative,
+        "tolerance": {
+            "atol": atol,
+            "rtol": rtol,
+            "mode": "exact (the same bytes)" if not (atol or rtol) else "allclose",
+        },
+        "cut": cut,
+        "steps": steps,
+        "cursor_at_cut": f"{intr_meta['cursor']}/{intr_meta['n_train']}",
         "epoch_at_cut": intr_meta["epoch"],
         "next_lr": {name: float(run["scheduler/next_lr"][0]) for name, run in runs.items()},
         "final_eval_loss": eval_loss,
         "max_weight_diff": {"positive": _worst_weight(pos), "negative": _worst_weight(negc)},
-        "eval_loss_diff": {side: abs(eval_loss["continuous"] - eval_loss[name])
-                           for side, name in (("positive", "resume"), ("negative", "negative"))},
+        "eval_loss_diff": {
+            side: abs(eval_loss["continuous"] - eval_loss[name])
+            for side, name in (("positive", "resume"), ("negative", "negative"))
+        },
         "failed_state_machines": sorted(set(trajectory_failures) | set(restore_failures)),
-        "restore_failures": restore_failures, "comparisons": comparisons,
-        "restored_at_cut": [{"name": k, "state_machine": machine(k), **r} for k, r in at_cut.items()],
+        "restore_failures": restore_failures,
+        "comparisons": comparisons,
+        "restored_at_cut": [
+            {"name": k, "state_machine": machine(k), **r} for k, r in at_cut.items()
+        ],
         "versions": versions(),
     }
     if not positive:
-        report["reason"] = ("the resumed run differs from the continuous one in: "
-                            + ", ".join(report["failed_state_machines"]))
+        report["reason"] = "the resumed run differs from the continuous one in: " + ", ".join(
+            report["failed_state_machines"]
+        )
     elif not negative:
-        report["reason"] = ("the negative control cannot diverge: no random stream draws after the cut (this config "
-                            "uses no randomness there, so skipping the RNG restore changes nothing: add dropout or "
-                            "data augmentation, or move verify.cut before an epoch's shuffle)"
-                            if not rng_moved else "the negative control did not diverge although streams moved")
+        report["reason"] = (
+            "the negative control cannot diverge: no random stream draws after the cut (this config "
+            "uses no randomness there, so skipping the RNG restore changes nothing: add dropout or "
+            "data augmentation, or move verify.cut before an epoch's shuffle)"
+            if not rng_moved
+            else "the negative control did not diverge although streams moved"
+        )
     return report
 
 
@@ -114,7 +167,10 @@ def run_protocol(config: dict, argv: list[str]) -> int:
     v = config["verify"]
     cut, steps, atol, rtol = int(v["cut"]), int(v["steps"]), float(v["atol"]), float(v["rtol"])
     if not 0 < cut < steps:
-        print(f"pipeline.verify: verify.cut must be in (0, verify.steps={steps}), got {cut}", file=sys.stderr)
+        print(
+            f"pipeline.verify: verify.cut must be in (0, verify.steps={steps}), got {cut}",
+            file=sys.stderr,
+        )
         return EXIT_INCOMPLETE
     out = verify_dir(config)
     t0 = time.time()
@@ -125,9 +181,17 @@ def run_protocol(config: dict, argv: list[str]) -> int:
         except (OSError, KeyError, ValueError) as e:
             error = f"could not read the summaries: {e}"
     if error is not None:
-        report = {"all_checks_passed": False, "positive": None, "negative_divergence_detected": None,
-                  "reason": error, "tolerance": {"atol": atol, "rtol": rtol}, "versions": versions()}
-    report["commands"] = [" ".join(["python -m pipeline.verify", *argv])] + [" ".join(c) for c in commands]
+        report = {
+            "all_checks_passed": False,
+            "positive": None,
+            "negative_divergence_detected": None,
+            "reason": error,
+            "tolerance": {"atol": atol, "rtol": rtol},
+            "versions": versions(),
+        }
+    report["commands"] = [" ".join(["python -m pipeline.verify", *argv])] + [
+        " ".join(c) for c in commands
+    ]
     report["seconds"] = round(time.time() - t0, 2)
     (out / "verification.json").write_bytes(jsonio.dumps(report))
     print_report(report, out)
@@ -144,10 +208,14 @@ def print_report(report: dict, out: Path) -> None:
         print(f"{'':28}{'full resume':>16}{'no RNG restore':>18}")
         print(f"{'max weight difference':28}{mw['positive']:>16.6g}{mw['negative']:>18.6g}")
         print(f"{'eval loss difference':28}{ed['positive']:>16.6g}{ed['negative']:>18.6g}")
-        print(f"{'verdict':28}{'agrees' if report['positive'] else 'DIFFERS':>16}"
-              f"{'diverges' if report['negative_divergence_detected'] else 'DOES NOT DIVERGE':>18}")
-        print(f"cursor at cut {report['cursor_at_cut']}, next lr {report['next_lr']['continuous']:.6g} "
-              f"(continuous) / {report['next_lr']['resume']:.6g} (resume)")
+        print(
+            f"{'verdict':28}{'agrees' if report['positive'] else 'DIFFERS':>16}"
+            f"{'diverges' if report['negative_divergence_detected'] else 'DOES NOT DIVERGE':>18}"
+        )
+        print(
+            f"cursor at cut {report['cursor_at_cut']}, next lr {report['next_lr']['continuous']:.6g} "
+            f"(continuous) / {report['next_lr']['resume']:.6g} (resume)"
+        )
         if "reason" in report:
             print(f"FAILED: {report['reason']}")
     print(f"report: {out / 'verification.json'}")

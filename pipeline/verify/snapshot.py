@@ -1,4 +1,5 @@
 """Everything a run's future depends on, as flat arrays and JSON, grouped by state machine."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,9 +31,17 @@ def snapshot(state) -> tuple[dict[str, np.ndarray], dict]:
     arrays["scheduler/next_lr"] = np.array([state.optimizer.lr], dtype=np.float64)
     for name, value in state.streams.peek().items():
         arrays[f"rng/next.{name}"] = np.array([value], dtype=np.float64)
-    arrays["eval/losses"] = np.array([state.model.evaluate(b) for b in state.dataset.val_batches(state.dtype)])
-    meta = {"step": state.step, "rng_states": tree["rng"], "scheduler": tree["scheduler"],
-            "cursor": it.cursor, "n_train": it.n, "epoch": it.epoch}
+    arrays["eval/losses"] = np.array(
+        [state.model.evaluate(b) for b in state.dataset.val_batches(state.dtype)]
+    )
+    meta = {
+        "step": state.step,
+        "rng_states": tree["rng"],
+        "scheduler": tree["scheduler"],
+        "cursor": it.cursor,
+        "n_train": it.n,
+        "epoch": it.epoch,
+    }
     return arrays, meta
 
 
@@ -41,7 +50,9 @@ def _save(directory: Path, name: str, arrays: dict, meta: dict) -> None:
     (directory / f"{name}.json").write_bytes(jsonio.dumps(meta))
 
 
-def write_summary(directory: Path, state, records: list[dict], restored: tuple | None = None) -> None:
+def write_summary(
+    directory: Path, state, records: list[dict], restored: tuple | None = None
+) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     arrays, meta = snapshot(state)
     if records:
@@ -55,4 +66,6 @@ def write_summary(directory: Path, state, records: list[dict], restored: tuple |
 
 
 def read_summary(directory: Path, name: str = "summary") -> tuple[dict[str, np.ndarray], dict]:
-    return load_file(str(directory / f"{name}.safetensors")), jsonio.read(directory / f"{name}.json", 1 << 30)
+    return load_file(str(directory / f"{name}.safetensors")), jsonio.read(
+        directory / f"{name}.json", 1 << 30
+    )

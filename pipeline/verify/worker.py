@@ -1,4 +1,5 @@
 """One verifier process (continuous, interrupted, resume, negative), and Fresh, the run it and roundtrip step."""
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,14 @@ class Fresh:
     def fields(self) -> dict:
         """The manifest fields of the current step, those of a run history of its own."""
         facts = self.job.facts
-        return mf.build(facts, step=self.state.step, epoch=self.state.epoch, metrics={}, tags=[],
-                        lineage=lineage_of(facts["semantic_config_hash"], None))
+        return mf.build(
+            facts,
+            step=self.state.step,
+            epoch=self.state.epoch,
+            metrics={},
+            tags=[],
+            lineage=lineage_of(facts["semantic_config_hash"], None),
+        )
 
     def save(self, directory: Path) -> dict:
         return CheckpointDir(directory).write(capture(self.parts), self.fields())
@@ -55,8 +62,12 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--checkpoint", help="the interrupted run's checkpoint (resume, negative)")
-    ap.add_argument("--override", action="append", default=[],
-                    help="an override the config was composed from: what its `_target_`s may name")
+    ap.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="an override the config was composed from: what its `_target_`s may name",
+    )
     args = ap.parse_args(argv)
 
     config = jsonio.read(Path(args.config), 1 << 24)
@@ -69,7 +80,10 @@ def main(argv=None) -> None:
     out = Path(args.out)
     restored = None
     if args.mode in ("resume", "negative"):
-        run.load(Path(args.checkpoint), PARTS if args.mode == "resume" else tuple(p for p in PARTS if p != "rng"))
+        run.load(
+            Path(args.checkpoint),
+            PARTS if args.mode == "resume" else tuple(p for p in PARTS if p != "rng"),
+        )
         restored = snapshot(run.state)
     records = run.train((args.cut if args.mode == "interrupted" else args.steps) - run.state.step)
     if args.mode == "interrupted":

@@ -1,5 +1,6 @@
 """manifest.json is the truth about the run: every field the issue lists, each recomputed independently,
 and a manifest that contradicts itself refused."""
+
 from __future__ import annotations
 
 import copy
@@ -25,14 +26,23 @@ HEX64 = re.compile(r"^[0-9a-f]{64}$")
 def saved(finished_job):
     out = finished_job(*KERNODECK)  # read, never changed
     directory = RunDir(the_run(out)).store.link_dir("final")
-    return {"directory": directory, "manifest": json.loads((directory / MANIFEST).read_text()), "out": out}
+    return {
+        "directory": directory,
+        "manifest": json.loads((directory / MANIFEST).read_text()),
+        "out": out,
+    }
 
 
 def test_step_epoch_metrics_tags_seed(saved):
     m = saved["manifest"]
     assert m["schema_version"] == mf.SCHEMA_VERSION == "2.1"
     assert (m["step"], m["epoch"]) == (10, 1)  # 6 batches of 4 per epoch
-    assert set(m["metrics"]) == {"train/loss", "lr", "grad_norm", "val/loss"}  # measured at this step
+    assert set(m["metrics"]) == {
+        "train/loss",
+        "lr",
+        "grad_norm",
+        "val/loss",
+    }  # measured at this step
     assert m["tags"] == ["best_val", "final"]  # the stages that asked for it
     assert m["seed"] == 42 == m["config"]["trainer"]["seed"]
     assert "mlflow_run_uri" in m and m["mlflow_run_uri"] is None  # tracking=none
@@ -41,16 +51,26 @@ def test_step_epoch_metrics_tags_seed(saved):
 
 def test_config_hash_is_sha256_of_canonical_json_of_the_config(saved):
     m = saved["manifest"]
-    canonical = json.dumps(m["config"], sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    canonical = json.dumps(
+        m["config"], sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    ).encode()
     assert m["config_hash"] == hashlib.sha256(canonical).hexdigest()
-    assert m["config"]["name"] == "kernodeck" and m["config"]["model"]["hidden"] == [8]  # resolved, plain
+    assert m["config"]["name"] == "kernodeck" and m["config"]["model"]["hidden"] == [
+        8
+    ]  # resolved, plain
     assert the_run(saved["out"]).name == f"kernodeck-{m['semantic_config_hash'][:12]}"
 
 
 def test_data_manifest_hash_and_spec(saved):
     m = saved["manifest"]
     assert HEX64.match(m["data_manifest_hash"])
-    assert m["data_spec"] == {"n_features": 2, "n_targets": 1, "vocab_size": 0, "block_size": 0, "n_train": 24}
+    assert m["data_spec"] == {
+        "n_features": 2,
+        "n_targets": 1,
+        "vocab_size": 0,
+        "block_size": 0,
+        "n_train": 24,
+    }
 
 
 def test_git_sha_and_dirty_flag(saved, tmp_path):
@@ -59,7 +79,10 @@ def test_git_sha_and_dirty_flag(saved, tmp_path):
         assert re.match(r"^[0-9a-f]{40}$", m["git_sha"]) and isinstance(m["git_dirty"], bool)
     else:
         assert m["git_sha"] == "unknown"
-    assert mf.git_info(str(tmp_path)) == {"git_sha": "unknown", "git_dirty": None}  # outside a checkout
+    assert mf.git_info(str(tmp_path)) == {
+        "git_sha": "unknown",
+        "git_dirty": None,
+    }  # outside a checkout
     # An installed package inside a virtualenv inside someone's repository: that repository is not the code's.
     site = tmp_path / "project" / ".venv" / "lib" / "python3"
     site.mkdir(parents=True)
@@ -71,7 +94,15 @@ def test_git_sha_and_dirty_flag(saved, tmp_path):
 
 def test_versions(saved):
     v = saved["manifest"]["versions"]
-    assert set(v) == {"python", "pipeline", "numpy", "safetensors", "hydra-core", "omegaconf", "mlflow"}
+    assert set(v) == {
+        "python",
+        "pipeline",
+        "numpy",
+        "safetensors",
+        "hydra-core",
+        "omegaconf",
+        "mlflow",
+    }
     assert v["python"] == platform.python_version() and v["numpy"] == np.__version__
     for name in ("safetensors", "hydra-core", "omegaconf"):
         assert v[name] == metadata.version(name)
@@ -114,9 +145,17 @@ def edited(m: dict, path: tuple, value=_GONE):
 
 # what: (where, the value put there, the start of the message of the one check that must refuse it)
 BAD_MANIFESTS = {
-    "config edited": (("config", "optimizer", "lr"), 1.0, "'config_hash' is not the sha256 of 'config'"),
+    "config edited": (
+        ("config", "optimizer", "lr"),
+        1.0,
+        "'config_hash' is not the sha256 of 'config'",
+    ),
     "hash edited": (("config_hash",), "0" * 64, "'config_hash' is not the sha256 of 'config'"),
-    "semantic hash edited": (("semantic_config_hash",), "0" * 64, "'semantic_config_hash' does not match 'config'"),
+    "semantic hash edited": (
+        ("semantic_config_hash",),
+        "0" * 64,
+        "'semantic_config_hash' does not match 'config'",
+    ),
     "seed edited": (("seed",), 1, "'seed' 1 differs from config trainer.seed 42"),
     "negative step": (("step",), -1, "'step' and 'epoch' must be non-negative"),
     "step a string": (("step",), "10", "'step' must be a non-negative integer, got '10'"),
@@ -150,4 +189,9 @@ def test_non_finite_metrics_are_strings_read_back_exactly():
     text = jsonio.dumps({"a": float("nan"), "b": float("inf"), "c": -float("inf"), "d": 1.5})
     json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c}"))
     back = {k: jsonio.number(v) for k, v in jsonio.loads(text).items()}
-    assert np.isnan(back["a"]) and back["b"] == float("inf") and back["c"] == -float("inf") and back["d"] == 1.5
+    assert (
+        np.isnan(back["a"])
+        and back["b"] == float("inf")
+        and back["c"] == -float("inf")
+        and back["d"] == 1.5
+    )

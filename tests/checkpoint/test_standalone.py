@@ -2,6 +2,7 @@
 its vocabulary, decode join and special tokens travel in data.json, listed and hashed like every file, so
 with the corpus (and a text run's source file) deleted it still samples and exports the same, and evaluates
 on data regenerated from its config; a damaged, unlisted or missing data.json is refused naming it."""
+
 from __future__ import annotations
 
 import hashlib
@@ -21,9 +22,14 @@ from pipeline.config.errors import ConfigError
 from pipeline.files import jsonio
 from pipeline.run.directory import RunDir
 
-NEEDS_TOKENIZERS = pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
-                                      reason="tokenizers is not installed (pip install 'pipeline[hf]')")
-PROMPTS = {"grammar": ["prompt=the man", "max_new_tokens=20", "seed=5"], "text": ["prompt=Abc", "max_new_tokens=30"]}
+NEEDS_TOKENIZERS = pytest.mark.skipif(
+    importlib.util.find_spec("tokenizers") is None,
+    reason="tokenizers is not installed (pip install 'pipeline[hf]')",
+)
+PROMPTS = {
+    "grammar": ["prompt=the man", "max_new_tokens=20", "seed=5"],
+    "text": ["prompt=Abc", "max_new_tokens=30"],
+}
 
 
 def export(ckpt: Path, out: Path) -> dict[str, bytes]:
@@ -35,7 +41,10 @@ def export(ckpt: Path, out: Path) -> dict[str, bytes]:
 
 def inference(ckpt: Path, which: str) -> dict:
     """What sampling gives from a checkpoint: sampled and greedy text."""
-    return {"sample": sample(ckpt, PROMPTS[which]), "greedy": sample(ckpt, [*PROMPTS[which], "temperature=0"])}
+    return {
+        "sample": sample(ckpt, PROMPTS[which]),
+        "greedy": sample(ckpt, [*PROMPTS[which], "temperature=0"]),
+    }
 
 
 def trained(tmp: Path, which: str, finished_job) -> dict:
@@ -50,7 +59,9 @@ def trained(tmp: Path, which: str, finished_job) -> dict:
         assert run_job(*text_overrides(source), f"paths.output_dir={out}")[0] == 0
     ckpt = RunDir(the_run(out)).store.root / "final"
     before = inference(ckpt, which)
-    if importlib.util.find_spec("tokenizers") is not None:  # the export's own test skips, saying why, without it
+    if (
+        importlib.util.find_spec("tokenizers") is not None
+    ):  # the export's own test skips, saying why, without it
         before["export"] = export(ckpt, tmp / "hf-before")
     metrics = evaluate_checkpoint(ckpt)["metrics"]
     kept = tmp / "kept.txt"
@@ -58,7 +69,14 @@ def trained(tmp: Path, which: str, finished_job) -> dict:
         shutil.copy(source, kept)
         source.unlink()
     shutil.rmtree(out / "data")
-    return {"ckpt": ckpt, "out": out, "before": before, "metrics": metrics, "kept": kept, "tmp": tmp}
+    return {
+        "ckpt": ckpt,
+        "out": out,
+        "before": before,
+        "metrics": metrics,
+        "kept": kept,
+        "tmp": tmp,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +122,9 @@ def test_without_its_corpus_a_checkpoint_exports_the_same(which, grammar, text, 
     run = grammar if which == "grammar" else text
     got = export(run["ckpt"], tmp_path / "hf")
     assert got == run["before"]["export"] and "tokenizer.json" in got, sorted(got)
-    proc = run_pipeline([str(run["ckpt"]), str(tmp_path / "cmd")], tmp_path, module="pipeline.export_hf")
+    proc = run_pipeline(
+        [str(run["ckpt"]), str(tmp_path / "cmd")], tmp_path, module="pipeline.export_hf"
+    )
     assert proc.returncode == 0, proc.stderr
     assert {p.name: p.read_bytes() for p in sorted((tmp_path / "cmd").iterdir())} == got
     assert not (run["out"] / "data").exists()
@@ -113,15 +133,24 @@ def test_without_its_corpus_a_checkpoint_exports_the_same(which, grammar, text, 
 def test_data_json_holds_the_corpus_vocabulary_join_and_specials(grammar, text):
     from pipeline.data.grammar import vocabulary
 
-    assert CheckpointDir(grammar["ckpt"]).data_facts() == {"vocab": vocabulary(), "decode_join": " ",
-                                                 "specials": {"eos": "<eos>"}}
+    assert CheckpointDir(grammar["ckpt"]).data_facts() == {
+        "vocab": vocabulary(),
+        "decode_join": " ",
+        "specials": {"eos": "<eos>"},
+    }
     chars = sorted(set(text["kept"].read_text()))
-    assert CheckpointDir(text["ckpt"]).data_facts() == {"vocab": chars, "decode_join": "", "specials": {}}
+    assert CheckpointDir(text["ckpt"]).data_facts() == {
+        "vocab": chars,
+        "decode_join": "",
+        "specials": {},
+    }
 
 
 def test_data_json_is_the_same_bytes_in_every_checkpoint_of_a_run(grammar):
-    entries = {json.dumps(CheckpointDir(d).manifest()["files"][DATA])
-               for _, d in RunDir(the_run(grammar["out"])).store.steps()}
+    entries = {
+        json.dumps(CheckpointDir(d).manifest()["files"][DATA])
+        for _, d in RunDir(the_run(grammar["out"])).store.steps()
+    }
     assert len(entries) == 1
 
 
@@ -142,8 +171,13 @@ def test_evaluate_reads_a_text_corpus_from_the_file_the_user_names(text, tmp_pat
 
 def test_another_dataset_is_checked_against_the_checkpoints_own_vocabulary(text, tmp_path):
     other = tmp_path / "b.txt"
-    other.write_text("Abc dx,\nfg hx.\n" * 60)  # x for é: the same size of vocabulary, its last token changed
-    with pytest.raises(ConfigError, match=r"vocabulary differs from the checkpoint's at 1 ids \(id 11: 'é' -> 'x'\)"):
+    other.write_text(
+        "Abc dx,\nfg hx.\n" * 60
+    )  # x for é: the same size of vocabulary, its last token changed
+    with pytest.raises(
+        ConfigError,
+        match=r"vocabulary differs from the checkpoint's at 1 ids \(id 11: 'é' -> 'x'\)",
+    ):
         evaluate_checkpoint(text["ckpt"], [f"data.path={other}"])
 
 
@@ -160,7 +194,9 @@ def test_a_flipped_byte_in_data_json_is_refused_naming_it(grammar, tmp_path):
     assert f"{DATA}: sha256 differs" in line, line
 
 
-@pytest.mark.parametrize("damage", ["unlisted", "missing", "missing and unlisted", "a vocabulary of another size"])
+@pytest.mark.parametrize(
+    "damage", ["unlisted", "missing", "missing and unlisted", "a vocabulary of another size"]
+)
 def test_a_new_checkpoint_without_its_data_json_is_refused_naming_it(damage, grammar, tmp_path):
     ckpt = copy_of(grammar["ckpt"], tmp_path)
     if "missing" in damage:
@@ -176,10 +212,12 @@ def test_a_new_checkpoint_without_its_data_json_is_refused_naming_it(damage, gra
         CheckpointDir(ckpt).load()
     e = info.value
     assert DATA in str(e) and "\n" not in str(e), e
-    expected = {"unlisted": (MANIFEST, "does not list data.json"),
-                "missing": (DATA, "listed in manifest.json but missing"),
-                "missing and unlisted": (MANIFEST, "does not list data.json"),
-                "a vocabulary of another size": (DATA, "data_spec says vocab_size")}[damage]
+    expected = {
+        "unlisted": (MANIFEST, "does not list data.json"),
+        "missing": (DATA, "listed in manifest.json but missing"),
+        "missing and unlisted": (MANIFEST, "does not list data.json"),
+        "a vocabulary of another size": (DATA, "data_spec says vocab_size"),
+    }[damage]
     assert (e.file, expected[1] in e.reason) == (expected[0], True), e
 
 
@@ -195,7 +233,9 @@ def test_a_schema_2_0_checkpoint_without_data_json_builds_its_data_instead(gramm
 
 @pytest.mark.slow
 def test_the_commands_stand_alone(grammar, tmp_path):
-    proc = run_pipeline([str(grammar["ckpt"]), *PROMPTS["grammar"]], tmp_path, module="pipeline.sample")
+    proc = run_pipeline(
+        [str(grammar["ckpt"]), *PROMPTS["grammar"]], tmp_path, module="pipeline.sample"
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == grammar["before"]["sample"], proc.stderr
     assert not (grammar["out"] / "data").exists()
     proc = run_pipeline([str(grammar["ckpt"]), "--json"], tmp_path, module="pipeline.evaluate")
@@ -204,11 +244,23 @@ def test_the_commands_stand_alone(grammar, tmp_path):
     shutil.rmtree(grammar["out"] / "data")
 
 
-@pytest.mark.parametrize("plant, words", [
-    (lambda d: d.__setitem__("decode_join", " " * (4 << 20)), "decode_join must be a string of at most 16"),
-    (lambda d: d["vocab"].__setitem__(3, "w" * 257), "a token of 257 characters: tokens are at most 256"),
-    (lambda d: d.__setitem__("specials", {f"role{i}": "<eos>" for i in range(17)}), "at most 16 roles"),
-])
+@pytest.mark.parametrize(
+    "plant, words",
+    [
+        (
+            lambda d: d.__setitem__("decode_join", " " * (4 << 20)),
+            "decode_join must be a string of at most 16",
+        ),
+        (
+            lambda d: d["vocab"].__setitem__(3, "w" * 257),
+            "a token of 257 characters: tokens are at most 256",
+        ),
+        (
+            lambda d: d.__setitem__("specials", {f"role{i}": "<eos>" for i in range(17)}),
+            "at most 16 roles",
+        ),
+    ],
+)
 def test_data_json_strings_are_bounded(plant, words, grammar, tmp_path):
     """A planted 4 MiB decode_join (hashes recomputed) would cost sample gigabytes: refused before it decodes."""
     ckpt = copy_of(grammar["ckpt"], tmp_path)

@@ -1,6 +1,7 @@
 """The checkpoint store (pipeline/checkpoint/store.py): all-or-nothing writes, full verification on load,
 and every refusal one line naming the directory, the file and the reason, with nothing on disk changed and
 the live objects untouched."""
+
 from __future__ import annotations
 
 import hashlib
@@ -60,7 +61,9 @@ def ckpt(saved, tmp_path) -> Path:
     return directory
 
 
-def rejects(directory: Path, file: str, *reason_words: str, run: Fresh | None = None) -> CheckpointError:
+def rejects(
+    directory: Path, file: str, *reason_words: str, run: Fresh | None = None
+) -> CheckpointError:
     """CheckpointDir.load() raises naming directory, file and reason, changing nothing on disk or in `run`."""
     root = directory.parent
     before = tree(root, mtimes="all")
@@ -134,6 +137,7 @@ def edit_extra(directory: Path, change) -> None:
 
 # -- the round trip -------------------------------------------------------------------------------------
 
+
 def test_every_part_is_byte_equal_after_a_round_trip(tmp_path):
     run = fresh(tmp_path)
     run.train(7)
@@ -157,9 +161,15 @@ def test_the_files_hold_the_tree_as_documented(saved):
     assert "data_iter/permutation" in optim and optim["data_iter/permutation"].dtype == np.int64
     extra = json.loads((saved / EXTRA).read_text())
     assert set(extra) == set(PARTS) - {"model"}
-    assert extra["optimizer"]["t"] == 10 and extra["progress"]["step"] == 10 and "permutation" not in extra["data_iter"]
+    assert (
+        extra["optimizer"]["t"] == 10
+        and extra["progress"]["step"] == 10
+        and "permutation" not in extra["data_iter"]
+    )
     m = manifest_of(saved)
-    assert m["files"][WEIGHTS]["sha256"] == hashlib.sha256((saved / WEIGHTS).read_bytes()).hexdigest()
+    assert (
+        m["files"][WEIGHTS]["sha256"] == hashlib.sha256((saved / WEIGHTS).read_bytes()).hexdigest()
+    )
 
 
 def test_tied_weights_are_stored_once_and_one_object_after_load(tmp_path):
@@ -175,7 +185,10 @@ def test_tied_weights_are_stored_once_and_one_object_after_load(tmp_path):
     assert ckpt.state["model"]["lm_head.weight"] is ckpt.state["model"]["transformer.wte.weight"]
     other = fresh(tmp_path, base=TINY)
     other.load(tmp_path / "c")
-    assert other.state.model.state_dict()["lm_head.weight"] is other.state.model.params["transformer.wte.weight"]
+    assert (
+        other.state.model.state_dict()["lm_head.weight"]
+        is other.state.model.params["transformer.wte.weight"]
+    )
 
 
 def test_the_library_reads_our_files_and_we_read_its_files(saved, tmp_path):
@@ -200,8 +213,13 @@ def test_equal_states_give_equal_bytes(tmp_path):
 
 # -- all or nothing ---------------------------------------------------------------------------------------
 
+
 def temporaries(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith(TMP_PREFIX)) if parent.is_dir() else []
+    return (
+        sorted(p.name for p in parent.iterdir() if p.name.startswith(TMP_PREFIX))
+        if parent.is_dir()
+        else []
+    )
 
 
 SAVE_POINTS = {1: "after weights", 3: "before manifest", 4: "before rename", 5: "after rename"}
@@ -211,10 +229,25 @@ SAVE_POINTS = {1: "after weights", 3: "before manifest", 4: "before rename", 5: 
 def test_a_save_killed_with_sigkill_is_all_or_nothing(tmp_path, k):
     """A real kill -9 at the k-th save point (pipeline/files/killpoint.py), in a separate process."""
     out = tmp_path / "saves"
-    cmd = [sys.executable, "-m", "pipeline.roundtrip", "--save-to", str(tmp_path), "--steps", "4", "--",
-           *KERNODECK, f"paths.output_dir={tmp_path / 'out'}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env={**env_for_subprocess(), "PIPELINE_CHAOS": f"save:{k}"},
-                          capture_output=True, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.roundtrip",
+        "--save-to",
+        str(tmp_path),
+        "--steps",
+        "4",
+        "--",
+        *KERNODECK,
+        f"paths.output_dir={tmp_path / 'out'}",
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        env={**env_for_subprocess(), "PIPELINE_CHAOS": f"save:{k}"},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     store = CheckpointStore(out)
     if SAVE_POINTS[k] == "after rename":
@@ -222,9 +255,13 @@ def test_a_save_killed_with_sigkill_is_all_or_nothing(tmp_path, k):
         CheckpointDir(out / step_dir_name(4)).verify()  # visible means complete
         return
     assert store.steps() == [] and len(temporaries(out)) == 1  # readers see nothing
-    again = subprocess.run(cmd, cwd=tmp_path, env=env_for_subprocess(), capture_output=True, text=True)
+    again = subprocess.run(
+        cmd, cwd=tmp_path, env=env_for_subprocess(), capture_output=True, text=True
+    )
     assert again.returncode == 0, again.stderr
-    assert temporaries(out) == [] and [s for s, _ in store.steps()] == [4]  # the next save cleaned up
+    assert temporaries(out) == [] and [s for s, _ in store.steps()] == [
+        4
+    ]  # the next save cleaned up
     CheckpointDir(out / step_dir_name(4)).verify()
 
 
@@ -241,6 +278,7 @@ def test_a_save_over_an_existing_step_replaces_it_whole(tmp_path):
 
 
 # -- CheckpointDir.load(): the files ---------------------------------------------------------------------------
+
 
 def test_missing_manifest(ckpt):
     (ckpt / MANIFEST).unlink()
@@ -297,7 +335,9 @@ def test_one_flipped_bit_in_tensor_data(ckpt, name):
 
 
 def test_one_flipped_bit_in_the_header(ckpt):
-    flip_bit(ckpt / WEIGHTS, 12, bit=1)  # inside the JSON header: reported as what it is, corruption
+    flip_bit(
+        ckpt / WEIGHTS, 12, bit=1
+    )  # inside the JSON header: reported as what it is, corruption
     rejects(ckpt, WEIGHTS, "sha256")
 
 
@@ -339,13 +379,17 @@ def test_manifest_step_differs_from_extra(ckpt):
 
 def test_unknown_alias(ckpt):
     arrays = load_file(str(ckpt / WEIGHTS))
-    rewrite_weights(ckpt, arrays, {"format": "np", "lm_head.weight": "ALIAS(transformer.wte.weight)"})
+    rewrite_weights(
+        ckpt, arrays, {"format": "np", "lm_head.weight": "ALIAS(transformer.wte.weight)"}
+    )
     rejects(ckpt, WEIGHTS)
 
 
 def test_circular_alias(ckpt):
     arrays = load_file(str(ckpt / WEIGHTS))
-    rewrite_weights(ckpt, arrays, {"format": "np", "a.weight": "ALIAS(b.weight)", "b.weight": "ALIAS(a.weight)"})
+    rewrite_weights(
+        ckpt, arrays, {"format": "np", "a.weight": "ALIAS(b.weight)", "b.weight": "ALIAS(a.weight)"}
+    )
     rejects(ckpt, WEIGHTS)
 
 
@@ -353,24 +397,37 @@ def test_safetensors_header_lying_about_offsets(ckpt):
     path = ckpt / WEIGHTS
     data = path.read_bytes()
     n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     name = next(k for k in header if k != "__metadata__")
     header[name]["shape"] = [header[name]["shape"][0] + 1, *header[name]["shape"][1:]]
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
     relist(ckpt, WEIGHTS)
     rejects(ckpt, WEIGHTS, "not a valid safetensors file")
 
 
-@pytest.mark.parametrize("file, change, key", [
-    (OPTIM, lambda a: a.__setitem__("model/layers.0.bias", a["optimizer/exp_avg/layers.0.bias"]),
-     "model/layers.0.bias"),
-    (OPTIM, lambda a: a.__setitem__("nobody/x", np.zeros(2)), "nobody/x"),
-    (OPTIM, lambda a: a.__setitem__("scheduler", np.zeros(2)), "scheduler"),
-    (EXTRA, lambda e: e.__setitem__("model", {"layers.0.bias": [0.0] * 8}), "model"),
-    (EXTRA, lambda e: e.__setitem__("nobody", {}), "nobody"),
-], ids=["model-in-optim", "no-part-in-optim", "a-part-itself-in-optim", "model-in-extra", "no-part-in-extra"])
+@pytest.mark.parametrize(
+    "file, change, key",
+    [
+        (
+            OPTIM,
+            lambda a: a.__setitem__("model/layers.0.bias", a["optimizer/exp_avg/layers.0.bias"]),
+            "model/layers.0.bias",
+        ),
+        (OPTIM, lambda a: a.__setitem__("nobody/x", np.zeros(2)), "nobody/x"),
+        (OPTIM, lambda a: a.__setitem__("scheduler", np.zeros(2)), "scheduler"),
+        (EXTRA, lambda e: e.__setitem__("model", {"layers.0.bias": [0.0] * 8}), "model"),
+        (EXTRA, lambda e: e.__setitem__("nobody", {}), "nobody"),
+    ],
+    ids=[
+        "model-in-optim",
+        "no-part-in-optim",
+        "a-part-itself-in-optim",
+        "model-in-extra",
+        "no-part-in-extra",
+    ],
+)
 def test_a_key_outside_its_files_namespace_is_refused(ckpt, file, change, key):
     """Each file holds its own parts' keys (weights.safetensors the model's; optim.safetensors and extra.json
     the other parts'): a key the file may not hold is refused naming it, with or without the live run, never
@@ -378,8 +435,9 @@ def test_a_key_outside_its_files_namespace_is_refused(ckpt, file, change, key):
     (rewrite_optim if file == OPTIM else edit_extra)(ckpt, change)
     with pytest.raises(CheckpointError) as info:
         CheckpointDir(ckpt).verify()
-    assert info.value.file == file and info.value.reason.startswith(f"{'tensor' if file == OPTIM else 'key'} "
-                                                                    f"{key!r} is the state of no part"), info.value
+    assert info.value.file == file and info.value.reason.startswith(
+        f"{'tensor' if file == OPTIM else 'key'} {key!r} is the state of no part"
+    ), info.value
     rejects(ckpt, file)
 
 
@@ -390,36 +448,65 @@ def test_not_a_directory(tmp_path):
 
 # -- restore: the live objects ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides, file, words", [
-    (["model.hidden=[8,8]"], WEIGHTS, ["does not fit", "lacks ['layers.2.bias', 'layers.2.weight']"]),
-    (["model.hidden=[16]"], WEIGHTS, ["layers.0.bias", "F64[8]", "F64[16]"]),
-    (["trainer.dtype=float32"], WEIGHTS, ["F64", "F32"]),
-    (["optimizer=sgd", "optimizer.momentum=0.9"], OPTIM, ["does not fit", "optimizer/momentum_buffer"]),
-], ids=["extra-layer", "wider", "float32-run", "sgd-momentum"])
+
+@pytest.mark.parametrize(
+    "overrides, file, words",
+    [
+        (
+            ["model.hidden=[8,8]"],
+            WEIGHTS,
+            ["does not fit", "lacks ['layers.2.bias', 'layers.2.weight']"],
+        ),
+        (["model.hidden=[16]"], WEIGHTS, ["layers.0.bias", "F64[8]", "F64[16]"]),
+        (["trainer.dtype=float32"], WEIGHTS, ["F64", "F32"]),
+        (
+            ["optimizer=sgd", "optimizer.momentum=0.9"],
+            OPTIM,
+            ["does not fit", "optimizer/momentum_buffer"],
+        ),
+    ],
+    ids=["extra-layer", "wider", "float32-run", "sgd-momentum"],
+)
 def test_checkpoint_that_does_not_fit_the_live_run(ckpt, overrides, file, words):
     rejects(ckpt, file, *words, run=fresh(ckpt.parent.parent, *overrides))
 
 
-@pytest.mark.parametrize("change, part", [
-    (lambda e: e["rng"]["dropout"].pop("inc"), "rng"),
-    (lambda e: e["rng"]["python"].__setitem__("internal", [1, 2, 3]), "rng"),
-    (lambda e: e["data_iter"].__setitem__("cursor", 99), "data_iter"),
-    (lambda e: e["stages"]["best_val"].__setitem__("best", "low"), "stages"),
-    (lambda e: e["stages"]["best_val"].__setitem__("best_step", [1]), "stages"),
-    (lambda e: e["scheduler"].__setitem__("last_epoch", -3), "scheduler"),
-    (lambda e: e["progress"]["metrics"].__setitem__("val/loss", "low"), "progress"),
-], ids=["rng-inc", "python-state", "cursor", "best-type", "best-step-type", "last-epoch", "metric"])
+@pytest.mark.parametrize(
+    "change, part",
+    [
+        (lambda e: e["rng"]["dropout"].pop("inc"), "rng"),
+        (lambda e: e["rng"]["python"].__setitem__("internal", [1, 2, 3]), "rng"),
+        (lambda e: e["data_iter"].__setitem__("cursor", 99), "data_iter"),
+        (lambda e: e["stages"]["best_val"].__setitem__("best", "low"), "stages"),
+        (lambda e: e["stages"]["best_val"].__setitem__("best_step", [1]), "stages"),
+        (lambda e: e["scheduler"].__setitem__("last_epoch", -3), "scheduler"),
+        (lambda e: e["progress"]["metrics"].__setitem__("val/loss", "low"), "progress"),
+    ],
+    ids=[
+        "rng-inc",
+        "python-state",
+        "cursor",
+        "best-type",
+        "best-step-type",
+        "last-epoch",
+        "metric",
+    ],
+)
 def test_an_incoherent_json_state_leaves_live_objects_untouched(ckpt, change, part):
     edit_extra(ckpt, change)
     run = fresh(ckpt.parent.parent)
     live = copy_tree(capture(run.parts))
-    error = rejects(ckpt, EXTRA, part, "does not fit", run=run)  # verifying against the live parts refuses it
+    error = rejects(
+        ckpt, EXTRA, part, "does not fit", run=run
+    )  # verifying against the live parts refuses it
     assert error.reason.startswith(f"{part} does not fit the live run")
     ckpt_state = CheckpointDir(ckpt).load().state  # the files alone are fine ...
     with pytest.raises(StateMismatch) as info:  # ... and restoring them refuses, all or nothing
         restore(run.parts, ckpt_state)
     assert info.value.part == part
-    assert_same_tree(capture(run.parts), live)  # the model came first in the restore order, yet untouched
+    assert_same_tree(
+        capture(run.parts), live
+    )  # the model came first in the restore order, yet untouched
 
 
 def test_untied_head_into_a_tied_model(tmp_path):
@@ -432,8 +519,8 @@ def test_untied_head_into_a_tied_model(tmp_path):
     rejects(tmp_path / "c", WEIGHTS, "does not fit", run=fresh(tmp_path, base=TINY))
 
 
-
 # -- the file named is the file that holds the damage ---------------------------------------------------
+
 
 def rewrite_optim(directory: Path, change) -> None:
     """optim.safetensors rewritten by the safetensors library after `change(arrays)`, hashes recomputed."""
@@ -450,24 +537,47 @@ def swap_two(a: np.ndarray) -> np.ndarray:
     return a
 
 
-@pytest.mark.parametrize("change, words", [
-    (lambda a: a.__setitem__("optimizer/exp_avg/layers.0.bias", np.zeros(9)), ["optimizer/exp_avg/layers.0.bias"]),
-    (lambda a: a.__setitem__("optimizer/exp_avg_sq/layers.0.bias", np.zeros(8, np.float32)), ["exp_avg_sq", "F32"]),
-    (lambda a: a.__setitem__("data_iter/permutation", swap_two(a["data_iter/permutation"])),
-     ["data_iter does not fit", "not a permutation"]),
-    (lambda a: a.__setitem__("data_iter/permutation", a["data_iter/permutation"].astype(np.int32)),
-     ["data_iter/permutation", "I32"]),
-], ids=["moment-shape", "moment-dtype", "permutation-values", "permutation-dtype"])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (
+            lambda a: a.__setitem__("optimizer/exp_avg/layers.0.bias", np.zeros(9)),
+            ["optimizer/exp_avg/layers.0.bias"],
+        ),
+        (
+            lambda a: a.__setitem__("optimizer/exp_avg_sq/layers.0.bias", np.zeros(8, np.float32)),
+            ["exp_avg_sq", "F32"],
+        ),
+        (
+            lambda a: a.__setitem__("data_iter/permutation", swap_two(a["data_iter/permutation"])),
+            ["data_iter does not fit", "not a permutation"],
+        ),
+        (
+            lambda a: a.__setitem__(
+                "data_iter/permutation", a["data_iter/permutation"].astype(np.int32)
+            ),
+            ["data_iter/permutation", "I32"],
+        ),
+    ],
+    ids=["moment-shape", "moment-dtype", "permutation-values", "permutation-dtype"],
+)
 def test_an_array_that_does_not_fit_is_blamed_on_optim(ckpt, change, words):
     rewrite_optim(ckpt, change)
     rejects(ckpt, OPTIM, *words)
 
 
-@pytest.mark.parametrize("change, words", [
-    (lambda e: e["optimizer"].__setitem__("t", "ten"), ["optimizer does not fit", "t: expected int, got str"]),
-    (lambda e: e["optimizer"].__setitem__("t", -1), ["t=-1 is negative"]),
-    (lambda e: e["data_iter"].__setitem__("epoch", -1), ["epoch -1"]),
-], ids=["counter-type", "counter-negative", "iterator-epoch"])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (
+            lambda e: e["optimizer"].__setitem__("t", "ten"),
+            ["optimizer does not fit", "t: expected int, got str"],
+        ),
+        (lambda e: e["optimizer"].__setitem__("t", -1), ["t=-1 is negative"]),
+        (lambda e: e["data_iter"].__setitem__("epoch", -1), ["epoch -1"]),
+    ],
+    ids=["counter-type", "counter-negative", "iterator-epoch"],
+)
 def test_a_json_value_that_does_not_fit_is_blamed_on_extra(ckpt, change, words):
     edit_extra(ckpt, change)  # the optimizer's and the iterator's JSON values, beside their arrays
     rejects(ckpt, EXTRA, *words)
@@ -490,11 +600,17 @@ def test_the_directory_name_says_which_step_lies(ckpt, tmp_path):
     """manifest.json's step, extra.json's progress.step and the directory's name: the odd one out is named."""
     m = manifest_of(ckpt)
     write_manifest(ckpt, {**m, "step": 11})
-    rejects(ckpt, MANIFEST, "step 11 differs from progress.step 10 of extra.json and the directory's name")
+    rejects(
+        ckpt,
+        MANIFEST,
+        "step 11 differs from progress.step 10 of extra.json and the directory's name",
+    )
     loose = tmp_path / "elsewhere" / "mine"  # no step in its name: no third witness, both named
     loose.parent.mkdir()
     os.rename(ckpt, loose)
-    error = rejects(loose, f"{MANIFEST} and {EXTRA}", "the manifest's step 11 and progress.step 10 differ")
+    error = rejects(
+        loose, f"{MANIFEST} and {EXTRA}", "the manifest's step 11 and progress.step 10 differ"
+    )
     assert "directory's name" not in error.reason
 
 
@@ -508,7 +624,9 @@ def test_a_progress_step_that_is_no_integer_is_refused(ckpt, saved_step, step):
     with pytest.raises(CheckpointError) as info:
         CheckpointDir(directory).load()
     assert (info.value.file, info.value.reason) == (
-        EXTRA, f"progress.step {saved_step!r} differs from step {step} of manifest.json and the directory's name")
+        EXTRA,
+        f"progress.step {saved_step!r} differs from step {step} of manifest.json and the directory's name",
+    )
 
 
 def test_a_renamed_step_directory_is_refused(ckpt):
@@ -516,17 +634,25 @@ def test_a_renamed_step_directory_is_refused(ckpt):
     os.rename(ckpt, renamed)
     with pytest.raises(CheckpointError) as info:
         CheckpointDir(renamed).load()
-    assert str(info.value) == (f"checkpoint {renamed}: its name says step 12, but manifest.json and extra.json "
-                               "say step 10 (renamed or copied in from another step)")
+    assert str(info.value) == (
+        f"checkpoint {renamed}: its name says step 12, but manifest.json and extra.json "
+        "say step 10 (renamed or copied in from another step)"
+    )
 
 
 # -- links: no reader follows one out of a run --------------------------------------------------------
 
+
 def refused_link(path: Path, *words: str) -> str:
     """Every reader refuses `path` with one line (read_manifest, load, verify, json_state: what every tool opens)."""
     messages = set()
-    for read in (CheckpointDir.manifest, CheckpointDir.load, CheckpointDir.verify, CheckpointDir.resolved,
-                 CheckpointDir.json_state):
+    for read in (
+        CheckpointDir.manifest,
+        CheckpointDir.load,
+        CheckpointDir.verify,
+        CheckpointDir.resolved,
+        CheckpointDir.json_state,
+    ):
         with pytest.raises(CheckpointError) as info:
             read(CheckpointDir(path))
         messages.add(str(info.value))
@@ -541,15 +667,25 @@ def test_a_run_link_names_a_step_directory_beside_it(ckpt, tmp_path):
     root = ckpt.parent
     os.symlink(ckpt.name, root / "best")
     assert CheckpointDir(root / "best").resolved() == ckpt
-    assert (CheckpointDir(root / "best").load().directory == root / "best"
-            and CheckpointDir(root / "best").verify()["step"] == 10)
+    assert (
+        CheckpointDir(root / "best").load().directory == root / "best"
+        and CheckpointDir(root / "best").verify()["step"] == 10
+    )
     outside = tmp_path / "outside" / ckpt.name  # a valid checkpoint: only the link is wrong
     outside.parent.mkdir()
     shutil.copytree(ckpt, outside)
-    for name, target in (("final", str(outside)), ("up", f"../outside/{ckpt.name}"), (step_dir_name(6), ckpt.name)):
+    for name, target in (
+        ("final", str(outside)),
+        ("up", f"../outside/{ckpt.name}"),
+        (step_dir_name(6), ckpt.name),
+    ):
         os.symlink(target, root / name)
-        message = refused_link(root / name, f"checkpoint {root / name}: is a symlink to {target!r}",
-                               "out of its run's checkpoints/", "remove it")
+        message = refused_link(
+            root / name,
+            f"checkpoint {root / name}: is a symlink to {target!r}",
+            "out of its run's checkpoints/",
+            "remove it",
+        )
         if name == step_dir_name(6):
             assert "a step directory must be a directory, not a link" in message
         (root / name).unlink()
@@ -558,7 +694,9 @@ def test_a_run_link_names_a_step_directory_beside_it(ckpt, tmp_path):
 def test_a_users_own_link_is_followed_but_not_out_of_a_run(ckpt, tmp_path):
     root = ckpt.parent
     mine = tmp_path / "mine"
-    os.symlink(ckpt, mine)  # the user's own link, outside any checkpoints/: as if they typed its target
+    os.symlink(
+        ckpt, mine
+    )  # the user's own link, outside any checkpoints/: as if they typed its target
     assert CheckpointDir(mine).resolved() == ckpt and CheckpointDir(mine).verify()["step"] == 10
     os.symlink(ckpt.name, root / "best")
     mine.unlink()
@@ -567,22 +705,32 @@ def test_a_users_own_link_is_followed_but_not_out_of_a_run(ckpt, tmp_path):
     os.symlink(str(tmp_path), root / "evil")
     mine.unlink()
     os.symlink(root / "evil", mine)  # through a run's link that does not
-    refused_link(mine, f"checkpoint {root / 'evil'}: is a symlink to {str(tmp_path)!r} (reached through {mine})")
+    refused_link(
+        mine,
+        f"checkpoint {root / 'evil'}: is a symlink to {str(tmp_path)!r} (reached through {mine})",
+    )
 
 
 def test_a_run_link_typed_inside_checkpoints_is_still_a_run_link(ckpt, tmp_path, monkeypatch):
     os.symlink(str(tmp_path), ckpt.parent / "best")
     monkeypatch.chdir(ckpt.parent)
-    refused_link(Path("best"), f"checkpoint {ckpt.parent / 'best'}: is a symlink to {str(tmp_path)!r}")
-    assert CheckpointDir(Path(ckpt.name)).resolved() == Path(ckpt.name)  # no link: the path as given
+    refused_link(
+        Path("best"), f"checkpoint {ckpt.parent / 'best'}: is a symlink to {str(tmp_path)!r}"
+    )
+    assert CheckpointDir(Path(ckpt.name)).resolved() == Path(
+        ckpt.name
+    )  # no link: the path as given
 
 
 def test_a_checkpoints_directory_that_is_a_link_is_refused(ckpt, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     os.symlink(ckpt.parent, run / "checkpoints")
-    refused_link(run / "checkpoints" / ckpt.name, f"{run / 'checkpoints'} is a symlink to {str(ckpt.parent)!r}",
-                 "must be a directory inside it")
+    refused_link(
+        run / "checkpoints" / ckpt.name,
+        f"{run / 'checkpoints'} is a symlink to {str(ckpt.parent)!r}",
+        "must be a directory inside it",
+    )
 
 
 def test_a_cycle_of_links_is_refused(tmp_path):
@@ -593,9 +741,12 @@ def test_a_cycle_of_links_is_refused(tmp_path):
 
 # -- what other readers take from inside checkpoints/: through the store, verified -------------------------
 
+
 def test_json_state_is_the_manifest_and_extra_json_as_written(saved):
     manifest, extra = CheckpointDir(saved).json_state()
-    assert manifest == manifest_of(saved) and extra == json.loads((saved / EXTRA).read_text())  # the files' own
+    assert manifest == manifest_of(saved) and extra == json.loads(
+        (saved / EXTRA).read_text()
+    )  # the files' own
     loaded = CheckpointDir(saved).load().state
     assert extra["stages"] == loaded["stages"] and extra["progress"] == loaded["progress"]
 
@@ -605,19 +756,24 @@ def not_an_object(directory: Path) -> None:
     relist(directory, EXTRA)
 
 
-@pytest.mark.parametrize("damage, file, words", [
-    (lambda d: flip_bit(d / EXTRA, 40), EXTRA, [CORRUPTED]),  # edited without relisting
-    (not_an_object, EXTRA, ["not a JSON object"]),
-    (lambda d: (d / EXTRA).unlink(), EXTRA, ["listed in manifest.json but missing"]),
-    (lambda d: (d / "stray").write_text("x"), "stray", ["present but not listed"]),
-    (lambda d: (d / MANIFEST).unlink(), MANIFEST, ["missing"]),
-])
+@pytest.mark.parametrize(
+    "damage, file, words",
+    [
+        (lambda d: flip_bit(d / EXTRA, 40), EXTRA, [CORRUPTED]),  # edited without relisting
+        (not_an_object, EXTRA, ["not a JSON object"]),
+        (lambda d: (d / EXTRA).unlink(), EXTRA, ["listed in manifest.json but missing"]),
+        (lambda d: (d / "stray").write_text("x"), "stray", ["present but not listed"]),
+        (lambda d: (d / MANIFEST).unlink(), MANIFEST, ["missing"]),
+    ],
+)
 def test_json_state_refuses_what_load_refuses_naming_the_file(ckpt, damage, file, words):
     damage(ckpt)
     for read in (CheckpointDir.json_state, CheckpointDir.load):
         with pytest.raises(CheckpointError) as info:
             read(CheckpointDir(ckpt))
-        assert info.value.file == file and all(w in info.value.reason for w in words), str(info.value)
+        assert info.value.file == file and all(w in info.value.reason for w in words), str(
+            info.value
+        )
 
 
 def test_newest_manifest_is_the_newest_steps_and_a_bad_one_is_none(saved, tmp_path):
@@ -628,7 +784,9 @@ def test_newest_manifest_is_the_newest_steps_and_a_bad_one_is_none(saved, tmp_pa
     os.symlink(step_dir_name(4), store.root / "best")  # links are not steps
     assert store.newest_manifest() == (store.root / step_dir_name(10), manifest_of(saved))
     (store.root / step_dir_name(10) / MANIFEST).write_text("{")
-    assert store.newest_manifest() is None  # the newest is what is asked about: no older one instead
+    assert (
+        store.newest_manifest() is None
+    )  # the newest is what is asked about: no older one instead
     (store.root / "stray").write_text("x")
     with pytest.raises(OSError, match="not a checkpoint step directory"):
         store.newest_manifest()

@@ -1,6 +1,7 @@
 """Strict JSON wherever a checkpoint or a run file is read: one meaning for every reader (pipeline/files/jsonio.py
 `loads`), and each refusal naming the file -- manifest.json, extra.json, a safetensors header, run.json,
 metrics.jsonl, a sweep's job records."""
+
 from __future__ import annotations
 
 import hashlib
@@ -24,17 +25,35 @@ from pipeline.sweep.summary import read_jobs
 
 # -- loads ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, words", [
-    ('{"files": {"a": 1}, "files": {"b": 2}}', "duplicate key 'files'"),
-    ('{"x": [{"k": 1, "y": 0, "k": 1}]}', "duplicate key 'k'"),  # same value twice is still two keys
-    ('{"loss": 1e999}', "number 1e999 is out of range"),
-    ('[-1e999]', "number -1e999 is out of range"),
-    ('[1.7976931348623159E308]', "number 1.7976931348623159E308 is out of range"),
-    ('[' + "9" * 5000 + ']', "integer 99999999999999999999... of 5000 digits is out of range"),
-    ('{"a": NaN}', "contains NaN"),
-    ('[Infinity]', "contains Infinity"),
-    ('[-Infinity]', "contains -Infinity"),
-], ids=["duplicate-top", "duplicate-nested", "1e999", "-1e999", "just-over-max", "long-int", "nan", "inf", "-inf"])
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('{"files": {"a": 1}, "files": {"b": 2}}', "duplicate key 'files'"),
+        (
+            '{"x": [{"k": 1, "y": 0, "k": 1}]}',
+            "duplicate key 'k'",
+        ),  # same value twice is still two keys
+        ('{"loss": 1e999}', "number 1e999 is out of range"),
+        ("[-1e999]", "number -1e999 is out of range"),
+        ("[1.7976931348623159E308]", "number 1.7976931348623159E308 is out of range"),
+        ("[" + "9" * 5000 + "]", "integer 99999999999999999999... of 5000 digits is out of range"),
+        ('{"a": NaN}', "contains NaN"),
+        ("[Infinity]", "contains Infinity"),
+        ("[-Infinity]", "contains -Infinity"),
+    ],
+    ids=[
+        "duplicate-top",
+        "duplicate-nested",
+        "1e999",
+        "-1e999",
+        "just-over-max",
+        "long-int",
+        "nan",
+        "inf",
+        "-inf",
+    ],
+)
 def test_loads_refuses_what_readers_read_differently(text, words):
     with pytest.raises(jsonio.JSONError) as info:
         jsonio.loads(text)
@@ -43,14 +62,20 @@ def test_loads_refuses_what_readers_read_differently(text, words):
 
 def test_loads_keeps_what_is_standard_and_exact():
     assert jsonio.loads('{"a": 1, "b": {"a": 2}}') == {"a": 1, "b": {"a": 2}}  # one key per object
-    assert jsonio.loads("[1.7976931348623157e308, 5e-324, 1e-999]") == [sys.float_info.max, 5e-324, 0.0]
+    assert jsonio.loads("[1.7976931348623157e308, 5e-324, 1e-999]") == [
+        sys.float_info.max,
+        5e-324,
+        0.0,
+    ]
     assert jsonio.loads("[" + "9" * 4000 + "]") == [int("9" * 4000)]
-    back = [jsonio.number(v) for v in jsonio.loads(jsonio.dumps([math.inf, -math.inf, math.nan, 2]))]
+    back = [
+        jsonio.number(v) for v in jsonio.loads(jsonio.dumps([math.inf, -math.inf, math.nan, 2]))
+    ]
     assert back[:2] == [math.inf, -math.inf] and math.isnan(back[2]) and back[3] == 2.0
 
 
 def test_number_refuses_what_is_not_a_finite_or_named_float():
-    for bad in (10 ** 400, "1e999", None, True, [1.0]):
+    for bad in (10**400, "1e999", None, True, [1.0]):
         with pytest.raises(jsonio.JSONError):
             jsonio.number(bad)
 
@@ -61,11 +86,14 @@ def test_read_names_the_file(tmp_path):
     with pytest.raises(jsonio.JSONError, match=rf"^{p}: duplicate key 'id'"):
         jsonio.read(p, 1 << 10)
     p.write_text("{}" + " " * 2000)
-    with pytest.raises(OSError, match=rf"^{p}: .*over the 1024-byte limit"):  # refused unread (pipeline.files.reading)
+    with pytest.raises(
+        OSError, match=rf"^{p}: .*over the 1024-byte limit"
+    ):  # refused unread (pipeline.files.reading)
         jsonio.read(p, 1 << 10)
 
 
 # -- a checkpoint ------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -96,7 +124,9 @@ def relist(directory, name):
 def refused(directory, file, words):
     """CheckpointDir.load refuses (CheckpointDir.manifest too, for manifest.json) in one line naming the directory
     and the file."""
-    readers = (CheckpointDir.manifest, CheckpointDir.load) if file == MANIFEST else (CheckpointDir.load,)
+    readers = (
+        (CheckpointDir.manifest, CheckpointDir.load) if file == MANIFEST else (CheckpointDir.load,)
+    )
     for read in readers:
         with pytest.raises(CheckpointError) as info:
             read(CheckpointDir(directory))
@@ -110,14 +140,21 @@ def test_a_manifest_with_a_lying_first_files_table_is_refused(ckpt):
     text = (ckpt / MANIFEST).read_text()
     lie = json.dumps({n: {"size": 1, "sha256": "0" * 64} for n in json.loads(text)["files"]})
     (ckpt / MANIFEST).write_text('{"files": ' + lie + ", " + text.lstrip()[1:])
-    assert json.loads((ckpt / MANIFEST).read_text())["files"] == json.loads(text)["files"]  # Python: the last
+    assert (
+        json.loads((ckpt / MANIFEST).read_text())["files"] == json.loads(text)["files"]
+    )  # Python: the last
     refused(ckpt, MANIFEST, "duplicate key 'files'")
 
 
-@pytest.mark.parametrize("metric, words", [("1e999", "number 1e999 is out of range"),
-                                            ("1" + "0" * 400, "is out of range for a float"),
-                                            ('"low"', "metric 'val/loss': 'low' is not a number")],
-                         ids=["1e999", "huge-int", "string"])
+@pytest.mark.parametrize(
+    "metric, words",
+    [
+        ("1e999", "number 1e999 is out of range"),
+        ("1" + "0" * 400, "is out of range for a float"),
+        ('"low"', "metric 'val/loss': 'low' is not a number"),
+    ],
+    ids=["1e999", "huge-int", "string"],
+)
 def test_a_manifest_metric_must_be_a_number_in_range(ckpt, metric, words):
     m = json.loads((ckpt / MANIFEST).read_text())
     m["metrics"]["val/loss"] = "PLACEHOLDER"
@@ -128,7 +165,9 @@ def test_a_manifest_metric_must_be_a_number_in_range(ckpt, metric, words):
 
 def test_manifest_check_refuses_a_metric_no_float_holds():
     with pytest.raises(mf.ManifestError, match="out of range for a float"):
-        mf.check({"schema_version": mf.SCHEMA_VERSION, "step": 1, "epoch": 0, "metrics": {"x": 10 ** 400}})
+        mf.check(
+            {"schema_version": mf.SCHEMA_VERSION, "step": 1, "epoch": 0, "metrics": {"x": 10**400}}
+        )
 
 
 def test_extra_json_with_a_duplicate_key_is_refused(ckpt):
@@ -141,18 +180,22 @@ def test_extra_json_with_a_duplicate_key_is_refused(ckpt):
 def test_a_safetensors_header_with_a_duplicate_tensor_is_refused(ckpt):
     data = (ckpt / WEIGHTS).read_bytes()
     n = struct.unpack("<Q", data[:8])[0]
-    header = data[8:8 + n].decode()
+    header = data[8 : 8 + n].decode()
     name, entry = next((k, v) for k, v in json.loads(header).items() if k != "__metadata__")
-    doubled = ('{' + json.dumps(name) + ": " + json.dumps(entry) + ", " + header[1:]).encode()
+    doubled = ("{" + json.dumps(name) + ": " + json.dumps(entry) + ", " + header[1:]).encode()
     doubled += b" " * (-len(doubled) % 8)
-    (ckpt / WEIGHTS).write_bytes(struct.pack("<Q", len(doubled)) + doubled + data[8 + n:])
+    (ckpt / WEIGHTS).write_bytes(struct.pack("<Q", len(doubled)) + doubled + data[8 + n :])
     relist(ckpt, WEIGHTS)
     refused(ckpt, WEIGHTS, f"duplicate key {name!r}")
 
 
 # -- run files ------------------------------------------------------------------------------------------
 
-LINES = [{"step": 1, "train/loss": 2.0}, {"step": 2, "train/loss": 1.5}, {"step": 3, "train/loss": 1.2}]
+LINES = [
+    {"step": 1, "train/loss": 2.0},
+    {"step": 2, "train/loss": 1.5},
+    {"step": 3, "train/loss": 1.2},
+]
 
 
 def write_metrics(tmp_path, lines: list[str], end: str = "\n"):
@@ -163,18 +206,30 @@ def write_metrics(tmp_path, lines: list[str], end: str = "\n"):
 def test_a_torn_last_metrics_line_is_dropped(tmp_path):
     good = [json.dumps(x) for x in LINES]
     assert write_metrics(tmp_path, good).read_metrics() == LINES
-    assert write_metrics(tmp_path, [*good[:2], good[2][:7]], end="").read_metrics() == LINES[:2]  # killed mid-line
-    assert write_metrics(tmp_path, [*good[:2], '{"step": 3, "x": 1e999'], end="").read_metrics() == LINES[:2]
+    assert (
+        write_metrics(tmp_path, [*good[:2], good[2][:7]], end="").read_metrics() == LINES[:2]
+    )  # killed mid-line
+    assert (
+        write_metrics(tmp_path, [*good[:2], '{"step": 3, "x": 1e999'], end="").read_metrics()
+        == LINES[:2]
+    )
 
 
-@pytest.mark.parametrize("line, words", [
-    ('{"step": 2, "step": 9, "train/loss": 1.5}', "line 2: duplicate key 'step'"),
-    ('{"step": 2, "train/loss": 1e999}', "line 2: number 1e999 is out of range"),
-    ('{"step": 2, "train/loss": NaN}', "line 2: contains NaN"),
-    ('{"step": 2.5}', "line 2: not an object with an integer step"),
-    ('{"step": 2', "line 2: not valid JSON"),  # torn, yet followed by more lines: not a killed writer's
-    ("", "line 2: not valid JSON"),
-], ids=["duplicate", "1e999", "nan", "float-step", "torn-middle", "blank"])
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ('{"step": 2, "step": 9, "train/loss": 1.5}', "line 2: duplicate key 'step'"),
+        ('{"step": 2, "train/loss": 1e999}', "line 2: number 1e999 is out of range"),
+        ('{"step": 2, "train/loss": NaN}', "line 2: contains NaN"),
+        ('{"step": 2.5}', "line 2: not an object with an integer step"),
+        (
+            '{"step": 2',
+            "line 2: not valid JSON",
+        ),  # torn, yet followed by more lines: not a killed writer's
+        ("", "line 2: not valid JSON"),
+    ],
+    ids=["duplicate", "1e999", "nan", "float-step", "torn-middle", "blank"],
+)
 def test_damage_before_the_last_metrics_line_is_refused_naming_the_line(tmp_path, line, words):
     rundir = write_metrics(tmp_path, [json.dumps(LINES[0]), line, json.dumps(LINES[2])])
     before = (tmp_path / "metrics.jsonl").read_bytes()
@@ -184,16 +239,26 @@ def test_damage_before_the_last_metrics_line_is_refused_naming_the_line(tmp_path
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
 
 
-@pytest.mark.parametrize("text, words", [('{"status": "complete", "status": "running"}', "duplicate key 'status'"),
-                                         ('{"step": 1e999}', "1e999 is out of range"),
-                                         ("[]", "not a JSON object"), ("{", "not valid JSON")],
-                         ids=["duplicate", "1e999", "list", "torn"])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('{"status": "complete", "status": "running"}', "duplicate key 'status'"),
+        ('{"step": 1e999}', "1e999 is out of range"),
+        ("[]", "not a JSON object"),
+        ("{", "not valid JSON"),
+    ],
+    ids=["duplicate", "1e999", "list", "torn"],
+)
 def test_a_damaged_run_json_is_refused(tmp_path, text, words):
     (tmp_path / "run.json").write_text(text)
     with pytest.raises(RunFileError) as info:
         RunDir(tmp_path).read_status()
-    assert str(info.value) == f"run {tmp_path}: run.json: " + str(info.value).split("run.json: ", 1)[1]
-    assert words in str(info.value) and isinstance(info.value, CheckpointError)  # refused where checkpoints are
+    assert (
+        str(info.value) == f"run {tmp_path}: run.json: " + str(info.value).split("run.json: ", 1)[1]
+    )
+    assert words in str(info.value) and isinstance(
+        info.value, CheckpointError
+    )  # refused where checkpoints are
     assert RunDir(tmp_path / "none").read_status() == {}
 
 
@@ -203,4 +268,7 @@ def test_a_damaged_sweep_job_record_is_left_out_with_a_warning(tmp_path, caplog)
     (tmp_path / "jobs" / "1.json").write_text('{"num": 1, "objective": 1.0, "objective": 0.1}')
     with caplog.at_level(logging.WARNING, logger="pipeline"):
         assert list(read_jobs(tmp_path)) == [0]
-    assert f"sweep job record {tmp_path / 'jobs' / '1.json'} left out: duplicate key 'objective'" in caplog.text
+    assert (
+        f"sweep job record {tmp_path / 'jobs' / '1.json'} left out: duplicate key 'objective'"
+        in caplog.text
+    )

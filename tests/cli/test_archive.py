@@ -1,6 +1,7 @@
 """pipeline.archive: an archive recovers the run from its destination alone (evaluate, sample, a resume to the
 uninterrupted run's bytes), appears whole or not at all under SIGKILL, detects a flipped byte, refuses an
 existing DEST and every bad SOURCE in one line, and never changes SOURCE."""
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,27 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import KERNODECK, PROJECT_ROOT, TINY, env_for_subprocess, refused_in_one_line, run_pipeline, the_run
+from conftest import (
+    KERNODECK,
+    PROJECT_ROOT,
+    TINY,
+    env_for_subprocess,
+    refused_in_one_line,
+    run_pipeline,
+    the_run,
+)
 
 pytestmark = pytest.mark.slow
-MOONS = ("hydra.searchpath=[pkg://moons.conf]", "experiment=moons", "tracking=none", "trainer.progress_bar=false",
-         "trainer.max_steps=12", "trainer.eval_every=4", "checkpoint=every_n_steps", "checkpoint.every_steps=4")
+MOONS = (
+    "hydra.searchpath=[pkg://moons.conf]",
+    "experiment=moons",
+    "tracking=none",
+    "trainer.progress_bar=false",
+    "trainer.max_steps=12",
+    "trainer.eval_every=4",
+    "checkpoint=every_n_steps",
+    "checkpoint.every_steps=4",
+)
 EXAMPLE = PROJECT_ROOT / "examples" / "moons"
 
 
@@ -64,7 +81,9 @@ def recover_from_dest_alone(tmp_path, overrides, searchpath=(), sample=False):
     assert report["all_checks_passed"] and all(c["passed"] for c in report["checks"])
     (proof,) = report["resume"]
     assert proof["passed"] and proof["step_recovered"] < proof["to_step"]
-    assert all(proof["compared"]["final_files_equal"].values()) and proof["compared"]["metrics_equal"]
+    assert (
+        all(proof["compared"]["final_files_equal"].values()) and proof["compared"]["metrics_equal"]
+    )
     shutil.rmtree(out)  # the machine goes away: only DEST is left
 
     archived = dest / "runs" / run.name
@@ -73,18 +92,31 @@ def recover_from_dest_alone(tmp_path, overrides, searchpath=(), sample=False):
     assert inspect.returncode == 0, inspect.stdout + inspect.stderr
     scratch = tmp_path / "scratch"
     best = archived / "checkpoints" / "best"
-    ev = run_pipeline([str(best), f"paths.output_dir={scratch}", *searchpath, "--json"], cwd,
-                      module="pipeline.evaluate")
+    ev = run_pipeline(
+        [str(best), f"paths.output_dir={scratch}", *searchpath, "--json"],
+        cwd,
+        module="pipeline.evaluate",
+    )
     assert ev.returncode == 0, ev.stderr
     manifest = json.loads((best / "manifest.json").read_text())
     assert json.loads(ev.stdout)["metrics"]["val/loss"] == manifest["metrics"]["val/loss"]
     if sample:
-        s = run_pipeline([str(archived / "checkpoints" / "final"), "prompt=the", "max_new_tokens=5",
-                          f"paths.output_dir={scratch}"], cwd, module="pipeline.sample")
+        s = run_pipeline(
+            [
+                str(archived / "checkpoints" / "final"),
+                "prompt=the",
+                "max_new_tokens=5",
+                f"paths.output_dir={scratch}",
+            ],
+            cwd,
+            module="pipeline.sample",
+        )
         assert s.returncode == 0 and s.stdout.strip(), s.stderr
     earliest = sorted(p for p in (archived / "checkpoints").iterdir() if not p.is_symlink())[0]
     kept = list(overrides)
-    resumed = run_pipeline([*kept, f"resume.source={earliest}", f"paths.output_dir={tmp_path / 'resumed'}"], cwd)
+    resumed = run_pipeline(
+        [*kept, f"resume.source={earliest}", f"paths.output_dir={tmp_path / 'resumed'}"], cwd
+    )
     assert resumed.returncode == 0, resumed.stderr
     final = the_run(tmp_path / "resumed") / "checkpoints" / "final" / "weights.safetensors"
     assert final.read_bytes() == reference
@@ -97,7 +129,9 @@ def test_grammar_run_recovers_from_its_archive_alone(tmp_path):
 
 
 def test_kernodeck_run_recovers_from_its_archive_alone(tmp_path):
-    recover_from_dest_alone(tmp_path, (*KERNODECK, "checkpoint=every_n_steps", "checkpoint.every_steps=5"))
+    recover_from_dest_alone(
+        tmp_path, (*KERNODECK, "checkpoint=every_n_steps", "checkpoint.every_steps=5")
+    )
 
 
 def test_own_model_recovers_from_its_archive_alone(tmp_path, monkeypatch):
@@ -124,8 +158,15 @@ def test_a_flipped_byte_in_the_archive_is_named(tmp_path, finished):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("planted, first", [("runs/NOTES.txt", "runs/NOTES.txt"), ("runs/junk/", "runs/junk"),
-                                             ("runs/junk/NOTES.txt", "runs/junk"), ("NOTES.txt", "NOTES.txt")])
+@pytest.mark.parametrize(
+    "planted, first",
+    [
+        ("runs/NOTES.txt", "runs/NOTES.txt"),
+        ("runs/junk/", "runs/junk"),
+        ("runs/junk/NOTES.txt", "runs/junk"),
+        ("NOTES.txt", "NOTES.txt"),
+    ],
+)
 def test_anything_planted_in_the_archive_is_named_as_not_listed(tmp_path, finished, planted, first):
     """A file or a directory, empty or not, that MANIFEST.json does not list: exit 1 naming the first (topmost)
     such entry, before anything in the archive is read as a run (a file where a run would be is not one)."""
@@ -136,59 +177,84 @@ def test_anything_planted_in_the_archive_is_named_as_not_listed(tmp_path, finish
     target.mkdir() if planted.endswith("/") else target.write_text("mine\n")
     proc = archive("--check", dest, cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stderr == f"pipeline.archive: {dest}: {first}: present but not listed in MANIFEST.json\n", proc.stderr
+    assert (
+        proc.stderr
+        == f"pipeline.archive: {dest}: {first}: present but not listed in MANIFEST.json\n"
+    ), proc.stderr
 
 
 def test_an_existing_dest_and_bad_sources_are_refused_in_one_line(tmp_path, finished):
     dest = tmp_path / "dest"
     dest.mkdir()
     (dest / "mine").write_text("keep")
-    assert "already exists" in refused_in_one_line([str(finished), str(dest)], tmp_path, module="pipeline.archive")
+    assert "already exists" in refused_in_one_line(
+        [str(finished), str(dest)], tmp_path, module="pipeline.archive"
+    )
     assert (dest / "mine").read_text() == "keep" and os.listdir(dest) == ["mine"]
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    assert "FIFO" in refused_in_one_line([str(fifo), str(tmp_path / "d1")], tmp_path, module="pipeline.archive")
-    assert "not a run" in refused_in_one_line([str(tmp_path / "cwd"), str(tmp_path / "d2")], tmp_path,
-                                               module="pipeline.archive")
+    assert "FIFO" in refused_in_one_line(
+        [str(fifo), str(tmp_path / "d1")], tmp_path, module="pipeline.archive"
+    )
+    assert "not a run" in refused_in_one_line(
+        [str(tmp_path / "cwd"), str(tmp_path / "d2")], tmp_path, module="pipeline.archive"
+    )
     before = tree(finished)
     extra = finished / "checkpoints" / "extra"
     os.symlink("/etc", extra)  # a link out of the run
-    assert "symlink" in refused_in_one_line([str(finished), str(tmp_path / "d3")], tmp_path, module="pipeline.archive")
+    assert "symlink" in refused_in_one_line(
+        [str(finished), str(tmp_path / "d3")], tmp_path, module="pipeline.archive"
+    )
     extra.unlink()
     step = sorted((finished / "checkpoints").glob("step-*"))[-1]
     weights = step / "weights.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
-    line = refused_in_one_line([str(finished), str(tmp_path / "d4")], tmp_path, module="pipeline.archive")
+    line = refused_in_one_line(
+        [str(finished), str(tmp_path / "d4")], tmp_path, module="pipeline.archive"
+    )
     assert "weights.safetensors" in line
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
     assert {k: v[:2] for k, v in tree(finished).items()} == {k: v[:2] for k, v in before.items()}
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".tmp-d", "d1", "d2", "d3", "d4"))]
+    assert not [
+        p for p in tmp_path.iterdir() if p.name.startswith((".tmp-d", "d1", "d2", "d3", "d4"))
+    ]
 
 
-def test_dests_missing_parents_are_made_and_gone_again_when_nothing_is_published(tmp_path, finished):
-    assert "not a run" in refused_in_one_line([str(tmp_path / "cwd"), str(tmp_path / "x" / "y" / "d")], tmp_path,
-                                               module="pipeline.archive")
+def test_dests_missing_parents_are_made_and_gone_again_when_nothing_is_published(
+    tmp_path, finished
+):
+    assert "not a run" in refused_in_one_line(
+        [str(tmp_path / "cwd"), str(tmp_path / "x" / "y" / "d")],
+        tmp_path,
+        module="pipeline.archive",
+    )
     assert not (tmp_path / "x").exists()  # refused: the parents it made are removed again
     (tmp_path / "file").write_text("keep")
-    assert "cannot be made for DEST" in refused_in_one_line([str(finished), str(tmp_path / "file" / "d")], tmp_path,
-                                                             module="pipeline.archive")
+    assert "cannot be made for DEST" in refused_in_one_line(
+        [str(finished), str(tmp_path / "file" / "d")], tmp_path, module="pipeline.archive"
+    )
     assert (tmp_path / "file").read_text() == "keep"
     dest = tmp_path / "deep" / "er" / "dest"  # as `mkdir -p` would
     assert archive(finished, dest, cwd=tmp_path).returncode == 0
     assert archive("--check", dest, cwd=tmp_path).returncode == 0
 
 
-def test_with_data_needs_the_corpus_of_data_that_keeps_one_and_archives_data_that_keeps_none(tmp_path, finished):
+def test_with_data_needs_the_corpus_of_data_that_keeps_one_and_archives_data_that_keeps_none(
+    tmp_path, finished
+):
     out = finished.parent.parent
     (out / "data").rename(out / "moved")  # the grammar run's corpus is no longer beside it
-    line = refused_in_one_line([str(finished), str(tmp_path / "dest"), "--with-data"], tmp_path,
-                               module="pipeline.archive")
+    line = refused_in_one_line(
+        [str(finished), str(tmp_path / "dest"), "--with-data"], tmp_path, module="pipeline.archive"
+    )
     assert "its corpus (MANIFEST.json sha256" in line and "--with-data needs it there" in line, line
     assert not (tmp_path / "dest").exists()
-    rows = train(KERNODECK, tmp_path / "rows", tmp_path / "cwd")  # regression data: generated, no corpus on disk
+    rows = train(
+        KERNODECK, tmp_path / "rows", tmp_path / "cwd"
+    )  # regression data: generated, no corpus on disk
     proc = archive(rows, tmp_path / "dest", "--with-data", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "dest" / "recovery.json").read_text())["all_checks_passed"]
@@ -200,7 +266,9 @@ def test_text_data_needs_with_data_and_then_resumes_from_the_archived_file(tmp_p
     overrides = (*TINY, "data=text", f"data.path={text}")
     overrides = tuple(o for o in overrides if not o.startswith("data.n_sentences"))
     run = train(overrides, tmp_path / "out", tmp_path / "cwd")
-    line = refused_in_one_line([str(run), str(tmp_path / "dest")], tmp_path, module="pipeline.archive")
+    line = refused_in_one_line(
+        [str(run), str(tmp_path / "dest")], tmp_path, module="pipeline.archive"
+    )
     assert "--with-data" in line and not (tmp_path / "dest").exists()
     proc = archive(run, tmp_path / "dest", "--with-data", "--checkpoints", "all", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -216,13 +284,20 @@ def test_sigkill_during_an_archive_never_leaves_a_dest_that_passes_as_complete(t
     duration = time.monotonic() - t0
     rng = random.Random(22)
     outcomes = []
-    scratch = tmp_path / "tmp"  # where a killed archiver's scratch resume directory is left (TMPDIR)
+    scratch = (
+        tmp_path / "tmp"
+    )  # where a killed archiver's scratch resume directory is left (TMPDIR)
     scratch.mkdir()
     for i in range(20):
         dest = tmp_path / f"dest-{i}"
-        p = subprocess.Popen([sys.executable, "-m", "pipeline.archive", str(finished), str(dest)], cwd=tmp_path,
-                             env={**env_for_subprocess(), "TMPDIR": str(scratch)}, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.archive", str(finished), str(dest)],
+            cwd=tmp_path,
+            env={**env_for_subprocess(), "TMPDIR": str(scratch)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         time.sleep(rng.uniform(0, duration))
         os.killpg(p.pid, signal.SIGKILL)  # the archiver and its resume process
         p.wait()
@@ -237,19 +312,26 @@ def test_sigkill_during_an_archive_never_leaves_a_dest_that_passes_as_complete(t
     assert "absent" in outcomes  # some kills landed mid-archive
     # a scratch resume directory, or the empty file Python's tempfile creates and removes to probe TMPDIR at its
     # first use (a kill between the two leaves it): nothing else
-    left = sorted(p.name for p in scratch.iterdir()
-                  if not (re.fullmatch(r"[a-z0-9_]{8}", p.name) and p.is_file() and p.stat().st_size == 0))
+    left = sorted(
+        p.name
+        for p in scratch.iterdir()
+        if not (re.fullmatch(r"[a-z0-9_]{8}", p.name) and p.is_file() and p.stat().st_size == 0)
+    )
     assert all(name.startswith("pipeline-archive-resume-") for name in left), left
     stale = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-dest-")]
-    if stale:  # a killed archive's temporary is ignored, and named by the next archive to the same DEST
-        name = stale[0].name[len(".tmp-"):].rsplit("-", 1)[0]
+    if (
+        stale
+    ):  # a killed archive's temporary is ignored, and named by the next archive to the same DEST
+        name = stale[0].name[len(".tmp-") :].rsplit("-", 1)[0]
         proc = archive(finished, tmp_path / name, cwd=tmp_path)
         assert proc.returncode == 0 and str(stale[0]) in proc.stderr, proc.stderr
 
 
 def test_a_sweep_is_archived_job_by_job_with_its_records(tmp_path):
     out = tmp_path / "out"
-    proc = run_pipeline(["-m", *KERNODECK, "optimizer.lr=0.01,0.02", f"paths.output_dir={out}"], tmp_path / "cwd")
+    proc = run_pipeline(
+        ["-m", *KERNODECK, "optimizer.lr=0.01,0.02", f"paths.output_dir={out}"], tmp_path / "cwd"
+    )
     assert proc.returncode == 0, proc.stderr
     (sweep,) = (out / "sweeps").iterdir()
     runs = sorted(p.name for p in (out / "runs").iterdir())
@@ -261,16 +343,26 @@ def test_a_sweep_is_archived_job_by_job_with_its_records(tmp_path):
     assert report["all_checks_passed"] and [p["passed"] for p in report["resume"]] == [True, True]
     # by default: best, final, and the newest checkpoint a resume continues from (before a finished run's final)
     assert all(p["step_recovered"] < p["to_step"] for p in report["resume"])
-    assert (dest / "sweeps" / sweep.name / "sweep.json").read_bytes() == (sweep / "sweep.json").read_bytes()
+    assert (dest / "sweeps" / sweep.name / "sweep.json").read_bytes() == (
+        sweep / "sweep.json"
+    ).read_bytes()
     assert sorted(os.listdir(dest / "sweeps" / sweep.name / "jobs")) == ["0.json", "1.json"]
 
 
 def test_a_killed_run_is_proven_on_the_steps_it_logged_after_its_newest_checkpoint(tmp_path):
     out, cwd = tmp_path / "out", tmp_path / "cwd"
     cwd.mkdir()
-    env = {**env_for_subprocess(), "PIPELINE_CHAOS": "train:16"}  # SIGKILL inside update 8: newest checkpoint 6
-    killed = subprocess.run([sys.executable, "-m", "pipeline", *TINY, f"paths.output_dir={out}"], cwd=cwd, env=env,
-                            capture_output=True, text=True)
+    env = {
+        **env_for_subprocess(),
+        "PIPELINE_CHAOS": "train:16",
+    }  # SIGKILL inside update 8: newest checkpoint 6
+    killed = subprocess.run(
+        [sys.executable, "-m", "pipeline", *TINY, f"paths.output_dir={out}"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     run = the_run(out)
     proc = archive(run, tmp_path / "dest", cwd=cwd)
@@ -284,7 +376,9 @@ def test_a_checkpoint_alone_is_archived_with_its_run_files_or_restored_only(tmp_
     proc = archive(finished / "checkpoints" / "best", tmp_path / "one", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     archived = tmp_path / "one" / "runs" / finished.name
-    assert os.readlink(archived / "checkpoints" / "best") == os.readlink(finished / "checkpoints" / "best")
+    assert os.readlink(archived / "checkpoints" / "best") == os.readlink(
+        finished / "checkpoints" / "best"
+    )
     assert (archived / "metrics.jsonl").read_bytes() == (finished / "metrics.jsonl").read_bytes()
     loose = tmp_path / "loose" / "step-00000012"
     shutil.copytree(finished / "checkpoints" / "step-00000012", loose)
@@ -295,9 +389,14 @@ def test_a_checkpoint_alone_is_archived_with_its_run_files_or_restored_only(tmp_
     assert [c["check"] for c in report["checks"]][-1].startswith("restore runs/")
 
 
-@pytest.mark.parametrize("name", ["../../ESCAPED", "/ABSOLUTE", "a\nb", "n" * 300],
-                         ids=["parent", "absolute", "newline", "300-chars"])
-def test_a_lone_checkpoint_naming_a_path_is_refused_and_nothing_lands_outside_dest(tmp_path, finished, name):
+@pytest.mark.parametrize(
+    "name",
+    ["../../ESCAPED", "/ABSOLUTE", "a\nb", "n" * 300],
+    ids=["parent", "absolute", "newline", "300-chars"],
+)
+def test_a_lone_checkpoint_naming_a_path_is_refused_and_nothing_lands_outside_dest(
+    tmp_path, finished, name
+):
     """A checkpoint alone is archived under runs/<its config's name>-<hash>/: a manifest whose config.name is a
     path (its config_hash and semantic_config_hash recomputed, as whoever edits it would) is refused in one line
     naming the manifest and the value, before DEST's temporary is made; nothing appears anywhere."""
@@ -307,14 +406,19 @@ def test_a_lone_checkpoint_naming_a_path_is_refused_and_nothing_lands_outside_de
     shutil.copytree(finished / "checkpoints" / "step-00000012", loose)
     m = json.loads((loose / "manifest.json").read_text())
     m["config"]["name"] = name if name != "/ABSOLUTE" else str(tmp_path / "ABSOLUTE")
-    m["config_hash"], m["semantic_config_hash"] = config_hash(m["config"]), semantic_hash(m["config"], m["sources"])
+    m["config_hash"], m["semantic_config_hash"] = (
+        config_hash(m["config"]),
+        semantic_hash(m["config"], m["sources"]),
+    )
     (loose / "manifest.json").write_text(json.dumps(m))
     dest = tmp_path / "x" / "y" / "dest"
     dest.parent.mkdir(parents=True)
     cwd = tmp_path / "cwd"  # the finished run's working directory
     before = tree(tmp_path)
     line = refused_in_one_line([str(loose), str(dest)], cwd, module="pipeline.archive")
-    assert line.startswith("pipeline.archive: ") and f"{loose}: its manifest's config.name=" in line, line
+    assert (
+        line.startswith("pipeline.archive: ") and f"{loose}: its manifest's config.name=" in line
+    ), line
     assert repr(m["config"]["name"])[:20] in line, line
     assert tree(tmp_path) == before  # no DEST, no temporary, nothing escaped beside it or above it
 

@@ -2,6 +2,7 @@
 metrics are exactly what its run measured at that step; on another dataset they are the mean token
 cross-entropy computed here independently; data the model cannot read, and checkpoints that do not verify,
 are refused in one line with exit 2."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import KERNODECK, TINY, refused_in_one_line, run_job, run_pipeline, text_overrides, the_run
+from conftest import (
+    KERNODECK,
+    TINY,
+    refused_in_one_line,
+    run_job,
+    run_pipeline,
+    text_overrides,
+    the_run,
+)
 
 from pipeline.cli.evaluate import evaluate_checkpoint
 from pipeline.files import jsonio
@@ -37,9 +46,13 @@ def test_on_its_own_data_the_metrics_are_those_its_run_measured(tiny, finished_j
     m = manifest(tiny / link)
     result = evaluate_checkpoint(tiny / link)
     assert result["own_data"] and result["step"] == m["step"]
-    assert result["metrics"] == {k: m["metrics"][k] for k in VAL}  # exact: the same state, the same function
+    assert result["metrics"] == {
+        k: m["metrics"][k] for k in VAL
+    }  # exact: the same state, the same function
     kernodeck = RunDir(the_run(finished_job(*KERNODECK))).store.root / link
-    assert evaluate_checkpoint(kernodeck)["metrics"] == {"val/loss": manifest(kernodeck)["metrics"]["val/loss"]}
+    assert evaluate_checkpoint(kernodeck)["metrics"] == {
+        "val/loss": manifest(kernodeck)["metrics"]["val/loss"]
+    }
 
 
 def test_the_command_prints_one_line_or_json(tiny, tmp_path):
@@ -49,8 +62,12 @@ def test_the_command_prints_one_line_or_json(tiny, tmp_path):
     (line,) = proc.stdout.splitlines()
     fields = dict(kv.split("=") for kv in line.split())
     assert fields["step"] == "12" and set(fields) == {"step", *VAL}
-    assert float(fields["val/loss"]) == pytest.approx(m["metrics"]["val/loss"], rel=1e-5)  # printed with 6 digits
-    proc = run_pipeline([str(tiny / "final"), "--json"], tmp_path / "cwd", module="pipeline.evaluate")
+    assert float(fields["val/loss"]) == pytest.approx(
+        m["metrics"]["val/loss"], rel=1e-5
+    )  # printed with 6 digits
+    proc = run_pipeline(
+        [str(tiny / "final"), "--json"], tmp_path / "cwd", module="pipeline.evaluate"
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["metrics"] == {k: m["metrics"][k] for k in VAL} and result["own_data"] is True
@@ -63,8 +80,12 @@ def mean_token_cross_entropy(ckpt: Path, dataset) -> float:
     from pipeline.model.minigpt import MiniGPT
 
     config = manifest(ckpt)["config"]["model"]
-    model = MiniGPT(dataset.spec, **{k: v for k, v in config.items() if k != "_target_"}, dtype="float32",
-                    rng=np.random.default_rng(0))
+    model = MiniGPT(
+        dataset.spec,
+        **{k: v for k, v in config.items() if k != "_target_"},
+        dtype="float32",
+        rng=np.random.default_rng(0),
+    )
     weights = load_file(str(ckpt / "weights.safetensors"))
     for name, p in model.params.items():
         np.copyto(p, weights[name])
@@ -86,11 +107,21 @@ def test_on_another_dataset_with_the_same_vocabulary(tiny):
     config = manifest(tiny / "final")["config"]
     other = build_dataset({"paths": config["paths"], "data": {**config["data"], "seed": 99}})
     assert result["data_manifest_hash"] == other.manifest_hash
-    assert result["metrics"]["val/loss"] == pytest.approx(mean_token_cross_entropy(tiny / "final", other), rel=1e-5)
+    assert result["metrics"]["val/loss"] == pytest.approx(
+        mean_token_cross_entropy(tiny / "final", other), rel=1e-5
+    )
     assert result["metrics"]["val/loss"] != manifest(tiny / "final")["metrics"]["val/loss"]
     # data=NAME composes another dataset like `python -m pipeline`; here the same one again
-    again = evaluate_checkpoint(tiny / "final", ["data=grammar", "data.seed=99", "data.n_sentences=400",
-                                                 "data.block_size=16", "data.val_batch_size=16"])
+    again = evaluate_checkpoint(
+        tiny / "final",
+        [
+            "data=grammar",
+            "data.seed=99",
+            "data.n_sentences=400",
+            "data.block_size=16",
+            "data.val_batch_size=16",
+        ],
+    )
     assert again["metrics"] == result["metrics"]
 
 
@@ -125,9 +156,13 @@ def test_a_checkpoint_that_does_not_verify_and_foreign_overrides_are_refused(tin
     data = bytearray((damaged / "weights.safetensors").read_bytes())
     data[-1] ^= 1
     (damaged / "weights.safetensors").write_bytes(bytes(data))
-    assert "weights.safetensors: sha256 differs from manifest.json" in refused([str(damaged)], tmp_path / "cwd")
+    assert "weights.safetensors: sha256 differs from manifest.json" in refused(
+        [str(damaged)], tmp_path / "cwd"
+    )
     assert "manifest.json: missing" in refused([str(tmp_path)], tmp_path / "cwd")
-    assert "model.n_layer=2: only data=NAME" in refused([str(tiny / "final"), "model.n_layer=2"], tmp_path / "cwd")
+    assert "model.n_layer=2: only data=NAME" in refused(
+        [str(tiny / "final"), "model.n_layer=2"], tmp_path / "cwd"
+    )
     assert "data.seed" in refused([str(tiny / "final"), "data.seed=abc"], tmp_path / "cwd")
 
 

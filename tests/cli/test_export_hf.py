@@ -1,5 +1,6 @@
 """export_hf: the written directory round-trips, and (with torch + transformers) loads as GPT2LMHeadModel, its
 tokenizer as AutoTokenizer mapping the corpus vocabulary id for id, and generates through transformers.pipeline."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -45,16 +46,24 @@ def test_written_files_round_trip(tmp_path):
         np.testing.assert_array_equal(stored[name], p, err_msg=name)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["model_type"] == "gpt2" and cfg["activation_function"] == "gelu_new"
-    assert cfg["layer_norm_epsilon"] == 1e-5 and cfg["n_inner"] is None and cfg["tie_word_embeddings"] is True
+    assert (
+        cfg["layer_norm_epsilon"] == 1e-5
+        and cfg["n_inner"] is None
+        and cfg["tie_word_embeddings"] is True
+    )
     assert cfg["resid_pdrop"] == cfg["embd_pdrop"] == cfg["attn_pdrop"] == 0.0
     assert {k: cfg[k] for k in CFG} == CFG
 
 
 def test_rejects_mismatched_weights(tmp_path):
     sd = small_model().state_dict()
-    with pytest.raises(ValueError, match=r"transformer.wpe.weight: shape \(16, 32\), expected \(8, 32\)"):
+    with pytest.raises(
+        ValueError, match=r"transformer.wpe.weight: shape \(16, 32\), expected \(8, 32\)"
+    ):
         write_hf(sd, out_dir=tmp_path, **{**CFG, "n_positions": 8})
-    with pytest.raises(KeyError, match=r"parameter names differ from GPT-2's: \['transformer.ln_f.bias'"):
+    with pytest.raises(
+        KeyError, match=r"parameter names differ from GPT-2's: \['transformer.ln_f.bias'"
+    ):
         write_hf({k: v for k, v in sd.items() if "ln_f" not in k}, out_dir=tmp_path, **CFG)
     with pytest.raises(ValueError, match=r"lm_head.weight differs from transformer.wte.weight"):
         write_hf({**sd, "lm_head.weight": sd["lm_head.weight"] + 1}, out_dir=tmp_path, **CFG)
@@ -67,7 +76,9 @@ def test_a_bias_free_model_exports_with_zero_biases_and_computes_the_same(tmp_pa
     biases = {k for k in stored if k.endswith(".bias")}
     assert len(biases) == 2 * 6 + 1 and all(not stored[k].any() for k in biases)
     assert json.loads((tmp_path / "config.json").read_text())["activation_function"] == "gelu"
-    full = small_model(bias=True, gelu="erf")  # GPT-2's layout with every bias, loaded from the export
+    full = small_model(
+        bias=True, gelu="erf"
+    )  # GPT-2's layout with every bias, loaded from the export
     for name, p in full.params.items():
         np.copyto(p, stored[name])
     x = np.random.default_rng(1).integers(0, 97, (3, 16))
@@ -82,11 +93,14 @@ def test_cli_refuses_a_missing_checkpoint(tmp_path):
 
 
 # Optional extras: skip only when a package is not installed, never on an ImportError of an installed one.
-NEEDS_TOKENIZERS = pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
-                                      reason="tokenizers is not installed (pip install 'pipeline[hf]')")
-NEEDS_HF = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
-                              or importlib.util.find_spec("torch") is None,
-                              reason="transformers and torch are not installed (pip install 'pipeline[hf,bench]')")
+NEEDS_TOKENIZERS = pytest.mark.skipif(
+    importlib.util.find_spec("tokenizers") is None,
+    reason="tokenizers is not installed (pip install 'pipeline[hf]')",
+)
+NEEDS_HF = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
+    reason="transformers and torch are not installed (pip install 'pipeline[hf,bench]')",
+)
 
 
 @NEEDS_HF
@@ -100,7 +114,9 @@ def test_transformers_loads_it_and_agrees(tmp_path, bias, gelu):
     hf, info = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path), output_loading_info=True)
     # Only the causal-mask buffer (attn.bias / masked_bias in older versions) may be reported missing.
     assert all(k.endswith(("attn.bias", "attn.masked_bias")) for k in info["missing_keys"]), info
-    assert not info["unexpected_keys"] and not info["mismatched_keys"] and not info["error_msgs"], info
+    assert not info["unexpected_keys"] and not info["mismatched_keys"] and not info["error_msgs"], (
+        info
+    )
     hf.eval()
     assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()  # tied on load
     x = np.random.default_rng(1).integers(0, 97, (3, 16))
@@ -113,6 +129,7 @@ def test_transformers_loads_it_and_agrees(tmp_path, bias, gelu):
 
 
 # --- the tokenizer, from a trained checkpoint's corpus
+
 
 def exported(tmp_path: Path, *overrides: str, out: Path | None = None) -> tuple[Path, Path]:
     """(the final checkpoint of a tiny run, the directory export_hf wrote from it); the run trained into
@@ -151,7 +168,12 @@ def test_files_are_written_like_checkpoints_and_config_names_the_eos(grammar_exp
     os.umask(umask)
     for _, hf in (grammar_export, text_export):
         names = sorted(p.name for p in hf.iterdir())
-        assert names == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        assert names == [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
         for p in hf.iterdir():
             assert stat.S_IMODE(p.stat().st_mode) == 0o644 & ~umask, p
     from pipeline.data.grammar import vocabulary
@@ -160,7 +182,9 @@ def test_files_are_written_like_checkpoints_and_config_names_the_eos(grammar_exp
     cfg = json.loads((grammar_export[1] / "config.json").read_text())
     assert cfg["eos_token_id"] == cfg["bos_token_id"] == cfg["pad_token_id"] == eos
     cfg = json.loads((text_export[1] / "config.json").read_text())
-    assert cfg["eos_token_id"] is cfg["bos_token_id"] is cfg["pad_token_id"] is None  # characters have no <eos>
+    assert (
+        cfg["eos_token_id"] is cfg["bos_token_id"] is cfg["pad_token_id"] is None
+    )  # characters have no <eos>
 
 
 def corpus_of(ckpt: Path):
@@ -176,7 +200,9 @@ def in_transformers(script: str, **args) -> dict:
     import sys
 
     code = f"import json, sys\nARGS = json.loads(sys.argv[1])\n{script}\nprint(json.dumps(OUT))"
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -193,9 +219,12 @@ def transformers_answers(grammar_export, text_export) -> dict:
     """What transformers makes of both exports, asked in one fresh interpreter (torch and transformers are
     imported once for the module): each tokenizer on its corpus's text, and generation from the grammar model."""
     exports = {"grammar": grammar_export, "text": text_export}
-    args = {which: {"dir": str(hf), "text": val_text(ckpt)[2], "ids": val_text(ckpt)[1].tolist()}
-            for which, (ckpt, hf) in exports.items()}
-    return in_transformers("""
+    args = {
+        which: {"dir": str(hf), "text": val_text(ckpt)[2], "ids": val_text(ckpt)[1].tolist()}
+        for which, (ckpt, hf) in exports.items()
+    }
+    return in_transformers(
+        """
 import transformers
 OUT = {}
 for which, a in ARGS.items():
@@ -213,12 +242,16 @@ with torch.no_grad():
     for _ in range(8):
         ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
 OUT["generation"] = {"generated": out["generated_text"], "greedy": tok.decode(ids[0])}
-""", **args)
+""",
+        **args,
+    )
 
 
 @NEEDS_HF
 @pytest.mark.parametrize("which", ["grammar", "text"])
-def test_auto_tokenizer_maps_the_corpus_vocabulary_id_for_id(grammar_export, text_export, transformers_answers, which):
+def test_auto_tokenizer_maps_the_corpus_vocabulary_id_for_id(
+    grammar_export, text_export, transformers_answers, which
+):
     ckpt, _hf = grammar_export if which == "grammar" else text_export
     corpus, ids, text = val_text(ckpt)
     got = transformers_answers[which]
@@ -231,18 +264,26 @@ def test_auto_tokenizer_maps_the_corpus_vocabulary_id_for_id(grammar_export, tex
 
 
 @NEEDS_HF
-def test_transformers_generates_from_the_export_as_our_greedy_sampler_does(grammar_export, transformers_answers):
+def test_transformers_generates_from_the_export_as_our_greedy_sampler_does(
+    grammar_export, transformers_answers
+):
     from pipeline.cli.sample import sample
 
     ckpt, _hf = grammar_export
     got = transformers_answers["generation"]
     words = got["generated"].split(" ")  # prompt + " w1 w2 ...": one space between every two words
-    assert words[:2] == ["the", "man"] and len(words) == 7 and set(words) <= set(corpus_of(ckpt).vocab)
-    assert got["greedy"] == " " + sample(ckpt, ["prompt=the man", "temperature=0", "max_new_tokens=8"])
+    assert (
+        words[:2] == ["the", "man"] and len(words) == 7 and set(words) <= set(corpus_of(ckpt).vocab)
+    )
+    assert got["greedy"] == " " + sample(
+        ckpt, ["prompt=the man", "temperature=0", "max_new_tokens=8"]
+    )
 
 
 @NEEDS_TOKENIZERS
-def test_a_moved_text_file_is_not_needed_but_by_a_schema_2_0_checkpoint(text_export, tmp_path, capsys):
+def test_a_moved_text_file_is_not_needed_but_by_a_schema_2_0_checkpoint(
+    text_export, tmp_path, capsys
+):
     """The vocabulary is the checkpoint's data.json; a checkpoint written before it (schema 2.0) builds its
     data instead, finding a moved text file by data.path or refused in one line."""
     import hashlib
@@ -265,13 +306,17 @@ def test_a_moved_text_file_is_not_needed_but_by_a_schema_2_0_checkpoint(text_exp
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in hf.iterdir()}
     try:
         main([str(ckpt), str(tmp_path / "new")])
-        assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "new").iterdir()} == digest
+        assert {
+            p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "new").iterdir()
+        } == digest
         capsys.readouterr()
         assert main([str(old), str(tmp_path / "hf")]) == 2
         err = capsys.readouterr().err
         assert "text file not found" in err and len(err.strip().splitlines()) == 1
         assert not (tmp_path / "hf").exists()
         main([str(old), str(tmp_path / "hf"), f"data.path={moved}"])
-        assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "hf").iterdir()} == digest
+        assert {
+            p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (tmp_path / "hf").iterdir()
+        } == digest
     finally:
         (tmp_path / "gone.txt").rename(source)

@@ -6,6 +6,7 @@ file it reads is planted with a search path to the attacker's config directory, 
 .hydra/overrides.yaml, every checkpoint's manifest (its hashes recomputed), an archive's recovery.json and
 MANIFEST.json (recomputed), a verifier's config.json. The tool refuses (exit 1 or 2, one line on stderr), or, for
 one that builds nothing a file names, runs as it would; either way the sentinel is byte-identical."""
+
 from __future__ import annotations
 
 import hashlib
@@ -33,7 +34,9 @@ def entry_points() -> set[str]:
             continue
         parts = path.relative_to(PROJECT_ROOT).with_suffix("").parts
         parts = parts[:-1] if parts[-1] == "__main__" else parts
-        out.add(".".join(p for i, p in enumerate(parts) if not (i == 1 and p == "cli")))  # pipeline/cli/x: pipeline.x
+        out.add(
+            ".".join(p for i, p in enumerate(parts) if not (i == 1 and p == "cli"))
+        )  # pipeline/cli/x: pipeline.x
     return out
 
 
@@ -50,15 +53,26 @@ class Scene:
         self.sentinel.write_text("precious\n")
         self.evil = tmp / "evil"
         (self.evil / "model").mkdir(parents=True)
-        (self.evil / "model" / "evil.yaml").write_text(f"_target_: io.FileIO\nfile: {self.sentinel}\nmode: w\n")
+        (self.evil / "model" / "evil.yaml").write_text(
+            f"_target_: io.FileIO\nfile: {self.sentinel}\nmode: w\n"
+        )
         self.searchpath = f"hydra.searchpath=[file://{self.evil}]"
         self.node = {"_target_": "io.FileIO", "file": str(self.sentinel), "mode": "w"}
         (tmp / "cwd").mkdir()
 
-    def plant(self, root: Path, manifests: bool = True, overrides: tuple[str, ...] | None = None) -> None:
+    def plant(
+        self, root: Path, manifests: bool = True, overrides: tuple[str, ...] | None = None
+    ) -> None:
         """The search path (and the class it allows) in every file under root a tool reads."""
-        overrides = (self.searchpath, "model=evil", *(f"~model.{k}" for k in ("hidden", "activation", "dropout"))) \
-            if overrides is None else overrides  # kernodeck's MLP keys deleted: io.FileIO takes none of them
+        overrides = (
+            (
+                self.searchpath,
+                "model=evil",
+                *(f"~model.{k}" for k in ("hidden", "activation", "dropout")),
+            )
+            if overrides is None
+            else overrides
+        )  # kernodeck's MLP keys deleted: io.FileIO takes none of them
         for hydra_dir in root.rglob(".hydra"):
             path = hydra_dir / "overrides.yaml"
             path.write_text(path.read_text() + "".join(f"- {json.dumps(o)}\n" for o in overrides))
@@ -73,16 +87,26 @@ class Scene:
             for run in r["exported"]["runs"].values():
                 run["resume_overrides"] = [self.searchpath, *run["resume_overrides"]]
             (root / "recovery.json").write_text(json.dumps(r))
-        if (root / "MANIFEST.json").exists():  # an archive's own listing, recomputed: it passes as undamaged
+        if (
+            root / "MANIFEST.json"
+        ).exists():  # an archive's own listing, recomputed: it passes as undamaged
             listing = json.loads((root / "MANIFEST.json").read_text())
             for rel in listing["files"]:
                 data = (root / rel).read_bytes()
-                listing["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                listing["files"][rel] = {
+                    "size": len(data),
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                }
             (root / "MANIFEST.json").write_text(json.dumps(listing))
 
     def run_tool(self, module: str, *args) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=self.tmp / "cwd",
-                              env=env_for_subprocess(), capture_output=True, text=True)
+        return subprocess.run(
+            [sys.executable, "-m", module, *map(str, args)],
+            cwd=self.tmp / "cwd",
+            env=env_for_subprocess(),
+            capture_output=True,
+            text=True,
+        )
 
     def archive_of(self, run: Path, dest: Path) -> Path:
         proc = self.run_tool("pipeline.archive", run, dest)
@@ -91,6 +115,7 @@ class Scene:
 
 
 # -- each entry point: (what it is given, after planting) -> args; "refused" or "runs" ------------------------
+
 
 def show(s: Scene):
     s.plant(s.out)
@@ -130,7 +155,11 @@ def archive_a_run_whose_overrides_name_a_search_path(s: Scene):
 
 def archive_a_run_whose_overrides_name_the_class(s: Scene):
     """No search path: the overrides name io.FileIO themselves (a stage), as a command line may."""
-    s.plant(s.out, manifests=False, overrides=(f"+stages.evil={{_target_:io.FileIO,file:'{s.sentinel}',mode:w}}",))
+    s.plant(
+        s.out,
+        manifests=False,
+        overrides=(f"+stages.evil={{_target_:io.FileIO,file:'{s.sentinel}',mode:w}}",),
+    )
     return [s.run, s.tmp / "dest"], "refused"
 
 
@@ -142,7 +171,11 @@ def archive_check(s: Scene):
 
 def reindex(s: Scene):
     s.plant(s.out)
-    return [s.out, "--tracking-uri", f"sqlite:///{s.tmp / 'index.db'}"], "runs"  # indexes: builds nothing
+    return [
+        s.out,
+        "--tracking-uri",
+        f"sqlite:///{s.tmp / 'index.db'}",
+    ], "runs"  # indexes: builds nothing
 
 
 def roundtrip(s: Scene):
@@ -159,32 +192,63 @@ def verify_worker(s: Scene):
     config = json.loads((s.ckpt / "manifest.json").read_text())["config"]
     config["model"] = dict(s.node)
     (s.tmp / "config.json").write_text(json.dumps(config))
-    return ["--config", s.tmp / "config.json", "--mode", "continuous", "--cut", "1", "--steps", "2",
-            "--out", s.tmp / "worker"], "refused"
+    return [
+        "--config",
+        s.tmp / "config.json",
+        "--mode",
+        "continuous",
+        "--cut",
+        "1",
+        "--steps",
+        "2",
+        "--out",
+        s.tmp / "worker",
+    ], "refused"
 
 
 def resume_auto(s: Scene):
     s.plant(s.out)
-    return [*BASE, f"paths.output_dir={s.out}", "hydra/job_logging=disabled"], "refused"  # the same run, again
+    return [
+        *BASE,
+        f"paths.output_dir={s.out}",
+        "hydra/job_logging=disabled",
+    ], "refused"  # the same run, again
 
 
 def resume_source(s: Scene):
     s.plant(s.out)
-    return [*BASE, f"paths.output_dir={s.tmp / 'new'}", f"resume.source={s.ckpt}", "trainer.max_steps=6",
-            "resume.allow_changes=[trainer.max_steps]", "hydra/job_logging=disabled"], "refused"
+    return [
+        *BASE,
+        f"paths.output_dir={s.tmp / 'new'}",
+        f"resume.source={s.ckpt}",
+        "trainer.max_steps=6",
+        "resume.allow_changes=[trainer.max_steps]",
+        "hydra/job_logging=disabled",
+    ], "refused"
 
 
 CASES = {
-    "pipeline.show": [show], "pipeline.evaluate": [evaluate], "pipeline.sample": [sample],
-    "pipeline.export_hf": [export_hf], "pipeline.register": [register],
-    "pipeline.archive": [archive_a_planted_run, archive_a_run_whose_overrides_name_a_search_path,
-                         archive_a_run_whose_overrides_name_the_class, archive_check],
-    "pipeline.reindex": [reindex], "pipeline.roundtrip": [roundtrip],
-    "pipeline.verify": [verify], "pipeline.verify.worker": [verify_worker],
+    "pipeline.show": [show],
+    "pipeline.evaluate": [evaluate],
+    "pipeline.sample": [sample],
+    "pipeline.export_hf": [export_hf],
+    "pipeline.register": [register],
+    "pipeline.archive": [
+        archive_a_planted_run,
+        archive_a_run_whose_overrides_name_a_search_path,
+        archive_a_run_whose_overrides_name_the_class,
+        archive_check,
+    ],
+    "pipeline.reindex": [reindex],
+    "pipeline.roundtrip": [roundtrip],
+    "pipeline.verify": [verify],
+    "pipeline.verify.worker": [verify_worker],
     "pipeline": [resume_auto, resume_source],
 }
 # Entry points that read no config at all, and why.
-NO_CONFIG = {"pipeline.tracking.agent": "serves the jobs' mlflow events over a socket; it reads no config"}
+NO_CONFIG = {
+    "pipeline.tracking.agent": "serves the jobs' mlflow events over a socket; it reads no config"
+}
 
 
 def test_every_entry_point_has_a_case():
@@ -198,8 +262,11 @@ def finished(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("module, case", [(m, c) for m, cs in CASES.items() for c in cs],
-                         ids=[f"{m}:{c.__name__}" for m, cs in CASES.items() for c in cs])
+@pytest.mark.parametrize(
+    "module, case",
+    [(m, c) for m, cs in CASES.items() for c in cs],
+    ids=[f"{m}:{c.__name__}" for m, cs in CASES.items() for c in cs],
+)
 def test_no_file_widens_what_may_run(finished, tmp_path, module, case):
     s = Scene(finished, tmp_path)
     args, expected = case(s)
@@ -209,10 +276,15 @@ def test_no_file_widens_what_may_run(finished, tmp_path, module, case):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return
     assert proc.returncode in (1, 2), proc.stdout + proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, (
+        proc.stderr
+    )
     if module == "pipeline.archive" and case is not archive_a_run_whose_overrides_name_the_class:
         # the archive says which search path it was made with, to be given on the command line if trusted
-        assert f"was made with {s.searchpath}; give it on the command line if you trust it" in proc.stderr
+        assert (
+            f"was made with {s.searchpath}; give it on the command line if you trust it"
+            in proc.stderr
+        )
     assert not (tmp_path / "dest").exists() or case is archive_check  # nothing published
 
 
@@ -223,5 +295,7 @@ def test_the_archives_search_path_given_on_the_command_line_is_the_users_choice(
     dest = s.archive_of(s.run, tmp_path / "dest")
     s.plant(dest)
     proc = s.run_tool("pipeline.archive", "--check", dest, s.searchpath)
-    assert s.sentinel.read_bytes() == b"", proc.stdout + proc.stderr  # truncated: the user allowed io.FileIO
+    assert s.sentinel.read_bytes() == b"", (
+        proc.stdout + proc.stderr
+    )  # truncated: the user allowed io.FileIO
     assert proc.returncode == 1

@@ -1,4 +1,5 @@
 """`python -m pipeline.show PATH`: a checkpoint's manifest and verification, a run's checkpoints; reads only."""
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,9 @@ def snapshot(root: Path) -> dict:
             st = p.lstat()
             out[str(p.relative_to(root))] = (
                 os.readlink(p) if p.is_symlink() else p.read_bytes() if p.is_file() else None,
-                st.st_mtime_ns, st.st_mode)
+                st.st_mtime_ns,
+                st.st_mode,
+            )
     return out
 
 
@@ -59,8 +62,12 @@ def test_run_directory(run_dir, capsys):
     steps = [c["step"] for c in d["checkpoints"]]
     assert steps == [6, 10]
     for c in d["checkpoints"]:
-        manifest = json.loads((run_dir / "checkpoints" / step_dir_name(c["step"]) / MANIFEST).read_text())
-        assert c["valid"] and c["metrics"] == manifest["metrics"] and c["epoch"] == manifest["epoch"]
+        manifest = json.loads(
+            (run_dir / "checkpoints" / step_dir_name(c["step"]) / MANIFEST).read_text()
+        )
+        assert (
+            c["valid"] and c["metrics"] == manifest["metrics"] and c["epoch"] == manifest["epoch"]
+        )
     assert d["links"]["final"] == {"target": step_dir_name(10), "exists": True}
     assert "final" in d["checkpoints"][-1]["links"]
     assert snapshot(run_dir) == before  # inspecting writes nothing
@@ -72,8 +79,15 @@ def test_checkpoint_directory(run_dir, capsys):
     assert pinspect.main([str(directory)]) == 0
     text = capsys.readouterr().out
     manifest = json.loads((directory / MANIFEST).read_text())
-    for value in (manifest["config_hash"], manifest["data_manifest_hash"], manifest["git_sha"],
-                  manifest["files"][WEIGHTS]["sha256"], "step 10", "epoch 1", "val/loss="):
+    for value in (
+        manifest["config_hash"],
+        manifest["data_manifest_hash"],
+        manifest["git_sha"],
+        manifest["files"][WEIGHTS]["sha256"],
+        "step 10",
+        "epoch 1",
+        "val/loss=",
+    ):
         assert str(value) in text, value
     assert text.strip().splitlines()[-1].startswith("valid")
     code, d = inspect_json(directory)
@@ -91,8 +105,10 @@ def test_corrupted_checkpoint(run_dir, capsys):
     before = snapshot(run_dir)
     assert pinspect.main([str(directory)]) == 1
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == (f"INVALID: checkpoint {directory}: "
-                    "weights.safetensors: sha256 differs from manifest.json (corrupted)")
+    assert last == (
+        f"INVALID: checkpoint {directory}: "
+        "weights.safetensors: sha256 differs from manifest.json (corrupted)"
+    )
     code, d = inspect_json(run_dir)
     assert code == 1 and not d["valid"]
     bad, good = d["checkpoints"]
@@ -105,7 +121,11 @@ def test_checkpoint_without_manifest(run_dir, capsys):
     directory = run_dir / "checkpoints" / step_dir_name(6)
     (directory / MANIFEST).unlink()
     assert pinspect.main([str(directory)]) == 1
-    assert capsys.readouterr().out.strip().endswith("manifest.json: missing (an incomplete or foreign directory)")
+    assert (
+        capsys.readouterr()
+        .out.strip()
+        .endswith("manifest.json: missing (an incomplete or foreign directory)")
+    )
 
 
 def test_dangling_link_and_temporaries_are_reported_not_touched(run_dir, capsys):
@@ -133,7 +153,9 @@ def test_as_a_module_from_any_directory(run_dir, tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("valid")
     (directory / "stray.txt").write_text("x")
     proc = run_pipeline([str(directory)], tmp_path / "cwd", module="pipeline.show")
-    assert proc.returncode == 1 and "stray.txt: present but not listed" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "stray.txt: present but not listed" in proc.stdout, (
+        proc.stdout + proc.stderr
+    )
     import inspect as std_inspect
 
     assert hasattr(std_inspect, "signature") and std_inspect is not pinspect

@@ -5,6 +5,7 @@ one of another package (a tracking function as a stage), or a shipped class of t
 stage as the checkpoint cadence, the cadence as a stage, the sweep callback as the tracker) -- is refused in one
 line naming the key and the target, by the allow-list itself and by a tool's real `main`, before anything is
 imported or built. An allow-list that took any `pipeline.*` target in its package's place fails these tests."""
+
 from __future__ import annotations
 
 import copy
@@ -42,13 +43,21 @@ CASES = [
     ("checkpoint", "pipeline.stages.cadence.Nope", UNSHIPPED),
     ("stages.rotate_last_3.cadence", "pipeline.stages.final.Final", OUT_OF_SLOT),
     ("stages.rotate_last_3.cadence", "pipeline.stages.drift.drift", UNSHIPPED),
-    *((f"stages.{stage}", target, words) for stage in ("resume", "train", "rotate_last_3", "best_val", "final",
-                                                         "early_stop")
-      for target, words in (("pipeline.tracking.common.sqlite_path", EITHER),
-                            ("pipeline.stages.drift.refuse", UNSHIPPED),
-                            ("pipeline.stages.base.Stage", UNSHIPPED),
-                            ("pipeline.stages.cadence.Cadence", OUT_OF_SLOT))),
-    ("stages.best_val.extra", "pipeline.stages.best.BestVal", OUT_OF_SLOT),  # nested: conf/ builds none there
+    *(
+        (f"stages.{stage}", target, words)
+        for stage in ("resume", "train", "rotate_last_3", "best_val", "final", "early_stop")
+        for target, words in (
+            ("pipeline.tracking.common.sqlite_path", EITHER),
+            ("pipeline.stages.drift.refuse", UNSHIPPED),
+            ("pipeline.stages.base.Stage", UNSHIPPED),
+            ("pipeline.stages.cadence.Cadence", OUT_OF_SLOT),
+        )
+    ),
+    (
+        "stages.best_val.extra",
+        "pipeline.stages.best.BestVal",
+        OUT_OF_SLOT,
+    ),  # nested: conf/ builds none there
 ]
 IDS = [f"{k}={t}" for k, t, _ in CASES]
 
@@ -57,8 +66,17 @@ IDS = [f"{k}={t}" for k, t, _ in CASES]
 def finished(tmp_path_factory) -> Path:
     """A tiny finished kernodeck run with every node a config has: a cadence in its stage, early stopping."""
     out = tmp_path_factory.mktemp("targets") / "out"
-    assert run_job(*KERNODECK, "trainer.max_steps=4", "+stages/early_stop=default", "checkpoint=every_n_steps",
-                   "checkpoint.every_steps=2", f"paths.output_dir={out}")[0] == 0
+    assert (
+        run_job(
+            *KERNODECK,
+            "trainer.max_steps=4",
+            "+stages/early_stop=default",
+            "checkpoint=every_n_steps",
+            "checkpoint.every_steps=2",
+            f"paths.output_dir={out}",
+        )[0]
+        == 0
+    )
     return out
 
 
@@ -101,8 +119,12 @@ def test_the_allow_list_refuses_it(finished, key, target, words):
     with pytest.raises(targets.UnknownTarget) as e:
         targets.check(config, targets.allowed(()))
     line = str(e.value)
-    assert "\n" not in line and line.startswith(tuple(f"config.{key}._target_ names '{target}', {w}"
-                                                     for w in (words if isinstance(words, tuple) else (words,)))), line
+    assert "\n" not in line and line.startswith(
+        tuple(
+            f"config.{key}._target_ names '{target}', {w}"
+            for w in (words if isinstance(words, tuple) else (words,))
+        )
+    ), line
 
 
 @pytest.mark.parametrize("key, target, words", CASES, ids=IDS)
@@ -121,8 +143,10 @@ def test_a_tool_refuses_it_in_one_line(finished, tmp_path, key, target, words, c
     assert show.main([str(ckpt)]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
-    assert any(f"config.{key}._target_ names '{target}', {w}" in captured.err
-               for w in (words if isinstance(words, tuple) else (words,)))
+    assert any(
+        f"config.{key}._target_ names '{target}', {w}" in captured.err
+        for w in (words if isinstance(words, tuple) else (words,))
+    )
 
 
 def test_your_own_config_may_still_name_an_unshipped_class_of_ours_in_its_package(tmp_path):

@@ -1,4 +1,5 @@
 """Corpora on disk: byte-identical regeneration, verified reuse, safe concurrent writers, and the windows."""
+
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +20,9 @@ from pipeline.files.atomic import TMP_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(n_sentences=1500, val_fraction=0.1, block_size=32, ngram_order=3, val_batch_size=32)
-TEXT_SMALL = dict(val_fraction=0.1, block_size=16, ngram_order=4, val_batch_size=32, max_bytes=1 << 20)
+TEXT_SMALL = dict(
+    val_fraction=0.1, block_size=16, ngram_order=4, val_batch_size=32, max_bytes=1 << 20
+)
 
 
 def _files(directory: Path) -> dict[str, bytes]:
@@ -37,8 +40,17 @@ def test_regeneration_is_byte_identical(tmp_path):
     assert a.directory.name == b.directory.name
     assert a.directory.parent == tmp_path / "a" / "data"
     assert _files(a.directory) == _files(b.directory)
-    assert sorted(_files(a.directory)) == ["MANIFEST.json", "train.tokens", "val.tokens", "vocab.json"]
-    assert a.manifest_hash == b.manifest_hash == hashlib.sha256(_files(a.directory)["MANIFEST.json"]).hexdigest()
+    assert sorted(_files(a.directory)) == [
+        "MANIFEST.json",
+        "train.tokens",
+        "val.tokens",
+        "vocab.json",
+    ]
+    assert (
+        a.manifest_hash
+        == b.manifest_hash
+        == hashlib.sha256(_files(a.directory)["MANIFEST.json"]).hexdigest()
+    )
 
 
 def test_another_seed_or_size_is_another_corpus(tmp_path, small):
@@ -53,7 +65,9 @@ def test_manifest_describes_every_file(small):
     m = json.loads((small.directory / "MANIFEST.json").read_bytes())
     assert (small.directory / "MANIFEST.json").read_bytes() == corpus.canonical_json(m)
     assert small.directory.name == f"grammar-{corpus.short_hash(m['params'])}"
-    assert m["generator"] == "grammar" and m["seed"] == 5 and m["vocab_size"] == small.spec.vocab_size
+    assert (
+        m["generator"] == "grammar" and m["seed"] == 5 and m["vocab_size"] == small.spec.vocab_size
+    )
     for name, entry in m["files"].items():
         data = (small.directory / name).read_bytes()
         assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -77,7 +91,9 @@ def test_train_windows_shift_by_one(small):
         np.testing.assert_array_equal(b.y[row], toks[i * T + 1 : i * T + T + 1])
     assert small.n_train == (len(toks) - 1) // T
     assert small.augment(b, streams=None) is b
-    with pytest.raises(IndexError, match=r"train window ids must be in \[0, \d+\), got \[\d+, \d+\]"):
+    with pytest.raises(
+        IndexError, match=r"train window ids must be in \[0, \d+\), got \[\d+, \d+\]"
+    ):
         small.train_batch(np.array([small.n_train]), np.float32)
 
 
@@ -132,10 +148,17 @@ def test_edited_manifest_is_refused(tmp_path, small):
         GrammarCorpus(str(tmp_path / "data"), seed=5, **SMALL)
 
 
-@pytest.mark.parametrize("edit, words", [
-    (lambda raw: raw.replace(b'{\n', b'{\n  "files": {},\n', 1), "duplicate key 'files'"),
-    (lambda raw: raw.replace(b'"val_ppl": ', b'"val_ppl": 1e999, "x": ', 1), "number 1e999 is out of range"),
-], ids=["duplicate-files", "1e999"])
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda raw: raw.replace(b"{\n", b'{\n  "files": {},\n', 1), "duplicate key 'files'"),
+        (
+            lambda raw: raw.replace(b'"val_ppl": ', b'"val_ppl": 1e999, "x": ', 1),
+            "number 1e999 is out of range",
+        ),
+    ],
+    ids=["duplicate-files", "1e999"],
+)
 def test_a_manifest_that_readers_would_read_differently_is_refused(tmp_path, small, edit, words):
     target = _copy_of(small, tmp_path)
     raw = (target / "MANIFEST.json").read_bytes()
@@ -147,7 +170,9 @@ def test_a_manifest_that_readers_would_read_differently_is_refused(tmp_path, sma
 @pytest.mark.parametrize("params", [None, {"seed": 5}], ids=["any-params", "these-params"])
 def test_a_manifest_that_is_not_an_object_is_refused_in_one_line(tmp_path, small, params):
     target = _copy_of(small, tmp_path)
-    (target / "MANIFEST.json").write_bytes(corpus.canonical_json([]))  # canonical JSON, but not a manifest
+    (target / "MANIFEST.json").write_bytes(
+        corpus.canonical_json([])
+    )  # canonical JSON, but not a manifest
     with pytest.raises(ValueError, match=r"MANIFEST\.json: .*; delete .* to regenerate"):
         corpus.verify_corpus(target, params)
 
@@ -191,8 +216,14 @@ print(d.manifest_hash)
 def test_two_processes_generating_at_once_both_succeed(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = [
-        subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path / "data")], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(tmp_path / "data")],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(2)
     ]
     outs = [p.communicate() for p in procs]
@@ -210,17 +241,27 @@ def test_text_corpus_from_a_small_file(tmp_path):
     src = tmp_path / "book.txt"
     src.write_text(TEXT + "café ☕\n", encoding="utf-8")
     d = TextCorpus(str(tmp_path / "run" / "data"), str(src), **TEXT_SMALL)
-    assert d.directory.name.startswith("text-") and d.vocab == sorted(set(src.read_text(encoding="utf-8")))
-    assert d.decode(np.concatenate([d.tokens["train"], d.tokens["val"]])) == src.read_text(encoding="utf-8")
+    assert d.directory.name.startswith("text-") and d.vocab == sorted(
+        set(src.read_text(encoding="utf-8"))
+    )
+    assert d.decode(np.concatenate([d.tokens["train"], d.tokens["val"]])) == src.read_text(
+        encoding="utf-8"
+    )
     b = d.train_batch(np.arange(min(4, d.n_train)), np.float32)
     np.testing.assert_array_equal(b.x[:, 1:], b.y[:, :-1])
     assert 1 < d.baseline_metrics()["val/ngram_baseline_ppl"] < len(d.vocab)
     # The hash is over the content: a moved copy is the same corpus, an edited one is not.
     moved = tmp_path / "elsewhere.txt"
     moved.write_bytes(src.read_bytes())
-    assert TextCorpus(str(tmp_path / "run" / "data"), str(moved), **TEXT_SMALL).directory == d.directory
+    assert (
+        TextCorpus(str(tmp_path / "run" / "data"), str(moved), **TEXT_SMALL).directory
+        == d.directory
+    )
     moved.write_text(TEXT + "café!\n", encoding="utf-8")
-    assert TextCorpus(str(tmp_path / "run" / "data"), str(moved), **TEXT_SMALL).directory != d.directory
+    assert (
+        TextCorpus(str(tmp_path / "run" / "data"), str(moved), **TEXT_SMALL).directory
+        != d.directory
+    )
 
 
 def test_text_corpus_errors_name_the_path(tmp_path):
@@ -254,13 +295,16 @@ def test_a_linked_data_directory_never_receives_a_corpus(tmp_path):
     assert built == [] and os.listdir(elsewhere) == []
 
 
-def test_a_corpus_is_found_by_its_manifests_hash_never_through_a_link_nor_in_a_temporary(small, tmp_path,
-                                                                                         monkeypatch):
+def test_a_corpus_is_found_by_its_manifests_hash_never_through_a_link_nor_in_a_temporary(
+    small, tmp_path, monkeypatch
+):
     data = tmp_path / "data"
     data.mkdir()
     shutil.copytree(small.directory, tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", data / "a-linked")
-    shutil.copytree(small.directory, data / f"{TMP_PREFIX}grammar-x")  # a writer's, not yet published
+    shutil.copytree(
+        small.directory, data / f"{TMP_PREFIX}grammar-x"
+    )  # a writer's, not yet published
     (data / "b-other").mkdir()
     (data / "b-other" / "MANIFEST.json").write_text("{}")
     assert corpus.find_corpus(data, small.manifest_hash) is None

@@ -1,4 +1,5 @@
 """The grammar generator: pure in its seed, a small vocabulary, and agreement that needs more than n-gram context."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -10,9 +11,15 @@ from pipeline.data import grammar
 THIRD = {"he", "she", "it"}
 OTHERS = {"I", "you", "we", "they"}
 MARKED = {
-    "am": {"I"}, "is": THIRD, "are": {"you", "we", "they"},
-    "was": {"I"} | THIRD, "were": {"you", "we", "they"},
-    "has": THIRD, "have": OTHERS, "does": THIRD, "do": OTHERS,
+    "am": {"I"},
+    "is": THIRD,
+    "are": {"you", "we", "they"},
+    "was": {"I"} | THIRD,
+    "were": {"you", "we", "they"},
+    "has": THIRD,
+    "have": OTHERS,
+    "does": THIRD,
+    "do": OTHERS,
 }
 for _v in grammar.VERBS:
     MARKED[_v.s] = THIRD

@@ -1,4 +1,5 @@
 """The DataIterator: every row once per epoch, drop_last, and an exact mid-epoch continuation."""
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,9 @@ def test_each_row_exactly_once_per_epoch_and_last_partial_batch_dropped(nb, seed
     it = DataIterator(n, bs, gen(seed))
     bpe = n // bs
     assert it.batches_per_epoch == bpe
-    oracle = gen(seed)  # the same generator, drawn in the iterator's order: one permutation per epoch
+    oracle = gen(
+        seed
+    )  # the same generator, drawn in the iterator's order: one permutation per epoch
     for epoch in range(3):
         perm = oracle.permutation(n)
         batches = [it.next_ids() for _ in range(bpe)]
@@ -65,7 +68,9 @@ def test_epochs_are_reshuffled():
 
 
 def test_batch_size_larger_than_data_is_rejected():
-    with pytest.raises(ValueError, match=r"trainer.batch_size=4: must be between 1 and the 3 training samples"):
+    with pytest.raises(
+        ValueError, match=r"trainer.batch_size=4: must be between 1 and the 3 training samples"
+    ):
         DataIterator(3, 4, gen(0))
 
 
@@ -88,12 +93,20 @@ def test_continues_exactly_where_it_stopped(nb, k, seed):
     it = DataIterator(n, bs, rng)
     got = [it.next_ids() for _ in range(k)]
     # what a checkpoint stores, through JSON like the run's RNG streams
-    saved = json.loads(json.dumps({k_: (v.tolist() if isinstance(v, np.ndarray) else v)
-                                   for k_, v in it.state_dict().items()}))
+    saved = json.loads(
+        json.dumps(
+            {
+                k_: (v.tolist() if isinstance(v, np.ndarray) else v)
+                for k_, v in it.state_dict().items()
+            }
+        )
+    )
     saved_rng = json.loads(json.dumps(numpy_state_to_json(rng)))
     del it, rng
 
-    rng2 = gen(seed + 1)  # a differently-seeded generator: everything must come from the loaded state
+    rng2 = gen(
+        seed + 1
+    )  # a differently-seeded generator: everything must come from the loaded state
     fresh = DataIterator(n, bs, rng2)
     fresh.load_state_dict({**saved, "permutation": np.asarray(saved["permutation"])})
     rng2.bit_generator.state = numpy_state_from_json(saved_rng)
@@ -117,7 +130,9 @@ def test_continuation_without_the_generator_state_diverges():
         it.next_ids()
     fresh = DataIterator(12, 4, gen(6))
     fresh.load_state_dict(it.state_dict())
-    assert [b.tolist() for b in (fresh.next_ids() for _ in range(6))] != [b.tolist() for b in reference]
+    assert [b.tolist() for b in (fresh.next_ids() for _ in range(6))] != [
+        b.tolist() for b in reference
+    ]
 
 
 def test_load_copies_and_an_impossible_state_is_refused_untouched():
@@ -140,4 +155,6 @@ def test_load_copies_and_an_impossible_state_is_refused_untouched():
         before = (fresh.epoch, fresh.cursor, fresh.permutation.copy())
         with pytest.raises(StateMismatch, match="data_iter"):
             restore({"data_iter": fresh}, {"data_iter": s}, only=("data_iter",))
-        assert (fresh.epoch, fresh.cursor) == before[:2] and np.array_equal(fresh.permutation, before[2])
+        assert (fresh.epoch, fresh.cursor) == before[:2] and np.array_equal(
+            fresh.permutation, before[2]
+        )

@@ -1,4 +1,5 @@
 """The Kneser-Ney baseline: a proper distribution, equal to a plain-Python reference, and a real baseline."""
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,10 @@ from pipeline.data import corpus, grammar, ngram
 def _reference_prob(tokens, order, V, discounts, history, w):
     """Interpolated modified Kneser-Ney written out with dicts, for small data."""
     tokens = list(tokens)
-    grams = {k: Counter(tuple(tokens[i : i + k]) for i in range(len(tokens) - k + 1)) for k in range(1, order + 2)}
+    grams = {
+        k: Counter(tuple(tokens[i : i + k]) for i in range(len(tokens) - k + 1))
+        for k in range(1, order + 2)
+    }
 
     def counts(k):  # raw counts at the top order, continuation counts below
         if k == order:
@@ -53,7 +57,13 @@ def small_corpus():
 def test_distribution_sums_to_one(small_corpus, order):
     tokens, V = small_corpus
     lm = ngram.fit(tokens, order, V)
-    histories = [[], tokens[:3], tokens[100:110], [V - 1, V - 2, V - 3], [0, 0, 0, 0]]  # seen, unseen, short
+    histories = [
+        [],
+        tokens[:3],
+        tokens[100:110],
+        [V - 1, V - 2, V - 3],
+        [0, 0, 0, 0],
+    ]  # seen, unseen, short
     for h in histories:
         p = ngram.distribution(lm, h)
         assert p.shape == (V,)
@@ -67,7 +77,9 @@ def test_distribution_sums_to_one(small_corpus, order):
     st.integers(1, 4),
     st.lists(st.integers(0, 5), max_size=4),
 )
-@example([4, 2, 0, 2, 3, 4, 2, 4, 2, 1, 0, 2], 2, [0])  # D2 estimated <= 0: every bigram after 0 a count-2 one
+@example(
+    [4, 2, 0, 2, 3, 4, 2, 4, 2, 1, 0, 2], 2, [0]
+)  # D2 estimated <= 0: every bigram after 0 a count-2 one
 def test_any_stream_gives_a_distribution(tokens, order, history):
     lm = ngram.fit(np.array(tokens), order, 6)
     p = ngram.distribution(lm, history)
@@ -77,7 +89,9 @@ def test_any_stream_gives_a_distribution(tokens, order, history):
 def test_matches_plain_python_reference():
     rng = np.random.default_rng(0)
     V, order = 7, 3
-    tokens = rng.integers(0, V, 300) * (rng.random(300) < 0.7)  # skewed, so counts of all sizes occur
+    tokens = rng.integers(0, V, 300) * (
+        rng.random(300) < 0.7
+    )  # skewed, so counts of all sizes occur
     lm = ngram.fit(tokens, order, V)
     discounts = [level.discounts for level in lm.levels]
     for h in ([], [3], [1, 2], [0, 0], [6, 6], list(tokens[10:12])):
@@ -98,10 +112,14 @@ def test_stream_log_probs_use_the_preceding_tokens_of_the_stream(small_corpus):
 def test_val_perplexity_is_a_meaningful_baseline():
     content = grammar.build_grammar_corpus(9, 6000, 0.1)
     V, positions = len(content.vocab), corpus.val_target_positions(len(content.val), 64)
-    ppl = {n: ngram.perplexity(ngram.fit(content.train, n, V), content.val, positions) for n in (1, 3)}
+    ppl = {
+        n: ngram.perplexity(ngram.fit(content.train, n, V), content.val, positions) for n in (1, 3)
+    }
     assert all(math.isfinite(p) and p > 1 for p in ppl.values())
     assert ppl[3] < 0.6 * ppl[1]  # context helps an n-gram a lot on this grammar
-    assert ppl[3] > content.stats["oracle_val_ppl_bound"]  # ... yet it stays above what the grammar allows
+    assert (
+        ppl[3] > content.stats["oracle_val_ppl_bound"]
+    )  # ... yet it stays above what the grammar allows
 
 
 def test_order_too_high_for_the_key_width_is_refused():

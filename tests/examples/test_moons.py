@@ -1,6 +1,7 @@
 """examples/moons: a model and a dataset from outside the package, by config only (hydra.searchpath), trained,
 resumed byte-identically, verified by `python -m pipeline.verify`, evaluated and inspected with its search path
 (refused in one line without it); its backward checked against finite differences."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,12 @@ from pipeline.run.directory import RunDir
 from pipeline.run.signals import SIGNALS_STATE
 
 EXAMPLE = PROJECT_ROOT / "examples" / "moons"
-MOONS = ("hydra.searchpath=[pkg://moons.conf]", "experiment=moons", "tracking=none", "trainer.progress_bar=false")
+MOONS = (
+    "hydra.searchpath=[pkg://moons.conf]",
+    "experiment=moons",
+    "tracking=none",
+    "trainer.progress_bar=false",
+)
 
 
 @pytest.fixture
@@ -40,7 +46,14 @@ def test_rbf_gradients_match_finite_differences(moons):
     from moons.model import RBFNet
 
     data = TwoMoons(n_train=16, n_val=4, noise=0.1, jitter=0.05, seed=1)
-    model = RBFNet(data.spec, n_centers=5, dropout=0.3, init_scale=1.0, dtype="float64", rng=np.random.default_rng(0))
+    model = RBFNet(
+        data.spec,
+        n_centers=5,
+        dropout=0.3,
+        init_scale=1.0,
+        dtype="float64",
+        rng=np.random.default_rng(0),
+    )
     batch = data.train_batch(np.arange(16), np.float64)
 
     def loss() -> float:  # the same dropout mask every time: a fresh generator with one seed
@@ -54,10 +67,20 @@ def test_rbf_gradients_match_finite_differences(moons):
 
 def test_the_example_composes_from_its_own_config_directory(moons, tmp_path):
     config = config_of(*moons, f"paths.output_dir={tmp_path}")
-    assert config["model"]["_target_"] == "moons.model.RBFNet" and config["data"]["_target_"] == "moons.data.TwoMoons"
-    assert config["optimizer"]["_target_"] == "pipeline.optimizer.adam.Adam" and config["name"] == "moons"
-    code, _ = run_job("hydra.searchpath=[pkg://moons.conf]", "model=rbf", "tracking=none",
-                      f"paths.output_dir={tmp_path / 'out'}")  # with the default data: grammar tokens
+    assert (
+        config["model"]["_target_"] == "moons.model.RBFNet"
+        and config["data"]["_target_"] == "moons.data.TwoMoons"
+    )
+    assert (
+        config["optimizer"]["_target_"] == "pipeline.optimizer.adam.Adam"
+        and config["name"] == "moons"
+    )
+    code, _ = run_job(
+        "hydra.searchpath=[pkg://moons.conf]",
+        "model=rbf",
+        "tracking=none",
+        f"paths.output_dir={tmp_path / 'out'}",
+    )  # with the default data: grammar tokens
     assert code == 2 and not (tmp_path / "out" / "runs").exists()
 
 
@@ -75,7 +98,9 @@ def test_it_trains_and_resumes_byte_identically(moons, tmp_path, preempt_at, k):
     ref, out = tmp_path / "ref", tmp_path / "out"
     assert run_job(*moons, f"paths.output_dir={ref}")[0] == 0
     status = RunDir(the_run(ref)).read_status()
-    assert status["step"] == 160 and status["metrics"]["val/loss"] < 0.2  # it learns: chance is log 2 = 0.69
+    assert (
+        status["step"] == 160 and status["metrics"]["val/loss"] < 0.2
+    )  # it learns: chance is log 2 = 0.69
     preempt_at(k)
     assert run_job(*moons, f"paths.output_dir={out}")[0] == EXIT_PREEMPTED
     SIGNALS_STATE.received = None
@@ -87,26 +112,43 @@ def test_it_trains_and_resumes_byte_identically(moons, tmp_path, preempt_at, k):
 
 def test_the_verifier_proves_its_resume_and_evaluate_reads_it(moons, tmp_path):
     out = tmp_path / "out"
-    proc = run_pipeline([*moons, "verify.cut=13", "verify.steps=30", f"paths.output_dir={out}"], tmp_path / "cwd",
-                        module="pipeline.verify")
+    proc = run_pipeline(
+        [*moons, "verify.cut=13", "verify.steps=30", f"paths.output_dir={out}"],
+        tmp_path / "cwd",
+        module="pipeline.verify",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (report,) = (out / "verify").glob("*/verification.json")
     report = json.loads(report.read_text())
     assert report["all_checks_passed"] and report["max_weight_diff"]["positive"] == 0.0
-    assert report["max_weight_diff"]["negative"] > 0  # dropout and jitter after the cut: the control diverges
+    assert (
+        report["max_weight_diff"]["negative"] > 0
+    )  # dropout and jitter after the cut: the control diverges
     # the command a user types, from the README
-    proc = run_pipeline([*moons, "trainer.max_steps=16", f"paths.output_dir={out}"], tmp_path / "cwd")
+    proc = run_pipeline(
+        [*moons, "trainer.max_steps=16", f"paths.output_dir={out}"], tmp_path / "cwd"
+    )
     assert proc.returncode == 0, proc.stderr
     final = RunDir(the_run(out)).store.root / "final"
-    searchpath = MOONS[0]  # its classes are named by its own configs: the tools that build them need them too
-    proc = run_pipeline([str(final), searchpath, "--json"], tmp_path / "cwd", module="pipeline.evaluate")
+    searchpath = MOONS[
+        0
+    ]  # its classes are named by its own configs: the tools that build them need them too
+    proc = run_pipeline(
+        [str(final), searchpath, "--json"], tmp_path / "cwd", module="pipeline.evaluate"
+    )
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((final / "manifest.json").read_text())
     assert json.loads(proc.stdout)["metrics"] == {"val/loss": manifest["metrics"]["val/loss"]}
     proc = run_pipeline([str(final), searchpath], tmp_path / "cwd", module="pipeline.show")
-    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1].startswith("valid"), proc.stdout + proc.stderr
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1].startswith("valid"), (
+        proc.stdout + proc.stderr
+    )
     for module in ("pipeline.show", "pipeline.evaluate"):  # without them: refused, nothing imported
         said = refused_in_one_line([str(final)], tmp_path / "cwd", module=module)
-        assert said.startswith(f"{module}: checkpoint {final}: manifest.json: config.data._target_ names "
-                               "'moons.data.TwoMoons', which neither the pipeline's configs nor yours name") \
-            and "hydra.searchpath=[...]" in said, said
+        assert (
+            said.startswith(
+                f"{module}: checkpoint {final}: manifest.json: config.data._target_ names "
+                "'moons.data.TwoMoons', which neither the pipeline's configs nor yours name"
+            )
+            and "hydra.searchpath=[...]" in said
+        ), said

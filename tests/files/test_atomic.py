@@ -1,4 +1,5 @@
 """Writes that never follow a planted link nor leave a torn file (pipeline/files/atomic.py)."""
+
 from __future__ import annotations
 
 import errno
@@ -111,7 +112,9 @@ def test_remove_temporaries_does_not_follow_links(tmp_path, victim):
     (d / f"{TMP_PREFIX}dir").mkdir()
     os.symlink(victim, d / f"{TMP_PREFIX}dir" / "v")
     remove_temporaries(d)
-    assert list(d.iterdir()) == [] and (outside / "keep").exists() and victim.read_text() == "precious"
+    assert (
+        list(d.iterdir()) == [] and (outside / "keep").exists() and victim.read_text() == "precious"
+    )
 
 
 def test_a_refusal_reads_as_one_sentence_without_an_errno_prefix(tmp_path):
@@ -122,10 +125,14 @@ def test_a_refusal_reads_as_one_sentence_without_an_errno_prefix(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(UnsafePathError) as caught:
         refuse_link(tmp_path / "link", "file")
-    assert str(caught.value) == f"{tmp_path / 'link'} is a symlink; refusing to follow it (remove it)"
+    assert (
+        str(caught.value) == f"{tmp_path / 'link'} is a symlink; refusing to follow it (remove it)"
+    )
     assert caught.value.errno == errno.ELOOP  # the code is kept for callers that branch on it
-    assert (str(UnreadableFile(errno.EINVAL, "is a FIFO, not a regular file", "/p"))
-            == "/p: is a FIFO, not a regular file")
+    assert (
+        str(UnreadableFile(errno.EINVAL, "is a FIFO, not a regular file", "/p"))
+        == "/p: is a FIFO, not a regular file"
+    )
 
 
 # --- the durability order of a save ---------------------------------------------------------------------------
@@ -145,8 +152,13 @@ class Syscalls:
 
         self.events: list[tuple] = []
         self.invariant = None
-        real = {"fsync": os.fsync, "rename": os.rename, "replace": os.replace, "unlink": os.unlink,
-                "rmtree": shutil.rmtree}
+        real = {
+            "fsync": os.fsync,
+            "rename": os.rename,
+            "replace": os.replace,
+            "unlink": os.unlink,
+            "rmtree": shutil.rmtree,
+        }
 
         def fsync(fd):
             where = os.readlink(f"/proc/self/fd/{fd}")  # before the call: the fd is still open
@@ -159,16 +171,22 @@ class Syscalls:
                 real[kind](src, dst, *args, **kwargs)
                 self.events.append(("rename", os.path.realpath(src), os.path.realpath(dst)))
                 self.check(f"after {kind} {src} -> {dst}")
+
             return call
 
         def removed(kind):
             def call(path, *args, **kwargs):
                 self.check(f"before {kind} {path}")
                 fd = kwargs.get("dir_fd")  # rmtree removes by names relative to a directory's fd
-                where = os.path.realpath(path) if fd is None else os.path.join(os.readlink(f"/proc/self/fd/{fd}"), path)
+                where = (
+                    os.path.realpath(path)
+                    if fd is None
+                    else os.path.join(os.readlink(f"/proc/self/fd/{fd}"), path)
+                )
                 real[kind](path, *args, **kwargs)
                 self.events.append(("remove", where))
                 self.check(f"after {kind} {path}")
+
             return call
 
         real_exchange = atomic._exchange
@@ -191,7 +209,10 @@ class Syscalls:
 
     def check(self, when: str) -> None:
         if self.invariant is not None and not self.invariant():
-            why, self.invariant = self.invariant.__doc__, None  # once: the save's own clean-up runs next
+            why, self.invariant = (
+                self.invariant.__doc__,
+                None,
+            )  # once: the save's own clean-up runs next
             raise AssertionError(f"{when}: {why}")
 
     def index(self, *event) -> int:
@@ -229,9 +250,13 @@ def assert_saved_in_durable_order(events: Syscalls, final) -> int:
     final = os.path.realpath(final)
     parent = os.path.dirname(final)
     (tmp,) = [e[1] for e in events.events if e[0] == "rename" and e[2] == final]
-    assert os.path.basename(tmp).startswith(TMP_PREFIX), "the new step is written under a temporary name"
+    assert os.path.basename(tmp).startswith(TMP_PREFIX), (
+        "the new step is written under a temporary name"
+    )
     names = sorted(os.listdir(final))
-    last_file = max(events.index("fsync", os.path.join(tmp, n)) for n in names)  # each file fsynced in the temporary
+    last_file = max(
+        events.index("fsync", os.path.join(tmp, n)) for n in names
+    )  # each file fsynced in the temporary
     tmp_synced = events.index("fsync", tmp)
     renamed = events.index("rename", tmp, final)
     parent_synced = events.events.index(("fsync", parent), renamed)
@@ -239,26 +264,32 @@ def assert_saved_in_durable_order(events: Syscalls, final) -> int:
     return parent_synced
 
 
-def test_a_checkpoint_is_fsynced_file_by_file_then_its_directory_then_renamed_then_the_parent(tmp_path, syscalls,
-                                                                                                 tiny_state):
+def test_a_checkpoint_is_fsynced_file_by_file_then_its_directory_then_renamed_then_the_parent(
+    tmp_path, syscalls, tiny_state
+):
     """Without the temporary directory's fsync a crash after the rename can leave a step with missing files."""
     from pipeline.checkpoint.directory import MANIFEST, CheckpointDir, step_dir_name
 
     final = tmp_path / "checkpoints" / step_dir_name(3)
     CheckpointDir(final).write(*tiny_state)
-    assert MANIFEST in os.listdir(final) and len(os.listdir(final)) >= 4  # weights, optim, extra, data, manifest
+    assert (
+        MANIFEST in os.listdir(final) and len(os.listdir(final)) >= 4
+    )  # weights, optim, extra, data, manifest
     assert_saved_in_durable_order(syscalls, final)
 
 
 @pytest.mark.parametrize("swap", [True, False], ids=["exchange", "rename-aside"])
-def test_replacing_a_checkpoint_never_leaves_a_moment_without_a_complete_step(tmp_path, syscalls, tiny_state, swap,
-                                                                               monkeypatch):
+def test_replacing_a_checkpoint_never_leaves_a_moment_without_a_complete_step(
+    tmp_path, syscalls, tiny_state, swap, monkeypatch
+):
     """A crash at any moment of a replace leaves a complete step N: with the filesystem's exchange, step N itself
     at every instant; without it (rename-aside), the old one at worst renamed aside, never deleted first."""
     from pipeline.checkpoint.directory import MANIFEST, CheckpointDir, step_dir_name
 
     if not swap:
-        monkeypatch.setattr(atomic, "_renameat2", lambda: None)  # a filesystem or libc without renameat2
+        monkeypatch.setattr(
+            atomic, "_renameat2", lambda: None
+        )  # a filesystem or libc without renameat2
     final = tmp_path / "checkpoints" / step_dir_name(3)
     CheckpointDir(final).write(*tiny_state)
     old = os.lstat(final).st_ino
@@ -277,7 +308,9 @@ def test_replacing_a_checkpoint_never_leaves_a_moment_without_a_complete_step(tm
     CheckpointDir(final).write(*tiny_state, replace=True)
     syscalls.invariant = None
     parent_synced = assert_saved_in_durable_order(syscalls, final)
-    assert os.lstat(final).st_ino != old and old not in inodes(final.parent)  # the new step, the old one gone
+    assert os.lstat(final).st_ino != old and old not in inodes(
+        final.parent
+    )  # the new step, the old one gone
     real = os.path.realpath(final)
     # The old one left (swapped out, or renamed aside before the new one came in), and was removed only once
     # the new one was durable.
@@ -286,7 +319,9 @@ def test_replacing_a_checkpoint_never_leaves_a_moment_without_a_complete_step(tm
     assert aside[0][0] == ("exchange" if swap else "rename")
     (came_in,) = [e for e in syscalls.events if e[0] == "rename" and e[2] == real]
     if swap:
-        assert syscalls.index(*aside[0]) == syscalls.index(*came_in) + 1  # one step, recorded as two
+        assert (
+            syscalls.index(*aside[0]) == syscalls.index(*came_in) + 1
+        )  # one step, recorded as two
     else:
         assert syscalls.index(*aside[0]) < syscalls.index(*came_in)
     assert syscalls.index("remove", aside[0][2]) > parent_synced
@@ -306,15 +341,19 @@ def test_publish_dir_keeps_the_same_order_for_any_directory(tmp_path, syscalls):
 
 
 @pytest.mark.parametrize("hard_links", [True, False], ids=["hard-link", "copy"])
-def test_a_second_name_holds_the_bytes_after_the_first_is_replaced(tmp_path, monkeypatch, hard_links):
+def test_a_second_name_holds_the_bytes_after_the_first_is_replaced(
+    tmp_path, monkeypatch, hard_links
+):
     """What superseded/ keeps of a file that is then rewritten (replace_file: a new inode) keeps its old bytes."""
     from pipeline.files.atomic import replace_file, second_name
 
     src = tmp_path / "metrics.jsonl"
     src.write_bytes(b"old\n")
     if not hard_links:  # a filesystem without hard links
+
         def no_link(*a, **k):
             raise OSError(errno.EPERM, "Operation not permitted")
+
         monkeypatch.setattr(os, "link", no_link)
     second_name(src, tmp_path / "kept")
     replace_file(src, b"new\n")
@@ -328,6 +367,7 @@ def test_a_second_name_holds_the_bytes_after_the_first_is_replaced(tmp_path, mon
 
 
 # --- a link replaced (checkpoints/best, final): never missing, whatever runs beside it or kills it ------------
+
 
 def test_every_system_call_of_a_link_replacement_leaves_the_link(tmp_path, syscalls):
     """A crash can come at any rename or removal: before and after each, the link names the old or new target."""
@@ -365,8 +405,11 @@ def test_a_reader_never_finds_a_link_missing_while_it_is_replaced(tmp_path):
     hundreds of times: it sees both targets, and never no link."""
     link, ready, stop = tmp_path / "best", tmp_path / "ready", tmp_path / "stop"
     replace_link(link, "step-1")
-    reader = subprocess.Popen([sys.executable, "-c", READER, str(link), str(ready), str(stop)],
-                              stdout=subprocess.PIPE, text=True)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, str(link), str(ready), str(stop)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_until(ready.exists, "the reader to start")
         for i in range(500):
@@ -375,11 +418,15 @@ def test_a_reader_never_finds_a_link_missing_while_it_is_replaced(tmp_path):
         stop.touch()
         out, _ = reader.communicate()
     seen = json.loads(out)
-    assert set(seen) == {"step-1", "step-2"}, seen  # no "missing"; and both seen: it read while links changed
+    assert set(seen) == {"step-1", "step-2"}, (
+        seen
+    )  # no "missing"; and both seen: it read while links changed
 
 
-REPLACE = "import sys; from pathlib import Path; from pipeline.files.atomic import replace_link; " \
-          "replace_link(Path(sys.argv[1]), 'step-2')"
+REPLACE = (
+    "import sys; from pathlib import Path; from pipeline.files.atomic import replace_link; "
+    "replace_link(Path(sys.argv[1]), 'step-2')"
+)
 
 
 def test_a_kill_inside_a_link_replacement_leaves_the_old_link(tmp_path):
@@ -388,13 +435,18 @@ def test_a_kill_inside_a_link_replacement_leaves_the_old_link(tmp_path):
     link, trace = tmp_path / "best", tmp_path / "trace.txt"
     replace_link(link, "step-1")
     env = {**env_for_subprocess(), "PIPELINE_CHAOS": "save:1", "PIPELINE_CHAOS_TRACE": str(trace)}
-    proc = subprocess.run([sys.executable, "-c", REPLACE, str(link)], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", REPLACE, str(link)], env=env, capture_output=True, text=True
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert trace.read_text() == "save 1 before a link's rename\n"
     assert os.readlink(link) == "step-1"
     replace_link(link, "step-2")
     remove_temporaries(tmp_path)
-    assert os.readlink(link) == "step-2" and sorted(p.name for p in tmp_path.iterdir()) == ["best", "trace.txt"]
+    assert os.readlink(link) == "step-2" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "best",
+        "trace.txt",
+    ]
 
 
 def step_dir(path) -> dict:
@@ -402,7 +454,11 @@ def step_dir(path) -> dict:
     import hashlib
 
     path.mkdir(parents=True)
-    for name, data in (("weights.safetensors", b"w" * 3000), ("manifest.json", b"{}"), ("extra.json", b"[]")):
+    for name, data in (
+        ("weights.safetensors", b"w" * 3000),
+        ("manifest.json", b"{}"),
+        ("extra.json", b"[]"),
+    ):
         (path / name).write_bytes(data)
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()}
 
@@ -410,10 +466,15 @@ def step_dir(path) -> dict:
 def same(path, found: dict) -> bool:
     import hashlib
 
-    return os.path.isdir(path) and {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()} == found
+    return (
+        os.path.isdir(path)
+        and {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()} == found
+    )
 
 
-def test_a_move_across_filesystems_copies_durably_before_the_original_goes(tmp_path, syscalls, monkeypatch):
+def test_a_move_across_filesystems_copies_durably_before_the_original_goes(
+    tmp_path, syscalls, monkeypatch
+):
     """superseded/ on another filesystem: the step directory is copied whole (every file fsynced, then the
     directory, renamed into place, the parent fsynced), and only then is the original removed; at every
     instant one of the two is whole."""
@@ -435,17 +496,24 @@ def test_a_move_across_filesystems_copies_durably_before_the_original_goes(tmp_p
     move(src, dst, copy=lambda step, to: CheckpointDir(step).second_names(to))
     assert not os.path.lexists(src) and same(dst, found)
     parent_synced = assert_saved_in_durable_order(syscalls, dst)
-    removed = next(i for i, e in enumerate(syscalls.events) if e[0] in ("rename", "remove")
-                   and e[1] == os.path.realpath(src))
+    removed = next(
+        i
+        for i, e in enumerate(syscalls.events)
+        if e[0] in ("rename", "remove") and e[1] == os.path.realpath(src)
+    )
     assert parent_synced < removed, syscalls.events
     assert os.listdir(dst.parent) == [dst.name]  # no temporary left
     file = tmp_path / "metrics.jsonl"
     file.write_bytes(b"{}\n")
     move(file, tmp_path / "superseded" / file.name)  # a file: its bytes, fsynced
-    assert not os.path.lexists(file) and (tmp_path / "superseded" / file.name).read_bytes() == b"{}\n"
+    assert (
+        not os.path.lexists(file) and (tmp_path / "superseded" / file.name).read_bytes() == b"{}\n"
+    )
 
 
-def test_a_move_across_filesystems_that_fails_midway_leaves_the_original_as_it_was(tmp_path, monkeypatch):
+def test_a_move_across_filesystems_that_fails_midway_leaves_the_original_as_it_was(
+    tmp_path, monkeypatch
+):
     from conftest import cross_device
 
     from pipeline.checkpoint.directory import CheckpointDir
@@ -472,7 +540,9 @@ def test_a_move_across_filesystems_that_fails_midway_leaves_the_original_as_it_w
 
 
 @pytest.mark.parametrize("planted", ["directory", "link", "fifo"])
-def test_a_move_across_filesystems_refuses_what_it_would_not_copy_whole(tmp_path, monkeypatch, planted):
+def test_a_move_across_filesystems_refuses_what_it_would_not_copy_whole(
+    tmp_path, monkeypatch, planted
+):
     # the step directory's own files are copied; anything else in it would be lost with the original: refused
     from conftest import cross_device
 
@@ -481,12 +551,17 @@ def test_a_move_across_filesystems_refuses_what_it_would_not_copy_whole(tmp_path
 
     src, dst = tmp_path / "checkpoints" / "step-00000006", tmp_path / "superseded" / "step-00000006"
     step_dir(src)
-    {"directory": lambda p: (p.mkdir(), (p / "notes.txt").write_text("mine")),
-     "link": lambda p: p.symlink_to("weights.safetensors"), "fifo": os.mkfifo}[planted](src / "planted")
+    {
+        "directory": lambda p: (p.mkdir(), (p / "notes.txt").write_text("mine")),
+        "link": lambda p: p.symlink_to("weights.safetensors"),
+        "fifo": os.mkfifo,
+    }[planted](src / "planted")
     found = {p.relative_to(src): (p.is_symlink(), p.is_dir()) for p in src.rglob("*")}
     dst.parent.mkdir()
     cross_device(monkeypatch, dst.parent)
-    with pytest.raises(OSError, match=r"another filesystem and 'planted.*' of .* would not be copied whole"):
+    with pytest.raises(
+        OSError, match=r"another filesystem and 'planted.*' of .* would not be copied whole"
+    ):
         move(src, dst, copy=lambda step, to: CheckpointDir(step).second_names(to))
     assert {p.relative_to(src): (p.is_symlink(), p.is_dir()) for p in src.rglob("*")} == found
     assert os.listdir(dst.parent) == []

@@ -1,4 +1,5 @@
 """Standard JSON in and out (pipeline/files/jsonio.py): non-finite floats, bounded size and depth."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from pipeline.files.reading import UnreadableFile
 
 def test_non_finite_floats_are_strings_and_read_back():
     data = jsonio.dumps({"a": [math.nan, math.inf, -math.inf, 1.0]})
-    assert b"NaN\"" in data and b"Infinity\"" in data
+    assert b'NaN"' in data and b'Infinity"' in data
     json.loads(data, parse_constant=lambda c: pytest.fail(f"bare {c}"))
     back = [jsonio.number(v) for v in jsonio.loads(data)["a"]]
     assert math.isnan(back[0]) and back[1:] == [math.inf, -math.inf, 1.0]

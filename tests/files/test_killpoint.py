@@ -1,8 +1,11 @@
 """The chaos mode's kill points (pipeline/files/killpoint.py)."""
+
 from __future__ import annotations
 
 
-def test_the_kill_points_read_the_environment_at_the_first_point_not_on_import(tmp_path, monkeypatch):
+def test_the_kill_points_read_the_environment_at_the_first_point_not_on_import(
+    tmp_path, monkeypatch
+):
     """No import-time state (#31): a chaos plan set after the import is the one that holds."""
     import importlib
 

@@ -1,4 +1,5 @@
 """The heap a training process keeps between steps, and its return to the OS once the steps are over."""
+
 from __future__ import annotations
 
 import subprocess
@@ -24,11 +25,15 @@ CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc tuning is Linux-only")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="glibc's malloc tuning is Linux-only"
+)
 def test_the_heap_kept_between_steps_is_handed_back_at_the_end():
     # keep_freed_memory keeps freed temporaries' pages (no page faults in the next step); the job's end hands
     # them back before matplotlib loads, so its peak RSS is the working set's, not the two stacked.
-    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, check=True
+    ).stdout
     kept, after = map(int, out.split())
     assert kept - after > 400 * 1024, (kept, after)  # of the 512 MiB freed, the pages come back
 

@@ -1,4 +1,5 @@
 """Finite-difference gradient checks (float64) and reference comparisons for pipeline.model.layers."""
+
 from __future__ import annotations
 
 import functools
@@ -132,7 +133,9 @@ def test_head_backward_with_a_row_scale_is_the_scaled_dlogits_backward(rng):
     x, w = rng.standard_normal((2, 3, 4)), rng.standard_normal((7, 4))
     _, cache = L.head_forward(x, w)
     d, scale = rng.standard_normal((6, 7)), rng.uniform(0.5, 2.0, 6)
-    for got, want in zip(L.head_backward(d, cache, scale), L.head_backward(d * scale[:, None], cache)):
+    for got, want in zip(
+        L.head_backward(d, cache, scale), L.head_backward(d * scale[:, None], cache)
+    ):
         np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-15)
 
 
@@ -142,7 +145,9 @@ def test_cross_entropy_factored_is_cross_entropy(rng, dtype):
     loss, dlogits = cross_entropy(logits, targets)
     floss, d, scale = cross_entropy_factored(logits.copy(), targets)
     assert floss == loss and d.dtype == scale.dtype == dtype
-    np.testing.assert_allclose(d * scale[:, None], dlogits, rtol=1e-5 if dtype == np.float32 else 1e-13, atol=1e-7)
+    np.testing.assert_allclose(
+        d * scale[:, None], dlogits, rtol=1e-5 if dtype == np.float32 else 1e-13, atol=1e-7
+    )
 
 
 def test_gelu_is_gpt2_tanh_approximation_and_grads(rng):
@@ -239,7 +244,9 @@ def test_dropout_fixed_mask_grads(rng):
     R = projector(x.shape)
 
     def fwd():
-        return L.dropout_forward(x, 0.3, np.random.default_rng(7))  # same seed -> same mask every call
+        return L.dropout_forward(
+            x, 0.3, np.random.default_rng(7)
+        )  # same seed -> same mask every call
 
     out, cache = fwd()
     kept = out != 0
@@ -366,7 +373,9 @@ def test_float32_stays_float32(rng):
     assert L.gelu_backward(x, outs[2][1]).dtype == f32
     assert all(a.dtype == f32 for a in L.layernorm_linear_backward(outs[4][0], outs[4][1]))
     assert all(a.dtype == f32 for a in L.head_backward(outs[5][0], outs[5][1]))
-    assert all(a.dtype == f32 for a in cross_entropy(outs[5][0], np.arange(8) % 5, overwrite=True)[1:])
+    assert all(
+        a.dtype == f32 for a in cross_entropy(outs[5][0], np.arange(8) % 5, overwrite=True)[1:]
+    )
     qkv = rng.standard_normal((2, 4, 24)).astype(f32)
     out, cache = L.attention_forward(qkv, 2, 0.1, np.random.default_rng(0))
     assert out.dtype == f32 and L.attention_backward(out, cache).dtype == f32

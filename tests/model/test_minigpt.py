@@ -1,4 +1,5 @@
 """MiniGPT: whole-model gradient check, tied head, causality, init, HF layout, determinism, dtypes."""
+
 from __future__ import annotations
 
 import copy
@@ -39,19 +40,33 @@ def numeric_grad(f, x: np.ndarray, h: float = 1e-3) -> np.ndarray:
 
 
 # What these tests build unless they say otherwise (the class has no defaults: conf/model/minigpt.yaml's values)
-BASE = dict(n_layer=2, n_head=4, n_embd=64, block_size=None, dropout=0.0, attn_dropout=None, init_std=0.02,
-            bias=True, gelu="tanh", dtype="float32")
+BASE = dict(
+    n_layer=2,
+    n_head=4,
+    n_embd=64,
+    block_size=None,
+    dropout=0.0,
+    attn_dropout=None,
+    init_std=0.02,
+    bias=True,
+    gelu="tanh",
+    dtype="float32",
+)
 
 
 def make(vocab=11, seed=0, **kw) -> MiniGPT:
     kw = {**BASE, **kw}
-    spec = DataSpec(vocab_size=vocab, block_size=kw["block_size"] or 64)  # sequences as long as the positions
+    spec = DataSpec(
+        vocab_size=vocab, block_size=kw["block_size"] or 64
+    )  # sequences as long as the positions
     return MiniGPT(spec, rng=np.random.default_rng(seed), **kw)
 
 
 def tiny(dropout=0.0) -> MiniGPT:
     # Larger init and randomised LayerNorm/bias values: gradients of O(1e-3..1), away from the symmetric init.
-    m = make(n_layer=2, n_head=2, n_embd=8, block_size=6, dropout=dropout, init_std=0.3, dtype="float64")
+    m = make(
+        n_layer=2, n_head=2, n_embd=8, block_size=6, dropout=dropout, init_std=0.3, dtype="float64"
+    )
     r = np.random.default_rng(1)
     for name, p in m.params.items():
         if "ln_" in name or name.endswith("bias"):
@@ -71,7 +86,9 @@ def test_whole_model_gradient_check(dropout):
     def loss():  # a fresh same-seed generator: every evaluation draws the same dropout masks
         if not dropout:
             return m.evaluate(b)
-        logits, _ = m._forward(np.asarray(b.x), np.random.default_rng(5))  # loss_and_grads' forward, no backward
+        logits, _ = m._forward(
+            np.asarray(b.x), np.random.default_rng(5)
+        )  # loss_and_grads' forward, no backward
         return cross_entropy(logits, np.asarray(b.y).reshape(-1), overwrite=True)[0]
 
     _, grads = m.loss_and_grads(b, np.random.default_rng(5) if dropout else None)
@@ -83,14 +100,27 @@ def test_whole_model_gradient_check(dropout):
 
 @pytest.mark.parametrize(("bias", "gelu"), [(False, "tanh"), (True, "erf"), (False, "erf")])
 def test_bias_free_and_erf_models_gradient_check(bias, gelu):
-    m, b = make(n_layer=2, n_head=2, n_embd=8, block_size=6, init_std=0.3, dtype="float64", bias=bias, gelu=gelu), \
-        batch(11, B=2, T=5)
+    m, b = (
+        make(
+            n_layer=2,
+            n_head=2,
+            n_embd=8,
+            block_size=6,
+            init_std=0.3,
+            dtype="float64",
+            bias=bias,
+            gelu=gelu,
+        ),
+        batch(11, B=2, T=5),
+    )
     r = np.random.default_rng(1)
     for name, p in m.params.items():
         if "ln_" in name or name.endswith("bias"):
             p += 0.1 * r.standard_normal(p.shape)
     assert bias or not any(name.endswith(".bias") for name in m.params)
-    counted = MiniGPT.n_params(DataSpec(vocab_size=11, block_size=6), n_layer=2, n_embd=8, block_size=6, bias=bias)
+    counted = MiniGPT.n_params(
+        DataSpec(vocab_size=11, block_size=6), n_layer=2, n_embd=8, block_size=6, bias=bias
+    )
     assert sum(p.size for p in m.params.values()) == counted
     _, grads = m.loss_and_grads(b, None)
     assert list(grads) == list(m.params)

@@ -1,5 +1,6 @@
 """Finite-difference gradient checks for every layer of the MLP and for both losses (float64, central
 differences, max relative error < 1e-6)."""
+
 from __future__ import annotations
 
 import functools
@@ -20,7 +21,9 @@ FLOOR = 1e-8  # |a| + |n| below this counts as "both zero" (dead relu units give
 def rel_error(analytic: np.ndarray, numeric: np.ndarray) -> float:
     analytic, numeric = np.asarray(analytic, np.float64), np.asarray(numeric, np.float64)
     assert analytic.shape == numeric.shape
-    return float(np.max(np.abs(analytic - numeric) / np.maximum(np.abs(analytic) + np.abs(numeric), FLOOR)))
+    return float(
+        np.max(np.abs(analytic - numeric) / np.maximum(np.abs(analytic) + np.abs(numeric), FLOOR))
+    )
 
 
 numeric_grad = functools.partial(central_differences, eps=H)
@@ -28,8 +31,14 @@ numeric_grad = functools.partial(central_differences, eps=H)
 
 def make_mlp(hidden, activation, dropout=0.0, n_features=3, n_targets=2, seed=0) -> MLP:
     spec = DataSpec(n_features=n_features, n_targets=n_targets)
-    return MLP(spec, hidden=hidden, activation=activation, dropout=dropout, dtype="float64",
-               rng=np.random.default_rng(seed))
+    return MLP(
+        spec,
+        hidden=hidden,
+        activation=activation,
+        dropout=dropout,
+        dtype="float64",
+        rng=np.random.default_rng(seed),
+    )
 
 
 def data(seed=1, batch=5, n_features=3, n_targets=2):
@@ -48,6 +57,7 @@ def pre_activations(model: MLP, x: np.ndarray) -> list[np.ndarray]:
 
 
 # --- the activations' own backward closures
+
 
 @pytest.mark.parametrize("act", [_tanh, _relu], ids=["tanh", "relu"])
 def test_activation_backward_matches_finite_differences(act):
@@ -145,22 +155,30 @@ def test_dropout_forward_is_inverted_dropout_from_the_given_generator():
     # eval mode: no dropout and no draws
     g = np.random.default_rng(0)
     before = g.bit_generator.state
-    np.testing.assert_allclose(model.predict(x), np.tanh(x @ w0 + b0) @ w1 + b1, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(
+        model.predict(x), np.tanh(x @ w0 + b0) @ w1 + b1, rtol=1e-13, atol=1e-15
+    )
     batch = Batch(ids=np.arange(8), x=x, y=np.zeros((8, 2)))
-    assert model.evaluate(batch) == pytest.approx(np.mean((np.tanh(x @ w0 + b0) @ w1 + b1) ** 2), rel=1e-13)
+    assert model.evaluate(batch) == pytest.approx(
+        np.mean((np.tanh(x @ w0 + b0) @ w1 + b1) ** 2), rel=1e-13
+    )
     assert g.bit_generator.state == before
 
 
 def test_mlp_shapes_and_parameter_names():
     model = make_mlp([5, 4], "tanh")
     assert {k: v.shape for k, v in model.params.items()} == {
-        "layers.0.weight": (3, 5), "layers.0.bias": (5,),
-        "layers.1.weight": (5, 4), "layers.1.bias": (4,),
-        "layers.2.weight": (4, 2), "layers.2.bias": (2,),
+        "layers.0.weight": (3, 5),
+        "layers.0.bias": (5,),
+        "layers.1.weight": (5, 4),
+        "layers.1.bias": (4,),
+        "layers.2.weight": (4, 2),
+        "layers.2.bias": (2,),
     }
 
 
 # --- the losses
+
 
 def test_mse_value_and_gradient():
     g = np.random.default_rng(3)

@@ -1,4 +1,5 @@
 """A run directory's lock as read by the tools and the tracking agent: a planted FIFO or link is never waited on."""
+
 from __future__ import annotations
 
 import hashlib
@@ -42,7 +43,9 @@ def test_claim_writes_the_pid_the_config_and_the_overrides_and_opens_the_log(tmp
             log.write("first line\n")
         assert (rundir.path / ".lock").read_text() == f"{os.getpid()}\n"
         assert (rundir.path / ".hydra" / "config.yaml").read_text() == "a: 1\n"
-        assert (rundir.path / ".hydra" / "overrides.yaml").read_text() == '- "optimizer.lr=0.1"\n- "x=\'y z\'"\n'
+        assert (
+            rundir.path / ".hydra" / "overrides.yaml"
+        ).read_text() == '- "optimizer.lr=0.1"\n- "x=\'y z\'"\n'
         assert (rundir.path / "pipeline.log").read_text() == "first line\n"
     finally:
         rundir.release()
@@ -57,7 +60,9 @@ def test_forget_removes_only_a_directory_that_acquire_created_and_left_empty(tmp
     found.path.mkdir()
     found.acquire()
     found.forget()
-    assert sorted(os.listdir(found.path)) == [".lock"]  # one it found stays (its lock is never a run's record)
+    assert sorted(os.listdir(found.path)) == [
+        ".lock"
+    ]  # one it found stays (its lock is never a run's record)
 
 
 def test_a_run_finds_its_corpus_by_its_hash_in_its_output_directorys_corpus_cache(tmp_path):
@@ -65,6 +70,9 @@ def test_a_run_finds_its_corpus_by_its_hash_in_its_output_directorys_corpus_cach
     (tmp_path / "out" / "data" / "grammar-1").mkdir(parents=True)
     (tmp_path / "out" / "data" / "grammar-1" / "MANIFEST.json").write_bytes(manifest)
     sha = hashlib.sha256(manifest).hexdigest()
-    assert RunDir(tmp_path / "out" / "runs" / "r").corpus(sha) == tmp_path / "out" / "data" / "grammar-1"
+    assert (
+        RunDir(tmp_path / "out" / "runs" / "r").corpus(sha)
+        == tmp_path / "out" / "data" / "grammar-1"
+    )
     assert RunDir(tmp_path / "out" / "runs" / "r").corpus("0" * 64) is None
     assert RunDir(tmp_path / "out" / "r").corpus(sha) is None  # not in an output directory's runs/

@@ -1,6 +1,7 @@
 """Every failure path ends in one line and its exit code, with run.json truthful and nothing half-visible:
 a full disk (tmpfs) during a save, while logging metrics, at the lock; a read-only medium; signals 50 ms
 apart; a signal during set-up; interrupted tools; absurd sizes; refused runs that leave no trace."""
+
 from __future__ import annotations
 
 import glob
@@ -12,14 +13,27 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import KERNODECK, Proc, env_for_subprocess, refused_in_one_line, run_pipeline, the_run, wait_until
+from conftest import (
+    KERNODECK,
+    Proc,
+    env_for_subprocess,
+    refused_in_one_line,
+    run_pipeline,
+    the_run,
+    wait_until,
+)
 
 from pipeline.run.directory import RunDir
 from pipeline.verify.chaos import final_state, invalid_visible_checkpoints
 
 PACED = ("trainer.max_steps=60", "checkpoint=every_n_steps", "checkpoint.every_steps=10")
 # no checkpoint before step 30: metrics.jsonl (a line per step) outgrows its first page well before
-LOGGING = ("trainer.max_steps=60", "checkpoint=every_n_steps", "checkpoint.every_steps=30", "trainer.eval_every=30")
+LOGGING = (
+    "trainer.max_steps=60",
+    "checkpoint=every_n_steps",
+    "checkpoint.every_steps=30",
+    "trainer.eval_every=30",
+)
 
 
 def _tree(root: Path) -> dict:
@@ -28,8 +42,9 @@ def _tree(root: Path) -> dict:
     for dirpath, dirs, files in os.walk(root):
         for name in dirs + files:
             p = Path(dirpath) / name
-            out[str(p.relative_to(root))] = (os.readlink(p) if p.is_symlink() else
-                                             None if p.is_dir() else p.read_bytes())
+            out[str(p.relative_to(root))] = (
+                os.readlink(p) if p.is_symlink() else None if p.is_dir() else p.read_bytes()
+            )
     return out
 
 
@@ -38,7 +53,9 @@ def tmpfs(tmp_path):
     """A small tmpfs mounted at tmp_path/mnt (root only); remounted read-only by `read_only(path)`."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {proc.stderr.strip()}")
     yield mnt
@@ -48,7 +65,12 @@ def tmpfs(tmp_path):
 def _remount(mnt: Path, mode: str) -> None:
     # the tracking agent a run started may still hold files open (busy): wait for it to go
     for _ in range(600):
-        if subprocess.run(["mount", "-o", f"remount,{mode}", str(mnt)], capture_output=True).returncode == 0:
+        if (
+            subprocess.run(
+                ["mount", "-o", f"remount,{mode}", str(mnt)], capture_output=True
+            ).returncode
+            == 0
+        ):
             return
         time.sleep(0.1)
     pytest.fail(f"could not remount {mnt} {mode}")
@@ -98,17 +120,24 @@ def _same_as_reference(out: Path, args: tuple, reference) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["save", "metrics"])
 def test_a_full_disk_fails_in_one_line_says_so_in_run_json_and_the_same_command_finishes_bit_exact(
-        tmpfs, tmp_path, reference, when):
+    tmpfs, tmp_path, reference, when
+):
     out = tmpfs / "out"
     # "save": the disk fills once the first checkpoint exists; "metrics": once metrics.jsonl exists, and
     # every line is logged while no checkpoint comes before the run fails
     trigger, args = ("checkpoints/step-*", PACED) if when == "save" else ("metrics.jsonl", LOGGING)
-    proc = Proc([*KERNODECK, *args, f"paths.output_dir={out}"], tmp_path, env={"PIPELINE_CHAOS_PACE": "0.05"})
+    proc = Proc(
+        [*KERNODECK, *args, f"paths.output_dir={out}"],
+        tmp_path,
+        env={"PIPELINE_CHAOS_PACE": "0.05"},
+    )
     wait_until(lambda: glob.glob(str(out / "runs" / "*" / trigger)), trigger, proc)
     filler = _fill(tmpfs)
     assert proc.wait() == 1, proc.stderr
     line = _one_line(proc.stderr)
-    assert "No space left on device (ENOSPC)" in line and str(out) in line and "free space" in line, line
+    assert (
+        "No space left on device (ENOSPC)" in line and str(out) in line and "free space" in line
+    ), line
     assert ("checkpoints" if when == "save" else "metrics.jsonl") in line, line
     status = the_run(out) / "run.json"
     import json
@@ -137,9 +166,18 @@ def test_a_full_disk_while_the_corpus_is_made_is_one_line_exit_1_not_bad_input(t
     out = tmpfs / "out"
     out.mkdir()
     _fill(tmpfs)
-    proc = run_pipeline(["data.n_sentences=2000", "trainer.max_steps=2", f"paths.output_dir={out}", "tracking=none"],
-                        tmp_path)
-    assert proc.returncode == 1, proc.stderr  # the machine's fault: the same command works once there is room
+    proc = run_pipeline(
+        [
+            "data.n_sentences=2000",
+            "trainer.max_steps=2",
+            f"paths.output_dir={out}",
+            "tracking=none",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 1, (
+        proc.stderr
+    )  # the machine's fault: the same command works once there is room
     line = _one_line(proc.stderr)
     assert "ENOSPC" in line, line
     assert list(out.glob("data/*/MANIFEST.json")) == []  # no corpus published half-made
@@ -148,12 +186,23 @@ def test_a_full_disk_while_the_corpus_is_made_is_one_line_exit_1_not_bad_input(t
 @pytest.mark.slow
 def test_a_read_only_medium_confirms_a_complete_run_and_writes_nothing(tmpfs, tmp_path):
     out = tmpfs / "out"
-    args = [*KERNODECK[:1], "trainer.progress_bar=false", f"paths.output_dir={out}"]  # tracking=mlflow: the default
+    args = [
+        *KERNODECK[:1],
+        "trainer.progress_bar=false",
+        f"paths.output_dir={out}",
+    ]  # tracking=mlflow: the default
     assert run_pipeline(args, tmp_path).returncode == 0
     preempted = [*KERNODECK, "trainer.max_steps=30", f"paths.output_dir={out}"]
-    proc = Proc([*preempted, "checkpoint=every_n_steps", "checkpoint.every_steps=2"], tmp_path,
-                env={"PIPELINE_CHAOS_PACE": "0.05"})
-    wait_until(lambda: len(glob.glob(str(out / "runs" / "*" / "checkpoints" / "step-*"))) > 2, "a checkpoint", proc)
+    proc = Proc(
+        [*preempted, "checkpoint=every_n_steps", "checkpoint.every_steps=2"],
+        tmp_path,
+        env={"PIPELINE_CHAOS_PACE": "0.05"},
+    )
+    wait_until(
+        lambda: len(glob.glob(str(out / "runs" / "*" / "checkpoints" / "step-*"))) > 2,
+        "a checkpoint",
+        proc,
+    )
     proc.send_signal(signal.SIGTERM)
     assert proc.wait() == 75, proc.stderr
     _remount(tmpfs, "ro")
@@ -162,10 +211,14 @@ def test_a_read_only_medium_confirms_a_complete_run_and_writes_nothing(tmpfs, tm
         done = run_pipeline(args, tmp_path)
         assert done.returncode == 0, done.stderr
         assert "is complete at step 10" in done.stdout
-        not_done = run_pipeline([*preempted, "checkpoint=every_n_steps", "checkpoint.every_steps=2"], tmp_path)
+        not_done = run_pipeline(
+            [*preempted, "checkpoint=every_n_steps", "checkpoint.every_steps=2"], tmp_path
+        )
         assert not_done.returncode == 1, not_done.stderr
         assert "read-only" in _one_line(not_done.stderr)
-        fresh = run_pipeline([*KERNODECK, "trainer.max_steps=7", f"paths.output_dir={out}"], tmp_path)
+        fresh = run_pipeline(
+            [*KERNODECK, "trainer.max_steps=7", f"paths.output_dir={out}"], tmp_path
+        )
         assert fresh.returncode == 1 and "Read-only file system (EROFS)" in _one_line(fresh.stderr)
         assert _tree(tmpfs) == before
     finally:
@@ -183,7 +236,11 @@ def _send_signals(n: int, proc: Proc, gap: float = 0.05) -> None:
 @pytest.mark.parametrize("trial", range(3))
 def test_more_sigterms_50ms_apart_change_nothing(tmp_path, reference, n, trial):
     out = tmp_path / "out"
-    proc = Proc([*KERNODECK, *PACED, f"paths.output_dir={out}"], tmp_path, env={"PIPELINE_CHAOS_PACE": "0.02"})
+    proc = Proc(
+        [*KERNODECK, *PACED, f"paths.output_dir={out}"],
+        tmp_path,
+        env={"PIPELINE_CHAOS_PACE": "0.02"},
+    )
     wait_until(lambda: glob.glob(str(out / "runs" / "*" / "metrics.jsonl")), "training", proc)
     time.sleep(0.3 * trial)  # a different moment of the run each time
     _send_signals(n, proc)
@@ -202,7 +259,11 @@ def test_a_sighup_preempts_a_run_like_sigterm(tmp_path):
     import json
 
     out = tmp_path / "out"
-    proc = Proc([*KERNODECK, *PACED, f"paths.output_dir={out}"], tmp_path, env={"PIPELINE_CHAOS_PACE": "0.02"})
+    proc = Proc(
+        [*KERNODECK, *PACED, f"paths.output_dir={out}"],
+        tmp_path,
+        env={"PIPELINE_CHAOS_PACE": "0.02"},
+    )
     wait_until(lambda: glob.glob(str(out / "runs" / "*" / "metrics.jsonl")), "training", proc)
     proc.send_signal(signal.SIGHUP)
     assert proc.wait() == 75, proc.stderr
@@ -214,22 +275,35 @@ def test_a_sighup_preempts_a_run_like_sigterm(tmp_path):
 @pytest.mark.slow
 def test_a_signal_during_set_up_stops_at_once_and_changes_nothing(tmp_path):
     out = tmp_path / "out"
-    args = [*KERNODECK, "trainer.max_steps=30", "checkpoint=every_n_steps", "checkpoint.every_steps=2",
-            f"paths.output_dir={out}"]
+    args = [
+        *KERNODECK,
+        "trainer.max_steps=30",
+        "checkpoint=every_n_steps",
+        "checkpoint.every_steps=2",
+        f"paths.output_dir={out}",
+    ]
     proc = Proc(args, tmp_path, env={"PIPELINE_CHAOS_PACE": "0.05"})
-    wait_until(lambda: len(glob.glob(str(out / "runs" / "*" / "checkpoints" / "step-*"))) > 1, "a checkpoint", proc)
+    wait_until(
+        lambda: len(glob.glob(str(out / "runs" / "*" / "checkpoints" / "step-*"))) > 1,
+        "a checkpoint",
+        proc,
+    )
     proc.send_signal(signal.SIGTERM)
     assert proc.wait() == 75
     before = _tree(out)
     trace = tmp_path / "trace"
     # the resume's set-up waits 600 s at its set-up point: only the signal can end it soon
-    proc = Proc(args, tmp_path, env={"PIPELINE_CHAOS_PACE": "600", "PIPELINE_CHAOS_TRACE": str(trace)})
+    proc = Proc(
+        args, tmp_path, env={"PIPELINE_CHAOS_PACE": "600", "PIPELINE_CHAOS_TRACE": str(trace)}
+    )
     wait_until(lambda: trace.exists() and "setup" in trace.read_text(), "the set-up", proc)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait() == 75, proc.stderr
     assert time.monotonic() - t0 < 300  # far below the 600 s it would otherwise wait
-    assert "interrupted by SIGTERM while setting up the run; nothing was written" in _one_line(proc.stderr)
+    assert "interrupted by SIGTERM while setting up the run; nothing was written" in _one_line(
+        proc.stderr
+    )
     assert _tree(out) == before
 
 
@@ -244,11 +318,18 @@ def _handles_sigterm(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_an_interrupted_tool_says_so_in_one_line_and_exits_75(tmp_path, sig):
     """The one wrapper every tool's __main__ uses (signals.run_command), around a main() that waits."""
-    code = ("import time; from pipeline.run.signals import run_command\n"
-            "def main():\n    time.sleep(600)\n    return 0\n"
-            "run_command('pipeline.sample', main)\n")
-    p = subprocess.Popen([sys.executable, "-c", code], env=env_for_subprocess(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    code = (
+        "import time; from pipeline.run.signals import run_command\n"
+        "def main():\n    time.sleep(600)\n    return 0\n"
+        "run_command('pipeline.sample', main)\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env_for_subprocess(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_until(lambda: _handles_sigterm(p.pid), "the handlers")
         p.send_signal(sig)
@@ -259,38 +340,66 @@ def test_an_interrupted_tool_says_so_in_one_line_and_exits_75(tmp_path, sig):
     assert _one_line(err) == f"pipeline.sample: interrupted by {sig.name}; nothing was written"
 
 
-
 @pytest.mark.parametrize("entry", ["run_command", "module"])
 def test_a_signal_while_the_handlers_are_installed_ends_in_one_line(entry):
     """The signal lands right after the first handler is in place, before install() returns (the race a
     poll of SigCgt then a kill hits): still one line and 75, from run_command and from a module's top level."""
-    run = ("run_command('pipeline.sample', lambda: 0)" if entry == "run_command"
-           else "SIGNALS_STATE.install()\nprint('installed')")
-    code = ("import os, signal\nreal = signal.signal\n"
-            "def first_then_kill(s, h):\n    real(s, h)\n    os.kill(os.getpid(), signal.SIGTERM)\n"
-            "signal.signal = first_then_kill\n"
-            "from pipeline.run.signals import SIGNALS_STATE, run_command\n" + run + "\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=env_for_subprocess(), capture_output=True, text=True)
+    run = (
+        "run_command('pipeline.sample', lambda: 0)"
+        if entry == "run_command"
+        else "SIGNALS_STATE.install()\nprint('installed')"
+    )
+    code = (
+        "import os, signal\nreal = signal.signal\n"
+        "def first_then_kill(s, h):\n    real(s, h)\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "signal.signal = first_then_kill\n"
+        "from pipeline.run.signals import SIGNALS_STATE, run_command\n" + run + "\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env_for_subprocess(), capture_output=True, text=True
+    )
     assert proc.returncode == 75, proc.stderr
     name = "pipeline.sample" if entry == "run_command" else "pipeline"
     assert _one_line(proc.stderr) == f"{name}: interrupted by SIGTERM; nothing was written"
     assert proc.stdout == ""
 
+
 def test_every_tool_ends_through_run_command():
     root = Path(__file__).resolve().parents[2] / "pipeline"
-    for name in ("cli/sample", "cli/evaluate", "cli/export_hf", "cli/show", "cli/reindex", "cli/register",
-                 "cli/roundtrip", "cli/archive", "verify/__main__", "__main__"):
+    for name in (
+        "cli/sample",
+        "cli/evaluate",
+        "cli/export_hf",
+        "cli/show",
+        "cli/reindex",
+        "cli/register",
+        "cli/roundtrip",
+        "cli/archive",
+        "verify/__main__",
+        "__main__",
+    ):
         text = (root / f"{name}.py").read_text()
         assert "run_command(" in text.split('if __name__ == "__main__":')[-1], name
 
 
 def test_absurd_sizes_are_refused_up_front(tmp_path):
-    line = refused_in_one_line([str(tmp_path / "no-checkpoint"), "max_new_tokens=1000000000"], tmp_path,
-                               module="pipeline.sample")
+    line = refused_in_one_line(
+        [str(tmp_path / "no-checkpoint"), "max_new_tokens=1000000000"],
+        tmp_path,
+        module="pipeline.sample",
+    )
     assert "max_new_tokens=1000000000: at most 100,000" in line
     out = tmp_path / "out"
-    line = refused_in_one_line(["-m", *KERNODECK, "trainer.seed=range(0,1000)", "optimizer.lr=range(0,1000)",
-                                f"paths.output_dir={out}"], tmp_path)
+    line = refused_in_one_line(
+        [
+            "-m",
+            *KERNODECK,
+            "trainer.seed=range(0,1000)",
+            "optimizer.lr=range(0,1000)",
+            f"paths.output_dir={out}",
+        ],
+        tmp_path,
+    )
     assert "1,000,000 jobs: at most 10,000" in line
     assert not out.exists()
 
@@ -312,27 +421,41 @@ def _refused(args: list, cwd: Path) -> str:  # "run directory: ..." may be logge
 @pytest.mark.slow
 def test_a_refused_run_leaves_no_trace(tmp_path):
     fresh = tmp_path / "fresh" / "out"
-    _refused([*KERNODECK[1:], "model.n_head=3", "model.n_embd=16", f"paths.output_dir={fresh}"], tmp_path)
-    _refused([*KERNODECK, f"resume.source={tmp_path / 'nothing'}", f"paths.output_dir={fresh}"], tmp_path)
+    _refused(
+        [*KERNODECK[1:], "model.n_head=3", "model.n_embd=16", f"paths.output_dir={fresh}"], tmp_path
+    )
+    _refused(
+        [*KERNODECK, f"resume.source={tmp_path / 'nothing'}", f"paths.output_dir={fresh}"], tmp_path
+    )
     assert not (tmp_path / "fresh").exists()
     used = tmp_path / "used"
     assert run_pipeline([*KERNODECK, f"paths.output_dir={used}"], tmp_path).returncode == 0
     final = the_run(used) / "checkpoints" / "final"
     before = _tree(used)
-    _refused([*KERNODECK[1:], "model.n_head=3", "model.n_embd=16", f"paths.output_dir={used}"], tmp_path)
-    _refused([*KERNODECK, f"resume.source={tmp_path / 'nothing'}", f"paths.output_dir={used}"], tmp_path)
-    line = _refused([*KERNODECK, "optimizer.lr=0.05", f"resume.source={final}",
-                                f"paths.output_dir={used}"], tmp_path)
+    _refused(
+        [*KERNODECK[1:], "model.n_head=3", "model.n_embd=16", f"paths.output_dir={used}"], tmp_path
+    )
+    _refused(
+        [*KERNODECK, f"resume.source={tmp_path / 'nothing'}", f"paths.output_dir={used}"], tmp_path
+    )
+    line = _refused(
+        [*KERNODECK, "optimizer.lr=0.05", f"resume.source={final}", f"paths.output_dir={used}"],
+        tmp_path,
+    )
     assert "refusing to resume" in line
-    _refused([*KERNODECK, "optimizer.lr=0.05", f"resume.source={final}", f"paths.output_dir={fresh}"],
-                        tmp_path)
+    _refused(
+        [*KERNODECK, "optimizer.lr=0.05", f"resume.source={final}", f"paths.output_dir={fresh}"],
+        tmp_path,
+    )
     assert _tree(used) == before and not (tmp_path / "fresh").exists()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["parent", "absolute", "300 chars", "newline", "tab", "dot-dot"])
 @pytest.mark.parametrize("mode", ["run", "multirun"])
-def test_a_name_that_is_not_one_directory_name_is_refused_before_anything_is_made(tmp_path, kind, mode):
+def test_a_name_that_is_not_one_directory_name_is_refused_before_anything_is_made(
+    tmp_path, kind, mode
+):
     """`name` becomes <runs_dir>/<name>-<hash> (a sweep's <output_dir>/sweeps/<name>-<id>): a path in it, an
     absolute one, one too long for a file name or holding a control character is one line, exit 2, and nothing
     is created, neither the output directory nor anything beside it."""
@@ -340,24 +463,54 @@ def test_a_name_that_is_not_one_directory_name_is_refused_before_anything_is_mad
     sentinel.mkdir()
     (sentinel / "keep.txt").write_text("precious\n")
     out = tmp_path / "a" / "b" / "out"
-    name = {"parent": "../../escaped", "absolute": f"{sentinel}/x", "300 chars": "n" * 300, "newline": "'a\nb'",
-            "tab": "a\tb", "dot-dot": ".."}[kind]  # the newline quoted: Hydra's lexer passes it on
+    name = {
+        "parent": "../../escaped",
+        "absolute": f"{sentinel}/x",
+        "300 chars": "n" * 300,
+        "newline": "'a\nb'",
+        "tab": "a\tb",
+        "dot-dot": "..",
+    }[kind]  # the newline quoted: Hydra's lexer passes it on
     multirun = ["-m", "optimizer.lr=0.1,0.2"] if mode == "multirun" else []
     cwd = tmp_path / "cwd"
     before = _tree(tmp_path)
-    line = refused_in_one_line([*multirun, *KERNODECK, f"name={name}", f"paths.output_dir={out}"], cwd)
+    line = refused_in_one_line(
+        [*multirun, *KERNODECK, f"name={name}", f"paths.output_dir={out}"], cwd
+    )
     assert line.startswith("pipeline: name=") and repr(name.strip("'"))[:20] in line, line
-    assert _tree(tmp_path) == {**before, "cwd": None}  # the sentinel as it was, no output directory, no escape
+    assert _tree(tmp_path) == {
+        **before,
+        "cwd": None,
+    }  # the sentinel as it was, no output directory, no escape
     assert not (tmp_path / "a").exists()
 
 
 def test_the_one_name_check():
     from pipeline.files.names import NAME_MAX, SUFFIX_BYTES, BadName, checked, problem
 
-    for bad in ("", ".", "..", "a/b", "/abs", "a\nb", "a\x00b", "a\x7fb", "a\u2028b", None, 3,
-                "é" * ((NAME_MAX - SUFFIX_BYTES) // 2 + 1)):
+    for bad in (
+        "",
+        ".",
+        "..",
+        "a/b",
+        "/abs",
+        "a\nb",
+        "a\x00b",
+        "a\x7fb",
+        "a\u2028b",
+        None,
+        3,
+        "é" * ((NAME_MAX - SUFFIX_BYTES) // 2 + 1),
+    ):
         assert problem(bad) is not None, bad
-    for good in ("default", "a.b", "...", "my run", "é" * ((NAME_MAX - SUFFIX_BYTES) // 2), "x" * NAME_MAX):
+    for good in (
+        "default",
+        "a.b",
+        "...",
+        "my run",
+        "é" * ((NAME_MAX - SUFFIX_BYTES) // 2),
+        "x" * NAME_MAX,
+    ):
         assert problem(good, reserve=0) is None, good
     assert problem("x" * NAME_MAX) is not None  # a run's name leaves room for its suffixes
     with pytest.raises(BadName, match=r"^name='\.\./x': must not contain '/'"):
@@ -403,11 +556,20 @@ def test_run_json_in_place_when_the_disk_is_too_full_for_a_temporary(tmp_path):
     rundir = RunDir(tmp_path)
     rundir.write_status(status="running", step=3, metrics={"val/loss": 0.5}, note="x" * 300)
     size = rundir.status_path.stat().st_size
-    rundir.write_status_in_place(status="failed", step=4, metrics={"val/loss": 0.5}, note="x" * 300,
-                                 error="cannot write: ENOSPC " + "y" * 5000)
+    rundir.write_status_in_place(
+        status="failed",
+        step=4,
+        metrics={"val/loss": 0.5},
+        note="x" * 300,
+        error="cannot write: ENOSPC " + "y" * 5000,
+    )
     assert rundir.status_path.stat().st_size == size  # no new block needed
     record = json.loads(rundir.status_path.read_text())
-    assert record["status"] == "failed" and record["step"] == 4 and record["error"].startswith("cannot write")
+    assert (
+        record["status"] == "failed"
+        and record["step"] == 4
+        and record["error"].startswith("cannot write")
+    )
     assert rundir.read_status() == record
 
 
@@ -418,9 +580,21 @@ def test_sample_interrupted_by_ctrl_c_is_one_line_exit_75(tmp_path):
     out = tmp_path / "out"
     assert run_pipeline([*TINY, f"paths.output_dir={out}"], tmp_path).returncode == 0
     final = the_run(out) / "checkpoints" / "final"
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.sample", str(final), "max_new_tokens=100000",
-                          f"paths.output_dir={out}"], env=env_for_subprocess(), cwd=tmp_path,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.sample",
+            str(final),
+            "max_new_tokens=100000",
+            f"paths.output_dir={out}",
+        ],
+        env=env_for_subprocess(),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_until(lambda: _handles_sigterm(p.pid), "the handlers")
         time.sleep(1.0)  # into the checkpoint's load or the generation
@@ -432,32 +606,51 @@ def test_sample_interrupted_by_ctrl_c_is_one_line_exit_75(tmp_path):
     assert _one_line(err) == "pipeline.sample: interrupted by SIGINT; nothing was written"
 
 
-@pytest.mark.parametrize("module", ["pipeline.evaluate", "pipeline.sample", "pipeline.show", "pipeline.reindex",
-                                    "pipeline.export_hf", "pipeline.roundtrip", "pipeline.verify",
-                                    "pipeline.archive", "pipeline.register"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "pipeline.evaluate",
+        "pipeline.sample",
+        "pipeline.show",
+        "pipeline.reindex",
+        "pipeline.export_hf",
+        "pipeline.roundtrip",
+        "pipeline.verify",
+        "pipeline.archive",
+        "pipeline.register",
+    ],
+)
 def test_a_signal_while_a_tool_is_still_imported_ends_in_one_line(module, tmp_path):
     """Every tool takes over the signals before its other imports, and a signal raised at module level (no
     try of run_command around it yet) still ends in one line and 75, not a traceback nor -15."""
     # the child runs the tool's module as __main__ (as `python -m` does) and is signalled at its first import
     # after the take-over
-    code = ("import os, signal, sys, runpy, builtins\n"
-            "real = builtins.__import__\n"
-            "def slow(name, *a, **k):\n"
-            "    m = sys.modules.get('pipeline.run.signals')\n"
-            "    if getattr(getattr(m, 'SIGNALS_STATE', None), 'installed', False):"
-            "  # the first import after the take-over\n"
-            "        builtins.__import__ = real\n"
-            "        os.kill(os.getpid(), signal.SIGTERM)\n"
-            "    return real(name, *a, **k)\n"
-            "builtins.__import__ = slow\n"
-            f"sys.argv = ['{module}', '--help']\n"
-            f"runpy.run_module('{module}' + ('.__main__' if '{module}'.endswith('verify') else ''), "
-            "run_name='__main__', alter_sys=True)\n")
-    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                       env=env_for_subprocess())
+    code = (
+        "import os, signal, sys, runpy, builtins\n"
+        "real = builtins.__import__\n"
+        "def slow(name, *a, **k):\n"
+        "    m = sys.modules.get('pipeline.run.signals')\n"
+        "    if getattr(getattr(m, 'SIGNALS_STATE', None), 'installed', False):"
+        "  # the first import after the take-over\n"
+        "        builtins.__import__ = real\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = slow\n"
+        f"sys.argv = ['{module}', '--help']\n"
+        f"runpy.run_module('{module}' + ('.__main__' if '{module}'.endswith('verify') else ''), "
+        "run_name='__main__', alter_sys=True)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env_for_subprocess(),
+    )
     assert p.returncode == 75, p.stderr
-    assert "Traceback" not in p.stderr and p.stderr.strip().splitlines() == \
-        [f"{module}: interrupted by SIGTERM; nothing was written"], p.stderr
+    assert "Traceback" not in p.stderr and p.stderr.strip().splitlines() == [
+        f"{module}: interrupted by SIGTERM; nothing was written"
+    ], p.stderr
 
 
 def test_metrics_are_read_line_by_line_each_bounded(tmp_path):
@@ -473,7 +666,9 @@ def test_metrics_are_read_line_by_line_each_bounded(tmp_path):
     run.metrics_path.write_bytes(b'{"step": 1}\n{"step": 2, "step": 3}\n')
     with pytest.raises(RunFileError, match="line 2: duplicate key 'step'"):
         run.read_metrics()
-    run.metrics_path.write_bytes(b'{"step": 1}\n' + b" " * (MAX_METRICS_LINE + 5) + b'{"step": 2}\n')
+    run.metrics_path.write_bytes(
+        b'{"step": 1}\n' + b" " * (MAX_METRICS_LINE + 5) + b'{"step": 2}\n'
+    )
     with pytest.raises(RunFileError, match="line 2: over the 1048576-byte limit of a line"):
         run.read_metrics()
 

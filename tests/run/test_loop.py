@@ -1,5 +1,6 @@
 """The run in its directory (pipeline/run/loop.py): one step-end decision, preemption seen by every stage, forks
 that never keep another history's checkpoints, allowed changes that take effect, refusals that change nothing."""
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,9 @@ LONG = ("trainer.max_steps=30",)
 
 
 @pytest.mark.parametrize("k", [3, 5, 10, 17, 25])
-def test_preempted_then_resumed_keeps_exactly_the_uninterrupted_checkpoints(tmp_path, preempt_at, finished_job, k):
+def test_preempted_then_resumed_keeps_exactly_the_uninterrupted_checkpoints(
+    tmp_path, preempt_at, finished_job, k
+):
     """Regression (#10.3): the preemption checkpoint goes through the stages' decision, so best-val sees it
     and rotation removes it: the same checkpoint directories, links and bytes as the run never stopped."""
     ref, out = finished_job(*KERNODECK, *LONG), tmp_path / "out"
@@ -64,7 +67,9 @@ def test_a_preempted_best_step_is_best(tmp_path, preempt_at):
     assert extra["stages"]["best_val"]["best_step"] == 5
 
 
-def test_a_fork_into_an_occupied_run_directory_keeps_nothing_of_the_other_history(tmp_path, finished_job):
+def test_a_fork_into_an_occupied_run_directory_keeps_nothing_of_the_other_history(
+    tmp_path, finished_job
+):
     """Regression (#10.1): resume.source into a run directory holding another history's step of the same
     number kept the old directory; now the other history is moved aside whole and the new one written. A fork has
     a directory of its own (#39.22): the other history is put there, as a clean run's directory held a fork once."""
@@ -74,7 +79,12 @@ def test_a_fork_into_an_occupied_run_directory_keeps_nothing_of_the_other_histor
     assert run_job(*args, "optimizer.lr=0.05")[0] == 0  # run B: lr 0.05, its own directory
     run_b = next(p for p in (out / "runs").iterdir() if p != run_a)
     source = RunDir(run_a).store.root / "step-00000018"
-    fork = (*args, "optimizer.lr=0.05", f"resume.source={source}", "resume.allow_changes=[optimizer.lr]")
+    fork = (
+        *args,
+        "optimizer.lr=0.05",
+        f"resume.source={source}",
+        "resume.allow_changes=[optimizer.lr]",
+    )
     assert run_job(*fork)[0] == 0
     (run_f,) = [p for p in (out / "runs").iterdir() if p not in (run_a, run_b)]
     shutil.rmtree(run_f)
@@ -104,7 +114,11 @@ def test_a_fork_never_takes_a_clean_runs_directory(tmp_path, finished_job):
     out = finished_job(*KERNODECK, copy_to=tmp_path / "out")  # run A: lr 0.03
     run_a = the_run(out)
     args = (*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05")
-    fork = (*args, f"resume.source={RunDir(run_a).store.root / 'step-00000006'}", "resume.allow_changes=[optimizer.lr]")
+    fork = (
+        *args,
+        f"resume.source={RunDir(run_a).store.root / 'step-00000006'}",
+        "resume.allow_changes=[optimizer.lr]",
+    )
     assert run_job(*fork)[0] == 0
     (run_f,) = [p for p in (out / "runs").iterdir() if p != run_a]
     assert run_job(*args)[0] == 0  # the clean lr=0.05 run
@@ -115,7 +129,9 @@ def test_a_fork_never_takes_a_clean_runs_directory(tmp_path, finished_job):
     assert RunDir(run_c).read_status()["resumes"] == [] and not (run_c / "superseded").exists()
     assert metrics(run_c) == metrics(the_run(clean)) != metrics(run_f)
     assert kept(run_c) == kept(the_run(clean))
-    assert run_job(*fork)[0] == 0 and [p.name for p in (out / "runs").iterdir()].count(run_f.name) == 1
+    assert (
+        run_job(*fork)[0] == 0 and [p.name for p in (out / "runs").iterdir()].count(run_f.name) == 1
+    )
     assert kept(run_f)[0][10][WEIGHTS] != kept(run_c)[0][10][WEIGHTS]
 
 
@@ -125,8 +141,14 @@ def test_a_fork_written_in_a_clean_runs_directory_is_not_that_clean_run(tmp_path
     out = finished_job(*KERNODECK, copy_to=tmp_path / "out")
     run_a = the_run(out)
     args = (*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05")
-    assert run_job(*args, f"resume.source={RunDir(run_a).store.root / 'step-00000006'}",
-                   "resume.allow_changes=[optimizer.lr]")[0] == 0
+    assert (
+        run_job(
+            *args,
+            f"resume.source={RunDir(run_a).store.root / 'step-00000006'}",
+            "resume.allow_changes=[optimizer.lr]",
+        )[0]
+        == 0
+    )
     (run_f,) = [p for p in (out / "runs").iterdir() if p != run_a]
     clean = the_run(finished_job(*KERNODECK, "optimizer.lr=0.05"))
     old_fork = kept(run_f)
@@ -145,15 +167,21 @@ def test_a_fork_whose_source_was_replaced_is_refused(tmp_path, finished_job):
     other = finished_job(*KERNODECK, "trainer.seed=7")
     run_a = the_run(out)
     source = RunDir(run_a).store.root / "step-00000006"
-    fork = (*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05", f"resume.source={source}",
-            "resume.allow_changes=[optimizer.lr]")
+    fork = (
+        *KERNODECK,
+        f"paths.output_dir={out}",
+        "optimizer.lr=0.05",
+        f"resume.source={source}",
+        "resume.allow_changes=[optimizer.lr]",
+    )
     assert run_job(*fork)[0] == 0
     shutil.rmtree(source)
     shutil.copytree(RunDir(the_run(other)).store.root / "step-00000006", source)
     before = tree_bytes(out)
     assert run_job(*fork)[0] == 2
-    assert {k: v for k, v in tree_bytes(out).items() if not k.endswith(".lock")} == \
-        {k: v for k, v in before.items() if not k.endswith(".lock")}
+    assert {k: v for k, v in tree_bytes(out).items() if not k.endswith(".lock")} == {
+        k: v for k, v in before.items() if not k.endswith(".lock")
+    }
 
 
 def test_an_allowed_change_takes_effect_from_the_cut(tmp_path, finished_job):
@@ -163,7 +191,15 @@ def test_an_allowed_change_takes_effect_from_the_cut(tmp_path, finished_job):
     args = (*KERNODECK, *LONG, f"paths.output_dir={out}")
     run_a = the_run(out)
     source = RunDir(run_a).store.root / "step-00000018"
-    assert run_job(*args, "optimizer.lr=0.05", f"resume.source={source}", "resume.allow_changes=[optimizer.lr]")[0] == 0
+    assert (
+        run_job(
+            *args,
+            "optimizer.lr=0.05",
+            f"resume.source={source}",
+            "resume.allow_changes=[optimizer.lr]",
+        )[0]
+        == 0
+    )
     run_b = next(p for p in (out / "runs").iterdir() if p != run_a)
     lr = {ln["step"]: ln["lr"] for ln in metrics(run_b)}
     # StepLR(step_size=3, gamma=0.5): update k (0-based) uses base_lr * 0.5 ** (k // 3)
@@ -178,11 +214,14 @@ def test_an_allowed_change_that_cannot_apply_is_refused_and_nothing_changes(tmp_
     run_a = the_run(out)
     source = RunDir(run_a).store.root / "step-00000018"
     before = tree_bytes(out)
-    code, _ = run_job(*args, "trainer.seed=7", f"resume.source={source}", "resume.allow_changes=[trainer.seed]")
+    code, _ = run_job(
+        *args, "trainer.seed=7", f"resume.source={source}", "resume.allow_changes=[trainer.seed]"
+    )
     assert code == 2
     after = tree_bytes(out)
-    assert {k: v for k, v in after.items() if not k.endswith(".lock")} == \
-        {k: v for k, v in before.items() if not k.endswith(".lock")}
+    assert {k: v for k, v in after.items() if not k.endswith(".lock")} == {
+        k: v for k, v in before.items() if not k.endswith(".lock")
+    }
 
 
 def test_drift_is_refused_naming_each_key_and_changes_nothing(tmp_path, capsys, finished_job):
@@ -195,17 +234,24 @@ def test_drift_is_refused_naming_each_key_and_changes_nothing(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert "optimizer.lr: 0.03 -> 0.05" in err and "model.dropout: 0.25 -> 0.1" in err
     assert "resume.allow_changes=[" in err and len(err.strip().splitlines()) == 1
-    assert {k: v for k, v in tree_bytes(out).items() if not k.endswith(".lock")} == \
-        {k: v for k, v in before.items() if not k.endswith(".lock")}
+    assert {k: v for k, v in tree_bytes(out).items() if not k.endswith(".lock")} == {
+        k: v for k, v in before.items() if not k.endswith(".lock")
+    }
 
 
-def test_rerunning_a_fork_continues_it_rather_than_starting_it_again(tmp_path, preempt_at, finished_job):
+def test_rerunning_a_fork_continues_it_rather_than_starting_it_again(
+    tmp_path, preempt_at, finished_job
+):
     """The identical resume.source command after a preemption continues the fork (safe to re-run)."""
     out = finished_job(*KERNODECK, *LONG, copy_to=tmp_path / "out")
     args = (*KERNODECK, *LONG, f"paths.output_dir={out}")
     run_a = the_run(out)
-    fork = (*args, "optimizer.lr=0.05", f"resume.source={RunDir(run_a).store.root / 'step-00000018'}",
-            "resume.allow_changes=[optimizer.lr]")
+    fork = (
+        *args,
+        "optimizer.lr=0.05",
+        f"resume.source={RunDir(run_a).store.root / 'step-00000018'}",
+        "resume.allow_changes=[optimizer.lr]",
+    )
     preempt_at(22)
     assert run_job(*fork)[0] == EXIT_PREEMPTED
     SIGNALS_STATE.received = None
@@ -218,24 +264,46 @@ def test_rerunning_a_fork_continues_it_rather_than_starting_it_again(tmp_path, p
     assert RunDir(run_b).read_status()["status"] == "complete"
 
 
-def test_a_changed_hyperparameter_on_a_finished_run_says_how_to_continue_it(tmp_path, caplog, finished_job):
+def test_a_changed_hyperparameter_on_a_finished_run_says_how_to_continue_it(
+    tmp_path, caplog, finished_job
+):
     out = finished_job(*KERNODECK, copy_to=tmp_path / "out")
     with caplog.at_level("INFO", logger="pipeline"):
-        assert run_job(*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05", "trainer.max_steps=12")[0] == 0
+        assert (
+            run_job(
+                *KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05", "trainer.max_steps=12"
+            )[0]
+            == 0
+        )
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "differs from the finished run" in said and "optimizer.lr 0.03 -> 0.05" in said
-    source, keys = re.search(r"use resume\.source=(\S+) resume\.allow_changes=\[([^]]*)]", said).groups()
+    source, keys = re.search(
+        r"use resume\.source=(\S+) resume\.allow_changes=\[([^]]*)]", said
+    ).groups()
     assert keys == "optimizer.lr,trainer.max_steps"
-    assert run_job(*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05", "trainer.max_steps=12",
-                   f"resume.source={source}", f"resume.allow_changes=[{keys}]")[0] == 0  # the hint's command trains on
+    assert (
+        run_job(
+            *KERNODECK,
+            f"paths.output_dir={out}",
+            "optimizer.lr=0.05",
+            "trainer.max_steps=12",
+            f"resume.source={source}",
+            f"resume.allow_changes=[{keys}]",
+        )[0]
+        == 0
+    )  # the hint's command trains on
     caplog.clear()
-    with caplog.at_level("INFO", logger="pipeline"):  # the same steps: a fork of its end would train nothing
+    with caplog.at_level(
+        "INFO", logger="pipeline"
+    ):  # the same steps: a fork of its end would train nothing
         assert run_job(*KERNODECK, f"paths.output_dir={out}", "optimizer.lr=0.05")[0] == 0
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "differs from the finished run" in said and "resume.source=" not in said
 
 
-def test_the_hint_for_a_sibling_with_other_data_is_a_command_that_continues_it(tmp_path, caplog, preempt_at):
+def test_the_hint_for_a_sibling_with_other_data_is_a_command_that_continues_it(
+    tmp_path, caplog, preempt_at
+):
     """One drift for the refusal and the hint: a change of the data's config shows with the data it makes (its
     key covers the data's hash), and the command the hint gives is accepted."""
     out = tmp_path / "out"
@@ -248,11 +316,21 @@ def test_the_hint_for_a_sibling_with_other_data_is_a_command_that_continues_it(t
     with caplog.at_level("INFO", logger="pipeline"):
         assert run_job(*args, "data.noise=0.1")[0] == 0
     said = " ".join(r.getMessage() for r in caplog.records)
-    assert f"differs from the interrupted run {run_a.name} in data.noise 0.05 -> 0.1; data_manifest_hash" in said
-    source, keys = re.search(r"use resume\.source=(\S+) resume\.allow_changes=\[([^]]*)]", said).groups()
+    assert (
+        f"differs from the interrupted run {run_a.name} in data.noise 0.05 -> 0.1; data_manifest_hash"
+        in said
+    )
+    source, keys = re.search(
+        r"use resume\.source=(\S+) resume\.allow_changes=\[([^]]*)]", said
+    ).groups()
     assert (source, keys) == (str(RunDir(run_a).store.root / "step-00000005"), "data.noise")
     before = set((out / "runs").iterdir())
-    assert run_job(*args, "data.noise=0.1", f"resume.source={source}", f"resume.allow_changes=[{keys}]")[0] == 0
+    assert (
+        run_job(
+            *args, "data.noise=0.1", f"resume.source={source}", f"resume.allow_changes=[{keys}]"
+        )[0]
+        == 0
+    )
     (run_b,) = set((out / "runs").iterdir()) - before  # a fork's own directory
     manifest = jsonio.read(RunDir(run_b).store.root / "final" / "manifest.json", 1 << 24)
     assert manifest["lineage"]["origin"]["checkpoint"] == source and manifest["step"] == 10
@@ -295,7 +373,9 @@ def test_the_manifest_and_run_json_are_standard_json(finished_job):
             json.loads(text, parse_constant=lambda c, p=p: pytest.fail(f"{p}: bare {c}"))
 
 
-def test_auto_resume_falls_back_past_a_checkpoint_whose_state_does_not_fit(tmp_path, preempt_at, finished_job):
+def test_auto_resume_falls_back_past_a_checkpoint_whose_state_does_not_fit(
+    tmp_path, preempt_at, finished_job
+):
     """Regression (#12): a stage state of the wrong type (hashes intact) passed inspect and crashed the resume,
     which only fell back past CheckpointErrors; now it is a CheckpointError like any other damage."""
     import hashlib
@@ -331,7 +411,9 @@ def test_a_lock_held_for_milliseconds_waits_a_held_one_is_busy(tmp_path, monkeyp
     first.acquire()  # creates the directory and the lock file
     first.release()
     other = os.open(tmp_path / "run" / ".lock", os.O_RDWR)
-    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open file description: another holder
+    fcntl.flock(
+        other, fcntl.LOCK_EX | fcntl.LOCK_NB
+    )  # another open file description: another holder
     threading.Timer(0.3, lambda: fcntl.flock(other, fcntl.LOCK_UN)).start()
     mine = RunDir(tmp_path / "run")
     mine.acquire()  # waited for the short holder
@@ -351,21 +433,41 @@ def test_a_fork_with_nothing_left_to_train_is_refused(tmp_path, capsys, finished
     args = (*KERNODECK, f"paths.output_dir={out}")
     store = RunDir(the_run(out)).store
     before = {k: v for k, v in tree_bytes(out).items() if not k.endswith(".lock")}
-    for fork in [("debug=fdr", f"resume.source={store.root / 'step-00000006'}",
-                  "resume.allow_changes=[trainer.max_steps]"),
-                 (f"resume.source={store.root / 'final'}",),
-                 ("optimizer.lr=0.05", f"resume.source={store.root / 'final'}", "resume.allow_changes=[optimizer.lr]")]:
+    for fork in [
+        (
+            "debug=fdr",
+            f"resume.source={store.root / 'step-00000006'}",
+            "resume.allow_changes=[trainer.max_steps]",
+        ),
+        (f"resume.source={store.root / 'final'}",),
+        (
+            "optimizer.lr=0.05",
+            f"resume.source={store.root / 'final'}",
+            "resume.allow_changes=[optimizer.lr]",
+        ),
+    ]:
         assert run_job(*args, *fork)[0] == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "refusing to resume from" in err and "train" in err, err
+        assert len(err.splitlines()) == 1 and "refusing to resume from" in err and "train" in err, (
+            err
+        )
         assert {k: v for k, v in tree_bytes(out).items() if not k.endswith(".lock")} == before
     assert run_job(*args)[0] == 0  # the finished run itself: complete, as it was
     assert {k: v for k, v in tree_bytes(out).items() if not k.endswith(".lock")} == before
-    assert run_job(*args, "trainer.max_steps=12", f"resume.source={store.root / 'final'}",
-                   "resume.allow_changes=[trainer.max_steps]")[0] == 0  # more steps: a fork that trains
+    assert (
+        run_job(
+            *args,
+            "trainer.max_steps=12",
+            f"resume.source={store.root / 'final'}",
+            "resume.allow_changes=[trainer.max_steps]",
+        )[0]
+        == 0
+    )  # more steps: a fork that trains
 
 
-def test_a_preempted_run_of_resume_never_says_what_continues_it(tmp_path, capsys, caplog, preempt_at, finished_job):
+def test_a_preempted_run_of_resume_never_says_what_continues_it(
+    tmp_path, capsys, caplog, preempt_at, finished_job
+):
     """#39.10: debug=limit (resume=never) stopped by SIGTERM said `re-run the same command to resume`, and that
     command started a new run from step 0. What it says now follows from the resume setting: the identical command
     starts anew (as it does), and the command it gives continues this run to the uninterrupted run's end."""
@@ -379,14 +481,20 @@ def test_a_preempted_run_of_resume_never_says_what_continues_it(tmp_path, capsys
     stopped = the_run(out)
     err = capsys.readouterr().err
     assert "re-run the same command" not in err + caplog.text
-    (source,) = re.findall(r"starts a new run \(resume=never\); add resume\.source=(\S+) to continue this one", err)
+    (source,) = re.findall(
+        r"starts a new run \(resume=never\); add resume\.source=(\S+) to continue this one", err
+    )
     assert source == str(RunDir(stopped).store.root / "step-00000003")
-    (again,) = [ln for ln in caplog.text.splitlines() if ln.strip().startswith("resume ")]  # the end summary's
+    (again,) = [
+        ln for ln in caplog.text.splitlines() if ln.strip().startswith("resume ")
+    ]  # the end summary's
     assert again.endswith(f"debug=limit paths.output_dir={out} resume.source={source}")
     assert run_job(*args)[0] == 0  # the identical command: a new run from step 0, as said
     (new,) = [p for p in (out / "runs").iterdir() if p != stopped]
     assert metrics(new)[0]["step"] == 1 and RunDir(new).read_status()["resumes"] == []
-    assert run_job(*args, f"resume.source={source}")[0] == 0  # the command it gave: this run, continued
+    assert (
+        run_job(*args, f"resume.source={source}")[0] == 0
+    )  # the command it gave: this run, continued
     (continued,) = [p for p in (out / "runs").iterdir() if p not in (stopped, new)]
     ref = the_run(finished_job(*KERNODECK, "debug=limit"))
     assert metrics(continued) == metrics(ref)

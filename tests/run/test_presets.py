@@ -1,4 +1,5 @@
 """The presets in conf/debug/ and conf/hparams_search/, each run and held to what its header line says."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,18 @@ def evaluated(run) -> list[int]:
     return [ln["step"] for ln in lines(run) if "val/loss" in ln]
 
 
-@pytest.mark.parametrize("group, option", [(p.parent.name, p.stem) for p in sorted(
-    [*(CONFIG_DIR / "debug").glob("*.yaml"), *(CONFIG_DIR / "hparams_search").glob("*.yaml")])])
+@pytest.mark.parametrize(
+    "group, option",
+    [
+        (p.parent.name, p.stem)
+        for p in sorted(
+            [
+                *(CONFIG_DIR / "debug").glob("*.yaml"),
+                *(CONFIG_DIR / "hparams_search").glob("*.yaml"),
+            ]
+        )
+    ],
+)
 def test_every_preset_says_what_it_does_in_its_header(group, option):
     header = (CONFIG_DIR / group / f"{option}.yaml").read_text().splitlines()
     assert header[0] == "# @package _global_" and header[1].startswith("# ") and len(header[1]) > 40
@@ -52,11 +63,14 @@ def test_overfit_drives_the_train_loss_far_below_its_start_and_the_val_loss(tmp_
     assert run_job("debug=overfit", "trainer.progress_bar=false", f"paths.output_dir={out}")[0] == 0
     got = lines(the_run(out))
     assert len(got) == 300 // 50 and got[-1]["step"] == 300
-    assert got[-1]["train/loss"] < 0.2 * got[0]["train/loss"] and got[-1]["train/loss"] < 0.5 * got[-1]["val/loss"]
+    assert (
+        got[-1]["train/loss"] < 0.2 * got[0]["train/loss"]
+        and got[-1]["train/loss"] < 0.5 * got[-1]["val/loss"]
+    )
 
 
 def profile_rows(text: str) -> dict[str, tuple[int, float]]:
-    table = text[text.index("profile (trainer.profile=true):"):].splitlines()[2:]
+    table = text[text.index("profile (trainer.profile=true):") :].splitlines()[2:]
     rows = {}
     for line in table[: len(PHASES) + 1]:
         name, rest = line[:20].strip(), line[20:].split()
@@ -64,7 +78,9 @@ def profile_rows(text: str) -> dict[str, tuple[int, float]]:
     return rows
 
 
-def test_profile_prints_every_phase_summing_to_the_wall_and_changes_no_result_byte(tmp_path, capsys):
+def test_profile_prints_every_phase_summing_to_the_wall_and_changes_no_result_byte(
+    tmp_path, capsys
+):
     args = (*KERNODECK, "trainer.accumulate=2", "trainer.eval_every=4")
     assert run_job(*args, f"paths.output_dir={tmp_path / 'plain'}")[0] == 0
     assert "profile (trainer.profile=true)" not in capsys.readouterr().out
@@ -72,13 +88,21 @@ def test_profile_prints_every_phase_summing_to_the_wall_and_changes_no_result_by
     rows = profile_rows(capsys.readouterr().out)
     assert list(rows) == [*PHASES, "wall"]
     assert rows["data"][0] == 20  # 10 updates of 2 micro-batches ...
-    assert rows["forward/backward"][0] == 30  # ... each one forward/backward, and each update's mean of the two
+    assert (
+        rows["forward/backward"][0] == 30
+    )  # ... each one forward/backward, and each update's mean of the two
     assert rows["optimizer"][0] == 10 and rows["evaluation"][0] == 3  # steps 4, 8 and the last
     best, improved = math.inf, set()
-    for step, loss in ((ln["step"], ln["val/loss"]) for ln in lines(the_run(tmp_path / "timed")) if "val/loss" in ln):
+    for step, loss in (
+        (ln["step"], ln["val/loss"])
+        for ln in lines(the_run(tmp_path / "timed"))
+        if "val/loss" in ln
+    ):
         if loss < best:
             best, improved = loss, improved | {step}
-    assert rows["checkpoint"][0] == len({3, 6, 9, 10} | improved)  # epochs' ends (3 updates), the last, the bests
+    assert rows["checkpoint"][0] == len(
+        {3, 6, 9, 10} | improved
+    )  # epochs' ends (3 updates), the last, the bests
     parts = sum(seconds for name, (_, seconds) in rows.items() if name != "wall")
     assert parts == pytest.approx(rows["wall"][1], rel=1e-3, abs=2e-4)  # the table's 4 decimals
     plain, timed = the_run(tmp_path / "plain"), the_run(tmp_path / "timed")
@@ -96,18 +120,35 @@ def test_profile_off_times_nothing():
 @pytest.mark.slow  # an Optuna study of 3 trials of the default model, shrunk
 def test_hparams_search_runs_its_trials_over_the_named_space(tmp_path):
     out = tmp_path / "out"
-    proc = run_pipeline(["-m", "hparams_search=minigpt_optuna", "hydra.sweeper.n_trials=3", "tracking=none",
-                         "trainer.max_steps=3", "data.n_sentences=200", "data.block_size=16",
-                         "trainer.progress_bar=false", f"paths.output_dir={out}"], tmp_path)
+    proc = run_pipeline(
+        [
+            "-m",
+            "hparams_search=minigpt_optuna",
+            "hydra.sweeper.n_trials=3",
+            "tracking=none",
+            "trainer.max_steps=3",
+            "data.n_sentences=200",
+            "data.block_size=16",
+            "trainer.progress_bar=false",
+            f"paths.output_dir={out}",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (sweep,) = (out / "sweeps").iterdir()
     jobs = [json.loads(p.read_text()) for p in sorted((sweep / "jobs").glob("*.json"))]
-    assert len(jobs) == 3 and all(j["status"] == "complete" and math.isfinite(j["objective"]) for j in jobs)
+    assert len(jobs) == 3 and all(
+        j["status"] == "complete" and math.isfinite(j["objective"]) for j in jobs
+    )
     for job in jobs:
         swept = dict(o.split("=", 1) for o in job["overrides"][:3])
         assert set(swept) == {"optimizer.lr", "model.n_embd", "model.n_layer"}, job["overrides"]
         assert 1e-4 <= float(swept["optimizer.lr"]) <= 1e-2
-        assert swept["model.n_embd"] in ("32", "64", "128") and swept["model.n_layer"] in ("1", "2", "3")
+        assert swept["model.n_embd"] in ("32", "64", "128") and swept["model.n_layer"] in (
+            "1",
+            "2",
+            "3",
+        )
     with sqlite3.connect(sweep / "optuna.db") as db:
         assert db.execute("select count(*) from trials where state = 'COMPLETE'").fetchone() == (3,)
         names = {n for (n,) in db.execute("select distinct param_name from trial_params")}

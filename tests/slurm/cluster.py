@@ -11,6 +11,7 @@ client commands find the cluster through SLURM_CONF alone (the munge socket is n
 daemons run in the foreground as children of `up` in their own sessions, so their pids are the ones started;
 `DIR/cluster.json` records each pid with its start time, and `down` signals a pid only while both still match.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")  # without recommends: 8 packages instead of 43
+PACKAGES = (
+    "slurmctld",
+    "slurmd",
+    "slurm-client",
+    "munge",
+)  # without recommends: 8 packages instead of 43
 DAEMONS = ("slurmctld", "slurmd", "munged")
 CLIENTS = ("sbatch", "srun", "squeue", "sinfo", "scontrol", "scancel")
 PARTITION = "debug"
@@ -45,7 +51,9 @@ def missing() -> list[str]:
 
 
 def _which(name: str) -> str:
-    found = shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+    found = shutil.which(
+        name, path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    )
     if found is None:
         raise ClusterError(f"{name} is not installed; run `python {__file__} install` as root")
     return found
@@ -86,7 +94,7 @@ def _start_time(pid: int) -> int | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return None if fields[0] == "Z" else int(fields[19])
 
 
@@ -174,11 +182,17 @@ class Cluster:
     def client_env(self) -> dict[str, str]:
         return {**os.environ, **self.env}
 
-    def run(self, *cmd: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    def run(
+        self, *cmd: str, check: bool = True, timeout: float = 300
+    ) -> subprocess.CompletedProcess:
         """A client command against this cluster, output captured as text."""
-        r = subprocess.run(cmd, env=self.client_env(), capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(
+            cmd, env=self.client_env(), capture_output=True, text=True, timeout=timeout
+        )
         if check and r.returncode != 0:
-            raise ClusterError(f"`{' '.join(cmd)}` exited {r.returncode}: {r.stderr.strip() or r.stdout.strip()}")
+            raise ClusterError(
+                f"`{' '.join(cmd)}` exited {r.returncode}: {r.stderr.strip() or r.stdout.strip()}"
+            )
         return r
 
     def alive(self) -> dict[str, int]:
@@ -228,7 +242,11 @@ class Cluster:
                 while self.jobs() and time.monotonic() < deadline:
                     time.sleep(0.5)
         killed = []
-        for name in ("slurmd", "slurmctld", "munged"):  # munged last: the others talk to it while stopping
+        for name in (
+            "slurmd",
+            "slurmctld",
+            "munged",
+        ):  # munged last: the others talk to it while stopping
             killed += self._stop({name: self.pids[name]} if name in self.alive() else {}, wait)
         killed += self._stop(self.strays(), wait)  # e.g. a slurmstepd whose job would not die
         return killed
@@ -238,7 +256,9 @@ class Cluster:
         for p in procs.values():
             _signal(p, signal.SIGTERM)
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and any(_start_time(p) == starts[n] for n, p in procs.items()):
+        while time.monotonic() < deadline and any(
+            _start_time(p) == starts[n] for n, p in procs.items()
+        ):
             time.sleep(0.2)
         killed = []
         for n, p in procs.items():
@@ -272,14 +292,20 @@ def up(d: str | Path, timeout: float = 180, cpus: int = CPUS) -> Cluster:
     """Write the configuration into `d`, start munged, slurmctld and slurmd, and wait for an idle node."""
     d = Path(d).resolve()
     if (d / "cluster.json").exists() and Cluster.load(d).alive():
-        raise ClusterError(f"a cluster is already running in {d} (pids {Cluster.load(d).alive()}); `down` it first")
+        raise ClusterError(
+            f"a cluster is already running in {d} (pids {Cluster.load(d).alive()}); `down` it first"
+        )
     for sub in ("munge", "state", "spool", "run", "log"):
         (d / sub).mkdir(parents=True, exist_ok=True)
-    os.chmod(d / "munge", 0o755)  # munged refuses a socket directory others can write, warns on one they cannot enter
+    os.chmod(
+        d / "munge", 0o755
+    )  # munged refuses a socket directory others can write, warns on one they cannot enter
     host = socket.gethostname().split(".")[0]
     mem_mb = int(int(Path("/proc/meminfo").read_text().split()[1]) // 1024 * 0.9)
     ports = {"slurmctld": _free_port(), "slurmd": _free_port()}
-    (d / "slurm.conf").write_text(slurm_conf(d, host, ports["slurmctld"], ports["slurmd"], cpus, mem_mb))
+    (d / "slurm.conf").write_text(
+        slurm_conf(d, host, ports["slurmctld"], ports["slurmd"], cpus, mem_mb)
+    )
     key = d / "munge" / "munge.key"
     key.write_bytes(os.urandom(1024))
     os.chmod(key, 0o600)
@@ -290,8 +316,15 @@ def up(d: str | Path, timeout: float = 180, cpus: int = CPUS) -> Cluster:
 
     def start(name: str, cmd: list[str]) -> None:
         with open(d / "log" / f"{name}.out", "ab") as out:
-            p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                 cwd=d, start_new_session=True)
+            p = subprocess.Popen(
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=d,
+                start_new_session=True,
+            )
         cluster.pids[name] = p.pid
         cluster.start_times[name] = _start_time(p.pid) or 0
         cluster.save()  # saved after each start, so `down` finds whatever did start
@@ -302,18 +335,36 @@ def up(d: str | Path, timeout: float = 180, cpus: int = CPUS) -> Cluster:
             if dead or time.monotonic() > deadline:
                 reason = f"{', '.join(dead)} exited" if dead else f"not within {timeout:.0f} s"
                 cluster.down(wait=10)
-                raise ClusterError(f"slurm cluster in {d}: {what} failed ({reason})\n{cluster.logs()}")
+                raise ClusterError(
+                    f"slurm cluster in {d}: {what} failed ({reason})\n{cluster.logs()}"
+                )
             time.sleep(0.2)
 
     deadline = time.monotonic() + timeout
     sock = d / "munge" / "munge.socket"
-    start("munged", [_which("munged"), "--foreground", "--force", f"--key-file={key}", f"--socket={sock}",
-                     f"--pid-file={d}/run/munged.pid", f"--log-file={d}/log/munged.log",
-                     f"--seed-file={d}/munge/munged.seed", "--num-threads=2"])
+    start(
+        "munged",
+        [
+            _which("munged"),
+            "--foreground",
+            "--force",
+            f"--key-file={key}",
+            f"--socket={sock}",
+            f"--pid-file={d}/run/munged.pid",
+            f"--log-file={d}/log/munged.log",
+            f"--seed-file={d}/munge/munged.seed",
+            "--num-threads=2",
+        ],
+    )
     wait_for("munged (socket)", lambda: sock.exists(), deadline)
-    start("slurmctld", [_which("slurmctld"), "-D", "-c", "-f", str(cluster.conf)])  # -c: no state from before
-    wait_for("slurmctld (scontrol ping)", lambda: "UP" in cluster.run("scontrol", "ping", check=False).stdout,
-             deadline)
+    start(
+        "slurmctld", [_which("slurmctld"), "-D", "-c", "-f", str(cluster.conf)]
+    )  # -c: no state from before
+    wait_for(
+        "slurmctld (scontrol ping)",
+        lambda: "UP" in cluster.run("scontrol", "ping", check=False).stdout,
+        deadline,
+    )
     start("slurmd", [_which("slurmd"), "-D", "-f", str(cluster.conf), "-N", host])
     wait_for("slurmd (node idle in sinfo)", lambda: cluster.node_state() == "idle", deadline)
     return cluster
@@ -323,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=["install", "up", "down", "status", "env"])
     parser.add_argument("--dir", help="the cluster's directory (up creates it)")
-    parser.add_argument("--timeout", type=float, default=180, help="seconds `up` waits for an idle node")
+    parser.add_argument(
+        "--timeout", type=float, default=180, help="seconds `up` waits for an idle node"
+    )
     args = parser.parse_args(argv)
     if args.action == "install":
         return 0 if install() else 1
@@ -333,21 +386,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.action == "up":
             c = up(args.dir, timeout=args.timeout)
-            print(f"slurm: node {c.host} idle in {time.monotonic() - t0:.1f} s; pids {c.pids}; "
-                  f"export SLURM_CONF={c.conf}")
+            print(
+                f"slurm: node {c.host} idle in {time.monotonic() - t0:.1f} s; pids {c.pids}; "
+                f"export SLURM_CONF={c.conf}"
+            )
             return 0
         c = Cluster.load(args.dir)
         if args.action == "env":
             print("\n".join(f"export {k}={v}" for k, v in c.env.items()))
         elif args.action == "status":
             alive = c.alive()
-            print(f"slurm: {c.dir}: alive {alive or 'none'}; node {c.node_state() if 'slurmctld' in alive else '-'}"
-                  f"; jobs {c.jobs() if 'slurmctld' in alive else '-'}")
+            print(
+                f"slurm: {c.dir}: alive {alive or 'none'}; node {c.node_state() if 'slurmctld' in alive else '-'}"
+                f"; jobs {c.jobs() if 'slurmctld' in alive else '-'}"
+            )
             return 0 if len(alive) == len(c.pids) else 1
         elif args.action == "down":
             killed = c.down()
-            print(f"slurm: stopped {sorted(c.pids)} in {time.monotonic() - t0:.1f} s"
-                  + (f"; SIGKILL needed for {killed}" if killed else ""))
+            print(
+                f"slurm: stopped {sorted(c.pids)} in {time.monotonic() - t0:.1f} s"
+                + (f"; SIGKILL needed for {killed}" if killed else "")
+            )
     except ClusterError as e:
         print(f"slurm: {e}", file=sys.stderr)
         return 1

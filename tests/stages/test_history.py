@@ -1,6 +1,7 @@
 """A config-only change never costs a run its history: over a catalogue of changes, each on an interrupted and
 on a complete run, the re-run is refused with every file as it was, or it continues (or starts its own run),
 and every earlier checkpoint and metrics.jsonl line is still in the run directory or under its superseded/."""
+
 from __future__ import annotations
 
 import hashlib
@@ -23,7 +24,10 @@ KILLED_AFTER = 23  # ... and what it logged before it was killed (SIGKILL: no ch
 CHANGES = {
     "nothing": ((), True),
     "early_stop added": (("+stages/early_stop=default",), False),
-    "early_stop added, patience 1": (("+stages/early_stop=default", "stages.early_stop.patience=1"), False),
+    "early_stop added, patience 1": (
+        ("+stages/early_stop=default", "stages.early_stop.patience=1"),
+        False,
+    ),
     "best_val removed": (("~stages.best_val",), True),
     "rotate removed": (("~stages.rotate_last_3",), True),
     "final removed": (("~stages.final",), True),
@@ -31,7 +35,10 @@ CHANGES = {
     "best_val monitor": (("stages.best_val.monitor=train/loss",), True),
     "best_val mode": (("stages.best_val.mode=max",), True),
     "best_val keep 3": (("stages.best_val.keep=3",), True),
-    "best_val keep 3, named": (("stages.best_val.keep=3", "stages.best_val.filename='{step}-{val_loss:.3f}'"), True),
+    "best_val keep 3, named": (
+        ("stages.best_val.keep=3", "stages.best_val.filename='{step}-{val_loss:.3f}'"),
+        True,
+    ),
     "a bad filename": (("stages.best_val.filename='../{step}'",), False),
     "cadence": (("checkpoint=every_n_steps", "checkpoint.every_steps=2"), True),
     "threads": (("trainer.threads=1",), True),
@@ -41,8 +48,10 @@ CHANGES = {
     "lr allowed": (("optimizer.lr=0.05", "resume.allow_changes=[optimizer.lr]"), False),
     "a bad value": (("stages.rotate_last_3.keep=0",), False),
     "a monitor never logged": (("stages.best_val.monitor=val/los",), False),
-    "an early stop on a monitor never logged": (("+stages/early_stop=default", "stages.early_stop.monitor=val/los"),
-                                                False),
+    "an early stop on a monitor never logged": (
+        ("+stages/early_stop=default", "stages.early_stop.monitor=val/los"),
+        False,
+    ),
 }
 
 
@@ -88,8 +97,11 @@ def interrupted(tmp_path_factory, reference, preempted) -> Path:
     the newest checkpoint."""
     out = shutil.copytree(preempted, tmp_path_factory.mktemp("interrupted") / "out", symlinks=True)
     run = the_run(out)
-    later = [ln for ln in (reference / "metrics.jsonl").read_text().splitlines(keepends=True)
-             if CUT < int(ln.split('"step":')[1].split(",")[0].split("}")[0]) <= KILLED_AFTER]
+    later = [
+        ln
+        for ln in (reference / "metrics.jsonl").read_text().splitlines(keepends=True)
+        if CUT < int(ln.split('"step":')[1].split(",")[0].split("}")[0]) <= KILLED_AFTER
+    ]
     assert later
     with open(run / "metrics.jsonl", "a") as f:
         f.writelines(later)
@@ -113,8 +125,9 @@ def lines_everywhere(run: Path) -> set[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("state", ["interrupted", "complete"])
 @pytest.mark.parametrize("change", list(CHANGES))
-def test_a_config_only_change_keeps_every_earlier_checkpoint_and_metrics_line(change, state, request, tmp_path,
-                                                                              reference, capsys, caplog):
+def test_a_config_only_change_keeps_every_earlier_checkpoint_and_metrics_line(
+    change, state, request, tmp_path, reference, capsys, caplog
+):
     caplog.set_level(logging.INFO, logger="pipeline")
     out = shutil.copytree(request.getfixturevalue(state), tmp_path / "out", symlinks=True)
     run = the_run(out)
@@ -125,10 +138,14 @@ def test_a_config_only_change_keeps_every_earlier_checkpoint_and_metrics_line(ch
     code, _ = run_job(*BASE, *overrides, f"paths.output_dir={out}")
     said = capsys.readouterr()
     if code != 0:
-        assert code == 2 and len(said.err.strip().splitlines()) == 1, said.err  # refused in one line ...
+        assert code == 2 and len(said.err.strip().splitlines()) == 1, (
+            said.err
+        )  # refused in one line ...
         assert tree(run) == before  # ... with every file as it was
         return
-    if change == "nothing":  # the identical command: the run that never stopped, its rotation included
+    if (
+        change == "nothing"
+    ):  # the identical command: the run that never stopped, its rotation included
         assert kept(run) == kept(reference)
         assert metrics(run) == metrics(reference)
         return
@@ -139,7 +156,9 @@ def test_a_config_only_change_keeps_every_earlier_checkpoint_and_metrics_line(ch
         assert tree(run) == before
         return
     if state == "complete":
-        assert tree(run) == before  # a finished run re-run with any change is confirmed, nothing written
+        assert (
+            tree(run) == before
+        )  # a finished run re-run with any change is confirmed, nothing written
         assert f"run {run} is complete" in said.out
         return
     assert f"resuming from step {CUT}" in caplog.text
@@ -149,11 +168,22 @@ def test_a_config_only_change_keeps_every_earlier_checkpoint_and_metrics_line(ch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("change, said", [
-    ("stages.best_val.monitor=train/loss", "monitor 'val/loss' mode 'min' -> 'train/loss' mode 'min'"),
-    ("stages.best_val.mode=max", "monitor 'val/loss' mode 'min' -> 'val/loss' mode 'max'"),  # step 12 ranks first
-])
-def test_a_new_monitor_starts_a_new_best_history_and_keeps_the_old_best(change, said, interrupted, tmp_path, caplog):
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        (
+            "stages.best_val.monitor=train/loss",
+            "monitor 'val/loss' mode 'min' -> 'train/loss' mode 'min'",
+        ),
+        (
+            "stages.best_val.mode=max",
+            "monitor 'val/loss' mode 'min' -> 'val/loss' mode 'max'",
+        ),  # step 12 ranks first
+    ],
+)
+def test_a_new_monitor_starts_a_new_best_history_and_keeps_the_old_best(
+    change, said, interrupted, tmp_path, caplog
+):
     caplog.set_level(logging.INFO, logger="pipeline")
     out = shutil.copytree(interrupted, tmp_path / "out", symlinks=True)
     run = the_run(out)
@@ -162,14 +192,20 @@ def test_a_new_monitor_starts_a_new_best_history_and_keeps_the_old_best(change, 
     assert run_job(*BASE, change, f"paths.output_dir={out}")[0] == 0
     assert f"stages.best_val: {said}: a new history" in caplog.text
     (kept,) = run.glob("superseded/*/checkpoints")
-    assert (kept / "best" / "weights.safetensors").read_bytes() == old_bytes  # the earlier best, by its link
+    assert (
+        kept / "best" / "weights.safetensors"
+    ).read_bytes() == old_bytes  # the earlier best, by its link
     from pipeline.files import jsonio
 
     extra = jsonio.read(run / "checkpoints" / "final" / "extra.json", 1 << 20)
-    assert extra["stages"]["best_val"]["best_step"] > CUT  # a new best history, from the resume on ...
+    assert (
+        extra["stages"]["best_val"]["best_step"] > CUT
+    )  # a new best history, from the resume on ...
     assert extra["stages"]["best_val"]["since"] == CUT
     best = int((run / "checkpoints" / "best").resolve().name.split("-")[1])
-    assert best == extra["stages"]["best_val"]["best_step"]  # ... and the link follows it, not an older step
+    assert (
+        best == extra["stages"]["best_val"]["best_step"]
+    )  # ... and the link follows it, not an older step
 
 
 @pytest.mark.slow
@@ -177,8 +213,16 @@ def test_a_stage_added_to_a_run_in_progress_counts_from_the_resume(interrupted, 
     caplog.set_level(logging.INFO, logger="pipeline")
     out = shutil.copytree(interrupted, tmp_path / "out", symlinks=True)
     run = the_run(out)
-    assert run_job(*BASE, "+stages/early_stop=default", "stages.early_stop.patience=1",
-                   "stages.early_stop.min_delta=0.01", f"paths.output_dir={out}")[0] == 0
+    assert (
+        run_job(
+            *BASE,
+            "+stages/early_stop=default",
+            "stages.early_stop.patience=1",
+            "stages.early_stop.min_delta=0.01",
+            f"paths.output_dir={out}",
+        )[0]
+        == 0
+    )
     assert "stages.early_stop: not in the checkpoint, starts fresh here" in caplog.text
     from pipeline.files import jsonio
 
@@ -198,10 +242,14 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_not_deleted(interrupted, tmp
     data[-3] ^= 0x10
     (newest / "weights.safetensors").write_bytes(bytes(data))
     assert run_job(*BASE, f"paths.output_dir={out}")[0] == 0
-    assert ("not resuming from a damaged checkpoint (kept in superseded/, nothing is deleted), falling back: "
-            f"checkpoint {newest}: weights.safetensors: sha256 differs") in caplog.text
+    assert (
+        "not resuming from a damaged checkpoint (kept in superseded/, nothing is deleted), falling back: "
+        f"checkpoint {newest}: weights.safetensors: sha256 differs"
+    ) in caplog.text
     (moved,) = run.glob(f"superseded/*/checkpoints/{newest.name}")
-    assert (moved / "weights.safetensors").read_bytes() == bytes(data)  # as it was found, damage and all
+    assert (moved / "weights.safetensors").read_bytes() == bytes(
+        data
+    )  # as it was found, damage and all
 
 
 @pytest.mark.slow
@@ -218,8 +266,9 @@ def test_a_fresh_start_in_a_directory_with_a_history_moves_it_aside(interrupted,
 
 
 @pytest.mark.slow
-def test_a_run_trained_by_other_code_says_so_when_resumed_found_complete_and_shown(interrupted, complete, tmp_path,
-                                                                                  caplog, capsys):
+def test_a_run_trained_by_other_code_says_so_when_resumed_found_complete_and_shown(
+    interrupted, complete, tmp_path, caplog, capsys
+):
     from pipeline.cli import show
     from pipeline.files import jsonio
 
@@ -227,7 +276,9 @@ def test_a_run_trained_by_other_code_says_so_when_resumed_found_complete_and_sho
     for state, source in (("interrupted", interrupted), ("complete", complete)):
         out = shutil.copytree(source, tmp_path / state, symlinks=True)
         run = the_run(out)
-        for manifest in (run / "checkpoints").glob("step-*/manifest.json"):  # listed nowhere: edited freely
+        for manifest in (run / "checkpoints").glob(
+            "step-*/manifest.json"
+        ):  # listed nowhere: edited freely
             m = jsonio.read(manifest, 1 << 24)
             m["code_sha256"] = "0" * 64
             manifest.write_bytes(jsonio.dumps(m))
@@ -268,8 +319,15 @@ def step_dirs(out: Path) -> dict[tuple, Path]:
         for name in dirnames:
             d = Path(dirpath) / name
             if re.fullmatch(r"step-\d{8}", name) and not d.is_symlink():
-                found[tuple(sorted((f.name, hashlib.sha256(f.read_bytes()).hexdigest()) for f in d.iterdir()
-                                   if f.is_file() and not f.is_symlink()))] = d
+                found[
+                    tuple(
+                        sorted(
+                            (f.name, hashlib.sha256(f.read_bytes()).hexdigest())
+                            for f in d.iterdir()
+                            if f.is_file() and not f.is_symlink()
+                        )
+                    )
+                ] = d
     return found
 
 
@@ -299,16 +357,31 @@ def recode(run: Path) -> None:
 # the command's own overrides (fork: resume.source of `fork_source`), whether the run goes on with the lineage
 # it found, so that its own retention may prune that lineage's verified steps as the uninterrupted run would)
 WAYS = {
-    "fresh": ("interrupted", lambda run: [p.joinpath("manifest.json").write_text("{}") and p
-                                          for p in (run / "checkpoints").glob("step-*")], (), False),
+    "fresh": (
+        "interrupted",
+        lambda run: [
+            p.joinpath("manifest.json").write_text("{}") and p
+            for p in (run / "checkpoints").glob("step-*")
+        ],
+        (),
+        False,
+    ),
     "continue": ("interrupted", lambda run: [], (), True),
     "complete": ("complete", lambda run: [], (), False),
     "fork": ("preempted", lambda run: [], ("fork",), False),
     "fork again": ("forked", lambda run: [], ("fork",), True),
-    "fork again past a damaged step": ("forked", lambda run: [damage(run / "checkpoints" / f"step-{FORKED_AT:08d}")],
-                                       ("fork",), True),
-    "fallback past a damaged step": ("interrupted", lambda run: [damage(run / "checkpoints" / f"step-{CUT:08d}")],
-                                     (), True),
+    "fork again past a damaged step": (
+        "forked",
+        lambda run: [damage(run / "checkpoints" / f"step-{FORKED_AT:08d}")],
+        ("fork",),
+        True,
+    ),
+    "fallback past a damaged step": (
+        "interrupted",
+        lambda run: [damage(run / "checkpoints" / f"step-{CUT:08d}")],
+        (),
+        True,
+    ),
     "re-tune only": ("preempted", lambda run: [], ("stages.rotate_last_3.keep=1",), False),
     "other code": ("interrupted", lambda run: recode(run) or [], (), True),
 }
@@ -316,8 +389,9 @@ WAYS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("way", list(WAYS))
-def test_every_way_into_a_run_directory_keeps_every_step_directory_and_metrics_line(way, request, tmp_path, caplog,
-                                                                                    fork_source):
+def test_every_way_into_a_run_directory_keeps_every_step_directory_and_metrics_line(
+    way, request, tmp_path, caplog, fork_source
+):
     """Whatever a start, resume, fork or fallback finds (every step directory, every metrics.jsonl line) is after
     it still in a run directory or under its superseded/; only the run's own retention, going on with the
     lineage it found under the same policies, prunes that lineage's verified checkpoints (as the run that never
@@ -328,23 +402,32 @@ def test_every_way_into_a_run_directory_keeps_every_step_directory_and_metrics_l
     entered, change, overrides, goes_on = WAYS[way]
     out = shutil.copytree(request.getfixturevalue(entered), tmp_path / "out", symlinks=True)
     clean = {p.name for p in (request.getfixturevalue("preempted") / "runs").iterdir()}
-    run = next(p for p in (out / "runs").iterdir() if entered != "forked" or p.name not in clean)  # the fork's own
+    run = next(
+        p for p in (out / "runs").iterdir() if entered != "forked" or p.name not in clean
+    )  # the fork's own
     damaged = {p.resolve() for p in change(run) if p}
     before, lines = step_dirs(out), all_lines(out)
-    lineages = {k: jsonio.loads(d.joinpath("manifest.json").read_bytes()).get("lineage", {}).get("id")
-                for k, d in before.items()}
+    lineages = {
+        k: jsonio.loads(d.joinpath("manifest.json").read_bytes()).get("lineage", {}).get("id")
+        for k, d in before.items()
+    }
     assert damaged <= {p.resolve() for p in before.values()}
     if way.startswith("fork again"):  # the fork's own older step: what a re-run continues from
         assert len(list((run / "checkpoints").glob("step-*"))) >= 2
     fork = (f"resume.source={fork_source}",) if "fork" in overrides else ()
-    assert run_job(*BASE, *fork, *(o for o in overrides if o != "fork"), f"paths.output_dir={out}")[0] == 0
+    assert (
+        run_job(*BASE, *fork, *(o for o in overrides if o != "fork"), f"paths.output_dir={out}")[0]
+        == 0
+    )
     after = step_dirs(out)
     assert lines <= all_lines(out), "an earlier metrics.jsonl line is gone"
     lost = [before[k] for k in before.keys() - after.keys()]
     for d in damaged:  # passed over, kept as found, and said so
         assert d not in [p.resolve() for p in lost], f"{d.name}, damaged, is gone"
-        assert f"not resuming from a damaged checkpoint (kept in superseded/, nothing is deleted), falling back: " \
-               f"checkpoint {run / 'checkpoints' / d.name}" in caplog.text
+        assert (
+            f"not resuming from a damaged checkpoint (kept in superseded/, nothing is deleted), falling back: "
+            f"checkpoint {run / 'checkpoints' / d.name}" in caplog.text
+        )
     if not goes_on:
         assert not lost, f"gone: {lost}"
         return
@@ -358,19 +441,32 @@ def other_filesystem(tmp_path: Path) -> Path:
     import subprocess
     import tempfile
 
-    if not shutil.which("unshare") or not os.path.isdir("/dev/shm") \
-            or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+    if (
+        not shutil.which("unshare")
+        or not os.path.isdir("/dev/shm")
+        or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev
+    ):
         pytest.skip("needs unshare and /dev/shm on another filesystem than the test's tmp_path")
-    if subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True).returncode:
+    if subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "true"], capture_output=True
+    ).returncode:
         pytest.skip("needs a mount namespace (unshare --mount: root, or user namespaces)")
     return Path(tempfile.mkdtemp(dir="/dev/shm", prefix="pipeline-test-"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mounted, way", [("superseded", "fallback past a damaged step"), ("superseded", "fresh"),
-                                          ("checkpoints", "fallback past a damaged step"), ("checkpoints", "fresh")])
-def test_a_history_moved_to_another_filesystem_is_copied_whole_before_its_original_goes(mounted, way, interrupted,
-                                                                                        tmp_path):
+@pytest.mark.parametrize(
+    "mounted, way",
+    [
+        ("superseded", "fallback past a damaged step"),
+        ("superseded", "fresh"),
+        ("checkpoints", "fallback past a damaged step"),
+        ("checkpoints", "fresh"),
+    ],
+)
+def test_a_history_moved_to_another_filesystem_is_copied_whole_before_its_original_goes(
+    mounted, way, interrupted, tmp_path
+):
     """The run directory's superseded/ (or its checkpoints/) is a bind mount of another filesystem: a rename
     cannot cross it (EXDEV; EBUSY for a mount point), so what moves aside is copied whole, then removed."""
     import subprocess
@@ -384,7 +480,9 @@ def test_a_history_moved_to_another_filesystem_is_copied_whole_before_its_origin
         damaged = {p.resolve() for p in WAYS[way][1](run) if p}
         before, lines = step_dirs(out), all_lines(out)
         links = {p.name: os.readlink(p) for p in (run / "checkpoints").iterdir() if p.is_symlink()}
-        if mounted == "checkpoints":  # its content moves to the other filesystem, mounted back in its place
+        if (
+            mounted == "checkpoints"
+        ):  # its content moves to the other filesystem, mounted back in its place
             shutil.copytree(run / "checkpoints", other / "checkpoints", symlinks=True)
             shutil.rmtree(run / "checkpoints")
             (run / "checkpoints").mkdir()
@@ -393,20 +491,48 @@ def test_a_history_moved_to_another_filesystem_is_copied_whole_before_its_origin
             (run / "superseded").mkdir()
             source = other
         script = 'mount --bind "$1" "$2"; shift 2; exec "$@"'
-        proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-ec", script, "sh",
-                               str(source), str(run / mounted), sys.executable, "-m", "pipeline", *BASE,
-                               f"paths.output_dir={out}"], cwd=tmp_path, env=env_for_subprocess(),
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-ec",
+                script,
+                "sh",
+                str(source),
+                str(run / mounted),
+                sys.executable,
+                "-m",
+                "pipeline",
+                *BASE,
+                f"paths.output_dir={out}",
+            ],
+            cwd=tmp_path,
+            env=env_for_subprocess(),
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 0, proc.stderr
         assert "Traceback" not in proc.stderr
-        assert all_lines(out) | {ln for f in other.rglob("metrics.jsonl") for ln in f.read_text().splitlines()} \
-            >= lines, "an earlier metrics.jsonl line is gone"
+        assert (
+            all_lines(out)
+            | {ln for f in other.rglob("metrics.jsonl") for ln in f.read_text().splitlines()}
+            >= lines
+        ), "an earlier metrics.jsonl line is gone"
         live = step_dirs(other / "checkpoints" if mounted == "checkpoints" else run / "checkpoints")
         aside = step_dirs(other if mounted == "superseded" else run / "superseded")
         moved = [k for k, d in before.items() if way == "fresh" or d.resolve() in damaged]
-        assert moved and all(k in aside and k not in live for k in moved)  # copied whole, the original gone
+        assert moved and all(
+            k in aside and k not in live for k in moved
+        )  # copied whole, the original gone
         if way == "fresh":  # the store moved whole: its links too
-            (store,) = (other if mounted == "superseded" else run / "superseded").glob("*/checkpoints")
-            assert {p.name: os.readlink(p) for p in store.iterdir() if p.is_symlink()} == links != {}
+            (store,) = (other if mounted == "superseded" else run / "superseded").glob(
+                "*/checkpoints"
+            )
+            assert (
+                {p.name: os.readlink(p) for p in store.iterdir() if p.is_symlink()} == links != {}
+            )
     finally:
         shutil.rmtree(other, ignore_errors=True)

@@ -1,5 +1,6 @@
 """Stages from config, end to end (kernodeck: 24 rows, 6 updates per epoch): cadence, retention, links,
 removing, re-tuning and adding stages by override, typed stage options."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,16 @@ def steps(run) -> list[int]:
 def test_default_cadence_over_7_epochs_keeps_3_newest_plus_best_plus_final(tmp_path):
     # mode=max makes epoch 1 (the highest val loss) the best, so best is not among the newest three.
     out = tmp_path / "out"
-    assert run_job(*BASE, "trainer.max_steps=0", "trainer.epochs=7", "stages.best_val.mode=max",
-                   f"paths.output_dir={out}")[0] == 0
+    assert (
+        run_job(
+            *BASE,
+            "trainer.max_steps=0",
+            "trainer.epochs=7",
+            "stages.best_val.mode=max",
+            f"paths.output_dir={out}",
+        )[0]
+        == 0
+    )
     run = the_run(out)
     store = RunDir(run).store
     assert steps(run) == [6, 30, 36, 42]  # best (epoch 1) + the 3 newest epochs; final is epoch 7
@@ -31,22 +40,52 @@ def test_default_cadence_over_7_epochs_keeps_3_newest_plus_best_plus_final(tmp_p
 
 def test_removing_and_retuning_and_adding_stages_by_override(tmp_path):
     out = tmp_path / "a"
-    assert run_job(*BASE, "trainer.max_steps=0", "trainer.epochs=7", "~stages.best_val",
-                   "stages.rotate_last_3.keep=5", f"paths.output_dir={out}")[0] == 0
+    assert (
+        run_job(
+            *BASE,
+            "trainer.max_steps=0",
+            "trainer.epochs=7",
+            "~stages.best_val",
+            "stages.rotate_last_3.keep=5",
+            f"paths.output_dir={out}",
+        )[0]
+        == 0
+    )
     run = the_run(out)
     assert "best" not in RunDir(run).store.links()
     assert steps(run) == [18, 24, 30, 36, 42]
     out = tmp_path / "b"
-    extra = ("+stages.every_4={_target_:pipeline.stages.rotate.RotateLastN,keep:1,order:25,"
-             "cadence:{_target_:pipeline.stages.cadence.Cadence,every_epochs:0,every_steps:4}}")
-    assert run_job(*BASE, "trainer.max_steps=0", "trainer.epochs=3", "~stages.best_val", extra,
-                   f"paths.output_dir={out}")[0] == 0
+    extra = (
+        "+stages.every_4={_target_:pipeline.stages.rotate.RotateLastN,keep:1,order:25,"
+        "cadence:{_target_:pipeline.stages.cadence.Cadence,every_epochs:0,every_steps:4}}"
+    )
+    assert (
+        run_job(
+            *BASE,
+            "trainer.max_steps=0",
+            "trainer.epochs=3",
+            "~stages.best_val",
+            extra,
+            f"paths.output_dir={out}",
+        )[0]
+        == 0
+    )
     # epochs end at 6, 12, 18 (all kept: 3 newest); the extra stage keeps only its newest, step 16.
     assert steps(the_run(out)) == [6, 12, 16, 18]
     out = tmp_path / "c"
-    assert run_job(*BASE, "~stages.final", "~stages.rotate_last_3", "~stages.best_val",
-                   f"paths.output_dir={out}")[0] == 0
-    assert steps(the_run(out)) == [10]  # the end is always saved (and the newest pinned): a rerun knows it is done
+    assert (
+        run_job(
+            *BASE,
+            "~stages.final",
+            "~stages.rotate_last_3",
+            "~stages.best_val",
+            f"paths.output_dir={out}",
+        )[0]
+        == 0
+    )
+    assert steps(the_run(out)) == [
+        10
+    ]  # the end is always saved (and the newest pinned): a rerun knows it is done
 
 
 def test_rerunning_a_complete_run_exits_0_without_training(tmp_path, capsys):
@@ -54,10 +93,15 @@ def test_rerunning_a_complete_run_exits_0_without_training(tmp_path, capsys):
     args = (*BASE, f"paths.output_dir={out}")
     assert run_job(*args)[0] == 0
     run = the_run(out)
-    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()
-              and ".hydra" not in p.parts and p.name not in ("pipeline.log", ".lock")}
+    before = {
+        p: (p.stat().st_mtime_ns, p.read_bytes())
+        for p in run.rglob("*")
+        if p.is_file() and ".hydra" not in p.parts and p.name not in ("pipeline.log", ".lock")
+    }
     code, objective = run_job(*args)
-    assert code == 0 and objective == pytest.approx(RunDir(run).read_status()["metrics"]["val/loss"])
+    assert code == 0 and objective == pytest.approx(
+        RunDir(run).read_status()["metrics"]["val/loss"]
+    )
     assert "is complete at step 10" in capsys.readouterr().out
     assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in before} == before
 
@@ -67,7 +111,12 @@ def test_a_stage_removed_on_resume_keeps_its_link_and_checkpoint(tmp_path, preem
     from pipeline.run.signals import SIGNALS_STATE
 
     out = tmp_path / "out"
-    args = (*KERNODECK, "trainer.max_steps=30", "stages.best_val.mode=max", f"paths.output_dir={out}")
+    args = (
+        *KERNODECK,
+        "trainer.max_steps=30",
+        "stages.best_val.mode=max",
+        f"paths.output_dir={out}",
+    )
     preempt_at(20)
     assert run_job(*args)[0] == 75
     SIGNALS_STATE.received = None
@@ -78,11 +127,14 @@ def test_a_stage_removed_on_resume_keeps_its_link_and_checkpoint(tmp_path, preem
     assert store.link_step("best") == best and best in steps(the_run(out))
 
 
-@pytest.mark.parametrize("override, key", [
-    ("stages.best_val.mode=maximum", "stages.best_val.mode"),
-    ("stages.rotate_last_3.keep=zero", "stages.rotate_last_3.keep"),
-    ("stages.train.eval_every=-1", "stages.train.eval_every"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("stages.best_val.mode=maximum", "stages.best_val.mode"),
+        ("stages.rotate_last_3.keep=zero", "stages.rotate_last_3.keep"),
+        ("stages.train.eval_every=-1", "stages.train.eval_every"),
+    ],
+)
 def test_stage_options_are_typed(override, key, tmp_path):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException

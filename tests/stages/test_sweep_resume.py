@@ -1,4 +1,5 @@
 """Re-running an interrupted -m sweep: finished jobs are skipped, interrupted ones resume, missing ones start."""
+
 from __future__ import annotations
 
 import json
@@ -14,24 +15,37 @@ from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import descendants
 
-SWEEP = ["-m", "experiment=kernodeck", "tracking=none", "optimizer.lr=0.01,0.02,0.03", "hydra/job_logging=disabled"]
+SWEEP = [
+    "-m",
+    "experiment=kernodeck",
+    "tracking=none",
+    "optimizer.lr=0.01,0.02,0.03",
+    "hydra/job_logging=disabled",
+]
 
 
 def sweep(out: Path, chaos: str | None = None) -> subprocess.CompletedProcess:
     env = env_for_subprocess()
     if chaos:
         env["PIPELINE_CHAOS"] = chaos
-    return subprocess.run([sys.executable, "-m", "pipeline", *SWEEP, f"paths.output_dir={out}"], env=env,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *SWEEP, f"paths.output_dir={out}"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
 
 
 def finals(out: Path) -> dict[str, dict]:
     result = {}
     for run in sorted((out / "runs").iterdir()):
         manifest = CheckpointDir(RunDir(run).store.link_dir("final")).verify()
-        result[run.name] = {"lr": manifest["config"]["optimizer"]["lr"], "step": manifest["step"],
-                            "weights": manifest["files"]["weights.safetensors"]["sha256"],
-                            "optim": manifest["files"]["optim.safetensors"]["sha256"]}
+        result[run.name] = {
+            "lr": manifest["config"]["optimizer"]["lr"],
+            "step": manifest["step"],
+            "weights": manifest["files"]["weights.safetensors"]["sha256"],
+            "optim": manifest["files"]["optim.safetensors"]["sha256"],
+        }
     return result
 
 
@@ -59,14 +73,23 @@ def test_interrupted_sweep_resumes_job_by_job(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_while_a_joblib_sweep_starts_its_workers_is_an_interruption_not_a_bad_config(tmp_path, sig):
+def test_a_signal_while_a_joblib_sweep_starts_its_workers_is_an_interruption_not_a_bad_config(
+    tmp_path, sig
+):
     """The workers exist but handle no signal yet (they import and compose first): the one passed on ends them,
     and the launcher's pool says a worker was terminated; the sweep still ends interrupted, exit 75, kept."""
     out = tmp_path / "out"
-    args = [*SWEEP[:3], "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "optimizer.lr=0.01,0.02",
-            f"paths.output_dir={out}"]
+    args = [
+        *SWEEP[:3],
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "optimizer.lr=0.01,0.02",
+        f"paths.output_dir={out}",
+    ]
     launcher = Proc(args, tmp_path / "cwd")
-    wait_until(lambda: len(descendants(launcher.p.pid)) >= 3, "the pool's workers", launcher)  # 2 and the tracker
+    wait_until(
+        lambda: len(descendants(launcher.p.pid)) >= 3, "the pool's workers", launcher
+    )  # 2 and the tracker
     launcher.send_signal(sig)
     assert launcher.wait() == 75, launcher.stderr[-3000:]
     assert "bad config" not in launcher.stderr
@@ -77,4 +100,7 @@ def test_a_signal_while_a_joblib_sweep_starts_its_workers_is_an_interruption_not
     assert json.loads((directory / "sweep.json").read_text())["status"] == "interrupted"
     done = run_pipeline(args, tmp_path / "cwd")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [RunDir(r).read_status()["status"] for r in (out / "runs").iterdir()] == ["complete", "complete"]
+    assert [RunDir(r).read_status()["status"] for r in (out / "runs").iterdir()] == [
+        "complete",
+        "complete",
+    ]

@@ -1,4 +1,5 @@
 """A sweep with tracking=none is a room of its own: it imports nothing of pipeline/tracking/ and asks for no parent."""
+
 from __future__ import annotations
 
 import json
@@ -15,15 +16,24 @@ def test_a_sweep_with_tracking_none_imports_nothing_of_tracking(tmp_path):
     """`python -m pipeline -m ... tracking=none`, its modules listed as the process exits (jobs run in it)."""
     out, listing = tmp_path / "out", tmp_path / "modules.txt"
     args = ["pipeline", "-m", *KERNODECK, "optimizer.lr=1e-3,3e-3", f"paths.output_dir={out}"]
-    code = ("import atexit, runpy, sys\n"
-            f"atexit.register(lambda: open({str(listing)!r}, 'w').write('\\n'.join(sorted(sys.modules))))\n"
-            f"sys.argv = {args!r}\n"
-            "runpy.run_module('pipeline', run_name='__main__', alter_sys=True)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                          env=env_for_subprocess())
+    code = (
+        "import atexit, runpy, sys\n"
+        f"atexit.register(lambda: open({str(listing)!r}, 'w').write('\\n'.join(sorted(sys.modules))))\n"
+        f"sys.argv = {args!r}\n"
+        "runpy.run_module('pipeline', run_name='__main__', alter_sys=True)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env_for_subprocess(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     imported = listing.read_text().split()
-    assert "pipeline.sweep.callback" in imported and "pipeline.run.job" in imported  # the sweep and its jobs ran
+    assert (
+        "pipeline.sweep.callback" in imported and "pipeline.run.job" in imported
+    )  # the sweep and its jobs ran
     assert [m for m in imported if m.startswith(("pipeline.tracking", "mlflow"))] == []
     (sweep,) = (out / "sweeps").iterdir()
     record = json.loads((sweep / "sweep.json").read_text())

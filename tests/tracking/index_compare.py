@@ -1,4 +1,5 @@
 """The comparison of a live mlflow index with one rebuilt from disk: every run, field by field."""
+
 from __future__ import annotations
 
 import sqlite3
@@ -17,7 +18,9 @@ def artifacts(client, run_id: str) -> dict[str, bytes]:
     """Every artifact of the run by relative path, downloaded through the client (any artifact store)."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(client.download_artifacts(run_id, "", tmp))
-        return {f.relative_to(root).as_posix(): f.read_bytes() for f in root.rglob("*") if f.is_file()}
+        return {
+            f.relative_to(root).as_posix(): f.read_bytes() for f in root.rglob("*") if f.is_file()
+        }
 
 
 def snapshot(uri: str, experiments: tuple[str, ...] = ()) -> dict:
@@ -28,8 +31,11 @@ def snapshot(uri: str, experiments: tuple[str, ...] = ()) -> dict:
         return _snapshot(uri, experiments)
     # mlflow keeps one engine per store URI for the life of the process: a store moved aside (reindex --rebuild)
     # and made anew at the same path would be read from the old file. A copy at a path of its own is read instead.
-    with tempfile.TemporaryDirectory() as tmp, closing(sqlite3.connect(db)) as src, \
-            closing(sqlite3.connect(Path(tmp) / db.name)) as copy:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        closing(sqlite3.connect(db)) as src,
+        closing(sqlite3.connect(Path(tmp) / db.name)) as copy,
+    ):
         src.backup(copy)
         return _snapshot(f"sqlite:///{Path(tmp) / db.name}", experiments)
 
@@ -38,8 +44,14 @@ def _snapshot(uri: str, experiments: tuple[str, ...]) -> dict:
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()
-                               if not experiments or e.name in experiments], max_results=1000)
+    runs = client.search_runs(
+        [
+            e.experiment_id
+            for e in client.search_experiments()
+            if not experiments or e.name in experiments
+        ],
+        max_results=1000,
+    )
 
     def key(r):
         t = r.data.tags
@@ -62,9 +74,16 @@ def _snapshot(uri: str, experiments: tuple[str, ...]) -> dict:
             "parent": key_of.get(tags.get("mlflow.parentRunId")),
             "best": key_of.get(tags.get("best.run_id")),
             "repeat_of": key_of.get(tags.get("repeat_of")),
-            "status": r.info.status, "start": r.info.start_time, "end": r.info.end_time,
-            "metrics": {k: sorted((m.step, m.value, m.timestamp) for m in client.get_metric_history(r.info.run_id, k))
-                        for k in r.data.metrics},
+            "status": r.info.status,
+            "start": r.info.start_time,
+            "end": r.info.end_time,
+            "metrics": {
+                k: sorted(
+                    (m.step, m.value, m.timestamp)
+                    for m in client.get_metric_history(r.info.run_id, k)
+                )
+                for k in r.data.metrics
+            },
             "artifacts": artifacts(client, r.info.run_id),
         }
     return out
@@ -72,10 +91,20 @@ def _snapshot(uri: str, experiments: tuple[str, ...]) -> dict:
 
 def same_index(live: dict, rebuilt: dict) -> None:
     """The same runs, and every field of each equal (the first that differs named)."""
-    assert sorted(rebuilt) == sorted(live), (sorted(set(rebuilt) - set(live)), sorted(set(live) - set(rebuilt)))
+    assert sorted(rebuilt) == sorted(live), (
+        sorted(set(rebuilt) - set(live)),
+        sorted(set(live) - set(rebuilt)),
+    )
     for key in live:
         for field in live[key]:
             got, want = rebuilt[key][field], live[key][field]
-            where = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k)) \
-                if isinstance(got, dict) and isinstance(want, dict) else None
-            assert got == want, (key, field, {k: (want.get(k), got.get(k)) for k in where} if where else (want, got))
+            where = (
+                sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
+                if isinstance(got, dict) and isinstance(want, dict)
+                else None
+            )
+            assert got == want, (
+                key,
+                field,
+                {k: (want.get(k), got.get(k)) for k in where} if where else (want, got),
+            )

@@ -4,6 +4,7 @@ own uid (SO_PEERCRED); the log is never opened through a link.
 
 A refused directory is what an unreachable agent is: one warning, training goes on, not a byte sent. The
 tests of a second user run as root: a forked child drops to `nobody` (uid 65534) and plays the other user."""
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,11 @@ from pipeline.tracking.link import wait_idle
 
 NOBODY = 65534
 WAIT = 120.0  # seconds: a generous bound on any wait here (a loaded machine is slow; none is ever reached)
-as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a second user is played by a child that "
-                             "drops to uid 65534, and a directory is chowned to it")
+as_root = pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="needs root: a second user is played by a child that "
+    "drops to uid 65534, and a directory is chowned to it",
+)
 
 
 @pytest.fixture
@@ -46,8 +50,11 @@ def base(monkeypatch):
     yield root
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and b"pipeline.tracking.agent" in (cmd := (proc / "cmdline").read_bytes()) \
-                    and str(root).encode() in cmd:
+            if (
+                proc.name.isdigit()
+                and b"pipeline.tracking.agent" in (cmd := (proc / "cmdline").read_bytes())
+                and str(root).encode() in cmd
+            ):
                 os.kill(int(proc.name), signal.SIGKILL)
         except OSError:
             continue
@@ -109,15 +116,25 @@ def make_foreign(d: Path) -> Path:
     return d
 
 
-@pytest.mark.parametrize("make, problem", [(make_open_dir, "mode 0755"), (make_link, "is a symlink"),
-                                           (make_foreign, f"owned by uid {NOBODY}")],
-                         ids=["mode-0755", "symlink", "other-owner"])
-def test_a_directory_others_can_enter_is_refused_with_one_warning_and_no_connection(base, caplog, make, problem):
+@pytest.mark.parametrize(
+    "make, problem",
+    [
+        (make_open_dir, "mode 0755"),
+        (make_link, "is a symlink"),
+        (make_foreign, f"owned by uid {NOBODY}"),
+    ],
+    ids=["mode-0755", "symlink", "other-owner"],
+)
+def test_a_directory_others_can_enter_is_refused_with_one_warning_and_no_connection(
+    base, caplog, make, problem
+):
     uri = uri_in(base)
     d = link.socket_path(uri).parent
     assert d != base and d.name == f"pipeline-{os.getuid()}"
     real = make(d)
-    server = listener(real / link.socket_path(uri).name)  # an agent of this user's, there: never reached
+    server = listener(
+        real / link.socket_path(uri).name
+    )  # an agent of this user's, there: never reached
     before = sorted(os.listdir(real))
     warnings = track(uri, base / "run", caplog)
     assert len(warnings) == 1, [w.getMessage() for w in warnings]
@@ -149,6 +166,7 @@ def test_xdg_runtime_dir_is_used_only_if_it_is_the_users_alone(base, monkeypatch
 # --- the log, never opened through a link
 class FakeAgent:
     """Popen's stand-in: the agent writes a line to the log it was given, then is gone."""
+
     def __init__(self, args, stdout=None, **_):
         if isinstance(stdout, int) and stdout >= 0:
             os.write(stdout, b"the agent's log line\n")
@@ -172,16 +190,23 @@ def test_a_link_planted_at_the_log_is_not_followed(base, caplog, monkeypatch, tm
     link.spawn(sock, log)
     assert sentinel.read_bytes() == b"not the agent's\n"
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and str(log) in warnings[0].getMessage() and "symlink" in warnings[0].getMessage()
+    assert (
+        len(warnings) == 1
+        and str(log) in warnings[0].getMessage()
+        and "symlink" in warnings[0].getMessage()
+    )
     log.unlink()
     link.spawn(sock, log)  # no link: the log is made, the user's alone
-    assert log.read_bytes() == b"the agent's log line\n" and (os.lstat(log).st_mode & 0o777) == 0o600
+    assert (
+        log.read_bytes() == b"the agent's log line\n" and (os.lstat(log).st_mode & 0o777) == 0o600
+    )
 
 
 # --- (2) a second user (root plays it through a child that drops to nobody)
 class Nobody:
     """A forked child running as uid/gid 65534: `fn(stop_fd, ready)` (ready() says it is set up), its JSON result
     read back once the parent says stop."""
+
     def __init__(self, fn, *args):
         self.ready_r, ready_w = os.pipe()
         self.result_r, result_w = os.pipe()
@@ -190,7 +215,11 @@ class Nobody:
         if self.pid == 0:  # the child: nothing but system calls, then _exit
             code = 0
             try:
-                for fd in (self.stop_w, self.ready_r, self.result_r):  # the parent's ends: its close is the stop
+                for fd in (
+                    self.stop_w,
+                    self.ready_r,
+                    self.result_r,
+                ):  # the parent's ends: its close is the stop
                     os.close(fd)
                 os.setgroups([])
                 os.setgid(NOBODY)
@@ -210,7 +239,9 @@ class Nobody:
     def stop(self) -> dict:
         os.close(self.stop_w)
         chunks = []
-        while select.select([self.result_r], [], [], WAIT)[0] and (chunk := os.read(self.result_r, 65536)):
+        while select.select([self.result_r], [], [], WAIT)[0] and (
+            chunk := os.read(self.result_r, 65536)
+        ):
             chunks.append(chunk)
         _, _status = os.waitpid(self.pid, 0)
         for fd in (self.ready_r, self.result_r):
@@ -219,8 +250,14 @@ class Nobody:
         return self.result
 
 
-def squat(stop_fd: int, ready, sock_path: str, log_path: str | None = None, target: str | None = None,
-          make_dir: bool = False) -> dict:
+def squat(
+    stop_fd: int,
+    ready,
+    sock_path: str,
+    log_path: str | None = None,
+    target: str | None = None,
+    make_dir: bool = False,
+) -> dict:
     """The other user: its own directory where the user's would be (if make_dir), a listener at the socket's path
     and a link at the log's; every connection and byte it receives until told to stop."""
     if make_dir:
@@ -259,7 +296,9 @@ def plant_dir_and_link(stop_fd: int, ready, log_path: str, target: str) -> dict:
 
 
 @as_root
-def test_another_users_directory_where_the_users_would_be_is_refused_unconnected(base, caplog, tmp_path):
+def test_another_users_directory_where_the_users_would_be_is_refused_unconnected(
+    base, caplog, tmp_path
+):
     """The other user makes the directory first (its own, 0700), listens at the socket's path and links the log's
     path to a file of the user's: the job warns once, sends it no byte and writes nothing through the link."""
     uri = uri_in(base)
@@ -277,13 +316,17 @@ def test_another_users_directory_where_the_users_would_be_is_refused_unconnected
 
 
 @as_root
-def test_another_users_directory_with_only_a_link_at_the_log_starts_no_agent_through_it(base, caplog, tmp_path):
+def test_another_users_directory_with_only_a_link_at_the_log_starts_no_agent_through_it(
+    base, caplog, tmp_path
+):
     """No listener this time (an agent would be started): the log's link, to a file that does not exist yet, is
     never followed, so the file is never made."""
     uri = uri_in(base)
     log = link.agent_log(uri)
     target = tmp_path / "made-through-the-link"
-    if log.parent == base:  # without a directory of its own, the other user plants the link in the temp dir
+    if (
+        log.parent == base
+    ):  # without a directory of its own, the other user plants the link in the temp dir
         os.symlink(target, log)
         os.lchown(log, NOBODY, NOBODY)
         warnings = track(uri, base / "run", caplog)
@@ -320,7 +363,9 @@ def connect_and_ask(stop_fd: int, ready, sock_path: str) -> dict:
     c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     c.connect(sock_path)
     with_answer = "(no answer, and the connection stayed open)"
-    c.settimeout(30.0)  # the refused connection closes at once; this only ends a check of the code without the fix
+    c.settimeout(
+        30.0
+    )  # the refused connection closes at once; this only ends a check of the code without the fix
     with contextlib.suppress(OSError):  # already closed
         c.sendall(b'{"op": "ping", "sid": 1, "uri": "sqlite:///x.db"}\n')
     try:
@@ -385,7 +430,9 @@ def test_the_agent_drops_a_connection_sending_an_oversized_request(monkeypatch):
     reader.start()
     a.sendall(b'{"op": "idle", "sid": 1}\n' + b"y" * 4096)  # the second line never ends
     assert inbox.get(timeout=WAIT)[1] == {"op": "idle", "sid": 1}
-    assert inbox.get(timeout=WAIT)[1] is agent.EOF  # the agent stops reading; nothing grows without bound
+    assert (
+        inbox.get(timeout=WAIT)[1] is agent.EOF
+    )  # the agent stops reading; nothing grows without bound
     reader.join(WAIT)
     a.close()
     b.close()
@@ -398,21 +445,31 @@ def agents_serving(sock: Path) -> list[int]:
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(OSError):
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            if proc.name.isdigit() and b"pipeline.tracking.agent" in cmd and str(sock).encode() in cmd:
+            if (
+                proc.name.isdigit()
+                and b"pipeline.tracking.agent" in cmd
+                and str(sock).encode() in cmd
+            ):
                 pids.append(int(proc.name))
     return pids
 
 
 @pytest.mark.slow
-def test_an_agent_that_exits_leaves_nothing_in_the_private_directory(tmp_path, base):  # tmp_path first: not in base
+def test_an_agent_that_exits_leaves_nothing_in_the_private_directory(
+    tmp_path, base
+):  # tmp_path first: not in base
     """Each store tracked has its own agent, socket, lock and log: an idle agent's end takes all of them along (a
     day of tests left hundreds)."""
     out = tmp_path / "out"
     uri = f"sqlite:///{out}/mlflow.db"
     path = link.socket_path(uri)
     assert path.parent.parent == base  # the job's agent lives here too (TMPDIR)
-    proc = run_pipeline([*KERNODECK[:1], "trainer.progress_bar=false", f"paths.output_dir={out}"], tmp_path / "cwd")
-    assert proc.returncode == 0 and "mlflow tracking (" not in proc.stdout + proc.stderr, proc.stdout[-3000:]
+    proc = run_pipeline(
+        [*KERNODECK[:1], "trainer.progress_bar=false", f"paths.output_dir={out}"], tmp_path / "cwd"
+    )
+    assert proc.returncode == 0 and "mlflow tracking (" not in proc.stdout + proc.stderr, (
+        proc.stdout[-3000:]
+    )
     assert wait_idle(uri)
     deadline = time.monotonic() + WAIT * 5
     while agents_serving(path):  # it exits once idle (PIPELINE_TRACKING_AGENT_IDLE)
@@ -434,7 +491,8 @@ def test_an_exiting_agent_keeps_the_files_of_an_agent_serving_its_socket_again(b
     os.close(link.spawn_lock(path))
     assert not link.remove_agent_files(path)
     assert sorted(os.listdir(path.parent)) == sorted(
-        [path.name, f"{path.name}.lock", link.agent_log(uri_in(base)).name])
+        [path.name, f"{path.name}.lock", link.agent_log(uri_in(base)).name]
+    )
     server.close()
     path.unlink()  # that one exits too: now they go
     assert link.remove_agent_files(path) and os.listdir(path.parent) == []
@@ -451,8 +509,14 @@ def test_a_lock_removed_while_a_spawner_waits_on_it_is_taken_anew(base):
     waiter = threading.Thread(target=lambda: got.append(link.spawn_lock(path)), daemon=True)
     waiter.start()
     deadline = time.monotonic() + WAIT
-    while sum(os.readlink(f"/proc/self/fd/{fd}") == lock for fd in os.listdir("/proc/self/fd")
-              if os.path.islink(f"/proc/self/fd/{fd}")) < 2:  # the waiter has the old file open
+    while (
+        sum(
+            os.readlink(f"/proc/self/fd/{fd}") == lock
+            for fd in os.listdir("/proc/self/fd")
+            if os.path.islink(f"/proc/self/fd/{fd}")
+        )
+        < 2
+    ):  # the waiter has the old file open
         assert time.monotonic() < deadline, "the waiter never opened the lock"
         time.sleep(0.01)
     os.unlink(lock)  # as an exiting agent does, holding the lock

@@ -1,5 +1,6 @@
 """`reindex` into a store that is not the run's own: a run id its files name is a hint, never a licence to write
 into someone else's run; the run directory is read, never changed; and its output is its own lines only."""
+
 from __future__ import annotations
 
 import json
@@ -22,12 +23,23 @@ def reindex(*args: str) -> None:
 def state(client, run_id: str) -> dict:
     """Everything a person sees of one run: its name, status, times, params, tags, metric histories, artifacts."""
     run = client.get_run(run_id)
-    return {"info": (run.info.run_name, run.info.status, run.info.start_time, run.info.end_time,
-                     run.info.lifecycle_stage, run.info.experiment_id),
-            "params": run.data.params, "tags": run.data.tags,
-            "metrics": {k: sorted((m.step, m.value, m.timestamp) for m in client.get_metric_history(run_id, k))
-                        for k in run.data.metrics},
-            "artifacts": [a.path for a in client.list_artifacts(run_id)]}
+    return {
+        "info": (
+            run.info.run_name,
+            run.info.status,
+            run.info.start_time,
+            run.info.end_time,
+            run.info.lifecycle_stage,
+            run.info.experiment_id,
+        ),
+        "params": run.data.params,
+        "tags": run.data.tags,
+        "metrics": {
+            k: sorted((m.step, m.value, m.timestamp) for m in client.get_metric_history(run_id, k))
+            for k in run.data.metrics
+        },
+        "artifacts": [a.path for a in client.list_artifacts(run_id)],
+    }
 
 
 def runs_tagged(client, run_dir: Path) -> list:
@@ -36,7 +48,9 @@ def runs_tagged(client, run_dir: Path) -> list:
 
 
 @pytest.mark.parametrize("named_as", ["run_uri", "bare id"])
-def test_a_run_id_a_copied_in_manifest_names_is_someone_elses_run_left_untouched(tmp_path, finished_job, named_as):
+def test_a_run_id_a_copied_in_manifest_names_is_someone_elses_run_left_untouched(
+    tmp_path, finished_job, named_as
+):
     from mlflow import MlflowClient
 
     out = finished_job(*KERNODECK, copy_to=tmp_path / "out")
@@ -45,7 +59,9 @@ def test_a_run_id_a_copied_in_manifest_names_is_someone_elses_run_left_untouched
     client = MlflowClient(target)
     # a colleague's run in the same store: one param, one metric, tags of its own, no run_dir tag
     experiment_id = client.create_experiment("colleague")
-    theirs = client.create_run(experiment_id, tags={"owner": "them"}, run_name="their-run").info.run_id
+    theirs = client.create_run(
+        experiment_id, tags={"owner": "them"}, run_name="their-run"
+    ).info.run_id
     client.log_param(theirs, "lr", "0.1")
     client.log_metric(theirs, "loss", 1.5, step=3)
     client.set_terminated(theirs, "FINISHED")
@@ -83,14 +99,34 @@ def test_a_rebuild_into_another_store_leaves_the_run_directory_as_it_was(tmp_pat
 
 @pytest.mark.slow
 @SHARED_SERVER
-def test_reindex_into_a_server_prints_its_own_lines_only(tmp_path, finished_job, shared_mlflow_server):
+def test_reindex_into_a_server_prints_its_own_lines_only(
+    tmp_path, finished_job, shared_mlflow_server
+):
     """mlflow's download bars (stderr) and "View run" lines (stdout) are off unless the user turns them on."""
     out = finished_job(*KERNODECK, copy_to=tmp_path / "out")
-    env = {k: v for k, v in env_for_subprocess().items()
-           if k not in ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT")}
-    for _ in range(2):  # created (its status set: "View run"), then compared (small artifacts downloaded)
-        proc = subprocess.run([sys.executable, "-m", "pipeline.reindex", str(out), "--tracking-uri",
-                               shared_mlflow_server[0]], env=env, cwd=tmp_path, capture_output=True, text=True)
+    env = {
+        k: v
+        for k, v in env_for_subprocess().items()
+        if k
+        not in ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT")
+    }
+    for _ in range(
+        2
+    ):  # created (its status set: "View run"), then compared (small artifacts downloaded)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeline.reindex",
+                str(out),
+                "--tracking-uri",
+                shared_mlflow_server[0],
+            ],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         lines = proc.stdout.splitlines()
         assert len(lines) == 2 and lines[0].startswith(f"{the_run(out).name}: "), proc.stdout

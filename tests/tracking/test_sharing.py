@@ -1,5 +1,6 @@
 """A sqlite store shared beyond one machine (on a network filesystem, or opened from several hosts) is named in
 one warning with the team setup to use instead; a store on a local disk opened from one host is not."""
+
 from __future__ import annotations
 
 import logging
@@ -25,7 +26,11 @@ def mounts(monkeypatch, *lines: str) -> None:
 
 
 def test_a_store_on_nfs_gets_one_warning_naming_the_server_setup(tmp_path, monkeypatch, caplog):
-    mounts(monkeypatch, "/dev/sda1 / ext4 rw 0 0", f"fileserver:/export {tmp_path / 'shared'} nfs4 rw 0 0")
+    mounts(
+        monkeypatch,
+        "/dev/sda1 / ext4 rw 0 0",
+        f"fileserver:/export {tmp_path / 'shared'} nfs4 rw 0 0",
+    )
     (warning,) = opened(f"sqlite:///{tmp_path}/shared/out/mlflow.db", caplog)
     assert f"{tmp_path}/shared/out/mlflow.db is on a network filesystem (nfs4)" in warning
     assert "mlflow server --backend-store-uri postgresql+psycopg://" in warning
@@ -41,8 +46,12 @@ def test_other_network_filesystems_too(tmp_path, monkeypatch, caplog, kind):
 
 def test_a_local_store_of_one_host_gets_none(tmp_path, monkeypatch, caplog):
     # the nearest mount point decides: a local disk mounted under a network one
-    mounts(monkeypatch, "/dev/sda1 / ext4 rw 0 0", f"srv:/x {tmp_path} nfs rw 0 0",
-           f"/dev/sdb1 {tmp_path}/local xfs rw 0 0")
+    mounts(
+        monkeypatch,
+        "/dev/sda1 / ext4 rw 0 0",
+        f"srv:/x {tmp_path} nfs rw 0 0",
+        f"/dev/sdb1 {tmp_path}/local xfs rw 0 0",
+    )
     uri = f"sqlite:///{tmp_path}/local/mlflow.db"
     assert opened(uri, caplog) == []
     assert opened(uri, caplog) == []  # the same host again
@@ -58,7 +67,9 @@ def test_a_store_opened_from_a_second_host_gets_one_warning(tmp_path, monkeypatc
     assert "opened by jobs on 2 hosts (node-a, node-b)" in warning and "postgresql" in warning
 
 
-def test_a_job_on_a_store_another_host_opened_says_so_on_its_own_output(tmp_path, monkeypatch, caplog):
+def test_a_job_on_a_store_another_host_opened_says_so_on_its_own_output(
+    tmp_path, monkeypatch, caplog
+):
     """The store is opened by the tracking agent, in its own process with its own log: its warning reaches the
     job's output, once."""
     uri = f"sqlite:///{tmp_path}/out/mlflow.db"

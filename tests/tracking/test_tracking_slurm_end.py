@@ -4,6 +4,7 @@ when the job ends, the tracking agent a job started among them; outside SLURM a 
 
 The agent is the real one made slow to start (PIPELINE_TRACKING_AGENT_DELAY, far longer than tracking.wait),
 and it is killed the moment the job's process has exited, as SLURM's process tracking would kill it."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,10 @@ from pipeline.run.directory import RunDir
 from pipeline.tracking.link import socket_path
 
 pytestmark = pytest.mark.slow
-IN_SLURM = {"SLURM_JOB_ID": "4242", "PIPELINE_TRACKING_AGENT_DELAY": "5"}  # no SLURM_JOB_PARTITION: no requeue
+IN_SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "PIPELINE_TRACKING_AGENT_DELAY": "5",
+}  # no SLURM_JOB_PARTITION: no requeue
 
 
 def agents_of(uri: str) -> list[int]:
@@ -48,21 +52,33 @@ def kill_agents(uri: str) -> list[int]:
 
 def pipeline(args: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
     cwd.mkdir(exist_ok=True)
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env, capture_output=True, text=True
+    )
 
 
 def test_a_job_inside_slurm_exits_with_its_run_complete_in_the_index(tmp_path):
     out, uri = tmp_path / "out", f"sqlite:///{tmp_path}/out/mlflow.db"
-    env = {**slow_env(), **IN_SLURM}  # slow (5 s) beyond tracking.wait, quick within the job's SLURM bound
-    proc = pipeline([*KERNODECK[:1], f"paths.output_dir={out}", "trainer.progress_bar=false"], tmp_path / "cwd", env)
+    env = {
+        **slow_env(),
+        **IN_SLURM,
+    }  # slow (5 s) beyond tracking.wait, quick within the job's SLURM bound
+    proc = pipeline(
+        [*KERNODECK[:1], f"paths.output_dir={out}", "trainer.progress_bar=false"],
+        tmp_path / "cwd",
+        env,
+    )
     killed = kill_agents(uri)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert killed, "the job's agent had exited by itself"  # it was there to be killed, as SLURM would
+    assert killed, (
+        "the job's agent had exited by itself"
+    )  # it was there to be killed, as SLURM would
     run_dir = next((out / "runs").iterdir())
     client, runs = runs_of(uri)
     assert len(runs) == 1, "the job left before the agent had made its run, and the agent died"
-    check_complete(client, runs[0], run_dir)  # the slow agent had completed it before the job's process exited
+    check_complete(
+        client, runs[0], run_dir
+    )  # the slow agent had completed it before the job's process exited
     log = RunDir(run_dir).log_path.read_text()
     ((waited, bound),) = waits_in(log)
     assert waited <= bound == 1.0 and "inside a SLURM job, which waits for it at its exit" in log
@@ -71,16 +87,31 @@ def test_a_job_inside_slurm_exits_with_its_run_complete_in_the_index(tmp_path):
 def test_a_sweep_inside_slurm_ends_with_its_parent_and_children_complete(tmp_path):
     out, uri = tmp_path / "out", f"sqlite:///{tmp_path}/out/mlflow.db"
     env = {**slow_env(), **IN_SLURM}  # a sweep launched inside a SLURM allocation
-    proc = pipeline(["-m", *KERNODECK[:1], f"paths.output_dir={out}", "trainer.progress_bar=false",
-                     "optimizer.lr=0.01,0.03"], tmp_path / "cwd", env)
+    proc = pipeline(
+        [
+            "-m",
+            *KERNODECK[:1],
+            f"paths.output_dir={out}",
+            "trainer.progress_bar=false",
+            "optimizer.lr=0.01,0.03",
+        ],
+        tmp_path / "cwd",
+        env,
+    )
     assert kill_agents(uri), "the sweep's agent had exited by itself"
     assert proc.returncode == 0, proc.stderr[-3000:]
     client, runs = runs_of(uri)
     parents = [r for r in runs if r.data.tags.get("sweep") == "parent"]
-    assert len(parents) == 1, "the sweep left before the agent had made its parent, and the agent died"
+    assert len(parents) == 1, (
+        "the sweep left before the agent had made its parent, and the agent died"
+    )
     parent = parents[0]
     assert parent.info.status == "FINISHED" and parent.data.tags["sweep.jobs"] == "2"
-    children = {r.data.tags["run_dir"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    children = {
+        r.data.tags["run_dir"]: r
+        for r in runs
+        if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+    }
     run_dirs = sorted((out / "runs").iterdir())
     assert sorted(children) == [str(d.resolve()) for d in run_dirs]
     for d in run_dirs:
@@ -91,17 +122,28 @@ def test_a_sweep_inside_slurm_ends_with_its_parent_and_children_complete(tmp_pat
 
 def test_outside_slurm_a_job_never_waits_and_reindex_completes_what_a_killed_agent_left(tmp_path):
     out, uri = tmp_path / "out", f"sqlite:///{tmp_path}/out/mlflow.db"
-    proc = pipeline([*KERNODECK[:1], f"paths.output_dir={out}", "trainer.progress_bar=false"], tmp_path / "cwd",
-                    {k: v for k, v in slow_env().items() if k != "SLURM_JOB_ID"})
-    assert kill_agents(uri), "the job's agent had exited by itself"  # still asleep (20 s): the job was not
+    proc = pipeline(
+        [*KERNODECK[:1], f"paths.output_dir={out}", "trainer.progress_bar=false"],
+        tmp_path / "cwd",
+        {k: v for k, v in slow_env().items() if k != "SLURM_JOB_ID"},
+    )
+    assert kill_agents(uri), (
+        "the job's agent had exited by itself"
+    )  # still asleep (20 s): the job was not
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = next((out / "runs").iterdir())
     log = RunDir(run_dir).log_path.read_text()
     ((waited, bound),) = waits_in(log)
     assert waited <= bound == 1.0 and "inside a SLURM job" not in log
-    assert not (out / "mlflow.db").exists() or runs_of(uri)[1] == []  # the agent died before indexing anything
-    again = subprocess.run([sys.executable, "-m", "pipeline.reindex", str(out)], env=env_for_subprocess(),
-                           capture_output=True, text=True)
+    assert (
+        not (out / "mlflow.db").exists() or runs_of(uri)[1] == []
+    )  # the agent died before indexing anything
+    again = subprocess.run(
+        [sys.executable, "-m", "pipeline.reindex", str(out)],
+        env=env_for_subprocess(),
+        capture_output=True,
+        text=True,
+    )
     assert again.returncode == 0, again.stdout + again.stderr
     client, (run,) = runs_of(uri)
     check_complete(client, run, run_dir)

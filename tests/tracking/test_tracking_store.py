@@ -1,5 +1,6 @@
 """The mlflow store under concurrency and damage: a fresh DB opened by many processes at once, a DB that
 cannot be opened (one line, never a traceback), and `reindex --rebuild`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -36,16 +37,32 @@ def test_independent_runs_and_sweeps_started_together_on_a_fresh_db(tmp_path, re
     (tmp_path / "cwd").mkdir()
     base = [*KERNODECK[:1], f"paths.output_dir={out}", "trainer.progress_bar=false"]
     py = [sys.executable, "-m", "pipeline"]
-    commands = [[*py, *base, f"trainer.seed={s}"] for s in range(4)] + \
-               [[*py, "-m", *base, f"optimizer.lr={a},{b}", f"trainer.seed={10 + i}"] for i, (a, b) in
-                enumerate(((0.01, 0.02), (0.03, 0.04)))]
-    procs = [subprocess.Popen(c, cwd=tmp_path / "cwd", env=env_for_subprocess(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for c in commands]
+    commands = [[*py, *base, f"trainer.seed={s}"] for s in range(4)] + [
+        [*py, "-m", *base, f"optimizer.lr={a},{b}", f"trainer.seed={10 + i}"]
+        for i, (a, b) in enumerate(((0.01, 0.02), (0.03, 0.04)))
+    ]
+    procs = [
+        subprocess.Popen(
+            c,
+            cwd=tmp_path / "cwd",
+            env=env_for_subprocess(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for c in commands
+    ]
     logs = [p.communicate()[0] for p in procs]
     assert wait_idle(f"sqlite:///{out}/mlflow.db")  # the agent completes the index after the jobs
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
-        for bad in ("mlflow tracking (", "Traceback", "already exists", "duplicate column", "OperationalError"):
+        for bad in (
+            "mlflow tracking (",
+            "Traceback",
+            "already exists",
+            "duplicate column",
+            "OperationalError",
+        ):
             assert bad not in log, log[-3000:]
     client, runs = runs_of(f"sqlite:///{out}/mlflow.db")
     children = [r for r in runs if r.data.tags.get("sweep") != "parent"]
@@ -54,7 +71,9 @@ def test_independent_runs_and_sweeps_started_together_on_a_fresh_db(tmp_path, re
         assert run.info.status == "FINISHED"
         lines = RunDir(Path(run.data.tags["run_dir"])).read_metrics()
         for key in ("train/loss", "lr", "grad_norm"):
-            history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+            history = sorted(
+                (m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)
+            )
             assert history == [(ln["step"], ln[key]) for ln in lines], key  # every point, once
 
 
@@ -62,8 +81,12 @@ def test_a_db_that_cannot_be_opened_is_one_line_and_rebuild_moves_it_aside(tmp_p
     out = tmp_path / "out"
     out.mkdir()
     (out / "mlflow.db").write_bytes(b"this is not a sqlite database" * 100)
-    proc = run_pipeline([*KERNODECK[:1], f"paths.output_dir={out}", "trainer.progress_bar=false"], tmp_path / "cwd")
-    assert proc.returncode == 0, proc.stderr[-3000:]  # training goes on, the manifests are the truth
+    proc = run_pipeline(
+        [*KERNODECK[:1], f"paths.output_dir={out}", "trainer.progress_bar=false"], tmp_path / "cwd"
+    )
+    assert proc.returncode == 0, proc.stderr[
+        -3000:
+    ]  # training goes on, the manifests are the truth
     log = proc.stdout + proc.stderr
     assert log.count("is off for the rest of this run") == 1 and "Traceback" not in log
     assert "reindex --rebuild" in log
@@ -71,7 +94,9 @@ def test_a_db_that_cannot_be_opened_is_one_line_and_rebuild_moves_it_aside(tmp_p
     refused = subprocess.run(reindex, env=env_for_subprocess(), capture_output=True, text=True)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and "--rebuild" in refused.stderr
-    rebuilt = subprocess.run([*reindex, "--rebuild"], env=env_for_subprocess(), capture_output=True, text=True)
+    rebuilt = subprocess.run(
+        [*reindex, "--rebuild"], env=env_for_subprocess(), capture_output=True, text=True
+    )
     assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
     (aside,) = out.glob("mlflow.db.broken-*")
     assert aside.read_bytes() == b"this is not a sqlite database" * 100  # kept, not deleted
@@ -84,17 +109,28 @@ def test_a_db_that_cannot_be_opened_is_one_line_and_rebuild_moves_it_aside(tmp_p
 def test_a_fresh_store_keeps_every_artifact_under_the_output_directory(tmp_path):
     """mlflow's own Default experiment pointed at <cwd>/mlruns; reindex into another sqlite URI too."""
     out = tmp_path / "out"
-    assert run_pipeline([*KERNODECK[:1], f"paths.output_dir={out}"], tmp_path / "cwd").returncode == 0
+    assert (
+        run_pipeline([*KERNODECK[:1], f"paths.output_dir={out}"], tmp_path / "cwd").returncode == 0
+    )
     assert wait_idle(f"sqlite:///{out}/mlflow.db")
     from mlflow import MlflowClient
 
     for uri in (f"sqlite:///{out}/mlflow.db", f"sqlite:///{tmp_path}/elsewhere/index.db"):
         if "elsewhere" in uri:
-            r = subprocess.run([sys.executable, "-m", "pipeline.reindex", str(out), "--tracking-uri", uri],
-                               cwd=tmp_path / "cwd", env=env_for_subprocess(), capture_output=True, text=True)
+            r = subprocess.run(
+                [sys.executable, "-m", "pipeline.reindex", str(out), "--tracking-uri", uri],
+                cwd=tmp_path / "cwd",
+                env=env_for_subprocess(),
+                capture_output=True,
+                text=True,
+            )
             assert r.returncode == 0, r.stdout + r.stderr
         for e in MlflowClient(uri).search_experiments():
-            assert e.artifact_location.startswith(f"file://{out}/mlartifacts"), (uri, e.name, e.artifact_location)
+            assert e.artifact_location.startswith(f"file://{out}/mlartifacts"), (
+                uri,
+                e.name,
+                e.artifact_location,
+            )
     assert list((tmp_path / "cwd").iterdir()) == []
 
 
@@ -109,7 +145,9 @@ def test_a_store_path_that_is_not_a_file_is_named_without_waiting_on_it(tmp_path
     else:
         db.mkdir()
     problem = store_problem(f"sqlite:///{db}")
-    assert problem is not None and problem.startswith(f"the mlflow store {db} cannot be opened: is a")
+    assert problem is not None and problem.startswith(
+        f"the mlflow store {db} cannot be opened: is a"
+    )
     assert db.exists()  # left as it was
 
 
@@ -132,7 +170,9 @@ def test_a_link_at_the_store_or_its_artifacts_is_refused_by_every_opener(tmp_pat
 def test_a_store_removed_while_its_agent_runs_is_made_anew_by_the_next_job(tmp_path, monkeypatch):
     """`rm -rf outputs` and the same command again, while the first job's agent still runs: the agent notices its
     store is not the file it opened and opens the new one (it wrote to the deleted file: a read-only database)."""
-    monkeypatch.setenv("PIPELINE_TRACKING_AGENT_IDLE", "600")  # one agent for both jobs, as in a working session
+    monkeypatch.setenv(
+        "PIPELINE_TRACKING_AGENT_IDLE", "600"
+    )  # one agent for both jobs, as in a working session
     out = tmp_path / "outputs"
     uri = f"sqlite:///{out}/mlflow.db"
     args = [*KERNODECK[:1], f"paths.output_dir={out}", "trainer.progress_bar=false"]
@@ -149,7 +189,9 @@ def test_a_store_removed_while_its_agent_runs_is_made_anew_by_the_next_job(tmp_p
             assert sock is not None, "no agent serves the store"
             pid = link.peer_credentials(sock)[0]
             sock.close()
-            assert agent_pid in (None, pid), "the second job was served by a new agent: nothing tested"
+            assert agent_pid in (None, pid), (
+                "the second job was served by a new agent: nothing tested"
+            )
             agent_pid = pid
             client, runs = runs_of(uri)
             (run,) = runs
@@ -157,7 +199,9 @@ def test_a_store_removed_while_its_agent_runs_is_made_anew_by_the_next_job(tmp_p
             assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 10
     finally:
         if agent_pid is not None:
-            os.kill(agent_pid, signal.SIGKILL)  # it ignores the signals jobs get; its files go with it below
+            os.kill(
+                agent_pid, signal.SIGKILL
+            )  # it ignores the signals jobs get; its files go with it below
             wait_gone(agent_pid)
             link.socket_path(uri).unlink(missing_ok=True)
             link.remove_agent_files(link.socket_path(uri))

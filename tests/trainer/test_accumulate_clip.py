@@ -1,6 +1,7 @@
 """trainer.grad_clip, trainer.accumulate and trainer.threads in the step loop: clipping against PyTorch's
 formula, N micro-batches against one batch of N*B, a clipped count that resumes, and runs (and resumes
 across thread counts) that are byte-identical whatever the threads."""
+
 from __future__ import annotations
 
 import math
@@ -41,6 +42,7 @@ def params_bytes(state) -> dict[str, bytes]:
 
 # --- clipping -----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("max_norm", [0.1, 1.0, 100.0])
 def test_clip_is_clip_grad_norm_s_formula(dtype, max_norm):
@@ -50,7 +52,9 @@ def test_clip_is_clip_grad_norm_s_formula(dtype, max_norm):
     norm = grad_norm(grads)
     # the formula, written out: total_norm = ||(||g_1||, ..., ||g_k||)||_2, coef = max_norm / (total_norm + 1e-6)
     total = math.sqrt(sum(np.linalg.norm(g.astype(np.float64)) ** 2 for g in before.values()))
-    assert norm == pytest.approx(total, rel=1e-6 if dtype == np.float32 else 1e-12)  # vdot sums in the dtype
+    assert norm == pytest.approx(
+        total, rel=1e-6 if dtype == np.float32 else 1e-12
+    )  # vdot sums in the dtype
     coef = max_norm / (norm + 1e-6)
     assert clip(grads, norm, max_norm) == (coef < 1)
     for k, g in grads.items():
@@ -65,7 +69,9 @@ def test_clip_agrees_with_torch():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(1)
     grads = {"a": rng.normal(size=(6, 3)), "b": rng.normal(size=(3,))}
-    tensors = [torch.zeros(g.shape, dtype=torch.float64, requires_grad=True) for g in grads.values()]
+    tensors = [
+        torch.zeros(g.shape, dtype=torch.float64, requires_grad=True) for g in grads.values()
+    ]
     for t, g in zip(tensors, grads.values()):
         t.grad = torch.from_numpy(g.copy())
     total = float(torch.nn.utils.clip_grad_norm_(tensors, max_norm=0.5))
@@ -115,16 +121,26 @@ def test_the_clipped_count_is_logged_and_rides_in_the_checkpoint(tmp_path, preem
 
 
 def test_no_clipping_logs_no_clipped_count(finished_job):
-    assert all("clipped" not in ln for ln in RunDir(the_run(finished_job(*KERNODECK))).read_metrics())
+    assert all(
+        "clipped" not in ln for ln in RunDir(the_run(finished_job(*KERNODECK))).read_metrics()
+    )
 
 
 # --- accumulation --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides, rtol", [
-    ((*KERNODECK, "model.dropout=0.0", "data.input_gain=0", "data.input_noise=0"), 1e-12),  # MLP, float64
-    ((*TINY, "model.dropout=0.0", "trainer.shards=1"), 2e-5),                         # MiniGPT, float32
-    ((*TINY, "model.dropout=0.0", "trainer.dtype=float64", "trainer.shards=2"), 1e-12),
-], ids=["mlp", "minigpt-float32", "minigpt-float64-shards"])
+
+@pytest.mark.parametrize(
+    "overrides, rtol",
+    [
+        (
+            (*KERNODECK, "model.dropout=0.0", "data.input_gain=0", "data.input_noise=0"),
+            1e-12,
+        ),  # MLP, float64
+        ((*TINY, "model.dropout=0.0", "trainer.shards=1"), 2e-5),  # MiniGPT, float32
+        ((*TINY, "model.dropout=0.0", "trainer.dtype=float64", "trainer.shards=2"), 1e-12),
+    ],
+    ids=["mlp", "minigpt-float32", "minigpt-float64-shards"],
+)
 def test_n_micro_batches_equal_one_batch_of_n_times_b(states, overrides, rtol):
     """Without dropout the mean of N micro-batch gradients is the gradient of their union, to rounding."""
     config = config_of(*overrides)
@@ -162,13 +178,22 @@ def test_epochs_count_micro_batches(states):
     """trainer.epochs with accumulation: every micro-batch of every epoch, in updates of N (the rest dropped)."""
     one = states(*KERNODECK, "trainer.max_steps=0", "trainer.epochs=5")
     four = states(*KERNODECK, "trainer.max_steps=0", "trainer.epochs=5", "trainer.accumulate=4")
-    assert four.total_steps == one.total_steps // 4 and one.total_steps == 5 * one.iterator.batches_per_epoch
+    assert (
+        four.total_steps == one.total_steps // 4
+        and one.total_steps == 5 * one.iterator.batches_per_epoch
+    )
 
 
 @pytest.mark.parametrize("k", [2, 5])
 def test_accumulation_and_clipping_resume_bit_exactly(tmp_path, preempt_at, finished_job, k):
-    overrides = (*TINY, "trainer.accumulate=3", "trainer.grad_clip=0.3", "trainer.max_steps=8",
-                 "checkpoint.every_steps=2", "trainer.eval_every=2")
+    overrides = (
+        *TINY,
+        "trainer.accumulate=3",
+        "trainer.grad_clip=0.3",
+        "trainer.max_steps=8",
+        "checkpoint.every_steps=2",
+        "trainer.eval_every=2",
+    )
     ref, out = finished_job(*overrides), tmp_path / "out"
     preempt_at(k)
     assert run_job(*overrides, f"paths.output_dir={out}")[0] == EXIT_PREEMPTED
@@ -181,6 +206,7 @@ def test_accumulation_and_clipping_resume_bit_exactly(tmp_path, preempt_at, fini
 
 # --- threads -------------------------------------------------------------------------------------
 
+
 def test_threads_change_no_bit_and_a_run_resumes_on_another_thread_count(tmp_path, preempt_at):
     """MiniGPT in 2 shards with dropout: 1 and 2 threads give the same bytes, and a run preempted on 1 thread
     resumes on 2 (threads are not part of the run's identity) into the same bytes again."""
@@ -188,13 +214,17 @@ def test_threads_change_no_bit_and_a_run_resumes_on_another_thread_count(tmp_pat
     assert run_job(*TINY, "trainer.threads=1", f"paths.output_dir={one}")[0] == 0
     assert run_job(*TINY, "trainer.threads=2", f"paths.output_dir={two}")[0] == 0
     assert the_run(one).name == the_run(two).name
-    assert kept(the_run(one)) == kept(the_run(two)) and metrics(the_run(one)) == metrics(the_run(two))
+    assert kept(the_run(one)) == kept(the_run(two)) and metrics(the_run(one)) == metrics(
+        the_run(two)
+    )
     preempt_at(5)
     assert run_job(*TINY, "trainer.threads=1", f"paths.output_dir={mixed}")[0] == EXIT_PREEMPTED
     SIGNALS_STATE.received = None
     preempt_at(None)
     assert run_job(*TINY, "trainer.threads=2", f"paths.output_dir={mixed}")[0] == 0
-    assert kept(the_run(mixed)) == kept(the_run(one)) and metrics(the_run(mixed)) == metrics(the_run(one))
+    assert kept(the_run(mixed)) == kept(the_run(one)) and metrics(the_run(mixed)) == metrics(
+        the_run(one)
+    )
 
 
 def test_shards_are_part_of_the_run_s_identity(tmp_path):

@@ -1,4 +1,5 @@
 """Shards: byte-identical results for any thread count, one big batch to rounding, the documented RNG split."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,8 +26,14 @@ def tokens(B, T=8, vocab=23, seed=1) -> Batch:
 
 
 def mlp(dropout=0.0) -> MLP:
-    return MLP(DataSpec(n_features=3, n_targets=2), hidden=[8, 8], activation="tanh", dropout=dropout, dtype="float64",
-               rng=np.random.default_rng(0))
+    return MLP(
+        DataSpec(n_features=3, n_targets=2),
+        hidden=[8, 8],
+        activation="tanh",
+        dropout=dropout,
+        dtype="float64",
+        rng=np.random.default_rng(0),
+    )
 
 
 def rows(B, seed=1) -> Batch:
@@ -59,19 +66,29 @@ def test_thread_count_does_not_change_a_bit(make, batch, shards):
     ref = run(model, batch, shards, 1)
     for threads in THREADS[1:]:
         assert_same_bytes(run(model, batch, shards, threads), ref)
-    assert not np.array_equal(ref[1][next(iter(ref[1]))], run(model, batch, shards, 1, seed=8)[1][next(iter(ref[1]))])
+    assert not np.array_equal(
+        ref[1][next(iter(ref[1]))], run(model, batch, shards, 1, seed=8)[1][next(iter(ref[1]))]
+    )
 
 
 def kernodeck():
     # experiment=kernodeck's model and batch: a 2->8->1 MLP, float64, dropout 0.25, batch 4
-    model = MLP(DataSpec(n_features=2, n_targets=1), hidden=[8], activation="tanh", dropout=0.25, dtype="float64",
-                rng=np.random.default_rng(42))
+    model = MLP(
+        DataSpec(n_features=2, n_targets=1),
+        hidden=[8],
+        activation="tanh",
+        dropout=0.25,
+        dtype="float64",
+        rng=np.random.default_rng(42),
+    )
     r = np.random.default_rng(3)
     return model, Batch(ids=np.arange(4), x=r.standard_normal((4, 2)), y=r.standard_normal((4, 1)))
 
 
 @pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("make", [lambda: (minigpt(0.2), tokens(6)), kernodeck], ids=["minigpt", "kernodeck"])
+@pytest.mark.parametrize(
+    "make", [lambda: (minigpt(0.2), tokens(6)), kernodeck], ids=["minigpt", "kernodeck"]
+)
 def test_one_shard_is_the_model_call_itself(make, threads):
     # The caller's BLAS setting (here the default, all cores) is what the model call sees outside Shards.
     model, batch = make()
@@ -91,7 +108,9 @@ def test_shards_equal_one_batch_to_rounding(B, shards, dtype, rtol):
     assert abs(sloss - loss) <= rtol * abs(loss)
     for name, g in grads.items():
         assert sgrads[name].dtype == np.dtype(dtype), name
-        np.testing.assert_allclose(sgrads[name], g, rtol=rtol, atol=rtol * np.abs(g).max(), err_msg=name)
+        np.testing.assert_allclose(
+            sgrads[name], g, rtol=rtol, atol=rtol * np.abs(g).max(), err_msg=name
+        )
 
 
 def test_mlp_shards_equal_one_batch_to_rounding():
@@ -116,13 +135,19 @@ def test_pieces_child_streams_and_sums_are_as_documented(B):
         np.testing.assert_array_equal(piece.x, batch.x[ids])
     rng = np.random.default_rng(7)
     seeds = rng.integers(0, 2**64, size=shards, dtype=np.uint64)
-    outs = [model.loss_and_grads(p, np.random.Generator(np.random.PCG64(int(s)))) for p, s in zip(pieces, seeds)]
+    outs = [
+        model.loss_and_grads(p, np.random.Generator(np.random.PCG64(int(s))))
+        for p, s in zip(pieces, seeds)
+    ]
     weights = [len(p.ids) / B for p in pieces]
     loss = 0.0
     for w, (l_k, _) in zip(weights, outs):
         loss += w * l_k
     if B % shards == 0:
-        grads = {name: (outs[0][1][name] + outs[1][1][name] + outs[2][1][name]) * (1 / 3) for name in model.params}
+        grads = {
+            name: (outs[0][1][name] + outs[1][1][name] + outs[2][1][name]) * (1 / 3)
+            for name in model.params
+        }
     else:
         grads = {name: sum((g[name] * w for w, (_, g) in zip(weights[1:], outs[1:])), outs[0][1][name] * weights[0])
                  for name in model.params}  # fmt: skip
@@ -162,7 +187,9 @@ def test_blas_is_single_threaded_while_open_and_restored_by_close():
     with Shards(2, 2) as s:
         assert set(blas_threads()) == {1}
         loss, grads = s.loss_and_grads(Spy(), rows(4), None)
-        threadpool_limits(2, "blas")  # someone else's setting between calls is undone at the next call
+        threadpool_limits(
+            2, "blas"
+        )  # someone else's setting between calls is undone at the next call
         s.mean_loss(Spy(), [rows(4), rows(3)])
     assert loss == 1.0 and np.array_equal(grads["w"], [2.0, 2.0])  # (2 + 2) / 2
     assert len(seen) == 4 and all(t == {1} for t in seen)
@@ -182,7 +209,9 @@ def test_mean_loss_is_the_batch_size_weighted_mean_in_batch_order(threads):
         count += len(b.ids)
     with Shards(2, threads) as s:
         assert s.mean_loss(model, iter(batches)) == total / count
-        assert s.mean_loss(model, [tokens(0), *batches, tokens(0)]) == total / count  # empty batches skipped
+        assert (
+            s.mean_loss(model, [tokens(0), *batches, tokens(0)]) == total / count
+        )  # empty batches skipped
         with pytest.raises(ValueError, match="no samples"):
             s.mean_loss(model, [])
 

@@ -1,4 +1,5 @@
 """Named RNG streams: exact JSON round trip, independence between names, and a non-disturbing peek()."""
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,22 @@ def draws(streams: Streams, name: str, k: int = 6) -> list:
     """A mix of draw kinds, so every part of the state (incl. buffered uint32 / gauss_next) matters."""
     s = streams[name]
     if name in streams.np:
-        return [float(s.random()), int(s.integers(0, 2**31, dtype=np.uint32)), float(s.normal()),
-                int(s.integers(0, 2**63)), s.permutation(k).tolist(), float(s.standard_normal())]
-    return [s.random(), s.gauss(0.0, 1.0), s.getrandbits(64), s.randrange(1000), s.gauss(0.0, 1.0), s.random()]
+        return [
+            float(s.random()),
+            int(s.integers(0, 2**31, dtype=np.uint32)),
+            float(s.normal()),
+            int(s.integers(0, 2**63)),
+            s.permutation(k).tolist(),
+            float(s.standard_normal()),
+        ]
+    return [
+        s.random(),
+        s.gauss(0.0, 1.0),
+        s.getrandbits(64),
+        s.randrange(1000),
+        s.gauss(0.0, 1.0),
+        s.random(),
+    ]
 
 
 def advance(streams: Streams) -> None:
@@ -64,7 +78,9 @@ def test_numpy_state_keeps_128_bit_integers_exact():
         raw = s[n].bit_generator.state
         j = json.loads(json.dumps(s.state_dict()))[n]
         assert int(j["state"]) == raw["state"]["state"] and int(j["inc"]) == raw["state"]["inc"]
-        assert raw["state"]["state"] > 2**64 or raw["state"]["inc"] > 2**64  # really beyond a double/int64
+        assert (
+            raw["state"]["state"] > 2**64 or raw["state"]["inc"] > 2**64
+        )  # really beyond a double/int64
 
 
 def test_load_state_dict_rejects_missing_or_extra_streams():
@@ -88,7 +104,7 @@ def test_different_names_are_independent_streams():
     first = {n: [draws(s, n) for _ in range(3)] for n in NUMPY_STREAMS}
     names = list(first)
     for i, a in enumerate(names):
-        for b in names[i + 1:]:
+        for b in names[i + 1 :]:
             assert first[a] != first[b], (a, b)
     # Drawing from one stream leaves every other stream's sequence untouched.
     for busy in s.names():
@@ -140,6 +156,12 @@ def test_streams_are_the_same_in_another_process(tmp_path):
     """Per-name seeds must not depend on the process (e.g. on Python's salted hash())."""
     code = "import json; from pipeline.trainer.rng import Streams; print(json.dumps(Streams(2024).peek()))"
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(PROJECT_ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
-                         cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        cwd=tmp_path,
+    )
     assert json.loads(out.stdout) == Streams(2024).peek()

@@ -1,5 +1,6 @@
 """On a terminal: the bar carries throughput, and nothing (validation lines, mlflow's lines from the tracker's
 thread, the tracking agent, a separate process) is written into the middle of it."""
+
 from __future__ import annotations
 
 import fcntl
@@ -24,8 +25,15 @@ def on_a_terminal(args: list[str], cwd) -> tuple[int, str]:
     """`python -m pipeline *args` with stdout and stderr on a pseudo-terminal 120 columns wide; (code, output)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env_for_subprocess(),
-                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, close_fds=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", *args],
+        cwd=cwd,
+        env=env_for_subprocess(),
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
+        close_fds=True,
+    )
     os.close(slave)
     chunks = []
     while True:
@@ -54,8 +62,17 @@ def test_the_bar_is_never_broken_and_carries_throughput(tmp_path, tracking):
     # With mlflow a second run finds the agent warm: its "mlflow: run ..." line comes from the tracker's
     # thread while the bar is drawn.
     for seed in [0] if tracking == "none" else [0, 1]:
-        code, text = on_a_terminal([*args, f"tracking={tracking}", "trainer.eval_every=2", "trainer.max_steps=16",
-                                    f"trainer.seed={seed}", f"paths.output_dir={tmp_path / 'out'}"], cwd)
+        code, text = on_a_terminal(
+            [
+                *args,
+                f"tracking={tracking}",
+                "trainer.eval_every=2",
+                "trainer.max_steps=16",
+                f"trainer.seed={seed}",
+                f"paths.output_dir={tmp_path / 'out'}",
+            ],
+            cwd,
+        )
         assert code == 0, text
         check_unbroken(text)
         if tracking == "mlflow":
@@ -67,12 +84,18 @@ def check_unbroken(text: str) -> None:
     bars = [s for s in segs if BAR.search(s)]
     assert bars, text
     for seg in segs:
-        if LOG.search(seg):  # a log line starts its line: no fragment of the bar (or anything) glued before it
+        if LOG.search(
+            seg
+        ):  # a log line starts its line: no fragment of the bar (or anything) glued before it
             assert LOG.match(seg), f"a log line glued into another: {seg!r}"
         elif BAR.search(seg):
             assert BAR.match(seg), f"something glued before the bar: {seg!r}"
         else:  # the continuation lines of the start block and the end summary, nothing else (no agent's output)
-            assert re.match(r"(  \S|data[: ]|run directory )", seg), f"not the run's output: {seg!r}"
+            assert re.match(r"(  \S|data[: ]|run directory )", seg), (
+                f"not the run's output: {seg!r}"
+            )
     assert re.search(r"tok/s=[\d.]+k?", bars[-1]) and "16/16" in bars[-1], bars[-1]
     vals = [s for s in segs if LOG.match(s) and re.search(r"\] - step \d+/16 .*val/loss=", s)]
-    assert len(vals) == 8 and all(re.search(r"\([\d.]+k? steps/s [\d.]+k? tokens/s\)$", s) for s in vals), vals
+    assert len(vals) == 8 and all(
+        re.search(r"\([\d.]+k? steps/s [\d.]+k? tokens/s\)$", s) for s in vals
+    ), vals

@@ -1,4 +1,5 @@
 """Two interleaved half-moons in the plane, two classes: generated once from `seed`, jittered while training."""
+
 from __future__ import annotations
 
 import hashlib
@@ -40,8 +41,10 @@ class TwoMoons:
         self.n_train, self.jitter = int(n_train), float(jitter)
         self.spec = DataSpec(n_features=2, n_targets=2)
         params = {"name": "moons", "n_train": n_train, "n_val": n_val, "noise": noise, "seed": seed}
-        digest = {"x": hashlib.sha256(self.x.tobytes()).hexdigest(),
-                  "y": hashlib.sha256(self.y.tobytes()).hexdigest()}
+        digest = {
+            "x": hashlib.sha256(self.x.tobytes()).hexdigest(),
+            "y": hashlib.sha256(self.y.tobytes()).hexdigest(),
+        }
         described = json.dumps({**params, "sha256": digest}, sort_keys=True).encode()
         self.manifest_hash = hashlib.sha256(described).hexdigest()
 
@@ -51,7 +54,9 @@ class TwoMoons:
     def augment(self, batch: Batch, streams) -> Batch:
         if not self.jitter:
             return batch
-        noise = streams["noise"].normal(0.0, self.jitter, size=batch.x.shape).astype(batch.x.dtype)  # [B, 2]
+        noise = (
+            streams["noise"].normal(0.0, self.jitter, size=batch.x.shape).astype(batch.x.dtype)
+        )  # [B, 2]
         return Batch(ids=batch.ids, x=batch.x + noise, y=batch.y)
 
     def val_batches(self, dtype) -> Iterator[Batch]:

@@ -1,4 +1,5 @@
 """A radial-basis-function network: K Gaussian bumps with learned centers and widths, dropout, a softmax head."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,12 +29,21 @@ class RBFNet(NamedParams):
 
     needs = "classes"
 
-    def __init__(self, spec: DataSpec, n_centers: int, dropout: float, init_scale: float, dtype: str,
-                 rng: np.random.Generator | None):
+    def __init__(
+        self,
+        spec: DataSpec,
+        n_centers: int,
+        dropout: float,
+        init_scale: float,
+        dtype: str,
+        rng: np.random.Generator | None,
+    ):
         if not (spec.n_features and spec.n_targets):
             raise ValueError("model RBFNet needs rows of features with a class (e.g. data=moons)")
         if n_centers < 1 or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"model.n_centers={n_centers} must be >= 1 and model.dropout={dropout} in [0, 1)")
+            raise ValueError(
+                f"model.n_centers={n_centers} must be >= 1 and model.dropout={dropout} in [0, 1)"
+            )
         if rng is None:
             raise ValueError("RBFNet needs rng (the run's init stream) to initialise its weights")
         self.dropout, self.dtype = float(dropout), np.dtype(dtype)
@@ -53,7 +63,9 @@ class RBFNet(NamedParams):
         phi = np.exp(-g * d2)  # [B, K]
         mask = None
         if rng is not None and self.dropout > 0:
-            mask = (rng.random(phi.shape) >= self.dropout) / self.dtype.type(1.0 - self.dropout)  # [B, K]
+            mask = (rng.random(phi.shape) >= self.dropout) / self.dtype.type(
+                1.0 - self.dropout
+            )  # [B, K]
         h = phi if mask is None else phi * mask  # [B, K]
         logits = h @ self.params["head.weight"] + self.params["head.bias"]  # [B, C]
         return logits, (diff, d2, phi, g, mask, h)
@@ -68,7 +80,12 @@ class RBFNet(NamedParams):
         dlog_gamma = -(dexp * d2).sum(axis=0) * g  # [K]: through g = exp(log_gamma)
         dd2 = -dexp * g  # [B, K]
         dcenters = -2.0 * (dd2[:, :, None] * diff).sum(axis=0)  # [K, D]: d(d2)/dc = -2 (x - c)
-        return {"rbf.centers": dcenters, "rbf.log_gamma": dlog_gamma, "head.weight": dW, "head.bias": db}
+        return {
+            "rbf.centers": dcenters,
+            "rbf.log_gamma": dlog_gamma,
+            "head.weight": dW,
+            "head.bias": db,
+        }
 
     def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None):
         logits, cache = self.forward(batch.x, rng)
