@@ -38,13 +38,12 @@ sys.path.insert(0, str(ROOT))
 from pipeline.checkpoint import manifest as mf  # noqa: E402
 from pipeline.checkpoint.directory import CheckpointDir  # noqa: E402
 from pipeline.config import identity  # noqa: E402
-from pipeline.config.identity import Identity  # noqa: E402
+from pipeline.config.identity import Identity, lineage_of  # noqa: E402
 from pipeline.data.iterator import DataIterator  # noqa: E402
 from pipeline.model.base import NamedParams  # noqa: E402
 from pipeline.optimizer.adam import Adam  # noqa: E402
 from pipeline.scheduler.constant import Constant  # noqa: E402
 from pipeline.stages.base import StageStates  # noqa: E402
-from pipeline.stages.resume import lineage_of  # noqa: E402
 from pipeline.stateful import capture  # noqa: E402
 from pipeline.trainer.rng import Streams  # noqa: E402
 from pipeline.trainer.state import Progress  # noqa: E402

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pipeline import TOOLS
 from pipeline.config.errors import ConfigError, Refusal, error_line, exit_code
-from pipeline.run.signals import SIGNALS_STATE, run_command
+from pipeline.run.signals import SIGNALS_STATE, exit_now, run_command
 
 
 @contextlib.contextmanager
@@ -117,7 +117,8 @@ def command_args(hydra_cfg, conf_dir) -> list[str]:
     return args + as_given(hydra_cfg.overrides.task)
 
 
-def main() -> None:
+def main() -> int | None:
+    """The job's exit code (a multirun's: None, each job's end is in its sweep's record)."""
     import hydra
 
     from pipeline.config.compose import CONFIG_DIR, register
@@ -128,11 +129,11 @@ def main() -> None:
     # to raise it instead, this entry point reports it in one line with exit 2, like every other bad input.
     report_own = "HYDRA_FULL_ERROR" not in os.environ
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    started = []
+    started: list = []  # a job began; a single run's Outcome once it has ended
 
     @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
     def task(cfg) -> float | None:
-        started.append(True)
+        started.append(None)
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
         from omegaconf import OmegaConf
@@ -160,17 +161,19 @@ def main() -> None:
                     f"bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}"
                 )
             ) from None
-        return app.main(
-            config,
-            as_given(hydra_cfg.overrides.task),
-            OmegaConf.to_yaml(cfg),
-            sweep,
-            command_args(hydra_cfg, CONFIG_DIR),
-        )
+        overrides = as_given(hydra_cfg.overrides.task)
+        command = command_args(hydra_cfg, CONFIG_DIR)
+        outcome = app.main(config, overrides, OmegaConf.to_yaml(cfg), sweep, command)
+        if sweep is not None and outcome.requeued:
+            exit_now(outcome.code)  # submitit waits for the requeued job: this one leaves no result
+        started[-1] = outcome if sweep is None else None
+        return outcome.value
 
     try:
         with hydra_shortcuts(sys.argv[1:], CONFIG_DIR):
-            return task()
+            task()
+        ended = started.pop() if started else None
+        return None if ended is None else ended.code
     except Exception as e:
         if SIGNALS_STATE.interrupted_start():
             raise  # the handler's exception, raised inside a library (composing, building), came out as another

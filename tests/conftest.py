@@ -99,13 +99,9 @@ def run_job(*overrides: str) -> tuple[int, float | None]:
     from pipeline.config.compose import to_plain
     from pipeline.run import job as app
 
-    cfg = compose(
-        *overrides
-    )  # composed once: a composition costs about a second, as much as a tiny run
-    try:
-        return 0, app.main(to_plain(cfg), list(overrides), OmegaConf.to_yaml(cfg))
-    except SystemExit as e:
-        return int(e.code or 0), None
+    cfg = compose(*overrides)  # once: a composition costs about a second, as much as a tiny run
+    outcome = app.main(to_plain(cfg), list(overrides), OmegaConf.to_yaml(cfg))
+    return outcome.code, outcome.value
 
 
 def the_run(output_dir: Path) -> Path:

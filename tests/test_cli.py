@@ -190,7 +190,8 @@ def test_the_entrys_hydra_shortcuts_last_only_as_long_as_its_call(argv, tmp_path
         "import pipeline.__main__ as m\n"
         "import pipeline.run.job as app\n"
         "original, during = methods(), []\n"
-        "app.main = lambda *a, **k: during.append(methods()) or 0.0\n"  # the job: only where Hydra is then
+        # the job: only where Hydra is then
+        "app.main = lambda *a, **k: during.append(methods()) or app.Outcome('complete', 0)\n"
         f"sys.argv = {args!r}\n"
         "try:\n"
         "    m.main()\n"

@@ -245,14 +245,14 @@ class CadenceConf(Node):
     every_steps: int = _f(at_least(0))
 
 
-@builds("pipeline.stages.resume.Resume", "stage/resume")
+@builds("pipeline.run.plan.Resume", "stage/resume")
 class ResumeStageConf(Node):
     source: str = _f()
     allow_changes: list[str] = _f()
     order: int = _f()
 
 
-@builds("pipeline.stages.train.Train", "stage/train")
+@builds("pipeline.run.plan.Train", "stage/train")
 class TrainStageConf(Node):
     eval_every: int = _f(at_least(0))
     order: int = _f()

@@ -20,6 +20,7 @@ from pipeline.config.schemas import as_written_now
 from pipeline.data.base import DataSpec, inference_facts
 from pipeline.data.iterator import DataIterator
 from pipeline.files import patterns
+from pipeline.run.plan import SETTINGS
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
 from pipeline.stages.base import StageStates
@@ -90,13 +91,12 @@ def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> Tra
 
 
 def build_stages(config: dict) -> list:
-    """Every node under `stages`, named by its key (its state in checkpoints is filed under that name)."""
+    """Every node under `stages` but the resume's and training's settings (run/plan.SETTINGS), named by its key
+    (its state in checkpoints is filed under that name); a checkpoint's config may predate a stage's key."""
     stages = []
     for key, node in (config.get("stages") or {}).items():
-        if node is not None:
-            stage = instantiate(
-                as_written_now(node)
-            )  # a checkpoint's config may predate a stage's key
+        if node is not None and key not in SETTINGS:
+            stage = instantiate(as_written_now(node))
             stage.name = str(key)
             stages.append(stage)
     return sorted(stages, key=lambda s: s.order)

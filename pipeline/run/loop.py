@@ -1,5 +1,5 @@
-"""One job in its run directory: the stages' set-up, training with one decision per step end, checkpoint, retain,
-finish (at most one checkpoint per step, tagged with the stages that asked for it)."""
+"""One job in its run directory, continuing its plan's history: train with one decision per step end,
+checkpoint, retain, and end as an Outcome (at most one checkpoint per step, tagged with the stages that asked)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import errno
 import logging
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.checkpoint import manifest as mf
@@ -17,15 +17,14 @@ from pipeline.checkpoint.retention import AnyOf, LatestN
 from pipeline.config import identity
 from pipeline.config.checks import parse_duration
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, EXIT_PREEMPTED, CommandError
-from pipeline.files import killpoint
 from pipeline.files.atomic import environment_error, named
 from pipeline.model.minigpt import release_freed_memory
 from pipeline.run import budget, report
 from pipeline.run.assemble import Job
 from pipeline.run.directory import RunDir
+from pipeline.run.plan import Plan, continued_by, resume_hint, written_now
 from pipeline.run.signals import Signals
 from pipeline.stages.base import StepEnd
-from pipeline.stages.resume import continued_by, resume_hint, start_fresh
 from pipeline.stateful import capture
 from pipeline.trainer import curves
 from pipeline.trainer.display import Display
@@ -34,22 +33,6 @@ from pipeline.trainer.metrics_log import MetricsLog
 from pipeline.trainer.phases import Profile
 
 log = logging.getLogger("pipeline")
-# Keys that only say where a run writes, how it shows progress and how long one process may run: a resume that
-# changes any other key of the recorded config keeps the checkpoints as they stood (keep_history).
-WHERE_AND_HOW_LONG = (
-    "paths",
-    "tracking",
-    "hydra",
-    "resume",
-    "verify",
-    "trainer.progress_bar",
-    "trainer.max_time",
-    "trainer.profile",
-)
-
-
-class Preempted(Exception):
-    """A signal arrived during training: the step finished and its checkpoint is written."""
 
 
 class NonFiniteError(CommandError):
@@ -58,139 +41,59 @@ class NonFiniteError(CommandError):
     exit_code = EXIT_ERROR
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How a job ended: complete, preempted or failed; its exit code; its objective; the line it says on stderr;
+    `requeue`: a signal or the time budget stopped it (SLURM may requeue it); `started`: its run had begun."""
+
+    status: str
+    code: int
+    objective: float = math.nan
+    message: str = ""
+    requeue: bool = False
+    started: bool = True
+    requeued: bool = False  # SLURM requeues the job: its process ends at once
+
+    @property
+    def value(self) -> float | None:
+        """What a sweeper is told: None for a job without an objective (told NaN, Optuna refuses it)."""
+        return None if self.code or math.isnan(self.objective) else self.objective
+
+
+@dataclass(frozen=True)
+class Context:
+    """Who runs the job: when it started (a sweep's job: its own start), the arguments that run it again (for the
+    end summary), and whether it is a sweep's (its siblings differ on purpose, its time is its own)."""
+
+    started: float
+    command: list[str]
+    in_sweep: bool
+
+
 class Run:
-    def __init__(
-        self,
-        job: Job,
-        rundir: RunDir,
-        signals: Signals,
-        started: float,
-        overrides: list[str],
-        in_sweep: bool,
-    ):
-        self.job, self.rundir, self.signals = job, rundir, signals
-        self.in_sweep = (
-            in_sweep  # a sweep's job: its siblings differ on purpose, and its time is its own
+    def __init__(self, job: Job, rundir: RunDir, plan: Plan, signals: Signals, context: Context):
+        self.job, self.rundir, self.plan, self.signals, self.context = (
+            job,
+            rundir,
+            plan,
+            signals,
+            context,
         )
-        self.overrides = list(
-            overrides
-        )  # the command's, for the identical command in the end summary
-        self.job_started = started  # a sweep's job: when it started, not its process
-        self.state = job.state
-        self.lineage: dict | None = None
-        self.complete = False
-        self.resumed: Checkpoint | None = None
-        self.metrics_kept: list[dict] | None = (
-            None  # what metrics.jsonl is cut to, written once the run claims
-        )
-        self.superseded: Path | None = (
-            None  # where an earlier history went (resume.source), if it moved
-        )
-        self.aside: list[
-            Path
-        ] = []  # newer checkpoints the resume fell back past: to superseded/, never deleted
-        self.metrics_cut = (
-            False  # metrics.jsonl holds lines past the resumed step: the whole file is kept aside
-        )
-        self.retuned: list[
-            str
-        ] = []  # the config changed since the checkpoint: its store is kept as it stood
-        self.history: dict = {"started": started, "resumes": []}  # run.json: first start, resumes
         max_time = job.config["trainer"].get("max_time")
         self.budget = budget.Budget(None if max_time is None else parse_duration(max_time))
-        self.profile = Profile(
-            job.config["trainer"].get("profile")
-        )  # absent from a config older than the key
+        # absent from a config older than the key
+        self.profile = Profile(job.config["trainer"].get("profile"))
+        self.stopped: str | None = None  # what preempted the run: a signal, or trainer.max_time
+        if plan.allowed:
+            job.facts["allowed_changes"] = plan.allowed
+
+    @property
+    def state(self):
+        return self.job.state
 
     @property
     def store(self):
         return self.rundir.store  # a new object once a history moves aside
-
-    # --- before training: what the resume stage decides (pipeline/stages/resume.py)
-    def begin(
-        self,
-        lineage: dict,
-        resumed: Checkpoint | None = None,
-        metrics: list[dict] | None = None,
-        allowed: dict | None = None,
-        metrics_cut: bool = False,
-    ) -> None:
-        """The history this run continues: `resumed` None from scratch; `metrics` None keeps metrics.jsonl as it is."""
-        self.lineage, self.resumed = lineage, resumed
-        self.complete = resumed is not None and self.state.progress.ended is not None
-        if allowed:
-            self.job.facts["allowed_changes"] = allowed
-        if not self.complete:
-            self.metrics_kept, self.metrics_cut = metrics, metrics_cut
-        own = (
-            resumed is not None and resumed.directory.parent == self.store.root
-        )  # not a fork's source
-        if own:
-            assert resumed is not None
-            self.retuned = identity.described(
-                resumed.manifest["config"],
-                self.job.config,
-                lambda k: not identity.covered(k, list(WHERE_AND_HOW_LONG)),
-            )
-        previous = self.rundir.read_status() if own else {}
-        if isinstance(previous.get("started"), (int, float)):
-            self.history = {
-                "started": previous["started"],
-                "resumes": list(previous.get("resumes") or []),
-            }
-            if not self.complete and resumed is not None:
-                self.history["resumes"].append({"step": resumed.step, "time": time.time()})
-
-    def settled(self) -> bool:
-        """A complete run whose run.json says so: a re-run confirms it and changes no file of it."""
-        return self.complete and self.rundir.read_status().get("status") == "complete"
-
-    def set_aside(self, skipped: list[tuple[Path, str, str]]) -> None:
-        """The step directories a resume falls back past ((directory, what it is, why), newest first), each said in
-        one line: moved to superseded/ once the run claims the directory (keep_history), never deleted."""
-        for _, what, error in skipped:
-            log.warning(
-                "not resuming from %s (kept in superseded/, nothing is deleted), falling back: %s",
-                what,
-                error,
-            )
-        self.aside = [directory for directory, _, _ in skipped]
-
-    def holds_history(self) -> bool:
-        """Whether the run directory holds a history (checkpoints, metrics, a status) a fresh start must keep."""
-        rundir = self.rundir
-        return bool(
-            self.store.steps() or rundir.metrics_path.exists() or rundir.status_path.exists()
-        )
-
-    def supersede(self) -> Path:
-        """Move the run directory's other history aside, whole (a signal waits): set-up's one durable change."""
-        with self.signals.atomic():
-            self.superseded = self.rundir.supersede()
-        self.aside = []  # moved with the rest
-        return self.superseded
-
-    def keep_history(self) -> None:
-        """Before this run changes anything it found: the checkpoints it fell back past go to superseded/<when>/,
-        and so does what it cuts back (metrics.jsonl past its resume step), or what a changed policy could prune
-        (every checkpoint and link as they stood, as second names of the same files: no bytes copied). Nothing
-        earlier is deleted: an earlier history's best and final stay reachable whatever the live stages say."""
-        if not (self.aside or self.metrics_cut or self.retuned):
-            return
-        where = self.rundir.set_aside(
-            self.aside, metrics=self.metrics_cut, snapshot=bool(self.retuned)
-        )
-        kept = [p.name for p in self.aside] + ["metrics.jsonl"] * self.metrics_cut
-        if self.retuned:
-            kept.append(
-                f"the checkpoints as they stood (changed since the checkpoint: {', '.join(self.retuned)})"
-            )
-        log.warning("kept in %s (nothing is deleted): %s", where, "; ".join(kept))
-        self.aside, self.metrics_cut, self.retuned = [], False, []
-
-    def rundir_of(self, path: Path) -> RunDir:
-        """Another run directory, to read (for the stages, a layer below RunDir)."""
-        return RunDir(path)
 
     # --- training
     def train(self, eval_every: int) -> None:
@@ -237,13 +140,10 @@ class Run:
         preempted = self.budget.step_ended() or self.signals.received is not None
         if tags or preempted or end.last:
             self.checkpoint(metrics, tags, final=end.last or preempted)
-        if end.last:
-            return True
-        if preempted:
-            raise Preempted(
-                self.signals.name or f"trainer.max_time={self.job.config['trainer']['max_time']}"
-            )
-        return False
+        if preempted and not end.last:
+            max_time = self.job.config["trainer"]["max_time"]
+            self.stopped = self.signals.name or f"trainer.max_time={max_time}"
+        return end.last or preempted
 
     def checkpoint(self, metrics: dict, tags: list[str], final: bool = False) -> Checkpoint:
         tracker = self.job.tracker
@@ -252,22 +152,19 @@ class Run:
         with self.profile.phase("tracking hand-over"):
             self.job.facts["mlflow_run_uri"] = tracker.run_uri(timeout=30.0 if final else 0.0)
         with self.profile.phase("checkpoint"):
-            assert self.lineage is not None, "begin() comes before the first checkpoint"
             fields = mf.build(
                 self.job.facts,
                 step=self.state.step,
                 epoch=self.state.epoch,
                 metrics=metrics,
                 tags=tags,
-                lineage=self.lineage,
+                lineage=self.plan.lineage,
             )
             started = budget.monotonic()
             try:
                 ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
-            except OSError as e:
-                raise named(
-                    e, self.store.root
-                ) from e  # a write inside the temporary checkpoint: name the store
+            except OSError as e:  # a write inside the temporary checkpoint: name the store
+                raise named(e, self.store.root) from e
             self.retain()
             self.budget.saved(budget.monotonic() - started)
         with self.profile.phase("tracking hand-over"):
@@ -275,15 +172,15 @@ class Run:
         return ckpt
 
     def retain(self) -> None:
-        """The stages' policies as they stand now (a best history restarted at the resume ranks from there)."""
+        """Every stage's policy as it stands now (a best history restarted at the resume ranks from there), the
+        newest checkpoint, and any checkpoint a link of checkpoints/ names (CheckpointStore.retain)."""
         stages = self.job.stages
-        assert self.lineage is not None, "begin() comes before retention"
         keep = AnyOf((*tuple(p for s in stages if (p := s.policy()) is not None), LatestN(1)))
         self.store.retain(
             keep,
             {s.link: s.link_policy() for s in stages if s.link},
             upto=self.state.step,
-            lineage=self.lineage["id"],
+            lineage=self.plan.lineage["id"],
             named=tuple(n for s in stages if (n := s.named()) is not None),
         )
 
@@ -291,27 +188,25 @@ class Run:
     def write_status(self, status: str, **extra) -> None:
         if status != "running":
             extra["ended_at"] = time.time()
+        state = self.state
         fields = dict(
             status=status,
-            step=self.state.step,
-            total_steps=self.state.total_steps,
-            epoch=self.state.epoch,
-            metrics=self.state.metrics,
-            ended=self.state.progress.ended,
+            step=state.step,
+            total_steps=state.total_steps,
+            epoch=state.epoch,
+            metrics=state.metrics,
+            ended=state.progress.ended,
             config_hash=self.job.facts["config_hash"],
             data_manifest_hash=self.job.facts["data_manifest_hash"],
-            **self.history,
+            **self.plan.history,
             **extra,
         )
         try:
             self.rundir.write_status(**fields)
         except OSError as e:
             # Too full for the atomic replace's temporary: an ending still must not leave `running` behind.
-            if (
-                status == "running"
-                or e.errno not in (errno.ENOSPC, errno.EDQUOT)
-                or not self.rundir.status_path.exists()
-            ):
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            if status == "running" or not full or not self.rundir.status_path.exists():
                 raise
             self.rundir.write_status_in_place(**fields)
 
@@ -333,26 +228,45 @@ class Run:
         try:
             return curves.write(self.rundir.path, self.rundir.read_metrics())
         except (OSError, CheckpointError, ValueError) as e:
-            log.warning(
-                "could not draw %s: %s", self.rundir.path / curves.NAME, environment_error(e) or e
-            )
+            where = self.rundir.path / curves.NAME
+            log.warning("could not draw %s: %s", where, environment_error(e) or e)
             return None
 
     def _summary(self, status: str) -> None:
-        with self.profile.phase("end summary"):
-            self._summarise(status)
-
-    def _summarise(self, status: str) -> None:
         """curves.png, then the end summary: after the last checkpoint (matplotlib's import alone is ~0.5 s)."""
-        release_freed_memory()
-        curve = self._draw()
-        kept = self.store.steps()
-        links = {
-            name: self.store.root / name if self.store.link_dir(name) else None
-            for name in ("final", "best")
-        }
-        links["newest"] = kept[-1][1] if kept else None
-        best = next(
+        with self.profile.phase("end summary"):
+            release_freed_memory()
+            curve = self._draw()
+            kept, store = self.store.steps(), self.store
+            links = {n: store.root / n if store.link_dir(n) else None for n in ("final", "best")}
+            links["newest"] = kept[-1][1] if kept else None
+            tracker, command = self.job.tracker, self.context.command
+            log.info(
+                "%s",
+                report.end_block(
+                    status=status,
+                    step=self.state.step,
+                    run_dir=self.rundir.path,
+                    best=self._best(),
+                    links=links,
+                    curve=curve,
+                    run_uri=self.job.facts.get("mlflow_run_uri") or tracker.run_uri(timeout=0.0),
+                    tracking_uri=getattr(tracker, "uri", None),
+                    overrides=command,
+                    resume=continued_by(
+                        self.job.config["resume"]["source"],
+                        command,
+                        links["newest"],
+                        status == "complete",
+                    ),
+                    samples=bool(self.state.dataset.spec.vocab_size),
+                    experiment_id=getattr(tracker, "experiment_id", None),
+                ),
+            )
+
+    def _best(self) -> tuple | None:
+        """(monitor, best value, its step) of the stage that keeps checkpoints/best, if it has one."""
+        return next(
             (
                 (s.monitor, s.best, s.best_step)
                 for s in self.job.stages
@@ -360,46 +274,13 @@ class Run:
             ),
             None,
         )
-        tracker = self.job.tracker
-        log.info(
-            "%s",
-            report.end_block(
-                status=status,
-                step=self.state.step,
-                run_dir=self.rundir.path,
-                best=best,
-                links=links,
-                curve=curve,
-                run_uri=self.job.facts.get("mlflow_run_uri") or tracker.run_uri(timeout=0.0),
-                tracking_uri=getattr(tracker, "uri", None),
-                overrides=self.overrides,
-                resume=continued_by(
-                    self.job.config["resume"]["source"],
-                    self.overrides,
-                    links["newest"],
-                    status == "complete",
-                ),
-                samples=bool(self.state.dataset.spec.vocab_size),
-                experiment_id=getattr(tracker, "experiment_id", None),
-            ),
-        )
-
-    def unapplied(self) -> str:
-        """What of the live config differs from the config the finished run recorded."""
-        assert self.resumed is not None, "only a finished run, resumed, has a config to compare"
-        return "; ".join(identity.described(self.resumed.manifest["config"], self.job.config))
 
     def failure(self, message: str) -> str:
         """A full or read-only disk's one line, with what run.json says and where a re-run continues."""
-        said = (
-            "; run.json says failed" if self.rundir.read_status().get("status") == "failed" else ""
-        )
+        failed = self.rundir.read_status().get("status") == "failed"
         kept = self.store.steps()
-        return (
-            message
-            + said
-            + (f"; {self.resume_hint()}, from its checkpoint of step {kept[-1][0]}" if kept else "")
-        )
+        where = f"; {self.resume_hint()}, from its checkpoint of step {kept[-1][0]}" if kept else ""
+        return message + ("; run.json says failed" if failed else "") + where
 
     def resume_hint(self) -> str:
         """What continues this stopped run (what the identical command does depends on resume.source)."""
@@ -409,113 +290,97 @@ class Run:
     def objective(self) -> float:
         """What a sweeper optimises: `optimized_metric` (null: the best value of the best-val stage's monitor)."""
         if (name := self.job.config["optimized_metric"]) is None:
-            best = [
-                s.best
-                for s in self.job.stages
-                if getattr(s, "link", None) == "best" and hasattr(s, "best")
-            ]
-            return float(best[0]) if best and best[0] is not None else math.nan
+            best = self._best()
+            return float(best[1]) if best is not None else math.nan
         return float(self.state.metrics.get(name, math.nan))
 
     def _metrics(self) -> str:
         return " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items()))
 
-    def setup(self) -> None:
-        """Every stage's set-up (the resume stage restores or starts). A signal still stops the process at once
-        here (a long load is interruptible), so it writes nothing durable but supersede(), whole."""
-        killpoint.point("setup", "start")
-        for s in self.job.stages:
-            s.setup(self)
-        if self.lineage is None:
-            start_fresh(self)
-
-    def execute(self) -> tuple[int, float]:
-        """The run's exit code and its objective (NaN if it did not complete)."""
-        if self.complete:
-            # A process killed between its last save and its last word: finish what it left (links, pruning,
-            # status). A run that says complete is left exactly as it is, whatever the live config says now.
-            if not self.rundir.read_only:  # on a read-only medium it is confirmed as it is
-                if not self.settled():
-                    self.keep_history()
-                    self.retain()
-                    self.write_status("complete")
-                if not (
-                    self.rundir.path / curves.NAME
-                ).exists():  # killed before its curve was drawn
-                    self._draw()
-            self.job.tracker.attach(self.rundir.path)  # a sweep job: its run shows in the sweep
-            print(
-                f"run {self.rundir.path} is complete at step {self.state.step}: {self._metrics()}"
+    def _confirm(self) -> Outcome:
+        """A complete run: a process killed between its last save and its last word left its links, pruning or
+        status to finish; a run that says complete is left exactly as it is, whatever the live config says."""
+        if not self.rundir.read_only:  # on a read-only medium it is confirmed as it is
+            if not self.plan.settled:
+                self.retain()
+                self.write_status("complete")
+            if not (self.rundir.path / curves.NAME).exists():  # killed before its curve was drawn
+                self._draw()
+        self.job.tracker.attach(self.rundir.path)  # a sweep job: its run shows in the sweep
+        print(f"run {self.rundir.path} is complete at step {self.state.step}: {self._metrics()}")
+        assert self.plan.resumed is not None, "a complete run was resumed"
+        recorded = written_now(self.plan.resumed.manifest["config"])
+        if unapplied := "; ".join(identity.described(recorded, self.job.config)):
+            log.warning(
+                "not applied to a finished run: %s (resume.allow_changes=[...] with more steps trains "
+                "it on; resume=never trains anew)",
+                unapplied,
             )
-            if unapplied := self.unapplied():
-                log.warning(
-                    "not applied to a finished run: %s (resume.allow_changes=[...] with more steps trains "
-                    "it on; resume=never trains anew)",
-                    unapplied,
-                )
-            return EXIT_OK, self.objective()
+        return Outcome("complete", EXIT_OK, self.objective())
+
+    def execute(self, eval_every: int) -> Outcome:
+        """Train from the plan's history to the end or a preemption (a signal, trainer.max_time): the Outcome."""
+        if self.plan.complete:
+            return self._confirm()
         tracker = self.job.tracker
         self.profile.start()
-        self.keep_history()
-        if self.metrics_kept is not None:
-            self.rundir.keep_metrics(self.metrics_kept)
         log.info("%s", report.start_block(self.job, self.rundir.path))
         self.write_status("running")
+        resumed = self.plan.resumed
         with self.profile.phase("tracking hand-over"):
             tracker.start(
                 config=self.job.config,
                 facts=self.job.facts,
                 run_dir=self.rundir.path,
-                previous_run_uri=(
-                    self.resumed.manifest.get("mlflow_run_uri") if self.resumed else None
-                ),
+                previous_run_uri=resumed.manifest.get("mlflow_run_uri") if resumed else None,
                 status=self.rundir.read_status(),
-                start_time=self.history["started"],
+                start_time=self.plan.history["started"],
             )
         try:
-            if self.signals.received is not None:
-                raise Preempted(self.signals.name)  # arrived while setting up: nothing new to save
-            for s in self.job.stages:
-                if hasattr(s, "run"):
-                    s.run(self)
-            self.write_status("complete")
-            stopped_by = None
-        except Preempted as stop:
-            stopped_by = str(stop)
-            self.write_status("preempted", preempted_by=stopped_by)
+            # a signal that arrived while setting up: nothing new to save
+            self.stopped = self.signals.name
+            if self.stopped is None:
+                self.train(eval_every)
+            if self.stopped is None:
+                self.write_status("complete")
+            else:
+                self.write_status("preempted", preempted_by=self.stopped)
         except BaseException as e:  # a non-finite loss says so itself; anything else with its type
-            self._failed(
-                str(e)
-                if isinstance(e, NonFiniteError)
-                else environment_error(e) or f"{type(e).__name__}: {e}"
-            )
+            said = environment_error(e) or f"{type(e).__name__}: {e}"
+            self._failed(str(e) if isinstance(e, NonFiniteError) else said)
             raise
-        if stopped_by is None:
+        state = self.state
+        if self.stopped is None:
             log.info(
                 "done at step %d (%s) after %.1f s in this %s: %s",
-                self.state.step,
-                self.state.progress.ended,
-                time.time() - self.job_started if self.in_sweep else budget.process_age(),
-                "job" if self.in_sweep else "process",
+                state.step,
+                state.progress.ended,
+                time.time() - self.context.started
+                if self.context.in_sweep
+                else budget.process_age(),
+                "job" if self.context.in_sweep else "process",
                 self._metrics(),
             )
-        code, value = (
-            (EXIT_OK, self.objective()) if stopped_by is None else (EXIT_PREEMPTED, math.nan)
-        )
-        self._summary("complete" if stopped_by is None else "preempted")
-        if stopped_by is not None:
+            outcome = Outcome("complete", EXIT_OK, self.objective())
+        else:
+            outcome = Outcome(
+                "preempted",
+                EXIT_PREEMPTED,
+                message=f"preempted at step {state.step}; {self.resume_hint()}",
+                requeue=True,
+            )
+        self._summary(outcome.status)
+        if self.stopped is not None:
             log.warning(
                 "preempted by %s at step %d; %s (exit %d)",
-                stopped_by,
-                self.state.step,
+                self.stopped,
+                state.step,
                 self.resume_hint(),
                 EXIT_PREEMPTED,
             )
         # the tracked run's end, then trainer.profile's table (this process's share of the run)
         with self.profile.phase("tracking hand-over"):
-            self.job.tracker.finish(
-                "FINISHED" if stopped_by is None else "KILLED", self.rundir.path
-            )
+            tracker.finish("FINISHED" if self.stopped is None else "KILLED", self.rundir.path)
         if self.profile.on:
             print(self.profile.table(), flush=True)
-        return code, value
+        return outcome

@@ -252,11 +252,17 @@ def run_command(
     except (Exception, Refusal):
         if not SIGNALS_STATE.interrupted_start():
             raise
-        code = _interrupted(
-            name, str(SIGNALS_STATE.name), interrupted
-        )  # a library made another error of it
+        # a library made another error of it
+        code = _interrupted(name, str(SIGNALS_STATE.name), interrupted)
     finally:
         SIGNALS_STATE.finish()  # the code is decided: a later signal changes nothing
+    exit_now(code)
+
+
+def exit_now(code: int | None) -> NoReturn:
+    """The process ends with `code`, the one exit of every command (and of a sweep's job SLURM requeues)."""
+    if SIGNALS_STATE.mode != DONE:
+        SIGNALS_STATE.finish()
     sys.exit(code)
 
 

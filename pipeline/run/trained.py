@@ -20,6 +20,7 @@ from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import SCHEMAS, as_written_now, config_written_now, validate
 from pipeline.data.base import DataSpec, inference_facts
 from pipeline.run.directory import RunDir
+from pipeline.run.plan import written_now
 from pipeline.stateful import restore
 from pipeline.trainer.state import TrainState
 
@@ -44,16 +45,16 @@ def restore_checkpoint(
     from pipeline.run.assemble import build_state
 
     checkpoint = CheckpointDir(directory)
-    manifest = (
-        checkpoint.manifest()
-    )  # bounded, and its hashes agree with its config: nothing built yet
+    # bounded, and its hashes agree with its config: nothing built yet
+    manifest = checkpoint.manifest()
+    recorded = written_now(
+        manifest["config"]
+    )  # stages.resume and stages.train as they are named now
     try:
-        targets.check(manifest["config"], targets.allowed(tuple(overrides)))
+        targets.check(recorded, targets.allowed(tuple(overrides)))
     except targets.UnknownTarget as e:
         raise checkpoint.fault(str(e), UnknownTargetError) from None
-    config = config_written_now(
-        manifest["config"]
-    )  # a key added since means what its absence meant
+    config = config_written_now(recorded)  # a key added since means what its absence meant
     try:
         validate(config)  # the ranges a run's values are held to, before anything is sized by them
     except ConfigError as e:

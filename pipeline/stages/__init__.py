@@ -1,1 +1,1 @@
-"""Pipeline stages built from config: resume, train, rotate-last-N, best-val, final."""
+"""Stages built from config: policies that say when to stop, when to checkpoint and what to keep."""

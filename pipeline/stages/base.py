@@ -1,4 +1,5 @@
-"""A stage: hooks the run calls in a fixed order, a retention policy, and state that rides in checkpoints."""
+"""A stage: a policy fed plain values at each step end (stop?, checkpoint?), what it keeps, and its own state,
+which rides in checkpoints (docs/stages.md: Writing a stage)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,6 @@ class Stage:
 
     def __init__(self, order: int):
         self.order = int(order)
-
-    def setup(self, run) -> None:
-        """Before training: may restore a checkpoint or find the run complete."""
 
     def stop_reason(self, end: StepEnd) -> str | None:
         """After each update, before any checkpoint decision: a reason to end the run here, or None."""
@@ -133,6 +131,8 @@ class StageStates:
     says, after a load, what was not restored; `fresh` names the stages that start anew."""
 
     free_form_state = ("",)  # the names vary with the config: each stage checks its own entry
+    # resume and train were stages until they became settings: their saved (empty) states are dropped unsaid
+    former = ("resume", "train")
 
     def __init__(self, stages: list[Stage]):
         self.stages = stages
@@ -175,5 +175,5 @@ class StageStates:
         ]
         self.notes += [
             f"{name}: no such stage in this config, its saved state is dropped"
-            for name in sorted(set(state) - live)
+            for name in sorted(set(state) - live - set(self.former))
         ]

@@ -10,9 +10,9 @@ from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.directory import Checkpoint, CheckpointDir
 from pipeline.config import identity, targets
 from pipeline.config.errors import EXIT_BAD_INPUT, ConfigError
+from pipeline.config.identity import lineage_of
 from pipeline.files import jsonio
 from pipeline.run.assemble import assemble
-from pipeline.stages.resume import lineage_of
 from pipeline.stateful import PARTS, capture, copy_tree, restore
 from pipeline.trainer.loop import train_step
 from pipeline.verify.snapshot import snapshot, write_summary

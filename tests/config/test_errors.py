@@ -93,7 +93,7 @@ def test_every_error_of_ours_carries_its_code_and_one_map_gives_a_librarys():
     from pipeline.files.atomic import UnsafePathError
     from pipeline.run.directory import RunBusyError
     from pipeline.run.loop import NonFiniteError
-    from pipeline.stages.drift import DriftError
+    from pipeline.run.plan import DriftError
 
     bad_input = [
         errors.ConfigError("k=v: out of range"),

@@ -15,10 +15,10 @@ from conftest import KERNODECK, kept, metrics, run_job, the_run
 from pipeline.checkpoint.directory import EXTRA, WEIGHTS
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.config.errors import EXIT_PREEMPTED
+from pipeline.config.identity import lineage_of
 from pipeline.files import jsonio
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import SIGNALS_STATE
-from pipeline.stages.resume import lineage_of
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
@@ -353,15 +353,30 @@ def test_a_sibling_whose_checkpoints_do_not_read_is_passed_over(tmp_path, caplog
     assert "starting a new run" in said and "differs from the" not in said
 
 
-def test_without_a_resume_stage_every_run_starts_from_scratch(tmp_path):
-    """~stages.resume: the run starts a fresh history each time (the earlier one's lines are not kept)."""
+def test_resume_and_training_are_no_stages_and_cannot_be_removed(tmp_path, capsys):
+    """~stages.resume and ~stages.train are refused in one line, exit 2, before anything is made."""
     out = tmp_path / "out"
-    args = (*KERNODECK, f"paths.output_dir={out}", "~stages.resume")
+    for key in ("resume", "train"):
+        assert run_job(*KERNODECK, f"paths.output_dir={out}", f"~stages.{key}") == (2, None)
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(
+            f"pipeline: stages.{key} is missing (~stages."
+        )
+        assert "is not a stage and cannot be removed" in err
+        assert not out.exists()
+
+
+def test_stages_resume_source_never_starts_from_scratch_in_the_same_directory(tmp_path):
+    """stages.resume.source=never (what ~stages.resume did): a fresh history each time in the run's directory,
+    the earlier one moved to superseded/."""
+    out = tmp_path / "out"
+    args = (*KERNODECK, f"paths.output_dir={out}", "stages.resume.source=never")
     assert run_job(*args)[0] == 0
     first = kept(the_run(out))
     assert run_job(*args)[0] == 0
     assert [ln["step"] for ln in metrics(the_run(out))] == list(range(1, 11))
     assert kept(the_run(out)) == first  # the same history again, from scratch
+    assert len(list((the_run(out) / "superseded").iterdir())) == 1
     manifest = jsonio.read(RunDir(the_run(out)).store.root / "final" / "manifest.json", 1 << 24)
     assert manifest["lineage"] == lineage_of(manifest["semantic_config_hash"], None)
 

@@ -101,15 +101,14 @@ def test_a_job_failure_in_a_multirun_is_its_record_not_an_exit(tmp_path, monkeyp
 
     monkeypatch.setattr(runner, "_job", refused)
     job = sweep_job(tmp_path)
-    assert runner.main({}, [], "", job) is None
+    assert runner.main({}, [], "", job).value is None
     assert capsys.readouterr().err == "pipeline: bad value\n"
     assert (record_of(tmp_path)["code"], record_of(tmp_path)["status"]) == (
         EXIT_BAD_INPUT,
         "failed",
     )
-    with pytest.raises(SystemExit) as exit_:  # a single run: the process exits with it
-        runner.main({}, [], "", None)
-    assert exit_.value.code == EXIT_BAD_INPUT
+    # a single run: its outcome carries the exit code the entry exits with (job.main never exits)
+    assert runner.main({}, [], "", None).code == EXIT_BAD_INPUT
 
 
 def test_a_job_of_an_interrupted_sweep_that_never_started_is_recorded_and_shown_as_not_started(
@@ -222,7 +221,8 @@ def test_a_job_whose_sweep_json_cannot_be_read_fails_as_bad_input_in_one_line(
     make(tmp_path / "sweep.json")
     job = sweep_callback.job_of(hydra_cfg(2, tmp_path))
     monkeypatch.setattr(runner, "_job", lambda *a: pytest.fail("the job ran without its sweep"))
-    assert runner.main({}, [], "", job) is None
+    outcome = runner.main({}, [], "", job)
+    assert (outcome.value, outcome.code) == (None, EXIT_BAD_INPUT)
     err = capsys.readouterr().err
     assert (
         err.startswith(f"pipeline: {tmp_path / 'sweep.json'}: ")

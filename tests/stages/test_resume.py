@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.stages.drift import DriftError, allowed, drift, refuse
-from pipeline.stages.resume import lineage_of
+from pipeline.config.identity import lineage_of
+from pipeline.run.plan import DriftError, allowed, drift, refuse
 
 
 def job(lr=0.05, data="d2", **config):

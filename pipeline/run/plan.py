@@ -1,0 +1,451 @@
+"""Which history a run continues: `plan` decides it as a frozen value and writes nothing; `apply` makes its one
+durable change and says it in the log (docs/stages.md: Resuming)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.checkpoint import manifest as mf
+from pipeline.checkpoint.directory import Checkpoint, CheckpointDir, file_hashes, files_of
+from pipeline.checkpoint.errors import CheckpointError
+from pipeline.config import identity
+from pipeline.config.errors import CommandError, ConfigError
+from pipeline.config.targets import hydra_quoted
+from pipeline.files import killpoint
+from pipeline.run.directory import RunDir
+from pipeline.stateful import StateMismatch, capture, restore
+
+log = logging.getLogger("pipeline")
+AUTO, NEVER = "auto", "never"
+MAX_HINTED = 8  # changes a sibling may differ in and still be mentioned (more: another experiment)
+# Keys that only say where a run writes, how it shows progress and how long one process may run: a resume that
+# changes any other key of the recorded config keeps the checkpoints as they stood (Plan.retuned).
+WHERE_AND_HOW_LONG = (
+    *("paths", "tracking", "hydra", "resume", "verify"),
+    *("trainer.progress_bar", "trainer.max_time", "trainer.profile"),
+)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """stages.resume: how a run finds its history. Settings, not a stage (`order` stays for older configs)."""
+
+    source: str  # auto, never, or a checkpoint to fork from
+    allow_changes: list[str]
+    order: int
+
+
+@dataclass(frozen=True)
+class Train:
+    """stages.train: evaluate every `eval_every` updates (0: every epoch's end). Settings, not a stage."""
+
+    eval_every: int
+    order: int
+
+
+SETTINGS = {"resume": Resume, "train": Train}
+# What these nodes' `_target_` named while they were stages (every config recorded until then says it).
+FORMER = {
+    f"pipeline.stages.{k}.{c.__name__}": f"{__name__}.{c.__name__}" for k, c in SETTINGS.items()
+}
+
+
+def settings(config: dict) -> tuple[Resume, Train]:
+    """The resume's and training's settings; ConfigError if a config removed either (they are not stages)."""
+    stages = config.get("stages") or {}
+    for key, what in (("resume", "finding the run's history"), ("train", "training")):
+        if not isinstance(stages.get(key), dict):
+            raise ConfigError(
+                f"stages.{key} is missing (~stages.{key}?): {what} is not a stage and cannot be removed; "
+                f"stages.{key} holds its settings (resume=never starts a new run each time)"
+            )
+    r, t = stages["resume"], stages["train"]
+    allow = [str(k) for k in r.get("allow_changes") or []]
+    return Resume(str(r["source"]), allow, int(r["order"])), Train(
+        int(t["eval_every"]), int(t["order"])
+    )
+
+
+def written_now(config: dict) -> dict:
+    """A recorded config with the settings nodes' former `_target_` names as they are now."""
+    stages = config.get("stages")
+    if not isinstance(stages, dict):
+        return config
+    renamed = {
+        k: {**v, "_target_": FORMER[t]}
+        if isinstance(v, dict) and isinstance(t := v.get("_target_"), str) and t in FORMER
+        else v
+        for k, v in stages.items()
+    }
+    return {**config, "stages": renamed}
+
+
+# --- drift: what differs between the run a checkpoint was made by and this job
+class DriftError(CommandError):
+    """The checkpoint was made by a different config or data than the current run's, and that is not allowed."""
+
+
+def drift(manifest: dict, job) -> dict[str, tuple]:
+    """Every semantic key (and the data) that differs between a checkpoint's run and this job (the run's Job)."""
+    old = identity.semantic_config(manifest["config"], manifest["sources"])
+    changes = identity.changed_keys(old, identity.semantic_config(job.config, job.sources))
+    if (old_data := manifest["data_manifest_hash"]) != (
+        new_data := job.facts["data_manifest_hash"]
+    ):
+        changes["data_manifest_hash"] = (old_data, new_data)
+    return changes
+
+
+def allowed(key: str, allow: list[str]) -> bool:
+    if key == "data_manifest_hash":  # follows from a change of the data's config
+        return any(a == "data" or a.startswith("data.") or a == key for a in allow)
+    return identity.covered(key, allow)
+
+
+def refuse(changes: dict[str, tuple], allow: list[str], where) -> None:
+    """DriftError naming each change `allow` does not cover, or an allowed one that cannot take effect."""
+    if refused := {k: v for k, v in changes.items() if not allowed(k, allow)}:
+        listing = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
+        raise DriftError(
+            f"refusing to resume from {where}: the config or data changed ({listing}); "
+            f"allow with resume.allow_changes=[{','.join(refused)}] or start over with resume=never"
+        )
+    for key in changes:
+        if why := identity.not_applicable(key):
+            raise DriftError(
+                f"refusing to resume from {where}: resume.allow_changes lets {key} through, but it "
+                f"cannot take effect on a resumed run ({why}); start over with resume=never"
+            )
+
+
+# --- forks, and what continues a stopped run
+def origin_of(source: str) -> dict | None:
+    """The checkpoint a fork (resume.source=PATH) continues, as its lineage and run name record it; None for auto
+    and never. CheckpointError if it does not read (a link out of a run is refused, not followed)."""
+    if source in (AUTO, NEVER):
+        return None
+    path = CheckpointDir(Path(source).expanduser()).resolved().resolve()
+    return _origin(path, CheckpointDir(path).manifest())
+
+
+def _origin(path: Path, manifest: dict) -> dict:
+    weights = file_hashes(manifest)["weights"]
+    return {"checkpoint": str(path), "step": manifest["step"], "weights_sha256": weights}
+
+
+def continued_by(
+    source: str, overrides: list[str], newest: Path | None, complete: bool
+) -> list[str]:
+    """The arguments of the command that continues a run ([]: none does): the identical command, but with
+    resume=never that starts a new run, so a stopped one is continued from its `newest` checkpoint, as a fork."""
+    if source != NEVER:
+        return list(overrides)
+    if newest is None or complete:
+        return []
+    kept = [o for o in overrides if not o.lstrip("+").startswith("resume.source=")]
+    return [*kept, f"resume.source={hydra_quoted(str(newest))}"]
+
+
+def resume_hint(source: str, newest: Path | None) -> str:
+    """What to do to continue a stopped run, from what the identical command will do (continued_by)."""
+    if source != NEVER:
+        return "re-run the same command to resume"
+    if newest is None:
+        return "nothing to resume from (no checkpoint); the same command starts a new run (resume=never)"
+    add = continued_by(source, [], newest, False)[0]
+    return f"the same command starts a new run (resume=never); add {add} to continue this one"
+
+
+# --- the plan
+@dataclass(frozen=True)
+class Plan:
+    """The history a run continues and what set-up moves to superseded/ to continue it (never deleted)."""
+
+    lineage: dict
+    resumed: Checkpoint | None = None  # None: a history from scratch
+    complete: bool = False  # the resumed run ended: confirmed as it is, nothing trained
+    settled: bool = False  # complete, and its run.json says so: a re-run changes no file of it
+    metrics: tuple[dict, ...] | None = None  # what metrics.jsonl is cut to (None: left as it is)
+    fallback: tuple[
+        tuple[Path, str, str], ...
+    ] = ()  # (step dir, what, why) passed over, newest first
+    cut: bool = False  # metrics.jsonl holds lines past the resumed step: kept whole aside
+    retuned: tuple[
+        str, ...
+    ] = ()  # changed since the checkpoint: its checkpoints kept as they stood
+    supersede: str | None = (
+        None  # "fresh", or a fork's source: the whole earlier history moves aside
+    )
+    allowed: dict = field(
+        default_factory=dict
+    )  # {key: [old, new]} that resume.allow_changes let through
+    other_code: str = ""  # how the code that trained the checkpoint differs from this
+    notes: tuple[str, ...] = ()  # the stages whose state was not restored, and why
+    foreign: Checkpoint | None = None  # a fork's newest checkpoint in a clean run's directory
+    sibling: str = ""  # a fresh start's hint: how the newest run of its experiment differs
+    history: dict = field(default_factory=dict)  # run.json's first start and resumes
+
+
+def holds_history(rundir: RunDir) -> bool:
+    """Whether a run directory holds a history (checkpoints, metrics, a status) a new one must keep aside."""
+    paths = (rundir.metrics_path, rundir.status_path)
+    return bool(rundir.store.steps() or any(p.exists() for p in paths))
+
+
+def plan(rundir: RunDir, job, resume: Resume, started: float, in_sweep: bool) -> Plan:
+    """The history this run continues, with `job`'s parts restored to it; DriftError, CheckpointError for one
+    it may not continue. Reads only: a signal here stops the process with nothing written."""
+    killpoint.point("setup", "start")
+    fresh = {"rundir": rundir, "job": job, "started": started, "in_sweep": in_sweep}
+    if resume.source == NEVER:
+        return _fresh(**fresh)
+    if resume.source != AUTO:
+        return _fork(rundir, job, resume, Path(resume.source).expanduser(), started, fresh)
+    ckpt, skipped = rundir.store.newest_valid(job.parts)
+    if ckpt is not None and ckpt.manifest["lineage"].get("origin") is not None:
+        return _fresh(**fresh, fallback=skipped, foreign=ckpt)
+    if ckpt is None:
+        return _fresh(**fresh, fallback=skipped)
+    return _continued(rundir, job, resume, ckpt, ckpt.manifest["lineage"], started, skipped)
+
+
+def _fresh(rundir: RunDir, job, started: float, in_sweep: bool, fallback=(), foreign=None) -> Plan:
+    """A history from scratch: what an earlier one left (none of which this run can continue) moves aside."""
+    moves = (
+        holds_history(rundir) and not rundir.read_only
+    )  # read-only: refused next, nothing written
+    return Plan(
+        identity.lineage_of(job.semantic_hash, None),
+        fallback=tuple(fallback),
+        supersede="fresh" if moves else None,
+        foreign=foreign,
+        sibling="" if in_sweep else _sibling(rundir, job),  # in a sweep, siblings differ on purpose
+        history={"started": started, "resumes": []},
+    )
+
+
+def _continued(rundir, job, resume, ckpt, lineage, started, skipped) -> Plan:
+    """This directory's own history from `ckpt` on (its metrics cut back to the checkpoint's step)."""
+    allowed_, notes = _restore(job, ckpt, resume.allow_changes)
+    complete = job.state.progress.ended is not None
+    lines = rundir.read_metrics()
+    kept = tuple(ln for ln in lines if ln["step"] <= ckpt.step)
+    recorded = written_now(ckpt.manifest["config"])
+    retuned = identity.described(
+        recorded, job.config, lambda k: not identity.covered(k, list(WHERE_AND_HOW_LONG))
+    )
+    previous = rundir.read_status()
+    history = {"started": started, "resumes": []}
+    if isinstance(previous.get("started"), (int, float)):
+        resumes = list(previous.get("resumes") or [])
+        resumes += [] if complete else [{"step": ckpt.step, "time": time.time()}]
+        history = {"started": previous["started"], "resumes": resumes}
+    return Plan(
+        lineage,
+        ckpt,
+        complete=complete,
+        settled=complete and previous.get("status") == "complete",
+        metrics=None if complete else kept,
+        fallback=tuple(skipped),
+        cut=not complete and len(kept) < len(lines),
+        retuned=tuple(retuned),
+        allowed=allowed_,
+        other_code=mf.code_change(ckpt.manifest, job.facts) or "",
+        notes=notes,
+        history=history,
+    )
+
+
+def _fork(rundir, job, resume, source: Path, started: float, fresh: dict) -> Plan:
+    """Another run's checkpoint as this run's start (again: this fork's own newest checkpoint)."""
+    source = (
+        CheckpointDir(source).resolved().resolve()
+    )  # a link out of a run is refused, not followed
+    src = CheckpointDir(source).load()  # its fit is checked once the drift is known
+    lineage = (
+        job.lineage
+    )  # its origin was read as the run was named (origin_of): the same checkpoint
+    if _origin(source, src.manifest) != lineage["origin"]:
+        raise CheckpointError(
+            source,
+            "",
+            "not the checkpoint this run was named after (it changed while the run "
+            "started, or stages.resume.source is not resume.source)",
+        )
+    own, skipped = rundir.store.newest_valid(job.parts)
+    if own is not None and own.manifest["lineage"]["id"] == lineage["id"]:
+        return _continued(rundir, job, resume, own, lineage, started, skipped)  # this fork, again
+    allowed_, notes = _restore(job, src, resume.allow_changes, fork=True)
+    owner = RunDir.of_checkpoint(source)  # the source's run directory, if it is a step of one
+    lines = owner.read_metrics() if owner is not None else []
+    return Plan(
+        lineage,
+        src,
+        metrics=tuple(ln for ln in lines if ln["step"] <= src.step),
+        supersede=str(source) if holds_history(rundir) else None,
+        allowed=allowed_,
+        other_code=mf.code_change(src.manifest, job.facts) or "",
+        notes=notes,
+        history={"started": started, "resumes": []},
+    )
+
+
+def _restore(job, ckpt: Checkpoint, allow: list[str], fork: bool = False) -> tuple[dict, tuple]:
+    """Refuse drift not allowed or not applicable, else restore every part of `job`: ({key: [old, new]}, the
+    stages' notes). Refused too if nothing is left to train and it is not this directory's complete run (a fork
+    of a run that ended, a step past this config's total): it would end without a checkpoint of its own."""
+    changes = drift(ckpt.manifest, job)
+    refuse(changes, allow, ckpt.directory)
+    try:
+        restore(job.parts, ckpt.state)
+    except StateMismatch as e:
+        why = f" (with the allowed changes {', '.join(changes)})" if changes else ""
+        raise CheckpointError(
+            ckpt.directory,
+            files_of(e, ckpt.state, capture(job.parts)),
+            f"{e.part} does not fit the live run{why}: {e.reason}",
+        ) from None
+    states = job.parts["stages"]
+    for s in job.stages:
+        if s.name in states.fresh:
+            s.start_at(ckpt.step)
+    state = job.state
+    if changes:
+        state.progress.ended = None  # e.g. more steps for a finished run
+    if fork and state.progress.ended is not None:
+        raise DriftError(
+            f"refusing to resume from {ckpt.directory}: its run ended there (at step {ckpt.step}, "
+            f"{state.progress.ended}), so a fork of it trains nothing; use that checkpoint as it is, or "
+            "train it on with a larger trainer.max_steps and resume.allow_changes=[trainer.max_steps]"
+        )
+    if state.progress.ended is None and state.step >= state.total_steps:
+        raise DriftError(
+            f"refusing to resume from {ckpt.directory}: it is at step {ckpt.step}, and this config "
+            f"ends at step {state.total_steps} (trainer.max_steps or trainer.epochs): nothing is left to "
+            "train; resume from an earlier checkpoint or train longer"
+        )
+    return {k: [old, new] for k, (old, new) in changes.items()}, tuple(states.notes)
+
+
+def _sibling(rundir: RunDir, job) -> str:
+    """When the newest run of the same experiment differs from this one: how, and how to continue it."""
+    here, siblings = rundir.path, []
+    for p in here.parent.glob(f"{job.config.get('name', 'run')}-*"):
+        if p == here or not p.is_dir() or p.is_symlink():
+            continue
+        try:
+            status = RunDir(p).read_status()
+        except CheckpointError:
+            continue  # another run's damaged run.json: that run's business, not this one's
+        if isinstance(status.get("updated"), (int, float)) and status.get("status") in (
+            "complete",
+            "preempted",
+            "failed",
+            "running",
+        ):
+            siblings.append((status["updated"], p, status))
+    if not siblings:
+        return ""
+    _, other, status = max(siblings)
+    store = RunDir(other).store
+    try:
+        found = store.newest_manifest()
+    except OSError:  # a stray file or link in its checkpoints/: nothing to point at
+        return ""
+    if found is None:
+        return ""
+    newest, manifest = found
+    changes = drift(manifest, job)
+    if not changes or len(changes) > MAX_HINTED:
+        return ""
+    # data.x covers the data
+    keys = ",".join(k for k in changes if not allowed(k, [c for c in changes if c != k]))
+    what = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+    finished = status["status"] == "complete"
+    how = (
+        "; to continue that one instead use resume.source="
+        f"{store.root / ('final' if finished else newest.name)} resume.allow_changes=[{keys}]"
+    )
+    said = "finished" if finished else "interrupted"
+    end = how if manifest["step"] < job.state.total_steps else ""  # else refused
+    return (
+        f"this config differs from the {said} run {other.name} in {what}: starting a new run{end}"
+    )
+
+
+def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
+    """Set-up's one durable change, whole (a signal waits for its end): what the plan moves to superseded/ and
+    metrics.jsonl cut back; then the plan in the log's words (`state`: the restored TrainState)."""
+    moved = aside = None
+    with signals.atomic():
+        if plan.supersede is not None:
+            moved = rundir.supersede()
+        elif (plan.fallback or plan.cut or plan.retuned) and not (plan.settled or rundir.read_only):
+            fallback = [d for d, _, _ in plan.fallback]
+            aside = rundir.set_aside(fallback, metrics=plan.cut, snapshot=bool(plan.retuned))
+        if plan.metrics is not None:
+            rundir.keep_metrics(list(plan.metrics))
+    for _, what, error in plan.fallback:
+        log.warning(
+            "not resuming from %s (kept in superseded/, nothing is deleted), falling back: %s",
+            what,
+            error,
+        )
+    if (foreign := plan.foreign) is not None:
+        log.warning(
+            "%s is a fork's (of %s), written where a clean run's directory is before forks were named "
+            "apart: not this run's history",
+            foreign.directory,
+            foreign.manifest["lineage"]["origin"].get("checkpoint"),
+        )
+    step = plan.resumed.step if plan.resumed is not None else 0
+    for note in plan.notes:
+        log.info("resuming at step %d: stages.%s", step, note)
+    if plan.allowed:
+        changed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in plan.allowed.items())
+        log.warning("resuming with allowed changes, in effect from step %d: %s", step, changed)
+    if moved is not None and plan.supersede == "fresh":
+        log.warning(
+            "this run directory held an earlier run history that this start does not continue; moved it "
+            "to %s (nothing deleted)",
+            moved,
+        )
+    elif moved is not None:
+        log.warning(
+            "this run directory held another run history; moved it to %s (nothing deleted) to "
+            "continue from %s",
+            moved,
+            plan.supersede,
+        )
+    if plan.resumed is None:
+        log.info("starting a new run in %s", rundir.path)
+        if plan.sibling:
+            log.info("%s", plan.sibling)
+        return
+    if plan.other_code:
+        log.warning(
+            "%s %s was trained by other code than this: %s; %s",
+            "run" if plan.complete else "checkpoint",
+            plan.resumed.directory,
+            plan.other_code,
+            "it is left as it is (resume=never trains it anew with this code)"
+            if plan.complete
+            else "resuming with this code (resume=never trains anew)",
+        )
+    if not plan.complete:
+        log.info(
+            "resuming from step %d of %d (epoch %d): %s",
+            plan.resumed.step,
+            state.total_steps,
+            state.epoch,
+            plan.resumed.directory,
+        )
+    if aside is not None:
+        kept = [p.name for p, _, _ in plan.fallback] + ["metrics.jsonl"] * plan.cut
+        if plan.retuned:
+            changed = ", ".join(plan.retuned)
+            kept.append(f"the checkpoints as they stood (changed since the checkpoint: {changed})")
+        log.warning("kept in %s (nothing is deleted): %s", aside, "; ".join(kept))
