@@ -48,9 +48,8 @@ def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
     for f in Path(conf_dir).rglob("*.yaml"):
         try:
             text = reading.read_bytes(f, 1 << 20).decode(errors="replace")
-        except (
-            OSError
-        ):  # a link, a FIFO, a file over 1 MiB: left to Hydra's own way, whatever it makes of it
+        # a link, a FIFO, a file over 1 MiB: left to Hydra's own way, whatever it makes of it
+        except OSError:
             return False
         if _MODE_FROM.search(text):
             return False
@@ -150,9 +149,8 @@ def main() -> int | None:
             sweep = job_of(hydra_cfg)
         try:
             config = to_plain(cfg)
-        except (
-            OmegaConfBaseException
-        ) as e:  # a value missing or not resolving: one line naming the key
+        # a value missing or not resolving: one line naming the key
+        except OmegaConfBaseException as e:
             key = getattr(e, "full_key", None)
             hint = " (data=text needs data.path=FILE)" if key == "data.path" else ""
             # a Refusal passes Hydra, which writes a line of its own over a task's Exception
@@ -177,9 +175,8 @@ def main() -> int | None:
     except Exception as e:
         if SIGNALS_STATE.interrupted_start():
             raise  # the handler's exception, raised inside a library (composing, building), came out as another
-        if (
-            sweep := SIGNALS_STATE.launching
-        ) is not None:  # the sweep this process launches ends here
+        # the sweep this process launches ends here
+        if (sweep := SIGNALS_STATE.launching) is not None:
             from pipeline.files.atomic import environment_error
 
             # on a full or read-only disk its sweep.json says so (if the disk lets it); refused before any job ran
@@ -194,9 +191,8 @@ def main() -> int | None:
                     sweep.end_unfinished(f"{type(e).__name__}: {e}")
         if started or not report_own or exit_code(e) is not None:
             raise
-        raise ConfigError(
-            f"bad config or override: {error_line(e)}"
-        ) from e  # Hydra refused to compose the jobs
+        # Hydra refused to compose the jobs
+        raise ConfigError(f"bad config or override: {error_line(e)}") from e
 
 
 def run_tool(tool: str) -> None:

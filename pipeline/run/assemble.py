@@ -116,9 +116,8 @@ class Job:
     sources: dict  # SOURCES keys -> sha256 of the file's bytes
     facts: dict  # the run-level manifest fields
     lineage: dict  # the history it starts (identity.Identity.lineage; a fork's names its origin)
-    tracker: Tracker = field(
-        default_factory=Tracker
-    )  # run/job.py build() gives a run its tracker and directory
+    # run/job.py build() gives a run its tracker and directory
+    tracker: Tracker = field(default_factory=Tracker)
     run_dir: Path | None = None
 
     @property

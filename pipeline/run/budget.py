@@ -15,9 +15,8 @@ def process_age() -> float:
     try:
         with open("/proc/self/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-        started = int(fields[19]) / os.sysconf(
-            "SC_CLK_TCK"
-        )  # field 22 of stat(5), in clock ticks since boot
+        # field 22 of stat(5), in clock ticks since boot
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
         return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
     except (OSError, ValueError, IndexError, AttributeError):
         return monotonic() - _IMPORTED
@@ -33,9 +32,8 @@ class Budget:
             else monotonic() - (process_age() if age is None else age) + seconds
         )
         self.last_end: float | None = None
-        self.slowest_step = (
-            0.0  # step end to step end: the update, its evaluation, logging and any save
-        )
+        # step end to step end: the update, its evaluation, logging and any save
+        self.slowest_step = 0.0
         self.slowest_save = 0.0
 
     def step_ended(self) -> bool:

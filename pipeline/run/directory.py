@@ -69,12 +69,10 @@ class RunDir:
         self.overrides_path = self.hydra_dir / "overrides.yaml"
         self.checkpoints = self.path / "checkpoints"
         self._fd: int | None = None
-        self.read_only = (
-            False  # on a read-only medium: a complete run may be confirmed, nothing written
-        )
-        self.created = (
-            False  # acquire() made the directory: forget() removes it again while it holds nothing
-        )
+        # on a read-only medium: a complete run may be confirmed, nothing written
+        self.read_only = False
+        # acquire() made the directory: forget() removes it again while it holds nothing
+        self.created = False
 
     @functools.cached_property
     def store(self) -> CheckpointStore:

@@ -163,9 +163,8 @@ def _job(
         run = Run(job, rundir, planned, SIGNALS_STATE, context)
         with SIGNALS_STATE.deferring():
             try:
-                if (
-                    not rundir.read_only and not planned.settled
-                ):  # a finished run's re-run changes nothing
+                # a finished run's re-run changes nothing
+                if not rundir.read_only and not planned.settled:
                     file_handler = QuietFileHandler(rundir.claim(config_yaml, overrides))
                     file_handler.setFormatter(
                         logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
@@ -209,9 +208,8 @@ def build(config: dict, sweep: SweepJob | None = None) -> Job:
     plan.settings(config)
     # a fork is named by its origin too
     ident = identity.identify(config, plan.origin_of(config["resume"]["source"]))
-    check_pairing(
-        config
-    )  # before the tracker prepares: it makes the output directory and its store
+    # before the tracker prepares: it makes the output directory and its store
+    check_pairing(config)
     check_monitors(config)
     tracker = build_tracker(config, sweep)
     tracker.prepare()  # the tracking agent starts (or is found warm) while the data and the model are built

@@ -169,19 +169,15 @@ class Plan:
     complete: bool = False  # the resumed run ended: confirmed as it is, nothing trained
     settled: bool = False  # complete, and its run.json says so: a re-run changes no file of it
     metrics: tuple[dict, ...] | None = None  # what metrics.jsonl is cut to (None: left as it is)
-    fallback: tuple[
-        tuple[Path, str, str], ...
-    ] = ()  # (step dir, what, why) passed over, newest first
+    # (step dir, what, why) passed over, newest first
+    fallback: tuple[tuple[Path, str, str], ...] = ()
     cut: bool = False  # metrics.jsonl holds lines past the resumed step: kept whole aside
-    retuned: tuple[
-        str, ...
-    ] = ()  # changed since the checkpoint: its checkpoints kept as they stood
-    supersede: str | None = (
-        None  # "fresh", or a fork's source: the whole earlier history moves aside
-    )
-    allowed: dict = field(
-        default_factory=dict
-    )  # {key: [old, new]} that resume.allow_changes let through
+    # changed since the checkpoint: its checkpoints kept as they stood
+    retuned: tuple[str, ...] = ()
+    # "fresh", or a fork's source: the whole earlier history moves aside
+    supersede: str | None = None
+    # {key: [old, new]} that resume.allow_changes let through
+    allowed: dict = field(default_factory=dict)
     other_code: str = ""  # how the code that trained the checkpoint differs from this
     notes: tuple[str, ...] = ()  # the stages whose state was not restored, and why
     foreign: Checkpoint | None = None  # a fork's newest checkpoint in a clean run's directory
@@ -214,9 +210,8 @@ def plan(rundir: RunDir, job, resume: Resume, started: float, in_sweep: bool) ->
 
 def _fresh(rundir: RunDir, job, started: float, in_sweep: bool, fallback=(), foreign=None) -> Plan:
     """A history from scratch: what an earlier one left (none of which this run can continue) moves aside."""
-    moves = (
-        holds_history(rundir) and not rundir.read_only
-    )  # read-only: refused next, nothing written
+    # read-only: refused next, nothing written
+    moves = holds_history(rundir) and not rundir.read_only
     return Plan(
         identity.lineage_of(job.semantic_hash, None),
         fallback=tuple(fallback),
@@ -261,13 +256,11 @@ def _continued(rundir, job, resume, ckpt, lineage, started, skipped) -> Plan:
 
 def _fork(rundir, job, resume, source: Path, started: float, fresh: dict) -> Plan:
     """Another run's checkpoint as this run's start (again: this fork's own newest checkpoint)."""
-    source = (
-        CheckpointDir(source).resolved().resolve()
-    )  # a link out of a run is refused, not followed
+    # a link out of a run is refused, not followed
+    source = CheckpointDir(source).resolved().resolve()
     src = CheckpointDir(source).load()  # its fit is checked once the drift is known
-    lineage = (
-        job.lineage
-    )  # its origin was read as the run was named (origin_of): the same checkpoint
+    # its origin was read as the run was named (origin_of): the same checkpoint
+    lineage = job.lineage
     if _origin(source, src.manifest) != lineage["origin"]:
         raise CheckpointError(
             source,

@@ -162,9 +162,8 @@ def end_block(
         if samples:
             sample = f"{py} {shlex.join(['-m', 'pipeline.sample', str(target), *configs])}"
             lines.append(f'  sample      {sample} prompt=""')
-    if (
-        tracking_uri and ui_server(tracking_uri) == tracking_uri
-    ):  # a server: its UI is at its address
+    # a server: its UI is at its address
+    if tracking_uri and ui_server(tracking_uri) == tracking_uri:
         lines.append(f"  mlflow ui   {ui_page(tracking_uri, experiment_id)}")
     elif tracking_uri:
         lines.append(f"  mlflow ui   {ui_command(tracking_uri)}")

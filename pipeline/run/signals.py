@@ -25,9 +25,8 @@ from typing import NoReturn
 from pipeline.config.errors import EXIT_PREEMPTED, Refusal, exit_code
 
 log = logging.getLogger("pipeline")
-MARKER = (
-    "interrupted"  # a stopped sweep's file in its directory: its jobs check it before they start
-)
+# a stopped sweep's file in its directory: its jobs check it before they start
+MARKER = "interrupted"
 # USR1 is what `--signal=USR1@N` sends before a SLURM time limit, USR2 what submitit asks SLURM for; HUP what
 # a closed terminal or a dropped ssh session sends (its default would end the process with -1, unsaved).
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
@@ -73,12 +72,10 @@ class Signals:
         self.received: int | None = None
         self.mode = RAISE
         self.installed = False
-        self.marker: Path | None = (
-            None  # a sweep's "interrupted" file, which its jobs check before starting
-        )
-        self.slurm_jobs: Path | None = (
-            None  # a SLURM sweep's submitit folder (its job ids), jobs not ours
-        )
+        # a sweep's "interrupted" file, which its jobs check before starting
+        self.marker: Path | None = None
+        # a SLURM sweep's submitit folder (its job ids), jobs not ours
+        self.slurm_jobs: Path | None = None
         self.launching = None  # the sweep callback of the sweep this process launches: the entry ends or undoes it
         self.held = False  # a run has held its directory (deferring) in this process
 
@@ -87,13 +84,11 @@ class Signals:
         if self.installed or threading.current_thread() is not threading.main_thread():
             return
         previous, spec = sys.excepthook, getattr(sys.modules.get("__main__"), "__spec__", None)
-        name = (
-            getattr(spec, "name", None) or "pipeline"
-        )  # the module `python -m` runs, or the main entry
+        # the module `python -m` runs, or the main entry
+        name = getattr(spec, "name", None) or "pipeline"
 
-        def hook(
-            kind, value, tb
-        ):  # a signal while an entry point's modules are still imported: one line
+        # a signal while an entry point's modules are still imported: one line
+        def hook(kind, value, tb):
             if not isinstance(value, Interrupted):
                 return previous(kind, value, tb)
             _interrupted(name.removesuffix(".__main__"), value.args[0], "nothing was written")
@@ -101,9 +96,8 @@ class Signals:
             self.finish()
             os._exit(EXIT_PREEMPTED)
 
-        sys.excepthook = (
-            hook  # first: a signal between two of the handlers below already ends in one line
-        )
+        # first: a signal between two of the handlers below already ends in one line
+        sys.excepthook = hook
         unraisable = sys.unraisablehook
 
         def swallow(
@@ -209,9 +203,8 @@ class Signals:
         return stopped_here or bool(sweep_dir and (Path(sweep_dir) / MARKER).exists())
 
 
-SIGNALS_STATE = (
-    Signals()
-)  # one per process: the entry point installs it before importing anything heavy
+# one per process: the entry point installs it before importing anything heavy
+SIGNALS_STATE = Signals()
 
 
 def command(name: str):

@@ -34,9 +34,8 @@ def requeue_self() -> tuple[bool, str] | None:
         state, reason = fields.get("JobState", "?"), fields.get("Reason", "?")
         if requeued_already(fields):
             return True, f"SLURM job {job} is being requeued: it resumes from its newest checkpoint"
-        if (
-            state != "RUNNING" and reason != "TimeLimit"
-        ):  # ending for good (scancel): a requeue would revive it
+        # ending for good (scancel): a requeue would revive it
+        if state != "RUNNING" and reason != "TimeLimit":
             return (
                 False,
                 f"SLURM job {job} is {state} (reason {reason}): it ends here, not requeued",

@@ -33,9 +33,8 @@ class SweepParent:
 class Tracker:
     """Every call returns quickly: the training loop never waits for tracking."""
 
-    sweep_parent: type[SweepParent] = (
-        SweepParent  # what a sweep tracked this way builds for its parent run
-    )
+    # what a sweep tracked this way builds for its parent run
+    sweep_parent: type[SweepParent] = SweepParent
 
     def __init__(self, **_):
         pass

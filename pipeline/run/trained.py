@@ -27,9 +27,8 @@ from pipeline.trainer.state import TrainState
 log = logging.getLogger("pipeline")
 # What a data override may name: the data itself, where its cache lives, and where configs are found.
 DATA_KEYS = ("data", "paths.output_dir", "hydra.searchpath")
-SLACK_BYTES = (
-    64 << 20
-)  # a model may exceed twice its weights file by this much before it is refused unbuilt
+# a model may exceed twice its weights file by this much before it is refused unbuilt
+SLACK_BYTES = 64 << 20
 
 
 class UnknownTargetError(CheckpointError):
@@ -47,9 +46,8 @@ def restore_checkpoint(
     checkpoint = CheckpointDir(directory)
     # bounded, and its hashes agree with its config: nothing built yet
     manifest = checkpoint.manifest()
-    recorded = written_now(
-        manifest["config"]
-    )  # stages.resume and stages.train as they are named now
+    # stages.resume and stages.train as they are named now
+    recorded = written_now(manifest["config"])
     try:
         targets.check(recorded, targets.allowed(tuple(overrides)))
     except targets.UnknownTarget as e:
@@ -174,12 +172,10 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
         except (HydraException, OmegaConfBaseException) as e:
             raise ConfigError(f"bad override: {error_line(e)}") from None
     else:
-        node = as_written_now(
-            copy.deepcopy(manifest["config"]["data"])
-        )  # a key it predates, or null then
-        schema = SCHEMAS.get(
-            str(node.get("_target_"))
-        )  # the checkpoint's data node, typed by its schema
+        # a key it predates, or null then
+        node = as_written_now(copy.deepcopy(manifest["config"]["data"]))
+        # the checkpoint's data node, typed by its schema
+        schema = SCHEMAS.get(str(node.get("_target_")))
         cfg = (
             OmegaConf.merge(OmegaConf.structured(schema), node)
             if schema
@@ -200,9 +196,8 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     return config
 
 
-def _built(
-    manifest: dict, overrides: list[str], directory: Path
-) -> tuple[dict, Any]:  # (config, its dataset)
+# (config, its dataset)
+def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict, Any]:
     from pipeline.run.assemble import build_dataset
 
     config = data_config(manifest, list(overrides), directory)

@@ -77,9 +77,8 @@ class Watch(Stage):
         self.monitor, self.mode = str(monitor), str(mode)
         self.best: float | None = None
         self.best_step: int | None = None
-        self.since = (
-            0  # the step this best history began at (a resume that changed monitor or mode)
-        )
+        # the step this best history began at (a resume that changed monitor or mode)
+        self.since = 0
 
     def state_dict(self) -> dict:
         return {

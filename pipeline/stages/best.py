@@ -19,15 +19,13 @@ class BestVal(Watch):
         super().__init__(monitor, mode, order)  # keep >= 1, filename a pattern: config/schemas.py
         self.keep = int(keep)
         self.filename = filename  # a pattern naming each kept checkpoint by its values (`{step}-{val/loss:.3f}`)
-        self.top: list[
-            tuple[float, int]
-        ] = []  # the `keep` best (value, step) since `since`, best first
+        # the `keep` best (value, step) since `since`, best first
+        self.top: list[tuple[float, int]] = []
 
     def wants_checkpoint(self, end: StepEnd) -> bool:
         top = admit(self.top, end.metrics.get(self.monitor), end.step, self.keep, self.mode)
-        if (
-            top is None
-        ):  # NaN and infinities never enter, nor a value no better than the keep-th best
+        # NaN and infinities never enter, nor a value no better than the keep-th best
+        if top is None:
             return False
         self.top = top
         self.best, self.best_step = top[0]

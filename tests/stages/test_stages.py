@@ -3,8 +3,11 @@ removing, re-tuning and adding stages by override, typed stage options."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
-from conftest import KERNODECK, compose, run_job, the_run
+from conftest import KERNODECK, compose, env_for_subprocess, run_job, the_run
 
 from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.run.directory import RunDir
@@ -146,3 +149,35 @@ def test_stage_options_are_typed(override, key, tmp_path):
     with pytest.raises((HydraException, OmegaConfBaseException, ConfigError)) as info:
         validate(to_plain(compose(*KERNODECK, override, f"paths.output_dir={tmp_path}")))
     assert key.split(".")[-1] in str(info.value)
+
+
+def test_a_stage_is_a_policy_fed_plain_values_that_never_sees_the_run():
+    """Importing every stage module imports nothing of pipeline/run/ (a second process: this one has), and no
+    method of a stage takes the run or a run directory: it is handed a StepEnd and its own saved state."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import pipeline.stages as package
+    from pipeline.stages.base import Stage
+
+    code = (
+        "import importlib, pkgutil, sys, pipeline.stages as p\n"
+        "for m in pkgutil.iter_modules(p.__path__): importlib.import_module('pipeline.stages.' + m.name)\n"
+        "print(sorted(k for k in sys.modules if k.startswith('pipeline.run')))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env_for_subprocess(), capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr + proc.stdout
+    stages = {
+        c
+        for m in pkgutil.iter_modules(package.__path__)
+        for _, c in inspect.getmembers(importlib.import_module(f"pipeline.stages.{m.name}"))
+        if inspect.isclass(c) and issubclass(c, Stage)
+    }
+    assert len(stages) >= 5 and not hasattr(Stage, "setup") and not hasattr(Stage, "run")
+    for cls in stages:
+        for name, method in inspect.getmembers(cls, inspect.isfunction):
+            taken = set(inspect.signature(method).parameters)
+            assert not taken & {"run", "rundir", "job"}, f"{cls.__name__}.{name} takes {taken}"
