@@ -12,7 +12,6 @@ import os
 import time
 from pathlib import Path
 
-from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.config.errors import CommandError
@@ -21,13 +20,10 @@ from pipeline.files import jsonio, reading
 from pipeline.files.atomic import (
     UnsafePathError,
     ensure_dirs,
-    fsync_dir,
-    move,
     named,
     open_append,
     refuse_link,
     replace_file,
-    second_name,
 )
 
 MAX_RUN_JSON = 16 << 20
@@ -318,59 +314,3 @@ class RunDir:
 
     def open_metrics(self):
         return open_append(self.metrics_path)
-
-    # --- the rest
-    def _superseded_dir(self) -> Path:
-        dest = ensure_dirs(self.path, "superseded") / time.strftime("%Y%m%d-%H%M%S")
-        n = 0
-        while os.path.lexists(dest):
-            n += 1
-            dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
-        os.mkdir(dest)
-        return dest
-
-    def supersede(self) -> Path:
-        """Move the run history (checkpoints, metrics, status) into superseded/<when>/, returned; nothing is deleted."""
-        dest = self._superseded_dir()
-        if os.path.lexists(self.store.root):
-            move(self.store.root, dest / self.store.root.name, copy=self._names_again)
-        for p in (self.metrics_path, self.status_path):
-            if os.path.lexists(p):
-                move(p, dest / p.name)
-        fsync_dir(self.path)
-        self.store = CheckpointStore(self.store.root)
-        return dest
-
-    @staticmethod
-    def _names_again(store: Path, dest: Path) -> None:
-        """In `dest` (made if missing), every step directory of the store `store` (CheckpointDir.second_names: hard
-        links, or fsynced copies across filesystems) and its links, as they stand."""
-        if not os.path.isdir(dest):
-            os.mkdir(dest)
-        steps, links = CheckpointStore(store).scan()
-        for _, d in steps:
-            CheckpointDir(d).second_names(dest / d.name)
-        for name, target in links.items():
-            os.symlink(target, dest / name)
-        fsync_dir(dest)
-
-    def set_aside(self, step_dirs: list[Path], metrics: bool, snapshot: bool) -> Path:
-        """Into superseded/<when>/, returned: these step directories, moved; with `snapshot`, every other step
-        directory (its files' second names, CheckpointDir.second_names: no byte copied) and link of checkpoints/
-        as it stands; with `metrics`, metrics.jsonl as it is now, a second name for the file until it is rewritten."""
-        dest = self._superseded_dir()
-        if step_dirs or snapshot:
-            kept = dest / self.store.root.name
-            os.mkdir(kept)
-            for d in step_dirs:
-                move(d, kept / d.name, copy=lambda step, to: CheckpointDir(step).second_names(to))
-            if snapshot:
-                self._names_again(self.store.root, kept)
-            fsync_dir(kept)
-            fsync_dir(self.store.root)
-        if metrics and os.path.lexists(self.metrics_path):
-            refuse_link(self.metrics_path)
-            second_name(self.metrics_path, dest / self.metrics_path.name)
-        fsync_dir(dest)
-        self.store = CheckpointStore(self.store.root)
-        return dest

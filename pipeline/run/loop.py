@@ -71,14 +71,11 @@ class Context:
 
 
 class Run:
+    """A job in its run directory continuing its plan's history: 8 attributes, set-up's state in the plan."""
+
     def __init__(self, job: Job, rundir: RunDir, plan: Plan, signals: Signals, context: Context):
-        self.job, self.rundir, self.plan, self.signals, self.context = (
-            job,
-            rundir,
-            plan,
-            signals,
-            context,
-        )
+        self.job, self.rundir, self.plan = job, rundir, plan
+        self.signals, self.context = signals, context
         max_time = job.config["trainer"].get("max_time")
         self.budget = budget.Budget(None if max_time is None else parse_duration(max_time))
         # absent from a config older than the key

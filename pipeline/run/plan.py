@@ -4,6 +4,7 @@ durable change and says it in the log (docs/stages.md: Resuming)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,10 +12,12 @@ from pathlib import Path
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.directory import Checkpoint, CheckpointDir, file_hashes, files_of
 from pipeline.checkpoint.errors import CheckpointError
+from pipeline.checkpoint.store import CheckpointStore
 from pipeline.config import identity
 from pipeline.config.errors import CommandError, ConfigError
 from pipeline.config.targets import hydra_quoted
 from pipeline.files import killpoint
+from pipeline.files.atomic import ensure_dirs, fsync_dir, move, refuse_link, second_name
 from pipeline.run.directory import RunDir
 from pipeline.stateful import StateMismatch, capture, restore
 
@@ -224,9 +227,9 @@ def _fresh(rundir: RunDir, job, started: float, in_sweep: bool, fallback=(), for
 
 def _continued(rundir, job, resume, ckpt, lineage, started, skipped) -> Plan:
     """This directory's own history from `ckpt` on (its metrics cut back to the checkpoint's step)."""
+    lines = rundir.read_metrics()  # read first: a damaged metrics.jsonl is named before any drift
     allowed_, notes = _restore(job, ckpt, resume.allow_changes)
     complete = job.state.progress.ended is not None
-    lines = rundir.read_metrics()
     kept = tuple(ln for ln in lines if ln["step"] <= ckpt.step)
     recorded = written_now(ckpt.manifest["config"])
     retuned = identity.described(
@@ -375,10 +378,10 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
     moved = aside = None
     with signals.atomic():
         if plan.supersede is not None:
-            moved = rundir.supersede()
+            moved = _supersede(rundir)
         elif (plan.fallback or plan.cut or plan.retuned) and not (plan.settled or rundir.read_only):
             fallback = [d for d, _, _ in plan.fallback]
-            aside = rundir.set_aside(fallback, metrics=plan.cut, snapshot=bool(plan.retuned))
+            aside = _set_aside(rundir, fallback, metrics=plan.cut, snapshot=bool(plan.retuned))
         if plan.metrics is not None:
             rundir.keep_metrics(list(plan.metrics))
     for _, what, error in plan.fallback:
@@ -442,3 +445,61 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
             changed = ", ".join(plan.retuned)
             kept.append(f"the checkpoints as they stood (changed since the checkpoint: {changed})")
         log.warning("kept in %s (nothing is deleted): %s", aside, "; ".join(kept))
+
+
+# --- the moves apply makes: into superseded/<when>/ of the run directory, nothing deleted
+def _superseded(rundir: RunDir) -> Path:
+    dest = ensure_dirs(rundir.path, "superseded") / time.strftime("%Y%m%d-%H%M%S")
+    n = 0
+    while os.path.lexists(dest):
+        n += 1
+        dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+    os.mkdir(dest)
+    return dest
+
+
+def _supersede(rundir: RunDir) -> Path:
+    """The whole history (checkpoints, metrics, status) moved into superseded/<when>/, returned."""
+    dest, store = _superseded(rundir), rundir.store.root
+    if os.path.lexists(store):
+        move(store, dest / store.name, copy=_names_again)
+    for p in (rundir.metrics_path, rundir.status_path):
+        if os.path.lexists(p):
+            move(p, dest / p.name)
+    fsync_dir(rundir.path)
+    rundir.store = CheckpointStore(store)
+    return dest
+
+
+def _names_again(store: Path, dest: Path) -> None:
+    """In `dest` (made if missing), every step directory of `store` (CheckpointDir.second_names: hard links, or
+    fsynced copies across filesystems) and its links, as they stand."""
+    if not os.path.isdir(dest):
+        os.mkdir(dest)
+    steps, links = CheckpointStore(store).scan()
+    for _, d in steps:
+        CheckpointDir(d).second_names(dest / d.name)
+    for name, target in links.items():
+        os.symlink(target, dest / name)
+    fsync_dir(dest)
+
+
+def _set_aside(rundir: RunDir, step_dirs: list[Path], metrics: bool, snapshot: bool) -> Path:
+    """Into superseded/<when>/, returned: `step_dirs`, moved; with `snapshot`, every other step directory and link
+    of checkpoints/ as it stands (second names: no byte copied); with `metrics`, a second name of metrics.jsonl."""
+    dest, store = _superseded(rundir), rundir.store.root
+    if step_dirs or snapshot:
+        kept = dest / store.name
+        os.mkdir(kept)
+        for d in step_dirs:
+            move(d, kept / d.name, copy=lambda step, to: CheckpointDir(step).second_names(to))
+        if snapshot:
+            _names_again(store, kept)
+        fsync_dir(kept)
+        fsync_dir(store)
+    if metrics and os.path.lexists(rundir.metrics_path):
+        refuse_link(rundir.metrics_path)
+        second_name(rundir.metrics_path, dest / rundir.metrics_path.name)
+    fsync_dir(dest)
+    rundir.store = CheckpointStore(store)
+    return dest

@@ -1,12 +1,6 @@
-"""SIGTERM, SIGINT, SIGUSR1/2 and SIGHUP, from the first instruction of a job to its last: never a traceback.
-
-Before a run is set up nothing durable is written (supersede() is `atomic()`): a signal raises `Interrupted`,
-one line. While it trains (`deferring()`) a signal sets a flag: the update finishes, a checkpoint is written,
-exit EXIT_PREEMPTED. Only the first counts; once the exit code is decided (`finish()`) the kernel ignores them
-(SIG_IGN: a blocked mask would leave them to another thread), so Python's default action at shutdown (-15)
-never applies. A sweep's launcher (`sweeping()`) passes one on to its jobs' processes, which checkpoint and
-stop, and marks the sweep: jobs not started refuse to, and the identical command continues it.
-"""
+"""SIGTERM, SIGINT, SIGUSR1/2 and SIGHUP, from a job's first instruction to its last: never a traceback. Set-up
+raises `Interrupted` at once (run/plan.apply is `atomic()`); training defers (`deferring()`): checkpoint, exit 75
+(docs/stages.md: Exit codes); a sweep's launcher passes a signal on (`sweeping()`); run_command is the one exit."""
 
 from __future__ import annotations
 

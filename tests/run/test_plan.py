@@ -128,3 +128,20 @@ def test_a_checkpoint_of_other_code_is_continued_and_said(preempted, monkeypatch
     monkeypatch.setattr(mf, "code_change", lambda manifest, facts=None: "commit 0123 -> 4567")
     p = planned(preempted)
     assert p.resumed is not None and p.other_code == "commit 0123 -> 4567" and not p.complete
+
+
+def test_a_run_holds_its_plan_and_at_most_8_attributes(finished_job):
+    from pipeline.run.loop import Context, Run
+    from pipeline.run.signals import SIGNALS_STATE
+
+    out = finished_job(*KERNODECK)
+    config = config_of(*KERNODECK, f"paths.output_dir={out}")
+    job = build(config)
+    try:
+        assert job.run_dir is not None
+        rundir = RunDir(job.run_dir)
+        p = plan(rundir, job, settings(config)[0], started=1.0, in_sweep=False)
+        run = Run(job, rundir, p, SIGNALS_STATE, Context(1.0, [], in_sweep=False))
+        assert run.plan is p and len(vars(run)) <= 8, sorted(vars(run))
+    finally:
+        job.state.close()
