@@ -336,12 +336,8 @@ def _sibling(rundir: RunDir, job) -> str:
             status = RunDir(p).read_status()
         except CheckpointError:
             continue  # another run's damaged run.json: that run's business, not this one's
-        if isinstance(status.get("updated"), (int, float)) and status.get("status") in (
-            "complete",
-            "preempted",
-            "failed",
-            "running",
-        ):
+        ended = status.get("status") in ("complete", "preempted", "failed", "running")
+        if isinstance(status.get("updated"), (int, float)) and ended:
             siblings.append((status["updated"], p, status))
     if not siblings:
         return ""
@@ -384,12 +380,9 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
             aside = _set_aside(rundir, fallback, metrics=plan.cut, snapshot=bool(plan.retuned))
         if plan.metrics is not None:
             rundir.keep_metrics(list(plan.metrics))
-    for _, what, error in plan.fallback:
-        log.warning(
-            "not resuming from %s (kept in superseded/, nothing is deleted), falling back: %s",
-            what,
-            error,
-        )
+    for _, what, why in plan.fallback:
+        aside_ = "(kept in superseded/, nothing is deleted)"
+        log.warning("not resuming from %s %s, falling back: %s", what, aside_, why)
     if (foreign := plan.foreign) is not None:
         log.warning(
             "%s is a fork's (of %s), written where a clean run's directory is before forks were named "

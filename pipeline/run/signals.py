@@ -94,10 +94,9 @@ class Signals:
         sys.excepthook = hook
         unraisable = sys.unraisablehook
 
-        def swallow(
-            u,
-        ):  # the handler's raise landed in a callback Python runs for itself (a weakref's inside the
-            # import system, a __del__): it cannot propagate; `received` holds the signal, acted on at the next check
+        # the handler's raise landed in a callback Python runs for itself (a weakref's inside the
+        # import system, a __del__): it cannot propagate; `received` holds the signal, acted on at the next check
+        def swallow(u):
             if not isinstance(u.exc_value, Interrupted):
                 unraisable(u)
 
@@ -137,9 +136,8 @@ class Signals:
             return
         previous = sys.unraisablehook
 
-        def hook(
-            unraisable,
-        ):  # a signal caught just before SIG_IGN took over: nothing to say about it
+        # a signal caught just before SIG_IGN took over: nothing to say about it
+        def hook(unraisable):
             if not (
                 isinstance(unraisable.exc_value, OSError)
                 and "race condition" in str(unraisable.exc_value)
