@@ -59,17 +59,19 @@ FORMER = {
 def settings(config: dict) -> tuple[Resume, Train]:
     """The resume's and training's settings; ConfigError if a config removed either (they are not stages)."""
     stages = config.get("stages") or {}
-    for key, what in (("resume", "finding the run's history"), ("train", "training")):
+    for key, what, instead in (
+        ("resume", "finding the run's history", "stages.resume.source=never starts anew each time"),
+        ("train", "training", "trainer.max_steps says how long it trains"),
+    ):
         if not isinstance(stages.get(key), dict):
             raise ConfigError(
-                f"stages.{key} is missing (~stages.{key}?): {what} is not a stage and cannot be removed; "
-                f"stages.{key} holds its settings (resume=never starts a new run each time)"
+                f"stages.{key} is missing (~stages.{key}?): {what} is not a stage and cannot be "
+                f"removed; stages.{key} holds its settings ({instead})"
             )
     r, t = stages["resume"], stages["train"]
     allow = [str(k) for k in r.get("allow_changes") or []]
-    return Resume(str(r["source"]), allow, int(r["order"])), Train(
-        int(t["eval_every"]), int(t["order"])
-    )
+    resume = Resume(str(r["source"]), allow, int(r["order"]))
+    return resume, Train(int(t["eval_every"]), int(t["order"]))
 
 
 def written_now(config: dict) -> dict:
