@@ -181,3 +181,18 @@ def test_a_stage_is_a_policy_fed_plain_values_that_never_sees_the_run():
         for name, method in inspect.getmembers(cls, inspect.isfunction):
             taken = set(inspect.signature(method).parameters)
             assert not taken & {"run", "rundir", "job"}, f"{cls.__name__}.{name} takes {taken}"
+
+
+def test_a_checkpoint_of_when_resume_and_train_were_stages_loads_without_a_word():
+    """Checkpoints written while resume and train were stages hold an empty state for each: accepted and
+    dropped unsaid; a saved state of a stage this config lacks is still dropped with a note."""
+    from pipeline.stages.base import StageStates
+    from pipeline.stages.final import Final
+
+    states = StageStates([Final(order=90)])
+    saved = {"resume": {}, "train": {}, "final": {}}
+    states.check_state_dict(saved)
+    states.load_state_dict(saved)
+    assert (states.notes, states.fresh) == ([], set())
+    states.load_state_dict({**saved, "best_val": {}})
+    assert states.notes == ["best_val: no such stage in this config, its saved state is dropped"]
