@@ -109,7 +109,7 @@ def _requeued(outcome: Outcome, sweep: SweepJob | None) -> Outcome:
 def _job(
     config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None, command: list[str]
 ) -> Outcome:
-    """Build the job, hold its run directory, plan its planned and apply the plan (signals stop it at once until
+    """Build the job, hold its run directory, plan its history and apply the plan (signals stop it at once until
     then), claim the directory, train with signals deferred; the run directory is released at the end."""
     # Directories this command creates (the output directory, runs/, data/): removed again if a single run
     # ends without a run (refused, interrupted, failed) and they are still empty; nothing older is touched.
