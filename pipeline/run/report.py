@@ -115,19 +115,13 @@ def end_block(
     experiment_id: str | None = None,
     resume: list[str] | None = None,
 ) -> str:
-    """At most 12 lines: where the run ended, its `best` (monitor, value, step), checkpoints (`links`: final,
-    best, newest -> a directory or None), curve, index, and the next commands, each as it runs pasted in the
-    same shell: `overrides` are the run's command's arguments (CONFIG_FLAGS and overrides), and the tools get
-    the configs it used (tool_args). mlflow: a tracking server's own page of the run's experiment
-    (`experiment_id`; None: of every experiment), else the command serving the store, and that page. `resume`:
-    the arguments of the command that continues the run (stages/resume.continued_by; None: `overrides`; []: none)."""
-    py, found = (
-        sys.executable or "python",
-        shutil.which("python"),
-    )  # `python` if that is the one on PATH
+    """At most 12 lines: where the run ended, its best, checkpoints, curve, index, and the next commands, each as
+    it runs pasted in the same shell (`resume`: run/plan.continued_by; None: `overrides`; []: none)."""
+    # `python` if that is the one on PATH
+    py, found = sys.executable or "python", shutil.which("python")
     if (
         os.path.basename(py) == "python"
-        and found is not None
+        and found
         and os.path.realpath(found) == os.path.realpath(py)
     ):
         py = "python"
@@ -147,12 +141,9 @@ def end_block(
     where = run_page(run_uri) if run_uri else "not indexed yet" if tracking_uri else "not tracked"
     lines.append(f"  mlflow      {where}")
     resume = overrides if resume is None else resume
-    again = (
-        f"{py} {shlex.join(['-m', 'pipeline', *resume])}"
-        if resume
-        else "none (resume=never: a new run each time)"
-    )
-    lines.append(f"  resume      {again}")  # complete: says so, exits 0
+    again = f"{py} {shlex.join(['-m', 'pipeline', *resume])}" if resume else None
+    # complete: says so, exits 0
+    lines.append(f"  resume      {again or 'none (resume=never: a new run each time)'}")
     target = links.get("best") or links.get("final") or links.get("newest")
     if target is not None:
         configs = tool_args(overrides)
