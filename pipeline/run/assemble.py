@@ -179,24 +179,16 @@ def check_monitors(config: dict) -> None:
         for key, node in stages
         if "monitor" in node
     ]
-    for (
-        key,
-        node,
-    ) in stages:  # a field is a metric by its name, or by Lightning's val_loss for val/loss
+    # a field is a metric by its name, or by Lightning's val_loss for val/loss
+    for key, node in stages:
         if isinstance(pattern := node.get("filename"), str) and patterns.problem(pattern) is None:
             wanted += [
                 (f"stages.{key}.filename={pattern!r}: field {{{f}}}", f, names)
                 for f in patterns.metric_fields(pattern)
                 if not set(patterns.spellings(f)) & set(names)
             ]
-    if config.get("optimized_metric") is not None:
-        wanted.append(
-            (
-                f"optimized_metric={config['optimized_metric']}",
-                config["optimized_metric"],
-                [n for n in names if kept(n)],
-            )
-        )
+    if (metric := config.get("optimized_metric")) is not None:
+        wanted.append((f"optimized_metric={metric}", metric, [n for n in names if kept(n)]))
     errors = []
     for what, value, known in wanted:
         if value not in known:
