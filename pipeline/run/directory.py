@@ -267,12 +267,16 @@ class RunDir:
     def read_metrics(self) -> list[dict]:
         """metrics.jsonl's lines. A last line without its newline is torn (killed while writing) and dropped;
         any other line not a strict JSON object with an integer step is damage: RunFileError naming the line."""
+
+        def damage(why: str) -> RunFileError:
+            return RunFileError(self.path, self.metrics_path.name, why)
+
         try:
             f = io.BufferedReader(reading.open_file(self.metrics_path, MAX_METRICS), reading.CHUNK)
         except FileNotFoundError:
             return []
         except OSError as e:
-            raise RunFileError(self.path, self.metrics_path.name, e.strerror or str(e)) from None
+            raise damage(e.strerror or str(e)) from None
         lines: list[dict] = []
         total = 0
         with f:  # line by line, each bounded: one planted 1 GB line costs MAX_METRICS_LINE, not gigabytes
@@ -280,29 +284,17 @@ class RunDir:
                 text = f.readline(MAX_METRICS_LINE + 1)
                 total += len(text)
                 if total > MAX_METRICS:
-                    raise RunFileError(
-                        self.path, self.metrics_path.name, f"grew past the {MAX_METRICS}-byte limit"
-                    )
+                    raise damage(f"grew past the {MAX_METRICS}-byte limit")
                 if len(text) > MAX_METRICS_LINE:
-                    raise RunFileError(
-                        self.path,
-                        self.metrics_path.name,
-                        f"line {number}: over the {MAX_METRICS_LINE}-byte limit of a line",
-                    )
+                    raise damage(f"line {number}: over the {MAX_METRICS_LINE}-byte limit of a line")
                 if not text.endswith(b"\n"):
                     return lines  # b"" at the end, else the torn last line: dropped
                 try:
                     line = jsonio.loads(text[:-1])
                 except jsonio.JSONError as e:
-                    raise RunFileError(
-                        self.path, self.metrics_path.name, f"line {number}: {e}"
-                    ) from None
+                    raise damage(f"line {number}: {e}") from None
                 if not isinstance(line, dict) or type(line.get("step")) is not int:
-                    raise RunFileError(
-                        self.path,
-                        self.metrics_path.name,
-                        f"line {number}: not an object with an integer step",
-                    )
+                    raise damage(f"line {number}: not an object with an integer step")
                 lines.append(line)
         raise AssertionError("unreachable: the loop ends at the file's end")
 
