@@ -204,7 +204,7 @@ def plan(rundir: RunDir, job, resume: Resume, started: float, in_sweep: bool) ->
     if resume.source == NEVER:
         return _fresh(**fresh)
     if resume.source != AUTO:
-        return _fork(rundir, job, resume, Path(resume.source).expanduser(), started, fresh)
+        return _fork(rundir, job, resume, Path(resume.source).expanduser(), started)
     ckpt, skipped = rundir.store.newest_valid(job.parts)
     if ckpt is not None and ckpt.manifest["lineage"].get("origin") is not None:
         return _fresh(**fresh, fallback=skipped, foreign=ckpt)
@@ -259,7 +259,7 @@ def _continued(rundir, job, resume, ckpt, lineage, started, skipped) -> Plan:
     )
 
 
-def _fork(rundir, job, resume, source: Path, started: float, fresh: dict) -> Plan:
+def _fork(rundir, job, resume, source: Path, started: float) -> Plan:
     """Another run's checkpoint as this run's start (again: this fork's own newest checkpoint)."""
     # a link out of a run is refused, not followed
     source = CheckpointDir(source).resolved().resolve()
