@@ -3,6 +3,7 @@ planned over a real run directory that planning leaves exactly as it was."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from pipeline.config.identity import lineage_of
 from pipeline.files import jsonio
 from pipeline.run.directory import RunDir
 from pipeline.run.job import build
-from pipeline.run.plan import Plan, plan, settings
+from pipeline.run.plan import DriftError, Plan, plan, settings
 
 
 def planned(out: Path, *overrides: str) -> Plan:
@@ -145,3 +146,14 @@ def test_a_run_holds_its_plan_and_at_most_8_attributes(finished_job):
         assert run.plan is p and len(vars(run)) <= 8, sorted(vars(run))
     finally:
         job.state.close()
+
+
+def test_resume_settings_written_under_stages_resume_still_apply(preempted, tmp_path):
+    """stages.resume is a node of settings, no stage: an allow_changes written there lets the change through."""
+    source = RunDir(the_run(preempted)).store.root / "step-00000008"
+    more = (f"resume.source={source}", "trainer.max_steps=12")
+    p = planned(tmp_path / "more", *more, "stages.resume.allow_changes=[trainer.max_steps]")
+    assert p.resumed is not None and p.resumed.step == 8
+    assert p.allowed == {"trainer.max_steps": [10, 12]}
+    with pytest.raises(DriftError, match=re.escape("resume.allow_changes=[trainer.max_steps]")):
+        planned(tmp_path / "more", *more)
