@@ -97,9 +97,8 @@ def drift(manifest: dict, job) -> dict[str, tuple]:
     """Every semantic key (and the data) that differs between a checkpoint's run and this job (the run's Job)."""
     old = identity.semantic_config(manifest["config"], manifest["sources"])
     changes = identity.changed_keys(old, identity.semantic_config(job.config, job.sources))
-    if (old_data := manifest["data_manifest_hash"]) != (
-        new_data := job.facts["data_manifest_hash"]
-    ):
+    old_data, new_data = manifest["data_manifest_hash"], job.facts["data_manifest_hash"]
+    if old_data != new_data:
         changes["data_manifest_hash"] = (old_data, new_data)
     return changes
 
