@@ -28,12 +28,7 @@ _MODE_FROM = re.compile(
     r"hydra\.mode|^\s*mode\s*:\s*['\"]?(run|multirun|1|2)\b", re.IGNORECASE | re.MULTILINE
 )
 _OTHER_CONFIGS = (
-    "--config-dir",
-    "-cd",
-    "--config-path",
-    "-cp",
-    "--config-name",
-    "-cn",
+    *("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn"),
     "hydra.searchpath",
 )
 
@@ -153,12 +148,9 @@ def main() -> int | None:
         except OmegaConfBaseException as e:
             key = getattr(e, "full_key", None)
             hint = " (data=text needs data.path=FILE)" if key == "data.path" else ""
+            line = f"bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}"
             # a Refusal passes Hydra, which writes a line of its own over a task's Exception
-            raise Refusal(
-                ConfigError(
-                    f"bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}"
-                )
-            ) from None
+            raise Refusal(ConfigError(line)) from None
         overrides = as_given(hydra_cfg.overrides.task)
         command = command_args(hydra_cfg, CONFIG_DIR)
         outcome = app.main(config, overrides, OmegaConf.to_yaml(cfg), sweep, command)
