@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -414,6 +415,58 @@ def as_written_before(config: dict) -> dict:
     return out
 
 
+# The live values the job passes each kind of part beside its config's keys (run/assemble.py `_call`;
+# docs/own-model.md): kind -> (what its constructor must take, what it is given only if it takes it).
+LIVE = {
+    "model": (("spec", "dtype", "rng"), ()),
+    "optimizer": (("params",), ()),
+    "scheduler": (("optimizer",), ("run_total_steps",)),
+    "data": ((), ("cache_dir",)),
+    "tracking": ((), ("sweep",)),
+}
+
+
+def takes(factory) -> dict[str, inspect.Parameter] | None:
+    """The keyword parameters a constructor takes (None: any, it has **kwargs; {}: no signature to read)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return dict(params)
+
+
+def live_problem(kind: str, target: str, factory) -> str | None:
+    """Why `factory` cannot be a `kind` (it takes not every live value its kind is given), or None."""
+    accepted = takes(factory)
+    lacking = [k for k in LIVE[kind][0] if accepted is not None and k not in accepted]
+    if not lacking:
+        return None
+    return (
+        f"{kind}._target_={target} takes no {lacking[0]!r}: every {kind} is given "
+        f"{', '.join(LIVE[kind][0])} (the live-argument interface, docs/own-model.md); add it to "
+        "its constructor (or **kwargs)"
+    )
+
+
+def check_live(config: dict) -> None:
+    """ConfigError, one line, for a part whose class lacks a live value its kind needs (before anything is built;
+    a class that cannot be imported is left to the job's own refusal of it)."""
+    from hydra._internal.utils import _locate  # get_class, less its log line of a failed import
+
+    for kind, (needed, _) in LIVE.items():
+        node = config.get(kind)
+        if not (needed and isinstance(node, dict) and isinstance(node.get("_target_"), str)):
+            continue
+        try:
+            cls = _locate(node["_target_"])
+        except Exception:
+            continue
+        if problem := live_problem(kind, node["_target_"], cls):
+            raise ConfigError(problem)
+
+
 def validate(config: dict) -> None:
     """ConfigError listing every value out of range (a field's check is in its metadata), before the job creates
     anything on disk; Hydra has checked types and keys while composing."""
@@ -453,6 +506,7 @@ def validate(config: dict) -> None:
             _check_node(schema, node, f"{key}.", errors)
     if errors:
         raise ConfigError("; ".join(errors))
+    check_live(config)
 
 
 SCHEMAS: Mapping[str, Any] = MappingProxyType(dict(_BUILDING))  # read-only from here on
