@@ -25,6 +25,7 @@ from hydra.utils import get_class
 
 from pipeline.checkpoint.directory import STEP_DIR, CheckpointDir, step_dir_name
 from pipeline.checkpoint.store import CheckpointStore
+from pipeline.cli.export_hf import gpt2_shaped
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
 from pipeline.config.identity import run_name
 from pipeline.config.targets import shipped
@@ -691,7 +692,7 @@ def readme(dest: Path, exported: dict) -> str:
             f"python -m pipeline.show {dest}/runs/{name} {sp}".rstrip(),
             f"python -m pipeline.evaluate {at}/{best} paths.output_dir=SCRATCH {sp}".rstrip(),
         ]
-        if "minigpt" in str(run.get("model", "")).lower():
+        if run.get("generates"):
             lines += [
                 f'python -m pipeline.sample {at}/final prompt="the" max_new_tokens=20 paths.output_dir=SCRATCH',
                 f"python -m pipeline.export_hf {at}/final HF_DIR",
@@ -761,7 +762,8 @@ def build_archive(
             exported["runs"][run_plan.name] = run = archive_run(b, run_plan, with_data)
             overrides = _resume_overrides(tmp / "runs" / run_plan.name, tmp, extra)
             run["resume_overrides"] = [o.replace(str(tmp), str(dest)) for o in overrides]
-            run["model"] = run_plan.newest["config"]["model"].get("_target_")
+            model = run_plan.newest["config"]["model"]
+            run["model"], run["generates"] = model.get("_target_"), gpt2_shaped(model)
         if (
             _kind(source) == "sweep"
         ):  # its own records too: multirun.yaml, sweep.json, jobs/*.json, results

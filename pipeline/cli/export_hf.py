@@ -21,6 +21,12 @@ TIED = "lm_head.weight"  # the head is wte: HF ties it on load (tie_word_embeddi
 INTERRUPTED = "OUT_DIR may hold part of the export (each file whole); re-run the same command"
 
 
+def gpt2_shaped(model: dict) -> bool:
+    """Whether a model's config has the shape of one written as GPT-2 here (and sampled): MiniGPT's layers,
+    heads and width."""
+    return all(type(model.get(k)) is int for k in ("n_layer", "n_head", "n_embd"))
+
+
 def expected_shapes(
     *, n_layer: int, n_embd: int, n_positions: int, vocab_size: int
 ) -> dict[str, tuple[int, ...]]:
@@ -231,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         model = as_written_now(
             manifest["config"]["model"]
         )  # bias and gelu: a checkpoint may predate them
-        if not str(model.get("_target_", "")).endswith("MiniGPT"):
+        if not (gpt2_shaped(model) and "transformer.wte.weight" in state.model.state_dict()):
             raise CommandError(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
         facts = data_facts(
             manifest, args.overrides, Path(args.checkpoint)
