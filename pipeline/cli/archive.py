@@ -173,7 +173,7 @@ def plan(source: Path, which: str) -> list[RunPlan]:
     manifest = CheckpointDir(
         directory
     ).manifest()  # the run's directory name comes from it: one name, inside DEST
-    names.checked(manifest["config"].get("name", "run"), f"{directory}: its manifest's config.name")
+    names.checked(manifest["config"].get("name"), f"{directory}: its manifest's config.name")
     return [
         RunPlan(
             run_name(manifest["config"], manifest["sources"], manifest["lineage"]),
