@@ -33,6 +33,7 @@ from pipeline.files.atomic import (
     second_name,
     write_new,
 )
+from pipeline.files.limits import MAX_CHECKPOINT_JSON
 from pipeline.stateful import PARTS, SEP, StateMismatch, capture, check, merge, split
 
 WEIGHTS, OPTIM, EXTRA, MANIFEST = (
@@ -47,9 +48,6 @@ REQUIRED_BY = {
     "2.0": (WEIGHTS, OPTIM, EXTRA),
     mf.SCHEMA_VERSION: REQUIRED,
 }  # schema_version -> files it lists
-MAX_JSON = (
-    16 << 20
-)  # bytes of manifest.json, extra.json or data.json: a few KB (a 65,536-token vocabulary, < 1 MB)
 # data.json's strings, bounded so that decoding a sample costs what its tokens say: a corpus's tokens are
 # characters or lexicon words, its decode_join '' or ' ', its specials a role or two (eos).
 MAX_TOKEN, MAX_JOIN, MAX_SPECIALS = 256, 16, 16
@@ -168,7 +166,7 @@ def _data_problem(data, spec: dict) -> str | None:
 def _listed_json(directory: Path, name: str, listed: dict):
     """A listed JSON file, bounded, hashed against its listing, parsed strictly; CheckpointError naming it."""
     try:
-        raw = reading.read_bytes(directory / name, MAX_JSON)
+        raw = reading.read_bytes(directory / name, MAX_CHECKPOINT_JSON)
     except OSError as e:
         raise CheckpointError(directory, name, _os_reason(e)) from None
     if hashlib.sha256(raw).hexdigest() != listed[name]["sha256"]:
@@ -376,7 +374,7 @@ class CheckpointDir:
     def manifest_as_written(self) -> dict:
         """manifest.json as on disk, bounded but unchecked ({}: unreadable or not an object), shown beside a verdict."""
         try:
-            manifest = jsonio.read(self.resolved() / MANIFEST, MAX_JSON)
+            manifest = jsonio.read(self.resolved() / MANIFEST, MAX_CHECKPOINT_JSON)
         except (OSError, ValueError, CheckpointError):
             return {}
         return manifest if isinstance(manifest, dict) else {}
@@ -384,7 +382,7 @@ class CheckpointDir:
     def manifest_file(self) -> tuple[str, bytes]:
         """(name, bytes) of manifest.json as on disk, bounded, for an index to upload; CheckpointError otherwise."""
         try:
-            return MANIFEST, reading.read_bytes(self.resolved() / MANIFEST, MAX_JSON)
+            return MANIFEST, reading.read_bytes(self.resolved() / MANIFEST, MAX_CHECKPOINT_JSON)
         except FileNotFoundError:
             raise self.fault("missing (an incomplete or foreign directory)") from None
         except OSError as e:
@@ -404,7 +402,7 @@ class CheckpointDir:
         for name in [*sorted(listed), MANIFEST]:
             entry = listed.get(name)
             copied[name] = reading.copy_new(
-                directory / name, dest / name, entry["size"] if entry else MAX_JSON
+                directory / name, dest / name, entry["size"] if entry else MAX_CHECKPOINT_JSON
             )
             if entry is not None and (copied[name]["size"], copied[name]["sha256"]) != (
                 entry["size"],

@@ -23,10 +23,10 @@ import numpy as np
 
 from pipeline.files import jsonio, reading
 from pipeline.files.atomic import write_new
+from pipeline.files.limits import MAX_HEADER
 
 ALIAS = re.compile(r"^ALIAS\((.+)\)$")
 CHUNK = 8 << 20  # bytes per write/read/hash step
-MAX_HEADER = 16 << 20  # bytes of JSON header we read (legitimate ones are ~100 bytes a tensor)
 
 # safetensors' dtype codes, in the library's own order (its writer puts wider codes first); BF16: no numpy type.
 CODES = ("BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64")

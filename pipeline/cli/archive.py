@@ -29,7 +29,7 @@ from pipeline.cli.export_hf import gpt2_shaped
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
 from pipeline.config.identity import run_name
 from pipeline.config.targets import shipped
-from pipeline.data.corpus import MAX_JSON, verify_corpus
+from pipeline.data.corpus import verify_corpus
 from pipeline.files import jsonio, names, reading
 from pipeline.files.atomic import (
     TMP_PREFIX,
@@ -42,15 +42,12 @@ from pipeline.files.atomic import (
     remove_tree,
     write_new,
 )
+from pipeline.files.limits import MAX_ARCHIVE_LISTING, MAX_CORPUS_JSON, MAX_SMALL, MAX_SOURCE_FILE
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.archive"
 SELECTIONS = ("best", "final", "newest")
-MAX_SMALL = 16 << 20  # bytes of a run's small files (.hydra/*, run.json, a corpus's MANIFEST.json)
-MAX_FILE = (
-    1 << 40
-)  # a checkpoint or corpus file: bounded by its manifest's size, checked before copying
 
 INTERRUPTED = "no archive was published (its hidden temporary is removed or ignored)"
 
@@ -311,7 +308,7 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             b.copy(
                 corpus / "MANIFEST.json",
                 f"data/{corpus.name}/MANIFEST.json",
-                MAX_JSON,
+                MAX_CORPUS_JSON,
                 corpus_manifest,
                 "data_manifest_hash",
             )
@@ -324,7 +321,7 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
                     b.copy(
                         src,
                         rel,
-                        MAX_FILE,
+                        MAX_SOURCE_FILE,
                         {"size": os.path.getsize(src), "sha256": sha},
                         "the checkpoints' sources",
                         follow=True,
@@ -598,7 +595,7 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
 
 def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove: bool) -> dict:
     """Every check of the archive at root (its final name `dest`), from its own bytes."""
-    listing = jsonio.read(root / "MANIFEST.json", 1 << 30)
+    listing = jsonio.read(root / "MANIFEST.json", MAX_ARCHIVE_LISTING)
     problems = check_files(root, listing)
     checks = [
         {

@@ -24,6 +24,7 @@ from pipeline.config.checks import (
 )
 from pipeline.config.errors import ConfigError
 from pipeline.files import names, patterns
+from pipeline.files.limits import MAX_TEXT_FILE
 
 # `_target_` -> the schema of a node building it, filled by @builds while this module loads and then frozen
 # as SCHEMAS (end of file); a schema stored as `schema/<group>/<option>` is the first entry of that option's
@@ -236,7 +237,7 @@ class GrammarConf(CorpusConf):
 class TextConf(CorpusConf):
     path: str = _f()
     # a config written while the key could be null (or before it) meant 32 MiB: conf/data/text.yaml's value
-    max_bytes: int = _f(at_least(1), absent=32 << 20)
+    max_bytes: int = _f(at_least(1), absent=MAX_TEXT_FILE)
 
 
 # --- stages, cadence, resume

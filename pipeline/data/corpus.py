@@ -28,13 +28,11 @@ from pipeline.files.atomic import (
     remove_tree,
     write_new,
 )
+from pipeline.files.limits import MAX_CORPORA, MAX_CORPUS_FILE, MAX_CORPUS_JSON
 
 FORMAT_VERSION = 1
 TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 512
 MAX_VOCAB = 512
-MAX_JSON = 16 << 20  # bytes of MANIFEST.json or vocab.json read (a few KB each)
-MAX_FILE = 4 << 30  # bytes of any corpus file read (2^31 tokens)
-MAX_CORPORA = 10_000  # corpus directories looked at when finding one by its manifest's hash
 SPLITS = ("train", "val")
 log = logging.getLogger("pipeline")
 _STALE_TMP_SECONDS = (
@@ -129,7 +127,7 @@ def verify_corpus(
     fix = f"delete {directory} to regenerate"
     path = mpath = directory / "MANIFEST.json"
     try:  # an OSError names the file being read, `path`
-        raw = reading.read_bytes(mpath, MAX_JSON)
+        raw = reading.read_bytes(mpath, MAX_CORPUS_JSON)
         try:
             manifest = jsonio.loads(
                 raw
@@ -179,7 +177,7 @@ def verify_corpus(
 def _read_listed(path: Path, listed: int, keep: bool) -> tuple[int, str | None, np.ndarray | None]:
     """(a corpus file's size, and if that is the listed size its sha256 and, if kept, its bytes [size] uint8):
     read in pieces into one buffer, which is then all the memory it costs."""
-    with reading.open_file(path, MAX_FILE) as f:
+    with reading.open_file(path, MAX_CORPUS_FILE) as f:
         size = os.fstat(f.fileno()).st_size
         if size != listed:
             return size, None, None
@@ -259,7 +257,7 @@ def find_corpus(data_dir: Path, manifest_hash: str) -> Path | None:
     for e in sorted(os.scandir(data_dir), key=lambda e: e.name)[:MAX_CORPORA]:
         if not e.name.startswith(TMP_PREFIX) and e.is_dir(follow_symlinks=False):
             with contextlib.suppress(OSError):
-                if reading.sha256(Path(e.path) / "MANIFEST.json", MAX_JSON) == manifest_hash:
+                if reading.sha256(Path(e.path) / "MANIFEST.json", MAX_CORPUS_JSON) == manifest_hash:
                     return Path(e.path)
     return None
 

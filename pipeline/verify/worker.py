@@ -11,6 +11,7 @@ from pipeline.checkpoint.directory import Checkpoint, CheckpointDir
 from pipeline.config import identity, targets
 from pipeline.config.errors import EXIT_BAD_INPUT, ConfigError
 from pipeline.files import jsonio
+from pipeline.files.limits import MAX_WORKER_CONFIG
 from pipeline.run.assemble import assemble
 from pipeline.stages.resume import lineage_of
 from pipeline.stateful import PARTS, capture, copy_tree, restore
@@ -70,7 +71,7 @@ def main(argv=None) -> None:
     )
     args = ap.parse_args(argv)
 
-    config = jsonio.read(Path(args.config), 1 << 24)
+    config = jsonio.read(Path(args.config), MAX_WORKER_CONFIG)
     try:  # a file decides no code: only conf/ and this command line's overrides name what it may build
         targets.check(config, targets.allowed(tuple(args.override)))
     except ConfigError as e:
