@@ -31,6 +31,7 @@ from pipeline.config.identity import run_name
 from pipeline.config.targets import shipped
 from pipeline.data.corpus import verify_corpus
 from pipeline.files import jsonio, names, reading
+from pipeline.files import listing as files_listing
 from pipeline.files.atomic import (
     TMP_PREFIX,
     NewDirs,
@@ -354,42 +355,10 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
 def check_files(root: Path, listing: dict) -> list[str]:
     """Every file listed in MANIFEST.json present with its size and sha256, every link as listed, nothing else (a
     directory holds something listed; nothing followed); a line for each difference, naming the file."""
-    problems, files, links, dirs = [], {}, {}, set()
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        for n in dirnames + filenames:
-            full = Path(dirpath) / n
-            st = os.lstat(full)
-            if stat.S_ISLNK(st.st_mode):
-                links[full.relative_to(root).as_posix()] = os.readlink(full)
-            elif stat.S_ISDIR(st.st_mode):
-                dirs.add(full.relative_to(root).as_posix())
-            else:
-                files[full.relative_to(root).as_posix()] = st
-    listed_dirs = {
-        "/".join(rel.split("/")[:i])
-        for rel in (*listing["files"], *listing["links"])
-        for i in range(1, rel.count("/") + 1)
-    }
-    for rel in sorted(
-        (set(files) - set(listing["files"]) - {"MANIFEST.json", "recovery.json"})
-        | (dirs - listed_dirs)
-    ):
-        problems.append(f"{rel}: present but not listed in MANIFEST.json")
-    for rel, entry in sorted(listing["files"].items()):
-        if rel not in files:
-            problems.append(f"{rel}: listed in MANIFEST.json but missing")
-        elif not stat.S_ISREG(files[rel].st_mode):
-            problems.append(f"{rel}: is {reading.kind_of(files[rel])}, not a regular file")
-        elif files[rel].st_size != entry["size"]:
-            problems.append(
-                f"{rel}: size {files[rel].st_size} bytes, MANIFEST.json says {entry['size']}"
-            )
-        elif reading.sha256(root / rel, entry["size"]) != entry["sha256"]:
-            problems.append(f"{rel}: sha256 differs from MANIFEST.json (corrupted)")
-    if links != listing["links"]:
-        changed = sorted(set(links.items()) ^ set(listing["links"].items()))
-        problems.append(f"{changed[0][0]}: link differs from MANIFEST.json")
-    return problems
+    said = files_listing.problems(
+        root, listing["files"], "MANIFEST.json", links=listing["links"], ignore=("recovery.json",)
+    )
+    return [f"{rel}: {reason}" for rel, reason in said]
 
 
 def run_overrides(run: Path) -> list[str] | None:

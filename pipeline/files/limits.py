@@ -7,7 +7,6 @@ MAX_CHECKPOINT_JSON = (
 )  # manifest.json, extra.json, data.json: KBs (a 65,536-token vocab < 1 MB)
 MAX_HEADER = 16 << 20  # a safetensors header: ~100 bytes a tensor
 MAX_CORPUS_JSON = 16 << 20  # a corpus's MANIFEST.json or vocab.json: a few KB each
-MAX_CORPUS_FILE = 4 << 30  # any corpus file: 2^31 tokens
 MAX_CORPORA = 10_000  # corpus directories looked at when finding one by its manifest's hash
 MAX_TEXT_FILE = 32 << 20  # data.max_bytes of a config written before the key existed
 MAX_RUN_JSON = 16 << 20  # a run's run.json and .hydra/*.yaml
