@@ -79,9 +79,8 @@ class Checkpoint:
     directory: Path
     manifest: dict
     state: dict  # {part: state_dict}: arrays (tied names one object) and JSON values
-    data: dict | None = (
-        None  # data.json, verified (None: a schema 2.0 checkpoint, written without it)
-    )
+    # data.json, verified (None: a schema 2.0 checkpoint, written without it)
+    data: dict | None = None
 
     @property
     def step(self) -> int:
@@ -227,9 +226,8 @@ def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[st
     one) disagree: the odd one out is the file that lies."""
     m = STEP_DIR.match(directory.name)
     named = int(m.group(1)) if m else None
-    if (
-        type(saved_step) is int and saved_step == manifest_step
-    ):  # JSON true == 1 and 10.0 == 10 in Python
+    # JSON true == 1 and 10.0 == 10 in Python
+    if type(saved_step) is int and saved_step == manifest_step:
         if named is None or named == manifest_step:
             return None
         return "", (
@@ -293,9 +291,8 @@ class CheckpointDir:
         store must not be a link; a link elsewhere (`ln -s RUN/checkpoints/best mine`) is followed, as its
         target could be typed instead."""
         given = self.path
-        path = (
-            given if given.is_absolute() else Path.cwd() / given
-        )  # `best`, typed inside the store, is a run's link
+        # `best`, typed inside the store, is a run's link
+        path = given if given.is_absolute() else Path.cwd() / given
         for hop in range(MAX_HOPS):
             if path.parent.name == STORE and os.path.islink(path.parent):
                 raise CheckpointError(
@@ -338,21 +335,18 @@ class CheckpointDir:
             killpoint.point("save", "after weights")
             killpoint.point("save", "after optim")
             files[EXTRA] = write_new(tmp / EXTRA, jsonio.dumps(extra, indent=None))
-            files[DATA] = write_new(
-                tmp / DATA, jsonio.dumps(data, indent=None)
-            )  # sorted keys: same bytes each save
+            # sorted keys: same bytes each save
+            files[DATA] = write_new(tmp / DATA, jsonio.dumps(data, indent=None))
             manifest = {**fields, "files": files}
             killpoint.point("save", "before manifest")
-            write_new(
-                tmp / MANIFEST, jsonio.dumps(manifest)
-            )  # last: a directory with a manifest is complete
+            # last: a directory with a manifest is complete
+            write_new(tmp / MANIFEST, jsonio.dumps(manifest))
             killpoint.point("save", "before rename")
             publish_dir(tmp, directory, replace=replace)
             killpoint.point("save", "after rename")
         except BaseException as e:
-            remove_tree(
-                tmp
-            )  # a signal or an error mid-save: the half-made temporary goes now or at the next save
+            # a signal or an error mid-save: the half-made temporary goes now or at the next save
+            remove_tree(tmp)
             if isinstance(e, OSError) and str(e.filename or "").startswith(str(tmp)):
                 e.filename = str(directory)  # the checkpoint being saved, not its temporary
             raise
@@ -465,18 +459,16 @@ class CheckpointDir:
         weights_layout, optim_layout = (
             (None, None) if live is None else [layout(t) for t in _by_file(live)[:2]]
         )
-        with ThreadPoolExecutor(
-            1, thread_name_prefix="load-weights"
-        ) as pool:  # side by side, as in write()
+        # side by side, as in write()
+        with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:
             weights_read = pool.submit(
                 _read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], weights_layout
             )
             try:
                 other = _read_tensor_file(directory, OPTIM, listed[OPTIM], optim_layout)
             finally:
-                weights = (
-                    weights_read.result()
-                )  # weights.safetensors' own error first, as the files are listed
+                # weights.safetensors' own error first, as the files are listed
+                weights = weights_read.result()
         for path in other:
             part, sep, _ = path.partition(SEP)
             if part not in NOT_MODEL or not sep:

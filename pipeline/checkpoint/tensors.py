@@ -51,9 +51,8 @@ class _Hasher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
 
     def update(self, buf) -> None:
-        self._pending.append(
-            self._pool.submit(self._h.update, buf)
-        )  # hashlib releases the GIL on big buffers
+        # hashlib releases the GIL on big buffers
+        self._pending.append(self._pool.submit(self._h.update, buf))
         while self._pending and self._pending[0].done():
             self._pending.popleft().result()  # surfaces errors early, keeps the queue short
 
@@ -71,9 +70,8 @@ class _Hasher:
 
 def _c_bytes(a: np.ndarray) -> np.ndarray:
     """`a` as C-contiguous little-endian, copied only when it is not already (0-d stays 0-d)."""
-    if a.dtype != (
-        little := a.dtype.newbyteorder("<")
-    ):  # big-endian, or native on a big-endian machine
+    # big-endian, or native on a big-endian machine
+    if a.dtype != (little := a.dtype.newbyteorder("<")):
         a = a.astype(little)
     # np.ascontiguousarray would turn a 0-d array into shape [1]; a C-order copy keeps the shape.
     return a if a.flags.c_contiguous else a.copy(order="C")
@@ -150,9 +148,8 @@ def resolve_aliases(
     """Every ALIAS(target) in metadata becomes the very object stored under target; raises ValueError."""
     links = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
     out = dict(arrays)
-    for name in sorted(
-        links
-    ):  # sorted: the same file gives the same message whatever the header order
+    # sorted: the same file gives the same message whatever the header order
+    for name in sorted(links):
         if name in arrays:
             raise ValueError(f"{name} is both stored and declared an alias")
         chain, target = [name], links[name]
@@ -307,9 +304,8 @@ def read_tensors(
                 for i in range(0, nbytes, CHUNK):
                     chunk = data[i : i + CHUNK]
                     _read_exact(f, chunk)
-                    h.update(
-                        chunk
-                    )  # hashed on the helper thread while this one reads the next chunk
+                    # hashed on the helper thread while this one reads the next chunk
+                    h.update(chunk)
                 arrays[name] = a if dtype.isnative else a.astype(dtype.newbyteorder("="))
             if f.read(1):
                 raise _Malformed("the file grew while it was read")

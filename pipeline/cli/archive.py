@@ -75,9 +75,8 @@ class RunPlan:
             names.checked(
                 value, f"{run_dir or next(iter(checkpoints.values()))}: {what}", reserve=0
             )
-        self.manifests = {
-            n: CheckpointDir(p).verify() for n, p in checkpoints.items()
-        }  # sizes, sha256, layout
+        # sizes, sha256, layout
+        self.manifests = {n: CheckpointDir(p).verify() for n, p in checkpoints.items()}
         self.newest = self.manifests[max(self.manifests, key=lambda n: self.manifests[n]["step"])]
 
 
@@ -87,9 +86,8 @@ def _kind(path: Path) -> str:
     except FileNotFoundError:
         raise BadSource(f"{path}: does not exist") from None
     if stat.S_ISLNK(st.st_mode):
-        st = os.stat(
-            path
-        )  # a link the user typed is followed, as its target could be typed instead
+        # a link the user typed is followed, as its target could be typed instead
+        st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise BadSource(
             f"{path}: is {reading.kind_of(st)}, not a run, sweep or checkpoint directory"
@@ -111,9 +109,8 @@ def _kind(path: Path) -> str:
 
 
 def _select(store: CheckpointStore, which: str) -> tuple[dict[str, Path], dict[str, str]]:
-    steps, links = (
-        store.scan()
-    )  # a stray link or file in checkpoints/ is refused here (UnsafePathError)
+    # a stray link or file in checkpoints/ is refused here (UnsafePathError)
+    steps, links = store.scan()
     if not steps:
         raise BadSource(f"{store.root}: no checkpoints to archive")
     by_name = {d.name: d for _, d in steps}
@@ -133,9 +130,8 @@ def plan(source: Path, which: str) -> list[RunPlan]:
     if kind == "sweep":
         from pipeline.sweep.summary import read_jobs
 
-        runs_dir = (
-            source.parent.parent / "runs"
-        )  # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
+        # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
+        runs_dir = source.parent.parent / "runs"
         runs = sorted(
             {
                 Path(j["run_dir"]).name
@@ -168,9 +164,8 @@ def plan(source: Path, which: str) -> list[RunPlan]:
                 {k: t for k, t in in_run.store.links().items() if t == directory.name},
             )
         ]
-    manifest = CheckpointDir(
-        directory
-    ).manifest()  # the run's directory name comes from it: one name, inside DEST
+    # the run's directory name comes from it: one name, inside DEST
+    manifest = CheckpointDir(directory).manifest()
     names.checked(manifest["config"].get("name"), f"{directory}: its manifest's config.name")
     return [
         RunPlan(
@@ -191,9 +186,8 @@ class Builder:
     def __init__(self, root: Path):
         self.root = root
         self.files: dict[str, dict] = {}  # relative path -> {"size", "sha256"} as copied
-        self.expected: dict[
-            str, tuple[dict, str]
-        ] = {}  # relative path -> (entry, which source manifest says so)
+        # relative path -> (entry, which source manifest says so)
+        self.expected: dict[str, tuple[dict, str]] = {}
         self.links: dict[str, str] = {}
 
     def place(self, rel: str) -> Path:
@@ -249,9 +243,8 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             b.files[rel] = entry
             if fn in listed:
                 b.expected[rel] = (listed[fn], f"the manifest of {directory}")
-    for link, target in sorted(
-        p.links.items()
-    ):  # relative, beside its step directory, as a run has it
+    # relative, beside its step directory, as a run has it
+    for link, target in sorted(p.links.items()):
         b.link((store / link).relative_to(b.root).as_posix(), target)
     for rel, path, limit in RunDir(p.run_dir).records() if p.run_dir is not None else ():
         b.copy(path, f"{base}/{rel}", limit)
@@ -284,9 +277,8 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             "the checkpoints' data_manifest_hash",
         )
     if with_data:
-        target = str(
-            data.get("_target_", "")
-        )  # asked of its class only if we ship it: a file imports nothing else
+        # asked of its class only if we ship it: a file imports nothing else
+        target = str(data.get("_target_", ""))
         if (
             corpus is None
             and data_hash
@@ -495,9 +487,8 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     last_logged = max((ln["step"] for ln in archived), default=steps[-1][0])
     end = max(last_logged, steps[-1][0])
     candidates = [(s, d) for s, d in steps if s < end]
-    if (
-        not candidates
-    ):  # a fork of the run's end would train nothing (refused); its restore is checked already
+    # a fork of the run's end would train nothing (refused); its restore is checked already
+    if not candidates:
         return {
             "run": run.name,
             "passed": None,
@@ -513,9 +504,8 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
         "trainer.progress_bar=false",
     ]
     shown = [a.replace(str(root), str(dest)) for a in args]
-    if (
-        problem := untrusted(args, extra, root, run)
-    ) is not None:  # the child takes them as its command line
+    # the child takes them as its command line
+    if (problem := untrusted(args, extra, root, run)) is not None:
         return {"run": run.name, "passed": False, "step_recovered": step, "detail": problem}
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
     # run() kills the child on any exception (a signal's included) before it is raised
@@ -539,9 +529,8 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
         )
         return result
     (resumed_run,) = [p for p in (scratch / "out" / "runs").iterdir() if p.is_dir()]
-    got = [
-        ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end
-    ]  # a preempted run goes on past end
+    # a preempted run goes on past end
+    got = [ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end]
     want = [ln for ln in archived if ln["step"] > step]
     compared: dict[str, Any] = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
     original_final, resumed_final = (
@@ -575,9 +564,8 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
             else f"{len(listing['files'])} files, {len(listing['links'])} links",
         }
     ]
-    if (
-        problems
-    ):  # what lies there is not the archive MANIFEST.json lists: nothing in it is read as a run
+    # what lies there is not the archive MANIFEST.json lists: nothing in it is read as a run
+    if problems:
         return {"checks": checks, "resume": [], "all_checks_passed": False}
     if b is not None:
         wrong = [
@@ -635,9 +623,8 @@ def readme(dest: Path, exported: dict) -> str:
         ck = run["checkpoints"]
         order = sorted(ck, key=lambda n: ck[n]["step"])
         newest = order[-1]
-        resume_from = (
-            order[-2] if len(order) > 1 and "final" in ck[newest]["links"] else newest
-        )  # as the proof does
+        # as the proof does
+        resume_from = order[-2] if len(order) > 1 and "final" in ck[newest]["links"] else newest
         best = "best" if any("best" in c["links"] for c in ck.values()) else newest
         at = RunDir(dest / "runs" / name).store.root
         over = " ".join(run["resume_overrides"])
@@ -730,17 +717,15 @@ def build_archive(
             run["resume_overrides"] = [o.replace(str(tmp), str(dest)) for o in overrides]
             model = run_plan.newest["config"]["model"]
             run["model"], run["generates"] = model.get("_target_"), gpt2_shaped(model)
-        if (
-            _kind(source) == "sweep"
-        ):  # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
+        # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
+        if _kind(source) == "sweep":
             name = Path(os.path.realpath(source)).name
             for f in (
                 p for p in sorted(Path(source).iterdir()) if not p.is_dir() or p.is_symlink()
             ):
                 b.copy(f, f"sweeps/{name}/{f.name}", MAX_SMALL)
-            for f in sorted(
-                (Path(source) / "jobs").iterdir()
-            ):  # each a regular file: b.copy refuses the rest
+            # each a regular file: b.copy refuses the rest
+            for f in sorted((Path(source) / "jobs").iterdir()):
                 b.copy(f, f"sweeps/{name}/jobs/{f.name}", MAX_SMALL)
             exported["sweep"] = name
         b.write("README.md", readme(dest, exported).encode())

@@ -65,12 +65,10 @@ def name_pattern(v) -> str | None:
 
 Dtype = Enum("Dtype", {"float32": "float32", "float64": "float64"})
 Activation = Enum("Activation", {"tanh": "tanh", "relu": "relu"})
-DecayOn = Enum(
-    "DecayOn", {"all": "all", "matrices": "matrices"}
-)  # matrices: 2-D and up (GPT-2's groups)
-Gelu = Enum(
-    "Gelu", {"tanh": "tanh", "erf": "erf"}
-)  # GPT-2's approximation, or the exact one (torch's default)
+# matrices: 2-D and up (GPT-2's groups)
+DecayOn = Enum("DecayOn", {"all": "all", "matrices": "matrices"})
+# GPT-2's approximation, or the exact one (torch's default)
+Gelu = Enum("Gelu", {"tanh": "tanh", "erf": "erf"})
 Mode = Enum("Mode", {"min": "min", "max": "max"})
 # stop: a non-finite loss or metric ends the run (failed), keeping the last good checkpoints; continue: goes on
 NonFinite = Enum("NonFinite", {"stop": "stop", "continue": "continue"})
@@ -96,26 +94,21 @@ class TrainerConf:
     batch_size: int = _f(at_least(1))
     dtype: Dtype = _f()
     eval_every: int = _f(at_least(0))
-    eval_batches: int | None = _f(
-        null_or_at_least(1), absent=None
-    )  # the first N validation batches; null: all
+    # the first N validation batches; null: all
+    eval_batches: int | None = _f(null_or_at_least(1), absent=None)
     log_every: int = _f(at_least(0))
     progress_bar: bool | None = _f()
     on_nonfinite: NonFinite = _f()
-    max_time: str | None = _f(
-        duration_or_null
-    )  # DD:HH:MM:SS of this process's wall time; null = no budget
+    # DD:HH:MM:SS of this process's wall time; null = no budget
+    max_time: str | None = _f(duration_or_null)
     accumulate: int = _f(at_least(1))  # micro-batches (of batch_size) per update
     grad_clip: float = _f(at_least(0))  # the largest global L2 norm of a gradient; 0 = no clipping
-    shards: int = _f(
-        at_least(1)
-    )  # pieces each micro-batch is split into: semantic (summation order, dropout)
-    threads: int | None = _f(
-        null_or_at_least(1)
-    )  # threads running the pieces: not semantic; null = the cores
-    profile: bool = _f(
-        absent=False
-    )  # a table of wall time per phase at the end; not semantic, changes no number
+    # pieces each micro-batch is split into: semantic (summation order, dropout)
+    shards: int = _f(at_least(1))
+    # threads running the pieces: not semantic; null = the cores
+    threads: int | None = _f(null_or_at_least(1))
+    # a table of wall time per phase at the end; not semantic, changes no number
+    profile: bool = _f(absent=False)
 
     @staticmethod
     def cross(c: dict) -> list[str]:
@@ -143,9 +136,8 @@ class MiniGPTConf(Node):
     dropout: float = _f(fraction)
     attn_dropout: float | None = _f()  # null: dropout's
     init_std: float = _f(above(0))
-    bias: bool = _f(
-        absent=True
-    )  # false: no bias in any linear layer or LayerNorm (nanoGPT's bias=False)
+    # false: no bias in any linear layer or LayerNorm (nanoGPT's bias=False)
+    bias: bool = _f(absent=True)
     gelu: Gelu = _f(absent="tanh")
 
     @staticmethod
@@ -200,9 +192,8 @@ class StepConf(Node):
 class CosineConf(Node):
     total_steps: int | None = _f()  # None: the run's total number of updates
     warmup_steps: int = _f(at_least(0))
-    warmup_offset: int = _f(
-        at_least(0), absent=0
-    )  # update k of the warm-up at lr (k + offset) / (warmup + offset)
+    # update k of the warm-up at lr (k + offset) / (warmup + offset)
+    warmup_offset: int = _f(at_least(0), absent=0)
     min_lr_ratio: float = _f(at_least(0))
     num_cycles: float = _f(above(0))
 
@@ -272,12 +263,10 @@ class BestValStageConf(Node):
     monitor: str = _f()
     mode: Mode = _f()
     order: int = _f()
-    keep: int = _f(
-        at_least(1), absent=1
-    )  # the k best checkpoints by monitor (Lightning's save_top_k)
-    filename: str | None = _f(
-        name_pattern, absent=None
-    )  # a link beside step-* per kept checkpoint, or null
+    # the k best checkpoints by monitor (Lightning's save_top_k)
+    keep: int = _f(at_least(1), absent=1)
+    # a link beside step-* per kept checkpoint, or null
+    filename: str | None = _f(name_pattern, absent=None)
 
 
 @builds("pipeline.stages.early_stop.EarlyStop", "stage/early_stop")
@@ -296,9 +285,8 @@ class FinalStageConf(Node):
 
 @dataclass
 class ResumeConf:
-    source: str = (
-        _f()
-    )  # auto: newest checkpoint that verifies | never: a fresh directory | a checkpoint path
+    # auto: newest checkpoint that verifies | never: a fresh directory | a checkpoint path
+    source: str = _f()
     allow_changes: list[str] = _f()  # dotted keys allowed to differ from the checkpoint
 
 
@@ -322,9 +310,8 @@ class VerifyConf:
     steps: int = _f(at_least(2))  # updates in all
     atol: float = _f(at_least(0))  # exact by default
     rtol: float = _f(at_least(0))
-    kill: KillMode = (
-        _f()
-    )  # none | random: chaos mode, SIGKILL at random points and re-run until complete
+    # none | random: chaos mode, SIGKILL at random points and re-run until complete
+    kill: KillMode = _f()
     trials: int = _f(at_least(1))
     seed: int = _f(at_least(0))  # chooses the chaos kill points
     max_reruns: int = _f(at_least(1))
@@ -350,9 +337,8 @@ class Config:
 def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
     node = as_written_now(node)
     known = [f.name for f in fields(schema)]
-    for key in sorted(
-        set(node) - set(known) - {"_target_"}
-    ):  # `+trainer.max_stpes=3` passes Hydra: a typo here
+    # `+trainer.max_stpes=3` passes Hydra: a typo here
+    for key in sorted(set(node) - set(known) - {"_target_"}):
         near = difflib.get_close_matches(str(key), known, n=1)
         errors.append(
             f"{prefix}{key}: no such key{f'; did you mean {prefix}{near[0]}?' if near else ''}"
@@ -472,9 +458,8 @@ def validate(config: dict) -> None:
     """ConfigError listing every value out of range (a field's check is in its metadata), before the job creates
     anything on disk; Hydra has checked types and keys while composing."""
     errors: list[str] = []
-    if "name" in config and (
-        why := names.problem(config["name"])
-    ):  # the run's and the sweep's directory name
+    # the run's and the sweep's directory name
+    if "name" in config and (why := names.problem(config["name"])):
         errors.append(f"name={names.shown(config['name'])}: {why}")
     fixed: tuple[tuple[str, type], ...] = (
         ("trainer", TrainerConf),

@@ -11,9 +11,8 @@ from pipeline.files import reading
 from pipeline.files.limits import MAX_JSON_DEPTH
 
 # Python writes NaN bare, which is not JSON; we write protobuf's JSON mapping for floats instead.
-NON_FINITE = MappingProxyType(
-    {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-)  # read-only
+# read-only
+NON_FINITE = MappingProxyType({"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf})
 
 
 class JSONError(ValueError):

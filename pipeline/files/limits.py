@@ -2,9 +2,8 @@
 value and reason each; a reader passes one of these or a size a verified manifest lists."""
 
 MAX_JSON_DEPTH = 64  # nesting of any JSON read: deeper is refused, never recursed into
-MAX_CHECKPOINT_JSON = (
-    16 << 20
-)  # manifest.json, extra.json, data.json: KBs (a 65,536-token vocab < 1 MB)
+# manifest.json, extra.json, data.json: KBs (a 65,536-token vocab < 1 MB)
+MAX_CHECKPOINT_JSON = 16 << 20
 MAX_HEADER = 16 << 20  # a safetensors header: ~100 bytes a tensor
 MAX_CORPUS_JSON = 16 << 20  # a corpus's MANIFEST.json or vocab.json: a few KB each
 MAX_CORPORA = 10_000  # corpus directories looked at when finding one by its manifest's hash
