@@ -404,23 +404,15 @@ def restore_all(root: Path, extra: list[str]) -> list[dict]:
             rel = step_dir.relative_to(root).as_posix()
             try:
                 manifest, _ = restore_checkpoint(step_dir, extra)
-                checks.append(
-                    {
-                        "check": f"restore {rel}",
-                        "passed": True,
-                        "detail": f"step {manifest['step']}",
-                    }
-                )
+                checks.append(_check(f"restore {rel}", True, f"step {manifest['step']}"))
             except Exception as e:
                 hint = _trust_hint(root, run, extra) if isinstance(e, UnknownTargetError) else ""
-                checks.append(
-                    {
-                        "check": f"restore {rel}",
-                        "passed": False,
-                        "detail": str(e).splitlines()[0] + hint,
-                    }
-                )
+                checks.append(_check(f"restore {rel}", False, str(e).splitlines()[0] + hint))
     return checks
+
+
+def _check(check: str, passed, detail) -> dict:
+    return {"check": check, "passed": passed, "detail": detail}
 
 
 def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str | None:
@@ -555,14 +547,9 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
     """Every check of the archive at root (its final name `dest`), from its own bytes."""
     listing = jsonio.read(root / "MANIFEST.json", MAX_ARCHIVE_LISTING)
     problems = check_files(root, listing)
+    counted = f"{len(listing['files'])} files, {len(listing['links'])} links"
     checks = [
-        {
-            "check": "sizes and sha256 against MANIFEST.json",
-            "passed": not problems,
-            "detail": problems[0]
-            if problems
-            else f"{len(listing['files'])} files, {len(listing['links'])} links",
-        }
+        _check("sizes and sha256 against MANIFEST.json", not problems, (problems or [counted])[0])
     ]
     # what lies there is not the archive MANIFEST.json lists: nothing in it is read as a run
     if problems:
@@ -573,15 +560,12 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
             for rel, (entry, _) in b.expected.items()
             if listing["files"].get(rel, {}).get("sha256") != entry["sha256"]
         ]
-        checks.append(
-            {
-                "check": "sizes and sha256 against the source manifests",
-                "passed": not wrong and not problems,
-                "detail": f"{wrong[0]} differs from {b.expected[wrong[0]][1]}"
-                if wrong
-                else f"{len(b.expected)} files listed by checkpoint and corpus manifests",
-            }
+        detail = (
+            f"{wrong[0]} differs from {b.expected[wrong[0]][1]}"
+            if wrong
+            else f"{len(b.expected)} files listed by checkpoint and corpus manifests"
         )
+        checks.append(_check("sizes and sha256 against the source manifests", not wrong, detail))
     checks += restore_all(root, extra)
     proofs = []
     for run in sorted((root / "runs").iterdir()) if prove else ():
@@ -591,11 +575,11 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     checks += [
-        {
-            "check": f"resume {p['run']} from step {p.get('step_recovered')}",
-            "passed": p["passed"],
-            "detail": p.get("detail") or p.get("compared"),
-        }
+        _check(
+            f"resume {p['run']} from step {p.get('step_recovered')}",
+            p["passed"],
+            p.get("detail") or p.get("compared"),
+        )
         for p in proofs
         if p["passed"] is not None
     ]
