@@ -43,10 +43,8 @@ WEIGHTS, OPTIM, EXTRA, MANIFEST = (
 )
 DATA = "data.json"
 REQUIRED = (WEIGHTS, OPTIM, EXTRA, DATA)
-REQUIRED_BY = {
-    "2.0": (WEIGHTS, OPTIM, EXTRA),
-    mf.SCHEMA_VERSION: REQUIRED,
-}  # schema_version -> files it lists
+# schema_version -> files it lists
+REQUIRED_BY = {"2.0": (WEIGHTS, OPTIM, EXTRA), mf.SCHEMA_VERSION: REQUIRED}
 # data.json's strings, bounded so that decoding a sample costs what its tokens say: a corpus's tokens are
 # characters or lexicon words, its decode_join '' or ' ', its specials a role or two (eos).
 MAX_TOKEN, MAX_JOIN, MAX_SPECIALS = 256, 16, 16

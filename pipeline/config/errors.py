@@ -45,11 +45,8 @@ def exit_code(e: BaseException) -> tuple[int, str] | None:
         return EXIT_ERROR, message
     if (message := slurm_unreachable(e)) is not None:
         return EXIT_UNAVAILABLE, message
-    if type(e).__module__.split(".")[0] in (
-        "hydra",
-        "omegaconf",
-        "yaml",
-    ):  # Hydra could not compose the config
+    # Hydra could not compose the config
+    if type(e).__module__.split(".")[0] in ("hydra", "omegaconf", "yaml"):
         return EXIT_BAD_INPUT, f"bad config or override: {error_line(e)}"
     return None
 

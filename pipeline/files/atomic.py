@@ -35,9 +35,8 @@ ENVIRONMENT = {
 class UnsafePathError(OSError):
     """Something other than what we would have created sits where we write (a symlink, a directory...)."""
 
-    def __str__(
-        self,
-    ) -> str:  # one sentence for a person: "<path>: <reason>" or the reason naming it, no [Errno N]
+    # one sentence for a person: "<path>: <reason>" or the reason naming it, no [Errno N]
+    def __str__(self) -> str:
         if self.strerror is None:
             return super().__str__()
         return f"{self.filename}: {self.strerror}" if self.filename else self.strerror
