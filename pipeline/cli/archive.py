@@ -291,11 +291,13 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             )
         if corpus is not None and f"data/{corpus.name}/MANIFEST.json" not in b.files:
             for fn, entry in sorted(verify_corpus(corpus)[0]["files"].items()):
+                size = entry["size"] if "size" in entry else entry["bytes"]  # a corpus says bytes
+                listed = {"size": size, "sha256": entry["sha256"]}
                 b.copy(
                     corpus / fn,
                     f"data/{corpus.name}/{fn}",
-                    entry["bytes"],
-                    {"size": entry["bytes"], "sha256": entry["sha256"]},
+                    size,
+                    listed,
                     f"{corpus / 'MANIFEST.json'}",
                 )
             b.copy(
