@@ -4,7 +4,6 @@ hash, nothing unlisted; a corpus's manifest says `bytes` where the others say `s
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import stat
@@ -56,18 +55,6 @@ def _tree(root: Path) -> tuple[dict[str, os.stat_result], set[str], dict[str, st
             else:
                 files[rel] = st
     return files, dirs, links
-
-
-def _digest(path: Path, size: int, into: bytearray | None) -> str:
-    """sha256 of the file's bytes, read in pieces (into `into`, if given, whole); bounded by its listed size."""
-    h, at = hashlib.sha256(), 0
-    with reading.open_file(path, size) as f:
-        for piece in reading.chunks(f, path, size):
-            h.update(piece)
-            if into is not None:
-                into[at : at + len(piece)] = piece
-            at += len(piece)
-    return h.hexdigest()
 
 
 def problems(
@@ -125,7 +112,7 @@ def problems(
         elif hashed:
             into = bytearray(st.st_size) if kept is not None and rel in kept else None
             try:
-                if _digest(root / rel, st.st_size, into) != entry["sha256"]:
+                if reading.sha256(root / rel, st.st_size, into=into) != entry["sha256"]:
                     yield rel, say("sha256")
                 elif into is not None:
                     kept[rel] = into  # type: ignore[index]  # kept is not None where into is

@@ -111,12 +111,18 @@ def read_bytes(path, limit: int) -> bytes:
         return b"".join(chunks(f, path, limit))
 
 
-def sha256(path, limit: int | None = None, follow: bool = False, bound: str | None = None) -> str:
-    """The sha256 hex digest of a regular file's bytes, read in pieces (constant memory)."""
-    h = hashlib.sha256()
+def sha256(
+    path, limit: int | None = None, follow: bool = False, bound: str | None = None, into=None
+) -> str:
+    """The sha256 hex digest of a regular file's bytes, read in pieces (constant memory, or kept in `into`, a
+    bytearray of the file's size)."""
+    h, at = hashlib.sha256(), 0
     with open_file(path, limit, follow, bound) as f:
         for piece in chunks(f, path, limit, bound):
             h.update(piece)
+            if into is not None:
+                into[at : at + len(piece)] = piece
+                at += len(piece)
     return h.hexdigest()
 
 
