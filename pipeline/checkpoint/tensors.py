@@ -1,10 +1,5 @@
-"""Named arrays to and from plain safetensors files, hashed in the same pass that writes or reads their bytes.
-
-Not through safetensors.numpy, for reasons measured here (BENCHMARKS.md): the manifest's sha256 is taken over
-the very bytes written or read, on a helper thread (sha256 is slower than this disk), never in a second pass;
-a loaded array is read straight into its own buffer (1x memory); arrays go out C-contiguous little-endian (the
-library writes non-contiguous ones wrong, silently), 0-d shapes kept. Tied arrays are stored once: ALIAS(name).
-"""
+"""Named arrays to and from plain safetensors files, hashed (on a helper thread) in the pass that writes or reads
+them, read into their own buffers, C-contiguous little-endian, tied ones once as ALIAS(name) (BENCHMARKS.md)."""
 
 from __future__ import annotations
 

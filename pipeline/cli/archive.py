@@ -1,11 +1,5 @@
 """`python -m pipeline.archive SOURCE DEST`: a run, sweep or checkpoint copied to DEST, verified, reloaded and resumed
-there.
-
-DEST is laid out like an output directory (docs/archive.md), built as a hidden temporary sibling,
-checked there from its own bytes (sizes and sha256, every checkpoint restored, a resume compared bit for bit) and
-renamed into place only if every check passed. SOURCE is only read. Exit 0 published; 1 a check failed (the
-temporary is kept and named); 2 bad input, one line.
-"""
+there (docs/archive.md: built as a hidden temporary, published only if every check passed)."""
 
 from __future__ import annotations
 
