@@ -37,12 +37,13 @@ def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
     """True if hydra.mode is None for this command, so that `-m` alone decides run or multirun: nothing in
     `argv` names hydra.mode or another config, and no YAML under `conf_dir` sets a `mode:` to RUN or MULTIRUN."""
     from pipeline.files import reading
+    from pipeline.files.limits import MAX_CONF_YAML
 
     if any(a.startswith(_OTHER_CONFIGS) or "hydra.mode" in a for a in argv):
         return False
     for f in Path(conf_dir).rglob("*.yaml"):
         try:
-            text = reading.read_bytes(f, 1 << 20).decode(errors="replace")
+            text = reading.read_bytes(f, MAX_CONF_YAML).decode(errors="replace")
         # a link, a FIFO, a file over 1 MiB: left to Hydra's own way, whatever it makes of it
         except OSError:
             return False

@@ -6,7 +6,6 @@ import errno
 import hashlib
 import os
 import re
-import stat
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from pipeline.checkpoint.tensors import (
     read_tensors,
     write_tensors,
 )
-from pipeline.files import jsonio, killpoint, reading
+from pipeline.files import jsonio, killpoint, listing, reading
 from pipeline.files.atomic import (
     fsync_dir,
     new_temp_dir,
@@ -33,6 +32,7 @@ from pipeline.files.atomic import (
     second_name,
     write_new,
 )
+from pipeline.files.limits import MAX_CHECKPOINT_JSON
 from pipeline.stateful import PARTS, SEP, StateMismatch, capture, check, merge, split
 
 WEIGHTS, OPTIM, EXTRA, MANIFEST = (
@@ -43,13 +43,8 @@ WEIGHTS, OPTIM, EXTRA, MANIFEST = (
 )
 DATA = "data.json"
 REQUIRED = (WEIGHTS, OPTIM, EXTRA, DATA)
-REQUIRED_BY = {
-    "2.0": (WEIGHTS, OPTIM, EXTRA),
-    mf.SCHEMA_VERSION: REQUIRED,
-}  # schema_version -> files it lists
-MAX_JSON = (
-    16 << 20
-)  # bytes of manifest.json, extra.json or data.json: a few KB (a 65,536-token vocabulary, < 1 MB)
+# schema_version -> files it lists
+REQUIRED_BY = {"2.0": (WEIGHTS, OPTIM, EXTRA), mf.SCHEMA_VERSION: REQUIRED}
 # data.json's strings, bounded so that decoding a sample costs what its tokens say: a corpus's tokens are
 # characters or lexicon words, its decode_join '' or ' ', its specials a role or two (eos).
 MAX_TOKEN, MAX_JOIN, MAX_SPECIALS = 256, 16, 16
@@ -69,7 +64,7 @@ def step_number(name: str) -> int:
 
 STORE = "checkpoints"  # what a run's store of checkpoints is called (pipeline/run/directory.py puts it in the run)
 MAX_HOPS = 8  # links followed from a path to its checkpoint directory
-LINKED = "is a symlink; a checkpoint's files must be regular files inside it"
+LINKED = "is a symlink, not a regular file"
 CORRUPTED = "sha256 differs from manifest.json (corrupted)"
 
 
@@ -82,9 +77,8 @@ class Checkpoint:
     directory: Path
     manifest: dict
     state: dict  # {part: state_dict}: arrays (tied names one object) and JSON values
-    data: dict | None = (
-        None  # data.json, verified (None: a schema 2.0 checkpoint, written without it)
-    )
+    # data.json, verified (None: a schema 2.0 checkpoint, written without it)
+    data: dict | None = None
 
     @property
     def step(self) -> int:
@@ -168,7 +162,7 @@ def _data_problem(data, spec: dict) -> str | None:
 def _listed_json(directory: Path, name: str, listed: dict):
     """A listed JSON file, bounded, hashed against its listing, parsed strictly; CheckpointError naming it."""
     try:
-        raw = reading.read_bytes(directory / name, MAX_JSON)
+        raw = reading.read_bytes(directory / name, MAX_CHECKPOINT_JSON)
     except OSError as e:
         raise CheckpointError(directory, name, _os_reason(e)) from None
     if hashlib.sha256(raw).hexdigest() != listed[name]["sha256"]:
@@ -230,9 +224,8 @@ def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[st
     one) disagree: the odd one out is the file that lies."""
     m = STEP_DIR.match(directory.name)
     named = int(m.group(1)) if m else None
-    if (
-        type(saved_step) is int and saved_step == manifest_step
-    ):  # JSON true == 1 and 10.0 == 10 in Python
+    # JSON true == 1 and 10.0 == 10 in Python
+    if type(saved_step) is int and saved_step == manifest_step:
         if named is None or named == manifest_step:
             return None
         return "", (
@@ -296,9 +289,8 @@ class CheckpointDir:
         store must not be a link; a link elsewhere (`ln -s RUN/checkpoints/best mine`) is followed, as its
         target could be typed instead."""
         given = self.path
-        path = (
-            given if given.is_absolute() else Path.cwd() / given
-        )  # `best`, typed inside the store, is a run's link
+        # `best`, typed inside the store, is a run's link
+        path = given if given.is_absolute() else Path.cwd() / given
         for hop in range(MAX_HOPS):
             if path.parent.name == STORE and os.path.islink(path.parent):
                 raise CheckpointError(
@@ -341,21 +333,18 @@ class CheckpointDir:
             killpoint.point("save", "after weights")
             killpoint.point("save", "after optim")
             files[EXTRA] = write_new(tmp / EXTRA, jsonio.dumps(extra, indent=None))
-            files[DATA] = write_new(
-                tmp / DATA, jsonio.dumps(data, indent=None)
-            )  # sorted keys: same bytes each save
+            # sorted keys: same bytes each save
+            files[DATA] = write_new(tmp / DATA, jsonio.dumps(data, indent=None))
             manifest = {**fields, "files": files}
             killpoint.point("save", "before manifest")
-            write_new(
-                tmp / MANIFEST, jsonio.dumps(manifest)
-            )  # last: a directory with a manifest is complete
+            # last: a directory with a manifest is complete
+            write_new(tmp / MANIFEST, jsonio.dumps(manifest))
             killpoint.point("save", "before rename")
             publish_dir(tmp, directory, replace=replace)
             killpoint.point("save", "after rename")
         except BaseException as e:
-            remove_tree(
-                tmp
-            )  # a signal or an error mid-save: the half-made temporary goes now or at the next save
+            # a signal or an error mid-save: the half-made temporary goes now or at the next save
+            remove_tree(tmp)
             if isinstance(e, OSError) and str(e.filename or "").startswith(str(tmp)):
                 e.filename = str(directory)  # the checkpoint being saved, not its temporary
             raise
@@ -376,7 +365,7 @@ class CheckpointDir:
     def manifest_as_written(self) -> dict:
         """manifest.json as on disk, bounded but unchecked ({}: unreadable or not an object), shown beside a verdict."""
         try:
-            manifest = jsonio.read(self.resolved() / MANIFEST, MAX_JSON)
+            manifest = jsonio.read(self.resolved() / MANIFEST, MAX_CHECKPOINT_JSON)
         except (OSError, ValueError, CheckpointError):
             return {}
         return manifest if isinstance(manifest, dict) else {}
@@ -384,7 +373,7 @@ class CheckpointDir:
     def manifest_file(self) -> tuple[str, bytes]:
         """(name, bytes) of manifest.json as on disk, bounded, for an index to upload; CheckpointError otherwise."""
         try:
-            return MANIFEST, reading.read_bytes(self.resolved() / MANIFEST, MAX_JSON)
+            return MANIFEST, reading.read_bytes(self.resolved() / MANIFEST, MAX_CHECKPOINT_JSON)
         except FileNotFoundError:
             raise self.fault("missing (an incomplete or foreign directory)") from None
         except OSError as e:
@@ -404,7 +393,7 @@ class CheckpointDir:
         for name in [*sorted(listed), MANIFEST]:
             entry = listed.get(name)
             copied[name] = reading.copy_new(
-                directory / name, dest / name, entry["size"] if entry else MAX_JSON
+                directory / name, dest / name, entry["size"] if entry else MAX_CHECKPOINT_JSON
             )
             if entry is not None and (copied[name]["size"], copied[name]["sha256"]) != (
                 entry["size"],
@@ -447,50 +436,12 @@ class CheckpointDir:
             raise CheckpointError(self.path, "", "not a directory")
         manifest = CheckpointDir(directory).manifest()
         listed = manifest["files"]
-        for name, entry in listed.items():
-            if name in ("", ".", "..", MANIFEST) or "/" in name or "\\" in name or "\0" in name:
-                raise CheckpointError(
-                    directory, MANIFEST, f"lists an invalid file name {name!r:.80}"
-                )
-            if not (
-                isinstance(entry, dict)
-                and type(entry.get("size")) is int
-                and entry["size"] >= 0
-                and isinstance(entry.get("sha256"), str)
-                and mf.SHA256.match(entry["sha256"])
-            ):
-                raise CheckpointError(
-                    directory,
-                    MANIFEST,
-                    f"entry for {name} needs an integer size and a sha256 hex digest",
-                )
         for name in REQUIRED_BY[manifest["schema_version"]]:
             if name not in listed:
                 raise CheckpointError(directory, MANIFEST, f"does not list {name}")
-        present = {}
-        with os.scandir(
-            directory
-        ) as it:  # the first stranger ends the scan: a million planted files cost nothing
-            for e in it:
-                if e.name != MANIFEST and e.name not in listed:
-                    raise CheckpointError(
-                        directory, f"{e.name:.100}", "present but not listed in manifest.json"
-                    )
-                present[e.name] = e
-        for name, entry in sorted(listed.items()):
-            if name not in present:
-                raise CheckpointError(directory, name, "listed in manifest.json but missing")
-            st = present[name].stat(follow_symlinks=False)
-            if stat.S_ISLNK(st.st_mode):
-                raise CheckpointError(directory, name, LINKED)
-            if not stat.S_ISREG(st.st_mode):
-                raise CheckpointError(
-                    directory, name, f"is {reading.kind_of(st)}, not a regular file"
-                )
-            if st.st_size != entry["size"]:
-                raise CheckpointError(
-                    directory, name, f"size {st.st_size} bytes, manifest says {entry['size']}"
-                )
+        # the files are hashed as they are read (load), not here
+        if problem := next(listing.problems(directory, listed, MANIFEST, hashed=False), None):
+            raise CheckpointError(directory, f"{problem[0]:.100}", problem[1])
         if expected is not None and manifest != expected:
             raise CheckpointError(directory, MANIFEST, "changed while it was read")
         return directory, manifest, listed
@@ -506,18 +457,16 @@ class CheckpointDir:
         weights_layout, optim_layout = (
             (None, None) if live is None else [layout(t) for t in _by_file(live)[:2]]
         )
-        with ThreadPoolExecutor(
-            1, thread_name_prefix="load-weights"
-        ) as pool:  # side by side, as in write()
+        # side by side, as in write()
+        with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:
             weights_read = pool.submit(
                 _read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], weights_layout
             )
             try:
                 other = _read_tensor_file(directory, OPTIM, listed[OPTIM], optim_layout)
             finally:
-                weights = (
-                    weights_read.result()
-                )  # weights.safetensors' own error first, as the files are listed
+                # weights.safetensors' own error first, as the files are listed
+                weights = weights_read.result()
         for path in other:
             part, sep, _ = path.partition(SEP)
             if part not in NOT_MODEL or not sep:

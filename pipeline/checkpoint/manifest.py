@@ -126,9 +126,8 @@ def hardware() -> dict:
             None,
         )
     with contextlib.suppress(OSError, IndexError, ValueError):
-        ram_gb = round(
-            int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) / 2**20, 1
-        )  # kB
+        kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
+        ram_gb = round(kb / 2**20, 1)
     blas = [
         {
             "library": i.get("internal_api"),

@@ -1,10 +1,5 @@
-"""Named arrays to and from plain safetensors files, hashed in the same pass that writes or reads their bytes.
-
-Not through safetensors.numpy, for reasons measured here (BENCHMARKS.md): the manifest's sha256 is taken over
-the very bytes written or read, on a helper thread (sha256 is slower than this disk), never in a second pass;
-a loaded array is read straight into its own buffer (1x memory); arrays go out C-contiguous little-endian (the
-library writes non-contiguous ones wrong, silently), 0-d shapes kept. Tied arrays are stored once: ALIAS(name).
-"""
+"""Named arrays to and from plain safetensors files, hashed (on a helper thread) in the pass that writes or reads
+them, read into their own buffers, C-contiguous little-endian, tied ones once as ALIAS(name) (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -23,10 +18,10 @@ import numpy as np
 
 from pipeline.files import jsonio, reading
 from pipeline.files.atomic import write_new
+from pipeline.files.limits import MAX_HEADER
 
 ALIAS = re.compile(r"^ALIAS\((.+)\)$")
 CHUNK = 8 << 20  # bytes per write/read/hash step
-MAX_HEADER = 16 << 20  # bytes of JSON header we read (legitimate ones are ~100 bytes a tensor)
 
 # safetensors' dtype codes, in the library's own order (its writer puts wider codes first); BF16: no numpy type.
 CODES = ("BOOL", "U8", "I8", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64")
@@ -51,9 +46,8 @@ class _Hasher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
 
     def update(self, buf) -> None:
-        self._pending.append(
-            self._pool.submit(self._h.update, buf)
-        )  # hashlib releases the GIL on big buffers
+        # hashlib releases the GIL on big buffers
+        self._pending.append(self._pool.submit(self._h.update, buf))
         while self._pending and self._pending[0].done():
             self._pending.popleft().result()  # surfaces errors early, keeps the queue short
 
@@ -71,9 +65,8 @@ class _Hasher:
 
 def _c_bytes(a: np.ndarray) -> np.ndarray:
     """`a` as C-contiguous little-endian, copied only when it is not already (0-d stays 0-d)."""
-    if a.dtype != (
-        little := a.dtype.newbyteorder("<")
-    ):  # big-endian, or native on a big-endian machine
+    # big-endian, or native on a big-endian machine
+    if a.dtype != (little := a.dtype.newbyteorder("<")):
         a = a.astype(little)
     # np.ascontiguousarray would turn a 0-d array into shape [1]; a C-order copy keeps the shape.
     return a if a.flags.c_contiguous else a.copy(order="C")
@@ -150,9 +143,8 @@ def resolve_aliases(
     """Every ALIAS(target) in metadata becomes the very object stored under target; raises ValueError."""
     links = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
     out = dict(arrays)
-    for name in sorted(
-        links
-    ):  # sorted: the same file gives the same message whatever the header order
+    # sorted: the same file gives the same message whatever the header order
+    for name in sorted(links):
         if name in arrays:
             raise ValueError(f"{name} is both stored and declared an alias")
         chain, target = [name], links[name]
@@ -307,9 +299,8 @@ def read_tensors(
                 for i in range(0, nbytes, CHUNK):
                     chunk = data[i : i + CHUNK]
                     _read_exact(f, chunk)
-                    h.update(
-                        chunk
-                    )  # hashed on the helper thread while this one reads the next chunk
+                    # hashed on the helper thread while this one reads the next chunk
+                    h.update(chunk)
                 arrays[name] = a if dtype.isnative else a.astype(dtype.newbyteorder("="))
             if f.read(1):
                 raise _Malformed("the file grew while it was read")

@@ -1,11 +1,5 @@
 """`python -m pipeline.archive SOURCE DEST`: a run, sweep or checkpoint copied to DEST, verified, reloaded and resumed
-there.
-
-DEST is laid out like an output directory (docs/archive.md), built as a hidden temporary sibling,
-checked there from its own bytes (sizes and sha256, every checkpoint restored, a resume compared bit for bit) and
-renamed into place only if every check passed. SOURCE is only read. Exit 0 published; 1 a check failed (the
-temporary is kept and named); 2 bad input, one line.
-"""
+there (docs/archive.md: built as a hidden temporary, published only if every check passed)."""
 
 from __future__ import annotations
 
@@ -25,11 +19,13 @@ from hydra.utils import get_class
 
 from pipeline.checkpoint.directory import STEP_DIR, CheckpointDir, step_dir_name
 from pipeline.checkpoint.store import CheckpointStore
+from pipeline.cli.export_hf import gpt2_shaped
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
 from pipeline.config.identity import run_name
 from pipeline.config.targets import shipped
-from pipeline.data.corpus import MAX_JSON, verify_corpus
+from pipeline.data.corpus import verify_corpus
 from pipeline.files import jsonio, names, reading
+from pipeline.files import listing as files_listing
 from pipeline.files.atomic import (
     TMP_PREFIX,
     NewDirs,
@@ -41,15 +37,12 @@ from pipeline.files.atomic import (
     remove_tree,
     write_new,
 )
+from pipeline.files.limits import MAX_ARCHIVE_LISTING, MAX_CORPUS_JSON, MAX_SMALL, MAX_SOURCE_FILE
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.archive"
 SELECTIONS = ("best", "final", "newest")
-MAX_SMALL = 16 << 20  # bytes of a run's small files (.hydra/*, run.json, a corpus's MANIFEST.json)
-MAX_FILE = (
-    1 << 40
-)  # a checkpoint or corpus file: bounded by its manifest's size, checked before copying
 
 INTERRUPTED = "no archive was published (its hidden temporary is removed or ignored)"
 
@@ -76,9 +69,8 @@ class RunPlan:
             names.checked(
                 value, f"{run_dir or next(iter(checkpoints.values()))}: {what}", reserve=0
             )
-        self.manifests = {
-            n: CheckpointDir(p).verify() for n, p in checkpoints.items()
-        }  # sizes, sha256, layout
+        # sizes, sha256, layout
+        self.manifests = {n: CheckpointDir(p).verify() for n, p in checkpoints.items()}
         self.newest = self.manifests[max(self.manifests, key=lambda n: self.manifests[n]["step"])]
 
 
@@ -88,9 +80,8 @@ def _kind(path: Path) -> str:
     except FileNotFoundError:
         raise BadSource(f"{path}: does not exist") from None
     if stat.S_ISLNK(st.st_mode):
-        st = os.stat(
-            path
-        )  # a link the user typed is followed, as its target could be typed instead
+        # a link the user typed is followed, as its target could be typed instead
+        st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
         raise BadSource(
             f"{path}: is {reading.kind_of(st)}, not a run, sweep or checkpoint directory"
@@ -112,9 +103,8 @@ def _kind(path: Path) -> str:
 
 
 def _select(store: CheckpointStore, which: str) -> tuple[dict[str, Path], dict[str, str]]:
-    steps, links = (
-        store.scan()
-    )  # a stray link or file in checkpoints/ is refused here (UnsafePathError)
+    # a stray link or file in checkpoints/ is refused here (UnsafePathError)
+    steps, links = store.scan()
     if not steps:
         raise BadSource(f"{store.root}: no checkpoints to archive")
     by_name = {d.name: d for _, d in steps}
@@ -134,9 +124,8 @@ def plan(source: Path, which: str) -> list[RunPlan]:
     if kind == "sweep":
         from pipeline.sweep.summary import read_jobs
 
-        runs_dir = (
-            source.parent.parent / "runs"
-        )  # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
+        # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
+        runs_dir = source.parent.parent / "runs"
         runs = sorted(
             {
                 Path(j["run_dir"]).name
@@ -169,10 +158,9 @@ def plan(source: Path, which: str) -> list[RunPlan]:
                 {k: t for k, t in in_run.store.links().items() if t == directory.name},
             )
         ]
-    manifest = CheckpointDir(
-        directory
-    ).manifest()  # the run's directory name comes from it: one name, inside DEST
-    names.checked(manifest["config"].get("name", "run"), f"{directory}: its manifest's config.name")
+    # the run's directory name comes from it: one name, inside DEST
+    manifest = CheckpointDir(directory).manifest()
+    names.checked(manifest["config"].get("name"), f"{directory}: its manifest's config.name")
     return [
         RunPlan(
             run_name(manifest["config"], manifest["sources"], manifest["lineage"]),
@@ -192,9 +180,8 @@ class Builder:
     def __init__(self, root: Path):
         self.root = root
         self.files: dict[str, dict] = {}  # relative path -> {"size", "sha256"} as copied
-        self.expected: dict[
-            str, tuple[dict, str]
-        ] = {}  # relative path -> (entry, which source manifest says so)
+        # relative path -> (entry, which source manifest says so)
+        self.expected: dict[str, tuple[dict, str]] = {}
         self.links: dict[str, str] = {}
 
     def place(self, rel: str) -> Path:
@@ -250,9 +237,8 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             b.files[rel] = entry
             if fn in listed:
                 b.expected[rel] = (listed[fn], f"the manifest of {directory}")
-    for link, target in sorted(
-        p.links.items()
-    ):  # relative, beside its step directory, as a run has it
+    # relative, beside its step directory, as a run has it
+    for link, target in sorted(p.links.items()):
         b.link((store / link).relative_to(b.root).as_posix(), target)
     for rel, path, limit in RunDir(p.run_dir).records() if p.run_dir is not None else ():
         b.copy(path, f"{base}/{rel}", limit)
@@ -285,9 +271,8 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             "the checkpoints' data_manifest_hash",
         )
     if with_data:
-        target = str(
-            data.get("_target_", "")
-        )  # asked of its class only if we ship it: a file imports nothing else
+        # asked of its class only if we ship it: a file imports nothing else
+        target = str(data.get("_target_", ""))
         if (
             corpus is None
             and data_hash
@@ -300,17 +285,19 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             )
         if corpus is not None and f"data/{corpus.name}/MANIFEST.json" not in b.files:
             for fn, entry in sorted(verify_corpus(corpus)[0]["files"].items()):
+                size = entry["size"] if "size" in entry else entry["bytes"]  # a corpus says bytes
+                listed = {"size": size, "sha256": entry["sha256"]}
                 b.copy(
                     corpus / fn,
                     f"data/{corpus.name}/{fn}",
-                    entry["bytes"],
-                    {"size": entry["bytes"], "sha256": entry["sha256"]},
+                    size,
+                    listed,
                     f"{corpus / 'MANIFEST.json'}",
                 )
             b.copy(
                 corpus / "MANIFEST.json",
                 f"data/{corpus.name}/MANIFEST.json",
-                MAX_JSON,
+                MAX_CORPUS_JSON,
                 corpus_manifest,
                 "data_manifest_hash",
             )
@@ -323,7 +310,7 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
                     b.copy(
                         src,
                         rel,
-                        MAX_FILE,
+                        MAX_SOURCE_FILE,
                         {"size": os.path.getsize(src), "sha256": sha},
                         "the checkpoints' sources",
                         follow=True,
@@ -356,42 +343,10 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
 def check_files(root: Path, listing: dict) -> list[str]:
     """Every file listed in MANIFEST.json present with its size and sha256, every link as listed, nothing else (a
     directory holds something listed; nothing followed); a line for each difference, naming the file."""
-    problems, files, links, dirs = [], {}, {}, set()
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        for n in dirnames + filenames:
-            full = Path(dirpath) / n
-            st = os.lstat(full)
-            if stat.S_ISLNK(st.st_mode):
-                links[full.relative_to(root).as_posix()] = os.readlink(full)
-            elif stat.S_ISDIR(st.st_mode):
-                dirs.add(full.relative_to(root).as_posix())
-            else:
-                files[full.relative_to(root).as_posix()] = st
-    listed_dirs = {
-        "/".join(rel.split("/")[:i])
-        for rel in (*listing["files"], *listing["links"])
-        for i in range(1, rel.count("/") + 1)
-    }
-    for rel in sorted(
-        (set(files) - set(listing["files"]) - {"MANIFEST.json", "recovery.json"})
-        | (dirs - listed_dirs)
-    ):
-        problems.append(f"{rel}: present but not listed in MANIFEST.json")
-    for rel, entry in sorted(listing["files"].items()):
-        if rel not in files:
-            problems.append(f"{rel}: listed in MANIFEST.json but missing")
-        elif not stat.S_ISREG(files[rel].st_mode):
-            problems.append(f"{rel}: is {reading.kind_of(files[rel])}, not a regular file")
-        elif files[rel].st_size != entry["size"]:
-            problems.append(
-                f"{rel}: size {files[rel].st_size} bytes, MANIFEST.json says {entry['size']}"
-            )
-        elif reading.sha256(root / rel, entry["size"]) != entry["sha256"]:
-            problems.append(f"{rel}: sha256 differs from MANIFEST.json (corrupted)")
-    if links != listing["links"]:
-        changed = sorted(set(links.items()) ^ set(listing["links"].items()))
-        problems.append(f"{changed[0][0]}: link differs from MANIFEST.json")
-    return problems
+    said = files_listing.problems(
+        root, listing["files"], "MANIFEST.json", links=listing["links"], ignore=("recovery.json",)
+    )
+    return [f"{rel}: {reason}" for rel, reason in said]
 
 
 def run_overrides(run: Path) -> list[str] | None:
@@ -445,23 +400,15 @@ def restore_all(root: Path, extra: list[str]) -> list[dict]:
             rel = step_dir.relative_to(root).as_posix()
             try:
                 manifest, _ = restore_checkpoint(step_dir, extra)
-                checks.append(
-                    {
-                        "check": f"restore {rel}",
-                        "passed": True,
-                        "detail": f"step {manifest['step']}",
-                    }
-                )
+                checks.append(_check(f"restore {rel}", True, f"step {manifest['step']}"))
             except Exception as e:
                 hint = _trust_hint(root, run, extra) if isinstance(e, UnknownTargetError) else ""
-                checks.append(
-                    {
-                        "check": f"restore {rel}",
-                        "passed": False,
-                        "detail": str(e).splitlines()[0] + hint,
-                    }
-                )
+                checks.append(_check(f"restore {rel}", False, str(e).splitlines()[0] + hint))
     return checks
+
+
+def _check(check: str, passed, detail) -> dict:
+    return {"check": check, "passed": passed, "detail": detail}
 
 
 def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str | None:
@@ -528,9 +475,8 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     last_logged = max((ln["step"] for ln in archived), default=steps[-1][0])
     end = max(last_logged, steps[-1][0])
     candidates = [(s, d) for s, d in steps if s < end]
-    if (
-        not candidates
-    ):  # a fork of the run's end would train nothing (refused); its restore is checked already
+    # a fork of the run's end would train nothing (refused); its restore is checked already
+    if not candidates:
         return {
             "run": run.name,
             "passed": None,
@@ -546,9 +492,8 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
         "trainer.progress_bar=false",
     ]
     shown = [a.replace(str(root), str(dest)) for a in args]
-    if (
-        problem := untrusted(args, extra, root, run)
-    ) is not None:  # the child takes them as its command line
+    # the child takes them as its command line
+    if (problem := untrusted(args, extra, root, run)) is not None:
         return {"run": run.name, "passed": False, "step_recovered": step, "detail": problem}
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
     # run() kills the child on any exception (a signal's included) before it is raised
@@ -572,9 +517,8 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
         )
         return result
     (resumed_run,) = [p for p in (scratch / "out" / "runs").iterdir() if p.is_dir()]
-    got = [
-        ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end
-    ]  # a preempted run goes on past end
+    # a preempted run goes on past end
+    got = [ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end]
     want = [ln for ln in archived if ln["step"] > step]
     compared: dict[str, Any] = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
     original_final, resumed_final = (
@@ -597,20 +541,14 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
 
 def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove: bool) -> dict:
     """Every check of the archive at root (its final name `dest`), from its own bytes."""
-    listing = jsonio.read(root / "MANIFEST.json", 1 << 30)
+    listing = jsonio.read(root / "MANIFEST.json", MAX_ARCHIVE_LISTING)
     problems = check_files(root, listing)
+    counted = f"{len(listing['files'])} files, {len(listing['links'])} links"
     checks = [
-        {
-            "check": "sizes and sha256 against MANIFEST.json",
-            "passed": not problems,
-            "detail": problems[0]
-            if problems
-            else f"{len(listing['files'])} files, {len(listing['links'])} links",
-        }
+        _check("sizes and sha256 against MANIFEST.json", not problems, (problems or [counted])[0])
     ]
-    if (
-        problems
-    ):  # what lies there is not the archive MANIFEST.json lists: nothing in it is read as a run
+    # what lies there is not the archive MANIFEST.json lists: nothing in it is read as a run
+    if problems:
         return {"checks": checks, "resume": [], "all_checks_passed": False}
     if b is not None:
         wrong = [
@@ -618,15 +556,12 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
             for rel, (entry, _) in b.expected.items()
             if listing["files"].get(rel, {}).get("sha256") != entry["sha256"]
         ]
-        checks.append(
-            {
-                "check": "sizes and sha256 against the source manifests",
-                "passed": not wrong and not problems,
-                "detail": f"{wrong[0]} differs from {b.expected[wrong[0]][1]}"
-                if wrong
-                else f"{len(b.expected)} files listed by checkpoint and corpus manifests",
-            }
+        detail = (
+            f"{wrong[0]} differs from {b.expected[wrong[0]][1]}"
+            if wrong
+            else f"{len(b.expected)} files listed by checkpoint and corpus manifests"
         )
+        checks.append(_check("sizes and sha256 against the source manifests", not wrong, detail))
     checks += restore_all(root, extra)
     proofs = []
     for run in sorted((root / "runs").iterdir()) if prove else ():
@@ -636,11 +571,11 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     checks += [
-        {
-            "check": f"resume {p['run']} from step {p.get('step_recovered')}",
-            "passed": p["passed"],
-            "detail": p.get("detail") or p.get("compared"),
-        }
+        _check(
+            f"resume {p['run']} from step {p.get('step_recovered')}",
+            p["passed"],
+            p.get("detail") or p.get("compared"),
+        )
         for p in proofs
         if p["passed"] is not None
     ]
@@ -668,9 +603,8 @@ def readme(dest: Path, exported: dict) -> str:
         ck = run["checkpoints"]
         order = sorted(ck, key=lambda n: ck[n]["step"])
         newest = order[-1]
-        resume_from = (
-            order[-2] if len(order) > 1 and "final" in ck[newest]["links"] else newest
-        )  # as the proof does
+        # as the proof does
+        resume_from = order[-2] if len(order) > 1 and "final" in ck[newest]["links"] else newest
         best = "best" if any("best" in c["links"] for c in ck.values()) else newest
         at = RunDir(dest / "runs" / name).store.root
         over = " ".join(run["resume_overrides"])
@@ -691,7 +625,7 @@ def readme(dest: Path, exported: dict) -> str:
             f"python -m pipeline.show {dest}/runs/{name} {sp}".rstrip(),
             f"python -m pipeline.evaluate {at}/{best} paths.output_dir=SCRATCH {sp}".rstrip(),
         ]
-        if "minigpt" in str(run.get("model", "")).lower():
+        if run.get("generates"):
             lines += [
                 f'python -m pipeline.sample {at}/final prompt="the" max_new_tokens=20 paths.output_dir=SCRATCH',
                 f"python -m pipeline.export_hf {at}/final HF_DIR",
@@ -761,18 +695,17 @@ def build_archive(
             exported["runs"][run_plan.name] = run = archive_run(b, run_plan, with_data)
             overrides = _resume_overrides(tmp / "runs" / run_plan.name, tmp, extra)
             run["resume_overrides"] = [o.replace(str(tmp), str(dest)) for o in overrides]
-            run["model"] = run_plan.newest["config"]["model"].get("_target_")
-        if (
-            _kind(source) == "sweep"
-        ):  # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
+            model = run_plan.newest["config"]["model"]
+            run["model"], run["generates"] = model.get("_target_"), gpt2_shaped(model)
+        # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
+        if _kind(source) == "sweep":
             name = Path(os.path.realpath(source)).name
             for f in (
                 p for p in sorted(Path(source).iterdir()) if not p.is_dir() or p.is_symlink()
             ):
                 b.copy(f, f"sweeps/{name}/{f.name}", MAX_SMALL)
-            for f in sorted(
-                (Path(source) / "jobs").iterdir()
-            ):  # each a regular file: b.copy refuses the rest
+            # each a regular file: b.copy refuses the rest
+            for f in sorted((Path(source) / "jobs").iterdir()):
                 b.copy(f, f"sweeps/{name}/jobs/{f.name}", MAX_SMALL)
             exported["sweep"] = name
         b.write("README.md", readme(dest, exported).encode())

@@ -21,6 +21,12 @@ TIED = "lm_head.weight"  # the head is wte: HF ties it on load (tie_word_embeddi
 INTERRUPTED = "OUT_DIR may hold part of the export (each file whole); re-run the same command"
 
 
+def gpt2_shaped(model: dict) -> bool:
+    """Whether a model's config has the shape of one written as GPT-2 here (and sampled): MiniGPT's layers,
+    heads and width."""
+    return all(type(model.get(k)) is int for k in ("n_layer", "n_head", "n_embd"))
+
+
 def expected_shapes(
     *, n_layer: int, n_embd: int, n_positions: int, vocab_size: int
 ) -> dict[str, tuple[int, ...]]:
@@ -111,9 +117,8 @@ def tokenizer_files(
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         tok.decoder = decoders.Replace(Regex("^"), " ")  # a space before every word
     elif join == "":
-        tok.pre_tokenizer = pre_tokenizers.Split(
-            Regex(r"[\s\S]"), behavior="isolated"
-        )  # [\s\S]: newlines too
+        # [\s\S]: newlines too
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
         tok.decoder = decoders.Fuse()
     else:
         raise ValueError(
@@ -121,9 +126,8 @@ def tokenizer_files(
         )
     specials = [eos] if eos is not None and eos in vocab else []
     if specials:
-        tok.add_special_tokens(
-            specials
-        )  # already in the vocabulary: same id, never split, skippable on decode
+        # already in the vocabulary: same id, never split, skippable on decode
+        tok.add_special_tokens(specials)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": n_positions,
@@ -225,17 +229,14 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.run.trained import data_facts, restore_checkpoint
 
     try:
-        manifest, state = restore_checkpoint(
-            Path(args.checkpoint), args.overrides
-        )  # fully verified
-        model = as_written_now(
-            manifest["config"]["model"]
-        )  # bias and gelu: a checkpoint may predate them
-        if not str(model.get("_target_", "")).endswith("MiniGPT"):
+        # fully verified
+        manifest, state = restore_checkpoint(Path(args.checkpoint), args.overrides)
+        # bias and gelu: a checkpoint may predate them
+        model = as_written_now(manifest["config"]["model"])
+        if not (gpt2_shaped(model) and "transformer.wte.weight" in state.model.state_dict()):
             raise CommandError(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
-        facts = data_facts(
-            manifest, args.overrides, Path(args.checkpoint)
-        )  # the vocabulary the model was trained on
+        # the vocabulary the model was trained on
+        facts = data_facts(manifest, args.overrides, Path(args.checkpoint))
         if facts["vocab"] is None:
             raise CommandError(
                 f"{args.checkpoint}: its data has no vocabulary to make a tokenizer of"

@@ -39,6 +39,7 @@ from pipeline.config.errors import EXIT_ERROR, EXIT_OK
 from pipeline.config.identity import run_name
 from pipeline.files import jsonio
 from pipeline.files.atomic import TMP_PREFIX, remove_tree, write_new
+from pipeline.files.limits import MAX_CONTINUED
 from pipeline.run.signals import command, run_command
 from pipeline.stateful import PARTS, merge, split
 from pipeline.verify.compare import first_difference
@@ -118,7 +119,7 @@ def check_continuation(
             }
         arrays, _ = read_tensors(out / "continued.safetensors")
         losses_b = arrays.pop("losses").tolist()
-        json_tree = jsonio.read(out / "continued.json", 1 << 24)
+        json_tree = jsonio.read(out / "continued.json", MAX_CONTINUED)
         resumed = merge(arrays, json_tree)
     else:
         second = Fresh(config)

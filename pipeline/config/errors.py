@@ -38,19 +38,15 @@ def exit_code(e: BaseException) -> tuple[int, str] | None:
     e = e.error if isinstance(e, Refusal) else e
     if isinstance(e, CommandError):
         return e.exit_code, str(e)
-    if isinstance(
-        e, UnsafePathError
-    ):  # a link or a stray file where we would write: the files layer's own
+    # a link or a stray file where we would write: the files layer's own
+    if isinstance(e, UnsafePathError):
         return EXIT_BAD_INPUT, str(e)
     if (message := environment_error(e)) is not None:  # a full or read-only disk
         return EXIT_ERROR, message
     if (message := slurm_unreachable(e)) is not None:
         return EXIT_UNAVAILABLE, message
-    if type(e).__module__.split(".")[0] in (
-        "hydra",
-        "omegaconf",
-        "yaml",
-    ):  # Hydra could not compose the config
+    # Hydra could not compose the config
+    if type(e).__module__.split(".")[0] in ("hydra", "omegaconf", "yaml"):
         return EXIT_BAD_INPUT, f"bad config or override: {error_line(e)}"
     return None
 
@@ -87,18 +83,16 @@ def error_line(e: BaseException) -> str:
         and str(cause).strip().splitlines()[0].rstrip(".:") not in parts
     ):
         parts.append(str(cause).strip().splitlines()[0].rstrip(".:"))
-    override = getattr(
-        e, "override", None
-    )  # hydra's OverrideParseException: an override its grammar cannot read
+    # hydra's OverrideParseException: an override its grammar cannot read
+    override = getattr(e, "override", None)
     if isinstance(override, str) and override:
         name, _, value = override.partition("=")
         quoted = f"\"{name}='{value}'\"" if value and not set(value) & set("'\"$`\\!") else "it"
         return f"{override}: {parts[0]}; if the value is text, quote it for Hydra inside the shell's quotes: {quoted}"
     key = getattr(e, "full_key", None) or getattr(cause, "full_key", None)
     line = ": ".join(parts) + (f" (key {key})" if key and key not in " ".join(parts) else "")
-    options = getattr(
-        e, "options", None
-    )  # hydra's MissingConfigException: the group's options, if it has any
+    # hydra's MissingConfigException: the group's options, if it has any
+    options = getattr(e, "options", None)
     missing = getattr(e, "missing_cfg_file", None)
     if options:
         where = f" in '{missing.rsplit('/', 1)[0]}'" if missing and "/" in missing else ""
@@ -122,9 +116,8 @@ def closest(e: BaseException, cause: BaseException | None) -> str:
     keys = [str(k) for k in node.keys()]  # type: ignore[union-attr]  # noqa: SIM118 - an OmegaConf node or a dict
     if key in keys:  # a key that is there (its value was wrong): nothing to suggest
         return ""
-    if full == f"stages.{key}" and (
-        added := stage_options(key)
-    ):  # a stage that is off unless added
+    # a stage that is off unless added
+    if full == f"stages.{key}" and (added := stage_options(key)):
         return f"; stage {key} is off unless added: add {' or '.join(f'+stages/{key}={o}' for o in added)}"
     found = difflib.get_close_matches(key, [k for k in keys if k != "hydra"], n=1)
     prefix = full[: -len(key)] if full.endswith(key) else ""

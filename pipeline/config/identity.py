@@ -155,7 +155,7 @@ def _named(config: dict, semantic: str, lineage: dict | None = None) -> str:
     """BadName (a ValueError, one line) if the name cannot be one directory's (names.checked). A fork's history
     continues another run's checkpoint: it is named by its lineage, never a clean run's directory."""
     key = lineage["id"] if lineage is not None and lineage.get("origin") is not None else semantic
-    return f"{names.checked(config.get('name', 'run'), 'name')}-{key[:12]}"
+    return f"{names.checked(config.get('name'), 'name')}-{key[:12]}"
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -23,6 +24,7 @@ from pipeline.config.checks import (
 )
 from pipeline.config.errors import ConfigError
 from pipeline.files import names, patterns
+from pipeline.files.limits import MAX_TEXT_FILE
 
 # `_target_` -> the schema of a node building it, filled by @builds while this module loads and then frozen
 # as SCHEMAS (end of file); a schema stored as `schema/<group>/<option>` is the first entry of that option's
@@ -63,12 +65,10 @@ def name_pattern(v) -> str | None:
 
 Dtype = Enum("Dtype", {"float32": "float32", "float64": "float64"})
 Activation = Enum("Activation", {"tanh": "tanh", "relu": "relu"})
-DecayOn = Enum(
-    "DecayOn", {"all": "all", "matrices": "matrices"}
-)  # matrices: 2-D and up (GPT-2's groups)
-Gelu = Enum(
-    "Gelu", {"tanh": "tanh", "erf": "erf"}
-)  # GPT-2's approximation, or the exact one (torch's default)
+# matrices: 2-D and up (GPT-2's groups)
+DecayOn = Enum("DecayOn", {"all": "all", "matrices": "matrices"})
+# GPT-2's approximation, or the exact one (torch's default)
+Gelu = Enum("Gelu", {"tanh": "tanh", "erf": "erf"})
 Mode = Enum("Mode", {"min": "min", "max": "max"})
 # stop: a non-finite loss or metric ends the run (failed), keeping the last good checkpoints; continue: goes on
 NonFinite = Enum("NonFinite", {"stop": "stop", "continue": "continue"})
@@ -94,26 +94,21 @@ class TrainerConf:
     batch_size: int = _f(at_least(1))
     dtype: Dtype = _f()
     eval_every: int = _f(at_least(0))
-    eval_batches: int | None = _f(
-        null_or_at_least(1), absent=None
-    )  # the first N validation batches; null: all
+    # the first N validation batches; null: all
+    eval_batches: int | None = _f(null_or_at_least(1), absent=None)
     log_every: int = _f(at_least(0))
     progress_bar: bool | None = _f()
     on_nonfinite: NonFinite = _f()
-    max_time: str | None = _f(
-        duration_or_null
-    )  # DD:HH:MM:SS of this process's wall time; null = no budget
+    # DD:HH:MM:SS of this process's wall time; null = no budget
+    max_time: str | None = _f(duration_or_null)
     accumulate: int = _f(at_least(1))  # micro-batches (of batch_size) per update
     grad_clip: float = _f(at_least(0))  # the largest global L2 norm of a gradient; 0 = no clipping
-    shards: int = _f(
-        at_least(1)
-    )  # pieces each micro-batch is split into: semantic (summation order, dropout)
-    threads: int | None = _f(
-        null_or_at_least(1)
-    )  # threads running the pieces: not semantic; null = the cores
-    profile: bool = _f(
-        absent=False
-    )  # a table of wall time per phase at the end; not semantic, changes no number
+    # pieces each micro-batch is split into: semantic (summation order, dropout)
+    shards: int = _f(at_least(1))
+    # threads running the pieces: not semantic; null = the cores
+    threads: int | None = _f(null_or_at_least(1))
+    # a table of wall time per phase at the end; not semantic, changes no number
+    profile: bool = _f(absent=False)
 
     @staticmethod
     def cross(c: dict) -> list[str]:
@@ -141,9 +136,8 @@ class MiniGPTConf(Node):
     dropout: float = _f(fraction)
     attn_dropout: float | None = _f()  # null: dropout's
     init_std: float = _f(above(0))
-    bias: bool = _f(
-        absent=True
-    )  # false: no bias in any linear layer or LayerNorm (nanoGPT's bias=False)
+    # false: no bias in any linear layer or LayerNorm (nanoGPT's bias=False)
+    bias: bool = _f(absent=True)
     gelu: Gelu = _f(absent="tanh")
 
     @staticmethod
@@ -198,9 +192,8 @@ class StepConf(Node):
 class CosineConf(Node):
     total_steps: int | None = _f()  # None: the run's total number of updates
     warmup_steps: int = _f(at_least(0))
-    warmup_offset: int = _f(
-        at_least(0), absent=0
-    )  # update k of the warm-up at lr (k + offset) / (warmup + offset)
+    # update k of the warm-up at lr (k + offset) / (warmup + offset)
+    warmup_offset: int = _f(at_least(0), absent=0)
     min_lr_ratio: float = _f(at_least(0))
     num_cycles: float = _f(above(0))
 
@@ -235,7 +228,7 @@ class GrammarConf(CorpusConf):
 class TextConf(CorpusConf):
     path: str = _f()
     # a config written while the key could be null (or before it) meant 32 MiB: conf/data/text.yaml's value
-    max_bytes: int = _f(at_least(1), absent=32 << 20)
+    max_bytes: int = _f(at_least(1), absent=MAX_TEXT_FILE)
 
 
 # --- stages, cadence, resume
@@ -270,12 +263,10 @@ class BestValStageConf(Node):
     monitor: str = _f()
     mode: Mode = _f()
     order: int = _f()
-    keep: int = _f(
-        at_least(1), absent=1
-    )  # the k best checkpoints by monitor (Lightning's save_top_k)
-    filename: str | None = _f(
-        name_pattern, absent=None
-    )  # a link beside step-* per kept checkpoint, or null
+    # the k best checkpoints by monitor (Lightning's save_top_k)
+    keep: int = _f(at_least(1), absent=1)
+    # a link beside step-* per kept checkpoint, or null
+    filename: str | None = _f(name_pattern, absent=None)
 
 
 @builds("pipeline.stages.early_stop.EarlyStop", "stage/early_stop")
@@ -294,9 +285,8 @@ class FinalStageConf(Node):
 
 @dataclass
 class ResumeConf:
-    source: str = (
-        _f()
-    )  # auto: newest checkpoint that verifies | never: a fresh directory | a checkpoint path
+    # auto: newest checkpoint that verifies | never: a fresh directory | a checkpoint path
+    source: str = _f()
     allow_changes: list[str] = _f()  # dotted keys allowed to differ from the checkpoint
 
 
@@ -320,9 +310,8 @@ class VerifyConf:
     steps: int = _f(at_least(2))  # updates in all
     atol: float = _f(at_least(0))  # exact by default
     rtol: float = _f(at_least(0))
-    kill: KillMode = (
-        _f()
-    )  # none | random: chaos mode, SIGKILL at random points and re-run until complete
+    # none | random: chaos mode, SIGKILL at random points and re-run until complete
+    kill: KillMode = _f()
     trials: int = _f(at_least(1))
     seed: int = _f(at_least(0))  # chooses the chaos kill points
     max_reruns: int = _f(at_least(1))
@@ -348,9 +337,8 @@ class Config:
 def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
     node = as_written_now(node)
     known = [f.name for f in fields(schema)]
-    for key in sorted(
-        set(node) - set(known) - {"_target_"}
-    ):  # `+trainer.max_stpes=3` passes Hydra: a typo here
+    # `+trainer.max_stpes=3` passes Hydra: a typo here
+    for key in sorted(set(node) - set(known) - {"_target_"}):
         near = difflib.get_close_matches(str(key), known, n=1)
         errors.append(
             f"{prefix}{key}: no such key{f'; did you mean {prefix}{near[0]}?' if near else ''}"
@@ -414,13 +402,64 @@ def as_written_before(config: dict) -> dict:
     return out
 
 
+# The live values the job passes each kind of part beside its config's keys (run/assemble.py `_call`;
+# docs/own-model.md): kind -> (what its constructor must take, what it is given only if it takes it).
+LIVE = {
+    "model": (("spec", "dtype", "rng"), ()),
+    "optimizer": (("params",), ()),
+    "scheduler": (("optimizer",), ("run_total_steps",)),
+    "data": ((), ("cache_dir",)),
+    "tracking": ((), ("sweep",)),
+}
+
+
+def takes(factory) -> dict[str, inspect.Parameter] | None:
+    """The keyword parameters a constructor takes (None: any, it has **kwargs; {}: no signature to read)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return dict(params)
+
+
+def live_problem(kind: str, target: str, factory) -> str | None:
+    """Why `factory` cannot be a `kind` (it takes not every live value its kind is given), or None."""
+    accepted = takes(factory)
+    lacking = [k for k in LIVE[kind][0] if accepted is not None and k not in accepted]
+    if not lacking:
+        return None
+    return (
+        f"{kind}._target_={target} takes no {lacking[0]!r}: every {kind} is given "
+        f"{', '.join(LIVE[kind][0])} (the live-argument interface, docs/own-model.md); add it to "
+        "its constructor (or **kwargs)"
+    )
+
+
+def check_live(config: dict) -> None:
+    """ConfigError, one line, for a part whose class lacks a live value its kind needs (before anything is built;
+    a class that cannot be imported is left to the job's own refusal of it)."""
+    from hydra._internal.utils import _locate  # get_class, less its log line of a failed import
+
+    for kind, (needed, _) in LIVE.items():
+        node = config.get(kind)
+        if not (needed and isinstance(node, dict) and isinstance(node.get("_target_"), str)):
+            continue
+        try:
+            cls = _locate(node["_target_"])
+        except Exception:
+            continue
+        if problem := live_problem(kind, node["_target_"], cls):
+            raise ConfigError(problem)
+
+
 def validate(config: dict) -> None:
     """ConfigError listing every value out of range (a field's check is in its metadata), before the job creates
     anything on disk; Hydra has checked types and keys while composing."""
     errors: list[str] = []
-    if "name" in config and (
-        why := names.problem(config["name"])
-    ):  # the run's and the sweep's directory name
+    # the run's and the sweep's directory name
+    if "name" in config and (why := names.problem(config["name"])):
         errors.append(f"name={names.shown(config['name'])}: {why}")
     fixed: tuple[tuple[str, type], ...] = (
         ("trainer", TrainerConf),
@@ -453,6 +492,7 @@ def validate(config: dict) -> None:
             _check_node(schema, node, f"{key}.", errors)
     if errors:
         raise ConfigError("; ".join(errors))
+    check_live(config)
 
 
 SCHEMAS: Mapping[str, Any] = MappingProxyType(dict(_BUILDING))  # read-only from here on

@@ -120,10 +120,7 @@ def searched(searchpath: tuple[str, ...]) -> set[str]:
     from hydra.core.object_type import ObjectType
     from omegaconf import OmegaConf
 
-    for source_type in (
-        FileConfigSource,
-        ImportlibResourcesConfigSource,
-    ):  # Hydra's own file:// and pkg://
+    for source_type in (FileConfigSource, ImportlibResourcesConfigSource):  # file:// and pkg://
         SourcesRegistry.instance().register(source_type)
     csp = ConfigSearchPathImpl()
     for entry in searchpath:

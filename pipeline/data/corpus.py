@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeline.data import ngram
 from pipeline.data.base import Batch, DataSpec
-from pipeline.files import jsonio, reading
+from pipeline.files import jsonio, listing, reading
 from pipeline.files.atomic import (
     TMP_PREFIX,
     ensure_dirs,
@@ -28,13 +28,11 @@ from pipeline.files.atomic import (
     remove_tree,
     write_new,
 )
+from pipeline.files.limits import MAX_CORPORA, MAX_CORPUS_JSON
 
 FORMAT_VERSION = 1
 TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 512
 MAX_VOCAB = 512
-MAX_JSON = 16 << 20  # bytes of MANIFEST.json or vocab.json read (a few KB each)
-MAX_FILE = 4 << 30  # bytes of any corpus file read (2^31 tokens)
-MAX_CORPORA = 10_000  # corpus directories looked at when finding one by its manifest's hash
 SPLITS = ("train", "val")
 log = logging.getLogger("pipeline")
 _STALE_TMP_SECONDS = (
@@ -129,7 +127,7 @@ def verify_corpus(
     fix = f"delete {directory} to regenerate"
     path = mpath = directory / "MANIFEST.json"
     try:  # an OSError names the file being read, `path`
-        raw = reading.read_bytes(mpath, MAX_JSON)
+        raw = reading.read_bytes(mpath, MAX_CORPUS_JSON)
         try:
             manifest = jsonio.loads(
                 raw
@@ -143,61 +141,30 @@ def verify_corpus(
         ):
             raise ValueError(f"{mpath}: params differ from the requested {params}; {fix}")
         files = manifest.get("files") if isinstance(manifest, dict) else None
-        if not (
-            isinstance(files, dict)
-            and all(
-                isinstance(e, dict)
-                and type(e.get("bytes")) is int
-                and isinstance(e.get("sha256"), str)
-                and "/" not in fn
-                and fn not in ("", ".", "..")
-                for fn, e in files.items()
-            )
-        ):
+        if not isinstance(files, dict):
             raise ValueError(
                 f"{mpath}: 'files' must map file names to their bytes and sha256; {fix}"
             )
-        kept: dict = {"MANIFEST.json": raw} if "MANIFEST.json" in keep else {}
-        for fn, entry in files.items():
-            path = directory / fn
-            size, sha256, data = _read_listed(path, entry["bytes"], keep=fn in keep)
-            if size != entry["bytes"]:
-                raise ValueError(
-                    f"{path}: {size} bytes but MANIFEST.json says {entry['bytes']}; {fix}"
-                )
-            if sha256 != entry["sha256"]:
-                raise ValueError(f"{path}: sha256 mismatch with MANIFEST.json; {fix}")
-            if fn in keep:
-                kept[fn] = data
+        kept = {fn: bytearray() for fn in keep if fn in files}
+        said = listing.problems(
+            directory, files, "MANIFEST.json", kept=kept, words=WORDS, size_keys=("size", "bytes")
+        )
+        if problem := next(said, None):
+            raise ValueError(f"{directory / problem[0]}: {problem[1]}; {fix}")
     except FileNotFoundError:
         raise ValueError(f"{path}: missing; {fix}") from None
     except OSError as e:
         raise ValueError(f"{path}: {e.strerror or e}; {fix}") from None
-    return manifest, kept
+    arrays = {fn: np.frombuffer(b, np.uint8) for fn, b in kept.items()}
+    return manifest, {**arrays, **({"MANIFEST.json": raw} if "MANIFEST.json" in keep else {})}
 
 
-def _read_listed(path: Path, listed: int, keep: bool) -> tuple[int, str | None, np.ndarray | None]:
-    """(a corpus file's size, and if that is the listed size its sha256 and, if kept, its bytes [size] uint8):
-    read in pieces into one buffer, which is then all the memory it costs."""
-    with reading.open_file(path, MAX_FILE) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != listed:
-            return size, None, None
-        h = hashlib.sha256()
-        buffer = np.empty(
-            size if keep else min(size, reading.CHUNK), dtype=np.uint8
-        )  # kept whole, or a piece
-        at = 0
-        while at < size:
-            piece = buffer.data[at if keep else 0 :][: min(reading.CHUNK, size - at)]
-            n = reading.read_exact(f, piece)
-            h.update(piece[:n])
-            at += n
-            if n < len(piece):
-                return at, None, None  # it shrank while being read
-        if f.read(1):
-            return size + 1, None, None  # it grew while being read
-    return size, h.hexdigest(), buffer if keep else None
+# a corpus's words for a file unlike its MANIFEST.json, since format 1
+WORDS = {
+    "missing": "missing",
+    "size": "{found} bytes but {manifest} says {size}",
+    "sha256": "sha256 mismatch with {manifest}",
+}
 
 
 def _notice(message: str) -> None:
@@ -259,7 +226,7 @@ def find_corpus(data_dir: Path, manifest_hash: str) -> Path | None:
     for e in sorted(os.scandir(data_dir), key=lambda e: e.name)[:MAX_CORPORA]:
         if not e.name.startswith(TMP_PREFIX) and e.is_dir(follow_symlinks=False):
             with contextlib.suppress(OSError):
-                if reading.sha256(Path(e.path) / "MANIFEST.json", MAX_JSON) == manifest_hash:
+                if reading.sha256(Path(e.path) / "MANIFEST.json", MAX_CORPUS_JSON) == manifest_hash:
                     return Path(e.path)
     return None
 

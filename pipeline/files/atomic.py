@@ -35,9 +35,8 @@ ENVIRONMENT = {
 class UnsafePathError(OSError):
     """Something other than what we would have created sits where we write (a symlink, a directory...)."""
 
-    def __str__(
-        self,
-    ) -> str:  # one sentence for a person: "<path>: <reason>" or the reason naming it, no [Errno N]
+    # one sentence for a person: "<path>: <reason>" or the reason naming it, no [Errno N]
+    def __str__(self) -> str:
         if self.strerror is None:
             return super().__str__()
         return f"{self.filename}: {self.strerror}" if self.filename else self.strerror
@@ -268,9 +267,8 @@ def move(src: Path, dst: Path, copy: Callable[[Path, Path], None] | None = None)
     tmp = temp_name(dst)
     try:
         (copy or second_name)(src, tmp)
-        if missing := sorted(
-            _entries(src) - _entries(tmp)
-        ):  # a planted directory, link or FIFO the copy skips
+        # a planted directory, link or FIFO the copy skips
+        if missing := sorted(_entries(src) - _entries(tmp)):
             raise OSError(
                 errno.EXDEV,
                 f"{dst.parent} is another filesystem and {missing[0][0]!r:.80} of {src} would "
@@ -317,12 +315,10 @@ def replace_link(link: Path, target_name: str) -> None:
         )
     tmp = temp_name(link)
     os.symlink(target_name, tmp)
-    killpoint.point(
-        "save", "before a link's rename"
-    )  # killed here, the link still names its old target
-    os.replace(
-        tmp, link
-    )  # a rename over the old link: a reader finds one target or the other, never none
+    # killed here, the link still names its old target
+    killpoint.point("save", "before a link's rename")
+    # a rename over the old link: a reader finds one target or the other, never none
+    os.replace(tmp, link)
     fsync_dir(link.parent)
 
 
@@ -349,9 +345,8 @@ def remove_temporaries(parent: Path, older_than: float | None = None) -> None:
     now = time.time()
     for name in entries:
         path = Path(parent) / name
-        with contextlib.suppress(
-            FileNotFoundError
-        ):  # its writer finished, or another cleaner got there first
+        # its writer finished, or another cleaner got there first
+        with contextlib.suppress(FileNotFoundError):
             if name.startswith(TMP_PREFIX) and (
                 older_than is None or now - path.lstat().st_mtime > older_than
             ):

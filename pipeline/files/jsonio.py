@@ -8,12 +8,11 @@ import math
 from types import MappingProxyType
 
 from pipeline.files import reading
+from pipeline.files.limits import MAX_JSON_DEPTH
 
-MAX_DEPTH = 64
 # Python writes NaN bare, which is not JSON; we write protobuf's JSON mapping for floats instead.
-NON_FINITE = MappingProxyType(
-    {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-)  # read-only
+# read-only
+NON_FINITE = MappingProxyType({"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf})
 
 
 class JSONError(ValueError):
@@ -71,7 +70,7 @@ def _depth(obj) -> int:
         node, d = stack.pop()
         if isinstance(node, (dict, list)):
             deepest = max(deepest, d)
-            if d > MAX_DEPTH:
+            if d > MAX_JSON_DEPTH:
                 return d
             stack.extend((v, d + 1) for v in (node.values() if isinstance(node, dict) else node))
     return deepest
@@ -117,13 +116,13 @@ def loads(data: bytes | str):
             parse_int=_int,
         )
     except RecursionError:
-        raise JSONError(f"nested deeper than {MAX_DEPTH} levels") from None
+        raise JSONError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
     except UnicodeDecodeError as e:
         raise JSONError(f"not UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise JSONError(f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    if _depth(obj) > MAX_DEPTH:
-        raise JSONError(f"nested deeper than {MAX_DEPTH} levels")
+    if _depth(obj) > MAX_JSON_DEPTH:
+        raise JSONError(f"nested deeper than {MAX_JSON_DEPTH} levels")
     return obj
 
 

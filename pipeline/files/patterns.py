@@ -16,9 +16,8 @@ SPEC = re.compile(r"^[+ -]?#?0?(\d{1,2})?[,_]?(\.(\d{1,2}))?[deEfFgG%]?$")
 MAX_PRECISION = 20
 WIDE = 24  # characters of one value past which it is written `.6g` (1e+300 rather than 301 digits)
 STEP_LIKE = re.compile(r"^step-\d")  # a step directory's name, never a link's
-TEMPORARY = (
-    len(atomic.temp_name(Path("x")).name) - 1
-)  # bytes a link's temporary name adds to the link's (18)
+# bytes a link's temporary name adds to the link's (18)
+TEMPORARY = len(atomic.temp_name(Path("x")).name) - 1
 
 
 def problem(pattern) -> str | None:
@@ -99,9 +98,8 @@ def _text(pattern: str, step: int, metrics: dict) -> str:
     out = []
     for literal, field, spec, _ in string.Formatter().parse(pattern):
         out.append(literal)
-        if (
-            field is not None
-        ):  # a metric by its name, or with '_' for '/' (Lightning's val_loss for val/loss)
+        # a metric by its name, or with '_' for '/' (Lightning's val_loss for val/loss)
+        if field is not None:
             mine, lightning = spellings(field)
             value = step if field == "step" else metrics.get(mine, metrics.get(lightning))
             out.append(_one(value, spec or ""))

@@ -58,9 +58,8 @@ def open_file(
 
     open(2) of a FIFO blocks until a writer appears, and a FIFO or /dev/zero never ends: refused by the stat,
     then opened O_NONBLOCK (a FIFO swapped in since cannot block) and checked again on the descriptor."""
-    st = os.stat(
-        path, follow_symlinks=follow
-    )  # nothing opened yet: a FIFO or a device is refused unopened
+    # nothing opened yet: a FIFO or a device is refused unopened
+    st = os.stat(path, follow_symlinks=follow)
     _refuse(path, st, limit, bound)
     flags = (
         os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
@@ -112,12 +111,18 @@ def read_bytes(path, limit: int) -> bytes:
         return b"".join(chunks(f, path, limit))
 
 
-def sha256(path, limit: int | None = None, follow: bool = False, bound: str | None = None) -> str:
-    """The sha256 hex digest of a regular file's bytes, read in pieces (constant memory)."""
-    h = hashlib.sha256()
+def sha256(
+    path, limit: int | None = None, follow: bool = False, bound: str | None = None, into=None
+) -> str:
+    """The sha256 hex digest of a regular file's bytes, read in pieces (constant memory, or kept in `into`, a
+    bytearray of the file's size)."""
+    h, at = hashlib.sha256(), 0
     with open_file(path, limit, follow, bound) as f:
         for piece in chunks(f, path, limit, bound):
             h.update(piece)
+            if into is not None:
+                into[at : at + len(piece)] = piece
+                at += len(piece)
     return h.hexdigest()
 
 

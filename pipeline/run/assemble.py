@@ -4,8 +4,6 @@ opening a checkpoint build them this way), its facts, its tracker; the model che
 from __future__ import annotations
 
 import difflib
-import inspect
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import cast
@@ -14,7 +12,7 @@ import numpy as np
 from hydra.utils import get_class, instantiate
 
 from pipeline.checkpoint import manifest as mf
-from pipeline.config import identity
+from pipeline.config import identity, schemas
 from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import as_written_now
 from pipeline.data.base import DataSpec, inference_facts
@@ -30,15 +28,14 @@ from pipeline.trainer.state import TrainState
 
 
 def _call(node: dict, **live):
-    """Build a `_target_` node with live objects passed as keyword arguments (never through the config:
-    instantiate() would wrap them in DictConfigs); keyword arguments its target does not take are dropped."""
+    """Build a `_target_` node with the live values of its kind (config/schemas.py LIVE, told by which are given)
+    as keyword arguments, never through the config (instantiate() would wrap them in DictConfigs)."""
+    kind = next(k for k, (need, may) in schemas.LIVE.items() if set(live) == {*need, *may})
     factory = instantiate(node, _partial_=True)
-    accepted: Mapping[str, inspect.Parameter]
-    try:
-        accepted = inspect.signature(factory.func).parameters
-    except (TypeError, ValueError):
-        accepted = {}
-    if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+    if problem := schemas.live_problem(kind, node["_target_"], factory.func):
+        raise ConfigError(problem)
+    accepted = schemas.takes(factory.func)
+    if accepted is not None:
         live = {k: v for k, v in live.items() if k in accepted}
         if accepted and (
             unknown := [k for k in node if not k.startswith("_") and k not in accepted]

@@ -25,10 +25,8 @@ from pipeline.files.atomic import (
     refuse_link,
     replace_file,
 )
+from pipeline.files.limits import MAX_METRICS, MAX_METRICS_LINE, MAX_RUN_JSON
 
-MAX_RUN_JSON = 16 << 20
-MAX_METRICS = 1 << 30  # metrics.jsonl is read line by line when a run resumes
-MAX_METRICS_LINE = 1 << 20  # a logged step is a few hundred bytes
 # A holder that is not a job (the tracking agent linking run.json, reindex) keeps the lock for milliseconds:
 # a job arriving then waits this long before it calls the directory busy.
 LOCK_GRACE = 2.0  # seconds

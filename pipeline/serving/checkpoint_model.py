@@ -13,9 +13,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
 
+from pipeline.files.limits import MAX_VOCAB_JSON
 from pipeline.serving import CHECKPOINT, DATA_JSON, OPTIONS, VOCAB
-
-MAX_VOCAB_JSON = 64 << 20  # bytes; a vocabulary of a million tokens is a few MB
 
 
 def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str, str | None]:

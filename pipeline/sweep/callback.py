@@ -31,6 +31,7 @@ from pipeline.config.errors import (
 from pipeline.config.identity import experiment_name, is_machine_key
 from pipeline.config.targets import as_given, hydra_quoted, literal, parse_overrides
 from pipeline.files import atomic, jsonio, names, reading
+from pipeline.files.limits import MAX_SWEEP_JSON, MAX_SWEEP_RECORD
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import SweepParent
@@ -177,7 +178,7 @@ def job_of(hydra_cfg) -> SweepJob:
     overrides = as_given(hydra_cfg.overrides.task)
     path = Path(directory) / "sweep.json"
     try:
-        sweep = jsonio.read(path, 1 << 24)
+        sweep = jsonio.read(path, MAX_SWEEP_JSON)
     except (OSError, jsonio.JSONError) as e:
         problem: str | None = (
             str(e)
@@ -296,7 +297,7 @@ class SweepCallback(Callback):
                 name != OPTUNA_DB
             ):  # a study found there stays as it is, and so does a file that does not read
                 with contextlib.suppress(OSError):
-                    files[name] = reading.read_bytes(target / name, 1 << 26)
+                    files[name] = reading.read_bytes(target / name, MAX_SWEEP_RECORD)
         self.start = _Start(target, atomic.NewDirs(target), files)
         self.parent = parent_run(config.get("tracking"))
         directory = atomic.ensure_dirs(Path(str(config.paths.output_dir)), "sweeps", target.name)
@@ -315,7 +316,7 @@ class SweepCallback(Callback):
                     direction  # what the jobs return is best-val's best: minimise or maximise
                 )
         try:
-            previous = jsonio.read(directory / "sweep.json", 1 << 24)
+            previous = jsonio.read(directory / "sweep.json", MAX_SWEEP_JSON)
         except (OSError, ValueError):
             previous = {}
         started = (
@@ -435,7 +436,7 @@ class SweepCallback(Callback):
         if self.sweep is None:
             return False
         try:
-            sweep = jsonio.read(Path(self.sweep["dir"]) / "sweep.json", 1 << 24)
+            sweep = jsonio.read(Path(self.sweep["dir"]) / "sweep.json", MAX_SWEEP_JSON)
         except (OSError, ValueError):
             return False
         if (sweep.get("pid"), sweep.get("host"), sweep.get("status")) != (

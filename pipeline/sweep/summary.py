@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from pipeline.files import jsonio
+from pipeline.files.limits import MAX_JOB_RECORD
 from pipeline.run.report import run_page
 
 log = logging.getLogger("pipeline")
@@ -165,7 +166,7 @@ def read_jobs(directory: Path) -> dict[int, dict]:
     out = {}
     for p in sorted((Path(directory) / "jobs").glob("*.json")):
         try:
-            record = jsonio.read(p, 1 << 20)
+            record = jsonio.read(p, MAX_JOB_RECORD)
             out[int(record["num"])] = record
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning(

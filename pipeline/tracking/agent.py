@@ -18,12 +18,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from pipeline.config.errors import EXIT_ERROR
+from pipeline.files.limits import MAX_LOCK, MAX_REQUEST
 from pipeline.tracking.link import peer_credentials, private_dir, read_line, remove_agent_files
 
 MAX_PENDING = 1000  # metric points: one log_batch
-# Bytes of one request line: a checkpoint's manifest.json (at most 16 MiB, as JSON text within 6 times that) or
-# link.MAX_METRICS_LINES metrics lines. A longer line closes its connection, as its client's process ending would.
-MAX_REQUEST = 112 << 20
 FLUSH_EVERY = 1.0  # seconds: each log_batch is a sqlite commit (an fsync); batching spares the disk
 GONE_WAIT = 120.0  # seconds a finished run waits for its job to leave before it is indexed anyway
 TRACE = bool(
@@ -437,7 +435,7 @@ def _held_by(run_dir: Path, pid: int | None) -> bool:
         return False
     try:
         holder = (
-            reading.read_bytes(rundir.lock_path, 64).decode(errors="replace").strip()
+            reading.read_bytes(rundir.lock_path, MAX_LOCK).decode(errors="replace").strip()
         )  # no link, FIFO
     except OSError:
         return False

@@ -13,15 +13,12 @@ from typing import Any
 from pipeline.checkpoint.directory import CheckpointDir
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.files import jsonio, reading
+from pipeline.files.limits import MAX_COMPARED_BYTES, MAX_CURVES_BYTES, MAX_SWEEP_JSON
 from pipeline.run.directory import RunBusyError, RunDir
 from pipeline.sweep.summary import best_job, direction, finite, parent_name, read_jobs
 from pipeline.tracking import common, store
 from pipeline.trainer import curves
 
-MAX_CURVES_BYTES = 16 << 20  # a curves.png bigger than this is not ours: drawn again
-# An artifact this small is compared by content, not size: a resume rewrites .hydra/*.yaml in place, a new history
-# makes step directories of the same names (its weights, too big to read, follow their manifest).
-MAX_COMPARED_BYTES = 1 << 20
 STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
 
 
@@ -294,7 +291,7 @@ DERIVED_PARENT_TAGS = (
 
 
 def read_sweep(sweep_dir: Path) -> dict:
-    return jsonio.read(Path(sweep_dir) / "sweep.json", 1 << 24)
+    return jsonio.read(Path(sweep_dir) / "sweep.json", MAX_SWEEP_JSON)
 
 
 def identity_tags(sweep: dict) -> dict[str, str]:

@@ -22,14 +22,13 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from pipeline.files.limits import MAX_EVENT
+
 # Without clients this long, the agent exits: long enough for the next run of a working session.
 IDLE_SECONDS = float(os.environ.get("PIPELINE_TRACKING_AGENT_IDLE", "300"))
 SPAWN_WAIT = (
     60.0  # seconds to wait for a new agent to bind its socket (it does so before importing mlflow)
 )
-MAX_EVENT = (
-    1 << 20
-)  # bytes of one line from the agent (its events are small: an error message is cut at 2000)
 MAX_METRICS_LINES = (
     1000  # metrics.jsonl lines in one message to the agent (it reads at most agent.MAX_REQUEST)
 )

@@ -7,6 +7,8 @@ import os
 import socket
 from pathlib import Path
 
+from pipeline.files.limits import MAX_MOUNTS_BYTES
+
 log = logging.getLogger("pipeline")
 
 # Filesystems whose locks sqlite cannot trust (its own documentation warns against sharing a file over them).
@@ -33,7 +35,6 @@ NETWORK_FS = (
     "gfs2",
 )
 MOUNTS = Path("/proc/mounts")
-MAX_MOUNTS_BYTES = 1 << 20
 HOSTS_TAG = "pipeline.hosts"  # on the store's Default experiment: every host that opened it, comma-separated
 MAX_HOSTS = 50
 TEAM_SETUP = (

@@ -19,6 +19,7 @@ from mlflow.exceptions import MlflowException
 
 from pipeline.config.errors import CommandError
 from pipeline.files.atomic import UnsafePathError, refuse_link
+from pipeline.files.limits import MAX_ARTIFACT
 from pipeline.tracking.common import (
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,
@@ -358,7 +359,7 @@ def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, i
 
 
 def artifact_bytes(
-    repo, path: str, sizes: dict[str, int] | None = None, limit: int = 64 << 20
+    repo, path: str, sizes: dict[str, int] | None = None, limit: int = MAX_ARTIFACT
 ) -> bytes | None:
     """One logged artifact's content (None if absent or over `limit`): read in place if local, else downloaded."""
     if sizes is not None and (path not in sizes or sizes[path] > limit):

@@ -8,6 +8,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from pipeline.files import jsonio
+from pipeline.files.limits import MAX_SUMMARY
 from pipeline.stateful import PARTS, capture, copy_tree, flat
 
 # The protocol's workers step the state machines without the stages' decisions (chaos mode proves those).
@@ -67,5 +68,5 @@ def write_summary(
 
 def read_summary(directory: Path, name: str = "summary") -> tuple[dict[str, np.ndarray], dict]:
     return load_file(str(directory / f"{name}.safetensors")), jsonio.read(
-        directory / f"{name}.json", 1 << 30
+        directory / f"{name}.json", MAX_SUMMARY
     )

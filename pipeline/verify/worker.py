@@ -12,6 +12,7 @@ from pipeline.config import identity, targets
 from pipeline.config.errors import EXIT_BAD_INPUT, ConfigError
 from pipeline.config.identity import lineage_of
 from pipeline.files import jsonio
+from pipeline.files.limits import MAX_WORKER_CONFIG
 from pipeline.run.assemble import assemble
 from pipeline.stateful import PARTS, capture, copy_tree, restore
 from pipeline.trainer.loop import train_step
@@ -70,7 +71,7 @@ def main(argv=None) -> None:
     )
     args = ap.parse_args(argv)
 
-    config = jsonio.read(Path(args.config), 1 << 24)
+    config = jsonio.read(Path(args.config), MAX_WORKER_CONFIG)
     try:  # a file decides no code: only conf/ and this command line's overrides name what it may build
         targets.check(config, targets.allowed(tuple(args.override)))
     except ConfigError as e:

@@ -440,3 +440,23 @@ def test_archive_builds_only_single_names_inside_its_root(tmp_path):
     with pytest.raises(BadName):
         b.link("runs/..", "x")
     assert os.listdir(tmp_path) == ["root"] and os.listdir(root) in ([], ["runs"])
+
+
+@pytest.mark.parametrize("model", [{"n_layer": 1, "n_head": 2, "n_embd": 16}, {"hidden": [8]}])
+def test_the_readme_names_sample_and_export_hf_for_a_model_of_gpt2_shape_only(tmp_path, model):
+    """A capability of the model's config (export_hf.gpt2_shaped), not its class's name: any class of that shape."""
+    from pipeline.cli.archive import readme
+    from pipeline.cli.export_hf import gpt2_shaped
+
+    run = {
+        "checkpoints": {"step-00000004": {"step": 4, "tags": [], "links": ["final"]}},
+        "data": {"data_manifest_hash": "0" * 64, "corpus": None, "sources": {}},
+        "with_data": False,
+        "resume_overrides": [],
+        "model": "mine.AnyName",
+        "generates": gpt2_shaped(model),
+    }
+    text = readme(tmp_path / "dest", {"runs": {"r": run}})
+    shaped = "n_layer" in model
+    assert ("python -m pipeline.sample" in text) == shaped
+    assert ("python -m pipeline.export_hf" in text) == shaped

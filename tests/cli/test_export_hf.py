@@ -320,3 +320,15 @@ def test_a_moved_text_file_is_not_needed_but_by_a_schema_2_0_checkpoint(
         } == digest
     finally:
         (tmp_path / "gone.txt").rename(source)
+
+
+def test_a_model_not_of_gpt2_shape_is_refused_whatever_its_class_is_called(tmp_path, capsys):
+    """export_hf asks the model's config and weights for GPT-2's shape, not its class's name: an MLP is refused."""
+    from conftest import KERNODECK, run_job, the_run
+
+    out = tmp_path / "out"
+    assert run_job(*KERNODECK, "trainer.max_steps=2", f"paths.output_dir={out}")[0] == 0
+    final = the_run(out) / "checkpoints" / "final"
+    assert main([str(final), str(tmp_path / "hf")]) == 2
+    assert "holds a pipeline.model.mlp.MLP, not a MiniGPT" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()

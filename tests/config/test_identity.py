@@ -300,3 +300,12 @@ def test_a_key_added_at_its_old_behaviour_changes_no_run_name():
             f"{key.split('=')[0]} {get(old, key.split('=')[0])!r} -> "
             f"{get(new, key.split('=')[0])!r}"
         ], key
+
+
+def test_the_name_comes_from_conf_alone():
+    """conf/config.yaml's `name: default` names a run; code holds no second default ('run') under it."""
+    config = config_of(*TINY)
+    assert run_name(config).startswith("default-")
+    del config["name"]
+    with pytest.raises(ValueError, match=r"^name=None: must be a non-empty string"):
+        run_name(config)

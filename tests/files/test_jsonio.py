@@ -9,6 +9,7 @@ import os
 import pytest
 
 from pipeline.files import jsonio, reading
+from pipeline.files.limits import MAX_JSON_DEPTH
 from pipeline.files.reading import UnreadableFile
 
 
@@ -30,8 +31,8 @@ def test_bare_nan_and_deep_nesting_are_refused():
     with pytest.raises(jsonio.JSONError, match="nested deeper"):
         jsonio.loads("[" * 100000 + "]" * 100000)
     with pytest.raises(jsonio.JSONError, match="nested deeper"):
-        jsonio.loads("[" * (jsonio.MAX_DEPTH + 1) + "]" * (jsonio.MAX_DEPTH + 1))
-    assert jsonio.loads("[" * jsonio.MAX_DEPTH + "]" * jsonio.MAX_DEPTH)
+        jsonio.loads("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1))
+    assert jsonio.loads("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH)
 
 
 def test_read_bytes_refuses_a_big_file_before_reading_it(tmp_path):
