@@ -15,6 +15,8 @@ from pathlib import Path
 from pipeline.checkpoint.directory import CheckpointDir, file_hashes
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import versions
+from pipeline.checkpoint.store import CheckpointStore
+from pipeline.config.compose import PROJECT_ROOT
 from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE
 from pipeline.config.errors import EXIT_ERROR as EXIT_MISMATCH
 from pipeline.config.errors import EXIT_OK
@@ -35,11 +37,19 @@ def _command(argv: list[str], output_dir: Path) -> list[str]:
     ]
 
 
-def _run(cmd: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {
+def run(cmd: list[str], kill: str | None = None, **env: str) -> subprocess.CompletedProcess:
+    """`cmd` in a fresh process that imports this project, SIGKILLed at kill point `kill` (pipeline/files/
+    killpoint.py: "save:4") if given; whether it was is `killed(...)`."""
+    clean = {
         k: v for k, v in os.environ.items() if k not in ("PIPELINE_CHAOS", "PIPELINE_CHAOS_TRACE")
     }
-    return subprocess.run(cmd, env={**env, **(env_extra or {})}, capture_output=True, text=True)
+    path = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**clean, "PYTHONPATH": path, **({"PIPELINE_CHAOS": kill} if kill else {}), **env}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+
+def killed(proc: subprocess.CompletedProcess) -> bool:
+    return proc.returncode == -signal.SIGKILL
 
 
 def final_state(output_dir: Path) -> dict:
@@ -69,14 +79,14 @@ def final_state(output_dir: Path) -> dict:
     }
 
 
-def invalid_visible_checkpoints(output_dir: Path) -> list[str]:
+def invalid_checkpoints(store: CheckpointStore) -> list[str]:
+    """Why each checkpoint a reader of the store sees does not verify (a temporary is no checkpoint)."""
     bad = []
-    for run in (output_dir / "runs").glob("*"):
-        for _, directory in RunDir(run).store.steps():
-            try:
-                CheckpointDir(directory).verify()
-            except CheckpointError as e:
-                bad.append(str(e))
+    for _, directory in store.steps():
+        try:
+            CheckpointDir(directory).verify()
+        except CheckpointError as e:
+            bad.append(str(e))
     return bad
 
 
@@ -86,7 +96,7 @@ def run_chaos(config: dict, argv: list[str]) -> int:
     t0 = time.time()
     # The reference: the identical command, uninterrupted, counting the kill points it passes.
     trace = out / "reference.trace"
-    ref = _run(_command(argv, out / "reference"), {"PIPELINE_CHAOS_TRACE": str(trace)})
+    ref = run(_command(argv, out / "reference"), PIPELINE_CHAOS_TRACE=str(trace))
     if ref.returncode != 0:
         print(
             f"chaos: the reference run failed (exit {ref.returncode}): {ref.stderr.strip()[-500:]}"
@@ -103,16 +113,14 @@ def run_chaos(config: dict, argv: list[str]) -> int:
         k = rng.randint(1, counts[phase])
         trial_dir = out / f"trial-{i:04d}"
         cmd = _command(argv, trial_dir)
-        killed = _run(cmd, {"PIPELINE_CHAOS": f"{phase}:{k}"})
-        record: dict = {
-            "trial": i,
-            "phase": phase,
-            "point": k,
-            "killed": killed.returncode == -signal.SIGKILL,
-        }
-        record["invalid_after_kill"] = invalid_visible_checkpoints(trial_dir)
+        record: dict = {"trial": i, "phase": phase, "point": k}
+        record["killed"] = killed(run(cmd, f"{phase}:{k}"))
+        runs = (trial_dir / "runs").glob("*")
+        record["invalid_after_kill"] = [
+            e for r in runs for e in invalid_checkpoints(RunDir(r).store)
+        ]
         for reruns in range(1, int(v["max_reruns"]) + 1):  # noqa: B007 - the count is read after the loop
-            done = _run(cmd)
+            done = run(cmd)
             if done.returncode == 0:
                 break
         record["reruns"], record["rerun_exit"] = reruns, done.returncode

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from subprocess import PIPE
 
 from pipeline.checkpoint.manifest import versions
 from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE
@@ -16,6 +17,8 @@ from pipeline.config.identity import run_name
 from pipeline.files import jsonio
 from pipeline.verify.compare import compare, machine
 from pipeline.verify.snapshot import read_summary
+
+MODES = ("continuous", "interrupted", "resume", "negative")
 
 
 def verify_dir(config: dict, *sub: str) -> Path:
@@ -28,49 +31,38 @@ def verify_dir(config: dict, *sub: str) -> Path:
 
 
 def run_workers(
-    config: dict, out: Path, cut: int, steps: int, overrides: tuple[str, ...] | list[str] = ()
+    config: dict, out: Path, cut: int, steps: int, overrides=(), modes=MODES, in_process=False
 ) -> tuple[list[list[str]], str | None]:
-    """Runs the four processes (two at a time where they are independent); returns commands, error. Each gets
-    the `overrides` config.json was composed from: what they allow it to build (pipeline/config/targets.py)."""
+    """Runs the workers of `modes` in fresh processes, two at a time where they are independent (or one by
+    one in this one); returns their commands and an error. Each gets the `overrides` config.json was composed
+    from: what they allow it to build (pipeline/config/targets.py)."""
     config_path = out / "config.json"
     config_path.write_bytes(jsonio.dumps(config))
-    ckpt = ("--checkpoint", str(out / "interrupted" / "checkpoint"))
+    ckpt = out / "interrupted" / "checkpoint"
+    batches = [[m for m in pair if m in modes] for pair in (MODES[:2], MODES[2:])]
+    commands = {
+        mode: [sys.executable, "-m", "pipeline.verify.worker", "--config", str(config_path)]
+        + ["--mode", mode, "--cut", str(cut), "--steps", str(steps), "--out", str(out / mode)]
+        + (["--checkpoint", str(ckpt)] if mode in MODES[2:] else [])
+        + [f"--override={o}" for o in overrides]
+        for mode in modes
+    }
+    for batch in batches:
+        if in_process:
+            from pipeline.verify.worker import work
 
-    def worker(mode: str, *extra: str) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "pipeline.verify.worker",
-            "--config",
-            str(config_path),
-            "--mode",
-            mode,
-            "--cut",
-            str(cut),
-            "--steps",
-            str(steps),
-            "--out",
-            str(out / mode),
-            *extra,
-            *(f"--override={o}" for o in overrides),
-        ]
-
-    first = [worker("continuous"), worker("interrupted")]
-    second = [worker("resume", *ckpt), worker("negative", *ckpt)]
-    for batch in (first, second):
+            for mode in batch:
+                work(config, mode, cut, steps, out / mode, ckpt)
+            continue
         procs = [
-            subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for c in batch
+            (m, subprocess.Popen(commands[m], stdout=PIPE, stderr=PIPE, text=True)) for m in batch
         ]
-        for cmd, p in zip(batch, procs):
+        for mode, p in procs:
             _, err = p.communicate()
             if p.returncode != 0:
                 tail = (err.strip().splitlines() or ["(no output)"])[-1]
-                return (
-                    first + second,
-                    f"{cmd[cmd.index('--mode') + 1]} process exited {p.returncode}: {tail}",
-                )
-    return first + second, None
+                return list(commands.values()), f"{mode} process exited {p.returncode}: {tail}"
+    return list(commands.values()), None
 
 
 def _worst_weight(results: dict[str, dict]) -> float | None:
