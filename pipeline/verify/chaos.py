@@ -27,56 +27,23 @@ from pipeline.verify.protocol import verify_dir
 
 def _command(argv: list[str], output_dir: Path) -> list[str]:
     kept = [a for a in argv if not a.startswith(("verify.", "paths.output_dir="))]
-    return [
-        sys.executable,
-        "-m",
-        "pipeline",
-        *kept,
-        f"paths.output_dir={output_dir}",
-        "hydra/job_logging=disabled",
-    ]
+    tail = [f"paths.output_dir={output_dir}", "hydra/job_logging=disabled"]
+    return [sys.executable, "-m", "pipeline", *kept, *tail]
 
 
 def run(cmd: list[str], kill: str | None = None, **env: str) -> subprocess.CompletedProcess:
     """`cmd` in a fresh process that imports this project, SIGKILLed at kill point `kill` (pipeline/files/
     killpoint.py: "save:4") if given; whether it was is `killed(...)`."""
-    clean = {
+    keep = {
         k: v for k, v in os.environ.items() if k not in ("PIPELINE_CHAOS", "PIPELINE_CHAOS_TRACE")
     }
     path = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = {**clean, "PYTHONPATH": path, **({"PIPELINE_CHAOS": kill} if kill else {}), **env}
+    env = {**keep, "PYTHONPATH": path, **({"PIPELINE_CHAOS": kill} if kill else {}), **env}
     return subprocess.run(cmd, env=env, capture_output=True, text=True)
 
 
 def killed(proc: subprocess.CompletedProcess) -> bool:
     return proc.returncode == -signal.SIGKILL
-
-
-def final_state(output_dir: Path) -> dict:
-    """What must be identical: every kept checkpoint's files (sha256) and links, the final state, every number."""
-    runs = [p for p in (output_dir / "runs").iterdir() if p.is_dir()]
-    if len(runs) != 1:
-        raise RuntimeError(
-            f"expected one run directory under {output_dir / 'runs'}, found {len(runs)}"
-        )
-    rundir = RunDir(runs[0])
-    kept = {
-        step: file_hashes(CheckpointDir(directory).verify())
-        for step, directory in rundir.store.steps()
-    }
-    final = rundir.store.link_step("final")
-    assert final is not None, f"{output_dir}: the run has no final checkpoint"
-    _, extra = CheckpointDir(rundir.store.root / "final").json_state()
-    lines = [{k: v for k, v in line.items() if k != "time"} for line in rundir.read_metrics()]
-    return {
-        "weights": kept[final]["weights"],
-        "optim": kept[final]["optim"],
-        "extra": extra,
-        "metrics": lines,
-        "step": final,
-        "checkpoints": kept,
-        "links": rundir.store.links(),
-    }
 
 
 def invalid_checkpoints(store: CheckpointStore) -> list[str]:
@@ -88,6 +55,49 @@ def invalid_checkpoints(store: CheckpointStore) -> list[str]:
         except CheckpointError as e:
             bad.append(str(e))
     return bad
+
+
+def final_state(output_dir: Path) -> dict:
+    """What must be identical: every kept checkpoint's files (sha256) and links, the final state, every number."""
+    runs = [p for p in (output_dir / "runs").iterdir() if p.is_dir()]
+    if len(runs) != 1:
+        raise RuntimeError(
+            f"expected one run directory under {output_dir / 'runs'}, found {len(runs)}"
+        )
+    rundir = RunDir(runs[0])
+    store = rundir.store
+    kept = {step: file_hashes(CheckpointDir(d).verify()) for step, d in store.steps()}
+    final = store.link_step("final")
+    assert final is not None, f"{output_dir}: the run has no final checkpoint"
+    _, extra = CheckpointDir(store.root / "final").json_state()
+    lines = [{k: v for k, v in line.items() if k != "time"} for line in rundir.read_metrics()]
+    weights, optim = kept[final]["weights"], kept[final]["optim"]
+    return {"weights": weights, "optim": optim, "extra": extra, "metrics": lines, "step": final} | {
+        "checkpoints": kept,
+        "links": store.links(),
+    }
+
+
+def trial(argv: list[str], out: Path, kill: str, reference: dict, max_reruns: int) -> dict:
+    """One kill at `kill`, then the identical command until it completes, against the reference."""
+    cmd = _command(argv, out)
+    record: dict = {"killed": killed(run(cmd, kill))}
+    stores = [RunDir(r).store for r in (out / "runs").glob("*")]
+    record["invalid_after_kill"] = [e for store in stores for e in invalid_checkpoints(store)]
+    for reruns in range(1, max_reruns + 1):  # noqa: B007 - the count is read after the loop
+        done = run(cmd)
+        if done.returncode == 0:
+            break
+    record["reruns"], record["rerun_exit"] = reruns, done.returncode
+    if done.returncode != 0:
+        return {**record, "bit_exact": False, "error": done.stderr.strip()[-500:]}
+    got = final_state(out)
+    keys = ("weights", "optim", "extra", "metrics", "step")
+    mismatched = [k for k in keys if got[k] != reference[k]]
+    same = all(got[k] == reference[k] for k in ("checkpoints", "links"))
+    return {**record, "bit_exact": not mismatched, "mismatched": mismatched} | {
+        "same_checkpoints_kept": same
+    }
 
 
 def run_chaos(config: dict, argv: list[str]) -> int:
@@ -106,47 +116,22 @@ def run_chaos(config: dict, argv: list[str]) -> int:
     reference = final_state(out / "reference")
     rng = random.Random(int(v["seed"]))
     trials: list[dict] = []
-    by_phase: Counter[str] = Counter()
-    exact, same_kept, invalid = 0, 0, []
     for i in range(int(v["trials"])):
         phase = ("train", "save")[i] if i < 2 else rng.choice(("train", "save"))
         k = rng.randint(1, counts[phase])
         trial_dir = out / f"trial-{i:04d}"
-        cmd = _command(argv, trial_dir)
-        record: dict = {"trial": i, "phase": phase, "point": k}
-        record["killed"] = killed(run(cmd, f"{phase}:{k}"))
-        runs = (trial_dir / "runs").glob("*")
-        record["invalid_after_kill"] = [
-            e for r in runs for e in invalid_checkpoints(RunDir(r).store)
-        ]
-        for reruns in range(1, int(v["max_reruns"]) + 1):  # noqa: B007 - the count is read after the loop
-            done = run(cmd)
-            if done.returncode == 0:
-                break
-        record["reruns"], record["rerun_exit"] = reruns, done.returncode
-        if done.returncode == 0:
-            got = final_state(trial_dir)
-            mismatched = [
-                k
-                for k in ("weights", "optim", "extra", "metrics", "step")
-                if got[k] != reference[k]
-            ]
-            record.update(
-                bit_exact=not mismatched,
-                mismatched=mismatched,
-                same_checkpoints_kept=(
-                    got["checkpoints"] == reference["checkpoints"]
-                    and got["links"] == reference["links"]
-                ),
-            )
-        else:
-            record["bit_exact"], record["error"] = False, done.stderr.strip()[-500:]
-        by_phase[phase] += record["killed"]
-        exact += record["bit_exact"]
-        same_kept += bool(record.get("same_checkpoints_kept"))
-        invalid += record["invalid_after_kill"]
-        trials.append(record)
+        record = trial(argv, trial_dir, f"{phase}:{k}", reference, int(v["max_reruns"]))
+        trials.append({"trial": i, "phase": phase, "point": k, **record})
         shutil.rmtree(trial_dir, ignore_errors=True)
+    by_phase = Counter(
+        {
+            p: sum(t["killed"] for t in trials if t["phase"] == p)
+            for p in dict.fromkeys(t["phase"] for t in trials)
+        }
+    )
+    exact = sum(t["bit_exact"] for t in trials)
+    same_kept = sum(bool(t.get("same_checkpoints_kept")) for t in trials)
+    invalid = [e for t in trials for e in t["invalid_after_kill"]]
     report = {
         "mode": "chaos",
         "trials": len(trials),
@@ -165,8 +150,8 @@ def run_chaos(config: dict, argv: list[str]) -> int:
     }
     (out / "verification.json").write_bytes(jsonio.dumps(report))
     print(
-        f"chaos: {exact}/{len(trials)} trials bit-exact, {same_kept}/{len(trials)} kept the same checkpoints "
-        f"and links; kills by phase {dict(by_phase)}; "
-        f"{len(invalid)} invalid visible checkpoints; report {out / 'verification.json'}"
+        f"chaos: {exact}/{len(trials)} trials bit-exact, {same_kept}/{len(trials)} kept the same "
+        f"checkpoints and links; kills by phase {dict(by_phase)}; {len(invalid)} invalid visible "
+        f"checkpoints; report {out / 'verification.json'}"
     )
     return EXIT_OK if report["all_checks_passed"] else EXIT_MISMATCH

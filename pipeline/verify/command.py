@@ -28,9 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.config.compose import compose, to_plain
     from pipeline.config.schemas import validate
 
-    config = to_plain(
-        compose(args.overrides)
-    )  # a bad override: one line, EXIT_INCOMPLETE (config/errors.py)
+    config = to_plain(compose(args.overrides))  # a bad override: one line, exit 2
     validate(config)
     if config["verify"]["kill"] == "random":
         from pipeline.verify.chaos import run_chaos

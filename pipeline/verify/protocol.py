@@ -12,13 +12,14 @@ from subprocess import PIPE
 from pipeline.checkpoint.manifest import versions
 from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE
 from pipeline.config.errors import EXIT_ERROR as EXIT_MISMATCH
-from pipeline.config.errors import EXIT_OK
+from pipeline.config.errors import EXIT_OK, ConfigError
 from pipeline.config.identity import run_name
 from pipeline.files import jsonio
 from pipeline.verify.compare import compare, machine
 from pipeline.verify.snapshot import read_summary
 
 MODES = ("continuous", "interrupted", "resume", "negative")
+EXACT = "exact (the same bytes)"
 
 
 def verify_dir(config: dict, *sub: str) -> Path:
@@ -66,18 +67,14 @@ def run_workers(
 
 
 def _worst_weight(results: dict[str, dict]) -> float | None:
-    values = [
-        r["max_abs_diff"]
-        for k, r in results.items()
-        if k.startswith("model/") and r["max_abs_diff"] is not None
-    ]
-    return max(values) if values else None
+    values = [r["max_abs_diff"] for k, r in results.items() if k.startswith("model/")]
+    return max((v for v in values if v is not None), default=None)
 
 
 def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     """The verification report from the four summaries on disk."""
     (cont, cont_meta), (intr, intr_meta), (res, _), (neg, _) = (
-        read_summary(out / mode) for mode in ("continuous", "interrupted", "resume", "negative")
+        read_summary(out / m) for m in MODES
     )
     # The continuous run's per-update records after the cut line up with the resumed runs' records.
     after = {k: v[cut:] for k, v in cont.items() if k.startswith("records/")}
@@ -101,10 +98,8 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     intr_state = {k: v for k, v in intr.items() if not k.startswith("records/")}
     at_cut = compare(intr_state, restored, atol, rtol)
     restore_failures = sorted({machine(k) for k, r in at_cut.items() if not r["ok"]})
-    trajectory_failures = sorted(
-        {c["state_machine"] for c in comparisons if not c["positive_agrees"]}
-    )
-    positive = not trajectory_failures and not restore_failures
+    drifted = sorted({c["state_machine"] for c in comparisons if not c["positive_agrees"]})
+    positive = not drifted and not restore_failures
     # The negative control counts only if the run itself went elsewhere: its streams' next draws always
     # differ (they were not restored), which alone proves nothing about the trajectory.
     negative = any(c["negative_diverges"] for c in comparisons if c["state_machine"] != "rng")
@@ -116,11 +111,7 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
         "positive": positive,
         "negative_divergence_detected": negative,
         "all_checks_passed": positive and negative,
-        "tolerance": {
-            "atol": atol,
-            "rtol": rtol,
-            "mode": "exact (the same bytes)" if not (atol or rtol) else "allclose",
-        },
+        "tolerance": {"atol": atol, "rtol": rtol, "mode": "allclose" if atol or rtol else EXACT},
         "cut": cut,
         "steps": steps,
         "cursor_at_cut": f"{intr_meta['cursor']}/{intr_meta['n_train']}",
@@ -132,7 +123,7 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
             side: abs(eval_loss["continuous"] - eval_loss[name])
             for side, name in (("positive", "resume"), ("negative", "negative"))
         },
-        "failed_state_machines": sorted(set(trajectory_failures) | set(restore_failures)),
+        "failed_state_machines": sorted(set(drifted) | set(restore_failures)),
         "restore_failures": restore_failures,
         "comparisons": comparisons,
         "restored_at_cut": [
@@ -140,10 +131,9 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
         ],
         "versions": versions(),
     }
+    failed = ", ".join(report["failed_state_machines"])
     if not positive:
-        report["reason"] = "the resumed run differs from the continuous one in: " + ", ".join(
-            report["failed_state_machines"]
-        )
+        report["reason"] = f"the resumed run differs from the continuous one in: {failed}"
     elif not negative:
         report["reason"] = (
             "the negative control cannot diverge: no random stream draws after the cut (this config "
@@ -159,11 +149,7 @@ def run_protocol(config: dict, argv: list[str]) -> int:
     v = config["verify"]
     cut, steps, atol, rtol = int(v["cut"]), int(v["steps"]), float(v["atol"]), float(v["rtol"])
     if not 0 < cut < steps:
-        print(
-            f"pipeline.verify: verify.cut must be in (0, verify.steps={steps}), got {cut}",
-            file=sys.stderr,
-        )
-        return EXIT_INCOMPLETE
+        raise ConfigError(f"verify.cut must be in (0, verify.steps={steps}), got {cut}")
     out = verify_dir(config)
     t0 = time.time()
     commands, error = run_workers(config, out, cut, steps, argv)
@@ -177,19 +163,13 @@ def run_protocol(config: dict, argv: list[str]) -> int:
             "all_checks_passed": False,
             "positive": None,
             "negative_divergence_detected": None,
-            "reason": error,
-            "tolerance": {"atol": atol, "rtol": rtol},
-            "versions": versions(),
         }
-    report["commands"] = [" ".join(["python -m pipeline.verify", *argv])] + [
-        " ".join(c) for c in commands
-    ]
+        report.update(reason=error, tolerance={"atol": atol, "rtol": rtol}, versions=versions())
+    report["commands"] = [" ".join(c) for c in [["python -m pipeline.verify", *argv], *commands]]
     report["seconds"] = round(time.time() - t0, 2)
     (out / "verification.json").write_bytes(jsonio.dumps(report))
     print_report(report, out)
-    if error is not None:
-        return EXIT_INCOMPLETE
-    return EXIT_OK if report["all_checks_passed"] else EXIT_MISMATCH
+    return EXIT_INCOMPLETE if error else EXIT_OK if report["all_checks_passed"] else EXIT_MISMATCH
 
 
 def print_report(report: dict, out: Path) -> None:
