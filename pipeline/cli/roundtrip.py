@@ -17,6 +17,7 @@ import numpy as np
 from pipeline.checkpoint.directory import CheckpointDir, file_hashes, step_dir_name
 from pipeline.checkpoint.manifest import SCHEMA_VERSION
 from pipeline.checkpoint.store import CheckpointStore
+from pipeline.cli import parser
 from pipeline.config.compose import compose, to_plain
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK
 from pipeline.config.identity import run_name
@@ -30,6 +31,7 @@ from pipeline.verify.protocol import MODES, run_workers
 from pipeline.verify.snapshot import read_state, read_summary
 from pipeline.verify.worker import Fresh
 
+NAME = "pipeline.roundtrip"
 SIZE_SLACK = 4096  # bytes the weights file may exceed the unique parameters by (its header)
 RESULTS = "roundtrip_results.json"
 INTERRUPTED = "no results were written; re-run the same command"
@@ -52,7 +54,7 @@ def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
         "differences": differences,
         # a part the fresh objects already matched proves nothing about its restore
         "unchanged_by_training": [
-            m for m in PARTS if not first_difference(before[m], untouched[m], m)
+            m for m in PARTS if not first_difference(before[m], untouched[m])
         ],
         "directory": directory,
         "sha256": file_hashes(manifest)["weights"],
@@ -133,7 +135,7 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
     """A save SIGKILLed just before its rename (the verifier's kill): no checkpoint, a temporary readers
     ignore, removed by the next save, which verifies."""
     out = work / "atomic"
-    cmd = [sys.executable, "-m", "pipeline.roundtrip", "--save-to", str(out), "--steps", "2"]
+    cmd = [sys.executable, "-m", NAME, "--save-to", str(out), "--steps", "2"]
     cmd += ["--", *overrides]
     store = CheckpointStore(out / "saves")
 
@@ -147,15 +149,11 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
     ignored = store.steps() == []
     again = run(cmd)
     leftovers = temporaries()
-    checks = {
-        "interrupted": interrupted,
-        "no_final_directory": no_final,
-        "temporary_left": bool(left),
-        "readers_ignore_temporary": ignored,
-        "next_save_cleans_up": again.returncode == 0 and not leftovers,
-        "next_save_verifies": [s for s, _ in store.steps()] == [2]
-        and not invalid_checkpoints(store),
-    }
+    verifies = [s for s, _ in store.steps()] == [2] and not invalid_checkpoints(store)
+    cleans = again.returncode == 0 and not leftovers
+    checks = dict(interrupted=interrupted, no_final_directory=no_final, temporary_left=bool(left))
+    checks |= dict(readers_ignore_temporary=ignored, next_save_cleans_up=cleans)
+    checks["next_save_verifies"] = verifies
     return {"passed": all(checks.values()), "checks": checks, "leftovers": leftovers}
 
 
@@ -195,37 +193,25 @@ def roundtrip(
         "steps": steps,
         "overrides": list(overrides),
     }
-    results["passed"] = bool(
-        results["all_byte_equal"]
-        and results["continuation_test_passed"]
-        and results["weight_tying_preserved"] is not False
-        and results["atomic_write_resilient"]
-        and results["size_within_4kib"]
-        and results["manifest_schema_version"] == SCHEMA_VERSION
-    )
+    passed = [
+        results[k] for k in ("all_byte_equal", "continuation_test_passed", "size_within_4kib")
+    ]
+    passed += [atomic["passed"], manifest.get("schema_version") == SCHEMA_VERSION]
+    results["passed"] = all(passed) and results["weight_tying_preserved"] is not False
     path = out / RESULTS
     path.write_bytes(jsonio.dumps(results))
     return results, path
 
 
-SHOWN = (
-    "byte_equivalent_state_machines",
-    "all_byte_equal",
-    "continuation_test_passed",
-    "weight_tying_preserved",
-    "atomic_write_resilient",
-    "weights_file_size_bytes",
-    "expected_size_bytes_no_tying",
-    "size_delta_pct",
-    "manifest_schema_version",
-)
+# The lines printed, lab 02's seed fields in its order
+SHOWN = """byte_equivalent_state_machines all_byte_equal continuation_test_passed weight_tying_preserved
+atomic_write_resilient weights_file_size_bytes expected_size_bytes_no_tying size_delta_pct
+manifest_schema_version""".split()  # noqa: SIM905
 
 
-@command("pipeline.roundtrip")
+@command(NAME)
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m pipeline.roundtrip", description=__doc__.split("\n")[0]
-    )
+    ap = parser(NAME, __doc__.split("\n")[0])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m pipeline")
     ap.add_argument(
         "--steps", type=int, default=10, help="steps before and after the checkpoint (default 10)"
@@ -251,4 +237,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    run_command("pipeline.roundtrip", main, INTERRUPTED)
+    run_command(NAME, main, INTERRUPTED)

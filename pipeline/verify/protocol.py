@@ -73,14 +73,12 @@ def _worst_weight(results: dict[str, dict]) -> float | None:
 
 def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     """The verification report from the four summaries on disk."""
-    (cont, cont_meta), (intr, intr_meta), (res, _), (neg, _) = (
-        read_summary(out / m) for m in MODES
+    (cont, cont_meta), (intr, intr_meta), (res, _), (neg, _) = map(
+        read_summary, map(out.joinpath, MODES)
     )
     # The continuous run's per-update records after the cut line up with the resumed runs' records.
-    after = {k: v[cut:] for k, v in cont.items() if k.startswith("records/")}
-    cont_final = {**{k: v for k, v in cont.items() if not k.startswith("records/")}, **after}
-    pos = compare(cont_final, res, atol, rtol)
-    negc = compare(cont_final, neg, atol, rtol)
+    cont = {k: v[cut:] if k.startswith("records/") else v for k, v in cont.items()}
+    pos, negc = compare(cont, res, atol, rtol), compare(cont, neg, atol, rtol)
     comparisons = [
         {
             "name": key,
