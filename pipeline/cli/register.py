@@ -118,9 +118,7 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
         dataset = own_data(manifest, [], given)
         vocab = {"vocab": list(dataset.vocab), "decode_join": dataset.manifest["decode_join"]}
 
-    uri = store_uri(
-        given, tracking_uri
-    )  # an archive's without a store named: refused before mlflow
+    uri = store_uri(given, tracking_uri)  # an archive's, no store named: refused before mlflow
     import mlflow
 
     from pipeline.tracking.common import experiment_of, parse_run_uri, tag_value
@@ -130,12 +128,10 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     experiment_id = ensure_experiment(client, str(experiment_of(manifest["config"])), None)
     first_word = next((t for t in (vocab or {}).get("vocab", ()) if t.strip()), "")
     signature, example = signature_of(manifest, state.model, first_word)
-    _, _, run_id = parse_run_uri(manifest.get("mlflow_run_uri"))
+    _, _, run_id = parse_run_uri(run_uri := manifest.get("mlflow_run_uri"))
     tags = {"checkpoint": str(directory), "step": manifest.get("step"), "training_run_id": run_id}
-    tags |= {
-        "config_hash": manifest.get("config_hash"),
-        "training_run_uri": manifest.get("mlflow_run_uri"),
-    }
+    tags |= {"config_hash": manifest.get("config_hash"), "training_run_uri": run_uri}
+    tags = {k: tag_value(v) for k, v in tags.items() if v is not None}
     with tempfile.TemporaryDirectory(prefix="pipeline-register-") as tmp:
         # mlflow uploads a copy made from the verified files (one that changed since is refused here)
         checkpoint.copy_to(Path(tmp) / directory.name, manifest)
@@ -143,14 +139,8 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
         if vocab is not None:
             (Path(tmp) / "vocab.json").write_bytes(jsonio.dumps(vocab))
             artifacts[VOCAB] = str(Path(tmp) / "vocab.json")
-        with (
-            using_store(uri),
-            mlflow.start_run(
-                experiment_id=experiment_id,
-                run_name=f"register {name}",
-                tags={k: tag_value(v) for k, v in tags.items() if v is not None},
-            ),
-        ):
+        run = dict(experiment_id=experiment_id, run_name=f"register {name}", tags=tags)
+        with using_store(uri), mlflow.start_run(**run):
             info = mlflow.pyfunc.log_model(
                 name=ARTIFACT_PATH,
                 python_model=str(GENERATOR_CODE if signature is None else CODE),
@@ -181,10 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         if mlflow is None or not isinstance(e, mlflow.exceptions.MlflowException):
             raise
         raise CommandError(f"mlflow: {str(e).splitlines()[0]}", exit_code=EXIT_ERROR) from e
-    print(
-        f"registered in the model registry of {store_uri(Path(args.checkpoint), args.tracking_uri)} "
-        f"(logged as run {version.run_id})"
-    )
+    uri = store_uri(Path(args.checkpoint), args.tracking_uri)
+    print(f"registered in the model registry of {uri} (logged as run {version.run_id})")
     print(f"models:/{version.name}/{version.version}")
     return EXIT_OK
 
