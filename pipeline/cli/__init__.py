@@ -18,3 +18,11 @@ def emit(result: dict, as_json: bool, render: Callable[[dict], str]) -> None:
     from pipeline.files import jsonio
 
     print(jsonio.dumps(result).decode() if as_json else render(result), end="" if as_json else "\n")
+
+
+def metrics_line(metrics) -> str:
+    """`key=value ...` sorted, numbers to 6 significant digits; "-" for none."""
+    if not isinstance(metrics, dict) or not metrics:
+        return "-"
+    items = sorted(metrics.items())
+    return " ".join(f"{k}={v:.6g}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in items)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.cli import emit, parser
+from pipeline.cli import emit, metrics_line, parser
 from pipeline.config.errors import EXIT_OK
 from pipeline.run.signals import command, run_command
 
@@ -18,9 +18,7 @@ EPILOG += "default the run's), hydra.searchpath=[...]"
 
 
 def line(r: dict) -> str:
-    return " ".join(
-        [f"step={r['step']}", *(f"{k}={v:.6g}" for k, v in sorted(r["metrics"].items()))]
-    )
+    return f"step={r['step']} {metrics_line(r['metrics'])}"
 
 
 def evaluate_checkpoint(directory: Path, overrides: tuple[str, ...] | list[str] = ()) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 from pipeline.checkpoint.directory import CheckpointDir, file_hashes
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import code_change
-from pipeline.cli import emit, parser
+from pipeline.cli import emit, metrics_line, parser
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
 from pipeline.files.atomic import TMP_PREFIX
 from pipeline.run.directory import RunDir
@@ -77,13 +77,8 @@ def describe_run(run_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
     return out
 
 
-def _metrics(metrics) -> str:
-    if not isinstance(metrics, dict) or not metrics:
-        return "-"
-    return " ".join(
-        f"{k}={v:.6g}" if isinstance(v, (int, float)) else f"{k}={v}"
-        for k, v in sorted(metrics.items())
-    )
+def other_code(d: dict) -> list[str]:
+    return [f"  trained by other code than this: {d['other_code']}"] if d.get("other_code") else []
 
 
 def render_checkpoint(d: dict) -> str:
@@ -93,13 +88,12 @@ def render_checkpoint(d: dict) -> str:
         lines += [
             f"  step {d['step']}  epoch {d.get('epoch')}  schema_version {d.get('schema_version')}"
             f"  tags {','.join(d.get('tags') or []) or '-'}",
-            f"  metrics: {_metrics(d.get('metrics'))}",
+            f"  metrics: {metrics_line(d.get('metrics'))}",
             f"  config_hash: {d.get('config_hash')}",
             f"  data_manifest_hash: {d.get('data_manifest_hash')}",
             f"  git_sha: {d.get('git_sha')}{dirty}  code_sha256: {d.get('code_sha256')}  seed: {d.get('seed')}",
         ]
-        if d.get("other_code"):
-            lines.append(f"  trained by other code than this: {d['other_code']}")
+        lines += other_code(d)
     for name, e in sorted((d.get("files") or {}).items()):
         if isinstance(e, dict):
             lines.append(f"  {name:<22} {e.get('size', '?'):>12} B  sha256 {e.get('sha256')}")
@@ -112,7 +106,7 @@ def render_run(d: dict) -> str:
     lines = [
         f"run {d['path']}",
         f"  status: {run.get('status', 'unknown')}  step {run.get('step', '?')}/"
-        f"{run.get('total_steps', '?')}  metrics: {_metrics(run.get('metrics'))}",
+        f"{run.get('total_steps', '?')}  metrics: {metrics_line(run.get('metrics'))}",
     ]
     if run.get("mlflow_run_uri"):  # recorded once the run was indexed (its manifests may say null)
         lines.append(f"  mlflow_run_uri: {run['mlflow_run_uri']}")
@@ -125,10 +119,9 @@ def render_run(d: dict) -> str:
         verdict = "valid" if c["valid"] else f"INVALID: {c['reason']}"
         lines.append(
             f"  step {c.get('step', c['listed_step']):>8}  epoch {c.get('epoch', '?')}{links}  "
-            f"{_metrics(c.get('metrics'))}  {verdict}"
+            f"{metrics_line(c.get('metrics'))}  {verdict}"
         )
-    if d["checkpoints"] and d["checkpoints"][-1].get("other_code"):
-        lines.append(f"  trained by other code than this: {d['checkpoints'][-1]['other_code']}")
+    lines += other_code(d["checkpoints"][-1]) if d["checkpoints"] else []
     for name, link in d["links"].items():
         missing = "" if link["exists"] else "  (MISSING: dangling link)"
         lines.append(f"  {name} -> {link['target']}{missing}")
@@ -138,7 +131,7 @@ def render_run(d: dict) -> str:
     return "\n".join(lines)
 
 
-@command("pipeline.show")
+@command(NAME)
 def main(argv: list[str] | None = None) -> int:
     ap = parser(NAME, __doc__)
     ap.add_argument("path", type=Path, help="a checkpoint directory or a run directory")
