@@ -2,10 +2,5 @@
 
 # Artifact names: the checkpoint's directory, its vocabulary's JSON; the checkpoint's own record of its data.
 CHECKPOINT, VOCAB, DATA_JSON = "checkpoint", "vocab", "data.json"
-OPTIONS = (
-    "prompt",
-    "max_new_tokens",
-    "temperature",
-    "top_k",
-    "seed",
-)  # as model/generate.py takes them
+# As model/generate.py takes them
+OPTIONS = ("prompt", "max_new_tokens", "temperature", "top_k", "seed")

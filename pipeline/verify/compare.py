@@ -11,12 +11,8 @@ from pipeline.stateful import PARTS, flat
 MISSING = object()
 MACHINE_OF = {**{p: p for p in PARTS}, "eval": "model"}
 # Per-update records after the cut, and which state machine a mismatch there points at first.
-RECORDS = {
-    "records/ids": "data_iter",
-    "records/lr": "scheduler",
-    "records/loss": "model",
-    "records/step": "data_iter",
-}
+RECORDS = {"records/ids": "data_iter", "records/lr": "scheduler", "records/loss": "model"}
+RECORDS["records/step"] = "data_iter"
 
 
 def diff(a, b, atol: float = 0.0, rtol: float = 0.0) -> dict:
