@@ -34,9 +34,12 @@ def signature_of(manifest: dict, model, prompt: str = ""):
 
     if hasattr(model, "logits"):
         return None, [{"prompt": prompt, "max_new_tokens": 4, "seed": 0}]
-    spec, dtype = manifest["data_spec"], getattr(model, "dtype", "float64")  # numpy's, or a name
-    io = [Schema([TensorSpec(dtype, (-1, spec[k]))]) for k in ("n_features", "n_targets")]
-    return ModelSignature(*io), np.zeros((1, spec["n_features"]), dtype=dtype)
+    spec = manifest["data_spec"]
+    dtype: Any = getattr(model, "dtype", "float64")  # numpy's, or a name: TensorSpec takes both
+    inputs, outputs = (
+        Schema([TensorSpec(dtype, (-1, spec[k]))]) for k in ("n_features", "n_targets")
+    )
+    return ModelSignature(inputs, outputs), np.zeros((1, spec["n_features"]), dtype=dtype)
 
 
 def requirements() -> list[str]:
@@ -139,8 +142,10 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
         if vocab is not None:
             (Path(tmp) / "vocab.json").write_bytes(jsonio.dumps(vocab))
             artifacts[VOCAB] = str(Path(tmp) / "vocab.json")
-        run = dict(experiment_id=experiment_id, run_name=f"register {name}", tags=tags)
-        with using_store(uri), mlflow.start_run(**run):
+        with (
+            using_store(uri),  # first: the run starts in this store
+            mlflow.start_run(experiment_id=experiment_id, run_name=f"register {name}", tags=tags),
+        ):
             info = mlflow.pyfunc.log_model(
                 name=ARTIFACT_PATH,
                 python_model=str(GENERATOR_CODE if signature is None else CODE),
