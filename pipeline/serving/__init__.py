@@ -4,3 +4,8 @@
 CHECKPOINT, VOCAB, DATA_JSON = "checkpoint", "vocab", "data.json"
 # As model/generate.py takes them
 OPTIONS = ("prompt", "max_new_tokens", "temperature", "top_k", "seed")
+
+
+def generates(model) -> bool:
+    """A model that generates tokens (a MiniGPT: logits over a block), which sample and serving decode."""
+    return hasattr(model, "logits") and hasattr(model, "block_size")

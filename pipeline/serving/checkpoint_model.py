@@ -13,7 +13,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
 
-from pipeline.serving import CHECKPOINT, DATA_JSON, OPTIONS, VOCAB
+from pipeline.serving import CHECKPOINT, DATA_JSON, OPTIONS, VOCAB, generates
 
 MAX_VOCAB_JSON = 64 << 20  # bytes; a vocabulary of a million tokens is a few MB
 
@@ -79,16 +79,14 @@ class CheckpointModel(PythonModel):
         self.directory = Path(context.artifacts[CHECKPOINT])
         _, state = restore_checkpoint(self.directory)
         self.model: Any = state.model  # a MiniGPT (logits) or a regression model (predict)
-        self.generates = hasattr(self.model, "logits") and hasattr(self.model, "block_size")
-        if self.generates:
-            self.vocab, self.join, self.eos = read_vocab(
-                self.directory, context.artifacts.get(VOCAB)
-            )
+        if generates(self.model):
+            vocab_json = context.artifacts.get(VOCAB)
+            self.vocab, self.join, self.eos = read_vocab(self.directory, vocab_json)
 
     # The hint only tells mlflow not to infer a schema from it (the signature is logged); an MLP's rows arrive
     # as an ndarray [B, n_features].
     def predict(self, context, model_input: pd.DataFrame, params=None):
-        if not self.generates:  # rows [B, n_features] -> [B, n_targets]
+        if not generates(self.model):  # rows [B, n_features] -> [B, n_targets]
             rows = model_input.to_numpy() if hasattr(model_input, "to_numpy") else model_input
             dtype = getattr(self.model, "dtype", np.float64)
             return self.model.predict(np.asarray(rows, dtype=dtype))
