@@ -45,33 +45,32 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
                 results.append({"error": f"{type(e).__name__}: {e}", "sweep_dir": str(path)})
                 print(f"sweep {path.name}: ERROR {type(e).__name__}: {e}")
             continue
-        run_dir = path
         try:
-            r = synced.get(str(run_dir.resolve())) or (
+            r = synced.get(str(path.resolve())) or (
                 {"skipped": "in use by a running job"}
-                if RunDir(run_dir).in_use()
-                else sync_run(client, uri, run_dir, artifact_location)
+                if RunDir(path).in_use()
+                else sync_run(client, uri, path, artifact_location)
             )
         except Exception as e:
             r = {"error": f"{type(e).__name__}: {e}"}
-        r["run_dir"] = str(run_dir)
+        r["run_dir"] = str(path)
         results.append(r)
         for reason in r.get("damaged") or ():
-            print(f"{run_dir.name}: not indexed, damaged: {reason}")
+            print(f"{path.name}: not indexed, damaged: {reason}")
         if "error" in r:
-            print(f"{run_dir.name}: ERROR {r['error']}")
+            print(f"{path.name}: ERROR {r['error']}")
         elif "skipped" in r:
-            print(f"{run_dir.name}: skipped ({r['skipped']})")
+            print(f"{path.name}: skipped ({r['skipped']})")
         else:
             what = ", ".join(f"+{r[k]} {k}" for k in ADDED if r[k])
             verb = "created" if r["created"] else "updated" if what or r["status"] else "up to date"
             if r["status"]:
                 what = ", ".join(filter(None, [what, f"status {r['status_now']}"]))
-            print(f"{run_dir.name}: {verb} {page(r)}" + (f" ({what})" if what else ""))
+            print(f"{path.name}: {verb} {page(r)}" + (f" ({what})" if what else ""))
     changed = sum(any(r.get(k) for k in ("created", *ADDED, "status")) for r in results)
+    errors = sum("error" in r for r in results)
     print(
-        f"reindexed {len(results)} run directories into {uri}: {changed} changed, "
-        f"{sum('error' in r for r in results)} errors"
+        f"reindexed {len(results)} run directories into {uri}: {changed} changed, {errors} errors"
     )
     return results
 

@@ -57,6 +57,12 @@ def invalid_checkpoints(store: CheckpointStore) -> list[str]:
     return bad
 
 
+def invalid_visible_checkpoints(output_dir: Path) -> list[str]:
+    """invalid_checkpoints of every run directory under `output_dir`."""
+    stores = [RunDir(run).store for run in (output_dir / "runs").glob("*")]
+    return [e for store in stores for e in invalid_checkpoints(store)]
+
+
 def final_state(output_dir: Path) -> dict:
     """What must be identical: every kept checkpoint's files (sha256) and links, the final state, every number."""
     runs = [p for p in (output_dir / "runs").iterdir() if p.is_dir()]
@@ -82,8 +88,7 @@ def trial(argv: list[str], out: Path, kill: str, reference: dict, max_reruns: in
     """One kill at `kill`, then the identical command until it completes, against the reference."""
     cmd = _command(argv, out)
     record: dict = {"killed": killed(run(cmd, kill))}
-    stores = [RunDir(r).store for r in (out / "runs").glob("*")]
-    record["invalid_after_kill"] = [e for store in stores for e in invalid_checkpoints(store)]
+    record["invalid_after_kill"] = invalid_visible_checkpoints(out)
     for reruns in range(1, max_reruns + 1):  # noqa: B007 - the count is read after the loop
         done = run(cmd)
         if done.returncode == 0:
