@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE
 from pipeline.config.errors import EXIT_ERROR as EXIT_MISMATCH
 from pipeline.config.errors import EXIT_OK
 from pipeline.files import jsonio
+from pipeline.files.atomic import remove_tree
 from pipeline.run.directory import RunDir
 from pipeline.verify.protocol import verify_dir
 
@@ -127,7 +127,7 @@ def run_chaos(config: dict, argv: list[str]) -> int:
         trial_dir = out / f"trial-{i:04d}"
         record = trial(argv, trial_dir, f"{phase}:{k}", reference, int(v["max_reruns"]))
         trials.append({"trial": i, "phase": phase, "point": k, **record})
-        shutil.rmtree(trial_dir, ignore_errors=True)
+        remove_tree(trial_dir)
     by_phase = Counter(
         {
             p: sum(t["killed"] for t in trials if t["phase"] == p)

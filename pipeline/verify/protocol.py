@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pipeline.config.errors import EXIT_ERROR as EXIT_MISMATCH
 from pipeline.config.errors import EXIT_OK, ConfigError
 from pipeline.config.identity import run_name
 from pipeline.files import jsonio
+from pipeline.files.atomic import remove_tree
 from pipeline.verify.compare import compare, machine
 from pipeline.verify.snapshot import read_summary
 
@@ -25,8 +25,7 @@ EXACT = "exact (the same bytes)"
 def verify_dir(config: dict, *sub: str) -> Path:
     """<output_dir>/verify/<run name>/<sub>, made afresh (an earlier verification's files removed)."""
     out = Path(config["paths"]["output_dir"]).joinpath("verify", run_name(config), *sub)
-    if out.exists():
-        shutil.rmtree(out)
+    remove_tree(out)  # a link is removed, never followed
     out.mkdir(parents=True)
     return out
 

@@ -140,6 +140,23 @@ def test_a_worker_refuses_a_class_its_command_line_does_not_allow_in_one_line(tm
     assert not (tmp_path / "worker").exists() and not (tmp_path / "sentinel").exists()
 
 
+def test_a_link_planted_where_a_verification_writes_is_removed_never_followed(tmp_path):
+    from pipeline.config.compose import compose, to_plain
+    from pipeline.verify.protocol import verify_dir
+
+    config = to_plain(compose([*KERNODECK, f"paths.output_dir={tmp_path / 'out'}"]))
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "v.txt").write_text("precious\n")
+    first = verify_dir(config)
+    (first / "old.json").write_text("{}")
+    assert list(verify_dir(config).iterdir()) == []  # an earlier verification's files removed
+    first.rmdir()
+    first.symlink_to(victim)
+    assert verify_dir(config) == first and first.is_dir() and not first.is_symlink()
+    assert [p.name for p in victim.iterdir()] == ["v.txt"]
+
+
 @pytest.mark.slow  # chaos: 41 real processes, 20 of them SIGKILLed
 def test_chaos_mode_20_trials_bit_exact_with_kills_inside_saves(tmp_path):
     """With accumulation (2 micro-batches an update) and clipping on every update (grad norms 0.6-1.6)."""
