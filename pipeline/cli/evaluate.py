@@ -1,8 +1,7 @@
 """`python -m pipeline.evaluate CHECKPOINT [overrides] [--json]`: the validation metrics of any checkpoint.
 
 By the function a run evaluates with: on its own data, what its run measured at that step; other data
-(`data=NAME ...`, `data.KEY=VALUE`) must fit the model's spec and vocabulary.
-"""
+(`data=NAME ...`, `data.KEY=VALUE`) must fit the model's spec and vocabulary."""
 
 from __future__ import annotations
 

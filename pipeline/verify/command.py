@@ -2,8 +2,7 @@
 
 Four fresh processes: the continuous run, the interrupted one, the full resume and a resume without the RNG (the
 negative control); verify.kill=random: chaos mode (docs/verify.md). Exit 0 if they agree and the control
-diverges, 1 if not, 2 if it could not complete.
-"""
+diverges, 1 if not, 2 if it could not complete."""
 
 from __future__ import annotations
 

@@ -33,9 +33,8 @@ def verify_dir(config: dict, *sub: str) -> Path:
 def run_workers(
     config: dict, out: Path, cut: int, steps: int, overrides=(), modes=MODES, in_process=False
 ) -> tuple[list[list[str]], str | None]:
-    """Runs the workers of `modes` in fresh processes, two at a time where they are independent (or one by
-    one in this one); returns their commands and an error. Each gets the `overrides` config.json was composed
-    from: what they allow it to build (pipeline/config/targets.py)."""
+    """Runs the workers of `modes`, two processes at a time where independent (or in this one); their commands
+    and an error. Each gets the overrides config.json came from: what they allow it to build."""
     config_path = out / "config.json"
     config_path.write_bytes(jsonio.dumps(config))
     ckpt = out / "interrupted" / "checkpoint"
