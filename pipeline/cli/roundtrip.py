@@ -61,28 +61,23 @@ def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
     }
 
 
-def check_continuation(
-    config: dict, overrides: list[str], work: Path, steps: int, separate_process: bool = True
-) -> dict:
+def check_continuation(config: dict, overrides: list[str], work: Path, steps: int, separate=True):
     """The verifier's continuous, interrupted and resumed workers cut at `steps`: the same losses, the same state."""
     out = work / "continuation"
     out.mkdir()
     modes = MODES[:3]
-    _, error = run_workers(config, out, steps, 2 * steps, overrides, modes, not separate_process)
+    _, error = run_workers(config, out, steps, 2 * steps, overrides, modes, not separate)
     if error is not None:
-        return {"passed": False, "separate_process": separate_process, "error": error}
+        return {"passed": False, "separate_process": separate, "error": error}
     (ref, _), (a, _), (b, _) = (read_summary(out / mode) for mode in modes)
     resumed = np.concatenate([a["records/loss"], b["records/loss"]])
     checks = {
         "losses": first_difference(ref["records/loss"], resumed, "losses"),
         "state": first_difference(read_state(out / "continuous"), read_state(out / "resume")),
     }
-    return {
-        "passed": all(v is None for v in checks.values()),
-        "separate_process": separate_process,
-        "steps": [steps, steps],
-        "differences": {k: v for k, v in checks.items() if v},
-    }
+    differences = {k: v for k, v in checks.items() if v}
+    out = {"passed": not differences, "separate_process": separate, "steps": [steps, steps]}
+    return {**out, "differences": differences}
 
 
 def check_tying(config: dict, d: dict) -> dict:
@@ -98,11 +93,8 @@ def check_tying(config: dict, d: dict) -> dict:
         header_bytes, head = 8 + n, jsonio.loads(f.read(n))
     metadata = head.get("__metadata__", {})
     extra = size - expected
-    where = (
-        f"all {extra} of them its safetensors header"
-        if extra == header_bytes
-        else f"{header_bytes} of them its safetensors header, {extra - header_bytes} not"
-    )
+    where = f"{header_bytes} of them its safetensors header, {extra - header_bytes} not"
+    where = f"all {extra} of them its safetensors header" if extra == header_bytes else where
     out = {
         "weights_file_size_bytes": size,
         "expected_size_bytes_no_tying": expected,
