@@ -76,8 +76,8 @@ def check_continuation(config: dict, overrides: list[str], work: Path, steps: in
         "state": first_difference(read_state(out / "continuous"), read_state(out / "resume")),
     }
     differences = {k: v for k, v in checks.items() if v}
-    out = {"passed": not differences, "separate_process": separate, "steps": [steps, steps]}
-    return {**out, "differences": differences}
+    result = {"passed": not differences, "separate_process": separate, "steps": [steps, steps]}
+    return {**result, "differences": differences}
 
 
 def check_tying(config: dict, d: dict) -> dict:
