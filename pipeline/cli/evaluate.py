@@ -1,17 +1,23 @@
 """`python -m pipeline.evaluate CHECKPOINT [overrides] [--json]`: the validation metrics of any checkpoint.
 
-The metrics come from the function a run evaluates with, so on the checkpoint's own data they equal what its
-run measured at that step; other data (`data=NAME ...`, `data.KEY=VALUE`) must fit the model's spec and vocabulary.
-"""
+By the function a run evaluates with: on its own data, what its run measured at that step; other data
+(`data=NAME ...`, `data.KEY=VALUE`) must fit the model's spec and vocabulary."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from pipeline.cli import emit, metrics_line, parser
 from pipeline.config.errors import EXIT_OK
-from pipeline.files import jsonio
 from pipeline.run.signals import command, run_command
+
+NAME = "pipeline.evaluate"
+EPILOG = "Overrides: data=NAME, data.KEY=VALUE, paths.output_dir=DIR (where the corpus cache is; "
+EPILOG += "default the run's), hydra.searchpath=[...]"
+
+
+def line(r: dict) -> str:
+    return f"step={r['step']} {metrics_line(r['metrics'])}"
 
 
 def evaluate_checkpoint(directory: Path, overrides: tuple[str, ...] | list[str] = ()) -> dict:
@@ -32,32 +38,17 @@ def evaluate_checkpoint(directory: Path, overrides: tuple[str, ...] | list[str] 
     }
 
 
-@command("pipeline.evaluate")
+@command(NAME)
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m pipeline.evaluate",
-        description=__doc__.split("\n\n")[0],
-        epilog="Overrides: data=NAME, data.KEY=VALUE, paths.output_dir=DIR (where the "
-        "corpus cache is; default the run's), hydra.searchpath=[...]",
-    )
+    ap = parser(NAME, __doc__, epilog=EPILOG)
     ap.add_argument("checkpoint", type=Path, help="a checkpoint directory (step-*, best, final)")
     ap.add_argument("overrides", nargs="*", help="data overrides")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
     result = evaluate_checkpoint(args.checkpoint, args.overrides)
-    if args.json:
-        print(jsonio.dumps(result).decode(), end="")
-    else:
-        print(
-            " ".join(
-                [
-                    f"step={result['step']}",
-                    *(f"{k}={v:.6g}" for k, v in sorted(result["metrics"].items())),
-                ]
-            )
-        )
+    emit(result, args.json, line)
     return EXIT_OK
 
 
 if __name__ == "__main__":
-    run_command("pipeline.evaluate", main)
+    run_command(NAME, main)

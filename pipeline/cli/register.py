@@ -1,15 +1,10 @@
 """`python -m pipeline.register CHECKPOINT NAME [--tracking-uri URI]`: the checkpoint as an mlflow model, registered.
 
-Logged from code (pipeline/serving/pyfunc_model.py), so nothing in it is a pickle: its artifacts are the
-checkpoint's own files (and, for a MiniGPT whose checkpoint lacks it, its vocabulary as JSON), in a run of its
-own in the experiment the checkpoint's run was tracked in (docs/serving.md: The model in mlflow's registry). Exit 0
-printing `models:/NAME/VERSION`; 2 (one line) for a bad name, checkpoint, data or store, all but the store
-refused before mlflow is imported; 1 (one line) if mlflow refuses.
-"""
+Logged from code, never a pickle (docs/serving.md: The model in mlflow's registry); exit 0 printing
+`models:/NAME/VERSION`, 2 for bad input (refused before mlflow is imported, but the store), 1 if mlflow refuses."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -17,42 +12,38 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from pipeline.cli import parser
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError, ConfigError
 from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.register"
 SERVING = Path(__file__).resolve().parents[1] / "serving"
-CODE = SERVING / "pyfunc_model.py"  # an MLP: rows of features, as its signature says
-GENERATOR_CODE = SERVING / "generator_pyfunc_model.py"  # a MiniGPT: rows typed by its predict (Row)
+# The code mlflow logs: an MLP's rows of features (its signature), a MiniGPT's rows typed by predict (Row).
+CODE, GENERATOR_CODE = SERVING / "pyfunc_model.py", SERVING / "generator_pyfunc_model.py"
 ARTIFACT_PATH = "model"  # the model's name inside its run
-
 INTERRUPTED = "a run or a model version may be partly logged; register again for a new one"
 
 
 def signature_of(manifest: dict, model, prompt: str = ""):
-    """(signature, input example): a MiniGPT's signature is its predict's type (None here: mlflow takes it from
-    pipeline.serving.checkpoint_model.Row and checks each row against it); an MLP's, features -> outputs, as
-    tensors of the model's dtype. The example's prompt is one the vocabulary has (an empty one needs <eos>)."""
+    """(signature, input example): a MiniGPT's is None (mlflow takes its predict's type, Row, and checks each
+    row against it), its example's prompt one the vocabulary has; an MLP's, features -> outputs as tensors."""
+    import numpy as np
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
 
     if hasattr(model, "logits"):
         return None, [{"prompt": prompt, "max_new_tokens": 4, "seed": 0}]
     spec = manifest["data_spec"]
-    dtype: Any = getattr(
-        model, "dtype", "float64"
-    )  # a numpy dtype or its name: TensorSpec takes both
-    inputs = Schema([TensorSpec(dtype, (-1, spec["n_features"]))])
-    import numpy as np
-
-    return ModelSignature(inputs, Schema([TensorSpec(dtype, (-1, spec["n_targets"]))])), np.zeros(
-        (1, spec["n_features"]), dtype=dtype
+    dtype: Any = getattr(model, "dtype", "float64")  # numpy's, or a name: TensorSpec takes both
+    inputs, outputs = (
+        Schema([TensorSpec(dtype, (-1, spec[k]))]) for k in ("n_features", "n_targets")
     )
+    return ModelSignature(inputs, outputs), np.zeros((1, spec["n_features"]), dtype=dtype)
 
 
 def requirements() -> list[str]:
-    """What the model's code imports, pinned to what is installed here (the `pipeline` package itself is not
-    on an index: serve with --env-manager local where it is installed)."""
+    """What the model's code imports, pinned to what is installed here (`pipeline` is on no index: serve with
+    --env-manager local)."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = []
@@ -64,10 +55,8 @@ def requirements() -> list[str]:
 
 @contextmanager
 def using_store(uri: str):
-    """mlflow's fluent API (log_model has no other) pointed at `uri` for the block, and all it changes put back:
-    its URIs and the MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI it writes into os.environ (so that
-    subprocesses inherit them), which a caller's later mlflow calls and subprocesses would otherwise follow.
-    mlflow keeps the set URIs in module globals of these two modules; they have no public getter."""
+    """mlflow's fluent API (log_model has no other) pointed at `uri` for the block, then all it changed put
+    back: its URIs (module globals, no public getter) and the MLFLOW_*_URI it writes into os.environ."""
     import mlflow
     from mlflow.tracking._model_registry import utils as registry
     from mlflow.tracking._tracking_service import utils as tracking
@@ -79,9 +68,7 @@ def using_store(uri: str):
     try:
         yield
     finally:
-        mlflow.set_tracking_uri(
-            saved[0]
-        )  # through the setter: it also resets what mlflow derived from it
+        mlflow.set_tracking_uri(saved[0])  # the setter also resets what mlflow derived from it
         registry._registry_uri = saved[1]
         for k, v in env.items():
             if v is None:
@@ -91,9 +78,8 @@ def using_store(uri: str):
 
 
 def store_uri(checkpoint: Path, tracking_uri: str | None) -> str:
-    """The store a checkpoint is registered in: the one named (--tracking-uri, else MLFLOW_TRACKING_URI), else the
-    mlflow.db of the output directory it lies in; a checkpoint in an archive needs one named (ConfigError):
-    neither the archive nor the checkout's outputs/ is written unasked."""
+    """The store named (--tracking-uri, else MLFLOW_TRACKING_URI), else the mlflow.db of the output directory
+    the checkpoint lies in; one in an archive needs a store named: nothing is written there unasked."""
     from pipeline.run.trained import cache_home, in_archive
     from pipeline.tracking.common import default_uri, normalize_tracking_uri
 
@@ -107,9 +93,8 @@ def store_uri(checkpoint: Path, tracking_uri: str | None) -> str:
 
 
 def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
-    """The checkpoint at `checkpoint_dir` logged as a pyfunc model and registered as the next version of `name`
-    in the store (store_uri); the mlflow ModelVersion. CheckpointError / ConfigError / StoreError (one line) for
-    a checkpoint, data or store that will not do."""
+    """The checkpoint logged as a pyfunc model and registered as the next version of `name` (its mlflow
+    ModelVersion); a one-line CheckpointError / ConfigError / StoreError for what will not do."""
     from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.files import jsonio, names
     from pipeline.run.trained import own_data, restore_checkpoint
@@ -123,43 +108,32 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     given = Path(checkpoint_dir)
     checkpoint = CheckpointDir(given)
     directory = checkpoint.resolved()  # `final`, `best`: the step directory they stand for
-    manifest, state = restore_checkpoint(
-        directory
-    )  # refused here, before mlflow is imported or a byte written
+    # refused here, before mlflow is imported or a byte written
+    manifest, state = restore_checkpoint(directory)
     if not (hasattr(state.model, "logits") or hasattr(state.model, "predict")):
         raise ConfigError(
             f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
             "neither generates tokens (logits) nor predicts rows (predict): nothing to serve"
         )
     vocab = None
-    if (
-        hasattr(state.model, "logits") and checkpoint.data_facts(manifest) is None
-    ):  # schema 2.0: no data.json
+    if hasattr(state.model, "logits") and checkpoint.data_facts(manifest) is None:  # schema 2.0
         dataset = own_data(manifest, [], given)
         vocab = {"vocab": list(dataset.vocab), "decode_join": dataset.manifest["decode_join"]}
 
-    uri = store_uri(
-        given, tracking_uri
-    )  # an archive's checkpoint without a store named: refused before mlflow
+    uri = store_uri(given, tracking_uri)  # an archive's, no store named: refused before mlflow
     import mlflow
 
     from pipeline.tracking.common import experiment_of, parse_run_uri, tag_value
     from pipeline.tracking.store import ensure_experiment, open_client
 
-    client = open_client(
-        uri
-    )  # a sqlite store's artifacts beside it (tracking.common.artifact_root), as a run's
+    client = open_client(uri)  # a sqlite store's artifacts beside it, as a run's
     experiment_id = ensure_experiment(client, str(experiment_of(manifest["config"])), None)
     first_word = next((t for t in (vocab or {}).get("vocab", ()) if t.strip()), "")
     signature, example = signature_of(manifest, state.model, first_word)
-    _, _, run_id = parse_run_uri(manifest.get("mlflow_run_uri"))
-    tags = {
-        "checkpoint": str(directory),
-        "step": manifest.get("step"),
-        "config_hash": manifest.get("config_hash"),
-        "training_run_id": run_id,
-        "training_run_uri": manifest.get("mlflow_run_uri"),
-    }
+    _, _, run_id = parse_run_uri(run_uri := manifest.get("mlflow_run_uri"))
+    tags = {"checkpoint": str(directory), "step": manifest.get("step"), "training_run_id": run_id}
+    tags |= {"config_hash": manifest.get("config_hash"), "training_run_uri": run_uri}
+    tags = {k: tag_value(v) for k, v in tags.items() if v is not None}
     with tempfile.TemporaryDirectory(prefix="pipeline-register-") as tmp:
         # mlflow uploads a copy made from the verified files (one that changed since is refused here)
         checkpoint.copy_to(Path(tmp) / directory.name, manifest)
@@ -168,19 +142,12 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
             (Path(tmp) / "vocab.json").write_bytes(jsonio.dumps(vocab))
             artifacts[VOCAB] = str(Path(tmp) / "vocab.json")
         with (
-            using_store(uri),
-            mlflow.start_run(
-                experiment_id=experiment_id,
-                run_name=f"register {name}",
-                tags={k: tag_value(v) for k, v in tags.items() if v is not None},
-            ),
+            using_store(uri),  # first: the run starts in this store
+            mlflow.start_run(experiment_id=experiment_id, run_name=f"register {name}", tags=tags),
         ):
-            code = (
-                GENERATOR_CODE if signature is None else CODE
-            )  # a MiniGPT's signature: predict's type hints
             info = mlflow.pyfunc.log_model(
                 name=ARTIFACT_PATH,
-                python_model=str(code),
+                python_model=str(GENERATOR_CODE if signature is None else CODE),
                 artifacts=artifacts,
                 signature=signature,
                 input_example=example,
@@ -190,38 +157,26 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     return client.get_model_version(name, str(info.registered_model_version))
 
 
-@command("pipeline.register")
+@command(NAME)
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m pipeline.register", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "checkpoint", help="a checkpoint directory (RUN/checkpoints/final, .../step-NNNNNNNN)"
-    )
-    parser.add_argument("name", help="the registered model's name")
-    parser.add_argument(
-        "--tracking-uri",
-        default=None,
-        help="the store (default: MLFLOW_TRACKING_URI, else sqlite:///<OUTPUT_DIR>/mlflow.db)",
-    )
-    args = parser.parse_args(argv)
-    os.environ.setdefault(
-        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false"
-    )  # else a bar per copy of the files
+    ap = parser(NAME, __doc__)
+    ap.add_argument("checkpoint", help="a checkpoint directory (RUN/checkpoints/final, .../step-N)")
+    ap.add_argument("name", help="the registered model's name")
+    default = "MLFLOW_TRACKING_URI, else sqlite:///<OUTPUT_DIR>/mlflow.db"
+    ap.add_argument("--tracking-uri", default=None, help=f"the store (default: {default})")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per file copy
     try:
         version = register(Path(args.checkpoint), args.name, args.tracking_uri)
     except Exception as e:
         # mlflow's refusals (a bad name, a server's error) come once register() imported mlflow: never import
         # it for a checkpoint refused before (a few seconds of every refusal)
-        if "mlflow" not in sys.modules or not isinstance(
-            e, sys.modules["mlflow"].exceptions.MlflowException
-        ):
+        mlflow = sys.modules.get("mlflow")
+        if mlflow is None or not isinstance(e, mlflow.exceptions.MlflowException):
             raise
         raise CommandError(f"mlflow: {str(e).splitlines()[0]}", exit_code=EXIT_ERROR) from e
-    print(
-        f"registered in the model registry of {store_uri(Path(args.checkpoint), args.tracking_uri)} "
-        f"(logged as run {version.run_id})"
-    )
+    uri = store_uri(Path(args.checkpoint), args.tracking_uri)
+    print(f"registered in the model registry of {uri} (logged as run {version.run_id})")
     print(f"models:/{version.name}/{version.version}")
     return EXIT_OK
 

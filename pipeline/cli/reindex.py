@@ -1,22 +1,19 @@
 """`python -m pipeline.reindex [OUTPUT_DIR] [--tracking-uri URI] [--rebuild]`: the mlflow index, from disk.
 
-The manifests are the truth, mlflow the index over them: each run directory's mlflow run (found by its `run_dir`
-tag, the run its manifests name first, or created) and each sweep's parent run get only what is missing,
-so running it twice adds nothing; a run directory pointing at another store is left as it is; a directory a
-running job holds is left to it, one nobody holds but marked running ends FAILED. `--rebuild` moves a broken
-sqlite store aside (never deleted). Exit 2 for a store that cannot be opened, 1 if some run directory could not
-be indexed.
-"""
+Each run and sweep gets only what its index lacks, so running it twice adds nothing (docs/tracking.md: Rebuilding
+the index). Exit 2 for a store that cannot be opened, 1 if some run directory could not be indexed."""
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
+from pipeline.cli import parser
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
 from pipeline.run.signals import command, run_command
 
+NAME = "pipeline.reindex"
+ADDED = ("params", "tags", "points", "artifacts")
 INTERRUPTED = "the index may be partly updated; re-run the same command (it adds nothing twice)"
 
 
@@ -28,73 +25,58 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
     from pipeline.tracking.index import sync_parent, sync_run
 
     output_dir = Path(output_dir).resolve()
-    artifact_location = artifact_root(
-        uri, artifact_location or str(output_dir / "mlartifacts")
-    )  # server: None
+    # a server's: None
+    artifact_location = artifact_root(uri, artifact_location or str(output_dir / "mlartifacts"))
     client = store.open_client(uri, artifact_location)
-    results, synced = (
-        [],
-        {},
-    )  # synced: the sweeps' job directories, indexed with their parents already
+    results: list[dict] = []
+    synced: dict = {}  # the sweeps' job directories, indexed with their parents already
+
+    def page(r: dict) -> str:
+        return run_page(run_uri(uri, r["experiment_id"], r["run_id"]))
+
     for _, kind, path in history(output_dir):
         if kind == "sweep":
             try:
                 r = sync_parent(client, uri, path, artifact_location)
                 synced.update(r.pop("synced"))
-                print(
-                    f"sweep {path.name}: {run_page(run_uri(uri, r['experiment_id'], r['run_id']))} "
-                    f"({r['children']} jobs, {r['status']})"
-                )
+                print(f"sweep {path.name}: {page(r)} ({r['children']} jobs, {r['status']})")
             except Exception as e:
                 results.append({"error": f"{type(e).__name__}: {e}", "sweep_dir": str(path)})
                 print(f"sweep {path.name}: ERROR {type(e).__name__}: {e}")
             continue
-        run_dir = path
         try:
-            r = synced.get(str(run_dir.resolve())) or (
+            r = synced.get(str(path.resolve())) or (
                 {"skipped": "in use by a running job"}
-                if RunDir(run_dir).in_use()
-                else sync_run(client, uri, run_dir, artifact_location)
+                if RunDir(path).in_use()
+                else sync_run(client, uri, path, artifact_location)
             )
         except Exception as e:
             r = {"error": f"{type(e).__name__}: {e}"}
-        r["run_dir"] = str(run_dir)
+        r["run_dir"] = str(path)
         results.append(r)
         for reason in r.get("damaged") or ():
-            print(f"{run_dir.name}: not indexed, damaged: {reason}")
+            print(f"{path.name}: not indexed, damaged: {reason}")
         if "error" in r:
-            print(f"{run_dir.name}: ERROR {r['error']}")
+            print(f"{path.name}: ERROR {r['error']}")
         elif "skipped" in r:
-            print(f"{run_dir.name}: skipped ({r['skipped']})")
+            print(f"{path.name}: skipped ({r['skipped']})")
         else:
-            what = ", ".join(
-                f"+{r[k]} {k}" for k in ("params", "tags", "points", "artifacts") if r[k]
-            )
-            verb = (
-                "created" if r["created"] else ("updated" if what or r["status"] else "up to date")
-            )
+            what = ", ".join(f"+{r[k]} {k}" for k in ADDED if r[k])
+            verb = "created" if r["created"] else "updated" if what or r["status"] else "up to date"
             if r["status"]:
                 what = ", ".join(filter(None, [what, f"status {r['status_now']}"]))
-            print(
-                f"{run_dir.name}: {verb} {run_page(run_uri(uri, r['experiment_id'], r['run_id']))}"
-                + (f" ({what})" if what else "")
-            )
-    changed = sum(
-        1
-        for r in results
-        if any(r.get(k) for k in ("created", "params", "tags", "points", "artifacts", "status"))
-    )
+            print(f"{path.name}: {verb} {page(r)}" + (f" ({what})" if what else ""))
+    changed = sum(any(r.get(k) for k in ("created", *ADDED, "status")) for r in results)
+    errors = sum("error" in r for r in results)
     print(
-        f"reindexed {len(results)} run directories into {uri}: {changed} changed, "
-        f"{sum('error' in r for r in results)} errors"
+        f"reindexed {len(results)} run directories into {uri}: {changed} changed, {errors} errors"
     )
     return results
 
 
 def history(output_dir: Path) -> list[tuple[float, str, Path]]:
-    """(start time, "sweep" or "run", directory) of every sweep and run directory, in the order they started: the
-    live index saw them in that order (a lone run a later sweep finds done stays lone, the sweep's job a repeat
-    of it), and a rebuild replays it. A start time that cannot be read sorts first (by name)."""
+    """(start time, "sweep" or "run", directory) of every sweep and run directory in the order they started,
+    the live index's, which a rebuild replays; a start time that cannot be read sorts first (by name)."""
     from pipeline.run.directory import RunDir
     from pipeline.tracking.index import read_sweep
 
@@ -109,42 +91,24 @@ def history(output_dir: Path) -> list[tuple[float, str, Path]]:
         (started(lambda d=p.parent: read_sweep(d)), "sweep", p.parent)
         for p in sorted((output_dir / "sweeps").glob("*/sweep.json"))
     ]
-    runs_dir = output_dir / "runs"
-    found += [
-        (started(RunDir(p).read_status), "run", p)
-        for p in (sorted(p for p in runs_dir.iterdir() if p.is_dir()) if runs_dir.is_dir() else [])
-    ]
+    runs = (output_dir / "runs").iterdir() if (output_dir / "runs").is_dir() else ()
+    found += [(started(RunDir(p).read_status), "run", p) for p in sorted(runs) if p.is_dir()]
     return sorted(found, key=lambda f: (f[0], f[1], str(f[2])))
 
 
-@command("pipeline.reindex")
+@command(NAME)
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m pipeline.reindex", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "output_dir",
-        nargs="?",
-        default=None,
-        help="the pipeline's output directory (paths.output_dir; default: <project>/outputs)",
-    )
-    parser.add_argument(
-        "--tracking-uri",
-        default=None,
-        help="where to index (default: sqlite:///<OUTPUT_DIR>/mlflow.db)",
-    )
-    parser.add_argument(
-        "--artifact-location",
-        default=None,
-        help="artifact root for experiments it creates in a sqlite or file store (default: "
-        "<OUTPUT_DIR>/mlartifacts; a tracking server chooses its own)",
-    )
-    parser.add_argument(
-        "--rebuild",
-        action="store_true",
-        help="move an existing sqlite store aside (never deleted) and build a new one from disk",
-    )
-    args = parser.parse_args(argv)
+    ap = parser(NAME, __doc__)
+    out = "the pipeline's output directory (paths.output_dir; default: <project>/outputs)"
+    ap.add_argument("output_dir", nargs="?", default=None, help=out)
+    uri = "where to index (default: sqlite:///<OUTPUT_DIR>/mlflow.db)"
+    ap.add_argument("--tracking-uri", default=None, help=uri)
+    where = "artifact root for experiments it creates in a sqlite or file store (default: "
+    where += "<OUTPUT_DIR>/mlartifacts; a tracking server chooses its own)"
+    ap.add_argument("--artifact-location", default=None, help=where)
+    rebuild = "move an existing sqlite store aside (never deleted) and build a new one from disk"
+    ap.add_argument("--rebuild", action="store_true", help=rebuild)
+    args = ap.parse_args(argv)
     from pipeline.config.compose import default_output_dir
     from pipeline.tracking.common import default_uri, normalize_tracking_uri, sqlite_path
 
@@ -154,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     uri = normalize_tracking_uri(args.tracking_uri or default_uri(output_dir))
     if (
         args.rebuild and (db := sqlite_path(uri)) is not None and db.exists()
-    ):  # a sqlite file: renamed, never deleted
+    ):  # renamed, never deleted
         aside = db.with_name(f"{db.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
         db.rename(aside)
         print(f"moved the old store aside: {aside}")
@@ -163,4 +127,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    run_command("pipeline.reindex", main, INTERRUPTED)
+    run_command(NAME, main, INTERRUPTED)

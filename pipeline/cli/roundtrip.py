@@ -1,28 +1,12 @@
 """`python -m pipeline.roundtrip [overrides]`: four checks of the checkpoint format on the composed config.
 
-Each runs on fresh objects built from the config; results go to `<paths.output_dir>/roundtrip/<run name>/
-roundtrip_results.json` (exit 0 if all pass, 1 if not, 2 on a bad override):
-
-* byte equivalence: train N steps, save, load into fresh objects; every part (pipeline.stateful.PARTS) equal;
-* continuation: 2N steps straight against N, save, and N more in a separate process that composes the same
-  config and loads the checkpoint: bit-identical losses and every part of the state;
-* weight tying: tied names stored once (header metadata `ALIAS(...)`), one object again after loading, and a
-  weights file within 4 KiB of the unique parameters' bytes; without tied parameters `weight_tying_preserved`
-  is null with a note, as "true" would claim a check that did not run;
-* atomic write: a save SIGKILLed in a separate process just before its rename leaves no checkpoint, only a
-  temporary that readers ignore and the next save removes.
-
-`size_delta_pct` is the weights file's excess over the unique parameters' bytes (`expected_size_bytes_no_tying`,
-a tied array counted once), for tiny models mostly the header (`weights_header_bytes`); `size_delta_note` says so.
-"""
+Results in `<paths.output_dir>/roundtrip/<run name>/roundtrip_results.json`; exit 0 if all pass, 1 if not, 2 on
+a bad override. The checks and the keys they write are in docs/checkpoints.md (The roundtrip checks)."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import struct
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,50 +14,30 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.checkpoint.directory import CheckpointDir, file_hashes, step_dir_name
-from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import SCHEMA_VERSION
 from pipeline.checkpoint.store import CheckpointStore
-from pipeline.checkpoint.tensors import read_tensors, write_tensors
-from pipeline.config.compose import PROJECT_ROOT, compose, to_plain
+from pipeline.cli import parser
+from pipeline.config.compose import compose, to_plain
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK
 from pipeline.config.identity import run_name
 from pipeline.files import jsonio
 from pipeline.files.atomic import TMP_PREFIX, remove_tree, write_new
-from pipeline.files.limits import MAX_CONTINUED
 from pipeline.run.signals import command, run_command
-from pipeline.stateful import PARTS, merge, split
+from pipeline.stateful import PARTS
+from pipeline.verify.chaos import invalid_checkpoints, killed, run
 from pipeline.verify.compare import first_difference
+from pipeline.verify.protocol import MODES, run_workers
+from pipeline.verify.snapshot import read_state, read_summary
 from pipeline.verify.worker import Fresh
 
+NAME = "pipeline.roundtrip"
 SIZE_SLACK = 4096  # bytes the weights file may exceed the unique parameters by (its header)
 RESULTS = "roundtrip_results.json"
-
-
-# -- the objects and the weights file ------------------------------------------------------------
-
-
-def losses(run: Fresh, n: int) -> list[float]:
-    return [float(r["train/loss"]) for r in run.train(n)]
-
-
 INTERRUPTED = "no results were written; re-run the same command"
 
 
-def child(args: list[str], overrides: list[str], **env: str) -> subprocess.CompletedProcess:
-    """`python -m pipeline.roundtrip ARGS -- OVERRIDES` in a fresh process that imports this project."""
-    path = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.roundtrip", *args, "--", *overrides],
-        env={**os.environ, "PYTHONPATH": path, **env},
-        capture_output=True,
-        text=True,
-    )
-
-
-# -- the four checks ----------------------------------------------------------------------------
-
-
 def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
+    """Train, save, load into fresh objects: every part equal (and which parts training left as built)."""
     run = Fresh(config)
     run.train(steps)
     before = run.snapshot()
@@ -89,7 +53,7 @@ def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
         "differences": differences,
         # a part the fresh objects already matched proves nothing about its restore
         "unchanged_by_training": [
-            m for m in PARTS if first_difference(before[m], untouched[m], m) is None
+            m for m in PARTS if not first_difference(before[m], untouched[m])
         ],
         "directory": directory,
         "sha256": file_hashes(manifest)["weights"],
@@ -97,152 +61,91 @@ def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
     }
 
 
-def check_continuation(
-    config: dict, overrides: list[str], work: Path, steps: int, separate_process: bool = True
-) -> dict:
-    reference = Fresh(config)
-    losses_ref = losses(reference, 2 * steps)
-    first = Fresh(config)
-    losses_a = losses(first, steps)
-    directory = work / "continuation" / step_dir_name(first.state.step)
-    first.save(directory)
-    if separate_process:
-        out = work / "continuation" / "resumed"
-        proc = child(
-            ["--continue-from", str(directory), "--steps", str(steps), "--out", str(out)], overrides
-        )
-        if proc.returncode != 0:
-            return {
-                "passed": False,
-                "separate_process": True,
-                "error": f"continuation process exited {proc.returncode}: {proc.stderr.strip()[-2000:]}",
-            }
-        arrays, _ = read_tensors(out / "continued.safetensors")
-        losses_b = arrays.pop("losses").tolist()
-        json_tree = jsonio.read(out / "continued.json", MAX_CONTINUED)
-        resumed = merge(arrays, json_tree)
-    else:
-        second = Fresh(config)
-        second.load(directory)
-        losses_b = losses(second, steps)
-        resumed = second.snapshot()
+def check_continuation(config: dict, overrides: list[str], work: Path, steps: int, separate=True):
+    """The verifier's continuous, interrupted and resumed workers cut at `steps`: the same losses, the same state."""
+    out = work / "continuation"
+    out.mkdir()
+    modes = MODES[:3]
+    _, error = run_workers(config, out, steps, 2 * steps, overrides, modes, not separate)
+    if error is not None:
+        return {"passed": False, "separate_process": separate, "error": error}
+    (ref, _), (a, _), (b, _) = (read_summary(out / mode) for mode in modes)
+    resumed = np.concatenate([a["records/loss"], b["records/loss"]])
     checks = {
-        "losses": first_difference(np.array(losses_ref), np.array(losses_a + losses_b), "losses"),
-        "state": first_difference(reference.snapshot(), resumed),
+        "losses": first_difference(ref["records/loss"], resumed, "losses"),
+        "state": first_difference(read_state(out / "continuous"), read_state(out / "resume")),
     }
-    return {
-        "passed": all(v is None for v in checks.values()),
-        "separate_process": separate_process,
-        "steps": [steps, steps],
-        "differences": {k: v for k, v in checks.items() if v},
-    }
-
-
-def run_continuation(overrides: list[str], checkpoint: Path, steps: int, out: Path) -> None:
-    """The second half of the continuation check, in its own process: results as safetensors + JSON."""
-    run = Fresh(to_plain(compose(overrides)))
-    run.load(checkpoint)
-    trained = losses(run, steps)
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("continued.safetensors", "continued.json"):
-        (out / name).unlink(missing_ok=True)
-    arrays, json_tree = split(run.snapshot())
-    write_tensors(out / "continued.safetensors", {**arrays, "losses": np.array(trained)})
-    (out / "continued.json").write_bytes(jsonio.dumps(json_tree))
+    differences = {k: v for k, v in checks.items() if v}
+    result = {"passed": not differences, "separate_process": separate, "steps": [steps, steps]}
+    return {**result, "differences": differences}
 
 
 def check_tying(config: dict, d: dict) -> dict:
+    """The weights file's size against the unique parameters' (and why); tied names stored once, tied again."""
     model, directory = d["run"].state.model, d["directory"]
-    live = model.state_dict()
-    aliases = dict(model.aliases)
-    expected = sum(
-        a.nbytes for a in {id(a): a for a in live.values()}.values()
-    )  # a tied array counted once
+    live, aliases = model.state_dict(), dict(model.aliases)
+    expected = sum(a.nbytes for a in {id(a): a for a in live.values()}.values())  # tied: once
     path = CheckpointDir(directory).weights_file()
     size = path.stat().st_size
-    with open(
-        path, "rb"
-    ) as f:  # the header read straight from the file, its bytes counting the 8-byte length
+    # the header read straight from the file, its bytes counting the 8-byte length
+    with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header_bytes, head = 8 + n, jsonio.loads(f.read(n))
     metadata = head.get("__metadata__", {})
-    extra = (
-        size - expected
-    )  # what size_delta_pct is relative to, and where the excess is, in words:
-    where = (
-        f"all {extra} of them its safetensors header"
-        if extra == header_bytes
-        else f"{header_bytes} of them its safetensors header, {extra - header_bytes} not"
-    )
+    extra = size - expected
+    where = f"{header_bytes} of them its safetensors header, {extra - header_bytes} not"
+    where = f"all {extra} of them its safetensors header" if extra == header_bytes else where
     out = {
         "weights_file_size_bytes": size,
         "expected_size_bytes_no_tying": expected,
         "weights_header_bytes": header_bytes,
-        "size_delta_pct": round(100.0 * (size - expected) / expected, 4),
-        "size_within_4kib": abs(size - expected) < SIZE_SLACK,
+        "size_delta_pct": round(100.0 * extra / expected, 4),
+        "size_within_4kib": abs(extra) < SIZE_SLACK,
         "tied": aliases,
-        "size_delta_note": f"relative to the unique parameters' {expected} bytes (a tied array counted once): "
-        f"the weights file has {size}, {extra:+d} bytes, {where}",
+        "size_delta_note": f"relative to the unique parameters' {expected} bytes (a tied array counted "
+        f"once): the weights file has {size}, {extra:+d} bytes, {where}",
     }
     if not aliases:
-        out["weight_tying_preserved"] = None
-        out["weight_tying_note"] = (
-            "no tied weights in this model (model.aliases is empty): nothing to preserve"
-        )
-        return out
+        note = "no tied weights in this model (model.aliases is empty): nothing to preserve"
+        return {**out, "weight_tying_preserved": None, "weight_tying_note": note}
     fresh = Fresh(config)
-    ckpt = fresh.load(directory)
-    fresh_live = fresh.state.model.state_dict()
-    loaded = ckpt.state["model"]
+    loaded = fresh.load(directory).state["model"]
+    fresh_live, params = fresh.state.model.state_dict(), fresh.state.model.params
     checks = {
         "tied_before_save": all(live[a] is model.params[t] for a, t in aliases.items()),
         "header_alias": all(metadata.get(a) == f"ALIAS({t})" for a, t in aliases.items()),
         "stored_once": all(a not in head for a in aliases),
         "one_object_after_load": all(loaded[a] is loaded[t] for a, t in aliases.items()),
-        "one_object_after_apply": all(
-            fresh_live[a] is fresh.state.model.params[t] for a, t in aliases.items()
-        ),
+        "one_object_after_apply": all(fresh_live[a] is params[t] for a, t in aliases.items()),
         "size_within_4kib": out["size_within_4kib"],
     }
-    out["weight_tying_checks"] = checks
-    out["weight_tying_preserved"] = all(checks.values())
-    return out
+    return {**out, "weight_tying_checks": checks, "weight_tying_preserved": all(checks.values())}
 
 
 def check_atomic(overrides: list[str], work: Path) -> dict:
+    """A save SIGKILLed just before its rename (the verifier's kill): no checkpoint, a temporary readers
+    ignore, removed by the next save, which verifies."""
     out = work / "atomic"
-    args = ["--save-to", str(out), "--steps", "2"]
-    killed = child(args, overrides, PIPELINE_CHAOS="save:4")
-    interrupted = killed.returncode == -signal.SIGKILL
-    parent = out / "saves"
-    leftovers_after_kill = (
-        sorted(p.name for p in parent.iterdir() if p.name.startswith(TMP_PREFIX))
-        if parent.is_dir()
-        else []
-    )
-    no_final = (
-        not any(p.name.startswith("step-") for p in parent.iterdir()) if parent.is_dir() else True
-    )
-    ignored = CheckpointStore(parent).steps() == []
-    again = child(args, overrides)
-    leftovers = sorted(p.name for p in parent.iterdir() if p.name.startswith(TMP_PREFIX))
-    try:
-        CheckpointDir(parent / step_dir_name(2)).verify()
-        verifies = True
-    except CheckpointError:
-        verifies = False
-    checks = {
-        "interrupted": interrupted,
-        "no_final_directory": no_final,
-        "temporary_left": bool(leftovers_after_kill),
-        "readers_ignore_temporary": ignored,
-        "next_save_cleans_up": again.returncode == 0 and not leftovers,
-        "next_save_verifies": verifies,
-    }
+    cmd = [sys.executable, "-m", NAME, "--save-to", str(out), "--steps", "2"]
+    cmd += ["--", *overrides]
+    store = CheckpointStore(out / "saves")
+
+    def temporaries() -> list[str]:
+        found = store.root.iterdir() if store.root.is_dir() else ()
+        return sorted(p.name for p in found if p.name.startswith(TMP_PREFIX))
+
+    interrupted = killed(run(cmd, "save:4"))
+    left = temporaries()
+    no_final = not store.root.is_dir() or not any(store.root.glob("step-*"))
+    ignored = store.steps() == []
+    again = run(cmd)
+    leftovers = temporaries()
+    verifies = [s for s, _ in store.steps()] == [2] and not invalid_checkpoints(store)
+    cleans = again.returncode == 0 and not leftovers
+    checks = dict(interrupted=interrupted, no_final_directory=no_final, temporary_left=bool(left))
+    checks |= dict(readers_ignore_temporary=ignored, next_save_cleans_up=cleans)
+    checks["next_save_verifies"] = verifies
     return {"passed": all(checks.values()), "checks": checks, "leftovers": leftovers}
-
-
-# -- the command --------------------------------------------------------------------------------
 
 
 def roundtrip(
@@ -266,7 +169,7 @@ def roundtrip(
         if not keep:
             remove_tree(scratch)
     results = {
-        **tying,  # the weights file's size against the unique parameters' (and why), the tying checks
+        **tying,
         "byte_equivalent_state_machines": d["passed"],
         "all_byte_equal": len(d["passed"]) == len(PARTS),
         "continuation_test_passed": continuation["passed"],
@@ -281,48 +184,33 @@ def roundtrip(
         "steps": steps,
         "overrides": list(overrides),
     }
-    results["passed"] = bool(
-        results["all_byte_equal"]
-        and results["continuation_test_passed"]
-        and results["weight_tying_preserved"] is not False
-        and results["atomic_write_resilient"]
-        and results["size_within_4kib"]
-        and results["manifest_schema_version"] == SCHEMA_VERSION
-    )
+    passed = [
+        results[k] for k in ("all_byte_equal", "continuation_test_passed", "size_within_4kib")
+    ]
+    passed += [atomic["passed"], manifest.get("schema_version") == SCHEMA_VERSION]
+    results["passed"] = all(passed) and results["weight_tying_preserved"] is not False
     path = out / RESULTS
     path.write_bytes(jsonio.dumps(results))
     return results, path
 
 
-@command("pipeline.roundtrip")
+# The lines printed, lab 02's seed fields in its order
+SHOWN = """byte_equivalent_state_machines all_byte_equal continuation_test_passed weight_tying_preserved
+atomic_write_resilient weights_file_size_bytes expected_size_bytes_no_tying size_delta_pct
+manifest_schema_version""".split()  # noqa: SIM905
+
+
+@command(NAME)
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m pipeline.roundtrip", description=__doc__.splitlines()[0]
-    )
+    ap = parser(NAME, __doc__.split("\n")[0])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m pipeline")
     ap.add_argument(
-        "--steps",
-        type=int,
-        default=10,
-        help="steps before the checkpoint, and after it (default 10)",
+        "--steps", type=int, default=10, help="steps before and after the checkpoint (default 10)"
     )
-    ap.add_argument(
-        "--in-process", action="store_true", help="continue in this process instead of a fresh one"
-    )
-    ap.add_argument(
-        "--keep", action="store_true", help="keep the scratch directories of the checks"
-    )
-    ap.add_argument(
-        "--continue-from", type=Path, help=argparse.SUPPRESS
-    )  # the continuation's child process
-    ap.add_argument(
-        "--save-to", type=Path, help=argparse.SUPPRESS
-    )  # the atomic check's child process
-    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--in-process", action="store_true", help="continue in this process")
+    ap.add_argument("--keep", action="store_true", help="keep the checks' scratch directories")
+    ap.add_argument("--save-to", type=Path, help=argparse.SUPPRESS)  # the atomic check's process
     args = ap.parse_intermixed_args(argv)  # options may come between the overrides
-    if args.continue_from is not None:
-        run_continuation(args.overrides, args.continue_from, args.steps, args.out)
-        return EXIT_OK
     if args.save_to is not None:
         run = Fresh(to_plain(compose(args.overrides)))
         run.train(args.steps)
@@ -330,21 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     to_plain(compose(args.overrides))  # a bad override: one line, exit 2 (config/errors.exit_code)
     results, path = roundtrip(args.overrides, args.steps, not args.in_process, args.keep)
-    notes = {
-        "weight_tying_preserved": results.get("weight_tying_note"),
-        "size_delta_pct": results["size_delta_note"],
-    }
-    for key in (
-        "byte_equivalent_state_machines",
-        "all_byte_equal",
-        "continuation_test_passed",
-        "weight_tying_preserved",
-        "atomic_write_resilient",
-        "weights_file_size_bytes",
-        "expected_size_bytes_no_tying",
-        "size_delta_pct",
-        "manifest_schema_version",
-    ):
+    notes = {"weight_tying_preserved": results.get("weight_tying_note")}
+    notes["size_delta_pct"] = results["size_delta_note"]
+    for key in SHOWN:
         note = f"  # {notes[key]}" if notes.get(key) else ""
         print(f"{key}: {jsonio.dumps_line(results[key])}{note}")
     print(f"{'PASS' if results['passed'] else 'FAIL'}: {path}")
@@ -352,4 +228,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    run_command("pipeline.roundtrip", main, INTERRUPTED)
+    run_command(NAME, main, INTERRUPTED)

@@ -23,14 +23,16 @@ from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_OK, ConfigError
 from pipeline.model.generate import continuation, parse_options
 from pipeline.run.signals import command, run_command
 
+NAME = "pipeline.sample"
+
 
 def sample(directory: Path, args: list[str]) -> str:
     from pipeline.run.trained import data_facts, restore_checkpoint
+    from pipeline.serving import generates
 
     options, overrides = parse_options(args)
     manifest, state = restore_checkpoint(directory, overrides)
-    model = state.model
-    if not (hasattr(model, "logits") and hasattr(model, "block_size")):
+    if not generates(model := state.model):
         raise ConfigError(
             f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
             "does not generate tokens (sample needs a MiniGPT)"
@@ -38,13 +40,12 @@ def sample(directory: Path, args: list[str]) -> str:
     facts = data_facts(manifest, overrides, directory)
     vocab, join = facts["vocab"], facts["decode_join"]
     if vocab is None or join is None:
-        raise ConfigError(
-            f"data {manifest['config']['data'].get('_target_')} has no vocabulary to decode tokens with"
-        )
+        data = manifest["config"]["data"].get("_target_")
+        raise ConfigError(f"data {data} has no vocabulary to decode tokens with")
     return continuation(model, vocab, join, options, facts["specials"].get("eos"))
 
 
-@command("pipeline.sample")
+@command(NAME)
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -55,4 +56,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    run_command("pipeline.sample", main)
+    run_command(NAME, main)

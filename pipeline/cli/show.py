@@ -1,48 +1,28 @@
 """`python -m pipeline.show PATH [hydra.searchpath=[...]] [--json]`: what a checkpoint or a run directory
-holds, and whether it verifies.
-
-PATH is a checkpoint (its manifest summarised, then the full verification a resume does) or a run directory (or
-its `checkpoints/`: run.json's status, every checkpoint's step, metrics, tags and validity, where the links point).
-Exit 0 if everything shown verifies, 1 if not (the reason printed), 2 (one line) for a PATH that is not a directory,
-a link no tool follows, a bad argument or a `_target_` no config names. Reading never writes.
-"""
+holds, and whether it verifies (docs/running.md: What each tool promises). Reading never writes."""
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
 from pipeline.checkpoint.directory import CheckpointDir, file_hashes
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import code_change
+from pipeline.cli import emit, metrics_line, parser
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
-from pipeline.files import jsonio
 from pipeline.files.atomic import TMP_PREFIX
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import command, run_command
 
 NAME = "pipeline.show"
-SUMMARY = (
-    "schema_version",
-    "step",
-    "epoch",
-    "metrics",
-    "tags",
-    "config_hash",
-    "data_manifest_hash",
-    "git_sha",
-    "git_dirty",
-    "code_sha256",
-    "seed",
-    "mlflow_run_uri",
-    "lineage",
-)
+SUMMARY = "schema_version step epoch metrics tags config_hash data_manifest_hash git_sha git_dirty"
+SUMMARY += " code_sha256 seed mlflow_run_uri lineage"
 
 
 def describe_checkpoint(directory: Path, overrides: tuple[str, ...] = ()) -> dict:
-    """The manifest's summary (whatever of it is readable) and the verdict of a full verification;
-    UnknownTargetError (not a verdict) for a config naming a class nothing the user runs names."""
+    """The manifest's summary (what of it is readable) and the verdict of a full verification; a config naming
+    a class nothing the user runs names is UnknownTargetError, not a verdict."""
     from pipeline.run.trained import UnknownTargetError, restore_checkpoint
 
     directory = Path(directory)
@@ -50,11 +30,9 @@ def describe_checkpoint(directory: Path, overrides: tuple[str, ...] = ()) -> dic
     if directory.is_symlink():
         out["link_target"] = os.readlink(directory)
     manifest = CheckpointDir(directory).manifest_as_written()
-    out.update({k: manifest[k] for k in SUMMARY if k in manifest})
-    if manifest:
-        out["other_code"] = code_change(
-            manifest
-        )  # None: this code trained it (or it cannot be told)
+    out.update({k: manifest[k] for k in SUMMARY.split() if k in manifest})
+    if manifest:  # other_code None: this code trained it (or it cannot be told)
+        out["other_code"] = code_change(manifest)
     files = manifest.get("files")
     if isinstance(files, dict):
         out["files"] = files
@@ -83,38 +61,24 @@ def describe_run(run_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
     except OSError as e:
         out.update(checkpoints=[], links={}, temporaries=[], valid=False, reason=str(e))
         return out
-    out["links"] = {
-        name: {"target": t, "exists": (rundir.store.root / t).is_dir()} for name, t in links.items()
-    }
+    root = rundir.store.root
+    out["links"] = {name: {"target": t, "exists": (root / t).is_dir()} for name, t in links.items()}
     out["checkpoints"] = checkpoints = [
-        {
-            **describe_checkpoint(directory, overrides),
-            "listed_step": step,
-            "links": sorted(name for name, t in links.items() if t == directory.name),
-        }
+        {**describe_checkpoint(directory, overrides), "listed_step": step}
+        | {"links": sorted(name for name, t in links.items() if t == directory.name)}
         for step, directory in steps
     ]
-    root = rundir.store.root
-    out["temporaries"] = (
-        sorted(p.name for p in root.iterdir() if p.name.startswith(TMP_PREFIX))
-        if root.is_dir()
-        else []
-    )
-    out["valid"] = all(c["valid"] for c in checkpoints) and all(
-        link["exists"] for link in out["links"].values()
-    )
+    found = root.iterdir() if root.is_dir() else ()
+    out["temporaries"] = sorted(p.name for p in found if p.name.startswith(TMP_PREFIX))
+    out["valid"] = all(c["valid"] for c in checkpoints)
+    out["valid"] &= all(link["exists"] for link in out["links"].values())
     if damaged:
         out["valid"], out["reason"] = False, damaged
     return out
 
 
-def _metrics(metrics) -> str:
-    if not isinstance(metrics, dict) or not metrics:
-        return "-"
-    return " ".join(
-        f"{k}={v:.6g}" if isinstance(v, (int, float)) else f"{k}={v}"
-        for k, v in sorted(metrics.items())
-    )
+def other_code(d: dict) -> list[str]:
+    return [f"  trained by other code than this: {d['other_code']}"] if d.get("other_code") else []
 
 
 def render_checkpoint(d: dict) -> str:
@@ -124,24 +88,17 @@ def render_checkpoint(d: dict) -> str:
         lines += [
             f"  step {d['step']}  epoch {d.get('epoch')}  schema_version {d.get('schema_version')}"
             f"  tags {','.join(d.get('tags') or []) or '-'}",
-            f"  metrics: {_metrics(d.get('metrics'))}",
+            f"  metrics: {metrics_line(d.get('metrics'))}",
             f"  config_hash: {d.get('config_hash')}",
             f"  data_manifest_hash: {d.get('data_manifest_hash')}",
             f"  git_sha: {d.get('git_sha')}{dirty}  code_sha256: {d.get('code_sha256')}  seed: {d.get('seed')}",
         ]
-        if d.get("other_code"):
-            lines.append(f"  trained by other code than this: {d['other_code']}")
-    for name, entry in sorted((d.get("files") or {}).items()):
-        if isinstance(entry, dict):
-            lines.append(
-                f"  {name:<22} {entry.get('size', '?'):>12} B  sha256 {entry.get('sha256')}"
-            )
-    lines.append(
-        "valid: manifest, sizes, sha256 and contents verify"
-        if d["valid"]
-        else f"INVALID: {d['reason']}"
-    )
-    return "\n".join(lines)
+        lines += other_code(d)
+    for name, e in sorted((d.get("files") or {}).items()):
+        if isinstance(e, dict):
+            lines.append(f"  {name:<22} {e.get('size', '?'):>12} B  sha256 {e.get('sha256')}")
+    valid = "valid: manifest, sizes, sha256 and contents verify"
+    return "\n".join([*lines, valid if d["valid"] else f"INVALID: {d['reason']}"])
 
 
 def render_run(d: dict) -> str:
@@ -149,7 +106,7 @@ def render_run(d: dict) -> str:
     lines = [
         f"run {d['path']}",
         f"  status: {run.get('status', 'unknown')}  step {run.get('step', '?')}/"
-        f"{run.get('total_steps', '?')}  metrics: {_metrics(run.get('metrics'))}",
+        f"{run.get('total_steps', '?')}  metrics: {metrics_line(run.get('metrics'))}",
     ]
     if run.get("mlflow_run_uri"):  # recorded once the run was indexed (its manifests may say null)
         lines.append(f"  mlflow_run_uri: {run['mlflow_run_uri']}")
@@ -162,32 +119,23 @@ def render_run(d: dict) -> str:
         verdict = "valid" if c["valid"] else f"INVALID: {c['reason']}"
         lines.append(
             f"  step {c.get('step', c['listed_step']):>8}  epoch {c.get('epoch', '?')}{links}  "
-            f"{_metrics(c.get('metrics'))}  {verdict}"
+            f"{metrics_line(c.get('metrics'))}  {verdict}"
         )
-    if d["checkpoints"] and d["checkpoints"][-1].get("other_code"):
-        lines.append(f"  trained by other code than this: {d['checkpoints'][-1]['other_code']}")
+    lines += other_code(d["checkpoints"][-1]) if d["checkpoints"] else []
     for name, link in d["links"].items():
-        lines.append(
-            f"  {name} -> {link['target']}"
-            + ("" if link["exists"] else "  (MISSING: dangling link)")
-        )
+        missing = "" if link["exists"] else "  (MISSING: dangling link)"
+        lines.append(f"  {name} -> {link['target']}{missing}")
     if d["temporaries"]:
-        lines.append(
-            "  ignored temporaries (an interrupted save; the next save removes them): "
-            + ", ".join(d["temporaries"])
-        )
+        why = "an interrupted save; the next save removes them"
+        lines.append(f"  ignored temporaries ({why}): {', '.join(d['temporaries'])}")
     return "\n".join(lines)
 
 
-@command("pipeline.show")
+@command(NAME)
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m pipeline.show", description=__doc__.splitlines()[0]
-    )
+    ap = parser(NAME, __doc__)
     ap.add_argument("path", type=Path, help="a checkpoint directory or a run directory")
-    ap.add_argument(
-        "overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are"
-    )
+    ap.add_argument("overrides", nargs="*", help="hydra.searchpath=[...]: where your configs are")
     ap.add_argument("--json", action="store_true", help="print the description as JSON")
     args = ap.parse_args(argv)
     from pipeline.config.targets import allowed
@@ -195,21 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     path, overrides = args.path, tuple(args.overrides)
     if not path.is_dir():
         raise CommandError(f"{path}: not a directory")
-    if (
-        bad := next((o for o in overrides if not o.startswith("hydra.searchpath=")), None)
-    ) is not None:
+    for bad in (o for o in overrides if not o.startswith("hydra.searchpath=")):
         raise CommandError(f"{bad}: only hydra.searchpath=[...] can be given here")
     CheckpointDir(path).resolved()  # nothing is read through a link out of a run
     if RunDir(path.parent).store.root == path and not CheckpointDir(path).exists():
         path = path.parent  # a run's checkpoints/ stands for the run
     allowed(overrides)  # a search path that is not there: said once, before any checkpoint is read
     d = (describe_run if RunDir(path).is_run() else describe_checkpoint)(path, overrides)
-    print(
-        jsonio.dumps(d).decode()
-        if args.json
-        else (render_run(d) if d["kind"] == "run" else render_checkpoint(d)),
-        end="" if args.json else "\n",
-    )
+    emit(d, args.json, render_run if d["kind"] == "run" else render_checkpoint)
     return EXIT_OK if d["valid"] else EXIT_ERROR
 
 

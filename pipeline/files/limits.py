@@ -19,7 +19,6 @@ MAX_JOB_RECORD = 1 << 20  # a sweep's jobs/N.json
 MAX_SMALL = 16 << 20  # archive: a run's small files (.hydra/*, run.json, a corpus's MANIFEST.json)
 MAX_SOURCE_FILE = 1 << 40  # archive: a file a run was trained on, checked against its recorded size
 MAX_ARCHIVE_LISTING = 1 << 30  # an archive's MANIFEST.json
-MAX_CONTINUED = 1 << 24  # roundtrip's continued.json, a run's JSON state
 MAX_WORKER_CONFIG = 1 << 24  # the config a verifier's worker is given
 MAX_SUMMARY = 1 << 30  # a verifier's summary JSON: records of every step
 MAX_VOCAB_JSON = 64 << 20  # a registered model's vocab.json: a million tokens is a few MB

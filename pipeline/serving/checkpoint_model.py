@@ -14,12 +14,12 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
 
 from pipeline.files.limits import MAX_VOCAB_JSON
-from pipeline.serving import CHECKPOINT, DATA_JSON, OPTIONS, VOCAB
+from pipeline.serving import CHECKPOINT, DATA_JSON, OPTIONS, VOCAB, generates
 
 
 def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str, str | None]:
-    """(vocab, decode_join, eos): the checkpoint's own data.json (verified against its manifest) if it has one,
-    else (a schema 2.0 checkpoint) the vocab.json registered beside it."""
+    """(vocab, decode_join, eos): the checkpoint's own data.json (verified), else (schema 2.0) the vocab.json
+    registered beside it."""
     from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.files import jsonio
 
@@ -27,19 +27,21 @@ def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str
     if facts is not None:
         return facts["vocab"], facts["decode_join"], (facts.get("specials") or {}).get("eos")
     if vocab_json is None:
-        raise MlflowException(
-            f"{checkpoint}: a MiniGPT needs its vocabulary (no {DATA_JSON}, no vocab.json)"
-        )
+        why = f"a MiniGPT needs its vocabulary (no {DATA_JSON}, no vocab.json)"
+        raise MlflowException(f"{checkpoint}: {why}")
     record = jsonio.read(vocab_json, MAX_VOCAB_JSON)
     record = record if isinstance(record, dict) else {}
     vocab, join = record.get("vocab"), record.get("decode_join")
     if not (
-        isinstance(vocab, list) and all(isinstance(t, str) for t in vocab) and isinstance(join, str)
+        isinstance(vocab, list) and isinstance(join, str) and all(type(t) is str for t in vocab)
     ):
-        raise MlflowException(
-            f"{vocab_json}: needs a list of strings `vocab` and a string `decode_join`"
-        )
+        why = "needs a list of strings `vocab` and a string `decode_join`"
+        raise MlflowException(f"{vocab_json}: {why}")
     return vocab, join, ("<eos>" if "<eos>" in vocab else None)
+
+
+def unknown_columns(unknown: list) -> str:
+    return f"unknown column(s) {unknown}: a row gives {', '.join(OPTIONS)}"
 
 
 def _rows(model_input) -> list[dict]:
@@ -52,12 +54,8 @@ def _rows(model_input) -> list[dict]:
 
 def _args(row: dict) -> list[str]:
     """A row as parse_options's key=value arguments; a missing value (None, NaN) takes the default."""
-    unknown = sorted(set(row) - set(OPTIONS))
-    if unknown:
-        raise MlflowException(
-            f"unknown column(s) {unknown}: a row gives {', '.join(OPTIONS)}",
-            error_code=INVALID_PARAMETER_VALUE,
-        )
+    if unknown := sorted(set(row) - set(OPTIONS)):
+        raise MlflowException(unknown_columns(unknown), error_code=INVALID_PARAMETER_VALUE)
     args = []
     for key in OPTIONS:
         value = row.get(key)
@@ -71,8 +69,8 @@ def _args(row: dict) -> list[str]:
 
 
 class CheckpointModel(PythonModel):
-    """Artifacts: `checkpoint/` (restored by restore_checkpoint: every target checked, every sha256 verified) and,
-    for a MiniGPT without data.json, `vocab.json` ({"vocab": [...], "decode_join": " "}) written at registering."""
+    """Artifacts: `checkpoint/` (restored as every tool restores one: fully verified) and, for a MiniGPT
+    without data.json, `vocab.json` ({"vocab": [...], "decode_join": " "}) written by register."""
 
     def load_context(self, context) -> None:
         from pipeline.run.trained import restore_checkpoint
@@ -80,21 +78,17 @@ class CheckpointModel(PythonModel):
         self.directory = Path(context.artifacts[CHECKPOINT])
         _, state = restore_checkpoint(self.directory)
         self.model: Any = state.model  # a MiniGPT (logits) or a regression model (predict)
-        self.generates = hasattr(self.model, "logits") and hasattr(self.model, "block_size")
-        if self.generates:
-            self.vocab, self.join, self.eos = read_vocab(
-                self.directory, context.artifacts.get(VOCAB)
-            )
+        if generates(self.model):
+            vocab_json = context.artifacts.get(VOCAB)
+            self.vocab, self.join, self.eos = read_vocab(self.directory, vocab_json)
 
     # The hint only tells mlflow not to infer a schema from it (the signature is logged); an MLP's rows arrive
     # as an ndarray [B, n_features].
     def predict(self, context, model_input: pd.DataFrame, params=None):
-        if not self.generates:
-            x = np.asarray(
-                model_input.to_numpy() if hasattr(model_input, "to_numpy") else model_input,
-                dtype=getattr(self.model, "dtype", np.float64),
-            )  # [B, n_features]
-            return self.model.predict(x)  # [B, n_targets]
+        if not generates(self.model):  # rows [B, n_features] -> [B, n_targets]
+            rows = model_input.to_numpy() if hasattr(model_input, "to_numpy") else model_input
+            dtype = getattr(self.model, "dtype", np.float64)
+            return self.model.predict(np.asarray(rows, dtype=dtype))
         from pipeline.config.errors import ConfigError
         from pipeline.model.generate import continuation, parse_options
 
@@ -109,9 +103,8 @@ class CheckpointModel(PythonModel):
 
 
 class Row(pydantic.BaseModel):
-    """A MiniGPT row as mlflow hands it over: `prompt` and sample's options, nothing else. Declared as the type
-    of GeneratorModel.predict's input, so mlflow checks each row against it before predict: an unknown column
-    is refused there (a signature alone only warns and drops it)."""
+    """A MiniGPT row: `prompt` and sample's options, nothing else; GeneratorModel.predict's input type, so mlflow
+    refuses an unknown column before predict (a signature alone only warns and drops it)."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
     prompt: str
@@ -124,7 +117,7 @@ class Row(pydantic.BaseModel):
     @classmethod
     def _only_options(cls, row):
         if isinstance(row, dict) and (unknown := sorted(set(row) - set(OPTIONS), key=str)):
-            raise ValueError(f"unknown column(s) {unknown}: a row gives {', '.join(OPTIONS)}")
+            raise ValueError(unknown_columns(unknown))
         return row
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,31 +14,53 @@ from pathlib import Path
 from pipeline.checkpoint.directory import CheckpointDir, file_hashes
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import versions
+from pipeline.checkpoint.store import CheckpointStore
+from pipeline.config.compose import PROJECT_ROOT
 from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE
 from pipeline.config.errors import EXIT_ERROR as EXIT_MISMATCH
 from pipeline.config.errors import EXIT_OK
 from pipeline.files import jsonio
+from pipeline.files.atomic import remove_tree
 from pipeline.run.directory import RunDir
 from pipeline.verify.protocol import verify_dir
 
 
 def _command(argv: list[str], output_dir: Path) -> list[str]:
     kept = [a for a in argv if not a.startswith(("verify.", "paths.output_dir="))]
-    return [
-        sys.executable,
-        "-m",
-        "pipeline",
-        *kept,
-        f"paths.output_dir={output_dir}",
-        "hydra/job_logging=disabled",
-    ]
+    tail = [f"paths.output_dir={output_dir}", "hydra/job_logging=disabled"]
+    return [sys.executable, "-m", "pipeline", *kept, *tail]
 
 
-def _run(cmd: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {
+def run(cmd: list[str], kill: str | None = None, **env: str) -> subprocess.CompletedProcess:
+    """`cmd` in a fresh process that imports this project, SIGKILLed at kill point `kill` (pipeline/files/
+    killpoint.py: "save:4") if given; whether it was is `killed(...)`."""
+    keep = {
         k: v for k, v in os.environ.items() if k not in ("PIPELINE_CHAOS", "PIPELINE_CHAOS_TRACE")
     }
-    return subprocess.run(cmd, env={**env, **(env_extra or {})}, capture_output=True, text=True)
+    path = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**keep, "PYTHONPATH": path, **({"PIPELINE_CHAOS": kill} if kill else {}), **env}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+
+def killed(proc: subprocess.CompletedProcess) -> bool:
+    return proc.returncode == -signal.SIGKILL
+
+
+def invalid_checkpoints(store: CheckpointStore) -> list[str]:
+    """Why each checkpoint a reader of the store sees does not verify (a temporary is no checkpoint)."""
+    bad = []
+    for _, directory in store.steps():
+        try:
+            CheckpointDir(directory).verify()
+        except CheckpointError as e:
+            bad.append(str(e))
+    return bad
+
+
+def invalid_visible_checkpoints(output_dir: Path) -> list[str]:
+    """invalid_checkpoints of every run directory under `output_dir`."""
+    stores = [RunDir(run).store for run in (output_dir / "runs").glob("*")]
+    return [e for store in stores for e in invalid_checkpoints(store)]
 
 
 def final_state(output_dir: Path) -> dict:
@@ -50,34 +71,38 @@ def final_state(output_dir: Path) -> dict:
             f"expected one run directory under {output_dir / 'runs'}, found {len(runs)}"
         )
     rundir = RunDir(runs[0])
-    kept = {
-        step: file_hashes(CheckpointDir(directory).verify())
-        for step, directory in rundir.store.steps()
-    }
-    final = rundir.store.link_step("final")
+    store = rundir.store
+    kept = {step: file_hashes(CheckpointDir(d).verify()) for step, d in store.steps()}
+    final = store.link_step("final")
     assert final is not None, f"{output_dir}: the run has no final checkpoint"
-    _, extra = CheckpointDir(rundir.store.root / "final").json_state()
+    _, extra = CheckpointDir(store.root / "final").json_state()
     lines = [{k: v for k, v in line.items() if k != "time"} for line in rundir.read_metrics()]
-    return {
-        "weights": kept[final]["weights"],
-        "optim": kept[final]["optim"],
-        "extra": extra,
-        "metrics": lines,
-        "step": final,
+    weights, optim = kept[final]["weights"], kept[final]["optim"]
+    return {"weights": weights, "optim": optim, "extra": extra, "metrics": lines, "step": final} | {
         "checkpoints": kept,
-        "links": rundir.store.links(),
+        "links": store.links(),
     }
 
 
-def invalid_visible_checkpoints(output_dir: Path) -> list[str]:
-    bad = []
-    for run in (output_dir / "runs").glob("*"):
-        for _, directory in RunDir(run).store.steps():
-            try:
-                CheckpointDir(directory).verify()
-            except CheckpointError as e:
-                bad.append(str(e))
-    return bad
+def trial(argv: list[str], out: Path, kill: str, reference: dict, max_reruns: int) -> dict:
+    """One kill at `kill`, then the identical command until it completes, against the reference."""
+    cmd = _command(argv, out)
+    record: dict = {"killed": killed(run(cmd, kill))}
+    record["invalid_after_kill"] = invalid_visible_checkpoints(out)
+    for reruns in range(1, max_reruns + 1):  # noqa: B007 - the count is read after the loop
+        done = run(cmd)
+        if done.returncode == 0:
+            break
+    record["reruns"], record["rerun_exit"] = reruns, done.returncode
+    if done.returncode != 0:
+        return {**record, "bit_exact": False, "error": done.stderr.strip()[-500:]}
+    got = final_state(out)
+    keys = ("weights", "optim", "extra", "metrics", "step")
+    mismatched = [k for k in keys if got[k] != reference[k]]
+    same = got["checkpoints"] == reference["checkpoints"] and got["links"] == reference["links"]
+    return {**record, "bit_exact": not mismatched, "mismatched": mismatched} | {
+        "same_checkpoints_kept": same
+    }
 
 
 def run_chaos(config: dict, argv: list[str]) -> int:
@@ -86,7 +111,7 @@ def run_chaos(config: dict, argv: list[str]) -> int:
     t0 = time.time()
     # The reference: the identical command, uninterrupted, counting the kill points it passes.
     trace = out / "reference.trace"
-    ref = _run(_command(argv, out / "reference"), {"PIPELINE_CHAOS_TRACE": str(trace)})
+    ref = run(_command(argv, out / "reference"), PIPELINE_CHAOS_TRACE=str(trace))
     if ref.returncode != 0:
         print(
             f"chaos: the reference run failed (exit {ref.returncode}): {ref.stderr.strip()[-500:]}"
@@ -96,49 +121,22 @@ def run_chaos(config: dict, argv: list[str]) -> int:
     reference = final_state(out / "reference")
     rng = random.Random(int(v["seed"]))
     trials: list[dict] = []
-    by_phase: Counter[str] = Counter()
-    exact, same_kept, invalid = 0, 0, []
     for i in range(int(v["trials"])):
         phase = ("train", "save")[i] if i < 2 else rng.choice(("train", "save"))
         k = rng.randint(1, counts[phase])
         trial_dir = out / f"trial-{i:04d}"
-        cmd = _command(argv, trial_dir)
-        killed = _run(cmd, {"PIPELINE_CHAOS": f"{phase}:{k}"})
-        record: dict = {
-            "trial": i,
-            "phase": phase,
-            "point": k,
-            "killed": killed.returncode == -signal.SIGKILL,
+        record = trial(argv, trial_dir, f"{phase}:{k}", reference, int(v["max_reruns"]))
+        trials.append({"trial": i, "phase": phase, "point": k, **record})
+        remove_tree(trial_dir)
+    by_phase = Counter(
+        {
+            p: sum(t["killed"] for t in trials if t["phase"] == p)
+            for p in dict.fromkeys(t["phase"] for t in trials)
         }
-        record["invalid_after_kill"] = invalid_visible_checkpoints(trial_dir)
-        for reruns in range(1, int(v["max_reruns"]) + 1):  # noqa: B007 - the count is read after the loop
-            done = _run(cmd)
-            if done.returncode == 0:
-                break
-        record["reruns"], record["rerun_exit"] = reruns, done.returncode
-        if done.returncode == 0:
-            got = final_state(trial_dir)
-            mismatched = [
-                k
-                for k in ("weights", "optim", "extra", "metrics", "step")
-                if got[k] != reference[k]
-            ]
-            record.update(
-                bit_exact=not mismatched,
-                mismatched=mismatched,
-                same_checkpoints_kept=(
-                    got["checkpoints"] == reference["checkpoints"]
-                    and got["links"] == reference["links"]
-                ),
-            )
-        else:
-            record["bit_exact"], record["error"] = False, done.stderr.strip()[-500:]
-        by_phase[phase] += record["killed"]
-        exact += record["bit_exact"]
-        same_kept += bool(record.get("same_checkpoints_kept"))
-        invalid += record["invalid_after_kill"]
-        trials.append(record)
-        shutil.rmtree(trial_dir, ignore_errors=True)
+    )
+    exact = sum(t["bit_exact"] for t in trials)
+    same_kept = sum(bool(t.get("same_checkpoints_kept")) for t in trials)
+    invalid = [e for t in trials for e in t["invalid_after_kill"]]
     report = {
         "mode": "chaos",
         "trials": len(trials),
@@ -157,8 +155,8 @@ def run_chaos(config: dict, argv: list[str]) -> int:
     }
     (out / "verification.json").write_bytes(jsonio.dumps(report))
     print(
-        f"chaos: {exact}/{len(trials)} trials bit-exact, {same_kept}/{len(trials)} kept the same checkpoints "
-        f"and links; kills by phase {dict(by_phase)}; "
-        f"{len(invalid)} invalid visible checkpoints; report {out / 'verification.json'}"
+        f"chaos: {exact}/{len(trials)} trials bit-exact, {same_kept}/{len(trials)} kept the same "
+        f"checkpoints and links; kills by phase {dict(by_phase)}; {len(invalid)} invalid visible "
+        f"checkpoints; report {out / 'verification.json'}"
     )
     return EXIT_OK if report["all_checks_passed"] else EXIT_MISMATCH

@@ -1,16 +1,12 @@
 """`python -m pipeline.verify [overrides]`: prove a resumed run equals the uninterrupted one, bit for bit.
 
-Runs, each in a fresh process, the continuous run (verify.steps updates), the interrupted one (verify.cut
-updates, checkpoint, stop), the full resume, and a negative control that restores everything but the RNG
-streams; verify.kill=random instead SIGKILLs the real command at random points (chaos mode).
-Exit 0: the full resume agrees and the negative control diverges; 1: a comparison failed (or the negative
-control cannot diverge); 2: the verification could not complete (a bad override included).
-"""
+Four fresh processes: the continuous run, the interrupted one, the full resume and a resume without the RNG (the
+negative control); verify.kill=random: chaos mode (docs/verify.md). Exit 0 if they agree and the control
+diverges, 1 if not, 2 if it could not complete."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from pipeline.run.signals import command
 
@@ -24,13 +20,11 @@ def main(argv: list[str] | None = None) -> int:
         "verify.cut=5, verify.steps=10, verify.kill=random, verify.trials=20).",
     )
     ap.add_argument("overrides", nargs="*", help="Hydra overrides")
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(argv)
     from pipeline.config.compose import compose, to_plain
     from pipeline.config.schemas import validate
 
-    config = to_plain(
-        compose(args.overrides)
-    )  # a bad override: one line, EXIT_INCOMPLETE (config/errors.py)
+    config = to_plain(compose(args.overrides))  # a bad override: one line, exit 2
     validate(config)
     if config["verify"]["kill"] == "random":
         from pipeline.verify.chaos import run_chaos

@@ -11,45 +11,33 @@ from pipeline.stateful import PARTS, flat
 MISSING = object()
 MACHINE_OF = {**{p: p for p in PARTS}, "eval": "model"}
 # Per-update records after the cut, and which state machine a mismatch there points at first.
-RECORDS = {
-    "records/ids": "data_iter",
-    "records/lr": "scheduler",
-    "records/loss": "model",
-    "records/step": "data_iter",
-}
+RECORDS = {"records/ids": "data_iter", "records/lr": "scheduler", "records/loss": "model"}
+RECORDS["records/step"] = "data_iter"
 
 
 def diff(a, b, atol: float = 0.0, rtol: float = 0.0) -> dict:
     """{'max_abs_diff', 'ok', 'detail'} for two leaves (arrays, or JSON values: max_abs_diff None): exact is the
     same bytes; a tolerance loosens arrays only; a missing side, other structure or a non-finite array fails."""
     if a is MISSING or b is MISSING:
-        return {"max_abs_diff": None, "ok": False, "detail": "missing on one side"}
+        return _result(False, "missing on one side")
     if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
         same = type(a) is type(b) and _json(a) == _json(b)
-        return {
-            "max_abs_diff": None,
-            "ok": same,
-            "detail": "" if same else f"{_json(a)} vs {_json(b)}",
-        }
+        return _result(same, "" if same else f"{_json(a)} vs {_json(b)}")
     if a.shape != b.shape or a.dtype != b.dtype:
-        return {
-            "max_abs_diff": None,
-            "ok": False,
-            "detail": f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}",
-        }
+        return _result(False, f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}")
     if a.size == 0:
-        return {"max_abs_diff": 0.0, "ok": True, "detail": ""}
+        return _result(True, max_abs_diff=0.0)
     fa, fb = a.astype(np.float64), b.astype(np.float64)
     finite = np.isfinite(fa) & np.isfinite(fb)
     if not finite.all():
-        return {
-            "max_abs_diff": None,
-            "ok": False,
-            "detail": f"{int((~finite).sum())} non-finite values",
-        }
+        return _result(False, f"{int((~finite).sum())} non-finite values")
     d = np.abs(fa - fb)
     ok = bool(np.all(d <= atol + rtol * np.abs(fb))) if atol or rtol else a.tobytes() == b.tobytes()
-    return {"max_abs_diff": float(d.max()), "ok": ok, "detail": ""}
+    return _result(ok, max_abs_diff=float(d.max()))
+
+
+def _result(ok: bool, detail: str = "", max_abs_diff: float | None = None) -> dict:
+    return {"max_abs_diff": max_abs_diff, "ok": ok, "detail": detail}
 
 
 def _json(v) -> str:

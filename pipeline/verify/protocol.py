@@ -2,96 +2,81 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from subprocess import PIPE
 
 from pipeline.checkpoint.manifest import versions
 from pipeline.config.errors import EXIT_BAD_INPUT as EXIT_INCOMPLETE
 from pipeline.config.errors import EXIT_ERROR as EXIT_MISMATCH
-from pipeline.config.errors import EXIT_OK
+from pipeline.config.errors import EXIT_OK, ConfigError
 from pipeline.config.identity import run_name
 from pipeline.files import jsonio
+from pipeline.files.atomic import remove_tree
 from pipeline.verify.compare import compare, machine
 from pipeline.verify.snapshot import read_summary
+
+MODES = ("continuous", "interrupted", "resume", "negative")
+EXACT = "exact (the same bytes)"
 
 
 def verify_dir(config: dict, *sub: str) -> Path:
     """<output_dir>/verify/<run name>/<sub>, made afresh (an earlier verification's files removed)."""
     out = Path(config["paths"]["output_dir"]).joinpath("verify", run_name(config), *sub)
-    if out.exists():
-        shutil.rmtree(out)
+    remove_tree(out)  # a link is removed, never followed
     out.mkdir(parents=True)
     return out
 
 
 def run_workers(
-    config: dict, out: Path, cut: int, steps: int, overrides: tuple[str, ...] | list[str] = ()
+    config: dict, out: Path, cut: int, steps: int, overrides=(), modes=MODES, in_process=False
 ) -> tuple[list[list[str]], str | None]:
-    """Runs the four processes (two at a time where they are independent); returns commands, error. Each gets
-    the `overrides` config.json was composed from: what they allow it to build (pipeline/config/targets.py)."""
+    """Runs the workers of `modes`, two processes at a time where independent (or in this one); their commands
+    and an error. Each gets the overrides config.json came from: what they allow it to build."""
     config_path = out / "config.json"
     config_path.write_bytes(jsonio.dumps(config))
-    ckpt = ("--checkpoint", str(out / "interrupted" / "checkpoint"))
+    ckpt = out / "interrupted" / "checkpoint"
+    batches = [[m for m in pair if m in modes] for pair in (MODES[:2], MODES[2:])]
+    commands = {
+        mode: [sys.executable, "-m", "pipeline.verify.worker", "--config", str(config_path)]
+        + ["--mode", mode, "--cut", str(cut), "--steps", str(steps), "--out", str(out / mode)]
+        + (["--checkpoint", str(ckpt)] if mode in MODES[2:] else [])
+        + [f"--override={o}" for o in overrides]
+        for mode in modes
+    }
+    for batch in batches:
+        if in_process:
+            from pipeline.verify.worker import work
 
-    def worker(mode: str, *extra: str) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "pipeline.verify.worker",
-            "--config",
-            str(config_path),
-            "--mode",
-            mode,
-            "--cut",
-            str(cut),
-            "--steps",
-            str(steps),
-            "--out",
-            str(out / mode),
-            *extra,
-            *(f"--override={o}" for o in overrides),
-        ]
-
-    first = [worker("continuous"), worker("interrupted")]
-    second = [worker("resume", *ckpt), worker("negative", *ckpt)]
-    for batch in (first, second):
+            for mode in batch:
+                work(config, mode, cut, steps, out / mode, ckpt)
+            continue
         procs = [
-            subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for c in batch
+            (m, subprocess.Popen(commands[m], stdout=PIPE, stderr=PIPE, text=True)) for m in batch
         ]
-        for cmd, p in zip(batch, procs):
+        for mode, p in procs:
             _, err = p.communicate()
             if p.returncode != 0:
                 tail = (err.strip().splitlines() or ["(no output)"])[-1]
-                return (
-                    first + second,
-                    f"{cmd[cmd.index('--mode') + 1]} process exited {p.returncode}: {tail}",
-                )
-    return first + second, None
+                return list(commands.values()), f"{mode} process exited {p.returncode}: {tail}"
+    return list(commands.values()), None
 
 
 def _worst_weight(results: dict[str, dict]) -> float | None:
-    values = [
-        r["max_abs_diff"]
-        for k, r in results.items()
-        if k.startswith("model/") and r["max_abs_diff"] is not None
-    ]
-    return max(values) if values else None
+    values = [r["max_abs_diff"] for k, r in results.items() if k.startswith("model/")]
+    return max((v for v in values if v is not None), default=None)
 
 
 def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     """The verification report from the four summaries on disk."""
-    (cont, cont_meta), (intr, intr_meta), (res, _), (neg, _) = (
-        read_summary(out / mode) for mode in ("continuous", "interrupted", "resume", "negative")
+    (cont, cont_meta), (intr, intr_meta), (res, _), (neg, _) = map(
+        read_summary, map(out.joinpath, MODES)
     )
     # The continuous run's per-update records after the cut line up with the resumed runs' records.
-    after = {k: v[cut:] for k, v in cont.items() if k.startswith("records/")}
-    cont_final = {**{k: v for k, v in cont.items() if not k.startswith("records/")}, **after}
-    pos = compare(cont_final, res, atol, rtol)
-    negc = compare(cont_final, neg, atol, rtol)
+    cont = {k: v[cut:] if k.startswith("records/") else v for k, v in cont.items()}
+    pos, negc = compare(cont, res, atol, rtol), compare(cont, neg, atol, rtol)
     comparisons = [
         {
             "name": key,
@@ -109,10 +94,8 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     intr_state = {k: v for k, v in intr.items() if not k.startswith("records/")}
     at_cut = compare(intr_state, restored, atol, rtol)
     restore_failures = sorted({machine(k) for k, r in at_cut.items() if not r["ok"]})
-    trajectory_failures = sorted(
-        {c["state_machine"] for c in comparisons if not c["positive_agrees"]}
-    )
-    positive = not trajectory_failures and not restore_failures
+    drifted = sorted({c["state_machine"] for c in comparisons if not c["positive_agrees"]})
+    positive = not drifted and not restore_failures
     # The negative control counts only if the run itself went elsewhere: its streams' next draws always
     # differ (they were not restored), which alone proves nothing about the trajectory.
     negative = any(c["negative_diverges"] for c in comparisons if c["state_machine"] != "rng")
@@ -124,11 +107,7 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
         "positive": positive,
         "negative_divergence_detected": negative,
         "all_checks_passed": positive and negative,
-        "tolerance": {
-            "atol": atol,
-            "rtol": rtol,
-            "mode": "exact (the same bytes)" if not (atol or rtol) else "allclose",
-        },
+        "tolerance": {"atol": atol, "rtol": rtol, "mode": "allclose" if atol or rtol else EXACT},
         "cut": cut,
         "steps": steps,
         "cursor_at_cut": f"{intr_meta['cursor']}/{intr_meta['n_train']}",
@@ -140,7 +119,7 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
             side: abs(eval_loss["continuous"] - eval_loss[name])
             for side, name in (("positive", "resume"), ("negative", "negative"))
         },
-        "failed_state_machines": sorted(set(trajectory_failures) | set(restore_failures)),
+        "failed_state_machines": sorted(set(drifted) | set(restore_failures)),
         "restore_failures": restore_failures,
         "comparisons": comparisons,
         "restored_at_cut": [
@@ -148,10 +127,9 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
         ],
         "versions": versions(),
     }
+    failed = ", ".join(report["failed_state_machines"])
     if not positive:
-        report["reason"] = "the resumed run differs from the continuous one in: " + ", ".join(
-            report["failed_state_machines"]
-        )
+        report["reason"] = f"the resumed run differs from the continuous one in: {failed}"
     elif not negative:
         report["reason"] = (
             "the negative control cannot diverge: no random stream draws after the cut (this config "
@@ -167,11 +145,7 @@ def run_protocol(config: dict, argv: list[str]) -> int:
     v = config["verify"]
     cut, steps, atol, rtol = int(v["cut"]), int(v["steps"]), float(v["atol"]), float(v["rtol"])
     if not 0 < cut < steps:
-        print(
-            f"pipeline.verify: verify.cut must be in (0, verify.steps={steps}), got {cut}",
-            file=sys.stderr,
-        )
-        return EXIT_INCOMPLETE
+        raise ConfigError(f"verify.cut must be in (0, verify.steps={steps}), got {cut}")
     out = verify_dir(config)
     t0 = time.time()
     commands, error = run_workers(config, out, cut, steps, argv)
@@ -185,19 +159,13 @@ def run_protocol(config: dict, argv: list[str]) -> int:
             "all_checks_passed": False,
             "positive": None,
             "negative_divergence_detected": None,
-            "reason": error,
-            "tolerance": {"atol": atol, "rtol": rtol},
-            "versions": versions(),
         }
-    report["commands"] = [" ".join(["python -m pipeline.verify", *argv])] + [
-        " ".join(c) for c in commands
-    ]
+        report.update(reason=error, tolerance={"atol": atol, "rtol": rtol}, versions=versions())
+    report["commands"] = [" ".join(c) for c in [["python -m pipeline.verify", *argv], *commands]]
     report["seconds"] = round(time.time() - t0, 2)
     (out / "verification.json").write_bytes(jsonio.dumps(report))
     print_report(report, out)
-    if error is not None:
-        return EXIT_INCOMPLETE
-    return EXIT_OK if report["all_checks_passed"] else EXIT_MISMATCH
+    return EXIT_INCOMPLETE if error else EXIT_OK if report["all_checks_passed"] else EXIT_MISMATCH
 
 
 def print_report(report: dict, out: Path) -> None:

@@ -9,7 +9,7 @@ from safetensors.numpy import load_file, save_file
 
 from pipeline.files import jsonio
 from pipeline.files.limits import MAX_SUMMARY
-from pipeline.stateful import PARTS, capture, copy_tree, flat
+from pipeline.stateful import PARTS, capture, copy_tree, flat, merge, split
 
 # The protocol's workers step the state machines without the stages' decisions (chaos mode proves those).
 MACHINES = tuple(p for p in PARTS if p != "stages")
@@ -32,18 +32,10 @@ def snapshot(state) -> tuple[dict[str, np.ndarray], dict]:
     arrays["scheduler/next_lr"] = np.array([state.optimizer.lr], dtype=np.float64)
     for name, value in state.streams.peek().items():
         arrays[f"rng/next.{name}"] = np.array([value], dtype=np.float64)
-    arrays["eval/losses"] = np.array(
-        [state.model.evaluate(b) for b in state.dataset.val_batches(state.dtype)]
-    )
-    meta = {
-        "step": state.step,
-        "rng_states": tree["rng"],
-        "scheduler": tree["scheduler"],
-        "cursor": it.cursor,
-        "n_train": it.n,
-        "epoch": it.epoch,
-    }
-    return arrays, meta
+    val = state.dataset.val_batches(state.dtype)
+    arrays["eval/losses"] = np.array([state.model.evaluate(b) for b in val])
+    meta = {"step": state.step, "rng_states": tree["rng"], "scheduler": tree["scheduler"]}
+    return arrays, {**meta, "cursor": it.cursor, "n_train": it.n, "epoch": it.epoch}
 
 
 def _save(directory: Path, name: str, arrays: dict, meta: dict) -> None:
@@ -51,9 +43,8 @@ def _save(directory: Path, name: str, arrays: dict, meta: dict) -> None:
     (directory / f"{name}.json").write_bytes(jsonio.dumps(meta))
 
 
-def write_summary(
-    directory: Path, state, records: list[dict], restored: tuple | None = None
-) -> None:
+def write_summary(directory: Path, state, records: list[dict], restored=None) -> None:
+    """summary (and restored, its snapshot at the cut) for the verdict; state, every part's whole tree."""
     directory.mkdir(parents=True, exist_ok=True)
     arrays, meta = snapshot(state)
     if records:
@@ -64,9 +55,14 @@ def write_summary(
     _save(directory, "summary", arrays, meta)
     if restored is not None:
         _save(directory, "restored", *restored)
+    _save(directory, "state", *split(copy_tree(capture(state.parts()))))
 
 
 def read_summary(directory: Path, name: str = "summary") -> tuple[dict[str, np.ndarray], dict]:
     return load_file(str(directory / f"{name}.safetensors")), jsonio.read(
         directory / f"{name}.json", MAX_SUMMARY
     )
+
+
+def read_state(directory: Path) -> dict:
+    return merge(*read_summary(directory, "state"))

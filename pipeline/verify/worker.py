@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.directory import Checkpoint, CheckpointDir
 from pipeline.config import identity, targets
-from pipeline.config.errors import EXIT_BAD_INPUT, ConfigError
+from pipeline.config.errors import EXIT_OK, ConfigError
 from pipeline.config.identity import lineage_of
 from pipeline.files import jsonio
 from pipeline.files.limits import MAX_WORKER_CONFIG
 from pipeline.run.assemble import assemble
+from pipeline.run.signals import run_command
 from pipeline.stateful import PARTS, capture, copy_tree, restore
 from pipeline.trainer.loop import train_step
+from pipeline.verify.protocol import MODES
 from pipeline.verify.snapshot import snapshot, write_summary
 
-MODES = ("continuous", "interrupted", "resume", "negative")
+NAME = "pipeline.verify.worker"
 
 
 class Fresh:
@@ -33,15 +34,9 @@ class Fresh:
 
     def fields(self) -> dict:
         """The manifest fields of the current step, those of a run history of its own."""
-        facts = self.job.facts
-        return mf.build(
-            facts,
-            step=self.state.step,
-            epoch=self.state.epoch,
-            metrics={},
-            tags=[],
-            lineage=lineage_of(facts["semantic_config_hash"], None),
-        )
+        facts, s = self.job.facts, self.state
+        lineage = lineage_of(facts["semantic_config_hash"], None)
+        return mf.build(facts, step=s.step, epoch=s.epoch, metrics={}, tags=[], lineage=lineage)
 
     def save(self, directory: Path) -> dict:
         return CheckpointDir(directory).write(capture(self.parts), self.fields())
@@ -55,42 +50,40 @@ class Fresh:
         return copy_tree(capture(self.parts))
 
 
-def main(argv=None) -> None:
+def work(config: dict, mode: str, cut: int, steps: int, out: Path, checkpoint: Path) -> None:
+    """One worker's run, its summary in `out`: `interrupted` trains to `cut` and saves `checkpoint`, `resume`
+    restores it (`negative`: all but the RNG) and trains on to `steps`, `continuous` trains to `steps`."""
+    run, restored = Fresh(config), None
+    if mode in ("resume", "negative"):
+        run.load(checkpoint, PARTS if mode == "resume" else tuple(p for p in PARTS if p != "rng"))
+        restored = snapshot(run.state)
+    records = run.train((cut if mode == "interrupted" else steps) - run.state.step)
+    if mode == "interrupted":
+        run.save(checkpoint)
+    write_summary(out, run.state, records, restored)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="One verifier process.")
     ap.add_argument("--config", required=True, help="resolved config as JSON")
     ap.add_argument("--mode", choices=MODES, required=True)
     ap.add_argument("--cut", type=int, required=True)
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--checkpoint", help="the interrupted run's checkpoint (resume, negative)")
     ap.add_argument(
-        "--override",
-        action="append",
-        default=[],
-        help="an override the config was composed from: what its `_target_`s may name",
+        "--checkpoint", help="the interrupted run's checkpoint (default: OUT/checkpoint)"
     )
+    ap.add_argument("--override", action="append", default=[], help="what a `_target_` may name")
     args = ap.parse_args(argv)
-
     config = jsonio.read(Path(args.config), MAX_WORKER_CONFIG)
     try:  # a file decides no code: only conf/ and this command line's overrides name what it may build
         targets.check(config, targets.allowed(tuple(args.override)))
     except ConfigError as e:
-        print(f"pipeline.verify.worker: {args.config}: {e}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-    run = Fresh(config)
+        raise ConfigError(f"{args.config}: {e}") from None
     out = Path(args.out)
-    restored = None
-    if args.mode in ("resume", "negative"):
-        run.load(
-            Path(args.checkpoint),
-            PARTS if args.mode == "resume" else tuple(p for p in PARTS if p != "rng"),
-        )
-        restored = snapshot(run.state)
-    records = run.train((args.cut if args.mode == "interrupted" else args.steps) - run.state.step)
-    if args.mode == "interrupted":
-        run.save(out / "checkpoint")
-    write_summary(out, run.state, records, restored)
+    work(config, args.mode, args.cut, args.steps, out, Path(args.checkpoint or out / "checkpoint"))
+    return EXIT_OK
 
 
 if __name__ == "__main__":
-    main()
+    run_command(NAME, main)

@@ -134,15 +134,14 @@ def _modules() -> dict[str, ast.Module]:
 
 
 def test_only_checkpoint_dir_uses_the_tensor_writer():
-    """The safetensors writer and reader serve CheckpointDir; roundtrip's own continued.safetensors is no
-    checkpoint's file."""
+    """The safetensors writer and reader serve CheckpointDir alone."""
     users = {
         name
         for name, tree in _modules().items()
         for n in ast.walk(tree)
         if isinstance(n, ast.ImportFrom) and n.module == "pipeline.checkpoint.tensors"
     }
-    assert users == {OWNER, "pipeline.cli.roundtrip"}
+    assert users == {OWNER}
 
 
 def test_only_run_directory_says_where_checkpoints_lie():

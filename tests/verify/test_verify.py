@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT_ROOT
+from conftest import KERNODECK, PROJECT_ROOT, env_for_subprocess
 
 # Each patch makes one state machine's restore do nothing, in every worker process (via sitecustomize).
 BREAK = {
@@ -107,6 +107,54 @@ def test_incomplete_verification_exits_2(tmp_path):
     assert report["positive"] is None and "process exited" in report["reason"]
     r, _ = verify(["experiment=kernodeck", "verify.cut=12"], tmp_path / "out2")
     assert r.returncode == 2 and "verify.cut" in r.stderr
+
+
+def test_a_worker_refuses_a_class_its_command_line_does_not_allow_in_one_line(tmp_path):
+    """The worker ends through the one entry wrapper: one line naming its config file, exit 2, nothing run."""
+    from pipeline.config.compose import compose, to_plain
+
+    config = to_plain(compose([*KERNODECK, f"paths.output_dir={tmp_path / 'out'}"]))
+    config["model"] = {"_target_": "io.FileIO", "file": str(tmp_path / "sentinel"), "mode": "w"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = [
+        "--config",
+        tmp_path / "config.json",
+        "--mode",
+        "continuous",
+        "--cut",
+        "1",
+        "--steps",
+        "2",
+    ]
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline.verify.worker", *args, "--out", tmp_path / "worker"],
+        env=env_for_subprocess(),
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2, r.stderr
+    (line,) = r.stderr.splitlines()
+    assert (
+        line.startswith(f"pipeline.verify.worker: {tmp_path / 'config.json'}: ") and "model" in line
+    )
+    assert not (tmp_path / "worker").exists() and not (tmp_path / "sentinel").exists()
+
+
+def test_a_link_planted_where_a_verification_writes_is_removed_never_followed(tmp_path):
+    from pipeline.config.compose import compose, to_plain
+    from pipeline.verify.protocol import verify_dir
+
+    config = to_plain(compose([*KERNODECK, f"paths.output_dir={tmp_path / 'out'}"]))
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "v.txt").write_text("precious\n")
+    first = verify_dir(config)
+    (first / "old.json").write_text("{}")
+    assert list(verify_dir(config).iterdir()) == []  # an earlier verification's files removed
+    first.rmdir()
+    first.symlink_to(victim)
+    assert verify_dir(config) == first and first.is_dir() and not first.is_symlink()
+    assert [p.name for p in victim.iterdir()] == ["v.txt"]
 
 
 @pytest.mark.slow  # chaos: 41 real processes, 20 of them SIGKILLed
