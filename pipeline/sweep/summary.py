@@ -13,8 +13,9 @@ from pipeline.run.report import run_page
 
 log = logging.getLogger("pipeline")
 
-# with the header, the best and the parent lines: under 20 lines whatever the sweep's size
-MAX_ROWS = 12
+MAX_ROWS = (
+    12  # with the header, the best and the parent lines: under 20 lines whatever the sweep's size
+)
 MAX_CELL = 24  # a swept value wider than this is cut (the job's run name has it whole)
 
 
