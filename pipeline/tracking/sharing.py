@@ -10,27 +10,9 @@ from pathlib import Path
 log = logging.getLogger("pipeline")
 
 # Filesystems whose locks sqlite cannot trust (its own documentation warns against sharing a file over them).
-NETWORK_FS = (
-    "nfs",
-    "nfs4",
-    "cifs",
-    "smb3",
-    "smbfs",
-    "lustre",
-    "gpfs",
-    "beegfs",
-    "fuse.glusterfs",
-    "glusterfs",
-    "ceph",
-    "fuse.cephfs",
-    "9p",
-    "afs",
-    "fuse.sshfs",
-    "panfs",
-    "orangefs",
-    "pvfs2",
-    "ocfs2",
-    "gfs2",
+NETWORK_FS = tuple(
+    "nfs nfs4 cifs smb3 smbfs lustre gpfs beegfs fuse.glusterfs glusterfs ceph fuse.cephfs 9p afs "
+    "fuse.sshfs panfs orangefs pvfs2 ocfs2 gfs2".split()
 )
 MOUNTS = Path("/proc/mounts")
 MAX_MOUNTS_BYTES = 1 << 20
@@ -53,8 +35,7 @@ def read_mounts() -> str:
 
 
 def check_shared(client, db: Path) -> str | None:
-    """Record this host on the store and warn (one line) if the store is shared beyond one machine: sqlite's
-    locks are not to be trusted there. Returns the warning, or None."""
+    """Record this host on the store; warn (one line, returned) if the store is shared beyond one machine."""
     hosts: set[str] = set()
     try:
         exp = client.get_experiment("0")  # Default: every mlflow store has it
@@ -69,11 +50,8 @@ def check_shared(client, db: Path) -> str | None:
     for line in read_mounts().splitlines():  # its filesystem: the longest mount point above it
         fields = line.split()
         point = Path(fields[1].replace("\\040", " ")) if len(fields) >= 3 else None
-        if (
-            point is not None
-            and (point == where or point in where.parents)
-            and len(str(point)) > best
-        ):
+        above = point is not None and (point == where or point in where.parents)
+        if above and len(str(point)) > best:
             best, kind = len(str(point)), fields[2]
     if kind in NETWORK_FS:
         problem = f"the mlflow store {db} is on a network filesystem ({kind})"
