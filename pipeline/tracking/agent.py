@@ -414,9 +414,8 @@ def _accept(server: socket.socket, inbox: queue.Queue, clients: set) -> None:
         except OSError:
             pid, uid = None, None
         if uid != os.getuid():
-            me = os.getuid()
-            said = f"tracking agent: refused a client (pid {pid}, uid {uid}): it does not run as this agent's user (uid {me})"
-            say(said)
+            said = f"tracking agent: refused a client (pid {pid}, uid {uid}): it does not run as"
+            say(f"{said} this agent's user (uid {os.getuid()})")
             sock.close()
             continue
         conn = Conn(cid, sock)

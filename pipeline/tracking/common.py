@@ -174,7 +174,8 @@ def experiment_of(config: dict) -> str:
     return experiment_name(str(config.get("name") or "default"), *parts)
 
 
-FACT_TAGS = "config_hash semantic_config_hash data_manifest_hash git_sha git_dirty seed".split()
+FACT_TAGS = ("config_hash", "semantic_config_hash", "data_manifest_hash", "git_sha", "git_dirty")
+FACT_TAGS += ("seed",)
 
 
 def tags_of(facts: dict, run_dir: str | Path, status=None, job=None) -> dict[str, str]:

@@ -253,8 +253,9 @@ def sync_tags(client: MlflowClient, run, tags: dict[str, str], derived: tuple = 
     """Set the tags whose value differs (tags, unlike params, follow the manifest), and delete the run's tags
     among `derived` (a key, or every key under a prefix ending in `.`) that `tags` no longer says. Returns how many."""
     todo = [RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v]
+    under = [d for d in derived if d.endswith(".")]
     gone = [k for k in run.data.tags if k not in tags]
-    stale = [k for k in gone if any(k == d or d.endswith(".") and k.startswith(d) for d in derived)]
+    stale = [k for k in gone if k in derived or any(k.startswith(d) for d in under)]
     for key in stale:
         client.delete_tag(run.info.run_id, key)
     return _batches(client, run.info.run_id, "tags", todo, TAGS_PER_BATCH) + len(stale)

@@ -13,12 +13,13 @@ from pipeline.tracking.common import (
     normalize_tracking_uri,
     store_problem,
 )
-from pipeline.tracking.link import Request, agent_for
+from pipeline.tracking.link import Request, agent_for, request
 
 log = logging.getLogger("pipeline")
-END_WAIT = (
-    1.0  # seconds the launcher waits for its last messages to the tracking agent to be on their way
-)
+LATER = "this process exits"
+END_WAIT = 1.0  # seconds the launcher waits for its last messages to the agent to be on their way
+OFF = "mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their manifests; "
+OFF += "index them later with `python -m pipeline.reindex`."
 
 
 class MlflowSweepParent(SweepParent):
@@ -29,30 +30,17 @@ class MlflowSweepParent(SweepParent):
         self.uri = normalize_tracking_uri(str(uri))
         self.experiment = str(experiment)
         self.artifact_location = artifact_root(self.uri, artifact_location)
-        self.request: Request | None = (
-            None  # the agent's answer to parent_start, in the launching process only
-        )
+        self.request: Request | None = None  # the agent's answer to parent_start (launcher only)
 
-    def __getstate__(self) -> dict:
-        return {
-            **self.__dict__,
-            "request": None,
-        }  # Hydra pickles the callback, and this, to every job
+    def __getstate__(self) -> dict:  # Hydra pickles the callback, and this, to every job
+        return {**self.__dict__, "request": None}
 
     def facts(self, timeout: float) -> dict:
-        facts = {
-            "uri": self.uri,
-            "experiment": self.experiment,
-            "artifact_location": self.artifact_location,
-        }
+        facts = {"uri": self.uri, "experiment": self.experiment}
+        facts["artifact_location"] = self.artifact_location
         if problem := store_problem(self.uri, timeout=timeout):
             facts["tracking_off"] = problem  # the jobs read it: said once, here
-            log.warning(
-                "mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their "
-                "manifests; index them later with `python -m pipeline.reindex`.",
-                self.uri,
-                problem,
-            )
+            log.warning(OFF, self.uri, problem)
         return facts
 
     def warm(self, sweep: dict) -> None:
@@ -63,17 +51,9 @@ class MlflowSweepParent(SweepParent):
         if sweep.get("tracking_off"):
             return False
         link = agent_for(self.uri)  # at once: the agent starts beside the jobs
-        self.request = Request()
-        link.send(
-            {
-                "op": "parent_start",
-                "sid": link.register(self.request),
-                "uri": self.uri,
-                "artifact_location": sweep.get("artifact_location"),
-                "sweep_id": sweep["id"],
-                "sweep_dir": sweep["dir"],
-            }
-        )
+        where = {"uri": self.uri, "artifact_location": sweep.get("artifact_location")}
+        where |= {"sweep_id": sweep["id"], "sweep_dir": sweep["dir"]}
+        self.request = request(link, "parent_start", **where)
         return True
 
     def end(self, sweep: dict) -> list[str]:
@@ -83,45 +63,30 @@ class MlflowSweepParent(SweepParent):
         if sweep.get("tracking_off"):
             return [f"not tracked: {sweep['tracking_off']}"]
         answer = self.request.event if self.request is not None else None
-        link, done = agent_for(self.uri), Request()
-        link.send(
-            {
-                "op": "sweep_end",
-                "sid": link.register(done),
-                "uri": self.uri,
-                "sweep_dir": sweep["dir"],
-                "parent": {"sweep_id": sweep["id"]},
-            }
-        )
+        link = agent_for(self.uri)
+        parent = {"sweep_id": sweep["id"]}
+        done = request(link, "sweep_end", uri=self.uri, sweep_dir=sweep["dir"], parent=parent)
         link.drain(END_WAIT)
         slurm = str(sweep.get("launcher", "")).endswith("SlurmLauncher") or in_slurm_job()
         ended = (done.event if done.done.wait(SLURM_WAIT) else None) if slurm else None
         if slurm and ended is not None and ended.get("event") == "finished":
-            log.info(
-                "mlflow: sweep parent run %s complete: %s",
-                run_page(ended.get("uri") or ""),
-                ended.get("status"),
-            )
+            page = run_page(ended.get("uri") or "")
+            log.info("mlflow: sweep parent run %s complete: %s", page, ended.get("status"))
         elif slurm:
-            log.warning(
-                "mlflow: the tracking agent did not complete the sweep's parent run (%s); "
-                "`python -m pipeline.reindex` completes it",
-                (ended or {}).get("message", f"no answer within {SLURM_WAIT:.0f} s"),
-            )
+            why = (ended or {}).get("message", f"no answer within {SLURM_WAIT:.0f} s")
+            said = "mlflow: the tracking agent did not complete the sweep's parent run (%s); "
+            log.warning(said + "`python -m pipeline.reindex` completes it", why)
         elif answer is None:
-            log.info(
-                "mlflow: the tracking agent completes the sweep's parent run after this process exits"
-            )
+            log.info("mlflow: the tracking agent completes the sweep's parent run after %s", LATER)
         elif answer.get("event") != "ready":
-            log.warning(
-                "mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
-                "index them with `python -m pipeline.reindex`.",
-                self.uri,
-                answer.get("message", "unknown error"),
+            said = (
+                "mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their "
             )
+            said += "manifests; index them with `python -m pipeline.reindex`."
+            log.warning(said, self.uri, answer.get("message", "unknown error"))
         if answer is None:
             return [
-                f"sweep.id={sweep['id']} in {self.uri} (the tracking agent completes it after this process exits)"
+                f"sweep.id={sweep['id']} in {self.uri} (the tracking agent completes it after {LATER})"
             ]
         if answer.get("event") != "ready":
             return [f"not tracked: {answer.get('message', 'unknown error')}"]
