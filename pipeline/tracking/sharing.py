@@ -10,29 +10,9 @@ from pathlib import Path
 log = logging.getLogger("pipeline")
 
 # Filesystems whose locks sqlite cannot trust (its own documentation warns against sharing a file over them).
-NETWORK_FS = (
-    "nfs",
-    "nfs4",
-    "cifs",
-    "smb3",
-    "smbfs",
-    "lustre",
-    "gpfs",
-    "beegfs",
-    "ceph",
-    "9p",
-    "afs",
-)
-NETWORK_FS += (
-    "fuse.glusterfs",
-    "glusterfs",
-    "fuse.cephfs",
-    "fuse.sshfs",
-    "panfs",
-    "orangefs",
-    "pvfs2",
-)
-NETWORK_FS += ("ocfs2", "gfs2")
+NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "9p")
+NETWORK_FS += ("afs", "fuse.glusterfs", "glusterfs", "fuse.cephfs", "fuse.sshfs", "panfs")
+NETWORK_FS += ("orangefs", "pvfs2", "ocfs2", "gfs2")
 MOUNTS = Path("/proc/mounts")
 MAX_MOUNTS_BYTES = 1 << 20
 HOSTS_TAG = "pipeline.hosts"  # on the store's Default experiment: every host that opened it, comma-separated
