@@ -20,14 +20,8 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.checkpoint.manifest import git_info
-from pipeline.config.errors import (
-    EXIT_BAD_INPUT,
-    EXIT_ERROR,
-    EXIT_PREEMPTED,
-    CommandError,
-    ConfigError,
-    Refusal,
-)
+from pipeline.config import errors
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, ConfigError
 from pipeline.config.identity import experiment_name, is_machine_key
 from pipeline.config.targets import as_given, hydra_quoted, literal, parse_overrides
 from pipeline.files import atomic, jsonio, names, reading
@@ -67,7 +61,7 @@ def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, s
 
 def _stop(code: int, message: str) -> None:
     """The sweep refused: Hydra makes a warning of a callback's Exception and goes on, not of a Refusal."""
-    raise Refusal(CommandError(message, exit_code=code))
+    raise errors.Refusal(errors.CommandError(message, exit_code=code))
 
 
 def job_count(task_overrides: list[str], sweeper: dict) -> int:
@@ -237,7 +231,7 @@ class SweepCallback(Callback):
         except OSError as e:
             if (message := atomic.environment_error(e)) is None:
                 raise
-            _stop(EXIT_ERROR, message)
+            _stop(errors.EXIT_ERROR, message)
 
     def _start(self, config: DictConfig, hydra, task: list, sweeper: dict, identity: dict) -> None:
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
@@ -278,23 +272,14 @@ class SweepCallback(Callback):
         started = started if isinstance(started, (int, float)) else time.time()
         offset = _optuna_study(hydra, sweeper, directory, sweep_id) if optuna else 0
         objective = f"best/{best_val['monitor']}" if best_val else None
-        self.sweep = {
-            "id": sweep_id,
-            "dir": str(directory),
-            "name": identity["name"],
-            "swept": swept(task, sweeper.get("params")),
-            "direction": direction,
-            "objective": config.get("optimized_metric") or objective,
-            "launcher": str(hydra.launcher.get("_target_", "")),
-            "sweeper": str(sweeper.get("_target_", "")),
-            "overrides": task,
-            "started": started,
-            "status": "running",
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "git_sha": git_info().get("git_sha"),
-            "job_offset": offset,
-        }
+        sweep = {"id": sweep_id, "dir": str(directory), "name": identity["name"]}
+        sweep |= {"swept": swept(task, sweeper.get("params")), "direction": direction}
+        sweep |= {"objective": config.get("optimized_metric") or objective}
+        sweep["launcher"] = str(hydra.launcher.get("_target_", ""))
+        sweep["sweeper"] = str(sweeper.get("_target_", ""))
+        sweep |= {"overrides": task, "started": started, "status": "running", "pid": os.getpid()}
+        sweep |= {"host": socket.gethostname(), "git_sha": git_info().get("git_sha")}
+        self.sweep = sweep | {"job_offset": offset}
         # the parent's experiment, also for a sweep tracked by none (reindex puts the parent beside its children)
         parts = (str(OmegaConf.select(config, f"{g}._target_", default="")) for g in GROUPS)
         self.sweep["experiment"] = experiment_name(str(config.get("name", "")), *parts)

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from pipeline.config.errors import EXIT_ERROR, CommandError
 from pipeline.run.signals import SIGNALS, run_command
-from pipeline.tracking.link import peer_credentials, private_dir, read_line, remove_agent_files
+from pipeline.tracking.link import json_lines, peer_credentials, private_dir, remove_agent_files
 
 MAX_PENDING = 1000  # metric points: one log_batch
 # Bytes of one request line: a checkpoint's manifest.json (at most 16 MiB, as JSON text within 6 times that) or
@@ -108,7 +108,7 @@ class Agent:
         if not isinstance(sweep_id, str):
             return None
         if (uri, sweep_id) not in self.parents:
-            if (found := self.store.find_parent(self.client(uri), sweep_id)) is None:
+            if (found := self.store.find_parent(self.opened(uri).client, sweep_id)) is None:
                 return None
             self.parents[uri, sweep_id] = ids_of(found)
         return self.parents[uri, sweep_id]
@@ -139,9 +139,6 @@ class Agent:
             have = self.clients[uri] = Opened(client, artifact_root, _file_of(uri), warning)
         return have
 
-    def client(self, uri: str, artifact_root: str | None = None):
-        return self.opened(uri, artifact_root).client
-
     def warned(self, uri: str) -> dict:
         """The store's warning (a sqlite store shared beyond one machine) for the job's own output: {} if none."""
         warning = self.clients[uri].warning if uri in self.clients else None
@@ -150,7 +147,7 @@ class Agent:
     # --- a job's run, live
     def open(self, s: Session, m: dict) -> None:
         s.uri = uri = m["uri"]
-        s.client = client = self.client(uri, m.get("artifact_location"))
+        s.client = client = self.opened(uri, m.get("artifact_location")).client
         parent = s.parent = self.parent_of(uri, m.get("parent"))
         previous = m.get("previous_run_uri")
         prev_uri, _, prev_id = self.common.parse_run_uri(previous)
@@ -235,7 +232,7 @@ class Agent:
         run_dir, uri, where = Path(m["run_dir"]), m["uri"], m.get("artifact_location")
         if self.finishing:  # the run this repeats, handed over by an earlier job of the same process: complete first
             self.finish_gone(complete=run_dir.resolve())
-        client = self.client(uri, where)
+        client = self.opened(uri, where).client
         parent, job = self.parent_of(uri, m.get("parent")), m.get("job") or {}
         r = self.index.index_job(client, uri, run_dir, where, parent, job)
         s.send("finished", uri=self.run_uri(uri, r) if "run_id" in r else None)
@@ -244,7 +241,7 @@ class Agent:
     def parent_start(self, s: Session, m: dict) -> None:
         """The sweep's parent, made from its sweep.json by the code reindex uses (pipeline/tracking/index.py)."""
         where = m.get("artifact_location")
-        client = self.client(m["uri"], where)
+        client = self.opened(m["uri"], where).client
         run, created = self.index.open_parent(client, Path(m["sweep_dir"]), where)
         if not created:  # the same sweep again: its parent goes on
             client.update_run(run.info.run_id, status="RUNNING")
@@ -252,13 +249,13 @@ class Agent:
         s.send("ready", uri=self.run_uri(m["uri"], ids), **ids)
 
     def sweep_end(self, s: Session, m: dict) -> None:
-        uri, client = m["uri"], self.client(m["uri"])
+        uri, client = m["uri"], self.opened(m["uri"]).client
         parent, root = self.parent_of(uri, m["parent"]), self.clients[uri].artifact_root
         r = self.index.sync_parent(client, uri, Path(m["sweep_dir"]), root, parent, children=False)
         s.send("finished", status=r["status"], children=r["children"], uri=self.run_uri(uri, r))
 
     def ping(self, s: Session, m: dict) -> None:
-        self.client(m["uri"], m.get("artifact_location"))
+        self.opened(m["uri"], m.get("artifact_location"))
         s.send("pong", **self.warned(m["uri"]))
 
     # --- dispatch
@@ -388,12 +385,8 @@ def _held_by(run_dir: Path, pid: int | None) -> bool:
 
 def _read(conn: Conn, sock: socket.socket, inbox: queue.Queue) -> None:
     try:
-        requests = sock.makefile("rb")
-        while raw := read_line(requests, MAX_REQUEST):
-            try:
-                inbox.put((conn, json.loads(raw)))
-            except json.JSONDecodeError:
-                continue
+        for message in json_lines(sock, MAX_REQUEST):
+            inbox.put((conn, message))
     except ValueError as e:
         say(f"tracking agent: connection {conn.cid} closed: {e}")
     except OSError:

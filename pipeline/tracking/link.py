@@ -110,6 +110,19 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
 
 
+def json_lines(sock: socket.socket, limit: int):
+    """Each JSON object read from `sock`, a line of at most `limit` bytes each (ValueError for a longer one);
+    a line that is not a JSON object is skipped."""
+    lines = sock.makefile("rb")
+    while raw := read_line(lines, limit):
+        try:
+            message = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(message, dict):
+            yield message
+
+
 def read_line(f, limit: int) -> bytes:
     """One line of at most `limit` bytes (b"" at the end); ValueError for a longer one."""
     raw = f.readline(limit + 1)
@@ -187,12 +200,7 @@ class Link:
 
     def _read(self, sock: socket.socket) -> None:
         try:
-            events = sock.makefile("rb")
-            while raw := read_line(events, MAX_EVENT):
-                try:
-                    event = json.loads(raw)
-                except json.JSONDecodeError:
-                    continue
+            for event in json_lines(sock, MAX_EVENT):
                 if (handler := self.handlers.get(event.get("sid"))) is None:
                     continue
                 handler.on_event(event)
