@@ -19,16 +19,7 @@ from mlflow.exceptions import MlflowException
 
 from pipeline.config.errors import CommandError
 from pipeline.files.atomic import UnsafePathError, refuse_link
-from pipeline.tracking.common import (
-    EXPERIMENT_KIND,
-    EXPERIMENT_KIND_TAG,
-    INVALID_HOST,
-    REBUILD,
-    host_refused,
-    sqlite_path,
-    tag_value,
-)
-from pipeline.tracking.common import artifact_root as common_artifact_root
+from pipeline.tracking import common
 from pipeline.tracking.sharing import check_shared
 
 log = logging.getLogger("pipeline")
@@ -132,7 +123,7 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
     _quiet_migrations()
     for key, value in HTTP_SETTINGS:
         os.environ.setdefault(key, value)
-    db = sqlite_path(uri)
+    db = common.sqlite_path(uri)
     if db is not None:
         try:  # a link planted at the store or beside it would create or fill a store elsewhere
             refuse_link(db)
@@ -154,16 +145,16 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
         with lock:
             if db is not None and not db.exists():
                 _copy_template(db)
-                SqlAlchemyStore(uri, common_artifact_root(uri, artifact_root))
+                SqlAlchemyStore(uri, common.artifact_root(uri, artifact_root))
             client = MlflowClient(tracking_uri=uri)
             client.search_experiments(max_results=1)  # connect now: a server that is down fails
             warning = check_shared(client, db) if db is not None else None
         return client, warning
     except Exception as e:
         where = f"the mlflow store {db}" if db else f"the mlflow tracking server {uri}"
-        fix = f" ({REBUILD})" if db is not None and db.exists() else ""
-        if db is None and INVALID_HOST in str(e):
-            raise StoreError(host_refused(uri)) from None
+        fix = f" ({common.REBUILD})" if db is not None and db.exists() else ""
+        if db is None and common.INVALID_HOST in str(e):
+            raise StoreError(common.host_refused(uri)) from None
         text = str(e).strip().splitlines()
         why = f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
         raise StoreError(f"{where} cannot be opened: {why}{fix}") from None
@@ -172,14 +163,14 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
     """The experiment's id, created (artifacts in <artifact_root>/<name>, or where a server says) or restored if
     deleted; marked as a machine-learning experiment (EXPERIMENT_KIND_TAG) if it is not yet."""
+    kind = {common.EXPERIMENT_KIND_TAG: common.EXPERIMENT_KIND}
     exp = client.get_experiment_by_name(name)
     if exp is None:
         location = None
-        if root := common_artifact_root(client.tracking_uri, artifact_root):
+        if root := common.artifact_root(client.tracking_uri, artifact_root):
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "experiment"
             location = root.rstrip("/") + "/" + safe
         try:
-            kind = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
             return client.create_experiment(name, artifact_location=location, tags=kind)
         except MlflowException:  # created by another process meanwhile
             exp = client.get_experiment_by_name(name)
@@ -188,8 +179,8 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None
     if exp.lifecycle_stage == "deleted":
         client.restore_experiment(exp.experiment_id)
     # made before this mark existed, or by another tool
-    if EXPERIMENT_KIND_TAG not in (exp.tags or {}):
-        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    if common.EXPERIMENT_KIND_TAG not in (exp.tags or {}):
+        client.set_experiment_tag(exp.experiment_id, *kind.popitem())
     return exp.experiment_id
 
 
@@ -244,7 +235,7 @@ def sync_params(client: MlflowClient, run, params: dict[str, str]) -> int:
     have = run.data.params
     new = [Param(k, v) for k, v in params.items() if k not in have]
     changed = {k: v for k, v in params.items() if have.get(k, v) != v}
-    changed = {f"params_changed.{k}": tag_value(v) for k, v in changed.items()}
+    changed = {f"params_changed.{k}": common.tag_value(v) for k, v in changed.items()}
     added = _batches(client, run.info.run_id, "params", new, PARAMS_PER_BATCH)
     return added + sync_tags(client, run, changed)
 

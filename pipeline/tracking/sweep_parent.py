@@ -6,13 +6,7 @@ import logging
 
 from pipeline.run.report import run_page, ui_command, ui_page, ui_server
 from pipeline.run.tracker import SweepParent
-from pipeline.tracking.common import (
-    SLURM_WAIT,
-    artifact_root,
-    in_slurm_job,
-    normalize_tracking_uri,
-    store_problem,
-)
+from pipeline.tracking import common
 from pipeline.tracking.link import Request, agent_for, request
 
 log = logging.getLogger("pipeline")
@@ -27,9 +21,9 @@ class MlflowSweepParent(SweepParent):
     with the code reindex uses (pipeline/tracking/index.py), so the launcher never waits on mlflow."""
 
     def __init__(self, uri: str, experiment: str, artifact_location: str | None = None, **_):
-        self.uri = normalize_tracking_uri(str(uri))
+        self.uri = common.normalize_tracking_uri(str(uri))
         self.experiment = str(experiment)
-        self.artifact_location = artifact_root(self.uri, artifact_location)
+        self.artifact_location = common.artifact_root(self.uri, artifact_location)
         self.request: Request | None = None  # the agent's answer to parent_start (launcher only)
 
     def __getstate__(self) -> dict:  # Hydra pickles the callback, and this, to every job
@@ -38,7 +32,7 @@ class MlflowSweepParent(SweepParent):
     def facts(self, timeout: float) -> dict:
         facts = {"uri": self.uri, "experiment": self.experiment}
         facts["artifact_location"] = self.artifact_location
-        if problem := store_problem(self.uri, timeout=timeout):
+        if problem := common.store_problem(self.uri, timeout=timeout):
             facts["tracking_off"] = problem  # the jobs read it: said once, here
             log.warning(OFF, self.uri, problem)
         return facts
@@ -57,9 +51,8 @@ class MlflowSweepParent(SweepParent):
         return True
 
     def end(self, sweep: dict) -> list[str]:
-        """Hand the parent's end to the agent, waiting at most END_WAIT for it to be on its way (a SLURM sweep, or a
-        launcher inside a SLURM job, whose agent SLURM may end with it, up to SLURM_WAIT for the parent); the lines
-        saying where the parent is, for the end table."""
+        """Hand the parent's end to the agent, waiting at most END_WAIT for it to be on its way (on SLURM, which may
+        end the agent with the launcher, up to SLURM_WAIT for the parent); the end table's lines of where it is."""
         if sweep.get("tracking_off"):
             return [f"not tracked: {sweep['tracking_off']}"]
         answer = self.request.event if self.request is not None else None
@@ -67,13 +60,13 @@ class MlflowSweepParent(SweepParent):
         parent = {"sweep_id": sweep["id"]}
         done = request(link, "sweep_end", uri=self.uri, sweep_dir=sweep["dir"], parent=parent)
         link.drain(END_WAIT)
-        slurm = str(sweep.get("launcher", "")).endswith("SlurmLauncher") or in_slurm_job()
-        ended = (done.event if done.done.wait(SLURM_WAIT) else None) if slurm else None
+        slurm = str(sweep.get("launcher", "")).endswith("SlurmLauncher") or common.in_slurm_job()
+        ended = (done.event if done.done.wait(common.SLURM_WAIT) else None) if slurm else None
         if slurm and ended is not None and ended.get("event") == "finished":
             page = run_page(ended.get("uri") or "")
             log.info("mlflow: sweep parent run %s complete: %s", page, ended.get("status"))
         elif slurm:
-            why = (ended or {}).get("message", f"no answer within {SLURM_WAIT:.0f} s")
+            why = (ended or {}).get("message", f"no answer within {common.SLURM_WAIT:.0f} s")
             said = "mlflow: the tracking agent did not complete the sweep's parent run (%s); "
             log.warning(said + "`python -m pipeline.reindex` completes it", why)
         elif answer is None:
