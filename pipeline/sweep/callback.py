@@ -162,9 +162,10 @@ def job_of(hydra_cfg) -> SweepJob:
     problem: str | None = None
     try:
         sweep = jsonio.read(path, 1 << 24)
-    except (OSError, jsonio.JSONError) as e:
-        known = isinstance(e, (reading.UnreadableFile, jsonio.JSONError))
-        problem = str(e) if known else f"{path}: {e.strerror}"
+    except (reading.UnreadableFile, jsonio.JSONError) as e:
+        problem = str(e)
+    except OSError as e:
+        problem = f"{path}: {e.strerror}"
     else:
         ok = isinstance(sweep, dict) and isinstance(sweep.get("id"), str)
         ok = ok and isinstance(sweep.get("swept"), dict)
@@ -320,11 +321,11 @@ class SweepCallback(Callback):
             print(said, file=sys.stderr)
             raise SystemExit(EXIT_PREEMPTED)
         if failed:
-            said = (
+            each = (
                 f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
                 for n, j in failed.items()
             )
-            listing = "; ".join(said)
+            listing = "; ".join(each)
             print(f"pipeline: {len(failed)} {of} failed: {listing}", file=sys.stderr)
             raise SystemExit(min(int(j.get("code", 1)) for j in failed.values()))
 

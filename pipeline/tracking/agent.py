@@ -62,7 +62,9 @@ class Session:
     def __init__(self, conn: Conn, sid: int):
         self.conn, self.sid = conn, sid
         self.client: Any = None  # its store's MlflowClient, once opened (mlflow is imported lazily)
-        self.uri, self.run_id, self.repo, self.parent = "", None, None, None  # store, run, parent
+        self.uri, self.repo = "", None  # its store, and its run's artifacts once open
+        self.run_id: str | None = None
+        self.parent: dict | None = None
         self.logged: set = set()  # (key, step) already in mlflow (a resumed run): not logged again
         self.pending: list = []
         self.failed = False

@@ -174,7 +174,13 @@ def experiment_of(config: dict) -> str:
     return experiment_name(str(config.get("name") or "default"), *parts)
 
 
-FACT_TAGS = ("config_hash", "semantic_config_hash", "data_manifest_hash", "git_sha", "git_dirty")
+FACT_TAGS: tuple[str, ...] = (
+    "config_hash",
+    "semantic_config_hash",
+    "data_manifest_hash",
+    "git_sha",
+    "git_dirty",
+)
 FACT_TAGS += ("seed",)
 
 

@@ -65,7 +65,7 @@ def sync_run(
     """Make the mlflow run of `run_dir` hold everything the directory does (under `parent` unless under another
     already; with a sweep `job`'s tags): artifacts last, or left to sync_artifacts; returns what was added."""
     run_dir = Path(run_dir).resolve()
-    rundir, damaged = RunDir(run_dir), []
+    rundir, damaged = RunDir(run_dir), list[str]()
     counts = ("created", "params", "tags", "points", "artifacts", "status")
     added: dict[str, Any] = dict.fromkeys(counts, 0)
     added["damaged"] = damaged
@@ -234,7 +234,13 @@ def curves_png(rundir: RunDir, lines: list) -> bytes | None:
 
 SWEEP_STATUS = dict(complete="FINISHED", failed="FAILED", interrupted="KILLED", running="RUNNING")
 # Parent tags that follow the jobs: removed when the disk no longer says them (a failure since re-run).
-DERIVED_PARENT_TAGS = ("sweep.failures", "ended", "best.job", "best.params", "best.value")
+DERIVED_PARENT_TAGS: tuple[str, ...] = (
+    "sweep.failures",
+    "ended",
+    "best.job",
+    "best.params",
+    "best.value",
+)
 DERIVED_PARENT_TAGS += ("best.run_id",)
 
 

@@ -195,11 +195,13 @@ class MlflowTracker(Tracker):
             return
         try:  # the bytes on disk, not a re-serialisation
             name, raw = CheckpointDir(directory).manifest_file()
-            raw = raw.decode()
+            text = raw.decode()
         except CheckpointError:
             return
         artifact = f"{Path(directory).parent.name}/{Path(directory).name}/{name}"  # as in the run
-        self.link.send({"op": "checkpoint", "sid": self.sid, "artifact": artifact, "manifest": raw})
+        self.link.send(
+            {"op": "checkpoint", "sid": self.sid, "artifact": artifact, "manifest": text}
+        )
 
     def finish(self, status: str, run_dir: Path) -> None:
         """Hand the run over and leave, waiting (within the job's bound) only for the last messages to be on their

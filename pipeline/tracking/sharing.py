@@ -10,7 +10,18 @@ from pathlib import Path
 log = logging.getLogger("pipeline")
 
 # Filesystems whose locks sqlite cannot trust (its own documentation warns against sharing a file over them).
-NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "9p")
+NETWORK_FS: tuple[str, ...] = (
+    "nfs",
+    "nfs4",
+    "cifs",
+    "smb3",
+    "smbfs",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "ceph",
+    "9p",
+)
 NETWORK_FS += ("afs", "fuse.glusterfs", "glusterfs", "fuse.cephfs", "fuse.sshfs", "panfs")
 NETWORK_FS += ("orangefs", "pvfs2", "ocfs2", "gfs2")
 MOUNTS = Path("/proc/mounts")

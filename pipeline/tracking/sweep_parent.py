@@ -30,7 +30,7 @@ class MlflowSweepParent(SweepParent):
         return {**self.__dict__, "request": None}
 
     def facts(self, timeout: float) -> dict:
-        facts = {"uri": self.uri, "experiment": self.experiment}
+        facts: dict = {"uri": self.uri, "experiment": self.experiment}
         facts["artifact_location"] = self.artifact_location
         if problem := common.store_problem(self.uri, timeout=timeout):
             facts["tracking_off"] = problem  # the jobs read it: said once, here
