@@ -331,9 +331,8 @@ class SweepCallback(Callback):
 
     # --- the entry point, when the sweeper or Hydra raised in the launching process
     def discard_unlaunched(self) -> bool:
-        """Undo this sweep's start if no job ran (Hydra could not compose them, or the sweeper raised first), so
-        that no sweep is left `running`; False if it had a job, an index was asked for its parent run (its record
-        and first start stay, for a re-run and a rebuild), or there is nothing to undo."""
+        """Undo this sweep's start if no job ran (no sweep left `running`); False if it had a job, an index was asked
+        for its parent run (its record and first start stay, for a re-run and a rebuild), or nothing to undo."""
         start, self.start = self.start, None
         if start is None or self.indexed:
             return False

@@ -133,9 +133,8 @@ def sync_run(
 def open_run(
     client, run_dir: str, candidates: list, tags: dict, started, experiment_id, created_tags=None
 ) -> tuple[Any, dict, bool]:
-    """(the run indexing `run_dir`, the tags it is to hold, whether it is new): found by store.find_run, else
-    created in experiment_id() with `created_tags` too. A run under another sweep's parent stays with its first
-    sweep, and that sweep's job name and number: the live index and a rebuild from disk say the same."""
+    """(the run indexing `run_dir`, the tags it is to hold, whether new: made in experiment_id() with `created_tags`);
+    one under another sweep's parent keeps that sweep's job name and number, as a rebuild from disk does."""
     run = store.find_run(client, run_dir, candidates)
     if run is None:
         made = {**tags, **(created_tags or {})}

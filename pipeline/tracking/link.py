@@ -132,9 +132,8 @@ def read_line(f, limit: int) -> bytes:
 
 
 class Link:
-    """Requests go through a writer thread, which finds or starts the agent and then writes what was queued
-    meanwhile (no caller waits for an agent to start); a reader thread hands each event to the handler that
-    registered its session (a tracker, or a Request)."""
+    """A writer thread finds or starts the agent, then writes what was queued meanwhile (no caller waits for it);
+    a reader thread hands each event to the handler that registered its session (a tracker, or a Request)."""
 
     def __init__(self, uri: str):
         self.path, self.log_file = socket_path(uri), agent_log(uri)
@@ -308,9 +307,8 @@ _LINKS_LOCK = threading.Lock()
 
 
 def connect_or_spawn(path: Path, log_file: Path) -> socket.socket:
-    """A socket connected to the agent at `path`, started if none runs (a lock beside the socket makes one process
-    spawn while the others wait). OSError if none can be, or if `path`'s directory, which holds the log too, is not
-    this user's alone (checked first: nothing is then sent, bound, or written there)."""
+    """A socket connected to the agent at `path`, started if none runs (one process spawns, under the lock beside
+    it); OSError if none can be, or if `path`'s directory is not this user's alone (checked first)."""
     private_dir(path.parent)
     if (sock := _connect(path)) is not None:
         return sock

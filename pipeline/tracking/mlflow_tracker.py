@@ -204,9 +204,8 @@ class MlflowTracker(Tracker):
         )
 
     def finish(self, status: str, run_dir: Path) -> None:
-        """Hand the run over and leave, waiting (within the job's bound) only for the last messages to be on their
-        way. Inside a SLURM job a run that ends for good is also waited for at exit (SLURM_WAIT); a KILLED one
-        is racing its limit, and the requeued job's end indexes the whole run directory."""
+        """Hand the run over and leave, waiting (within the job's bound) for the last messages to be on their way;
+        in a SLURM job, for a run that ends for good at exit too (SLURM_WAIT; docs/tracking.md: The tracking helper)."""
         if not self.active:
             return
         where, pid = self._where(run_dir), os.getpid()
