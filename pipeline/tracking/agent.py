@@ -180,7 +180,8 @@ class Agent:
 
     def metrics(self, s: Session, m: dict) -> None:
         for line in m["lines"]:
-            s.pending += [p for p in self.common.metric_points(line) if p[::3] not in s.logged]
+            points = self.common.metric_points(line)
+            s.pending += [p for p in points if (p[0], p[3]) not in s.logged]  # (key, step)
         if len(s.pending) >= MAX_PENDING:
             self.flush(s)
 

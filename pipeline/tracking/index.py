@@ -65,7 +65,8 @@ def sync_run(
     """Make the mlflow run of `run_dir` hold everything the directory does (under `parent` unless under another
     already; with a sweep `job`'s tags): artifacts last, or left to sync_artifacts; returns what was added."""
     run_dir = Path(run_dir).resolve()
-    rundir, damaged = RunDir(run_dir), list[str]()
+    rundir = RunDir(run_dir)
+    damaged: list[str] = []  # why each checkpoint that does not read does not
     counts = ("created", "params", "tags", "points", "artifacts", "status")
     added: dict[str, Any] = dict.fromkeys(counts, 0)
     added["damaged"] = damaged
@@ -388,7 +389,7 @@ def sync_parent(client, uri, sweep_dir: Path, artifact_root, parent=None, childr
     store.sync_tags(client, run, tags, DERIVED_PARENT_TAGS)
     points = objective_points(sweep, jobs)
     logged = store.logged_steps(client, run.info.run_id, {p[0] for p in points})
-    store.log_points(client, run.info.run_id, [p for p in points if p[::3] not in logged])
+    store.log_points(client, run.info.run_id, [p for p in points if (p[0], p[3]) not in logged])
     repo = store.artifact_repo(client, run.info.run_id)
     names = ("multirun.yaml", "optimization_results.yaml", "sweep.json")
     log_changed(repo, store.artifact_sizes(repo), [(n, sweep_dir / n) for n in names])

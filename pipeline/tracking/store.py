@@ -163,7 +163,7 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
     """The experiment's id, created (artifacts in <artifact_root>/<name>, or where a server says) or restored if
     deleted; marked as a machine-learning experiment (EXPERIMENT_KIND_TAG) if it is not yet."""
-    kind = {common.EXPERIMENT_KIND_TAG: common.EXPERIMENT_KIND}
+    tag, kind = common.EXPERIMENT_KIND_TAG, common.EXPERIMENT_KIND
     exp = client.get_experiment_by_name(name)
     if exp is None:
         location = None
@@ -171,7 +171,7 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "experiment"
             location = root.rstrip("/") + "/" + safe
         try:
-            return client.create_experiment(name, artifact_location=location, tags=kind)
+            return client.create_experiment(name, artifact_location=location, tags={tag: kind})
         except MlflowException:  # created by another process meanwhile
             exp = client.get_experiment_by_name(name)
             if exp is None:
@@ -179,8 +179,8 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None
     if exp.lifecycle_stage == "deleted":
         client.restore_experiment(exp.experiment_id)
     # made before this mark existed, or by another tool
-    if common.EXPERIMENT_KIND_TAG not in (exp.tags or {}):
-        client.set_experiment_tag(exp.experiment_id, *kind.popitem())
+    if tag not in (exp.tags or {}):
+        client.set_experiment_tag(exp.experiment_id, tag, kind)
     return exp.experiment_id
 
 
