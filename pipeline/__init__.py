@@ -1,8 +1,9 @@
 """A declarative numpy training pipeline whose resumed run equals the run that never stopped (ARCHITECTURE.md).
 
 Each tool is a module of pipeline/cli/ run as `python -m pipeline TOOL ...` (pipeline/__main__.py). The older
-spelling `python -m pipeline.TOOL ...` still works: the finder below answers for `pipeline.TOOL` with that same
-module object (imported), or with the one entry's dispatch to it (run as a program)."""
+spelling `python -m pipeline.TOOL ...` still works: the finder below, the one process state importing `pipeline`
+changes (sys.meta_path), answers for `pipeline.TOOL` with that same module object (imported), or with the one
+entry's dispatch to it (run as a program)."""
 
 import importlib
 import importlib.abc
@@ -20,9 +21,8 @@ class _ToolNames(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
         tool = name.removeprefix(f"{__name__}.")
         if tool not in TOOLS or tool == name:
             return None
-        return importlib.machinery.ModuleSpec(
-            name, self, origin=f"{__path__[0]}/cli/{tool}.py"
-        )  # argv[0] of -m
+        # the origin is what `python -m` puts in argv[0]
+        return importlib.machinery.ModuleSpec(name, self, origin=f"{__path__[0]}/cli/{tool}.py")
 
     def create_module(self, spec):
         return importlib.import_module(f"{__name__}.cli.{spec.name.rsplit('.', 1)[1]}")

@@ -44,9 +44,7 @@ def copy_tree(tree):
         return np.array(tree, order="C", copy=True)
     if isinstance(tree, dict):
         return {k: copy_tree(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [copy_tree(v) for v in tree]
-    return tree
+    return [copy_tree(v) for v in tree] if isinstance(tree, list) else tree
 
 
 def split(tree: dict) -> tuple[dict[str, np.ndarray], dict]:
@@ -65,10 +63,8 @@ def split(tree: dict) -> tuple[dict[str, np.ndarray], dict]:
                         f"without {SEP!r}"
                     )
                 arrays[SEP.join(keys)] = v
-            elif isinstance(v, dict):
-                out[k] = walk(v, (*path, k))
             else:
-                out[k] = v
+                out[k] = walk(v, (*path, k)) if isinstance(v, dict) else v
         return out
 
     return arrays, walk(tree, ())
@@ -81,28 +77,20 @@ def merge(arrays: Mapping[str, np.ndarray], json_tree: dict) -> dict:
         *parents, leaf = path.split(SEP)
         node = tree
         for p in parents:
-            nxt = node.setdefault(p, {})
-            if not isinstance(nxt, dict):
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
                 raise ValueError(
                     f"array {path!r} sits under {p!r}, which is not an object in the JSON state"
                 )
-            node = nxt
         if leaf in node:
             raise ValueError(f"{path!r} is both an array and a JSON value")
         node[leaf] = a
     return tree
 
 
-_KINDS = (
-    (type(None), "null"),
-    (bool, "bool"),
-    (int, "int"),
-    (float, "float"),
-    (str, "str"),
-    (list, "list"),
-    (dict, "object"),
-    (np.ndarray, "array"),
-)  # bool before int: a bool is an int
+# bool before int: a bool is an int
+_TYPES = (type(None), bool, int, float, str, list, dict, np.ndarray)
+_KINDS = tuple(zip(_TYPES, ("null", "bool", "int", "float", "str", "list", "object", "array")))
 
 
 def _json_kind(v) -> str:
@@ -127,28 +115,21 @@ def misfit(live, got, path: tuple = (), free: tuple[str, ...] = ()) -> tuple[tup
             return None
         missing, extra = sorted(set(live) - set(got)), sorted(set(got) - set(live))
         if missing or extra:
-            parts = ([f"lacks {missing[:5]}"] if missing else []) + (
-                [f"has unexpected {extra[:5]}"] if extra else []
-            )
-            return (
-                *path,
-                (missing or extra)[0],
-            ), f"{where}: keys differ: the saved state " + " and ".join(parts)
+            said = [f"lacks {missing[:5]}"] if missing else []
+            said += [f"has unexpected {extra[:5]}"] if extra else []
+            why = f"{where}: keys differ: the saved state " + " and ".join(said)
+            return (*path, (missing or extra)[0]), why
         return next(filter(None, (misfit(live[k], got[k], (*path, k), free) for k in live)), None)
     if kind == "array":
         if got.shape != live.shape or got.dtype != live.dtype:
-            return (
-                path,
-                f"{where}: saved {got.dtype}{list(got.shape)}, the live run has {live.dtype}{list(live.shape)}",
-            )
+            why = f"saved {got.dtype}{list(got.shape)}, the live run has {live.dtype}{list(live.shape)}"
+            return path, f"{where}: {why}"
         return None
     if kind == "list":
         if len(live) != len(got):
             return path, f"{where}: a list of {len(got)}, the live run has {len(live)}"
-        return next(
-            filter(None, (misfit(a, b, (*path, i)) for i, (a, b) in enumerate(zip(live, got)))),
-            None,
-        )
+        pairs = enumerate(zip(live, got))
+        return next(filter(None, (misfit(a, b, (*path, i)) for i, (a, b) in pairs)), None)
     # A fresh part has null where a trained one has a value (no best metric yet), and an int where JSON may
     # hold a float written without a fraction; anything else must be the same kind.
     if kind != got_kind and "null" not in (kind, got_kind) and {kind, got_kind} != {"int", "float"}:
@@ -172,14 +153,11 @@ def check(parts: Mapping, tree: Mapping, only: tuple[str, ...] = PARTS) -> None:
             part.state_dict(), tree[name], free=getattr(part, "free_form_state", ())
         ):
             raise StateMismatch(name, found[1], found[0])
-        own = getattr(part, "check_state_dict", None)
-        if own is not None:
-            try:
+        try:
+            if (own := getattr(part, "check_state_dict", None)) is not None:
                 own(tree[name])
-            except (ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
-                raise StateMismatch(
-                    name, str(e) or type(e).__name__, getattr(e, "key", ())
-                ) from None
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
+            raise StateMismatch(name, str(e) or type(e).__name__, getattr(e, "key", ())) from None
 
 
 def restore(parts: Mapping, tree: Mapping, only: tuple[str, ...] = PARTS) -> None:

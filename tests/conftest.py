@@ -8,6 +8,7 @@ not depend on the cwd).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -206,23 +207,10 @@ def wait_until(predicate, what: str, proc: Proc | None = None, limit: float = 60
 
 
 @pytest.fixture
-def preempt_at(monkeypatch):
-    """preempt_at(k): a SIGTERM arrives during update k (the handler's flag, as the real handler sets it)."""
-    import pipeline.trainer.loop as loop
-    from pipeline.run.signals import SIGNALS_STATE
-
-    real = loop.train_step
-    target = {"step": None}
-
-    def step(state):
-        record = real(state)
-        if state.step == target["step"]:
-            SIGNALS_STATE.received = signal.SIGTERM
-        return record
-
-    monkeypatch.setattr(loop, "train_step", step)
-    yield lambda k: target.update(step=k)
-    SIGNALS_STATE.received = None
+def preempt_at():
+    """preempt_at(k): a SIGTERM arrives during update k (sigterm_during, for the test's length)."""
+    with sigterm_during() as at:
+        yield at
 
 
 @pytest.fixture
@@ -455,16 +443,19 @@ def shared_mlflow_server(tmp_path_factory):
         yield uri, root / "server-artifacts"
 
 
-def tree(root: Path, mtimes: str = "files") -> dict:
-    """Every entry under `root` by relative path: its kind, size, mode, content (a file's sha256, a link's
-    target) and mtime (mtimes="files": of files only; "all"; "none"), nothing followed or changed."""
+def tree(root: Path, mtimes: str = "files", skip: Path | None = None) -> dict:
+    """Every entry under `root` (but `skip` and what it holds) by relative path: its kind, size, mode, content (a
+    file's sha256, a link's target) and mtime (mtimes="files": of files only; "all"; "none"), nothing followed
+    or changed."""
     import hashlib
     import stat
 
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if Path(dirpath) / d != skip]
         for name in sorted(dirnames + filenames):
-            p = Path(dirpath) / name
+            if (p := Path(dirpath) / name) == skip:
+                continue
             st = p.lstat()
             kind = stat.S_IFMT(st.st_mode)
             content = (
@@ -538,3 +529,54 @@ def text_overrides(path: Path) -> tuple[str, ...]:
         "tracking=none",
         "trainer.progress_bar=false",
     )
+
+
+# --- shared by many test files (issue 40: one of each) -----------------------------------------------------
+@contextlib.contextmanager
+def sigterm_during(step: int | None = None):
+    """Inside the block a SIGTERM arrives during update `step` (the handler's flag, as the real handler sets it);
+    it yields at(k), which moves it to update k (None: none). Usable by a fixture of any scope."""
+    import pipeline.trainer.loop as loop
+    from pipeline.run.signals import SIGNALS_STATE
+
+    real, target = loop.train_step, {"step": step}
+
+    def train_step(state):
+        record = real(state)
+        if state.step == target["step"]:
+            SIGNALS_STATE.received = signal.SIGTERM
+        return record
+
+    loop.train_step = train_step
+    try:
+        yield lambda k: target.update(step=k)
+    finally:
+        loop.train_step, SIGNALS_STATE.received = real, None
+
+
+def relist(directory: Path, name: str | None = None, drop: str | None = None, **fields) -> None:
+    """Rewrite a checkpoint's manifest.json as if it had been written so: `name`'s size and sha256 as the file is
+    now, `drop`'s entry removed, `fields` set."""
+    import json
+
+    from pipeline.checkpoint.directory import MANIFEST
+
+    m = json.loads((directory / MANIFEST).read_text())
+    if name:
+        h = hashlib.sha256()
+        with open(directory / name, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        m["files"][name] = {"size": (directory / name).stat().st_size, "sha256": h.hexdigest()}
+    if drop:
+        del m["files"][drop]
+    m.update(fields)
+    (directory / MANIFEST).write_text(json.dumps(m))
+
+
+@pytest.fixture(scope="module")
+def finished(request, finished_job) -> Path:
+    """The output directory of a run trained to its end, shared by every test that asks for the same run: the
+    test module's FINISHED overrides (default KERNODECK: checkpoints at 6 and 10, best and final links). Read it;
+    copy it to change it."""
+    return finished_job(*getattr(request.module, "FINISHED", KERNODECK))

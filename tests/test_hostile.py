@@ -5,7 +5,6 @@ and a byte-for-byte unchanged tree outside the run directory (and inside it, for
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import KERNODECK, TINY, env_for_subprocess, the_run
+from conftest import KERNODECK, TINY, env_for_subprocess, relist, the_run, tree
 from safetensors.numpy import load_file, save_file
 
 pytestmark = pytest.mark.slow
@@ -45,17 +44,6 @@ class Case:
 
 def step(run: Path, n: int) -> Path:
     return run / "checkpoints" / f"step-{n:08d}"
-
-
-def relist(directory: Path, name: str) -> None:
-    m = json.loads((directory / "manifest.json").read_text())
-    data_size = (directory / name).stat().st_size
-    h = hashlib.sha256()
-    with open(directory / name, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    m["files"][name] = {"size": data_size, "sha256": h.hexdigest()}
-    (directory / "manifest.json").write_text(json.dumps(m))
 
 
 def edit_manifest(change):
@@ -839,36 +827,6 @@ open(sys.argv[1], "w").write(str(usage.ru_maxrss))
 sys.exit(os.waitstatus_to_exitcode(status) % 256 if os.waitstatus_to_exitcode(status) >= 0 \
 else 128 - os.waitstatus_to_exitcode(status))
 """
-
-
-@pytest.fixture(scope="module")
-def finished(finished_job) -> Path:
-    """A finished kernodeck run (checkpoints at 6 and 10, best and final links), copied by every case."""
-    return finished_job(*KERNODECK)
-
-
-def tree(root: Path, skip: Path | None = None) -> dict:
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        if skip is not None and Path(dirpath) == skip.parent:
-            dirnames[:] = [d for d in dirnames if Path(dirpath) / d != skip]
-        for name in sorted(dirnames + filenames):
-            p = Path(dirpath) / name
-            if skip is not None and p == skip:
-                continue
-            st = p.lstat()
-            if p.is_symlink():
-                content = os.readlink(p)
-            elif p.is_file():
-                h = hashlib.sha256()
-                with open(p, "rb") as f:
-                    while chunk := f.read(1 << 22):
-                        h.update(chunk)
-                content = h.hexdigest()
-            else:
-                content = None
-            out[str(p.relative_to(root))] = (content, st.st_size, st.st_mode)
-    return out
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -20,14 +20,8 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.checkpoint.manifest import git_info
-from pipeline.config.errors import (
-    EXIT_BAD_INPUT,
-    EXIT_ERROR,
-    EXIT_PREEMPTED,
-    CommandError,
-    ConfigError,
-    Refusal,
-)
+from pipeline.config import errors
+from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, ConfigError
 from pipeline.config.identity import experiment_name, is_machine_key
 from pipeline.config.targets import as_given, hydra_quoted, literal, parse_overrides
 from pipeline.files import atomic, jsonio, names, reading
@@ -38,13 +32,12 @@ from pipeline.run.tracker import SweepParent
 from pipeline.sweep.summary import best_job, read_jobs, shown_value, sweep_table, swept_values
 
 log = logging.getLogger("pipeline")
-STORE_WAIT = (
-    0.5  # seconds the launcher gives the tracking store to answer whether it can be written
-)
+STORE_WAIT = 0.5  # seconds the launcher gives the tracking store to say whether it can be written
 # Sweeper settings that do not make another sweep: where Optuna keeps the study (set here, in the sweep
 # directory) and how many trials it should hold (a re-run with more continues the same study).
 NOT_IDENTITY = ("storage", "study_name", "n_trials")
 OPTUNA_DB = "optuna.db"
+GROUPS = ("model", "data")  # what names a sweep's experiment beside its name
 MAX_JOBS = 10_000  # a sweep's bound, counted before the sweeper expands its overrides (docs/tracking.md: Sweeps)
 
 
@@ -69,7 +62,7 @@ def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, s
 
 def _stop(code: int, message: str) -> None:
     """The sweep refused: Hydra makes a warning of a callback's Exception and goes on, not of a Refusal."""
-    raise Refusal(CommandError(message, exit_code=code))
+    raise errors.Refusal(errors.CommandError(message, exit_code=code))
 
 
 def job_count(task_overrides: list[str], sweeper: dict) -> int:
@@ -79,26 +72,22 @@ def job_count(task_overrides: list[str], sweeper: dict) -> int:
     params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
     n = 1
     for o in parse_overrides([*task_overrides, *params]):
-        value = o.value() if o.is_sweep_override() else None
-        if isinstance(value, ChoiceSweep):
-            n *= len(value.list)
-        elif (
-            isinstance(value, RangeSweep)
-            and value.step
-            and value.start is not None
-            and value.stop is not None
-        ):
-            n *= max(0, math.ceil((value.stop - value.start) / value.step))
+        v = o.value() if o.is_sweep_override() else None
+        if isinstance(v, ChoiceSweep):
+            n *= len(v.list)
+        elif isinstance(v, RangeSweep) and v.step and v.start is not None and v.stop is not None:
+            n *= max(0, math.ceil((v.stop - v.start) / v.step))
     return n
 
 
 def job_name(overrides: list[str], keys) -> str:
-    """The swept values of one job, as a person reads them: `optimizer.lr=0.003162 model.n_layer=2` (floats
-    shortened by shown_value)."""
+    """A job's swept values as a person reads them: `optimizer.lr=0.003162 model.n_layer=2` (shown_value)."""
     picked = [f"{k}={shown_value(v)}" for k, v in swept_values(overrides, keys).items()]
-    return " ".join(picked) or " ".join(
-        o for o in overrides if not is_machine_key(o.split("=", 1)[0].lstrip("+~"))
-    )
+    return " ".join(picked or (o for o in overrides if not _machine(o)))
+
+
+def _machine(override: str) -> bool:
+    return is_machine_key(override.split("=", 1)[0].lstrip("+~"))
 
 
 def _slurm_jobs(launcher) -> Path | None:
@@ -111,22 +100,20 @@ def _slurm_jobs(launcher) -> Path | None:
 
 
 def swept_monitor_inputs(keys) -> bool:
-    """True if a swept key may change what check_monitors says from job to job (a group such as `experiment` may
-    set anything)."""
+    """True if a swept key may change what check_monitors says from job to job (`experiment` may set anything)."""
     from pipeline.run.assemble import MONITOR_KEYS
 
     def related(k: str) -> bool:
-        return k == "experiment" or any(
-            k == m or k.startswith((f"{m}.", f"{m}/")) or m.startswith(f"{k}.")
-            for m in MONITOR_KEYS
-        )
+        keys = MONITOR_KEYS
+        under = (k == m or k.startswith((f"{m}.", f"{m}/")) or m.startswith(f"{k}.") for m in keys)
+        return k == "experiment" or any(under)
 
     return any(related(str(k).lstrip("+~")) for k in keys)
 
 
 def refuse_monitors(config: DictConfig, swept_keys) -> None:
     """A monitor or optimized_metric every job shares that names no metric the jobs log: one line and exit 2,
-    before the sweep writes anything (one that a swept key may change is each job's own refusal, recorded)."""
+    before the sweep writes anything (one a swept key may change is each job's own refusal)."""
     from pipeline.run.assemble import MONITOR_KEYS, check_monitors
 
     if swept_monitor_inputs(swept_keys):
@@ -142,8 +129,7 @@ def refuse_monitors(config: DictConfig, swept_keys) -> None:
 
 @dataclass
 class _Start:
-    """What a sweep's start changed, to undo if no job ever runs: the directories it made, and the files of an
-    existing sweep directory as they were (None: absent)."""
+    """What a sweep's start changed, to undo if no job runs: the directories made, the files as they were."""
 
     directory: Path
     made: atomic.NewDirs
@@ -151,8 +137,8 @@ class _Start:
 
 
 def parent_run(tracking) -> SweepParent:
-    """The sweep's parent run, through the interface the `tracking` node's tracker names (`sweep_parent`); for
-    tracking=none (or a tracker without one) the no-op, and nothing of pipeline/tracking/ is imported."""
+    """The parent run through the `tracking` node's tracker's `sweep_parent`; for tracking=none the no-op, and
+    nothing of pipeline/tracking/ is imported."""
     node = _plain(tracking)
     if not isinstance(node, dict) or not node.get("_target_"):
         return SweepParent()
@@ -160,61 +146,46 @@ def parent_run(tracking) -> SweepParent:
         tracker = get_class(str(node["_target_"]))
     except Exception as e:
         _stop(EXIT_BAD_INPUT, f"tracking._target_={node['_target_']}: {str(e).splitlines()[0]}")
-    return getattr(tracker, "sweep_parent", SweepParent)(
-        **{k: v for k, v in node.items() if not k.startswith("_")}
-    )
+    settings = {k: v for k, v in node.items() if not k.startswith("_")}
+    return getattr(tracker, "sweep_parent", SweepParent)(**settings)
 
 
 def job_of(hydra_cfg) -> SweepJob:
     """The job a multirun's task runs, from sweep.json and Hydra's job number and overrides; without a directory
     if there is no sweep callback, `unreadable` (bad input, one line) if sweep.json is not a sweep's record."""
-    if not any(
-        isinstance(c, (dict, DictConfig))
-        and c.get("_target_") == f"{__name__}.{SweepCallback.__name__}"
-        for c in (hydra_cfg.get("callbacks") or {}).values()
-    ):
+    ours = f"{__name__}.{SweepCallback.__name__}"
+    callbacks = (hydra_cfg.get("callbacks") or {}).values()
+    if not any(isinstance(c, (dict, DictConfig)) and c.get("_target_") == ours for c in callbacks):
         return SweepJob()
-    directory = str(hydra_cfg.sweep.dir)  # the launcher's override: <output_dir>/sweeps/<name>-<id>
-    overrides = as_given(hydra_cfg.overrides.task)
-    path = Path(directory) / "sweep.json"
+    # the launcher's override: <output_dir>/sweeps/<name>-<id>
+    directory, overrides = Path(str(hydra_cfg.sweep.dir)), as_given(hydra_cfg.overrides.task)
+    path, num = directory / "sweep.json", int(hydra_cfg.job.get("num", 0))
+    problem: str | None = None
     try:
         sweep = jsonio.read(path, MAX_SWEEP_JSON)
-    except (OSError, jsonio.JSONError) as e:
-        problem: str | None = (
-            str(e)
-            if isinstance(e, (reading.UnreadableFile, jsonio.JSONError))
-            else f"{path}: {e.strerror}"
-        )
+    except (reading.UnreadableFile, jsonio.JSONError) as e:
+        problem = str(e)
+    except OSError as e:
+        problem = f"{path}: {e.strerror}"
     else:
-        ok = (
-            isinstance(sweep, dict)
-            and isinstance(sweep.get("id"), str)
-            and isinstance(sweep.get("swept"), dict)
-        )
+        ok = isinstance(sweep, dict) and isinstance(sweep.get("id"), str)
+        ok = ok and isinstance(sweep.get("swept"), dict)
         offset = sweep.get("job_offset") if ok else None
-        problem = (
-            None
-            if ok
-            else f"{path}: not a sweep's record (an object with an id and what it sweeps)"
-        )
-        if ok and offset is not None and not (type(offset) is int and 0 <= offset <= 10**9):
+        if not ok:
+            problem = f"{path}: not a sweep's record (an object with an id and what it sweeps)"
+        elif offset is not None and not (type(offset) is int and 0 <= offset <= 10**9):
             problem = f"{path}: job_offset must be a non-negative integer (the trials its study held), got {offset!r}"
     if problem is not None:
-        return SweepJob(
-            dir=Path(directory),
-            overrides=overrides,
-            num=int(hydra_cfg.job.get("num", 0)),
-            unreadable=f"{problem}; the sweep's launcher writes it before any job: re-run the sweep",
-        )
+        why = f"{problem}; the sweep's launcher writes it before any job: re-run the sweep"
+        return SweepJob(dir=directory, overrides=overrides, num=num, unreadable=why)
+    tracked = "uri" in sweep and not sweep.get("tracking_off")
     return SweepJob(
-        dir=Path(directory),
+        dir=directory,
         sweep_id=sweep["id"],
         overrides=overrides,
-        num=int(hydra_cfg.job.get("num", 0)) + int(sweep.get("job_offset") or 0),
+        num=num + int(sweep.get("job_offset") or 0),
         name=job_name(overrides, sweep["swept"]),
-        parent={"sweep_id": sweep["id"]}
-        if "uri" in sweep and not sweep.get("tracking_off")
-        else None,
+        parent={"sweep_id": sweep["id"]} if tracked else None,
         parallel=not str(sweep.get("launcher", "")).endswith(".BasicLauncher"),
         tracking_off=sweep.get("tracking_off"),
         started=time.time(),
@@ -223,20 +194,13 @@ def job_of(hydra_cfg) -> SweepJob:
 
 class SweepCallback(Callback):
     def __init__(self) -> None:
-        self.sweep: dict | None = (
-            None  # what sweep.json says: id, dir, name, swept, uri, direction, status ...
-        )
-        self.parent: SweepParent = (
-            SweepParent()
-        )  # the sweep's parent run, through the tracker's interface
+        # what sweep.json says: id, dir, name, swept, uri, direction, status ...
+        self.sweep: dict | None = None
+        self.parent: SweepParent = SweepParent()  # the parent run, through the tracker's interface
         self.launcher_pid: int | None = None  # the process that started the sweep
         self.launched = False  # its parent run asked for, its line said
-        self.indexed = (
-            False  # an index was asked for its parent run: it holds the sweep's first start
-        )
-        self.start: _Start | None = (
-            None  # what its start changed, for the entry point's undo (this process only)
-        )
+        self.indexed = False  # an index was asked for its parent run: it holds the first start
+        self.start: _Start | None = None  # what its start changed, for the entry's undo (here only)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "start": None}  # Hydra pickles this object to every job
@@ -248,14 +212,11 @@ class SweepCallback(Callback):
         sweeper = _plain(hydra.sweeper, resolve=False) or {}
         identity = {
             "name": str(config.get("name", "")),
-            "overrides": sorted(
-                o for o in task if not is_machine_key(o.split("=", 1)[0].lstrip("+~"))
-            ),
+            "overrides": sorted(o for o in task if not _machine(o)),
             "sweeper": {k: v for k, v in sweeper.items() if k not in NOT_IDENTITY},
         }
-        if (
-            why := names.problem(identity["name"] or "sweep")
-        ) is not None:  # <output_dir>/sweeps/<name>-<id>
+        # <output_dir>/sweeps/<name>-<id>
+        if (why := names.problem(identity["name"] or "sweep")) is not None:
             _stop(EXIT_BAD_INPUT, f"name={names.shown(identity['name'])}: {why}")
         if (count := job_count(task, sweeper)) > MAX_JOBS:  # before anything is written or expanded
             _stop(
@@ -266,41 +227,32 @@ class SweepCallback(Callback):
         refuse_monitors(config, swept(task, sweeper.get("params")))
         try:
             self._start(config, hydra, task, sweeper, identity)
-        except (
-            atomic.UnsafePathError
-        ) as e:  # a link planted at sweeps/ (or another of the output directory's entries)
+        # a link planted at sweeps/ (or another of the output directory's entries)
+        except atomic.UnsafePathError as e:
             _stop(EXIT_BAD_INPUT, str(e))
         except OSError as e:
             if (message := atomic.environment_error(e)) is None:
                 raise
-            _stop(EXIT_ERROR, message)
+            _stop(errors.EXIT_ERROR, message)
 
-    def _start(
-        self, config: DictConfig, hydra, task: list[str], sweeper: dict, identity: dict
-    ) -> None:
+    def _start(self, config: DictConfig, hydra, task: list, sweeper: dict, identity: dict) -> None:
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
-        atomic.check_output_dir(
-            Path(str(config.paths.output_dir))
-        )  # before its files are read or anything is made
-        target = Path(
-            os.path.abspath(config.paths.output_dir),
-            "sweeps",
-            f"{identity['name'] or 'sweep'}-{sweep_id}",
-        )
-        files: dict[
-            str, bytes | None
-        ] = {}  # what the launcher writes before its first job, as it was (None: absent)
+        output_dir = Path(str(config.paths.output_dir))
+        atomic.check_output_dir(output_dir)  # before its files are read or anything is made
+        named = f"{identity['name'] or 'sweep'}-{sweep_id}"
+        target = Path(os.path.abspath(output_dir), "sweeps", named)
+        # what the launcher writes before its first job, as it was (None: absent); a study found there
+        # stays as it is, and so does a file that does not read
+        files: dict[str, bytes | None] = {}
         for name in ("sweep.json", "multirun.yaml", OPTUNA_DB):
             if not os.path.lexists(target / name):
                 files[name] = None
-            elif (
-                name != OPTUNA_DB
-            ):  # a study found there stays as it is, and so does a file that does not read
+            elif name != OPTUNA_DB:
                 with contextlib.suppress(OSError):
                     files[name] = reading.read_bytes(target / name, MAX_SWEEP_RECORD)
         self.start = _Start(target, atomic.NewDirs(target), files)
         self.parent = parent_run(config.get("tracking"))
-        directory = atomic.ensure_dirs(Path(str(config.paths.output_dir)), "sweeps", target.name)
+        directory = atomic.ensure_dirs(output_dir, "sweeps", target.name)
         with open_dict(hydra):  # the launcher's and, composed again with this override, every job's
             hydra.sweep.dir = literal(str(directory))  # a `${` in the path stays text
             hydra.overrides.hydra.append(f"hydra.sweep.dir={hydra_quoted(literal(str(directory)))}")
@@ -310,47 +262,29 @@ class SweepCallback(Callback):
         direction = "maximize" if best_val.get("mode") == "max" else "minimize"
         optuna = "optuna" in str(sweeper.get("_target_", ""))
         given = ("hydra.sweeper.direction=", "++hydra.sweeper.direction=")
+        # what the jobs return is best-val's best: minimise or maximise
         if optuna and not any(o.startswith(given) for o in as_given(hydra.overrides.hydra)):
             with open_dict(hydra.sweeper):
-                hydra.sweeper.direction = (
-                    direction  # what the jobs return is best-val's best: minimise or maximise
-                )
+                hydra.sweeper.direction = direction
         try:
             previous = jsonio.read(directory / "sweep.json", MAX_SWEEP_JSON)
         except (OSError, ValueError):
             previous = {}
-        started = (
-            previous.get("started")
-            if isinstance(previous.get("started"), (int, float))
-            else time.time()
-        )
+        started = previous.get("started")
+        started = started if isinstance(started, (int, float)) else time.time()
         offset = _optuna_study(hydra, sweeper, directory, sweep_id) if optuna else 0
-        self.sweep = {
-            "id": sweep_id,
-            "dir": str(directory),
-            "name": identity["name"],
-            "swept": swept(task, sweeper.get("params")),
-            "direction": direction,
-            "objective": config.get("optimized_metric")
-            or (f"best/{best_val['monitor']}" if best_val else None),
-            "launcher": str(hydra.launcher.get("_target_", "")),
-            "sweeper": str(sweeper.get("_target_", "")),
-            "overrides": task,
-            "started": started,
-            "status": "running",
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "git_sha": git_info().get("git_sha"),
-            "job_offset": offset,
-        }
+        objective = f"best/{best_val['monitor']}" if best_val else None
+        sweep = {"id": sweep_id, "dir": str(directory), "name": identity["name"]}
+        sweep |= {"swept": swept(task, sweeper.get("params")), "direction": direction}
+        sweep |= {"objective": config.get("optimized_metric") or objective}
+        sweep["launcher"] = str(hydra.launcher.get("_target_", ""))
+        sweep["sweeper"] = str(sweeper.get("_target_", ""))
+        sweep |= {"overrides": task, "started": started, "status": "running", "pid": os.getpid()}
+        sweep |= {"host": socket.gethostname(), "git_sha": git_info().get("git_sha")}
+        self.sweep = sweep | {"job_offset": offset}
         # the parent's experiment, also for a sweep tracked by none (reindex puts the parent beside its children)
-        self.sweep["experiment"] = experiment_name(
-            str(config.get("name", "")),
-            *(
-                str(OmegaConf.select(config, f"{g}._target_", default=""))
-                for g in ("model", "data")
-            ),
-        )
+        parts = (str(OmegaConf.select(config, f"{g}._target_", default="")) for g in GROUPS)
+        self.sweep["experiment"] = experiment_name(str(config.get("name", "")), *parts)
         self.sweep.update(self.parent.facts(timeout=STORE_WAIT))
         atomic.replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
         self.launcher_pid = os.getpid()
@@ -381,36 +315,25 @@ class SweepCallback(Callback):
     def _report(summary: dict) -> None:
         """The end table on stderr, then the exit line and code unless every job of this launch completed."""
         print(*summary["table"], sep="\n", file=sys.stderr)
-        failed = summary["failed"]
+        failed, of = summary["failed"], f"of {len(summary['jobs'])} jobs"
         if summary["status"] == "interrupted":
-            said = (
-                f"{len(failed)} of {len(summary['jobs'])} jobs did not finish"
-                if summary["jobs"]
-                else "no job ran"
-            )
-            print(
-                f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it",
-                file=sys.stderr,
-            )
+            said = f"{len(failed)} {of} did not finish" if summary["jobs"] else "no job ran"
+            said = f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it"
+            print(said, file=sys.stderr)
             raise SystemExit(EXIT_PREEMPTED)
         if failed:
-            listing = "; ".join(
+            each = (
                 f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
                 for n, j in failed.items()
             )
-            print(
-                f"pipeline: {len(failed)} of {len(summary['jobs'])} jobs failed: {listing}",
-                file=sys.stderr,
-            )
+            listing = "; ".join(each)
+            print(f"pipeline: {len(failed)} {of} failed: {listing}", file=sys.stderr)
             raise SystemExit(min(int(j.get("code", 1)) for j in failed.values()))
 
     # --- the entry point, when the sweeper or Hydra raised in the launching process
     def discard_unlaunched(self) -> bool:
-        """Undo this sweep's start if no job ever ran (Hydra could not compose them, or the sweeper raised first):
-        what its start wrote goes, the directories it made too (an earlier sweep's directory gets its files
-        back), so that no sweep is left `running`; False if it had a job, an index was asked for its parent run
-        (it holds the sweep: its record and first start stay, for a re-run and a rebuild), or there is nothing to
-        undo."""
+        """Undo this sweep's start if no job ran (no sweep left `running`); False if it had a job, an index was asked
+        for its parent run (its record and first start stay, for a re-run and a rebuild), or nothing to undo."""
         start, self.start = self.start, None
         if start is None or self.indexed:
             return False
@@ -430,28 +353,22 @@ class SweepCallback(Callback):
         return True
 
     def end_unfinished(self, error: str) -> bool:
-        """End this sweep if its sweeper raised in the process that launched it, and it has not ended; one that
-        was interrupted (whatever its sweeper or launcher made of the signal) ends as interrupted, exit 75, and
-        one whose jobs failed says so and exits with their code, as at a sweep's end."""
+        """End this sweep if its sweeper raised in its launching process before it ended: as at a sweep's end
+        (interrupted: exit 75, whatever its sweeper made of the signal; failed jobs: their code)."""
         if self.sweep is None:
             return False
         try:
             sweep = jsonio.read(Path(self.sweep["dir"]) / "sweep.json", MAX_SWEEP_JSON)
         except (OSError, ValueError):
             return False
-        if (sweep.get("pid"), sweep.get("host"), sweep.get("status")) != (
-            os.getpid(),
-            socket.gethostname(),
-            "running",
-        ):
+        mine = (os.getpid(), socket.gethostname(), "running")
+        if (sweep.get("pid"), sweep.get("host"), sweep.get("status")) != mine:
             return False
         summary = end(sweep, error, self.parent)
-        if (
-            summary["status"] == "interrupted" or summary["failed"]
-        ):  # what its sweeper stumbled on (Optuna's best
-            self._report(
-                summary
-            )  # trial, when none completed): the table, the jobs' failures and their code
+        # what its sweeper stumbled on (Optuna's best trial, when none completed): the table, the jobs'
+        # failures and their code
+        if summary["status"] == "interrupted" or summary["failed"]:
+            self._report(summary)
         return True
 
 
@@ -463,9 +380,8 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
     # its new ones (from job_offset) decide whether the sweep still has work for a re-run
     launched = {n: j for n, j in jobs.items() if n >= int(sweep.get("job_offset") or 0)}
     failed = {n: j for n, j in launched.items() if j.get("status") != "complete"}
-    interrupted = SIGNALS_STATE.received is not None or any(
-        j.get("code") == EXIT_PREEMPTED for j in launched.values()
-    )
+    stopped = any(j.get("code") == EXIT_PREEMPTED for j in launched.values())
+    interrupted = SIGNALS_STATE.received is not None or stopped
     status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
     sweep.update(status=status, ended_at=time.time(), error=error)
     atomic.replace_file(directory / "sweep.json", jsonio.dumps(sweep))
@@ -476,10 +392,9 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
 def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
     """Point the Optuna sweeper at a study in the sweep directory (unless the command names one), asking only for
     the trials it lacks; returns how many it holds: the first new trial's (and job's) number."""
-    storage = sweeper.get("storage") or {
-        "_target_": "pipeline.sweep.optuna_storage.storage",
-        "url": f"sqlite:///{directory / OPTUNA_DB}",
-    }
+    url = f"sqlite:///{directory / OPTUNA_DB}"
+    ours = {"_target_": "pipeline.sweep.optuna_storage.storage", "url": url}
+    storage = sweeper.get("storage") or ours
     name = sweeper.get("study_name") or sweep_id
     done = held = 0
     if sweeper.get("storage") or (directory / OPTUNA_DB).exists():
@@ -487,9 +402,8 @@ def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         try:
-            trials = optuna.load_study(study_name=name, storage=instantiate(storage)).get_trials(
-                deepcopy=False
-            )
+            study = optuna.load_study(study_name=name, storage=instantiate(storage))
+            trials = study.get_trials(deepcopy=False)
         except KeyError:  # no such study in that storage yet
             trials = []
         held = len(trials)
@@ -498,9 +412,7 @@ def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
         hydra.sweeper.storage, hydra.sweeper.study_name = storage, name
         if isinstance(sweeper.get("n_trials"), int):
             hydra.sweeper.n_trials = max(0, sweeper["n_trials"] - done)
-        seed = (sweeper.get("sampler") or {}).get("seed")
-        if (
-            held and type(seed) is int
-        ):  # seeded as at the start, it would ask for the trials it began with again
+        # seeded as at the start, it would ask for the trials it began with again
+        if held and type(seed := (sweeper.get("sampler") or {}).get("seed")) is int:
             hydra.sweeper.sampler.seed = seed + held
     return held

@@ -34,8 +34,7 @@ class SweepRecordError(ValueError):
 
 
 def direction(sweep: dict) -> str:
-    """ "minimize" or "maximize", as the sweep's start recorded it in sweep.json (from best-val's mode): every
-    record has said it since sweep.json exists, so one without it is refused, never read as a guess."""
+    """ "minimize" or "maximize", as sweep.json recorded it at the start (from best-val's mode): never a guess."""
     value = sweep.get("direction")
     if value not in ("minimize", "maximize"):
         raise SweepRecordError(
@@ -46,41 +45,31 @@ def direction(sweep: dict) -> str:
 
 
 def best_job(jobs: dict[int, dict], sweep: dict) -> dict | None:
-    """The winner the end table marks and the parent's best.* tags name, by the sweep's direction; ties: the
-    first job."""
-    scored = sorted(
-        (j for j in jobs.values() if finite(j.get("objective")) is not None), key=lambda j: j["num"]
-    )
+    """The winner the end table marks and the parent's best.* tags name; ties: the first job."""
+    scored = [j for j in jobs.values() if finite(j.get("objective")) is not None]
     pick = min if direction(sweep) == "minimize" else max
+    scored.sort(key=lambda j: j["num"])
     return pick(scored, key=lambda j: j["objective"]) if scored else None
 
 
-SHOWN_DIGITS = (
-    4  # significant digits of a swept float in a run's name (mlflow's column cuts 18 to `0.0…`)
-)
+# significant digits of a swept float in a run's name (mlflow's column cuts 18 to `0.0…`)
+SHOWN_DIGITS = 4
 TABLE_DIGITS = 6  # ... and in the end table, as a job's own lines print its numbers (`:.6g`)
 _FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][+-]?\d+)")
 
 
 def shown_value(value: str, digits: int = SHOWN_DIGITS) -> str:
-    """A swept value as a run's name shows it: a float literal with at most `digits` significant digits
-    (`0.0031622776601683794` -> `0.003162`; the exact value is in the run's params), anything else as given."""
-    if not _FLOAT.fullmatch(value):
-        return value
-    short = f"{float(value):.{digits}g}"
-    return (
-        value if float(short) == float(value) else short
-    )  # `1.0` and `1e-4` stay as the user wrote them
+    """A float literal with at most `digits` significant digits (`0.0031622776601683794` -> `0.003162`; the
+    run's params hold it exactly); `1.0`, `1e-4` and anything else as given."""
+    short = f"{float(value):.{digits}g}" if _FLOAT.fullmatch(value) else value
+    return value if short == value or float(short) == float(value) else short
 
 
 def parent_name(swept) -> str:
-    """A sweep's parent run's name, by what it sweeps: `lr×n_layer sweep` (a key's last part, whole where two
-    share it)."""
-    keys = list(swept)
-    short = [k.rsplit(".", 1)[-1] for k in keys]
-    return " ".join(
-        ["×".join(s if short.count(s) == 1 else k for s, k in zip(short, keys)), "sweep"]
-    ).strip()
+    """`lr×n_layer sweep`: each swept key's last part (whole where two share it)."""
+    short = [k.rsplit(".", 1)[-1] for k in swept]
+    named = "×".join(s if short.count(s) == 1 else k for s, k in zip(short, swept))
+    return f"{named} sweep".strip()
 
 
 def swept_values(overrides: list[str], keys) -> dict[str, str]:
@@ -93,18 +82,14 @@ def swept_values(overrides: list[str], keys) -> dict[str, str]:
     return out
 
 
-def sweep_table(
-    sweep: dict, jobs: dict[int, dict], best: dict | None, parent: list[str]
-) -> list[str]:
-    """The lines a sweep ends with: every job in job order if at most MAX_ROWS, else the best MAX_ROWS; `best` is
-    the winning job's record (best_job, as the parent's best.* tags), `parent` where that run is."""
+def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: list) -> list[str]:
+    """Every job in job order (the best MAX_ROWS of more), `best` (best_job) marked, `parent`: where it is."""
     keys = list(sweep.get("swept") or {})
     objective = str(sweep.get("objective") or "objective")
     minimize = direction(sweep) == "minimize"
     counts = Counter(str(j.get("status", "unknown")) for j in jobs.values())
-    tally = ", ".join(
-        f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: (kv[0] != "complete", kv[0]))
-    )
+    ordered = sorted(counts.items(), key=lambda kv: (kv[0] != "complete", kv[0]))
+    tally = ", ".join(f"{n} {s}" for s, n in ordered)
     lines = [
         f"sweep {sweep.get('name') or 'sweep'}-{sweep.get('id', '?')}: {len(jobs)} jobs"
         + (f" ({tally})" if tally else "")
@@ -115,38 +100,24 @@ def sweep_table(
     shown = sorted(jobs.values(), key=lambda j: j["num"])
     if len(shown) > MAX_ROWS:  # rank: the scored ones best first, then the rest in job order
         sign = 1 if minimize else -1
-        shown.sort(
-            key=lambda j: (
-                finite(j.get("objective")) is None,
-                sign * (finite(j.get("objective")) or 0.0),
-                j["num"],
-            )
-        )
+        score = {j["num"]: finite(j.get("objective")) for j in shown}
+        shown.sort(key=lambda j: (score[j["num"]] is None, sign * (score[j["num"]] or 0), j["num"]))
         shown = shown[:MAX_ROWS]
     rows = [["job", *keys, objective, "status"]]
     for j in shown:
         values = swept_values(j.get("overrides") or [], keys)
         v = finite(j.get("objective"))
         cells = [shown_value(values.get(k, ""), TABLE_DIGITS) for k in keys]
-        rows.append(
-            [
-                str(j["num"]),
-                *(c if len(c) <= MAX_CELL else c[: MAX_CELL - 3] + "..." for c in cells),
-                "-" if v is None else f"{v:.6g}",
-                str(j.get("status", "unknown")),
-            ]
-        )
+        cells = [c if len(c) <= MAX_CELL else c[: MAX_CELL - 3] + "..." for c in cells]
+        shown_v = "-" if v is None else f"{v:.6g}"
+        rows.append([str(j["num"]), *cells, shown_v, str(j.get("status", "unknown"))])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    numeric = {0, len(widths) - 2}  # the job number and the objective: right-aligned
+    # the job number and the objective: right-aligned
+    just = [str.rjust if i in (0, len(widths) - 2) else str.ljust for i in range(len(widths))]
     for r, row_job in zip(rows, [None, *shown]):  # the header row has no job
-        mark = (
-            "*"
-            if row_job is not None and best is not None and row_job["num"] == best["num"]
-            else " "
-        )
-        cells = [
-            c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
-        ]
+        won = row_job is not None and best is not None and row_job["num"] == best["num"]
+        cells = [j(c, w) for j, c, w in zip(just, r, widths)]
+        mark = "*" if won else " "
         lines.append(f"  {mark} " + "  ".join(cells).rstrip())
     if len(jobs) > len(shown):
         lines.append(
@@ -169,9 +140,6 @@ def read_jobs(directory: Path) -> dict[int, dict]:
             record = jsonio.read(p, MAX_JOB_RECORD)
             out[int(record["num"])] = record
         except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning(
-                "sweep job record %s left out: %s",
-                p,
-                str(e).removeprefix(f"{p}: ") or type(e).__name__,
-            )
+            why = str(e).removeprefix(f"{p}: ") or type(e).__name__
+            log.warning("sweep job record %s left out: %s", p, why)
     return out

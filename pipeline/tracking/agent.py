@@ -17,30 +17,29 @@ import traceback
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pipeline.config.errors import EXIT_ERROR
+from pipeline.config.errors import EXIT_ERROR, CommandError
 from pipeline.files.limits import MAX_LOCK, MAX_REQUEST
-from pipeline.tracking.link import peer_credentials, private_dir, read_line, remove_agent_files
+from pipeline.run.signals import SIGNALS, run_command
+from pipeline.tracking.link import json_lines, peer_credentials, private_dir, remove_agent_files
 
 MAX_PENDING = 1000  # metric points: one log_batch
 FLUSH_EVERY = 1.0  # seconds: each log_batch is a sqlite commit (an fsync); batching spares the disk
 GONE_WAIT = 120.0  # seconds a finished run waits for its job to leave before it is indexed anyway
-TRACE = bool(
-    os.environ.get("PIPELINE_TRACKING_AGENT_TRACE")
-)  # each request's time, in the agent's log
+TRACE = bool(os.environ.get("PIPELINE_TRACKING_AGENT_TRACE"))  # each request's time, in its log
 T0 = time.monotonic()
+EOF = object()
 # Why a process, not a thread: `import mlflow` (~3 s) and opening a store (1-3 s) hold the GIL and would stall
 # training. The Agent imports them once main has bound the socket, so a job connects at once.
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def trace(what: str, started: float) -> None:
     if TRACE:
         now = time.monotonic()
-        print(
-            f"[agent +{now - T0:7.3f} s] {what}: {now - started:.3f} s", file=sys.stderr, flush=True
-        )
-
-
-EOF = object()
+        say(f"[agent +{now - T0:7.3f} s] {what}: {now - started:.3f} s")
 
 
 class Conn:
@@ -61,13 +60,15 @@ class Session:
     def __init__(self, conn: Conn, sid: int):
         self.conn, self.sid = conn, sid
         self.client: Any = None  # its store's MlflowClient, once opened (mlflow is imported lazily)
-        self.uri = ""  # its store, once opened
+        self.uri, self.repo = "", None  # its store, and its run's artifacts once open
         self.run_id: str | None = None
-        self.repo: Any = None
+        self.parent: dict | None = None
         self.logged: set = set()  # (key, step) already in mlflow (a resumed run): not logged again
         self.pending: list = []
         self.failed = False
-        self.parent: dict | None = None
+
+    def send(self, event: str, **fields) -> None:
+        self.conn.send({"sid": self.sid, "event": event, **fields})
 
 
 # JSON lines; each request names a session `sid` unique on its connection; events out: {"sid", "event", ...}.
@@ -97,12 +98,8 @@ class Agent:
             self.import_error = f"{type(e).__name__}: {e}"
         self.sessions: dict[tuple[int, Any], Session] = {}  # (connection, the request's sid)
         self.clients: dict[str, Opened] = {}  # uri -> its store, open
-        self.parents: dict[
-            tuple[str, str], dict
-        ] = {}  # (uri, sweep id) -> its parent run, as made or found
-        self.finishing: list[
-            tuple[Session, dict, float]
-        ] = []  # handed over, indexed once their job has gone
+        self.parents: dict[tuple[str, str], dict] = {}  # (uri, sweep id) -> its parent run
+        self.finishing: list[tuple[Session, dict, float]] = []  # handed over, done once it left
         self.waiters: list[tuple[Conn, object]] = []  # idle requests
 
     def parent_of(self, uri: str, ref: dict | None) -> dict | None:
@@ -111,13 +108,9 @@ class Agent:
         if not isinstance(sweep_id, str):
             return None
         if (uri, sweep_id) not in self.parents:
-            found = self.store.find_parent(self.client(uri), sweep_id)
-            if found is None:
+            if (found := self.store.find_parent(self.opened(uri).client, sweep_id)) is None:
                 return None
-            self.parents[uri, sweep_id] = {
-                "run_id": found.info.run_id,
-                "experiment_id": found.info.experiment_id,
-            }
+            self.parents[uri, sweep_id] = ids_of(found)
         return self.parents[uri, sweep_id]
 
     def fail(self, s: Session, e: BaseException | str) -> None:
@@ -128,31 +121,23 @@ class Agent:
             msg = e if isinstance(e, str) else f"{type(e).__name__}: {''.join(first)}"
             if not isinstance(e, str) and type(e).__name__ != "StoreError":
                 traceback.print_exception(e, file=sys.stderr)
-            s.conn.send({"sid": s.sid, "event": "error", "message": msg[:2000]})
+            s.send("error", message=msg[:2000])
 
     def opened(self, uri: str, artifact_root: str | None = None) -> Opened:
         """The store at `uri`, opened once, and again once a sqlite store's file is not the one opened (removed or
         replaced: `rm -rf outputs`, a rebuild), whose connections would write to a deleted file."""
         have = self.clients.get(uri)
         if have is not None and have.file != _file_of(uri):
-            print(
-                f"tracking agent: the mlflow store {uri} was removed or replaced since it was opened: opened anew",
-                file=sys.stderr,
-                flush=True,
-            )
+            why = f"tracking agent: the mlflow store {uri} was removed or replaced since it was opened"
+            say(f"{why}: opened anew")
             self.store.forget_store(uri)
-            self.parents = {
-                k: v for k, v in self.parents.items() if k[0] != uri
-            }  # runs of the old store
+            self.parents = {k: v for k, v in self.parents.items() if k[0] != uri}  # the old store's
             del self.clients[uri]
             have = None
         if have is None:
             client, warning = self.store.open_store(uri, artifact_root)
             have = self.clients[uri] = Opened(client, artifact_root, _file_of(uri), warning)
         return have
-
-    def client(self, uri: str, artifact_root: str | None = None):
-        return self.opened(uri, artifact_root).client
 
     def warned(self, uri: str) -> dict:
         """The store's warning (a sqlite store shared beyond one machine) for the job's own output: {} if none."""
@@ -162,47 +147,39 @@ class Agent:
     # --- a job's run, live
     def open(self, s: Session, m: dict) -> None:
         s.uri = uri = m["uri"]
-        s.client = client = self.client(uri, m.get("artifact_location"))
+        s.client = client = self.opened(uri, m.get("artifact_location")).client
         parent = s.parent = self.parent_of(uri, m.get("parent"))
         previous = m.get("previous_run_uri")
         prev_uri, _, prev_id = self.common.parse_run_uri(previous)
         tags = {**m["tags"], **({"mlflow.parentRunId": parent["run_id"]} if parent else {})}
-        experiment = parent["experiment_id"] if parent else None
+
+        def experiment() -> str:
+            if parent:
+                return parent["experiment_id"]
+            return self.store.ensure_experiment(client, m["experiment"], m.get("artifact_location"))
+
+        # continued_from: a fork, or a run indexed in another store
+        candidates = [prev_id] if prev_id and prev_uri in (None, uri) else []
+        created = {"continued_from": previous} if previous else None
         run, tags, _ = self.index.open_run(
-            client,
-            m["run_dir"],
-            [prev_id] if prev_id and prev_uri in (None, uri) else [],
-            tags,
-            m.get("start_time"),
-            lambda: (
-                experiment
-                or self.store.ensure_experiment(client, m["experiment"], m.get("artifact_location"))
-            ),
-            {"continued_from": previous} if previous else None,
-        )  # a fork, or a run indexed in another store
-        s.logged = self.store.logged_steps(client, run.info.run_id, run.data.metrics.keys())
+            client, m["run_dir"], candidates, tags, m.get("start_time"), experiment, created
+        )
+        s.run_id, ids = run.info.run_id, ids_of(run)
+        s.logged = self.store.logged_steps(client, s.run_id, run.data.metrics.keys())
         if run.info.status != "RUNNING":
-            client.update_run(run.info.run_id, status="RUNNING")
+            client.update_run(s.run_id, status="RUNNING")
         self.store.sync_tags(client, run, tags, self.common.DERIVED_RUN_TAGS)
         self.store.sync_params(client, run, m["params"])
-        s.run_id = run.info.run_id
         s.repo = self.store.artifact_repo(client, s.run_id)
-        s.conn.send(
-            {
-                "sid": s.sid,
-                "event": "ready",
-                "run_id": s.run_id,
-                "experiment_id": run.info.experiment_id,
-                "uri": self.common.run_uri(uri, run.info.experiment_id, s.run_id),
-                **self.warned(uri),
-            }
-        )
+        s.send("ready", **ids, uri=self.run_uri(uri, ids), **self.warned(uri))
+
+    def run_uri(self, uri: str, ids: dict) -> str:
+        return self.common.run_uri(uri, ids["experiment_id"], ids["run_id"])
 
     def metrics(self, s: Session, m: dict) -> None:
         for line in m["lines"]:
-            s.pending += [
-                p for p in self.common.metric_points(line) if (p[0], p[3]) not in s.logged
-            ]
+            points = self.common.metric_points(line)
+            s.pending += [p for p in points if (p[0], p[3]) not in s.logged]  # (key, step)
         if len(s.pending) >= MAX_PENDING:
             self.flush(s)
 
@@ -221,97 +198,65 @@ class Agent:
         self.finishing.append((s, m, time.monotonic() + GONE_WAIT))
 
     def finish_gone(self, complete: Path | None = None) -> None:
-        """Complete each handed-over run whose job has left (nothing changes then), or whose run directory is
-        `complete` (resolved; a later job of the same process holds it only to find it done): its points and
-        status, then artifacts."""
+        """Complete (points and status, then artifacts) each handed-over run whose job has left, or whose run
+        directory is `complete` (resolved: a later job of the same process holds it only to find it done)."""
         waiting, done = [], []
         for s, m, deadline in self.finishing:
-            if (
-                Path(m["run_dir"]).resolve() != complete
-                and _held_by(Path(m["run_dir"]), m.get("pid"))
-                and time.monotonic() < deadline
-            ):
+            run_dir = Path(m["run_dir"])
+            busy = run_dir.resolve() != complete and _held_by(run_dir, m.get("pid"))
+            if busy and time.monotonic() < deadline:
                 waiting.append((s, m, deadline))
                 continue
-            started = time.monotonic()
+            started, root = time.monotonic(), self.clients[s.uri].artifact_root
             try:
                 r = self.index.sync_run(
-                    s.client,
-                    s.uri,
-                    Path(m["run_dir"]),
-                    self.clients[s.uri].artifact_root,
-                    s.parent,
-                    m.get("job"),
-                    artifacts=False,
+                    s.client, s.uri, run_dir, root, s.parent, m.get("job"), artifacts=False
                 )
-                done.append((s, m, r))
+                done.append((s, run_dir, r))
             except Exception as e:
                 self.fail(s, e)
             trace("finish: the run complete", started)
         self.finishing = waiting
-        for s, m, r in done:
+        for s, run_dir, r in done:
             started = time.monotonic()
             try:
                 if "run_id" in r:
-                    self.index.sync_artifacts(s.client, r["run_id"], Path(m["run_dir"]))
+                    self.index.sync_artifacts(s.client, r["run_id"], run_dir)
                     trace("finish: its artifacts", started)
-                s.conn.send({"sid": s.sid, "event": "finished"})
+                s.send("finished")
             except Exception as e:
                 self.fail(s, e)
 
     def attach(self, s: Session, m: dict) -> None:
         """A job whose run directory was complete before it started: indexed (its run made if the store lacks it)."""
+        run_dir, uri, where = Path(m["run_dir"]), m["uri"], m.get("artifact_location")
         if self.finishing:  # the run this repeats, handed over by an earlier job of the same process: complete first
-            self.finish_gone(complete=Path(m["run_dir"]).resolve())
-        client = self.client(m["uri"], m.get("artifact_location"))
-        parent, job = self.parent_of(m["uri"], m.get("parent")), m.get("job") or {}
-        r = self.index.index_job(
-            client, m["uri"], Path(m["run_dir"]), m.get("artifact_location"), parent, job
-        )
-        uri = (
-            self.common.run_uri(m["uri"], r["experiment_id"], r["run_id"])
-            if "run_id" in r
-            else None
-        )
-        s.conn.send({"sid": s.sid, "event": "finished", "uri": uri})
+            self.finish_gone(complete=run_dir.resolve())
+        client = self.opened(uri, where).client
+        parent, job = self.parent_of(uri, m.get("parent")), m.get("job") or {}
+        r = self.index.index_job(client, uri, run_dir, where, parent, job)
+        s.send("finished", uri=self.run_uri(uri, r) if "run_id" in r else None)
 
     # --- a sweep's parent run
     def parent_start(self, s: Session, m: dict) -> None:
         """The sweep's parent, made from its sweep.json by the code reindex uses (pipeline/tracking/index.py)."""
-        client = self.client(m["uri"], m.get("artifact_location"))
-        run, created = self.index.open_parent(
-            client, Path(m["sweep_dir"]), m.get("artifact_location")
-        )
+        where = m.get("artifact_location")
+        client = self.opened(m["uri"], where).client
+        run, created = self.index.open_parent(client, Path(m["sweep_dir"]), where)
         if not created:  # the same sweep again: its parent goes on
             client.update_run(run.info.run_id, status="RUNNING")
-        ids = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
-        self.parents[m["uri"], m["sweep_id"]] = ids
-        uri = self.common.run_uri(m["uri"], run.info.experiment_id, run.info.run_id)
-        s.conn.send({"sid": s.sid, "event": "ready", "uri": uri, **ids})
+        ids = self.parents[m["uri"], m["sweep_id"]] = ids_of(run)
+        s.send("ready", uri=self.run_uri(m["uri"], ids), **ids)
 
     def sweep_end(self, s: Session, m: dict) -> None:
-        client = self.client(m["uri"])
-        r = self.index.sync_parent(
-            client,
-            m["uri"],
-            Path(m["sweep_dir"]),
-            self.clients[m["uri"]].artifact_root,
-            self.parent_of(m["uri"], m["parent"]),
-            children=False,
-        )
-        s.conn.send(
-            {
-                "sid": s.sid,
-                "event": "finished",
-                "status": r["status"],
-                "children": r["children"],
-                "uri": self.common.run_uri(m["uri"], r["experiment_id"], r["run_id"]),
-            }
-        )
+        uri, client = m["uri"], self.opened(m["uri"]).client
+        parent, root = self.parent_of(uri, m["parent"]), self.clients[uri].artifact_root
+        r = self.index.sync_parent(client, uri, Path(m["sweep_dir"]), root, parent, children=False)
+        s.send("finished", status=r["status"], children=r["children"], uri=self.run_uri(uri, r))
 
     def ping(self, s: Session, m: dict) -> None:
-        self.client(m["uri"], m.get("artifact_location"))
-        s.conn.send({"sid": s.sid, "event": "pong", **self.warned(m["uri"])})
+        self.opened(m["uri"], m.get("artifact_location"))
+        s.send("pong", **self.warned(m["uri"]))
 
     # --- dispatch
     OPENING = ("open", "attach", "parent_start", "sweep_end", "ping")
@@ -352,9 +297,8 @@ class Agent:
                 continue
             try:
                 self.flush(s)
-                s.client.set_tag(
-                    s.run_id, "ended", "the training process exited without finishing the run"
-                )
+                why = "the training process exited without finishing the run"
+                s.client.set_tag(s.run_id, "ended", why)
                 s.client.set_terminated(s.run_id, status="FAILED", end_time=int(time.time() * 1000))
             except Exception as e:
                 traceback.print_exception(e, file=sys.stderr)
@@ -388,9 +332,7 @@ class Agent:
                     self.handle(conn, m)
             if self.finishing:
                 self.finish_gone()
-            if (
-                time.monotonic() - last_flush >= FLUSH_EVERY
-            ):  # metrics go in batches, at most once a second
+            if time.monotonic() - last_flush >= FLUSH_EVERY:  # metrics go in batches, once a second
                 for s in list(self.sessions.values()):
                     try:
                         self.flush(s)
@@ -407,19 +349,20 @@ class Agent:
 class Opened(NamedTuple):
     client: Any  # its MlflowClient
     artifact_root: str | None
-    file: (
-        tuple[int, int] | None
-    )  # a sqlite store's file as opened (device, inode); None for any other store
+    file: tuple[int, int] | None  # a sqlite store's file as opened (device, inode); else None
     warning: str | None  # sharing.check_shared's, said to each job that uses the store
+
+
+def ids_of(run) -> dict:
+    return {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
 
 
 def _file_of(uri: str) -> tuple[int, int] | None:
     """(device, inode) of a sqlite store's file, None if it has none (yet) or the store is not a sqlite file."""
     from pipeline.tracking.common import sqlite_path
 
-    db = sqlite_path(uri)
     try:
-        st = os.stat(db) if db is not None else None
+        st = os.stat(db) if (db := sqlite_path(uri)) is not None else None
     except OSError:
         return None
     return (st.st_dev, st.st_ino) if st is not None else None
@@ -433,10 +376,8 @@ def _held_by(run_dir: Path, pid: int | None) -> bool:
     rundir = RunDir(run_dir)
     if not rundir.in_use():
         return False
-    try:
-        holder = (
-            reading.read_bytes(rundir.lock_path, MAX_LOCK).decode(errors="replace").strip()
-        )  # no link, FIFO
+    try:  # no link, FIFO
+        holder = reading.read_bytes(rundir.lock_path, MAX_LOCK).decode(errors="replace").strip()
     except OSError:
         return False
     return holder in ("", str(pid))  # "": a new holder not yet claimed, or the job before its claim
@@ -444,14 +385,10 @@ def _held_by(run_dir: Path, pid: int | None) -> bool:
 
 def _read(conn: Conn, sock: socket.socket, inbox: queue.Queue) -> None:
     try:
-        requests = sock.makefile("rb")
-        while raw := read_line(requests, MAX_REQUEST):
-            try:
-                inbox.put((conn, json.loads(raw)))
-            except json.JSONDecodeError:
-                continue
+        for message in json_lines(sock, MAX_REQUEST):
+            inbox.put((conn, message))
     except ValueError as e:
-        print(f"tracking agent: connection {conn.cid} closed: {e}", file=sys.stderr, flush=True)
+        say(f"tracking agent: connection {conn.cid} closed: {e}")
     except OSError:
         pass
     inbox.put((conn, EOF))
@@ -470,12 +407,8 @@ def _accept(server: socket.socket, inbox: queue.Queue, clients: set) -> None:
         except OSError:
             pid, uid = None, None
         if uid != os.getuid():
-            print(
-                f"tracking agent: refused a client (pid {pid}, uid {uid}): it does not run as this agent's user "
-                f"(uid {os.getuid()})",
-                file=sys.stderr,
-                flush=True,
-            )
+            said = f"tracking agent: refused a client (pid {pid}, uid {uid}): it does not run as"
+            say(f"{said} this agent's user (uid {os.getuid()})")
             sock.close()
             continue
         conn = Conn(cid, sock)
@@ -485,22 +418,18 @@ def _accept(server: socket.socket, inbox: queue.Queue, clients: set) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The agent's life; run_command (below) turns a refusal into its one line and exit code."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--listen", required=True, help="the Unix socket to serve")
-    parser.add_argument(
-        "--idle", type=float, default=300.0, help="exit after this many seconds without clients"
-    )
+    parser.add_argument("--idle", type=float, default=300.0, help="exit after this long idle (s)")
     args = parser.parse_args(argv)
     # Signals meant for jobs (Ctrl-C, SLURM's SIGTERM) must not cut a flush short: the agent ends when idle.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+    for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    try:
-        private_dir(
-            Path(args.listen).parent
-        )  # the job checked it; so does the agent, before it binds there
+    try:  # the job checked it; so does the agent, before it binds there
+        private_dir(Path(args.listen).parent)
     except OSError as e:
-        print(f"tracking agent: {e.strerror or e}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_ERROR)
+        raise CommandError(e.strerror or str(e), exit_code=EXIT_ERROR) from None
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = f"{args.listen}.{os.getpid()}"
     server.bind(tmp)
@@ -510,9 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     clients: set = set()
     threading.Thread(target=_accept, args=(server, inbox, clients), daemon=True).start()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    time.sleep(
-        float(os.environ.get("PIPELINE_TRACKING_AGENT_DELAY", "0") or 0)
-    )  # a test hook: a slow agent
+    time.sleep(float(os.environ.get("PIPELINE_TRACKING_AGENT_DELAY", "0") or 0))  # a test: slow
     agent = Agent()
     for name in ("alembic", "mlflow", "sqlalchemy"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -528,4 +455,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command("tracking agent", main)

@@ -20,14 +20,12 @@ CURVES_ARTIFACT = "curves.png"
 # Seconds a process inside a SLURM job waits at its exit for the agent to complete its runs: SLURM ends every
 # process of a job with it, an agent the job started among them. Artifacts take seconds on a loaded machine.
 SLURM_WAIT = 60.0
-TRACKER_TARGETS = ("pipeline.tracking.mlflow_tracker.MlflowTracker",)
 
 _RUN_ROUTE = re.compile(r"^/?experiments/([^/]+)/runs/([0-9a-fA-F]{32})/?$")
 
 
 def run_uri(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """What a manifest's mlflow_run_uri says: the store (what `mlflow ui --backend-store-uri` takes) and, after
-    `#`, the UI's route to the run (for a tracking server the whole string is the run's page)."""
+    """A manifest's mlflow_run_uri: the store (`mlflow ui --backend-store-uri`'s), `#`, the UI's route to the run."""
     return f"{tracking_uri}#/experiments/{experiment_id}/runs/{run_id}"
 
 
@@ -36,8 +34,7 @@ def parse_run_uri(uri: str | None) -> tuple[str | None, str | None, str | None]:
     if not uri or not isinstance(uri, str):
         return None, None, None
     if uri.startswith("runs:/"):
-        rid = uri[len("runs:/") :].split("/")[0]
-        return None, None, rid or None
+        return None, None, uri.removeprefix("runs:/").split("/")[0] or None
     if re.fullmatch(r"[0-9a-fA-F]{32}", uri):
         return None, None, uri
     base, sep, fragment = uri.partition("#")
@@ -49,20 +46,17 @@ def parse_run_uri(uri: str | None) -> tuple[str | None, str | None, str | None]:
 
 def normalize_tracking_uri(uri: str) -> str:
     """sqlite URIs with an absolute path, whatever the working directory; anything else as given."""
-    uri = str(uri).strip()
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        path = uri[len(prefix) :]
-        if path and path != ":memory:":
-            return prefix + str(Path(path).resolve())
+    uri, prefix = str(uri).strip(), "sqlite:///"
+    path = uri.removeprefix(prefix)
+    if uri.startswith(prefix) and not path.startswith("/") and path not in ("", ":memory:"):
+        return prefix + str(Path(path).resolve())
     return uri
 
 
 def sqlite_path(uri: str) -> Path | None:
-    if uri.startswith("sqlite:///") and "?" not in uri:
-        path = uri[len("sqlite:///") :]
-        return Path(path) if path and path != ":memory:" else None
-    return None
+    path = uri.removeprefix("sqlite:///")
+    ok = uri.startswith("sqlite:///") and "?" not in uri and path not in ("", ":memory:")
+    return Path(path) if ok else None
 
 
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -76,15 +70,11 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
         try:
             db.parent.mkdir(parents=True, exist_ok=True)  # the agent would make it too
             if db.exists():
-                with reading.open_file(
-                    db, follow=True
-                ) as f:  # a FIFO or device is refused, never waited on
+                # a FIFO or device is refused, never waited on
+                with reading.open_file(db, follow=True) as f:
                     head = f.read(len(SQLITE_HEADER))
                 if head and head != SQLITE_HEADER:
-                    return (
-                        f"the mlflow store {db} cannot be opened: it is not a sqlite database (move it aside "
-                        "and rebuild it from the manifests: python -m pipeline.reindex --rebuild)"
-                    )
+                    return f"the mlflow store {db} cannot be opened: it is not a sqlite database ({REBUILD})"
             if not os.access(db.parent, os.W_OK):
                 return f"the mlflow store {db} cannot be written: {db.parent} is not writable"
         except OSError as e:
@@ -95,17 +85,13 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
         import urllib.error
         import urllib.request
 
+        api = f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search?max_results=1"
         try:  # any API path: the server checks the Host header before it routes
-            urllib.request.urlopen(
-                f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/search?max_results=1",
-                timeout=timeout,
-            ).close()
+            urllib.request.urlopen(api, timeout=timeout).close()
         except urllib.error.HTTPError as e:
             with e:
                 said = e.read(4096).decode(errors="replace") if e.code == 403 else ""
-            return (
-                host_refused(uri) if INVALID_HOST in said else None
-            )  # else (auth, ...): the agent finds out
+            return host_refused(uri) if INVALID_HOST in said else None  # else: the agent finds out
         except urllib.error.URLError as e:
             if isinstance(e.reason, (ConnectionRefusedError, socket.gaierror)):
                 return f"the mlflow tracking server {uri} cannot be reached: {e.reason.strerror or e.reason}"
@@ -115,11 +101,11 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
 
 
 INVALID_HOST = "Invalid Host header"  # mlflow server's 403 to a host name it was not given with --allowed-hosts
+REBUILD = "move it aside and rebuild it from the manifests: python -m pipeline.reindex --rebuild"
 
 
 def host_refused(uri: str) -> str:
-    """A server that refuses the host name it is reached by, and the fix (mlflow >= 3.5 accepts only localhost and
-    private addresses unless told)."""
+    """A server refusing the host name it is reached by, and the fix (mlflow >= 3.5 accepts only local ones)."""
     netloc = urlsplit(uri).netloc.rpartition("@")[2]
     return (
         f"the mlflow tracking server {uri} refuses the host name {netloc} (403: {INVALID_HOST}): start it with "
@@ -133,26 +119,20 @@ _CLIENT_SIDE_STORES = ("sqlite", "postgresql", "mysql", "mssql", "file")
 
 
 def artifact_root(uri: str, location: str | None = None) -> str | None:
-    """Where this pipeline's experiments in the store at `uri` keep their artifacts (the one place it is decided):
-    None for a tracking server (it chooses); else `location` as an absolute URI, or the sqlite DB's directory's
-    `mlartifacts`, never the working directory."""
+    """Where this pipeline's experiments in the store at `uri` keep their artifacts (decided here alone): None for
+    a tracking server (it chooses); else `location` as an absolute URI, or the sqlite DB's `mlartifacts` beside it."""
     scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9.-]*)(\+[a-zA-Z0-9.-]*)?:", str(uri))
-    if str(uri).startswith("databricks") or (
-        scheme is not None
-        and len(scheme.group(1)) > 1
-        and scheme.group(1).lower() not in _CLIENT_SIDE_STORES
-    ):
-        return None  # (a one-letter scheme is a Windows drive: a local path)
+    # (a one-letter scheme is a Windows drive: a local path)
+    kind = scheme[1].lower() if scheme is not None else ""
+    server = len(kind) > 1 and kind not in _CLIENT_SIDE_STORES
+    if str(uri).startswith("databricks") or server:
+        return None
     db = sqlite_path(str(uri))
     location = str(location or (db.parent / "mlartifacts" if db is not None else ""))
-    if not location:
-        return None
     # a local directory becomes an absolute file: URI; a URI (s3://, mlflow-artifacts:, file:) is kept
-    return (
-        location
-        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", location)
-        else Path(location).resolve().as_uri()
-    )
+    if not location or re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", location):
+        return location or None
+    return Path(location).resolve().as_uri()
 
 
 def default_uri(output_dir: str | Path) -> str:
@@ -167,10 +147,8 @@ def param_value(v) -> str:
 # The few machine keys worth a `config.<key>` tag (what a person filters on: which file, resumed from
 # where, on how many threads, under which time limit); the rest is in the run's .hydra/config.yaml artifact.
 MACHINE_TAGS = ("resume.source", "data.path", "trainer.threads", "trainer.max_time")
-EXPERIMENT_KIND_TAG = (
-    "mlflow.experimentKind"  # mlflow 3's marking of an experiment's kind (its UI's selector)
-)
-EXPERIMENT_KIND = "custom_model_development"  # "Machine learning": runs, not GenAI traces
+# mlflow 3's marking of an experiment's kind (its UI's selector): "Machine learning", runs, not GenAI traces
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 # The tags tags_of takes from the newest manifest that a later one may no longer say (a resume without the first
@@ -188,50 +166,38 @@ def tag_value(v) -> str:
 
 
 def experiment_of(config: dict) -> str:
-    """The mlflow experiment a run's config reports to: its tracking.experiment, or (a config tracked by none,
-    indexed later) the name tracking=mlflow would have given it (identity.experiment_name)."""
-    tracked = (config.get("tracking") or {}).get("experiment")
-    return (
-        str(tracked)
-        if tracked
-        else experiment_name(
-            str(config.get("name") or "default"),
-            (config.get("model") or {}).get("_target_", ""),
-            (config.get("data") or {}).get("_target_", ""),
-        )
-    )
+    """A run's config's tracking.experiment, or (a config tracked by none, indexed later) the one tracking=mlflow
+    would have given it (identity.experiment_name)."""
+    if tracked := (config.get("tracking") or {}).get("experiment"):
+        return str(tracked)
+    parts = ((config.get(g) or {}).get("_target_", "") for g in ("model", "data"))
+    return experiment_name(str(config.get("name") or "default"), *parts)
 
 
-def tags_of(
-    facts: dict, run_dir: str | Path, status: dict | None = None, job: dict | None = None
-) -> dict[str, str]:
+FACT_TAGS: tuple[str, ...] = (
+    "config_hash",
+    "semantic_config_hash",
+    "data_manifest_hash",
+    "git_sha",
+    "git_dirty",
+)
+FACT_TAGS += ("seed",)
+
+
+def tags_of(facts: dict, run_dir: str | Path, status=None, job=None) -> dict[str, str]:
     """The run-level facts as tags (what a person filters on): the manifest's, MACHINE_TAGS, resumes, sweep job."""
     config = facts.get("config") or {}
     flat = flatten(config)
     tags = {
         "run_dir": str(Path(run_dir).resolve()),
         "experiment": str(config.get("name", "")),
-        **{
-            k: facts.get(k)
-            for k in (
-                "config_hash",
-                "semantic_config_hash",
-                "data_manifest_hash",
-                "git_sha",
-                "git_dirty",
-                "seed",
-            )
-        },
+        **{k: facts.get(k) for k in FACT_TAGS},
         "model.parameters": facts.get("n_params"),
         "mlflow.runName": (job or {}).get("name") or Path(run_dir).name,
         "mlflow.source.name": "pipeline",
         "mlflow.source.type": "LOCAL",
         # `config.<key>` for the MACHINE_TAGS the config sets (null and `auto` say nothing): never a param
-        **{
-            f"config.{k}": flat[k]
-            for k in MACHINE_TAGS
-            if k in flat and flat[k] not in (None, "auto", "")
-        },
+        **{f"config.{k}": flat[k] for k in MACHINE_TAGS if flat.get(k) not in (None, "auto", "")},
     }
     if facts.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = facts["git_sha"]
@@ -242,33 +208,22 @@ def tags_of(
         tags["resumes"] = len(resumes)
         tags.update({f"resume.{i}": r.get("step") for i, r in enumerate(resumes, start=1)})
     if job:
-        tags.update(
-            {
-                "sweep.id": job.get("sweep_id"),
-                "sweep.job_num": job.get("num"),
-                "sweep.job_overrides": " ".join(job.get("overrides") or []),
-            }
-        )
+        tags.update(job_tags(job))
     return {k: tag_value(v) for k, v in tags.items() if v is not None}
+
+
+def job_tags(job: dict) -> dict:
+    """A sweep job's run's tags (its own run, or a repeat's child)."""
+    said = {"sweep.id": job.get("sweep_id"), "sweep.job_num": job.get("num")}
+    return {**said, "sweep.job_overrides": " ".join(job.get("overrides") or [])}
 
 
 def metric_points(line: dict) -> list[tuple[str, float, int, int]]:
     """(key, value, timestamp ms, step) for every metric of one metrics.jsonl line."""
     ts, step = int(float(line.get("time", 0.0)) * 1000), int(line["step"])
-    return [
-        (k, float(NON_FINITE.get(v, v)) if isinstance(v, str) else float(v), ts, step)
-        for k, v in line.items()
-        if k not in NON_METRIC_KEYS
-        and ((isinstance(v, (int, float)) and not isinstance(v, bool)) or v in NON_FINITE)
-    ]
-
-
-def is_mlflow_tracking(tracking) -> bool:
-    """True when a `tracking` config node selects the mlflow tracker (mlflow or server), False for none."""
-    try:
-        return tracking.get("_target_") in TRACKER_TARGETS
-    except AttributeError:  # None, or not a node
-        return False
+    metrics = {k: v for k, v in line.items() if k not in NON_METRIC_KEYS and type(v) is not bool}
+    numbers = (k for k, v in metrics.items() if isinstance(v, (int, float)) or v in NON_FINITE)
+    return [(k, float(NON_FINITE.get(metrics[k], metrics[k])), ts, step) for k in numbers]
 
 
 def in_slurm_job() -> bool:

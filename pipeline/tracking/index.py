@@ -6,7 +6,6 @@ import contextlib
 import os
 import socket
 import stat
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,35 +57,20 @@ def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
 
 
 def sync_run(
-    client,
-    uri: str,
-    run_dir: Path,
-    artifact_root: str | None,
-    parent: dict | None = None,
-    job: dict | None = None,
-    artifacts: bool = True,
+    client, uri: str, run_dir: Path, artifact_root, parent=None, job=None, artifacts: bool = True
 ) -> dict:
     """Make the mlflow run of `run_dir` hold everything the directory does (under `parent` unless under another
     already; with a sweep `job`'s tags): artifacts last, or left to sync_artifacts; returns what was added."""
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
-    damaged: list[str] = []
-    added: dict[str, Any] = {
-        "created": 0,
-        "params": 0,
-        "tags": 0,
-        "points": 0,
-        "artifacts": 0,
-        "status": 0,
-        "damaged": damaged,
-    }
-    found = manifests(rundir, damaged)
-    if not found:
+    damaged: list[str] = []  # why each checkpoint that does not read does not
+    counts = ("created", "params", "tags", "points", "artifacts", "status")
+    added: dict[str, Any] = dict.fromkeys(counts, 0)
+    added["damaged"] = damaged
+    if not (found := manifests(rundir, damaged)):
         return {**added, "skipped": "no checkpoint manifest"}
     newest = found[-1][1]
-    config = newest.get("config") or {}
-    status = rundir.read_status()
-    lines = rundir.read_metrics()
+    config, status, lines = newest.get("config") or {}, rundir.read_status(), rundir.read_metrics()
     candidates, named = [], []  # named: the stores its manifests name, newest first
     for _, manifest in reversed(found):
         base, _, rid = common.parse_run_uri(manifest.get("mlflow_run_uri"))
@@ -103,10 +87,9 @@ def sync_run(
         candidates,
         tags,
         started,
-        lambda: store.ensure_experiment(client, str(common.experiment_of(config)), artifact_root),
+        lambda: store.ensure_experiment(client, common.experiment_of(config), artifact_root),
     )
-    added["created"] = int(created)
-    run_id = run.info.run_id
+    added["created"], run_id = int(created), run.info.run_id
     added["params"] = store.sync_params(client, run, common.params_of(config))
     added["tags"] = store.sync_tags(client, run, tags, common.DERIVED_RUN_TAGS)
     latest = {}
@@ -116,24 +99,20 @@ def sync_run(
     # The best is the run's result: logged once it has ended for good, never from a preempted segment (a resumed
     # run's index would keep that segment's best beside the final one, which a rebuild from disk cannot know).
     best = best_metrics(found[-1][0]) if status.get("status") != "preempted" else {}
-    when = {
-        p[3]: p[2] for p in latest.values()
-    }  # step -> its metrics.jsonl time: the same in every rebuild
+    # step -> its metrics.jsonl time: the same in every rebuild
+    when = {p[3]: p[2] for p in latest.values()}
     for key, (value, step) in best.items():
         latest[(key, step)] = (key, value, when.get(step, 0), step)
     if best:
         step = next(iter(best.values()))[1]
         latest[("best/step", step)] = ("best/step", float(step), when.get(step, 0), step)
     logged = store.logged_steps(client, run_id, {k for k, _ in latest})
-    added["points"] = store.log_points(
-        client, run_id, [p for key, p in latest.items() if key not in logged]
-    )
-    name = str(
-        status.get("status")
-    )  # "running" with nobody in the run directory: the process died running
-    mstatus = (
-        "FAILED" if name == "running" and not rundir.in_use() else STATUS_OF_RUN_JSON.get(name)
-    )
+    todo = [p for key, p in latest.items() if key not in logged]
+    added["points"] = store.log_points(client, run_id, todo)
+    # "running" with nobody in the run directory: the process died running
+    name = str(status.get("status"))
+    died = name == "running" and not rundir.in_use()
+    mstatus = "FAILED" if died else STATUS_OF_RUN_JSON.get(name)
     if mstatus and client.get_run(run_id).info.status != mstatus:
         end = status.get("ended_at") or status.get("updated") or run_dir.stat().st_mtime
         client.set_terminated(run_id, status=mstatus, end_time=int(end * 1000))
@@ -145,46 +124,32 @@ def sync_run(
         record_run_uri(rundir, common.run_uri(uri, run.info.experiment_id, run_id))
     if artifacts:
         added["artifacts"] = sync_artifacts(client, run_id, run_dir, found, lines)
-    return {
-        **added,
-        "run_id": run_id,
-        "experiment_id": run.info.experiment_id,
-        "status_now": mstatus,
-    }
+    ids = {"run_id": run_id, "experiment_id": run.info.experiment_id}
+    return {**added, **ids, "status_now": mstatus}
 
 
 def open_run(
-    client,
-    run_dir: str,
-    candidates: list[str],
-    tags: dict[str, str],
-    started: float | None,
-    experiment_id: Callable[[], str],
-    created_tags: dict[str, str] | None = None,
+    client, run_dir: str, candidates: list, tags: dict, started, experiment_id, created_tags=None
 ) -> tuple[Any, dict, bool]:
-    """(the run indexing `run_dir`, the tags it is to hold, whether it is new): found by store.find_run, else
-    created in experiment_id() with `created_tags` too. A run under another sweep's parent stays with its first
-    sweep, and that sweep's job name and number: the live index and a rebuild from disk say the same."""
+    """(the run indexing `run_dir`, the tags it is to hold, whether new: made in experiment_id() with `created_tags`);
+    one under another sweep's parent keeps that sweep's job name and number, as a rebuild from disk does."""
     run = store.find_run(client, run_dir, candidates)
     if run is None:
-        return (
-            store.create_run(client, experiment_id(), {**tags, **(created_tags or {})}, started),
-            tags,
-            True,
-        )
-    if run.data.tags.get("mlflow.parentRunId") not in (None, tags.get("mlflow.parentRunId")):
-        tags = {
-            k: v for k, v in tags.items() if not k.startswith("sweep.") and k != "mlflow.runName"
-        }
-        tags["mlflow.parentRunId"] = run.data.tags["mlflow.parentRunId"]
+        made = {**tags, **(created_tags or {})}
+        return store.create_run(client, experiment_id(), made, started), tags, True
+    first = run.data.tags.get("mlflow.parentRunId")
+    if first not in (None, tags.get("mlflow.parentRunId")):
+        tags = {k: v for k, v in tags.items() if not k.startswith("sweep.")}
+        tags.pop("mlflow.runName", None)
+        tags["mlflow.parentRunId"] = first
     return run, tags, False
 
 
 def record_run_uri(rundir: RunDir, uri: str) -> bool:
     """run.json names the run's mlflow run (its manifests may say null), under the run's lock: never beside a job."""
-    status = rundir.read_status()
-    if not status or status.get("mlflow_run_uri") == uri:
-        return True  # nothing to link (no run.json: never made here), or linked already
+    # nothing to link (no run.json: never made here), or linked already
+    if not (status := rundir.read_status()) or status.get("mlflow_run_uri") == uri:
+        return True
     try:
         rundir.acquire()
     except (RunBusyError, OSError):
@@ -199,9 +164,7 @@ def record_run_uri(rundir: RunDir, uri: str) -> bool:
     return True
 
 
-def sync_artifacts(
-    client, run_id: str, run_dir: Path, found: list | None = None, lines: list | None = None
-) -> int:
+def sync_artifacts(client, run_id: str, run_dir: Path, found=None, lines=None) -> int:
     """The artifacts part of sync_run (for the agent, once sync_run(artifacts=False) has done the rest)."""
     rundir = RunDir(Path(run_dir).resolve())
     found = manifests(rundir) if found is None else found
@@ -219,10 +182,8 @@ def sync_artifacts(
                 todo.append((f"final/{weights.name}", weights))
         except (OSError, CheckpointError):
             continue  # a damaged checkpoint: reindex names it
-    todo += [
-        (f"hydra/{p.name}", p)
-        for p in (rundir.hydra_dir / "config.yaml", rundir.hydra_dir / "overrides.yaml")
-    ]
+    hydra = rundir.hydra_dir
+    todo += [(f"hydra/{name}", hydra / name) for name in ("config.yaml", "overrides.yaml")]
     todo.append((rundir.log_path.name, rundir.log_path))
     if (png := curves_png(rundir, rundir.read_metrics() if lines is None else lines)) is not None:
         todo.append((common.CURVES_ARTIFACT, png))
@@ -230,12 +191,9 @@ def sync_artifacts(
     # the index too (a rebuild from disk never sees it; the run's resume.N tags keep where each resume started).
     # A damaged one is still on disk: kept.
     kept = {d.name for _, d in rundir.store.steps()}
-    folder = rundir.store.root.relative_to(
-        rundir.path
-    ).as_posix()  # the artifacts mirror the run's layout
-    for name in sorted(
-        {a.split("/")[1] for a in have if a.startswith(f"{folder}/") and a.count("/") == 2} - kept
-    ):
+    folder = rundir.store.root.relative_to(rundir.path).as_posix()  # as in the run's layout
+    logged = {a.split("/")[1] for a in have if a.startswith(f"{folder}/") and a.count("/") == 2}
+    for name in sorted(logged - kept):
         repo.delete_artifacts(f"{folder}/{name}")
     return log_changed(repo, have, todo)
 
@@ -249,16 +207,14 @@ def log_changed(repo, have: dict[str, int], todo: list[tuple[str, Path | bytes]]
             if not isinstance(source, bytes) and not stat.S_ISREG(source.stat().st_mode):
                 continue
             size = len(source) if isinstance(source, bytes) else source.stat().st_size
-            changed = have.get(artifact) != size or (
-                size <= MAX_COMPARED_BYTES
-                and store.artifact_bytes(repo, artifact, have) != _bytes_of(source)
-            )
+            small = size <= MAX_COMPARED_BYTES
+            differs = small and store.artifact_bytes(repo, artifact, have) != _bytes_of(source)
+            changed = have.get(artifact) != size or differs
         except OSError:
             continue  # absent, or replaced since it was listed (a FIFO, a device, a file grown past the bound)
-        if changed or (final_changed and artifact.startswith("final/")):
-            final_changed = final_changed or artifact.startswith(
-                "final/"
-            )  # the weights follow their manifest
+        final = artifact.startswith("final/")
+        if changed or (final_changed and final):
+            final_changed = final_changed or final  # the weights follow their manifest
             store.log_file_as(repo, artifact, source)
             added += 1
     return added
@@ -273,21 +229,16 @@ def curves_png(rundir: RunDir, lines: list) -> bytes | None:
     return curves.draw(lines)  # the job's own drawing: the same lines give the same bytes
 
 
-SWEEP_STATUS = {
-    "complete": "FINISHED",
-    "failed": "FAILED",
-    "interrupted": "KILLED",
-    "running": "RUNNING",
-}
+SWEEP_STATUS = dict(complete="FINISHED", failed="FAILED", interrupted="KILLED", running="RUNNING")
 # Parent tags that follow the jobs: removed when the disk no longer says them (a failure since re-run).
-DERIVED_PARENT_TAGS = (
+DERIVED_PARENT_TAGS: tuple[str, ...] = (
     "sweep.failures",
+    "ended",
     "best.job",
     "best.params",
     "best.value",
-    "best.run_id",
-    "ended",
 )
+DERIVED_PARENT_TAGS += ("best.run_id",)
 
 
 def read_sweep(sweep_dir: Path) -> dict:
@@ -320,42 +271,29 @@ def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, s
     failed = {n: j for n, j in sorted(jobs.items()) if j.get("status") != "complete"}
     tags.update({"sweep.jobs": str(len(jobs)), "sweep.failed": str(len(failed))})
     if failed:
-        tags["sweep.failures"] = common.tag_value(
-            "; ".join(
-                f"job {n} ({j.get('name', '')}): {j.get('status')}: {j.get('error', '')}"
-                for n, j in failed.items()
-            )
-        )
-    best = best_job(jobs, sweep)
-    if best is not None:
-        tags.update(
-            {
-                "best.job": str(best["num"]),
-                "best.params": common.tag_value(best.get("name", "")),
-                "best.value": repr(best["objective"]),
-            }
-        )
-        if best.get(
-            "run_dir"
-        ):  # by its run_dir tag: a run id the job recorded may be another store's
+        said = [
+            f"job {n} ({j.get('name', '')}): {j.get('status')}: {j.get('error', '')}"
+            for n, j in failed.items()
+        ]
+        tags["sweep.failures"] = common.tag_value("; ".join(said))
+    if (best := best_job(jobs, sweep)) is not None:
+        tags["best.job"], tags["best.value"] = str(best["num"]), repr(best["objective"])
+        tags["best.params"] = common.tag_value(best.get("name", ""))
+        # by its run_dir tag: a run id the job recorded may be another store's
+        if best.get("run_dir"):
             found = store.find_run(client, str(Path(best["run_dir"]).resolve()))
             if found is not None:
                 tags["best.run_id"] = found.info.run_id
     status = SWEEP_STATUS.get(sweep.get("status", "running"), "RUNNING")
     # running, but its launching process (seen from its own host: elsewhere it is taken as alive) has died
-    if (
-        status == "RUNNING"
-        and sweep.get("host") == socket.gethostname()
-        and isinstance(sweep.get("pid"), int)
-    ):
+    here = sweep.get("host") == socket.gethostname() and isinstance(sweep.get("pid"), int)
+    if status == "RUNNING" and here:
         with contextlib.suppress(PermissionError):
             try:
                 os.kill(sweep["pid"], 0)
             except ProcessLookupError:
-                status, tags["ended"] = (
-                    "FAILED",
-                    "the launching process exited without ending the sweep",
-                )
+                tags["ended"] = "the launching process exited without ending the sweep"
+                status = "FAILED"
     return tags, status
 
 
@@ -383,9 +321,8 @@ def open_parent(client, sweep_dir: Path, artifact_root: str | None):
     tags = identity_tags(sweep)
     run = found or store.create_run(client, experiment_id, tags, sweep.get("started"))
     store.sync_tags(client, run, tags)
-    store.sync_params(
-        client, run, {k: common.param_value(v) for k, v in (sweep.get("swept") or {}).items()}
-    )
+    swept = {k: common.param_value(v) for k, v in (sweep.get("swept") or {}).items()}
+    store.sync_params(client, run, swept)
     return client.get_run(run.info.run_id), found is None
 
 
@@ -395,69 +332,40 @@ def index_job(
     """A sweep job's run directory under its parent: its own run, or a child of the parent pointing at the run when
     that one already stands for another job (a repeat in this sweep, or a job of another sweep)."""
     run = store.find_run(client, str(Path(run_dir).resolve()))
-    if (
-        run is None
-        or not parent
-        or (
-            run.data.tags.get("mlflow.parentRunId") == parent["run_id"]
-            and run.data.tags.get("sweep.job_num") in (None, str(job.get("num")))
-        )
-    ):
+    tags = run.data.tags if run is not None else {}
+    own = tags.get("mlflow.parentRunId") == (parent or {}).get("run_id")
+    same_job = tags.get("sweep.job_num") in (None, str(job.get("num")))
+    if run is None or not parent or (own and same_job):
         return sync_run(client, uri, Path(run_dir), artifact_root, parent, job)
     # The child is named by the run directory it repeats, as on disk (a run id is the store's own: a rebuild makes
     # others), holds its params and final metrics, and no run_dir tag (that one is the run).
-    same = Path(run.data.tags.get("run_dir") or run.info.run_id).name
-    name = f"{job.get('name') or run.data.tags.get('mlflow.runName', '')} (same run as {same})"
-    tags = {
-        k: v
-        for k, v in run.data.tags.items()
-        if not k.startswith(("mlflow.", "sweep.")) and k != "run_dir"
-    }
-    tags.update(
-        {
-            "mlflow.parentRunId": parent["run_id"],
-            "mlflow.runName": name,
-            "repeat_of": run.info.run_id,
-            "repeat_of.run_dir": run.data.tags.get("run_dir", ""),
-            "sweep.id": str(job.get("sweep_id")),
-            "sweep.job_num": str(job.get("num")),
-            "sweep.job_overrides": " ".join(job.get("overrides") or []),
-        }
-    )
-    found = client.search_runs(
-        [parent["experiment_id"]],
+    same = Path(tags.get("run_dir") or run.info.run_id).name
+    name = f"{job.get('name') or tags.get('mlflow.runName', '')} (same run as {same})"
+    kept = {k: v for k, v in tags.items() if not k.startswith(("mlflow.", "sweep."))}
+    kept.pop("run_dir", None)
+    repeat = {"repeat_of": run.info.run_id, "repeat_of.run_dir": tags.get("run_dir", "")}
+    said = {k: str(v) for k, v in common.job_tags(job).items()}
+    tags = {**kept, "mlflow.parentRunId": parent["run_id"], "mlflow.runName": name}
+    tags |= {**repeat, **said}
+    where = (
         f"tags.`sweep.id` = '{job.get('sweep_id')}' and "
-        f"tags.`sweep.job_num` = '{job.get('num')}' and tags.repeat_of = '{run.info.run_id}'",
-        max_results=1,
+        f"tags.`sweep.job_num` = '{job.get('num')}' and tags.repeat_of = '{run.info.run_id}'"
     )
-    child = found[0] if found else None
-    if (
-        child is None
-    ):  # its times and points are the run's it repeats: the same in the live index and in a rebuild
-        child = client.create_run(
-            parent["experiment_id"], start_time=run.info.start_time, tags=tags, run_name=name
-        )
+    found = client.search_runs([parent["experiment_id"]], where, max_results=1)
+    # its times and points are the run's it repeats: the same in the live index and in a rebuild
+    if not (child := found[0] if found else None):
+        start, experiment = run.info.start_time, parent["experiment_id"]
+        child = client.create_run(experiment, start_time=start, tags=tags, run_name=name)
         store.sync_params(client, child, run.data.params)
         end = run.info.end_time or run.info.start_time
-        store.log_points(
-            client, child.info.run_id, [(k, v, end, 0) for k, v in sorted(run.data.metrics.items())]
-        )
+        points = [(k, v, end, 0) for k, v in sorted(run.data.metrics.items())]
+        store.log_points(client, child.info.run_id, points)
         client.set_terminated(child.info.run_id, status=run.info.status, end_time=end)
-    return {
-        "run_id": child.info.run_id,
-        "experiment_id": child.info.experiment_id,
-        "repeat_of": run.info.run_id,
-    }
+    ids = {"run_id": child.info.run_id, "experiment_id": child.info.experiment_id}
+    return {**ids, "repeat_of": run.info.run_id}
 
 
-def sync_parent(
-    client,
-    uri: str,
-    sweep_dir: Path,
-    artifact_root: str | None,
-    parent: dict | None = None,
-    children: bool = True,
-) -> dict:
+def sync_parent(client, uri, sweep_dir: Path, artifact_root, parent=None, children=True) -> dict:
     """Make a sweep's parent run hold what its directory says; children=True (reindex) indexes each job's run
     directory under it too, in job order ("synced": {resolved run directory: sync_run's result})."""
     sweep_dir = Path(sweep_dir)
@@ -466,23 +374,13 @@ def sync_parent(
         run, _ = open_parent(client, sweep_dir, artifact_root)
         parent = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
     synced = {}
-    if children:
-        for _num, job in sorted(jobs.items()):
-            if (
-                job.get("run_dir")
-                and Path(job["run_dir"]).is_dir()
-                and not RunDir(job["run_dir"]).in_use()
-            ):
-                r = index_job(
-                    client,
-                    uri,
-                    Path(job["run_dir"]),
-                    artifact_root,
-                    parent,
-                    {k: job.get(k) for k in ("sweep_id", "num", "overrides", "name")},
-                )
-                if "repeat_of" not in r:
-                    synced[str(Path(job["run_dir"]).resolve())] = r
+    for _num, job in sorted(jobs.items()) if children else ():
+        run_dir = job.get("run_dir")
+        if run_dir and Path(run_dir).is_dir() and not RunDir(run_dir).in_use():
+            said = {k: job.get(k) for k in ("sweep_id", "num", "overrides", "name")}
+            r = index_job(client, uri, Path(run_dir), artifact_root, parent, said)
+            if "repeat_of" not in r:
+                synced[str(Path(run_dir).resolve())] = r
     run = client.get_run(parent["run_id"])
     tags, status = parent_tags(client, sweep, jobs)
     store.sync_tags(client, run, tags, DERIVED_PARENT_TAGS)
@@ -490,19 +388,10 @@ def sync_parent(
     logged = store.logged_steps(client, run.info.run_id, {p[0] for p in points})
     store.log_points(client, run.info.run_id, [p for p in points if (p[0], p[3]) not in logged])
     repo = store.artifact_repo(client, run.info.run_id)
-    log_changed(
-        repo,
-        store.artifact_sizes(repo),
-        [
-            (name, sweep_dir / name)
-            for name in ("multirun.yaml", "optimization_results.yaml", "sweep.json")
-        ],
-    )
-    end = (
-        int(float(sweep["ended_at"]) * 1000)
-        if isinstance(sweep.get("ended_at"), (int, float))
-        else None
-    )
+    names = ("multirun.yaml", "optimization_results.yaml", "sweep.json")
+    log_changed(repo, store.artifact_sizes(repo), [(n, sweep_dir / n) for n in names])
+    ended = sweep.get("ended_at")
+    end = int(float(ended) * 1000) if isinstance(ended, (int, float)) else None
     if status != "RUNNING" and (run.info.status != status or run.info.end_time != end):
         client.set_terminated(run.info.run_id, status=status, end_time=end)
     return {**parent, "children": len(jobs), "status": status, "synced": synced}

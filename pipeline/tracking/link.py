@@ -20,15 +20,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Protocol
 
 from pipeline.files.limits import MAX_EVENT
 
 # Without clients this long, the agent exits: long enough for the next run of a working session.
 IDLE_SECONDS = float(os.environ.get("PIPELINE_TRACKING_AGENT_IDLE", "300"))
-SPAWN_WAIT = (
-    60.0  # seconds to wait for a new agent to bind its socket (it does so before importing mlflow)
-)
+SPAWN_WAIT = 60.0  # seconds for a new agent to bind its socket (it does so before importing mlflow)
 MAX_METRICS_LINES = (
     1000  # metrics.jsonl lines in one message to the agent (it reads at most agent.MAX_REQUEST)
 )
@@ -39,8 +36,7 @@ log = logging.getLogger("pipeline")
 # listen where a job connects (and read its events, or answer with a forged run URI) nor plant a link where
 # the agent's log is opened. Both ends check the other's uid as well (SO_PEERCRED).
 def private_problem(directory: Path) -> str | None:
-    """Why `directory` is not this user's alone (None if it is): a real directory (not a link), owned by this
-    user, with no permission for group or others."""
+    """Why `directory` is not this user's alone (None if it is): a real directory, this user's, mode 0700."""
     try:
         st = os.lstat(directory)
     except OSError as e:
@@ -51,20 +47,16 @@ def private_problem(directory: Path) -> str | None:
         return "is not a directory"
     if st.st_uid != os.getuid():
         return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
-    if st.st_mode & 0o077:
-        return (
-            f"has mode {stat.S_IMODE(st.st_mode):04o}, which lets other users in (it must be 0700)"
-        )
+    if (mode := stat.S_IMODE(st.st_mode)) & 0o077:
+        return f"has mode {mode:04o}, which lets other users in (it must be 0700)"
     return None
 
 
 def private_dir(directory: Path) -> Path:
-    """`directory`, made (0700) if missing, once it is checked to be this user's alone: else OSError naming it (the
-    directory is not used: nothing connects, binds or writes there)."""
+    """`directory`, made (0700) if missing, once checked to be this user's alone: else OSError naming it."""
     with contextlib.suppress(FileExistsError):
         os.mkdir(directory, 0o700)
-    problem = private_problem(directory)
-    if problem is not None:
+    if (problem := private_problem(directory)) is not None:
         raise OSError(f"the tracking agent's directory {directory} {problem}: not used")
     return directory
 
@@ -79,11 +71,7 @@ def socket_path(uri: str) -> Path:
 
 
 def agent_log(uri: str) -> Path:
-    return log_beside(socket_path(uri))
-
-
-def log_beside(sock: Path) -> Path:
-    return sock.with_suffix(".log")
+    return socket_path(uri).with_suffix(".log")
 
 
 # An agent's files (socket, lock, log) live as long as it does: each URI ever tracked would leave its own.
@@ -109,7 +97,7 @@ def remove_agent_files(path: Path) -> bool:
     try:
         if os.path.lexists(path):
             return False
-        log_beside(path).unlink(missing_ok=True)
+        path.with_suffix(".log").unlink(missing_ok=True)
         Path(f"{path}.lock").unlink()
         return True
     finally:
@@ -118,8 +106,20 @@ def remove_agent_files(path: Path) -> bool:
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a connected Unix socket (Linux's SO_PEERCRED)."""
-    size = struct.calcsize("3i")
-    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, size))
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+
+
+def json_lines(sock: socket.socket, limit: int):
+    """Each JSON object read from `sock`, a line of at most `limit` bytes each (ValueError for a longer one);
+    a line that is not a JSON object is skipped."""
+    lines = sock.makefile("rb")
+    while raw := read_line(lines, limit):
+        try:
+            message = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(message, dict):
+            yield message
 
 
 def read_line(f, limit: int) -> bytes:
@@ -130,19 +130,14 @@ def read_line(f, limit: int) -> bytes:
     return raw
 
 
-class Handler(Protocol):
-    def on_event(self, event: dict) -> None: ...  # the agent's events for one session
-
-
 class Link:
-    """Requests go through a writer thread, which finds or starts the agent and then writes what was queued
-    meanwhile (no caller waits for an agent to start); a reader thread hands each event to the handler that
-    registered its session (a tracker, or a Request)."""
+    """A writer thread finds or starts the agent, then writes what was queued meanwhile (no caller waits for it);
+    a reader thread hands each event to the handler that registered its session (a tracker, or a Request)."""
 
     def __init__(self, uri: str):
         self.path, self.log_file = socket_path(uri), agent_log(uri)
         self.queue: queue.Queue = queue.Queue()
-        self.handlers: dict[int, Handler] = {}
+        self.handlers: dict = {}  # sid -> what has on_event(event): the agent's events for its session
         self.ids = itertools.count(1)
         self.dead: str | None = None
         self.lock = threading.Lock()
@@ -184,28 +179,17 @@ class Link:
                     while True:
                         batch.append(self.queue.get_nowait())
                 out: list[dict] = []
-                marks: list[threading.Event] = []
-                for msg in batch:
-                    if isinstance(msg, threading.Event):
-                        marks.append(msg)
-                        continue
-                    last = out[-1] if out else None
-                    if (
-                        msg["op"] == "metrics"
-                        and last
-                        and last["op"] == "metrics"
-                        and last["sid"] == msg["sid"]
-                        and len(last["lines"]) < MAX_METRICS_LINES
-                    ):
-                        last["lines"] = (
-                            last["lines"] + msg["lines"]
-                        )  # consecutive lines travel together
+                marks = [m for m in batch if isinstance(m, threading.Event)]
+                for msg in (m for m in batch if not isinstance(m, threading.Event)):
+                    last = out[-1] if out else {}
+                    same = msg["op"] == last.get("op") == "metrics" and last["sid"] == msg["sid"]
+                    if same and len(last["lines"]) < MAX_METRICS_LINES:
+                        last["lines"] = last["lines"] + msg["lines"]  # consecutive lines together
                     else:
                         out.append(msg)
                 if out:
-                    wfile.write(
-                        "".join(json.dumps(m, allow_nan=False) + "\n" for m in out).encode()
-                    )
+                    lines = "".join(f"{json.dumps(m, allow_nan=False)}\n" for m in out)
+                    wfile.write(lines.encode())
                     wfile.flush()
                 for mark in marks:
                     mark.set()
@@ -214,18 +198,13 @@ class Link:
 
     def _read(self, sock: socket.socket) -> None:
         try:
-            events = sock.makefile("rb")
-            while raw := read_line(events, MAX_EVENT):
-                try:
-                    event = json.loads(raw)
-                except json.JSONDecodeError:
+            for event in json_lines(sock, MAX_EVENT):
+                if (handler := self.handlers.get(event.get("sid"))) is None:
                     continue
-                handler = self.handlers.get(event.get("sid"))
-                if handler is not None:
-                    handler.on_event(event)
-                    if event.get("event") in ("finished", "error"):
-                        with self.lock:
-                            self.handlers.pop(event["sid"], None)
+                handler.on_event(event)
+                if event.get("event") in ("finished", "error"):
+                    with self.lock:
+                        self.handlers.pop(event["sid"], None)
         except (OSError, ValueError):
             pass
         self._died("the tracking agent closed the connection")
@@ -240,14 +219,25 @@ class Link:
 
 
 class Request:
-    def __init__(self, kinds: tuple[str, ...] = ("ready", "finished", "error", "pong")):
-        self.kinds, self.done = kinds, threading.Event()
+    """One session's answer: the first event of `kinds` (`done` set), each event heard by `heard` first."""
+
+    def __init__(self, kinds=("ready", "finished", "error", "pong"), heard=None):
+        self.kinds, self.done, self.heard = kinds, threading.Event(), heard
         self.event: dict | None = None
 
     def on_event(self, event: dict) -> None:
+        if self.heard is not None:
+            self.heard(event)
         if event.get("event") in self.kinds:
             self.event = event
             self.done.set()
+
+
+def request(link, op: str, handler=None, **fields):
+    """Send `op` through `link` as a session of its own, answered to `handler` (a new Request if none), returned."""
+    handler = handler or Request()
+    link.send({"op": op, "sid": link.register(handler), **fields})
+    return handler
 
 
 def _connect(path: Path) -> socket.socket | None:
@@ -277,49 +267,31 @@ def _connect(path: Path) -> socket.socket | None:
 def spawn(path: Path, log_file: Path) -> subprocess.Popen:
     """Start an agent serving `path`, in its own session (no job's signal reaches it), writing to `log_file` if
     that opens to append without following a link as a regular file (made 0600); else, with one warning, nowhere."""
-    root = str(
-        Path(__file__).resolve().parents[2]
-    )  # the directory holding this `pipeline` package, first
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]),
-    )
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding this `pipeline`, first
+    path_env = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path_env}
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     fd: int | None = None
     try:
-        fd = os.open(
-            log_file,
-            os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-            0o600,
-        )
-        if not stat.S_ISREG(
-            os.fstat(fd).st_mode
-        ):  # a FIFO or a device: never written to, never waited on
+        fd = os.open(log_file, flags, 0o600)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a device: never written to, waited on
             raise OSError(errno.EINVAL, "it is not a regular file")
         os.set_blocking(fd, True)
     except OSError as e:
         why = "it is a symlink, not followed" if e.errno == errno.ELOOP else (e.strerror or str(e))
-        log.warning(
-            "the tracking agent's log %s cannot be opened (%s): the agent logs nowhere",
-            log_file,
-            why,
-        )
+        said = "the tracking agent's log %s cannot be opened (%s): the agent logs nowhere"
+        log.warning(said, log_file, why)
         if fd is not None:
             os.close(fd)
         fd = None
+    out = subprocess.DEVNULL if fd is None else fd
+    argv = ["-m", "pipeline.tracking.agent", "--listen", str(path), "--idle", str(IDLE_SECONDS)]
     try:
         return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pipeline.tracking.agent",
-                "--listen",
-                str(path),
-                "--idle",
-                str(IDLE_SECONDS),
-            ],
+            [sys.executable, *argv],
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL if fd is None else fd,
-            stderr=subprocess.DEVNULL if fd is None else fd,
+            stdout=out,
+            stderr=out,
             env=env,
             close_fds=True,
             start_new_session=True,
@@ -334,33 +306,26 @@ _LINKS_LOCK = threading.Lock()
 
 
 def connect_or_spawn(path: Path, log_file: Path) -> socket.socket:
-    """A socket connected to the agent at `path`, started if none runs (a lock beside the socket makes one process
-    spawn while the others wait). OSError if none can be, or if `path`'s directory, which holds the log too, is not
-    this user's alone (checked first: nothing is then sent, bound, or written there)."""
+    """A socket connected to the agent at `path`, started if none runs (one process spawns, under the lock beside
+    it); OSError if none can be, or if `path`'s directory is not this user's alone (checked first)."""
     private_dir(path.parent)
-    sock = _connect(path)
-    if sock is not None:
+    if (sock := _connect(path)) is not None:
         return sock
     fd = spawn_lock(path)
     try:
-        sock = _connect(path)
+        if (sock := _connect(path)) is not None:
+            return sock
+        path.unlink(missing_ok=True)  # a stale socket of an agent that died
+        proc, deadline = spawn(path, log_file), time.monotonic() + SPAWN_WAIT
+        while sock is None and time.monotonic() < deadline:
+            if proc.poll() is not None:
+                why = f"the tracking agent exited at start (code {proc.returncode}); see {log_file}"
+                raise OSError(errno.ECHILD, why)
+            time.sleep(0.01)
+            sock = _connect(path) if path.exists() else None
         if sock is None:
-            path.unlink(missing_ok=True)  # a stale socket of an agent that died
-            proc = spawn(path, log_file)
-            deadline = time.monotonic() + SPAWN_WAIT
-            while sock is None and time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise OSError(
-                        errno.ECHILD,
-                        f"the tracking agent exited at start (code {proc.returncode}); "
-                        f"see {log_file}",
-                    )
-                time.sleep(0.01)
-                sock = _connect(path) if path.exists() else None
-            if sock is None:
-                raise OSError(
-                    errno.ETIMEDOUT, f"the tracking agent did not start within {SPAWN_WAIT:.0f} s"
-                )
+            why = f"the tracking agent did not start within {SPAWN_WAIT:.0f} s"
+            raise OSError(errno.ETIMEDOUT, why)
         return sock
     finally:
         os.close(fd)

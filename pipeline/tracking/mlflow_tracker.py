@@ -15,7 +15,7 @@ from pipeline.run.report import run_page
 from pipeline.run.sweep import SweepJob
 from pipeline.run.tracker import Tracker
 from pipeline.tracking import common, link
-from pipeline.tracking.link import Link, Request
+from pipeline.tracking.link import Link, Request, request
 from pipeline.tracking.sweep_parent import MlflowSweepParent
 
 log = logging.getLogger("pipeline")
@@ -24,29 +24,14 @@ log = logging.getLogger("pipeline")
 def wait_at_exit(event: threading.Event, what: str) -> None:
     """Inside a SLURM job: at exit (the run directory released: the agent indexes it whole), wait at most
     SLURM_WAIT for `event`, the agent's answer for `what`."""
+    said = "mlflow: the tracking agent did not complete %s within %.0f s of this SLURM job's end; "
+    said += "`python -m pipeline.reindex` completes it"
 
     def wait() -> None:
         if not event.wait(common.SLURM_WAIT):
-            log.warning(
-                "mlflow: the tracking agent did not complete %s within %.0f s of this SLURM job's end; "
-                "`python -m pipeline.reindex` completes it",
-                what,
-                common.SLURM_WAIT,
-            )
+            log.warning(said, what, common.SLURM_WAIT)
 
     atexit.register(wait)
-
-
-class Pong(Request):
-    """The agent's answer to a ping (the store is open), handed to `heard` too."""
-
-    def __init__(self, heard):
-        super().__init__(kinds=("pong",))
-        self.heard = heard
-
-    def on_event(self, event: dict) -> None:
-        self.heard(event)
-        super().on_event(event)
 
 
 class MlflowTracker(Tracker):
@@ -55,39 +40,24 @@ class MlflowTracker(Tracker):
 
     sweep_parent = MlflowSweepParent
 
-    def __init__(
-        self,
-        uri: str,
-        experiment: str,
-        artifact_location: str | None,
-        wait: float,
-        sweep: SweepJob | None = None,
-        **_,
-    ):
+    def __init__(self, uri: str, experiment: str, artifact_location, wait: float, sweep=None, **_):
         self.uri = common.normalize_tracking_uri(uri)
         self.experiment = str(experiment)
-        self.artifact_location = common.artifact_root(
-            self.uri, artifact_location
-        )  # None: the server chooses
+        # None: the server chooses
+        self.artifact_location = common.artifact_root(self.uri, artifact_location)
         self.wait = float(wait)
-        self.waited = (
-            0.0  # seconds this job has waited on tracking so far (never more than self.wait)
-        )
+        self.waited = 0.0  # seconds this job has waited on tracking so far (at most self.wait)
         self.sid: int | None = None
         self._link: Link | None = None  # the agent's, once started (prepare)
         self.ready, self.done, self.warm = threading.Event(), threading.Event(), threading.Event()
         self._uri: str | None = None
-        self.experiment_id: str | None = (
-            None  # the experiment the agent logs the run to, once it said (ready)
-        )
+        self.experiment_id: str | None = None  # the run's experiment, once the agent said (ready)
         self.failed = self.finished = False
         self._warned = threading.Lock()
-        self._store_warned = (
-            False  # the store's own warning (a sqlite store shared beyond one host), said once
-        )
-        self.job = sweep.tags if sweep is not None else None  # a sweep's job: its child run's tags
-        self.parent = sweep.parent if sweep is not None else None
-        self.off = sweep.tracking_off if sweep is not None else None  # the sweep said why, once
+        self._store_warned = False  # the store's own warning (a sqlite store shared), said once
+        sweep = sweep or SweepJob()
+        self.job = sweep.tags  # a sweep's job: its child run's tags
+        self.parent, self.off = sweep.parent, sweep.tracking_off  # the sweep said why it is off
 
     def _wait_for(self, wait, timeout: float):
         """wait(seconds) (an event's wait, a drain, a check), within what is left of the job's bound."""
@@ -106,27 +76,18 @@ class MlflowTracker(Tracker):
         if self.off:
             self.failed = True
             return
-        problem = self._wait_for(
-            lambda seconds: common.store_problem(self.uri, timeout=seconds), self.wait / 2
-        )
+        problem = self._wait_for(lambda t: common.store_problem(self.uri, timeout=t), self.wait / 2)
         if problem:
             self._fail(problem)
             return
         try:
-            pong = Pong(
-                self._heard
-            )  # the agent has the store open: a run's URI is moments away, not seconds
+            # the agent has the store open: a run's URI is moments away, not seconds
+            pong = Request(kinds=("pong",), heard=self._heard)
             self.warm = pong.done
-            self._link = link.agent_for(
-                self.uri
-            )  # looked up at each call: a test may put another in its place
-            self._link.send(
-                {
-                    "op": "ping",
-                    "sid": self._link.register(pong),
-                    "uri": self.uri,
-                    "artifact_location": self.artifact_location,
-                }
+            # looked up at each call: a test may put another in its place
+            self._link = link.agent_for(self.uri)
+            request(
+                self._link, "ping", pong, uri=self.uri, artifact_location=self.artifact_location
             )
         except OSError as e:
             self._fail(f"no tracking agent: {e}")
@@ -143,15 +104,8 @@ class MlflowTracker(Tracker):
         return self._link
 
     def start(
-        self,
-        *,
-        config: dict,
-        facts: dict,
-        run_dir: Path,
-        previous_run_uri: str | None,
-        status: dict | None = None,
-        start_time: float | None = None,
-    ) -> None:
+        self, *, config: dict, facts: dict, run_dir, previous_run_uri, status=None, start_time=None
+    ):
         if not self._linked():
             return
         log.info("mlflow: tracking into %s (experiment %s)", self.uri, self.experiment)
@@ -160,35 +114,27 @@ class MlflowTracker(Tracker):
             {
                 "op": "open",
                 "sid": self.sid,
-                "uri": self.uri,
+                **self._where(run_dir),
                 "experiment": self.experiment,
-                "artifact_location": self.artifact_location,
-                "run_dir": str(Path(run_dir).resolve()),
                 "params": common.params_of(config),
                 "tags": common.tags_of(facts, run_dir, status, self.job),
                 "previous_run_uri": previous_run_uri,
                 "start_time": start_time,
-                "parent": self.parent,
             }
         )
 
+    def _where(self, run_dir: Path) -> dict:
+        """What every request about this job's run says: its store, run directory and sweep."""
+        directory = str(Path(run_dir).resolve())
+        where = {"uri": self.uri, "artifact_location": self.artifact_location, "run_dir": directory}
+        return {**where, "parent": self.parent, "job": self.job}
+
     def attach(self, run_dir: Path) -> str | None:
-        """A sweep job whose run was complete before it started: indexed under the sweep; its URI if the agent answers
-        in time."""
+        """A sweep job whose run was complete before it started: indexed under the sweep; its URI if the agent
+        answers in time."""
         if self.parent is None or not self._linked():
             return None
-        req = Request()
-        self.link.send(
-            {
-                "op": "attach",
-                "sid": self.link.register(req),
-                "uri": self.uri,
-                "artifact_location": self.artifact_location,
-                "run_dir": str(Path(run_dir).resolve()),
-                "parent": self.parent,
-                "job": self.job,
-            }
-        )
+        req = request(self.link, "attach", **self._where(run_dir))
         if common.in_slurm_job():
             wait_at_exit(req.done, f"the sweep's record of run {run_dir}")
         self._wait_for(req.done.wait, self.wait)
@@ -247,51 +193,35 @@ class MlflowTracker(Tracker):
     def log_checkpoint(self, directory: Path, manifest: dict) -> None:
         if not self.active:
             return
-        try:
-            name, raw = CheckpointDir(
-                directory
-            ).manifest_file()  # the bytes on disk, not a re-serialisation
+        try:  # the bytes on disk, not a re-serialisation
+            name, raw = CheckpointDir(directory).manifest_file()
+            text = raw.decode()
         except CheckpointError:
             return
-        artifact = Path(
-            Path(directory).parent.name, Path(directory).name, name
-        ).as_posix()  # as in the run directory
+        artifact = f"{Path(directory).parent.name}/{Path(directory).name}/{name}"  # as in the run
         self.link.send(
-            {"op": "checkpoint", "sid": self.sid, "artifact": artifact, "manifest": raw.decode()}
+            {"op": "checkpoint", "sid": self.sid, "artifact": artifact, "manifest": text}
         )
 
     def finish(self, status: str, run_dir: Path) -> None:
-        """Hand the run over and leave, waiting (within the job's bound) only for the last messages to be on their
-        way. Inside a SLURM job a run that ends for good is also waited for at exit (SLURM_WAIT); a KILLED one
-        is racing its limit, and the requeued job's end indexes the whole run directory."""
+        """Hand the run over and leave, waiting (within the job's bound) for the last messages to be on their way;
+        in a SLURM job, for a run that ends for good at exit too (SLURM_WAIT; docs/tracking.md: The tracking helper)."""
         if not self.active:
             return
-        self.link.send(
-            {
-                "op": "finish",
-                "sid": self.sid,
-                "run_dir": str(Path(run_dir).resolve()),
-                "parent": self.parent,
-                "job": self.job,
-                "pid": os.getpid(),
-            }
-        )
+        where, pid = self._where(run_dir), os.getpid()
+        self.link.send({"op": "finish", "sid": self.sid, **where, "pid": pid})
         self.finished = True
-        at_exit = status != "KILLED" and common.in_slurm_job()
-        if at_exit:
+        if at_exit := status != "KILLED" and common.in_slurm_job():
             wait_at_exit(self.done, f"run {self._uri or run_dir}")
         sent = self._wait_for(self.link.drain, self.wait)
+        late = " (its last messages were not sent in time: `python -m pipeline.reindex` completes the run)"
+        slurm = f" (inside a SLURM job, which waits for it at its exit, at most {common.SLURM_WAIT:.0f} s)"
         log.info(
             "mlflow: this job waited %.3f s on tracking in all (bound %.1f s); the tracking agent finishes "
             "run %s after it exits%s%s",
             self.waited,
             self.wait,
             run_page(self._uri) if self._uri else "(not created yet)",
-            ""
-            if sent
-            else " (its last messages were not sent in time: `python -m pipeline.reindex` "
-            "completes the run)",
-            f" (inside a SLURM job, which waits for it at its exit, at most {common.SLURM_WAIT:.0f} s)"
-            if at_exit
-            else "",
+            "" if sent else late,
+            slurm if at_exit else "",
         )

@@ -12,7 +12,7 @@ from pipeline.files.limits import MAX_MOUNTS_BYTES
 log = logging.getLogger("pipeline")
 
 # Filesystems whose locks sqlite cannot trust (its own documentation warns against sharing a file over them).
-NETWORK_FS = (
+NETWORK_FS: tuple[str, ...] = (
     "nfs",
     "nfs4",
     "cifs",
@@ -21,19 +21,11 @@ NETWORK_FS = (
     "lustre",
     "gpfs",
     "beegfs",
-    "fuse.glusterfs",
-    "glusterfs",
     "ceph",
-    "fuse.cephfs",
     "9p",
-    "afs",
-    "fuse.sshfs",
-    "panfs",
-    "orangefs",
-    "pvfs2",
-    "ocfs2",
-    "gfs2",
 )
+NETWORK_FS += ("afs", "fuse.glusterfs", "glusterfs", "fuse.cephfs", "fuse.sshfs", "panfs")
+NETWORK_FS += ("orangefs", "pvfs2", "ocfs2", "gfs2")
 MOUNTS = Path("/proc/mounts")
 HOSTS_TAG = "pipeline.hosts"  # on the store's Default experiment: every host that opened it, comma-separated
 MAX_HOSTS = 50
@@ -54,8 +46,7 @@ def read_mounts() -> str:
 
 
 def check_shared(client, db: Path) -> str | None:
-    """Record this host on the store and warn (one line) if the store is shared beyond one machine: sqlite's
-    locks are not to be trusted there. Returns the warning, or None."""
+    """Record this host on the store; warn (one line, returned) if the store is shared beyond one machine."""
     hosts: set[str] = set()
     try:
         exp = client.get_experiment("0")  # Default: every mlflow store has it
@@ -70,11 +61,8 @@ def check_shared(client, db: Path) -> str | None:
     for line in read_mounts().splitlines():  # its filesystem: the longest mount point above it
         fields = line.split()
         point = Path(fields[1].replace("\\040", " ")) if len(fields) >= 3 else None
-        if (
-            point is not None
-            and (point == where or point in where.parents)
-            and len(str(point)) > best
-        ):
+        above = point is not None and (point == where or point in where.parents)
+        if above and len(str(point)) > best:
             best, kind = len(str(point)), fields[2]
     if kind in NETWORK_FS:
         problem = f"the mlflow store {db} is on a network filesystem ({kind})"

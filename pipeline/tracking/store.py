@@ -20,17 +20,10 @@ from mlflow.exceptions import MlflowException
 from pipeline.config.errors import CommandError
 from pipeline.files.atomic import UnsafePathError, refuse_link
 from pipeline.files.limits import MAX_ARTIFACT
-from pipeline.tracking.common import (
-    EXPERIMENT_KIND,
-    EXPERIMENT_KIND_TAG,
-    INVALID_HOST,
-    host_refused,
-    sqlite_path,
-    tag_value,
-)
-from pipeline.tracking.common import artifact_root as common_artifact_root
+from pipeline.tracking import common
 from pipeline.tracking.sharing import check_shared
 
+log = logging.getLogger("pipeline")
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 # A server that is down fails in seconds, not minutes; and mlflow prints no download bars or "View run" lines
 # between the pipeline's own (reindex's). mlflow reads these from the environment at each use only, so
@@ -46,24 +39,19 @@ HTTP_SETTINGS = (
 
 @cache
 def _quiet_migrations() -> None:
-    """mlflow's and alembic's "Creating initial MLflow database tables..." and each migration's lines at INFO: a
-    store is made or migrated where the user did not ask to watch it. Set once, where a store is first opened,
-    never on import (importing a module changes no process state)."""
+    """mlflow's and alembic's migration lines at INFO, quieted where a store is first opened, never on import."""
     for name in ("mlflow.store.db.utils", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def forget_store(uri: str) -> None:
-    """Drop what mlflow keeps open for `uri` in this process (a database store's engine, its pooled connections
-    and the store objects built on it): a sqlite file removed or replaced since is then opened anew, not written
-    through connections to the deleted one."""
+    """Drop what mlflow keeps open for `uri` in this process (its engine, pooled connections and stores): a sqlite
+    file removed or replaced since is then opened anew, not written through connections to the deleted one."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
     from mlflow.tracking._tracking_service import utils
 
-    engine = SqlAlchemyStore._engine_map.pop(
-        uri, None
-    )  # one engine per database URI, for the process's life
-    if engine is not None:
+    # one engine per database URI, for the process's life
+    if (engine := SqlAlchemyStore._engine_map.pop(uri, None)) is not None:
         engine.dispose()
     utils._tracking_store_registry._get_store_with_resolved_uri.cache_clear()  # the stores, per URI
 
@@ -84,8 +72,7 @@ def _flock(path: Path, flags: int):
 
 def template_db() -> Path | None:
     """One migrated, empty sqlite store per mlflow version and user in $XDG_CACHE_HOME/pipeline, made once under
-    a lock: a fresh store is a copy of it, not 2-4 s of schema migrations. It holds no experiment (each copy
-    makes its own Default one, keeping artifacts where its caller says). None if it cannot be made."""
+    a lock: a fresh store is a copy of it, not 2-4 s of migrations. No experiment: each copy makes its own."""
     _quiet_migrations()
     import mlflow
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
@@ -100,19 +87,15 @@ def template_db() -> Path | None:
             if not path.is_file():
                 tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
                 tmp.unlink(missing_ok=True)
-                SqlAlchemyStore(
-                    f"sqlite:///{tmp}", (base / "no-artifacts").as_uri()
-                ).engine.dispose()
+                db = f"sqlite:///{tmp}"
+                SqlAlchemyStore(db, (base / "no-artifacts").as_uri()).engine.dispose()
+                # the Default one: each copy makes its own
                 with closing(sqlite3.connect(tmp)) as con, con:
-                    con.execute(
-                        "DELETE FROM experiments"
-                    )  # the Default one: each copy makes its own
+                    con.execute("DELETE FROM experiments")
                 os.replace(tmp, path)  # whole or absent
         return path
     except Exception:
-        logging.getLogger("pipeline").debug(
-            "no migrated mlflow store template in %s", base, exc_info=True
-        )
+        log.debug("no migrated mlflow store template in %s", base, exc_info=True)
         return None
 
 
@@ -137,12 +120,11 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
 
 def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient, str | None]:
     """A client whose store is open, and the store's warning (sharing.check_shared) or None; a new sqlite store is
-    made here, once, under the lock (a copy of the template, its artifacts under `artifact_root`, never the
-    working directory). StoreError (one line) if it cannot be."""
+    made here, under the lock (a copy of the template). StoreError (one line) if it cannot be."""
     _quiet_migrations()
     for key, value in HTTP_SETTINGS:
         os.environ.setdefault(key, value)
-    db = sqlite_path(uri)
+    db = common.sqlite_path(uri)
     if db is not None:
         try:  # a link planted at the store or beside it would create or fill a store elsewhere
             refuse_link(db)
@@ -152,9 +134,8 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
     try:
         lock: AbstractContextManager = nullcontext()
         if db is not None:
-            from mlflow.store.tracking.sqlalchemy_store import (
-                SqlAlchemyStore,
-            )  # the slow import, outside the lock
+            # the slow import, outside the lock
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
             db.parent.mkdir(parents=True, exist_ok=True)
             if not db.exists():
@@ -165,62 +146,51 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
         with lock:
             if db is not None and not db.exists():
                 _copy_template(db)
-                SqlAlchemyStore(uri, common_artifact_root(uri, artifact_root))
+                SqlAlchemyStore(uri, common.artifact_root(uri, artifact_root))
             client = MlflowClient(tracking_uri=uri)
-            client.search_experiments(
-                max_results=1
-            )  # connect now: a server that is down fails here
+            client.search_experiments(max_results=1)  # connect now: a server that is down fails
             warning = check_shared(client, db) if db is not None else None
         return client, warning
     except Exception as e:
         where = f"the mlflow store {db}" if db else f"the mlflow tracking server {uri}"
-        fix = (
-            " (move it aside and rebuild it from the manifests: python -m pipeline.reindex --rebuild)"
-            if db is not None and db.exists()
-            else ""
-        )
-        if db is None and INVALID_HOST in str(e):
-            raise StoreError(host_refused(uri)) from None
+        fix = f" ({common.REBUILD})" if db is not None and db.exists() else ""
+        if db is None and common.INVALID_HOST in str(e):
+            raise StoreError(common.host_refused(uri)) from None
         text = str(e).strip().splitlines()
         why = f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
         raise StoreError(f"{where} cannot be opened: {why}{fix}") from None
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
-    """The experiment's id, created (its artifacts in <artifact_root>/<name>, or where a server says) or
-    restored if deleted; marked as a machine-learning experiment (EXPERIMENT_KIND_TAG) if it is not yet."""
+    """The experiment's id, created (artifacts in <artifact_root>/<name>, or where a server says) or restored if
+    deleted; marked as a machine-learning experiment (EXPERIMENT_KIND_TAG) if it is not yet."""
+    tag, kind = common.EXPERIMENT_KIND_TAG, common.EXPERIMENT_KIND
     exp = client.get_experiment_by_name(name)
     if exp is None:
         location = None
-        if root := common_artifact_root(client.tracking_uri, artifact_root):
+        if root := common.artifact_root(client.tracking_uri, artifact_root):
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "experiment"
             location = root.rstrip("/") + "/" + safe
         try:
-            return client.create_experiment(
-                name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
-            )
+            return client.create_experiment(name, artifact_location=location, tags={tag: kind})
         except MlflowException:  # created by another process meanwhile
             exp = client.get_experiment_by_name(name)
             if exp is None:
                 raise
     if exp.lifecycle_stage == "deleted":
         client.restore_experiment(exp.experiment_id)
-    if EXPERIMENT_KIND_TAG not in (
-        exp.tags or {}
-    ):  # made before this mark existed, or by another tool
-        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    # made before this mark existed, or by another tool
+    if tag not in (exp.tags or {}):
+        client.set_experiment_tag(exp.experiment_id, tag, kind)
     return exp.experiment_id
 
 
 def all_experiment_ids(client: MlflowClient) -> list[str]:
     ids, token = [], None
     while True:
-        page = client.search_experiments(
-            view_type=ViewType.ACTIVE_ONLY, max_results=1000, page_token=token
-        )
+        page = client.search_experiments(ViewType.ACTIVE_ONLY, 1000, page_token=token)
         ids += [e.experiment_id for e in page]
-        token = page.token
-        if not token:
+        if not (token := page.token):
             return ids
 
 
@@ -231,73 +201,53 @@ def _quote(s: str) -> str:
 def _first(client: MlflowClient, ids: list[str], where: str, order: str):
     """The first run found by `where` in these experiments (searched 100 at a time), or None."""
     for i in range(0, len(ids), 100):
-        found = client.search_runs(
-            ids[i : i + 100], filter_string=where, max_results=1, order_by=[order]
-        )
-        if found:
+        if found := client.search_runs(ids[i : i + 100], where, max_results=1, order_by=[order]):
             return found[0]
     return None
 
 
 def find_run(client: MlflowClient, run_dir: str, candidates: list[str] | tuple[str, ...] = ()):
-    """The run indexing `run_dir`: a candidate id (from a manifest) whose run_dir tag names it, else the newest run
-    tagged with it; None if there is none. An id read from a file is a hint: a run without that tag (someone
-    else's, a fork's) is never written into."""
+    """The run indexing `run_dir`: a candidate id (a hint, from a manifest) whose run_dir tag names it, else the
+    newest run tagged with it; None if there is none. Someone else's run of that id is never written into."""
     for rid in filter(None, candidates):
         with suppress(MlflowException):
             run = client.get_run(rid)
             if run.info.lifecycle_stage == "active" and run.data.tags.get("run_dir") == run_dir:
                 return run
-    return _first(
-        client,
-        all_experiment_ids(client),
-        f"tags.run_dir = {_quote(run_dir)}",
-        "attributes.start_time DESC",
-    )
+    where = f"tags.run_dir = {_quote(run_dir)}"
+    return _first(client, all_experiment_ids(client), where, "attributes.start_time DESC")
 
 
 def find_parent(client: MlflowClient, sweep_id: str, experiment_id: str | None = None):
     """The parent run of the sweep with this id (the first made, if several), or None."""
-    return _first(
-        client,
-        [experiment_id] if experiment_id else all_experiment_ids(client),
-        f"tags.`sweep.id` = {_quote(sweep_id)} and tags.sweep = 'parent'",
-        "attributes.start_time ASC",
-    )
+    ids = [experiment_id] if experiment_id else all_experiment_ids(client)
+    where = f"tags.`sweep.id` = {_quote(sweep_id)} and tags.sweep = 'parent'"
+    return _first(client, ids, where, "attributes.start_time ASC")
 
 
-def create_run(
-    client: MlflowClient, experiment_id: str, tags: dict, start_time: float | None = None
-):
+def create_run(client: MlflowClient, experiment_id: str, tags: dict, start_time=None):
     ms = int((start_time if start_time is not None else time.time()) * 1000)
-    return client.create_run(
-        experiment_id, start_time=ms, tags=tags, run_name=tags.get("mlflow.runName")
-    )
+    name = tags.get("mlflow.runName")
+    return client.create_run(experiment_id, start_time=ms, tags=tags, run_name=name)
 
 
 def sync_params(client: MlflowClient, run, params: dict[str, str]) -> int:
     """Log the params the run lacks (mlflow params never change): a changed one is a `params_changed.<key>` tag."""
     have = run.data.params
     new = [Param(k, v) for k, v in params.items() if k not in have]
-    changed = {
-        f"params_changed.{k}": tag_value(v) for k, v in params.items() if k in have and have[k] != v
-    }
-    return _batches(client, run.info.run_id, "params", new, PARAMS_PER_BATCH) + sync_tags(
-        client, run, changed
-    )
+    changed = {k: v for k, v in params.items() if have.get(k, v) != v}
+    changed = {f"params_changed.{k}": common.tag_value(v) for k, v in changed.items()}
+    added = _batches(client, run.info.run_id, "params", new, PARAMS_PER_BATCH)
+    return added + sync_tags(client, run, changed)
 
 
-def sync_tags(
-    client: MlflowClient, run, tags: dict[str, str], derived: tuple[str, ...] = ()
-) -> int:
+def sync_tags(client: MlflowClient, run, tags: dict[str, str], derived: tuple = ()) -> int:
     """Set the tags whose value differs (tags, unlike params, follow the manifest), and delete the run's tags
     among `derived` (a key, or every key under a prefix ending in `.`) that `tags` no longer says. Returns how many."""
     todo = [RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v]
-    stale = [
-        k
-        for k in run.data.tags
-        if k not in tags and any(k == d or (d.endswith(".") and k.startswith(d)) for d in derived)
-    ]
+    under = [d for d in derived if d.endswith(".")]
+    gone = [k for k in run.data.tags if k not in tags]
+    stale = [k for k in gone if k in derived or any(k.startswith(d) for d in under)]
     for key in stale:
         client.delete_tag(run.info.run_id, key)
     return _batches(client, run.info.run_id, "tags", todo, TAGS_PER_BATCH) + len(stale)
@@ -314,8 +264,8 @@ def log_points(client: MlflowClient, run_id: str, points: list[tuple[str, float,
 
 
 def _batches(client: MlflowClient, run_id: str, kind: str, items: list, size: int) -> int:
-    for i in range(0, len(items), size):
-        client.log_batch(run_id, **{kind: items[i : i + size]})  # type: ignore[arg-type]  # metrics, params or tags
+    for i in range(0, len(items), size):  # metrics, params or tags
+        client.log_batch(run_id, **{kind: items[i : i + size]})  # type: ignore[arg-type]
     return len(items)
 
 
@@ -323,9 +273,8 @@ def artifact_repo(client: MlflowClient, run_id: str):
     """The run's artifact repository, resolved once (through the client, each call costs a get_run)."""
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
-    return get_artifact_repository(
-        client.get_run(run_id).info.artifact_uri, tracking_uri=client._tracking_client.tracking_uri
-    )
+    where = client.get_run(run_id).info.artifact_uri
+    return get_artifact_repository(where, tracking_uri=client._tracking_client.tracking_uri)
 
 
 def log_file_as(repo, artifact_file: str, source: Path | bytes) -> None:
@@ -335,10 +284,8 @@ def log_file_as(repo, artifact_file: str, source: Path | bytes) -> None:
         local = Path(tmp) / name
         if isinstance(source, bytes):
             local.write_bytes(source)
-        else:
-            os.symlink(
-                Path(source).resolve(), local
-            )  # the artifact store copies the target's bytes
+        else:  # the artifact store copies the target's bytes
+            os.symlink(Path(source).resolve(), local)
         repo.log_artifact(str(local), artifact_dir or None)
 
 
@@ -350,11 +297,10 @@ def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, i
     except (MlflowException, OSError):
         return out
     for info in infos:
-        if info.is_dir:
-            if depth > 0:
-                out.update(artifact_sizes(repo, info.path, depth - 1))
-        else:
+        if not info.is_dir:
             out[info.path] = info.file_size
+        elif depth > 0:
+            out.update(artifact_sizes(repo, info.path, depth - 1))
     return out
 
 
@@ -367,10 +313,12 @@ def artifact_bytes(
     root = getattr(repo, "artifact_dir", None)  # LocalArtifactRepository
     try:
         if root is not None:
-            local = Path(root) / path
-            return local.read_bytes() if local.is_file() and local.stat().st_size <= limit else None
+            return _small(Path(root) / path, limit)
         with tempfile.TemporaryDirectory(prefix="pipeline-artifact-") as tmp:
-            got = Path(repo.download_artifacts(path, tmp))
-            return got.read_bytes() if got.is_file() and got.stat().st_size <= limit else None
+            return _small(Path(repo.download_artifacts(path, tmp)), limit)
     except (MlflowException, OSError):
         return None
+
+
+def _small(path: Path, limit: int) -> bytes | None:
+    return path.read_bytes() if path.is_file() and path.stat().st_size <= limit else None

@@ -6,19 +6,14 @@ import logging
 
 from pipeline.run.report import run_page, ui_command, ui_page, ui_server
 from pipeline.run.tracker import SweepParent
-from pipeline.tracking.common import (
-    SLURM_WAIT,
-    artifact_root,
-    in_slurm_job,
-    normalize_tracking_uri,
-    store_problem,
-)
-from pipeline.tracking.link import Request, agent_for
+from pipeline.tracking import common
+from pipeline.tracking.link import Request, agent_for, request
 
 log = logging.getLogger("pipeline")
-END_WAIT = (
-    1.0  # seconds the launcher waits for its last messages to the tracking agent to be on their way
-)
+LATER = "this process exits"
+END_WAIT = 1.0  # seconds the launcher waits for its last messages to the agent to be on their way
+OFF = "mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their manifests; "
+OFF += "index them later with `python -m pipeline.reindex`."
 
 
 class MlflowSweepParent(SweepParent):
@@ -26,33 +21,20 @@ class MlflowSweepParent(SweepParent):
     with the code reindex uses (pipeline/tracking/index.py), so the launcher never waits on mlflow."""
 
     def __init__(self, uri: str, experiment: str, artifact_location: str | None = None, **_):
-        self.uri = normalize_tracking_uri(str(uri))
+        self.uri = common.normalize_tracking_uri(str(uri))
         self.experiment = str(experiment)
-        self.artifact_location = artifact_root(self.uri, artifact_location)
-        self.request: Request | None = (
-            None  # the agent's answer to parent_start, in the launching process only
-        )
+        self.artifact_location = common.artifact_root(self.uri, artifact_location)
+        self.request: Request | None = None  # the agent's answer to parent_start (launcher only)
 
-    def __getstate__(self) -> dict:
-        return {
-            **self.__dict__,
-            "request": None,
-        }  # Hydra pickles the callback, and this, to every job
+    def __getstate__(self) -> dict:  # Hydra pickles the callback, and this, to every job
+        return {**self.__dict__, "request": None}
 
     def facts(self, timeout: float) -> dict:
-        facts = {
-            "uri": self.uri,
-            "experiment": self.experiment,
-            "artifact_location": self.artifact_location,
-        }
-        if problem := store_problem(self.uri, timeout=timeout):
+        facts: dict = {"uri": self.uri, "experiment": self.experiment}
+        facts["artifact_location"] = self.artifact_location
+        if problem := common.store_problem(self.uri, timeout=timeout):
             facts["tracking_off"] = problem  # the jobs read it: said once, here
-            log.warning(
-                "mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their "
-                "manifests; index them later with `python -m pipeline.reindex`.",
-                self.uri,
-                problem,
-            )
+            log.warning(OFF, self.uri, problem)
         return facts
 
     def warm(self, sweep: dict) -> None:
@@ -63,65 +45,41 @@ class MlflowSweepParent(SweepParent):
         if sweep.get("tracking_off"):
             return False
         link = agent_for(self.uri)  # at once: the agent starts beside the jobs
-        self.request = Request()
-        link.send(
-            {
-                "op": "parent_start",
-                "sid": link.register(self.request),
-                "uri": self.uri,
-                "artifact_location": sweep.get("artifact_location"),
-                "sweep_id": sweep["id"],
-                "sweep_dir": sweep["dir"],
-            }
-        )
+        where = {"uri": self.uri, "artifact_location": sweep.get("artifact_location")}
+        where |= {"sweep_id": sweep["id"], "sweep_dir": sweep["dir"]}
+        self.request = request(link, "parent_start", **where)
         return True
 
     def end(self, sweep: dict) -> list[str]:
-        """Hand the parent's end to the agent, waiting at most END_WAIT for it to be on its way (a SLURM sweep, or a
-        launcher inside a SLURM job, whose agent SLURM may end with it, up to SLURM_WAIT for the parent); the lines
-        saying where the parent is, for the end table."""
+        """Hand the parent's end to the agent, waiting at most END_WAIT for it to be on its way (on SLURM, which may
+        end the agent with the launcher, up to SLURM_WAIT for the parent); the end table's lines of where it is."""
         if sweep.get("tracking_off"):
             return [f"not tracked: {sweep['tracking_off']}"]
         answer = self.request.event if self.request is not None else None
-        link, done = agent_for(self.uri), Request()
-        link.send(
-            {
-                "op": "sweep_end",
-                "sid": link.register(done),
-                "uri": self.uri,
-                "sweep_dir": sweep["dir"],
-                "parent": {"sweep_id": sweep["id"]},
-            }
-        )
+        link = agent_for(self.uri)
+        parent = {"sweep_id": sweep["id"]}
+        done = request(link, "sweep_end", uri=self.uri, sweep_dir=sweep["dir"], parent=parent)
         link.drain(END_WAIT)
-        slurm = str(sweep.get("launcher", "")).endswith("SlurmLauncher") or in_slurm_job()
-        ended = (done.event if done.done.wait(SLURM_WAIT) else None) if slurm else None
+        slurm = str(sweep.get("launcher", "")).endswith("SlurmLauncher") or common.in_slurm_job()
+        ended = (done.event if done.done.wait(common.SLURM_WAIT) else None) if slurm else None
         if slurm and ended is not None and ended.get("event") == "finished":
-            log.info(
-                "mlflow: sweep parent run %s complete: %s",
-                run_page(ended.get("uri") or ""),
-                ended.get("status"),
-            )
+            page = run_page(ended.get("uri") or "")
+            log.info("mlflow: sweep parent run %s complete: %s", page, ended.get("status"))
         elif slurm:
-            log.warning(
-                "mlflow: the tracking agent did not complete the sweep's parent run (%s); "
-                "`python -m pipeline.reindex` completes it",
-                (ended or {}).get("message", f"no answer within {SLURM_WAIT:.0f} s"),
-            )
+            why = (ended or {}).get("message", f"no answer within {common.SLURM_WAIT:.0f} s")
+            said = "mlflow: the tracking agent did not complete the sweep's parent run (%s); "
+            log.warning(said + "`python -m pipeline.reindex` completes it", why)
         elif answer is None:
-            log.info(
-                "mlflow: the tracking agent completes the sweep's parent run after this process exits"
-            )
+            log.info("mlflow: the tracking agent completes the sweep's parent run after %s", LATER)
         elif answer.get("event") != "ready":
-            log.warning(
-                "mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their manifests; "
-                "index them with `python -m pipeline.reindex`.",
-                self.uri,
-                answer.get("message", "unknown error"),
+            said = (
+                "mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their "
             )
+            said += "manifests; index them with `python -m pipeline.reindex`."
+            log.warning(said, self.uri, answer.get("message", "unknown error"))
         if answer is None:
             return [
-                f"sweep.id={sweep['id']} in {self.uri} (the tracking agent completes it after this process exits)"
+                f"sweep.id={sweep['id']} in {self.uri} (the tracking agent completes it after {LATER})"
             ]
         if answer.get("event") != "ready":
             return [f"not tracked: {answer.get('message', 'unknown error')}"]

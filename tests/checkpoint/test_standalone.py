@@ -5,14 +5,21 @@ on data regenerated from its config; a damaged, unlisted or missing data.json is
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TINY, refused_in_one_line, run_job, run_pipeline, text_overrides, the_run
+from conftest import (
+    TINY,
+    refused_in_one_line,
+    relist,
+    run_job,
+    run_pipeline,
+    text_overrides,
+    the_run,
+)
 
 from pipeline.checkpoint.directory import DATA, MANIFEST, CheckpointDir
 from pipeline.checkpoint.errors import CheckpointError
@@ -94,18 +101,6 @@ def copy_of(ckpt: Path, tmp_path: Path) -> Path:
     directory = tmp_path / "runs" / "r" / "checkpoints" / CheckpointDir(ckpt).resolved().name
     shutil.copytree(CheckpointDir(ckpt).resolved(), directory)
     return directory
-
-
-def relist(directory: Path, name: str | None = None, drop: str | None = None, **fields) -> None:
-    """Rewrite manifest.json: `name`'s entry after editing it, `drop`'s removed, `fields` set."""
-    m = json.loads((directory / MANIFEST).read_text())
-    if name:
-        data = (directory / name).read_bytes()
-        m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    if drop:
-        del m["files"][drop]
-    m.update(fields)
-    (directory / MANIFEST).write_text(json.dumps(m))
 
 
 @pytest.mark.parametrize("which", ["grammar", "text"])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import KERNODECK, TINY, env_for_subprocess, tree
+from conftest import KERNODECK, TINY, env_for_subprocess, relist, tree
 from safetensors.numpy import load_file, save_file
 
 from pipeline.checkpoint.directory import (
@@ -100,14 +100,6 @@ def manifest_of(directory: Path) -> dict:
 
 def write_manifest(directory: Path, manifest: dict) -> None:
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-
-
-def relist(directory: Path, name: str) -> None:
-    """Record a file's new size and sha256 in the manifest, as if it had been written that way."""
-    m = manifest_of(directory)
-    data = (directory / name).read_bytes()
-    m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    write_manifest(directory, m)
 
 
 def data_offset(path: Path) -> int:

@@ -4,7 +4,6 @@ metrics.jsonl, a sweep's job records."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -12,7 +11,7 @@ import struct
 import sys
 
 import pytest
-from conftest import KERNODECK
+from conftest import KERNODECK, relist
 
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.directory import EXTRA, MANIFEST, WEIGHTS, CheckpointDir, step_dir_name
@@ -112,13 +111,6 @@ def ckpt(saved, tmp_path):
     for p in saved.iterdir():
         (directory / p.name).write_bytes(p.read_bytes())
     return directory
-
-
-def relist(directory, name):
-    m = json.loads((directory / MANIFEST).read_text())
-    data = (directory / name).read_bytes()
-    m["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (directory / MANIFEST).write_text(json.dumps(m))
 
 
 def refused(directory, file, words):

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import KERNODECK, PROJECT_ROOT, env_for_subprocess, run_job, the_run
+from conftest import KERNODECK, PROJECT_ROOT, env_for_subprocess, the_run
 
 from pipeline.config.identity import config_hash, semantic_hash
 
@@ -255,11 +255,7 @@ def test_every_entry_point_has_a_case():
     assert entry_points() == set(CASES) | set(NO_CONFIG)
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("widens") / "out"
-    assert run_job(*BASE, f"paths.output_dir={out}")[0] == 0
-    return out
+FINISHED = BASE  # conftest's `finished` runs it
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import KERNODECK, run_job, the_run
+from conftest import KERNODECK, the_run
 
 from pipeline.config import targets
 from pipeline.config.identity import config_hash, semantic_hash
@@ -62,22 +62,14 @@ CASES = [
 IDS = [f"{k}={t}" for k, t, _ in CASES]
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
-    """A tiny finished kernodeck run with every node a config has: a cadence in its stage, early stopping."""
-    out = tmp_path_factory.mktemp("targets") / "out"
-    assert (
-        run_job(
-            *KERNODECK,
-            "trainer.max_steps=4",
-            "+stages/early_stop=default",
-            "checkpoint=every_n_steps",
-            "checkpoint.every_steps=2",
-            f"paths.output_dir={out}",
-        )[0]
-        == 0
-    )
-    return out
+# conftest's `finished`: a tiny kernodeck run with every node a config has: a cadence in its stage, early stopping
+FINISHED = (
+    *KERNODECK,
+    "trainer.max_steps=4",
+    "+stages/early_stop=default",
+    "checkpoint=every_n_steps",
+    "checkpoint.every_steps=2",
+)
 
 
 def _manifest(finished: Path) -> dict:

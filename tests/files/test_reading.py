@@ -242,12 +242,6 @@ def test_fitted_perplexity_is_fit_then_perplexity_to_the_last_bit(monkeypatch):
 # --- the commands: inspect, evaluate, a run, a resume ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def finished(finished_job) -> Path:
-    """A finished kernodeck run (checkpoints at steps 6 and 10), copied by each case."""
-    return finished_job(*KERNODECK)
-
-
 def a_copy(finished: Path, tmp_path: Path) -> tuple[Path, Path]:
     out = tmp_path / "out"
     shutil.copytree(finished, out, symlinks=True)

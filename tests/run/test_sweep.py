@@ -275,17 +275,10 @@ def test_the_entry_point_ends_only_a_running_sweep_this_process_launched(
     assert not callback.end_unfinished("again")  # ended: once
 
 
-def _tree(root) -> dict:
-    return {
-        str(p.relative_to(root)): None if p.is_dir() else p.read_bytes()
-        for p in sorted(root.rglob("*"))
-    }
-
-
 def test_a_sweep_refused_before_any_job_leaves_no_sweep_and_no_directory_it_made(tmp_path):
     """Hydra refuses the jobs' overrides only after the sweep's start wrote sweep.json ("running") and
     multirun.yaml: the refusal undoes that start, so reindex finds no sweep that never ran."""
-    from conftest import KERNODECK, refused_in_one_line
+    from conftest import KERNODECK, refused_in_one_line, tree
 
     from pipeline.tracking.link import wait_idle
 
@@ -303,9 +296,9 @@ def test_a_sweep_refused_before_any_job_leaves_no_sweep_and_no_directory_it_made
     used = tmp_path / "used"
     (used / "sweeps" / "other").mkdir(parents=True)
     (used / "sweeps" / "other" / "sweep.json").write_text("{}")
-    before = _tree(used)
+    before = tree(used)
     refused_in_one_line(["-m", *KERNODECK, "model=mlp,bogus", f"paths.output_dir={used}"], tmp_path)
-    assert _tree(used) == before
+    assert tree(used) == before
 
 
 def test_a_monitor_every_job_shares_refuses_the_sweep_before_it_starts(tmp_path):

@@ -193,12 +193,7 @@ def test_inspect_takes_only_a_search_path(tmp_path, capsys):
 # -- the real commands against planted manifests ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
-    """A tiny finished kernodeck run (one checkpoint, step 4), copied by every case."""
-    out = tmp_path_factory.mktemp("untrusted") / "out"
-    assert run_job(*KERNODECK, "trainer.max_steps=4", f"paths.output_dir={out}")[0] == 0
-    return out
+FINISHED = (*KERNODECK, "trainer.max_steps=4")  # conftest's `finished`: one checkpoint, step 4
 
 
 class Scene:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import KERNODECK, kept, metrics, run_job, the_run, tree
+from conftest import KERNODECK, kept, metrics, run_job, sigterm_during, the_run, tree
 
 # kernodeck: 6 updates an epoch, a rotating checkpoint every epoch, best-val at every evaluation (every 4)
 BASE = (*KERNODECK, "trainer.max_steps=40", "trainer.eval_every=4")
@@ -65,22 +65,8 @@ def reference(tmp_path_factory) -> Path:
 
 def stopped_at(step: int, *overrides: str, out: Path) -> None:
     """The base run (with `overrides`) in `out`, stopped by a SIGTERM during update `step`: its checkpoint written."""
-    import pipeline.trainer.loop as loop
-    from pipeline.run.signals import SIGNALS_STATE
-
-    real = loop.train_step
-
-    def train_step(state):
-        record = real(state)
-        if state.step == step:
-            SIGNALS_STATE.received = 15
-        return record
-
-    loop.train_step = train_step
-    try:
+    with sigterm_during(step):
         assert run_job(*BASE, *overrides, f"paths.output_dir={out}")[0] == 75
-    finally:
-        loop.train_step, SIGNALS_STATE.received = real, None
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,15 @@ import select
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import KERNODECK, run_pipeline
+from conftest import KERNODECK, env_for_subprocess, run_pipeline
 
 from pipeline.tracking import agent, link, mlflow_tracker
 from pipeline.tracking.link import wait_idle
@@ -141,6 +143,31 @@ def test_a_directory_others_can_enter_is_refused_with_one_warning_and_no_connect
     assert str(d) in warnings[0].getMessage() and problem in warnings[0].getMessage()
     assert not pending_connection(server), "the job connected to a socket in a directory it refused"
     assert sorted(os.listdir(real)) == before  # no lock, no log, no socket made there
+
+
+@pytest.mark.parametrize(
+    "make, problem", [(make_open_dir, "mode 0755"), (make_link, "is a symlink")]
+)
+def test_an_agent_asked_to_serve_in_a_directory_others_can_enter_refuses_in_one_line(
+    base, make, problem
+):
+    """The agent checks the directory too, before it binds there: its one line and exit 1 come through the entry
+    wrapper (run_command), and nothing is made there."""
+    d = link.socket_path(uri_in(base)).parent
+    real = make(d)
+    before = sorted(os.listdir(real))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.tracking.agent", "--listen", str(d / "x.sock")],
+        env=env_for_subprocess(),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(
+        f"tracking agent: the tracking agent's directory {d} "
+    ), proc.stderr
+    assert problem in proc.stderr and proc.stdout == ""
+    assert sorted(os.listdir(real)) == before
 
 
 def test_a_private_directory_is_made_0700_and_used(base):

@@ -13,7 +13,6 @@ import pytest
 
 from pipeline.tracking.common import (
     flatten,
-    is_mlflow_tracking,
     metric_points,
     normalize_tracking_uri,
     param_value,
@@ -24,6 +23,7 @@ from pipeline.tracking.common import (
 )
 
 RID = "0123456789abcdef0123456789abcdef"
+MLFLOW_TRACKER = "pipeline.tracking.mlflow_tracker.MlflowTracker"
 
 
 def test_run_uri_round_trips_for_sqlite_and_http():
@@ -103,13 +103,16 @@ def test_tracking_group_defaults_to_mlflow_under_the_output_dir(compose_cfg, tmp
     assert cfg.tracking.uri == f"sqlite:///{tmp_path}/mlflow.db"
     assert cfg.tracking.artifact_location == f"{tmp_path}/mlartifacts"
     assert cfg.tracking.experiment == "kernodeck"
-    assert is_mlflow_tracking(cfg.tracking)
+    assert cfg.tracking._target_ == MLFLOW_TRACKER
     assert "mlflow_sweep" in cfg.hydra.callbacks
     default = compose_cfg()
     assert Path(default.tracking.uri[len("sqlite:///") :]).is_absolute()
     server = compose_cfg("tracking=server", "tracking.uri=http://127.0.0.1:5999")
-    assert server.tracking.uri == "http://127.0.0.1:5999" and is_mlflow_tracking(server.tracking)
-    assert not is_mlflow_tracking(compose_cfg("tracking=none").tracking)
+    assert (
+        server.tracking.uri == "http://127.0.0.1:5999"
+        and server.tracking._target_ == MLFLOW_TRACKER
+    )
+    assert compose_cfg("tracking=none").tracking.get("_target_") != MLFLOW_TRACKER
 
 
 def test_tracker_module_does_not_import_mlflow():
