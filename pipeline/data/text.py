@@ -82,37 +82,43 @@ class TextFile:
             h.update(raw)
             yield raw
 
-    def tokens(self) -> np.ndarray:
-        """[N] uint16: each character's index in the vocabulary, in file order (a file changed since is refused)."""
+    def pieces(self, n_train: int) -> Iterator[tuple[str, np.ndarray]]:
+        """("train" | "val", [n] uint16 token ids) piece by piece in file order, the first n_train characters
+        train; a second pass, hash checked again (a file changed since is refused at its end)."""
         table = np.zeros(N_CODE_POINTS, dtype=TOKEN_DTYPE)  # code point -> token id
         table[self.code_points] = np.arange(len(self.code_points), dtype=TOKEN_DTYPE)
-        out, at, h = np.empty(self.n, dtype=TOKEN_DTYPE), 0, hashlib.sha256()
+        at, h = 0, hashlib.sha256()
         for cps in _code_points(self._pieces(h), self.path):
-            if at + len(cps) > self.n:
-                break
-            np.take(table, cps, out=out[at : at + len(cps)])
+            toks = np.take(table, cps[: max(0, self.n - at)])
+            cut = min(max(0, n_train - at), len(toks))
+            if cut:
+                yield "train", toks[:cut]
+            if cut < len(toks):
+                yield "val", toks[cut:]
             at += len(cps)
         if at != self.n or h.hexdigest() != self.sha256:
             raise TextError(
                 f"data.path={self.path}: changed while it was read; give it once it is complete"
             )
-        return out
+
+    def tokens(self) -> np.ndarray:
+        """[N] uint16: each character's index in the vocabulary, in file order (one pass of pieces())."""
+        return np.concatenate(
+            [toks for _, toks in self.pieces(self.n)] or [np.empty(0, TOKEN_DTYPE)]
+        )
 
     def content(self, val_fraction: float, block_size: int) -> CorpusContent:
-        """The corpus: the last val_fraction of the text held out in one piece, so no val window overlaps training."""
-        tokens = self.tokens()
-        n_val = round(len(tokens) * val_fraction)
-        train, val = (
-            tokens[: len(tokens) - n_val],
-            tokens[len(tokens) - n_val :],
-        )  # views, no copies
-        if min(n_windows(len(train), block_size), n_windows(len(val), block_size)) < 1:
+        """The corpus: the last val_fraction of the text held out in one piece, so no val window overlaps training;
+        its tokens streamed (pieces) into the corpus's files."""
+        n_val = round(self.n * val_fraction)
+        n_train = self.n - n_val
+        if min(n_windows(n_train, block_size), n_windows(n_val, block_size)) < 1:
             raise TextError(
-                f"data.path={self.path}: too short: {len(tokens)} characters leave {len(train)} train "
-                f"and {len(val)} val, each needing at least {block_size + 1}"
+                f"data.path={self.path}: too short: {self.n} characters leave {n_train} train "
+                f"and {n_val} val, each needing at least {block_size + 1}"
             )
-        stats = {"characters": {"train": len(train), "val": len(val)}}
-        return CorpusContent(train=train, val=val, vocab=self.vocab, join="", stats=stats)
+        stats = {"characters": {"train": n_train, "val": n_val}}
+        return CorpusContent(vocab=self.vocab, join="", pieces=self.pieces(n_train), stats=stats)
 
     def __enter__(self):
         return self
@@ -137,6 +143,7 @@ class TextCorpus(TokenDataset):
         ngram_order: int,
         val_batch_size: int,
         max_bytes: int,
+        every_offset: bool,
     ):
         try:
             text = TextFile(Path(path), max_bytes)
@@ -159,4 +166,5 @@ class TextCorpus(TokenDataset):
                 params,
                 val_batch_size,
                 lambda: text.content(float(val_fraction), int(block_size)),
+                bool(every_offset),
             )

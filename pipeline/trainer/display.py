@@ -79,6 +79,12 @@ class Display:
 
     def on_step_end(self, state, record: dict) -> None:
         assert self.speed is not None, "on_train_start comes first"
+        val = "".join(f" {k}={v:.4f}" for k, v in record.items() if k.startswith("val/"))
+        if "train/loss" not in record:  # the evaluation before the first update
+            log.info(
+                "step %d/%d epoch %d%s", record["step"], state.total_steps, record["epoch"], val
+            )
+            return
         self.speed.step(time.perf_counter())
         rates = self.speed.rates()
         if self.bar is not None:
@@ -90,7 +96,6 @@ class Display:
         if is_logged(
             record, 0 if self.bar else self.log_every, state.total_steps
         ):  # with the bar: evaluations
-            extra = "".join(f" {k}={v:.4f}" for k, v in record.items() if k.startswith("val/"))
             speed = self.speed.text()
             log.info(
                 "step %d/%d epoch %d loss=%.6f lr=%.6g%s%s",
@@ -99,7 +104,7 @@ class Display:
                 record["epoch"],
                 record["train/loss"],
                 record["lr"],
-                extra,
+                val,
                 f" ({speed})" if speed else "",
             )
 

@@ -158,9 +158,16 @@ def fit(
     profile: Profile = OFF,
 ) -> None:
     """Steps until the budget is spent or on_step_end (the run's decision) returns True, evaluating every
-    `eval_every` updates (0: every epoch's end) and at the last; callbacks see each record before the run."""
+    `eval_every` updates (0: every epoch's end), at the last, and before the first if state.eval_at_start;
+    callbacks see each record before the run (step 0's evaluation: only they see it)."""
     for cb in callbacks:
         getattr(cb, "on_train_start", lambda s: None)(state)
+    if state.eval_at_start and state.step == 0:  # trainer.eval_at_start; a resumed run is past it
+        with np.errstate(all="ignore"), profile.phase("evaluation"):
+            record = {"step": 0, "epoch": 0, **validate(state)}
+        state.progress.metrics.update({k: v for k, v in record.items() if kept(k)})
+        for cb in callbacks:
+            cb.on_step_end(state, record)
     while state.step < state.total_steps:
         t0 = time.perf_counter()
         with np.errstate(

@@ -70,9 +70,9 @@ class TrainState:
     grad_clip: float  # the largest global L2 norm of an update's gradient; 0: no clipping
     shards: int  # pieces each micro-batch is split into (semantic: the dropout draws, the summation order)
     threads: int | None  # threads running the pieces (not semantic); None: the cores available
-    eval_batches: (
-        int | None
-    )  # an evaluation reads the first N validation batches; None: all of them
+    # an evaluation reads the first N validation batches (None: all); one before the first update if eval_at_start
+    eval_batches: int | None
+    eval_at_start: bool
     stages: (
         object  # the stages' states (pipeline.stages.base.StageStates); the run layer builds them
     )

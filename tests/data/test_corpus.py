@@ -21,7 +21,12 @@ from pipeline.files.atomic import TMP_PREFIX
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(n_sentences=1500, val_fraction=0.1, block_size=32, ngram_order=3, val_batch_size=32)
 TEXT_SMALL = dict(
-    val_fraction=0.1, block_size=16, ngram_order=4, val_batch_size=32, max_bytes=1 << 20
+    val_fraction=0.1,
+    block_size=16,
+    ngram_order=4,
+    val_batch_size=32,
+    max_bytes=1 << 20,
+    every_offset=False,
 )
 
 
