@@ -302,8 +302,12 @@ def read_tensors(
                 raise _Malformed(f"header: {e}") from None
             metadata, entries = _check_header(header, size - 8 - n)
             reasons = [_layout_reason(entries, metadata, e) for e in alternatives or []]
-            if reasons and all(reasons):
-                raise LayoutMisfit(str(reasons[0]))
+            if reasons and all(
+                reasons
+            ):  # the nearest's: one naming a tensor over one naming the set
+                raise LayoutMisfit(
+                    str(min(reasons, key=lambda r: str(r).startswith("tensors differ")))
+                )
             for name, dtype, shape, nbytes in entries:
                 a = np.empty(shape, dtype=dtype)
                 data = _bytes_of(a)
