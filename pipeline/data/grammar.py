@@ -239,20 +239,12 @@ PRONOUN = Choice(tuple(PRONOUNS))
 SUBJECT_IS_PRONOUN, INNER_SUBJECT_IS_PRONOUN = _coin(0.3), _coin(0.3)
 SUBJECT_CLASSES = Choice((ANIMATE, INANIMATE), (4, 1))
 POSTMODIFIER = Choice(("none", "pp", "rc"), (4, 2.5, 3.5))
-PREPOSITION, PLACE_PREPOSITION, PLACE = (
-    Choice(PREPOSITIONS),
-    Choice(PLACE_PREPOSITIONS),
-    Choice(PLACES),
-)
+PREPOSITION, PLACE_PREPOSITION = Choice(PREPOSITIONS), Choice(PLACE_PREPOSITIONS)
+PLACE = Choice(PLACES)
 PP_CLASSES = ("person", "animal", "vehicle", "thing")
 SUBJECT_RELATIVE = _coin(0.4)
-NEGATED, COPULA, VERY, INTRANSITIVE_VP, PLACE_PP = (
-    _coin(0.15),
-    _coin(0.2),
-    _coin(0.2),
-    _coin(0.35),
-    _coin(0.5),
-)
+NEGATED, COPULA, VERY = _coin(0.15), _coin(0.2), _coin(0.2)
+INTRANSITIVE_VP, PLACE_PP = _coin(0.35), _coin(0.5)
 INTRANSITIVE_VERB, TRANSITIVE_VERB = Choice(INTRANSITIVE), Choice(TRANSITIVE)
 VERB_TAKING = {c: Choice([v for v in TRANSITIVE if c in v.objects]) for c in ANIMATE + INANIMATE}
 OBJECT_KIND = {
@@ -435,9 +427,8 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
 class GrammarCorpus(TokenDataset):
     """`data=grammar`: the grammar corpus under <output_dir>/data/grammar-<hash>/, generated once."""
 
-    specials: ClassVar[dict[str, str]] = {
-        "eos": EOS
-    }  # every sentence ends with it: an empty prompt starts after one
+    # every sentence ends with it: an empty prompt starts after one
+    specials: ClassVar[dict[str, str]] = {"eos": EOS}
 
     def __init__(
         self,
@@ -449,19 +440,11 @@ class GrammarCorpus(TokenDataset):
         ngram_order: int,
         val_batch_size: int,
     ):
-        params = {
-            "generator": "grammar",
-            "version": GRAMMAR_VERSION,
-            "seed": int(seed),
-            "n_sentences": int(n_sentences),
-            "val_fraction": float(val_fraction),
-            "block_size": int(block_size),
-            "ngram_order": int(ngram_order),
-        }
-        super().__init__(
-            cache_dir,
-            "grammar",
-            params,
-            val_batch_size,
-            lambda: build_grammar_corpus(int(seed), int(n_sentences), float(val_fraction)),
-        )
+        params = {"generator": "grammar", "version": GRAMMAR_VERSION, "seed": int(seed)}
+        params.update(n_sentences=int(n_sentences), val_fraction=float(val_fraction))
+        params.update(block_size=int(block_size), ngram_order=int(ngram_order))
+
+        def build() -> CorpusContent:
+            return build_grammar_corpus(int(seed), int(n_sentences), float(val_fraction))
+
+        super().__init__(cache_dir, "grammar", params, val_batch_size, build)

@@ -14,9 +14,8 @@ from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDat
 from pipeline.files import reading
 
 TEXT_VERSION = 1
-PIECE = (
-    4 << 20
-)  # bytes decoded at a time: a piece costs at most ~9x itself (its str and its UTF-32 copy)
+# bytes decoded at a time: a piece costs at most ~9x itself (its str and its UTF-32 copy)
+PIECE = 4 << 20
 N_CODE_POINTS = 0x110000
 
 
@@ -45,12 +44,9 @@ def _code_points(pieces: Iterable[bytes], path: Path) -> Iterator[np.ndarray]:
 
 
 class TextFile:
-    """data.path opened and scanned once, piece by piece: its sha256, UTF-8 (an incremental decoder), and which
-    code points occur (the vocabulary, sorted as sorted(set(text)) sorts it). tokens() is a second pass, made
-    only when the corpus is not on disk yet, hash checked again. Memory: the tokens and a few pieces.
-
-    TextError or an OSError (reading.UnreadableFile for a FIFO, a device, a directory, ... or a file over
-    `max_bytes`, refused before it is opened) naming data.path. A symlink is followed to its file."""
+    """data.path scanned once in pieces: its sha256, UTF-8, its vocabulary (sorted as sorted(set(text)));
+    pieces() is a second pass, only while the corpus is written. Memory: a few pieces. TextError or an OSError
+    (reading.UnreadableFile: a FIFO, a device, over `max_bytes`, ... refused unopened) names data.path."""
 
     def __init__(self, path: Path, max_bytes: int):
         self.path, self.max_bytes = Path(path), int(max_bytes)
@@ -62,6 +58,7 @@ class TextFile:
                 self.n += len(cps)
             self.sha256 = h.hexdigest()
             self.code_points = np.flatnonzero(seen)  # the vocabulary, sorted
+            self.vocab = [chr(c) for c in self.code_points]
             if len(self.code_points) > MAX_VOCAB:
                 raise TextError(
                     f"data.path={self.path}: {len(self.code_points)} distinct characters, more than "
@@ -70,10 +67,6 @@ class TextFile:
         except BaseException:
             self.f.close()
             raise
-
-    @property
-    def vocab(self) -> list[str]:
-        return [chr(c) for c in self.code_points]
 
     def _pieces(self, h) -> Iterator[bytes]:
         """The file's bytes from its start, piece by piece, each added to the hash `h` as it is read."""
@@ -128,11 +121,8 @@ class TextFile:
 
 
 class TextCorpus(TokenDataset):
-    """`data=text data.path=FILE`: the file's characters under <output_dir>/data/text-<hash>/.
-
-    The hash covers the file's content (its sha256), not its path: moving the file reuses the corpus.
-    `max_bytes` bounds the file's size (data.max_bytes, not part of the corpus's identity).
-    """
+    """`data=text data.path=FILE`: the file's characters under <output_dir>/data/text-<hash>/, hashed by the
+    file's content, not its path; `max_bytes` (data.max_bytes) bounds its size, not part of its identity."""
 
     def __init__(
         self,
@@ -152,19 +142,11 @@ class TextCorpus(TokenDataset):
         except OSError as e:
             raise TextError(f"data.path={path}: {e.strerror or e}") from None
         with text:
-            params = {
-                "generator": "text",
-                "version": TEXT_VERSION,
-                "source_sha256": text.sha256,
-                "val_fraction": float(val_fraction),
-                "block_size": int(block_size),
-                "ngram_order": int(ngram_order),
-            }
-            super().__init__(
-                cache_dir,
-                "text",
-                params,
-                val_batch_size,
-                lambda: text.content(float(val_fraction), int(block_size)),
-                bool(every_offset),
-            )
+            params = {"generator": "text", "version": TEXT_VERSION, "source_sha256": text.sha256}
+            params.update(val_fraction=float(val_fraction), block_size=int(block_size))
+            params["ngram_order"] = int(ngram_order)
+
+            def build() -> CorpusContent:
+                return text.content(float(val_fraction), int(block_size))
+
+            super().__init__(cache_dir, "text", params, val_batch_size, build, bool(every_offset))

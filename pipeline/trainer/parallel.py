@@ -59,21 +59,16 @@ class Shards:
     """
 
     def __init__(self, shards: int, threads: int | None = None):
-        if threads is None:  # the cores this process may run on (its CPU affinity)
-            try:
-                threads = len(os.sched_getaffinity(0))
-            except AttributeError:  # not Linux
-                threads = os.cpu_count() or 1
+        if (
+            threads is None
+        ):  # the cores this process may run on (its CPU affinity; elsewhere than Linux, all)
+            affinity = getattr(os, "sched_getaffinity", None)
+            threads = len(affinity(0)) if affinity else os.cpu_count() or 1
         self.shards, self.threads = int(shards), int(threads)
         # The calling thread works too: threads - 1 helpers. None when there is nothing to share.
-        self._pool = (
-            ThreadPoolExecutor(self.threads - 1, thread_name_prefix="shard")
-            if self.threads > 1
-            else None
-        )
-        self._blas = (
-            ThreadpoolController().select(user_api="blas").lib_controllers
-        )  # found once (~1 ms)
+        self._pool = ThreadPoolExecutor(self.threads - 1, "shard") if self.threads > 1 else None
+        # found once (~1 ms)
+        self._blas = ThreadpoolController().select(user_api="blas").lib_controllers
         self._blas_before = [lib.get_num_threads() for lib in self._blas]
         self._closed = False
         self._pin_blas()
@@ -146,7 +141,7 @@ class Shards:
         todo: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(len(keys)):
             todo.put(i)
-        failed: list[bool] = []
+        failed: list[bool] = []  # set once a key failed
 
         def work() -> None:
             while not failed:  # after a failure nobody starts another key
@@ -165,21 +160,18 @@ class Shards:
             work()
         finally:
             errors = [f.exception() for f in helpers]  # waits for every helper
-        for e in errors:
-            if e is not None:
-                raise e
+        if error := next((e for e in errors if e is not None), None):
+            raise error
         return results
 
     def close(self) -> None:
         """Stop the pool and give BLAS its thread count back; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        for lib, n in zip(self._blas, self._blas_before):
-            lib.set_num_threads(n)
+        if not self._closed:
+            self._closed = True
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            for lib, n in zip(self._blas, self._blas_before):
+                lib.set_num_threads(n)
 
     def __enter__(self) -> Shards:
         return self
