@@ -11,7 +11,7 @@ from pipeline.stateful import BadValue
 
 
 class DataIterator:
-    """Batches of sample ids from the run's data-order stream `rng`, `n // batch_size` a epoch (drop_last).
+    """Batches of sample ids from the run's data-order stream `rng`, `n // batch_size` an epoch (drop_last).
 
     offsets=0: each of the n ids once per epoch, in a permutation drawn at the epoch's start; offsets > 0:
     each batch draws its ids uniformly from [0, offsets) (nanoGPT's sampling at every offset of a stream).
@@ -32,7 +32,7 @@ class DataIterator:
     def _begin_epoch(self) -> None:
         # start: the stream's state before this epoch's permutation, which redraws it (None: loaded whole)
         self.start: dict | None = numpy_state_to_json(self.rng)
-        self.permutation = None if self.offsets else _permutation(self.rng, self.n)
+        self.permutation = None if self.offsets else self.rng.permutation(self.n).astype(np.int64)
 
     def next_ids(self) -> np.ndarray:
         if self.cursor + self.batch_size > self.n:
@@ -64,8 +64,7 @@ class DataIterator:
         keys = {"epoch", "cursor", "permutation" if "permutation" in state else "start"}
         if set(state) != keys:
             raise BadValue(
-                sorted(set(state) ^ keys)[0],
-                f"keys {sorted(state)}: expected {sorted(keys)}",
+                sorted(set(state) ^ keys)[0], f"keys {sorted(state)}: expected {sorted(keys)}"
             )
         if "permutation" in state:
             perm = state["permutation"]
@@ -95,11 +94,7 @@ class DataIterator:
         self.start = dict(state["start"])
         g = np.random.Generator(np.random.PCG64())
         g.bit_generator.state = numpy_state_from_json(self.start)
-        self.permutation = None if self.offsets else _permutation(g, self.n)
-
-
-def _permutation(rng: np.random.Generator, n: int) -> np.ndarray:
-    return rng.permutation(n).astype(np.int64)  # [n]
+        self.permutation = None if self.offsets else g.permutation(self.n).astype(np.int64)
 
 
 def numpy_state_to_json(g: np.random.Generator) -> dict:
