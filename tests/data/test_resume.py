@@ -170,3 +170,35 @@ def test_a_checkpoint_in_afe8033s_form_resumes_bit_exact(tmp_path, preempt_at):
             assert files["weights.safetensors"] == theirs[0][step]["weights.safetensors"]
         else:  # the second epoch began in this code: today's form, every byte equal
             assert files == theirs[0][step]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("every_offset", ["true", "false"])
+def test_the_verifier_on_nanogpts_recipe_is_exact_and_its_negative_control_diverges(
+    tmp_path, every_offset
+):
+    """With every_offset the batches after the cut draw from data_order, so a resume without the RNG goes
+    elsewhere; fixed windows (dropout 0, the epoch's order drawn at its start) give it nothing to differ by
+    (the dropout stream moves, its draws unused: "did not diverge although streams moved")."""
+    import subprocess
+    import sys
+
+    from conftest import env_for_subprocess
+
+    text = write_text(tmp_path / "t.txt", 20_000)
+    args = ["experiment=nanogpt_char_cpu", f"data.path={text}", f"data.every_offset={every_offset}"]
+    args += ["model.n_layer=1", "model.n_embd=16", "model.n_head=2", "tracking=none"]
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline.verify", *args, f"paths.output_dir={out}"],
+        env=env_for_subprocess(),
+        capture_output=True,
+        text=True,
+    )
+    (path,) = (out / "verify").glob("*/verification.json")
+    report = json.loads(path.read_text())
+    assert report["positive"] is True, r.stdout
+    if every_offset == "true":
+        assert r.returncode == 0 and report["negative_divergence_detected"] is True, r.stdout
+    else:
+        assert r.returncode == 1 and report["negative_divergence_detected"] is False, r.stdout
