@@ -91,7 +91,7 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
     for split, group in itertools.groupby(content.splits(), key=lambda piece: piece[0]):
         pieces = (np.ascontiguousarray(toks, dtype=TOKEN_DTYPE) for _, toks in group)  # [n] each
         files[f"{split}.tokens"] = write_new(directory / f"{split}.tokens", pieces)
-    n = {s: files[f"{s}.tokens"]["size"] // TOKEN_DTYPE.itemsize for s in SPLITS}
+    n = {s: files.get(f"{s}.tokens", {"size": 0})["size"] // TOKEN_DTYPE.itemsize for s in SPLITS}
     for split in SPLITS:
         if n_windows(n[split], T) < 1:
             raise ValueError(

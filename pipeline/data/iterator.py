@@ -76,6 +76,8 @@ class DataIterator:
                 )
         else:
             try:
+                if set(state["start"]) != set(numpy_state_to_json(self.rng)):
+                    raise KeyError(sorted(state["start"]))
                 np.random.PCG64().state = numpy_state_from_json(state["start"])
             except (TypeError, ValueError, KeyError) as e:
                 raise BadValue("start", f"start is not a data-order stream's state: {e}") from None

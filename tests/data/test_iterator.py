@@ -223,6 +223,8 @@ def test_load_copies_and_an_impossible_state_is_refused_untouched():
         {**state, "permutation": np.arange(8), "cursor": 1.5},
         {**it.state_dict(), "start": {"bit_generator": "MT19937"}},  # not a stream's state
         {**it.state_dict(), "start": {**it.state_dict()["start"], "inc": "x"}},
+        {**it.state_dict(), "start": {**it.state_dict()["start"], "extra": 1}},
+        {**it.state_dict(), "start": [1, 2]},
         {**it.state_dict(), "permutation": np.arange(8)},  # both forms at once
         {"epoch": 0, "cursor": 0},
     ]
