@@ -167,13 +167,8 @@ FUNCTION_WORDS = (
 
 def vocabulary() -> list[str]:
     """Every word the grammar can emit, fixed by the lexicon (not by a sample), specials first."""
-    words = {
-        *FUNCTION_WORDS,
-        *PLACES,
-        *PREPOSITIONS,
-        *PLACE_PREPOSITIONS,
-        *(w for n in NOUNS for w in n[:2]),
-    }
+    words = {*FUNCTION_WORDS, *PLACES, *PREPOSITIONS, *PLACE_PREPOSITIONS}
+    words |= {w for n in NOUNS for w in n[:2]}
     words |= {w for forms in PRONOUNS.values() for w in forms}
     words |= {w for table in (ATTRIBUTIVE, PREDICATIVE) for adjs in table.values() for w in adjs}
     words |= {d for dets in DETERMINERS.values() for d, _ in dets}
