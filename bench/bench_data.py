@@ -124,14 +124,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=int, default=1 << 30, help="bytes of generated text (1 GiB)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/bench_data"), help="scratch (removed)")
+    ap.add_argument("--keep", action="store_true", help="keep the texts in --dir (and reuse them)")
     args = ap.parse_args()
     scratch = args.dir
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
+    texts = {"large": scratch / "large" / "t.txt", "small": scratch / "small" / "t.txt"}
+    for text in texts.values():
+        shutil.rmtree(text.parent / "out", ignore_errors=True)
     try:
-        texts = {"large": scratch / "large" / "t.txt", "small": scratch / "small" / "t.txt"}
         for name, size in (("large", args.size), ("small", 1 << 20)):
-            texts[name].parent.mkdir()
+            texts[name].parent.mkdir(parents=True, exist_ok=True)
+            if texts[name].exists() and abs(texts[name].stat().st_size - size) < 4:
+                continue
             t0 = time.perf_counter()
             generate(texts[name], size)
             print(f"generated {name}: {size} bytes in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -166,7 +169,8 @@ def main() -> int:
         )
         return 0 if same else 1
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

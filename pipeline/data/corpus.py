@@ -37,8 +37,8 @@ MAX_JSON = 16 << 20  # bytes of MANIFEST.json or vocab.json read (a few KB each)
 MAX_FILE = 4 << 30  # bytes of any corpus file read (2^31 tokens)
 MAX_CORPORA = 10_000  # corpus directories looked at when finding one by its manifest's hash
 SPLITS = ("train", "val")
-# tokens the n-gram baseline is fitted on (train) and scores (val targets), at most: ~4 s, ~150 MB
-SAMPLE = 1 << 22
+# the n-gram baseline is fitted on at most SAMPLE train tokens and scores at most SCORED val targets (~3 s)
+SAMPLE, SCORED = 1 << 22, 1 << 20
 log = logging.getLogger("pipeline")
 _STALE_TMP_SECONDS = (
     3600.0  # a generation takes seconds: an hour-old temp dir is a crashed writer's
@@ -98,9 +98,8 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
                 f"{name} corpus {split} split has {n[split]} tokens, too few for one block of {T}+1"
             )
     tokens = {s: _mapped(directory / f"{s}.tokens", n[s]) for s in SPLITS}
-    # The n-gram is fitted on at most SAMPLE train tokens and scores at most SAMPLE val targets: its memory is
-    # bounded whatever the text's size (a corpus within that is fitted and scored whole).
-    positions = val_target_positions(min(n["val"], SAMPLE + 1), T)
+    # The n-gram's memory is bounded whatever the text's size (a corpus within SAMPLE and SCORED: as a whole).
+    positions = val_target_positions(min(n["val"], SCORED + 1), T)
     train = tokens["train"][:SAMPLE]
     baseline = {"model": "interpolated modified Kneser-Ney", "ngram_order": order}
     if len(train) < n["train"] or len(positions) < n_windows(n["val"], T) * T:
