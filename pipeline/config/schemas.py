@@ -97,9 +97,7 @@ class TrainerConf:
     eval_batches: int | None = _f(
         null_or_at_least(1), absent=None
     )  # the first N validation batches; null: all
-    eval_at_start: bool = _f(
-        absent=False
-    )  # an evaluation before the first update (nanoGPT's iter 0)
+    eval_at_start: bool = _f(absent=False)  # an evaluation before the first update
     log_every: int = _f(at_least(0))
     progress_bar: bool | None = _f()
     on_nonfinite: NonFinite = _f()
@@ -239,9 +237,7 @@ class TextConf(CorpusConf):
     path: str = _f()
     # a config written while the key could be null (or before it) meant 32 MiB: conf/data/text.yaml's value
     max_bytes: int = _f(at_least(1), absent=32 << 20)
-    every_offset: bool = _f(
-        absent=False
-    )  # a sample at any offset of the text (nanoGPT's), not fixed windows
+    every_offset: bool = _f(absent=False)  # a sample at any offset, not fixed windows
 
 
 # --- stages, cadence, resume
