@@ -195,10 +195,8 @@ def _coin(p: float) -> Choice:
 
 
 class _Sampler:
-    """Draws from one random.Random, summing the log-probability of the derivation it builds.
-
-    Only rng.random() is drawn: its stream is stable across Python versions, unlike choices()/randrange().
-    """
+    """Draws from one random.Random (only rng.random(): stable across Python versions, unlike choices()),
+    summing the log-probability of the derivation it builds."""
 
     def __init__(self, rng: random.Random):
         self.rng, self.logp = rng, 0.0

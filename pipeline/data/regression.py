@@ -12,11 +12,8 @@ from pipeline.data.base import Batch, DataSpec
 
 
 class Regression:
-    """Trains on all rows; evaluates on the same rows without augmentation.
-
-    Training batches get a slight gain drawn from the Python stream and Gaussian input noise from the
-    noise stream, so that an unrestored RNG shows up in the trajectory (the verifier's negative control).
-    """
+    """Trains on all rows, evaluates on them unaugmented; a training batch gets a gain from the Python stream and
+    Gaussian input noise from the noise stream, so an unrestored RNG shows (the verifier's negative control)."""
 
     kind = "rows"
     baselines = ()  # baseline_metrics gives none
