@@ -125,26 +125,8 @@ TIME_PHRASES = {
 }
 PREPOSITIONS = ("near", "with", "behind")
 PLACE_PREPOSITIONS = ("in", "near", "behind")
-FUNCTION_WORDS = (
-    "a",
-    "an",
-    "that",
-    "not",
-    "very",
-    "will",
-    "be",
-    "been",
-    "do",
-    "does",
-    "did",
-    "am",
-    "is",
-    "are",
-    "was",
-    "were",
-    "has",
-    "have",
-)
+FUNCTION_WORDS: tuple[str, ...] = ("a", "an", "that", "not", "very", "will", "be", "been", "do")
+FUNCTION_WORDS += ("does", "did", "am", "is", "are", "was", "were", "has", "have")
 
 
 def vocabulary() -> list[str]:
