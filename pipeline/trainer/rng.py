@@ -69,12 +69,10 @@ class Streams:
         """The next draw of every stream, with each state put back so the run is not disturbed."""
         out = {}
         for n, g in self.np.items():
-            saved = g.bit_generator.state
-            out[n] = float(g.random())
+            saved, out[n] = g.bit_generator.state, float(g.random())
             g.bit_generator.state = saved
         for n, r in self.py.items():
-            kept = r.getstate()
-            out[n] = r.random()
+            kept, out[n] = r.getstate(), r.random()
             r.setstate(kept)
         return out
 
