@@ -210,9 +210,15 @@ def edit_extra(change):
 
 
 def not_a_permutation(arrays: dict) -> None:
-    perm = arrays["data_iter/permutation"].copy()
+    """afe8033's form (its iterator's permutation of kernodeck's 24 rows in optim.safetensors), one id twice."""
+    perm = np.arange(24, dtype=np.int64)
     perm[0] = perm[1]
     arrays["data_iter/permutation"] = perm
+
+
+def afe8033_iterator(not_a_permutation):
+    """The iterator's state as afe8033 wrote it (no `start` in extra.json), its permutation not one."""
+    return then(edit_extra(lambda e: e["data_iter"].pop("start")), edit_optim(not_a_permutation))
 
 
 def best_outside(*args: str):
@@ -365,7 +371,7 @@ CASES = [
         "optim-permutation",
         1,
         ("optim.safetensors", "data_iter", "not a permutation"),
-        edit_optim(not_a_permutation),
+        afe8033_iterator(not_a_permutation),
         module=SHOW,
     ),
     Case(
@@ -609,7 +615,7 @@ CASES = [
         "resume-from-permutation",
         2,
         ("optim.safetensors", "not a permutation"),
-        then(edit_optim(not_a_permutation), resume_from()),
+        then(afe8033_iterator(not_a_permutation), resume_from()),
     ),
     # a link out of the run: refused by every tool
     Case("best-outside-inspect", 2, OUT_OF_RUN, best_outside("{best}"), module=SHOW),

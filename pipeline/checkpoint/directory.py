@@ -174,7 +174,7 @@ def _listed_json(directory: Path, name: str, listed: dict):
 
 
 def _read_tensor_file(
-    directory: Path, name: str, entry: dict, expect: dict | None
+    directory: Path, name: str, entry: dict, expect: dict | list[dict] | None
 ) -> dict[str, np.ndarray]:
     try:
         arrays, _ = read_tensors(directory / name, expected_sha256=entry["sha256"], expect=expect)
@@ -457,13 +457,20 @@ class CheckpointDir:
         weights_layout, optim_layout = (
             (None, None) if live is None else [layout(t) for t in _by_file(live)[:2]]
         )
+        # a part's state as older code saved it fits too (legacy_state: afe8033's iterator's permutation)
+        older = {
+            n: p.legacy_state() for n, p in (parts or {}).items() if hasattr(p, "legacy_state")
+        }
+        optim_fits: dict | list[dict] | None = optim_layout
+        if live is not None and optim_layout is not None and older:
+            optim_fits = [optim_layout, layout(_by_file({**live, **older})[1])]
         # side by side, as in write()
         with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:
             weights_read = pool.submit(
                 _read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], weights_layout
             )
             try:
-                other = _read_tensor_file(directory, OPTIM, listed[OPTIM], optim_layout)
+                other = _read_tensor_file(directory, OPTIM, listed[OPTIM], optim_fits)
             finally:
                 # weights.safetensors' own error first, as the files are listed
                 weights = weights_read.result()

@@ -254,7 +254,7 @@ def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
 
 
 def read_tensors(
-    path: Path, expected_sha256: str | None = None, expect: dict | None = None
+    path: Path, expected_sha256: str | None = None, expect: dict | list[dict] | None = None
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Arrays (aliases resolved to one object) and the header metadata, read and hashed in one pass.
 
@@ -263,12 +263,14 @@ def read_tensors(
     tensors, refused before any is allocated (and one larger than such a file can be, before it is read).
     """
     # A checkpoint file must be a regular file in its directory, never a link out of it (nor a FIFO, ...).
+    alternatives = [expect] if isinstance(expect, dict) else expect  # layouts any of which fits
     with reading.open_file(path) as f, _Hasher() as h:
         size = os.fstat(f.fileno()).st_size
-        if expect is not None and size > 8 + MAX_HEADER + expect["data_bytes"]:
+        most = max(e["data_bytes"] for e in alternatives) if alternatives else 0
+        if alternatives and size > 8 + MAX_HEADER + most:
             raise ValueError(
                 f"{size} bytes, more than a checkpoint of this config can hold "
-                f"({expect['data_bytes']} bytes of tensors)"
+                f"({most} bytes of tensors)"
             )
         arrays: dict[str, np.ndarray] = {}
         problem: _Malformed | None = None
@@ -291,8 +293,13 @@ def read_tensors(
             except jsonio.JSONError as e:
                 raise _Malformed(f"header: {e}") from None
             metadata, entries = _check_header(header, size - 8 - n)
-            if expect is not None and (reason := _layout_reason(entries, metadata, expect)):
-                raise LayoutMisfit(reason)
+            reasons = [_layout_reason(entries, metadata, e) for e in alternatives or []]
+            if reasons and all(
+                reasons
+            ):  # the nearest's: one naming a tensor over one naming the set
+                raise LayoutMisfit(
+                    str(min(reasons, key=lambda r: str(r).startswith("tensors differ")))
+                )
             for name, dtype, shape, nbytes in entries:
                 a = np.empty(shape, dtype=dtype)
                 data = _bytes_of(a)

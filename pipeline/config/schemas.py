@@ -96,6 +96,7 @@ class TrainerConf:
     eval_every: int = _f(at_least(0))
     # the first N validation batches; null: all
     eval_batches: int | None = _f(null_or_at_least(1), absent=None)
+    eval_at_start: bool = _f(absent=False)  # an evaluation before the first update
     log_every: int = _f(at_least(0))
     progress_bar: bool | None = _f()
     on_nonfinite: NonFinite = _f()
@@ -229,6 +230,7 @@ class TextConf(CorpusConf):
     path: str = _f()
     # a config written while the key could be null (or before it) meant 32 MiB: conf/data/text.yaml's value
     max_bytes: int = _f(at_least(1), absent=MAX_TEXT_FILE)
+    every_offset: bool = _f(absent=False)  # a sample at any offset, not fixed windows
 
 
 # --- stages, cadence, resume

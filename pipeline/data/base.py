@@ -28,25 +28,22 @@ class Batch:
 
 
 class Dataset(Protocol):
-    kind: str  # what it yields: "tokens" ([B, T] ids) or "rows" ([B, n_features] floats); models say what they need
+    # what it yields: "tokens" ([B, T] ids) or "rows" ([B, n_features] floats); models say what they need
+    kind: str
     spec: DataSpec
-    n_train: int  # number of training samples the iterator permutes
+    n_train: int  # number of training samples (an epoch's)
     manifest_hash: str  # sha256 identifying the exact data (data_manifest_hash)
-    baselines: tuple[
-        str, ...
-    ]  # the names baseline_metrics gives, known before the data is built (absent: none)
+    # the names baseline_metrics gives (val/ngram_baseline_ppl), known before the data is built (absent: none)
+    baselines: tuple[str, ...]
 
     def train_batch(self, ids: np.ndarray, dtype: np.dtype) -> Batch: ...
 
-    def augment(
-        self, batch: Batch, streams
-    ) -> Batch: ...  # training randomness from the run's named streams
+    # training randomness from the run's named streams
+    def augment(self, batch: Batch, streams) -> Batch: ...
 
     def val_batches(self, dtype: np.dtype) -> Iterator[Batch]: ...
 
-    def baseline_metrics(
-        self,
-    ) -> dict[str, float]: ...  # fixed reference metrics (val/ngram_baseline_ppl) or {}
+    def baseline_metrics(self) -> dict[str, float]: ...
 
 
 def inference_facts(dataset) -> dict:

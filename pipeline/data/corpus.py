@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -28,12 +29,14 @@ from pipeline.files.atomic import (
     remove_tree,
     write_new,
 )
-from pipeline.files.limits import MAX_CORPORA, MAX_CORPUS_JSON
+from pipeline.files.limits import MAX_CORPORA, MAX_CORPUS_JSON, MAX_TOKEN_FILE
 
 FORMAT_VERSION = 1
 TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 512
 MAX_VOCAB = 512
 SPLITS = ("train", "val")
+# the n-gram baseline is fitted on at most SAMPLE train tokens and scores at most SCORED val targets (~3 s)
+SAMPLE, SCORED = 1 << 22, 1 << 20
 log = logging.getLogger("pipeline")
 _STALE_TMP_SECONDS = (
     3600.0  # a generation takes seconds: an hour-old temp dir is a crashed writer's
@@ -42,13 +45,18 @@ _STALE_TMP_SECONDS = (
 
 @dataclass
 class CorpusContent:
-    """What a generator hands over: both splits as token streams, the vocabulary, and its own stats."""
+    """What a generator hands over: both splits' tokens (arrays [N] int, or `pieces`: (split, tokens) in order,
+    train's first, streamed to disk), the vocabulary, and its own stats."""
 
-    train: np.ndarray  # [N_train] int
-    val: np.ndarray  # [N_val] int
     vocab: list[str]
     join: str  # decode() puts this between tokens: " " for words, "" for characters
+    train: np.ndarray | None = None
+    val: np.ndarray | None = None
+    pieces: Iterable[tuple[str, np.ndarray]] | None = None
     stats: dict = field(default_factory=dict)
+
+    def splits(self) -> Iterable[tuple[str, np.ndarray | None]]:
+        return self.pieces or (("train", self.train), ("val", self.val))
 
 
 def canonical_json(obj) -> bytes:
@@ -69,28 +77,37 @@ def val_target_positions(n_tokens: int, block_size: int) -> np.ndarray:
     return np.arange(1, n_windows(n_tokens, block_size) * block_size + 1, dtype=np.int64)
 
 
-def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes | memoryview]:
-    """Every file of the corpus directory as bytes: a pure function of the content and params."""
+def write_corpus(directory: Path, content: CorpusContent, name: str, params: dict) -> bytes:
+    """Every file of the corpus into `directory`, the token files streamed piece by piece, MANIFEST.json last
+    (its bytes returned): a pure function of the content and params."""
     V, T, order = len(content.vocab), int(params["block_size"]), int(params["ngram_order"])
     if V > MAX_VOCAB:
         raise ValueError(
             f"{name} corpus has {V} distinct tokens, more than the {MAX_VOCAB} allowed"
         )
-    splits = {"train": np.asarray(content.train), "val": np.asarray(content.val)}
-    for split, toks in splits.items():
-        if n_windows(len(toks), T) < 1:
+    files = {"vocab.json": write_new(directory / "vocab.json", canonical_json(list(content.vocab)))}
+    for split, group in itertools.groupby(content.splits(), key=lambda piece: piece[0]):
+        pieces = (np.ascontiguousarray(toks, dtype=TOKEN_DTYPE) for _, toks in group)  # [n] each
+        files[f"{split}.tokens"] = write_new(directory / f"{split}.tokens", pieces)
+    n = {s: files.get(f"{s}.tokens", {"size": 0})["size"] // TOKEN_DTYPE.itemsize for s in SPLITS}
+    for split in SPLITS:
+        if n_windows(n[split], T) < 1:
             raise ValueError(
-                f"{name} corpus {split} split has {len(toks)} tokens, too few for one block of {T}+1"
+                f"{name} corpus {split} split has {n[split]} tokens, too few for one block of {T}+1"
             )
-    # The token files' bytes are views of the arrays when they already are uint16 (a text corpus): no copy.
-    files: dict[str, bytes | memoryview] = {}
-    for split, toks in splits.items():
-        files[f"{split}.tokens"] = np.ascontiguousarray(toks, dtype=TOKEN_DTYPE).data.cast("B")
-    files["vocab.json"] = canonical_json(list(content.vocab))
-
-    positions = val_target_positions(len(splits["val"]), T)
+    tokens = {s: _mapped(directory / f"{s}.tokens", n[s]) for s in SPLITS}
+    # The n-gram's memory is bounded whatever the text's size (a corpus within SAMPLE and SCORED: as a whole).
+    positions = val_target_positions(min(n["val"], SCORED + 1), T)
+    train = tokens["train"][:SAMPLE]
+    baseline = {"model": "interpolated modified Kneser-Ney", "ngram_order": order}
+    if len(train) < n["train"] or len(positions) < n_windows(n["val"], T) * T:
+        baseline["sample"] = {"train_tokens": len(train)}
+        _notice(
+            f"the {name} corpus's n-gram baseline is fitted on its first {len(train)} train tokens and "
+            f"scores its first {len(positions)} val targets (a bounded sample)"
+        )
     # Rounded so that last-ulp differences in log() between machines do not change the manifest bytes.
-    ppl = round(ngram.fitted_perplexity(splits["train"], order, V, splits["val"], positions), 4)
+    ppl = ngram.fitted_perplexity(train, order, V, tokens["val"], positions)
     manifest = {
         "format": FORMAT_VERSION,
         "generator": name,
@@ -100,22 +117,23 @@ def render(content: CorpusContent, name: str, params: dict) -> dict[str, bytes |
         "vocab_size": V,
         "token_dtype": TOKEN_DTYPE.str,
         "decode_join": content.join,
-        "tokens": {s: len(t) for s, t in splits.items()},
-        "windows": {s: n_windows(len(t), T) for s, t in splits.items()},
-        "baseline": {
-            "model": "interpolated modified Kneser-Ney",
-            "ngram_order": order,
-            "val_targets": len(positions),
-            "val_ppl": ppl,
-        },
+        "tokens": n,
+        "windows": {s: n_windows(n[s], T) for s in SPLITS},
+        "baseline": {**baseline, "val_targets": len(positions), "val_ppl": round(ppl, 4)},
         "stats": content.stats,
-        "files": {
-            fn: {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)}
-            for fn, b in sorted(files.items())
-        },
+        "files": {f: {"sha256": e["sha256"], "bytes": e["size"]} for f, e in sorted(files.items())},
     }
-    files["MANIFEST.json"] = canonical_json(manifest)
-    return files
+    raw = canonical_json(manifest)
+    write_new(directory / "MANIFEST.json", raw)
+    return raw
+
+
+def _mapped(path: Path, n: int) -> np.ndarray:
+    """[n] tokens of a raw token file, memory-mapped read-only (never through a link; its size must be n's)."""
+    with reading.open_file(path, MAX_TOKEN_FILE) as f:
+        if os.fstat(f.fileno()).st_size != n * TOKEN_DTYPE.itemsize:
+            raise ValueError(f"{path}: not {n} tokens of {TOKEN_DTYPE.itemsize} bytes")
+        return np.memmap(f, dtype=TOKEN_DTYPE, mode="r", shape=(n,))
 
 
 def verify_corpus(
@@ -188,29 +206,24 @@ def ensure_corpus(
     ensure_dirs(parent)
     # Other writers may be generating it now: their temporaries are young; an hour-old one is a crashed writer's.
     remove_temporaries(parent, older_than=_STALE_TMP_SECONDS)
-    shown = ", ".join(
-        f"{k}={v}" for k, v in params.items() if k not in ("generator", "version", "source_sha256")
-    )
+    hidden = ("generator", "version", "source_sha256")
+    shown = ", ".join(f"{k}={v}" for k, v in params.items() if k not in hidden)
     _notice(
         f"generating the {name} corpus ({shown}) into {final}; this takes a while once, then it is cached"
     )
-    files = render(build(), name, params)
     tmp = new_temp_dir(parent, final.name)
     try:
-        for fn, data in files.items():
-            write_new(tmp / fn, data)
+        raw = write_corpus(tmp, build(), name, params)
         try:
             publish_dir(tmp, final)
+            return final
         except OSError:
             if not final.exists():
                 raise
             # Another writer published first; its bytes must equal ours, which verify checks.
     finally:
         remove_tree(tmp)
-    if (
-        verify_corpus(final, params, keep=("MANIFEST.json",))[1]["MANIFEST.json"]
-        != files["MANIFEST.json"]
-    ):
+    if verify_corpus(final, params, keep=("MANIFEST.json",))[1]["MANIFEST.json"] != raw:
         # Same params, other bytes: the existing corpus came from another version of the generator.
         raise ValueError(
             f"{final / 'MANIFEST.json'}: differs from the one these params generate; delete {final} "
@@ -235,9 +248,8 @@ class TokenDataset:
     """Non-overlapping windows of T+1 tokens over a verified corpus directory (the Dataset protocol)."""
 
     kind = "tokens"
-    keeps_corpus = (
-        True  # on disk, in the output directory's corpus cache (what `archive --with-data` copies)
-    )
+    # on disk, in the output directory's corpus cache (what `archive --with-data` copies)
+    keeps_corpus = True
     baselines = ("val/ngram_baseline_ppl",)  # what baseline_metrics gives
     # role -> token of the vocabulary ({"eos": "<eos>"}): what a tool starts from
     specials: ClassVar[dict[str, str]] = {}
@@ -249,10 +261,11 @@ class TokenDataset:
         params: dict,
         val_batch_size: int,
         build: Callable[[], CorpusContent],
+        every_offset: bool = False,
     ):
         # <cache_dir>/<name>-<hash of params>/, generated by `build` if absent, then opened
         self.directory = ensure_corpus(Path(cache_dir), name, params, build)
-        names = ("MANIFEST.json", "vocab.json", *(f"{s}.tokens" for s in SPLITS))
+        names = ("MANIFEST.json", "vocab.json")  # the token files are verified, then mapped
         self.manifest, files = verify_corpus(self.directory, params, keep=names)
         self.manifest_hash = hashlib.sha256(files["MANIFEST.json"]).hexdigest()
         try:
@@ -262,29 +275,36 @@ class TokenDataset:
         if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)):
             raise ValueError(f"{self.directory / 'vocab.json'}: not a list of tokens")
         self.vocab: list[str] = vocab
-        dtype = np.dtype(self.manifest["token_dtype"])
-        # split -> [N] tokens as stored (uint16: a quarter of int64's memory); batches are int64
-        self.tokens = {s: files[f"{s}.tokens"].view(dtype) for s in SPLITS}
+        # split -> [N] tokens memory-mapped from the verified files (uint16); batches are int64
+        listed = {
+            s: self.manifest["files"][f"{s}.tokens"]["bytes"] // TOKEN_DTYPE.itemsize
+            for s in SPLITS
+        }
+        self.tokens = {s: _mapped(self.directory / f"{s}.tokens", listed[s]) for s in SPLITS}
         T = int(self.manifest["params"]["block_size"])
         self.spec = DataSpec(vocab_size=len(self.vocab), block_size=T)
         self.n_train = n_windows(len(self.tokens["train"]), T)
+        # every_offset: a training sample is the window at any offset of the train stream (nanoGPT's), drawn
+        # by the iterator; else the n_train non-overlapping windows
+        self.n_offsets = len(self.tokens["train"]) - T if every_offset else 0
         self.n_val = n_windows(len(self.tokens["val"]), T)
         self.val_batch_size = int(val_batch_size)
         self._join = self.manifest["decode_join"]
 
-    def _windows(self, split: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _windows(self, split: str, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         T = self.spec.block_size
-        idx = ids[:, None] * T + np.arange(T + 1)[None, :]  # [B, T+1]
+        idx = starts[:, None] + np.arange(T + 1)[None, :]  # [B, T+1]
         w = self.tokens[split][idx].astype(np.int64)
         return w[:, :-1], w[:, 1:]  # x [B, T], y [B, T]
 
     def train_batch(self, ids: np.ndarray, dtype: np.dtype | None = None) -> Batch:
-        ids = np.asarray(ids, dtype=np.int64)  # [B]
-        if ids.size and (ids.min() < 0 or ids.max() >= self.n_train):
+        ids = np.asarray(ids, dtype=np.int64)  # [B] offsets (every_offset) or window ids
+        n = self.n_offsets or self.n_train
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
             raise IndexError(
-                f"train window ids must be in [0, {self.n_train}), got [{ids.min()}, {ids.max()}]"
+                f"train window ids must be in [0, {n}), got [{ids.min()}, {ids.max()}]"
             )
-        x, y = self._windows("train", ids)
+        x, y = self._windows("train", ids if self.n_offsets else ids * self.spec.block_size)
         return Batch(ids=ids.copy(), x=x, y=y)
 
     def augment(self, batch: Batch, streams) -> Batch:
@@ -293,7 +313,7 @@ class TokenDataset:
     def val_batches(self, dtype: np.dtype | None = None) -> Iterator[Batch]:
         for start in range(0, self.n_val, self.val_batch_size):
             ids = np.arange(start, min(start + self.val_batch_size, self.n_val), dtype=np.int64)
-            x, y = self._windows("val", ids)
+            x, y = self._windows("val", ids * self.spec.block_size)
             yield Batch(ids=ids, x=x, y=y)
 
     def baseline_metrics(self) -> dict[str, float]:

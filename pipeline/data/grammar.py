@@ -33,37 +33,19 @@ PRONOUNS = {
 }
 THIRD_SINGULAR = ("he", "she", "it")
 
-# singular, plural, pronoun a singular stands for, class; each noun has one class so a string has one parse
-NOUNS = (
-    ("man", "men", "he", "person"),
-    ("woman", "women", "she", "person"),
-    ("boy", "boys", "he", "person"),
-    ("girl", "girls", "she", "person"),
-    ("king", "kings", "he", "person"),
-    ("queen", "queens", "she", "person"),
-    ("dog", "dogs", "it", "animal"),
-    ("cat", "cats", "it", "animal"),
-    ("bird", "birds", "it", "animal"),
-    ("horse", "horses", "it", "animal"),
-    ("mouse", "mice", "it", "animal"),
-    ("fox", "foxes", "it", "animal"),
-    ("apple", "apples", "it", "food"),
-    ("cake", "cakes", "it", "food"),
-    ("egg", "eggs", "it", "food"),
-    ("orange", "oranges", "it", "food"),
-    ("book", "books", "it", "text"),
-    ("letter", "letters", "it", "text"),
-    ("story", "stories", "it", "text"),
-    ("poem", "poems", "it", "text"),
-    ("car", "cars", "it", "vehicle"),
-    ("bike", "bikes", "it", "vehicle"),
-    ("boat", "boats", "it", "vehicle"),
-    ("ball", "balls", "it", "thing"),
-    ("box", "boxes", "it", "thing"),
-    ("key", "keys", "it", "thing"),
-    ("cup", "cups", "it", "thing"),
-    ("hat", "hats", "it", "thing"),
+# class, "singular plural pronoun-a-singular-stands-for" of each noun: one class a noun, one parse a string
+_NOUNS = (
+    ("person", "man men he, woman women she, boy boys he, girl girls she"),
+    ("person", "king kings he, queen queens she"),
+    ("animal", "dog dogs it, cat cats it, bird birds it, horse horses it"),
+    ("animal", "mouse mice it, fox foxes it"),
+    ("food", "apple apples it, cake cakes it, egg eggs it, orange oranges it"),
+    ("text", "book books it, letter letters it, story stories it, poem poems it"),
+    ("vehicle", "car cars it, bike bikes it, boat boats it"),
+    ("thing", "ball balls it, box boxes it, key keys it, cup cups it, hat hats it"),
 )
+# (singular, plural, pronoun, class)
+NOUNS = tuple((*n.split(), cls) for cls, nouns in _NOUNS for n in nouns.split(", "))
 ANIMATE = ("person", "animal")
 INANIMATE = ("food", "text", "vehicle", "thing")
 PLACES = ("park", "garden", "house", "kitchen", "school", "forest")
@@ -143,37 +125,14 @@ TIME_PHRASES = {
 }
 PREPOSITIONS = ("near", "with", "behind")
 PLACE_PREPOSITIONS = ("in", "near", "behind")
-FUNCTION_WORDS = (
-    "a",
-    "an",
-    "that",
-    "not",
-    "very",
-    "will",
-    "be",
-    "been",
-    "do",
-    "does",
-    "did",
-    "am",
-    "is",
-    "are",
-    "was",
-    "were",
-    "has",
-    "have",
-)
+FUNCTION_WORDS: tuple[str, ...] = ("a", "an", "that", "not", "very", "will", "be", "been", "do")
+FUNCTION_WORDS += ("does", "did", "am", "is", "are", "was", "were", "has", "have")
 
 
 def vocabulary() -> list[str]:
     """Every word the grammar can emit, fixed by the lexicon (not by a sample), specials first."""
-    words = {
-        *FUNCTION_WORDS,
-        *PLACES,
-        *PREPOSITIONS,
-        *PLACE_PREPOSITIONS,
-        *(w for n in NOUNS for w in n[:2]),
-    }
+    words = {*FUNCTION_WORDS, *PLACES, *PREPOSITIONS, *PLACE_PREPOSITIONS}
+    words |= {w for n in NOUNS for w in n[:2]}
     words |= {w for forms in PRONOUNS.values() for w in forms}
     words |= {w for table in (ATTRIBUTIVE, PREDICATIVE) for adjs in table.values() for w in adjs}
     words |= {d for dets in DETERMINERS.values() for d, _ in dets}
@@ -200,10 +159,8 @@ def _coin(p: float) -> Choice:
 
 
 class _Sampler:
-    """Draws from one random.Random, summing the log-probability of the derivation it builds.
-
-    Only rng.random() is drawn: its stream is stable across Python versions, unlike choices()/randrange().
-    """
+    """Draws from one random.Random (only rng.random(): stable across Python versions, unlike choices()),
+    summing the log-probability of the derivation it builds."""
 
     def __init__(self, rng: random.Random):
         self.rng, self.logp = rng, 0.0
@@ -239,20 +196,12 @@ PRONOUN = Choice(tuple(PRONOUNS))
 SUBJECT_IS_PRONOUN, INNER_SUBJECT_IS_PRONOUN = _coin(0.3), _coin(0.3)
 SUBJECT_CLASSES = Choice((ANIMATE, INANIMATE), (4, 1))
 POSTMODIFIER = Choice(("none", "pp", "rc"), (4, 2.5, 3.5))
-PREPOSITION, PLACE_PREPOSITION, PLACE = (
-    Choice(PREPOSITIONS),
-    Choice(PLACE_PREPOSITIONS),
-    Choice(PLACES),
-)
+PREPOSITION, PLACE_PREPOSITION = Choice(PREPOSITIONS), Choice(PLACE_PREPOSITIONS)
+PLACE = Choice(PLACES)
 PP_CLASSES = ("person", "animal", "vehicle", "thing")
 SUBJECT_RELATIVE = _coin(0.4)
-NEGATED, COPULA, VERY, INTRANSITIVE_VP, PLACE_PP = (
-    _coin(0.15),
-    _coin(0.2),
-    _coin(0.2),
-    _coin(0.35),
-    _coin(0.5),
-)
+NEGATED, COPULA, VERY = _coin(0.15), _coin(0.2), _coin(0.2)
+INTRANSITIVE_VP, PLACE_PP = _coin(0.35), _coin(0.5)
 INTRANSITIVE_VERB, TRANSITIVE_VERB = Choice(INTRANSITIVE), Choice(TRANSITIVE)
 VERB_TAKING = {c: Choice([v for v in TRANSITIVE if c in v.objects]) for c in ANIMATE + INANIMATE}
 OBJECT_KIND = {
@@ -435,9 +384,8 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
 class GrammarCorpus(TokenDataset):
     """`data=grammar`: the grammar corpus under <output_dir>/data/grammar-<hash>/, generated once."""
 
-    specials: ClassVar[dict[str, str]] = {
-        "eos": EOS
-    }  # every sentence ends with it: an empty prompt starts after one
+    # every sentence ends with it: an empty prompt starts after one
+    specials: ClassVar[dict[str, str]] = {"eos": EOS}
 
     def __init__(
         self,
@@ -449,19 +397,11 @@ class GrammarCorpus(TokenDataset):
         ngram_order: int,
         val_batch_size: int,
     ):
-        params = {
-            "generator": "grammar",
-            "version": GRAMMAR_VERSION,
-            "seed": int(seed),
-            "n_sentences": int(n_sentences),
-            "val_fraction": float(val_fraction),
-            "block_size": int(block_size),
-            "ngram_order": int(ngram_order),
-        }
-        super().__init__(
-            cache_dir,
-            "grammar",
-            params,
-            val_batch_size,
-            lambda: build_grammar_corpus(int(seed), int(n_sentences), float(val_fraction)),
-        )
+        params = {"generator": "grammar", "version": GRAMMAR_VERSION, "seed": int(seed)}
+        params.update(n_sentences=int(n_sentences), val_fraction=float(val_fraction))
+        params.update(block_size=int(block_size), ngram_order=int(ngram_order))
+
+        def build() -> CorpusContent:
+            return build_grammar_corpus(int(seed), int(n_sentences), float(val_fraction))
+
+        super().__init__(cache_dir, "grammar", params, val_batch_size, build)

@@ -1,6 +1,9 @@
-"""A data iterator whose whole state is (epoch, permutation, cursor): it stops and continues mid-epoch."""
+"""The data iterator: (epoch, cursor) and where its epoch's draws began in the data-order stream, so its
+checkpointed state is a few integers whatever the data's size; it stops and continues mid-epoch."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -8,27 +11,38 @@ from pipeline.stateful import BadValue
 
 
 class DataIterator:
-    """Yields batches of sample ids, each id exactly once per epoch, reshuffled from its own generator.
+    """Batches of sample ids from the run's data-order stream `rng`, `n // batch_size` an epoch (drop_last).
 
-    A final partial batch is dropped (drop_last) so every step sees the same batch shape.
+    offsets=0: each of the n ids once per epoch, in a permutation drawn at the epoch's start; offsets > 0:
+    each batch draws its ids uniformly from [0, offsets) (nanoGPT's sampling at every offset of a stream).
     """
 
-    def __init__(self, n: int, batch_size: int, rng: np.random.Generator):
+    # afe8033's state held the permutation itself ({"epoch", "permutation", "cursor"}): both are checked here
+    free_form_state = ("",)
+
+    def __init__(self, n: int, batch_size: int, rng: np.random.Generator, offsets: int = 0):
         if not 1 <= batch_size <= n:
             raise ValueError(
                 f"trainer.batch_size={batch_size}: must be between 1 and the {n} training samples"
             )
-        self.n, self.batch_size, self.rng = int(n), int(batch_size), rng
-        self.epoch = 0
-        self.permutation = rng.permutation(self.n).astype(np.int64)  # [n]
-        self.cursor = 0
+        self.n, self.batch_size, self.rng, self.offsets = int(n), int(batch_size), rng, int(offsets)
+        self.epoch, self.cursor = 0, 0
+        self._begin_epoch()
+
+    def _begin_epoch(self) -> None:
+        # start: the stream's state before this epoch's permutation, which redraws it (None: loaded whole)
+        self.start: dict | None = numpy_state_to_json(self.rng)
+        self.permutation = None if self.offsets else self.rng.permutation(self.n).astype(np.int64)
 
     def next_ids(self) -> np.ndarray:
         if self.cursor + self.batch_size > self.n:
             self.epoch += 1
-            self.permutation = self.rng.permutation(self.n).astype(np.int64)
             self.cursor = 0
-        ids = self.permutation[self.cursor : self.cursor + self.batch_size].copy()  # [B]
+            self._begin_epoch()
+        if self.permutation is None:
+            ids = self.rng.integers(0, self.offsets, size=self.batch_size, dtype=np.int64)
+        else:
+            ids = self.permutation[self.cursor : self.cursor + self.batch_size].copy()  # [B]
         self.cursor += self.batch_size
         return ids
 
@@ -37,16 +51,38 @@ class DataIterator:
         return self.n // self.batch_size
 
     def state_dict(self) -> dict:
-        # The generator's own state lives with the run's RNG streams (data_order). Live objects, not copies.
-        return {"epoch": self.epoch, "permutation": self.permutation, "cursor": self.cursor}
+        # The generator's own state lives with the run's RNG streams (data_order).
+        if self.start is None:  # an epoch a checkpoint of afe8033's form began: saved as it came
+            return {"epoch": self.epoch, "permutation": self.permutation, "cursor": self.cursor}
+        return {"epoch": self.epoch, "cursor": self.cursor, "start": dict(self.start)}
+
+    def legacy_state(self) -> dict:
+        """The state as afe8033 saved it (its arrays' layout is what the checkpoint's file may hold)."""
+        return {"epoch": 0, "permutation": np.zeros(self.n, dtype=np.int64), "cursor": 0}
 
     def check_state_dict(self, state: dict) -> None:
-        perm = state["permutation"]
-        if perm.dtype.kind not in "iu" or not np.array_equal(np.sort(perm), np.arange(self.n)):
+        keys = {"epoch", "cursor", "permutation" if "permutation" in state else "start"}
+        if set(state) != keys:
             raise BadValue(
-                "permutation", f"permutation is not a permutation of the {self.n} sample ids"
+                sorted(set(state) ^ keys)[0], f"keys {sorted(state)}: expected {sorted(keys)}"
             )
-        if not (0 <= state["cursor"] <= self.n and state["epoch"] >= 0):
+        if "permutation" in state:
+            perm = state["permutation"]
+            if not isinstance(perm, np.ndarray) or perm.dtype.kind not in "iu":
+                raise BadValue("permutation", "permutation is not an array of sample ids")
+            if not np.array_equal(np.sort(perm), np.arange(self.n)):
+                raise BadValue(
+                    "permutation", f"permutation is not a permutation of the {self.n} sample ids"
+                )
+        else:
+            try:
+                if set(state["start"]) != set(numpy_state_to_json(self.rng)):
+                    raise KeyError(sorted(state["start"]))
+                np.random.PCG64().state = numpy_state_from_json(state["start"])
+            except (TypeError, ValueError, KeyError) as e:
+                raise BadValue("start", f"start is not a data-order stream's state: {e}") from None
+        ok = all(type(state[k]) is int for k in ("epoch", "cursor"))
+        if not (ok and 0 <= state["cursor"] <= self.n and state["epoch"] >= 0):
             raise BadValue(
                 "cursor",
                 f"cursor {state['cursor']} or epoch {state['epoch']} out of range (n={self.n})",
@@ -54,4 +90,33 @@ class DataIterator:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self.permutation = np.array(state["permutation"], dtype=np.int64, copy=True)
+        if "permutation" in state:
+            self.start, self.permutation = None, np.array(state["permutation"], dtype=np.int64)
+            return
+        self.start = dict(state["start"])
+        g = np.random.Generator(np.random.PCG64())
+        g.bit_generator.state = numpy_state_from_json(self.start)
+        self.permutation = None if self.offsets else g.permutation(self.n).astype(np.int64)
+
+
+def numpy_state_to_json(g: np.random.Generator) -> dict:
+    """A PCG64 stream's state as JSON (its 128-bit ints as strings: exact in any JSON reader)."""
+    s = g.bit_generator.state
+    if s["bit_generator"] != "PCG64":
+        raise TypeError(f"unsupported bit generator {s['bit_generator']}")
+    return {
+        "bit_generator": "PCG64",
+        "state": str(s["state"]["state"]),
+        "inc": str(s["state"]["inc"]),
+        "has_uint32": int(s["has_uint32"]),
+        "uinteger": int(s["uinteger"]),
+    }
+
+
+def numpy_state_from_json(d: dict) -> Any:  # numpy's typed state dict
+    return {
+        "bit_generator": d["bit_generator"],
+        "state": {"state": int(d["state"]), "inc": int(d["inc"])},
+        "has_uint32": int(d["has_uint32"]),
+        "uinteger": int(d["uinteger"]),
+    }

@@ -100,14 +100,7 @@ def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
         # after it: they would get probability 0 (an infinite perplexity). The fallback discounts are > 0.
         d = FALLBACK
         ctx_backoff = backoff(d)
-    return Level(
-        keys=keys,
-        counts=counts,
-        ctx_keys=ctx_keys,
-        ctx_total=np.add.reduceat(counts, start),
-        ctx_backoff=ctx_backoff,
-        discounts=d,
-    )
+    return Level(keys, counts, ctx_keys, np.add.reduceat(counts, start), ctx_backoff, d)
 
 
 def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
@@ -125,9 +118,7 @@ def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
             held = [_counted([_sorted_keys(tokens, k + 1, V)])[0]]  # every distinct (k+1)-gram once
             np.remainder(held[0], V**k, out=held[0])  # its last k tokens
             held[0].sort()
-        yield _level(
-            *_counted(held), V
-        )  # the generator keeps no reference: the caller's drop frees it
+        yield _level(*_counted(held), V)  # no reference kept: the caller's drop frees it
 
 
 def fit(tokens: np.ndarray, order: int, vocab_size: int) -> KneserNey:
@@ -138,10 +129,8 @@ def fit(tokens: np.ndarray, order: int, vocab_size: int) -> KneserNey:
 
 def _lookup(sorted_keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
     # values[i] where sorted_keys[i] == query, else 0
-    i = np.searchsorted(sorted_keys, query)
-    i = np.minimum(i, len(sorted_keys) - 1)
-    hit = sorted_keys[i] == query
-    return np.where(hit, values[i], 0.0)
+    i = np.minimum(np.searchsorted(sorted_keys, query), len(sorted_keys) - 1)
+    return np.where(sorted_keys[i] == query, values[i], 0.0)
 
 
 def _discount_of(level: Level, counts: np.ndarray) -> np.ndarray:
@@ -171,9 +160,7 @@ def distribution(model: KneserNey, history) -> np.ndarray:
     """The full next-token distribution [V] after a history (its last order-1 tokens are used)."""
     V, n = model.vocab_size, model.order - 1
     padded = [-1] * n + [int(t) for t in history]
-    h = np.broadcast_to(
-        np.asarray(padded[len(padded) - n :] if n else [], dtype=np.int64), (V, n)
-    )  # [V, n]
+    h = np.broadcast_to(np.asarray(padded[len(padded) - n :] if n else [], np.int64), (V, n))
     p, targets = np.full(V, 1.0 / V), np.arange(V, dtype=np.int64)  # order 0: uniform
     for k, level in enumerate(model.levels, start=1):
         p = _mixed(level, k, V, h, targets, p)
@@ -196,10 +183,9 @@ def _raised(levels, V: int, tokens: np.ndarray, positions: np.ndarray) -> np.nda
     p = np.full(len(positions), 1.0 / V)
     for k, level in enumerate(levels, start=1):
         for a in range(0, len(positions), PIECE):
-            at = positions[a : a + PIECE]
-            history = _history(tokens, at, k - 1)
-            p[a : a + PIECE] = _mixed(
-                level, k, V, history, tokens[at].astype(np.int64), p[a : a + PIECE]
+            at, piece = positions[a : a + PIECE], p[a : a + PIECE]
+            piece[:] = _mixed(
+                level, k, V, _history(tokens, at, k - 1), tokens[at].astype(np.int64), piece
             )
         del level
     return p
@@ -219,8 +205,5 @@ def fitted_perplexity(
 ) -> float:
     """perplexity(fit(train, order, vocab_size), tokens, positions), to the last bit, one level at a time."""
     V = int(vocab_size)
-    return float(
-        np.exp(
-            -np.mean(np.log(_raised(_levels(np.asarray(train), order, V), V, tokens, positions)))
-        )
-    )
+    p = _raised(_levels(np.asarray(train), order, V), V, tokens, positions)
+    return float(np.exp(-np.mean(np.log(p))))

@@ -12,11 +12,8 @@ from pipeline.data.base import Batch, DataSpec
 
 
 class Regression:
-    """Trains on all rows; evaluates on the same rows without augmentation.
-
-    Training batches get a slight gain drawn from the Python stream and Gaussian input noise from the
-    noise stream, so that an unrestored RNG shows up in the trajectory (the verifier's negative control).
-    """
+    """Trains on all rows, evaluates on them unaugmented; a training batch gets a gain from the Python stream and
+    Gaussian input noise from the noise stream, so an unrestored RNG shows (the verifier's negative control)."""
 
     kind = "rows"
     baselines = ()  # baseline_metrics gives none
@@ -31,16 +28,9 @@ class Regression:
         self.input_gain, self.input_noise = float(input_gain), float(input_noise)
         self.spec = DataSpec(n_features=2, n_targets=1)
         self.n_train = n_rows
-        manifest = {
-            **self.params,
-            "sha256": {
-                "x": hashlib.sha256(self.x.tobytes()).hexdigest(),
-                "y": hashlib.sha256(self.y.tobytes()).hexdigest(),
-            },
-        }
-        self.manifest_hash = hashlib.sha256(
-            json.dumps(manifest, sort_keys=True).encode()
-        ).hexdigest()
+        sha = {k: hashlib.sha256(getattr(self, k).tobytes()).hexdigest() for k in ("x", "y")}
+        manifest = json.dumps({**self.params, "sha256": sha}, sort_keys=True)
+        self.manifest_hash = hashlib.sha256(manifest.encode()).hexdigest()
 
     def train_batch(self, ids: np.ndarray, dtype) -> Batch:
         return Batch(ids=ids, x=self.x[ids].astype(dtype), y=self.y[ids].astype(dtype))

@@ -7,6 +7,7 @@ MAX_CHECKPOINT_JSON = 16 << 20
 MAX_HEADER = 16 << 20  # a safetensors header: ~100 bytes a tensor
 MAX_CORPUS_JSON = 16 << 20  # a corpus's MANIFEST.json or vocab.json: a few KB each
 MAX_CORPORA = 10_000  # corpus directories looked at when finding one by its manifest's hash
+MAX_TOKEN_FILE = 4 << 30  # a corpus's token file, memory-mapped: 2^31 uint16 tokens
 MAX_TEXT_FILE = 32 << 20  # data.max_bytes of a config written before the key existed
 MAX_RUN_JSON = 16 << 20  # a run's run.json and .hydra/*.yaml
 MAX_METRICS = 1 << 30  # metrics.jsonl, read line by line when a run resumes

@@ -62,7 +62,8 @@ def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> Tra
     dtype = np.dtype(trainer["dtype"])
     stages = build_stages(config)
     streams = Streams(trainer["seed"])
-    iterator = DataIterator(n_train, trainer["batch_size"], streams["data_order"])
+    offsets = getattr(dataset, "n_offsets", 0)  # every_offset: any window start of the train stream
+    iterator = DataIterator(n_train, trainer["batch_size"], streams["data_order"], offsets)
     # updates in the run: max_steps (> 0), else every epoch's micro-batches in groups of trainer.accumulate
     epochs, accumulate = int(trainer["epochs"]), int(trainer["accumulate"])
     steps = int(trainer["max_steps"]) or epochs * iterator.batches_per_epoch // accumulate
@@ -83,6 +84,7 @@ def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> Tra
         shards=int(trainer["shards"]),
         threads=trainer["threads"],
         eval_batches=trainer["eval_batches"],
+        eval_at_start=trainer["eval_at_start"],
         stages=StageStates(stages),
     )
 

@@ -12,14 +12,9 @@ LOSSES = ("train/loss", "val/loss")
 
 def series(lines: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of `key` over the lines that hold a finite number for it, in line order."""
-    pts = [
-        (ln["step"], ln[key])
-        for ln in lines  # a non-finite value (on_nonfinite=continue) is a gap
-        if isinstance(ln.get(key), (int, float))
-        and not isinstance(ln.get(key), bool)
-        and math.isfinite(ln[key])
-    ]
-    return [p[0] for p in pts], [p[1] for p in pts]
+    # a non-finite value (on_nonfinite=continue) is a gap
+    ok = [ln for ln in lines if type(ln.get(key)) in (int, float) and math.isfinite(ln[key])]
+    return [ln["step"] for ln in ok], [ln[key] for ln in ok]
 
 
 def draw(lines: list[dict]) -> bytes | None:
@@ -43,10 +38,8 @@ def draw(lines: list[dict]) -> bytes | None:
         ax_loss.set_yscale("log")
     ax_loss.legend()
     ax_loss.grid(True, alpha=0.3)
-    xs, ys = series(lines, "lr")
-    ax_lr.plot(xs, ys, "-", color="tab:green")
-    ax_lr.set_ylabel("lr")
-    ax_lr.set_xlabel("step")
+    ax_lr.plot(*series(lines, "lr"), "-", color="tab:green")
+    ax_lr.set(ylabel="lr", xlabel="step")
     ax_lr.grid(True, alpha=0.3)
     # fixed margins wide enough for the lr's ticks (0.00030): tight_layout measures every label, half the cost
     fig.subplots_adjust(left=0.13, right=0.97, top=0.97, bottom=0.08, hspace=0.08)
@@ -60,9 +53,7 @@ def write(run_dir: Path, lines: list[dict]) -> Path | None:
     """<run_dir>/curves.png from the run's whole history `lines`, replaced atomically; its path, or None."""
     from pipeline.files.atomic import replace_file
 
-    png = draw(lines)
-    if png is None:
+    if (png := draw(lines)) is None:
         return None
-    path = Path(run_dir) / NAME
-    replace_file(path, png)
+    replace_file(path := Path(run_dir) / NAME, png)
     return path

@@ -61,9 +61,8 @@ class Display:
         self.redirect = contextlib.ExitStack()
 
     def on_train_start(self, state) -> None:
-        samples = (
-            state.iterator.batch_size * state.accumulate
-        )  # per update; x block: tokens, for token data
+        # per update; x block: tokens, for token data
+        samples = state.iterator.batch_size * state.accumulate
         block = state.dataset.spec.block_size if state.dataset.spec.vocab_size else 0
         self.speed = (
             Throughput(samples * block, "tokens") if block else Throughput(samples, "samples")
@@ -79,6 +78,10 @@ class Display:
 
     def on_step_end(self, state, record: dict) -> None:
         assert self.speed is not None, "on_train_start comes first"
+        where = f"step {record['step']}/{state.total_steps} epoch {record['epoch']}"
+        val = "".join(f" {k}={v:.4f}" for k, v in record.items() if k.startswith("val/"))
+        if "train/loss" not in record:  # the evaluation before the first update
+            return log.info("%s%s", where, val)
         self.speed.step(time.perf_counter())
         rates = self.speed.rates()
         if self.bar is not None:
@@ -87,24 +90,14 @@ class Display:
             if rates is not None:
                 post["tok/s" if self.speed.unit == "tokens" else "samples/s"] = _si(rates[1])
             self.bar.set_postfix(post, refresh=False)
-        if is_logged(
-            record, 0 if self.bar else self.log_every, state.total_steps
-        ):  # with the bar: evaluations
-            extra = "".join(f" {k}={v:.4f}" for k, v in record.items() if k.startswith("val/"))
-            speed = self.speed.text()
-            log.info(
-                "step %d/%d epoch %d loss=%.6f lr=%.6g%s%s",
-                record["step"],
-                state.total_steps,
-                record["epoch"],
-                record["train/loss"],
-                record["lr"],
-                extra,
-                f" ({speed})" if speed else "",
-            )
+        # with the bar: evaluations
+        if is_logged(record, 0 if self.bar else self.log_every, state.total_steps):
+            speed = f" ({self.speed.text()})" if self.speed.text() else ""
+            loss, lr = record["train/loss"], record["lr"]
+            log.info("%s loss=%.6f lr=%.6g%s%s", where, loss, lr, val, speed)
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+            self.bar, bar = None, self.bar
+            bar.close()
         self.redirect.close()

@@ -28,19 +28,16 @@ def counts_tokens(data) -> bool:
 
 def train_metric_names(data, grad_clip: float) -> tuple[str, ...]:
     """The metrics of train_step's record: every update's."""
+    tokens = counts_tokens(data)
     return (
-        ("train/loss", "lr", "grad_norm")
-        + (("clipped",) if grad_clip > 0 else ())
-        + (("train/ppl",) if counts_tokens(data) else ())
+        ("train/loss", "lr", "grad_norm") + ("clipped",) * (grad_clip > 0) + ("train/ppl",) * tokens
     )
 
 
 def val_metric_names(data) -> tuple[str, ...]:
     """The metrics validate() measures: an evaluation's (the data's `baselines`: what its baseline_metrics gives)."""
     return (
-        ("val/loss",)
-        + (("val/ppl",) if counts_tokens(data) else ())
-        + tuple(getattr(data, "baselines", ()))
+        ("val/loss",) + ("val/ppl",) * counts_tokens(data) + tuple(getattr(data, "baselines", ()))
     )
 
 
@@ -68,9 +65,7 @@ def clip(grads: dict[str, np.ndarray], norm: float, max_norm: float) -> bool:
 def validate(state: TrainState) -> dict[str, float]:
     """Mean validation loss over the fixed validation batches (the first trainer.eval_batches of them, if set:
     the same subset every time), weighted by batch size, summed in batch order."""
-    batches = itertools.islice(
-        state.dataset.val_batches(state.dtype), state.eval_batches
-    )  # None: all
+    batches = itertools.islice(state.dataset.val_batches(state.dtype), state.eval_batches)
     loss = state.runner.mean_loss(state.model, batches)
     out = {"val/loss": loss}
     if counts_tokens(state.dataset):
@@ -92,8 +87,7 @@ def train_step(state: TrainState, profile: Profile = OFF) -> dict:
     after the mean (`grad_norm` is the norm before). A group of micro-batches is never cut by a checkpoint.
     """
     epoch = epochs_done(state)  # the epoch the update's first micro-batch comes from
-    lr = state.optimizer.lr
-    ids, loss, grads = [], 0.0, None
+    lr, ids, loss, grads = state.optimizer.lr, [], 0.0, None
     for _ in range(state.accumulate):
         with profile.phase("data"):
             batch_ids = state.iterator.next_ids()
@@ -126,13 +120,8 @@ def train_step(state: TrainState, profile: Profile = OFF) -> dict:
         killpoint.point("train", "after optimizer step")
         state.scheduler.step()
     state.progress.step += 1
-    record: dict[str, Any] = {
-        "step": state.step,
-        "epoch": epoch,
-        "train/loss": loss,
-        "lr": lr,
-        "grad_norm": gnorm,
-    }
+    record: dict[str, Any] = {"step": state.step, "epoch": epoch, "train/loss": loss, "lr": lr}
+    record["grad_norm"] = gnorm
     if state.grad_clip > 0:
         record["clipped"] = state.progress.clipped
     if counts_tokens(state.dataset):
@@ -158,23 +147,27 @@ def fit(
     profile: Profile = OFF,
 ) -> None:
     """Steps until the budget is spent or on_step_end (the run's decision) returns True, evaluating every
-    `eval_every` updates (0: every epoch's end) and at the last; callbacks see each record before the run."""
+    `eval_every` updates (0: every epoch's end), at the last, and before the first if state.eval_at_start;
+    callbacks see each record before the run (step 0's evaluation: only they see it)."""
     for cb in callbacks:
         getattr(cb, "on_train_start", lambda s: None)(state)
-    while state.step < state.total_steps:
-        t0 = time.perf_counter()
-        with np.errstate(
-            all="ignore"
-        ):  # an overflow is reported once, by the run, as a non-finite metric
-            record = train_step(state, profile) if profile.on else train_step(state)
-        record["step_time"] = time.perf_counter() - t0
+    # step 0's evaluation (trainer.eval_at_start; a resumed run is past it)
+    record: dict = {"step": 0, "epoch": 0} if state.eval_at_start and state.step == 0 else {}
+    while record or state.step < state.total_steps:
+        if not record:
+            t0 = time.perf_counter()
+            # an overflow is reported once, by the run, as a non-finite metric
+            with np.errstate(all="ignore"):
+                record = train_step(state, profile) if profile.on else train_step(state)
+            record["step_time"] = time.perf_counter() - t0
         last = state.step >= state.total_steps
         due = state.step % eval_every == 0 if eval_every > 0 else epoch_ended(state, record)
-        if due or last:
+        if due or last or state.step == 0:
             with np.errstate(all="ignore"), profile.phase("evaluation"):
                 record.update(validate(state))
         state.progress.metrics.update({k: v for k, v in record.items() if kept(k)})
         for cb in callbacks:
             cb.on_step_end(state, record)
-        if on_step_end(record):
+        if state.step > 0 and on_step_end(record):
             return
+        record = {}

@@ -16,12 +16,8 @@ LOGGED = ("train/loss", "train/ppl", "lr", "grad_norm", "clipped")
 def is_logged(record: dict, log_every: int, total_steps: int) -> bool:
     """A step with a line (in metrics.jsonl; in the log, without the bar): one that evaluated, the last, and
     every `log_every`th (0: none)."""
-    step = record["step"]
-    return (
-        any(k.startswith("val/") for k in record)
-        or step == total_steps
-        or (log_every > 0 and step % log_every == 0)
-    )
+    step, evaluated = record["step"], any(k.startswith("val/") for k in record)
+    return evaluated or step == total_steps or (log_every > 0 and step % log_every == 0)
 
 
 class MetricsLog:
@@ -54,9 +50,8 @@ class MetricsLog:
     def close(self) -> None:
         if self.file is not None:
             file, self.file = self.file, None
-            with contextlib.suppress(
-                OSError
-            ):  # the failed write already raised, naming the file: keep that one
+            # the failed write already raised, naming the file: keep that one
+            with contextlib.suppress(OSError):
                 file.close()
 
 

@@ -47,33 +47,21 @@ def child_rngs(rng: np.random.Generator | None, shards: int) -> list[np.random.G
 
 
 class Shards:
-    """Runs a model's loss and gradients as `shards` pieces of each batch on `threads` threads.
-
-    `shards` is semantic (the dropout draws, the summation order); `threads` is not: each piece runs the same
-    single-threaded code on any thread, and pieces are combined in shard order once all have finished.
-    A multi-threaded GEMM may split its work differently, and OpenBLAS's thread count is process-wide: so
-    BLAS is pinned to one thread from construction until close() restores it, checked at every call (no idle
-    OpenBLAS worker spin-waits beside the pool: on a loaded machine that cost 4x).
-    The model's `loss_and_grads` and `evaluate` may run concurrently: they must only read `params` and return
-    arrays no later call writes to.
-    """
+    """A model's loss and gradients as `shards` pieces of each batch on `threads` threads: `shards` is semantic
+    (dropout draws, summation order), `threads` is not (pieces combined in shard order). BLAS is pinned to one
+    thread from construction to close() (a multi-threaded GEMM may split work differently; idle OpenBLAS workers
+    spin). The model's `loss_and_grads` and `evaluate` may run concurrently: they only read `params`."""
 
     def __init__(self, shards: int, threads: int | None = None):
-        if threads is None:  # the cores this process may run on (its CPU affinity)
-            try:
-                threads = len(os.sched_getaffinity(0))
-            except AttributeError:  # not Linux
-                threads = os.cpu_count() or 1
+        # None: the cores this process may run on (its CPU affinity; elsewhere than Linux, all)
+        if threads is None:
+            affinity = getattr(os, "sched_getaffinity", None)
+            threads = len(affinity(0)) if affinity else os.cpu_count() or 1
         self.shards, self.threads = int(shards), int(threads)
         # The calling thread works too: threads - 1 helpers. None when there is nothing to share.
-        self._pool = (
-            ThreadPoolExecutor(self.threads - 1, thread_name_prefix="shard")
-            if self.threads > 1
-            else None
-        )
-        self._blas = (
-            ThreadpoolController().select(user_api="blas").lib_controllers
-        )  # found once (~1 ms)
+        self._pool = ThreadPoolExecutor(self.threads - 1, "shard") if self.threads > 1 else None
+        # found once (~1 ms)
+        self._blas = ThreadpoolController().select(user_api="blas").lib_controllers
         self._blas_before = [lib.get_num_threads() for lib in self._blas]
         self._closed = False
         self._pin_blas()
@@ -81,15 +69,9 @@ class Shards:
     def loss_and_grads(
         self, model, batch: Batch, rng: np.random.Generator | None
     ) -> tuple[float, dict[str, np.ndarray]]:
-        """The whole batch's mean loss and its gradients from its pieces' (l_k, g_k), in shard order:
-
-            loss = sum_k (B_k / B) l_k                      (Python floats)
-            grads = (g_0 + g_1 + ... + g_{n-1}) * (1 / n)   when the n pieces are equal (B divisible by shards)
-            grads = sum_k g_k * (B_k / B)                   otherwise
-
-        Every sample has as many loss elements, so this is one big batch up to rounding; empty pieces (shards
-        > B) are not run. shards == 1 is exactly model.loss_and_grads(batch, rng), its draws from rng included.
-        """
+        """The batch's mean loss and gradients from its pieces' (l_k, g_k) in shard order: loss = sum_k (B_k/B) l_k;
+        grads = (g_0 + ... + g_{n-1}) * (1/n) for equal pieces, else sum_k g_k * (B_k/B); empty pieces (shards > B)
+        are not run; shards == 1 is exactly model.loss_and_grads(batch, rng), its draws included."""
         self._pin_blas()
         if self.shards == 1:
             return model.loss_and_grads(batch, rng)
@@ -146,7 +128,7 @@ class Shards:
         todo: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(len(keys)):
             todo.put(i)
-        failed: list[bool] = []
+        failed: list[bool] = []  # set once a key failed
 
         def work() -> None:
             while not failed:  # after a failure nobody starts another key
@@ -165,21 +147,18 @@ class Shards:
             work()
         finally:
             errors = [f.exception() for f in helpers]  # waits for every helper
-        for e in errors:
-            if e is not None:
-                raise e
+        if error := next((e for e in errors if e is not None), None):
+            raise error
         return results
 
     def close(self) -> None:
         """Stop the pool and give BLAS its thread count back; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        for lib, n in zip(self._blas, self._blas_before):
-            lib.set_num_threads(n)
+        if not self._closed:
+            self._closed = True
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            for lib, n in zip(self._blas, self._blas_before):
+                lib.set_num_threads(n)
 
     def __enter__(self) -> Shards:
         return self

@@ -9,16 +9,8 @@ import time
 # The phases, in the table's order; `end summary` is curves.png and the summary's lines; `other` is the wall time
 # no phase covers (run.json, metrics.jsonl, the progress lines, the stages' decisions), so the rows add up to the
 # wall from the run's start (after set-up: the resume's load is not in it).
-PHASES = (
-    "data",
-    "forward/backward",
-    "optimizer",
-    "evaluation",
-    "checkpoint",
-    "tracking hand-over",
-    "end summary",
-    "other",
-)
+PHASES: tuple[str, ...] = ("data", "forward/backward", "optimizer", "evaluation", "checkpoint")
+PHASES += ("tracking hand-over", "end summary", "other")
 _OFF = contextlib.nullcontext()
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import random
 import zlib
-from typing import Any
 
 import numpy as np
+
+from pipeline.data.iterator import numpy_state_from_json, numpy_state_to_json
 
 # Every random draw in a run comes from one of these; nothing touches global np.random or random.
 NUMPY_STREAMS = ("init", "data_order", "noise", "dropout")
@@ -68,37 +69,12 @@ class Streams:
         """The next draw of every stream, with each state put back so the run is not disturbed."""
         out = {}
         for n, g in self.np.items():
-            saved = g.bit_generator.state
-            out[n] = float(g.random())
+            saved, out[n] = g.bit_generator.state, float(g.random())
             g.bit_generator.state = saved
         for n, r in self.py.items():
-            kept = r.getstate()
-            out[n] = r.random()
+            kept, out[n] = r.getstate(), r.random()
             r.setstate(kept)
         return out
-
-
-def numpy_state_to_json(g: np.random.Generator) -> dict:
-    # PCG64's state and inc are 128-bit ints: strings keep them exact in any JSON reader.
-    s = g.bit_generator.state
-    if s["bit_generator"] != "PCG64":
-        raise TypeError(f"unsupported bit generator {s['bit_generator']}")
-    return {
-        "bit_generator": "PCG64",
-        "state": str(s["state"]["state"]),
-        "inc": str(s["state"]["inc"]),
-        "has_uint32": int(s["has_uint32"]),
-        "uinteger": int(s["uinteger"]),
-    }
-
-
-def numpy_state_from_json(d: dict) -> Any:  # numpy's typed state dict
-    return {
-        "bit_generator": d["bit_generator"],
-        "state": {"state": int(d["state"]), "inc": int(d["inc"])},
-        "has_uint32": int(d["has_uint32"]),
-        "uinteger": int(d["uinteger"]),
-    }
 
 
 def python_state_to_json(r: random.Random) -> dict:

@@ -24,7 +24,7 @@ class Progress:
     step: int = 0
     metrics: dict = field(default_factory=dict)
     ended: str | None = (
-        None  # why the run ended ("max_steps", or a stage's reason); None while it goes on
+        None  # why the run ended ("max_steps", or a stage's reason); None: it goes on
     )
     clipped: int = 0  # updates whose gradient trainer.grad_clip scaled down
     free_form_state = ("metrics",)
@@ -70,28 +70,19 @@ class TrainState:
     grad_clip: float  # the largest global L2 norm of an update's gradient; 0: no clipping
     shards: int  # pieces each micro-batch is split into (semantic: the dropout draws, the summation order)
     threads: int | None  # threads running the pieces (not semantic); None: the cores available
-    eval_batches: (
-        int | None
-    )  # an evaluation reads the first N validation batches; None: all of them
+    # an evaluation reads the first N validation batches (None: all); one before the first update if eval_at_start
+    eval_batches: int | None
+    eval_at_start: bool
     stages: (
         object  # the stages' states (pipeline.stages.base.StageStates); the run layer builds them
     )
     progress: Progress = field(default_factory=Progress)
-    runner: Shards = field(
-        init=False, repr=False
-    )  # the shard runner: it pins BLAS to one thread until close()
+    # the shard runner: it pins BLAS to one thread until close()
+    runner: Shards = field(init=False, repr=False)
 
-    @property
-    def step(self) -> int:
-        return self.progress.step
-
-    @property
-    def epoch(self) -> int:
-        return self.iterator.epoch
-
-    @property
-    def metrics(self) -> dict:
-        return self.progress.metrics
+    step = property(lambda self: self.progress.step)
+    epoch = property(lambda self: self.iterator.epoch)
+    metrics = property(lambda self: self.progress.metrics)
 
     def __post_init__(self):
         # made with the state: from here on BLAS runs on one thread (the runner's pin), so every number the
@@ -99,8 +90,7 @@ class TrainState:
         self.runner = Shards(self.shards, self.threads)
 
     def close(self) -> None:
-        """Stop the shard runner's threads and give BLAS back its thread count; idempotent (a closed runner
-        refuses further calls)."""
+        """Stop the shard runner's threads, give BLAS back its thread count; idempotent."""
         self.runner.close()
 
     def parts(self) -> dict:

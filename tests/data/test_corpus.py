@@ -21,7 +21,12 @@ from pipeline.files.atomic import TMP_PREFIX
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(n_sentences=1500, val_fraction=0.1, block_size=32, ngram_order=3, val_batch_size=32)
 TEXT_SMALL = dict(
-    val_fraction=0.1, block_size=16, ngram_order=4, val_batch_size=32, max_bytes=1 << 20
+    val_fraction=0.1,
+    block_size=16,
+    ngram_order=4,
+    val_batch_size=32,
+    max_bytes=1 << 20,
+    every_offset=False,
 )
 
 
@@ -314,3 +319,39 @@ def test_a_corpus_is_found_by_its_manifests_hash_never_through_a_link_nor_in_a_t
     assert corpus.find_corpus(tmp_path / "linked-data", small.manifest_hash) is None
     monkeypatch.setattr(corpus, "MAX_CORPORA", 3)  # c-real is the fourth entry: never looked at
     assert corpus.find_corpus(data, small.manifest_hash) is None
+
+
+def test_a_text_corpus_is_memory_mapped_from_its_token_files(tmp_path):
+    src = tmp_path / "book.txt"
+    src.write_text(TEXT, encoding="utf-8")
+    d = TextCorpus(str(tmp_path / "data"), str(src), **TEXT_SMALL)
+    for split in ("train", "val"):
+        mapped = d.tokens[split]
+        assert isinstance(mapped, np.memmap) and mapped.dtype == np.dtype("<u2")
+        assert mapped.tobytes() == (d.directory / f"{split}.tokens").read_bytes()
+
+
+def test_the_ngram_baseline_of_a_large_corpus_is_fitted_on_a_bounded_sample(
+    tmp_path, monkeypatch, caplog
+):
+    import logging
+
+    from pipeline.data import ngram
+
+    monkeypatch.setattr(corpus, "SAMPLE", 1000)
+    monkeypatch.setattr(corpus, "SCORED", 100)
+    src = tmp_path / "book.txt"
+    src.write_text(TEXT, encoding="utf-8")
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        d = TextCorpus(str(tmp_path / "data"), str(src), **TEXT_SMALL)
+    baseline, T = d.manifest["baseline"], d.spec.block_size
+    assert baseline["sample"] == {"train_tokens": 1000} and baseline["val_targets"] == 100 // T * T
+    assert "a bounded sample" in caplog.text
+    # the oracle: the n-gram fitted on the first 1000 train tokens, scored on the first val targets
+    train, val = np.asarray(d.tokens["train"]), np.asarray(d.tokens["val"])
+    lm = ngram.fit(train[:1000], TEXT_SMALL["ngram_order"], len(d.vocab))
+    positions = corpus.val_target_positions(101, T)
+    assert baseline["val_ppl"] == round(ngram.perplexity(lm, val, positions), 4)
+    monkeypatch.undo()
+    whole = TextCorpus(str(tmp_path / "whole"), str(src), **TEXT_SMALL)
+    assert "sample" not in whole.manifest["baseline"]  # within the bounds: fitted and scored whole

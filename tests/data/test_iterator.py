@@ -92,15 +92,9 @@ def test_continues_exactly_where_it_stopped(nb, k, seed):
     rng = gen(seed)
     it = DataIterator(n, bs, rng)
     got = [it.next_ids() for _ in range(k)]
-    # what a checkpoint stores, through JSON like the run's RNG streams
-    saved = json.loads(
-        json.dumps(
-            {
-                k_: (v.tolist() if isinstance(v, np.ndarray) else v)
-                for k_, v in it.state_dict().items()
-            }
-        )
-    )
+    # what a checkpoint stores, through JSON like the run's RNG streams: a few integers, no permutation
+    saved = json.loads(json.dumps(it.state_dict()))
+    assert set(saved) == {"epoch", "cursor", "start"}
     saved_rng = json.loads(json.dumps(numpy_state_to_json(rng)))
     del it, rng
 
@@ -108,7 +102,7 @@ def test_continues_exactly_where_it_stopped(nb, k, seed):
         seed + 1
     )  # a differently-seeded generator: everything must come from the loaded state
     fresh = DataIterator(n, bs, rng2)
-    fresh.load_state_dict({**saved, "permutation": np.asarray(saved["permutation"])})
+    fresh.load_state_dict(saved)
     rng2.bit_generator.state = numpy_state_from_json(saved_rng)
     assert (fresh.epoch, fresh.cursor) == (saved["epoch"], saved["cursor"])
     got += [fresh.next_ids() for _ in range(after)]
@@ -135,21 +129,104 @@ def test_continuation_without_the_generator_state_diverges():
     ]
 
 
+class Afe8033Iterator:
+    """afe8033's iterator, whose checkpoints hold its whole permutation: what they saved, to load now."""
+
+    def __init__(self, n, bs, rng):
+        self.n, self.bs, self.rng, self.epoch, self.cursor = n, bs, rng, 0, 0
+        self.permutation = rng.permutation(n).astype(np.int64)
+
+    def next_ids(self):
+        if self.cursor + self.bs > self.n:
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self.permutation = self.rng.permutation(self.n).astype(np.int64)
+        self.cursor += self.bs
+        return self.permutation[self.cursor - self.bs : self.cursor].copy()
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "permutation": self.permutation, "cursor": self.cursor}
+
+
+@pytest.mark.parametrize("k", [0, 3, 5, 6, 13])
+def test_a_state_saved_by_afe8033_continues_exactly_and_is_saved_as_it_came_until_its_epoch_ends(k):
+    old, new = Afe8033Iterator(20, 3, gen(4)), DataIterator(20, 3, gen(4))
+    for _ in range(k):
+        assert np.array_equal(old.next_ids(), new.next_ids())  # the same draws, the same way
+    rng = gen(99)
+    it = DataIterator(20, 3, rng)
+    restore({"data_iter": it}, {"data_iter": old.state_dict()}, only=("data_iter",))
+    rng.bit_generator.state = old.rng.bit_generator.state
+    saved = it.state_dict()
+    assert set(saved) == {
+        "epoch",
+        "permutation",
+        "cursor",
+    }  # its epoch's permutation cannot be redrawn
+    for _ in range(14):
+        assert np.array_equal(it.next_ids(), old.next_ids())
+    assert set(it.state_dict()) == {"epoch", "cursor", "start"}  # a new epoch: a few integers again
+
+
+def test_the_saved_state_is_the_same_size_whatever_the_number_of_samples():
+    sizes = set()
+    for n in (10, 1000, 100_000):
+        it = DataIterator(n, 4, gen(1))
+        it.next_ids()
+        sizes.add(len(json.dumps(it.state_dict())))
+    assert len(sizes) == 1
+
+
+def test_every_offset_draws_each_batch_from_the_stream_and_continues_exactly():
+    rng = gen(3)
+    it = DataIterator(10, 4, rng, offsets=500)
+    oracle = gen(3)
+    assert it.batches_per_epoch == 2
+    first = [it.next_ids() for _ in range(3)]
+    for b in first:  # uniform over [0, offsets), with replacement, as nanoGPT's torch.randint
+        np.testing.assert_array_equal(b, oracle.integers(0, 500, size=4, dtype=np.int64))
+    assert (it.epoch, it.cursor) == (1, 4)
+    saved, saved_rng = json.loads(json.dumps(it.state_dict())), numpy_state_to_json(rng)
+    expected = [it.next_ids() for _ in range(5)]
+    rng2 = gen(8)
+    fresh = DataIterator(10, 4, rng2, offsets=500)
+    fresh.load_state_dict(saved)
+    rng2.bit_generator.state = numpy_state_from_json(saved_rng)
+    assert all(np.array_equal(a, fresh.next_ids()) for a in expected)
+    unrestored = DataIterator(10, 4, gen(8), offsets=500)
+    unrestored.load_state_dict(
+        saved
+    )  # the stream not restored: the draws differ (the negative control)
+    assert not all(np.array_equal(a, unrestored.next_ids()) for a in expected)
+
+
 def test_load_copies_and_an_impossible_state_is_refused_untouched():
     it = DataIterator(8, 2, gen(0))
     it.next_ids()
     state = it.state_dict()
-    assert state["epoch"] == 0 and state["cursor"] == 2 and state["permutation"].shape == (8,)
+    assert (
+        state["epoch"] == 0 and state["cursor"] == 2 and set(state) == {"epoch", "cursor", "start"}
+    )
     fresh = DataIterator(8, 2, gen(1))
     fresh.load_state_dict(state)
-    state["permutation"][:] = 0  # the saved arrays may be reused: the loaded state is a copy
-    assert sorted(fresh.permutation.tolist()) == list(range(8))
+    np.testing.assert_array_equal(
+        fresh.permutation, it.permutation
+    )  # redrawn from where the epoch began
+    state["start"]["state"] = "0"  # the saved objects may be reused: the loaded state is a copy
+    np.testing.assert_array_equal(fresh.permutation, it.permutation)
+    state = Afe8033Iterator(8, 2, gen(0)).state_dict()
     bad = [
         {**state, "permutation": np.arange(9)},  # another dataset's size
         {**state, "permutation": np.zeros(8, dtype=np.int64)},  # not a permutation
         {**state, "permutation": np.arange(8, dtype=np.float64)},
         {**state, "permutation": np.arange(8), "cursor": 9},  # past the end
         {**state, "permutation": np.arange(8), "epoch": -1},
+        {**state, "permutation": np.arange(8), "cursor": 1.5},
+        {**it.state_dict(), "start": {"bit_generator": "MT19937"}},  # not a stream's state
+        {**it.state_dict(), "start": {**it.state_dict()["start"], "inc": "x"}},
+        {**it.state_dict(), "start": {**it.state_dict()["start"], "extra": 1}},
+        {**it.state_dict(), "start": [1, 2]},
+        {**it.state_dict(), "permutation": np.arange(8)},  # both forms at once
+        {"epoch": 0, "cursor": 0},
     ]
     for s in bad:
         before = (fresh.epoch, fresh.cursor, fresh.permutation.copy())

@@ -26,7 +26,14 @@ from pipeline.files import reading
 from pipeline.files.reading import UnreadableFile
 
 # data=text's (a smaller bound)
-TEXT = dict(val_fraction=0.1, block_size=64, ngram_order=5, val_batch_size=32, max_bytes=1 << 20)
+TEXT = dict(
+    val_fraction=0.1,
+    block_size=64,
+    ngram_order=5,
+    val_batch_size=32,
+    max_bytes=1 << 20,
+    every_offset=False,
+)
 
 SAFETY_NET = (
     600  # seconds: only so a regression fails instead of hanging; a refusal takes a few seconds
@@ -411,7 +418,7 @@ def test_a_text_file_just_under_the_bound_builds_within_its_memory_bound(tmp_pat
     build = (
         "from pipeline.data.text import TextCorpus; import sys; "
         "d = TextCorpus(sys.argv[1], sys.argv[2], val_fraction=0.1, block_size=64, ngram_order=5, "
-        f"val_batch_size=32, max_bytes={max_bytes}); "
+        f"val_batch_size=32, max_bytes={max_bytes}, every_offset=False); "
         "print(d.n_train, d.n_val, d.manifest['baseline']['val_ppl'])"
     )
     proc, mb = measured(["-c", build, str(tmp_path / "data"), str(p)], cwd)
