@@ -57,20 +57,18 @@ class BadSource(CommandError):
 class RunPlan:
     """One run to archive: where it lies, which checkpoints (each verified: a damaged one is bad input), its links."""
 
-    def __init__(
-        self, name: str, run_dir: Path | None, checkpoints: dict[str, Path], links: dict[str, str]
-    ):
-        self.name, self.run_dir, self.checkpoints, self.links = name, run_dir, checkpoints, links
+    def __init__(self, name: str, run_dir: Path | None, ckpts: dict, links: dict[str, str]):
+        self.name, self.run_dir, self.checkpoints, self.links = name, run_dir, ckpts, links
+        at = run_dir or next(iter(ckpts.values()))
+        # each becomes one entry under DEST
         for what, value in (
             ("run directory name", name),
-            *(("step name", n) for n in checkpoints),
+            *(("step name", n) for n in ckpts),
             *(("link name", n) for n in links),
-        ):  # each becomes one entry under DEST
-            names.checked(
-                value, f"{run_dir or next(iter(checkpoints.values()))}: {what}", reserve=0
-            )
+        ):
+            names.checked(value, f"{at}: {what}", reserve=0)
         # sizes, sha256, layout
-        self.manifests = {n: CheckpointDir(p).verify() for n, p in checkpoints.items()}
+        self.manifests = {n: CheckpointDir(p).verify() for n, p in ckpts.items()}
         self.newest = self.manifests[max(self.manifests, key=lambda n: self.manifests[n]["step"])]
 
 
@@ -83,14 +81,14 @@ def _kind(path: Path) -> str:
         # a link the user typed is followed, as its target could be typed instead
         st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
-        raise BadSource(
-            f"{path}: is {reading.kind_of(st)}, not a run, sweep or checkpoint directory"
-        )
+        what = reading.kind_of(st)
+        raise BadSource(f"{path}: is {what}, not a run, sweep or checkpoint directory")
     if CheckpointDir(path).exists():
         return "checkpoint"
     if RunDir(path).is_run():
         return "run"
-    if RunDir(path.parent).store.root == path and RunDir(path.parent).status_path.is_file():
+    up = RunDir(path.parent)
+    if up.store.root == path and up.status_path.is_file():
         raise BadSource(
             f"{path}: a run's store of checkpoints; give the run directory {path.parent}"
         )
@@ -126,13 +124,8 @@ def plan(source: Path, which: str) -> list[RunPlan]:
 
         # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
         runs_dir = source.parent.parent / "runs"
-        runs = sorted(
-            {
-                Path(j["run_dir"]).name
-                for j in read_jobs(source).values()
-                if isinstance(j.get("run_dir"), str)
-            }
-        )
+        jobs = read_jobs(source).values()
+        runs = sorted({Path(j["run_dir"]).name for j in jobs if isinstance(j.get("run_dir"), str)})
         if not runs:
             raise BadSource(f"{source}: a sweep none of whose jobs/*.json names a run directory")
         plans = []
@@ -150,25 +143,13 @@ def plan(source: Path, which: str) -> list[RunPlan]:
     directory = CheckpointDir(source).resolved()
     in_run = RunDir.of_checkpoint(directory) if STEP_DIR.match(directory.name) else None
     if in_run is not None:
-        return [
-            RunPlan(
-                in_run.path.name,
-                in_run.path,
-                {directory.name: directory},
-                {k: t for k, t in in_run.store.links().items() if t == directory.name},
-            )
-        ]
+        links = {k: t for k, t in in_run.store.links().items() if t == directory.name}
+        return [RunPlan(in_run.path.name, in_run.path, {directory.name: directory}, links)]
     # the run's directory name comes from it: one name, inside DEST
-    manifest = CheckpointDir(directory).manifest()
-    names.checked(manifest["config"].get("name"), f"{directory}: its manifest's config.name")
-    return [
-        RunPlan(
-            run_name(manifest["config"], manifest["sources"], manifest["lineage"]),
-            None,
-            {step_dir_name(manifest["step"]): directory},
-            {},
-        )
-    ]
+    m = CheckpointDir(directory).manifest()
+    names.checked(m["config"].get("name"), f"{directory}: its manifest's config.name")
+    name = run_name(m["config"], m["sources"], m["lineage"])
+    return [RunPlan(name, None, {step_dir_name(m["step"]): directory}, {})]
 
 
 # --- copying --------------------------------------------------------------------------------------------
@@ -192,15 +173,7 @@ class Builder:
         )
         return ensure_dirs(self.root, *parents) / name
 
-    def copy(
-        self,
-        src: Path,
-        rel: str,
-        limit: int,
-        expected: dict | None = None,
-        witness: str = "",
-        follow: bool = False,
-    ) -> None:
+    def copy(self, src: Path, rel: str, limit: int, expected=None, witness="", follow=False):
         """src's bytes into a new file at rel (never through a link), fsynced, and hashed as they are copied."""
         entry = reading.copy_new(src, self.place(rel), limit, follow=follow)
         if expected is not None:
@@ -227,10 +200,8 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     ensure_dirs(b.root, "runs", p.name)
     store = RunDir(b.root / base).store.root
     ensure_dirs(store.parent, store.name)
-    for (
-        name,
-        directory,
-    ) in p.checkpoints.items():  # exactly the listed files, each hashed as it is copied
+    # exactly the listed files, each hashed as it is copied
+    for name, directory in p.checkpoints.items():
         listed = p.manifests[name]["files"]
         for fn, entry in CheckpointDir(directory).copy_to(store / name, p.manifests[name]).items():
             rel = (store / name / fn).relative_to(b.root).as_posix()
@@ -242,19 +213,16 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
         b.link((store / link).relative_to(b.root).as_posix(), target)
     for rel, path, limit in RunDir(p.run_dir).records() if p.run_dir is not None else ():
         b.copy(path, f"{base}/{rel}", limit)
-    data_hash, sources, data = (
-        p.newest["data_manifest_hash"],
-        dict(p.newest["sources"]),
-        p.newest["config"]["data"],
-    )
+    data_hash, sources = p.newest["data_manifest_hash"], dict(p.newest["sources"])
+    data = p.newest["config"]["data"]
     corpus = RunDir(p.run_dir).corpus(data_hash) if p.run_dir is not None else None
-    identity = {
-        "data_manifest_hash": data_hash,
-        "sources": sources,
-        "data": data,
-        "corpus": corpus.name if corpus else None,
-        "data_archived": with_data,
-    }
+    identity = dict(
+        data_manifest_hash=data_hash,
+        sources=sources,
+        data=data,
+        corpus=corpus.name if corpus else None,
+        data_archived=with_data,
+    )
     if sources and not with_data:
         keys = ", ".join(f"{k}={data.get(k.split('.', 1)[1])}" for k in sources)
         raise BadSource(
@@ -263,43 +231,33 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
         )
     if corpus is not None:
         corpus_manifest = {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash}
+        witness = "the checkpoints' data_manifest_hash"
         b.copy(
             corpus / "MANIFEST.json",
             f"{base}/corpus-MANIFEST.json",
             MAX_SMALL,
             corpus_manifest,
-            "the checkpoints' data_manifest_hash",
+            witness,
         )
     if with_data:
         # asked of its class only if we ship it: a file imports nothing else
         target = str(data.get("_target_", ""))
-        if (
-            corpus is None
-            and data_hash
-            and target in shipped()
-            and getattr(get_class(target), "keeps_corpus", False)
-        ):
+        keeps = target in shipped() and getattr(get_class(target), "keeps_corpus", False)
+        if corpus is None and data_hash and keeps:
             raise BadSource(
                 f"run {p.name}: its corpus (MANIFEST.json sha256 {data_hash[:12]}) is not beside its "
                 "run, under <output_dir>/data/; --with-data needs it there"
             )
-        if corpus is not None and f"data/{corpus.name}/MANIFEST.json" not in b.files:
+        at = f"data/{corpus.name}" if corpus is not None else ""
+        if corpus is not None and f"{at}/MANIFEST.json" not in b.files:
             for fn, entry in sorted(verify_corpus(corpus)[0]["files"].items()):
-                size = entry["size"] if "size" in entry else entry["bytes"]  # a corpus says bytes
+                # a corpus says bytes
+                size = entry["size"] if "size" in entry else entry["bytes"]
                 listed = {"size": size, "sha256": entry["sha256"]}
-                b.copy(
-                    corpus / fn,
-                    f"data/{corpus.name}/{fn}",
-                    size,
-                    listed,
-                    f"{corpus / 'MANIFEST.json'}",
-                )
+                b.copy(corpus / fn, f"{at}/{fn}", size, listed, f"{corpus / 'MANIFEST.json'}")
+            man = corpus / "MANIFEST.json"
             b.copy(
-                corpus / "MANIFEST.json",
-                f"data/{corpus.name}/MANIFEST.json",
-                MAX_CORPUS_JSON,
-                corpus_manifest,
-                "data_manifest_hash",
+                man, f"{at}/MANIFEST.json", MAX_CORPUS_JSON, corpus_manifest, "data_manifest_hash"
             )
         archived = {}
         for key, sha in sorted(sources.items()):
@@ -307,13 +265,9 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             rel = f"sources/{sha[:12]}-{src.name}"
             if rel not in b.files:
                 try:
+                    listed = {"size": os.path.getsize(src), "sha256": sha}
                     b.copy(
-                        src,
-                        rel,
-                        MAX_SOURCE_FILE,
-                        {"size": os.path.getsize(src), "sha256": sha},
-                        "the checkpoints' sources",
-                        follow=True,
+                        src, rel, MAX_SOURCE_FILE, listed, "the checkpoints' sources", follow=True
                     )
                 except FileNotFoundError:
                     raise BadSource(
@@ -323,13 +277,10 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             archived[key] = rel
         identity["sources_archived"] = archived
     b.write(f"{base}/data-identity.json", jsonio.dumps(identity))
+    links = {n: sorted(k for k, t in p.links.items() if t == n) for n in p.manifests}
     return {
         "checkpoints": {
-            n: {
-                "step": m["step"],
-                "tags": m["tags"],
-                "links": sorted(k for k, t in p.links.items() if t == n),
-            }
+            n: {"step": m["step"], "tags": m["tags"], "links": links[n]}
             for n, m in sorted(p.manifests.items())
         },
         "data": {k: identity[k] for k in ("data_manifest_hash", "sources", "corpus")},
@@ -365,26 +316,17 @@ def _trust_hint(root: Path, run: Path, extra: list[str]) -> str:
     recovery.json), if the command line did not give it: named in a refusal, never used."""
     said = list(run_overrides(run) or [])
     with contextlib.suppress(Exception):
-        said += [
-            str(o)
-            for o in jsonio.read(root / "recovery.json", MAX_SMALL)["exported"]["runs"][run.name][
-                "resume_overrides"
-            ]
-        ]
+        exported = jsonio.read(root / "recovery.json", MAX_SMALL)["exported"]
+        said += [str(o) for o in exported["runs"][run.name]["resume_overrides"]]
     said = [
         " ".join(o.split())[:300].lstrip("+")
         for o in said
         if o.lstrip("+").startswith("hydra.searchpath=")
     ]
     searchpath = next((o for o in said if o not in extra), None)
-    return (
-        ""
-        if searchpath is None
-        else (
-            f"; this archive's run {run.name} was made with {searchpath}; give it on "
-            "the command line if you trust it"
-        )
-    )
+    if searchpath is None:
+        return ""
+    return f"; this archive's run {run.name} was made with {searchpath}; give it on the command line if you trust it"
 
 
 def restore_all(root: Path, extra: list[str]) -> list[dict]:
@@ -442,16 +384,11 @@ def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str |
 def _resume_overrides(run: Path, root: Path, extra: list[str]) -> list[str]:
     """The archived run's own overrides (.hydra/overrides.yaml holds no hydra.* ones: the search path given to the
     archive is added), without where it wrote, how it resumed and was tracked, and with its archived data files."""
-    kept = [
-        o
-        for o in run_overrides(run) or []
-        if not o.lstrip("+~").startswith(("paths.", "resume", "tracking", "data.path="))
-    ]
+    dropped = ("paths.", "resume", "tracking", "data.path=")
+    kept = [o for o in run_overrides(run) or [] if not o.lstrip("+~").startswith(dropped)]
     kept += [o for o in extra if o not in kept]
-    identity = jsonio.read(run / "data-identity.json", MAX_SMALL)
-    return kept + [
-        f"{key}={root / rel}" for key, rel in (identity.get("sources_archived") or {}).items()
-    ]
+    archived = jsonio.read(run / "data-identity.json", MAX_SMALL).get("sources_archived") or {}
+    return kept + [f"{key}={root / rel}" for key, rel in archived.items()]
 
 
 def _metric_lines(path: Path) -> list[dict]:
@@ -463,12 +400,8 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     not resumed), to the run's own end; its later metrics.jsonl lines, and its final state files, compared bit
     for bit with the archived ones."""
     if run_overrides(run) is None:
-        return {
-            "run": run.name,
-            "passed": None,
-            "detail": "no .hydra/overrides.yaml (a checkpoint archived "
-            "without its run): not resumed",
-        }
+        detail = "no .hydra/overrides.yaml (a checkpoint archived without its run): not resumed"
+        return {"run": run.name, "passed": None, "detail": detail}
     store = RunDir(run).store
     steps = store.steps()
     archived = _metric_lines(run)
@@ -477,12 +410,8 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     candidates = [(s, d) for s, d in steps if s < end]
     # a fork of the run's end would train nothing (refused); its restore is checked already
     if not candidates:
-        return {
-            "run": run.name,
-            "passed": None,
-            "step_recovered": steps[-1][0],
-            "detail": f"the original recorded nothing after step {steps[-1][0]}: nothing later to resume",
-        }
+        detail = f"the original recorded nothing after step {steps[-1][0]}: nothing later to resume"
+        return {"run": run.name, "passed": None, "step_recovered": steps[-1][0], "detail": detail}
     step, source = candidates[-1]
     args = [
         *_resume_overrides(run, root, extra),
@@ -497,13 +426,8 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
         return {"run": run.name, "passed": False, "step_recovered": step, "detail": problem}
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
     # run() kills the child on any exception (a signal's included) before it is raised
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipeline", *args],
-        cwd=scratch,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    cmd = [sys.executable, "-m", "pipeline", *args]
+    proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True)
     result = {
         "run": run.name,
         "command": "python -m pipeline " + " ".join(shown).replace(str(scratch), "<scratch>"),
@@ -521,15 +445,11 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     got = [ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end]
     want = [ln for ln in archived if ln["step"] > step]
     compared: dict[str, Any] = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
-    original_final, resumed_final = (
-        store.link_dir("final"),
-        RunDir(resumed_run).store.link_dir("final"),
-    )
+    original_final = store.link_dir("final")
+    resumed_final = RunDir(resumed_run).store.link_dir("final")
     if original_final is not None and resumed_final is not None and step < end:
-        a, bb = (
-            CheckpointDir(original_final).manifest(),
-            CheckpointDir(resumed_final).manifest()["files"],
-        )
+        a = CheckpointDir(original_final).manifest()
+        bb = CheckpointDir(resumed_final).manifest()["files"]
         compared["final_step"] = a["step"]
         compared["final_files_equal"] = {
             n: e["sha256"] == bb.get(n, {}).get("sha256") for n, e in a["files"].items()
@@ -551,10 +471,9 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
     if problems:
         return {"checks": checks, "resume": [], "all_checks_passed": False}
     if b is not None:
+        files = listing["files"]
         wrong = [
-            rel
-            for rel, (entry, _) in b.expected.items()
-            if listing["files"].get(rel, {}).get("sha256") != entry["sha256"]
+            r for r, (e, _) in b.expected.items() if files.get(r, {}).get("sha256") != e["sha256"]
         ]
         detail = (
             f"{wrong[0]} differs from {b.expected[wrong[0]][1]}"
@@ -570,15 +489,10 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
             proofs.append(resume_proof(root, dest, run, scratch, extra))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-    checks += [
-        _check(
-            f"resume {p['run']} from step {p.get('step_recovered')}",
-            p["passed"],
-            p.get("detail") or p.get("compared"),
-        )
-        for p in proofs
-        if p["passed"] is not None
-    ]
+    for p in proofs:
+        if p["passed"] is not None:
+            what = f"resume {p['run']} from step {p.get('step_recovered')}"
+            checks.append(_check(what, p["passed"], p.get("detail") or p.get("compared")))
     return {
         "checks": checks,
         "resume": proofs,
@@ -630,21 +544,19 @@ def readme(dest: Path, exported: dict) -> str:
                 f'python -m pipeline.sample {at}/final prompt="the" max_new_tokens=20 paths.output_dir=SCRATCH',
                 f"python -m pipeline.export_hf {at}/final HF_DIR",
             ]
-        done = resume_from != newest
+        resume = (
+            f"python -m pipeline {over} resume.source={at}/{resume_from} paths.output_dir=SCRATCH"
+        )
+        how = (
+            f"repeats the steps after {resume_from} of the finished run, to its final bytes"
+            if resume_from != newest
+            else "continues the run from its newest checkpoint"
+        )
         lines += [
-            f"python -m pipeline {over} resume.source={at}/{resume_from} paths.output_dir=SCRATCH".replace(
-                "  ", " "
-            ),
+            resume.replace("  ", " "),
             "```",
             "",
-            "The resume "
-            + (
-                f"repeats the steps after {resume_from} of the finished run, to its final bytes"
-                if done
-                else "continues the run from its newest checkpoint"
-            )
-            + "; "
-            "`python -m pipeline.archive --check` re-verifies every byte.",
+            f"The resume {how}; `python -m pipeline.archive --check` re-verifies every byte.",
             "",
         ]
     return "\n".join(lines)
@@ -700,10 +612,9 @@ def build_archive(
         # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
         if _kind(source) == "sweep":
             name = Path(os.path.realpath(source)).name
-            for f in (
-                p for p in sorted(Path(source).iterdir()) if not p.is_dir() or p.is_symlink()
-            ):
-                b.copy(f, f"sweeps/{name}/{f.name}", MAX_SMALL)
+            for f in sorted(Path(source).iterdir()):
+                if not f.is_dir() or f.is_symlink():
+                    b.copy(f, f"sweeps/{name}/{f.name}", MAX_SMALL)
             # each a regular file: b.copy refuses the rest
             for f in sorted((Path(source) / "jobs").iterdir()):
                 b.copy(f, f"sweeps/{name}/jobs/{f.name}", MAX_SMALL)
@@ -725,15 +636,12 @@ def build_archive(
         fsync_dir(tmp)
         if failed := _failed(result["checks"]):
             keep_tmp = True
-            print(
-                f"{NAME}: check failed: {failed['check']}: {failed['detail']}; nothing published (see {tmp})",
-                file=sys.stderr,
-            )
+            why = f"{failed['check']}: {failed['detail']}"
+            print(f"{NAME}: check failed: {why}; nothing published (see {tmp})", file=sys.stderr)
             return EXIT_ERROR
         publish_dir(tmp, dest)
-        print(
-            f"archived {source} to {dest}: {exported['files']} files, {exported['bytes']} bytes; recovery.json"
-        )
+        counts = f"{exported['files']} files, {exported['bytes']} bytes"
+        print(f"archived {source} to {dest}: {counts}; recovery.json")
         return EXIT_OK
     finally:
         if tmp is not None and not keep_tmp:
@@ -756,31 +664,24 @@ def check_archive(dest: Path, extra: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.splitlines()[0])
-    ap.add_argument(
+    add = ap.add_argument
+    add(
         "source",
         type=Path,
         help="a run directory, a sweep directory or a checkpoint (or DEST with --check)",
     )
-    ap.add_argument("dest", nargs="?", help="where the archive appears (must not exist)")
-    ap.add_argument(
-        "overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are"
-    )
-    ap.add_argument(
-        "--checkpoints", default="best,final,newest", help="best,final,newest (any of them) or all"
-    )
-    ap.add_argument(
-        "--with-data", action="store_true", help="archive the corpus and the text files too"
-    )
-    ap.add_argument(
+    add("dest", nargs="?", help="where the archive appears (must not exist)")
+    add("overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are")
+    add("--checkpoints", default="best,final,newest", help="best,final,newest (any of them) or all")
+    add("--with-data", action="store_true", help="archive the corpus and the text files too")
+    add(
         "--check",
         action="store_true",
         help="re-verify an archive: python -m pipeline.archive --check DEST",
     )
     args = ap.parse_intermixed_args(argv)
-    extra = [
-        *([args.dest] if args.check and args.dest else []),
-        *args.overrides,
-    ]  # a str: Path() eats pkg://
+    # a str: Path() eats pkg://
+    extra = [*([args.dest] if args.check and args.dest else []), *args.overrides]
     if (bad := next((o for o in extra if not o.startswith("hydra.searchpath=")), None)) is not None:
         raise CommandError(f"{bad}: only hydra.searchpath=[...] can be given here")
     which = args.checkpoints
@@ -793,14 +694,8 @@ def main(argv: list[str] | None = None) -> int:
             return check_archive(args.source, extra)
         if args.dest is None:
             raise BadSource("give SOURCE and DEST (or --check DEST)")
-        return build_archive(
-            args.source,
-            Path(os.path.abspath(args.dest)),
-            which,
-            args.with_data,
-            args.overrides,
-            argv,
-        )
+        dest = Path(os.path.abspath(args.dest))
+        return build_archive(args.source, dest, which, args.with_data, args.overrides, argv)
     except ValueError as e:  # a value a file holds that is out of range: bad input
         raise CommandError(str(e)) from e
     except OSError as e:  # what SOURCE or DEST cannot give or take: bad input, nothing published
