@@ -116,9 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if not output_dir.is_dir():
         raise CommandError(f"no such output directory: {output_dir}")
     uri = normalize_tracking_uri(args.tracking_uri or default_uri(output_dir))
-    if (
-        args.rebuild and (db := sqlite_path(uri)) is not None and db.exists()
-    ):  # renamed, never deleted
+    # renamed, never deleted
+    if args.rebuild and (db := sqlite_path(uri)) is not None and db.exists():
         aside = db.with_name(f"{db.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
         db.rename(aside)
         print(f"moved the old store aside: {aside}")

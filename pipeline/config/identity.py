@@ -15,38 +15,17 @@ from pipeline.files import jsonio, names, reading
 # Keys that do not change the math: where outputs go, how progress is shown and logged, how the run is
 # indexed, resumed and parallelised, how big an input file may be, and the verifier's own settings. Dotted
 # prefixes.
-NON_SEMANTIC = (
-    "paths",
-    "tracking",
-    "trainer.log_every",
-    "trainer.progress_bar",
-    "trainer.threads",
-    "trainer.max_time",
-    "trainer.profile",
-    "trainer.on_nonfinite",
-    "resume",
-    "stages",
-    "checkpoint",
-    "verify",
-    "optimized_metric",
-    "hydra",
-    "data.max_bytes",
+NON_SEMANTIC = tuple(
+    """paths tracking trainer.log_every trainer.progress_bar trainer.threads trainer.max_time
+    trainer.profile trainer.on_nonfinite resume stages checkpoint verify optimized_metric hydra
+    data.max_bytes""".split()  # noqa: SIM905
 )
 # Keys that say where and how a run ran on this machine, not what it computes: kept out of the params (they
 # would clutter every comparison of runs, and a path of one machine means nothing on another). Dotted
 # prefixes; `data.path` is a file of this machine (the run's identity is its content: data_manifest_hash).
-MACHINE_KEYS = (
-    "paths",
-    "tracking",
-    "verify",
-    "resume",
-    "stages.resume",
-    "hydra",
-    "trainer.progress_bar",
-    "trainer.threads",
-    "trainer.max_time",
-    "data.path",
-    "data.max_bytes",
+MACHINE_KEYS = tuple(
+    """paths tracking verify resume stages.resume hydra trainer.progress_bar trainer.threads
+    trainer.max_time data.path data.max_bytes""".split()  # noqa: SIM905
 )
 
 
@@ -132,23 +111,16 @@ def semantic_hash(config: dict, sources: dict[str, str]) -> str:
 
 def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
     """A run history's identity: its config and where it started (None: from scratch; else a checkpoint)."""
-    return {
-        "id": config_hash({"semantic_config_hash": semantic_hash, "origin": origin}),
-        "origin": origin,
-    }
+    ident = config_hash({"semantic_config_hash": semantic_hash, "origin": origin})
+    return {"id": ident, "origin": origin}
 
 
-def run_name(
-    config: dict, sources: dict[str, str] | None = None, lineage: dict | None = None
-) -> str:
+def run_name(config: dict, sources: dict | None = None, lineage: dict | None = None) -> str:
     """<experiment name>-<12 hex of the semantic config's sha256> (`sources`: None reads the files): the same job
     lands in the same directory whatever the output or working directory; two files at one relative path, two.
     A fork (`lineage` with an origin: a manifest's) is named by its history's id instead."""
-    return _named(
-        config,
-        semantic_hash(config, source_hashes(config) if sources is None else sources),
-        lineage,
-    )
+    hashes = source_hashes(config) if sources is None else sources
+    return _named(config, semantic_hash(config, hashes), lineage)
 
 
 def _named(config: dict, semantic: str, lineage: dict | None = None) -> str:
@@ -191,9 +163,7 @@ def experiment_name(name: str, model_target: str = "", data_target: str = "") ->
     data and model modules' names, `grammar-minigpt`. The run directory keeps `name` either way."""
     if name != "default":
         return name
-    parts = [
-        str(t).rsplit(".", 2)[-2] for t in (data_target, model_target) if str(t).count(".") >= 1
-    ]
+    parts = [str(t).rsplit(".", 2)[-2] for t in (data_target, model_target) if "." in str(t)]
     return "-".join(parts) or name
 
 
@@ -218,10 +188,9 @@ def described(old: dict, new: dict, keys=None) -> list[str]:
         parts = key.split(".")
         for i in range(1, len(parts) + 1):
             node = ".".join(parts[:i])
-            if get(old, node, _ABSENT) is _ABSENT or get(new, node, _ABSENT) is _ABSENT:
-                said[node] = (
-                    f"{node} {'added' if get(old, node, _ABSENT) is _ABSENT else 'removed'}"
-                )
+            added = get(old, node, _ABSENT) is _ABSENT
+            if added or get(new, node, _ABSENT) is _ABSENT:
+                said[node] = f"{node} {'added' if added else 'removed'}"
                 break
         else:
             said[key] = f"{key} {a!r} -> {b!r}"
