@@ -61,11 +61,8 @@ class RunPlan:
         self.name, self.run_dir, self.checkpoints, self.links = name, run_dir, ckpts, links
         at = run_dir or next(iter(ckpts.values()))
         # each becomes one entry under DEST
-        for what, value in (
-            ("run directory name", name),
-            *(("step name", n) for n in ckpts),
-            *(("link name", n) for n in links),
-        ):
+        named = [("run directory name", name), *(("step name", n) for n in ckpts)]
+        for what, value in [*named, *(("link name", n) for n in links)]:
             names.checked(value, f"{at}: {what}", reserve=0)
         # sizes, sha256, layout
         self.manifests = {n: CheckpointDir(p).verify() for n, p in ckpts.items()}
@@ -168,9 +165,8 @@ class Builder:
     def place(self, rel: str) -> Path:
         """root/rel with its directories made, every part of `rel` one name (names.problem): never outside root."""
         *parents, name = rel.split("/")
-        names.checked(
-            name, f"{self.root}: an entry of {'/'.join(parents) or 'the archive'}", reserve=0
-        )
+        where = f"{self.root}: an entry of {'/'.join(parents) or 'the archive'}"
+        names.checked(name, where, reserve=0)
         return ensure_dirs(self.root, *parents) / name
 
     def copy(self, src: Path, rel: str, limit: int, expected=None, witness="", follow=False):
@@ -216,13 +212,8 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     data_hash, sources = p.newest["data_manifest_hash"], dict(p.newest["sources"])
     data = p.newest["config"]["data"]
     corpus = RunDir(p.run_dir).corpus(data_hash) if p.run_dir is not None else None
-    identity = dict(
-        data_manifest_hash=data_hash,
-        sources=sources,
-        data=data,
-        corpus=corpus.name if corpus else None,
-        data_archived=with_data,
-    )
+    identity = dict(data_manifest_hash=data_hash, sources=sources, data=data)
+    identity |= dict(corpus=corpus.name if corpus else None, data_archived=with_data)
     if sources and not with_data:
         keys = ", ".join(f"{k}={data.get(k.split('.', 1)[1])}" for k in sources)
         raise BadSource(
@@ -230,20 +221,15 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             "to archive it"
         )
     if corpus is not None:
-        corpus_manifest = {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash}
+        man = corpus / "MANIFEST.json"
+        hashed = {"size": os.path.getsize(man), "sha256": data_hash}
         witness = "the checkpoints' data_manifest_hash"
-        b.copy(
-            corpus / "MANIFEST.json",
-            f"{base}/corpus-MANIFEST.json",
-            MAX_SMALL,
-            corpus_manifest,
-            witness,
-        )
+        b.copy(man, f"{base}/corpus-MANIFEST.json", MAX_SMALL, hashed, witness)
     if with_data:
         # asked of its class only if we ship it: a file imports nothing else
         target = str(data.get("_target_", ""))
-        keeps = target in shipped() and getattr(get_class(target), "keeps_corpus", False)
-        if corpus is None and data_hash and keeps:
+        lacking = corpus is None and data_hash and target in shipped()
+        if lacking and getattr(get_class(target), "keeps_corpus", False):
             raise BadSource(
                 f"run {p.name}: its corpus (MANIFEST.json sha256 {data_hash[:12]}) is not beside its "
                 "run, under <output_dir>/data/; --with-data needs it there"
@@ -255,20 +241,15 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
                 size = entry["size"] if "size" in entry else entry["bytes"]
                 listed = {"size": size, "sha256": entry["sha256"]}
                 b.copy(corpus / fn, f"{at}/{fn}", size, listed, f"{corpus / 'MANIFEST.json'}")
-            man = corpus / "MANIFEST.json"
-            b.copy(
-                man, f"{at}/MANIFEST.json", MAX_CORPUS_JSON, corpus_manifest, "data_manifest_hash"
-            )
-        archived = {}
+            b.copy(man, f"{at}/MANIFEST.json", MAX_CORPUS_JSON, hashed, "data_manifest_hash")
+        archived, witness = {}, "the checkpoints' sources"
         for key, sha in sorted(sources.items()):
             src = Path(str(data.get(key.split(".", 1)[1]))).expanduser()
             rel = f"sources/{sha[:12]}-{src.name}"
             if rel not in b.files:
                 try:
                     listed = {"size": os.path.getsize(src), "sha256": sha}
-                    b.copy(
-                        src, rel, MAX_SOURCE_FILE, listed, "the checkpoints' sources", follow=True
-                    )
+                    b.copy(src, rel, MAX_SOURCE_FILE, listed, witness, follow=True)
                 except FileNotFoundError:
                     raise BadSource(
                         f"run {p.name}: {key}={src} (the file it was trained on) is not there; "
@@ -278,14 +259,10 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
         identity["sources_archived"] = archived
     b.write(f"{base}/data-identity.json", jsonio.dumps(identity))
     links = {n: sorted(k for k, t in p.links.items() if t == n) for n in p.manifests}
-    return {
-        "checkpoints": {
-            n: {"step": m["step"], "tags": m["tags"], "links": links[n]}
-            for n, m in sorted(p.manifests.items())
-        },
-        "data": {k: identity[k] for k in ("data_manifest_hash", "sources", "corpus")},
-        "with_data": bool(with_data),
-    }
+    ms = p.manifests
+    ckpts = {n: {"step": m["step"], "tags": m["tags"], "links": links[n]} for n, m in ms.items()}
+    shown = {k: identity[k] for k in ("data_manifest_hash", "sources", "corpus")}
+    return {"checkpoints": dict(sorted(ckpts.items())), "data": shown, "with_data": bool(with_data)}
 
 
 # --- checks on DEST alone ---------------------------------------------------------------------------------
@@ -294,9 +271,9 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
 def check_files(root: Path, listing: dict) -> list[str]:
     """Every file listed in MANIFEST.json present with its size and sha256, every link as listed, nothing else (a
     directory holds something listed; nothing followed); a line for each difference, naming the file."""
-    said = files_listing.problems(
-        root, listing["files"], "MANIFEST.json", links=listing["links"], ignore=("recovery.json",)
-    )
+    links, ignore = listing["links"], ("recovery.json",)
+    files = listing["files"]
+    said = files_listing.problems(root, files, "MANIFEST.json", links=links, ignore=ignore)
     return [f"{rel}: {reason}" for rel, reason in said]
 
 
@@ -318,11 +295,8 @@ def _trust_hint(root: Path, run: Path, extra: list[str]) -> str:
     with contextlib.suppress(Exception):
         exported = jsonio.read(root / "recovery.json", MAX_SMALL)["exported"]
         said += [str(o) for o in exported["runs"][run.name]["resume_overrides"]]
-    said = [
-        " ".join(o.split())[:300].lstrip("+")
-        for o in said
-        if o.lstrip("+").startswith("hydra.searchpath=")
-    ]
+    said = [o for o in said if o.lstrip("+").startswith("hydra.searchpath=")]
+    said = [" ".join(o.split())[:300].lstrip("+") for o in said]
     searchpath = next((o for o in said if o not in extra), None)
     if searchpath is None:
         return ""
@@ -367,10 +341,10 @@ def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str |
             return f"{where} gives {bad[:200]!r}, a flag: only the command line may give one"
         for o in targets.parse_overrides([a for a in args if a not in extra]):
             if o.key_or_group.startswith("hydra"):
-                return (
+                said = (
                     f"{where} gives {o.input_line[:200]!r}: only the command line may give hydra.*"
-                    + _trust_hint(root, run, extra)
                 )
+                return said + _trust_hint(root, run, extra)
         targets.check(to_plain(compose(args)), targets.allowed(tuple(extra)))
     except targets.UnknownTarget as e:
         return f"{where}: {e}{_trust_hint(root, run, extra)}"
@@ -413,13 +387,8 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
         detail = f"the original recorded nothing after step {steps[-1][0]}: nothing later to resume"
         return {"run": run.name, "passed": None, "step_recovered": steps[-1][0], "detail": detail}
     step, source = candidates[-1]
-    args = [
-        *_resume_overrides(run, root, extra),
-        f"resume.source={source}",
-        f"paths.output_dir={scratch / 'out'}",
-        "tracking=none",
-        "trainer.progress_bar=false",
-    ]
+    args = [*_resume_overrides(run, root, extra), f"resume.source={source}"]
+    args += [f"paths.output_dir={scratch / 'out'}", "tracking=none", "trainer.progress_bar=false"]
     shown = [a.replace(str(root), str(dest)) for a in args]
     # the child takes them as its command line
     if (problem := untrusted(args, extra, root, run)) is not None:
@@ -436,9 +405,8 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
         "exit": proc.returncode,
     }
     if proc.returncode != 0:
-        result.update(
-            passed=False, detail=(proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        )
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        result.update(passed=False, detail=last)
         return result
     (resumed_run,) = [p for p in (scratch / "out" / "runs").iterdir() if p.is_dir()]
     # a preempted run goes on past end
@@ -464,9 +432,8 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
     listing = jsonio.read(root / "MANIFEST.json", MAX_ARCHIVE_LISTING)
     problems = check_files(root, listing)
     counted = f"{len(listing['files'])} files, {len(listing['links'])} links"
-    checks = [
-        _check("sizes and sha256 against MANIFEST.json", not problems, (problems or [counted])[0])
-    ]
+    first = (problems or [counted])[0]
+    checks = [_check("sizes and sha256 against MANIFEST.json", not problems, first)]
     # what lies there is not the archive MANIFEST.json lists: nothing in it is read as a run
     if problems:
         return {"checks": checks, "resume": [], "all_checks_passed": False}
@@ -493,11 +460,8 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
         if p["passed"] is not None:
             what = f"resume {p['run']} from step {p.get('step_recovered')}"
             checks.append(_check(what, p["passed"], p.get("detail") or p.get("compared")))
-    return {
-        "checks": checks,
-        "resume": proofs,
-        "all_checks_passed": all(c["passed"] for c in checks),
-    }
+    passed = all(c["passed"] for c in checks)
+    return {"checks": checks, "resume": proofs, "all_checks_passed": passed}
 
 
 # --- README -------------------------------------------------------------------------------------------------
@@ -544,9 +508,8 @@ def readme(dest: Path, exported: dict) -> str:
                 f'python -m pipeline.sample {at}/final prompt="the" max_new_tokens=20 paths.output_dir=SCRATCH',
                 f"python -m pipeline.export_hf {at}/final HF_DIR",
             ]
-        resume = (
-            f"python -m pipeline {over} resume.source={at}/{resume_from} paths.output_dir=SCRATCH"
-        )
+        src = f"{at}/{resume_from}"
+        resume = f"python -m pipeline {over} resume.source={src} paths.output_dir=SCRATCH"
         how = (
             f"repeats the steps after {resume_from} of the finished run, to its final bytes"
             if resume_from != newest
@@ -572,9 +535,7 @@ def _failed(checks: list[dict]) -> dict | None:
     return next((c for c in checks if not c["passed"]), None)
 
 
-def build_archive(
-    source: Path, dest: Path, which: str, with_data: bool, extra: list[str], argv: list[str]
-) -> int:
+def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, argv: list) -> int:
     """DEST built in its temporary, checked and published; its missing parents made as `mkdir -p` does, and
     removed again if no archive is published there."""
     if os.path.lexists(dest):
@@ -593,10 +554,8 @@ def build_archive(
             raise BadSource(f"{dest.parent}: cannot be made for DEST ({e.strerror or e})") from None
         stale = f"{TMP_PREFIX}{dest.name}-"
         for p in sorted(p for p in dest.parent.iterdir() if p.name.startswith(stale)):
-            print(
-                f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)",
-                file=sys.stderr,
-            )
+            ignoring = f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)"
+            print(ignoring, file=sys.stderr)
         plans = plan(source, which)
         if len({p.name for p in plans}) != len(plans):
             raise BadSource(f"{source}: two runs of the same name")
@@ -665,20 +624,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.splitlines()[0])
     add = ap.add_argument
-    add(
-        "source",
-        type=Path,
-        help="a run directory, a sweep directory or a checkpoint (or DEST with --check)",
-    )
+    source = "a run directory, a sweep directory or a checkpoint (or DEST with --check)"
+    add("source", type=Path, help=source)
     add("dest", nargs="?", help="where the archive appears (must not exist)")
     add("overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are")
     add("--checkpoints", default="best,final,newest", help="best,final,newest (any of them) or all")
     add("--with-data", action="store_true", help="archive the corpus and the text files too")
-    add(
-        "--check",
-        action="store_true",
-        help="re-verify an archive: python -m pipeline.archive --check DEST",
-    )
+    check = "re-verify an archive: python -m pipeline.archive --check DEST"
+    add("--check", action="store_true", help=check)
     args = ap.parse_intermixed_args(argv)
     # a str: Path() eats pkg://
     extra = [*([args.dest] if args.check and args.dest else []), *args.overrides]
