@@ -27,9 +27,7 @@ def gpt2_shaped(model: dict) -> bool:
     return all(type(model.get(k)) is int for k in ("n_layer", "n_head", "n_embd"))
 
 
-def expected_shapes(
-    *, n_layer: int, n_embd: int, n_positions: int, vocab_size: int
-) -> dict[str, tuple[int, ...]]:
+def expected_shapes(n_layer: int, n_embd: int, n_positions: int, vocab_size: int) -> dict:
     """HF GPT2LMHeadModel's stored weights (Conv1D layout, weight [in, out]), without the tied head."""
     d = n_embd
     shapes: dict[str, tuple[int, ...]] = {
@@ -80,9 +78,7 @@ def gpt2_config(n_layer, n_head, n_embd, n_positions, vocab_size, eos_id, gelu) 
     }
 
 
-def tokenizer_files(
-    vocab: list[str], join: str | None, n_positions: int, eos: str | None = EOS
-) -> dict[str, bytes]:
+def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos=EOS) -> dict:
     """tokenizer.json (a WordLevel model over the corpus vocabulary, ids unchanged; no unknown token) and
     tokenizer_config.json: words split at whitespace (join " ") or characters (join ""); docs/serving.md."""
     try:
@@ -145,13 +141,9 @@ def write_hf(
     tokenizer files when the vocabulary (and how the corpus joins its tokens) is given; `eos`, the corpus's
     end-of-sentence token if in the vocabulary, is the bos, eos and pad token. A bias-free model (`bias`
     False: no `*.bias` given) is written with zero biases, which GPT-2 computes with as if it had none."""
-    shapes = expected_shapes(
-        n_layer=n_layer, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size
-    )
+    shapes = expected_shapes(n_layer, n_embd, n_positions, vocab_size)
     if not bias:
-        zeros = {
-            k: np.zeros(shape, np.float32) for k, shape in shapes.items() if k.endswith(".bias")
-        }
+        zeros = {k: np.zeros(s, np.float32) for k, s in shapes.items() if k.endswith(".bias")}
         if clash := sorted(set(zeros) & set(params)):
             raise KeyError(f"a bias-free model holds {clash[0]}")
         params = {**params, **zeros}

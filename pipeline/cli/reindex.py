@@ -68,9 +68,8 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
             print(f"{path.name}: {verb} {page(r)}" + (f" ({what})" if what else ""))
     changed = sum(any(r.get(k) for k in ("created", *ADDED, "status")) for r in results)
     errors = sum("error" in r for r in results)
-    print(
-        f"reindexed {len(results)} run directories into {uri}: {changed} changed, {errors} errors"
-    )
+    n = len(results)
+    print(f"reindexed {n} run directories into {uri}: {changed} changed, {errors} errors")
     return results
 
 

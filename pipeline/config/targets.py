@@ -23,18 +23,14 @@ PLACES = {k: k for k in ("model", "data", "optimizer", "scheduler", "stages", "t
 PLACES |= {"checkpoint": "stages", "hydra": "tracking"}
 
 
+TOPS = ("model", "data", "optimizer", "scheduler", "tracking", "checkpoint")
+
+
 def slot(keys: tuple[str, ...]) -> str:
     """The slot a node at `keys` (its path in the config) is built in: `model`, `data`, `optimizer`, `scheduler`,
     `tracking`, `checkpoint` (a checkpoint cadence, also a stage's `cadence`), `stages.<name>` (any stage),
     `hydra.callbacks.<name>`; anywhere else, its own dotted path."""
-    if len(keys) == 1 and keys[0] in (
-        "model",
-        "data",
-        "optimizer",
-        "scheduler",
-        "tracking",
-        "checkpoint",
-    ):
+    if len(keys) == 1 and keys[0] in TOPS:
         return keys[0]
     if len(keys) == 2 and keys[0] == "stages":
         return "stages.<name>"

@@ -66,9 +66,8 @@ def final_state(output_dir: Path) -> dict:
     """What must be identical: every kept checkpoint's files (sha256) and links, the final state, every number."""
     runs = [p for p in (output_dir / "runs").iterdir() if p.is_dir()]
     if len(runs) != 1:
-        raise RuntimeError(
-            f"expected one run directory under {output_dir / 'runs'}, found {len(runs)}"
-        )
+        where = output_dir / "runs"
+        raise RuntimeError(f"expected one run directory under {where}, found {len(runs)}")
     rundir = RunDir(runs[0])
     store = rundir.store
     kept = {step: file_hashes(CheckpointDir(d).verify()) for step, d in store.steps()}
@@ -109,9 +108,8 @@ def run_chaos(config: dict, argv: list[str]) -> int:
     trace = out / "reference.trace"
     ref = run(_command(argv, out / "reference"), PIPELINE_CHAOS_TRACE=str(trace))
     if ref.returncode != 0:
-        print(
-            f"chaos: the reference run failed (exit {ref.returncode}): {ref.stderr.strip()[-500:]}"
-        )
+        tail = ref.stderr.strip()[-500:]
+        print(f"chaos: the reference run failed (exit {ref.returncode}): {tail}")
         return EXIT_INCOMPLETE
     counts = Counter(line.split()[0] for line in trace.read_text().splitlines())
     reference = final_state(out / "reference")

@@ -153,11 +153,7 @@ def run_protocol(config: dict, argv: list[str]) -> int:
         except (OSError, KeyError, ValueError) as e:
             error = f"could not read the summaries: {e}"
     if error is not None:
-        report = {
-            "all_checks_passed": False,
-            "positive": None,
-            "negative_divergence_detected": None,
-        }
+        report = dict(all_checks_passed=False, positive=None, negative_divergence_detected=None)
         report.update(reason=error, tolerance={"atol": atol, "rtol": rtol}, versions=versions())
     report["commands"] = [" ".join(c) for c in [["python -m pipeline.verify", *argv], *commands]]
     report["seconds"] = round(time.time() - t0, 2)
