@@ -328,9 +328,8 @@ def _check(check: str, passed, detail) -> dict:
 
 
 def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str | None:
-    """Why the resume proof's command `args` (the archive's own overrides among them) would build what the command
-    line does not allow, or None: an argument from the archive may not be a flag or a `hydra` one, and the config
-    it composes may name only the `_target_`s the shipped conf/ and `extra` name (pipeline/config/targets.py)."""
+    """Why the resume proof's `args` would build what the command line does not allow (a flag or `hydra.*` from
+    the archive, a `_target_` neither conf/ nor `extra` names), or None."""
     from pipeline.config import targets
     from pipeline.config.compose import compose, to_plain
     from pipeline.config.errors import ConfigError, error_line
@@ -370,9 +369,8 @@ def _metric_lines(path: Path) -> list[dict]:
 
 
 def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[str]) -> dict:
-    """A fresh `python -m pipeline` resumes from the newest archived checkpoint the original went past (none:
-    not resumed), to the run's own end; its later metrics.jsonl lines, and its final state files, compared bit
-    for bit with the archived ones."""
+    """A fresh `python -m pipeline` resumed from the newest archived checkpoint the original went past, to the
+    run's end: its later metrics lines and final state files compared bit for bit with the archived ones."""
     if run_overrides(run) is None:
         detail = "no .hydra/overrides.yaml (a checkpoint archived without its run): not resumed"
         return {"run": run.name, "passed": None, "detail": detail}

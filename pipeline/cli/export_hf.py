@@ -137,10 +137,8 @@ def write_hf(
     gelu: str = "tanh",
     bias: bool = True,
 ) -> Path:
-    """Check names and shapes, then write config.json and model.safetensors (float32) into out_dir, and the
-    tokenizer files when the vocabulary (and how the corpus joins its tokens) is given; `eos`, the corpus's
-    end-of-sentence token if in the vocabulary, is the bos, eos and pad token. A bias-free model (`bias`
-    False: no `*.bias` given) is written with zero biases, which GPT-2 computes with as if it had none."""
+    """Names and shapes checked, config.json, model.safetensors (float32) and, given a vocabulary, the tokenizer
+    written into out_dir; `eos` is bos, eos and pad; a bias-free model gets zero biases (the same function)."""
     shapes = expected_shapes(n_layer, n_embd, n_positions, vocab_size)
     if not bias:
         zeros = {k: np.zeros(s, np.float32) for k, s in shapes.items() if k.endswith(".bias")}

@@ -89,9 +89,8 @@ def source_hashes(config: dict) -> dict[str, str]:
 
 
 def semantic_config(config: dict, sources: dict[str, str]) -> dict:
-    """The config as written now (a key it predates holds what its absence means) minus NON_SEMANTIC keys,
-    SOURCES keys replaced by {"sha256": ...} of the file's bytes (`sources`: source_hashes, or as a manifest
-    recorded them): what drift compares."""
+    """What drift compares: the config as written now less NON_SEMANTIC keys, each SOURCES key replaced by
+    {"sha256": ...} of its file (`sources`: source_hashes, or as a manifest recorded them)."""
     out = copy.deepcopy(config_written_now(config))
     for key in NON_SEMANTIC:
         node, leaf = _parent(out, key)
@@ -116,9 +115,8 @@ def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
 
 
 def run_name(config: dict, sources: dict | None = None, lineage: dict | None = None) -> str:
-    """<experiment name>-<12 hex of the semantic config's sha256> (`sources`: None reads the files): the same job
-    lands in the same directory whatever the output or working directory; two files at one relative path, two.
-    A fork (`lineage` with an origin: a manifest's) is named by its history's id instead."""
+    """<experiment name>-<12 hex of the semantic hash> (`sources`: None reads the files), whatever the working
+    directory; a fork (`lineage` with an origin) is named by its history's id instead."""
     hashes = source_hashes(config) if sources is None else sources
     return _named(config, semantic_hash(config, hashes), lineage)
 
@@ -158,9 +156,8 @@ def identify(config: dict, origin: dict | None = None) -> Identity:
 
 
 def experiment_name(name: str, model_target: str = "", data_target: str = "") -> str:
-    """The mlflow experiment a job reports to unless tracking.experiment says otherwise: the experiment config's
-    `name`, or for the job no experiment config names (`default`, a near-twin of mlflow's own `Default`) the
-    data and model modules' names, `grammar-minigpt`. The run directory keeps `name` either way."""
+    """The mlflow experiment unless tracking.experiment says otherwise: `name`, or for `default` (a near-twin
+    of mlflow's `Default`) the data and model modules' names, `grammar-minigpt`."""
     if name != "default":
         return name
     parts = [str(t).rsplit(".", 2)[-2] for t in (data_target, model_target) if "." in str(t)]

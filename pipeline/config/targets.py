@@ -27,9 +27,8 @@ TOPS = ("model", "data", "optimizer", "scheduler", "tracking", "checkpoint")
 
 
 def slot(keys: tuple[str, ...]) -> str:
-    """The slot a node at `keys` (its path in the config) is built in: `model`, `data`, `optimizer`, `scheduler`,
-    `tracking`, `checkpoint` (a checkpoint cadence, also a stage's `cadence`), `stages.<name>` (any stage),
-    `hydra.callbacks.<name>`; anywhere else, its own dotted path."""
+    """The slot a node at `keys` is built in: one of TOPS (a stage's `cadence` is a `checkpoint`),
+    `stages.<name>`, `hydra.callbacks.<name>`; anywhere else, its own dotted path."""
     if len(keys) == 1 and keys[0] in TOPS:
         return keys[0]
     if len(keys) == 2 and keys[0] == "stages":
@@ -199,9 +198,8 @@ def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
 
 
 def check(tree, allowed_targets: frozenset[str], path="config", keys: tuple[str, ...] = ()) -> None:
-    """UnknownTarget (one line naming the key) for a `_target_` not a string or not allowed, a class of the
-    pipeline's own packages out of its place (a shipped one out of the slots conf/ builds it in), or any
-    interpolation (resolved when built, it could name anything). The one test of a config read from a file."""
+    """The one test of a config read from a file: UnknownTarget (one line naming the key) for a `_target_` not
+    a string or not allowed, a pipeline class out of its place, or any interpolation (it could name anything)."""
     if isinstance(tree, dict):
         if "_target_" in tree:
             target, where = tree["_target_"], f"{path}._target_"
