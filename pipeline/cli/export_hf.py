@@ -49,33 +49,23 @@ def expected_shapes(n_layer: int, n_embd: int, n_positions: int, vocab_size: int
 def gpt2_config(n_layer, n_head, n_embd, n_positions, vocab_size, eos_id, gelu) -> dict:
     """A GPT2Config matching MiniGPT: its GELU (tanh: gelu_new, erf: gelu), LayerNorm eps 1e-5, 4x MLP, tied head,
     no dropout."""
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": vocab_size,
-        "n_positions": n_positions,
-        "n_embd": n_embd,
-        "n_layer": n_layer,
-        "n_head": n_head,
-        "n_inner": None,  # 4 * n_embd
-        "activation_function": {"tanh": "gelu_new", "erf": "gelu"}[gelu],
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True,
-        "use_cache": True,
-        # GPT2Config defaults these to 50256, outside a small vocabulary: the corpus's <eos> plays all three
-        # roles, as <|endoftext|> does in GPT-2; a vocabulary without one (data=text) has none.
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": eos_id,
-        "torch_dtype": "float32",
-    }
+    out: dict = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=vocab_size)
+    # n_inner None: 4 * n_embd
+    out |= dict(
+        n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_inner=None
+    )
+    out |= dict(activation_function={"tanh": "gelu_new", "erf": "gelu"}[gelu])
+    out |= dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5)
+    out |= dict(
+        initializer_range=0.02, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False
+    )
+    out |= dict(reorder_and_upcast_attn=False, tie_word_embeddings=True, use_cache=True)
+    # GPT2Config defaults these to 50256, outside a small vocabulary: the corpus's <eos> plays all three
+    # roles, as <|endoftext|> does in GPT-2; a vocabulary without one (data=text) has none.
+    out |= dict(
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, torch_dtype="float32"
+    )
+    return out
 
 
 def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos=EOS) -> dict:
