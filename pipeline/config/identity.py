@@ -12,17 +12,15 @@ from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import as_written_before, config_written_now
 from pipeline.files import jsonio, names, reading
 
-# Keys that do not change the math: where outputs go, how progress is shown and logged, how the run is
-# indexed, resumed and parallelised, how big an input file may be, and the verifier's own settings. Dotted
-# prefixes.
+# Dotted prefixes of keys that do not change the math: where outputs go, how progress is shown and logged,
+# how the run is indexed, resumed and parallelised, how big an input file may be, the verifier's settings.
 NON_SEMANTIC = tuple(
     """paths tracking trainer.log_every trainer.progress_bar trainer.threads trainer.max_time
     trainer.profile trainer.on_nonfinite resume stages checkpoint verify optimized_metric hydra
     data.max_bytes""".split()  # noqa: SIM905
 )
-# Keys that say where and how a run ran on this machine, not what it computes: kept out of the params (they
-# would clutter every comparison of runs, and a path of one machine means nothing on another). Dotted
-# prefixes; `data.path` is a file of this machine (the run's identity is its content: data_manifest_hash).
+# Dotted prefixes of keys saying where and how a run ran on this machine (`data.path` too: its identity is its
+# content), not what it computes: kept out of the params, where they would clutter every comparison of runs.
 MACHINE_KEYS = tuple(
     """paths tracking verify resume stages.resume hydra trainer.progress_bar trainer.threads
     trainer.max_time data.path data.max_bytes""".split()  # noqa: SIM905
@@ -33,9 +31,8 @@ def is_machine_key(key: str) -> bool:
     return any(key == m or key.startswith(m + ".") for m in MACHINE_KEYS)
 
 
-# Keys naming an input file: identity is the file's content, not the path string. Each maps to the key
-# bounding the file's size (a checkpoint's older config is read as written now first: run/trained.py): a bigger
-# file is refused unread.
+# Keys naming an input file (its identity is its content, not the path) -> the key bounding its size (a bigger
+# file is refused unread; an older checkpoint's config is read as written now first: run/trained.py).
 SOURCES = {"data.path": "data.max_bytes"}
 # Keys a resumed run cannot apply: what they choose is fixed by the restored state itself.
 FIXED_BY_STATE = {

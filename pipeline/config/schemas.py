@@ -26,9 +26,8 @@ from pipeline.config.errors import ConfigError
 from pipeline.files import names, patterns
 from pipeline.files.limits import MAX_TEXT_FILE
 
-# `_target_` -> the schema of a node building it, filled by @builds while this module loads and then frozen
-# as SCHEMAS (end of file); a schema stored as `schema/<group>/<option>` is the first entry of that option's
-# `defaults` in conf/<group>/<option>.yaml
+# `_target_` -> the schema of a node building it, filled by @builds, frozen as SCHEMAS (end of file); a schema
+# stored as `schema/<group>/<option>` is the first `defaults` entry of conf/<group>/<option>.yaml
 _BUILDING: dict[str, type] = {}
 
 

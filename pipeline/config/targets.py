@@ -14,11 +14,9 @@ from pipeline.config.errors import ConfigError
 HINT = "give your config directory with hydra.searchpath=[...] to use your own classes"
 
 
-# Where the job builds a class of each of the pipeline's own packages (`pipeline.<package>.*`): the config's
-# top-level node it is built under. A checkpoint may name only shipped classes, but a shipped class is still
-# code: a corpus built where a stage is (it writes its cache wherever its `cache_dir` says) or a tracker where
-# the model is must be refused like an unknown class. A class the shipped conf/ names is held tighter still: to
-# the very slots conf/ builds it in (`slots()`): a cadence is no stage, a stage no cadence, a callback no tracker.
+# The top-level node each of the pipeline's own packages (`pipeline.<package>.*`) is built under: a shipped class
+# elsewhere (a corpus where a stage is: it writes where `cache_dir` says) is refused like an unknown one; a class
+# conf/ names is held to the very slots conf/ builds it in (`slots()`): a cadence is no stage, a stage no cadence.
 PLACES = {k: k for k in ("model", "data", "optimizer", "scheduler", "stages", "tracking")}
 PLACES |= {"checkpoint": "stages", "hydra": "tracking"}
 
