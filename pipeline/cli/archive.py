@@ -24,19 +24,8 @@ from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
 from pipeline.config.identity import run_name
 from pipeline.config.targets import shipped
 from pipeline.data.corpus import verify_corpus
-from pipeline.files import jsonio, names, reading
+from pipeline.files import atomic, jsonio, names, reading
 from pipeline.files import listing as files_listing
-from pipeline.files.atomic import (
-    TMP_PREFIX,
-    NewDirs,
-    UnsafePathError,
-    ensure_dirs,
-    fsync_dir,
-    new_temp_dir,
-    publish_dir,
-    remove_tree,
-    write_new,
-)
 from pipeline.files.limits import MAX_ARCHIVE_LISTING, MAX_CORPUS_JSON, MAX_SMALL, MAX_SOURCE_FILE
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import command, run_command
@@ -167,7 +156,7 @@ class Builder:
         *parents, name = rel.split("/")
         where = f"{self.root}: an entry of {'/'.join(parents) or 'the archive'}"
         names.checked(name, where, reserve=0)
-        return ensure_dirs(self.root, *parents) / name
+        return atomic.ensure_dirs(self.root, *parents) / name
 
     def copy(self, src: Path, rel: str, limit: int, expected=None, witness="", follow=False):
         """src's bytes into a new file at rel (never through a link), fsynced, and hashed as they are copied."""
@@ -181,7 +170,7 @@ class Builder:
         self.files[rel] = entry
 
     def write(self, rel: str, data: bytes) -> None:
-        entry = write_new(self.place(rel), data)
+        entry = atomic.write_new(self.place(rel), data)
         if rel not in ("MANIFEST.json", "recovery.json"):
             self.files[rel] = entry
 
@@ -193,9 +182,9 @@ class Builder:
 def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     """Copy one run into b.root/runs/<name>/; returns what was exported."""
     base = f"runs/{p.name}"
-    ensure_dirs(b.root, "runs", p.name)
+    atomic.ensure_dirs(b.root, "runs", p.name)
     store = RunDir(b.root / base).store.root
-    ensure_dirs(store.parent, store.name)
+    atomic.ensure_dirs(store.parent, store.name)
     # exactly the listed files, each hashed as it is copied
     for name, directory in p.checkpoints.items():
         listed = p.manifests[name]["files"]
@@ -543,21 +532,21 @@ def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, 
     real_src, real_dest = os.path.realpath(source), os.path.realpath(dest)
     if real_dest == real_src or real_dest.startswith(real_src.rstrip("/") + "/"):
         raise BadSource(f"{dest}: inside SOURCE {source}; archive elsewhere")
-    made, keep_tmp = NewDirs(dest.parent), False
+    made, keep_tmp = atomic.NewDirs(dest.parent), False
     tmp: Path | None = None
     try:
         try:
             os.makedirs(dest.parent, exist_ok=True)
         except OSError as e:
             raise BadSource(f"{dest.parent}: cannot be made for DEST ({e.strerror or e})") from None
-        stale = f"{TMP_PREFIX}{dest.name}-"
+        stale = f"{atomic.TMP_PREFIX}{dest.name}-"
         for p in sorted(p for p in dest.parent.iterdir() if p.name.startswith(stale)):
             ignoring = f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)"
             print(ignoring, file=sys.stderr)
         plans = plan(source, which)
         if len({p.name for p in plans}) != len(plans):
             raise BadSource(f"{source}: two runs of the same name")
-        tmp = new_temp_dir(dest.parent, dest.name)
+        tmp = atomic.new_temp_dir(dest.parent, dest.name)
         b = Builder(tmp)
         exported: dict[str, Any] = {"runs": {}}
         for run_plan in plans:
@@ -590,19 +579,19 @@ def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, 
             "exported": exported,
         }
         b.write("recovery.json", jsonio.dumps(report))
-        fsync_dir(tmp)
+        atomic.fsync_dir(tmp)
         if failed := _failed(result["checks"]):
             keep_tmp = True
             why = f"{failed['check']}: {failed['detail']}"
             print(f"{NAME}: check failed: {why}; nothing published (see {tmp})", file=sys.stderr)
             return EXIT_ERROR
-        publish_dir(tmp, dest)
+        atomic.publish_dir(tmp, dest)
         counts = f"{exported['files']} files, {exported['bytes']} bytes"
         print(f"archived {source} to {dest}: {counts}; recovery.json")
         return EXIT_OK
     finally:
         if tmp is not None and not keep_tmp:
-            remove_tree(tmp)
+            atomic.remove_tree(tmp)
         if not os.path.lexists(dest):
             made.prune()
 
@@ -650,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a value a file holds that is out of range: bad input
         raise CommandError(str(e)) from e
     except OSError as e:  # what SOURCE or DEST cannot give or take: bad input, nothing published
-        if isinstance(e, UnsafePathError):
+        if isinstance(e, atomic.UnsafePathError):
             raise
         raise CommandError(f"{e.filename or ''}: {e.strerror or e}") from e
 
