@@ -8,9 +8,8 @@ from collections.abc import Callable
 
 def parser(name: str, doc: str | None, **kw) -> argparse.ArgumentParser:
     """A tool's parser: `python -m NAME`, described by its docstring's first paragraph."""
-    return argparse.ArgumentParser(
-        prog=f"python -m {name}", description=(doc or "").split("\n\n")[0], **kw
-    )
+    description = (doc or "").split("\n\n")[0]
+    return argparse.ArgumentParser(prog=f"python -m {name}", description=description, **kw)
 
 
 def emit(result: dict, as_json: bool, render: Callable[[dict], str]) -> None:

@@ -24,19 +24,8 @@ from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
 from pipeline.config.identity import run_name
 from pipeline.config.targets import shipped
 from pipeline.data.corpus import verify_corpus
-from pipeline.files import jsonio, names, reading
+from pipeline.files import atomic, jsonio, names, reading
 from pipeline.files import listing as files_listing
-from pipeline.files.atomic import (
-    TMP_PREFIX,
-    NewDirs,
-    UnsafePathError,
-    ensure_dirs,
-    fsync_dir,
-    new_temp_dir,
-    publish_dir,
-    remove_tree,
-    write_new,
-)
 from pipeline.files.limits import MAX_ARCHIVE_LISTING, MAX_CORPUS_JSON, MAX_SMALL, MAX_SOURCE_FILE
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import command, run_command
@@ -57,20 +46,15 @@ class BadSource(CommandError):
 class RunPlan:
     """One run to archive: where it lies, which checkpoints (each verified: a damaged one is bad input), its links."""
 
-    def __init__(
-        self, name: str, run_dir: Path | None, checkpoints: dict[str, Path], links: dict[str, str]
-    ):
-        self.name, self.run_dir, self.checkpoints, self.links = name, run_dir, checkpoints, links
-        for what, value in (
-            ("run directory name", name),
-            *(("step name", n) for n in checkpoints),
-            *(("link name", n) for n in links),
-        ):  # each becomes one entry under DEST
-            names.checked(
-                value, f"{run_dir or next(iter(checkpoints.values()))}: {what}", reserve=0
-            )
+    def __init__(self, name: str, run_dir: Path | None, ckpts: dict, links: dict[str, str]):
+        self.name, self.run_dir, self.checkpoints, self.links = name, run_dir, ckpts, links
+        at = run_dir or next(iter(ckpts.values()))
+        # each becomes one entry under DEST
+        named = [("run directory name", name), *(("step name", n) for n in ckpts)]
+        for what, value in [*named, *(("link name", n) for n in links)]:
+            names.checked(value, f"{at}: {what}", reserve=0)
         # sizes, sha256, layout
-        self.manifests = {n: CheckpointDir(p).verify() for n, p in checkpoints.items()}
+        self.manifests = {n: CheckpointDir(p).verify() for n, p in ckpts.items()}
         self.newest = self.manifests[max(self.manifests, key=lambda n: self.manifests[n]["step"])]
 
 
@@ -83,14 +67,14 @@ def _kind(path: Path) -> str:
         # a link the user typed is followed, as its target could be typed instead
         st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
-        raise BadSource(
-            f"{path}: is {reading.kind_of(st)}, not a run, sweep or checkpoint directory"
-        )
+        what = reading.kind_of(st)
+        raise BadSource(f"{path}: is {what}, not a run, sweep or checkpoint directory")
     if CheckpointDir(path).exists():
         return "checkpoint"
     if RunDir(path).is_run():
         return "run"
-    if RunDir(path.parent).store.root == path and RunDir(path.parent).status_path.is_file():
+    up = RunDir(path.parent)
+    if up.store.root == path and up.status_path.is_file():
         raise BadSource(
             f"{path}: a run's store of checkpoints; give the run directory {path.parent}"
         )
@@ -126,13 +110,8 @@ def plan(source: Path, which: str) -> list[RunPlan]:
 
         # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
         runs_dir = source.parent.parent / "runs"
-        runs = sorted(
-            {
-                Path(j["run_dir"]).name
-                for j in read_jobs(source).values()
-                if isinstance(j.get("run_dir"), str)
-            }
-        )
+        jobs = read_jobs(source).values()
+        runs = sorted({Path(j["run_dir"]).name for j in jobs if isinstance(j.get("run_dir"), str)})
         if not runs:
             raise BadSource(f"{source}: a sweep none of whose jobs/*.json names a run directory")
         plans = []
@@ -150,25 +129,13 @@ def plan(source: Path, which: str) -> list[RunPlan]:
     directory = CheckpointDir(source).resolved()
     in_run = RunDir.of_checkpoint(directory) if STEP_DIR.match(directory.name) else None
     if in_run is not None:
-        return [
-            RunPlan(
-                in_run.path.name,
-                in_run.path,
-                {directory.name: directory},
-                {k: t for k, t in in_run.store.links().items() if t == directory.name},
-            )
-        ]
+        links = {k: t for k, t in in_run.store.links().items() if t == directory.name}
+        return [RunPlan(in_run.path.name, in_run.path, {directory.name: directory}, links)]
     # the run's directory name comes from it: one name, inside DEST
-    manifest = CheckpointDir(directory).manifest()
-    names.checked(manifest["config"].get("name"), f"{directory}: its manifest's config.name")
-    return [
-        RunPlan(
-            run_name(manifest["config"], manifest["sources"], manifest["lineage"]),
-            None,
-            {step_dir_name(manifest["step"]): directory},
-            {},
-        )
-    ]
+    m = CheckpointDir(directory).manifest()
+    names.checked(m["config"].get("name"), f"{directory}: its manifest's config.name")
+    name = run_name(m["config"], m["sources"], m["lineage"])
+    return [RunPlan(name, None, {step_dir_name(m["step"]): directory}, {})]
 
 
 # --- copying --------------------------------------------------------------------------------------------
@@ -187,20 +154,11 @@ class Builder:
     def place(self, rel: str) -> Path:
         """root/rel with its directories made, every part of `rel` one name (names.problem): never outside root."""
         *parents, name = rel.split("/")
-        names.checked(
-            name, f"{self.root}: an entry of {'/'.join(parents) or 'the archive'}", reserve=0
-        )
-        return ensure_dirs(self.root, *parents) / name
+        where = f"{self.root}: an entry of {'/'.join(parents) or 'the archive'}"
+        names.checked(name, where, reserve=0)
+        return atomic.ensure_dirs(self.root, *parents) / name
 
-    def copy(
-        self,
-        src: Path,
-        rel: str,
-        limit: int,
-        expected: dict | None = None,
-        witness: str = "",
-        follow: bool = False,
-    ) -> None:
+    def copy(self, src: Path, rel: str, limit: int, expected=None, witness="", follow=False):
         """src's bytes into a new file at rel (never through a link), fsynced, and hashed as they are copied."""
         entry = reading.copy_new(src, self.place(rel), limit, follow=follow)
         if expected is not None:
@@ -212,7 +170,7 @@ class Builder:
         self.files[rel] = entry
 
     def write(self, rel: str, data: bytes) -> None:
-        entry = write_new(self.place(rel), data)
+        entry = atomic.write_new(self.place(rel), data)
         if rel not in ("MANIFEST.json", "recovery.json"):
             self.files[rel] = entry
 
@@ -224,13 +182,11 @@ class Builder:
 def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     """Copy one run into b.root/runs/<name>/; returns what was exported."""
     base = f"runs/{p.name}"
-    ensure_dirs(b.root, "runs", p.name)
+    atomic.ensure_dirs(b.root, "runs", p.name)
     store = RunDir(b.root / base).store.root
-    ensure_dirs(store.parent, store.name)
-    for (
-        name,
-        directory,
-    ) in p.checkpoints.items():  # exactly the listed files, each hashed as it is copied
+    atomic.ensure_dirs(store.parent, store.name)
+    # exactly the listed files, each hashed as it is copied
+    for name, directory in p.checkpoints.items():
         listed = p.manifests[name]["files"]
         for fn, entry in CheckpointDir(directory).copy_to(store / name, p.manifests[name]).items():
             rel = (store / name / fn).relative_to(b.root).as_posix()
@@ -242,19 +198,11 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
         b.link((store / link).relative_to(b.root).as_posix(), target)
     for rel, path, limit in RunDir(p.run_dir).records() if p.run_dir is not None else ():
         b.copy(path, f"{base}/{rel}", limit)
-    data_hash, sources, data = (
-        p.newest["data_manifest_hash"],
-        dict(p.newest["sources"]),
-        p.newest["config"]["data"],
-    )
+    data_hash, sources = p.newest["data_manifest_hash"], dict(p.newest["sources"])
+    data = p.newest["config"]["data"]
     corpus = RunDir(p.run_dir).corpus(data_hash) if p.run_dir is not None else None
-    identity = {
-        "data_manifest_hash": data_hash,
-        "sources": sources,
-        "data": data,
-        "corpus": corpus.name if corpus else None,
-        "data_archived": with_data,
-    }
+    identity = dict(data_manifest_hash=data_hash, sources=sources, data=data)
+    identity |= dict(corpus=corpus.name if corpus else None, data_archived=with_data)
     if sources and not with_data:
         keys = ", ".join(f"{k}={data.get(k.split('.', 1)[1])}" for k in sources)
         raise BadSource(
@@ -262,59 +210,35 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             "to archive it"
         )
     if corpus is not None:
-        corpus_manifest = {"size": os.path.getsize(corpus / "MANIFEST.json"), "sha256": data_hash}
-        b.copy(
-            corpus / "MANIFEST.json",
-            f"{base}/corpus-MANIFEST.json",
-            MAX_SMALL,
-            corpus_manifest,
-            "the checkpoints' data_manifest_hash",
-        )
+        man = corpus / "MANIFEST.json"
+        hashed = {"size": os.path.getsize(man), "sha256": data_hash}
+        witness = "the checkpoints' data_manifest_hash"
+        b.copy(man, f"{base}/corpus-MANIFEST.json", MAX_SMALL, hashed, witness)
     if with_data:
         # asked of its class only if we ship it: a file imports nothing else
         target = str(data.get("_target_", ""))
-        if (
-            corpus is None
-            and data_hash
-            and target in shipped()
-            and getattr(get_class(target), "keeps_corpus", False)
-        ):
+        lacking = corpus is None and data_hash and target in shipped()
+        if lacking and getattr(get_class(target), "keeps_corpus", False):
             raise BadSource(
                 f"run {p.name}: its corpus (MANIFEST.json sha256 {data_hash[:12]}) is not beside its "
                 "run, under <output_dir>/data/; --with-data needs it there"
             )
-        if corpus is not None and f"data/{corpus.name}/MANIFEST.json" not in b.files:
+        at = f"data/{corpus.name}" if corpus is not None else ""
+        if corpus is not None and f"{at}/MANIFEST.json" not in b.files:
             for fn, entry in sorted(verify_corpus(corpus)[0]["files"].items()):
-                size = entry["size"] if "size" in entry else entry["bytes"]  # a corpus says bytes
+                # a corpus says bytes
+                size = entry["size"] if "size" in entry else entry["bytes"]
                 listed = {"size": size, "sha256": entry["sha256"]}
-                b.copy(
-                    corpus / fn,
-                    f"data/{corpus.name}/{fn}",
-                    size,
-                    listed,
-                    f"{corpus / 'MANIFEST.json'}",
-                )
-            b.copy(
-                corpus / "MANIFEST.json",
-                f"data/{corpus.name}/MANIFEST.json",
-                MAX_CORPUS_JSON,
-                corpus_manifest,
-                "data_manifest_hash",
-            )
-        archived = {}
+                b.copy(corpus / fn, f"{at}/{fn}", size, listed, f"{corpus / 'MANIFEST.json'}")
+            b.copy(man, f"{at}/MANIFEST.json", MAX_CORPUS_JSON, hashed, "data_manifest_hash")
+        archived, witness = {}, "the checkpoints' sources"
         for key, sha in sorted(sources.items()):
             src = Path(str(data.get(key.split(".", 1)[1]))).expanduser()
             rel = f"sources/{sha[:12]}-{src.name}"
             if rel not in b.files:
                 try:
-                    b.copy(
-                        src,
-                        rel,
-                        MAX_SOURCE_FILE,
-                        {"size": os.path.getsize(src), "sha256": sha},
-                        "the checkpoints' sources",
-                        follow=True,
-                    )
+                    listed = {"size": os.path.getsize(src), "sha256": sha}
+                    b.copy(src, rel, MAX_SOURCE_FILE, listed, witness, follow=True)
                 except FileNotFoundError:
                     raise BadSource(
                         f"run {p.name}: {key}={src} (the file it was trained on) is not there; "
@@ -323,18 +247,11 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             archived[key] = rel
         identity["sources_archived"] = archived
     b.write(f"{base}/data-identity.json", jsonio.dumps(identity))
-    return {
-        "checkpoints": {
-            n: {
-                "step": m["step"],
-                "tags": m["tags"],
-                "links": sorted(k for k, t in p.links.items() if t == n),
-            }
-            for n, m in sorted(p.manifests.items())
-        },
-        "data": {k: identity[k] for k in ("data_manifest_hash", "sources", "corpus")},
-        "with_data": bool(with_data),
-    }
+    links = {n: sorted(k for k, t in p.links.items() if t == n) for n in p.manifests}
+    ms = p.manifests
+    ckpts = {n: {"step": m["step"], "tags": m["tags"], "links": links[n]} for n, m in ms.items()}
+    shown = {k: identity[k] for k in ("data_manifest_hash", "sources", "corpus")}
+    return {"checkpoints": dict(sorted(ckpts.items())), "data": shown, "with_data": bool(with_data)}
 
 
 # --- checks on DEST alone ---------------------------------------------------------------------------------
@@ -343,9 +260,9 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
 def check_files(root: Path, listing: dict) -> list[str]:
     """Every file listed in MANIFEST.json present with its size and sha256, every link as listed, nothing else (a
     directory holds something listed; nothing followed); a line for each difference, naming the file."""
-    said = files_listing.problems(
-        root, listing["files"], "MANIFEST.json", links=listing["links"], ignore=("recovery.json",)
-    )
+    links, ignore = listing["links"], ("recovery.json",)
+    files = listing["files"]
+    said = files_listing.problems(root, files, "MANIFEST.json", links=links, ignore=ignore)
     return [f"{rel}: {reason}" for rel, reason in said]
 
 
@@ -365,26 +282,14 @@ def _trust_hint(root: Path, run: Path, extra: list[str]) -> str:
     recovery.json), if the command line did not give it: named in a refusal, never used."""
     said = list(run_overrides(run) or [])
     with contextlib.suppress(Exception):
-        said += [
-            str(o)
-            for o in jsonio.read(root / "recovery.json", MAX_SMALL)["exported"]["runs"][run.name][
-                "resume_overrides"
-            ]
-        ]
-    said = [
-        " ".join(o.split())[:300].lstrip("+")
-        for o in said
-        if o.lstrip("+").startswith("hydra.searchpath=")
-    ]
+        exported = jsonio.read(root / "recovery.json", MAX_SMALL)["exported"]
+        said += [str(o) for o in exported["runs"][run.name]["resume_overrides"]]
+    said = [o for o in said if o.lstrip("+").startswith("hydra.searchpath=")]
+    said = [" ".join(o.split())[:300].lstrip("+") for o in said]
     searchpath = next((o for o in said if o not in extra), None)
-    return (
-        ""
-        if searchpath is None
-        else (
-            f"; this archive's run {run.name} was made with {searchpath}; give it on "
-            "the command line if you trust it"
-        )
-    )
+    if searchpath is None:
+        return ""
+    return f"; this archive's run {run.name} was made with {searchpath}; give it on the command line if you trust it"
 
 
 def restore_all(root: Path, extra: list[str]) -> list[dict]:
@@ -412,9 +317,8 @@ def _check(check: str, passed, detail) -> dict:
 
 
 def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str | None:
-    """Why the resume proof's command `args` (the archive's own overrides among them) would build what the command
-    line does not allow, or None: an argument from the archive may not be a flag or a `hydra` one, and the config
-    it composes may name only the `_target_`s the shipped conf/ and `extra` name (pipeline/config/targets.py)."""
+    """Why the resume proof's `args` would build what the command line does not allow (a flag or `hydra.*` from
+    the archive, a `_target_` neither conf/ nor `extra` names), or None."""
     from pipeline.config import targets
     from pipeline.config.compose import compose, to_plain
     from pipeline.config.errors import ConfigError, error_line
@@ -425,10 +329,10 @@ def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str |
             return f"{where} gives {bad[:200]!r}, a flag: only the command line may give one"
         for o in targets.parse_overrides([a for a in args if a not in extra]):
             if o.key_or_group.startswith("hydra"):
-                return (
+                said = (
                     f"{where} gives {o.input_line[:200]!r}: only the command line may give hydra.*"
-                    + _trust_hint(root, run, extra)
                 )
+                return said + _trust_hint(root, run, extra)
         targets.check(to_plain(compose(args)), targets.allowed(tuple(extra)))
     except targets.UnknownTarget as e:
         return f"{where}: {e}{_trust_hint(root, run, extra)}"
@@ -442,16 +346,11 @@ def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str |
 def _resume_overrides(run: Path, root: Path, extra: list[str]) -> list[str]:
     """The archived run's own overrides (.hydra/overrides.yaml holds no hydra.* ones: the search path given to the
     archive is added), without where it wrote, how it resumed and was tracked, and with its archived data files."""
-    kept = [
-        o
-        for o in run_overrides(run) or []
-        if not o.lstrip("+~").startswith(("paths.", "resume", "tracking", "data.path="))
-    ]
+    dropped = ("paths.", "resume", "tracking", "data.path=")
+    kept = [o for o in run_overrides(run) or [] if not o.lstrip("+~").startswith(dropped)]
     kept += [o for o in extra if o not in kept]
-    identity = jsonio.read(run / "data-identity.json", MAX_SMALL)
-    return kept + [
-        f"{key}={root / rel}" for key, rel in (identity.get("sources_archived") or {}).items()
-    ]
+    archived = jsonio.read(run / "data-identity.json", MAX_SMALL).get("sources_archived") or {}
+    return kept + [f"{key}={root / rel}" for key, rel in archived.items()]
 
 
 def _metric_lines(path: Path) -> list[dict]:
@@ -459,16 +358,11 @@ def _metric_lines(path: Path) -> list[dict]:
 
 
 def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[str]) -> dict:
-    """A fresh `python -m pipeline` resumes from the newest archived checkpoint the original went past (none:
-    not resumed), to the run's own end; its later metrics.jsonl lines, and its final state files, compared bit
-    for bit with the archived ones."""
+    """A fresh `python -m pipeline` resumed from the newest archived checkpoint the original went past, to the
+    run's end: its later metrics lines and final state files compared bit for bit with the archived ones."""
     if run_overrides(run) is None:
-        return {
-            "run": run.name,
-            "passed": None,
-            "detail": "no .hydra/overrides.yaml (a checkpoint archived "
-            "without its run): not resumed",
-        }
+        detail = "no .hydra/overrides.yaml (a checkpoint archived without its run): not resumed"
+        return {"run": run.name, "passed": None, "detail": detail}
     store = RunDir(run).store
     steps = store.steps()
     archived = _metric_lines(run)
@@ -477,33 +371,19 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     candidates = [(s, d) for s, d in steps if s < end]
     # a fork of the run's end would train nothing (refused); its restore is checked already
     if not candidates:
-        return {
-            "run": run.name,
-            "passed": None,
-            "step_recovered": steps[-1][0],
-            "detail": f"the original recorded nothing after step {steps[-1][0]}: nothing later to resume",
-        }
+        detail = f"the original recorded nothing after step {steps[-1][0]}: nothing later to resume"
+        return {"run": run.name, "passed": None, "step_recovered": steps[-1][0], "detail": detail}
     step, source = candidates[-1]
-    args = [
-        *_resume_overrides(run, root, extra),
-        f"resume.source={source}",
-        f"paths.output_dir={scratch / 'out'}",
-        "tracking=none",
-        "trainer.progress_bar=false",
-    ]
+    args = [*_resume_overrides(run, root, extra), f"resume.source={source}"]
+    args += [f"paths.output_dir={scratch / 'out'}", "tracking=none", "trainer.progress_bar=false"]
     shown = [a.replace(str(root), str(dest)) for a in args]
     # the child takes them as its command line
     if (problem := untrusted(args, extra, root, run)) is not None:
         return {"run": run.name, "passed": False, "step_recovered": step, "detail": problem}
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
     # run() kills the child on any exception (a signal's included) before it is raised
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipeline", *args],
-        cwd=scratch,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    cmd = [sys.executable, "-m", "pipeline", *args]
+    proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True)
     result = {
         "run": run.name,
         "command": "python -m pipeline " + " ".join(shown).replace(str(scratch), "<scratch>"),
@@ -512,24 +392,19 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
         "exit": proc.returncode,
     }
     if proc.returncode != 0:
-        result.update(
-            passed=False, detail=(proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        )
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        result.update(passed=False, detail=last)
         return result
     (resumed_run,) = [p for p in (scratch / "out" / "runs").iterdir() if p.is_dir()]
     # a preempted run goes on past end
     got = [ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end]
     want = [ln for ln in archived if ln["step"] > step]
     compared: dict[str, Any] = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
-    original_final, resumed_final = (
-        store.link_dir("final"),
-        RunDir(resumed_run).store.link_dir("final"),
-    )
+    original_final = store.link_dir("final")
+    resumed_final = RunDir(resumed_run).store.link_dir("final")
     if original_final is not None and resumed_final is not None and step < end:
-        a, bb = (
-            CheckpointDir(original_final).manifest(),
-            CheckpointDir(resumed_final).manifest()["files"],
-        )
+        a = CheckpointDir(original_final).manifest()
+        bb = CheckpointDir(resumed_final).manifest()["files"]
         compared["final_step"] = a["step"]
         compared["final_files_equal"] = {
             n: e["sha256"] == bb.get(n, {}).get("sha256") for n, e in a["files"].items()
@@ -544,17 +419,15 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
     listing = jsonio.read(root / "MANIFEST.json", MAX_ARCHIVE_LISTING)
     problems = check_files(root, listing)
     counted = f"{len(listing['files'])} files, {len(listing['links'])} links"
-    checks = [
-        _check("sizes and sha256 against MANIFEST.json", not problems, (problems or [counted])[0])
-    ]
+    first = (problems or [counted])[0]
+    checks = [_check("sizes and sha256 against MANIFEST.json", not problems, first)]
     # what lies there is not the archive MANIFEST.json lists: nothing in it is read as a run
     if problems:
         return {"checks": checks, "resume": [], "all_checks_passed": False}
     if b is not None:
+        files = listing["files"]
         wrong = [
-            rel
-            for rel, (entry, _) in b.expected.items()
-            if listing["files"].get(rel, {}).get("sha256") != entry["sha256"]
+            r for r, (e, _) in b.expected.items() if files.get(r, {}).get("sha256") != e["sha256"]
         ]
         detail = (
             f"{wrong[0]} differs from {b.expected[wrong[0]][1]}"
@@ -570,20 +443,12 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
             proofs.append(resume_proof(root, dest, run, scratch, extra))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-    checks += [
-        _check(
-            f"resume {p['run']} from step {p.get('step_recovered')}",
-            p["passed"],
-            p.get("detail") or p.get("compared"),
-        )
-        for p in proofs
-        if p["passed"] is not None
-    ]
-    return {
-        "checks": checks,
-        "resume": proofs,
-        "all_checks_passed": all(c["passed"] for c in checks),
-    }
+    for p in proofs:
+        if p["passed"] is not None:
+            what = f"resume {p['run']} from step {p.get('step_recovered')}"
+            checks.append(_check(what, p["passed"], p.get("detail") or p.get("compared")))
+    passed = all(c["passed"] for c in checks)
+    return {"checks": checks, "resume": proofs, "all_checks_passed": passed}
 
 
 # --- README -------------------------------------------------------------------------------------------------
@@ -630,21 +495,18 @@ def readme(dest: Path, exported: dict) -> str:
                 f'python -m pipeline.sample {at}/final prompt="the" max_new_tokens=20 paths.output_dir=SCRATCH',
                 f"python -m pipeline.export_hf {at}/final HF_DIR",
             ]
-        done = resume_from != newest
+        src = f"{at}/{resume_from}"
+        resume = f"python -m pipeline {over} resume.source={src} paths.output_dir=SCRATCH"
+        how = (
+            f"repeats the steps after {resume_from} of the finished run, to its final bytes"
+            if resume_from != newest
+            else "continues the run from its newest checkpoint"
+        )
         lines += [
-            f"python -m pipeline {over} resume.source={at}/{resume_from} paths.output_dir=SCRATCH".replace(
-                "  ", " "
-            ),
+            resume.replace("  ", " "),
             "```",
             "",
-            "The resume "
-            + (
-                f"repeats the steps after {resume_from} of the finished run, to its final bytes"
-                if done
-                else "continues the run from its newest checkpoint"
-            )
-            + "; "
-            "`python -m pipeline.archive --check` re-verifies every byte.",
+            f"The resume {how}; `python -m pipeline.archive --check` re-verifies every byte.",
             "",
         ]
     return "\n".join(lines)
@@ -660,9 +522,7 @@ def _failed(checks: list[dict]) -> dict | None:
     return next((c for c in checks if not c["passed"]), None)
 
 
-def build_archive(
-    source: Path, dest: Path, which: str, with_data: bool, extra: list[str], argv: list[str]
-) -> int:
+def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, argv: list) -> int:
     """DEST built in its temporary, checked and published; its missing parents made as `mkdir -p` does, and
     removed again if no archive is published there."""
     if os.path.lexists(dest):
@@ -672,23 +532,21 @@ def build_archive(
     real_src, real_dest = os.path.realpath(source), os.path.realpath(dest)
     if real_dest == real_src or real_dest.startswith(real_src.rstrip("/") + "/"):
         raise BadSource(f"{dest}: inside SOURCE {source}; archive elsewhere")
-    made, keep_tmp = NewDirs(dest.parent), False
+    made, keep_tmp = atomic.NewDirs(dest.parent), False
     tmp: Path | None = None
     try:
         try:
             os.makedirs(dest.parent, exist_ok=True)
         except OSError as e:
             raise BadSource(f"{dest.parent}: cannot be made for DEST ({e.strerror or e})") from None
-        stale = f"{TMP_PREFIX}{dest.name}-"
+        stale = f"{atomic.TMP_PREFIX}{dest.name}-"
         for p in sorted(p for p in dest.parent.iterdir() if p.name.startswith(stale)):
-            print(
-                f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)",
-                file=sys.stderr,
-            )
+            ignoring = f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)"
+            print(ignoring, file=sys.stderr)
         plans = plan(source, which)
         if len({p.name for p in plans}) != len(plans):
             raise BadSource(f"{source}: two runs of the same name")
-        tmp = new_temp_dir(dest.parent, dest.name)
+        tmp = atomic.new_temp_dir(dest.parent, dest.name)
         b = Builder(tmp)
         exported: dict[str, Any] = {"runs": {}}
         for run_plan in plans:
@@ -700,10 +558,9 @@ def build_archive(
         # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
         if _kind(source) == "sweep":
             name = Path(os.path.realpath(source)).name
-            for f in (
-                p for p in sorted(Path(source).iterdir()) if not p.is_dir() or p.is_symlink()
-            ):
-                b.copy(f, f"sweeps/{name}/{f.name}", MAX_SMALL)
+            for f in sorted(Path(source).iterdir()):
+                if not f.is_dir() or f.is_symlink():
+                    b.copy(f, f"sweeps/{name}/{f.name}", MAX_SMALL)
             # each a regular file: b.copy refuses the rest
             for f in sorted((Path(source) / "jobs").iterdir()):
                 b.copy(f, f"sweeps/{name}/jobs/{f.name}", MAX_SMALL)
@@ -722,22 +579,19 @@ def build_archive(
             "exported": exported,
         }
         b.write("recovery.json", jsonio.dumps(report))
-        fsync_dir(tmp)
+        atomic.fsync_dir(tmp)
         if failed := _failed(result["checks"]):
             keep_tmp = True
-            print(
-                f"{NAME}: check failed: {failed['check']}: {failed['detail']}; nothing published (see {tmp})",
-                file=sys.stderr,
-            )
+            why = f"{failed['check']}: {failed['detail']}"
+            print(f"{NAME}: check failed: {why}; nothing published (see {tmp})", file=sys.stderr)
             return EXIT_ERROR
-        publish_dir(tmp, dest)
-        print(
-            f"archived {source} to {dest}: {exported['files']} files, {exported['bytes']} bytes; recovery.json"
-        )
+        atomic.publish_dir(tmp, dest)
+        counts = f"{exported['files']} files, {exported['bytes']} bytes"
+        print(f"archived {source} to {dest}: {counts}; recovery.json")
         return EXIT_OK
     finally:
         if tmp is not None and not keep_tmp:
-            remove_tree(tmp)
+            atomic.remove_tree(tmp)
         if not os.path.lexists(dest):
             made.prune()
 
@@ -756,31 +610,18 @@ def check_archive(dest: Path, extra: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=f"python -m {NAME}", description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "source",
-        type=Path,
-        help="a run directory, a sweep directory or a checkpoint (or DEST with --check)",
-    )
-    ap.add_argument("dest", nargs="?", help="where the archive appears (must not exist)")
-    ap.add_argument(
-        "overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are"
-    )
-    ap.add_argument(
-        "--checkpoints", default="best,final,newest", help="best,final,newest (any of them) or all"
-    )
-    ap.add_argument(
-        "--with-data", action="store_true", help="archive the corpus and the text files too"
-    )
-    ap.add_argument(
-        "--check",
-        action="store_true",
-        help="re-verify an archive: python -m pipeline.archive --check DEST",
-    )
+    add = ap.add_argument
+    source = "a run directory, a sweep directory or a checkpoint (or DEST with --check)"
+    add("source", type=Path, help=source)
+    add("dest", nargs="?", help="where the archive appears (must not exist)")
+    add("overrides", nargs="*", help="hydra.searchpath=[...]: where your own configs are")
+    add("--checkpoints", default="best,final,newest", help="best,final,newest (any of them) or all")
+    add("--with-data", action="store_true", help="archive the corpus and the text files too")
+    check = "re-verify an archive: python -m pipeline.archive --check DEST"
+    add("--check", action="store_true", help=check)
     args = ap.parse_intermixed_args(argv)
-    extra = [
-        *([args.dest] if args.check and args.dest else []),
-        *args.overrides,
-    ]  # a str: Path() eats pkg://
+    # a str: Path() eats pkg://
+    extra = [*([args.dest] if args.check and args.dest else []), *args.overrides]
     if (bad := next((o for o in extra if not o.startswith("hydra.searchpath=")), None)) is not None:
         raise CommandError(f"{bad}: only hydra.searchpath=[...] can be given here")
     which = args.checkpoints
@@ -793,18 +634,12 @@ def main(argv: list[str] | None = None) -> int:
             return check_archive(args.source, extra)
         if args.dest is None:
             raise BadSource("give SOURCE and DEST (or --check DEST)")
-        return build_archive(
-            args.source,
-            Path(os.path.abspath(args.dest)),
-            which,
-            args.with_data,
-            args.overrides,
-            argv,
-        )
+        dest = Path(os.path.abspath(args.dest))
+        return build_archive(args.source, dest, which, args.with_data, args.overrides, argv)
     except ValueError as e:  # a value a file holds that is out of range: bad input
         raise CommandError(str(e)) from e
     except OSError as e:  # what SOURCE or DEST cannot give or take: bad input, nothing published
-        if isinstance(e, UnsafePathError):
+        if isinstance(e, atomic.UnsafePathError):
             raise
         raise CommandError(f"{e.filename or ''}: {e.strerror or e}") from e
 

@@ -27,9 +27,7 @@ def gpt2_shaped(model: dict) -> bool:
     return all(type(model.get(k)) is int for k in ("n_layer", "n_head", "n_embd"))
 
 
-def expected_shapes(
-    *, n_layer: int, n_embd: int, n_positions: int, vocab_size: int
-) -> dict[str, tuple[int, ...]]:
+def expected_shapes(n_layer: int, n_embd: int, n_positions: int, vocab_size: int) -> dict:
     """HF GPT2LMHeadModel's stored weights (Conv1D layout, weight [in, out]), without the tied head."""
     d = n_embd
     shapes: dict[str, tuple[int, ...]] = {
@@ -48,57 +46,31 @@ def expected_shapes(
     return shapes
 
 
-def gpt2_config(
-    *,
-    n_layer: int,
-    n_head: int,
-    n_embd: int,
-    n_positions: int,
-    vocab_size: int,
-    eos_token_id: int | None = None,
-    gelu: str = "tanh",
-) -> dict:
+def gpt2_config(n_layer, n_head, n_embd, n_positions, vocab_size, eos_id, gelu) -> dict:
     """A GPT2Config matching MiniGPT: its GELU (tanh: gelu_new, erf: gelu), LayerNorm eps 1e-5, 4x MLP, tied head,
     no dropout."""
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": vocab_size,
-        "n_positions": n_positions,
-        "n_embd": n_embd,
-        "n_layer": n_layer,
-        "n_head": n_head,
-        "n_inner": None,  # 4 * n_embd
-        "activation_function": {"tanh": "gelu_new", "erf": "gelu"}[gelu],
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True,
-        "use_cache": True,
-        # GPT2Config defaults these to 50256, outside a small vocabulary: the corpus's <eos> plays all three
-        # roles, as <|endoftext|> does in GPT-2; a vocabulary without one (data=text) has none.
-        "bos_token_id": eos_token_id,
-        "eos_token_id": eos_token_id,
-        "pad_token_id": eos_token_id,
-        "torch_dtype": "float32",
-    }
+    out: dict = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=vocab_size)
+    # n_inner None: 4 * n_embd
+    out |= dict(
+        n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_inner=None
+    )
+    out |= dict(activation_function={"tanh": "gelu_new", "erf": "gelu"}[gelu])
+    out |= dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5)
+    out |= dict(
+        initializer_range=0.02, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False
+    )
+    out |= dict(reorder_and_upcast_attn=False, tie_word_embeddings=True, use_cache=True)
+    # GPT2Config defaults these to 50256, outside a small vocabulary: the corpus's <eos> plays all three
+    # roles, as <|endoftext|> does in GPT-2; a vocabulary without one (data=text) has none.
+    out |= dict(
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, torch_dtype="float32"
+    )
+    return out
 
 
-def tokenizer_files(
-    vocab: list[str], join: str | None, n_positions: int, eos: str | None = EOS
-) -> dict[str, bytes]:
-    """tokenizer.json (a `tokenizers` WordLevel model over the corpus vocabulary, ids unchanged) and
-    tokenizer_config.json. Words (join " "): split at whitespace; characters (join ""): every character one
-    token, decoded fused. No unknown token: text outside the vocabulary is an error.
-
-    Decoded words each carry the space before them, as GPT-2's tokens do (" the man"): the text-generation
-    pipeline appends the decoded new tokens to the prompt, which then reads "the man walks", not "the manwalks".
-    """
+def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos=EOS) -> dict:
+    """tokenizer.json (a WordLevel model over the corpus vocabulary, ids unchanged; no unknown token) and
+    tokenizer_config.json: words split at whitespace (join " ") or characters (join ""); docs/serving.md."""
     try:
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     except ModuleNotFoundError as e:
@@ -106,9 +78,8 @@ def tokenizer_files(
             raise
         from pipeline.config.compose import install_hint
 
-        raise ValueError(
-            f"writing the tokenizer needs the `tokenizers` package: {install_hint('hf')}"
-        ) from None
+        hint = install_hint("hf")
+        raise ValueError(f"writing the tokenizer needs the `tokenizers` package: {hint}") from None
 
     if len(set(vocab)) != len(vocab):
         raise ValueError("the vocabulary repeats a token; a tokenizer needs each once")
@@ -156,19 +127,11 @@ def write_hf(
     gelu: str = "tanh",
     bias: bool = True,
 ) -> Path:
-    """Check names and shapes, then write config.json and model.safetensors (float32) into out_dir, and the
-    tokenizer files when the vocabulary (and how the corpus joins its tokens) is given; `eos`, the corpus's
-    end-of-sentence token if in the vocabulary, is the bos, eos and pad token. A bias-free model (`bias`
-    False: no `*.bias` given) is written with zero biases, which GPT-2 computes with as if it had none."""
-    shapes = expected_shapes(
-        n_layer=n_layer, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size
-    )
+    """Names and shapes checked, config.json, model.safetensors (float32) and, given a vocabulary, the tokenizer
+    written into out_dir; `eos` is bos, eos and pad; a bias-free model gets zero biases (the same function)."""
+    shapes = expected_shapes(n_layer, n_embd, n_positions, vocab_size)
     if not bias:
-        zeros = {
-            name: np.zeros(shape, np.float32)
-            for name, shape in shapes.items()
-            if name.endswith(".bias")
-        }
+        zeros = {k: np.zeros(s, np.float32) for k, s in shapes.items() if k.endswith(".bias")}
         if clash := sorted(set(zeros) & set(params)):
             raise KeyError(f"a bias-free model holds {clash[0]}")
         params = {**params, **zeros}
@@ -189,18 +152,8 @@ def write_hf(
         if len(vocab) != vocab_size:
             raise ValueError(f"the vocabulary has {len(vocab)} tokens, the model {vocab_size}")
         files.update(tokenizer_files(list(vocab), join, n_positions, eos))
-    eos_id = (
-        list(vocab).index(eos) if vocab is not None and eos is not None and eos in vocab else None
-    )
-    config = gpt2_config(
-        n_layer=n_layer,
-        n_head=n_head,
-        n_embd=n_embd,
-        n_positions=n_positions,
-        vocab_size=vocab_size,
-        eos_token_id=eos_id,
-        gelu=gelu,
-    )
+    eos_id = list(vocab).index(eos) if vocab is not None and eos in vocab else None
+    config = gpt2_config(n_layer, n_head, n_embd, n_positions, vocab_size, eos_id, gelu)
     files["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
     files["model.safetensors"] = save(tensors, metadata={"format": "pt"})
     out = Path(out_dir)
@@ -221,9 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("checkpoint", metavar="CHECKPOINT")
     parser.add_argument("out_dir", metavar="OUT_DIR")
-    parser.add_argument(
-        "overrides", nargs="*", help="data.path=FILE, paths.output_dir=DIR, hydra.searchpath=[...]"
-    )
+    hint = "data.path=FILE, paths.output_dir=DIR, hydra.searchpath=[...]"
+    parser.add_argument("overrides", nargs="*", help=hint)
     args = parser.parse_args(argv)
     from pipeline.config.schemas import as_written_now
     from pipeline.run.trained import data_facts, restore_checkpoint
@@ -242,20 +194,12 @@ def main(argv: list[str] | None = None) -> None:
                 f"{args.checkpoint}: its data has no vocabulary to make a tokenizer of"
             )
         weights = state.model.state_dict()
-        out = write_hf(
-            weights,
-            n_layer=model["n_layer"],
-            n_head=model["n_head"],
-            n_embd=model["n_embd"],
-            n_positions=weights["transformer.wpe.weight"].shape[0],
-            vocab_size=weights["transformer.wte.weight"].shape[0],
-            out_dir=args.out_dir,
-            vocab=facts["vocab"],
-            join=facts["decode_join"],
-            eos=facts["specials"].get("eos"),
-            gelu=model["gelu"],
-            bias=model["bias"],
-        )
+        dims = {k: model[k] for k in ("n_layer", "n_head", "n_embd")}
+        dims["n_positions"] = weights["transformer.wpe.weight"].shape[0]
+        dims["vocab_size"] = weights["transformer.wte.weight"].shape[0]
+        vocab, join, eos = facts["vocab"], facts["decode_join"], facts["specials"].get("eos")
+        hf = dict(vocab=vocab, join=join, eos=eos, gelu=model["gelu"], bias=model["bias"])
+        out = write_hf(weights, out_dir=args.out_dir, **dims, **hf)
     except ValueError as e:  # a weight whose shape does not fit: bad input
         raise CommandError(str(e)) from e
     print(f"wrote {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")

@@ -68,9 +68,8 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
             print(f"{path.name}: {verb} {page(r)}" + (f" ({what})" if what else ""))
     changed = sum(any(r.get(k) for k in ("created", *ADDED, "status")) for r in results)
     errors = sum("error" in r for r in results)
-    print(
-        f"reindexed {len(results)} run directories into {uri}: {changed} changed, {errors} errors"
-    )
+    n = len(results)
+    print(f"reindexed {n} run directories into {uri}: {changed} changed, {errors} errors")
     return results
 
 
@@ -116,9 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     if not output_dir.is_dir():
         raise CommandError(f"no such output directory: {output_dir}")
     uri = normalize_tracking_uri(args.tracking_uri or default_uri(output_dir))
-    if (
-        args.rebuild and (db := sqlite_path(uri)) is not None and db.exists()
-    ):  # renamed, never deleted
+    # renamed, never deleted
+    if args.rebuild and (db := sqlite_path(uri)) is not None and db.exists():
         aside = db.with_name(f"{db.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
         db.rename(aside)
         print(f"moved the old store aside: {aside}")

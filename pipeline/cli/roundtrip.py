@@ -48,13 +48,12 @@ def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
     fresh.load(directory)
     after = fresh.snapshot()
     differences = {m: d for m in PARTS if (d := first_difference(before[m], after[m], m))}
+    unchanged = [m for m in PARTS if not first_difference(before[m], untouched[m])]
     return {
         "passed": [m for m in PARTS if m not in differences],
         "differences": differences,
         # a part the fresh objects already matched proves nothing about its restore
-        "unchanged_by_training": [
-            m for m in PARTS if not first_difference(before[m], untouched[m])
-        ],
+        "unchanged_by_training": unchanged,
         "directory": directory,
         "sha256": file_hashes(manifest)["weights"],
         "run": run,
@@ -148,9 +147,7 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
     return {"passed": all(checks.values()), "checks": checks, "leftovers": leftovers}
 
 
-def roundtrip(
-    overrides: list[str], steps: int = 10, separate_process: bool = True, keep: bool = False
-) -> tuple[dict, Path]:
+def roundtrip(overrides: list, steps=10, separate_process=True, keep=False) -> tuple[dict, Path]:
     config = to_plain(compose(overrides))
     out = Path(config["paths"]["output_dir"]) / "roundtrip" / run_name(config)
     out.mkdir(parents=True, exist_ok=True)
@@ -204,9 +201,8 @@ manifest_schema_version""".split()  # noqa: SIM905
 def main(argv: list[str] | None = None) -> int:
     ap = parser(NAME, __doc__.split("\n")[0])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m pipeline")
-    ap.add_argument(
-        "--steps", type=int, default=10, help="steps before and after the checkpoint (default 10)"
-    )
+    steps = "steps before and after the checkpoint (default 10)"
+    ap.add_argument("--steps", type=int, default=10, help=steps)
     ap.add_argument("--in-process", action="store_true", help="continue in this process")
     ap.add_argument("--keep", action="store_true", help="keep the checks' scratch directories")
     ap.add_argument("--save-to", type=Path, help=argparse.SUPPRESS)  # the atomic check's process

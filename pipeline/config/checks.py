@@ -11,16 +11,16 @@ def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _finite(v) -> bool:
+    return _num(v) and math.isfinite(v)
+
+
 def at_least(lo) -> Callable:
-    return lambda v: (
-        None if _num(v) and math.isfinite(v) and v >= lo else f"must be a number >= {lo}"
-    )
+    return lambda v: None if _finite(v) and v >= lo else f"must be a number >= {lo}"
 
 
 def above(lo) -> Callable:
-    return lambda v: (
-        None if _num(v) and math.isfinite(v) and v > lo else f"must be a finite number > {lo}"
-    )
+    return lambda v: None if _finite(v) and v > lo else f"must be a finite number > {lo}"
 
 
 def null_or_at_least(lo) -> Callable:
@@ -38,19 +38,13 @@ def open_fraction(v) -> str | None:
 
 
 def probability_list(v) -> str | None:
-    return (
-        None
-        if isinstance(v, list) and len(v) == 2 and all(fraction(x) is None for x in v)
-        else "must be two numbers in [0, 1)"
-    )
+    ok = isinstance(v, list) and len(v) == 2 and all(fraction(x) is None for x in v)
+    return None if ok else "must be two numbers in [0, 1)"
 
 
 def widths(v) -> str | None:
-    return (
-        None
-        if isinstance(v, list) and all(isinstance(x, int) and x >= 1 for x in v)
-        else "must be a list of layer widths >= 1"
-    )
+    ok = isinstance(v, list) and all(isinstance(x, int) and x >= 1 for x in v)
+    return None if ok else "must be a list of layer widths >= 1"
 
 
 DURATION = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")

@@ -27,9 +27,8 @@ def install_hint(extra: str) -> str:
     from urllib.parse import unquote, urlparse
 
     try:
-        direct = json.loads(
-            importlib.metadata.distribution("pipeline").read_text("direct_url.json") or "null"
-        )
+        dist = importlib.metadata.distribution("pipeline")
+        direct = json.loads(dist.read_text("direct_url.json") or "null")
     except (importlib.metadata.PackageNotFoundError, ValueError):
         direct = None
     url = urlparse(direct.get("url", "")) if isinstance(direct, dict) else None

@@ -60,13 +60,9 @@ def slurm_unreachable(e: BaseException) -> str | None:
     if isinstance(e, RuntimeError) and str(e).startswith('Could not detect "srun"'):
         return "SLURM could not be reached: no SLURM client (srun, sbatch) on this machine"
     cause = e.__cause__
-    if (
-        isinstance(cause, subprocess.CalledProcessError)
-        and str(cause.cmd[0]) == "sbatch"
-        and re.search(
-            r"contact slurm controller|configuration source|timed out|zero bytes", str(e), re.I
-        )
-    ):
+    sbatch = isinstance(cause, subprocess.CalledProcessError) and str(cause.cmd[0]) == "sbatch"
+    unreached = r"contact slurm controller|configuration source|timed out|zero bytes"
+    if sbatch and re.search(unreached, str(e), re.I):
         said = [line for line in str(e).splitlines() if line.strip()]
         return f"SLURM could not be reached: {said[-1].strip()}; nothing was submitted, re-run once it answers"
     return None
@@ -77,12 +73,9 @@ def error_line(e: BaseException) -> str:
     option of a group the options there are (Hydra lists them on lines of their own)."""
     parts = [str(e).strip().splitlines()[0].rstrip(".:")] if str(e).strip() else [type(e).__name__]
     cause = e.__cause__ or e.__context__
-    if (
-        cause is not None
-        and str(cause).strip()
-        and str(cause).strip().splitlines()[0].rstrip(".:") not in parts
-    ):
-        parts.append(str(cause).strip().splitlines()[0].rstrip(".:"))
+    said = str(cause).strip() if cause is not None else ""
+    if said and (first := said.splitlines()[0].rstrip(".:")) not in parts:
+        parts.append(first)
     # hydra's OverrideParseException: an override its grammar cannot read
     override = getattr(e, "override", None)
     if isinstance(override, str) and override:

@@ -12,41 +12,18 @@ from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import as_written_before, config_written_now
 from pipeline.files import jsonio, names, reading
 
-# Keys that do not change the math: where outputs go, how progress is shown and logged, how the run is
-# indexed, resumed and parallelised, how big an input file may be, and the verifier's own settings. Dotted
-# prefixes.
-NON_SEMANTIC = (
-    "paths",
-    "tracking",
-    "trainer.log_every",
-    "trainer.progress_bar",
-    "trainer.threads",
-    "trainer.max_time",
-    "trainer.profile",
-    "trainer.on_nonfinite",
-    "resume",
-    "stages",
-    "checkpoint",
-    "verify",
-    "optimized_metric",
-    "hydra",
-    "data.max_bytes",
+# Dotted prefixes of keys that do not change the math: where outputs go, how progress is shown and logged,
+# how the run is indexed, resumed and parallelised, how big an input file may be, the verifier's settings.
+NON_SEMANTIC = tuple(
+    """paths tracking trainer.log_every trainer.progress_bar trainer.threads trainer.max_time
+    trainer.profile trainer.on_nonfinite resume stages checkpoint verify optimized_metric hydra
+    data.max_bytes""".split()  # noqa: SIM905
 )
-# Keys that say where and how a run ran on this machine, not what it computes: kept out of the params (they
-# would clutter every comparison of runs, and a path of one machine means nothing on another). Dotted
-# prefixes; `data.path` is a file of this machine (the run's identity is its content: data_manifest_hash).
-MACHINE_KEYS = (
-    "paths",
-    "tracking",
-    "verify",
-    "resume",
-    "stages.resume",
-    "hydra",
-    "trainer.progress_bar",
-    "trainer.threads",
-    "trainer.max_time",
-    "data.path",
-    "data.max_bytes",
+# Dotted prefixes of keys saying where and how a run ran on this machine (`data.path` too: its identity is its
+# content), not what it computes: kept out of the params, where they would clutter every comparison of runs.
+MACHINE_KEYS = tuple(
+    """paths tracking verify resume stages.resume hydra trainer.progress_bar trainer.threads
+    trainer.max_time data.path data.max_bytes""".split()  # noqa: SIM905
 )
 
 
@@ -54,9 +31,8 @@ def is_machine_key(key: str) -> bool:
     return any(key == m or key.startswith(m + ".") for m in MACHINE_KEYS)
 
 
-# Keys naming an input file: identity is the file's content, not the path string. Each maps to the key
-# bounding the file's size (a checkpoint's older config is read as written now first: run/trained.py): a bigger
-# file is refused unread.
+# Keys naming an input file (its identity is its content, not the path) -> the key bounding its size (a bigger
+# file is refused unread; an older checkpoint's config is read as written now first: run/trained.py).
 SOURCES = {"data.path": "data.max_bytes"}
 # Keys a resumed run cannot apply: what they choose is fixed by the restored state itself.
 FIXED_BY_STATE = {
@@ -110,9 +86,8 @@ def source_hashes(config: dict) -> dict[str, str]:
 
 
 def semantic_config(config: dict, sources: dict[str, str]) -> dict:
-    """The config as written now (a key it predates holds what its absence means) minus NON_SEMANTIC keys,
-    SOURCES keys replaced by {"sha256": ...} of the file's bytes (`sources`: source_hashes, or as a manifest
-    recorded them): what drift compares."""
+    """What drift compares: the config as written now less NON_SEMANTIC keys, each SOURCES key replaced by
+    {"sha256": ...} of its file (`sources`: source_hashes, or as a manifest recorded them)."""
     out = copy.deepcopy(config_written_now(config))
     for key in NON_SEMANTIC:
         node, leaf = _parent(out, key)
@@ -132,23 +107,15 @@ def semantic_hash(config: dict, sources: dict[str, str]) -> str:
 
 def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
     """A run history's identity: its config and where it started (None: from scratch; else a checkpoint)."""
-    return {
-        "id": config_hash({"semantic_config_hash": semantic_hash, "origin": origin}),
-        "origin": origin,
-    }
+    ident = config_hash({"semantic_config_hash": semantic_hash, "origin": origin})
+    return {"id": ident, "origin": origin}
 
 
-def run_name(
-    config: dict, sources: dict[str, str] | None = None, lineage: dict | None = None
-) -> str:
-    """<experiment name>-<12 hex of the semantic config's sha256> (`sources`: None reads the files): the same job
-    lands in the same directory whatever the output or working directory; two files at one relative path, two.
-    A fork (`lineage` with an origin: a manifest's) is named by its history's id instead."""
-    return _named(
-        config,
-        semantic_hash(config, source_hashes(config) if sources is None else sources),
-        lineage,
-    )
+def run_name(config: dict, sources: dict | None = None, lineage: dict | None = None) -> str:
+    """<experiment name>-<12 hex of the semantic hash> (`sources`: None reads the files), whatever the working
+    directory; a fork (`lineage` with an origin) is named by its history's id instead."""
+    hashes = source_hashes(config) if sources is None else sources
+    return _named(config, semantic_hash(config, hashes), lineage)
 
 
 def _named(config: dict, semantic: str, lineage: dict | None = None) -> str:
@@ -186,14 +153,11 @@ def identify(config: dict, origin: dict | None = None) -> Identity:
 
 
 def experiment_name(name: str, model_target: str = "", data_target: str = "") -> str:
-    """The mlflow experiment a job reports to unless tracking.experiment says otherwise: the experiment config's
-    `name`, or for the job no experiment config names (`default`, a near-twin of mlflow's own `Default`) the
-    data and model modules' names, `grammar-minigpt`. The run directory keeps `name` either way."""
+    """The mlflow experiment unless tracking.experiment says otherwise: `name`, or for `default` (a near-twin
+    of mlflow's `Default`) the data and model modules' names, `grammar-minigpt`."""
     if name != "default":
         return name
-    parts = [
-        str(t).rsplit(".", 2)[-2] for t in (data_target, model_target) if str(t).count(".") >= 1
-    ]
+    parts = [str(t).rsplit(".", 2)[-2] for t in (data_target, model_target) if "." in str(t)]
     return "-".join(parts) or name
 
 
@@ -218,10 +182,9 @@ def described(old: dict, new: dict, keys=None) -> list[str]:
         parts = key.split(".")
         for i in range(1, len(parts) + 1):
             node = ".".join(parts[:i])
-            if get(old, node, _ABSENT) is _ABSENT or get(new, node, _ABSENT) is _ABSENT:
-                said[node] = (
-                    f"{node} {'added' if get(old, node, _ABSENT) is _ABSENT else 'removed'}"
-                )
+            added = get(old, node, _ABSENT) is _ABSENT
+            if added or get(new, node, _ABSENT) is _ABSENT:
+                said[node] = f"{node} {'added' if added else 'removed'}"
                 break
         else:
             said[key] = f"{key} {a!r} -> {b!r}"

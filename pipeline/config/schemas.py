@@ -26,9 +26,8 @@ from pipeline.config.errors import ConfigError
 from pipeline.files import names, patterns
 from pipeline.files.limits import MAX_TEXT_FILE
 
-# `_target_` -> the schema of a node building it, filled by @builds while this module loads and then frozen
-# as SCHEMAS (end of file); a schema stored as `schema/<group>/<option>` is the first entry of that option's
-# `defaults` in conf/<group>/<option>.yaml
+# `_target_` -> the schema of a node building it, filled by @builds, frozen as SCHEMAS (end of file); a schema
+# stored as `schema/<group>/<option>` is the first `defaults` entry of conf/<group>/<option>.yaml
 _BUILDING: dict[str, type] = {}
 
 
@@ -50,13 +49,10 @@ _NONE = object()
 def _f(check: Callable | None = None, absent=_NONE):
     """A field; `absent`: for a key added (or made non-null) after checkpoints were written without it (or with
     null), what their configs mean. A field with `absent` is not Optional, or its `absent` is None."""
-    return field(
-        default=MISSING,
-        metadata={
-            **({"check": check} if check else {}),
-            **({"absent": absent} if absent is not _NONE else {}),
-        },
-    )
+    meta = {"check": check} if check else {}
+    if absent is not _NONE:
+        meta["absent"] = absent
+    return field(default=MISSING, metadata=meta)
 
 
 def name_pattern(v) -> str | None:
@@ -342,9 +338,8 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
     # `+trainer.max_stpes=3` passes Hydra: a typo here
     for key in sorted(set(node) - set(known) - {"_target_"}):
         near = difflib.get_close_matches(str(key), known, n=1)
-        errors.append(
-            f"{prefix}{key}: no such key{f'; did you mean {prefix}{near[0]}?' if near else ''}"
-        )
+        hint = f"; did you mean {prefix}{near[0]}?" if near else ""
+        errors.append(f"{prefix}{key}: no such key{hint}")
     for f in fields(schema):
         if f.name not in node:
             continue
@@ -352,12 +347,9 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
         check = f.metadata.get("check")
         if check is not None and (why := check(value)):
             errors.append(f"{prefix}{f.name}={value!r}: {why}")
-        if (
-            isinstance(value, dict)
-            and isinstance(value.get("_target_"), str)
-            and value["_target_"] in SCHEMAS
-        ):
-            _check_node(SCHEMAS[value["_target_"]], value, f"{prefix}{f.name}.", errors)
+        target = value.get("_target_") if isinstance(value, dict) else None
+        if isinstance(target, str) and target in SCHEMAS:
+            _check_node(SCHEMAS[target], value, f"{prefix}{f.name}.", errors)
     cross = getattr(schema, "cross", None)
     if cross is not None and not any(e.startswith(prefix) for e in errors):
         errors.extend(cross(node))
@@ -369,12 +361,13 @@ def as_written_now(node: dict, schema: type | None = None) -> dict:
     schema = schema or (SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None)
     if schema is None:
         return node
-    old = {
-        f.name: f.metadata["absent"]
-        for f in fields(schema)
-        if "absent" in f.metadata and node.get(f.name) is None
-    }
+    old = {k: v for k, v in _absent(schema).items() if node.get(k) is None}
     return {**node, **old}
+
+
+def _absent(schema) -> dict:
+    """Each field with an `absent` -> what its absence means."""
+    return {f.name: f.metadata["absent"] for f in fields(schema) if "absent" in f.metadata}
 
 
 def _schema_of(key: str, node) -> type | None:
@@ -397,9 +390,7 @@ def as_written_before(config: dict) -> dict:
     out = dict(config)
     for key, node in config.items():
         if (schema := _schema_of(key, node)) is not None:
-            absent = {
-                f.name: f.metadata["absent"] for f in fields(schema) if "absent" in f.metadata
-            }
+            absent = _absent(schema)
             out[key] = {k: v for k, v in node.items() if not (k in absent and absent[k] == v)}
     return out
 
@@ -463,33 +454,23 @@ def validate(config: dict) -> None:
     # the run's and the sweep's directory name
     if "name" in config and (why := names.problem(config["name"])):
         errors.append(f"name={names.shown(config['name'])}: {why}")
-    fixed: tuple[tuple[str, type], ...] = (
-        ("trainer", TrainerConf),
-        ("resume", ResumeConf),
-        ("checkpoint", CadenceConf),
-        ("verify", VerifyConf),
-    )
-    for key, schema in fixed:
+    fixed = dict(trainer=TrainerConf, resume=ResumeConf, checkpoint=CadenceConf, verify=VerifyConf)
+    for key, schema in fixed.items():
         if isinstance(config.get(key), dict):
             _check_node(schema, config[key], f"{key}.", errors)
-    nodes = [
-        (key, config.get(key)) for key in ("model", "optimizer", "scheduler", "data", "tracking")
-    ]
+    parts = ("model", "optimizer", "scheduler", "data", "tracking")
+    nodes = [(key, config.get(key)) for key in parts]
     nodes += [(f"stages.{name}", node) for name, node in (config.get("stages") or {}).items()]
     for key, node in nodes:
         if isinstance(node, dict) and node.get("_target_") in SCHEMAS:
             schema = SCHEMAS[node["_target_"]]
             # a stage added by override (+stages.NAME={...}) is not typed while composing: it names every key
-            if key.startswith("stages.") and (
-                missing := [
-                    f.name
-                    for f in fields(schema)
-                    if f.name not in node and "absent" not in f.metadata
-                ]
-            ):
+            names_ = [f.name for f in fields(schema)]
+            missing = [n for n in names_ if n not in node and n not in _absent(schema)]
+            if key.startswith("stages.") and missing:
+                takes_ = ", ".join(names_)
                 errors.append(
-                    f"{key}: no {', '.join(missing)} (a {node['_target_']} stage takes "
-                    f"{', '.join(f.name for f in fields(schema))})"
+                    f"{key}: no {', '.join(missing)} (a {node['_target_']} stage takes {takes_})"
                 )
             _check_node(schema, node, f"{key}.", errors)
     if errors:

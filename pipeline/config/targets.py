@@ -14,35 +14,20 @@ from pipeline.config.errors import ConfigError
 HINT = "give your config directory with hydra.searchpath=[...] to use your own classes"
 
 
-# Where the job builds a class of each of the pipeline's own packages (`pipeline.<package>.*`): the config's
-# top-level node it is built under. A checkpoint may name only shipped classes, but a shipped class is still
-# code: a corpus built where a stage is (it writes its cache wherever its `cache_dir` says) or a tracker where
-# the model is must be refused like an unknown class. A class the shipped conf/ names is held tighter still: to
-# the very slots conf/ builds it in (`slots()`): a cadence is no stage, a stage no cadence, a callback no tracker.
-PLACES = {
-    "model": "model",
-    "data": "data",
-    "optimizer": "optimizer",
-    "scheduler": "scheduler",
-    "stages": "stages",
-    "checkpoint": "stages",
-    "tracking": "tracking",
-    "hydra": "tracking",
-}
+# The top-level node each of the pipeline's own packages (`pipeline.<package>.*`) is built under: a shipped class
+# elsewhere (a corpus where a stage is: it writes where `cache_dir` says) is refused like an unknown one; a class
+# conf/ names is held to the very slots conf/ builds it in (`slots()`): a cadence is no stage, a stage no cadence.
+PLACES = {k: k for k in ("model", "data", "optimizer", "scheduler", "stages", "tracking")}
+PLACES |= {"checkpoint": "stages", "hydra": "tracking"}
+
+
+TOPS = ("model", "data", "optimizer", "scheduler", "tracking", "checkpoint")
 
 
 def slot(keys: tuple[str, ...]) -> str:
-    """The slot a node at `keys` (its path in the config) is built in: `model`, `data`, `optimizer`, `scheduler`,
-    `tracking`, `checkpoint` (a checkpoint cadence, also a stage's `cadence`), `stages.<name>` (any stage),
-    `hydra.callbacks.<name>`; anywhere else, its own dotted path."""
-    if len(keys) == 1 and keys[0] in (
-        "model",
-        "data",
-        "optimizer",
-        "scheduler",
-        "tracking",
-        "checkpoint",
-    ):
+    """The slot a node at `keys` is built in: one of TOPS (a stage's `cadence` is a `checkpoint`),
+    `stages.<name>`, `hydra.callbacks.<name>`; anywhere else, its own dotted path."""
+    if len(keys) == 1 and keys[0] in TOPS:
         return keys[0]
     if len(keys) == 2 and keys[0] == "stages":
         return "stages.<name>"
@@ -64,11 +49,16 @@ def named(tree) -> set[str]:
     return set(out)
 
 
+def _item(keys: tuple[str, ...], i: int) -> tuple[str, ...]:
+    """The keys of a list's item `i` (`stages.a[0]`)."""
+    return (*keys[:-1], f"{keys[-1] if keys else ''}[{i}]")
+
+
 def _placed(tree, keys: tuple[str, ...], out: dict[str, set[str]]) -> None:
     """Every string `_target_` in a tree, by the slot it is at."""
     if isinstance(tree, list):
         for i, v in enumerate(tree):
-            _placed(v, (*keys[:-1], f"{keys[-1] if keys else ''}[{i}]"), out)
+            _placed(v, _item(keys, i), out)
     elif isinstance(tree, dict):
         for k, v in tree.items():
             if k == "_target_" and isinstance(v, str) and "${" not in v:
@@ -86,9 +76,8 @@ def _conf_trees() -> list[tuple[tuple[str, ...], object]]:
     for path in sorted(Path(CONFIG_DIR).rglob("*.y*ml")):
         text = path.read_text(encoding="utf-8")
         group = path.relative_to(CONFIG_DIR).parent.parts
-        glob = any(
-            line.strip().replace(" ", "") == "#@package_global_" for line in text.splitlines()[:5]
-        )
+        head = text.splitlines()[:5]
+        glob = any(line.strip().replace(" ", "") == "#@package_global_" for line in head)
         out.append((() if glob else group, yaml.safe_load(text)))
     return out
 
@@ -129,9 +118,8 @@ def searched(searchpath: tuple[str, ...]) -> set[str]:
     try:
         sources = ConfigRepository(csp).get_sources()
     except Exception as e:
-        raise ConfigError(
-            f"hydra.searchpath: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-        ) from None
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"hydra.searchpath: {first}") from None
     for source, entry in zip(sources, searchpath):
         if not source.available():
             raise ConfigError(
@@ -179,11 +167,8 @@ def hydra_quoted(text: str) -> str:
         return text
     quote = '"' if '"' not in text else "'"
     # inside quotes Hydra reads `\` + quote as the quote and `\\` before a quote (or the closing one) as `\`
-    return (
-        quote
-        + re.sub(rf"(\\*)({quote}|$)", lambda m: m[1] * 2 + ("\\" + m[2] if m[2] else ""), text)
-        + quote
-    )
+    body = re.sub(rf"(\\*)({quote}|$)", lambda m: m[1] * 2 + ("\\" + m[2] if m[2] else ""), text)
+    return quote + body + quote
 
 
 def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], set[str]]:
@@ -194,9 +179,8 @@ def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], 
         value = o.value()
         if o.key_or_group == "hydra.searchpath":
             if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-                raise ConfigError(
-                    f"{o.input_line}: hydra.searchpath must be a list of config directories"
-                )
+                msg = f"{o.input_line}: hydra.searchpath must be a list of config directories"
+                raise ConfigError(msg)
             searchpath = tuple(value)
         else:  # `model._target_=x` names x as a node {_target_: x} would
             own |= named({o.key_or_group.split(".")[-1]: value})
@@ -211,12 +195,9 @@ def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
     return shipped() | frozenset(searched(searchpath)) | frozenset(own)
 
 
-def check(
-    tree, allowed_targets: frozenset[str], path: str = "config", keys: tuple[str, ...] = ()
-) -> None:
-    """UnknownTarget (one line naming the key) for a `_target_` not a string or not allowed, a class of the
-    pipeline's own packages out of its place (a shipped one out of the slots conf/ builds it in), or any
-    interpolation (resolved when built, it could name anything). The one test of a config read from a file."""
+def check(tree, allowed_targets: frozenset[str], path="config", keys: tuple[str, ...] = ()) -> None:
+    """The one test of a config read from a file: UnknownTarget (one line naming the key) for a `_target_` not
+    a string or not allowed, a pipeline class out of its place, or any interpolation (it could name anything)."""
     if isinstance(tree, dict):
         if "_target_" in tree:
             target, where = tree["_target_"], f"{path}._target_"
@@ -232,9 +213,7 @@ def check(
             check(v, allowed_targets, f"{path}.{k}", (*keys, str(k)))
     elif isinstance(tree, list):
         for i, v in enumerate(tree):
-            check(
-                v, allowed_targets, f"{path}[{i}]", (*keys[:-1], f"{keys[-1] if keys else ''}[{i}]")
-            )
+            check(v, allowed_targets, f"{path}[{i}]", _item(keys, i))
     elif isinstance(tree, str) and "${" in tree:
         raise UnknownTarget(
             f"{path} holds the interpolation {tree!r:.200}; a saved config is resolved and holds "

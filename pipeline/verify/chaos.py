@@ -34,9 +34,8 @@ def _command(argv: list[str], output_dir: Path) -> list[str]:
 def run(cmd: list[str], kill: str | None = None, **env: str) -> subprocess.CompletedProcess:
     """`cmd` in a fresh process that imports this project, SIGKILLed at kill point `kill` (pipeline/files/
     killpoint.py: "save:4") if given; whether it was is `killed(...)`."""
-    keep = {
-        k: v for k, v in os.environ.items() if k not in ("PIPELINE_CHAOS", "PIPELINE_CHAOS_TRACE")
-    }
+    drop = ("PIPELINE_CHAOS", "PIPELINE_CHAOS_TRACE")
+    keep = {k: v for k, v in os.environ.items() if k not in drop}
     path = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**keep, "PYTHONPATH": path, **({"PIPELINE_CHAOS": kill} if kill else {}), **env}
     return subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -67,9 +66,8 @@ def final_state(output_dir: Path) -> dict:
     """What must be identical: every kept checkpoint's files (sha256) and links, the final state, every number."""
     runs = [p for p in (output_dir / "runs").iterdir() if p.is_dir()]
     if len(runs) != 1:
-        raise RuntimeError(
-            f"expected one run directory under {output_dir / 'runs'}, found {len(runs)}"
-        )
+        where = output_dir / "runs"
+        raise RuntimeError(f"expected one run directory under {where}, found {len(runs)}")
     rundir = RunDir(runs[0])
     store = rundir.store
     kept = {step: file_hashes(CheckpointDir(d).verify()) for step, d in store.steps()}
@@ -78,10 +76,8 @@ def final_state(output_dir: Path) -> dict:
     _, extra = CheckpointDir(store.root / "final").json_state()
     lines = [{k: v for k, v in line.items() if k != "time"} for line in rundir.read_metrics()]
     weights, optim = kept[final]["weights"], kept[final]["optim"]
-    return {"weights": weights, "optim": optim, "extra": extra, "metrics": lines, "step": final} | {
-        "checkpoints": kept,
-        "links": store.links(),
-    }
+    out = {"weights": weights, "optim": optim, "extra": extra, "metrics": lines, "step": final}
+    return out | {"checkpoints": kept, "links": store.links()}
 
 
 def trial(argv: list[str], out: Path, kill: str, reference: dict, max_reruns: int) -> dict:
@@ -100,9 +96,8 @@ def trial(argv: list[str], out: Path, kill: str, reference: dict, max_reruns: in
     keys = ("weights", "optim", "extra", "metrics", "step")
     mismatched = [k for k in keys if got[k] != reference[k]]
     same = got["checkpoints"] == reference["checkpoints"] and got["links"] == reference["links"]
-    return {**record, "bit_exact": not mismatched, "mismatched": mismatched} | {
-        "same_checkpoints_kept": same
-    }
+    result = {**record, "bit_exact": not mismatched, "mismatched": mismatched}
+    return result | {"same_checkpoints_kept": same}
 
 
 def run_chaos(config: dict, argv: list[str]) -> int:
@@ -113,9 +108,8 @@ def run_chaos(config: dict, argv: list[str]) -> int:
     trace = out / "reference.trace"
     ref = run(_command(argv, out / "reference"), PIPELINE_CHAOS_TRACE=str(trace))
     if ref.returncode != 0:
-        print(
-            f"chaos: the reference run failed (exit {ref.returncode}): {ref.stderr.strip()[-500:]}"
-        )
+        tail = ref.stderr.strip()[-500:]
+        print(f"chaos: the reference run failed (exit {ref.returncode}): {tail}")
         return EXIT_INCOMPLETE
     counts = Counter(line.split()[0] for line in trace.read_text().splitlines())
     reference = final_state(out / "reference")
@@ -128,15 +122,12 @@ def run_chaos(config: dict, argv: list[str]) -> int:
         record = trial(argv, trial_dir, f"{phase}:{k}", reference, int(v["max_reruns"]))
         trials.append({"trial": i, "phase": phase, "point": k, **record})
         remove_tree(trial_dir)
-    by_phase = Counter(
-        {
-            p: sum(t["killed"] for t in trials if t["phase"] == p)
-            for p in dict.fromkeys(t["phase"] for t in trials)
-        }
-    )
+    phases = dict.fromkeys(t["phase"] for t in trials)
+    by_phase = Counter({p: sum(t["killed"] for t in trials if t["phase"] == p) for p in phases})
     exact = sum(t["bit_exact"] for t in trials)
     same_kept = sum(bool(t.get("same_checkpoints_kept")) for t in trials)
     invalid = [e for t in trials for e in t["invalid_after_kill"]]
+    passed = exact == same_kept == len(trials) and not invalid and all(t["killed"] for t in trials)
     report = {
         "mode": "chaos",
         "trials": len(trials),
@@ -145,9 +136,7 @@ def run_chaos(config: dict, argv: list[str]) -> int:
         "kills_by_phase": dict(by_phase),
         "kill_points_available": dict(counts),
         "invalid_visible_checkpoints": invalid,
-        "all_checks_passed": exact == same_kept == len(trials)
-        and not invalid
-        and all(t["killed"] for t in trials),
+        "all_checks_passed": passed,
         "command": " ".join(_command(argv, Path("<trial dir>"))),
         "seconds": round(time.time() - t0, 1),
         "versions": versions(),

@@ -47,10 +47,8 @@ def _json(v) -> str:
 
 def compare(reference: dict, other: dict, atol: float = 0.0, rtol: float = 0.0) -> dict[str, dict]:
     """Every key of either side, compared; a key on one side only is a structural difference."""
-    return {
-        k: diff(reference.get(k, MISSING), other.get(k, MISSING), atol, rtol)
-        for k in sorted(set(reference) | set(other))
-    }
+    keys = sorted(set(reference) | set(other))
+    return {k: diff(reference.get(k, MISSING), other.get(k, MISSING), atol, rtol) for k in keys}
 
 
 def first_difference(a, b, name: str = "") -> str | None:

@@ -71,9 +71,8 @@ def _worst_weight(results: dict[str, dict]) -> float | None:
 
 def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     """The verification report from the four summaries on disk."""
-    (cont, cont_meta), (intr, intr_meta), (res, _), (neg, _) = map(
-        read_summary, map(out.joinpath, MODES)
-    )
+    summaries = [read_summary(out / mode) for mode in MODES]
+    (cont, cont_meta), (intr, intr_meta), (res, _), (neg, _) = summaries
     # The continuous run's per-update records after the cut line up with the resumed runs' records.
     cont = {k: v[cut:] if k.startswith("records/") else v for k, v in cont.items()}
     pos, negc = compare(cont, res, atol, rtol), compare(cont, neg, atol, rtol)
@@ -103,6 +102,7 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     rng_moved = intr_meta["rng_states"] != cont_meta["rng_states"]
     runs = {"continuous": cont, "resume": res, "negative": neg}
     eval_loss = {name: float(run["eval/losses"].mean()) for name, run in runs.items()}
+    at_cut_rows = [{"name": k, "state_machine": machine(k), **r} for k, r in at_cut.items()]
     report = {
         "positive": positive,
         "negative_divergence_detected": negative,
@@ -122,9 +122,7 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
         "failed_state_machines": sorted(set(drifted) | set(restore_failures)),
         "restore_failures": restore_failures,
         "comparisons": comparisons,
-        "restored_at_cut": [
-            {"name": k, "state_machine": machine(k), **r} for k, r in at_cut.items()
-        ],
+        "restored_at_cut": at_cut_rows,
         "versions": versions(),
     }
     failed = ", ".join(report["failed_state_machines"])
@@ -155,11 +153,7 @@ def run_protocol(config: dict, argv: list[str]) -> int:
         except (OSError, KeyError, ValueError) as e:
             error = f"could not read the summaries: {e}"
     if error is not None:
-        report = {
-            "all_checks_passed": False,
-            "positive": None,
-            "negative_divergence_detected": None,
-        }
+        report = dict(all_checks_passed=False, positive=None, negative_divergence_detected=None)
         report.update(reason=error, tolerance={"atol": atol, "rtol": rtol}, versions=versions())
     report["commands"] = [" ".join(c) for c in [["python -m pipeline.verify", *argv], *commands]]
     report["seconds"] = round(time.time() - t0, 2)

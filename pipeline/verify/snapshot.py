@@ -59,9 +59,8 @@ def write_summary(directory: Path, state, records: list[dict], restored=None) ->
 
 
 def read_summary(directory: Path, name: str = "summary") -> tuple[dict[str, np.ndarray], dict]:
-    return load_file(str(directory / f"{name}.safetensors")), jsonio.read(
-        directory / f"{name}.json", MAX_SUMMARY
-    )
+    arrays = load_file(str(directory / f"{name}.safetensors"))
+    return arrays, jsonio.read(directory / f"{name}.json", MAX_SUMMARY)
 
 
 def read_state(directory: Path) -> dict:
