@@ -181,7 +181,7 @@ def _at(tree, keys: tuple):
         in_list = isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree)
         if not (in_list or (isinstance(k, str) and isinstance(tree, dict) and k in tree)):
             return _ABSENT
-        tree = tree[k]  # type: ignore[index]  # checked just above: an int for a list, a str for a dict
+        tree = tree[k]
     return tree
 
 

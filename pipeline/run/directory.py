@@ -16,15 +16,8 @@ from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.config.errors import CommandError
 from pipeline.data.corpus import find_corpus
-from pipeline.files import jsonio, reading
-from pipeline.files.atomic import (
-    UnsafePathError,
-    ensure_dirs,
-    named,
-    open_append,
-    refuse_link,
-    replace_file,
-)
+from pipeline.files import atomic, jsonio, reading
+from pipeline.files.atomic import UnsafePathError, named, refuse_link
 from pipeline.files.limits import MAX_METRICS, MAX_METRICS_LINE, MAX_RUN_JSON
 
 # A holder that is not a job (the tracking agent linking run.json, reindex) keeps the lock for milliseconds:
@@ -119,7 +112,7 @@ class RunDir:
         if self._read_only_medium():
             return self._acquire_shared()
         self.created = not os.path.lexists(self.path)
-        ensure_dirs(self.path.parent, self.path.name)
+        atomic.ensure_dirs(self.path.parent, self.path.name)
         for path, kind in (
             (self.lock_path, "file"),
             (self.status_path, "file"),
@@ -181,13 +174,13 @@ class RunDir:
         except OSError as e:
             self.forget()
             raise named(e, self.lock_path) from e
-        ensure_dirs(self.path, ".hydra")
-        replace_file(self.hydra_dir / "config.yaml", config_yaml.encode())
-        replace_file(
+        atomic.ensure_dirs(self.path, ".hydra")
+        atomic.replace_file(self.hydra_dir / "config.yaml", config_yaml.encode())
+        atomic.replace_file(
             self.overrides_path,
             "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides).encode() or b"[]\n",
         )
-        return open_append(self.log_path)
+        return atomic.open_append(self.log_path)
 
     def forget(self) -> None:
         """Release, and remove the directory if acquire() created it and it holds nothing but an empty lock (a
@@ -237,7 +230,7 @@ class RunDir:
         return status
 
     def write_status(self, **fields) -> None:
-        replace_file(self.status_path, jsonio.dumps({**fields, "updated": time.time()}))
+        atomic.replace_file(self.status_path, jsonio.dumps({**fields, "updated": time.time()}))
 
     def write_status_in_place(self, **fields) -> None:
         """run.json rewritten inside its own bytes (which need no new space), shortened to fit and padded with
@@ -298,9 +291,9 @@ class RunDir:
 
     def keep_metrics(self, lines: list[dict]) -> None:
         """Replace metrics.jsonl by `lines` atomically (a resumed run appends from there)."""
-        replace_file(
+        atomic.replace_file(
             self.metrics_path, "".join(jsonio.dumps_line(ln) + "\n" for ln in lines).encode()
         )
 
     def open_metrics(self):
-        return open_append(self.metrics_path)
+        return atomic.open_append(self.metrics_path)
