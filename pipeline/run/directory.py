@@ -79,11 +79,8 @@ class RunDir:
 
     def corpus(self, manifest_hash: str) -> Path | None:
         """The corpus it was trained on (by its MANIFEST.json's hash) in its output directory's corpus cache."""
-        return (
-            None
-            if self.output_dir is None
-            else find_corpus(self.output_dir / "data", manifest_hash)
-        )
+        out = self.output_dir
+        return None if out is None else find_corpus(out / "data", manifest_hash)
 
     def is_run(self) -> bool:
         """Whether it holds a run: its store of checkpoints or its run.json."""
@@ -113,20 +110,13 @@ class RunDir:
             return self._acquire_shared()
         self.created = not os.path.lexists(self.path)
         atomic.ensure_dirs(self.path.parent, self.path.name)
-        for path, kind in (
-            (self.lock_path, "file"),
-            (self.status_path, "file"),
-            (self.metrics_path, "file"),
-            (self.log_path, "file"),
-            (self.hydra_dir, "directory"),
-            (self.checkpoints, "directory"),
-            (self.path / "superseded", "directory"),
-        ):
-            refuse_link(path, kind)
+        for path in (self.lock_path, self.status_path, self.metrics_path, self.log_path):
+            refuse_link(path, "file")
+        for path in (self.hydra_dir, self.checkpoints, self.path / "superseded"):
+            refuse_link(path, "directory")
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(
-                self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-            )
+            fd = os.open(self.lock_path, flags, 0o644)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise UnsafePathError(
@@ -176,10 +166,8 @@ class RunDir:
             raise named(e, self.lock_path) from e
         atomic.ensure_dirs(self.path, ".hydra")
         atomic.replace_file(self.hydra_dir / "config.yaml", config_yaml.encode())
-        atomic.replace_file(
-            self.overrides_path,
-            "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides).encode() or b"[]\n",
-        )
+        listed = "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides)
+        atomic.replace_file(self.overrides_path, listed.encode() or b"[]\n")
         return atomic.open_append(self.log_path)
 
     def forget(self) -> None:
@@ -220,11 +208,8 @@ class RunDir:
         except FileNotFoundError:
             return {}
         except (OSError, jsonio.JSONError) as e:
-            raise RunFileError(
-                self.path,
-                self.status_path.name,
-                e.strerror if isinstance(e, OSError) and e.strerror else str(e),
-            ) from None
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise RunFileError(self.path, self.status_path.name, why) from None
         if not isinstance(status, dict):
             raise RunFileError(self.path, self.status_path.name, "not a JSON object")
         return status
@@ -242,9 +227,8 @@ class RunDir:
             record = {**fields, "updated": time.time()}
             data = jsonio.dumps(record)
             if len(data) > room:  # the fields that matter most, the reason cut to fit
-                record = {
-                    k: record[k] for k in ("status", "step", "error", "updated") if k in record
-                }
+                keys = ("status", "step", "error", "updated")
+                record = {k: record[k] for k in keys if k in record}
                 record["error"] = str(record.get("error", ""))[: max(0, room - 160)]
                 data = jsonio.dumps(record)
             if len(data) > room:
@@ -291,9 +275,8 @@ class RunDir:
 
     def keep_metrics(self, lines: list[dict]) -> None:
         """Replace metrics.jsonl by `lines` atomically (a resumed run appends from there)."""
-        atomic.replace_file(
-            self.metrics_path, "".join(jsonio.dumps_line(ln) + "\n" for ln in lines).encode()
-        )
+        text = "".join(jsonio.dumps_line(ln) + "\n" for ln in lines)
+        atomic.replace_file(self.metrics_path, text.encode())
 
     def open_metrics(self):
         return atomic.open_append(self.metrics_path)
