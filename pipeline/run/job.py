@@ -148,12 +148,9 @@ def _job(
         except BaseException as e:
             rundir.forget()
             if isinstance(e, Interrupted):
-                moves = applied and (applied.supersede or applied.fallback or applied.cut)
-                said = (
-                    f"the earlier planned was moved to {rundir.path / 'superseded'}"
-                    if moves
-                    else "nothing was written"
-                )
+                said = "nothing was written"
+                if applied and (applied.supersede or applied.fallback or applied.cut):
+                    said = f"the earlier planned was moved to {rundir.path / 'superseded'}"
                 raise JobFailed(
                     EXIT_PREEMPTED,
                     f"interrupted by {e} while setting up the run; {said}; re-run the same command",
@@ -259,9 +256,5 @@ def label_console(label: str) -> None:
     each line with `label`; a run's pipeline.log is its own and stays as it is."""
     for handler in logging.getLogger().handlers:
         if not isinstance(handler, QuietFileHandler):
-            inner = (
-                handler.formatter.inner
-                if isinstance(handler.formatter, JobLabel)
-                else handler.formatter
-            )
-            handler.setFormatter(JobLabel(inner, label))
+            fmt = handler.formatter
+            handler.setFormatter(JobLabel(fmt.inner if isinstance(fmt, JobLabel) else fmt, label))

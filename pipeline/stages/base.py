@@ -97,17 +97,13 @@ class Watch(Stage):
         # resume it then).
         old = (saved.get("monitor", self.monitor), saved.get("mode", self.mode))
         if old != (self.monitor, self.mode):
-            return (
-                f"monitor {old[0]!r:.80} mode {old[1]!r:.10} -> {self.monitor!r} mode {self.mode!r}"
-            )
+            new = f"{self.monitor!r} mode {self.mode!r}"
+            return f"monitor {old[0]!r:.80} mode {old[1]!r:.10} -> {new}"
         return None
 
     def fit_reason(self, saved: dict) -> str | None:
-        live = {
-            k: v
-            for k, v in self.state_dict().items()
-            if k in saved or k not in ("monitor", "mode", "since")
-        }
+        later = ("monitor", "mode", "since")
+        live = {k: v for k, v in self.state_dict().items() if k in saved or k not in later}
         return fit_reason(live, saved, self.name)
 
     def check_state_dict(self, state: dict) -> None:
@@ -142,11 +138,8 @@ class StageStates:
         return {s.name: s.state_dict() for s in self.stages}
 
     def _restored(self, state: dict) -> list[Stage]:
-        return [
-            s
-            for s in self.stages
-            if isinstance(state.get(s.name), dict) and not s.continues(state[s.name])
-        ]
+        saved = {k: v for k, v in state.items() if isinstance(v, dict)}
+        return [s for s in self.stages if s.name in saved and not s.continues(saved[s.name])]
 
     def check_state_dict(self, state: dict) -> None:
         for name, saved in state.items():
