@@ -68,6 +68,9 @@ class Stage:
         return fit_reason(self.state_dict(), saved, self.name)
 
 
+LATER = ("monitor", "mode", "since")  # Watch's keys added after its first release
+
+
 class Watch(Stage):
     """A stage following the best finite value of the metric `monitor` (mode min or max); it rides in checkpoints
     with the monitor and mode it was measured by, so another monitor or mode starts a new best history."""
@@ -102,9 +105,12 @@ class Watch(Stage):
         return None
 
     def fit_reason(self, saved: dict) -> str | None:
-        later = ("monitor", "mode", "since")
-        live = {k: v for k, v in self.state_dict().items() if k in saved or k not in later}
-        return fit_reason(live, saved, self.name)
+        return fit_reason(self.comparable(self.state_dict(), saved), saved, self.name)
+
+    @staticmethod
+    def comparable(state: dict, saved: dict) -> dict:
+        """`state` without the keys of LATER that a state saved before they rode along lacks."""
+        return {k: v for k, v in state.items() if k in saved or k not in LATER}
 
     def check_state_dict(self, state: dict) -> None:
         check_best(state["best"], state["best_step"], self.mode)
