@@ -151,15 +151,8 @@ def run_facts(
 
 def build(facts: dict, *, step: int, epoch: int, metrics: dict, tags: list, lineage: dict) -> dict:
     """Every field but `files`, which the store adds once the files are written."""
-    return {
-        **facts,
-        "schema_version": SCHEMA_VERSION,
-        "step": int(step),
-        "epoch": int(epoch),
-        "metrics": dict(metrics),
-        "tags": sorted(tags),
-        "lineage": lineage,
-    }
+    counts = {"schema_version": SCHEMA_VERSION, "step": int(step), "epoch": int(epoch)}
+    return {**facts, **counts, "metrics": dict(metrics), "tags": sorted(tags), "lineage": lineage}
 
 
 def _require(m: dict, key: str, kinds, what: str):

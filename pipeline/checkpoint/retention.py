@@ -80,13 +80,8 @@ class BestN:
     since: int = 0
 
     def keep(self, records: Sequence[Record]) -> set[int]:
-        scored = [
-            (r.metrics[self.monitor], r.step)
-            for r in records
-            if r.step > self.since
-            and isinstance(r.metrics.get(self.monitor), (int, float))
-            and math.isfinite(r.metrics[self.monitor])
-        ]
+        values = [(r.metrics.get(self.monitor), r.step) for r in records if r.step > self.since]
+        scored = [(v, s) for v, s in values if isinstance(v, (int, float)) and math.isfinite(v)]
         return {step for _, step in sorted(scored, key=rank(self.mode))[: self.n]}
 
 
