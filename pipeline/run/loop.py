@@ -341,13 +341,8 @@ class Run:
             outcome = Outcome("preempted", EXIT_PREEMPTED, message=said, requeue=True)
         self._summary(outcome.status)
         if self.stopped is not None:
-            log.warning(
-                "preempted by %s at step %d; %s (exit %d)",
-                self.stopped,
-                state.step,
-                self.resume_hint(),
-                EXIT_PREEMPTED,
-            )
+            said = "preempted by %s at step %d; %s (exit %d)"
+            log.warning(said, self.stopped, state.step, self.resume_hint(), EXIT_PREEMPTED)
         # the tracked run's end, then trainer.profile's table (this process's share of the run)
         with self.profile.phase("tracking hand-over"):
             tracker.finish("FINISHED" if self.stopped is None else "KILLED", self.rundir.path)

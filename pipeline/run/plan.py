@@ -409,24 +409,17 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
         if plan.sibling:
             log.info("%s", plan.sibling)
         return
+    resumed, complete = plan.resumed, plan.complete
     if plan.other_code:
-        log.warning(
-            "%s %s was trained by other code than this: %s; %s",
-            "run" if plan.complete else "checkpoint",
-            plan.resumed.directory,
-            plan.other_code,
-            "it is left as it is (resume=never trains it anew with this code)"
-            if plan.complete
-            else "resuming with this code (resume=never trains anew)",
-        )
-    if not plan.complete:
-        log.info(
-            "resuming from step %d of %d (epoch %d): %s",
-            plan.resumed.step,
-            state.total_steps,
-            state.epoch,
-            plan.resumed.directory,
-        )
+        then = "resuming with this code (resume=never trains anew)"
+        if complete:
+            then = "it is left as it is (resume=never trains it anew with this code)"
+        said = "%s %s was trained by other code than this: %s; %s"
+        what = "run" if complete else "checkpoint"
+        log.warning(said, what, resumed.directory, plan.other_code, then)
+    if not complete:
+        said = "resuming from step %d of %d (epoch %d): %s"
+        log.info(said, resumed.step, state.total_steps, state.epoch, resumed.directory)
     if aside is not None:
         kept = [p.name for p, _, _ in plan.fallback] + ["metrics.jsonl"] * plan.cut
         if plan.retuned:
