@@ -100,9 +100,8 @@ def file_hashes(manifest: dict) -> dict[str, str | None]:
     """{"weights", "optim", "extra", "data": sha256} of the files a manifest (verified or as written) lists readably."""
     files = manifest["files"] if isinstance(manifest.get("files"), dict) else {}
     roles = {WEIGHTS: "weights", OPTIM: "optim", EXTRA: "extra", DATA: "data"}
-    return {
-        roles[n]: e.get("sha256") for n, e in files.items() if n in roles and isinstance(e, dict)
-    }
+    listed = {n: e for n, e in files.items() if n in roles and isinstance(e, dict)}
+    return {roles[n]: e.get("sha256") for n, e in listed.items()}
 
 
 def _os_reason(e: BaseException) -> str:
@@ -121,9 +120,8 @@ def _data_problem(data, spec: dict) -> str | None:
         if size or join is not None or specials != {}:
             return f"has no vocabulary, but the manifest's data_spec says vocab_size {size!r:.20}"
         return None
-    if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)) or len(
-        set(vocab)
-    ) != len(vocab):
+    tokens = isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)
+    if not tokens or len(set(vocab)) != len(vocab):
         return "vocab must be a list of distinct tokens"
     if len(vocab) != size:
         return f"vocab holds {len(vocab)} tokens, but the manifest's data_spec says vocab_size {size!r:.20}"
