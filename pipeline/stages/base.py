@@ -125,11 +125,8 @@ class Watch(Stage):
 
 
 class StageStates:
-    """The `stages` part of the state: every stage's own state by name. Stages are not part of the run's
-    identity, so a resume meets stages added, removed or re-tuned by override since the checkpoint: a stage the
-    checkpoint holds no state for starts fresh, a saved state no stage claims is dropped, and a re-tuned stage
-    keeps its state unless `continues` says it no longer means the same (then it starts fresh too). `notes`
-    says, after a load, what was not restored; `fresh` names the stages that start anew."""
+    """The `stages` part of the state, every stage's own by name, met by a resume with stages added, removed or
+    re-tuned (docs/stages.md: Changing stages); `notes`: what a load did not restore; `fresh`: who starts anew."""
 
     free_form_state = ("",)  # the names vary with the config: each stage checks its own entry
     # resume and train were stages until they became settings: their saved (empty) states are dropped unsaid
