@@ -439,16 +439,14 @@ class CheckpointDir:
         extra = _read_extra(directory, listed)
         data = _read_data(directory, manifest, listed)
         live = capture(parts) if parts is not None else None
-        weights_layout, optim_layout = (
-            (None, None) if live is None else [layout(t) for t in _by_file(live)[:2]]
-        )
+        layouts = (None, None) if live is None else [layout(t) for t in _by_file(live)[:2]]
         # side by side, as in write()
         with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:
             weights_read = pool.submit(
-                _read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], weights_layout
+                _read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], layouts[0]
             )
             try:
-                other = _read_tensor_file(directory, OPTIM, listed[OPTIM], optim_layout)
+                other = _read_tensor_file(directory, OPTIM, listed[OPTIM], layouts[1])
             finally:
                 # weights.safetensors' own error first, as the files are listed
                 weights = weights_read.result()
