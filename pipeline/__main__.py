@@ -82,9 +82,7 @@ def hydra_shortcuts(argv: list[str], conf_dir):
         ):
             stack.enter_context(_replaced(ConfigLoaderImpl, "get_group_options", get_group_options))
         if mode_is_the_command_lines(argv, conf_dir) and "get_mode" in Hydra.__dict__:
-            stack.enter_context(
-                _replaced(Hydra, "get_mode", lambda self, config_name, overrides: None)
-            )
+            stack.enter_context(_replaced(Hydra, "get_mode", lambda *_, **__: None))
         yield
 
 
@@ -104,11 +102,8 @@ def command_args(hydra_cfg, conf_dir) -> list[str]:
             args += ["--config-dir", source.path]
     if hydra_cfg.job.config_name != "config":
         args += ["--config-name", hydra_cfg.job.config_name]
-    args += [
-        o
-        for o in as_given(hydra_cfg.overrides.hydra)
-        if o.lstrip("+").startswith("hydra.searchpath=")
-    ]
+    given = as_given(hydra_cfg.overrides.hydra)
+    args += [o for o in given if o.lstrip("+").startswith("hydra.searchpath=")]
     return args + as_given(hydra_cfg.overrides.task)
 
 

@@ -22,26 +22,12 @@ from pipeline.checkpoint.tensors import (
     read_tensors,
     write_tensors,
 )
-from pipeline.files import jsonio, killpoint, listing, reading
-from pipeline.files.atomic import (
-    fsync_dir,
-    new_temp_dir,
-    publish_dir,
-    remove_temporaries,
-    remove_tree,
-    second_name,
-    write_new,
-)
+from pipeline.files import atomic, jsonio, killpoint, listing, reading
 from pipeline.files.limits import MAX_CHECKPOINT_JSON
 from pipeline.stateful import PARTS, SEP, StateMismatch, capture, check, merge, split
 
-WEIGHTS, OPTIM, EXTRA, MANIFEST = (
-    "weights.safetensors",
-    "optim.safetensors",
-    "extra.json",
-    "manifest.json",
-)
-DATA = "data.json"
+WEIGHTS, OPTIM = "weights.safetensors", "optim.safetensors"
+EXTRA, MANIFEST, DATA = "extra.json", "manifest.json", "data.json"
 REQUIRED = (WEIGHTS, OPTIM, EXTRA, DATA)
 # schema_version -> files it lists
 REQUIRED_BY = {"2.0": (WEIGHTS, OPTIM, EXTRA), mf.SCHEMA_VERSION: REQUIRED}
@@ -114,9 +100,8 @@ def file_hashes(manifest: dict) -> dict[str, str | None]:
     """{"weights", "optim", "extra", "data": sha256} of the files a manifest (verified or as written) lists readably."""
     files = manifest["files"] if isinstance(manifest.get("files"), dict) else {}
     roles = {WEIGHTS: "weights", OPTIM: "optim", EXTRA: "extra", DATA: "data"}
-    return {
-        roles[n]: e.get("sha256") for n, e in files.items() if n in roles and isinstance(e, dict)
-    }
+    listed = {n: e for n, e in files.items() if n in roles and isinstance(e, dict)}
+    return {roles[n]: e.get("sha256") for n, e in listed.items()}
 
 
 def _os_reason(e: BaseException) -> str:
@@ -135,9 +120,8 @@ def _data_problem(data, spec: dict) -> str | None:
         if size or join is not None or specials != {}:
             return f"has no vocabulary, but the manifest's data_spec says vocab_size {size!r:.20}"
         return None
-    if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)) or len(
-        set(vocab)
-    ) != len(vocab):
+    tokens = isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)
+    if not tokens or len(set(vocab)) != len(vocab):
         return "vocab must be a list of distinct tokens"
     if len(vocab) != size:
         return f"vocab holds {len(vocab)} tokens, but the manifest's data_spec says vocab_size {size!r:.20}"
@@ -174,16 +158,16 @@ def _listed_json(directory: Path, name: str, listed: dict):
 
 
 def _read_tensor_file(
-    directory: Path, name: str, entry: dict, expect: dict | list[dict] | None
+    d: Path, name: str, entry: dict, expect: dict | list[dict] | None
 ) -> dict[str, np.ndarray]:
     try:
-        arrays, _ = read_tensors(directory / name, expected_sha256=entry["sha256"], expect=expect)
+        arrays, _ = read_tensors(d / name, expected_sha256=entry["sha256"], expect=expect)
     except DigestMismatch:
-        raise CheckpointError(directory, name, CORRUPTED) from None
+        raise CheckpointError(d, name, CORRUPTED) from None
     except LayoutMisfit as e:
-        raise MisfitError(directory, name, str(e)) from None
+        raise MisfitError(d, name, str(e)) from None
     except (ValueError, OSError) as e:
-        raise CheckpointError(directory, name, _os_reason(e)) from None
+        raise CheckpointError(d, name, _os_reason(e)) from None
     return arrays
 
 
@@ -192,12 +176,10 @@ _ABSENT = object()
 
 def _at(tree, keys: tuple):
     for k in keys:
-        if not (
-            (isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree))
-            or (isinstance(k, str) and isinstance(tree, dict) and k in tree)
-        ):
+        in_list = isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree)
+        if not (in_list or (isinstance(k, str) and isinstance(tree, dict) and k in tree)):
             return _ABSENT
-        tree = tree[k]  # type: ignore[index]  # checked just above: an int for a list, a str for a dict
+        tree = tree[k]
     return tree
 
 
@@ -253,13 +235,15 @@ def _read_extra(directory: Path, listed: dict) -> dict:
     if not isinstance(extra, dict):
         raise CheckpointError(directory, EXTRA, "not a JSON object")
     if stranger := next((k for k in extra if k not in NOT_MODEL), None):
-        raise CheckpointError(
-            directory,
-            EXTRA,
-            f"key {stranger!r:.80} is the state of no part it holds "
-            f"(those of {', '.join(NOT_MODEL)})",
-        )
+        raise _stranger(directory, EXTRA, f"key {stranger!r:.80}")
     return extra
+
+
+def _stranger(directory: Path, name: str, what: str) -> CheckpointError:
+    parts = ", ".join(NOT_MODEL)
+    return CheckpointError(
+        directory, name, f"{what} is the state of no part it holds (those of {parts})"
+    )
 
 
 def _read_data(directory: Path, manifest: dict, listed: dict) -> dict | None:
@@ -321,8 +305,8 @@ class CheckpointDir:
         data = fields.pop(mf.DATA_FACTS)
         weights, other, extra = _by_file(tree)
         os.makedirs(directory.parent, exist_ok=True)
-        remove_temporaries(directory.parent)
-        tmp = new_temp_dir(directory.parent, directory.name)
+        atomic.remove_temporaries(directory.parent)
+        tmp = atomic.new_temp_dir(directory.parent, directory.name)
         try:
             # Each file is hashed from the bytes as they are written and fsynced before it is listed; the two
             # tensor files are written side by side, as sha256 of one stream is slower than the disk.
@@ -332,19 +316,19 @@ class CheckpointDir:
                 files[WEIGHTS] = weights_entry.result()
             killpoint.point("save", "after weights")
             killpoint.point("save", "after optim")
-            files[EXTRA] = write_new(tmp / EXTRA, jsonio.dumps(extra, indent=None))
+            files[EXTRA] = atomic.write_new(tmp / EXTRA, jsonio.dumps(extra, indent=None))
             # sorted keys: same bytes each save
-            files[DATA] = write_new(tmp / DATA, jsonio.dumps(data, indent=None))
+            files[DATA] = atomic.write_new(tmp / DATA, jsonio.dumps(data, indent=None))
             manifest = {**fields, "files": files}
             killpoint.point("save", "before manifest")
             # last: a directory with a manifest is complete
-            write_new(tmp / MANIFEST, jsonio.dumps(manifest))
+            atomic.write_new(tmp / MANIFEST, jsonio.dumps(manifest))
             killpoint.point("save", "before rename")
-            publish_dir(tmp, directory, replace=replace)
+            atomic.publish_dir(tmp, directory, replace=replace)
             killpoint.point("save", "after rename")
         except BaseException as e:
             # a signal or an error mid-save: the half-made temporary goes now or at the next save
-            remove_tree(tmp)
+            atomic.remove_tree(tmp)
             if isinstance(e, OSError) and str(e.filename or "").startswith(str(tmp)):
                 e.filename = str(directory)  # the checkpoint being saved, not its temporary
             raise
@@ -395,7 +379,8 @@ class CheckpointDir:
             copied[name] = reading.copy_new(
                 directory / name, dest / name, entry["size"] if entry else MAX_CHECKPOINT_JSON
             )
-            if entry is not None and (copied[name]["size"], copied[name]["sha256"]) != (
+            got = copied[name]
+            if entry is not None and (got["size"], got["sha256"]) != (
                 entry["size"],
                 entry["sha256"],
             ):
@@ -404,7 +389,7 @@ class CheckpointDir:
                     name,
                     "its bytes differ from manifest.json (changed or damaged while being copied)",
                 )
-        fsync_dir(dest)
+        atomic.fsync_dir(dest)
         return copied
 
     def second_names(self, dest: Path) -> None:
@@ -414,8 +399,8 @@ class CheckpointDir:
         with os.scandir(self.path) as it:
             for e in it:
                 if e.is_file(follow_symlinks=False):
-                    second_name(Path(e.path), dest / e.name)
-        fsync_dir(dest)
+                    atomic.second_name(Path(e.path), dest / e.name)
+        atomic.fsync_dir(dest)
 
     def data_facts(self, manifest: dict | None = None) -> dict | None:
         """Its data.json, verified, without reading the tensors (None: schema 2.0); given a `manifest` a caller
@@ -454,20 +439,18 @@ class CheckpointDir:
         extra = _read_extra(directory, listed)
         data = _read_data(directory, manifest, listed)
         live = capture(parts) if parts is not None else None
-        weights_layout, optim_layout = (
-            (None, None) if live is None else [layout(t) for t in _by_file(live)[:2]]
-        )
+        layouts = (None, None) if live is None else [layout(t) for t in _by_file(live)[:2]]
         # a part's state as older code saved it fits too (legacy_state: afe8033's iterator's permutation)
         older = {
             n: p.legacy_state() for n, p in (parts or {}).items() if hasattr(p, "legacy_state")
         }
-        optim_fits: dict | list[dict] | None = optim_layout
-        if live is not None and optim_layout is not None and older:
-            optim_fits = [optim_layout, layout(_by_file({**live, **older})[1])]
+        optim_fits: dict | list[dict] | None = layouts[1]
+        if live is not None and layouts[1] is not None and older:
+            optim_fits = [layouts[1], layout(_by_file({**live, **older})[1])]
         # side by side, as in write()
         with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:
             weights_read = pool.submit(
-                _read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], weights_layout
+                _read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], layouts[0]
             )
             try:
                 other = _read_tensor_file(directory, OPTIM, listed[OPTIM], optim_fits)
@@ -477,12 +460,7 @@ class CheckpointDir:
         for path in other:
             part, sep, _ = path.partition(SEP)
             if part not in NOT_MODEL or not sep:
-                raise CheckpointError(
-                    directory,
-                    OPTIM,
-                    f"tensor {path!r:.80} is the state of no part it holds "
-                    f"(those of {', '.join(NOT_MODEL)})",
-                )
+                raise _stranger(directory, OPTIM, f"tensor {path!r:.80}")
         try:
             tree = merge(other, extra)
         except ValueError as e:

@@ -16,13 +16,10 @@ from pipeline.config.identity import Identity, config_hash, semantic_hash
 from pipeline.files import jsonio
 
 SCHEMA_VERSION = "2.1"
-READABLE = (
-    "2.0",
-    SCHEMA_VERSION,
-)  # 2.0: no data.json (the tools build its data to find its vocabulary)
-DATA_FACTS = (
-    "data_facts"  # the run facts' entry the store writes as data.json, not into manifest.json
-)
+# 2.0: no data.json (the tools build its data to find its vocabulary)
+READABLE = ("2.0", SCHEMA_VERSION)
+# the run facts' entry the store writes as data.json, not into manifest.json
+DATA_FACTS = "data_facts"
 PACKAGES = ("pipeline", "numpy", "safetensors", "hydra-core", "omegaconf", "mlflow")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -45,12 +42,8 @@ def git_info(root: str = str(PROJECT_ROOT)) -> dict:
         )
         if sha.returncode != 0:
             return unknown
-        dirty = subprocess.run(
-            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        status = ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"]
+        dirty = subprocess.run(status, capture_output=True, text=True, timeout=30)
         return {"git_sha": sha.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.SubprocessError):
         return unknown
@@ -78,11 +71,8 @@ def code_change(manifest: dict, facts: dict | None = None) -> str | None:
 
     def name(f: dict) -> str:
         dirty = " with uncommitted changes" if f.get("git_dirty") else ""
-        code = (
-            f" (code sha256 {f['code_sha256'][:12]})"
-            if isinstance(f.get("code_sha256"), str)
-            else ""
-        )
+        sha = f.get("code_sha256")
+        code = f" (code sha256 {sha[:12]})" if isinstance(sha, str) else ""
         return f"commit {str(f.get('git_sha'))[:12]}{dirty}{code}"
 
     if isinstance(manifest.get("code_sha256"), str) and isinstance(facts.get("code_sha256"), str):
@@ -117,23 +107,14 @@ def hardware() -> dict:
     cpu: str | None = None
     ram_gb: float | None = None
     with contextlib.suppress(OSError):
-        cpu = next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")
-            ),
-            None,
-        )
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        models = (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
+        cpu = next(models, None)
     with contextlib.suppress(OSError, IndexError, ValueError):
         kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
         ram_gb = round(kb / 2**20, 1)
     blas = [
-        {
-            "library": i.get("internal_api"),
-            "version": i.get("version"),
-            "threads": i.get("num_threads"),
-        }
+        dict(library=i.get("internal_api"), version=i.get("version"), threads=i.get("num_threads"))
         for i in threadpool_info()
         if i.get("user_api") == "blas"
     ]
@@ -168,19 +149,10 @@ def run_facts(
     }
 
 
-def build(
-    facts: dict, *, step: int, epoch: int, metrics: dict, tags: list[str], lineage: dict
-) -> dict:
+def build(facts: dict, *, step: int, epoch: int, metrics: dict, tags: list, lineage: dict) -> dict:
     """Every field but `files`, which the store adds once the files are written."""
-    return {
-        **facts,
-        "schema_version": SCHEMA_VERSION,
-        "step": int(step),
-        "epoch": int(epoch),
-        "metrics": dict(metrics),
-        "tags": sorted(tags),
-        "lineage": lineage,
-    }
+    counts = {"schema_version": SCHEMA_VERSION, "step": int(step), "epoch": int(epoch)}
+    return {**facts, **counts, "metrics": dict(metrics), "tags": sorted(tags), "lineage": lineage}
 
 
 def _require(m: dict, key: str, kinds, what: str):
@@ -223,9 +195,8 @@ def check(m) -> dict:
         raise ManifestError(
             "'config_hash' is not the sha256 of 'config' (the config was edited after saving)"
         )
-    if _require(m, "semantic_config_hash", str, "a sha256 hex digest") != semantic_hash(
-        config, sources
-    ):
+    semantic = _require(m, "semantic_config_hash", str, "a sha256 hex digest")
+    if semantic != semantic_hash(config, sources):
         raise ManifestError(
             "'semantic_config_hash' does not match 'config' (the config was edited after saving)"
         )

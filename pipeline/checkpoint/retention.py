@@ -32,9 +32,8 @@ def is_better(value, best, mode: str, min_delta: float = 0.0) -> bool:
 
 def check_best(best, step, mode: str) -> None:
     """A saved (best, best_step) pair: both None, or a finite number and the step (>= 0) it was reached at."""
-    if (best is None) != (step is None) or (
-        step is not None and (type(step) is not int or step < 0)
-    ):
+    bad_step = step is not None and (type(step) is not int or step < 0)
+    if (best is None) != (step is None) or bad_step:
         raise ValueError(f"best {best!r} at step {step!r} is not a best value and its step")
     if best is not None and not is_better(best, None, mode):
         raise ValueError(f"best {best!r} is not a finite number")
@@ -59,9 +58,7 @@ def rank(mode: str):
     return lambda value_step: (sign * value_step[0], value_step[1])
 
 
-def admit(
-    top: Sequence[tuple[float, int]], value, step: int, n: int, mode: str
-) -> list[tuple[float, int]] | None:
+def admit(top: Sequence[tuple[float, int]], value, step: int, n: int, mode: str) -> list | None:
     """The n best (value, step) once this evaluation is counted, best first, if it is among them; else None.
     `top`: the n best so far, best first (steps before `step`). NaN and infinities never enter."""
     if not is_better(value, None, mode):
@@ -83,13 +80,8 @@ class BestN:
     since: int = 0
 
     def keep(self, records: Sequence[Record]) -> set[int]:
-        scored = [
-            (r.metrics[self.monitor], r.step)
-            for r in records
-            if r.step > self.since
-            and isinstance(r.metrics.get(self.monitor), (int, float))
-            and math.isfinite(r.metrics[self.monitor])
-        ]
+        values = [(r.metrics.get(self.monitor), r.step) for r in records if r.step > self.since]
+        scored = [(v, s) for v, s in values if isinstance(v, (int, float)) and math.isfinite(v)]
         return {step for _, step in sorted(scored, key=rank(self.mode))[: self.n]}
 
 
@@ -123,9 +115,7 @@ class Named:
 
     def links(self, records: Sequence[Record]) -> dict[str, int]:
         kept = self.policy.keep(records)
-        return {
-            name: r.step for r in records if r.step in kept and (name := self.name(r)) is not None
-        }
+        return {k: r.step for r in records if r.step in kept and (k := self.name(r)) is not None}
 
     def owns(self, name: str, record: Record) -> bool:
         """Whether `name` is the one this naming gives `record` (a link it retires when the policy lets go)."""

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import stat
 from collections.abc import Mapping
+from errno import EEXIST, ELOOP
 from pathlib import Path
 
 from pipeline.checkpoint import manifest as mf
@@ -21,23 +21,16 @@ from pipeline.checkpoint.directory import (
     step_number,
 )
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
-from pipeline.checkpoint.retention import AnyOf, Named, Policy, Record, Steps, select_one
-from pipeline.files import jsonio, killpoint
-from pipeline.files.atomic import (
-    TMP_PREFIX,
-    UnsafePathError,
-    discard_dir,
-    ensure_dirs,
-    fsync_dir,
-    replace_link,
-)
+from pipeline.checkpoint.retention import AnyOf, Policy, Record, Steps, select_one
+from pipeline.files import atomic, jsonio, killpoint
+from pipeline.files.atomic import TMP_PREFIX, UnsafePathError
+
+Skipped = list[tuple[Path, str, str]]  # (step directory, what it is, why it was passed over)
 
 
-def _record(manifest: dict) -> Record:
-    metrics = {k: jsonio.number(v) for k, v in manifest["metrics"].items()}
-    return Record(
-        int(manifest["step"]), metrics, frozenset(manifest["tags"]), manifest["lineage"]["id"]
-    )
+def _record(m: dict) -> Record:
+    metrics = {k: jsonio.number(v) for k, v in m["metrics"].items()}
+    return Record(int(m["step"]), metrics, frozenset(m["tags"]), m["lineage"]["id"])
 
 
 class CheckpointStore:
@@ -57,7 +50,7 @@ class CheckpointStore:
         st = os.lstat(self.root)
         if not stat.S_ISDIR(st.st_mode):
             raise UnsafePathError(
-                errno.ELOOP, f"{self.root} is not a directory (a symlink or a file); remove it"
+                ELOOP, f"{self.root} is not a directory (a symlink or a file); remove it"
             )
         steps, links = [], {}
         with os.scandir(self.root) as it:
@@ -68,16 +61,14 @@ class CheckpointStore:
                 if e.is_symlink():
                     target = os.readlink(e.path)
                     if problem := link_problem(e.name, target):
-                        raise UnsafePathError(
-                            errno.ELOOP,
-                            f"{e.path} is a symlink to {_shown(target)}: {problem}; remove it",
-                        )
+                        why = f"{e.path} is a symlink to {_shown(target)}: {problem}; remove it"
+                        raise UnsafePathError(ELOOP, why)
                     links[e.name] = target
                 elif m and e.is_dir(follow_symlinks=False):
                     steps.append((int(m.group(1)), Path(e.path)))
                 else:
                     raise UnsafePathError(
-                        errno.EEXIST,
+                        EEXIST,
                         f"{e.path} is not a checkpoint step directory; "
                         f"{STORE}/ holds step directories and links only: remove it",
                     )
@@ -98,12 +89,10 @@ class CheckpointStore:
                     self._records[step] = _record(CheckpointDir(directory).manifest())
         return self._records
 
-    def newest_valid(
-        self, parts: Mapping | None = None
-    ) -> tuple[Checkpoint | None, list[tuple[Path, str, str]]]:
+    def newest_valid(self, parts: Mapping | None = None) -> tuple[Checkpoint | None, Skipped]:
         """The newest checkpoint that verifies (and fits `parts`), and (directory, what it is, the error) for each
         newer one skipped: damaged, or verified but made by a config whose state does not fit the live run."""
-        skipped: list[tuple[Path, str, str]] = []
+        skipped: Skipped = []
         for _, directory in reversed(self.steps()):
             try:
                 return CheckpointDir(directory).load(parts), skipped
@@ -126,20 +115,13 @@ class CheckpointStore:
     # writing
     def save(self, step: int, tree: dict, fields: dict) -> Checkpoint:
         """Write and record this step's checkpoint, replacing whatever (another run's, a damaged one) is there."""
-        ensure_dirs(self.root.parent, self.root.name)
+        atomic.ensure_dirs(self.root.parent, self.root.name)
         directory = self.root / step_dir_name(step)
         manifest = CheckpointDir(directory).write(tree, fields, replace=True)
         self._recorded()[step] = _record(manifest)
         return Checkpoint(directory, manifest, tree, fields[mf.DATA_FACTS])
 
-    def retain(
-        self,
-        policy: Policy,
-        links: dict[str, Policy],
-        upto: int,
-        lineage: str,
-        named: tuple[Named, ...] = (),
-    ) -> None:
+    def retain(self, policy: Policy, links: dict, upto: int, lineage: str, named=()) -> None:
         """Point each link at what its policy selects, then delete the step directories no policy keeps.
 
         Only checkpoints of the history being run (`lineage`, up to the current step `upto`) are ever linked or
@@ -147,18 +129,10 @@ class CheckpointStore:
         no stage declares any more (a stage removed by override) keeps its target. `named`: second names of
         kept steps; a name one of them gave a step it no longer keeps goes before that step may."""
         present_steps, present_links = self.scan()  # once: linking changes no step directory
-        records = [
-            r
-            for _, r in sorted(self._recorded().items())
-            if r.step <= upto and r.lineage == lineage
-        ]
+        recorded = sorted(self._recorded().items())
+        records = [r for _, r in recorded if r.step <= upto and r.lineage == lineage]
         by_step = {r.step: r for r in records}
-        wanted = {
-            name: step
-            for n in named
-            for name, step in n.links(records).items()
-            if name not in links
-        }
+        wanted = {k: s for n in named for k, s in n.links(records).items() if k not in links}
         retired = {
             name
             for name, t in present_links.items()
@@ -167,30 +141,27 @@ class CheckpointStore:
             and (r := by_step.get(step_number(t)))
             and any(n.owns(name, r) for n in named)
         }
-        orphan_targets = {
-            step_number(t)
-            for name, t in present_links.items()
-            if name not in links and name not in retired
-        }
-        keep = AnyOf((policy, Steps(frozenset(orphan_targets)), *links.values())).keep(records)
+        unowned = [t for k, t in present_links.items() if k not in links and k not in retired]
+        orphans = Steps(frozenset(step_number(t) for t in unowned))
+        keep = AnyOf((policy, orphans, *links.values())).keep(records)
         for name, link_policy in links.items():
             target = select_one(link_policy, records)
             if target is not None and present_links.get(name) != step_dir_name(target):
                 killpoint.point("save", f"before {name} link")
-                replace_link(self.root / name, step_dir_name(target))
+                atomic.replace_link(self.root / name, step_dir_name(target))
         for name, step in wanted.items():
             if present_links.get(name) != step_dir_name(step):
                 killpoint.point("save", "before a named link")
-                replace_link(self.root / name, step_dir_name(step))
+                atomic.replace_link(self.root / name, step_dir_name(step))
         for name in retired:  # before its step directory: a link never names a missing step
             killpoint.point("save", "before a name is retired")
             os.unlink(self.root / name)
         if retired:
-            fsync_dir(self.root)
+            atomic.fsync_dir(self.root)
         for step, directory in present_steps:
             if step not in keep and step in {r.step for r in records}:
                 killpoint.point("save", "before delete")
-                discard_dir(directory)
+                atomic.discard_dir(directory)
                 self._recorded().pop(step, None)
 
     def link_dir(self, name: str) -> Path | None:

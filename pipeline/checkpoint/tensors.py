@@ -92,9 +92,7 @@ def split_aliases(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
     return unique, aliases
 
 
-def encode_header(
-    unique: dict[str, np.ndarray], metadata: dict[str, str]
-) -> tuple[bytes, list[str]]:
+def encode_header(unique: dict[str, np.ndarray], metadata: dict) -> tuple[bytes, list[str]]:
     """The 8-byte length + padded JSON header, and the names in data order (the library's own layout)."""
     order = sorted(unique, key=lambda n: (-RANK[FROM_NUMPY[unique[n].dtype.newbyteorder("<")]], n))
     # Metadata sorted: the library serialises it from a hash map whose order changes from process to
@@ -114,12 +112,7 @@ def encode_header(
     return struct.pack("<Q", len(raw)) + raw, order
 
 
-def write_tensors(
-    path: Path,
-    arrays: dict[str, np.ndarray],
-    metadata: dict[str, str] | None = None,
-    fsync: bool = True,
-) -> dict:
+def write_tensors(path: Path, arrays: dict, metadata: dict | None = None, fsync=True) -> dict:
     """Write a new safetensors file at `path` (which must not exist), fsynced; returns its {"size", "sha256"}."""
     unique, aliases = split_aliases(arrays)
     meta = {"format": "np", **(metadata or {}), **{k: f"ALIAS({v})" for k, v in aliases.items()}}
@@ -130,16 +123,13 @@ def write_tensors(
         raise ValueError("'__metadata__' cannot name a tensor")
     head, order = encode_header(unique, meta)
     views = [_bytes_of(unique[name]) for name in order]
-    pieces = itertools.chain(
-        [head], (v[i : i + CHUNK] for v in views for i in range(0, len(v), CHUNK))
-    )
+    chunks = (v[i : i + CHUNK] for v in views for i in range(0, len(v), CHUNK))
+    pieces = itertools.chain([head], chunks)
     with _Hasher() as h:  # each piece hashed on the helper thread while this one writes it
         return write_new(path, pieces, h, fsync)
 
 
-def resolve_aliases(
-    arrays: dict[str, np.ndarray], metadata: dict[str, str]
-) -> dict[str, np.ndarray]:
+def resolve_aliases(arrays: dict, metadata: dict[str, str]) -> dict[str, np.ndarray]:
     """Every ALIAS(target) in metadata becomes the very object stored under target; raises ValueError."""
     links = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
     out = dict(arrays)
@@ -172,9 +162,10 @@ def _read_exact(f, buf: memoryview) -> None:
         raise _Malformed("truncated: the file ends inside the data the header describes")
 
 
-def _check_header(
-    header, data_len: int
-) -> tuple[dict[str, str], list[tuple[str, np.dtype, tuple, int]]]:
+Entry = tuple[str, np.dtype, tuple, int]  # name, dtype, shape, nbytes
+
+
+def _check_header(header, data_len: int) -> tuple[dict[str, str], list[Entry]]:
     """(metadata, [(name, dtype, shape, nbytes)] in data order) or _Malformed, as the library validates."""
     if not isinstance(header, dict):
         raise _Malformed("header is not a JSON object")
@@ -227,11 +218,8 @@ def layout(arrays: dict[str, np.ndarray]) -> dict:
     tensors = {
         k: (FROM_NUMPY[a.dtype.newbyteorder("<")], tuple(a.shape)) for k, a in unique.items()
     }
-    return {
-        "tensors": tensors,
-        "aliases": aliases,
-        "data_bytes": sum(a.nbytes for a in unique.values()),
-    }
+    data_bytes = sum(a.nbytes for a in unique.values())
+    return {"tensors": tensors, "aliases": aliases, "data_bytes": data_bytes}
 
 
 def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
@@ -256,12 +244,9 @@ def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
 def read_tensors(
     path: Path, expected_sha256: str | None = None, expect: dict | list[dict] | None = None
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Arrays (aliases resolved to one object) and the header metadata, read and hashed in one pass.
-
-    DigestMismatch (a ValueError) if the bytes do not hash to `expected_sha256`, whatever else is wrong with
-    them; else ValueError for a file that is not safetensors or (given a `layout` to `expect`) holds other
-    tensors, refused before any is allocated (and one larger than such a file can be, before it is read).
-    """
+    """Arrays (aliases resolved to one object) and the header metadata, read and hashed in one pass; DigestMismatch
+    if the bytes do not hash to `expected_sha256` (whatever else is wrong), else ValueError for a file that is not
+    safetensors or (given a `layout` to `expect`) holds other tensors, before any is allocated (or read)."""
     # A checkpoint file must be a regular file in its directory, never a link out of it (nor a FIFO, ...).
     alternatives = [expect] if isinstance(expect, dict) else expect  # layouts any of which fits
     with reading.open_file(path) as f, _Hasher() as h:
@@ -322,8 +307,7 @@ def read_tensors(
             f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}..."
         )
     if problem is not None:
-        what = (
-            "does not fit" if isinstance(problem, LayoutMisfit) else "not a valid safetensors file"
-        )
+        misfit = isinstance(problem, LayoutMisfit)
+        what = "does not fit" if misfit else "not a valid safetensors file"
         raise type(problem)(f"{what}: {problem}")
     return resolve_aliases(arrays, metadata), metadata

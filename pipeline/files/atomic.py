@@ -13,6 +13,7 @@ import stat
 import time
 import uuid
 from collections.abc import Callable
+from errno import EEXIST, ELOOP
 from pathlib import Path
 
 from pipeline.files import killpoint, names
@@ -21,15 +22,9 @@ TMP_PREFIX = ".tmp-"  # every reader ignores these; a directory's owner removes 
 # Failures of the machine, not of the job: one line naming the path, and what to do (exit EXIT_ERROR).
 _FULL = "free space there (or set paths.output_dir elsewhere), then re-run the same command"
 _LOCKED = "make it writable (or set paths.output_dir elsewhere), then re-run the same command"
-ENVIRONMENT = {
-    errno.ENOSPC: _FULL,
-    errno.EDQUOT: _FULL,
-    errno.EFBIG: _FULL,
-    errno.EROFS: _LOCKED,
-    errno.EACCES: _LOCKED,
-    errno.EPERM: _LOCKED,
-    errno.EIO: "check the device, then re-run the same command",
-}
+ENVIRONMENT = {errno.ENOSPC: _FULL, errno.EDQUOT: _FULL, errno.EFBIG: _FULL}
+ENVIRONMENT |= {errno.EROFS: _LOCKED, errno.EACCES: _LOCKED, errno.EPERM: _LOCKED}
+ENVIRONMENT[errno.EIO] = "check the device, then re-run the same command"
 
 
 class UnsafePathError(OSError):
@@ -73,13 +68,13 @@ def write_new(path: Path, data, h=None, fsync: bool = True) -> dict:
     """Bytes, or an iterable of byte pieces, into a file created now at `path`, each piece hashed as it is written
     (into `h`, a hashlib-like sha256, else a new one) and fsynced; returns the file's {"size", "sha256"}."""
     h, size = h or hashlib.sha256(), 0
-    try:  # created now: anything already there (a planted link included) is refused
-        fd = os.open(
-            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-        )
+    # created now: anything already there (a planted link included) is refused
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
     except FileExistsError:
         raise UnsafePathError(
-            errno.EEXIST, f"{path} already exists; refusing to write through it"
+            EEXIST, f"{path} already exists; refusing to write through it"
         ) from None
     try:
         for piece in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
@@ -104,14 +99,10 @@ def refuse_link(path: Path, what: str = "file") -> None:
     except FileNotFoundError:
         return
     if stat.S_ISLNK(st.st_mode):
-        raise UnsafePathError(
-            errno.ELOOP, f"{path} is a symlink; refusing to follow it (remove it)"
-        )
+        raise UnsafePathError(ELOOP, f"{path} is a symlink; refusing to follow it (remove it)")
     want = stat.S_ISDIR if what == "directory" else stat.S_ISREG
     if not want(st.st_mode):
-        raise UnsafePathError(
-            errno.EEXIST, f"{path} is not a regular {what}; refusing to replace it"
-        )
+        raise UnsafePathError(EEXIST, f"{path} is not a regular {what}; refusing to replace it")
 
 
 def replace_file(path: Path, data: bytes) -> dict:
@@ -194,12 +185,8 @@ def _exchange(a: Path, b: Path) -> bool:
     if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (
-        errno.EINVAL,
-        errno.ENOSYS,
-        errno.ENOTSUP,
-        errno.EOPNOTSUPP,
-    ):  # a filesystem without it
+    # a filesystem without it
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(b))
 
@@ -310,9 +297,7 @@ def discard_dir(directory: Path) -> None:
 def replace_link(link: Path, target_name: str) -> None:
     """Point a relative symlink (e.g. checkpoints/best) at target_name atomically."""
     if os.path.lexists(link) and not os.path.islink(link):
-        raise UnsafePathError(
-            errno.EEXIST, f"{link} exists and is not a link; refusing to replace it"
-        )
+        raise UnsafePathError(EEXIST, f"{link} exists and is not a link; refusing to replace it")
     tmp = temp_name(link)
     os.symlink(target_name, tmp)
     # killed here, the link still names its old target
@@ -343,13 +328,10 @@ def remove_temporaries(parent: Path, older_than: float | None = None) -> None:
     except (FileNotFoundError, NotADirectoryError):
         return
     now = time.time()
-    for name in entries:
-        path = Path(parent) / name
+    for path in (Path(parent) / n for n in entries if n.startswith(TMP_PREFIX)):
         # its writer finished, or another cleaner got there first
         with contextlib.suppress(FileNotFoundError):
-            if name.startswith(TMP_PREFIX) and (
-                older_than is None or now - path.lstat().st_mtime > older_than
-            ):
+            if older_than is None or now - path.lstat().st_mtime > older_than:
                 remove_tree(path)
 
 

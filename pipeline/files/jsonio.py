@@ -6,12 +6,12 @@ import hashlib
 import json
 import math
 from types import MappingProxyType
+from typing import Any
 
 from pipeline.files import reading
 from pipeline.files.limits import MAX_JSON_DEPTH
 
-# Python writes NaN bare, which is not JSON; we write protobuf's JSON mapping for floats instead.
-# read-only
+# Python writes NaN bare, not JSON; we write protobuf's JSON mapping for floats instead (read-only).
 NON_FINITE = MappingProxyType({"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf})
 
 
@@ -108,13 +108,8 @@ def _int(text: str) -> int:
 def loads(data: bytes | str):
     """Standard JSON, strictly (a checkpoint must mean the same to every reader); else a one-line JSONError."""
     try:
-        obj = json.loads(
-            data,
-            parse_constant=_reject_constant,
-            object_pairs_hook=_unique,
-            parse_float=_float,
-            parse_int=_int,
-        )
+        strict: dict[str, Any] = dict(parse_constant=_reject_constant, object_pairs_hook=_unique)
+        obj = json.loads(data, parse_float=_float, parse_int=_int, **strict)
     except RecursionError:
         raise JSONError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
     except UnicodeDecodeError as e:

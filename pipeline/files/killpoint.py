@@ -20,9 +20,8 @@ class _Plan:
     def __init__(self):
         phase, k, signals = ([*os.environ.get("PIPELINE_CHAOS", "").split(":"), "", ""])[:3]
         self.phase, self.target = phase, int(k) if k.isdigit() else None
-        self.send = [signal.Signals[f"SIG{name}"] for name in signals.split("+") if name] or [
-            signal.SIGKILL
-        ]
+        sent = [signal.Signals[f"SIG{name}"] for name in signals.split("+") if name]
+        self.send = sent or [signal.SIGKILL]
         self.trace = os.environ.get("PIPELINE_CHAOS_TRACE")
         self.pace = float(os.environ.get("PIPELINE_CHAOS_PACE") or 0)
         self.hits = {"train": 0, "save": 0, "setup": 0}

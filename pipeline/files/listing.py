@@ -87,11 +87,8 @@ def problems(
     found: dict[str, os.stat_result] = {}
     if links is not None:
         found, dirs, linked = _tree(root)
-        parents = {
-            "/".join(rel.split("/")[:i])
-            for rel in (*files, *links)
-            for i in range(1, rel.count("/") + 1)
-        }
+        listed = (*files, *links)
+        parents = {"/".join(r.split("/")[:i]) for r in listed for i in range(1, r.count("/") + 1)}
         for rel in sorted((set(found) - set(files) - skip) | (dirs - parents)):
             yield rel, say("unlisted")
     else:

@@ -16,8 +16,7 @@ SPEC = re.compile(r"^[+ -]?#?0?(\d{1,2})?[,_]?(\.(\d{1,2}))?[deEfFgG%]?$")
 MAX_PRECISION = 20
 WIDE = 24  # characters of one value past which it is written `.6g` (1e+300 rather than 301 digits)
 STEP_LIKE = re.compile(r"^step-\d")  # a step directory's name, never a link's
-# bytes a link's temporary name adds to the link's (18)
-TEMPORARY = len(atomic.temp_name(Path("x")).name) - 1
+TEMPORARY = len(atomic.temp_name(Path("x")).name) - 1  # bytes a link's temporary name adds (18)
 
 
 def problem(pattern) -> str | None:
@@ -41,9 +40,8 @@ def problem(pattern) -> str | None:
         return "{step} takes an integer format only (such as {step:06d}): two steps must never share a name"
     if "step" not in {f for f, _, _ in fields}:
         return "must contain {step} (the step is what tells two checkpoints apart)"
-    longest = len(
-        "".join(text + ("x" * WIDE if f is not None else "") for text, f, _, _ in parsed).encode()
-    )
+    widest = "".join(text + ("x" * WIDE if f is not None else "") for text, f, _, _ in parsed)
+    longest = len(widest.encode())
     if longest > names.NAME_MAX - TEMPORARY:
         return (
             f"makes names of up to {longest} bytes (each field up to {WIDE} characters); at most "
@@ -82,9 +80,8 @@ def _one(value, spec: str) -> str:
 
 
 def _refused(name: str) -> bool:
-    return bool(
-        names.problem(name, reserve=TEMPORARY) or STEP_LIKE.match(name) or name.startswith(".")
-    )
+    reserved = names.problem(name, reserve=TEMPORARY)
+    return bool(reserved or STEP_LIKE.match(name) or name.startswith("."))
 
 
 def render(pattern: str, step: int, metrics: dict) -> str | None:

@@ -28,11 +28,9 @@ class UnreadableFile(UnsafePathError):
 
 def kind_of(st: os.stat_result) -> str:
     """'a FIFO', 'a character device', ... for what an lstat/fstat describes ('a regular file' included)."""
-    return (
-        "a regular file"
-        if stat.S_ISREG(st.st_mode)
-        else next((name for test, name, _ in KINDS if test(st.st_mode)), "not a regular file")
-    )
+    if stat.S_ISREG(st.st_mode):
+        return "a regular file"
+    return next((name for test, name, _ in KINDS if test(st.st_mode)), "not a regular file")
 
 
 def _refuse(path, st: os.stat_result, limit: int | None, bound: str | None) -> None:
@@ -40,20 +38,15 @@ def _refuse(path, st: os.stat_result, limit: int | None, bound: str | None) -> N
         code = next((c for test, _, c in KINDS if test(st.st_mode)), errno.EINVAL)
         raise UnreadableFile(code, f"is {kind_of(st)}, not a regular file", os.fspath(path))
     if limit is not None and st.st_size > limit:
-        raise UnreadableFile(
-            errno.EFBIG,
-            f"{st.st_size} bytes, over the {limit}-byte limit" + _hint(bound),
-            os.fspath(path),
-        )
+        why = f"{st.st_size} bytes, over the {limit}-byte limit" + _hint(bound)
+        raise UnreadableFile(errno.EFBIG, why, os.fspath(path))
 
 
 def _hint(bound: str | None) -> str:
     return f" set by {bound} (raise it to read a bigger file)" if bound else ""
 
 
-def open_file(
-    path, limit: int | None = None, follow: bool = False, bound: str | None = None
-) -> io.FileIO:
+def open_file(path, limit: int | None = None, follow=False, bound: str | None = None) -> io.FileIO:
     """`path`, unbuffered, if a regular file of at most `limit` bytes; else UnreadableFile (`bound`: the setting).
 
     open(2) of a FIFO blocks until a writer appears, and a FIFO or /dev/zero never ends: refused by the stat,
@@ -61,9 +54,8 @@ def open_file(
     # nothing opened yet: a FIFO or a device is refused unopened
     st = os.stat(path, follow_symlinks=follow)
     _refuse(path, st, limit, bound)
-    flags = (
-        os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
-    )
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    flags |= 0 if follow else os.O_NOFOLLOW
     try:
         fd = os.open(path, flags)
     except OSError as e:
@@ -89,19 +81,14 @@ def read_exact(f: io.RawIOBase, buf: memoryview) -> int:
     return got
 
 
-def chunks(
-    f: io.RawIOBase, path, limit: int | None = None, bound: str | None = None, size: int = CHUNK
-):
+def chunks(f: io.RawIOBase, path, limit: int | None = None, bound: str | None = None, size=CHUNK):
     """The bytes of an open file in pieces of at most `size`, refusing (UnreadableFile) past `limit`."""
     total = 0
     while piece := f.read(size if limit is None else min(size, limit + 1 - total)):
         total += len(piece)
         if limit is not None and total > limit:
-            raise UnreadableFile(
-                errno.EFBIG,
-                f"grew past the {limit}-byte limit while being read" + _hint(bound),
-                os.fspath(path),
-            )
+            why = f"grew past the {limit}-byte limit while being read" + _hint(bound)
+            raise UnreadableFile(errno.EFBIG, why, os.fspath(path))
         yield piece
 
 
@@ -112,7 +99,7 @@ def read_bytes(path, limit: int) -> bytes:
 
 
 def sha256(
-    path, limit: int | None = None, follow: bool = False, bound: str | None = None, into=None
+    path, limit: int | None = None, follow=False, bound: str | None = None, into=None
 ) -> str:
     """The sha256 hex digest of a regular file's bytes, read in pieces (constant memory, or kept in `into`, a
     bytearray of the file's size)."""

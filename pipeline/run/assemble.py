@@ -37,9 +37,8 @@ def _call(node: dict, **live):
     accepted = schemas.takes(factory.func)
     if accepted is not None:
         live = {k: v for k, v in live.items() if k in accepted}
-        if accepted and (
-            unknown := [k for k in node if not k.startswith("_") and k not in accepted]
-        ):
+        unknown = [k for k in node if not k.startswith("_") and k not in accepted]
+        if accepted and unknown:
             # a schema-less option (your own model or data) with a key its class does not take: a typo
             raise ConfigError(
                 f"{node['_target_']} takes no argument {unknown[0]!r} (its config has a key it does "
@@ -160,9 +159,8 @@ def metric_names(config: dict) -> list[str]:
         data = get_class(config["data"]["_target_"])
     except Exception as e:
         raise ConfigError(f"cannot import a _target_: {str(e).splitlines()[0]}") from None
-    return sorted(
-        {*train_metric_names(data, float(config["trainer"]["grad_clip"])), *val_metric_names(data)}
-    )
+    grad_clip = float(config["trainer"]["grad_clip"])
+    return sorted({*train_metric_names(data, grad_clip), *val_metric_names(data)})
 
 
 def check_monitors(config: dict) -> None:
@@ -170,9 +168,7 @@ def check_monitors(config: dict) -> None:
     a metric the run never logs (a typo would never write `best`, never stop early, optimise NaN, name every
     checkpoint `10-none`), with the closest names; before anything is built."""
     names = metric_names(config)
-    stages = [
-        (key, node) for key, node in (config.get("stages") or {}).items() if isinstance(node, dict)
-    ]
+    stages = [(k, n) for k, n in (config.get("stages") or {}).items() if isinstance(n, dict)]
     wanted = [
         (f"stages.{key}.monitor={node['monitor']}", node["monitor"], names)
         for key, node in stages
@@ -193,11 +189,9 @@ def check_monitors(config: dict) -> None:
         if value not in known:
             close = difflib.get_close_matches(str(value), known, n=3)
             hint = f"did you mean {' or '.join(close)}? " if close else ""
-            why = (
-                "logged, but not a metric whose last value the run keeps"
-                if value in names
-                else "this run logs no such metric"
-            )
+            why = "this run logs no such metric"
+            if value in names:
+                why = "logged, but not a metric whose last value the run keeps"
             errors.append(f"{what}: {why}; {hint}it can be one of: {', '.join(known)}")
     if errors:
         raise ConfigError("; ".join(errors))

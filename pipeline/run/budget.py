@@ -26,11 +26,9 @@ class Budget:
     """A deadline on the monotonic clock, and the longest step and save seen so far in this process."""
 
     def __init__(self, seconds: float | None, age: float | None = None):
-        self.deadline = (
-            None
-            if seconds is None
-            else monotonic() - (process_age() if age is None else age) + seconds
-        )
+        self.deadline: float | None = None
+        if seconds is not None:
+            self.deadline = monotonic() - (process_age() if age is None else age) + seconds
         self.last_end: float | None = None
         # step end to step end: the update, its evaluation, logging and any save
         self.slowest_step = 0.0

@@ -16,15 +16,8 @@ from pipeline.checkpoint.errors import RunFileError
 from pipeline.checkpoint.store import CheckpointStore
 from pipeline.config.errors import CommandError
 from pipeline.data.corpus import find_corpus
-from pipeline.files import jsonio, reading
-from pipeline.files.atomic import (
-    UnsafePathError,
-    ensure_dirs,
-    named,
-    open_append,
-    refuse_link,
-    replace_file,
-)
+from pipeline.files import atomic, jsonio, reading
+from pipeline.files.atomic import UnsafePathError, named, refuse_link
 from pipeline.files.limits import MAX_METRICS, MAX_METRICS_LINE, MAX_RUN_JSON
 
 # A holder that is not a job (the tracking agent linking run.json, reindex) keeps the lock for milliseconds:
@@ -86,11 +79,8 @@ class RunDir:
 
     def corpus(self, manifest_hash: str) -> Path | None:
         """The corpus it was trained on (by its MANIFEST.json's hash) in its output directory's corpus cache."""
-        return (
-            None
-            if self.output_dir is None
-            else find_corpus(self.output_dir / "data", manifest_hash)
-        )
+        out = self.output_dir
+        return None if out is None else find_corpus(out / "data", manifest_hash)
 
     def is_run(self) -> bool:
         """Whether it holds a run: its store of checkpoints or its run.json."""
@@ -119,21 +109,14 @@ class RunDir:
         if self._read_only_medium():
             return self._acquire_shared()
         self.created = not os.path.lexists(self.path)
-        ensure_dirs(self.path.parent, self.path.name)
-        for path, kind in (
-            (self.lock_path, "file"),
-            (self.status_path, "file"),
-            (self.metrics_path, "file"),
-            (self.log_path, "file"),
-            (self.hydra_dir, "directory"),
-            (self.checkpoints, "directory"),
-            (self.path / "superseded", "directory"),
-        ):
-            refuse_link(path, kind)
+        atomic.ensure_dirs(self.path.parent, self.path.name)
+        for path in (self.lock_path, self.status_path, self.metrics_path, self.log_path):
+            refuse_link(path, "file")
+        for path in (self.hydra_dir, self.checkpoints, self.path / "superseded"):
+            refuse_link(path, "directory")
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(
-                self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-            )
+            fd = os.open(self.lock_path, flags, 0o644)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise UnsafePathError(
@@ -181,13 +164,11 @@ class RunDir:
         except OSError as e:
             self.forget()
             raise named(e, self.lock_path) from e
-        ensure_dirs(self.path, ".hydra")
-        replace_file(self.hydra_dir / "config.yaml", config_yaml.encode())
-        replace_file(
-            self.overrides_path,
-            "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides).encode() or b"[]\n",
-        )
-        return open_append(self.log_path)
+        atomic.ensure_dirs(self.path, ".hydra")
+        atomic.replace_file(self.hydra_dir / "config.yaml", config_yaml.encode())
+        listed = "".join(f"- {jsonio.dumps_line(o)}\n" for o in overrides)
+        atomic.replace_file(self.overrides_path, listed.encode() or b"[]\n")
+        return atomic.open_append(self.log_path)
 
     def forget(self) -> None:
         """Release, and remove the directory if acquire() created it and it holds nothing but an empty lock (a
@@ -227,17 +208,14 @@ class RunDir:
         except FileNotFoundError:
             return {}
         except (OSError, jsonio.JSONError) as e:
-            raise RunFileError(
-                self.path,
-                self.status_path.name,
-                e.strerror if isinstance(e, OSError) and e.strerror else str(e),
-            ) from None
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise RunFileError(self.path, self.status_path.name, why) from None
         if not isinstance(status, dict):
             raise RunFileError(self.path, self.status_path.name, "not a JSON object")
         return status
 
     def write_status(self, **fields) -> None:
-        replace_file(self.status_path, jsonio.dumps({**fields, "updated": time.time()}))
+        atomic.replace_file(self.status_path, jsonio.dumps({**fields, "updated": time.time()}))
 
     def write_status_in_place(self, **fields) -> None:
         """run.json rewritten inside its own bytes (which need no new space), shortened to fit and padded with
@@ -249,9 +227,8 @@ class RunDir:
             record = {**fields, "updated": time.time()}
             data = jsonio.dumps(record)
             if len(data) > room:  # the fields that matter most, the reason cut to fit
-                record = {
-                    k: record[k] for k in ("status", "step", "error", "updated") if k in record
-                }
+                keys = ("status", "step", "error", "updated")
+                record = {k: record[k] for k in keys if k in record}
                 record["error"] = str(record.get("error", ""))[: max(0, room - 160)]
                 data = jsonio.dumps(record)
             if len(data) > room:
@@ -298,9 +275,8 @@ class RunDir:
 
     def keep_metrics(self, lines: list[dict]) -> None:
         """Replace metrics.jsonl by `lines` atomically (a resumed run appends from there)."""
-        replace_file(
-            self.metrics_path, "".join(jsonio.dumps_line(ln) + "\n" for ln in lines).encode()
-        )
+        text = "".join(jsonio.dumps_line(ln) + "\n" for ln in lines)
+        atomic.replace_file(self.metrics_path, text.encode())
 
     def open_metrics(self):
-        return open_append(self.metrics_path)
+        return atomic.open_append(self.metrics_path)

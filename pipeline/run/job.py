@@ -10,15 +10,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline.config import identity
-from pipeline.config.errors import (
-    EXIT_BAD_INPUT,
-    EXIT_ERROR,
-    EXIT_PREEMPTED,
-    CommandError,
-    ConfigError,
-    exit_code,
-)
+from pipeline.config import errors, identity
+from pipeline.config.errors import EXIT_ERROR, EXIT_PREEMPTED, CommandError, ConfigError
 from pipeline.config.schemas import validate
 from pipeline.files.atomic import NewDirs, check_output_dir, environment_error
 from pipeline.run import budget, plan
@@ -87,7 +80,7 @@ def _ended(e: BaseException) -> Outcome | None:
         return Outcome("preempted", EXIT_PREEMPTED, message=message, requeue=True, started=False)
     if isinstance(e, JobFailed):
         code, message, requeue, started = e.exit_code, str(e), e.requeue, e.started
-    elif (known := exit_code(e) if isinstance(e, Exception) else None) is not None:
+    elif (known := errors.exit_code(e) if isinstance(e, Exception) else None) is not None:
         (code, message), requeue, started = known, False, True
     else:
         return None
@@ -148,12 +141,9 @@ def _job(
         except BaseException as e:
             rundir.forget()
             if isinstance(e, Interrupted):
-                moves = applied and (applied.supersede or applied.fallback or applied.cut)
-                said = (
-                    f"the earlier planned was moved to {rundir.path / 'superseded'}"
-                    if moves
-                    else "nothing was written"
-                )
+                said = "nothing was written"
+                if applied and (applied.supersede or applied.fallback or applied.cut):
+                    said = f"the earlier planned was moved to {rundir.path / 'superseded'}"
                 raise JobFailed(
                     EXIT_PREEMPTED,
                     f"interrupted by {e} while setting up the run; {said}; re-run the same command",
@@ -231,7 +221,7 @@ def _start_in_sweep(sweep: SweepJob) -> None:
     if sweep.parallel:
         label_console(f"[job {sweep.num}]")
     if sweep.unreadable:
-        raise JobFailed(EXIT_BAD_INPUT, sweep.unreadable)
+        raise JobFailed(errors.EXIT_BAD_INPUT, sweep.unreadable)
     if SIGNALS_STATE.sweep_interrupted(sweep.dir):
         raise JobFailed(
             EXIT_PREEMPTED,
@@ -259,9 +249,5 @@ def label_console(label: str) -> None:
     each line with `label`; a run's pipeline.log is its own and stays as it is."""
     for handler in logging.getLogger().handlers:
         if not isinstance(handler, QuietFileHandler):
-            inner = (
-                handler.formatter.inner
-                if isinstance(handler.formatter, JobLabel)
-                else handler.formatter
-            )
-            handler.setFormatter(JobLabel(inner, label))
+            fmt = handler.formatter
+            handler.setFormatter(JobLabel(fmt.inner if isinstance(fmt, JobLabel) else fmt, label))

@@ -119,13 +119,9 @@ class Run:
                 f"step {record['step']}: {bad[0]} is {metrics[bad[0]]} (non-finite); stopping "
                 "with the last good checkpoints kept (trainer.on_nonfinite=continue trains on)"
             )
-        end = StepEnd(
-            step=self.state.step,
-            metrics=metrics,
-            epoch_done=epoch_ended(self.state, record),
-            epochs_done=epochs_done(self.state),
-            last=self.state.step >= self.state.total_steps,
-        )
+        state = self.state
+        last = state.step >= state.total_steps
+        end = StepEnd(state.step, metrics, epoch_ended(state, record), epochs_done(state), last)
         # every stage sees every step end (a stateful one must not miss the step another stops on)
         stop = next((r for r in [s.stop_reason(end) for s in self.job.stages] if r), None)
         if stop:
@@ -173,13 +169,9 @@ class Run:
         newest checkpoint, and any checkpoint a link of checkpoints/ names (CheckpointStore.retain)."""
         stages = self.job.stages
         keep = AnyOf((*tuple(p for s in stages if (p := s.policy()) is not None), LatestN(1)))
-        self.store.retain(
-            keep,
-            {s.link: s.link_policy() for s in stages if s.link},
-            upto=self.state.step,
-            lineage=self.plan.lineage["id"],
-            named=tuple(n for s in stages if (n := s.named()) is not None),
-        )
+        links = {s.link: s.link_policy() for s in stages if s.link}
+        named = tuple(n for s in stages if (n := s.named()) is not None)
+        self.store.retain(keep, links, self.state.step, self.plan.lineage["id"], named)
 
     # --- run.json
     def write_status(self, status: str, **extra) -> None:
@@ -238,39 +230,29 @@ class Run:
             links = {n: store.root / n if store.link_dir(n) else None for n in ("final", "best")}
             links["newest"] = kept[-1][1] if kept else None
             tracker, command = self.job.tracker, self.context.command
-            log.info(
-                "%s",
-                report.end_block(
-                    status=status,
-                    step=self.state.step,
-                    run_dir=self.rundir.path,
-                    best=self._best(),
-                    links=links,
-                    curve=curve,
-                    run_uri=self.job.facts.get("mlflow_run_uri") or tracker.run_uri(timeout=0.0),
-                    tracking_uri=getattr(tracker, "uri", None),
-                    overrides=command,
-                    resume=continued_by(
-                        self.job.config["resume"]["source"],
-                        command,
-                        links["newest"],
-                        status == "complete",
-                    ),
-                    samples=bool(self.state.dataset.spec.vocab_size),
-                    experiment_id=getattr(tracker, "experiment_id", None),
-                ),
+            source = self.job.config["resume"]["source"]
+            block = report.end_block(
+                status=status,
+                step=self.state.step,
+                run_dir=self.rundir.path,
+                best=self._best(),
+                links=links,
+                curve=curve,
+                run_uri=self.job.facts.get("mlflow_run_uri") or tracker.run_uri(timeout=0.0),
+                tracking_uri=getattr(tracker, "uri", None),
+                overrides=command,
+                resume=continued_by(source, command, links["newest"], status == "complete"),
+                samples=bool(self.state.dataset.spec.vocab_size),
+                experiment_id=getattr(tracker, "experiment_id", None),
             )
+            log.info("%s", block)
 
     def _best(self) -> tuple | None:
         """(monitor, best value, its step) of the stage that keeps checkpoints/best, if it has one."""
-        return next(
-            (
-                (s.monitor, s.best, s.best_step)
-                for s in self.job.stages
-                if s.link == "best" and getattr(s, "best", None) is not None
-            ),
-            None,
-        )
+        for s in self.job.stages:
+            if s.link == "best" and getattr(s, "best", None) is not None:
+                return s.monitor, s.best, s.best_step
+        return None
 
     def failure(self, message: str) -> str:
         """A full or read-only disk's one line, with what run.json says and where a re-run continues."""
@@ -348,33 +330,19 @@ class Run:
             raise
         state = self.state
         if self.stopped is None:
-            log.info(
-                "done at step %d (%s) after %.1f s in this %s: %s",
-                state.step,
-                state.progress.ended,
-                time.time() - self.context.started
-                if self.context.in_sweep
-                else budget.process_age(),
-                "job" if self.context.in_sweep else "process",
-                self._metrics(),
-            )
+            sweep = self.context.in_sweep
+            took = time.time() - self.context.started if sweep else budget.process_age()
+            done = "done at step %d (%s) after %.1f s in this %s: %s"
+            where = "job" if sweep else "process"
+            log.info(done, state.step, state.progress.ended, took, where, self._metrics())
             outcome = Outcome("complete", EXIT_OK, self.objective())
         else:
-            outcome = Outcome(
-                "preempted",
-                EXIT_PREEMPTED,
-                message=f"preempted at step {state.step}; {self.resume_hint()}",
-                requeue=True,
-            )
+            said = f"preempted at step {state.step}; {self.resume_hint()}"
+            outcome = Outcome("preempted", EXIT_PREEMPTED, message=said, requeue=True)
         self._summary(outcome.status)
         if self.stopped is not None:
-            log.warning(
-                "preempted by %s at step %d; %s (exit %d)",
-                self.stopped,
-                state.step,
-                self.resume_hint(),
-                EXIT_PREEMPTED,
-            )
+            said = "preempted by %s at step %d; %s (exit %d)"
+            log.warning(said, self.stopped, state.step, self.resume_hint(), EXIT_PREEMPTED)
         # the tracked run's end, then trainer.profile's table (this process's share of the run)
         with self.profile.phase("tracking hand-over"):
             tracker.finish("FINISHED" if self.stopped is None else "KILLED", self.rundir.path)

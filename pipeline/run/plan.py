@@ -140,9 +140,7 @@ def _origin(path: Path, manifest: dict) -> dict:
     return {"checkpoint": str(path), "step": manifest["step"], "weights_sha256": weights}
 
 
-def continued_by(
-    source: str, overrides: list[str], newest: Path | None, complete: bool
-) -> list[str]:
+def continued_by(source: str, overrides: list, newest: Path | None, complete: bool) -> list[str]:
     """The arguments of the command that continues a run ([]: none does): the identical command, but with
     resume=never that starts a new run, so a stopped one is continued from its `newest` checkpoint, as a fork."""
     if source != NEVER:
@@ -233,9 +231,8 @@ def _continued(rundir, job, resume, ckpt, lineage, started, skipped) -> Plan:
     complete = job.state.progress.ended is not None
     kept = tuple(ln for ln in lines if ln["step"] <= ckpt.step)
     recorded = written_now(ckpt.manifest["config"])
-    retuned = identity.described(
-        recorded, job.config, lambda k: not identity.covered(k, list(WHERE_AND_HOW_LONG))
-    )
+    fixed = list(WHERE_AND_HOW_LONG)
+    retuned = identity.described(recorded, job.config, lambda k: not identity.covered(k, fixed))
     previous = rundir.read_status()
     history = {"started": started, "resumes": []}
     if isinstance(previous.get("started"), (int, float)):
@@ -358,15 +355,12 @@ def _sibling(rundir: RunDir, job) -> str:
     keys = ",".join(k for k in changes if not allowed(k, [c for c in changes if c != k]))
     what = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
     finished = status["status"] == "complete"
-    how = (
-        "; to continue that one instead use resume.source="
-        f"{store.root / ('final' if finished else newest.name)} resume.allow_changes=[{keys}]"
-    )
+    source = store.root / ("final" if finished else newest.name)
+    how = f"; to continue that one instead use resume.source={source} resume.allow_changes=[{keys}]"
     said = "finished" if finished else "interrupted"
     end = how if manifest["step"] < job.state.total_steps else ""  # else refused
-    return (
-        f"this config differs from the {said} run {other.name} in {what}: starting a new run{end}"
-    )
+    differs = f"this config differs from the {said} run {other.name} in {what}"
+    return f"{differs}: starting a new run{end}"
 
 
 def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
@@ -415,24 +409,17 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
         if plan.sibling:
             log.info("%s", plan.sibling)
         return
+    resumed, complete = plan.resumed, plan.complete
     if plan.other_code:
-        log.warning(
-            "%s %s was trained by other code than this: %s; %s",
-            "run" if plan.complete else "checkpoint",
-            plan.resumed.directory,
-            plan.other_code,
-            "it is left as it is (resume=never trains it anew with this code)"
-            if plan.complete
-            else "resuming with this code (resume=never trains anew)",
-        )
-    if not plan.complete:
-        log.info(
-            "resuming from step %d of %d (epoch %d): %s",
-            plan.resumed.step,
-            state.total_steps,
-            state.epoch,
-            plan.resumed.directory,
-        )
+        then = "resuming with this code (resume=never trains anew)"
+        if complete:
+            then = "it is left as it is (resume=never trains it anew with this code)"
+        said = "%s %s was trained by other code than this: %s; %s"
+        what = "run" if complete else "checkpoint"
+        log.warning(said, what, resumed.directory, plan.other_code, then)
+    if not complete:
+        said = "resuming from step %d of %d (epoch %d): %s"
+        log.info(said, resumed.step, state.total_steps, state.epoch, resumed.directory)
     if aside is not None:
         kept = [p.name for p, _, _ in plan.fallback] + ["metrics.jsonl"] * plan.cut
         if plan.retuned:

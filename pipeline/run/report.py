@@ -17,16 +17,13 @@ def start_block(job, run_dir: Path) -> str:
     model, data = job.state.model, job.state.dataset
     rows, total = summary(model.params, getattr(model, "aliases", {}))
     width = max([len(r[0]) for r in rows] + [5])
-    lines = [
-        f"model {type(model).__name__}: {total:,} parameters"
-        + (" (tied: counted once)" if getattr(model, "aliases", None) else "")
-    ]
+    tied = " (tied: counted once)" if getattr(model, "aliases", None) else ""
+    lines = [f"model {type(model).__name__}: {total:,} parameters{tied}"]
     lines.append(f"  {'group':<{width}}  {'arrays':>6}  {'params':>10}  shape")
     for group, shapes, n, note in rows:
         biggest = "x".join(map(str, max(shapes, key=math.prod))) if shapes else "-"
-        lines.append(
-            f"  {group:<{width}}  {len(shapes):>6}  {n:>10,}  {biggest}{'  ' + note if note else ''}"
-        )
+        note = f"  {note}" if note else ""
+        lines.append(f"  {group:<{width}}  {len(shapes):>6}  {n:>10,}  {biggest}{note}")
     spec = data.spec
     if spec.vocab_size:
         what = (
@@ -119,17 +116,13 @@ def end_block(
     it runs pasted in the same shell (`resume`: run/plan.continued_by; None: `overrides`; []: none)."""
     # `python` if that is the one on PATH
     py, found = sys.executable or "python", shutil.which("python")
-    if (
-        os.path.basename(py) == "python"
-        and found
-        and os.path.realpath(found) == os.path.realpath(py)
-    ):
+    same = found and os.path.realpath(found) == os.path.realpath(py)
+    if os.path.basename(py) == "python" and same:
         py = "python"
     # the PYTHONPATH this process was given, absolute: a package of your own is found by the lines pasted, also
     # where PYTHONPATH was set for the one command (`PYTHONPATH=examples/moons python -m pipeline ...`)
-    path = os.pathsep.join(
-        os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p
-    )
+    given = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    path = os.pathsep.join(os.path.abspath(p) for p in given if p)
     py = f"PYTHONPATH={shlex.quote(path)} {shlex.quote(py)}" if path else shlex.quote(py)
     lines = [f"{status} at step {step}: {run_dir}"]
     if best is not None:
@@ -147,9 +140,8 @@ def end_block(
     target = links.get("best") or links.get("final") or links.get("newest")
     if target is not None:
         configs = tool_args(overrides)
-        lines.append(
-            f"  evaluate    {py} {shlex.join(['-m', 'pipeline.evaluate', str(target), *configs])}"
-        )
+        evaluate = f"{py} {shlex.join(['-m', 'pipeline.evaluate', str(target), *configs])}"
+        lines.append(f"  evaluate    {evaluate}")
         if samples:
             sample = f"{py} {shlex.join(['-m', 'pipeline.sample', str(target), *configs])}"
             lines.append(f'  sample      {sample} prompt=""')

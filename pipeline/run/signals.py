@@ -19,8 +19,7 @@ from typing import NoReturn
 from pipeline.config.errors import EXIT_PREEMPTED, Refusal, exit_code
 
 log = logging.getLogger("pipeline")
-# a stopped sweep's file in its directory: its jobs check it before they start
-MARKER = "interrupted"
+MARKER = "interrupted"  # a stopped sweep's file in its directory: its jobs check it first
 # USR1 is what `--signal=USR1@N` sends before a SLURM time limit, USR2 what submitit asks SLURM for; HUP what
 # a closed terminal or a dropped ssh session sends (its default would end the process with -1, unsaved).
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
@@ -66,10 +65,8 @@ class Signals:
         self.received: int | None = None
         self.mode = RAISE
         self.installed = False
-        # a sweep's "interrupted" file, which its jobs check before starting
-        self.marker: Path | None = None
-        # a SLURM sweep's submitit folder (its job ids), jobs not ours
-        self.slurm_jobs: Path | None = None
+        self.marker: Path | None = None  # a sweep's MARKER file, which its jobs check first
+        self.slurm_jobs: Path | None = None  # a SLURM sweep's submitit folder (its job ids)
         self.launching = None  # the sweep callback of the sweep this process launches: the entry ends or undoes it
         self.held = False  # a run has held its directory (deferring) in this process
 
@@ -125,9 +122,8 @@ class Signals:
         if self.slurm_jobs is not None:  # the jobs run on the cluster, not below this process
             from pipeline.run.slurm import signal_jobs
 
-            threading.Thread(
-                target=signal_jobs, args=(self.slurm_jobs, signum), daemon=True
-            ).start()
+            args = (self.slurm_jobs, signum)
+            threading.Thread(target=signal_jobs, args=args, daemon=True).start()
 
     def finish(self) -> None:
         """The exit code is decided: from now on the kernel ignores these signals (called last by entry points)."""
@@ -138,10 +134,8 @@ class Signals:
 
         # a signal caught just before SIG_IGN took over: nothing to say about it
         def hook(unraisable):
-            if not (
-                isinstance(unraisable.exc_value, OSError)
-                and "race condition" in str(unraisable.exc_value)
-            ):
+            e = unraisable.exc_value
+            if not (isinstance(e, OSError) and "race condition" in str(e)):
                 previous(unraisable)
 
         sys.unraisablehook = hook

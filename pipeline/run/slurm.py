@@ -56,9 +56,8 @@ def requeue_self() -> tuple[bool, str] | None:
 
 def _job_fields(job: str) -> dict:
     """`scontrol show job JOB -o` as {field: value}."""
-    shown = subprocess.run(
-        ["scontrol", "show", "job", job, "-o"], capture_output=True, text=True, timeout=60
-    )
+    args = ["scontrol", "show", "job", job, "-o"]
+    shown = subprocess.run(args, capture_output=True, text=True, timeout=60)
     return dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
 
 
@@ -67,22 +66,19 @@ def signal_jobs(submitit_dir: Path, signum: int) -> list[str]:
     returns the ids. A job not running is left alone: one that starts later refuses to (the sweep's marker)."""
     if shutil.which("scancel") is None or not submitit_dir.is_dir():
         return []
-    ids = sorted(
-        {
-            p.name.split("_")[0]
-            for p in submitit_dir.iterdir()
-            if re.fullmatch(r"\d+(_\d+)?", p.name)
-        }
-    )
+    names = [p.name for p in submitit_dir.iterdir()]
+    ids = sorted({n.split("_")[0] for n in names if re.fullmatch(r"\d+(_\d+)?", n)})
     if ids:
         try:
             # the running ones only: to a pending task scancel answers "try again later" and retries 5 s later,
             # when the task may have just started, before its Python handles signals (it dies without a result)
-            subprocess.run(
-                ["scancel", "--state=RUNNING", f"--signal={signal.Signals(signum).name[3:]}", *ids],
-                capture_output=True,
-                timeout=60,
-            )
+            args = [
+                "scancel",
+                "--state=RUNNING",
+                f"--signal={signal.Signals(signum).name[3:]}",
+                *ids,
+            ]
+            subprocess.run(args, capture_output=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired):
             return []  # an unreachable controller: the jobs run on; the pending ones still refuse to start
     return ids

@@ -50,12 +50,7 @@ class SweepJob:
         """What the job's tracked run and its record say about it; None outside a recorded sweep."""
         if self.dir is None:
             return None
-        return {
-            "sweep_id": self.sweep_id,
-            "num": self.num,
-            "overrides": self.overrides,
-            "name": self.name,
-        }
+        return dict(sweep_id=self.sweep_id, num=self.num, overrides=self.overrides, name=self.name)
 
     def record(self, objective: object = None, error: BaseException | None = None) -> None:
         """<sweep dir>/jobs/<num>.json at the job's end (an exception out of the job: code 1 and its text)."""
@@ -64,18 +59,18 @@ class SweepJob:
         if error is not None and self.failure is None:
             self.failure = {"code": 1, "error": f"{type(error).__name__}: {error}"[:2000]}
         failure = self.failure
+        value = float(objective) if isinstance(objective, (int, float)) and error is None else None
+        status = "complete"
+        if failure is not None:
+            status = "preempted" if failure["code"] == EXIT_PREEMPTED else "failed"
         record = {
             **(self.tags or {}),
             "run_dir": self.run_dir,
             "run_uri": self.run_uri,
             "started": self.started,
             "ended_at": time.time(),
-            "objective": float(objective)
-            if isinstance(objective, (int, float)) and error is None
-            else None,
-            "status": "complete"
-            if failure is None
-            else ("preempted" if failure["code"] == EXIT_PREEMPTED else "failed"),
+            "objective": value,
+            "status": status,
             **(failure or {}),
         }
         try:

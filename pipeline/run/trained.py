@@ -1,12 +1,11 @@
-"""A checkpoint put to use (show, evaluate, sample, export): verified, restored, and given the data it needs.
-
-Every refusal is a ConfigError or CheckpointError of one line; the callers exit 2 with it.
-"""
+"""A checkpoint put to use (show, evaluate, sample, export): verified, restored, and given the data it needs;
+every refusal is a ConfigError or CheckpointError of one line (the callers exit 2 with it)."""
 
 from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -35,9 +34,7 @@ class UnknownTargetError(CheckpointError):
     """A checkpoint whose config names a `_target_` neither the pipeline's configs nor the user's name."""
 
 
-def restore_checkpoint(
-    directory: Path, overrides: list[str] | tuple[str, ...] = ()
-) -> tuple[dict, TrainState]:
+def restore_checkpoint(directory: Path, overrides: Sequence[str] = ()) -> tuple[dict, TrainState]:
     """(manifest, the restored state) of a checkpoint that fully verifies: its manifest checked against itself,
     every `_target_` of its config allowed before anything is imported (UnknownTargetError), then the parts
     built and CheckpointDir.load verifying every file against them. `overrides` may give `hydra.searchpath=[...]`."""
@@ -63,10 +60,7 @@ def restore_checkpoint(
     try:
         state = build_state(config, DataSpec(**spec), n_train)
     except Exception as e:
-        raise checkpoint.fault(
-            f"its config does not build here: "
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        ) from None
+        raise checkpoint.fault(f"its config does not build here: {_first_line(e)}") from None
     # One read of every file: sizes, sha256, each tensor file's layout before allocation, every part's fit:
     # restore cannot refuse after it.
     ckpt = checkpoint.load(parts := state.parts())
@@ -76,26 +70,25 @@ def restore_checkpoint(
     return manifest, state
 
 
-def _fits_its_weights(
-    checkpoint: CheckpointDir, manifest: dict, node: dict, spec: DataSpec
-) -> None:
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _fits_its_weights(ckpt: CheckpointDir, manifest: dict, node: dict, spec: DataSpec) -> None:
     """A config whose model is far bigger than its weights file is refused before a byte is allocated for it (a planted
     width would otherwise be built first and found wrong after, or exhaust memory on the way)."""
     from hydra.utils import get_class
 
     try:
         count = getattr(get_class(node["_target_"]), "n_params", None)
-        wanted = (
-            None
-            if count is None
-            else count(spec, **{k: v for k, v in node.items() if k != "_target_"})
-        )
+        kwargs = {k: v for k, v in node.items() if k != "_target_"}
+        wanted = None if count is None else count(spec, **kwargs)
     except Exception as e:
-        raise checkpoint.fault(f"its config does not build here: {type(e).__name__}: {e}") from None
+        raise ckpt.fault(f"its config does not build here: {type(e).__name__}: {e}") from None
     itemsize = np.dtype(manifest["config"]["trainer"]["dtype"]).itemsize
     # Only a gross excess is refused here: a near miss is built (cheaply) and named precisely by CheckpointDir.load.
     if wanted is not None and wanted * itemsize > 2 * weights_bytes(manifest) + SLACK_BYTES:
-        raise checkpoint.fault(
+        raise ckpt.fault(
             f"its config describes a model of {wanted:,} parameters ({wanted * itemsize:,} "
             f"bytes), more than its weights file holds ({weights_bytes(manifest):,} "
             "bytes); it was not built"
@@ -127,15 +120,11 @@ def _own_source(manifest: dict, node: dict, directory: Path) -> None:
         return
     try:
         here = identity.source_hashes({"data": node})["data.path"]
-    except FileNotFoundError:
-        raise ConfigError(
-            f"data.path={path} (the checkpoint's): text file not found; give the file it was "
-            "trained on with data.path=FILE"
-        ) from None
     except OSError as e:
+        why = "text file not found" if isinstance(e, FileNotFoundError) else e.strerror or e
         raise ConfigError(
-            f"data.path={path} (the checkpoint's): {getattr(e, 'strerror', None) or e}; give the "
-            "file it was trained on with data.path=FILE"
+            f"data.path={path} (the checkpoint's): {why}; give the file it was trained on with "
+            "data.path=FILE"
         ) from None
     if here != sha:
         raise ConfigError(
@@ -206,9 +195,7 @@ def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict,
     except (ValueError, OSError) as e:
         raise ConfigError(f"data: {e}") from None
     except Exception as e:
-        raise ConfigError(
-            f"data does not build: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        ) from None
+        raise ConfigError(f"data does not build: {_first_line(e)}") from None
 
 
 def own_data(manifest: dict, overrides: list[str], directory: Path):

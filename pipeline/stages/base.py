@@ -68,6 +68,9 @@ class Stage:
         return fit_reason(self.state_dict(), saved, self.name)
 
 
+LATER = ("monitor", "mode", "since")  # Watch's keys added after its first release
+
+
 class Watch(Stage):
     """A stage following the best finite value of the metric `monitor` (mode min or max); it rides in checkpoints
     with the monitor and mode it was measured by, so another monitor or mode starts a new best history."""
@@ -97,18 +100,17 @@ class Watch(Stage):
         # resume it then).
         old = (saved.get("monitor", self.monitor), saved.get("mode", self.mode))
         if old != (self.monitor, self.mode):
-            return (
-                f"monitor {old[0]!r:.80} mode {old[1]!r:.10} -> {self.monitor!r} mode {self.mode!r}"
-            )
+            new = f"{self.monitor!r} mode {self.mode!r}"
+            return f"monitor {old[0]!r:.80} mode {old[1]!r:.10} -> {new}"
         return None
 
     def fit_reason(self, saved: dict) -> str | None:
-        live = {
-            k: v
-            for k, v in self.state_dict().items()
-            if k in saved or k not in ("monitor", "mode", "since")
-        }
-        return fit_reason(live, saved, self.name)
+        return fit_reason(self.comparable(self.state_dict(), saved), saved, self.name)
+
+    @staticmethod
+    def comparable(state: dict, saved: dict) -> dict:
+        """`state` without the keys of LATER that a state saved before they rode along lacks."""
+        return {k: v for k, v in state.items() if k in saved or k not in LATER}
 
     def check_state_dict(self, state: dict) -> None:
         check_best(state["best"], state["best_step"], self.mode)
@@ -123,11 +125,8 @@ class Watch(Stage):
 
 
 class StageStates:
-    """The `stages` part of the state: every stage's own state by name. Stages are not part of the run's
-    identity, so a resume meets stages added, removed or re-tuned by override since the checkpoint: a stage the
-    checkpoint holds no state for starts fresh, a saved state no stage claims is dropped, and a re-tuned stage
-    keeps its state unless `continues` says it no longer means the same (then it starts fresh too). `notes`
-    says, after a load, what was not restored; `fresh` names the stages that start anew."""
+    """The `stages` part of the state, every stage's own by name, met by a resume with stages added, removed or
+    re-tuned (docs/stages.md: Changing stages); `notes`: what a load did not restore; `fresh`: who starts anew."""
 
     free_form_state = ("",)  # the names vary with the config: each stage checks its own entry
     # resume and train were stages until they became settings: their saved (empty) states are dropped unsaid
@@ -142,11 +141,8 @@ class StageStates:
         return {s.name: s.state_dict() for s in self.stages}
 
     def _restored(self, state: dict) -> list[Stage]:
-        return [
-            s
-            for s in self.stages
-            if isinstance(state.get(s.name), dict) and not s.continues(state[s.name])
-        ]
+        saved = {k: v for k, v in state.items() if isinstance(v, dict)}
+        return [s for s in self.stages if s.name in saved and not s.continues(saved[s.name])]
 
     def check_state_dict(self, state: dict) -> None:
         for name, saved in state.items():

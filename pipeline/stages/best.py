@@ -40,9 +40,7 @@ class BestVal(Watch):
     def named(self) -> Named | None:
         if (pattern := self.filename) is None:
             return None
-        return Named(
-            self.policy(), lambda record: patterns.render(pattern, record.step, record.metrics)
-        )
+        return Named(self.policy(), lambda r: patterns.render(pattern, r.step, r.metrics))
 
     # state: Watch's (best, best_step, ...), and with keep > 1 the top list (keep = 1: the same bytes as before)
     def state_dict(self) -> dict:
@@ -59,11 +57,7 @@ class BestVal(Watch):
         # `top` is as long as the evaluations counted so far, and absent where the checkpoint kept one best
         if not isinstance(saved.get("top", []), list):
             return f"{self.name}.top: expected a list of [value, step], got {type(saved['top']).__name__}"
-        live = {
-            k: v
-            for k, v in super().state_dict().items()
-            if k in saved or k not in ("monitor", "mode", "since")
-        }
+        live = self.comparable(super().state_dict(), saved)
         return fit_reason(live, {k: v for k, v in saved.items() if k != "top"}, self.name)
 
     def check_state_dict(self, state: dict) -> None:
@@ -71,16 +65,13 @@ class BestVal(Watch):
         if "top" not in state:
             return
         top = state["top"]
-        if not all(
-            isinstance(e, list)
-            and len(e) == 2
-            and type(e[1]) is int
-            and e[1] >= 0
-            and isinstance(e[0], (int, float))
-            and type(e[0]) is not bool
-            and math.isfinite(e[0])
-            for e in top
-        ):
+
+        def entry(e) -> bool:
+            if not (isinstance(e, list) and len(e) == 2 and type(e[1]) is int and e[1] >= 0):
+                return False
+            return isinstance(e[0], (int, float)) and type(e[0]) is not bool and math.isfinite(e[0])
+
+        if not all(entry(e) for e in top):
             raise ValueError(f"top {top!r:.80} is not a list of [finite value, step]")
         pairs = [(float(v), s) for v, s in top]
         if pairs != sorted(pairs, key=rank(self.mode)) or len({s for _, s in pairs}) != len(pairs):
@@ -94,11 +85,7 @@ class BestVal(Watch):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         # A checkpoint that kept one best (keep was 1) knows that one: the top list grows from it.
-        saved = (
-            [(float(v), int(s)) for v, s in state["top"]]
-            if "top" in state
-            else (
-                [] if self.best is None or self.best_step is None else [(self.best, self.best_step)]
-            )
-        )
+        saved = [(float(v), int(s)) for v, s in state.get("top", [])]
+        if "top" not in state and self.best is not None and self.best_step is not None:
+            saved = [(self.best, self.best_step)]
         self.top = saved[: self.keep]

@@ -28,11 +28,9 @@ class EarlyStop(Watch):
         self.wait += 1
         if self.wait < self.patience:
             return None
-        best = (
-            "no finite value yet"
-            if self.best is None
-            else f"best {self.best:.6g} at step {self.best_step}"
-        )
+        best = "no finite value yet"
+        if self.best is not None:
+            best = f"best {self.best:.6g} at step {self.best_step}"
         return (
             f"early_stop: {self.monitor} did not improve in {self.wait} evaluations "
             f"(mode {self.mode}, min_delta {self.min_delta:g}; {best})"
