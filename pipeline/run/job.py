@@ -143,7 +143,7 @@ def _job(
             if isinstance(e, Interrupted):
                 said = "nothing was written"
                 if applied and (applied.supersede or applied.fallback or applied.cut):
-                    said = f"the earlier planned was moved to {rundir.path / 'superseded'}"
+                    said = f"the earlier history was moved to {rundir.path / 'superseded'}"
                 raise JobFailed(
                     EXIT_PREEMPTED,
                     f"interrupted by {e} while setting up the run; {said}; re-run the same command",

@@ -1,5 +1,5 @@
 """Which history a run continues: `plan` decides it as a frozen value and writes nothing; `apply` makes its one
-durable change and says it in the log (docs/stages.md: Resuming)."""
+durable change and says it in the log (docs/stages.md: Resume)."""
 
 from __future__ import annotations
 

@@ -285,13 +285,14 @@ def test_no_file_widens_what_may_run(finished, tmp_path, module, case):
 
 
 def test_the_archives_search_path_given_on_the_command_line_is_the_users_choice(finished, tmp_path):
-    """The same archive, its search path given by the user: now the class is built (the user's decision), and
-    the check fails on what it built, as any restore of a model that does not fit."""
+    """The same archive, its search path given by the user: the class passes the allow-list (the user's decision),
+    and is refused before it is built by what every model must take (the live-argument interface)."""
     s = Scene(finished, tmp_path)
     dest = s.archive_of(s.run, tmp_path / "dest")
     s.plant(dest)
     proc = s.run_tool("pipeline.archive", "--check", dest, s.searchpath)
-    assert s.sentinel.read_bytes() == b"", (
-        proc.stdout + proc.stderr
-    )  # truncated: the user allowed io.FileIO
+    out = proc.stdout + proc.stderr
+    assert "model._target_=io.FileIO takes no 'spec'" in out and "live-argument interface" in out, out
+    assert "give it on the command line if you trust it" not in out  # past the allow-list
+    assert s.sentinel.read_bytes() == b"precious\n", out  # never built
     assert proc.returncode == 1
