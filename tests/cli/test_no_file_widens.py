@@ -292,7 +292,9 @@ def test_the_archives_search_path_given_on_the_command_line_is_the_users_choice(
     s.plant(dest)
     proc = s.run_tool("pipeline.archive", "--check", dest, s.searchpath)
     out = proc.stdout + proc.stderr
-    assert "model._target_=io.FileIO takes no 'spec'" in out and "live-argument interface" in out, out
+    assert "model._target_=io.FileIO takes no 'spec'" in out and "live-argument interface" in out, (
+        out
+    )
     assert "give it on the command line if you trust it" not in out  # past the allow-list
     assert s.sentinel.read_bytes() == b"precious\n", out  # never built
     assert proc.returncode == 1
