@@ -52,21 +52,26 @@ from pipeline.trainer.parallel import Shards, split
 LR, WD, BETAS, EPS = 3e-4, 0.1, (0.9, 0.999), 1e-8
 
 
-def build_torch(np_model: MiniGPT, attn: str):
-    """The same GPT-2 in torch (nn.Linear layout [out, in]), initialised from the numpy model's weights."""
+def build_torch(np_model, attn: str, lr=LR, betas=BETAS, weight_decay=WD, weight_decay_on="all"):
+    """The same GPT-2 in torch (nn.Linear layout [out, in]), initialised from the numpy model's weights; bias and
+    GELU as np_model's; AdamW decaying every parameter (all) or the 2-D ones (matrices: nanoGPT's groups)."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
     V, T, d, nh = np_model.vocab_size, np_model.block_size, np_model.n_embd, np_model.n_head
-    hs = d // nh
+    hs, bias = d // nh, np_model.bias
+    approximate = "tanh" if np_model.gelu == "tanh" else "none"
 
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.ln_1, self.ln_2 = nn.LayerNorm(d, eps=1e-5), nn.LayerNorm(d, eps=1e-5)
-            self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+            self.ln_1, self.ln_2 = (nn.LayerNorm(d, eps=1e-5, bias=bias) for _ in range(2))
+            self.c_attn, self.c_proj = nn.Linear(d, 3 * d, bias=bias), nn.Linear(d, d, bias=bias)
+            self.c_fc, self.mlp_proj = (
+                nn.Linear(d, 4 * d, bias=bias),
+                nn.Linear(4 * d, d, bias=bias),
+            )
             self.register_buffer(
                 "mask", torch.ones(T, T, dtype=torch.bool).tril(), persistent=False
             )
@@ -82,14 +87,14 @@ def build_torch(np_model: MiniGPT, attn: str):
                 att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(dim=-1)
                 y = att @ v
             x = x + self.c_proj(y.transpose(1, 2).reshape(B, t, d))
-            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate=approximate))
 
     class GPT(nn.Module):
         def __init__(self):
             super().__init__()
             self.wte, self.wpe = nn.Embedding(V, d), nn.Embedding(T, d)
             self.h = nn.ModuleList(Block() for _ in range(np_model.n_layer))
-            self.ln_f = nn.LayerNorm(d, eps=1e-5)
+            self.ln_f = nn.LayerNorm(d, eps=1e-5, bias=bias)
 
         def forward(self, idx):
             x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
@@ -99,23 +104,32 @@ def build_torch(np_model: MiniGPT, attn: str):
 
     model = GPT()
     p = np_model.params
+
+    def put(mod, name, transpose=False):
+        w = p[name + ".weight"]
+        mod.weight.copy_(
+            torch.from_numpy(w.T.copy() if transpose else w)
+        )  # Conv1D [in, out] -> [out, in]
+        if bias and name + ".bias" in p:
+            mod.bias.copy_(torch.from_numpy(p[name + ".bias"]))
+
     with torch.no_grad():
-        model.wte.weight.copy_(torch.from_numpy(p["transformer.wte.weight"]))
-        model.wpe.weight.copy_(torch.from_numpy(p["transformer.wpe.weight"]))
+        put(model.wte, "transformer.wte")
+        put(model.wpe, "transformer.wpe")
         for i, blk in enumerate(model.h):
             h = f"transformer.h.{i}."
-            for mod, name in ((blk.ln_1, "ln_1"), (blk.ln_2, "ln_2")):
-                mod.weight.copy_(torch.from_numpy(p[h + name + ".weight"]))
-                mod.bias.copy_(torch.from_numpy(p[h + name + ".bias"]))
+            put(blk.ln_1, h + "ln_1")
+            put(blk.ln_2, h + "ln_2")
             for mod, name in ((blk.c_attn, "attn.c_attn"), (blk.c_proj, "attn.c_proj"), (blk.c_fc, "mlp.c_fc"),
                               (blk.mlp_proj, "mlp.c_proj")):  # fmt: skip
-                mod.weight.copy_(
-                    torch.from_numpy(p[h + name + ".weight"].T.copy())
-                )  # Conv1D [in, out] -> [out, in]
-                mod.bias.copy_(torch.from_numpy(p[h + name + ".bias"]))
-        model.ln_f.weight.copy_(torch.from_numpy(p["transformer.ln_f.weight"]))
-        model.ln_f.bias.copy_(torch.from_numpy(p["transformer.ln_f.bias"]))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+                put(mod, h + name, transpose=True)
+        put(model.ln_f, "transformer.ln_f")
+    params = list(model.parameters())
+    decays = [q.dim() >= 2 or weight_decay_on == "all" for q in params]
+    groups = [{"params": [q for q, dq in zip(params, decays) if dq]},
+              {"params": [q for q, dq in zip(params, decays) if not dq], "weight_decay": 0.0}]  # fmt: skip
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=EPS,
+                            weight_decay=weight_decay)  # fmt: skip
     return model, opt
 
 
