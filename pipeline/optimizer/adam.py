@@ -32,17 +32,12 @@ class Adam(Optimizer):
         """One update of every parameter. A model of one dtype is updated in place, large parameters chunk by
         chunk and the small ones packed into one array per decay group: the same bits per element."""
         flat, params = self._flat, self.params
-        if (
-            flat is None
-            or set(grads) != set(params)
-            or any(
-                grads[n].dtype != flat.dtype or not p.flags.c_contiguous for n, p in params.items()
-            )
+        fits = flat is not None and set(grads) == set(params)
+        if not fits or any(
+            grads[n].dtype != flat.dtype or not params[n].flags.c_contiguous for n in params
         ):
-            super().step(
-                grads
-            )  # per parameter (also the one that refuses gradients that do not match)
-            return
+            # per parameter (also the one that refuses gradients that do not match)
+            return super().step(grads)
         self.t += 1
         for names, a, b, decay in flat.packs:  # small parameters: gathered, updated, scattered
             p, g = flat.p[: b - a], flat.g[: b - a]
@@ -52,13 +47,8 @@ class Adam(Optimizer):
             for n, part in zip(names, np.split(p, np.cumsum([params[n].size for n in names[:-1]]))):
                 np.copyto(params[n], part.reshape(params[n].shape))
         for n, a, b in flat.large:
-            self._chunks(
-                params[n].reshape(-1),
-                grads[n].reshape(-1),
-                flat.m[a:b],
-                flat.v[a:b],
-                self.decays[n],
-            )
+            p, g = params[n].reshape(-1), grads[n].reshape(-1)
+            self._chunks(p, g, flat.m[a:b], flat.v[a:b], self.decays[n])
 
     def _chunks(self, p, g, m, v, decay: bool) -> None:
         c, tmp = self._flat.chunk, self._flat.tmp
@@ -68,17 +58,14 @@ class Adam(Optimizer):
 
     def _update(self, name: str, p: np.ndarray, g: np.ndarray) -> None:
         m, v = self._buffer("exp_avg", name), self._buffer("exp_avg_sq", name)
-        self._apply(
-            p, g, m, v, np.empty_like(m), decay=self.decays[name]
-        )  # out=: an array even for 0-d ones
+        self._apply(p, g, m, v, np.empty_like(m), self.decays[name])  # out=: an array even for 0-d
 
     def _apply(self, p, g, m, v, tmp, decay: bool) -> None:
         # torch's formulas, each elementwise operation in torch's order, through one scratch array: the same
         # bits as the plain expressions without their five temporaries per parameter.
         dt = p.dtype.type
-        if (
-            self.weight_decay and decay
-        ):  # torch's: decoupled (AdamW) shrinks p, L2 (Adam) uses g + wd p
+        # torch's weight decay: decoupled (AdamW) shrinks p, L2 (Adam) uses g + wd p
+        if self.weight_decay and decay:
             if self.decoupled:
                 p *= dt(1 - self.lr * self.weight_decay)
             else:
