@@ -41,10 +41,10 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-# A block's parameters, suffixes of transformer.h.<i>.: the order of layernorm_linear_backward's gradients
-_BLOCK_PARAMS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
-                 "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
-                 "mlp.c_proj.weight", "mlp.c_proj.bias")  # fmt: skip
+# A block's parameters (after transformer.h.<i>.), in the order the layer functions take and return them
+_BLOCK_PARAMS = tuple(f"{m}.{k}" for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc",
+                                           "mlp.c_proj") for k in ("weight", "bias"))  # fmt: skip
+_WTE, _LNF_B = "transformer.wte.weight", "transformer.ln_f.bias"
 
 
 class MiniGPT(NamedParams):
@@ -71,11 +71,8 @@ class MiniGPT(NamedParams):
                 f"model.block_size {self.block_size} is shorter than the data's sequences "
                 f"({spec.block_size} tokens)"
             )
-        self.dropout, self.attn_dropout, self.dtype = (
-            float(dropout),
-            float(attn_dropout),
-            np.dtype(dtype),
-        )
+        self.dropout, self.attn_dropout = float(dropout), float(attn_dropout)
+        self.dtype = np.dtype(dtype)
         # bias=False: no bias in any linear layer or LayerNorm (nanoGPT's option); gelu: tanh (GPT-2's) or erf
         self.bias, self.gelu = bool(bias), str(gelu)
         self.params = self._init_params(float(init_std), rng)
@@ -83,24 +80,19 @@ class MiniGPT(NamedParams):
         keep_freed_memory()
 
     @staticmethod
-    def n_params(
-        spec: DataSpec, n_layer: int, n_embd: int, block_size: int | None, bias: bool, **_
-    ) -> int:
-        """The parameter count __init__ would allocate (tied head once), computed without allocating it."""
+    def n_params(spec: DataSpec, n_layer: int, n_embd: int, block_size: int | None, bias, **_):
+        """The parameter count __init__ would allocate (tied head once), without allocating it."""
         d, positions = int(n_embd), int(spec.block_size if block_size is None else block_size)
         # LayerNorm gains, and 11 d of biases a layer
-        per_layer, final = (13 * d, 2 * d) if bias else (2 * d, d)
-        return (
-            (int(spec.vocab_size) + positions) * d + int(n_layer) * (12 * d * d + per_layer) + final
-        )
+        layer, final = (13 * d, 2 * d) if bias else (2 * d, d)
+        return (int(spec.vocab_size) + positions) * d + int(n_layer) * (12 * d * d + layer) + final
 
     def _init_params(self, std: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
         # GPT-2's init. Draws are float64 then cast, so float32 and float64 models share one init;
         # the draw order is the (fixed) insertion order below.
         V, T, d = self.vocab_size, self.block_size, self.n_embd
-        proj_std = std / math.sqrt(
-            2 * self.n_layer
-        )  # residual projections: the stream's variance stays O(1)
+        # residual projections: the stream's variance stays O(1)
+        proj_std = std / math.sqrt(2 * self.n_layer)
 
         def normal(shape, s):
             return rng.normal(0.0, s, size=shape).astype(self.dtype)
@@ -128,78 +120,60 @@ class MiniGPT(NamedParams):
         return self.params[self.aliases["lm_head.weight"]]
 
     def _forward(self, x: np.ndarray, rng: np.random.Generator | None):
-        # x [B, T] int -> logits [B*T, V], caches; dropout only when rng is given. params are looked up on every
-        # call (optimizers and load_state_dict update them in place), the GELU too (a profiler wraps it).
+        # x [B, T] int -> logits [B*T, V], caches; dropout only when rng is given. params are looked up
+        # on every call (optimizers and load_state_dict update them in place), the GELU too (a profiler
+        # wraps it).
         p = self.params
         if x.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {x.shape}")
         pd, pa = (self.dropout, self.attn_dropout) if rng is not None else (0.0, 0.0)
         gelu = L.gelu_erf_forward if self.gelu == "erf" else L.gelu_forward
-        h, emb_c = L.embedding_forward(x, p["transformer.wte.weight"], p["transformer.wpe.weight"])
-        h, emb_dc = L.dropout_forward(h, pd, rng)  # [B, T, d]
+        h, emb_c = L.embedding_forward(x, p[_WTE], p["transformer.wpe.weight"])  # [B, T, d]
+        h, emb_dc = L.dropout_forward(h, pd, rng)
         blocks = []
         for i in range(self.n_layer):
-            k = f"transformer.h.{i}."
-            w = {n: p.get(k + n) for n in _BLOCK_PARAMS}
-            # [B, T, 3d] = c_attn(ln_1(h))
-            a, qkv_c = L.layernorm_linear_forward(h, w["ln_1.weight"], w["ln_1.bias"], w["attn.c_attn.weight"],
-                                                  w["attn.c_attn.bias"])  # fmt: skip
+            w = [p.get(f"transformer.h.{i}.{n}") for n in _BLOCK_PARAMS]
+            a, qkv_c = L.layernorm_linear_forward(h, *w[0:4])  # [B, T, 3d] = c_attn(ln_1(h))
             a, att_c = L.attention_forward(a, self.n_head, pa, rng)  # [B, T, d]
-            a, aproj_c = L.linear_forward(a, w["attn.c_proj.weight"], w["attn.c_proj.bias"])
+            a, aproj_c = L.linear_forward(a, *w[4:6])
             a, adrop_c = L.dropout_forward(a, pd, rng)
-            h += a  # in place: no cache holds the residual stream (the embedding's output is a fresh array)
-            # [B, T, 4d] = c_fc(ln_2(h))
-            m, fc_c = L.layernorm_linear_forward(h, w["ln_2.weight"], w["ln_2.bias"], w["mlp.c_fc.weight"],
-                                                 w["mlp.c_fc.bias"])  # fmt: skip
+            # in place: no cache holds the residual stream (the embedding's output is a fresh array)
+            h += a
+            m, fc_c = L.layernorm_linear_forward(h, *w[6:10])  # [B, T, 4d] = c_fc(ln_2(h))
             m, gelu_c = gelu(m)
-            m, mproj_c = L.linear_forward(
-                m, w["mlp.c_proj.weight"], w["mlp.c_proj.bias"]
-            )  # [B, T, d]
+            m, mproj_c = L.linear_forward(m, *w[10:12])  # [B, T, d]
             m, mdrop_c = L.dropout_forward(m, pd, rng)
             h += m
             blocks.append((qkv_c, att_c, aproj_c, adrop_c, fc_c, gelu_c, mproj_c, mdrop_c))
-        h, lnf_c = L.layernorm_forward(
-            h, p["transformer.ln_f.weight"], p.get("transformer.ln_f.bias")
-        )
+        h, lnf_c = L.layernorm_forward(h, p["transformer.ln_f.weight"], p.get(_LNF_B))
         logits, head_c = L.head_forward(h, self.lm_head)  # [N, V] tied head, no bias
         return logits, (emb_c, emb_dc, blocks, lnf_c, head_c)
 
-    def _backward(
-        self, dlogits: np.ndarray, row_scale: np.ndarray, caches, shape
-    ) -> dict[str, np.ndarray]:
+    def _backward(self, dlogits, row_scale, caches, shape) -> dict[str, np.ndarray]:
         # dlogits [N, V] * row_scale [N] per row -> grads keyed like self.params
         emb_c, emb_dc, blocks, lnf_c, head_c = caches
         g: dict[str, np.ndarray] = {}
-        dh, dwte_head = L.head_backward(
-            dlogits, head_c, row_scale
-        )  # [N, d], [V, d]: the head's use of wte
+        dh, dwte_head = L.head_backward(dlogits, head_c, row_scale)  # [N, d]; [V, d]: the head's
         dh = dh.reshape(*shape, self.n_embd)  # [B, T, d]
-        dh, g["transformer.ln_f.weight"], g["transformer.ln_f.bias"] = L.layernorm_backward(
-            dh, lnf_c
-        )
+        dh, g["transformer.ln_f.weight"], g[_LNF_B] = L.layernorm_backward(dh, lnf_c)
         for i in reversed(range(self.n_layer)):
-            k = f"transformer.h.{i}."
+            names = [f"transformer.h.{i}.{n}" for n in _BLOCK_PARAMS]
             qkv_c, att_c, aproj_c, adrop_c, fc_c, gelu_c, mproj_c, mdrop_c = blocks[i]
             dm = L.dropout_backward(dh, mdrop_c)  # [B, T, d]
-            dm, g[k + "mlp.c_proj.weight"], g[k + "mlp.c_proj.bias"] = L.linear_backward(
-                dm, mproj_c
-            )
-            dm = L.gelu_backward(dm, gelu_c)  # [B, T, 4d]
-            dm, *grads = L.layernorm_linear_backward(dm, fc_c)  # [B, T, d]
-            g.update(zip((k + n for n in _BLOCK_PARAMS[6:10]), grads))
+            dm, *g_mproj = L.linear_backward(dm, mproj_c)  # [B, T, 4d]
+            dm = L.gelu_backward(dm, gelu_c)
+            dm, *g_fc = L.layernorm_linear_backward(dm, fc_c)  # [B, T, d]
             dh += dm  # the residual branch joins, in place: backward functions never keep dout
             da = L.dropout_backward(dh, adrop_c)
-            da, g[k + "attn.c_proj.weight"], g[k + "attn.c_proj.bias"] = L.linear_backward(
-                da, aproj_c
-            )
+            da, *g_aproj = L.linear_backward(da, aproj_c)
             da = L.attention_backward(da, att_c)  # [B, T, 3d]
-            da, *grads = L.layernorm_linear_backward(da, qkv_c)  # [B, T, d]
-            g.update(zip((k + n for n in _BLOCK_PARAMS[:4]), grads))
+            da, *g_qkv = L.layernorm_linear_backward(da, qkv_c)  # [B, T, d]
+            g.update(zip(names, g_qkv + g_aproj + g_fc + g_mproj))
             dh += da
         dh = L.dropout_backward(dh, emb_dc)
         dwte, g["transformer.wpe.weight"] = L.embedding_backward(dh, emb_c)  # [V, d], [Tmax, d]
         dwte += dwte_head  # tied: the embedding's use + the head's
-        g["transformer.wte.weight"] = dwte
+        g[_WTE] = dwte
         return {name: g[name] for name in self.params}
 
     def loss_and_grads(
