@@ -95,23 +95,17 @@ class _Flat:
         self.dtype = next(iter(params.values())).dtype
         self.chunk = _CHUNK_BYTES // self.dtype.itemsize
         small = {n: p.size < self.chunk for n, p in params.items()}
-        order = [n for d in (True, False) for n in params if small[n] and decays[n] == d]
-        order += [n for n in params if not small[n]]
-        bounds = dict(zip(order, np.cumsum([0] + [params[n].size for n in order]).tolist()))
-        n = sum(p.size for p in params.values())
-        self.m, self.v = np.zeros(n, self.dtype), np.zeros(n, self.dtype)
-        for name in order:
-            a, size = bounds[name], params[name].size
-            state[f"exp_avg.{name}"] = self.m[a : a + size].reshape(params[name].shape)
-            state[f"exp_avg_sq.{name}"] = self.v[a : a + size].reshape(params[name].shape)
-        self.packs = []  # (names, start, end, decay) of each group of small parameters
-        for d in (True, False):
-            names = [n for n in order if small[n] and decays[n] == d]
-            if names:
-                self.packs.append(
-                    (names, bounds[names[0]], bounds[names[-1]] + params[names[-1]].size, d)
-                )
-        self.large = [(n, bounds[n], bounds[n] + params[n].size) for n in order if not small[n]]
+        groups = [[n for n in params if small[n] and decays[n] == d] for d in (True, False)]
+        order = groups[0] + groups[1] + [n for n in params if not small[n]]
+        ends = np.cumsum([params[n].size for n in order]).tolist()
+        span = {n: (e - params[n].size, e) for n, e in zip(order, ends)}
+        self.m, self.v = np.zeros(ends[-1], self.dtype), np.zeros(ends[-1], self.dtype)
+        for n, (a, b) in span.items():
+            state[f"exp_avg.{n}"] = self.m[a:b].reshape(params[n].shape)
+            state[f"exp_avg_sq.{n}"] = self.v[a:b].reshape(params[n].shape)
+        # (names, start, end, decay) of each group of small parameters; (name, start, end) of the large
+        self.packs = [(g, span[g[0]][0], span[g[-1]][1], d) for g, d in zip(groups, (1, 0)) if g]
+        self.large = [(n, *span[n]) for n in order if not small[n]]
         packed = max([b - a for _, a, b, _ in self.packs], default=0)
         self.p, self.g = np.empty(packed, self.dtype), np.empty(packed, self.dtype)
         self.tmp = np.empty(self.chunk, self.dtype)
