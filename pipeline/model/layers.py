@@ -119,9 +119,8 @@ def layernorm_backward(dout: np.ndarray, cache):
     return _normalize_backward(d2 * w, xhat, rstd).reshape(shape), dw, db
 
 
-# LayerNorm then a linear layer, with the norm's affine folded into the linear's weight and bias:
-#   (xhat * g + beta) @ w + b = xhat @ (g[:, None] * w) + (beta @ w + b)
-# The [N, d] affine passes (forward) and the dxhat = dout * g, dg, dbeta passes (backward) become [d, out] work.
+# LayerNorm then a linear layer, the norm's affine folded into the linear's: (xhat * g + beta) @ w + b =
+# xhat @ (g[:, None] * w) + (beta @ w + b); its [N, d] passes (forward and backward) become [d, out] work.
 
 
 def layernorm_linear_forward(x: np.ndarray, g: np.ndarray, beta: np.ndarray | None, w: np.ndarray,
@@ -152,16 +151,14 @@ def layernorm_linear_backward(dout: np.ndarray, cache):
     return dx.reshape(shape), dg, dbeta, dw, db
 
 
-# GELU is a chain of ~15 elementwise passes over an [N, 4d] array. Run in chunks of this many elements
-# (256 KiB of float32), the chain's temporaries stay in L2 between passes: ~25% faster than whole-array
-# passes at the default size, and bitwise identical since every operation is elementwise.
+# GELU is ~15 elementwise passes over [N, 4d]: in chunks of this many elements their temporaries stay in L2
+# (~25% faster than whole-array passes, the same bits: every operation is elementwise).
 _GELU_CHUNK = 1 << 16
 
 
 def gelu_forward(x: np.ndarray):
-    # x [...] -> x h, h = 0.5 (1 + tanh(u)) with u = c (x + a x^3): GPT-2's "gelu_new".
-    # Computed as h = 1 / (1 + e), e = exp(z), z = -2u (the same function: 0.5 (1 + tanh u) = sigmoid(2u)):
-    # one exp costs half a tanh in numpy. The cache is the derivative itself, so the backward is one multiply:
+    # x [...] -> x h, h = 0.5 (1 + tanh(u)), u = c (x + a x^3): GPT-2's "gelu_new", as h = 1 / (1 + exp(z)),
+    # z = -2u (one exp costs half a tanh). The cache is the derivative, so the backward is one multiply:
     #   d(x h)/dx = h + x dh/dx = h - x h (1 - h) z',  z' = dz/dx = -2c (1 + 3 a x^2)
     xf = np.ascontiguousarray(x).reshape(-1)  # [n] flat view
     out, grad = np.empty_like(xf), np.empty_like(xf)  # [n] each
@@ -248,12 +245,10 @@ def _causal_bias(T: int, n_head: int, dtype: np.dtype) -> np.ndarray:
     return full
 
 
-# Attention probabilities live as [B, Tk, nh, Tq] (keys before heads and queries): the softmax over keys is
-# then a reduction over axis 1 with contiguous nh*Tq-long runs, ~10x faster than .max(-1) over 64-long rows.
-# matmul reads and writes each [Tk, Tq] slab of this layout through BLAS leading dimensions: no copies.
-# Causal: queries in blocks of _QBLOCK, each block's products over the keys it may see only (keys past the block
-# are -inf scores, zero probabilities, never multiplied): 62% of the T x T work at T=256. A skipped term would
-# have added an exact zero at the end (or start) of each dot product, so the bits are those of the full products.
+# Attention probabilities live as [B, Tk, nh, Tq]: the softmax over keys reduces axis 1 over contiguous
+# nh*Tq-long runs (~10x faster than over 64-long rows); matmul reads and writes each [Tk, Tq] slab through BLAS
+# leading dimensions, no copies. Queries go in blocks of _QBLOCK, each over the keys it may see (62% of the
+# T x T work at T=256): a skipped term was an exact zero at a dot product's end or start, so the same bits.
 _QBLOCK = 64
 
 

@@ -18,10 +18,8 @@ _MALLOC_TUNED = False
 
 
 def keep_freed_memory() -> bool:
-    """Keep freed heap for reuse instead of handing it back to glibc's OS after every step (process-wide).
-
-    A step frees ~50 MB of 0.5-4 MB temporaries; trimmed, the next step faults every page back in (~25 ms a
-    step on a 2-core VM). Raised mmap and trim thresholds keep RSS at the peak working set. No-op off glibc."""
+    """Keep freed heap for reuse (glibc, process-wide): a step frees ~50 MB of 0.5-4 MB temporaries, and
+    trimmed, the next one faults every page back in (~25 ms a step on 2 cores). RSS stays at its peak."""
     global _MALLOC_TUNED
     if _MALLOC_TUNED or not sys.platform.startswith("linux"):
         return _MALLOC_TUNED
@@ -29,8 +27,7 @@ def keep_freed_memory() -> bool:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    # M_MMAP_THRESHOLD (-3) at glibc's 64-bit maximum, 32 MiB, and M_TRIM_THRESHOLD (-1): setting both also
-    # disables the dynamic adjustment
+    # M_MMAP_THRESHOLD (-3) at its 64-bit maximum and M_TRIM_THRESHOLD (-1): no dynamic adjustment either
     _MALLOC_TUNED = mallopt(-3, 32 << 20) == 1 and mallopt(-1, 1 << 30) == 1
     return _MALLOC_TUNED
 
@@ -56,8 +53,7 @@ class MiniGPT(NamedParams):
     def __init__(self, spec: DataSpec, n_layer: int, n_head: int, n_embd: int, block_size: int | None,
                  dropout: float, attn_dropout: float | None, init_std: float, bias: bool, gelu: str, dtype: str,
                  rng: np.random.Generator | None):  # fmt: skip
-        # The values are validated (config/schemas.py: ranges, n_embd % n_head, dtype) and paired with the data
-        # (run/assemble.py check_pairing) before any model is built.
+        # validated (config/schemas.py) and paired with the data (run/assemble.py check_pairing) first
         attn_dropout = dropout if attn_dropout is None else attn_dropout
         if rng is None:
             # No hidden default seed: every draw of a run must come from one of its named streams.
@@ -88,8 +84,7 @@ class MiniGPT(NamedParams):
         return (int(spec.vocab_size) + positions) * d + int(n_layer) * (12 * d * d + layer) + final
 
     def _init_params(self, std: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        # GPT-2's init. Draws are float64 then cast, so float32 and float64 models share one init;
-        # the draw order is the (fixed) insertion order below.
+        # GPT-2's init, drawn in float64 then cast (float32 and float64 share it), in insertion order
         V, T, d = self.vocab_size, self.block_size, self.n_embd
         # residual projections: the stream's variance stays O(1)
         proj_std = std / math.sqrt(2 * self.n_layer)
@@ -120,9 +115,8 @@ class MiniGPT(NamedParams):
         return self.params[self.aliases["lm_head.weight"]]
 
     def _forward(self, x: np.ndarray, rng: np.random.Generator | None):
-        # x [B, T] int -> logits [B*T, V], caches; dropout only when rng is given. params are looked up
-        # on every call (optimizers and load_state_dict update them in place), the GELU too (a profiler
-        # wraps it).
+        # x [B, T] int -> logits [B*T, V], caches; dropout only when rng is given. params and the GELU
+        # are looked up on every call (optimizers update params in place; a profiler wraps the GELU).
         p = self.params
         if x.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {x.shape}")
