@@ -671,7 +671,7 @@ def run_speed(args) -> dict:
         for fn in runners.values():  # warm-up
             fn(args.warmup)
         # Interleaved blocks, so load from elsewhere on the machine hits every contestant (and condition) alike.
-        block = 10
+        block, mm = 10, 0.0
         for _ in range(math.ceil(args.steps / block)):
             for cond in conditions:
                 if busy:
@@ -679,6 +679,8 @@ def run_speed(args) -> dict:
                     time.sleep(0.05)  # let the scheduler see the new load
                 for name, fn in runners.items():
                     times[cond, name] += fn(block)
+            with threadpool_limits(args.threads, "blas"):  # Shards pins BLAS to 1 thread while open
+                mm = max(mm, matmul_gflops(reps=20))  # the bound from the run's quietest moment
         # Every contestant made the same number of AdamW updates on the same batch: the losses should still agree.
         final = {"numpy": model.evaluate(batch)}
         for suffix, w in workers.items():
@@ -698,7 +700,6 @@ def run_speed(args) -> dict:
     step_flops = 3 * forward_flops(
         V, args.batch, args.block, args.n_embd, args.n_layer, args.n_head
     )
-    mm = matmul_gflops()
     bound = step_flops / (mm * 1e9) * 1e3  # the step's GEMM FLOP at the run's own matmul rate
     out = {
         "mode": "speed", "shape": args.shape, "threads": args.threads, "shards": args.shards,

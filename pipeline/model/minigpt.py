@@ -126,7 +126,7 @@ class MiniGPT(NamedParams):
         h, emb_dc = L.dropout_forward(h, pd, rng)
         blocks = []
         for i in range(self.n_layer):
-            w = [p.get(f"transformer.h.{i}.{n}") for n in _BLOCK_PARAMS]
+            w: list = [p.get(f"transformer.h.{i}.{n}") for n in _BLOCK_PARAMS]
             a, qkv_c = L.layernorm_linear_forward(h, *w[0:4])  # [B, T, 3d] = c_attn(ln_1(h))
             a, att_c = L.attention_forward(a, self.n_head, pa, rng)  # [B, T, d]
             a, aproj_c = L.linear_forward(a, *w[4:6])

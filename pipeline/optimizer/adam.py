@@ -32,29 +32,29 @@ class Adam(Optimizer):
         """One update of every parameter. A model of one dtype is updated in place, large parameters chunk by
         chunk and the small ones packed into one array per decay group: the same bits per element."""
         flat, params = self._flat, self.params
-        fits = flat is not None and set(grads) == set(params)
-        if not fits or any(
-            grads[n].dtype != flat.dtype or not params[n].flags.c_contiguous for n in params
+        if (
+            flat is None
+            or set(grads) != set(params)
+            or any(grads[n].dtype != flat.dtype or not params[n].flags.c_contiguous for n in params)
         ):
-            # per parameter (also the one that refuses gradients that do not match)
-            return super().step(grads)
+            return super().step(grads)  # per parameter (also the one refusing mismatched gradients)
         self.t += 1
         for names, a, b, decay in flat.packs:  # small parameters: gathered, updated, scattered
             p, g = flat.p[: b - a], flat.g[: b - a]
             np.concatenate([params[n].reshape(-1) for n in names], out=p)
             np.concatenate([grads[n].reshape(-1) for n in names], out=g)
-            self._chunks(p, g, flat.m[a:b], flat.v[a:b], decay)
+            self._chunks(flat, p, g, a, b, decay)
             for n, part in zip(names, np.split(p, np.cumsum([params[n].size for n in names[:-1]]))):
                 np.copyto(params[n], part.reshape(params[n].shape))
         for n, a, b in flat.large:
-            p, g = params[n].reshape(-1), grads[n].reshape(-1)
-            self._chunks(p, g, flat.m[a:b], flat.v[a:b], self.decays[n])
+            self._chunks(flat, params[n].reshape(-1), grads[n].reshape(-1), a, b, self.decays[n])
 
-    def _chunks(self, p, g, m, v, decay: bool) -> None:
-        c, tmp = self._flat.chunk, self._flat.tmp
+    def _chunks(self, flat: _Flat, p, g, a: int, b: int, decay: bool) -> None:
+        # p and g (flat views) against the moments flat.m[a:b], flat.v[a:b], _CHUNK_BYTES at a time
+        m, v, c = flat.m[a:b], flat.v[a:b], flat.chunk
         for s in range(0, p.size, c):
             e = min(s + c, p.size)
-            self._apply(p[s:e], g[s:e], m[s:e], v[s:e], tmp[: e - s], decay)
+            self._apply(p[s:e], g[s:e], m[s:e], v[s:e], flat.tmp[: e - s], decay)
 
     def _update(self, name: str, p: np.ndarray, g: np.ndarray) -> None:
         m, v = self._buffer("exp_avg", name), self._buffer("exp_avg_sq", name)
@@ -104,7 +104,9 @@ class _Flat:
             state[f"exp_avg.{n}"] = self.m[a:b].reshape(params[n].shape)
             state[f"exp_avg_sq.{n}"] = self.v[a:b].reshape(params[n].shape)
         # (names, start, end, decay) of each group of small parameters; (name, start, end) of the large
-        self.packs = [(g, span[g[0]][0], span[g[-1]][1], d) for g, d in zip(groups, (1, 0)) if g]
+        self.packs = [
+            (g, span[g[0]][0], span[g[-1]][1], d) for g, d in zip(groups, (True, False)) if g
+        ]
         self.large = [(n, *span[n]) for n in order if not small[n]]
         packed = max([b - a for _, a, b, _ in self.packs], default=0)
         self.p, self.g = np.empty(packed, self.dtype), np.empty(packed, self.dtype)
