@@ -313,6 +313,8 @@ def main(argv=None) -> None:
         "--threads", type=int, default=2, help="trainer.threads and torch.set_num_threads"
     )
     ap.add_argument("--only", choices=("pipeline", "torch"), help="run one side only")
+    ap.add_argument("--omp", choices=("both", "default", "passive"), default="both",
+                    help="torch's OpenMP wait policies to run (the ratio is against the faster)")  # fmt: skip
     ap.add_argument("--keep", help="work in this directory (kept) instead of a temporary one")
     ap.add_argument(
         "--override", action="append", default=[], help="another override for the pipeline"
@@ -358,7 +360,8 @@ def main(argv=None) -> None:
                 r["final_val_scored"] = None
             results["pipeline"] = r
             print(f"pipeline done: {r['wall_s']:.1f} s; {loadavg()}")
-        for passive in (False, True) if args.only != "pipeline" else ():
+        policies = {"both": (False, True), "default": (False,), "passive": (True,)}[args.omp]
+        for passive in policies if args.only != "pipeline" else ():
             name = "torch_passive" if passive else "torch"
             tdir = work / name
             tdir.mkdir(exist_ok=True)
