@@ -104,6 +104,7 @@ def test_bench_step_races_torch_at_a_named_shape_overridden_to_a_toy(tmp_path):
     assert len(losses) == 5 and max(losses.values()) - min(losses.values()) < 1e-4, losses
 
 
+@pytest.mark.slow  # a pipeline job (mlflow included) and two torch processes: minutes on a loaded machine
 def test_bench_run_times_the_nanogpt_experiment_against_a_torch_loop(tmp_path):
     has_torch = importlib.util.find_spec("torch") is not None
     args = [
