@@ -1,6 +1,7 @@
 """One MiniGPT training step (fwd + bwd + AdamW) in numpy against the same GPT-2 in PyTorch, in one run.
 
     python bench/bench_step.py [--threads 2] [--shards 2] [--steps 60]   # step times, ratio, GFLOP/s
+    python bench/bench_step.py --shape all        # every named shape in turn (SHAPES), a summary at the end
     python bench/bench_step.py --contend 2        # numpy (and torch) beside 2 busy-looping processes
     python bench/bench_step.py --profile          # one shard's step per layer and op, each against its own bound,
                                                   # and where the step's time beyond one shard goes
@@ -8,7 +9,9 @@
 
 The numpy side is the real training computation: MiniGPT through pipeline.trainer.parallel.Shards (the batch
 split into --shards pieces run on --threads threads, BLAS single-threaded inside each) and AdamW from
-pipeline.optimizer.adam. torch gets the same --threads (torch.set_num_threads).
+pipeline.optimizer.adam. torch gets the same --threads (torch.set_num_threads), in two worker processes (OpenMP's
+default wait policy and OMP_WAIT_POLICY=PASSIVE), each timing sdpa and manual attention; the ratio is numpy's
+against the best of the four. Blocks of 10 steps go round the contestants, so load hits them alike.
 Every mode first prints where it was measured: the CPU model, the BLAS numpy calls (threadpoolctl's internal_api,
 version, architecture) and the load average; the JSON line repeats them under "machine".
 
@@ -49,21 +52,26 @@ from pipeline.trainer.parallel import Shards, split
 LR, WD, BETAS, EPS = 3e-4, 0.1, (0.9, 0.999), 1e-8
 
 
-def build_torch(np_model: MiniGPT, attn: str):
-    """The same GPT-2 in torch (nn.Linear layout [out, in]), initialised from the numpy model's weights."""
+def build_torch(np_model, attn: str, lr=LR, betas=BETAS, weight_decay=WD, weight_decay_on="all"):
+    """The same GPT-2 in torch (nn.Linear layout [out, in]), initialised from the numpy model's weights; bias and
+    GELU as np_model's; AdamW decaying every parameter (all) or the 2-D ones (matrices: nanoGPT's groups)."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
     V, T, d, nh = np_model.vocab_size, np_model.block_size, np_model.n_embd, np_model.n_head
-    hs = d // nh
+    hs, bias = d // nh, np_model.bias
+    approximate = "tanh" if np_model.gelu == "tanh" else "none"
 
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
-            self.ln_1, self.ln_2 = nn.LayerNorm(d, eps=1e-5), nn.LayerNorm(d, eps=1e-5)
-            self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+            self.ln_1, self.ln_2 = (nn.LayerNorm(d, eps=1e-5, bias=bias) for _ in range(2))
+            self.c_attn, self.c_proj = nn.Linear(d, 3 * d, bias=bias), nn.Linear(d, d, bias=bias)
+            self.c_fc, self.mlp_proj = (
+                nn.Linear(d, 4 * d, bias=bias),
+                nn.Linear(4 * d, d, bias=bias),
+            )
             self.register_buffer(
                 "mask", torch.ones(T, T, dtype=torch.bool).tril(), persistent=False
             )
@@ -79,14 +87,14 @@ def build_torch(np_model: MiniGPT, attn: str):
                 att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(dim=-1)
                 y = att @ v
             x = x + self.c_proj(y.transpose(1, 2).reshape(B, t, d))
-            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate=approximate))
 
     class GPT(nn.Module):
         def __init__(self):
             super().__init__()
             self.wte, self.wpe = nn.Embedding(V, d), nn.Embedding(T, d)
             self.h = nn.ModuleList(Block() for _ in range(np_model.n_layer))
-            self.ln_f = nn.LayerNorm(d, eps=1e-5)
+            self.ln_f = nn.LayerNorm(d, eps=1e-5, bias=bias)
 
         def forward(self, idx):
             x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
@@ -96,23 +104,32 @@ def build_torch(np_model: MiniGPT, attn: str):
 
     model = GPT()
     p = np_model.params
+
+    def put(mod, name, transpose=False):
+        w = p[name + ".weight"]
+        mod.weight.copy_(
+            torch.from_numpy(w.T.copy() if transpose else w)
+        )  # Conv1D [in, out] -> [out, in]
+        if bias and name + ".bias" in p:
+            mod.bias.copy_(torch.from_numpy(p[name + ".bias"]))
+
     with torch.no_grad():
-        model.wte.weight.copy_(torch.from_numpy(p["transformer.wte.weight"]))
-        model.wpe.weight.copy_(torch.from_numpy(p["transformer.wpe.weight"]))
+        put(model.wte, "transformer.wte")
+        put(model.wpe, "transformer.wpe")
         for i, blk in enumerate(model.h):
             h = f"transformer.h.{i}."
-            for mod, name in ((blk.ln_1, "ln_1"), (blk.ln_2, "ln_2")):
-                mod.weight.copy_(torch.from_numpy(p[h + name + ".weight"]))
-                mod.bias.copy_(torch.from_numpy(p[h + name + ".bias"]))
+            put(blk.ln_1, h + "ln_1")
+            put(blk.ln_2, h + "ln_2")
             for mod, name in ((blk.c_attn, "attn.c_attn"), (blk.c_proj, "attn.c_proj"), (blk.c_fc, "mlp.c_fc"),
                               (blk.mlp_proj, "mlp.c_proj")):  # fmt: skip
-                mod.weight.copy_(
-                    torch.from_numpy(p[h + name + ".weight"].T.copy())
-                )  # Conv1D [in, out] -> [out, in]
-                mod.bias.copy_(torch.from_numpy(p[h + name + ".bias"]))
-        model.ln_f.weight.copy_(torch.from_numpy(p["transformer.ln_f.weight"]))
-        model.ln_f.bias.copy_(torch.from_numpy(p["transformer.ln_f.bias"]))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+                put(mod, h + name, transpose=True)
+        put(model.ln_f, "transformer.ln_f")
+    params = list(model.parameters())
+    decays = [q.dim() >= 2 or weight_decay_on == "all" for q in params]
+    groups = [{"params": [q for q, dq in zip(params, decays) if dq]},
+              {"params": [q for q, dq in zip(params, decays) if not dq], "weight_decay": 0.0}]  # fmt: skip
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=EPS,
+                            weight_decay=weight_decay)  # fmt: skip
     return model, opt
 
 
@@ -548,95 +565,165 @@ class BusyLoops:
             p.wait()
 
 
-def run_speed(args) -> dict:
+SHAPES = {  # name: (vocab, n_embd, n_layer, n_head, block, batch)
+    "default": (512, 64, 2, 4, 64, 32),
+    "nanogpt-cpu": (65, 128, 4, 4, 64, 12),  # nanoGPT's README CPU recipe (shakespeare_char)
+    "d256": (65, 256, 6, 8, 128, 16),
+    "nanogpt-gpu-scaled": (
+        65,
+        384,
+        6,
+        6,
+        256,
+        8,
+    ),  # train_shakespeare_char.py's model, batch 64 -> 8
+}
+SHAPE_ARGS = ("vocab", "n_embd", "n_layer", "n_head", "block", "batch")
+TORCH = ("torch_sdpa", "torch_manual", "torch_sdpa_passive", "torch_manual_passive")
+
+
+def torch_worker(args) -> None:
+    """A torch contestant in its own process (OMP_WAIT_POLICY is read once, when torch loads): reads
+    `run NAME N` / `losses` / `quit` on stdin, answers one JSON line each on stdout."""
     import torch
 
     torch.set_num_threads(args.threads)
     model, batch = make_setup(args)
-    numpy_step, shards = make_numpy_step(args, model, batch)
-    xt, yt = torch.from_numpy(batch.x), torch.from_numpy(batch.y)
-    V = args.vocab
-    torch_models = {a: build_torch(model, a) for a in ("sdpa", "manual")}
-    # Same weights, same batch: the first losses must agree (a check that the two models are the same).
+    xt, yt, V = torch.from_numpy(batch.x), torch.from_numpy(batch.y), args.vocab
+    models = {a: build_torch(model, a) for a in ("sdpa", "manual")}
+
+    def loss_of(tm):
+        return torch.nn.functional.cross_entropy(tm(xt).view(-1, V), yt.view(-1))
+
+    def step(name):
+        tm, topt = models[name]
+        t0 = time.perf_counter()
+        topt.zero_grad(set_to_none=True)
+        loss_of(tm).backward()
+        t1 = time.perf_counter()
+        topt.step()
+        return time.perf_counter() - t0, t1 - t0
+
+    def send(obj) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
     with torch.no_grad():
-        t_loss = torch.nn.functional.cross_entropy(
-            torch_models["sdpa"][0](xt).view(-1, V), yt.view(-1)
-        ).item()
+        send({"init_loss": loss_of(models["sdpa"][0]).item(), "torch": torch.__version__})
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "run":
+            send([step(cmd[1]) for _ in range(int(cmd[2]))])
+        elif cmd[0] == "losses":
+            with torch.no_grad():
+                send({a: loss_of(tm).item() for a, (tm, _) in models.items()})
+        else:
+            return
+
+
+class TorchWorker:
+    """bench_step.py --torch-worker in a subprocess, OpenMP's default wait policy or PASSIVE."""
+
+    def __init__(self, args, passive: bool):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if passive:
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
+        shape = [f"--{a.replace('_', '-')}={getattr(args, a)}" for a in SHAPE_ARGS]
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--torch-worker", f"--threads={args.threads}", *shape],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        self.hello = self.read()
+
+    def read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the torch worker exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def ask(self, line: str):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait()
+
+
+def run_speed(args) -> dict:
+    model, batch = make_setup(args)
+    numpy_step, shards = make_numpy_step(args, model, batch)
     np_loss = model.evaluate(batch)
-
-    def torch_step(name):
-        tm, topt = torch_models[name]
-
-        def step():
-            t0 = time.perf_counter()
-            topt.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.cross_entropy(tm(xt).view(-1, V), yt.view(-1))
-            loss.backward()
-            t1 = time.perf_counter()
-            topt.step()
-            return time.perf_counter() - t0, t1 - t0
-
-        return step
-
-    runners = {
-        "numpy": numpy_step,
-        "torch_sdpa": torch_step("sdpa"),
-        "torch_manual": torch_step("manual"),
-    }
+    policies = {"both": ("", "_passive"), "default": ("",), "passive": ("_passive",)}[args.omp]
+    workers = {suffix: TorchWorker(args, suffix == "_passive") for suffix in policies}
+    t_loss = next(iter(workers.values())).hello[
+        "init_loss"
+    ]  # same weights, same batch: the losses must agree
+    runners = {"numpy": lambda n: [numpy_step() for _ in range(n)]}
+    for suffix, w in workers.items():
+        for a in ("sdpa", "manual"):
+            runners[f"torch_{a}{suffix}"] = lambda n, w=w, a=a: [
+                tuple(t) for t in w.ask(f"run {a} {n}")
+            ]
     conditions = ["quiet"] + (["contended"] if args.contend else [])
     times = {(c, k): [] for c in conditions for k in runners}
     busy = BusyLoops(args.contend) if args.contend else None
     try:
         for fn in runners.values():  # warm-up
-            for _ in range(args.warmup):
-                fn()
+            fn(args.warmup)
         # Interleaved blocks, so load from elsewhere on the machine hits every contestant (and condition) alike.
-        block = 10
+        block, mm = 10, 0.0
         for _ in range(math.ceil(args.steps / block)):
             for cond in conditions:
                 if busy:
                     busy.resume() if cond == "contended" else busy.pause()
                     time.sleep(0.05)  # let the scheduler see the new load
                 for name, fn in runners.items():
-                    times[cond, name] += [fn() for _ in range(block)]
+                    times[cond, name] += fn(block)
+            with threadpool_limits(args.threads, "blas"):  # Shards pins BLAS to 1 thread while open
+                mm = max(mm, matmul_gflops(reps=20))  # the bound from the run's quietest moment
+        # Every contestant made the same number of AdamW updates on the same batch: the losses should still agree.
+        final = {"numpy": model.evaluate(batch)}
+        for suffix, w in workers.items():
+            final.update({f"torch_{a}{suffix}": v for a, v in w.ask("losses").items()})
     finally:
         if busy:
             busy.close()
         shards.close()
+        for w in workers.values():
+            w.close()
     med = {k: statistics.median(t[0] for t in v) * 1e3 for k, v in times.items()}
     fastest = {k: min(t[0] for t in v) * 1e3 for k, v in times.items()}
     med_fb = {k: statistics.median(t[1] for t in v) * 1e3 for k, v in times.items()}
-    q = "quiet"
-    best_min = min(("torch_sdpa", "torch_manual"), key=lambda k: fastest[q, k])
-    best_med = min(("torch_sdpa", "torch_manual"), key=lambda k: med[q, k])
-    # Every contestant made the same number of AdamW updates on the same batch: the losses should still agree.
-    final = {"numpy": model.evaluate(batch)}
-    with torch.no_grad():
-        for name, (tm, _) in torch_models.items():
-            final[f"torch_{name}"] = torch.nn.functional.cross_entropy(
-                tm(xt).view(-1, V), yt.view(-1)
-            ).item()
+    q, V = "quiet", args.vocab
+    timed = [k for k in TORCH if (q, k) in times]
+    best_min = min(timed, key=lambda k: fastest[q, k])
+    best_med = min(timed, key=lambda k: med[q, k])
     step_flops = 3 * forward_flops(
         V, args.batch, args.block, args.n_embd, args.n_layer, args.n_head
     )
-    mm = matmul_gflops()
+    bound = step_flops / (mm * 1e9) * 1e3  # the step's GEMM FLOP at the run's own matmul rate
     out = {
-        "mode": "speed", "threads": args.threads, "shards": args.shards, "steps": len(times[q, "numpy"]),
-        "warmup": args.warmup, "V": V, "B": args.batch, "T": args.block, "d": args.n_embd, "n_head": args.n_head,
-        "n_layer": args.n_layer,
+        "mode": "speed", "shape": args.shape, "threads": args.threads, "shards": args.shards,
+        "steps": len(times[q, "numpy"]), "warmup": args.warmup, "V": V, "B": args.batch, "T": args.block,
+        "d": args.n_embd, "n_head": args.n_head, "n_layer": args.n_layer,
         "numpy_ms": round(med[q, "numpy"], 2), "numpy_fwd_bwd_ms": round(med_fb[q, "numpy"], 2),
-        "torch_sdpa_ms": round(med[q, "torch_sdpa"], 2), "torch_manual_ms": round(med[q, "torch_manual"], 2),
-        "numpy_min_ms": round(fastest[q, "numpy"], 2), "torch_sdpa_min_ms": round(fastest[q, "torch_sdpa"], 2),
-        "torch_manual_min_ms": round(fastest[q, "torch_manual"], 2),
+        **{f"{k}_ms": round(med[q, k], 2) for k in timed},
+        "numpy_min_ms": round(fastest[q, "numpy"], 2),
+        **{f"{k}_min_ms": round(fastest[q, k], 2) for k in timed},
         "ratio_min": round(fastest[q, "numpy"] / fastest[q, best_min], 3), "torch_best_min": best_min,
         "ratio_median": round(med[q, "numpy"] / med[q, best_med], 3), "torch_best_median": best_med,
         "step_gflop": round(step_flops / 1e9, 3),
         "numpy_step_gflops": round(step_flops / med[q, "numpy"] / 1e6, 1),
-        "numpy_matmul256_gflops": round(mm, 1),
+        "numpy_matmul256_gflops": round(mm, 1), "bound_ms": round(bound, 2),
+        "min_over_bound": round(fastest[q, "numpy"] / bound, 2),
         "init_loss_numpy": round(np_loss, 6), "init_loss_torch": round(t_loss, 6),
         "final_loss": {k: round(v, 6) for k, v in final.items()},
         "updates_each": args.warmup + len(times[q, "numpy"]) * len(conditions),
-        "loadavg": [round(x, 2) for x in os.getloadavg()], "torch": torch.__version__, "numpy_version": np.__version__,
+        "loadavg": [round(x, 2) for x in os.getloadavg()], "torch": next(iter(workers.values())).hello["torch"],
+        "numpy_version": np.__version__,
     }  # fmt: skip
     if args.contend:
         c = "contended"
@@ -646,19 +733,20 @@ def run_speed(args) -> dict:
             **{f"contended_{k}_min_ms": round(fastest[c, k], 2) for k in runners},
             **{f"contention_factor_{k}": round(med[c, k] / med[q, k], 2) for k in runners},
         })  # fmt: skip
-    print(f"threads {args.threads} (numpy: {args.shards} shards), V={V} B={args.batch} T={args.block} "
-          f"d={args.n_embd} heads={args.n_head} layers={args.n_layer} float32; {out['steps']} steps each after "
-          f"{args.warmup} warm-up")  # fmt: skip
+    print(f"shape {args.shape}: threads {args.threads} (numpy: {args.shards} shards), V={V} B={args.batch} "
+          f"T={args.block} d={args.n_embd} heads={args.n_head} layers={args.n_layer} float32; {out['steps']} "
+          f"steps each after {args.warmup} warm-up; torch *_passive: OMP_WAIT_POLICY=PASSIVE")  # fmt: skip
     for cond in conditions:
         extra = f" beside {args.contend} busy-looping processes" if cond == "contended" else ""
         print(f"{cond}{extra}:")
-        print(f"  {'':14s} {'median ms':>10s} {'min ms':>8s} {'fwd+bwd ms':>11s} {'optim ms':>9s}")
+        print(f"  {'':20s} {'median ms':>10s} {'min ms':>8s} {'fwd+bwd ms':>11s} {'optim ms':>9s}")
         for k in runners:
             m, fb = med[cond, k], med_fb[cond, k]
-            print(f"  {k:14s} {m:10.2f} {fastest[cond, k]:8.2f} {fb:11.2f} {m - fb:9.2f}")
+            print(f"  {k:20s} {m:10.2f} {fastest[cond, k]:8.2f} {fb:11.2f} {m - fb:9.2f}")
     print(f"numpy / torch: min {out['ratio_min']:.3f} (vs {best_min}), median {out['ratio_median']:.3f} "
           f"(vs {best_med}); step {out['step_gflop']} GFLOP -> numpy {out['numpy_step_gflops']} GFLOP/s; "
-          f"numpy f32 matmul n=256: {out['numpy_matmul256_gflops']} GFLOP/s")  # fmt: skip
+          f"numpy f32 matmul n=256: {mm:.1f} GFLOP/s, so the bound is {bound:.2f} ms and numpy's minimum "
+          f"{out['min_over_bound']:.2f}x it")  # fmt: skip
     if args.contend:
         print(
             "median contended / quiet: "
@@ -680,38 +768,54 @@ def main(argv=None) -> None:
     ap.add_argument("--shards", type=int, default=2, help="pieces each numpy batch is split into")
     ap.add_argument("--steps", type=int, default=60, help="timed steps per contestant (>= 50)")
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument(
-        "--contend",
-        type=int,
-        default=0,
-        metavar="K",
-        help="also time every contestant beside K busy-looping processes (K = cores)",
-    )
+    ap.add_argument("--contend", type=int, default=0, metavar="K",
+                    help="also time every contestant beside K busy-looping processes (K = cores)")  # fmt: skip
     ap.add_argument(
         "--profile", action="store_true", help="one shard's step per layer and op instead"
     )
     ap.add_argument(
         "--memory", action="store_true", help="peak RSS after 100 and 1000 numpy steps instead"
     )
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--block", type=int, default=64)
-    ap.add_argument("--n-embd", type=int, default=64)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--shape", action="append", choices=[*SHAPES, "all"],
+                    help="a named shape (repeatable; all: every one in turn); default: default")  # fmt: skip
+    ap.add_argument("--omp", choices=("both", "default", "passive"), default="both",
+                    help="torch's OpenMP wait policies to time (the ratio is against the best)")  # fmt: skip
+    ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
+    for a in SHAPE_ARGS:  # each overrides the named shape's value
+        ap.add_argument(f"--{a.replace('_', '-')}", type=int)
     args = ap.parse_args(argv)
+    names = list(SHAPES) if "all" in (args.shape or []) else args.shape or ["default"]
+    runs = []
+    for name in names:
+        shape = SimpleNamespace(**{**vars(args), "shape": name})
+        for a, v in zip(SHAPE_ARGS, SHAPES[name]):
+            setattr(shape, a, v if getattr(args, a) is None else getattr(args, a))
+        runs.append(shape)
+    if args.torch_worker:
+        with threadpool_limits(limits=args.threads, user_api="blas"):
+            return torch_worker(runs[0])
     where = print_machine()
-    # The caller's BLAS setting: what torch's twin and the matmul figure see; Shards pins 1 inside its calls.
+    outs = []
+    # The caller's BLAS setting: what the matmul figure sees; Shards pins 1 inside its calls.
     with threadpool_limits(limits=args.threads, user_api="blas"):
-        out = (
-            run_memory(args)
-            if args.memory
-            else run_profile(args)
-            if args.profile
-            else run_speed(args)
+        for shape in runs:
+            mode = run_memory if args.memory else run_profile if args.profile else run_speed
+            outs.append(mode(shape))
+    machine_end = {**where, "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
+    if len(outs) > 1 and not (args.memory or args.profile):
+        print(
+            f"{'shape':20s} {'ratio min':>9s} {'ratio median':>12s} {'numpy min ms':>12s} {'min / bound':>11s}"
         )
-    out["machine"] = {**where, "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
-    print(json.dumps(out))
+        for o in outs:
+            print(f"{o['shape']:20s} {o['ratio_min']:9.3f} {o['ratio_median']:12.3f} {o['numpy_min_ms']:12.2f} "
+                  f"{o['min_over_bound']:11.2f}")  # fmt: skip
+    for o in outs:
+        o["machine"] = machine_end
+    print(
+        json.dumps(
+            outs[0] if len(outs) == 1 else {"mode": "shapes", "runs": outs, "machine": machine_end}
+        )
+    )
 
 
 if __name__ == "__main__":

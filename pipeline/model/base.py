@@ -16,9 +16,7 @@ class Model(Protocol):
     aliases: Mapping[str, str]  # tied name -> canonical name; both names are one ndarray object
 
     # Training forward (dropout from rng) and backward; grads keyed like params (tied grads summed).
-    def loss_and_grads(
-        self, batch: Batch, rng: np.random.Generator | None
-    ) -> tuple[float, dict[str, np.ndarray]]: ...
+    def loss_and_grads(self, batch: Batch, rng) -> tuple[float, dict[str, np.ndarray]]: ...
 
     def evaluate(self, batch: Batch) -> float: ...  # mean loss without dropout
 
@@ -61,9 +59,7 @@ class NamedParams:
             np.copyto(p, arrays[name])
 
 
-def summary(
-    params: dict[str, np.ndarray], aliases: dict[str, str] | None = None
-) -> tuple[list[tuple], int]:
+def summary(params: dict[str, np.ndarray], aliases: dict[str, str] | None = None):
     """Lightning's ModelSummary over named arrays: (rows, total). A row is (group, shapes, params, note); the
     group is a name's first component, with the index for a stack (`transformer.h.0`, `layers.1`). Each array
     counts once, under its canonical name: a tied alias adds a "tied to" note, not parameters."""
@@ -74,9 +70,8 @@ def summary(
         row[2] += int(p.size)
     for alias, target in sorted((aliases or {}).items()):
         rows.setdefault(_group(alias), [_group(alias), [], 0, ""])[3] = f"{alias} tied to {target}"
-    return [tuple(row) for row in rows.values()], sum(
-        int(p.size) for p in {id(p): p for p in params.values()}.values()
-    )
+    unique = {id(p): p for p in params.values()}.values()
+    return [tuple(row) for row in rows.values()], sum(int(p.size) for p in unique)
 
 
 def _group(name: str) -> str:

@@ -34,25 +34,18 @@ def parse_options(args: list[str]) -> tuple[Options, list[str]]:
             overrides.append(arg)
             continue
         if not eq or key not in kinds:
+            expected = ", ".join(f"{k}=..." for k in kinds)
             raise ConfigError(
-                f"{arg!r}: expected one of {', '.join(f'{k}=...' for k in kinds)} "
-                "(or data.path=FILE, paths.output_dir=DIR)"
+                f"{arg!r}: expected one of {expected} (or data.path=FILE, paths.output_dir=DIR)"
             )
         try:
             values[key] = kinds[key](value)
         except ValueError:
-            raise ConfigError(
-                f"{key}={value!r}: must be {'an integer' if kinds[key] is int else 'a number'}"
-            ) from None
+            kind = "an integer" if kinds[key] is int else "a number"
+            raise ConfigError(f"{key}={value!r}: must be {kind}") from None
     options = Options(**values)
-    checks = {
-        "max_new_tokens": options.max_new_tokens >= 0,
-        "temperature": np.isfinite(options.temperature) and options.temperature >= 0,
-        "top_k": options.top_k >= 0,
-        "seed": options.seed >= 0,
-    }
-    for key, ok in checks.items():
-        if not ok:
+    for key in ("max_new_tokens", "temperature", "top_k", "seed"):
+        if not getattr(options, key) >= 0 or not np.isfinite(getattr(options, key)):
             raise ConfigError(f"{key}={getattr(options, key)!r}: must be >= 0")
     if options.max_new_tokens > MAX_NEW_TOKENS:
         raise ConfigError(
@@ -117,15 +110,12 @@ def generate(model, ids: list[int], options: Options) -> list[int]:
     out = list(ids)
     for _ in range(options.max_new_tokens):
         context = np.asarray(out[-model.block_size :], dtype=np.int64)[None, :]  # [1, T]
-        out.append(
-            next_token(model.logits(context)[0, -1], options.temperature, options.top_k, rng)
-        )
+        logits = model.logits(context)[0, -1]  # [V]
+        out.append(next_token(logits, options.temperature, options.top_k, rng))
     return out
 
 
-def continuation(
-    model, vocab: list[str], join: str, options: Options, eos: str | None = "<eos>"
-) -> str:
+def continuation(model, vocab: list[str], join: str, options: Options, eos: str | None = "<eos>"):
     """The prompt and its max_new_tokens drawn tokens, as text (what the command prints, and a registered
     model's predict returns); an empty prompt starts after `eos` when the vocabulary has one."""
     ids = generate(model, encode(options.prompt, vocab, join, eos), options)

@@ -27,9 +27,8 @@ def linear_backward(dout: np.ndarray, cache):
     d2 = dout.reshape(-1, w.shape[1])  # [N, out]
     dx = (d2 @ w.T).reshape(shape)  # [N, in] -> [..., in]
     dw = x2.T @ d2  # [in, out]
-    db = (
-        _filled(d2.shape[0], 1.0, d2.dtype) @ d2 if has_bias else None
-    )  # [out]: a BLAS gemv, faster than sum(axis=0)
+    # [out]: a BLAS gemv, faster than sum(axis=0)
+    db = _filled(d2.shape[0], 1.0, d2.dtype) @ d2 if has_bias else None
     return dx, dw, db
 
 
@@ -120,9 +119,8 @@ def layernorm_backward(dout: np.ndarray, cache):
     return _normalize_backward(d2 * w, xhat, rstd).reshape(shape), dw, db
 
 
-# LayerNorm then a linear layer, with the norm's affine folded into the linear's weight and bias:
-#   (xhat * g + beta) @ w + b = xhat @ (g[:, None] * w) + (beta @ w + b)
-# The [N, d] affine passes (forward) and the dxhat = dout * g, dg, dbeta passes (backward) become [d, out] work.
+# LayerNorm then a linear layer, the norm's affine folded into the linear's: (xhat * g + beta) @ w + b =
+# xhat @ (g[:, None] * w) + (beta @ w + b); its [N, d] passes (forward and backward) become [d, out] work.
 
 
 def layernorm_linear_forward(x: np.ndarray, g: np.ndarray, beta: np.ndarray | None, w: np.ndarray,
@@ -145,9 +143,7 @@ def layernorm_linear_backward(dout: np.ndarray, cache):
     dw = g[:, None] * dwf  # [d, out] through wf = g w
     db = dbeta = None
     if beta is not None:
-        db = (
-            _filled(d2.shape[0], 1.0, d2.dtype) @ d2
-        )  # [out] grad wrt the folded bias, = the linear's db
+        db = _filled(d2.shape[0], 1.0, d2.dtype) @ d2  # [out] = the linear's db (the folded bias)
         dw += beta[:, None] * db  # [d, out] through beta @ w
         dbeta = w @ db  # [d]
     dg = np.einsum("io,io->i", dwf, w)  # [d]
@@ -155,34 +151,24 @@ def layernorm_linear_backward(dout: np.ndarray, cache):
     return dx.reshape(shape), dg, dbeta, dw, db
 
 
-# GELU is a chain of ~15 elementwise passes over an [N, 4d] array. Run in chunks of this many elements
-# (256 KiB of float32), the chain's temporaries stay in L2 between passes: ~25% faster than whole-array
-# passes at the default size, and bitwise identical since every operation is elementwise.
+# GELU is ~15 elementwise passes over [N, 4d]: in chunks of this many elements their temporaries stay in L2
+# (~25% faster than whole-array passes, the same bits: every operation is elementwise).
 _GELU_CHUNK = 1 << 16
 
 
 def gelu_forward(x: np.ndarray):
-    # x [...] -> x h, h = 0.5 (1 + tanh(u)) with u = c (x + a x^3): GPT-2's "gelu_new".
-    # Computed as h = 1 / (1 + e), e = exp(z), z = -2u (the same function: 0.5 (1 + tanh u) = sigmoid(2u)):
-    # one exp costs half a tanh in numpy. The cache is the derivative itself, so the backward is one multiply:
+    # x [...] -> x h, h = 0.5 (1 + tanh(u)), u = c (x + a x^3): GPT-2's "gelu_new", as h = 1 / (1 + exp(z)),
+    # z = -2u (one exp costs half a tanh). The cache is the derivative, so the backward is one multiply:
     #   d(x h)/dx = h + x dh/dx = h - x h (1 - h) z',  z' = dz/dx = -2c (1 + 3 a x^2)
     xf = np.ascontiguousarray(x).reshape(-1)  # [n] flat view
     out, grad = np.empty_like(xf), np.empty_like(xf)  # [n] each
     m = min(_GELU_CHUNK, xf.size)
-    s1, s2, s3 = (
-        np.empty(m, xf.dtype),
-        np.empty(m, xf.dtype),
-        np.empty(m, xf.dtype),
-    )  # [chunk] scratch
-    with np.errstate(
-        over="ignore"
-    ):  # x < ~-5 (float32): e = inf, h = 0, out = -0 and grad = 0, as the limit
+    s1, s2, s3 = (np.empty(m, xf.dtype) for _ in range(3))  # [chunk] scratch
+    # x < ~-5 (float32): e = inf, h = 0, out = -0 and grad = 0, as the limit
+    with np.errstate(over="ignore"):
         for s in range(0, xf.size, _GELU_CHUNK):
-            xs, o, g = (
-                xf[s : s + _GELU_CHUNK],
-                out[s : s + _GELU_CHUNK],
-                grad[s : s + _GELU_CHUNK],
-            )  # [chunk] views
+            c = slice(s, s + _GELU_CHUNK)
+            xs, o, g = xf[c], out[c], grad[c]  # [chunk] views
             x2, z, h = s1[: xs.size], s2[: xs.size], s3[: xs.size]
             np.multiply(xs, xs, out=x2)  # x^2
             np.multiply(x2, -2.0 * _GELU_A * _GELU_C, out=z)
@@ -190,9 +176,8 @@ def gelu_forward(x: np.ndarray):
             z *= xs  # z = -2u
             np.exp(z, out=h)  # e
             h += 1.0
-            np.divide(
-                1.0, h, out=h
-            )  # h = 1 / (1 + e): the same bits as np.reciprocal, at about half its time
+            # h = 1 / (1 + e): the same bits as np.reciprocal, at about half its time
+            np.divide(1.0, h, out=h)
             np.multiply(xs, h, out=o)  # x h
             np.multiply(x2, -6.0 * _GELU_A * _GELU_C, out=z)
             z += -2.0 * _GELU_C  # z'
@@ -205,24 +190,26 @@ def gelu_forward(x: np.ndarray):
 
 def gelu_erf_forward(x: np.ndarray):
     # x [...] -> x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2 = erfc(-x / sqrt 2) / 2: the exact GELU (torch's
-    # default, nanoGPT's).
-    # The cache is the derivative Phi(x) + x phi(x), phi the standard normal density: the backward is one multiply.
-    from scipy.special import (
-        erfc,
-    )  # a ufunc: numpy has none; imported only by a model that asks for it
+    # default, nanoGPT's). The cache is the derivative Phi(x) + x phi(x), phi the standard normal density.
+    from scipy.special import erfc  # a ufunc numpy lacks; imported only by a model that asks for it
 
-    phi = np.multiply(x, x)  # x^2
-    phi *= -0.5
-    np.exp(phi, out=phi)
-    phi *= 1.0 / math.sqrt(2.0 * math.pi)  # phi(x)
-    cdf = erfc(
-        x * (-1.0 / math.sqrt(2.0))
-    )  # 1 + erf(x / sqrt 2) without its cancellation for x < 0
-    cdf *= 0.5  # Phi(x)
-    out = x * cdf
-    phi *= x
-    phi += cdf  # Phi(x) + x phi(x)
-    return out, (phi.reshape(-1), x.shape)
+    xf = np.ascontiguousarray(x).reshape(-1)  # [n] flat view, in chunks as gelu_forward
+    out, grad = np.empty_like(xf), np.empty_like(xf)
+    cdf = np.empty(min(_GELU_CHUNK, xf.size), xf.dtype)  # [chunk] scratch
+    for s in range(0, xf.size, _GELU_CHUNK):
+        c = slice(s, s + _GELU_CHUNK)
+        xs, o, phi, cd = xf[c], out[c], grad[c], cdf[: xf[c].size]
+        np.multiply(xs, xs, out=phi)  # x^2
+        phi *= -0.5
+        np.exp(phi, out=phi)
+        phi *= 1.0 / math.sqrt(2.0 * math.pi)  # phi(x)
+        np.multiply(xs, -1.0 / math.sqrt(2.0), out=cd)
+        erfc(cd, out=cd)  # 1 + erf(x / sqrt 2) without its cancellation for x < 0
+        cd *= 0.5  # Phi(x)
+        np.multiply(xs, cd, out=o)
+        phi *= xs
+        phi += cd  # Phi(x) + x phi(x)
+    return out.reshape(x.shape), (grad, x.shape)
 
 
 def gelu_backward(dout: np.ndarray, cache):
@@ -239,9 +226,8 @@ def dropout_forward(x: np.ndarray, p: float, rng: np.random.Generator | None):
         raise ValueError(f"dropout p must be in [0, 1), got {p}")
     # Always draw float32 uniforms: cheaper, and float32/float64 models then get the same masks.
     keep = rng.random(x.shape, dtype=np.float32) >= p  # [...] bool
-    mask = np.multiply(
-        keep, x.dtype.type(1.0 / (1.0 - p))
-    )  # [...] 0 or 1/(1-p) in x's dtype: inverted dropout
+    # [...] 0 or 1/(1-p) in x's dtype: inverted dropout
+    mask = np.multiply(keep, x.dtype.type(1.0 / (1.0 - p)))
     return x * mask, mask
 
 
@@ -254,52 +240,54 @@ def dropout_backward(dout: np.ndarray, cache):
 def _causal_bias(T: int, n_head: int, dtype: np.dtype) -> np.ndarray:
     # [Tk, nh*Tq]: -inf where key j > query i (the future), else 0
     bias = np.triu(np.full((T, T), -np.inf, dtype=dtype), k=1).T  # [Tk, Tq]
-    full = np.ascontiguousarray(np.broadcast_to(bias[:, None, :], (T, n_head, T))).reshape(
-        T, n_head * T
-    )
+    full = np.ascontiguousarray(np.broadcast_to(bias[:, None, :], (T, n_head, T))).reshape(T, -1)
     full.flags.writeable = False
     return full
 
 
-# Attention probabilities live as [B, Tk, nh, Tq] (keys before heads and queries): the softmax over keys is
-# then a reduction over axis 1 with contiguous nh*Tq-long runs, ~10x faster than .max(-1) over 64-long rows.
-# matmul reads and writes each [Tk, Tq] slab of this layout through BLAS leading dimensions: no copies.
+# Attention probabilities live as [B, Tk, nh, Tq]: the softmax over keys reduces axis 1 over contiguous
+# nh*Tq-long runs (~10x faster than over 64-long rows); matmul reads and writes each [Tk, Tq] slab through BLAS
+# leading dimensions, no copies. Queries go in blocks of _QBLOCK, each over the keys it may see (62% of the
+# T x T work at T=256): a skipped term was an exact zero at a dot product's end or start, so the same bits.
+_QBLOCK = 64
 
 
-def attention_forward(
-    qkv: np.ndarray, n_head: int, p: float = 0.0, rng: np.random.Generator | None = None
-):
+def _blocks(T: int):
+    # _QBLOCK-long blocks, the last one taking the remainder: never 1 wide (numpy would call gemv, other bits)
+    cuts = list(range(0, T - _QBLOCK + 1, _QBLOCK))[1:] if T >= 2 * _QBLOCK else []
+    return list(zip([0, *cuts], [*cuts, T]))
+
+
+def _heads(a: np.ndarray) -> np.ndarray:
+    return a.transpose(0, 2, 1, 3)  # [B, T, nh, x] <-> [B, nh, T, x], a view
+
+
+def attention_forward(qkv: np.ndarray, n_head: int, p: float = 0.0, rng=None):
     # qkv [B, T, 3d] (c_attn output: q | k | v, heads contiguous inside each) -> causal MHA out [B, T, d]
     B, T, C3 = qkv.shape
     d = C3 // 3
     hs = d // n_head
     heads = qkv.reshape(B, T, 3, n_head, hs)  # [B, T, 3, nh, hs] view
     # Strided views: each [T, hs] slab has unit column stride, so matmul hands them to BLAS without copies.
-    k = heads[:, :, 1].transpose(0, 2, 1, 3)  # [B, nh, T, hs]
-    v = heads[:, :, 2].transpose(0, 2, 1, 3)  # [B, nh, T, hs]
+    k, v = _heads(heads[:, :, 1]), _heads(heads[:, :, 2])  # [B, nh, T, hs]
     scale = 1.0 / math.sqrt(hs)  # python float: stays in the array dtype
-    qs = (
-        heads[:, :, 0].transpose(0, 2, 1, 3) * scale
-    )  # [B, nh, T, hs]; scaling q is 4x cheaper than scores
+    # [B, nh, T, hs]: scaling q is 4x cheaper than scaling the scores
+    qs = _heads(heads[:, :, 0]) * scale
     att = np.empty((B, T, n_head, T), dtype=qkv.dtype)  # [B, Tk, nh, Tq]
-    np.matmul(
-        k, qs.transpose(0, 1, 3, 2), out=att.transpose(0, 2, 1, 3)
-    )  # [B, nh, Tk, Tq] k.q/sqrt(hs)
+    for a, b in _blocks(T):  # [B, nh, Tk < b, Tq in a:b] = k.q/sqrt(hs)
+        np.matmul(k[:, :, :b], qs[:, :, a:b].transpose(0, 1, 3, 2), out=_heads(att[:, :b, :, a:b]))
+        att[:, b:, :, a:b] = -np.inf
     a3 = att.reshape(B, T, n_head * T)  # [B, Tk, nh*Tq] view
-    a3 += _causal_bias(T, n_head, att.dtype)  # [B, Tk, nh*Tq] future keys -> -inf
-    a3 -= a3.max(
-        axis=1, keepdims=True
-    )  # [B, Tk, nh*Tq]; key j = i is never masked: every max is finite
-    np.exp(a3, out=a3)  # [B, Tk, nh*Tq]
-    a3 /= (_filled(T, 1.0, a3.dtype) @ a3)[
-        :, None
-    ]  # [B, Tk, nh*Tq] / [B, 1, nh*Tq]: the sum over keys as B gemvs
+    a3 += _causal_bias(T, n_head, att.dtype)  # future keys -> -inf
+    a3 -= a3.max(axis=1, keepdims=True)  # key j = i is never masked: every max is finite
+    np.exp(a3, out=a3)
+    a3 /= (_filled(T, 1.0, a3.dtype) @ a3)[:, None]  # / [B, 1, nh*Tq]: the sum over keys as B gemvs
     att_d, dcache = dropout_forward(att, p, rng)  # [B, Tk, nh, Tq]
-    out = np.empty((B, T, d), dtype=qkv.dtype)  # [B, T, d]
     # [B, nh, Tq, Tk] @ [B, nh, Tk, hs] -> [B, nh, Tq, hs], written into the heads' strided slots: heads merged
-    np.matmul(
-        att_d.transpose(0, 2, 3, 1), v, out=out.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
-    )
+    out = np.empty((B, T, d), dtype=qkv.dtype)
+    o4 = _heads(out.reshape(B, T, n_head, hs))
+    for a, b in _blocks(T):
+        np.matmul(att_d[:, :b, :, a:b].transpose(0, 2, 3, 1), v[:, :, :b], out=o4[:, :, a:b])
     return out, (qs, k, v, att, att_d, dcache, out, n_head, scale)
 
 
@@ -308,30 +296,26 @@ def attention_backward(dout: np.ndarray, cache):
     qs, k, v, att, att_d, dcache, out, n_head, scale = cache
     B, T, d = dout.shape
     hs = d // n_head
-    dy = dout.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)  # [B, nh, Tq, hs] view
+    dy = _heads(dout.reshape(B, T, n_head, hs))  # [B, nh, Tq, hs] view
     dqkv = np.empty((B, T, 3, n_head, hs), dtype=dout.dtype)  # [B, T, 3, nh, hs]
-    # matmul writes straight into the strided q/k/v slots of dqkv: no merge copy afterwards.
-    np.matmul(
-        att_d.transpose(0, 2, 1, 3), dy, out=dqkv[:, :, 2].transpose(0, 2, 1, 3)
-    )  # dv [B, nh, Tk, hs]
+    dq, dk, dv = (_heads(dqkv[:, :, i]) for i in range(3))  # [B, nh, T, hs] strided slots
     datt = np.empty((B, T, n_head, T), dtype=dout.dtype)  # [B, Tk, nh, Tq]
-    np.matmul(
-        v, dy.transpose(0, 1, 3, 2), out=datt.transpose(0, 2, 1, 3)
-    )  # [B, nh, Tk, Tq] grad wrt att_d
+    for a, b in _blocks(T):  # keys a:b are seen by queries a: only
+        np.matmul(_heads(att_d[:, a:b, :, a:]), dy[:, :, a:], out=dv[:, :, a:b])
+        # grad wrt att_d for queries a:b and keys :b (the rest is never read)
+        np.matmul(v[:, :, :b], dy[:, :, a:b].transpose(0, 1, 3, 2), out=_heads(datt[:, :b, :, a:b]))
+        datt[:, b:, :, a:b] = 0.0
     datt = dropout_backward(datt, dcache)  # [B, Tk, nh, Tq] grad wrt the softmax output
     # Softmax backward needs sum_j datt_ij att_ij = dy_i . y_i (FlashAttention's D): computed on [T, hs],
     # 4x smaller than [T, T], and it holds with dropout too since y = (att * mask) @ v.
     rows = np.einsum(
         "bthe,bthe->bht", dout.reshape(B, T, n_head, hs), out.reshape(B, T, n_head, hs)
-    )  # [B, nh, Tq]
+    )
     d3 = datt.reshape(B, T, n_head * T)  # [B, Tk, nh*Tq]
-    d3 -= rows.reshape(B, 1, n_head * T)  # [B, Tk, nh*Tq]
-    d3 *= att.reshape(B, T, n_head * T)  # [B, Tk, nh*Tq] grad wrt the scaled scores; 0 where masked
-    np.matmul(
-        datt.transpose(0, 2, 3, 1), k, out=dqkv[:, :, 0].transpose(0, 2, 1, 3)
-    )  # d(qs) [B, nh, Tq, hs]
-    dqkv[:, :, 0] *= scale  # [B, T, nh, hs] dq = d(qs) * scale
-    np.matmul(
-        datt.transpose(0, 2, 1, 3), qs, out=dqkv[:, :, 1].transpose(0, 2, 1, 3)
-    )  # dk [B, nh, Tk, hs]
+    d3 -= rows.reshape(B, 1, n_head * T)
+    d3 *= att.reshape(B, T, n_head * T)  # grad wrt the scaled scores; 0 where masked
+    for a, b in _blocks(T):  # d(qs), then dk
+        np.matmul(datt[:, :b, :, a:b].transpose(0, 2, 3, 1), k[:, :, :b], out=dq[:, :, a:b])
+        np.matmul(_heads(datt[:, a:b, :, a:]), qs[:, :, a:], out=dk[:, :, a:b])
+    dqkv[:, :, 0] *= scale  # dq = d(qs) * scale
     return dqkv.reshape(B, T, 3 * d)

@@ -17,9 +17,7 @@ def mse(pred: np.ndarray, target: np.ndarray) -> tuple[float, np.ndarray]:
 _UNSHIFTED_RANGE = 64.0
 
 
-def cross_entropy(
-    logits: np.ndarray, targets: np.ndarray, overwrite: bool = False
-) -> tuple[float, np.ndarray]:
+def cross_entropy(logits: np.ndarray, targets: np.ndarray, overwrite: bool = False):
     # logits [N, V] float, targets [N] int -> loss (mean over N), dlogits [N, V] = (softmax - onehot) / N.
     # overwrite=True turns logits into dlogits in place (for a caller done with them): no [N, V] temporary.
     loss, d, row_scale = cross_entropy_factored(logits if overwrite else logits.copy(), targets)
@@ -27,9 +25,7 @@ def cross_entropy(
     return loss, d
 
 
-def cross_entropy_factored(
-    logits: np.ndarray, targets: np.ndarray
-) -> tuple[float, np.ndarray, np.ndarray]:
+def cross_entropy_factored(logits: np.ndarray, targets: np.ndarray):
     # logits [N, V] float (overwritten), targets [N] int -> loss, d [N, V] in logits' memory, row_scale [N]
     # with dlogits = d * row_scale[:, None]: a caller whose next product is linear in dlogits (the tied head)
     # scales its [N, d] operands instead of this [N, V] array.
@@ -43,13 +39,8 @@ def cross_entropy_factored(
         z -= z.max(axis=1, keepdims=True)  # [N, V] shifted: exp cannot overflow
     picked = z[rows, targets]  # [N] (shifted) logit of each target
     np.exp(z, out=z)  # [N, V]
-    sumexp = z @ np.ones(
-        V, dtype=z.dtype
-    )  # [N] row sums as one gemv, ~4x faster than z.sum(axis=1)
+    sumexp = z @ np.ones(V, dtype=z.dtype)  # [N] row sums as one gemv, ~4x faster than .sum(1)
     loss = float(np.mean(np.log(sumexp) - picked))  # -log softmax at the targets; any shift cancels
     z[rows, targets] -= sumexp  # [N, V] e - onehot * sum(e)
-    return (
-        loss,
-        z,
-        (1.0 / n) / sumexp,
-    )  # (e - onehot * sum(e)) / (N sum(e)) = (softmax - onehot) / N
+    # (e - onehot * sum(e)) / (N sum(e)) = (softmax - onehot) / N
+    return loss, z, (1.0 / n) / sumexp

@@ -26,39 +26,25 @@ ACTIVATIONS = {"tanh": _tanh, "relu": _relu}
 
 class MLP(NamedParams):
     """in -> hidden... -> out; activation and dropout after every hidden layer; MSE loss.
-
-    loss_and_grads only reads params and returns fresh arrays: safe to run concurrently (Shards).
-    """
+    loss_and_grads only reads params and returns fresh arrays: safe to run concurrently (Shards)."""
 
     needs = "rows"  # the data kind it trains on
 
-    def __init__(
-        self,
-        spec: DataSpec,
-        hidden: list[int],
-        activation: str,
-        dropout: float,
-        dtype: str,
-        rng: np.random.Generator,
-    ):
-        # validated (config/schemas.py) and paired with the data (run/assemble.py check_pairing) before it is built
-        self.activation, self.dropout, self.dtype = (
-            ACTIVATIONS[activation],
-            float(dropout),
-            np.dtype(dtype),
-        )
+    def __init__(self, spec: DataSpec, hidden: list[int], activation: str, dropout: float, dtype: str,
+                 rng: np.random.Generator):  # fmt: skip
+        # validated (config/schemas.py) and paired with the data (run/assemble.py check_pairing) first
+        self.activation, self.dropout = ACTIVATIONS[activation], float(dropout)
+        self.dtype = np.dtype(dtype)
         widths = [spec.n_features, *hidden, spec.n_targets]
         self.n_layers = len(widths) - 1
         self.params: dict[str, np.ndarray] = {}
         for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
             # torch.nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias
             bound = 1.0 / np.sqrt(fan_in)
-            self.params[f"layers.{i}.weight"] = rng.uniform(
-                -bound, bound, (fan_in, fan_out)
-            ).astype(self.dtype)
-            self.params[f"layers.{i}.bias"] = rng.uniform(-bound, bound, (fan_out,)).astype(
-                self.dtype
-            )
+            for name, shape in (("weight", (fan_in, fan_out)), ("bias", (fan_out,))):
+                self.params[f"layers.{i}.{name}"] = rng.uniform(-bound, bound, shape).astype(
+                    self.dtype
+                )
 
     @staticmethod
     def n_params(spec: DataSpec, hidden: list[int], **_) -> int:

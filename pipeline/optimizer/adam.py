@@ -8,93 +8,68 @@ import numpy as np
 
 from pipeline.optimizer.base import Optimizer
 
+# The update's ~14 element-wise passes run over pieces of this many bytes per array: p, g, m, v and the scratch
+# (5 x 128 KiB) stay in L2 from one pass to the next; element-wise, so the same bits as whole-array passes.
+_CHUNK_BYTES = 128 << 10
+
 
 class Adam(Optimizer):
     buffers = ("exp_avg", "exp_avg_sq")
     decoupled = False
 
-    def __init__(
-        self,
-        params,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        weight_decay_on: str,
-    ):
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, weight_decay_on: str):  # fmt: skip
         super().__init__(params, lr)
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps, self.weight_decay = float(eps), float(weight_decay)
         # all: every parameter; matrices: those of 2 or more dimensions (weights and embeddings, not biases nor
         # LayerNorm gains: GPT-2's, nanoGPT's and HF's groups)
-        self.decays = {
-            name: weight_decay_on == "all" or p.ndim >= 2 for name, p in self.params.items()
-        }
-        # Moments of a model of one dtype live in two flat arrays; each name's buffer is a view into them.
-        self._flat = (
-            _Flat(self.params, self.state)
-            if len({p.dtype for p in self.params.values()}) == 1
-            else None
-        )
+        self.decays = {n: weight_decay_on == "all" or p.ndim >= 2 for n, p in self.params.items()}
+        one_dtype = len({p.dtype for p in self.params.values()}) == 1
+        self._flat = _Flat(self.params, self.state, self.decays) if one_dtype else None
 
     def step(self, grads: dict[str, np.ndarray]) -> None:
-        """One update of every parameter. A model of one dtype (and gradients of it) is updated as one flat array:
-        each operation one pass over all parameters instead of one call per parameter, the same bits per element."""
-        names = list(self.params)
-        flat = self._flat
+        """One update of every parameter. A model of one dtype is updated in place, large parameters chunk by
+        chunk and the small ones packed into one array per decay group: the same bits per element."""
+        flat, params = self._flat, self.params
         if (
             flat is None
-            or set(grads) != set(self.params)
-            or any(grads[n].dtype != flat.p.dtype for n in names)
+            or set(grads) != set(params)
+            or any(grads[n].dtype != flat.dtype or not params[n].flags.c_contiguous for n in params)
         ):
-            super().step(
-                grads
-            )  # per parameter (also the one that refuses gradients that do not match)
-            return
+            return super().step(grads)  # per parameter (also the one refusing mismatched gradients)
         self.t += 1
-        np.concatenate([self.params[n].reshape(-1) for n in names], out=flat.p)
-        np.concatenate([grads[n].reshape(-1) for n in names], out=flat.g)
-        everything = all(self.decays.values())
-        if self.weight_decay and not everything:
-            for n, p, g in zip(names, flat.views(flat.p), flat.views(flat.g)):
-                if self.decays[n]:
-                    self._decay(p, g, scratch=True)
-        self._apply(flat.p, flat.g, flat.m, flat.v, flat.tmp, decay=everything)
-        for n, part in zip(names, flat.views(flat.p)):
-            np.copyto(self.params[n], part)
+        for names, a, b, decay in flat.packs:  # small parameters: gathered, updated, scattered
+            p, g = flat.p[: b - a], flat.g[: b - a]
+            np.concatenate([params[n].reshape(-1) for n in names], out=p)
+            np.concatenate([grads[n].reshape(-1) for n in names], out=g)
+            self._chunks(flat, p, g, a, b, decay)
+            for n, part in zip(names, np.split(p, np.cumsum([params[n].size for n in names[:-1]]))):
+                np.copyto(params[n], part.reshape(params[n].shape))
+        for n, a, b in flat.large:
+            self._chunks(flat, params[n].reshape(-1), grads[n].reshape(-1), a, b, self.decays[n])
+
+    def _chunks(self, flat: _Flat, p, g, a: int, b: int, decay: bool) -> None:
+        # p and g (flat views) against the moments flat.m[a:b], flat.v[a:b], _CHUNK_BYTES at a time
+        m, v, c = flat.m[a:b], flat.v[a:b], flat.chunk
+        for s in range(0, p.size, c):
+            e = min(s + c, p.size)
+            self._apply(p[s:e], g[s:e], m[s:e], v[s:e], flat.tmp[: e - s], decay)
 
     def _update(self, name: str, p: np.ndarray, g: np.ndarray) -> None:
         m, v = self._buffer("exp_avg", name), self._buffer("exp_avg_sq", name)
-        self._apply(
-            p, g, m, v, np.empty_like(m), decay=self.decays[name]
-        )  # out=: an array even for 0-d ones
+        self._apply(p, g, m, v, np.empty_like(m), self.decays[name])  # out=: an array even for 0-d
 
-    def _decay(self, p: np.ndarray, g: np.ndarray, scratch: bool = False) -> np.ndarray:
-        """Weight decay, torch's: decoupled (AdamW) shrinks p in place; L2 (Adam) returns g + wd p, written into
-        g only where g is the step's own scratch copy (`scratch`), never into a caller's gradient."""
-        dt = p.dtype.type
-        if self.decoupled:
-            p *= dt(1 - self.lr * self.weight_decay)
-            return g
-        if scratch:
-            g += dt(self.weight_decay) * p
-            return g
-        return g + dt(self.weight_decay) * p
-
-    def _apply(
-        self,
-        p: np.ndarray,
-        g: np.ndarray,
-        m: np.ndarray,
-        v: np.ndarray,
-        tmp: np.ndarray,
-        decay: bool,
-    ) -> None:
+    def _apply(self, p, g, m, v, tmp, decay: bool) -> None:
         # torch's formulas, each elementwise operation in torch's order, through one scratch array: the same
         # bits as the plain expressions without their five temporaries per parameter.
-        if self.weight_decay and decay:
-            g = self._decay(p, g)
         dt = p.dtype.type
+        # torch's weight decay: decoupled (AdamW) shrinks p, L2 (Adam) uses g + wd p
+        if self.weight_decay and decay:
+            if self.decoupled:
+                p *= dt(1 - self.lr * self.weight_decay)
+            else:
+                g = g + dt(self.weight_decay) * p
         np.subtract(g, m, out=tmp)  # g - m
         tmp *= dt(1 - self.beta1)
         m += tmp  # torch: exp_avg.lerp_(grad, 1 - beta1), i.e. m += (g - m) * (1 - beta1)
@@ -113,25 +88,29 @@ class Adam(Optimizer):
 
 
 class _Flat:
-    """Flat arrays over every parameter in dict order: the moments m and v (each name's state buffer a view into
-    them, so checkpoints see per-name arrays), and the step's scratch copies of the parameters and gradients."""
+    """The moments m and v as two flat arrays (each name's state buffer a view into them, so checkpoints see
+    per-name arrays): the small parameters first, one contiguous run per decay group, then the large ones."""
 
-    def __init__(self, params: dict[str, np.ndarray], state: dict[str, np.ndarray]):
-        self.shapes = [p.shape for p in params.values()]
-        self.bounds = np.cumsum([0] + [p.size for p in params.values()]).tolist()
-        dtype = next(iter(params.values())).dtype
-        n = self.bounds[-1]
-        self.m, self.v = np.zeros(n, dtype), np.zeros(n, dtype)
-        self.p, self.g, self.tmp = np.empty(n, dtype), np.empty(n, dtype), np.empty(n, dtype)
-        for kind, flat in (("exp_avg", self.m), ("exp_avg_sq", self.v)):
-            for name, view in zip(params, self.views(flat)):
-                state[f"{kind}.{name}"] = view
-
-    def views(self, flat: np.ndarray) -> list[np.ndarray]:
-        return [
-            flat[a:b].reshape(shape)
-            for a, b, shape in zip(self.bounds[:-1], self.bounds[1:], self.shapes)
+    def __init__(self, params: dict[str, np.ndarray], state: dict, decays: dict[str, bool]):
+        self.dtype = next(iter(params.values())).dtype
+        self.chunk = _CHUNK_BYTES // self.dtype.itemsize
+        small = {n: p.size < self.chunk for n, p in params.items()}
+        groups = [[n for n in params if small[n] and decays[n] == d] for d in (True, False)]
+        order = groups[0] + groups[1] + [n for n in params if not small[n]]
+        ends = np.cumsum([params[n].size for n in order]).tolist()
+        span = {n: (e - params[n].size, e) for n, e in zip(order, ends)}
+        self.m, self.v = np.zeros(ends[-1], self.dtype), np.zeros(ends[-1], self.dtype)
+        for n, (a, b) in span.items():
+            state[f"exp_avg.{n}"] = self.m[a:b].reshape(params[n].shape)
+            state[f"exp_avg_sq.{n}"] = self.v[a:b].reshape(params[n].shape)
+        # (names, start, end, decay) of each group of small parameters; (name, start, end) of the large
+        self.packs = [
+            (g, span[g[0]][0], span[g[-1]][1], d) for g, d in zip(groups, (True, False)) if g
         ]
+        self.large = [(n, *span[n]) for n in order if not small[n]]
+        packed = max([b - a for _, a, b, _ in self.packs], default=0)
+        self.p, self.g = np.empty(packed, self.dtype), np.empty(packed, self.dtype)
+        self.tmp = np.empty(self.chunk, self.dtype)
 
 
 class AdamW(Adam):

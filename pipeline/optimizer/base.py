@@ -28,9 +28,8 @@ class Optimizer:
 
     def step(self, grads: dict[str, np.ndarray]) -> None:
         if set(grads) != set(self.params):
-            raise KeyError(
-                f"gradients do not match parameters: {sorted(set(grads) ^ set(self.params))}"
-            )
+            odd = sorted(set(grads) ^ set(self.params))
+            raise KeyError(f"gradients do not match parameters: {odd}")
         self.t += 1
         for name, p in self.params.items():
             self._update(name, p, grads[name])
@@ -45,13 +44,8 @@ class Optimizer:
         for kind in self.buffers:
             for name in self.params:
                 self._buffer(kind, name)
-        return {
-            "t": self.t,
-            **{
-                kind: {name: self.state[f"{kind}.{name}"] for name in self.params}
-                for kind in self.buffers
-            },
-        }
+        buffers = {k: {n: self.state[f"{k}.{n}"] for n in self.params} for k in self.buffers}
+        return {"t": self.t, **buffers}
 
     def check_state_dict(self, state: dict) -> None:
         if state["t"] < 0:

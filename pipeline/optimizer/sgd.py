@@ -8,15 +8,8 @@ from pipeline.optimizer.base import Optimizer
 
 
 class SGD(Optimizer):
-    def __init__(
-        self,
-        params,
-        lr: float,
-        momentum: float,
-        dampening: float,
-        nesterov: bool,
-        weight_decay: float,
-    ):
+    def __init__(self, params, lr: float, momentum: float, dampening: float, nesterov: bool,
+                 weight_decay: float):  # fmt: skip
         super().__init__(params, lr)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov momentum requires momentum > 0 and dampening = 0")

@@ -6,16 +6,8 @@ from pipeline.scheduler.base import Scheduler
 
 
 class WarmupCosine(Scheduler):
-    def __init__(
-        self,
-        optimizer,
-        total_steps: int | None,
-        warmup_steps: int,
-        warmup_offset: int,
-        min_lr_ratio: float,
-        num_cycles: float,
-        run_total_steps: int | None = None,
-    ):
+    def __init__(self, optimizer, total_steps: int | None, warmup_steps: int, warmup_offset: int,
+                 min_lr_ratio: float, num_cycles: float, run_total_steps: int | None = None):  # fmt: skip
         total_steps = total_steps if total_steps is not None else run_total_steps
         if total_steps is None or total_steps < 1 or warmup_steps < 0:
             raise ValueError(
@@ -28,14 +20,10 @@ class WarmupCosine(Scheduler):
         super().__init__(optimizer)
 
     def lr_at(self, k: int) -> float:
-        if (
-            k < self.warmup_steps
-        ):  # offset 0: HF's k / warmup (the first update at 0); 1: nanoGPT's (k + 1) / (w + 1)
-            return (
-                self.base_lr
-                * (k + self.warmup_offset)
-                / max(1, self.warmup_steps + self.warmup_offset)
-            )
+        # warm-up offset 0: HF's k / warmup (the first update at 0); 1: nanoGPT's (k + 1) / (warmup + 1)
+        if k < self.warmup_steps:
+            w = self.warmup_offset
+            return self.base_lr * (k + w) / max(1, self.warmup_steps + w)
         progress = (k - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
         cosine = max(0.0, 0.5 * (1.0 + math.cos(math.pi * self.num_cycles * 2.0 * progress)))
         return self.base_lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)

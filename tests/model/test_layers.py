@@ -319,8 +319,35 @@ def test_attention_is_causal(rng):
     assert not np.allclose(out[:, 4:], out2[:, 4:])
 
 
+@pytest.mark.parametrize("qblock", [64, 2])  # one block; query blocks (0, 2), (2, 5)
+def test_attention_in_query_blocks_matches_naive_reference(rng, monkeypatch, qblock):
+    monkeypatch.setattr(L, "_QBLOCK", qblock)
+    qkv = rng.standard_normal((3, 5, 3 * 8))
+    out, _ = L.attention_forward(qkv, n_head=2)
+    np.testing.assert_allclose(out, naive_attention(qkv, 2), rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_attention_in_query_blocks_is_bitwise_the_full_products(rng, monkeypatch, dtype, p):
+    # T=200: blocks (0, 64), (64, 128), (128, 200), the skipped terms exact zeros; the oracle is one block
+    qkv, dout = (
+        rng.standard_normal((2, 200, 3 * 24)).astype(dtype),
+        rng.standard_normal((2, 200, 24)).astype(dtype),
+    )
+    runs = []
+    for qblock in (64, 1 << 20):
+        monkeypatch.setattr(L, "_QBLOCK", qblock)
+        out, cache = L.attention_forward(qkv, 3, p, np.random.default_rng(5) if p else None)
+        runs.append((out, L.attention_backward(dout, cache)))
+    for blocked, full in zip(*runs):
+        np.testing.assert_array_equal(blocked, full)
+
+
+@pytest.mark.parametrize("qblock", [64, 2])
 @pytest.mark.parametrize("p", [0.0, 0.25])
-def test_attention_grads(rng, p):
+def test_attention_grads(rng, monkeypatch, p, qblock):
+    monkeypatch.setattr(L, "_QBLOCK", qblock)
     qkv = rng.standard_normal((2, 5, 3 * 8))
     R = projector((2, 5, 8))
 
