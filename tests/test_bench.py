@@ -13,6 +13,21 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
+TINY = [
+    "--vocab",
+    "32",
+    "--batch",
+    "4",
+    "--block",
+    "8",
+    "--n-embd",
+    "16",
+    "--n-head",
+    "2",
+    "--n-layer",
+    "1",
+]
+
 
 def run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -37,39 +52,12 @@ def test_bench_step_profiles_a_toy_model(tmp_path):
         "50",
         "--warmup",
         "1",
-        "--vocab",
-        "32",
-        "--batch",
-        "4",
-        "--block",
-        "8",
-        "--n-embd",
-        "16",
-        "--n-head",
-        "2",
-        "--n-layer",
-        "1",
+        *TINY,
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["mode"] == "profile" and result["ops"], result
-
-
-TINY = [
-    "--vocab",
-    "32",
-    "--batch",
-    "4",
-    "--block",
-    "8",
-    "--n-embd",
-    "16",
-    "--n-head",
-    "2",
-    "--n-layer",
-    "1",
-]
 
 
 def test_bench_step_races_torch_at_a_named_shape_overridden_to_a_toy(tmp_path):
