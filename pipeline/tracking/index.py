@@ -207,9 +207,10 @@ def log_changed(repo, have: dict[str, int], todo: list[tuple[str, Path | bytes]]
             if not isinstance(source, bytes) and not stat.S_ISREG(source.stat().st_mode):
                 continue
             size = len(source) if isinstance(source, bytes) else source.stat().st_size
-            small = size <= MAX_COMPARED_BYTES
-            differs = small and store.artifact_bytes(repo, artifact, have) != _bytes_of(source)
-            changed = have.get(artifact) != size or differs
+            # a size the store does not list (None) differs; only a listed same size is read back
+            changed = have.get(artifact) != size
+            if not changed and size <= MAX_COMPARED_BYTES:
+                changed = store.artifact_bytes(repo, artifact, have) != _bytes_of(source)
         except OSError:
             continue  # absent, or replaced since it was listed (a FIFO, a device, a file grown past the bound)
         final = artifact.startswith("final/")

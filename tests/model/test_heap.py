@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 
+from pipeline.trainer.phases import Profile
+
 CHILD = textwrap.dedent("""
     import numpy as np
     from pipeline.model import minigpt
@@ -53,5 +55,7 @@ def test_the_job_end_hands_the_heap_back_before_drawing(monkeypatch):
 
     monkeypatch.setattr(loop.Run, "_draw", draw)
     with pytest.raises(Stop):
-        loop.Run._summarise(object.__new__(loop.Run), "complete")
+        run = object.__new__(loop.Run)
+        run.profile = Profile(None)  # no phase table
+        loop.Run._summary(run, "complete")
     assert calls == ["release", "draw"]
