@@ -177,14 +177,21 @@ def test_a_sweep_jobs_time_is_its_own(tmp_path):
     from datetime import datetime
 
     proc = run_pipeline(
-        ["-m", *KERNODECK, "trainer.seed=1,2", f"paths.output_dir={tmp_path / 'out'}"],
+        # 300 updates: a job's time is printed to 0.1 s, and 10 of kernodeck's can take less than 0.05 s
+        [
+            "-m",
+            *KERNODECK,
+            "trainer.seed=1,2",
+            "trainer.max_steps=300",
+            f"paths.output_dir={tmp_path / 'out'}",
+        ],
         tmp_path / "cwd",
     )
     assert proc.returncode == 0, proc.stderr
     done = [
         (datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp(), float(m[2]))
         for m in re.finditer(
-            r"^\[([\d :,-]+)\]\[pipeline\]\[INFO\] - done at step 10 \(max_steps\) after ([\d.]+) s "
+            r"^\[([\d :,-]+)\]\[pipeline\]\[INFO\] - done at step 300 \(max_steps\) after ([\d.]+) s "
             r"in this job",
             proc.stdout,
             re.M,
