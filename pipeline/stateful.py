@@ -90,7 +90,9 @@ def merge(arrays: Mapping[str, np.ndarray], json_tree: dict) -> dict:
 
 # bool before int: a bool is an int
 _TYPES = (type(None), bool, int, float, str, list, dict, np.ndarray)
-_KINDS = tuple(zip(_TYPES, ("null", "bool", "int", "float", "str", "list", "object", "array")))
+_KINDS: tuple[tuple[type, str], ...] = tuple(
+    zip(_TYPES, ("null", "bool", "int", "float", "str", "list", "object", "array"))
+)
 
 
 def _json_kind(v) -> str:
