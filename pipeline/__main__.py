@@ -108,7 +108,7 @@ def command_args(hydra_cfg, conf_dir) -> list[str]:
 
 
 def main() -> int | None:
-    """The job's exit code (a multirun's: None, each job's end is in its sweep's record)."""
+    """The job's exit code; a multirun's is its sweep's (`SweepCallback.code`), each job's end in its record."""
     import hydra
 
     from pipeline.config.compose import CONFIG_DIR, register
@@ -158,8 +158,9 @@ def main() -> int | None:
     try:
         with hydra_shortcuts(sys.argv[1:], CONFIG_DIR):
             task()
-        ended = started.pop() if started else None
-        return None if ended is None else ended.code
+        if (ended := started.pop() if started else None) is not None:
+            return ended.code
+        return None if SIGNALS_STATE.launching is None else SIGNALS_STATE.launching.code
     except Exception as e:
         if SIGNALS_STATE.interrupted_start():
             raise  # the handler's exception, raised inside a library (composing, building), came out as another
@@ -177,6 +178,8 @@ def main() -> int | None:
                     started or SIGNALS_STATE.received is not None or not sweep.discard_unlaunched()
                 ):
                     sweep.end_unfinished(f"{type(e).__name__}: {e}")
+            if sweep.code is not None:
+                return sweep.code  # its table and exit line are printed: the exception is said
         if started or not report_own or exit_code(e) is not None:
             raise
         # Hydra refused to compose the jobs

@@ -201,6 +201,7 @@ class SweepCallback(Callback):
         self.launched = False  # its parent run asked for, its line said
         self.indexed = False  # an index was asked for its parent run: it holds the first start
         self.start: _Start | None = None  # what its start changed, for the entry's undo (here only)
+        self.code: int | None = None  # the sweep's exit code, once it has ended
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "start": None}  # Hydra pickles this object to every job
@@ -307,28 +308,10 @@ class SweepCallback(Callback):
             self._launching()
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        """The table on stderr; exit 0 only if every job completed: 75 if interrupted, else the first failure's code."""
+        """The table on stderr; the entry exits with `code`: 0 if every job completed, 75 if interrupted,
+        else the first failure's code."""
         if self.sweep is not None:
-            self._report(end(self.sweep, None, self.parent))
-
-    @staticmethod
-    def _report(summary: dict) -> None:
-        """The end table on stderr, then the exit line and code unless every job of this launch completed."""
-        print(*summary["table"], sep="\n", file=sys.stderr)
-        failed, of = summary["failed"], f"of {len(summary['jobs'])} jobs"
-        if summary["status"] == "interrupted":
-            said = f"{len(failed)} {of} did not finish" if summary["jobs"] else "no job ran"
-            said = f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it"
-            print(said, file=sys.stderr)
-            raise SystemExit(EXIT_PREEMPTED)
-        if failed:
-            each = (
-                f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
-                for n, j in failed.items()
-            )
-            listing = "; ".join(each)
-            print(f"pipeline: {len(failed)} {of} failed: {listing}", file=sys.stderr)
-            raise SystemExit(min(int(j.get("code", 1)) for j in failed.values()))
+            self.code = _report(end(self.sweep, None, self.parent))
 
     # --- the entry point, when the sweeper or Hydra raised in the launching process
     def discard_unlaunched(self) -> bool:
@@ -368,8 +351,29 @@ class SweepCallback(Callback):
         # what its sweeper stumbled on (Optuna's best trial, when none completed): the table, the jobs'
         # failures and their code
         if summary["status"] == "interrupted" or summary["failed"]:
-            self._report(summary)
+            self.code = _report(summary)
         return True
+
+
+def _report(summary: dict) -> int:
+    """The end table on stderr, then the exit line unless every job of this launch completed; the exit code."""
+    print(*summary["table"], sep="\n", file=sys.stderr)
+    failed, of = summary["failed"], f"of {len(summary['jobs'])} jobs"
+    if summary["status"] == "interrupted":
+        said = f"{len(failed)} {of} did not finish" if summary["jobs"] else "no job ran"
+        said = (
+            f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it"
+        )
+        print(said, file=sys.stderr)
+        return EXIT_PREEMPTED
+    if not failed:
+        return 0
+    each = (
+        f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
+        for n, j in failed.items()
+    )
+    print(f"pipeline: {len(failed)} {of} failed: {'; '.join(each)}", file=sys.stderr)
+    return min(int(j.get("code", 1)) for j in failed.values())
 
 
 def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
