@@ -95,3 +95,31 @@ def test_a_slurm_that_cannot_be_reached_is_said_so_with_its_own_code_and_nothing
     )
     assert ("Unable to contact slurm controller" in last) == (client == "unreachable")
     assert not out.exists()  # nothing was submitted: the sweep's start is undone
+
+
+@pytest.mark.parametrize(
+    ("status", "failed", "code"),
+    [
+        ("completed", {}, 0),
+        ("interrupted", {}, 75),
+        ("failed", {"1": {"code": 3}, "0": {"code": 2}}, 2),
+    ],
+)
+def test_a_sweeps_end_is_a_code_the_entry_exits_with_not_an_exit_inside_hydra(
+    monkeypatch, capsys, status, failed, code
+):
+    from pipeline.sweep import callback
+
+    summary = {
+        "table": ["the table"],
+        "status": status,
+        "failed": failed,
+        "jobs": {"0": {}, "1": {}},
+    }
+    monkeypatch.setattr(callback, "end", lambda sweep, error, parent: summary)
+    sweep = callback.SweepCallback()
+    sweep.sweep = {"id": "x"}
+    assert sweep.on_multirun_end(None) is None  # Hydra's callback returns: only the entry exits
+    assert sweep.code == code
+    err = capsys.readouterr().err
+    assert err.startswith("the table\n") and ("interrupted" in err) == (status == "interrupted")
