@@ -18,6 +18,13 @@ def modules() -> dict[str, ast.Module]:
     return out
 
 
+def imported(node: ast.AST) -> list[str]:
+    """The modules an import statement names (none for any other node)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    return [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+
+
 def unit(module: str) -> str:
     """pipeline.checkpoint.store -> checkpoint; pipeline.run.loop -> run."""
     parts = module.split(".")
@@ -28,17 +35,9 @@ def test_no_import_cycle_between_subpackages_and_modules():
     """Regression: checkpoint -> model -> data -> checkpoint was a cycle at import time."""
     edges: dict[str, set[str]] = {}
     for name, tree in modules().items():
-        for (
-            node
-        ) in tree.body:  # what importing the module imports (function-level imports are deferred)
-            found = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module]
-                if isinstance(node, ast.ImportFrom) and node.module
-                else []
-            )
-            for target in found:
+        # what importing the module imports (function-level imports are deferred)
+        for node in tree.body:
+            for target in imported(node):
                 if target.startswith("pipeline.") and unit(target) != unit(name):
                     edges.setdefault(unit(name), set()).add(unit(target))
     state = {}
@@ -62,15 +61,10 @@ def test_no_cycle_between_packages_function_level_imports_included():
     edges: dict[str, set[str]] = {}
     for name, tree in modules().items():
         for node in ast.walk(tree):
-            found = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module]
-                if isinstance(node, ast.ImportFrom) and node.module
-                else []
-            )
             edges.setdefault(unit(name), set()).update(
-                unit(t) for t in found if t.startswith("pipeline.") and unit(t) != unit(name)
+                unit(t)
+                for t in imported(node)
+                if t.startswith("pipeline.") and unit(t) != unit(name)
             )
 
     def reach(start: str) -> set[str]:
@@ -156,13 +150,7 @@ def test_no_module_imports_from_a_higher_layer():
         if name == "pipeline":
             continue
         for node in ast.walk(tree):
-            found = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module]
-                if isinstance(node, ast.ImportFrom) and node.module
-                else []
-            )
+            found = imported(node)
             upward += [
                 f"{name} -> {t}"
                 for t in found
