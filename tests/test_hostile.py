@@ -533,27 +533,19 @@ CASES = [
         ),
         module=SHOW,
     ),
-    Case(
-        "weights-symlink",
-        1,
-        ("weights.safetensors", "symlink"),
-        lambda o, r, v, t: (
-            (step(r, 10) / "weights.safetensors").unlink(),
-            os.symlink(v, step(r, 10) / "weights.safetensors"),
-            inspect_final(r),
-        )[2],
-        module=SHOW,
-    ),
-    Case(
-        "optim-symlink",
-        1,
-        ("optim.safetensors", "symlink"),
-        lambda o, r, v, t: (
-            (step(r, 10) / "optim.safetensors").unlink(),
-            os.symlink(v, step(r, 10) / "optim.safetensors"),
-            inspect_final(r),
-        )[2],
-        module=SHOW,
+    *(
+        Case(
+            f"{name.split('.')[0]}-symlink",
+            1,
+            (name, "symlink"),
+            lambda o, r, v, t, name=name: (
+                (step(r, 10) / name).unlink(),
+                os.symlink(v, step(r, 10) / name),
+                inspect_final(r),
+            )[2],
+            module=SHOW,
+        )
+        for name in ("weights.safetensors", "optim.safetensors")
     ),
     Case(
         "unlisted-file",
