@@ -5,6 +5,7 @@ and a byte-for-byte unchanged tree outside the run directory (and inside it, for
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -46,15 +47,22 @@ def step(run: Path, n: int) -> Path:
     return run / "checkpoints" / f"step-{n:08d}"
 
 
-def edit_manifest(change):
+def edit_json(name: str, change):
+    """Step 10's `name` changed by `change`; any file but the manifest relisted in it, so only its content lies."""
+
     def plant(out, run, victim, tmp):
-        p = step(run, 10) / "manifest.json"
-        m = json.loads(p.read_text())
-        change(m)
-        p.write_text(json.dumps(m))
+        p = step(run, 10) / name
+        data = json.loads(p.read_text())
+        change(data)
+        p.write_text(json.dumps(data))
+        if name != "manifest.json":
+            relist(step(run, 10), name)
         return inspect_final(run)
 
     return plant
+
+
+edit_manifest = functools.partial(edit_json, "manifest.json")
 
 
 def rehashed(change):
@@ -197,16 +205,7 @@ def edit_optim(change):
     return plant
 
 
-def edit_extra(change):
-    def plant(out, run, victim, tmp):
-        p = step(run, 10) / "extra.json"
-        extra = json.loads(p.read_text())
-        change(extra)
-        p.write_text(json.dumps(extra))
-        relist(step(run, 10), "extra.json")
-        return inspect_final(run)
-
-    return plant
+edit_extra = functools.partial(edit_json, "extra.json")
 
 
 def not_a_permutation(arrays: dict) -> None:
