@@ -103,28 +103,20 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     runs = {"continuous": cont, "resume": res, "negative": neg}
     eval_loss = {name: float(run["eval/losses"].mean()) for name, run in runs.items()}
     at_cut_rows = [{"name": k, "state_machine": machine(k), **r} for k, r in at_cut.items()]
-    report = {
-        "positive": positive,
-        "negative_divergence_detected": negative,
-        "all_checks_passed": positive and negative,
-        "tolerance": {"atol": atol, "rtol": rtol, "mode": "allclose" if atol or rtol else EXACT},
-        "cut": cut,
-        "steps": steps,
-        "cursor_at_cut": f"{intr_meta['cursor']}/{intr_meta['n_train']}",
-        "epoch_at_cut": intr_meta["epoch"],
-        "next_lr": {name: float(run["scheduler/next_lr"][0]) for name, run in runs.items()},
-        "final_eval_loss": eval_loss,
-        "max_weight_diff": {"positive": _worst_weight(pos), "negative": _worst_weight(negc)},
-        "eval_loss_diff": {
-            side: abs(eval_loss["continuous"] - eval_loss[name])
-            for side, name in (("positive", "resume"), ("negative", "negative"))
-        },
-        "failed_state_machines": sorted(set(drifted) | set(restore_failures)),
-        "restore_failures": restore_failures,
-        "comparisons": comparisons,
-        "restored_at_cut": at_cut_rows,
-        "versions": versions(),
-    }
+    report: dict = dict(positive=positive, negative_divergence_detected=negative, cut=cut)
+    report |= dict(steps=steps, all_checks_passed=positive and negative)
+    mode = "allclose" if atol or rtol else EXACT
+    report["tolerance"] = {"atol": atol, "rtol": rtol, "mode": mode}
+    report["cursor_at_cut"] = f"{intr_meta['cursor']}/{intr_meta['n_train']}"
+    report["epoch_at_cut"] = intr_meta["epoch"]
+    report["next_lr"] = {name: float(run["scheduler/next_lr"][0]) for name, run in runs.items()}
+    report["final_eval_loss"] = eval_loss
+    report["max_weight_diff"] = {"positive": _worst_weight(pos), "negative": _worst_weight(negc)}
+    sides = (("positive", "resume"), ("negative", "negative"))
+    report["eval_loss_diff"] = {s: abs(eval_loss["continuous"] - eval_loss[n]) for s, n in sides}
+    report["failed_state_machines"] = sorted(set(drifted) | set(restore_failures))
+    report |= dict(restore_failures=restore_failures, comparisons=comparisons, versions=versions())
+    report["restored_at_cut"] = at_cut_rows
     failed = ", ".join(report["failed_state_machines"])
     if not positive:
         report["reason"] = f"the resumed run differs from the continuous one in: {failed}"
