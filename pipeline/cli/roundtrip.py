@@ -66,11 +66,9 @@ def check_continuation(config: dict, overrides: list[str], work: Path, steps: in
         return {"passed": False, "separate_process": separate, "error": error}
     (ref, _), (a, _), (b, _) = (read_summary(out / mode) for mode in modes)
     resumed = np.concatenate([a["records/loss"], b["records/loss"]])
-    checks = {
-        "losses": first_difference(ref["records/loss"], resumed, "losses"),
-        "state": first_difference(read_state(out / "continuous"), read_state(out / "resume")),
-    }
-    differences = {k: v for k, v in checks.items() if v}
+    losses = first_difference(ref["records/loss"], resumed, "losses")
+    state = first_difference(read_state(out / "continuous"), read_state(out / "resume"))
+    differences = {k: v for k, v in (("losses", losses), ("state", state)) if v}
     result = {"passed": not differences, "separate_process": separate, "steps": [steps, steps]}
     return {**result, "differences": differences}
 
@@ -116,8 +114,7 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
     """A save SIGKILLed just before its rename (the verifier's kill): no checkpoint, a temporary readers
     ignore, removed by the next save, which verifies."""
     out = work / "atomic"
-    cmd = [sys.executable, "-m", NAME, "--save-to", str(out), "--steps", "2"]
-    cmd += ["--", *overrides]
+    cmd = [sys.executable, "-m", NAME, "--save-to", str(out), "--steps", "2", "--", *overrides]
     store = CheckpointStore(out / "saves")
 
     def temporaries() -> list[str]:

@@ -33,11 +33,10 @@ def describe_checkpoint(directory: Path, overrides: tuple[str, ...] = ()) -> dic
     out.update({k: manifest[k] for k in SUMMARY.split() if k in manifest})
     if manifest:  # other_code None: this code trained it (or it cannot be told)
         out["other_code"] = code_change(manifest)
-    files = manifest.get("files")
-    if isinstance(files, dict):
+    if isinstance(files := manifest.get("files"), dict):
         out["files"] = files
-        if "weights" in (hashes := file_hashes(manifest)):
-            out["checkpoint_hash"] = hashes["weights"]
+    if "weights" in (hashes := file_hashes(manifest)):
+        out["checkpoint_hash"] = hashes["weights"]
     try:
         restore_checkpoint(directory, list(overrides))  # restored into fresh objects, then dropped
         out["valid"], out["reason"] = True, None

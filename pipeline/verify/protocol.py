@@ -76,18 +76,13 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     # The continuous run's per-update records after the cut line up with the resumed runs' records.
     cont = {k: v[cut:] if k.startswith("records/") else v for k, v in cont.items()}
     pos, negc = compare(cont, res, atol, rtol), compare(cont, neg, atol, rtol)
-    comparisons = [
-        {
-            "name": key,
-            "state_machine": machine(key),
-            "positive_max_abs_diff": pos[key]["max_abs_diff"],
-            "negative_max_abs_diff": negc[key]["max_abs_diff"],
-            "positive_agrees": pos[key]["ok"],
-            "negative_diverges": not negc[key]["ok"],
-            "detail": pos[key]["detail"] or negc[key]["detail"],
-        }
-        for key in sorted(pos)
-    ]
+    comparisons = []
+    for key in sorted(pos):
+        p, n = pos[key], negc[key]
+        row = dict(name=key, state_machine=machine(key), detail=p["detail"] or n["detail"])
+        row |= dict(positive_max_abs_diff=p["max_abs_diff"], positive_agrees=p["ok"])
+        row |= dict(negative_max_abs_diff=n["max_abs_diff"], negative_diverges=not n["ok"])
+        comparisons.append(row)
     # Restored state at the cut against the interrupted process's state at the cut: names the culprit.
     restored, _ = read_summary(out / "resume", "restored")
     intr_state = {k: v for k, v in intr.items() if not k.startswith("records/")}
@@ -162,14 +157,11 @@ def print_report(report: dict, out: Path) -> None:
         print(f"{'':28}{'full resume':>16}{'no RNG restore':>18}")
         print(f"{'max weight difference':28}{mw['positive']:>16.6g}{mw['negative']:>18.6g}")
         print(f"{'eval loss difference':28}{ed['positive']:>16.6g}{ed['negative']:>18.6g}")
-        print(
-            f"{'verdict':28}{'agrees' if report['positive'] else 'DIFFERS':>16}"
-            f"{'diverges' if report['negative_divergence_detected'] else 'DOES NOT DIVERGE':>18}"
-        )
-        print(
-            f"cursor at cut {report['cursor_at_cut']}, next lr {report['next_lr']['continuous']:.6g} "
-            f"(continuous) / {report['next_lr']['resume']:.6g} (resume)"
-        )
+        agrees = "agrees" if report["positive"] else "DIFFERS"
+        diverges = "diverges" if report["negative_divergence_detected"] else "DOES NOT DIVERGE"
+        print(f"{'verdict':28}{agrees:>16}{diverges:>18}")
+        lr, at = report["next_lr"], f"cursor at cut {report['cursor_at_cut']}"
+        print(f"{at}, next lr {lr['continuous']:.6g} (continuous) / {lr['resume']:.6g} (resume)")
         if "reason" in report:
             print(f"FAILED: {report['reason']}")
     print(f"report: {out / 'verification.json'}")
