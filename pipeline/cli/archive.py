@@ -52,7 +52,6 @@ class RunPlan:
         named = [("run directory name", name), *(("step name", n) for n in ckpts)]
         for what, value in [*named, *(("link name", n) for n in links)]:
             names.checked(value, f"{at}: {what}", reserve=0)
-        # sizes, sha256, layout
         self.manifests = {n: CheckpointDir(p).verify() for n, p in ckpts.items()}
         self.newest = self.manifests[max(self.manifests, key=lambda n: self.manifests[n]["step"])]
 
@@ -413,8 +412,7 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
     proofs, prefix = [], "pipeline-archive-resume-"
     for run in sorted((root / "runs").iterdir()) if prove else ():
         with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as scratch:
-            proofs.append(resume_proof(root, dest, run, Path(scratch), extra))
-    for p in proofs:
+            proofs.append(p := resume_proof(root, dest, run, Path(scratch), extra))
         if p["passed"] is not None:
             what = f"resume {p['run']} from step {p.get('step_recovered')}"
             checks.append(_check(what, p["passed"], p.get("detail") or p.get("compared")))
@@ -436,7 +434,7 @@ def readme(dest: Path, exported: dict) -> str:
         "",
     ]
     for name, run in sorted(exported["runs"].items()):
-        ck = run["checkpoints"]
+        ck, d = run["checkpoints"], run["data"]
         order = sorted(ck, key=lambda n: ck[n]["step"])
         newest = order[-1]
         # as the proof does
@@ -451,9 +449,8 @@ def readme(dest: Path, exported: dict) -> str:
             f"## {name}",
             "",
             "Checkpoints: " + listed,
-            f"Data: data_manifest_hash {run['data']['data_manifest_hash']}, corpus {run['data']['corpus'] or '-'}, "
-            f"sources {run['data']['sources'] or '-'}"
-            f"{' (archived under sources/ and data/)' if run['with_data'] else ''}.",
+            f"Data: data_manifest_hash {d['data_manifest_hash']}, corpus {d['corpus'] or '-'}, sources "
+            f"{d['sources'] or '-'}{' (archived under sources/ and data/)' if run['with_data'] else ''}.",
             "",
             "```bash",
             f"python -m pipeline.show {dest}/runs/{name} {sp}".rstrip(),

@@ -160,13 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.run.trained import data_facts, restore_checkpoint
 
     try:
-        # fully verified
         manifest, state = restore_checkpoint(Path(args.checkpoint), args.overrides)
         # bias and gelu: a checkpoint may predate them
         model = as_written_now(manifest["config"]["model"])
         if not (gpt2_shaped(model) and "transformer.wte.weight" in state.model.state_dict()):
             raise CommandError(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
-        # the vocabulary the model was trained on
         facts = data_facts(manifest, args.overrides, Path(args.checkpoint))
         if facts["vocab"] is None:
             raise CommandError(
