@@ -88,11 +88,10 @@ def render_checkpoint(d: dict) -> str:
             f"  step {d['step']}  epoch {d.get('epoch')}  schema_version {d.get('schema_version')}"
             f"  tags {','.join(d.get('tags') or []) or '-'}",
             f"  metrics: {metrics_line(d.get('metrics'))}",
-            f"  config_hash: {d.get('config_hash')}",
-            f"  data_manifest_hash: {d.get('data_manifest_hash')}",
+            *(f"  {k}: {d.get(k)}" for k in ("config_hash", "data_manifest_hash")),
             f"  git_sha: {d.get('git_sha')}{dirty}  code_sha256: {d.get('code_sha256')}  seed: {d.get('seed')}",
+            *other_code(d),
         ]
-        lines += other_code(d)
     for name, e in sorted((d.get("files") or {}).items()):
         if isinstance(e, dict):
             lines.append(f"  {name:<22} {e.get('size', '?'):>12} B  sha256 {e.get('sha256')}")
