@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -53,7 +52,6 @@ class RunPlan:
         named = [("run directory name", name), *(("step name", n) for n in ckpts)]
         for what, value in [*named, *(("link name", n) for n in links)]:
             names.checked(value, f"{at}: {what}", reserve=0)
-        # sizes, sha256, layout
         self.manifests = {n: CheckpointDir(p).verify() for n, p in ckpts.items()}
         self.newest = self.manifests[max(self.manifests, key=lambda n: self.manifests[n]["step"])]
 
@@ -75,9 +73,7 @@ def _kind(path: Path) -> str:
         return "run"
     up = RunDir(path.parent)
     if up.store.root == path and up.status_path.is_file():
-        raise BadSource(
-            f"{path}: a run's store of checkpoints; give the run directory {path.parent}"
-        )
+        raise BadSource(f"{path}: a run's store of checkpoints; give the run directory {up.path}")
     if (path / "jobs").is_dir() and (path / "sweep.json").is_file():
         return "sweep"
     raise BadSource(
@@ -117,11 +113,9 @@ def plan(source: Path, which: str) -> list[RunPlan]:
         plans = []
         for n in runs:
             names.checked(n, f"{source / 'jobs'}: a run_dir's name", reserve=0)
-            if not (runs_dir / n).is_dir():
-                raise BadSource(
-                    f"{runs_dir / n}: the run of a job of sweep {source.name} is not there"
-                )
-            plans += plan(runs_dir / n, which)
+            if not (at := runs_dir / n).is_dir():
+                raise BadSource(f"{at}: the run of a job of sweep {source.name} is not there")
+            plans += plan(at, which)
         return plans
     if kind == "run":
         run_dir = Path(os.path.realpath(source))
@@ -182,9 +176,8 @@ class Builder:
 def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     """Copy one run into b.root/runs/<name>/; returns what was exported."""
     base = f"runs/{p.name}"
-    atomic.ensure_dirs(b.root, "runs", p.name)
     store = RunDir(b.root / base).store.root
-    atomic.ensure_dirs(store.parent, store.name)
+    atomic.ensure_dirs(b.root, *store.relative_to(b.root).parts)
     # exactly the listed files, each hashed as it is copied
     for name, directory in p.checkpoints.items():
         listed = p.manifests[name]["files"]
@@ -257,15 +250,6 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
 # --- checks on DEST alone ---------------------------------------------------------------------------------
 
 
-def check_files(root: Path, listing: dict) -> list[str]:
-    """Every file listed in MANIFEST.json present with its size and sha256, every link as listed, nothing else (a
-    directory holds something listed; nothing followed); a line for each difference, naming the file."""
-    links, ignore = listing["links"], ("recovery.json",)
-    files = listing["files"]
-    said = files_listing.problems(root, files, "MANIFEST.json", links=links, ignore=ignore)
-    return [f"{rel}: {reason}" for rel, reason in said]
-
-
 def run_overrides(run: Path) -> list[str] | None:
     """The overrides the run was last started with (.hydra/overrides.yaml), or None if it has none."""
     import yaml
@@ -329,10 +313,8 @@ def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str |
             return f"{where} gives {bad[:200]!r}, a flag: only the command line may give one"
         for o in targets.parse_overrides([a for a in args if a not in extra]):
             if o.key_or_group.startswith("hydra"):
-                said = (
-                    f"{where} gives {o.input_line[:200]!r}: only the command line may give hydra.*"
-                )
-                return said + _trust_hint(root, run, extra)
+                said = f"{o.input_line[:200]!r}: only the command line may give hydra.*"
+                return f"{where} gives {said}{_trust_hint(root, run, extra)}"
         targets.check(to_plain(compose(args)), targets.allowed(tuple(extra)))
     except targets.UnknownTarget as e:
         return f"{where}: {e}{_trust_hint(root, run, extra)}"
@@ -384,13 +366,9 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     # run() kills the child on any exception (a signal's included) before it is raised
     cmd = [sys.executable, "-m", "pipeline", *args]
     proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True)
-    result = {
-        "run": run.name,
-        "command": "python -m pipeline " + " ".join(shown).replace(str(scratch), "<scratch>"),
-        "from": source.relative_to(root).as_posix(),
-        "step_recovered": step,
-        "exit": proc.returncode,
-    }
+    result = {"run": run.name, "from": source.relative_to(root).as_posix(), "step_recovered": step}
+    shown_cmd = "python -m pipeline " + " ".join(shown).replace(str(scratch), "<scratch>")
+    result |= {"command": shown_cmd, "exit": proc.returncode}
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         result.update(passed=False, detail=last)
@@ -403,12 +381,10 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     original_final = store.link_dir("final")
     resumed_final = RunDir(resumed_run).store.link_dir("final")
     if original_final is not None and resumed_final is not None and step < end:
-        a = CheckpointDir(original_final).manifest()
-        bb = CheckpointDir(resumed_final).manifest()["files"]
+        a, bb = (CheckpointDir(d).manifest() for d in (original_final, resumed_final))
+        hashes, mine = {n: e["sha256"] for n, e in bb["files"].items()}, a["files"]
         compared["final_step"] = a["step"]
-        compared["final_files_equal"] = {
-            n: e["sha256"] == bb.get(n, {}).get("sha256") for n, e in a["files"].items()
-        }
+        compared["final_files_equal"] = {n: e["sha256"] == hashes.get(n) for n, e in mine.items()}
     ok = compared["metrics_equal"] and all(compared.get("final_files_equal", {}).values())
     result.update(passed=bool(ok), compared=compared, to_step=end)
     return result
@@ -417,33 +393,26 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
 def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove: bool) -> dict:
     """Every check of the archive at root (its final name `dest`), from its own bytes."""
     listing = jsonio.read(root / "MANIFEST.json", MAX_ARCHIVE_LISTING)
-    problems = check_files(root, listing)
-    counted = f"{len(listing['files'])} files, {len(listing['links'])} links"
-    first = (problems or [counted])[0]
-    checks = [_check("sizes and sha256 against MANIFEST.json", not problems, first)]
+    # every file listed there with its size and sha256, every link as listed, nothing else
+    files, links, ignore = listing["files"], listing["links"], ("recovery.json",)
+    said = files_listing.problems(root, files, "MANIFEST.json", links=links, ignore=ignore)
+    problem = next((f"{rel}: {reason}" for rel, reason in said), None)
+    counted = f"{len(files)} files, {len(links)} links"
+    checks = [_check("sizes and sha256 against MANIFEST.json", not problem, problem or counted)]
     # what lies there is not the archive MANIFEST.json lists: nothing in it is read as a run
-    if problems:
+    if problem:
         return {"checks": checks, "resume": [], "all_checks_passed": False}
     if b is not None:
-        files = listing["files"]
-        wrong = [
-            r for r, (e, _) in b.expected.items() if files.get(r, {}).get("sha256") != e["sha256"]
-        ]
-        detail = (
-            f"{wrong[0]} differs from {b.expected[wrong[0]][1]}"
-            if wrong
-            else f"{len(b.expected)} files listed by checkpoint and corpus manifests"
-        )
+        got = {r: e["sha256"] for r, e in files.items()}
+        wrong = [r for r, (e, _) in b.expected.items() if got.get(r) != e["sha256"]]
+        detail = f"{len(b.expected)} files listed by checkpoint and corpus manifests"
+        detail = f"{wrong[0]} differs from {b.expected[wrong[0]][1]}" if wrong else detail
         checks.append(_check("sizes and sha256 against the source manifests", not wrong, detail))
     checks += restore_all(root, extra)
-    proofs = []
+    proofs, prefix = [], "pipeline-archive-resume-"
     for run in sorted((root / "runs").iterdir()) if prove else ():
-        scratch = Path(tempfile.mkdtemp(prefix="pipeline-archive-resume-"))
-        try:
-            proofs.append(resume_proof(root, dest, run, scratch, extra))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    for p in proofs:
+        with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as scratch:
+            proofs.append(p := resume_proof(root, dest, run, Path(scratch), extra))
         if p["passed"] is not None:
             what = f"resume {p['run']} from step {p.get('step_recovered')}"
             checks.append(_check(what, p["passed"], p.get("detail") or p.get("compared")))
@@ -465,7 +434,7 @@ def readme(dest: Path, exported: dict) -> str:
         "",
     ]
     for name, run in sorted(exported["runs"].items()):
-        ck = run["checkpoints"]
+        ck, d = run["checkpoints"], run["data"]
         order = sorted(ck, key=lambda n: ck[n]["step"])
         newest = order[-1]
         # as the proof does
@@ -474,17 +443,14 @@ def readme(dest: Path, exported: dict) -> str:
         at = RunDir(dest / "runs" / name).store.root
         over = " ".join(run["resume_overrides"])
         sp = " ".join(o for o in run["resume_overrides"] if o.startswith("hydra.searchpath="))
+        tagged = {n: f", {'/'.join(c['links'])}" if c["links"] else "" for n, c in ck.items()}
+        listed = ", ".join(f"{n} (step {c['step']}{tagged[n]})" for n, c in sorted(ck.items()))
         lines += [
             f"## {name}",
             "",
-            "Checkpoints: "
-            + ", ".join(
-                f"{n} (step {c['step']}{', ' + '/'.join(c['links']) if c['links'] else ''})"
-                for n, c in sorted(ck.items())
-            ),
-            f"Data: data_manifest_hash {run['data']['data_manifest_hash']}, corpus {run['data']['corpus'] or '-'}, "
-            f"sources {run['data']['sources'] or '-'}"
-            f"{' (archived under sources/ and data/)' if run['with_data'] else ''}.",
+            "Checkpoints: " + listed,
+            f"Data: data_manifest_hash {d['data_manifest_hash']}, corpus {d['corpus'] or '-'}, sources "
+            f"{d['sources'] or '-'}{' (archived under sources/ and data/)' if run['with_data'] else ''}.",
             "",
             "```bash",
             f"python -m pipeline.show {dest}/runs/{name} {sp}".rstrip(),
@@ -497,11 +463,9 @@ def readme(dest: Path, exported: dict) -> str:
             ]
         src = f"{at}/{resume_from}"
         resume = f"python -m pipeline {over} resume.source={src} paths.output_dir=SCRATCH"
-        how = (
-            f"repeats the steps after {resume_from} of the finished run, to its final bytes"
-            if resume_from != newest
-            else "continues the run from its newest checkpoint"
-        )
+        how = "continues the run from its newest checkpoint"
+        if resume_from != newest:
+            how = f"repeats the steps after {resume_from} of the finished run, to its final bytes"
         lines += [
             resume.replace("  ", " "),
             "```",
@@ -523,8 +487,7 @@ def _failed(checks: list[dict]) -> dict | None:
 
 
 def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, argv: list) -> int:
-    """DEST built in its temporary, checked and published; its missing parents made as `mkdir -p` does, and
-    removed again if no archive is published there."""
+    """DEST built in its temporary, checked, published; missing parents made (mkdir -p), gone if none is published."""
     if os.path.lexists(dest):
         raise BadSource(
             f"{dest}: already exists; an archive is never overwritten or merged into (choose a new DEST)"
@@ -558,26 +521,18 @@ def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, 
         # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
         if _kind(source) == "sweep":
             name = Path(os.path.realpath(source)).name
-            for f in sorted(Path(source).iterdir()):
-                if not f.is_dir() or f.is_symlink():
-                    b.copy(f, f"sweeps/{name}/{f.name}", MAX_SMALL)
+            tops = [f for f in sorted(source.iterdir()) if not f.is_dir() or f.is_symlink()]
             # each a regular file: b.copy refuses the rest
-            for f in sorted((Path(source) / "jobs").iterdir()):
-                b.copy(f, f"sweeps/{name}/jobs/{f.name}", MAX_SMALL)
+            for f in [*tops, *sorted((source / "jobs").iterdir())]:
+                b.copy(f, f"sweeps/{name}/{f.relative_to(source).as_posix()}", MAX_SMALL)
             exported["sweep"] = name
         b.write("README.md", readme(dest, exported).encode())
         b.write("MANIFEST.json", jsonio.dumps({"files": b.files, "links": b.links}))
         result = checks_on(tmp, dest, b, extra, prove=True)
-        exported["files"] = len(b.files)
-        exported["bytes"] = sum(e["size"] for e in b.files.values())
-        report = {
-            "archive": str(dest),
-            "source": str(source),
-            "command": "python -m pipeline.archive " + " ".join(argv),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            **result,
-            "exported": exported,
-        }
+        exported |= dict(files=len(b.files), bytes=sum(e["size"] for e in b.files.values()))
+        report = dict(archive=str(dest), source=str(source), **result, exported=exported)
+        report["command"] = "python -m pipeline.archive " + " ".join(argv)
+        report["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         b.write("recovery.json", jsonio.dumps(report))
         atomic.fsync_dir(tmp)
         if failed := _failed(result["checks"]):

@@ -16,10 +16,6 @@ EPILOG = "Overrides: data=NAME, data.KEY=VALUE, paths.output_dir=DIR (where the 
 EPILOG += "default the run's), hydra.searchpath=[...]"
 
 
-def line(r: dict) -> str:
-    return f"step={r['step']} {metrics_line(r['metrics'])}"
-
-
 def evaluate_checkpoint(directory: Path, overrides: tuple[str, ...] | list[str] = ()) -> dict:
     """{"checkpoint", "step", "data", "data_manifest_hash", "own_data", "metrics"}; ConfigError or
     CheckpointError (one line) if the checkpoint does not verify or the data does not fit its model."""
@@ -46,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
     result = evaluate_checkpoint(args.checkpoint, args.overrides)
-    emit(result, args.json, line)
+    emit(result, args.json, lambda r: f"step={r['step']} {metrics_line(r['metrics'])}")
     return EXIT_OK
 
 

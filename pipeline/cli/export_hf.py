@@ -22,19 +22,16 @@ INTERRUPTED = "OUT_DIR may hold part of the export (each file whole); re-run the
 
 
 def gpt2_shaped(model: dict) -> bool:
-    """Whether a model's config has the shape of one written as GPT-2 here (and sampled): MiniGPT's layers,
-    heads and width."""
+    """Whether a model config has the shape written as GPT-2 here (and sampled): MiniGPT's layers, heads, width."""
     return all(type(model.get(k)) is int for k in ("n_layer", "n_head", "n_embd"))
 
 
-def expected_shapes(n_layer: int, n_embd: int, n_positions: int, vocab_size: int) -> dict:
+def expected_shapes(config: dict) -> dict:
     """HF GPT2LMHeadModel's stored weights (Conv1D layout, weight [in, out]), without the tied head."""
-    d = n_embd
-    shapes: dict[str, tuple[int, ...]] = {
-        "transformer.wte.weight": (vocab_size, d),
-        "transformer.wpe.weight": (n_positions, d),
-    }
-    for i in range(n_layer):
+    d = config["n_embd"]
+    shapes: dict[str, tuple] = {"transformer.wte.weight": (config["vocab_size"], d)}
+    shapes["transformer.wpe.weight"] = (config["n_positions"], d)
+    for i in range(config["n_layer"]):
         h = f"transformer.h.{i}."
         shapes.update({h + "ln_1.weight": (d,), h + "ln_1.bias": (d,),
                        h + "attn.c_attn.weight": (d, 3 * d), h + "attn.c_attn.bias": (3 * d,),
@@ -50,22 +47,17 @@ def gpt2_config(n_layer, n_head, n_embd, n_positions, vocab_size, eos_id, gelu) 
     """A GPT2Config matching MiniGPT: its GELU (tanh: gelu_new, erf: gelu), LayerNorm eps 1e-5, 4x MLP, tied head,
     no dropout."""
     out: dict = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=vocab_size)
+    out |= dict(n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head)
     # n_inner None: 4 * n_embd
-    out |= dict(
-        n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_inner=None
-    )
-    out |= dict(activation_function={"tanh": "gelu_new", "erf": "gelu"}[gelu])
+    out |= dict(n_inner=None, activation_function={"tanh": "gelu_new", "erf": "gelu"}[gelu])
     out |= dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5)
-    out |= dict(
-        initializer_range=0.02, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False
-    )
-    out |= dict(reorder_and_upcast_attn=False, tie_word_embeddings=True, use_cache=True)
+    out |= dict(initializer_range=0.02, scale_attn_weights=True)
+    out |= dict(scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
+    out |= dict(tie_word_embeddings=True, use_cache=True)
     # GPT2Config defaults these to 50256, outside a small vocabulary: the corpus's <eos> plays all three
     # roles, as <|endoftext|> does in GPT-2; a vocabulary without one (data=text) has none.
-    out |= dict(
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, torch_dtype="float32"
-    )
-    return out
+    out |= dict(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    return out | dict(torch_dtype="float32")
 
 
 def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos=EOS) -> dict:
@@ -113,23 +105,13 @@ def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos=EO
 
 
 def write_hf(
-    params: dict[str, np.ndarray],
-    *,
-    n_layer: int,
-    n_head: int,
-    n_embd: int,
-    n_positions: int,
-    vocab_size: int,
-    out_dir,
-    vocab: list[str] | None = None,
-    join: str | None = None,
-    eos: str | None = EOS,
-    gelu: str = "tanh",
-    bias: bool = True,
+    params: dict, *, out_dir, vocab=None, join=None, eos=EOS, gelu="tanh", bias=True, **dims
 ) -> Path:
-    """Names and shapes checked, config.json, model.safetensors (float32) and, given a vocabulary, the tokenizer
-    written into out_dir; `eos` is bos, eos and pad; a bias-free model gets zero biases (the same function)."""
-    shapes = expected_shapes(n_layer, n_embd, n_positions, vocab_size)
+    """config.json, model.safetensors (float32) and, given a vocabulary, the tokenizer into out_dir, names and shapes
+    checked; `dims`: n_layer, n_head, n_embd, n_positions, vocab_size; `eos` is bos, eos and pad; no bias: zeros."""
+    eos_id = list(vocab).index(eos) if vocab is not None and eos in vocab else None
+    config = gpt2_config(**dims, eos_id=eos_id, gelu=gelu)
+    shapes = expected_shapes(config)
     if not bias:
         zeros = {k: np.zeros(s, np.float32) for k, s in shapes.items() if k.endswith(".bias")}
         if clash := sorted(set(zeros) & set(params)):
@@ -149,11 +131,9 @@ def write_hf(
         tensors[name] = np.ascontiguousarray(a, dtype=np.float32)
     files = {}
     if vocab is not None:
-        if len(vocab) != vocab_size:
-            raise ValueError(f"the vocabulary has {len(vocab)} tokens, the model {vocab_size}")
-        files.update(tokenizer_files(list(vocab), join, n_positions, eos))
-    eos_id = list(vocab).index(eos) if vocab is not None and eos in vocab else None
-    config = gpt2_config(n_layer, n_head, n_embd, n_positions, vocab_size, eos_id, gelu)
+        if len(vocab) != (n := config["vocab_size"]):
+            raise ValueError(f"the vocabulary has {len(vocab)} tokens, the model {n}")
+        files.update(tokenizer_files(list(vocab), join, config["n_positions"], eos))
     files["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
     files["model.safetensors"] = save(tensors, metadata={"format": "pt"})
     out = Path(out_dir)
@@ -167,9 +147,8 @@ def write_hf(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="Export a MiniGPT checkpoint as a Hugging Face GPT-2 directory.",
-        epilog="The vocabulary is the checkpoint's data.json; only for a checkpoint "
-        "written before it (schema 2.0) is the training data built, found with "
-        "data.path=FILE (a moved text file), "
+        epilog="The vocabulary is the checkpoint's data.json; only for a checkpoint written before it "
+        "(schema 2.0) is the training data built, found with data.path=FILE (a moved text file), "
         "paths.output_dir=DIR (the corpus cache)",
     )
     parser.add_argument("checkpoint", metavar="CHECKPOINT")
@@ -181,13 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.run.trained import data_facts, restore_checkpoint
 
     try:
-        # fully verified
         manifest, state = restore_checkpoint(Path(args.checkpoint), args.overrides)
         # bias and gelu: a checkpoint may predate them
         model = as_written_now(manifest["config"]["model"])
         if not (gpt2_shaped(model) and "transformer.wte.weight" in state.model.state_dict()):
             raise CommandError(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
-        # the vocabulary the model was trained on
         facts = data_facts(manifest, args.overrides, Path(args.checkpoint))
         if facts["vocab"] is None:
             raise CommandError(
@@ -197,9 +174,9 @@ def main(argv: list[str] | None = None) -> None:
         dims = {k: model[k] for k in ("n_layer", "n_head", "n_embd")}
         dims["n_positions"] = weights["transformer.wpe.weight"].shape[0]
         dims["vocab_size"] = weights["transformer.wte.weight"].shape[0]
-        vocab, join, eos = facts["vocab"], facts["decode_join"], facts["specials"].get("eos")
-        hf = dict(vocab=vocab, join=join, eos=eos, gelu=model["gelu"], bias=model["bias"])
-        out = write_hf(weights, out_dir=args.out_dir, **dims, **hf)
+        hf = dict(vocab=facts["vocab"], join=facts["decode_join"], eos=facts["specials"].get("eos"))
+        hf |= dict(gelu=model["gelu"], bias=model["bias"])
+        out = write_hf(weights, out_dir=args.out_dir, **hf, **dims)
     except ValueError as e:  # a weight whose shape does not fit: bad input
         raise CommandError(str(e)) from e
     print(f"wrote {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")

@@ -35,15 +35,13 @@ def signature_of(manifest: dict, model, prompt: str = ""):
         return None, [{"prompt": prompt, "max_new_tokens": 4, "seed": 0}]
     spec = manifest["data_spec"]
     dtype: Any = getattr(model, "dtype", "float64")  # numpy's, or a name: TensorSpec takes both
-    inputs, outputs = (
-        Schema([TensorSpec(dtype, (-1, spec[k]))]) for k in ("n_features", "n_targets")
-    )
+    shapes = [(-1, spec[k]) for k in ("n_features", "n_targets")]
+    inputs, outputs = (Schema([TensorSpec(dtype, shape)]) for shape in shapes)
     return ModelSignature(inputs, outputs), np.zeros((1, spec["n_features"]), dtype=dtype)
 
 
 def requirements() -> list[str]:
-    """What the model's code imports, pinned to what is installed here (`pipeline` is on no index: serve with
-    --env-manager local)."""
+    """What the model's code imports, pinned as installed here (`pipeline` is on no index: --env-manager local)."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = []
@@ -70,11 +68,9 @@ def using_store(uri: str):
     finally:
         mlflow.set_tracking_uri(saved[0])  # the setter also resets what mlflow derived from it
         registry._registry_uri = saved[1]
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ.update({k: v for k, v in env.items() if v is not None})
+        for k in [k for k, v in env.items() if v is None]:
+            os.environ.pop(k, None)
 
 
 def store_uri(checkpoint: Path, tracking_uri: str | None) -> str:
@@ -134,6 +130,7 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     tags = {"checkpoint": str(directory), "step": manifest.get("step"), "training_run_id": run_id}
     tags |= {"config_hash": manifest.get("config_hash"), "training_run_uri": run_uri}
     tags = {k: tag_value(v) for k, v in tags.items() if v is not None}
+    model = dict(signature=signature, input_example=example, pip_requirements=requirements())
     with tempfile.TemporaryDirectory(prefix="pipeline-register-") as tmp:
         # mlflow uploads a copy made from the verified files (one that changed since is refused here)
         checkpoint.copy_to(Path(tmp) / directory.name, manifest)
@@ -145,15 +142,9 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
             using_store(uri),  # first: the run starts in this store
             mlflow.start_run(experiment_id=experiment_id, run_name=f"register {name}", tags=tags),
         ):
-            info = mlflow.pyfunc.log_model(
-                name=ARTIFACT_PATH,
-                python_model=str(GENERATOR_CODE if signature is None else CODE),
-                artifacts=artifacts,
-                signature=signature,
-                input_example=example,
-                pip_requirements=requirements(),
-                registered_model_name=name,
-            )
+            code = str(GENERATOR_CODE if signature is None else CODE)
+            model |= dict(name=ARTIFACT_PATH, python_model=code, artifacts=artifacts)
+            info = mlflow.pyfunc.log_model(**model, registered_model_name=name)
     return client.get_model_version(name, str(info.registered_model_version))
 
 

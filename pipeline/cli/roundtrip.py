@@ -36,28 +36,24 @@ RESULTS = "roundtrip_results.json"
 INTERRUPTED = "no results were written; re-run the same command"
 
 
-def check_byte_equivalence(config: dict, work: Path, steps: int) -> dict:
-    """Train, save, load into fresh objects: every part equal (and which parts training left as built)."""
+def check_byte_equivalence(config: dict, work: Path, steps: int) -> tuple[dict, Fresh, Path]:
+    """Train, save, load into fresh objects: (results: which parts are equal, which are as built), run, directory."""
     run = Fresh(config)
     run.train(steps)
     before = run.snapshot()
     directory = work / "checkpoint" / step_dir_name(run.state.step)
     manifest = run.save(directory)
     fresh = Fresh(config)
-    untouched = fresh.snapshot()
+    built = fresh.snapshot()
     fresh.load(directory)
     after = fresh.snapshot()
     differences = {m: d for m in PARTS if (d := first_difference(before[m], after[m], m))}
-    unchanged = [m for m in PARTS if not first_difference(before[m], untouched[m])]
-    return {
-        "passed": [m for m in PARTS if m not in differences],
-        "differences": differences,
-        # a part the fresh objects already matched proves nothing about its restore
-        "unchanged_by_training": unchanged,
-        "directory": directory,
-        "sha256": file_hashes(manifest)["weights"],
-        "run": run,
-    }
+    out: dict = {"byte_equivalent_state_machines": [m for m in PARTS if m not in differences]}
+    out |= {"all_byte_equal": not differences, "state_differences": differences}
+    # a part the fresh objects already matched proves nothing about its restore
+    out["unchanged_by_training"] = [m for m in PARTS if not first_difference(before[m], built[m])]
+    out |= {"checkpoint": str(directory), "checkpoint_sha256": file_hashes(manifest)["weights"]}
+    return out, run, directory
 
 
 def check_continuation(config: dict, overrides: list[str], work: Path, steps: int, separate=True):
@@ -70,18 +66,16 @@ def check_continuation(config: dict, overrides: list[str], work: Path, steps: in
         return {"passed": False, "separate_process": separate, "error": error}
     (ref, _), (a, _), (b, _) = (read_summary(out / mode) for mode in modes)
     resumed = np.concatenate([a["records/loss"], b["records/loss"]])
-    checks = {
-        "losses": first_difference(ref["records/loss"], resumed, "losses"),
-        "state": first_difference(read_state(out / "continuous"), read_state(out / "resume")),
-    }
-    differences = {k: v for k, v in checks.items() if v}
+    losses = first_difference(ref["records/loss"], resumed, "losses")
+    state = first_difference(read_state(out / "continuous"), read_state(out / "resume"))
+    differences = {k: v for k, v in (("losses", losses), ("state", state)) if v}
     result = {"passed": not differences, "separate_process": separate, "steps": [steps, steps]}
     return {**result, "differences": differences}
 
 
-def check_tying(config: dict, d: dict) -> dict:
+def check_tying(config: dict, run: Fresh, directory: Path) -> dict:
     """The weights file's size against the unique parameters' (and why); tied names stored once, tied again."""
-    model, directory = d["run"].state.model, d["directory"]
+    model = run.state.model
     live, aliases = model.state_dict(), dict(model.aliases)
     expected = sum(a.nbytes for a in {id(a): a for a in live.values()}.values())  # tied: once
     path = CheckpointDir(directory).weights_file()
@@ -94,16 +88,11 @@ def check_tying(config: dict, d: dict) -> dict:
     extra = size - expected
     where = f"{header_bytes} of them its safetensors header, {extra - header_bytes} not"
     where = f"all {extra} of them its safetensors header" if extra == header_bytes else where
-    out = {
-        "weights_file_size_bytes": size,
-        "expected_size_bytes_no_tying": expected,
-        "weights_header_bytes": header_bytes,
-        "size_delta_pct": round(100.0 * extra / expected, 4),
-        "size_within_4kib": abs(extra) < SIZE_SLACK,
-        "tied": aliases,
-        "size_delta_note": f"relative to the unique parameters' {expected} bytes (a tied array counted "
-        f"once): the weights file has {size}, {extra:+d} bytes, {where}",
-    }
+    out = dict(weights_file_size_bytes=size, expected_size_bytes_no_tying=expected, tied=aliases)
+    out |= dict(weights_header_bytes=header_bytes, size_within_4kib=abs(extra) < SIZE_SLACK)
+    out["size_delta_pct"] = round(100.0 * extra / expected, 4)
+    note = f"relative to the unique parameters' {expected} bytes (a tied array counted once): the weights"
+    out["size_delta_note"] = f"{note} file has {size}, {extra:+d} bytes, {where}"
     if not aliases:
         note = "no tied weights in this model (model.aliases is empty): nothing to preserve"
         return {**out, "weight_tying_preserved": None, "weight_tying_note": note}
@@ -125,8 +114,7 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
     """A save SIGKILLed just before its rename (the verifier's kill): no checkpoint, a temporary readers
     ignore, removed by the next save, which verifies."""
     out = work / "atomic"
-    cmd = [sys.executable, "-m", NAME, "--save-to", str(out), "--steps", "2"]
-    cmd += ["--", *overrides]
+    cmd = [sys.executable, "-m", NAME, "--save-to", str(out), "--steps", "2", "--", *overrides]
     store = CheckpointStore(out / "saves")
 
     def temporaries() -> list[str]:
@@ -155,36 +143,21 @@ def roundtrip(overrides: list, steps=10, separate_process=True, keep=False) -> t
         remove_tree(out / old)  # a link is removed, never followed
     scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=out))
     try:
-        d = check_byte_equivalence(config, out, steps)
-        name, raw = CheckpointDir(d["directory"]).manifest_file()
-        manifest = jsonio.loads(raw)
+        equal, run, directory = check_byte_equivalence(config, out, steps)
+        name, raw = CheckpointDir(directory).manifest_file()
         write_new(out / name, raw)
-        tying = check_tying(config, d)
+        tying = check_tying(config, run, directory)
         continuation = check_continuation(config, overrides, scratch, steps, separate_process)
         atomic = check_atomic(overrides, scratch)
     finally:
         if not keep:
             remove_tree(scratch)
-    results = {
-        **tying,
-        "byte_equivalent_state_machines": d["passed"],
-        "all_byte_equal": len(d["passed"]) == len(PARTS),
-        "continuation_test_passed": continuation["passed"],
-        "atomic_write_resilient": atomic["passed"],
-        "manifest_schema_version": manifest.get("schema_version"),
-        "state_differences": d["differences"],
-        "unchanged_by_training": d["unchanged_by_training"],
-        "continuation": continuation,
-        "atomic": atomic,
-        "checkpoint": str(d["directory"]),
-        "checkpoint_sha256": d["sha256"],
-        "steps": steps,
-        "overrides": list(overrides),
-    }
-    passed = [
-        results[k] for k in ("all_byte_equal", "continuation_test_passed", "size_within_4kib")
-    ]
-    passed += [atomic["passed"], manifest.get("schema_version") == SCHEMA_VERSION]
+    results = {**tying, **equal, "continuation": continuation, "atomic": atomic, "steps": steps}
+    results |= dict(continuation_test_passed=continuation["passed"], overrides=list(overrides))
+    results["atomic_write_resilient"] = atomic["passed"]
+    results["manifest_schema_version"] = version = jsonio.loads(raw).get("schema_version")
+    passed = [continuation["passed"], atomic["passed"], version == SCHEMA_VERSION]
+    passed += [results["all_byte_equal"], results["size_within_4kib"]]
     results["passed"] = all(passed) and results["weight_tying_preserved"] is not False
     path = out / RESULTS
     path.write_bytes(jsonio.dumps(results))

@@ -33,11 +33,10 @@ def describe_checkpoint(directory: Path, overrides: tuple[str, ...] = ()) -> dic
     out.update({k: manifest[k] for k in SUMMARY.split() if k in manifest})
     if manifest:  # other_code None: this code trained it (or it cannot be told)
         out["other_code"] = code_change(manifest)
-    files = manifest.get("files")
-    if isinstance(files, dict):
+    if isinstance(files := manifest.get("files"), dict):
         out["files"] = files
-        if "weights" in (hashes := file_hashes(manifest)):
-            out["checkpoint_hash"] = hashes["weights"]
+    if "weights" in (hashes := file_hashes(manifest)):
+        out["checkpoint_hash"] = hashes["weights"]
     try:
         restore_checkpoint(directory, list(overrides))  # restored into fresh objects, then dropped
         out["valid"], out["reason"] = True, None
@@ -89,11 +88,10 @@ def render_checkpoint(d: dict) -> str:
             f"  step {d['step']}  epoch {d.get('epoch')}  schema_version {d.get('schema_version')}"
             f"  tags {','.join(d.get('tags') or []) or '-'}",
             f"  metrics: {metrics_line(d.get('metrics'))}",
-            f"  config_hash: {d.get('config_hash')}",
-            f"  data_manifest_hash: {d.get('data_manifest_hash')}",
+            *(f"  {k}: {d.get(k)}" for k in ("config_hash", "data_manifest_hash")),
             f"  git_sha: {d.get('git_sha')}{dirty}  code_sha256: {d.get('code_sha256')}  seed: {d.get('seed')}",
+            *other_code(d),
         ]
-        lines += other_code(d)
     for name, e in sorted((d.get("files") or {}).items()):
         if isinstance(e, dict):
             lines.append(f"  {name:<22} {e.get('size', '?'):>12} B  sha256 {e.get('sha256')}")

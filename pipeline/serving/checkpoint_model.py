@@ -18,8 +18,7 @@ from pipeline.serving import CHECKPOINT, DATA_JSON, OPTIONS, VOCAB, generates
 
 
 def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str, str | None]:
-    """(vocab, decode_join, eos): the checkpoint's own data.json (verified), else (schema 2.0) the vocab.json
-    registered beside it."""
+    """(vocab, decode_join, eos): the checkpoint's data.json (verified), else (schema 2.0) the vocab.json beside it."""
     from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.files import jsonio
 

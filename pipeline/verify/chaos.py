@@ -128,24 +128,15 @@ def run_chaos(config: dict, argv: list[str]) -> int:
     same_kept = sum(bool(t.get("same_checkpoints_kept")) for t in trials)
     invalid = [e for t in trials for e in t["invalid_after_kill"]]
     passed = exact == same_kept == len(trials) and not invalid and all(t["killed"] for t in trials)
-    report = {
-        "mode": "chaos",
-        "trials": len(trials),
-        "bit_exact": exact,
-        "same_checkpoints_kept": same_kept,
-        "kills_by_phase": dict(by_phase),
-        "kill_points_available": dict(counts),
-        "invalid_visible_checkpoints": invalid,
-        "all_checks_passed": passed,
-        "command": " ".join(_command(argv, Path("<trial dir>"))),
-        "seconds": round(time.time() - t0, 1),
-        "versions": versions(),
-        "trial_records": trials,
-    }
+    report: dict = dict(mode="chaos", trials=len(trials), bit_exact=exact, all_checks_passed=passed)
+    report |= dict(kills_by_phase=dict(by_phase), kill_points_available=dict(counts))
+    report |= dict(invalid_visible_checkpoints=invalid, same_checkpoints_kept=same_kept)
+    report["command"] = " ".join(_command(argv, Path("<trial dir>")))
+    report |= dict(seconds=round(time.time() - t0, 1), versions=versions(), trial_records=trials)
     (out / "verification.json").write_bytes(jsonio.dumps(report))
     print(
         f"chaos: {exact}/{len(trials)} trials bit-exact, {same_kept}/{len(trials)} kept the same "
         f"checkpoints and links; kills by phase {dict(by_phase)}; {len(invalid)} invalid visible "
         f"checkpoints; report {out / 'verification.json'}"
     )
-    return EXIT_OK if report["all_checks_passed"] else EXIT_MISMATCH
+    return EXIT_OK if passed else EXIT_MISMATCH

@@ -76,18 +76,13 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     # The continuous run's per-update records after the cut line up with the resumed runs' records.
     cont = {k: v[cut:] if k.startswith("records/") else v for k, v in cont.items()}
     pos, negc = compare(cont, res, atol, rtol), compare(cont, neg, atol, rtol)
-    comparisons = [
-        {
-            "name": key,
-            "state_machine": machine(key),
-            "positive_max_abs_diff": pos[key]["max_abs_diff"],
-            "negative_max_abs_diff": negc[key]["max_abs_diff"],
-            "positive_agrees": pos[key]["ok"],
-            "negative_diverges": not negc[key]["ok"],
-            "detail": pos[key]["detail"] or negc[key]["detail"],
-        }
-        for key in sorted(pos)
-    ]
+    comparisons = []
+    for key in sorted(pos):
+        p, n = pos[key], negc[key]
+        row = dict(name=key, state_machine=machine(key), detail=p["detail"] or n["detail"])
+        row |= dict(positive_max_abs_diff=p["max_abs_diff"], positive_agrees=p["ok"])
+        row |= dict(negative_max_abs_diff=n["max_abs_diff"], negative_diverges=not n["ok"])
+        comparisons.append(row)
     # Restored state at the cut against the interrupted process's state at the cut: names the culprit.
     restored, _ = read_summary(out / "resume", "restored")
     intr_state = {k: v for k, v in intr.items() if not k.startswith("records/")}
@@ -103,28 +98,20 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     runs = {"continuous": cont, "resume": res, "negative": neg}
     eval_loss = {name: float(run["eval/losses"].mean()) for name, run in runs.items()}
     at_cut_rows = [{"name": k, "state_machine": machine(k), **r} for k, r in at_cut.items()]
-    report = {
-        "positive": positive,
-        "negative_divergence_detected": negative,
-        "all_checks_passed": positive and negative,
-        "tolerance": {"atol": atol, "rtol": rtol, "mode": "allclose" if atol or rtol else EXACT},
-        "cut": cut,
-        "steps": steps,
-        "cursor_at_cut": f"{intr_meta['cursor']}/{intr_meta['n_train']}",
-        "epoch_at_cut": intr_meta["epoch"],
-        "next_lr": {name: float(run["scheduler/next_lr"][0]) for name, run in runs.items()},
-        "final_eval_loss": eval_loss,
-        "max_weight_diff": {"positive": _worst_weight(pos), "negative": _worst_weight(negc)},
-        "eval_loss_diff": {
-            side: abs(eval_loss["continuous"] - eval_loss[name])
-            for side, name in (("positive", "resume"), ("negative", "negative"))
-        },
-        "failed_state_machines": sorted(set(drifted) | set(restore_failures)),
-        "restore_failures": restore_failures,
-        "comparisons": comparisons,
-        "restored_at_cut": at_cut_rows,
-        "versions": versions(),
-    }
+    report: dict = dict(positive=positive, negative_divergence_detected=negative, cut=cut)
+    report |= dict(steps=steps, all_checks_passed=positive and negative)
+    mode = "allclose" if atol or rtol else EXACT
+    report["tolerance"] = {"atol": atol, "rtol": rtol, "mode": mode}
+    report["cursor_at_cut"] = f"{intr_meta['cursor']}/{intr_meta['n_train']}"
+    report["epoch_at_cut"] = intr_meta["epoch"]
+    report["next_lr"] = {name: float(run["scheduler/next_lr"][0]) for name, run in runs.items()}
+    report["final_eval_loss"] = eval_loss
+    report["max_weight_diff"] = {"positive": _worst_weight(pos), "negative": _worst_weight(negc)}
+    sides = (("positive", "resume"), ("negative", "negative"))
+    report["eval_loss_diff"] = {s: abs(eval_loss["continuous"] - eval_loss[n]) for s, n in sides}
+    report["failed_state_machines"] = sorted(set(drifted) | set(restore_failures))
+    report |= dict(restore_failures=restore_failures, comparisons=comparisons, versions=versions())
+    report["restored_at_cut"] = at_cut_rows
     failed = ", ".join(report["failed_state_machines"])
     if not positive:
         report["reason"] = f"the resumed run differs from the continuous one in: {failed}"
@@ -170,14 +157,11 @@ def print_report(report: dict, out: Path) -> None:
         print(f"{'':28}{'full resume':>16}{'no RNG restore':>18}")
         print(f"{'max weight difference':28}{mw['positive']:>16.6g}{mw['negative']:>18.6g}")
         print(f"{'eval loss difference':28}{ed['positive']:>16.6g}{ed['negative']:>18.6g}")
-        print(
-            f"{'verdict':28}{'agrees' if report['positive'] else 'DIFFERS':>16}"
-            f"{'diverges' if report['negative_divergence_detected'] else 'DOES NOT DIVERGE':>18}"
-        )
-        print(
-            f"cursor at cut {report['cursor_at_cut']}, next lr {report['next_lr']['continuous']:.6g} "
-            f"(continuous) / {report['next_lr']['resume']:.6g} (resume)"
-        )
+        agrees = "agrees" if report["positive"] else "DIFFERS"
+        diverges = "diverges" if report["negative_divergence_detected"] else "DOES NOT DIVERGE"
+        print(f"{'verdict':28}{agrees:>16}{diverges:>18}")
+        lr, at = report["next_lr"], f"cursor at cut {report['cursor_at_cut']}"
+        print(f"{at}, next lr {lr['continuous']:.6g} (continuous) / {lr['resume']:.6g} (resume)")
         if "reason" in report:
             print(f"FAILED: {report['reason']}")
     print(f"report: {out / 'verification.json'}")
