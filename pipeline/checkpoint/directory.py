@@ -131,44 +131,29 @@ def _data_problem(data, spec: dict) -> str | None:
         return (
             f"decode_join must be a string of at most {MAX_JOIN} characters (a text's is '' or ' ')"
         )
-    if not (
-        isinstance(specials, dict)
-        and len(specials) <= MAX_SPECIALS
-        and all(
-            isinstance(r, str) and len(r) <= MAX_TOKEN and isinstance(t, str) and t in vocab
-            for r, t in specials.items()
-        )
-    ):
+    small = isinstance(specials, dict) and len(specials) <= MAX_SPECIALS
+    roles = small and all(isinstance(r, str) and len(r) <= MAX_TOKEN for r in specials)
+    if not (roles and all(isinstance(t, str) and t in vocab for t in specials.values())):
         return f"specials must map at most {MAX_SPECIALS} roles to tokens of vocab"
     return None
 
 
-def _listed_json(directory: Path, name: str, listed: dict):
-    """A listed JSON file, bounded, hashed against its listing, parsed strictly; CheckpointError naming it."""
+def _read_listed(d: Path, name: str, listed: dict, expect: dict | list[dict] | None = None):
+    """A listed file, bounded, hashed against its listing: JSON parsed strictly, or a tensor file's arrays (of a
+    layout `expect`ed, checked before any is allocated); CheckpointError (MisfitError: the layout) naming it."""
     try:
-        raw = reading.read_bytes(directory / name, MAX_CHECKPOINT_JSON)
-    except OSError as e:
-        raise CheckpointError(directory, name, _os_reason(e)) from None
-    if hashlib.sha256(raw).hexdigest() != listed[name]["sha256"]:
-        raise CheckpointError(directory, name, CORRUPTED)
-    try:
-        return jsonio.loads(raw)
-    except jsonio.JSONError as e:
-        raise CheckpointError(directory, name, str(e)) from None
-
-
-def _read_tensor_file(
-    d: Path, name: str, entry: dict, expect: dict | list[dict] | None
-) -> dict[str, np.ndarray]:
-    try:
-        arrays, _ = read_tensors(d / name, expected_sha256=entry["sha256"], expect=expect)
+        if not name.endswith(".safetensors"):
+            raw = reading.read_bytes(d / name, MAX_CHECKPOINT_JSON)
+            if hashlib.sha256(raw).hexdigest() != listed[name]["sha256"]:
+                raise DigestMismatch
+            return jsonio.loads(raw)
+        return read_tensors(d / name, expected_sha256=listed[name]["sha256"], expect=expect)[0]
     except DigestMismatch:
         raise CheckpointError(d, name, CORRUPTED) from None
     except LayoutMisfit as e:
         raise MisfitError(d, name, str(e)) from None
     except (ValueError, OSError) as e:
         raise CheckpointError(d, name, _os_reason(e)) from None
-    return arrays
 
 
 _ABSENT = object()
@@ -231,7 +216,7 @@ def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[st
 
 
 def _read_extra(directory: Path, listed: dict) -> dict:
-    extra = _listed_json(directory, EXTRA, listed)
+    extra = _read_listed(directory, EXTRA, listed)
     if not isinstance(extra, dict):
         raise CheckpointError(directory, EXTRA, "not a JSON object")
     if stranger := next((k for k in extra if k not in NOT_MODEL), None):
@@ -240,17 +225,15 @@ def _read_extra(directory: Path, listed: dict) -> dict:
 
 
 def _stranger(directory: Path, name: str, what: str) -> CheckpointError:
-    parts = ", ".join(NOT_MODEL)
-    return CheckpointError(
-        directory, name, f"{what} is the state of no part it holds (those of {parts})"
-    )
+    why = f"{what} is the state of no part it holds (those of {', '.join(NOT_MODEL)})"
+    return CheckpointError(directory, name, why)
 
 
 def _read_data(directory: Path, manifest: dict, listed: dict) -> dict | None:
     """data.json, checked against the manifest's data_spec; None for a schema 2.0 checkpoint."""
     if DATA not in REQUIRED_BY[manifest["schema_version"]]:
         return None
-    data = _listed_json(directory, DATA, listed)
+    data = _read_listed(directory, DATA, listed)
     if problem := _data_problem(data, manifest["data_spec"]):
         raise CheckpointError(directory, DATA, problem)
     return data
@@ -277,23 +260,16 @@ class CheckpointDir:
         path = given if given.is_absolute() else Path.cwd() / given
         for hop in range(MAX_HOPS):
             if path.parent.name == STORE and os.path.islink(path.parent):
-                raise CheckpointError(
-                    given,
-                    "",
-                    f"{path.parent} is a symlink to {_shown(os.readlink(path.parent))}; "
-                    f"a run's {STORE}/ must be a directory inside it",
-                )
+                link = f"{path.parent} is a symlink to {_shown(os.readlink(path.parent))}"
+                why = f"{link}; a run's {STORE}/ must be a directory inside it"
+                raise CheckpointError(given, "", why)
             if not os.path.islink(path):
                 return path if hop else given
             target = os.readlink(path)
             if path.parent.name == STORE and (problem := link_problem(path.name, target)):
-                where = f" (reached through {given})" if hop else ""
-                raise CheckpointError(
-                    path,
-                    "",
-                    f"is a symlink to {_shown(target)}{where}, out of its run's {STORE}/: "
-                    f"{problem}; remove it",
-                )
+                where = f"{_shown(target)} (reached through {given})" if hop else _shown(target)
+                why = f"is a symlink to {where}, out of its run's {STORE}/: {problem}; remove it"
+                raise CheckpointError(path, "", why)
             path = path.parent / target
         raise CheckpointError(given, "", f"more than {MAX_HOPS} symlinks to follow")
 
@@ -359,7 +335,9 @@ class CheckpointDir:
         try:
             return MANIFEST, reading.read_bytes(self.resolved() / MANIFEST, MAX_CHECKPOINT_JSON)
         except FileNotFoundError:
-            raise self.fault("missing (an incomplete or foreign directory)") from None
+            raise CheckpointError(
+                self.path, MANIFEST, "missing (an incomplete or foreign directory)"
+            ) from None
         except OSError as e:
             raise self.fault(_os_reason(e)) from None
 
@@ -379,16 +357,9 @@ class CheckpointDir:
             copied[name] = reading.copy_new(
                 directory / name, dest / name, entry["size"] if entry else MAX_CHECKPOINT_JSON
             )
-            got = copied[name]
-            if entry is not None and (got["size"], got["sha256"]) != (
-                entry["size"],
-                entry["sha256"],
-            ):
-                raise CheckpointError(
-                    directory,
-                    name,
-                    "its bytes differ from manifest.json (changed or damaged while being copied)",
-                )
+            if entry is not None and copied[name] != {k: entry[k] for k in ("size", "sha256")}:
+                why = "its bytes differ from manifest.json (changed or damaged while being copied)"
+                raise CheckpointError(directory, name, why)
         atomic.fsync_dir(dest)
         return copied
 
@@ -449,11 +420,9 @@ class CheckpointDir:
             optim_fits = [layouts[1], layout(_by_file({**live, **older})[1])]
         # side by side, as in write()
         with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:
-            weights_read = pool.submit(
-                _read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], layouts[0]
-            )
+            weights_read = pool.submit(_read_listed, directory, WEIGHTS, listed, layouts[0])
             try:
-                other = _read_tensor_file(directory, OPTIM, listed[OPTIM], optim_fits)
+                other = _read_listed(directory, OPTIM, listed, optim_fits)
             finally:
                 # weights.safetensors' own error first, as the files are listed
                 weights = weights_read.result()
@@ -466,8 +435,7 @@ class CheckpointDir:
         except ValueError as e:
             raise CheckpointError(directory, OPTIM, str(e)) from None
         tree["model"] = weights
-        missing = [p for p in PARTS if p not in tree]
-        if missing:
+        if missing := [p for p in PARTS if p not in tree]:
             raise CheckpointError(directory, EXTRA, f"lacks the state of {missing}")
         progress = tree["progress"]
         saved_step = progress.get("step") if isinstance(progress, dict) else None
@@ -477,11 +445,8 @@ class CheckpointDir:
             try:
                 check(parts, tree)
             except StateMismatch as e:
-                raise MisfitError(
-                    directory,
-                    files_of(e, tree, live),
-                    f"{e.part} does not fit the live run: {e.reason}",
-                ) from None
+                why = f"{e.part} does not fit the live run: {e.reason}"
+                raise MisfitError(directory, files_of(e, tree, live), why) from None
         return Checkpoint(self.path, manifest, tree, data)
 
     def verify(self, parts: Mapping | None = None) -> dict:
