@@ -355,33 +355,31 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
         errors.extend(cross(node))
 
 
-def as_written_now(node: dict, schema: type | None = None) -> dict:
-    """A node of a config written before some keys of its schema existed (or could be null), with what their
-    absence (or null) means: the one place an old config's missing or null key gets its meaning."""
-    schema = schema or (SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None)
+def _absent(node, key: str = "") -> dict | None:
+    """Each field of `node`'s schema (the top-level `key`'s for trainer, else its `_target_`'s) with an `absent` ->
+    what its absence means; None: no schema."""
+    schema = SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None
+    schema = TrainerConf if key == "trainer" else schema
     if schema is None:
-        return node
-    old = {k: v for k, v in _absent(schema).items() if node.get(k) is None}
-    return {**node, **old}
-
-
-def _absent(schema) -> dict:
-    """Each field with an `absent` -> what its absence means."""
+        return None
     return {f.name: f.metadata["absent"] for f in fields(schema) if "absent" in f.metadata}
 
 
-def _schema_of(key: str, node) -> type | None:
-    if key == "trainer":
-        return TrainerConf
-    return SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None
+def as_written_now(node, key: str = ""):
+    """A node (at the top-level `key`) of a config written before some keys of its schema existed (or could be
+    null), with what their absence (or null) means: the one place an old config's missing or null key gets its
+    meaning."""
+    absent = _absent(node, key)
+    return (
+        node
+        if absent is None
+        else {**node, **{k: v for k, v in absent.items() if node.get(k) is None}}
+    )
 
 
 def config_written_now(config: dict) -> dict:
     """A whole config (a checkpoint's, say) with every node as_written_now: what a tool builds from."""
-    return {
-        k: as_written_now(node, schema) if (schema := _schema_of(k, node)) else node
-        for k, node in config.items()
-    }
+    return {k: as_written_now(node, k) for k, node in config.items()}
 
 
 def as_written_before(config: dict) -> dict:
@@ -389,8 +387,7 @@ def as_written_before(config: dict) -> dict:
     before those keys existed holds, so a key added later at today's behaviour changes no run's identity."""
     out = dict(config)
     for key, node in config.items():
-        if (schema := _schema_of(key, node)) is not None:
-            absent = _absent(schema)
+        if (absent := _absent(node, key)) is not None:
             out[key] = {k: v for k, v in node.items() if not (k in absent and absent[k] == v)}
     return out
 
@@ -458,20 +455,16 @@ def validate(config: dict) -> None:
     for key, schema in fixed.items():
         if isinstance(config.get(key), dict):
             _check_node(schema, config[key], f"{key}.", errors)
-    parts = ("model", "optimizer", "scheduler", "data", "tracking")
-    nodes = [(key, config.get(key)) for key in parts]
+    nodes = [(k, config.get(k)) for k in ("model", "optimizer", "scheduler", "data", "tracking")]
     nodes += [(f"stages.{name}", node) for name, node in (config.get("stages") or {}).items()]
     for key, node in nodes:
         if isinstance(node, dict) and node.get("_target_") in SCHEMAS:
             schema = SCHEMAS[node["_target_"]]
             # a stage added by override (+stages.NAME={...}) is not typed while composing: it names every key
-            names_ = [f.name for f in fields(schema)]
-            missing = [n for n in names_ if n not in node and n not in _absent(schema)]
+            keys = ", ".join(f.name for f in fields(schema))
+            missing = ", ".join(n for n in keys.split(", ") if n not in as_written_now(node))
             if key.startswith("stages.") and missing:
-                takes_ = ", ".join(names_)
-                errors.append(
-                    f"{key}: no {', '.join(missing)} (a {node['_target_']} stage takes {takes_})"
-                )
+                errors.append(f"{key}: no {missing} (a {node['_target_']} stage takes {keys})")
             _check_node(schema, node, f"{key}.", errors)
     if errors:
         raise ConfigError("; ".join(errors))
