@@ -137,9 +137,8 @@ def ensure_dirs(root: Path, *parts: str) -> Path:
     path = Path(root)
     for part in parts:
         if (why := names.problem(part, reserve=0)) is not None:
-            raise UnsafePathError(
-                errno.EINVAL, f"{path}: a directory named {names.shown(part)} inside it {why}"
-            )
+            why = f"{path}: a directory named {names.shown(part)} inside it {why}"
+            raise UnsafePathError(errno.EINVAL, why)
     os.makedirs(path, exist_ok=True)
     for part in parts:
         path = path / part
@@ -162,12 +161,9 @@ def check_output_dir(output_dir: Path) -> None:
         path = Path(output_dir) / entry
         if os.path.islink(path):
             target = names.shown(os.readlink(path))
-            raise UnsafePathError(
-                errno.ELOOP,
-                f"{path} is a symlink (to {target}); an output directory's own {entry} "
-                "is never followed elsewhere: remove the link (or set paths.output_dir "
-                "to where it points)",
-            )
+            why = f"{path} is a symlink (to {target}); an output directory's own {entry} is never"
+            why += " followed elsewhere: remove the link (or set paths.output_dir to where it"
+            raise UnsafePathError(errno.ELOOP, why + " points)")
 
 
 def new_temp_dir(parent: Path, name: str) -> Path:
@@ -256,12 +252,9 @@ def move(src: Path, dst: Path, copy: Callable[[Path, Path], None] | None = None)
         (copy or second_name)(src, tmp)
         # a planted directory, link or FIFO the copy skips
         if missing := sorted(_entries(src) - _entries(tmp)):
-            raise OSError(
-                errno.EXDEV,
-                f"{dst.parent} is another filesystem and {missing[0][0]!r:.80} of {src} would "
-                "not be copied whole; nothing moved (move it yourself, or keep superseded/ "
-                "on the run's filesystem)",
-            )
+            why = f"{dst.parent} is another filesystem and {missing[0][0]!r:.80} of {src} would"
+            why += " not be copied whole; nothing moved (move it yourself, or keep superseded/ on"
+            raise OSError(errno.EXDEV, why + " the run's filesystem)")
         os.rename(tmp, dst)
         fsync_dir(dst.parent)
     except BaseException:
