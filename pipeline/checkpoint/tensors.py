@@ -72,6 +72,10 @@ def _c_bytes(a: np.ndarray) -> np.ndarray:
     return a if a.flags.c_contiguous else a.copy(order="C")
 
 
+def _code(a: np.ndarray) -> str:
+    return FROM_NUMPY[a.dtype.newbyteorder("<")]
+
+
 def _bytes_of(a: np.ndarray) -> memoryview:
     return a.reshape(-1).view(np.uint8).data  # a is C-contiguous: both are views, no copy
 
@@ -94,18 +98,15 @@ def split_aliases(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
 
 def encode_header(unique: dict[str, np.ndarray], metadata: dict) -> tuple[bytes, list[str]]:
     """The 8-byte length + padded JSON header, and the names in data order (the library's own layout)."""
-    order = sorted(unique, key=lambda n: (-RANK[FROM_NUMPY[unique[n].dtype.newbyteorder("<")]], n))
+    order = sorted(unique, key=lambda n: (-RANK[_code(unique[n])], n))
     # Metadata sorted: the library serialises it from a hash map whose order changes from process to
     # process, and equal states must give equal bytes (a resumed process re-saves the same step).
     header: dict = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
     offset = 0
     for name in order:
         a = unique[name]
-        header[name] = {
-            "dtype": FROM_NUMPY[a.dtype.newbyteorder("<")],
-            "shape": list(a.shape),
-            "data_offsets": [offset, offset + a.nbytes],
-        }
+        span = [offset, offset + a.nbytes]
+        header[name] = dict(dtype=_code(a), shape=list(a.shape), data_offsets=span)
         offset += a.nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
@@ -170,9 +171,7 @@ def _check_header(header, data_len: int) -> tuple[dict[str, str], list[Entry]]:
     if not isinstance(header, dict):
         raise _Malformed("header is not a JSON object")
     metadata = header.get("__metadata__") or {}
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise _Malformed("__metadata__ is not a str -> str object")
     entries = []
     for name, info in header.items():
@@ -181,9 +180,8 @@ def _check_header(header, data_len: int) -> tuple[dict[str, str], list[Entry]]:
         try:
             code, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (TypeError, KeyError, ValueError):
-            raise _Malformed(
-                f"tensor {name!r}: needs dtype, shape and data_offsets [begin, end]"
-            ) from None
+            why = "needs dtype, shape and data_offsets [begin, end]"
+            raise _Malformed(f"tensor {name!r}: {why}") from None
         if not isinstance(code, str) or code not in TO_NUMPY:
             raise _Malformed(f"tensor {name!r}: dtype {code!r} has no numpy equivalent here")
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
@@ -193,18 +191,15 @@ def _check_header(header, data_len: int) -> tuple[dict[str, str], list[Entry]]:
         dtype = TO_NUMPY[code]
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes:
-            raise _Malformed(
-                f"tensor {name!r}: data_offsets span {end - begin} bytes, shape needs {nbytes}"
-            )
+            why = f"data_offsets span {end - begin} bytes, shape needs {nbytes}"
+            raise _Malformed(f"tensor {name!r}: {why}")
         entries.append((begin, name, dtype, tuple(shape), nbytes))
     entries.sort(key=lambda e: (e[0], e[0] + e[4]))
     position = 0
     for begin, name, _, _, nbytes in entries:
         if begin != position:
-            raise _Malformed(
-                f"tensor {name!r}: data_offsets overlap or leave a gap "
-                f"(starts at {begin}, expected {position})"
-            )
+            why = f"data_offsets overlap or leave a gap (starts at {begin}, expected {position})"
+            raise _Malformed(f"tensor {name!r}: {why}")
         position += nbytes
     if position != data_len:
         raise _Malformed(f"the tensors cover {position} data bytes, the file holds {data_len}")
@@ -215,22 +210,18 @@ def layout(arrays: dict[str, np.ndarray]) -> dict:
     """What a file of these arrays holds: {"tensors": {name: (code, shape)}, "aliases": {alias: name},
     "data_bytes": n}, to check a file's header against before reading (and allocating) its data."""
     unique, aliases = split_aliases(arrays)
-    tensors = {
-        k: (FROM_NUMPY[a.dtype.newbyteorder("<")], tuple(a.shape)) for k, a in unique.items()
-    }
+    tensors = {k: (_code(a), tuple(a.shape)) for k, a in unique.items()}
     data_bytes = sum(a.nbytes for a in unique.values())
     return {"tensors": tensors, "aliases": aliases, "data_bytes": data_bytes}
 
 
 def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
-    got = {name: (FROM_NUMPY[dtype.newbyteorder("<")], shape) for name, dtype, shape, _ in entries}
+    got = {name: (FROM_NUMPY[dtype], shape) for name, dtype, shape, _ in entries}
     want = expect["tensors"]
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
-        return "tensors differ from what the config builds: " + "; ".join(
-            ([f"lacks {missing[:5]}"] if missing else [])
-            + ([f"has unexpected {extra[:5]}"] if extra else [])
-        )
+        said = [f"{w} {n[:5]}" for w, n in (("lacks", missing), ("has unexpected", extra)) if n]
+        return "tensors differ from what the config builds: " + "; ".join(said)
     for name in sorted(want):
         if got[name] != want[name]:
             (gc, gs), (wc, ws) = got[name], want[name]
@@ -253,10 +244,8 @@ def read_tensors(
         size = os.fstat(f.fileno()).st_size
         most = max(e["data_bytes"] for e in alternatives) if alternatives else 0
         if alternatives and size > 8 + MAX_HEADER + most:
-            raise ValueError(
-                f"{size} bytes, more than a checkpoint of this config can hold "
-                f"({most} bytes of tensors)"
-            )
+            why = f"{size} bytes, more than a checkpoint of this config can hold ({most} bytes of tensors)"
+            raise ValueError(why)
         arrays: dict[str, np.ndarray] = {}
         problem: _Malformed | None = None
         try:
@@ -279,12 +268,10 @@ def read_tensors(
                 raise _Malformed(f"header: {e}") from None
             metadata, entries = _check_header(header, size - 8 - n)
             reasons = [_layout_reason(entries, metadata, e) for e in alternatives or []]
-            if reasons and all(
-                reasons
-            ):  # the nearest's: one naming a tensor over one naming the set
-                raise LayoutMisfit(
-                    str(min(reasons, key=lambda r: str(r).startswith("tensors differ")))
-                )
+            # the nearest's: one naming a tensor over one naming the set
+            if reasons and all(reasons):
+                nearest = min(map(str, reasons), key=lambda r: r.startswith("tensors differ"))
+                raise LayoutMisfit(nearest)
             for name, dtype, shape, nbytes in entries:
                 a = np.empty(shape, dtype=dtype)
                 data = _bytes_of(a)
