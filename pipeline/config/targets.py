@@ -67,34 +67,31 @@ def _placed(tree, keys: tuple[str, ...], out: dict[str, set[str]]) -> None:
                 _placed(v, (*keys, str(k)), out)
 
 
-def _conf_trees() -> list[tuple[tuple[str, ...], object]]:
-    """Each YAML file of the package's conf/ tree, with the config path it is composed at (its group's
-    folders; the root for config.yaml and a `# @package _global_` file)."""
+@cache
+def _shipped() -> dict[str, set[str]]:
+    """Every target the YAML files of the package's conf/ tree name, by the slots (`slot()`) it is at: a file is
+    composed at its group's folders (the root for config.yaml and a `# @package _global_` file)."""
     import yaml
 
-    out = []
+    out: dict[str, set[str]] = {}
     for path in sorted(Path(CONFIG_DIR).rglob("*.y*ml")):
         text = path.read_text(encoding="utf-8")
-        group = path.relative_to(CONFIG_DIR).parent.parts
         head = text.splitlines()[:5]
         glob = any(line.strip().replace(" ", "") == "#@package_global_" for line in head)
-        out.append((() if glob else group, yaml.safe_load(text)))
+        group = path.relative_to(CONFIG_DIR).parent.parts
+        _placed(yaml.safe_load(text), () if glob else group, out)
     return out
 
 
-@cache
 def shipped() -> frozenset[str]:
     """The targets every YAML file of the package's conf/ tree names."""
-    return frozenset(named([tree for _, tree in _conf_trees()]))
+    return frozenset(_shipped())
 
 
 @cache
 def slots() -> dict[str, frozenset[str]]:
     """Each shipped target of the pipeline's own package, and the slots (`slot()`) conf/ builds it in."""
-    out: dict[str, set[str]] = {}
-    for keys, tree in _conf_trees():
-        _placed(tree, keys, out)
-    return {t: frozenset(s) for t, s in out.items() if t.startswith("pipeline.")}
+    return {t: frozenset(s) for t, s in _shipped().items() if t.startswith("pipeline.")}
 
 
 def searched(searchpath: tuple[str, ...]) -> set[str]:
@@ -107,7 +104,6 @@ def searched(searchpath: tuple[str, ...]) -> set[str]:
     )
     from hydra._internal.sources_registry import SourcesRegistry
     from hydra.core.object_type import ObjectType
-    from omegaconf import OmegaConf
 
     for source_type in (FileConfigSource, ImportlibResourcesConfigSource):  # file:// and pkg://
         SourcesRegistry.instance().register(source_type)
@@ -204,10 +200,8 @@ def check(tree, allowed_targets: frozenset[str], path="config", keys: tuple[str,
             if not isinstance(target, str):
                 raise UnknownTarget(f"{where} is {target!r:.80}, not the name of a class")
             if "${" not in target and target not in allowed_targets:
-                raise UnknownTarget(
-                    f"{where} names {target!r:.200}, which neither the pipeline's configs nor yours "
-                    f"name ({HINT})"
-                )
+                why = f"{where} names {target!r:.200}, which neither the pipeline's configs nor yours name"
+                raise UnknownTarget(f"{why} ({HINT})")
             _in_place(target, where, keys)
         for k, v in tree.items():
             check(v, allowed_targets, f"{path}.{k}", (*keys, str(k)))
@@ -215,28 +209,19 @@ def check(tree, allowed_targets: frozenset[str], path="config", keys: tuple[str,
         for i, v in enumerate(tree):
             check(v, allowed_targets, f"{path}[{i}]", _item(keys, i))
     elif isinstance(tree, str) and "${" in tree:
-        raise UnknownTarget(
-            f"{path} holds the interpolation {tree!r:.200}; a saved config is resolved and holds "
-            "none (it would be resolved when the node is built)"
-        )
+        why = "a saved config is resolved and holds none (it would be resolved when the node is built)"
+        raise UnknownTarget(f"{path} holds the interpolation {tree!r:.200}; {why}")
 
 
 def _in_place(target: str, where: str, keys: tuple[str, ...]) -> None:
     parts = target.split(".")
     if len(parts) < 3 or parts[0] != "pipeline":
         return  # your own classes: built wherever your configs put them
-    here = slot(keys)
     if target in slots():  # one of conf/'s own: only in a slot conf/ builds it in
-        if here not in slots()[target]:
-            raise UnknownTarget(
-                f"{where} names {target!r:.200}, a class the pipeline builds only under "
-                f"{' or '.join(sorted(slots()[target]))}, never under {here}"
-            )
-        return
-    top = keys[0].split("[")[0] if len(keys) > 0 else ""
-    if PLACES.get(top) != parts[1]:
-        home = [k for k, v in PLACES.items() if v == parts[1]]
-        raise UnknownTarget(
-            f"{where} names {target!r:.200}, a class the pipeline builds only under "
-            f"{' or '.join(home) or 'no node'}, never under {top or 'the top level'}"
-        )
+        here, homes = slot(keys), sorted(slots()[target])
+    else:  # another of the package's: under the node its package is built under
+        here = (keys[0].split("[")[0] if keys else "") or "the top level"
+        homes = [k for k, v in PLACES.items() if v == parts[1]]
+    if here not in homes:
+        said = f"a class the pipeline builds only under {' or '.join(homes) or 'no node'}"
+        raise UnknownTarget(f"{where} names {target!r:.200}, {said}, never under {here}")
