@@ -49,9 +49,8 @@ class CheckpointStore:
             return [], {}
         st = os.lstat(self.root)
         if not stat.S_ISDIR(st.st_mode):
-            raise UnsafePathError(
-                ELOOP, f"{self.root} is not a directory (a symlink or a file); remove it"
-            )
+            why = "is not a directory (a symlink or a file); remove it"
+            raise UnsafePathError(ELOOP, f"{self.root} {why}")
         steps, links = [], {}
         with os.scandir(self.root) as it:
             for e in it:
@@ -67,11 +66,8 @@ class CheckpointStore:
                 elif m and e.is_dir(follow_symlinks=False):
                     steps.append((int(m.group(1)), Path(e.path)))
                 else:
-                    raise UnsafePathError(
-                        EEXIST,
-                        f"{e.path} is not a checkpoint step directory; "
-                        f"{STORE}/ holds step directories and links only: remove it",
-                    )
+                    why = f"{e.path} is not a checkpoint step directory; {STORE}/ holds step"
+                    raise UnsafePathError(EEXIST, why + " directories and links only: remove it")
         return sorted(steps), links
 
     def steps(self) -> list[tuple[int, Path]]:
@@ -97,9 +93,8 @@ class CheckpointStore:
             try:
                 return CheckpointDir(directory).load(parts), skipped
             except MisfitError as e:
-                skipped.append(
-                    (directory, "a checkpoint that verifies but does not fit this config", str(e))
-                )
+                misfit = "a checkpoint that verifies but does not fit this config"
+                skipped.append((directory, misfit, str(e)))
             except CheckpointError as e:
                 skipped.append((directory, "a damaged checkpoint", str(e)))
         return None, skipped
