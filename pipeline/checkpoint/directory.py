@@ -139,8 +139,8 @@ def _data_problem(data, spec: dict) -> str | None:
 
 
 def _read_listed(d: Path, name: str, listed: dict, expect: dict | list[dict] | None = None):
-    """A listed file, bounded, hashed against its listing: JSON parsed strictly, or a tensor file's arrays (of a
-    layout `expect`ed, checked before any is allocated); CheckpointError (MisfitError: the layout) naming it."""
+    """A listed file read bounded and checked against its listing (JSON strictly, tensors of the layout `expect`ed
+    before any is allocated); CheckpointError (MisfitError: the layout) naming it."""
     try:
         if not name.endswith(".safetensors"):
             raw = reading.read_bytes(d / name, MAX_CHECKPOINT_JSON)
@@ -187,8 +187,7 @@ def files_of(e: StateMismatch, saved: dict, live: dict) -> str:
 
 
 def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[str, str] | None:
-    """(file(s), reason) if manifest.json's step, extra.json's progress.step and the directory's name (if it has
-    one) disagree: the odd one out is the file that lies."""
+    """(file(s), reason) if manifest.json's step, extra.json's progress.step and the directory's name disagree."""
     m = STEP_DIR.match(directory.name)
     named = int(m.group(1)) if m else None
     # JSON true == 1 and 10.0 == 10 in Python
@@ -251,10 +250,8 @@ class CheckpointDir:
         return os.path.lexists(self.path / MANIFEST)
 
     def resolved(self) -> Path:
-        """The directory the path stands for, else CheckpointError naming the link and where it points. Every
-        reader comes here: a link inside a run's store must name a step directory beside it (best, final), the
-        store must not be a link; a link elsewhere (`ln -s RUN/checkpoints/best mine`) is followed, as its
-        target could be typed instead."""
+        """The directory the path stands for (docs/checkpoints.md: links), else CheckpointError naming the link and
+        where it points; every reader comes here."""
         given = self.path
         # `best`, typed inside the store, is a run's link
         path = given if given.is_absolute() else Path.cwd() / given
@@ -346,9 +343,8 @@ class CheckpointDir:
         return self._opened()[0] / WEIGHTS
 
     def copy_to(self, dest: Path, manifest: dict) -> dict[str, dict]:
-        """Its files copied into `dest` (a new directory inside an existing one), manifest.json last, each hashed
-        as it is copied; the checkpoint must still hold exactly the files the verified `manifest` lists, and each
-        copy their bytes. {name: {"size", "sha256"}} as copied; else CheckpointError naming the file."""
+        """Its files, still exactly those the verified `manifest` lists, copied into the new `dest` (manifest.json
+        last), each hashed as copied: {name: {"size", "sha256"}}; else CheckpointError naming the file."""
         directory, _, listed = self._opened(manifest)
         os.mkdir(dest)
         copied = {}
@@ -364,8 +360,7 @@ class CheckpointDir:
         return copied
 
     def second_names(self, dest: Path) -> None:
-        """Every file of it given a second name in the new directory `dest` (hard links: no byte copied; a
-        checkpoint's files are never rewritten in place, so each name keeps what it holds now)."""
+        """Every file of it given a second name (a hard link: its files are never rewritten) in the new `dest`."""
         os.mkdir(dest)
         with os.scandir(self.path) as it:
             for e in it:
@@ -374,8 +369,7 @@ class CheckpointDir:
         atomic.fsync_dir(dest)
 
     def data_facts(self, manifest: dict | None = None) -> dict | None:
-        """Its data.json, verified, without reading the tensors (None: schema 2.0); given a `manifest` a caller
-        verified before, the checkpoint must still have it."""
+        """Its data.json, verified, tensors unread (None: schema 2.0); its manifest still `manifest`, if given."""
         return _read_data(*self._opened(manifest))
 
     def json_state(self) -> tuple[dict, dict]:
@@ -384,9 +378,8 @@ class CheckpointDir:
         return manifest, _read_extra(directory, listed)
 
     def _opened(self, expected: dict | None = None) -> tuple[Path, dict, dict]:
-        """(directory, manifest, listing) of the checkpoint the path stands for, its listing checked: every listed
-        file present as a regular file of its listed size, nothing unlisted (and its manifest still the
-        `expected` one a caller read before)."""
+        """(directory, manifest, listing) of the checkpoint the path stands for, each listed file a regular file of
+        its size, nothing unlisted (and its manifest still the `expected` one, if given)."""
         directory = self.resolved()  # read from where the links lead; errors name that directory
         if not directory.is_dir():
             raise CheckpointError(self.path, "", "not a directory")
@@ -403,9 +396,8 @@ class CheckpointDir:
         return directory, manifest, listed
 
     def load(self, parts: Mapping | None = None) -> Checkpoint:
-        """Read and fully verify a checkpoint, else CheckpointError naming the file; given the live `parts` (or a
-        config's), the tensor files must hold their layout (checked before anything is allocated) and every
-        part's state must fit (pipeline.stateful.check): a verified checkpoint is one the run can restore."""
+        """Read and fully verify a checkpoint, else CheckpointError naming the file; given the live `parts`, the
+        tensor files hold their layout (before any allocation) and every part's state fits (stateful.check)."""
         directory, manifest, listed = self._opened()
         extra = _read_extra(directory, listed)
         data = _read_data(directory, manifest, listed)
