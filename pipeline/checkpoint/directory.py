@@ -191,27 +191,23 @@ def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[st
     m = STEP_DIR.match(directory.name)
     named = int(m.group(1)) if m else None
     # JSON true == 1 and 10.0 == 10 in Python
-    if type(saved_step) is int and saved_step == manifest_step:
-        if named is None or named == manifest_step:
-            return None
-        return "", (
-            f"its name says step {named}, but manifest.json and extra.json say step {manifest_step} "
-            "(renamed or copied in from another step)"
+    agree = type(saved_step) is int and saved_step == manifest_step
+    if agree and named in (None, manifest_step):
+        return None
+    if agree:
+        why = (
+            f"but manifest.json and extra.json say step {manifest_step} (renamed or copied in from"
         )
+        return "", f"its name says step {named}, {why} another step)"
     if named == manifest_step:
-        return EXTRA, (
-            f"progress.step {saved_step!r:.40} differs from step {manifest_step} of manifest.json and "
-            "the directory's name"
-        )
+        why = f"progress.step {saved_step!r:.40} differs from step {manifest_step} of manifest.json"
+        return EXTRA, f"{why} and the directory's name"
     if named is not None and named == saved_step:
-        return MANIFEST, (
-            f"step {manifest_step} differs from progress.step {saved_step} of extra.json and the "
-            "directory's name"
-        )
+        why = f"step {manifest_step} differs from progress.step {saved_step} of extra.json"
+        return MANIFEST, f"{why} and the directory's name"
     neither = "" if named is None else f" (and the directory's name says {named})"
-    return f"{MANIFEST} and {EXTRA}", (
-        f"the manifest's step {manifest_step} and progress.step {saved_step!r:.40} differ{neither}"
-    )
+    why = f"the manifest's step {manifest_step} and progress.step {saved_step!r:.40} differ"
+    return f"{MANIFEST} and {EXTRA}", why + neither
 
 
 def _read_extra(directory: Path, listed: dict) -> dict:
