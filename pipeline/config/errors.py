@@ -122,8 +122,5 @@ def stage_options(name: str) -> list[str]:
     from pipeline.config.compose import CONFIG_DIR
 
     group = CONFIG_DIR / "stages" / name
-    return (
-        sorted(p.stem for p in group.glob("*.yaml"))
-        if name.isidentifier() and group.is_dir()
-        else []
-    )
+    shipped = name.isidentifier() and group.is_dir()
+    return sorted(p.stem for p in group.glob("*.yaml")) if shipped else []
