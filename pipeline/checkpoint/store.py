@@ -41,7 +41,6 @@ class CheckpointStore:
         self.root = Path(root)
         self._records: dict[int, Record] | None = None
 
-    # listing
     def scan(self) -> tuple[list[tuple[int, Path]], dict[str, str]]:
         """(step, directory) of every step directory, oldest first, and {link name: target name}; temporaries
         ignored, anything else (a stray link or file) an UnsafePathError naming it."""
@@ -107,7 +106,6 @@ class CheckpointStore:
         except CheckpointError:
             return None
 
-    # writing
     def save(self, step: int, tree: dict, fields: dict) -> Checkpoint:
         """Write and record this step's checkpoint, replacing whatever (another run's, a damaged one) is there."""
         atomic.ensure_dirs(self.root.parent, self.root.name)

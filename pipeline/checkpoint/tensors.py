@@ -65,7 +65,6 @@ class _Hasher:
 
 def _c_bytes(a: np.ndarray) -> np.ndarray:
     """`a` as C-contiguous little-endian, copied only when it is not already (0-d stays 0-d)."""
-    # big-endian, or native on a big-endian machine
     if a.dtype != (little := a.dtype.newbyteorder("<")):
         a = a.astype(little)
     # np.ascontiguousarray would turn a 0-d array into shape [1]; a C-order copy keeps the shape.
@@ -85,10 +84,9 @@ def split_aliases(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
     by_id: dict[int, str] = {}
     unique, aliases = {}, {}
     for name, a in arrays.items():
-        if id(a) in by_id:
-            aliases[name] = by_id[id(a)]
+        if (first := by_id.setdefault(id(a), name)) != name:
+            aliases[name] = first
             continue
-        by_id[id(a)] = name
         a = np.asarray(a)
         if a.dtype.newbyteorder("<") not in FROM_NUMPY:
             raise ValueError(f"{name}: dtype {a.dtype} cannot be stored in safetensors")
@@ -117,8 +115,7 @@ def write_tensors(path: Path, arrays: dict, metadata: dict | None = None, fsync=
     """Write a new safetensors file at `path` (which must not exist), fsynced; returns its {"size", "sha256"}."""
     unique, aliases = split_aliases(arrays)
     meta = {"format": "np", **(metadata or {}), **{k: f"ALIAS({v})" for k, v in aliases.items()}}
-    bad = [k for k, v in meta.items() if not (isinstance(k, str) and isinstance(v, str))]
-    if bad:
+    if bad := [k for k, v in meta.items() if not (isinstance(k, str) and isinstance(v, str))]:
         raise ValueError(f"safetensors metadata is str -> str only; not so for {bad}")
     if "__metadata__" in unique:
         raise ValueError("'__metadata__' cannot name a tensor")

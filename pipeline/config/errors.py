@@ -38,14 +38,12 @@ def exit_code(e: BaseException) -> tuple[int, str] | None:
     e = e.error if isinstance(e, Refusal) else e
     if isinstance(e, CommandError):
         return e.exit_code, str(e)
-    # a link or a stray file where we would write: the files layer's own
     if isinstance(e, UnsafePathError):
         return EXIT_BAD_INPUT, str(e)
     if (message := environment_error(e)) is not None:  # a full or read-only disk
         return EXIT_ERROR, message
     if (message := slurm_unreachable(e)) is not None:
         return EXIT_UNAVAILABLE, message
-    # Hydra could not compose the config
     if type(e).__module__.split(".")[0] in ("hydra", "omegaconf", "yaml"):
         return EXIT_BAD_INPUT, f"bad config or override: {error_line(e)}"
     return None

@@ -394,8 +394,7 @@ def takes(factory) -> dict[str, inspect.Parameter] | None:
 def live_problem(kind: str, target: str, factory) -> str | None:
     """Why `factory` cannot be a `kind` (it takes not every live value its kind is given), or None."""
     accepted = takes(factory)
-    lacking = [k for k in LIVE[kind][0] if accepted is not None and k not in accepted]
-    if not lacking:
+    if not (lacking := [k for k in LIVE[kind][0] if accepted is not None and k not in accepted]):
         return None
     given = f"every {kind} is given {', '.join(LIVE[kind][0])} (the live-argument interface, docs/own-model.md)"
     return f"{kind}._target_={target} takes no {lacking[0]!r}: {given}; add it to its constructor (or **kwargs)"

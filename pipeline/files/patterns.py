@@ -95,7 +95,6 @@ def _text(pattern: str, step: int, metrics: dict) -> str:
     out = []
     for literal, field, spec, _ in string.Formatter().parse(pattern):
         out.append(literal)
-        # a metric by its name, or with '_' for '/' (Lightning's val_loss for val/loss)
         if field is not None:
             mine, lightning = spellings(field)
             value = step if field == "step" else metrics.get(mine, metrics.get(lightning))
