@@ -118,10 +118,8 @@ def searched(searchpath: tuple[str, ...]) -> set[str]:
         raise ConfigError(f"hydra.searchpath: {first}") from None
     for source, entry in zip(sources, searchpath):
         if not source.available():
-            raise ConfigError(
-                f"hydra.searchpath: {entry} is not available (no such config directory, or a package "
-                "without __init__.py)"
-            )
+            why = "is not available (no such config directory, or a package without __init__.py)"
+            raise ConfigError(f"hydra.searchpath: {entry} {why}")
 
         def walk(source, group: str) -> None:
             for name in source.list(group, ObjectType.CONFIG):
