@@ -139,8 +139,7 @@ def _data_problem(data, spec: dict) -> str | None:
 
 
 def _read_listed(d: Path, name: str, listed: dict, expect: dict | list[dict] | None = None):
-    """A listed file read bounded and checked against its listing (JSON strictly, tensors of the layout `expect`ed
-    before any is allocated); CheckpointError (MisfitError: the layout) naming it."""
+    """A listed file read bounded, checked against its listing (JSON strictly, tensors of the layout `expect`ed)."""
     try:
         if not name.endswith(".safetensors"):
             raw = reading.read_bytes(d / name, MAX_CHECKPOINT_JSON)
@@ -235,8 +234,7 @@ def _read_data(directory: Path, manifest: dict, listed: dict) -> dict | None:
 
 
 class CheckpointDir:
-    """A checkpoint directory as given (a step directory, or a link to one such as RUN/checkpoints/best):
-    written once, atomically; every read bounded and verified against its manifest."""
+    """A checkpoint directory (a step directory, or a link to one): written once, atomically; every read verified."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -246,8 +244,7 @@ class CheckpointDir:
         return os.path.lexists(self.path / MANIFEST)
 
     def resolved(self) -> Path:
-        """The directory the path stands for (docs/checkpoints.md: links), else CheckpointError naming the link and
-        where it points; every reader comes here."""
+        """The directory the path stands for (links: docs/checkpoints.md), else CheckpointError naming the link."""
         given = self.path
         # `best`, typed inside the store, is a run's link
         path = given if given.is_absolute() else Path.cwd() / given

@@ -65,8 +65,7 @@ def code_sha256(package: str = str(Path(__file__).resolve().parents[1])) -> str:
 
 
 def code_change(manifest: dict, facts: dict | None = None) -> str | None:
-    """How the code a checkpoint was written by differs from `facts`' (this process's by default): None if the
-    same, or if it cannot be told."""
+    """How the code a checkpoint was written by differs from `facts`' (this process's): None if the same or unknown."""
     facts = facts if facts is not None else {**git_info(), "code_sha256": code_sha256()}
 
     def name(f: dict) -> str:
@@ -119,8 +118,7 @@ def hardware() -> dict:
 def run_facts(
     config: dict, identity: Identity, data_manifest_hash: str, data_spec: dict, data_facts: dict
 ) -> dict:
-    """The fields every checkpoint of a run carries, computed once (`identity`: the config's); `data_facts` become
-    each one's data.json."""
+    """The fields every checkpoint of a run carries, computed once; `data_facts` become each one's data.json."""
     return {
         DATA_FACTS: data_facts,
         **git_info(),

@@ -34,8 +34,7 @@ def _record(m: dict) -> Record:
 
 
 class CheckpointStore:
-    """A run's store (pipeline/run/directory.py says where): step directories, the links stages declare, and
-    retention after every save."""
+    """A run's store: its step directories, the links stages declare, and retention after every save."""
 
     def __init__(self, root: Path):
         self.root = Path(root)

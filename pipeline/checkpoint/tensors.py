@@ -36,9 +36,8 @@ class DigestMismatch(ValueError):
 
 
 class _Hasher:
-    """sha256 fed in order on one helper thread; callers keep each buffer unchanged until hexdigest(). The queue
-    is unbounded on purpose: buffers are views of arrays that exist anyway (no copies), so the writer (or reader)
-    runs ahead at memory speed and its fsync overlaps the hash catching up."""
+    """sha256 fed in order on a helper thread, each buffer unchanged until hexdigest(); the queue is unbounded: the
+    buffers are views of arrays that exist anyway, so the writer runs ahead and its fsync overlaps the hash."""
 
     def __init__(self):
         self._h = hashlib.sha256()

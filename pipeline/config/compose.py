@@ -47,8 +47,7 @@ def default_output_dir() -> str:
 
 
 def register() -> None:
-    """The `default_output_dir` and `experiment_name` resolvers, and every schema in Hydra's ConfigStore
-    (config_schema, schema/*)."""
+    """The `default_output_dir` and `experiment_name` resolvers, and every schema in Hydra's ConfigStore."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 

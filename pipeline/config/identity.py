@@ -105,10 +105,8 @@ def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
 
 
 def run_name(config: dict, sources: dict | None = None, lineage: dict | None = None) -> str:
-    """<experiment name>-<12 hex of the semantic hash> (`sources`: None reads the files), whatever the working
-    directory; a fork (`lineage` with an origin: it continues another run's checkpoint) is named by its history's
-    id instead, never a clean run's directory. BadName (a ValueError, one line) if the name cannot be one
-    directory's (names.checked)."""
+    """<experiment name>-<12 hex of the semantic hash> (`sources`: None reads the files); a fork (`lineage` with an
+    origin) by its history's id instead, never a clean run's directory. BadName if not one directory's name."""
     semantic = semantic_hash(config, source_hashes(config) if sources is None else sources)
     key = lineage["id"] if lineage is not None and lineage.get("origin") is not None else semantic
     return f"{names.checked(config.get('name'), 'name')}-{key[:12]}"

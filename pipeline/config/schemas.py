@@ -333,8 +333,7 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
 
 
 def _absent(node, key: str = "") -> dict | None:
-    """Each field of `node`'s schema (the top-level `key`'s for trainer, else its `_target_`'s) with an `absent` ->
-    what its absence means; None: no schema."""
+    """{field: its `absent`} of `node`'s schema (trainer's by `key`, else its `_target_`'s); None: it has none."""
     schema = SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None
     schema = TrainerConf if key == "trainer" else schema
     if schema is None:
@@ -343,9 +342,8 @@ def _absent(node, key: str = "") -> dict | None:
 
 
 def as_written_now(node, key: str = ""):
-    """A node (at the top-level `key`) of a config written before some keys of its schema existed (or could be
-    null), with what their absence (or null) means: the one place an old config's missing or null key gets its
-    meaning."""
+    """A node (at the top-level `key`) written before some keys of its schema existed (or could be null), each at
+    what its absence (or null) means: the one place an old config's missing or null key gets its meaning."""
     absent = _absent(node, key)
     return (
         node

@@ -155,8 +155,7 @@ OUTPUT_ENTRIES = ("mlflow.db", "mlartifacts", "data", "runs", "sweeps")
 
 
 def check_output_dir(output_dir: Path) -> None:
-    """UnsafePathError naming the first of OUTPUT_ENTRIES under `output_dir` that is a symlink (dangling or not),
-    before anything is created there; the output directory itself is not looked at."""
+    """UnsafePathError naming the first of OUTPUT_ENTRIES in `output_dir` that is a symlink (dangling or not)."""
     for entry in OUTPUT_ENTRIES:
         path = Path(output_dir) / entry
         if os.path.islink(path):
@@ -223,8 +222,7 @@ def publish_dir(tmp: Path, final: Path, replace: bool = False) -> None:
 
 
 def second_name(src: Path, dst: Path) -> None:
-    """`dst` as another name of the file `src` (a hard link: no byte copied), or a fsynced copy where the
-    filesystem has no hard links; never through a link at either end."""
+    """`dst` as another name of the file `src` (a hard link), else a fsynced copy; never through a link."""
     try:
         os.link(src, dst, follow_symlinks=False)
     except OSError as e:

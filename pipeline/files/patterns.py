@@ -81,8 +81,7 @@ def _refused(name: str) -> bool:
 
 
 def render(pattern: str, step: int, metrics: dict) -> str | None:
-    """The name `pattern` gives a checkpoint of `step` with these metrics, or None where it would not be one
-    path component (the checkpoint then has its step directory's name only)."""
+    """The name `pattern` gives a checkpoint of `step` with these metrics, or None if not one path component."""
     name = _text(pattern, step, metrics)
     return None if _refused(name) else name
 

@@ -99,8 +99,7 @@ def read_bytes(path, limit: int) -> bytes:
 def sha256(
     path, limit: int | None = None, follow=False, bound: str | None = None, into=None
 ) -> str:
-    """The sha256 hex digest of a regular file's bytes, read in pieces (constant memory, or kept in `into`, a
-    bytearray of the file's size)."""
+    """sha256 hex of a regular file's bytes, read in pieces (or kept whole in `into`, a bytearray of its size)."""
     h, at = hashlib.sha256(), 0
     with open_file(path, limit, follow, bound) as f:
         for piece in chunks(f, path, limit, bound):
