@@ -125,25 +125,17 @@ class CheckpointStore:
         records = [r for _, r in recorded if r.step <= upto and r.lineage == lineage]
         by_step = {r.step: r for r in records}
         wanted = {k: s for n in named for k, s in n.links(records).items() if k not in links}
-        retired = {
-            name
-            for name, t in present_links.items()
-            if name not in links
-            and name not in wanted
-            and (r := by_step.get(step_number(t)))
-            and any(n.owns(name, r) for n in named)
-        }
+        free = {k: by_step.get(step_number(t)) for k, t in present_links.items() if k not in links}
+        retired = {k for k, r in free.items() if r and any(n.owns(k, r) for n in named)} - set(
+            wanted
+        )
         unowned = [t for k, t in present_links.items() if k not in links and k not in retired]
         orphans = Steps(frozenset(step_number(t) for t in unowned))
         keep = AnyOf((policy, orphans, *links.values())).keep(records)
-        for name, link_policy in links.items():
-            target = select_one(link_policy, records)
-            if target is not None and present_links.get(name) != step_dir_name(target):
-                killpoint.point("save", f"before {name} link")
-                atomic.replace_link(self.root / name, step_dir_name(target))
-        for name, step in wanted.items():
-            if present_links.get(name) != step_dir_name(step):
-                killpoint.point("save", "before a named link")
+        for name, step in ({n: select_one(p, records) for n, p in links.items()} | wanted).items():
+            if step is not None and present_links.get(name) != step_dir_name(step):
+                where = f"before {name} link" if name in links else "before a named link"
+                killpoint.point("save", where)
                 atomic.replace_link(self.root / name, step_dir_name(step))
         for name in retired:  # before its step directory: a link never names a missing step
             killpoint.point("save", "before a name is retired")
