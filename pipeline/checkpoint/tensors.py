@@ -154,9 +154,12 @@ class LayoutMisfit(_Malformed):
     """A file that verifies but holds other names, dtypes or shapes than the live state expects."""
 
 
-def _read_exact(f, buf: memoryview) -> None:
+def _read_exact(f, buf: memoryview, h: _Hasher) -> memoryview:
+    """`buf` filled from `f`, then hashed (on the helper thread while this one reads on)."""
     if reading.read_exact(f, buf) < len(buf):
         raise _Malformed("truncated: the file ends inside the data the header describes")
+    h.update(buf)
+    return buf
 
 
 Entry = tuple[str, np.dtype, tuple, int]  # name, dtype, shape, nbytes
@@ -247,17 +250,12 @@ def read_tensors(
         try:
             if size < 8:
                 raise _Malformed(f"{size} bytes: too short for a safetensors header")
-            head = bytearray(8)
-            _read_exact(f, memoryview(head))
-            h.update(bytes(head))
-            (n,) = struct.unpack("<Q", head)
+            (n,) = struct.unpack("<Q", _read_exact(f, memoryview(bytearray(8)), h))
             if n > MAX_HEADER:
                 raise _Malformed(f"header of {n} bytes is over the {MAX_HEADER}-byte limit")
             if n > size - 8:
                 raise _Malformed(f"header length {n} does not fit a {size}-byte file")
-            raw = bytearray(n)
-            _read_exact(f, memoryview(raw))
-            h.update(bytes(raw))
+            raw = _read_exact(f, memoryview(bytearray(n)), h)
             try:
                 header = jsonio.loads(bytes(raw))
             except jsonio.JSONError as e:
@@ -272,10 +270,7 @@ def read_tensors(
                 a = np.empty(shape, dtype=dtype)
                 data = _bytes_of(a)
                 for i in range(0, nbytes, CHUNK):
-                    chunk = data[i : i + CHUNK]
-                    _read_exact(f, chunk)
-                    # hashed on the helper thread while this one reads the next chunk
-                    h.update(chunk)
+                    _read_exact(f, data[i : i + CHUNK], h)
                 arrays[name] = a if dtype.isnative else a.astype(dtype.newbyteorder("="))
             if f.read(1):
                 raise _Malformed("the file grew while it was read")
@@ -286,11 +281,11 @@ def read_tensors(
             problem = e
         digest = h.hexdigest()
     if expected_sha256 is not None and digest != expected_sha256:
-        raise DigestMismatch(
-            f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}..."
-        )
+        why = f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}..."
+        raise DigestMismatch(why)
     if problem is not None:
-        misfit = isinstance(problem, LayoutMisfit)
-        what = "does not fit" if misfit else "not a valid safetensors file"
+        what = (
+            "does not fit" if isinstance(problem, LayoutMisfit) else "not a valid safetensors file"
+        )
         raise type(problem)(f"{what}: {problem}")
     return resolve_aliases(arrays, metadata), metadata
