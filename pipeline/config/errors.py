@@ -83,8 +83,7 @@ def error_line(e: BaseException) -> str:
     key = getattr(e, "full_key", None) or getattr(cause, "full_key", None)
     line = ": ".join(parts) + (f" (key {key})" if key and key not in " ".join(parts) else "")
     # hydra's MissingConfigException: the group's options, if it has any
-    options = getattr(e, "options", None)
-    missing = getattr(e, "missing_cfg_file", None)
+    options, missing = getattr(e, "options", None), getattr(e, "missing_cfg_file", None)
     if options:
         where = f" in '{missing.rsplit('/', 1)[0]}'" if missing and "/" in missing else ""
         line += f"; available options{where}: {', '.join(options)}"

@@ -317,18 +317,14 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
         near = difflib.get_close_matches(str(key), known, n=1)
         hint = f"; did you mean {prefix}{near[0]}?" if near else ""
         errors.append(f"{prefix}{key}: no such key{hint}")
-    for f in fields(schema):
-        if f.name not in node:
-            continue
-        value = node[f.name]
-        check = f.metadata.get("check")
+    for f in [f for f in fields(schema) if f.name in node]:
+        value, check = node[f.name], f.metadata.get("check")
         if check is not None and (why := check(value)):
             errors.append(f"{prefix}{f.name}={value!r}: {why}")
         target = value.get("_target_") if isinstance(value, dict) else None
         if isinstance(target, str) and target in SCHEMAS:
             _check_node(SCHEMAS[target], value, f"{prefix}{f.name}.", errors)
-    cross = getattr(schema, "cross", None)
-    if cross is not None and not any(e.startswith(prefix) for e in errors):
+    if (cross := getattr(schema, "cross", None)) and not any(e.startswith(prefix) for e in errors):
         errors.extend(cross(node))
 
 

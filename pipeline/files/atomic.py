@@ -174,8 +174,7 @@ def new_temp_dir(parent: Path, name: str) -> Path:
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two directory entries in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    renameat2 = _renameat2()
-    if renameat2 is None:
+    if (renameat2 := _renameat2()) is None:
         return False
     if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
         return True
