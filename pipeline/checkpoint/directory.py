@@ -99,9 +99,8 @@ def weights_bytes(manifest: dict) -> int:
 def file_hashes(manifest: dict) -> dict[str, str | None]:
     """{"weights", "optim", "extra", "data": sha256} of the files a manifest (verified or as written) lists readably."""
     files = manifest["files"] if isinstance(manifest.get("files"), dict) else {}
-    roles = {WEIGHTS: "weights", OPTIM: "optim", EXTRA: "extra", DATA: "data"}
-    listed = {n: e for n, e in files.items() if n in roles and isinstance(e, dict)}
-    return {roles[n]: e.get("sha256") for n, e in listed.items()}
+    listed = {n: e for n, e in files.items() if n in REQUIRED and isinstance(e, dict)}
+    return {n.split(".")[0]: e.get("sha256") for n, e in listed.items()}
 
 
 def _os_reason(e: BaseException) -> str:

@@ -96,23 +96,20 @@ def slots() -> dict[str, frozenset[str]]:
 
 def searched(searchpath: tuple[str, ...]) -> set[str]:
     """The targets the config files of these search-path entries name, read by Hydra's own config sources."""
-    from hydra._internal.config_repository import ConfigRepository
-    from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
-    from hydra._internal.core_plugins.file_config_source import FileConfigSource
-    from hydra._internal.core_plugins.importlib_resources_config_source import (
-        ImportlibResourcesConfigSource,
-    )
-    from hydra._internal.sources_registry import SourcesRegistry
+    from hydra._internal import config_repository, config_search_path_impl, sources_registry
+    from hydra._internal.core_plugins import file_config_source as files
+    from hydra._internal.core_plugins import importlib_resources_config_source as packages
     from hydra.core.object_type import ObjectType
 
-    for source_type in (FileConfigSource, ImportlibResourcesConfigSource):  # file:// and pkg://
-        SourcesRegistry.instance().register(source_type)
-    csp = ConfigSearchPathImpl()
+    # file:// and pkg://
+    for source_type in (files.FileConfigSource, packages.ImportlibResourcesConfigSource):
+        sources_registry.SourcesRegistry.instance().register(source_type)
+    csp = config_search_path_impl.ConfigSearchPathImpl()
     for entry in searchpath:
         csp.append("hydra.searchpath in command-line", entry)
     out: set[str] = set()
     try:
-        sources = ConfigRepository(csp).get_sources()
+        sources = config_repository.ConfigRepository(csp).get_sources()
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"hydra.searchpath: {first}") from None
