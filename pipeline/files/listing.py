@@ -77,9 +77,8 @@ def problems(
     def say(kind: str, **values) -> str:
         return words[kind].format(manifest=manifest, **values)
 
-    nested = links is not None
     for rel, entry in files.items():
-        if why := _malformed(rel, entry, manifest, nested, size_keys):
+        if why := _malformed(rel, entry, manifest, links is not None, size_keys):
             yield manifest, why
             return
     skip = {manifest, *ignore}
