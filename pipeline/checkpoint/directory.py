@@ -99,9 +99,8 @@ def weights_bytes(manifest: dict) -> int:
 def file_hashes(manifest: dict) -> dict[str, str | None]:
     """{"weights", "optim", "extra", "data": sha256} of the files a manifest (verified or as written) lists readably."""
     files = manifest["files"] if isinstance(manifest.get("files"), dict) else {}
-    roles = {WEIGHTS: "weights", OPTIM: "optim", EXTRA: "extra", DATA: "data"}
-    listed = {n: e for n, e in files.items() if n in roles and isinstance(e, dict)}
-    return {roles[n]: e.get("sha256") for n, e in listed.items()}
+    listed = {n: e for n, e in files.items() if n in REQUIRED and isinstance(e, dict)}
+    return {n.split(".")[0]: e.get("sha256") for n, e in listed.items()}
 
 
 def _os_reason(e: BaseException) -> str:
@@ -131,44 +130,28 @@ def _data_problem(data, spec: dict) -> str | None:
         return (
             f"decode_join must be a string of at most {MAX_JOIN} characters (a text's is '' or ' ')"
         )
-    if not (
-        isinstance(specials, dict)
-        and len(specials) <= MAX_SPECIALS
-        and all(
-            isinstance(r, str) and len(r) <= MAX_TOKEN and isinstance(t, str) and t in vocab
-            for r, t in specials.items()
-        )
-    ):
+    small = isinstance(specials, dict) and len(specials) <= MAX_SPECIALS
+    roles = small and all(isinstance(r, str) and len(r) <= MAX_TOKEN for r in specials)
+    if not (roles and all(isinstance(t, str) and t in vocab for t in specials.values())):
         return f"specials must map at most {MAX_SPECIALS} roles to tokens of vocab"
     return None
 
 
-def _listed_json(directory: Path, name: str, listed: dict):
-    """A listed JSON file, bounded, hashed against its listing, parsed strictly; CheckpointError naming it."""
+def _read_listed(d: Path, name: str, listed: dict, expect: dict | list[dict] | None = None):
+    """A listed file read bounded, checked against its listing (JSON strictly, tensors of the layout `expect`ed)."""
     try:
-        raw = reading.read_bytes(directory / name, MAX_CHECKPOINT_JSON)
-    except OSError as e:
-        raise CheckpointError(directory, name, _os_reason(e)) from None
-    if hashlib.sha256(raw).hexdigest() != listed[name]["sha256"]:
-        raise CheckpointError(directory, name, CORRUPTED)
-    try:
-        return jsonio.loads(raw)
-    except jsonio.JSONError as e:
-        raise CheckpointError(directory, name, str(e)) from None
-
-
-def _read_tensor_file(
-    d: Path, name: str, entry: dict, expect: dict | list[dict] | None
-) -> dict[str, np.ndarray]:
-    try:
-        arrays, _ = read_tensors(d / name, expected_sha256=entry["sha256"], expect=expect)
+        if not name.endswith(".safetensors"):
+            raw = reading.read_bytes(d / name, MAX_CHECKPOINT_JSON)
+            if hashlib.sha256(raw).hexdigest() != listed[name]["sha256"]:
+                raise DigestMismatch
+            return jsonio.loads(raw)
+        return read_tensors(d / name, expected_sha256=listed[name]["sha256"], expect=expect)[0]
     except DigestMismatch:
         raise CheckpointError(d, name, CORRUPTED) from None
     except LayoutMisfit as e:
         raise MisfitError(d, name, str(e)) from None
     except (ValueError, OSError) as e:
         raise CheckpointError(d, name, _os_reason(e)) from None
-    return arrays
 
 
 _ABSENT = object()
@@ -202,36 +185,31 @@ def files_of(e: StateMismatch, saved: dict, live: dict) -> str:
 
 
 def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[str, str] | None:
-    """(file(s), reason) if manifest.json's step, extra.json's progress.step and the directory's name (if it has
-    one) disagree: the odd one out is the file that lies."""
+    """(file(s), reason) if manifest.json's step, extra.json's progress.step and the directory's name disagree."""
     m = STEP_DIR.match(directory.name)
     named = int(m.group(1)) if m else None
     # JSON true == 1 and 10.0 == 10 in Python
-    if type(saved_step) is int and saved_step == manifest_step:
-        if named is None or named == manifest_step:
-            return None
-        return "", (
-            f"its name says step {named}, but manifest.json and extra.json say step {manifest_step} "
-            "(renamed or copied in from another step)"
+    agree = type(saved_step) is int and saved_step == manifest_step
+    if agree and named in (None, manifest_step):
+        return None
+    if agree:
+        why = (
+            f"but manifest.json and extra.json say step {manifest_step} (renamed or copied in from"
         )
+        return "", f"its name says step {named}, {why} another step)"
     if named == manifest_step:
-        return EXTRA, (
-            f"progress.step {saved_step!r:.40} differs from step {manifest_step} of manifest.json and "
-            "the directory's name"
-        )
+        why = f"progress.step {saved_step!r:.40} differs from step {manifest_step} of manifest.json"
+        return EXTRA, f"{why} and the directory's name"
     if named is not None and named == saved_step:
-        return MANIFEST, (
-            f"step {manifest_step} differs from progress.step {saved_step} of extra.json and the "
-            "directory's name"
-        )
+        why = f"step {manifest_step} differs from progress.step {saved_step} of extra.json"
+        return MANIFEST, f"{why} and the directory's name"
     neither = "" if named is None else f" (and the directory's name says {named})"
-    return f"{MANIFEST} and {EXTRA}", (
-        f"the manifest's step {manifest_step} and progress.step {saved_step!r:.40} differ{neither}"
-    )
+    why = f"the manifest's step {manifest_step} and progress.step {saved_step!r:.40} differ"
+    return f"{MANIFEST} and {EXTRA}", why + neither
 
 
 def _read_extra(directory: Path, listed: dict) -> dict:
-    extra = _listed_json(directory, EXTRA, listed)
+    extra = _read_listed(directory, EXTRA, listed)
     if not isinstance(extra, dict):
         raise CheckpointError(directory, EXTRA, "not a JSON object")
     if stranger := next((k for k in extra if k not in NOT_MODEL), None):
@@ -240,25 +218,22 @@ def _read_extra(directory: Path, listed: dict) -> dict:
 
 
 def _stranger(directory: Path, name: str, what: str) -> CheckpointError:
-    parts = ", ".join(NOT_MODEL)
-    return CheckpointError(
-        directory, name, f"{what} is the state of no part it holds (those of {parts})"
-    )
+    why = f"{what} is the state of no part it holds (those of {', '.join(NOT_MODEL)})"
+    return CheckpointError(directory, name, why)
 
 
 def _read_data(directory: Path, manifest: dict, listed: dict) -> dict | None:
     """data.json, checked against the manifest's data_spec; None for a schema 2.0 checkpoint."""
     if DATA not in REQUIRED_BY[manifest["schema_version"]]:
         return None
-    data = _listed_json(directory, DATA, listed)
+    data = _read_listed(directory, DATA, listed)
     if problem := _data_problem(data, manifest["data_spec"]):
         raise CheckpointError(directory, DATA, problem)
     return data
 
 
 class CheckpointDir:
-    """A checkpoint directory as given (a step directory, or a link to one such as RUN/checkpoints/best):
-    written once, atomically; every read bounded and verified against its manifest."""
+    """A checkpoint directory (a step directory, or a link to one): written once, atomically; every read verified."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -268,32 +243,22 @@ class CheckpointDir:
         return os.path.lexists(self.path / MANIFEST)
 
     def resolved(self) -> Path:
-        """The directory the path stands for, else CheckpointError naming the link and where it points. Every
-        reader comes here: a link inside a run's store must name a step directory beside it (best, final), the
-        store must not be a link; a link elsewhere (`ln -s RUN/checkpoints/best mine`) is followed, as its
-        target could be typed instead."""
+        """The directory the path stands for (links: docs/checkpoints.md), else CheckpointError naming the link."""
         given = self.path
         # `best`, typed inside the store, is a run's link
         path = given if given.is_absolute() else Path.cwd() / given
         for hop in range(MAX_HOPS):
             if path.parent.name == STORE and os.path.islink(path.parent):
-                raise CheckpointError(
-                    given,
-                    "",
-                    f"{path.parent} is a symlink to {_shown(os.readlink(path.parent))}; "
-                    f"a run's {STORE}/ must be a directory inside it",
-                )
+                link = f"{path.parent} is a symlink to {_shown(os.readlink(path.parent))}"
+                why = f"{link}; a run's {STORE}/ must be a directory inside it"
+                raise CheckpointError(given, "", why)
             if not os.path.islink(path):
                 return path if hop else given
             target = os.readlink(path)
             if path.parent.name == STORE and (problem := link_problem(path.name, target)):
-                where = f" (reached through {given})" if hop else ""
-                raise CheckpointError(
-                    path,
-                    "",
-                    f"is a symlink to {_shown(target)}{where}, out of its run's {STORE}/: "
-                    f"{problem}; remove it",
-                )
+                where = f"{_shown(target)} (reached through {given})" if hop else _shown(target)
+                why = f"is a symlink to {where}, out of its run's {STORE}/: {problem}; remove it"
+                raise CheckpointError(path, "", why)
             path = path.parent / target
         raise CheckpointError(given, "", f"more than {MAX_HOPS} symlinks to follow")
 
@@ -359,7 +324,9 @@ class CheckpointDir:
         try:
             return MANIFEST, reading.read_bytes(self.resolved() / MANIFEST, MAX_CHECKPOINT_JSON)
         except FileNotFoundError:
-            raise self.fault("missing (an incomplete or foreign directory)") from None
+            raise CheckpointError(
+                self.path, MANIFEST, "missing (an incomplete or foreign directory)"
+            ) from None
         except OSError as e:
             raise self.fault(_os_reason(e)) from None
 
@@ -368,9 +335,8 @@ class CheckpointDir:
         return self._opened()[0] / WEIGHTS
 
     def copy_to(self, dest: Path, manifest: dict) -> dict[str, dict]:
-        """Its files copied into `dest` (a new directory inside an existing one), manifest.json last, each hashed
-        as it is copied; the checkpoint must still hold exactly the files the verified `manifest` lists, and each
-        copy their bytes. {name: {"size", "sha256"}} as copied; else CheckpointError naming the file."""
+        """Its files, still exactly those the verified `manifest` lists, copied into the new `dest` (manifest.json
+        last), each hashed as copied: {name: {"size", "sha256"}}; else CheckpointError naming the file."""
         directory, _, listed = self._opened(manifest)
         os.mkdir(dest)
         copied = {}
@@ -379,22 +345,14 @@ class CheckpointDir:
             copied[name] = reading.copy_new(
                 directory / name, dest / name, entry["size"] if entry else MAX_CHECKPOINT_JSON
             )
-            got = copied[name]
-            if entry is not None and (got["size"], got["sha256"]) != (
-                entry["size"],
-                entry["sha256"],
-            ):
-                raise CheckpointError(
-                    directory,
-                    name,
-                    "its bytes differ from manifest.json (changed or damaged while being copied)",
-                )
+            if entry is not None and copied[name] != {k: entry[k] for k in ("size", "sha256")}:
+                why = "its bytes differ from manifest.json (changed or damaged while being copied)"
+                raise CheckpointError(directory, name, why)
         atomic.fsync_dir(dest)
         return copied
 
     def second_names(self, dest: Path) -> None:
-        """Every file of it given a second name in the new directory `dest` (hard links: no byte copied; a
-        checkpoint's files are never rewritten in place, so each name keeps what it holds now)."""
+        """Every file of it given a second name (a hard link: its files are never rewritten) in the new `dest`."""
         os.mkdir(dest)
         with os.scandir(self.path) as it:
             for e in it:
@@ -403,8 +361,7 @@ class CheckpointDir:
         atomic.fsync_dir(dest)
 
     def data_facts(self, manifest: dict | None = None) -> dict | None:
-        """Its data.json, verified, without reading the tensors (None: schema 2.0); given a `manifest` a caller
-        verified before, the checkpoint must still have it."""
+        """Its data.json, verified, tensors unread (None: schema 2.0); its manifest still `manifest`, if given."""
         return _read_data(*self._opened(manifest))
 
     def json_state(self) -> tuple[dict, dict]:
@@ -413,9 +370,8 @@ class CheckpointDir:
         return manifest, _read_extra(directory, listed)
 
     def _opened(self, expected: dict | None = None) -> tuple[Path, dict, dict]:
-        """(directory, manifest, listing) of the checkpoint the path stands for, its listing checked: every listed
-        file present as a regular file of its listed size, nothing unlisted (and its manifest still the
-        `expected` one a caller read before)."""
+        """(directory, manifest, listing) of the checkpoint the path stands for, each listed file a regular file of
+        its size, nothing unlisted (and its manifest still the `expected` one, if given)."""
         directory = self.resolved()  # read from where the links lead; errors name that directory
         if not directory.is_dir():
             raise CheckpointError(self.path, "", "not a directory")
@@ -432,9 +388,8 @@ class CheckpointDir:
         return directory, manifest, listed
 
     def load(self, parts: Mapping | None = None) -> Checkpoint:
-        """Read and fully verify a checkpoint, else CheckpointError naming the file; given the live `parts` (or a
-        config's), the tensor files must hold their layout (checked before anything is allocated) and every
-        part's state must fit (pipeline.stateful.check): a verified checkpoint is one the run can restore."""
+        """Read and fully verify a checkpoint, else CheckpointError naming the file; given the live `parts`, the
+        tensor files hold their layout (before any allocation) and every part's state fits (stateful.check)."""
         directory, manifest, listed = self._opened()
         extra = _read_extra(directory, listed)
         data = _read_data(directory, manifest, listed)
@@ -449,11 +404,9 @@ class CheckpointDir:
             optim_fits = [layouts[1], layout(_by_file({**live, **older})[1])]
         # side by side, as in write()
         with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:
-            weights_read = pool.submit(
-                _read_tensor_file, directory, WEIGHTS, listed[WEIGHTS], layouts[0]
-            )
+            weights_read = pool.submit(_read_listed, directory, WEIGHTS, listed, layouts[0])
             try:
-                other = _read_tensor_file(directory, OPTIM, listed[OPTIM], optim_fits)
+                other = _read_listed(directory, OPTIM, listed, optim_fits)
             finally:
                 # weights.safetensors' own error first, as the files are listed
                 weights = weights_read.result()
@@ -466,8 +419,7 @@ class CheckpointDir:
         except ValueError as e:
             raise CheckpointError(directory, OPTIM, str(e)) from None
         tree["model"] = weights
-        missing = [p for p in PARTS if p not in tree]
-        if missing:
+        if missing := [p for p in PARTS if p not in tree]:
             raise CheckpointError(directory, EXTRA, f"lacks the state of {missing}")
         progress = tree["progress"]
         saved_step = progress.get("step") if isinstance(progress, dict) else None
@@ -477,11 +429,8 @@ class CheckpointDir:
             try:
                 check(parts, tree)
             except StateMismatch as e:
-                raise MisfitError(
-                    directory,
-                    files_of(e, tree, live),
-                    f"{e.part} does not fit the live run: {e.reason}",
-                ) from None
+                why = f"{e.part} does not fit the live run: {e.reason}"
+                raise MisfitError(directory, files_of(e, tree, live), why) from None
         return Checkpoint(self.path, manifest, tree, data)
 
     def verify(self, parts: Mapping | None = None) -> dict:

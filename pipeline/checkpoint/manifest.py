@@ -65,8 +65,7 @@ def code_sha256(package: str = str(Path(__file__).resolve().parents[1])) -> str:
 
 
 def code_change(manifest: dict, facts: dict | None = None) -> str | None:
-    """How the code a checkpoint was written by differs from `facts`' (this process's by default): None if the
-    same, or if it cannot be told."""
+    """How the code a checkpoint was written by differs from `facts`' (this process's): None if the same or unknown."""
     facts = facts if facts is not None else {**git_info(), "code_sha256": code_sha256()}
 
     def name(f: dict) -> str:
@@ -77,15 +76,11 @@ def code_change(manifest: dict, facts: dict | None = None) -> str | None:
 
     if isinstance(manifest.get("code_sha256"), str) and isinstance(facts.get("code_sha256"), str):
         same = manifest["code_sha256"] == facts["code_sha256"]
-    elif "unknown" in (manifest.get("git_sha"), facts.get("git_sha")) or not manifest.get(
-        "git_sha"
-    ):
-        return None
     else:  # a checkpoint from before code_sha256: two edits of one commit cannot be told apart
-        same = (manifest.get("git_sha"), manifest.get("git_dirty")) == (
-            facts.get("git_sha"),
-            facts.get("git_dirty"),
-        )
+        sha = manifest.get("git_sha")
+        if not sha or "unknown" in (sha, facts.get("git_sha")):
+            return None
+        same = (sha, manifest.get("git_dirty")) == (facts.get("git_sha"), facts.get("git_dirty"))
     return None if same else f"{name(manifest)}, now {name(facts)}"
 
 
@@ -113,25 +108,17 @@ def hardware() -> dict:
     with contextlib.suppress(OSError, IndexError, ValueError):
         kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
         ram_gb = round(kb / 2**20, 1)
-    blas = [
-        dict(library=i.get("internal_api"), version=i.get("version"), threads=i.get("num_threads"))
-        for i in threadpool_info()
-        if i.get("user_api") == "blas"
-    ]
-    return {
-        "cpu": (platform.processor() or "unknown") if cpu is None else cpu,
-        "cores": os.cpu_count(),
-        "ram_gb": ram_gb,
-        "machine": platform.machine(),
-        "blas": blas,
-    }
+    said = dict(library="internal_api", version="version", threads="num_threads")
+    infos = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    blas = [{k: i.get(v) for k, v in said.items()} for i in infos]
+    cpu = (platform.processor() or "unknown") if cpu is None else cpu
+    return dict(cpu=cpu, cores=os.cpu_count(), ram_gb=ram_gb, machine=platform.machine(), blas=blas)
 
 
 def run_facts(
     config: dict, identity: Identity, data_manifest_hash: str, data_spec: dict, data_facts: dict
 ) -> dict:
-    """The fields every checkpoint of a run carries, computed once (`identity`: the config's); `data_facts` become
-    each one's data.json."""
+    """The fields every checkpoint of a run carries, computed once; `data_facts` become each one's data.json."""
     return {
         DATA_FACTS: data_facts,
         **git_info(),
@@ -168,11 +155,9 @@ def check(m) -> dict:
         raise ManifestError("not a JSON object")
     version = m.get("schema_version")
     if version not in READABLE:
-        raise ManifestError(
-            f"schema_version {version!r}: this pipeline reads schema_version "
-            f"{' and '.join(map(repr, READABLE))} only "
-            "(a checkpoint of another version of the pipeline)"
-        )
+        readable = " and ".join(map(repr, READABLE))
+        why = f"schema_version {version!r}: this pipeline reads schema_version {readable} only"
+        raise ManifestError(f"{why} (a checkpoint of another version of the pipeline)")
     step = _require(m, "step", int, "a non-negative integer")
     if step < 0 or _require(m, "epoch", int, "a non-negative integer") < 0:
         raise ManifestError("'step' and 'epoch' must be non-negative")
@@ -191,23 +176,19 @@ def check(m) -> dict:
     sources = _require(m, "sources", dict, "an object")
     if not all(isinstance(v, str) and SHA256.match(v) for v in sources.values()):
         raise ManifestError("'sources' must map config keys to sha256 hex digests")
+    edited = "(the config was edited after saving)"
     if _require(m, "config_hash", str, "a sha256 hex digest") != config_hash(config):
-        raise ManifestError(
-            "'config_hash' is not the sha256 of 'config' (the config was edited after saving)"
-        )
-    semantic = _require(m, "semantic_config_hash", str, "a sha256 hex digest")
-    if semantic != semantic_hash(config, sources):
-        raise ManifestError(
-            "'semantic_config_hash' does not match 'config' (the config was edited after saving)"
-        )
+        raise ManifestError(f"'config_hash' is not the sha256 of 'config' {edited}")
+    if _require(m, "semantic_config_hash", str, "a sha256 hex digest") != semantic_hash(
+        config, sources
+    ):
+        raise ManifestError(f"'semantic_config_hash' does not match 'config' {edited}")
     _require(m, "data_manifest_hash", str, "a string")
     _require(m, "data_spec", dict, "an object")
     if m.get("mlflow_run_uri") is not None:
         _require(m, "mlflow_run_uri", str, "a string or null")
     trainer = config.get("trainer") if isinstance(config.get("trainer"), dict) else {}
-    if m.get("seed") != trainer.get("seed"):
-        raise ManifestError(
-            f"'seed' {m.get('seed')!r} differs from config trainer.seed {trainer.get('seed')!r}"
-        )
+    if (seed := m.get("seed")) != (wanted := trainer.get("seed")):
+        raise ManifestError(f"'seed' {seed!r} differs from config trainer.seed {wanted!r}")
     _require(m, "files", dict, "an object")
     return m

@@ -70,9 +70,8 @@ def admit(top: Sequence[tuple[float, int]], value, step: int, n: int, mode: str)
 
 @dataclass(frozen=True)
 class BestN:
-    """The n records with the best finite `monitor` (mode min or max) after step `since` (where this best
-    history began: 0, or the resume that changed its monitor or mode), in `rank` order: ties keep the earlier
-    step."""
+    """The n records with the best finite `monitor` (in `rank` order) after step `since`, where this best history
+    began: 0, or the resume that changed its monitor or mode."""
 
     monitor: str
     mode: str = "min"
@@ -107,8 +106,7 @@ class AnyOf:
 
 @dataclass(frozen=True)
 class Named:
-    """Second names for the steps `policy` keeps (links beside step-*), each made by `name(record)` (None: the
-    record has its step directory's name only)."""
+    """Second names (links beside step-*) for the steps `policy` keeps, made by `name(record)` (None: no name)."""
 
     policy: Policy
     name: Callable[[Record], str | None]

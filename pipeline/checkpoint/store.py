@@ -34,14 +34,12 @@ def _record(m: dict) -> Record:
 
 
 class CheckpointStore:
-    """A run's store (pipeline/run/directory.py says where): step directories, the links stages declare, and
-    retention after every save."""
+    """A run's store: its step directories, the links stages declare, and retention after every save."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
         self._records: dict[int, Record] | None = None
 
-    # listing
     def scan(self) -> tuple[list[tuple[int, Path]], dict[str, str]]:
         """(step, directory) of every step directory, oldest first, and {link name: target name}; temporaries
         ignored, anything else (a stray link or file) an UnsafePathError naming it."""
@@ -49,9 +47,8 @@ class CheckpointStore:
             return [], {}
         st = os.lstat(self.root)
         if not stat.S_ISDIR(st.st_mode):
-            raise UnsafePathError(
-                ELOOP, f"{self.root} is not a directory (a symlink or a file); remove it"
-            )
+            why = "is not a directory (a symlink or a file); remove it"
+            raise UnsafePathError(ELOOP, f"{self.root} {why}")
         steps, links = [], {}
         with os.scandir(self.root) as it:
             for e in it:
@@ -67,11 +64,8 @@ class CheckpointStore:
                 elif m and e.is_dir(follow_symlinks=False):
                     steps.append((int(m.group(1)), Path(e.path)))
                 else:
-                    raise UnsafePathError(
-                        EEXIST,
-                        f"{e.path} is not a checkpoint step directory; "
-                        f"{STORE}/ holds step directories and links only: remove it",
-                    )
+                    why = f"{e.path} is not a checkpoint step directory; {STORE}/ holds step"
+                    raise UnsafePathError(EEXIST, why + " directories and links only: remove it")
         return sorted(steps), links
 
     def steps(self) -> list[tuple[int, Path]]:
@@ -97,9 +91,8 @@ class CheckpointStore:
             try:
                 return CheckpointDir(directory).load(parts), skipped
             except MisfitError as e:
-                skipped.append(
-                    (directory, "a checkpoint that verifies but does not fit this config", str(e))
-                )
+                misfit = "a checkpoint that verifies but does not fit this config"
+                skipped.append((directory, misfit, str(e)))
             except CheckpointError as e:
                 skipped.append((directory, "a damaged checkpoint", str(e)))
         return None, skipped
@@ -112,7 +105,6 @@ class CheckpointStore:
         except CheckpointError:
             return None
 
-    # writing
     def save(self, step: int, tree: dict, fields: dict) -> Checkpoint:
         """Write and record this step's checkpoint, replacing whatever (another run's, a damaged one) is there."""
         atomic.ensure_dirs(self.root.parent, self.root.name)
@@ -133,25 +125,17 @@ class CheckpointStore:
         records = [r for _, r in recorded if r.step <= upto and r.lineage == lineage]
         by_step = {r.step: r for r in records}
         wanted = {k: s for n in named for k, s in n.links(records).items() if k not in links}
-        retired = {
-            name
-            for name, t in present_links.items()
-            if name not in links
-            and name not in wanted
-            and (r := by_step.get(step_number(t)))
-            and any(n.owns(name, r) for n in named)
-        }
+        free = {k: by_step.get(step_number(t)) for k, t in present_links.items() if k not in links}
+        retired = {k for k, r in free.items() if r and any(n.owns(k, r) for n in named)} - set(
+            wanted
+        )
         unowned = [t for k, t in present_links.items() if k not in links and k not in retired]
         orphans = Steps(frozenset(step_number(t) for t in unowned))
         keep = AnyOf((policy, orphans, *links.values())).keep(records)
-        for name, link_policy in links.items():
-            target = select_one(link_policy, records)
-            if target is not None and present_links.get(name) != step_dir_name(target):
-                killpoint.point("save", f"before {name} link")
-                atomic.replace_link(self.root / name, step_dir_name(target))
-        for name, step in wanted.items():
-            if present_links.get(name) != step_dir_name(step):
-                killpoint.point("save", "before a named link")
+        for name, step in ({n: select_one(p, records) for n, p in links.items()} | wanted).items():
+            if step is not None and present_links.get(name) != step_dir_name(step):
+                where = f"before {name} link" if name in links else "before a named link"
+                killpoint.point("save", where)
                 atomic.replace_link(self.root / name, step_dir_name(step))
         for name in retired:  # before its step directory: a link never names a missing step
             killpoint.point("save", "before a name is retired")

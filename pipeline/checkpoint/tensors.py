@@ -36,9 +36,8 @@ class DigestMismatch(ValueError):
 
 
 class _Hasher:
-    """sha256 fed in order on one helper thread; callers keep each buffer unchanged until hexdigest(). The queue
-    is unbounded on purpose: buffers are views of arrays that exist anyway (no copies), so the writer (or reader)
-    runs ahead at memory speed and its fsync overlaps the hash catching up."""
+    """sha256 fed in order on a helper thread, each buffer unchanged until hexdigest(); the queue is unbounded: the
+    buffers are views of arrays that exist anyway, so the writer runs ahead and its fsync overlaps the hash."""
 
     def __init__(self):
         self._h = hashlib.sha256()
@@ -65,11 +64,14 @@ class _Hasher:
 
 def _c_bytes(a: np.ndarray) -> np.ndarray:
     """`a` as C-contiguous little-endian, copied only when it is not already (0-d stays 0-d)."""
-    # big-endian, or native on a big-endian machine
     if a.dtype != (little := a.dtype.newbyteorder("<")):
         a = a.astype(little)
     # np.ascontiguousarray would turn a 0-d array into shape [1]; a C-order copy keeps the shape.
     return a if a.flags.c_contiguous else a.copy(order="C")
+
+
+def _code(a: np.ndarray) -> str:
+    return FROM_NUMPY[a.dtype.newbyteorder("<")]
 
 
 def _bytes_of(a: np.ndarray) -> memoryview:
@@ -81,10 +83,9 @@ def split_aliases(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
     by_id: dict[int, str] = {}
     unique, aliases = {}, {}
     for name, a in arrays.items():
-        if id(a) in by_id:
-            aliases[name] = by_id[id(a)]
+        if (first := by_id.setdefault(id(a), name)) != name:
+            aliases[name] = first
             continue
-        by_id[id(a)] = name
         a = np.asarray(a)
         if a.dtype.newbyteorder("<") not in FROM_NUMPY:
             raise ValueError(f"{name}: dtype {a.dtype} cannot be stored in safetensors")
@@ -94,18 +95,15 @@ def split_aliases(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
 
 def encode_header(unique: dict[str, np.ndarray], metadata: dict) -> tuple[bytes, list[str]]:
     """The 8-byte length + padded JSON header, and the names in data order (the library's own layout)."""
-    order = sorted(unique, key=lambda n: (-RANK[FROM_NUMPY[unique[n].dtype.newbyteorder("<")]], n))
+    order = sorted(unique, key=lambda n: (-RANK[_code(unique[n])], n))
     # Metadata sorted: the library serialises it from a hash map whose order changes from process to
     # process, and equal states must give equal bytes (a resumed process re-saves the same step).
     header: dict = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
     offset = 0
     for name in order:
         a = unique[name]
-        header[name] = {
-            "dtype": FROM_NUMPY[a.dtype.newbyteorder("<")],
-            "shape": list(a.shape),
-            "data_offsets": [offset, offset + a.nbytes],
-        }
+        span = [offset, offset + a.nbytes]
+        header[name] = dict(dtype=_code(a), shape=list(a.shape), data_offsets=span)
         offset += a.nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
@@ -116,8 +114,7 @@ def write_tensors(path: Path, arrays: dict, metadata: dict | None = None, fsync=
     """Write a new safetensors file at `path` (which must not exist), fsynced; returns its {"size", "sha256"}."""
     unique, aliases = split_aliases(arrays)
     meta = {"format": "np", **(metadata or {}), **{k: f"ALIAS({v})" for k, v in aliases.items()}}
-    bad = [k for k, v in meta.items() if not (isinstance(k, str) and isinstance(v, str))]
-    if bad:
+    if bad := [k for k, v in meta.items() if not (isinstance(k, str) and isinstance(v, str))]:
         raise ValueError(f"safetensors metadata is str -> str only; not so for {bad}")
     if "__metadata__" in unique:
         raise ValueError("'__metadata__' cannot name a tensor")
@@ -157,9 +154,12 @@ class LayoutMisfit(_Malformed):
     """A file that verifies but holds other names, dtypes or shapes than the live state expects."""
 
 
-def _read_exact(f, buf: memoryview) -> None:
+def _read_exact(f, buf: memoryview, h: _Hasher) -> memoryview:
+    """`buf` filled from `f`, then hashed (on the helper thread while this one reads on)."""
     if reading.read_exact(f, buf) < len(buf):
         raise _Malformed("truncated: the file ends inside the data the header describes")
+    h.update(buf)
+    return buf
 
 
 Entry = tuple[str, np.dtype, tuple, int]  # name, dtype, shape, nbytes
@@ -170,9 +170,7 @@ def _check_header(header, data_len: int) -> tuple[dict[str, str], list[Entry]]:
     if not isinstance(header, dict):
         raise _Malformed("header is not a JSON object")
     metadata = header.get("__metadata__") or {}
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise _Malformed("__metadata__ is not a str -> str object")
     entries = []
     for name, info in header.items():
@@ -181,9 +179,8 @@ def _check_header(header, data_len: int) -> tuple[dict[str, str], list[Entry]]:
         try:
             code, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (TypeError, KeyError, ValueError):
-            raise _Malformed(
-                f"tensor {name!r}: needs dtype, shape and data_offsets [begin, end]"
-            ) from None
+            why = "needs dtype, shape and data_offsets [begin, end]"
+            raise _Malformed(f"tensor {name!r}: {why}") from None
         if not isinstance(code, str) or code not in TO_NUMPY:
             raise _Malformed(f"tensor {name!r}: dtype {code!r} has no numpy equivalent here")
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
@@ -193,18 +190,15 @@ def _check_header(header, data_len: int) -> tuple[dict[str, str], list[Entry]]:
         dtype = TO_NUMPY[code]
         nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes:
-            raise _Malformed(
-                f"tensor {name!r}: data_offsets span {end - begin} bytes, shape needs {nbytes}"
-            )
+            why = f"data_offsets span {end - begin} bytes, shape needs {nbytes}"
+            raise _Malformed(f"tensor {name!r}: {why}")
         entries.append((begin, name, dtype, tuple(shape), nbytes))
     entries.sort(key=lambda e: (e[0], e[0] + e[4]))
     position = 0
     for begin, name, _, _, nbytes in entries:
         if begin != position:
-            raise _Malformed(
-                f"tensor {name!r}: data_offsets overlap or leave a gap "
-                f"(starts at {begin}, expected {position})"
-            )
+            why = f"data_offsets overlap or leave a gap (starts at {begin}, expected {position})"
+            raise _Malformed(f"tensor {name!r}: {why}")
         position += nbytes
     if position != data_len:
         raise _Malformed(f"the tensors cover {position} data bytes, the file holds {data_len}")
@@ -215,22 +209,18 @@ def layout(arrays: dict[str, np.ndarray]) -> dict:
     """What a file of these arrays holds: {"tensors": {name: (code, shape)}, "aliases": {alias: name},
     "data_bytes": n}, to check a file's header against before reading (and allocating) its data."""
     unique, aliases = split_aliases(arrays)
-    tensors = {
-        k: (FROM_NUMPY[a.dtype.newbyteorder("<")], tuple(a.shape)) for k, a in unique.items()
-    }
+    tensors = {k: (_code(a), tuple(a.shape)) for k, a in unique.items()}
     data_bytes = sum(a.nbytes for a in unique.values())
     return {"tensors": tensors, "aliases": aliases, "data_bytes": data_bytes}
 
 
 def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
-    got = {name: (FROM_NUMPY[dtype.newbyteorder("<")], shape) for name, dtype, shape, _ in entries}
+    got = {name: (FROM_NUMPY[dtype], shape) for name, dtype, shape, _ in entries}
     want = expect["tensors"]
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
-        return "tensors differ from what the config builds: " + "; ".join(
-            ([f"lacks {missing[:5]}"] if missing else [])
-            + ([f"has unexpected {extra[:5]}"] if extra else [])
-        )
+        said = [f"{w} {n[:5]}" for w, n in (("lacks", missing), ("has unexpected", extra)) if n]
+        return "tensors differ from what the config builds: " + "; ".join(said)
     for name in sorted(want):
         if got[name] != want[name]:
             (gc, gs), (wc, ws) = got[name], want[name]
@@ -253,46 +243,34 @@ def read_tensors(
         size = os.fstat(f.fileno()).st_size
         most = max(e["data_bytes"] for e in alternatives) if alternatives else 0
         if alternatives and size > 8 + MAX_HEADER + most:
-            raise ValueError(
-                f"{size} bytes, more than a checkpoint of this config can hold "
-                f"({most} bytes of tensors)"
-            )
+            why = f"{size} bytes, more than a checkpoint of this config can hold ({most} bytes of tensors)"
+            raise ValueError(why)
         arrays: dict[str, np.ndarray] = {}
         problem: _Malformed | None = None
         try:
             if size < 8:
                 raise _Malformed(f"{size} bytes: too short for a safetensors header")
-            head = bytearray(8)
-            _read_exact(f, memoryview(head))
-            h.update(bytes(head))
-            (n,) = struct.unpack("<Q", head)
+            (n,) = struct.unpack("<Q", _read_exact(f, memoryview(bytearray(8)), h))
             if n > MAX_HEADER:
                 raise _Malformed(f"header of {n} bytes is over the {MAX_HEADER}-byte limit")
             if n > size - 8:
                 raise _Malformed(f"header length {n} does not fit a {size}-byte file")
-            raw = bytearray(n)
-            _read_exact(f, memoryview(raw))
-            h.update(bytes(raw))
+            raw = _read_exact(f, memoryview(bytearray(n)), h)
             try:
                 header = jsonio.loads(bytes(raw))
             except jsonio.JSONError as e:
                 raise _Malformed(f"header: {e}") from None
             metadata, entries = _check_header(header, size - 8 - n)
             reasons = [_layout_reason(entries, metadata, e) for e in alternatives or []]
-            if reasons and all(
-                reasons
-            ):  # the nearest's: one naming a tensor over one naming the set
-                raise LayoutMisfit(
-                    str(min(reasons, key=lambda r: str(r).startswith("tensors differ")))
-                )
+            # the nearest's: one naming a tensor over one naming the set
+            if reasons and all(reasons):
+                nearest = min(map(str, reasons), key=lambda r: r.startswith("tensors differ"))
+                raise LayoutMisfit(nearest)
             for name, dtype, shape, nbytes in entries:
                 a = np.empty(shape, dtype=dtype)
                 data = _bytes_of(a)
                 for i in range(0, nbytes, CHUNK):
-                    chunk = data[i : i + CHUNK]
-                    _read_exact(f, chunk)
-                    # hashed on the helper thread while this one reads the next chunk
-                    h.update(chunk)
+                    _read_exact(f, data[i : i + CHUNK], h)
                 arrays[name] = a if dtype.isnative else a.astype(dtype.newbyteorder("="))
             if f.read(1):
                 raise _Malformed("the file grew while it was read")
@@ -303,11 +281,11 @@ def read_tensors(
             problem = e
         digest = h.hexdigest()
     if expected_sha256 is not None and digest != expected_sha256:
-        raise DigestMismatch(
-            f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}..."
-        )
+        why = f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}..."
+        raise DigestMismatch(why)
     if problem is not None:
-        misfit = isinstance(problem, LayoutMisfit)
-        what = "does not fit" if misfit else "not a valid safetensors file"
+        what = (
+            "does not fit" if isinstance(problem, LayoutMisfit) else "not a valid safetensors file"
+        )
         raise type(problem)(f"{what}: {problem}")
     return resolve_aliases(arrays, metadata), metadata

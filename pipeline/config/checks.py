@@ -54,9 +54,8 @@ def parse_duration(text: str) -> float:
     """'DD:HH:MM:SS' (Lightning's max_time format) -> seconds; ValueError saying the format otherwise."""
     m = DURATION.match(str(text).strip())
     if not m or int(m.group(2)) > 23 or int(m.group(3)) > 59 or int(m.group(4)) > 59:
-        raise ValueError(
-            "must be DD:HH:MM:SS (e.g. 00:03:50:00), hours < 24, minutes and seconds < 60"
-        )
+        why = "must be DD:HH:MM:SS (e.g. 00:03:50:00), hours < 24, minutes and seconds < 60"
+        raise ValueError(why)
     days, hours, minutes, seconds = (int(g) for g in m.groups())
     total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
     if total <= 0:

@@ -47,17 +47,15 @@ def default_output_dir() -> str:
 
 
 def register() -> None:
-    """The `default_output_dir` and `experiment_name` resolvers, and every schema in Hydra's ConfigStore
-    (config_schema, schema/*)."""
+    """The `default_output_dir` and `experiment_name` resolvers, and every schema in Hydra's ConfigStore."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    if not OmegaConf.has_resolver("default_output_dir"):
-        OmegaConf.register_new_resolver("default_output_dir", default_output_dir)
-    if not OmegaConf.has_resolver("experiment_name"):
-        from pipeline.config.identity import experiment_name
+    from pipeline.config.identity import experiment_name
 
-        OmegaConf.register_new_resolver("experiment_name", experiment_name)
+    for resolver in (default_output_dir, experiment_name):
+        if not OmegaConf.has_resolver(resolver.__name__):
+            OmegaConf.register_new_resolver(resolver.__name__, resolver)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     for schema in SCHEMAS.values():
@@ -68,14 +66,11 @@ def register() -> None:
 
 def compose(overrides=(), return_hydra_config: bool = False):
     """conf/config.yaml composed with `overrides`, exactly as `python -m pipeline` would (nothing written)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    import hydra
 
     register()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3", job_name="pipeline"):
-        return hydra_compose(
-            config_name="config", overrides=list(overrides), return_hydra_config=return_hydra_config
-        )
+    with hydra.initialize_config_dir(str(CONFIG_DIR), version_base="1.3", job_name="pipeline"):
+        return hydra.compose("config", list(overrides), return_hydra_config=return_hydra_config)
 
 
 def to_plain(cfg) -> dict:

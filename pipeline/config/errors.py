@@ -38,14 +38,12 @@ def exit_code(e: BaseException) -> tuple[int, str] | None:
     e = e.error if isinstance(e, Refusal) else e
     if isinstance(e, CommandError):
         return e.exit_code, str(e)
-    # a link or a stray file where we would write: the files layer's own
     if isinstance(e, UnsafePathError):
         return EXIT_BAD_INPUT, str(e)
     if (message := environment_error(e)) is not None:  # a full or read-only disk
         return EXIT_ERROR, message
     if (message := slurm_unreachable(e)) is not None:
         return EXIT_UNAVAILABLE, message
-    # Hydra could not compose the config
     if type(e).__module__.split(".")[0] in ("hydra", "omegaconf", "yaml"):
         return EXIT_BAD_INPUT, f"bad config or override: {error_line(e)}"
     return None
@@ -85,8 +83,7 @@ def error_line(e: BaseException) -> str:
     key = getattr(e, "full_key", None) or getattr(cause, "full_key", None)
     line = ": ".join(parts) + (f" (key {key})" if key and key not in " ".join(parts) else "")
     # hydra's MissingConfigException: the group's options, if it has any
-    options = getattr(e, "options", None)
-    missing = getattr(e, "missing_cfg_file", None)
+    options, missing = getattr(e, "options", None), getattr(e, "missing_cfg_file", None)
     if options:
         where = f" in '{missing.rsplit('/', 1)[0]}'" if missing and "/" in missing else ""
         line += f"; available options{where}: {', '.join(options)}"
@@ -122,8 +119,5 @@ def stage_options(name: str) -> list[str]:
     from pipeline.config.compose import CONFIG_DIR
 
     group = CONFIG_DIR / "stages" / name
-    return (
-        sorted(p.stem for p in group.glob("*.yaml"))
-        if name.isidentifier() and group.is_dir()
-        else []
-    )
+    shipped = name.isidentifier() and group.is_dir()
+    return sorted(p.stem for p in group.glob("*.yaml")) if shipped else []

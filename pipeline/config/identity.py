@@ -28,7 +28,7 @@ MACHINE_KEYS = tuple(
 
 
 def is_machine_key(key: str) -> bool:
-    return any(key == m or key.startswith(m + ".") for m in MACHINE_KEYS)
+    return covered(key, list(MACHINE_KEYS))
 
 
 # Keys naming an input file (its identity is its content, not the path) -> the key bounding its size (a bigger
@@ -43,11 +43,6 @@ FIXED_BY_STATE = {
 
 
 _ABSENT = object()
-
-
-def canonical_json(obj) -> bytes:
-    """The bytes every hash in this project is taken over: sorted keys, no spaces, UTF-8, standard JSON."""
-    return jsonio.dumps(obj, canonical=True)
 
 
 def config_hash(config: dict) -> str:
@@ -77,10 +72,8 @@ def source_hashes(config: dict) -> dict[str, str]:
     for key, bound in SOURCES.items():
         if isinstance(p := get(config, key), str):
             if not isinstance(limit := get(config, bound), int):
-                raise ConfigError(
-                    f"{key}={p}: names a file but {bound} (the bound of its size) is not set: add "
-                    f"{bound}=BYTES"
-                )
+                why = f"names a file but {bound} (the bound of its size) is not set: add {bound}=BYTES"
+                raise ConfigError(f"{key}={p}: {why}")
             out[key] = reading.sha256(Path(p).expanduser(), limit, follow=True, bound=bound)
     return out
 
@@ -112,15 +105,9 @@ def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
 
 
 def run_name(config: dict, sources: dict | None = None, lineage: dict | None = None) -> str:
-    """<experiment name>-<12 hex of the semantic hash> (`sources`: None reads the files), whatever the working
-    directory; a fork (`lineage` with an origin) is named by its history's id instead."""
-    hashes = source_hashes(config) if sources is None else sources
-    return _named(config, semantic_hash(config, hashes), lineage)
-
-
-def _named(config: dict, semantic: str, lineage: dict | None = None) -> str:
-    """BadName (a ValueError, one line) if the name cannot be one directory's (names.checked). A fork's history
-    continues another run's checkpoint: it is named by its lineage, never a clean run's directory."""
+    """<experiment name>-<12 hex of the semantic hash> (`sources`: None reads the files); a fork (`lineage` with an
+    origin) by its history's id instead, never a clean run's directory. BadName if not one directory's name."""
+    semantic = semantic_hash(config, source_hashes(config) if sources is None else sources)
     key = lineage["id"] if lineage is not None and lineage.get("origin") is not None else semantic
     return f"{names.checked(config.get('name'), 'name')}-{key[:12]}"
 
@@ -146,7 +133,7 @@ def identify(config: dict, origin: dict | None = None) -> Identity:
         raise ConfigError(f"{key}={get(config, key)}: {e.strerror or e}") from None
     semantic = semantic_hash(config, sources)
     lineage = lineage_of(semantic, origin)
-    name = _named(config, semantic, lineage)
+    name = run_name(config, sources, lineage)
     if config["resume"]["source"] == "never":  # a fresh, unique sibling
         name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     return Identity(sources, config_hash(config), semantic, name, lineage)
@@ -164,12 +151,8 @@ def experiment_name(name: str, model_target: str = "", data_target: str = "") ->
 def changed_keys(old: dict, new: dict) -> dict[str, tuple]:
     """Dotted key -> (old, new) for every leaf that differs; a missing side is reported as '<absent>'."""
     a, b = jsonio.flatten(old), jsonio.flatten(new)
-    absent = "<absent>"
-    return {
-        k: (a.get(k, absent), b.get(k, absent))
-        for k in sorted(set(a) | set(b))
-        if canonical_json(a.get(k, absent)) != canonical_json(b.get(k, absent))
-    }
+    pairs = {k: (a.get(k, "<absent>"), b.get(k, "<absent>")) for k in sorted(set(a) | set(b))}
+    return {k: (x, y) for k, (x, y) in pairs.items() if jsonio.digest(x) != jsonio.digest(y)}
 
 
 def described(old: dict, new: dict, keys=None) -> list[str]:

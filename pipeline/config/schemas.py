@@ -61,12 +61,9 @@ def name_pattern(v) -> str | None:
 
 Dtype = Enum("Dtype", {"float32": "float32", "float64": "float64"})
 Activation = Enum("Activation", {"tanh": "tanh", "relu": "relu"})
-# matrices: 2-D and up (GPT-2's groups)
 DecayOn = Enum("DecayOn", {"all": "all", "matrices": "matrices"})
-# GPT-2's approximation, or the exact one (torch's default)
 Gelu = Enum("Gelu", {"tanh": "tanh", "erf": "erf"})
 Mode = Enum("Mode", {"min": "min", "max": "max"})
-# stop: a non-finite loss or metric ends the run (failed), keeping the last good checkpoints; continue: goes on
 NonFinite = Enum("NonFinite", {"stop": "stop", "continue": "continue"})
 KillMode = Enum("KillMode", {"none": "none", "random": "random"})
 
@@ -90,33 +87,24 @@ class TrainerConf:
     batch_size: int = _f(at_least(1))
     dtype: Dtype = _f()
     eval_every: int = _f(at_least(0))
-    # the first N validation batches; null: all
     eval_batches: int | None = _f(null_or_at_least(1), absent=None)
     eval_at_start: bool = _f(absent=False)  # an evaluation before the first update
     log_every: int = _f(at_least(0))
     progress_bar: bool | None = _f()
     on_nonfinite: NonFinite = _f()
-    # DD:HH:MM:SS of this process's wall time; null = no budget
     max_time: str | None = _f(duration_or_null)
     accumulate: int = _f(at_least(1))  # micro-batches (of batch_size) per update
     grad_clip: float = _f(at_least(0))  # the largest global L2 norm of a gradient; 0 = no clipping
-    # pieces each micro-batch is split into: semantic (summation order, dropout)
     shards: int = _f(at_least(1))
-    # threads running the pieces: not semantic; null = the cores
     threads: int | None = _f(null_or_at_least(1))
-    # a table of wall time per phase at the end; not semantic, changes no number
     profile: bool = _f(absent=False)
 
     @staticmethod
     def cross(c: dict) -> list[str]:
-        if c["max_steps"] == 0 and c["epochs"] == 0:
-            return [
-                "trainer.max_steps=0 and trainer.epochs=0: give one of them > 0 (the run would train nothing)"
-            ]
-        return []
+        why = "trainer.max_steps=0 and trainer.epochs=0: give one of them > 0 (the run would train nothing)"
+        return [why] if c["max_steps"] == 0 and c["epochs"] == 0 else []
 
 
-# --- model
 @builds("pipeline.model.mlp.MLP", "model/mlp")
 class MLPConf(Node):
     hidden: list[int] = _f(widths)
@@ -133,7 +121,6 @@ class MiniGPTConf(Node):
     dropout: float = _f(fraction)
     attn_dropout: float | None = _f()  # null: dropout's
     init_std: float = _f(above(0))
-    # false: no bias in any linear layer or LayerNorm (nanoGPT's bias=False)
     bias: bool = _f(absent=True)
     gelu: Gelu = _f(absent="tanh")
 
@@ -149,7 +136,6 @@ class MiniGPTConf(Node):
         return out
 
 
-# --- optimizer
 @builds("pipeline.optimizer.sgd.SGD", "optimizer/sgd")
 class SGDConf(Node):
     lr: float = _f(above(0))
@@ -173,7 +159,6 @@ class AdamWConf(AdamConf):
     pass
 
 
-# --- scheduler
 @builds("pipeline.scheduler.constant.Constant", "scheduler/constant")
 class ConstantConf(Node):
     pass
@@ -189,13 +174,11 @@ class StepConf(Node):
 class CosineConf(Node):
     total_steps: int | None = _f()  # None: the run's total number of updates
     warmup_steps: int = _f(at_least(0))
-    # update k of the warm-up at lr (k + offset) / (warmup + offset)
     warmup_offset: int = _f(at_least(0), absent=0)
     min_lr_ratio: float = _f(at_least(0))
     num_cycles: float = _f(above(0))
 
 
-# --- data
 @builds("pipeline.data.regression.Regression", "data/regression")
 class RegressionConf(Node):
     n_rows: int = _f(at_least(2))
@@ -229,7 +212,6 @@ class TextConf(CorpusConf):
     every_offset: bool = _f(absent=False)  # a sample at any offset, not fixed windows
 
 
-# --- stages, cadence, resume
 @builds("pipeline.stages.cadence.Cadence")
 class CadenceConf(Node):
     every_epochs: int = _f(at_least(0))
@@ -261,9 +243,7 @@ class BestValStageConf(Node):
     monitor: str = _f()
     mode: Mode = _f()
     order: int = _f()
-    # the k best checkpoints by monitor (Lightning's save_top_k)
     keep: int = _f(at_least(1), absent=1)
-    # a link beside step-* per kept checkpoint, or null
     filename: str | None = _f(name_pattern, absent=None)
 
 
@@ -283,12 +263,10 @@ class FinalStageConf(Node):
 
 @dataclass
 class ResumeConf:
-    # auto: newest checkpoint that verifies | never: a fresh directory | a checkpoint path
     source: str = _f()
     allow_changes: list[str] = _f()  # dotted keys allowed to differ from the checkpoint
 
 
-# --- tracking
 @builds("pipeline.tracking.mlflow_tracker.MlflowTracker", "tracking/mlflow")
 class MlflowTrackingConf(Node):
     uri: str = _f()
@@ -308,7 +286,6 @@ class VerifyConf:
     steps: int = _f(at_least(2))  # updates in all
     atol: float = _f(at_least(0))  # exact by default
     rtol: float = _f(at_least(0))
-    # none | random: chaos mode, SIGKILL at random points and re-run until complete
     kill: KillMode = _f()
     trials: int = _f(at_least(1))
     seed: int = _f(at_least(0))  # chooses the chaos kill points
@@ -340,48 +317,40 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
         near = difflib.get_close_matches(str(key), known, n=1)
         hint = f"; did you mean {prefix}{near[0]}?" if near else ""
         errors.append(f"{prefix}{key}: no such key{hint}")
-    for f in fields(schema):
-        if f.name not in node:
-            continue
-        value = node[f.name]
-        check = f.metadata.get("check")
+    for f in [f for f in fields(schema) if f.name in node]:
+        value, check = node[f.name], f.metadata.get("check")
         if check is not None and (why := check(value)):
             errors.append(f"{prefix}{f.name}={value!r}: {why}")
         target = value.get("_target_") if isinstance(value, dict) else None
         if isinstance(target, str) and target in SCHEMAS:
             _check_node(SCHEMAS[target], value, f"{prefix}{f.name}.", errors)
-    cross = getattr(schema, "cross", None)
-    if cross is not None and not any(e.startswith(prefix) for e in errors):
+    if (cross := getattr(schema, "cross", None)) and not any(e.startswith(prefix) for e in errors):
         errors.extend(cross(node))
 
 
-def as_written_now(node: dict, schema: type | None = None) -> dict:
-    """A node of a config written before some keys of its schema existed (or could be null), with what their
-    absence (or null) means: the one place an old config's missing or null key gets its meaning."""
-    schema = schema or (SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None)
+def _absent(node, key: str = "") -> dict | None:
+    """{field: its `absent`} of `node`'s schema (trainer's by `key`, else its `_target_`'s); None: it has none."""
+    schema = SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None
+    schema = TrainerConf if key == "trainer" else schema
     if schema is None:
-        return node
-    old = {k: v for k, v in _absent(schema).items() if node.get(k) is None}
-    return {**node, **old}
-
-
-def _absent(schema) -> dict:
-    """Each field with an `absent` -> what its absence means."""
+        return None
     return {f.name: f.metadata["absent"] for f in fields(schema) if "absent" in f.metadata}
 
 
-def _schema_of(key: str, node) -> type | None:
-    if key == "trainer":
-        return TrainerConf
-    return SCHEMAS.get(str(node.get("_target_"))) if isinstance(node, dict) else None
+def as_written_now(node, key: str = ""):
+    """A node (at the top-level `key`) written before some keys of its schema existed (or could be null), each at
+    what its absence (or null) means: the one place an old config's missing or null key gets its meaning."""
+    absent = _absent(node, key)
+    return (
+        node
+        if absent is None
+        else {**node, **{k: v for k, v in absent.items() if node.get(k) is None}}
+    )
 
 
 def config_written_now(config: dict) -> dict:
     """A whole config (a checkpoint's, say) with every node as_written_now: what a tool builds from."""
-    return {
-        k: as_written_now(node, schema) if (schema := _schema_of(k, node)) else node
-        for k, node in config.items()
-    }
+    return {k: as_written_now(node, k) for k, node in config.items()}
 
 
 def as_written_before(config: dict) -> dict:
@@ -389,8 +358,7 @@ def as_written_before(config: dict) -> dict:
     before those keys existed holds, so a key added later at today's behaviour changes no run's identity."""
     out = dict(config)
     for key, node in config.items():
-        if (schema := _schema_of(key, node)) is not None:
-            absent = _absent(schema)
+        if (absent := _absent(node, key)) is not None:
             out[key] = {k: v for k, v in node.items() if not (k in absent and absent[k] == v)}
     return out
 
@@ -420,14 +388,10 @@ def takes(factory) -> dict[str, inspect.Parameter] | None:
 def live_problem(kind: str, target: str, factory) -> str | None:
     """Why `factory` cannot be a `kind` (it takes not every live value its kind is given), or None."""
     accepted = takes(factory)
-    lacking = [k for k in LIVE[kind][0] if accepted is not None and k not in accepted]
-    if not lacking:
+    if not (lacking := [k for k in LIVE[kind][0] if accepted is not None and k not in accepted]):
         return None
-    return (
-        f"{kind}._target_={target} takes no {lacking[0]!r}: every {kind} is given "
-        f"{', '.join(LIVE[kind][0])} (the live-argument interface, docs/own-model.md); add it to "
-        "its constructor (or **kwargs)"
-    )
+    given = f"every {kind} is given {', '.join(LIVE[kind][0])} (the live-argument interface, docs/own-model.md)"
+    return f"{kind}._target_={target} takes no {lacking[0]!r}: {given}; add it to its constructor (or **kwargs)"
 
 
 def check_live(config: dict) -> None:
@@ -451,27 +415,22 @@ def validate(config: dict) -> None:
     """ConfigError listing every value out of range (a field's check is in its metadata), before the job creates
     anything on disk; Hydra has checked types and keys while composing."""
     errors: list[str] = []
-    # the run's and the sweep's directory name
     if "name" in config and (why := names.problem(config["name"])):
         errors.append(f"name={names.shown(config['name'])}: {why}")
     fixed = dict(trainer=TrainerConf, resume=ResumeConf, checkpoint=CadenceConf, verify=VerifyConf)
     for key, schema in fixed.items():
         if isinstance(config.get(key), dict):
             _check_node(schema, config[key], f"{key}.", errors)
-    parts = ("model", "optimizer", "scheduler", "data", "tracking")
-    nodes = [(key, config.get(key)) for key in parts]
+    nodes = [(k, config.get(k)) for k in ("model", "optimizer", "scheduler", "data", "tracking")]
     nodes += [(f"stages.{name}", node) for name, node in (config.get("stages") or {}).items()]
     for key, node in nodes:
         if isinstance(node, dict) and node.get("_target_") in SCHEMAS:
             schema = SCHEMAS[node["_target_"]]
             # a stage added by override (+stages.NAME={...}) is not typed while composing: it names every key
-            names_ = [f.name for f in fields(schema)]
-            missing = [n for n in names_ if n not in node and n not in _absent(schema)]
+            keys = ", ".join(f.name for f in fields(schema))
+            missing = ", ".join(n for n in keys.split(", ") if n not in as_written_now(node))
             if key.startswith("stages.") and missing:
-                takes_ = ", ".join(names_)
-                errors.append(
-                    f"{key}: no {', '.join(missing)} (a {node['_target_']} stage takes {takes_})"
-                )
+                errors.append(f"{key}: no {missing} (a {node['_target_']} stage takes {keys})")
             _check_node(schema, node, f"{key}.", errors)
     if errors:
         raise ConfigError("; ".join(errors))

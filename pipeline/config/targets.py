@@ -67,65 +67,56 @@ def _placed(tree, keys: tuple[str, ...], out: dict[str, set[str]]) -> None:
                 _placed(v, (*keys, str(k)), out)
 
 
-def _conf_trees() -> list[tuple[tuple[str, ...], object]]:
-    """Each YAML file of the package's conf/ tree, with the config path it is composed at (its group's
-    folders; the root for config.yaml and a `# @package _global_` file)."""
+@cache
+def _shipped() -> dict[str, set[str]]:
+    """Every target the YAML files of the package's conf/ tree name, by the slots (`slot()`) it is at: a file is
+    composed at its group's folders (the root for config.yaml and a `# @package _global_` file)."""
     import yaml
 
-    out = []
+    out: dict[str, set[str]] = {}
     for path in sorted(Path(CONFIG_DIR).rglob("*.y*ml")):
         text = path.read_text(encoding="utf-8")
-        group = path.relative_to(CONFIG_DIR).parent.parts
         head = text.splitlines()[:5]
         glob = any(line.strip().replace(" ", "") == "#@package_global_" for line in head)
-        out.append((() if glob else group, yaml.safe_load(text)))
+        group = path.relative_to(CONFIG_DIR).parent.parts
+        _placed(yaml.safe_load(text), () if glob else group, out)
     return out
 
 
-@cache
 def shipped() -> frozenset[str]:
     """The targets every YAML file of the package's conf/ tree names."""
-    return frozenset(named([tree for _, tree in _conf_trees()]))
+    return frozenset(_shipped())
 
 
 @cache
 def slots() -> dict[str, frozenset[str]]:
     """Each shipped target of the pipeline's own package, and the slots (`slot()`) conf/ builds it in."""
-    out: dict[str, set[str]] = {}
-    for keys, tree in _conf_trees():
-        _placed(tree, keys, out)
-    return {t: frozenset(s) for t, s in out.items() if t.startswith("pipeline.")}
+    return {t: frozenset(s) for t, s in _shipped().items() if t.startswith("pipeline.")}
 
 
 def searched(searchpath: tuple[str, ...]) -> set[str]:
     """The targets the config files of these search-path entries name, read by Hydra's own config sources."""
-    from hydra._internal.config_repository import ConfigRepository
-    from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
-    from hydra._internal.core_plugins.file_config_source import FileConfigSource
-    from hydra._internal.core_plugins.importlib_resources_config_source import (
-        ImportlibResourcesConfigSource,
-    )
-    from hydra._internal.sources_registry import SourcesRegistry
+    from hydra._internal import config_repository, config_search_path_impl, sources_registry
+    from hydra._internal.core_plugins import file_config_source as files
+    from hydra._internal.core_plugins import importlib_resources_config_source as packages
     from hydra.core.object_type import ObjectType
-    from omegaconf import OmegaConf
 
-    for source_type in (FileConfigSource, ImportlibResourcesConfigSource):  # file:// and pkg://
-        SourcesRegistry.instance().register(source_type)
-    csp = ConfigSearchPathImpl()
+    # file:// and pkg://
+    for source_type in (files.FileConfigSource, packages.ImportlibResourcesConfigSource):
+        sources_registry.SourcesRegistry.instance().register(source_type)
+    csp = config_search_path_impl.ConfigSearchPathImpl()
     for entry in searchpath:
         csp.append("hydra.searchpath in command-line", entry)
     out: set[str] = set()
     try:
-        sources = ConfigRepository(csp).get_sources()
+        sources = config_repository.ConfigRepository(csp).get_sources()
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"hydra.searchpath: {first}") from None
     for source, entry in zip(sources, searchpath):
         if not source.available():
-            raise ConfigError(
-                f"hydra.searchpath: {entry} is not available (no such config directory, or a package "
-                "without __init__.py)"
-            )
+            why = "is not available (no such config directory, or a package without __init__.py)"
+            raise ConfigError(f"hydra.searchpath: {entry} {why}")
 
         def walk(source, group: str) -> None:
             for name in source.list(group, ObjectType.CONFIG):
@@ -204,10 +195,8 @@ def check(tree, allowed_targets: frozenset[str], path="config", keys: tuple[str,
             if not isinstance(target, str):
                 raise UnknownTarget(f"{where} is {target!r:.80}, not the name of a class")
             if "${" not in target and target not in allowed_targets:
-                raise UnknownTarget(
-                    f"{where} names {target!r:.200}, which neither the pipeline's configs nor yours "
-                    f"name ({HINT})"
-                )
+                why = f"{where} names {target!r:.200}, which neither the pipeline's configs nor yours name"
+                raise UnknownTarget(f"{why} ({HINT})")
             _in_place(target, where, keys)
         for k, v in tree.items():
             check(v, allowed_targets, f"{path}.{k}", (*keys, str(k)))
@@ -215,28 +204,19 @@ def check(tree, allowed_targets: frozenset[str], path="config", keys: tuple[str,
         for i, v in enumerate(tree):
             check(v, allowed_targets, f"{path}[{i}]", _item(keys, i))
     elif isinstance(tree, str) and "${" in tree:
-        raise UnknownTarget(
-            f"{path} holds the interpolation {tree!r:.200}; a saved config is resolved and holds "
-            "none (it would be resolved when the node is built)"
-        )
+        why = "a saved config is resolved and holds none (it would be resolved when the node is built)"
+        raise UnknownTarget(f"{path} holds the interpolation {tree!r:.200}; {why}")
 
 
 def _in_place(target: str, where: str, keys: tuple[str, ...]) -> None:
     parts = target.split(".")
     if len(parts) < 3 or parts[0] != "pipeline":
         return  # your own classes: built wherever your configs put them
-    here = slot(keys)
     if target in slots():  # one of conf/'s own: only in a slot conf/ builds it in
-        if here not in slots()[target]:
-            raise UnknownTarget(
-                f"{where} names {target!r:.200}, a class the pipeline builds only under "
-                f"{' or '.join(sorted(slots()[target]))}, never under {here}"
-            )
-        return
-    top = keys[0].split("[")[0] if len(keys) > 0 else ""
-    if PLACES.get(top) != parts[1]:
-        home = [k for k, v in PLACES.items() if v == parts[1]]
-        raise UnknownTarget(
-            f"{where} names {target!r:.200}, a class the pipeline builds only under "
-            f"{' or '.join(home) or 'no node'}, never under {top or 'the top level'}"
-        )
+        here, homes = slot(keys), sorted(slots()[target])
+    else:  # another of the package's: under the node its package is built under
+        here = (keys[0].split("[")[0] if keys else "") or "the top level"
+        homes = [k for k, v in PLACES.items() if v == parts[1]]
+    if here not in homes:
+        said = f"a class the pipeline builds only under {' or '.join(homes) or 'no node'}"
+        raise UnknownTarget(f"{where} names {target!r:.200}, {said}, never under {here}")

@@ -137,9 +137,8 @@ def ensure_dirs(root: Path, *parts: str) -> Path:
     path = Path(root)
     for part in parts:
         if (why := names.problem(part, reserve=0)) is not None:
-            raise UnsafePathError(
-                errno.EINVAL, f"{path}: a directory named {names.shown(part)} inside it {why}"
-            )
+            why = f"{path}: a directory named {names.shown(part)} inside it {why}"
+            raise UnsafePathError(errno.EINVAL, why)
     os.makedirs(path, exist_ok=True)
     for part in parts:
         path = path / part
@@ -156,18 +155,14 @@ OUTPUT_ENTRIES = ("mlflow.db", "mlartifacts", "data", "runs", "sweeps")
 
 
 def check_output_dir(output_dir: Path) -> None:
-    """UnsafePathError naming the first of OUTPUT_ENTRIES under `output_dir` that is a symlink (dangling or not),
-    before anything is created there; the output directory itself is not looked at."""
+    """UnsafePathError naming the first of OUTPUT_ENTRIES in `output_dir` that is a symlink (dangling or not)."""
     for entry in OUTPUT_ENTRIES:
         path = Path(output_dir) / entry
         if os.path.islink(path):
             target = names.shown(os.readlink(path))
-            raise UnsafePathError(
-                errno.ELOOP,
-                f"{path} is a symlink (to {target}); an output directory's own {entry} "
-                "is never followed elsewhere: remove the link (or set paths.output_dir "
-                "to where it points)",
-            )
+            why = f"{path} is a symlink (to {target}); an output directory's own {entry} is never"
+            why += " followed elsewhere: remove the link (or set paths.output_dir to where it"
+            raise UnsafePathError(errno.ELOOP, why + " points)")
 
 
 def new_temp_dir(parent: Path, name: str) -> Path:
@@ -179,13 +174,11 @@ def new_temp_dir(parent: Path, name: str) -> Path:
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two directory entries in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    renameat2 = _renameat2()
-    if renameat2 is None:
+    if (renameat2 := _renameat2()) is None:
         return False
     if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
-    # a filesystem without it
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(b))
@@ -228,8 +221,7 @@ def publish_dir(tmp: Path, final: Path, replace: bool = False) -> None:
 
 
 def second_name(src: Path, dst: Path) -> None:
-    """`dst` as another name of the file `src` (a hard link: no byte copied), or a fsynced copy where the
-    filesystem has no hard links; never through a link at either end."""
+    """`dst` as another name of the file `src` (a hard link), else a fsynced copy; never through a link."""
     try:
         os.link(src, dst, follow_symlinks=False)
     except OSError as e:
@@ -256,12 +248,9 @@ def move(src: Path, dst: Path, copy: Callable[[Path, Path], None] | None = None)
         (copy or second_name)(src, tmp)
         # a planted directory, link or FIFO the copy skips
         if missing := sorted(_entries(src) - _entries(tmp)):
-            raise OSError(
-                errno.EXDEV,
-                f"{dst.parent} is another filesystem and {missing[0][0]!r:.80} of {src} would "
-                "not be copied whole; nothing moved (move it yourself, or keep superseded/ "
-                "on the run's filesystem)",
-            )
+            why = f"{dst.parent} is another filesystem and {missing[0][0]!r:.80} of {src} would"
+            why += " not be copied whole; nothing moved (move it yourself, or keep superseded/ on"
+            raise OSError(errno.EXDEV, why + " the run's filesystem)")
         os.rename(tmp, dst)
         fsync_dir(dst.parent)
     except BaseException:

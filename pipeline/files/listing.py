@@ -34,9 +34,8 @@ def _malformed(rel: str, entry, manifest: str, nested: bool, keys: tuple[str, ..
     parts = rel.split("/") if nested else [rel]
     if rel == manifest or any(p in ("", ".", "..") or set(p) & {"/", "\\", "\0"} for p in parts):
         return f"lists an invalid file name {rel!r:.80}"
-    if size_of(entry, keys) is None or not (
-        isinstance(entry.get("sha256"), str) and SHA256.match(entry["sha256"])
-    ):
+    sha = entry.get("sha256") if isinstance(entry, dict) else None
+    if size_of(entry, keys) is None or not (isinstance(sha, str) and SHA256.match(sha)):
         return f"entry for {rel:.80} needs an integer size and a sha256 hex digest"
     return None
 
@@ -78,9 +77,8 @@ def problems(
     def say(kind: str, **values) -> str:
         return words[kind].format(manifest=manifest, **values)
 
-    nested = links is not None
     for rel, entry in files.items():
-        if why := _malformed(rel, entry, manifest, nested, size_keys):
+        if why := _malformed(rel, entry, manifest, links is not None, size_keys):
             yield manifest, why
             return
     skip = {manifest, *ignore}

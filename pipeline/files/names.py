@@ -33,12 +33,9 @@ def problem(value: object, reserve: int = SUFFIX_BYTES) -> str | None:
         return "must not contain control characters (a newline, a tab, NUL...)"
     size = len(value.encode("utf-8", "surrogateescape"))
     if size > NAME_MAX - reserve:
-        return (
-            f"is {size} bytes; at most {NAME_MAX - reserve} (a file name holds {NAME_MAX} bytes, "
-            f"with the {reserve} the pipeline may add)"
-            if reserve
-            else f"is {size} bytes; at most {NAME_MAX}"
-        )
+        why = f"is {size} bytes; at most {NAME_MAX - reserve}"
+        said = f" (a file name holds {NAME_MAX} bytes, with the {reserve} the pipeline may add)"
+        return why + said if reserve else why
     return None
 
 

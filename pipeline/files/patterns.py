@@ -30,10 +30,9 @@ def problem(pattern) -> str | None:
     fields = [(f, spec or "", conv) for _, f, spec, conv in parsed if f is not None]
     for f, spec, conv in fields:
         if conv is not None or not FIELD.match(f) or "{" in spec or not SPEC.match(spec):
-            return (
-                f"field {{{f}{'!' + conv if conv else ''}{':' + spec if spec else ''}}} is not a metric or step "
-                "with a number format such as .3f (a plain name: no attribute, index or conversion)"
-            )
+            shown = f"{{{f}{'!' + conv if conv else ''}{':' + spec if spec else ''}}}"
+            why = "a number format such as .3f (a plain name: no attribute, index or conversion)"
+            return f"field {shown} is not a metric or step with {why}"
         if (m := SPEC.match(spec)) and m.group(3) and int(m.group(3)) > MAX_PRECISION:
             return f"field {{{f}:{spec}}}: at most {MAX_PRECISION} digits"
     if any(f == "step" and not re.match(r"^[+ -]?0?\d{0,2}d?$", spec) for f, spec, _ in fields):
@@ -42,18 +41,15 @@ def problem(pattern) -> str | None:
         return "must contain {step} (the step is what tells two checkpoints apart)"
     widest = "".join(text + ("x" * WIDE if f is not None else "") for text, f, _, _ in parsed)
     longest = len(widest.encode())
-    if longest > names.NAME_MAX - TEMPORARY:
-        return (
-            f"makes names of up to {longest} bytes (each field up to {WIDE} characters); at most "
-            f"{names.NAME_MAX - TEMPORARY} (a file name holds {names.NAME_MAX} bytes, with the {TEMPORARY} "
-            "of a link's temporary name)"
+    if longest > (most := names.NAME_MAX - TEMPORARY):
+        why = (
+            f"a file name holds {names.NAME_MAX} bytes, with the {TEMPORARY} of a link's temporary"
         )
+        return f"makes names of up to {longest} bytes (each field up to {WIDE} characters); at most {most} ({why} name)"
     example = _text(pattern, 0, {f: 0.0 for f, _, _ in fields})
     if _refused(example):
-        return (
-            f"makes {names.shown(example)}, which cannot name a link beside the step directories "
-            "(not step-<digits>, not hidden, one path component)"
-        )
+        why = "which cannot name a link beside the step directories (not step-<digits>, not hidden, one path component)"
+        return f"makes {names.shown(example)}, {why}"
     return None
 
 
@@ -85,8 +81,7 @@ def _refused(name: str) -> bool:
 
 
 def render(pattern: str, step: int, metrics: dict) -> str | None:
-    """The name `pattern` gives a checkpoint of `step` with these metrics, or None where it would not be one
-    path component (the checkpoint then has its step directory's name only)."""
+    """The name `pattern` gives a checkpoint of `step` with these metrics, or None if not one path component."""
     name = _text(pattern, step, metrics)
     return None if _refused(name) else name
 
@@ -95,7 +90,6 @@ def _text(pattern: str, step: int, metrics: dict) -> str:
     out = []
     for literal, field, spec, _ in string.Formatter().parse(pattern):
         out.append(literal)
-        # a metric by its name, or with '_' for '/' (Lightning's val_loss for val/loss)
         if field is not None:
             mine, lightning = spellings(field)
             value = step if field == "step" else metrics.get(mine, metrics.get(lightning))

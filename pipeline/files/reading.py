@@ -13,6 +13,7 @@ from pipeline.files.atomic import UnsafePathError, write_new
 CHUNK = 1 << 20  # bytes per read while hashing or reading whole
 
 KINDS = (
+    (stat.S_ISREG, "a regular file", 0),
     (stat.S_ISDIR, "a directory", errno.EISDIR),
     (stat.S_ISFIFO, "a FIFO", errno.EINVAL),
     (stat.S_ISCHR, "a character device", errno.EINVAL),
@@ -28,8 +29,6 @@ class UnreadableFile(UnsafePathError):
 
 def kind_of(st: os.stat_result) -> str:
     """'a FIFO', 'a character device', ... for what an lstat/fstat describes ('a regular file' included)."""
-    if stat.S_ISREG(st.st_mode):
-        return "a regular file"
     return next((name for test, name, _ in KINDS if test(st.st_mode)), "not a regular file")
 
 
@@ -60,9 +59,8 @@ def open_file(path, limit: int | None = None, follow=False, bound: str | None = 
         fd = os.open(path, flags)
     except OSError as e:
         if e.errno == errno.ELOOP and not follow:  # a link swapped in since the lstat
-            raise UnreadableFile(
-                errno.ELOOP, "is a symlink, not a regular file", os.fspath(path)
-            ) from None
+            why = "is a symlink, not a regular file"
+            raise UnreadableFile(errno.ELOOP, why, os.fspath(path)) from None
         raise
     try:
         _refuse(path, os.fstat(fd), limit, bound)  # whatever was swapped in since the stat
@@ -101,8 +99,7 @@ def read_bytes(path, limit: int) -> bytes:
 def sha256(
     path, limit: int | None = None, follow=False, bound: str | None = None, into=None
 ) -> str:
-    """The sha256 hex digest of a regular file's bytes, read in pieces (constant memory, or kept in `into`, a
-    bytearray of the file's size)."""
+    """sha256 hex of a regular file's bytes, read in pieces (or kept whole in `into`, a bytearray of its size)."""
     h, at = hashlib.sha256(), 0
     with open_file(path, limit, follow, bound) as f:
         for piece in chunks(f, path, limit, bound):
