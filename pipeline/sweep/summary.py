@@ -14,9 +14,7 @@ from pipeline.run.report import run_page
 
 log = logging.getLogger("pipeline")
 
-MAX_ROWS = (
-    12  # with the header, the best and the parent lines: under 20 lines whatever the sweep's size
-)
+MAX_ROWS = 12  # with the header, the best and the parent lines: under 20 lines, whatever the sweep
 MAX_CELL = 24  # a swept value wider than this is cut (the job's run name has it whole)
 
 
@@ -90,10 +88,9 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
     counts = Counter(str(j.get("status", "unknown")) for j in jobs.values())
     ordered = sorted(counts.items(), key=lambda kv: (kv[0] != "complete", kv[0]))
     tally = ", ".join(f"{n} {s}" for s, n in ordered)
+    head = f"sweep {sweep.get('name') or 'sweep'}-{sweep.get('id', '?')}: {len(jobs)} jobs"
     lines = [
-        f"sweep {sweep.get('name') or 'sweep'}-{sweep.get('id', '?')}: {len(jobs)} jobs"
-        + (f" ({tally})" if tally else "")
-        + f", {objective} ({'min' if minimize else 'max'})"
+        f"{head}{f' ({tally})' if tally else ''}, {objective} ({'min' if minimize else 'max'})"
     ]
     if not jobs:
         return [*lines, f"parent: {parent[0]}", *parent[1:]]
@@ -117,8 +114,7 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
     for r, row_job in zip(rows, [None, *shown]):  # the header row has no job
         won = row_job is not None and best is not None and row_job["num"] == best["num"]
         cells = [j(c, w) for j, c, w in zip(just, r, widths)]
-        mark = "*" if won else " "
-        lines.append(f"  {mark} " + "  ".join(cells).rstrip())
+        lines.append(f"  {'*' if won else ' '} " + "  ".join(cells).rstrip())
     if len(jobs) > len(shown):
         lines.append(
             f"  ... {len(jobs) - len(shown)} more jobs (the {len(shown)} best are shown; every job is "
