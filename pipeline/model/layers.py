@@ -296,7 +296,8 @@ def attention_backward(dout: np.ndarray, cache):
     qs, k, v, att, att_d, dcache, out, n_head, scale = cache
     B, T, d = dout.shape
     hs = d // n_head
-    dy = _heads(dout.reshape(B, T, n_head, hs))  # [B, nh, Tq, hs] view
+    dout4 = dout.reshape(B, T, n_head, hs)
+    dy = _heads(dout4)  # [B, nh, Tq, hs] view
     dqkv = np.empty((B, T, 3, n_head, hs), dtype=dout.dtype)  # [B, T, 3, nh, hs]
     dq, dk, dv = (_heads(dqkv[:, :, i]) for i in range(3))  # [B, nh, T, hs] strided slots
     datt = np.empty((B, T, n_head, T), dtype=dout.dtype)  # [B, Tk, nh, Tq]
@@ -308,9 +309,7 @@ def attention_backward(dout: np.ndarray, cache):
     datt = dropout_backward(datt, dcache)  # [B, Tk, nh, Tq] grad wrt the softmax output
     # Softmax backward needs sum_j datt_ij att_ij = dy_i . y_i (FlashAttention's D): computed on [T, hs],
     # 4x smaller than [T, T], and it holds with dropout too since y = (att * mask) @ v.
-    rows = np.einsum(
-        "bthe,bthe->bht", dout.reshape(B, T, n_head, hs), out.reshape(B, T, n_head, hs)
-    )
+    rows = np.einsum("bthe,bthe->bht", dout4, out.reshape(B, T, n_head, hs))
     d3 = datt.reshape(B, T, n_head * T)  # [B, Tk, nh*Tq]
     d3 -= rows.reshape(B, 1, n_head * T)
     d3 *= att.reshape(B, T, n_head * T)  # grad wrt the scaled scores; 0 where masked

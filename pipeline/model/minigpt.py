@@ -94,10 +94,7 @@ class MiniGPT(NamedParams):
 
         zeros, ones = partial(np.zeros, dtype=self.dtype), partial(np.ones, dtype=self.dtype)
 
-        p = {
-            "transformer.wte.weight": normal((V, d), std),
-            "transformer.wpe.weight": normal((T, d), std),
-        }
+        p = {_WTE: normal((V, d), std), "transformer.wpe.weight": normal((T, d), std)}
         for i in range(self.n_layer):
             h = f"transformer.h.{i}."
             for name, w, b in (("ln_1", ones(d), zeros(d)), ("attn.c_attn", normal((d, 3 * d), std), zeros(3 * d)),

@@ -42,9 +42,8 @@ class MLP(NamedParams):
             # torch.nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias
             bound = 1.0 / np.sqrt(fan_in)
             for name, shape in (("weight", (fan_in, fan_out)), ("bias", (fan_out,))):
-                self.params[f"layers.{i}.{name}"] = rng.uniform(-bound, bound, shape).astype(
-                    self.dtype
-                )
+                drawn = rng.uniform(-bound, bound, shape)
+                self.params[f"layers.{i}.{name}"] = drawn.astype(self.dtype)
 
     @staticmethod
     def n_params(spec: DataSpec, hidden: list[int], **_) -> int:

@@ -223,9 +223,8 @@ class SweepCallback(Callback):
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
         output_dir = Path(str(config.paths.output_dir))
         atomic.check_output_dir(output_dir)  # before its files are read or anything is made
-        target = Path(
-            os.path.abspath(output_dir), "sweeps", f"{identity['name'] or 'sweep'}-{sweep_id}"
-        )
+        named = f"{identity['name'] or 'sweep'}-{sweep_id}"
+        target = Path(os.path.abspath(output_dir), "sweeps", named)
         # what the launcher writes before its first job, as it was (None: absent); a study found there
         # stays as it is, and so does a file that does not read
         files: dict[str, bytes | None] = {}
@@ -262,19 +261,12 @@ class SweepCallback(Callback):
         sweep = {"id": sweep_id, "dir": str(directory), "name": identity["name"], "swept": keys}
         sweep |= {"direction": direction, "objective": config.get("optimized_metric") or objective}
         sweep |= {"launcher": str(hydra.launcher.get("_target_", "")), "overrides": task}
-        sweep |= {
-            "sweeper": str(sweeper.get("_target_", "")),
-            "started": started,
-            "status": "running",
-        }
-        sweep |= {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "git_sha": git_info().get("git_sha"),
-        }
+        sweep |= {"sweeper": str(sweeper.get("_target_", "")), "started": started}
+        sweep |= {"status": "running", "pid": os.getpid(), "host": socket.gethostname()}
+        sweep |= {"git_sha": git_info().get("git_sha"), "job_offset": offset}
         # the parent's experiment, also for a sweep tracked by none (reindex puts the parent beside its children)
         parts = (str(OmegaConf.select(config, f"{g}._target_", default="")) for g in GROUPS)
-        sweep |= {"job_offset": offset, "experiment": experiment_name(identity["name"], *parts)}
+        sweep["experiment"] = experiment_name(identity["name"], *parts)
         self.sweep = sweep | self.parent.facts(timeout=STORE_WAIT)
         atomic.replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
         self.launcher_pid = os.getpid()

@@ -89,9 +89,8 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
     ordered = sorted(counts.items(), key=lambda kv: (kv[0] != "complete", kv[0]))
     tally = ", ".join(f"{n} {s}" for s, n in ordered)
     head = f"sweep {sweep.get('name') or 'sweep'}-{sweep.get('id', '?')}: {len(jobs)} jobs"
-    lines = [
-        f"{head}{f' ({tally})' if tally else ''}, {objective} ({'min' if minimize else 'max'})"
-    ]
+    head += f" ({tally})" if tally else ""
+    lines = [f"{head}, {objective} ({'min' if minimize else 'max'})"]
     if not jobs:
         return [*lines, f"parent: {parent[0]}", *parent[1:]]
     shown = sorted(jobs.values(), key=lambda j: j["num"])
