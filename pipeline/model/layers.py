@@ -226,8 +226,7 @@ def dropout_forward(x: np.ndarray, p: float, rng: np.random.Generator | None):
         raise ValueError(f"dropout p must be in [0, 1), got {p}")
     # Always draw float32 uniforms: cheaper, and float32/float64 models then get the same masks.
     keep = rng.random(x.shape, dtype=np.float32) >= p  # [...] bool
-    # [...] 0 or 1/(1-p) in x's dtype: inverted dropout
-    mask = np.multiply(keep, x.dtype.type(1.0 / (1.0 - p)))
+    mask = np.multiply(keep, x.dtype.type(1.0 / (1.0 - p)))  # [...] 0 or 1/(1-p): inverted dropout
     return x * mask, mask
 
 
@@ -271,8 +270,7 @@ def attention_forward(qkv: np.ndarray, n_head: int, p: float = 0.0, rng=None):
     # Strided views: each [T, hs] slab has unit column stride, so matmul hands them to BLAS without copies.
     k, v = _heads(heads[:, :, 1]), _heads(heads[:, :, 2])  # [B, nh, T, hs]
     scale = 1.0 / math.sqrt(hs)  # python float: stays in the array dtype
-    # [B, nh, T, hs]: scaling q is 4x cheaper than scaling the scores
-    qs = _heads(heads[:, :, 0]) * scale
+    qs = _heads(heads[:, :, 0]) * scale  # [B, nh, T, hs]: scaling q is 4x cheaper than the scores
     att = np.empty((B, T, n_head, T), dtype=qkv.dtype)  # [B, Tk, nh, Tq]
     for a, b in _blocks(T):  # [B, nh, Tk < b, Tq in a:b] = k.q/sqrt(hs)
         np.matmul(k[:, :, :b], qs[:, :, a:b].transpose(0, 1, 3, 2), out=_heads(att[:, :b, :, a:b]))

@@ -63,10 +63,8 @@ class MiniGPT(NamedParams):
         # Learned positions: the data's sequence length unless more are asked for (None: the data's).
         self.block_size = int(spec.block_size if block_size is None else block_size)
         if self.block_size < spec.block_size:
-            raise ValueError(
-                f"model.block_size {self.block_size} is shorter than the data's sequences "
-                f"({spec.block_size} tokens)"
-            )
+            said = f"model.block_size {self.block_size} is shorter than the data's sequences"
+            raise ValueError(f"{said} ({spec.block_size} tokens)")
         self.dropout, self.attn_dropout = float(dropout), float(attn_dropout)
         self.dtype = np.dtype(dtype)
         # bias=False: no bias in any linear layer or LayerNorm (nanoGPT's option); gelu: tanh (GPT-2's) or erf

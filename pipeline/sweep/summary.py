@@ -35,10 +35,9 @@ def direction(sweep: dict) -> str:
     """ "minimize" or "maximize", as sweep.json recorded it at the start (from best-val's mode): never a guess."""
     value = sweep.get("direction")
     if value not in ("minimize", "maximize"):
-        raise SweepRecordError(
-            f"{Path(str(sweep.get('dir', '.'))) / 'sweep.json'}: direction={value!r}: not "
-            "minimize or maximize (the sweep's start records it; re-run the sweep)"
-        )
+        where = Path(str(sweep.get("dir", "."))) / "sweep.json"
+        why = "not minimize or maximize (the sweep's start records it; re-run the sweep)"
+        raise SweepRecordError(f"{where}: direction={value!r}: {why}")
     return value
 
 
