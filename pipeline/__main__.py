@@ -151,21 +151,10 @@ def main() -> int | None:
     except Exception as e:
         if SIGNALS_STATE.interrupted_start():
             raise  # the handler's exception, raised inside a library (composing, building), came out as another
-        # the sweep this process launches ends here
-        if (sweep := SIGNALS_STATE.launching) is not None:
-            from pipeline.files.atomic import environment_error
-
-            # on a full or read-only disk its sweep.json says so (if the disk lets it); refused before any job ran
-            # (no signal came: a launcher's workers that a signal ended are no refusal) and before its parent run was
-            # asked for, it leaves nothing; else its sweep.json says how it ended (interrupted: its table, exit 75)
-            ran = started or SIGNALS_STATE.received is not None
-            with contextlib.suppress(OSError):
-                if (message := environment_error(e)) is not None:
-                    sweep.end_unfinished(message)
-                elif ran or not sweep.discard_unlaunched():
-                    sweep.end_unfinished(f"{type(e).__name__}: {e}")
-            if sweep.code is not None:
-                return sweep.code  # its table and exit line are printed: the exception is said
+        # the sweep this process launches ends here; its table and exit line printed, the exception is said
+        sweep = SIGNALS_STATE.launching
+        if sweep is not None and sweep.raised(e, bool(started)) is not None:
+            return sweep.code
         if started or not report_own or exit_code(e) is not None:
             raise
         # Hydra refused to compose the jobs

@@ -295,9 +295,20 @@ class SweepCallback(Callback):
             self.code = _report(end(self.sweep, None, self.parent))
 
     # --- the entry point, when the sweeper or Hydra raised in the launching process
+    def raised(self, e: Exception, job_began: bool) -> int | None:
+        """End this sweep after `e`, its code once its table and exit line are printed: on a full or read-only disk its
+        sweep.json says so (if the disk lets it); refused before any job ran (no signal came: a launcher's workers that
+        a signal ended are no refusal) and before its parent run was asked for, it leaves nothing."""
+        with contextlib.suppress(OSError):
+            if (message := atomic.environment_error(e)) is not None:
+                self.end_unfinished(message)
+            elif job_began or SIGNALS_STATE.received is not None or not self.discard_unlaunched():
+                self.end_unfinished(f"{type(e).__name__}: {e}")
+        return self.code
+
     def discard_unlaunched(self) -> bool:
-        """Undo this sweep's start if no job ran (no sweep left `running`); False if it had a job, an index was asked
-        for its parent run (its record and first start stay, for a re-run and a rebuild), or nothing to undo."""
+        """Undo the start if no job ran (no sweep left `running`); False if it had a job, an index was asked for its
+        parent run (its record and first start stay, for a re-run and a rebuild), or nothing to undo."""
         start, self.start = self.start, None
         if start is None or self.indexed:
             return False
