@@ -289,8 +289,7 @@ class SweepCallback(Callback):
             self._launching()
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        """The table on stderr; the entry exits with `code`: 0 if every job completed, 75 if interrupted,
-        else the first failure's code."""
+        """The table on stderr; `code`, the entry's exit: 0 if all completed, 75 if interrupted, else a failed job's."""
         if self.sweep is not None:
             self.code = _report(end(self.sweep, None, self.parent))
 
