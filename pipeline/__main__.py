@@ -57,7 +57,7 @@ def hydra_shortcuts(argv: list[str], conf_dir):
 
     # Hydra composes the whole config once only to read hydra.mode (get_mode), then again to run it: ~0.9 s of
     # every start. Where mode_is_the_command_lines, get_mode's answer is known without composing: None.
-    replaced = []  # (owner, name, the method there before)
+    replaced: list[tuple[type, str, object]] = []  # (owner, name, the method there before)
     helping = "get_group_options" in ConfigLoaderImpl.__dict__ and {"--help", "-h"} & {*argv}
     if helping and hasattr(ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo"):
         replaced.append((ConfigLoaderImpl, "get_group_options", get_group_options))
