@@ -197,11 +197,9 @@ class SweepCallback(Callback):
         hydra = config.hydra
         task = as_given(hydra.overrides.task)
         sweeper = _plain(hydra.sweeper, resolve=False) or {}
-        identity = {
-            "name": str(config.get("name", "")),
-            "overrides": sorted(o for o in task if not _machine(o)),
-            "sweeper": {k: v for k, v in sweeper.items() if k not in NOT_IDENTITY},
-        }
+        identity: dict = {"name": str(config.get("name", ""))}  # hashed with its keys sorted
+        identity["overrides"] = sorted(o for o in task if not _machine(o))
+        identity["sweeper"] = {k: v for k, v in sweeper.items() if k not in NOT_IDENTITY}
         # <output_dir>/sweeps/<name>-<id>
         if (why := names.problem(identity["name"] or "sweep")) is not None:
             _stop(f"name={names.shown(identity['name'])}: {why}")
