@@ -94,8 +94,7 @@ def _slurm_jobs(launcher) -> Path | None:
     """Where submitit keeps a SLURM sweep's jobs, a folder per job id (`.submitit/%j`); None for other launchers."""
     if not str(launcher.get("_target_", "")).endswith("SlurmLauncher"):
         return None
-    folder = str(launcher.get("submitit_folder") or "")
-    prefix = folder.split("%", 1)[0]
+    prefix = str(launcher.get("submitit_folder") or "").split("%", 1)[0]
     return Path(prefix) if prefix.endswith("/") else Path(prefix).parent
 
 
