@@ -1,9 +1,6 @@
 """A declarative numpy training pipeline whose resumed run equals the run that never stopped (ARCHITECTURE.md).
-
-Each tool is a module of pipeline/cli/ run as `python -m pipeline TOOL ...` (pipeline/__main__.py). The older
-spelling `python -m pipeline.TOOL ...` still works: the finder below, the one process state importing `pipeline`
-changes (sys.meta_path), answers for `pipeline.TOOL` with that same module object (imported), or with the one
-entry's dispatch to it (run as a program)."""
+Its tools (pipeline/cli/) run as `python -m pipeline TOOL ...`; the finder below, the one process state importing
+`pipeline` changes (sys.meta_path), keeps their older names `pipeline.TOOL` working, imported or run."""
 
 import importlib
 import importlib.abc

@@ -11,26 +11,9 @@ from pipeline import TOOLS
 from pipeline.config.errors import ConfigError, Refusal, error_line, exit_code
 from pipeline.run.signals import SIGNALS_STATE, exit_now, run_command
 
-
-@contextlib.contextmanager
-def _replaced(owner: type, name: str, value):
-    """`owner.name` is `value` inside the block, and what it was after, however the block ends."""
-    old = owner.__dict__[name]
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, old)
-
-
 # what can make hydra.mode anything but None: an override, a config from elsewhere, or a config of ours that sets it
-_MODE_FROM = re.compile(
-    r"hydra\.mode|^\s*mode\s*:\s*['\"]?(run|multirun|1|2)\b", re.IGNORECASE | re.MULTILINE
-)
-_OTHER_CONFIGS = (
-    *("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn"),
-    "hydra.searchpath",
-)
+_MODE_FROM = re.compile(r"hydra\.mode|^\s*mode\s*:\s*['\"]?(run|multirun|1|2)\b", re.I | re.M)
+_OTHER_CONFIGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
 
 
 def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
@@ -39,7 +22,7 @@ def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
     from pipeline.files import reading
     from pipeline.files.limits import MAX_CONF_YAML
 
-    if any(a.startswith(_OTHER_CONFIGS) or "hydra.mode" in a for a in argv):
+    if any(a.startswith((*_OTHER_CONFIGS, "hydra.searchpath")) or "hydra.mode" in a for a in argv):
         return False
     for f in Path(conf_dir).rglob("*.yaml"):
         try:
@@ -74,16 +57,20 @@ def hydra_shortcuts(argv: list[str], conf_dir):
 
     # Hydra composes the whole config once only to read hydra.mode (get_mode), then again to run it: ~0.9 s of
     # every start. Where mode_is_the_command_lines, get_mode's answer is known without composing: None.
-    with contextlib.ExitStack() as stack:
-        if (
-            ("--help" in argv or "-h" in argv)
-            and "get_group_options" in ConfigLoaderImpl.__dict__
-            and hasattr(ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo")
-        ):
-            stack.enter_context(_replaced(ConfigLoaderImpl, "get_group_options", get_group_options))
-        if mode_is_the_command_lines(argv, conf_dir) and "get_mode" in Hydra.__dict__:
-            stack.enter_context(_replaced(Hydra, "get_mode", lambda *_, **__: None))
+    replaced: list[tuple[type, str, object]] = []  # (owner, name, the method there before)
+    helping = "get_group_options" in ConfigLoaderImpl.__dict__ and {"--help", "-h"} & {*argv}
+    if helping and hasattr(ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo"):
+        replaced.append((ConfigLoaderImpl, "get_group_options", get_group_options))
+    if mode_is_the_command_lines(argv, conf_dir) and "get_mode" in Hydra.__dict__:
+        replaced.append((Hydra, "get_mode", lambda *_, **__: None))
+    for i, (owner, name, new) in enumerate(replaced):
+        replaced[i] = (owner, name, owner.__dict__[name])
+        setattr(owner, name, new)
+    try:
         yield
+    finally:  # however the call ends
+        for owner, name, old in replaced:
+            setattr(owner, name, old)
 
 
 def command_args(hydra_cfg, conf_dir) -> list[str]:
@@ -164,22 +151,10 @@ def main() -> int | None:
     except Exception as e:
         if SIGNALS_STATE.interrupted_start():
             raise  # the handler's exception, raised inside a library (composing, building), came out as another
-        # the sweep this process launches ends here
-        if (sweep := SIGNALS_STATE.launching) is not None:
-            from pipeline.files.atomic import environment_error
-
-            # on a full or read-only disk its sweep.json says so (if the disk lets it); refused before any job ran
-            # (no signal came: a launcher's workers that a signal ended are no refusal) and before its parent run was
-            # asked for, it leaves nothing; else its sweep.json says how it ended (interrupted: its table, exit 75)
-            with contextlib.suppress(OSError):
-                if (message := environment_error(e)) is not None:
-                    sweep.end_unfinished(message)
-                elif (
-                    started or SIGNALS_STATE.received is not None or not sweep.discard_unlaunched()
-                ):
-                    sweep.end_unfinished(f"{type(e).__name__}: {e}")
-            if sweep.code is not None:
-                return sweep.code  # its table and exit line are printed: the exception is said
+        # the sweep this process launches ends here; its table and exit line printed, the exception is said
+        sweep = SIGNALS_STATE.launching
+        if sweep is not None and sweep.raised(e, bool(started)) is not None:
+            return sweep.code
         if started or not report_own or exit_code(e) is not None:
             raise
         # Hydra refused to compose the jobs

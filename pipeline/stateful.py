@@ -1,11 +1,11 @@
 """The state protocol: every part's state_dict() as one tree (arrays to safetensors, the rest to JSON), and a
 two-phase restore that changes nothing unless every part fits. A part may add `check_state_dict(state)`
-(ValueError for impossible values) and `free_form_state` (paths of objects whose keys vary, left to that check).
-"""
+(ValueError for impossible values) and `free_form_state` (paths of objects whose keys vary, left to that check)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 import numpy as np
 
@@ -58,10 +58,8 @@ def split(tree: dict) -> tuple[dict[str, np.ndarray], dict]:
             if isinstance(v, np.ndarray):
                 keys = (*path, k)
                 if not all(isinstance(p, str) and p and SEP not in p for p in keys):
-                    raise ValueError(
-                        f"array {keys}: keys on the way to an array must be non-empty strings "
-                        f"without {SEP!r}"
-                    )
+                    why = "keys on the way to an array must be non-empty strings without"
+                    raise ValueError(f"array {keys}: {why} {SEP!r}")
                 arrays[SEP.join(keys)] = v
             else:
                 out[k] = walk(v, (*path, k)) if isinstance(v, dict) else v
@@ -89,14 +87,12 @@ def merge(arrays: Mapping[str, np.ndarray], json_tree: dict) -> dict:
 
 
 # bool before int: a bool is an int
-_TYPES = (type(None), bool, int, float, str, list, dict, np.ndarray)
-_KINDS: tuple[tuple[type, str], ...] = tuple(
-    zip(_TYPES, ("null", "bool", "int", "float", "str", "list", "object", "array"))
-)
+_KINDS: dict[type, str] = {type(None): "null", bool: "bool", int: "int", float: "float", str: "str"}
+_KINDS |= {list: "list", dict: "object", np.ndarray: "array"}
 
 
 def _json_kind(v) -> str:
-    return next((name for kind, name in _KINDS if isinstance(v, kind)), type(v).__name__)
+    return next((name for kind, name in _KINDS.items() if isinstance(v, kind)), type(v).__name__)
 
 
 def _where(path: tuple) -> str:
@@ -150,14 +146,12 @@ def check(parts: Mapping, tree: Mapping, only: tuple[str, ...] = PARTS) -> None:
     for name in only:
         if name not in tree:
             raise StateMismatch(name, "missing from the saved state")
-        part = parts[name]
-        if found := misfit(
-            part.state_dict(), tree[name], free=getattr(part, "free_form_state", ())
-        ):
+        part, saved = parts[name], tree[name]
+        if found := misfit(part.state_dict(), saved, free=getattr(part, "free_form_state", ())):
             raise StateMismatch(name, found[1], found[0])
         try:
             if (own := getattr(part, "check_state_dict", None)) is not None:
-                own(tree[name])
+                own(saved)
         except (ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
             raise StateMismatch(name, str(e) or type(e).__name__, getattr(e, "key", ())) from None
 
@@ -170,6 +164,5 @@ def restore(parts: Mapping, tree: Mapping, only: tuple[str, ...] = PARTS) -> Non
         parts[name].load_state_dict(tree[name])
 
 
-def flat(tree) -> dict:
-    """Every leaf by "/"-joined path (arrays and JSON values alike), for reports and comparisons."""
-    return flatten(tree, SEP)
+# every leaf by "/"-joined path (arrays and JSON values alike), for reports and comparisons
+flat = partial(flatten, sep=SEP)

@@ -35,18 +35,17 @@ def parse_options(args: list[str]) -> tuple[Options, list[str]]:
             continue
         if not eq or key not in kinds:
             expected = ", ".join(f"{k}=..." for k in kinds)
-            raise ConfigError(
-                f"{arg!r}: expected one of {expected} (or data.path=FILE, paths.output_dir=DIR)"
-            )
+            said = f"{arg!r}: expected one of {expected} (or data.path=FILE, paths.output_dir=DIR)"
+            raise ConfigError(said)
         try:
             values[key] = kinds[key](value)
         except ValueError:
             kind = "an integer" if kinds[key] is int else "a number"
             raise ConfigError(f"{key}={value!r}: must be {kind}") from None
     options = Options(**values)
-    for key in ("max_new_tokens", "temperature", "top_k", "seed"):
-        if not getattr(options, key) >= 0 or not np.isfinite(getattr(options, key)):
-            raise ConfigError(f"{key}={getattr(options, key)!r}: must be >= 0")
+    for key, value in vars(options).items():
+        if key != "prompt" and not (value >= 0 and np.isfinite(value)):
+            raise ConfigError(f"{key}={value!r}: must be >= 0")
     if options.max_new_tokens > MAX_NEW_TOKENS:
         raise ConfigError(
             f"max_new_tokens={options.max_new_tokens}: at most {MAX_NEW_TOKENS:,} (one forward pass "
@@ -71,14 +70,9 @@ def encode(prompt: str, vocab: list[str], join: str, eos: str | None = "<eos>") 
     if unknown:
         more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
         shown = ", ".join(repr(t) for t in unknown[:10]) + more
-        typed = (
-            " (a newline is typed prompt=$'\\n' in bash)"
-            if "\\" in unknown and "\n" in index
-            else ""
-        )
-        raise ConfigError(
-            f"prompt: not in the corpus vocabulary of {len(vocab)} tokens: {shown}{typed}"
-        )
+        if "\\" in unknown and "\n" in index:
+            shown += " (a newline is typed prompt=$'\\n' in bash)"
+        raise ConfigError(f"prompt: not in the corpus vocabulary of {len(vocab)} tokens: {shown}")
     if not tokens:
         start = eos if eos in index else "\n" if join == "" and "\n" in index else None
         if start is None:

@@ -226,8 +226,7 @@ def dropout_forward(x: np.ndarray, p: float, rng: np.random.Generator | None):
         raise ValueError(f"dropout p must be in [0, 1), got {p}")
     # Always draw float32 uniforms: cheaper, and float32/float64 models then get the same masks.
     keep = rng.random(x.shape, dtype=np.float32) >= p  # [...] bool
-    # [...] 0 or 1/(1-p) in x's dtype: inverted dropout
-    mask = np.multiply(keep, x.dtype.type(1.0 / (1.0 - p)))
+    mask = np.multiply(keep, x.dtype.type(1.0 / (1.0 - p)))  # [...] 0 or 1/(1-p): inverted dropout
     return x * mask, mask
 
 
@@ -271,8 +270,7 @@ def attention_forward(qkv: np.ndarray, n_head: int, p: float = 0.0, rng=None):
     # Strided views: each [T, hs] slab has unit column stride, so matmul hands them to BLAS without copies.
     k, v = _heads(heads[:, :, 1]), _heads(heads[:, :, 2])  # [B, nh, T, hs]
     scale = 1.0 / math.sqrt(hs)  # python float: stays in the array dtype
-    # [B, nh, T, hs]: scaling q is 4x cheaper than scaling the scores
-    qs = _heads(heads[:, :, 0]) * scale
+    qs = _heads(heads[:, :, 0]) * scale  # [B, nh, T, hs]: scaling q is 4x cheaper than the scores
     att = np.empty((B, T, n_head, T), dtype=qkv.dtype)  # [B, Tk, nh, Tq]
     for a, b in _blocks(T):  # [B, nh, Tk < b, Tq in a:b] = k.q/sqrt(hs)
         np.matmul(k[:, :, :b], qs[:, :, a:b].transpose(0, 1, 3, 2), out=_heads(att[:, :b, :, a:b]))
@@ -296,7 +294,8 @@ def attention_backward(dout: np.ndarray, cache):
     qs, k, v, att, att_d, dcache, out, n_head, scale = cache
     B, T, d = dout.shape
     hs = d // n_head
-    dy = _heads(dout.reshape(B, T, n_head, hs))  # [B, nh, Tq, hs] view
+    dout4 = dout.reshape(B, T, n_head, hs)
+    dy = _heads(dout4)  # [B, nh, Tq, hs] view
     dqkv = np.empty((B, T, 3, n_head, hs), dtype=dout.dtype)  # [B, T, 3, nh, hs]
     dq, dk, dv = (_heads(dqkv[:, :, i]) for i in range(3))  # [B, nh, T, hs] strided slots
     datt = np.empty((B, T, n_head, T), dtype=dout.dtype)  # [B, Tk, nh, Tq]
@@ -308,9 +307,7 @@ def attention_backward(dout: np.ndarray, cache):
     datt = dropout_backward(datt, dcache)  # [B, Tk, nh, Tq] grad wrt the softmax output
     # Softmax backward needs sum_j datt_ij att_ij = dy_i . y_i (FlashAttention's D): computed on [T, hs],
     # 4x smaller than [T, T], and it holds with dropout too since y = (att * mask) @ v.
-    rows = np.einsum(
-        "bthe,bthe->bht", dout.reshape(B, T, n_head, hs), out.reshape(B, T, n_head, hs)
-    )
+    rows = np.einsum("bthe,bthe->bht", dout4, out.reshape(B, T, n_head, hs))
     d3 = datt.reshape(B, T, n_head * T)  # [B, Tk, nh*Tq]
     d3 -= rows.reshape(B, 1, n_head * T)
     d3 *= att.reshape(B, T, n_head * T)  # grad wrt the scaled scores; 0 where masked

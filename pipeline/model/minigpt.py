@@ -63,10 +63,8 @@ class MiniGPT(NamedParams):
         # Learned positions: the data's sequence length unless more are asked for (None: the data's).
         self.block_size = int(spec.block_size if block_size is None else block_size)
         if self.block_size < spec.block_size:
-            raise ValueError(
-                f"model.block_size {self.block_size} is shorter than the data's sequences "
-                f"({spec.block_size} tokens)"
-            )
+            said = f"model.block_size {self.block_size} is shorter than the data's sequences"
+            raise ValueError(f"{said} ({spec.block_size} tokens)")
         self.dropout, self.attn_dropout = float(dropout), float(attn_dropout)
         self.dtype = np.dtype(dtype)
         # bias=False: no bias in any linear layer or LayerNorm (nanoGPT's option); gelu: tanh (GPT-2's) or erf
@@ -94,10 +92,7 @@ class MiniGPT(NamedParams):
 
         zeros, ones = partial(np.zeros, dtype=self.dtype), partial(np.ones, dtype=self.dtype)
 
-        p = {
-            "transformer.wte.weight": normal((V, d), std),
-            "transformer.wpe.weight": normal((T, d), std),
-        }
+        p = {_WTE: normal((V, d), std), "transformer.wpe.weight": normal((T, d), std)}
         for i in range(self.n_layer):
             h = f"transformer.h.{i}."
             for name, w, b in (("ln_1", ones(d), zeros(d)), ("attn.c_attn", normal((d, 3 * d), std), zeros(3 * d)),

@@ -42,9 +42,8 @@ class MLP(NamedParams):
             # torch.nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias
             bound = 1.0 / np.sqrt(fan_in)
             for name, shape in (("weight", (fan_in, fan_out)), ("bias", (fan_out,))):
-                self.params[f"layers.{i}.{name}"] = rng.uniform(-bound, bound, shape).astype(
-                    self.dtype
-                )
+                drawn = rng.uniform(-bound, bound, shape)
+                self.params[f"layers.{i}.{name}"] = drawn.astype(self.dtype)
 
     @staticmethod
     def n_params(spec: DataSpec, hidden: list[int], **_) -> int:
@@ -57,16 +56,15 @@ class MLP(NamedParams):
         caches, h = [], x
         for i in range(self.n_layers):
             w, b = self.params[f"layers.{i}.weight"], self.params[f"layers.{i}.bias"]
-            z = h @ w + b  # [B, fan_out]
             cache = {"x": h}
+            h = h @ w + b  # [B, fan_out]
             if i < self.n_layers - 1:
-                z, cache["act_back"] = self.activation(z)
+                h, cache["act_back"] = self.activation(h)
                 if rng is not None and self.dropout > 0:
-                    keep = (rng.random(z.shape) >= self.dropout).astype(self.dtype)  # [B, fan_out]
+                    keep = (rng.random(h.shape) >= self.dropout).astype(self.dtype)  # [B, fan_out]
                     cache["mask"] = keep / self.dtype.type(1 - self.dropout)
-                    z = z * cache["mask"]
+                    h = h * cache["mask"]
             caches.append(cache)
-            h = z
         return h, caches
 
     def backward(self, dout: np.ndarray, caches) -> dict[str, np.ndarray]:

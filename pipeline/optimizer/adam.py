@@ -95,8 +95,8 @@ class _Flat:
         self.dtype = next(iter(params.values())).dtype
         self.chunk = _CHUNK_BYTES // self.dtype.itemsize
         small = {n: p.size < self.chunk for n, p in params.items()}
-        groups = [[n for n in params if small[n] and decays[n] == d] for d in (True, False)]
-        order = groups[0] + groups[1] + [n for n in params if not small[n]]
+        groups = {d: [n for n in params if small[n] and decays[n] == d] for d in (True, False)}
+        order = groups[True] + groups[False] + [n for n in params if not small[n]]
         ends = np.cumsum([params[n].size for n in order]).tolist()
         span = {n: (e - params[n].size, e) for n, e in zip(order, ends)}
         self.m, self.v = np.zeros(ends[-1], self.dtype), np.zeros(ends[-1], self.dtype)
@@ -104,9 +104,7 @@ class _Flat:
             state[f"exp_avg.{n}"] = self.m[a:b].reshape(params[n].shape)
             state[f"exp_avg_sq.{n}"] = self.v[a:b].reshape(params[n].shape)
         # (names, start, end, decay) of each group of small parameters; (name, start, end) of the large
-        self.packs = [
-            (g, span[g[0]][0], span[g[-1]][1], d) for g, d in zip(groups, (True, False)) if g
-        ]
+        self.packs = [(g, span[g[0]][0], span[g[-1]][1], d) for d, g in groups.items() if g]
         self.large = [(n, *span[n]) for n in order if not small[n]]
         packed = max([b - a for _, a, b, _ in self.packs], default=0)
         self.p, self.g = np.empty(packed, self.dtype), np.empty(packed, self.dtype)

@@ -41,10 +41,7 @@ class Optimizer:
         """{"t": updates taken, "<buffer>": {param name: live array}}. The lr is not state: the scheduler sets it
         from the config's base lr and its own counter, so an allowed change of optimizer.lr takes effect."""
         # Buffers are created eagerly so a checkpoint taken before step 1 has the same keys as later ones.
-        for kind in self.buffers:
-            for name in self.params:
-                self._buffer(kind, name)
-        buffers = {k: {n: self.state[f"{k}.{n}"] for n in self.params} for k in self.buffers}
+        buffers = {k: {n: self._buffer(k, n) for n in self.params} for k in self.buffers}
         return {"t": self.t, **buffers}
 
     def check_state_dict(self, state: dict) -> None:

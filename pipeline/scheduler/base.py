@@ -6,9 +6,8 @@ from __future__ import annotations
 class Scheduler:
     def __init__(self, optimizer):
         self.optimizer, self.base_lr = optimizer, optimizer.lr
-        self.last_epoch = (
-            0  # updates taken so far, as torch's LRScheduler counts after construction
-        )
+        # updates taken so far, as torch's LRScheduler counts after construction
+        self.last_epoch = 0
         self.optimizer.lr = self.lr_at(0)
 
     def lr_at(self, k: int) -> float:
@@ -29,6 +28,4 @@ class Scheduler:
 
     def load_state_dict(self, state: dict) -> None:
         self.last_epoch = int(state["last_epoch"])
-        self.optimizer.lr = self.lr_at(
-            self.last_epoch
-        )  # the lr the next update uses, as after step()
+        self.optimizer.lr = self.lr_at(self.last_epoch)  # the next update's, as after step()

@@ -10,10 +10,8 @@ class WarmupCosine(Scheduler):
                  min_lr_ratio: float, num_cycles: float, run_total_steps: int | None = None):  # fmt: skip
         total_steps = total_steps if total_steps is not None else run_total_steps
         if total_steps is None or total_steps < 1 or warmup_steps < 0:
-            raise ValueError(
-                "scheduler needs total_steps >= 1 and warmup_steps >= 0, "
-                f"got {total_steps}, {warmup_steps}"
-            )
+            got = f"got {total_steps}, {warmup_steps}"
+            raise ValueError(f"scheduler needs total_steps >= 1 and warmup_steps >= 0, {got}")
         self.total_steps, self.warmup_steps = int(total_steps), int(warmup_steps)
         self.warmup_offset = int(warmup_offset)
         self.min_lr_ratio, self.num_cycles = float(min_lr_ratio), float(num_cycles)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -11,7 +12,6 @@ import shutil
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
@@ -60,7 +60,7 @@ def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, s
     return out
 
 
-def _stop(code: int, message: str) -> None:
+def _stop(message: str, code: int = EXIT_BAD_INPUT) -> None:
     """The sweep refused: Hydra makes a warning of a callback's Exception and goes on, not of a Refusal."""
     raise errors.Refusal(errors.CommandError(message, exit_code=code))
 
@@ -94,8 +94,7 @@ def _slurm_jobs(launcher) -> Path | None:
     """Where submitit keeps a SLURM sweep's jobs, a folder per job id (`.submitit/%j`); None for other launchers."""
     if not str(launcher.get("_target_", "")).endswith("SlurmLauncher"):
         return None
-    folder = str(launcher.get("submitit_folder") or "")
-    prefix = folder.split("%", 1)[0]
+    prefix = str(launcher.get("submitit_folder") or "").split("%", 1)[0]
     return Path(prefix) if prefix.endswith("/") else Path(prefix).parent
 
 
@@ -119,21 +118,11 @@ def refuse_monitors(config: DictConfig, swept_keys) -> None:
     if swept_monitor_inputs(swept_keys):
         return
     try:
-        plain = {k.split(".")[0]: _plain(config.get(k.split(".")[0])) for k in MONITOR_KEYS}
-        check_monitors(plain)
+        check_monitors({k.split(".")[0]: _plain(config.get(k.split(".")[0])) for k in MONITOR_KEYS})
     except ConfigError as e:
-        _stop(EXIT_BAD_INPUT, str(e))
+        _stop(str(e))
     except Exception as e:
         log.debug("monitors not checked before the sweep: %s", e)
-
-
-@dataclass
-class _Start:
-    """What a sweep's start changed, to undo if no job runs: the directories made, the files as they were."""
-
-    directory: Path
-    made: atomic.NewDirs
-    files: dict
 
 
 def parent_run(tracking) -> SweepParent:
@@ -145,7 +134,7 @@ def parent_run(tracking) -> SweepParent:
     try:
         tracker = get_class(str(node["_target_"]))
     except Exception as e:
-        _stop(EXIT_BAD_INPUT, f"tracking._target_={node['_target_']}: {str(e).splitlines()[0]}")
+        _stop(f"tracking._target_={node['_target_']}: {str(e).splitlines()[0]}")
     settings = {k: v for k, v in node.items() if not k.startswith("_")}
     return getattr(tracker, "sweep_parent", SweepParent)(**settings)
 
@@ -178,18 +167,12 @@ def job_of(hydra_cfg) -> SweepJob:
     if problem is not None:
         why = f"{problem}; the sweep's launcher writes it before any job: re-run the sweep"
         return SweepJob(dir=directory, overrides=overrides, num=num, unreadable=why)
-    tracked = "uri" in sweep and not sweep.get("tracking_off")
-    return SweepJob(
-        dir=directory,
-        sweep_id=sweep["id"],
-        overrides=overrides,
-        num=num + int(sweep.get("job_offset") or 0),
-        name=job_name(overrides, sweep["swept"]),
-        parent={"sweep_id": sweep["id"]} if tracked else None,
-        parallel=not str(sweep.get("launcher", "")).endswith(".BasicLauncher"),
-        tracking_off=sweep.get("tracking_off"),
-        started=time.time(),
-    )
+    job = SweepJob(dir=directory, sweep_id=sweep["id"], overrides=overrides, started=time.time())
+    job.num, job.name = num + int(sweep.get("job_offset") or 0), job_name(overrides, sweep["swept"])
+    job.tracking_off = sweep.get("tracking_off")
+    job.parent = {"sweep_id": sweep["id"]} if "uri" in sweep and not job.tracking_off else None
+    job.parallel = not str(sweep.get("launcher", "")).endswith(".BasicLauncher")
+    return job
 
 
 class SweepCallback(Callback):
@@ -200,7 +183,9 @@ class SweepCallback(Callback):
         self.launcher_pid: int | None = None  # the process that started the sweep
         self.launched = False  # its parent run asked for, its line said
         self.indexed = False  # an index was asked for its parent run: it holds the first start
-        self.start: _Start | None = None  # what its start changed, for the entry's undo (here only)
+        # what its start changed, for the entry's undo (here only): the sweep directory, the directories
+        # made, the files as they were
+        self.start: tuple[Path, atomic.NewDirs, dict] | None = None
         self.code: int | None = None  # the sweep's exit code, once it has ended
 
     def __getstate__(self) -> dict:
@@ -211,32 +196,27 @@ class SweepCallback(Callback):
         hydra = config.hydra
         task = as_given(hydra.overrides.task)
         sweeper = _plain(hydra.sweeper, resolve=False) or {}
-        identity = {
-            "name": str(config.get("name", "")),
-            "overrides": sorted(o for o in task if not _machine(o)),
-            "sweeper": {k: v for k, v in sweeper.items() if k not in NOT_IDENTITY},
-        }
+        identity: dict = {"name": str(config.get("name", ""))}  # hashed with its keys sorted
+        identity["overrides"] = sorted(o for o in task if not _machine(o))
+        identity["sweeper"] = {k: v for k, v in sweeper.items() if k not in NOT_IDENTITY}
         # <output_dir>/sweeps/<name>-<id>
         if (why := names.problem(identity["name"] or "sweep")) is not None:
-            _stop(EXIT_BAD_INPUT, f"name={names.shown(identity['name'])}: {why}")
+            _stop(f"name={names.shown(identity['name'])}: {why}")
         if (count := job_count(task, sweeper)) > MAX_JOBS:  # before anything is written or expanded
-            _stop(
-                EXIT_BAD_INPUT,
-                f"this sweep asks for {count:,} jobs: at most {MAX_JOBS:,} in one multirun "
-                "(split it, or sample it with a sweeper such as Optuna and its n_trials)",
-            )
-        refuse_monitors(config, swept(task, sweeper.get("params")))
+            why = f"this sweep asks for {count:,} jobs: at most {MAX_JOBS:,} in one multirun"
+            _stop(f"{why} (split it, or sample it with a sweeper such as Optuna and its n_trials)")
+        refuse_monitors(config, keys := swept(task, sweeper.get("params")))
         try:
-            self._start(config, hydra, task, sweeper, identity)
+            self._start(config, hydra, task, sweeper, identity, keys)
         # a link planted at sweeps/ (or another of the output directory's entries)
         except atomic.UnsafePathError as e:
-            _stop(EXIT_BAD_INPUT, str(e))
+            _stop(str(e))
         except OSError as e:
             if (message := atomic.environment_error(e)) is None:
                 raise
-            _stop(errors.EXIT_ERROR, message)
+            _stop(message, errors.EXIT_ERROR)
 
-    def _start(self, config: DictConfig, hydra, task: list, sweeper: dict, identity: dict) -> None:
+    def _start(self, config, hydra, task: list, sweeper: dict, identity: dict, keys: dict) -> None:
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
         output_dir = Path(str(config.paths.output_dir))
         atomic.check_output_dir(output_dir)  # before its files are read or anything is made
@@ -251,7 +231,7 @@ class SweepCallback(Callback):
             elif name != OPTUNA_DB:
                 with contextlib.suppress(OSError):
                     files[name] = reading.read_bytes(target / name, MAX_SWEEP_RECORD)
-        self.start = _Start(target, atomic.NewDirs(target), files)
+        self.start = (target, atomic.NewDirs(target), files)
         self.parent = parent_run(config.get("tracking"))
         directory = atomic.ensure_dirs(output_dir, "sweeps", target.name)
         with open_dict(hydra):  # the launcher's and, composed again with this override, every job's
@@ -275,18 +255,16 @@ class SweepCallback(Callback):
         started = started if isinstance(started, (int, float)) else time.time()
         offset = _optuna_study(hydra, sweeper, directory, sweep_id) if optuna else 0
         objective = f"best/{best_val['monitor']}" if best_val else None
-        sweep = {"id": sweep_id, "dir": str(directory), "name": identity["name"]}
-        sweep |= {"swept": swept(task, sweeper.get("params")), "direction": direction}
-        sweep |= {"objective": config.get("optimized_metric") or objective}
-        sweep["launcher"] = str(hydra.launcher.get("_target_", ""))
-        sweep["sweeper"] = str(sweeper.get("_target_", ""))
-        sweep |= {"overrides": task, "started": started, "status": "running", "pid": os.getpid()}
-        sweep |= {"host": socket.gethostname(), "git_sha": git_info().get("git_sha")}
-        self.sweep = sweep | {"job_offset": offset}
+        sweep = {"id": sweep_id, "dir": str(directory), "name": identity["name"], "swept": keys}
+        sweep |= {"direction": direction, "objective": config.get("optimized_metric") or objective}
+        sweep |= {"launcher": str(hydra.launcher.get("_target_", "")), "overrides": task}
+        sweep |= {"sweeper": str(sweeper.get("_target_", "")), "started": started}
+        sweep |= {"status": "running", "pid": os.getpid(), "host": socket.gethostname()}
+        sweep |= {"git_sha": git_info().get("git_sha"), "job_offset": offset}
         # the parent's experiment, also for a sweep tracked by none (reindex puts the parent beside its children)
         parts = (str(OmegaConf.select(config, f"{g}._target_", default="")) for g in GROUPS)
-        self.sweep["experiment"] = experiment_name(str(config.get("name", "")), *parts)
-        self.sweep.update(self.parent.facts(timeout=STORE_WAIT))
+        sweep["experiment"] = experiment_name(identity["name"], *parts)
+        self.sweep = sweep | self.parent.facts(timeout=STORE_WAIT)
         atomic.replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
         self.launcher_pid = os.getpid()
         # Where the jobs run in this process, the parent run and the sweep's line wait for its first job (Hydra
@@ -308,31 +286,40 @@ class SweepCallback(Callback):
             self._launching()
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        """The table on stderr; the entry exits with `code`: 0 if every job completed, 75 if interrupted,
-        else the first failure's code."""
+        """The table on stderr; `code`, the entry's exit: 0 if all completed, 75 if interrupted, else a failed job's."""
         if self.sweep is not None:
             self.code = _report(end(self.sweep, None, self.parent))
 
     # --- the entry point, when the sweeper or Hydra raised in the launching process
+    def raised(self, e: Exception, job_began: bool) -> int | None:
+        """End this sweep after `e`, its code once its table and exit line are printed: on a full or read-only disk its
+        sweep.json says so (if the disk lets it); refused before any job ran (no signal came: a launcher's workers that
+        a signal ended are no refusal) and before its parent run was asked for, it leaves nothing."""
+        with contextlib.suppress(OSError):
+            if (message := atomic.environment_error(e)) is not None:
+                self.end_unfinished(message)
+            elif job_began or SIGNALS_STATE.received is not None or not self.discard_unlaunched():
+                self.end_unfinished(f"{type(e).__name__}: {e}")
+        return self.code
+
     def discard_unlaunched(self) -> bool:
-        """Undo this sweep's start if no job ran (no sweep left `running`); False if it had a job, an index was asked
-        for its parent run (its record and first start stay, for a re-run and a rebuild), or nothing to undo."""
+        """Undo the start if no job ran (no sweep left `running`); False if it had a job, an index was asked for its
+        parent run (its record and first start stay, for a re-run and a rebuild), or nothing to undo."""
         start, self.start = self.start, None
         if start is None or self.indexed:
             return False
-        jobs = start.directory / "jobs"
-        if jobs.exists() and any(jobs.iterdir()):
+        directory, made, files = start
+        if (directory / "jobs").exists() and any((directory / "jobs").iterdir()):
             return False
-        if start.directory in start.made.missing:
-            shutil.rmtree(start.directory, ignore_errors=True)
+        if directory in made.missing:
+            shutil.rmtree(directory, ignore_errors=True)
         else:
-            for name, data in start.files.items():
-                path = start.directory / name
+            for name, data in files.items():
                 if data is None:
-                    path.unlink(missing_ok=True)
+                    (directory / name).unlink(missing_ok=True)
                 else:
-                    atomic.replace_file(path, data)
-        start.made.prune()
+                    atomic.replace_file(directory / name, data)
+        made.prune()
         return True
 
     def end_unfinished(self, error: str) -> bool:
@@ -357,14 +344,12 @@ class SweepCallback(Callback):
 
 def _report(summary: dict) -> int:
     """The end table on stderr, then the exit line unless every job of this launch completed; the exit code."""
-    print(*summary["table"], sep="\n", file=sys.stderr)
+    say = functools.partial(print, file=sys.stderr)
+    say(*summary["table"], sep="\n")
     failed, of = summary["failed"], f"of {len(summary['jobs'])} jobs"
     if summary["status"] == "interrupted":
         said = f"{len(failed)} {of} did not finish" if summary["jobs"] else "no job ran"
-        said = (
-            f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it"
-        )
-        print(said, file=sys.stderr)
+        say(f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it")
         return EXIT_PREEMPTED
     if not failed:
         return 0
@@ -372,7 +357,7 @@ def _report(summary: dict) -> int:
         f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
         for n, j in failed.items()
     )
-    print(f"pipeline: {len(failed)} {of} failed: {'; '.join(each)}", file=sys.stderr)
+    say(f"pipeline: {len(failed)} {of} failed: {'; '.join(each)}")
     return min(int(j.get("code", 1)) for j in failed.values())
 
 

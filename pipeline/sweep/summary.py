@@ -14,9 +14,7 @@ from pipeline.run.report import run_page
 
 log = logging.getLogger("pipeline")
 
-MAX_ROWS = (
-    12  # with the header, the best and the parent lines: under 20 lines whatever the sweep's size
-)
+MAX_ROWS = 12  # with the header, the best and the parent lines: under 20 lines, whatever the sweep
 MAX_CELL = 24  # a swept value wider than this is cut (the job's run name has it whole)
 
 
@@ -37,10 +35,9 @@ def direction(sweep: dict) -> str:
     """ "minimize" or "maximize", as sweep.json recorded it at the start (from best-val's mode): never a guess."""
     value = sweep.get("direction")
     if value not in ("minimize", "maximize"):
-        raise SweepRecordError(
-            f"{Path(str(sweep.get('dir', '.'))) / 'sweep.json'}: direction={value!r}: not "
-            "minimize or maximize (the sweep's start records it; re-run the sweep)"
-        )
+        where = Path(str(sweep.get("dir", "."))) / "sweep.json"
+        why = "not minimize or maximize (the sweep's start records it; re-run the sweep)"
+        raise SweepRecordError(f"{where}: direction={value!r}: {why}")
     return value
 
 
@@ -90,11 +87,9 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
     counts = Counter(str(j.get("status", "unknown")) for j in jobs.values())
     ordered = sorted(counts.items(), key=lambda kv: (kv[0] != "complete", kv[0]))
     tally = ", ".join(f"{n} {s}" for s, n in ordered)
-    lines = [
-        f"sweep {sweep.get('name') or 'sweep'}-{sweep.get('id', '?')}: {len(jobs)} jobs"
-        + (f" ({tally})" if tally else "")
-        + f", {objective} ({'min' if minimize else 'max'})"
-    ]
+    head = f"sweep {sweep.get('name') or 'sweep'}-{sweep.get('id', '?')}: {len(jobs)} jobs"
+    head += f" ({tally})" if tally else ""
+    lines = [f"{head}, {objective} ({'min' if minimize else 'max'})"]
     if not jobs:
         return [*lines, f"parent: {parent[0]}", *parent[1:]]
     shown = sorted(jobs.values(), key=lambda j: j["num"])
@@ -117,8 +112,7 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
     for r, row_job in zip(rows, [None, *shown]):  # the header row has no job
         won = row_job is not None and best is not None and row_job["num"] == best["num"]
         cells = [j(c, w) for j, c, w in zip(just, r, widths)]
-        mark = "*" if won else " "
-        lines.append(f"  {mark} " + "  ".join(cells).rstrip())
+        lines.append(f"  {'*' if won else ' '} " + "  ".join(cells).rstrip())
     if len(jobs) > len(shown):
         lines.append(
             f"  ... {len(jobs) - len(shown)} more jobs (the {len(shown)} best are shown; every job is "
