@@ -251,7 +251,7 @@ class SweepCallback(Callback):
             previous = jsonio.read(directory / "sweep.json", MAX_SWEEP_JSON)
         except (OSError, ValueError):
             previous = {}
-        started = previous.get("started")
+        started = previous.get("started") if isinstance(previous, dict) else None
         started = started if isinstance(started, (int, float)) else time.time()
         offset = _optuna_study(hydra, sweeper, directory, sweep_id) if optuna else 0
         objective = f"best/{best_val['monitor']}" if best_val else None
@@ -332,7 +332,10 @@ class SweepCallback(Callback):
         except (OSError, ValueError):
             return False
         mine = (os.getpid(), socket.gethostname(), "running")
-        if (sweep.get("pid"), sweep.get("host"), sweep.get("status")) != mine:
+        if (
+            not isinstance(sweep, dict)
+            or (sweep.get("pid"), sweep.get("host"), sweep.get("status")) != mine
+        ):
             return False
         summary = end(sweep, error, self.parent)
         # what its sweeper stumbled on (Optuna's best trial, when none completed): the table, the jobs'

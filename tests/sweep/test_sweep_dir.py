@@ -40,3 +40,25 @@ def test_a_sweep_and_its_jobs_resume_commands_keep_an_output_directory_with_quot
         resume,
         again.stderr[-2000:],
     )
+
+
+def test_a_sweep_json_that_is_not_an_object_is_rewritten_by_the_same_sweep_not_a_traceback(
+    tmp_path,
+):
+    args = ["-m", *KERNODECK, "optimizer.lr=1e-3", f"paths.output_dir={tmp_path / 'out'}"]
+    assert run_pipeline(args, tmp_path).returncode == 0
+    (sweep,) = (tmp_path / "out" / "sweeps").iterdir()
+    (sweep / "sweep.json").write_text("[]")
+    again = run_pipeline(args, tmp_path)
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-3000:]
+    assert json.loads((sweep / "sweep.json").read_text())["status"] == "complete"
+
+
+def test_a_launcher_ends_only_its_own_sweep_whatever_its_sweep_json_holds(tmp_path):
+    from pipeline.sweep.callback import SweepCallback
+
+    sweep = SweepCallback()
+    sweep.sweep = {"dir": str(tmp_path)}
+    for text in ("[]", '"x"', "3", '{"pid": 1}'):
+        (tmp_path / "sweep.json").write_text(text)
+        assert sweep.end_unfinished("boom") is False and sweep.code is None
