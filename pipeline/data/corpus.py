@@ -35,12 +35,12 @@ FORMAT_VERSION = 1
 TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 512
 MAX_VOCAB = 512
 SPLITS = ("train", "val")
+MANIFEST = "MANIFEST.json"
 # the n-gram baseline is fitted on at most SAMPLE train tokens and scores at most SCORED val targets (~3 s)
 SAMPLE, SCORED = 1 << 22, 1 << 20
 log = logging.getLogger("pipeline")
-_STALE_TMP_SECONDS = (
-    3600.0  # a generation takes seconds: an hour-old temp dir is a crashed writer's
-)
+# a generation takes seconds: an hour-old temp dir is a crashed writer's
+_STALE_TMP_SECONDS = 3600.0
 
 
 @dataclass
@@ -95,7 +95,7 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
             raise ValueError(
                 f"{name} corpus {split} split has {n[split]} tokens, too few for one block of {T}+1"
             )
-    tokens = {s: _mapped(directory / f"{s}.tokens", n[s]) for s in SPLITS}
+    tokens = {s: _mapped(directory, s, files[f"{s}.tokens"]["size"]) for s in SPLITS}
     # The n-gram's memory is bounded whatever the text's size (a corpus within SAMPLE and SCORED: as a whole).
     positions = val_target_positions(min(n["val"], SCORED + 1), T)
     train = tokens["train"][:SAMPLE]
@@ -124,12 +124,13 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
         "files": {f: {"sha256": e["sha256"], "bytes": e["size"]} for f, e in sorted(files.items())},
     }
     raw = canonical_json(manifest)
-    write_new(directory / "MANIFEST.json", raw)
+    write_new(directory / MANIFEST, raw)
     return raw
 
 
-def _mapped(path: Path, n: int) -> np.ndarray:
-    """[n] tokens of a raw token file, memory-mapped read-only (never through a link; its size must be n's)."""
+def _mapped(directory: Path, split: str, size: int) -> np.ndarray:
+    """A split's raw token file of `size` bytes, memory-mapped read-only (never through a link; checked)."""
+    path, n = directory / f"{split}.tokens", size // TOKEN_DTYPE.itemsize
     with reading.open_file(path, MAX_TOKEN_FILE) as f:
         if os.fstat(f.fileno()).st_size != n * TOKEN_DTYPE.itemsize:
             raise ValueError(f"{path}: not {n} tokens of {TOKEN_DTYPE.itemsize} bytes")
@@ -139,42 +140,38 @@ def _mapped(path: Path, n: int) -> np.ndarray:
 def verify_corpus(
     directory: Path, params: dict | None = None, keep: tuple[str, ...] = ()
 ) -> tuple[dict, dict]:
-    """(the parsed manifest, {name: bytes as uint8 array} of the files named in `keep`), after checking every
+    """(the parsed manifest, {name: bytes} of MANIFEST.json and the files named in `keep`), after checking every
     file's size and sha256 (each read once, bounded, never through a link); a ValueError names what is wrong."""
     directory = Path(directory)
-    fix = f"delete {directory} to regenerate"
-    path = mpath = directory / "MANIFEST.json"
-    try:  # an OSError names the file being read, `path`
-        raw = reading.read_bytes(mpath, MAX_CORPUS_JSON)
-        try:
-            manifest = jsonio.loads(
-                raw
-            )  # strict: a duplicate key or 1e999 is refused, not read one way
+    try:  # an OSError names the file being read, MANIFEST.json
+        raw = reading.read_bytes(directory / MANIFEST, MAX_CORPUS_JSON)
+        try:  # strict: a duplicate key or 1e999 is refused, not read one way
+            manifest = jsonio.loads(raw)
         except ValueError as e:
-            raise ValueError(f"{mpath}: {e}; {fix}") from None
+            raise _unusable(directory, e) from None
         if canonical_json(manifest) != raw:
-            raise ValueError(f"{mpath}: not in canonical form (edited by hand?); {fix}")
-        if params is not None and (
-            not isinstance(manifest, dict) or manifest.get("params") != params
-        ):
-            raise ValueError(f"{mpath}: params differ from the requested {params}; {fix}")
-        files = manifest.get("files") if isinstance(manifest, dict) else None
-        if not isinstance(files, dict):
-            raise ValueError(
-                f"{mpath}: 'files' must map file names to their bytes and sha256; {fix}"
-            )
+            raise _unusable(directory, "not in canonical form (edited by hand?)")
+        said = manifest if isinstance(manifest, dict) else {}
+        if params is not None and said.get("params") != params:
+            raise _unusable(directory, f"params differ from the requested {params}")
+        if not isinstance(files := said.get("files"), dict):
+            raise _unusable(directory, "'files' must map file names to their bytes and sha256")
         kept = {fn: bytearray() for fn in keep if fn in files}
-        said = listing.problems(
-            directory, files, "MANIFEST.json", kept=kept, words=WORDS, size_keys=("size", "bytes")
+        found = listing.problems(
+            directory, files, MANIFEST, kept=kept, words=WORDS, size_keys=("size", "bytes")
         )
-        if problem := next(said, None):
-            raise ValueError(f"{directory / problem[0]}: {problem[1]}; {fix}")
+        if problem := next(found, None):
+            raise _unusable(directory, problem[1], problem[0])
     except FileNotFoundError:
-        raise ValueError(f"{path}: missing; {fix}") from None
+        raise _unusable(directory, "missing") from None
     except OSError as e:
-        raise ValueError(f"{path}: {e.strerror or e}; {fix}") from None
-    arrays = {fn: np.frombuffer(b, np.uint8) for fn, b in kept.items()}
-    return manifest, {**arrays, **({"MANIFEST.json": raw} if "MANIFEST.json" in keep else {})}
+        raise _unusable(directory, e.strerror or e) from None
+    return manifest, {**{fn: bytes(b) for fn, b in kept.items()}, MANIFEST: raw}
+
+
+def _unusable(directory: Path, why, name: str = MANIFEST) -> ValueError:
+    """A corpus's refusal: what is wrong with which of its files, and the fix."""
+    return ValueError(f"{directory / name}: {why}; delete {directory} to regenerate")
 
 
 # a corpus's words for a file unlike its MANIFEST.json, since format 1
@@ -223,12 +220,9 @@ def ensure_corpus(
             # Another writer published first; its bytes must equal ours, which verify checks.
     finally:
         remove_tree(tmp)
-    if verify_corpus(final, params, keep=("MANIFEST.json",))[1]["MANIFEST.json"] != raw:
+    if verify_corpus(final, params)[1][MANIFEST] != raw:
         # Same params, other bytes: the existing corpus came from another version of the generator.
-        raise ValueError(
-            f"{final / 'MANIFEST.json'}: differs from the one these params generate; delete {final} "
-            "to regenerate"
-        )
+        raise _unusable(final, "differs from the one these params generate")
     return final
 
 
@@ -239,7 +233,7 @@ def find_corpus(data_dir: Path, manifest_hash: str) -> Path | None:
     for e in sorted(os.scandir(data_dir), key=lambda e: e.name)[:MAX_CORPORA]:
         if not e.name.startswith(TMP_PREFIX) and e.is_dir(follow_symlinks=False):
             with contextlib.suppress(OSError):
-                if reading.sha256(Path(e.path) / "MANIFEST.json", MAX_CORPUS_JSON) == manifest_hash:
+                if reading.sha256(Path(e.path) / MANIFEST, MAX_CORPUS_JSON) == manifest_hash:
                     return Path(e.path)
     return None
 
@@ -265,22 +259,21 @@ class TokenDataset:
     ):
         # <cache_dir>/<name>-<hash of params>/, generated by `build` if absent, then opened
         self.directory = ensure_corpus(Path(cache_dir), name, params, build)
-        names = ("MANIFEST.json", "vocab.json")  # the token files are verified, then mapped
-        self.manifest, files = verify_corpus(self.directory, params, keep=names)
-        self.manifest_hash = hashlib.sha256(files["MANIFEST.json"]).hexdigest()
+        # the token files are verified, then mapped
+        self.manifest, files = verify_corpus(self.directory, params, keep=("vocab.json",))
+        self.manifest_hash = hashlib.sha256(files[MANIFEST]).hexdigest()
         try:
-            vocab = jsonio.loads(files["vocab.json"].tobytes())
+            vocab = jsonio.loads(files["vocab.json"])
+            if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)):
+                raise ValueError("not a list of tokens")
         except ValueError as e:
             raise ValueError(f"{self.directory / 'vocab.json'}: {e}") from None
-        if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)):
-            raise ValueError(f"{self.directory / 'vocab.json'}: not a list of tokens")
         self.vocab: list[str] = vocab
         # split -> [N] tokens memory-mapped from the verified files (uint16); batches are int64
-        listed = {
-            s: self.manifest["files"][f"{s}.tokens"]["bytes"] // TOKEN_DTYPE.itemsize
-            for s in SPLITS
+        listed = self.manifest["files"]
+        self.tokens = {
+            s: _mapped(self.directory, s, listed[f"{s}.tokens"]["bytes"]) for s in SPLITS
         }
-        self.tokens = {s: _mapped(self.directory / f"{s}.tokens", listed[s]) for s in SPLITS}
         T = int(self.manifest["params"]["block_size"])
         self.spec = DataSpec(vocab_size=len(self.vocab), block_size=T)
         self.n_train = n_windows(len(self.tokens["train"]), T)
@@ -324,8 +317,4 @@ class TokenDataset:
 
     def inference_facts(self) -> dict:
         """What reading and writing the model's tokens needs of this data (a checkpoint's data.json)."""
-        return {
-            "vocab": list(self.vocab),
-            "decode_join": self._join,
-            "specials": dict(self.specials),
-        }
+        return dict(vocab=list(self.vocab), decode_join=self._join, specials=dict(self.specials))

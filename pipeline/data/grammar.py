@@ -6,6 +6,7 @@ import math
 import random
 from bisect import bisect_right
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate
 from typing import ClassVar
 
@@ -50,24 +51,18 @@ ANIMATE = ("person", "animal")
 INANIMATE = ("food", "text", "vehicle", "thing")
 PLACES = ("park", "garden", "house", "kitchen", "school", "forest")
 
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
 ATTRIBUTIVE = {
-    "animate": (
-        "tall",
-        "young",
-        "old",
-        "small",
-        "big",
-        "little",
-        "lazy",
-        "clever",
-        "brave",
-        "happy",
-    ),
-    "inanimate": ("old", "small", "big", "new", "red", "blue", "green", "heavy", "cheap", "little"),
+    "animate": _words("tall young old small big little lazy clever brave happy"),
+    "inanimate": _words("old small big new red blue green heavy cheap little"),
 }
 PREDICATIVE = {
-    "animate": ("happy", "hungry", "tired", "angry", "sad", "sick", "clever"),
-    "inanimate": ("new", "old", "broken", "heavy", "cheap", "red", "clean", "dirty"),
+    "animate": _words("happy hungry tired angry sad sick clever"),
+    "inanimate": _words("new old broken heavy cheap red clean dirty"),
 }
 
 DETERMINERS = {
@@ -125,8 +120,7 @@ TIME_PHRASES = {
 }
 PREPOSITIONS = ("near", "with", "behind")
 PLACE_PREPOSITIONS = ("in", "near", "behind")
-FUNCTION_WORDS: tuple[str, ...] = ("a", "an", "that", "not", "very", "will", "be", "been", "do")
-FUNCTION_WORDS += ("does", "did", "am", "is", "are", "was", "were", "has", "have")
+FUNCTION_WORDS = _words("a an that not very will be been do does did am is are was were has have")
 
 
 def vocabulary() -> list[str]:
@@ -341,24 +335,16 @@ def sentence(s: _Sampler) -> tuple[list[str], dict]:
 
 def generate(seed: int, n_sentences: int) -> tuple[list[list[str]], list[dict], list[float]]:
     """Sentences, their agreement metadata and log-probabilities: a pure function of (seed, n_sentences)."""
-    s = _Sampler(random.Random(int(seed)))
-    sentences, meta, logps = [], [], []
+    s, rows = _Sampler(random.Random(int(seed))), []
     for _ in range(int(n_sentences)):
         s.logp = 0.0
-        words, m = sentence(s)
-        sentences.append(words)
-        meta.append(m)
-        logps.append(s.logp)
-    return sentences, meta, logps
+        rows.append((*sentence(s), s.logp))  # the sentence's draws, then their log-probability
+    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
 
 
 def token_stream(sentences: list[list[str]], index: dict[str, int]) -> np.ndarray:
-    eos = index[EOS]
-    out: list[int] = []
-    for words in sentences:
-        out.extend(index[w] for w in words)
-        out.append(eos)
-    return np.asarray(out, dtype=np.int64)  # [n_tokens]
+    """[n_tokens] int64: every sentence's words, each followed by the end token."""
+    return np.asarray([index[w] for words in sentences for w in (*words, EOS)], dtype=np.int64)
 
 
 def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> CorpusContent:
@@ -400,8 +386,5 @@ class GrammarCorpus(TokenDataset):
         params = {"generator": "grammar", "version": GRAMMAR_VERSION, "seed": int(seed)}
         params.update(n_sentences=int(n_sentences), val_fraction=float(val_fraction))
         params.update(block_size=int(block_size), ngram_order=int(ngram_order))
-
-        def build() -> CorpusContent:
-            return build_grammar_corpus(int(seed), int(n_sentences), float(val_fraction))
-
+        build = partial(build_grammar_corpus, int(seed), int(n_sentences), float(val_fraction))
         super().__init__(cache_dir, "grammar", params, val_batch_size, build)
