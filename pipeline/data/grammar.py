@@ -227,36 +227,23 @@ def _noun_phrase(s: _Sampler, classes: tuple, max_adjectives: int) -> tuple[list
     return [det, *words], pron if number == "sg" else "they", cls
 
 
-def _finite(verb: Verb, agr: str, tense: str, negated: bool) -> list[str]:
-    """The verb group for a subject standing for pronoun `agr`; its first word is the finite one."""
-    third = agr in THIRD_SINGULAR
-    if tense == "present":
-        if negated:
-            return ["does" if third else "do", "not", verb.base]
-        return [verb.s if third else verb.base]
-    if tense == "past":
-        return ["did", "not", verb.base] if negated else [verb.past]
+def _finite(verb: Verb | None, agr: str, tense: str, negated: bool) -> list[str]:
+    """The verb group (verb None: the copula) for a subject standing for pronoun `agr`; its first word is the
+    finite one."""
+    neg, third = ["not"] if negated else [], agr in THIRD_SINGULAR
     if tense == "future":
-        return ["will", "not", verb.base] if negated else ["will", verb.base]
-    neg = ["not"] if negated else []
-    if tense == "progressive":
-        return [_be_present(agr), *neg, verb.ing]
-    return ["has" if third else "have", *neg, verb.pp]  # perfect
-
-
-def _be_present(agr: str) -> str:
-    return "am" if agr == "I" else "is" if agr in THIRD_SINGULAR else "are"
-
-
-def _copula(agr: str, tense: str, negated: bool) -> list[str]:
-    neg = ["not"] if negated else []
-    if tense in ("present", "progressive"):
-        return [_be_present(agr), *neg]
-    if tense == "past":
-        return ["was" if agr in ("I", *THIRD_SINGULAR) else "were", *neg]
-    if tense == "future":
-        return ["will", *neg, "be"]
-    return ["has" if agr in THIRD_SINGULAR else "have", *neg, "been"]
+        return ["will", *neg, verb.base if verb else "be"]
+    if tense == "perfect":
+        return ["has" if third else "have", *neg, verb.pp if verb else "been"]
+    if verb is None or tense == "progressive":  # a form of be first
+        if tense == "past":
+            be = "was" if agr == "I" or third else "were"
+        else:
+            be = "am" if agr == "I" else "is" if third else "are"
+        return [be, *neg, verb.ing] if verb else [be, *neg]
+    if negated:  # do-support
+        return ["did" if tense == "past" else "does" if third else "do", "not", verb.base]
+    return [verb.past if tense == "past" else verb.s if third else verb.base]
 
 
 def _relative_clause(s: _Sampler, head_agr: str, head_cls: str, tense: str) -> list[str]:
@@ -316,7 +303,7 @@ def sentence(s: _Sampler) -> tuple[list[str], dict]:
     negated = s.draw(NEGATED)
     verb_at = len(words)
     if cls in INANIMATE or s.draw(COPULA):
-        words += _copula(agr, tense, negated)
+        words += _finite(None, agr, tense, negated)
         if s.draw(VERY):
             words.append("very")
         words.append(s.draw(PREDICATE[_adjective_class(cls)]))
@@ -326,8 +313,7 @@ def sentence(s: _Sampler) -> tuple[list[str], dict]:
             words += [s.draw(PLACE_PREPOSITION), "the", s.draw(PLACE)]
     else:
         verb = s.draw(TRANSITIVE_VERB)
-        words += _finite(verb, agr, tense, negated)
-        words += _object(s, verb, agr)
+        words += [*_finite(verb, agr, tense, negated), *_object(s, verb, agr)]
     if where == "end":
         words += time_words
     return words, {"subject_head": head, "verb": verb_at, "agreement": agr, "tense": tense}

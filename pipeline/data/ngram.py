@@ -81,25 +81,24 @@ def _discounts(counts: np.ndarray) -> tuple[float, float, float]:
     return float(np.clip(d1, 0, 1)), float(np.clip(d2, 0, 2)), float(np.clip(d3, 0, 3))
 
 
+def _discount(d: tuple[float, float, float], counts: np.ndarray) -> np.ndarray:
+    """Each count's discount: 0 (an unseen gram), D1, D2 or D3+."""
+    return np.where(
+        counts == 0, 0.0, np.where(counts == 1, d[0], np.where(counts == 2, d[1], d[2]))
+    )
+
+
 def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
     ctx = keys // V  # keys are sorted, so contexts are runs
     start = _run_starts(ctx)
     ctx_keys = ctx[start]
     del ctx
-
-    def backoff(d):
-        discount = np.full(len(counts), d[2])  # D3+, then D1 and D2 where they apply
-        discount[counts == 1] = d[0]
-        discount[counts == 2] = d[1]
-        return np.add.reduceat(discount, start)
-
-    d = _discounts(counts)
-    ctx_backoff = backoff(d)
-    if not np.all(ctx_backoff > 0):
-        # An estimate clipped to 0 (tiny data) would leave a context no mass for the tokens never seen
-        # after it: they would get probability 0 (an infinite perplexity). The fallback discounts are > 0.
-        d = FALLBACK
-        ctx_backoff = backoff(d)
+    # An estimate clipped to 0 (tiny data) would leave a context no mass for the tokens never seen after it:
+    # they would get probability 0 (an infinite perplexity). The fallback discounts are > 0.
+    for d in (_discounts(counts), FALLBACK):
+        ctx_backoff = np.add.reduceat(_discount(d, counts), start)
+        if np.all(ctx_backoff > 0):
+            break
     return Level(keys, counts, ctx_keys, np.add.reduceat(counts, start), ctx_backoff, d)
 
 
@@ -133,11 +132,6 @@ def _lookup(sorted_keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> n
     return np.where(sorted_keys[i] == query, values[i], 0.0)
 
 
-def _discount_of(level: Level, counts: np.ndarray) -> np.ndarray:
-    d1, d2, d3 = level.discounts
-    return np.where(counts == 0, 0.0, np.where(counts == 1, d1, np.where(counts == 2, d2, d3)))
-
-
 def _mixed(
     level: Level, k: int, V: int, history: np.ndarray, targets: np.ndarray, p: np.ndarray
 ) -> np.ndarray:
@@ -152,7 +146,7 @@ def _mixed(
     backoff = _lookup(level.ctx_keys, level.ctx_backoff, ctx)
     seen = known & (total > 0)  # an unseen context passes the lower order through unchanged
     safe = np.where(seen, total, 1.0)
-    p_k = (np.maximum(c - _discount_of(level, c), 0.0) + backoff * p) / safe
+    p_k = (np.maximum(c - _discount(level.discounts, c), 0.0) + backoff * p) / safe
     return np.where(seen, p_k, p)
 
 
