@@ -18,20 +18,16 @@ from pipeline.data.corpus import CorpusContent, TokenDataset
 GRAMMAR_VERSION = 1
 EOS, COMMA = "<eos>", ","
 
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
 # Agreement is carried as the pronoun a subject stands for: it fixes person, number and gender at once.
 # subject, object, possessive, reflexive
-PRONOUNS = {
-    forms[0]: forms
-    for forms in (
-        ("I", "me", "my", "myself"),
-        ("you", "you", "your", "yourself"),
-        ("he", "him", "his", "himself"),
-        ("she", "her", "her", "herself"),
-        ("it", "it", "its", "itself"),
-        ("we", "us", "our", "ourselves"),
-        ("they", "them", "their", "themselves"),
-    )
-}
+_PRONOUNS = "I me my myself, you you your yourself, he him his himself, she her her herself"
+_PRONOUNS += ", it it its itself, we us our ourselves, they them their themselves"
+PRONOUNS = {forms[0]: forms for forms in map(_words, _PRONOUNS.split(", "))}
 THIRD_SINGULAR = ("he", "she", "it")
 
 # class, "singular plural pronoun-a-singular-stands-for" of each noun: one class a noun, one parse a string
@@ -50,11 +46,6 @@ NOUNS = tuple((*n.split(), cls) for cls, nouns in _NOUNS for n in nouns.split(",
 ANIMATE = ("person", "animal")
 INANIMATE = ("food", "text", "vehicle", "thing")
 PLACES = ("park", "garden", "house", "kitchen", "school", "forest")
-
-
-def _words(text: str) -> tuple[str, ...]:
-    return tuple(text.split())
-
 
 ATTRIBUTIVE = {
     "animate": _words("tall young old small big little lazy clever brave happy"),
