@@ -64,9 +64,7 @@ class Display:
         # per update; x block: tokens, for token data
         samples = state.iterator.batch_size * state.accumulate
         block = state.dataset.spec.block_size if state.dataset.spec.vocab_size else 0
-        self.speed = (
-            Throughput(samples * block, "tokens") if block else Throughput(samples, "samples")
-        )
+        self.speed = Throughput(samples * (block or 1), "tokens" if block else "samples")
         self.speed.start(time.perf_counter())
         if self.bar_enabled:
             self.bar = tqdm(

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
-import queue
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import numpy as np
+from numpy.random import Generator
 from threadpoolctl import ThreadpoolController
 
 from pipeline.data.base import Batch
 
 R = TypeVar("R")
+Grads = dict[str, np.ndarray]  # parameter name -> its gradient
 
 
 def split(batch: Batch, shards: int) -> list[Batch]:
@@ -28,7 +30,7 @@ def split(batch: Batch, shards: int) -> list[Batch]:
     ]
 
 
-def owned(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def owned(grads: Grads) -> Grads:
     """The same gradients as arrays of their own, safe to add into (no view, no array under two names)."""
     out, seen = {}, set()
     for name, g in grads.items():
@@ -37,13 +39,13 @@ def owned(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def child_rngs(rng: np.random.Generator | None, shards: int) -> list[np.random.Generator | None]:
+def child_rngs(rng: Generator | None, shards: int) -> list[Generator | None]:
     """One generator per shard: `shards` uint64 seeds drawn from rng in one call, before any shard runs, so
     rng's state afterwards depends only on the shard count; child k is Generator(PCG64(seeds[k]))."""
     if rng is None:
         return [None] * shards
     seeds = rng.integers(0, 2**64, size=shards, dtype=np.uint64)  # [shards]
-    return [np.random.Generator(np.random.PCG64(int(s))) for s in seeds]
+    return [Generator(np.random.PCG64(int(s))) for s in seeds]
 
 
 class Shards:
@@ -66,9 +68,7 @@ class Shards:
         self._closed = False
         self._pin_blas()
 
-    def loss_and_grads(
-        self, model, batch: Batch, rng: np.random.Generator | None
-    ) -> tuple[float, dict[str, np.ndarray]]:
+    def loss_and_grads(self, model, batch: Batch, rng: Generator | None) -> tuple[float, Grads]:
         """The batch's mean loss and gradients from its pieces' (l_k, g_k) in shard order: loss = sum_k (B_k/B) l_k;
         grads = (g_0 + ... + g_{n-1}) * (1/n) for equal pieces, else sum_k g_k * (B_k/B); empty pieces (shards > B)
         are not run; shards == 1 is exactly model.loss_and_grads(batch, rng), its draws included."""
@@ -125,21 +125,18 @@ class Shards:
         if self._pool is None or len(keys) == 1:
             return [fn(k) for k in keys]
         results: list = [None] * len(keys)
-        todo: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for i in range(len(keys)):
-            todo.put(i)
-        failed: list[bool] = []  # set once a key failed
+        todo = collections.deque(range(len(keys)))  # indices of keys; its pops are thread-safe
 
         def work() -> None:
-            while not failed:  # after a failure nobody starts another key
+            while True:
                 try:
-                    i = todo.get_nowait()
-                except queue.Empty:
+                    i = todo.popleft()
+                except IndexError:
                     return
                 try:
                     results[i] = fn(keys[i])
                 except BaseException:
-                    failed.append(True)
+                    todo.clear()  # after a failure nobody starts another key
                     raise
 
         helpers = [self._pool.submit(work) for _ in range(min(self.threads, len(keys)) - 1)]
