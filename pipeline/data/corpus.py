@@ -18,17 +18,7 @@ import numpy as np
 
 from pipeline.data import ngram
 from pipeline.data.base import Batch, DataSpec
-from pipeline.files import jsonio, listing, reading
-from pipeline.files.atomic import (
-    TMP_PREFIX,
-    ensure_dirs,
-    new_temp_dir,
-    publish_dir,
-    refuse_link,
-    remove_temporaries,
-    remove_tree,
-    write_new,
-)
+from pipeline.files import atomic, jsonio, listing, reading
 from pipeline.files.limits import MAX_CORPORA, MAX_CORPUS_JSON, MAX_TOKEN_FILE
 
 FORMAT_VERSION = 1
@@ -45,18 +35,13 @@ _STALE_TMP_SECONDS = 3600.0
 
 @dataclass
 class CorpusContent:
-    """What a generator hands over: both splits' tokens (arrays [N] int, or `pieces`: (split, tokens) in order,
-    train's first, streamed to disk), the vocabulary, and its own stats."""
+    """What a generator hands over: both splits' tokens as `pieces`, (split, [n] int tokens) in order, train's
+    first, streamed to disk; the vocabulary, and its own stats."""
 
     vocab: list[str]
     join: str  # decode() puts this between tokens: " " for words, "" for characters
-    train: np.ndarray | None = None
-    val: np.ndarray | None = None
-    pieces: Iterable[tuple[str, np.ndarray]] | None = None
+    pieces: Iterable[tuple[str, np.ndarray]]
     stats: dict = field(default_factory=dict)
-
-    def splits(self) -> Iterable[tuple[str, np.ndarray | None]]:
-        return self.pieces or (("train", self.train), ("val", self.val))
 
 
 def canonical_json(obj) -> bytes:
@@ -85,10 +70,11 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
         raise ValueError(
             f"{name} corpus has {V} distinct tokens, more than the {MAX_VOCAB} allowed"
         )
-    files = {"vocab.json": write_new(directory / "vocab.json", canonical_json(list(content.vocab)))}
-    for split, group in itertools.groupby(content.splits(), key=lambda piece: piece[0]):
+    vocab = canonical_json(list(content.vocab))
+    files = {"vocab.json": atomic.write_new(directory / "vocab.json", vocab)}
+    for split, group in itertools.groupby(content.pieces, key=lambda piece: piece[0]):
         pieces = (np.ascontiguousarray(toks, dtype=TOKEN_DTYPE) for _, toks in group)  # [n] each
-        files[f"{split}.tokens"] = write_new(directory / f"{split}.tokens", pieces)
+        files[f"{split}.tokens"] = atomic.write_new(directory / f"{split}.tokens", pieces)
     n = {s: files.get(f"{s}.tokens", {"size": 0})["size"] // TOKEN_DTYPE.itemsize for s in SPLITS}
     for split in SPLITS:
         if n_windows(n[split], T) < 1:
@@ -124,7 +110,7 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
         "files": {f: {"sha256": e["sha256"], "bytes": e["size"]} for f, e in sorted(files.items())},
     }
     raw = canonical_json(manifest)
-    write_new(directory / MANIFEST, raw)
+    atomic.write_new(directory / MANIFEST, raw)
     return raw
 
 
@@ -196,30 +182,31 @@ def ensure_corpus(
 ) -> Path:
     """<data_dir>/<name>-<hash>/, built by `build` only if absent, safe beside other writers; its reader verifies it."""
     parent = Path(data_dir)
-    refuse_link(parent, "directory")  # <output_dir>/data linked elsewhere would receive the corpus
+    # <output_dir>/data linked elsewhere would receive the corpus
+    atomic.refuse_link(parent, "directory")
     final = parent / f"{name}-{short_hash(params)}"
     if final.exists():
         return final
-    ensure_dirs(parent)
+    atomic.ensure_dirs(parent)
     # Other writers may be generating it now: their temporaries are young; an hour-old one is a crashed writer's.
-    remove_temporaries(parent, older_than=_STALE_TMP_SECONDS)
+    atomic.remove_temporaries(parent, older_than=_STALE_TMP_SECONDS)
     hidden = ("generator", "version", "source_sha256")
     shown = ", ".join(f"{k}={v}" for k, v in params.items() if k not in hidden)
     _notice(
         f"generating the {name} corpus ({shown}) into {final}; this takes a while once, then it is cached"
     )
-    tmp = new_temp_dir(parent, final.name)
+    tmp = atomic.new_temp_dir(parent, final.name)
     try:
         raw = write_corpus(tmp, build(), name, params)
         try:
-            publish_dir(tmp, final)
+            atomic.publish_dir(tmp, final)
             return final
         except OSError:
             if not final.exists():
                 raise
             # Another writer published first; its bytes must equal ours, which verify checks.
     finally:
-        remove_tree(tmp)
+        atomic.remove_tree(tmp)
     if verify_corpus(final, params)[1][MANIFEST] != raw:
         # Same params, other bytes: the existing corpus came from another version of the generator.
         raise _unusable(final, "differs from the one these params generate")
@@ -231,7 +218,7 @@ def find_corpus(data_dir: Path, manifest_hash: str) -> Path | None:
     if not data_dir.is_dir() or data_dir.is_symlink():
         return None
     for e in sorted(os.scandir(data_dir), key=lambda e: e.name)[:MAX_CORPORA]:
-        if not e.name.startswith(TMP_PREFIX) and e.is_dir(follow_symlinks=False):
+        if not e.name.startswith(atomic.TMP_PREFIX) and e.is_dir(follow_symlinks=False):
             with contextlib.suppress(OSError):
                 if reading.sha256(Path(e.path) / MANIFEST, MAX_CORPUS_JSON) == manifest_hash:
                     return Path(e.path)

@@ -341,7 +341,7 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
         "sentences": {"train": n_sentences - n_val, "val": n_val},
         "oracle_val_ppl_bound": round(math.exp(val_nats / len(val)), 4),
     }
-    return CorpusContent(train=train, val=val, vocab=vocab, join=" ", stats=stats)
+    return CorpusContent(vocab, join=" ", pieces=(("train", train), ("val", val)), stats=stats)
 
 
 class GrammarCorpus(TokenDataset):

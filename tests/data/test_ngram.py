@@ -111,9 +111,11 @@ def test_stream_log_probs_use_the_preceding_tokens_of_the_stream(small_corpus):
 
 def test_val_perplexity_is_a_meaningful_baseline():
     content = grammar.build_grammar_corpus(9, 6000, 0.1)
-    V, positions = len(content.vocab), corpus.val_target_positions(len(content.val), 64)
+    tokens = dict(content.pieces)
+    V, positions = len(content.vocab), corpus.val_target_positions(len(tokens["val"]), 64)
     ppl = {
-        n: ngram.perplexity(ngram.fit(content.train, n, V), content.val, positions) for n in (1, 3)
+        n: ngram.perplexity(ngram.fit(tokens["train"], n, V), tokens["val"], positions)
+        for n in (1, 3)
     }
     assert all(math.isfinite(p) and p > 1 for p in ppl.values())
     assert ppl[3] < 0.6 * ppl[1]  # context helps an n-gram a lot on this grammar
