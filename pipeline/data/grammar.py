@@ -364,4 +364,4 @@ class GrammarCorpus(TokenDataset):
         params.update(n_sentences=int(n_sentences), val_fraction=float(val_fraction))
         params.update(block_size=int(block_size), ngram_order=int(ngram_order))
         build = partial(build_grammar_corpus, int(seed), int(n_sentences), float(val_fraction))
-        super().__init__(cache_dir, "grammar", params, val_batch_size, build)
+        super().__init__(cache_dir, params, val_batch_size, build)

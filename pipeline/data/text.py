@@ -6,6 +6,7 @@ import codecs
 import hashlib
 import itertools
 from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -146,8 +147,5 @@ class TextCorpus(TokenDataset):
             params = {"generator": "text", "version": TEXT_VERSION, "source_sha256": text.sha256}
             params.update(val_fraction=float(val_fraction), block_size=int(block_size))
             params["ngram_order"] = int(ngram_order)
-
-            def build() -> CorpusContent:
-                return text.content(float(val_fraction), int(block_size))
-
-            super().__init__(cache_dir, "text", params, val_batch_size, build, bool(every_offset))
+            build = partial(text.content, float(val_fraction), int(block_size))
+            super().__init__(cache_dir, params, val_batch_size, build, bool(every_offset))
