@@ -84,7 +84,8 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
             raise ValueError(
                 f"{name} corpus {split} split has {n[split]} tokens, too few for one block of {T}+1"
             )
-    tokens = {s: _mapped(directory, s, files[f"{s}.tokens"]["size"]) for s in SPLITS}
+    listed = {f: {"sha256": e["sha256"], "bytes": e["size"]} for f, e in sorted(files.items())}
+    tokens = {s: _mapped(directory, s, listed) for s in SPLITS}
     # The n-gram's memory is bounded whatever the text's size (a corpus within SAMPLE and SCORED: as a whole).
     positions = val_target_positions(min(n["val"], SCORED + 1), T)
     train = tokens["train"][:SAMPLE]
@@ -110,16 +111,17 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
         "windows": {s: n_windows(n[s], T) for s in SPLITS},
         "baseline": {**baseline, "val_targets": len(positions), "val_ppl": round(ppl, 4)},
         "stats": content.stats,
-        "files": {f: {"sha256": e["sha256"], "bytes": e["size"]} for f, e in sorted(files.items())},
+        "files": listed,
     }
     raw = canonical_json(manifest)
     atomic.write_new(directory / MANIFEST, raw)
     return raw
 
 
-def _mapped(directory: Path, split: str, size: int) -> np.ndarray:
-    """A split's raw token file of `size` bytes, memory-mapped read-only (never through a link; checked)."""
-    path, n = directory / f"{split}.tokens", size // TOKEN_DTYPE.itemsize
+def _mapped(directory: Path, split: str, listed: dict) -> np.ndarray:
+    """A split's raw token file, of the size `listed` (MANIFEST.json's files) says, mapped read-only (no link)."""
+    path = directory / f"{split}.tokens"
+    n = listed[path.name]["bytes"] // TOKEN_DTYPE.itemsize
     with reading.open_file(path, MAX_TOKEN_FILE) as f:
         if os.fstat(f.fileno()).st_size != n * TOKEN_DTYPE.itemsize:
             raise ValueError(f"{path}: not {n} tokens of {TOKEN_DTYPE.itemsize} bytes")
@@ -252,10 +254,7 @@ class TokenDataset:
             raise ValueError(f"{self.directory / 'vocab.json'}: {e}") from None
         self.vocab: list[str] = vocab
         # split -> [N] tokens memory-mapped from the verified files (uint16); batches are int64
-        listed = self.manifest["files"]
-        self.tokens = {
-            s: _mapped(self.directory, s, listed[f"{s}.tokens"]["bytes"]) for s in SPLITS
-        }
+        self.tokens = {s: _mapped(self.directory, s, self.manifest["files"]) for s in SPLITS}
         T = int(self.manifest["params"]["block_size"])
         self.spec = DataSpec(vocab_size=len(self.vocab), block_size=T)
         self.n_train = n_windows(len(self.tokens["train"]), T)

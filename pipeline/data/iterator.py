@@ -104,19 +104,13 @@ def numpy_state_to_json(g: np.random.Generator) -> dict:
     s = g.bit_generator.state
     if s["bit_generator"] != "PCG64":
         raise TypeError(f"unsupported bit generator {s['bit_generator']}")
-    return {
-        "bit_generator": "PCG64",
-        "state": str(s["state"]["state"]),
-        "inc": str(s["state"]["inc"]),
-        "has_uint32": int(s["has_uint32"]),
-        "uinteger": int(s["uinteger"]),
-    }
+    big, small = {k: str(s["state"][k]) for k in _BIG}, {k: int(s[k]) for k in _SMALL}
+    return {"bit_generator": "PCG64", **big, **small}
 
 
 def numpy_state_from_json(d: dict) -> Any:  # numpy's typed state dict
-    return {
-        "bit_generator": d["bit_generator"],
-        "state": {"state": int(d["state"]), "inc": int(d["inc"])},
-        "has_uint32": int(d["has_uint32"]),
-        "uinteger": int(d["uinteger"]),
-    }
+    out = {"bit_generator": d["bit_generator"], "state": {k: int(d[k]) for k in _BIG}}
+    return out | {k: int(d[k]) for k in _SMALL}
+
+
+_BIG, _SMALL = ("state", "inc"), ("has_uint32", "uinteger")  # PCG64's 128-bit and its small ints

@@ -81,11 +81,9 @@ def _discounts(counts: np.ndarray) -> tuple[float, float, float]:
     return float(np.clip(d1, 0, 1)), float(np.clip(d2, 0, 2)), float(np.clip(d3, 0, 3))
 
 
-def _discount(d: tuple[float, float, float], counts: np.ndarray) -> np.ndarray:
+def _discount(d: tuple[float, float, float], c: np.ndarray) -> np.ndarray:
     """Each count's discount: 0 (an unseen gram), D1, D2 or D3+."""
-    return np.where(
-        counts == 0, 0.0, np.where(counts == 1, d[0], np.where(counts == 2, d[1], d[2]))
-    )
+    return np.where(c == 0, 0.0, np.where(c == 1, d[0], np.where(c == 2, d[1], d[2])))
 
 
 def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
