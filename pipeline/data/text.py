@@ -23,6 +23,9 @@ N_CODE_POINTS = 0x110000
 class TextError(ValueError):
     """data.path is not a text file the corpus can be built from (one line naming it)."""
 
+    def __init__(self, path, why):
+        super().__init__(f"data.path={path}: {why}")
+
 
 def _code_points(pieces: Iterable[bytes], path: Path) -> Iterator[np.ndarray]:
     """The characters of a file's pieces as code points (uint8 for an ASCII piece, else uint32)."""
@@ -38,9 +41,8 @@ def _code_points(pieces: Iterable[bytes], path: Path) -> Iterator[np.ndarray]:
                     decoder.decode(raw, final=not raw).encode("utf-32-le"), dtype="<u4"
                 )
         except UnicodeDecodeError as e:
-            raise TextError(
-                f"data.path={path}: not valid UTF-8 (bad byte at offset {offset - pending + e.start})"
-            ) from None
+            at = offset - pending + e.start
+            raise TextError(path, f"not valid UTF-8 (bad byte at offset {at})") from None
         offset += len(raw)
 
 
@@ -62,9 +64,9 @@ class TextFile:
             self.code_points = np.flatnonzero(seen)  # the vocabulary, sorted
             self.vocab = [chr(c) for c in self.code_points]
             if len(self.code_points) > MAX_VOCAB:
+                n = len(self.code_points)
                 raise TextError(
-                    f"data.path={self.path}: {len(self.code_points)} distinct characters, more than "
-                    f"the {MAX_VOCAB} allowed"
+                    self.path, f"{n} distinct characters, more than the {MAX_VOCAB} allowed"
                 )
         except BaseException:
             self.f.close()
@@ -92,9 +94,7 @@ class TextFile:
                 yield "val", toks[cut:]
             at += len(cps)
         if at != self.n or h.hexdigest() != self.sha256:
-            raise TextError(
-                f"data.path={self.path}: changed while it was read; give it once it is complete"
-            )
+            raise TextError(self.path, "changed while it was read; give it once it is complete")
 
     def tokens(self) -> np.ndarray:
         """[N] uint16: each character's index in the vocabulary, in file order (one pass of pieces())."""
@@ -108,9 +108,9 @@ class TextFile:
         n_val = round(self.n * val_fraction)
         n_train = self.n - n_val
         if min(n_windows(n_train, block_size), n_windows(n_val, block_size)) < 1:
+            short = f"{self.n} characters leave {n_train} train and {n_val} val"
             raise TextError(
-                f"data.path={self.path}: too short: {self.n} characters leave {n_train} train "
-                f"and {n_val} val, each needing at least {block_size + 1}"
+                self.path, f"too short: {short}, each needing at least {block_size + 1}"
             )
         stats = {"characters": {"train": n_train, "val": n_val}}
         return CorpusContent(vocab=self.vocab, join="", pieces=self.pieces(n_train), stats=stats)
@@ -142,7 +142,7 @@ class TextCorpus(TokenDataset):
         except FileNotFoundError:
             raise FileNotFoundError(f"data.path={path}: text file not found") from None
         except OSError as e:
-            raise TextError(f"data.path={path}: {e.strerror or e}") from None
+            raise TextError(path, e.strerror or e) from None
         with text:
             params = {"generator": "text", "version": TEXT_VERSION, "source_sha256": text.sha256}
             params.update(val_fraction=float(val_fraction), block_size=int(block_size))
