@@ -91,9 +91,8 @@ class Display:
         # with the bar: evaluations
         if is_logged(record, 0 if self.bar else self.log_every, state.total_steps):
             speed = f" ({text})" if (text := self.speed.text()) else ""
-            log.info(
-                "%s loss=%.6f lr=%.6g%s%s", where, record["train/loss"], record["lr"], val, speed
-            )
+            loss, lr = record["train/loss"], record["lr"]
+            log.info("%s loss=%.6f lr=%.6g%s%s", where, loss, lr, val, speed)
 
     def close(self) -> None:
         if self.bar is not None:
