@@ -165,10 +165,8 @@ class _Sampler:
         return [pool.pop(self.uniform(range(len(pool)))) for _ in range(k)]
 
 
-def _adjective_class(cls: str) -> str:
-    return "animate" if cls in ANIMATE else "inanimate"
-
-
+# which adjectives a noun class takes
+ADJECTIVES_OF = {c: "animate" if c in ANIMATE else "inanimate" for c in ANIMATE + INANIMATE}
 # Every choice the grammar makes, with its weights, in one place.
 NUMBER = Choice(("sg", "pl"))
 N_ADJECTIVES = {m: Choice(range(m + 1), (4, 3.5, 2, 0.5)[: m + 1]) for m in (1, 3)}
@@ -210,7 +208,7 @@ def _noun_phrase(s: _Sampler, classes: tuple, max_adjectives: int) -> tuple[list
     number = s.draw(NUMBER)
     cls = s.draw(CLASS_OF[classes])
     sg, pl, pron, _ = s.draw(NOUNS_OF[cls])
-    adjs = s.distinct(ATTRIBUTIVE[_adjective_class(cls)], s.draw(N_ADJECTIVES[max_adjectives]))
+    adjs = s.distinct(ATTRIBUTIVE[ADJECTIVES_OF[cls]], s.draw(N_ADJECTIVES[max_adjectives]))
     det = s.draw(DETERMINER[number])
     words = [*adjs, sg if number == "sg" else pl]
     if det == "a" and words[0][0] in "aeiou":
@@ -297,7 +295,7 @@ def sentence(s: _Sampler) -> tuple[list[str], dict]:
         words += _finite(None, agr, tense, negated)
         if s.draw(VERY):
             words.append("very")
-        words.append(s.draw(PREDICATE[_adjective_class(cls)]))
+        words.append(s.draw(PREDICATE[ADJECTIVES_OF[cls]]))
     elif s.draw(INTRANSITIVE_VP):
         words += _finite(s.draw(INTRANSITIVE_VERB), agr, tense, negated)
         if s.draw(PLACE_PP):

@@ -33,9 +33,7 @@ def draw(lines: list[dict]) -> bytes | None:
         if xs:
             ax_loss.plot(xs, ys, style, label=key, markersize=3)
             positive = positive or any(v > 0 for v in ys)
-    ax_loss.set_ylabel("loss")
-    if positive:
-        ax_loss.set_yscale("log")
+    ax_loss.set(ylabel="loss", yscale="log" if positive else "linear")
     ax_loss.legend()
     ax_loss.grid(True, alpha=0.3)
     ax_lr.plot(*series(lines, "lr"), "-", color="tab:green")
