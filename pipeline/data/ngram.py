@@ -130,15 +130,13 @@ def _lookup(sorted_keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> n
     return np.where(sorted_keys[i] == query, values[i], 0.0)
 
 
-def _mixed(
-    level: Level, k: int, V: int, history: np.ndarray, targets: np.ndarray, p: np.ndarray
-) -> np.ndarray:
-    """p(target | history) up to order k, from order k's counts and `p`, the probabilities up to order k-1."""
-    ctx_tokens = history[:, history.shape[1] - (k - 1) :]  # [N, k-1] the nearest k-1 tokens
-    known = (ctx_tokens >= 0).all(axis=1)
+def _mixed(level: Level, V: int, h: np.ndarray, targets: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """p(target | history) up to order k, from order k's counts, the history's nearest k-1 tokens `h` [N, k-1]
+    (-1 before a stream's start) and `p`, the probabilities up to order k-1."""
+    known = (h >= 0).all(axis=1)
     ctx = np.zeros(len(targets), dtype=np.int64)
-    for j in range(k - 1):
-        ctx = ctx * V + np.maximum(ctx_tokens[:, j], 0)
+    for j in range(h.shape[1]):
+        ctx = ctx * V + np.maximum(h[:, j], 0)
     c = _lookup(level.keys, level.counts, ctx * V + targets)
     total = _lookup(level.ctx_keys, level.ctx_total, ctx)
     backoff = _lookup(level.ctx_keys, level.ctx_backoff, ctx)
@@ -155,7 +153,7 @@ def distribution(model: KneserNey, history) -> np.ndarray:
     h = np.broadcast_to(np.asarray(padded[len(padded) - n :] if n else [], np.int64), (V, n))
     p, targets = np.full(V, 1.0 / V), np.arange(V, dtype=np.int64)  # order 0: uniform
     for k, level in enumerate(model.levels, start=1):
-        p = _mixed(level, k, V, h, targets, p)
+        p = _mixed(level, V, h[:, n - (k - 1) :], targets, p)
     return p
 
 
@@ -176,9 +174,8 @@ def _raised(levels, V: int, tokens: np.ndarray, positions: np.ndarray) -> np.nda
     for k, level in enumerate(levels, start=1):
         for a in range(0, len(positions), PIECE):
             at, piece = positions[a : a + PIECE], p[a : a + PIECE]
-            piece[:] = _mixed(
-                level, k, V, _history(tokens, at, k - 1), tokens[at].astype(np.int64), piece
-            )
+            h, targets = _history(tokens, at, k - 1), tokens[at].astype(np.int64)
+            piece[:] = _mixed(level, V, h, targets, piece)
         del level
     return p
 
