@@ -62,10 +62,8 @@ class DataIterator:
 
     def check_state_dict(self, state: dict) -> None:
         keys = {"epoch", "cursor", "permutation" if "permutation" in state else "start"}
-        if set(state) != keys:
-            raise BadValue(
-                sorted(set(state) ^ keys)[0], f"keys {sorted(state)}: expected {sorted(keys)}"
-            )
+        if odd := sorted(set(state) ^ keys):
+            raise BadValue(odd[0], f"keys {sorted(state)}: expected {sorted(keys)}")
         if "permutation" in state:
             perm = state["permutation"]
             if not isinstance(perm, np.ndarray) or perm.dtype.kind not in "iu":
@@ -81,12 +79,9 @@ class DataIterator:
                 np.random.PCG64().state = numpy_state_from_json(state["start"])
             except (TypeError, ValueError, KeyError) as e:
                 raise BadValue("start", f"start is not a data-order stream's state: {e}") from None
-        ok = all(type(state[k]) is int for k in ("epoch", "cursor"))
-        if not (ok and 0 <= state["cursor"] <= self.n and state["epoch"] >= 0):
-            raise BadValue(
-                "cursor",
-                f"cursor {state['cursor']} or epoch {state['epoch']} out of range (n={self.n})",
-            )
+        epoch, cursor = state["epoch"], state["cursor"]
+        if not (type(epoch) is type(cursor) is int and 0 <= cursor <= self.n and epoch >= 0):
+            raise BadValue("cursor", f"cursor {cursor} or epoch {epoch} out of range (n={self.n})")
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])

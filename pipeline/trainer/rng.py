@@ -24,14 +24,10 @@ class Streams:
 
     def __init__(self, seed: int):
         self.seed = int(seed)
-        self.np = {
-            n: np.random.Generator(np.random.PCG64(_child_seed(self.seed, n)))
-            for n in NUMPY_STREAMS
-        }
-        self.py = {
-            n: random.Random(int(_child_seed(self.seed, n).generate_state(1, np.uint64)[0]))
-            for n in PYTHON_STREAMS
-        }
+        child = {n: _child_seed(self.seed, n) for n in (*NUMPY_STREAMS, *PYTHON_STREAMS)}
+        self.np = {n: np.random.Generator(np.random.PCG64(child[n])) for n in NUMPY_STREAMS}
+        py_seeds = {n: int(child[n].generate_state(1, np.uint64)[0]) for n in PYTHON_STREAMS}
+        self.py = {n: random.Random(s) for n, s in py_seeds.items()}
 
     def __getitem__(self, name: str):
         return self.np[name] if name in self.np else self.py[name]
