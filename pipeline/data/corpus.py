@@ -273,11 +273,10 @@ class TokenDataset:
 
     def train_batch(self, ids: np.ndarray, dtype: np.dtype | None = None) -> Batch:
         ids = np.asarray(ids, dtype=np.int64)  # [B] offsets (every_offset) or window ids
+        lo, hi = (ids.min(), ids.max()) if ids.size else (0, 0)
         n = self.n_offsets or self.n_train
-        if ids.size and (ids.min() < 0 or ids.max() >= n):
-            raise IndexError(
-                f"train window ids must be in [0, {n}), got [{ids.min()}, {ids.max()}]"
-            )
+        if lo < 0 or hi >= n:
+            raise IndexError(f"train window ids must be in [0, {n}), got [{lo}, {hi}]")
         x, y = self._windows("train", ids if self.n_offsets else ids * self.spec.block_size)
         return Batch(ids=ids.copy(), x=x, y=y)
 
