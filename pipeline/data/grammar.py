@@ -217,8 +217,7 @@ def _noun_phrase(s: _Sampler, classes: tuple, max_adjectives: int) -> tuple[list
 
 
 def _finite(verb: Verb | None, agr: str, tense: str, negated: bool) -> list[str]:
-    """The verb group (verb None: the copula) for a subject standing for pronoun `agr`; its first word is the
-    finite one."""
+    """The verb group (verb None: the copula) for a subject standing for pronoun `agr`, its finite word first."""
     neg, third = ["not"] if negated else [], agr in THIRD_SINGULAR
     if tense == "future":
         return ["will", *neg, verb.base if verb else "be"]

@@ -78,11 +78,8 @@ def epochs_done(state: TrainState) -> int:
 
 
 def train_step(state: TrainState, profile: Profile = OFF) -> dict:
-    """One update from trainer.accumulate micro-batches; its record (the verifier compares ids, lr, loss).
-
-    Loss and gradient are the means over the micro-batches, (g_0 + ... + g_{N-1}) * (1/N) in order, clipped
-    after the mean (`grad_norm` is the norm before). A group of micro-batches is never cut by a checkpoint.
-    """
+    """One update from trainer.accumulate micro-batches, never cut by a checkpoint; its record. Loss and gradient
+    are their means, (g_0 + ... + g_{N-1}) * (1/N) in order, clipped after the mean (`grad_norm`: before)."""
     epoch = epochs_done(state)  # the epoch the update's first micro-batch comes from
     lr, ids, loss, grads = state.optimizer.lr, [], 0.0, None
     data, dropout = state.dataset, state.streams["dropout"]
