@@ -165,7 +165,6 @@ class _Sampler:
         return [pool.pop(self.uniform(range(len(pool)))) for _ in range(k)]
 
 
-# which adjectives a noun class takes
 ADJECTIVES_OF = {c: "animate" if c in ANIMATE else "inanimate" for c in ANIMATE + INANIMATE}
 # Every choice the grammar makes, with its weights, in one place.
 NUMBER = Choice(("sg", "pl"))

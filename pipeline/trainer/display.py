@@ -61,7 +61,6 @@ class Display:
         self.redirect = contextlib.ExitStack()
 
     def on_train_start(self, state) -> None:
-        # per update; x block: tokens, for token data
         samples = state.iterator.batch_size * state.accumulate
         block = state.dataset.spec.block_size if state.dataset.spec.vocab_size else 0
         self.speed = Throughput(samples * (block or 1), "tokens" if block else "samples")
