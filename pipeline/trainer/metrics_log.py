@@ -8,7 +8,7 @@ import sys
 import time
 from typing import TextIO
 
-from pipeline.files import jsonio
+from pipeline.files import atomic, jsonio
 
 LOGGED = ("train/loss", "train/ppl", "lr", "grad_norm", "clipped")
 
@@ -41,9 +41,7 @@ class MetricsLog:
             self.file.write(jsonio.dumps_line(line) + "\n")
             self.file.flush()
         except OSError as e:  # a full disk: the run fails naming the file (a torn last line is dropped on resume)
-            if e.filename is None:
-                e.filename = self.file.name
-            raise
+            raise atomic.named(e, self.file.name) from e
         for sink in self.sinks:
             sink(line)
 
