@@ -36,13 +36,10 @@ class Dataset(Protocol):
     # the names baseline_metrics gives (val/ngram_baseline_ppl), known before the data is built (absent: none)
     baselines: tuple[str, ...]
 
+    # augment: training randomness from the run's named streams
     def train_batch(self, ids: np.ndarray, dtype: np.dtype) -> Batch: ...
-
-    # training randomness from the run's named streams
     def augment(self, batch: Batch, streams) -> Batch: ...
-
     def val_batches(self, dtype: np.dtype) -> Iterator[Batch]: ...
-
     def baseline_metrics(self) -> dict[str, float]: ...
 
 

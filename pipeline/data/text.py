@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import hashlib
 import itertools
 from collections.abc import Iterable, Iterator
@@ -46,7 +47,7 @@ def _code_points(pieces: Iterable[bytes], path: Path) -> Iterator[np.ndarray]:
         offset += len(raw)
 
 
-class TextFile:
+class TextFile(contextlib.AbstractContextManager):
     """data.path scanned once in pieces: its sha256, UTF-8, its vocabulary (sorted as sorted(set(text)));
     pieces() is a second pass, only while the corpus is written. Memory: a few pieces. TextError or an OSError
     (reading.UnreadableFile: a FIFO, a device, over `max_bytes`, ... refused unopened) names data.path."""
@@ -114,9 +115,6 @@ class TextFile:
             )
         stats = {"characters": {"train": n_train, "val": n_val}}
         return CorpusContent(vocab=self.vocab, join="", pieces=self.pieces(n_train), stats=stats)
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc) -> None:
         self.f.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import os
 from collections.abc import Callable, Iterable
@@ -48,7 +49,7 @@ def child_rngs(rng: Generator | None, shards: int) -> list[Generator | None]:
     return [Generator(np.random.PCG64(int(s))) for s in seeds]
 
 
-class Shards:
+class Shards(contextlib.AbstractContextManager):
     """A model's loss and gradients as `shards` pieces of each batch on `threads` threads: `shards` is semantic
     (dropout draws, summation order), `threads` is not (pieces combined in shard order). BLAS is pinned to one
     thread from construction to close() (a multi-threaded GEMM may split work differently; idle OpenBLAS workers
@@ -156,9 +157,6 @@ class Shards:
                 self._pool.shutdown(wait=True)
             for lib, n in zip(self._blas, self._blas_before):
                 lib.set_num_threads(n)
-
-    def __enter__(self) -> Shards:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
