@@ -66,9 +66,10 @@ class Display:
         self.speed = Throughput(samples * (block or 1), "tokens" if block else "samples")
         self.speed.start(time.perf_counter())
         if self.bar_enabled:
-            self.bar = tqdm(
+            bar = tqdm(
                 total=state.total_steps, initial=state.step, desc="train", dynamic_ncols=True
             )
+            self.bar = self.redirect.enter_context(bar)  # closed by close()
             # Every log line while the bar shows (validation, mlflow's from its thread) goes above it through
             # tqdm.write, never into the middle of it.
             self.redirect.enter_context(logging_redirect_tqdm([logging.getLogger()]))
@@ -94,7 +95,5 @@ class Display:
             log.info("%s loss=%.6f lr=%.6g%s%s", where, loss, lr, val, speed)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar, bar = None, self.bar
-            bar.close()
+        self.bar = None
         self.redirect.close()
