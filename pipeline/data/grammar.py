@@ -241,9 +241,8 @@ def _relative_clause(s: _Sampler, head_agr: str, head_cls: str, tense: str) -> l
         obj, _, _ = _noun_phrase(s, verb.objects, 1)
         return ["that", *_finite(verb, head_agr, inner_tense, False), *obj]
     # object relative: "the dogs that the cat chases"; the inner verb must accept the head as object
-    if s.draw(INNER_SUBJECT_IS_PRONOUN):
-        agr = s.draw(PRONOUN)
-        subj = [PRONOUNS[agr][0]]
+    if s.draw(INNER_SUBJECT_IS_PRONOUN):  # a pronoun is named by its subject form
+        subj = [agr := s.draw(PRONOUN)]
     else:
         subj, agr, _ = _noun_phrase(s, ANIMATE, 1)
     verb = s.draw(VERB_TAKING[head_cls])
@@ -254,7 +253,7 @@ def _subject(s: _Sampler, tense: str) -> tuple[list[str], str, str, int]:
     # -> words, agreement pronoun, class, index of the word that fixes agreement
     if s.draw(SUBJECT_IS_PRONOUN):
         agr = s.draw(PRONOUN)
-        return [PRONOUNS[agr][0]], agr, "animal" if agr == "it" else "person", 0
+        return [agr], agr, "animal" if agr == "it" else "person", 0
     words, agr, cls = _noun_phrase(s, s.draw(SUBJECT_CLASSES), 3)
     head = len(words) - 1
     post = s.draw(POSTMODIFIER)
@@ -280,15 +279,12 @@ def _object(s: _Sampler, verb: Verb, agr: str) -> list[str]:
 
 def sentence(s: _Sampler) -> tuple[list[str], dict]:
     """One sentence (without the end token) and where its subject fixes its verb."""
-    tense = s.draw(TENSE)
-    where = s.draw(TIME_PLACE)
+    tense, where = s.draw(TENSE), s.draw(TIME_PLACE)
     time_words = list(s.draw(TIME_PHRASE[tense])) if where != "none" else []
     words = [*time_words, COMMA] if where == "start" else []
     subj, agr, cls, head = _subject(s, tense)
-    head += len(words)
-    words += subj
-    negated = s.draw(NEGATED)
-    verb_at = len(words)
+    head, words = head + len(words), words + subj
+    negated, verb_at = s.draw(NEGATED), len(words)
     if cls in INANIMATE or s.draw(COPULA):
         words += _finite(None, agr, tense, negated)
         if s.draw(VERY):
