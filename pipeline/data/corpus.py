@@ -263,11 +263,12 @@ class TokenDataset:
         self.val_batch_size = int(val_batch_size)
         self._join = self.manifest["decode_join"]
 
-    def _windows(self, split: str, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _batch(self, split: str, ids: np.ndarray, at_offsets: bool = False) -> Batch:
+        """Samples `ids` [B] (window ids, or stream offsets): x the first T of their T+1 tokens, y the last T."""
         T = self.spec.block_size
-        idx = starts[:, None] + np.arange(T + 1)[None, :]  # [B, T+1]
+        idx = (ids if at_offsets else ids * T)[:, None] + np.arange(T + 1)[None, :]  # [B, T+1]
         w = self.tokens[split][idx].astype(np.int64)
-        return w[:, :-1], w[:, 1:]  # x [B, T], y [B, T]
+        return Batch(ids=ids, x=w[:, :-1], y=w[:, 1:])
 
     def train_batch(self, ids: np.ndarray, dtype: np.dtype | None = None) -> Batch:
         ids = np.asarray(ids, dtype=np.int64)  # [B] offsets (every_offset) or window ids
@@ -275,8 +276,7 @@ class TokenDataset:
         n = self.n_offsets or self.n_train
         if lo < 0 or hi >= n:
             raise IndexError(f"train window ids must be in [0, {n}), got [{lo}, {hi}]")
-        x, y = self._windows("train", ids if self.n_offsets else ids * self.spec.block_size)
-        return Batch(ids=ids.copy(), x=x, y=y)
+        return self._batch("train", ids.copy(), at_offsets=bool(self.n_offsets))
 
     def augment(self, batch: Batch, streams) -> Batch:
         return batch  # token data has no training-time randomness
@@ -284,8 +284,7 @@ class TokenDataset:
     def val_batches(self, dtype: np.dtype | None = None) -> Iterator[Batch]:
         for start in range(0, self.n_val, self.val_batch_size):
             ids = np.arange(start, min(start + self.val_batch_size, self.n_val), dtype=np.int64)
-            x, y = self._windows("val", ids * self.spec.block_size)
-            yield Batch(ids=ids, x=x, y=y)
+            yield self._batch("val", ids)
 
     def baseline_metrics(self) -> dict[str, float]:
         return {self.baselines[0]: float(self.manifest["baseline"]["val_ppl"])}
