@@ -44,8 +44,7 @@ class Dataset(Protocol):
 
 
 def inference_facts(dataset) -> dict:
-    """{"vocab": [token, ...] by id, "decode_join": str, "specials": {role: token}} of token data; for data
-    without a vocabulary (rows) {"vocab": None, "decode_join": None, "specials": {}}. Computed once per run,
-    it travels in every checkpoint as data.json, so sample and export never need the corpus."""
+    """Token data's {"vocab": [token, ...] by id, "decode_join": str, "specials": {role: token}}, else none; once
+    per run, it travels in every checkpoint as data.json, so sample and export never need the corpus."""
     facts = getattr(dataset, "inference_facts", None)
     return facts() if facts is not None else {"vocab": None, "decode_join": None, "specials": {}}
