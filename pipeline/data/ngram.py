@@ -21,13 +21,6 @@ class Level:
     discounts: tuple[float, float, float]  # D1, D2, D3+
 
 
-@dataclass(frozen=True)
-class KneserNey:
-    order: int
-    vocab_size: int
-    levels: tuple[Level, ...]  # levels[k-1] holds order k
-
-
 def max_order(vocab_size: int) -> int:
     # A key packs k tokens in base V into an int64.
     return max(1, int(63 // math.log2(max(vocab_size, 2))))
@@ -118,12 +111,6 @@ def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
         yield _level(*_counted(held), V)  # no reference kept: the caller's drop frees it
 
 
-def fit(tokens: np.ndarray, order: int, vocab_size: int) -> KneserNey:
-    """Fit on one token stream [N] (any integer dtype)."""
-    levels = tuple(_levels(np.asarray(tokens), order, int(vocab_size)))
-    return KneserNey(order=int(order), vocab_size=int(vocab_size), levels=levels)
-
-
 def _lookup(sorted_keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
     # values[i] where sorted_keys[i] == query, else 0
     i = np.minimum(np.searchsorted(sorted_keys, query), len(sorted_keys) - 1)
@@ -144,17 +131,6 @@ def _mixed(level: Level, V: int, h: np.ndarray, targets: np.ndarray, p: np.ndarr
     safe = np.where(seen, total, 1.0)
     p_k = (np.maximum(c - _discount(level.discounts, c), 0.0) + backoff * p) / safe
     return np.where(seen, p_k, p)
-
-
-def distribution(model: KneserNey, history) -> np.ndarray:
-    """The full next-token distribution [V] after a history (its last order-1 tokens are used)."""
-    V, n = model.vocab_size, model.order - 1
-    padded = [-1] * n + [int(t) for t in history]
-    h = np.broadcast_to(np.asarray(padded[len(padded) - n :] if n else [], np.int64), (V, n))
-    p, targets = np.full(V, 1.0 / V), np.arange(V, dtype=np.int64)  # order 0: uniform
-    for k, level in enumerate(model.levels, start=1):
-        p = _mixed(level, V, h[:, n - (k - 1) :], targets, p)
-    return p
 
 
 PIECE = 1 << 20  # positions scored at a time
@@ -180,19 +156,10 @@ def _raised(levels, V: int, tokens: np.ndarray, positions: np.ndarray) -> np.nda
     return p
 
 
-def stream_log_probs(model: KneserNey, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """log p(tokens[i] | the up to order-1 tokens before i in the same stream) for each i in positions."""
-    return np.log(_raised(model.levels, model.vocab_size, np.asarray(tokens), positions))
-
-
-def perplexity(model: KneserNey, tokens: np.ndarray, positions: np.ndarray) -> float:
-    return float(np.exp(-np.mean(stream_log_probs(model, tokens, positions))))
-
-
 def fitted_perplexity(
     train: np.ndarray, order: int, vocab_size: int, tokens: np.ndarray, positions: np.ndarray
 ) -> float:
-    """perplexity(fit(train, order, vocab_size), tokens, positions), to the last bit, one level at a time."""
+    """The order-`order` model of `train`'s perplexity on `tokens` at `positions`, one level at a time."""
     V = int(vocab_size)
     p = _raised(_levels(np.asarray(train), order, V), V, tokens, positions)
     return float(np.exp(-np.mean(np.log(p))))

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import KERNODECK, env_for_subprocess, the_run, tree
+from conftest import KERNODECK, env_for_subprocess, ngram_fit, ngram_perplexity, the_run, tree
 
 from pipeline.config import identity
 from pipeline.data import ngram
@@ -240,8 +240,8 @@ def test_fitted_perplexity_is_fit_then_perplexity_to_the_last_bit(monkeypatch):
         tokens = rng.integers(0, V, 20000).astype(np.uint16)
         train, val = tokens[:18000], tokens[18000:]
         positions = np.arange(1, 1985, dtype=np.int64)
-        whole = ngram.perplexity(
-            ngram.fit(train.astype(np.int64), order, V), val.astype(np.int64), positions
+        whole = ngram_perplexity(
+            ngram_fit(train.astype(np.int64), order, V), V, val.astype(np.int64), positions
         )
         assert ngram.fitted_perplexity(train, order, V, val, positions) == whole
 
