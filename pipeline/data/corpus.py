@@ -128,9 +128,7 @@ def _mapped(directory: Path, split: str, listed: dict) -> np.ndarray:
         return np.memmap(f, dtype=TOKEN_DTYPE, mode="r", shape=(n,))
 
 
-def verify_corpus(
-    directory: Path, params: dict | None = None, keep: tuple[str, ...] = ()
-) -> tuple[dict, dict]:
+def verify_corpus(directory: Path, params: dict | None = None, keep=()) -> tuple[dict, dict]:
     """(the parsed manifest, {name: bytes} of MANIFEST.json and the files named in `keep`), after checking every
     file's size and sha256 (each read once, bounded, never through a link); a ValueError names what is wrong."""
     directory = Path(directory)

@@ -97,12 +97,6 @@ class TextFile(contextlib.AbstractContextManager):
         if at != self.n or h.hexdigest() != self.sha256:
             raise TextError(self.path, "changed while it was read; give it once it is complete")
 
-    def tokens(self) -> np.ndarray:
-        """[N] uint16: each character's index in the vocabulary, in file order (one pass of pieces())."""
-        return np.concatenate(
-            [toks for _, toks in self.pieces(self.n)] or [np.empty(0, TOKEN_DTYPE)]
-        )
-
     def content(self, val_fraction: float, block_size: int) -> CorpusContent:
         """The corpus: the last val_fraction of the text held out in one piece, so no val window overlaps training;
         its tokens streamed (pieces) into the corpus's files."""

@@ -81,9 +81,7 @@ class Shards(contextlib.AbstractContextManager):
         results = self._map(lambda k: model.loss_and_grads(pieces[k], rngs[k]), run)
         B, sizes = len(batch.ids), [len(pieces[k].ids) for k in run]
         weights = [n / B for n in sizes]  # python floats: they take the grads' dtype
-        loss = 0.0
-        for w, (piece_loss, _) in zip(weights, results):
-            loss += w * piece_loss
+        loss = sum(w * piece_loss for w, (piece_loss, _) in zip(weights, results))  # in shard order
         equal = len(set(sizes)) == 1
         grads = owned(results[0][1])
         for name, acc in grads.items():
