@@ -73,30 +73,25 @@ class Verb:
     reflexive: bool = False
 
 
-VERBS = (
-    Verb("run", "runs", "ran", "running", "run"),
-    Verb("sleep", "sleeps", "slept", "sleeping", "slept"),
-    Verb("sing", "sings", "sang", "singing", "sung"),
-    Verb("laugh", "laughs", "laughed", "laughing", "laughed"),
-    Verb("swim", "swims", "swam", "swimming", "swum"),
-    Verb("walk", "walks", "walked", "walking", "walked"),
-    Verb("jump", "jumps", "jumped", "jumping", "jumped"),
-    Verb("eat", "eats", "ate", "eating", "eaten", ("food",)),
-    Verb("cook", "cooks", "cooked", "cooking", "cooked", ("food",)),
-    Verb("buy", "buys", "bought", "buying", "bought", ("food", "text", "vehicle", "thing")),
-    Verb("read", "reads", "read", "reading", "read", ("text",)),
-    Verb("write", "writes", "wrote", "writing", "written", ("text",)),
-    Verb("drive", "drives", "drove", "driving", "driven", ("vehicle",)),
-    Verb("wash", "washes", "washed", "washing", "washed", ("vehicle", "thing", "animal"), True),
-    Verb("see", "sees", "saw", "seeing", "seen", ANIMATE + INANIMATE, True),
-    Verb("like", "likes", "liked", "liking", "liked", ANIMATE + INANIMATE, True),
-    Verb("find", "finds", "found", "finding", "found", ("person", "animal", "text", "thing")),
-    Verb("chase", "chases", "chased", "chasing", "chased", ANIMATE),
-    Verb("help", "helps", "helped", "helping", "helped", ANIMATE, True),
-    Verb("call", "calls", "called", "calling", "called", ANIMATE),
-    Verb("carry", "carries", "carried", "carrying", "carried", ("food", "text", "thing", "animal")),
-    Verb("open", "opens", "opened", "opening", "opened", ("text", "thing")),
+# (object noun classes, none: intransitive; "base s past ing pp" of each verb, "+self": takes a reflexive)
+_VERBS = (
+    ((), "run runs ran running run, sleep sleeps slept sleeping slept"),
+    ((), "sing sings sang singing sung, laugh laughs laughed laughing laughed"),
+    ((), "swim swims swam swimming swum, walk walks walked walking walked"),
+    ((), "jump jumps jumped jumping jumped"),
+    (("food",), "eat eats ate eating eaten, cook cooks cooked cooking cooked"),
+    (("food", "text", "vehicle", "thing"), "buy buys bought buying bought"),
+    (("text",), "read reads read reading read, write writes wrote writing written"),
+    (("vehicle",), "drive drives drove driving driven"),
+    (("vehicle", "thing", "animal"), "wash washes washed washing washed +self"),
+    (ANIMATE + INANIMATE, "see sees saw seeing seen +self, like likes liked liking liked +self"),
+    (("person", "animal", "text", "thing"), "find finds found finding found"),
+    (ANIMATE, "chase chases chased chasing chased, help helps helped helping helped +self"),
+    (ANIMATE, "call calls called calling called"),
+    (("food", "text", "thing", "animal"), "carry carries carried carrying carried"),
+    (("text", "thing"), "open opens opened opening opened"),
 )
+VERBS = tuple(Verb(*v.split()[:5], c, "+self" in v) for c, s in _VERBS for v in s.split(", "))
 INTRANSITIVE = tuple(v for v in VERBS if not v.objects)
 TRANSITIVE = tuple(v for v in VERBS if v.objects)
 
