@@ -181,11 +181,9 @@ NEGATED, COPULA, VERY = _coin(0.15), _coin(0.2), _coin(0.2)
 INTRANSITIVE_VP, PLACE_PP = _coin(0.35), _coin(0.5)
 INTRANSITIVE_VERB, TRANSITIVE_VERB = Choice(INTRANSITIVE), Choice(TRANSITIVE)
 VERB_TAKING = {c: Choice([v for v in TRANSITIVE if c in v.objects]) for c in ANIMATE + INANIMATE}
+OBJECT_KINDS = ("reflexive", "possessive", "pronoun", "np")
 OBJECT_KIND = {
-    v.base: Choice(
-        ("reflexive", "possessive", "pronoun", "np"),
-        (1.5 if v.reflexive else 0, 2.5, 1.0 if v.objects == ANIMATE else 0, 5),
-    )
+    v.base: Choice(OBJECT_KINDS, (1.5 * v.reflexive, 2.5, 1.0 * (v.objects == ANIMATE), 5))
     for v in TRANSITIVE
 }
 CLASS_OF = {

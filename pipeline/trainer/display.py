@@ -26,11 +26,8 @@ class Throughput:
         self.per_update, self.unit = int(per_update), unit
         self.ends: collections.deque = collections.deque(maxlen=window + 1)
 
-    def start(self, now: float) -> None:
-        self.ends.clear()
-        self.ends.append(now)
-
     def step(self, now: float) -> None:
+        """An update ended at `now` (the first call: the start)."""
         self.ends.append(now)
 
     def rates(self) -> tuple[float, float] | None:
@@ -64,7 +61,7 @@ class Display:
         samples = state.iterator.batch_size * state.accumulate
         block = state.dataset.spec.block_size if state.dataset.spec.vocab_size else 0
         self.speed = Throughput(samples * (block or 1), "tokens" if block else "samples")
-        self.speed.start(time.perf_counter())
+        self.speed.step(time.perf_counter())
         if self.bar_enabled:
             bar = tqdm(
                 total=state.total_steps, initial=state.step, desc="train", dynamic_ncols=True
