@@ -29,7 +29,6 @@ MANIFEST = "MANIFEST.json"
 # the n-gram baseline is fitted on at most SAMPLE train tokens and scores at most SCORED val targets (~3 s)
 SAMPLE, SCORED = 1 << 22, 1 << 20
 log = logging.getLogger("pipeline")
-# a generation takes seconds: an hour-old temp dir is a crashed writer's
 _STALE_TMP_SECONDS = 3600.0
 
 

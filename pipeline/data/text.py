@@ -64,11 +64,9 @@ class TextFile(contextlib.AbstractContextManager):
             self.sha256 = h.hexdigest()
             self.code_points = np.flatnonzero(seen)  # the vocabulary, sorted
             self.vocab = [chr(c) for c in self.code_points]
-            if len(self.code_points) > MAX_VOCAB:
-                n = len(self.code_points)
-                raise TextError(
-                    self.path, f"{n} distinct characters, more than the {MAX_VOCAB} allowed"
-                )
+            if (n := len(self.code_points)) > MAX_VOCAB:
+                many = f"{n} distinct characters, more than the {MAX_VOCAB} allowed"
+                raise TextError(self.path, many)
         except BaseException:
             self.f.close()
             raise
@@ -103,10 +101,8 @@ class TextFile(contextlib.AbstractContextManager):
         n_val = round(self.n * val_fraction)
         n_train = self.n - n_val
         if min(n_windows(n_train, block_size), n_windows(n_val, block_size)) < 1:
-            short = f"{self.n} characters leave {n_train} train and {n_val} val"
-            raise TextError(
-                self.path, f"too short: {short}, each needing at least {block_size + 1}"
-            )
+            short = f"too short: {self.n} characters leave {n_train} train and {n_val} val"
+            raise TextError(self.path, f"{short}, each needing at least {block_size + 1}")
         stats = {"characters": {"train": n_train, "val": n_val}}
         return CorpusContent(vocab=self.vocab, join="", pieces=self.pieces(n_train), stats=stats)
 

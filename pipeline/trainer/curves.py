@@ -11,8 +11,7 @@ LOSSES = ("train/loss", "val/loss")
 
 
 def series(lines: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of `key` over the lines that hold a finite number for it, in line order."""
-    # a non-finite value (on_nonfinite=continue) is a gap
+    """(steps, values) of `key` over the lines holding a finite number for it, in order (a non-finite one: a gap)."""
     ok = [ln for ln in lines if type(ln.get(key)) in (int, float) and math.isfinite(ln[key])]
     return [ln["step"] for ln in ok], [ln[key] for ln in ok]
 

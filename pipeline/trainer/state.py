@@ -67,7 +67,6 @@ class TrainState:
     # the stages' states (pipeline.stages.base.StageStates); the run layer builds them
     stages: object
     progress: Progress = field(default_factory=Progress)
-    # the shard runner: it pins BLAS to one thread until close()
     runner: Shards = field(init=False, repr=False)
 
     step = property(lambda self: self.progress.step)
@@ -75,8 +74,8 @@ class TrainState:
     metrics = property(lambda self: self.progress.metrics)
 
     def __post_init__(self):
-        # made with the state: from here on BLAS runs on one thread (the runner's pin), so every number the
-        # state computes, inside the runner or not, is the same whatever the thread count
+        # the shard runner, made with the state: from here to close() BLAS runs on one thread (its pin), so every
+        # number the state computes, inside the runner or not, is the same whatever the thread count
         self.runner = Shards(self.shards, self.threads)
 
     def close(self) -> None:
