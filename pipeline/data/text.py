@@ -48,9 +48,8 @@ def _code_points(pieces: Iterable[bytes], path: Path) -> Iterator[np.ndarray]:
 
 
 class TextFile(contextlib.AbstractContextManager):
-    """data.path scanned once in pieces: its sha256, UTF-8, its vocabulary (sorted as sorted(set(text)));
-    pieces() is a second pass, only while the corpus is written. Memory: a few pieces. TextError or an OSError
-    (reading.UnreadableFile: a FIFO, a device, over `max_bytes`, ... refused unopened) names data.path."""
+    """data.path scanned once in pieces (memory: a few): its sha256, UTF-8, vocabulary (as sorted(set(text))); pieces()
+    is a second pass. TextError or an OSError (a FIFO, a device, over `max_bytes`... refused unopened) names it."""
 
     def __init__(self, path: Path, max_bytes: int):
         self.path, self.max_bytes = Path(path), int(max_bytes)

@@ -59,8 +59,7 @@ def clip(grads: dict[str, np.ndarray], norm: float, max_norm: float) -> bool:
 
 
 def validate(state: TrainState) -> dict[str, float]:
-    """Mean validation loss over the fixed validation batches (the first trainer.eval_batches of them, if set:
-    the same subset every time), weighted by batch size, summed in batch order."""
+    """Mean validation loss over the first trainer.eval_batches (None: all) fixed validation batches, by batch size."""
     batches = itertools.islice(state.dataset.val_batches(state.dtype), state.eval_batches)
     loss = state.runner.mean_loss(state.model, batches)
     ppl = {"val/ppl": _ppl(loss)} if counts_tokens(state.dataset) else {}
@@ -135,9 +134,8 @@ def fit(
     callbacks: list,
     profile: Profile = OFF,
 ) -> None:
-    """Steps until the budget is spent or on_step_end (the run's decision) returns True, evaluating every
-    `eval_every` updates (0: every epoch's end), at the last, and before the first if state.eval_at_start;
-    callbacks see each record before the run (step 0's evaluation: only they see it)."""
+    """Steps until the budget is spent or on_step_end (the run's decision) is True, evaluating every `eval_every`
+    updates (0: each epoch's end) and at the last; callbacks see each record first (step 0's evaluation: only they)."""
     for cb in callbacks:
         getattr(cb, "on_train_start", lambda s: None)(state)
     # step 0's evaluation (trainer.eval_at_start; a resumed run is past it)

@@ -21,8 +21,7 @@ Grads = dict[str, np.ndarray]  # parameter name -> its gradient
 
 
 def split(batch: Batch, shards: int) -> list[Batch]:
-    """`shards` contiguous pieces along the sample axis, sizes as np.array_split (the first B % shards get one
-    more); pieces are views (ids, x, y), empty when shards > B; `extra` goes to every piece unchanged."""
+    """`shards` contiguous views along the sample axis, sized as np.array_split (empty ones when shards > B)."""
     B = len(batch.ids)
     bounds = np.cumsum([0] + [B // shards + (k < B % shards) for k in range(shards)])
     return [
@@ -50,10 +49,9 @@ def child_rngs(rng: Generator | None, shards: int) -> list[Generator | None]:
 
 
 class Shards(contextlib.AbstractContextManager):
-    """A model's loss and gradients as `shards` pieces of each batch on `threads` threads: `shards` is semantic
-    (dropout draws, summation order), `threads` is not (pieces combined in shard order). BLAS is pinned to one
-    thread from construction to close() (a multi-threaded GEMM may split work differently; idle OpenBLAS workers
-    spin). The model's `loss_and_grads` and `evaluate` may run concurrently: they only read `params`."""
+    """A model's loss and gradients as `shards` pieces of each batch (semantic) on `threads` threads (not: pieces
+    combined in shard order), BLAS pinned to one thread until close() (a threaded GEMM may split its sums otherwise;
+    idle OpenBLAS workers spin). The model's `loss_and_grads` and `evaluate` run concurrently: they only read."""
 
     def __init__(self, shards: int, threads: int | None = None):
         # None: the cores this process may run on (its CPU affinity; elsewhere than Linux, all)
@@ -70,9 +68,8 @@ class Shards(contextlib.AbstractContextManager):
         self._pin_blas()
 
     def loss_and_grads(self, model, batch: Batch, rng: Generator | None) -> tuple[float, Grads]:
-        """The batch's mean loss and gradients from its pieces' (l_k, g_k) in shard order: loss = sum_k (B_k/B) l_k;
-        grads = (g_0 + ... + g_{n-1}) * (1/n) for equal pieces, else sum_k g_k * (B_k/B); empty pieces (shards > B)
-        are not run; shards == 1 is exactly model.loss_and_grads(batch, rng), its draws included."""
+        """The batch's mean loss sum_k (B_k/B) l_k and gradients, (g_0 + ... + g_{n-1}) * (1/n) for equal pieces, else
+        sum_k g_k * (B_k/B), in shard order over the non-empty pieces; shards == 1 is model.loss_and_grads itself."""
         self._pin_blas()
         if self.shards == 1:
             return model.loss_and_grads(batch, rng)
@@ -118,9 +115,8 @@ class Shards(contextlib.AbstractContextManager):
                 lib.set_num_threads(1)
 
     def _map(self, fn: Callable[[int], R], keys: list[int]) -> list[R]:
-        """[fn(k) for k in keys], run by the calling thread and up to threads - 1 helpers, each taking the next
-        key as it frees up; results in key order, whatever finished first. After a failure the remaining keys
-        are dropped, and the first exception is re-raised once every thread has stopped."""
+        """[fn(k) for k in keys], in key order, by this thread and up to threads - 1 helpers, each taking the next key;
+        after a failure no key starts, and the first exception is re-raised once every thread has stopped."""
         if self._pool is None or len(keys) == 1:
             return [fn(k) for k in keys]
         results: list = [None] * len(keys)
