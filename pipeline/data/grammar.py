@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_right
-from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -62,15 +61,14 @@ DETERMINERS = {
 }
 
 
-@dataclass(frozen=True)
-class Verb:
+class Verb(NamedTuple):
     base: str
     s: str
     past: str
     ing: str
     pp: str
-    objects: tuple[str, ...] = ()  # object noun classes; empty = intransitive
-    reflexive: bool = False
+    objects: tuple[str, ...]  # object noun classes; empty = intransitive
+    reflexive: bool
 
 
 # (object noun classes, none: intransitive; "base s past ing pp" of each verb, "+self": takes a reflexive)
@@ -91,7 +89,7 @@ _VERBS = (
     (("food", "text", "thing", "animal"), "carry carries carried carrying carried"),
     (("text", "thing"), "open opens opened opening opened"),
 )
-VERBS = tuple(Verb(*v.split()[:5], c, "+self" in v) for c, s in _VERBS for v in s.split(", "))
+VERBS = tuple(Verb._make((*v.split()[:5], c, "+" in v)) for c, s in _VERBS for v in s.split(","))
 INTRANSITIVE = tuple(v for v in VERBS if not v.objects)
 TRANSITIVE = tuple(v for v in VERBS if v.objects)
 

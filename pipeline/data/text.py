@@ -95,8 +95,7 @@ class TextFile(contextlib.AbstractContextManager):
             raise TextError(self.path, "changed while it was read; give it once it is complete")
 
     def content(self, val_fraction: float, block_size: int) -> CorpusContent:
-        """The corpus: the last val_fraction of the text held out in one piece, so no val window overlaps training;
-        its tokens streamed (pieces) into the corpus's files."""
+        """The corpus, streamed: the last val_fraction of the text held out whole (no val window overlaps training)."""
         n_val = round(self.n * val_fraction)
         n_train = self.n - n_val
         if min(n_windows(n_train, block_size), n_windows(n_val, block_size)) < 1:

@@ -19,8 +19,7 @@ WINDOW = 20  # updates the throughput is measured over (the recent rate, not the
 
 
 class Throughput:
-    """Updates/s and samples (or tokens)/s over the last WINDOW updates, from the wall time between step ends
-    (evaluation and checkpoints included: what the run really does per second)."""
+    """Updates/s and samples (or tokens)/s over the last WINDOW step ends (evaluations and checkpoints included)."""
 
     def __init__(self, per_update: int, unit: str, window: int = WINDOW):
         self.per_update, self.unit = int(per_update), unit
@@ -63,10 +62,8 @@ class Display:
         self.speed = Throughput(samples * (block or 1), "tokens" if block else "samples")
         self.speed.step(time.perf_counter())
         if self.bar_enabled:
-            bar = tqdm(
-                total=state.total_steps, initial=state.step, desc="train", dynamic_ncols=True
-            )
-            self.bar = self.redirect.enter_context(bar)  # closed by close()
+            b = tqdm(total=state.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
+            self.bar = self.redirect.enter_context(b)  # closed by close()
             # Every log line while the bar shows (validation, mlflow's from its thread) goes above it through
             # tqdm.write, never into the middle of it.
             self.redirect.enter_context(logging_redirect_tqdm([logging.getLogger()]))
