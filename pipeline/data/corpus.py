@@ -29,7 +29,6 @@ MANIFEST = "MANIFEST.json"
 # the n-gram baseline is fitted on at most SAMPLE train tokens and scores at most SCORED val targets (~3 s)
 SAMPLE, SCORED = 1 << 22, 1 << 20
 log = logging.getLogger("pipeline")
-_STALE_TMP_SECONDS = 3600.0
 
 
 @dataclass
@@ -189,7 +188,7 @@ def ensure_corpus(data_dir: Path, name: str, params: dict, build: Build) -> Path
         return final
     atomic.ensure_dirs(parent)
     # Other writers may be generating it now: their temporaries are young; an hour-old one is a crashed writer's.
-    atomic.remove_temporaries(parent, older_than=_STALE_TMP_SECONDS)
+    atomic.remove_temporaries(parent, older_than=3600.0)
     hidden = ("generator", "version", "source_sha256")
     shown = ", ".join(f"{k}={v}" for k, v in params.items() if k not in hidden)
     _notice(
