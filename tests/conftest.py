@@ -580,3 +580,34 @@ def finished(request, finished_job) -> Path:
     test module's FINISHED overrides (default KERNODECK: checkpoints at 6 and 10, best and final links). Read it;
     copy it to change it."""
     return finished_job(*getattr(request.module, "FINISHED", KERNODECK))
+
+
+# The n-gram baseline's oracles: pipeline.data.ngram fits and scores one level at a time, these hold them all.
+import numpy as np  # noqa: E402
+
+from pipeline.data import ngram  # noqa: E402
+
+
+def ngram_fit(tokens, order: int, V: int) -> tuple:
+    """The interpolated modified Kneser-Ney model of one token stream: its levels, order 1 first."""
+    return tuple(ngram._levels(np.asarray(tokens), order, V))
+
+
+def ngram_log_probs(levels: tuple, V: int, tokens, positions) -> np.ndarray:
+    """log p(tokens[i] | the up to order-1 tokens before i in the same stream) for each i in positions."""
+    return np.log(ngram._raised(levels, V, np.asarray(tokens), positions))
+
+
+def ngram_perplexity(levels: tuple, V: int, tokens, positions) -> float:
+    return float(np.exp(-np.mean(ngram_log_probs(levels, V, tokens, positions))))
+
+
+def ngram_distribution(levels: tuple, V: int, history) -> np.ndarray:
+    """The full next-token distribution [V] after a history (its last order-1 tokens are used)."""
+    n = len(levels) - 1
+    padded = [-1] * n + [int(t) for t in history]
+    h = np.broadcast_to(np.asarray(padded[len(padded) - n :] if n else [], np.int64), (V, n))
+    p, targets = np.full(V, 1.0 / V), np.arange(V, dtype=np.int64)  # order 0: uniform
+    for k, level in enumerate(levels, start=1):
+        p = ngram._mixed(level, V, h[:, n - (k - 1) :], targets, p)
+    return p

@@ -36,19 +36,15 @@ class Dataset(Protocol):
     # the names baseline_metrics gives (val/ngram_baseline_ppl), known before the data is built (absent: none)
     baselines: tuple[str, ...]
 
+    # augment: training randomness from the run's named streams
     def train_batch(self, ids: np.ndarray, dtype: np.dtype) -> Batch: ...
-
-    # training randomness from the run's named streams
     def augment(self, batch: Batch, streams) -> Batch: ...
-
     def val_batches(self, dtype: np.dtype) -> Iterator[Batch]: ...
-
     def baseline_metrics(self) -> dict[str, float]: ...
 
 
 def inference_facts(dataset) -> dict:
-    """{"vocab": [token, ...] by id, "decode_join": str, "specials": {role: token}} of token data; for data
-    without a vocabulary (rows) {"vocab": None, "decode_join": None, "specials": {}}. Computed once per run,
-    it travels in every checkpoint as data.json, so sample and export never need the corpus."""
+    """Token data's {"vocab": [token, ...] by id, "decode_join": str, "specials": {role: token}}, else none; once
+    per run, it travels in every checkpoint as data.json, so sample and export never need the corpus."""
     facts = getattr(dataset, "inference_facts", None)
     return facts() if facts is not None else {"vocab": None, "decode_join": None, "specials": {}}

@@ -18,45 +18,31 @@ import numpy as np
 
 from pipeline.data import ngram
 from pipeline.data.base import Batch, DataSpec
-from pipeline.files import jsonio, listing, reading
-from pipeline.files.atomic import (
-    TMP_PREFIX,
-    ensure_dirs,
-    new_temp_dir,
-    publish_dir,
-    refuse_link,
-    remove_temporaries,
-    remove_tree,
-    write_new,
-)
+from pipeline.files import atomic, jsonio, listing, reading
 from pipeline.files.limits import MAX_CORPORA, MAX_CORPUS_JSON, MAX_TOKEN_FILE
 
 FORMAT_VERSION = 1
 TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 512
 MAX_VOCAB = 512
 SPLITS = ("train", "val")
+MANIFEST = "MANIFEST.json"
 # the n-gram baseline is fitted on at most SAMPLE train tokens and scores at most SCORED val targets (~3 s)
 SAMPLE, SCORED = 1 << 22, 1 << 20
 log = logging.getLogger("pipeline")
-_STALE_TMP_SECONDS = (
-    3600.0  # a generation takes seconds: an hour-old temp dir is a crashed writer's
-)
 
 
 @dataclass
 class CorpusContent:
-    """What a generator hands over: both splits' tokens (arrays [N] int, or `pieces`: (split, tokens) in order,
-    train's first, streamed to disk), the vocabulary, and its own stats."""
+    """What a generator hands over: both splits' tokens as `pieces`, (split, [n] int tokens) in order, train's
+    first, streamed to disk; the vocabulary, and its own stats."""
 
     vocab: list[str]
     join: str  # decode() puts this between tokens: " " for words, "" for characters
-    train: np.ndarray | None = None
-    val: np.ndarray | None = None
-    pieces: Iterable[tuple[str, np.ndarray]] | None = None
+    pieces: Iterable[tuple[str, np.ndarray]]
     stats: dict = field(default_factory=dict)
 
-    def splits(self) -> Iterable[tuple[str, np.ndarray | None]]:
-        return self.pieces or (("train", self.train), ("val", self.val))
+
+Build = Callable[[], CorpusContent]  # a corpus's generator, called only if its directory is absent
 
 
 def canonical_json(obj) -> bytes:
@@ -85,17 +71,19 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
         raise ValueError(
             f"{name} corpus has {V} distinct tokens, more than the {MAX_VOCAB} allowed"
         )
-    files = {"vocab.json": write_new(directory / "vocab.json", canonical_json(list(content.vocab)))}
-    for split, group in itertools.groupby(content.splits(), key=lambda piece: piece[0]):
+    vocab = canonical_json(list(content.vocab))
+    files = {"vocab.json": atomic.write_new(directory / "vocab.json", vocab)}
+    for split, group in itertools.groupby(content.pieces, key=lambda piece: piece[0]):
         pieces = (np.ascontiguousarray(toks, dtype=TOKEN_DTYPE) for _, toks in group)  # [n] each
-        files[f"{split}.tokens"] = write_new(directory / f"{split}.tokens", pieces)
+        files[f"{split}.tokens"] = atomic.write_new(directory / f"{split}.tokens", pieces)
     n = {s: files.get(f"{s}.tokens", {"size": 0})["size"] // TOKEN_DTYPE.itemsize for s in SPLITS}
     for split in SPLITS:
         if n_windows(n[split], T) < 1:
             raise ValueError(
                 f"{name} corpus {split} split has {n[split]} tokens, too few for one block of {T}+1"
             )
-    tokens = {s: _mapped(directory / f"{s}.tokens", n[s]) for s in SPLITS}
+    listed = {f: {"sha256": e["sha256"], "bytes": e["size"]} for f, e in sorted(files.items())}
+    tokens = {s: _mapped(directory, s, listed) for s in SPLITS}
     # The n-gram's memory is bounded whatever the text's size (a corpus within SAMPLE and SCORED: as a whole).
     positions = val_target_positions(min(n["val"], SCORED + 1), T)
     train = tokens["train"][:SAMPLE]
@@ -121,60 +109,56 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
         "windows": {s: n_windows(n[s], T) for s in SPLITS},
         "baseline": {**baseline, "val_targets": len(positions), "val_ppl": round(ppl, 4)},
         "stats": content.stats,
-        "files": {f: {"sha256": e["sha256"], "bytes": e["size"]} for f, e in sorted(files.items())},
+        "files": listed,
     }
     raw = canonical_json(manifest)
-    write_new(directory / "MANIFEST.json", raw)
+    atomic.write_new(directory / MANIFEST, raw)
     return raw
 
 
-def _mapped(path: Path, n: int) -> np.ndarray:
-    """[n] tokens of a raw token file, memory-mapped read-only (never through a link; its size must be n's)."""
+def _mapped(directory: Path, split: str, listed: dict) -> np.ndarray:
+    """A split's raw token file, of the size `listed` (MANIFEST.json's files) says, mapped read-only (no link)."""
+    path = directory / f"{split}.tokens"
+    n = listed[path.name]["bytes"] // TOKEN_DTYPE.itemsize
     with reading.open_file(path, MAX_TOKEN_FILE) as f:
         if os.fstat(f.fileno()).st_size != n * TOKEN_DTYPE.itemsize:
             raise ValueError(f"{path}: not {n} tokens of {TOKEN_DTYPE.itemsize} bytes")
         return np.memmap(f, dtype=TOKEN_DTYPE, mode="r", shape=(n,))
 
 
-def verify_corpus(
-    directory: Path, params: dict | None = None, keep: tuple[str, ...] = ()
-) -> tuple[dict, dict]:
-    """(the parsed manifest, {name: bytes as uint8 array} of the files named in `keep`), after checking every
+def verify_corpus(directory: Path, params: dict | None = None, keep=()) -> tuple[dict, dict]:
+    """(the parsed manifest, {name: bytes} of MANIFEST.json and the files named in `keep`), after checking every
     file's size and sha256 (each read once, bounded, never through a link); a ValueError names what is wrong."""
     directory = Path(directory)
-    fix = f"delete {directory} to regenerate"
-    path = mpath = directory / "MANIFEST.json"
-    try:  # an OSError names the file being read, `path`
-        raw = reading.read_bytes(mpath, MAX_CORPUS_JSON)
-        try:
-            manifest = jsonio.loads(
-                raw
-            )  # strict: a duplicate key or 1e999 is refused, not read one way
+    try:  # an OSError names the file being read, MANIFEST.json
+        raw = reading.read_bytes(directory / MANIFEST, MAX_CORPUS_JSON)
+        try:  # strict: a duplicate key or 1e999 is refused, not read one way
+            manifest = jsonio.loads(raw)
         except ValueError as e:
-            raise ValueError(f"{mpath}: {e}; {fix}") from None
+            raise _unusable(directory, e) from None
         if canonical_json(manifest) != raw:
-            raise ValueError(f"{mpath}: not in canonical form (edited by hand?); {fix}")
-        if params is not None and (
-            not isinstance(manifest, dict) or manifest.get("params") != params
-        ):
-            raise ValueError(f"{mpath}: params differ from the requested {params}; {fix}")
-        files = manifest.get("files") if isinstance(manifest, dict) else None
-        if not isinstance(files, dict):
-            raise ValueError(
-                f"{mpath}: 'files' must map file names to their bytes and sha256; {fix}"
-            )
+            raise _unusable(directory, "not in canonical form (edited by hand?)")
+        said = manifest if isinstance(manifest, dict) else {}
+        if params is not None and said.get("params") != params:
+            raise _unusable(directory, f"params differ from the requested {params}")
+        if not isinstance(files := said.get("files"), dict):
+            raise _unusable(directory, "'files' must map file names to their bytes and sha256")
         kept = {fn: bytearray() for fn in keep if fn in files}
-        said = listing.problems(
-            directory, files, "MANIFEST.json", kept=kept, words=WORDS, size_keys=("size", "bytes")
+        found = listing.problems(
+            directory, files, MANIFEST, kept=kept, words=WORDS, size_keys=("size", "bytes")
         )
-        if problem := next(said, None):
-            raise ValueError(f"{directory / problem[0]}: {problem[1]}; {fix}")
+        if problem := next(found, None):
+            raise _unusable(directory, problem[1], problem[0])
     except FileNotFoundError:
-        raise ValueError(f"{path}: missing; {fix}") from None
+        raise _unusable(directory, "missing") from None
     except OSError as e:
-        raise ValueError(f"{path}: {e.strerror or e}; {fix}") from None
-    arrays = {fn: np.frombuffer(b, np.uint8) for fn, b in kept.items()}
-    return manifest, {**arrays, **({"MANIFEST.json": raw} if "MANIFEST.json" in keep else {})}
+        raise _unusable(directory, e.strerror or e) from None
+    return manifest, {**{fn: bytes(b) for fn, b in kept.items()}, MANIFEST: raw}
+
+
+def _unusable(directory: Path, why, name: str = MANIFEST) -> ValueError:
+    """A corpus's refusal: what is wrong with which of its files, and the fix."""
+    return ValueError(f"{directory / name}: {why}; delete {directory} to regenerate")
 
 
 # a corpus's words for a file unlike its MANIFEST.json, since format 1
@@ -194,41 +178,37 @@ def _notice(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def ensure_corpus(
-    data_dir: Path, name: str, params: dict, build: Callable[[], CorpusContent]
-) -> Path:
+def ensure_corpus(data_dir: Path, name: str, params: dict, build: Build) -> Path:
     """<data_dir>/<name>-<hash>/, built by `build` only if absent, safe beside other writers; its reader verifies it."""
     parent = Path(data_dir)
-    refuse_link(parent, "directory")  # <output_dir>/data linked elsewhere would receive the corpus
+    # <output_dir>/data linked elsewhere would receive the corpus
+    atomic.refuse_link(parent, "directory")
     final = parent / f"{name}-{short_hash(params)}"
     if final.exists():
         return final
-    ensure_dirs(parent)
+    atomic.ensure_dirs(parent)
     # Other writers may be generating it now: their temporaries are young; an hour-old one is a crashed writer's.
-    remove_temporaries(parent, older_than=_STALE_TMP_SECONDS)
+    atomic.remove_temporaries(parent, older_than=3600.0)
     hidden = ("generator", "version", "source_sha256")
     shown = ", ".join(f"{k}={v}" for k, v in params.items() if k not in hidden)
     _notice(
         f"generating the {name} corpus ({shown}) into {final}; this takes a while once, then it is cached"
     )
-    tmp = new_temp_dir(parent, final.name)
+    tmp = atomic.new_temp_dir(parent, final.name)
     try:
         raw = write_corpus(tmp, build(), name, params)
         try:
-            publish_dir(tmp, final)
+            atomic.publish_dir(tmp, final)
             return final
         except OSError:
             if not final.exists():
                 raise
             # Another writer published first; its bytes must equal ours, which verify checks.
     finally:
-        remove_tree(tmp)
-    if verify_corpus(final, params, keep=("MANIFEST.json",))[1]["MANIFEST.json"] != raw:
+        atomic.remove_tree(tmp)
+    if verify_corpus(final, params)[1][MANIFEST] != raw:
         # Same params, other bytes: the existing corpus came from another version of the generator.
-        raise ValueError(
-            f"{final / 'MANIFEST.json'}: differs from the one these params generate; delete {final} "
-            "to regenerate"
-        )
+        raise _unusable(final, "differs from the one these params generate")
     return final
 
 
@@ -237,9 +217,9 @@ def find_corpus(data_dir: Path, manifest_hash: str) -> Path | None:
     if not data_dir.is_dir() or data_dir.is_symlink():
         return None
     for e in sorted(os.scandir(data_dir), key=lambda e: e.name)[:MAX_CORPORA]:
-        if not e.name.startswith(TMP_PREFIX) and e.is_dir(follow_symlinks=False):
+        if not e.name.startswith(atomic.TMP_PREFIX) and e.is_dir(follow_symlinks=False):
             with contextlib.suppress(OSError):
-                if reading.sha256(Path(e.path) / "MANIFEST.json", MAX_CORPUS_JSON) == manifest_hash:
+                if reading.sha256(Path(e.path) / MANIFEST, MAX_CORPUS_JSON) == manifest_hash:
                     return Path(e.path)
     return None
 
@@ -255,32 +235,20 @@ class TokenDataset:
     specials: ClassVar[dict[str, str]] = {}
 
     def __init__(
-        self,
-        cache_dir: str,
-        name: str,
-        params: dict,
-        val_batch_size: int,
-        build: Callable[[], CorpusContent],
-        every_offset: bool = False,
+        self, cache_dir: str, params: dict, val_batch_size: int, build: Build, every_offset=False
     ):
-        # <cache_dir>/<name>-<hash of params>/, generated by `build` if absent, then opened
-        self.directory = ensure_corpus(Path(cache_dir), name, params, build)
-        names = ("MANIFEST.json", "vocab.json")  # the token files are verified, then mapped
-        self.manifest, files = verify_corpus(self.directory, params, keep=names)
-        self.manifest_hash = hashlib.sha256(files["MANIFEST.json"]).hexdigest()
+        self.directory = ensure_corpus(Path(cache_dir), params["generator"], params, build)
+        self.manifest, files = verify_corpus(self.directory, params, keep=("vocab.json",))
+        self.manifest_hash = hashlib.sha256(files[MANIFEST]).hexdigest()
         try:
-            vocab = jsonio.loads(files["vocab.json"].tobytes())
+            vocab = jsonio.loads(files["vocab.json"])
+            if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)):
+                raise ValueError("not a list of tokens")
         except ValueError as e:
             raise ValueError(f"{self.directory / 'vocab.json'}: {e}") from None
-        if not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)):
-            raise ValueError(f"{self.directory / 'vocab.json'}: not a list of tokens")
         self.vocab: list[str] = vocab
         # split -> [N] tokens memory-mapped from the verified files (uint16); batches are int64
-        listed = {
-            s: self.manifest["files"][f"{s}.tokens"]["bytes"] // TOKEN_DTYPE.itemsize
-            for s in SPLITS
-        }
-        self.tokens = {s: _mapped(self.directory / f"{s}.tokens", listed[s]) for s in SPLITS}
+        self.tokens = {s: _mapped(self.directory, s, self.manifest["files"]) for s in SPLITS}
         T = int(self.manifest["params"]["block_size"])
         self.spec = DataSpec(vocab_size=len(self.vocab), block_size=T)
         self.n_train = n_windows(len(self.tokens["train"]), T)
@@ -291,21 +259,20 @@ class TokenDataset:
         self.val_batch_size = int(val_batch_size)
         self._join = self.manifest["decode_join"]
 
-    def _windows(self, split: str, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _batch(self, split: str, ids: np.ndarray, at_offsets: bool = False) -> Batch:
+        """Samples `ids` [B] (window ids, or stream offsets): x the first T of their T+1 tokens, y the last T."""
         T = self.spec.block_size
-        idx = starts[:, None] + np.arange(T + 1)[None, :]  # [B, T+1]
+        idx = (ids if at_offsets else ids * T)[:, None] + np.arange(T + 1)[None, :]  # [B, T+1]
         w = self.tokens[split][idx].astype(np.int64)
-        return w[:, :-1], w[:, 1:]  # x [B, T], y [B, T]
+        return Batch(ids=ids, x=w[:, :-1], y=w[:, 1:])
 
     def train_batch(self, ids: np.ndarray, dtype: np.dtype | None = None) -> Batch:
         ids = np.asarray(ids, dtype=np.int64)  # [B] offsets (every_offset) or window ids
+        lo, hi = (ids.min(), ids.max()) if ids.size else (0, 0)
         n = self.n_offsets or self.n_train
-        if ids.size and (ids.min() < 0 or ids.max() >= n):
-            raise IndexError(
-                f"train window ids must be in [0, {n}), got [{ids.min()}, {ids.max()}]"
-            )
-        x, y = self._windows("train", ids if self.n_offsets else ids * self.spec.block_size)
-        return Batch(ids=ids.copy(), x=x, y=y)
+        if lo < 0 or hi >= n:
+            raise IndexError(f"train window ids must be in [0, {n}), got [{lo}, {hi}]")
+        return self._batch("train", ids.copy(), at_offsets=bool(self.n_offsets))
 
     def augment(self, batch: Batch, streams) -> Batch:
         return batch  # token data has no training-time randomness
@@ -313,8 +280,7 @@ class TokenDataset:
     def val_batches(self, dtype: np.dtype | None = None) -> Iterator[Batch]:
         for start in range(0, self.n_val, self.val_batch_size):
             ids = np.arange(start, min(start + self.val_batch_size, self.n_val), dtype=np.int64)
-            x, y = self._windows("val", ids * self.spec.block_size)
-            yield Batch(ids=ids, x=x, y=y)
+            yield self._batch("val", ids)
 
     def baseline_metrics(self) -> dict[str, float]:
         return {self.baselines[0]: float(self.manifest["baseline"]["val_ppl"])}
@@ -324,8 +290,4 @@ class TokenDataset:
 
     def inference_facts(self) -> dict:
         """What reading and writing the model's tokens needs of this data (a checkpoint's data.json)."""
-        return {
-            "vocab": list(self.vocab),
-            "decode_join": self._join,
-            "specials": dict(self.specials),
-        }
+        return dict(vocab=list(self.vocab), decode_join=self._join, specials=dict(self.specials))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_right
-from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -17,20 +17,16 @@ from pipeline.data.corpus import CorpusContent, TokenDataset
 GRAMMAR_VERSION = 1
 EOS, COMMA = "<eos>", ","
 
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
 # Agreement is carried as the pronoun a subject stands for: it fixes person, number and gender at once.
 # subject, object, possessive, reflexive
-PRONOUNS = {
-    forms[0]: forms
-    for forms in (
-        ("I", "me", "my", "myself"),
-        ("you", "you", "your", "yourself"),
-        ("he", "him", "his", "himself"),
-        ("she", "her", "her", "herself"),
-        ("it", "it", "its", "itself"),
-        ("we", "us", "our", "ourselves"),
-        ("they", "them", "their", "themselves"),
-    )
-}
+_PRONOUNS = "I me my myself, you you your yourself, he him his himself, she her her herself"
+_PRONOUNS += ", it it its itself, we us our ourselves, they them their themselves"
+PRONOUNS = {forms[0]: forms for forms in map(_words, _PRONOUNS.split(", "))}
 THIRD_SINGULAR = ("he", "she", "it")
 
 # class, "singular plural pronoun-a-singular-stands-for" of each noun: one class a noun, one parse a string
@@ -51,23 +47,12 @@ INANIMATE = ("food", "text", "vehicle", "thing")
 PLACES = ("park", "garden", "house", "kitchen", "school", "forest")
 
 ATTRIBUTIVE = {
-    "animate": (
-        "tall",
-        "young",
-        "old",
-        "small",
-        "big",
-        "little",
-        "lazy",
-        "clever",
-        "brave",
-        "happy",
-    ),
-    "inanimate": ("old", "small", "big", "new", "red", "blue", "green", "heavy", "cheap", "little"),
+    "animate": _words("tall young old small big little lazy clever brave happy"),
+    "inanimate": _words("old small big new red blue green heavy cheap little"),
 }
 PREDICATIVE = {
-    "animate": ("happy", "hungry", "tired", "angry", "sad", "sick", "clever"),
-    "inanimate": ("new", "old", "broken", "heavy", "cheap", "red", "clean", "dirty"),
+    "animate": _words("happy hungry tired angry sad sick clever"),
+    "inanimate": _words("new old broken heavy cheap red clean dirty"),
 }
 
 DETERMINERS = {
@@ -76,41 +61,35 @@ DETERMINERS = {
 }
 
 
-@dataclass(frozen=True)
-class Verb:
+class Verb(NamedTuple):
     base: str
     s: str
     past: str
     ing: str
     pp: str
-    objects: tuple[str, ...] = ()  # object noun classes; empty = intransitive
-    reflexive: bool = False
+    objects: tuple[str, ...]  # object noun classes; empty = intransitive
+    reflexive: bool
 
 
-VERBS = (
-    Verb("run", "runs", "ran", "running", "run"),
-    Verb("sleep", "sleeps", "slept", "sleeping", "slept"),
-    Verb("sing", "sings", "sang", "singing", "sung"),
-    Verb("laugh", "laughs", "laughed", "laughing", "laughed"),
-    Verb("swim", "swims", "swam", "swimming", "swum"),
-    Verb("walk", "walks", "walked", "walking", "walked"),
-    Verb("jump", "jumps", "jumped", "jumping", "jumped"),
-    Verb("eat", "eats", "ate", "eating", "eaten", ("food",)),
-    Verb("cook", "cooks", "cooked", "cooking", "cooked", ("food",)),
-    Verb("buy", "buys", "bought", "buying", "bought", ("food", "text", "vehicle", "thing")),
-    Verb("read", "reads", "read", "reading", "read", ("text",)),
-    Verb("write", "writes", "wrote", "writing", "written", ("text",)),
-    Verb("drive", "drives", "drove", "driving", "driven", ("vehicle",)),
-    Verb("wash", "washes", "washed", "washing", "washed", ("vehicle", "thing", "animal"), True),
-    Verb("see", "sees", "saw", "seeing", "seen", ANIMATE + INANIMATE, True),
-    Verb("like", "likes", "liked", "liking", "liked", ANIMATE + INANIMATE, True),
-    Verb("find", "finds", "found", "finding", "found", ("person", "animal", "text", "thing")),
-    Verb("chase", "chases", "chased", "chasing", "chased", ANIMATE),
-    Verb("help", "helps", "helped", "helping", "helped", ANIMATE, True),
-    Verb("call", "calls", "called", "calling", "called", ANIMATE),
-    Verb("carry", "carries", "carried", "carrying", "carried", ("food", "text", "thing", "animal")),
-    Verb("open", "opens", "opened", "opening", "opened", ("text", "thing")),
+# (object noun classes, none: intransitive; "base s past ing pp" of each verb, "+self": takes a reflexive)
+_VERBS = (
+    ((), "run runs ran running run, sleep sleeps slept sleeping slept"),
+    ((), "sing sings sang singing sung, laugh laughs laughed laughing laughed"),
+    ((), "swim swims swam swimming swum, walk walks walked walking walked"),
+    ((), "jump jumps jumped jumping jumped"),
+    (("food",), "eat eats ate eating eaten, cook cooks cooked cooking cooked"),
+    (("food", "text", "vehicle", "thing"), "buy buys bought buying bought"),
+    (("text",), "read reads read reading read, write writes wrote writing written"),
+    (("vehicle",), "drive drives drove driving driven"),
+    (("vehicle", "thing", "animal"), "wash washes washed washing washed +self"),
+    (ANIMATE + INANIMATE, "see sees saw seeing seen +self, like likes liked liking liked +self"),
+    (("person", "animal", "text", "thing"), "find finds found finding found"),
+    (ANIMATE, "chase chases chased chasing chased, help helps helped helping helped +self"),
+    (ANIMATE, "call calls called calling called"),
+    (("food", "text", "thing", "animal"), "carry carries carried carrying carried"),
+    (("text", "thing"), "open opens opened opening opened"),
 )
+VERBS = tuple(Verb._make((*v.split()[:5], c, "+" in v)) for c, s in _VERBS for v in s.split(","))
 INTRANSITIVE = tuple(v for v in VERBS if not v.objects)
 TRANSITIVE = tuple(v for v in VERBS if v.objects)
 
@@ -125,8 +104,7 @@ TIME_PHRASES = {
 }
 PREPOSITIONS = ("near", "with", "behind")
 PLACE_PREPOSITIONS = ("in", "near", "behind")
-FUNCTION_WORDS: tuple[str, ...] = ("a", "an", "that", "not", "very", "will", "be", "been", "do")
-FUNCTION_WORDS += ("does", "did", "am", "is", "are", "was", "were", "has", "have")
+FUNCTION_WORDS = _words("a an that not very will be been do does did am is are was were has have")
 
 
 def vocabulary() -> list[str]:
@@ -180,10 +158,7 @@ class _Sampler:
         return [pool.pop(self.uniform(range(len(pool)))) for _ in range(k)]
 
 
-def _adjective_class(cls: str) -> str:
-    return "animate" if cls in ANIMATE else "inanimate"
-
-
+ADJECTIVES_OF = {c: "animate" if c in ANIMATE else "inanimate" for c in ANIMATE + INANIMATE}
 # Every choice the grammar makes, with its weights, in one place.
 NUMBER = Choice(("sg", "pl"))
 N_ADJECTIVES = {m: Choice(range(m + 1), (4, 3.5, 2, 0.5)[: m + 1]) for m in (1, 3)}
@@ -204,11 +179,9 @@ NEGATED, COPULA, VERY = _coin(0.15), _coin(0.2), _coin(0.2)
 INTRANSITIVE_VP, PLACE_PP = _coin(0.35), _coin(0.5)
 INTRANSITIVE_VERB, TRANSITIVE_VERB = Choice(INTRANSITIVE), Choice(TRANSITIVE)
 VERB_TAKING = {c: Choice([v for v in TRANSITIVE if c in v.objects]) for c in ANIMATE + INANIMATE}
+OBJECT_KINDS = ("reflexive", "possessive", "pronoun", "np")
 OBJECT_KIND = {
-    v.base: Choice(
-        ("reflexive", "possessive", "pronoun", "np"),
-        (1.5 if v.reflexive else 0, 2.5, 1.0 if v.objects == ANIMATE else 0, 5),
-    )
+    v.base: Choice(OBJECT_KINDS, (1.5 * v.reflexive, 2.5, 1.0 * (v.objects == ANIMATE), 5))
     for v in TRANSITIVE
 }
 CLASS_OF = {
@@ -225,7 +198,7 @@ def _noun_phrase(s: _Sampler, classes: tuple, max_adjectives: int) -> tuple[list
     number = s.draw(NUMBER)
     cls = s.draw(CLASS_OF[classes])
     sg, pl, pron, _ = s.draw(NOUNS_OF[cls])
-    adjs = s.distinct(ATTRIBUTIVE[_adjective_class(cls)], s.draw(N_ADJECTIVES[max_adjectives]))
+    adjs = s.distinct(ATTRIBUTIVE[ADJECTIVES_OF[cls]], s.draw(N_ADJECTIVES[max_adjectives]))
     det = s.draw(DETERMINER[number])
     words = [*adjs, sg if number == "sg" else pl]
     if det == "a" and words[0][0] in "aeiou":
@@ -233,36 +206,22 @@ def _noun_phrase(s: _Sampler, classes: tuple, max_adjectives: int) -> tuple[list
     return [det, *words], pron if number == "sg" else "they", cls
 
 
-def _finite(verb: Verb, agr: str, tense: str, negated: bool) -> list[str]:
-    """The verb group for a subject standing for pronoun `agr`; its first word is the finite one."""
-    third = agr in THIRD_SINGULAR
-    if tense == "present":
-        if negated:
-            return ["does" if third else "do", "not", verb.base]
-        return [verb.s if third else verb.base]
-    if tense == "past":
-        return ["did", "not", verb.base] if negated else [verb.past]
+def _finite(verb: Verb | None, agr: str, tense: str, negated: bool) -> list[str]:
+    """The verb group (verb None: the copula) for a subject standing for pronoun `agr`, its finite word first."""
+    neg, third = ["not"] if negated else [], agr in THIRD_SINGULAR
     if tense == "future":
-        return ["will", "not", verb.base] if negated else ["will", verb.base]
-    neg = ["not"] if negated else []
-    if tense == "progressive":
-        return [_be_present(agr), *neg, verb.ing]
-    return ["has" if third else "have", *neg, verb.pp]  # perfect
-
-
-def _be_present(agr: str) -> str:
-    return "am" if agr == "I" else "is" if agr in THIRD_SINGULAR else "are"
-
-
-def _copula(agr: str, tense: str, negated: bool) -> list[str]:
-    neg = ["not"] if negated else []
-    if tense in ("present", "progressive"):
-        return [_be_present(agr), *neg]
-    if tense == "past":
-        return ["was" if agr in ("I", *THIRD_SINGULAR) else "were", *neg]
-    if tense == "future":
-        return ["will", *neg, "be"]
-    return ["has" if agr in THIRD_SINGULAR else "have", *neg, "been"]
+        return ["will", *neg, verb.base if verb else "be"]
+    if tense == "perfect":
+        return ["has" if third else "have", *neg, verb.pp if verb else "been"]
+    if verb is None or tense == "progressive":  # a form of be first
+        if tense == "past":
+            be = "was" if agr == "I" or third else "were"
+        else:
+            be = "am" if agr == "I" else "is" if third else "are"
+        return [be, *neg, verb.ing] if verb else [be, *neg]
+    if negated:  # do-support
+        return ["did" if tense == "past" else "does" if third else "do", "not", verb.base]
+    return [verb.past if tense == "past" else verb.s if third else verb.base]
 
 
 def _relative_clause(s: _Sampler, head_agr: str, head_cls: str, tense: str) -> list[str]:
@@ -273,9 +232,8 @@ def _relative_clause(s: _Sampler, head_agr: str, head_cls: str, tense: str) -> l
         obj, _, _ = _noun_phrase(s, verb.objects, 1)
         return ["that", *_finite(verb, head_agr, inner_tense, False), *obj]
     # object relative: "the dogs that the cat chases"; the inner verb must accept the head as object
-    if s.draw(INNER_SUBJECT_IS_PRONOUN):
-        agr = s.draw(PRONOUN)
-        subj = [PRONOUNS[agr][0]]
+    if s.draw(INNER_SUBJECT_IS_PRONOUN):  # a pronoun is named by its subject form
+        subj = [agr := s.draw(PRONOUN)]
     else:
         subj, agr, _ = _noun_phrase(s, ANIMATE, 1)
     verb = s.draw(VERB_TAKING[head_cls])
@@ -286,7 +244,7 @@ def _subject(s: _Sampler, tense: str) -> tuple[list[str], str, str, int]:
     # -> words, agreement pronoun, class, index of the word that fixes agreement
     if s.draw(SUBJECT_IS_PRONOUN):
         agr = s.draw(PRONOUN)
-        return [PRONOUNS[agr][0]], agr, "animal" if agr == "it" else "person", 0
+        return [agr], agr, "animal" if agr == "it" else "person", 0
     words, agr, cls = _noun_phrase(s, s.draw(SUBJECT_CLASSES), 3)
     head = len(words) - 1
     post = s.draw(POSTMODIFIER)
@@ -312,28 +270,24 @@ def _object(s: _Sampler, verb: Verb, agr: str) -> list[str]:
 
 def sentence(s: _Sampler) -> tuple[list[str], dict]:
     """One sentence (without the end token) and where its subject fixes its verb."""
-    tense = s.draw(TENSE)
-    where = s.draw(TIME_PLACE)
+    tense, where = s.draw(TENSE), s.draw(TIME_PLACE)
     time_words = list(s.draw(TIME_PHRASE[tense])) if where != "none" else []
     words = [*time_words, COMMA] if where == "start" else []
     subj, agr, cls, head = _subject(s, tense)
-    head += len(words)
-    words += subj
-    negated = s.draw(NEGATED)
-    verb_at = len(words)
+    head, words = head + len(words), words + subj
+    negated, verb_at = s.draw(NEGATED), len(words)
     if cls in INANIMATE or s.draw(COPULA):
-        words += _copula(agr, tense, negated)
+        words += _finite(None, agr, tense, negated)
         if s.draw(VERY):
             words.append("very")
-        words.append(s.draw(PREDICATE[_adjective_class(cls)]))
+        words.append(s.draw(PREDICATE[ADJECTIVES_OF[cls]]))
     elif s.draw(INTRANSITIVE_VP):
         words += _finite(s.draw(INTRANSITIVE_VERB), agr, tense, negated)
         if s.draw(PLACE_PP):
             words += [s.draw(PLACE_PREPOSITION), "the", s.draw(PLACE)]
     else:
         verb = s.draw(TRANSITIVE_VERB)
-        words += _finite(verb, agr, tense, negated)
-        words += _object(s, verb, agr)
+        words += [*_finite(verb, agr, tense, negated), *_object(s, verb, agr)]
     if where == "end":
         words += time_words
     return words, {"subject_head": head, "verb": verb_at, "agreement": agr, "tense": tense}
@@ -341,24 +295,16 @@ def sentence(s: _Sampler) -> tuple[list[str], dict]:
 
 def generate(seed: int, n_sentences: int) -> tuple[list[list[str]], list[dict], list[float]]:
     """Sentences, their agreement metadata and log-probabilities: a pure function of (seed, n_sentences)."""
-    s = _Sampler(random.Random(int(seed)))
-    sentences, meta, logps = [], [], []
+    s, rows = _Sampler(random.Random(int(seed))), []
     for _ in range(int(n_sentences)):
         s.logp = 0.0
-        words, m = sentence(s)
-        sentences.append(words)
-        meta.append(m)
-        logps.append(s.logp)
-    return sentences, meta, logps
+        rows.append((*sentence(s), s.logp))  # the sentence's draws, then their log-probability
+    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
 
 
 def token_stream(sentences: list[list[str]], index: dict[str, int]) -> np.ndarray:
-    eos = index[EOS]
-    out: list[int] = []
-    for words in sentences:
-        out.extend(index[w] for w in words)
-        out.append(eos)
-    return np.asarray(out, dtype=np.int64)  # [n_tokens]
+    """[n_tokens] int64: every sentence's words, each followed by the end token."""
+    return np.asarray([index[w] for words in sentences for w in (*words, EOS)], dtype=np.int64)
 
 
 def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> CorpusContent:
@@ -378,7 +324,7 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
         "sentences": {"train": n_sentences - n_val, "val": n_val},
         "oracle_val_ppl_bound": round(math.exp(val_nats / len(val)), 4),
     }
-    return CorpusContent(train=train, val=val, vocab=vocab, join=" ", stats=stats)
+    return CorpusContent(vocab, join=" ", pieces=(("train", train), ("val", val)), stats=stats)
 
 
 class GrammarCorpus(TokenDataset):
@@ -400,8 +346,5 @@ class GrammarCorpus(TokenDataset):
         params = {"generator": "grammar", "version": GRAMMAR_VERSION, "seed": int(seed)}
         params.update(n_sentences=int(n_sentences), val_fraction=float(val_fraction))
         params.update(block_size=int(block_size), ngram_order=int(ngram_order))
-
-        def build() -> CorpusContent:
-            return build_grammar_corpus(int(seed), int(n_sentences), float(val_fraction))
-
-        super().__init__(cache_dir, "grammar", params, val_batch_size, build)
+        build = partial(build_grammar_corpus, int(seed), int(n_sentences), float(val_fraction))
+        super().__init__(cache_dir, params, val_batch_size, build)

@@ -11,11 +11,9 @@ from pipeline.stateful import BadValue
 
 
 class DataIterator:
-    """Batches of sample ids from the run's data-order stream `rng`, `n // batch_size` an epoch (drop_last).
-
-    offsets=0: each of the n ids once per epoch, in a permutation drawn at the epoch's start; offsets > 0:
-    each batch draws its ids uniformly from [0, offsets) (nanoGPT's sampling at every offset of a stream).
-    """
+    """Batches of sample ids from the run's data-order stream `rng`, `n // batch_size` an epoch (drop_last):
+    offsets=0, each of the n ids once per epoch, in a permutation drawn at the epoch's start; offsets > 0,
+    each batch draws its ids uniformly from [0, offsets) (nanoGPT's sampling at every offset of a stream)."""
 
     # afe8033's state held the permutation itself ({"epoch", "permutation", "cursor"}): both are checked here
     free_form_state = ("",)
@@ -62,10 +60,8 @@ class DataIterator:
 
     def check_state_dict(self, state: dict) -> None:
         keys = {"epoch", "cursor", "permutation" if "permutation" in state else "start"}
-        if set(state) != keys:
-            raise BadValue(
-                sorted(set(state) ^ keys)[0], f"keys {sorted(state)}: expected {sorted(keys)}"
-            )
+        if odd := sorted(set(state) ^ keys):
+            raise BadValue(odd[0], f"keys {sorted(state)}: expected {sorted(keys)}")
         if "permutation" in state:
             perm = state["permutation"]
             if not isinstance(perm, np.ndarray) or perm.dtype.kind not in "iu":
@@ -81,12 +77,9 @@ class DataIterator:
                 np.random.PCG64().state = numpy_state_from_json(state["start"])
             except (TypeError, ValueError, KeyError) as e:
                 raise BadValue("start", f"start is not a data-order stream's state: {e}") from None
-        ok = all(type(state[k]) is int for k in ("epoch", "cursor"))
-        if not (ok and 0 <= state["cursor"] <= self.n and state["epoch"] >= 0):
-            raise BadValue(
-                "cursor",
-                f"cursor {state['cursor']} or epoch {state['epoch']} out of range (n={self.n})",
-            )
+        epoch, cursor = state["epoch"], state["cursor"]
+        if not (type(epoch) is type(cursor) is int and 0 <= cursor <= self.n and epoch >= 0):
+            raise BadValue("cursor", f"cursor {cursor} or epoch {epoch} out of range (n={self.n})")
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
@@ -104,19 +97,13 @@ def numpy_state_to_json(g: np.random.Generator) -> dict:
     s = g.bit_generator.state
     if s["bit_generator"] != "PCG64":
         raise TypeError(f"unsupported bit generator {s['bit_generator']}")
-    return {
-        "bit_generator": "PCG64",
-        "state": str(s["state"]["state"]),
-        "inc": str(s["state"]["inc"]),
-        "has_uint32": int(s["has_uint32"]),
-        "uinteger": int(s["uinteger"]),
-    }
+    big, small = {k: str(s["state"][k]) for k in _BIG}, {k: int(s[k]) for k in _SMALL}
+    return {"bit_generator": "PCG64", **big, **small}
 
 
 def numpy_state_from_json(d: dict) -> Any:  # numpy's typed state dict
-    return {
-        "bit_generator": d["bit_generator"],
-        "state": {"state": int(d["state"]), "inc": int(d["inc"])},
-        "has_uint32": int(d["has_uint32"]),
-        "uinteger": int(d["uinteger"]),
-    }
+    out = {"bit_generator": d["bit_generator"], "state": {k: int(d[k]) for k in _BIG}}
+    return out | {k: int(d[k]) for k in _SMALL}
+
+
+_BIG, _SMALL = ("state", "inc"), ("has_uint32", "uinteger")  # PCG64's 128-bit and its small ints

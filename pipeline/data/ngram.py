@@ -21,13 +21,6 @@ class Level:
     discounts: tuple[float, float, float]  # D1, D2, D3+
 
 
-@dataclass(frozen=True)
-class KneserNey:
-    order: int
-    vocab_size: int
-    levels: tuple[Level, ...]  # levels[k-1] holds order k
-
-
 def max_order(vocab_size: int) -> int:
     # A key packs k tokens in base V into an int64.
     return max(1, int(63 // math.log2(max(vocab_size, 2))))
@@ -81,25 +74,22 @@ def _discounts(counts: np.ndarray) -> tuple[float, float, float]:
     return float(np.clip(d1, 0, 1)), float(np.clip(d2, 0, 2)), float(np.clip(d3, 0, 3))
 
 
+def _discount(d: tuple[float, float, float], c: np.ndarray) -> np.ndarray:
+    """Each count's discount: 0 (an unseen gram), D1, D2 or D3+."""
+    return np.where(c == 0, 0.0, np.where(c == 1, d[0], np.where(c == 2, d[1], d[2])))
+
+
 def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
     ctx = keys // V  # keys are sorted, so contexts are runs
     start = _run_starts(ctx)
     ctx_keys = ctx[start]
     del ctx
-
-    def backoff(d):
-        discount = np.full(len(counts), d[2])  # D3+, then D1 and D2 where they apply
-        discount[counts == 1] = d[0]
-        discount[counts == 2] = d[1]
-        return np.add.reduceat(discount, start)
-
-    d = _discounts(counts)
-    ctx_backoff = backoff(d)
-    if not np.all(ctx_backoff > 0):
-        # An estimate clipped to 0 (tiny data) would leave a context no mass for the tokens never seen
-        # after it: they would get probability 0 (an infinite perplexity). The fallback discounts are > 0.
-        d = FALLBACK
-        ctx_backoff = backoff(d)
+    # An estimate clipped to 0 (tiny data) would leave a context no mass for the tokens never seen after it:
+    # they would get probability 0 (an infinite perplexity). The fallback discounts are > 0.
+    for d in (_discounts(counts), FALLBACK):
+        ctx_backoff = np.add.reduceat(_discount(d, counts), start)
+        if np.all(ctx_backoff > 0):
+            break
     return Level(keys, counts, ctx_keys, np.add.reduceat(counts, start), ctx_backoff, d)
 
 
@@ -121,50 +111,26 @@ def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
         yield _level(*_counted(held), V)  # no reference kept: the caller's drop frees it
 
 
-def fit(tokens: np.ndarray, order: int, vocab_size: int) -> KneserNey:
-    """Fit on one token stream [N] (any integer dtype)."""
-    levels = tuple(_levels(np.asarray(tokens), order, int(vocab_size)))
-    return KneserNey(order=int(order), vocab_size=int(vocab_size), levels=levels)
-
-
 def _lookup(sorted_keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
     # values[i] where sorted_keys[i] == query, else 0
     i = np.minimum(np.searchsorted(sorted_keys, query), len(sorted_keys) - 1)
     return np.where(sorted_keys[i] == query, values[i], 0.0)
 
 
-def _discount_of(level: Level, counts: np.ndarray) -> np.ndarray:
-    d1, d2, d3 = level.discounts
-    return np.where(counts == 0, 0.0, np.where(counts == 1, d1, np.where(counts == 2, d2, d3)))
-
-
-def _mixed(
-    level: Level, k: int, V: int, history: np.ndarray, targets: np.ndarray, p: np.ndarray
-) -> np.ndarray:
-    """p(target | history) up to order k, from order k's counts and `p`, the probabilities up to order k-1."""
-    ctx_tokens = history[:, history.shape[1] - (k - 1) :]  # [N, k-1] the nearest k-1 tokens
-    known = (ctx_tokens >= 0).all(axis=1)
+def _mixed(level: Level, V: int, h: np.ndarray, targets: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """p(target | history) up to order k, from order k's counts, the history's nearest k-1 tokens `h` [N, k-1]
+    (-1 before a stream's start) and `p`, the probabilities up to order k-1."""
+    known = (h >= 0).all(axis=1)
     ctx = np.zeros(len(targets), dtype=np.int64)
-    for j in range(k - 1):
-        ctx = ctx * V + np.maximum(ctx_tokens[:, j], 0)
+    for j in range(h.shape[1]):
+        ctx = ctx * V + np.maximum(h[:, j], 0)
     c = _lookup(level.keys, level.counts, ctx * V + targets)
     total = _lookup(level.ctx_keys, level.ctx_total, ctx)
     backoff = _lookup(level.ctx_keys, level.ctx_backoff, ctx)
     seen = known & (total > 0)  # an unseen context passes the lower order through unchanged
     safe = np.where(seen, total, 1.0)
-    p_k = (np.maximum(c - _discount_of(level, c), 0.0) + backoff * p) / safe
+    p_k = (np.maximum(c - _discount(level.discounts, c), 0.0) + backoff * p) / safe
     return np.where(seen, p_k, p)
-
-
-def distribution(model: KneserNey, history) -> np.ndarray:
-    """The full next-token distribution [V] after a history (its last order-1 tokens are used)."""
-    V, n = model.vocab_size, model.order - 1
-    padded = [-1] * n + [int(t) for t in history]
-    h = np.broadcast_to(np.asarray(padded[len(padded) - n :] if n else [], np.int64), (V, n))
-    p, targets = np.full(V, 1.0 / V), np.arange(V, dtype=np.int64)  # order 0: uniform
-    for k, level in enumerate(model.levels, start=1):
-        p = _mixed(level, k, V, h, targets, p)
-    return p
 
 
 PIECE = 1 << 20  # positions scored at a time
@@ -184,26 +150,16 @@ def _raised(levels, V: int, tokens: np.ndarray, positions: np.ndarray) -> np.nda
     for k, level in enumerate(levels, start=1):
         for a in range(0, len(positions), PIECE):
             at, piece = positions[a : a + PIECE], p[a : a + PIECE]
-            piece[:] = _mixed(
-                level, k, V, _history(tokens, at, k - 1), tokens[at].astype(np.int64), piece
-            )
+            h, targets = _history(tokens, at, k - 1), tokens[at].astype(np.int64)
+            piece[:] = _mixed(level, V, h, targets, piece)
         del level
     return p
-
-
-def stream_log_probs(model: KneserNey, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """log p(tokens[i] | the up to order-1 tokens before i in the same stream) for each i in positions."""
-    return np.log(_raised(model.levels, model.vocab_size, np.asarray(tokens), positions))
-
-
-def perplexity(model: KneserNey, tokens: np.ndarray, positions: np.ndarray) -> float:
-    return float(np.exp(-np.mean(stream_log_probs(model, tokens, positions))))
 
 
 def fitted_perplexity(
     train: np.ndarray, order: int, vocab_size: int, tokens: np.ndarray, positions: np.ndarray
 ) -> float:
-    """perplexity(fit(train, order, vocab_size), tokens, positions), to the last bit, one level at a time."""
+    """The order-`order` model of `train`'s perplexity on `tokens` at `positions`, one level at a time."""
     V = int(vocab_size)
     p = _raised(_levels(np.asarray(train), order, V), V, tokens, positions)
     return float(np.exp(-np.mean(np.log(p))))

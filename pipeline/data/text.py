@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import hashlib
 import itertools
 from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,9 @@ N_CODE_POINTS = 0x110000
 class TextError(ValueError):
     """data.path is not a text file the corpus can be built from (one line naming it)."""
 
+    def __init__(self, path, why):
+        super().__init__(f"data.path={path}: {why}")
+
 
 def _code_points(pieces: Iterable[bytes], path: Path) -> Iterator[np.ndarray]:
     """The characters of a file's pieces as code points (uint8 for an ASCII piece, else uint32)."""
@@ -37,16 +42,14 @@ def _code_points(pieces: Iterable[bytes], path: Path) -> Iterator[np.ndarray]:
                     decoder.decode(raw, final=not raw).encode("utf-32-le"), dtype="<u4"
                 )
         except UnicodeDecodeError as e:
-            raise TextError(
-                f"data.path={path}: not valid UTF-8 (bad byte at offset {offset - pending + e.start})"
-            ) from None
+            at = offset - pending + e.start
+            raise TextError(path, f"not valid UTF-8 (bad byte at offset {at})") from None
         offset += len(raw)
 
 
-class TextFile:
-    """data.path scanned once in pieces: its sha256, UTF-8, its vocabulary (sorted as sorted(set(text)));
-    pieces() is a second pass, only while the corpus is written. Memory: a few pieces. TextError or an OSError
-    (reading.UnreadableFile: a FIFO, a device, over `max_bytes`, ... refused unopened) names data.path."""
+class TextFile(contextlib.AbstractContextManager):
+    """data.path scanned once in pieces (memory: a few): its sha256, UTF-8, vocabulary (as sorted(set(text))); pieces()
+    is a second pass. TextError or an OSError (a FIFO, a device, over `max_bytes`... refused unopened) names it."""
 
     def __init__(self, path: Path, max_bytes: int):
         self.path, self.max_bytes = Path(path), int(max_bytes)
@@ -60,11 +63,9 @@ class TextFile:
             self.sha256 = h.hexdigest()
             self.code_points = np.flatnonzero(seen)  # the vocabulary, sorted
             self.vocab = [chr(c) for c in self.code_points]
-            if len(self.code_points) > MAX_VOCAB:
-                raise TextError(
-                    f"data.path={self.path}: {len(self.code_points)} distinct characters, more than "
-                    f"the {MAX_VOCAB} allowed"
-                )
+            if (n := len(self.code_points)) > MAX_VOCAB:
+                many = f"{n} distinct characters, more than the {MAX_VOCAB} allowed"
+                raise TextError(self.path, many)
         except BaseException:
             self.f.close()
             raise
@@ -91,31 +92,17 @@ class TextFile:
                 yield "val", toks[cut:]
             at += len(cps)
         if at != self.n or h.hexdigest() != self.sha256:
-            raise TextError(
-                f"data.path={self.path}: changed while it was read; give it once it is complete"
-            )
-
-    def tokens(self) -> np.ndarray:
-        """[N] uint16: each character's index in the vocabulary, in file order (one pass of pieces())."""
-        return np.concatenate(
-            [toks for _, toks in self.pieces(self.n)] or [np.empty(0, TOKEN_DTYPE)]
-        )
+            raise TextError(self.path, "changed while it was read; give it once it is complete")
 
     def content(self, val_fraction: float, block_size: int) -> CorpusContent:
-        """The corpus: the last val_fraction of the text held out in one piece, so no val window overlaps training;
-        its tokens streamed (pieces) into the corpus's files."""
+        """The corpus, streamed: the last val_fraction of the text held out whole (no val window overlaps training)."""
         n_val = round(self.n * val_fraction)
         n_train = self.n - n_val
         if min(n_windows(n_train, block_size), n_windows(n_val, block_size)) < 1:
-            raise TextError(
-                f"data.path={self.path}: too short: {self.n} characters leave {n_train} train "
-                f"and {n_val} val, each needing at least {block_size + 1}"
-            )
+            short = f"too short: {self.n} characters leave {n_train} train and {n_val} val"
+            raise TextError(self.path, f"{short}, each needing at least {block_size + 1}")
         stats = {"characters": {"train": n_train, "val": n_val}}
         return CorpusContent(vocab=self.vocab, join="", pieces=self.pieces(n_train), stats=stats)
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc) -> None:
         self.f.close()
@@ -141,13 +128,10 @@ class TextCorpus(TokenDataset):
         except FileNotFoundError:
             raise FileNotFoundError(f"data.path={path}: text file not found") from None
         except OSError as e:
-            raise TextError(f"data.path={path}: {e.strerror or e}") from None
+            raise TextError(path, e.strerror or e) from None
         with text:
             params = {"generator": "text", "version": TEXT_VERSION, "source_sha256": text.sha256}
             params.update(val_fraction=float(val_fraction), block_size=int(block_size))
             params["ngram_order"] = int(ngram_order)
-
-            def build() -> CorpusContent:
-                return text.content(float(val_fraction), int(block_size))
-
-            super().__init__(cache_dir, "text", params, val_batch_size, build, bool(every_offset))
+            build = partial(text.content, float(val_fraction), int(block_size))
+            super().__init__(cache_dir, params, val_batch_size, build, bool(every_offset))

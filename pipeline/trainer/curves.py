@@ -11,8 +11,7 @@ LOSSES = ("train/loss", "val/loss")
 
 
 def series(lines: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of `key` over the lines that hold a finite number for it, in line order."""
-    # a non-finite value (on_nonfinite=continue) is a gap
+    """(steps, values) of `key` over the lines holding a finite number for it, in order (a non-finite one: a gap)."""
     ok = [ln for ln in lines if type(ln.get(key)) in (int, float) and math.isfinite(ln[key])]
     return [ln["step"] for ln in ok], [ln[key] for ln in ok]
 
@@ -33,9 +32,7 @@ def draw(lines: list[dict]) -> bytes | None:
         if xs:
             ax_loss.plot(xs, ys, style, label=key, markersize=3)
             positive = positive or any(v > 0 for v in ys)
-    ax_loss.set_ylabel("loss")
-    if positive:
-        ax_loss.set_yscale("log")
+    ax_loss.set(ylabel="loss", yscale="log" if positive else "linear")
     ax_loss.legend()
     ax_loss.grid(True, alpha=0.3)
     ax_lr.plot(*series(lines, "lr"), "-", color="tab:green")

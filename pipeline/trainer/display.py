@@ -19,18 +19,14 @@ WINDOW = 20  # updates the throughput is measured over (the recent rate, not the
 
 
 class Throughput:
-    """Updates/s and samples (or tokens)/s over the last WINDOW updates, from the wall time between step ends
-    (evaluation and checkpoints included: what the run really does per second)."""
+    """Updates/s and samples (or tokens)/s over the last WINDOW step ends (evaluations and checkpoints included)."""
 
     def __init__(self, per_update: int, unit: str, window: int = WINDOW):
         self.per_update, self.unit = int(per_update), unit
         self.ends: collections.deque = collections.deque(maxlen=window + 1)
 
-    def start(self, now: float) -> None:
-        self.ends.clear()
-        self.ends.append(now)
-
     def step(self, now: float) -> None:
+        """An update ended at `now` (the first call: the start)."""
         self.ends.append(now)
 
     def rates(self) -> tuple[float, float] | None:
@@ -61,17 +57,13 @@ class Display:
         self.redirect = contextlib.ExitStack()
 
     def on_train_start(self, state) -> None:
-        # per update; x block: tokens, for token data
         samples = state.iterator.batch_size * state.accumulate
         block = state.dataset.spec.block_size if state.dataset.spec.vocab_size else 0
-        self.speed = (
-            Throughput(samples * block, "tokens") if block else Throughput(samples, "samples")
-        )
-        self.speed.start(time.perf_counter())
+        self.speed = Throughput(samples * (block or 1), "tokens" if block else "samples")
+        self.speed.step(time.perf_counter())
         if self.bar_enabled:
-            self.bar = tqdm(
-                total=state.total_steps, initial=state.step, desc="train", dynamic_ncols=True
-            )
+            b = tqdm(total=state.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
+            self.bar = self.redirect.enter_context(b)  # closed by close()
             # Every log line while the bar shows (validation, mlflow's from its thread) goes above it through
             # tqdm.write, never into the middle of it.
             self.redirect.enter_context(logging_redirect_tqdm([logging.getLogger()]))
@@ -92,12 +84,10 @@ class Display:
             self.bar.set_postfix(post, refresh=False)
         # with the bar: evaluations
         if is_logged(record, 0 if self.bar else self.log_every, state.total_steps):
-            speed = f" ({self.speed.text()})" if self.speed.text() else ""
+            speed = f" ({text})" if (text := self.speed.text()) else ""
             loss, lr = record["train/loss"], record["lr"]
             log.info("%s loss=%.6f lr=%.6g%s%s", where, loss, lr, val, speed)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar, bar = None, self.bar
-            bar.close()
+        self.bar = None
         self.redirect.close()

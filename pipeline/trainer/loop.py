@@ -28,17 +28,13 @@ def counts_tokens(data) -> bool:
 
 def train_metric_names(data, grad_clip: float) -> tuple[str, ...]:
     """The metrics of train_step's record: every update's."""
-    tokens = counts_tokens(data)
-    return (
-        ("train/loss", "lr", "grad_norm") + ("clipped",) * (grad_clip > 0) + ("train/ppl",) * tokens
-    )
+    clipped, tokens = ("clipped",) * (grad_clip > 0), ("train/ppl",) * counts_tokens(data)
+    return ("train/loss", "lr", "grad_norm", *clipped, *tokens)
 
 
 def val_metric_names(data) -> tuple[str, ...]:
     """The metrics validate() measures: an evaluation's (the data's `baselines`: what its baseline_metrics gives)."""
-    return (
-        ("val/loss",) + ("val/ppl",) * counts_tokens(data) + tuple(getattr(data, "baselines", ()))
-    )
+    return ("val/loss", *("val/ppl",) * counts_tokens(data), *getattr(data, "baselines", ()))
 
 
 def kept(name: str) -> bool:
@@ -63,15 +59,15 @@ def clip(grads: dict[str, np.ndarray], norm: float, max_norm: float) -> bool:
 
 
 def validate(state: TrainState) -> dict[str, float]:
-    """Mean validation loss over the fixed validation batches (the first trainer.eval_batches of them, if set:
-    the same subset every time), weighted by batch size, summed in batch order."""
+    """Mean validation loss over the first trainer.eval_batches (None: all) fixed validation batches, by batch size."""
     batches = itertools.islice(state.dataset.val_batches(state.dtype), state.eval_batches)
     loss = state.runner.mean_loss(state.model, batches)
-    out = {"val/loss": loss}
-    if counts_tokens(state.dataset):
-        out["val/ppl"] = math.exp(min(loss, 700.0))
-    out.update(state.dataset.baseline_metrics())
-    return out
+    ppl = {"val/ppl": _ppl(loss)} if counts_tokens(state.dataset) else {}
+    return {"val/loss": loss, **ppl, **state.dataset.baseline_metrics()}
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(loss, 700.0))
 
 
 def epochs_done(state: TrainState) -> int:
@@ -81,23 +77,17 @@ def epochs_done(state: TrainState) -> int:
 
 
 def train_step(state: TrainState, profile: Profile = OFF) -> dict:
-    """One update from trainer.accumulate micro-batches; its record (the verifier compares ids, lr, loss).
-
-    Loss and gradient are the means over the micro-batches, (g_0 + ... + g_{N-1}) * (1/N) in order, clipped
-    after the mean (`grad_norm` is the norm before). A group of micro-batches is never cut by a checkpoint.
-    """
+    """One update from trainer.accumulate micro-batches, never cut by a checkpoint; its record. Loss and gradient
+    are their means, (g_0 + ... + g_{N-1}) * (1/N) in order, clipped after the mean (`grad_norm`: before)."""
     epoch = epochs_done(state)  # the epoch the update's first micro-batch comes from
     lr, ids, loss, grads = state.optimizer.lr, [], 0.0, None
+    data, dropout = state.dataset, state.streams["dropout"]
     for _ in range(state.accumulate):
         with profile.phase("data"):
             batch_ids = state.iterator.next_ids()
-            batch = state.dataset.augment(
-                state.dataset.train_batch(batch_ids, state.dtype), state.streams
-            )
+            batch = data.augment(data.train_batch(batch_ids, state.dtype), state.streams)
         with profile.phase("forward/backward"):
-            piece_loss, piece_grads = state.runner.loss_and_grads(
-                state.model, batch, state.streams["dropout"]
-            )
+            piece_loss, piece_grads = state.runner.loss_and_grads(state.model, batch, dropout)
             ids.append(batch_ids)
             loss += piece_loss
             if grads is None:
@@ -120,12 +110,10 @@ def train_step(state: TrainState, profile: Profile = OFF) -> dict:
         killpoint.point("train", "after optimizer step")
         state.scheduler.step()
     state.progress.step += 1
-    record: dict[str, Any] = {"step": state.step, "epoch": epoch, "train/loss": loss, "lr": lr}
-    record["grad_norm"] = gnorm
-    if state.grad_clip > 0:
-        record["clipped"] = state.progress.clipped
-    if counts_tokens(state.dataset):
-        record["train/ppl"] = math.exp(min(loss, 700.0))
+    values = {"train/loss": loss, "lr": lr, "grad_norm": gnorm, "clipped": state.progress.clipped}
+    values["train/ppl"] = _ppl(loss)
+    record: dict[str, Any] = {"step": state.step, "epoch": epoch}
+    record.update((k, values[k]) for k in train_metric_names(data, state.grad_clip))
     record["ids"] = ids[0] if len(ids) == 1 else np.concatenate(ids)
     return record
 
@@ -146,9 +134,8 @@ def fit(
     callbacks: list,
     profile: Profile = OFF,
 ) -> None:
-    """Steps until the budget is spent or on_step_end (the run's decision) returns True, evaluating every
-    `eval_every` updates (0: every epoch's end), at the last, and before the first if state.eval_at_start;
-    callbacks see each record before the run (step 0's evaluation: only they see it)."""
+    """Steps until the budget is spent or on_step_end (the run's decision) is True, evaluating every `eval_every`
+    updates (0: each epoch's end) and at the last; callbacks see each record first (step 0's evaluation: only they)."""
     for cb in callbacks:
         getattr(cb, "on_train_start", lambda s: None)(state)
     # step 0's evaluation (trainer.eval_at_start; a resumed run is past it)

@@ -8,14 +8,13 @@ import sys
 import time
 from typing import TextIO
 
-from pipeline.files import jsonio
+from pipeline.files import atomic, jsonio
 
 LOGGED = ("train/loss", "train/ppl", "lr", "grad_norm", "clipped")
 
 
 def is_logged(record: dict, log_every: int, total_steps: int) -> bool:
-    """A step with a line (in metrics.jsonl; in the log, without the bar): one that evaluated, the last, and
-    every `log_every`th (0: none)."""
+    """A step with a line (metrics.jsonl's; the log's without the bar): it evaluated, is the last or a log_every'th."""
     step, evaluated = record["step"], any(k.startswith("val/") for k in record)
     return evaluated or step == total_steps or (log_every > 0 and step % log_every == 0)
 
@@ -41,9 +40,7 @@ class MetricsLog:
             self.file.write(jsonio.dumps_line(line) + "\n")
             self.file.flush()
         except OSError as e:  # a full disk: the run fails naming the file (a torn last line is dropped on resume)
-            if e.filename is None:
-                e.filename = self.file.name
-            raise
+            raise atomic.named(e, self.file.name) from e
         for sink in self.sinks:
             sink(line)
 
@@ -56,9 +53,8 @@ class MetricsLog:
 
 
 class QuietFileHandler(logging.StreamHandler):
-    """pipeline.log. A failing stream (a full disk) is recorded in `error` and never written again: no
-    `--- Logging error ---` block, no traceback. The log is a record, not the run's state, so the run goes on;
-    whatever stops it (the next checkpoint or metrics line on the same full disk) says why in one line."""
+    """pipeline.log. A failing stream (a full disk) is recorded in `error`, never written again, with no traceback: the
+    log is a record, not the run's state; what stops the run (the next checkpoint on that disk) says why in a line."""
 
     def __init__(self, stream):
         super().__init__(stream)

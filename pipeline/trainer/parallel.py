@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import itertools
 import os
-import queue
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import numpy as np
+from numpy.random import Generator
 from threadpoolctl import ThreadpoolController
 
 from pipeline.data.base import Batch
 
 R = TypeVar("R")
+Grads = dict[str, np.ndarray]  # parameter name -> its gradient
 
 
 def split(batch: Batch, shards: int) -> list[Batch]:
-    """`shards` contiguous pieces along the sample axis, sizes as np.array_split (the first B % shards get one
-    more); pieces are views (ids, x, y), empty when shards > B; `extra` goes to every piece unchanged."""
+    """`shards` contiguous views along the sample axis, sized as np.array_split (empty ones when shards > B)."""
     B = len(batch.ids)
     bounds = np.cumsum([0] + [B // shards + (k < B % shards) for k in range(shards)])
     return [
@@ -28,7 +30,7 @@ def split(batch: Batch, shards: int) -> list[Batch]:
     ]
 
 
-def owned(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def owned(grads: Grads) -> Grads:
     """The same gradients as arrays of their own, safe to add into (no view, no array under two names)."""
     out, seen = {}, set()
     for name, g in grads.items():
@@ -37,20 +39,19 @@ def owned(grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def child_rngs(rng: np.random.Generator | None, shards: int) -> list[np.random.Generator | None]:
+def child_rngs(rng: Generator | None, shards: int) -> list[Generator | None]:
     """One generator per shard: `shards` uint64 seeds drawn from rng in one call, before any shard runs, so
     rng's state afterwards depends only on the shard count; child k is Generator(PCG64(seeds[k]))."""
     if rng is None:
         return [None] * shards
     seeds = rng.integers(0, 2**64, size=shards, dtype=np.uint64)  # [shards]
-    return [np.random.Generator(np.random.PCG64(int(s))) for s in seeds]
+    return [Generator(np.random.PCG64(int(s))) for s in seeds]
 
 
-class Shards:
-    """A model's loss and gradients as `shards` pieces of each batch on `threads` threads: `shards` is semantic
-    (dropout draws, summation order), `threads` is not (pieces combined in shard order). BLAS is pinned to one
-    thread from construction to close() (a multi-threaded GEMM may split work differently; idle OpenBLAS workers
-    spin). The model's `loss_and_grads` and `evaluate` may run concurrently: they only read `params`."""
+class Shards(contextlib.AbstractContextManager):
+    """A model's loss and gradients as `shards` pieces of each batch (semantic) on `threads` threads (not: pieces
+    combined in shard order), BLAS pinned to one thread until close() (a threaded GEMM may split its sums otherwise;
+    idle OpenBLAS workers spin). The model's `loss_and_grads` and `evaluate` run concurrently: they only read."""
 
     def __init__(self, shards: int, threads: int | None = None):
         # None: the cores this process may run on (its CPU affinity; elsewhere than Linux, all)
@@ -66,12 +67,9 @@ class Shards:
         self._closed = False
         self._pin_blas()
 
-    def loss_and_grads(
-        self, model, batch: Batch, rng: np.random.Generator | None
-    ) -> tuple[float, dict[str, np.ndarray]]:
-        """The batch's mean loss and gradients from its pieces' (l_k, g_k) in shard order: loss = sum_k (B_k/B) l_k;
-        grads = (g_0 + ... + g_{n-1}) * (1/n) for equal pieces, else sum_k g_k * (B_k/B); empty pieces (shards > B)
-        are not run; shards == 1 is exactly model.loss_and_grads(batch, rng), its draws included."""
+    def loss_and_grads(self, model, batch: Batch, rng: Generator | None) -> tuple[float, Grads]:
+        """The batch's mean loss sum_k (B_k/B) l_k and gradients, (g_0 + ... + g_{n-1}) * (1/n) for equal pieces, else
+        sum_k g_k * (B_k/B), in shard order over the non-empty pieces; shards == 1 is model.loss_and_grads itself."""
         self._pin_blas()
         if self.shards == 1:
             return model.loss_and_grads(batch, rng)
@@ -80,9 +78,7 @@ class Shards:
         results = self._map(lambda k: model.loss_and_grads(pieces[k], rngs[k]), run)
         B, sizes = len(batch.ids), [len(pieces[k].ids) for k in run]
         weights = [n / B for n in sizes]  # python floats: they take the grads' dtype
-        loss = 0.0
-        for w, (piece_loss, _) in zip(weights, results):
-            loss += w * piece_loss
+        loss = sum(w * piece_loss for w, (piece_loss, _) in zip(weights, results))  # in shard order
         equal = len(set(sizes)) == 1
         grads = owned(results[0][1])
         for name, acc in grads.items():
@@ -119,27 +115,23 @@ class Shards:
                 lib.set_num_threads(1)
 
     def _map(self, fn: Callable[[int], R], keys: list[int]) -> list[R]:
-        """[fn(k) for k in keys], run by the calling thread and up to threads - 1 helpers, each taking the next
-        key as it frees up; results in key order, whatever finished first. After a failure the remaining keys
-        are dropped, and the first exception is re-raised once every thread has stopped."""
+        """[fn(k) for k in keys], in key order, by this thread and up to threads - 1 helpers, each taking the next key;
+        after a failure no key starts, and the first exception is re-raised once every thread has stopped."""
         if self._pool is None or len(keys) == 1:
             return [fn(k) for k in keys]
         results: list = [None] * len(keys)
-        todo: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for i in range(len(keys)):
-            todo.put(i)
-        failed: list[bool] = []  # set once a key failed
+        todo = collections.deque(range(len(keys)))  # indices of keys; its pops are thread-safe
 
         def work() -> None:
-            while not failed:  # after a failure nobody starts another key
+            while True:
                 try:
-                    i = todo.get_nowait()
-                except queue.Empty:
+                    i = todo.popleft()
+                except IndexError:
                     return
                 try:
                     results[i] = fn(keys[i])
                 except BaseException:
-                    failed.append(True)
+                    todo.clear()  # after a failure nobody starts another key
                     raise
 
         helpers = [self._pool.submit(work) for _ in range(min(self.threads, len(keys)) - 1)]
@@ -159,9 +151,6 @@ class Shards:
                 self._pool.shutdown(wait=True)
             for lib, n in zip(self._blas, self._blas_before):
                 lib.set_num_threads(n)
-
-    def __enter__(self) -> Shards:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -44,10 +44,8 @@ class Profile:
         rows = [(name, self.calls[name], self.seconds[name]) for name in PHASES[:-1]]
         rows += [("other", 0, max(0.0, wall - sum(s for _, _, s in rows))), ("wall", 0, wall)]
         lines = [f"{'phase':<20}{'calls':>8}{'seconds':>12}{'share':>8}"]
-        for name, calls, seconds in rows:
-            lines.append(
-                f"{name:<20}{calls or '':>8}{seconds:>12.4f}{seconds / (wall or 1e-12):>8.1%}"
-            )
+        share = [seconds / (wall or 1e-12) for _, _, seconds in rows]
+        lines += [f"{n:<20}{c or '':>8}{s:>12.4f}{f:>8.1%}" for (n, c, s), f in zip(rows, share)]
         return "profile (trainer.profile=true):\n" + "\n".join(lines)
 
 

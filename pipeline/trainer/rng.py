@@ -24,14 +24,10 @@ class Streams:
 
     def __init__(self, seed: int):
         self.seed = int(seed)
-        self.np = {
-            n: np.random.Generator(np.random.PCG64(_child_seed(self.seed, n)))
-            for n in NUMPY_STREAMS
-        }
-        self.py = {
-            n: random.Random(int(_child_seed(self.seed, n).generate_state(1, np.uint64)[0]))
-            for n in PYTHON_STREAMS
-        }
+        child = {n: _child_seed(self.seed, n) for n in (*NUMPY_STREAMS, *PYTHON_STREAMS)}
+        self.np = {n: np.random.Generator(np.random.PCG64(child[n])) for n in NUMPY_STREAMS}
+        py_seeds = {n: int(child[n].generate_state(1, np.uint64)[0]) for n in PYTHON_STREAMS}
+        self.py = {n: random.Random(s) for n, s in py_seeds.items()}
 
     def __getitem__(self, name: str):
         return self.np[name] if name in self.np else self.py[name]
@@ -40,19 +36,13 @@ class Streams:
         return [*self.np, *self.py]
 
     def state_dict(self) -> dict:
-        return {
-            **{n: numpy_state_to_json(g) for n, g in self.np.items()},
-            **{n: python_state_to_json(r) for n, r in self.py.items()},
-        }
+        return {n: _state(self[n]) for n in self.names()}
 
     def check_state_dict(self, state: dict) -> None:
         """Decode every stream onto a scratch generator: the live ones stay untouched if one is bad."""
         for n in self.names():
             try:
-                if n in self.np:
-                    np.random.PCG64().state = numpy_state_from_json(state[n])
-                else:
-                    random.Random().setstate(python_state_from_json(state[n]))
+                _restore(np.random.default_rng() if n in self.np else random.Random(), state[n])
             except (TypeError, ValueError, KeyError) as e:
                 raise ValueError(f"stream {n!r}: {e}") from None
 
@@ -60,27 +50,28 @@ class Streams:
         missing = set(self.names()) ^ set(state)
         if missing:
             raise KeyError(f"RNG streams differ: {sorted(missing)}")
-        for n, g in self.np.items():
-            g.bit_generator.state = numpy_state_from_json(state[n])
-        for n, r in self.py.items():
-            r.setstate(python_state_from_json(state[n]))
+        for n in self.names():
+            _restore(self[n], state[n])
 
     def peek(self) -> dict[str, float]:
         """The next draw of every stream, with each state put back so the run is not disturbed."""
         out = {}
-        for n, g in self.np.items():
-            saved, out[n] = g.bit_generator.state, float(g.random())
-            g.bit_generator.state = saved
-        for n, r in self.py.items():
-            kept, out[n] = r.getstate(), r.random()
-            r.setstate(kept)
+        for n in self.names():
+            saved, out[n] = _state(self[n]), float(self[n].random())
+            _restore(self[n], saved)
         return out
 
 
-def python_state_to_json(r: random.Random) -> dict:
-    version, internal, gauss_next = r.getstate()
+def _state(g: np.random.Generator | random.Random) -> dict:
+    """A stream's state as JSON, whichever its kind."""
+    if isinstance(g, np.random.Generator):
+        return numpy_state_to_json(g)
+    version, internal, gauss_next = g.getstate()
     return {"version": version, "internal": list(internal), "gauss_next": gauss_next}
 
 
-def python_state_from_json(d: dict) -> tuple:
-    return (int(d["version"]), tuple(int(v) for v in d["internal"]), d["gauss_next"])
+def _restore(g: np.random.Generator | random.Random, d: dict) -> None:
+    if isinstance(g, np.random.Generator):
+        g.bit_generator.state = numpy_state_from_json(d)
+    else:
+        g.setstate((int(d["version"]), tuple(int(v) for v in d["internal"]), d["gauss_next"]))

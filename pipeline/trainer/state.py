@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -23,19 +23,13 @@ class Progress:
 
     step: int = 0
     metrics: dict = field(default_factory=dict)
-    ended: str | None = (
-        None  # why the run ended ("max_steps", or a stage's reason); None: it goes on
-    )
+    # why the run ended ("max_steps", or a stage's reason); None: it goes on
+    ended: str | None = None
     clipped: int = 0  # updates whose gradient trainer.grad_clip scaled down
     free_form_state = ("metrics",)
 
     def state_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "metrics": dict(self.metrics),
-            "ended": self.ended,
-            "clipped": self.clipped,
-        }
+        return asdict(self)  # step, metrics (a copy), ended, clipped
 
     def check_state_dict(self, state: dict) -> None:
         for key in ("step", "clipped"):
@@ -47,11 +41,8 @@ class Progress:
             raise ValueError(f"ended {state['ended']!r} is not a reason")
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self.ended, self.clipped = (
-            int(state["step"]),
-            state["ended"],
-            int(state["clipped"]),
-        )
+        self.step, self.clipped = int(state["step"]), int(state["clipped"])
+        self.ended = state["ended"]
         self.metrics = {k: jsonio.number(v) for k, v in state["metrics"].items()}
 
 
@@ -73,11 +64,9 @@ class TrainState:
     # an evaluation reads the first N validation batches (None: all); one before the first update if eval_at_start
     eval_batches: int | None
     eval_at_start: bool
-    stages: (
-        object  # the stages' states (pipeline.stages.base.StageStates); the run layer builds them
-    )
+    # the stages' states (pipeline.stages.base.StageStates); the run layer builds them
+    stages: object
     progress: Progress = field(default_factory=Progress)
-    # the shard runner: it pins BLAS to one thread until close()
     runner: Shards = field(init=False, repr=False)
 
     step = property(lambda self: self.progress.step)
@@ -85,8 +74,8 @@ class TrainState:
     metrics = property(lambda self: self.progress.metrics)
 
     def __post_init__(self):
-        # made with the state: from here on BLAS runs on one thread (the runner's pin), so every number the
-        # state computes, inside the runner or not, is the same whatever the thread count
+        # the shard runner, made with the state: from here to close() BLAS runs on one thread (its pin), so every
+        # number the state computes, inside the runner or not, is the same whatever the thread count
         self.runner = Shards(self.shards, self.threads)
 
     def close(self) -> None:
@@ -98,7 +87,5 @@ class TrainState:
         return {name: getattr(self, ATTRIBUTE.get(name, name)) for name in PARTS}
 
 
-ATTRIBUTE = {
-    "data_iter": "iterator",
-    "rng": "streams",
-}  # the parts not held under their checkpoint names
+# the parts not held under their checkpoint names
+ATTRIBUTE = {"data_iter": "iterator", "rng": "streams"}

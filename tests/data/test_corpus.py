@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ngram_fit, ngram_perplexity
 
 from pipeline.data import corpus
 from pipeline.data.grammar import GrammarCorpus, build_grammar_corpus
@@ -336,8 +337,6 @@ def test_the_ngram_baseline_of_a_large_corpus_is_fitted_on_a_bounded_sample(
 ):
     import logging
 
-    from pipeline.data import ngram
-
     monkeypatch.setattr(corpus, "SAMPLE", 1000)
     monkeypatch.setattr(corpus, "SCORED", 100)
     src = tmp_path / "book.txt"
@@ -349,9 +348,9 @@ def test_the_ngram_baseline_of_a_large_corpus_is_fitted_on_a_bounded_sample(
     assert "a bounded sample" in caplog.text
     # the oracle: the n-gram fitted on the first 1000 train tokens, scored on the first val targets
     train, val = np.asarray(d.tokens["train"]), np.asarray(d.tokens["val"])
-    lm = ngram.fit(train[:1000], TEXT_SMALL["ngram_order"], len(d.vocab))
+    lm = ngram_fit(train[:1000], TEXT_SMALL["ngram_order"], len(d.vocab))
     positions = corpus.val_target_positions(101, T)
-    assert baseline["val_ppl"] == round(ngram.perplexity(lm, val, positions), 4)
+    assert baseline["val_ppl"] == round(ngram_perplexity(lm, len(d.vocab), val, positions), 4)
     monkeypatch.undo()
     whole = TextCorpus(str(tmp_path / "whole"), str(src), **TEXT_SMALL)
     assert "sample" not in whole.manifest["baseline"]  # within the bounds: fitted and scored whole

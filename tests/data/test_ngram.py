@@ -7,10 +7,11 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from conftest import ngram_distribution, ngram_fit, ngram_log_probs, ngram_perplexity
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from pipeline.data import corpus, grammar, ngram
+from pipeline.data import corpus, grammar
 
 
 def _reference_prob(tokens, order, V, discounts, history, w):
@@ -56,7 +57,7 @@ def small_corpus():
 @pytest.mark.parametrize("order", [1, 2, 3, 4])
 def test_distribution_sums_to_one(small_corpus, order):
     tokens, V = small_corpus
-    lm = ngram.fit(tokens, order, V)
+    lm = ngram_fit(tokens, order, V)
     histories = [
         [],
         tokens[:3],
@@ -65,7 +66,7 @@ def test_distribution_sums_to_one(small_corpus, order):
         [0, 0, 0, 0],
     ]  # seen, unseen, short
     for h in histories:
-        p = ngram.distribution(lm, h)
+        p = ngram_distribution(lm, V, h)
         assert p.shape == (V,)
         assert np.all(p > 0)
         assert math.isclose(p.sum(), 1.0, rel_tol=1e-9)
@@ -81,8 +82,8 @@ def test_distribution_sums_to_one(small_corpus, order):
     [4, 2, 0, 2, 3, 4, 2, 4, 2, 1, 0, 2], 2, [0]
 )  # D2 estimated <= 0: every bigram after 0 a count-2 one
 def test_any_stream_gives_a_distribution(tokens, order, history):
-    lm = ngram.fit(np.array(tokens), order, 6)
-    p = ngram.distribution(lm, history)
+    lm = ngram_fit(np.array(tokens), order, 6)
+    p = ngram_distribution(lm, 6, history)
     assert np.all(p > 0) and math.isclose(p.sum(), 1.0, rel_tol=1e-9)
 
 
@@ -92,28 +93,30 @@ def test_matches_plain_python_reference():
     tokens = rng.integers(0, V, 300) * (
         rng.random(300) < 0.7
     )  # skewed, so counts of all sizes occur
-    lm = ngram.fit(tokens, order, V)
-    discounts = [level.discounts for level in lm.levels]
+    lm = ngram_fit(tokens, order, V)
+    discounts = [level.discounts for level in lm]
     for h in ([], [3], [1, 2], [0, 0], [6, 6], list(tokens[10:12])):
         expected = [_reference_prob(tokens, order, V, discounts, h, w) for w in range(V)]
-        np.testing.assert_allclose(ngram.distribution(lm, h), expected, rtol=1e-12)
+        np.testing.assert_allclose(ngram_distribution(lm, V, h), expected, rtol=1e-12)
 
 
 def test_stream_log_probs_use_the_preceding_tokens_of_the_stream(small_corpus):
     tokens, V = small_corpus
-    lm = ngram.fit(tokens[:2000], 3, V)
+    lm = ngram_fit(tokens[:2000], 3, V)
     positions = np.array([0, 1, 2, 50, 51])
-    got = ngram.stream_log_probs(lm, tokens, positions)
+    got = ngram_log_probs(lm, V, tokens, positions)
     for lp, i in zip(got, positions):
-        expected = ngram.distribution(lm, tokens[max(0, i - 2) : i])[tokens[i]]
+        expected = ngram_distribution(lm, V, tokens[max(0, i - 2) : i])[tokens[i]]
         assert math.isclose(lp, math.log(expected), rel_tol=1e-12)
 
 
 def test_val_perplexity_is_a_meaningful_baseline():
     content = grammar.build_grammar_corpus(9, 6000, 0.1)
-    V, positions = len(content.vocab), corpus.val_target_positions(len(content.val), 64)
+    tokens = dict(content.pieces)
+    V, positions = len(content.vocab), corpus.val_target_positions(len(tokens["val"]), 64)
     ppl = {
-        n: ngram.perplexity(ngram.fit(content.train, n, V), content.val, positions) for n in (1, 3)
+        n: ngram_perplexity(ngram_fit(tokens["train"], n, V), V, tokens["val"], positions)
+        for n in (1, 3)
     }
     assert all(math.isfinite(p) and p > 1 for p in ppl.values())
     assert ppl[3] < 0.6 * ppl[1]  # context helps an n-gram a lot on this grammar
@@ -124,4 +127,4 @@ def test_val_perplexity_is_a_meaningful_baseline():
 
 def test_order_too_high_for_the_key_width_is_refused():
     with pytest.raises(ValueError, match="order"):
-        ngram.fit(np.arange(100) % 500, 8, 500)
+        ngram_fit(np.arange(100) % 500, 8, 500)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import KERNODECK, env_for_subprocess, the_run, tree
+from conftest import KERNODECK, env_for_subprocess, ngram_fit, ngram_perplexity, the_run, tree
 
 from pipeline.config import identity
 from pipeline.data import ngram
@@ -190,7 +190,7 @@ def test_text_in_pieces_equals_the_whole_file_decoded(piece, tmp_path, monkeypat
     p = tmp_path / "t.txt"
     p.write_bytes(text.encode())
     with TextFile(p, 1 << 20) as f:
-        tokens = f.tokens()
+        tokens = np.concatenate([toks for _, toks in f.pieces(f.n)])  # every character a token
         vocab = sorted(set(text))  # the oracle: what reading the whole file into a str gave
         assert f.vocab == vocab and f.sha256 == hashlib.sha256(text.encode()).hexdigest()
         index = {ch: i for i, ch in enumerate(vocab)}
@@ -216,7 +216,7 @@ def test_a_text_file_changed_between_its_passes_is_refused(tmp_path):
     with TextFile(p, 1 << 20) as f:
         p.write_text("abd" * 100)  # same size, other bytes
         with pytest.raises(ValueError, match="changed while it was read"):
-            f.tokens()
+            list(f.pieces(f.n))
 
 
 def test_text_corpus_errors_name_data_path(tmp_path):
@@ -240,8 +240,8 @@ def test_fitted_perplexity_is_fit_then_perplexity_to_the_last_bit(monkeypatch):
         tokens = rng.integers(0, V, 20000).astype(np.uint16)
         train, val = tokens[:18000], tokens[18000:]
         positions = np.arange(1, 1985, dtype=np.int64)
-        whole = ngram.perplexity(
-            ngram.fit(train.astype(np.int64), order, V), val.astype(np.int64), positions
+        whole = ngram_perplexity(
+            ngram_fit(train.astype(np.int64), order, V), V, val.astype(np.int64), positions
         )
         assert ngram.fitted_perplexity(train, order, V, val, positions) == whole
 

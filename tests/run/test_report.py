@@ -81,7 +81,7 @@ def test_summary_groups_a_stack_by_its_index_and_notes_a_tie():
 
 def test_throughput_is_the_recent_window_not_the_whole_run():
     t = Throughput(per_update=64, unit="tokens", window=4)
-    t.start(0.0)
+    t.step(0.0)  # the start
     assert t.rates() is None
     for now in (10.0, 20.0, 20.5, 21.0, 21.5, 22.0):  # two slow updates, then 2 per second
         t.step(now)
