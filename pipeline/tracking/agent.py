@@ -110,7 +110,7 @@ class Agent:
         if (uri, sweep_id) not in self.parents:
             if (found := self.store.find_parent(self.opened(uri).client, sweep_id)) is None:
                 return None
-            self.parents[uri, sweep_id] = ids_of(found)
+            self.parents[uri, sweep_id] = self.index.ids_of(found)
         return self.parents[uri, sweep_id]
 
     def fail(self, s: Session, e: BaseException | str) -> None:
@@ -151,7 +151,6 @@ class Agent:
         parent = s.parent = self.parent_of(uri, m.get("parent"))
         previous = m.get("previous_run_uri")
         prev_uri, _, prev_id = self.common.parse_run_uri(previous)
-        tags = {**m["tags"], **({"mlflow.parentRunId": parent["run_id"]} if parent else {})}
 
         def experiment() -> str:
             if parent:
@@ -159,17 +158,14 @@ class Agent:
             return self.store.ensure_experiment(client, m["experiment"], m.get("artifact_location"))
 
         # continued_from: a fork, or a run indexed in another store
-        candidates = [prev_id] if prev_id and prev_uri in (None, uri) else []
-        created = {"continued_from": previous} if previous else None
-        run, tags, _ = self.index.open_run(
-            client, m["run_dir"], candidates, tags, m.get("start_time"), experiment, created
-        )
-        s.run_id, ids = run.info.run_id, ids_of(run)
+        hint = [prev_id] if prev_id and prev_uri in (None, uri) else []
+        made = {"continued_from": previous} if previous else None
+        tags, params, started = m["tags"], m["params"], m.get("start_time")
+        run, _ = self.index.open_run(client, hint, tags, params, parent, started, experiment, made)
+        s.run_id, ids = run.info.run_id, self.index.ids_of(run)
         s.logged = self.store.logged_steps(client, s.run_id, run.data.metrics.keys())
         if run.info.status != "RUNNING":
             client.update_run(s.run_id, status="RUNNING")
-        self.store.sync_tags(client, run, tags, self.common.DERIVED_RUN_TAGS)
-        self.store.sync_params(client, run, m["params"])
         s.repo = self.store.artifact_repo(client, s.run_id)
         s.send("ready", **ids, uri=self.run_uri(uri, ids), **self.warned(uri))
 
@@ -245,7 +241,7 @@ class Agent:
         run, created = self.index.open_parent(client, Path(m["sweep_dir"]), where)
         if not created:  # the same sweep again: its parent goes on
             client.update_run(run.info.run_id, status="RUNNING")
-        ids = self.parents[m["uri"], m["sweep_id"]] = ids_of(run)
+        ids = self.parents[m["uri"], m["sweep_id"]] = self.index.ids_of(run)
         s.send("ready", uri=self.run_uri(m["uri"], ids), **ids)
 
     def sweep_end(self, s: Session, m: dict) -> None:
@@ -351,10 +347,6 @@ class Opened(NamedTuple):
     artifact_root: str | None
     file: tuple[int, int] | None  # a sqlite store's file as opened (device, inode); else None
     warning: str | None  # sharing.check_shared's, said to each job that uses the store
-
-
-def ids_of(run) -> dict:
-    return {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
 
 
 def _file_of(uri: str) -> tuple[int, int] | None:

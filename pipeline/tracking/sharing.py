@@ -12,20 +12,9 @@ from pipeline.files.limits import MAX_MOUNTS_BYTES
 log = logging.getLogger("pipeline")
 
 # Filesystems whose locks sqlite cannot trust (its own documentation warns against sharing a file over them).
-NETWORK_FS: tuple[str, ...] = (
-    "nfs",
-    "nfs4",
-    "cifs",
-    "smb3",
-    "smbfs",
-    "lustre",
-    "gpfs",
-    "beegfs",
-    "ceph",
-    "9p",
-)
-NETWORK_FS += ("afs", "fuse.glusterfs", "glusterfs", "fuse.cephfs", "fuse.sshfs", "panfs")
-NETWORK_FS += ("orangefs", "pvfs2", "ocfs2", "gfs2")
+NETWORK_FS: tuple[str, ...] = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs")
+NETWORK_FS += ("ceph", "9p", "afs", "fuse.glusterfs", "glusterfs", "fuse.cephfs", "fuse.sshfs")
+NETWORK_FS += ("panfs", "orangefs", "pvfs2", "ocfs2", "gfs2")
 MOUNTS = Path("/proc/mounts")
 HOSTS_TAG = "pipeline.hosts"  # on the store's Default experiment: every host that opened it, comma-separated
 MAX_HOSTS = 50

@@ -258,7 +258,11 @@ def logged_steps(client: MlflowClient, run_id: str, keys) -> set[tuple[str, int]
     return {(key, m.step) for key in keys for m in client.get_metric_history(run_id, key)}
 
 
-def log_points(client: MlflowClient, run_id: str, points: list[tuple[str, float, int, int]]) -> int:
+def log_points(client: MlflowClient, run_id: str, points: list, new_only: bool = False) -> int:
+    """Log (key, value, timestamp ms, step) points; new_only: only those whose (key, step) the run lacks."""
+    if new_only:
+        logged = logged_steps(client, run_id, {p[0] for p in points})
+        points = [p for p in points if (p[0], p[3]) not in logged]
     metrics = [Metric(k, v, ts, step) for k, v, ts, step in points]
     return _batches(client, run_id, "metrics", metrics, METRICS_PER_BATCH)
 
