@@ -70,8 +70,7 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
         try:
             db.parent.mkdir(parents=True, exist_ok=True)  # the agent would make it too
             if db.exists():
-                # a FIFO or device is refused, never waited on
-                with reading.open_file(db, follow=True) as f:
+                with reading.open_file(db, follow=True) as f:  # a FIFO, a device: refused
                     head = f.read(len(SQLITE_HEADER))
                 if head and head != SQLITE_HEADER:
                     return f"the mlflow store {db} cannot be opened: it is not a sqlite database ({REBUILD})"
@@ -80,8 +79,7 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
         except OSError as e:
             return f"the mlflow store {db} cannot be opened: {e.strerror or e}"
         return None
-    parts = urlsplit(uri)
-    if parts.scheme in ("http", "https") and parts.hostname:
+    if (parts := urlsplit(uri)).scheme in ("http", "https") and parts.hostname:
         import urllib.error
         import urllib.request
 
@@ -174,14 +172,8 @@ def experiment_of(config: dict) -> str:
     return experiment_name(str(config.get("name") or "default"), *parts)
 
 
-FACT_TAGS: tuple[str, ...] = (
-    "config_hash",
-    "semantic_config_hash",
-    "data_manifest_hash",
-    "git_sha",
-    "git_dirty",
-)
-FACT_TAGS += ("seed",)
+FACT_TAGS: tuple[str, ...] = ("config_hash", "semantic_config_hash", "data_manifest_hash")
+FACT_TAGS += ("git_sha", "git_dirty", "seed")
 
 
 def tags_of(facts: dict, run_dir: str | Path, status=None, job=None) -> dict[str, str]:
@@ -203,8 +195,7 @@ def tags_of(facts: dict, run_dir: str | Path, status=None, job=None) -> dict[str
         tags["mlflow.source.git.commit"] = facts["git_sha"]
     if facts.get("allowed_changes"):
         tags["allowed_changes"] = facts["allowed_changes"]
-    resumes = (status or {}).get("resumes") or []
-    if resumes:
+    if resumes := (status or {}).get("resumes") or []:
         tags["resumes"] = len(resumes)
         tags.update({f"resume.{i}": r.get("step") for i, r in enumerate(resumes, start=1)})
     if job:

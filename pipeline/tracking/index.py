@@ -86,8 +86,8 @@ def sync_run(
     def experiment() -> str:
         return store.ensure_experiment(client, common.experiment_of(config), artifact_root)
 
-    run, counts = open_run(client, candidates, tags, params, parent, started, experiment)
-    added, run_id = {**added, **counts}, run.info.run_id
+    run, opened = open_run(client, candidates, tags, params, parent, started, experiment)
+    added, run_id = {**added, **opened}, run.info.run_id
     latest = {}
     for line in lines:
         for p in common.metric_points(line):

@@ -26,9 +26,8 @@ from pipeline.files.limits import MAX_EVENT
 # Without clients this long, the agent exits: long enough for the next run of a working session.
 IDLE_SECONDS = float(os.environ.get("PIPELINE_TRACKING_AGENT_IDLE", "300"))
 SPAWN_WAIT = 60.0  # seconds for a new agent to bind its socket (it does so before importing mlflow)
-MAX_METRICS_LINES = (
-    1000  # metrics.jsonl lines in one message to the agent (it reads at most agent.MAX_REQUEST)
-)
+# metrics.jsonl lines in one message to the agent (it reads at most agent.MAX_REQUEST)
+MAX_METRICS_LINES = 1000
 log = logging.getLogger("pipeline")
 
 
@@ -210,8 +209,7 @@ class Link:
         self._died("the tracking agent closed the connection")
 
     def _died(self, reason: str) -> None:
-        if self.dead is None:
-            self.dead = reason
+        self.dead = self.dead or reason
         with self.lock:
             orphans, self.handlers = list(self.handlers.values()), {}
         for handler in orphans:
@@ -253,10 +251,8 @@ def _connect(path: Path) -> socket.socket | None:
     try:
         pid, uid, _ = peer_credentials(sock)
         if uid != os.getuid():
-            raise OSError(
-                f"the process listening on {path} (pid {pid}) runs as uid {uid}, not as this user "
-                f"(uid {os.getuid()}): refused, nothing sent to it"
-            )
+            said = f"the process listening on {path} (pid {pid}) runs as uid {uid}, not as"
+            raise OSError(f"{said} this user (uid {os.getuid()}): refused, nothing sent to it")
         sock.settimeout(None)
         return sock
     except BaseException:
@@ -285,16 +281,11 @@ def spawn(path: Path, log_file: Path) -> subprocess.Popen:
             os.close(fd)
         fd = None
     out = subprocess.DEVNULL if fd is None else fd
-    argv = ["-m", "pipeline.tracking.agent", "--listen", str(path), "--idle", str(IDLE_SECONDS)]
-    try:
+    argv = [sys.executable, "-m", "pipeline.tracking.agent", "--listen", str(path)]
+    argv += ["--idle", str(IDLE_SECONDS)]
+    try:  # no other file descriptor is passed on (close_fds: Popen's default)
         return subprocess.Popen(
-            [sys.executable, *argv],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            env=env,
-            close_fds=True,
-            start_new_session=True,
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True
         )
     finally:
         if fd is not None:
