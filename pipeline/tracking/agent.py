@@ -123,6 +123,14 @@ class Agent:
                 traceback.print_exception(e, file=sys.stderr)
             s.send("error", message=msg[:2000])
 
+    def tried(self, s: Session, call, *args, **kwargs) -> Any:
+        """call(*args, **kwargs); None once its exception is the session's one error."""
+        try:
+            return call(*args, **kwargs)
+        except Exception as e:
+            self.fail(s, e)
+            return None
+
     def opened(self, uri: str, artifact_root: str | None = None) -> Opened:
         """The store at `uri`, opened once, and again once a sqlite store's file is not the one opened (removed or
         replaced: `rm -rf outputs`, a rebuild), whose connections would write to a deleted file."""
@@ -141,8 +149,7 @@ class Agent:
 
     def warned(self, uri: str) -> dict:
         """The store's warning (a sqlite store shared beyond one machine) for the job's own output: {} if none."""
-        warning = self.clients[uri].warning if uri in self.clients else None
-        return {"warning": warning} if warning else {}
+        return {"warning": warning} if (warning := self.clients[uri].warning) else {}
 
     # --- a job's run, live
     def open(self, s: Session, m: dict) -> None:
@@ -204,24 +211,18 @@ class Agent:
                 waiting.append((s, m, deadline))
                 continue
             started, root = time.monotonic(), self.clients[s.uri].artifact_root
-            try:
-                r = self.index.sync_run(
-                    s.client, s.uri, run_dir, root, s.parent, m.get("job"), artifacts=False
-                )
+            args = (s.client, s.uri, run_dir, root, s.parent, m.get("job"))
+            if (r := self.tried(s, self.index.sync_run, *args, artifacts=False)) is not None:
                 done.append((s, run_dir, r))
-            except Exception as e:
-                self.fail(s, e)
             trace("finish: the run complete", started)
         self.finishing = waiting
         for s, run_dir, r in done:
             started = time.monotonic()
-            try:
-                if "run_id" in r:
-                    self.index.sync_artifacts(s.client, r["run_id"], run_dir)
-                    trace("finish: its artifacts", started)
-                s.send("finished")
-            except Exception as e:
-                self.fail(s, e)
+            if "run_id" in r:
+                if self.tried(s, self.index.sync_artifacts, s.client, r["run_id"], run_dir) is None:
+                    continue
+                trace("finish: its artifacts", started)
+            s.send("finished")
 
     def attach(self, s: Session, m: dict) -> None:
         """A job whose run directory was complete before it started: indexed (its run made if the store lacks it)."""
@@ -263,24 +264,18 @@ class Agent:
         if op == "idle":
             self.waiters.append((conn, m.get("sid")))
             return
+        s = Session(conn, m["sid"]) if op in self.OPENING else self.sessions.get(key)
+        if s is None or s.failed:  # a session failed, or never opened
+            if op == "finish":
+                conn.send({"sid": m.get("sid"), "event": "finished"})
+            return
         if op in self.OPENING:
-            s = Session(conn, m["sid"])
             if self.import_error:
                 self.fail(s, f"mlflow could not be imported: {self.import_error}")
                 return
             self.sessions[key] = s
-        else:
-            found = self.sessions.get(key)
-            if found is None or found.failed:
-                if op == "finish":
-                    conn.send({"sid": m.get("sid"), "event": "finished"})
-                return
-            s = found
         started = time.monotonic()
-        try:
-            getattr(self, op)(s, m)
-        except Exception as e:
-            self.fail(s, e)
+        self.tried(s, getattr(self, op), s, m)
         trace(op, started)
         if op not in ("open", "metrics", "checkpoint"):
             self.sessions.pop(key, None)
@@ -330,10 +325,7 @@ class Agent:
                 self.finish_gone()
             if time.monotonic() - last_flush >= FLUSH_EVERY:  # metrics go in batches, once a second
                 for s in list(self.sessions.values()):
-                    try:
-                        self.flush(s)
-                    except Exception as e:
-                        self.fail(s, e)
+                    self.tried(s, self.flush, s)
                 last_flush = time.monotonic()
             self.answer_idle(clients)
             if clients or self.sessions or self.finishing or batch:
