@@ -9,7 +9,7 @@ import shutil
 import sqlite3
 import tempfile
 import time
-from contextlib import AbstractContextManager, closing, contextmanager, nullcontext, suppress
+from contextlib import closing, contextmanager, nullcontext, suppress
 from functools import cache
 from pathlib import Path
 
@@ -27,14 +27,10 @@ log = logging.getLogger("pipeline")
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 # A server that is down fails in seconds, not minutes; and mlflow prints no download bars or "View run" lines
 # between the pipeline's own (reindex's). mlflow reads these from the environment at each use only, so
-# open_client sets them (unless the user did) in the process that opens a client, never on import.
-HTTP_SETTINGS = (
-    ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"),
-    ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
-    ("MLFLOW_HTTP_REQUEST_TIMEOUT", "20"),
-    ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false"),
-    ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true"),
-)
+# open_store sets them (unless the user did) in the process that opens a client, never on import.
+HTTP_SETTINGS = dict(MLFLOW_HTTP_REQUEST_MAX_RETRIES="2", MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="1")
+HTTP_SETTINGS.update(MLFLOW_HTTP_REQUEST_TIMEOUT="20", MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")
+HTTP_SETTINGS.update(MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT="true")
 
 
 @cache
@@ -50,8 +46,7 @@ def forget_store(uri: str) -> None:
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
     from mlflow.tracking._tracking_service import utils
 
-    # one engine per database URI, for the process's life
-    if (engine := SqlAlchemyStore._engine_map.pop(uri, None)) is not None:
+    if (engine := SqlAlchemyStore._engine_map.pop(uri, None)) is not None:  # one per URI, for life
         engine.dispose()
     utils._tracking_store_registry._get_store_with_resolved_uri.cache_clear()  # the stores, per URI
 
@@ -101,8 +96,7 @@ def template_db() -> Path | None:
 
 def _copy_template(db: Path) -> None:
     """Put a copy of the template at `db` (under the store's lock), never over an existing file."""
-    template = template_db()
-    if template is None:
+    if (template := template_db()) is None:
         return
     tmp = db.with_name(f".{db.name}.{os.getpid()}.tmp")
     try:
@@ -122,7 +116,7 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
     """A client whose store is open, and the store's warning (sharing.check_shared) or None; a new sqlite store is
     made here, under the lock (a copy of the template). StoreError (one line) if it cannot be."""
     _quiet_migrations()
-    for key, value in HTTP_SETTINGS:
+    for key, value in HTTP_SETTINGS.items():
         os.environ.setdefault(key, value)
     db = common.sqlite_path(uri)
     if db is not None:
@@ -132,7 +126,6 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
         except UnsafePathError as e:
             raise StoreError(f"the mlflow store cannot be opened: {e}") from None
     try:
-        lock: AbstractContextManager = nullcontext()
         if db is not None:
             # the slow import, outside the lock
             from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
@@ -140,10 +133,9 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
             db.parent.mkdir(parents=True, exist_ok=True)
             if not db.exists():
                 template_db()  # made (once per machine) outside this store's lock
-            # One process at a time creates, migrates or opens a sqlite store (two migrations at once leave it
-            # half-migrated): an flock on its directory, taken before any mlflow object touches the DB.
-            lock = _flock(db.parent, os.O_RDONLY | os.O_DIRECTORY)
-        with lock:
+        # One process at a time creates, migrates or opens a sqlite store (two migrations at once leave it
+        # half-migrated): an flock on its directory, taken before any mlflow object touches the DB.
+        with _flock(db.parent, os.O_RDONLY | os.O_DIRECTORY) if db is not None else nullcontext():
             if db is not None and not db.exists():
                 _copy_template(db)
                 SqlAlchemyStore(uri, common.artifact_root(uri, artifact_root))
