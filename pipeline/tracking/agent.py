@@ -132,8 +132,7 @@ class Agent:
             return None
 
     def opened(self, uri: str, artifact_root: str | None = None) -> Opened:
-        """The store at `uri`, opened once, and again once a sqlite store's file is not the one opened (removed or
-        replaced: `rm -rf outputs`, a rebuild), whose connections would write to a deleted file."""
+        """The store at `uri`, opened once; anew once its sqlite file was removed or replaced (`rm -rf outputs`)."""
         have = self.clients.get(uri)
         if have is not None and have.file != _file_of(uri):
             why = f"tracking agent: the mlflow store {uri} was removed or replaced since it was opened"

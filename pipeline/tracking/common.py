@@ -63,8 +63,7 @@ SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 def store_problem(uri: str, timeout: float = 0.5) -> str | None:
-    """What is plainly wrong with a store, found in milliseconds without mlflow before a job hands its run to the
-    agent (a sqlite file that is not a database or cannot be made, a port that refuses); None, else."""
+    """What is plainly wrong with a store (not sqlite, unmakeable, a port refusing), found without mlflow, or None."""
     db = sqlite_path(uri)
     if db is not None:
         try:
@@ -164,8 +163,7 @@ def tag_value(v) -> str:
 
 
 def experiment_of(config: dict) -> str:
-    """A run's config's tracking.experiment, or (a config tracked by none, indexed later) the one tracking=mlflow
-    would have given it (identity.experiment_name)."""
+    """A config's tracking.experiment, else (tracked by none, indexed later) what tracking=mlflow would give it."""
     if tracked := (config.get("tracking") or {}).get("experiment"):
         return str(tracked)
     parts = ((config.get(g) or {}).get("_target_", "") for g in ("model", "data"))

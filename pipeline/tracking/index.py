@@ -321,8 +321,7 @@ def open_parent(client, sweep_dir: Path, artifact_root: str | None):
 def index_job(
     client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None, job: dict
 ) -> dict:
-    """A sweep job's run directory under its parent: its own run, or a child of the parent pointing at the run when
-    that one already stands for another job (a repeat in this sweep, or a job of another sweep)."""
+    """A sweep job's run directory under its parent: its own run, or a child pointing at it if it is another job's."""
     run = store.find_run(client, str(Path(run_dir).resolve()))
     tags = run.data.tags if run is not None else {}
     own = tags.get("mlflow.parentRunId") == (parent or {}).get("run_id")

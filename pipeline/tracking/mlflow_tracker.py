@@ -131,8 +131,7 @@ class MlflowTracker(Tracker):
         return {**where, "job": self.job, "run_dir": str(Path(run_dir).resolve())}
 
     def attach(self, run_dir: Path) -> str | None:
-        """A sweep job whose run was complete before it started: indexed under the sweep; its URI if the agent
-        answers in time."""
+        """A sweep job's run done before it started: indexed under the sweep; its URI if the agent answers in time."""
         if self.parent is None or not self._linked():
             return None
         req = request(self.link, "attach", **self._where(run_dir))

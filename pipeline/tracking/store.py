@@ -41,8 +41,7 @@ def _quiet_migrations() -> None:
 
 
 def forget_store(uri: str) -> None:
-    """Drop what mlflow keeps open for `uri` in this process (its engine, pooled connections and stores): a sqlite
-    file removed or replaced since is then opened anew, not written through connections to the deleted one."""
+    """Drop mlflow's engine, pooled connections and stores of `uri`: a sqlite file replaced since is opened anew."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
     from mlflow.tracking._tracking_service import utils
 
