@@ -86,9 +86,8 @@ class Agent:
         self.import_error = None
         started = time.monotonic()
         try:
-            # Everything the agent will run, now (mlflow: the slow part, while the readers buffer): a module
-            # imported minutes later, from a checkout changed meanwhile, would not match those already loaded
-            # (an ImportError in sweep_end left parents RUNNING).
+            # All the agent runs, now (mlflow: the slow part, while the readers buffer): a module imported later,
+            # from a checkout changed meanwhile, would not match those loaded (an ImportError left parents RUNNING).
             from pipeline.tracking import common, index, store
 
             self.common, self.index, self.store = common, index, store
@@ -104,8 +103,7 @@ class Agent:
 
     def parent_of(self, uri: str, ref: dict | None) -> dict | None:
         """A job's parent run, named by its sweep's id ({"sweep_id"}: the launcher does not wait for the run)."""
-        sweep_id = (ref or {}).get("sweep_id")
-        if not isinstance(sweep_id, str):
+        if not isinstance(sweep_id := (ref or {}).get("sweep_id"), str):
             return None
         if (uri, sweep_id) not in self.parents:
             if (found := self.store.find_parent(self.opened(uri).client, sweep_id)) is None:
@@ -150,7 +148,6 @@ class Agent:
         """The store's warning (a sqlite store shared beyond one machine) for the job's own output: {} if none."""
         return {"warning": warning} if (warning := self.clients[uri].warning) else {}
 
-    # --- a job's run, live
     def open(self, s: Session, m: dict) -> None:
         s.uri = uri = m["uri"]
         s.client = client = self.opened(uri, m.get("artifact_location")).client
@@ -179,9 +176,8 @@ class Agent:
         return self.common.run_uri(uri, ids["experiment_id"], ids["run_id"])
 
     def metrics(self, s: Session, m: dict) -> None:
-        for line in m["lines"]:
-            points = self.common.metric_points(line)
-            s.pending += [p for p in points if (p[0], p[3]) not in s.logged]  # (key, step)
+        points = [p for line in m["lines"] for p in self.common.metric_points(line)]
+        s.pending += [p for p in points if (p[0], p[3]) not in s.logged]  # (key, step) mlflow lacks
         if len(s.pending) >= MAX_PENDING:
             self.flush(s)
 
@@ -233,7 +229,6 @@ class Agent:
         r = self.index.index_job(client, uri, run_dir, where, parent, job)
         s.send("finished", uri=self.run_uri(uri, r) if "run_id" in r else None)
 
-    # --- a sweep's parent run
     def parent_start(self, s: Session, m: dict) -> None:
         """The sweep's parent, made from its sweep.json by the code reindex uses (pipeline/tracking/index.py)."""
         where = m.get("artifact_location")
@@ -254,7 +249,6 @@ class Agent:
         self.opened(m["uri"], m.get("artifact_location"))
         s.send("pong", **self.warned(m["uri"]))
 
-    # --- dispatch
     OPENING = ("open", "attach", "parent_start", "sweep_end", "ping")
 
     def handle(self, conn: Conn, m: dict) -> None:

@@ -179,8 +179,7 @@ def sync_artifacts(client, run_id: str, run_dir: Path, found=None, lines=None) -
                 todo.append((f"final/{weights.name}", weights))
         except (OSError, CheckpointError):
             continue  # a damaged checkpoint: reindex names it
-    hydra = rundir.hydra_dir
-    todo += [(f"hydra/{name}", hydra / name) for name in ("config.yaml", "overrides.yaml")]
+    todo += [(f"hydra/{n}", rundir.hydra_dir / n) for n in ("config.yaml", "overrides.yaml")]
     todo.append((rundir.log_path.name, rundir.log_path))
     if (png := curves_png(rundir, rundir.read_metrics() if lines is None else lines)) is not None:
         todo.append((common.CURVES_ARTIFACT, png))
