@@ -88,10 +88,8 @@ def sync_run(
 
     run, opened = open_run(client, candidates, tags, params, parent, started, experiment)
     added, run_id = {**added, **opened}, run.info.run_id
-    latest = {}
-    for line in lines:
-        for p in common.metric_points(line):
-            latest[(p[0], p[3])] = p  # a step logged twice in the file: its last line
+    # (key, step) -> its point; a step logged twice in the file: its last line
+    latest = {(p[0], p[3]): p for line in lines for p in common.metric_points(line)}
     # The best is the run's result: logged once it has ended for good, never from a preempted segment (a resumed
     # run's index would keep that segment's best beside the final one, which a rebuild from disk cannot know).
     best = best_metrics(found[-1][0]) if status.get("status") != "preempted" else {}
@@ -124,9 +122,8 @@ def sync_run(
 def open_run(
     client, candidates, tags, params, parent, started, experiment_id, created_tags=None
 ) -> tuple[Any, dict]:
-    """The run indexing tags["run_dir"] (made in experiment_id() with `created_tags` if none is), under `parent`
-    unless under another sweep's parent (whose job name and number it keeps, as a rebuild from disk does), with
-    these params (the ones it lacks) and tags; and {"created", "params", "tags"}: how many were added."""
+    """The run of tags["run_dir"] (made in experiment_id() with `created_tags` if none), under `parent` unless under
+    another sweep's (whose job name and number it keeps, as a rebuild does), with these params and tags; the counts."""
     if parent is not None:
         tags = {**tags, "mlflow.parentRunId": parent["run_id"]}
     run, created = store.find_run(client, tags["run_dir"], candidates), False

@@ -19,12 +19,10 @@ from pipeline.tracking.link import Link, Request, request
 from pipeline.tracking.sweep_parent import MlflowSweepParent
 
 log = logging.getLogger("pipeline")
-OFF = "mlflow tracking (%s) is off for the rest of this run: %s. Training goes on and the manifests are "
-OFF += "written; index them later with `python -m pipeline.reindex`."
-WAITED = (
-    "mlflow: this job waited %.3f s on tracking in all (bound %.1f s); the tracking agent finishes "
-)
-WAITED += "run %s after it exits%s%s"
+OFF = "mlflow tracking (%s) is off for the rest of this run: %s. Training goes on and the "
+OFF += "manifests are written; index them later with `python -m pipeline.reindex`."
+WAITED = "mlflow: this job waited %.3f s on tracking in all (bound %.1f s); the tracking agent "
+WAITED += "finishes run %s after it exits%s%s"
 
 
 def wait_at_exit(event: threading.Event, what: str) -> None:
@@ -123,12 +121,8 @@ class MlflowTracker(Tracker):
 
     def _where(self, run_dir: Path) -> dict:
         """What every request about this job's run says: its store, run directory and sweep."""
-        where = {
-            "uri": self.uri,
-            "artifact_location": self.artifact_location,
-            "parent": self.parent,
-        }
-        return {**where, "job": self.job, "run_dir": str(Path(run_dir).resolve())}
+        where = {"uri": self.uri, "artifact_location": self.artifact_location, "job": self.job}
+        return {**where, "parent": self.parent, "run_dir": str(Path(run_dir).resolve())}
 
     def attach(self, run_dir: Path) -> str | None:
         """A sweep job's run done before it started: indexed under the sweep; its URI if the agent answers in time."""
