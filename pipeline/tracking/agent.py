@@ -331,7 +331,7 @@ class Opened(NamedTuple):
     client: Any  # its MlflowClient
     artifact_root: str | None
     file: tuple[int, int] | None  # a sqlite store's file as opened (device, inode); else None
-    warning: str | None  # sharing.check_shared's, said to each job that uses the store
+    warning: str | None  # store.check_shared's, said to each job that uses the store
 
 
 def _file_of(uri: str) -> tuple[int, int] | None:

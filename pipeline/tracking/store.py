@@ -6,6 +6,7 @@ import fcntl
 import logging
 import os
 import shutil
+import socket
 import sqlite3
 import tempfile
 import time
@@ -19,9 +20,8 @@ from mlflow.exceptions import MlflowException
 
 from pipeline.config.errors import CommandError
 from pipeline.files.atomic import UnsafePathError, refuse_link
-from pipeline.files.limits import MAX_ARTIFACT
+from pipeline.files.limits import MAX_ARTIFACT, MAX_MOUNTS_BYTES
 from pipeline.tracking import common
-from pipeline.tracking.sharing import check_shared
 
 log = logging.getLogger("pipeline")
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
@@ -31,6 +31,19 @@ METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 HTTP_SETTINGS = dict(MLFLOW_HTTP_REQUEST_MAX_RETRIES="2", MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="1")
 HTTP_SETTINGS.update(MLFLOW_HTTP_REQUEST_TIMEOUT="20", MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")
 HTTP_SETTINGS.update(MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT="true")
+# One warning when a sqlite store is shared beyond one machine: on a network filesystem, or by several hosts.
+# Filesystems whose locks sqlite cannot trust (its own documentation warns against sharing a file over them).
+NETWORK_FS: tuple[str, ...] = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs")
+NETWORK_FS += ("ceph", "9p", "afs", "fuse.glusterfs", "glusterfs", "fuse.cephfs", "fuse.sshfs")
+NETWORK_FS += ("panfs", "orangefs", "pvfs2", "ocfs2", "gfs2")
+MOUNTS = Path("/proc/mounts")
+HOSTS_TAG = "pipeline.hosts"  # on the store's Default experiment: every host that opened it, comma-separated
+MAX_HOSTS = 50
+TEAM_SETUP = (
+    "run `mlflow server --backend-store-uri postgresql+psycopg://USER@DBHOST/DB --artifacts-destination "
+    "DIR --host HOST --port 5000 --allowed-hosts HOST:5000` and track with "
+    "`tracking=server tracking.uri=http://HOST:5000` (docs/tracking.md: Team setup)"
+)
 
 
 @cache
@@ -112,7 +125,7 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
 
 
 def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient, str | None]:
-    """A client whose store is open, and the store's warning (sharing.check_shared) or None; a new sqlite store is
+    """A client whose store is open, and the store's warning (check_shared) or None; a new sqlite store is
     made here, under the lock (a copy of the template). StoreError (one line) if it cannot be."""
     _quiet_migrations()
     for key, value in HTTP_SETTINGS.items():
@@ -150,6 +163,43 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
         text = str(e).strip().splitlines()
         why = f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
         raise StoreError(f"{where} cannot be opened: {why}{fix}") from None
+
+
+def read_mounts() -> str:
+    """The mount table (empty if it cannot be read), at most MAX_MOUNTS_BYTES."""
+    try:
+        with open(MOUNTS, "rb") as f:
+            return f.read(MAX_MOUNTS_BYTES).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def check_shared(client, db: Path) -> str | None:
+    """Record this host on the store; warn (one line, returned) if the store is shared beyond one machine."""
+    hosts: set[str] = set()
+    with suppress(Exception):
+        exp = client.get_experiment("0")  # Default: every mlflow store has it
+        hosts = {h for h in (exp.tags or {}).get(HOSTS_TAG, "").split(",") if h}
+        me = socket.gethostname()
+        if me not in hosts and len(hosts) < MAX_HOSTS:
+            hosts.add(me)
+            client.set_experiment_tag("0", HOSTS_TAG, ",".join(sorted(hosts)))
+    where, best, kind = Path(os.path.realpath(db.parent)), -1, None
+    for line in read_mounts().splitlines():  # its filesystem: the longest mount point above it
+        fields = line.split()
+        point = Path(fields[1].replace("\\040", " ")) if len(fields) >= 3 else None
+        above = point is not None and (point == where or point in where.parents)
+        if above and len(str(point)) > best:
+            best, kind = len(str(point)), fields[2]
+    if kind in NETWORK_FS:
+        problem = f"the mlflow store {db} is on a network filesystem ({kind})"
+    elif len(hosts) > 1:
+        problem = f"the mlflow store {db} is opened by jobs on {len(hosts)} hosts ({', '.join(sorted(hosts)[:5])})"
+    else:
+        return None
+    text = f"{problem}: sqlite's locks are not to be trusted there; for a team or a cluster, {TEAM_SETUP}"
+    log.warning(text)
+    return text
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
