@@ -186,13 +186,12 @@ def tags_of(facts: dict, run_dir: str | Path, status=None, job=None) -> dict[str
         "mlflow.runName": (job or {}).get("name") or Path(run_dir).name,
         "mlflow.source.name": "pipeline",
         "mlflow.source.type": "LOCAL",
+        "allowed_changes": facts.get("allowed_changes") or None,
         # `config.<key>` for the MACHINE_TAGS the config sets (null and `auto` say nothing): never a param
         **{f"config.{k}": flat[k] for k in MACHINE_TAGS if flat.get(k) not in (None, "auto", "")},
     }
     if facts.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = facts["git_sha"]
-    if facts.get("allowed_changes"):
-        tags["allowed_changes"] = facts["allowed_changes"]
     if resumes := (status or {}).get("resumes") or []:
         tags["resumes"] = len(resumes)
         tags.update({f"resume.{i}": r.get("step") for i, r in enumerate(resumes, start=1)})
