@@ -268,7 +268,7 @@ class Agent:
                 return
             self.sessions[key] = s
         started = time.monotonic()
-        self.tried(s, getattr(self, op), s, m)
+        self.tried(s, lambda: getattr(self, op)(s, m))  # an unknown op too: the session's error
         trace(op, started)
         if op not in ("open", "metrics", "checkpoint"):
             self.sessions.pop(key, None)
