@@ -139,15 +139,15 @@ def open_run(
     return run, {**added, "tags": store.sync_tags(client, run, tags, common.DERIVED_RUN_TAGS)}
 
 
-def record_run_uri(rundir: RunDir, uri: str) -> bool:
+def record_run_uri(rundir: RunDir, uri: str) -> None:
     """run.json names the run's mlflow run (its manifests may say null), under the run's lock: never beside a job."""
     # nothing to link (no run.json: never made here), or linked already
     if not (status := rundir.read_status()) or status.get("mlflow_run_uri") == uri:
-        return True
+        return
     try:
         rundir.acquire()
     except (RunBusyError, OSError):
-        return False
+        return
     try:
         status = rundir.read_status()  # again, under the lock
         if status and status.get("mlflow_run_uri") != uri:
@@ -155,7 +155,6 @@ def record_run_uri(rundir: RunDir, uri: str) -> bool:
             rundir.write_status(**{**status, "mlflow_run_uri": uri})
     finally:
         rundir.release()
-    return True
 
 
 def sync_artifacts(client, run_id: str, run_dir: Path, found=None, lines=None) -> int:
@@ -203,7 +202,7 @@ def log_changed(repo, have: dict[str, int], todo: list[tuple[str, Path | bytes]]
             # a size the store does not list (None) differs; only a listed same size is read back
             changed = have.get(artifact) != size
             if not changed and size <= MAX_COMPARED_BYTES:
-                changed = store.artifact_bytes(repo, artifact, have) != _bytes_of(source)
+                changed = store.artifact_bytes(repo, artifact) != _bytes_of(source)
         except OSError:
             continue  # absent, or replaced since it was listed (a FIFO, a device, a file grown past the bound)
         final = artifact.startswith("final/")

@@ -349,12 +349,8 @@ def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, i
     return out
 
 
-def artifact_bytes(
-    repo, path: str, sizes: dict[str, int] | None = None, limit: int = MAX_ARTIFACT
-) -> bytes | None:
+def artifact_bytes(repo, path: str, limit: int = MAX_ARTIFACT) -> bytes | None:
     """One logged artifact's content (None if absent or over `limit`): read in place if local, else downloaded."""
-    if sizes is not None and (path not in sizes or sizes[path] > limit):
-        return None
     root = getattr(repo, "artifact_dir", None)  # LocalArtifactRepository
     try:
         if root is not None:
