@@ -101,9 +101,8 @@ def sync_run(
         step = next(iter(best.values()))[1]
         latest[("best/step", step)] = ("best/step", float(step), when.get(step, 0), step)
     added["points"] = store.log_points(client, run_id, list(latest.values()), new_only=True)
-    # "running" with nobody in the run directory: the process died running
     name = str(status.get("status"))
-    died = name == "running" and not rundir.in_use()
+    died = name == "running" and not rundir.in_use()  # nobody in the run directory: it died running
     mstatus = "FAILED" if died else STATUS_OF_RUN_JSON.get(name)
     if mstatus and client.get_run(run_id).info.status != mstatus:
         end = status.get("ended_at") or status.get("updated") or run_dir.stat().st_mtime

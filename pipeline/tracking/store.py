@@ -96,9 +96,8 @@ def template_db() -> Path | None:
                 tmp.unlink(missing_ok=True)
                 db = f"sqlite:///{tmp}"
                 SqlAlchemyStore(db, (base / "no-artifacts").as_uri()).engine.dispose()
-                # the Default one: each copy makes its own
                 with closing(sqlite3.connect(tmp)) as con, con:
-                    con.execute("DELETE FROM experiments")
+                    con.execute("DELETE FROM experiments")  # the Default one: each copy its own
                 os.replace(tmp, path)  # whole or absent
         return path
     except Exception:
@@ -220,8 +219,7 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None
                 raise
     if exp.lifecycle_stage == "deleted":
         client.restore_experiment(exp.experiment_id)
-    # made before this mark existed, or by another tool
-    if tag not in (exp.tags or {}):
+    if tag not in (exp.tags or {}):  # made before this mark existed, or by another tool
         client.set_experiment_tag(exp.experiment_id, tag, kind)
     return exp.experiment_id
 
