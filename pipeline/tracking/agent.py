@@ -224,7 +224,7 @@ class Agent:
         run_dir, uri, where = Path(m["run_dir"]), m["uri"], m.get("artifact_location")
         if self.finishing:  # the run this repeats, handed over by an earlier job of the same process: complete first
             self.finish_gone(complete=run_dir.resolve())
-        client = self.opened(uri, where).client
+        client = self.opened(uri, where).client  # first: with its artifact root
         parent, job = self.parent_of(uri, m.get("parent")), m.get("job") or {}
         r = self.index.index_job(client, uri, run_dir, where, parent, job)
         s.send("finished", uri=self.run_uri(uri, r) if "run_id" in r else None)
@@ -314,8 +314,7 @@ class Agent:
                     self.waiters = [w for w in self.waiters if w[0] is not conn]
                 else:
                     self.handle(conn, m)
-            if self.finishing:
-                self.finish_gone()
+            self.finish_gone()
             if time.monotonic() - last_flush >= FLUSH_EVERY:  # metrics go in batches, once a second
                 for s in list(self.sessions.values()):
                     self.tried(s, self.flush, s)
