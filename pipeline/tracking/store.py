@@ -351,13 +351,8 @@ def artifact_bytes(repo, path: str, limit: int = MAX_ARTIFACT) -> bytes | None:
     """One logged artifact's content (None if absent or over `limit`): read in place if local, else downloaded."""
     root = getattr(repo, "artifact_dir", None)  # LocalArtifactRepository
     try:
-        if root is not None:
-            return _small(Path(root) / path, limit)
         with tempfile.TemporaryDirectory(prefix="pipeline-artifact-") as tmp:
-            return _small(Path(repo.download_artifacts(path, tmp)), limit)
+            local = Path(root) / path if root else Path(repo.download_artifacts(path, tmp))
+            return local.read_bytes() if local.is_file() and local.stat().st_size <= limit else None
     except (MlflowException, OSError):
         return None
-
-
-def _small(path: Path, limit: int) -> bytes | None:
-    return path.read_bytes() if path.is_file() and path.stat().st_size <= limit else None
