@@ -86,9 +86,8 @@ class Agent:
         self.import_error = None
         started = time.monotonic()
         try:
-            # Everything the agent will run, now (mlflow: the slow part, while the readers buffer): a module
-            # imported minutes later, from a checkout changed meanwhile, would not match those already loaded
-            # (an ImportError in sweep_end left parents RUNNING).
+            # All the agent runs, now (mlflow: the slow part, while the readers buffer): a module imported later,
+            # from a checkout changed meanwhile, would not match those loaded (an ImportError left parents RUNNING).
             from pipeline.tracking import common, index, store
 
             self.common, self.index, self.store = common, index, store
@@ -104,13 +103,12 @@ class Agent:
 
     def parent_of(self, uri: str, ref: dict | None) -> dict | None:
         """A job's parent run, named by its sweep's id ({"sweep_id"}: the launcher does not wait for the run)."""
-        sweep_id = (ref or {}).get("sweep_id")
-        if not isinstance(sweep_id, str):
+        if not isinstance(sweep_id := (ref or {}).get("sweep_id"), str):
             return None
         if (uri, sweep_id) not in self.parents:
             if (found := self.store.find_parent(self.opened(uri).client, sweep_id)) is None:
                 return None
-            self.parents[uri, sweep_id] = ids_of(found)
+            self.parents[uri, sweep_id] = self.index.ids_of(found)
         return self.parents[uri, sweep_id]
 
     def fail(self, s: Session, e: BaseException | str) -> None:
@@ -123,9 +121,16 @@ class Agent:
                 traceback.print_exception(e, file=sys.stderr)
             s.send("error", message=msg[:2000])
 
+    def tried(self, s: Session, call, *args, **kwargs) -> Any:
+        """call(*args, **kwargs); None once its exception is the session's one error."""
+        try:
+            return call(*args, **kwargs)
+        except Exception as e:
+            self.fail(s, e)
+            return None
+
     def opened(self, uri: str, artifact_root: str | None = None) -> Opened:
-        """The store at `uri`, opened once, and again once a sqlite store's file is not the one opened (removed or
-        replaced: `rm -rf outputs`, a rebuild), whose connections would write to a deleted file."""
+        """The store at `uri`, opened once; anew once its sqlite file was removed or replaced (`rm -rf outputs`)."""
         have = self.clients.get(uri)
         if have is not None and have.file != _file_of(uri):
             why = f"tracking agent: the mlflow store {uri} was removed or replaced since it was opened"
@@ -141,17 +146,14 @@ class Agent:
 
     def warned(self, uri: str) -> dict:
         """The store's warning (a sqlite store shared beyond one machine) for the job's own output: {} if none."""
-        warning = self.clients[uri].warning if uri in self.clients else None
-        return {"warning": warning} if warning else {}
+        return {"warning": warning} if (warning := self.clients[uri].warning) else {}
 
-    # --- a job's run, live
     def open(self, s: Session, m: dict) -> None:
         s.uri = uri = m["uri"]
         s.client = client = self.opened(uri, m.get("artifact_location")).client
         parent = s.parent = self.parent_of(uri, m.get("parent"))
         previous = m.get("previous_run_uri")
         prev_uri, _, prev_id = self.common.parse_run_uri(previous)
-        tags = {**m["tags"], **({"mlflow.parentRunId": parent["run_id"]} if parent else {})}
 
         def experiment() -> str:
             if parent:
@@ -159,17 +161,14 @@ class Agent:
             return self.store.ensure_experiment(client, m["experiment"], m.get("artifact_location"))
 
         # continued_from: a fork, or a run indexed in another store
-        candidates = [prev_id] if prev_id and prev_uri in (None, uri) else []
-        created = {"continued_from": previous} if previous else None
-        run, tags, _ = self.index.open_run(
-            client, m["run_dir"], candidates, tags, m.get("start_time"), experiment, created
-        )
-        s.run_id, ids = run.info.run_id, ids_of(run)
+        hint = [prev_id] if prev_id and prev_uri in (None, uri) else []
+        made = {"continued_from": previous} if previous else None
+        tags, params, started = m["tags"], m["params"], m.get("start_time")
+        run, _ = self.index.open_run(client, hint, tags, params, parent, started, experiment, made)
+        s.run_id, ids = run.info.run_id, self.index.ids_of(run)
         s.logged = self.store.logged_steps(client, s.run_id, run.data.metrics.keys())
         if run.info.status != "RUNNING":
             client.update_run(s.run_id, status="RUNNING")
-        self.store.sync_tags(client, run, tags, self.common.DERIVED_RUN_TAGS)
-        self.store.sync_params(client, run, m["params"])
         s.repo = self.store.artifact_repo(client, s.run_id)
         s.send("ready", **ids, uri=self.run_uri(uri, ids), **self.warned(uri))
 
@@ -177,9 +176,8 @@ class Agent:
         return self.common.run_uri(uri, ids["experiment_id"], ids["run_id"])
 
     def metrics(self, s: Session, m: dict) -> None:
-        for line in m["lines"]:
-            points = self.common.metric_points(line)
-            s.pending += [p for p in points if (p[0], p[3]) not in s.logged]  # (key, step)
+        points = [p for line in m["lines"] for p in self.common.metric_points(line)]
+        s.pending += [p for p in points if (p[0], p[3]) not in s.logged]  # (key, step) mlflow lacks
         if len(s.pending) >= MAX_PENDING:
             self.flush(s)
 
@@ -208,36 +206,29 @@ class Agent:
                 waiting.append((s, m, deadline))
                 continue
             started, root = time.monotonic(), self.clients[s.uri].artifact_root
-            try:
-                r = self.index.sync_run(
-                    s.client, s.uri, run_dir, root, s.parent, m.get("job"), artifacts=False
-                )
+            args = (s.client, s.uri, run_dir, root, s.parent, m.get("job"))
+            if (r := self.tried(s, self.index.sync_run, *args, artifacts=False)) is not None:
                 done.append((s, run_dir, r))
-            except Exception as e:
-                self.fail(s, e)
             trace("finish: the run complete", started)
         self.finishing = waiting
         for s, run_dir, r in done:
             started = time.monotonic()
-            try:
-                if "run_id" in r:
-                    self.index.sync_artifacts(s.client, r["run_id"], run_dir)
-                    trace("finish: its artifacts", started)
-                s.send("finished")
-            except Exception as e:
-                self.fail(s, e)
+            if "run_id" in r:
+                if self.tried(s, self.index.sync_artifacts, s.client, r["run_id"], run_dir) is None:
+                    continue
+                trace("finish: its artifacts", started)
+            s.send("finished")
 
     def attach(self, s: Session, m: dict) -> None:
         """A job whose run directory was complete before it started: indexed (its run made if the store lacks it)."""
         run_dir, uri, where = Path(m["run_dir"]), m["uri"], m.get("artifact_location")
         if self.finishing:  # the run this repeats, handed over by an earlier job of the same process: complete first
             self.finish_gone(complete=run_dir.resolve())
-        client = self.opened(uri, where).client
+        client = self.opened(uri, where).client  # first: with its artifact root
         parent, job = self.parent_of(uri, m.get("parent")), m.get("job") or {}
         r = self.index.index_job(client, uri, run_dir, where, parent, job)
         s.send("finished", uri=self.run_uri(uri, r) if "run_id" in r else None)
 
-    # --- a sweep's parent run
     def parent_start(self, s: Session, m: dict) -> None:
         """The sweep's parent, made from its sweep.json by the code reindex uses (pipeline/tracking/index.py)."""
         where = m.get("artifact_location")
@@ -245,7 +236,7 @@ class Agent:
         run, created = self.index.open_parent(client, Path(m["sweep_dir"]), where)
         if not created:  # the same sweep again: its parent goes on
             client.update_run(run.info.run_id, status="RUNNING")
-        ids = self.parents[m["uri"], m["sweep_id"]] = ids_of(run)
+        ids = self.parents[m["uri"], m["sweep_id"]] = self.index.ids_of(run)
         s.send("ready", uri=self.run_uri(m["uri"], ids), **ids)
 
     def sweep_end(self, s: Session, m: dict) -> None:
@@ -258,7 +249,6 @@ class Agent:
         self.opened(m["uri"], m.get("artifact_location"))
         s.send("pong", **self.warned(m["uri"]))
 
-    # --- dispatch
     OPENING = ("open", "attach", "parent_start", "sweep_end", "ping")
 
     def handle(self, conn: Conn, m: dict) -> None:
@@ -267,24 +257,18 @@ class Agent:
         if op == "idle":
             self.waiters.append((conn, m.get("sid")))
             return
+        s = Session(conn, m["sid"]) if op in self.OPENING else self.sessions.get(key)
+        if s is None or s.failed:  # a session failed, or never opened
+            if op == "finish":
+                conn.send({"sid": m.get("sid"), "event": "finished"})
+            return
         if op in self.OPENING:
-            s = Session(conn, m["sid"])
             if self.import_error:
                 self.fail(s, f"mlflow could not be imported: {self.import_error}")
                 return
             self.sessions[key] = s
-        else:
-            found = self.sessions.get(key)
-            if found is None or found.failed:
-                if op == "finish":
-                    conn.send({"sid": m.get("sid"), "event": "finished"})
-                return
-            s = found
         started = time.monotonic()
-        try:
-            getattr(self, op)(s, m)
-        except Exception as e:
-            self.fail(s, e)
+        self.tried(s, lambda: getattr(self, op)(s, m))  # an unknown op too: the session's error
         trace(op, started)
         if op not in ("open", "metrics", "checkpoint"):
             self.sessions.pop(key, None)
@@ -330,14 +314,10 @@ class Agent:
                     self.waiters = [w for w in self.waiters if w[0] is not conn]
                 else:
                     self.handle(conn, m)
-            if self.finishing:
-                self.finish_gone()
+            self.finish_gone()
             if time.monotonic() - last_flush >= FLUSH_EVERY:  # metrics go in batches, once a second
                 for s in list(self.sessions.values()):
-                    try:
-                        self.flush(s)
-                    except Exception as e:
-                        self.fail(s, e)
+                    self.tried(s, self.flush, s)
                 last_flush = time.monotonic()
             self.answer_idle(clients)
             if clients or self.sessions or self.finishing or batch:
@@ -350,11 +330,7 @@ class Opened(NamedTuple):
     client: Any  # its MlflowClient
     artifact_root: str | None
     file: tuple[int, int] | None  # a sqlite store's file as opened (device, inode); else None
-    warning: str | None  # sharing.check_shared's, said to each job that uses the store
-
-
-def ids_of(run) -> dict:
-    return {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
+    warning: str | None  # store.check_shared's, said to each job that uses the store
 
 
 def _file_of(uri: str) -> tuple[int, int] | None:

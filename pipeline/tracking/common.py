@@ -63,15 +63,13 @@ SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 def store_problem(uri: str, timeout: float = 0.5) -> str | None:
-    """What is plainly wrong with a store, found in milliseconds without mlflow before a job hands its run to the
-    agent (a sqlite file that is not a database or cannot be made, a port that refuses); None, else."""
+    """What is plainly wrong with a store (not sqlite, unmakeable, a port refusing), found without mlflow, or None."""
     db = sqlite_path(uri)
     if db is not None:
         try:
             db.parent.mkdir(parents=True, exist_ok=True)  # the agent would make it too
             if db.exists():
-                # a FIFO or device is refused, never waited on
-                with reading.open_file(db, follow=True) as f:
+                with reading.open_file(db, follow=True) as f:  # a FIFO, a device: refused
                     head = f.read(len(SQLITE_HEADER))
                 if head and head != SQLITE_HEADER:
                     return f"the mlflow store {db} cannot be opened: it is not a sqlite database ({REBUILD})"
@@ -80,8 +78,7 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
         except OSError as e:
             return f"the mlflow store {db} cannot be opened: {e.strerror or e}"
         return None
-    parts = urlsplit(uri)
-    if parts.scheme in ("http", "https") and parts.hostname:
+    if (parts := urlsplit(uri)).scheme in ("http", "https") and parts.hostname:
         import urllib.error
         import urllib.request
 
@@ -166,22 +163,15 @@ def tag_value(v) -> str:
 
 
 def experiment_of(config: dict) -> str:
-    """A run's config's tracking.experiment, or (a config tracked by none, indexed later) the one tracking=mlflow
-    would have given it (identity.experiment_name)."""
+    """A config's tracking.experiment, else (tracked by none, indexed later) what tracking=mlflow would give it."""
     if tracked := (config.get("tracking") or {}).get("experiment"):
         return str(tracked)
     parts = ((config.get(g) or {}).get("_target_", "") for g in ("model", "data"))
     return experiment_name(str(config.get("name") or "default"), *parts)
 
 
-FACT_TAGS: tuple[str, ...] = (
-    "config_hash",
-    "semantic_config_hash",
-    "data_manifest_hash",
-    "git_sha",
-    "git_dirty",
-)
-FACT_TAGS += ("seed",)
+FACT_TAGS: tuple[str, ...] = ("config_hash", "semantic_config_hash", "data_manifest_hash")
+FACT_TAGS += ("git_sha", "git_dirty", "seed")
 
 
 def tags_of(facts: dict, run_dir: str | Path, status=None, job=None) -> dict[str, str]:
@@ -196,15 +186,13 @@ def tags_of(facts: dict, run_dir: str | Path, status=None, job=None) -> dict[str
         "mlflow.runName": (job or {}).get("name") or Path(run_dir).name,
         "mlflow.source.name": "pipeline",
         "mlflow.source.type": "LOCAL",
+        "allowed_changes": facts.get("allowed_changes") or None,
         # `config.<key>` for the MACHINE_TAGS the config sets (null and `auto` say nothing): never a param
         **{f"config.{k}": flat[k] for k in MACHINE_TAGS if flat.get(k) not in (None, "auto", "")},
     }
     if facts.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = facts["git_sha"]
-    if facts.get("allowed_changes"):
-        tags["allowed_changes"] = facts["allowed_changes"]
-    resumes = (status or {}).get("resumes") or []
-    if resumes:
+    if resumes := (status or {}).get("resumes") or []:
         tags["resumes"] = len(resumes)
         tags.update({f"resume.{i}": r.get("step") for i, r in enumerate(resumes, start=1)})
     if job:

@@ -21,6 +21,10 @@ from pipeline.trainer import curves
 STATUS_OF_RUN_JSON = {"complete": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
 
 
+def ids_of(run) -> dict:
+    return {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
+
+
 def _bytes_of(source: Path | bytes) -> bytes:
     """A small artifact's bytes: a FIFO, a device or a file grown past the bound since its stat is refused."""
     if isinstance(source, bytes):
@@ -65,8 +69,7 @@ def sync_run(
     rundir = RunDir(run_dir)
     damaged: list[str] = []  # why each checkpoint that does not read does not
     counts = ("created", "params", "tags", "points", "artifacts", "status")
-    added: dict[str, Any] = dict.fromkeys(counts, 0)
-    added["damaged"] = damaged
+    added: dict[str, Any] = {**dict.fromkeys(counts, 0), "damaged": damaged}
     if not (found := manifests(rundir, damaged)):
         return {**added, "skipped": "no checkpoint manifest"}
     newest = found[-1][1]
@@ -77,25 +80,16 @@ def sync_run(
         named.append(base)
         if rid and base in (None, uri) and rid not in candidates:
             candidates.append(rid)
-    tags = common.tags_of(newest, run_dir, status, job)
-    if parent is not None:
-        tags["mlflow.parentRunId"] = parent["run_id"]
+    tags, params = common.tags_of(newest, run_dir, status, job), common.params_of(config)
     started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
-    run, tags, created = open_run(
-        client,
-        str(run_dir),
-        candidates,
-        tags,
-        started,
-        lambda: store.ensure_experiment(client, common.experiment_of(config), artifact_root),
-    )
-    added["created"], run_id = int(created), run.info.run_id
-    added["params"] = store.sync_params(client, run, common.params_of(config))
-    added["tags"] = store.sync_tags(client, run, tags, common.DERIVED_RUN_TAGS)
-    latest = {}
-    for line in lines:
-        for p in common.metric_points(line):
-            latest[(p[0], p[3])] = p  # a step logged twice in the file: its last line
+
+    def experiment() -> str:
+        return store.ensure_experiment(client, common.experiment_of(config), artifact_root)
+
+    run, opened = open_run(client, candidates, tags, params, parent, started, experiment)
+    added, run_id = {**added, **opened}, run.info.run_id
+    # (key, step) -> its point; a step logged twice in the file: its last line
+    latest = {(p[0], p[3]): p for line in lines for p in common.metric_points(line)}
     # The best is the run's result: logged once it has ended for good, never from a preempted segment (a resumed
     # run's index would keep that segment's best beside the final one, which a rebuild from disk cannot know).
     best = best_metrics(found[-1][0]) if status.get("status") != "preempted" else {}
@@ -106,12 +100,9 @@ def sync_run(
     if best:
         step = next(iter(best.values()))[1]
         latest[("best/step", step)] = ("best/step", float(step), when.get(step, 0), step)
-    logged = store.logged_steps(client, run_id, {k for k, _ in latest})
-    todo = [p for key, p in latest.items() if key not in logged]
-    added["points"] = store.log_points(client, run_id, todo)
-    # "running" with nobody in the run directory: the process died running
+    added["points"] = store.log_points(client, run_id, list(latest.values()), new_only=True)
     name = str(status.get("status"))
-    died = name == "running" and not rundir.in_use()
+    died = name == "running" and not rundir.in_use()  # nobody in the run directory: it died running
     mstatus = "FAILED" if died else STATUS_OF_RUN_JSON.get(name)
     if mstatus and client.get_run(run_id).info.status != mstatus:
         end = status.get("ended_at") or status.get("updated") or run_dir.stat().st_mtime
@@ -124,36 +115,38 @@ def sync_run(
         record_run_uri(rundir, common.run_uri(uri, run.info.experiment_id, run_id))
     if artifacts:
         added["artifacts"] = sync_artifacts(client, run_id, run_dir, found, lines)
-    ids = {"run_id": run_id, "experiment_id": run.info.experiment_id}
-    return {**added, **ids, "status_now": mstatus}
+    return {**added, **ids_of(run), "status_now": mstatus}
 
 
 def open_run(
-    client, run_dir: str, candidates: list, tags: dict, started, experiment_id, created_tags=None
-) -> tuple[Any, dict, bool]:
-    """(the run indexing `run_dir`, the tags it is to hold, whether new: made in experiment_id() with `created_tags`);
-    one under another sweep's parent keeps that sweep's job name and number, as a rebuild from disk does."""
-    run = store.find_run(client, run_dir, candidates)
+    client, candidates, tags, params, parent, started, experiment_id, created_tags=None
+) -> tuple[Any, dict]:
+    """The run of tags["run_dir"] (made in experiment_id() with `created_tags` if none), under `parent` unless under
+    another sweep's (whose job name and number it keeps, as a rebuild does), with these params and tags; the counts."""
+    if parent is not None:
+        tags = {**tags, "mlflow.parentRunId": parent["run_id"]}
+    run, created = store.find_run(client, tags["run_dir"], candidates), False
     if run is None:
         made = {**tags, **(created_tags or {})}
-        return store.create_run(client, experiment_id(), made, started), tags, True
+        run, created = store.create_run(client, experiment_id(), made, started), True
     first = run.data.tags.get("mlflow.parentRunId")
     if first not in (None, tags.get("mlflow.parentRunId")):
         tags = {k: v for k, v in tags.items() if not k.startswith("sweep.")}
         tags.pop("mlflow.runName", None)
         tags["mlflow.parentRunId"] = first
-    return run, tags, False
+    added = {"created": int(created), "params": store.sync_params(client, run, params)}
+    return run, {**added, "tags": store.sync_tags(client, run, tags, common.DERIVED_RUN_TAGS)}
 
 
-def record_run_uri(rundir: RunDir, uri: str) -> bool:
+def record_run_uri(rundir: RunDir, uri: str) -> None:
     """run.json names the run's mlflow run (its manifests may say null), under the run's lock: never beside a job."""
     # nothing to link (no run.json: never made here), or linked already
     if not (status := rundir.read_status()) or status.get("mlflow_run_uri") == uri:
-        return True
+        return
     try:
         rundir.acquire()
     except (RunBusyError, OSError):
-        return False
+        return
     try:
         status = rundir.read_status()  # again, under the lock
         if status and status.get("mlflow_run_uri") != uri:
@@ -161,7 +154,6 @@ def record_run_uri(rundir: RunDir, uri: str) -> bool:
             rundir.write_status(**{**status, "mlflow_run_uri": uri})
     finally:
         rundir.release()
-    return True
 
 
 def sync_artifacts(client, run_id: str, run_dir: Path, found=None, lines=None) -> int:
@@ -182,8 +174,7 @@ def sync_artifacts(client, run_id: str, run_dir: Path, found=None, lines=None) -
                 todo.append((f"final/{weights.name}", weights))
         except (OSError, CheckpointError):
             continue  # a damaged checkpoint: reindex names it
-    hydra = rundir.hydra_dir
-    todo += [(f"hydra/{name}", hydra / name) for name in ("config.yaml", "overrides.yaml")]
+    todo += [(f"hydra/{n}", rundir.hydra_dir / n) for n in ("config.yaml", "overrides.yaml")]
     todo.append((rundir.log_path.name, rundir.log_path))
     if (png := curves_png(rundir, rundir.read_metrics() if lines is None else lines)) is not None:
         todo.append((common.CURVES_ARTIFACT, png))
@@ -210,7 +201,7 @@ def log_changed(repo, have: dict[str, int], todo: list[tuple[str, Path | bytes]]
             # a size the store does not list (None) differs; only a listed same size is read back
             changed = have.get(artifact) != size
             if not changed and size <= MAX_COMPARED_BYTES:
-                changed = store.artifact_bytes(repo, artifact, have) != _bytes_of(source)
+                changed = store.artifact_bytes(repo, artifact) != _bytes_of(source)
         except OSError:
             continue  # absent, or replaced since it was listed (a FIFO, a device, a file grown past the bound)
         final = artifact.startswith("final/")
@@ -232,14 +223,8 @@ def curves_png(rundir: RunDir, lines: list) -> bytes | None:
 
 SWEEP_STATUS = dict(complete="FINISHED", failed="FAILED", interrupted="KILLED", running="RUNNING")
 # Parent tags that follow the jobs: removed when the disk no longer says them (a failure since re-run).
-DERIVED_PARENT_TAGS: tuple[str, ...] = (
-    "sweep.failures",
-    "ended",
-    "best.job",
-    "best.params",
-    "best.value",
-)
-DERIVED_PARENT_TAGS += ("best.run_id",)
+DERIVED_PARENT_TAGS: tuple[str, ...] = ("sweep.failures", "ended", "best.job", "best.params")
+DERIVED_PARENT_TAGS += ("best.value", "best.run_id")
 
 
 def read_sweep(sweep_dir: Path) -> dict:
@@ -330,8 +315,7 @@ def open_parent(client, sweep_dir: Path, artifact_root: str | None):
 def index_job(
     client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None, job: dict
 ) -> dict:
-    """A sweep job's run directory under its parent: its own run, or a child of the parent pointing at the run when
-    that one already stands for another job (a repeat in this sweep, or a job of another sweep)."""
+    """A sweep job's run directory under its parent: its own run, or a child pointing at it if it is another job's."""
     run = store.find_run(client, str(Path(run_dir).resolve()))
     tags = run.data.tags if run is not None else {}
     own = tags.get("mlflow.parentRunId") == (parent or {}).get("run_id")
@@ -348,10 +332,8 @@ def index_job(
     said = {k: str(v) for k, v in common.job_tags(job).items()}
     tags = {**kept, "mlflow.parentRunId": parent["run_id"], "mlflow.runName": name}
     tags |= {**repeat, **said}
-    where = (
-        f"tags.`sweep.id` = '{job.get('sweep_id')}' and "
-        f"tags.`sweep.job_num` = '{job.get('num')}' and tags.repeat_of = '{run.info.run_id}'"
-    )
+    where = f"tags.`sweep.id` = '{job.get('sweep_id')}' and tags.repeat_of = '{run.info.run_id}'"
+    where += f" and tags.`sweep.job_num` = '{job.get('num')}'"
     found = client.search_runs([parent["experiment_id"]], where, max_results=1)
     # its times and points are the run's it repeats: the same in the live index and in a rebuild
     if not (child := found[0] if found else None):
@@ -362,8 +344,7 @@ def index_job(
         points = [(k, v, end, 0) for k, v in sorted(run.data.metrics.items())]
         store.log_points(client, child.info.run_id, points)
         client.set_terminated(child.info.run_id, status=run.info.status, end_time=end)
-    ids = {"run_id": child.info.run_id, "experiment_id": child.info.experiment_id}
-    return {**ids, "repeat_of": run.info.run_id}
+    return {**ids_of(child), "repeat_of": run.info.run_id}
 
 
 def sync_parent(client, uri, sweep_dir: Path, artifact_root, parent=None, children=True) -> dict:
@@ -372,8 +353,7 @@ def sync_parent(client, uri, sweep_dir: Path, artifact_root, parent=None, childr
     sweep_dir = Path(sweep_dir)
     sweep, jobs = read_sweep(sweep_dir), read_jobs(sweep_dir)
     if parent is None:
-        run, _ = open_parent(client, sweep_dir, artifact_root)
-        parent = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id}
+        parent = ids_of(open_parent(client, sweep_dir, artifact_root)[0])
     synced = {}
     for _num, job in sorted(jobs.items()) if children else ():
         run_dir = job.get("run_dir")
@@ -385,9 +365,7 @@ def sync_parent(client, uri, sweep_dir: Path, artifact_root, parent=None, childr
     run = client.get_run(parent["run_id"])
     tags, status = parent_tags(client, sweep, jobs)
     store.sync_tags(client, run, tags, DERIVED_PARENT_TAGS)
-    points = objective_points(sweep, jobs)
-    logged = store.logged_steps(client, run.info.run_id, {p[0] for p in points})
-    store.log_points(client, run.info.run_id, [p for p in points if (p[0], p[3]) not in logged])
+    store.log_points(client, run.info.run_id, objective_points(sweep, jobs), new_only=True)
     repo = store.artifact_repo(client, run.info.run_id)
     names = ("multirun.yaml", "optimization_results.yaml", "sweep.json")
     log_changed(repo, store.artifact_sizes(repo), [(n, sweep_dir / n) for n in names])

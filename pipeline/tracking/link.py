@@ -26,9 +26,8 @@ from pipeline.files.limits import MAX_EVENT
 # Without clients this long, the agent exits: long enough for the next run of a working session.
 IDLE_SECONDS = float(os.environ.get("PIPELINE_TRACKING_AGENT_IDLE", "300"))
 SPAWN_WAIT = 60.0  # seconds for a new agent to bind its socket (it does so before importing mlflow)
-MAX_METRICS_LINES = (
-    1000  # metrics.jsonl lines in one message to the agent (it reads at most agent.MAX_REQUEST)
-)
+# metrics.jsonl lines in one message to the agent (it reads at most agent.MAX_REQUEST)
+MAX_METRICS_LINES = 1000
 log = logging.getLogger("pipeline")
 
 
@@ -76,8 +75,7 @@ def agent_log(uri: str) -> Path:
 
 # An agent's files (socket, lock, log) live as long as it does: each URI ever tracked would leave its own.
 def spawn_lock(path: Path) -> int:
-    """An fd holding the flock of the lock beside the socket `path`: of the file at its path now (one an exiting
-    agent removed while this process waited for it locks nothing: taken again)."""
+    """An fd holding the flock of the lock file beside the socket `path` now (one removed meanwhile: taken again)."""
     lock = f"{path}.lock"
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -91,8 +89,7 @@ def spawn_lock(path: Path) -> int:
 
 
 def remove_agent_files(path: Path) -> bool:
-    """An agent's end, its socket gone: its lock and log are removed under the lock, unless another agent serves
-    `path` by now (its socket is there again: they are its). Whether they were removed."""
+    """A gone agent's lock and log removed, under the lock, unless another agent serves `path` now; whether they are."""
     fd = spawn_lock(path)
     try:
         if os.path.lexists(path):
@@ -110,8 +107,7 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 
 def json_lines(sock: socket.socket, limit: int):
-    """Each JSON object read from `sock`, a line of at most `limit` bytes each (ValueError for a longer one);
-    a line that is not a JSON object is skipped."""
+    """Each JSON object on `sock`, a line of at most `limit` bytes each (else ValueError); other lines are skipped."""
     lines = sock.makefile("rb")
     while raw := read_line(lines, limit):
         try:
@@ -210,8 +206,7 @@ class Link:
         self._died("the tracking agent closed the connection")
 
     def _died(self, reason: str) -> None:
-        if self.dead is None:
-            self.dead = reason
+        self.dead = self.dead or reason
         with self.lock:
             orphans, self.handlers = list(self.handlers.values()), {}
         for handler in orphans:
@@ -241,8 +236,7 @@ def request(link, op: str, handler=None, **fields):
 
 
 def _connect(path: Path) -> socket.socket | None:
-    """A socket connected to the agent at `path`; None if nothing listens there; OSError if what listens there runs
-    as another user (nothing has been sent to it)."""
+    """A socket connected to the agent at `path`; None if none listens; OSError if it runs as another user (unsent)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(10.0)
@@ -253,10 +247,8 @@ def _connect(path: Path) -> socket.socket | None:
     try:
         pid, uid, _ = peer_credentials(sock)
         if uid != os.getuid():
-            raise OSError(
-                f"the process listening on {path} (pid {pid}) runs as uid {uid}, not as this user "
-                f"(uid {os.getuid()}): refused, nothing sent to it"
-            )
+            said = f"the process listening on {path} (pid {pid}) runs as uid {uid}, not as"
+            raise OSError(f"{said} this user (uid {os.getuid()}): refused, nothing sent to it")
         sock.settimeout(None)
         return sock
     except BaseException:
@@ -285,16 +277,11 @@ def spawn(path: Path, log_file: Path) -> subprocess.Popen:
             os.close(fd)
         fd = None
     out = subprocess.DEVNULL if fd is None else fd
-    argv = ["-m", "pipeline.tracking.agent", "--listen", str(path), "--idle", str(IDLE_SECONDS)]
-    try:
+    argv = [sys.executable, "-m", "pipeline.tracking.agent", "--listen", str(path)]
+    argv += ["--idle", str(IDLE_SECONDS)]
+    try:  # no other file descriptor is passed on (close_fds: Popen's default)
         return subprocess.Popen(
-            [sys.executable, *argv],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=out,
-            env=env,
-            close_fds=True,
-            start_new_session=True,
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True
         )
     finally:
         if fd is not None:
@@ -332,8 +319,7 @@ def connect_or_spawn(path: Path, log_file: Path) -> socket.socket:
 
 
 def agent_for(uri: str) -> Link:
-    """This process's link to the agent for `uri`, at once (found or started in the background, logging to
-    agent_log(uri); if it cannot be, every session gets an error event)."""
+    """This process's link to the agent for `uri`, at once (found or started in the background; else sessions err)."""
     with _LINKS_LOCK:
         link = _LINKS.get(uri)
         if link is None or not link.alive():
@@ -342,8 +328,7 @@ def agent_for(uri: str) -> Link:
 
 
 def wait_idle(uri: str, timeout: float = 600.0) -> bool:
-    """Wait until the agent for `uri` has nothing left to do (the index complete); True if none runs, never starts
-    one. For tests and benchmarks."""
+    """Wait until the agent for `uri` has nothing left to do; True if none runs (never starts one). Tests, benches."""
     path = socket_path(uri)
     if private_problem(path.parent) is not None:
         return True  # no agent of this user's is started there

@@ -19,6 +19,10 @@ from pipeline.tracking.link import Link, Request, request
 from pipeline.tracking.sweep_parent import MlflowSweepParent
 
 log = logging.getLogger("pipeline")
+OFF = "mlflow tracking (%s) is off for the rest of this run: %s. Training goes on and the "
+OFF += "manifests are written; index them later with `python -m pipeline.reindex`."
+WAITED = "mlflow: this job waited %.3f s on tracking in all (bound %.1f s); the tracking agent "
+WAITED += "finishes run %s after it exits%s%s"
 
 
 def wait_at_exit(event: threading.Event, what: str) -> None:
@@ -51,7 +55,6 @@ class MlflowTracker(Tracker):
         self._link: Link | None = None  # the agent's, once started (prepare)
         self.ready, self.done, self.warm = threading.Event(), threading.Event(), threading.Event()
         self._uri: str | None = None
-        self.experiment_id: str | None = None  # the run's experiment, once the agent said (ready)
         self.failed = self.finished = False
         self._warned = threading.Lock()
         self._store_warned = False  # the store's own warning (a sqlite store shared), said once
@@ -81,14 +84,13 @@ class MlflowTracker(Tracker):
             self._fail(problem)
             return
         try:
-            # the agent has the store open: a run's URI is moments away, not seconds
+            # the agent has the store open (warm): a run's URI is moments away, not seconds
             pong = Request(kinds=("pong",), heard=self._heard)
             self.warm = pong.done
             # looked up at each call: a test may put another in its place
             self._link = link.agent_for(self.uri)
-            request(
-                self._link, "ping", pong, uri=self.uri, artifact_location=self.artifact_location
-            )
+            where = {"uri": self.uri, "artifact_location": self.artifact_location}
+            request(self._link, "ping", pong, **where)
         except OSError as e:
             self._fail(f"no tracking agent: {e}")
 
@@ -110,28 +112,20 @@ class MlflowTracker(Tracker):
             return
         log.info("mlflow: tracking into %s (experiment %s)", self.uri, self.experiment)
         self.sid = self.link.register(self)
-        self.link.send(
-            {
-                "op": "open",
-                "sid": self.sid,
-                **self._where(run_dir),
-                "experiment": self.experiment,
-                "params": common.params_of(config),
-                "tags": common.tags_of(facts, run_dir, status, self.job),
-                "previous_run_uri": previous_run_uri,
-                "start_time": start_time,
-            }
-        )
+        tags, params = common.tags_of(facts, run_dir, status, self.job), common.params_of(config)
+        said = dict(experiment=self.experiment, params=params, tags=tags, start_time=start_time)
+        self._send("open", **self._where(run_dir), **said, previous_run_uri=previous_run_uri)
+
+    def _send(self, op: str, **fields) -> None:
+        self.link.send({"op": op, "sid": self.sid, **fields})
 
     def _where(self, run_dir: Path) -> dict:
         """What every request about this job's run says: its store, run directory and sweep."""
-        directory = str(Path(run_dir).resolve())
-        where = {"uri": self.uri, "artifact_location": self.artifact_location, "run_dir": directory}
-        return {**where, "parent": self.parent, "job": self.job}
+        where = {"uri": self.uri, "artifact_location": self.artifact_location, "job": self.job}
+        return {**where, "parent": self.parent, "run_dir": str(Path(run_dir).resolve())}
 
     def attach(self, run_dir: Path) -> str | None:
-        """A sweep job whose run was complete before it started: indexed under the sweep; its URI if the agent
-        answers in time."""
+        """A sweep job's run done before it started: indexed under the sweep; its URI if the agent answers in time."""
         if self.parent is None or not self._linked():
             return None
         req = request(self.link, "attach", **self._where(run_dir))
@@ -153,7 +147,6 @@ class MlflowTracker(Tracker):
         self._heard(event)
         kind = event.get("event")
         if kind == "ready":
-            self.experiment_id = event.get("experiment_id")
             self._uri = event["uri"]
             log.info("mlflow: run %s", run_page(self._uri))
             self.ready.set()
@@ -168,12 +161,7 @@ class MlflowTracker(Tracker):
             if self.job is not None:  # a sweep's job: the sweep says it once, at its end
                 log.debug("mlflow tracking (%s) is off for this job: %s", self.uri, reason)
             else:
-                log.warning(
-                    "mlflow tracking (%s) is off for the rest of this run: %s. Training goes on and the "
-                    "manifests are written; index them later with `python -m pipeline.reindex`.",
-                    self.uri,
-                    reason,
-                )
+                log.warning(OFF, self.uri, reason)
         self.ready.set()
         self.done.set()
 
@@ -188,40 +176,31 @@ class MlflowTracker(Tracker):
 
     def log_line(self, line: dict) -> None:
         if self.active:
-            self.link.send({"op": "metrics", "sid": self.sid, "lines": [line]})
+            self._send("metrics", lines=[line])
 
     def log_checkpoint(self, directory: Path, manifest: dict) -> None:
         if not self.active:
             return
         try:  # the bytes on disk, not a re-serialisation
             name, raw = CheckpointDir(directory).manifest_file()
-            text = raw.decode()
         except CheckpointError:
             return
         artifact = f"{Path(directory).parent.name}/{Path(directory).name}/{name}"  # as in the run
-        self.link.send(
-            {"op": "checkpoint", "sid": self.sid, "artifact": artifact, "manifest": text}
-        )
+        self._send("checkpoint", artifact=artifact, manifest=raw.decode())
 
     def finish(self, status: str, run_dir: Path) -> None:
         """Hand the run over and leave, waiting (within the job's bound) for the last messages to be on their way;
         in a SLURM job, for a run that ends for good at exit too (SLURM_WAIT; docs/tracking.md: The tracking helper)."""
         if not self.active:
             return
-        where, pid = self._where(run_dir), os.getpid()
-        self.link.send({"op": "finish", "sid": self.sid, **where, "pid": pid})
+        self._send("finish", **self._where(run_dir), pid=os.getpid())
         self.finished = True
         if at_exit := status != "KILLED" and common.in_slurm_job():
             wait_at_exit(self.done, f"run {self._uri or run_dir}")
         sent = self._wait_for(self.link.drain, self.wait)
         late = " (its last messages were not sent in time: `python -m pipeline.reindex` completes the run)"
         slurm = f" (inside a SLURM job, which waits for it at its exit, at most {common.SLURM_WAIT:.0f} s)"
+        page = run_page(self._uri) if self._uri else "(not created yet)"
         log.info(
-            "mlflow: this job waited %.3f s on tracking in all (bound %.1f s); the tracking agent finishes "
-            "run %s after it exits%s%s",
-            self.waited,
-            self.wait,
-            run_page(self._uri) if self._uri else "(not created yet)",
-            "" if sent else late,
-            slurm if at_exit else "",
+            WAITED, self.waited, self.wait, page, "" if sent else late, slurm if at_exit else ""
         )

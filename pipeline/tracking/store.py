@@ -6,10 +6,11 @@ import fcntl
 import logging
 import os
 import shutil
+import socket
 import sqlite3
 import tempfile
 import time
-from contextlib import AbstractContextManager, closing, contextmanager, nullcontext, suppress
+from contextlib import closing, contextmanager, nullcontext, suppress
 from functools import cache
 from pathlib import Path
 
@@ -19,21 +20,29 @@ from mlflow.exceptions import MlflowException
 
 from pipeline.config.errors import CommandError
 from pipeline.files.atomic import UnsafePathError, refuse_link
-from pipeline.files.limits import MAX_ARTIFACT
+from pipeline.files.limits import MAX_ARTIFACT, MAX_MOUNTS_BYTES
 from pipeline.tracking import common
-from pipeline.tracking.sharing import check_shared
 
 log = logging.getLogger("pipeline")
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 # A server that is down fails in seconds, not minutes; and mlflow prints no download bars or "View run" lines
 # between the pipeline's own (reindex's). mlflow reads these from the environment at each use only, so
-# open_client sets them (unless the user did) in the process that opens a client, never on import.
-HTTP_SETTINGS = (
-    ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"),
-    ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
-    ("MLFLOW_HTTP_REQUEST_TIMEOUT", "20"),
-    ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false"),
-    ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true"),
+# open_store sets them (unless the user did) in the process that opens a client, never on import.
+HTTP_SETTINGS = dict(MLFLOW_HTTP_REQUEST_MAX_RETRIES="2", MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="1")
+HTTP_SETTINGS.update(MLFLOW_HTTP_REQUEST_TIMEOUT="20", MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")
+HTTP_SETTINGS.update(MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT="true")
+# One warning when a sqlite store is shared beyond one machine: on a network filesystem, or by several hosts.
+# Filesystems whose locks sqlite cannot trust (its own documentation warns against sharing a file over them).
+NETWORK_FS: tuple[str, ...] = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs")
+NETWORK_FS += ("ceph", "9p", "afs", "fuse.glusterfs", "glusterfs", "fuse.cephfs", "fuse.sshfs")
+NETWORK_FS += ("panfs", "orangefs", "pvfs2", "ocfs2", "gfs2")
+MOUNTS = Path("/proc/mounts")
+HOSTS_TAG = "pipeline.hosts"  # on the store's Default experiment: every host that opened it, comma-separated
+MAX_HOSTS = 50
+TEAM_SETUP = (
+    "run `mlflow server --backend-store-uri postgresql+psycopg://USER@DBHOST/DB --artifacts-destination "
+    "DIR --host HOST --port 5000 --allowed-hosts HOST:5000` and track with "
+    "`tracking=server tracking.uri=http://HOST:5000` (docs/tracking.md: Team setup)"
 )
 
 
@@ -45,13 +54,11 @@ def _quiet_migrations() -> None:
 
 
 def forget_store(uri: str) -> None:
-    """Drop what mlflow keeps open for `uri` in this process (its engine, pooled connections and stores): a sqlite
-    file removed or replaced since is then opened anew, not written through connections to the deleted one."""
+    """Drop mlflow's engine, pooled connections and stores of `uri`: a sqlite file replaced since is opened anew."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
     from mlflow.tracking._tracking_service import utils
 
-    # one engine per database URI, for the process's life
-    if (engine := SqlAlchemyStore._engine_map.pop(uri, None)) is not None:
+    if (engine := SqlAlchemyStore._engine_map.pop(uri, None)) is not None:  # one per URI, for life
         engine.dispose()
     utils._tracking_store_registry._get_store_with_resolved_uri.cache_clear()  # the stores, per URI
 
@@ -89,9 +96,8 @@ def template_db() -> Path | None:
                 tmp.unlink(missing_ok=True)
                 db = f"sqlite:///{tmp}"
                 SqlAlchemyStore(db, (base / "no-artifacts").as_uri()).engine.dispose()
-                # the Default one: each copy makes its own
                 with closing(sqlite3.connect(tmp)) as con, con:
-                    con.execute("DELETE FROM experiments")
+                    con.execute("DELETE FROM experiments")  # the Default one: each copy its own
                 os.replace(tmp, path)  # whole or absent
         return path
     except Exception:
@@ -101,8 +107,7 @@ def template_db() -> Path | None:
 
 def _copy_template(db: Path) -> None:
     """Put a copy of the template at `db` (under the store's lock), never over an existing file."""
-    template = template_db()
-    if template is None:
+    if (template := template_db()) is None:
         return
     tmp = db.with_name(f".{db.name}.{os.getpid()}.tmp")
     try:
@@ -119,10 +124,10 @@ def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
 
 
 def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient, str | None]:
-    """A client whose store is open, and the store's warning (sharing.check_shared) or None; a new sqlite store is
+    """A client whose store is open, and the store's warning (check_shared) or None; a new sqlite store is
     made here, under the lock (a copy of the template). StoreError (one line) if it cannot be."""
     _quiet_migrations()
-    for key, value in HTTP_SETTINGS:
+    for key, value in HTTP_SETTINGS.items():
         os.environ.setdefault(key, value)
     db = common.sqlite_path(uri)
     if db is not None:
@@ -132,7 +137,6 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
         except UnsafePathError as e:
             raise StoreError(f"the mlflow store cannot be opened: {e}") from None
     try:
-        lock: AbstractContextManager = nullcontext()
         if db is not None:
             # the slow import, outside the lock
             from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
@@ -140,10 +144,9 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
             db.parent.mkdir(parents=True, exist_ok=True)
             if not db.exists():
                 template_db()  # made (once per machine) outside this store's lock
-            # One process at a time creates, migrates or opens a sqlite store (two migrations at once leave it
-            # half-migrated): an flock on its directory, taken before any mlflow object touches the DB.
-            lock = _flock(db.parent, os.O_RDONLY | os.O_DIRECTORY)
-        with lock:
+        # One process at a time creates, migrates or opens a sqlite store (two migrations at once leave it
+        # half-migrated): an flock on its directory, taken before any mlflow object touches the DB.
+        with _flock(db.parent, os.O_RDONLY | os.O_DIRECTORY) if db is not None else nullcontext():
             if db is not None and not db.exists():
                 _copy_template(db)
                 SqlAlchemyStore(uri, common.artifact_root(uri, artifact_root))
@@ -159,6 +162,43 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
         text = str(e).strip().splitlines()
         why = f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
         raise StoreError(f"{where} cannot be opened: {why}{fix}") from None
+
+
+def read_mounts() -> str:
+    """The mount table (empty if it cannot be read), at most MAX_MOUNTS_BYTES."""
+    try:
+        with open(MOUNTS, "rb") as f:
+            return f.read(MAX_MOUNTS_BYTES).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def check_shared(client, db: Path) -> str | None:
+    """Record this host on the store; warn (one line, returned) if the store is shared beyond one machine."""
+    hosts: set[str] = set()
+    with suppress(Exception):
+        exp = client.get_experiment("0")  # Default: every mlflow store has it
+        hosts = {h for h in (exp.tags or {}).get(HOSTS_TAG, "").split(",") if h}
+        me = socket.gethostname()
+        if me not in hosts and len(hosts) < MAX_HOSTS:
+            hosts.add(me)
+            client.set_experiment_tag("0", HOSTS_TAG, ",".join(sorted(hosts)))
+    where, best, kind = Path(os.path.realpath(db.parent)), -1, None
+    for line in read_mounts().splitlines():  # its filesystem: the longest mount point above it
+        fields = line.split()
+        point = Path(fields[1].replace("\\040", " ")) if len(fields) >= 3 else None
+        above = point is not None and (point == where or point in where.parents)
+        if above and len(str(point)) > best:
+            best, kind = len(str(point)), fields[2]
+    if kind in NETWORK_FS:
+        problem = f"the mlflow store {db} is on a network filesystem ({kind})"
+    elif len(hosts) > 1:
+        problem = f"the mlflow store {db} is opened by jobs on {len(hosts)} hosts ({', '.join(sorted(hosts)[:5])})"
+    else:
+        return None
+    text = f"{problem}: sqlite's locks are not to be trusted there; for a team or a cluster, {TEAM_SETUP}"
+    log.warning(text)
+    return text
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
@@ -179,8 +219,7 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None
                 raise
     if exp.lifecycle_stage == "deleted":
         client.restore_experiment(exp.experiment_id)
-    # made before this mark existed, or by another tool
-    if tag not in (exp.tags or {}):
+    if tag not in (exp.tags or {}):  # made before this mark existed, or by another tool
         client.set_experiment_tag(exp.experiment_id, tag, kind)
     return exp.experiment_id
 
@@ -258,7 +297,11 @@ def logged_steps(client: MlflowClient, run_id: str, keys) -> set[tuple[str, int]
     return {(key, m.step) for key in keys for m in client.get_metric_history(run_id, key)}
 
 
-def log_points(client: MlflowClient, run_id: str, points: list[tuple[str, float, int, int]]) -> int:
+def log_points(client: MlflowClient, run_id: str, points: list, new_only: bool = False) -> int:
+    """Log (key, value, timestamp ms, step) points; new_only: only those whose (key, step) the run lacks."""
+    if new_only:
+        logged = logged_steps(client, run_id, {p[0] for p in points})
+        points = [p for p in points if (p[0], p[3]) not in logged]
     metrics = [Metric(k, v, ts, step) for k, v, ts, step in points]
     return _batches(client, run_id, "metrics", metrics, METRICS_PER_BATCH)
 
@@ -304,21 +347,12 @@ def artifact_sizes(repo, path: str | None = None, depth: int = 3) -> dict[str, i
     return out
 
 
-def artifact_bytes(
-    repo, path: str, sizes: dict[str, int] | None = None, limit: int = MAX_ARTIFACT
-) -> bytes | None:
+def artifact_bytes(repo, path: str, limit: int = MAX_ARTIFACT) -> bytes | None:
     """One logged artifact's content (None if absent or over `limit`): read in place if local, else downloaded."""
-    if sizes is not None and (path not in sizes or sizes[path] > limit):
-        return None
     root = getattr(repo, "artifact_dir", None)  # LocalArtifactRepository
     try:
-        if root is not None:
-            return _small(Path(root) / path, limit)
         with tempfile.TemporaryDirectory(prefix="pipeline-artifact-") as tmp:
-            return _small(Path(repo.download_artifacts(path, tmp)), limit)
+            local = Path(root) / path if root else Path(repo.download_artifacts(path, tmp))
+            return local.read_bytes() if local.is_file() and local.stat().st_size <= limit else None
     except (MlflowException, OSError):
         return None
-
-
-def _small(path: Path, limit: int) -> bytes | None:
-    return path.read_bytes() if path.is_file() and path.stat().st_size <= limit else None

@@ -14,6 +14,8 @@ LATER = "this process exits"
 END_WAIT = 1.0  # seconds the launcher waits for its last messages to the agent to be on their way
 OFF = "mlflow tracking (%s) is off for this sweep: %s. The jobs train and write their manifests; "
 OFF += "index them later with `python -m pipeline.reindex`."
+WAS_OFF = "mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their "
+WAS_OFF += "manifests; index them with `python -m pipeline.reindex`."
 
 
 class MlflowSweepParent(SweepParent):
@@ -72,11 +74,7 @@ class MlflowSweepParent(SweepParent):
         elif answer is None:
             log.info("mlflow: the tracking agent completes the sweep's parent run after %s", LATER)
         elif answer.get("event") != "ready":
-            said = (
-                "mlflow tracking (%s) was off for this sweep: %s. The jobs trained and wrote their "
-            )
-            said += "manifests; index them with `python -m pipeline.reindex`."
-            log.warning(said, self.uri, answer.get("message", "unknown error"))
+            log.warning(WAS_OFF, self.uri, answer.get("message", "unknown error"))
         if answer is None:
             return [
                 f"sweep.id={sweep['id']} in {self.uri} (the tracking agent completes it after {LATER})"

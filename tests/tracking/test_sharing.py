@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from pipeline.tracking import sharing, store
+from pipeline.tracking import store
 from pipeline.tracking.mlflow_tracker import MlflowTracker
 
 WAIT = 120.0  # seconds: a generous bound on the agent's answers (a loaded machine is slow)
@@ -22,7 +22,7 @@ def opened(uri: str, caplog) -> list[str]:
 
 
 def mounts(monkeypatch, *lines: str) -> None:
-    monkeypatch.setattr(sharing, "read_mounts", lambda: "".join(f"{ln}\n" for ln in lines))
+    monkeypatch.setattr(store, "read_mounts", lambda: "".join(f"{ln}\n" for ln in lines))
 
 
 def test_a_store_on_nfs_gets_one_warning_naming_the_server_setup(tmp_path, monkeypatch, caplog):
@@ -60,9 +60,9 @@ def test_a_local_store_of_one_host_gets_none(tmp_path, monkeypatch, caplog):
 def test_a_store_opened_from_a_second_host_gets_one_warning(tmp_path, monkeypatch, caplog):
     mounts(monkeypatch, "/dev/sda1 / ext4 rw 0 0")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    monkeypatch.setattr(sharing.socket, "gethostname", lambda: "node-a")
+    monkeypatch.setattr(store.socket, "gethostname", lambda: "node-a")
     assert opened(uri, caplog) == []
-    monkeypatch.setattr(sharing.socket, "gethostname", lambda: "node-b")
+    monkeypatch.setattr(store.socket, "gethostname", lambda: "node-b")
     (warning,) = opened(uri, caplog)
     assert "opened by jobs on 2 hosts (node-a, node-b)" in warning and "postgresql" in warning
 
@@ -74,7 +74,7 @@ def test_a_job_on_a_store_another_host_opened_says_so_on_its_own_output(
     job's output, once."""
     uri = f"sqlite:///{tmp_path}/out/mlflow.db"
     with monkeypatch.context() as m:
-        m.setattr(sharing.socket, "gethostname", lambda: "another-node")
+        m.setattr(store.socket, "gethostname", lambda: "another-node")
         store.open_client(uri)  # a job of another host made the store
     caplog.clear()
     caplog.set_level(logging.INFO, logger="pipeline")
