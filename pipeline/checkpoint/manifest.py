@@ -116,24 +116,16 @@ def hardware() -> dict:
 
 
 def run_facts(
-    config: dict, identity: Identity, data_manifest_hash: str, data_spec: dict, data_facts: dict
+    config: dict, identity: Identity, data_hash: str, spec: dict, data_facts: dict
 ) -> dict:
     """The fields every checkpoint of a run carries, computed once; `data_facts` become each one's data.json."""
-    return {
-        DATA_FACTS: data_facts,
-        **git_info(),
-        "code_sha256": code_sha256(),
-        "config": config,
-        "config_hash": identity.config_hash,
-        "semantic_config_hash": identity.semantic_hash,
-        "sources": dict(identity.sources),
-        "data_manifest_hash": data_manifest_hash,
-        "data_spec": dict(data_spec),
-        "seed": config["trainer"]["seed"],
-        "versions": versions(),
-        "hardware": hardware(),
-        "mlflow_run_uri": None,
-    }
+    hashes = dict(config_hash=identity.config_hash, semantic_config_hash=identity.semantic_hash)
+    data = dict(data_manifest_hash=data_hash, data_spec=dict(spec), sources=dict(identity.sources))
+    run = dict(config=config, seed=config["trainer"]["seed"], mlflow_run_uri=None)
+    machine = dict(
+        versions=versions(), hardware=hardware(), code_sha256=code_sha256(), **git_info()
+    )
+    return {DATA_FACTS: data_facts, **hashes, **data, **run, **machine}
 
 
 def build(facts: dict, *, step: int, epoch: int, metrics: dict, tags: list, lineage: dict) -> dict:
@@ -179,9 +171,8 @@ def check(m) -> dict:
     edited = "(the config was edited after saving)"
     if _require(m, "config_hash", str, "a sha256 hex digest") != config_hash(config):
         raise ManifestError(f"'config_hash' is not the sha256 of 'config' {edited}")
-    if _require(m, "semantic_config_hash", str, "a sha256 hex digest") != semantic_hash(
-        config, sources
-    ):
+    semantic = semantic_hash(config, sources)
+    if _require(m, "semantic_config_hash", str, "a sha256 hex digest") != semantic:
         raise ManifestError(f"'semantic_config_hash' does not match 'config' {edited}")
     _require(m, "data_manifest_hash", str, "a string")
     _require(m, "data_spec", dict, "an object")

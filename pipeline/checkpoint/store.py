@@ -126,9 +126,8 @@ class CheckpointStore:
         by_step = {r.step: r for r in records}
         wanted = {k: s for n in named for k, s in n.links(records).items() if k not in links}
         free = {k: by_step.get(step_number(t)) for k, t in present_links.items() if k not in links}
-        retired = {k for k, r in free.items() if r and any(n.owns(k, r) for n in named)} - set(
-            wanted
-        )
+        gave = {k for k, r in free.items() if r and any(n.name(r) == k for n in named)}
+        retired = gave - set(wanted)
         unowned = [t for k, t in present_links.items() if k not in links and k not in retired]
         orphans = Steps(frozenset(step_number(t) for t in unowned))
         keep = AnyOf((policy, orphans, *links.values())).keep(records)

@@ -73,9 +73,8 @@ def write_new(path: Path, data, h=None, fsync: bool = True) -> dict:
     try:
         fd = os.open(path, flags, 0o644)
     except FileExistsError:
-        raise UnsafePathError(
-            EEXIST, f"{path} already exists; refusing to write through it"
-        ) from None
+        why = f"{path} already exists; refusing to write through it"
+        raise UnsafePathError(EEXIST, why) from None
     try:
         for piece in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
             h.update(piece)

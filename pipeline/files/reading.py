@@ -71,14 +71,6 @@ def open_file(path, limit: int | None = None, follow=False, bound: str | None = 
         raise
 
 
-def read_exact(f: io.RawIOBase, buf: memoryview) -> int:
-    """Fill `buf` from `f`; the number of bytes read (fewer only at the end of the file)."""
-    got = 0
-    while got < len(buf) and (n := f.readinto(buf[got:])):
-        got += n
-    return got
-
-
 def chunks(f: io.RawIOBase, path, limit: int | None = None, bound: str | None = None, size=CHUNK):
     """The bytes of an open file in pieces of at most `size`, refusing (UnreadableFile) past `limit`."""
     total = 0
