@@ -55,10 +55,6 @@ def _f(check: Callable | None = None, absent=_NONE):
     return field(default=MISSING, metadata=meta)
 
 
-def name_pattern(v) -> str | None:
-    return None if v is None else patterns.problem(v)
-
-
 Dtype = Enum("Dtype", {"float32": "float32", "float64": "float64"})
 Activation = Enum("Activation", {"tanh": "tanh", "relu": "relu"})
 DecayOn = Enum("DecayOn", {"all": "all", "matrices": "matrices"})
@@ -244,7 +240,7 @@ class BestValStageConf(Node):
     mode: Mode = _f()
     order: int = _f()
     keep: int = _f(at_least(1), absent=1)
-    filename: str | None = _f(name_pattern, absent=None)
+    filename: str | None = _f(lambda v: None if v is None else patterns.problem(v), absent=None)
 
 
 @builds("pipeline.stages.early_stop.EarlyStop", "stage/early_stop")
@@ -340,12 +336,9 @@ def _absent(node, key: str = "") -> dict | None:
 def as_written_now(node, key: str = ""):
     """A node (at the top-level `key`) written before some keys of its schema existed (or could be null), each at
     what its absence (or null) means: the one place an old config's missing or null key gets its meaning."""
-    absent = _absent(node, key)
-    return (
-        node
-        if absent is None
-        else {**node, **{k: v for k, v in absent.items() if node.get(k) is None}}
-    )
+    if (absent := _absent(node, key)) is None:
+        return node
+    return {**node, **{k: v for k, v in absent.items() if node.get(k) is None}}
 
 
 def config_written_now(config: dict) -> dict:
