@@ -37,12 +37,13 @@ def git_info(root: str = str(PROJECT_ROOT)) -> dict:
         # virtualenv inside a project) is not this code's; `versions` names the pipeline release instead.
         return unknown
     try:
+        git = ["git", "-C", root]
         sha = subprocess.run(
-            ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30
+            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30
         )
         if sha.returncode != 0:
             return unknown
-        status = ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"]
+        status = [*git, "status", "--porcelain", "--untracked-files=no"]
         dirty = subprocess.run(status, capture_output=True, text=True, timeout=30)
         return {"git_sha": sha.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.SubprocessError):
