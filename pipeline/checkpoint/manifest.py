@@ -87,12 +87,10 @@ def code_change(manifest: dict, facts: dict | None = None) -> str | None:
 
 @cache
 def versions() -> dict:
-    out: dict[str, str | None] = {"python": platform.python_version()}
+    out: dict[str, str | None] = {"python": platform.python_version(), **dict.fromkeys(PACKAGES)}
     for name in PACKAGES:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
     return out
 
 
