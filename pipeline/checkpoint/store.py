@@ -36,8 +36,7 @@ class CheckpointStore:
         ignored, anything else (a stray link or file) an UnsafePathError naming it."""
         if not os.path.lexists(self.root):
             return [], {}
-        st = os.lstat(self.root)
-        if not stat.S_ISDIR(st.st_mode):
+        if not stat.S_ISDIR(os.lstat(self.root).st_mode):
             why = "is not a directory (a symlink or a file); remove it"
             raise UnsafePathError(ELOOP, f"{self.root} {why}")
         steps, links = [], {}

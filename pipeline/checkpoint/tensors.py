@@ -121,9 +121,8 @@ def write_tensors(path: Path, arrays: dict, metadata: dict | None = None, fsync=
     head, order = encode_header(unique, meta)
     views = [_bytes_of(unique[name]) for name in order]
     chunks = (v[i : i + CHUNK] for v in views for i in range(0, len(v), CHUNK))
-    pieces = itertools.chain([head], chunks)
     with _Hasher() as h:  # each piece hashed on the helper thread while this one writes it
-        return write_new(path, pieces, h, fsync)
+        return write_new(path, itertools.chain([head], chunks), h, fsync)
 
 
 def resolve_aliases(arrays: dict, metadata: dict[str, str]) -> dict[str, np.ndarray]:
