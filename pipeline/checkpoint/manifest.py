@@ -157,8 +157,7 @@ def check(m) -> dict:
             jsonio.number(v)
         except ValueError as e:  # a string other than NaN/Infinity, an integer no float holds, ...
             raise ManifestError(f"metric {k!r:.80}: {e}") from None
-    tags = _require(m, "tags", list, "a list of stage names")
-    if not all(isinstance(t, str) for t in tags):
+    if not all(isinstance(t, str) for t in _require(m, "tags", list, "a list of stage names")):
         raise ManifestError("'tags' must be a list of stage names")
     lineage = _require(m, "lineage", dict, "an object")
     if not (isinstance(lineage.get("id"), str) and SHA256.match(lineage["id"])):
