@@ -14,14 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.checkpoint import manifest as mf
+from pipeline.checkpoint import tensors
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
-from pipeline.checkpoint.tensors import (
-    DigestMismatch,
-    LayoutMisfit,
-    layout,
-    read_tensors,
-    write_tensors,
-)
 from pipeline.files import atomic, jsonio, killpoint, listing, reading
 from pipeline.files.limits import MAX_CHECKPOINT_JSON
 from pipeline.stateful import PARTS, SEP, StateMismatch, capture, check, merge, split
@@ -127,9 +121,8 @@ def _data_problem(data, spec: dict) -> str | None:
     if longest := max((t for t in vocab if len(t) > MAX_TOKEN), key=len, default=None):
         return f"a token of {len(longest)} characters: tokens are at most {MAX_TOKEN}"
     if not isinstance(join, str) or len(join) > MAX_JOIN:
-        return (
-            f"decode_join must be a string of at most {MAX_JOIN} characters (a text's is '' or ' ')"
-        )
+        why = f"decode_join must be a string of at most {MAX_JOIN} characters"
+        return why + " (a text's is '' or ' ')"
     small = isinstance(specials, dict) and len(specials) <= MAX_SPECIALS
     roles = small and all(isinstance(r, str) and len(r) <= MAX_TOKEN for r in specials)
     if not (roles and all(isinstance(t, str) and t in vocab for t in specials.values())):
@@ -140,15 +133,16 @@ def _data_problem(data, spec: dict) -> str | None:
 def _read_listed(d: Path, name: str, listed: dict, expect: dict | list[dict] | None = None):
     """A listed file read bounded, checked against its listing (JSON strictly, tensors of the layout `expect`ed)."""
     try:
+        sha = listed[name]["sha256"]
         if not name.endswith(".safetensors"):
             raw = reading.read_bytes(d / name, MAX_CHECKPOINT_JSON)
-            if hashlib.sha256(raw).hexdigest() != listed[name]["sha256"]:
-                raise DigestMismatch
+            if hashlib.sha256(raw).hexdigest() != sha:
+                raise tensors.DigestMismatch
             return jsonio.loads(raw)
-        return read_tensors(d / name, expected_sha256=listed[name]["sha256"], expect=expect)[0]
-    except DigestMismatch:
+        return tensors.read_tensors(d / name, expected_sha256=sha, expect=expect)[0]
+    except tensors.DigestMismatch:
         raise CheckpointError(d, name, CORRUPTED) from None
-    except LayoutMisfit as e:
+    except tensors.LayoutMisfit as e:
         raise MisfitError(d, name, str(e)) from None
     except (ValueError, OSError) as e:
         raise CheckpointError(d, name, _os_reason(e)) from None
@@ -193,10 +187,8 @@ def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[st
     if agree and named in (None, manifest_step):
         return None
     if agree:
-        why = (
-            f"but manifest.json and extra.json say step {manifest_step} (renamed or copied in from"
-        )
-        return "", f"its name says step {named}, {why} another step)"
+        why = f"but manifest.json and extra.json say step {manifest_step} (renamed or copied in"
+        return "", f"its name says step {named}, {why} from another step)"
     if named == manifest_step:
         why = f"progress.step {saved_step!r:.40} differs from step {manifest_step} of manifest.json"
         return EXTRA, f"{why} and the directory's name"
@@ -276,8 +268,8 @@ class CheckpointDir:
             # Each file is hashed from the bytes as they are written and fsynced before it is listed; the two
             # tensor files are written side by side, as sha256 of one stream is slower than the disk.
             with ThreadPoolExecutor(1, thread_name_prefix="save-weights") as pool:
-                weights_entry = pool.submit(write_tensors, tmp / WEIGHTS, weights)
-                files = {OPTIM: write_tensors(tmp / OPTIM, other)}
+                weights_entry = pool.submit(tensors.write_tensors, tmp / WEIGHTS, weights)
+                files = {OPTIM: tensors.write_tensors(tmp / OPTIM, other)}
                 files[WEIGHTS] = weights_entry.result()
             killpoint.point("save", "after weights")
             killpoint.point("save", "after optim")
@@ -324,9 +316,7 @@ class CheckpointDir:
         try:
             return MANIFEST, reading.read_bytes(self.resolved() / MANIFEST, MAX_CHECKPOINT_JSON)
         except FileNotFoundError:
-            raise CheckpointError(
-                self.path, MANIFEST, "missing (an incomplete or foreign directory)"
-            ) from None
+            raise self.fault("missing (an incomplete or foreign directory)") from None
         except OSError as e:
             raise self.fault(_os_reason(e)) from None
 
@@ -342,9 +332,8 @@ class CheckpointDir:
         copied = {}
         for name in [*sorted(listed), MANIFEST]:
             entry = listed.get(name)
-            copied[name] = reading.copy_new(
-                directory / name, dest / name, entry["size"] if entry else MAX_CHECKPOINT_JSON
-            )
+            bound = entry["size"] if entry else MAX_CHECKPOINT_JSON
+            copied[name] = reading.copy_new(directory / name, dest / name, bound)
             if entry is not None and copied[name] != {k: entry[k] for k in ("size", "sha256")}:
                 why = "its bytes differ from manifest.json (changed or damaged while being copied)"
                 raise CheckpointError(directory, name, why)
@@ -394,14 +383,13 @@ class CheckpointDir:
         extra = _read_extra(directory, listed)
         data = _read_data(directory, manifest, listed)
         live = capture(parts) if parts is not None else None
-        layouts = (None, None) if live is None else [layout(t) for t in _by_file(live)[:2]]
+        layouts = (None, None) if live is None else [tensors.layout(t) for t in _by_file(live)[:2]]
         # a part's state as older code saved it fits too (legacy_state: afe8033's iterator's permutation)
-        older = {
-            n: p.legacy_state() for n, p in (parts or {}).items() if hasattr(p, "legacy_state")
-        }
+        given = parts or {}
+        older = {n: p.legacy_state() for n, p in given.items() if hasattr(p, "legacy_state")}
         optim_fits: dict | list[dict] | None = layouts[1]
         if live is not None and layouts[1] is not None and older:
-            optim_fits = [layouts[1], layout(_by_file({**live, **older})[1])]
+            optim_fits = [layouts[1], tensors.layout(_by_file({**live, **older})[1])]
         # side by side, as in write()
         with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:
             weights_read = pool.submit(_read_listed, directory, WEIGHTS, listed, layouts[0])

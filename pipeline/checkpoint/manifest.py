@@ -37,12 +37,13 @@ def git_info(root: str = str(PROJECT_ROOT)) -> dict:
         # virtualenv inside a project) is not this code's; `versions` names the pipeline release instead.
         return unknown
     try:
+        git = ["git", "-C", root]
         sha = subprocess.run(
-            ["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30
+            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30
         )
         if sha.returncode != 0:
             return unknown
-        status = ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"]
+        status = [*git, "status", "--porcelain", "--untracked-files=no"]
         dirty = subprocess.run(status, capture_output=True, text=True, timeout=30)
         return {"git_sha": sha.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.SubprocessError):
@@ -86,12 +87,10 @@ def code_change(manifest: dict, facts: dict | None = None) -> str | None:
 
 @cache
 def versions() -> dict:
-    out: dict[str, str | None] = {"python": platform.python_version()}
+    out: dict[str, str | None] = {"python": platform.python_version(), **dict.fromkeys(PACKAGES)}
     for name in PACKAGES:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
     return out
 
 
@@ -116,24 +115,16 @@ def hardware() -> dict:
 
 
 def run_facts(
-    config: dict, identity: Identity, data_manifest_hash: str, data_spec: dict, data_facts: dict
+    config: dict, identity: Identity, data_hash: str, spec: dict, data_facts: dict
 ) -> dict:
     """The fields every checkpoint of a run carries, computed once; `data_facts` become each one's data.json."""
-    return {
-        DATA_FACTS: data_facts,
-        **git_info(),
-        "code_sha256": code_sha256(),
-        "config": config,
-        "config_hash": identity.config_hash,
-        "semantic_config_hash": identity.semantic_hash,
-        "sources": dict(identity.sources),
-        "data_manifest_hash": data_manifest_hash,
-        "data_spec": dict(data_spec),
-        "seed": config["trainer"]["seed"],
-        "versions": versions(),
-        "hardware": hardware(),
-        "mlflow_run_uri": None,
-    }
+    hashes = dict(config_hash=identity.config_hash, semantic_config_hash=identity.semantic_hash)
+    data = dict(data_manifest_hash=data_hash, data_spec=dict(spec), sources=dict(identity.sources))
+    run = dict(config=config, seed=config["trainer"]["seed"], mlflow_run_uri=None)
+    machine = dict(
+        versions=versions(), hardware=hardware(), code_sha256=code_sha256(), **git_info()
+    )
+    return {DATA_FACTS: data_facts, **hashes, **data, **run, **machine}
 
 
 def build(facts: dict, *, step: int, epoch: int, metrics: dict, tags: list, lineage: dict) -> dict:
@@ -166,8 +157,7 @@ def check(m) -> dict:
             jsonio.number(v)
         except ValueError as e:  # a string other than NaN/Infinity, an integer no float holds, ...
             raise ManifestError(f"metric {k!r:.80}: {e}") from None
-    tags = _require(m, "tags", list, "a list of stage names")
-    if not all(isinstance(t, str) for t in tags):
+    if not all(isinstance(t, str) for t in _require(m, "tags", list, "a list of stage names")):
         raise ManifestError("'tags' must be a list of stage names")
     lineage = _require(m, "lineage", dict, "an object")
     if not (isinstance(lineage.get("id"), str) and SHA256.match(lineage["id"])):
@@ -179,9 +169,8 @@ def check(m) -> dict:
     edited = "(the config was edited after saving)"
     if _require(m, "config_hash", str, "a sha256 hex digest") != config_hash(config):
         raise ManifestError(f"'config_hash' is not the sha256 of 'config' {edited}")
-    if _require(m, "semantic_config_hash", str, "a sha256 hex digest") != semantic_hash(
-        config, sources
-    ):
+    semantic = semantic_hash(config, sources)
+    if _require(m, "semantic_config_hash", str, "a sha256 hex digest") != semantic:
         raise ManifestError(f"'semantic_config_hash' does not match 'config' {edited}")
     _require(m, "data_manifest_hash", str, "a string")
     _require(m, "data_spec", dict, "an object")

@@ -115,10 +115,6 @@ class Named:
         kept = self.policy.keep(records)
         return {k: r.step for r in records if r.step in kept and (k := self.name(r)) is not None}
 
-    def owns(self, name: str, record: Record) -> bool:
-        """Whether `name` is the one this naming gives `record` (a link it retires when the policy lets go)."""
-        return self.name(record) == name
-
 
 def select_one(policy: Policy, records: Sequence[Record]) -> int | None:
     """The step a link following `policy` points at: the newest of what it keeps (None if nothing)."""

@@ -9,17 +9,8 @@ from collections.abc import Mapping
 from errno import EEXIST, ELOOP
 from pathlib import Path
 
+from pipeline.checkpoint import directory as cd
 from pipeline.checkpoint import manifest as mf
-from pipeline.checkpoint.directory import (
-    STEP_DIR,
-    STORE,
-    Checkpoint,
-    CheckpointDir,
-    _shown,
-    link_problem,
-    step_dir_name,
-    step_number,
-)
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
 from pipeline.checkpoint.retention import AnyOf, Policy, Record, Steps, select_one
 from pipeline.files import atomic, jsonio, killpoint
@@ -45,8 +36,7 @@ class CheckpointStore:
         ignored, anything else (a stray link or file) an UnsafePathError naming it."""
         if not os.path.lexists(self.root):
             return [], {}
-        st = os.lstat(self.root)
-        if not stat.S_ISDIR(st.st_mode):
+        if not stat.S_ISDIR(os.lstat(self.root).st_mode):
             why = "is not a directory (a symlink or a file); remove it"
             raise UnsafePathError(ELOOP, f"{self.root} {why}")
         steps, links = [], {}
@@ -54,17 +44,17 @@ class CheckpointStore:
             for e in it:
                 if e.name.startswith(TMP_PREFIX):
                     continue
-                m = STEP_DIR.match(e.name)
+                m = cd.STEP_DIR.match(e.name)
                 if e.is_symlink():
                     target = os.readlink(e.path)
-                    if problem := link_problem(e.name, target):
-                        why = f"{e.path} is a symlink to {_shown(target)}: {problem}; remove it"
+                    if problem := cd.link_problem(e.name, target):
+                        why = f"{e.path} is a symlink to {cd._shown(target)}: {problem}; remove it"
                         raise UnsafePathError(ELOOP, why)
                     links[e.name] = target
                 elif m and e.is_dir(follow_symlinks=False):
                     steps.append((int(m.group(1)), Path(e.path)))
                 else:
-                    why = f"{e.path} is not a checkpoint step directory; {STORE}/ holds step"
+                    why = f"{e.path} is not a checkpoint step directory; {cd.STORE}/ holds step"
                     raise UnsafePathError(EEXIST, why + " directories and links only: remove it")
         return sorted(steps), links
 
@@ -80,16 +70,16 @@ class CheckpointStore:
             self._records = {}
             for step, directory in self.steps():
                 with contextlib.suppress(CheckpointError):
-                    self._records[step] = _record(CheckpointDir(directory).manifest())
+                    self._records[step] = _record(cd.CheckpointDir(directory).manifest())
         return self._records
 
-    def newest_valid(self, parts: Mapping | None = None) -> tuple[Checkpoint | None, Skipped]:
+    def newest_valid(self, parts: Mapping | None = None) -> tuple[cd.Checkpoint | None, Skipped]:
         """The newest checkpoint that verifies (and fits `parts`), and (directory, what it is, the error) for each
         newer one skipped: damaged, or verified but made by a config whose state does not fit the live run."""
         skipped: Skipped = []
         for _, directory in reversed(self.steps()):
             try:
-                return CheckpointDir(directory).load(parts), skipped
+                return cd.CheckpointDir(directory).load(parts), skipped
             except MisfitError as e:
                 misfit = "a checkpoint that verifies but does not fit this config"
                 skipped.append((directory, misfit, str(e)))
@@ -101,17 +91,17 @@ class CheckpointStore:
         """The newest step directory and its manifest, the rest unread (None: no step, or its manifest is bad)."""
         steps = self.steps()
         try:
-            return (steps[-1][1], CheckpointDir(steps[-1][1]).manifest()) if steps else None
+            return (steps[-1][1], cd.CheckpointDir(steps[-1][1]).manifest()) if steps else None
         except CheckpointError:
             return None
 
-    def save(self, step: int, tree: dict, fields: dict) -> Checkpoint:
+    def save(self, step: int, tree: dict, fields: dict) -> cd.Checkpoint:
         """Write and record this step's checkpoint, replacing whatever (another run's, a damaged one) is there."""
         atomic.ensure_dirs(self.root.parent, self.root.name)
-        directory = self.root / step_dir_name(step)
-        manifest = CheckpointDir(directory).write(tree, fields, replace=True)
+        directory = self.root / cd.step_dir_name(step)
+        manifest = cd.CheckpointDir(directory).write(tree, fields, replace=True)
         self._recorded()[step] = _record(manifest)
-        return Checkpoint(directory, manifest, tree, fields[mf.DATA_FACTS])
+        return cd.Checkpoint(directory, manifest, tree, fields[mf.DATA_FACTS])
 
     def retain(self, policy: Policy, links: dict, upto: int, lineage: str, named=()) -> None:
         """Point each link at what its policy selects, then delete the step directories no policy keeps.
@@ -125,18 +115,18 @@ class CheckpointStore:
         records = [r for _, r in recorded if r.step <= upto and r.lineage == lineage]
         by_step = {r.step: r for r in records}
         wanted = {k: s for n in named for k, s in n.links(records).items() if k not in links}
-        free = {k: by_step.get(step_number(t)) for k, t in present_links.items() if k not in links}
-        retired = {k for k, r in free.items() if r and any(n.owns(k, r) for n in named)} - set(
-            wanted
-        )
-        unowned = [t for k, t in present_links.items() if k not in links and k not in retired]
-        orphans = Steps(frozenset(step_number(t) for t in unowned))
+        others = {k: t for k, t in present_links.items() if k not in links}
+        free = {k: by_step.get(cd.step_number(t)) for k, t in others.items()}
+        gave = {k for k, r in free.items() if r and any(n.name(r) == k for n in named)}
+        retired = gave - set(wanted)
+        unowned = [t for k, t in others.items() if k not in retired]
+        orphans = Steps(frozenset(cd.step_number(t) for t in unowned))
         keep = AnyOf((policy, orphans, *links.values())).keep(records)
         for name, step in ({n: select_one(p, records) for n, p in links.items()} | wanted).items():
-            if step is not None and present_links.get(name) != step_dir_name(step):
+            if step is not None and present_links.get(name) != cd.step_dir_name(step):
                 where = f"before {name} link" if name in links else "before a named link"
                 killpoint.point("save", where)
-                atomic.replace_link(self.root / name, step_dir_name(step))
+                atomic.replace_link(self.root / name, cd.step_dir_name(step))
         for name in retired:  # before its step directory: a link never names a missing step
             killpoint.point("save", "before a name is retired")
             os.unlink(self.root / name)
@@ -155,4 +145,4 @@ class CheckpointStore:
 
     def link_step(self, name: str) -> int | None:
         target = self.links().get(name)
-        return step_number(target) if target else None
+        return cd.step_number(target) if target else None

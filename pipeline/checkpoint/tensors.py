@@ -121,9 +121,8 @@ def write_tensors(path: Path, arrays: dict, metadata: dict | None = None, fsync=
     head, order = encode_header(unique, meta)
     views = [_bytes_of(unique[name]) for name in order]
     chunks = (v[i : i + CHUNK] for v in views for i in range(0, len(v), CHUNK))
-    pieces = itertools.chain([head], chunks)
     with _Hasher() as h:  # each piece hashed on the helper thread while this one writes it
-        return write_new(path, pieces, h, fsync)
+        return write_new(path, itertools.chain([head], chunks), h, fsync)
 
 
 def resolve_aliases(arrays: dict, metadata: dict[str, str]) -> dict[str, np.ndarray]:
@@ -156,7 +155,10 @@ class LayoutMisfit(_Malformed):
 
 def _read_exact(f, buf: memoryview, h: _Hasher) -> memoryview:
     """`buf` filled from `f`, then hashed (on the helper thread while this one reads on)."""
-    if reading.read_exact(f, buf) < len(buf):
+    got = 0
+    while got < len(buf) and (n := f.readinto(buf[got:])):
+        got += n
+    if got < len(buf):
         raise _Malformed("truncated: the file ends inside the data the header describes")
     h.update(buf)
     return buf
@@ -284,8 +286,7 @@ def read_tensors(
         why = f"sha256 {digest[:16]}... differs from the expected {expected_sha256[:16]}..."
         raise DigestMismatch(why)
     if problem is not None:
-        what = (
-            "does not fit" if isinstance(problem, LayoutMisfit) else "not a valid safetensors file"
-        )
+        misfit = isinstance(problem, LayoutMisfit)
+        what = "does not fit" if misfit else "not a valid safetensors file"
         raise type(problem)(f"{what}: {problem}")
     return resolve_aliases(arrays, metadata), metadata

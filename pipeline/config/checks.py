@@ -24,9 +24,8 @@ def above(lo) -> Callable:
 
 
 def null_or_at_least(lo) -> Callable:
-    return lambda v: (
-        None if v is None or at_least(lo)(v) is None else f"must be null or a number >= {lo}"
-    )
+    why = f"must be null or a number >= {lo}"
+    return lambda v: None if v is None or at_least(lo)(v) is None else why
 
 
 def fraction(v) -> str | None:

@@ -95,6 +95,8 @@ def closest(e: BaseException, cause: BaseException | None) -> str:
     closest of its options), by difflib's similarity; "" if nothing is close."""
     import difflib
 
+    from pipeline.config.compose import CONFIG_DIR
+
     options, missing = getattr(e, "options", None), getattr(e, "missing_cfg_file", None)
     if options and missing:  # model/minigtp
         group, _, name = str(missing).rpartition("/")
@@ -106,18 +108,10 @@ def closest(e: BaseException, cause: BaseException | None) -> str:
     keys = [str(k) for k in node.keys()]  # type: ignore[union-attr]  # noqa: SIM118 - an OmegaConf node or a dict
     if key in keys:  # a key that is there (its value was wrong): nothing to suggest
         return ""
-    # a stage that is off unless added
-    if full == f"stages.{key}" and (added := stage_options(key)):
+    # a stage that is off unless added: the options of the shipped group conf/stages/<key>/ (early_stop: default)
+    stage = full == f"stages.{key}" and key.isidentifier()
+    if stage and (added := sorted(p.stem for p in (CONFIG_DIR / "stages" / key).glob("*.yaml"))):
         return f"; stage {key} is off unless added: add {' or '.join(f'+stages/{key}={o}' for o in added)}"
     found = difflib.get_close_matches(key, [k for k in keys if k != "hydra"], n=1)
     prefix = full[: -len(key)] if full.endswith(key) else ""
     return f"; did you mean {prefix}{found[0]}?" if found else ""
-
-
-def stage_options(name: str) -> list[str]:
-    """The options of the shipped stage group conf/stages/<name>/ (early_stop: default), or none."""
-    from pipeline.config.compose import CONFIG_DIR
-
-    group = CONFIG_DIR / "stages" / name
-    shipped = name.isidentifier() and group.is_dir()
-    return sorted(p.stem for p in group.glob("*.yaml")) if shipped else []

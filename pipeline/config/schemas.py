@@ -12,16 +12,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from pipeline.config.checks import (
-    above,
-    at_least,
-    duration_or_null,
-    fraction,
-    null_or_at_least,
-    open_fraction,
-    probability_list,
-    widths,
-)
+from pipeline.config import checks
 from pipeline.config.errors import ConfigError
 from pipeline.files import names, patterns
 from pipeline.files.limits import MAX_TEXT_FILE
@@ -55,10 +46,6 @@ def _f(check: Callable | None = None, absent=_NONE):
     return field(default=MISSING, metadata=meta)
 
 
-def name_pattern(v) -> str | None:
-    return None if v is None else patterns.problem(v)
-
-
 Dtype = Enum("Dtype", {"float32": "float32", "float64": "float64"})
 Activation = Enum("Activation", {"tanh": "tanh", "relu": "relu"})
 DecayOn = Enum("DecayOn", {"all": "all", "matrices": "matrices"})
@@ -81,22 +68,23 @@ class PathsConf:
 
 @dataclass
 class TrainerConf:
-    seed: int = _f(at_least(0))
-    max_steps: int = _f(at_least(0))  # > 0 wins over epochs
-    epochs: int = _f(at_least(0))
-    batch_size: int = _f(at_least(1))
+    seed: int = _f(checks.at_least(0))
+    max_steps: int = _f(checks.at_least(0))  # > 0 wins over epochs
+    epochs: int = _f(checks.at_least(0))
+    batch_size: int = _f(checks.at_least(1))
     dtype: Dtype = _f()
-    eval_every: int = _f(at_least(0))
-    eval_batches: int | None = _f(null_or_at_least(1), absent=None)
+    eval_every: int = _f(checks.at_least(0))
+    eval_batches: int | None = _f(checks.null_or_at_least(1), absent=None)
     eval_at_start: bool = _f(absent=False)  # an evaluation before the first update
-    log_every: int = _f(at_least(0))
+    log_every: int = _f(checks.at_least(0))
     progress_bar: bool | None = _f()
     on_nonfinite: NonFinite = _f()
-    max_time: str | None = _f(duration_or_null)
-    accumulate: int = _f(at_least(1))  # micro-batches (of batch_size) per update
-    grad_clip: float = _f(at_least(0))  # the largest global L2 norm of a gradient; 0 = no clipping
-    shards: int = _f(at_least(1))
-    threads: int | None = _f(null_or_at_least(1))
+    max_time: str | None = _f(checks.duration_or_null)
+    accumulate: int = _f(checks.at_least(1))  # micro-batches (of batch_size) per update
+    # the largest global L2 norm of a gradient; 0 = no clipping
+    grad_clip: float = _f(checks.at_least(0))
+    shards: int = _f(checks.at_least(1))
+    threads: int | None = _f(checks.null_or_at_least(1))
     profile: bool = _f(absent=False)
 
     @staticmethod
@@ -107,20 +95,20 @@ class TrainerConf:
 
 @builds("pipeline.model.mlp.MLP", "model/mlp")
 class MLPConf(Node):
-    hidden: list[int] = _f(widths)
+    hidden: list[int] = _f(checks.widths)
     activation: Activation = _f()
-    dropout: float = _f(fraction)
+    dropout: float = _f(checks.fraction)
 
 
 @builds("pipeline.model.minigpt.MiniGPT", "model/minigpt")
 class MiniGPTConf(Node):
-    n_layer: int = _f(at_least(1))
-    n_head: int = _f(at_least(1))
-    n_embd: int = _f(at_least(1))
+    n_layer: int = _f(checks.at_least(1))
+    n_head: int = _f(checks.at_least(1))
+    n_embd: int = _f(checks.at_least(1))
     block_size: int | None = _f()  # null: the data's sequence length
-    dropout: float = _f(fraction)
+    dropout: float = _f(checks.fraction)
     attn_dropout: float | None = _f()  # null: dropout's
-    init_std: float = _f(above(0))
+    init_std: float = _f(checks.above(0))
     bias: bool = _f(absent=True)
     gelu: Gelu = _f(absent="tanh")
 
@@ -129,7 +117,7 @@ class MiniGPTConf(Node):
         out = []
         if c["n_embd"] % c["n_head"]:
             out.append(f"model.n_embd={c['n_embd']} is not divisible by model.n_head={c['n_head']}")
-        if c["attn_dropout"] is not None and fraction(c["attn_dropout"]):
+        if c["attn_dropout"] is not None and checks.fraction(c["attn_dropout"]):
             out.append(f"model.attn_dropout={c['attn_dropout']}: must be in [0, 1)")
         if c["block_size"] is not None and c["block_size"] < 1:
             out.append(f"model.block_size={c['block_size']}: must be >= 1 (or null: the data's)")
@@ -138,19 +126,19 @@ class MiniGPTConf(Node):
 
 @builds("pipeline.optimizer.sgd.SGD", "optimizer/sgd")
 class SGDConf(Node):
-    lr: float = _f(above(0))
-    momentum: float = _f(at_least(0))
-    dampening: float = _f(at_least(0))
+    lr: float = _f(checks.above(0))
+    momentum: float = _f(checks.at_least(0))
+    dampening: float = _f(checks.at_least(0))
     nesterov: bool = _f()
-    weight_decay: float = _f(at_least(0))
+    weight_decay: float = _f(checks.at_least(0))
 
 
 @builds("pipeline.optimizer.adam.Adam", "optimizer/adam")
 class AdamConf(Node):
-    lr: float = _f(above(0))
-    betas: list[float] = _f(probability_list)
-    eps: float = _f(above(0))
-    weight_decay: float = _f(at_least(0))
+    lr: float = _f(checks.above(0))
+    betas: list[float] = _f(checks.probability_list)
+    eps: float = _f(checks.above(0))
+    weight_decay: float = _f(checks.at_least(0))
     weight_decay_on: DecayOn = _f(absent="all")
 
 
@@ -166,56 +154,56 @@ class ConstantConf(Node):
 
 @builds("pipeline.scheduler.step.StepLR", "scheduler/step")
 class StepConf(Node):
-    step_size: int = _f(at_least(1))
-    gamma: float = _f(above(0))
+    step_size: int = _f(checks.at_least(1))
+    gamma: float = _f(checks.above(0))
 
 
 @builds("pipeline.scheduler.cosine.WarmupCosine", "scheduler/cosine")
 class CosineConf(Node):
     total_steps: int | None = _f()  # None: the run's total number of updates
-    warmup_steps: int = _f(at_least(0))
-    warmup_offset: int = _f(at_least(0), absent=0)
-    min_lr_ratio: float = _f(at_least(0))
-    num_cycles: float = _f(above(0))
+    warmup_steps: int = _f(checks.at_least(0))
+    warmup_offset: int = _f(checks.at_least(0), absent=0)
+    min_lr_ratio: float = _f(checks.at_least(0))
+    num_cycles: float = _f(checks.above(0))
 
 
 @builds("pipeline.data.regression.Regression", "data/regression")
 class RegressionConf(Node):
-    n_rows: int = _f(at_least(2))
-    seed: int = _f(at_least(0))
-    noise: float = _f(at_least(0))
-    input_gain: float = _f(fraction)
-    input_noise: float = _f(at_least(0))
+    n_rows: int = _f(checks.at_least(2))
+    seed: int = _f(checks.at_least(0))
+    noise: float = _f(checks.at_least(0))
+    input_gain: float = _f(checks.fraction)
+    input_noise: float = _f(checks.at_least(0))
 
 
 @dataclass
 class CorpusConf(Node):
     """What every token corpus on disk shares (written once under <output_dir>/data/)."""
 
-    val_fraction: float = _f(open_fraction)
-    block_size: int = _f(at_least(1))
-    ngram_order: int = _f(at_least(1))
-    val_batch_size: int = _f(at_least(1))
+    val_fraction: float = _f(checks.open_fraction)
+    block_size: int = _f(checks.at_least(1))
+    ngram_order: int = _f(checks.at_least(1))
+    val_batch_size: int = _f(checks.at_least(1))
 
 
 @builds("pipeline.data.grammar.GrammarCorpus", "data/grammar")
 class GrammarConf(CorpusConf):
-    seed: int = _f(at_least(0))
-    n_sentences: int = _f(at_least(1))
+    seed: int = _f(checks.at_least(0))
+    n_sentences: int = _f(checks.at_least(1))
 
 
 @builds("pipeline.data.text.TextCorpus", "data/text")
 class TextConf(CorpusConf):
     path: str = _f()
     # a config written while the key could be null (or before it) meant 32 MiB: conf/data/text.yaml's value
-    max_bytes: int = _f(at_least(1), absent=MAX_TEXT_FILE)
+    max_bytes: int = _f(checks.at_least(1), absent=MAX_TEXT_FILE)
     every_offset: bool = _f(absent=False)  # a sample at any offset, not fixed windows
 
 
 @builds("pipeline.stages.cadence.Cadence")
 class CadenceConf(Node):
-    every_epochs: int = _f(at_least(0))
-    every_steps: int = _f(at_least(0))
+    every_epochs: int = _f(checks.at_least(0))
+    every_steps: int = _f(checks.at_least(0))
 
 
 @builds("pipeline.run.plan.Resume", "stage/resume")
@@ -227,13 +215,13 @@ class ResumeStageConf(Node):
 
 @builds("pipeline.run.plan.Train", "stage/train")
 class TrainStageConf(Node):
-    eval_every: int = _f(at_least(0))
+    eval_every: int = _f(checks.at_least(0))
     order: int = _f()
 
 
 @builds("pipeline.stages.rotate.RotateLastN", "stage/rotate")
 class RotateStageConf(Node):
-    keep: int = _f(at_least(1))
+    keep: int = _f(checks.at_least(1))
     cadence: Any = MISSING  # the `checkpoint` group's node
     order: int = _f()
 
@@ -243,16 +231,16 @@ class BestValStageConf(Node):
     monitor: str = _f()
     mode: Mode = _f()
     order: int = _f()
-    keep: int = _f(at_least(1), absent=1)
-    filename: str | None = _f(name_pattern, absent=None)
+    keep: int = _f(checks.at_least(1), absent=1)
+    filename: str | None = _f(lambda v: None if v is None else patterns.problem(v), absent=None)
 
 
 @builds("pipeline.stages.early_stop.EarlyStop", "stage/early_stop")
 class EarlyStopStageConf(Node):
     monitor: str = _f()
     mode: Mode = _f()
-    patience: int = _f(at_least(1))
-    min_delta: float = _f(at_least(0))
+    patience: int = _f(checks.at_least(1))
+    min_delta: float = _f(checks.at_least(0))
     order: int = _f()
 
 
@@ -272,7 +260,7 @@ class MlflowTrackingConf(Node):
     uri: str = _f()
     artifact_location: str | None = _f()
     experiment: str = _f()
-    wait: float = _f(at_least(0))  # seconds a job waits on tracking in all
+    wait: float = _f(checks.at_least(0))  # seconds a job waits on tracking in all
 
 
 @builds("pipeline.run.tracker.Tracker", "tracking/none")
@@ -282,14 +270,14 @@ class NoTrackingConf(Node):
 
 @dataclass
 class VerifyConf:
-    cut: int = _f(at_least(1))  # updates before the interruption
-    steps: int = _f(at_least(2))  # updates in all
-    atol: float = _f(at_least(0))  # exact by default
-    rtol: float = _f(at_least(0))
+    cut: int = _f(checks.at_least(1))  # updates before the interruption
+    steps: int = _f(checks.at_least(2))  # updates in all
+    atol: float = _f(checks.at_least(0))  # exact by default
+    rtol: float = _f(checks.at_least(0))
     kill: KillMode = _f()
-    trials: int = _f(at_least(1))
-    seed: int = _f(at_least(0))  # chooses the chaos kill points
-    max_reruns: int = _f(at_least(1))
+    trials: int = _f(checks.at_least(1))
+    seed: int = _f(checks.at_least(0))  # chooses the chaos kill points
+    max_reruns: int = _f(checks.at_least(1))
 
 
 @dataclass
@@ -340,12 +328,9 @@ def _absent(node, key: str = "") -> dict | None:
 def as_written_now(node, key: str = ""):
     """A node (at the top-level `key`) written before some keys of its schema existed (or could be null), each at
     what its absence (or null) means: the one place an old config's missing or null key gets its meaning."""
-    absent = _absent(node, key)
-    return (
-        node
-        if absent is None
-        else {**node, **{k: v for k, v in absent.items() if node.get(k) is None}}
-    )
+    if (absent := _absent(node, key)) is None:
+        return node
+    return {**node, **{k: v for k, v in absent.items() if node.get(k) is None}}
 
 
 def config_written_now(config: dict) -> dict:

@@ -162,8 +162,10 @@ def hydra_quoted(text: str) -> str:
     return quote + body + quote
 
 
-def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], set[str]]:
-    """The `hydra.searchpath=[...]` override's entries, and the targets the overrides name themselves."""
+@cache
+def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
+    """What the pipeline's configs, the user's `hydra.searchpath` and the command line name. Nothing is imported to
+    decide but the packages the user's own `pkg://` entries name (Hydra imports them to list their files)."""
     searchpath: tuple[str, ...] = ()
     own: set[str] = set()
     for o in parse_overrides(overrides):
@@ -175,14 +177,6 @@ def _searchpath_and_named(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], 
             searchpath = tuple(value)
         else:  # `model._target_=x` names x as a node {_target_: x} would
             own |= named({o.key_or_group.split(".")[-1]: value})
-    return searchpath, own
-
-
-@cache
-def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
-    """What the pipeline's configs, the user's `hydra.searchpath` and the command line name. Nothing is imported to
-    decide but the packages the user's own `pkg://` entries name (Hydra imports them to list their files)."""
-    searchpath, own = _searchpath_and_named(overrides)
     return shipped() | frozenset(searched(searchpath)) | frozenset(own)
 
 

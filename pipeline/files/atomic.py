@@ -25,6 +25,7 @@ _LOCKED = "make it writable (or set paths.output_dir elsewhere), then re-run the
 ENVIRONMENT = {errno.ENOSPC: _FULL, errno.EDQUOT: _FULL, errno.EFBIG: _FULL}
 ENVIRONMENT |= {errno.EROFS: _LOCKED, errno.EACCES: _LOCKED, errno.EPERM: _LOCKED}
 ENVIRONMENT[errno.EIO] = "check the device, then re-run the same command"
+AT_FDCWD, RENAME_EXCHANGE = -100, 2  # renameat2's arguments (linux/fcntl.h, linux/fs.h)
 
 
 class UnsafePathError(OSError):
@@ -73,9 +74,8 @@ def write_new(path: Path, data, h=None, fsync: bool = True) -> dict:
     try:
         fd = os.open(path, flags, 0o644)
     except FileExistsError:
-        raise UnsafePathError(
-            EEXIST, f"{path} already exists; refusing to write through it"
-        ) from None
+        why = f"{path} already exists; refusing to write through it"
+        raise UnsafePathError(EEXIST, why) from None
     try:
         for piece in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
             h.update(piece)
@@ -193,9 +193,6 @@ def _renameat2():
         return None
     fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
     return fn
-
-
-AT_FDCWD, RENAME_EXCHANGE = -100, 2
 
 
 def publish_dir(tmp: Path, final: Path, replace: bool = False) -> None:

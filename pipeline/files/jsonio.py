@@ -43,9 +43,7 @@ def number(v) -> float:
 
 def dumps(obj, *, indent: int | None = 2, canonical: bool = False) -> bytes:
     """UTF-8 bytes of standard JSON; canonical=True is the hashing form (sorted keys, no spaces)."""
-    form: dict[str, Any] = (
-        dict(indent=None, separators=(",", ":")) if canonical else dict(indent=indent)
-    )
+    form: dict[str, Any] = dict(separators=(",", ":")) if canonical else dict(indent=indent)
     text = json.dumps(_finite(obj), sort_keys=True, ensure_ascii=False, allow_nan=False, **form)
     return text.encode() if canonical else (text + "\n").encode()
 

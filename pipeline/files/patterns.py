@@ -42,10 +42,8 @@ def problem(pattern) -> str | None:
     widest = "".join(text + ("x" * WIDE if f is not None else "") for text, f, _, _ in parsed)
     longest = len(widest.encode())
     if longest > (most := names.NAME_MAX - TEMPORARY):
-        why = (
-            f"a file name holds {names.NAME_MAX} bytes, with the {TEMPORARY} of a link's temporary"
-        )
-        return f"makes names of up to {longest} bytes (each field up to {WIDE} characters); at most {most} ({why} name)"
+        why = f"a file name holds {names.NAME_MAX} bytes, with the {TEMPORARY} of a link's temporary name"
+        return f"makes names of up to {longest} bytes (each field up to {WIDE} characters); at most {most} ({why})"
     example = _text(pattern, 0, {f: 0.0 for f, _, _ in fields})
     if _refused(example):
         why = "which cannot name a link beside the step directories (not step-<digits>, not hidden, one path component)"

@@ -51,8 +51,7 @@ def open_file(path, limit: int | None = None, follow=False, bound: str | None = 
     open(2) of a FIFO blocks until a writer appears, and a FIFO or /dev/zero never ends: refused by the stat,
     then opened O_NONBLOCK (a FIFO swapped in since cannot block) and checked again on the descriptor."""
     # nothing opened yet: a FIFO or a device is refused unopened
-    st = os.stat(path, follow_symlinks=follow)
-    _refuse(path, st, limit, bound)
+    _refuse(path, os.stat(path, follow_symlinks=follow), limit, bound)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     flags |= 0 if follow else os.O_NOFOLLOW
     try:
@@ -69,14 +68,6 @@ def open_file(path, limit: int | None = None, follow=False, bound: str | None = 
     except BaseException:
         os.close(fd)
         raise
-
-
-def read_exact(f: io.RawIOBase, buf: memoryview) -> int:
-    """Fill `buf` from `f`; the number of bytes read (fewer only at the end of the file)."""
-    got = 0
-    while got < len(buf) and (n := f.readinto(buf[got:])):
-        got += n
-    return got
 
 
 def chunks(f: io.RawIOBase, path, limit: int | None = None, bound: str | None = None, size=CHUNK):

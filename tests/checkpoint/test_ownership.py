@@ -133,13 +133,19 @@ def _modules() -> dict[str, ast.Module]:
     }
 
 
+def _imports_tensors(n: ast.AST) -> bool:
+    """The tensors module imported in any form: from it, by its module name, or as a module of its package."""
+    if isinstance(n, ast.ImportFrom) and n.module == "pipeline.checkpoint":
+        return any(a.name == "tensors" for a in n.names)
+    if isinstance(n, ast.Import):
+        return any(a.name == "pipeline.checkpoint.tensors" for a in n.names)
+    return isinstance(n, ast.ImportFrom) and n.module == "pipeline.checkpoint.tensors"
+
+
 def test_only_checkpoint_dir_uses_the_tensor_writer():
     """The safetensors writer and reader serve CheckpointDir alone."""
     users = {
-        name
-        for name, tree in _modules().items()
-        for n in ast.walk(tree)
-        if isinstance(n, ast.ImportFrom) and n.module == "pipeline.checkpoint.tensors"
+        name for name, tree in _modules().items() for n in ast.walk(tree) if _imports_tensors(n)
     }
     assert users == {OWNER}
 

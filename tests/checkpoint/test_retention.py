@@ -236,9 +236,9 @@ def test_named_links_name_the_kept_steps_and_own_only_their_own_names():
     named = Named(BestN("val/loss", "min", 2), lambda r: f"{r.step}-{r.metrics['val/loss']:.1f}")
     assert named.links(TIES) == {"2-1.0": 2, "6-1.0": 6}
     assert (
-        named.owns("6-1.0", TIES[2])
-        and not named.owns("6-2.0", TIES[2])
-        and not named.owns("best", TIES[2])
+        named.name(TIES[2]) == "6-1.0"
+        and named.name(TIES[2]) != "6-2.0"
+        and named.name(TIES[2]) != "best"
     )
     assert (
         Named(BestN("val/loss", "min", 2), lambda r: None).links(TIES) == {}
