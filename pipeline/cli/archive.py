@@ -198,10 +198,8 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     identity |= dict(corpus=corpus.name if corpus else None, data_archived=with_data)
     if sources and not with_data:
         keys = ", ".join(f"{k}={data.get(k.split('.', 1)[1])}" for k in sources)
-        raise BadSource(
-            f"run {p.name} was trained on {keys}, which its config cannot regenerate: give --with-data "
-            "to archive it"
-        )
+        why = "which its config cannot regenerate: give --with-data to archive it"
+        raise BadSource(f"run {p.name} was trained on {keys}, {why}")
     if corpus is not None:
         man = corpus / "MANIFEST.json"
         hashed = {"size": os.path.getsize(man), "sha256": data_hash}
@@ -212,10 +210,9 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
         target = str(data.get("_target_", ""))
         lacking = corpus is None and data_hash and target in shipped()
         if lacking and getattr(get_class(target), "keeps_corpus", False):
-            raise BadSource(
-                f"run {p.name}: its corpus (MANIFEST.json sha256 {data_hash[:12]}) is not beside its "
-                "run, under <output_dir>/data/; --with-data needs it there"
-            )
+            sha = f"MANIFEST.json sha256 {data_hash[:12]}"
+            where = "is not beside its run, under <output_dir>/data/; --with-data needs it there"
+            raise BadSource(f"run {p.name}: its corpus ({sha}) {where}")
         at = f"data/{corpus.name}" if corpus is not None else ""
         if corpus is not None and f"{at}/MANIFEST.json" not in b.files:
             for fn, entry in sorted(verify_corpus(corpus)[0]["files"].items()):
@@ -466,13 +463,8 @@ def readme(dest: Path, exported: dict) -> str:
         how = "continues the run from its newest checkpoint"
         if resume_from != newest:
             how = f"repeats the steps after {resume_from} of the finished run, to its final bytes"
-        lines += [
-            resume.replace("  ", " "),
-            "```",
-            "",
-            f"The resume {how}; `python -m pipeline.archive --check` re-verifies every byte.",
-            "",
-        ]
+        check = "`python -m pipeline.archive --check` re-verifies every byte."
+        lines += [resume.replace("  ", " "), "```", "", f"The resume {how}; {check}", ""]
     return "\n".join(lines)
 
 
@@ -489,9 +481,8 @@ def _failed(checks: list[dict]) -> dict | None:
 def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, argv: list) -> int:
     """DEST built in its temporary, checked, published; missing parents made (mkdir -p), gone if none is published."""
     if os.path.lexists(dest):
-        raise BadSource(
-            f"{dest}: already exists; an archive is never overwritten or merged into (choose a new DEST)"
-        )
+        never = "an archive is never overwritten or merged into (choose a new DEST)"
+        raise BadSource(f"{dest}: already exists; {never}")
     real_src, real_dest = os.path.realpath(source), os.path.realpath(dest)
     if real_dest == real_src or real_dest.startswith(real_src.rstrip("/") + "/"):
         raise BadSource(f"{dest}: inside SOURCE {source}; archive elsewhere")
@@ -581,9 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         raise CommandError(f"{bad}: only hydra.searchpath=[...] can be given here")
     which = args.checkpoints
     if which != "all" and not set(which.split(",")) <= set(SELECTIONS):
-        raise CommandError(
-            f"--checkpoints={which}: give any of best,final,newest (comma-separated) or all"
-        )
+        give = "give any of best,final,newest (comma-separated) or all"
+        raise CommandError(f"--checkpoints={which}: {give}")
     try:
         if args.check:
             return check_archive(args.source, extra)

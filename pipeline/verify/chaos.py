@@ -45,10 +45,10 @@ def killed(proc: subprocess.CompletedProcess) -> bool:
     return proc.returncode == -signal.SIGKILL
 
 
-def invalid_checkpoints(store: CheckpointStore) -> list[str]:
-    """Why each checkpoint a reader of the store sees does not verify (a temporary is no checkpoint)."""
+def invalid_checkpoints(*stores: CheckpointStore) -> list[str]:
+    """Why each checkpoint a reader of the stores sees does not verify (a temporary is no checkpoint)."""
     bad = []
-    for _, directory in store.steps():
+    for directory in (d for store in stores for _, d in store.steps()):
         try:
             CheckpointDir(directory).verify()
         except CheckpointError as e:
@@ -58,8 +58,7 @@ def invalid_checkpoints(store: CheckpointStore) -> list[str]:
 
 def invalid_visible_checkpoints(output_dir: Path) -> list[str]:
     """invalid_checkpoints of every run directory under `output_dir`."""
-    stores = [RunDir(run).store for run in (output_dir / "runs").glob("*")]
-    return [e for store in stores for e in invalid_checkpoints(store)]
+    return invalid_checkpoints(*(RunDir(run).store for run in (output_dir / "runs").glob("*")))
 
 
 def final_state(output_dir: Path) -> dict:
@@ -134,9 +133,7 @@ def run_chaos(config: dict, argv: list[str]) -> int:
     report["command"] = " ".join(_command(argv, Path("<trial dir>")))
     report |= dict(seconds=round(time.time() - t0, 1), versions=versions(), trial_records=trials)
     (out / "verification.json").write_bytes(jsonio.dumps(report))
-    print(
-        f"chaos: {exact}/{len(trials)} trials bit-exact, {same_kept}/{len(trials)} kept the same "
-        f"checkpoints and links; kills by phase {dict(by_phase)}; {len(invalid)} invalid visible "
-        f"checkpoints; report {out / 'verification.json'}"
-    )
+    n, kept = len(trials), f"{same_kept}/{len(trials)} kept the same checkpoints and links"
+    what = f"kills by phase {dict(by_phase)}; {len(invalid)} invalid visible checkpoints; report"
+    print(f"chaos: {exact}/{n} trials bit-exact, {kept}; {what} {out / 'verification.json'}")
     return EXIT_OK if passed else EXIT_MISMATCH
