@@ -156,16 +156,14 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.run.trained import data_facts, restore_checkpoint
 
     try:
-        manifest, state = restore_checkpoint(Path(args.checkpoint), args.overrides)
+        manifest, state = restore_checkpoint(ck := Path(args.checkpoint), args.overrides)
         # bias and gelu: a checkpoint may predate them
         model = as_written_now(manifest["config"]["model"])
         if not (gpt2_shaped(model) and "transformer.wte.weight" in state.model.state_dict()):
-            raise CommandError(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
-        facts = data_facts(manifest, args.overrides, Path(args.checkpoint))
+            raise CommandError(f"{ck} holds a {model.get('_target_')}, not a MiniGPT")
+        facts = data_facts(manifest, args.overrides, ck)
         if facts["vocab"] is None:
-            raise CommandError(
-                f"{args.checkpoint}: its data has no vocabulary to make a tokenizer of"
-            )
+            raise CommandError(f"{ck}: its data has no vocabulary to make a tokenizer of")
         weights = state.model.state_dict()
         dims = {k: model[k] for k in ("n_layer", "n_head", "n_embd")}
         dims["n_positions"] = weights["transformer.wpe.weight"].shape[0]

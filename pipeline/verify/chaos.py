@@ -61,19 +61,23 @@ def invalid_visible_checkpoints(output_dir: Path) -> list[str]:
     return invalid_checkpoints(*(RunDir(run).store for run in (output_dir / "runs").glob("*")))
 
 
+def metric_lines(run: Path) -> list[dict]:
+    """The run's metrics.jsonl lines without their wall-clock time: what a bit-exact rerun repeats."""
+    return [{k: v for k, v in ln.items() if k != "time"} for ln in RunDir(run).read_metrics()]
+
+
 def final_state(output_dir: Path) -> dict:
     """What must be identical: every kept checkpoint's files (sha256) and links, the final state, every number."""
     runs = [p for p in (output_dir / "runs").iterdir() if p.is_dir()]
     if len(runs) != 1:
         where = output_dir / "runs"
         raise RuntimeError(f"expected one run directory under {where}, found {len(runs)}")
-    rundir = RunDir(runs[0])
-    store = rundir.store
+    store = RunDir(runs[0]).store
     kept = {step: file_hashes(CheckpointDir(d).verify()) for step, d in store.steps()}
     final = store.link_step("final")
     assert final is not None, f"{output_dir}: the run has no final checkpoint"
     _, extra = CheckpointDir(store.root / "final").json_state()
-    lines = [{k: v for k, v in line.items() if k != "time"} for line in rundir.read_metrics()]
+    lines = metric_lines(runs[0])
     weights, optim = kept[final]["weights"], kept[final]["optim"]
     out = {"weights": weights, "optim": optim, "extra": extra, "metrics": lines, "step": final}
     return out | {"checkpoints": kept, "links": store.links()}
