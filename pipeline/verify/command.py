@@ -6,7 +6,8 @@ diverges, 1 if not, 2 if it could not complete."""
 
 from __future__ import annotations
 
-from pipeline.cli import parser
+import argparse
+
 from pipeline.run.signals import command
 
 
@@ -14,7 +15,8 @@ from pipeline.run.signals import command
 def main(argv: list[str] | None = None) -> int:
     epilog = "Overrides are those of `python -m pipeline` (experiment=kernodeck, verify.cut=5, "
     epilog += "verify.steps=10, verify.kill=random, verify.trials=20)."
-    ap = parser("pipeline.verify", __doc__, epilog=epilog)
+    doc = __doc__.split("\n\n")[0]
+    ap = argparse.ArgumentParser(prog="python -m pipeline.verify", description=doc, epilog=epilog)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides")
     args = ap.parse_args(argv)
     from pipeline.config.compose import compose, to_plain
