@@ -28,6 +28,7 @@ from pipeline.files import listing as files_listing
 from pipeline.files.limits import MAX_ARCHIVE_LISTING, MAX_CORPUS_JSON, MAX_SMALL, MAX_SOURCE_FILE
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import command, run_command
+from pipeline.verify.chaos import metric_lines
 
 NAME = "pipeline.archive"
 SELECTIONS = ("best", "final", "newest")
@@ -76,10 +77,8 @@ def _kind(path: Path) -> str:
         raise BadSource(f"{path}: a run's store of checkpoints; give the run directory {up.path}")
     if (path / "jobs").is_dir() and (path / "sweep.json").is_file():
         return "sweep"
-    raise BadSource(
-        f"{path}: not a run directory (no checkpoints/ or run.json), a sweep directory (no "
-        "sweep.json and jobs/) or a checkpoint (no manifest.json)"
-    )
+    what = "a sweep directory (no sweep.json and jobs/) or a checkpoint (no manifest.json)"
+    raise BadSource(f"{path}: not a run directory (no checkpoints/ or run.json), {what}")
 
 
 def _select(store: CheckpointStore, which: str) -> tuple[dict[str, Path], dict[str, str]]:
@@ -121,8 +120,7 @@ def plan(source: Path, which: str) -> list[RunPlan]:
         run_dir = Path(os.path.realpath(source))
         return [RunPlan(run_dir.name, run_dir, *_select(RunDir(run_dir).store, which))]
     directory = CheckpointDir(source).resolved()
-    in_run = RunDir.of_checkpoint(directory) if STEP_DIR.match(directory.name) else None
-    if in_run is not None:
+    if STEP_DIR.match(directory.name) and (in_run := RunDir.of_checkpoint(directory)) is not None:
         links = {k: t for k, t in in_run.store.links().items() if t == directory.name}
         return [RunPlan(in_run.path.name, in_run.path, {directory.name: directory}, links)]
     # the run's directory name comes from it: one name, inside DEST
@@ -198,10 +196,8 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     identity |= dict(corpus=corpus.name if corpus else None, data_archived=with_data)
     if sources and not with_data:
         keys = ", ".join(f"{k}={data.get(k.split('.', 1)[1])}" for k in sources)
-        raise BadSource(
-            f"run {p.name} was trained on {keys}, which its config cannot regenerate: give --with-data "
-            "to archive it"
-        )
+        why = "which its config cannot regenerate: give --with-data to archive it"
+        raise BadSource(f"run {p.name} was trained on {keys}, {why}")
     if corpus is not None:
         man = corpus / "MANIFEST.json"
         hashed = {"size": os.path.getsize(man), "sha256": data_hash}
@@ -212,10 +208,9 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
         target = str(data.get("_target_", ""))
         lacking = corpus is None and data_hash and target in shipped()
         if lacking and getattr(get_class(target), "keeps_corpus", False):
-            raise BadSource(
-                f"run {p.name}: its corpus (MANIFEST.json sha256 {data_hash[:12]}) is not beside its "
-                "run, under <output_dir>/data/; --with-data needs it there"
-            )
+            sha = f"MANIFEST.json sha256 {data_hash[:12]}"
+            where = "is not beside its run, under <output_dir>/data/; --with-data needs it there"
+            raise BadSource(f"run {p.name}: its corpus ({sha}) {where}")
         at = f"data/{corpus.name}" if corpus is not None else ""
         if corpus is not None and f"{at}/MANIFEST.json" not in b.files:
             for fn, entry in sorted(verify_corpus(corpus)[0]["files"].items()):
@@ -233,10 +228,8 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
                     listed = {"size": os.path.getsize(src), "sha256": sha}
                     b.copy(src, rel, MAX_SOURCE_FILE, listed, witness, follow=True)
                 except FileNotFoundError:
-                    raise BadSource(
-                        f"run {p.name}: {key}={src} (the file it was trained on) is not there; "
-                        "archive it where the file is"
-                    ) from None
+                    why = "(the file it was trained on) is not there; archive it where the file is"
+                    raise BadSource(f"run {p.name}: {key}={src} {why}") from None
             archived[key] = rel
         identity["sources_archived"] = archived
     b.write(f"{base}/data-identity.json", jsonio.dumps(identity))
@@ -283,16 +276,13 @@ def restore_all(root: Path, extra: list[str]) -> list[dict]:
 
     checks = []
     for run in sorted((root / "runs").iterdir()):
-        for step_dir in sorted(RunDir(run).store.root.iterdir()):
-            if step_dir.is_symlink():
-                continue
-            rel = step_dir.relative_to(root).as_posix()
+        for step_dir in sorted(d for d in RunDir(run).store.root.iterdir() if not d.is_symlink()):
             try:
-                manifest, _ = restore_checkpoint(step_dir, extra)
-                checks.append(_check(f"restore {rel}", True, f"step {manifest['step']}"))
+                passed, detail = True, f"step {restore_checkpoint(step_dir, extra)[0]['step']}"
             except Exception as e:
                 hint = _trust_hint(root, run, extra) if isinstance(e, UnknownTargetError) else ""
-                checks.append(_check(f"restore {rel}", False, str(e).splitlines()[0] + hint))
+                passed, detail = False, str(e).splitlines()[0] + hint
+            checks.append(_check(f"restore {step_dir.relative_to(root)}", passed, detail))
     return checks
 
 
@@ -335,10 +325,6 @@ def _resume_overrides(run: Path, root: Path, extra: list[str]) -> list[str]:
     return kept + [f"{key}={root / rel}" for key, rel in archived.items()]
 
 
-def _metric_lines(path: Path) -> list[dict]:
-    return [{k: v for k, v in ln.items() if k != "time"} for ln in RunDir(path).read_metrics()]
-
-
 def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[str]) -> dict:
     """A fresh `python -m pipeline` resumed from the newest archived checkpoint the original went past, to the
     run's end: its later metrics lines and final state files compared bit for bit with the archived ones."""
@@ -347,7 +333,7 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
         return {"run": run.name, "passed": None, "detail": detail}
     store = RunDir(run).store
     steps = store.steps()
-    archived = _metric_lines(run)
+    archived = metric_lines(run)
     last_logged = max((ln["step"] for ln in archived), default=steps[-1][0])
     end = max(last_logged, steps[-1][0])
     candidates = [(s, d) for s, d in steps if s < end]
@@ -371,11 +357,10 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     result |= {"command": shown_cmd, "exit": proc.returncode}
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        result.update(passed=False, detail=last)
-        return result
+        return result | dict(passed=False, detail=last)
     (resumed_run,) = [p for p in (scratch / "out" / "runs").iterdir() if p.is_dir()]
     # a preempted run goes on past end
-    got = [ln for ln in _metric_lines(resumed_run) if step < ln["step"] <= end]
+    got = [ln for ln in metric_lines(resumed_run) if step < ln["step"] <= end]
     want = [ln for ln in archived if ln["step"] > step]
     compared: dict[str, Any] = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
     original_final = store.link_dir("final")
@@ -463,16 +448,10 @@ def readme(dest: Path, exported: dict) -> str:
             ]
         src = f"{at}/{resume_from}"
         resume = f"python -m pipeline {over} resume.source={src} paths.output_dir=SCRATCH"
-        how = "continues the run from its newest checkpoint"
-        if resume_from != newest:
-            how = f"repeats the steps after {resume_from} of the finished run, to its final bytes"
-        lines += [
-            resume.replace("  ", " "),
-            "```",
-            "",
-            f"The resume {how}; `python -m pipeline.archive --check` re-verifies every byte.",
-            "",
-        ]
+        how = f"repeats the steps after {resume_from} of the finished run, to its final bytes"
+        how = how if resume_from != newest else "continues the run from its newest checkpoint"
+        check = "`python -m pipeline.archive --check` re-verifies every byte."
+        lines += [resume.replace("  ", " "), "```", "", f"The resume {how}; {check}", ""]
     return "\n".join(lines)
 
 
@@ -489,9 +468,8 @@ def _failed(checks: list[dict]) -> dict | None:
 def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, argv: list) -> int:
     """DEST built in its temporary, checked, published; missing parents made (mkdir -p), gone if none is published."""
     if os.path.lexists(dest):
-        raise BadSource(
-            f"{dest}: already exists; an archive is never overwritten or merged into (choose a new DEST)"
-        )
+        never = "an archive is never overwritten or merged into (choose a new DEST)"
+        raise BadSource(f"{dest}: already exists; {never}")
     real_src, real_dest = os.path.realpath(source), os.path.realpath(dest)
     if real_dest == real_src or real_dest.startswith(real_src.rstrip("/") + "/"):
         raise BadSource(f"{dest}: inside SOURCE {source}; archive elsewhere")
@@ -581,9 +559,8 @@ def main(argv: list[str] | None = None) -> int:
         raise CommandError(f"{bad}: only hydra.searchpath=[...] can be given here")
     which = args.checkpoints
     if which != "all" and not set(which.split(",")) <= set(SELECTIONS):
-        raise CommandError(
-            f"--checkpoints={which}: give any of best,final,newest (comma-separated) or all"
-        )
+        give = "give any of best,final,newest (comma-separated) or all"
+        raise CommandError(f"--checkpoints={which}: {give}")
     try:
         if args.check:
             return check_archive(args.source, extra)

@@ -84,20 +84,16 @@ def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos=EO
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
         tok.decoder = decoders.Fuse()
     else:
-        raise ValueError(
-            f"no tokenizer for a corpus decoded with {join!r} between tokens (words or characters only)"
-        )
+        why = f"no tokenizer for a corpus decoded with {join!r} between tokens"
+        raise ValueError(f"{why} (words or characters only)")
     specials = [eos] if eos is not None and eos in vocab else []
     if specials:
         # already in the vocabulary: same id, never split, skippable on decode
         tok.add_special_tokens(specials)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": n_positions,
-        # transformers would otherwise rewrite " ," as "," on decode: the corpus's text is the tokens joined
-        "clean_up_tokenization_spaces": False,
-        **({"bos_token": eos, "eos_token": eos, "pad_token": eos} if specials else {}),
-    }
+    config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=n_positions)
+    # transformers would otherwise rewrite " ," as "," on decode: the corpus's text is the tokens joined
+    config["clean_up_tokenization_spaces"] = False
+    config |= dict(bos_token=eos, eos_token=eos, pad_token=eos) if specials else {}
     return {
         "tokenizer.json": tok.to_str(pretty=True).encode() + b"\n",
         "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode(),
@@ -160,16 +156,14 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.run.trained import data_facts, restore_checkpoint
 
     try:
-        manifest, state = restore_checkpoint(Path(args.checkpoint), args.overrides)
+        manifest, state = restore_checkpoint(ck := Path(args.checkpoint), args.overrides)
         # bias and gelu: a checkpoint may predate them
         model = as_written_now(manifest["config"]["model"])
         if not (gpt2_shaped(model) and "transformer.wte.weight" in state.model.state_dict()):
-            raise CommandError(f"{args.checkpoint} holds a {model.get('_target_')}, not a MiniGPT")
-        facts = data_facts(manifest, args.overrides, Path(args.checkpoint))
+            raise CommandError(f"{ck} holds a {model.get('_target_')}, not a MiniGPT")
+        facts = data_facts(manifest, args.overrides, ck)
         if facts["vocab"] is None:
-            raise CommandError(
-                f"{args.checkpoint}: its data has no vocabulary to make a tokenizer of"
-            )
+            raise CommandError(f"{ck}: its data has no vocabulary to make a tokenizer of")
         weights = state.model.state_dict()
         dims = {k: model[k] for k in ("n_layer", "n_head", "n_embd")}
         dims["n_positions"] = weights["transformer.wpe.weight"].shape[0]

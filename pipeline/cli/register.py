@@ -81,10 +81,8 @@ def store_uri(checkpoint: Path, tracking_uri: str | None) -> str:
 
     named = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not named and in_archive(checkpoint):
-        raise ConfigError(
-            f"checkpoint {checkpoint} lies in an archive: name the store to register it in with "
-            "--tracking-uri URI (or MLFLOW_TRACKING_URI); nothing was written"
-        )
+        how = "name the store to register it in with --tracking-uri URI (or MLFLOW_TRACKING_URI)"
+        raise ConfigError(f"checkpoint {checkpoint} lies in an archive: {how}; nothing was written")
     return normalize_tracking_uri(named or default_uri(cache_home(checkpoint)))
 
 
@@ -97,20 +95,18 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     from pipeline.serving import CHECKPOINT, VOCAB
 
     if (why := names.problem(name, reserve=0)) is not None or not name.strip():
-        raise ConfigError(
-            f"NAME={names.shown(name)}: {why or 'must not be blank'} (a registered model's name is "
-            "models:/NAME/VERSION and a directory of a file store)"
-        )
+        what = "models:/NAME/VERSION and a directory of a file store"
+        why = f"{why or 'must not be blank'} (a registered model's name is {what})"
+        raise ConfigError(f"NAME={names.shown(name)}: {why}")
     given = Path(checkpoint_dir)
     checkpoint = CheckpointDir(given)
     directory = checkpoint.resolved()  # `final`, `best`: the step directory they stand for
     # refused here, before mlflow is imported or a byte written
     manifest, state = restore_checkpoint(directory)
     if not (hasattr(state.model, "logits") or hasattr(state.model, "predict")):
-        raise ConfigError(
-            f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
-            "neither generates tokens (logits) nor predicts rows (predict): nothing to serve"
-        )
+        held = f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}"
+        why = "neither generates tokens (logits) nor predicts rows (predict): nothing to serve"
+        raise ConfigError(f"{held}, which {why}")
     vocab = None
     if hasattr(state.model, "logits") and checkpoint.data_facts(manifest) is None:  # schema 2.0
         dataset = own_data(manifest, [], given)

@@ -86,10 +86,8 @@ def history(output_dir: Path) -> list[tuple[float, str, Path]]:
             return 0.0
         return float(t) if isinstance(t, (int, float)) else 0.0
 
-    found = [
-        (started(lambda d=p.parent: read_sweep(d)), "sweep", p.parent)
-        for p in sorted((output_dir / "sweeps").glob("*/sweep.json"))
-    ]
+    sweeps = sorted((output_dir / "sweeps").glob("*/sweep.json"))
+    found = [(started(lambda d=p.parent: read_sweep(d)), "sweep", p.parent) for p in sweeps]
     runs = (output_dir / "runs").iterdir() if (output_dir / "runs").is_dir() else ()
     found += [(started(RunDir(p).read_status), "run", p) for p in sorted(runs) if p.is_dir()]
     return sorted(found, key=lambda f: (f[0], f[1], str(f[2])))

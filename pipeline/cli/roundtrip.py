@@ -180,12 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the checks' scratch directories")
     ap.add_argument("--save-to", type=Path, help=argparse.SUPPRESS)  # the atomic check's process
     args = ap.parse_intermixed_args(argv)  # options may come between the overrides
+    config = to_plain(compose(args.overrides))  # a bad override: one line, exit 2 (config/errors)
     if args.save_to is not None:
-        run = Fresh(to_plain(compose(args.overrides)))
+        run = Fresh(config)
         run.train(args.steps)
         run.save(args.save_to / "saves" / step_dir_name(run.state.step))
         return EXIT_OK
-    to_plain(compose(args.overrides))  # a bad override: one line, exit 2 (config/errors.exit_code)
     results, path = roundtrip(args.overrides, args.steps, not args.in_process, args.keep)
     notes = {"weight_tying_preserved": results.get("weight_tying_note")}
     notes["size_delta_pct"] = results["size_delta_note"]

@@ -33,10 +33,8 @@ def sample(directory: Path, args: list[str]) -> str:
     options, overrides = parse_options(args)
     manifest, state = restore_checkpoint(directory, overrides)
     if not generates(model := state.model):
-        raise ConfigError(
-            f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}, which "
-            "does not generate tokens (sample needs a MiniGPT)"
-        )
+        held = f"checkpoint {directory} holds a {manifest['config']['model'].get('_target_')}"
+        raise ConfigError(f"{held}, which does not generate tokens (sample needs a MiniGPT)")
     facts = data_facts(manifest, overrides, directory)
     vocab, join = facts["vocab"], facts["decode_join"]
     if vocab is None or join is None:

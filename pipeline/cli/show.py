@@ -115,10 +115,8 @@ def render_run(d: dict) -> str:
     for c in d["checkpoints"]:
         links = f" [{', '.join(c['links'])}]" if c["links"] else ""
         verdict = "valid" if c["valid"] else f"INVALID: {c['reason']}"
-        lines.append(
-            f"  step {c.get('step', c['listed_step']):>8}  epoch {c.get('epoch', '?')}{links}  "
-            f"{metrics_line(c.get('metrics'))}  {verdict}"
-        )
+        step = f"  step {c.get('step', c['listed_step']):>8}  epoch {c.get('epoch', '?')}{links}"
+        lines.append(f"{step}  {metrics_line(c.get('metrics'))}  {verdict}")
     lines += other_code(d["checkpoints"][-1]) if d["checkpoints"] else []
     for name, link in d["links"].items():
         missing = "" if link["exists"] else "  (MISSING: dangling link)"

@@ -22,8 +22,7 @@ def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str
     from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.files import jsonio
 
-    facts = CheckpointDir(checkpoint).data_facts()
-    if facts is not None:
+    if (facts := CheckpointDir(checkpoint).data_facts()) is not None:
         return facts["vocab"], facts["decode_join"], (facts.get("specials") or {}).get("eos")
     if vocab_json is None:
         why = f"a MiniGPT needs its vocabulary (no {DATA_JSON}, no vocab.json)"
@@ -41,14 +40,6 @@ def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str
 
 def unknown_columns(unknown: list) -> str:
     return f"unknown column(s) {unknown}: a row gives {', '.join(OPTIONS)}"
-
-
-def _rows(model_input) -> list[dict]:
-    if isinstance(model_input, pd.DataFrame):
-        return model_input.to_dict(orient="records")
-    if isinstance(model_input, dict):
-        return [model_input]
-    return [dict(r) for r in model_input]
 
 
 def _args(row: dict) -> list[str]:
@@ -85,16 +76,17 @@ class CheckpointModel(PythonModel):
     # as an ndarray [B, n_features].
     def predict(self, context, model_input: pd.DataFrame, params=None):
         if not generates(self.model):  # rows [B, n_features] -> [B, n_targets]
-            rows = model_input.to_numpy() if hasattr(model_input, "to_numpy") else model_input
             dtype = getattr(self.model, "dtype", np.float64)
-            return self.model.predict(np.asarray(rows, dtype=dtype))
+            return self.model.predict(np.asarray(model_input, dtype=dtype))
         from pipeline.config.errors import ConfigError
         from pipeline.model.generate import continuation, parse_options
 
+        if isinstance(model_input, pd.DataFrame):
+            model_input = model_input.to_dict(orient="records")
         out = []
-        for row in _rows(model_input):
+        for row in [model_input] if isinstance(model_input, dict) else model_input:
             try:
-                options, _ = parse_options(_args(row))
+                options, _ = parse_options(_args(dict(row)))
                 out.append(continuation(self.model, self.vocab, self.join, options, self.eos))
             except ConfigError as e:
                 raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from None

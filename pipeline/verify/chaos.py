@@ -45,10 +45,10 @@ def killed(proc: subprocess.CompletedProcess) -> bool:
     return proc.returncode == -signal.SIGKILL
 
 
-def invalid_checkpoints(store: CheckpointStore) -> list[str]:
-    """Why each checkpoint a reader of the store sees does not verify (a temporary is no checkpoint)."""
+def invalid_checkpoints(*stores: CheckpointStore) -> list[str]:
+    """Why each checkpoint a reader of the stores sees does not verify (a temporary is no checkpoint)."""
     bad = []
-    for _, directory in store.steps():
+    for directory in (d for store in stores for _, d in store.steps()):
         try:
             CheckpointDir(directory).verify()
         except CheckpointError as e:
@@ -58,8 +58,12 @@ def invalid_checkpoints(store: CheckpointStore) -> list[str]:
 
 def invalid_visible_checkpoints(output_dir: Path) -> list[str]:
     """invalid_checkpoints of every run directory under `output_dir`."""
-    stores = [RunDir(run).store for run in (output_dir / "runs").glob("*")]
-    return [e for store in stores for e in invalid_checkpoints(store)]
+    return invalid_checkpoints(*(RunDir(run).store for run in (output_dir / "runs").glob("*")))
+
+
+def metric_lines(run: Path) -> list[dict]:
+    """The run's metrics.jsonl lines without their wall-clock time: what a bit-exact rerun repeats."""
+    return [{k: v for k, v in ln.items() if k != "time"} for ln in RunDir(run).read_metrics()]
 
 
 def final_state(output_dir: Path) -> dict:
@@ -68,13 +72,12 @@ def final_state(output_dir: Path) -> dict:
     if len(runs) != 1:
         where = output_dir / "runs"
         raise RuntimeError(f"expected one run directory under {where}, found {len(runs)}")
-    rundir = RunDir(runs[0])
-    store = rundir.store
+    store = RunDir(runs[0]).store
     kept = {step: file_hashes(CheckpointDir(d).verify()) for step, d in store.steps()}
     final = store.link_step("final")
     assert final is not None, f"{output_dir}: the run has no final checkpoint"
     _, extra = CheckpointDir(store.root / "final").json_state()
-    lines = [{k: v for k, v in line.items() if k != "time"} for line in rundir.read_metrics()]
+    lines = metric_lines(runs[0])
     weights, optim = kept[final]["weights"], kept[final]["optim"]
     out = {"weights": weights, "optim": optim, "extra": extra, "metrics": lines, "step": final}
     return out | {"checkpoints": kept, "links": store.links()}
@@ -134,9 +137,7 @@ def run_chaos(config: dict, argv: list[str]) -> int:
     report["command"] = " ".join(_command(argv, Path("<trial dir>")))
     report |= dict(seconds=round(time.time() - t0, 1), versions=versions(), trial_records=trials)
     (out / "verification.json").write_bytes(jsonio.dumps(report))
-    print(
-        f"chaos: {exact}/{len(trials)} trials bit-exact, {same_kept}/{len(trials)} kept the same "
-        f"checkpoints and links; kills by phase {dict(by_phase)}; {len(invalid)} invalid visible "
-        f"checkpoints; report {out / 'verification.json'}"
-    )
+    n, kept = len(trials), f"{same_kept}/{len(trials)} kept the same checkpoints and links"
+    what = f"kills by phase {dict(by_phase)}; {len(invalid)} invalid visible checkpoints; report"
+    print(f"chaos: {exact}/{n} trials bit-exact, {kept}; {what} {out / 'verification.json'}")
     return EXIT_OK if passed else EXIT_MISMATCH

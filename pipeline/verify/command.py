@@ -13,12 +13,10 @@ from pipeline.run.signals import command
 
 @command("pipeline.verify")
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m pipeline.verify",
-        description=__doc__.split("\n\n")[0],
-        epilog="Overrides are those of `python -m pipeline` (experiment=kernodeck, "
-        "verify.cut=5, verify.steps=10, verify.kill=random, verify.trials=20).",
-    )
+    epilog = "Overrides are those of `python -m pipeline` (experiment=kernodeck, verify.cut=5, "
+    epilog += "verify.steps=10, verify.kill=random, verify.trials=20)."
+    doc = __doc__.split("\n\n")[0]
+    ap = argparse.ArgumentParser(prog="python -m pipeline.verify", description=doc, epilog=epilog)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides")
     args = ap.parse_args(argv)
     from pipeline.config.compose import compose, to_plain

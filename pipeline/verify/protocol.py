@@ -53,10 +53,8 @@ def run_workers(
             for mode in batch:
                 work(config, mode, cut, steps, out / mode, ckpt)
             continue
-        procs = [
-            (m, subprocess.Popen(commands[m], stdout=PIPE, stderr=PIPE, text=True)) for m in batch
-        ]
-        for mode, p in procs:
+        procs = [subprocess.Popen(commands[m], stdout=PIPE, stderr=PIPE, text=True) for m in batch]
+        for mode, p in zip(batch, procs, strict=True):
             _, err = p.communicate()
             if p.returncode != 0:
                 tail = (err.strip().splitlines() or ["(no output)"])[-1]
@@ -115,14 +113,13 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     failed = ", ".join(report["failed_state_machines"])
     if not positive:
         report["reason"] = f"the resumed run differs from the continuous one in: {failed}"
+    elif not negative and rng_moved:
+        report["reason"] = "the negative control did not diverge although streams moved"
     elif not negative:
-        report["reason"] = (
-            "the negative control cannot diverge: no random stream draws after the cut (this config "
-            "uses no randomness there, so skipping the RNG restore changes nothing: add dropout or "
-            "data augmentation, or move verify.cut before an epoch's shuffle)"
-            if not rng_moved
-            else "the negative control did not diverge although streams moved"
-        )
+        why = "no random stream draws after the cut (this config uses no randomness there, so "
+        why += "skipping the RNG restore changes nothing: add dropout or data augmentation, "
+        why += "or move verify.cut before an epoch's shuffle)"
+        report["reason"] = f"the negative control cannot diverge: {why}"
     return report
 
 

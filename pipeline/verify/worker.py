@@ -65,15 +65,14 @@ def work(config: dict, mode: str, cut: int, steps: int, out: Path, checkpoint: P
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="One verifier process.")
-    ap.add_argument("--config", required=True, help="resolved config as JSON")
-    ap.add_argument("--mode", choices=MODES, required=True)
-    ap.add_argument("--cut", type=int, required=True)
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument(
-        "--checkpoint", help="the interrupted run's checkpoint (default: OUT/checkpoint)"
-    )
-    ap.add_argument("--override", action="append", default=[], help="what a `_target_` may name")
+    add = ap.add_argument
+    add("--config", required=True, help="resolved config as JSON")
+    add("--mode", choices=MODES, required=True)
+    add("--cut", type=int, required=True)
+    add("--steps", type=int, required=True)
+    add("--out", required=True)
+    add("--checkpoint", help="the interrupted run's checkpoint (default: OUT/checkpoint)")
+    add("--override", action="append", default=[], help="what a `_target_` may name")
     args = ap.parse_args(argv)
     config = jsonio.read(Path(args.config), MAX_WORKER_CONFIG)
     try:  # a file decides no code: only conf/ and this command line's overrides name what it may build
