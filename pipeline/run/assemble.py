@@ -69,22 +69,11 @@ def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> Tra
     model = _call(config["model"], spec=spec, dtype=dtype.name, rng=streams["init"])
     optimizer = _call(config["optimizer"], params=model.params)
     scheduler = _call(config["scheduler"], optimizer=optimizer, run_total_steps=steps)
+    objects = (model, optimizer, scheduler, iterator, streams, dataset, dtype)  # TrainState's order
+    clip, shards = float(trainer["grad_clip"]), int(trainer["shards"])
+    given = {k: trainer[k] for k in ("threads", "eval_batches", "eval_at_start")}
     return TrainState(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        iterator=iterator,
-        streams=streams,
-        dataset=dataset,
-        dtype=dtype,
-        total_steps=steps,
-        accumulate=accumulate,
-        grad_clip=float(trainer["grad_clip"]),
-        shards=int(trainer["shards"]),
-        threads=trainer["threads"],
-        eval_batches=trainer["eval_batches"],
-        eval_at_start=trainer["eval_at_start"],
-        stages=StageStates(stages),
+        *objects, steps, accumulate, clip, shards, **given, stages=StageStates(stages)
     )
 
 
@@ -131,15 +120,19 @@ class Job:
         return self.facts["semantic_config_hash"]
 
 
+def _class(config: dict, key: str) -> type:
+    try:
+        return get_class(config[key]["_target_"])
+    except Exception as e:
+        raise ConfigError(f"cannot import a _target_: {str(e).splitlines()[0]}") from None
+
+
 KINDS = {"tokens": "token sequences", "rows": "rows of features"}
 
 
 def check_pairing(config: dict) -> None:
     """A model that cannot train on the data is refused before the data is built (a corpus generated)."""
-    try:
-        model, data = get_class(config["model"]["_target_"]), get_class(config["data"]["_target_"])
-    except Exception as e:
-        raise ConfigError(f"cannot import a _target_: {str(e).splitlines()[0]}") from None
+    model, data = _class(config, "model"), _class(config, "data")
     needs, kind = getattr(model, "needs", None), getattr(data, "kind", None)
     if needs and kind and needs != kind:
         raise ConfigError(
@@ -155,10 +148,7 @@ MONITOR_KEYS = ("data", "trainer.grad_clip", "stages", "optimized_metric")
 
 def metric_names(config: dict) -> list[str]:
     """Every metric the configured run measures (what a stage's `monitor` may name), from the data's class."""
-    try:
-        data = get_class(config["data"]["_target_"])
-    except Exception as e:
-        raise ConfigError(f"cannot import a _target_: {str(e).splitlines()[0]}") from None
+    data = _class(config, "data")
     grad_clip = float(config["trainer"]["grad_clip"])
     return sorted({*train_metric_names(data, grad_clip), *val_metric_names(data)})
 

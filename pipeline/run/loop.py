@@ -78,8 +78,7 @@ class Run:
         self.signals, self.context = signals, context
         max_time = job.config["trainer"].get("max_time")
         self.budget = budget.Budget(None if max_time is None else parse_duration(max_time))
-        # absent from a config older than the key
-        self.profile = Profile(job.config["trainer"].get("profile"))
+        self.profile = Profile(job.config["trainer"].get("profile"))  # absent from older configs
         self.stopped: str | None = None  # what preempted the run: a signal, or trainer.max_time
         if plan.allowed:
             job.facts["allowed_changes"] = plan.allowed
@@ -145,14 +144,8 @@ class Run:
         with self.profile.phase("tracking hand-over"):
             self.job.facts["mlflow_run_uri"] = tracker.run_uri(timeout=30.0 if final else 0.0)
         with self.profile.phase("checkpoint"):
-            fields = mf.build(
-                self.job.facts,
-                step=self.state.step,
-                epoch=self.state.epoch,
-                metrics=metrics,
-                tags=tags,
-                lineage=self.plan.lineage,
-            )
+            at = {"step": self.state.step, "epoch": self.state.epoch, "lineage": self.plan.lineage}
+            fields = mf.build(self.job.facts, metrics=metrics, tags=tags, **at)
             started = budget.monotonic()
             try:
                 ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
@@ -177,19 +170,10 @@ class Run:
     def write_status(self, status: str, **extra) -> None:
         if status != "running":
             extra["ended_at"] = time.time()
-        state = self.state
-        fields = dict(
-            status=status,
-            step=state.step,
-            total_steps=state.total_steps,
-            epoch=state.epoch,
-            metrics=state.metrics,
-            ended=state.progress.ended,
-            config_hash=self.job.facts["config_hash"],
-            data_manifest_hash=self.job.facts["data_manifest_hash"],
-            **self.plan.history,
-            **extra,
-        )
+        state, facts = self.state, self.job.facts
+        fields = {k: getattr(state, k) for k in ("step", "total_steps", "epoch", "metrics")}
+        fields.update(status=status, ended=state.progress.ended, **self.plan.history, **extra)
+        fields.update({k: facts[k] for k in ("config_hash", "data_manifest_hash")})
         try:
             self.rundir.write_status(**fields)
         except OSError as e:
@@ -290,11 +274,8 @@ class Run:
         assert self.plan.resumed is not None, "a complete run was resumed"
         recorded = written_now(self.plan.resumed.manifest["config"])
         if unapplied := "; ".join(identity.described(recorded, self.job.config)):
-            log.warning(
-                "not applied to a finished run: %s (resume.allow_changes=[...] with more steps trains "
-                "it on; resume=never trains anew)",
-                unapplied,
-            )
+            said = "not applied to a finished run: %s (resume.allow_changes=[...] with more steps"
+            log.warning(said + " trains it on; resume=never trains anew)", unapplied)
         return Outcome("complete", EXIT_OK, self.objective())
 
     def execute(self, eval_every: int) -> Outcome:
@@ -316,8 +297,7 @@ class Run:
                 start_time=self.plan.history["started"],
             )
         try:
-            # a signal that arrived while setting up: nothing new to save
-            self.stopped = self.signals.name
+            self.stopped = self.signals.name  # one that came while setting up: nothing new to save
             if self.stopped is None:
                 self.train(eval_every)
             if self.stopped is None:

@@ -60,6 +60,17 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def _unraisable(quiet: Callable[[BaseException | None], bool]) -> None:
+    """sys.unraisablehook says nothing of an exception `quiet` is true of, and passes on every other."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not quiet(unraisable.exc_value):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
 class Signals:
     def __init__(self):
         self.received: int | None = None
@@ -89,15 +100,9 @@ class Signals:
 
         # first: a signal between two of the handlers below already ends in one line
         sys.excepthook = hook
-        unraisable = sys.unraisablehook
-
         # the handler's raise landed in a callback Python runs for itself (a weakref's inside the
         # import system, a __del__): it cannot propagate; `received` holds the signal, acted on at the next check
-        def swallow(u):
-            if not isinstance(u.exc_value, Interrupted):
-                unraisable(u)
-
-        sys.unraisablehook = swallow
+        _unraisable(lambda e: isinstance(e, Interrupted))
         for s in SIGNALS:
             signal.signal(s, self._handler)
         self.installed = True
@@ -130,15 +135,8 @@ class Signals:
         self.mode = DONE
         if threading.current_thread() is not threading.main_thread():
             return
-        previous = sys.unraisablehook
-
         # a signal caught just before SIG_IGN took over: nothing to say about it
-        def hook(unraisable):
-            e = unraisable.exc_value
-            if not (isinstance(e, OSError) and "race condition" in str(e)):
-                previous(unraisable)
-
-        sys.unraisablehook = hook
+        _unraisable(lambda e: isinstance(e, OSError) and "race condition" in str(e))
         for s in SIGNALS:
             signal.signal(s, signal.SIG_IGN)
 
