@@ -24,18 +24,14 @@ def start_block(job, run_dir: Path) -> str:
         biggest = "x".join(map(str, max(shapes, key=math.prod))) if shapes else "-"
         note = f"  {note}" if note else ""
         lines.append(f"  {group:<{width}}  {len(shapes):>6}  {n:>10,}  {biggest}{note}")
-    spec = data.spec
+    spec, n = data.spec, data.n_train
+    what = f"{n:,} train rows, {spec.n_features} features -> {spec.n_targets} targets"
     if spec.vocab_size:
         what = (
-            f"{data.n_train:,} train windows, {getattr(data, 'n_val', 0):,} val windows of {spec.block_size} "
-            f"tokens, vocab {spec.vocab_size:,}"
+            f"{n:,} train windows, {getattr(data, 'n_val', 0):,} val windows of {spec.block_size} "
         )
-    else:
-        what = (
-            f"{data.n_train:,} train rows, {spec.n_features} features -> {spec.n_targets} targets"
-        )
-    lines.append(f"data {type(data).__name__}: {what}")
-    lines.append(f"run directory {run_dir}")
+        what += f"tokens, vocab {spec.vocab_size:,}"
+    lines += [f"data {type(data).__name__}: {what}", f"run directory {run_dir}"]
     return "\n".join(lines)
 
 
@@ -140,11 +136,9 @@ def end_block(
     target = links.get("best") or links.get("final") or links.get("newest")
     if target is not None:
         configs = tool_args(overrides)
-        evaluate = f"{py} {shlex.join(['-m', 'pipeline.evaluate', str(target), *configs])}"
-        lines.append(f"  evaluate    {evaluate}")
-        if samples:
-            sample = f"{py} {shlex.join(['-m', 'pipeline.sample', str(target), *configs])}"
-            lines.append(f'  sample      {sample} prompt=""')
+        for tool, then in [("evaluate", ""), ("sample", ' prompt=""')][: 1 + samples]:
+            command = shlex.join(["-m", f"pipeline.{tool}", str(target), *configs])
+            lines.append(f"  {tool:<12}{py} {command}{then}")
     # a server: its UI is at its address
     if tracking_uri and ui_server(tracking_uri) == tracking_uri:
         lines.append(f"  mlflow ui   {ui_page(tracking_uri, experiment_id)}")
