@@ -56,10 +56,8 @@ class RunDir:
         self.overrides_path = self.hydra_dir / "overrides.yaml"
         self.checkpoints = self.path / "checkpoints"
         self._fd: int | None = None
-        # on a read-only medium: a complete run may be confirmed, nothing written
-        self.read_only = False
-        # acquire() made the directory: forget() removes it again while it holds nothing
-        self.created = False
+        self.read_only = False  # a read-only medium: a complete run is confirmed, nothing written
+        self.created = False  # acquire() made it: forget() removes it while it holds nothing
 
     @functools.cached_property
     def store(self) -> CheckpointStore:
@@ -123,14 +121,7 @@ class RunDir:
                     errno.ELOOP, f"{self.lock_path} is a symlink; remove it"
                 ) from None
             raise
-        if not _lock_within(fd, LOCK_GRACE):
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise RunBusyError(
-                f"run directory {self.path} is in use by another process (pid {holder}); "
-                "wait for it to finish or stop it first"
-            ) from None
-        self._fd = fd
+        self._hold(fd, LOCK_GRACE, fcntl.LOCK_EX)
 
     def _read_only_medium(self) -> bool:
         try:
@@ -146,12 +137,18 @@ class RunDir:
             fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return
-        if not _lock_within(fd, 0.0, fcntl.LOCK_SH):
+        self._hold(fd, 0.0, fcntl.LOCK_SH)
+
+    def _hold(self, fd: int, grace: float, kind: int) -> None:
+        """Hold the lock `kind` on `fd`, else RunBusyError naming the holder (a writer's lock file says its pid)."""
+        if not _lock_within(fd, grace, kind):
+            pid = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
+            holder = f" (pid {pid})" if kind == fcntl.LOCK_EX else ""
             raise RunBusyError(
-                f"run directory {self.path} is in use by another process; wait for it to finish "
-                "or stop it first"
-            ) from None
+                f"run directory {self.path} is in use by another process{holder}; wait for it to "
+                "finish or stop it first"
+            )
         self._fd = fd
 
     def claim(self, config_yaml: str, overrides: list[str]):

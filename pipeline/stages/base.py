@@ -60,8 +60,7 @@ class Stage:
         return None
 
     def start_at(self, step: int) -> None:
-        """This stage starts fresh at a resume to `step` (its state was not in the checkpoint, or means another
-        thing now)."""
+        """This stage starts fresh at a resume to `step` (its state was not saved, or means another thing now)."""
 
     def fit_reason(self, saved: dict) -> str | None:
         """Why `saved` cannot replace this stage's state (keys, JSON kinds), or None."""
@@ -80,17 +79,10 @@ class Watch(Stage):
         self.monitor, self.mode = str(monitor), str(mode)
         self.best: float | None = None
         self.best_step: int | None = None
-        # the step this best history began at (a resume that changed monitor or mode)
-        self.since = 0
+        self.since = 0  # the step its best history began at (a resume changed monitor or mode)
 
     def state_dict(self) -> dict:
-        return {
-            "best": self.best,
-            "best_step": self.best_step,
-            "monitor": self.monitor,
-            "mode": self.mode,
-            "since": self.since,
-        }
+        return {k: getattr(self, k) for k in ("best", "best_step", "monitor", "mode", "since")}
 
     def start_at(self, step: int) -> None:
         self.since = int(step)
