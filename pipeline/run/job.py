@@ -24,6 +24,7 @@ from pipeline.run.sweep import SweepInterrupted, SweepJob
 from pipeline.trainer.metrics_log import QuietFileHandler
 
 log = logging.getLogger("pipeline")
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # pipeline.log's, as Hydra's
 
 
 class JobFailed(CommandError):
@@ -62,11 +63,8 @@ def main(
     if sweep is None or outcome.requeued:
         return outcome
     if outcome.code:  # the sweep goes on; its end says which jobs failed and why
-        sweep.failure = {
-            "code": outcome.code,
-            "error": outcome.message[:2000],
-            **({} if outcome.started else {"status": "not started"}),
-        }
+        never = {} if outcome.started else {"status": "not started"}
+        sweep.failure = {"code": outcome.code, "error": outcome.message[:2000], **never}
     sweep.record(None if outcome.code else outcome.objective)
     if sweep.failure is not None and SIGNALS_STATE.sweep_interrupted(sweep.dir):
         raise SweepInterrupted(f"job {sweep.num} stopped: the sweep was interrupted")
@@ -129,12 +127,9 @@ def _job(
             planned = plan.plan(rundir, job, resume, started, context.in_sweep)
             _check_signals()  # one that came while a library call could not be cut short
             if rundir.read_only and not planned.complete:
-                raise JobFailed(
-                    EXIT_ERROR,
-                    f"run directory {rundir.path} is on a read-only filesystem and the run "
-                    "is not complete (nothing was written); make it writable (or copy it), "
-                    "then re-run the same command",
-                )
+                said = f"run directory {rundir.path} is on a read-only filesystem and the run"
+                then = "make it writable (or copy it), then re-run the same command"
+                raise JobFailed(EXIT_ERROR, f"{said} is not complete (nothing was written); {then}")
             applied = planned
             plan.apply(planned, rundir, job.state, SIGNALS_STATE)
             _check_signals()
@@ -156,9 +151,7 @@ def _job(
                 # a finished run's re-run changes nothing
                 if not rundir.read_only and not planned.settled:
                     file_handler = QuietFileHandler(rundir.claim(config_yaml, overrides))
-                    file_handler.setFormatter(
-                        logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-                    )
+                    file_handler.setFormatter(logging.Formatter(LOG_FORMAT))
                     held.setTarget(file_handler)
                     held.flush()  # the set-up's lines first
                     logging.getLogger().removeHandler(held)
@@ -223,11 +216,8 @@ def _start_in_sweep(sweep: SweepJob) -> None:
     if sweep.unreadable:
         raise JobFailed(errors.EXIT_BAD_INPUT, sweep.unreadable)
     if SIGNALS_STATE.sweep_interrupted(sweep.dir):
-        raise JobFailed(
-            EXIT_PREEMPTED,
-            "the sweep was interrupted before this job started; re-run the same command",
-            started=False,
-        )
+        said = "the sweep was interrupted before this job started; re-run the same command"
+        raise JobFailed(EXIT_PREEMPTED, said, started=False)
     if SIGNALS_STATE.mode != SWEEP:
         SIGNALS_STATE.received = None  # a worker's earlier job was stopped; this one starts afresh
 

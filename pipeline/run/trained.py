@@ -41,10 +41,8 @@ def restore_checkpoint(directory: Path, overrides: Sequence[str] = ()) -> tuple[
     from pipeline.run.assemble import build_state
 
     checkpoint = CheckpointDir(directory)
-    # bounded, and its hashes agree with its config: nothing built yet
-    manifest = checkpoint.manifest()
-    # stages.resume and stages.train as they are named now
-    recorded = written_now(manifest["config"])
+    manifest = checkpoint.manifest()  # bounded, its hashes agree with its config: nothing built yet
+    recorded = written_now(manifest["config"])  # stages.resume and stages.train as named now
     try:
         targets.check(recorded, targets.allowed(tuple(overrides)))
     except targets.UnknownTarget as e:
@@ -122,15 +120,12 @@ def _own_source(manifest: dict, node: dict, directory: Path) -> None:
         here = identity.source_hashes({"data": node})["data.path"]
     except OSError as e:
         why = "text file not found" if isinstance(e, FileNotFoundError) else e.strerror or e
-        raise ConfigError(
-            f"data.path={path} (the checkpoint's): {why}; give the file it was trained on with "
-            "data.path=FILE"
-        ) from None
+        said = f"{why}; give the file it was trained on with data.path=FILE"
+        raise ConfigError(f"data.path={path} (the checkpoint's): {said}") from None
     if here != sha:
-        raise ConfigError(
-            f"data.path={path} (the checkpoint's): not the file checkpoint {directory} was trained on "
-            f"(sha256 {here[:12]}, the manifest says {str(sha)[:12]}); give it with data.path=FILE"
-        )
+        said = f"not the file checkpoint {directory} was trained on (sha256 {here[:12]}, "
+        said += f"the manifest says {str(sha)[:12]}); give it with data.path=FILE"
+        raise ConfigError(f"data.path={path} (the checkpoint's): {said}")
 
 
 def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
@@ -161,15 +156,10 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
         except (HydraException, OmegaConfBaseException) as e:
             raise ConfigError(f"bad override: {error_line(e)}") from None
     else:
-        # a key it predates, or null then
+        # the checkpoint's data node (a key it predates, or null then), typed by its schema
         node = as_written_now(copy.deepcopy(manifest["config"]["data"]))
-        # the checkpoint's data node, typed by its schema
         schema = SCHEMAS.get(str(node.get("_target_")))
-        cfg = (
-            OmegaConf.merge(OmegaConf.structured(schema), node)
-            if schema
-            else OmegaConf.create(node)
-        )
+        cfg = OmegaConf.merge(OmegaConf.structured(schema) if schema else {}, node)
         for o in parsed:
             if o.key_or_group.startswith("data."):
                 try:
@@ -185,8 +175,8 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     return config
 
 
-# (config, its dataset)
 def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict, Any]:
+    """(data_config, its dataset), else ConfigError."""
     from pipeline.run.assemble import build_dataset
 
     config = data_config(manifest, list(overrides), directory)
@@ -229,11 +219,8 @@ def other_data(manifest: dict, overrides: list[str], directory: Path):
             where = [o for o in overrides if o.startswith(("paths.", "hydra."))]
             vocab = data_facts(manifest, where, directory)["vocab"]
         except ConfigError as e:  # a schema 2.0 checkpoint whose own data does not build here
-            log.warning(
-                "cannot compare vocabularies (the checkpoint's own data does not build here: %s); "
-                "checking the spec only",
-                e,
-            )
+            said = "cannot compare vocabularies (the checkpoint's own data does not build here: %s)"
+            log.warning(said + "; checking the spec only", e)
     saved = {k: v for k, v in manifest["data_spec"].items() if k != "n_train"}
     here = asdict(dataset.spec)
     if diff := [f"{k} {saved[k]} -> {here.get(k)}" for k in saved if saved[k] != here.get(k)]:
