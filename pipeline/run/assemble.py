@@ -90,8 +90,7 @@ def build_stages(config: dict) -> list:
 
 
 def build_tracker(config: dict, sweep: SweepJob | None = None) -> Tracker:
-    """The `tracking` node's tracker (no node: the protocol's no-op), told which sweep job it tracks (a class of
-    your own that takes no `sweep` is not told, as every node is built)."""
+    """The `tracking` node's tracker (none: the protocol's no-op), told its sweep job if it takes `sweep`."""
     tracking = config.get("tracking")
     return Tracker() if tracking is None else _call(tracking, sweep=sweep)
 
@@ -135,11 +134,13 @@ def check_pairing(config: dict) -> None:
     model, data = _class(config, "model"), _class(config, "data")
     needs, kind = getattr(model, "needs", None), getattr(data, "kind", None)
     if needs and kind and needs != kind:
-        raise ConfigError(
-            f"model {model.__name__} trains on {KINDS.get(needs, needs)}, but data {data.__name__} "
-            f"gives {KINDS.get(kind, kind)}: pair model=minigpt with data=grammar or data=text, "
-            "and model=mlp with data=regression"
+        said = (
+            f"model {model.__name__} trains on {KINDS.get(needs, needs)}, but data {data.__name__}"
         )
+        pair = (
+            "pair model=minigpt with data=grammar or data=text, and model=mlp with data=regression"
+        )
+        raise ConfigError(f"{said} gives {KINDS.get(kind, kind)}: {pair}")
 
 
 # The config keys check_monitors reads: a sweep that sweeps none of them has the same answer for every job.
@@ -188,9 +189,8 @@ def check_monitors(config: dict) -> None:
 
 
 def assemble(config: dict, ident: identity.Identity) -> Job:
-    """The data, every part and the run-level manifest facts of a validated config and its identity: a Job without a
-    tracker or run directory (the verifier's processes, roundtrip); ValueError or OSError for values its objects
-    refuse."""
+    """The data, parts and run-level facts of a validated config: a Job without a tracker or run directory (the
+    verifier's processes, roundtrip); ValueError or OSError for values its objects refuse."""
     dataset = build_dataset(config)
     state = build_state(config, dataset.spec, dataset.n_train, dataset)
     spec = {**asdict(dataset.spec), "n_train": int(dataset.n_train)}

@@ -85,9 +85,8 @@ class RunDir:
         return self.store.root.is_dir() or self.status_path.is_file()
 
     def records(self) -> list[tuple[str, Path, int]]:
-        """(name inside the run, path, byte bound) of each record it keeps beside its checkpoints (.hydra/'s files,
-        run.json, metrics.jsonl; the lock and the log belong to a process); UnsafePathError for a link or anything
-        but a regular file among them."""
+        """(name inside the run, path, byte bound) of .hydra/'s files, run.json and metrics.jsonl (the lock and
+        the log belong to a process); UnsafePathError for a link or anything but a regular file among them."""
         out = []
         if os.path.lexists(self.hydra_dir):
             refuse_link(self.hydra_dir, "directory")
@@ -168,8 +167,7 @@ class RunDir:
         return atomic.open_append(self.log_path)
 
     def forget(self) -> None:
-        """Release, and remove the directory if acquire() created it and it holds nothing but an empty lock (a
-        refused run leaves none)."""
+        """Release; remove the directory if acquire() made it and it holds only an empty lock (a refused run's)."""
         self.release()
         with contextlib.suppress(OSError):
             if (

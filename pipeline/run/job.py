@@ -28,8 +28,7 @@ LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # pipeline.
 
 
 class JobFailed(CommandError):
-    """A job's end before or around training, with its exit code and one line; `requeue`: stopped by a signal;
-    `started`: False if it stopped before its run began."""
+    """A job's end around training (exit code, one line); `requeue`: a signal; `started`: its run had begun."""
 
     def __init__(self, code: int, message: str, requeue: bool = False, started: bool = True):
         super().__init__(message, exit_code=code)
@@ -74,15 +73,12 @@ def main(
 def _ended(e: BaseException) -> Outcome | None:
     """An exception's end of the job as an Outcome (None: a bug, its traceback)."""
     if isinstance(e, Interrupted):
-        message = f"interrupted by {e} before the run started; nothing was changed; re-run the same command"
-        return Outcome("preempted", EXIT_PREEMPTED, message=message, requeue=True, started=False)
-    if isinstance(e, JobFailed):
-        code, message, requeue, started = e.exit_code, str(e), e.requeue, e.started
-    elif (known := errors.exit_code(e) if isinstance(e, Exception) else None) is not None:
-        (code, message), requeue, started = known, False, True
-    else:
+        said = f"interrupted by {e} before the run started; nothing was changed; re-run the same command"
+        e = JobFailed(EXIT_PREEMPTED, said, requeue=True, started=False)
+    if (known := errors.exit_code(e) if isinstance(e, Exception) else None) is None:
         return None
-    status = "preempted" if code == EXIT_PREEMPTED else "failed"
+    (code, message), status = known, "preempted" if known[0] == EXIT_PREEMPTED else "failed"
+    requeue, started = getattr(e, "requeue", False), getattr(e, "started", True)
     return Outcome(status, code, message=message, requeue=requeue, started=started)
 
 
@@ -139,11 +135,10 @@ def _job(
                 said = "nothing was written"
                 if applied and (applied.supersede or applied.fallback or applied.cut):
                     said = f"the earlier history was moved to {rundir.path / 'superseded'}"
-                raise JobFailed(
-                    EXIT_PREEMPTED,
-                    f"interrupted by {e} while setting up the run; {said}; re-run the same command",
-                    requeue=True,
-                ) from None
+                said = (
+                    f"interrupted by {e} while setting up the run; {said}; re-run the same command"
+                )
+                raise JobFailed(EXIT_PREEMPTED, said, requeue=True) from None
             raise
         run = Run(job, rundir, planned, SIGNALS_STATE, context)
         with SIGNALS_STATE.deferring():
@@ -223,8 +218,7 @@ def _start_in_sweep(sweep: SweepJob) -> None:
 
 
 class JobLabel(logging.Formatter):
-    """A console formatter that starts each line of a record with its job's label (`[job 3] `): jobs that run
-    side by side (joblib) write to one console."""
+    """Each console line starts with its job's label (`[job 3] `): jobs side by side share one console."""
 
     def __init__(self, inner: logging.Formatter | None, label: str):
         super().__init__()

@@ -281,8 +281,8 @@ def _fork(rundir, job, resume, source: Path, started: float) -> Plan:
 
 
 def _restore(job, ckpt: Checkpoint, allow: list[str], fork: bool = False) -> dict:
-    """Refuse drift not allowed or not applicable, else restore every part of `job`: the Plan's `allowed`,
-    `notes` and `other_code`. Refused too if nothing is left to train and it is not this directory's complete run (a fork
+    """Refuse drift not allowed or not applicable, else restore every part of `job`: the Plan's `allowed`, `notes`
+    and `other_code`. Refused too if nothing is left to train and it is not this directory's complete run (a fork
     of a run that ended, a step past this config's total): it would end without a checkpoint of its own."""
     changes = drift(ckpt.manifest, job)
     refuse(changes, allow, ckpt.directory)
@@ -304,17 +304,14 @@ def _restore(job, ckpt: Checkpoint, allow: list[str], fork: bool = False) -> dic
         state.progress.ended = None  # e.g. more steps for a finished run
     refusing = f"refusing to resume from {ckpt.directory}:"
     if fork and state.progress.ended is not None:
-        raise DriftError(
-            f"{refusing} its run ended there (at step {ckpt.step}, {state.progress.ended}), so a fork "
-            "of it trains nothing; use that checkpoint as it is, or train it on with a larger "
-            "trainer.max_steps and resume.allow_changes=[trainer.max_steps]"
-        )
+        ended = f"{refusing} its run ended there (at step {ckpt.step}, {state.progress.ended})"
+        said = "so a fork of it trains nothing; use that checkpoint as it is, or train it on with a"
+        then = "larger trainer.max_steps and resume.allow_changes=[trainer.max_steps]"
+        raise DriftError(f"{ended}, {said} {then}")
     if state.progress.ended is None and state.step >= state.total_steps:
-        raise DriftError(
-            f"{refusing} it is at step {ckpt.step}, and this config ends at step {state.total_steps} "
-            "(trainer.max_steps or trainer.epochs): nothing is left to train; resume from an earlier "
-            "checkpoint or train longer"
-        )
+        said = f"it is at step {ckpt.step}, and this config ends at step {state.total_steps}"
+        then = "nothing is left to train; resume from an earlier checkpoint or train longer"
+        raise DriftError(f"{refusing} {said} (trainer.max_steps or trainer.epochs): {then}")
     allowed = {k: [old, new] for k, (old, new) in changes.items()}
     other_code = mf.code_change(ckpt.manifest, job.facts) or ""
     return {"allowed": allowed, "notes": tuple(states.notes), "other_code": other_code}
@@ -373,12 +370,9 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
         aside = "(kept in superseded/, nothing is deleted)"
         log.warning("not resuming from %s %s, falling back: %s", what, aside, why)
     if (foreign := plan.foreign) is not None:
-        log.warning(
-            "%s is a fork's (of %s), written where a clean run's directory is before forks were named "
-            "apart: not this run's history",
-            foreign.directory,
-            foreign.manifest["lineage"]["origin"].get("checkpoint"),
-        )
+        origin = foreign.manifest["lineage"]["origin"].get("checkpoint")
+        said = "%s is a fork's (of %s), written where a clean run's directory is before forks were"
+        log.warning(said + " named apart: not this run's history", foreign.directory, origin)
     step = plan.resumed.step if plan.resumed is not None else 0
     for note in plan.notes:
         log.info("resuming at step %d: stages.%s", step, note)
@@ -417,10 +411,9 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
 
 
 def _aside(rundir: RunDir, plan: Plan) -> Path:
-    """Into a new superseded/<when>/ of the run directory (nothing deleted), returned: a superseded history whole
-    (checkpoints, metrics, status), moved; else the step directories fallen back past, moved, with a retuned
-    config every other step directory and link of checkpoints/ as it stands (second names: no byte copied), and
-    with a cut a second name of metrics.jsonl."""
+    """Into a new superseded/<when>/, returned: a superseded history whole (checkpoints, metrics, status), moved;
+    else the step directories fallen back past, moved, with `retuned` every other step directory and link of
+    checkpoints/ as it stands (second names: no byte copied), with `cut` a second name of metrics.jsonl."""
     dest = ensure_dirs(rundir.path, "superseded") / time.strftime("%Y%m%d-%H%M%S")
     n = 0
     while os.path.lexists(dest):

@@ -69,8 +69,7 @@ def tool_args(command: list[str]) -> list[str]:
 
 
 def ui_page(server: str, experiment_id: str | None) -> str:
-    """The mlflow UI's page of the experiment (None: of every experiment) at `server` (http://HOST:PORT[/prefix]),
-    in its machine-learning view."""
+    """The mlflow UI's page of the experiment (None: every one) at `server`, in its machine-learning view."""
     return f"{server.rstrip('/')}/#/experiments{'/' + experiment_id if experiment_id else ''}{UI_QUERY}"
 
 

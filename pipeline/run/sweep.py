@@ -23,8 +23,7 @@ class SweepInterrupted(CommandError):
 
 @dataclass
 class SweepJob:
-    """Built by the Hydra task from its sweep's sweep.json (pipeline.sweep.callback.job_of); `dir`
-    None: a multirun without the sweep callback, which records nothing."""
+    """Built from its sweep's sweep.json (sweep/callback.job_of); `dir` None: no sweep callback, no record."""
 
     dir: Path | None = None
     sweep_id: str | None = None

@@ -86,11 +86,9 @@ def _fits_its_weights(ckpt: CheckpointDir, manifest: dict, node: dict, spec: Dat
     itemsize = np.dtype(manifest["config"]["trainer"]["dtype"]).itemsize
     # Only a gross excess is refused here: a near miss is built (cheaply) and named precisely by CheckpointDir.load.
     if wanted is not None and wanted * itemsize > 2 * weights_bytes(manifest) + SLACK_BYTES:
-        raise ckpt.fault(
-            f"its config describes a model of {wanted:,} parameters ({wanted * itemsize:,} "
-            f"bytes), more than its weights file holds ({weights_bytes(manifest):,} "
-            "bytes); it was not built"
-        )
+        size = f"{wanted:,} parameters ({wanted * itemsize:,} bytes)"
+        held = f"more than its weights file holds ({weights_bytes(manifest):,} bytes)"
+        raise ckpt.fault(f"its config describes a model of {size}, {held}; it was not built")
 
 
 def cache_home(directory: Path) -> str:
@@ -192,11 +190,10 @@ def own_data(manifest: dict, overrides: list[str], directory: Path):
     """The dataset the checkpoint at `directory` was trained on (its data_manifest_hash), else ConfigError."""
     config, dataset = _built(manifest, overrides, directory)
     if dataset.manifest_hash != manifest["data_manifest_hash"]:
-        raise ConfigError(
-            f"data {config['data'].get('_target_')}: builds data {dataset.manifest_hash[:12]}, but the "
-            f"checkpoint was trained on {manifest['data_manifest_hash'][:12]}: give the data it was "
-            "trained on (data.path=FILE for a moved text file)"
-        )
+        said = f"builds data {dataset.manifest_hash[:12]}, but the checkpoint was trained on"
+        then = "give the data it was trained on (data.path=FILE for a moved text file)"
+        data, trained = config["data"].get("_target_"), manifest["data_manifest_hash"][:12]
+        raise ConfigError(f"data {data}: {said} {trained}: {then}")
     return dataset
 
 

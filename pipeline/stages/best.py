@@ -1,5 +1,4 @@
-"""Keeps the checkpoints of the `keep` best evaluations of `monitor` (min or max; Lightning's save_top_k), the best
-pointed at by checkpoints/best."""
+"""The checkpoints of the `keep` best evaluations of `monitor` (Lightning's save_top_k); checkpoints/best."""
 
 from __future__ import annotations
 
