@@ -102,8 +102,7 @@ class Job:
     sources: dict  # SOURCES keys -> sha256 of the file's bytes
     facts: dict  # the run-level manifest fields
     lineage: dict  # the history it starts (identity.Identity.lineage; a fork's names its origin)
-    # run/job.py build() gives a run its tracker and directory
-    tracker: Tracker = field(default_factory=Tracker)
+    tracker: Tracker = field(default_factory=Tracker)  # with run_dir: given by run/job.build
     run_dir: Path | None = None
 
     @property

@@ -99,7 +99,6 @@ class RunDir:
             if os.path.lexists(p)
         ]
 
-    # --- the lock
     def acquire(self) -> None:
         """Create the directory if needed (`created`) and take its lock; RunBusyError (changing nothing) if it is
         held, UnsafePathError if anything the run writes is a link planted to make it write elsewhere."""
@@ -195,7 +194,6 @@ class RunDir:
         finally:
             os.close(fd)
 
-    # --- run.json
     def read_status(self) -> dict:
         """run.json ({} if there is none); RunFileError if it is damaged: not strict JSON, or not an object."""
         try:
@@ -233,7 +231,6 @@ class RunDir:
         finally:
             os.close(fd)
 
-    # --- metrics.jsonl
     def read_metrics(self) -> list[dict]:
         """metrics.jsonl's lines. A last line without its newline is torn (killed while writing) and dropped;
         any other line not a strict JSON object with an integer step is damage: RunFileError naming the line."""

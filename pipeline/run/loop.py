@@ -91,7 +91,6 @@ class Run:
     def store(self):
         return self.rundir.store  # a new object once a history moves aside
 
-    # --- training
     def train(self, eval_every: int) -> None:
         trainer = self.job.config["trainer"]
         callbacks: list[MetricsLog | Display] = [
@@ -166,7 +165,6 @@ class Run:
         named = tuple(n for s in stages if (n := s.named()) is not None)
         self.store.retain(keep, links, self.state.step, self.plan.lineage["id"], named)
 
-    # --- run.json
     def write_status(self, status: str, **extra) -> None:
         if status != "running":
             extra["ended_at"] = time.time()

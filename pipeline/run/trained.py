@@ -59,8 +59,7 @@ def restore_checkpoint(directory: Path, overrides: Sequence[str] = ()) -> tuple[
         state = build_state(config, DataSpec(**spec), n_train)
     except Exception as e:
         raise checkpoint.fault(f"its config does not build here: {_first_line(e)}") from None
-    # One read of every file: sizes, sha256, each tensor file's layout before allocation, every part's fit:
-    # restore cannot refuse after it.
+    # one read of each file (sizes, sha256, layouts, each part's fit): restore cannot refuse after it
     ckpt = checkpoint.load(parts := state.parts())
     if ckpt.manifest != manifest:
         raise checkpoint.fault("changed while it was read")

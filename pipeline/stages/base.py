@@ -88,8 +88,7 @@ class Watch(Stage):
         self.since = int(step)
 
     def continues(self, saved: dict) -> str | None:
-        # A state saved before monitor and mode rode along was measured by the live ones (nothing else could
-        # resume it then).
+        # a state saved before monitor and mode rode along was measured by the live ones
         old = (saved.get("monitor", self.monitor), saved.get("mode", self.mode))
         if old != (self.monitor, self.mode):
             new = f"{self.monitor!r} mode {self.mode!r}"
