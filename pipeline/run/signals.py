@@ -37,9 +37,7 @@ class Interrupted(BaseException):
 def descendants(root: int) -> list[int]:
     """Pids of every process below `root` in its session (the tracking agent, in a session of its own, is no job)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
@@ -50,13 +48,10 @@ def descendants(root: int) -> list[int]:
     out, todo = [], list(children.get(root, []))
     while todo:
         pid = todo.pop()
-        try:
-            if os.getsid(pid) != session:
-                continue
-        except OSError:
-            continue
-        out.append(pid)
-        todo.extend(children.get(pid, []))
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if os.getsid(pid) == session:
+                out.append(pid)
+                todo.extend(children.get(pid, []))
     return out
 
 
@@ -86,8 +81,7 @@ class Signals:
         if self.installed or threading.current_thread() is not threading.main_thread():
             return
         previous, spec = sys.excepthook, getattr(sys.modules.get("__main__"), "__spec__", None)
-        # the module `python -m` runs, or the main entry
-        name = getattr(spec, "name", None) or "pipeline"
+        name = getattr(spec, "name", None) or "pipeline"  # what `python -m` runs, or the entry
 
         # a signal while an entry point's modules are still imported: one line
         def hook(kind, value, tb):
