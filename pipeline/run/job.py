@@ -121,14 +121,14 @@ def _job(
         applied = None
         try:
             planned = plan.plan(rundir, job, resume, started, context.in_sweep)
-            _check_signals()  # one that came while a library call could not be cut short
+            SIGNALS_STATE.check()  # one that came while a library call could not be cut short
             if rundir.read_only and not planned.complete:
                 said = f"run directory {rundir.path} is on a read-only filesystem and the run"
                 then = "make it writable (or copy it), then re-run the same command"
                 raise JobFailed(EXIT_ERROR, f"{said} is not complete (nothing was written); {then}")
             applied = planned
             plan.apply(planned, rundir, job.state, SIGNALS_STATE)
-            _check_signals()
+            SIGNALS_STATE.check()
         except BaseException as e:
             rundir.forget()
             if isinstance(e, Interrupted):
@@ -172,11 +172,6 @@ def _job(
             file_handler.close()
         if rundir is not None:
             rundir.release()
-
-
-def _check_signals() -> None:
-    if SIGNALS_STATE.received is not None:
-        raise Interrupted(SIGNALS_STATE.received)
 
 
 def build(config: dict, sweep: SweepJob | None = None) -> Job:

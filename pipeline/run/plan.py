@@ -211,9 +211,7 @@ def plan(rundir: RunDir, job, resume: Resume, started: float, in_sweep: bool) ->
 
 def _fresh(rundir: RunDir, job, started: float, in_sweep: bool, fallback=(), foreign=None) -> Plan:
     """A history from scratch: what an earlier one left (none of which this run can continue) moves aside."""
-    moves = (
-        holds_history(rundir) and not rundir.read_only
-    )  # read-only: refused next, nothing written
+    moves = holds_history(rundir) and not rundir.read_only  # read-only: refused, nothing written
     return Plan(
         identity.lineage_of(job.semantic_hash, None),
         fallback=fallback,
@@ -255,9 +253,8 @@ def _continued(rundir, job, resume, ckpt, lineage, started, skipped) -> Plan:
 
 def _fork(rundir, job, resume, source: Path, started: float) -> Plan:
     """Another run's checkpoint as this run's start (again: this fork's own newest checkpoint)."""
-    source = (
-        CheckpointDir(source).resolved().resolve()
-    )  # a link out of a run is refused, not followed
+    # a link out of a run is refused, not followed
+    source = CheckpointDir(source).resolved().resolve()
     src = CheckpointDir(source).load()  # its fit is checked once the drift is known
     # its origin was read as the run was named (origin_of): the same checkpoint
     lineage = job.lineage

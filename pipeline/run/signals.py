@@ -143,19 +143,24 @@ class Signals:
             yield self
         finally:
             self.mode = previous
-        if self.received is not None and previous == RAISE:
-            raise Interrupted(self.received)
+        if previous == RAISE:
+            self.check()
 
     @contextlib.contextmanager
     def deferring(self):
         """While a run holds its directory: a signal only sets the flag (raises at once if one already came)."""
         previous, self.mode, self.held = self.mode, DEFER, True
         try:
-            if self.received is not None and previous == RAISE:
-                raise Interrupted(self.received)
+            if previous == RAISE:
+                self.check()
             yield self
         finally:
             self.mode = previous
+
+    def check(self) -> None:
+        """Raise the signal that came, if one did (set-up's check after a call that could not be cut short)."""
+        if self.received is not None:
+            raise Interrupted(self.received)
 
     def sweeping(self, sweep_dir: Path, slurm_jobs: Path | None = None, launcher=None) -> None:
         """In the process that launches a sweep's jobs, from a fresh start (no marker of an earlier stop);

@@ -31,10 +31,8 @@ class EarlyStop(Watch):
         best = "no finite value yet"
         if self.best is not None:
             best = f"best {self.best:.6g} at step {self.best_step}"
-        return (
-            f"early_stop: {self.monitor} did not improve in {self.wait} evaluations "
-            f"(mode {self.mode}, min_delta {self.min_delta:g}; {best})"
-        )
+        how = f"mode {self.mode}, min_delta {self.min_delta:g}; {best}"
+        return f"early_stop: {self.monitor} did not improve in {self.wait} evaluations ({how})"
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "wait": self.wait}
