@@ -408,9 +408,8 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
 
 
 def _aside(rundir: RunDir, plan: Plan) -> Path:
-    """Into a new superseded/<when>/, returned: a superseded history whole (checkpoints, metrics, status), moved;
-    else the step directories fallen back past, moved, with `retuned` every other step directory and link of
-    checkpoints/ as it stands (second names: no byte copied), with `cut` a second name of metrics.jsonl."""
+    """Into a new superseded/<when>/, returned: a superseded history whole, moved; else the fallen back step
+    directories, moved, and second names (no byte copied) of checkpoints/ if retuned, metrics.jsonl if cut."""
     dest = ensure_dirs(rundir.path, "superseded") / time.strftime("%Y%m%d-%H%M%S")
     n = 0
     while os.path.lexists(dest):

@@ -142,8 +142,7 @@ class StageStates:
         for s in self._restored(state):
             if reason := s.fit_reason(state[s.name]):
                 raise BadValue(s.name, reason)
-            own = getattr(s, "check_state_dict", None)
-            if own is not None:
+            if (own := getattr(s, "check_state_dict", None)) is not None:
                 own(state[s.name])
 
     def load_state_dict(self, state: dict) -> None:
