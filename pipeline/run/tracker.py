@@ -56,11 +56,9 @@ class Tracker:
 
     def attach(self, run_dir: Path) -> str | None:
         """A sweep job whose run was already complete: make the index show it in the sweep."""
-        return None
 
     def run_uri(self, timeout: float) -> str | None:
         """The tracked run's URI for manifests, waiting at most `timeout` seconds for it to be known."""
-        return None
 
     def log_line(self, line: dict) -> None:
         """One metrics.jsonl line (step, epoch, time, metrics)."""

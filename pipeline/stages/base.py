@@ -31,7 +31,6 @@ class Stage:
 
     def stop_reason(self, end: StepEnd) -> str | None:
         """After each update, before any checkpoint decision: a reason to end the run here, or None."""
-        return None
 
     def wants_checkpoint(self, end: StepEnd) -> bool:
         """After each update: update own state, and ask for a checkpoint of this step."""
@@ -39,15 +38,12 @@ class Stage:
 
     def policy(self) -> Policy | None:
         """Which checkpoints this stage keeps (records tagged with its name are the ones it asked for)."""
-        return None
 
     def link_policy(self) -> Policy | None:
         """The one checkpoint `link` points at."""
-        return None
 
     def named(self) -> Named | None:
         """Second names (links beside step-*) for the checkpoints this stage keeps."""
-        return None
 
     def state_dict(self) -> dict:
         return {}
@@ -57,7 +53,6 @@ class Stage:
 
     def continues(self, saved: dict) -> str | None:
         """Why a saved state of this stage no longer means the same with the live parameters (None: it does)."""
-        return None
 
     def start_at(self, step: int) -> None:
         """This stage starts fresh at a resume to `step` (its state was not saved, or means another thing now)."""
