@@ -111,18 +111,15 @@ def allowed(key: str, allow: list[str]) -> bool:
 
 def refuse(changes: dict[str, tuple], allow: list[str], where) -> None:
     """DriftError naming each change `allow` does not cover, or an allowed one that cannot take effect."""
+    refusing = f"refusing to resume from {where}:"
     if refused := {k: v for k, v in changes.items() if not allowed(k, allow)}:
         listing = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
-        raise DriftError(
-            f"refusing to resume from {where}: the config or data changed ({listing}); "
-            f"allow with resume.allow_changes=[{','.join(refused)}] or start over with resume=never"
-        )
+        then = f"allow with resume.allow_changes=[{','.join(refused)}] or start over with"
+        raise DriftError(f"{refusing} the config or data changed ({listing}); {then} resume=never")
     for key in changes:
         if why := identity.not_applicable(key):
-            raise DriftError(
-                f"refusing to resume from {where}: resume.allow_changes lets {key} through, but it "
-                f"cannot take effect on a resumed run ({why}); start over with resume=never"
-            )
+            said = f"resume.allow_changes lets {key} through, but it cannot take effect on a resumed run"
+            raise DriftError(f"{refusing} {said} ({why}); start over with resume=never")
 
 
 # --- forks, and what continues a stopped run

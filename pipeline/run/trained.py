@@ -138,10 +138,8 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
                 f"{o.input_line}: only data=NAME, data.KEY=VALUE, paths.output_dir=DIR and "
                 "hydra.searchpath=[...] can be given here; the rest is the checkpoint's"
             )
-    output_dir = next(
-        (str(o.value()) for o in reversed(parsed) if o.key_or_group == "paths.output_dir"),
-        cache_home(directory),
-    )
+    given = [str(o.value()) for o in parsed if o.key_or_group == "paths.output_dir"]
+    output_dir = given[-1] if given else cache_home(directory)
     if any(o.key_or_group == "data" for o in parsed):
         from hydra.errors import HydraException
 
