@@ -213,10 +213,9 @@ def command(name: str):
 def run_command(
     name: str, main: Callable[[], int | None] | str, interrupted: str = "nothing was written"
 ) -> NoReturn:
-    """The one way in and out of every command: take over the signals, run `main` (a function, or a module
-    imported only now whose main() it calls and whose INTERRUPTED says what an interruption left) as a
-    `command`, exit with its code. A signal is `<name>: interrupted by SIGINT; <interrupted>` and
-    EXIT_PREEMPTED, never a traceback nor a negative code."""
+    """The one way in and out of every command: take over the signals, run `main` (a function, or a module imported
+    only now: its main(), its INTERRUPTED says what an interruption left) as a `command`, exit with its code. A
+    signal is `<name>: interrupted by SIGINT; <interrupted>` and EXIT_PREEMPTED, never a traceback."""
     try:
         SIGNALS_STATE.install()  # inside: a signal right after its handler is installed is already ours
         if isinstance(main, str):

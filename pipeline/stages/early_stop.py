@@ -7,9 +7,8 @@ from pipeline.stages.base import StepEnd, Watch
 
 
 class EarlyStop(Watch):
-    """An evaluation is a step whose metrics hold `monitor`; one without improvement adds to `wait`, one with
-    improvement resets it, and the step at which `wait` reaches `patience` is the run's last (the final and
-    best checkpoints follow as at any end; run.json's `ended` says why). Its counters ride in checkpoints."""
+    """An evaluation (a step whose metrics hold `monitor`) without improvement adds to `wait`, one with resets it;
+    the step `wait` reaches `patience` is the run's last (run.json's `ended` says why). Its counters are saved."""
 
     name = "early_stop"
 
