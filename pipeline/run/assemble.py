@@ -133,13 +133,10 @@ def check_pairing(config: dict) -> None:
     model, data = _class(config, "model"), _class(config, "data")
     needs, kind = getattr(model, "needs", None), getattr(data, "kind", None)
     if needs and kind and needs != kind:
-        said = (
-            f"model {model.__name__} trains on {KINDS.get(needs, needs)}, but data {data.__name__}"
-        )
-        pair = (
-            "pair model=minigpt with data=grammar or data=text, and model=mlp with data=regression"
-        )
-        raise ConfigError(f"{said} gives {KINDS.get(kind, kind)}: {pair}")
+        said = f"model {model.__name__} trains on {KINDS.get(needs, needs)}"
+        said += f", but data {data.__name__} gives {KINDS.get(kind, kind)}"
+        pair = "model=minigpt with data=grammar or data=text, and model=mlp with data=regression"
+        raise ConfigError(f"{said}: pair {pair}")
 
 
 # The config keys check_monitors reads: a sweep that sweeps none of them has the same answer for every job.

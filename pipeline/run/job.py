@@ -135,10 +135,11 @@ def _job(
                 said = "nothing was written"
                 if applied and (applied.supersede or applied.fallback or applied.cut):
                     said = f"the earlier history was moved to {rundir.path / 'superseded'}"
-                said = (
-                    f"interrupted by {e} while setting up the run; {said}; re-run the same command"
-                )
-                raise JobFailed(EXIT_PREEMPTED, said, requeue=True) from None
+                raise JobFailed(
+                    EXIT_PREEMPTED,
+                    f"interrupted by {e} while setting up the run; {said}; re-run the same command",
+                    requeue=True,
+                ) from None
             raise
         run = Run(job, rundir, planned, SIGNALS_STATE, context)
         with SIGNALS_STATE.deferring():

@@ -170,15 +170,9 @@ class Plan:
     metrics: tuple[dict, ...] | None = None  # what metrics.jsonl is cut to (None: left as it is)
     fallback: tuple[tuple[Path, str, str], ...] = ()  # (dir, what, why) passed over, newest first
     cut: bool = False  # metrics.jsonl holds lines past the resumed step: kept whole aside
-    retuned: tuple[
-        str, ...
-    ] = ()  # changed since the checkpoint: its checkpoints kept as they stood
-    supersede: str | None = (
-        None  # "fresh", or a fork's source: the whole earlier history moves aside
-    )
-    allowed: dict = field(
-        default_factory=dict
-    )  # {key: [old, new]} resume.allow_changes let through
+    retuned: tuple[str, ...] = ()  # changed since the checkpoint: its checkpoints kept as they were
+    supersede: str | None = None  # "fresh", or a fork's source: the whole history moves aside
+    allowed: dict = field(default_factory=dict)  # {key: [old, new]} let through by allow_changes
     other_code: str = ""  # how the code that trained the checkpoint differs from this
     notes: tuple[str, ...] = ()  # the stages whose state was not restored, and why
     foreign: Checkpoint | None = None  # a fork's newest checkpoint in a clean run's directory
