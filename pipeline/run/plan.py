@@ -326,12 +326,9 @@ def _sibling(rundir: RunDir, job) -> str:
         found = store.newest_manifest()
     except OSError:  # a stray file or link in its checkpoints/: nothing to point at
         return ""
-    if found is None:
+    if found is None or not (changes := drift(found[1], job)) or len(changes) > MAX_HINTED:
         return ""
     newest, manifest = found
-    changes = drift(manifest, job)
-    if not changes or len(changes) > MAX_HINTED:
-        return ""
     # data.x covers the data
     keys = ",".join(k for k in changes if not allowed(k, [c for c in changes if c != k]))
     what = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
@@ -381,11 +378,10 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
         return
     resumed, complete = plan.resumed, plan.complete
     if plan.other_code:
-        then = "resuming with this code (resume=never trains anew)"
+        what, then = "checkpoint", "resuming with this code (resume=never trains anew)"
         if complete:
-            then = "it is left as it is (resume=never trains it anew with this code)"
+            what, then = "run", "it is left as it is (resume=never trains it anew with this code)"
         said = "%s %s was trained by other code than this: %s; %s"
-        what = "run" if complete else "checkpoint"
         log.warning(said, what, resumed.directory, plan.other_code, then)
     if not complete:
         said = "resuming from step %d of %d (epoch %d): %s"
