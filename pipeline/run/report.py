@@ -27,10 +27,8 @@ def start_block(job, run_dir: Path) -> str:
     spec, n = data.spec, data.n_train
     what = f"{n:,} train rows, {spec.n_features} features -> {spec.n_targets} targets"
     if spec.vocab_size:
-        what = (
-            f"{n:,} train windows, {getattr(data, 'n_val', 0):,} val windows of {spec.block_size} "
-        )
-        what += f"tokens, vocab {spec.vocab_size:,}"
+        what = f"{n:,} train windows, {getattr(data, 'n_val', 0):,} val windows of"
+        what += f" {spec.block_size} tokens, vocab {spec.vocab_size:,}"
     lines += [f"data {type(data).__name__}: {what}", f"run directory {run_dir}"]
     return "\n".join(lines)
 
