@@ -33,8 +33,7 @@ class SweepParent:
 class Tracker:
     """Every call returns quickly: the training loop never waits for tracking."""
 
-    # what a sweep tracked this way builds for its parent run
-    sweep_parent: type[SweepParent] = SweepParent
+    sweep_parent: type[SweepParent] = SweepParent  # built for the parent run of a sweep
 
     def __init__(self, **_):
         pass

@@ -108,8 +108,7 @@ def in_archive(directory: Path) -> bool:
 
 
 def _own_source(manifest: dict, node: dict, directory: Path) -> None:
-    """The checkpoint's own `data.path` is read only if it holds the bytes the checkpoint was trained on: a
-    checkpoint does not choose which of the user's files a tool reads."""
+    """The checkpoint's own `data.path` is read only if it holds the bytes it was trained on (it picks no file)."""
     path, sha = node.get("path"), (manifest.get("sources") or {}).get("data.path")
     if not isinstance(path, str):
         return
