@@ -69,22 +69,11 @@ def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> Tra
     model = _call(config["model"], spec=spec, dtype=dtype.name, rng=streams["init"])
     optimizer = _call(config["optimizer"], params=model.params)
     scheduler = _call(config["scheduler"], optimizer=optimizer, run_total_steps=steps)
+    objects = (model, optimizer, scheduler, iterator, streams, dataset, dtype)  # TrainState's order
+    clip, shards = float(trainer["grad_clip"]), int(trainer["shards"])
+    given = {k: trainer[k] for k in ("threads", "eval_batches", "eval_at_start")}
     return TrainState(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        iterator=iterator,
-        streams=streams,
-        dataset=dataset,
-        dtype=dtype,
-        total_steps=steps,
-        accumulate=accumulate,
-        grad_clip=float(trainer["grad_clip"]),
-        shards=int(trainer["shards"]),
-        threads=trainer["threads"],
-        eval_batches=trainer["eval_batches"],
-        eval_at_start=trainer["eval_at_start"],
-        stages=StageStates(stages),
+        *objects, steps, accumulate, clip, shards, **given, stages=StageStates(stages)
     )
 
 
@@ -101,8 +90,7 @@ def build_stages(config: dict) -> list:
 
 
 def build_tracker(config: dict, sweep: SweepJob | None = None) -> Tracker:
-    """The `tracking` node's tracker (no node: the protocol's no-op), told which sweep job it tracks (a class of
-    your own that takes no `sweep` is not told, as every node is built)."""
+    """The `tracking` node's tracker (none: the protocol's no-op), told its sweep job if it takes `sweep`."""
     tracking = config.get("tracking")
     return Tracker() if tracking is None else _call(tracking, sweep=sweep)
 
@@ -114,8 +102,7 @@ class Job:
     sources: dict  # SOURCES keys -> sha256 of the file's bytes
     facts: dict  # the run-level manifest fields
     lineage: dict  # the history it starts (identity.Identity.lineage; a fork's names its origin)
-    # run/job.py build() gives a run its tracker and directory
-    tracker: Tracker = field(default_factory=Tracker)
+    tracker: Tracker = field(default_factory=Tracker)  # with run_dir: given by run/job.build
     run_dir: Path | None = None
 
     @property
@@ -131,22 +118,25 @@ class Job:
         return self.facts["semantic_config_hash"]
 
 
+def _class(config: dict, key: str) -> type:
+    try:
+        return get_class(config[key]["_target_"])
+    except Exception as e:
+        raise ConfigError(f"cannot import a _target_: {str(e).splitlines()[0]}") from None
+
+
 KINDS = {"tokens": "token sequences", "rows": "rows of features"}
 
 
 def check_pairing(config: dict) -> None:
     """A model that cannot train on the data is refused before the data is built (a corpus generated)."""
-    try:
-        model, data = get_class(config["model"]["_target_"]), get_class(config["data"]["_target_"])
-    except Exception as e:
-        raise ConfigError(f"cannot import a _target_: {str(e).splitlines()[0]}") from None
+    model, data = _class(config, "model"), _class(config, "data")
     needs, kind = getattr(model, "needs", None), getattr(data, "kind", None)
     if needs and kind and needs != kind:
-        raise ConfigError(
-            f"model {model.__name__} trains on {KINDS.get(needs, needs)}, but data {data.__name__} "
-            f"gives {KINDS.get(kind, kind)}: pair model=minigpt with data=grammar or data=text, "
-            "and model=mlp with data=regression"
-        )
+        said = f"model {model.__name__} trains on {KINDS.get(needs, needs)}"
+        said += f", but data {data.__name__} gives {KINDS.get(kind, kind)}"
+        pair = "model=minigpt with data=grammar or data=text, and model=mlp with data=regression"
+        raise ConfigError(f"{said}: pair {pair}")
 
 
 # The config keys check_monitors reads: a sweep that sweeps none of them has the same answer for every job.
@@ -155,10 +145,7 @@ MONITOR_KEYS = ("data", "trainer.grad_clip", "stages", "optimized_metric")
 
 def metric_names(config: dict) -> list[str]:
     """Every metric the configured run measures (what a stage's `monitor` may name), from the data's class."""
-    try:
-        data = get_class(config["data"]["_target_"])
-    except Exception as e:
-        raise ConfigError(f"cannot import a _target_: {str(e).splitlines()[0]}") from None
+    data = _class(config, "data")
     grad_clip = float(config["trainer"]["grad_clip"])
     return sorted({*train_metric_names(data, grad_clip), *val_metric_names(data)})
 
@@ -198,9 +185,8 @@ def check_monitors(config: dict) -> None:
 
 
 def assemble(config: dict, ident: identity.Identity) -> Job:
-    """The data, every part and the run-level manifest facts of a validated config and its identity: a Job without a
-    tracker or run directory (the verifier's processes, roundtrip); ValueError or OSError for values its objects
-    refuse."""
+    """The data, parts and run-level facts of a validated config: a Job without a tracker or run directory (the
+    verifier's processes, roundtrip); ValueError or OSError for values its objects refuse."""
     dataset = build_dataset(config)
     state = build_state(config, dataset.spec, dataset.n_train, dataset)
     spec = {**asdict(dataset.spec), "n_train": int(dataset.n_train)}

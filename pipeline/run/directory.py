@@ -56,10 +56,8 @@ class RunDir:
         self.overrides_path = self.hydra_dir / "overrides.yaml"
         self.checkpoints = self.path / "checkpoints"
         self._fd: int | None = None
-        # on a read-only medium: a complete run may be confirmed, nothing written
-        self.read_only = False
-        # acquire() made the directory: forget() removes it again while it holds nothing
-        self.created = False
+        self.read_only = False  # a read-only medium: a complete run is confirmed, nothing written
+        self.created = False  # acquire() made it: forget() removes it while it holds nothing
 
     @functools.cached_property
     def store(self) -> CheckpointStore:
@@ -87,9 +85,8 @@ class RunDir:
         return self.store.root.is_dir() or self.status_path.is_file()
 
     def records(self) -> list[tuple[str, Path, int]]:
-        """(name inside the run, path, byte bound) of each record it keeps beside its checkpoints (.hydra/'s files,
-        run.json, metrics.jsonl; the lock and the log belong to a process); UnsafePathError for a link or anything
-        but a regular file among them."""
+        """(name inside the run, path, byte bound) of .hydra/'s files, run.json and metrics.jsonl (the lock and
+        the log belong to a process); UnsafePathError for a link or anything but a regular file among them."""
         out = []
         if os.path.lexists(self.hydra_dir):
             refuse_link(self.hydra_dir, "directory")
@@ -102,7 +99,6 @@ class RunDir:
             if os.path.lexists(p)
         ]
 
-    # --- the lock
     def acquire(self) -> None:
         """Create the directory if needed (`created`) and take its lock; RunBusyError (changing nothing) if it is
         held, UnsafePathError if anything the run writes is a link planted to make it write elsewhere."""
@@ -123,14 +119,7 @@ class RunDir:
                     errno.ELOOP, f"{self.lock_path} is a symlink; remove it"
                 ) from None
             raise
-        if not _lock_within(fd, LOCK_GRACE):
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise RunBusyError(
-                f"run directory {self.path} is in use by another process (pid {holder}); "
-                "wait for it to finish or stop it first"
-            ) from None
-        self._fd = fd
+        self._hold(fd, LOCK_GRACE, fcntl.LOCK_EX)
 
     def _read_only_medium(self) -> bool:
         try:
@@ -146,12 +135,18 @@ class RunDir:
             fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return
-        if not _lock_within(fd, 0.0, fcntl.LOCK_SH):
+        self._hold(fd, 0.0, fcntl.LOCK_SH)
+
+    def _hold(self, fd: int, grace: float, kind: int) -> None:
+        """Hold the lock `kind` on `fd`, else RunBusyError naming the holder (a writer's lock file says its pid)."""
+        if not _lock_within(fd, grace, kind):
+            pid = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
+            holder = f" (pid {pid})" if kind == fcntl.LOCK_EX else ""
             raise RunBusyError(
-                f"run directory {self.path} is in use by another process; wait for it to finish "
-                "or stop it first"
-            ) from None
+                f"run directory {self.path} is in use by another process{holder}; wait for it to "
+                "finish or stop it first"
+            )
         self._fd = fd
 
     def claim(self, config_yaml: str, overrides: list[str]):
@@ -171,8 +166,7 @@ class RunDir:
         return atomic.open_append(self.log_path)
 
     def forget(self) -> None:
-        """Release, and remove the directory if acquire() created it and it holds nothing but an empty lock (a
-        refused run leaves none)."""
+        """Release; remove the directory if acquire() made it and it holds only an empty lock (a refused run's)."""
         self.release()
         with contextlib.suppress(OSError):
             if (
@@ -200,7 +194,6 @@ class RunDir:
         finally:
             os.close(fd)
 
-    # --- run.json
     def read_status(self) -> dict:
         """run.json ({} if there is none); RunFileError if it is damaged: not strict JSON, or not an object."""
         try:
@@ -238,7 +231,6 @@ class RunDir:
         finally:
             os.close(fd)
 
-    # --- metrics.jsonl
     def read_metrics(self) -> list[dict]:
         """metrics.jsonl's lines. A last line without its newline is torn (killed while writing) and dropped;
         any other line not a strict JSON object with an integer step is damage: RunFileError naming the line."""

@@ -24,11 +24,11 @@ from pipeline.run.sweep import SweepInterrupted, SweepJob
 from pipeline.trainer.metrics_log import QuietFileHandler
 
 log = logging.getLogger("pipeline")
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # pipeline.log's, as Hydra's
 
 
 class JobFailed(CommandError):
-    """A job's end before or around training, with its exit code and one line; `requeue`: stopped by a signal;
-    `started`: False if it stopped before its run began."""
+    """A job's end around training (exit code, one line); `requeue`: a signal; `started`: its run had begun."""
 
     def __init__(self, code: int, message: str, requeue: bool = False, started: bool = True):
         super().__init__(message, exit_code=code)
@@ -62,11 +62,8 @@ def main(
     if sweep is None or outcome.requeued:
         return outcome
     if outcome.code:  # the sweep goes on; its end says which jobs failed and why
-        sweep.failure = {
-            "code": outcome.code,
-            "error": outcome.message[:2000],
-            **({} if outcome.started else {"status": "not started"}),
-        }
+        never = {} if outcome.started else {"status": "not started"}
+        sweep.failure = {"code": outcome.code, "error": outcome.message[:2000], **never}
     sweep.record(None if outcome.code else outcome.objective)
     if sweep.failure is not None and SIGNALS_STATE.sweep_interrupted(sweep.dir):
         raise SweepInterrupted(f"job {sweep.num} stopped: the sweep was interrupted")
@@ -76,15 +73,12 @@ def main(
 def _ended(e: BaseException) -> Outcome | None:
     """An exception's end of the job as an Outcome (None: a bug, its traceback)."""
     if isinstance(e, Interrupted):
-        message = f"interrupted by {e} before the run started; nothing was changed; re-run the same command"
-        return Outcome("preempted", EXIT_PREEMPTED, message=message, requeue=True, started=False)
-    if isinstance(e, JobFailed):
-        code, message, requeue, started = e.exit_code, str(e), e.requeue, e.started
-    elif (known := errors.exit_code(e) if isinstance(e, Exception) else None) is not None:
-        (code, message), requeue, started = known, False, True
-    else:
+        said = f"interrupted by {e} before the run started; nothing was changed; re-run the same command"
+        e = JobFailed(EXIT_PREEMPTED, said, requeue=True, started=False)
+    if (known := errors.exit_code(e) if isinstance(e, Exception) else None) is None:
         return None
-    status = "preempted" if code == EXIT_PREEMPTED else "failed"
+    (code, message), status = known, "preempted" if known[0] == EXIT_PREEMPTED else "failed"
+    requeue, started = getattr(e, "requeue", False), getattr(e, "started", True)
     return Outcome(status, code, message=message, requeue=requeue, started=started)
 
 
@@ -127,17 +121,14 @@ def _job(
         applied = None
         try:
             planned = plan.plan(rundir, job, resume, started, context.in_sweep)
-            _check_signals()  # one that came while a library call could not be cut short
+            SIGNALS_STATE.check()  # one that came while a library call could not be cut short
             if rundir.read_only and not planned.complete:
-                raise JobFailed(
-                    EXIT_ERROR,
-                    f"run directory {rundir.path} is on a read-only filesystem and the run "
-                    "is not complete (nothing was written); make it writable (or copy it), "
-                    "then re-run the same command",
-                )
+                said = f"run directory {rundir.path} is on a read-only filesystem and the run"
+                then = "make it writable (or copy it), then re-run the same command"
+                raise JobFailed(EXIT_ERROR, f"{said} is not complete (nothing was written); {then}")
             applied = planned
             plan.apply(planned, rundir, job.state, SIGNALS_STATE)
-            _check_signals()
+            SIGNALS_STATE.check()
         except BaseException as e:
             rundir.forget()
             if isinstance(e, Interrupted):
@@ -156,9 +147,7 @@ def _job(
                 # a finished run's re-run changes nothing
                 if not rundir.read_only and not planned.settled:
                     file_handler = QuietFileHandler(rundir.claim(config_yaml, overrides))
-                    file_handler.setFormatter(
-                        logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
-                    )
+                    file_handler.setFormatter(logging.Formatter(LOG_FORMAT))
                     held.setTarget(file_handler)
                     held.flush()  # the set-up's lines first
                     logging.getLogger().removeHandler(held)
@@ -184,11 +173,6 @@ def _job(
             file_handler.close()
         if rundir is not None:
             rundir.release()
-
-
-def _check_signals() -> None:
-    if SIGNALS_STATE.received is not None:
-        raise Interrupted(SIGNALS_STATE.received)
 
 
 def build(config: dict, sweep: SweepJob | None = None) -> Job:
@@ -223,18 +207,14 @@ def _start_in_sweep(sweep: SweepJob) -> None:
     if sweep.unreadable:
         raise JobFailed(errors.EXIT_BAD_INPUT, sweep.unreadable)
     if SIGNALS_STATE.sweep_interrupted(sweep.dir):
-        raise JobFailed(
-            EXIT_PREEMPTED,
-            "the sweep was interrupted before this job started; re-run the same command",
-            started=False,
-        )
+        said = "the sweep was interrupted before this job started; re-run the same command"
+        raise JobFailed(EXIT_PREEMPTED, said, started=False)
     if SIGNALS_STATE.mode != SWEEP:
         SIGNALS_STATE.received = None  # a worker's earlier job was stopped; this one starts afresh
 
 
 class JobLabel(logging.Formatter):
-    """A console formatter that starts each line of a record with its job's label (`[job 3] `): jobs that run
-    side by side (joblib) write to one console."""
+    """Each console line starts with its job's label (`[job 3] `): jobs side by side share one console."""
 
     def __init__(self, inner: logging.Formatter | None, label: str):
         super().__init__()

@@ -78,8 +78,7 @@ class Run:
         self.signals, self.context = signals, context
         max_time = job.config["trainer"].get("max_time")
         self.budget = budget.Budget(None if max_time is None else parse_duration(max_time))
-        # absent from a config older than the key
-        self.profile = Profile(job.config["trainer"].get("profile"))
+        self.profile = Profile(job.config["trainer"].get("profile"))  # absent from older configs
         self.stopped: str | None = None  # what preempted the run: a signal, or trainer.max_time
         if plan.allowed:
             job.facts["allowed_changes"] = plan.allowed
@@ -92,7 +91,6 @@ class Run:
     def store(self):
         return self.rundir.store  # a new object once a history moves aside
 
-    # --- training
     def train(self, eval_every: int) -> None:
         trainer = self.job.config["trainer"]
         callbacks: list[MetricsLog | Display] = [
@@ -106,15 +104,19 @@ class Run:
             for cb in callbacks:
                 cb.close()
 
-    def _log_line(self, line: dict) -> None:
+    def _handover(self, call, *args, **kwargs):
+        """A call of the tracker, timed as trainer.profile's `tracking hand-over`."""
         with self.profile.phase("tracking hand-over"):
-            self.job.tracker.log_line(line)
+            return call(*args, **kwargs)
+
+    def _log_line(self, line: dict) -> None:
+        self._handover(self.job.tracker.log_line, line)
 
     def step_end(self, record: dict) -> bool:
         """The one decision after every update: stop?, checkpoint (who asked)?, preempted? True ends training."""
-        metrics = metrics_of(record)
+        metrics, trainer = metrics_of(record), self.job.config["trainer"]
         bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
-        if bad and self.job.config["trainer"]["on_nonfinite"] == "stop":
+        if bad and trainer["on_nonfinite"] == "stop":
             raise NonFiniteError(
                 f"step {record['step']}: {bad[0]} is {metrics[bad[0]]} (non-finite); stopping "
                 "with the last good checkpoints kept (trainer.on_nonfinite=continue trains on)"
@@ -134,25 +136,17 @@ class Run:
         if tags or preempted or end.last:
             self.checkpoint(metrics, tags, final=end.last or preempted)
         if preempted and not end.last:
-            max_time = self.job.config["trainer"]["max_time"]
-            self.stopped = self.signals.name or f"trainer.max_time={max_time}"
+            self.stopped = self.signals.name or f"trainer.max_time={trainer['max_time']}"
         return end.last or preempted
 
     def checkpoint(self, metrics: dict, tags: list[str], final: bool = False) -> Checkpoint:
         tracker = self.job.tracker
         # Only the last save (the end, or a preemption) waits for the tracked run's URI: earlier manifests
         # carry it once the tracker knows it, so training never waits for mlflow to start.
-        with self.profile.phase("tracking hand-over"):
-            self.job.facts["mlflow_run_uri"] = tracker.run_uri(timeout=30.0 if final else 0.0)
+        self.job.facts["mlflow_run_uri"] = self._handover(tracker.run_uri, 30.0 if final else 0.0)
         with self.profile.phase("checkpoint"):
-            fields = mf.build(
-                self.job.facts,
-                step=self.state.step,
-                epoch=self.state.epoch,
-                metrics=metrics,
-                tags=tags,
-                lineage=self.plan.lineage,
-            )
+            at = {"step": self.state.step, "epoch": self.state.epoch, "lineage": self.plan.lineage}
+            fields = mf.build(self.job.facts, metrics=metrics, tags=tags, **at)
             started = budget.monotonic()
             try:
                 ckpt = self.store.save(self.state.step, capture(self.job.parts), fields)
@@ -160,8 +154,7 @@ class Run:
                 raise named(e, self.store.root) from e
             self.retain()
             self.budget.saved(budget.monotonic() - started)
-        with self.profile.phase("tracking hand-over"):
-            tracker.log_checkpoint(ckpt.directory, ckpt.manifest)
+        self._handover(tracker.log_checkpoint, ckpt.directory, ckpt.manifest)
         return ckpt
 
     def retain(self) -> None:
@@ -173,23 +166,13 @@ class Run:
         named = tuple(n for s in stages if (n := s.named()) is not None)
         self.store.retain(keep, links, self.state.step, self.plan.lineage["id"], named)
 
-    # --- run.json
     def write_status(self, status: str, **extra) -> None:
         if status != "running":
             extra["ended_at"] = time.time()
-        state = self.state
-        fields = dict(
-            status=status,
-            step=state.step,
-            total_steps=state.total_steps,
-            epoch=state.epoch,
-            metrics=state.metrics,
-            ended=state.progress.ended,
-            config_hash=self.job.facts["config_hash"],
-            data_manifest_hash=self.job.facts["data_manifest_hash"],
-            **self.plan.history,
-            **extra,
-        )
+        state, facts = self.state, self.job.facts
+        fields = {k: getattr(state, k) for k in ("step", "total_steps", "epoch", "metrics")}
+        fields.update(status=status, ended=state.progress.ended, **self.plan.history, **extra)
+        fields.update({k: facts[k] for k in ("config_hash", "data_manifest_hash")})
         try:
             self.rundir.write_status(**fields)
         except OSError as e:
@@ -290,11 +273,8 @@ class Run:
         assert self.plan.resumed is not None, "a complete run was resumed"
         recorded = written_now(self.plan.resumed.manifest["config"])
         if unapplied := "; ".join(identity.described(recorded, self.job.config)):
-            log.warning(
-                "not applied to a finished run: %s (resume.allow_changes=[...] with more steps trains "
-                "it on; resume=never trains anew)",
-                unapplied,
-            )
+            said = "not applied to a finished run: %s (resume.allow_changes=[...] with more steps"
+            log.warning(said + " trains it on; resume=never trains anew)", unapplied)
         return Outcome("complete", EXIT_OK, self.objective())
 
     def execute(self, eval_every: int) -> Outcome:
@@ -306,18 +286,17 @@ class Run:
         log.info("%s", report.start_block(self.job, self.rundir.path))
         self.write_status("running")
         resumed = self.plan.resumed
-        with self.profile.phase("tracking hand-over"):
-            tracker.start(
-                config=self.job.config,
-                facts=self.job.facts,
-                run_dir=self.rundir.path,
-                previous_run_uri=resumed.manifest.get("mlflow_run_uri") if resumed else None,
-                status=self.rundir.read_status(),
-                start_time=self.plan.history["started"],
-            )
+        self._handover(
+            tracker.start,
+            config=self.job.config,
+            facts=self.job.facts,
+            run_dir=self.rundir.path,
+            previous_run_uri=resumed.manifest.get("mlflow_run_uri") if resumed else None,
+            status=self.rundir.read_status(),
+            start_time=self.plan.history["started"],
+        )
         try:
-            # a signal that arrived while setting up: nothing new to save
-            self.stopped = self.signals.name
+            self.stopped = self.signals.name  # one that came while setting up: nothing new to save
             if self.stopped is None:
                 self.train(eval_every)
             if self.stopped is None:
@@ -344,8 +323,7 @@ class Run:
             said = "preempted by %s at step %d; %s (exit %d)"
             log.warning(said, self.stopped, state.step, self.resume_hint(), EXIT_PREEMPTED)
         # the tracked run's end, then trainer.profile's table (this process's share of the run)
-        with self.profile.phase("tracking hand-over"):
-            tracker.finish("FINISHED" if self.stopped is None else "KILLED", self.rundir.path)
+        self._handover(tracker.finish, "KILLED" if self.stopped else "FINISHED", self.rundir.path)
         if self.profile.on:
             print(self.profile.table(), flush=True)
         return outcome

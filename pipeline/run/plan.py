@@ -111,18 +111,15 @@ def allowed(key: str, allow: list[str]) -> bool:
 
 def refuse(changes: dict[str, tuple], allow: list[str], where) -> None:
     """DriftError naming each change `allow` does not cover, or an allowed one that cannot take effect."""
+    refusing = f"refusing to resume from {where}:"
     if refused := {k: v for k, v in changes.items() if not allowed(k, allow)}:
         listing = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
-        raise DriftError(
-            f"refusing to resume from {where}: the config or data changed ({listing}); "
-            f"allow with resume.allow_changes=[{','.join(refused)}] or start over with resume=never"
-        )
+        then = f"allow with resume.allow_changes=[{','.join(refused)}] or start over with"
+        raise DriftError(f"{refusing} the config or data changed ({listing}); {then} resume=never")
     for key in changes:
         if why := identity.not_applicable(key):
-            raise DriftError(
-                f"refusing to resume from {where}: resume.allow_changes lets {key} through, but it "
-                f"cannot take effect on a resumed run ({why}); start over with resume=never"
-            )
+            said = f"resume.allow_changes lets {key} through, but it cannot take effect on a resumed run"
+            raise DriftError(f"{refusing} {said} ({why}); start over with resume=never")
 
 
 # --- forks, and what continues a stopped run
@@ -171,15 +168,11 @@ class Plan:
     complete: bool = False  # the resumed run ended: confirmed as it is, nothing trained
     settled: bool = False  # complete, and its run.json says so: a re-run changes no file of it
     metrics: tuple[dict, ...] | None = None  # what metrics.jsonl is cut to (None: left as it is)
-    # (step dir, what, why) passed over, newest first
-    fallback: tuple[tuple[Path, str, str], ...] = ()
+    fallback: tuple[tuple[Path, str, str], ...] = ()  # (dir, what, why) passed over, newest first
     cut: bool = False  # metrics.jsonl holds lines past the resumed step: kept whole aside
-    # changed since the checkpoint: its checkpoints kept as they stood
-    retuned: tuple[str, ...] = ()
-    # "fresh", or a fork's source: the whole earlier history moves aside
-    supersede: str | None = None
-    # {key: [old, new]} that resume.allow_changes let through
-    allowed: dict = field(default_factory=dict)
+    retuned: tuple[str, ...] = ()  # changed since the checkpoint: its checkpoints kept as they were
+    supersede: str | None = None  # "fresh", or a fork's source: the whole history moves aside
+    allowed: dict = field(default_factory=dict)  # {key: [old, new]} let through by allow_changes
     other_code: str = ""  # how the code that trained the checkpoint differs from this
     notes: tuple[str, ...] = ()  # the stages whose state was not restored, and why
     foreign: Checkpoint | None = None  # a fork's newest checkpoint in a clean run's directory
@@ -197,26 +190,22 @@ def plan(rundir: RunDir, job, resume: Resume, started: float, in_sweep: bool) ->
     """The history this run continues, with `job`'s parts restored to it; DriftError, CheckpointError for one
     it may not continue. Reads only: a signal here stops the process with nothing written."""
     killpoint.point("setup", "start")
-    fresh = {"rundir": rundir, "job": job, "started": started, "in_sweep": in_sweep}
     if resume.source == NEVER:
-        return _fresh(**fresh)
+        return _fresh(rundir, job, started, in_sweep)
     if resume.source != AUTO:
         return _fork(rundir, job, resume, Path(resume.source).expanduser(), started)
     ckpt, skipped = rundir.store.newest_valid(job.parts)
-    if ckpt is not None and ckpt.manifest["lineage"].get("origin") is not None:
-        return _fresh(**fresh, fallback=skipped, foreign=ckpt)
-    if ckpt is None:
-        return _fresh(**fresh, fallback=skipped)
+    if ckpt is None or ckpt.manifest["lineage"].get("origin") is not None:  # a fork's: foreign
+        return _fresh(rundir, job, started, in_sweep, tuple(skipped), ckpt)
     return _continued(rundir, job, resume, ckpt, ckpt.manifest["lineage"], started, skipped)
 
 
 def _fresh(rundir: RunDir, job, started: float, in_sweep: bool, fallback=(), foreign=None) -> Plan:
     """A history from scratch: what an earlier one left (none of which this run can continue) moves aside."""
-    # read-only: refused next, nothing written
-    moves = holds_history(rundir) and not rundir.read_only
+    moves = holds_history(rundir) and not rundir.read_only  # read-only: refused, nothing written
     return Plan(
         identity.lineage_of(job.semantic_hash, None),
-        fallback=tuple(fallback),
+        fallback=fallback,
         supersede="fresh" if moves else None,
         foreign=foreign,
         sibling="" if in_sweep else _sibling(rundir, job),  # in a sweep, siblings differ on purpose
@@ -227,7 +216,7 @@ def _fresh(rundir: RunDir, job, started: float, in_sweep: bool, fallback=(), for
 def _continued(rundir, job, resume, ckpt, lineage, started, skipped) -> Plan:
     """This directory's own history from `ckpt` on (its metrics cut back to the checkpoint's step)."""
     lines = rundir.read_metrics()  # read first: a damaged metrics.jsonl is named before any drift
-    allowed_, notes = _restore(job, ckpt, resume.allow_changes)
+    restored = _restore(job, ckpt, resume.allow_changes)
     complete = job.state.progress.ended is not None
     kept = tuple(ln for ln in lines if ln["step"] <= ckpt.step)
     recorded = written_now(ckpt.manifest["config"])
@@ -248,10 +237,8 @@ def _continued(rundir, job, resume, ckpt, lineage, started, skipped) -> Plan:
         fallback=tuple(skipped),
         cut=not complete and len(kept) < len(lines),
         retuned=tuple(retuned),
-        allowed=allowed_,
-        other_code=mf.code_change(ckpt.manifest, job.facts) or "",
-        notes=notes,
         history=history,
+        **restored,
     )
 
 
@@ -263,16 +250,12 @@ def _fork(rundir, job, resume, source: Path, started: float) -> Plan:
     # its origin was read as the run was named (origin_of): the same checkpoint
     lineage = job.lineage
     if _origin(source, src.manifest) != lineage["origin"]:
-        raise CheckpointError(
-            source,
-            "",
-            "not the checkpoint this run was named after (it changed while the run "
-            "started, or stages.resume.source is not resume.source)",
-        )
+        why = "it changed while the run started, or stages.resume.source is not resume.source"
+        raise CheckpointError(source, "", f"not the checkpoint this run was named after ({why})")
     own, skipped = rundir.store.newest_valid(job.parts)
     if own is not None and own.manifest["lineage"]["id"] == lineage["id"]:
         return _continued(rundir, job, resume, own, lineage, started, skipped)  # this fork, again
-    allowed_, notes = _restore(job, src, resume.allow_changes, fork=True)
+    restored = _restore(job, src, resume.allow_changes, fork=True)
     owner = RunDir.of_checkpoint(source)  # the source's run directory, if it is a step of one
     lines = owner.read_metrics() if owner is not None else []
     return Plan(
@@ -280,16 +263,14 @@ def _fork(rundir, job, resume, source: Path, started: float) -> Plan:
         src,
         metrics=tuple(ln for ln in lines if ln["step"] <= src.step),
         supersede=str(source) if holds_history(rundir) else None,
-        allowed=allowed_,
-        other_code=mf.code_change(src.manifest, job.facts) or "",
-        notes=notes,
         history={"started": started, "resumes": []},
+        **restored,
     )
 
 
-def _restore(job, ckpt: Checkpoint, allow: list[str], fork: bool = False) -> tuple[dict, tuple]:
-    """Refuse drift not allowed or not applicable, else restore every part of `job`: ({key: [old, new]}, the
-    stages' notes). Refused too if nothing is left to train and it is not this directory's complete run (a fork
+def _restore(job, ckpt: Checkpoint, allow: list[str], fork: bool = False) -> dict:
+    """Refuse drift not allowed or not applicable, else restore every part of `job`: the Plan's `allowed`, `notes`
+    and `other_code`. Refused too if nothing is left to train and it is not this directory's complete run (a fork
     of a run that ended, a step past this config's total): it would end without a checkpoint of its own."""
     changes = drift(ckpt.manifest, job)
     refuse(changes, allow, ckpt.directory)
@@ -309,19 +290,19 @@ def _restore(job, ckpt: Checkpoint, allow: list[str], fork: bool = False) -> tup
     state = job.state
     if changes:
         state.progress.ended = None  # e.g. more steps for a finished run
+    refusing = f"refusing to resume from {ckpt.directory}:"
     if fork and state.progress.ended is not None:
-        raise DriftError(
-            f"refusing to resume from {ckpt.directory}: its run ended there (at step {ckpt.step}, "
-            f"{state.progress.ended}), so a fork of it trains nothing; use that checkpoint as it is, or "
-            "train it on with a larger trainer.max_steps and resume.allow_changes=[trainer.max_steps]"
-        )
+        ended = f"{refusing} its run ended there (at step {ckpt.step}, {state.progress.ended})"
+        said = "so a fork of it trains nothing; use that checkpoint as it is, or train it on with a"
+        then = "larger trainer.max_steps and resume.allow_changes=[trainer.max_steps]"
+        raise DriftError(f"{ended}, {said} {then}")
     if state.progress.ended is None and state.step >= state.total_steps:
-        raise DriftError(
-            f"refusing to resume from {ckpt.directory}: it is at step {ckpt.step}, and this config "
-            f"ends at step {state.total_steps} (trainer.max_steps or trainer.epochs): nothing is left to "
-            "train; resume from an earlier checkpoint or train longer"
-        )
-    return {k: [old, new] for k, (old, new) in changes.items()}, tuple(states.notes)
+        said = f"it is at step {ckpt.step}, and this config ends at step {state.total_steps}"
+        then = "nothing is left to train; resume from an earlier checkpoint or train longer"
+        raise DriftError(f"{refusing} {said} (trainer.max_steps or trainer.epochs): {then}")
+    allowed = {k: [old, new] for k, (old, new) in changes.items()}
+    other_code = mf.code_change(ckpt.manifest, job.facts) or ""
+    return {"allowed": allowed, "notes": tuple(states.notes), "other_code": other_code}
 
 
 def _sibling(rundir: RunDir, job) -> str:
@@ -345,12 +326,9 @@ def _sibling(rundir: RunDir, job) -> str:
         found = store.newest_manifest()
     except OSError:  # a stray file or link in its checkpoints/: nothing to point at
         return ""
-    if found is None:
+    if found is None or not (changes := drift(found[1], job)) or len(changes) > MAX_HINTED:
         return ""
     newest, manifest = found
-    changes = drift(manifest, job)
-    if not changes or len(changes) > MAX_HINTED:
-        return ""
     # data.x covers the data
     keys = ",".join(k for k in changes if not allowed(k, [c for c in changes if c != k]))
     what = "; ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
@@ -366,43 +344,32 @@ def _sibling(rundir: RunDir, job) -> str:
 def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
     """Set-up's one durable change, whole (a signal waits for its end): what the plan moves to superseded/ and
     metrics.jsonl cut back; then the plan in the log's words (`state`: the restored TrainState)."""
-    moved = aside = None
+    dest, whole = None, plan.supersede is not None
     with signals.atomic():
-        if plan.supersede is not None:
-            moved = _supersede(rundir)
-        elif (plan.fallback or plan.cut or plan.retuned) and not (plan.settled or rundir.read_only):
-            fallback = [d for d, _, _ in plan.fallback]
-            aside = _set_aside(rundir, fallback, metrics=plan.cut, snapshot=bool(plan.retuned))
+        moves = plan.fallback or plan.cut or plan.retuned
+        if whole or (moves and not (plan.settled or rundir.read_only)):
+            dest = _aside(rundir, plan)
         if plan.metrics is not None:
             rundir.keep_metrics(list(plan.metrics))
     for _, what, why in plan.fallback:
-        aside_ = "(kept in superseded/, nothing is deleted)"
-        log.warning("not resuming from %s %s, falling back: %s", what, aside_, why)
+        aside = "(kept in superseded/, nothing is deleted)"
+        log.warning("not resuming from %s %s, falling back: %s", what, aside, why)
     if (foreign := plan.foreign) is not None:
-        log.warning(
-            "%s is a fork's (of %s), written where a clean run's directory is before forks were named "
-            "apart: not this run's history",
-            foreign.directory,
-            foreign.manifest["lineage"]["origin"].get("checkpoint"),
-        )
+        origin = foreign.manifest["lineage"]["origin"].get("checkpoint")
+        said = "%s is a fork's (of %s), written where a clean run's directory is before forks were"
+        log.warning(said + " named apart: not this run's history", foreign.directory, origin)
     step = plan.resumed.step if plan.resumed is not None else 0
     for note in plan.notes:
         log.info("resuming at step %d: stages.%s", step, note)
     if plan.allowed:
         changed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in plan.allowed.items())
         log.warning("resuming with allowed changes, in effect from step %d: %s", step, changed)
-    if moved is not None and plan.supersede == "fresh":
+    if dest is not None and whole:
+        held, then = "another run history", f" to continue from {plan.supersede}"
+        if plan.supersede == "fresh":
+            held, then = "an earlier run history that this start does not continue", ""
         log.warning(
-            "this run directory held an earlier run history that this start does not continue; moved it "
-            "to %s (nothing deleted)",
-            moved,
-        )
-    elif moved is not None:
-        log.warning(
-            "this run directory held another run history; moved it to %s (nothing deleted) to "
-            "continue from %s",
-            moved,
-            plan.supersede,
+            "this run directory held %s; moved it to %s (nothing deleted)%s", held, dest, then
         )
     if plan.resumed is None:
         log.info("starting a new run in %s", rundir.path)
@@ -411,44 +378,54 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
         return
     resumed, complete = plan.resumed, plan.complete
     if plan.other_code:
-        then = "resuming with this code (resume=never trains anew)"
+        what, then = "checkpoint", "resuming with this code (resume=never trains anew)"
         if complete:
-            then = "it is left as it is (resume=never trains it anew with this code)"
+            what, then = "run", "it is left as it is (resume=never trains it anew with this code)"
         said = "%s %s was trained by other code than this: %s; %s"
-        what = "run" if complete else "checkpoint"
         log.warning(said, what, resumed.directory, plan.other_code, then)
     if not complete:
         said = "resuming from step %d of %d (epoch %d): %s"
         log.info(said, resumed.step, state.total_steps, state.epoch, resumed.directory)
-    if aside is not None:
+    if dest is not None and not whole:
         kept = [p.name for p, _, _ in plan.fallback] + ["metrics.jsonl"] * plan.cut
         if plan.retuned:
             changed = ", ".join(plan.retuned)
             kept.append(f"the checkpoints as they stood (changed since the checkpoint: {changed})")
-        log.warning("kept in %s (nothing is deleted): %s", aside, "; ".join(kept))
+        log.warning("kept in %s (nothing is deleted): %s", dest, "; ".join(kept))
 
 
-# --- the moves apply makes: into superseded/<when>/ of the run directory, nothing deleted
-def _superseded(rundir: RunDir) -> Path:
+def _aside(rundir: RunDir, plan: Plan) -> Path:
+    """Into a new superseded/<when>/, returned: a superseded history whole, moved; else the fallen back step
+    directories, moved, and second names (no byte copied) of checkpoints/ if retuned, metrics.jsonl if cut."""
     dest = ensure_dirs(rundir.path, "superseded") / time.strftime("%Y%m%d-%H%M%S")
     n = 0
     while os.path.lexists(dest):
         n += 1
         dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
     os.mkdir(dest)
-    return dest
-
-
-def _supersede(rundir: RunDir) -> Path:
-    """The whole history (checkpoints, metrics, status) moved into superseded/<when>/, returned."""
-    dest, store = _superseded(rundir), rundir.store.root
-    if os.path.lexists(store):
-        move(store, dest / store.name, copy=_names_again)
-    for p in (rundir.metrics_path, rundir.status_path):
-        if os.path.lexists(p):
-            move(p, dest / p.name)
-    fsync_dir(rundir.path)
-    rundir.store = CheckpointStore(store)
+    store = rundir.store.root
+    if plan.supersede is not None:
+        if os.path.lexists(store):
+            move(store, dest / store.name, copy=_names_again)
+        for p in (rundir.metrics_path, rundir.status_path):
+            if os.path.lexists(p):
+                move(p, dest / p.name)
+        fsync_dir(rundir.path)
+    else:
+        if plan.fallback or plan.retuned:
+            kept = dest / store.name
+            os.mkdir(kept)
+            for d, _, _ in plan.fallback:
+                move(d, kept / d.name, copy=lambda step, to: CheckpointDir(step).second_names(to))
+            if plan.retuned:
+                _names_again(store, kept)
+            fsync_dir(kept)
+            fsync_dir(store)
+        if plan.cut and os.path.lexists(rundir.metrics_path):
+            refuse_link(rundir.metrics_path)
+            second_name(rundir.metrics_path, dest / rundir.metrics_path.name)
+        fsync_dir(dest)
+    rundir.store = CheckpointStore(store)  # a new store: the moved one's cached listing is gone
     return dest
 
 
@@ -463,24 +440,3 @@ def _names_again(store: Path, dest: Path) -> None:
     for name, target in links.items():
         os.symlink(target, dest / name)
     fsync_dir(dest)
-
-
-def _set_aside(rundir: RunDir, step_dirs: list[Path], metrics: bool, snapshot: bool) -> Path:
-    """Into superseded/<when>/, returned: `step_dirs`, moved; with `snapshot`, every other step directory and link
-    of checkpoints/ as it stands (second names: no byte copied); with `metrics`, a second name of metrics.jsonl."""
-    dest, store = _superseded(rundir), rundir.store.root
-    if step_dirs or snapshot:
-        kept = dest / store.name
-        os.mkdir(kept)
-        for d in step_dirs:
-            move(d, kept / d.name, copy=lambda step, to: CheckpointDir(step).second_names(to))
-        if snapshot:
-            _names_again(store, kept)
-        fsync_dir(kept)
-        fsync_dir(store)
-    if metrics and os.path.lexists(rundir.metrics_path):
-        refuse_link(rundir.metrics_path)
-        second_name(rundir.metrics_path, dest / rundir.metrics_path.name)
-    fsync_dir(dest)
-    rundir.store = CheckpointStore(store)
-    return dest

@@ -24,18 +24,12 @@ def start_block(job, run_dir: Path) -> str:
         biggest = "x".join(map(str, max(shapes, key=math.prod))) if shapes else "-"
         note = f"  {note}" if note else ""
         lines.append(f"  {group:<{width}}  {len(shapes):>6}  {n:>10,}  {biggest}{note}")
-    spec = data.spec
+    spec, n = data.spec, data.n_train
+    what = f"{n:,} train rows, {spec.n_features} features -> {spec.n_targets} targets"
     if spec.vocab_size:
-        what = (
-            f"{data.n_train:,} train windows, {getattr(data, 'n_val', 0):,} val windows of {spec.block_size} "
-            f"tokens, vocab {spec.vocab_size:,}"
-        )
-    else:
-        what = (
-            f"{data.n_train:,} train rows, {spec.n_features} features -> {spec.n_targets} targets"
-        )
-    lines.append(f"data {type(data).__name__}: {what}")
-    lines.append(f"run directory {run_dir}")
+        what = f"{n:,} train windows, {getattr(data, 'n_val', 0):,} val windows of"
+        what += f" {spec.block_size} tokens, vocab {spec.vocab_size:,}"
+    lines += [f"data {type(data).__name__}: {what}", f"run directory {run_dir}"]
     return "\n".join(lines)
 
 
@@ -47,10 +41,9 @@ UI_LOCAL = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
 
 
 def tool_args(command: list[str]) -> list[str]:
-    """What a tool that opens the run's checkpoints (evaluate, sample) needs of the run's `command` (CONFIG_FLAGS
-    and overrides, as `python -m pipeline` took them): the configs that may name its classes, as the one
-    `hydra.searchpath=[...]` those tools take. The config directories of `--config-dir`/`--config-path` come
-    first, as `file://` entries, then the run's own search path."""
+    """What a tool opening the run's checkpoints (evaluate, sample) needs of the run's `command`: the configs that
+    may name its classes, as one `hydra.searchpath=[...]`: `--config-dir`/`--config-path`'s directories first (as
+    `file://` entries), then the run's own search path."""
     dirs, searchpath, flag = [], None, None
     for arg in command:
         if flag is not None:
@@ -73,8 +66,7 @@ def tool_args(command: list[str]) -> list[str]:
 
 
 def ui_page(server: str, experiment_id: str | None) -> str:
-    """The mlflow UI's page of the experiment (None: of every experiment) at `server` (http://HOST:PORT[/prefix]),
-    in its machine-learning view."""
+    """The mlflow UI's page of the experiment (None: every one) at `server`, in its machine-learning view."""
     return f"{server.rstrip('/')}/#/experiments{'/' + experiment_id if experiment_id else ''}{UI_QUERY}"
 
 
@@ -140,11 +132,9 @@ def end_block(
     target = links.get("best") or links.get("final") or links.get("newest")
     if target is not None:
         configs = tool_args(overrides)
-        evaluate = f"{py} {shlex.join(['-m', 'pipeline.evaluate', str(target), *configs])}"
-        lines.append(f"  evaluate    {evaluate}")
-        if samples:
-            sample = f"{py} {shlex.join(['-m', 'pipeline.sample', str(target), *configs])}"
-            lines.append(f'  sample      {sample} prompt=""')
+        for tool, then in [("evaluate", ""), ("sample", ' prompt=""')][: 1 + samples]:
+            command = shlex.join(["-m", f"pipeline.{tool}", str(target), *configs])
+            lines.append(f"  {tool:<12}{py} {command}{then}")
     # a server: its UI is at its address
     if tracking_uri and ui_server(tracking_uri) == tracking_uri:
         lines.append(f"  mlflow ui   {ui_page(tracking_uri, experiment_id)}")

@@ -37,9 +37,7 @@ class Interrupted(BaseException):
 def descendants(root: int) -> list[int]:
     """Pids of every process below `root` in its session (the tracking agent, in a session of its own, is no job)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
@@ -50,14 +48,22 @@ def descendants(root: int) -> list[int]:
     out, todo = [], list(children.get(root, []))
     while todo:
         pid = todo.pop()
-        try:
-            if os.getsid(pid) != session:
-                continue
-        except OSError:
-            continue
-        out.append(pid)
-        todo.extend(children.get(pid, []))
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if os.getsid(pid) == session:
+                out.append(pid)
+                todo.extend(children.get(pid, []))
     return out
+
+
+def _unraisable(quiet: Callable[[BaseException | None], bool]) -> None:
+    """sys.unraisablehook says nothing of an exception `quiet` is true of, and passes on every other."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not quiet(unraisable.exc_value):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 class Signals:
@@ -75,8 +81,7 @@ class Signals:
         if self.installed or threading.current_thread() is not threading.main_thread():
             return
         previous, spec = sys.excepthook, getattr(sys.modules.get("__main__"), "__spec__", None)
-        # the module `python -m` runs, or the main entry
-        name = getattr(spec, "name", None) or "pipeline"
+        name = getattr(spec, "name", None) or "pipeline"  # what `python -m` runs, or the entry
 
         # a signal while an entry point's modules are still imported: one line
         def hook(kind, value, tb):
@@ -89,15 +94,9 @@ class Signals:
 
         # first: a signal between two of the handlers below already ends in one line
         sys.excepthook = hook
-        unraisable = sys.unraisablehook
-
         # the handler's raise landed in a callback Python runs for itself (a weakref's inside the
         # import system, a __del__): it cannot propagate; `received` holds the signal, acted on at the next check
-        def swallow(u):
-            if not isinstance(u.exc_value, Interrupted):
-                unraisable(u)
-
-        sys.unraisablehook = swallow
+        _unraisable(lambda e: isinstance(e, Interrupted))
         for s in SIGNALS:
             signal.signal(s, self._handler)
         self.installed = True
@@ -130,15 +129,8 @@ class Signals:
         self.mode = DONE
         if threading.current_thread() is not threading.main_thread():
             return
-        previous = sys.unraisablehook
-
         # a signal caught just before SIG_IGN took over: nothing to say about it
-        def hook(unraisable):
-            e = unraisable.exc_value
-            if not (isinstance(e, OSError) and "race condition" in str(e)):
-                previous(unraisable)
-
-        sys.unraisablehook = hook
+        _unraisable(lambda e: isinstance(e, OSError) and "race condition" in str(e))
         for s in SIGNALS:
             signal.signal(s, signal.SIG_IGN)
 
@@ -151,19 +143,24 @@ class Signals:
             yield self
         finally:
             self.mode = previous
-        if self.received is not None and previous == RAISE:
-            raise Interrupted(self.received)
+        if previous == RAISE:
+            self.check()
 
     @contextlib.contextmanager
     def deferring(self):
         """While a run holds its directory: a signal only sets the flag (raises at once if one already came)."""
         previous, self.mode, self.held = self.mode, DEFER, True
         try:
-            if self.received is not None and previous == RAISE:
-                raise Interrupted(self.received)
+            if previous == RAISE:
+                self.check()
             yield self
         finally:
             self.mode = previous
+
+    def check(self) -> None:
+        """Raise the signal that came, if one did (set-up's check after a call that could not be cut short)."""
+        if self.received is not None:
+            raise Interrupted(self.received)
 
     def sweeping(self, sweep_dir: Path, slurm_jobs: Path | None = None, launcher=None) -> None:
         """In the process that launches a sweep's jobs, from a fresh start (no marker of an earlier stop);
@@ -216,10 +213,9 @@ def command(name: str):
 def run_command(
     name: str, main: Callable[[], int | None] | str, interrupted: str = "nothing was written"
 ) -> NoReturn:
-    """The one way in and out of every command: take over the signals, run `main` (a function, or a module
-    imported only now whose main() it calls and whose INTERRUPTED says what an interruption left) as a
-    `command`, exit with its code. A signal is `<name>: interrupted by SIGINT; <interrupted>` and
-    EXIT_PREEMPTED, never a traceback nor a negative code."""
+    """The one way in and out of every command: take over the signals, run `main` (a function, or a module imported
+    only now: its main(), its INTERRUPTED says what an interruption left) as a `command`, exit with its code. A
+    signal is `<name>: interrupted by SIGINT; <interrupted>` and EXIT_PREEMPTED, never a traceback."""
     try:
         SIGNALS_STATE.install()  # inside: a signal right after its handler is installed is already ours
         if isinstance(main, str):

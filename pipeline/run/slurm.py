@@ -1,8 +1,6 @@
-"""A SLURM job that was told to stop (a time-limit warning, a signal to its steps) puts itself back in the queue.
-
-Only the job itself can: SLURM signals before a time limit only if asked (`--signal=USR1@N`; submitit asks for
-USR2), and `scancel --signal=TERM JOBID` reaches the steps while the job stays RUNNING.
-"""
+"""A SLURM job told to stop (a time-limit warning, a signal to its steps) puts itself back in the queue. Only
+the job itself can: SLURM signals before a time limit only if asked (`--signal=USR1@N`; submitit asks for
+USR2), and `scancel --signal=TERM JOBID` reaches the steps while the job stays RUNNING."""
 
 from __future__ import annotations
 
@@ -48,10 +46,8 @@ def requeue_self() -> tuple[bool, str] | None:
     if r.returncode != 0:
         said = (r.stderr or r.stdout).strip() or f"exit {r.returncode}"
         return False, f"SLURM job {job}: `scontrol requeue` failed: {said}"
-    return (
-        True,
-        f"SLURM job {job} ({state}, reason {reason}) requeued: it resumes from its newest checkpoint",
-    )
+    said = f"({state}, reason {reason}) requeued: it resumes from its newest checkpoint"
+    return True, f"SLURM job {job} {said}"
 
 
 def _job_fields(job: str) -> dict:
@@ -72,12 +68,8 @@ def signal_jobs(submitit_dir: Path, signum: int) -> list[str]:
         try:
             # the running ones only: to a pending task scancel answers "try again later" and retries 5 s later,
             # when the task may have just started, before its Python handles signals (it dies without a result)
-            args = [
-                "scancel",
-                "--state=RUNNING",
-                f"--signal={signal.Signals(signum).name[3:]}",
-                *ids,
-            ]
+            sig = signal.Signals(signum).name[3:]
+            args = ["scancel", "--state=RUNNING", f"--signal={sig}", *ids]
             subprocess.run(args, capture_output=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired):
             return []  # an unreachable controller: the jobs run on; the pending ones still refuse to start

@@ -23,8 +23,7 @@ class SweepInterrupted(CommandError):
 
 @dataclass
 class SweepJob:
-    """Built by the Hydra task from its sweep's sweep.json (pipeline.sweep.callback.job_of); `dir`
-    None: a multirun without the sweep callback, which records nothing."""
+    """Built from its sweep's sweep.json (sweep/callback.job_of); `dir` None: no sweep callback, no record."""
 
     dir: Path | None = None
     sweep_id: str | None = None
@@ -58,21 +57,13 @@ class SweepJob:
             return
         if error is not None and self.failure is None:
             self.failure = {"code": 1, "error": f"{type(error).__name__}: {error}"[:2000]}
-        failure = self.failure
+        failure = self.failure or {}
         value = float(objective) if isinstance(objective, (int, float)) and error is None else None
-        status = "complete"
-        if failure is not None:
-            status = "preempted" if failure["code"] == EXIT_PREEMPTED else "failed"
-        record = {
-            **(self.tags or {}),
-            "run_dir": self.run_dir,
-            "run_uri": self.run_uri,
-            "started": self.started,
-            "ended_at": time.time(),
-            "objective": value,
-            "status": status,
-            **(failure or {}),
-        }
+        code = failure.get("code")
+        status = "complete" if code is None else "preempted" if code == EXIT_PREEMPTED else "failed"
+        record = dict(self.tags or {}, run_dir=self.run_dir, run_uri=self.run_uri, objective=value)
+        record.update(started=self.started, ended_at=time.time(), status=status)
+        record.update(failure)  # its status ("not started") says more than `status`
         try:
             replace_file(ensure_dirs(self.dir, "jobs") / f"{self.num}.json", jsonio.dumps(record))
         except OSError as e:

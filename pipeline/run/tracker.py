@@ -33,8 +33,7 @@ class SweepParent:
 class Tracker:
     """Every call returns quickly: the training loop never waits for tracking."""
 
-    # what a sweep tracked this way builds for its parent run
-    sweep_parent: type[SweepParent] = SweepParent
+    sweep_parent: type[SweepParent] = SweepParent  # built for the parent run of a sweep
 
     def __init__(self, **_):
         pass
@@ -56,11 +55,9 @@ class Tracker:
 
     def attach(self, run_dir: Path) -> str | None:
         """A sweep job whose run was already complete: make the index show it in the sweep."""
-        return None
 
     def run_uri(self, timeout: float) -> str | None:
         """The tracked run's URI for manifests, waiting at most `timeout` seconds for it to be known."""
-        return None
 
     def log_line(self, line: dict) -> None:
         """One metrics.jsonl line (step, epoch, time, metrics)."""

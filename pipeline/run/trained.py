@@ -41,10 +41,8 @@ def restore_checkpoint(directory: Path, overrides: Sequence[str] = ()) -> tuple[
     from pipeline.run.assemble import build_state
 
     checkpoint = CheckpointDir(directory)
-    # bounded, and its hashes agree with its config: nothing built yet
-    manifest = checkpoint.manifest()
-    # stages.resume and stages.train as they are named now
-    recorded = written_now(manifest["config"])
+    manifest = checkpoint.manifest()  # bounded, its hashes agree with its config: nothing built yet
+    recorded = written_now(manifest["config"])  # stages.resume and stages.train as named now
     try:
         targets.check(recorded, targets.allowed(tuple(overrides)))
     except targets.UnknownTarget as e:
@@ -61,8 +59,7 @@ def restore_checkpoint(directory: Path, overrides: Sequence[str] = ()) -> tuple[
         state = build_state(config, DataSpec(**spec), n_train)
     except Exception as e:
         raise checkpoint.fault(f"its config does not build here: {_first_line(e)}") from None
-    # One read of every file: sizes, sha256, each tensor file's layout before allocation, every part's fit:
-    # restore cannot refuse after it.
+    # one read of each file (sizes, sha256, layouts, each part's fit): restore cannot refuse after it
     ckpt = checkpoint.load(parts := state.parts())
     if ckpt.manifest != manifest:
         raise checkpoint.fault("changed while it was read")
@@ -88,11 +85,9 @@ def _fits_its_weights(ckpt: CheckpointDir, manifest: dict, node: dict, spec: Dat
     itemsize = np.dtype(manifest["config"]["trainer"]["dtype"]).itemsize
     # Only a gross excess is refused here: a near miss is built (cheaply) and named precisely by CheckpointDir.load.
     if wanted is not None and wanted * itemsize > 2 * weights_bytes(manifest) + SLACK_BYTES:
-        raise ckpt.fault(
-            f"its config describes a model of {wanted:,} parameters ({wanted * itemsize:,} "
-            f"bytes), more than its weights file holds ({weights_bytes(manifest):,} "
-            "bytes); it was not built"
-        )
+        size = f"{wanted:,} parameters ({wanted * itemsize:,} bytes)"
+        held = f"more than its weights file holds ({weights_bytes(manifest):,} bytes)"
+        raise ckpt.fault(f"its config describes a model of {size}, {held}; it was not built")
 
 
 def cache_home(directory: Path) -> str:
@@ -113,8 +108,7 @@ def in_archive(directory: Path) -> bool:
 
 
 def _own_source(manifest: dict, node: dict, directory: Path) -> None:
-    """The checkpoint's own `data.path` is read only if it holds the bytes the checkpoint was trained on: a
-    checkpoint does not choose which of the user's files a tool reads."""
+    """The checkpoint's own `data.path` is read only if it holds the bytes it was trained on (it picks no file)."""
     path, sha = node.get("path"), (manifest.get("sources") or {}).get("data.path")
     if not isinstance(path, str):
         return
@@ -122,15 +116,12 @@ def _own_source(manifest: dict, node: dict, directory: Path) -> None:
         here = identity.source_hashes({"data": node})["data.path"]
     except OSError as e:
         why = "text file not found" if isinstance(e, FileNotFoundError) else e.strerror or e
-        raise ConfigError(
-            f"data.path={path} (the checkpoint's): {why}; give the file it was trained on with "
-            "data.path=FILE"
-        ) from None
+        said = f"{why}; give the file it was trained on with data.path=FILE"
+        raise ConfigError(f"data.path={path} (the checkpoint's): {said}") from None
     if here != sha:
-        raise ConfigError(
-            f"data.path={path} (the checkpoint's): not the file checkpoint {directory} was trained on "
-            f"(sha256 {here[:12]}, the manifest says {str(sha)[:12]}); give it with data.path=FILE"
-        )
+        said = f"not the file checkpoint {directory} was trained on (sha256 {here[:12]}, "
+        said += f"the manifest says {str(sha)[:12]}); give it with data.path=FILE"
+        raise ConfigError(f"data.path={path} (the checkpoint's): {said}")
 
 
 def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
@@ -146,10 +137,8 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
                 f"{o.input_line}: only data=NAME, data.KEY=VALUE, paths.output_dir=DIR and "
                 "hydra.searchpath=[...] can be given here; the rest is the checkpoint's"
             )
-    output_dir = next(
-        (str(o.value()) for o in reversed(parsed) if o.key_or_group == "paths.output_dir"),
-        cache_home(directory),
-    )
+    given = [str(o.value()) for o in parsed if o.key_or_group == "paths.output_dir"]
+    output_dir = given[-1] if given else cache_home(directory)
     if any(o.key_or_group == "data" for o in parsed):
         from hydra.errors import HydraException
 
@@ -161,15 +150,10 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
         except (HydraException, OmegaConfBaseException) as e:
             raise ConfigError(f"bad override: {error_line(e)}") from None
     else:
-        # a key it predates, or null then
+        # the checkpoint's data node (a key it predates, or null then), typed by its schema
         node = as_written_now(copy.deepcopy(manifest["config"]["data"]))
-        # the checkpoint's data node, typed by its schema
         schema = SCHEMAS.get(str(node.get("_target_")))
-        cfg = (
-            OmegaConf.merge(OmegaConf.structured(schema), node)
-            if schema
-            else OmegaConf.create(node)
-        )
+        cfg = OmegaConf.merge(OmegaConf.structured(schema) if schema else {}, node)
         for o in parsed:
             if o.key_or_group.startswith("data."):
                 try:
@@ -185,8 +169,8 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     return config
 
 
-# (config, its dataset)
 def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict, Any]:
+    """(data_config, its dataset), else ConfigError."""
     from pipeline.run.assemble import build_dataset
 
     config = data_config(manifest, list(overrides), directory)
@@ -202,11 +186,10 @@ def own_data(manifest: dict, overrides: list[str], directory: Path):
     """The dataset the checkpoint at `directory` was trained on (its data_manifest_hash), else ConfigError."""
     config, dataset = _built(manifest, overrides, directory)
     if dataset.manifest_hash != manifest["data_manifest_hash"]:
-        raise ConfigError(
-            f"data {config['data'].get('_target_')}: builds data {dataset.manifest_hash[:12]}, but the "
-            f"checkpoint was trained on {manifest['data_manifest_hash'][:12]}: give the data it was "
-            "trained on (data.path=FILE for a moved text file)"
-        )
+        said = f"builds data {dataset.manifest_hash[:12]}, but the checkpoint was trained on"
+        then = "give the data it was trained on (data.path=FILE for a moved text file)"
+        data, trained = config["data"].get("_target_"), manifest["data_manifest_hash"][:12]
+        raise ConfigError(f"data {data}: {said} {trained}: {then}")
     return dataset
 
 
@@ -229,11 +212,8 @@ def other_data(manifest: dict, overrides: list[str], directory: Path):
             where = [o for o in overrides if o.startswith(("paths.", "hydra."))]
             vocab = data_facts(manifest, where, directory)["vocab"]
         except ConfigError as e:  # a schema 2.0 checkpoint whose own data does not build here
-            log.warning(
-                "cannot compare vocabularies (the checkpoint's own data does not build here: %s); "
-                "checking the spec only",
-                e,
-            )
+            said = "cannot compare vocabularies (the checkpoint's own data does not build here: %s)"
+            log.warning(said + "; checking the spec only", e)
     saved = {k: v for k, v in manifest["data_spec"].items() if k != "n_train"}
     here = asdict(dataset.spec)
     if diff := [f"{k} {saved[k]} -> {here.get(k)}" for k in saved if saved[k] != here.get(k)]:

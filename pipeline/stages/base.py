@@ -31,7 +31,6 @@ class Stage:
 
     def stop_reason(self, end: StepEnd) -> str | None:
         """After each update, before any checkpoint decision: a reason to end the run here, or None."""
-        return None
 
     def wants_checkpoint(self, end: StepEnd) -> bool:
         """After each update: update own state, and ask for a checkpoint of this step."""
@@ -39,15 +38,12 @@ class Stage:
 
     def policy(self) -> Policy | None:
         """Which checkpoints this stage keeps (records tagged with its name are the ones it asked for)."""
-        return None
 
     def link_policy(self) -> Policy | None:
         """The one checkpoint `link` points at."""
-        return None
 
     def named(self) -> Named | None:
         """Second names (links beside step-*) for the checkpoints this stage keeps."""
-        return None
 
     def state_dict(self) -> dict:
         return {}
@@ -57,11 +53,9 @@ class Stage:
 
     def continues(self, saved: dict) -> str | None:
         """Why a saved state of this stage no longer means the same with the live parameters (None: it does)."""
-        return None
 
     def start_at(self, step: int) -> None:
-        """This stage starts fresh at a resume to `step` (its state was not in the checkpoint, or means another
-        thing now)."""
+        """This stage starts fresh at a resume to `step` (its state was not saved, or means another thing now)."""
 
     def fit_reason(self, saved: dict) -> str | None:
         """Why `saved` cannot replace this stage's state (keys, JSON kinds), or None."""
@@ -80,24 +74,16 @@ class Watch(Stage):
         self.monitor, self.mode = str(monitor), str(mode)
         self.best: float | None = None
         self.best_step: int | None = None
-        # the step this best history began at (a resume that changed monitor or mode)
-        self.since = 0
+        self.since = 0  # the step its best history began at (a resume changed monitor or mode)
 
     def state_dict(self) -> dict:
-        return {
-            "best": self.best,
-            "best_step": self.best_step,
-            "monitor": self.monitor,
-            "mode": self.mode,
-            "since": self.since,
-        }
+        return {k: getattr(self, k) for k in ("best", "best_step", "monitor", "mode", "since")}
 
     def start_at(self, step: int) -> None:
         self.since = int(step)
 
     def continues(self, saved: dict) -> str | None:
-        # A state saved before monitor and mode rode along was measured by the live ones (nothing else could
-        # resume it then).
+        # a state saved before monitor and mode rode along was measured by the live ones
         old = (saved.get("monitor", self.monitor), saved.get("mode", self.mode))
         if old != (self.monitor, self.mode):
             new = f"{self.monitor!r} mode {self.mode!r}"
@@ -151,8 +137,7 @@ class StageStates:
         for s in self._restored(state):
             if reason := s.fit_reason(state[s.name]):
                 raise BadValue(s.name, reason)
-            own = getattr(s, "check_state_dict", None)
-            if own is not None:
+            if (own := getattr(s, "check_state_dict", None)) is not None:
                 own(state[s.name])
 
     def load_state_dict(self, state: dict) -> None:

@@ -1,5 +1,4 @@
-"""Keeps the checkpoints of the `keep` best evaluations of `monitor` (min or max; Lightning's save_top_k), the best
-pointed at by checkpoints/best."""
+"""The checkpoints of the `keep` best evaluations of `monitor` (Lightning's save_top_k); checkpoints/best."""
 
 from __future__ import annotations
 
@@ -23,13 +22,12 @@ class BestVal(Watch):
         self.top: list[tuple[float, int]] = []
 
     def wants_checkpoint(self, end: StepEnd) -> bool:
-        top = admit(self.top, end.metrics.get(self.monitor), end.step, self.keep, self.mode)
         # NaN and infinities never enter, nor a value no better than the keep-th best
-        if top is None:
-            return False
-        self.top = top
-        self.best, self.best_step = top[0]
-        return True
+        top = admit(self.top, end.metrics.get(self.monitor), end.step, self.keep, self.mode)
+        if top is not None:
+            self.top = top
+            self.best, self.best_step = top[0]
+        return top is not None
 
     def policy(self) -> BestN:
         return BestN(self.monitor, self.mode, self.keep, self.since)

@@ -7,9 +7,8 @@ from pipeline.stages.base import StepEnd, Watch
 
 
 class EarlyStop(Watch):
-    """An evaluation is a step whose metrics hold `monitor`; one without improvement adds to `wait`, one with
-    improvement resets it, and the step at which `wait` reaches `patience` is the run's last (the final and
-    best checkpoints follow as at any end; run.json's `ended` says why). Its counters ride in checkpoints."""
+    """An evaluation (a step whose metrics hold `monitor`) without improvement adds to `wait`, one with resets it;
+    the step `wait` reaches `patience` is the run's last (run.json's `ended` says why). Its counters are saved."""
 
     name = "early_stop"
 
@@ -31,10 +30,8 @@ class EarlyStop(Watch):
         best = "no finite value yet"
         if self.best is not None:
             best = f"best {self.best:.6g} at step {self.best_step}"
-        return (
-            f"early_stop: {self.monitor} did not improve in {self.wait} evaluations "
-            f"(mode {self.mode}, min_delta {self.min_delta:g}; {best})"
-        )
+        how = f"mode {self.mode}, min_delta {self.min_delta:g}; {best}"
+        return f"early_stop: {self.monitor} did not improve in {self.wait} evaluations ({how})"
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "wait": self.wait}
