@@ -80,9 +80,7 @@ def command_args(hydra_cfg, conf_dir) -> list[str]:
     from pipeline.config.targets import as_given
 
     args = []
-    for source in hydra_cfg.runtime.config_sources:
-        if source.schema != "file":
-            continue
+    for source in (s for s in hydra_cfg.runtime.config_sources if s.schema == "file"):
         if source.provider == "main" and Path(source.path).resolve() != Path(conf_dir).resolve():
             args += ["--config-path", source.path]
         elif source.provider == "command-line":

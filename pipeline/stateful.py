@@ -77,9 +77,8 @@ def merge(arrays: Mapping[str, np.ndarray], json_tree: dict) -> dict:
         for p in parents:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ValueError(
-                    f"array {path!r} sits under {p!r}, which is not an object in the JSON state"
-                )
+                why = "which is not an object in the JSON state"
+                raise ValueError(f"array {path!r} sits under {p!r}, {why}")
         if leaf in node:
             raise ValueError(f"{path!r} is both an array and a JSON value")
         node[leaf] = a

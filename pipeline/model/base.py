@@ -41,17 +41,13 @@ class NamedParams:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Every name, tied aliases included, mapped to the live array (no copies)."""
-        out = dict(self.params)
-        for alias, target in self.aliases.items():
-            out[alias] = self.params[target]
-        return out
+        return {**self.params, **{alias: self.params[t] for alias, t in self.aliases.items()}}
 
     def check_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
         live, got = tie_groups(self.state_dict()), tie_groups(arrays)
         if live != got:
-            raise ValueError(
-                f"tied names differ: the saved weights tie {got}, the live model {live}"
-            )
+            why = f"the saved weights tie {got}, the live model {live}"
+            raise ValueError(f"tied names differ: {why}")
 
     def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
         """Copy values into the live arrays in place, so object identity (and tying) survives."""

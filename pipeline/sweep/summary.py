@@ -113,11 +113,9 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
         won = row_job is not None and best is not None and row_job["num"] == best["num"]
         cells = [j(c, w) for j, c, w in zip(just, r, widths)]
         lines.append(f"  {'*' if won else ' '} " + "  ".join(cells).rstrip())
-    if len(jobs) > len(shown):
-        lines.append(
-            f"  ... {len(jobs) - len(shown)} more jobs (the {len(shown)} best are shown; every job is "
-            f"in {sweep.get('dir', 'the sweep directory')}/jobs/)"
-        )
+    if (hidden := len(jobs) - len(shown)) > 0:
+        where = f"every job is in {sweep.get('dir', 'the sweep directory')}/jobs/"
+        lines.append(f"  ... {hidden} more jobs (the {len(shown)} best are shown; {where})")
     if best is not None:
         where = run_page(best["run_uri"]) if best.get("run_uri") else best.get("run_dir") or ""
         lines.append(f"best: job {best['num']} ({best.get('name', '')}) {where}".rstrip())
