@@ -159,14 +159,10 @@ def main() -> int | None:
         raise ConfigError(f"bad config or override: {error_line(e)}") from e
 
 
-def run_tool(tool: str) -> None:
-    """`python -m pipeline TOOL args`: pipeline/cli/TOOL.py's main, imported once the signals are ours."""
-    run_command(f"pipeline.{tool}", f"pipeline.cli.{tool}")
-
-
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] in TOOLS:
         tool = sys.argv.pop(1)
         sys.argv[0] = f"pipeline.{tool}"
-        run_tool(tool)
+        # `python -m pipeline TOOL args`: pipeline/cli/TOOL.py's main, imported once the signals are ours
+        run_command(f"pipeline.{tool}", f"pipeline.cli.{tool}")
     run_command("pipeline", main)

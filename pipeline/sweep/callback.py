@@ -52,12 +52,9 @@ def _plain(node, resolve: bool = True):
 
 def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, str]:
     """{key: the values given} for every override that sweeps (a,b / range / interval / choice ...)."""
-    out = {}
-    for o in parse_overrides(task_overrides):
-        if o.is_sweep_override():
-            out[o.get_key_element().lstrip("+~")] = o.input_line.split("=", 1)[1]
-    out.update({str(k): str(v) for k, v in (sweeper_params or {}).items()})
-    return out
+    sweeps = (o for o in parse_overrides(task_overrides) if o.is_sweep_override())
+    out = {o.get_key_element().lstrip("+~"): o.input_line.split("=", 1)[1] for o in sweeps}
+    return out | {str(k): str(v) for k, v in (sweeper_params or {}).items()}
 
 
 def _stop(message: str, code: int = EXIT_BAD_INPUT) -> None:
@@ -194,7 +191,6 @@ class SweepCallback(Callback):
         identity: dict = {"name": str(config.get("name", ""))}  # hashed with its keys sorted
         identity["overrides"] = sorted(o for o in task if not _machine(o))
         identity["sweeper"] = {k: v for k, v in sweeper.items() if k not in NOT_IDENTITY}
-        # <output_dir>/sweeps/<name>-<id>
         if (why := names.problem(identity["name"] or "sweep")) is not None:
             _stop(f"name={names.shown(identity['name'])}: {why}")
         if (count := job_count(task, sweeper)) > MAX_JOBS:  # before anything is written or expanded
@@ -278,13 +274,12 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         """The table on stderr; `code`, the entry's exit: 0 if all completed, 75 if interrupted, else a failed job's."""
         if self.sweep is not None:
-            self.code = _report(end(self.sweep, None, self.parent))
+            self.code = end(self.sweep, None, self.parent)
 
     # --- the entry point, when the sweeper or Hydra raised in the launching process
     def raised(self, e: Exception, job_began: bool) -> int | None:
-        """End this sweep after `e`, its code once its table and exit line are printed: on a full or read-only disk its
-        sweep.json says so (if the disk lets it); refused before any job ran (no signal came: a launcher's workers that
-        a signal ended are no refusal) and before its parent run was asked for, it leaves nothing."""
+        """End this sweep after `e`, its code once its table and exit line are printed (a full or read-only disk said
+        in sweep.json); refused before any job ran or signal came and before its parent run was asked for: nothing."""
         with contextlib.suppress(OSError):
             if (message := atomic.environment_error(e)) is not None:
                 self.end_unfinished(message)
@@ -324,34 +319,13 @@ class SweepCallback(Callback):
         mine = (os.getpid(), socket.gethostname(), "running")
         if not isinstance(sweep, dict) or tuple(map(sweep.get, ("pid", "host", "status"))) != mine:
             return False
-        summary = end(sweep, error, self.parent)
-        # what its sweeper stumbled on (Optuna's best trial, when none completed): the table, failures, code
-        if summary["status"] == "interrupted" or summary["failed"]:
-            self.code = _report(summary)
+        self.code = end(sweep, error, self.parent)
         return True
 
 
-def _report(summary: dict) -> int:
-    """The end table on stderr, then the exit line unless every job of this launch completed; the exit code."""
-    say = functools.partial(print, file=sys.stderr)
-    say(*summary["table"], sep="\n")
-    failed, of = summary["failed"], f"of {len(summary['jobs'])} jobs"
-    if summary["status"] == "interrupted":
-        said = f"{len(failed)} {of} did not finish" if summary["jobs"] else "no job ran"
-        say(f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it")
-        return EXIT_PREEMPTED
-    if not failed:
-        return 0
-    each = (
-        f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
-        for n, j in failed.items()
-    )
-    say(f"pipeline: {len(failed)} {of} failed: {'; '.join(each)}")
-    return min(int(j.get("code", 1)) for j in failed.values())
-
-
-def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
-    """The sweep's outcome from its jobs' records, into sweep.json and its parent run."""
+def end(sweep: dict, error: str | None, parent: SweepParent) -> int | None:
+    """The sweep's outcome from its jobs' records into sweep.json and its parent run, the end table and exit line on
+    stderr (after `error`, only for what its sweeper stumbled on: an interruption, failed jobs); the exit code."""
     directory = Path(sweep["dir"])
     jobs = read_jobs(directory)
     # what this launch ran: an Optuna study's earlier trials are never run again (a failed one is replaced), so only
@@ -364,7 +338,23 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
     sweep.update(status=status, ended_at=time.time(), error=error)
     atomic.replace_file(directory / "sweep.json", jsonio.dumps(sweep))
     table = sweep_table(sweep, jobs, best_job(jobs, sweep), parent.end(sweep))
-    return {"status": status, "failed": failed, "jobs": jobs, "table": table}
+    if error is not None and not (interrupted or failed):
+        return None
+    say = functools.partial(print, file=sys.stderr)
+    say(*table, sep="\n")
+    of = f"of {len(jobs)} jobs"
+    if interrupted:
+        said = f"{len(failed)} {of} did not finish" if jobs else "no job ran"
+        say(f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it")
+        return EXIT_PREEMPTED
+    if not failed:
+        return 0
+    each = (
+        f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
+        for n, j in failed.items()
+    )
+    say(f"pipeline: {len(failed)} {of} failed: {'; '.join(each)}")
+    return min(int(j.get("code", 1)) for j in failed.values())
 
 
 def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str, direction: str) -> int:

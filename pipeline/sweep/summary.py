@@ -71,12 +71,8 @@ def parent_name(swept) -> str:
 
 def swept_values(overrides: list[str], keys) -> dict[str, str]:
     """{swept key: the value a job ran with}, read from its overrides (`+key=v` and `key=v` alike)."""
-    out = {}
-    for o in overrides:
-        key, sep, value = str(o).partition("=")
-        if sep and key.lstrip("+~") in keys:
-            out[key.lstrip("+~")] = value
-    return out
+    parts = (str(o).partition("=") for o in overrides)
+    return {k.lstrip("+~"): v for k, sep, v in parts if sep and k.lstrip("+~") in keys}
 
 
 def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: list) -> list[str]:
