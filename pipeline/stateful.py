@@ -11,8 +11,7 @@ import numpy as np
 
 from pipeline.files.jsonio import flatten
 
-# The state machines of a run, in restore order: RNG streams last, so nothing drawn while restoring the
-# others can disturb them.
+# The state machines of a run, in restore order: RNG streams last, so nothing drawn restoring the others disturbs them.
 PARTS = ("model", "optimizer", "scheduler", "data_iter", "progress", "stages", "rng")
 SEP = "/"
 

@@ -56,9 +56,8 @@ class NamedParams:
 
 
 def summary(params: dict[str, np.ndarray], aliases: dict[str, str] | None = None):
-    """Lightning's ModelSummary over named arrays: (rows, total). A row is (group, shapes, params, note); the
-    group is a name's first component, with the index for a stack (`transformer.h.0`, `layers.1`). Each array
-    counts once, under its canonical name: a tied alias adds a "tied to" note, not parameters."""
+    """Lightning's ModelSummary over named arrays: (rows, total); a row (group, shapes, params, note), the group a
+    name up to its stack index (`transformer.h.0`) or its owner; a tied alias adds a "tied to" note, no parameters."""
     rows: dict[str, list] = {}
     for name, p in params.items():
         row = rows.setdefault(_group(name), [_group(name), [], 0, ""])

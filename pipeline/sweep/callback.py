@@ -253,9 +253,8 @@ class SweepCallback(Callback):
         self.sweep = sweep | self.parent.facts(timeout=STORE_WAIT)
         atomic.replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
         self.launcher_pid = os.getpid()
-        # Where the jobs run in this process, the parent run and the sweep's line wait for its first job (Hydra
-        # composes them all first: a sweep refused then leaves no parent run and says one line); other
-        # launchers' jobs need the parent at once.
+        # Where the jobs run in this process, the parent run and the sweep's line wait for its first job (Hydra composes
+        # them all first: a sweep refused then leaves no parent run, one line); other launchers' jobs need it at once.
         if not self.sweep["launcher"].endswith(".BasicLauncher"):
             self._launching()
         else:
@@ -274,7 +273,7 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         """The table on stderr; `code`, the entry's exit: 0 if all completed, 75 if interrupted, else a failed job's."""
         if self.sweep is not None:
-            self.code = end(self.sweep, None, self.parent)
+            self.code = _report(end(self.sweep, None, self.parent))
 
     # --- the entry point, when the sweeper or Hydra raised in the launching process
     def raised(self, e: Exception, job_began: bool) -> int | None:
@@ -319,13 +318,34 @@ class SweepCallback(Callback):
         mine = (os.getpid(), socket.gethostname(), "running")
         if not isinstance(sweep, dict) or tuple(map(sweep.get, ("pid", "host", "status"))) != mine:
             return False
-        self.code = end(sweep, error, self.parent)
+        summary = end(sweep, error, self.parent)
+        # what its sweeper stumbled on (Optuna's best trial, when none completed): the table, failures, code
+        if summary["status"] == "interrupted" or summary["failed"]:
+            self.code = _report(summary)
         return True
 
 
-def end(sweep: dict, error: str | None, parent: SweepParent) -> int | None:
-    """The sweep's outcome from its jobs' records into sweep.json and its parent run, the end table and exit line on
-    stderr (after `error`, only for what its sweeper stumbled on: an interruption, failed jobs); the exit code."""
+def _report(summary: dict) -> int:
+    """The end table on stderr, then the exit line unless every job of this launch completed; the exit code."""
+    say = functools.partial(print, file=sys.stderr)
+    say(*summary["table"], sep="\n")
+    failed, of = summary["failed"], f"of {len(summary['jobs'])} jobs"
+    if summary["status"] == "interrupted":
+        said = f"{len(failed)} {of} did not finish" if summary["jobs"] else "no job ran"
+        say(f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it")
+        return EXIT_PREEMPTED
+    if not failed:
+        return 0
+    each = (
+        f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
+        for n, j in failed.items()
+    )
+    say(f"pipeline: {len(failed)} {of} failed: {'; '.join(each)}")
+    return min(int(j.get("code", 1)) for j in failed.values())
+
+
+def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
+    """The sweep's outcome from its jobs' records, into sweep.json and its parent run."""
     directory = Path(sweep["dir"])
     jobs = read_jobs(directory)
     # what this launch ran: an Optuna study's earlier trials are never run again (a failed one is replaced), so only
@@ -338,23 +358,7 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> int | None:
     sweep.update(status=status, ended_at=time.time(), error=error)
     atomic.replace_file(directory / "sweep.json", jsonio.dumps(sweep))
     table = sweep_table(sweep, jobs, best_job(jobs, sweep), parent.end(sweep))
-    if error is not None and not (interrupted or failed):
-        return None
-    say = functools.partial(print, file=sys.stderr)
-    say(*table, sep="\n")
-    of = f"of {len(jobs)} jobs"
-    if interrupted:
-        said = f"{len(failed)} {of} did not finish" if jobs else "no job ran"
-        say(f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it")
-        return EXIT_PREEMPTED
-    if not failed:
-        return 0
-    each = (
-        f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
-        for n, j in failed.items()
-    )
-    say(f"pipeline: {len(failed)} {of} failed: {'; '.join(each)}")
-    return min(int(j.get("code", 1)) for j in failed.values())
+    return {"status": status, "failed": failed, "jobs": jobs, "table": table}
 
 
 def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str, direction: str) -> int:
