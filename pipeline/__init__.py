@@ -28,7 +28,8 @@ class _ToolNames(importlib.abc.MetaPathFinder, importlib.abc.InspectLoader):
         module.__spec__ = importlib.util.spec_from_file_location(module.__name__, module.__file__)
 
     def get_source(self, name):  # what `python -m pipeline.TOOL` runs: the one entry, signals first
-        return f"from pipeline.__main__ import run_tool\nrun_tool({name.rsplit('.', 1)[1]!r})\n"
+        tool = name.rsplit(".", 1)[1]
+        return f"from pipeline.run.signals import run_command\nrun_command('{name}', 'pipeline.cli.{tool}')\n"
 
 
 sys.meta_path.append(_ToolNames())

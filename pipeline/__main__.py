@@ -43,9 +43,8 @@ def hydra_shortcuts(argv: list[str], conf_dir):
     from hydra._internal.hydra import Hydra
     from hydra.core.object_type import ObjectType
 
-    # Hydra's --help makes ~150 group lookups, each building a fresh config repository (a deep copy of every
-    # config in the ConfigStore: 4-5x the time of composing). For --help one per (config, overrides) serves
-    # them all: it is read, never changed, there.
+    # Hydra's --help makes ~150 group lookups, each building a fresh config repository (a deep copy of every config
+    # in the ConfigStore: 4-5x the time of composing). For --help one per (config, overrides) serves all.
     def get_group_options(
         self, group_name, results_filter=ObjectType.CONFIG, config_name=None, overrides=None
     ):
@@ -74,15 +73,12 @@ def hydra_shortcuts(argv: list[str], conf_dir):
 
 
 def command_args(hydra_cfg, conf_dir) -> list[str]:
-    """The arguments that compose this job's config again, in the same shell: Hydra's `--config-path`,
-    `--config-dir` (absolute, as Hydra holds them) and `--config-name` where the command gave them, its
-    `hydra.searchpath=[...]` override as typed, then the job's overrides (the task's; a sweep job's own values)."""
+    """The arguments that compose this job's config again in the same shell: Hydra's `--config-path`, `--config-dir`
+    (absolute) and `--config-name` as given, its `hydra.searchpath=[...]` as typed, then the job's overrides."""
     from pipeline.config.targets import as_given
 
     args = []
-    for source in hydra_cfg.runtime.config_sources:
-        if source.schema != "file":
-            continue
+    for source in (s for s in hydra_cfg.runtime.config_sources if s.schema == "file"):
         if source.provider == "main" and Path(source.path).resolve() != Path(conf_dir).resolve():
             args += ["--config-path", source.path]
         elif source.provider == "command-line":
@@ -161,14 +157,10 @@ def main() -> int | None:
         raise ConfigError(f"bad config or override: {error_line(e)}") from e
 
 
-def run_tool(tool: str) -> None:
-    """`python -m pipeline TOOL args`: pipeline/cli/TOOL.py's main, imported once the signals are ours."""
-    run_command(f"pipeline.{tool}", f"pipeline.cli.{tool}")
-
-
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] in TOOLS:
         tool = sys.argv.pop(1)
         sys.argv[0] = f"pipeline.{tool}"
-        run_tool(tool)
+        # `python -m pipeline TOOL args`: pipeline/cli/TOOL.py's main, imported once the signals are ours
+        run_command(f"pipeline.{tool}", f"pipeline.cli.{tool}")
     run_command("pipeline", main)

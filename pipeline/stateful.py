@@ -11,8 +11,7 @@ import numpy as np
 
 from pipeline.files.jsonio import flatten
 
-# The state machines of a run, in restore order: RNG streams last, so nothing drawn while restoring the
-# others can disturb them.
+# The state machines of a run, in restore order: RNG streams last, so nothing drawn restoring the others disturbs them.
 PARTS = ("model", "optimizer", "scheduler", "data_iter", "progress", "stages", "rng")
 SEP = "/"
 
@@ -77,9 +76,8 @@ def merge(arrays: Mapping[str, np.ndarray], json_tree: dict) -> dict:
         for p in parents:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ValueError(
-                    f"array {path!r} sits under {p!r}, which is not an object in the JSON state"
-                )
+                why = "which is not an object in the JSON state"
+                raise ValueError(f"array {path!r} sits under {p!r}, {why}")
         if leaf in node:
             raise ValueError(f"{path!r} is both an array and a JSON value")
         node[leaf] = a

@@ -41,17 +41,13 @@ class NamedParams:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Every name, tied aliases included, mapped to the live array (no copies)."""
-        out = dict(self.params)
-        for alias, target in self.aliases.items():
-            out[alias] = self.params[target]
-        return out
+        return {**self.params, **{alias: self.params[t] for alias, t in self.aliases.items()}}
 
     def check_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
         live, got = tie_groups(self.state_dict()), tie_groups(arrays)
         if live != got:
-            raise ValueError(
-                f"tied names differ: the saved weights tie {got}, the live model {live}"
-            )
+            why = f"the saved weights tie {got}, the live model {live}"
+            raise ValueError(f"tied names differ: {why}")
 
     def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
         """Copy values into the live arrays in place, so object identity (and tying) survives."""
@@ -60,9 +56,8 @@ class NamedParams:
 
 
 def summary(params: dict[str, np.ndarray], aliases: dict[str, str] | None = None):
-    """Lightning's ModelSummary over named arrays: (rows, total). A row is (group, shapes, params, note); the
-    group is a name's first component, with the index for a stack (`transformer.h.0`, `layers.1`). Each array
-    counts once, under its canonical name: a tied alias adds a "tied to" note, not parameters."""
+    """Lightning's ModelSummary over named arrays: (rows, total); a row (group, shapes, params, note), the group a
+    name up to its stack index (`transformer.h.0`) or its owner; a tied alias adds a "tied to" note, no parameters."""
     rows: dict[str, list] = {}
     for name, p in params.items():
         row = rows.setdefault(_group(name), [_group(name), [], 0, ""])

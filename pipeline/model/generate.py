@@ -26,7 +26,7 @@ def parse_options(args: list[str]) -> tuple[Options, list[str]]:
     """key=value arguments -> (Options, the data overrides); ConfigError naming a bad one. The prompt is taken
     verbatim (commas and quotes included), not through Hydra's override grammar."""
     values, overrides = {}, []
-    kinds = {"prompt": str, "max_new_tokens": int, "temperature": float, "top_k": int, "seed": int}
+    kinds = {key: type(default) for key, default in vars(Options()).items()}  # str, int, float ...
     for arg in args:
         key, eq, value = arg.partition("=")
         bare = key.lstrip("+~")
@@ -46,11 +46,9 @@ def parse_options(args: list[str]) -> tuple[Options, list[str]]:
     for key, value in vars(options).items():
         if key != "prompt" and not (value >= 0 and np.isfinite(value)):
             raise ConfigError(f"{key}={value!r}: must be >= 0")
-    if options.max_new_tokens > MAX_NEW_TOKENS:
-        raise ConfigError(
-            f"max_new_tokens={options.max_new_tokens}: at most {MAX_NEW_TOKENS:,} (one forward pass "
-            "per token); sample in several calls for more"
-        )
+    if (n := options.max_new_tokens) > MAX_NEW_TOKENS:
+        why = "(one forward pass per token); sample in several calls for more"
+        raise ConfigError(f"max_new_tokens={n}: at most {MAX_NEW_TOKENS:,} {why}")
     return options, overrides
 
 

@@ -121,8 +121,6 @@ def layernorm_backward(dout: np.ndarray, cache):
 
 # LayerNorm then a linear layer, the norm's affine folded into the linear's: (xhat * g + beta) @ w + b =
 # xhat @ (g[:, None] * w) + (beta @ w + b); its [N, d] passes (forward and backward) become [d, out] work.
-
-
 def layernorm_linear_forward(x: np.ndarray, g: np.ndarray, beta: np.ndarray | None, w: np.ndarray,
                              b: np.ndarray | None, eps: float = 1e-5):  # fmt: skip
     # x [..., d], g [d], beta [d] (the norm's), w [d, out], b [out] (the linear's); beta and b both or neither

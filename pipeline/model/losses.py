@@ -26,16 +26,14 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray, overwrite: bool = Fal
 
 
 def cross_entropy_factored(logits: np.ndarray, targets: np.ndarray):
-    # logits [N, V] float (overwritten), targets [N] int -> loss, d [N, V] in logits' memory, row_scale [N]
-    # with dlogits = d * row_scale[:, None]: a caller whose next product is linear in dlogits (the tied head)
-    # scales its [N, d] operands instead of this [N, V] array.
+    # logits [N, V] float (overwritten), targets [N] int -> loss, d [N, V] in logits' memory, row_scale [N] with
+    # dlogits = d * row_scale[:, None]: a caller linear in dlogits next (the tied head) scales its [N, d] operands.
     n, V = logits.shape
     rows = np.arange(n)
     z = logits  # [N, V]
     if not -_UNSHIFTED_RANGE <= z.min() <= z.max() <= _UNSHIFTED_RANGE:
-        # Out of range: shift each row by its max. Within it the shift is skipped, since softmax is shift
-        # invariant and exp's relative error does not depend on it: two whole-array reductions instead of a
-        # row max and an [N, V] pass.
+        # Out of range: shift each row by its max. Within it the shift is skipped (softmax is shift invariant and
+        # exp's relative error does not depend on it): two whole-array reductions, not a row max and an [N, V] pass.
         z -= z.max(axis=1, keepdims=True)  # [N, V] shifted: exp cannot overflow
     picked = z[rows, targets]  # [N] (shifted) logit of each target
     np.exp(z, out=z)  # [N, V]

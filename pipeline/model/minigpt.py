@@ -182,5 +182,4 @@ class MiniGPT(NamedParams):
     def logits(self, x: np.ndarray) -> np.ndarray:
         # x [B, T] int -> [B, T, V], eval mode (no dropout)
         x = np.asarray(x)
-        out, _ = self._forward(x, None)  # [N, V]
-        return out.reshape(*x.shape, self.vocab_size)
+        return self._forward(x, None)[0].reshape(*x.shape, self.vocab_size)  # [N, V] -> [B, T, V]

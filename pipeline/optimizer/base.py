@@ -21,8 +21,7 @@ class Optimizer:
         self.state: dict[str, np.ndarray] = {}
 
     def _buffer(self, kind: str, name: str) -> np.ndarray:
-        key = f"{kind}.{name}"
-        if key not in self.state:
+        if (key := f"{kind}.{name}") not in self.state:
             self.state[key] = np.zeros_like(self.params[name])
         return self.state[key]
 

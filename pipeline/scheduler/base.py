@@ -6,8 +6,7 @@ from __future__ import annotations
 class Scheduler:
     def __init__(self, optimizer):
         self.optimizer, self.base_lr = optimizer, optimizer.lr
-        # updates taken so far, as torch's LRScheduler counts after construction
-        self.last_epoch = 0
+        self.last_epoch = 0  # updates taken, as torch's LRScheduler counts after construction
         self.optimizer.lr = self.lr_at(0)
 
     def lr_at(self, k: int) -> float:

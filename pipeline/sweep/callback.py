@@ -52,12 +52,9 @@ def _plain(node, resolve: bool = True):
 
 def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, str]:
     """{key: the values given} for every override that sweeps (a,b / range / interval / choice ...)."""
-    out = {}
-    for o in parse_overrides(task_overrides):
-        if o.is_sweep_override():
-            out[o.get_key_element().lstrip("+~")] = o.input_line.split("=", 1)[1]
-    out.update({str(k): str(v) for k, v in (sweeper_params or {}).items()})
-    return out
+    sweeps = (o for o in parse_overrides(task_overrides) if o.is_sweep_override())
+    out = {o.get_key_element().lstrip("+~"): o.input_line.split("=", 1)[1] for o in sweeps}
+    return out | {str(k): str(v) for k, v in (sweeper_params or {}).items()}
 
 
 def _stop(message: str, code: int = EXIT_BAD_INPUT) -> None:
@@ -102,12 +99,10 @@ def swept_monitor_inputs(keys) -> bool:
     """True if a swept key may change what check_monitors says from job to job (`experiment` may set anything)."""
     from pipeline.run.assemble import MONITOR_KEYS
 
-    def related(k: str) -> bool:
-        keys = MONITOR_KEYS
-        under = (k == m or k.startswith((f"{m}.", f"{m}/")) or m.startswith(f"{k}.") for m in keys)
-        return k == "experiment" or any(under)
-
-    return any(related(str(k).lstrip("+~")) for k in keys)
+    bare = {str(k).lstrip("+~") for k in keys}
+    pairs = ((k, m) for k in bare for m in MONITOR_KEYS)
+    under = (k == m or k.startswith((f"{m}.", f"{m}/")) or m.startswith(f"{k}.") for k, m in pairs)
+    return "experiment" in bare or any(under)
 
 
 def refuse_monitors(config: DictConfig, swept_keys) -> None:
@@ -158,9 +153,8 @@ def job_of(hydra_cfg) -> SweepJob:
         problem = f"{path}: {e.strerror}"
     else:
         ok = isinstance(sweep, dict) and isinstance(sweep.get("id"), str)
-        ok = ok and isinstance(sweep.get("swept"), dict)
         offset = sweep.get("job_offset") if ok else None
-        if not ok:
+        if not (ok and isinstance(sweep.get("swept"), dict)):
             problem = f"{path}: not a sweep's record (an object with an id and what it sweeps)"
         elif offset is not None and not (type(offset) is int and 0 <= offset <= 10**9):
             problem = f"{path}: job_offset must be a non-negative integer (the trials its study held), got {offset!r}"
@@ -177,14 +171,12 @@ def job_of(hydra_cfg) -> SweepJob:
 
 class SweepCallback(Callback):
     def __init__(self) -> None:
-        # what sweep.json says: id, dir, name, swept, uri, direction, status ...
-        self.sweep: dict | None = None
+        self.sweep: dict | None = None  # sweep.json's: id, dir, name, swept, uri, direction ...
         self.parent: SweepParent = SweepParent()  # the parent run, through the tracker's interface
         self.launcher_pid: int | None = None  # the process that started the sweep
         self.launched = False  # its parent run asked for, its line said
         self.indexed = False  # an index was asked for its parent run: it holds the first start
-        # what its start changed, for the entry's undo (here only): the sweep directory, the directories
-        # made, the files as they were
+        # for the entry's undo (here only): the sweep directory, the directories made, the files as they were
         self.start: tuple[Path, atomic.NewDirs, dict] | None = None
         self.code: int | None = None  # the sweep's exit code, once it has ended
 
@@ -199,7 +191,6 @@ class SweepCallback(Callback):
         identity: dict = {"name": str(config.get("name", ""))}  # hashed with its keys sorted
         identity["overrides"] = sorted(o for o in task if not _machine(o))
         identity["sweeper"] = {k: v for k, v in sweeper.items() if k not in NOT_IDENTITY}
-        # <output_dir>/sweeps/<name>-<id>
         if (why := names.problem(identity["name"] or "sweep")) is not None:
             _stop(f"name={names.shown(identity['name'])}: {why}")
         if (count := job_count(task, sweeper)) > MAX_JOBS:  # before anything is written or expanded
@@ -242,18 +233,13 @@ class SweepCallback(Callback):
         # best-val's mode (conf/stages/default.yaml); without that stage the jobs return NaN, either way round
         direction = "maximize" if best_val.get("mode") == "max" else "minimize"
         optuna = "optuna" in str(sweeper.get("_target_", ""))
-        given = ("hydra.sweeper.direction=", "++hydra.sweeper.direction=")
-        # what the jobs return is best-val's best: minimise or maximise
-        if optuna and not any(o.startswith(given) for o in as_given(hydra.overrides.hydra)):
-            with open_dict(hydra.sweeper):
-                hydra.sweeper.direction = direction
         try:
             previous = jsonio.read(directory / "sweep.json", MAX_SWEEP_JSON)
         except (OSError, ValueError):
             previous = {}
         started = previous.get("started") if isinstance(previous, dict) else None
         started = started if isinstance(started, (int, float)) else time.time()
-        offset = _optuna_study(hydra, sweeper, directory, sweep_id) if optuna else 0
+        offset = _optuna_study(hydra, sweeper, directory, sweep_id, direction) if optuna else 0
         objective = f"best/{best_val['monitor']}" if best_val else None
         sweep = {"id": sweep_id, "dir": str(directory), "name": identity["name"], "swept": keys}
         sweep |= {"direction": direction, "objective": config.get("optimized_metric") or objective}
@@ -267,9 +253,8 @@ class SweepCallback(Callback):
         self.sweep = sweep | self.parent.facts(timeout=STORE_WAIT)
         atomic.replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
         self.launcher_pid = os.getpid()
-        # Where the jobs run in this process, the parent run and the sweep's line wait for its first job (Hydra
-        # composes them all first: a sweep refused then leaves no parent run and says one line); other
-        # launchers' jobs need the parent at once.
+        # Where the jobs run in this process, the parent run and the sweep's line wait for its first job (Hydra composes
+        # them all first: a sweep refused then leaves no parent run, one line); other launchers' jobs need it at once.
         if not self.sweep["launcher"].endswith(".BasicLauncher"):
             self._launching()
         else:
@@ -292,9 +277,8 @@ class SweepCallback(Callback):
 
     # --- the entry point, when the sweeper or Hydra raised in the launching process
     def raised(self, e: Exception, job_began: bool) -> int | None:
-        """End this sweep after `e`, its code once its table and exit line are printed: on a full or read-only disk its
-        sweep.json says so (if the disk lets it); refused before any job ran (no signal came: a launcher's workers that
-        a signal ended are no refusal) and before its parent run was asked for, it leaves nothing."""
+        """End this sweep after `e`, its code once its table and exit line are printed (a full or read-only disk said
+        in sweep.json); refused before any job ran or signal came and before its parent run was asked for: nothing."""
         with contextlib.suppress(OSError):
             if (message := atomic.environment_error(e)) is not None:
                 self.end_unfinished(message)
@@ -332,14 +316,10 @@ class SweepCallback(Callback):
         except (OSError, ValueError):
             return False
         mine = (os.getpid(), socket.gethostname(), "running")
-        if (
-            not isinstance(sweep, dict)
-            or (sweep.get("pid"), sweep.get("host"), sweep.get("status")) != mine
-        ):
+        if not isinstance(sweep, dict) or tuple(map(sweep.get, ("pid", "host", "status"))) != mine:
             return False
         summary = end(sweep, error, self.parent)
-        # what its sweeper stumbled on (Optuna's best trial, when none completed): the table, the jobs'
-        # failures and their code
+        # what its sweeper stumbled on (Optuna's best trial, when none completed): the table, failures, code
         if summary["status"] == "interrupted" or summary["failed"]:
             self.code = _report(summary)
         return True
@@ -381,9 +361,9 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
     return {"status": status, "failed": failed, "jobs": jobs, "table": table}
 
 
-def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
+def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str, direction: str) -> int:
     """Point the Optuna sweeper at a study in the sweep directory (unless the command names one), asking only for
-    the trials it lacks; returns how many it holds: the first new trial's (and job's) number."""
+    the trials it lacks, in `direction` unless the command gives one; returns how many it holds (its next number)."""
     url = f"sqlite:///{directory / OPTUNA_DB}"
     ours = {"_target_": "pipeline.sweep.optuna_storage.storage", "url": url}
     storage = sweeper.get("storage") or ours
@@ -400,8 +380,12 @@ def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str) -> int:
             trials = []
         held = len(trials)
         done = sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    given = ("hydra.sweeper.direction=", "++hydra.sweeper.direction=")
     with open_dict(hydra.sweeper):
         hydra.sweeper.storage, hydra.sweeper.study_name = storage, name
+        # what the jobs return is best-val's best: minimise or maximise
+        if not any(o.startswith(given) for o in as_given(hydra.overrides.hydra)):
+            hydra.sweeper.direction = direction
         if isinstance(sweeper.get("n_trials"), int):
             hydra.sweeper.n_trials = max(0, sweeper["n_trials"] - done)
         # seeded as at the start, it would ask for the trials it began with again

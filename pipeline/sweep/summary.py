@@ -71,12 +71,8 @@ def parent_name(swept) -> str:
 
 def swept_values(overrides: list[str], keys) -> dict[str, str]:
     """{swept key: the value a job ran with}, read from its overrides (`+key=v` and `key=v` alike)."""
-    out = {}
-    for o in overrides:
-        key, sep, value = str(o).partition("=")
-        if sep and key.lstrip("+~") in keys:
-            out[key.lstrip("+~")] = value
-    return out
+    parts = (str(o).partition("=") for o in overrides)
+    return {k.lstrip("+~"): v for k, sep, v in parts if sep and k.lstrip("+~") in keys}
 
 
 def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: list) -> list[str]:
@@ -113,11 +109,9 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
         won = row_job is not None and best is not None and row_job["num"] == best["num"]
         cells = [j(c, w) for j, c, w in zip(just, r, widths)]
         lines.append(f"  {'*' if won else ' '} " + "  ".join(cells).rstrip())
-    if len(jobs) > len(shown):
-        lines.append(
-            f"  ... {len(jobs) - len(shown)} more jobs (the {len(shown)} best are shown; every job is "
-            f"in {sweep.get('dir', 'the sweep directory')}/jobs/)"
-        )
+    if (hidden := len(jobs) - len(shown)) > 0:
+        where = f"every job is in {sweep.get('dir', 'the sweep directory')}/jobs/"
+        lines.append(f"  ... {hidden} more jobs (the {len(shown)} best are shown; {where})")
     if best is not None:
         where = run_page(best["run_uri"]) if best.get("run_uri") else best.get("run_dir") or ""
         lines.append(f"best: job {best['num']} ({best.get('name', '')}) {where}".rstrip())
