@@ -104,11 +104,16 @@ def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
     return {"id": ident, "origin": origin}
 
 
-def run_name(config: dict, sources: dict | None = None, lineage: dict | None = None) -> str:
-    """<experiment name>-<12 hex of the semantic hash> (`sources`: None reads the files); a fork (`lineage` with an
-    origin) by its history's id instead, never a clean run's directory. BadName if not one directory's name."""
-    semantic = semantic_hash(config, source_hashes(config) if sources is None else sources)
-    key = lineage["id"] if lineage is not None and lineage.get("origin") is not None else semantic
+def run_name(config: dict, sources=None, lineage=None, semantic: str | None = None) -> str:
+    """<experiment name>-<12 hex of the semantic hash> (`sources`: None reads the files; `semantic`: the hash,
+    if known); a fork (`lineage` with an origin) by its history's id instead, never a clean run's directory.
+    BadName if not one directory's name."""
+    if lineage is not None and lineage.get("origin") is not None:
+        key = lineage["id"]
+    else:
+        key = semantic or semantic_hash(
+            config, source_hashes(config) if sources is None else sources
+        )
     return f"{names.checked(config.get('name'), 'name')}-{key[:12]}"
 
 
@@ -133,7 +138,7 @@ def identify(config: dict, origin: dict | None = None) -> Identity:
         raise ConfigError(f"{key}={get(config, key)}: {e.strerror or e}") from None
     semantic = semantic_hash(config, sources)
     lineage = lineage_of(semantic, origin)
-    name = run_name(config, sources, lineage)
+    name = run_name(config, sources, lineage, semantic)
     if config["resume"]["source"] == "never":  # a fresh, unique sibling
         name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     return Identity(sources, config_hash(config), semantic, name, lineage)
