@@ -226,7 +226,7 @@ class Run:
                 overrides=command,
                 resume=continued_by(source, command, links["newest"], status == "complete"),
                 samples=bool(self.state.dataset.spec.vocab_size),
-                experiment_id=getattr(tracker, "experiment_id", None),
+                experiment_id=tracker.experiment_id,
             )
             log.info("%s", block)
 

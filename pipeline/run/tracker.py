@@ -34,6 +34,7 @@ class Tracker:
     """Every call returns quickly: the training loop never waits for tracking."""
 
     sweep_parent: type[SweepParent] = SweepParent  # built for the parent run of a sweep
+    experiment_id: str | None = None  # the run's experiment, once known: the end block's UI page
 
     def __init__(self, **_):
         pass

@@ -147,7 +147,7 @@ class MlflowTracker(Tracker):
         self._heard(event)
         kind = event.get("event")
         if kind == "ready":
-            self._uri = event["uri"]
+            self._uri, self.experiment_id = event["uri"], event.get("experiment_id")
             log.info("mlflow: run %s", run_page(self._uri))
             self.ready.set()
         elif kind == "error":
