@@ -78,7 +78,9 @@ class Shards(contextlib.AbstractContextManager):
         results = self._map(lambda k: model.loss_and_grads(pieces[k], rngs[k]), run)
         B, sizes = len(batch.ids), [len(pieces[k].ids) for k in run]
         weights = [n / B for n in sizes]  # python floats: they take the grads' dtype
-        loss = sum(w * piece_loss for w, (piece_loss, _) in zip(weights, results))  # in shard order
+        loss = 0.0  # a loop, not sum(): 3.12's sum() of floats is compensated, other bits
+        for w, (piece_loss, _) in zip(weights, results):
+            loss += w * piece_loss
         equal = len(set(sizes)) == 1
         grads = owned(results[0][1])
         for name, acc in grads.items():
