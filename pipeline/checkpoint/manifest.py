@@ -169,8 +169,8 @@ def check(m) -> dict:
     edited = "(the config was edited after saving)"
     if _require(m, "config_hash", str, "a sha256 hex digest") != config_hash(config):
         raise ManifestError(f"'config_hash' is not the sha256 of 'config' {edited}")
-    semantic = semantic_hash(config, sources)
-    if _require(m, "semantic_config_hash", str, "a sha256 hex digest") != semantic:
+    semantic = _require(m, "semantic_config_hash", str, "a sha256 hex digest")
+    if semantic != semantic_hash(config, sources):  # present and a string before it is computed
         raise ManifestError(f"'semantic_config_hash' does not match 'config' {edited}")
     _require(m, "data_manifest_hash", str, "a string")
     _require(m, "data_spec", dict, "an object")

@@ -195,3 +195,17 @@ def test_non_finite_metrics_are_strings_read_back_exactly():
         and back["c"] == -float("inf")
         and back["d"] == 1.5
     )
+
+
+def test_a_manifest_without_its_semantic_hash_is_refused_before_that_hash_is_computed(
+    saved, monkeypatch
+):
+    m = copy.deepcopy(saved["manifest"])
+    del m["semantic_config_hash"]
+    monkeypatch.setattr(
+        mf, "semantic_hash", lambda *a: pytest.fail("the hash of a config not checked")
+    )
+    with pytest.raises(
+        mf.ManifestError, match="^'semantic_config_hash' must be a sha256 hex digest"
+    ):
+        mf.check(m)
