@@ -279,6 +279,7 @@ class SweepCallback(Callback):
     def raised(self, e: Exception, job_began: bool) -> int | None:
         """End this sweep after `e`, its code once its table and exit line are printed (a full or read-only disk said
         in sweep.json); refused before any job ran or signal came and before its parent run was asked for: nothing."""
+        self.code = None  # only an end said here makes a code of the exception
         with contextlib.suppress(OSError):
             if (message := atomic.environment_error(e)) is not None:
                 self.end_unfinished(message)

@@ -123,3 +123,12 @@ def test_a_sweeps_end_is_a_code_the_entry_exits_with_not_an_exit_inside_hydra(
     assert sweep.code == code
     err = capsys.readouterr().err
     assert err.startswith("the table\n") and ("interrupted" in err) == (status == "interrupted")
+
+
+def test_an_exception_after_a_sweeps_end_is_raised_not_turned_into_that_ends_code(tmp_path):
+    from pipeline.sweep.callback import SweepCallback
+
+    sweep = SweepCallback()
+    sweep.sweep, sweep.code = {"dir": str(tmp_path)}, 0  # ended, then something raised
+    (tmp_path / "sweep.json").write_text('{"status": "complete"}')
+    assert sweep.raised(RuntimeError("after the end"), job_began=True) is None
