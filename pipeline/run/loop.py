@@ -143,7 +143,9 @@ class Run:
         tracker = self.job.tracker
         # Only the last save (the end, or a preemption) waits for the tracked run's URI: earlier manifests
         # carry it once the tracker knows it, so training never waits for mlflow to start.
-        self.job.facts["mlflow_run_uri"] = self._handover(tracker.run_uri, 30.0 if final else 0.0)
+        self.job.facts["mlflow_run_uri"] = self._handover(
+            tracker.run_uri, timeout=30.0 if final else 0.0
+        )
         with self.profile.phase("checkpoint"):
             at = {"step": self.state.step, "epoch": self.state.epoch, "lineage": self.plan.lineage}
             fields = mf.build(self.job.facts, metrics=metrics, tags=tags, **at)
@@ -226,7 +228,9 @@ class Run:
                 overrides=command,
                 resume=continued_by(source, command, links["newest"], status == "complete"),
                 samples=bool(self.state.dataset.spec.vocab_size),
-                experiment_id=tracker.experiment_id,
+                experiment_id=getattr(
+                    tracker, "experiment_id", None
+                ),  # a tracker of your own may lack it
             )
             log.info("%s", block)
 
