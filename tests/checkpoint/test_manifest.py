@@ -206,6 +206,6 @@ def test_a_manifest_without_its_semantic_hash_is_refused_before_that_hash_is_com
         mf, "semantic_hash", lambda *a: pytest.fail("the hash of a config not checked")
     )
     with pytest.raises(
-        mf.ManifestError, match="^'semantic_config_hash' must be a sha256 hex digest"
+        mf.ManifestError, match=r"^'semantic_config_hash' must be a sha256 hex digest"
     ):
         mf.check(m)
