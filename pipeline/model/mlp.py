@@ -11,17 +11,10 @@ from pipeline.model.base import NamedParams
 from pipeline.model.losses import mse
 
 
-def _tanh(z):
-    h = np.tanh(z)
-    return h, lambda dh: dh * (1 - h * h)
-
-
-def _relu(z):
-    mask = z > 0
-    return z * mask, lambda dh: dh * mask
-
-
-ACTIVATIONS = {"tanh": _tanh, "relu": _relu}
+ACTIVATIONS = {  # name -> (the activation, its derivative as a function of its output)
+    "tanh": (np.tanh, lambda h: 1 - h * h),
+    "relu": (lambda z: z * (z > 0), lambda h: h > 0),
+}
 
 
 class MLP(NamedParams):
@@ -33,7 +26,7 @@ class MLP(NamedParams):
     def __init__(self, spec: DataSpec, hidden: list[int], activation: str, dropout: float, dtype: str,
                  rng: np.random.Generator):  # fmt: skip
         # validated (config/schemas.py) and paired with the data (run/assemble.py check_pairing) first
-        self.activation, self.dropout = ACTIVATIONS[activation], float(dropout)
+        (self.activation, self.derivative), self.dropout = ACTIVATIONS[activation], float(dropout)
         self.dtype = np.dtype(dtype)
         widths = [spec.n_features, *hidden, spec.n_targets]
         self.n_layers = len(widths) - 1
@@ -59,7 +52,7 @@ class MLP(NamedParams):
             cache = {"x": h}
             h = h @ w + b  # [B, fan_out]
             if i < self.n_layers - 1:
-                h, cache["act_back"] = self.activation(h)
+                h = cache["h"] = self.activation(h)
                 if rng is not None and self.dropout > 0:
                     keep = (rng.random(h.shape) >= self.dropout).astype(self.dtype)  # [B, fan_out]
                     cache["mask"] = keep / self.dtype.type(1 - self.dropout)
@@ -73,8 +66,8 @@ class MLP(NamedParams):
             cache = caches[i]
             if "mask" in cache:
                 dh = dh * cache["mask"]
-            if "act_back" in cache:
-                dh = cache["act_back"](dh)
+            if "h" in cache:
+                dh = dh * self.derivative(cache["h"])
             grads[f"layers.{i}.weight"] = cache["x"].T @ dh  # [fan_in, fan_out]
             grads[f"layers.{i}.bias"] = dh.sum(axis=0)
             dh = dh @ self.params[f"layers.{i}.weight"].T  # [B, fan_in]
