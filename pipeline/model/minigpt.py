@@ -54,7 +54,6 @@ class MiniGPT(NamedParams):
                  dropout: float, attn_dropout: float | None, init_std: float, bias: bool, gelu: str, dtype: str,
                  rng: np.random.Generator | None):  # fmt: skip
         # validated (config/schemas.py) and paired with the data (run/assemble.py check_pairing) first
-        attn_dropout = dropout if attn_dropout is None else attn_dropout
         if rng is None:
             # No hidden default seed: every draw of a run must come from one of its named streams.
             raise ValueError("MiniGPT needs rng (the run's init stream) to initialise its weights")
@@ -65,10 +64,10 @@ class MiniGPT(NamedParams):
         if self.block_size < spec.block_size:
             said = f"model.block_size {self.block_size} is shorter than the data's sequences"
             raise ValueError(f"{said} ({spec.block_size} tokens)")
-        self.dropout, self.attn_dropout = float(dropout), float(attn_dropout)
-        self.dtype = np.dtype(dtype)
+        self.dropout = float(dropout)
+        self.attn_dropout = float(dropout if attn_dropout is None else attn_dropout)
         # bias=False: no bias in any linear layer or LayerNorm (nanoGPT's option); gelu: tanh (GPT-2's) or erf
-        self.bias, self.gelu = bool(bias), str(gelu)
+        self.dtype, self.bias, self.gelu = np.dtype(dtype), bool(bias), str(gelu)
         self.params = self._init_params(float(init_std), rng)
         self.aliases = {"lm_head.weight": "transformer.wte.weight"}
         keep_freed_memory()
@@ -138,13 +137,12 @@ class MiniGPT(NamedParams):
         logits, head_c = L.head_forward(h, self.lm_head)  # [N, V] tied head, no bias
         return logits, (emb_c, emb_dc, blocks, lnf_c, head_c)
 
-    def _backward(self, dlogits, row_scale, caches, shape) -> dict[str, np.ndarray]:
+    def _backward(self, dlogits, row_scale, caches) -> dict[str, np.ndarray]:
         # dlogits [N, V] * row_scale [N] per row -> grads keyed like self.params
         emb_c, emb_dc, blocks, lnf_c, head_c = caches
         g: dict[str, np.ndarray] = {}
         dh, dwte_head = L.head_backward(dlogits, head_c, row_scale)  # [N, d]; [V, d]: the head's
-        dh = dh.reshape(*shape, self.n_embd)  # [B, T, d]
-        dh, g["transformer.ln_f.weight"], g[_LNF_B] = L.layernorm_backward(dh, lnf_c)
+        dh, g["transformer.ln_f.weight"], g[_LNF_B] = L.layernorm_backward(dh, lnf_c)  # [B, T, d]
         for i in reversed(range(self.n_layer)):
             names = [f"transformer.h.{i}.{n}" for n in _BLOCK_PARAMS]
             qkv_c, att_c, aproj_c, adrop_c, fc_c, gelu_c, mproj_c, mdrop_c = blocks[i]
@@ -160,24 +158,19 @@ class MiniGPT(NamedParams):
             g.update(zip(names, g_qkv + g_aproj + g_fc + g_mproj))
             dh += da
         dh = L.dropout_backward(dh, emb_dc)
-        dwte, g["transformer.wpe.weight"] = L.embedding_backward(dh, emb_c)  # [V, d], [Tmax, d]
-        dwte += dwte_head  # tied: the embedding's use + the head's
-        g[_WTE] = dwte
+        g[_WTE], g["transformer.wpe.weight"] = L.embedding_backward(dh, emb_c)  # [V, d], [Tmax, d]
+        g[_WTE] += dwte_head  # tied: the embedding's use + the head's
         return {name: g[name] for name in self.params}
 
-    def loss_and_grads(
-        self, batch: Batch, rng: np.random.Generator | None
-    ) -> tuple[float, dict[str, np.ndarray]]:
-        x, y = np.asarray(batch.x), np.asarray(batch.y)  # [B, T] int
-        logits, caches = self._forward(x, rng)  # [N, V]
+    def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None):
+        logits, caches = self._forward(np.asarray(batch.x), rng)  # [N, V]
         # dlogits = d * row_scale, in logits' memory
-        loss, d, row_scale = cross_entropy_factored(logits, y.reshape(-1))
-        return loss, self._backward(d, row_scale, caches, x.shape)
+        loss, d, row_scale = cross_entropy_factored(logits, np.asarray(batch.y).reshape(-1))
+        return loss, self._backward(d, row_scale, caches)
 
     def evaluate(self, batch: Batch) -> float:
-        logits, _ = self._forward(np.asarray(batch.x), None)  # [N, V]
-        loss, _ = cross_entropy(logits, np.asarray(batch.y).reshape(-1), overwrite=True)
-        return loss
+        logits = self._forward(np.asarray(batch.x), None)[0]  # [N, V]
+        return cross_entropy(logits, np.asarray(batch.y).reshape(-1), overwrite=True)[0]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         # x [B, T] int -> [B, T, V], eval mode (no dropout)
