@@ -74,11 +74,9 @@ def encode(prompt: str, vocab: list[str], join: str, eos: str | None = "<eos>") 
     if not tokens:
         start = eos if eos in index else "\n" if join == "" and "\n" in index else None
         if start is None:
-            raise ConfigError(
-                f"prompt: empty, and this vocabulary has no {eos or 'end-of-sentence token'} "
-                f"{'nor newline ' if join == '' else ''}to start from: give one, e.g. "
-                f"prompt={shlex.quote(vocab[0])}"
-            )
+            nor, first = "nor newline " if join == "" else "", shlex.quote(vocab[0])
+            said = f"has no {eos or 'end-of-sentence token'} {nor}to start from: give one"
+            raise ConfigError(f"prompt: empty, and this vocabulary {said}, e.g. prompt={first}")
         tokens = [start]
     return [index[t] for t in tokens]
 
@@ -96,19 +94,15 @@ def next_token(logits: np.ndarray, temperature: float, top_k: int, rng: np.rando
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), z.size - 1))
 
 
-def generate(model, ids: list[int], options: Options) -> list[int]:
-    """The prompt's ids followed by max_new_tokens drawn ones; `model.logits(x [1, T]) -> [1, T, V]`."""
-    rng = np.random.default_rng(options.seed)  # this command's own stream, never the global one
-    out = list(ids)
-    for _ in range(options.max_new_tokens):
-        context = np.asarray(out[-model.block_size :], dtype=np.int64)[None, :]  # [1, T]
-        logits = model.logits(context)[0, -1]  # [V]
-        out.append(next_token(logits, options.temperature, options.top_k, rng))
-    return out
-
-
 def continuation(model, vocab: list[str], join: str, options: Options, eos: str | None = "<eos>"):
     """The prompt and its max_new_tokens drawn tokens, as text (what the command prints, and a registered
-    model's predict returns); an empty prompt starts after `eos` when the vocabulary has one."""
-    ids = generate(model, encode(options.prompt, vocab, join, eos), options)
+    model's predict returns); an empty prompt starts after `eos` when the vocabulary has one.
+    `model.logits(x [1, T]) -> [1, T, V]`."""
+    rng = np.random.default_rng(options.seed)  # this command's own stream, never the global one
+    ids = encode(options.prompt, vocab, join, eos)
+    for _ in range(options.max_new_tokens):
+        context = np.asarray(ids[-model.block_size :], dtype=np.int64)[None, :]  # [1, T]
+        ids.append(
+            next_token(model.logits(context)[0, -1], options.temperature, options.top_k, rng)
+        )
     return join.join(vocab[i] for i in ids)
