@@ -38,12 +38,10 @@ def head_forward(x: np.ndarray, w: np.ndarray):
     return x2 @ w.T, (x2, w)
 
 
-def head_backward(dlogits: np.ndarray, cache, row_scale: np.ndarray | None = None):
-    # dlogits [N, V] (times row_scale [N] per row if given) -> dx [N, d], dw [V, d] (the head's share of the
-    # tied weight's gradient). The row scale is applied to the [N, d] operands, 8x fewer elements than dlogits.
+def head_backward(dlogits: np.ndarray, cache, row_scale: np.ndarray):
+    # dlogits [N, V] times row_scale [N] per row -> dx [N, d], dw [V, d] (the head's share of the tied weight's
+    # gradient). The row scale is applied to the [N, d] operands, 8x fewer elements than dlogits.
     x2, w = cache
-    if row_scale is None:
-        return dlogits @ w, dlogits.T @ x2
     dx = dlogits @ w  # [N, d]
     dx *= row_scale[:, None]
     return dx, dlogits.T @ (x2 * row_scale[:, None])
@@ -183,7 +181,7 @@ def gelu_forward(x: np.ndarray):
             x2 *= o
             x2 *= z  # x h (1 - h) z'
             np.subtract(h, x2, out=g)
-    return out.reshape(x.shape), (grad, x.shape)
+    return out.reshape(x.shape), grad.reshape(x.shape)
 
 
 def gelu_erf_forward(x: np.ndarray):
@@ -207,13 +205,7 @@ def gelu_erf_forward(x: np.ndarray):
         np.multiply(xs, cd, out=o)
         phi *= xs
         phi += cd  # Phi(x) + x phi(x)
-    return out.reshape(x.shape), (grad, x.shape)
-
-
-def gelu_backward(dout: np.ndarray, cache):
-    # dout [...] -> dx [...] = dout * gelu'(x)
-    grad, shape = cache
-    return np.multiply(dout.reshape(-1), grad).reshape(shape)
+    return out.reshape(x.shape), grad.reshape(x.shape)
 
 
 def dropout_forward(x: np.ndarray, p: float, rng: np.random.Generator | None):
@@ -229,8 +221,11 @@ def dropout_forward(x: np.ndarray, p: float, rng: np.random.Generator | None):
 
 
 def dropout_backward(dout: np.ndarray, cache):
-    # dout [...] -> dx [...]
+    # dout [...] -> dx [...]: times the factor the forward cached (the mask; GELU's derivative), if any
     return dout if cache is None else dout * cache
+
+
+gelu_backward = dropout_backward  # dout [...] -> dx [...] = dout * gelu'(x)
 
 
 @lru_cache(maxsize=16)

@@ -120,7 +120,7 @@ def test_head_grads(rng):
     out, cache = L.head_forward(x, w)
     np.testing.assert_allclose(out, x.reshape(6, 4) @ w.T, rtol=1e-14)
     R = projector((6, 7))
-    dx, dw = L.head_backward(R, cache)
+    dx, dw = L.head_backward(R, cache, np.ones(6))
 
     def f():
         return L.head_forward(x, w)[0]
@@ -134,7 +134,7 @@ def test_head_backward_with_a_row_scale_is_the_scaled_dlogits_backward(rng):
     _, cache = L.head_forward(x, w)
     d, scale = rng.standard_normal((6, 7)), rng.uniform(0.5, 2.0, 6)
     for got, want in zip(
-        L.head_backward(d, cache, scale), L.head_backward(d * scale[:, None], cache)
+        L.head_backward(d, cache, scale), L.head_backward(d * scale[:, None], cache, np.ones(6))
     ):
         np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-15)
 
@@ -399,7 +399,7 @@ def test_float32_stays_float32(rng):
     assert L.layernorm_backward(x, outs[1][1])[0].dtype == f32
     assert L.gelu_backward(x, outs[2][1]).dtype == f32
     assert all(a.dtype == f32 for a in L.layernorm_linear_backward(outs[4][0], outs[4][1]))
-    assert all(a.dtype == f32 for a in L.head_backward(outs[5][0], outs[5][1]))
+    assert all(a.dtype == f32 for a in L.head_backward(outs[5][0], outs[5][1], np.ones(8, f32)))
     assert all(
         a.dtype == f32 for a in cross_entropy(outs[5][0], np.arange(8) % 5, overwrite=True)[1:]
     )
