@@ -25,11 +25,9 @@ def linear_backward(dout: np.ndarray, cache):
     # dout [..., out] -> dx [..., in], dw [in, out], db [out] (None without bias)
     x2, w, shape, has_bias = cache
     d2 = dout.reshape(-1, w.shape[1])  # [N, out]
-    dx = (d2 @ w.T).reshape(shape)  # [N, in] -> [..., in]
-    dw = x2.T @ d2  # [in, out]
-    # [out]: a BLAS gemv, faster than sum(axis=0)
+    # db [out]: a BLAS gemv, faster than sum(axis=0)
     db = _filled(d2.shape[0], 1.0, d2.dtype) @ d2 if has_bias else None
-    return dx, dw, db
+    return (d2 @ w.T).reshape(shape), x2.T @ d2, db
 
 
 def head_forward(x: np.ndarray, w: np.ndarray):
@@ -58,12 +56,11 @@ def embedding_forward(idx: np.ndarray, wte: np.ndarray, wpe: np.ndarray):
 
 
 def embedding_backward(dout: np.ndarray, cache):
-    # dout [B, T, d] -> dwte [V, d], dwpe [Tmax, d]
+    # dout [B, T, d] -> dwte [V, d], dwpe [Tmax, d] (zero at unused positions)
     idx, wte_shape, wpe_shape = cache
     T, d = idx.shape[1], wte_shape[1]
-    dwpe = np.zeros(wpe_shape, dtype=dout.dtype)  # [Tmax, d]: unused positions get zero
+    dwte, dwpe = np.zeros(wte_shape, dtype=dout.dtype), np.zeros(wpe_shape, dtype=dout.dtype)
     dwpe[:T] = dout.sum(axis=0)  # [T, d]
-    dwte = np.zeros(wte_shape, dtype=dout.dtype)  # [V, d]
     # Repeated tokens must accumulate: a flat 1-D np.add.at takes numpy's fast path (about 4x a 2-D
     # add.at), sums sequentially in index order (deterministic) and stays in the model dtype.
     flat = (idx.reshape(-1, 1) * d + np.arange(d)).reshape(-1)  # [B*T*d] element offsets into dwte
@@ -81,8 +78,7 @@ def _filled(n: int, value: float, dtype: np.dtype) -> np.ndarray:
 
 def _normalize(x2: np.ndarray, eps: float):
     # x2 [N, d] -> xhat [N, d] (zero mean, unit biased variance per row, as torch), rstd [N]
-    avg = _filled(x2.shape[1], 1.0 / x2.shape[1], x2.dtype)  # [d]
-    xhat = x2 - (x2 @ avg)[:, None]  # [N, d] centred
+    xhat = x2 - (x2 @ _filled(x2.shape[1], 1.0 / x2.shape[1], x2.dtype))[:, None]  # [N, d] centred
     var = np.einsum("nd,nd->n", xhat, xhat) / x2.shape[1]  # [N] no [N, d] temporary
     rstd = 1.0 / np.sqrt(var + eps)  # [N]
     xhat *= rstd[:, None]  # [N, d]
@@ -91,9 +87,8 @@ def _normalize(x2: np.ndarray, eps: float):
 
 def _normalize_backward(dxhat: np.ndarray, xhat: np.ndarray, rstd: np.ndarray) -> np.ndarray:
     # dxhat [N, d] (overwritten) -> dx [N, d] = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), row means
-    avg = _filled(xhat.shape[1], 1.0 / xhat.shape[1], xhat.dtype)  # [d]
     m2 = np.einsum("nd,nd->n", dxhat, xhat) / xhat.shape[1]  # [N]
-    dxhat -= (dxhat @ avg)[:, None]  # [N, d]
+    dxhat -= (dxhat @ _filled(xhat.shape[1], 1.0 / xhat.shape[1], xhat.dtype))[:, None]  # [N, d]
     dxhat -= xhat * m2[:, None]  # [N, d]
     dxhat *= rstd[:, None]  # [N, d]
     return dxhat
@@ -256,8 +251,7 @@ def _heads(a: np.ndarray) -> np.ndarray:
 
 def attention_forward(qkv: np.ndarray, n_head: int, p: float = 0.0, rng=None):
     # qkv [B, T, 3d] (c_attn output: q | k | v, heads contiguous inside each) -> causal MHA out [B, T, d]
-    B, T, C3 = qkv.shape
-    d = C3 // 3
+    B, T, d = *qkv.shape[:2], qkv.shape[2] // 3
     hs = d // n_head
     heads = qkv.reshape(B, T, 3, n_head, hs)  # [B, T, 3, nh, hs] view
     # Strided views: each [T, hs] slab has unit column stride, so matmul hands them to BLAS without copies.
