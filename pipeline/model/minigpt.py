@@ -174,5 +174,4 @@ class MiniGPT(NamedParams):
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         # x [B, T] int -> [B, T, V], eval mode (no dropout)
-        x = np.asarray(x)
-        return self._forward(x, None)[0].reshape(*x.shape, self.vocab_size)  # [N, V] -> [B, T, V]
+        return self._forward(np.asarray(x), None)[0].reshape(*np.shape(x), self.vocab_size)
