@@ -17,11 +17,8 @@ class Model(Protocol):
 
     # Training forward (dropout from rng) and backward; grads keyed like params (tied grads summed).
     def loss_and_grads(self, batch: Batch, rng) -> tuple[float, dict[str, np.ndarray]]: ...
-
     def evaluate(self, batch: Batch) -> float: ...  # mean loss without dropout
-
     def state_dict(self) -> dict[str, np.ndarray]: ...
-
     def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None: ...
 
 
