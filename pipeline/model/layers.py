@@ -147,10 +147,15 @@ def layernorm_linear_backward(dout: np.ndarray, cache):
 _GELU_CHUNK = 1 << 16
 
 
-def gelu_forward(x: np.ndarray):
+def gelu_forward(x: np.ndarray, erf: bool = False):
     # x [...] -> x h, h = 0.5 (1 + tanh(u)), u = c (x + a x^3): GPT-2's "gelu_new", as h = 1 / (1 + exp(z)),
     # z = -2u (one exp costs half a tanh). The cache is the derivative, so the backward is one multiply:
     #   d(x h)/dx = h + x dh/dx = h - x h (1 - h) z',  z' = dz/dx = -2c (1 + 3 a x^2)
+    # erf=True: x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2 = erfc(-x / sqrt 2) / 2, the exact GELU (torch's
+    # default, nanoGPT's), derivative Phi(x) + x phi(x), phi the normal density; erfc (a ufunc numpy lacks) is
+    # imported only by a model that asks for it.
+    if erf:
+        from scipy.special import erfc
     xf = np.ascontiguousarray(x).reshape(-1)  # [n] flat view
     out, grad = np.empty_like(xf), np.empty_like(xf)  # [n] each
     m = min(_GELU_CHUNK, xf.size)
@@ -161,6 +166,18 @@ def gelu_forward(x: np.ndarray):
             c = slice(s, s + _GELU_CHUNK)
             xs, o, g = xf[c], out[c], grad[c]  # [chunk] views
             x2, z, h = s1[: xs.size], s2[: xs.size], s3[: xs.size]
+            if erf:  # g is phi, then the derivative; h is Phi
+                np.multiply(xs, xs, out=g)  # x^2
+                g *= -0.5
+                np.exp(g, out=g)
+                g *= 1.0 / math.sqrt(2.0 * math.pi)  # phi(x)
+                np.multiply(xs, -1.0 / math.sqrt(2.0), out=h)
+                erfc(h, out=h)  # 1 + erf(x / sqrt 2) without its cancellation for x < 0
+                h *= 0.5  # Phi(x)
+                np.multiply(xs, h, out=o)
+                g *= xs
+                g += h  # Phi(x) + x phi(x)
+                continue
             np.multiply(xs, xs, out=x2)  # x^2
             np.multiply(x2, -2.0 * _GELU_A * _GELU_C, out=z)
             z += -2.0 * _GELU_C
@@ -176,30 +193,6 @@ def gelu_forward(x: np.ndarray):
             x2 *= o
             x2 *= z  # x h (1 - h) z'
             np.subtract(h, x2, out=g)
-    return out.reshape(x.shape), grad.reshape(x.shape)
-
-
-def gelu_erf_forward(x: np.ndarray):
-    # x [...] -> x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2 = erfc(-x / sqrt 2) / 2: the exact GELU (torch's
-    # default, nanoGPT's). The cache is the derivative Phi(x) + x phi(x), phi the standard normal density.
-    from scipy.special import erfc  # a ufunc numpy lacks; imported only by a model that asks for it
-
-    xf = np.ascontiguousarray(x).reshape(-1)  # [n] flat view, in chunks as gelu_forward
-    out, grad = np.empty_like(xf), np.empty_like(xf)
-    cdf = np.empty(min(_GELU_CHUNK, xf.size), xf.dtype)  # [chunk] scratch
-    for s in range(0, xf.size, _GELU_CHUNK):
-        c = slice(s, s + _GELU_CHUNK)
-        xs, o, phi, cd = xf[c], out[c], grad[c], cdf[: xf[c].size]
-        np.multiply(xs, xs, out=phi)  # x^2
-        phi *= -0.5
-        np.exp(phi, out=phi)
-        phi *= 1.0 / math.sqrt(2.0 * math.pi)  # phi(x)
-        np.multiply(xs, -1.0 / math.sqrt(2.0), out=cd)
-        erfc(cd, out=cd)  # 1 + erf(x / sqrt 2) without its cancellation for x < 0
-        cd *= 0.5  # Phi(x)
-        np.multiply(xs, cd, out=o)
-        phi *= xs
-        phi += cd  # Phi(x) + x phi(x)
     return out.reshape(x.shape), grad.reshape(x.shape)
 
 

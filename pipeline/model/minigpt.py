@@ -115,7 +115,6 @@ class MiniGPT(NamedParams):
         if x.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {x.shape}")
         pd, pa = (self.dropout, self.attn_dropout) if rng is not None else (0.0, 0.0)
-        gelu = L.gelu_erf_forward if self.gelu == "erf" else L.gelu_forward
         h, emb_c = L.embedding_forward(x, p[_WTE], p["transformer.wpe.weight"])  # [B, T, d]
         h, emb_dc = L.dropout_forward(h, pd, rng)
         blocks = []
@@ -128,7 +127,7 @@ class MiniGPT(NamedParams):
             # in place: no cache holds the residual stream (the embedding's output is a fresh array)
             h += a
             m, fc_c = L.layernorm_linear_forward(h, *w[6:10])  # [B, T, 4d] = c_fc(ln_2(h))
-            m, gelu_c = gelu(m)
+            m, gelu_c = L.gelu_forward(m, self.gelu == "erf")
             m, mproj_c = L.linear_forward(m, *w[10:12])  # [B, T, d]
             m, mdrop_c = L.dropout_forward(m, pd, rng)
             h += m

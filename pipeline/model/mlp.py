@@ -10,7 +10,6 @@ from pipeline.data.base import Batch, DataSpec
 from pipeline.model.base import NamedParams
 from pipeline.model.losses import mse
 
-
 ACTIVATIONS = {  # name -> (the activation, its derivative as a function of its output)
     "tanh": (np.tanh, lambda h: 1 - h * h),
     "relu": (lambda z: z * (z > 0), lambda h: h > 0),
