@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -10,7 +11,8 @@ from pipeline.data.base import Batch, DataSpec
 from pipeline.model.base import NamedParams
 from pipeline.model.losses import mse
 
-ACTIVATIONS = {  # name -> (the activation, its derivative as a function of its output)
+# name -> (the activation, its derivative as a function of its output)
+ACTIVATIONS: dict[str, tuple[Callable, Callable]] = {
     "tanh": (np.tanh, lambda h: 1 - h * h),
     "relu": (lambda z: z * (z > 0), lambda h: h > 0),
 }
