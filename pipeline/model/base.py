@@ -68,7 +68,5 @@ def summary(params: dict[str, np.ndarray], aliases: dict[str, str] | None = None
 
 def _group(name: str) -> str:
     parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ".".join(parts[:-1]) or name
+    i = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), len(parts) - 2)
+    return ".".join(parts[: i + 1]) or name
