@@ -29,8 +29,7 @@ def parse_options(args: list[str]) -> tuple[Options, list[str]]:
     kinds = {key: type(default) for key, default in vars(Options()).items()}  # str, int, float ...
     for arg in args:
         key, eq, value = arg.partition("=")
-        bare = key.lstrip("+~")
-        if bare == "data" or bare.startswith(("data.", "paths.", "hydra.")):
+        if (bare := key.lstrip("+~")) == "data" or bare.startswith(("data.", "paths.", "hydra.")):
             overrides.append(arg)
             continue
         if not eq or key not in kinds:

@@ -116,8 +116,7 @@ def layernorm_backward(dout: np.ndarray, cache):
 # xhat @ (g[:, None] * w) + (beta @ w + b); its [N, d] passes (forward and backward) become [d, out] work.
 def layernorm_linear_forward(x: np.ndarray, g: np.ndarray, beta: np.ndarray | None, w: np.ndarray,
                              b: np.ndarray | None, eps: float = 1e-5):  # fmt: skip
-    # x [..., d], g [d], beta [d] (the norm's), w [d, out], b [out] (the linear's); beta and b both or neither
-    # (a bias-free model) -> out [..., out]
+    # x [..., d], g [d], beta [d] (the norm's), w [d, out], b [out] (the linear's; both biases or neither) -> [..., out]
     xhat, rstd = _normalize(x.reshape(-1, x.shape[-1]), eps)  # [N, d], [N]
     wf = g[:, None] * w  # [d, out] folded weight
     out = xhat @ wf  # [N, out]
@@ -138,8 +137,7 @@ def layernorm_linear_backward(dout: np.ndarray, cache):
         dw += beta[:, None] * db  # [d, out] through beta @ w
         dbeta = w @ db  # [d]
     dg = np.einsum("io,io->i", dwf, w)  # [d]
-    dx = _normalize_backward(d2 @ wf.T, xhat, rstd)  # [N, d]
-    return dx.reshape(shape), dg, dbeta, dw, db
+    return _normalize_backward(d2 @ wf.T, xhat, rstd).reshape(shape), dg, dbeta, dw, db
 
 
 # GELU is ~15 elementwise passes over [N, 4d]: in chunks of this many elements their temporaries stay in L2

@@ -49,9 +49,8 @@ class MLP(NamedParams):
         # x [B, in] -> out [B, out]; rng None means eval mode (no dropout, no draws)
         caches, h = [], x
         for i in range(self.n_layers):
-            w, b = self.params[f"layers.{i}.weight"], self.params[f"layers.{i}.bias"]
             cache = {"x": h}
-            h = h @ w + b  # [B, fan_out]
+            h = h @ self.params[f"layers.{i}.weight"] + self.params[f"layers.{i}.bias"]
             if i < self.n_layers - 1:
                 h = cache["h"] = self.activation(h)
                 if rng is not None and self.dropout > 0:

@@ -77,14 +77,12 @@ class Adam(Optimizer):
         np.multiply(g, dt(1 - self.beta2), out=tmp)
         tmp *= g
         v += tmp  # v = beta2 v + ((1 - beta2) g) g
-        bias_correction1 = 1 - self.beta1**self.t
-        bias_correction2_sqrt = math.sqrt(1 - self.beta2**self.t)
         np.sqrt(v, out=tmp)
-        tmp /= dt(bias_correction2_sqrt)
-        tmp += dt(self.eps)  # denom = sqrt(v) / sqrt(bc2) + eps
+        tmp /= dt(math.sqrt(1 - self.beta2**self.t))
+        tmp += dt(self.eps)  # denom = sqrt(v) / sqrt(bc2) + eps, bias correction bc2 = 1 - beta2^t
         np.divide(m, tmp, out=tmp)
-        tmp *= dt(self.lr / bias_correction1)
-        p -= tmp  # p -= lr / bc1 * (m / denom)
+        tmp *= dt(self.lr / (1 - self.beta1**self.t))
+        p -= tmp  # p -= lr / bc1 * (m / denom), bc1 = 1 - beta1^t
 
 
 class _Flat:
