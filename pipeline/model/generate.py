@@ -86,8 +86,7 @@ def next_token(logits: np.ndarray, temperature: float, top_k: int, rng: np.rando
         return int(np.argmax(logits))
     z = logits.astype(np.float64) / temperature  # [V]
     if 0 < top_k < z.size:
-        kth = np.partition(z, -top_k)[-top_k]
-        z = np.where(z >= kth, z, -np.inf)  # ties at the k-th value are all kept
+        z = np.where(z >= np.partition(z, -top_k)[-top_k], z, -np.inf)  # ties at the k-th all kept
     cdf = np.cumsum(np.exp(z - z.max()))  # [V]
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), z.size - 1))
 

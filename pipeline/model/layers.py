@@ -264,15 +264,14 @@ def attention_forward(qkv: np.ndarray, n_head: int, p: float = 0.0, rng=None):
     o4 = _heads(out.reshape(B, T, n_head, hs))
     for a, b in _blocks(T):
         np.matmul(att_d[:, :b, :, a:b].transpose(0, 2, 3, 1), v[:, :, :b], out=o4[:, :, a:b])
-    return out, (qs, k, v, att, att_d, dcache, out, n_head, scale)
+    return out, (qs, k, v, att, att_d, dcache, _heads(o4), scale)
 
 
 def attention_backward(dout: np.ndarray, cache):
     # dout [B, T, d] -> dqkv [B, T, 3d]
-    qs, k, v, att, att_d, dcache, out, n_head, scale = cache
-    B, T, d = dout.shape
-    hs = d // n_head
-    dout4 = dout.reshape(B, T, n_head, hs)
+    qs, k, v, att, att_d, dcache, out4, scale = cache  # out4 [B, T, nh, hs]: the forward's output
+    B, T, n_head, hs = out4.shape
+    dout4 = dout.reshape(out4.shape)
     dy = _heads(dout4)  # [B, nh, Tq, hs] view
     dqkv = np.empty((B, T, 3, n_head, hs), dtype=dout.dtype)  # [B, T, 3, nh, hs]
     dq, dk, dv = (_heads(dqkv[:, :, i]) for i in range(3))  # [B, nh, T, hs] strided slots
@@ -285,7 +284,7 @@ def attention_backward(dout: np.ndarray, cache):
     datt = dropout_backward(datt, dcache)  # [B, Tk, nh, Tq] grad wrt the softmax output
     # Softmax backward needs sum_j datt_ij att_ij = dy_i . y_i (FlashAttention's D): computed on [T, hs],
     # 4x smaller than [T, T], and it holds with dropout too since y = (att * mask) @ v.
-    rows = np.einsum("bthe,bthe->bht", dout4, out.reshape(B, T, n_head, hs))
+    rows = np.einsum("bthe,bthe->bht", dout4, out4)
     d3 = datt.reshape(B, T, n_head * T)  # [B, Tk, nh*Tq]
     d3 -= rows.reshape(B, 1, n_head * T)
     d3 *= att.reshape(B, T, n_head * T)  # grad wrt the scaled scores; 0 where masked
@@ -293,4 +292,4 @@ def attention_backward(dout: np.ndarray, cache):
         np.matmul(datt[:, :b, :, a:b].transpose(0, 2, 3, 1), k[:, :, :b], out=dq[:, :, a:b])
         np.matmul(_heads(datt[:, a:b, :, a:]), qs[:, :, a:], out=dk[:, :, a:b])
     dqkv[:, :, 0] *= scale  # dq = d(qs) * scale
-    return dqkv.reshape(B, T, 3 * d)
+    return dqkv.reshape(B, T, 3 * n_head * hs)
