@@ -92,14 +92,11 @@ def next_token(logits: np.ndarray, temperature: float, top_k: int, rng: np.rando
 
 
 def continuation(model, vocab: list[str], join: str, options: Options, eos: str | None = "<eos>"):
-    """The prompt and its max_new_tokens drawn tokens, as text (what the command prints, and a registered
-    model's predict returns); an empty prompt starts after `eos` when the vocabulary has one.
-    `model.logits(x [1, T]) -> [1, T, V]`."""
+    """The prompt and max_new_tokens tokens drawn from `model.logits(x [1, T]) -> [1, T, V]`, as text (what sample
+    prints, a registered model's predict returns); an empty prompt starts after `eos` when the vocabulary has one."""
     rng = np.random.default_rng(options.seed)  # this command's own stream, never the global one
     ids = encode(options.prompt, vocab, join, eos)
     for _ in range(options.max_new_tokens):
-        context = np.asarray(ids[-model.block_size :], dtype=np.int64)[None, :]  # [1, T]
-        ids.append(
-            next_token(model.logits(context)[0, -1], options.temperature, options.top_k, rng)
-        )
+        logits = model.logits(np.asarray(ids[-model.block_size :], dtype=np.int64)[None, :])
+        ids.append(next_token(logits[0, -1], options.temperature, options.top_k, rng))
     return join.join(vocab[i] for i in ids)
