@@ -59,14 +59,12 @@ class MiniGPT(NamedParams):
             raise ValueError("MiniGPT needs rng (the run's init stream) to initialise its weights")
         self.vocab_size = int(spec.vocab_size)
         self.n_layer, self.n_head, self.n_embd = int(n_layer), int(n_head), int(n_embd)
-        # Learned positions: the data's sequence length unless more are asked for (None: the data's).
         self.block_size = int(spec.block_size if block_size is None else block_size)
         if self.block_size < spec.block_size:
             said = f"model.block_size {self.block_size} is shorter than the data's sequences"
             raise ValueError(f"{said} ({spec.block_size} tokens)")
         self.dropout = float(dropout)
         self.attn_dropout = float(dropout if attn_dropout is None else attn_dropout)
-        # bias=False: no bias in any linear layer or LayerNorm (nanoGPT's option); gelu: tanh (GPT-2's) or erf
         self.dtype, self.bias, self.gelu = np.dtype(dtype), bool(bias), str(gelu)
         self.params = self._init_params(float(init_std), rng)
         self.aliases = {"lm_head.weight": "transformer.wte.weight"}

@@ -49,7 +49,7 @@ class MLP(NamedParams):
         # x [B, in] -> out [B, out]; rng None means eval mode (no dropout, no draws)
         caches, h = [], x
         for i in range(self.n_layers):
-            cache = {"x": h}
+            caches.append(cache := {"x": h})
             h = h @ self.params[f"layers.{i}.weight"] + self.params[f"layers.{i}.bias"]
             if i < self.n_layers - 1:
                 h = cache["h"] = self.activation(h)
@@ -57,13 +57,11 @@ class MLP(NamedParams):
                     keep = (rng.random(h.shape) >= self.dropout).astype(self.dtype)  # [B, fan_out]
                     cache["mask"] = keep / self.dtype.type(1 - self.dropout)
                     h = h * cache["mask"]
-            caches.append(cache)
         return h, caches
 
     def backward(self, dout: np.ndarray, caches) -> dict[str, np.ndarray]:
         grads, dh = {}, dout
-        for i in reversed(range(self.n_layers)):
-            cache = caches[i]
+        for i, cache in reversed(list(enumerate(caches))):
             if "mask" in cache:
                 dh = dh * cache["mask"]
             if "h" in cache:
