@@ -134,11 +134,12 @@ class MiniGPT(NamedParams):
         logits, head_c = L.head_forward(h, self.lm_head)  # [N, V] tied head, no bias
         return logits, (emb_c, emb_dc, blocks, lnf_c, head_c)
 
-    def _backward(self, dlogits, row_scale, caches) -> dict[str, np.ndarray]:
-        # dlogits [N, V] * row_scale [N] per row -> grads keyed like self.params
-        emb_c, emb_dc, blocks, lnf_c, head_c = caches
+    def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None):
+        logits, (emb_c, emb_dc, blocks, lnf_c, head_c) = self._forward(np.asarray(batch.x), rng)
+        # dlogits [N, V] = d * row_scale[:, None], d in logits' memory; the backward's grads keyed like self.params
+        loss, d, row_scale = cross_entropy_factored(logits, np.asarray(batch.y).reshape(-1))
         g: dict[str, np.ndarray] = {}
-        dh, dwte_head = L.head_backward(dlogits, head_c, row_scale)  # [N, d]; [V, d]: the head's
+        dh, dwte_head = L.head_backward(d, head_c, row_scale)  # [N, d]; [V, d]: the head's
         dh, g["transformer.ln_f.weight"], g[_LNF_B] = L.layernorm_backward(dh, lnf_c)  # [B, T, d]
         for i in reversed(range(self.n_layer)):
             names = [f"transformer.h.{i}.{n}" for n in _BLOCK_PARAMS]
@@ -157,13 +158,7 @@ class MiniGPT(NamedParams):
         dh = L.dropout_backward(dh, emb_dc)
         g[_WTE], g["transformer.wpe.weight"] = L.embedding_backward(dh, emb_c)  # [V, d], [Tmax, d]
         g[_WTE] += dwte_head  # tied: the embedding's use + the head's
-        return {name: g[name] for name in self.params}
-
-    def loss_and_grads(self, batch: Batch, rng: np.random.Generator | None):
-        logits, caches = self._forward(np.asarray(batch.x), rng)  # [N, V]
-        # dlogits = d * row_scale, in logits' memory
-        loss, d, row_scale = cross_entropy_factored(logits, np.asarray(batch.y).reshape(-1))
-        return loss, self._backward(d, row_scale, caches)
+        return loss, {name: g[name] for name in self.params}
 
     def evaluate(self, batch: Batch) -> float:
         logits = self._forward(np.asarray(batch.x), None)[0]  # [N, V]
