@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import sys
@@ -21,14 +22,11 @@ def keep_freed_memory() -> bool:
     """Keep freed heap for reuse (glibc, process-wide): a step frees ~50 MB of 0.5-4 MB temporaries, and
     trimmed, the next one faults every page back in (~25 ms a step on 2 cores). RSS stays at its peak."""
     global _MALLOC_TUNED
-    if _MALLOC_TUNED or not sys.platform.startswith("linux"):
-        return _MALLOC_TUNED
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    # M_MMAP_THRESHOLD (-3) at its 64-bit maximum and M_TRIM_THRESHOLD (-1): no dynamic adjustment either
-    _MALLOC_TUNED = mallopt(-3, 32 << 20) == 1 and mallopt(-1, 1 << 30) == 1
+    if not _MALLOC_TUNED and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # no glibc: nothing tuned
+            mallopt = ctypes.CDLL("libc.so.6").mallopt
+            # M_MMAP_THRESHOLD (-3) at its 64-bit maximum and M_TRIM_THRESHOLD (-1): no dynamic adjustment either
+            _MALLOC_TUNED = mallopt(-3, 32 << 20) == 1 and mallopt(-1, 1 << 30) == 1
     return _MALLOC_TUNED
 
 
