@@ -29,8 +29,7 @@ def cross_entropy_factored(logits: np.ndarray, targets: np.ndarray):
     # logits [N, V] float (overwritten), targets [N] int -> loss, d [N, V] in logits' memory, row_scale [N] with
     # dlogits = d * row_scale[:, None]: a caller linear in dlogits next (the tied head) scales its [N, d] operands.
     n, V = logits.shape
-    rows = np.arange(n)
-    z = logits  # [N, V]
+    z, rows = logits, np.arange(n)  # z [N, V], overwritten
     if not -_UNSHIFTED_RANGE <= z.min() <= z.max() <= _UNSHIFTED_RANGE:
         # Out of range: shift each row by its max. Within it the shift is skipped (softmax is shift invariant and
         # exp's relative error does not depend on it): two whole-array reductions, not a row max and an [N, V] pass.
