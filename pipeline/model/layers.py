@@ -150,8 +150,7 @@ def gelu_forward(x: np.ndarray, erf: bool = False):
     # z = -2u (one exp costs half a tanh). The cache is the derivative, so the backward is one multiply:
     #   d(x h)/dx = h + x dh/dx = h - x h (1 - h) z',  z' = dz/dx = -2c (1 + 3 a x^2)
     # erf=True: x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2 = erfc(-x / sqrt 2) / 2, the exact GELU (torch's
-    # default, nanoGPT's), derivative Phi(x) + x phi(x), phi the normal density; erfc (a ufunc numpy lacks) is
-    # imported only by a model that asks for it.
+    # default, nanoGPT's); scipy's erfc (a ufunc numpy lacks) is imported only by a model that asks for it.
     if erf:
         from scipy.special import erfc
     xf = np.ascontiguousarray(x).reshape(-1)  # [n] flat view

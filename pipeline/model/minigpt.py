@@ -100,8 +100,7 @@ class MiniGPT(NamedParams):
         return p if self.bias else {name: a for name, a in p.items() if not name.endswith(".bias")}
 
     @property
-    def lm_head(self) -> np.ndarray:
-        # The output head is the token embedding itself: one ndarray, never a copy.
+    def lm_head(self) -> np.ndarray:  # the token embedding itself: one ndarray, never a copy
         return self.params[self.aliases["lm_head.weight"]]
 
     def _forward(self, x: np.ndarray, rng: np.random.Generator | None):

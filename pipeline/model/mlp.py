@@ -28,9 +28,8 @@ class MLP(NamedParams):
                  rng: np.random.Generator):  # fmt: skip
         # validated (config/schemas.py) and paired with the data (run/assemble.py check_pairing) first
         (self.activation, self.derivative), self.dropout = ACTIVATIONS[activation], float(dropout)
-        self.dtype = np.dtype(dtype)
+        self.dtype, self.n_layers = np.dtype(dtype), len(hidden) + 1
         widths = [spec.n_features, *hidden, spec.n_targets]
-        self.n_layers = len(widths) - 1
         self.params: dict[str, np.ndarray] = {}
         for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
             # torch.nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias
