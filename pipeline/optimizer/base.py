@@ -13,8 +13,7 @@ class Optimizer:
     buffers: tuple[str, ...] = ()
 
     def __init__(self, params: dict[str, np.ndarray], lr: float):
-        # The model's live arrays, updated in place. A plain dict even when handed a mapping such as the
-        # DictConfig hydra.utils.instantiate wraps a dict kwarg in: the same arrays, no config node around them.
+        # The live arrays, updated in place; a plain dict even when instantiate hands them wrapped in a DictConfig
         self.params = params if type(params) is dict else {name: params[name] for name in params}
         self.lr = float(lr)  # set by the scheduler before each step, like torch's param_groups
         self.t = 0
