@@ -22,10 +22,9 @@ def linear_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None):
 
 
 def linear_backward(dout: np.ndarray, cache):
-    # dout [..., out] -> dx [..., in], dw [in, out], db [out] (None without bias)
+    # dout [..., out] -> dx [..., in], dw [in, out], db [out] (a BLAS gemv, faster than a sum; None without bias)
     x2, w, shape, has_bias = cache
     d2 = dout.reshape(-1, w.shape[1])  # [N, out]
-    # db [out]: a BLAS gemv, faster than sum(axis=0)
     db = _filled(d2.shape[0], 1.0, d2.dtype) @ d2 if has_bias else None
     return (d2 @ w.T).reshape(shape), x2.T @ d2, db
 

@@ -8,8 +8,7 @@ import numpy as np
 def mse(pred: np.ndarray, target: np.ndarray) -> tuple[float, np.ndarray]:
     # pred, target: [B, k] -> loss (mean over all elements), dpred [B, k]
     diff = pred - target
-    loss = float(np.mean(diff * diff))
-    return loss, (2.0 / diff.size) * diff
+    return float(np.mean(diff * diff)), (2.0 / diff.size) * diff
 
 
 # exp needs no shift while every logit is within this of 0: exp(64) * V stays far below float32's max
