@@ -7,10 +7,6 @@ from functools import lru_cache
 
 import numpy as np
 
-# Python-float constants only: under NEP 50 they take the array's dtype, where an np.float64 would upcast float32.
-_GELU_C = math.sqrt(2.0 / math.pi)
-_GELU_A = 0.044715
-
 
 def linear_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray | None):
     # x [..., in], w [in, out] (Conv1D layout), b [out] or None -> out [..., out]
@@ -152,6 +148,7 @@ def gelu_forward(x: np.ndarray, erf: bool = False):
     # default, nanoGPT's); scipy's erfc (a ufunc numpy lacks) is imported only by a model that asks for it.
     if erf:
         from scipy.special import erfc
+    c, a = math.sqrt(2.0 / math.pi), 0.044715  # Python floats: NEP 50 keeps the array's dtype
     xf = np.ascontiguousarray(x).reshape(-1)  # [n] flat view
     out, grad = np.empty_like(xf), np.empty_like(xf)  # [n] each
     m = min(_GELU_CHUNK, xf.size)
@@ -159,8 +156,8 @@ def gelu_forward(x: np.ndarray, erf: bool = False):
     # x < ~-5 (float32): e = inf, h = 0, out = -0 and grad = 0, as the limit
     with np.errstate(over="ignore"):
         for s in range(0, xf.size, _GELU_CHUNK):
-            c = slice(s, s + _GELU_CHUNK)
-            xs, o, g = xf[c], out[c], grad[c]  # [chunk] views
+            piece = slice(s, s + _GELU_CHUNK)
+            xs, o, g = xf[piece], out[piece], grad[piece]  # [chunk] views
             x2, z, h = s1[: xs.size], s2[: xs.size], s3[: xs.size]
             if erf:  # g is phi, then the derivative; h is Phi
                 np.multiply(xs, xs, out=g)  # x^2
@@ -175,16 +172,16 @@ def gelu_forward(x: np.ndarray, erf: bool = False):
                 g += h  # Phi(x) + x phi(x)
                 continue
             np.multiply(xs, xs, out=x2)  # x^2
-            np.multiply(x2, -2.0 * _GELU_A * _GELU_C, out=z)
-            z += -2.0 * _GELU_C
+            np.multiply(x2, -2.0 * a * c, out=z)
+            z += -2.0 * c
             z *= xs  # z = -2u
             np.exp(z, out=h)  # e
             h += 1.0
             # h = 1 / (1 + e): the same bits as np.reciprocal, at about half its time
             np.divide(1.0, h, out=h)
             np.multiply(xs, h, out=o)  # x h
-            np.multiply(x2, -6.0 * _GELU_A * _GELU_C, out=z)
-            z += -2.0 * _GELU_C  # z'
+            np.multiply(x2, -6.0 * a * c, out=z)
+            z += -2.0 * c  # z'
             np.subtract(1.0, h, out=x2)  # 1 - h
             x2 *= o
             x2 *= z  # x h (1 - h) z'
