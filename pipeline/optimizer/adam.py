@@ -22,8 +22,7 @@ class Adam(Optimizer):
         super().__init__(params, lr)
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps, self.weight_decay = float(eps), float(weight_decay)
-        # all: every parameter; matrices: those of 2 or more dimensions (weights and embeddings, not biases nor
-        # LayerNorm gains: GPT-2's, nanoGPT's and HF's groups)
+        # all: every parameter; matrices: those of 2+ dimensions, not biases nor LayerNorm gains (GPT-2's, HF's groups)
         self.decays = {n: weight_decay_on == "all" or p.ndim >= 2 for n, p in self.params.items()}
         one_dtype = len({p.dtype for p in self.params.values()}) == 1
         self._flat = _Flat(self.params, self.state, self.decays) if one_dtype else None
