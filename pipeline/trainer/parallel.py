@@ -61,8 +61,7 @@ class Shards(contextlib.AbstractContextManager):
         self.shards, self.threads = int(shards), int(threads)
         # The calling thread works too: threads - 1 helpers. None when there is nothing to share.
         self._pool = ThreadPoolExecutor(self.threads - 1, "shard") if self.threads > 1 else None
-        # found once (~1 ms)
-        self._blas = ThreadpoolController().select(user_api="blas").lib_controllers
+        self._blas = ThreadpoolController().select(user_api="blas").lib_controllers  # once (~1 ms)
         self._blas_before = [lib.get_num_threads() for lib in self._blas]
         self._closed = False
         self._pin_blas()
@@ -122,18 +121,14 @@ class Shards(contextlib.AbstractContextManager):
         if self._pool is None or len(keys) == 1:
             return [fn(k) for k in keys]
         results: list = [None] * len(keys)
-        todo = collections.deque(range(len(keys)))  # indices of keys; its pops are thread-safe
+        todo = iter(range(len(keys)))  # indices of keys, each taken once (next() is atomic)
 
         def work() -> None:
-            while True:
-                try:
-                    i = todo.popleft()
-                except IndexError:
-                    return
+            for i in todo:
                 try:
                     results[i] = fn(keys[i])
                 except BaseException:
-                    todo.clear()  # after a failure nobody starts another key
+                    collections.deque(todo, maxlen=0)  # emptied: then nobody starts a key
                     raise
 
         helpers = [self._pool.submit(work) for _ in range(min(self.threads, len(keys)) - 1)]
