@@ -64,8 +64,8 @@ def val_target_positions(n_tokens: int, block_size: int) -> np.ndarray:
 
 
 def write_corpus(directory: Path, content: CorpusContent, name: str, params: dict) -> bytes:
-    """Every file of the corpus into `directory`, the token files streamed piece by piece, MANIFEST.json last
-    (its bytes returned): a pure function of the content and params."""
+    """Every file of the corpus into `directory`, token files streamed, MANIFEST.json last (its bytes returned): a pure
+    function of the content and params."""
     V, T, order = len(content.vocab), int(params["block_size"]), int(params["ngram_order"])
     if V > MAX_VOCAB:
         raise ValueError(
@@ -94,23 +94,13 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
             f"the {name} corpus's n-gram baseline is fitted on its first {len(train)} train tokens and "
             f"scores its first {len(positions)} val targets (a bounded sample)"
         )
-    # Rounded so that last-ulp differences in log() between machines do not change the manifest bytes.
     ppl = ngram.fitted_perplexity(train, order, V, tokens["val"], positions)
-    manifest = {
-        "format": FORMAT_VERSION,
-        "generator": name,
-        "params": params,
-        "params_hash": short_hash(params),
-        "seed": params.get("seed"),
-        "vocab_size": V,
-        "token_dtype": TOKEN_DTYPE.str,
-        "decode_join": content.join,
-        "tokens": n,
-        "windows": {s: n_windows(n[s], T) for s in SPLITS},
-        "baseline": {**baseline, "val_targets": len(positions), "val_ppl": round(ppl, 4)},
-        "stats": content.stats,
-        "files": listed,
-    }
+    # Rounded so that last-ulp differences in log() between machines do not change the manifest bytes.
+    baseline.update(val_targets=len(positions), val_ppl=round(ppl, 4))
+    manifest = dict(format=FORMAT_VERSION, generator=name, params=params, seed=params.get("seed"))
+    manifest.update(params_hash=short_hash(params), vocab_size=V, token_dtype=TOKEN_DTYPE.str)
+    manifest.update(decode_join=content.join, tokens=n, stats=content.stats, files=listed)
+    manifest.update(baseline=baseline, windows={s: n_windows(n[s], T) for s in SPLITS})
     raw = canonical_json(manifest)
     atomic.write_new(directory / MANIFEST, raw)
     return raw
@@ -170,8 +160,7 @@ WORDS = {
 
 
 def _notice(message: str) -> None:
-    """`message` as an INFO record where the log reaches a handler, else on stderr if a terminal: never on a pipe,
-    where stderr carries only a refusal's one line, which scripts read."""
+    """`message` as INFO where the log has a handler, else on stderr if a terminal (a pipe's is for refusals)."""
     if log.hasHandlers():
         log.info(message)
     elif sys.stderr is not None and sys.stderr.isatty():
@@ -181,8 +170,7 @@ def _notice(message: str) -> None:
 def ensure_corpus(data_dir: Path, name: str, params: dict, build: Build) -> Path:
     """<data_dir>/<name>-<hash>/, built by `build` only if absent, safe beside other writers; its reader verifies it."""
     parent = Path(data_dir)
-    # <output_dir>/data linked elsewhere would receive the corpus
-    atomic.refuse_link(parent, "directory")
+    atomic.refuse_link(parent, "directory")  # <output_dir>/data linked elsewhere would receive it
     final = parent / f"{name}-{short_hash(params)}"
     if final.exists():
         return final
@@ -228,11 +216,9 @@ class TokenDataset:
     """Non-overlapping windows of T+1 tokens over a verified corpus directory (the Dataset protocol)."""
 
     kind = "tokens"
-    # on disk, in the output directory's corpus cache (what `archive --with-data` copies)
-    keeps_corpus = True
+    keeps_corpus = True  # on disk, in the output's corpus cache (what `archive --with-data` copies)
     baselines = ("val/ngram_baseline_ppl",)  # what baseline_metrics gives
-    # role -> token of the vocabulary ({"eos": "<eos>"}): what a tool starts from
-    specials: ClassVar[dict[str, str]] = {}
+    specials: ClassVar[dict[str, str]] = {}  # role -> token ({"eos": "<eos>"}): tools start there
 
     def __init__(
         self, cache_dir: str, params: dict, val_batch_size: int, build: Build, every_offset=False
@@ -252,8 +238,7 @@ class TokenDataset:
         T = int(self.manifest["params"]["block_size"])
         self.spec = DataSpec(vocab_size=len(self.vocab), block_size=T)
         self.n_train = n_windows(len(self.tokens["train"]), T)
-        # every_offset: a training sample is the window at any offset of the train stream (nanoGPT's), drawn
-        # by the iterator; else the n_train non-overlapping windows
+        # every_offset: a sample is the window at any offset of the train stream (nanoGPT's); else the n_train windows
         self.n_offsets = len(self.tokens["train"]) - T if every_offset else 0
         self.n_val = n_windows(len(self.tokens["val"]), T)
         self.val_batch_size = int(val_batch_size)
