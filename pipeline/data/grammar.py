@@ -18,11 +18,15 @@ GRAMMAR_VERSION = 1
 EOS, COMMA = "<eos>", ","
 
 
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
 # Agreement is carried as the pronoun a subject stands for: it fixes person, number and gender at once.
 # subject, object, possessive, reflexive
 _PRONOUNS = "I me my myself, you you your yourself, he him his himself, she her her herself"
 _PRONOUNS += ", it it its itself, we us our ourselves, they them their themselves"
-PRONOUNS = {forms[0]: forms for forms in map(str.split, _PRONOUNS.split(", "))}
+PRONOUNS = {forms[0]: forms for forms in map(_words, _PRONOUNS.split(", "))}
 THIRD_SINGULAR = ("he", "she", "it")
 
 # class, "singular plural pronoun-a-singular-stands-for" of each noun: one class a noun, one parse a string
@@ -43,12 +47,12 @@ INANIMATE = ("food", "text", "vehicle", "thing")
 PLACES = ("park", "garden", "house", "kitchen", "school", "forest")
 
 ATTRIBUTIVE = {
-    "animate": "tall young old small big little lazy clever brave happy".split(),
-    "inanimate": "old small big new red blue green heavy cheap little".split(),
+    "animate": _words("tall young old small big little lazy clever brave happy"),
+    "inanimate": _words("old small big new red blue green heavy cheap little"),
 }
 PREDICATIVE = {
-    "animate": "happy hungry tired angry sad sick clever".split(),
-    "inanimate": "new old broken heavy cheap red clean dirty".split(),
+    "animate": _words("happy hungry tired angry sad sick clever"),
+    "inanimate": _words("new old broken heavy cheap red clean dirty"),
 }
 
 DETERMINERS = {
@@ -100,7 +104,7 @@ TIME_PHRASES = {
 }
 PREPOSITIONS = ("near", "with", "behind")
 PLACE_PREPOSITIONS = ("in", "near", "behind")
-FUNCTION_WORDS = "a an that not very will be been do does did am is are was were has have".split()
+FUNCTION_WORDS = _words("a an that not very will be been do does did am is are was were has have")
 
 
 def vocabulary() -> list[str]:
@@ -316,10 +320,8 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
     # The generator's own log-probability of each sentence bounds what any model can reach on it; a bound
     # from above, since a rare string with two derivations (e.g. "read" present/past) is charged for one.
     val_nats = -math.fsum(logps[-n_val:])
-    stats = {
-        "sentences": {"train": n_sentences - n_val, "val": n_val},
-        "oracle_val_ppl_bound": round(math.exp(val_nats / len(val)), 4),
-    }
+    stats = {"sentences": {"train": n_sentences - n_val, "val": n_val}}
+    stats["oracle_val_ppl_bound"] = round(math.exp(val_nats / len(val)), 4)
     return CorpusContent(vocab, join=" ", pieces=(("train", train), ("val", val)), stats=stats)
 
 

@@ -38,8 +38,7 @@ def _sorted_keys(tokens: np.ndarray, k: int, V: int) -> np.ndarray:
 
 
 def _run_starts(a: np.ndarray) -> np.ndarray:
-    """Where each run of equal values of a sorted array starts [G] (np.unique's return_index, by one
-    comparison pass: np.unique hashes, which is 100x slower here, and then sorts anyway)."""
+    """Where each run of a sorted array starts [G]: np.unique's return_index in one pass (its hashing: 100x slower)."""
     first = np.empty(len(a), dtype=bool)  # [N]
     first[:1] = True
     np.not_equal(a[1:], a[:-1], out=first[1:])
@@ -47,8 +46,7 @@ def _run_starts(a: np.ndarray) -> np.ndarray:
 
 
 def _counted(held: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct values [G], how often each occurs [G] float64) of the sorted array in `held` (which is emptied:
-    the array is freed as soon as its distinct values are taken)."""
+    """(distinct values [G], their counts [G] float64) of the sorted array in `held`, emptied to free it once read."""
     a = held.pop()
     n, starts = len(a), _run_starts(a)
     values = a[starts]

@@ -38,9 +38,7 @@ def _code_points(pieces: Iterable[bytes], path: Path) -> Iterator[np.ndarray]:
             if raw and not pending and raw.isascii():
                 yield np.frombuffer(raw, dtype=np.uint8)  # its bytes are its code points
             else:
-                yield np.frombuffer(
-                    decoder.decode(raw, final=not raw).encode("utf-32-le"), dtype="<u4"
-                )
+                yield np.frombuffer(decoder.decode(raw, final=not raw).encode("utf-32-le"), "<u4")
         except UnicodeDecodeError as e:
             at = offset - pending + e.start
             raise TextError(path, f"not valid UTF-8 (bad byte at offset {at})") from None

@@ -64,8 +64,7 @@ class Display:
         if self.bar_enabled:
             b = tqdm(total=state.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
             self.bar = self.redirect.enter_context(b)  # closed by close()
-            # Every log line while the bar shows (validation, mlflow's from its thread) goes above it through
-            # tqdm.write, never into the middle of it.
+            # Log lines while the bar shows (validation, mlflow's thread) go above it by tqdm.write, never into it.
             self.redirect.enter_context(logging_redirect_tqdm([logging.getLogger()]))
 
     def on_step_end(self, state, record: dict) -> None:

@@ -7,7 +7,7 @@ import zlib
 
 import numpy as np
 
-from pipeline.data.iterator import numpy_state_from_json, numpy_state_to_json
+from pipeline.data.iterator import restore_stream, stream_state
 
 # Every random draw in a run comes from one of these; nothing touches global np.random or random.
 NUMPY_STREAMS = ("init", "data_order", "noise", "dropout")
@@ -36,13 +36,14 @@ class Streams:
         return [*self.np, *self.py]
 
     def state_dict(self) -> dict:
-        return {n: _state(self[n]) for n in self.names()}
+        return {n: stream_state(self[n]) for n in self.names()}
 
     def check_state_dict(self, state: dict) -> None:
         """Decode every stream onto a scratch generator: the live ones stay untouched if one is bad."""
         for n in self.names():
             try:
-                _restore(np.random.default_rng() if n in self.np else random.Random(), state[n])
+                scratch = np.random.default_rng() if n in self.np else random.Random()
+                restore_stream(scratch, state[n])
             except (TypeError, ValueError, KeyError) as e:
                 raise ValueError(f"stream {n!r}: {e}") from None
 
@@ -51,27 +52,12 @@ class Streams:
         if missing:
             raise KeyError(f"RNG streams differ: {sorted(missing)}")
         for n in self.names():
-            _restore(self[n], state[n])
+            restore_stream(self[n], state[n])
 
     def peek(self) -> dict[str, float]:
         """The next draw of every stream, with each state put back so the run is not disturbed."""
         out = {}
         for n in self.names():
-            saved, out[n] = _state(self[n]), float(self[n].random())
-            _restore(self[n], saved)
+            saved, out[n] = stream_state(self[n]), float(self[n].random())
+            restore_stream(self[n], saved)
         return out
-
-
-def _state(g: np.random.Generator | random.Random) -> dict:
-    """A stream's state as JSON, whichever its kind."""
-    if isinstance(g, np.random.Generator):
-        return numpy_state_to_json(g)
-    version, internal, gauss_next = g.getstate()
-    return {"version": version, "internal": list(internal), "gauss_next": gauss_next}
-
-
-def _restore(g: np.random.Generator | random.Random, d: dict) -> None:
-    if isinstance(g, np.random.Generator):
-        g.bit_generator.state = numpy_state_from_json(d)
-    else:
-        g.setstate((int(d["version"]), tuple(int(v) for v in d["internal"]), d["gauss_next"]))
