@@ -328,8 +328,7 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
 class GrammarCorpus(TokenDataset):
     """`data=grammar`: the grammar corpus under <output_dir>/data/grammar-<hash>/, generated once."""
 
-    # every sentence ends with it: an empty prompt starts after one
-    specials: ClassVar[dict[str, str]] = {"eos": EOS}
+    specials: ClassVar[dict[str, str]] = {"eos": EOS}  # ends each sentence: prompts start after it
 
     def __init__(
         self,

@@ -82,8 +82,7 @@ def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
     start = _run_starts(ctx)
     ctx_keys = ctx[start]
     del ctx
-    # An estimate clipped to 0 (tiny data) would leave a context no mass for the tokens never seen after it:
-    # they would get probability 0 (an infinite perplexity). The fallback discounts are > 0.
+    # Estimates clipped to 0 (tiny data) leave unseen tokens probability 0 (infinite perplexity); fallbacks are > 0.
     for d in (_discounts(counts), FALLBACK):
         ctx_backoff = np.add.reduceat(_discount(d, counts), start)
         if np.all(ctx_backoff > 0):

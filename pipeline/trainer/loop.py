@@ -139,8 +139,7 @@ def fit(
     while record or state.step < state.total_steps:
         if not record:
             t0 = time.perf_counter()
-            # an overflow is reported once, by the run, as a non-finite metric
-            with np.errstate(all="ignore"):
+            with np.errstate(all="ignore"):  # an overflow: one non-finite metric the run reports
                 record = train_step(state, profile) if profile.on else train_step(state)
             record["step_time"] = time.perf_counter() - t0
         last = state.step >= state.total_steps

@@ -47,8 +47,7 @@ class MetricsLog:
     def close(self) -> None:
         if self.file is not None:
             file, self.file = self.file, None
-            # the failed write already raised, naming the file: keep that one
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # the failed write raised already, naming the file
                 file.close()
 
 

@@ -54,8 +54,7 @@ class Shards(contextlib.AbstractContextManager):
     idle OpenBLAS workers spin). The model's `loss_and_grads` and `evaluate` run concurrently: they only read."""
 
     def __init__(self, shards: int, threads: int | None = None):
-        # None: the cores this process may run on (its CPU affinity; elsewhere than Linux, all)
-        if threads is None:
+        if threads is None:  # the cores it may use (CPU affinity; off Linux, all)
             affinity = getattr(os, "sched_getaffinity", None)
             threads = len(affinity(0)) if affinity else os.cpu_count() or 1
         self.shards, self.threads = int(shards), int(threads)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import contextlib
 import time
 
-# The phases, in the table's order; `end summary` is curves.png and the summary's lines; `other` is the wall time
-# no phase covers (run.json, metrics.jsonl, the progress lines, the stages' decisions), so the rows add up to the
-# wall from the run's start (after set-up: the resume's load is not in it).
+# In the table's order; `end summary`: curves.png and the summary's lines; `other`: the wall time no phase covers
+# (run.json, metrics.jsonl, progress lines, the stages' decisions): rows add up to the wall since start (after set-up).
 PHASES: tuple[str, ...] = ("data", "forward/backward", "optimizer", "evaluation", "checkpoint")
 PHASES += ("tracking hand-over", "end summary", "other")
 _OFF = contextlib.nullcontext()

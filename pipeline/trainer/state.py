@@ -60,9 +60,8 @@ class TrainState:
     grad_clip: float  # the largest global L2 norm of an update's gradient; 0: no clipping
     shards: int  # pieces each micro-batch is split into (semantic: the dropout draws, the summation order)
     threads: int | None  # threads running the pieces (not semantic); None: the cores available
-    # an evaluation reads the first N validation batches (None: all); one before the first update if eval_at_start
-    eval_batches: int | None
-    eval_at_start: bool
+    eval_batches: int | None  # an evaluation reads the first N validation batches (None: all)
+    eval_at_start: bool  # an evaluation before the first update
     stages: object  # the stages' states (pipeline.stages.base.StageStates), built by the run layer
     progress: Progress = field(default_factory=Progress)
     runner: Shards = field(init=False, repr=False)
