@@ -128,7 +128,7 @@ def metrics_of(record: dict) -> dict:
 
 
 def fit(
-    state: TrainState, eval_every: int, on_step_end: Callable, callbacks: list, profile: Profile
+    state: TrainState, eval_every: int, on_step_end: Callable, callbacks, profile: Profile = OFF
 ) -> None:
     """Steps until the budget is spent or on_step_end (the run's decision) is True, evaluating every `eval_every`
     updates (0: each epoch's end) and at the last; callbacks see each record first (step 0's evaluation: only they)."""

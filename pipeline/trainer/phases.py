@@ -43,8 +43,7 @@ class Profile:
         rows = [(name, self.calls[name], self.seconds[name]) for name in PHASES[:-1]]
         rows += [("other", 0, max(0.0, wall - sum(s for _, _, s in rows))), ("wall", 0, wall)]
         lines = [f"{'phase':<20}{'calls':>8}{'seconds':>12}{'share':>8}"]
-        share = [seconds / (wall or 1e-12) for _, _, seconds in rows]
-        lines += [f"{n:<20}{c or '':>8}{s:>12.4f}{f:>8.1%}" for (n, c, s), f in zip(rows, share)]
+        lines += [f"{n:<20}{c or '':>8}{s:>12.4f}{s / (wall or 1e-12):>8.1%}" for n, c, s in rows]
         return "profile (trainer.profile=true):\n" + "\n".join(lines)
 
 
