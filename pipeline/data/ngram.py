@@ -133,12 +133,6 @@ def _mixed(level: Level, V: int, h: np.ndarray, targets: np.ndarray, p: np.ndarr
 PIECE = 1 << 20  # positions scored at a time
 
 
-def _history(tokens: np.ndarray, positions: np.ndarray, n: int) -> np.ndarray:
-    """[N, n] int64: the n tokens before each position in the stream, oldest first, -1 before its start."""
-    offsets = positions[:, None] - np.arange(n, 0, -1)[None, :]  # [N, n]
-    return np.where(offsets >= 0, tokens[np.maximum(offsets, 0)].astype(np.int64), -1)
-
-
 def _raised(levels, V: int, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """p(tokens[i] | the tokens before i) [N] for i in positions, raised one order (`levels`: 1, 2, ...) at a time
     over PIECE positions at a time: a caller handing the levels one by one holds one level and one piece."""
@@ -147,8 +141,10 @@ def _raised(levels, V: int, tokens: np.ndarray, positions: np.ndarray) -> np.nda
     for k, level in enumerate(levels, start=1):
         for a in range(0, len(positions), PIECE):
             at, piece = positions[a : a + PIECE], p[a : a + PIECE]
-            h, targets = _history(tokens, at, k - 1), tokens[at].astype(np.int64)
-            piece[:] = _mixed(level, V, h, targets, piece)
+            # h [N, k-1]: the k-1 tokens before each position, oldest first, -1 before the stream's start
+            offsets = at[:, None] - np.arange(k - 1, 0, -1)[None, :]
+            h = np.where(offsets >= 0, tokens[np.maximum(offsets, 0)].astype(np.int64), -1)
+            piece[:] = _mixed(level, V, h, tokens[at].astype(np.int64), piece)
         del level
     return p
 

@@ -22,12 +22,8 @@ Grads = dict[str, np.ndarray]  # parameter name -> its gradient
 
 def split(batch: Batch, shards: int) -> list[Batch]:
     """`shards` contiguous views along the sample axis, sized as np.array_split (empty ones when shards > B)."""
-    B = len(batch.ids)
-    bounds = np.cumsum([0] + [B // shards + (k < B % shards) for k in range(shards)])
-    return [
-        Batch(ids=batch.ids[a:b], x=batch.x[a:b], y=batch.y[a:b], extra=batch.extra)
-        for a, b in itertools.pairwise(bounds)
-    ]
+    parts = zip(*(np.array_split(a, shards) for a in (batch.ids, batch.x, batch.y)))
+    return [Batch(ids=ids, x=x, y=y, extra=batch.extra) for ids, x, y in parts]
 
 
 def owned(grads: Grads) -> Grads:
