@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_right
+from collections import namedtuple
 from functools import partial
 from itertools import accumulate
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import numpy as np
 
@@ -60,17 +61,7 @@ DETERMINERS = {
     "pl": (("the", 5), ("these", 1.5), ("those", 1.5), ("some", 1), ("two", 0.5), ("three", 0.5)),
 }
 
-
-class Verb(NamedTuple):
-    base: str
-    s: str
-    past: str
-    ing: str
-    pp: str
-    objects: tuple[str, ...]  # object noun classes; empty = intransitive
-    reflexive: bool
-
-
+Verb = namedtuple("Verb", "base s past ing pp objects reflexive")  # objects: () for an intransitive verb
 # (object noun classes, none: intransitive; "base s past ing pp" of each verb, "+self": takes a reflexive)
 _VERBS = (
     ((), "run runs ran running run, sleep sleeps slept sleeping slept"),
@@ -195,8 +186,7 @@ PREDICATE = {k: Choice(adjs) for k, adjs in PREDICATIVE.items()}
 
 def _noun_phrase(s: _Sampler, classes: tuple, max_adjectives: int) -> tuple[list[str], str, str]:
     # -> words, agreement pronoun, noun class
-    number = s.draw(NUMBER)
-    cls = s.draw(CLASS_OF[classes])
+    number, cls = s.draw(NUMBER), s.draw(CLASS_OF[classes])
     sg, pl, pron, _ = s.draw(NOUNS_OF[cls])
     adjs = s.distinct(ATTRIBUTIVE[ADJECTIVES_OF[cls]], s.draw(N_ADJECTIVES[max_adjectives]))
     det = s.draw(DETERMINER[number])
@@ -246,8 +236,7 @@ def _subject(s: _Sampler, tense: str) -> tuple[list[str], str, str, int]:
         agr = s.draw(PRONOUN)
         return [agr], agr, "animal" if agr == "it" else "person", 0
     words, agr, cls = _noun_phrase(s, s.draw(SUBJECT_CLASSES), 3)
-    head = len(words) - 1
-    post = s.draw(POSTMODIFIER)
+    head, post = len(words) - 1, s.draw(POSTMODIFIER)
     if post == "pp":  # "the dogs near the old man": the nearer noun is an attractor
         obj, _, _ = _noun_phrase(s, PP_CLASSES, 1)
         words += [s.draw(PREPOSITION), *obj]
@@ -320,7 +309,7 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
     # The generator's own log-probability of each sentence bounds what any model can reach on it; a bound
     # from above, since a rare string with two derivations (e.g. "read" present/past) is charged for one.
     val_nats = -math.fsum(logps[-n_val:])
-    stats = {"sentences": {"train": n_sentences - n_val, "val": n_val}}
+    stats: dict = {"sentences": {"train": n_sentences - n_val, "val": n_val}}
     stats["oracle_val_ppl_bound"] = round(math.exp(val_nats / len(val)), 4)
     return CorpusContent(vocab, join=" ", pieces=(("train", train), ("val", val)), stats=stats)
 
