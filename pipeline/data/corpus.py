@@ -237,12 +237,10 @@ class TokenDataset:
         self.tokens = {s: _mapped(self.directory, s, self.manifest["files"]) for s in SPLITS}
         T = int(self.manifest["params"]["block_size"])
         self.spec = DataSpec(vocab_size=len(self.vocab), block_size=T)
-        self.n_train = n_windows(len(self.tokens["train"]), T)
+        self.n_train, self.n_val = (n_windows(len(self.tokens[s]), T) for s in SPLITS)
         # every_offset: a sample is the window at any offset of the train stream (nanoGPT's); else the n_train windows
         self.n_offsets = len(self.tokens["train"]) - T if every_offset else 0
-        self.n_val = n_windows(len(self.tokens["val"]), T)
-        self.val_batch_size = int(val_batch_size)
-        self._join = self.manifest["decode_join"]
+        self.val_batch_size, self._join = int(val_batch_size), self.manifest["decode_join"]
 
     def _batch(self, split: str, ids: np.ndarray, at_offsets: bool = False) -> Batch:
         """Samples `ids` [B] (window ids, or stream offsets): x the first T of their T+1 tokens, y the last T."""

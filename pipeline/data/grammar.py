@@ -61,7 +61,7 @@ DETERMINERS = {
     "pl": (("the", 5), ("these", 1.5), ("those", 1.5), ("some", 1), ("two", 0.5), ("three", 0.5)),
 }
 
-Verb = namedtuple("Verb", "base s past ing pp objects reflexive")  # objects: () for an intransitive verb
+Verb = namedtuple("Verb", "base s past ing pp objects reflexive")  # objects () if intransitive
 # (object noun classes, none: intransitive; "base s past ing pp" of each verb, "+self": takes a reflexive)
 _VERBS = (
     ((), "run runs ran running run, sleep sleeps slept sleeping slept"),

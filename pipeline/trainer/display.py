@@ -51,10 +51,9 @@ def _si(x: float) -> str:
 class Display:
     def __init__(self, enabled: bool | None, log_every: int):
         self.bar_enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
-        self.log_every = int(log_every)
+        self.log_every, self.redirect = int(log_every), contextlib.ExitStack()
         self.bar = None
         self.speed: Throughput | None = None
-        self.redirect = contextlib.ExitStack()
 
     def on_train_start(self, state) -> None:
         samples = state.iterator.batch_size * state.accumulate

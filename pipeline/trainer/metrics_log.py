@@ -55,9 +55,7 @@ class QuietFileHandler(logging.StreamHandler):
     """pipeline.log. A failing stream (a full disk) is recorded in `error`, never written again, with no traceback: the
     log is a record, not the run's state; what stops the run (the next checkpoint on that disk) says why in a line."""
 
-    def __init__(self, stream):
-        super().__init__(stream)
-        self.error: BaseException | None = None
+    error: BaseException | None = None  # the first failure, set on the instance
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.error is None:

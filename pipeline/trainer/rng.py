@@ -48,8 +48,7 @@ class Streams:
                 raise ValueError(f"stream {n!r}: {e}") from None
 
     def load_state_dict(self, state: dict) -> None:
-        missing = set(self.names()) ^ set(state)
-        if missing:
+        if missing := set(self.names()) ^ set(state):
             raise KeyError(f"RNG streams differ: {sorted(missing)}")
         for n in self.names():
             restore_stream(self[n], state[n])
