@@ -41,7 +41,6 @@ class Dataset(Protocol):
 
 
 def inference_facts(dataset) -> dict:
-    """Token data's {"vocab": [token, ...] by id, "decode_join": str, "specials": {role: token}}, else none; once
-    per run, it travels in every checkpoint as data.json, so sample and export never need the corpus."""
+    """Token data's {"vocab", "decode_join", "specials"} (else none): each checkpoint's data.json (no corpus needed)."""
     facts = getattr(dataset, "inference_facts", None)
     return facts() if facts is not None else {"vocab": None, "decode_join": None, "specials": {}}

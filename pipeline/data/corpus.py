@@ -33,8 +33,7 @@ log = logging.getLogger("pipeline")
 
 @dataclass
 class CorpusContent:
-    """What a generator hands over: both splits' tokens as `pieces`, (split, [n] int tokens) in order, train's
-    first, streamed to disk; the vocabulary, and its own stats."""
+    """What a generator hands over: the vocabulary, both splits' (split, [n] tokens) `pieces`, train's first; stats."""
 
     vocab: list[str]
     join: str  # decode() puts this between tokens: " " for words, "" for characters
@@ -64,8 +63,7 @@ def val_target_positions(n_tokens: int, block_size: int) -> np.ndarray:
 
 
 def write_corpus(directory: Path, content: CorpusContent, name: str, params: dict) -> bytes:
-    """Every file of the corpus into `directory`, token files streamed, MANIFEST.json last (its bytes returned): a pure
-    function of the content and params."""
+    """The corpus's files into `directory`, tokens streamed, MANIFEST.json last: its bytes, a function of the input."""
     V, T, order = len(content.vocab), int(params["block_size"]), int(params["ngram_order"])
     if V > MAX_VOCAB:
         raise ValueError(

@@ -128,8 +128,7 @@ def _coin(p: float) -> Choice:
 
 
 class _Sampler:
-    """Draws from one random.Random (only rng.random(): stable across Python versions, unlike choices()),
-    summing the log-probability of the derivation it builds."""
+    """Draws by rng.random() only (stable across Pythons, unlike choices()), summing the derivation's log-prob."""
 
     def __init__(self, rng: random.Random):
         self.rng, self.logp = rng, 0.0

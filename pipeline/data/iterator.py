@@ -1,5 +1,4 @@
-"""The data iterator: (epoch, cursor) and where its epoch's draws began in the data-order stream, so its
-checkpointed state is a few integers whatever the data's size; it stops and continues mid-epoch."""
+"""The data iterator; its state, (epoch, cursor) and its epoch's start in the data-order stream, is a few integers."""
 
 from __future__ import annotations
 

@@ -91,8 +91,7 @@ def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
 
 
 def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
-    """Order 1, 2, ..., `order` in turn; lower orders use Kneser-Ney continuation counts. Each is built from
-    the tokens alone, so a caller that drops one before asking for the next holds one level at a time."""
+    """Orders 1..`order` (lower ones of continuation counts), each from the tokens alone: one held at a time."""
     if not 1 <= order <= max_order(V):
         raise ValueError(f"n-gram order {order} must be in [1, {max_order(V)}] for vocab size {V}")
     if len(tokens) < order:
@@ -115,8 +114,7 @@ def _lookup(sorted_keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> n
 
 
 def _mixed(level: Level, V: int, h: np.ndarray, targets: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """p(target | history) up to order k, from order k's counts, the history's nearest k-1 tokens `h` [N, k-1]
-    (-1 before a stream's start) and `p`, the probabilities up to order k-1."""
+    """p(target | history) to order k from its counts, the nearest k-1 tokens `h` [N, k-1] (-1: none) and `p` to k-1."""
     known = (h >= 0).all(axis=1)
     ctx = np.zeros(len(targets), dtype=np.int64)
     for j in range(h.shape[1]):

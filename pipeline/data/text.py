@@ -76,8 +76,7 @@ class TextFile(contextlib.AbstractContextManager):
             yield raw
 
     def pieces(self, n_train: int) -> Iterator[tuple[str, np.ndarray]]:
-        """("train" | "val", [n] uint16 token ids) piece by piece in file order, the first n_train characters
-        train; a second pass, hash checked again (a file changed since is refused at its end)."""
+        """("train" | "val", [n] uint16 ids) in file order, n_train first: a second pass, refused if the file changed"""
         table = np.zeros(N_CODE_POINTS, dtype=TOKEN_DTYPE)  # code point -> token id
         table[self.code_points] = np.arange(len(self.code_points), dtype=TOKEN_DTYPE)
         at, h = 0, hashlib.sha256()
@@ -107,8 +106,7 @@ class TextFile(contextlib.AbstractContextManager):
 
 
 class TextCorpus(TokenDataset):
-    """`data=text data.path=FILE`: the file's characters under <output_dir>/data/text-<hash>/, hashed by the
-    file's content, not its path; `max_bytes` (data.max_bytes) bounds its size, not part of its identity."""
+    """`data=text data.path=FILE`: its characters in data/text-<hash>/, hashed by content (not path, not max_bytes)."""
 
     def __init__(
         self,

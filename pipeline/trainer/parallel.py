@@ -89,8 +89,7 @@ class Shards(contextlib.AbstractContextManager):
         return loss, grads
 
     def mean_loss(self, model, batches: Iterable[Batch]) -> float:
-        """Mean of model.evaluate over the (non-empty) batches weighted by batch size, summed in batch order;
-        `threads` batches are held at a time, each evaluated whole by one thread (any thread count, same value)."""
+        """Mean of model.evaluate over non-empty batches by size, in batch order, `threads` at a time (any count)."""
         self._pin_blas()
         total, count = 0.0, 0
         nonempty = (b for b in batches if len(b.ids))

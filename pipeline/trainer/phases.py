@@ -1,5 +1,4 @@
-"""trainer.profile: wall time per phase of a run (time.perf_counter around the phases that exist), one table at
-the end; off, every phase is a shared no-op context. It reads clocks only: no number of the run changes."""
+"""trainer.profile: wall time per phase, one table at the end; off, a shared no-op. Clocks only: no number changes."""
 
 from __future__ import annotations
 
