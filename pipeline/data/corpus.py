@@ -150,11 +150,8 @@ def _unusable(directory: Path, why, name: str = MANIFEST) -> ValueError:
 
 
 # a corpus's words for a file unlike its MANIFEST.json, since format 1
-WORDS = {
-    "missing": "missing",
-    "size": "{found} bytes but {manifest} says {size}",
-    "sha256": "sha256 mismatch with {manifest}",
-}
+WORDS = {"missing": "missing", "sha256": "sha256 mismatch with {manifest}"}
+WORDS["size"] = "{found} bytes but {manifest} says {size}"
 
 
 def _notice(message: str) -> None:

@@ -70,12 +70,11 @@ class Shards(contextlib.AbstractContextManager):
         pieces, rngs = split(batch, self.shards), child_rngs(rng, self.shards)
         run = [k for k, p in enumerate(pieces) if len(p.ids)]
         results = self._map(lambda k: model.loss_and_grads(pieces[k], rngs[k]), run)
-        B, sizes = len(batch.ids), [len(pieces[k].ids) for k in run]
-        weights = [n / B for n in sizes]  # python floats: they take the grads' dtype
+        weights = [len(pieces[k].ids) / len(batch.ids) for k in run]  # floats: grads keep dtype
         loss = 0.0  # a loop, not sum(): 3.12's sum() of floats is compensated, other bits
         for w, (piece_loss, _) in zip(weights, results):
             loss += w * piece_loss
-        equal = len(set(sizes)) == 1
+        equal = len(set(weights)) == 1  # equal pieces
         grads = owned(results[0][1])
         for name, acc in grads.items():
             if equal:
