@@ -30,8 +30,7 @@ class TextError(ValueError):
 
 def _code_points(pieces: Iterable[bytes], path: Path) -> Iterator[np.ndarray]:
     """The characters of a file's pieces as code points (uint8 for an ASCII piece, else uint32)."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0  # of the piece's first byte in the file
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0  # offset: the piece's first byte's
     for raw in itertools.chain(pieces, [b""]):  # b"": the end, where a cut character is an error
         pending = len(decoder.getstate()[0])  # bytes of a character the previous piece cut
         try:

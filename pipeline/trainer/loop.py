@@ -142,9 +142,8 @@ def fit(
             with np.errstate(all="ignore"):  # an overflow: one non-finite metric the run reports
                 record = train_step(state, profile) if profile.on else train_step(state)
             record["step_time"] = time.perf_counter() - t0
-        last = state.step >= state.total_steps
         due = state.step % eval_every == 0 if eval_every > 0 else epoch_ended(state, record)
-        if due or last or state.step == 0:
+        if due or state.step >= state.total_steps or state.step == 0:
             with np.errstate(all="ignore"), profile.phase("evaluation"):
                 record.update(validate(state))
         state.progress.metrics.update({k: v for k, v in record.items() if kept(k)})

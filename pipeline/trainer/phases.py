@@ -15,8 +15,7 @@ _OFF = contextlib.nullcontext()
 class Profile:
     def __init__(self, on: bool):
         self.on = bool(on)
-        self.seconds = dict.fromkeys(PHASES[:-1], 0.0)
-        self.calls = dict.fromkeys(PHASES[:-1], 0)
+        self.seconds, self.calls = dict.fromkeys(PHASES[:-1], 0.0), dict.fromkeys(PHASES[:-1], 0)
         self.start()
 
     def start(self) -> None:
