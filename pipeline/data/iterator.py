@@ -34,8 +34,7 @@ class DataIterator:
 
     def next_ids(self) -> np.ndarray:
         if self.cursor + self.batch_size > self.n:
-            self.epoch += 1
-            self.cursor = 0
+            self.epoch, self.cursor = self.epoch + 1, 0
             self._begin_epoch(self.rng)
         if self.permutation is None:
             ids = self.rng.integers(0, self.offsets, size=self.batch_size, dtype=np.int64)

@@ -104,8 +104,7 @@ def train_step(state: TrainState, profile: Profile = OFF) -> dict:
     killpoint.point("train", "after backward")
     with profile.phase("optimizer"):
         gnorm = grad_norm(grads)
-        clipped = state.grad_clip > 0 and clip(grads, gnorm, state.grad_clip)
-        state.progress.clipped += int(clipped)
+        state.progress.clipped += int(state.grad_clip > 0 and clip(grads, gnorm, state.grad_clip))
         state.optimizer.step(grads)
         killpoint.point("train", "after optimizer step")
         state.scheduler.step()
