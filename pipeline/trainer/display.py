@@ -42,10 +42,8 @@ class Throughput:
 
 
 def _si(x: float) -> str:
-    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if x >= div:
-            return f"{x / div:.3g}{suffix}"
-    return f"{x:.3g}"
+    div, suffix = next(((d, s) for d, s in ((1e9, "G"), (1e6, "M"), (1e3, "k")) if x >= d), (1, ""))
+    return f"{x / div:.3g}{suffix}"
 
 
 class Display:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import zlib
 
@@ -42,8 +43,7 @@ class Streams:
         """Decode every stream onto a scratch generator: the live ones stay untouched if one is bad."""
         for n in self.names():
             try:
-                scratch = np.random.default_rng() if n in self.np else random.Random()
-                restore_stream(scratch, state[n])
+                restore_stream(copy.deepcopy(self[n]), state[n])
             except (TypeError, ValueError, KeyError) as e:
                 raise ValueError(f"stream {n!r}: {e}") from None
 
@@ -54,9 +54,5 @@ class Streams:
             restore_stream(self[n], state[n])
 
     def peek(self) -> dict[str, float]:
-        """The next draw of every stream, with each state put back so the run is not disturbed."""
-        out = {}
-        for n in self.names():
-            saved, out[n] = stream_state(self[n]), float(self[n].random())
-            restore_stream(self[n], saved)
-        return out
+        """The next draw of every stream, drawn from a copy so the run is not disturbed."""
+        return {n: float(copy.deepcopy(self[n]).random()) for n in self.names()}
