@@ -11,9 +11,8 @@ from pipeline.stateful import BadValue
 
 
 class DataIterator:
-    """Batches of sample ids from the run's data-order stream `rng`, `n // batch_size` an epoch (drop_last):
-    offsets=0, each of the n ids once per epoch, in a permutation drawn at the epoch's start; offsets > 0,
-    each batch draws its ids uniformly from [0, offsets) (nanoGPT's sampling at every offset of a stream)."""
+    """Batches of sample ids from the data-order stream `rng`, `n // batch_size` an epoch (drop_last): offsets=0,
+    each id once an epoch, in a permutation drawn at its start; else ids uniform in [0, offsets) (nanoGPT's)."""
 
     # afe8033's state held the permutation itself ({"epoch", "permutation", "cursor"}): both are checked here
     free_form_state = ("",)

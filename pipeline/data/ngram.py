@@ -132,8 +132,7 @@ PIECE = 1 << 20  # positions scored at a time
 
 
 def _raised(levels, V: int, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """p(tokens[i] | the tokens before i) [N] for i in positions, raised one order (`levels`: 1, 2, ...) at a time
-    over PIECE positions at a time: a caller handing the levels one by one holds one level and one piece."""
+    """p(tokens[i] | the tokens before i) [N] for i in positions, one level (order 1, 2, ...) and PIECE at a time."""
     positions = np.asarray(positions, dtype=np.int64)  # [N]
     p = np.full(len(positions), 1.0 / V)
     for k, level in enumerate(levels, start=1):

@@ -48,8 +48,7 @@ def grad_norm(grads: dict[str, np.ndarray]) -> float:
 
 
 def clip(grads: dict[str, np.ndarray], norm: float, max_norm: float) -> bool:
-    """PyTorch's clip_grad_norm_: scale every gradient by max_norm / (norm + 1e-6) when that is below 1, in
-    place; True if it scaled. A non-finite norm is left alone (the run's on_nonfinite policy decides)."""
+    """PyTorch's clip_grad_norm_ in place: times max_norm / (norm + 1e-6) if < 1 (True); a non-finite norm untouched"""
     coef = max_norm / (norm + 1e-6)
     if not math.isfinite(norm) or coef >= 1.0:
         return False
