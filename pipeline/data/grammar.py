@@ -203,10 +203,8 @@ def _finite(verb: Verb | None, agr: str, tense: str, negated: bool) -> list[str]
     if tense == "perfect":
         return ["has" if third else "have", *neg, verb.pp if verb else "been"]
     if verb is None or tense == "progressive":  # a form of be first
-        if tense == "past":
-            be = "was" if agr == "I" or third else "were"
-        else:
-            be = "am" if agr == "I" else "is" if third else "are"
+        was = "was" if agr == "I" or third else "were"
+        be = was if tense == "past" else "am" if agr == "I" else "is" if third else "are"
         return [be, *neg, verb.ing] if verb else [be, *neg]
     if negated:  # do-support
         return ["did" if tense == "past" else "does" if third else "do", "not", verb.base]
@@ -232,8 +230,7 @@ def _relative_clause(s: _Sampler, head_agr: str, head_cls: str, tense: str) -> l
 def _subject(s: _Sampler, tense: str) -> tuple[list[str], str, str, int]:
     # -> words, agreement pronoun, class, index of the word that fixes agreement
     if s.draw(SUBJECT_IS_PRONOUN):
-        agr = s.draw(PRONOUN)
-        return [agr], agr, "animal" if agr == "it" else "person", 0
+        return [agr := s.draw(PRONOUN)], agr, "animal" if agr == "it" else "person", 0
     words, agr, cls = _noun_phrase(s, s.draw(SUBJECT_CLASSES), 3)
     head, post = len(words) - 1, s.draw(POSTMODIFIER)
     if post == "pp":  # "the dogs near the old man": the nearer noun is an attractor
@@ -266,8 +263,7 @@ def sentence(s: _Sampler) -> tuple[list[str], dict]:
     negated, verb_at = s.draw(NEGATED), len(words)
     if cls in INANIMATE or s.draw(COPULA):
         words += _finite(None, agr, tense, negated)
-        if s.draw(VERY):
-            words.append("very")
+        words += ["very"] if s.draw(VERY) else []
         words.append(s.draw(PREDICATE[ADJECTIVES_OF[cls]]))
     elif s.draw(INTRANSITIVE_VP):
         words += _finite(s.draw(INTRANSITIVE_VERB), agr, tense, negated)
