@@ -267,13 +267,11 @@ def sentence(s: _Sampler) -> tuple[list[str], dict]:
         words.append(s.draw(PREDICATE[ADJECTIVES_OF[cls]]))
     elif s.draw(INTRANSITIVE_VP):
         words += _finite(s.draw(INTRANSITIVE_VERB), agr, tense, negated)
-        if s.draw(PLACE_PP):
-            words += [s.draw(PLACE_PREPOSITION), "the", s.draw(PLACE)]
+        words += [s.draw(PLACE_PREPOSITION), "the", s.draw(PLACE)] if s.draw(PLACE_PP) else []
     else:
         verb = s.draw(TRANSITIVE_VERB)
         words += [*_finite(verb, agr, tense, negated), *_object(s, verb, agr)]
-    if where == "end":
-        words += time_words
+    words += time_words if where == "end" else []
     return words, {"subject_head": head, "verb": verb_at, "agreement": agr, "tense": tense}
 
 
