@@ -120,10 +120,7 @@ def verify_corpus(directory: Path, params: dict | None = None, keep=()) -> tuple
     directory = Path(directory)
     try:  # an OSError names the file being read, MANIFEST.json
         raw = reading.read_bytes(directory / MANIFEST, MAX_CORPUS_JSON)
-        try:  # strict: a duplicate key or 1e999 is refused, not read one way
-            manifest = jsonio.loads(raw)
-        except ValueError as e:
-            raise _unusable(directory, e) from None
+        manifest = jsonio.loads(raw)  # strict: a duplicate key or 1e999 is refused
         if canonical_json(manifest) != raw:
             raise _unusable(directory, "not in canonical form (edited by hand?)")
         said = manifest if isinstance(manifest, dict) else {}
@@ -137,6 +134,8 @@ def verify_corpus(directory: Path, params: dict | None = None, keep=()) -> tuple
         )
         if problem := next(found, None):
             raise _unusable(directory, problem[1], problem[0])
+    except jsonio.JSONError as e:
+        raise _unusable(directory, e) from None
     except FileNotFoundError:
         raise _unusable(directory, "missing") from None
     except OSError as e:
