@@ -83,8 +83,7 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
     listed = {f: {"sha256": e["sha256"], "bytes": e["size"]} for f, e in sorted(files.items())}
     tokens = {s: _mapped(directory, s, listed) for s in SPLITS}
     # The n-gram's memory is bounded whatever the text's size (a corpus within SAMPLE and SCORED: as a whole).
-    positions = val_target_positions(min(n["val"], SCORED + 1), T)
-    train = tokens["train"][:SAMPLE]
+    positions, train = val_target_positions(min(n["val"], SCORED + 1), T), tokens["train"][:SAMPLE]
     baseline = {"model": "interpolated modified Kneser-Ney", "ngram_order": order}
     if len(train) < n["train"] or len(positions) < n_windows(n["val"], T) * T:
         baseline["sample"] = {"train_tokens": len(train)}

@@ -43,8 +43,7 @@ _NOUNS = (
 )
 # (singular, plural, pronoun, class)
 NOUNS = tuple((*n.split(), cls) for cls, nouns in _NOUNS for n in nouns.split(", "))
-ANIMATE = ("person", "animal")
-INANIMATE = ("food", "text", "vehicle", "thing")
+ANIMATE, INANIMATE = ("person", "animal"), ("food", "text", "vehicle", "thing")
 PLACES = ("park", "garden", "house", "kitchen", "school", "forest")
 
 ATTRIBUTIVE = {
@@ -93,8 +92,7 @@ TIME_PHRASES = {
     "progressive": (("now",), ("right", "now")),
     "perfect": (("already",), ("recently",)),
 }
-PREPOSITIONS = ("near", "with", "behind")
-PLACE_PREPOSITIONS = ("in", "near", "behind")
+PREPOSITIONS, PLACE_PREPOSITIONS = ("near", "with", "behind"), ("in", "near", "behind")
 FUNCTION_WORDS = _words("a an that not very will be been do does did am is are was were has have")
 
 

@@ -66,8 +66,7 @@ def _discounts(counts: np.ndarray) -> tuple[float, float, float]:
     if n1 == 0 or n2 == 0:
         return FALLBACK  # too little data for the estimate
     y = n1 / (n1 + 2 * n2)
-    d1 = 1 - 2 * y * n2 / n1
-    d2 = 2 - 3 * y * n3 / n2
+    d1, d2 = 1 - 2 * y * n2 / n1, 2 - 3 * y * n3 / n2
     d3 = 3 - 4 * y * n4 / n3 if n3 > 0 else 2.0
     return float(np.clip(d1, 0, 1)), float(np.clip(d2, 0, 2)), float(np.clip(d3, 0, 3))
 

@@ -11,8 +11,7 @@ import numpy as np
 from pipeline.data.iterator import restore_stream, stream_state
 
 # Every random draw in a run comes from one of these; nothing touches global np.random or random.
-NUMPY_STREAMS = ("init", "data_order", "noise", "dropout")
-PYTHON_STREAMS = ("python",)
+NUMPY_STREAMS, PYTHON_STREAMS = ("init", "data_order", "noise", "dropout"), ("python",)
 
 
 def _child_seed(seed: int, name: str) -> np.random.SeedSequence:
