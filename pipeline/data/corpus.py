@@ -66,9 +66,8 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
     """The corpus's files into `directory`, tokens streamed, MANIFEST.json last: its bytes, a function of the input."""
     V, T, order = len(content.vocab), int(params["block_size"]), int(params["ngram_order"])
     if V > MAX_VOCAB:
-        raise ValueError(
-            f"{name} corpus has {V} distinct tokens, more than the {MAX_VOCAB} allowed"
-        )
+        many = f"{name} corpus has {V} distinct tokens, more than the {MAX_VOCAB} allowed"
+        raise ValueError(many)
     vocab = canonical_json(list(content.vocab))
     files = {"vocab.json": atomic.write_new(directory / "vocab.json", vocab)}
     for split, group in itertools.groupby(content.pieces, key=lambda piece: piece[0]):

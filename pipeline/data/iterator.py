@@ -65,9 +65,8 @@ class DataIterator:
             if not isinstance(perm, np.ndarray) or perm.dtype.kind not in "iu":
                 raise BadValue("permutation", "permutation is not an array of sample ids")
             if not np.array_equal(np.sort(perm), np.arange(self.n)):
-                raise BadValue(
-                    "permutation", f"permutation is not a permutation of the {self.n} sample ids"
-                )
+                why = f"permutation is not a permutation of the {self.n} sample ids"
+                raise BadValue("permutation", why)
         else:
             try:
                 if set(state["start"]) != set(stream_state(self.rng)):
