@@ -21,11 +21,6 @@ class Level:
     discounts: tuple[float, float, float]  # D1, D2, D3+
 
 
-def max_order(vocab_size: int) -> int:
-    # A key packs k tokens in base V into an int64.
-    return max(1, int(63 // math.log2(max(vocab_size, 2))))
-
-
 def _sorted_keys(tokens: np.ndarray, k: int, V: int) -> np.ndarray:
     """The keys of every k-gram, sorted: [N-k+1] int64, one array built and sorted in place."""
     n = len(tokens) - k + 1
@@ -91,8 +86,9 @@ def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
 
 def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
     """Orders 1..`order` (lower ones of continuation counts), each from the tokens alone: one held at a time."""
-    if not 1 <= order <= max_order(V):
-        raise ValueError(f"n-gram order {order} must be in [1, {max_order(V)}] for vocab size {V}")
+    top = max(1, int(63 // math.log2(max(V, 2))))  # a key packs k tokens in base V into an int64
+    if not 1 <= order <= top:
+        raise ValueError(f"n-gram order {order} must be in [1, {top}] for vocab size {V}")
     if len(tokens) < order:
         raise ValueError(f"{len(tokens)} tokens are too few to fit an order-{order} n-gram")
     for k in range(1, order + 1):

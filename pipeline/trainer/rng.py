@@ -14,17 +14,14 @@ from pipeline.data.iterator import restore_stream, stream_state
 NUMPY_STREAMS, PYTHON_STREAMS = ("init", "data_order", "noise", "dropout"), ("python",)
 
 
-def _child_seed(seed: int, name: str) -> np.random.SeedSequence:
-    # A stable per-name key (crc32, not hash(): hash() is salted per process).
-    return np.random.SeedSequence(entropy=seed, spawn_key=(zlib.crc32(name.encode()),))
-
-
 class Streams:
     """The run's RNG streams: numpy PCG64 generators and a Python random.Random, by name."""
 
     def __init__(self, seed: int):
         self.seed = int(seed)
-        child = {n: _child_seed(self.seed, n) for n in (*NUMPY_STREAMS, *PYTHON_STREAMS)}
+        # a stable per-name key (crc32, not hash(): hash() is salted per process)
+        key = {n: (zlib.crc32(n.encode()),) for n in (*NUMPY_STREAMS, *PYTHON_STREAMS)}
+        child = {n: np.random.SeedSequence(entropy=self.seed, spawn_key=k) for n, k in key.items()}
         self.np = {n: np.random.Generator(np.random.PCG64(child[n])) for n in NUMPY_STREAMS}
         py_seeds = {n: int(child[n].generate_state(1, np.uint64)[0]) for n in PYTHON_STREAMS}
         self.py = {n: random.Random(s) for n, s in py_seeds.items()}
