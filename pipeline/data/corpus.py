@@ -26,8 +26,7 @@ TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 
 MAX_VOCAB = 512
 SPLITS = ("train", "val")
 MANIFEST = "MANIFEST.json"
-# the n-gram baseline is fitted on at most SAMPLE train tokens and scores at most SCORED val targets (~3 s)
-SAMPLE, SCORED = 1 << 22, 1 << 20
+SAMPLE, SCORED = 1 << 22, 1 << 20  # n-gram baseline: train tokens fitted, val targets scored (~3 s)
 log = logging.getLogger("pipeline")
 
 

@@ -14,8 +14,7 @@ import numpy as np
 
 from pipeline.data.corpus import CorpusContent, TokenDataset
 
-# Part of the hashed params: bump it whenever the grammar's output for a seed changes.
-GRAMMAR_VERSION = 1
+GRAMMAR_VERSION = 1  # in the hashed params: bump it when the grammar's output for a seed changes
 EOS, COMMA = "<eos>", ","
 
 
@@ -115,8 +114,7 @@ class Choice:
 
     def __init__(self, items, weights=None):
         pairs = [(it, float(w)) for it, w in zip(items, weights or [1.0] * len(items)) if w > 0]
-        self.items = tuple(it for it, _ in pairs)
-        self.cum = tuple(accumulate(w for _, w in pairs))
+        self.items, self.cum = tuple(it for it, _ in pairs), tuple(accumulate(w for _, w in pairs))
         self.total = self.cum[-1]
         self.logp = tuple(math.log(w / self.total) for _, w in pairs)
 

@@ -103,7 +103,6 @@ def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
 
 
 def _lookup(sorted_keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
-    # values[i] where sorted_keys[i] == query, else 0
     i = np.minimum(np.searchsorted(sorted_keys, query), len(sorted_keys) - 1)
     return np.where(sorted_keys[i] == query, values[i], 0.0)
 

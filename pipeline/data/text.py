@@ -16,8 +16,7 @@ from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDat
 from pipeline.files import reading
 
 TEXT_VERSION = 1
-# bytes decoded at a time: a piece costs at most ~9x itself (its str and its UTF-32 copy)
-PIECE = 4 << 20
+PIECE = 4 << 20  # bytes decoded at a time: at most ~9x in memory (its str, its UTF-32 copy)
 N_CODE_POINTS = 0x110000
 
 

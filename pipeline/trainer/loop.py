@@ -15,8 +15,7 @@ from pipeline.trainer.parallel import owned
 from pipeline.trainer.phases import OFF, Profile
 from pipeline.trainer.state import TrainState
 
-# Record keys that are not metrics: the verifier compares `ids`; `step_time` is wall time (never saved).
-NOT_METRICS = ("step", "epoch", "ids", "step_time")
+NOT_METRICS = ("step", "epoch", "ids", "step_time")  # ids: the verifier's; step_time: wall, unsaved
 
 
 # What a run measures, declared beside the code that measures it (train_step, validate): a config's monitors and
