@@ -29,8 +29,7 @@ _PRONOUNS += ", it it its itself, we us our ourselves, they them their themselve
 PRONOUNS = {forms[0]: forms for forms in map(_words, _PRONOUNS.split(", "))}
 THIRD_SINGULAR = ("he", "she", "it")
 
-# class, "singular plural pronoun-a-singular-stands-for" of each noun: one class a noun, one parse a string
-_NOUNS = (
+_NOUNS = (  # class, "singular plural pronoun-its-singular-stands-for" of each noun, one class a noun
     ("person", "man men he, woman women she, boy boys he, girl girls she"),
     ("person", "king kings he, queen queens she"),
     ("animal", "dog dogs it, cat cats it, bird birds it, horse horses it"),
@@ -60,8 +59,7 @@ DETERMINERS = {
 }
 
 Verb = namedtuple("Verb", "base s past ing pp objects reflexive")  # objects () if intransitive
-# (object noun classes, none: intransitive; "base s past ing pp" of each verb, "+self": takes a reflexive)
-_VERBS = (
+_VERBS = (  # object noun classes (none: intransitive), "base s past ing pp" each, "+self": reflexive
     ((), "run runs ran running run, sleep sleeps slept sleeping slept"),
     ((), "sing sings sang singing sung, laugh laughs laughed laughing laughed"),
     ((), "swim swims swam swimming swum, walk walks walked walking walked"),
