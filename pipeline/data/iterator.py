@@ -14,8 +14,7 @@ class DataIterator:
     """Batches of sample ids from the data-order stream `rng`, `n // batch_size` an epoch (drop_last): offsets=0,
     each id once an epoch, in a permutation drawn at its start; else ids uniform in [0, offsets) (nanoGPT's)."""
 
-    # afe8033's state held the permutation itself ({"epoch", "permutation", "cursor"}): both are checked here
-    free_form_state = ("",)
+    free_form_state = ("",)  # two forms (afe8033's held the permutation): both checked here
 
     def __init__(self, n: int, batch_size: int, rng: np.random.Generator, offsets: int = 0):
         if not 1 <= batch_size <= n:

@@ -94,8 +94,7 @@ def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
     for k in range(1, order + 1):
         if k == order:
             held = [_sorted_keys(tokens, k, V)]
-        else:
-            # Continuation count: how many distinct tokens precede this k-gram.
+        else:  # continuation counts: how many distinct tokens precede each k-gram
             held = [_counted([_sorted_keys(tokens, k + 1, V)])[0]]  # every distinct (k+1)-gram once
             np.remainder(held[0], V**k, out=held[0])  # its last k tokens
             held[0].sort()

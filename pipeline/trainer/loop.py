@@ -18,8 +18,7 @@ from pipeline.trainer.state import TrainState
 NOT_METRICS = ("step", "epoch", "ids", "step_time")  # ids: the verifier's; step_time: wall, unsaved
 
 
-# What a run measures, declared beside the code that measures it (train_step, validate): a config's monitors and
-# optimized_metric are checked against these names before anything is built (pipeline/run/assemble.py).
+# Metric names beside the code measuring them: a config's monitors and optimized_metric are checked against them.
 def counts_tokens(data) -> bool:
     """A dataset (class or instance) of token sequences: its losses also have a perplexity (train/ppl, val/ppl)."""
     return getattr(data, "kind", None) == "tokens"

@@ -52,8 +52,7 @@ class MetricsLog:
 
 
 class QuietFileHandler(logging.StreamHandler):
-    """pipeline.log. A failing stream (a full disk) is recorded in `error`, never written again, with no traceback: the
-    log is a record, not the run's state; what stops the run (the next checkpoint on that disk) says why in a line."""
+    """pipeline.log: a failing stream (a full disk) is kept in `error`, never written again, no traceback (a record)."""
 
     error: BaseException | None = None  # the first failure, set on the instance
 

@@ -45,9 +45,8 @@ def child_rngs(rng: Generator | None, shards: int) -> list[Generator | None]:
 
 
 class Shards(contextlib.AbstractContextManager):
-    """A model's loss and gradients as `shards` pieces of each batch (semantic) on `threads` threads (not: pieces
-    combined in shard order), BLAS pinned to one thread until close() (a threaded GEMM may split its sums otherwise;
-    idle OpenBLAS workers spin). The model's `loss_and_grads` and `evaluate` run concurrently: they only read."""
+    """A model's loss and gradients over `shards` pieces of a batch (semantic) on `threads` threads (not: summed in
+    shard order), BLAS on one thread until close() (threaded GEMMs split sums; idle ones spin); models only read."""
 
     def __init__(self, shards: int, threads: int | None = None):
         if threads is None:  # the cores it may use (CPU affinity; off Linux, all)
