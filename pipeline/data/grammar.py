@@ -96,11 +96,9 @@ FUNCTION_WORDS = _words("a an that not very will be been do does did am is are w
 def vocabulary() -> list[str]:
     """Every word the grammar can emit, fixed by the lexicon (not by a sample), specials first."""
     words = {*FUNCTION_WORDS, *PLACES, *PREPOSITIONS, *PLACE_PREPOSITIONS}
-    words |= {w for n in NOUNS for w in n[:2]}
-    words |= {w for forms in PRONOUNS.values() for w in forms}
+    words |= {w for n in NOUNS for w in n[:2]} | {w for forms in PRONOUNS.values() for w in forms}
     words |= {w for table in (ATTRIBUTIVE, PREDICATIVE) for adjs in table.values() for w in adjs}
-    words |= {d for dets in DETERMINERS.values() for d, _ in dets}
-    words |= {w for v in VERBS for w in (v.base, v.s, v.past, v.ing, v.pp)}
+    words |= {d for ds in DETERMINERS.values() for d, _ in ds} | {w for v in VERBS for w in v[:5]}
     words |= {w for phrases in TIME_PHRASES.values() for p in phrases for w in p}
     return [EOS, COMMA, *sorted(words)]
 
