@@ -108,14 +108,13 @@ def _lookup(sorted_keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> n
 
 def _mixed(level: Level, V: int, h: np.ndarray, targets: np.ndarray, p: np.ndarray) -> np.ndarray:
     """p(target | history) to order k from its counts, the nearest k-1 tokens `h` [N, k-1] (-1: none) and `p` to k-1."""
-    known = (h >= 0).all(axis=1)
     ctx = np.zeros(len(targets), dtype=np.int64)
     for j in range(h.shape[1]):
         ctx = ctx * V + np.maximum(h[:, j], 0)
     c = _lookup(level.keys, level.counts, ctx * V + targets)
     total = _lookup(level.ctx_keys, level.ctx_total, ctx)
     backoff = _lookup(level.ctx_keys, level.ctx_backoff, ctx)
-    seen = known & (total > 0)  # an unseen context passes the lower order through unchanged
+    seen = (h >= 0).all(axis=1) & (total > 0)  # else (cut, unseen): the lower order's p
     safe = np.where(seen, total, 1.0)
     p_k = (np.maximum(c - _discount(level.discounts, c), 0.0) + backoff * p) / safe
     return np.where(seen, p_k, p)
