@@ -28,23 +28,19 @@ class Batch:
 
 
 class Dataset(Protocol):
-    # what it yields: "tokens" ([B, T] ids) or "rows" ([B, n_features] floats); models say what they need
-    kind: str
+    kind: str  # "tokens" ([B, T] ids) or "rows" ([B, n_features] floats): models say what they need
     spec: DataSpec
     n_train: int  # number of training samples (an epoch's)
     manifest_hash: str  # sha256 identifying the exact data (data_manifest_hash)
-    # the names baseline_metrics gives (val/ngram_baseline_ppl), known before the data is built (absent: none)
-    baselines: tuple[str, ...]
+    baselines: tuple[str, ...]  # baseline_metrics' keys, known before building (absent: none)
 
-    # augment: training randomness from the run's named streams
     def train_batch(self, ids: np.ndarray, dtype: np.dtype) -> Batch: ...
-    def augment(self, batch: Batch, streams) -> Batch: ...
+    def augment(self, batch: Batch, streams) -> Batch: ...  # training noise from the run's streams
     def val_batches(self, dtype: np.dtype) -> Iterator[Batch]: ...
     def baseline_metrics(self) -> dict[str, float]: ...
 
 
 def inference_facts(dataset) -> dict:
-    """Token data's {"vocab": [token, ...] by id, "decode_join": str, "specials": {role: token}}, else none; once
-    per run, it travels in every checkpoint as data.json, so sample and export never need the corpus."""
+    """Token data's {"vocab", "decode_join", "specials"} (else none): each checkpoint's data.json (no corpus needed)."""
     facts = getattr(dataset, "inference_facts", None)
     return facts() if facts is not None else {"vocab": None, "decode_join": None, "specials": {}}

@@ -26,15 +26,13 @@ TOKEN_DTYPE = np.dtype("<u2")  # raw little-endian uint16: vocabularies stay <= 
 MAX_VOCAB = 512
 SPLITS = ("train", "val")
 MANIFEST = "MANIFEST.json"
-# the n-gram baseline is fitted on at most SAMPLE train tokens and scores at most SCORED val targets (~3 s)
-SAMPLE, SCORED = 1 << 22, 1 << 20
+SAMPLE, SCORED = 1 << 22, 1 << 20  # n-gram baseline: train tokens fitted, val targets scored (~3 s)
 log = logging.getLogger("pipeline")
 
 
 @dataclass
 class CorpusContent:
-    """What a generator hands over: both splits' tokens as `pieces`, (split, [n] int tokens) in order, train's
-    first, streamed to disk; the vocabulary, and its own stats."""
+    """What a generator hands over: the vocabulary, both splits' (split, [n] tokens) `pieces`, train's first; stats."""
 
     vocab: list[str]
     join: str  # decode() puts this between tokens: " " for words, "" for characters
@@ -64,13 +62,11 @@ def val_target_positions(n_tokens: int, block_size: int) -> np.ndarray:
 
 
 def write_corpus(directory: Path, content: CorpusContent, name: str, params: dict) -> bytes:
-    """Every file of the corpus into `directory`, the token files streamed piece by piece, MANIFEST.json last
-    (its bytes returned): a pure function of the content and params."""
+    """The corpus's files into `directory`, tokens streamed, MANIFEST.json last: its bytes, a function of the input."""
     V, T, order = len(content.vocab), int(params["block_size"]), int(params["ngram_order"])
     if V > MAX_VOCAB:
-        raise ValueError(
-            f"{name} corpus has {V} distinct tokens, more than the {MAX_VOCAB} allowed"
-        )
+        many = f"{name} corpus has {V} distinct tokens, more than the {MAX_VOCAB} allowed"
+        raise ValueError(many)
     vocab = canonical_json(list(content.vocab))
     files = {"vocab.json": atomic.write_new(directory / "vocab.json", vocab)}
     for split, group in itertools.groupby(content.pieces, key=lambda piece: piece[0]):
@@ -85,8 +81,7 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
     listed = {f: {"sha256": e["sha256"], "bytes": e["size"]} for f, e in sorted(files.items())}
     tokens = {s: _mapped(directory, s, listed) for s in SPLITS}
     # The n-gram's memory is bounded whatever the text's size (a corpus within SAMPLE and SCORED: as a whole).
-    positions = val_target_positions(min(n["val"], SCORED + 1), T)
-    train = tokens["train"][:SAMPLE]
+    positions, train = val_target_positions(min(n["val"], SCORED + 1), T), tokens["train"][:SAMPLE]
     baseline = {"model": "interpolated modified Kneser-Ney", "ngram_order": order}
     if len(train) < n["train"] or len(positions) < n_windows(n["val"], T) * T:
         baseline["sample"] = {"train_tokens": len(train)}
@@ -94,23 +89,13 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
             f"the {name} corpus's n-gram baseline is fitted on its first {len(train)} train tokens and "
             f"scores its first {len(positions)} val targets (a bounded sample)"
         )
-    # Rounded so that last-ulp differences in log() between machines do not change the manifest bytes.
     ppl = ngram.fitted_perplexity(train, order, V, tokens["val"], positions)
-    manifest = {
-        "format": FORMAT_VERSION,
-        "generator": name,
-        "params": params,
-        "params_hash": short_hash(params),
-        "seed": params.get("seed"),
-        "vocab_size": V,
-        "token_dtype": TOKEN_DTYPE.str,
-        "decode_join": content.join,
-        "tokens": n,
-        "windows": {s: n_windows(n[s], T) for s in SPLITS},
-        "baseline": {**baseline, "val_targets": len(positions), "val_ppl": round(ppl, 4)},
-        "stats": content.stats,
-        "files": listed,
-    }
+    # Rounded so that last-ulp differences in log() between machines do not change the manifest bytes.
+    baseline.update(val_targets=len(positions), val_ppl=round(ppl, 4))
+    manifest = dict(format=FORMAT_VERSION, generator=name, params=params, seed=params.get("seed"))
+    manifest.update(params_hash=short_hash(params), vocab_size=V, token_dtype=TOKEN_DTYPE.str)
+    manifest.update(decode_join=content.join, tokens=n, stats=content.stats, files=listed)
+    manifest.update(baseline=baseline, windows={s: n_windows(n[s], T) for s in SPLITS})
     raw = canonical_json(manifest)
     atomic.write_new(directory / MANIFEST, raw)
     return raw
@@ -132,10 +117,7 @@ def verify_corpus(directory: Path, params: dict | None = None, keep=()) -> tuple
     directory = Path(directory)
     try:  # an OSError names the file being read, MANIFEST.json
         raw = reading.read_bytes(directory / MANIFEST, MAX_CORPUS_JSON)
-        try:  # strict: a duplicate key or 1e999 is refused, not read one way
-            manifest = jsonio.loads(raw)
-        except ValueError as e:
-            raise _unusable(directory, e) from None
+        manifest = jsonio.loads(raw)  # strict: a duplicate key or 1e999 is refused
         if canonical_json(manifest) != raw:
             raise _unusable(directory, "not in canonical form (edited by hand?)")
         said = manifest if isinstance(manifest, dict) else {}
@@ -149,6 +131,8 @@ def verify_corpus(directory: Path, params: dict | None = None, keep=()) -> tuple
         )
         if problem := next(found, None):
             raise _unusable(directory, problem[1], problem[0])
+    except jsonio.JSONError as e:
+        raise _unusable(directory, e) from None
     except FileNotFoundError:
         raise _unusable(directory, "missing") from None
     except OSError as e:
@@ -162,16 +146,12 @@ def _unusable(directory: Path, why, name: str = MANIFEST) -> ValueError:
 
 
 # a corpus's words for a file unlike its MANIFEST.json, since format 1
-WORDS = {
-    "missing": "missing",
-    "size": "{found} bytes but {manifest} says {size}",
-    "sha256": "sha256 mismatch with {manifest}",
-}
+WORDS = {"missing": "missing", "sha256": "sha256 mismatch with {manifest}"}
+WORDS["size"] = "{found} bytes but {manifest} says {size}"
 
 
 def _notice(message: str) -> None:
-    """`message` as an INFO record where the log reaches a handler, else on stderr if a terminal: never on a pipe,
-    where stderr carries only a refusal's one line, which scripts read."""
+    """`message` as INFO where the log has a handler, else on stderr if a terminal (a pipe's is for refusals)."""
     if log.hasHandlers():
         log.info(message)
     elif sys.stderr is not None and sys.stderr.isatty():
@@ -181,8 +161,7 @@ def _notice(message: str) -> None:
 def ensure_corpus(data_dir: Path, name: str, params: dict, build: Build) -> Path:
     """<data_dir>/<name>-<hash>/, built by `build` only if absent, safe beside other writers; its reader verifies it."""
     parent = Path(data_dir)
-    # <output_dir>/data linked elsewhere would receive the corpus
-    atomic.refuse_link(parent, "directory")
+    atomic.refuse_link(parent, "directory")  # <output_dir>/data linked elsewhere would receive it
     final = parent / f"{name}-{short_hash(params)}"
     if final.exists():
         return final
@@ -228,11 +207,9 @@ class TokenDataset:
     """Non-overlapping windows of T+1 tokens over a verified corpus directory (the Dataset protocol)."""
 
     kind = "tokens"
-    # on disk, in the output directory's corpus cache (what `archive --with-data` copies)
-    keeps_corpus = True
+    keeps_corpus = True  # on disk, in the output's corpus cache (what `archive --with-data` copies)
     baselines = ("val/ngram_baseline_ppl",)  # what baseline_metrics gives
-    # role -> token of the vocabulary ({"eos": "<eos>"}): what a tool starts from
-    specials: ClassVar[dict[str, str]] = {}
+    specials: ClassVar[dict[str, str]] = {}  # role -> token ({"eos": "<eos>"}): tools start there
 
     def __init__(
         self, cache_dir: str, params: dict, val_batch_size: int, build: Build, every_offset=False
@@ -251,13 +228,10 @@ class TokenDataset:
         self.tokens = {s: _mapped(self.directory, s, self.manifest["files"]) for s in SPLITS}
         T = int(self.manifest["params"]["block_size"])
         self.spec = DataSpec(vocab_size=len(self.vocab), block_size=T)
-        self.n_train = n_windows(len(self.tokens["train"]), T)
-        # every_offset: a training sample is the window at any offset of the train stream (nanoGPT's), drawn
-        # by the iterator; else the n_train non-overlapping windows
+        self.n_train, self.n_val = (n_windows(len(self.tokens[s]), T) for s in SPLITS)
+        # every_offset: a sample is the window at any offset of the train stream (nanoGPT's); else the n_train windows
         self.n_offsets = len(self.tokens["train"]) - T if every_offset else 0
-        self.n_val = n_windows(len(self.tokens["val"]), T)
-        self.val_batch_size = int(val_batch_size)
-        self._join = self.manifest["decode_join"]
+        self.val_batch_size, self._join = int(val_batch_size), self.manifest["decode_join"]
 
     def _batch(self, split: str, ids: np.ndarray, at_offsets: bool = False) -> Batch:
         """Samples `ids` [B] (window ids, or stream offsets): x the first T of their T+1 tokens, y the last T."""

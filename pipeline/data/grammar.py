@@ -5,16 +5,16 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_right
+from collections import namedtuple
 from functools import partial
 from itertools import accumulate
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import numpy as np
 
 from pipeline.data.corpus import CorpusContent, TokenDataset
 
-# Part of the hashed params: bump it whenever the grammar's output for a seed changes.
-GRAMMAR_VERSION = 1
+GRAMMAR_VERSION = 1  # in the hashed params: bump it when the grammar's output for a seed changes
 EOS, COMMA = "<eos>", ","
 
 
@@ -29,8 +29,7 @@ _PRONOUNS += ", it it its itself, we us our ourselves, they them their themselve
 PRONOUNS = {forms[0]: forms for forms in map(_words, _PRONOUNS.split(", "))}
 THIRD_SINGULAR = ("he", "she", "it")
 
-# class, "singular plural pronoun-a-singular-stands-for" of each noun: one class a noun, one parse a string
-_NOUNS = (
+_NOUNS = (  # class, "singular plural pronoun-its-singular-stands-for" of each noun, one class a noun
     ("person", "man men he, woman women she, boy boys he, girl girls she"),
     ("person", "king kings he, queen queens she"),
     ("animal", "dog dogs it, cat cats it, bird birds it, horse horses it"),
@@ -42,8 +41,7 @@ _NOUNS = (
 )
 # (singular, plural, pronoun, class)
 NOUNS = tuple((*n.split(), cls) for cls, nouns in _NOUNS for n in nouns.split(", "))
-ANIMATE = ("person", "animal")
-INANIMATE = ("food", "text", "vehicle", "thing")
+ANIMATE, INANIMATE = ("person", "animal"), ("food", "text", "vehicle", "thing")
 PLACES = ("park", "garden", "house", "kitchen", "school", "forest")
 
 ATTRIBUTIVE = {
@@ -60,19 +58,8 @@ DETERMINERS = {
     "pl": (("the", 5), ("these", 1.5), ("those", 1.5), ("some", 1), ("two", 0.5), ("three", 0.5)),
 }
 
-
-class Verb(NamedTuple):
-    base: str
-    s: str
-    past: str
-    ing: str
-    pp: str
-    objects: tuple[str, ...]  # object noun classes; empty = intransitive
-    reflexive: bool
-
-
-# (object noun classes, none: intransitive; "base s past ing pp" of each verb, "+self": takes a reflexive)
-_VERBS = (
+Verb = namedtuple("Verb", "base s past ing pp objects reflexive")  # objects () if intransitive
+_VERBS = (  # object noun classes (none: intransitive), "base s past ing pp" each, "+self": reflexive
     ((), "run runs ran running run, sleep sleeps slept sleeping slept"),
     ((), "sing sings sang singing sung, laugh laughs laughed laughing laughed"),
     ((), "swim swims swam swimming swum, walk walks walked walking walked"),
@@ -102,19 +89,16 @@ TIME_PHRASES = {
     "progressive": (("now",), ("right", "now")),
     "perfect": (("already",), ("recently",)),
 }
-PREPOSITIONS = ("near", "with", "behind")
-PLACE_PREPOSITIONS = ("in", "near", "behind")
+PREPOSITIONS, PLACE_PREPOSITIONS = ("near", "with", "behind"), ("in", "near", "behind")
 FUNCTION_WORDS = _words("a an that not very will be been do does did am is are was were has have")
 
 
 def vocabulary() -> list[str]:
     """Every word the grammar can emit, fixed by the lexicon (not by a sample), specials first."""
     words = {*FUNCTION_WORDS, *PLACES, *PREPOSITIONS, *PLACE_PREPOSITIONS}
-    words |= {w for n in NOUNS for w in n[:2]}
-    words |= {w for forms in PRONOUNS.values() for w in forms}
+    words |= {w for n in NOUNS for w in n[:2]} | {w for forms in PRONOUNS.values() for w in forms}
     words |= {w for table in (ATTRIBUTIVE, PREDICATIVE) for adjs in table.values() for w in adjs}
-    words |= {d for dets in DETERMINERS.values() for d, _ in dets}
-    words |= {w for v in VERBS for w in (v.base, v.s, v.past, v.ing, v.pp)}
+    words |= {d for ds in DETERMINERS.values() for d, _ in ds} | {w for v in VERBS for w in v[:5]}
     words |= {w for phrases in TIME_PHRASES.values() for p in phrases for w in p}
     return [EOS, COMMA, *sorted(words)]
 
@@ -126,8 +110,7 @@ class Choice:
 
     def __init__(self, items, weights=None):
         pairs = [(it, float(w)) for it, w in zip(items, weights or [1.0] * len(items)) if w > 0]
-        self.items = tuple(it for it, _ in pairs)
-        self.cum = tuple(accumulate(w for _, w in pairs))
+        self.items, self.cum = tuple(it for it, _ in pairs), tuple(accumulate(w for _, w in pairs))
         self.total = self.cum[-1]
         self.logp = tuple(math.log(w / self.total) for _, w in pairs)
 
@@ -137,8 +120,7 @@ def _coin(p: float) -> Choice:
 
 
 class _Sampler:
-    """Draws from one random.Random (only rng.random(): stable across Python versions, unlike choices()),
-    summing the log-probability of the derivation it builds."""
+    """Draws by rng.random() only (stable across Pythons, unlike choices()), summing the derivation's log-prob."""
 
     def __init__(self, rng: random.Random):
         self.rng, self.logp = rng, 0.0
@@ -195,8 +177,7 @@ PREDICATE = {k: Choice(adjs) for k, adjs in PREDICATIVE.items()}
 
 def _noun_phrase(s: _Sampler, classes: tuple, max_adjectives: int) -> tuple[list[str], str, str]:
     # -> words, agreement pronoun, noun class
-    number = s.draw(NUMBER)
-    cls = s.draw(CLASS_OF[classes])
+    number, cls = s.draw(NUMBER), s.draw(CLASS_OF[classes])
     sg, pl, pron, _ = s.draw(NOUNS_OF[cls])
     adjs = s.distinct(ATTRIBUTIVE[ADJECTIVES_OF[cls]], s.draw(N_ADJECTIVES[max_adjectives]))
     det = s.draw(DETERMINER[number])
@@ -214,10 +195,8 @@ def _finite(verb: Verb | None, agr: str, tense: str, negated: bool) -> list[str]
     if tense == "perfect":
         return ["has" if third else "have", *neg, verb.pp if verb else "been"]
     if verb is None or tense == "progressive":  # a form of be first
-        if tense == "past":
-            be = "was" if agr == "I" or third else "were"
-        else:
-            be = "am" if agr == "I" else "is" if third else "are"
+        was = "was" if agr == "I" or third else "were"
+        be = was if tense == "past" else "am" if agr == "I" else "is" if third else "are"
         return [be, *neg, verb.ing] if verb else [be, *neg]
     if negated:  # do-support
         return ["did" if tense == "past" else "does" if third else "do", "not", verb.base]
@@ -243,11 +222,9 @@ def _relative_clause(s: _Sampler, head_agr: str, head_cls: str, tense: str) -> l
 def _subject(s: _Sampler, tense: str) -> tuple[list[str], str, str, int]:
     # -> words, agreement pronoun, class, index of the word that fixes agreement
     if s.draw(SUBJECT_IS_PRONOUN):
-        agr = s.draw(PRONOUN)
-        return [agr], agr, "animal" if agr == "it" else "person", 0
+        return [agr := s.draw(PRONOUN)], agr, "animal" if agr == "it" else "person", 0
     words, agr, cls = _noun_phrase(s, s.draw(SUBJECT_CLASSES), 3)
-    head = len(words) - 1
-    post = s.draw(POSTMODIFIER)
+    head, post = len(words) - 1, s.draw(POSTMODIFIER)
     if post == "pp":  # "the dogs near the old man": the nearer noun is an attractor
         obj, _, _ = _noun_phrase(s, PP_CLASSES, 1)
         words += [s.draw(PREPOSITION), *obj]
@@ -278,18 +255,15 @@ def sentence(s: _Sampler) -> tuple[list[str], dict]:
     negated, verb_at = s.draw(NEGATED), len(words)
     if cls in INANIMATE or s.draw(COPULA):
         words += _finite(None, agr, tense, negated)
-        if s.draw(VERY):
-            words.append("very")
+        words += ["very"] if s.draw(VERY) else []
         words.append(s.draw(PREDICATE[ADJECTIVES_OF[cls]]))
     elif s.draw(INTRANSITIVE_VP):
         words += _finite(s.draw(INTRANSITIVE_VERB), agr, tense, negated)
-        if s.draw(PLACE_PP):
-            words += [s.draw(PLACE_PREPOSITION), "the", s.draw(PLACE)]
+        words += [s.draw(PLACE_PREPOSITION), "the", s.draw(PLACE)] if s.draw(PLACE_PP) else []
     else:
         verb = s.draw(TRANSITIVE_VERB)
         words += [*_finite(verb, agr, tense, negated), *_object(s, verb, agr)]
-    if where == "end":
-        words += time_words
+    words += time_words if where == "end" else []
     return words, {"subject_head": head, "verb": verb_at, "agreement": agr, "tense": tense}
 
 
@@ -320,18 +294,15 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
     # The generator's own log-probability of each sentence bounds what any model can reach on it; a bound
     # from above, since a rare string with two derivations (e.g. "read" present/past) is charged for one.
     val_nats = -math.fsum(logps[-n_val:])
-    stats = {
-        "sentences": {"train": n_sentences - n_val, "val": n_val},
-        "oracle_val_ppl_bound": round(math.exp(val_nats / len(val)), 4),
-    }
+    stats: dict = {"sentences": {"train": n_sentences - n_val, "val": n_val}}
+    stats["oracle_val_ppl_bound"] = round(math.exp(val_nats / len(val)), 4)
     return CorpusContent(vocab, join=" ", pieces=(("train", train), ("val", val)), stats=stats)
 
 
 class GrammarCorpus(TokenDataset):
     """`data=grammar`: the grammar corpus under <output_dir>/data/grammar-<hash>/, generated once."""
 
-    # every sentence ends with it: an empty prompt starts after one
-    specials: ClassVar[dict[str, str]] = {"eos": EOS}
+    specials: ClassVar[dict[str, str]] = {"eos": EOS}  # ends each sentence: prompts start after it
 
     def __init__(
         self,

@@ -1,8 +1,8 @@
-"""The data iterator: (epoch, cursor) and where its epoch's draws began in the data-order stream, so its
-checkpointed state is a few integers whatever the data's size; it stops and continues mid-epoch."""
+"""The data iterator; its state, (epoch, cursor) and its epoch's start in the data-order stream, is a few integers."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import numpy as np
@@ -11,12 +11,10 @@ from pipeline.stateful import BadValue
 
 
 class DataIterator:
-    """Batches of sample ids from the run's data-order stream `rng`, `n // batch_size` an epoch (drop_last):
-    offsets=0, each of the n ids once per epoch, in a permutation drawn at the epoch's start; offsets > 0,
-    each batch draws its ids uniformly from [0, offsets) (nanoGPT's sampling at every offset of a stream)."""
+    """Batches of sample ids from the data-order stream `rng`, `n // batch_size` an epoch (drop_last): offsets=0,
+    each id once an epoch, in a permutation drawn at its start; else ids uniform in [0, offsets) (nanoGPT's)."""
 
-    # afe8033's state held the permutation itself ({"epoch", "permutation", "cursor"}): both are checked here
-    free_form_state = ("",)
+    free_form_state = ("",)  # two forms (afe8033's held the permutation): both checked here
 
     def __init__(self, n: int, batch_size: int, rng: np.random.Generator, offsets: int = 0):
         if not 1 <= batch_size <= n:
@@ -25,18 +23,17 @@ class DataIterator:
             )
         self.n, self.batch_size, self.rng, self.offsets = int(n), int(batch_size), rng, int(offsets)
         self.epoch, self.cursor = 0, 0
-        self._begin_epoch()
+        self._begin_epoch(self.rng)
 
-    def _begin_epoch(self) -> None:
-        # start: the stream's state before this epoch's permutation, which redraws it (None: loaded whole)
-        self.start: dict | None = numpy_state_to_json(self.rng)
-        self.permutation = None if self.offsets else self.rng.permutation(self.n).astype(np.int64)
+    def _begin_epoch(self, g: np.random.Generator) -> None:
+        # start: g's state (the stream's, or a checkpoint's) before the epoch's permutation (None: loaded whole)
+        self.start: dict | None = stream_state(g)
+        self.permutation = None if self.offsets else g.permutation(self.n).astype(np.int64)
 
     def next_ids(self) -> np.ndarray:
         if self.cursor + self.batch_size > self.n:
-            self.epoch += 1
-            self.cursor = 0
-            self._begin_epoch()
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._begin_epoch(self.rng)
         if self.permutation is None:
             ids = self.rng.integers(0, self.offsets, size=self.batch_size, dtype=np.int64)
         else:
@@ -67,14 +64,13 @@ class DataIterator:
             if not isinstance(perm, np.ndarray) or perm.dtype.kind not in "iu":
                 raise BadValue("permutation", "permutation is not an array of sample ids")
             if not np.array_equal(np.sort(perm), np.arange(self.n)):
-                raise BadValue(
-                    "permutation", f"permutation is not a permutation of the {self.n} sample ids"
-                )
+                why = f"permutation is not a permutation of the {self.n} sample ids"
+                raise BadValue("permutation", why)
         else:
             try:
-                if set(state["start"]) != set(numpy_state_to_json(self.rng)):
+                if set(state["start"]) != set(stream_state(self.rng)):
                     raise KeyError(sorted(state["start"]))
-                np.random.PCG64().state = numpy_state_from_json(state["start"])
+                restore_stream(np.random.default_rng(), state["start"])
             except (TypeError, ValueError, KeyError) as e:
                 raise BadValue("start", f"start is not a data-order stream's state: {e}") from None
         epoch, cursor = state["epoch"], state["cursor"]
@@ -86,14 +82,15 @@ class DataIterator:
         if "permutation" in state:
             self.start, self.permutation = None, np.array(state["permutation"], dtype=np.int64)
             return
-        self.start = dict(state["start"])
-        g = np.random.Generator(np.random.PCG64())
-        g.bit_generator.state = numpy_state_from_json(self.start)
-        self.permutation = None if self.offsets else g.permutation(self.n).astype(np.int64)
+        restore_stream(g := np.random.default_rng(), state["start"])
+        self._begin_epoch(g)  # the permutation drawn again from the epoch's start
 
 
-def numpy_state_to_json(g: np.random.Generator) -> dict:
-    """A PCG64 stream's state as JSON (its 128-bit ints as strings: exact in any JSON reader)."""
+def stream_state(g: np.random.Generator | random.Random) -> dict:
+    """A stream's state as JSON: a PCG64's (its 128-bit ints as strings: exact in any JSON reader) or a random's."""
+    if isinstance(g, random.Random):
+        version, internal, gauss_next = g.getstate()
+        return {"version": version, "internal": list(internal), "gauss_next": gauss_next}
     s = g.bit_generator.state
     if s["bit_generator"] != "PCG64":
         raise TypeError(f"unsupported bit generator {s['bit_generator']}")
@@ -101,9 +98,14 @@ def numpy_state_to_json(g: np.random.Generator) -> dict:
     return {"bit_generator": "PCG64", **big, **small}
 
 
-def numpy_state_from_json(d: dict) -> Any:  # numpy's typed state dict
-    out = {"bit_generator": d["bit_generator"], "state": {k: int(d[k]) for k in _BIG}}
-    return out | {k: int(d[k]) for k in _SMALL}
+def restore_stream(g: np.random.Generator | random.Random, d: dict) -> None:
+    """`g` put in the state `d` stream_state gave (a TypeError, ValueError or KeyError if it is none)."""
+    if isinstance(g, random.Random):
+        g.setstate((int(d["version"]), tuple(int(v) for v in d["internal"]), d["gauss_next"]))
+    else:
+        small: dict[str, Any] = {k: int(d[k]) for k in _SMALL}
+        big = {k: int(d[k]) for k in _BIG}
+        g.bit_generator.state = {"bit_generator": d["bit_generator"], "state": big, **small}
 
 
 _BIG, _SMALL = ("state", "inc"), ("has_uint32", "uinteger")  # PCG64's 128-bit and its small ints

@@ -21,11 +21,6 @@ class Level:
     discounts: tuple[float, float, float]  # D1, D2, D3+
 
 
-def max_order(vocab_size: int) -> int:
-    # A key packs k tokens in base V into an int64.
-    return max(1, int(63 // math.log2(max(vocab_size, 2))))
-
-
 def _sorted_keys(tokens: np.ndarray, k: int, V: int) -> np.ndarray:
     """The keys of every k-gram, sorted: [N-k+1] int64, one array built and sorted in place."""
     n = len(tokens) - k + 1
@@ -38,8 +33,7 @@ def _sorted_keys(tokens: np.ndarray, k: int, V: int) -> np.ndarray:
 
 
 def _run_starts(a: np.ndarray) -> np.ndarray:
-    """Where each run of equal values of a sorted array starts [G] (np.unique's return_index, by one
-    comparison pass: np.unique hashes, which is 100x slower here, and then sorts anyway)."""
+    """Where each run of a sorted array starts [G]: np.unique's return_index in one pass (its hashing: 100x slower)."""
     first = np.empty(len(a), dtype=bool)  # [N]
     first[:1] = True
     np.not_equal(a[1:], a[:-1], out=first[1:])
@@ -47,8 +41,7 @@ def _run_starts(a: np.ndarray) -> np.ndarray:
 
 
 def _counted(held: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct values [G], how often each occurs [G] float64) of the sorted array in `held` (which is emptied:
-    the array is freed as soon as its distinct values are taken)."""
+    """(distinct values [G], their counts [G] float64) of the sorted array in `held`, emptied to free it once read."""
     a = held.pop()
     n, starts = len(a), _run_starts(a)
     values = a[starts]
@@ -68,8 +61,7 @@ def _discounts(counts: np.ndarray) -> tuple[float, float, float]:
     if n1 == 0 or n2 == 0:
         return FALLBACK  # too little data for the estimate
     y = n1 / (n1 + 2 * n2)
-    d1 = 1 - 2 * y * n2 / n1
-    d2 = 2 - 3 * y * n3 / n2
+    d1, d2 = 1 - 2 * y * n2 / n1, 2 - 3 * y * n3 / n2
     d3 = 3 - 4 * y * n4 / n3 if n3 > 0 else 2.0
     return float(np.clip(d1, 0, 1)), float(np.clip(d2, 0, 2)), float(np.clip(d3, 0, 3))
 
@@ -84,8 +76,7 @@ def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
     start = _run_starts(ctx)
     ctx_keys = ctx[start]
     del ctx
-    # An estimate clipped to 0 (tiny data) would leave a context no mass for the tokens never seen after it:
-    # they would get probability 0 (an infinite perplexity). The fallback discounts are > 0.
+    # Estimates clipped to 0 (tiny data) leave unseen tokens probability 0 (infinite perplexity); fallbacks are > 0.
     for d in (_discounts(counts), FALLBACK):
         ctx_backoff = np.add.reduceat(_discount(d, counts), start)
         if np.all(ctx_backoff > 0):
@@ -94,17 +85,16 @@ def _level(keys: np.ndarray, counts: np.ndarray, V: int) -> Level:
 
 
 def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
-    """Order 1, 2, ..., `order` in turn; lower orders use Kneser-Ney continuation counts. Each is built from
-    the tokens alone, so a caller that drops one before asking for the next holds one level at a time."""
-    if not 1 <= order <= max_order(V):
-        raise ValueError(f"n-gram order {order} must be in [1, {max_order(V)}] for vocab size {V}")
+    """Orders 1..`order` (lower ones of continuation counts), each from the tokens alone: one held at a time."""
+    top = max(1, int(63 // math.log2(max(V, 2))))  # a key packs k tokens in base V into an int64
+    if not 1 <= order <= top:
+        raise ValueError(f"n-gram order {order} must be in [1, {top}] for vocab size {V}")
     if len(tokens) < order:
         raise ValueError(f"{len(tokens)} tokens are too few to fit an order-{order} n-gram")
     for k in range(1, order + 1):
         if k == order:
             held = [_sorted_keys(tokens, k, V)]
-        else:
-            # Continuation count: how many distinct tokens precede this k-gram.
+        else:  # continuation counts: how many distinct tokens precede each k-gram
             held = [_counted([_sorted_keys(tokens, k + 1, V)])[0]]  # every distinct (k+1)-gram once
             np.remainder(held[0], V**k, out=held[0])  # its last k tokens
             held[0].sort()
@@ -112,22 +102,19 @@ def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
 
 
 def _lookup(sorted_keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
-    # values[i] where sorted_keys[i] == query, else 0
     i = np.minimum(np.searchsorted(sorted_keys, query), len(sorted_keys) - 1)
     return np.where(sorted_keys[i] == query, values[i], 0.0)
 
 
 def _mixed(level: Level, V: int, h: np.ndarray, targets: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """p(target | history) up to order k, from order k's counts, the history's nearest k-1 tokens `h` [N, k-1]
-    (-1 before a stream's start) and `p`, the probabilities up to order k-1."""
-    known = (h >= 0).all(axis=1)
+    """p(target | history) to order k from its counts, the nearest k-1 tokens `h` [N, k-1] (-1: none) and `p` to k-1."""
     ctx = np.zeros(len(targets), dtype=np.int64)
     for j in range(h.shape[1]):
         ctx = ctx * V + np.maximum(h[:, j], 0)
     c = _lookup(level.keys, level.counts, ctx * V + targets)
     total = _lookup(level.ctx_keys, level.ctx_total, ctx)
     backoff = _lookup(level.ctx_keys, level.ctx_backoff, ctx)
-    seen = known & (total > 0)  # an unseen context passes the lower order through unchanged
+    seen = (h >= 0).all(axis=1) & (total > 0)  # else (cut, unseen): the lower order's p
     safe = np.where(seen, total, 1.0)
     p_k = (np.maximum(c - _discount(level.discounts, c), 0.0) + backoff * p) / safe
     return np.where(seen, p_k, p)
@@ -136,22 +123,17 @@ def _mixed(level: Level, V: int, h: np.ndarray, targets: np.ndarray, p: np.ndarr
 PIECE = 1 << 20  # positions scored at a time
 
 
-def _history(tokens: np.ndarray, positions: np.ndarray, n: int) -> np.ndarray:
-    """[N, n] int64: the n tokens before each position in the stream, oldest first, -1 before its start."""
-    offsets = positions[:, None] - np.arange(n, 0, -1)[None, :]  # [N, n]
-    return np.where(offsets >= 0, tokens[np.maximum(offsets, 0)].astype(np.int64), -1)
-
-
 def _raised(levels, V: int, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """p(tokens[i] | the tokens before i) [N] for i in positions, raised one order (`levels`: 1, 2, ...) at a time
-    over PIECE positions at a time: a caller handing the levels one by one holds one level and one piece."""
+    """p(tokens[i] | the tokens before i) [N] for i in positions, one level (order 1, 2, ...) and PIECE at a time."""
     positions = np.asarray(positions, dtype=np.int64)  # [N]
     p = np.full(len(positions), 1.0 / V)
     for k, level in enumerate(levels, start=1):
         for a in range(0, len(positions), PIECE):
             at, piece = positions[a : a + PIECE], p[a : a + PIECE]
-            h, targets = _history(tokens, at, k - 1), tokens[at].astype(np.int64)
-            piece[:] = _mixed(level, V, h, targets, piece)
+            # h [N, k-1]: the k-1 tokens before each position, oldest first, -1 before the stream's start
+            offsets = at[:, None] - np.arange(k - 1, 0, -1)[None, :]
+            h = np.where(offsets >= 0, tokens[np.maximum(offsets, 0)].astype(np.int64), -1)
+            piece[:] = _mixed(level, V, h, tokens[at].astype(np.int64), piece)
         del level
     return p
 

@@ -20,14 +20,12 @@ class Regression:
 
     def __init__(self, n_rows: int, seed: int, noise: float, input_gain: float, input_noise: float):
         self.params = {"name": "regression", "n_rows": n_rows, "seed": seed, "noise": noise}
-        # A pure function of the params: a local generator, not one of the run's streams.
-        g = np.random.default_rng(seed)
+        g = np.random.default_rng(seed)  # a local generator: the rows depend on the params alone
         x = g.uniform(-1.0, 1.0, size=(n_rows, 2))  # [N, 2]
         y = np.sin(2.0 * x[:, :1]) + 0.5 * x[:, 1:] ** 2 - 0.3 * x[:, :1] * x[:, 1:]  # [N, 1]
         self.x, self.y = x, y + noise * g.normal(size=y.shape)
         self.input_gain, self.input_noise = float(input_gain), float(input_noise)
-        self.spec = DataSpec(n_features=2, n_targets=1)
-        self.n_train = n_rows
+        self.spec, self.n_train = DataSpec(n_features=2, n_targets=1), n_rows
         sha = {k: hashlib.sha256(getattr(self, k).tobytes()).hexdigest() for k in ("x", "y")}
         manifest = json.dumps({**self.params, "sha256": sha}, sort_keys=True)
         self.manifest_hash = hashlib.sha256(manifest.encode()).hexdigest()

@@ -16,8 +16,7 @@ from pipeline.data.corpus import MAX_VOCAB, TOKEN_DTYPE, CorpusContent, TokenDat
 from pipeline.files import reading
 
 TEXT_VERSION = 1
-# bytes decoded at a time: a piece costs at most ~9x itself (its str and its UTF-32 copy)
-PIECE = 4 << 20
+PIECE = 4 << 20  # bytes decoded at a time: at most ~9x in memory (its str, its UTF-32 copy)
 N_CODE_POINTS = 0x110000
 
 
@@ -30,17 +29,14 @@ class TextError(ValueError):
 
 def _code_points(pieces: Iterable[bytes], path: Path) -> Iterator[np.ndarray]:
     """The characters of a file's pieces as code points (uint8 for an ASCII piece, else uint32)."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0  # of the piece's first byte in the file
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0  # offset: the piece's first byte's
     for raw in itertools.chain(pieces, [b""]):  # b"": the end, where a cut character is an error
         pending = len(decoder.getstate()[0])  # bytes of a character the previous piece cut
         try:
             if raw and not pending and raw.isascii():
                 yield np.frombuffer(raw, dtype=np.uint8)  # its bytes are its code points
             else:
-                yield np.frombuffer(
-                    decoder.decode(raw, final=not raw).encode("utf-32-le"), dtype="<u4"
-                )
+                yield np.frombuffer(decoder.decode(raw, final=not raw).encode("utf-32-le"), "<u4")
         except UnicodeDecodeError as e:
             at = offset - pending + e.start
             raise TextError(path, f"not valid UTF-8 (bad byte at offset {at})") from None
@@ -78,8 +74,7 @@ class TextFile(contextlib.AbstractContextManager):
             yield raw
 
     def pieces(self, n_train: int) -> Iterator[tuple[str, np.ndarray]]:
-        """("train" | "val", [n] uint16 token ids) piece by piece in file order, the first n_train characters
-        train; a second pass, hash checked again (a file changed since is refused at its end)."""
+        """("train" | "val", [n] uint16 ids) in file order, n_train first: a second pass, refused if the file changed"""
         table = np.zeros(N_CODE_POINTS, dtype=TOKEN_DTYPE)  # code point -> token id
         table[self.code_points] = np.arange(len(self.code_points), dtype=TOKEN_DTYPE)
         at, h = 0, hashlib.sha256()
@@ -109,8 +104,7 @@ class TextFile(contextlib.AbstractContextManager):
 
 
 class TextCorpus(TokenDataset):
-    """`data=text data.path=FILE`: the file's characters under <output_dir>/data/text-<hash>/, hashed by the
-    file's content, not its path; `max_bytes` (data.max_bytes) bounds its size, not part of its identity."""
+    """`data=text data.path=FILE`: its characters in data/text-<hash>/, hashed by content (not path, not max_bytes)."""
 
     def __init__(
         self,

@@ -6,6 +6,8 @@ import io
 import math
 from pathlib import Path
 
+from pipeline.files.atomic import replace_file
+
 NAME = "curves.png"
 LOSSES = ("train/loss", "val/loss")
 
@@ -48,8 +50,6 @@ def draw(lines: list[dict]) -> bytes | None:
 
 def write(run_dir: Path, lines: list[dict]) -> Path | None:
     """<run_dir>/curves.png from the run's whole history `lines`, replaced atomically; its path, or None."""
-    from pipeline.files.atomic import replace_file
-
     if (png := draw(lines)) is None:
         return None
     replace_file(path := Path(run_dir) / NAME, png)

@@ -42,19 +42,16 @@ class Throughput:
 
 
 def _si(x: float) -> str:
-    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if x >= div:
-            return f"{x / div:.3g}{suffix}"
-    return f"{x:.3g}"
+    div, suffix = next(((d, s) for d, s in ((1e9, "G"), (1e6, "M"), (1e3, "k")) if x >= d), (1, ""))
+    return f"{x / div:.3g}{suffix}"
 
 
 class Display:
     def __init__(self, enabled: bool | None, log_every: int):
         self.bar_enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
-        self.log_every = int(log_every)
+        self.log_every, self.redirect = int(log_every), contextlib.ExitStack()
         self.bar = None
         self.speed: Throughput | None = None
-        self.redirect = contextlib.ExitStack()
 
     def on_train_start(self, state) -> None:
         samples = state.iterator.batch_size * state.accumulate
@@ -64,8 +61,7 @@ class Display:
         if self.bar_enabled:
             b = tqdm(total=state.total_steps, initial=state.step, desc="train", dynamic_ncols=True)
             self.bar = self.redirect.enter_context(b)  # closed by close()
-            # Every log line while the bar shows (validation, mlflow's from its thread) goes above it through
-            # tqdm.write, never into the middle of it.
+            # Log lines while the bar shows (validation, mlflow's thread) go above it by tqdm.write, never into it.
             self.redirect.enter_context(logging_redirect_tqdm([logging.getLogger()]))
 
     def on_step_end(self, state, record: dict) -> None:

@@ -15,12 +15,10 @@ from pipeline.trainer.parallel import owned
 from pipeline.trainer.phases import OFF, Profile
 from pipeline.trainer.state import TrainState
 
-# Record keys that are not metrics: the verifier compares `ids`; `step_time` is wall time (never saved).
-NOT_METRICS = ("step", "epoch", "ids", "step_time")
+NOT_METRICS = ("step", "epoch", "ids", "step_time")  # ids: the verifier's; step_time: wall, unsaved
 
 
-# What a run measures, declared beside the code that measures it (train_step, validate): a config's monitors and
-# optimized_metric are checked against these names before anything is built (pipeline/run/assemble.py).
+# Metric names beside the code measuring them: a config's monitors and optimized_metric are checked against them.
 def counts_tokens(data) -> bool:
     """A dataset (class or instance) of token sequences: its losses also have a perplexity (train/ppl, val/ppl)."""
     return getattr(data, "kind", None) == "tokens"
@@ -48,8 +46,7 @@ def grad_norm(grads: dict[str, np.ndarray]) -> float:
 
 
 def clip(grads: dict[str, np.ndarray], norm: float, max_norm: float) -> bool:
-    """PyTorch's clip_grad_norm_: scale every gradient by max_norm / (norm + 1e-6) when that is below 1, in
-    place; True if it scaled. A non-finite norm is left alone (the run's on_nonfinite policy decides)."""
+    """PyTorch's clip_grad_norm_ in place: times max_norm / (norm + 1e-6) if < 1 (True); a non-finite norm untouched"""
     coef = max_norm / (norm + 1e-6)
     if not math.isfinite(norm) or coef >= 1.0:
         return False
@@ -104,8 +101,7 @@ def train_step(state: TrainState, profile: Profile = OFF) -> dict:
     killpoint.point("train", "after backward")
     with profile.phase("optimizer"):
         gnorm = grad_norm(grads)
-        clipped = state.grad_clip > 0 and clip(grads, gnorm, state.grad_clip)
-        state.progress.clipped += int(clipped)
+        state.progress.clipped += int(state.grad_clip > 0 and clip(grads, gnorm, state.grad_clip))
         state.optimizer.step(grads)
         killpoint.point("train", "after optimizer step")
         state.scheduler.step()
@@ -128,11 +124,7 @@ def metrics_of(record: dict) -> dict:
 
 
 def fit(
-    state: TrainState,
-    eval_every: int,
-    on_step_end: Callable[[dict], bool],
-    callbacks: list,
-    profile: Profile = OFF,
+    state: TrainState, eval_every: int, on_step_end: Callable, callbacks, profile: Profile = OFF
 ) -> None:
     """Steps until the budget is spent or on_step_end (the run's decision) is True, evaluating every `eval_every`
     updates (0: each epoch's end) and at the last; callbacks see each record first (step 0's evaluation: only they)."""
@@ -143,13 +135,11 @@ def fit(
     while record or state.step < state.total_steps:
         if not record:
             t0 = time.perf_counter()
-            # an overflow is reported once, by the run, as a non-finite metric
-            with np.errstate(all="ignore"):
+            with np.errstate(all="ignore"):  # an overflow: one non-finite metric the run reports
                 record = train_step(state, profile) if profile.on else train_step(state)
             record["step_time"] = time.perf_counter() - t0
-        last = state.step >= state.total_steps
         due = state.step % eval_every == 0 if eval_every > 0 else epoch_ended(state, record)
-        if due or last or state.step == 0:
+        if due or state.step >= state.total_steps or state.step == 0:
             with np.errstate(all="ignore"), profile.phase("evaluation"):
                 record.update(validate(state))
         state.progress.metrics.update({k: v for k, v in record.items() if kept(k)})

@@ -47,18 +47,14 @@ class MetricsLog:
     def close(self) -> None:
         if self.file is not None:
             file, self.file = self.file, None
-            # the failed write already raised, naming the file: keep that one
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # the failed write raised already, naming the file
                 file.close()
 
 
 class QuietFileHandler(logging.StreamHandler):
-    """pipeline.log. A failing stream (a full disk) is recorded in `error`, never written again, with no traceback: the
-    log is a record, not the run's state; what stops the run (the next checkpoint on that disk) says why in a line."""
+    """pipeline.log: a failing stream (a full disk) is kept in `error`, never written again, no traceback (a record)."""
 
-    def __init__(self, stream):
-        super().__init__(stream)
-        self.error: BaseException | None = None
+    error: BaseException | None = None  # the first failure, set on the instance
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.error is None:

@@ -22,12 +22,8 @@ Grads = dict[str, np.ndarray]  # parameter name -> its gradient
 
 def split(batch: Batch, shards: int) -> list[Batch]:
     """`shards` contiguous views along the sample axis, sized as np.array_split (empty ones when shards > B)."""
-    B = len(batch.ids)
-    bounds = np.cumsum([0] + [B // shards + (k < B % shards) for k in range(shards)])
-    return [
-        Batch(ids=batch.ids[a:b], x=batch.x[a:b], y=batch.y[a:b], extra=batch.extra)
-        for a, b in itertools.pairwise(bounds)
-    ]
+    parts = zip(*(np.array_split(a, shards) for a in (batch.ids, batch.x, batch.y)))
+    return [Batch(ids=ids, x=x, y=y, extra=batch.extra) for ids, x, y in parts]
 
 
 def owned(grads: Grads) -> Grads:
@@ -49,20 +45,17 @@ def child_rngs(rng: Generator | None, shards: int) -> list[Generator | None]:
 
 
 class Shards(contextlib.AbstractContextManager):
-    """A model's loss and gradients as `shards` pieces of each batch (semantic) on `threads` threads (not: pieces
-    combined in shard order), BLAS pinned to one thread until close() (a threaded GEMM may split its sums otherwise;
-    idle OpenBLAS workers spin). The model's `loss_and_grads` and `evaluate` run concurrently: they only read."""
+    """A model's loss and gradients over `shards` pieces of a batch (semantic) on `threads` threads (not: summed in
+    shard order), BLAS on one thread until close() (threaded GEMMs split sums; idle ones spin); models only read."""
 
     def __init__(self, shards: int, threads: int | None = None):
-        # None: the cores this process may run on (its CPU affinity; elsewhere than Linux, all)
-        if threads is None:
+        if threads is None:  # the cores it may use (CPU affinity; off Linux, all)
             affinity = getattr(os, "sched_getaffinity", None)
             threads = len(affinity(0)) if affinity else os.cpu_count() or 1
         self.shards, self.threads = int(shards), int(threads)
         # The calling thread works too: threads - 1 helpers. None when there is nothing to share.
         self._pool = ThreadPoolExecutor(self.threads - 1, "shard") if self.threads > 1 else None
-        # found once (~1 ms)
-        self._blas = ThreadpoolController().select(user_api="blas").lib_controllers
+        self._blas = ThreadpoolController().select(user_api="blas").lib_controllers  # once (~1 ms)
         self._blas_before = [lib.get_num_threads() for lib in self._blas]
         self._closed = False
         self._pin_blas()
@@ -76,12 +69,11 @@ class Shards(contextlib.AbstractContextManager):
         pieces, rngs = split(batch, self.shards), child_rngs(rng, self.shards)
         run = [k for k, p in enumerate(pieces) if len(p.ids)]
         results = self._map(lambda k: model.loss_and_grads(pieces[k], rngs[k]), run)
-        B, sizes = len(batch.ids), [len(pieces[k].ids) for k in run]
-        weights = [n / B for n in sizes]  # python floats: they take the grads' dtype
+        weights = [len(pieces[k].ids) / len(batch.ids) for k in run]  # floats: grads keep dtype
         loss = 0.0  # a loop, not sum(): 3.12's sum() of floats is compensated, other bits
         for w, (piece_loss, _) in zip(weights, results):
             loss += w * piece_loss
-        equal = len(set(sizes)) == 1
+        equal = len(set(weights)) == 1  # equal pieces
         grads = owned(results[0][1])
         for name, acc in grads.items():
             if equal:
@@ -95,8 +87,7 @@ class Shards(contextlib.AbstractContextManager):
         return loss, grads
 
     def mean_loss(self, model, batches: Iterable[Batch]) -> float:
-        """Mean of model.evaluate over the (non-empty) batches weighted by batch size, summed in batch order;
-        `threads` batches are held at a time, each evaluated whole by one thread (any thread count, same value)."""
+        """Mean of model.evaluate over non-empty batches by size, in batch order, `threads` at a time (any count)."""
         self._pin_blas()
         total, count = 0.0, 0
         nonempty = (b for b in batches if len(b.ids))
@@ -122,18 +113,14 @@ class Shards(contextlib.AbstractContextManager):
         if self._pool is None or len(keys) == 1:
             return [fn(k) for k in keys]
         results: list = [None] * len(keys)
-        todo = collections.deque(range(len(keys)))  # indices of keys; its pops are thread-safe
+        todo = iter(range(len(keys)))  # indices of keys, each taken once (next() is atomic)
 
         def work() -> None:
-            while True:
-                try:
-                    i = todo.popleft()
-                except IndexError:
-                    return
+            for i in todo:
                 try:
                     results[i] = fn(keys[i])
                 except BaseException:
-                    todo.clear()  # after a failure nobody starts another key
+                    collections.deque(todo, maxlen=0)  # emptied: then nobody starts a key
                     raise
 
         helpers = [self._pool.submit(work) for _ in range(min(self.threads, len(keys)) - 1)]

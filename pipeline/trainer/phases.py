@@ -1,14 +1,12 @@
-"""trainer.profile: wall time per phase of a run (time.perf_counter around the phases that exist), one table at
-the end; off, every phase is a shared no-op context. It reads clocks only: no number of the run changes."""
+"""trainer.profile: wall time per phase, one table at the end; off, a shared no-op. Clocks only: no number changes."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 
-# The phases, in the table's order; `end summary` is curves.png and the summary's lines; `other` is the wall time
-# no phase covers (run.json, metrics.jsonl, the progress lines, the stages' decisions), so the rows add up to the
-# wall from the run's start (after set-up: the resume's load is not in it).
+# In the table's order; `end summary`: curves.png and the summary's lines; `other`: the wall time no phase covers
+# (run.json, metrics.jsonl, progress lines, the stages' decisions): rows add up to the wall since start (after set-up).
 PHASES: tuple[str, ...] = ("data", "forward/backward", "optimizer", "evaluation", "checkpoint")
 PHASES += ("tracking hand-over", "end summary", "other")
 _OFF = contextlib.nullcontext()
@@ -17,8 +15,7 @@ _OFF = contextlib.nullcontext()
 class Profile:
     def __init__(self, on: bool):
         self.on = bool(on)
-        self.seconds = dict.fromkeys(PHASES[:-1], 0.0)
-        self.calls = dict.fromkeys(PHASES[:-1], 0)
+        self.seconds, self.calls = dict.fromkeys(PHASES[:-1], 0.0), dict.fromkeys(PHASES[:-1], 0)
         self.start()
 
     def start(self) -> None:
@@ -44,8 +41,7 @@ class Profile:
         rows = [(name, self.calls[name], self.seconds[name]) for name in PHASES[:-1]]
         rows += [("other", 0, max(0.0, wall - sum(s for _, _, s in rows))), ("wall", 0, wall)]
         lines = [f"{'phase':<20}{'calls':>8}{'seconds':>12}{'share':>8}"]
-        share = [seconds / (wall or 1e-12) for _, _, seconds in rows]
-        lines += [f"{n:<20}{c or '':>8}{s:>12.4f}{f:>8.1%}" for (n, c, s), f in zip(rows, share)]
+        lines += [f"{n:<20}{c or '':>8}{s:>12.4f}{s / (wall or 1e-12):>8.1%}" for n, c, s in rows]
         return "profile (trainer.profile=true):\n" + "\n".join(lines)
 
 

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import zlib
 
 import numpy as np
 
-from pipeline.data.iterator import numpy_state_from_json, numpy_state_to_json
+from pipeline.data.iterator import restore_stream, stream_state
 
 # Every random draw in a run comes from one of these; nothing touches global np.random or random.
-NUMPY_STREAMS = ("init", "data_order", "noise", "dropout")
-PYTHON_STREAMS = ("python",)
-
-
-def _child_seed(seed: int, name: str) -> np.random.SeedSequence:
-    # A stable per-name key (crc32, not hash(): hash() is salted per process).
-    return np.random.SeedSequence(entropy=seed, spawn_key=(zlib.crc32(name.encode()),))
+NUMPY_STREAMS, PYTHON_STREAMS = ("init", "data_order", "noise", "dropout"), ("python",)
 
 
 class Streams:
@@ -24,7 +19,9 @@ class Streams:
 
     def __init__(self, seed: int):
         self.seed = int(seed)
-        child = {n: _child_seed(self.seed, n) for n in (*NUMPY_STREAMS, *PYTHON_STREAMS)}
+        # a stable per-name key (crc32, not hash(): hash() is salted per process)
+        key = {n: (zlib.crc32(n.encode()),) for n in (*NUMPY_STREAMS, *PYTHON_STREAMS)}
+        child = {n: np.random.SeedSequence(entropy=self.seed, spawn_key=k) for n, k in key.items()}
         self.np = {n: np.random.Generator(np.random.PCG64(child[n])) for n in NUMPY_STREAMS}
         py_seeds = {n: int(child[n].generate_state(1, np.uint64)[0]) for n in PYTHON_STREAMS}
         self.py = {n: random.Random(s) for n, s in py_seeds.items()}
@@ -36,42 +33,22 @@ class Streams:
         return [*self.np, *self.py]
 
     def state_dict(self) -> dict:
-        return {n: _state(self[n]) for n in self.names()}
+        return {n: stream_state(self[n]) for n in self.names()}
 
     def check_state_dict(self, state: dict) -> None:
         """Decode every stream onto a scratch generator: the live ones stay untouched if one is bad."""
         for n in self.names():
             try:
-                _restore(np.random.default_rng() if n in self.np else random.Random(), state[n])
+                restore_stream(copy.deepcopy(self[n]), state[n])
             except (TypeError, ValueError, KeyError) as e:
                 raise ValueError(f"stream {n!r}: {e}") from None
 
     def load_state_dict(self, state: dict) -> None:
-        missing = set(self.names()) ^ set(state)
-        if missing:
+        if missing := set(self.names()) ^ set(state):
             raise KeyError(f"RNG streams differ: {sorted(missing)}")
         for n in self.names():
-            _restore(self[n], state[n])
+            restore_stream(self[n], state[n])
 
     def peek(self) -> dict[str, float]:
-        """The next draw of every stream, with each state put back so the run is not disturbed."""
-        out = {}
-        for n in self.names():
-            saved, out[n] = _state(self[n]), float(self[n].random())
-            _restore(self[n], saved)
-        return out
-
-
-def _state(g: np.random.Generator | random.Random) -> dict:
-    """A stream's state as JSON, whichever its kind."""
-    if isinstance(g, np.random.Generator):
-        return numpy_state_to_json(g)
-    version, internal, gauss_next = g.getstate()
-    return {"version": version, "internal": list(internal), "gauss_next": gauss_next}
-
-
-def _restore(g: np.random.Generator | random.Random, d: dict) -> None:
-    if isinstance(g, np.random.Generator):
-        g.bit_generator.state = numpy_state_from_json(d)
-    else:
-        g.setstate((int(d["version"]), tuple(int(v) for v in d["internal"]), d["gauss_next"]))
+        """The next draw of every stream, drawn from a copy so the run is not disturbed."""
+        return {n: float(copy.deepcopy(self[n]).random()) for n in self.names()}

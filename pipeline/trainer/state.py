@@ -23,8 +23,7 @@ class Progress:
 
     step: int = 0
     metrics: dict = field(default_factory=dict)
-    # why the run ended ("max_steps", or a stage's reason); None: it goes on
-    ended: str | None = None
+    ended: str | None = None  # why the run ended ("max_steps", a stage's reason); None: it goes on
     clipped: int = 0  # updates whose gradient trainer.grad_clip scaled down
     free_form_state = ("metrics",)
 
@@ -61,11 +60,9 @@ class TrainState:
     grad_clip: float  # the largest global L2 norm of an update's gradient; 0: no clipping
     shards: int  # pieces each micro-batch is split into (semantic: the dropout draws, the summation order)
     threads: int | None  # threads running the pieces (not semantic); None: the cores available
-    # an evaluation reads the first N validation batches (None: all); one before the first update if eval_at_start
-    eval_batches: int | None
-    eval_at_start: bool
-    # the stages' states (pipeline.stages.base.StageStates); the run layer builds them
-    stages: object
+    eval_batches: int | None  # an evaluation reads the first N validation batches (None: all)
+    eval_at_start: bool  # an evaluation before the first update
+    stages: object  # the stages' states (pipeline.stages.base.StageStates), built by the run layer
     progress: Progress = field(default_factory=Progress)
     runner: Shards = field(init=False, repr=False)
 
@@ -74,8 +71,7 @@ class TrainState:
     metrics = property(lambda self: self.progress.metrics)
 
     def __post_init__(self):
-        # the shard runner, made with the state: from here to close() BLAS runs on one thread (its pin), so every
-        # number the state computes, inside the runner or not, is the same whatever the thread count
+        # from here to close() BLAS runs on one thread (the runner's pin): every number the same whatever the threads
         self.runner = Shards(self.shards, self.threads)
 
     def close(self) -> None:
@@ -84,8 +80,5 @@ class TrainState:
 
     def parts(self) -> dict:
         """Every state machine of pipeline.stateful.PARTS under its checkpoint name."""
-        return {name: getattr(self, ATTRIBUTE.get(name, name)) for name in PARTS}
-
-
-# the parts not held under their checkpoint names
-ATTRIBUTE = {"data_iter": "iterator", "rng": "streams"}
+        held_as = {"data_iter": "iterator", "rng": "streams"}  # the parts not held under that name
+        return {name: getattr(self, held_as.get(name, name)) for name in PARTS}

@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.data.iterator import DataIterator
+from pipeline.data.iterator import DataIterator, restore_stream, stream_state
 from pipeline.stateful import StateMismatch, restore
-from pipeline.trainer.rng import numpy_state_from_json, numpy_state_to_json
 
 
 def gen(seed: int) -> np.random.Generator:
@@ -95,7 +94,7 @@ def test_continues_exactly_where_it_stopped(nb, k, seed):
     # what a checkpoint stores, through JSON like the run's RNG streams: a few integers, no permutation
     saved = json.loads(json.dumps(it.state_dict()))
     assert set(saved) == {"epoch", "cursor", "start"}
-    saved_rng = json.loads(json.dumps(numpy_state_to_json(rng)))
+    saved_rng = json.loads(json.dumps(stream_state(rng)))
     del it, rng
 
     rng2 = gen(
@@ -103,7 +102,7 @@ def test_continues_exactly_where_it_stopped(nb, k, seed):
     )  # a differently-seeded generator: everything must come from the loaded state
     fresh = DataIterator(n, bs, rng2)
     fresh.load_state_dict(saved)
-    rng2.bit_generator.state = numpy_state_from_json(saved_rng)
+    restore_stream(rng2, saved_rng)
     assert (fresh.epoch, fresh.cursor) == (saved["epoch"], saved["cursor"])
     got += [fresh.next_ids() for _ in range(after)]
     assert len(got) == len(expected)
@@ -185,12 +184,12 @@ def test_every_offset_draws_each_batch_from_the_stream_and_continues_exactly():
     for b in first:  # uniform over [0, offsets), with replacement, as nanoGPT's torch.randint
         np.testing.assert_array_equal(b, oracle.integers(0, 500, size=4, dtype=np.int64))
     assert (it.epoch, it.cursor) == (1, 4)
-    saved, saved_rng = json.loads(json.dumps(it.state_dict())), numpy_state_to_json(rng)
+    saved, saved_rng = json.loads(json.dumps(it.state_dict())), stream_state(rng)
     expected = [it.next_ids() for _ in range(5)]
     rng2 = gen(8)
     fresh = DataIterator(10, 4, rng2, offsets=500)
     fresh.load_state_dict(saved)
-    rng2.bit_generator.state = numpy_state_from_json(saved_rng)
+    restore_stream(rng2, saved_rng)
     assert all(np.array_equal(a, fresh.next_ids()) for a in expected)
     unrestored = DataIterator(10, 4, gen(8), offsets=500)
     unrestored.load_state_dict(

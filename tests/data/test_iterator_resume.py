@@ -14,7 +14,7 @@ from conftest import kept, metrics, run_job, text_overrides, the_run
 from safetensors.numpy import load_file, save_file
 
 from pipeline.config.errors import EXIT_PREEMPTED
-from pipeline.data.iterator import numpy_state_from_json
+from pipeline.data.iterator import restore_stream
 from pipeline.run.signals import SIGNALS_STATE
 
 ALPHABET = "abcdefghij klmnop\nqrstuvwxyz.,;é☕"  # every character in every text: one vocabulary
@@ -132,7 +132,7 @@ def as_afe8033(checkpoint: Path) -> None:
     extra = json.loads((checkpoint / "extra.json").read_text())
     state = extra["data_iter"]
     g = np.random.Generator(np.random.PCG64())
-    g.bit_generator.state = numpy_state_from_json(state.pop("start"))
+    restore_stream(g, state.pop("start"))
     arrays = load_file(str(checkpoint / "optim.safetensors"))
     n = json.loads((checkpoint / "manifest.json").read_text())["data_spec"]["n_train"]
     arrays["data_iter/permutation"] = g.permutation(n).astype(np.int64)
