@@ -10,8 +10,8 @@ class Scheduler:
         self.optimizer.lr = self.lr_at(0)
 
     def lr_at(self, k: int) -> float:
-        """The learning rate used by update k (0-based): the base one, unless a schedule says otherwise."""
-        return self.base_lr
+        """The learning rate used by update k (0-based)."""
+        raise NotImplementedError
 
     def step(self) -> None:
         self.last_epoch += 1

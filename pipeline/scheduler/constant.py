@@ -1,6 +1,8 @@
-"""A constant learning rate: the base scheduler's lr_at, the base lr for every update."""
+"""A constant learning rate."""
 
 from pipeline.scheduler.base import Scheduler
 
 
-class Constant(Scheduler): ...
+class Constant(Scheduler):
+    def lr_at(self, k: int) -> float:
+        return self.base_lr
