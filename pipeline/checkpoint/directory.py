@@ -130,7 +130,7 @@ def _data_problem(data, spec: dict) -> str | None:
     return None
 
 
-def _read_listed(d: Path, name: str, listed: dict, expect: dict | list[dict] | None = None):
+def _read_listed(d: Path, name: str, listed: dict, expect: list[dict] | None = None):
     """A listed file read bounded, checked against its listing (JSON strictly, tensors of the layout `expect`ed)."""
     try:
         sha = listed[name]["sha256"]
@@ -257,9 +257,7 @@ class CheckpointDir:
     def write(self, tree: dict, fields: dict, replace: bool = False) -> dict:
         """Write `tree` as a checkpoint here, atomically (replace=True swaps out one already there); `fields`:
         the manifest's but `files`, and `data_facts`, written as data.json. Returns the manifest."""
-        directory = self.path
-        fields = dict(fields)
-        data = fields.pop(mf.DATA_FACTS)
+        directory, data = self.path, fields[mf.DATA_FACTS]
         weights, other, extra = _by_file(tree)
         os.makedirs(directory.parent, exist_ok=True)
         atomic.remove_temporaries(directory.parent)
@@ -276,7 +274,7 @@ class CheckpointDir:
             files[EXTRA] = atomic.write_new(tmp / EXTRA, jsonio.dumps(extra, indent=None))
             # sorted keys: same bytes each save
             files[DATA] = atomic.write_new(tmp / DATA, jsonio.dumps(data, indent=None))
-            manifest = {**fields, "files": files}
+            manifest = {k: v for k, v in fields.items() if k != mf.DATA_FACTS} | {"files": files}
             killpoint.point("save", "before manifest")
             # last: a directory with a manifest is complete
             atomic.write_new(tmp / MANIFEST, jsonio.dumps(manifest))
@@ -383,16 +381,16 @@ class CheckpointDir:
         extra = _read_extra(directory, listed)
         data = _read_data(directory, manifest, listed)
         live = capture(parts) if parts is not None else None
-        layouts = (None, None) if live is None else [tensors.layout(t) for t in _by_file(live)[:2]]
-        # a part's state as older code saved it fits too (legacy_state: afe8033's iterator's permutation)
-        given = parts or {}
-        older = {n: p.legacy_state() for n, p in given.items() if hasattr(p, "legacy_state")}
-        optim_fits: dict | list[dict] | None = layouts[1]
-        if live is not None and layouts[1] is not None and older:
-            optim_fits = [layouts[1], tensors.layout(_by_file({**live, **older})[1])]
+        weights_fit = optim_fits = None
+        if parts is not None and live is not None:
+            # a part's state as older code saved it fits too (legacy_state: afe8033's iterator's permutation)
+            older = {n: p.legacy_state() for n, p in parts.items() if hasattr(p, "legacy_state")}
+            weights_fit = [tensors.layout(live["model"])]
+            fits = [live, {**live, **older}] if older else [live]
+            optim_fits = [tensors.layout(_by_file(t)[1]) for t in fits]
         # side by side, as in write()
         with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:
-            weights_read = pool.submit(_read_listed, directory, WEIGHTS, listed, layouts[0])
+            weights_read = pool.submit(_read_listed, directory, WEIGHTS, listed, weights_fit)
             try:
                 other = _read_listed(directory, OPTIM, listed, optim_fits)
             finally:

@@ -11,7 +11,7 @@ import os
 import re
 import struct
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -35,18 +35,17 @@ class DigestMismatch(ValueError):
     """The file's bytes do not hash to the sha256 the caller expected."""
 
 
-class _Hasher:
+class _Hasher(ThreadPoolExecutor):
     """sha256 fed in order on a helper thread, each buffer unchanged until hexdigest(); the queue is unbounded: the
     buffers are views of arrays that exist anyway, so the writer runs ahead and its fsync overlaps the hash."""
 
     def __init__(self):
-        self._h = hashlib.sha256()
-        self._pending: deque = deque()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+        super().__init__(1, thread_name_prefix="sha256")
+        self._h, self._pending = hashlib.sha256(), deque[Future]()
 
     def update(self, buf) -> None:
         # hashlib releases the GIL on big buffers
-        self._pending.append(self._pool.submit(self._h.update, buf))
+        self._pending.append(self.submit(self._h.update, buf))
         while self._pending and self._pending[0].done():
             self._pending.popleft().result()  # surfaces errors early, keeps the queue short
 
@@ -55,11 +54,8 @@ class _Hasher:
             self._pending.popleft().result()
         return self._h.hexdigest()
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, *exc) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.shutdown(wait=True, cancel_futures=True)
 
 
 def _c_bytes(a: np.ndarray) -> np.ndarray:
@@ -93,12 +89,19 @@ def split_aliases(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
     return unique, aliases
 
 
-def encode_header(unique: dict[str, np.ndarray], metadata: dict) -> tuple[bytes, list[str]]:
-    """The 8-byte length + padded JSON header, and the names in data order (the library's own layout)."""
+def write_tensors(path: Path, arrays: dict, metadata: dict | None = None, fsync=True) -> dict:
+    """Write a new safetensors file at `path` (which must not exist), fsynced; returns its {"size", "sha256"}.
+    Its layout is the library's own: the 8-byte length, the padded JSON header, the data widest dtype first."""
+    unique, aliases = split_aliases(arrays)
+    meta = {"format": "np", **(metadata or {}), **{k: f"ALIAS({v})" for k, v in aliases.items()}}
+    if bad := [k for k, v in meta.items() if not (isinstance(k, str) and isinstance(v, str))]:
+        raise ValueError(f"safetensors metadata is str -> str only; not so for {bad}")
+    if "__metadata__" in unique:
+        raise ValueError("'__metadata__' cannot name a tensor")
     order = sorted(unique, key=lambda n: (-RANK[_code(unique[n])], n))
     # Metadata sorted: the library serialises it from a hash map whose order changes from process to
     # process, and equal states must give equal bytes (a resumed process re-saves the same step).
-    header: dict = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    header: dict = {"__metadata__": dict(sorted(meta.items()))}
     offset = 0
     for name in order:
         a = unique[name]
@@ -107,18 +110,7 @@ def encode_header(unique: dict[str, np.ndarray], metadata: dict) -> tuple[bytes,
         offset += a.nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    return struct.pack("<Q", len(raw)) + raw, order
-
-
-def write_tensors(path: Path, arrays: dict, metadata: dict | None = None, fsync=True) -> dict:
-    """Write a new safetensors file at `path` (which must not exist), fsynced; returns its {"size", "sha256"}."""
-    unique, aliases = split_aliases(arrays)
-    meta = {"format": "np", **(metadata or {}), **{k: f"ALIAS({v})" for k, v in aliases.items()}}
-    if bad := [k for k, v in meta.items() if not (isinstance(k, str) and isinstance(v, str))]:
-        raise ValueError(f"safetensors metadata is str -> str only; not so for {bad}")
-    if "__metadata__" in unique:
-        raise ValueError("'__metadata__' cannot name a tensor")
-    head, order = encode_header(unique, meta)
+    head = struct.pack("<Q", len(raw)) + raw
     views = [_bytes_of(unique[name]) for name in order]
     chunks = (v[i : i + CHUNK] for v in views for i in range(0, len(v), CHUNK))
     with _Hasher() as h:  # each piece hashed on the helper thread while this one writes it
@@ -234,17 +226,16 @@ def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
 
 
 def read_tensors(
-    path: Path, expected_sha256: str | None = None, expect: dict | list[dict] | None = None
+    path: Path, expected_sha256: str | None = None, expect: list[dict] | None = None
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Arrays (aliases resolved to one object) and the header metadata, read and hashed in one pass; DigestMismatch
     if the bytes do not hash to `expected_sha256` (whatever else is wrong), else ValueError for a file that is not
-    safetensors or (given a `layout` to `expect`) holds other tensors, before any is allocated (or read)."""
+    safetensors or (given `layout`s to `expect`) holds other tensors than any, before any is allocated (or read)."""
     # A checkpoint file must be a regular file in its directory, never a link out of it (nor a FIFO, ...).
-    alternatives = [expect] if isinstance(expect, dict) else expect  # layouts any of which fits
     with reading.open_file(path) as f, _Hasher() as h:
         size = os.fstat(f.fileno()).st_size
-        most = max(e["data_bytes"] for e in alternatives) if alternatives else 0
-        if alternatives and size > 8 + MAX_HEADER + most:
+        most = max(e["data_bytes"] for e in expect) if expect else 0
+        if expect and size > 8 + MAX_HEADER + most:
             why = f"{size} bytes, more than a checkpoint of this config can hold ({most} bytes of tensors)"
             raise ValueError(why)
         arrays: dict[str, np.ndarray] = {}
@@ -263,7 +254,7 @@ def read_tensors(
             except jsonio.JSONError as e:
                 raise _Malformed(f"header: {e}") from None
             metadata, entries = _check_header(header, size - 8 - n)
-            reasons = [_layout_reason(entries, metadata, e) for e in alternatives or []]
+            reasons = [_layout_reason(entries, metadata, e) for e in expect or []]
             # the nearest's: one naming a tensor over one naming the set
             if reasons and all(reasons):
                 nearest = min(map(str, reasons), key=lambda r: r.startswith("tensors differ"))
