@@ -255,8 +255,7 @@ class CheckpointDir:
         raise CheckpointError(given, "", f"more than {MAX_HOPS} symlinks to follow")
 
     def write(self, tree: dict, fields: dict, replace: bool = False) -> dict:
-        """Write `tree` as a checkpoint here, atomically (replace=True swaps out one already there); `fields`:
-        the manifest's but `files`, and `data_facts`, written as data.json. Returns the manifest."""
+        """`tree` as a checkpoint here, atomically; `fields`: the manifest's (but files) and data.json's data_facts."""
         directory, data = self.path, fields[mf.DATA_FACTS]
         weights, other, extra = _by_file(tree)
         os.makedirs(directory.parent, exist_ok=True)
@@ -323,8 +322,7 @@ class CheckpointDir:
         return self._opened()[0] / WEIGHTS
 
     def copy_to(self, dest: Path, manifest: dict) -> dict[str, dict]:
-        """Its files, still exactly those the verified `manifest` lists, copied into the new `dest` (manifest.json
-        last), each hashed as copied: {name: {"size", "sha256"}}; else CheckpointError naming the file."""
+        """Its files, still those the verified `manifest` lists, copied into the new `dest`, hashed: {name: entry}."""
         directory, _, listed = self._opened(manifest)
         os.mkdir(dest)
         copied = {}
@@ -357,8 +355,7 @@ class CheckpointDir:
         return manifest, _read_extra(directory, listed)
 
     def _opened(self, expected: dict | None = None) -> tuple[Path, dict, dict]:
-        """(directory, manifest, listing) of the checkpoint the path stands for, each listed file a regular file of
-        its size, nothing unlisted (and its manifest still the `expected` one, if given)."""
+        """(directory, manifest, listing), its files as listed (sizes, not hashes) and its manifest `expected`'s."""
         directory = self.resolved()  # read from where the links lead; errors name that directory
         if not directory.is_dir():
             raise CheckpointError(self.path, "", "not a directory")
@@ -375,8 +372,7 @@ class CheckpointDir:
         return directory, manifest, listed
 
     def load(self, parts: Mapping | None = None) -> Checkpoint:
-        """Read and fully verify a checkpoint, else CheckpointError naming the file; given the live `parts`, the
-        tensor files hold their layout (before any allocation) and every part's state fits (stateful.check)."""
+        """Read and fully verify a checkpoint (fitting the live `parts`, if given), else CheckpointError."""
         directory, manifest, listed = self._opened()
         extra = _read_extra(directory, listed)
         data = _read_data(directory, manifest, listed)

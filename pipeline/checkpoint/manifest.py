@@ -49,8 +49,7 @@ def git_info(root: str = str(PROJECT_ROOT)) -> dict:
 
 @cache
 def code_sha256(package: str = str(Path(__file__).resolve().parents[1])) -> str:
-    """sha256 over the package's Python files (each one's path and bytes, in path order): which code trained a
-    run, with or without git (an uncommitted edit changes it, a commit of the same bytes does not)."""
+    """sha256 over the package's Python files (path and bytes, in order): which code trained a run, git or not."""
     h = hashlib.sha256()
     root = Path(package)
     for path in sorted(root.rglob("*.py")):

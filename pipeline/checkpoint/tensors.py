@@ -1,5 +1,4 @@
-"""Named arrays to and from plain safetensors files, hashed (on a helper thread) in the pass that writes or reads
-them, read into their own buffers, C-contiguous little-endian, tied ones once as ALIAS(name) (BENCHMARKS.md)."""
+"""Named arrays to and from safetensors files, hashed in the pass that writes or reads them (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -90,8 +89,7 @@ def split_aliases(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
 
 
 def write_tensors(path: Path, arrays: dict, metadata: dict | None = None, fsync=True) -> dict:
-    """Write a new safetensors file at `path` (which must not exist), fsynced; returns its {"size", "sha256"}.
-    Its layout is the library's own: the 8-byte length, the padded JSON header, the data widest dtype first."""
+    """A new safetensors file at `path`, in the library's own layout, fsynced; returns its {"size", "sha256"}."""
     unique, aliases = split_aliases(arrays)
     meta = {"format": "np", **(metadata or {}), **{k: f"ALIAS({v})" for k, v in aliases.items()}}
     if bad := [k for k, v in meta.items() if not (isinstance(k, str) and isinstance(v, str))]:
@@ -200,8 +198,7 @@ def _check_header(header, data_len: int) -> tuple[dict[str, str], list[Entry]]:
 
 
 def layout(arrays: dict[str, np.ndarray]) -> dict:
-    """What a file of these arrays holds: {"tensors": {name: (code, shape)}, "aliases": {alias: name},
-    "data_bytes": n}, to check a file's header against before reading (and allocating) its data."""
+    """What a file of these arrays holds ({"tensors": {name: (code, shape)}, "aliases", "data_bytes"})."""
     unique, aliases = split_aliases(arrays)
     tensors = {k: (_code(a), tuple(a.shape)) for k, a in unique.items()}
     data_bytes = sum(a.nbytes for a in unique.values())
@@ -228,9 +225,8 @@ def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
 def read_tensors(
     path: Path, expected_sha256: str | None = None, expect: list[dict] | None = None
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Arrays (aliases resolved to one object) and the header metadata, read and hashed in one pass; DigestMismatch
-    if the bytes do not hash to `expected_sha256` (whatever else is wrong), else ValueError for a file that is not
-    safetensors or (given `layout`s to `expect`) holds other tensors than any, before any is allocated (or read)."""
+    """Arrays (aliases one object) and metadata, read and hashed in one pass; DigestMismatch first, else ValueError
+    for a file that is not safetensors or (given `layout`s to `expect`) holds other tensors, before any is read."""
     # A checkpoint file must be a regular file in its directory, never a link out of it (nor a FIFO, ...).
     with reading.open_file(path) as f, _Hasher() as h:
         size = os.fstat(f.fileno()).st_size

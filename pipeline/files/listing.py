@@ -1,6 +1,5 @@
 """A directory against the manifest listing its files (size and sha256 each): the one check of a checkpoint, a
-corpus and an archive. Every listed file present as a regular file (no link, FIFO or device) of its size and
-hash, nothing unlisted; a corpus's manifest says `bytes` where the others say `size`."""
+corpus and an archive (every listed file a regular file of its size and hash, nothing unlisted)."""
 
 from __future__ import annotations
 
