@@ -115,26 +115,6 @@ def write_tensors(path: Path, arrays: dict, metadata: dict | None = None, fsync=
         return write_new(path, itertools.chain([head], chunks), h, fsync)
 
 
-def resolve_aliases(arrays: dict, metadata: dict[str, str]) -> dict[str, np.ndarray]:
-    """Every ALIAS(target) in metadata becomes the very object stored under target; raises ValueError."""
-    links = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
-    out = dict(arrays)
-    # sorted: the same file gives the same message whatever the header order
-    for name in sorted(links):
-        if name in arrays:
-            raise ValueError(f"{name} is both stored and declared an alias")
-        chain, target = [name], links[name]
-        while target in links:  # follow chains, refusing loops
-            if target in chain:
-                raise ValueError(f"circular alias {' -> '.join([*chain, target])}")
-            chain.append(target)
-            target = links[target]
-        if target not in arrays:
-            raise ValueError(f"alias {name} -> {links[name]} names no stored tensor")
-        out[name] = arrays[target]
-    return out
-
-
 class _Malformed(ValueError):
     """Not a safetensors file (the reason)."""
 
@@ -276,4 +256,19 @@ def read_tensors(
         misfit = isinstance(problem, LayoutMisfit)
         what = "does not fit" if misfit else "not a valid safetensors file"
         raise type(problem)(f"{what}: {problem}")
-    return resolve_aliases(arrays, metadata), metadata
+    # each ALIAS(target) becomes the very object stored under target, in sorted order: the same file gives the
+    # same message whatever its header's order
+    links = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
+    for name in sorted(links):
+        if name in arrays:
+            raise ValueError(f"{name} is both stored and declared an alias")
+        chain, target = [name], links[name]
+        while target in links:  # follow chains, refusing loops
+            if target in chain:
+                raise ValueError(f"circular alias {' -> '.join([*chain, target])}")
+            chain.append(target)
+            target = links[target]
+        if target not in arrays:
+            raise ValueError(f"alias {name} -> {links[name]} names no stored tensor")
+        arrays[name] = arrays[target]  # never an alias's name: a chain ends at a stored one
+    return arrays, metadata
