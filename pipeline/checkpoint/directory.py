@@ -25,13 +25,11 @@ EXTRA, MANIFEST, DATA = "extra.json", "manifest.json", "data.json"
 REQUIRED = (WEIGHTS, OPTIM, EXTRA, DATA)
 # schema_version -> files it lists
 REQUIRED_BY = {"2.0": (WEIGHTS, OPTIM, EXTRA), mf.SCHEMA_VERSION: REQUIRED}
-# data.json's strings, bounded so that decoding a sample costs what its tokens say: a corpus's tokens are
-# characters or lexicon words, its decode_join '' or ' ', its specials a role or two (eos).
+# data.json's strings, bounded: decoding costs what its tokens say (characters or words, join '' or ' ', eos)
 MAX_TOKEN, MAX_JOIN, MAX_SPECIALS = 256, 16, 16
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
-# Each file's own key namespace: weights.safetensors is the model's state alone; optim.safetensors' tensors
-# ("optimizer/exp_avg/...") and extra.json's keys are those of every other part. A key outside it is refused:
-# merged in, it would be dropped or shadow what the right file holds.
+# The parts optim.safetensors ("optimizer/exp_avg/...") and extra.json hold (weights.safetensors: the model's);
+# a key of another is refused: merged in, it would be dropped or shadow what the right file holds.
 NOT_MODEL = tuple(p for p in PARTS if p != "model")
 
 
@@ -266,7 +264,6 @@ class CheckpointDir:
             killpoint.point("save", "after weights")
             killpoint.point("save", "after optim")
             files[EXTRA] = atomic.write_new(tmp / EXTRA, jsonio.dumps(extra, indent=None))
-            # sorted keys: same bytes each save
             files[DATA] = atomic.write_new(tmp / DATA, jsonio.dumps(data, indent=None))
             manifest = {k: v for k, v in fields.items() if k != mf.DATA_FACTS} | {"files": files}
             killpoint.point("save", "before manifest")
@@ -409,7 +406,3 @@ class CheckpointDir:
                 why = f"{e.part} does not fit the live run: {e.reason}"
                 raise MisfitError(directory, files_of(e, tree, live), why) from None
         return Checkpoint(self.path, manifest, tree, data)
-
-    def verify(self, parts: Mapping | None = None) -> dict:
-        """load() for its verdict: the manifest, or CheckpointError."""
-        return self.load(parts).manifest

@@ -94,8 +94,7 @@ def versions() -> dict:
 def hardware() -> dict:
     from threadpoolctl import threadpool_info
 
-    cpu: str | None = None
-    ram_gb: float | None = None
+    cpu = ram_gb = None
     with contextlib.suppress(OSError):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         models = (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))

@@ -207,7 +207,6 @@ def read_tensors(
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Arrays (aliases one object) and metadata, read and hashed in one pass; DigestMismatch first, else ValueError
     for a file that is not safetensors or (given `layout`s to `expect`) holds other tensors, before any is read."""
-    # A checkpoint file must be a regular file in its directory, never a link out of it (nor a FIFO, ...).
     with reading.open_file(path) as f, _Hasher() as h:
         size = os.fstat(f.fileno()).st_size
         most = max(e["data_bytes"] for e in expect) if expect else 0
@@ -256,8 +255,7 @@ def read_tensors(
         misfit = isinstance(problem, LayoutMisfit)
         what = "does not fit" if misfit else "not a valid safetensors file"
         raise type(problem)(f"{what}: {problem}")
-    # each ALIAS(target) becomes the very object stored under target, in sorted order: the same file gives the
-    # same message whatever its header's order
+    # each ALIAS(target) the very object stored under target, sorted: one file, one message whatever its order
     links = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
     for name in sorted(links):
         if name in arrays:

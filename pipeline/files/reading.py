@@ -48,7 +48,6 @@ def _hint(bound: str | None) -> str:
 def open_file(path, limit: int | None = None, follow=False, bound: str | None = None) -> io.FileIO:
     """`path`, unbuffered, if a regular file of at most `limit` bytes; else UnreadableFile (`bound`: the setting).
     A FIFO (open blocks) or a device (never ends) is refused by the stat, then again on the O_NONBLOCK descriptor."""
-    # nothing opened yet: a FIFO or a device is refused unopened
     _refuse(path, os.stat(path, follow_symlinks=follow), limit, bound)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     flags |= 0 if follow else os.O_NOFOLLOW
