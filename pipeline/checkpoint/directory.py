@@ -141,18 +141,6 @@ def _read_listed(d: Path, name: str, listed: dict, expect: list[dict] | None = N
         raise CheckpointError(d, name, _os_reason(e)) from None
 
 
-_ABSENT = object()
-
-
-def _at(tree, keys: tuple):
-    for k in keys:
-        in_list = isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree)
-        if not (in_list or (isinstance(k, str) and isinstance(tree, dict) and k in tree)):
-            return _ABSENT
-        tree = tree[k]
-    return tree
-
-
 def _holders(part: str, value) -> set[str]:
     if part == "model" or isinstance(value, np.ndarray):
         return {WEIGHTS if part == "model" else OPTIM}
@@ -164,9 +152,13 @@ def _holders(part: str, value) -> set[str]:
 def files_of(e: StateMismatch, saved: dict, live: dict) -> str:
     """The file(s) holding a StateMismatch's value: where the saved one was read from, the live one would be."""
     files = set()
-    for tree in (saved, live):
-        value = _at(tree, (e.part, *e.path))
-        if value is not _ABSENT:
+    for value in (saved, live):
+        for k in (e.part, *e.path):
+            in_list = isinstance(k, int) and isinstance(value, list) and 0 <= k < len(value)
+            if not (in_list or (isinstance(k, str) and isinstance(value, dict) and k in value)):
+                break
+            value = value[k]
+        else:  # the value is there
             files |= _holders(e.part, value)
     return " and ".join(f for f in (WEIGHTS, OPTIM, EXTRA) if f in files) or EXTRA
 

@@ -57,14 +57,6 @@ class _Hasher(ThreadPoolExecutor):
         self.shutdown(wait=True, cancel_futures=True)
 
 
-def _c_bytes(a: np.ndarray) -> np.ndarray:
-    """`a` as C-contiguous little-endian, copied only when it is not already (0-d stays 0-d)."""
-    if a.dtype != (little := a.dtype.newbyteorder("<")):
-        a = a.astype(little)
-    # np.ascontiguousarray would turn a 0-d array into shape [1]; a C-order copy keeps the shape.
-    return a if a.flags.c_contiguous else a.copy(order="C")
-
-
 def _code(a: np.ndarray) -> str:
     return FROM_NUMPY[a.dtype.newbyteorder("<")]
 
@@ -82,9 +74,10 @@ def split_aliases(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
             aliases[name] = first
             continue
         a = np.asarray(a)
-        if a.dtype.newbyteorder("<") not in FROM_NUMPY:
+        if (little := a.dtype.newbyteorder("<")) not in FROM_NUMPY:
             raise ValueError(f"{name}: dtype {a.dtype} cannot be stored in safetensors")
-        unique[name] = _c_bytes(a)
+        # C-contiguous little-endian, copied only if not already (np.ascontiguousarray would make 0-d [1])
+        unique[name] = np.asarray(a, dtype=little, order="C")
     return unique, aliases
 
 
