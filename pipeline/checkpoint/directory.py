@@ -55,8 +55,7 @@ class Checkpoint:
     directory: Path
     manifest: dict
     state: dict  # {part: state_dict}: arrays (tied names one object) and JSON values
-    # data.json, verified (None: a schema 2.0 checkpoint, written without it)
-    data: dict | None = None
+    data: dict | None = None  # data.json, verified (None: schema 2.0, written without it)
 
     @property
     def step(self) -> int:
@@ -247,8 +246,7 @@ class CheckpointDir:
         atomic.remove_temporaries(directory.parent)
         tmp = atomic.new_temp_dir(directory.parent, directory.name)
         try:
-            # Each file is hashed from the bytes as they are written and fsynced before it is listed; the two
-            # tensor files are written side by side, as sha256 of one stream is slower than the disk.
+            # each file hashed as written, fsynced before listed; the tensor files side by side (sha256 < disk)
             with ThreadPoolExecutor(1, thread_name_prefix="save-weights") as pool:
                 weights_entry = pool.submit(tensors.write_tensors, tmp / WEIGHTS, weights)
                 files = {OPTIM: tensors.write_tensors(tmp / OPTIM, other)}

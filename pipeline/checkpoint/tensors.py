@@ -35,8 +35,7 @@ class DigestMismatch(ValueError):
 
 
 class _Hasher(ThreadPoolExecutor):
-    """sha256 fed in order on a helper thread, each buffer unchanged until hexdigest(); the queue is unbounded: the
-    buffers are views of arrays that exist anyway, so the writer runs ahead and its fsync overlaps the hash."""
+    """sha256 on a helper thread, fed views of arrays that exist anyway (unbounded: the writer's fsync overlaps)."""
 
     def __init__(self):
         super().__init__(1, thread_name_prefix="sha256")

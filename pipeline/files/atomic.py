@@ -147,8 +147,7 @@ def ensure_dirs(root: Path, *parts: str) -> Path:
     return path
 
 
-# What the pipeline makes inside an output directory (paths.output_dir): the directory itself may be a user's link
-# (to another disk), its own entries never are; a link planted at one would send the writes meant for it elsewhere.
+# What the pipeline makes in paths.output_dir (itself maybe a user's link): a link at one sends its writes elsewhere
 OUTPUT_ENTRIES = ("mlflow.db", "mlartifacts", "data", "runs", "sweeps")
 
 
