@@ -82,6 +82,11 @@ def link_problem(name: str, target: str) -> str | None:
     return None
 
 
+def weights_bytes(manifest: dict) -> int:
+    """The size the manifest lists for the weights file: what the model its config describes can hold at most."""
+    return int(manifest["files"][WEIGHTS]["size"])
+
+
 def file_hashes(manifest: dict) -> dict[str, str | None]:
     """{"weights", "optim", "extra", "data": sha256} of the files a manifest (verified or as written) lists readably."""
     files = manifest["files"] if isinstance(manifest.get("files"), dict) else {}

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.checkpoint.directory import WEIGHTS, CheckpointDir
+from pipeline.checkpoint.directory import CheckpointDir, weights_bytes
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.config import identity, targets
 from pipeline.config.errors import ConfigError
@@ -83,11 +83,10 @@ def _fits_its_weights(ckpt: CheckpointDir, manifest: dict, node: dict, spec: Dat
     except Exception as e:
         raise ckpt.fault(f"its config does not build here: {type(e).__name__}: {e}") from None
     itemsize = np.dtype(manifest["config"]["trainer"]["dtype"]).itemsize
-    weights = manifest["files"][WEIGHTS]["size"]
     # Only a gross excess is refused here: a near miss is built (cheaply) and named precisely by CheckpointDir.load.
-    if wanted is not None and wanted * itemsize > 2 * weights + SLACK_BYTES:
+    if wanted is not None and wanted * itemsize > 2 * weights_bytes(manifest) + SLACK_BYTES:
         size = f"{wanted:,} parameters ({wanted * itemsize:,} bytes)"
-        held = f"more than its weights file holds ({weights:,} bytes)"
+        held = f"more than its weights file holds ({weights_bytes(manifest):,} bytes)"
         raise ckpt.fault(f"its config describes a model of {size}, {held}; it was not built")
 
 

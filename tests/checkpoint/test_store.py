@@ -243,7 +243,7 @@ def test_a_save_killed_with_sigkill_is_all_or_nothing(tmp_path, k):
     store = CheckpointStore(out)
     if SAVE_POINTS[k] == "after rename":
         assert [s for s, _ in store.steps()] == [4] and temporaries(out) == []
-        CheckpointDir(out / step_dir_name(4)).load().manifest  # visible means complete
+        CheckpointDir(out / step_dir_name(4)).load()  # visible means complete
         return
     assert store.steps() == [] and len(temporaries(out)) == 1  # readers see nothing
     again = subprocess.run(
@@ -253,7 +253,7 @@ def test_a_save_killed_with_sigkill_is_all_or_nothing(tmp_path, k):
     assert temporaries(out) == [] and [s for s, _ in store.steps()] == [
         4
     ]  # the next save cleaned up
-    CheckpointDir(out / step_dir_name(4)).load().manifest
+    CheckpointDir(out / step_dir_name(4)).load()
 
 
 def test_a_save_over_an_existing_step_replaces_it_whole(tmp_path):
@@ -425,7 +425,7 @@ def test_a_key_outside_its_files_namespace_is_refused(ckpt, file, change, key):
     merged in to be dropped or to shadow what the right file holds."""
     (rewrite_optim if file == OPTIM else edit_extra)(ckpt, change)
     with pytest.raises(CheckpointError) as info:
-        CheckpointDir(ckpt).load().manifest
+        CheckpointDir(ckpt).load()
     assert info.value.file == file and info.value.reason.startswith(
         f"{'tensor' if file == OPTIM else 'key'} {key!r} is the state of no part"
     ), info.value
