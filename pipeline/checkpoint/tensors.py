@@ -177,7 +177,7 @@ def layout(arrays: dict[str, np.ndarray]) -> dict:
     return {"tensors": tensors, "aliases": aliases, "data_bytes": data_bytes}
 
 
-def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
+def _layout_reason(entries, aliases: dict, expect: dict) -> str | None:
     got = {name: (FROM_NUMPY[dtype], shape) for name, dtype, shape, _ in entries}
     want = expect["tensors"]
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
@@ -188,7 +188,6 @@ def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
         if got[name] != want[name]:
             (gc, gs), (wc, ws) = got[name], want[name]
             return f"{name} is {gc}{list(gs)}, the config builds {wc}{list(ws)}"
-    aliases = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
     if aliases != expect["aliases"]:
         return f"tied names {aliases} differ from the config's {expect['aliases']}"
     return None
@@ -221,7 +220,8 @@ def read_tensors(
             except jsonio.JSONError as e:
                 raise _Malformed(f"header: {e}") from None
             metadata, entries = _check_header(header, size - 8 - n)
-            reasons = [_layout_reason(entries, metadata, e) for e in expect or []]
+            links = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
+            reasons = [_layout_reason(entries, links, e) for e in expect or []]
             # the nearest's: one naming a tensor over one naming the set
             if reasons and all(reasons):
                 nearest = min(map(str, reasons), key=lambda r: r.startswith("tensors differ"))
@@ -248,7 +248,6 @@ def read_tensors(
         what = "does not fit" if misfit else "not a valid safetensors file"
         raise type(problem)(f"{what}: {problem}")
     # each ALIAS(target) the very object stored under target, sorted: one file, one message whatever its order
-    links = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
     for name in sorted(links):
         if name in arrays:
             raise ValueError(f"{name} is both stored and declared an alias")
