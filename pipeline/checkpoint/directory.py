@@ -127,22 +127,25 @@ def _data_problem(data, spec: dict) -> str | None:
     return None
 
 
-def _read_listed(d: Path, name: str, listed: dict, expect: list[dict] | None = None):
-    """A listed file read bounded, checked against its listing (JSON strictly, tensors of the layout `expect`ed)."""
+def _read_listed(d: Path, name: str, listed: dict, expect: list[dict] | None = None, problem=None):
+    """A listed file read bounded, checked against its listing: tensors by `expect`ed layouts, JSON by `problem`."""
     try:
         sha = listed[name]["sha256"]
-        if not name.endswith(".safetensors"):
-            raw = reading.read_bytes(d / name, MAX_CHECKPOINT_JSON)
-            if hashlib.sha256(raw).hexdigest() != sha:
-                raise tensors.DigestMismatch
-            return jsonio.loads(raw)
-        return tensors.read_tensors(d / name, expected_sha256=sha, expect=expect)[0]
+        if name.endswith(".safetensors"):
+            return tensors.read_tensors(d / name, expected_sha256=sha, expect=expect)[0]
+        raw = reading.read_bytes(d / name, MAX_CHECKPOINT_JSON)
+        if hashlib.sha256(raw).hexdigest() != sha:
+            raise tensors.DigestMismatch
+        value = jsonio.loads(raw)
     except tensors.DigestMismatch:
         raise CheckpointError(d, name, CORRUPTED) from None
     except tensors.LayoutMisfit as e:
         raise MisfitError(d, name, str(e)) from None
     except (ValueError, OSError) as e:
         raise CheckpointError(d, name, _os_reason(e)) from None
+    if problem is not None and (why := problem(value)):
+        raise CheckpointError(d, name, why)
+    return value
 
 
 def _holders(part: str, value) -> set[str]:
@@ -189,28 +192,23 @@ def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[st
     return f"{MANIFEST} and {EXTRA}", why + neither
 
 
-def _read_extra(directory: Path, listed: dict) -> dict:
-    extra = _read_listed(directory, EXTRA, listed)
+def _extra_problem(extra) -> str | None:
     if not isinstance(extra, dict):
-        raise CheckpointError(directory, EXTRA, "not a JSON object")
-    if stranger := next((k for k in extra if k not in NOT_MODEL), None):
-        raise _stranger(directory, EXTRA, f"key {stranger!r:.80}")
-    return extra
+        return "not a JSON object"
+    stranger = next((k for k in extra if k not in NOT_MODEL), None)
+    return None if stranger is None else _stranger(f"key {stranger!r:.80}")
 
 
-def _stranger(directory: Path, name: str, what: str) -> CheckpointError:
-    why = f"{what} is the state of no part it holds (those of {', '.join(NOT_MODEL)})"
-    return CheckpointError(directory, name, why)
+def _stranger(what: str) -> str:
+    return f"{what} is the state of no part it holds (those of {', '.join(NOT_MODEL)})"
 
 
 def _read_data(directory: Path, manifest: dict, listed: dict) -> dict | None:
     """data.json, checked against the manifest's data_spec; None for a schema 2.0 checkpoint."""
     if DATA not in REQUIRED_BY[manifest["schema_version"]]:
         return None
-    data = _read_listed(directory, DATA, listed)
-    if problem := _data_problem(data, manifest["data_spec"]):
-        raise CheckpointError(directory, DATA, problem)
-    return data
+    spec = manifest["data_spec"]
+    return _read_listed(directory, DATA, listed, problem=lambda data: _data_problem(data, spec))
 
 
 class CheckpointDir:
@@ -339,7 +337,7 @@ class CheckpointDir:
     def json_state(self) -> tuple[dict, dict]:
         """(manifest, extra.json), each verified, without reading the tensors; else CheckpointError."""
         directory, manifest, listed = self._opened()
-        return manifest, _read_extra(directory, listed)
+        return manifest, _read_listed(directory, EXTRA, listed, problem=_extra_problem)
 
     def _opened(self, expected: dict | None = None) -> tuple[Path, dict, dict]:
         """(directory, manifest, listing), its files as listed (sizes, not hashes) and its manifest `expected`'s."""
@@ -361,7 +359,7 @@ class CheckpointDir:
     def load(self, parts: Mapping | None = None) -> Checkpoint:
         """Read and fully verify a checkpoint (fitting the live `parts`, if given), else CheckpointError."""
         directory, manifest, listed = self._opened()
-        extra = _read_extra(directory, listed)
+        extra = _read_listed(directory, EXTRA, listed, problem=_extra_problem)
         data = _read_data(directory, manifest, listed)
         live = capture(parts) if parts is not None else None
         weights_fit = optim_fits = None
@@ -382,7 +380,7 @@ class CheckpointDir:
         for path in other:
             part, sep, _ = path.partition(SEP)
             if part not in NOT_MODEL or not sep:
-                raise _stranger(directory, OPTIM, f"tensor {path!r:.80}")
+                raise CheckpointError(directory, OPTIM, _stranger(f"tensor {path!r:.80}"))
         try:
             tree = merge(other, extra)
         except ValueError as e:
