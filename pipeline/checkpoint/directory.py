@@ -25,13 +25,11 @@ EXTRA, MANIFEST, DATA = "extra.json", "manifest.json", "data.json"
 REQUIRED = (WEIGHTS, OPTIM, EXTRA, DATA)
 # schema_version -> files it lists
 REQUIRED_BY = {"2.0": (WEIGHTS, OPTIM, EXTRA), mf.SCHEMA_VERSION: REQUIRED}
-# data.json's strings, bounded so that decoding a sample costs what its tokens say: a corpus's tokens are
-# characters or lexicon words, its decode_join '' or ' ', its specials a role or two (eos).
+# data.json's strings, bounded: decoding costs what its tokens say (characters or words, join '' or ' ', eos)
 MAX_TOKEN, MAX_JOIN, MAX_SPECIALS = 256, 16, 16
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
-# Each file's own key namespace: weights.safetensors is the model's state alone; optim.safetensors' tensors
-# ("optimizer/exp_avg/...") and extra.json's keys are those of every other part. A key outside it is refused:
-# merged in, it would be dropped or shadow what the right file holds.
+# The parts optim.safetensors ("optimizer/exp_avg/...") and extra.json hold (weights.safetensors: the model's);
+# a key of another is refused: merged in, it would be dropped or shadow what the right file holds.
 NOT_MODEL = tuple(p for p in PARTS if p != "model")
 
 
@@ -57,8 +55,7 @@ class Checkpoint:
     directory: Path
     manifest: dict
     state: dict  # {part: state_dict}: arrays (tied names one object) and JSON values
-    # data.json, verified (None: a schema 2.0 checkpoint, written without it)
-    data: dict | None = None
+    data: dict | None = None  # data.json, verified (None: schema 2.0, written without it)
 
     @property
     def step(self) -> int:
@@ -130,34 +127,25 @@ def _data_problem(data, spec: dict) -> str | None:
     return None
 
 
-def _read_listed(d: Path, name: str, listed: dict, expect: dict | list[dict] | None = None):
-    """A listed file read bounded, checked against its listing (JSON strictly, tensors of the layout `expect`ed)."""
+def _read_listed(d: Path, name: str, listed: dict, expect: list[dict] | None = None, problem=None):
+    """A listed file read bounded, checked against its listing: tensors by `expect`ed layouts, JSON by `problem`."""
     try:
         sha = listed[name]["sha256"]
-        if not name.endswith(".safetensors"):
-            raw = reading.read_bytes(d / name, MAX_CHECKPOINT_JSON)
-            if hashlib.sha256(raw).hexdigest() != sha:
-                raise tensors.DigestMismatch
-            return jsonio.loads(raw)
-        return tensors.read_tensors(d / name, expected_sha256=sha, expect=expect)[0]
+        if name.endswith(".safetensors"):
+            return tensors.read_tensors(d / name, expected_sha256=sha, expect=expect)[0]
+        raw = reading.read_bytes(d / name, MAX_CHECKPOINT_JSON)
+        if hashlib.sha256(raw).hexdigest() != sha:
+            raise tensors.DigestMismatch
+        value = jsonio.loads(raw)
     except tensors.DigestMismatch:
         raise CheckpointError(d, name, CORRUPTED) from None
     except tensors.LayoutMisfit as e:
         raise MisfitError(d, name, str(e)) from None
     except (ValueError, OSError) as e:
         raise CheckpointError(d, name, _os_reason(e)) from None
-
-
-_ABSENT = object()
-
-
-def _at(tree, keys: tuple):
-    for k in keys:
-        in_list = isinstance(k, int) and isinstance(tree, list) and 0 <= k < len(tree)
-        if not (in_list or (isinstance(k, str) and isinstance(tree, dict) and k in tree)):
-            return _ABSENT
-        tree = tree[k]
-    return tree
+    if problem is not None and (why := problem(value)):
+        raise CheckpointError(d, name, why)
+    return value
 
 
 def _holders(part: str, value) -> set[str]:
@@ -171,9 +159,13 @@ def _holders(part: str, value) -> set[str]:
 def files_of(e: StateMismatch, saved: dict, live: dict) -> str:
     """The file(s) holding a StateMismatch's value: where the saved one was read from, the live one would be."""
     files = set()
-    for tree in (saved, live):
-        value = _at(tree, (e.part, *e.path))
-        if value is not _ABSENT:
+    for value in (saved, live):
+        for k in (e.part, *e.path):
+            in_list = isinstance(k, int) and isinstance(value, list) and 0 <= k < len(value)
+            if not (in_list or (isinstance(k, str) and isinstance(value, dict) and k in value)):
+                break
+            value = value[k]
+        else:  # the value is there
             files |= _holders(e.part, value)
     return " and ".join(f for f in (WEIGHTS, OPTIM, EXTRA) if f in files) or EXTRA
 
@@ -200,28 +192,23 @@ def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[st
     return f"{MANIFEST} and {EXTRA}", why + neither
 
 
-def _read_extra(directory: Path, listed: dict) -> dict:
-    extra = _read_listed(directory, EXTRA, listed)
+def _extra_problem(extra) -> str | None:
     if not isinstance(extra, dict):
-        raise CheckpointError(directory, EXTRA, "not a JSON object")
-    if stranger := next((k for k in extra if k not in NOT_MODEL), None):
-        raise _stranger(directory, EXTRA, f"key {stranger!r:.80}")
-    return extra
+        return "not a JSON object"
+    stranger = next((k for k in extra if k not in NOT_MODEL), None)
+    return None if stranger is None else _stranger(f"key {stranger!r:.80}")
 
 
-def _stranger(directory: Path, name: str, what: str) -> CheckpointError:
-    why = f"{what} is the state of no part it holds (those of {', '.join(NOT_MODEL)})"
-    return CheckpointError(directory, name, why)
+def _stranger(what: str) -> str:
+    return f"{what} is the state of no part it holds (those of {', '.join(NOT_MODEL)})"
 
 
 def _read_data(directory: Path, manifest: dict, listed: dict) -> dict | None:
     """data.json, checked against the manifest's data_spec; None for a schema 2.0 checkpoint."""
     if DATA not in REQUIRED_BY[manifest["schema_version"]]:
         return None
-    data = _read_listed(directory, DATA, listed)
-    if problem := _data_problem(data, manifest["data_spec"]):
-        raise CheckpointError(directory, DATA, problem)
-    return data
+    spec = manifest["data_spec"]
+    return _read_listed(directory, DATA, listed, problem=lambda data: _data_problem(data, spec))
 
 
 class CheckpointDir:
@@ -255,18 +242,14 @@ class CheckpointDir:
         raise CheckpointError(given, "", f"more than {MAX_HOPS} symlinks to follow")
 
     def write(self, tree: dict, fields: dict, replace: bool = False) -> dict:
-        """Write `tree` as a checkpoint here, atomically (replace=True swaps out one already there); `fields`:
-        the manifest's but `files`, and `data_facts`, written as data.json. Returns the manifest."""
-        directory = self.path
-        fields = dict(fields)
-        data = fields.pop(mf.DATA_FACTS)
+        """`tree` as a checkpoint here, atomically; `fields`: the manifest's (but files) and data.json's data_facts."""
+        directory, data = self.path, fields[mf.DATA_FACTS]
         weights, other, extra = _by_file(tree)
         os.makedirs(directory.parent, exist_ok=True)
         atomic.remove_temporaries(directory.parent)
         tmp = atomic.new_temp_dir(directory.parent, directory.name)
         try:
-            # Each file is hashed from the bytes as they are written and fsynced before it is listed; the two
-            # tensor files are written side by side, as sha256 of one stream is slower than the disk.
+            # each file hashed as written, fsynced before listed; the tensor files side by side (sha256 < disk)
             with ThreadPoolExecutor(1, thread_name_prefix="save-weights") as pool:
                 weights_entry = pool.submit(tensors.write_tensors, tmp / WEIGHTS, weights)
                 files = {OPTIM: tensors.write_tensors(tmp / OPTIM, other)}
@@ -274,9 +257,8 @@ class CheckpointDir:
             killpoint.point("save", "after weights")
             killpoint.point("save", "after optim")
             files[EXTRA] = atomic.write_new(tmp / EXTRA, jsonio.dumps(extra, indent=None))
-            # sorted keys: same bytes each save
             files[DATA] = atomic.write_new(tmp / DATA, jsonio.dumps(data, indent=None))
-            manifest = {**fields, "files": files}
+            manifest = {k: v for k, v in fields.items() if k != mf.DATA_FACTS} | {"files": files}
             killpoint.point("save", "before manifest")
             # last: a directory with a manifest is complete
             atomic.write_new(tmp / MANIFEST, jsonio.dumps(manifest))
@@ -325,8 +307,7 @@ class CheckpointDir:
         return self._opened()[0] / WEIGHTS
 
     def copy_to(self, dest: Path, manifest: dict) -> dict[str, dict]:
-        """Its files, still exactly those the verified `manifest` lists, copied into the new `dest` (manifest.json
-        last), each hashed as copied: {name: {"size", "sha256"}}; else CheckpointError naming the file."""
+        """Its files, still those the verified `manifest` lists, copied into the new `dest`, hashed: {name: entry}."""
         directory, _, listed = self._opened(manifest)
         os.mkdir(dest)
         copied = {}
@@ -356,11 +337,10 @@ class CheckpointDir:
     def json_state(self) -> tuple[dict, dict]:
         """(manifest, extra.json), each verified, without reading the tensors; else CheckpointError."""
         directory, manifest, listed = self._opened()
-        return manifest, _read_extra(directory, listed)
+        return manifest, _read_listed(directory, EXTRA, listed, problem=_extra_problem)
 
     def _opened(self, expected: dict | None = None) -> tuple[Path, dict, dict]:
-        """(directory, manifest, listing) of the checkpoint the path stands for, each listed file a regular file of
-        its size, nothing unlisted (and its manifest still the `expected` one, if given)."""
+        """(directory, manifest, listing), its files as listed (sizes, not hashes) and its manifest `expected`'s."""
         directory = self.resolved()  # read from where the links lead; errors name that directory
         if not directory.is_dir():
             raise CheckpointError(self.path, "", "not a directory")
@@ -377,22 +357,21 @@ class CheckpointDir:
         return directory, manifest, listed
 
     def load(self, parts: Mapping | None = None) -> Checkpoint:
-        """Read and fully verify a checkpoint, else CheckpointError naming the file; given the live `parts`, the
-        tensor files hold their layout (before any allocation) and every part's state fits (stateful.check)."""
+        """Read and fully verify a checkpoint (fitting the live `parts`, if given), else CheckpointError."""
         directory, manifest, listed = self._opened()
-        extra = _read_extra(directory, listed)
+        extra = _read_listed(directory, EXTRA, listed, problem=_extra_problem)
         data = _read_data(directory, manifest, listed)
         live = capture(parts) if parts is not None else None
-        layouts = (None, None) if live is None else [tensors.layout(t) for t in _by_file(live)[:2]]
-        # a part's state as older code saved it fits too (legacy_state: afe8033's iterator's permutation)
-        given = parts or {}
-        older = {n: p.legacy_state() for n, p in given.items() if hasattr(p, "legacy_state")}
-        optim_fits: dict | list[dict] | None = layouts[1]
-        if live is not None and layouts[1] is not None and older:
-            optim_fits = [layouts[1], tensors.layout(_by_file({**live, **older})[1])]
+        weights_fit = optim_fits = None
+        if parts is not None and live is not None:
+            # a part's state as older code saved it fits too (legacy_state: afe8033's iterator's permutation)
+            older = {n: p.legacy_state() for n, p in parts.items() if hasattr(p, "legacy_state")}
+            weights_fit = [tensors.layout(live["model"])]
+            fits = [live, {**live, **older}] if older else [live]
+            optim_fits = [tensors.layout(_by_file(t)[1]) for t in fits]
         # side by side, as in write()
         with ThreadPoolExecutor(1, thread_name_prefix="load-weights") as pool:
-            weights_read = pool.submit(_read_listed, directory, WEIGHTS, listed, layouts[0])
+            weights_read = pool.submit(_read_listed, directory, WEIGHTS, listed, weights_fit)
             try:
                 other = _read_listed(directory, OPTIM, listed, optim_fits)
             finally:
@@ -401,7 +380,7 @@ class CheckpointDir:
         for path in other:
             part, sep, _ = path.partition(SEP)
             if part not in NOT_MODEL or not sep:
-                raise _stranger(directory, OPTIM, f"tensor {path!r:.80}")
+                raise CheckpointError(directory, OPTIM, _stranger(f"tensor {path!r:.80}"))
         try:
             tree = merge(other, extra)
         except ValueError as e:
@@ -420,7 +399,3 @@ class CheckpointDir:
                 why = f"{e.part} does not fit the live run: {e.reason}"
                 raise MisfitError(directory, files_of(e, tree, live), why) from None
         return Checkpoint(self.path, manifest, tree, data)
-
-    def verify(self, parts: Mapping | None = None) -> dict:
-        """load() for its verdict: the manifest, or CheckpointError."""
-        return self.load(parts).manifest

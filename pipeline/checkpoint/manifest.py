@@ -8,7 +8,7 @@ import os
 import platform
 import re
 import subprocess
-from functools import cache
+from functools import cache, partial
 from importlib import metadata
 from pathlib import Path
 
@@ -37,14 +37,11 @@ def git_info(root: str = str(PROJECT_ROOT)) -> dict:
         # virtualenv inside a project) is not this code's; `versions` names the pipeline release instead.
         return unknown
     try:
-        git = ["git", "-C", root]
-        sha = subprocess.run(
-            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30
-        )
+        git = partial(subprocess.run, capture_output=True, text=True, timeout=30)
+        sha = git(["git", "-C", root, "rev-parse", "HEAD"])
         if sha.returncode != 0:
             return unknown
-        status = [*git, "status", "--porcelain", "--untracked-files=no"]
-        dirty = subprocess.run(status, capture_output=True, text=True, timeout=30)
+        dirty = git(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"])
         return {"git_sha": sha.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
     except (OSError, subprocess.SubprocessError):
         return unknown
@@ -52,8 +49,7 @@ def git_info(root: str = str(PROJECT_ROOT)) -> dict:
 
 @cache
 def code_sha256(package: str = str(Path(__file__).resolve().parents[1])) -> str:
-    """sha256 over the package's Python files (each one's path and bytes, in path order): which code trained a
-    run, with or without git (an uncommitted edit changes it, a commit of the same bytes does not)."""
+    """sha256 over the package's Python files (path and bytes, in order): which code trained a run, git or not."""
     h = hashlib.sha256()
     root = Path(package)
     for path in sorted(root.rglob("*.py")):
@@ -98,8 +94,7 @@ def versions() -> dict:
 def hardware() -> dict:
     from threadpoolctl import threadpool_info
 
-    cpu: str | None = None
-    ram_gb: float | None = None
+    cpu = ram_gb = None
     with contextlib.suppress(OSError):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         models = (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
@@ -114,12 +109,10 @@ def hardware() -> dict:
     return dict(cpu=cpu, cores=os.cpu_count(), ram_gb=ram_gb, machine=platform.machine(), blas=blas)
 
 
-def run_facts(
-    config: dict, identity: Identity, data_hash: str, spec: dict, data_facts: dict
-) -> dict:
+def run_facts(config: dict, ident: Identity, data_hash: str, spec: dict, data_facts: dict) -> dict:
     """The fields every checkpoint of a run carries, computed once; `data_facts` become each one's data.json."""
-    hashes = dict(config_hash=identity.config_hash, semantic_config_hash=identity.semantic_hash)
-    data = dict(data_manifest_hash=data_hash, data_spec=dict(spec), sources=dict(identity.sources))
+    hashes = dict(config_hash=ident.config_hash, semantic_config_hash=ident.semantic_hash)
+    data = dict(data_manifest_hash=data_hash, data_spec=dict(spec), sources=dict(ident.sources))
     run = dict(config=config, seed=config["trainer"]["seed"], mlflow_run_uri=None)
     machine = dict(
         versions=versions(), hardware=hardware(), code_sha256=code_sha256(), **git_info()

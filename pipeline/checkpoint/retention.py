@@ -52,15 +52,13 @@ class LatestN:
 
 
 def rank(mode: str):
-    """The order of evaluations, best first: by value (mode min or max), then the earlier step (a later equal value
-    does not displace one already kept: Lightning's strict comparison for a full top-k)."""
+    """The order of evaluations, best first: by value, then the earlier step (Lightning's strict full top-k)."""
     sign = 1.0 if mode == "min" else -1.0
     return lambda value_step: (sign * value_step[0], value_step[1])
 
 
 def admit(top: Sequence[tuple[float, int]], value, step: int, n: int, mode: str) -> list | None:
-    """The n best (value, step) once this evaluation is counted, best first, if it is among them; else None.
-    `top`: the n best so far, best first (steps before `step`). NaN and infinities never enter."""
+    """The n best (value, step), best first, once this one joins `top` (the n best so far), if among them; else None."""
     if not is_better(value, None, mode):
         return None
     if len(top) >= n and rank(mode)((float(value), step)) >= rank(mode)(top[n - 1]):
@@ -70,8 +68,7 @@ def admit(top: Sequence[tuple[float, int]], value, step: int, n: int, mode: str)
 
 @dataclass(frozen=True)
 class BestN:
-    """The n records with the best finite `monitor` (in `rank` order) after step `since`, where this best history
-    began: 0, or the resume that changed its monitor or mode."""
+    """The n records with the best finite `monitor` after step `since` (where this best history began)."""
 
     monitor: str
     mode: str = "min"

@@ -32,8 +32,7 @@ class CheckpointStore:
         self._records: dict[int, Record] | None = None
 
     def scan(self) -> tuple[list[tuple[int, Path]], dict[str, str]]:
-        """(step, directory) of every step directory, oldest first, and {link name: target name}; temporaries
-        ignored, anything else (a stray link or file) an UnsafePathError naming it."""
+        """(step, directory) of every step directory, oldest first, and {link: target}; a stray an UnsafePathError."""
         if not os.path.lexists(self.root):
             return [], {}
         if not stat.S_ISDIR(os.lstat(self.root).st_mode):
@@ -74,8 +73,7 @@ class CheckpointStore:
         return self._records
 
     def newest_valid(self, parts: Mapping | None = None) -> tuple[cd.Checkpoint | None, Skipped]:
-        """The newest checkpoint that verifies (and fits `parts`), and (directory, what it is, the error) for each
-        newer one skipped: damaged, or verified but made by a config whose state does not fit the live run."""
+        """The newest checkpoint that verifies (and fits `parts`), and (directory, what, why) of each newer one."""
         skipped: Skipped = []
         for _, directory in reversed(self.steps()):
             try:
@@ -104,12 +102,8 @@ class CheckpointStore:
         return cd.Checkpoint(directory, manifest, tree, fields[mf.DATA_FACTS])
 
     def retain(self, policy: Policy, links: dict, upto: int, lineage: str, named=()) -> None:
-        """Point each link at what its policy selects, then delete the step directories no policy keeps.
-
-        Only checkpoints of the history being run (`lineage`, up to the current step `upto`) are ever linked or
-        deleted; any other step directory (another history's, an unreadable one) is left where it is. A link
-        no stage declares any more (a stage removed by override) keeps its target. `named`: second names of
-        kept steps; a name one of them gave a step it no longer keeps goes before that step may."""
+        """Point each link at what its policy selects, then delete the step directories no policy keeps, of the
+        history `lineage` up to step `upto` only; an undeclared link keeps its target, a retired `named` one goes."""
         present_steps, present_links = self.scan()  # once: linking changes no step directory
         recorded = sorted(self._recorded().items())
         records = [r for _, r in recorded if r.step <= upto and r.lineage == lineage]

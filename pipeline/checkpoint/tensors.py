@@ -1,5 +1,4 @@
-"""Named arrays to and from plain safetensors files, hashed (on a helper thread) in the pass that writes or reads
-them, read into their own buffers, C-contiguous little-endian, tied ones once as ALIAS(name) (BENCHMARKS.md)."""
+"""Named arrays to and from safetensors files, hashed in the pass that writes or reads them (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import os
 import re
 import struct
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -35,18 +34,16 @@ class DigestMismatch(ValueError):
     """The file's bytes do not hash to the sha256 the caller expected."""
 
 
-class _Hasher:
-    """sha256 fed in order on a helper thread, each buffer unchanged until hexdigest(); the queue is unbounded: the
-    buffers are views of arrays that exist anyway, so the writer runs ahead and its fsync overlaps the hash."""
+class _Hasher(ThreadPoolExecutor):
+    """sha256 on a helper thread, fed views of arrays that exist anyway (unbounded: the writer's fsync overlaps)."""
 
     def __init__(self):
-        self._h = hashlib.sha256()
-        self._pending: deque = deque()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+        super().__init__(1, thread_name_prefix="sha256")
+        self._h, self._pending = hashlib.sha256(), deque[Future]()
 
     def update(self, buf) -> None:
         # hashlib releases the GIL on big buffers
-        self._pending.append(self._pool.submit(self._h.update, buf))
+        self._pending.append(self.submit(self._h.update, buf))
         while self._pending and self._pending[0].done():
             self._pending.popleft().result()  # surfaces errors early, keeps the queue short
 
@@ -55,19 +52,8 @@ class _Hasher:
             self._pending.popleft().result()
         return self._h.hexdigest()
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, *exc) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _c_bytes(a: np.ndarray) -> np.ndarray:
-    """`a` as C-contiguous little-endian, copied only when it is not already (0-d stays 0-d)."""
-    if a.dtype != (little := a.dtype.newbyteorder("<")):
-        a = a.astype(little)
-    # np.ascontiguousarray would turn a 0-d array into shape [1]; a C-order copy keeps the shape.
-    return a if a.flags.c_contiguous else a.copy(order="C")
+        self.shutdown(wait=True, cancel_futures=True)
 
 
 def _code(a: np.ndarray) -> str:
@@ -87,18 +73,25 @@ def split_aliases(arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
             aliases[name] = first
             continue
         a = np.asarray(a)
-        if a.dtype.newbyteorder("<") not in FROM_NUMPY:
+        if (little := a.dtype.newbyteorder("<")) not in FROM_NUMPY:
             raise ValueError(f"{name}: dtype {a.dtype} cannot be stored in safetensors")
-        unique[name] = _c_bytes(a)
+        # C-contiguous little-endian, copied only if not already (np.ascontiguousarray would make 0-d [1])
+        unique[name] = np.asarray(a, dtype=little, order="C")
     return unique, aliases
 
 
-def encode_header(unique: dict[str, np.ndarray], metadata: dict) -> tuple[bytes, list[str]]:
-    """The 8-byte length + padded JSON header, and the names in data order (the library's own layout)."""
+def write_tensors(path: Path, arrays: dict, metadata: dict | None = None, fsync=True) -> dict:
+    """A new safetensors file at `path`, in the library's own layout, fsynced; returns its {"size", "sha256"}."""
+    unique, aliases = split_aliases(arrays)
+    meta = {"format": "np", **(metadata or {}), **{k: f"ALIAS({v})" for k, v in aliases.items()}}
+    if bad := [k for k, v in meta.items() if not (isinstance(k, str) and isinstance(v, str))]:
+        raise ValueError(f"safetensors metadata is str -> str only; not so for {bad}")
+    if "__metadata__" in unique:
+        raise ValueError("'__metadata__' cannot name a tensor")
     order = sorted(unique, key=lambda n: (-RANK[_code(unique[n])], n))
     # Metadata sorted: the library serialises it from a hash map whose order changes from process to
     # process, and equal states must give equal bytes (a resumed process re-saves the same step).
-    header: dict = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    header: dict = {"__metadata__": dict(sorted(meta.items()))}
     offset = 0
     for name in order:
         a = unique[name]
@@ -107,42 +100,11 @@ def encode_header(unique: dict[str, np.ndarray], metadata: dict) -> tuple[bytes,
         offset += a.nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    return struct.pack("<Q", len(raw)) + raw, order
-
-
-def write_tensors(path: Path, arrays: dict, metadata: dict | None = None, fsync=True) -> dict:
-    """Write a new safetensors file at `path` (which must not exist), fsynced; returns its {"size", "sha256"}."""
-    unique, aliases = split_aliases(arrays)
-    meta = {"format": "np", **(metadata or {}), **{k: f"ALIAS({v})" for k, v in aliases.items()}}
-    if bad := [k for k, v in meta.items() if not (isinstance(k, str) and isinstance(v, str))]:
-        raise ValueError(f"safetensors metadata is str -> str only; not so for {bad}")
-    if "__metadata__" in unique:
-        raise ValueError("'__metadata__' cannot name a tensor")
-    head, order = encode_header(unique, meta)
+    head = struct.pack("<Q", len(raw)) + raw
     views = [_bytes_of(unique[name]) for name in order]
     chunks = (v[i : i + CHUNK] for v in views for i in range(0, len(v), CHUNK))
     with _Hasher() as h:  # each piece hashed on the helper thread while this one writes it
         return write_new(path, itertools.chain([head], chunks), h, fsync)
-
-
-def resolve_aliases(arrays: dict, metadata: dict[str, str]) -> dict[str, np.ndarray]:
-    """Every ALIAS(target) in metadata becomes the very object stored under target; raises ValueError."""
-    links = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
-    out = dict(arrays)
-    # sorted: the same file gives the same message whatever the header order
-    for name in sorted(links):
-        if name in arrays:
-            raise ValueError(f"{name} is both stored and declared an alias")
-        chain, target = [name], links[name]
-        while target in links:  # follow chains, refusing loops
-            if target in chain:
-                raise ValueError(f"circular alias {' -> '.join([*chain, target])}")
-            chain.append(target)
-            target = links[target]
-        if target not in arrays:
-            raise ValueError(f"alias {name} -> {links[name]} names no stored tensor")
-        out[name] = arrays[target]
-    return out
 
 
 class _Malformed(ValueError):
@@ -208,15 +170,14 @@ def _check_header(header, data_len: int) -> tuple[dict[str, str], list[Entry]]:
 
 
 def layout(arrays: dict[str, np.ndarray]) -> dict:
-    """What a file of these arrays holds: {"tensors": {name: (code, shape)}, "aliases": {alias: name},
-    "data_bytes": n}, to check a file's header against before reading (and allocating) its data."""
+    """What a file of these arrays holds ({"tensors": {name: (code, shape)}, "aliases", "data_bytes"})."""
     unique, aliases = split_aliases(arrays)
     tensors = {k: (_code(a), tuple(a.shape)) for k, a in unique.items()}
     data_bytes = sum(a.nbytes for a in unique.values())
     return {"tensors": tensors, "aliases": aliases, "data_bytes": data_bytes}
 
 
-def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
+def _layout_reason(entries, aliases: dict, expect: dict) -> str | None:
     got = {name: (FROM_NUMPY[dtype], shape) for name, dtype, shape, _ in entries}
     want = expect["tensors"]
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
@@ -227,24 +188,20 @@ def _layout_reason(entries, metadata: dict, expect: dict) -> str | None:
         if got[name] != want[name]:
             (gc, gs), (wc, ws) = got[name], want[name]
             return f"{name} is {gc}{list(gs)}, the config builds {wc}{list(ws)}"
-    aliases = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
     if aliases != expect["aliases"]:
         return f"tied names {aliases} differ from the config's {expect['aliases']}"
     return None
 
 
 def read_tensors(
-    path: Path, expected_sha256: str | None = None, expect: dict | list[dict] | None = None
+    path: Path, expected_sha256: str | None = None, expect: list[dict] | None = None
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Arrays (aliases resolved to one object) and the header metadata, read and hashed in one pass; DigestMismatch
-    if the bytes do not hash to `expected_sha256` (whatever else is wrong), else ValueError for a file that is not
-    safetensors or (given a `layout` to `expect`) holds other tensors, before any is allocated (or read)."""
-    # A checkpoint file must be a regular file in its directory, never a link out of it (nor a FIFO, ...).
-    alternatives = [expect] if isinstance(expect, dict) else expect  # layouts any of which fits
+    """Arrays (aliases one object) and metadata, read and hashed in one pass; DigestMismatch first, else ValueError
+    for a file that is not safetensors or (given `layout`s to `expect`) holds other tensors, before any is read."""
     with reading.open_file(path) as f, _Hasher() as h:
         size = os.fstat(f.fileno()).st_size
-        most = max(e["data_bytes"] for e in alternatives) if alternatives else 0
-        if alternatives and size > 8 + MAX_HEADER + most:
+        most = max(e["data_bytes"] for e in expect) if expect else 0
+        if expect and size > 8 + MAX_HEADER + most:
             why = f"{size} bytes, more than a checkpoint of this config can hold ({most} bytes of tensors)"
             raise ValueError(why)
         arrays: dict[str, np.ndarray] = {}
@@ -263,7 +220,8 @@ def read_tensors(
             except jsonio.JSONError as e:
                 raise _Malformed(f"header: {e}") from None
             metadata, entries = _check_header(header, size - 8 - n)
-            reasons = [_layout_reason(entries, metadata, e) for e in alternatives or []]
+            links = {k: m.group(1) for k, v in metadata.items() if (m := ALIAS.match(v))}
+            reasons = [_layout_reason(entries, links, e) for e in expect or []]
             # the nearest's: one naming a tensor over one naming the set
             if reasons and all(reasons):
                 nearest = min(map(str, reasons), key=lambda r: r.startswith("tensors differ"))
@@ -289,4 +247,17 @@ def read_tensors(
         misfit = isinstance(problem, LayoutMisfit)
         what = "does not fit" if misfit else "not a valid safetensors file"
         raise type(problem)(f"{what}: {problem}")
-    return resolve_aliases(arrays, metadata), metadata
+    # each ALIAS(target) the very object stored under target, sorted: one file, one message whatever its order
+    for name in sorted(links):
+        if name in arrays:
+            raise ValueError(f"{name} is both stored and declared an alias")
+        chain, target = [name], links[name]
+        while target in links:  # follow chains, refusing loops
+            if target in chain:
+                raise ValueError(f"circular alias {' -> '.join([*chain, target])}")
+            chain.append(target)
+            target = links[target]
+        if target not in arrays:
+            raise ValueError(f"alias {name} -> {links[name]} names no stored tensor")
+        arrays[name] = arrays[target]  # never an alias's name: a chain ends at a stored one
+    return arrays, metadata

@@ -53,7 +53,7 @@ class RunPlan:
         named = [("run directory name", name), *(("step name", n) for n in ckpts)]
         for what, value in [*named, *(("link name", n) for n in links)]:
             names.checked(value, f"{at}: {what}", reserve=0)
-        self.manifests = {n: CheckpointDir(p).verify() for n, p in ckpts.items()}
+        self.manifests = {n: CheckpointDir(p).load().manifest for n, p in ckpts.items()}
         self.newest = self.manifests[max(self.manifests, key=lambda n: self.manifests[n]["step"])]
 
 

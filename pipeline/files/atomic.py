@@ -66,8 +66,7 @@ def temp_name(path: Path) -> Path:
 
 
 def write_new(path: Path, data, h=None, fsync: bool = True) -> dict:
-    """Bytes, or an iterable of byte pieces, into a file created now at `path`, each piece hashed as it is written
-    (into `h`, a hashlib-like sha256, else a new one) and fsynced; returns the file's {"size", "sha256"}."""
+    """Bytes or byte pieces into a file created now at `path`, hashed into `h` (else a new sha256), fsynced."""
     h, size = h or hashlib.sha256(), 0
     # created now: anything already there (a planted link included) is refused
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -132,8 +131,7 @@ def open_append(path: Path):
 
 
 def ensure_dirs(root: Path, *parts: str) -> Path:
-    """root/parts... as real directories, the deepest returned; `root` alone may be (or sit behind) a user's link.
-    Each part is one name (names.problem: no '/', '.', '..'): nothing is made outside `root`."""
+    """root/parts... as real directories, each part one name: nothing made outside `root` (alone may be a link)."""
     path = Path(root)
     for part in parts:
         if (why := names.problem(part, reserve=0)) is not None:
@@ -149,8 +147,7 @@ def ensure_dirs(root: Path, *parts: str) -> Path:
     return path
 
 
-# What the pipeline makes inside an output directory (paths.output_dir): the directory itself may be a user's link
-# (to another disk), its own entries never are; a link planted at one would send the writes meant for it elsewhere.
+# What the pipeline makes in paths.output_dir (itself maybe a user's link): a link at one sends its writes elsewhere
 OUTPUT_ENTRIES = ("mlflow.db", "mlartifacts", "data", "runs", "sweeps")
 
 
@@ -196,9 +193,8 @@ def _renameat2():
 
 
 def publish_dir(tmp: Path, final: Path, replace: bool = False) -> None:
-    """Rename the complete temporary directory to `final`. replace=True swaps it with an existing one in one step
-    (then removes the old one, now under the temporary's name), so `final` is complete at every instant; where
-    the filesystem cannot swap, the old one is renamed aside first (no reader sees it half-deleted)."""
+    """The complete `tmp` renamed to `final`; replace=True swaps out one there in one step (else renames it aside
+    first, then removes it): `final` is whole at every instant."""
     fsync_dir(tmp)
     doomed = None
     if os.path.lexists(final):
@@ -229,10 +225,8 @@ def second_name(src: Path, dst: Path) -> None:
 
 
 def move(src: Path, dst: Path, copy: Callable[[Path, Path], None] | None = None) -> None:
-    """`src` renamed to the new name `dst`; where `dst` lies on another filesystem (a bind mount: EXDEV, or `src` a
-    mount point: EBUSY), `copy(src, tmp)` (default second_name, for a file) makes it whole and fsynced under a
-    temporary name beside `dst`, renamed into place, and only then is `src` removed (a mount point emptied): one
-    whole copy is always kept, and an error on the way (a full disk) leaves `src` as it was."""
+    """`src` renamed to the new `dst`; across filesystems (EXDEV, or EBUSY: `src` a mount point) `copy` (default
+    second_name) makes a whole temporary beside `dst`, renamed in, and only then is `src` removed (or emptied)."""
     src, dst = Path(src), Path(dst)
     try:
         os.rename(src, dst)
@@ -286,9 +280,8 @@ def replace_link(link: Path, target_name: str) -> None:
         raise UnsafePathError(EEXIST, f"{link} exists and is not a link; refusing to replace it")
     tmp = temp_name(link)
     os.symlink(target_name, tmp)
-    # killed here, the link still names its old target
+    # killed here, the link still names its old target; renamed over it, a reader finds one target or the other
     killpoint.point("save", "before a link's rename")
-    # a rename over the old link: a reader finds one target or the other, never none
     os.replace(tmp, link)
     fsync_dir(link.parent)
 
@@ -307,8 +300,7 @@ def remove_tree(path: Path) -> None:
 
 
 def remove_temporaries(parent: Path, older_than: float | None = None) -> None:
-    """Leftovers of writes that died before their rename: all of them where the caller owns `parent` (holds its
-    lock), else those older than `older_than` seconds (younger ones may be other writers' at work)."""
+    """Leftovers of dead writes: all (the caller holds `parent`'s lock), or those older than `older_than` seconds."""
     try:
         entries = os.listdir(parent)
     except (FileNotFoundError, NotADirectoryError):
@@ -322,8 +314,7 @@ def remove_temporaries(parent: Path, older_than: float | None = None) -> None:
 
 
 class NewDirs:
-    """The missing directories among `paths` (and their parents); prune() removes those that hold only empty
-    directories, deepest first: a command ending without a result leaves no empty tree, and none it did not make."""
+    """The missing directories among `paths` (and parents); prune() removes those still empty: no tree left behind."""
 
     def __init__(self, *paths):
         self.missing: list[Path] = []

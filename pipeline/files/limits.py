@@ -1,5 +1,4 @@
-"""Every bound on what the pipeline reads (a file's or a line's bytes, JSON's depth, entries scanned), one name,
-value and reason each; a reader passes one of these or a size a verified manifest lists."""
+"""Every bound on what the pipeline reads, one name, value and reason each (or a size a verified manifest lists)."""
 
 MAX_JSON_DEPTH = 64  # nesting of any JSON read: deeper is refused, never recursed into
 # manifest.json, extra.json, data.json: KBs (a 65,536-token vocab < 1 MB)

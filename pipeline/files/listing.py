@@ -1,6 +1,5 @@
 """A directory against the manifest listing its files (size and sha256 each): the one check of a checkpoint, a
-corpus and an archive. Every listed file present as a regular file (no link, FIFO or device) of its size and
-hash, nothing unlisted; a corpus's manifest says `bytes` where the others say `size`."""
+corpus and an archive (every listed file a regular file of its size and hash, nothing unlisted)."""
 
 from __future__ import annotations
 
@@ -28,16 +27,6 @@ def size_of(entry, keys: tuple[str, ...] = ("size",)) -> int | None:
     key = next((k for k in keys if k in entry), None) if isinstance(entry, dict) else None
     size = entry[key] if key is not None else None
     return size if type(size) is int and size >= 0 else None
-
-
-def _malformed(rel: str, entry, manifest: str, nested: bool, keys: tuple[str, ...]) -> str | None:
-    parts = rel.split("/") if nested else [rel]
-    if rel == manifest or any(p in ("", ".", "..") or set(p) & {"/", "\\", "\0"} for p in parts):
-        return f"lists an invalid file name {rel!r:.80}"
-    sha = entry.get("sha256") if isinstance(entry, dict) else None
-    if size_of(entry, keys) is None or not (isinstance(sha, str) and SHA256.match(sha)):
-        return f"entry for {rel:.80} needs an integer size and a sha256 hex digest"
-    return None
 
 
 def _tree(root: Path) -> tuple[dict[str, os.stat_result], set[str], dict[str, str]]:
@@ -77,9 +66,16 @@ def problems(
     def say(kind: str, **values) -> str:
         return words[kind].format(manifest=manifest, **values)
 
-    for rel, entry in files.items():
-        if why := _malformed(rel, entry, manifest, links is not None, size_keys):
-            yield manifest, why
+    for rel, entry in files.items():  # the listing first: no name out of `root`, each entry whole
+        parts = rel.split("/") if links is not None else [rel]
+        sha = entry.get("sha256") if isinstance(entry, dict) else None
+        if rel == manifest or any(
+            p in ("", ".", "..") or set(p) & {"/", "\\", "\0"} for p in parts
+        ):
+            yield manifest, f"lists an invalid file name {rel!r:.80}"
+            return
+        if size_of(entry, size_keys) is None or not (isinstance(sha, str) and SHA256.match(sha)):
+            yield manifest, f"entry for {rel:.80} needs an integer size and a sha256 hex digest"
             return
     skip = {manifest, *ignore}
     found: dict[str, os.stat_result] = {}

@@ -44,8 +44,9 @@ def problem(pattern) -> str | None:
     if longest > (most := names.NAME_MAX - TEMPORARY):
         why = f"a file name holds {names.NAME_MAX} bytes, with the {TEMPORARY} of a link's temporary name"
         return f"makes names of up to {longest} bytes (each field up to {WIDE} characters); at most {most} ({why})"
-    example = _text(pattern, 0, {f: 0.0 for f, _, _ in fields})
-    if _refused(example):
+    zeros = {f: 0.0 for f, _, _ in fields}
+    if render(pattern, 0, zeros) is None:
+        example = _text(pattern, 0, zeros)
         why = "which cannot name a link beside the step directories (not step-<digits>, not hidden, one path component)"
         return f"makes {names.shown(example)}, {why}"
     return None
@@ -73,15 +74,11 @@ def _one(value, spec: str) -> str:
     return text if len(text) <= WIDE else format(float(value), ".6g")
 
 
-def _refused(name: str) -> bool:
-    reserved = names.problem(name, reserve=TEMPORARY)
-    return bool(reserved or STEP_LIKE.match(name) or name.startswith("."))
-
-
 def render(pattern: str, step: int, metrics: dict) -> str | None:
     """The name `pattern` gives a checkpoint of `step` with these metrics, or None if not one path component."""
     name = _text(pattern, step, metrics)
-    return None if _refused(name) else name
+    refused = names.problem(name, reserve=TEMPORARY) or STEP_LIKE.match(name) or name[:1] == "."
+    return None if refused else name
 
 
 def _text(pattern: str, step: int, metrics: dict) -> str:

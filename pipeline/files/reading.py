@@ -47,10 +47,7 @@ def _hint(bound: str | None) -> str:
 
 def open_file(path, limit: int | None = None, follow=False, bound: str | None = None) -> io.FileIO:
     """`path`, unbuffered, if a regular file of at most `limit` bytes; else UnreadableFile (`bound`: the setting).
-
-    open(2) of a FIFO blocks until a writer appears, and a FIFO or /dev/zero never ends: refused by the stat,
-    then opened O_NONBLOCK (a FIFO swapped in since cannot block) and checked again on the descriptor."""
-    # nothing opened yet: a FIFO or a device is refused unopened
+    A FIFO (open blocks) or a device (never ends) is refused by the stat, then again on the O_NONBLOCK descriptor."""
     _refuse(path, os.stat(path, follow_symlinks=follow), limit, bound)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     flags |= 0 if follow else os.O_NOFOLLOW

@@ -50,7 +50,7 @@ def invalid_checkpoints(*stores: CheckpointStore) -> list[str]:
     bad = []
     for directory in (d for store in stores for _, d in store.steps()):
         try:
-            CheckpointDir(directory).verify()
+            CheckpointDir(directory).load()
         except CheckpointError as e:
             bad.append(str(e))
     return bad
@@ -73,7 +73,7 @@ def final_state(output_dir: Path) -> dict:
         where = output_dir / "runs"
         raise RuntimeError(f"expected one run directory under {where}, found {len(runs)}")
     store = RunDir(runs[0]).store
-    kept = {step: file_hashes(CheckpointDir(d).verify()) for step, d in store.steps()}
+    kept = {step: file_hashes(CheckpointDir(d).load().manifest) for step, d in store.steps()}
     final = store.link_step("final")
     assert final is not None, f"{output_dir}: the run has no final checkpoint"
     _, extra = CheckpointDir(store.root / "final").json_state()

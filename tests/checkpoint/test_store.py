@@ -243,7 +243,7 @@ def test_a_save_killed_with_sigkill_is_all_or_nothing(tmp_path, k):
     store = CheckpointStore(out)
     if SAVE_POINTS[k] == "after rename":
         assert [s for s, _ in store.steps()] == [4] and temporaries(out) == []
-        CheckpointDir(out / step_dir_name(4)).verify()  # visible means complete
+        CheckpointDir(out / step_dir_name(4)).load()  # visible means complete
         return
     assert store.steps() == [] and len(temporaries(out)) == 1  # readers see nothing
     again = subprocess.run(
@@ -253,7 +253,7 @@ def test_a_save_killed_with_sigkill_is_all_or_nothing(tmp_path, k):
     assert temporaries(out) == [] and [s for s, _ in store.steps()] == [
         4
     ]  # the next save cleaned up
-    CheckpointDir(out / step_dir_name(4)).verify()
+    CheckpointDir(out / step_dir_name(4)).load()
 
 
 def test_a_save_over_an_existing_step_replaces_it_whole(tmp_path):
@@ -425,7 +425,7 @@ def test_a_key_outside_its_files_namespace_is_refused(ckpt, file, change, key):
     merged in to be dropped or to shadow what the right file holds."""
     (rewrite_optim if file == OPTIM else edit_extra)(ckpt, change)
     with pytest.raises(CheckpointError) as info:
-        CheckpointDir(ckpt).verify()
+        CheckpointDir(ckpt).load()
     assert info.value.file == file and info.value.reason.startswith(
         f"{'tensor' if file == OPTIM else 'key'} {key!r} is the state of no part"
     ), info.value
@@ -646,12 +646,11 @@ def test_a_renamed_step_directory_is_refused(ckpt):
 
 
 def refused_link(path: Path, *words: str) -> str:
-    """Every reader refuses `path` with one line (read_manifest, load, verify, json_state: what every tool opens)."""
+    """Every reader refuses `path` with one line (read_manifest, load, json_state: what every tool opens)."""
     messages = set()
     for read in (
         CheckpointDir.manifest,
         CheckpointDir.load,
-        CheckpointDir.verify,
         CheckpointDir.resolved,
         CheckpointDir.json_state,
     ):
@@ -671,7 +670,7 @@ def test_a_run_link_names_a_step_directory_beside_it(ckpt, tmp_path):
     assert CheckpointDir(root / "best").resolved() == ckpt
     assert (
         CheckpointDir(root / "best").load().directory == root / "best"
-        and CheckpointDir(root / "best").verify()["step"] == 10
+        and CheckpointDir(root / "best").load().manifest["step"] == 10
     )
     outside = tmp_path / "outside" / ckpt.name  # a valid checkpoint: only the link is wrong
     outside.parent.mkdir()
@@ -699,7 +698,9 @@ def test_a_users_own_link_is_followed_but_not_out_of_a_run(ckpt, tmp_path):
     os.symlink(
         ckpt, mine
     )  # the user's own link, outside any checkpoints/: as if they typed its target
-    assert CheckpointDir(mine).resolved() == ckpt and CheckpointDir(mine).verify()["step"] == 10
+    assert (
+        CheckpointDir(mine).resolved() == ckpt and CheckpointDir(mine).load().manifest["step"] == 10
+    )
     os.symlink(ckpt.name, root / "best")
     mine.unlink()
     os.symlink(root / "best", mine)  # through a run's link that obeys the rule

@@ -165,7 +165,7 @@ def test_deeply_nested_header_json_is_refused_not_a_recursion_error(tmp_path):
 
 def test_an_unexpected_layout_is_refused_before_allocating(tmp_path):
     """With the layout the config builds, a file of other tensors (a huge one, say) is never read in."""
-    expect = layout({"w": np.zeros((2, 3), np.float32)})
+    expect = [layout({"w": np.zeros((2, 3), np.float32)})]
     write_tensors(
         tmp_path / "big.safetensors", {"w": np.zeros((2_000_000, 3), np.float32)}, fsync=False
     )

@@ -67,7 +67,7 @@ def test_kernodeck_passes_and_writes_the_seed_fields(tmp_path, cli):
     )
     assert r["manifest_schema_version"] == SCHEMA_VERSION
     assert json.loads((path.parent / "manifest.json").read_text())["step"] == 10
-    CheckpointDir(Path(r["checkpoint"])).verify()
+    CheckpointDir(Path(r["checkpoint"])).load()
     assert r["atomic"]["checks"]["interrupted"] and r["atomic"]["checks"]["temporary_left"]
     assert not list((tmp_path / "cwd").iterdir())  # nothing written to the working directory
     assert [

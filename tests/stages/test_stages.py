@@ -37,7 +37,7 @@ def test_default_cadence_over_7_epochs_keeps_3_newest_plus_best_plus_final(tmp_p
     assert steps(run) == [6, 30, 36, 42]  # best (epoch 1) + the 3 newest epochs; final is epoch 7
     assert store.link_step("best") == 6 and store.link_step("final") == 42
     for _, d in store.steps():
-        CheckpointDir(d).verify()
+        CheckpointDir(d).load()
     assert RunDir(run).read_status()["status"] == "complete"
 
 

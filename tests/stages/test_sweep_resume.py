@@ -39,7 +39,7 @@ def sweep(out: Path, chaos: str | None = None) -> subprocess.CompletedProcess:
 def finals(out: Path) -> dict[str, dict]:
     result = {}
     for run in sorted((out / "runs").iterdir()):
-        manifest = CheckpointDir(RunDir(run).store.link_dir("final")).verify()
+        manifest = CheckpointDir(RunDir(run).store.link_dir("final")).load().manifest
         result[run.name] = {
             "lr": manifest["config"]["optimizer"]["lr"],
             "step": manifest["step"],
