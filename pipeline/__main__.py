@@ -56,20 +56,17 @@ def hydra_shortcuts(argv: list[str], conf_dir):
 
     # Hydra composes the whole config once only to read hydra.mode (get_mode), then again to run it: ~0.9 s of
     # every start. Where mode_is_the_command_lines, get_mode's answer is known without composing: None.
-    replaced: list[tuple[type, str, object]] = []  # (owner, name, the method there before)
+    replaced: list[tuple[type, str, object]] = []  # (owner, name, the method it puts there)
     helping = "get_group_options" in ConfigLoaderImpl.__dict__ and {"--help", "-h"} & {*argv}
     if helping and hasattr(ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo"):
         replaced.append((ConfigLoaderImpl, "get_group_options", get_group_options))
     if mode_is_the_command_lines(argv, conf_dir) and "get_mode" in Hydra.__dict__:
         replaced.append((Hydra, "get_mode", lambda *_, **__: None))
-    for i, (owner, name, new) in enumerate(replaced):
-        replaced[i] = (owner, name, owner.__dict__[name])
-        setattr(owner, name, new)
-    try:
+    with contextlib.ExitStack() as undo:  # the methods as they were, however the call ends
+        for owner, name, new in replaced:
+            undo.callback(setattr, owner, name, owner.__dict__[name])
+            setattr(owner, name, new)
         yield
-    finally:  # however the call ends
-        for owner, name, old in replaced:
-            setattr(owner, name, old)
 
 
 def command_args(hydra_cfg, conf_dir) -> list[str]:

@@ -109,12 +109,10 @@ def run_name(config: dict, sources=None, lineage=None, semantic: str | None = No
     if known); a fork (`lineage` with an origin) by its history's id instead, never a clean run's directory.
     BadName if not one directory's name."""
     if lineage is not None and lineage.get("origin") is not None:
-        key = lineage["id"]
-    else:
-        key = semantic or semantic_hash(
-            config, source_hashes(config) if sources is None else sources
-        )
-    return f"{names.checked(config.get('name'), 'name')}-{key[:12]}"
+        semantic = lineage["id"]
+    elif not semantic:
+        semantic = semantic_hash(config, source_hashes(config) if sources is None else sources)
+    return f"{names.checked(config.get('name'), 'name')}-{semantic[:12]}"
 
 
 @dataclass(frozen=True)

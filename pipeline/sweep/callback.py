@@ -57,6 +57,15 @@ def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, s
     return out | {str(k): str(v) for k, v in (sweeper_params or {}).items()}
 
 
+def _record(directory) -> dict:
+    """The sweep directory's sweep.json, {} if it does not read as an object."""
+    try:
+        sweep = jsonio.read(Path(directory) / "sweep.json", MAX_SWEEP_JSON)
+    except (OSError, ValueError):
+        return {}
+    return sweep if isinstance(sweep, dict) else {}
+
+
 def _stop(message: str, code: int = EXIT_BAD_INPUT) -> None:
     """The sweep refused: Hydra makes a warning of a callback's Exception and goes on, not of a Refusal."""
     raise errors.Refusal(errors.CommandError(message, exit_code=code))
@@ -233,11 +242,7 @@ class SweepCallback(Callback):
         # best-val's mode (conf/stages/default.yaml); without that stage the jobs return NaN, either way round
         direction = "maximize" if best_val.get("mode") == "max" else "minimize"
         optuna = "optuna" in str(sweeper.get("_target_", ""))
-        try:
-            previous = jsonio.read(directory / "sweep.json", MAX_SWEEP_JSON)
-        except (OSError, ValueError):
-            previous = {}
-        started = previous.get("started") if isinstance(previous, dict) else None
+        started = _record(directory).get("started")
         started = started if isinstance(started, (int, float)) else time.time()
         offset = _optuna_study(hydra, sweeper, directory, sweep_id, direction) if optuna else 0
         objective = f"best/{best_val['monitor']}" if best_val else None
@@ -312,12 +317,8 @@ class SweepCallback(Callback):
         (interrupted: exit 75, whatever its sweeper made of the signal; failed jobs: their code)."""
         if self.sweep is None:
             return False
-        try:
-            sweep = jsonio.read(Path(self.sweep["dir"]) / "sweep.json", MAX_SWEEP_JSON)
-        except (OSError, ValueError):
-            return False
-        mine = (os.getpid(), socket.gethostname(), "running")
-        if not isinstance(sweep, dict) or tuple(map(sweep.get, ("pid", "host", "status"))) != mine:
+        sweep, mine = _record(self.sweep["dir"]), (os.getpid(), socket.gethostname(), "running")
+        if tuple(map(sweep.get, ("pid", "host", "status"))) != mine:
             return False
         summary = end(sweep, error, self.parent)
         # what its sweeper stumbled on (Optuna's best trial, when none completed): the table, failures, code
@@ -337,11 +338,9 @@ def _report(summary: dict) -> int:
         return EXIT_PREEMPTED
     if not failed:
         return 0
-    each = (
-        f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
-        for n, j in failed.items()
-    )
-    say(f"pipeline: {len(failed)} {of} failed: {'; '.join(each)}")
+    each = {n: (j.get("name", ""), j.get("error", j.get("status"))) for n, j in failed.items()}
+    said = "; ".join(f"job {n} ({name}): {why}" for n, (name, why) in each.items())
+    say(f"pipeline: {len(failed)} {of} failed: {said}")
     return min(int(j.get("code", 1)) for j in failed.values())
 
 
