@@ -49,22 +49,23 @@ def named(tree) -> set[str]:
     return set(out)
 
 
-def _item(keys: tuple[str, ...], i: int) -> tuple[str, ...]:
-    """The keys of a list's item `i` (`stages.a[0]`)."""
-    return (*keys[:-1], f"{keys[-1] if keys else ''}[{i}]")
+def _nodes(tree, keys: tuple[str, ...] = ()):
+    """(keys, node) for a tree of dicts and lists and every node in it, parents first (a list's item: `a[0]`)."""
+    yield keys, tree
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _nodes(v, (*keys, str(k)))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _nodes(v, (*keys[:-1], f"{keys[-1] if keys else ''}[{i}]"))
 
 
 def _placed(tree, keys: tuple[str, ...], out: dict[str, set[str]]) -> None:
     """Every string `_target_` in a tree, by the slot it is at."""
-    if isinstance(tree, list):
-        for i, v in enumerate(tree):
-            _placed(v, _item(keys, i), out)
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            if k == "_target_" and isinstance(v, str) and "${" not in v:
-                out.setdefault(v, set()).add(slot(keys))
-            else:
-                _placed(v, (*keys, str(k)), out)
+    for at, node in _nodes(tree, keys):
+        target = node.get("_target_") if isinstance(node, dict) else None
+        if isinstance(target, str) and "${" not in target:
+            out.setdefault(target, set()).add(slot(at))
 
 
 @cache
@@ -180,26 +181,22 @@ def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
     return shipped() | frozenset(searched(searchpath)) | frozenset(own)
 
 
-def check(tree, allowed_targets: frozenset[str], path="config", keys: tuple[str, ...] = ()) -> None:
+def check(tree: dict, allowed_targets: frozenset[str]) -> None:
     """The one test of a config read from a file: UnknownTarget (one line naming the key) for a `_target_` not
     a string or not allowed, a pipeline class out of its place, or any interpolation (it could name anything)."""
-    if isinstance(tree, dict):
-        if "_target_" in tree:
-            target, where = tree["_target_"], f"{path}._target_"
+    for keys, node in _nodes(tree):
+        path = ".".join(("config", *keys))
+        if isinstance(node, dict) and "_target_" in node:
+            target, where = node["_target_"], f"{path}._target_"
             if not isinstance(target, str):
                 raise UnknownTarget(f"{where} is {target!r:.80}, not the name of a class")
             if "${" not in target and target not in allowed_targets:
                 why = f"{where} names {target!r:.200}, which neither the pipeline's configs nor yours name"
                 raise UnknownTarget(f"{why} ({HINT})")
             _in_place(target, where, keys)
-        for k, v in tree.items():
-            check(v, allowed_targets, f"{path}.{k}", (*keys, str(k)))
-    elif isinstance(tree, list):
-        for i, v in enumerate(tree):
-            check(v, allowed_targets, f"{path}[{i}]", _item(keys, i))
-    elif isinstance(tree, str) and "${" in tree:
-        why = "a saved config is resolved and holds none (it would be resolved when the node is built)"
-        raise UnknownTarget(f"{path} holds the interpolation {tree!r:.200}; {why}")
+        elif isinstance(node, str) and "${" in node:
+            why = "a saved config is resolved and holds none (it would be resolved when the node is built)"
+            raise UnknownTarget(f"{path} holds the interpolation {node!r:.200}; {why}")
 
 
 def _in_place(target: str, where: str, keys: tuple[str, ...]) -> None:
