@@ -81,8 +81,7 @@ class TrainerConf:
     on_nonfinite: NonFinite = _f()
     max_time: str | None = _f(checks.duration_or_null)
     accumulate: int = _f(checks.at_least(1))  # micro-batches (of batch_size) per update
-    # the largest global L2 norm of a gradient; 0 = no clipping
-    grad_clip: float = _f(checks.at_least(0))
+    grad_clip: float = _f(checks.at_least(0))  # the largest global L2 norm of a gradient; 0: none
     shards: int = _f(checks.at_least(1))
     threads: int | None = _f(checks.null_or_at_least(1))
     profile: bool = _f(absent=False)
@@ -403,14 +402,13 @@ def validate(config: dict) -> None:
     if "name" in config and (why := names.problem(config["name"])):
         errors.append(f"name={names.shown(config['name'])}: {why}")
     fixed = dict(trainer=TrainerConf, resume=ResumeConf, checkpoint=CadenceConf, verify=VerifyConf)
-    for key, schema in fixed.items():
-        if isinstance(config.get(key), dict):
-            _check_node(schema, config[key], f"{key}.", errors)
-    nodes = [(k, config.get(k)) for k in ("model", "optimizer", "scheduler", "data", "tracking")]
+    # then every part (LIVE's kinds) and stage, by the schema of its `_target_`
+    nodes: list[tuple[str, Any]] = [(k, config.get(k)) for k in (*fixed, *LIVE)]
     nodes += [(f"stages.{name}", node) for name, node in (config.get("stages") or {}).items()]
     for key, node in nodes:
-        if isinstance(node, dict) and node.get("_target_") in SCHEMAS:
-            schema = SCHEMAS[node["_target_"]]
+        if not isinstance(node, dict):
+            continue
+        if schema := fixed.get(key) or SCHEMAS.get(str(node.get("_target_"))):
             # a stage added by override (+stages.NAME={...}) is not typed while composing: it names every key
             keys = ", ".join(f.name for f in fields(schema))
             missing = ", ".join(n for n in keys.split(", ") if n not in as_written_now(node))
