@@ -74,7 +74,7 @@ class TrainerConf:
     batch_size: int = _f(checks.at_least(1))
     dtype: Dtype = _f()
     eval_every: int = _f(checks.at_least(0))
-    eval_batches: int | None = _f(checks.null_or_at_least(1), absent=None)
+    eval_batches: int | None = _f(checks.at_least(1, null=True), absent=None)
     eval_at_start: bool = _f(absent=False)  # an evaluation before the first update
     log_every: int = _f(checks.at_least(0))
     progress_bar: bool | None = _f()
@@ -83,7 +83,7 @@ class TrainerConf:
     accumulate: int = _f(checks.at_least(1))  # micro-batches (of batch_size) per update
     grad_clip: float = _f(checks.at_least(0))  # the largest global L2 norm of a gradient; 0: none
     shards: int = _f(checks.at_least(1))
-    threads: int | None = _f(checks.null_or_at_least(1))
+    threads: int | None = _f(checks.at_least(1, null=True))
     profile: bool = _f(absent=False)
 
     @staticmethod
