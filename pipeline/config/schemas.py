@@ -17,8 +17,7 @@ from pipeline.config.errors import ConfigError
 from pipeline.files import names, patterns
 from pipeline.files.limits import MAX_TEXT_FILE
 
-# `_target_` -> the schema of a node building it, filled by @builds, frozen as SCHEMAS (end of file); a schema
-# stored as `schema/<group>/<option>` is the first `defaults` entry of conf/<group>/<option>.yaml
+# `_target_` -> the schema of a node building it (@builds), frozen as SCHEMAS at the end of the file
 _BUILDING: dict[str, type] = {}
 
 
@@ -38,8 +37,7 @@ _NONE = object()
 
 
 def _f(check: Callable | None = None, absent=_NONE):
-    """A field; `absent`: for a key added (or made non-null) after checkpoints were written without it (or with
-    null), what their configs mean. A field with `absent` is not Optional, or its `absent` is None."""
+    """A field; `absent`: what a config written without the key (or with null, before it could not be) means."""
     meta = {"check": check} if check else {}
     if absent is not _NONE:
         meta["absent"] = absent
@@ -325,8 +323,7 @@ def _absent(node, key: str = "") -> dict | None:
 
 
 def as_written_now(node, key: str = ""):
-    """A node (at the top-level `key`) written before some keys of its schema existed (or could be null), each at
-    what its absence (or null) means: the one place an old config's missing or null key gets its meaning."""
+    """A node (at the top-level `key`) with each key it lacks (or holds null) at its schema's `absent`."""
     if (absent := _absent(node, key)) is None:
         return node
     return {**node, **{k: v for k, v in absent.items() if node.get(k) is None}}
@@ -338,8 +335,7 @@ def config_written_now(config: dict) -> dict:
 
 
 def as_written_before(config: dict) -> dict:
-    """The config less every key still at what its absence means (its schema's `absent`): what a config written
-    before those keys existed holds, so a key added later at today's behaviour changes no run's identity."""
+    """The config less every key at its schema's `absent`: a key added later at the old behaviour is no change."""
     out = dict(config)
     for key, node in config.items():
         if (absent := _absent(node, key)) is not None:
@@ -379,8 +375,7 @@ def live_problem(kind: str, target: str, factory) -> str | None:
 
 
 def check_live(config: dict) -> None:
-    """ConfigError, one line, for a part whose class lacks a live value its kind needs (before anything is built;
-    a class that cannot be imported is left to the job's own refusal of it)."""
+    """ConfigError for a part whose class lacks a live value of its kind (one it cannot import: the job's to say)."""
     from hydra._internal.utils import _locate  # get_class, less its log line of a failed import
 
     for kind, (needed, _) in LIVE.items():
@@ -396,8 +391,7 @@ def check_live(config: dict) -> None:
 
 
 def validate(config: dict) -> None:
-    """ConfigError listing every value out of range (a field's check is in its metadata), before the job creates
-    anything on disk; Hydra has checked types and keys while composing."""
+    """ConfigError listing every value out of range (its field's `check`), before the job creates anything."""
     errors: list[str] = []
     if "name" in config and (why := names.problem(config["name"])):
         errors.append(f"name={names.shown(config['name'])}: {why}")
