@@ -19,14 +19,11 @@ HINT = "give your config directory with hydra.searchpath=[...] to use your own c
 # conf/ names is held to the very slots conf/ builds it in (`slots()`): a cadence is no stage, a stage no cadence.
 PLACES = {k: k for k in ("model", "data", "optimizer", "scheduler", "stages", "tracking")}
 PLACES |= {"checkpoint": "stages", "hydra": "tracking"}
-
-
 TOPS = ("model", "data", "optimizer", "scheduler", "tracking", "checkpoint")
 
 
 def slot(keys: tuple[str, ...]) -> str:
-    """The slot a node at `keys` is built in: one of TOPS (a stage's `cadence` is a `checkpoint`),
-    `stages.<name>`, `hydra.callbacks.<name>`; anywhere else, its own dotted path."""
+    """The slot a node at `keys` is built in (a stage's `cadence` is a `checkpoint`); elsewhere, its dotted path."""
     if len(keys) == 1 and keys[0] in TOPS:
         return keys[0]
     if len(keys) == 2 and keys[0] == "stages":
@@ -70,8 +67,7 @@ def _placed(tree, keys: tuple[str, ...], out: dict[str, set[str]]) -> None:
 
 @cache
 def _shipped() -> dict[str, set[str]]:
-    """Every target the YAML files of the package's conf/ tree name, by the slots (`slot()`) it is at: a file is
-    composed at its group's folders (the root for config.yaml and a `# @package _global_` file)."""
+    """Every target conf/'s YAML files name, by its slots (a file at its group, `# @package _global_` at the top)."""
     import yaml
 
     out: dict[str, set[str]] = {}
@@ -152,8 +148,8 @@ def literal(text: str) -> str:
 
 
 def hydra_quoted(text: str) -> str:
-    """`text` as one override value, alone or in a list, that Hydra's parser reads back as exactly `text` (as it
-    takes hydra.searchpath's entries); quote `literal(text)` for a value read from the resolved config."""
+    """`text` as one override value (alone or in a list) Hydra's parser reads back as `text`: quote `literal(text)`
+    for a value read from the resolved config."""
     # no `/`: `true`, `null`, `1.5` would not be text; ASCII only: Hydra's lexer takes no other letter unquoted
     if "/" in text and re.fullmatch(r"[\w/.:@%+-]+", text, re.ASCII):
         return text
@@ -165,8 +161,7 @@ def hydra_quoted(text: str) -> str:
 
 @cache
 def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
-    """What the pipeline's configs, the user's `hydra.searchpath` and the command line name. Nothing is imported to
-    decide but the packages the user's own `pkg://` entries name (Hydra imports them to list their files)."""
+    """What the pipeline's configs, the user's `hydra.searchpath` and the command line name (only `pkg://` imported)."""
     searchpath: tuple[str, ...] = ()
     own: set[str] = set()
     for o in parse_overrides(overrides):
