@@ -33,8 +33,7 @@ from pipeline.sweep.summary import best_job, read_jobs, shown_value, sweep_table
 
 log = logging.getLogger("pipeline")
 STORE_WAIT = 0.5  # seconds the launcher gives the tracking store to say whether it can be written
-# Sweeper settings that do not make another sweep: where Optuna keeps the study (set here, in the sweep
-# directory) and how many trials it should hold (a re-run with more continues the same study).
+# Sweeper settings that make no other sweep: where Optuna keeps its study, how many trials (more: the same study)
 NOT_IDENTITY = ("storage", "study_name", "n_trials")
 OPTUNA_DB = "optuna.db"
 GROUPS = ("model", "data")  # what names a sweep's experiment beside its name
@@ -115,8 +114,7 @@ def swept_monitor_inputs(keys) -> bool:
 
 
 def refuse_monitors(config: DictConfig, swept_keys) -> None:
-    """A monitor or optimized_metric every job shares that names no metric the jobs log: one line and exit 2,
-    before the sweep writes anything (one a swept key may change is each job's own refusal)."""
+    """A monitor every job shares naming no metric they log: exit 2 before the sweep writes anything."""
     from pipeline.run.assemble import MONITOR_KEYS, check_monitors
 
     if swept_monitor_inputs(swept_keys):
@@ -130,8 +128,7 @@ def refuse_monitors(config: DictConfig, swept_keys) -> None:
 
 
 def parent_run(tracking) -> SweepParent:
-    """The parent run through the `tracking` node's tracker's `sweep_parent`; for tracking=none the no-op, and
-    nothing of pipeline/tracking/ is imported."""
+    """The parent run, its tracker's `sweep_parent` (tracking=none: the no-op, nothing of tracking/ imported)."""
     node = _plain(tracking)
     if not isinstance(node, dict) or not node.get("_target_"):
         return SweepParent()
@@ -144,13 +141,11 @@ def parent_run(tracking) -> SweepParent:
 
 
 def job_of(hydra_cfg) -> SweepJob:
-    """The job a multirun's task runs, from sweep.json and Hydra's job number and overrides; without a directory
-    if there is no sweep callback, `unreadable` (bad input, one line) if sweep.json is not a sweep's record."""
+    """The job a multirun's task runs (no directory without a sweep callback; `unreadable`: a damaged sweep.json)."""
     ours = f"{__name__}.{SweepCallback.__name__}"
     callbacks = (hydra_cfg.get("callbacks") or {}).values()
     if not any(isinstance(c, (dict, DictConfig)) and c.get("_target_") == ours for c in callbacks):
         return SweepJob()
-    # the launcher's override: <output_dir>/sweeps/<name>-<id>
     directory, overrides = Path(str(hydra_cfg.sweep.dir)), as_given(hydra_cfg.overrides.task)
     path, num = directory / "sweep.json", int(hydra_cfg.job.get("num", 0))
     problem: str | None = None
@@ -222,8 +217,7 @@ class SweepCallback(Callback):
         atomic.check_output_dir(output_dir)  # before its files are read or anything is made
         named = f"{identity['name'] or 'sweep'}-{sweep_id}"
         target = Path(os.path.abspath(output_dir), "sweeps", named)
-        # what the launcher writes before its first job, as it was (None: absent); a study found there
-        # stays as it is, and so does a file that does not read
+        # what the launcher writes before its first job, as it was (None: absent; a study, a file not read: kept)
         files: dict[str, bytes | None] = {}
         for name in ("sweep.json", "multirun.yaml", OPTUNA_DB):
             if not os.path.lexists(target / name):
@@ -258,8 +252,7 @@ class SweepCallback(Callback):
         self.sweep = sweep | self.parent.facts(timeout=STORE_WAIT)
         atomic.replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
         self.launcher_pid = os.getpid()
-        # Where the jobs run in this process, the parent run and the sweep's line wait for its first job (Hydra composes
-        # them all first: a sweep refused then leaves no parent run, one line); other launchers' jobs need it at once.
+        # the basic launcher's parent run waits for its first job (a sweep Hydra refuses then leaves none, one line)
         if not self.sweep["launcher"].endswith(".BasicLauncher"):
             self._launching()
         else:
@@ -282,8 +275,7 @@ class SweepCallback(Callback):
 
     # --- the entry point, when the sweeper or Hydra raised in the launching process
     def raised(self, e: Exception, job_began: bool) -> int | None:
-        """End this sweep after `e`, its code once its table and exit line are printed (a full or read-only disk said
-        in sweep.json); refused before any job ran or signal came and before its parent run was asked for: nothing."""
+        """End this sweep after `e`, its code once its end is printed (refused before a job or signal: undone)."""
         self.code = None  # only an end said here makes a code of the exception
         with contextlib.suppress(OSError):
             if (message := atomic.environment_error(e)) is not None:
@@ -293,8 +285,7 @@ class SweepCallback(Callback):
         return self.code
 
     def discard_unlaunched(self) -> bool:
-        """Undo the start if no job ran (no sweep left `running`); False if it had a job, an index was asked for its
-        parent run (its record and first start stay, for a re-run and a rebuild), or nothing to undo."""
+        """Undo the start if no job ran; False if one did, its parent run was indexed (kept), or nothing to undo."""
         start, self.start = self.start, None
         if start is None or self.indexed:
             return False
@@ -313,8 +304,7 @@ class SweepCallback(Callback):
         return True
 
     def end_unfinished(self, error: str) -> bool:
-        """End this sweep if its sweeper raised in its launching process before it ended: as at a sweep's end
-        (interrupted: exit 75, whatever its sweeper made of the signal; failed jobs: their code)."""
+        """End this sweep, its sweeper raised in its launching process, as at its end (`code`: 75 or a failed job's)."""
         if self.sweep is None:
             return False
         sweep, mine = _record(self.sweep["dir"]), (os.getpid(), socket.gethostname(), "running")
@@ -348,8 +338,7 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
     """The sweep's outcome from its jobs' records, into sweep.json and its parent run."""
     directory = Path(sweep["dir"])
     jobs = read_jobs(directory)
-    # what this launch ran: an Optuna study's earlier trials are never run again (a failed one is replaced), so only
-    # its new ones (from job_offset) decide whether the sweep still has work for a re-run
+    # what this launch ran: only an Optuna study's new trials (from job_offset) say if a re-run has work left
     launched = {n: j for n, j in jobs.items() if n >= int(sweep.get("job_offset") or 0)}
     failed = {n: j for n, j in launched.items() if j.get("status") != "complete"}
     stopped = any(j.get("code") == EXIT_PREEMPTED for j in launched.values())
@@ -362,8 +351,7 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
 
 
 def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str, direction: str) -> int:
-    """Point the Optuna sweeper at a study in the sweep directory (unless the command names one), asking only for
-    the trials it lacks, in `direction` unless the command gives one; returns how many it holds (its next number)."""
+    """The Optuna sweeper at a study in the sweep directory (unless named), for the trials it lacks; how many it has."""
     url = f"sqlite:///{directory / OPTUNA_DB}"
     ours = {"_target_": "pipeline.sweep.optuna_storage.storage", "url": url}
     storage = sweeper.get("storage") or ours
