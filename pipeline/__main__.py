@@ -1,5 +1,4 @@
-"""`python -m pipeline [overrides]`: the Hydra entry point (the DictConfig stops here); `python -m pipeline TOOL
-...`: the tool pipeline/cli/TOOL.py. Both run through the one wrapper, run/signals.run_command."""
+"""`python -m pipeline [overrides]`: the Hydra entry point; `python -m pipeline TOOL ...`: pipeline/cli/TOOL.py."""
 
 import contextlib
 import os
@@ -17,8 +16,7 @@ _OTHER_CONFIGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name"
 
 
 def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
-    """True if hydra.mode is None for this command, so that `-m` alone decides run or multirun: nothing in
-    `argv` names hydra.mode or another config, and no YAML under `conf_dir` sets a `mode:` to RUN or MULTIRUN."""
+    """True if `-m` alone decides run or multirun: neither `argv` nor a YAML under `conf_dir` sets hydra.mode."""
     from pipeline.files import reading
     from pipeline.files.limits import MAX_CONF_YAML
 
@@ -37,8 +35,7 @@ def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
 
 @contextlib.contextmanager
 def hydra_shortcuts(argv: list[str], conf_dir):
-    """Hydra with this entry's two shortcuts for the one call that runs it, and its methods as they were after:
-    nothing outlives the call. Another Hydra, without these methods, goes its own way, however long it takes."""
+    """Hydra with this entry's two shortcuts for the one call that runs it (another Hydra goes its own way)."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.hydra import Hydra
     from hydra.core.object_type import ObjectType
@@ -70,8 +67,7 @@ def hydra_shortcuts(argv: list[str], conf_dir):
 
 
 def command_args(hydra_cfg, conf_dir) -> list[str]:
-    """The arguments that compose this job's config again in the same shell: Hydra's `--config-path`, `--config-dir`
-    (absolute) and `--config-name` as given, its `hydra.searchpath=[...]` as typed, then the job's overrides."""
+    """The arguments that compose this job's config again: Hydra's config options, searchpath and the overrides."""
     from pipeline.config.targets import as_given
 
     args = []
@@ -95,8 +91,7 @@ def main() -> int | None:
     from pipeline.config.targets import as_given
 
     register()
-    # Hydra prints a composition error (a bad override, an unknown group) on several lines and exits 1; asked
-    # to raise it instead, this entry point reports it in one line with exit 2, like every other bad input.
+    # a composition error Hydra raises, not prints on several lines (exit 1): one line and exit 2 here
     report_own = "HYDRA_FULL_ERROR" not in os.environ
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     started: list = []  # a job began; a single run's Outcome once it has ended

@@ -20,8 +20,7 @@ def in_checkout() -> bool:
 
 
 def install_hint(extra: str) -> str:
-    """How to add an optional extra as this pipeline was installed: `pip install -e` in an editable install's (PEP
-    610's direct_url.json) or an uninstalled checkout's directory, else from the index (pip keeps this one)."""
+    """How to add an optional extra as installed: `pip install -e` in an editable install or checkout, else pip's."""
     import importlib.metadata
     import json
     from urllib.parse import unquote, urlparse
@@ -74,8 +73,7 @@ def compose(overrides=(), return_hydra_config: bool = False):
 
 
 def to_plain(cfg) -> dict:
-    """A composed DictConfig as plain dicts and lists, interpolations resolved, enums as their values, the
-    `hydra` node left out. Raises omegaconf's errors (they name the key) for a missing or unresolvable value."""
+    """A composed DictConfig as plain values (resolved, less `hydra`); omegaconf's error for a missing value."""
     from omegaconf import OmegaConf
 
     def values(node):

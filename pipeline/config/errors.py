@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-# Every entry point's exit codes (docs/stages.md: Exit codes): 0 done, 1 an error in the job, 2 bad input (nothing
-# started or changed), 75 preempted or interrupted (EX_TEMPFAIL: re-run the same command to resume).
+# Every entry point's exit codes (docs/stages.md: Exit codes): done, an error, bad input, preempted (re-run it)
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: SLURM could not be reached (no client here, or no controller answered): re-run
 
@@ -50,8 +49,7 @@ def exit_code(e: BaseException) -> tuple[int, str] | None:
 
 
 def slurm_unreachable(e: BaseException) -> str | None:
-    """One line if `e` is submitit saying there is no SLURM client here, or `sbatch` saying that it could not reach
-    its controller (SLURM's own words); None for anything else, a refused submission included."""
+    """One line if `e` says no SLURM client is here (submitit) or `sbatch` could not reach its controller; else None."""
     import re
     import subprocess
 
@@ -67,8 +65,7 @@ def slurm_unreachable(e: BaseException) -> str | None:
 
 
 def error_line(e: BaseException) -> str:
-    """A composition error as one line: Hydra's message, its cause, the key at fault, and for an unknown
-    option of a group the options there are (Hydra lists them on lines of their own)."""
+    """A composition error as one line: Hydra's message, its cause, the key at fault, a group's options."""
     parts = [str(e).strip().splitlines()[0].rstrip(".:")] if str(e).strip() else [type(e).__name__]
     cause = e.__cause__ or e.__context__
     said = str(cause).strip() if cause is not None else ""
@@ -91,8 +88,7 @@ def error_line(e: BaseException) -> str:
 
 
 def closest(e: BaseException, cause: BaseException | None) -> str:
-    """`; did you mean X?` for an unknown key (the closest of its node's keys) or an unknown option of a group (the
-    closest of its options), by difflib's similarity; "" if nothing is close."""
+    """`; did you mean X?` for an unknown key or option of a group (difflib's closest); "" if nothing is close."""
     import difflib
 
     from pipeline.config.compose import CONFIG_DIR

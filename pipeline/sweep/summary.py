@@ -56,8 +56,7 @@ _FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][+-]?\d+)")
 
 
 def shown_value(value: str, digits: int = SHOWN_DIGITS) -> str:
-    """A float literal with at most `digits` significant digits (`0.0031622776601683794` -> `0.003162`; the
-    run's params hold it exactly); `1.0`, `1e-4` and anything else as given."""
+    """A float literal cut to `digits` significant digits (`0.0031622776601683794` -> `0.003162`), else as given."""
     short = f"{float(value):.{digits}g}" if _FLOAT.fullmatch(value) else value
     return value if short == value or float(short) == float(value) else short
 
