@@ -271,7 +271,7 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         """The table on stderr; `code`, the entry's exit: 0 if all completed, 75 if interrupted, else a failed job's."""
         if self.sweep is not None:
-            self.code = _report(end(self.sweep, None, self.parent))
+            self.code = end(self.sweep, None, self.parent)
 
     # --- the entry point, when the sweeper or Hydra raised in the launching process
     def raised(self, e: Exception, job_began: bool) -> int | None:
@@ -310,32 +310,15 @@ class SweepCallback(Callback):
         sweep, mine = _record(self.sweep["dir"]), (os.getpid(), socket.gethostname(), "running")
         if tuple(map(sweep.get, ("pid", "host", "status"))) != mine:
             return False
-        summary = end(sweep, error, self.parent)
         # what its sweeper stumbled on (Optuna's best trial, when none completed): the table, failures, code
-        if summary["status"] == "interrupted" or summary["failed"]:
-            self.code = _report(summary)
+        if (code := end(sweep, error, self.parent, quiet=True)) is not None:
+            self.code = code
         return True
 
 
-def _report(summary: dict) -> int:
-    """The end table on stderr, then the exit line unless every job of this launch completed; the exit code."""
-    say = functools.partial(print, file=sys.stderr)
-    say(*summary["table"], sep="\n")
-    failed, of = summary["failed"], f"of {len(summary['jobs'])} jobs"
-    if summary["status"] == "interrupted":
-        said = f"{len(failed)} {of} did not finish" if summary["jobs"] else "no job ran"
-        say(f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it")
-        return EXIT_PREEMPTED
-    if not failed:
-        return 0
-    each = {n: (j.get("name", ""), j.get("error", j.get("status"))) for n, j in failed.items()}
-    said = "; ".join(f"job {n} ({name}): {why}" for n, (name, why) in each.items())
-    say(f"pipeline: {len(failed)} {of} failed: {said}")
-    return min(int(j.get("code", 1)) for j in failed.values())
-
-
-def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
-    """The sweep's outcome from its jobs' records, into sweep.json and its parent run."""
+def end(sweep: dict, error: str | None, parent: SweepParent, quiet: bool = False) -> int | None:
+    """The sweep's outcome from its jobs' records, into sweep.json and its parent run; its table on stderr, then the
+    exit line unless every job of this launch completed; the exit code (`quiet`: if all completed, None, unsaid)."""
     directory = Path(sweep["dir"])
     jobs = read_jobs(directory)
     # what this launch ran: only an Optuna study's new trials (from job_offset) say if a re-run has work left
@@ -347,7 +330,21 @@ def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
     sweep.update(status=status, ended_at=time.time(), error=error)
     atomic.replace_file(directory / "sweep.json", jsonio.dumps(sweep))
     table = sweep_table(sweep, jobs, best_job(jobs, sweep), parent.end(sweep))
-    return {"status": status, "failed": failed, "jobs": jobs, "table": table}
+    if quiet and not (interrupted or failed):
+        return None
+    say = functools.partial(print, file=sys.stderr)
+    say(*table, sep="\n")
+    of = f"of {len(jobs)} jobs"
+    if interrupted:
+        said = f"{len(failed)} {of} did not finish" if jobs else "no job ran"
+        say(f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it")
+        return EXIT_PREEMPTED
+    if not failed:
+        return 0
+    each = {n: (j.get("name", ""), j.get("error", j.get("status"))) for n, j in failed.items()}
+    said = "; ".join(f"job {n} ({name}): {why}" for n, (name, why) in each.items())
+    say(f"pipeline: {len(failed)} {of} failed: {said}")
+    return min(int(j.get("code", 1)) for j in failed.values())
 
 
 def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str, direction: str) -> int:
