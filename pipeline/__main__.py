@@ -40,8 +40,7 @@ def hydra_shortcuts(argv: list[str], conf_dir):
     from hydra._internal.hydra import Hydra
     from hydra.core.object_type import ObjectType
 
-    # Hydra's --help makes ~150 group lookups, each building a fresh config repository (a deep copy of every config
-    # in the ConfigStore: 4-5x the time of composing). For --help one per (config, overrides) serves all.
+    # Hydra's --help makes ~150 group lookups, each deep-copying every config: one per (config, overrides) serves all
     def get_group_options(
         self, group_name, results_filter=ObjectType.CONFIG, config_name=None, overrides=None
     ):
@@ -51,8 +50,7 @@ def hydra_shortcuts(argv: list[str], conf_dir):
             repos[key] = self._parse_overrides_and_create_caching_repo(config_name, list(key[1]))[1]
         return repos[key].get_group_options(group_name, results_filter)
 
-    # Hydra composes the whole config once only to read hydra.mode (get_mode), then again to run it: ~0.9 s of
-    # every start. Where mode_is_the_command_lines, get_mode's answer is known without composing: None.
+    # Hydra composes the config once only to read hydra.mode (~0.9 s a start): where mode_is_the_command_lines, None
     replaced: list[tuple[type, str, object]] = []  # (owner, name, the method it puts there)
     helping = "get_group_options" in ConfigLoaderImpl.__dict__ and {"--help", "-h"} & {*argv}
     if helping and hasattr(ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo"):

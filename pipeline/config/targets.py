@@ -14,9 +14,8 @@ from pipeline.config.errors import ConfigError
 HINT = "give your config directory with hydra.searchpath=[...] to use your own classes"
 
 
-# The top-level node each of the pipeline's own packages (`pipeline.<package>.*`) is built under: a shipped class
-# elsewhere (a corpus where a stage is: it writes where `cache_dir` says) is refused like an unknown one; a class
-# conf/ names is held to the very slots conf/ builds it in (`slots()`): a cadence is no stage, a stage no cadence.
+# The top-level node each of the pipeline's packages (`pipeline.<package>.*`) is built under (elsewhere: refused
+# like an unknown class); a class conf/ names is held to the slots conf/ builds it in (`slots()`).
 PLACES = {k: k for k in ("model", "data", "optimizer", "scheduler", "stages", "tracking")}
 PLACES |= {"checkpoint": "stages", "hydra": "tracking"}
 TOPS = ("model", "data", "optimizer", "scheduler", "tracking", "checkpoint")
