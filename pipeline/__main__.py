@@ -120,8 +120,7 @@ def main() -> int | None:
             line = f"bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}"
             # a Refusal passes Hydra, which writes a line of its own over a task's Exception
             raise Refusal(ConfigError(line)) from None
-        overrides = as_given(hydra_cfg.overrides.task)
-        command = command_args(hydra_cfg, CONFIG_DIR)
+        overrides, command = as_given(hydra_cfg.overrides.task), command_args(hydra_cfg, CONFIG_DIR)
         outcome = app.main(config, overrides, OmegaConf.to_yaml(cfg), sweep, command)
         if sweep is not None and outcome.requeued:
             exit_now(outcome.code)  # submitit waits for the requeued job: this one leaves no result

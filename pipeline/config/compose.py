@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from enum import Enum
 from pathlib import Path
 
 from pipeline.config.schemas import SCHEMAS, Config
@@ -79,8 +78,7 @@ def to_plain(cfg) -> dict:
     def values(node):
         if isinstance(node, dict):
             return {k: values(v) for k, v in node.items() if k != "hydra"}
-        if isinstance(node, list):
-            return [values(v) for v in node]
-        return node.value if isinstance(node, Enum) else node
+        return [values(v) for v in node] if isinstance(node, list) else node
 
-    return values(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+    plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True, enum_to_str=True)
+    return values(plain)  # an enum as its name: each of the schemas' is its value
