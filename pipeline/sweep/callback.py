@@ -203,13 +203,10 @@ class SweepCallback(Callback):
         refuse_monitors(config, keys := swept(task, sweeper.get("params")))
         try:
             self._start(config, hydra, task, sweeper, identity, keys)
-        # a link planted at sweeps/ (or another of the output directory's entries)
-        except atomic.UnsafePathError as e:
-            _stop(str(e))
-        except OSError as e:
-            if (message := atomic.environment_error(e)) is None:
+        except OSError as e:  # a link planted at sweeps/ (or elsewhere), a full disk
+            if (said := errors.exit_code(e)) is None:
                 raise
-            _stop(message, errors.EXIT_ERROR)
+            _stop(said[1], said[0])
 
     def _start(self, config, hydra, task: list, sweeper: dict, identity: dict, keys: dict) -> None:
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
@@ -363,8 +360,7 @@ def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str, directio
             trials = study.get_trials(deepcopy=False)
         except KeyError:  # no such study in that storage yet
             trials = []
-        held = len(trials)
-        done = sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+        held, done = len(trials), sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
     given = ("hydra.sweeper.direction=", "++hydra.sweeper.direction=")
     with open_dict(hydra.sweeper):
         hydra.sweeper.storage, hydra.sweeper.study_name = storage, name
