@@ -203,10 +203,14 @@ class CadenceConf(Node):
     every_steps: int = _f(checks.at_least(0))
 
 
-@builds("pipeline.run.plan.Resume", "stage/resume")
-class ResumeStageConf(Node):
+@dataclass
+class ResumeConf:
     source: str = _f()
-    allow_changes: list[str] = _f()
+    allow_changes: list[str] = _f()  # dotted keys allowed to differ from the checkpoint
+
+
+@builds("pipeline.run.plan.Resume", "stage/resume")
+class ResumeStageConf(ResumeConf, Node):
     order: int = _f()
 
 
@@ -244,12 +248,6 @@ class EarlyStopStageConf(Node):
 @builds("pipeline.stages.final.Final", "stage/final")
 class FinalStageConf(Node):
     order: int = _f()
-
-
-@dataclass
-class ResumeConf:
-    source: str = _f()
-    allow_changes: list[str] = _f()  # dotted keys allowed to differ from the checkpoint
 
 
 @builds("pipeline.tracking.mlflow_tracker.MlflowTracker", "tracking/mlflow")
