@@ -358,9 +358,7 @@ def takes(factory) -> dict[str, inspect.Parameter] | None:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         return {}
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return None
-    return dict(params)
+    return None if any(p.kind is p.VAR_KEYWORD for p in params.values()) else dict(params)
 
 
 def live_problem(kind: str, target: str, factory) -> str | None:

@@ -96,10 +96,9 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
     rows = [["job", *keys, objective, "status"]]
     for j in shown:
         values = swept_values(j.get("overrides") or [], keys)
-        v = finite(j.get("objective"))
         cells = [shown_value(values.get(k, ""), TABLE_DIGITS) for k in keys]
         cells = [c if len(c) <= MAX_CELL else c[: MAX_CELL - 3] + "..." for c in cells]
-        shown_v = "-" if v is None else f"{v:.6g}"
+        shown_v = "-" if (v := finite(j.get("objective"))) is None else f"{v:.6g}"
         rows.append([str(j["num"]), *cells, shown_v, str(j.get("status", "unknown"))])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     # the job number and the objective: right-aligned
