@@ -126,8 +126,7 @@ def identify(config: dict, origin: dict | None = None) -> Identity:
     except OSError as e:
         key = next(k for k in SOURCES if get(config, k) is not None)
         raise ConfigError(f"{key}={get(config, key)}: {e.strerror or e}") from None
-    semantic = semantic_hash(config, sources)
-    lineage = lineage_of(semantic, origin)
+    lineage = lineage_of(semantic := semantic_hash(config, sources), origin)
     name = run_name(config, sources, lineage, semantic)
     if config["resume"]["source"] == "never":  # a fresh, unique sibling
         name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"

@@ -21,7 +21,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.checkpoint.manifest import git_info
 from pipeline.config import errors
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, ConfigError
 from pipeline.config.identity import experiment_name, is_machine_key
 from pipeline.config.targets import as_given, hydra_quoted, literal, parse_overrides
 from pipeline.files import atomic, jsonio, names, reading
@@ -65,7 +64,7 @@ def _record(directory) -> dict:
     return sweep if isinstance(sweep, dict) else {}
 
 
-def _stop(message: str, code: int = EXIT_BAD_INPUT) -> None:
+def _stop(message: str, code: int = errors.EXIT_BAD_INPUT) -> None:
     """The sweep refused: Hydra makes a warning of a callback's Exception and goes on, not of a Refusal."""
     raise errors.Refusal(errors.CommandError(message, exit_code=code))
 
@@ -121,7 +120,7 @@ def refuse_monitors(config: DictConfig, swept_keys) -> None:
         return
     try:
         check_monitors({k.split(".")[0]: _plain(config.get(k.split(".")[0])) for k in MONITOR_KEYS})
-    except ConfigError as e:
+    except errors.ConfigError as e:
         _stop(str(e))
     except Exception as e:
         log.debug("monitors not checked before the sweep: %s", e)
@@ -321,7 +320,7 @@ def end(sweep: dict, error: str | None, parent: SweepParent, quiet: bool = False
     # what this launch ran: only an Optuna study's new trials (from job_offset) say if a re-run has work left
     launched = {n: j for n, j in jobs.items() if n >= int(sweep.get("job_offset") or 0)}
     failed = {n: j for n, j in launched.items() if j.get("status") != "complete"}
-    stopped = any(j.get("code") == EXIT_PREEMPTED for j in launched.values())
+    stopped = any(j.get("code") == errors.EXIT_PREEMPTED for j in launched.values())
     interrupted = SIGNALS_STATE.received is not None or stopped
     status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
     sweep.update(status=status, ended_at=time.time(), error=error)
@@ -335,7 +334,7 @@ def end(sweep: dict, error: str | None, parent: SweepParent, quiet: bool = False
     if interrupted:
         said = f"{len(failed)} {of} did not finish" if jobs else "no job ran"
         say(f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it")
-        return EXIT_PREEMPTED
+        return errors.EXIT_PREEMPTED
     if not failed:
         return 0
     each = {n: (j.get("name", ""), j.get("error", j.get("status"))) for n, j in failed.items()}

@@ -15,7 +15,7 @@ from optuna.storages._cached_storage import _CachedStorage
 
 
 def storage(url: str):
-    """optuna.create_study's storage of `url`, its schema version committed (optuna 2's is rolled back by SQLAlchemy 2)."""
+    """optuna.create_study's storage of `url`, its schema version committed (SQLAlchemy 2 rolls optuna 2's back)."""
     for name in ("alembic", "alembic.runtime.plugins"):  # its migrations' INFO lines: quiet here
         logging.getLogger(name).setLevel(logging.WARNING)
     # its alembic head, committed where the store lacks it: RDBStorage then finds it and stamps nothing
