@@ -341,8 +341,7 @@ def as_written_before(config: dict) -> dict:
     return out
 
 
-# The live values the job passes each kind of part beside its config's keys (run/assemble.py `_call`;
-# docs/own-model.md): kind -> (what its constructor must take, what it is given only if it takes it).
+# kind of part -> (the live values its constructor must take, those given only if it takes them): assemble._call
 LIVE = {
     "model": (("spec", "dtype", "rng"), ()),
     "optimizer": (("params",), ()),
@@ -392,8 +391,7 @@ def validate(config: dict) -> None:
     if "name" in config and (why := names.problem(config["name"])):
         errors.append(f"name={names.shown(config['name'])}: {why}")
     fixed = dict(trainer=TrainerConf, resume=ResumeConf, checkpoint=CadenceConf, verify=VerifyConf)
-    # then every part (LIVE's kinds) and stage, by the schema of its `_target_`
-    nodes: list[tuple[str, Any]] = [(k, config.get(k)) for k in (*fixed, *LIVE)]
+    nodes: list[tuple[str, Any]] = [(k, config.get(k)) for k in (*fixed, *LIVE)]  # LIVE: the parts
     nodes += [(f"stages.{name}", node) for name, node in (config.get("stages") or {}).items()]
     for key, node in nodes:
         if not isinstance(node, dict):

@@ -14,8 +14,7 @@ from pipeline.config.errors import ConfigError
 HINT = "give your config directory with hydra.searchpath=[...] to use your own classes"
 
 
-# The top-level node each of the pipeline's packages (`pipeline.<package>.*`) is built under (elsewhere: refused
-# like an unknown class); a class conf/ names is held to the slots conf/ builds it in (`slots()`).
+# The node each pipeline package's classes are built under (elsewhere: refused); conf/'s own: only in its `slots()`
 PLACES = {k: k for k in ("model", "data", "optimizer", "scheduler", "stages", "tracking")}
 PLACES |= {"checkpoint": "stages", "hydra": "tracking"}
 TOPS = ("model", "data", "optimizer", "scheduler", "tracking", "checkpoint")

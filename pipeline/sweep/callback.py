@@ -35,7 +35,6 @@ STORE_WAIT = 0.5  # seconds the launcher gives the tracking store to say whether
 # Sweeper settings that make no other sweep: where Optuna keeps its study, how many trials (more: the same study)
 NOT_IDENTITY = ("storage", "study_name", "n_trials")
 OPTUNA_DB = "optuna.db"
-GROUPS = ("model", "data")  # what names a sweep's experiment beside its name
 MAX_JOBS = 10_000  # a sweep's bound, counted before the sweeper expands its overrides (docs/tracking.md: Sweeps)
 
 
@@ -243,7 +242,7 @@ class SweepCallback(Callback):
         sweep |= {"status": "running", "pid": os.getpid(), "host": socket.gethostname()}
         sweep |= {"git_sha": git_info().get("git_sha"), "job_offset": offset}
         # the parent's experiment, also for a sweep tracked by none (reindex puts the parent beside its children)
-        parts = (str(OmegaConf.select(config, f"{g}._target_", default="")) for g in GROUPS)
+        parts = (OmegaConf.select(config, f"{g}._target_", default="") for g in ("model", "data"))
         sweep["experiment"] = experiment_name(identity["name"], *parts)
         self.sweep = sweep | self.parent.facts(timeout=STORE_WAIT)
         atomic.replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
