@@ -25,8 +25,7 @@ def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
     for f in Path(conf_dir).rglob("*.yaml"):
         try:
             text = reading.read_bytes(f, MAX_CONF_YAML).decode(errors="replace")
-        # a link, a FIFO, a file over 1 MiB: left to Hydra's own way, whatever it makes of it
-        except OSError:
+        except OSError:  # a link, a FIFO, a file over 1 MiB: left to Hydra's own way
             return False
         if _MODE_FROM.search(text):
             return False
@@ -113,8 +112,7 @@ def main() -> int | None:
             sweep = job_of(hydra_cfg)
         try:
             config = to_plain(cfg)
-        # a value missing or not resolving: one line naming the key
-        except OmegaConfBaseException as e:
+        except OmegaConfBaseException as e:  # missing or unresolved: one line naming the key
             key = getattr(e, "full_key", None)
             hint = " (data=text needs data.path=FILE)" if key == "data.path" else ""
             line = f"bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}"

@@ -71,8 +71,7 @@ def error_line(e: BaseException) -> str:
     said = str(cause).strip() if cause is not None else ""
     if said and (first := said.splitlines()[0].rstrip(".:")) not in parts:
         parts.append(first)
-    # hydra's OverrideParseException: an override its grammar cannot read
-    override = getattr(e, "override", None)
+    override = getattr(e, "override", None)  # an override Hydra's grammar cannot read
     if isinstance(override, str) and override:
         name, _, value = override.partition("=")
         quoted = f"\"{name}='{value}'\"" if value and not set(value) & set("'\"$`\\!") else "it"

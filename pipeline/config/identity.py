@@ -29,10 +29,8 @@ def is_machine_key(key: str) -> bool:
     return covered(key, list(MACHINE_KEYS))
 
 
-# Keys naming an input file (its identity is its content, not the path) -> the key bounding its size
-SOURCES = {"data.path": "data.max_bytes"}
-# Keys a resumed run cannot apply: what they choose is fixed by the restored state itself.
-FIXED_BY_STATE = {
+SOURCES = {"data.path": "data.max_bytes"}  # file -> its size bound (its identity: its content)
+FIXED_BY_STATE = {  # keys a resumed run cannot apply: the restored state fixes what they choose
     "trainer.seed": "the RNG streams, the initial weights and the data order come from the checkpoint",
     "trainer.dtype": "the weights and moments are restored in the checkpoint's dtype",
     "model.init_std": "the weights come from the checkpoint, not from a new initialisation",

@@ -17,8 +17,7 @@ from pipeline.config.errors import ConfigError
 from pipeline.files import names, patterns
 from pipeline.files.limits import MAX_TEXT_FILE
 
-# `_target_` -> the schema of a node building it (@builds), frozen as SCHEMAS at the end of the file
-_BUILDING: dict[str, type] = {}
+_BUILDING: dict[str, type] = {}  # `_target_` -> schema (@builds); frozen as SCHEMAS below
 
 
 def builds(target: str, stored_as: str | None = None) -> Callable[[type], type]:
@@ -295,8 +294,7 @@ class Config:
 def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
     node = as_written_now(node)
     known = [f.name for f in fields(schema)]
-    # `+trainer.max_stpes=3` passes Hydra: a typo here
-    for key in sorted(set(node) - set(known) - {"_target_"}):
+    for key in sorted(set(node) - set(known) - {"_target_"}):  # a `+key=` typo passes Hydra
         near = difflib.get_close_matches(str(key), known, n=1)
         hint = f"; did you mean {prefix}{near[0]}?" if near else ""
         errors.append(f"{prefix}{key}: no such key{hint}")
@@ -341,8 +339,7 @@ def as_written_before(config: dict) -> dict:
     return out
 
 
-# kind of part -> (the live values its constructor must take, those given only if it takes them): assemble._call
-LIVE = {
+LIVE = {  # kind -> (live values it must take, those it is given if it takes them): assemble._call
     "model": (("spec", "dtype", "rng"), ()),
     "optimizer": (("params",), ()),
     "scheduler": (("optimizer",), ("run_total_steps",)),

@@ -96,7 +96,6 @@ def searched(searchpath: tuple[str, ...]) -> set[str]:
     from hydra._internal.core_plugins import importlib_resources_config_source as packages
     from hydra.core.object_type import ObjectType
 
-    # file:// and pkg://
     for source_type in (files.FileConfigSource, packages.ImportlibResourcesConfigSource):
         sources_registry.SourcesRegistry.instance().register(source_type)
     csp = config_search_path_impl.ConfigSearchPathImpl()

@@ -49,8 +49,7 @@ def best_job(jobs: dict[int, dict], sweep: dict) -> dict | None:
     return pick(scored, key=lambda j: j["objective"]) if scored else None
 
 
-# significant digits of a swept float in a run's name (mlflow's column cuts 18 to `0.0…`)
-SHOWN_DIGITS = 4
+SHOWN_DIGITS = 4  # significant digits of a swept float in a run's name (mlflow cuts 18 to `0.0…`)
 TABLE_DIGITS = 6  # ... and in the end table, as a job's own lines print its numbers (`:.6g`)
 _FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][+-]?\d+)")
 
