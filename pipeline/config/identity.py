@@ -35,8 +35,6 @@ FIXED_BY_STATE = {  # keys a resumed run cannot apply: the restored state fixes 
     "trainer.dtype": "the weights and moments are restored in the checkpoint's dtype",
     "model.init_std": "the weights come from the checkpoint, not from a new initialisation",
 }
-
-
 _ABSENT = object()
 
 

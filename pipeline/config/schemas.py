@@ -302,9 +302,8 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
         value, check = node[f.name], f.metadata.get("check")
         if check is not None and (why := check(value)):
             errors.append(f"{prefix}{f.name}={value!r}: {why}")
-        target = value.get("_target_") if isinstance(value, dict) else None
-        if isinstance(target, str) and target in SCHEMAS:
-            _check_node(SCHEMAS[target], value, f"{prefix}{f.name}.", errors)
+        if isinstance(value, dict) and (typed := SCHEMAS.get(str(value.get("_target_")))):
+            _check_node(typed, value, f"{prefix}{f.name}.", errors)
     if (cross := getattr(schema, "cross", None)) and not any(e.startswith(prefix) for e in errors):
         errors.extend(cross(node))
 

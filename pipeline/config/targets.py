@@ -13,7 +13,6 @@ from pipeline.config.errors import ConfigError
 
 HINT = "give your config directory with hydra.searchpath=[...] to use your own classes"
 
-
 # The node each pipeline package's classes are built under (elsewhere: refused); conf/'s own: only in its `slots()`
 PLACES = {k: k for k in ("model", "data", "optimizer", "scheduler", "stages", "tracking")}
 PLACES |= {"checkpoint": "stages", "hydra": "tracking"}
