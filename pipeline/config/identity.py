@@ -95,8 +95,7 @@ def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
 
 
 def run_name(config: dict, sources=None, lineage=None, semantic: str | None = None) -> str:
-    """<experiment name>-<12 hex of the semantic hash> (`sources` None: the files read), a fork's (`lineage` with
-    an origin) of its history's id instead: never a clean run's directory. BadName if not a directory's name."""
+    """<name>-<12 hex of the semantic hash>, a fork's (`lineage` with an origin) of its history's id; or BadName."""
     if lineage is not None and lineage.get("origin") is not None:
         semantic = lineage["id"]
     elif not semantic:

@@ -144,8 +144,7 @@ def literal(text: str) -> str:
 
 
 def hydra_quoted(text: str) -> str:
-    """`text` as one override value (alone or in a list) Hydra's parser reads back as `text`: quote `literal(text)`
-    for a value read from the resolved config."""
+    """`text` as an override value (alone or in a list) Hydra reads back as `text` (resolved: quote literal(text))."""
     # no `/`: `true`, `null`, `1.5` would not be text; ASCII only: Hydra's lexer takes no other letter unquoted
     if "/" in text and re.fullmatch(r"[\w/.:@%+-]+", text, re.ASCII):
         return text
@@ -173,8 +172,7 @@ def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
 
 
 def check(tree: dict, allowed_targets: frozenset[str]) -> None:
-    """The one test of a config read from a file: UnknownTarget (one line naming the key) for a `_target_` not
-    a string or not allowed, a pipeline class out of its place, or any interpolation (it could name anything)."""
+    """A config read from a file: UnknownTarget for a `_target_` not allowed or out of its place, or interpolation."""
     for keys, node in _nodes(tree):
         path = ".".join(("config", *keys))
         if isinstance(node, dict) and "_target_" in node:
