@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 # Every entry point's exit codes (docs/stages.md: Exit codes): done, an error, bad input, preempted (re-run it)
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: SLURM could not be reached (no client here, or no controller answered): re-run
@@ -78,25 +80,22 @@ def error_line(e: BaseException) -> str:
         return f"{override}: {parts[0]}; if the value is text, quote it for Hydra inside the shell's quotes: {quoted}"
     key = getattr(e, "full_key", None) or getattr(cause, "full_key", None)
     line = ": ".join(parts) + (f" (key {key})" if key and key not in " ".join(parts) else "")
-    # hydra's MissingConfigException: the group's options, if it has any
+    # hydra's MissingConfigException: the group's options, if it has any, and the closest (model/minigtp)
     options, missing = getattr(e, "options", None), getattr(e, "missing_cfg_file", None)
+    group, _, name = str(missing or "").rpartition("/")
     if options:
-        where = f" in '{missing.rsplit('/', 1)[0]}'" if missing and "/" in missing else ""
+        where = f" in '{group}'" if group else ""
         line += f"; available options{where}: {', '.join(options)}"
-    return line + closest(e, cause)
+    if options and missing:
+        found = difflib.get_close_matches(name, [str(o) for o in options], n=1)
+        return line + (f"; did you mean {group}={found[0]}?" if found and group else "")
+    return line + closest(cause)
 
 
-def closest(e: BaseException, cause: BaseException | None) -> str:
-    """`; did you mean X?` for an unknown key or option of a group (difflib's closest); "" if nothing is close."""
-    import difflib
-
+def closest(cause: BaseException | None) -> str:
+    """`; did you mean X?` for an unknown key (difflib's closest of its node's); "" if nothing is close."""
     from pipeline.config.compose import CONFIG_DIR
 
-    options, missing = getattr(e, "options", None), getattr(e, "missing_cfg_file", None)
-    if options and missing:  # model/minigtp
-        group, _, name = str(missing).rpartition("/")
-        found = difflib.get_close_matches(name, [str(o) for o in options], n=1)
-        return f"; did you mean {group}={found[0]}?" if found and group else ""
     node, key, full = (getattr(cause, a, None) for a in ("parent_node", "key", "full_key"))
     if not isinstance(key, str) or not isinstance(full, str) or not hasattr(node, "keys"):
         return ""
