@@ -84,7 +84,7 @@ def main() -> int | None:
     """The job's exit code; a multirun's is its sweep's (`SweepCallback.code`), each job's end in its record."""
     import hydra
 
-    from pipeline.config.compose import CONFIG_DIR, register
+    from pipeline.config.compose import CONFIG_DIR, register, to_plain
     from pipeline.config.targets import as_given
 
     register()
@@ -101,7 +101,6 @@ def main() -> int | None:
         from omegaconf import OmegaConf
         from omegaconf.errors import OmegaConfBaseException
 
-        from pipeline.config.compose import to_plain
         from pipeline.run import job as app
 
         hydra_cfg = HydraConfig.get()
