@@ -24,9 +24,8 @@ def builds(target: str, stored_as: str | None = None) -> Callable[[type], type]:
     """A dataclass schema for nodes whose `_target_` is `target` (in Hydra's ConfigStore as schema/<stored_as>)."""
 
     def add(schema: Any) -> Any:  # a class, made a dataclass carrying where Hydra stores it
-        schema = dataclass(schema)
-        schema.stored_as = stored_as
-        _BUILDING[target] = schema  # noqa: F821 - deleted once frozen: a later @builds fails loudly
+        schema.stored_as = stored_as  # unannotated: no field (dataclass() works in place)
+        _BUILDING[target] = dataclass(schema)  # noqa: F821 - deleted once frozen: a later @builds fails
         return schema
 
     return add
