@@ -7,12 +7,10 @@ import re
 from collections.abc import Callable
 
 
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _finite(v) -> bool:
-    return _num(v) and math.isfinite(v)
+def _finite(v) -> bool:  # an int of any size is: math.isfinite overflows past a float's range
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def at_least(lo, null: bool = False) -> Callable:
@@ -25,11 +23,11 @@ def above(lo) -> Callable:
 
 
 def fraction(v) -> str | None:
-    return None if _num(v) and 0 <= v < 1 else "must be in [0, 1)"
+    return None if _finite(v) and 0 <= v < 1 else "must be in [0, 1)"
 
 
 def open_fraction(v) -> str | None:
-    return None if _num(v) and 0 < v < 1 else "must be in (0, 1)"
+    return None if _finite(v) and 0 < v < 1 else "must be in (0, 1)"
 
 
 def probability_list(v) -> str | None:
