@@ -1,8 +1,6 @@
-"""A declarative numpy training pipeline whose resumed run equals the run that never stopped (ARCHITECTURE.md).
-Its tools (pipeline/cli/) run as `python -m pipeline TOOL ...`; the finder below, the one process state importing
-`pipeline` changes (sys.meta_path), keeps their older names `pipeline.TOOL` working, imported or run."""
+"""A declarative numpy training pipeline whose resumed run equals the run that never stopped (ARCHITECTURE.md);
+the finder below (the one process state importing it changes) keeps the tools' names `pipeline.TOOL` working."""
 
-import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util

@@ -1,5 +1,4 @@
-"""`python -m pipeline [overrides]`: the Hydra entry point (the DictConfig stops here); `python -m pipeline TOOL
-...`: the tool pipeline/cli/TOOL.py. Both run through the one wrapper, run/signals.run_command."""
+"""`python -m pipeline [overrides]`: the Hydra entry point; `python -m pipeline TOOL ...`: pipeline/cli/TOOL.py."""
 
 import contextlib
 import os
@@ -17,8 +16,7 @@ _OTHER_CONFIGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name"
 
 
 def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
-    """True if hydra.mode is None for this command, so that `-m` alone decides run or multirun: nothing in
-    `argv` names hydra.mode or another config, and no YAML under `conf_dir` sets a `mode:` to RUN or MULTIRUN."""
+    """True if `-m` alone decides run or multirun: neither `argv` nor a YAML under `conf_dir` sets hydra.mode."""
     from pipeline.files import reading
     from pipeline.files.limits import MAX_CONF_YAML
 
@@ -27,8 +25,7 @@ def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
     for f in Path(conf_dir).rglob("*.yaml"):
         try:
             text = reading.read_bytes(f, MAX_CONF_YAML).decode(errors="replace")
-        # a link, a FIFO, a file over 1 MiB: left to Hydra's own way, whatever it makes of it
-        except OSError:
+        except OSError:  # a link, a FIFO, a file over 1 MiB: left to Hydra's own way
             return False
         if _MODE_FROM.search(text):
             return False
@@ -37,14 +34,12 @@ def mode_is_the_command_lines(argv: list[str], conf_dir) -> bool:
 
 @contextlib.contextmanager
 def hydra_shortcuts(argv: list[str], conf_dir):
-    """Hydra with this entry's two shortcuts for the one call that runs it, and its methods as they were after:
-    nothing outlives the call. Another Hydra, without these methods, goes its own way, however long it takes."""
+    """Hydra with this entry's two shortcuts for the one call that runs it (another Hydra goes its own way)."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.hydra import Hydra
     from hydra.core.object_type import ObjectType
 
-    # Hydra's --help makes ~150 group lookups, each building a fresh config repository (a deep copy of every config
-    # in the ConfigStore: 4-5x the time of composing). For --help one per (config, overrides) serves all.
+    # Hydra's --help makes ~150 group lookups, each deep-copying every config: one per (config, overrides) serves all
     def get_group_options(
         self, group_name, results_filter=ObjectType.CONFIG, config_name=None, overrides=None
     ):
@@ -54,27 +49,22 @@ def hydra_shortcuts(argv: list[str], conf_dir):
             repos[key] = self._parse_overrides_and_create_caching_repo(config_name, list(key[1]))[1]
         return repos[key].get_group_options(group_name, results_filter)
 
-    # Hydra composes the whole config once only to read hydra.mode (get_mode), then again to run it: ~0.9 s of
-    # every start. Where mode_is_the_command_lines, get_mode's answer is known without composing: None.
-    replaced: list[tuple[type, str, object]] = []  # (owner, name, the method there before)
+    # Hydra composes the config once only to read hydra.mode (~0.9 s a start): where mode_is_the_command_lines, None
+    replaced: list[tuple[type, str, object]] = []  # (owner, name, the method it puts there)
     helping = "get_group_options" in ConfigLoaderImpl.__dict__ and {"--help", "-h"} & {*argv}
     if helping and hasattr(ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo"):
         replaced.append((ConfigLoaderImpl, "get_group_options", get_group_options))
     if mode_is_the_command_lines(argv, conf_dir) and "get_mode" in Hydra.__dict__:
         replaced.append((Hydra, "get_mode", lambda *_, **__: None))
-    for i, (owner, name, new) in enumerate(replaced):
-        replaced[i] = (owner, name, owner.__dict__[name])
-        setattr(owner, name, new)
-    try:
+    with contextlib.ExitStack() as undo:  # the methods as they were, however the call ends
+        for owner, name, new in replaced:
+            undo.callback(setattr, owner, name, owner.__dict__[name])
+            setattr(owner, name, new)
         yield
-    finally:  # however the call ends
-        for owner, name, old in replaced:
-            setattr(owner, name, old)
 
 
 def command_args(hydra_cfg, conf_dir) -> list[str]:
-    """The arguments that compose this job's config again in the same shell: Hydra's `--config-path`, `--config-dir`
-    (absolute) and `--config-name` as given, its `hydra.searchpath=[...]` as typed, then the job's overrides."""
+    """The arguments that compose this job's config again: Hydra's config options, searchpath and the overrides."""
     from pipeline.config.targets import as_given
 
     args = []
@@ -94,12 +84,11 @@ def main() -> int | None:
     """The job's exit code; a multirun's is its sweep's (`SweepCallback.code`), each job's end in its record."""
     import hydra
 
-    from pipeline.config.compose import CONFIG_DIR, register
+    from pipeline.config.compose import CONFIG_DIR, register, to_plain
     from pipeline.config.targets import as_given
 
     register()
-    # Hydra prints a composition error (a bad override, an unknown group) on several lines and exits 1; asked
-    # to raise it instead, this entry point reports it in one line with exit 2, like every other bad input.
+    # a composition error Hydra raises, not prints on several lines (exit 1): one line and exit 2 here
     report_own = "HYDRA_FULL_ERROR" not in os.environ
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     started: list = []  # a job began; a single run's Outcome once it has ended
@@ -112,7 +101,6 @@ def main() -> int | None:
         from omegaconf import OmegaConf
         from omegaconf.errors import OmegaConfBaseException
 
-        from pipeline.config.compose import to_plain
         from pipeline.run import job as app
 
         hydra_cfg = HydraConfig.get()
@@ -123,15 +111,13 @@ def main() -> int | None:
             sweep = job_of(hydra_cfg)
         try:
             config = to_plain(cfg)
-        # a value missing or not resolving: one line naming the key
-        except OmegaConfBaseException as e:
+        except OmegaConfBaseException as e:  # missing or unresolved: one line naming the key
             key = getattr(e, "full_key", None)
             hint = " (data=text needs data.path=FILE)" if key == "data.path" else ""
             line = f"bad config: {key + ': ' if key else ''}{str(e).splitlines()[0]}{hint}"
             # a Refusal passes Hydra, which writes a line of its own over a task's Exception
             raise Refusal(ConfigError(line)) from None
-        overrides = as_given(hydra_cfg.overrides.task)
-        command = command_args(hydra_cfg, CONFIG_DIR)
+        overrides, command = as_given(hydra_cfg.overrides.task), command_args(hydra_cfg, CONFIG_DIR)
         outcome = app.main(config, overrides, OmegaConf.to_yaml(cfg), sweep, command)
         if sweep is not None and outcome.requeued:
             exit_now(outcome.code)  # submitit waits for the requeued job: this one leaves no result

@@ -7,33 +7,27 @@ import re
 from collections.abc import Callable
 
 
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _finite(v) -> bool:  # an int of any size is: math.isfinite overflows past a float's range
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _finite(v) -> bool:
-    return _num(v) and math.isfinite(v)
-
-
-def at_least(lo) -> Callable:
-    return lambda v: None if _finite(v) and v >= lo else f"must be a number >= {lo}"
+def at_least(lo, null: bool = False) -> Callable:
+    why = f"must be {'null or ' if null else ''}a number >= {lo}"
+    return lambda v: None if (null and v is None) or (_finite(v) and v >= lo) else why
 
 
 def above(lo) -> Callable:
     return lambda v: None if _finite(v) and v > lo else f"must be a finite number > {lo}"
 
 
-def null_or_at_least(lo) -> Callable:
-    why = f"must be null or a number >= {lo}"
-    return lambda v: None if v is None or at_least(lo)(v) is None else why
-
-
 def fraction(v) -> str | None:
-    return None if _num(v) and 0 <= v < 1 else "must be in [0, 1)"
+    return None if _finite(v) and 0 <= v < 1 else "must be in [0, 1)"
 
 
 def open_fraction(v) -> str | None:
-    return None if _num(v) and 0 < v < 1 else "must be in (0, 1)"
+    return None if _finite(v) and 0 < v < 1 else "must be in (0, 1)"
 
 
 def probability_list(v) -> str | None:
@@ -55,8 +49,7 @@ def parse_duration(text: str) -> float:
     if not m or int(m.group(2)) > 23 or int(m.group(3)) > 59 or int(m.group(4)) > 59:
         why = "must be DD:HH:MM:SS (e.g. 00:03:50:00), hours < 24, minutes and seconds < 60"
         raise ValueError(why)
-    days, hours, minutes, seconds = (int(g) for g in m.groups())
-    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    total = sum(int(g) * unit for g, unit in zip(m.groups(), (86400, 3600, 60, 1)))
     if total <= 0:
         raise ValueError("must be a positive duration (null turns the budget off)")
     return float(total)

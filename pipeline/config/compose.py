@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from enum import Enum
 from pathlib import Path
 
 from pipeline.config.schemas import SCHEMAS, Config
@@ -20,8 +19,7 @@ def in_checkout() -> bool:
 
 
 def install_hint(extra: str) -> str:
-    """How to add an optional extra as this pipeline was installed: `pip install -e` in an editable install's (PEP
-    610's direct_url.json) or an uninstalled checkout's directory, else from the index (pip keeps this one)."""
+    """How to add an optional extra as installed: `pip install -e` in an editable install or checkout, else pip's."""
     import importlib.metadata
     import json
     from urllib.parse import unquote, urlparse
@@ -74,15 +72,13 @@ def compose(overrides=(), return_hydra_config: bool = False):
 
 
 def to_plain(cfg) -> dict:
-    """A composed DictConfig as plain dicts and lists, interpolations resolved, enums as their values, the
-    `hydra` node left out. Raises omegaconf's errors (they name the key) for a missing or unresolvable value."""
+    """A composed DictConfig as plain values (resolved, less `hydra`); omegaconf's error for a missing value."""
     from omegaconf import OmegaConf
 
     def values(node):
         if isinstance(node, dict):
             return {k: values(v) for k, v in node.items() if k != "hydra"}
-        if isinstance(node, list):
-            return [values(v) for v in node]
-        return node.value if isinstance(node, Enum) else node
+        return [values(v) for v in node] if isinstance(node, list) else node
 
-    return values(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+    plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True, enum_to_str=True)
+    return values(plain)  # an enum as its name: each of the schemas' is its value

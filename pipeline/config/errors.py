@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-# Every entry point's exit codes (docs/stages.md: Exit codes): 0 done, 1 an error in the job, 2 bad input (nothing
-# started or changed), 75 preempted or interrupted (EX_TEMPFAIL: re-run the same command to resume).
+import difflib
+
+# Every entry point's exit codes (docs/stages.md: Exit codes): done, an error, bad input, preempted (re-run it)
 EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: SLURM could not be reached (no client here, or no controller answered): re-run
 
@@ -50,8 +51,7 @@ def exit_code(e: BaseException) -> tuple[int, str] | None:
 
 
 def slurm_unreachable(e: BaseException) -> str | None:
-    """One line if `e` is submitit saying there is no SLURM client here, or `sbatch` saying that it could not reach
-    its controller (SLURM's own words); None for anything else, a refused submission included."""
+    """One line if `e` says no SLURM client is here (submitit) or `sbatch` could not reach its controller; else None."""
     import re
     import subprocess
 
@@ -67,41 +67,35 @@ def slurm_unreachable(e: BaseException) -> str | None:
 
 
 def error_line(e: BaseException) -> str:
-    """A composition error as one line: Hydra's message, its cause, the key at fault, and for an unknown
-    option of a group the options there are (Hydra lists them on lines of their own)."""
+    """A composition error as one line: Hydra's message, its cause, the key at fault, a group's options."""
     parts = [str(e).strip().splitlines()[0].rstrip(".:")] if str(e).strip() else [type(e).__name__]
     cause = e.__cause__ or e.__context__
     said = str(cause).strip() if cause is not None else ""
     if said and (first := said.splitlines()[0].rstrip(".:")) not in parts:
         parts.append(first)
-    # hydra's OverrideParseException: an override its grammar cannot read
-    override = getattr(e, "override", None)
+    override = getattr(e, "override", None)  # an override Hydra's grammar cannot read
     if isinstance(override, str) and override:
         name, _, value = override.partition("=")
         quoted = f"\"{name}='{value}'\"" if value and not set(value) & set("'\"$`\\!") else "it"
         return f"{override}: {parts[0]}; if the value is text, quote it for Hydra inside the shell's quotes: {quoted}"
     key = getattr(e, "full_key", None) or getattr(cause, "full_key", None)
     line = ": ".join(parts) + (f" (key {key})" if key and key not in " ".join(parts) else "")
-    # hydra's MissingConfigException: the group's options, if it has any
+    # hydra's MissingConfigException: the group's options, if it has any, and the closest (model/minigtp)
     options, missing = getattr(e, "options", None), getattr(e, "missing_cfg_file", None)
+    group, _, name = str(missing or "").rpartition("/")
     if options:
-        where = f" in '{missing.rsplit('/', 1)[0]}'" if missing and "/" in missing else ""
+        where = f" in '{group}'" if group else ""
         line += f"; available options{where}: {', '.join(options)}"
-    return line + closest(e, cause)
+    if options and missing:
+        found = difflib.get_close_matches(name, [str(o) for o in options], n=1)
+        return line + (f"; did you mean {group}={found[0]}?" if found and group else "")
+    return line + closest(cause)
 
 
-def closest(e: BaseException, cause: BaseException | None) -> str:
-    """`; did you mean X?` for an unknown key (the closest of its node's keys) or an unknown option of a group (the
-    closest of its options), by difflib's similarity; "" if nothing is close."""
-    import difflib
-
+def closest(cause: BaseException | None) -> str:
+    """`; did you mean X?` for an unknown key (difflib's closest of its node's); "" if nothing is close."""
     from pipeline.config.compose import CONFIG_DIR
 
-    options, missing = getattr(e, "options", None), getattr(e, "missing_cfg_file", None)
-    if options and missing:  # model/minigtp
-        group, _, name = str(missing).rpartition("/")
-        found = difflib.get_close_matches(name, [str(o) for o in options], n=1)
-        return f"; did you mean {group}={found[0]}?" if found and group else ""
     node, key, full = (getattr(cause, a, None) for a in ("parent_node", "key", "full_key"))
     if not isinstance(key, str) or not isinstance(full, str) or not hasattr(node, "keys"):
         return ""

@@ -12,15 +12,13 @@ from pipeline.config.errors import ConfigError
 from pipeline.config.schemas import as_written_before, config_written_now
 from pipeline.files import jsonio, names, reading
 
-# Dotted prefixes of keys that do not change the math: where outputs go, how progress is shown and logged,
-# how the run is indexed, resumed and parallelised, how big an input file may be, the verifier's settings.
+# Dotted prefixes of keys that do not change the math (where outputs go, how a run is shown, tracked, resumed)
 NON_SEMANTIC = tuple(
     """paths tracking trainer.log_every trainer.progress_bar trainer.threads trainer.max_time
     trainer.profile trainer.on_nonfinite resume stages checkpoint verify optimized_metric hydra
     data.max_bytes""".split()  # noqa: SIM905
 )
-# Dotted prefixes of keys saying where and how a run ran on this machine (`data.path` too: its identity is its
-# content), not what it computes: kept out of the params, where they would clutter every comparison of runs.
+# Dotted prefixes of keys saying where and how a run ran on this machine, not what it computes: not params
 MACHINE_KEYS = tuple(
     """paths tracking verify resume stages.resume hydra trainer.progress_bar trainer.threads
     trainer.max_time data.path data.max_bytes""".split()  # noqa: SIM905
@@ -31,17 +29,12 @@ def is_machine_key(key: str) -> bool:
     return covered(key, list(MACHINE_KEYS))
 
 
-# Keys naming an input file (its identity is its content, not the path) -> the key bounding its size (a bigger
-# file is refused unread; an older checkpoint's config is read as written now first: run/trained.py).
-SOURCES = {"data.path": "data.max_bytes"}
-# Keys a resumed run cannot apply: what they choose is fixed by the restored state itself.
-FIXED_BY_STATE = {
+SOURCES = {"data.path": "data.max_bytes"}  # file -> its size bound (its identity: its content)
+FIXED_BY_STATE = {  # keys a resumed run cannot apply: the restored state fixes what they choose
     "trainer.seed": "the RNG streams, the initial weights and the data order come from the checkpoint",
     "trainer.dtype": "the weights and moments are restored in the checkpoint's dtype",
     "model.init_std": "the weights come from the checkpoint, not from a new initialisation",
 }
-
-
 _ABSENT = object()
 
 
@@ -66,8 +59,7 @@ def _parent(tree: dict, dotted: str) -> tuple[dict, str]:
 
 
 def source_hashes(config: dict) -> dict[str, str]:
-    """sha256 of every SOURCES file the config names, streamed; OSError if one cannot be read (a FIFO, a device,
-    a file over its bound: refused unopened). A symlink is followed (a user's data file may be a link to it)."""
+    """sha256 of every SOURCES file the config names (a link followed); OSError for one that cannot be read."""
     out = {}
     for key, bound in SOURCES.items():
         if isinstance(p := get(config, key), str):
@@ -79,8 +71,7 @@ def source_hashes(config: dict) -> dict[str, str]:
 
 
 def semantic_config(config: dict, sources: dict[str, str]) -> dict:
-    """What drift compares: the config as written now less NON_SEMANTIC keys, each SOURCES key replaced by
-    {"sha256": ...} of its file (`sources`: source_hashes, or as a manifest recorded them)."""
+    """What drift compares: the config as written now less NON_SEMANTIC keys, SOURCES keys as {"sha256": ...}."""
     out = copy.deepcopy(config_written_now(config))
     for key in NON_SEMANTIC:
         node, leaf = _parent(out, key)
@@ -93,8 +84,7 @@ def semantic_config(config: dict, sources: dict[str, str]) -> dict:
 
 
 def semantic_hash(config: dict, sources: dict[str, str]) -> str:
-    """The semantic config's hash, keys at what their absence means left out: a key added later at the old
-    behaviour changes no run's identity (its run directory, its lineage)."""
+    """The semantic config's hash, as_written_before: a key added later at the old behaviour renames no run."""
     return config_hash(as_written_before(semantic_config(config, sources)))
 
 
@@ -105,16 +95,12 @@ def lineage_of(semantic_hash: str, origin: dict | None) -> dict:
 
 
 def run_name(config: dict, sources=None, lineage=None, semantic: str | None = None) -> str:
-    """<experiment name>-<12 hex of the semantic hash> (`sources`: None reads the files; `semantic`: the hash,
-    if known); a fork (`lineage` with an origin) by its history's id instead, never a clean run's directory.
-    BadName if not one directory's name."""
+    """<name>-<12 hex of the semantic hash>, a fork's (`lineage` with an origin) of its history's id; or BadName."""
     if lineage is not None and lineage.get("origin") is not None:
-        key = lineage["id"]
-    else:
-        key = semantic or semantic_hash(
-            config, source_hashes(config) if sources is None else sources
-        )
-    return f"{names.checked(config.get('name'), 'name')}-{key[:12]}"
+        semantic = lineage["id"]
+    elif not semantic:
+        semantic = semantic_hash(config, source_hashes(config) if sources is None else sources)
+    return f"{names.checked(config.get('name'), 'name')}-{semantic[:12]}"
 
 
 @dataclass(frozen=True)
@@ -129,15 +115,13 @@ class Identity:
 
 
 def identify(config: dict, origin: dict | None = None) -> Identity:
-    """The identity of a validated config (`origin`: the checkpoint a fork, resume.source=PATH, continues);
-    ConfigError (one line, naming the key) for a source file that cannot be read."""
+    """A validated config's identity (`origin`: the checkpoint a fork continues); ConfigError for an unread file."""
     try:
         sources = source_hashes(config)
     except OSError as e:
         key = next(k for k in SOURCES if get(config, k) is not None)
         raise ConfigError(f"{key}={get(config, key)}: {e.strerror or e}") from None
-    semantic = semantic_hash(config, sources)
-    lineage = lineage_of(semantic, origin)
+    lineage = lineage_of(semantic := semantic_hash(config, sources), origin)
     name = run_name(config, sources, lineage, semantic)
     if config["resume"]["source"] == "never":  # a fresh, unique sibling
         name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -145,8 +129,7 @@ def identify(config: dict, origin: dict | None = None) -> Identity:
 
 
 def experiment_name(name: str, model_target: str = "", data_target: str = "") -> str:
-    """The mlflow experiment unless tracking.experiment says otherwise: `name`, or for `default` (a near-twin
-    of mlflow's `Default`) the data and model modules' names, `grammar-minigpt`."""
+    """The mlflow experiment: `name`, or for `default` (mlflow's `Default`'s twin) `grammar-minigpt` (data-model)."""
     if name != "default":
         return name
     parts = [str(t).rsplit(".", 2)[-2] for t in (data_target, model_target) if "." in str(t)]
@@ -161,8 +144,7 @@ def changed_keys(old: dict, new: dict) -> dict[str, tuple]:
 
 
 def described(old: dict, new: dict, keys=None) -> list[str]:
-    """Each change between two configs in words: `key old -> new`, or a whole node (a stage) `added`/`removed`;
-    `keys`: only the changed keys for which it returns True."""
+    """Each change (for which `keys` says True) in words: `key old -> new`, or a node (a stage) `added`/`removed`."""
     said: dict[str, str] = {}
     for key, (a, b) in changed_keys(old, new).items():
         if keys is not None and not keys(key):

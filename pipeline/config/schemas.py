@@ -17,18 +17,15 @@ from pipeline.config.errors import ConfigError
 from pipeline.files import names, patterns
 from pipeline.files.limits import MAX_TEXT_FILE
 
-# `_target_` -> the schema of a node building it, filled by @builds, frozen as SCHEMAS (end of file); a schema
-# stored as `schema/<group>/<option>` is the first `defaults` entry of conf/<group>/<option>.yaml
-_BUILDING: dict[str, type] = {}
+_BUILDING: dict[str, type] = {}  # `_target_` -> schema (@builds); frozen as SCHEMAS below
 
 
 def builds(target: str, stored_as: str | None = None) -> Callable[[type], type]:
     """A dataclass schema for nodes whose `_target_` is `target` (in Hydra's ConfigStore as schema/<stored_as>)."""
 
     def add(schema: Any) -> Any:  # a class, made a dataclass carrying where Hydra stores it
-        schema = dataclass(schema)
-        schema.stored_as = stored_as
-        _BUILDING[target] = schema  # noqa: F821 - deleted once frozen: a later @builds fails loudly
+        schema.stored_as = stored_as  # unannotated: no field (dataclass() works in place)
+        _BUILDING[target] = dataclass(schema)  # noqa: F821 - deleted once frozen: a later @builds fails
         return schema
 
     return add
@@ -38,8 +35,7 @@ _NONE = object()
 
 
 def _f(check: Callable | None = None, absent=_NONE):
-    """A field; `absent`: for a key added (or made non-null) after checkpoints were written without it (or with
-    null), what their configs mean. A field with `absent` is not Optional, or its `absent` is None."""
+    """A field; `absent`: what a config written without the key (or with null, before it could not be) means."""
     meta = {"check": check} if check else {}
     if absent is not _NONE:
         meta["absent"] = absent
@@ -74,17 +70,16 @@ class TrainerConf:
     batch_size: int = _f(checks.at_least(1))
     dtype: Dtype = _f()
     eval_every: int = _f(checks.at_least(0))
-    eval_batches: int | None = _f(checks.null_or_at_least(1), absent=None)
+    eval_batches: int | None = _f(checks.at_least(1, null=True), absent=None)
     eval_at_start: bool = _f(absent=False)  # an evaluation before the first update
     log_every: int = _f(checks.at_least(0))
     progress_bar: bool | None = _f()
     on_nonfinite: NonFinite = _f()
     max_time: str | None = _f(checks.duration_or_null)
     accumulate: int = _f(checks.at_least(1))  # micro-batches (of batch_size) per update
-    # the largest global L2 norm of a gradient; 0 = no clipping
-    grad_clip: float = _f(checks.at_least(0))
+    grad_clip: float = _f(checks.at_least(0))  # the largest global L2 norm of a gradient; 0: none
     shards: int = _f(checks.at_least(1))
-    threads: int | None = _f(checks.null_or_at_least(1))
+    threads: int | None = _f(checks.at_least(1, null=True))
     profile: bool = _f(absent=False)
 
     @staticmethod
@@ -206,10 +201,14 @@ class CadenceConf(Node):
     every_steps: int = _f(checks.at_least(0))
 
 
-@builds("pipeline.run.plan.Resume", "stage/resume")
-class ResumeStageConf(Node):
+@dataclass
+class ResumeConf:
     source: str = _f()
-    allow_changes: list[str] = _f()
+    allow_changes: list[str] = _f()  # dotted keys allowed to differ from the checkpoint
+
+
+@builds("pipeline.run.plan.Resume", "stage/resume")
+class ResumeStageConf(ResumeConf, Node):
     order: int = _f()
 
 
@@ -247,12 +246,6 @@ class EarlyStopStageConf(Node):
 @builds("pipeline.stages.final.Final", "stage/final")
 class FinalStageConf(Node):
     order: int = _f()
-
-
-@dataclass
-class ResumeConf:
-    source: str = _f()
-    allow_changes: list[str] = _f()  # dotted keys allowed to differ from the checkpoint
 
 
 @builds("pipeline.tracking.mlflow_tracker.MlflowTracker", "tracking/mlflow")
@@ -300,8 +293,7 @@ class Config:
 def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
     node = as_written_now(node)
     known = [f.name for f in fields(schema)]
-    # `+trainer.max_stpes=3` passes Hydra: a typo here
-    for key in sorted(set(node) - set(known) - {"_target_"}):
+    for key in sorted(set(node) - set(known) - {"_target_"}):  # a `+key=` typo passes Hydra
         near = difflib.get_close_matches(str(key), known, n=1)
         hint = f"; did you mean {prefix}{near[0]}?" if near else ""
         errors.append(f"{prefix}{key}: no such key{hint}")
@@ -309,9 +301,8 @@ def _check_node(schema, node: dict, prefix: str, errors: list[str]) -> None:
         value, check = node[f.name], f.metadata.get("check")
         if check is not None and (why := check(value)):
             errors.append(f"{prefix}{f.name}={value!r}: {why}")
-        target = value.get("_target_") if isinstance(value, dict) else None
-        if isinstance(target, str) and target in SCHEMAS:
-            _check_node(SCHEMAS[target], value, f"{prefix}{f.name}.", errors)
+        if isinstance(value, dict) and (typed := SCHEMAS.get(str(value.get("_target_")))):
+            _check_node(typed, value, f"{prefix}{f.name}.", errors)
     if (cross := getattr(schema, "cross", None)) and not any(e.startswith(prefix) for e in errors):
         errors.extend(cross(node))
 
@@ -326,8 +317,7 @@ def _absent(node, key: str = "") -> dict | None:
 
 
 def as_written_now(node, key: str = ""):
-    """A node (at the top-level `key`) written before some keys of its schema existed (or could be null), each at
-    what its absence (or null) means: the one place an old config's missing or null key gets its meaning."""
+    """A node (at the top-level `key`) with each key it lacks (or holds null) at its schema's `absent`."""
     if (absent := _absent(node, key)) is None:
         return node
     return {**node, **{k: v for k, v in absent.items() if node.get(k) is None}}
@@ -339,8 +329,7 @@ def config_written_now(config: dict) -> dict:
 
 
 def as_written_before(config: dict) -> dict:
-    """The config less every key still at what its absence means (its schema's `absent`): what a config written
-    before those keys existed holds, so a key added later at today's behaviour changes no run's identity."""
+    """The config less every key at its schema's `absent`: a key added later at the old behaviour is no change."""
     out = dict(config)
     for key, node in config.items():
         if (absent := _absent(node, key)) is not None:
@@ -348,9 +337,7 @@ def as_written_before(config: dict) -> dict:
     return out
 
 
-# The live values the job passes each kind of part beside its config's keys (run/assemble.py `_call`;
-# docs/own-model.md): kind -> (what its constructor must take, what it is given only if it takes it).
-LIVE = {
+LIVE = {  # kind -> (live values it must take, those it is given if it takes them): assemble._call
     "model": (("spec", "dtype", "rng"), ()),
     "optimizer": (("params",), ()),
     "scheduler": (("optimizer",), ("run_total_steps",)),
@@ -365,9 +352,7 @@ def takes(factory) -> dict[str, inspect.Parameter] | None:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         return {}
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return None
-    return dict(params)
+    return None if any(p.kind is p.VAR_KEYWORD for p in params.values()) else dict(params)
 
 
 def live_problem(kind: str, target: str, factory) -> str | None:
@@ -380,8 +365,7 @@ def live_problem(kind: str, target: str, factory) -> str | None:
 
 
 def check_live(config: dict) -> None:
-    """ConfigError, one line, for a part whose class lacks a live value its kind needs (before anything is built;
-    a class that cannot be imported is left to the job's own refusal of it)."""
+    """ConfigError for a part whose class lacks a live value of its kind (one it cannot import: the job's to say)."""
     from hydra._internal.utils import _locate  # get_class, less its log line of a failed import
 
     for kind, (needed, _) in LIVE.items():
@@ -397,20 +381,17 @@ def check_live(config: dict) -> None:
 
 
 def validate(config: dict) -> None:
-    """ConfigError listing every value out of range (a field's check is in its metadata), before the job creates
-    anything on disk; Hydra has checked types and keys while composing."""
+    """ConfigError listing every value out of range (its field's `check`), before the job creates anything."""
     errors: list[str] = []
     if "name" in config and (why := names.problem(config["name"])):
         errors.append(f"name={names.shown(config['name'])}: {why}")
     fixed = dict(trainer=TrainerConf, resume=ResumeConf, checkpoint=CadenceConf, verify=VerifyConf)
-    for key, schema in fixed.items():
-        if isinstance(config.get(key), dict):
-            _check_node(schema, config[key], f"{key}.", errors)
-    nodes = [(k, config.get(k)) for k in ("model", "optimizer", "scheduler", "data", "tracking")]
+    nodes: list[tuple[str, Any]] = [(k, config.get(k)) for k in (*fixed, *LIVE)]  # LIVE: the parts
     nodes += [(f"stages.{name}", node) for name, node in (config.get("stages") or {}).items()]
     for key, node in nodes:
-        if isinstance(node, dict) and node.get("_target_") in SCHEMAS:
-            schema = SCHEMAS[node["_target_"]]
+        if not isinstance(node, dict):
+            continue
+        if schema := fixed.get(key) or SCHEMAS.get(str(node.get("_target_"))):
             # a stage added by override (+stages.NAME={...}) is not typed while composing: it names every key
             keys = ", ".join(f.name for f in fields(schema))
             missing = ", ".join(n for n in keys.split(", ") if n not in as_written_now(node))

@@ -13,20 +13,14 @@ from pipeline.config.errors import ConfigError
 
 HINT = "give your config directory with hydra.searchpath=[...] to use your own classes"
 
-
-# The top-level node each of the pipeline's own packages (`pipeline.<package>.*`) is built under: a shipped class
-# elsewhere (a corpus where a stage is: it writes where `cache_dir` says) is refused like an unknown one; a class
-# conf/ names is held to the very slots conf/ builds it in (`slots()`): a cadence is no stage, a stage no cadence.
+# The node each pipeline package's classes are built under (elsewhere: refused); conf/'s own: only in its `slots()`
 PLACES = {k: k for k in ("model", "data", "optimizer", "scheduler", "stages", "tracking")}
 PLACES |= {"checkpoint": "stages", "hydra": "tracking"}
-
-
 TOPS = ("model", "data", "optimizer", "scheduler", "tracking", "checkpoint")
 
 
 def slot(keys: tuple[str, ...]) -> str:
-    """The slot a node at `keys` is built in: one of TOPS (a stage's `cadence` is a `checkpoint`),
-    `stages.<name>`, `hydra.callbacks.<name>`; anywhere else, its own dotted path."""
+    """The slot a node at `keys` is built in (a stage's `cadence` is a `checkpoint`); elsewhere, its dotted path."""
     if len(keys) == 1 and keys[0] in TOPS:
         return keys[0]
     if len(keys) == 2 and keys[0] == "stages":
@@ -49,28 +43,28 @@ def named(tree) -> set[str]:
     return set(out)
 
 
-def _item(keys: tuple[str, ...], i: int) -> tuple[str, ...]:
-    """The keys of a list's item `i` (`stages.a[0]`)."""
-    return (*keys[:-1], f"{keys[-1] if keys else ''}[{i}]")
+def _nodes(tree, keys: tuple[str, ...] = ()):
+    """(keys, node) for a tree of dicts and lists and every node in it, parents first (a list's item: `a[0]`)."""
+    yield keys, tree
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _nodes(v, (*keys, str(k)))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _nodes(v, (*keys[:-1], f"{keys[-1] if keys else ''}[{i}]"))
 
 
 def _placed(tree, keys: tuple[str, ...], out: dict[str, set[str]]) -> None:
     """Every string `_target_` in a tree, by the slot it is at."""
-    if isinstance(tree, list):
-        for i, v in enumerate(tree):
-            _placed(v, _item(keys, i), out)
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            if k == "_target_" and isinstance(v, str) and "${" not in v:
-                out.setdefault(v, set()).add(slot(keys))
-            else:
-                _placed(v, (*keys, str(k)), out)
+    for at, node in _nodes(tree, keys):
+        target = node.get("_target_") if isinstance(node, dict) else None
+        if isinstance(target, str) and "${" not in target:
+            out.setdefault(target, set()).add(slot(at))
 
 
 @cache
 def _shipped() -> dict[str, set[str]]:
-    """Every target the YAML files of the package's conf/ tree name, by the slots (`slot()`) it is at: a file is
-    composed at its group's folders (the root for config.yaml and a `# @package _global_` file)."""
+    """Every target conf/'s YAML files name, by its slots (a file at its group, `# @package _global_` at the top)."""
     import yaml
 
     out: dict[str, set[str]] = {}
@@ -101,7 +95,6 @@ def searched(searchpath: tuple[str, ...]) -> set[str]:
     from hydra._internal.core_plugins import importlib_resources_config_source as packages
     from hydra.core.object_type import ObjectType
 
-    # file:// and pkg://
     for source_type in (files.FileConfigSource, packages.ImportlibResourcesConfigSource):
         sources_registry.SourcesRegistry.instance().register(source_type)
     csp = config_search_path_impl.ConfigSearchPathImpl()
@@ -151,8 +144,7 @@ def literal(text: str) -> str:
 
 
 def hydra_quoted(text: str) -> str:
-    """`text` as one override value, alone or in a list, that Hydra's parser reads back as exactly `text` (as it
-    takes hydra.searchpath's entries); quote `literal(text)` for a value read from the resolved config."""
+    """`text` as an override value (alone or in a list) Hydra reads back as `text` (resolved: quote literal(text))."""
     # no `/`: `true`, `null`, `1.5` would not be text; ASCII only: Hydra's lexer takes no other letter unquoted
     if "/" in text and re.fullmatch(r"[\w/.:@%+-]+", text, re.ASCII):
         return text
@@ -164,8 +156,7 @@ def hydra_quoted(text: str) -> str:
 
 @cache
 def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
-    """What the pipeline's configs, the user's `hydra.searchpath` and the command line name. Nothing is imported to
-    decide but the packages the user's own `pkg://` entries name (Hydra imports them to list their files)."""
+    """What the pipeline's configs, the user's `hydra.searchpath` and the command line name (only `pkg://` imported)."""
     searchpath: tuple[str, ...] = ()
     own: set[str] = set()
     for o in parse_overrides(overrides):
@@ -180,26 +171,21 @@ def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
     return shipped() | frozenset(searched(searchpath)) | frozenset(own)
 
 
-def check(tree, allowed_targets: frozenset[str], path="config", keys: tuple[str, ...] = ()) -> None:
-    """The one test of a config read from a file: UnknownTarget (one line naming the key) for a `_target_` not
-    a string or not allowed, a pipeline class out of its place, or any interpolation (it could name anything)."""
-    if isinstance(tree, dict):
-        if "_target_" in tree:
-            target, where = tree["_target_"], f"{path}._target_"
+def check(tree: dict, allowed_targets: frozenset[str]) -> None:
+    """A config read from a file: UnknownTarget for a `_target_` not allowed or out of its place, or interpolation."""
+    for keys, node in _nodes(tree):
+        path = ".".join(("config", *keys))
+        if isinstance(node, dict) and "_target_" in node:
+            target, where = node["_target_"], f"{path}._target_"
             if not isinstance(target, str):
                 raise UnknownTarget(f"{where} is {target!r:.80}, not the name of a class")
             if "${" not in target and target not in allowed_targets:
                 why = f"{where} names {target!r:.200}, which neither the pipeline's configs nor yours name"
                 raise UnknownTarget(f"{why} ({HINT})")
             _in_place(target, where, keys)
-        for k, v in tree.items():
-            check(v, allowed_targets, f"{path}.{k}", (*keys, str(k)))
-    elif isinstance(tree, list):
-        for i, v in enumerate(tree):
-            check(v, allowed_targets, f"{path}[{i}]", _item(keys, i))
-    elif isinstance(tree, str) and "${" in tree:
-        why = "a saved config is resolved and holds none (it would be resolved when the node is built)"
-        raise UnknownTarget(f"{path} holds the interpolation {tree!r:.200}; {why}")
+        elif isinstance(node, str) and "${" in node:
+            why = "a saved config is resolved and holds none (it would be resolved when the node is built)"
+            raise UnknownTarget(f"{path} holds the interpolation {node!r:.200}; {why}")
 
 
 def _in_place(target: str, where: str, keys: tuple[str, ...]) -> None:

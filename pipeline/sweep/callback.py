@@ -21,7 +21,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.checkpoint.manifest import git_info
 from pipeline.config import errors
-from pipeline.config.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, ConfigError
 from pipeline.config.identity import experiment_name, is_machine_key
 from pipeline.config.targets import as_given, hydra_quoted, literal, parse_overrides
 from pipeline.files import atomic, jsonio, names, reading
@@ -33,11 +32,9 @@ from pipeline.sweep.summary import best_job, read_jobs, shown_value, sweep_table
 
 log = logging.getLogger("pipeline")
 STORE_WAIT = 0.5  # seconds the launcher gives the tracking store to say whether it can be written
-# Sweeper settings that do not make another sweep: where Optuna keeps the study (set here, in the sweep
-# directory) and how many trials it should hold (a re-run with more continues the same study).
+# Sweeper settings that make no other sweep: where Optuna keeps its study, how many trials (more: the same study)
 NOT_IDENTITY = ("storage", "study_name", "n_trials")
 OPTUNA_DB = "optuna.db"
-GROUPS = ("model", "data")  # what names a sweep's experiment beside its name
 MAX_JOBS = 10_000  # a sweep's bound, counted before the sweeper expands its overrides (docs/tracking.md: Sweeps)
 
 
@@ -57,7 +54,16 @@ def swept(task_overrides: list[str], sweeper_params: dict | None) -> dict[str, s
     return out | {str(k): str(v) for k, v in (sweeper_params or {}).items()}
 
 
-def _stop(message: str, code: int = EXIT_BAD_INPUT) -> None:
+def _record(directory) -> dict:
+    """The sweep directory's sweep.json, {} if it does not read as an object."""
+    try:
+        sweep = jsonio.read(Path(directory) / "sweep.json", MAX_SWEEP_JSON)
+    except (OSError, ValueError):
+        return {}
+    return sweep if isinstance(sweep, dict) else {}
+
+
+def _stop(message: str, code: int = errors.EXIT_BAD_INPUT) -> None:
     """The sweep refused: Hydra makes a warning of a callback's Exception and goes on, not of a Refusal."""
     raise errors.Refusal(errors.CommandError(message, exit_code=code))
 
@@ -106,23 +112,21 @@ def swept_monitor_inputs(keys) -> bool:
 
 
 def refuse_monitors(config: DictConfig, swept_keys) -> None:
-    """A monitor or optimized_metric every job shares that names no metric the jobs log: one line and exit 2,
-    before the sweep writes anything (one a swept key may change is each job's own refusal)."""
+    """A monitor every job shares naming no metric they log: exit 2 before the sweep writes anything."""
     from pipeline.run.assemble import MONITOR_KEYS, check_monitors
 
     if swept_monitor_inputs(swept_keys):
         return
     try:
         check_monitors({k.split(".")[0]: _plain(config.get(k.split(".")[0])) for k in MONITOR_KEYS})
-    except ConfigError as e:
+    except errors.ConfigError as e:
         _stop(str(e))
     except Exception as e:
         log.debug("monitors not checked before the sweep: %s", e)
 
 
 def parent_run(tracking) -> SweepParent:
-    """The parent run through the `tracking` node's tracker's `sweep_parent`; for tracking=none the no-op, and
-    nothing of pipeline/tracking/ is imported."""
+    """The parent run, its tracker's `sweep_parent` (tracking=none: the no-op, nothing of tracking/ imported)."""
     node = _plain(tracking)
     if not isinstance(node, dict) or not node.get("_target_"):
         return SweepParent()
@@ -135,13 +139,11 @@ def parent_run(tracking) -> SweepParent:
 
 
 def job_of(hydra_cfg) -> SweepJob:
-    """The job a multirun's task runs, from sweep.json and Hydra's job number and overrides; without a directory
-    if there is no sweep callback, `unreadable` (bad input, one line) if sweep.json is not a sweep's record."""
+    """The job a multirun's task runs (no directory without a sweep callback; `unreadable`: a damaged sweep.json)."""
     ours = f"{__name__}.{SweepCallback.__name__}"
     callbacks = (hydra_cfg.get("callbacks") or {}).values()
     if not any(isinstance(c, (dict, DictConfig)) and c.get("_target_") == ours for c in callbacks):
         return SweepJob()
-    # the launcher's override: <output_dir>/sweeps/<name>-<id>
     directory, overrides = Path(str(hydra_cfg.sweep.dir)), as_given(hydra_cfg.overrides.task)
     path, num = directory / "sweep.json", int(hydra_cfg.job.get("num", 0))
     problem: str | None = None
@@ -199,13 +201,10 @@ class SweepCallback(Callback):
         refuse_monitors(config, keys := swept(task, sweeper.get("params")))
         try:
             self._start(config, hydra, task, sweeper, identity, keys)
-        # a link planted at sweeps/ (or another of the output directory's entries)
-        except atomic.UnsafePathError as e:
-            _stop(str(e))
-        except OSError as e:
-            if (message := atomic.environment_error(e)) is None:
+        except OSError as e:  # a link planted at sweeps/ (or elsewhere), a full disk
+            if (said := errors.exit_code(e)) is None:
                 raise
-            _stop(message, errors.EXIT_ERROR)
+            _stop(said[1], said[0])
 
     def _start(self, config, hydra, task: list, sweeper: dict, identity: dict, keys: dict) -> None:
         sweep_id = hashlib.sha256(jsonio.dumps(identity, canonical=True)).hexdigest()[:12]
@@ -213,8 +212,7 @@ class SweepCallback(Callback):
         atomic.check_output_dir(output_dir)  # before its files are read or anything is made
         named = f"{identity['name'] or 'sweep'}-{sweep_id}"
         target = Path(os.path.abspath(output_dir), "sweeps", named)
-        # what the launcher writes before its first job, as it was (None: absent); a study found there
-        # stays as it is, and so does a file that does not read
+        # what the launcher writes before its first job, as it was (None: absent; a study, a file not read: kept)
         files: dict[str, bytes | None] = {}
         for name in ("sweep.json", "multirun.yaml", OPTUNA_DB):
             if not os.path.lexists(target / name):
@@ -233,11 +231,7 @@ class SweepCallback(Callback):
         # best-val's mode (conf/stages/default.yaml); without that stage the jobs return NaN, either way round
         direction = "maximize" if best_val.get("mode") == "max" else "minimize"
         optuna = "optuna" in str(sweeper.get("_target_", ""))
-        try:
-            previous = jsonio.read(directory / "sweep.json", MAX_SWEEP_JSON)
-        except (OSError, ValueError):
-            previous = {}
-        started = previous.get("started") if isinstance(previous, dict) else None
+        started = _record(directory).get("started")
         started = started if isinstance(started, (int, float)) else time.time()
         offset = _optuna_study(hydra, sweeper, directory, sweep_id, direction) if optuna else 0
         objective = f"best/{best_val['monitor']}" if best_val else None
@@ -248,13 +242,12 @@ class SweepCallback(Callback):
         sweep |= {"status": "running", "pid": os.getpid(), "host": socket.gethostname()}
         sweep |= {"git_sha": git_info().get("git_sha"), "job_offset": offset}
         # the parent's experiment, also for a sweep tracked by none (reindex puts the parent beside its children)
-        parts = (str(OmegaConf.select(config, f"{g}._target_", default="")) for g in GROUPS)
+        parts = (OmegaConf.select(config, f"{g}._target_", default="") for g in ("model", "data"))
         sweep["experiment"] = experiment_name(identity["name"], *parts)
         self.sweep = sweep | self.parent.facts(timeout=STORE_WAIT)
         atomic.replace_file(directory / "sweep.json", jsonio.dumps(self.sweep))
         self.launcher_pid = os.getpid()
-        # Where the jobs run in this process, the parent run and the sweep's line wait for its first job (Hydra composes
-        # them all first: a sweep refused then leaves no parent run, one line); other launchers' jobs need it at once.
+        # the basic launcher's parent run waits for its first job (a sweep Hydra refuses then leaves none, one line)
         if not self.sweep["launcher"].endswith(".BasicLauncher"):
             self._launching()
         else:
@@ -273,12 +266,11 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         """The table on stderr; `code`, the entry's exit: 0 if all completed, 75 if interrupted, else a failed job's."""
         if self.sweep is not None:
-            self.code = _report(end(self.sweep, None, self.parent))
+            self.code = end(self.sweep, None, self.parent)
 
     # --- the entry point, when the sweeper or Hydra raised in the launching process
     def raised(self, e: Exception, job_began: bool) -> int | None:
-        """End this sweep after `e`, its code once its table and exit line are printed (a full or read-only disk said
-        in sweep.json); refused before any job ran or signal came and before its parent run was asked for: nothing."""
+        """End this sweep after `e`, its code once its end is printed (refused before a job or signal: undone)."""
         self.code = None  # only an end said here makes a code of the exception
         with contextlib.suppress(OSError):
             if (message := atomic.environment_error(e)) is not None:
@@ -288,8 +280,7 @@ class SweepCallback(Callback):
         return self.code
 
     def discard_unlaunched(self) -> bool:
-        """Undo the start if no job ran (no sweep left `running`); False if it had a job, an index was asked for its
-        parent run (its record and first start stay, for a re-run and a rebuild), or nothing to undo."""
+        """Undo the start if no job ran; False if one did, its parent run was indexed (kept), or nothing to undo."""
         start, self.start = self.start, None
         if start is None or self.indexed:
             return False
@@ -308,63 +299,51 @@ class SweepCallback(Callback):
         return True
 
     def end_unfinished(self, error: str) -> bool:
-        """End this sweep if its sweeper raised in its launching process before it ended: as at a sweep's end
-        (interrupted: exit 75, whatever its sweeper made of the signal; failed jobs: their code)."""
+        """End this sweep, its sweeper raised in its launching process, as at its end (`code`: 75 or a failed job's)."""
         if self.sweep is None:
             return False
-        try:
-            sweep = jsonio.read(Path(self.sweep["dir"]) / "sweep.json", MAX_SWEEP_JSON)
-        except (OSError, ValueError):
+        sweep, mine = _record(self.sweep["dir"]), (os.getpid(), socket.gethostname(), "running")
+        if tuple(map(sweep.get, ("pid", "host", "status"))) != mine:
             return False
-        mine = (os.getpid(), socket.gethostname(), "running")
-        if not isinstance(sweep, dict) or tuple(map(sweep.get, ("pid", "host", "status"))) != mine:
-            return False
-        summary = end(sweep, error, self.parent)
         # what its sweeper stumbled on (Optuna's best trial, when none completed): the table, failures, code
-        if summary["status"] == "interrupted" or summary["failed"]:
-            self.code = _report(summary)
+        if (code := end(sweep, error, self.parent, quiet=True)) is not None:
+            self.code = code
         return True
 
 
-def _report(summary: dict) -> int:
-    """The end table on stderr, then the exit line unless every job of this launch completed; the exit code."""
-    say = functools.partial(print, file=sys.stderr)
-    say(*summary["table"], sep="\n")
-    failed, of = summary["failed"], f"of {len(summary['jobs'])} jobs"
-    if summary["status"] == "interrupted":
-        said = f"{len(failed)} {of} did not finish" if summary["jobs"] else "no job ran"
-        say(f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it")
-        return EXIT_PREEMPTED
-    if not failed:
-        return 0
-    each = (
-        f"job {n} ({j.get('name', '')}): {j.get('error', j.get('status'))}"
-        for n, j in failed.items()
-    )
-    say(f"pipeline: {len(failed)} {of} failed: {'; '.join(each)}")
-    return min(int(j.get("code", 1)) for j in failed.values())
-
-
-def end(sweep: dict, error: str | None, parent: SweepParent) -> dict:
-    """The sweep's outcome from its jobs' records, into sweep.json and its parent run."""
+def end(sweep: dict, error: str | None, parent: SweepParent, quiet: bool = False) -> int | None:
+    """The sweep's outcome from its jobs' records, into sweep.json and its parent run; its table on stderr, then the
+    exit line unless every job of this launch completed; the exit code (`quiet`: if all completed, None, unsaid)."""
     directory = Path(sweep["dir"])
     jobs = read_jobs(directory)
-    # what this launch ran: an Optuna study's earlier trials are never run again (a failed one is replaced), so only
-    # its new ones (from job_offset) decide whether the sweep still has work for a re-run
+    # what this launch ran: only an Optuna study's new trials (from job_offset) say if a re-run has work left
     launched = {n: j for n, j in jobs.items() if n >= int(sweep.get("job_offset") or 0)}
     failed = {n: j for n, j in launched.items() if j.get("status") != "complete"}
-    stopped = any(j.get("code") == EXIT_PREEMPTED for j in launched.values())
+    stopped = any(j.get("code") == errors.EXIT_PREEMPTED for j in launched.values())
     interrupted = SIGNALS_STATE.received is not None or stopped
     status = "interrupted" if interrupted else ("failed" if failed or error else "complete")
     sweep.update(status=status, ended_at=time.time(), error=error)
     atomic.replace_file(directory / "sweep.json", jsonio.dumps(sweep))
     table = sweep_table(sweep, jobs, best_job(jobs, sweep), parent.end(sweep))
-    return {"status": status, "failed": failed, "jobs": jobs, "table": table}
+    if quiet and not (interrupted or failed):
+        return None
+    say = functools.partial(print, file=sys.stderr)
+    say(*table, sep="\n")
+    of = f"of {len(jobs)} jobs"
+    if interrupted:
+        said = f"{len(failed)} {of} did not finish" if jobs else "no job ran"
+        say(f"pipeline: the sweep was interrupted; {said}: re-run the same command to continue it")
+        return errors.EXIT_PREEMPTED
+    if not failed:
+        return 0
+    each = {n: (j.get("name", ""), j.get("error", j.get("status"))) for n, j in failed.items()}
+    said = "; ".join(f"job {n} ({name}): {why}" for n, (name, why) in each.items())
+    say(f"pipeline: {len(failed)} {of} failed: {said}")
+    return min(int(j.get("code", 1)) for j in failed.values())
 
 
 def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str, direction: str) -> int:
-    """Point the Optuna sweeper at a study in the sweep directory (unless the command names one), asking only for
-    the trials it lacks, in `direction` unless the command gives one; returns how many it holds (its next number)."""
+    """The Optuna sweeper at a study in the sweep directory (unless named), for the trials it lacks; how many it has."""
     url = f"sqlite:///{directory / OPTUNA_DB}"
     ours = {"_target_": "pipeline.sweep.optuna_storage.storage", "url": url}
     storage = sweeper.get("storage") or ours
@@ -379,8 +358,7 @@ def _optuna_study(hydra, sweeper: dict, directory: Path, sweep_id: str, directio
             trials = study.get_trials(deepcopy=False)
         except KeyError:  # no such study in that storage yet
             trials = []
-        held = len(trials)
-        done = sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+        held, done = len(trials), sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
     given = ("hydra.sweeper.direction=", "++hydra.sweeper.direction=")
     with open_dict(hydra.sweeper):
         hydra.sweeper.storage, hydra.sweeper.study_name = storage, name

@@ -15,12 +15,10 @@ from optuna.storages._cached_storage import _CachedStorage
 
 
 def storage(url: str):
-    """The storage optuna.create_study would make of `url`, with its schema version recorded: optuna 2 stamps it
-    on a connection it never commits, which SQLAlchemy 2 rolls back (the next check fails, a bare AssertionError)."""
+    """optuna.create_study's storage of `url`, its schema version committed (SQLAlchemy 2 rolls optuna 2's back)."""
     for name in ("alembic", "alembic.runtime.plugins"):  # its migrations' INFO lines: quiet here
         logging.getLogger(name).setLevel(logging.WARNING)
-    # its alembic head, in a committed transaction where the store lacks it: RDBStorage then finds it and stamps
-    # nothing (a new store's tables are made at that head)
+    # its alembic head, committed where the store lacks it: RDBStorage then finds it and stamps nothing
     here = Path(rdb.__file__).parent
     config = alembic.config.Config(str(here / "alembic.ini"))
     config.set_main_option("script_location", rdb.escape_alembic_config_value(f"{here}/alembic"))

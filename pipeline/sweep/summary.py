@@ -49,15 +49,13 @@ def best_job(jobs: dict[int, dict], sweep: dict) -> dict | None:
     return pick(scored, key=lambda j: j["objective"]) if scored else None
 
 
-# significant digits of a swept float in a run's name (mlflow's column cuts 18 to `0.0…`)
-SHOWN_DIGITS = 4
+SHOWN_DIGITS = 4  # significant digits of a swept float in a run's name (mlflow cuts 18 to `0.0…`)
 TABLE_DIGITS = 6  # ... and in the end table, as a job's own lines print its numbers (`:.6g`)
 _FLOAT = re.compile(r"[+-]?(\d+\.\d*|\.\d+|\d+(\.\d*)?[eE][+-]?\d+)")
 
 
 def shown_value(value: str, digits: int = SHOWN_DIGITS) -> str:
-    """A float literal with at most `digits` significant digits (`0.0031622776601683794` -> `0.003162`; the
-    run's params hold it exactly); `1.0`, `1e-4` and anything else as given."""
+    """A float literal cut to `digits` significant digits (`0.0031622776601683794` -> `0.003162`), else as given."""
     short = f"{float(value):.{digits}g}" if _FLOAT.fullmatch(value) else value
     return value if short == value or float(short) == float(value) else short
 
@@ -97,10 +95,9 @@ def sweep_table(sweep: dict, jobs: dict[int, dict], best: dict | None, parent: l
     rows = [["job", *keys, objective, "status"]]
     for j in shown:
         values = swept_values(j.get("overrides") or [], keys)
-        v = finite(j.get("objective"))
         cells = [shown_value(values.get(k, ""), TABLE_DIGITS) for k in keys]
         cells = [c if len(c) <= MAX_CELL else c[: MAX_CELL - 3] + "..." for c in cells]
-        shown_v = "-" if v is None else f"{v:.6g}"
+        shown_v = "-" if (v := finite(j.get("objective"))) is None else f"{v:.6g}"
         rows.append([str(j["num"]), *cells, shown_v, str(j.get("status", "unknown"))])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     # the job number and the objective: right-aligned

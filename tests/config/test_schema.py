@@ -64,6 +64,15 @@ def test_a_bad_value_is_one_line_naming_the_key_value_and_range(override, words,
     assert words in str(info.value) and "\n" not in str(info.value)
 
 
+def test_an_integer_past_a_floats_range_is_checked_not_a_crash(tmp_path):
+    huge = "9" * 400
+    with pytest.raises(ConfigError, match=r"trainer\.batch_size=-9+: must be a number >= 1"):
+        validate(
+            config_of(*KERNODECK, f"trainer.batch_size=-{huge}", f"paths.output_dir={tmp_path}")
+        )
+    validate(config_of(*KERNODECK, f"trainer.max_steps={huge}", f"paths.output_dir={tmp_path}"))
+
+
 def test_no_training_at_all_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.max_steps=0 and trainer.epochs=0"):
         validate(

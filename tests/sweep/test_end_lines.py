@@ -98,27 +98,23 @@ def test_a_slurm_that_cannot_be_reached_is_said_so_with_its_own_code_and_nothing
 
 
 @pytest.mark.parametrize(
-    ("status", "failed", "code"),
+    ("status", "jobs", "code"),
     [
-        ("completed", {}, 0),
-        ("interrupted", {}, 75),
-        ("failed", {"1": {"code": 3}, "0": {"code": 2}}, 2),
+        ("completed", {0: {"status": "complete"}, 1: {"status": "complete"}}, 0),
+        ("interrupted", {0: {"status": "complete"}, 1: {"code": 75}}, 75),
+        ("failed", {1: {"code": 3}, 0: {"code": 2}}, 2),
     ],
 )
 def test_a_sweeps_end_is_a_code_the_entry_exits_with_not_an_exit_inside_hydra(
-    monkeypatch, capsys, status, failed, code
+    monkeypatch, capsys, tmp_path, status, jobs, code
 ):
     from pipeline.sweep import callback
 
-    summary = {
-        "table": ["the table"],
-        "status": status,
-        "failed": failed,
-        "jobs": {"0": {}, "1": {}},
-    }
-    monkeypatch.setattr(callback, "end", lambda sweep, error, parent: summary)
+    monkeypatch.setattr(callback, "read_jobs", lambda directory: jobs)
+    monkeypatch.setattr(callback, "best_job", lambda jobs, sweep: None)
+    monkeypatch.setattr(callback, "sweep_table", lambda *args: ["the table"])
     sweep = callback.SweepCallback()
-    sweep.sweep = {"id": "x"}
+    sweep.sweep = {"id": "x", "dir": str(tmp_path)}
     assert sweep.on_multirun_end(None) is None  # Hydra's callback returns: only the entry exits
     assert sweep.code == code
     err = capsys.readouterr().err
