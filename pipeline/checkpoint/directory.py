@@ -247,8 +247,9 @@ class CheckpointDir:
         weights, other, extra = _by_file(tree)
         os.makedirs(directory.parent, exist_ok=True)
         atomic.remove_temporaries(directory.parent)
+        # a signal or an error mid-save: the half-made temporary goes now or at the next save
         tmp = atomic.new_temp_dir(directory.parent, directory.name)
-        try:
+        with atomic.temporary(tmp, directory):
             # each file hashed as written, fsynced before listed; the tensor files side by side (sha256 < disk)
             with ThreadPoolExecutor(1, thread_name_prefix="save-weights") as pool:
                 weights_entry = pool.submit(tensors.write_tensors, tmp / WEIGHTS, weights)
@@ -265,12 +266,6 @@ class CheckpointDir:
             killpoint.point("save", "before rename")
             atomic.publish_dir(tmp, directory, replace=replace)
             killpoint.point("save", "after rename")
-        except BaseException as e:
-            # a signal or an error mid-save: the half-made temporary goes now or at the next save
-            atomic.remove_tree(tmp)
-            if isinstance(e, OSError) and str(e.filename or "").startswith(str(tmp)):
-                e.filename = str(directory)  # the checkpoint being saved, not its temporary
-            raise
         return manifest
 
     def manifest(self) -> dict:
