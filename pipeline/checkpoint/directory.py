@@ -170,8 +170,9 @@ def files_of(e: StateMismatch, saved: dict, live: dict) -> str:
     return " and ".join(f for f in (WEIGHTS, OPTIM, EXTRA) if f in files) or EXTRA
 
 
-def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[str, str] | None:
+def _step_witnesses(directory: Path, manifest_step: int, progress) -> tuple[str, str] | None:
     """(file(s), reason) if manifest.json's step, extra.json's progress.step and the directory's name disagree."""
+    saved_step = progress.get("step") if isinstance(progress, dict) else None
     m = STEP_DIR.match(directory.name)
     named = int(m.group(1)) if m else None
     # JSON true == 1 and 10.0 == 10 in Python
@@ -383,9 +384,7 @@ class CheckpointDir:
         tree["model"] = weights
         if missing := [p for p in PARTS if p not in tree]:
             raise CheckpointError(directory, EXTRA, f"lacks the state of {missing}")
-        progress = tree["progress"]
-        saved_step = progress.get("step") if isinstance(progress, dict) else None
-        if lie := _step_witnesses(directory, manifest["step"], saved_step):
+        if lie := _step_witnesses(directory, manifest["step"], tree["progress"]):
             raise CheckpointError(directory, *lie)
         if parts is not None and live is not None:
             try:

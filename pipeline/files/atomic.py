@@ -259,12 +259,8 @@ def move(src: Path, dst: Path, copy: Callable[[Path, Path], None] | None = None)
 
 def _entries(root: Path) -> set[tuple[str, bool]]:
     """(relative path, is a regular file) of everything under `root` (links not followed); a file: nothing."""
-    out = set()
-    for parent, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(parent, name)
-            out.add((os.path.relpath(path, root), stat.S_ISREG(os.lstat(path).st_mode)))
-    return out
+    walked = (os.path.join(top, n) for top, dirs, files in os.walk(root) for n in dirs + files)
+    return {(os.path.relpath(p, root), stat.S_ISREG(os.lstat(p).st_mode)) for p in walked}
 
 
 def discard_dir(directory: Path) -> None:

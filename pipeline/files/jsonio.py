@@ -126,8 +126,6 @@ def read(path, limit: int):
 def flatten(tree, sep: str = ".", prefix: str = "") -> dict:
     """Every leaf of a nested dict (an empty dict is one) by its `sep`-joined path."""
     if isinstance(tree, dict) and tree:
-        out = {}
-        for k, v in tree.items():
-            out.update(flatten(v, sep, f"{prefix}{k}{sep}"))
-        return out
+        flat = (flatten(v, sep, f"{prefix}{k}{sep}") for k, v in tree.items())
+        return {path: leaf for one in flat for path, leaf in one.items()}
     return {prefix[: -len(sep)]: tree} if prefix else {}
