@@ -286,14 +286,12 @@ def replace_link(link: Path, target_name: str) -> None:
 
 def remove_tree(path: Path) -> None:
     """Remove a file, link or directory tree without following links out of it."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: never follows a link inside
-    else:
-        with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError):  # gone already
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(
+                path, ignore_errors=True
+            )  # fd-based on Linux: never follows a link inside
+        else:
             os.unlink(path)
 
 
