@@ -342,9 +342,8 @@ class CheckpointDir:
             raise CheckpointError(self.path, "", "not a directory")
         manifest = CheckpointDir(directory).manifest()
         listed = manifest["files"]
-        for name in REQUIRED_BY[manifest["schema_version"]]:
-            if name not in listed:
-                raise CheckpointError(directory, MANIFEST, f"does not list {name}")
+        if unlisted := [n for n in REQUIRED_BY[manifest["schema_version"]] if n not in listed]:
+            raise CheckpointError(directory, MANIFEST, f"does not list {unlisted[0]}")
         # the files are hashed as they are read (load), not here
         if problem := next(listing.problems(directory, listed, MANIFEST, hashed=False), None):
             raise CheckpointError(directory, f"{problem[0]:.100}", problem[1])
