@@ -224,9 +224,8 @@ def read_tensors(
                 raise LayoutMisfit(nearest)
             for name, dtype, shape, nbytes in entries:
                 a = np.empty(shape, dtype=dtype)
-                data = _bytes_of(a)
                 for i in range(0, nbytes, CHUNK):
-                    _read_exact(f, data[i : i + CHUNK], h)
+                    _read_exact(f, _bytes_of(a)[i : i + CHUNK], h)
                 arrays[name] = a if dtype.isnative else a.astype(dtype.newbyteorder("="))
             if f.read(1):
                 raise _Malformed("the file grew while it was read")
