@@ -170,8 +170,9 @@ def files_of(e: StateMismatch, saved: dict, live: dict) -> str:
     return " and ".join(f for f in (WEIGHTS, OPTIM, EXTRA) if f in files) or EXTRA
 
 
-def _step_witnesses(directory: Path, manifest_step: int, saved_step) -> tuple[str, str] | None:
+def _step_witnesses(directory: Path, manifest_step: int, progress) -> tuple[str, str] | None:
     """(file(s), reason) if manifest.json's step, extra.json's progress.step and the directory's name disagree."""
+    saved_step = progress.get("step") if isinstance(progress, dict) else None
     m = STEP_DIR.match(directory.name)
     named = int(m.group(1)) if m else None
     # JSON true == 1 and 10.0 == 10 in Python
@@ -247,8 +248,9 @@ class CheckpointDir:
         weights, other, extra = _by_file(tree)
         os.makedirs(directory.parent, exist_ok=True)
         atomic.remove_temporaries(directory.parent)
+        # a signal or an error mid-save: the half-made temporary goes now or at the next save
         tmp = atomic.new_temp_dir(directory.parent, directory.name)
-        try:
+        with atomic.temporary(tmp, directory):
             # each file hashed as written, fsynced before listed; the tensor files side by side (sha256 < disk)
             with ThreadPoolExecutor(1, thread_name_prefix="save-weights") as pool:
                 weights_entry = pool.submit(tensors.write_tensors, tmp / WEIGHTS, weights)
@@ -265,12 +267,6 @@ class CheckpointDir:
             killpoint.point("save", "before rename")
             atomic.publish_dir(tmp, directory, replace=replace)
             killpoint.point("save", "after rename")
-        except BaseException as e:
-            # a signal or an error mid-save: the half-made temporary goes now or at the next save
-            atomic.remove_tree(tmp)
-            if isinstance(e, OSError) and str(e.filename or "").startswith(str(tmp)):
-                e.filename = str(directory)  # the checkpoint being saved, not its temporary
-            raise
         return manifest
 
     def manifest(self) -> dict:
@@ -346,9 +342,8 @@ class CheckpointDir:
             raise CheckpointError(self.path, "", "not a directory")
         manifest = CheckpointDir(directory).manifest()
         listed = manifest["files"]
-        for name in REQUIRED_BY[manifest["schema_version"]]:
-            if name not in listed:
-                raise CheckpointError(directory, MANIFEST, f"does not list {name}")
+        if unlisted := [n for n in REQUIRED_BY[manifest["schema_version"]] if n not in listed]:
+            raise CheckpointError(directory, MANIFEST, f"does not list {unlisted[0]}")
         # the files are hashed as they are read (load), not here
         if problem := next(listing.problems(directory, listed, MANIFEST, hashed=False), None):
             raise CheckpointError(directory, f"{problem[0]:.100}", problem[1])
@@ -388,9 +383,7 @@ class CheckpointDir:
         tree["model"] = weights
         if missing := [p for p in PARTS if p not in tree]:
             raise CheckpointError(directory, EXTRA, f"lacks the state of {missing}")
-        progress = tree["progress"]
-        saved_step = progress.get("step") if isinstance(progress, dict) else None
-        if lie := _step_witnesses(directory, manifest["step"], saved_step):
+        if lie := _step_witnesses(directory, manifest["step"], tree["progress"]):
             raise CheckpointError(directory, *lie)
         if parts is not None and live is not None:
             try:

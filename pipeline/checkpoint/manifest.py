@@ -114,10 +114,8 @@ def run_facts(config: dict, ident: Identity, data_hash: str, spec: dict, data_fa
     hashes = dict(config_hash=ident.config_hash, semantic_config_hash=ident.semantic_hash)
     data = dict(data_manifest_hash=data_hash, data_spec=dict(spec), sources=dict(ident.sources))
     run = dict(config=config, seed=config["trainer"]["seed"], mlflow_run_uri=None)
-    machine = dict(
-        versions=versions(), hardware=hardware(), code_sha256=code_sha256(), **git_info()
-    )
-    return {DATA_FACTS: data_facts, **hashes, **data, **run, **machine}
+    machine = dict(versions=versions(), hardware=hardware(), code_sha256=code_sha256())
+    return {DATA_FACTS: data_facts, **hashes, **data, **run, **machine, **git_info()}
 
 
 def build(facts: dict, *, step: int, epoch: int, metrics: dict, tags: list, lineage: dict) -> dict:

@@ -92,12 +92,9 @@ def write_tensors(path: Path, arrays: dict, metadata: dict | None = None, fsync=
     # Metadata sorted: the library serialises it from a hash map whose order changes from process to
     # process, and equal states must give equal bytes (a resumed process re-saves the same step).
     header: dict = {"__metadata__": dict(sorted(meta.items()))}
-    offset = 0
-    for name in order:
+    for name, end in zip(order, itertools.accumulate(unique[n].nbytes for n in order)):
         a = unique[name]
-        span = [offset, offset + a.nbytes]
-        header[name] = dict(dtype=_code(a), shape=list(a.shape), data_offsets=span)
-        offset += a.nbytes
+        header[name] = dict(dtype=_code(a), shape=list(a.shape), data_offsets=[end - a.nbytes, end])
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     head = struct.pack("<Q", len(raw)) + raw
@@ -173,8 +170,7 @@ def layout(arrays: dict[str, np.ndarray]) -> dict:
     """What a file of these arrays holds ({"tensors": {name: (code, shape)}, "aliases", "data_bytes"})."""
     unique, aliases = split_aliases(arrays)
     tensors = {k: (_code(a), tuple(a.shape)) for k, a in unique.items()}
-    data_bytes = sum(a.nbytes for a in unique.values())
-    return {"tensors": tensors, "aliases": aliases, "data_bytes": data_bytes}
+    return dict(tensors=tensors, aliases=aliases, data_bytes=sum(a.nbytes for a in unique.values()))
 
 
 def _layout_reason(entries, aliases: dict, expect: dict) -> str | None:
@@ -228,9 +224,8 @@ def read_tensors(
                 raise LayoutMisfit(nearest)
             for name, dtype, shape, nbytes in entries:
                 a = np.empty(shape, dtype=dtype)
-                data = _bytes_of(a)
                 for i in range(0, nbytes, CHUNK):
-                    _read_exact(f, data[i : i + CHUNK], h)
+                    _read_exact(f, _bytes_of(a)[i : i + CHUNK], h)
                 arrays[name] = a if dtype.isnative else a.astype(dtype.newbyteorder("="))
             if f.read(1):
                 raise _Malformed("the file grew while it was read")

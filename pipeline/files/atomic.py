@@ -108,17 +108,23 @@ def replace_file(path: Path, data: bytes) -> dict:
     """Replace (or create) a regular file atomically: readers see the old bytes or the new, never a mix."""
     path = Path(path)
     refuse_link(path)
-    tmp = temp_name(path)
-    try:
+    with temporary(temp_name(path), path) as tmp:
         entry = write_new(tmp, data)
         os.replace(tmp, path)
-    except BaseException as e:
-        remove_tree(tmp)
-        if isinstance(e, OSError) and e.filename == str(tmp):
-            e.filename = str(path)  # the file the user knows, not its temporary
-        raise
     fsync_dir(path.parent)
     return entry
+
+
+@contextlib.contextmanager
+def temporary(tmp: Path, final: Path):
+    """`tmp`, removed if the block raises (a signal too); an OSError naming it (or in it) names `final` instead."""
+    try:
+        yield tmp
+    except BaseException as e:
+        remove_tree(tmp)
+        if isinstance(e, OSError) and str(e.filename or "").startswith(str(tmp)):
+            e.filename = str(final)  # the path the user knows, not its temporary
+        raise
 
 
 def open_append(path: Path):
@@ -234,8 +240,7 @@ def move(src: Path, dst: Path, copy: Callable[[Path, Path], None] | None = None)
     except OSError as e:
         if not (e.errno == errno.EXDEV or (e.errno == errno.EBUSY and os.path.ismount(src))):
             raise
-    tmp = temp_name(dst)
-    try:
+    with temporary(temp_name(dst), dst) as tmp:
         (copy or second_name)(src, tmp)
         # a planted directory, link or FIFO the copy skips
         if missing := sorted(_entries(src) - _entries(tmp)):
@@ -244,9 +249,6 @@ def move(src: Path, dst: Path, copy: Callable[[Path, Path], None] | None = None)
             raise OSError(errno.EXDEV, why + " the run's filesystem)")
         os.rename(tmp, dst)
         fsync_dir(dst.parent)
-    except BaseException:
-        remove_tree(tmp)
-        raise
     for gone in [src / name for name in os.listdir(src)] if os.path.ismount(src) else [src]:
         if os.path.isdir(gone) and not os.path.islink(gone):
             discard_dir(gone)
@@ -257,12 +259,8 @@ def move(src: Path, dst: Path, copy: Callable[[Path, Path], None] | None = None)
 
 def _entries(root: Path) -> set[tuple[str, bool]]:
     """(relative path, is a regular file) of everything under `root` (links not followed); a file: nothing."""
-    out = set()
-    for parent, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(parent, name)
-            out.add((os.path.relpath(path, root), stat.S_ISREG(os.lstat(path).st_mode)))
-    return out
+    walked = (os.path.join(top, n) for top, dirs, files in os.walk(root) for n in dirs + files)
+    return {(os.path.relpath(p, root), stat.S_ISREG(os.lstat(p).st_mode)) for p in walked}
 
 
 def discard_dir(directory: Path) -> None:
@@ -288,14 +286,12 @@ def replace_link(link: Path, target_name: str) -> None:
 
 def remove_tree(path: Path) -> None:
     """Remove a file, link or directory tree without following links out of it."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: never follows a link inside
-    else:
-        with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError):  # gone already
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(
+                path, ignore_errors=True
+            )  # fd-based on Linux: never follows a link inside
+        else:
             os.unlink(path)
 
 

@@ -58,16 +58,15 @@ def dumps_line(obj) -> str:
     return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False)
 
 
-def _depth(obj) -> int:
-    deepest, stack = 0, [(obj, 1)]
+def _too_deep(obj) -> bool:
+    stack = [(obj, 1)]
     while stack:
         node, d = stack.pop()
         if isinstance(node, (dict, list)):
-            deepest = max(deepest, d)
             if d > MAX_JSON_DEPTH:
-                return d
+                return True
             stack.extend((v, d + 1) for v in (node.values() if isinstance(node, dict) else node))
-    return deepest
+    return False
 
 
 def _reject_constant(name: str):
@@ -110,7 +109,7 @@ def loads(data: bytes | str):
         raise JSONError(f"not UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise JSONError(f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    if _depth(obj) > MAX_JSON_DEPTH:
+    if _too_deep(obj):
         raise JSONError(f"nested deeper than {MAX_JSON_DEPTH} levels")
     return obj
 
@@ -126,8 +125,6 @@ def read(path, limit: int):
 def flatten(tree, sep: str = ".", prefix: str = "") -> dict:
     """Every leaf of a nested dict (an empty dict is one) by its `sep`-joined path."""
     if isinstance(tree, dict) and tree:
-        out = {}
-        for k, v in tree.items():
-            out.update(flatten(v, sep, f"{prefix}{k}{sep}"))
-        return out
+        flat = (flatten(v, sep, f"{prefix}{k}{sep}") for k, v in tree.items())
+        return {path: leaf for one in flat for path, leaf in one.items()}
     return {prefix[: -len(sep)]: tree} if prefix else {}

@@ -69,9 +69,8 @@ def problems(
     for rel, entry in files.items():  # the listing first: no name out of `root`, each entry whole
         parts = rel.split("/") if links is not None else [rel]
         sha = entry.get("sha256") if isinstance(entry, dict) else None
-        if rel == manifest or any(
-            p in ("", ".", "..") or set(p) & {"/", "\\", "\0"} for p in parts
-        ):
+        bad = any(p in ("", ".", "..") or set(p) & {"/", "\\", "\0"} for p in parts)
+        if rel == manifest or bad:
             yield manifest, f"lists an invalid file name {rel!r:.80}"
             return
         if size_of(entry, size_keys) is None or not (isinstance(sha, str) and SHA256.match(sha)):

@@ -84,9 +84,7 @@ def read_bytes(path, limit: int) -> bytes:
         return b"".join(chunks(f, path, limit))
 
 
-def sha256(
-    path, limit: int | None = None, follow=False, bound: str | None = None, into=None
-) -> str:
+def sha256(path, limit: int | None = None, follow=False, bound=None, into=None) -> str:
     """sha256 hex of a regular file's bytes, read in pieces (or kept whole in `into`, a bytearray of its size)."""
     h, at = hashlib.sha256(), 0
     with open_file(path, limit, follow, bound) as f:
