@@ -133,12 +133,6 @@ def misfit(live, got, path: tuple = (), free: tuple[str, ...] = ()) -> tuple[tup
     return None
 
 
-def fit_reason(live, got, path: str = "", free: tuple[str, ...] = ()) -> str | None:
-    """Why `got` cannot replace the live state `live` (see misfit), or None; `path` names the top."""
-    found = misfit(live, got, tuple(path.split(SEP)) if path else (), free)
-    return found[1] if found else None
-
-
 def check(parts: Mapping, tree: Mapping, only: tuple[str, ...] = PARTS) -> None:
     """Raise StateMismatch naming the first part whose saved state would not fit; changes nothing."""
     for name in only:

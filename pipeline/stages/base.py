@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.checkpoint.retention import Named, Policy, check_best
-from pipeline.stateful import BadValue, fit_reason
+from pipeline.stateful import BadValue, misfit
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,9 @@ class Stage:
 
     name = "stage"
     link: str | None = None  # a checkpoints/<link> symlink that follows link_policy() (best, final)
+    later: tuple[
+        str, ...
+    ] = ()  # state keys added since its first release: a state saved before lacks them
 
     def __init__(self, order: int):
         self.order = int(order)
@@ -59,15 +62,16 @@ class Stage:
 
     def fit_reason(self, saved: dict) -> str | None:
         """Why `saved` cannot replace this stage's state (keys, JSON kinds), or None."""
-        return fit_reason(self.state_dict(), saved, self.name)
-
-
-LATER = ("monitor", "mode", "since")  # Watch's keys added after its first release
+        live = {k: v for k, v in self.state_dict().items() if k in saved or k not in self.later}
+        found = misfit(live, saved, (self.name,))
+        return found[1] if found else None
 
 
 class Watch(Stage):
     """A stage following the best finite value of the metric `monitor` (mode min or max); it rides in checkpoints
     with the monitor and mode it was measured by, so another monitor or mode starts a new best history."""
+
+    later = ("monitor", "mode", "since")
 
     def __init__(self, monitor: str, mode: str, order: int):
         super().__init__(order)  # mode is min or max: config/schemas.py
@@ -89,14 +93,6 @@ class Watch(Stage):
             new = f"{self.monitor!r} mode {self.mode!r}"
             return f"monitor {old[0]!r:.80} mode {old[1]!r:.10} -> {new}"
         return None
-
-    def fit_reason(self, saved: dict) -> str | None:
-        return fit_reason(self.comparable(self.state_dict(), saved), saved, self.name)
-
-    @staticmethod
-    def comparable(state: dict, saved: dict) -> dict:
-        """`state` without the keys of LATER that a state saved before they rode along lacks."""
-        return {k: v for k, v in state.items() if k in saved or k not in LATER}
 
     def check_state_dict(self, state: dict) -> None:
         check_best(state["best"], state["best_step"], self.mode)

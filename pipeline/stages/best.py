@@ -7,12 +7,12 @@ import math
 from pipeline.checkpoint.retention import BestN, Named, admit, rank
 from pipeline.files import patterns
 from pipeline.stages.base import StepEnd, Watch
-from pipeline.stateful import fit_reason
 
 
 class BestVal(Watch):
     name = "best_val"
     link = "best"
+    later = (*Watch.later, "top")
 
     def __init__(self, monitor: str, mode: str, order: int, keep: int, filename: str | None):
         super().__init__(monitor, mode, order)  # keep >= 1, filename a pattern: config/schemas.py
@@ -55,8 +55,7 @@ class BestVal(Watch):
         # `top` is as long as the evaluations counted so far, and absent where the checkpoint kept one best
         if not isinstance(saved.get("top", []), list):
             return f"{self.name}.top: expected a list of [value, step], got {type(saved['top']).__name__}"
-        live = self.comparable(super().state_dict(), saved)
-        return fit_reason(live, {k: v for k, v in saved.items() if k != "top"}, self.name)
+        return super().fit_reason({k: v for k, v in saved.items() if k != "top"})
 
     def check_state_dict(self, state: dict) -> None:
         super().check_state_dict(state)
