@@ -17,7 +17,7 @@ from pipeline.files.atomic import NewDirs, check_output_dir, environment_error
 from pipeline.run import budget, plan
 from pipeline.run.assemble import Job, assemble, build_tracker, check_monitors, check_pairing
 from pipeline.run.directory import RunDir
-from pipeline.run.loop import Context, Outcome, Run
+from pipeline.run.loop import Outcome, Run
 from pipeline.run.signals import SIGNALS_STATE, SWEEP, Interrupted
 from pipeline.run.slurm import requeue_self
 from pipeline.run.sweep import SweepInterrupted, SweepJob
@@ -116,11 +116,12 @@ def _job(
         rundir.acquire()
         # the set-up's lines wait: a refused run writes nothing into its log
         logging.getLogger().addHandler(held)
-        started = (sweep and sweep.started) or time.time() - budget.process_age()
-        context = Context(started, command, in_sweep=sweep is not None and sweep.dir is not None)
+        # a sweep job's own start (its siblings differ on purpose, its time is its own)
+        own = sweep.started if sweep is not None and sweep.dir is not None else None
+        started = own or time.time() - budget.process_age()
         applied = None
         try:
-            planned = plan.plan(rundir, job, resume, started, context.in_sweep)
+            planned = plan.plan(rundir, job, resume, started, own is not None)
             SIGNALS_STATE.check()  # one that came while a library call could not be cut short
             if rundir.read_only and not planned.complete:
                 said = f"run directory {rundir.path} is on a read-only filesystem and the run"
@@ -141,7 +142,7 @@ def _job(
                     requeue=True,
                 ) from None
             raise
-        run = Run(job, rundir, planned, SIGNALS_STATE, context)
+        run = Run(job, rundir, planned, command, own)
         with SIGNALS_STATE.deferring():
             try:
                 # a finished run's re-run changes nothing

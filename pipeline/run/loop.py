@@ -23,7 +23,7 @@ from pipeline.run import budget, report
 from pipeline.run.assemble import Job
 from pipeline.run.directory import RunDir
 from pipeline.run.plan import Plan, continued_by, resume_hint, written_now
-from pipeline.run.signals import Signals
+from pipeline.run.signals import SIGNALS_STATE
 from pipeline.stages.base import StepEnd
 from pipeline.stateful import capture
 from pipeline.trainer import curves
@@ -60,22 +60,13 @@ class Outcome:
         return None if self.code or math.isnan(self.objective) else self.objective
 
 
-@dataclass(frozen=True)
-class Context:
-    """Who runs the job: when it started (a sweep's job: its own start), the arguments that run it again (for the
-    end summary), and whether it is a sweep's (its siblings differ on purpose, its time is its own)."""
-
-    started: float
-    command: list[str]
-    in_sweep: bool
-
-
 class Run:
-    """A job in its run directory continuing its plan's history: 8 attributes, set-up's state in the plan."""
+    """A job in its run directory continuing its plan's history: 8 attributes, set-up's state in the plan;
+    `command` runs it again (the end summary says it); `started`: a sweep job's own start, else None."""
 
-    def __init__(self, job: Job, rundir: RunDir, plan: Plan, signals: Signals, context: Context):
+    def __init__(self, job: Job, rundir: RunDir, plan: Plan, command: list, started: float | None):
         self.job, self.rundir, self.plan = job, rundir, plan
-        self.signals, self.context = signals, context
+        self.command, self.started = command, started
         max_time = job.config["trainer"].get("max_time")
         self.budget = budget.Budget(None if max_time is None else parse_duration(max_time))
         self.profile = Profile(job.config["trainer"].get("profile"))  # absent from older configs
@@ -132,11 +123,11 @@ class Run:
             self.state.progress.ended = stop or "max_steps"
         tags = [s.name for s in self.job.stages if s.wants_checkpoint(end)]
         # A spent trainer.max_time is a preemption announced in advance: checkpoint now, exit 75, requeue.
-        preempted = self.budget.step_ended() or self.signals.received is not None
+        preempted = self.budget.step_ended() or SIGNALS_STATE.received is not None
         if tags or preempted or end.last:
             self.checkpoint(metrics, tags, final=end.last or preempted)
         if preempted and not end.last:
-            self.stopped = self.signals.name or f"trainer.max_time={trainer['max_time']}"
+            self.stopped = SIGNALS_STATE.name or f"trainer.max_time={trainer['max_time']}"
         return end.last or preempted
 
     def checkpoint(self, metrics: dict, tags: list[str], final: bool = False) -> Checkpoint:
@@ -214,7 +205,7 @@ class Run:
             kept, store = self.store.steps(), self.store
             links = {n: store.root / n if store.link_dir(n) else None for n in ("final", "best")}
             links["newest"] = kept[-1][1] if kept else None
-            tracker, command = self.job.tracker, self.context.command
+            tracker, command = self.job.tracker, self.command
             source = self.job.config["resume"]["source"]
             block = report.end_block(
                 status=status,
@@ -300,7 +291,7 @@ class Run:
             start_time=self.plan.history["started"],
         )
         try:
-            self.stopped = self.signals.name  # one that came while setting up: nothing new to save
+            self.stopped = SIGNALS_STATE.name  # one that came while setting up: nothing new to save
             if self.stopped is None:
                 self.train(eval_every)
             if self.stopped is None:
@@ -313,10 +304,10 @@ class Run:
             raise
         state = self.state
         if self.stopped is None:
-            sweep = self.context.in_sweep
-            took = time.time() - self.context.started if sweep else budget.process_age()
+            took, where = budget.process_age(), "process"
+            if self.started is not None:  # a sweep's job: its own time
+                took, where = time.time() - self.started, "job"
             done = "done at step %d (%s) after %.1f s in this %s: %s"
-            where = "job" if sweep else "process"
             log.info(done, state.step, state.progress.ended, took, where, self._metrics())
             outcome = Outcome("complete", EXIT_OK, self.objective())
         else:
