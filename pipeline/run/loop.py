@@ -8,6 +8,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from pipeline.checkpoint import manifest as mf
@@ -84,8 +85,9 @@ class Run:
 
     def train(self, eval_every: int) -> None:
         trainer = self.job.config["trainer"]
+        sink = partial(self._handover, self.job.tracker.log_line)  # each line to the tracker, timed
         callbacks: list[MetricsLog | Display] = [
-            MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[self._log_line]),
+            MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[sink]),
             Display(trainer["progress_bar"], trainer["log_every"]),
         ]
         try:
@@ -99,9 +101,6 @@ class Run:
         """A call of the tracker, timed as trainer.profile's `tracking hand-over`."""
         with self.profile.phase("tracking hand-over"):
             return call(*args, **kwargs)
-
-    def _log_line(self, line: dict) -> None:
-        self._handover(self.job.tracker.log_line, line)
 
     def step_end(self, record: dict) -> bool:
         """The one decision after every update: stop?, checkpoint (who asked)?, preempted? True ends training."""
@@ -134,9 +133,8 @@ class Run:
         tracker = self.job.tracker
         # Only the last save (the end, or a preemption) waits for the tracked run's URI: earlier manifests
         # carry it once the tracker knows it, so training never waits for mlflow to start.
-        self.job.facts["mlflow_run_uri"] = self._handover(
-            tracker.run_uri, timeout=30.0 if final else 0.0
-        )
+        wait = 30.0 if final else 0.0
+        self.job.facts["mlflow_run_uri"] = self._handover(tracker.run_uri, timeout=wait)
         with self.profile.phase("checkpoint"):
             at = {"step": self.state.step, "epoch": self.state.epoch, "lineage": self.plan.lineage}
             fields = mf.build(self.job.facts, metrics=metrics, tags=tags, **at)
@@ -219,9 +217,7 @@ class Run:
                 overrides=command,
                 resume=continued_by(source, command, links["newest"], status == "complete"),
                 samples=bool(self.state.dataset.spec.vocab_size),
-                experiment_id=getattr(
-                    tracker, "experiment_id", None
-                ),  # a tracker of your own may lack it
+                experiment_id=getattr(tracker, "experiment_id", None),  # your own may lack it
             )
             log.info("%s", block)
 
