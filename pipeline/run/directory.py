@@ -43,8 +43,7 @@ def _lock_within(fd: int, grace: float, kind: int = fcntl.LOCK_EX) -> bool:
 
 
 class RunDir:
-    """A run directory, the only code that knows what it holds: .hydra/ (the composed config, the overrides),
-    checkpoints/ (a CheckpointStore), run.json, metrics.jsonl, pipeline.log, the lock and superseded/."""
+    """A run directory, the only code that knows what it holds (docs/outputs.md)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -169,11 +168,8 @@ class RunDir:
         """Release; remove the directory if acquire() made it and it holds only an empty lock (a refused run's)."""
         self.release()
         with contextlib.suppress(OSError):
-            if (
-                self.created
-                and os.listdir(self.path) == [self.lock_path.name]
-                and os.path.getsize(self.lock_path) == 0
-            ):
+            alone = self.created and os.listdir(self.path) == [self.lock_path.name]
+            if alone and os.path.getsize(self.lock_path) == 0:
                 os.unlink(self.lock_path)
                 os.rmdir(self.path)
 
@@ -211,9 +207,8 @@ class RunDir:
         atomic.replace_file(self.status_path, jsonio.dumps({**fields, "updated": time.time()}))
 
     def write_status_in_place(self, **fields) -> None:
-        """run.json rewritten inside its own bytes (which need no new space), shortened to fit and padded with
-        spaces: the last resort on a disk too full for write_status's temporary, so a failed run does not say
-        `running`. Not atomic: a torn run.json is refused as damaged, and a resume trusts the checkpoints."""
+        """run.json rewritten inside its own bytes, shortened to fit and padded with spaces: the last resort on a
+        disk too full for write_status's temporary. Not atomic: a torn run.json is refused as damaged."""
         fd = os.open(self.status_path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             room = os.fstat(fd).st_size
@@ -235,9 +230,7 @@ class RunDir:
         """metrics.jsonl's lines. A last line without its newline is torn (killed while writing) and dropped;
         any other line not a strict JSON object with an integer step is damage: RunFileError naming the line."""
 
-        def damage(why: str) -> RunFileError:
-            return RunFileError(self.path, self.metrics_path.name, why)
-
+        damage = functools.partial(RunFileError, self.path, self.metrics_path.name)
         try:
             f = io.BufferedReader(reading.open_file(self.metrics_path, MAX_METRICS), reading.CHUNK)
         except FileNotFoundError:
