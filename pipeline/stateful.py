@@ -47,8 +47,7 @@ def copy_tree(tree):
 
 
 def split(tree: dict) -> tuple[dict[str, np.ndarray], dict]:
-    """Arrays by path ("optimizer/exp_avg/h.0.w") and the same tree with the arrays taken out (dicts kept).
-    Keys on the way to an array must not contain SEP; JSON keys may (metric names such as train/loss)."""
+    """Arrays by path ("optimizer/exp_avg/h.0.w") and the tree without them; JSON keys may hold SEP (train/loss)."""
     arrays: dict[str, np.ndarray] = {}
 
     def walk(node: dict, path: tuple) -> dict:

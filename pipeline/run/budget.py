@@ -1,5 +1,4 @@
-"""trainer.max_time: this process's wall-time budget (docs/stages.md: A time budget); spent, the run checkpoints and
-exits 75, like a preemption. Before the first save, a save's duration is unknown and counted as 0."""
+"""trainer.max_time: this process's wall-time budget (docs/stages.md: A time budget)."""
 
 from __future__ import annotations
 

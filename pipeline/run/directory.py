@@ -84,8 +84,7 @@ class RunDir:
         return self.store.root.is_dir() or self.status_path.is_file()
 
     def records(self) -> list[tuple[str, Path, int]]:
-        """(name inside the run, path, byte bound) of .hydra/'s files, run.json and metrics.jsonl (the lock and
-        the log belong to a process); UnsafePathError for a link or anything but a regular file among them."""
+        """(name, path, byte bound) of .hydra/'s files, run.json and metrics.jsonl; UnsafePathError for a link."""
         out = []
         if os.path.lexists(self.hydra_dir):
             refuse_link(self.hydra_dir, "directory")
@@ -99,8 +98,7 @@ class RunDir:
         ]
 
     def acquire(self) -> None:
-        """Create the directory if needed (`created`) and take its lock; RunBusyError (changing nothing) if it is
-        held, UnsafePathError if anything the run writes is a link planted to make it write elsewhere."""
+        """Create the directory if needed and take its lock; RunBusyError if held, UnsafePathError for a link."""
         if self._read_only_medium():
             return self._acquire_shared()
         self.created = not os.path.lexists(self.path)
@@ -149,8 +147,7 @@ class RunDir:
         self._fd = fd
 
     def claim(self, config_yaml: str, overrides: list[str]):
-        """This process runs here now (its set-up was accepted): its pid into the lock, the composed config and the
-        overrides into .hydra/ (as Hydra's holds them); its pipeline.log, returned open for appending."""
+        """Its pid into the lock, the config and overrides into .hydra/; its pipeline.log, open for appending."""
         assert self._fd is not None, "acquire() comes first"
         try:
             os.ftruncate(self._fd, 0)
@@ -227,8 +224,7 @@ class RunDir:
             os.close(fd)
 
     def read_metrics(self) -> list[dict]:
-        """metrics.jsonl's lines. A last line without its newline is torn (killed while writing) and dropped;
-        any other line not a strict JSON object with an integer step is damage: RunFileError naming the line."""
+        """metrics.jsonl's lines; a torn last line is dropped, any other bad line is a RunFileError naming it."""
 
         damage = functools.partial(RunFileError, self.path, self.metrics_path.name)
         try:

@@ -1,5 +1,4 @@
-"""One job from a plain config, top to bottom: build it, hold its run directory, plan its history and apply the
-plan, train, and return its Outcome; the entry (run/signals.run_command) turns it into the exit status."""
+"""One job from a plain config: build it, hold its run directory, plan and apply its history, train: an Outcome."""
 
 from __future__ import annotations
 
@@ -96,8 +95,7 @@ def _requeued(outcome: Outcome, sweep: SweepJob | None) -> Outcome:
 def _job(
     config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None, command: list[str]
 ) -> Outcome:
-    """Build the job, hold its run directory, plan its history and apply the plan (signals stop it at once until
-    then), claim the directory, train with signals deferred; the run directory is released at the end."""
+    """Build, hold the run directory, plan and apply (a signal stops it at once), claim, train (signals deferred)."""
     # Directories this command creates (the output directory, runs/, data/): removed again if a single run
     # ends without a run (refused, interrupted, failed) and they are still empty; nothing older is touched.
     output = Path(config["paths"]["output_dir"])
@@ -177,8 +175,7 @@ def _job(
 
 
 def build(config: dict, sweep: SweepJob | None = None) -> Job:
-    """Validate, identity, assemble: the whole job, nothing under its run directory created; ConfigError (one
-    line) for a bad value, a missing file, groups that clash, or the resume or training settings removed."""
+    """Validate, identity, assemble: the whole job, nothing under its run directory; ConfigError for bad input."""
     validate(config)
     plan.settings(config)
     # a fork is named by its origin too
@@ -200,8 +197,7 @@ def build(config: dict, sweep: SweepJob | None = None) -> Job:
 
 
 def _start_in_sweep(sweep: SweepJob) -> None:
-    """A multirun's job in a joblib or submitit worker: its own signals, its console lines labelled when jobs run
-    side by side; refused if its sweep is unreadable or was interrupted before it started."""
+    """A multirun's job: its own signals, labelled lines; refused if its sweep is unreadable or interrupted."""
     SIGNALS_STATE.install()
     if sweep.parallel:
         label_console(f"[job {sweep.num}]")
@@ -226,8 +222,7 @@ class JobLabel(logging.Formatter):
 
 
 def label_console(label: str) -> None:
-    """The root logger's console handlers (Hydra's, set up for each job; a worker's next job relabels them) start
-    each line with `label`; a run's pipeline.log is its own and stays as it is."""
+    """The root logger's console handlers start each line with `label` (a run's pipeline.log stays as it is)."""
     for handler in logging.getLogger().handlers:
         if not isinstance(handler, QuietFileHandler):
             fmt = handler.formatter

@@ -1,5 +1,4 @@
-"""One job in its run directory, continuing its plan's history: train with one decision per step end,
-checkpoint, retain, and end as an Outcome (at most one checkpoint per step, tagged with the stages that asked)."""
+"""One job in its run directory, continuing its plan's history: train, checkpoint, retain, end as an Outcome."""
 
 from __future__ import annotations
 
@@ -149,8 +148,7 @@ class Run:
         return ckpt
 
     def retain(self) -> None:
-        """Every stage's policy as it stands now (a best history restarted at the resume ranks from there), the
-        newest checkpoint, and any checkpoint a link of checkpoints/ names (CheckpointStore.retain)."""
+        """Keep what every stage's policy, the newest checkpoint and checkpoints/' links keep; prune the rest."""
         stages = self.job.stages
         keep = AnyOf((*tuple(p for s in stages if (p := s.policy()) is not None), LatestN(1)))
         links = {s.link: s.link_policy() for s in stages if s.link}
@@ -251,8 +249,7 @@ class Run:
         return " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items()))
 
     def _confirm(self) -> Outcome:
-        """A complete run: a process killed between its last save and its last word left its links, pruning or
-        status to finish; a run that says complete is left exactly as it is, whatever the live config says."""
+        """A complete run: what a kill after its last save left undone is finished; one that says so is left as is."""
         if not self.rundir.read_only:  # on a read-only medium it is confirmed as it is
             if not self.plan.settled:
                 self.retain()

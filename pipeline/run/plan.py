@@ -124,8 +124,7 @@ def refuse(changes: dict[str, tuple], allow: list[str], where) -> None:
 
 # --- forks, and what continues a stopped run
 def origin_of(source: str) -> dict | None:
-    """The checkpoint a fork (resume.source=PATH) continues, as its lineage and run name record it; None for auto
-    and never. CheckpointError if it does not read (a link out of a run is refused, not followed)."""
+    """The checkpoint a fork (resume.source=PATH) continues, as its lineage records it (None: auto, never)."""
     if source in (AUTO, NEVER):
         return None
     path = CheckpointDir(Path(source).expanduser()).resolved().resolve()
@@ -187,8 +186,7 @@ def holds_history(rundir: RunDir) -> bool:
 
 
 def plan(rundir: RunDir, job, resume: Resume, started: float, in_sweep: bool) -> Plan:
-    """The history this run continues, with `job`'s parts restored to it; DriftError, CheckpointError for one
-    it may not continue. Reads only: a signal here stops the process with nothing written."""
+    """The history this run continues, `job`'s parts restored to it; reads only (DriftError, CheckpointError)."""
     killpoint.point("setup", "start")
     if resume.source == NEVER:
         return _fresh(rundir, job, started, in_sweep)
@@ -269,9 +267,7 @@ def _fork(rundir, job, resume, source: Path, started: float) -> Plan:
 
 
 def _restore(job, ckpt: Checkpoint, allow: list[str], fork: bool = False) -> dict:
-    """Refuse drift not allowed or not applicable, else restore every part of `job`: the Plan's `allowed`, `notes`
-    and `other_code`. Refused too if nothing is left to train and it is not this directory's complete run (a fork
-    of a run that ended, a step past this config's total): it would end without a checkpoint of its own."""
+    """Refuse drift not allowed, or nothing left to train; else restore `job`: the Plan's allowed, notes, other_code."""
     changes = drift(ckpt.manifest, job)
     refuse(changes, allow, ckpt.directory)
     try:
@@ -342,8 +338,7 @@ def _sibling(rundir: RunDir, job) -> str:
 
 
 def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
-    """Set-up's one durable change, whole (a signal waits for its end): what the plan moves to superseded/ and
-    metrics.jsonl cut back; then the plan in the log's words (`state`: the restored TrainState)."""
+    """Set-up's one durable change, whole (moves to superseded/, metrics.jsonl cut), then said in the log."""
     dest, whole = None, plan.supersede is not None
     with signals.atomic():
         moves = plan.fallback or plan.cut or plan.retuned
@@ -430,8 +425,7 @@ def _aside(rundir: RunDir, plan: Plan) -> Path:
 
 
 def _names_again(store: Path, dest: Path) -> None:
-    """In `dest` (made if missing), every step directory of `store` (CheckpointDir.second_names: hard links, or
-    fsynced copies across filesystems) and its links, as they stand."""
+    """In `dest` (made if missing), second names of every step directory of `store`, and its links."""
     if not os.path.isdir(dest):
         os.mkdir(dest)
     steps, links = CheckpointStore(store).scan()

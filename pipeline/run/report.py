@@ -81,8 +81,7 @@ def ui_command(tracking_uri: str) -> str:
 
 
 def run_page(run_uri: str) -> str:
-    """The mlflow UI's page of a run from its run URI (`<store>#/experiments/<id>/runs/<id>`, as a manifest's
-    mlflow_run_uri says it), in the machine-learning view; anything else as it is."""
+    """The mlflow UI's page (machine-learning view) of a run URI `<store>#/experiments/<id>/runs/<id>`."""
     store, sep, route = run_uri.partition("#")
     if not sep or not route.startswith("/experiments/"):
         return run_uri

@@ -136,8 +136,7 @@ class Signals:
 
     @contextlib.contextmanager
     def atomic(self):
-        """A step that must finish once begun, in a process that otherwise stops at once (RAISE): a signal
-        waits for its end and is raised there."""
+        """A step that must finish once begun: a signal (RAISE mode) waits for its end and is raised there."""
         previous, self.mode = self.mode, DEFER if self.mode == RAISE else self.mode
         try:
             yield self
@@ -172,8 +171,7 @@ class Signals:
         self.mode, self.slurm_jobs = SWEEP, slurm_jobs
 
     def interrupted_start(self) -> bool:
-        """A signal raised (RAISE mode) before any run held its directory: whatever exception a library made
-        of it, the process was interrupted while starting and nothing was changed."""
+        """A signal raised (RAISE mode) before any run held its directory, whatever a library made of it."""
         return self.received is not None and self.mode == RAISE and not self.held
 
     @property
@@ -191,8 +189,7 @@ SIGNALS_STATE = Signals()
 
 
 def command(name: str):
-    """A command's main as a function that returns its exit code: an error that carries one
-    (config/errors.exit_code) is one line `<name>: <line>` on stderr, and its code is returned."""
+    """A main returning its exit code: an error that carries one is a line `<name>: <line>` on stderr."""
 
     def wrap(main: Callable[..., int | None]) -> Callable[..., int | None]:
         @functools.wraps(main)

@@ -72,8 +72,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _fits_its_weights(ckpt: CheckpointDir, manifest: dict, node: dict, spec: DataSpec) -> None:
-    """A config whose model is far bigger than its weights file is refused before a byte is allocated for it (a planted
-    width would otherwise be built first and found wrong after, or exhaust memory on the way)."""
+    """A config whose model is far bigger than its weights file is refused before a byte is allocated for it."""
     from hydra.utils import get_class
 
     try:
@@ -125,8 +124,7 @@ def _own_source(manifest: dict, node: dict, directory: Path) -> None:
 
 
 def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
-    """{"paths": {"output_dir"}, "data": node}: the checkpoint's data with `data.KEY=V` applied, or the
-    composed `data=NAME` (like `python -m pipeline`); the values range-checked like a run's."""
+    """{"paths", "data"}: the checkpoint's data with `data.KEY=V` applied, or `data=NAME` composed; validated."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 

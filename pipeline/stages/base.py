@@ -1,5 +1,4 @@
-"""A stage: a policy fed plain values at each step end (stop?, checkpoint?), what it keeps, and its own state,
-which rides in checkpoints (docs/stages.md: Writing a stage)."""
+"""A stage: a policy fed each step end (stop?, checkpoint?) with its own state (docs/stages.md: Writing a stage)."""
 
 from __future__ import annotations
 
