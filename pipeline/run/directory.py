@@ -200,16 +200,19 @@ class RunDir:
             raise RunFileError(self.path, self.status_path.name, "not a JSON object")
         return status
 
-    def write_status(self, **fields) -> None:
-        atomic.replace_file(self.status_path, jsonio.dumps({**fields, "updated": time.time()}))
-
-    def write_status_in_place(self, **fields) -> None:
-        """run.json rewritten inside its own bytes, shortened to fit and padded with spaces: the last resort on a
-        disk too full for write_status's temporary. Not atomic: a torn run.json is refused as damaged."""
+    def write_status(self, ending: bool = False, **fields) -> None:
+        """run.json, atomically; on a disk too full for the temporary, an `ending` is rewritten inside run.json's
+        own bytes, cut to fit and padded with spaces (not atomic: a torn run.json is refused as damaged)."""
+        record = {**fields, "updated": time.time()}
+        try:
+            return atomic.replace_file(self.status_path, jsonio.dumps(record))
+        except OSError as e:  # an ending still must not leave `running` behind
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            if not (ending and full and self.status_path.exists()):
+                raise
         fd = os.open(self.status_path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             room = os.fstat(fd).st_size
-            record = {**fields, "updated": time.time()}
             data = jsonio.dumps(record)
             if len(data) > room:  # the fields that matter most, the reason cut to fit
                 keys = ("status", "step", "error", "updated")
@@ -225,7 +228,6 @@ class RunDir:
 
     def read_metrics(self) -> list[dict]:
         """metrics.jsonl's lines; a torn last line is dropped, any other bad line is a RunFileError naming it."""
-
         damage = functools.partial(RunFileError, self.path, self.metrics_path.name)
         try:
             f = io.BufferedReader(reading.open_file(self.metrics_path, MAX_METRICS), reading.CHUNK)

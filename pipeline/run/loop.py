@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import time
@@ -162,14 +161,7 @@ class Run:
         fields = {k: getattr(state, k) for k in ("step", "total_steps", "epoch", "metrics")}
         fields.update(status=status, ended=state.progress.ended, **self.plan.history, **extra)
         fields.update({k: facts[k] for k in ("config_hash", "data_manifest_hash")})
-        try:
-            self.rundir.write_status(**fields)
-        except OSError as e:
-            # Too full for the atomic replace's temporary: an ending still must not leave `running` behind.
-            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            if status == "running" or not full or not self.rundir.status_path.exists():
-                raise
-            self.rundir.write_status_in_place(**fields)
+        self.rundir.write_status(status != "running", **fields)
 
     def _failed(self, error: str) -> None:
         """run.json and the tracked run say failed; the error in hand stays the one reported."""
