@@ -205,7 +205,8 @@ class RunDir:
         own bytes, cut to fit and padded with spaces (not atomic: a torn run.json is refused as damaged)."""
         record = {**fields, "updated": time.time()}
         try:
-            return atomic.replace_file(self.status_path, jsonio.dumps(record))
+            atomic.replace_file(self.status_path, jsonio.dumps(record))
+            return
         except OSError as e:  # an ending still must not leave `running` behind
             full = e.errno in (errno.ENOSPC, errno.EDQUOT)
             if not (ending and full and self.status_path.exists()):

@@ -8,7 +8,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -167,45 +166,35 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     return config
 
 
-def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict, Any]:
-    """(data_config, its dataset), else ConfigError."""
+def data_facts(manifest: dict, overrides: list[str], directory: Path) -> dict:
+    """{"vocab", "decode_join", "specials"} of a verified checkpoint: its data.json (no corpus needed), or for a
+    schema 2.0 checkpoint its own data, built (`overrides` may say where its text file or corpus cache is)."""
+    if (facts := CheckpointDir(directory).data_facts(manifest)) is not None:
+        return facts
+    return inference_facts(checkpoint_data(manifest, overrides, directory, own=True))
+
+
+def checkpoint_data(manifest: dict, overrides: list[str], directory: Path, own: bool = False):
+    """The dataset `overrides` ask for (the checkpoint's own by default, regenerated if its corpus is gone), else
+    ConfigError: `own` and not the data it was trained on, or data the model cannot read (spec, vocabulary)."""
     from pipeline.run.assemble import build_dataset
 
     config = data_config(manifest, list(overrides), directory)
     try:
-        return config, build_dataset(config)
+        dataset = build_dataset(config)
     except (ValueError, OSError) as e:
         raise ConfigError(f"data: {e}") from None
     except Exception as e:
         raise ConfigError(f"data does not build: {_first_line(e)}") from None
-
-
-def own_data(manifest: dict, overrides: list[str], directory: Path):
-    """The dataset the checkpoint at `directory` was trained on (its data_manifest_hash), else ConfigError."""
-    config, dataset = _built(manifest, overrides, directory)
-    if dataset.manifest_hash != manifest["data_manifest_hash"]:
+    if dataset.manifest_hash == manifest["data_manifest_hash"]:
+        return dataset
+    if own:
         said = f"builds data {dataset.manifest_hash[:12]}, but the checkpoint was trained on"
         then = "give the data it was trained on (data.path=FILE for a moved text file)"
         data, trained = config["data"].get("_target_"), manifest["data_manifest_hash"][:12]
         raise ConfigError(f"data {data}: {said} {trained}: {then}")
-    return dataset
-
-
-def data_facts(manifest: dict, overrides: list[str], directory: Path) -> dict:
-    """{"vocab", "decode_join", "specials"} of a verified checkpoint: its data.json (no corpus needed), or for a
-    schema 2.0 checkpoint its own data, built (`overrides` may say where its text file or corpus cache is)."""
-    facts = CheckpointDir(directory).data_facts(manifest)
-    return facts if facts is not None else inference_facts(own_data(manifest, overrides, directory))
-
-
-def other_data(manifest: dict, overrides: list[str], directory: Path):
-    """The dataset `overrides` ask for (the checkpoint's own by default, regenerated if its corpus is gone),
-    refused if the model cannot read it: its spec, and its vocabulary against the checkpoint's."""
-    _, dataset = _built(manifest, overrides, directory)
-    if dataset.manifest_hash == manifest["data_manifest_hash"]:
-        return dataset
-    vocab = None
-    if getattr(dataset, "vocab", None) is not None:
+    vocab: list = []  # the checkpoint's, if both have one
+    if (theirs := getattr(dataset, "vocab", None)) is not None:
         try:
             where = [o for o in overrides if o.startswith(("paths.", "hydra."))]
             vocab = data_facts(manifest, where, directory)["vocab"]
@@ -213,18 +202,12 @@ def other_data(manifest: dict, overrides: list[str], directory: Path):
             said = "cannot compare vocabularies (the checkpoint's own data does not build here: %s)"
             log.warning(said + "; checking the spec only", e)
     saved = {k: v for k, v in manifest["data_spec"].items() if k != "n_train"}
-    here = asdict(dataset.spec)
+    here, name = asdict(dataset.spec), f"data {type(dataset).__name__}"
     if diff := [f"{k} {saved[k]} -> {here.get(k)}" for k in saved if saved[k] != here.get(k)]:
-        raise ConfigError(
-            f"data {type(dataset).__name__}: its spec differs from the checkpoint's "
-            f"({', '.join(diff)}): the model cannot read it"
-        )
-    if vocab is not None and (
-        changed := [i for i, (a, b) in enumerate(zip(vocab, dataset.vocab)) if a != b]
-    ):
-        i = changed[0]
-        raise ConfigError(
-            f"data {type(dataset).__name__}: its vocabulary differs from the checkpoint's at "
-            f"{len(changed)} ids (id {i}: {vocab[i]!r} -> {dataset.vocab[i]!r})"
-        )
+        said = f"its spec differs from the checkpoint's ({', '.join(diff)})"
+        raise ConfigError(f"{name}: {said}: the model cannot read it")
+    if changed := [i for i, (a, b) in enumerate(zip(vocab, theirs or ())) if a != b]:
+        i, said = changed[0], "its vocabulary differs from the checkpoint's at"
+        at = f"{len(changed)} ids (id {i}: {vocab[i]!r} -> {dataset.vocab[i]!r})"
+        raise ConfigError(f"{name}: {said} {at}")
     return dataset

@@ -70,7 +70,7 @@ class Watch(Stage):
     """A stage following the best finite value of the metric `monitor` (mode min or max); it rides in checkpoints
     with the monitor and mode it was measured by, so another monitor or mode starts a new best history."""
 
-    later = ("monitor", "mode", "since")
+    later: tuple[str, ...] = ("monitor", "mode", "since")
 
     def __init__(self, monitor: str, mode: str, order: int):
         super().__init__(order)  # mode is min or max: config/schemas.py
