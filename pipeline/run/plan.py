@@ -64,10 +64,8 @@ def settings(config: dict) -> tuple[Resume, Train]:
         ("train", "training", "trainer.max_steps says how long it trains"),
     ):
         if not isinstance(stages.get(key), dict):
-            raise ConfigError(
-                f"stages.{key} is missing (~stages.{key}?): {what} is not a stage and cannot be "
-                f"removed; stages.{key} holds its settings ({instead})"
-            )
+            said = f"{what} is not a stage and cannot be removed; stages.{key} holds its settings"
+            raise ConfigError(f"stages.{key} is missing (~stages.{key}?): {said} ({instead})")
     r, t = stages["resume"], stages["train"]
     allow = [str(k) for k in r.get("allow_changes") or []]
     resume = Resume(str(r["source"]), allow, int(r["order"]))
@@ -79,12 +77,10 @@ def written_now(config: dict) -> dict:
     stages = config.get("stages")
     if not isinstance(stages, dict):
         return config
-    renamed = {
-        k: {**v, "_target_": FORMER[t]}
-        if isinstance(v, dict) and isinstance(t := v.get("_target_"), str) and t in FORMER
-        else v
-        for k, v in stages.items()
-    }
+    renamed = dict(stages)
+    for k, v in stages.items():
+        if isinstance(v, dict) and isinstance(t := v.get("_target_"), str) and t in FORMER:
+            renamed[k] = {**v, "_target_": FORMER[t]}
     return {**config, "stages": renamed}
 
 
@@ -274,11 +270,9 @@ def _restore(job, ckpt: Checkpoint, allow: list[str], fork: bool = False) -> dic
         restore(job.parts, ckpt.state)
     except StateMismatch as e:
         why = f" (with the allowed changes {', '.join(changes)})" if changes else ""
-        raise CheckpointError(
-            ckpt.directory,
-            files_of(e, ckpt.state, capture(job.parts)),
-            f"{e.part} does not fit the live run{why}: {e.reason}",
-        ) from None
+        files = files_of(e, ckpt.state, capture(job.parts))
+        said = f"{e.part} does not fit the live run{why}: {e.reason}"
+        raise CheckpointError(ckpt.directory, files, said) from None
     states = job.parts["stages"]
     for s in job.stages:
         if s.name in states.fresh:
@@ -363,9 +357,8 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
         held, then = "another run history", f" to continue from {plan.supersede}"
         if plan.supersede == "fresh":
             held, then = "an earlier run history that this start does not continue", ""
-        log.warning(
-            "this run directory held %s; moved it to %s (nothing deleted)%s", held, dest, then
-        )
+        said = "this run directory held %s; moved it to %s (nothing deleted)%s"
+        log.warning(said, held, dest, then)
     if plan.resumed is None:
         log.info("starting a new run in %s", rundir.path)
         if plan.sibling:
