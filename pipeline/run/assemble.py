@@ -38,10 +38,9 @@ def _call(node: dict, **live):
         unknown = [k for k in node if not k.startswith("_") and k not in accepted]
         if accepted and unknown:
             # a schema-less option (your own model or data) with a key its class does not take: a typo
-            raise ConfigError(
-                f"{node['_target_']} takes no argument {unknown[0]!r} (its config has a key it does "
-                f"not know); it takes: {', '.join(k for k in accepted if k not in live)}"
-            )
+            takes = ", ".join(k for k in accepted if k not in live)
+            said = f"takes no argument {unknown[0]!r} (its config has a key it does not know)"
+            raise ConfigError(f"{node['_target_']} {said}; it takes: {takes}")
     return factory(**live)
 
 

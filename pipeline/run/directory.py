@@ -140,10 +140,8 @@ class RunDir:
             pid = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             holder = f" (pid {pid})" if kind == fcntl.LOCK_EX else ""
-            raise RunBusyError(
-                f"run directory {self.path} is in use by another process{holder}; wait for it to "
-                "finish or stop it first"
-            )
+            said = f"is in use by another process{holder}; wait for it to finish or stop it first"
+            raise RunBusyError(f"run directory {self.path} {said}")
         self._fd = fd
 
     def claim(self, config_yaml: str, overrides: list[str]):

@@ -130,10 +130,9 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     parsed = targets.parse_overrides(overrides)
     for o in parsed:
         if not identity.covered(o.key_or_group, list(DATA_KEYS)) or o.is_sweep_override():
-            raise ConfigError(
-                f"{o.input_line}: only data=NAME, data.KEY=VALUE, paths.output_dir=DIR and "
-                "hydra.searchpath=[...] can be given here; the rest is the checkpoint's"
-            )
+            only = "only data=NAME, data.KEY=VALUE, paths.output_dir=DIR and hydra.searchpath=[...]"
+            rest = "can be given here; the rest is the checkpoint's"
+            raise ConfigError(f"{o.input_line}: {only} {rest}")
     given = [str(o.value()) for o in parsed if o.key_or_group == "paths.output_dir"]
     output_dir = given[-1] if given else cache_home(directory)
     if any(o.key_or_group == "data" for o in parsed):

@@ -74,10 +74,8 @@ class BestVal(Watch):
         if pairs != sorted(pairs, key=rank(self.mode)) or len({s for _, s in pairs}) != len(pairs):
             raise ValueError(f"top {top!r:.80} is not ranked best first, one entry a step")
         if (pairs[0] if pairs else (None, None)) != (state["best"], state["best_step"]):
-            raise ValueError(
-                f"top {top!r:.80} does not begin with the best {state['best']!r} at step "
-                f"{state['best_step']!r}"
-            )
+            best = f"the best {state['best']!r} at step {state['best_step']!r}"
+            raise ValueError(f"top {top!r:.80} does not begin with {best}")
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
