@@ -29,8 +29,7 @@ class Budget:
         if seconds is not None:
             self.deadline = monotonic() - (process_age() if age is None else age) + seconds
         self.last_end: float | None = None
-        # step end to step end: the update, its evaluation, logging and any save
-        self.slowest_step = 0.0
+        self.slowest_step = 0.0  # step end to step end: update, evaluation, logging, any save
         self.slowest_save = 0.0
 
     def step_ended(self) -> bool:

@@ -112,8 +112,7 @@ def _job(
             sweep.run_dir = str(rundir.path)
         log.info("run directory: %s", rundir.path)
         rundir.acquire()
-        # the set-up's lines wait: a refused run writes nothing into its log
-        logging.getLogger().addHandler(held)
+        logging.getLogger().addHandler(held)  # set-up's lines wait: a refused run logs nothing
         # a sweep job's own start (its siblings differ on purpose, its time is its own)
         own = sweep.started if sweep is not None and sweep.dir is not None else None
         started = own or time.time() - budget.process_age()
@@ -143,8 +142,7 @@ def _job(
         run = Run(job, rundir, planned, command, own)
         with SIGNALS_STATE.deferring():
             try:
-                # a finished run's re-run changes nothing
-                if not rundir.read_only and not planned.settled:
+                if not rundir.read_only and not planned.settled:  # a settled run: nothing changes
                     file_handler = QuietFileHandler(rundir.claim(config_yaml, overrides))
                     file_handler.setFormatter(logging.Formatter(LOG_FORMAT))
                     held.setTarget(file_handler)
@@ -180,16 +178,14 @@ def build(config: dict, sweep: SweepJob | None = None) -> Job:
     plan.settings(config)
     # a fork is named by its origin too
     ident = identity.identify(config, plan.origin_of(config["resume"]["source"]))
-    # before the tracker prepares: it makes the output directory and its store
-    check_pairing(config)
+    check_pairing(config)  # before the tracker prepares (it makes the output dir and store)
     check_monitors(config)
     tracker = build_tracker(config, sweep)
     tracker.prepare()  # the tracking agent starts (or is found warm) while the data and the model are built
     try:
         job = assemble(config, ident)
     except (ValueError, OSError) as e:
-        # a full or read-only disk while the corpus is made: not bad input
-        if environment_error(e) is not None:
+        if environment_error(e) is not None:  # a full or read-only disk: not bad input
             raise
         raise ConfigError(str(e)) from None
     job.tracker, job.run_dir = tracker, Path(config["paths"]["runs_dir"]) / ident.name

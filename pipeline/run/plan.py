@@ -238,11 +238,9 @@ def _continued(rundir, job, resume, ckpt, lineage, started, skipped) -> Plan:
 
 def _fork(rundir, job, resume, source: Path, started: float) -> Plan:
     """Another run's checkpoint as this run's start (again: this fork's own newest checkpoint)."""
-    # a link out of a run is refused, not followed
-    source = CheckpointDir(source).resolved().resolve()
+    source = CheckpointDir(source).resolved().resolve()  # a link out of a run: refused
     src = CheckpointDir(source).load()  # its fit is checked once the drift is known
-    # its origin was read as the run was named (origin_of): the same checkpoint
-    lineage = job.lineage
+    lineage = job.lineage  # its origin was read as the run was named (origin_of): the same one
     if _origin(source, src.manifest) != lineage["origin"]:
         why = "it changed while the run started, or stages.resume.source is not resume.source"
         raise CheckpointError(source, "", f"not the checkpoint this run was named after ({why})")

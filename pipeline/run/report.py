@@ -134,8 +134,7 @@ def end_block(
         for tool, then in [("evaluate", ""), ("sample", ' prompt=""')][: 1 + samples]:
             command = shlex.join(["-m", f"pipeline.{tool}", str(target), *configs])
             lines.append(f"  {tool:<12}{py} {command}{then}")
-    # a server: its UI is at its address
-    if tracking_uri and ui_server(tracking_uri) == tracking_uri:
+    if tracking_uri and ui_server(tracking_uri) == tracking_uri:  # a server's UI: its address
         lines.append(f"  mlflow ui   {ui_page(tracking_uri, experiment_id)}")
     elif tracking_uri:
         lines.append(f"  mlflow ui   {ui_command(tracking_uri)}")

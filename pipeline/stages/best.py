@@ -18,8 +18,7 @@ class BestVal(Watch):
         super().__init__(monitor, mode, order)  # keep >= 1, filename a pattern: config/schemas.py
         self.keep = int(keep)
         self.filename = filename  # a pattern naming each kept checkpoint by its values (`{step}-{val/loss:.3f}`)
-        # the `keep` best (value, step) since `since`, best first
-        self.top: list[tuple[float, int]] = []
+        self.top: list[tuple[float, int]] = []  # the `keep` best (value, step), best first
 
     def wants_checkpoint(self, end: StepEnd) -> bool:
         # NaN and infinities never enter, nor a value no better than the keep-th best
