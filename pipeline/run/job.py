@@ -41,9 +41,8 @@ def main(
     sweep: SweepJob | None = None,
     command: list[str] | None = None,
 ) -> Outcome:
-    """Run one job: its Outcome, whose line (a failure, a preemption) is said on stderr; a bug raises. A multirun's
-    job (`sweep`) records its end in its sweep (an exception out of it too) and raises SweepInterrupted after it if
-    its sweep was interrupted. `command`: the arguments that run it again, for its end summary (None: `overrides`)."""
+    """Run one job: its Outcome, its line said on stderr; a bug raises. A `sweep` job records its end in its sweep,
+    then raises SweepInterrupted if the sweep was; `command` runs it again (the end summary; None: `overrides`)."""
     try:
         if sweep is not None:
             _start_in_sweep(sweep)
@@ -82,8 +81,7 @@ def _ended(e: BaseException) -> Outcome | None:
 
 
 def _requeued(outcome: Outcome, sweep: SweepJob | None) -> Outcome:
-    """A job a signal or its time budget stopped, inside a SLURM job, asks SLURM to requeue it (not when its sweep
-    was stopped: its launcher ends it); requeued, its process ends at once, so submitit waits for the new run."""
+    """A SLURM job a signal or its time budget stopped asks to be requeued (not when its sweep was stopped)."""
     if not outcome.requeue or SIGNALS_STATE.sweep_interrupted(sweep.dir if sweep else None):
         return outcome
     if (slurm := requeue_self()) is None:

@@ -42,8 +42,8 @@ class NonFiniteError(CommandError):
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a job ended: complete, preempted or failed; its exit code; its objective; the line it says on stderr;
-    `requeue`: a signal or the time budget stopped it (SLURM may requeue it); `started`: its run had begun."""
+    """How a job ended, its exit code, objective and line on stderr; `requeue`: a signal or the time budget stopped
+    it (SLURM may requeue it); `started`: its run had begun."""
 
     status: str
     code: int

@@ -1,5 +1,4 @@
-"""Which history a run continues: `plan` decides it as a frozen value and writes nothing; `apply` makes its one
-durable change and says it in the log (docs/stages.md: Resume)."""
+"""Which history a run continues: `plan` decides (writing nothing), `apply` makes its one durable change."""
 
 from __future__ import annotations
 
@@ -381,8 +380,8 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
 
 
 def _aside(rundir: RunDir, plan: Plan) -> Path:
-    """Into a new superseded/<when>/, returned: a superseded history whole, moved; else the fallen back step
-    directories, moved, and second names (no byte copied) of checkpoints/ if retuned, metrics.jsonl if cut."""
+    """A new superseded/<when>/: a superseded history moved whole, else the fallen back steps moved and second
+    names of checkpoints/ if retuned, metrics.jsonl if cut."""
     dest = ensure_dirs(rundir.path, "superseded") / time.strftime("%Y%m%d-%H%M%S")
     n = 0
     while os.path.lexists(dest):

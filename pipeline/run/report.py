@@ -41,9 +41,8 @@ UI_LOCAL = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
 
 
 def tool_args(command: list[str]) -> list[str]:
-    """What a tool opening the run's checkpoints (evaluate, sample) needs of the run's `command`: the configs that
-    may name its classes, as one `hydra.searchpath=[...]`: `--config-dir`/`--config-path`'s directories first (as
-    `file://` entries), then the run's own search path."""
+    """The configs a tool opening the run's checkpoints needs of its `command`, as one `hydra.searchpath=[...]`:
+    `--config-dir`/`--config-path`'s directories first (`file://`), then the run's own search path."""
     dirs, searchpath, flag = [], None, None
     for arg in command:
         if flag is not None:

@@ -1,6 +1,5 @@
-"""SIGTERM, SIGINT, SIGUSR1/2 and SIGHUP, from a job's first instruction to its last: never a traceback. Set-up
-raises `Interrupted` at once (run/plan.apply is `atomic()`); training defers (`deferring()`): checkpoint, exit 75
-(docs/stages.md: Exit codes); a sweep's launcher passes a signal on (`sweeping()`); run_command is the one exit."""
+"""SIGTERM, SIGINT, SIGUSR1/2 and SIGHUP, never a traceback: set-up raises `Interrupted` at once, training defers
+(checkpoint, exit 75: docs/stages.md), a sweep's launcher passes them on; run_command is the one exit."""
 
 from __future__ import annotations
 
@@ -210,9 +209,8 @@ def command(name: str):
 def run_command(
     name: str, main: Callable[[], int | None] | str, interrupted: str = "nothing was written"
 ) -> NoReturn:
-    """The one way in and out of every command: take over the signals, run `main` (a function, or a module imported
-    only now: its main(), its INTERRUPTED says what an interruption left) as a `command`, exit with its code. A
-    signal is `<name>: interrupted by SIGINT; <interrupted>` and EXIT_PREEMPTED, never a traceback."""
+    """Every command's way in and out: run `main` (or a module's main(), its INTERRUPTED) as a `command`, exit with its
+    code; a signal is `<name>: interrupted by SIGINT; <interrupted>`, EXIT_PREEMPTED."""
     try:
         SIGNALS_STATE.install()  # inside: a signal right after its handler is installed is already ours
         if isinstance(main, str):

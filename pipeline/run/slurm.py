@@ -1,6 +1,4 @@
-"""A SLURM job told to stop (a time-limit warning, a signal to its steps) puts itself back in the queue. Only
-the job itself can: SLURM signals before a time limit only if asked (`--signal=USR1@N`; submitit asks for
-USR2), and `scancel --signal=TERM JOBID` reaches the steps while the job stays RUNNING."""
+"""A SLURM job told to stop (a time-limit warning, a signal to its steps) requeues itself (docs/slurm.md)."""
 
 from __future__ import annotations
 

@@ -34,9 +34,8 @@ class UnknownTargetError(CheckpointError):
 
 
 def restore_checkpoint(directory: Path, overrides: Sequence[str] = ()) -> tuple[dict, TrainState]:
-    """(manifest, the restored state) of a checkpoint that fully verifies: its manifest checked against itself,
-    every `_target_` of its config allowed before anything is imported (UnknownTargetError), then the parts
-    built and CheckpointDir.load verifying every file against them. `overrides` may give `hydra.searchpath=[...]`."""
+    """(manifest, restored state) of a checkpoint that verifies: every `_target_` allowed before anything is imported
+    (UnknownTargetError), then every file against the parts built; `overrides` may give `hydra.searchpath`."""
     from pipeline.run.assemble import build_state
 
     checkpoint = CheckpointDir(directory)
