@@ -55,7 +55,7 @@ def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> Tra
     """The stages, the streams, the iterator, then the model (its init stream), optimizer and scheduler."""
     trainer = config["trainer"]
     dtype = np.dtype(trainer["dtype"])
-    stages = build_stages(config)
+    stages = StageStates(build_stages(config))
     streams = Streams(trainer["seed"])
     offsets = getattr(dataset, "n_offsets", 0)  # every_offset: any window start of the train stream
     iterator = DataIterator(n_train, trainer["batch_size"], streams["data_order"], offsets)
@@ -68,9 +68,7 @@ def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> Tra
     objects = (model, optimizer, scheduler, iterator, streams, dataset, dtype)  # TrainState's order
     clip, shards = float(trainer["grad_clip"]), int(trainer["shards"])
     given = {k: trainer[k] for k in ("threads", "eval_batches", "eval_at_start")}
-    return TrainState(
-        *objects, steps, accumulate, clip, shards, **given, stages=StageStates(stages)
-    )
+    return TrainState(*objects, steps, accumulate, clip, shards, **given, stages=stages)
 
 
 def build_stages(config: dict) -> list:

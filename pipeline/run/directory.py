@@ -91,11 +91,9 @@ class RunDir:
             for e in sorted(os.scandir(self.hydra_dir), key=lambda e: e.name):
                 refuse_link(Path(e.path))
                 out.append((f"{self.hydra_dir.name}/{e.name}", Path(e.path), MAX_RUN_JSON))
-        return out + [
-            (p.name, p, limit)
-            for p, limit in ((self.status_path, MAX_RUN_JSON), (self.metrics_path, MAX_METRICS))
-            if os.path.lexists(p)
-        ]
+        for p, limit in ((self.status_path, MAX_RUN_JSON), (self.metrics_path, MAX_METRICS)):
+            out += [(p.name, p, limit)] if os.path.lexists(p) else []
+        return out
 
     def acquire(self) -> None:
         """Create the directory if needed and take its lock; RunBusyError if held, UnsafePathError for a link."""
