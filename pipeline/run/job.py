@@ -82,9 +82,8 @@ def _ended(e: BaseException) -> Outcome | None:
 
 def _requeued(outcome: Outcome, sweep: SweepJob | None) -> Outcome:
     """A SLURM job a signal or its time budget stopped asks to be requeued (not when its sweep was stopped)."""
-    if not outcome.requeue or SIGNALS_STATE.sweep_interrupted(sweep.dir if sweep else None):
-        return outcome
-    if (slurm := requeue_self()) is None:
+    stopped = SIGNALS_STATE.sweep_interrupted(sweep.dir if sweep else None)  # its launcher ends it
+    if not outcome.requeue or stopped or (slurm := requeue_self()) is None:
         return outcome
     requeued, said = slurm
     return replace(outcome, message=f"{outcome.message}\npipeline: {said}", requeued=requeued)

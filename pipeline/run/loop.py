@@ -193,8 +193,7 @@ class Run:
             kept, store = self.store.steps(), self.store
             links = {n: store.root / n if store.link_dir(n) else None for n in ("final", "best")}
             links["newest"] = kept[-1][1] if kept else None
-            tracker, command = self.job.tracker, self.command
-            source = self.job.config["resume"]["source"]
+            tracker, source = self.job.tracker, self.job.config["resume"]["source"]
             block = report.end_block(
                 status=status,
                 step=self.state.step,
@@ -204,8 +203,8 @@ class Run:
                 curve=curve,
                 run_uri=self.job.facts.get("mlflow_run_uri") or tracker.run_uri(timeout=0.0),
                 tracking_uri=getattr(tracker, "uri", None),
-                overrides=command,
-                resume=continued_by(source, command, links["newest"], status == "complete"),
+                overrides=self.command,
+                resume=continued_by(source, self.command, links["newest"], status == "complete"),
                 samples=bool(self.state.dataset.spec.vocab_size),
                 experiment_id=getattr(tracker, "experiment_id", None),  # your own may lack it
             )

@@ -29,7 +29,6 @@ class Interrupted(BaseException):
     """A signal before the run held its directory (BaseException: no `except Exception` swallows it)."""
 
     def __init__(self, signum: int):
-        self.signum = signum
         super().__init__(signal.Signals(signum).name)
 
 
