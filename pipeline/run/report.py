@@ -43,16 +43,14 @@ UI_LOCAL = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
 def tool_args(command: list[str]) -> list[str]:
     """The configs a tool opening the run's checkpoints needs of its `command`, as one `hydra.searchpath=[...]`:
     `--config-dir`/`--config-path`'s directories first (`file://`), then the run's own search path."""
-    dirs, searchpath, flag = [], None, None
-    for arg in command:
-        if flag is not None:
-            if flag in DIR_FLAGS:
-                dirs.append("file://" + os.path.abspath(arg))
-            flag = None
-        elif arg in CONFIG_FLAGS:
-            flag = arg
-        elif arg.lstrip("+").startswith("hydra.searchpath="):
-            searchpath = arg
+    pairs = list(zip([None, *command], command))  # (the argument before, the argument)
+    dirs = ["file://" + os.path.abspath(arg) for flag, arg in pairs if flag in DIR_FLAGS]
+    given = [
+        a
+        for f, a in pairs
+        if f not in CONFIG_FLAGS and a.lstrip("+").startswith("hydra.searchpath=")
+    ]
+    searchpath = given[-1] if given else None
     if not dirs:
         return [searchpath] if searchpath else []
     from pipeline.config.targets import hydra_quoted, parse_overrides
