@@ -71,6 +71,11 @@ class Watch(Stage):
     with the monitor and mode it was measured by, so another monitor or mode starts a new best history."""
 
     later: tuple[str, ...] = ("monitor", "mode", "since")
+    keys: tuple[str, ...] = (
+        "best",
+        "best_step",
+        *later,
+    )  # its state's (attributes of the same names)
 
     def __init__(self, monitor: str, mode: str, order: int):
         super().__init__(order)  # mode is min or max: config/schemas.py
@@ -80,7 +85,7 @@ class Watch(Stage):
         self.since = 0  # the step its best history began at (a resume changed monitor or mode)
 
     def state_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("best", "best_step", "monitor", "mode", "since")}
+        return {k: getattr(self, k) for k in self.keys}
 
     def start_at(self, step: int) -> None:
         self.since = int(step)
