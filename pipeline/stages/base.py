@@ -71,11 +71,7 @@ class Watch(Stage):
     with the monitor and mode it was measured by, so another monitor or mode starts a new best history."""
 
     later: tuple[str, ...] = ("monitor", "mode", "since")
-    keys: tuple[str, ...] = (
-        "best",
-        "best_step",
-        *later,
-    )  # its state's (attributes of the same names)
+    keys: tuple[str, ...] = ("best", "best_step", *later)  # its state: these attributes
 
     def __init__(self, monitor: str, mode: str, order: int):
         super().__init__(order)  # mode is min or max: config/schemas.py
