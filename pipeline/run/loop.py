@@ -60,8 +60,7 @@ class Outcome:
 
 
 class Run:
-    """A job in its run directory continuing its plan's history: 8 attributes, set-up's state in the plan;
-    `command` runs it again (the end summary says it); `started`: a sweep job's own start, else None."""
+    """A job continuing its plan's history (8 attributes); `command` runs it again, `started`: a sweep job's start."""
 
     def __init__(self, job: Job, rundir: RunDir, plan: Plan, command: list, started: float | None):
         self.job, self.rundir, self.plan = job, rundir, plan

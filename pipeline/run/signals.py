@@ -160,8 +160,7 @@ class Signals:
             raise Interrupted(self.received)
 
     def sweeping(self, sweep_dir: Path, slurm_jobs: Path | None = None, launcher=None) -> None:
-        """In the process that launches a sweep's jobs, from a fresh start (no marker of an earlier stop);
-        `slurm_jobs`: the submitit folder of a sweep whose jobs SLURM runs; `launcher`: its sweep callback."""
+        """The process that launches a sweep's jobs (`slurm_jobs`: a SLURM sweep's submitit folder), afresh."""
         self.install()
         self.launching = launcher
         self.marker = Path(sweep_dir) / MARKER

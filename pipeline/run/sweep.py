@@ -15,8 +15,7 @@ log = logging.getLogger("pipeline")
 
 
 class SweepInterrupted(CommandError):
-    """What a job of an interrupted sweep raises after its record: every sweeper stops there (Optuna's marks its
-    trial failed and asks for no other), and the launching process ends the sweep, exit 75."""
+    """What a job of an interrupted sweep raises after its record: every sweeper stops there, the sweep exits 75."""
 
     exit_code = EXIT_PREEMPTED
 

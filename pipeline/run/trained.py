@@ -1,5 +1,4 @@
-"""A checkpoint put to use (show, evaluate, sample, export): verified, restored, and given the data it needs;
-every refusal is a ConfigError or CheckpointError of one line (the callers exit 2 with it)."""
+"""A checkpoint put to use (show, evaluate, sample, export): verified, restored, given data; one-line refusals."""
 
 from __future__ import annotations
 
@@ -88,8 +87,7 @@ def _fits_its_weights(ckpt: CheckpointDir, manifest: dict, node: dict, spec: Dat
 
 
 def cache_home(directory: Path) -> str:
-    """The output directory a checkpoint lies in (`<output_dir>/runs/<run>/checkpoints/<step>`: its corpus cache),
-    else (an archive, a lone checkpoint) the default; never the manifest's: a checkpoint picks no place to write."""
+    """The output directory a checkpoint lies in (its corpus cache), else the default; never the manifest's."""
     from pipeline.config.compose import default_output_dir
 
     run = RunDir.of_checkpoint(Path(directory).absolute())
@@ -165,8 +163,7 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
 
 
 def data_facts(manifest: dict, overrides: list[str], directory: Path) -> dict:
-    """{"vocab", "decode_join", "specials"} of a verified checkpoint: its data.json (no corpus needed), or for a
-    schema 2.0 checkpoint its own data, built (`overrides` may say where its text file or corpus cache is)."""
+    """{"vocab", "decode_join", "specials"} of a verified checkpoint: its data.json, else (2.0) its data built."""
     if (facts := CheckpointDir(directory).data_facts(manifest)) is not None:
         return facts
     return inference_facts(checkpoint_data(manifest, overrides, directory, own=True))

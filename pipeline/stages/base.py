@@ -67,8 +67,7 @@ class Stage:
 
 
 class Watch(Stage):
-    """A stage following the best finite value of the metric `monitor` (mode min or max); it rides in checkpoints
-    with the monitor and mode it was measured by, so another monitor or mode starts a new best history."""
+    """A stage following the best finite value of `monitor` (min or max); another monitor or mode starts anew."""
 
     later: tuple[str, ...] = ("monitor", "mode", "since")
     keys: tuple[str, ...] = ("best", "best_step", *later)  # its state: these attributes
@@ -107,8 +106,7 @@ class Watch(Stage):
 
 
 class StageStates:
-    """The `stages` part of the state, every stage's own by name, met by a resume with stages added, removed or
-    re-tuned (docs/stages.md: Changing stages); `notes`: what a load did not restore; `fresh`: who starts anew."""
+    """The `stages` part: each stage's state by name (docs/stages.md: Changing stages); `notes`, `fresh` of a load."""
 
     free_form_state = ("",)  # the names vary with the config: each stage checks its own entry
     # resume and train were stages until they became settings: their saved (empty) states are dropped unsaid

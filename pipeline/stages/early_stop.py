@@ -7,8 +7,7 @@ from pipeline.stages.base import StepEnd, Watch
 
 
 class EarlyStop(Watch):
-    """An evaluation (a step whose metrics hold `monitor`) without improvement adds to `wait`, one with resets it;
-    the step `wait` reaches `patience` is the run's last (run.json's `ended` says why). Its counters are saved."""
+    """An evaluation without improvement adds to `wait`, one with resets it; `wait` at `patience` ends the run."""
 
     name = "early_stop"
     keys = (*Watch.keys, "wait")
