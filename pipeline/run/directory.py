@@ -110,9 +110,8 @@ class RunDir:
             fd = os.open(self.lock_path, flags, 0o644)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise UnsafePathError(
-                    errno.ELOOP, f"{self.lock_path} is a symlink; remove it"
-                ) from None
+                said = f"{self.lock_path} is a symlink; remove it"
+                raise UnsafePathError(errno.ELOOP, said) from None
             raise
         self._hold(fd, LOCK_GRACE, fcntl.LOCK_EX)
 

@@ -162,8 +162,7 @@ class Signals:
     def sweeping(self, sweep_dir: Path, slurm_jobs: Path | None = None, launcher=None) -> None:
         """The process that launches a sweep's jobs (`slurm_jobs`: a SLURM sweep's submitit folder), afresh."""
         self.install()
-        self.launching = launcher
-        self.marker = Path(sweep_dir) / MARKER
+        self.marker, self.launching = Path(sweep_dir) / MARKER, launcher
         self.marker.unlink(missing_ok=True)
         self.mode, self.slurm_jobs = SWEEP, slurm_jobs
 
