@@ -104,17 +104,15 @@ class Run:
         metrics, trainer = metrics_of(record), self.job.config["trainer"]
         bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
         if bad and trainer["on_nonfinite"] == "stop":
-            raise NonFiniteError(
-                f"step {record['step']}: {bad[0]} is {metrics[bad[0]]} (non-finite); stopping "
-                "with the last good checkpoints kept (trainer.on_nonfinite=continue trains on)"
-            )
+            said = f"step {record['step']}: {bad[0]} is {metrics[bad[0]]} (non-finite); stopping"
+            then = "with the last good checkpoints kept (trainer.on_nonfinite=continue trains on)"
+            raise NonFiniteError(f"{said} {then}")
         state = self.state
         last = state.step >= state.total_steps
         end = StepEnd(state.step, metrics, epoch_ended(state, record), epochs_done(state), last)
         # every stage sees every step end (a stateful one must not miss the step another stops on)
         stop = next((r for r in [s.stop_reason(end) for s in self.job.stages] if r), None)
-        if stop:
-            end = replace(end, last=True)
+        end = replace(end, last=last or bool(stop))
         if end.last:
             self.state.progress.ended = stop or "max_steps"
         tags = [s.name for s in self.job.stages if s.wants_checkpoint(end)]
@@ -277,10 +275,8 @@ class Run:
             self.stopped = SIGNALS_STATE.name  # one that came while setting up: nothing new to save
             if self.stopped is None:
                 self.train(eval_every)
-            if self.stopped is None:
-                self.write_status("complete")
-            else:
-                self.write_status("preempted", preempted_by=self.stopped)
+            extra = {} if self.stopped is None else {"preempted_by": self.stopped}
+            self.write_status("complete" if self.stopped is None else "preempted", **extra)
         except BaseException as e:  # a non-finite loss says so itself; anything else with its type
             said = environment_error(e) or f"{type(e).__name__}: {e}"
             self._failed(str(e) if isinstance(e, NonFiniteError) else said)
