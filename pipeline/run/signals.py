@@ -53,8 +53,8 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def _unraisable(quiet: Callable[[BaseException | None], bool]) -> None:
-    """sys.unraisablehook says nothing of an exception `quiet` is true of, and passes on every other."""
+def _take(handler, quiet: Callable[[BaseException | None], bool]) -> None:
+    """Every one of SIGNALS to `handler`; sys.unraisablehook says nothing of an exception `quiet` is true of."""
     previous = sys.unraisablehook
 
     def hook(unraisable):
@@ -62,6 +62,8 @@ def _unraisable(quiet: Callable[[BaseException | None], bool]) -> None:
             previous(unraisable)
 
     sys.unraisablehook = hook
+    for s in SIGNALS:
+        signal.signal(s, handler)
 
 
 class Signals:
@@ -94,9 +96,7 @@ class Signals:
         sys.excepthook = hook
         # the handler's raise landed in a callback Python runs for itself (a weakref's inside the
         # import system, a __del__): it cannot propagate; `received` holds the signal, acted on at the next check
-        _unraisable(lambda e: isinstance(e, Interrupted))
-        for s in SIGNALS:
-            signal.signal(s, self._handler)
+        _take(self._handler, lambda e: isinstance(e, Interrupted))
         self.installed = True
 
     def _handler(self, signum, frame) -> None:
@@ -128,9 +128,7 @@ class Signals:
         if threading.current_thread() is not threading.main_thread():
             return
         # a signal caught just before SIG_IGN took over: nothing to say about it
-        _unraisable(lambda e: isinstance(e, OSError) and "race condition" in str(e))
-        for s in SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
+        _take(signal.SIG_IGN, lambda e: isinstance(e, OSError) and "race condition" in str(e))
 
     @contextlib.contextmanager
     def atomic(self):
