@@ -97,8 +97,16 @@ class RunDir:
 
     def acquire(self) -> None:
         """Create the directory if needed and take its lock; RunBusyError if held, UnsafePathError for a link."""
-        if self._read_only_medium():
-            return self._acquire_shared()
+        with contextlib.suppress(OSError):
+            flag = os.statvfs(self.path).f_flag if os.path.isdir(self.path) else 0
+            self.read_only = flag & os.ST_RDONLY != 0
+        if self.read_only:  # no lock file is made; one there is held shared (refused while written)
+            refuse_link(self.lock_path)
+            try:
+                fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return
+            return self._hold(fd, 0.0, fcntl.LOCK_SH)
         self.created = not os.path.lexists(self.path)
         atomic.ensure_dirs(self.path.parent, self.path.name)
         for path in (self.lock_path, self.status_path, self.metrics_path, self.log_path):
@@ -114,22 +122,6 @@ class RunDir:
                 raise UnsafePathError(errno.ELOOP, said) from None
             raise
         self._hold(fd, LOCK_GRACE, fcntl.LOCK_EX)
-
-    def _read_only_medium(self) -> bool:
-        try:
-            return os.path.isdir(self.path) and os.statvfs(self.path).f_flag & os.ST_RDONLY != 0
-        except OSError:
-            return False
-
-    def _acquire_shared(self) -> None:
-        """A read-only medium: no lock file is created; an existing one is held shared (refused while written)."""
-        refuse_link(self.lock_path)
-        self.read_only = True
-        try:
-            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return
-        self._hold(fd, 0.0, fcntl.LOCK_SH)
 
     def _hold(self, fd: int, grace: float, kind: int) -> None:
         """Hold the lock `kind` on `fd`, else RunBusyError naming the holder (a writer's lock file says its pid)."""
