@@ -390,11 +390,9 @@ def _aside(rundir: RunDir, plan: Plan) -> Path:
     os.mkdir(dest)
     store = rundir.store.root
     if plan.supersede is not None:
-        if os.path.lexists(store):
-            move(store, dest / store.name, copy=_names_again)
-        for p in (rundir.metrics_path, rundir.status_path):
+        for p in (store, rundir.metrics_path, rundir.status_path):
             if os.path.lexists(p):
-                move(p, dest / p.name)
+                move(p, dest / p.name, copy=_names_again if p == store else None)
         fsync_dir(rundir.path)
     else:
         if plan.fallback or plan.retuned:
