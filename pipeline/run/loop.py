@@ -21,7 +21,7 @@ from pipeline.model.minigpt import release_freed_memory
 from pipeline.run import budget, report
 from pipeline.run.assemble import Job
 from pipeline.run.directory import RunDir
-from pipeline.run.plan import Plan, continued_by, resume_hint, written_now
+from pipeline.run.plan import NEVER, Plan, continued_by, written_now
 from pipeline.run.signals import SIGNALS_STATE
 from pipeline.stages.base import StepEnd
 from pipeline.stateful import capture
@@ -223,8 +223,13 @@ class Run:
 
     def resume_hint(self) -> str:
         """What continues this stopped run (what the identical command does depends on resume.source)."""
-        kept = self.store.steps()
-        return resume_hint(self.job.config["resume"]["source"], kept[-1][1] if kept else None)
+        kept, source = self.store.steps(), self.job.config["resume"]["source"]
+        if source != NEVER:
+            return "re-run the same command to resume"
+        if not kept:
+            return "nothing to resume from (no checkpoint); the same command starts a new run (resume=never)"
+        add = continued_by(source, [], kept[-1][1], False)[0]
+        return f"the same command starts a new run (resume=never); add {add} to continue this one"
 
     def objective(self) -> float:
         """What a sweeper optimises: `optimized_metric` (null: the best value of the best-val stage's monitor)."""

@@ -142,16 +142,6 @@ def continued_by(source: str, overrides: list, newest: Path | None, complete: bo
     return [*kept, f"resume.source={hydra_quoted(str(newest))}"]
 
 
-def resume_hint(source: str, newest: Path | None) -> str:
-    """What to do to continue a stopped run, from what the identical command will do (continued_by)."""
-    if source != NEVER:
-        return "re-run the same command to resume"
-    if newest is None:
-        return "nothing to resume from (no checkpoint); the same command starts a new run (resume=never)"
-    add = continued_by(source, [], newest, False)[0]
-    return f"the same command starts a new run (resume=never); add {add} to continue this one"
-
-
 # --- the plan
 @dataclass(frozen=True)
 class Plan:
