@@ -48,13 +48,23 @@ def main(
             _start_in_sweep(sweep)
         again = list(overrides) if command is None else list(command)
         outcome = _job(config, overrides, config_yaml, sweep, again)
-    except BaseException as e:
-        if (ended := _ended(e)) is None:
+    except BaseException as e:  # a known end of the job as an Outcome; a bug raises (its traceback)
+        if isinstance(e, Interrupted):
+            said = f"interrupted by {e} before the run started; nothing was changed; re-run the same command"
+            e = JobFailed(EXIT_PREEMPTED, said, requeue=True, started=False)
+        if (known := errors.exit_code(e) if isinstance(e, Exception) else None) is None:
             if sweep is not None:
                 sweep.record(error=e)
             raise
-        outcome = ended
-    outcome = _requeued(outcome, sweep)
+        (code, message), status = known, "preempted" if known[0] == EXIT_PREEMPTED else "failed"
+        requeue, started = getattr(e, "requeue", False), getattr(e, "started", True)
+        outcome = Outcome(status, code, message=message, requeue=requeue, started=started)
+    # stopped by a signal or its time budget inside SLURM: requeued (not a stopped sweep's: its launcher ends it)
+    stopped = SIGNALS_STATE.sweep_interrupted(sweep.dir if sweep else None)
+    if outcome.requeue and not stopped and (slurm := requeue_self()) is not None:
+        requeued, said = slurm
+        said = f"{outcome.message}\npipeline: {said}"
+        outcome = replace(outcome, message=said, requeued=requeued)
     if outcome.message:
         print(f"pipeline: {outcome.message}", file=sys.stderr)
     if sweep is None or outcome.requeued:
@@ -66,27 +76,6 @@ def main(
     if sweep.failure is not None and SIGNALS_STATE.sweep_interrupted(sweep.dir):
         raise SweepInterrupted(f"job {sweep.num} stopped: the sweep was interrupted")
     return outcome
-
-
-def _ended(e: BaseException) -> Outcome | None:
-    """An exception's end of the job as an Outcome (None: a bug, its traceback)."""
-    if isinstance(e, Interrupted):
-        said = f"interrupted by {e} before the run started; nothing was changed; re-run the same command"
-        e = JobFailed(EXIT_PREEMPTED, said, requeue=True, started=False)
-    if (known := errors.exit_code(e) if isinstance(e, Exception) else None) is None:
-        return None
-    (code, message), status = known, "preempted" if known[0] == EXIT_PREEMPTED else "failed"
-    requeue, started = getattr(e, "requeue", False), getattr(e, "started", True)
-    return Outcome(status, code, message=message, requeue=requeue, started=started)
-
-
-def _requeued(outcome: Outcome, sweep: SweepJob | None) -> Outcome:
-    """A SLURM job a signal or its time budget stopped asks to be requeued (not when its sweep was stopped)."""
-    stopped = SIGNALS_STATE.sweep_interrupted(sweep.dir if sweep else None)  # its launcher ends it
-    if not outcome.requeue or stopped or (slurm := requeue_self()) is None:
-        return outcome
-    requeued, said = slurm
-    return replace(outcome, message=f"{outcome.message}\npipeline: {said}", requeued=requeued)
 
 
 def _job(
