@@ -44,8 +44,17 @@ def main(
     """Run one job: its Outcome, its line said on stderr; a bug raises. A `sweep` job records its end in its sweep,
     then raises SweepInterrupted if the sweep was; `command` runs it again (the end summary; None: `overrides`)."""
     try:
-        if sweep is not None:
-            _start_in_sweep(sweep)
+        if sweep is not None:  # a multirun's job: its own signals; refused if it cannot start
+            SIGNALS_STATE.install()
+            if sweep.parallel:
+                label_console(f"[job {sweep.num}]")
+            if sweep.unreadable:
+                raise JobFailed(errors.EXIT_BAD_INPUT, sweep.unreadable)
+            if SIGNALS_STATE.sweep_interrupted(sweep.dir):
+                said = "the sweep was interrupted before this job started; re-run the same command"
+                raise JobFailed(EXIT_PREEMPTED, said, started=False)
+            if SIGNALS_STATE.mode != SWEEP:
+                SIGNALS_STATE.received = None  # a worker's earlier job was stopped: not this one
         again = list(overrides) if command is None else list(command)
         outcome = _job(config, overrides, config_yaml, sweep, again)
     except BaseException as e:  # a known end of the job as an Outcome; a bug raises (its traceback)
@@ -176,20 +185,6 @@ def build(config: dict, sweep: SweepJob | None = None) -> Job:
         raise ConfigError(str(e)) from None
     job.tracker, job.run_dir = tracker, Path(config["paths"]["runs_dir"]) / ident.name
     return job
-
-
-def _start_in_sweep(sweep: SweepJob) -> None:
-    """A multirun's job: its own signals, labelled lines; refused if its sweep is unreadable or interrupted."""
-    SIGNALS_STATE.install()
-    if sweep.parallel:
-        label_console(f"[job {sweep.num}]")
-    if sweep.unreadable:
-        raise JobFailed(errors.EXIT_BAD_INPUT, sweep.unreadable)
-    if SIGNALS_STATE.sweep_interrupted(sweep.dir):
-        said = "the sweep was interrupted before this job started; re-run the same command"
-        raise JobFailed(EXIT_PREEMPTED, said, started=False)
-    if SIGNALS_STATE.mode != SWEEP:
-        SIGNALS_STATE.received = None  # a worker's earlier job was stopped; this one starts afresh
 
 
 class JobLabel(logging.Formatter):
