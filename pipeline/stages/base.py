@@ -140,14 +140,11 @@ class StageStates:
             s.load_state_dict(state[s.name])
         live = {s.name for s in self.stages}
         self.fresh = live - {s.name for s in restored}
-        self.notes = [
-            f"{s.name}: {s.continues(state[s.name])}: a new history from here"
-            if s.name in state
-            else f"{s.name}: not in the checkpoint, starts fresh here"
-            for s in self.stages
-            if s.name in self.fresh
-        ]
-        self.notes += [
-            f"{name}: no such stage in this config, its saved state is dropped"
-            for name in sorted(set(state) - live - set(self.former))
-        ]
+        self.notes = []
+        for s in (s for s in self.stages if s.name in self.fresh):
+            why = "not in the checkpoint, starts fresh here"
+            if s.name in state:
+                why = f"{s.continues(state[s.name])}: a new history from here"
+            self.notes.append(f"{s.name}: {why}")
+        gone, dropped = sorted(set(state) - live - set(self.former)), "no such stage in this config"
+        self.notes += [f"{n}: {dropped}, its saved state is dropped" for n in gone]
