@@ -83,7 +83,6 @@ def written_now(config: dict) -> dict:
     return {**config, "stages": renamed}
 
 
-# --- drift: what differs between the run a checkpoint was made by and this job
 class DriftError(CommandError):
     """The checkpoint was made by a different config or data than the current run's, and that is not allowed."""
 
@@ -117,7 +116,6 @@ def refuse(changes: dict[str, tuple], allow: list[str], where) -> None:
             raise DriftError(f"{refusing} {said} ({why}); start over with resume=never")
 
 
-# --- forks, and what continues a stopped run
 def origin_of(source: str) -> dict | None:
     """The checkpoint a fork (resume.source=PATH) continues, as its lineage records it (None: auto, never)."""
     if source in (AUTO, NEVER):
@@ -142,7 +140,6 @@ def continued_by(source: str, overrides: list, newest: Path | None, complete: bo
     return [*kept, f"resume.source={hydra_quoted(str(newest))}"]
 
 
-# --- the plan
 @dataclass(frozen=True)
 class Plan:
     """The history a run continues and what set-up moves to superseded/ to continue it (never deleted)."""
