@@ -126,8 +126,7 @@ class Run:
 
     def checkpoint(self, metrics: dict, tags: list[str], final: bool = False) -> Checkpoint:
         tracker = self.job.tracker
-        # Only the last save (the end, or a preemption) waits for the tracked run's URI: earlier manifests
-        # carry it once the tracker knows it, so training never waits for mlflow to start.
+        # only the last save waits for the tracked run's URI; earlier manifests carry it once it is known
         wait = 30.0 if final else 0.0
         self.job.facts["mlflow_run_uri"] = self._handover(tracker.run_uri, timeout=wait)
         with self.profile.phase("checkpoint"):
