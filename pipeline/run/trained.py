@@ -13,7 +13,7 @@ import numpy as np
 from pipeline.checkpoint.directory import CheckpointDir, weights_bytes
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.config import identity, targets
-from pipeline.config.errors import ConfigError
+from pipeline.config.errors import ConfigError, error_line
 from pipeline.config.schemas import SCHEMAS, as_written_now, config_written_now, validate
 from pipeline.data.base import DataSpec, inference_facts
 from pipeline.run.directory import RunDir
@@ -136,7 +136,6 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
         from hydra.errors import HydraException
 
         from pipeline.config.compose import compose, to_plain
-        from pipeline.config.errors import error_line
 
         try:
             node = to_plain(compose(list(overrides)))["data"]
