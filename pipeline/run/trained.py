@@ -13,6 +13,7 @@ import numpy as np
 from pipeline.checkpoint.directory import CheckpointDir, weights_bytes
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.config import identity, targets
+from pipeline.config.compose import compose, default_output_dir, to_plain
 from pipeline.config.errors import ConfigError, error_line
 from pipeline.config.schemas import SCHEMAS, as_written_now, config_written_now, validate
 from pipeline.data.base import DataSpec, inference_facts
@@ -88,8 +89,6 @@ def _fits_its_weights(ckpt: CheckpointDir, manifest: dict, node: dict, spec: Dat
 
 def cache_home(directory: Path) -> str:
     """The output directory a checkpoint lies in (its corpus cache), else the default; never the manifest's."""
-    from pipeline.config.compose import default_output_dir
-
     run = RunDir.of_checkpoint(Path(directory).absolute())
     if run is not None and run.output_dir is not None and not in_archive(directory):
         return str(run.output_dir)
@@ -134,8 +133,6 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     output_dir = given[-1] if given else cache_home(directory)
     if any(o.key_or_group == "data" for o in parsed):
         from hydra.errors import HydraException
-
-        from pipeline.config.compose import compose, to_plain
 
         try:
             node = to_plain(compose(list(overrides)))["data"]
