@@ -144,8 +144,7 @@ def metric_names(config: dict) -> list[str]:
 
 
 def check_monitors(config: dict) -> None:
-    """ConfigError, one line with the closest names, for a `monitor`, `filename` field or `optimized_metric`
-    naming a metric the run never logs (a typo would never write `best`); before anything is built."""
+    """ConfigError (one line, the closest names) for a `monitor`, `filename` field or `optimized_metric` not logged."""
     names = metric_names(config)
     stages = [(k, n) for k, n in (config.get("stages") or {}).items() if isinstance(n, dict)]
     wanted = [

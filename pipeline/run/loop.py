@@ -42,15 +42,14 @@ class NonFiniteError(CommandError):
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a job ended, its exit code, objective and line on stderr; `requeue`: a signal or the time budget stopped
-    it (SLURM may requeue it); `started`: its run had begun."""
+    """How a job ended (complete, preempted, failed), its exit code, objective and line on stderr."""
 
     status: str
     code: int
     objective: float = math.nan
     message: str = ""
-    requeue: bool = False
-    started: bool = True
+    requeue: bool = False  # a signal or the time budget stopped it (SLURM may requeue it)
+    started: bool = True  # its run had begun
     requeued: bool = False  # SLURM requeues the job: its process ends at once
 
     @property
