@@ -47,8 +47,7 @@ def copy_tree(tree):
 
 
 def split(tree: dict) -> tuple[dict[str, np.ndarray], dict]:
-    """Arrays by path ("optimizer/exp_avg/h.0.w") and the same tree with the arrays taken out (dicts kept).
-    Keys on the way to an array must not contain SEP; JSON keys may (metric names such as train/loss)."""
+    """Arrays by path ("optimizer/exp_avg/h.0.w") and the tree without them; JSON keys may hold SEP (train/loss)."""
     arrays: dict[str, np.ndarray] = {}
 
     def walk(node: dict, path: tuple) -> dict:
@@ -131,12 +130,6 @@ def misfit(live, got, path: tuple = (), free: tuple[str, ...] = ()) -> tuple[tup
     if kind != got_kind and "null" not in (kind, got_kind) and {kind, got_kind} != {"int", "float"}:
         return path, f"{where}: expected {kind}, got {got_kind}"
     return None
-
-
-def fit_reason(live, got, path: str = "", free: tuple[str, ...] = ()) -> str | None:
-    """Why `got` cannot replace the live state `live` (see misfit), or None; `path` names the top."""
-    found = misfit(live, got, tuple(path.split(SEP)) if path else (), free)
-    return found[1] if found else None
 
 
 def check(parts: Mapping, tree: Mapping, only: tuple[str, ...] = PARTS) -> None:

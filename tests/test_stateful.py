@@ -11,9 +11,9 @@ from pipeline.stateful import (
     StateMismatch,
     capture,
     copy_tree,
-    fit_reason,
     flat,
     merge,
+    misfit,
     restore,
     split,
 )
@@ -81,13 +81,13 @@ def test_capture_is_live_and_copy_tree_is_not():
     ],
 )
 def test_fit_reason_names_what_does_not_fit(live, got, words):
-    assert words in fit_reason(live, got)
+    assert words in misfit(live, got)[1]
 
 
 def test_fit_allows_a_fresh_null_and_free_form_objects():
-    assert fit_reason({"best": None}, {"best": 1.5}) is None
-    assert fit_reason({"t": 1}, {"t": 2.0}) is None  # JSON numbers
-    assert fit_reason({"metrics": {}}, {"metrics": {"val/loss": 1.0}}, free=("metrics",)) is None
+    assert misfit({"best": None}, {"best": 1.5}) is None
+    assert misfit({"t": 1}, {"t": 2.0}) is None  # JSON numbers
+    assert misfit({"metrics": {}}, {"metrics": {"val/loss": 1.0}}, free=("metrics",)) is None
 
 
 def test_restore_is_all_or_nothing():

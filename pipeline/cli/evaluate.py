@@ -19,11 +19,11 @@ EPILOG += "default the run's), hydra.searchpath=[...]"
 def evaluate_checkpoint(directory: Path, overrides: tuple[str, ...] | list[str] = ()) -> dict:
     """{"checkpoint", "step", "data", "data_manifest_hash", "own_data", "metrics"}; ConfigError or
     CheckpointError (one line) if the checkpoint does not verify or the data does not fit its model."""
-    from pipeline.run.trained import other_data, restore_checkpoint
+    from pipeline.run.trained import checkpoint_data, restore_checkpoint
     from pipeline.trainer.loop import validate
 
     manifest, state = restore_checkpoint(directory, list(overrides))
-    state.dataset = dataset = other_data(manifest, list(overrides), directory)
+    state.dataset = dataset = checkpoint_data(manifest, list(overrides), directory)
     out = dict(checkpoint=str(directory), step=manifest["step"], data=type(dataset).__name__)
     own = dataset.manifest_hash == manifest["data_manifest_hash"]
     return out | dict(

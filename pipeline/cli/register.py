@@ -91,7 +91,7 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     ModelVersion); a one-line CheckpointError / ConfigError / StoreError for what will not do."""
     from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.files import jsonio, names
-    from pipeline.run.trained import own_data, restore_checkpoint
+    from pipeline.run.trained import checkpoint_data, restore_checkpoint
     from pipeline.serving import CHECKPOINT, VOCAB
 
     if (why := names.problem(name, reserve=0)) is not None or not name.strip():
@@ -109,7 +109,7 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
         raise ConfigError(f"{held}, which {why}")
     vocab = None
     if hasattr(state.model, "logits") and checkpoint.data_facts(manifest) is None:  # schema 2.0
-        dataset = own_data(manifest, [], given)
+        dataset = checkpoint_data(manifest, [], given, own=True)
         vocab = {"vocab": list(dataset.vocab), "decode_join": dataset.manifest["decode_join"]}
 
     uri = store_uri(given, tracking_uri)  # an archive's, no store named: refused before mlflow

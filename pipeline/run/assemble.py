@@ -1,5 +1,4 @@
-"""The one place a run's objects are built: its parts (build_state: a run, the verifier, roundtrip and every tool
-opening a checkpoint build them this way), its facts, its tracker; the model checked against the data first."""
+"""The one place a run's objects are built (parts, facts, tracker); the model checked against the data first."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ from pipeline.trainer.state import TrainState
 
 
 def _call(node: dict, **live):
-    """Build a `_target_` node with the live values of its kind (config/schemas.py LIVE, told by which are given)
-    as keyword arguments, never through the config (instantiate() would wrap them in DictConfigs)."""
+    """Build a `_target_` node with live values (config/schemas.py LIVE) as arguments, never through the config."""
     kind = next(k for k, (need, may) in schemas.LIVE.items() if set(live) == {*need, *may})
     factory = instantiate(node, _partial_=True)
     if problem := schemas.live_problem(kind, node["_target_"], factory.func):
@@ -40,10 +38,9 @@ def _call(node: dict, **live):
         unknown = [k for k in node if not k.startswith("_") and k not in accepted]
         if accepted and unknown:
             # a schema-less option (your own model or data) with a key its class does not take: a typo
-            raise ConfigError(
-                f"{node['_target_']} takes no argument {unknown[0]!r} (its config has a key it does "
-                f"not know); it takes: {', '.join(k for k in accepted if k not in live)}"
-            )
+            takes = ", ".join(k for k in accepted if k not in live)
+            said = f"takes no argument {unknown[0]!r} (its config has a key it does not know)"
+            raise ConfigError(f"{node['_target_']} {said}; it takes: {takes}")
     return factory(**live)
 
 
@@ -55,11 +52,10 @@ def build_dataset(config: dict):
 
 
 def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> TrainState:
-    """The stages, the streams, the iterator (data_order), then the model (from the init stream), optimizer, scheduler
-    (each stream is its own generator: the order draws nothing from another)."""
+    """The stages, the streams, the iterator, then the model (its init stream), optimizer and scheduler."""
     trainer = config["trainer"]
     dtype = np.dtype(trainer["dtype"])
-    stages = build_stages(config)
+    stages = StageStates(build_stages(config))
     streams = Streams(trainer["seed"])
     offsets = getattr(dataset, "n_offsets", 0)  # every_offset: any window start of the train stream
     iterator = DataIterator(n_train, trainer["batch_size"], streams["data_order"], offsets)
@@ -72,14 +68,11 @@ def build_state(config: dict, spec: DataSpec, n_train: int, dataset=None) -> Tra
     objects = (model, optimizer, scheduler, iterator, streams, dataset, dtype)  # TrainState's order
     clip, shards = float(trainer["grad_clip"]), int(trainer["shards"])
     given = {k: trainer[k] for k in ("threads", "eval_batches", "eval_at_start")}
-    return TrainState(
-        *objects, steps, accumulate, clip, shards, **given, stages=StageStates(stages)
-    )
+    return TrainState(*objects, steps, accumulate, clip, shards, **given, stages=stages)
 
 
 def build_stages(config: dict) -> list:
-    """Every node under `stages` but the resume's and training's settings (run/plan.SETTINGS), named by its key
-    (its state in checkpoints is filed under that name); a checkpoint's config may predate a stage's key."""
+    """Every node under `stages` but the settings (run/plan.SETTINGS), named by its key (its state's name)."""
     stages = []
     for key, node in (config.get("stages") or {}).items():
         if node is not None and key not in SETTINGS:
@@ -151,9 +144,7 @@ def metric_names(config: dict) -> list[str]:
 
 
 def check_monitors(config: dict) -> None:
-    """ConfigError, one line, for a stage's `monitor`, a field of its `filename` pattern or `optimized_metric` naming
-    a metric the run never logs (a typo would never write `best`, never stop early, optimise NaN, name every
-    checkpoint `10-none`), with the closest names; before anything is built."""
+    """ConfigError (one line, the closest names) for a `monitor`, `filename` field or `optimized_metric` not logged."""
     names = metric_names(config)
     stages = [(k, n) for k, n in (config.get("stages") or {}).items() if isinstance(n, dict)]
     wanted = [
@@ -185,8 +176,7 @@ def check_monitors(config: dict) -> None:
 
 
 def assemble(config: dict, ident: identity.Identity) -> Job:
-    """The data, parts and run-level facts of a validated config: a Job without a tracker or run directory (the
-    verifier's processes, roundtrip); ValueError or OSError for values its objects refuse."""
+    """A validated config's Job without a tracker or run directory; ValueError or OSError for refused values."""
     dataset = build_dataset(config)
     state = build_state(config, dataset.spec, dataset.n_train, dataset)
     spec = {**asdict(dataset.spec), "n_train": int(dataset.n_train)}

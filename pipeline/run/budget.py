@@ -1,5 +1,4 @@
-"""trainer.max_time: this process's wall-time budget (docs/stages.md: A time budget); spent, the run checkpoints and
-exits 75, like a preemption. Before the first save, a save's duration is unknown and counted as 0."""
+"""trainer.max_time: this process's wall-time budget (docs/stages.md: A time budget)."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ class Budget:
         if seconds is not None:
             self.deadline = monotonic() - (process_age() if age is None else age) + seconds
         self.last_end: float | None = None
-        # step end to step end: the update, its evaluation, logging and any save
-        self.slowest_step = 0.0
+        self.slowest_step = 0.0  # step end to step end: update, evaluation, logging, any save
         self.slowest_save = 0.0
 
     def step_ended(self) -> bool:

@@ -43,8 +43,7 @@ def _lock_within(fd: int, grace: float, kind: int = fcntl.LOCK_EX) -> bool:
 
 
 class RunDir:
-    """A run directory, the only code that knows what it holds: .hydra/ (the composed config, the overrides),
-    checkpoints/ (a CheckpointStore), run.json, metrics.jsonl, pipeline.log, the lock and superseded/."""
+    """A run directory, the only code that knows what it holds (docs/outputs.md)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -85,25 +84,29 @@ class RunDir:
         return self.store.root.is_dir() or self.status_path.is_file()
 
     def records(self) -> list[tuple[str, Path, int]]:
-        """(name inside the run, path, byte bound) of .hydra/'s files, run.json and metrics.jsonl (the lock and
-        the log belong to a process); UnsafePathError for a link or anything but a regular file among them."""
+        """(name, path, byte bound) of .hydra/'s files, run.json and metrics.jsonl; UnsafePathError for a link."""
         out = []
         if os.path.lexists(self.hydra_dir):
             refuse_link(self.hydra_dir, "directory")
             for e in sorted(os.scandir(self.hydra_dir), key=lambda e: e.name):
                 refuse_link(Path(e.path))
                 out.append((f"{self.hydra_dir.name}/{e.name}", Path(e.path), MAX_RUN_JSON))
-        return out + [
-            (p.name, p, limit)
-            for p, limit in ((self.status_path, MAX_RUN_JSON), (self.metrics_path, MAX_METRICS))
-            if os.path.lexists(p)
-        ]
+        for p, limit in ((self.status_path, MAX_RUN_JSON), (self.metrics_path, MAX_METRICS)):
+            out += [(p.name, p, limit)] if os.path.lexists(p) else []
+        return out
 
     def acquire(self) -> None:
-        """Create the directory if needed (`created`) and take its lock; RunBusyError (changing nothing) if it is
-        held, UnsafePathError if anything the run writes is a link planted to make it write elsewhere."""
-        if self._read_only_medium():
-            return self._acquire_shared()
+        """Create the directory if needed and take its lock; RunBusyError if held, UnsafePathError for a link."""
+        with contextlib.suppress(OSError):
+            flag = os.statvfs(self.path).f_flag if os.path.isdir(self.path) else 0
+            self.read_only = flag & os.ST_RDONLY != 0
+        if self.read_only:  # no lock file is made; one there is held shared (refused while written)
+            refuse_link(self.lock_path)
+            try:
+                fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return
+            return self._hold(fd, 0.0, fcntl.LOCK_SH)
         self.created = not os.path.lexists(self.path)
         atomic.ensure_dirs(self.path.parent, self.path.name)
         for path in (self.lock_path, self.status_path, self.metrics_path, self.log_path):
@@ -115,27 +118,10 @@ class RunDir:
             fd = os.open(self.lock_path, flags, 0o644)
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise UnsafePathError(
-                    errno.ELOOP, f"{self.lock_path} is a symlink; remove it"
-                ) from None
+                said = f"{self.lock_path} is a symlink; remove it"
+                raise UnsafePathError(errno.ELOOP, said) from None
             raise
         self._hold(fd, LOCK_GRACE, fcntl.LOCK_EX)
-
-    def _read_only_medium(self) -> bool:
-        try:
-            return os.path.isdir(self.path) and os.statvfs(self.path).f_flag & os.ST_RDONLY != 0
-        except OSError:
-            return False
-
-    def _acquire_shared(self) -> None:
-        """A read-only medium: no lock file is created; an existing one is held shared (refused while written)."""
-        refuse_link(self.lock_path)
-        self.read_only = True
-        try:
-            fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return
-        self._hold(fd, 0.0, fcntl.LOCK_SH)
 
     def _hold(self, fd: int, grace: float, kind: int) -> None:
         """Hold the lock `kind` on `fd`, else RunBusyError naming the holder (a writer's lock file says its pid)."""
@@ -143,15 +129,12 @@ class RunDir:
             pid = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             holder = f" (pid {pid})" if kind == fcntl.LOCK_EX else ""
-            raise RunBusyError(
-                f"run directory {self.path} is in use by another process{holder}; wait for it to "
-                "finish or stop it first"
-            )
+            said = f"is in use by another process{holder}; wait for it to finish or stop it first"
+            raise RunBusyError(f"run directory {self.path} {said}")
         self._fd = fd
 
     def claim(self, config_yaml: str, overrides: list[str]):
-        """This process runs here now (its set-up was accepted): its pid into the lock, the composed config and the
-        overrides into .hydra/ (as Hydra's holds them); its pipeline.log, returned open for appending."""
+        """Its pid into the lock, the config and overrides into .hydra/; its pipeline.log, open for appending."""
         assert self._fd is not None, "acquire() comes first"
         try:
             os.ftruncate(self._fd, 0)
@@ -169,11 +152,8 @@ class RunDir:
         """Release; remove the directory if acquire() made it and it holds only an empty lock (a refused run's)."""
         self.release()
         with contextlib.suppress(OSError):
-            if (
-                self.created
-                and os.listdir(self.path) == [self.lock_path.name]
-                and os.path.getsize(self.lock_path) == 0
-            ):
+            alone = self.created and os.listdir(self.path) == [self.lock_path.name]
+            if alone and os.path.getsize(self.lock_path) == 0:
                 os.unlink(self.lock_path)
                 os.rmdir(self.path)
 
@@ -207,17 +187,20 @@ class RunDir:
             raise RunFileError(self.path, self.status_path.name, "not a JSON object")
         return status
 
-    def write_status(self, **fields) -> None:
-        atomic.replace_file(self.status_path, jsonio.dumps({**fields, "updated": time.time()}))
-
-    def write_status_in_place(self, **fields) -> None:
-        """run.json rewritten inside its own bytes (which need no new space), shortened to fit and padded with
-        spaces: the last resort on a disk too full for write_status's temporary, so a failed run does not say
-        `running`. Not atomic: a torn run.json is refused as damaged, and a resume trusts the checkpoints."""
+    def write_status(self, ending: bool = False, **fields) -> None:
+        """run.json, atomically; on a disk too full for the temporary, an `ending` is rewritten inside run.json's
+        own bytes, cut to fit and padded with spaces (not atomic: a torn run.json is refused as damaged)."""
+        record = {**fields, "updated": time.time()}
+        try:
+            atomic.replace_file(self.status_path, jsonio.dumps(record))
+            return
+        except OSError as e:  # an ending still must not leave `running` behind
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            if not (ending and full and self.status_path.exists()):
+                raise
         fd = os.open(self.status_path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             room = os.fstat(fd).st_size
-            record = {**fields, "updated": time.time()}
             data = jsonio.dumps(record)
             if len(data) > room:  # the fields that matter most, the reason cut to fit
                 keys = ("status", "step", "error", "updated")
@@ -232,12 +215,8 @@ class RunDir:
             os.close(fd)
 
     def read_metrics(self) -> list[dict]:
-        """metrics.jsonl's lines. A last line without its newline is torn (killed while writing) and dropped;
-        any other line not a strict JSON object with an integer step is damage: RunFileError naming the line."""
-
-        def damage(why: str) -> RunFileError:
-            return RunFileError(self.path, self.metrics_path.name, why)
-
+        """metrics.jsonl's lines; a torn last line is dropped, any other bad line is a RunFileError naming it."""
+        damage = functools.partial(RunFileError, self.path, self.metrics_path.name)
         try:
             f = io.BufferedReader(reading.open_file(self.metrics_path, MAX_METRICS), reading.CHUNK)
         except FileNotFoundError:

@@ -1,5 +1,4 @@
-"""One job from a plain config, top to bottom: build it, hold its run directory, plan its history and apply the
-plan, train, and return its Outcome; the entry (run/signals.run_command) turns it into the exit status."""
+"""One job from a plain config: build it, hold its run directory, plan and apply its history, train: an Outcome."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from pipeline.files.atomic import NewDirs, check_output_dir, environment_error
 from pipeline.run import budget, plan
 from pipeline.run.assemble import Job, assemble, build_tracker, check_monitors, check_pairing
 from pipeline.run.directory import RunDir
-from pipeline.run.loop import Context, Outcome, Run
+from pipeline.run.loop import Outcome, Run
 from pipeline.run.signals import SIGNALS_STATE, SWEEP, Interrupted
 from pipeline.run.slurm import requeue_self
 from pipeline.run.sweep import SweepInterrupted, SweepJob
@@ -42,21 +41,39 @@ def main(
     sweep: SweepJob | None = None,
     command: list[str] | None = None,
 ) -> Outcome:
-    """Run one job: its Outcome, whose line (a failure, a preemption) is said on stderr; a bug raises. A multirun's
-    job (`sweep`) records its end in its sweep (an exception out of it too) and raises SweepInterrupted after it if
-    its sweep was interrupted. `command`: the arguments that run it again, for its end summary (None: `overrides`)."""
+    """Run one job: its Outcome, its line said on stderr; a bug raises. A `sweep` job records its end in its sweep,
+    then raises SweepInterrupted if the sweep was; `command` runs it again (the end summary; None: `overrides`)."""
     try:
-        if sweep is not None:
-            _start_in_sweep(sweep)
+        if sweep is not None:  # a multirun's job: its own signals; refused if it cannot start
+            SIGNALS_STATE.install()
+            if sweep.parallel:
+                label_console(f"[job {sweep.num}]")
+            if sweep.unreadable:
+                raise JobFailed(errors.EXIT_BAD_INPUT, sweep.unreadable)
+            if SIGNALS_STATE.sweep_interrupted(sweep.dir):
+                said = "the sweep was interrupted before this job started; re-run the same command"
+                raise JobFailed(EXIT_PREEMPTED, said, started=False)
+            if SIGNALS_STATE.mode != SWEEP:
+                SIGNALS_STATE.received = None  # a worker's earlier job was stopped: not this one
         again = list(overrides) if command is None else list(command)
         outcome = _job(config, overrides, config_yaml, sweep, again)
-    except BaseException as e:
-        if (ended := _ended(e)) is None:
+    except BaseException as e:  # a known end of the job as an Outcome; a bug raises (its traceback)
+        if isinstance(e, Interrupted):
+            said = f"interrupted by {e} before the run started; nothing was changed; re-run the same command"
+            e = JobFailed(EXIT_PREEMPTED, said, requeue=True, started=False)
+        if (known := errors.exit_code(e) if isinstance(e, Exception) else None) is None:
             if sweep is not None:
                 sweep.record(error=e)
             raise
-        outcome = ended
-    outcome = _requeued(outcome, sweep)
+        (code, message), status = known, "preempted" if known[0] == EXIT_PREEMPTED else "failed"
+        requeue, started = getattr(e, "requeue", False), getattr(e, "started", True)
+        outcome = Outcome(status, code, message=message, requeue=requeue, started=started)
+    # stopped by a signal or its time budget inside SLURM: requeued (not a stopped sweep's: its launcher ends it)
+    stopped = SIGNALS_STATE.sweep_interrupted(sweep.dir if sweep else None)
+    if outcome.requeue and not stopped and (slurm := requeue_self()) is not None:
+        requeued, said = slurm
+        said = f"{outcome.message}\npipeline: {said}"
+        outcome = replace(outcome, message=said, requeued=requeued)
     if outcome.message:
         print(f"pipeline: {outcome.message}", file=sys.stderr)
     if sweep is None or outcome.requeued:
@@ -70,34 +87,10 @@ def main(
     return outcome
 
 
-def _ended(e: BaseException) -> Outcome | None:
-    """An exception's end of the job as an Outcome (None: a bug, its traceback)."""
-    if isinstance(e, Interrupted):
-        said = f"interrupted by {e} before the run started; nothing was changed; re-run the same command"
-        e = JobFailed(EXIT_PREEMPTED, said, requeue=True, started=False)
-    if (known := errors.exit_code(e) if isinstance(e, Exception) else None) is None:
-        return None
-    (code, message), status = known, "preempted" if known[0] == EXIT_PREEMPTED else "failed"
-    requeue, started = getattr(e, "requeue", False), getattr(e, "started", True)
-    return Outcome(status, code, message=message, requeue=requeue, started=started)
-
-
-def _requeued(outcome: Outcome, sweep: SweepJob | None) -> Outcome:
-    """A job a signal or its time budget stopped, inside a SLURM job, asks SLURM to requeue it (not when its sweep
-    was stopped: its launcher ends it); requeued, its process ends at once, so submitit waits for the new run."""
-    if not outcome.requeue or SIGNALS_STATE.sweep_interrupted(sweep.dir if sweep else None):
-        return outcome
-    if (slurm := requeue_self()) is None:
-        return outcome
-    requeued, said = slurm
-    return replace(outcome, message=f"{outcome.message}\npipeline: {said}", requeued=requeued)
-
-
 def _job(
     config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None, command: list[str]
 ) -> Outcome:
-    """Build the job, hold its run directory, plan its history and apply the plan (signals stop it at once until
-    then), claim the directory, train with signals deferred; the run directory is released at the end."""
+    """Build, hold the run directory, plan and apply (a signal stops it at once), claim, train (signals deferred)."""
     # Directories this command creates (the output directory, runs/, data/): removed again if a single run
     # ends without a run (refused, interrupted, failed) and they are still empty; nothing older is touched.
     output = Path(config["paths"]["output_dir"])
@@ -114,13 +107,13 @@ def _job(
             sweep.run_dir = str(rundir.path)
         log.info("run directory: %s", rundir.path)
         rundir.acquire()
-        # the set-up's lines wait: a refused run writes nothing into its log
-        logging.getLogger().addHandler(held)
-        started = (sweep and sweep.started) or time.time() - budget.process_age()
-        context = Context(started, command, in_sweep=sweep is not None and sweep.dir is not None)
+        logging.getLogger().addHandler(held)  # set-up's lines wait: a refused run logs nothing
+        # a sweep job's own start (its siblings differ on purpose, its time is its own)
+        own = sweep.started if sweep is not None and sweep.dir is not None else None
+        started = own or time.time() - budget.process_age()
         applied = None
         try:
-            planned = plan.plan(rundir, job, resume, started, context.in_sweep)
+            planned = plan.plan(rundir, job, resume, started, own is not None)
             SIGNALS_STATE.check()  # one that came while a library call could not be cut short
             if rundir.read_only and not planned.complete:
                 said = f"run directory {rundir.path} is on a read-only filesystem and the run"
@@ -141,11 +134,10 @@ def _job(
                     requeue=True,
                 ) from None
             raise
-        run = Run(job, rundir, planned, SIGNALS_STATE, context)
+        run = Run(job, rundir, planned, command, own)
         with SIGNALS_STATE.deferring():
             try:
-                # a finished run's re-run changes nothing
-                if not rundir.read_only and not planned.settled:
+                if not rundir.read_only and not planned.settled:  # a settled run: nothing changes
                     file_handler = QuietFileHandler(rundir.claim(config_yaml, overrides))
                     file_handler.setFormatter(logging.Formatter(LOG_FORMAT))
                     held.setTarget(file_handler)
@@ -176,41 +168,23 @@ def _job(
 
 
 def build(config: dict, sweep: SweepJob | None = None) -> Job:
-    """Validate, identity, assemble: the whole job, nothing under its run directory created; ConfigError (one
-    line) for a bad value, a missing file, groups that clash, or the resume or training settings removed."""
+    """Validate, identity, assemble: the whole job, nothing under its run directory; ConfigError for bad input."""
     validate(config)
     plan.settings(config)
     # a fork is named by its origin too
     ident = identity.identify(config, plan.origin_of(config["resume"]["source"]))
-    # before the tracker prepares: it makes the output directory and its store
-    check_pairing(config)
+    check_pairing(config)  # before the tracker prepares (it makes the output dir and store)
     check_monitors(config)
     tracker = build_tracker(config, sweep)
     tracker.prepare()  # the tracking agent starts (or is found warm) while the data and the model are built
     try:
         job = assemble(config, ident)
     except (ValueError, OSError) as e:
-        # a full or read-only disk while the corpus is made: not bad input
-        if environment_error(e) is not None:
+        if environment_error(e) is not None:  # a full or read-only disk: not bad input
             raise
         raise ConfigError(str(e)) from None
     job.tracker, job.run_dir = tracker, Path(config["paths"]["runs_dir"]) / ident.name
     return job
-
-
-def _start_in_sweep(sweep: SweepJob) -> None:
-    """A multirun's job in a joblib or submitit worker: its own signals, its console lines labelled when jobs run
-    side by side; refused if its sweep is unreadable or was interrupted before it started."""
-    SIGNALS_STATE.install()
-    if sweep.parallel:
-        label_console(f"[job {sweep.num}]")
-    if sweep.unreadable:
-        raise JobFailed(errors.EXIT_BAD_INPUT, sweep.unreadable)
-    if SIGNALS_STATE.sweep_interrupted(sweep.dir):
-        said = "the sweep was interrupted before this job started; re-run the same command"
-        raise JobFailed(EXIT_PREEMPTED, said, started=False)
-    if SIGNALS_STATE.mode != SWEEP:
-        SIGNALS_STATE.received = None  # a worker's earlier job was stopped; this one starts afresh
 
 
 class JobLabel(logging.Formatter):
@@ -225,8 +199,7 @@ class JobLabel(logging.Formatter):
 
 
 def label_console(label: str) -> None:
-    """The root logger's console handlers (Hydra's, set up for each job; a worker's next job relabels them) start
-    each line with `label`; a run's pipeline.log is its own and stays as it is."""
+    """The root logger's console handlers start each line with `label` (a run's pipeline.log stays as it is)."""
     for handler in logging.getLogger().handlers:
         if not isinstance(handler, QuietFileHandler):
             fmt = handler.formatter

@@ -1,13 +1,12 @@
-"""One job in its run directory, continuing its plan's history: train with one decision per step end,
-checkpoint, retain, and end as an Outcome (at most one checkpoint per step, tagged with the stages that asked)."""
+"""One job in its run directory, continuing its plan's history: train, checkpoint, retain, end as an Outcome."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from pipeline.checkpoint import manifest as mf
@@ -22,8 +21,8 @@ from pipeline.model.minigpt import release_freed_memory
 from pipeline.run import budget, report
 from pipeline.run.assemble import Job
 from pipeline.run.directory import RunDir
-from pipeline.run.plan import Plan, continued_by, resume_hint, written_now
-from pipeline.run.signals import Signals
+from pipeline.run.plan import NEVER, Plan, continued_by, written_now
+from pipeline.run.signals import SIGNALS_STATE
 from pipeline.stages.base import StepEnd
 from pipeline.stateful import capture
 from pipeline.trainer import curves
@@ -43,15 +42,14 @@ class NonFiniteError(CommandError):
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a job ended: complete, preempted or failed; its exit code; its objective; the line it says on stderr;
-    `requeue`: a signal or the time budget stopped it (SLURM may requeue it); `started`: its run had begun."""
+    """How a job ended (complete, preempted, failed), its exit code, objective and line on stderr."""
 
     status: str
     code: int
     objective: float = math.nan
     message: str = ""
-    requeue: bool = False
-    started: bool = True
+    requeue: bool = False  # a signal or the time budget stopped it (SLURM may requeue it)
+    started: bool = True  # its run had begun
     requeued: bool = False  # SLURM requeues the job: its process ends at once
 
     @property
@@ -60,22 +58,12 @@ class Outcome:
         return None if self.code or math.isnan(self.objective) else self.objective
 
 
-@dataclass(frozen=True)
-class Context:
-    """Who runs the job: when it started (a sweep's job: its own start), the arguments that run it again (for the
-    end summary), and whether it is a sweep's (its siblings differ on purpose, its time is its own)."""
-
-    started: float
-    command: list[str]
-    in_sweep: bool
-
-
 class Run:
-    """A job in its run directory continuing its plan's history: 8 attributes, set-up's state in the plan."""
+    """A job continuing its plan's history (8 attributes); `command` runs it again, `started`: a sweep job's start."""
 
-    def __init__(self, job: Job, rundir: RunDir, plan: Plan, signals: Signals, context: Context):
+    def __init__(self, job: Job, rundir: RunDir, plan: Plan, command: list, started: float | None):
         self.job, self.rundir, self.plan = job, rundir, plan
-        self.signals, self.context = signals, context
+        self.command, self.started = command, started
         max_time = job.config["trainer"].get("max_time")
         self.budget = budget.Budget(None if max_time is None else parse_duration(max_time))
         self.profile = Profile(job.config["trainer"].get("profile"))  # absent from older configs
@@ -93,8 +81,9 @@ class Run:
 
     def train(self, eval_every: int) -> None:
         trainer = self.job.config["trainer"]
+        sink = partial(self._handover, self.job.tracker.log_line)  # each line to the tracker, timed
         callbacks: list[MetricsLog | Display] = [
-            MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[self._log_line]),
+            MetricsLog(self.rundir.open_metrics, trainer["log_every"], sinks=[sink]),
             Display(trainer["progress_bar"], trainer["log_every"]),
         ]
         try:
@@ -109,43 +98,36 @@ class Run:
         with self.profile.phase("tracking hand-over"):
             return call(*args, **kwargs)
 
-    def _log_line(self, line: dict) -> None:
-        self._handover(self.job.tracker.log_line, line)
-
     def step_end(self, record: dict) -> bool:
         """The one decision after every update: stop?, checkpoint (who asked)?, preempted? True ends training."""
         metrics, trainer = metrics_of(record), self.job.config["trainer"]
         bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
         if bad and trainer["on_nonfinite"] == "stop":
-            raise NonFiniteError(
-                f"step {record['step']}: {bad[0]} is {metrics[bad[0]]} (non-finite); stopping "
-                "with the last good checkpoints kept (trainer.on_nonfinite=continue trains on)"
-            )
+            said = f"step {record['step']}: {bad[0]} is {metrics[bad[0]]} (non-finite); stopping"
+            then = "with the last good checkpoints kept (trainer.on_nonfinite=continue trains on)"
+            raise NonFiniteError(f"{said} {then}")
         state = self.state
         last = state.step >= state.total_steps
         end = StepEnd(state.step, metrics, epoch_ended(state, record), epochs_done(state), last)
         # every stage sees every step end (a stateful one must not miss the step another stops on)
         stop = next((r for r in [s.stop_reason(end) for s in self.job.stages] if r), None)
-        if stop:
-            end = replace(end, last=True)
+        end = replace(end, last=last or bool(stop))
         if end.last:
             self.state.progress.ended = stop or "max_steps"
         tags = [s.name for s in self.job.stages if s.wants_checkpoint(end)]
         # A spent trainer.max_time is a preemption announced in advance: checkpoint now, exit 75, requeue.
-        preempted = self.budget.step_ended() or self.signals.received is not None
+        preempted = self.budget.step_ended() or SIGNALS_STATE.received is not None
         if tags or preempted or end.last:
             self.checkpoint(metrics, tags, final=end.last or preempted)
         if preempted and not end.last:
-            self.stopped = self.signals.name or f"trainer.max_time={trainer['max_time']}"
+            self.stopped = SIGNALS_STATE.name or f"trainer.max_time={trainer['max_time']}"
         return end.last or preempted
 
     def checkpoint(self, metrics: dict, tags: list[str], final: bool = False) -> Checkpoint:
         tracker = self.job.tracker
-        # Only the last save (the end, or a preemption) waits for the tracked run's URI: earlier manifests
-        # carry it once the tracker knows it, so training never waits for mlflow to start.
-        self.job.facts["mlflow_run_uri"] = self._handover(
-            tracker.run_uri, timeout=30.0 if final else 0.0
-        )
+        # only the last save waits for the tracked run's URI; earlier manifests carry it once it is known
+        wait = 30.0 if final else 0.0
+        self.job.facts["mlflow_run_uri"] = self._handover(tracker.run_uri, timeout=wait)
         with self.profile.phase("checkpoint"):
             at = {"step": self.state.step, "epoch": self.state.epoch, "lineage": self.plan.lineage}
             fields = mf.build(self.job.facts, metrics=metrics, tags=tags, **at)
@@ -160,8 +142,7 @@ class Run:
         return ckpt
 
     def retain(self) -> None:
-        """Every stage's policy as it stands now (a best history restarted at the resume ranks from there), the
-        newest checkpoint, and any checkpoint a link of checkpoints/ names (CheckpointStore.retain)."""
+        """Keep what every stage's policy, the newest checkpoint and checkpoints/' links keep; prune the rest."""
         stages = self.job.stages
         keep = AnyOf((*tuple(p for s in stages if (p := s.policy()) is not None), LatestN(1)))
         links = {s.link: s.link_policy() for s in stages if s.link}
@@ -175,14 +156,7 @@ class Run:
         fields = {k: getattr(state, k) for k in ("step", "total_steps", "epoch", "metrics")}
         fields.update(status=status, ended=state.progress.ended, **self.plan.history, **extra)
         fields.update({k: facts[k] for k in ("config_hash", "data_manifest_hash")})
-        try:
-            self.rundir.write_status(**fields)
-        except OSError as e:
-            # Too full for the atomic replace's temporary: an ending still must not leave `running` behind.
-            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            if status == "running" or not full or not self.rundir.status_path.exists():
-                raise
-            self.rundir.write_status_in_place(**fields)
+        self.rundir.write_status(status != "running", **fields)
 
     def _failed(self, error: str) -> None:
         """run.json and the tracked run say failed; the error in hand stays the one reported."""
@@ -214,8 +188,7 @@ class Run:
             kept, store = self.store.steps(), self.store
             links = {n: store.root / n if store.link_dir(n) else None for n in ("final", "best")}
             links["newest"] = kept[-1][1] if kept else None
-            tracker, command = self.job.tracker, self.context.command
-            source = self.job.config["resume"]["source"]
+            tracker, source = self.job.tracker, self.job.config["resume"]["source"]
             block = report.end_block(
                 status=status,
                 step=self.state.step,
@@ -225,12 +198,10 @@ class Run:
                 curve=curve,
                 run_uri=self.job.facts.get("mlflow_run_uri") or tracker.run_uri(timeout=0.0),
                 tracking_uri=getattr(tracker, "uri", None),
-                overrides=command,
-                resume=continued_by(source, command, links["newest"], status == "complete"),
+                overrides=self.command,
+                resume=continued_by(source, self.command, links["newest"], status == "complete"),
                 samples=bool(self.state.dataset.spec.vocab_size),
-                experiment_id=getattr(
-                    tracker, "experiment_id", None
-                ),  # a tracker of your own may lack it
+                experiment_id=getattr(tracker, "experiment_id", None),  # your own may lack it
             )
             log.info("%s", block)
 
@@ -250,8 +221,13 @@ class Run:
 
     def resume_hint(self) -> str:
         """What continues this stopped run (what the identical command does depends on resume.source)."""
-        kept = self.store.steps()
-        return resume_hint(self.job.config["resume"]["source"], kept[-1][1] if kept else None)
+        kept, source = self.store.steps(), self.job.config["resume"]["source"]
+        if source != NEVER:
+            return "re-run the same command to resume"
+        if not kept:
+            return "nothing to resume from (no checkpoint); the same command starts a new run (resume=never)"
+        add = continued_by(source, [], kept[-1][1], False)[0]
+        return f"the same command starts a new run (resume=never); add {add} to continue this one"
 
     def objective(self) -> float:
         """What a sweeper optimises: `optimized_metric` (null: the best value of the best-val stage's monitor)."""
@@ -264,8 +240,7 @@ class Run:
         return " ".join(f"{k}={v:.6g}" for k, v in sorted(self.state.metrics.items()))
 
     def _confirm(self) -> Outcome:
-        """A complete run: a process killed between its last save and its last word left its links, pruning or
-        status to finish; a run that says complete is left exactly as it is, whatever the live config says."""
+        """A complete run: what a kill after its last save left undone is finished; one that says so is left as is."""
         if not self.rundir.read_only:  # on a read-only medium it is confirmed as it is
             if not self.plan.settled:
                 self.retain()
@@ -300,23 +275,21 @@ class Run:
             start_time=self.plan.history["started"],
         )
         try:
-            self.stopped = self.signals.name  # one that came while setting up: nothing new to save
+            self.stopped = SIGNALS_STATE.name  # one that came while setting up: nothing new to save
             if self.stopped is None:
                 self.train(eval_every)
-            if self.stopped is None:
-                self.write_status("complete")
-            else:
-                self.write_status("preempted", preempted_by=self.stopped)
+            extra = {} if self.stopped is None else {"preempted_by": self.stopped}
+            self.write_status("complete" if self.stopped is None else "preempted", **extra)
         except BaseException as e:  # a non-finite loss says so itself; anything else with its type
             said = environment_error(e) or f"{type(e).__name__}: {e}"
             self._failed(str(e) if isinstance(e, NonFiniteError) else said)
             raise
         state = self.state
         if self.stopped is None:
-            sweep = self.context.in_sweep
-            took = time.time() - self.context.started if sweep else budget.process_age()
+            took, where = budget.process_age(), "process"
+            if self.started is not None:  # a sweep's job: its own time
+                took, where = time.time() - self.started, "job"
             done = "done at step %d (%s) after %.1f s in this %s: %s"
-            where = "job" if sweep else "process"
             log.info(done, state.step, state.progress.ended, took, where, self._metrics())
             outcome = Outcome("complete", EXIT_OK, self.objective())
         else:

@@ -1,5 +1,4 @@
-"""Which history a run continues: `plan` decides it as a frozen value and writes nothing; `apply` makes its one
-durable change and says it in the log (docs/stages.md: Resume)."""
+"""Which history a run continues: `plan` decides (writing nothing), `apply` makes its one durable change."""
 
 from __future__ import annotations
 
@@ -64,10 +63,8 @@ def settings(config: dict) -> tuple[Resume, Train]:
         ("train", "training", "trainer.max_steps says how long it trains"),
     ):
         if not isinstance(stages.get(key), dict):
-            raise ConfigError(
-                f"stages.{key} is missing (~stages.{key}?): {what} is not a stage and cannot be "
-                f"removed; stages.{key} holds its settings ({instead})"
-            )
+            said = f"{what} is not a stage and cannot be removed; stages.{key} holds its settings"
+            raise ConfigError(f"stages.{key} is missing (~stages.{key}?): {said} ({instead})")
     r, t = stages["resume"], stages["train"]
     allow = [str(k) for k in r.get("allow_changes") or []]
     resume = Resume(str(r["source"]), allow, int(r["order"]))
@@ -79,16 +76,13 @@ def written_now(config: dict) -> dict:
     stages = config.get("stages")
     if not isinstance(stages, dict):
         return config
-    renamed = {
-        k: {**v, "_target_": FORMER[t]}
-        if isinstance(v, dict) and isinstance(t := v.get("_target_"), str) and t in FORMER
-        else v
-        for k, v in stages.items()
-    }
+    renamed = dict(stages)
+    for k, v in stages.items():
+        if isinstance(v, dict) and isinstance(t := v.get("_target_"), str) and t in FORMER:
+            renamed[k] = {**v, "_target_": FORMER[t]}
     return {**config, "stages": renamed}
 
 
-# --- drift: what differs between the run a checkpoint was made by and this job
 class DriftError(CommandError):
     """The checkpoint was made by a different config or data than the current run's, and that is not allowed."""
 
@@ -122,10 +116,8 @@ def refuse(changes: dict[str, tuple], allow: list[str], where) -> None:
             raise DriftError(f"{refusing} {said} ({why}); start over with resume=never")
 
 
-# --- forks, and what continues a stopped run
 def origin_of(source: str) -> dict | None:
-    """The checkpoint a fork (resume.source=PATH) continues, as its lineage and run name record it; None for auto
-    and never. CheckpointError if it does not read (a link out of a run is refused, not followed)."""
+    """The checkpoint a fork (resume.source=PATH) continues, as its lineage records it (None: auto, never)."""
     if source in (AUTO, NEVER):
         return None
     path = CheckpointDir(Path(source).expanduser()).resolved().resolve()
@@ -148,17 +140,6 @@ def continued_by(source: str, overrides: list, newest: Path | None, complete: bo
     return [*kept, f"resume.source={hydra_quoted(str(newest))}"]
 
 
-def resume_hint(source: str, newest: Path | None) -> str:
-    """What to do to continue a stopped run, from what the identical command will do (continued_by)."""
-    if source != NEVER:
-        return "re-run the same command to resume"
-    if newest is None:
-        return "nothing to resume from (no checkpoint); the same command starts a new run (resume=never)"
-    add = continued_by(source, [], newest, False)[0]
-    return f"the same command starts a new run (resume=never); add {add} to continue this one"
-
-
-# --- the plan
 @dataclass(frozen=True)
 class Plan:
     """The history a run continues and what set-up moves to superseded/ to continue it (never deleted)."""
@@ -187,8 +168,7 @@ def holds_history(rundir: RunDir) -> bool:
 
 
 def plan(rundir: RunDir, job, resume: Resume, started: float, in_sweep: bool) -> Plan:
-    """The history this run continues, with `job`'s parts restored to it; DriftError, CheckpointError for one
-    it may not continue. Reads only: a signal here stops the process with nothing written."""
+    """The history this run continues, `job`'s parts restored to it; reads only (DriftError, CheckpointError)."""
     killpoint.point("setup", "start")
     if resume.source == NEVER:
         return _fresh(rundir, job, started, in_sweep)
@@ -244,11 +224,9 @@ def _continued(rundir, job, resume, ckpt, lineage, started, skipped) -> Plan:
 
 def _fork(rundir, job, resume, source: Path, started: float) -> Plan:
     """Another run's checkpoint as this run's start (again: this fork's own newest checkpoint)."""
-    # a link out of a run is refused, not followed
-    source = CheckpointDir(source).resolved().resolve()
+    source = CheckpointDir(source).resolved().resolve()  # a link out of a run: refused
     src = CheckpointDir(source).load()  # its fit is checked once the drift is known
-    # its origin was read as the run was named (origin_of): the same checkpoint
-    lineage = job.lineage
+    lineage = job.lineage  # its origin was read as the run was named (origin_of): the same one
     if _origin(source, src.manifest) != lineage["origin"]:
         why = "it changed while the run started, or stages.resume.source is not resume.source"
         raise CheckpointError(source, "", f"not the checkpoint this run was named after ({why})")
@@ -269,20 +247,16 @@ def _fork(rundir, job, resume, source: Path, started: float) -> Plan:
 
 
 def _restore(job, ckpt: Checkpoint, allow: list[str], fork: bool = False) -> dict:
-    """Refuse drift not allowed or not applicable, else restore every part of `job`: the Plan's `allowed`, `notes`
-    and `other_code`. Refused too if nothing is left to train and it is not this directory's complete run (a fork
-    of a run that ended, a step past this config's total): it would end without a checkpoint of its own."""
+    """Refuse drift not allowed, or nothing left to train; else restore `job`: the Plan's allowed, notes, other_code."""
     changes = drift(ckpt.manifest, job)
     refuse(changes, allow, ckpt.directory)
     try:
         restore(job.parts, ckpt.state)
     except StateMismatch as e:
         why = f" (with the allowed changes {', '.join(changes)})" if changes else ""
-        raise CheckpointError(
-            ckpt.directory,
-            files_of(e, ckpt.state, capture(job.parts)),
-            f"{e.part} does not fit the live run{why}: {e.reason}",
-        ) from None
+        files = files_of(e, ckpt.state, capture(job.parts))
+        said = f"{e.part} does not fit the live run{why}: {e.reason}"
+        raise CheckpointError(ckpt.directory, files, said) from None
     states = job.parts["stages"]
     for s in job.stages:
         if s.name in states.fresh:
@@ -342,8 +316,7 @@ def _sibling(rundir: RunDir, job) -> str:
 
 
 def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
-    """Set-up's one durable change, whole (a signal waits for its end): what the plan moves to superseded/ and
-    metrics.jsonl cut back; then the plan in the log's words (`state`: the restored TrainState)."""
+    """Set-up's one durable change, whole (moves to superseded/, metrics.jsonl cut), then said in the log."""
     dest, whole = None, plan.supersede is not None
     with signals.atomic():
         moves = plan.fallback or plan.cut or plan.retuned
@@ -368,9 +341,8 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
         held, then = "another run history", f" to continue from {plan.supersede}"
         if plan.supersede == "fresh":
             held, then = "an earlier run history that this start does not continue", ""
-        log.warning(
-            "this run directory held %s; moved it to %s (nothing deleted)%s", held, dest, then
-        )
+        said = "this run directory held %s; moved it to %s (nothing deleted)%s"
+        log.warning(said, held, dest, then)
     if plan.resumed is None:
         log.info("starting a new run in %s", rundir.path)
         if plan.sibling:
@@ -395,8 +367,8 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
 
 
 def _aside(rundir: RunDir, plan: Plan) -> Path:
-    """Into a new superseded/<when>/, returned: a superseded history whole, moved; else the fallen back step
-    directories, moved, and second names (no byte copied) of checkpoints/ if retuned, metrics.jsonl if cut."""
+    """A new superseded/<when>/: a superseded history moved whole, else the fallen back steps moved and second
+    names of checkpoints/ if retuned, metrics.jsonl if cut."""
     dest = ensure_dirs(rundir.path, "superseded") / time.strftime("%Y%m%d-%H%M%S")
     n = 0
     while os.path.lexists(dest):
@@ -405,11 +377,9 @@ def _aside(rundir: RunDir, plan: Plan) -> Path:
     os.mkdir(dest)
     store = rundir.store.root
     if plan.supersede is not None:
-        if os.path.lexists(store):
-            move(store, dest / store.name, copy=_names_again)
-        for p in (rundir.metrics_path, rundir.status_path):
+        for p in (store, rundir.metrics_path, rundir.status_path):
             if os.path.lexists(p):
-                move(p, dest / p.name)
+                move(p, dest / p.name, copy=_names_again if p == store else None)
         fsync_dir(rundir.path)
     else:
         if plan.fallback or plan.retuned:
@@ -430,8 +400,7 @@ def _aside(rundir: RunDir, plan: Plan) -> Path:
 
 
 def _names_again(store: Path, dest: Path) -> None:
-    """In `dest` (made if missing), every step directory of `store` (CheckpointDir.second_names: hard links, or
-    fsynced copies across filesystems) and its links, as they stand."""
+    """In `dest` (made if missing), second names of every step directory of `store`, and its links."""
     if not os.path.isdir(dest):
         os.mkdir(dest)
     steps, links = CheckpointStore(store).scan()

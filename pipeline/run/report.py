@@ -41,19 +41,16 @@ UI_LOCAL = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
 
 
 def tool_args(command: list[str]) -> list[str]:
-    """What a tool opening the run's checkpoints (evaluate, sample) needs of the run's `command`: the configs that
-    may name its classes, as one `hydra.searchpath=[...]`: `--config-dir`/`--config-path`'s directories first (as
-    `file://` entries), then the run's own search path."""
-    dirs, searchpath, flag = [], None, None
-    for arg in command:
-        if flag is not None:
-            if flag in DIR_FLAGS:
-                dirs.append("file://" + os.path.abspath(arg))
-            flag = None
-        elif arg in CONFIG_FLAGS:
-            flag = arg
-        elif arg.lstrip("+").startswith("hydra.searchpath="):
-            searchpath = arg
+    """The configs a tool opening the run's checkpoints needs of its `command`, as one `hydra.searchpath=[...]`:
+    `--config-dir`/`--config-path`'s directories first (`file://`), then the run's own search path."""
+    pairs = list(zip([None, *command], command))  # (the argument before, the argument)
+    dirs = ["file://" + os.path.abspath(arg) for flag, arg in pairs if flag in DIR_FLAGS]
+    given = [
+        a
+        for f, a in pairs
+        if f not in CONFIG_FLAGS and a.lstrip("+").startswith("hydra.searchpath=")
+    ]
+    searchpath = given[-1] if given else None
     if not dirs:
         return [searchpath] if searchpath else []
     from pipeline.config.targets import hydra_quoted, parse_overrides
@@ -81,8 +78,7 @@ def ui_command(tracking_uri: str) -> str:
 
 
 def run_page(run_uri: str) -> str:
-    """The mlflow UI's page of a run from its run URI (`<store>#/experiments/<id>/runs/<id>`, as a manifest's
-    mlflow_run_uri says it), in the machine-learning view; anything else as it is."""
+    """The mlflow UI's page (machine-learning view) of a run URI `<store>#/experiments/<id>/runs/<id>`."""
     store, sep, route = run_uri.partition("#")
     if not sep or not route.startswith("/experiments/"):
         return run_uri
@@ -135,8 +131,7 @@ def end_block(
         for tool, then in [("evaluate", ""), ("sample", ' prompt=""')][: 1 + samples]:
             command = shlex.join(["-m", f"pipeline.{tool}", str(target), *configs])
             lines.append(f"  {tool:<12}{py} {command}{then}")
-    # a server: its UI is at its address
-    if tracking_uri and ui_server(tracking_uri) == tracking_uri:
+    if tracking_uri and ui_server(tracking_uri) == tracking_uri:  # a server's UI: its address
         lines.append(f"  mlflow ui   {ui_page(tracking_uri, experiment_id)}")
     elif tracking_uri:
         lines.append(f"  mlflow ui   {ui_command(tracking_uri)}")

@@ -1,6 +1,5 @@
-"""SIGTERM, SIGINT, SIGUSR1/2 and SIGHUP, from a job's first instruction to its last: never a traceback. Set-up
-raises `Interrupted` at once (run/plan.apply is `atomic()`); training defers (`deferring()`): checkpoint, exit 75
-(docs/stages.md: Exit codes); a sweep's launcher passes a signal on (`sweeping()`); run_command is the one exit."""
+"""SIGTERM, SIGINT, SIGUSR1/2 and SIGHUP, never a traceback: set-up raises `Interrupted` at once, training defers
+(checkpoint, exit 75: docs/stages.md), a sweep's launcher passes them on; run_command is the one exit."""
 
 from __future__ import annotations
 
@@ -30,7 +29,6 @@ class Interrupted(BaseException):
     """A signal before the run held its directory (BaseException: no `except Exception` swallows it)."""
 
     def __init__(self, signum: int):
-        self.signum = signum
         super().__init__(signal.Signals(signum).name)
 
 
@@ -55,8 +53,8 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def _unraisable(quiet: Callable[[BaseException | None], bool]) -> None:
-    """sys.unraisablehook says nothing of an exception `quiet` is true of, and passes on every other."""
+def _take(handler, quiet: Callable[[BaseException | None], bool]) -> None:
+    """Every one of SIGNALS to `handler`; sys.unraisablehook says nothing of an exception `quiet` is true of."""
     previous = sys.unraisablehook
 
     def hook(unraisable):
@@ -64,6 +62,8 @@ def _unraisable(quiet: Callable[[BaseException | None], bool]) -> None:
             previous(unraisable)
 
     sys.unraisablehook = hook
+    for s in SIGNALS:
+        signal.signal(s, handler)
 
 
 class Signals:
@@ -96,9 +96,7 @@ class Signals:
         sys.excepthook = hook
         # the handler's raise landed in a callback Python runs for itself (a weakref's inside the
         # import system, a __del__): it cannot propagate; `received` holds the signal, acted on at the next check
-        _unraisable(lambda e: isinstance(e, Interrupted))
-        for s in SIGNALS:
-            signal.signal(s, self._handler)
+        _take(self._handler, lambda e: isinstance(e, Interrupted))
         self.installed = True
 
     def _handler(self, signum, frame) -> None:
@@ -130,14 +128,11 @@ class Signals:
         if threading.current_thread() is not threading.main_thread():
             return
         # a signal caught just before SIG_IGN took over: nothing to say about it
-        _unraisable(lambda e: isinstance(e, OSError) and "race condition" in str(e))
-        for s in SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
+        _take(signal.SIG_IGN, lambda e: isinstance(e, OSError) and "race condition" in str(e))
 
     @contextlib.contextmanager
     def atomic(self):
-        """A step that must finish once begun, in a process that otherwise stops at once (RAISE): a signal
-        waits for its end and is raised there."""
+        """A step that must finish once begun: a signal (RAISE mode) waits for its end and is raised there."""
         previous, self.mode = self.mode, DEFER if self.mode == RAISE else self.mode
         try:
             yield self
@@ -163,17 +158,14 @@ class Signals:
             raise Interrupted(self.received)
 
     def sweeping(self, sweep_dir: Path, slurm_jobs: Path | None = None, launcher=None) -> None:
-        """In the process that launches a sweep's jobs, from a fresh start (no marker of an earlier stop);
-        `slurm_jobs`: the submitit folder of a sweep whose jobs SLURM runs; `launcher`: its sweep callback."""
+        """The process that launches a sweep's jobs (`slurm_jobs`: a SLURM sweep's submitit folder), afresh."""
         self.install()
-        self.launching = launcher
-        self.marker = Path(sweep_dir) / MARKER
+        self.marker, self.launching = Path(sweep_dir) / MARKER, launcher
         self.marker.unlink(missing_ok=True)
         self.mode, self.slurm_jobs = SWEEP, slurm_jobs
 
     def interrupted_start(self) -> bool:
-        """A signal raised (RAISE mode) before any run held its directory: whatever exception a library made
-        of it, the process was interrupted while starting and nothing was changed."""
+        """A signal raised (RAISE mode) before any run held its directory, whatever a library made of it."""
         return self.received is not None and self.mode == RAISE and not self.held
 
     @property
@@ -191,8 +183,7 @@ SIGNALS_STATE = Signals()
 
 
 def command(name: str):
-    """A command's main as a function that returns its exit code: an error that carries one
-    (config/errors.exit_code) is one line `<name>: <line>` on stderr, and its code is returned."""
+    """A main returning its exit code: an error that carries one is a line `<name>: <line>` on stderr."""
 
     def wrap(main: Callable[..., int | None]) -> Callable[..., int | None]:
         @functools.wraps(main)
@@ -213,9 +204,8 @@ def command(name: str):
 def run_command(
     name: str, main: Callable[[], int | None] | str, interrupted: str = "nothing was written"
 ) -> NoReturn:
-    """The one way in and out of every command: take over the signals, run `main` (a function, or a module imported
-    only now: its main(), its INTERRUPTED says what an interruption left) as a `command`, exit with its code. A
-    signal is `<name>: interrupted by SIGINT; <interrupted>` and EXIT_PREEMPTED, never a traceback."""
+    """Every command's way in and out: run `main` (or a module's main(), its INTERRUPTED) as a `command`, exit with its
+    code; a signal is `<name>: interrupted by SIGINT; <interrupted>`, EXIT_PREEMPTED."""
     try:
         SIGNALS_STATE.install()  # inside: a signal right after its handler is installed is already ours
         if isinstance(main, str):

@@ -1,6 +1,4 @@
-"""A SLURM job told to stop (a time-limit warning, a signal to its steps) puts itself back in the queue. Only
-the job itself can: SLURM signals before a time limit only if asked (`--signal=USR1@N`; submitit asks for
-USR2), and `scancel --signal=TERM JOBID` reaches the steps while the job stays RUNNING."""
+"""A SLURM job told to stop (a time-limit warning, a signal to its steps) requeues itself (docs/slurm.md)."""
 
 from __future__ import annotations
 
@@ -23,31 +21,28 @@ def requeue_self() -> tuple[bool, str] | None:
         job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
 
     def requeued_already(fields: dict) -> bool:
-        # a requeue by SLURM (`scontrol requeue`, preemption, submitit's own handler) counts the next run
-        # before this one has ended
+        # a requeue by SLURM (scontrol, preemption, submitit's handler) counts the next run before this one ends
         return int(fields.get("Restarts") or 0) > int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 
+    name = f"SLURM job {job}"
+    again = True, f"{name} is being requeued: it resumes from its newest checkpoint"
     try:
         fields = _job_fields(job)
         state, reason = fields.get("JobState", "?"), fields.get("Reason", "?")
         if requeued_already(fields):
-            return True, f"SLURM job {job} is being requeued: it resumes from its newest checkpoint"
-        # ending for good (scancel): a requeue would revive it
-        if state != "RUNNING" and reason != "TimeLimit":
-            return (
-                False,
-                f"SLURM job {job} is {state} (reason {reason}): it ends here, not requeued",
-            )
+            return again
+        if state != "RUNNING" and reason != "TimeLimit":  # ending for good (scancel): not revived
+            return False, f"{name} is {state} (reason {reason}): it ends here, not requeued"
         r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
         if r.returncode != 0 and requeued_already(_job_fields(job)):  # another requeue came first
-            return True, f"SLURM job {job} is being requeued: it resumes from its newest checkpoint"
+            return again
     except (OSError, subprocess.TimeoutExpired, ValueError) as e:
-        return False, f"SLURM job {job}: scontrol failed ({e}): not requeued"
+        return False, f"{name}: scontrol failed ({e}): not requeued"
     if r.returncode != 0:
         said = (r.stderr or r.stdout).strip() or f"exit {r.returncode}"
-        return False, f"SLURM job {job}: `scontrol requeue` failed: {said}"
+        return False, f"{name}: `scontrol requeue` failed: {said}"
     said = f"({state}, reason {reason}) requeued: it resumes from its newest checkpoint"
-    return True, f"SLURM job {job} {said}"
+    return True, f"{name} {said}"
 
 
 def _job_fields(job: str) -> dict:

@@ -15,8 +15,7 @@ log = logging.getLogger("pipeline")
 
 
 class SweepInterrupted(CommandError):
-    """What a job of an interrupted sweep raises after its record: every sweeper stops there (Optuna's marks its
-    trial failed and asks for no other), and the launching process ends the sweep, exit 75."""
+    """What a job of an interrupted sweep raises after its record: every sweeper stops there, the sweep exits 75."""
 
     exit_code = EXIT_PREEMPTED
 
@@ -30,19 +29,14 @@ class SweepJob:
     num: int = 0  # Hydra's job number, plus the trials an Optuna study held before this launch
     overrides: list[str] = field(default_factory=list)
     name: str = ""  # the swept values, as a person reads them
-    # its launcher runs jobs side by side (joblib): its console lines carry `[job <num>]`
-    parallel: bool = False
-    # {"sweep_id"}: how the agent finds the parent run (None: not tracked)
-    parent: dict | None = None
-    # why tracking is off for the sweep (its launcher said so, once)
-    tracking_off: str | None = None
+    parallel: bool = False  # jobs side by side (joblib): its console lines carry `[job <num>]`
+    parent: dict | None = None  # {"sweep_id"}: how the agent finds the parent run (None: untracked)
+    tracking_off: str | None = None  # why the sweep is untracked (its launcher said so, once)
     started: float | None = None
     run_dir: str | None = None  # set by the job runner as it learns them
     run_uri: str | None = None
-    # {"code", "error"}, and {"status": "not started"} if its run never began
-    failure: dict | None = None
-    # why its sweep.json could not be read: the job fails as bad input
-    unreadable: str | None = None
+    failure: dict | None = None  # {"code", "error"}, and {"status": "not started"} if never begun
+    unreadable: str | None = None  # why its sweep.json does not read: the job fails as bad input
 
     @property
     def tags(self) -> dict | None:

@@ -1,5 +1,4 @@
-"""The tracker protocols the run and the sweep call; every method does nothing here (pipeline/tracking/ implements
-them, tracking=none is these)."""
+"""The tracker protocols the run and the sweep call, doing nothing (tracking=none; pipeline/tracking/ does)."""
 
 from __future__ import annotations
 
@@ -7,8 +6,7 @@ from pathlib import Path
 
 
 class SweepParent:
-    """A sweep's parent run, as the sweep's launcher drives it (none here: the sweep is not tracked). Built from the
-    `tracking` node's plain values; what start() learns stays in the launching process."""
+    """A sweep's parent run, as the launcher drives it (none here); built from the `tracking` node's values."""
 
     def __init__(self, **_):
         pass
@@ -21,8 +19,7 @@ class SweepParent:
         """The sweep's jobs run in this process: get tracking ready meanwhile, without asking for the parent."""
 
     def start(self, sweep: dict) -> bool:
-        """Ask for the parent run, never waiting: the jobs name it by the sweep's id. True if it was asked of an
-        index (which then holds the sweep's first start)."""
+        """Ask for the parent run, never waiting (jobs name it by the sweep's id); True if an index was asked."""
         return False
 
     def end(self, sweep: dict) -> list[str]:

@@ -1,5 +1,4 @@
-"""A checkpoint put to use (show, evaluate, sample, export): verified, restored, and given the data it needs;
-every refusal is a ConfigError or CheckpointError of one line (the callers exit 2 with it)."""
+"""A checkpoint put to use (show, evaluate, sample, export): verified, restored, given data; one-line refusals."""
 
 from __future__ import annotations
 
@@ -8,14 +7,14 @@ import logging
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from pipeline.checkpoint.directory import CheckpointDir, weights_bytes
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.config import identity, targets
-from pipeline.config.errors import ConfigError
+from pipeline.config.compose import compose, default_output_dir, to_plain
+from pipeline.config.errors import ConfigError, error_line
 from pipeline.config.schemas import SCHEMAS, as_written_now, config_written_now, validate
 from pipeline.data.base import DataSpec, inference_facts
 from pipeline.run.directory import RunDir
@@ -35,9 +34,8 @@ class UnknownTargetError(CheckpointError):
 
 
 def restore_checkpoint(directory: Path, overrides: Sequence[str] = ()) -> tuple[dict, TrainState]:
-    """(manifest, the restored state) of a checkpoint that fully verifies: its manifest checked against itself,
-    every `_target_` of its config allowed before anything is imported (UnknownTargetError), then the parts
-    built and CheckpointDir.load verifying every file against them. `overrides` may give `hydra.searchpath=[...]`."""
+    """(manifest, restored state) of a checkpoint that verifies: every `_target_` allowed before anything is imported
+    (UnknownTargetError), then every file against the parts built; `overrides` may give `hydra.searchpath`."""
     from pipeline.run.assemble import build_state
 
     checkpoint = CheckpointDir(directory)
@@ -72,8 +70,7 @@ def _first_line(e: BaseException) -> str:
 
 
 def _fits_its_weights(ckpt: CheckpointDir, manifest: dict, node: dict, spec: DataSpec) -> None:
-    """A config whose model is far bigger than its weights file is refused before a byte is allocated for it (a planted
-    width would otherwise be built first and found wrong after, or exhaust memory on the way)."""
+    """A config whose model is far bigger than its weights file is refused before a byte is allocated for it."""
     from hydra.utils import get_class
 
     try:
@@ -91,10 +88,7 @@ def _fits_its_weights(ckpt: CheckpointDir, manifest: dict, node: dict, spec: Dat
 
 
 def cache_home(directory: Path) -> str:
-    """The output directory a checkpoint lies in (`<output_dir>/runs/<run>/checkpoints/<step>`: its corpus cache),
-    else (an archive, a lone checkpoint) the default; never the manifest's: a checkpoint picks no place to write."""
-    from pipeline.config.compose import default_output_dir
-
+    """The output directory a checkpoint lies in (its corpus cache), else the default; never the manifest's."""
     run = RunDir.of_checkpoint(Path(directory).absolute())
     if run is not None and run.output_dir is not None and not in_archive(directory):
         return str(run.output_dir)
@@ -125,25 +119,20 @@ def _own_source(manifest: dict, node: dict, directory: Path) -> None:
 
 
 def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
-    """{"paths": {"output_dir"}, "data": node}: the checkpoint's data with `data.KEY=V` applied, or the
-    composed `data=NAME` (like `python -m pipeline`); the values range-checked like a run's."""
+    """{"paths", "data"}: the checkpoint's data with `data.KEY=V` applied, or `data=NAME` composed; validated."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     parsed = targets.parse_overrides(overrides)
     for o in parsed:
         if not identity.covered(o.key_or_group, list(DATA_KEYS)) or o.is_sweep_override():
-            raise ConfigError(
-                f"{o.input_line}: only data=NAME, data.KEY=VALUE, paths.output_dir=DIR and "
-                "hydra.searchpath=[...] can be given here; the rest is the checkpoint's"
-            )
+            only = "only data=NAME, data.KEY=VALUE, paths.output_dir=DIR and hydra.searchpath=[...]"
+            rest = "can be given here; the rest is the checkpoint's"
+            raise ConfigError(f"{o.input_line}: {only} {rest}")
     given = [str(o.value()) for o in parsed if o.key_or_group == "paths.output_dir"]
     output_dir = given[-1] if given else cache_home(directory)
     if any(o.key_or_group == "data" for o in parsed):
         from hydra.errors import HydraException
-
-        from pipeline.config.compose import compose, to_plain
-        from pipeline.config.errors import error_line
 
         try:
             node = to_plain(compose(list(overrides)))["data"]
@@ -169,45 +158,34 @@ def data_config(manifest: dict, overrides: list[str], directory: Path) -> dict:
     return config
 
 
-def _built(manifest: dict, overrides: list[str], directory: Path) -> tuple[dict, Any]:
-    """(data_config, its dataset), else ConfigError."""
+def data_facts(manifest: dict, overrides: list[str], directory: Path) -> dict:
+    """{"vocab", "decode_join", "specials"} of a verified checkpoint: its data.json, else (2.0) its data built."""
+    if (facts := CheckpointDir(directory).data_facts(manifest)) is not None:
+        return facts
+    return inference_facts(checkpoint_data(manifest, overrides, directory, own=True))
+
+
+def checkpoint_data(manifest: dict, overrides: list[str], directory: Path, own: bool = False):
+    """The dataset `overrides` ask for (the checkpoint's own by default, regenerated if its corpus is gone), else
+    ConfigError: `own` and not the data it was trained on, or data the model cannot read (spec, vocabulary)."""
     from pipeline.run.assemble import build_dataset
 
     config = data_config(manifest, list(overrides), directory)
     try:
-        return config, build_dataset(config)
+        dataset = build_dataset(config)
     except (ValueError, OSError) as e:
         raise ConfigError(f"data: {e}") from None
     except Exception as e:
         raise ConfigError(f"data does not build: {_first_line(e)}") from None
-
-
-def own_data(manifest: dict, overrides: list[str], directory: Path):
-    """The dataset the checkpoint at `directory` was trained on (its data_manifest_hash), else ConfigError."""
-    config, dataset = _built(manifest, overrides, directory)
-    if dataset.manifest_hash != manifest["data_manifest_hash"]:
+    if dataset.manifest_hash == manifest["data_manifest_hash"]:
+        return dataset
+    if own:
         said = f"builds data {dataset.manifest_hash[:12]}, but the checkpoint was trained on"
         then = "give the data it was trained on (data.path=FILE for a moved text file)"
         data, trained = config["data"].get("_target_"), manifest["data_manifest_hash"][:12]
         raise ConfigError(f"data {data}: {said} {trained}: {then}")
-    return dataset
-
-
-def data_facts(manifest: dict, overrides: list[str], directory: Path) -> dict:
-    """{"vocab", "decode_join", "specials"} of a verified checkpoint: its data.json (no corpus needed), or for a
-    schema 2.0 checkpoint its own data, built (`overrides` may say where its text file or corpus cache is)."""
-    facts = CheckpointDir(directory).data_facts(manifest)
-    return facts if facts is not None else inference_facts(own_data(manifest, overrides, directory))
-
-
-def other_data(manifest: dict, overrides: list[str], directory: Path):
-    """The dataset `overrides` ask for (the checkpoint's own by default, regenerated if its corpus is gone),
-    refused if the model cannot read it: its spec, and its vocabulary against the checkpoint's."""
-    _, dataset = _built(manifest, overrides, directory)
-    if dataset.manifest_hash == manifest["data_manifest_hash"]:
-        return dataset
-    vocab = None
-    if getattr(dataset, "vocab", None) is not None:
+    vocab: list = []  # the checkpoint's, if both have one
+    if (theirs := getattr(dataset, "vocab", None)) is not None:
         try:
             where = [o for o in overrides if o.startswith(("paths.", "hydra."))]
             vocab = data_facts(manifest, where, directory)["vocab"]
@@ -215,18 +193,12 @@ def other_data(manifest: dict, overrides: list[str], directory: Path):
             said = "cannot compare vocabularies (the checkpoint's own data does not build here: %s)"
             log.warning(said + "; checking the spec only", e)
     saved = {k: v for k, v in manifest["data_spec"].items() if k != "n_train"}
-    here = asdict(dataset.spec)
+    here, name = asdict(dataset.spec), f"data {type(dataset).__name__}"
     if diff := [f"{k} {saved[k]} -> {here.get(k)}" for k in saved if saved[k] != here.get(k)]:
-        raise ConfigError(
-            f"data {type(dataset).__name__}: its spec differs from the checkpoint's "
-            f"({', '.join(diff)}): the model cannot read it"
-        )
-    if vocab is not None and (
-        changed := [i for i, (a, b) in enumerate(zip(vocab, dataset.vocab)) if a != b]
-    ):
-        i = changed[0]
-        raise ConfigError(
-            f"data {type(dataset).__name__}: its vocabulary differs from the checkpoint's at "
-            f"{len(changed)} ids (id {i}: {vocab[i]!r} -> {dataset.vocab[i]!r})"
-        )
+        said = f"its spec differs from the checkpoint's ({', '.join(diff)})"
+        raise ConfigError(f"{name}: {said}: the model cannot read it")
+    if changed := [i for i, (a, b) in enumerate(zip(vocab, theirs or ())) if a != b]:
+        i, said = changed[0], "its vocabulary differs from the checkpoint's at"
+        at = f"{len(changed)} ids (id {i}: {vocab[i]!r} -> {dataset.vocab[i]!r})"
+        raise ConfigError(f"{name}: {said} {at}")
     return dataset

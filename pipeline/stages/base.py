@@ -1,12 +1,11 @@
-"""A stage: a policy fed plain values at each step end (stop?, checkpoint?), what it keeps, and its own state,
-which rides in checkpoints (docs/stages.md: Writing a stage)."""
+"""A stage: a policy fed each step end (stop?, checkpoint?) with its own state (docs/stages.md: Writing a stage)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pipeline.checkpoint.retention import Named, Policy, check_best
-from pipeline.stateful import BadValue, fit_reason
+from pipeline.stateful import BadValue, misfit
 
 
 @dataclass(frozen=True)
@@ -25,6 +24,9 @@ class Stage:
 
     name = "stage"
     link: str | None = None  # a checkpoints/<link> symlink that follows link_policy() (best, final)
+    later: tuple[
+        str, ...
+    ] = ()  # state keys added since its first release: a state saved before lacks them
 
     def __init__(self, order: int):
         self.order = int(order)
@@ -59,15 +61,16 @@ class Stage:
 
     def fit_reason(self, saved: dict) -> str | None:
         """Why `saved` cannot replace this stage's state (keys, JSON kinds), or None."""
-        return fit_reason(self.state_dict(), saved, self.name)
-
-
-LATER = ("monitor", "mode", "since")  # Watch's keys added after its first release
+        live = {k: v for k, v in self.state_dict().items() if k in saved or k not in self.later}
+        found = misfit(live, saved, (self.name,))
+        return found[1] if found else None
 
 
 class Watch(Stage):
-    """A stage following the best finite value of the metric `monitor` (mode min or max); it rides in checkpoints
-    with the monitor and mode it was measured by, so another monitor or mode starts a new best history."""
+    """A stage following the best finite value of `monitor` (min or max); another monitor or mode starts anew."""
+
+    later: tuple[str, ...] = ("monitor", "mode", "since")
+    keys: tuple[str, ...] = ("best", "best_step", *later)  # its state: these attributes
 
     def __init__(self, monitor: str, mode: str, order: int):
         super().__init__(order)  # mode is min or max: config/schemas.py
@@ -77,7 +80,7 @@ class Watch(Stage):
         self.since = 0  # the step its best history began at (a resume changed monitor or mode)
 
     def state_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("best", "best_step", "monitor", "mode", "since")}
+        return {k: getattr(self, k) for k in self.keys}
 
     def start_at(self, step: int) -> None:
         self.since = int(step)
@@ -89,14 +92,6 @@ class Watch(Stage):
             new = f"{self.monitor!r} mode {self.mode!r}"
             return f"monitor {old[0]!r:.80} mode {old[1]!r:.10} -> {new}"
         return None
-
-    def fit_reason(self, saved: dict) -> str | None:
-        return fit_reason(self.comparable(self.state_dict(), saved), saved, self.name)
-
-    @staticmethod
-    def comparable(state: dict, saved: dict) -> dict:
-        """`state` without the keys of LATER that a state saved before they rode along lacks."""
-        return {k: v for k, v in state.items() if k in saved or k not in LATER}
 
     def check_state_dict(self, state: dict) -> None:
         check_best(state["best"], state["best_step"], self.mode)
@@ -111,8 +106,7 @@ class Watch(Stage):
 
 
 class StageStates:
-    """The `stages` part of the state, every stage's own by name, met by a resume with stages added, removed or
-    re-tuned (docs/stages.md: Changing stages); `notes`: what a load did not restore; `fresh`: who starts anew."""
+    """The `stages` part: each stage's state by name (docs/stages.md: Changing stages); `notes`, `fresh` of a load."""
 
     free_form_state = ("",)  # the names vary with the config: each stage checks its own entry
     # resume and train were stages until they became settings: their saved (empty) states are dropped unsaid
@@ -146,14 +140,11 @@ class StageStates:
             s.load_state_dict(state[s.name])
         live = {s.name for s in self.stages}
         self.fresh = live - {s.name for s in restored}
-        self.notes = [
-            f"{s.name}: {s.continues(state[s.name])}: a new history from here"
-            if s.name in state
-            else f"{s.name}: not in the checkpoint, starts fresh here"
-            for s in self.stages
-            if s.name in self.fresh
-        ]
-        self.notes += [
-            f"{name}: no such stage in this config, its saved state is dropped"
-            for name in sorted(set(state) - live - set(self.former))
-        ]
+        self.notes = []
+        for s in (s for s in self.stages if s.name in self.fresh):
+            why = "not in the checkpoint, starts fresh here"
+            if s.name in state:
+                why = f"{s.continues(state[s.name])}: a new history from here"
+            self.notes.append(f"{s.name}: {why}")
+        gone, dropped = sorted(set(state) - live - set(self.former)), "no such stage in this config"
+        self.notes += [f"{n}: {dropped}, its saved state is dropped" for n in gone]

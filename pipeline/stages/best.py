@@ -7,19 +7,18 @@ import math
 from pipeline.checkpoint.retention import BestN, Named, admit, rank
 from pipeline.files import patterns
 from pipeline.stages.base import StepEnd, Watch
-from pipeline.stateful import fit_reason
 
 
 class BestVal(Watch):
     name = "best_val"
     link = "best"
+    later = (*Watch.later, "top")
 
     def __init__(self, monitor: str, mode: str, order: int, keep: int, filename: str | None):
         super().__init__(monitor, mode, order)  # keep >= 1, filename a pattern: config/schemas.py
         self.keep = int(keep)
         self.filename = filename  # a pattern naming each kept checkpoint by its values (`{step}-{val/loss:.3f}`)
-        # the `keep` best (value, step) since `since`, best first
-        self.top: list[tuple[float, int]] = []
+        self.top: list[tuple[float, int]] = []  # the `keep` best (value, step), best first
 
     def wants_checkpoint(self, end: StepEnd) -> bool:
         # NaN and infinities never enter, nor a value no better than the keep-th best
@@ -55,8 +54,7 @@ class BestVal(Watch):
         # `top` is as long as the evaluations counted so far, and absent where the checkpoint kept one best
         if not isinstance(saved.get("top", []), list):
             return f"{self.name}.top: expected a list of [value, step], got {type(saved['top']).__name__}"
-        live = self.comparable(super().state_dict(), saved)
-        return fit_reason(live, {k: v for k, v in saved.items() if k != "top"}, self.name)
+        return super().fit_reason({k: v for k, v in saved.items() if k != "top"})
 
     def check_state_dict(self, state: dict) -> None:
         super().check_state_dict(state)
@@ -75,10 +73,8 @@ class BestVal(Watch):
         if pairs != sorted(pairs, key=rank(self.mode)) or len({s for _, s in pairs}) != len(pairs):
             raise ValueError(f"top {top!r:.80} is not ranked best first, one entry a step")
         if (pairs[0] if pairs else (None, None)) != (state["best"], state["best_step"]):
-            raise ValueError(
-                f"top {top!r:.80} does not begin with the best {state['best']!r} at step "
-                f"{state['best_step']!r}"
-            )
+            best = f"the best {state['best']!r} at step {state['best_step']!r}"
+            raise ValueError(f"top {top!r:.80} does not begin with {best}")
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)

@@ -7,10 +7,10 @@ from pipeline.stages.base import StepEnd, Watch
 
 
 class EarlyStop(Watch):
-    """An evaluation (a step whose metrics hold `monitor`) without improvement adds to `wait`, one with resets it;
-    the step `wait` reaches `patience` is the run's last (run.json's `ended` says why). Its counters are saved."""
+    """An evaluation without improvement adds to `wait`, one with resets it; `wait` at `patience` ends the run."""
 
     name = "early_stop"
+    keys = (*Watch.keys, "wait")
 
     def __init__(self, monitor: str, mode: str, patience: int, min_delta: float, order: int):
         super().__init__(monitor, mode, order)  # patience >= 1, min_delta >= 0: config/schemas.py
@@ -32,9 +32,6 @@ class EarlyStop(Watch):
             best = f"best {self.best:.6g} at step {self.best_step}"
         how = f"mode {self.mode}, min_delta {self.min_delta:g}; {best}"
         return f"early_stop: {self.monitor} did not improve in {self.wait} evaluations ({how})"
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "wait": self.wait}
 
     def check_state_dict(self, state: dict) -> None:
         super().check_state_dict(state)

@@ -539,15 +539,25 @@ def test_a_failing_log_stream_is_recorded_not_printed(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_run_json_in_place_when_the_disk_is_too_full_for_a_temporary(tmp_path):
+def test_run_json_in_place_when_the_disk_is_too_full_for_a_temporary(tmp_path, monkeypatch):
+    import errno
     import json
 
+    from pipeline.files import atomic
     from pipeline.run.directory import RunDir
 
     rundir = RunDir(tmp_path)
     rundir.write_status(status="running", step=3, metrics={"val/loss": 0.5}, note="x" * 300)
     size = rundir.status_path.stat().st_size
-    rundir.write_status_in_place(
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic, "replace_file", full)
+    with pytest.raises(OSError, match="No space"):  # not an ending: run.json stays as it was
+        rundir.write_status(status="running", step=4)
+    rundir.write_status(
+        True,
         status="failed",
         step=4,
         metrics={"val/loss": 0.5},

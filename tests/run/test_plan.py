@@ -132,8 +132,7 @@ def test_a_checkpoint_of_other_code_is_continued_and_said(preempted, monkeypatch
 
 
 def test_a_run_holds_its_plan_and_at_most_8_attributes(finished_job):
-    from pipeline.run.loop import Context, Run
-    from pipeline.run.signals import SIGNALS_STATE
+    from pipeline.run.loop import Run
 
     out = finished_job(*KERNODECK)
     config = config_of(*KERNODECK, f"paths.output_dir={out}")
@@ -142,7 +141,7 @@ def test_a_run_holds_its_plan_and_at_most_8_attributes(finished_job):
         assert job.run_dir is not None
         rundir = RunDir(job.run_dir)
         p = plan(rundir, job, settings(config)[0], started=1.0, in_sweep=False)
-        run = Run(job, rundir, p, SIGNALS_STATE, Context(1.0, [], in_sweep=False))
+        run = Run(job, rundir, p, [], None)
         assert run.plan is p and len(vars(run)) <= 8, sorted(vars(run))
     finally:
         job.state.close()
