@@ -18,15 +18,11 @@ GRAMMAR_VERSION = 1  # in the hashed params: bump it when the grammar's output f
 EOS, COMMA = "<eos>", ","
 
 
-def _words(text: str) -> tuple[str, ...]:
-    return tuple(text.split())
-
-
 # Agreement is carried as the pronoun a subject stands for: it fixes person, number and gender at once.
 # subject, object, possessive, reflexive
 _PRONOUNS = "I me my myself, you you your yourself, he him his himself, she her her herself"
 _PRONOUNS += ", it it its itself, we us our ourselves, they them their themselves"
-PRONOUNS = {forms[0]: forms for forms in map(_words, _PRONOUNS.split(", "))}
+PRONOUNS = {forms[0]: forms for forms in map(str.split, _PRONOUNS.split(", "))}
 THIRD_SINGULAR = ("he", "she", "it")
 
 _NOUNS = (  # class, "singular plural pronoun-its-singular-stands-for" of each noun, one class a noun
@@ -45,12 +41,12 @@ ANIMATE, INANIMATE = ("person", "animal"), ("food", "text", "vehicle", "thing")
 PLACES = ("park", "garden", "house", "kitchen", "school", "forest")
 
 ATTRIBUTIVE = {
-    "animate": _words("tall young old small big little lazy clever brave happy"),
-    "inanimate": _words("old small big new red blue green heavy cheap little"),
+    "animate": "tall young old small big little lazy clever brave happy".split(),
+    "inanimate": "old small big new red blue green heavy cheap little".split(),
 }
 PREDICATIVE = {
-    "animate": _words("happy hungry tired angry sad sick clever"),
-    "inanimate": _words("new old broken heavy cheap red clean dirty"),
+    "animate": "happy hungry tired angry sad sick clever".split(),
+    "inanimate": "new old broken heavy cheap red clean dirty".split(),
 }
 
 DETERMINERS = {
@@ -90,7 +86,7 @@ TIME_PHRASES = {
     "perfect": (("already",), ("recently",)),
 }
 PREPOSITIONS, PLACE_PREPOSITIONS = ("near", "with", "behind"), ("in", "near", "behind")
-FUNCTION_WORDS = _words("a an that not very will be been do does did am is are was were has have")
+FUNCTION_WORDS = "a an that not very will be been do does did am is are was were has have".split()
 
 
 def vocabulary() -> list[str]:
