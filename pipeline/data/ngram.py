@@ -136,10 +136,7 @@ def _raised(levels, V: int, tokens: np.ndarray, positions: np.ndarray) -> np.nda
     return p
 
 
-def fitted_perplexity(
-    train: np.ndarray, order: int, vocab_size: int, tokens: np.ndarray, positions: np.ndarray
-) -> float:
+def fitted_perplexity(train, order: int, V: int, tokens: np.ndarray, positions) -> float:
     """The order-`order` model of `train`'s perplexity on `tokens` at `positions`, one level at a time."""
-    V = int(vocab_size)
     p = _raised(_levels(np.asarray(train), order, V), V, tokens, positions)
     return float(np.exp(-np.mean(np.log(p))))
