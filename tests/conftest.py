@@ -606,4 +606,4 @@ def ngram_distribution(levels: tuple, V: int, history) -> np.ndarray:
     """The full next-token distribution [V] after a history (its last order-1 tokens are used)."""
     n, history = len(levels) - 1, [int(t) for t in history]
     h = history[max(0, len(history) - n) :] if n else []  # its last n tokens (all of a shorter one)
-    return np.array([ngram._raised(levels, V, np.array(h + [t]), [len(h)])[0] for t in range(V)])
+    return np.array([ngram._raised(levels, V, np.array([*h, t]), [len(h)])[0] for t in range(V)])

@@ -18,11 +18,15 @@ GRAMMAR_VERSION = 1  # in the hashed params: bump it when the grammar's output f
 EOS, COMMA = "<eos>", ","
 
 
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
 # Agreement is carried as the pronoun a subject stands for: it fixes person, number and gender at once.
 # subject, object, possessive, reflexive
 _PRONOUNS = "I me my myself, you you your yourself, he him his himself, she her her herself"
 _PRONOUNS += ", it it its itself, we us our ourselves, they them their themselves"
-PRONOUNS = {forms[0]: forms for forms in map(str.split, _PRONOUNS.split(", "))}
+PRONOUNS = {forms[0]: forms for forms in map(_words, _PRONOUNS.split(", "))}
 THIRD_SINGULAR = ("he", "she", "it")
 
 _NOUNS = (  # class, "singular plural pronoun-its-singular-stands-for" of each noun, one class a noun
@@ -41,12 +45,12 @@ ANIMATE, INANIMATE = ("person", "animal"), ("food", "text", "vehicle", "thing")
 PLACES = ("park", "garden", "house", "kitchen", "school", "forest")
 
 ATTRIBUTIVE = {
-    "animate": "tall young old small big little lazy clever brave happy".split(),
-    "inanimate": "old small big new red blue green heavy cheap little".split(),
+    "animate": _words("tall young old small big little lazy clever brave happy"),
+    "inanimate": _words("old small big new red blue green heavy cheap little"),
 }
 PREDICATIVE = {
-    "animate": "happy hungry tired angry sad sick clever".split(),
-    "inanimate": "new old broken heavy cheap red clean dirty".split(),
+    "animate": _words("happy hungry tired angry sad sick clever"),
+    "inanimate": _words("new old broken heavy cheap red clean dirty"),
 }
 
 DETERMINERS = {
@@ -86,7 +90,7 @@ TIME_PHRASES = {
     "perfect": (("already",), ("recently",)),
 }
 PREPOSITIONS, PLACE_PREPOSITIONS = ("near", "with", "behind"), ("in", "near", "behind")
-FUNCTION_WORDS = "a an that not very will be been do does did am is are was were has have".split()
+FUNCTION_WORDS = _words("a an that not very will be been do does did am is are was were has have")
 
 
 def vocabulary() -> list[str]:
@@ -289,9 +293,8 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
     train, val = token_stream(sentences[:-n_val], index), token_stream(sentences[-n_val:], index)
     # The generator's own log-probability of each sentence bounds what any model can reach on it; a bound
     # from above, since a rare string with two derivations (e.g. "read" present/past) is charged for one.
-    val_nats = -math.fsum(logps[-n_val:])
     stats: dict = {"sentences": {"train": n_sentences - n_val, "val": n_val}}
-    stats["oracle_val_ppl_bound"] = round(math.exp(val_nats / len(val)), 4)
+    stats["oracle_val_ppl_bound"] = round(math.exp(-math.fsum(logps[-n_val:]) / len(val)), 4)
     return CorpusContent(vocab, join=" ", pieces=(("train", train), ("val", val)), stats=stats)
 
 
