@@ -604,10 +604,6 @@ def ngram_perplexity(levels: tuple, V: int, tokens, positions) -> float:
 
 def ngram_distribution(levels: tuple, V: int, history) -> np.ndarray:
     """The full next-token distribution [V] after a history (its last order-1 tokens are used)."""
-    n = len(levels) - 1
-    padded = [-1] * n + [int(t) for t in history]
-    h = np.broadcast_to(np.asarray(padded[len(padded) - n :] if n else [], np.int64), (V, n))
-    p, targets = np.full(V, 1.0 / V), np.arange(V, dtype=np.int64)  # order 0: uniform
-    for k, level in enumerate(levels, start=1):
-        p = ngram._mixed(level, V, h[:, n - (k - 1) :], targets, p)
-    return p
+    n, history = len(levels) - 1, [int(t) for t in history]
+    h = history[max(0, len(history) - n) :] if n else []  # its last n tokens (all of a shorter one)
+    return np.array([ngram._raised(levels, V, np.array([*h, t]), [len(h)])[0] for t in range(V)])

@@ -131,12 +131,9 @@ def verify_corpus(directory: Path, params: dict | None = None, keep=()) -> tuple
         )
         if problem := next(found, None):
             raise _unusable(directory, problem[1], problem[0])
-    except jsonio.JSONError as e:
-        raise _unusable(directory, e) from None
-    except FileNotFoundError:
-        raise _unusable(directory, "missing") from None
-    except OSError as e:
-        raise _unusable(directory, e.strerror or e) from None
+    except (jsonio.JSONError, OSError) as e:
+        why = "missing" if isinstance(e, FileNotFoundError) else getattr(e, "strerror", None) or e
+        raise _unusable(directory, why) from None
     return manifest, {**{fn: bytes(b) for fn, b in kept.items()}, MANIFEST: raw}
 
 

@@ -293,9 +293,8 @@ def build_grammar_corpus(seed: int, n_sentences: int, val_fraction: float) -> Co
     train, val = token_stream(sentences[:-n_val], index), token_stream(sentences[-n_val:], index)
     # The generator's own log-probability of each sentence bounds what any model can reach on it; a bound
     # from above, since a rare string with two derivations (e.g. "read" present/past) is charged for one.
-    val_nats = -math.fsum(logps[-n_val:])
     stats: dict = {"sentences": {"train": n_sentences - n_val, "val": n_val}}
-    stats["oracle_val_ppl_bound"] = round(math.exp(val_nats / len(val)), 4)
+    stats["oracle_val_ppl_bound"] = round(math.exp(-math.fsum(logps[-n_val:]) / len(val)), 4)
     return CorpusContent(vocab, join=" ", pieces=(("train", train), ("val", val)), stats=stats)
 
 

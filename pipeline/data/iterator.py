@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import numpy as np
 
@@ -22,7 +21,7 @@ class DataIterator:
                 f"trainer.batch_size={batch_size}: must be between 1 and the {n} training samples"
             )
         self.n, self.batch_size, self.rng, self.offsets = int(n), int(batch_size), rng, int(offsets)
-        self.epoch, self.cursor = 0, 0
+        self.epoch, self.cursor, self.batches_per_epoch = 0, 0, self.n // self.batch_size
         self._begin_epoch(self.rng)
 
     def _begin_epoch(self, g: np.random.Generator) -> None:
@@ -40,10 +39,6 @@ class DataIterator:
             ids = self.permutation[self.cursor : self.cursor + self.batch_size].copy()  # [B]
         self.cursor += self.batch_size
         return ids
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.n // self.batch_size
 
     def state_dict(self) -> dict:
         # The generator's own state lives with the run's RNG streams (data_order).
@@ -103,8 +98,7 @@ def restore_stream(g: np.random.Generator | random.Random, d: dict) -> None:
     if isinstance(g, random.Random):
         g.setstate((int(d["version"]), tuple(int(v) for v in d["internal"]), d["gauss_next"]))
     else:
-        small: dict[str, Any] = {k: int(d[k]) for k in _SMALL}
-        big = {k: int(d[k]) for k in _BIG}
+        big, small = ({k: int(d[k]) for k in keys} for keys in (_BIG, _SMALL))
         g.bit_generator.state = {"bit_generator": d["bit_generator"], "state": big, **small}
 
 

@@ -106,15 +106,16 @@ def _lookup(sorted_keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> n
     return np.where(sorted_keys[i] == query, values[i], 0.0)
 
 
-def _mixed(level: Level, V: int, h: np.ndarray, targets: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """p(target | history) to order k from its counts, the nearest k-1 tokens `h` [N, k-1] (-1: none) and `p` to k-1."""
-    ctx = np.zeros(len(targets), dtype=np.int64)
-    for j in range(h.shape[1]):
-        ctx = ctx * V + np.maximum(h[:, j], 0)
-    c = _lookup(level.keys, level.counts, ctx * V + targets)
+def _mixed(level: Level, V: int, k: int, toks: np.ndarray, at: np.ndarray, p) -> np.ndarray:
+    """p(toks[i] | the k-1 tokens before i) [N] for i in `at` from order k's counts and `p` [N] to order k-1."""
+    ctx = np.zeros(len(at), dtype=np.int64)
+    for j in range(k - 1, 0, -1):
+        ctx = ctx * V + toks[np.maximum(at - j, 0)]
+    c = _lookup(level.keys, level.counts, ctx * V + toks[at])
     total = _lookup(level.ctx_keys, level.ctx_total, ctx)
     backoff = _lookup(level.ctx_keys, level.ctx_backoff, ctx)
-    seen = (h >= 0).all(axis=1) & (total > 0)  # else (cut, unseen): the lower order's p
+    # a history cut by the stream's start, or unseen, keeps the lower order's p
+    seen = (at >= k - 1) & (total > 0)
     safe = np.where(seen, total, 1.0)
     p_k = (np.maximum(c - _discount(level.discounts, c), 0.0) + backoff * p) / safe
     return np.where(seen, p_k, p)
@@ -129,19 +130,13 @@ def _raised(levels, V: int, tokens: np.ndarray, positions: np.ndarray) -> np.nda
     p = np.full(len(positions), 1.0 / V)
     for k, level in enumerate(levels, start=1):
         for a in range(0, len(positions), PIECE):
-            at, piece = positions[a : a + PIECE], p[a : a + PIECE]
-            # h [N, k-1]: the k-1 tokens before each position, oldest first, -1 before the stream's start
-            offsets = at[:, None] - np.arange(k - 1, 0, -1)[None, :]
-            h = np.where(offsets >= 0, tokens[np.maximum(offsets, 0)].astype(np.int64), -1)
-            piece[:] = _mixed(level, V, h, tokens[at].astype(np.int64), piece)
+            piece = p[a : a + PIECE]
+            piece[:] = _mixed(level, V, k, tokens, positions[a : a + PIECE], piece)
         del level
     return p
 
 
-def fitted_perplexity(
-    train: np.ndarray, order: int, vocab_size: int, tokens: np.ndarray, positions: np.ndarray
-) -> float:
+def fitted_perplexity(train, order: int, V: int, tokens: np.ndarray, positions) -> float:
     """The order-`order` model of `train`'s perplexity on `tokens` at `positions`, one level at a time."""
-    V = int(vocab_size)
     p = _raised(_levels(np.asarray(train), order, V), V, tokens, positions)
     return float(np.exp(-np.mean(np.log(p))))

@@ -158,7 +158,7 @@ def _job(
         raise
     finally:
         if job is not None:
-            job.state.close()
+            job.state.runner.close()
         logging.getLogger().removeHandler(held)
         if file_handler is not None:
             logging.getLogger().removeHandler(file_handler)

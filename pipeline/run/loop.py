@@ -27,7 +27,7 @@ from pipeline.stages.base import StepEnd
 from pipeline.stateful import capture
 from pipeline.trainer import curves
 from pipeline.trainer.display import Display
-from pipeline.trainer.loop import epoch_ended, epochs_done, fit, metrics_of
+from pipeline.trainer.loop import epochs_done, fit, metrics_of
 from pipeline.trainer.metrics_log import MetricsLog
 from pipeline.trainer.phases import Profile
 
@@ -106,9 +106,9 @@ class Run:
             said = f"step {record['step']}: {bad[0]} is {metrics[bad[0]]} (non-finite); stopping"
             then = "with the last good checkpoints kept (trainer.on_nonfinite=continue trains on)"
             raise NonFiniteError(f"{said} {then}")
-        state = self.state
+        state, epochs = self.state, epochs_done(self.state)
         last = state.step >= state.total_steps
-        end = StepEnd(state.step, metrics, epoch_ended(state, record), epochs_done(state), last)
+        end = StepEnd(state.step, metrics, epochs > record["epoch"], epochs, last)
         # every stage sees every step end (a stateful one must not miss the step another stops on)
         stop = next((r for r in [s.stop_reason(end) for s in self.job.stages] if r), None)
         end = replace(end, last=last or bool(stop))

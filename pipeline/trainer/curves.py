@@ -36,10 +36,10 @@ def draw(lines: list[dict]) -> bytes | None:
             positive = positive or any(v > 0 for v in ys)
     ax_loss.set(ylabel="loss", yscale="log" if positive else "linear")
     ax_loss.legend()
-    ax_loss.grid(True, alpha=0.3)
     ax_lr.plot(*series(lines, "lr"), "-", color="tab:green")
     ax_lr.set(ylabel="lr", xlabel="step")
-    ax_lr.grid(True, alpha=0.3)
+    for ax in (ax_loss, ax_lr):
+        ax.grid(True, alpha=0.3)
     # fixed margins wide enough for the lr's ticks (0.00030): tight_layout measures every label, half the cost
     fig.subplots_adjust(left=0.13, right=0.97, top=0.97, bottom=0.08, hspace=0.08)
     out = io.BytesIO()

@@ -71,11 +71,10 @@ class Display:
         if "train/loss" not in record:  # the evaluation before the first update
             return log.info("%s%s", where, val)
         self.speed.step(time.perf_counter())
-        rates = self.speed.rates()
         if self.bar is not None:
             self.bar.update(1)
             post = {"loss": f"{record['train/loss']:.4f}", "lr": f"{record['lr']:.3g}"}
-            if rates is not None:
+            if (rates := self.speed.rates()) is not None:
                 post["tok/s" if self.speed.unit == "tokens" else "samples/s"] = _si(rates[1])
             self.bar.set_postfix(post, refresh=False)
         # with the bar: evaluations

@@ -114,11 +114,6 @@ def train_step(state: TrainState, profile: Profile = OFF) -> dict:
     return record
 
 
-def epoch_ended(state: TrainState, record: dict) -> bool:
-    """True when an epoch ended during the update `record` reports (with accumulation, maybe mid-group)."""
-    return epochs_done(state) > record["epoch"]
-
-
 def metrics_of(record: dict) -> dict:
     return {k: v for k, v in record.items() if k not in NOT_METRICS}
 
@@ -138,7 +133,8 @@ def fit(
             with np.errstate(all="ignore"):  # an overflow: one non-finite metric the run reports
                 record = train_step(state, profile) if profile.on else train_step(state)
             record["step_time"] = time.perf_counter() - t0
-        due = state.step % eval_every == 0 if eval_every > 0 else epoch_ended(state, record)
+        ended = epochs_done(state) > record["epoch"]  # in this update (maybe mid-group)
+        due = state.step % eval_every == 0 if eval_every > 0 else ended
         if due or state.step >= state.total_steps or state.step == 0:
             with np.errstate(all="ignore"), profile.phase("evaluation"):
                 record.update(validate(state))

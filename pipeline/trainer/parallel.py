@@ -52,12 +52,11 @@ class Shards(contextlib.AbstractContextManager):
         if threads is None:  # the cores it may use (CPU affinity; off Linux, all)
             affinity = getattr(os, "sched_getaffinity", None)
             threads = len(affinity(0)) if affinity else os.cpu_count() or 1
-        self.shards, self.threads = int(shards), int(threads)
+        self.shards, self.threads, self._closed = int(shards), int(threads), False
         # The calling thread works too: threads - 1 helpers. None when there is nothing to share.
         self._pool = ThreadPoolExecutor(self.threads - 1, "shard") if self.threads > 1 else None
         self._blas = ThreadpoolController().select(user_api="blas").lib_controllers  # once (~1 ms)
         self._blas_before = [lib.get_num_threads() for lib in self._blas]
-        self._closed = False
         self._pin_blas()
 
     def loss_and_grads(self, model, batch: Batch, rng: Generator | None) -> tuple[float, Grads]:

@@ -71,12 +71,8 @@ class TrainState:
     metrics = property(lambda self: self.progress.metrics)
 
     def __post_init__(self):
-        # from here to close() BLAS runs on one thread (the runner's pin): every number the same whatever the threads
+        # from here to runner.close() BLAS runs on one thread (its pin): every number the same whatever the threads
         self.runner = Shards(self.shards, self.threads)
-
-    def close(self) -> None:
-        """Stop the shard runner's threads, give BLAS back its thread count; idempotent."""
-        self.runner.close()
 
     def parts(self) -> dict:
         """Every state machine of pipeline.stateful.PARTS under its checkpoint name."""

@@ -82,7 +82,7 @@ def test_every_offset_samples_windows_at_any_offset(tmp_path):
             np.testing.assert_array_equal(batch.x[i], train[start : start + T])
             np.testing.assert_array_equal(batch.y[i], train[start + 1 : start + T + 1])
     finally:
-        state.close()
+        state.runner.close()
 
 
 def zeroed(v):

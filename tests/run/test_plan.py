@@ -28,7 +28,7 @@ def planned(out: Path, *overrides: str) -> Plan:
         assert tree(out, mtimes="all") == before, "planning wrote"
         return value
     finally:
-        job.state.close()
+        job.state.runner.close()
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ def test_a_fork_into_a_directory_holding_another_history_moves_it_whole(preempte
     own = the_run(fork)
     config = config_of(*KERNODECK, f"paths.output_dir={fork}", f"resume.source={source}")
     job = build(config)
-    job.state.close()
+    job.state.runner.close()
     assert job.run_dir is not None
     shutil.move(own, job.run_dir)  # another history where the fork runs
     p = planned(fork, f"resume.source={source}")
@@ -144,7 +144,7 @@ def test_a_run_holds_its_plan_and_at_most_8_attributes(finished_job):
         run = Run(job, rundir, p, [], None)
         assert run.plan is p and len(vars(run)) <= 8, sorted(vars(run))
     finally:
-        job.state.close()
+        job.state.runner.close()
 
 
 def test_resume_settings_written_under_stages_resume_still_apply(preempted, tmp_path):

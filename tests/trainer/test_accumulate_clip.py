@@ -33,7 +33,7 @@ def states():
 
     yield make
     for s in made:
-        s.close()
+        s.runner.close()
 
 
 def params_bytes(state) -> dict[str, bytes]:

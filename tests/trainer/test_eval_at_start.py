@@ -23,7 +23,7 @@ def test_an_evaluation_at_step_0_is_logged_and_changes_nothing_else(tmp_path, fi
     try:  # the oracle: the untrained model's validation, as the run's own evaluations compute it
         assert first == {"step": 0, "epoch": 0, **validate(state)}
     finally:
-        state.close()
+        state.runner.close()
     assert rest == metrics(the_run(plain))  # every update as without it
     assert kept(the_run(out))[0].keys() == kept(the_run(plain))[0].keys()
 
