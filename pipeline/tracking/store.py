@@ -119,10 +119,6 @@ def _copy_template(db: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
-    return open_store(uri, artifact_root)[0]
-
-
 def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient, str | None]:
     """A client whose store is open, and the store's warning (check_shared) or None; a new sqlite store is
     made here, under the lock (a copy of the template). StoreError (one line) if it cannot be."""
