@@ -160,11 +160,12 @@ class Agent:
                 return parent["experiment_id"]
             return self.store.ensure_experiment(client, m["experiment"], m.get("artifact_location"))
 
-        # continued_from: a fork, or a run indexed in another store
-        hint = [prev_id] if prev_id and prev_uri in (None, uri) else []
-        made = {"continued_from": previous} if previous else None
         tags, params, started = m["tags"], m["params"], m.get("start_time")
-        run, _ = self.index.open_run(client, hint, tags, params, parent, started, experiment, made)
+        hint = [prev_id] if prev_uri in (None, uri) else []  # a run of another store: none
+        run = self.store.find_run(client, tags["run_dir"], hint)
+        # continued_from: a fork, or a run indexed in another store
+        made = {"continued_from": previous} if previous else None
+        run, _ = self.index.open_run(client, run, tags, params, parent, started, experiment, made)
         s.run_id, ids = run.info.run_id, self.index.ids_of(run)
         s.logged = self.store.logged_steps(client, s.run_id, run.data.metrics.keys())
         if run.info.status != "RUNNING":
@@ -226,7 +227,7 @@ class Agent:
             self.finish_gone(complete=run_dir.resolve())
         client = self.opened(uri, where).client  # first: with its artifact root
         parent, job = self.parent_of(uri, m.get("parent")), m.get("job") or {}
-        r = self.index.index_job(client, uri, run_dir, where, parent, job)
+        r = self.index.sync_run(client, uri, run_dir, where, parent, job, repeat=True)
         s.send("finished", uri=self.run_uri(uri, r) if "run_id" in r else None)
 
     def parent_start(self, s: Session, m: dict) -> None:

@@ -61,32 +61,42 @@ def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
 
 
 def sync_run(
-    client, uri: str, run_dir: Path, artifact_root, parent=None, job=None, artifacts: bool = True
+    client, uri, run_dir: Path, artifact_root, parent=None, job=None, artifacts=True, repeat=False
 ) -> dict:
     """Make the mlflow run of `run_dir` hold everything the directory does (under `parent` unless under another
-    already; with a sweep `job`'s tags): artifacts last, or left to sync_artifacts; returns what was added."""
+    already; with a sweep `job`'s tags): artifacts last, or left to sync_artifacts; returns what was added.
+    repeat (a sweep job's run directory done before it: attach, reindex): if its run is another job's, a child of
+    `parent` points at it instead."""
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
     damaged: list[str] = []  # why each checkpoint that does not read does not
     counts = ("created", "params", "tags", "points", "artifacts", "status")
     added: dict[str, Any] = {**dict.fromkeys(counts, 0), "damaged": damaged}
-    if not (found := manifests(rundir, damaged)):
-        return {**added, "skipped": "no checkpoint manifest"}
-    newest = found[-1][1]
-    config, status, lines = newest.get("config") or {}, rundir.read_status(), rundir.read_metrics()
+    found = manifests(rundir, damaged)
     candidates, named = [], []  # named: the stores its manifests name, newest first
     for _, manifest in reversed(found):
         base, _, rid = common.parse_run_uri(manifest.get("mlflow_run_uri"))
         named.append(base)
         if rid and base in (None, uri) and rid not in candidates:
             candidates.append(rid)
+    # the manifests' named run first, else the newest tagged with the run directory
+    run = store.find_run(client, str(run_dir), candidates) if found or repeat else None
+    if repeat and parent and run is not None:
+        tags = run.data.tags
+        own = tags.get("mlflow.parentRunId") == parent["run_id"]
+        if not own or tags.get("sweep.job_num") not in (None, str(job.get("num"))):
+            return repeat_child(client, run, parent, job)
+    if not found:
+        return {**added, "skipped": "no checkpoint manifest"}
+    newest = found[-1][1]
+    config, status, lines = newest.get("config") or {}, rundir.read_status(), rundir.read_metrics()
     tags, params = common.tags_of(newest, run_dir, status, job), common.params_of(config)
     started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
 
     def experiment() -> str:
         return store.ensure_experiment(client, common.experiment_of(config), artifact_root)
 
-    run, opened = open_run(client, candidates, tags, params, parent, started, experiment)
+    run, opened = open_run(client, run, tags, params, parent, started, experiment)
     added, run_id = {**added, **opened}, run.info.run_id
     # (key, step) -> its point; a step logged twice in the file: its last line
     latest = {(p[0], p[3]): p for line in lines for p in common.metric_points(line)}
@@ -119,16 +129,15 @@ def sync_run(
 
 
 def open_run(
-    client, candidates, tags, params, parent, started, experiment_id, created_tags=None
+    client, run, tags, params, parent, started, experiment_id, created_tags=None
 ) -> tuple[Any, dict]:
-    """The run of tags["run_dir"] (made in experiment_id() with `created_tags` if none), under `parent` unless under
+    """`run` (store.find_run's; made in experiment_id() with `created_tags` if None), under `parent` unless under
     another sweep's (whose job name and number it keeps, as a rebuild does), with these params and tags; the counts."""
     if parent is not None:
         tags = {**tags, "mlflow.parentRunId": parent["run_id"]}
-    run, created = store.find_run(client, tags["run_dir"], candidates), False
-    if run is None:
+    if created := run is None:
         made = {**tags, **(created_tags or {})}
-        run, created = store.create_run(client, experiment_id(), made, started), True
+        run = store.create_run(client, experiment_id(), made, started)
     first = run.data.tags.get("mlflow.parentRunId")
     if first not in (None, tags.get("mlflow.parentRunId")):
         tags = {k: v for k, v in tags.items() if not k.startswith("sweep.")}
@@ -312,16 +321,9 @@ def open_parent(client, sweep_dir: Path, artifact_root: str | None):
     return client.get_run(run.info.run_id), found is None
 
 
-def index_job(
-    client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None, job: dict
-) -> dict:
-    """A sweep job's run directory under its parent: its own run, or a child pointing at it if it is another job's."""
-    run = store.find_run(client, str(Path(run_dir).resolve()))
-    tags = run.data.tags if run is not None else {}
-    own = tags.get("mlflow.parentRunId") == (parent or {}).get("run_id")
-    same_job = tags.get("sweep.job_num") in (None, str(job.get("num")))
-    if run is None or not parent or (own and same_job):
-        return sync_run(client, uri, Path(run_dir), artifact_root, parent, job)
+def repeat_child(client, run, parent: dict, job: dict) -> dict:
+    """The child of `parent` for a sweep job whose run directory is `run`'s, another job's (made once)."""
+    tags = run.data.tags
     # The child is named by the run directory it repeats, as on disk (a run id is the store's own: a rebuild makes
     # others), holds its params and final metrics, and no run_dir tag (that one is the run).
     same = Path(tags.get("run_dir") or run.info.run_id).name
@@ -359,7 +361,7 @@ def sync_parent(client, uri, sweep_dir: Path, artifact_root, parent=None, childr
         run_dir = job.get("run_dir")
         if run_dir and Path(run_dir).is_dir() and not RunDir(run_dir).in_use():
             said = {k: job.get(k) for k in ("sweep_id", "num", "overrides", "name")}
-            r = index_job(client, uri, Path(run_dir), artifact_root, parent, said)
+            r = sync_run(client, uri, Path(run_dir), artifact_root, parent, said, repeat=True)
             if "repeat_of" not in r:
                 synced[str(Path(run_dir).resolve())] = r
     run = client.get_run(parent["run_id"])
