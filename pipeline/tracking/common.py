@@ -212,8 +212,3 @@ def metric_points(line: dict) -> list[tuple[str, float, int, int]]:
     metrics = {k: v for k, v in line.items() if k not in NON_METRIC_KEYS and type(v) is not bool}
     numbers = (k for k, v in metrics.items() if isinstance(v, (int, float)) or v in NON_FINITE)
     return [(k, float(NON_FINITE.get(metrics[k], metrics[k])), ts, step) for k in numbers]
-
-
-def in_slurm_job() -> bool:
-    """Whether this process runs inside a SLURM job, whose end ends every process it started."""
-    return bool(os.environ.get("SLURM_JOB_ID"))

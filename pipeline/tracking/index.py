@@ -46,7 +46,7 @@ def manifests(rundir: RunDir, damaged: list[str] | None = None) -> list[tuple[Pa
 
 
 def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
-    """{"best/<monitor>": (value, step)} from the best-val stages' state in a checkpoint's extra.json."""
+    """{"best/<monitor>" and "best/step": (value, step)} from the best-val stages' state in a checkpoint."""
     try:
         manifest, extra = CheckpointDir(directory).json_state()
     except (OSError, CheckpointError):
@@ -57,6 +57,9 @@ def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
         node = (config.get("stages") or {}).get(name) or {}
         if isinstance(state, dict) and state.get("best") is not None and "monitor" in node:
             out[f"best/{node['monitor']}"] = (jsonio.number(state["best"]), int(state["best_step"]))
+    if out:  # the step of the best (of the first best-val stage)
+        step = next(iter(out.values()))[1]
+        out["best/step"] = (float(step), step)
     return out
 
 
@@ -107,9 +110,6 @@ def sync_run(
     when = {p[3]: p[2] for p in latest.values()}
     for key, (value, step) in best.items():
         latest[(key, step)] = (key, value, when.get(step, 0), step)
-    if best:
-        step = next(iter(best.values()))[1]
-        latest[("best/step", step)] = ("best/step", float(step), when.get(step, 0), step)
     added["points"] = store.log_points(client, run_id, list(latest.values()), new_only=True)
     name = str(status.get("status"))
     died = name == "running" and not rundir.in_use()  # nobody in the run directory: it died running

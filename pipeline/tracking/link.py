@@ -139,9 +139,6 @@ class Link:
         self.lock = threading.Lock()
         threading.Thread(target=self._write, daemon=True, name="tracking_write").start()
 
-    def alive(self) -> bool:
-        return self.dead is None
-
     def register(self, handler) -> int:
         with self.lock:
             sid = next(self.ids)
@@ -322,7 +319,7 @@ def agent_for(uri: str) -> Link:
     """This process's link to the agent for `uri`, at once (found or started in the background; else sessions err)."""
     with _LINKS_LOCK:
         link = _LINKS.get(uri)
-        if link is None or not link.alive():
+        if link is None or link.dead is not None:
             link = _LINKS[uri] = Link(uri)
         return link
 

@@ -129,7 +129,7 @@ class MlflowTracker(Tracker):
         if self.parent is None or not self._linked():
             return None
         req = request(self.link, "attach", **self._where(run_dir))
-        if common.in_slurm_job():
+        if os.environ.get("SLURM_JOB_ID"):
             wait_at_exit(req.done, f"the sweep's record of run {run_dir}")
         self._wait_for(req.done.wait, self.wait)
         self.link.drain(self.wait - self.waited)
@@ -195,7 +195,7 @@ class MlflowTracker(Tracker):
             return
         self._send("finish", **self._where(run_dir), pid=os.getpid())
         self.finished = True
-        if at_exit := status != "KILLED" and common.in_slurm_job():
+        if at_exit := status != "KILLED" and os.environ.get("SLURM_JOB_ID"):
             wait_at_exit(self.done, f"run {self._uri or run_dir}")
         sent = self._wait_for(self.link.drain, self.wait)
         late = " (its last messages were not sent in time: `python -m pipeline.reindex` completes the run)"

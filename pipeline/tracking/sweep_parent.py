@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from pipeline.run.report import run_page, ui_command, ui_page, ui_server
 from pipeline.run.tracker import SweepParent
@@ -62,7 +63,8 @@ class MlflowSweepParent(SweepParent):
         parent = {"sweep_id": sweep["id"]}
         done = request(link, "sweep_end", uri=self.uri, sweep_dir=sweep["dir"], parent=parent)
         link.drain(END_WAIT)
-        slurm = str(sweep.get("launcher", "")).endswith("SlurmLauncher") or common.in_slurm_job()
+        slurm = str(sweep.get("launcher")).endswith("SlurmLauncher")
+        slurm = slurm or bool(os.environ.get("SLURM_JOB_ID"))
         ended = (done.event if done.done.wait(common.SLURM_WAIT) else None) if slurm else None
         if slurm and ended is not None and ended.get("event") == "finished":
             page = run_page(ended.get("uri") or "")

@@ -286,9 +286,8 @@ def test_an_agent_that_cannot_start_is_one_warning_and_no_wait(monkeypatch, capl
         uri=f"sqlite:///{tmp_path}/m.db", experiment="e", artifact_location=None, wait=1.0
     )
     t.prepare()
-    wait_until(
-        lambda: not t.link.alive(), "the link to give up"
-    )  # before the run starts: it must still hear
+    # before the run starts: it must still hear
+    wait_until(lambda: t.link.dead is not None, "the link to give up")
     t.start(config={"name": "e"}, facts={}, run_dir=tmp_path, previous_run_uri=None)
     assert t.ready.is_set() and t.failed  # set by the error event, not by a timeout
     t.log_line({"step": 1, "epoch": 0, "time": 0.0, "train/loss": 1.0})
