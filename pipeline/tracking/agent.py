@@ -197,8 +197,7 @@ class Agent:
         self.finishing.append((s, m, time.monotonic() + GONE_WAIT))
 
     def finish_gone(self, complete: Path | None = None) -> None:
-        """Complete (points and status, then artifacts) each handed-over run whose job has left, or whose run
-        directory is `complete` (resolved: a later job of the same process holds it only to find it done)."""
+        """Complete each handed-over run whose job left, or whose run directory is `complete`: status, artifacts."""
         waiting, done = [], []
         for s, m, deadline in self.finishing:
             run_dir = Path(m["run_dir"])

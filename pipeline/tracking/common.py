@@ -116,8 +116,7 @@ _CLIENT_SIDE_STORES = ("sqlite", "postgresql", "mysql", "mssql", "file")
 
 
 def artifact_root(uri: str, location: str | None = None) -> str | None:
-    """Where this pipeline's experiments in the store at `uri` keep their artifacts (decided here alone): None for
-    a tracking server (it chooses); else `location` as an absolute URI, or the sqlite DB's `mlartifacts` beside it."""
+    """Where the store at `uri` keeps this pipeline's artifacts: a server chooses (None), else an absolute URI."""
     scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9.-]*)(\+[a-zA-Z0-9.-]*)?:", str(uri))
     # (a one-letter scheme is a Windows drive: a local path)
     kind = scheme[1].lower() if scheme is not None else ""

@@ -66,10 +66,8 @@ def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
 def sync_run(
     client, uri, run_dir: Path, artifact_root, parent=None, job=None, artifacts=True, repeat=False
 ) -> dict:
-    """Make the mlflow run of `run_dir` hold everything the directory does (under `parent` unless under another
-    already; with a sweep `job`'s tags): artifacts last, or left to sync_artifacts; returns what was added.
-    repeat (a sweep job's run directory done before it: attach, reindex): if its run is another job's, a child of
-    `parent` points at it instead."""
+    """Make the mlflow run of `run_dir` hold what the directory does, under `parent` with `job`'s tags (repeat: if it
+    is another job's run, a child of `parent` points at it); artifacts last, unless left to sync_artifacts."""
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
     damaged: list[str] = []  # why each checkpoint that does not read does not
@@ -131,8 +129,7 @@ def sync_run(
 def open_run(
     client, run, tags, params, parent, started, experiment_id, created_tags=None
 ) -> tuple[Any, dict]:
-    """`run` (store.find_run's; made in experiment_id() with `created_tags` if None), under `parent` unless under
-    another sweep's (whose job name and number it keeps, as a rebuild does), with these params and tags; the counts."""
+    """`run` (made in experiment_id() with `created_tags` if None) under `parent` unless another's, synced; counts."""
     if parent is not None:
         tags = {**tags, "mlflow.parentRunId": parent["run_id"]}
     if created := run is None:
@@ -199,8 +196,7 @@ def sync_artifacts(client, run_id: str, run_dir: Path, found=None, lines=None) -
 
 
 def log_changed(repo, have: dict[str, int], todo: list[tuple[str, Path | bytes]]) -> int:
-    """Log each (artifact, bytes or file) whose size or, if small, content differs from what the run has; a file
-    that is missing or not regular (a FIFO, a device: it would block) is skipped. Returns how many were logged."""
+    """Log each (artifact, bytes or regular file) whose size or small content differs from the run's; how many."""
     added, final_changed = 0, False
     for artifact, source in todo:
         try:
@@ -260,8 +256,7 @@ def identity_tags(sweep: dict) -> dict[str, str]:
 
 
 def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, str], str]:
-    """Every tag of a sweep's parent run and its mlflow status, from sweep.json and jobs/*.json alone: counts, the
-    failures as the jobs' records say them now, the best job and the run of its run directory in THIS store."""
+    """A sweep's parent run's tags and mlflow status, from sweep.json and jobs/*.json (best.run_id: in THIS store)."""
     tags = identity_tags(sweep)
     failed = {n: j for n, j in sorted(jobs.items()) if j.get("status") != "complete"}
     tags.update({"sweep.jobs": str(len(jobs)), "sweep.failed": str(len(failed))})
@@ -350,8 +345,7 @@ def repeat_child(client, run, parent: dict, job: dict) -> dict:
 
 
 def sync_parent(client, uri, sweep_dir: Path, artifact_root, parent=None, children=True) -> dict:
-    """Make a sweep's parent run hold what its directory says; children=True (reindex) indexes each job's run
-    directory under it too, in job order ("synced": {resolved run directory: sync_run's result})."""
+    """Make a sweep's parent run hold what its directory says; children=True (reindex): each job's run directory too."""
     sweep_dir = Path(sweep_dir)
     sweep, jobs = read_sweep(sweep_dir), read_jobs(sweep_dir)
     if parent is None:

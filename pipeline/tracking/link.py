@@ -61,8 +61,7 @@ def private_dir(directory: Path) -> Path:
 
 
 def socket_path(uri: str) -> Path:
-    """Short and per user (a Unix socket path must fit in ~100 bytes whatever the URI), in $XDG_RUNTIME_DIR if it
-    is this user's alone, else in `<temp dir>/pipeline-<uid>`, which `private_dir` makes (0700)."""
+    """Short and per user: in $XDG_RUNTIME_DIR if it is this user's alone, else in `<temp dir>/pipeline-<uid>`."""
     xdg = os.environ.get("XDG_RUNTIME_DIR") or ""
     private = os.path.isabs(xdg) and private_problem(Path(xdg)) is None
     directory = Path(xdg) if private else Path(tempfile.gettempdir()) / f"pipeline-{os.getuid()}"
@@ -127,8 +126,7 @@ def read_line(f, limit: int) -> bytes:
 
 
 class Link:
-    """A writer thread finds or starts the agent, then writes what was queued meanwhile (no caller waits for it);
-    a reader thread hands each event to the handler that registered its session (a tracker, or a Request)."""
+    """A writer thread finds or starts the agent and writes what is queued; a reader hands each event to its session."""
 
     def __init__(self, uri: str):
         self.path, self.log_file = socket_path(uri), agent_log(uri)
@@ -254,8 +252,7 @@ def _connect(path: Path) -> socket.socket | None:
 
 
 def spawn(path: Path, log_file: Path) -> subprocess.Popen:
-    """Start an agent serving `path`, in its own session (no job's signal reaches it), writing to `log_file` if
-    that opens to append without following a link as a regular file (made 0600); else, with one warning, nowhere."""
+    """Start an agent serving `path` in its own session, logging to `log_file` if it opens safely, else nowhere."""
     root = str(Path(__file__).resolve().parents[2])  # the directory holding this `pipeline`, first
     path_env = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path_env}
@@ -290,8 +287,7 @@ _LINKS_LOCK = threading.Lock()
 
 
 def connect_or_spawn(path: Path, log_file: Path) -> socket.socket:
-    """A socket connected to the agent at `path`, started if none runs (one process spawns, under the lock beside
-    it); OSError if none can be, or if `path`'s directory is not this user's alone (checked first)."""
+    """A socket connected to the agent at `path`, spawned under the lock if none runs; OSError if none can be."""
     private_dir(path.parent)
     if (sock := _connect(path)) is not None:
         return sock

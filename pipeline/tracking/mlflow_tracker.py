@@ -26,8 +26,7 @@ WAITED += "finishes run %s after it exits%s%s"
 
 
 def wait_at_exit(event: threading.Event, what: str) -> None:
-    """Inside a SLURM job: at exit (the run directory released: the agent indexes it whole), wait at most
-    SLURM_WAIT for `event`, the agent's answer for `what`."""
+    """Inside a SLURM job: at exit, wait at most SLURM_WAIT for `event`, the agent's answer for `what`."""
     said = "mlflow: the tracking agent did not complete %s within %.0f s of this SLURM job's end; "
     said += "`python -m pipeline.reindex` completes it"
 
@@ -39,8 +38,7 @@ def wait_at_exit(event: threading.Event, what: str) -> None:
 
 
 class MlflowTracker(Tracker):
-    """conf/tracking/mlflow.yaml (sqlite under the output directory) and conf/tracking/server.yaml (http). A job
-    waits on it at most `wait` s in all; a failure warns once and turns tracking off for the run."""
+    """conf/tracking/{mlflow,server}.yaml: a job waits at most `wait` s in all; a failure warns once, tracking off."""
 
     sweep_parent = MlflowSweepParent
 
@@ -166,8 +164,7 @@ class MlflowTracker(Tracker):
         self.done.set()
 
     def run_uri(self, timeout: float) -> str | None:
-        """The run's URI, waiting (at most half the job's bound) only if the agent has the store open: a cold agent
-        is seconds away from it, and the manifest says null."""
+        """The run's URI, waited for (at most half the bound) only if the agent has the store open (warm)."""
         if self.sid is None or self.failed:
             return None
         if self._uri is None and timeout > 0 and self.warm.is_set():
@@ -189,8 +186,7 @@ class MlflowTracker(Tracker):
         self._send("checkpoint", artifact=artifact, manifest=raw.decode())
 
     def finish(self, status: str, run_dir: Path) -> None:
-        """Hand the run over and leave, waiting (within the job's bound) for the last messages to be on their way;
-        in a SLURM job, for a run that ends for good at exit too (SLURM_WAIT; docs/tracking.md: The tracking helper)."""
+        """Hand the run over and leave, waiting within the bound for the last messages to go (in SLURM, at exit too)."""
         if not self.active:
             return
         self._send("finish", **self._where(run_dir), pid=os.getpid())

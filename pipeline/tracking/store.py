@@ -78,8 +78,7 @@ def _flock(path: Path, flags: int):
 
 
 def template_db() -> Path | None:
-    """One migrated, empty sqlite store per mlflow version and user in $XDG_CACHE_HOME/pipeline, made once under
-    a lock: a fresh store is a copy of it, not 2-4 s of migrations. No experiment: each copy makes its own."""
+    """A migrated, empty sqlite store per mlflow version, made once under a lock: a fresh store is a copy of it."""
     _quiet_migrations()
     import mlflow
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
@@ -120,8 +119,7 @@ def _copy_template(db: Path) -> None:
 
 
 def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient, str | None]:
-    """A client whose store is open, and the store's warning (check_shared) or None; a new sqlite store is
-    made here, under the lock (a copy of the template). StoreError (one line) if it cannot be."""
+    """(A client of the open store, its check_shared warning or None); a new sqlite store is made under the lock."""
     _quiet_migrations()
     for key, value in HTTP_SETTINGS.items():
         os.environ.setdefault(key, value)
@@ -198,8 +196,7 @@ def check_shared(client, db: Path) -> str | None:
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
-    """The experiment's id, created (artifacts in <artifact_root>/<name>, or where a server says) or restored if
-    deleted; marked as a machine-learning experiment (EXPERIMENT_KIND_TAG) if it is not yet."""
+    """The experiment's id: created (artifacts under `artifact_root`) or restored, and marked machine learning."""
     tag, kind = common.EXPERIMENT_KIND_TAG, common.EXPERIMENT_KIND
     exp = client.get_experiment_by_name(name)
     if exp is None:
@@ -242,8 +239,7 @@ def _first(client: MlflowClient, ids: list[str], where: str, order: str):
 
 
 def find_run(client: MlflowClient, run_dir: str, candidates: list[str] | tuple[str, ...] = ()):
-    """The run indexing `run_dir`: a candidate id (a hint, from a manifest) whose run_dir tag names it, else the
-    newest run tagged with it; None if there is none. Someone else's run of that id is never written into."""
+    """The run indexing `run_dir`: a candidate whose run_dir tag names it, else the newest tagged with it, or None."""
     for rid in filter(None, candidates):
         with suppress(MlflowException):
             run = client.get_run(rid)
@@ -277,8 +273,7 @@ def sync_params(client: MlflowClient, run, params: dict[str, str]) -> int:
 
 
 def sync_tags(client: MlflowClient, run, tags: dict[str, str], derived: tuple = ()) -> int:
-    """Set the tags whose value differs (tags, unlike params, follow the manifest), and delete the run's tags
-    among `derived` (a key, or every key under a prefix ending in `.`) that `tags` no longer says. Returns how many."""
+    """Set the tags that differ; delete the `derived` ones (keys, or `prefix.`es) `tags` no longer says. How many."""
     todo = [RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v]
     under = [d for d in derived if d.endswith(".")]
     gone = [k for k in run.data.tags if k not in tags]

@@ -20,8 +20,7 @@ WAS_OFF += "manifests; index them with `python -m pipeline.reindex`."
 
 
 class MlflowSweepParent(SweepParent):
-    """The parent run of a sweep tracked by conf/tracking/mlflow.yaml or server.yaml; the agent makes and ends it
-    with the code reindex uses (pipeline/tracking/index.py), so the launcher never waits on mlflow."""
+    """A sweep's parent run, made and ended by the agent with the code reindex uses (pipeline/tracking/index.py)."""
 
     def __init__(self, uri: str, experiment: str, artifact_location: str | None = None, **_):
         self.uri = common.normalize_tracking_uri(str(uri))
@@ -54,8 +53,7 @@ class MlflowSweepParent(SweepParent):
         return True
 
     def end(self, sweep: dict) -> list[str]:
-        """Hand the parent's end to the agent, waiting at most END_WAIT for it to be on its way (on SLURM, which may
-        end the agent with the launcher, up to SLURM_WAIT for the parent); the end table's lines of where it is."""
+        """Hand the parent's end to the agent (on SLURM, waiting up to SLURM_WAIT); the end table's lines on it."""
         if sweep.get("tracking_off"):
             return [f"not tracked: {sweep['tracking_off']}"]
         answer = self.request.event if self.request is not None else None
