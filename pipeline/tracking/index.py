@@ -80,7 +80,6 @@ def sync_run(
         named.append(base)
         if rid and base in (None, uri) and rid not in candidates:
             candidates.append(rid)
-    # the manifests' named run first, else the newest tagged with the run directory
     run = store.find_run(client, str(run_dir), candidates) if found or repeat else None
     if repeat and parent and run is not None:
         tags = run.data.tags
@@ -104,8 +103,7 @@ def sync_run(
     # The best is the run's result: logged once it has ended for good, never from a preempted segment (a resumed
     # run's index would keep that segment's best beside the final one, which a rebuild from disk cannot know).
     best = best_metrics(found[-1][0]) if status.get("status") != "preempted" else {}
-    # step -> its metrics.jsonl time: the same in every rebuild
-    when = {p[3]: p[2] for p in latest.values()}
+    when = {p[3]: p[2] for p in latest.values()}  # step -> its time: the same in every rebuild
     for key, (value, step) in best.items():
         latest[(key, step)] = (key, value, when.get(step, 0), step)
     added["points"] = store.log_points(client, run_id, list(latest.values()), new_only=True)
@@ -184,9 +182,8 @@ def sync_artifacts(client, run_id: str, run_dir: Path, found=None, lines=None) -
     todo.append((rundir.log_path.name, rundir.log_path))
     if (png := curves_png(rundir, rundir.read_metrics() if lines is None else lines)) is not None:
         todo.append((common.CURVES_ARTIFACT, png))
-    # A checkpoint retention retired is gone from disk: its manifest, logged live when it was saved, goes from
-    # the index too (a rebuild from disk never sees it; the run's resume.N tags keep where each resume started).
-    # A damaged one is still on disk: kept.
+    # A checkpoint retention retired is gone from disk: its manifest, logged live, goes from the index too (a
+    # rebuild never sees it; resume.N tags keep where each resume started). A damaged one is on disk: kept.
     kept = {d.name for _, d in rundir.store.steps()}
     folder = rundir.store.root.relative_to(rundir.path).as_posix()  # as in the run's layout
     logged = {a.split("/")[1] for a in have if a.startswith(f"{folder}/") and a.count("/") == 2}

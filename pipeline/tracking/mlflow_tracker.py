@@ -43,9 +43,7 @@ class MlflowTracker(Tracker):
     sweep_parent = MlflowSweepParent
 
     def __init__(self, uri: str, experiment: str, artifact_location, wait: float, sweep=None, **_):
-        self.uri = common.normalize_tracking_uri(uri)
-        self.experiment = str(experiment)
-        # None: the server chooses
+        self.uri, self.experiment = common.normalize_tracking_uri(uri), str(experiment)
         self.artifact_location = common.artifact_root(self.uri, artifact_location)
         self.wait = float(wait)
         self.waited = 0.0  # seconds this job has waited on tracking so far (at most self.wait)
@@ -82,11 +80,9 @@ class MlflowTracker(Tracker):
             self._fail(problem)
             return
         try:
-            # the agent has the store open (warm): a run's URI is moments away, not seconds
             pong = Request(kinds=("pong",), heard=self._heard)
-            self.warm = pong.done
-            # looked up at each call: a test may put another in its place
-            self._link = link.agent_for(self.uri)
+            self.warm = pong.done  # the agent has the store open: a run's URI is moments away
+            self._link = link.agent_for(self.uri)  # looked up at each call: a test may replace it
             where = {"uri": self.uri, "artifact_location": self.artifact_location}
             request(self._link, "ping", pong, **where)
         except OSError as e:
