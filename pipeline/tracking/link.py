@@ -26,8 +26,7 @@ from pipeline.files.limits import MAX_EVENT
 # Without clients this long, the agent exits: long enough for the next run of a working session.
 IDLE_SECONDS = float(os.environ.get("PIPELINE_TRACKING_AGENT_IDLE", "300"))
 SPAWN_WAIT = 60.0  # seconds for a new agent to bind its socket (it does so before importing mlflow)
-# metrics.jsonl lines in one message to the agent (it reads at most agent.MAX_REQUEST)
-MAX_METRICS_LINES = 1000
+MAX_METRICS_LINES = 1000  # metrics.jsonl lines in one message (the agent reads at most MAX_REQUEST)
 log = logging.getLogger("pipeline")
 
 
@@ -79,11 +78,9 @@ def spawn_lock(path: Path) -> int:
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if os.path.samestat(os.fstat(fd), os.stat(lock, follow_symlinks=False)):
                 return fd
-        except FileNotFoundError:
-            pass
         os.close(fd)
 
 
@@ -179,8 +176,9 @@ class Link:
                     else:
                         out.append(msg)
                 if out:
-                    lines = "".join(f"{json.dumps(m, allow_nan=False)}\n" for m in out)
-                    wfile.write(lines.encode())
+                    wfile.write(
+                        "".join(f"{json.dumps(m, allow_nan=False)}\n" for m in out).encode()
+                    )
                     wfile.flush()
                 for mark in marks:
                     mark.set()
@@ -188,7 +186,7 @@ class Link:
             self._died(f"the tracking agent stopped reading ({e})")
 
     def _read(self, sock: socket.socket) -> None:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             for event in json_lines(sock, MAX_EVENT):
                 if (handler := self.handlers.get(event.get("sid"))) is None:
                     continue
@@ -196,8 +194,6 @@ class Link:
                 if event.get("event") in ("finished", "error"):
                     with self.lock:
                         self.handlers.pop(event["sid"], None)
-        except (OSError, ValueError):
-            pass
         self._died("the tracking agent closed the connection")
 
     def _died(self, reason: str) -> None:
