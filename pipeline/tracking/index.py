@@ -235,18 +235,12 @@ def read_sweep(sweep_dir: Path) -> dict:
 
 def identity_tags(sweep: dict) -> dict[str, str]:
     """The parent's tags that sweep.json fixes when the sweep starts (the same whoever creates the run)."""
-    tags = {
-        "mlflow.runName": parent_name(sweep.get("swept") or {}),
-        "sweep": "parent",
-        "sweep.id": sweep["id"],
-        "sweep.dir": str(sweep.get("dir", "")),
-        "sweep.overrides": " ".join(sweep.get("overrides") or []),
-        "mlflow.source.name": "pipeline -m",
-        "sweep.launcher": sweep.get("launcher", ""),
-        "sweep.sweeper": sweep.get("sweeper", ""),
-        "experiment": sweep.get("name", ""),
-        "git_sha": str(sweep.get("git_sha")),
-    }
+    tags = {"mlflow.runName": parent_name(sweep.get("swept") or {}), "sweep": "parent"}
+    tags |= {"sweep.id": sweep["id"], "sweep.dir": str(sweep.get("dir", ""))}
+    tags["sweep.overrides"] = " ".join(sweep.get("overrides") or [])
+    tags |= {f"sweep.{k}": sweep.get(k, "") for k in ("launcher", "sweeper")}
+    tags |= {"mlflow.source.name": "pipeline -m", "experiment": sweep.get("name", "")}
+    tags["git_sha"] = str(sweep.get("git_sha"))
     if sweep.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = sweep["git_sha"]
     return {k: common.tag_value(v) for k, v in tags.items()}
@@ -320,12 +314,12 @@ def repeat_child(client, run, parent: dict, job: dict) -> dict:
     # others), holds its params and final metrics, and no run_dir tag (that one is the run).
     same = Path(tags.get("run_dir") or run.info.run_id).name
     name = f"{job.get('name') or tags.get('mlflow.runName', '')} (same run as {same})"
-    kept = {k: v for k, v in tags.items() if not k.startswith(("mlflow.", "sweep."))}
-    kept.pop("run_dir", None)
+    kept = {
+        k: v for k, v in tags.items() if not k.startswith(("mlflow.", "sweep.")) and k != "run_dir"
+    }
     repeat = {"repeat_of": run.info.run_id, "repeat_of.run_dir": tags.get("run_dir", "")}
-    said = {k: str(v) for k, v in common.job_tags(job).items()}
-    tags = {**kept, "mlflow.parentRunId": parent["run_id"], "mlflow.runName": name}
-    tags |= {**repeat, **said}
+    tags = {**kept, "mlflow.parentRunId": parent["run_id"], "mlflow.runName": name, **repeat}
+    tags |= {k: str(v) for k, v in common.job_tags(job).items()}
     where = f"tags.`sweep.id` = '{job.get('sweep_id')}' and tags.repeat_of = '{run.info.run_id}'"
     where += f" and tags.`sweep.job_num` = '{job.get('num')}'"
     found = client.search_runs([parent["experiment_id"]], where, max_results=1)
