@@ -45,8 +45,7 @@ class MlflowTracker(Tracker):
     def __init__(self, uri: str, experiment: str, artifact_location, wait: float, sweep=None, **_):
         self.uri, self.experiment = common.normalize_tracking_uri(uri), str(experiment)
         self.artifact_location = common.artifact_root(self.uri, artifact_location)
-        self.wait = float(wait)
-        self.waited = 0.0  # seconds this job has waited on tracking so far (at most self.wait)
+        self.wait, self.waited = float(wait), 0.0  # waited: on tracking so far (at most self.wait)
         self.sid: int | None = None
         self._link: Link | None = None  # the agent's, once started (prepare)
         self.ready, self.done, self.warm = threading.Event(), threading.Event(), threading.Event()
@@ -54,9 +53,8 @@ class MlflowTracker(Tracker):
         self.failed = self.finished = False
         self._warned = threading.Lock()
         self._store_warned = False  # the store's own warning (a sqlite store shared), said once
-        sweep = sweep or SweepJob()
-        self.job = sweep.tags  # a sweep's job: its child run's tags
-        self.parent, self.off = sweep.parent, sweep.tracking_off  # the sweep said why it is off
+        sweep = sweep or SweepJob()  # job: its run's tags; off: why the sweep turned it off
+        self.job, self.parent, self.off = sweep.tags, sweep.parent, sweep.tracking_off
 
     def _wait_for(self, wait, timeout: float):
         """wait(seconds) (an event's wait, a drain, a check), within what is left of the job's bound."""
