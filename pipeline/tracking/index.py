@@ -124,9 +124,7 @@ def sync_run(
     return {**added, **ids_of(run), "status_now": mstatus}
 
 
-def open_run(
-    client, run, tags, params, parent, started, experiment_id, created_tags=None
-) -> tuple[Any, dict]:
+def open_run(client, run, tags, params, parent, started, experiment_id, created_tags=None) -> tuple:
     """`run` (made in experiment_id() with `created_tags` if None) under `parent` unless another's, synced; counts."""
     if parent is not None:
         tags = {**tags, "mlflow.parentRunId": parent["run_id"]}
@@ -314,9 +312,8 @@ def repeat_child(client, run, parent: dict, job: dict) -> dict:
     # others), holds its params and final metrics, and no run_dir tag (that one is the run).
     same = Path(tags.get("run_dir") or run.info.run_id).name
     name = f"{job.get('name') or tags.get('mlflow.runName', '')} (same run as {same})"
-    kept = {
-        k: v for k, v in tags.items() if not k.startswith(("mlflow.", "sweep.")) and k != "run_dir"
-    }
+    kept = {k: v for k, v in tags.items() if not k.startswith(("mlflow.", "sweep."))}
+    kept.pop("run_dir", None)
     repeat = {"repeat_of": run.info.run_id, "repeat_of.run_dir": tags.get("run_dir", "")}
     tags = {**kept, "mlflow.parentRunId": parent["run_id"], "mlflow.runName": name, **repeat}
     tags |= {k: str(v) for k, v in common.job_tags(job).items()}

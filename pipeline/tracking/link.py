@@ -175,11 +175,9 @@ class Link:
                         last["lines"] = last["lines"] + msg["lines"]  # consecutive lines together
                     else:
                         out.append(msg)
-                if out:
-                    wfile.write(
-                        "".join(f"{json.dumps(m, allow_nan=False)}\n" for m in out).encode()
-                    )
-                    wfile.flush()
+                for msg in out:
+                    wfile.write(f"{json.dumps(msg, allow_nan=False)}\n".encode())
+                wfile.flush()
                 for mark in marks:
                     mark.set()
         except (OSError, ValueError) as e:
