@@ -337,11 +337,10 @@ def _file_of(uri: str) -> tuple[int, int] | None:
     """(device, inode) of a sqlite store's file, None if it has none (yet) or the store is not a sqlite file."""
     from pipeline.tracking.common import sqlite_path
 
-    try:
-        st = os.stat(db) if (db := sqlite_path(uri)) is not None else None
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino) if st is not None else None
+    with contextlib.suppress(OSError):
+        if (db := sqlite_path(uri)) is not None:
+            return (st := os.stat(db)).st_dev, st.st_ino
+    return None
 
 
 def _held_by(run_dir: Path, pid: int | None) -> bool:

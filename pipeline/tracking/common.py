@@ -118,8 +118,7 @@ _CLIENT_SIDE_STORES = ("sqlite", "postgresql", "mysql", "mssql", "file")
 def artifact_root(uri: str, location: str | None = None) -> str | None:
     """Where the store at `uri` keeps this pipeline's artifacts: a server chooses (None), else an absolute URI."""
     scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9.-]*)(\+[a-zA-Z0-9.-]*)?:", str(uri))
-    # (a one-letter scheme is a Windows drive: a local path)
-    kind = scheme[1].lower() if scheme is not None else ""
+    kind = scheme[1].lower() if scheme is not None else ""  # one letter: a Windows drive, local
     server = len(kind) > 1 and kind not in _CLIENT_SIDE_STORES
     if str(uri).startswith("databricks") or server:
         return None
@@ -177,18 +176,13 @@ def tags_of(facts: dict, run_dir: str | Path, status=None, job=None) -> dict[str
     """The run-level facts as tags (what a person filters on): the manifest's, MACHINE_TAGS, resumes, sweep job."""
     config = facts.get("config") or {}
     flat = flatten(config)
-    tags = {
-        "run_dir": str(Path(run_dir).resolve()),
-        "experiment": str(config.get("name", "")),
-        **{k: facts.get(k) for k in FACT_TAGS},
-        "model.parameters": facts.get("n_params"),
-        "mlflow.runName": (job or {}).get("name") or Path(run_dir).name,
-        "mlflow.source.name": "pipeline",
-        "mlflow.source.type": "LOCAL",
-        "allowed_changes": facts.get("allowed_changes") or None,
-        # `config.<key>` for the MACHINE_TAGS the config sets (null and `auto` say nothing): never a param
-        **{f"config.{k}": flat[k] for k in MACHINE_TAGS if flat.get(k) not in (None, "auto", "")},
-    }
+    tags = {"run_dir": str(Path(run_dir).resolve()), "experiment": str(config.get("name", ""))}
+    tags |= {**{k: facts.get(k) for k in FACT_TAGS}, "model.parameters": facts.get("n_params")}
+    tags["mlflow.runName"] = (job or {}).get("name") or Path(run_dir).name
+    tags |= {"mlflow.source.name": "pipeline", "mlflow.source.type": "LOCAL"}
+    tags["allowed_changes"] = facts.get("allowed_changes") or None
+    # `config.<key>` for the MACHINE_TAGS the config sets (null and `auto` say nothing): never a param
+    tags |= {f"config.{k}": flat[k] for k in MACHINE_TAGS if flat.get(k) not in (None, "auto", "")}
     if facts.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = facts["git_sha"]
     if resumes := (status or {}).get("resumes") or []:

@@ -29,12 +29,8 @@ def wait_at_exit(event: threading.Event, what: str) -> None:
     """Inside a SLURM job: at exit, wait at most SLURM_WAIT for `event`, the agent's answer for `what`."""
     said = "mlflow: the tracking agent did not complete %s within %.0f s of this SLURM job's end; "
     said += "`python -m pipeline.reindex` completes it"
-
-    def wait() -> None:
-        if not event.wait(common.SLURM_WAIT):
-            log.warning(said, what, common.SLURM_WAIT)
-
-    atexit.register(wait)
+    wait = common.SLURM_WAIT
+    atexit.register(lambda: event.wait(wait) or log.warning(said, what, wait))
 
 
 class MlflowTracker(Tracker):
@@ -97,9 +93,7 @@ class MlflowTracker(Tracker):
         assert self._link is not None, "the agent is used before prepare() linked it"
         return self._link
 
-    def start(
-        self, *, config: dict, facts: dict, run_dir, previous_run_uri, status=None, start_time=None
-    ):
+    def start(self, *, config, facts, run_dir, previous_run_uri, status=None, start_time=None):
         if not self._linked():
             return
         log.info("mlflow: tracking into %s (experiment %s)", self.uri, self.experiment)
