@@ -176,8 +176,8 @@ def tags_of(facts: dict, run_dir: str | Path, status=None, job=None) -> dict[str
     """The run-level facts as tags (what a person filters on): the manifest's, MACHINE_TAGS, resumes, sweep job."""
     config = facts.get("config") or {}
     flat = flatten(config)
-    tags = {"run_dir": str(Path(run_dir).resolve()), "experiment": str(config.get("name", ""))}
-    tags |= {**{k: facts.get(k) for k in FACT_TAGS}, "model.parameters": facts.get("n_params")}
+    tags: dict = {k: facts.get(k) for k in FACT_TAGS} | {"model.parameters": facts.get("n_params")}
+    tags |= {"run_dir": str(Path(run_dir).resolve()), "experiment": str(config.get("name", ""))}
     tags["mlflow.runName"] = (job or {}).get("name") or Path(run_dir).name
     tags |= {"mlflow.source.name": "pipeline", "mlflow.source.type": "LOCAL"}
     tags["allowed_changes"] = facts.get("allowed_changes") or None

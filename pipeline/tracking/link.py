@@ -328,7 +328,8 @@ def wait_idle(uri: str, timeout: float = 600.0) -> bool:
     try:
         sock.settimeout(timeout)
         sock.sendall((json.dumps({"op": "idle", "sid": 1, "uri": uri}) + "\n").encode())
-        return next(json_lines(sock, MAX_EVENT), {}).get("event") == "idle"
+        line = read_line(sock.makefile("rb"), MAX_EVENT)
+        return bool(line) and json.loads(line).get("event") == "idle"
     except (OSError, ValueError):
         return False
     finally:

@@ -29,8 +29,12 @@ def wait_at_exit(event: threading.Event, what: str) -> None:
     """Inside a SLURM job: at exit, wait at most SLURM_WAIT for `event`, the agent's answer for `what`."""
     said = "mlflow: the tracking agent did not complete %s within %.0f s of this SLURM job's end; "
     said += "`python -m pipeline.reindex` completes it"
-    wait = common.SLURM_WAIT
-    atexit.register(lambda: event.wait(wait) or log.warning(said, what, wait))
+
+    def wait() -> None:
+        if not event.wait(common.SLURM_WAIT):
+            log.warning(said, what, common.SLURM_WAIT)
+
+    atexit.register(wait)
 
 
 class MlflowTracker(Tracker):

@@ -238,7 +238,7 @@ def _first(client: MlflowClient, ids: list[str], where: str, order: str):
     return None
 
 
-def find_run(client: MlflowClient, run_dir: str, candidates: list[str] | tuple[str, ...] = ()):
+def find_run(client: MlflowClient, run_dir: str, candidates: list | tuple = ()):
     """The run indexing `run_dir`: a candidate whose run_dir tag names it, else the newest tagged with it, or None."""
     for rid in filter(None, candidates):
         with suppress(MlflowException):
