@@ -17,8 +17,7 @@ MAX_PARAM_VALUE = 6000  # mlflow's limit on a param value
 MAX_TAG_VALUE = 8000
 NON_METRIC_KEYS = ("step", "epoch", "time")
 CURVES_ARTIFACT = "curves.png"
-# Seconds a process inside a SLURM job waits at its exit for the agent to complete its runs: SLURM ends every
-# process of a job with it, an agent the job started among them. Artifacts take seconds on a loaded machine.
+# Seconds a SLURM job's process waits at exit for the agent: SLURM ends the agent with the job's processes.
 SLURM_WAIT = 60.0
 
 _RUN_ROUTE = re.compile(r"^/?experiments/([^/]+)/runs/([0-9a-fA-F]{32})/?$")

@@ -25,9 +25,8 @@ from pipeline.tracking import common
 
 log = logging.getLogger("pipeline")
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
-# A server that is down fails in seconds, not minutes; and mlflow prints no download bars or "View run" lines
-# between the pipeline's own (reindex's). mlflow reads these from the environment at each use only, so
-# open_store sets them (unless the user did) in the process that opens a client, never on import.
+# A down server fails in seconds, not minutes; mlflow prints no download bars or "View run" lines. mlflow reads
+# these at each use, so open_store sets them (unless the user did) where a client is opened, never on import.
 HTTP_SETTINGS = dict(MLFLOW_HTTP_REQUEST_MAX_RETRIES="2", MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="1")
 HTTP_SETTINGS.update(MLFLOW_HTTP_REQUEST_TIMEOUT="20", MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")
 HTTP_SETTINGS.update(MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT="true")
