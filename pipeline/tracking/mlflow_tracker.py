@@ -97,7 +97,9 @@ class MlflowTracker(Tracker):
         assert self._link is not None, "the agent is used before prepare() linked it"
         return self._link
 
-    def start(self, *, config, facts, run_dir, previous_run_uri, status=None, start_time=None):
+    def start(
+        self, *, config: dict, facts: dict, run_dir, previous_run_uri, status=None, start_time=None
+    ):
         if not self._linked():
             return
         log.info("mlflow: tracking into %s (experiment %s)", self.uri, self.experiment)
