@@ -38,11 +38,9 @@ NETWORK_FS += ("panfs", "orangefs", "pvfs2", "ocfs2", "gfs2")
 MOUNTS = Path("/proc/mounts")
 HOSTS_TAG = "pipeline.hosts"  # on the store's Default experiment: every host that opened it, comma-separated
 MAX_HOSTS = 50
-TEAM_SETUP = (
-    "run `mlflow server --backend-store-uri postgresql+psycopg://USER@DBHOST/DB --artifacts-destination "
-    "DIR --host HOST --port 5000 --allowed-hosts HOST:5000` and track with "
-    "`tracking=server tracking.uri=http://HOST:5000` (docs/tracking.md: Team setup)"
-)
+TEAM_SETUP = "run `mlflow server --backend-store-uri postgresql+psycopg://USER@DBHOST/DB --artifacts-destination "
+TEAM_SETUP += "DIR --host HOST --port 5000 --allowed-hosts HOST:5000` and track with "
+TEAM_SETUP += "`tracking=server tracking.uri=http://HOST:5000` (docs/tracking.md: Team setup)"
 
 
 @cache
