@@ -67,10 +67,6 @@ def socket_path(uri: str) -> Path:
     return directory / f"pipeline-mlflow-{hashlib.sha256(uri.encode()).hexdigest()[:16]}.sock"
 
 
-def agent_log(uri: str) -> Path:
-    return socket_path(uri).with_suffix(".log")
-
-
 # An agent's files (socket, lock, log) live as long as it does: each URI ever tracked would leave its own.
 def spawn_lock(path: Path) -> int:
     """An fd holding the flock of the lock file beside the socket `path` now (one removed meanwhile: taken again)."""
@@ -126,7 +122,7 @@ class Link:
     """A writer thread finds or starts the agent and writes what is queued; a reader hands each event to its session."""
 
     def __init__(self, uri: str):
-        self.path, self.log_file = socket_path(uri), agent_log(uri)
+        self.path = socket_path(uri)
         self.queue: queue.Queue = queue.Queue()
         self.handlers: dict = {}  # sid -> what has on_event(event): the agent's events for its session
         self.ids = itertools.count(1)
@@ -154,7 +150,7 @@ class Link:
 
     def _write(self) -> None:
         try:
-            sock = connect_or_spawn(self.path, self.log_file)
+            sock = connect_or_spawn(self.path)
         except OSError as e:
             self._died(str(e))
             return
@@ -245,8 +241,9 @@ def _connect(path: Path) -> socket.socket | None:
         raise
 
 
-def spawn(path: Path, log_file: Path) -> subprocess.Popen:
-    """Start an agent serving `path` in its own session, logging to `log_file` if it opens safely, else nowhere."""
+def spawn(path: Path) -> subprocess.Popen:
+    """Start an agent serving `path` in its own session, logging beside it (.log) if that opens safely, else nowhere."""
+    log_file = path.with_suffix(".log")
     root = str(Path(__file__).resolve().parents[2])  # the directory holding this `pipeline`, first
     path_env = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path_env}
@@ -280,7 +277,7 @@ _LINKS: dict[str, Link] = {}
 _LINKS_LOCK = threading.Lock()
 
 
-def connect_or_spawn(path: Path, log_file: Path) -> socket.socket:
+def connect_or_spawn(path: Path) -> socket.socket:
     """A socket connected to the agent at `path`, spawned under the lock if none runs; OSError if none can be."""
     private_dir(path.parent)
     if (sock := _connect(path)) is not None:
@@ -290,10 +287,10 @@ def connect_or_spawn(path: Path, log_file: Path) -> socket.socket:
         if (sock := _connect(path)) is not None:
             return sock
         path.unlink(missing_ok=True)  # a stale socket of an agent that died
-        proc, deadline = spawn(path, log_file), time.monotonic() + SPAWN_WAIT
+        proc, deadline = spawn(path), time.monotonic() + SPAWN_WAIT
         while sock is None and time.monotonic() < deadline:
             if proc.poll() is not None:
-                why = f"the tracking agent exited at start (code {proc.returncode}); see {log_file}"
+                why = f"the tracking agent exited at start (code {proc.returncode}); see {path.with_suffix('.log')}"
                 raise OSError(errno.ECHILD, why)
             time.sleep(0.01)
             sock = _connect(path) if path.exists() else None
