@@ -131,18 +131,16 @@ class Agent:
 
     def opened(self, uri: str, artifact_root: str | None = None) -> Opened:
         """The store at `uri`, opened once; anew once its sqlite file was removed or replaced (`rm -rf outputs`)."""
-        have = self.clients.get(uri)
-        if have is not None and have.file != _file_of(uri):
+        if (have := self.clients.get(uri)) is not None and have.file != _file_of(uri):
             why = f"tracking agent: the mlflow store {uri} was removed or replaced since it was opened"
             say(f"{why}: opened anew")
             self.store.forget_store(uri)
             self.parents = {k: v for k, v in self.parents.items() if k[0] != uri}  # the old store's
             del self.clients[uri]
-            have = None
-        if have is None:
+        if uri not in self.clients:
             client, warning = self.store.open_store(uri, artifact_root)
-            have = self.clients[uri] = Opened(client, artifact_root, _file_of(uri), warning)
-        return have
+            self.clients[uri] = Opened(client, artifact_root, _file_of(uri), warning)
+        return self.clients[uri]
 
     def warned(self, uri: str) -> dict:
         """The store's warning (a sqlite store shared beyond one machine) for the job's own output: {} if none."""
@@ -252,8 +250,7 @@ class Agent:
     OPENING = ("open", "attach", "parent_start", "sweep_end", "ping")
 
     def handle(self, conn: Conn, m: dict) -> None:
-        key = (conn.cid, m.get("sid"))
-        op = str(m.get("op"))
+        key, op = (conn.cid, m.get("sid")), str(m.get("op"))
         if op == "idle":
             self.waiters.append((conn, m.get("sid")))
             return

@@ -342,8 +342,7 @@ def sync_parent(client, uri, sweep_dir: Path, artifact_root, parent=None, childr
     for _num, job in sorted(jobs.items()) if children else ():
         run_dir = job.get("run_dir")
         if run_dir and Path(run_dir).is_dir() and not RunDir(run_dir).in_use():
-            said = {k: job.get(k) for k in ("sweep_id", "num", "overrides", "name")}
-            r = sync_run(client, uri, Path(run_dir), artifact_root, parent, said, repeat=True)
+            r = sync_run(client, uri, Path(run_dir), artifact_root, parent, job, repeat=True)
             if "repeat_of" not in r:
                 synced[str(Path(run_dir).resolve())] = r
     run = client.get_run(parent["run_id"])
