@@ -139,28 +139,18 @@ class Agent:
             del self.clients[uri]
         if uri not in self.clients:
             client, warning = self.store.open_store(uri, artifact_root)
-            self.clients[uri] = Opened(client, artifact_root, _file_of(uri), warning)
+            said = {"warning": warning} if warning else {}
+            self.clients[uri] = Opened(client, artifact_root, _file_of(uri), said)
         return self.clients[uri]
-
-    def warned(self, uri: str) -> dict:
-        """The store's warning (a sqlite store shared beyond one machine) for the job's own output: {} if none."""
-        return {"warning": warning} if (warning := self.clients[uri].warning) else {}
 
     def open(self, s: Session, m: dict) -> None:
         s.uri = uri = m["uri"]
         s.client = client = self.opened(uri, m.get("artifact_location")).client
         parent = s.parent = self.parent_of(uri, m.get("parent"))
         previous = m.get("previous_run_uri")
-        prev_uri, _, prev_id = self.common.parse_run_uri(previous)
-
-        def experiment() -> str:
-            if parent:
-                return parent["experiment_id"]
-            return self.store.ensure_experiment(client, m["experiment"], m.get("artifact_location"))
-
         tags, params, started = m["tags"], m["params"], m.get("start_time")
-        hint = [prev_id] if prev_uri in (None, uri) else []  # a run of another store: none
-        run = self.store.find_run(client, tags["run_dir"], hint)
+        experiment = (m["experiment"], m.get("artifact_location"))
+        run = self.store.find_run(client, tags["run_dir"], uri, [previous])
         # continued_from: a fork, or a run indexed in another store
         made = {"continued_from": previous} if previous else None
         run, _ = self.index.open_run(client, run, tags, params, parent, started, experiment, made)
@@ -169,7 +159,7 @@ class Agent:
         if run.info.status != "RUNNING":
             client.update_run(s.run_id, status="RUNNING")
         s.repo = self.store.artifact_repo(client, s.run_id)
-        s.send("ready", **ids, uri=self.run_uri(uri, ids), **self.warned(uri))
+        s.send("ready", **ids, uri=self.run_uri(uri, ids), **self.clients[uri].said)
 
     def run_uri(self, uri: str, ids: dict) -> str:
         return self.common.run_uri(uri, ids["experiment_id"], ids["run_id"])
@@ -244,8 +234,7 @@ class Agent:
         s.send("finished", status=r["status"], children=r["children"], uri=self.run_uri(uri, r))
 
     def ping(self, s: Session, m: dict) -> None:
-        self.opened(m["uri"], m.get("artifact_location"))
-        s.send("pong", **self.warned(m["uri"]))
+        s.send("pong", **self.opened(m["uri"], m.get("artifact_location")).said)
 
     OPENING = ("open", "attach", "parent_start", "sweep_end", "ping")
 
@@ -327,7 +316,7 @@ class Opened(NamedTuple):
     client: Any  # its MlflowClient
     artifact_root: str | None
     file: tuple[int, int] | None  # a sqlite store's file as opened (device, inode); else None
-    warning: str | None  # store.check_shared's, said to each job that uses the store
+    said: dict  # {"warning": store.check_shared's}, or {}: said to each job that uses the store
 
 
 def _file_of(uri: str) -> tuple[int, int] | None:

@@ -103,10 +103,8 @@ REBUILD = "move it aside and rebuild it from the manifests: python -m pipeline.r
 def host_refused(uri: str) -> str:
     """A server refusing the host name it is reached by, and the fix (mlflow >= 3.5 accepts only local ones)."""
     netloc = urlsplit(uri).netloc.rpartition("@")[2]
-    fix = (
-        f"start it with `mlflow server ... --allowed-hosts {netloc}` (docs/tracking.md: Team setup)"
-    )
-    return f"the mlflow tracking server {uri} refuses the host name {netloc} (403: {INVALID_HOST}): {fix}"
+    fix = f"`mlflow server ... --allowed-hosts {netloc}` (docs/tracking.md: Team setup)"
+    return f"the mlflow tracking server {uri} refuses the host name {netloc} (403: {INVALID_HOST}): start it with {fix}"
 
 
 # Stores whose client writes the artifacts itself (a database or a directory): the caller says where.

@@ -66,21 +66,15 @@ def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
 def sync_run(
     client, uri, run_dir: Path, artifact_root, parent=None, job=None, artifacts=True, repeat=False
 ) -> dict:
-    """Make the mlflow run of `run_dir` hold what the directory does, under `parent` with `job`'s tags (repeat: if it
-    is another job's run, a child of `parent` points at it); artifacts last, unless left to sync_artifacts."""
+    """Make run_dir's mlflow run hold what the directory does, under `parent` (repeat: if another job's, a child)."""
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
     damaged: list[str] = []  # why each checkpoint that does not read does not
     counts = ("created", "params", "tags", "points", "artifacts", "status")
     added: dict[str, Any] = {**dict.fromkeys(counts, 0), "damaged": damaged}
     found = manifests(rundir, damaged)
-    candidates, named = [], []  # named: the stores its manifests name, newest first
-    for _, manifest in reversed(found):
-        base, _, rid = common.parse_run_uri(manifest.get("mlflow_run_uri"))
-        named.append(base)
-        if rid and base in (None, uri) and rid not in candidates:
-            candidates.append(rid)
-    run = store.find_run(client, str(run_dir), candidates) if found or repeat else None
+    named = [manifest.get("mlflow_run_uri") for _, manifest in reversed(found)]  # newest first
+    run = store.find_run(client, str(run_dir), uri, named) if found or repeat else None
     if repeat and parent and run is not None:
         tags = run.data.tags
         own = tags.get("mlflow.parentRunId") == parent["run_id"]
@@ -92,10 +86,7 @@ def sync_run(
     config, status, lines = newest.get("config") or {}, rundir.read_status(), rundir.read_metrics()
     tags, params = common.tags_of(newest, run_dir, status, job), common.params_of(config)
     started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
-
-    def experiment() -> str:
-        return store.ensure_experiment(client, common.experiment_of(config), artifact_root)
-
+    experiment = (common.experiment_of(config), artifact_root)
     run, opened = open_run(client, run, tags, params, parent, started, experiment)
     added, run_id = {**added, **opened}, run.info.run_id
     # (key, step) -> its point; a step logged twice in the file: its last line
@@ -116,21 +107,22 @@ def sync_run(
         added["status"] = 1
     # The run directory points at its own store (its newest manifest naming one, else run.json's, else this one):
     # an index built in another store (a copy, a colleague's server) reads the directory and leaves it as it was.
-    named.append(common.parse_run_uri(status.get("mlflow_run_uri"))[0])
-    if next(filter(None, named), None) in (None, uri):
+    stores = (common.parse_run_uri(u)[0] for u in [*named, status.get("mlflow_run_uri")])
+    if next(filter(None, stores), None) in (None, uri):
         record_run_uri(rundir, common.run_uri(uri, run.info.experiment_id, run_id))
     if artifacts:
         added["artifacts"] = sync_artifacts(client, run_id, run_dir, found, lines)
     return {**added, **ids_of(run), "status_now": mstatus}
 
 
-def open_run(client, run, tags, params, parent, started, experiment_id, created_tags=None) -> tuple:
-    """`run` (made in experiment_id() with `created_tags` if None) under `parent` unless another's, synced; counts."""
+def open_run(client, run, tags, params, parent, started, experiment, created_tags=None) -> tuple:
+    """`run` (None: made in parent's experiment, else experiment=(name, root)'s) under `parent` unless another's."""
     if parent is not None:
         tags = {**tags, "mlflow.parentRunId": parent["run_id"]}
     if created := run is None:
         made = {**tags, **(created_tags or {})}
-        run = store.create_run(client, experiment_id(), made, started)
+        where = parent["experiment_id"] if parent else store.ensure_experiment(client, *experiment)
+        run = store.create_run(client, where, made, started)
     first = run.data.tags.get("mlflow.parentRunId")
     if first not in (None, tags.get("mlflow.parentRunId")):
         tags = {k: v for k, v in tags.items() if not k.startswith("sweep.")}

@@ -235,13 +235,14 @@ def _first(client: MlflowClient, ids: list[str], where: str, order: str):
     return None
 
 
-def find_run(client: MlflowClient, run_dir: str, candidates: list | tuple = ()):
-    """The run indexing `run_dir`: a candidate whose run_dir tag names it, else the newest tagged with it, or None."""
-    for rid in filter(None, candidates):
-        with suppress(MlflowException):
-            run = client.get_run(rid)
-            if run.info.lifecycle_stage == "active" and run.data.tags.get("run_dir") == run_dir:
-                return run
+def find_run(client: MlflowClient, run_dir: str, uri: str = "", run_uris: list | tuple = ()):
+    """The run indexing `run_dir`: one run_uris name in `uri`'s store if tagged so, else the newest tagged, or None."""
+    for base, _, rid in map(common.parse_run_uri, dict.fromkeys(run_uris)):
+        if rid and base in (None, uri):  # a run of another store: never
+            with suppress(MlflowException):
+                run = client.get_run(rid)
+                if run.info.lifecycle_stage == "active" and run.data.tags.get("run_dir") == run_dir:
+                    return run
     where = f"tags.run_dir = {_quote(run_dir)}"
     return _first(client, all_experiment_ids(client), where, "attributes.start_time DESC")
 

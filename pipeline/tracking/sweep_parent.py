@@ -23,8 +23,7 @@ class MlflowSweepParent(SweepParent):
     """A sweep's parent run, made and ended by the agent with the code reindex uses (pipeline/tracking/index.py)."""
 
     def __init__(self, uri: str, experiment: str, artifact_location: str | None = None, **_):
-        self.uri = common.normalize_tracking_uri(str(uri))
-        self.experiment = str(experiment)
+        self.uri, self.experiment = common.normalize_tracking_uri(str(uri)), str(experiment)
         self.artifact_location = common.artifact_root(self.uri, artifact_location)
         self.request: Request | None = None  # the agent's answer to parent_start (launcher only)
 
@@ -76,9 +75,8 @@ class MlflowSweepParent(SweepParent):
         elif answer.get("event") != "ready":
             log.warning(WAS_OFF, self.uri, answer.get("message", "unknown error"))
         if answer is None:
-            return [
-                f"sweep.id={sweep['id']} in {self.uri} (the tracking agent completes it after {LATER})"
-            ]
+            said = f"sweep.id={sweep['id']} in {self.uri} (the tracking agent completes it after {LATER})"
+            return [said]
         if answer.get("event") != "ready":
             return [f"not tracked: {answer.get('message', 'unknown error')}"]
         # the experiment's runs view; a sqlite store has no server: say how to start one
