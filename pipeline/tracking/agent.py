@@ -151,8 +151,7 @@ class Agent:
         tags, params, started = m["tags"], m["params"], m.get("start_time")
         experiment = (m["experiment"], m.get("artifact_location"))
         run = self.store.find_run(client, tags["run_dir"], uri, [previous])
-        # continued_from: a fork, or a run indexed in another store
-        made = {"continued_from": previous} if previous else None
+        made = {"continued_from": previous} if previous else None  # a fork, or another store's run
         run, _ = self.index.open_run(client, run, tags, params, parent, started, experiment, made)
         s.run_id, ids = run.info.run_id, self.index.ids_of(run)
         s.logged = self.store.logged_steps(client, s.run_id, run.data.metrics.keys())
