@@ -148,7 +148,7 @@ def fmt(v: list[float]) -> str:
 
 def startup(cwd: Path, repeats: int, uri: str) -> tuple[float, float, float]:
     """(import mlflow, agent start, empty interpreter), medians, the first two less the third."""
-    opener = f"from pipeline.tracking import store; store.open_client({uri!r})"
+    opener = f"from pipeline.tracking import store; store.open_store({uri!r})"
     empty = [timed([sys.executable, "-c", "pass"], cwd) for _ in range(repeats)]
     imports = [timed([sys.executable, "-c", "import mlflow"], cwd) for _ in range(repeats)]
     opens = [timed([sys.executable, "-c", opener], cwd) for _ in range(repeats)]

@@ -116,9 +116,9 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
     import mlflow
 
     from pipeline.tracking.common import experiment_of, parse_run_uri, tag_value
-    from pipeline.tracking.store import ensure_experiment, open_client
+    from pipeline.tracking.store import ensure_experiment, open_store
 
-    client = open_client(uri)  # a sqlite store's artifacts beside it, as a run's
+    client, _ = open_store(uri)  # a sqlite store's artifacts beside it, as a run's
     experiment_id = ensure_experiment(client, str(experiment_of(manifest["config"])), None)
     first_word = next((t for t in (vocab or {}).get("vocab", ()) if t.strip()), "")
     signature, example = signature_of(manifest, state.model, first_word)

@@ -27,7 +27,7 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
     output_dir = Path(output_dir).resolve()
     # a server's: None
     artifact_location = artifact_root(uri, artifact_location or str(output_dir / "mlartifacts"))
-    client = store.open_client(uri, artifact_location)
+    client, _ = store.open_store(uri, artifact_location)
     results: list[dict] = []
     synced: dict = {}  # the sweeps' job directories, indexed with their parents already
 

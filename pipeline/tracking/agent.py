@@ -131,46 +131,34 @@ class Agent:
 
     def opened(self, uri: str, artifact_root: str | None = None) -> Opened:
         """The store at `uri`, opened once; anew once its sqlite file was removed or replaced (`rm -rf outputs`)."""
-        have = self.clients.get(uri)
-        if have is not None and have.file != _file_of(uri):
+        if (have := self.clients.get(uri)) is not None and have.file != _file_of(uri):
             why = f"tracking agent: the mlflow store {uri} was removed or replaced since it was opened"
             say(f"{why}: opened anew")
             self.store.forget_store(uri)
             self.parents = {k: v for k, v in self.parents.items() if k[0] != uri}  # the old store's
             del self.clients[uri]
-            have = None
-        if have is None:
+        if uri not in self.clients:
             client, warning = self.store.open_store(uri, artifact_root)
-            have = self.clients[uri] = Opened(client, artifact_root, _file_of(uri), warning)
-        return have
-
-    def warned(self, uri: str) -> dict:
-        """The store's warning (a sqlite store shared beyond one machine) for the job's own output: {} if none."""
-        return {"warning": warning} if (warning := self.clients[uri].warning) else {}
+            said = {"warning": warning} if warning else {}
+            self.clients[uri] = Opened(client, artifact_root, _file_of(uri), said)
+        return self.clients[uri]
 
     def open(self, s: Session, m: dict) -> None:
         s.uri = uri = m["uri"]
         s.client = client = self.opened(uri, m.get("artifact_location")).client
         parent = s.parent = self.parent_of(uri, m.get("parent"))
         previous = m.get("previous_run_uri")
-        prev_uri, _, prev_id = self.common.parse_run_uri(previous)
-
-        def experiment() -> str:
-            if parent:
-                return parent["experiment_id"]
-            return self.store.ensure_experiment(client, m["experiment"], m.get("artifact_location"))
-
-        # continued_from: a fork, or a run indexed in another store
-        hint = [prev_id] if prev_id and prev_uri in (None, uri) else []
-        made = {"continued_from": previous} if previous else None
         tags, params, started = m["tags"], m["params"], m.get("start_time")
-        run, _ = self.index.open_run(client, hint, tags, params, parent, started, experiment, made)
+        experiment = (m["experiment"], m.get("artifact_location"))
+        run = self.store.find_run(client, tags["run_dir"], uri, [previous])
+        made = {"continued_from": previous} if previous else None  # a fork, or another store's run
+        run, _ = self.index.open_run(client, run, tags, params, parent, started, experiment, made)
         s.run_id, ids = run.info.run_id, self.index.ids_of(run)
         s.logged = self.store.logged_steps(client, s.run_id, run.data.metrics.keys())
         if run.info.status != "RUNNING":
             client.update_run(s.run_id, status="RUNNING")
         s.repo = self.store.artifact_repo(client, s.run_id)
-        s.send("ready", **ids, uri=self.run_uri(uri, ids), **self.warned(uri))
+        s.send("ready", **ids, uri=self.run_uri(uri, ids), **self.clients[uri].said)
 
     def run_uri(self, uri: str, ids: dict) -> str:
         return self.common.run_uri(uri, ids["experiment_id"], ids["run_id"])
@@ -196,8 +184,7 @@ class Agent:
         self.finishing.append((s, m, time.monotonic() + GONE_WAIT))
 
     def finish_gone(self, complete: Path | None = None) -> None:
-        """Complete (points and status, then artifacts) each handed-over run whose job has left, or whose run
-        directory is `complete` (resolved: a later job of the same process holds it only to find it done)."""
+        """Complete each handed-over run whose job left, or whose run directory is `complete`: status, artifacts."""
         waiting, done = [], []
         for s, m, deadline in self.finishing:
             run_dir = Path(m["run_dir"])
@@ -226,7 +213,7 @@ class Agent:
             self.finish_gone(complete=run_dir.resolve())
         client = self.opened(uri, where).client  # first: with its artifact root
         parent, job = self.parent_of(uri, m.get("parent")), m.get("job") or {}
-        r = self.index.index_job(client, uri, run_dir, where, parent, job)
+        r = self.index.sync_run(client, uri, run_dir, where, parent, job, repeat=True)
         s.send("finished", uri=self.run_uri(uri, r) if "run_id" in r else None)
 
     def parent_start(self, s: Session, m: dict) -> None:
@@ -246,14 +233,12 @@ class Agent:
         s.send("finished", status=r["status"], children=r["children"], uri=self.run_uri(uri, r))
 
     def ping(self, s: Session, m: dict) -> None:
-        self.opened(m["uri"], m.get("artifact_location"))
-        s.send("pong", **self.warned(m["uri"]))
+        s.send("pong", **self.opened(m["uri"], m.get("artifact_location")).said)
 
     OPENING = ("open", "attach", "parent_start", "sweep_end", "ping")
 
     def handle(self, conn: Conn, m: dict) -> None:
-        key = (conn.cid, m.get("sid"))
-        op = str(m.get("op"))
+        key, op = (conn.cid, m.get("sid")), str(m.get("op"))
         if op == "idle":
             self.waiters.append((conn, m.get("sid")))
             return
@@ -330,18 +315,17 @@ class Opened(NamedTuple):
     client: Any  # its MlflowClient
     artifact_root: str | None
     file: tuple[int, int] | None  # a sqlite store's file as opened (device, inode); else None
-    warning: str | None  # store.check_shared's, said to each job that uses the store
+    said: dict  # {"warning": store.check_shared's}, or {}: said to each job that uses the store
 
 
 def _file_of(uri: str) -> tuple[int, int] | None:
     """(device, inode) of a sqlite store's file, None if it has none (yet) or the store is not a sqlite file."""
     from pipeline.tracking.common import sqlite_path
 
-    try:
-        st = os.stat(db) if (db := sqlite_path(uri)) is not None else None
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino) if st is not None else None
+    with contextlib.suppress(OSError):
+        if (db := sqlite_path(uri)) is not None:
+            return (st := os.stat(db)).st_dev, st.st_ino
+    return None
 
 
 def _held_by(run_dir: Path, pid: int | None) -> bool:

@@ -17,8 +17,7 @@ MAX_PARAM_VALUE = 6000  # mlflow's limit on a param value
 MAX_TAG_VALUE = 8000
 NON_METRIC_KEYS = ("step", "epoch", "time")
 CURVES_ARTIFACT = "curves.png"
-# Seconds a process inside a SLURM job waits at its exit for the agent to complete its runs: SLURM ends every
-# process of a job with it, an agent the job started among them. Artifacts take seconds on a loaded machine.
+# Seconds a SLURM job's process waits at exit for the agent: SLURM ends the agent with the job's processes.
 SLURM_WAIT = 60.0
 
 _RUN_ROUTE = re.compile(r"^/?experiments/([^/]+)/runs/([0-9a-fA-F]{32})/?$")
@@ -104,10 +103,8 @@ REBUILD = "move it aside and rebuild it from the manifests: python -m pipeline.r
 def host_refused(uri: str) -> str:
     """A server refusing the host name it is reached by, and the fix (mlflow >= 3.5 accepts only local ones)."""
     netloc = urlsplit(uri).netloc.rpartition("@")[2]
-    return (
-        f"the mlflow tracking server {uri} refuses the host name {netloc} (403: {INVALID_HOST}): start it with "
-        f"`mlflow server ... --allowed-hosts {netloc}` (docs/tracking.md: Team setup)"
-    )
+    fix = f"`mlflow server ... --allowed-hosts {netloc}` (docs/tracking.md: Team setup)"
+    return f"the mlflow tracking server {uri} refuses the host name {netloc} (403: {INVALID_HOST}): start it with {fix}"
 
 
 # Stores whose client writes the artifacts itself (a database or a directory): the caller says where.
@@ -116,11 +113,9 @@ _CLIENT_SIDE_STORES = ("sqlite", "postgresql", "mysql", "mssql", "file")
 
 
 def artifact_root(uri: str, location: str | None = None) -> str | None:
-    """Where this pipeline's experiments in the store at `uri` keep their artifacts (decided here alone): None for
-    a tracking server (it chooses); else `location` as an absolute URI, or the sqlite DB's `mlartifacts` beside it."""
+    """Where the store at `uri` keeps this pipeline's artifacts: a server chooses (None), else an absolute URI."""
     scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9.-]*)(\+[a-zA-Z0-9.-]*)?:", str(uri))
-    # (a one-letter scheme is a Windows drive: a local path)
-    kind = scheme[1].lower() if scheme is not None else ""
+    kind = scheme[1].lower() if scheme is not None else ""  # one letter: a Windows drive, local
     server = len(kind) > 1 and kind not in _CLIENT_SIDE_STORES
     if str(uri).startswith("databricks") or server:
         return None
@@ -178,18 +173,13 @@ def tags_of(facts: dict, run_dir: str | Path, status=None, job=None) -> dict[str
     """The run-level facts as tags (what a person filters on): the manifest's, MACHINE_TAGS, resumes, sweep job."""
     config = facts.get("config") or {}
     flat = flatten(config)
-    tags = {
-        "run_dir": str(Path(run_dir).resolve()),
-        "experiment": str(config.get("name", "")),
-        **{k: facts.get(k) for k in FACT_TAGS},
-        "model.parameters": facts.get("n_params"),
-        "mlflow.runName": (job or {}).get("name") or Path(run_dir).name,
-        "mlflow.source.name": "pipeline",
-        "mlflow.source.type": "LOCAL",
-        "allowed_changes": facts.get("allowed_changes") or None,
-        # `config.<key>` for the MACHINE_TAGS the config sets (null and `auto` say nothing): never a param
-        **{f"config.{k}": flat[k] for k in MACHINE_TAGS if flat.get(k) not in (None, "auto", "")},
-    }
+    tags: dict = {k: facts.get(k) for k in FACT_TAGS} | {"model.parameters": facts.get("n_params")}
+    tags |= {"run_dir": str(Path(run_dir).resolve()), "experiment": str(config.get("name", ""))}
+    tags["mlflow.runName"] = (job or {}).get("name") or Path(run_dir).name
+    tags |= {"mlflow.source.name": "pipeline", "mlflow.source.type": "LOCAL"}
+    tags["allowed_changes"] = facts.get("allowed_changes") or None
+    # `config.<key>` for the MACHINE_TAGS the config sets (null and `auto` say nothing): never a param
+    tags |= {f"config.{k}": flat[k] for k in MACHINE_TAGS if flat.get(k) not in (None, "auto", "")}
     if facts.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = facts["git_sha"]
     if resumes := (status or {}).get("resumes") or []:
@@ -212,8 +202,3 @@ def metric_points(line: dict) -> list[tuple[str, float, int, int]]:
     metrics = {k: v for k, v in line.items() if k not in NON_METRIC_KEYS and type(v) is not bool}
     numbers = (k for k, v in metrics.items() if isinstance(v, (int, float)) or v in NON_FINITE)
     return [(k, float(NON_FINITE.get(metrics[k], metrics[k])), ts, step) for k in numbers]
-
-
-def in_slurm_job() -> bool:
-    """Whether this process runs inside a SLURM job, whose end ends every process it started."""
-    return bool(os.environ.get("SLURM_JOB_ID"))

@@ -46,7 +46,7 @@ def manifests(rundir: RunDir, damaged: list[str] | None = None) -> list[tuple[Pa
 
 
 def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
-    """{"best/<monitor>": (value, step)} from the best-val stages' state in a checkpoint's extra.json."""
+    """{"best/<monitor>" and "best/step": (value, step)} from the best-val stages' state in a checkpoint."""
     try:
         manifest, extra = CheckpointDir(directory).json_state()
     except (OSError, CheckpointError):
@@ -57,49 +57,46 @@ def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
         node = (config.get("stages") or {}).get(name) or {}
         if isinstance(state, dict) and state.get("best") is not None and "monitor" in node:
             out[f"best/{node['monitor']}"] = (jsonio.number(state["best"]), int(state["best_step"]))
+    if out:  # the step of the best (of the first best-val stage)
+        step = next(iter(out.values()))[1]
+        out["best/step"] = (float(step), step)
     return out
 
 
 def sync_run(
-    client, uri: str, run_dir: Path, artifact_root, parent=None, job=None, artifacts: bool = True
+    client, uri, run_dir: Path, artifact_root, parent=None, job=None, artifacts=True, repeat=False
 ) -> dict:
-    """Make the mlflow run of `run_dir` hold everything the directory does (under `parent` unless under another
-    already; with a sweep `job`'s tags): artifacts last, or left to sync_artifacts; returns what was added."""
+    """Make run_dir's mlflow run hold what the directory does, under `parent` (repeat: if another job's, a child)."""
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
     damaged: list[str] = []  # why each checkpoint that does not read does not
     counts = ("created", "params", "tags", "points", "artifacts", "status")
     added: dict[str, Any] = {**dict.fromkeys(counts, 0), "damaged": damaged}
-    if not (found := manifests(rundir, damaged)):
+    found = manifests(rundir, damaged)
+    named = [manifest.get("mlflow_run_uri") for _, manifest in reversed(found)]  # newest first
+    run = store.find_run(client, str(run_dir), uri, named) if found or repeat else None
+    if repeat and parent and run is not None:
+        tags = run.data.tags
+        own = tags.get("mlflow.parentRunId") == parent["run_id"]
+        if not own or tags.get("sweep.job_num") not in (None, str(job.get("num"))):
+            return repeat_child(client, run, parent, job)
+    if not found:
         return {**added, "skipped": "no checkpoint manifest"}
     newest = found[-1][1]
     config, status, lines = newest.get("config") or {}, rundir.read_status(), rundir.read_metrics()
-    candidates, named = [], []  # named: the stores its manifests name, newest first
-    for _, manifest in reversed(found):
-        base, _, rid = common.parse_run_uri(manifest.get("mlflow_run_uri"))
-        named.append(base)
-        if rid and base in (None, uri) and rid not in candidates:
-            candidates.append(rid)
     tags, params = common.tags_of(newest, run_dir, status, job), common.params_of(config)
     started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
-
-    def experiment() -> str:
-        return store.ensure_experiment(client, common.experiment_of(config), artifact_root)
-
-    run, opened = open_run(client, candidates, tags, params, parent, started, experiment)
+    experiment = (common.experiment_of(config), artifact_root)
+    run, opened = open_run(client, run, tags, params, parent, started, experiment)
     added, run_id = {**added, **opened}, run.info.run_id
     # (key, step) -> its point; a step logged twice in the file: its last line
     latest = {(p[0], p[3]): p for line in lines for p in common.metric_points(line)}
     # The best is the run's result: logged once it has ended for good, never from a preempted segment (a resumed
     # run's index would keep that segment's best beside the final one, which a rebuild from disk cannot know).
     best = best_metrics(found[-1][0]) if status.get("status") != "preempted" else {}
-    # step -> its metrics.jsonl time: the same in every rebuild
-    when = {p[3]: p[2] for p in latest.values()}
+    when = {p[3]: p[2] for p in latest.values()}  # step -> its time: the same in every rebuild
     for key, (value, step) in best.items():
         latest[(key, step)] = (key, value, when.get(step, 0), step)
-    if best:
-        step = next(iter(best.values()))[1]
-        latest[("best/step", step)] = ("best/step", float(step), when.get(step, 0), step)
     added["points"] = store.log_points(client, run_id, list(latest.values()), new_only=True)
     name = str(status.get("status"))
     died = name == "running" and not rundir.in_use()  # nobody in the run directory: it died running
@@ -110,25 +107,22 @@ def sync_run(
         added["status"] = 1
     # The run directory points at its own store (its newest manifest naming one, else run.json's, else this one):
     # an index built in another store (a copy, a colleague's server) reads the directory and leaves it as it was.
-    named.append(common.parse_run_uri(status.get("mlflow_run_uri"))[0])
-    if next(filter(None, named), None) in (None, uri):
+    stores = (common.parse_run_uri(u)[0] for u in [*named, status.get("mlflow_run_uri")])
+    if next(filter(None, stores), None) in (None, uri):
         record_run_uri(rundir, common.run_uri(uri, run.info.experiment_id, run_id))
     if artifacts:
         added["artifacts"] = sync_artifacts(client, run_id, run_dir, found, lines)
     return {**added, **ids_of(run), "status_now": mstatus}
 
 
-def open_run(
-    client, candidates, tags, params, parent, started, experiment_id, created_tags=None
-) -> tuple[Any, dict]:
-    """The run of tags["run_dir"] (made in experiment_id() with `created_tags` if none), under `parent` unless under
-    another sweep's (whose job name and number it keeps, as a rebuild does), with these params and tags; the counts."""
+def open_run(client, run, tags, params, parent, started, experiment, created_tags=None) -> tuple:
+    """`run` (None: made in parent's experiment, else experiment=(name, root)'s) under `parent` unless another's."""
     if parent is not None:
         tags = {**tags, "mlflow.parentRunId": parent["run_id"]}
-    run, created = store.find_run(client, tags["run_dir"], candidates), False
-    if run is None:
+    if created := run is None:
         made = {**tags, **(created_tags or {})}
-        run, created = store.create_run(client, experiment_id(), made, started), True
+        where = parent["experiment_id"] if parent else store.ensure_experiment(client, *experiment)
+        run = store.create_run(client, where, made, started)
     first = run.data.tags.get("mlflow.parentRunId")
     if first not in (None, tags.get("mlflow.parentRunId")):
         tags = {k: v for k, v in tags.items() if not k.startswith("sweep.")}
@@ -178,9 +172,8 @@ def sync_artifacts(client, run_id: str, run_dir: Path, found=None, lines=None) -
     todo.append((rundir.log_path.name, rundir.log_path))
     if (png := curves_png(rundir, rundir.read_metrics() if lines is None else lines)) is not None:
         todo.append((common.CURVES_ARTIFACT, png))
-    # A checkpoint retention retired is gone from disk: its manifest, logged live when it was saved, goes from
-    # the index too (a rebuild from disk never sees it; the run's resume.N tags keep where each resume started).
-    # A damaged one is still on disk: kept.
+    # A checkpoint retention retired is gone from disk: its manifest, logged live, goes from the index too (a
+    # rebuild never sees it; resume.N tags keep where each resume started). A damaged one is on disk: kept.
     kept = {d.name for _, d in rundir.store.steps()}
     folder = rundir.store.root.relative_to(rundir.path).as_posix()  # as in the run's layout
     logged = {a.split("/")[1] for a in have if a.startswith(f"{folder}/") and a.count("/") == 2}
@@ -190,8 +183,7 @@ def sync_artifacts(client, run_id: str, run_dir: Path, found=None, lines=None) -
 
 
 def log_changed(repo, have: dict[str, int], todo: list[tuple[str, Path | bytes]]) -> int:
-    """Log each (artifact, bytes or file) whose size or, if small, content differs from what the run has; a file
-    that is missing or not regular (a FIFO, a device: it would block) is skipped. Returns how many were logged."""
+    """Log each (artifact, bytes or regular file) whose size or small content differs from the run's; how many."""
     added, final_changed = 0, False
     for artifact, source in todo:
         try:
@@ -233,26 +225,19 @@ def read_sweep(sweep_dir: Path) -> dict:
 
 def identity_tags(sweep: dict) -> dict[str, str]:
     """The parent's tags that sweep.json fixes when the sweep starts (the same whoever creates the run)."""
-    tags = {
-        "mlflow.runName": parent_name(sweep.get("swept") or {}),
-        "sweep": "parent",
-        "sweep.id": sweep["id"],
-        "sweep.dir": str(sweep.get("dir", "")),
-        "sweep.overrides": " ".join(sweep.get("overrides") or []),
-        "mlflow.source.name": "pipeline -m",
-        "sweep.launcher": sweep.get("launcher", ""),
-        "sweep.sweeper": sweep.get("sweeper", ""),
-        "experiment": sweep.get("name", ""),
-        "git_sha": str(sweep.get("git_sha")),
-    }
+    tags = {"mlflow.runName": parent_name(sweep.get("swept") or {}), "sweep": "parent"}
+    tags |= {"sweep.id": sweep["id"], "sweep.dir": str(sweep.get("dir", ""))}
+    tags["sweep.overrides"] = " ".join(sweep.get("overrides") or [])
+    tags |= {f"sweep.{k}": sweep.get(k, "") for k in ("launcher", "sweeper")}
+    tags |= {"mlflow.source.name": "pipeline -m", "experiment": sweep.get("name", "")}
+    tags["git_sha"] = str(sweep.get("git_sha"))
     if sweep.get("git_sha") not in (None, "unknown"):
         tags["mlflow.source.git.commit"] = sweep["git_sha"]
     return {k: common.tag_value(v) for k, v in tags.items()}
 
 
 def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, str], str]:
-    """Every tag of a sweep's parent run and its mlflow status, from sweep.json and jobs/*.json alone: counts, the
-    failures as the jobs' records say them now, the best job and the run of its run directory in THIS store."""
+    """A sweep's parent run's tags and mlflow status, from sweep.json and jobs/*.json (best.run_id: in THIS store)."""
     tags = identity_tags(sweep)
     failed = {n: j for n, j in sorted(jobs.items()) if j.get("status") != "complete"}
     tags.update({"sweep.jobs": str(len(jobs)), "sweep.failed": str(len(failed))})
@@ -312,16 +297,9 @@ def open_parent(client, sweep_dir: Path, artifact_root: str | None):
     return client.get_run(run.info.run_id), found is None
 
 
-def index_job(
-    client, uri: str, run_dir: Path, artifact_root: str | None, parent: dict | None, job: dict
-) -> dict:
-    """A sweep job's run directory under its parent: its own run, or a child pointing at it if it is another job's."""
-    run = store.find_run(client, str(Path(run_dir).resolve()))
-    tags = run.data.tags if run is not None else {}
-    own = tags.get("mlflow.parentRunId") == (parent or {}).get("run_id")
-    same_job = tags.get("sweep.job_num") in (None, str(job.get("num")))
-    if run is None or not parent or (own and same_job):
-        return sync_run(client, uri, Path(run_dir), artifact_root, parent, job)
+def repeat_child(client, run, parent: dict, job: dict) -> dict:
+    """The child of `parent` for a sweep job whose run directory is `run`'s, another job's (made once)."""
+    tags = run.data.tags
     # The child is named by the run directory it repeats, as on disk (a run id is the store's own: a rebuild makes
     # others), holds its params and final metrics, and no run_dir tag (that one is the run).
     same = Path(tags.get("run_dir") or run.info.run_id).name
@@ -329,9 +307,8 @@ def index_job(
     kept = {k: v for k, v in tags.items() if not k.startswith(("mlflow.", "sweep."))}
     kept.pop("run_dir", None)
     repeat = {"repeat_of": run.info.run_id, "repeat_of.run_dir": tags.get("run_dir", "")}
-    said = {k: str(v) for k, v in common.job_tags(job).items()}
-    tags = {**kept, "mlflow.parentRunId": parent["run_id"], "mlflow.runName": name}
-    tags |= {**repeat, **said}
+    tags = {**kept, "mlflow.parentRunId": parent["run_id"], "mlflow.runName": name, **repeat}
+    tags |= {k: str(v) for k, v in common.job_tags(job).items()}
     where = f"tags.`sweep.id` = '{job.get('sweep_id')}' and tags.repeat_of = '{run.info.run_id}'"
     where += f" and tags.`sweep.job_num` = '{job.get('num')}'"
     found = client.search_runs([parent["experiment_id"]], where, max_results=1)
@@ -348,8 +325,7 @@ def index_job(
 
 
 def sync_parent(client, uri, sweep_dir: Path, artifact_root, parent=None, children=True) -> dict:
-    """Make a sweep's parent run hold what its directory says; children=True (reindex) indexes each job's run
-    directory under it too, in job order ("synced": {resolved run directory: sync_run's result})."""
+    """Make a sweep's parent run hold what its directory says; children=True (reindex): each job's run directory too."""
     sweep_dir = Path(sweep_dir)
     sweep, jobs = read_sweep(sweep_dir), read_jobs(sweep_dir)
     if parent is None:
@@ -358,8 +334,7 @@ def sync_parent(client, uri, sweep_dir: Path, artifact_root, parent=None, childr
     for _num, job in sorted(jobs.items()) if children else ():
         run_dir = job.get("run_dir")
         if run_dir and Path(run_dir).is_dir() and not RunDir(run_dir).in_use():
-            said = {k: job.get(k) for k in ("sweep_id", "num", "overrides", "name")}
-            r = index_job(client, uri, Path(run_dir), artifact_root, parent, said)
+            r = sync_run(client, uri, Path(run_dir), artifact_root, parent, job, repeat=True)
             if "repeat_of" not in r:
                 synced[str(Path(run_dir).resolve())] = r
     run = client.get_run(parent["run_id"])

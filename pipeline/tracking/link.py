@@ -26,8 +26,7 @@ from pipeline.files.limits import MAX_EVENT
 # Without clients this long, the agent exits: long enough for the next run of a working session.
 IDLE_SECONDS = float(os.environ.get("PIPELINE_TRACKING_AGENT_IDLE", "300"))
 SPAWN_WAIT = 60.0  # seconds for a new agent to bind its socket (it does so before importing mlflow)
-# metrics.jsonl lines in one message to the agent (it reads at most agent.MAX_REQUEST)
-MAX_METRICS_LINES = 1000
+MAX_METRICS_LINES = 1000  # metrics.jsonl lines in one message (the agent reads at most MAX_REQUEST)
 log = logging.getLogger("pipeline")
 
 
@@ -61,16 +60,11 @@ def private_dir(directory: Path) -> Path:
 
 
 def socket_path(uri: str) -> Path:
-    """Short and per user (a Unix socket path must fit in ~100 bytes whatever the URI), in $XDG_RUNTIME_DIR if it
-    is this user's alone, else in `<temp dir>/pipeline-<uid>`, which `private_dir` makes (0700)."""
+    """Short and per user: in $XDG_RUNTIME_DIR if it is this user's alone, else in `<temp dir>/pipeline-<uid>`."""
     xdg = os.environ.get("XDG_RUNTIME_DIR") or ""
     private = os.path.isabs(xdg) and private_problem(Path(xdg)) is None
     directory = Path(xdg) if private else Path(tempfile.gettempdir()) / f"pipeline-{os.getuid()}"
     return directory / f"pipeline-mlflow-{hashlib.sha256(uri.encode()).hexdigest()[:16]}.sock"
-
-
-def agent_log(uri: str) -> Path:
-    return socket_path(uri).with_suffix(".log")
 
 
 # An agent's files (socket, lock, log) live as long as it does: each URI ever tracked would leave its own.
@@ -80,11 +74,9 @@ def spawn_lock(path: Path) -> int:
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if os.path.samestat(os.fstat(fd), os.stat(lock, follow_symlinks=False)):
                 return fd
-        except FileNotFoundError:
-            pass
         os.close(fd)
 
 
@@ -127,20 +119,16 @@ def read_line(f, limit: int) -> bytes:
 
 
 class Link:
-    """A writer thread finds or starts the agent, then writes what was queued meanwhile (no caller waits for it);
-    a reader thread hands each event to the handler that registered its session (a tracker, or a Request)."""
+    """A writer thread finds or starts the agent and writes what is queued; a reader hands each event to its session."""
 
     def __init__(self, uri: str):
-        self.path, self.log_file = socket_path(uri), agent_log(uri)
+        self.path = socket_path(uri)
         self.queue: queue.Queue = queue.Queue()
         self.handlers: dict = {}  # sid -> what has on_event(event): the agent's events for its session
         self.ids = itertools.count(1)
         self.dead: str | None = None
         self.lock = threading.Lock()
         threading.Thread(target=self._write, daemon=True, name="tracking_write").start()
-
-    def alive(self) -> bool:
-        return self.dead is None
 
     def register(self, handler) -> int:
         with self.lock:
@@ -162,7 +150,7 @@ class Link:
 
     def _write(self) -> None:
         try:
-            sock = connect_or_spawn(self.path, self.log_file)
+            sock = connect_or_spawn(self.path)
         except OSError as e:
             self._died(str(e))
             return
@@ -183,17 +171,16 @@ class Link:
                         last["lines"] = last["lines"] + msg["lines"]  # consecutive lines together
                     else:
                         out.append(msg)
-                if out:
-                    lines = "".join(f"{json.dumps(m, allow_nan=False)}\n" for m in out)
-                    wfile.write(lines.encode())
-                    wfile.flush()
+                for msg in out:
+                    wfile.write(f"{json.dumps(msg, allow_nan=False)}\n".encode())
+                wfile.flush()
                 for mark in marks:
                     mark.set()
         except (OSError, ValueError) as e:
             self._died(f"the tracking agent stopped reading ({e})")
 
     def _read(self, sock: socket.socket) -> None:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             for event in json_lines(sock, MAX_EVENT):
                 if (handler := self.handlers.get(event.get("sid"))) is None:
                     continue
@@ -201,8 +188,6 @@ class Link:
                 if event.get("event") in ("finished", "error"):
                     with self.lock:
                         self.handlers.pop(event["sid"], None)
-        except (OSError, ValueError):
-            pass
         self._died("the tracking agent closed the connection")
 
     def _died(self, reason: str) -> None:
@@ -256,9 +241,9 @@ def _connect(path: Path) -> socket.socket | None:
         raise
 
 
-def spawn(path: Path, log_file: Path) -> subprocess.Popen:
-    """Start an agent serving `path`, in its own session (no job's signal reaches it), writing to `log_file` if
-    that opens to append without following a link as a regular file (made 0600); else, with one warning, nowhere."""
+def spawn(path: Path) -> subprocess.Popen:
+    """Start an agent serving `path` in its own session, logging beside it (.log) if that opens safely, else nowhere."""
+    log_file = path.with_suffix(".log")
     root = str(Path(__file__).resolve().parents[2])  # the directory holding this `pipeline`, first
     path_env = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path_env}
@@ -292,9 +277,8 @@ _LINKS: dict[str, Link] = {}
 _LINKS_LOCK = threading.Lock()
 
 
-def connect_or_spawn(path: Path, log_file: Path) -> socket.socket:
-    """A socket connected to the agent at `path`, started if none runs (one process spawns, under the lock beside
-    it); OSError if none can be, or if `path`'s directory is not this user's alone (checked first)."""
+def connect_or_spawn(path: Path) -> socket.socket:
+    """A socket connected to the agent at `path`, spawned under the lock if none runs; OSError if none can be."""
     private_dir(path.parent)
     if (sock := _connect(path)) is not None:
         return sock
@@ -303,10 +287,10 @@ def connect_or_spawn(path: Path, log_file: Path) -> socket.socket:
         if (sock := _connect(path)) is not None:
             return sock
         path.unlink(missing_ok=True)  # a stale socket of an agent that died
-        proc, deadline = spawn(path, log_file), time.monotonic() + SPAWN_WAIT
+        proc, deadline = spawn(path), time.monotonic() + SPAWN_WAIT
         while sock is None and time.monotonic() < deadline:
             if proc.poll() is not None:
-                why = f"the tracking agent exited at start (code {proc.returncode}); see {log_file}"
+                why = f"the tracking agent exited at start (code {proc.returncode}); see {path.with_suffix('.log')}"
                 raise OSError(errno.ECHILD, why)
             time.sleep(0.01)
             sock = _connect(path) if path.exists() else None
@@ -322,7 +306,7 @@ def agent_for(uri: str) -> Link:
     """This process's link to the agent for `uri`, at once (found or started in the background; else sessions err)."""
     with _LINKS_LOCK:
         link = _LINKS.get(uri)
-        if link is None or not link.alive():
+        if link is None or link.dead is not None:
             link = _LINKS[uri] = Link(uri)
         return link
 

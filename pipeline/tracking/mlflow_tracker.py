@@ -26,8 +26,7 @@ WAITED += "finishes run %s after it exits%s%s"
 
 
 def wait_at_exit(event: threading.Event, what: str) -> None:
-    """Inside a SLURM job: at exit (the run directory released: the agent indexes it whole), wait at most
-    SLURM_WAIT for `event`, the agent's answer for `what`."""
+    """Inside a SLURM job: at exit, wait at most SLURM_WAIT for `event`, the agent's answer for `what`."""
     said = "mlflow: the tracking agent did not complete %s within %.0f s of this SLURM job's end; "
     said += "`python -m pipeline.reindex` completes it"
 
@@ -39,18 +38,14 @@ def wait_at_exit(event: threading.Event, what: str) -> None:
 
 
 class MlflowTracker(Tracker):
-    """conf/tracking/mlflow.yaml (sqlite under the output directory) and conf/tracking/server.yaml (http). A job
-    waits on it at most `wait` s in all; a failure warns once and turns tracking off for the run."""
+    """conf/tracking/{mlflow,server}.yaml: a job waits at most `wait` s in all; a failure warns once, tracking off."""
 
     sweep_parent = MlflowSweepParent
 
     def __init__(self, uri: str, experiment: str, artifact_location, wait: float, sweep=None, **_):
-        self.uri = common.normalize_tracking_uri(uri)
-        self.experiment = str(experiment)
-        # None: the server chooses
+        self.uri, self.experiment = common.normalize_tracking_uri(uri), str(experiment)
         self.artifact_location = common.artifact_root(self.uri, artifact_location)
-        self.wait = float(wait)
-        self.waited = 0.0  # seconds this job has waited on tracking so far (at most self.wait)
+        self.wait, self.waited = float(wait), 0.0  # waited: on tracking so far (at most self.wait)
         self.sid: int | None = None
         self._link: Link | None = None  # the agent's, once started (prepare)
         self.ready, self.done, self.warm = threading.Event(), threading.Event(), threading.Event()
@@ -58,9 +53,8 @@ class MlflowTracker(Tracker):
         self.failed = self.finished = False
         self._warned = threading.Lock()
         self._store_warned = False  # the store's own warning (a sqlite store shared), said once
-        sweep = sweep or SweepJob()
-        self.job = sweep.tags  # a sweep's job: its child run's tags
-        self.parent, self.off = sweep.parent, sweep.tracking_off  # the sweep said why it is off
+        sweep = sweep or SweepJob()  # job: its run's tags; off: why the sweep turned it off
+        self.job, self.parent, self.off = sweep.tags, sweep.parent, sweep.tracking_off
 
     def _wait_for(self, wait, timeout: float):
         """wait(seconds) (an event's wait, a drain, a check), within what is left of the job's bound."""
@@ -84,11 +78,9 @@ class MlflowTracker(Tracker):
             self._fail(problem)
             return
         try:
-            # the agent has the store open (warm): a run's URI is moments away, not seconds
             pong = Request(kinds=("pong",), heard=self._heard)
-            self.warm = pong.done
-            # looked up at each call: a test may put another in its place
-            self._link = link.agent_for(self.uri)
+            self.warm = pong.done  # the agent has the store open: a run's URI is moments away
+            self._link = link.agent_for(self.uri)  # looked up at each call: a test may replace it
             where = {"uri": self.uri, "artifact_location": self.artifact_location}
             request(self._link, "ping", pong, **where)
         except OSError as e:
@@ -129,7 +121,7 @@ class MlflowTracker(Tracker):
         if self.parent is None or not self._linked():
             return None
         req = request(self.link, "attach", **self._where(run_dir))
-        if common.in_slurm_job():
+        if os.environ.get("SLURM_JOB_ID"):
             wait_at_exit(req.done, f"the sweep's record of run {run_dir}")
         self._wait_for(req.done.wait, self.wait)
         self.link.drain(self.wait - self.waited)
@@ -166,8 +158,7 @@ class MlflowTracker(Tracker):
         self.done.set()
 
     def run_uri(self, timeout: float) -> str | None:
-        """The run's URI, waiting (at most half the job's bound) only if the agent has the store open: a cold agent
-        is seconds away from it, and the manifest says null."""
+        """The run's URI, waited for (at most half the bound) only if the agent has the store open (warm)."""
         if self.sid is None or self.failed:
             return None
         if self._uri is None and timeout > 0 and self.warm.is_set():
@@ -189,13 +180,12 @@ class MlflowTracker(Tracker):
         self._send("checkpoint", artifact=artifact, manifest=raw.decode())
 
     def finish(self, status: str, run_dir: Path) -> None:
-        """Hand the run over and leave, waiting (within the job's bound) for the last messages to be on their way;
-        in a SLURM job, for a run that ends for good at exit too (SLURM_WAIT; docs/tracking.md: The tracking helper)."""
+        """Hand the run over and leave, waiting within the bound for the last messages to go (in SLURM, at exit too)."""
         if not self.active:
             return
         self._send("finish", **self._where(run_dir), pid=os.getpid())
         self.finished = True
-        if at_exit := status != "KILLED" and common.in_slurm_job():
+        if at_exit := status != "KILLED" and os.environ.get("SLURM_JOB_ID"):
             wait_at_exit(self.done, f"run {self._uri or run_dir}")
         sent = self._wait_for(self.link.drain, self.wait)
         late = " (its last messages were not sent in time: `python -m pipeline.reindex` completes the run)"

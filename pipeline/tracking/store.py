@@ -25,9 +25,8 @@ from pipeline.tracking import common
 
 log = logging.getLogger("pipeline")
 METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
-# A server that is down fails in seconds, not minutes; and mlflow prints no download bars or "View run" lines
-# between the pipeline's own (reindex's). mlflow reads these from the environment at each use only, so
-# open_store sets them (unless the user did) in the process that opens a client, never on import.
+# A down server fails in seconds, not minutes; mlflow prints no download bars or "View run" lines. mlflow reads
+# these at each use, so open_store sets them (unless the user did) where a client is opened, never on import.
 HTTP_SETTINGS = dict(MLFLOW_HTTP_REQUEST_MAX_RETRIES="2", MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="1")
 HTTP_SETTINGS.update(MLFLOW_HTTP_REQUEST_TIMEOUT="20", MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")
 HTTP_SETTINGS.update(MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT="true")
@@ -39,11 +38,9 @@ NETWORK_FS += ("panfs", "orangefs", "pvfs2", "ocfs2", "gfs2")
 MOUNTS = Path("/proc/mounts")
 HOSTS_TAG = "pipeline.hosts"  # on the store's Default experiment: every host that opened it, comma-separated
 MAX_HOSTS = 50
-TEAM_SETUP = (
-    "run `mlflow server --backend-store-uri postgresql+psycopg://USER@DBHOST/DB --artifacts-destination "
-    "DIR --host HOST --port 5000 --allowed-hosts HOST:5000` and track with "
-    "`tracking=server tracking.uri=http://HOST:5000` (docs/tracking.md: Team setup)"
-)
+TEAM_SETUP = "run `mlflow server --backend-store-uri postgresql+psycopg://USER@DBHOST/DB --artifacts-destination "
+TEAM_SETUP += "DIR --host HOST --port 5000 --allowed-hosts HOST:5000` and track with "
+TEAM_SETUP += "`tracking=server tracking.uri=http://HOST:5000` (docs/tracking.md: Team setup)"
 
 
 @cache
@@ -78,8 +75,7 @@ def _flock(path: Path, flags: int):
 
 
 def template_db() -> Path | None:
-    """One migrated, empty sqlite store per mlflow version and user in $XDG_CACHE_HOME/pipeline, made once under
-    a lock: a fresh store is a copy of it, not 2-4 s of migrations. No experiment: each copy makes its own."""
+    """A migrated, empty sqlite store per mlflow version, made once under a lock: a fresh store is a copy of it."""
     _quiet_migrations()
     import mlflow
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
@@ -119,13 +115,8 @@ def _copy_template(db: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def open_client(uri: str, artifact_root: str | None = None) -> MlflowClient:
-    return open_store(uri, artifact_root)[0]
-
-
 def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient, str | None]:
-    """A client whose store is open, and the store's warning (check_shared) or None; a new sqlite store is
-    made here, under the lock (a copy of the template). StoreError (one line) if it cannot be."""
+    """(A client of the open store, its check_shared warning or None); a new sqlite store is made under the lock."""
     _quiet_migrations()
     for key, value in HTTP_SETTINGS.items():
         os.environ.setdefault(key, value)
@@ -202,8 +193,7 @@ def check_shared(client, db: Path) -> str | None:
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
-    """The experiment's id, created (artifacts in <artifact_root>/<name>, or where a server says) or restored if
-    deleted; marked as a machine-learning experiment (EXPERIMENT_KIND_TAG) if it is not yet."""
+    """The experiment's id: created (artifacts under `artifact_root`) or restored, and marked machine learning."""
     tag, kind = common.EXPERIMENT_KIND_TAG, common.EXPERIMENT_KIND
     exp = client.get_experiment_by_name(name)
     if exp is None:
@@ -245,14 +235,14 @@ def _first(client: MlflowClient, ids: list[str], where: str, order: str):
     return None
 
 
-def find_run(client: MlflowClient, run_dir: str, candidates: list[str] | tuple[str, ...] = ()):
-    """The run indexing `run_dir`: a candidate id (a hint, from a manifest) whose run_dir tag names it, else the
-    newest run tagged with it; None if there is none. Someone else's run of that id is never written into."""
-    for rid in filter(None, candidates):
-        with suppress(MlflowException):
-            run = client.get_run(rid)
-            if run.info.lifecycle_stage == "active" and run.data.tags.get("run_dir") == run_dir:
-                return run
+def find_run(client: MlflowClient, run_dir: str, uri: str = "", run_uris: list | tuple = ()):
+    """The run indexing `run_dir`: one run_uris name in `uri`'s store if tagged so, else the newest tagged, or None."""
+    for base, _, rid in map(common.parse_run_uri, dict.fromkeys(run_uris)):
+        if rid and base in (None, uri):  # a run of another store: never
+            with suppress(MlflowException):
+                run = client.get_run(rid)
+                if run.info.lifecycle_stage == "active" and run.data.tags.get("run_dir") == run_dir:
+                    return run
     where = f"tags.run_dir = {_quote(run_dir)}"
     return _first(client, all_experiment_ids(client), where, "attributes.start_time DESC")
 
@@ -281,8 +271,7 @@ def sync_params(client: MlflowClient, run, params: dict[str, str]) -> int:
 
 
 def sync_tags(client: MlflowClient, run, tags: dict[str, str], derived: tuple = ()) -> int:
-    """Set the tags whose value differs (tags, unlike params, follow the manifest), and delete the run's tags
-    among `derived` (a key, or every key under a prefix ending in `.`) that `tags` no longer says. Returns how many."""
+    """Set the tags that differ; delete the `derived` ones (keys, or `prefix.`es) `tags` no longer says. How many."""
     todo = [RunTag(k, v) for k, v in tags.items() if run.data.tags.get(k) != v]
     under = [d for d in derived if d.endswith(".")]
     gone = [k for k in run.data.tags if k not in tags]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from pipeline.run.report import run_page, ui_command, ui_page, ui_server
 from pipeline.run.tracker import SweepParent
@@ -19,12 +20,10 @@ WAS_OFF += "manifests; index them with `python -m pipeline.reindex`."
 
 
 class MlflowSweepParent(SweepParent):
-    """The parent run of a sweep tracked by conf/tracking/mlflow.yaml or server.yaml; the agent makes and ends it
-    with the code reindex uses (pipeline/tracking/index.py), so the launcher never waits on mlflow."""
+    """A sweep's parent run, made and ended by the agent with the code reindex uses (pipeline/tracking/index.py)."""
 
     def __init__(self, uri: str, experiment: str, artifact_location: str | None = None, **_):
-        self.uri = common.normalize_tracking_uri(str(uri))
-        self.experiment = str(experiment)
+        self.uri, self.experiment = common.normalize_tracking_uri(str(uri)), str(experiment)
         self.artifact_location = common.artifact_root(self.uri, artifact_location)
         self.request: Request | None = None  # the agent's answer to parent_start (launcher only)
 
@@ -53,8 +52,7 @@ class MlflowSweepParent(SweepParent):
         return True
 
     def end(self, sweep: dict) -> list[str]:
-        """Hand the parent's end to the agent, waiting at most END_WAIT for it to be on its way (on SLURM, which may
-        end the agent with the launcher, up to SLURM_WAIT for the parent); the end table's lines of where it is."""
+        """Hand the parent's end to the agent (on SLURM, waiting up to SLURM_WAIT); the end table's lines on it."""
         if sweep.get("tracking_off"):
             return [f"not tracked: {sweep['tracking_off']}"]
         answer = self.request.event if self.request is not None else None
@@ -62,7 +60,8 @@ class MlflowSweepParent(SweepParent):
         parent = {"sweep_id": sweep["id"]}
         done = request(link, "sweep_end", uri=self.uri, sweep_dir=sweep["dir"], parent=parent)
         link.drain(END_WAIT)
-        slurm = str(sweep.get("launcher", "")).endswith("SlurmLauncher") or common.in_slurm_job()
+        slurm = str(sweep.get("launcher")).endswith("SlurmLauncher")
+        slurm = slurm or bool(os.environ.get("SLURM_JOB_ID"))
         ended = (done.event if done.done.wait(common.SLURM_WAIT) else None) if slurm else None
         if slurm and ended is not None and ended.get("event") == "finished":
             page = run_page(ended.get("uri") or "")
@@ -76,9 +75,8 @@ class MlflowSweepParent(SweepParent):
         elif answer.get("event") != "ready":
             log.warning(WAS_OFF, self.uri, answer.get("message", "unknown error"))
         if answer is None:
-            return [
-                f"sweep.id={sweep['id']} in {self.uri} (the tracking agent completes it after {LATER})"
-            ]
+            said = f"sweep.id={sweep['id']} in {self.uri} (the tracking agent completes it after {LATER})"
+            return [said]
         if answer.get("event") != "ready":
             return [f"not tracked: {answer.get('message', 'unknown error')}"]
         # the experiment's runs view; a sqlite store has no server: say how to start one

@@ -209,12 +209,12 @@ def test_a_link_planted_at_the_log_is_not_followed(base, caplog, monkeypatch, tm
     caplog.set_level(logging.INFO, logger="pipeline")
     monkeypatch.setattr(link.subprocess, "Popen", FakeAgent)
     uri = uri_in(base)
-    sock, log = link.socket_path(uri), link.agent_log(uri)
+    sock, log = link.socket_path(uri), link.socket_path(uri).with_suffix(".log")
     sock.parent.mkdir(mode=0o700, exist_ok=True)
     sentinel = tmp_path / "sentinel"
     sentinel.write_bytes(b"not the agent's\n")
     log.symlink_to(sentinel)
-    link.spawn(sock, log)
+    link.spawn(sock)
     assert sentinel.read_bytes() == b"not the agent's\n"
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert (
@@ -223,7 +223,7 @@ def test_a_link_planted_at_the_log_is_not_followed(base, caplog, monkeypatch, tm
         and "symlink" in warnings[0].getMessage()
     )
     log.unlink()
-    link.spawn(sock, log)  # no link: the log is made, the user's alone
+    link.spawn(sock)  # no link: the log is made, the user's alone
     assert (
         log.read_bytes() == b"the agent's log line\n" and (os.lstat(log).st_mode & 0o777) == 0o600
     )
@@ -329,7 +329,7 @@ def test_another_users_directory_where_the_users_would_be_is_refused_unconnected
     """The other user makes the directory first (its own, 0700), listens at the socket's path and links the log's
     path to a file of the user's: the job warns once, sends it no byte and writes nothing through the link."""
     uri = uri_in(base)
-    sock, log = link.socket_path(uri), link.agent_log(uri)
+    sock, log = link.socket_path(uri), link.socket_path(uri).with_suffix(".log")
     sentinel = tmp_path / "sentinel"
     sentinel.write_bytes(b"the user's own file\n")
     squatter = Nobody(squat, str(sock), str(log), str(sentinel), sock.parent != base)
@@ -349,7 +349,7 @@ def test_another_users_directory_with_only_a_link_at_the_log_starts_no_agent_thr
     """No listener this time (an agent would be started): the log's link, to a file that does not exist yet, is
     never followed, so the file is never made."""
     uri = uri_in(base)
-    log = link.agent_log(uri)
+    log = link.socket_path(uri).with_suffix(".log")
     target = tmp_path / "made-through-the-link"
     if (
         log.parent == base
@@ -514,11 +514,11 @@ def test_an_exiting_agent_keeps_the_files_of_an_agent_serving_its_socket_again(b
     path = link.socket_path(uri_in(base))
     link.private_dir(path.parent)
     server = listener(path)  # a new agent, started after the old one's socket was gone
-    link.agent_log(uri_in(base)).write_bytes(b"the new agent's log\n")
+    link.socket_path(uri_in(base)).with_suffix(".log").write_bytes(b"the new agent's log\n")
     os.close(link.spawn_lock(path))
     assert not link.remove_agent_files(path)
     assert sorted(os.listdir(path.parent)) == sorted(
-        [path.name, f"{path.name}.lock", link.agent_log(uri_in(base)).name]
+        [path.name, f"{path.name}.lock", link.socket_path(uri_in(base)).with_suffix(".log").name]
     )
     server.close()
     path.unlink()  # that one exits too: now they go

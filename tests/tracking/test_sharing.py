@@ -17,7 +17,7 @@ WAIT = 120.0  # seconds: a generous bound on the agent's answers (a loaded machi
 def opened(uri: str, caplog) -> list[str]:
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="pipeline"):
-        store.open_client(uri)
+        store.open_store(uri)
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
@@ -75,7 +75,7 @@ def test_a_job_on_a_store_another_host_opened_says_so_on_its_own_output(
     uri = f"sqlite:///{tmp_path}/out/mlflow.db"
     with monkeypatch.context() as m:
         m.setattr(store.socket, "gethostname", lambda: "another-node")
-        store.open_client(uri)  # a job of another host made the store
+        store.open_store(uri)  # a job of another host made the store
     caplog.clear()
     caplog.set_level(logging.INFO, logger="pipeline")
     tracker = MlflowTracker(uri=uri, experiment="e", artifact_location=None, wait=1.0)

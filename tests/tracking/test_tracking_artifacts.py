@@ -86,7 +86,7 @@ def test_experiments_are_marked_machine_learning_when_created_or_found_unmarked(
     from pipeline.tracking import store
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    client = store.open_client(uri, str(tmp_path / "mlartifacts"))
+    client, _ = store.open_store(uri, str(tmp_path / "mlartifacts"))
     made = store.ensure_experiment(client, "made", str(tmp_path / "mlartifacts"))
     exp = MlflowClient(uri).get_experiment(made)
     assert exp.tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND == "custom_model_development"

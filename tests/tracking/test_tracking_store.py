@@ -153,16 +153,16 @@ def test_a_store_path_that_is_not_a_file_is_named_without_waiting_on_it(tmp_path
 
 @pytest.mark.parametrize("entry", ["mlflow.db", "mlartifacts"])
 def test_a_link_at_the_store_or_its_artifacts_is_refused_by_every_opener(tmp_path, entry):
-    """open_client (the agent's, register's, reindex's): a dangling mlflow.db link would create the store at its
+    """open_store (the agent's, register's, reindex's): a dangling mlflow.db link would create the store at its
     target, a linked mlartifacts would receive the artifacts; refused in one line naming it, the target untouched."""
-    from pipeline.tracking.store import StoreError, open_client
+    from pipeline.tracking.store import StoreError, open_store
 
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
     out.mkdir()
     elsewhere.mkdir()
     os.symlink(elsewhere / "new.db" if entry == "mlflow.db" else elsewhere, out / entry)
     with pytest.raises(StoreError) as e:
-        open_client(f"sqlite:///{out / 'mlflow.db'}")
+        open_store(f"sqlite:///{out / 'mlflow.db'}")
     assert f"{out / entry} is a symlink" in str(e.value) and "\n" not in str(e.value)
     assert os.listdir(elsewhere) == [] and sorted(os.listdir(out)) == [entry]
 

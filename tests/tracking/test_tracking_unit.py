@@ -196,7 +196,7 @@ def test_swept_keys_and_job_names():
 
 
 def test_importing_the_mlflow_side_changes_no_more_of_the_environment_than_mlflow_itself():
-    """No process globals on import: the HTTP settings are set where a client is opened (store.open_client)."""
+    """No process globals on import: the HTTP settings are set where a client is opened (store.open_store)."""
     import subprocess
 
     code = (
@@ -228,7 +228,7 @@ def test_importing_the_mlflow_side_changes_no_logger_level_and_opening_a_store_q
     tmp_path,
 ):
     """No process globals on import: mlflow's and alembic's migration loggers are set to WARNING where a store is
-    first opened (store.open_client), not when pipeline.tracking.store is imported."""
+    first opened (store.open_store), not when pipeline.tracking.store is imported."""
     import subprocess
 
     code = (
@@ -241,7 +241,7 @@ def test_importing_the_mlflow_side_changes_no_logger_level_and_opening_a_store_q
         "from pipeline.tracking import store\n"
         "after = levels()\n"
         "changed = sorted(n for n in after if after[n] != before.get(n, logging.NOTSET))\n"
-        "store.open_client(sys.argv[1])\n"
+        "store.open_store(sys.argv[1])\n"
         "opened = {n: logging.getLogger(n).level for n in ('mlflow.store.db.utils', 'alembic')}\n"
         "print(json.dumps([changed, opened]))\n"
     )
@@ -262,7 +262,7 @@ def test_opening_a_client_sets_mlflows_http_settings_unless_the_user_did(tmp_pat
 
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "7")
-    store.open_client(f"sqlite:///{tmp_path}/m.db")
+    store.open_store(f"sqlite:///{tmp_path}/m.db")
     assert (
         os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"],
         os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"],

@@ -210,7 +210,7 @@ def test_a_sweep_hands_over_to_a_slow_agent_and_its_family_completes_after_it(tm
 # --- the migrated template
 def open_store(uri: str, root: str) -> str:
     return (
-        f"import json, sys; from pipeline.tracking import store; c = store.open_client({uri!r}, {root!r}); "
+        f"import json, sys; from pipeline.tracking import store; c, _ = store.open_store({uri!r}, {root!r}); "
         "print(json.dumps([[e.experiment_id, e.name, e.artifact_location] for e in c.search_experiments()]))"
     )
 
@@ -258,14 +258,14 @@ def test_the_template_is_copied_not_migrated_and_never_over_an_existing_db(tmp_p
         db_utils, "_initialize_tables", lambda engine: calls.append(engine) or real(engine)
     )
     uri = f"sqlite:///{tmp_path}/a/mlflow.db"
-    client = store.open_client(uri, str(tmp_path / "a" / "art"))
+    client, _ = store.open_store(uri, str(tmp_path / "a" / "art"))
     assert calls == []  # a copy of the template: no migration ran
     exp = client.create_experiment("kept")
     run = client.create_run(exp)
     before = (tmp_path / "a" / "mlflow.db").read_bytes()
     store._copy_template(tmp_path / "a" / "mlflow.db")  # as a racing process would
     assert (tmp_path / "a" / "mlflow.db").read_bytes() == before
-    again = store.open_client(uri, str(tmp_path / "a" / "art"))
+    again, _ = store.open_store(uri, str(tmp_path / "a" / "art"))
     assert again.get_run(run.info.run_id).info.experiment_id == exp
     assert [e.artifact_location for e in again.search_experiments() if e.name == "Default"] == [
         f"file://{tmp_path}/a/art/0"
@@ -286,9 +286,8 @@ def test_an_agent_that_cannot_start_is_one_warning_and_no_wait(monkeypatch, capl
         uri=f"sqlite:///{tmp_path}/m.db", experiment="e", artifact_location=None, wait=1.0
     )
     t.prepare()
-    wait_until(
-        lambda: not t.link.alive(), "the link to give up"
-    )  # before the run starts: it must still hear
+    # before the run starts: it must still hear
+    wait_until(lambda: t.link.dead is not None, "the link to give up")
     t.start(config={"name": "e"}, facts={}, run_dir=tmp_path, previous_run_uri=None)
     assert t.ready.is_set() and t.failed  # set by the error event, not by a timeout
     t.log_line({"step": 1, "epoch": 0, "time": 0.0, "train/loss": 1.0})
