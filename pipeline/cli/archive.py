@@ -97,9 +97,9 @@ def _select(store: CheckpointStore, which: str) -> tuple[dict[str, Path], dict[s
     return {n: by_name[n] for n in sorted(chosen)}, {k: t for k, t in links.items() if t in chosen}
 
 
-def plan(source: Path, which: str) -> list[RunPlan]:
-    """The runs SOURCE stands for, each with the checkpoints to keep (every one verified, read-only)."""
-    kind = _kind(source)
+def plan(source: Path, which: str, kind: str | None = None) -> list[RunPlan]:
+    """The runs SOURCE (a `kind`) stands for, each with the checkpoints to keep (every one verified, read-only)."""
+    kind = kind or _kind(source)
     if kind == "sweep":
         from pipeline.sweep.summary import read_jobs
 
@@ -154,10 +154,9 @@ class Builder:
         """src's bytes into a new file at rel (never through a link), fsynced, and hashed as they are copied."""
         entry = reading.copy_new(src, self.place(rel), limit, follow=follow)
         if expected is not None:
+            why = f"its bytes differ from {witness} (changed or damaged while being archived)"
             if (entry["size"], entry["sha256"]) != (expected["size"], expected["sha256"]):
-                raise BadSource(
-                    f"{src}: its bytes differ from {witness} (changed or damaged while being archived)"
-                )
+                raise BadSource(f"{src}: {why}")
             self.expected[rel] = (expected, witness)
         self.files[rel] = entry
 
@@ -409,50 +408,46 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
 
 
 def readme(dest: Path, exported: dict) -> str:
-    lines = [
-        f"# Archive {dest.name}",
-        "",
-        "Made by `python -m pipeline.archive`. Every file is listed with its size and sha256 in MANIFEST.json;",
-        "recovery.json holds the checks run on this directory alone and the resume proof. Re-check it with",
-        f"`python -m pipeline.archive --check {dest}`. Give `paths.output_dir=SCRATCH` to the commands below so",
-        "that a regenerated corpus goes there, not into this archive.",
-        "",
-    ]
+    text = f"""# Archive {dest.name}
+
+Made by `python -m pipeline.archive`. Every file is listed with its size and sha256 in MANIFEST.json;
+recovery.json holds the checks run on this directory alone and the resume proof. Re-check it with
+`python -m pipeline.archive --check {dest}`. Give `paths.output_dir=SCRATCH` to the commands below so
+that a regenerated corpus goes there, not into this archive.
+"""
     for name, run in sorted(exported["runs"].items()):
-        ck, d = run["checkpoints"], run["data"]
+        ck, d, over = run["checkpoints"], run["data"], run["resume_overrides"]
         order = sorted(ck, key=lambda n: ck[n]["step"])
         newest = order[-1]
         # as the proof does
         resume_from = order[-2] if len(order) > 1 and "final" in ck[newest]["links"] else newest
         best = "best" if any("best" in c["links"] for c in ck.values()) else newest
         at = RunDir(dest / "runs" / name).store.root
-        over = " ".join(run["resume_overrides"])
-        sp = " ".join(o for o in run["resume_overrides"] if o.startswith("hydra.searchpath="))
+        sp = (" " + " ".join(o for o in over if o.startswith("hydra.searchpath="))).rstrip()
         tagged = {n: f", {'/'.join(c['links'])}" if c["links"] else "" for n, c in ck.items()}
         listed = ", ".join(f"{n} (step {c['step']}{tagged[n]})" for n, c in sorted(ck.items()))
-        lines += [
-            f"## {name}",
-            "",
-            "Checkpoints: " + listed,
-            f"Data: data_manifest_hash {d['data_manifest_hash']}, corpus {d['corpus'] or '-'}, sources "
-            f"{d['sources'] or '-'}{' (archived under sources/ and data/)' if run['with_data'] else ''}.",
-            "",
-            "```bash",
-            f"python -m pipeline.show {dest}/runs/{name} {sp}".rstrip(),
-            f"python -m pipeline.evaluate {at}/{best} paths.output_dir=SCRATCH {sp}".rstrip(),
-        ]
-        if run.get("generates"):
-            lines += [
-                f'python -m pipeline.sample {at}/final prompt="the" max_new_tokens=20 paths.output_dir=SCRATCH',
-                f"python -m pipeline.export_hf {at}/final HF_DIR",
-            ]
-        src = f"{at}/{resume_from}"
-        resume = f"python -m pipeline {over} resume.source={src} paths.output_dir=SCRATCH"
+        sources = f"{d['sources'] or '-'}{' (archived under sources/ and data/)' if run['with_data'] else ''}"
+        generates = f"""python -m pipeline.sample {at}/final prompt="the" max_new_tokens=20 paths.output_dir=SCRATCH
+python -m pipeline.export_hf {at}/final HF_DIR
+"""
+        resume = f"python -m pipeline {' '.join(over)} resume.source={at}/{resume_from} paths.output_dir=SCRATCH"
         how = f"repeats the steps after {resume_from} of the finished run, to its final bytes"
         how = how if resume_from != newest else "continues the run from its newest checkpoint"
-        check = "`python -m pipeline.archive --check` re-verifies every byte."
-        lines += [resume.replace("  ", " "), "```", "", f"The resume {how}; {check}", ""]
-    return "\n".join(lines)
+        text += f"""
+## {name}
+
+Checkpoints: {listed}
+Data: data_manifest_hash {d["data_manifest_hash"]}, corpus {d["corpus"] or "-"}, sources {sources}.
+
+```bash
+python -m pipeline.show {dest}/runs/{name}{sp}
+python -m pipeline.evaluate {at}/{best} paths.output_dir=SCRATCH{sp}
+{generates if run.get("generates") else ""}{resume.replace("  ", " ")}
+```
+
+The resume {how}; `python -m pipeline.archive --check` re-verifies every byte.
+"""
+    return text
 
 
 # --- the command ------------------------------------------------------------------------------------------
@@ -484,7 +479,7 @@ def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, 
         for p in sorted(p for p in dest.parent.iterdir() if p.name.startswith(stale)):
             ignoring = f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)"
             print(ignoring, file=sys.stderr)
-        plans = plan(source, which)
+        plans = plan(source, which, kind := _kind(source))
         if len({p.name for p in plans}) != len(plans):
             raise BadSource(f"{source}: two runs of the same name")
         tmp = atomic.new_temp_dir(dest.parent, dest.name)
@@ -497,7 +492,7 @@ def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, 
             model = run_plan.newest["config"]["model"]
             run["model"], run["generates"] = model.get("_target_"), gpt2_shaped(model)
         # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
-        if _kind(source) == "sweep":
+        if kind == "sweep":
             name = Path(os.path.realpath(source)).name
             tops = [f for f in sorted(source.iterdir()) if not f.is_dir() or f.is_symlink()]
             # each a regular file: b.copy refuses the rest
