@@ -62,9 +62,8 @@ def _kind(path: Path) -> str:
         st = os.lstat(path)
     except FileNotFoundError:
         raise BadSource(f"{path}: does not exist") from None
-    if stat.S_ISLNK(st.st_mode):
-        # a link the user typed is followed, as its target could be typed instead
-        st = os.stat(path)
+    # a link the user typed is followed, as its target could be typed instead
+    st = os.stat(path) if stat.S_ISLNK(st.st_mode) else st
     if not stat.S_ISDIR(st.st_mode):
         what = reading.kind_of(st)
         raise BadSource(f"{path}: is {what}, not a run, sweep or checkpoint directory")
@@ -331,10 +330,8 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
         detail = "no .hydra/overrides.yaml (a checkpoint archived without its run): not resumed"
         return {"run": run.name, "passed": None, "detail": detail}
     store = RunDir(run).store
-    steps = store.steps()
-    archived = metric_lines(run)
-    last_logged = max((ln["step"] for ln in archived), default=steps[-1][0])
-    end = max(last_logged, steps[-1][0])
+    steps, archived = store.steps(), metric_lines(run)
+    end = max([steps[-1][0], *(ln["step"] for ln in archived)])
     candidates = [(s, d) for s, d in steps if s < end]
     # a fork of the run's end would train nothing (refused); its restore is checked already
     if not candidates:
@@ -362,10 +359,9 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     got = [ln for ln in metric_lines(resumed_run) if step < ln["step"] <= end]
     want = [ln for ln in archived if ln["step"] > step]
     compared: dict[str, Any] = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
-    original_final = store.link_dir("final")
-    resumed_final = RunDir(resumed_run).store.link_dir("final")
-    if original_final is not None and resumed_final is not None and step < end:
-        a, bb = (CheckpointDir(d).manifest() for d in (original_final, resumed_final))
+    finals = (store.link_dir("final"), RunDir(resumed_run).store.link_dir("final"))
+    if None not in finals and step < end:
+        a, bb = (CheckpointDir(d).manifest() for d in finals)
         hashes, mine = {n: e["sha256"] for n, e in bb["files"].items()}, a["files"]
         compared["final_step"] = a["step"]
         compared["final_files_equal"] = {n: e["sha256"] == hashes.get(n) for n, e in mine.items()}

@@ -86,9 +86,9 @@ def store_uri(checkpoint: Path, tracking_uri: str | None) -> str:
     return normalize_tracking_uri(named or default_uri(cache_home(checkpoint)))
 
 
-def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
-    """The checkpoint logged as a pyfunc model and registered as the next version of `name` (its mlflow
-    ModelVersion); a one-line CheckpointError / ConfigError / StoreError for what will not do."""
+def register(given: Path, name: str, tracking_uri: str | None = None):
+    """(mlflow ModelVersion, store URI): the checkpoint logged as a pyfunc model, registered as the next version
+    of `name`; a one-line CheckpointError / ConfigError / StoreError for what will not do."""
     from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.files import jsonio, names
     from pipeline.run.trained import own_data, restore_checkpoint
@@ -98,7 +98,6 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
         what = "models:/NAME/VERSION and a directory of a file store"
         why = f"{why or 'must not be blank'} (a registered model's name is {what})"
         raise ConfigError(f"NAME={names.shown(name)}: {why}")
-    given = Path(checkpoint_dir)
     checkpoint = CheckpointDir(given)
     directory = checkpoint.resolved()  # `final`, `best`: the step directory they stand for
     # refused here, before mlflow is imported or a byte written
@@ -141,7 +140,7 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
             code = str(GENERATOR_CODE if signature is None else CODE)
             model |= dict(name=ARTIFACT_PATH, python_model=code, artifacts=artifacts)
             info = mlflow.pyfunc.log_model(**model, registered_model_name=name)
-    return client.get_model_version(name, str(info.registered_model_version))
+    return client.get_model_version(name, str(info.registered_model_version)), uri
 
 
 @command(NAME)
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per file copy
     try:
-        version = register(Path(args.checkpoint), args.name, args.tracking_uri)
+        version, uri = register(Path(args.checkpoint), args.name, args.tracking_uri)
     except Exception as e:
         # mlflow's refusals (a bad name, a server's error) come once register() imported mlflow: never import
         # it for a checkpoint refused before (a few seconds of every refusal)
@@ -162,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
         if mlflow is None or not isinstance(e, mlflow.exceptions.MlflowException):
             raise
         raise CommandError(f"mlflow: {str(e).splitlines()[0]}", exit_code=EXIT_ERROR) from e
-    uri = store_uri(Path(args.checkpoint), args.tracking_uri)
     print(f"registered in the model registry of {uri} (logged as run {version.run_id})")
     print(f"models:/{version.name}/{version.version}")
     return EXIT_OK
