@@ -253,8 +253,7 @@ def run_overrides(run: Path) -> list[str] | None:
 
 
 def _trust_hint(root: Path, run: Path, extra: list[str]) -> str:
-    """The `hydra.searchpath=[...]` the archive says run `run` was made with (its .hydra/overrides.yaml, else
-    recovery.json), if the command line did not give it: named in a refusal, never used."""
+    """The search path the archive says `run` was made with, if not on the command line: named in a refusal only."""
     said = list(run_overrides(run) or [])
     with contextlib.suppress(Exception):
         exported = jsonio.read(root / "recovery.json", MAX_SMALL)["exported"]
@@ -268,8 +267,7 @@ def _trust_hint(root: Path, run: Path, extra: list[str]) -> str:
 
 
 def restore_all(root: Path, extra: list[str]) -> list[dict]:
-    """Every archived checkpoint restored from DEST with the full verification of a resume. What its configs may
-    build is decided by the command line alone (`extra`): nothing in the archive widens it."""
+    """Every archived checkpoint restored as a resume would; what it may build is the command line's (`extra`) alone."""
     from pipeline.run.trained import UnknownTargetError, restore_checkpoint
 
     checks = []
@@ -289,8 +287,7 @@ def _check(check: str, passed, detail) -> dict:
 
 
 def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str | None:
-    """Why the resume proof's `args` would build what the command line does not allow (a flag or `hydra.*` from
-    the archive, a `_target_` neither conf/ nor `extra` names), or None."""
+    """Why the proof's `args` would build what the command line does not allow (a flag, hydra.*, a target), or None."""
     from pipeline.config import targets
     from pipeline.config.compose import compose, to_plain
     from pipeline.config.errors import ConfigError, error_line
@@ -314,8 +311,7 @@ def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str |
 
 
 def _resume_overrides(run: Path, root: Path, extra: list[str]) -> list[str]:
-    """The archived run's own overrides (.hydra/overrides.yaml holds no hydra.* ones: the search path given to the
-    archive is added), without where it wrote, how it resumed and was tracked, and with its archived data files."""
+    """The run's own overrides, the archive's search path added, paths/resume/tracking dropped, its data files in."""
     dropped = ("paths.", "resume", "tracking", "data.path=")
     kept = [o for o in run_overrides(run) or [] if not o.lstrip("+~").startswith(dropped)]
     kept += [o for o in extra if o not in kept]
@@ -324,8 +320,7 @@ def _resume_overrides(run: Path, root: Path, extra: list[str]) -> list[str]:
 
 
 def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[str]) -> dict:
-    """A fresh `python -m pipeline` resumed from the newest archived checkpoint the original went past, to the
-    run's end: its later metrics lines and final state files compared bit for bit with the archived ones."""
+    """A fresh `python -m pipeline` resumed from the newest archived step before the end, compared bit for bit."""
     if run_overrides(run) is None:
         detail = "no .hydra/overrides.yaml (a checkpoint archived without its run): not resumed"
         return {"run": run.name, "passed": None, "detail": detail}

@@ -17,8 +17,7 @@ EPILOG += "default the run's), hydra.searchpath=[...]"
 
 
 def evaluate_checkpoint(directory: Path, overrides: tuple[str, ...] | list[str] = ()) -> dict:
-    """{"checkpoint", "step", "data", "data_manifest_hash", "own_data", "metrics"}; ConfigError or
-    CheckpointError (one line) if the checkpoint does not verify or the data does not fit its model."""
+    """Its metrics on its own or other data; one-line ConfigError/CheckpointError for what does not verify or fit."""
     from pipeline.run.trained import other_data, restore_checkpoint
     from pipeline.trainer.loop import validate
 

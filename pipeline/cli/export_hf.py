@@ -44,8 +44,7 @@ def expected_shapes(config: dict) -> dict:
 
 
 def gpt2_config(n_layer, n_head, n_embd, n_positions, vocab_size, eos_id, gelu) -> dict:
-    """A GPT2Config matching MiniGPT: its GELU (tanh: gelu_new, erf: gelu), LayerNorm eps 1e-5, 4x MLP, tied head,
-    no dropout."""
+    """A GPT2Config matching MiniGPT: its GELU, LayerNorm eps 1e-5, 4x MLP, tied head, no dropout."""
     out: dict = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=vocab_size)
     out |= dict(n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head)
     # n_inner None: 4 * n_embd
@@ -61,8 +60,7 @@ def gpt2_config(n_layer, n_head, n_embd, n_positions, vocab_size, eos_id, gelu) 
 
 
 def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos=EOS) -> dict:
-    """tokenizer.json (a WordLevel model over the corpus vocabulary, ids unchanged; no unknown token) and
-    tokenizer_config.json: words split at whitespace (join " ") or characters (join ""); docs/serving.md."""
+    """tokenizer.json (WordLevel over the corpus vocabulary, same ids) and tokenizer_config.json (docs/serving.md)."""
     try:
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     except ModuleNotFoundError as e:
@@ -103,8 +101,7 @@ def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos=EO
 def write_hf(
     params: dict, *, out_dir, vocab=None, join=None, eos=EOS, gelu="tanh", bias=True, **dims
 ) -> Path:
-    """config.json, model.safetensors (float32) and, given a vocabulary, the tokenizer into out_dir, names and shapes
-    checked; `dims`: n_layer, n_head, n_embd, n_positions, vocab_size; `eos` is bos, eos and pad; no bias: zeros."""
+    """config.json, model.safetensors and given a vocabulary its tokenizer into out_dir, names and shapes checked."""
     eos_id = list(vocab).index(eos) if vocab is not None and eos in vocab else None
     config = gpt2_config(**dims, eos_id=eos_id, gelu=gelu)
     shapes = expected_shapes(config)

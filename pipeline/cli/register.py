@@ -25,8 +25,7 @@ INTERRUPTED = "a run or a model version may be partly logged; register again for
 
 
 def signature_of(manifest: dict, model, prompt: str = ""):
-    """(signature, input example): a MiniGPT's is None (mlflow takes its predict's type, Row, and checks each
-    row against it), its example's prompt one the vocabulary has; an MLP's, features -> outputs as tensors."""
+    """(signature, input example): a MiniGPT's None (mlflow checks rows against Row), an MLP's tensors."""
     import numpy as np
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
@@ -53,8 +52,7 @@ def requirements() -> list[str]:
 
 @contextmanager
 def using_store(uri: str):
-    """mlflow's fluent API (log_model has no other) pointed at `uri` for the block, then all it changed put
-    back: its URIs (module globals, no public getter) and the MLFLOW_*_URI it writes into os.environ."""
+    """mlflow's fluent API (log_model has no other) pointed at `uri` for the block, all it changed put back."""
     import mlflow
     from mlflow.tracking._model_registry import utils as registry
     from mlflow.tracking._tracking_service import utils as tracking
@@ -74,8 +72,7 @@ def using_store(uri: str):
 
 
 def store_uri(checkpoint: Path, tracking_uri: str | None) -> str:
-    """The store named (--tracking-uri, else MLFLOW_TRACKING_URI), else the mlflow.db of the output directory
-    the checkpoint lies in; one in an archive needs a store named: nothing is written there unasked."""
+    """--tracking-uri, MLFLOW_TRACKING_URI, else the checkpoint's output directory's mlflow.db (never an archive's)."""
     from pipeline.run.trained import cache_home, in_archive
     from pipeline.tracking.common import default_uri, normalize_tracking_uri
 
@@ -87,8 +84,7 @@ def store_uri(checkpoint: Path, tracking_uri: str | None) -> str:
 
 
 def register(given: Path, name: str, tracking_uri: str | None = None):
-    """(mlflow ModelVersion, store URI): the checkpoint logged as a pyfunc model, registered as the next version
-    of `name`; a one-line CheckpointError / ConfigError / StoreError for what will not do."""
+    """(ModelVersion, store URI): the checkpoint logged as a pyfunc model, the next version of `name`."""
     from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.files import jsonio, names
     from pipeline.run.trained import own_data, restore_checkpoint

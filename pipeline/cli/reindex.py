@@ -74,8 +74,7 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
 
 
 def history(output_dir: Path) -> list[tuple[float, str, Path]]:
-    """(start time, "sweep" or "run", directory) of every sweep and run directory in the order they started,
-    the live index's, which a rebuild replays; a start time that cannot be read sorts first (by name)."""
+    """(start time, "sweep" or "run", directory) of each, in the order they started (unreadable: first, by name)."""
     from pipeline.run.directory import RunDir
     from pipeline.tracking.index import read_sweep
 

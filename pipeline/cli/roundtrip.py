@@ -111,8 +111,7 @@ def check_tying(config: dict, run: Fresh, directory: Path) -> dict:
 
 
 def check_atomic(overrides: list[str], work: Path) -> dict:
-    """A save SIGKILLed just before its rename (the verifier's kill): no checkpoint, a temporary readers
-    ignore, removed by the next save, which verifies."""
+    """A save SIGKILLed before its rename: no checkpoint, a temporary readers ignore and the next save removes."""
     out = work / "atomic"
     cmd = [sys.executable, "-m", NAME, "--save-to", str(out), "--steps", "2", "--", *overrides]
     store = CheckpointStore(out / "saves")

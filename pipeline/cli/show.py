@@ -21,8 +21,7 @@ SUMMARY += " code_sha256 seed mlflow_run_uri lineage"
 
 
 def describe_checkpoint(directory: Path, overrides: tuple[str, ...] = ()) -> dict:
-    """The manifest's summary (what of it is readable) and the verdict of a full verification; a config naming
-    a class nothing the user runs names is UnknownTargetError, not a verdict."""
+    """The manifest's summary and the verdict of a full verification (an unknown `_target_` raises, no verdict)."""
     from pipeline.run.trained import UnknownTargetError, restore_checkpoint
 
     directory = Path(directory)

@@ -32,8 +32,7 @@ def _command(argv: list[str], output_dir: Path) -> list[str]:
 
 
 def run(cmd: list[str], kill: str | None = None, **env: str) -> subprocess.CompletedProcess:
-    """`cmd` in a fresh process that imports this project, SIGKILLed at kill point `kill` (pipeline/files/
-    killpoint.py: "save:4") if given; whether it was is `killed(...)`."""
+    """`cmd` in a fresh process importing this project, SIGKILLed at kill point `kill` (files/killpoint.py) if given."""
     drop = ("PIPELINE_CHAOS", "PIPELINE_CHAOS_TRACE")
     keep = {k: v for k, v in os.environ.items() if k not in drop}
     path = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])

@@ -16,8 +16,7 @@ RECORDS["records/step"] = "data_iter"
 
 
 def diff(a, b, atol: float = 0.0, rtol: float = 0.0) -> dict:
-    """{'max_abs_diff', 'ok', 'detail'} for two leaves (arrays, or JSON values: max_abs_diff None): exact is the
-    same bytes; a tolerance loosens arrays only; a missing side, other structure or a non-finite array fails."""
+    """{'max_abs_diff', 'ok', 'detail'} for two leaves: exact is the same bytes; a tolerance loosens arrays only."""
     if a is MISSING or b is MISSING:
         return _result(False, "missing on one side")
     if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):

@@ -33,8 +33,7 @@ def verify_dir(config: dict, *sub: str) -> Path:
 def run_workers(
     config: dict, out: Path, cut: int, steps: int, overrides=(), modes=MODES, in_process=False
 ) -> tuple[list[list[str]], str | None]:
-    """Runs the workers of `modes`, two processes at a time where independent (or in this one); their commands
-    and an error. Each gets the overrides config.json came from: what they allow it to build."""
+    """(commands, error) of the workers of `modes`, two processes at a time (or in this one), with `overrides`."""
     config_path = out / "config.json"
     config_path.write_bytes(jsonio.dumps(config))
     ckpt = out / "interrupted" / "checkpoint"

@@ -16,8 +16,7 @@ MACHINES = tuple(p for p in PARTS if p != "stages")
 
 
 def snapshot(state) -> tuple[dict[str, np.ndarray], dict]:
-    """(arrays, json) keyed '<state machine>/<path>': the checkpoint's state tree (its numbers as 1-element
-    arrays), the next lr, the data position, every stream's next draw (peeked, not consumed), the eval losses."""
+    """(arrays, json) keyed '<state machine>/<path>': state, next lr, data position, next draws, eval losses."""
     tree = copy_tree(capture(state.parts(), MACHINES))
     arrays: dict[str, np.ndarray] = {}
     for path, v in flat(tree).items():

@@ -51,8 +51,7 @@ class Fresh:
 
 
 def work(config: dict, mode: str, cut: int, steps: int, out: Path, checkpoint: Path) -> None:
-    """One worker's run, its summary in `out`: `interrupted` trains to `cut` and saves `checkpoint`, `resume`
-    restores it (`negative`: all but the RNG) and trains on to `steps`, `continuous` trains to `steps`."""
+    """One worker's run to `cut` (interrupted: saved) or `steps` (resume; negative: all but the RNG), summarised."""
     run, restored = Fresh(config), None
     if mode in ("resume", "negative"):
         run.load(checkpoint, PARTS if mode == "resume" else tuple(p for p in PARTS if p != "rng"))
