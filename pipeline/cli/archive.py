@@ -40,9 +40,6 @@ class BadSource(CommandError):
     """SOURCE (or DEST) cannot be archived: one line, exit 2."""
 
 
-# --- what SOURCE holds ----------------------------------------------------------------------------------
-
-
 class RunPlan:
     """One run to archive: where it lies, which checkpoints (each verified: a damaged one is bad input), its links."""
 
@@ -127,9 +124,6 @@ def plan(source: Path, which: str, kind: str | None = None) -> list[RunPlan]:
     names.checked(m["config"].get("name"), f"{directory}: its manifest's config.name")
     name = run_name(m["config"], m["sources"], m["lineage"])
     return [RunPlan(name, None, {step_dir_name(m["step"]): directory}, {})]
-
-
-# --- copying --------------------------------------------------------------------------------------------
 
 
 class Builder:
@@ -236,9 +230,6 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     ckpts = {n: {"step": m["step"], "tags": m["tags"], "links": links[n]} for n, m in ms.items()}
     shown = {k: identity[k] for k in ("data_manifest_hash", "sources", "corpus")}
     return {"checkpoints": dict(sorted(ckpts.items())), "data": shown, "with_data": bool(with_data)}
-
-
-# --- checks on DEST alone ---------------------------------------------------------------------------------
 
 
 def run_overrides(run: Path) -> list[str] | None:
@@ -395,9 +386,6 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
     return {"checks": checks, "resume": proofs, "all_checks_passed": passed}
 
 
-# --- README -------------------------------------------------------------------------------------------------
-
-
 def readme(dest: Path, exported: dict) -> str:
     text = f"""# Archive {dest.name}
 
@@ -439,9 +427,6 @@ python -m pipeline.evaluate {at}/{best} paths.output_dir=SCRATCH{sp}
 The resume {how}; `python -m pipeline.archive --check` re-verifies every byte.
 """
     return text
-
-
-# --- the command ------------------------------------------------------------------------------------------
 
 
 def _failed(checks: list[dict]) -> dict | None:
