@@ -1,7 +1,6 @@
 """`python -m pipeline.evaluate CHECKPOINT [overrides] [--json]`: the validation metrics of any checkpoint.
 
-By the function a run evaluates with: on its own data, what its run measured at that step; other data
-(`data=NAME ...`, `data.KEY=VALUE`) must fit the model's spec and vocabulary."""
+On its own data, what its run measured at that step; other data (`data=NAME`, `data.KEY=V`) must fit its spec."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """`python -m pipeline.register CHECKPOINT NAME [--tracking-uri URI]`: the checkpoint as an mlflow model, registered.
 
-Logged from code, never a pickle (docs/serving.md: The model in mlflow's registry); exit 0 printing
-`models:/NAME/VERSION`, 2 for bad input (refused before mlflow is imported, but the store), 1 if mlflow refuses."""
+Logged from code, never a pickle; prints `models:/NAME/VERSION`; its exit codes: docs/serving.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """`python -m pipeline.reindex [OUTPUT_DIR] [--tracking-uri URI] [--rebuild]`: the mlflow index, from disk.
 
-Each run and sweep gets only what its index lacks, so running it twice adds nothing (docs/tracking.md: Rebuilding
-the index). Exit 2 for a store that cannot be opened, 1 if some run directory could not be indexed."""
+Adds only what the index lacks (docs/tracking.md); exit 2: a store that will not open, 1: a run not indexed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """`python -m pipeline.roundtrip [overrides]`: four checks of the checkpoint format on the composed config.
 
-Results in `<paths.output_dir>/roundtrip/<run name>/roundtrip_results.json`; exit 0 if all pass, 1 if not, 2 on
-a bad override. The checks and the keys they write are in docs/checkpoints.md (The roundtrip checks)."""
+Results in `<output_dir>/roundtrip/<run name>/roundtrip_results.json`; checks and exits: docs/checkpoints.md."""
 
 from __future__ import annotations
 

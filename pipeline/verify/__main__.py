@@ -1,8 +1,7 @@
 """`python -m pipeline.verify [overrides]`: prove a resumed run equals the uninterrupted one, bit for bit.
 
-Four fresh processes: the continuous run, the interrupted one, the full resume and a resume without the RNG (the
-negative control); verify.kill=random: chaos mode (docs/verify.md). Exit 0 if they agree and the control
-diverges, 1 if not, 2 if it could not complete."""
+Continuous, interrupted, resumed and resumed-without-RNG (the negative control) processes; verify.kill=random:
+chaos mode. Exit 0 if they agree and the control diverges, 1 if not, 2 if incomplete (docs/verify.md)."""
 
 
 def main(argv: list[str] | None = None) -> int:
