@@ -96,13 +96,12 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     eval_loss = {name: float(run["eval/losses"].mean()) for name, run in runs.items()}
     at_cut_rows = [{"name": k, "state_machine": machine(k), **r} for k, r in at_cut.items()]
     report: dict = dict(positive=positive, negative_divergence_detected=negative, cut=cut)
-    report |= dict(steps=steps, all_checks_passed=positive and negative)
+    report |= dict(steps=steps, all_checks_passed=positive and negative, final_eval_loss=eval_loss)
     mode = "allclose" if atol or rtol else EXACT
     report["tolerance"] = {"atol": atol, "rtol": rtol, "mode": mode}
     report["cursor_at_cut"] = f"{intr_meta['cursor']}/{intr_meta['n_train']}"
     report["epoch_at_cut"] = intr_meta["epoch"]
     report["next_lr"] = {name: float(run["scheduler/next_lr"][0]) for name, run in runs.items()}
-    report["final_eval_loss"] = eval_loss
     report["max_weight_diff"] = {"positive": _worst_weight(pos), "negative": _worst_weight(negc)}
     sides = (("positive", "resume"), ("negative", "negative"))
     report["eval_loss_diff"] = {s: abs(eval_loss["continuous"] - eval_loss[n]) for s, n in sides}
