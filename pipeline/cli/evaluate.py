@@ -23,10 +23,8 @@ def evaluate_checkpoint(directory: Path, overrides: tuple[str, ...] | list[str] 
     manifest, state = restore_checkpoint(directory, list(overrides))
     state.dataset = dataset = other_data(manifest, list(overrides), directory)
     out = dict(checkpoint=str(directory), step=manifest["step"], data=type(dataset).__name__)
-    own = dataset.manifest_hash == manifest["data_manifest_hash"]
-    return out | dict(
-        data_manifest_hash=dataset.manifest_hash, own_data=own, metrics=validate(state)
-    )
+    h, own = dataset.manifest_hash, dataset.manifest_hash == manifest["data_manifest_hash"]
+    return out | dict(data_manifest_hash=h, own_data=own, metrics=validate(state))
 
 
 @command(NAME)

@@ -32,14 +32,12 @@ class Fresh:
     def train(self, n: int) -> list[dict]:
         return [train_step(self.state) for _ in range(n)]
 
-    def fields(self) -> dict:
-        """The manifest fields of the current step, those of a run history of its own."""
+    def save(self, directory: Path) -> dict:
+        """A checkpoint of the current step, its manifest that of a run history of its own."""
         facts, s = self.job.facts, self.state
         lineage = lineage_of(facts["semantic_config_hash"], None)
-        return mf.build(facts, step=s.step, epoch=s.epoch, metrics={}, tags=[], lineage=lineage)
-
-    def save(self, directory: Path) -> dict:
-        return CheckpointDir(directory).write(capture(self.parts), self.fields())
+        fields = mf.build(facts, step=s.step, epoch=s.epoch, metrics={}, tags=[], lineage=lineage)
+        return CheckpointDir(directory).write(capture(self.parts), fields)
 
     def load(self, directory: Path, only: tuple[str, ...] = PARTS) -> Checkpoint:
         ckpt = CheckpointDir(directory).load(self.parts)
@@ -67,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     add = ap.add_argument
     add("--config", required=True, help="resolved config as JSON")
     add("--mode", choices=MODES, required=True)
-    add("--cut", type=int, required=True)
-    add("--steps", type=int, required=True)
+    for n in ("--cut", "--steps"):
+        add(n, type=int, required=True)
     add("--out", required=True)
     add("--checkpoint", help="the interrupted run's checkpoint (default: OUT/checkpoint)")
     add("--override", action="append", default=[], help="what a `_target_` may name")
