@@ -345,8 +345,9 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     got = [ln for ln in metric_lines(resumed_run) if step < ln["step"] <= end]
     want = [ln for ln in archived if ln["step"] > step]
     compared: dict[str, Any] = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
-    finals = (store.link_dir("final"), RunDir(resumed_run).store.link_dir("final"))
-    if None not in finals and step < end:
+    stores = (store, RunDir(resumed_run).store)
+    finals = [d for s in stores if (d := s.link_dir("final")) is not None]
+    if len(finals) == 2 and step < end:
         a, bb = (CheckpointDir(d).manifest() for d in finals)
         hashes, mine = {n: e["sha256"] for n, e in bb["files"].items()}, a["files"]
         compared["final_step"] = a["step"]
@@ -458,8 +459,7 @@ def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, 
         plans = plan(source, which, kind := _kind(source))
         if len({p.name for p in plans}) != len(plans):
             raise BadSource(f"{source}: two runs of the same name")
-        tmp = atomic.new_temp_dir(dest.parent, dest.name)
-        b = Builder(tmp)
+        b = Builder(tmp := atomic.new_temp_dir(dest.parent, dest.name))
         exported: dict[str, Any] = {"runs": {}}
         for run_plan in plans:
             exported["runs"][run_plan.name] = run = archive_run(b, run_plan, with_data)

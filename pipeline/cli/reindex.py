@@ -44,9 +44,11 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
                 print(f"sweep {path.name}: ERROR {type(e).__name__}: {e}")
             continue
         try:
-            if not (r := synced.get(str(path.resolve()))):
-                skip = {"skipped": "in use by a running job"} if RunDir(path).in_use() else None
-                r = skip or sync_run(client, uri, path, artifact_location)
+            r = synced.get(str(path.resolve())) or (
+                {"skipped": "in use by a running job"}
+                if RunDir(path).in_use()
+                else sync_run(client, uri, path, artifact_location)
+            )
         except Exception as e:
             r = {"error": f"{type(e).__name__}: {e}"}
         r["run_dir"] = str(path)

@@ -76,10 +76,8 @@ def final_state(output_dir: Path) -> dict:
     final = store.link_step("final")
     assert final is not None, f"{output_dir}: the run has no final checkpoint"
     _, extra = CheckpointDir(store.root / "final").json_state()
-    lines = metric_lines(runs[0])
-    weights, optim = kept[final]["weights"], kept[final]["optim"]
-    out = {"weights": weights, "optim": optim, "extra": extra, "metrics": lines, "step": final}
-    return out | {"checkpoints": kept, "links": store.links()}
+    out = {k: kept[final][k] for k in ("weights", "optim")} | {"extra": extra, "step": final}
+    return out | {"metrics": metric_lines(runs[0]), "checkpoints": kept, "links": store.links()}
 
 
 def trial(argv: list[str], out: Path, kill: str, reference: dict, max_reruns: int) -> dict:
