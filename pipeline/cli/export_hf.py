@@ -155,19 +155,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         manifest, state = restore_checkpoint(ck := Path(args.checkpoint), args.overrides)
         # bias and gelu: a checkpoint may predate them
-        model = as_written_now(manifest["config"]["model"])
-        if not (gpt2_shaped(model) and "transformer.wte.weight" in state.model.state_dict()):
+        model, weights = as_written_now(manifest["config"]["model"]), state.model.state_dict()
+        if not (gpt2_shaped(model) and "transformer.wte.weight" in weights):
             raise CommandError(f"{ck} holds a {model.get('_target_')}, not a MiniGPT")
         facts = data_facts(manifest, args.overrides, ck)
         if facts["vocab"] is None:
             raise CommandError(f"{ck}: its data has no vocabulary to make a tokenizer of")
-        weights = state.model.state_dict()
-        dims = {k: model[k] for k in ("n_layer", "n_head", "n_embd")}
-        dims["n_positions"] = weights["transformer.wpe.weight"].shape[0]
-        dims["vocab_size"] = weights["transformer.wte.weight"].shape[0]
-        hf = dict(vocab=facts["vocab"], join=facts["decode_join"], eos=facts["specials"].get("eos"))
-        hf |= dict(gelu=model["gelu"], bias=model["bias"])
-        out = write_hf(weights, out_dir=args.out_dir, **hf, **dims)
+        hf = {k: model[k] for k in ("n_layer", "n_head", "n_embd", "gelu", "bias")}
+        wpe, wte = (weights[f"transformer.{k}.weight"].shape[0] for k in ("wpe", "wte"))
+        hf |= dict(n_positions=wpe, vocab_size=wte, vocab=facts["vocab"], join=facts["decode_join"])
+        out = write_hf(weights, out_dir=args.out_dir, eos=facts["specials"].get("eos"), **hf)
     except ValueError as e:  # a weight whose shape does not fit: bad input
         raise CommandError(str(e)) from e
     print(f"wrote {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")

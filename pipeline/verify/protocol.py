@@ -34,8 +34,7 @@ def run_workers(
     config: dict, out: Path, cut: int, steps: int, overrides=(), modes=MODES, in_process=False
 ) -> tuple[list[list[str]], str | None]:
     """(commands, error) of the workers of `modes`, two processes at a time (or in this one), with `overrides`."""
-    config_path = out / "config.json"
-    config_path.write_bytes(jsonio.dumps(config))
+    (config_path := out / "config.json").write_bytes(jsonio.dumps(config))
     ckpt = out / "interrupted" / "checkpoint"
     batches = [[m for m in pair if m in modes] for pair in (MODES[:2], MODES[2:])]
     commands = {
