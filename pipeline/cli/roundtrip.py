@@ -119,16 +119,12 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
         found = store.root.iterdir() if store.root.is_dir() else ()
         return sorted(p.name for p in found if p.name.startswith(TMP_PREFIX))
 
-    interrupted = killed(run(cmd, "save:4"))
-    left = temporaries()
-    no_final = not store.root.is_dir() or not any(store.root.glob("step-*"))
-    ignored = store.steps() == []
-    again = run(cmd)
-    leftovers = temporaries()
+    checks = dict(interrupted=killed(run(cmd, "save:4")), temporary_left=bool(temporaries()))
+    checks["no_final_directory"] = not store.root.is_dir() or not any(store.root.glob("step-*"))
+    checks["readers_ignore_temporary"] = store.steps() == []
+    again, leftovers = run(cmd), temporaries()
+    checks["next_save_cleans_up"] = again.returncode == 0 and not leftovers
     verifies = [s for s, _ in store.steps()] == [2] and not invalid_checkpoints(store)
-    cleans = again.returncode == 0 and not leftovers
-    checks = dict(interrupted=interrupted, no_final_directory=no_final, temporary_left=bool(left))
-    checks |= dict(readers_ignore_temporary=ignored, next_save_cleans_up=cleans)
     checks["next_save_verifies"] = verifies
     return {"passed": all(checks.values()), "checks": checks, "leftovers": leftovers}
 
@@ -157,8 +153,7 @@ def roundtrip(overrides: list, steps=10, separate_process=True, keep=False) -> t
     passed = [continuation["passed"], atomic["passed"], version == SCHEMA_VERSION]
     passed += [results["all_byte_equal"], results["size_within_4kib"]]
     results["passed"] = all(passed) and results["weight_tying_preserved"] is not False
-    path = out / RESULTS
-    path.write_bytes(jsonio.dumps(results))
+    (path := out / RESULTS).write_bytes(jsonio.dumps(results))
     return results, path
 
 
