@@ -99,8 +99,7 @@ def plan(source: Path, which: str, kind: str | None = None) -> list[RunPlan]:
     if kind == "sweep":
         from pipeline.sweep.summary import read_jobs
 
-        # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
-        runs_dir = source.parent.parent / "runs"
+        runs_dir = source.parent.parent / "runs"  # source: <output_dir>/sweeps/<name>-<id>/
         jobs = read_jobs(source).values()
         runs = sorted({Path(j["run_dir"]).name for j in jobs if isinstance(j.get("run_dir"), str)})
         if not runs:
@@ -132,8 +131,7 @@ class Builder:
     def __init__(self, root: Path):
         self.root = root
         self.files: dict[str, dict] = {}  # relative path -> {"size", "sha256"} as copied
-        # relative path -> (entry, which source manifest says so)
-        self.expected: dict[str, tuple[dict, str]] = {}
+        self.expected: dict[str, tuple[dict, str]] = {}  # rel -> (entry, the manifest saying so)
         self.links: dict[str, str] = {}
 
     def place(self, rel: str) -> Path:
@@ -176,8 +174,7 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             b.files[rel] = entry
             if fn in listed:
                 b.expected[rel] = (listed[fn], f"the manifest of {directory}")
-    # relative, beside its step directory, as a run has it
-    for link, target in sorted(p.links.items()):
+    for link, target in sorted(p.links.items()):  # relative, beside its step directory
         b.link((store / link).relative_to(b.root).as_posix(), target)
     for rel, path, limit in RunDir(p.run_dir).records() if p.run_dir is not None else ():
         b.copy(path, f"{base}/{rel}", limit)
@@ -206,8 +203,7 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
         at = f"data/{corpus.name}" if corpus is not None else ""
         if corpus is not None and f"{at}/MANIFEST.json" not in b.files:
             for fn, entry in sorted(verify_corpus(corpus)[0]["files"].items()):
-                # a corpus says bytes
-                size = entry["size"] if "size" in entry else entry["bytes"]
+                size = entry["size"] if "size" in entry else entry["bytes"]  # a corpus says bytes
                 listed = {"size": size, "sha256": entry["sha256"]}
                 b.copy(corpus / fn, f"{at}/{fn}", size, listed, f"{corpus / 'MANIFEST.json'}")
             b.copy(man, f"{at}/MANIFEST.json", MAX_CORPUS_JSON, hashed, "data_manifest_hash")
