@@ -247,8 +247,7 @@ def _trust_hint(root: Path, run: Path, extra: list[str]) -> str:
         said += [str(o) for o in exported["runs"][run.name]["resume_overrides"]]
     said = [o for o in said if o.lstrip("+").startswith("hydra.searchpath=")]
     said = [" ".join(o.split())[:300].lstrip("+") for o in said]
-    searchpath = next((o for o in said if o not in extra), None)
-    if searchpath is None:
+    if (searchpath := next((o for o in said if o not in extra), None)) is None:
         return ""
     return f"; this archive's run {run.name} was made with {searchpath}; give it on the command line if you trust it"
 
