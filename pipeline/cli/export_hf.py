@@ -1,5 +1,4 @@
-"""Write MiniGPT weights as a Hugging Face GPT-2 directory: config.json, model.safetensors, and the corpus
-vocabulary as a tokenizer (tokenizer.json + tokenizer_config.json); each file replaced atomically, mode 0644."""
+"""MiniGPT weights as a Hugging Face GPT-2 directory (docs/serving.md), each file replaced atomically, mode 0644."""
 
 from __future__ import annotations
 
