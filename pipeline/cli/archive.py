@@ -462,8 +462,7 @@ def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, 
             run["resume_overrides"] = [o.replace(str(tmp), str(dest)) for o in overrides]
             model = run_plan.newest["config"]["model"]
             run["model"], run["generates"] = model.get("_target_"), gpt2_shaped(model)
-        # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
-        if kind == "sweep":
+        if kind == "sweep":  # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
             name = Path(os.path.realpath(source)).name
             tops = [f for f in sorted(source.iterdir()) if not f.is_dir() or f.is_symlink()]
             # each a regular file: b.copy refuses the rest

@@ -111,10 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     if not output_dir.is_dir():
         raise CommandError(f"no such output directory: {output_dir}")
     uri = normalize_tracking_uri(args.tracking_uri or default_uri(output_dir))
-    # renamed, never deleted
     if args.rebuild and (db := sqlite_path(uri)) is not None and db.exists():
         aside = db.with_name(f"{db.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
-        db.rename(aside)
+        db.rename(aside)  # renamed, never deleted
         print(f"moved the old store aside: {aside}")
     results = reindex(output_dir, uri, args.artifact_location)
     return EXIT_ERROR if any("error" in r for r in results) else EXIT_OK
