@@ -5,6 +5,7 @@ Results in `<output_dir>/roundtrip/<run name>/roundtrip_results.json`; checks an
 from __future__ import annotations
 
 import argparse
+import signal
 import struct
 import sys
 import tempfile
@@ -23,7 +24,7 @@ from pipeline.files import jsonio
 from pipeline.files.atomic import TMP_PREFIX, remove_tree, write_new
 from pipeline.run.signals import command, run_command
 from pipeline.stateful import PARTS
-from pipeline.verify.chaos import invalid_checkpoints, killed, run
+from pipeline.verify.chaos import invalid_checkpoints, run
 from pipeline.verify.compare import first_difference
 from pipeline.verify.protocol import MODES, run_workers
 from pipeline.verify.snapshot import read_state, read_summary
@@ -119,7 +120,8 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
         found = store.root.iterdir() if store.root.is_dir() else ()
         return sorted(p.name for p in found if p.name.startswith(TMP_PREFIX))
 
-    checks = dict(interrupted=killed(run(cmd, "save:4")), temporary_left=bool(temporaries()))
+    killed = run(cmd, "save:4").returncode == -signal.SIGKILL
+    checks = dict(interrupted=killed, temporary_left=bool(temporaries()))
     checks["no_final_directory"] = not store.root.is_dir() or not any(store.root.glob("step-*"))
     checks["readers_ignore_temporary"] = store.steps() == []
     again, leftovers = run(cmd), temporaries()

@@ -40,10 +40,6 @@ def run(cmd: list[str], kill: str | None = None, **env: str) -> subprocess.Compl
     return subprocess.run(cmd, env=env, capture_output=True, text=True)
 
 
-def killed(proc: subprocess.CompletedProcess) -> bool:
-    return proc.returncode == -signal.SIGKILL
-
-
 def invalid_checkpoints(*stores: CheckpointStore) -> list[str]:
     """Why each checkpoint a reader of the stores sees does not verify (a temporary is no checkpoint)."""
     bad = []
@@ -78,7 +74,7 @@ def final_state(output_dir: Path) -> dict:
 def trial(argv: list[str], out: Path, kill: str, reference: dict, max_reruns: int) -> dict:
     """One kill at `kill`, then the identical command until it completes, against the reference."""
     cmd = _command(argv, out)
-    record: dict = {"killed": killed(run(cmd, kill))}
+    record: dict = {"killed": run(cmd, kill).returncode == -signal.SIGKILL}
     stores = [RunDir(r).store for r in (out / "runs").glob("*")]  # every run's a reader sees
     record["invalid_after_kill"] = invalid_checkpoints(*stores)
     for reruns in range(1, max_reruns + 1):  # noqa: B007 - the count is read after the loop
