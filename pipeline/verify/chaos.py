@@ -51,6 +51,11 @@ def invalid_checkpoints(*stores: CheckpointStore) -> list[str]:
     return bad
 
 
+def invalid_visible_checkpoints(output_dir: Path) -> list[str]:
+    """invalid_checkpoints of every run directory under `output_dir`."""
+    return invalid_checkpoints(*(RunDir(run).store for run in (output_dir / "runs").glob("*")))
+
+
 def metric_lines(run: Path) -> list[dict]:
     """The run's metrics.jsonl lines without their wall-clock time: what a bit-exact rerun repeats."""
     return [{k: v for k, v in ln.items() if k != "time"} for ln in RunDir(run).read_metrics()]
@@ -75,8 +80,7 @@ def trial(argv: list[str], out: Path, kill: str, reference: dict, max_reruns: in
     """One kill at `kill`, then the identical command until it completes, against the reference."""
     cmd = _command(argv, out)
     record: dict = {"killed": run(cmd, kill).returncode == -signal.SIGKILL}
-    stores = [RunDir(r).store for r in (out / "runs").glob("*")]  # every run's a reader sees
-    record["invalid_after_kill"] = invalid_checkpoints(*stores)
+    record["invalid_after_kill"] = invalid_visible_checkpoints(out)
     for reruns in range(1, max_reruns + 1):  # noqa: B007 - the count is read after the loop
         done = run(cmd)
         if done.returncode == 0:

@@ -32,12 +32,14 @@ class Fresh:
     def train(self, n: int) -> list[dict]:
         return [train_step(self.state) for _ in range(n)]
 
-    def save(self, directory: Path) -> dict:
-        """A checkpoint of the current step, its manifest that of a run history of its own."""
+    def fields(self) -> dict:
+        """The manifest fields of the current step, those of a run history of its own."""
         facts, s = self.job.facts, self.state
         lineage = lineage_of(facts["semantic_config_hash"], None)
-        fields = mf.build(facts, step=s.step, epoch=s.epoch, metrics={}, tags=[], lineage=lineage)
-        return CheckpointDir(directory).write(capture(self.parts), fields)
+        return mf.build(facts, step=s.step, epoch=s.epoch, metrics={}, tags=[], lineage=lineage)
+
+    def save(self, directory: Path) -> dict:
+        return CheckpointDir(directory).write(capture(self.parts), self.fields())
 
     def load(self, directory: Path, only: tuple[str, ...] = PARTS) -> Checkpoint:
         ckpt = CheckpointDir(directory).load(self.parts)
