@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import os
 import stat
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ from pipeline.files import listing as files_listing
 from pipeline.files.limits import MAX_ARCHIVE_LISTING, MAX_CORPUS_JSON, MAX_SMALL, MAX_SOURCE_FILE
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import command, run_command
-from pipeline.verify.chaos import metric_lines
+from pipeline.verify import chaos
 
 NAME = "pipeline.archive"
 SELECTIONS = ("best", "final", "newest")
@@ -311,7 +310,7 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
         detail = "no .hydra/overrides.yaml (a checkpoint archived without its run): not resumed"
         return {"run": run.name, "passed": None, "detail": detail}
     store = RunDir(run).store
-    steps, archived = store.steps(), metric_lines(run)
+    steps, archived = store.steps(), chaos.metric_lines(run)
     end = max([steps[-1][0], *(ln["step"] for ln in archived)])
     candidates = [(s, d) for s, d in steps if s < end]
     # a fork of the run's end would train nothing (refused); its restore is checked already
@@ -321,23 +320,20 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     step, source = candidates[-1]
     args = [*_resume_overrides(run, root, extra), f"resume.source={source}"]
     args += [f"paths.output_dir={scratch / 'out'}", "tracking=none", "trainer.progress_bar=false"]
-    shown = [a.replace(str(root), str(dest)) for a in args]
+    shown = " ".join(args).replace(str(root), str(dest)).replace(str(scratch), "<scratch>")
     # the child takes them as its command line
     if (problem := untrusted(args, extra, root, run)) is not None:
         return {"run": run.name, "passed": False, "step_recovered": step, "detail": problem}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
-    # run() kills the child on any exception (a signal's included) before it is raised
-    cmd = [sys.executable, "-m", "pipeline", *args]
-    proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True)
+    # subprocess.run (chaos.run) kills the child on any exception (a signal's included) before it is raised
+    proc = chaos.run([sys.executable, "-m", "pipeline", *args], cwd=scratch)
     result = {"run": run.name, "from": source.relative_to(root).as_posix(), "step_recovered": step}
-    shown_cmd = "python -m pipeline " + " ".join(shown).replace(str(scratch), "<scratch>")
-    result |= {"command": shown_cmd, "exit": proc.returncode}
+    result |= {"command": f"python -m pipeline {shown}", "exit": proc.returncode}
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         return result | dict(passed=False, detail=last)
     (resumed_run,) = [p for p in (scratch / "out" / "runs").iterdir() if p.is_dir()]
     # a preempted run goes on past end
-    got = [ln for ln in metric_lines(resumed_run) if step < ln["step"] <= end]
+    got = [ln for ln in chaos.metric_lines(resumed_run) if step < ln["step"] <= end]
     want = [ln for ln in archived if ln["step"] > step]
     compared: dict[str, Any] = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
     stores = (store, RunDir(resumed_run).store)

@@ -31,13 +31,12 @@ def _command(argv: list[str], output_dir: Path) -> list[str]:
     return [sys.executable, "-m", "pipeline", *kept, *tail]
 
 
-def run(cmd: list[str], kill: str | None = None, **env: str) -> subprocess.CompletedProcess:
+def run(cmd: list[str], kill: str | None = None, cwd=None, **env) -> subprocess.CompletedProcess:
     """`cmd` in a fresh process importing this project, SIGKILLed at kill point `kill` (files/killpoint.py) if given."""
-    drop = ("PIPELINE_CHAOS", "PIPELINE_CHAOS_TRACE")
-    keep = {k: v for k, v in os.environ.items() if k not in drop}
+    keep = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
     path = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**keep, "PYTHONPATH": path, **({"PIPELINE_CHAOS": kill} if kill else {}), **env}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def invalid_checkpoints(*stores: CheckpointStore) -> list[str]:
