@@ -128,10 +128,8 @@ def register(given: Path, name: str, tracking_uri: str | None = None):
         if vocab is not None:
             (Path(tmp) / "vocab.json").write_bytes(jsonio.dumps(vocab))
             artifacts[VOCAB] = str(Path(tmp) / "vocab.json")
-        with (
-            using_store(uri),  # first: the run starts in this store
-            mlflow.start_run(experiment_id=experiment_id, run_name=f"register {name}", tags=tags),
-        ):
+        run = dict(experiment_id=experiment_id, run_name=f"register {name}", tags=tags)
+        with using_store(uri), mlflow.start_run(**run):  # the store first: the run starts in it
             code = str(GENERATOR_CODE if signature is None else CODE)
             model |= dict(name=ARTIFACT_PATH, python_model=code, artifacts=artifacts)
             info = mlflow.pyfunc.log_model(**model, registered_model_name=name)
@@ -150,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         version, uri = register(Path(args.checkpoint), args.name, args.tracking_uri)
     except Exception as e:
-        # mlflow's refusals (a bad name, a server's error) come once register() imported mlflow: never import
-        # it for a checkpoint refused before (a few seconds of every refusal)
+        # mlflow's refusals come once register() imported it: never imported for an earlier refusal
         mlflow = sys.modules.get("mlflow")
         if mlflow is None or not isinstance(e, mlflow.exceptions.MlflowException):
             raise
