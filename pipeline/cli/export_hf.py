@@ -83,14 +83,13 @@ def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos=EO
     else:
         why = f"no tokenizer for a corpus decoded with {join!r} between tokens"
         raise ValueError(f"{why} (words or characters only)")
-    specials = [eos] if eos is not None and eos in vocab else []
-    if specials:
-        # already in the vocabulary: same id, never split, skippable on decode
-        tok.add_special_tokens(specials)
     config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=n_positions)
     # transformers would otherwise rewrite " ," as "," on decode: the corpus's text is the tokens joined
     config["clean_up_tokenization_spaces"] = False
-    config |= dict(bos_token=eos, eos_token=eos, pad_token=eos) if specials else {}
+    if eos is not None and eos in vocab:
+        # already in the vocabulary: same id, never split, skippable on decode
+        tok.add_special_tokens([eos])
+        config |= dict(bos_token=eos, eos_token=eos, pad_token=eos)
     return {
         "tokenizer.json": tok.to_str(pretty=True).encode() + b"\n",
         "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode(),
