@@ -19,7 +19,6 @@ from pipeline.verify.compare import compare, machine
 from pipeline.verify.snapshot import read_summary
 
 MODES = ("continuous", "interrupted", "resume", "negative")
-EXACT = "exact (the same bytes)"
 
 
 def verify_dir(config: dict, *sub: str) -> Path:
@@ -96,7 +95,7 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     at_cut_rows = [{"name": k, "state_machine": machine(k), **r} for k, r in at_cut.items()]
     report: dict = dict(positive=positive, negative_divergence_detected=negative, cut=cut)
     report |= dict(steps=steps, all_checks_passed=positive and negative, final_eval_loss=eval_loss)
-    mode = "allclose" if atol or rtol else EXACT
+    mode = "allclose" if atol or rtol else "exact (the same bytes)"
     report["tolerance"] = {"atol": atol, "rtol": rtol, "mode": mode}
     report["cursor_at_cut"] = f"{intr_meta['cursor']}/{intr_meta['n_train']}"
     report["epoch_at_cut"] = intr_meta["epoch"]
