@@ -128,7 +128,7 @@ def register(given: Path, name: str, tracking_uri: str | None = None):
         if vocab is not None:
             (Path(tmp) / "vocab.json").write_bytes(jsonio.dumps(vocab))
             artifacts[VOCAB] = str(Path(tmp) / "vocab.json")
-        run = dict(experiment_id=experiment_id, run_name=f"register {name}", tags=tags)
+        run: dict = dict(experiment_id=experiment_id, run_name=f"register {name}", tags=tags)
         with using_store(uri), mlflow.start_run(**run):  # the store first: the run starts in it
             code = str(GENERATOR_CODE if signature is None else CODE)
             model |= dict(name=ARTIFACT_PATH, python_model=code, artifacts=artifacts)

@@ -30,8 +30,9 @@ def read_vocab(checkpoint: Path, vocab_json: str | None) -> tuple[list[str], str
     record = jsonio.read(vocab_json, MAX_VOCAB_JSON)
     record = record if isinstance(record, dict) else {}
     vocab, join = record.get("vocab"), record.get("decode_join")
-    strings = isinstance(vocab, list) and all(type(t) is str for t in vocab)
-    if not (strings and isinstance(join, str)):
+    if not (
+        isinstance(vocab, list) and isinstance(join, str) and all(type(t) is str for t in vocab)
+    ):
         why = "needs a list of strings `vocab` and a string `decode_join`"
         raise MlflowException(f"{vocab_json}: {why}")
     return vocab, join, ("<eos>" if "<eos>" in vocab else None)
