@@ -6,13 +6,15 @@ chaos mode. Exit 0 if they agree and the control diverges, 1 if not, 2 if incomp
 
 def main(argv: list[str] | None = None) -> int:
     """Imports only once run_command holds the signals (the one wrapper, run/signals.py)."""
-    from pipeline.cli import parser
+    import argparse
+
     from pipeline.config.compose import compose, to_plain
     from pipeline.config.schemas import validate
 
     epilog = "Overrides are those of `python -m pipeline` (experiment=kernodeck, verify.cut=5, "
     epilog += "verify.steps=10, verify.kill=random, verify.trials=20)."
-    ap = parser("pipeline.verify", __doc__, epilog=epilog)
+    doc = __doc__.split("\n\n")[0]
+    ap = argparse.ArgumentParser(prog="python -m pipeline.verify", description=doc, epilog=epilog)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides")
     args = ap.parse_args(argv)
     config = to_plain(compose(args.overrides))  # a bad override: one line, exit 2
