@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import os
 import stat
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ from pipeline.files import listing as files_listing
 from pipeline.files.limits import MAX_ARCHIVE_LISTING, MAX_CORPUS_JSON, MAX_SMALL, MAX_SOURCE_FILE
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import command, run_command
-from pipeline.verify.chaos import metric_lines
+from pipeline.verify import chaos
 
 NAME = "pipeline.archive"
 SELECTIONS = ("best", "final", "newest")
@@ -38,9 +37,6 @@ INTERRUPTED = "no archive was published (its hidden temporary is removed or igno
 
 class BadSource(CommandError):
     """SOURCE (or DEST) cannot be archived: one line, exit 2."""
-
-
-# --- what SOURCE holds ----------------------------------------------------------------------------------
 
 
 class RunPlan:
@@ -62,9 +58,8 @@ def _kind(path: Path) -> str:
         st = os.lstat(path)
     except FileNotFoundError:
         raise BadSource(f"{path}: does not exist") from None
-    if stat.S_ISLNK(st.st_mode):
-        # a link the user typed is followed, as its target could be typed instead
-        st = os.stat(path)
+    # a link the user typed is followed, as its target could be typed instead
+    st = os.stat(path) if stat.S_ISLNK(st.st_mode) else st
     if not stat.S_ISDIR(st.st_mode):
         what = reading.kind_of(st)
         raise BadSource(f"{path}: is {what}, not a run, sweep or checkpoint directory")
@@ -97,14 +92,13 @@ def _select(store: CheckpointStore, which: str) -> tuple[dict[str, Path], dict[s
     return {n: by_name[n] for n in sorted(chosen)}, {k: t for k, t in links.items() if t in chosen}
 
 
-def plan(source: Path, which: str) -> list[RunPlan]:
-    """The runs SOURCE stands for, each with the checkpoints to keep (every one verified, read-only)."""
-    kind = _kind(source)
+def plan(source: Path, which: str, kind: str | None = None) -> list[RunPlan]:
+    """The runs SOURCE (a `kind`) stands for, each with the checkpoints to keep (every one verified, read-only)."""
+    kind = kind or _kind(source)
     if kind == "sweep":
         from pipeline.sweep.summary import read_jobs
 
-        # <output_dir>/sweeps/<name>-<id>/: its jobs' runs by name
-        runs_dir = source.parent.parent / "runs"
+        runs_dir = source.parent.parent / "runs"  # source: <output_dir>/sweeps/<name>-<id>/
         jobs = read_jobs(source).values()
         runs = sorted({Path(j["run_dir"]).name for j in jobs if isinstance(j.get("run_dir"), str)})
         if not runs:
@@ -130,17 +124,13 @@ def plan(source: Path, which: str) -> list[RunPlan]:
     return [RunPlan(name, None, {step_dir_name(m["step"]): directory}, {})]
 
 
-# --- copying --------------------------------------------------------------------------------------------
-
-
 class Builder:
     """DEST being built in its temporary: every file copied with its hash, every link, and what each should be."""
 
     def __init__(self, root: Path):
         self.root = root
         self.files: dict[str, dict] = {}  # relative path -> {"size", "sha256"} as copied
-        # relative path -> (entry, which source manifest says so)
-        self.expected: dict[str, tuple[dict, str]] = {}
+        self.expected: dict[str, tuple[dict, str]] = {}  # rel -> (entry, the manifest saying so)
         self.links: dict[str, str] = {}
 
     def place(self, rel: str) -> Path:
@@ -154,10 +144,9 @@ class Builder:
         """src's bytes into a new file at rel (never through a link), fsynced, and hashed as they are copied."""
         entry = reading.copy_new(src, self.place(rel), limit, follow=follow)
         if expected is not None:
+            why = f"its bytes differ from {witness} (changed or damaged while being archived)"
             if (entry["size"], entry["sha256"]) != (expected["size"], expected["sha256"]):
-                raise BadSource(
-                    f"{src}: its bytes differ from {witness} (changed or damaged while being archived)"
-                )
+                raise BadSource(f"{src}: {why}")
             self.expected[rel] = (expected, witness)
         self.files[rel] = entry
 
@@ -184,8 +173,7 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
             b.files[rel] = entry
             if fn in listed:
                 b.expected[rel] = (listed[fn], f"the manifest of {directory}")
-    # relative, beside its step directory, as a run has it
-    for link, target in sorted(p.links.items()):
+    for link, target in sorted(p.links.items()):  # relative, beside its step directory
         b.link((store / link).relative_to(b.root).as_posix(), target)
     for rel, path, limit in RunDir(p.run_dir).records() if p.run_dir is not None else ():
         b.copy(path, f"{base}/{rel}", limit)
@@ -214,8 +202,7 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
         at = f"data/{corpus.name}" if corpus is not None else ""
         if corpus is not None and f"{at}/MANIFEST.json" not in b.files:
             for fn, entry in sorted(verify_corpus(corpus)[0]["files"].items()):
-                # a corpus says bytes
-                size = entry["size"] if "size" in entry else entry["bytes"]
+                size = entry["size"] if "size" in entry else entry["bytes"]  # a corpus says bytes
                 listed = {"size": size, "sha256": entry["sha256"]}
                 b.copy(corpus / fn, f"{at}/{fn}", size, listed, f"{corpus / 'MANIFEST.json'}")
             b.copy(man, f"{at}/MANIFEST.json", MAX_CORPUS_JSON, hashed, "data_manifest_hash")
@@ -240,9 +227,6 @@ def archive_run(b: Builder, p: RunPlan, with_data: bool) -> dict:
     return {"checkpoints": dict(sorted(ckpts.items())), "data": shown, "with_data": bool(with_data)}
 
 
-# --- checks on DEST alone ---------------------------------------------------------------------------------
-
-
 def run_overrides(run: Path) -> list[str] | None:
     """The overrides the run was last started with (.hydra/overrides.yaml), or None if it has none."""
     import yaml
@@ -255,23 +239,20 @@ def run_overrides(run: Path) -> list[str] | None:
 
 
 def _trust_hint(root: Path, run: Path, extra: list[str]) -> str:
-    """The `hydra.searchpath=[...]` the archive says run `run` was made with (its .hydra/overrides.yaml, else
-    recovery.json), if the command line did not give it: named in a refusal, never used."""
+    """The search path the archive says `run` was made with, if not on the command line: named in a refusal only."""
     said = list(run_overrides(run) or [])
     with contextlib.suppress(Exception):
         exported = jsonio.read(root / "recovery.json", MAX_SMALL)["exported"]
         said += [str(o) for o in exported["runs"][run.name]["resume_overrides"]]
     said = [o for o in said if o.lstrip("+").startswith("hydra.searchpath=")]
     said = [" ".join(o.split())[:300].lstrip("+") for o in said]
-    searchpath = next((o for o in said if o not in extra), None)
-    if searchpath is None:
+    if (searchpath := next((o for o in said if o not in extra), None)) is None:
         return ""
     return f"; this archive's run {run.name} was made with {searchpath}; give it on the command line if you trust it"
 
 
 def restore_all(root: Path, extra: list[str]) -> list[dict]:
-    """Every archived checkpoint restored from DEST with the full verification of a resume. What its configs may
-    build is decided by the command line alone (`extra`): nothing in the archive widens it."""
+    """Every archived checkpoint restored as a resume would; what it may build is the command line's (`extra`) alone."""
     from pipeline.run.trained import UnknownTargetError, restore_checkpoint
 
     checks = []
@@ -291,8 +272,7 @@ def _check(check: str, passed, detail) -> dict:
 
 
 def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str | None:
-    """Why the resume proof's `args` would build what the command line does not allow (a flag or `hydra.*` from
-    the archive, a `_target_` neither conf/ nor `extra` names), or None."""
+    """Why the proof's `args` would build what the command line does not allow (a flag, hydra.*, a target), or None."""
     from pipeline.config import targets
     from pipeline.config.compose import compose, to_plain
     from pipeline.config.errors import ConfigError, error_line
@@ -316,8 +296,7 @@ def untrusted(args: list[str], extra: list[str], root: Path, run: Path) -> str |
 
 
 def _resume_overrides(run: Path, root: Path, extra: list[str]) -> list[str]:
-    """The archived run's own overrides (.hydra/overrides.yaml holds no hydra.* ones: the search path given to the
-    archive is added), without where it wrote, how it resumed and was tracked, and with its archived data files."""
+    """The run's own overrides, the archive's search path added, paths/resume/tracking dropped, its data files in."""
     dropped = ("paths.", "resume", "tracking", "data.path=")
     kept = [o for o in run_overrides(run) or [] if not o.lstrip("+~").startswith(dropped)]
     kept += [o for o in extra if o not in kept]
@@ -326,16 +305,13 @@ def _resume_overrides(run: Path, root: Path, extra: list[str]) -> list[str]:
 
 
 def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[str]) -> dict:
-    """A fresh `python -m pipeline` resumed from the newest archived checkpoint the original went past, to the
-    run's end: its later metrics lines and final state files compared bit for bit with the archived ones."""
+    """A fresh `python -m pipeline` resumed from the newest archived step before the end, compared bit for bit."""
     if run_overrides(run) is None:
         detail = "no .hydra/overrides.yaml (a checkpoint archived without its run): not resumed"
         return {"run": run.name, "passed": None, "detail": detail}
     store = RunDir(run).store
-    steps = store.steps()
-    archived = metric_lines(run)
-    last_logged = max((ln["step"] for ln in archived), default=steps[-1][0])
-    end = max(last_logged, steps[-1][0])
+    steps, archived = store.steps(), chaos.metric_lines(run)
+    end = max([steps[-1][0], *(ln["step"] for ln in archived)])
     candidates = [(s, d) for s, d in steps if s < end]
     # a fork of the run's end would train nothing (refused); its restore is checked already
     if not candidates:
@@ -344,29 +320,26 @@ def resume_proof(root: Path, dest: Path, run: Path, scratch: Path, extra: list[s
     step, source = candidates[-1]
     args = [*_resume_overrides(run, root, extra), f"resume.source={source}"]
     args += [f"paths.output_dir={scratch / 'out'}", "tracking=none", "trainer.progress_bar=false"]
-    shown = [a.replace(str(root), str(dest)) for a in args]
+    shown = " ".join(args).replace(str(root), str(dest)).replace(str(scratch), "<scratch>")
     # the child takes them as its command line
     if (problem := untrusted(args, extra, root, run)) is not None:
         return {"run": run.name, "passed": False, "step_recovered": step, "detail": problem}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
-    # run() kills the child on any exception (a signal's included) before it is raised
-    cmd = [sys.executable, "-m", "pipeline", *args]
-    proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True)
+    # subprocess.run (chaos.run) kills the child on any exception (a signal's included) before it is raised
+    proc = chaos.run([sys.executable, "-m", "pipeline", *args], cwd=scratch)
     result = {"run": run.name, "from": source.relative_to(root).as_posix(), "step_recovered": step}
-    shown_cmd = "python -m pipeline " + " ".join(shown).replace(str(scratch), "<scratch>")
-    result |= {"command": shown_cmd, "exit": proc.returncode}
+    result |= {"command": f"python -m pipeline {shown}", "exit": proc.returncode}
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         return result | dict(passed=False, detail=last)
     (resumed_run,) = [p for p in (scratch / "out" / "runs").iterdir() if p.is_dir()]
     # a preempted run goes on past end
-    got = [ln for ln in metric_lines(resumed_run) if step < ln["step"] <= end]
+    got = [ln for ln in chaos.metric_lines(resumed_run) if step < ln["step"] <= end]
     want = [ln for ln in archived if ln["step"] > step]
     compared: dict[str, Any] = {"metrics_lines_after_step": len(want), "metrics_equal": got == want}
-    original_final = store.link_dir("final")
-    resumed_final = RunDir(resumed_run).store.link_dir("final")
-    if original_final is not None and resumed_final is not None and step < end:
-        a, bb = (CheckpointDir(d).manifest() for d in (original_final, resumed_final))
+    stores = (store, RunDir(resumed_run).store)
+    finals = [d for s in stores if (d := s.link_dir("final")) is not None]
+    if len(finals) == 2 and step < end:
+        a, bb = (CheckpointDir(d).manifest() for d in finals)
         hashes, mine = {n: e["sha256"] for n, e in bb["files"].items()}, a["files"]
         compared["final_step"] = a["step"]
         compared["final_files_equal"] = {n: e["sha256"] == hashes.get(n) for n, e in mine.items()}
@@ -405,57 +378,47 @@ def checks_on(root: Path, dest: Path, b: Builder | None, extra: list[str], prove
     return {"checks": checks, "resume": proofs, "all_checks_passed": passed}
 
 
-# --- README -------------------------------------------------------------------------------------------------
-
-
 def readme(dest: Path, exported: dict) -> str:
-    lines = [
-        f"# Archive {dest.name}",
-        "",
-        "Made by `python -m pipeline.archive`. Every file is listed with its size and sha256 in MANIFEST.json;",
-        "recovery.json holds the checks run on this directory alone and the resume proof. Re-check it with",
-        f"`python -m pipeline.archive --check {dest}`. Give `paths.output_dir=SCRATCH` to the commands below so",
-        "that a regenerated corpus goes there, not into this archive.",
-        "",
-    ]
+    text = f"""# Archive {dest.name}
+
+Made by `python -m pipeline.archive`. Every file is listed with its size and sha256 in MANIFEST.json;
+recovery.json holds the checks run on this directory alone and the resume proof. Re-check it with
+`python -m pipeline.archive --check {dest}`. Give `paths.output_dir=SCRATCH` to the commands below so
+that a regenerated corpus goes there, not into this archive.
+"""
     for name, run in sorted(exported["runs"].items()):
-        ck, d = run["checkpoints"], run["data"]
+        ck, d, over = run["checkpoints"], run["data"], run["resume_overrides"]
         order = sorted(ck, key=lambda n: ck[n]["step"])
         newest = order[-1]
         # as the proof does
         resume_from = order[-2] if len(order) > 1 and "final" in ck[newest]["links"] else newest
         best = "best" if any("best" in c["links"] for c in ck.values()) else newest
         at = RunDir(dest / "runs" / name).store.root
-        over = " ".join(run["resume_overrides"])
-        sp = " ".join(o for o in run["resume_overrides"] if o.startswith("hydra.searchpath="))
+        sp = (" " + " ".join(o for o in over if o.startswith("hydra.searchpath="))).rstrip()
         tagged = {n: f", {'/'.join(c['links'])}" if c["links"] else "" for n, c in ck.items()}
         listed = ", ".join(f"{n} (step {c['step']}{tagged[n]})" for n, c in sorted(ck.items()))
-        lines += [
-            f"## {name}",
-            "",
-            "Checkpoints: " + listed,
-            f"Data: data_manifest_hash {d['data_manifest_hash']}, corpus {d['corpus'] or '-'}, sources "
-            f"{d['sources'] or '-'}{' (archived under sources/ and data/)' if run['with_data'] else ''}.",
-            "",
-            "```bash",
-            f"python -m pipeline.show {dest}/runs/{name} {sp}".rstrip(),
-            f"python -m pipeline.evaluate {at}/{best} paths.output_dir=SCRATCH {sp}".rstrip(),
-        ]
-        if run.get("generates"):
-            lines += [
-                f'python -m pipeline.sample {at}/final prompt="the" max_new_tokens=20 paths.output_dir=SCRATCH',
-                f"python -m pipeline.export_hf {at}/final HF_DIR",
-            ]
-        src = f"{at}/{resume_from}"
-        resume = f"python -m pipeline {over} resume.source={src} paths.output_dir=SCRATCH"
+        sources = f"{d['sources'] or '-'}{' (archived under sources/ and data/)' if run['with_data'] else ''}"
+        generates = f"""python -m pipeline.sample {at}/final prompt="the" max_new_tokens=20 paths.output_dir=SCRATCH
+python -m pipeline.export_hf {at}/final HF_DIR
+"""
+        resume = f"python -m pipeline {' '.join(over)} resume.source={at}/{resume_from} paths.output_dir=SCRATCH"
         how = f"repeats the steps after {resume_from} of the finished run, to its final bytes"
         how = how if resume_from != newest else "continues the run from its newest checkpoint"
-        check = "`python -m pipeline.archive --check` re-verifies every byte."
-        lines += [resume.replace("  ", " "), "```", "", f"The resume {how}; {check}", ""]
-    return "\n".join(lines)
+        text += f"""
+## {name}
 
+Checkpoints: {listed}
+Data: data_manifest_hash {d["data_manifest_hash"]}, corpus {d["corpus"] or "-"}, sources {sources}.
 
-# --- the command ------------------------------------------------------------------------------------------
+```bash
+python -m pipeline.show {dest}/runs/{name}{sp}
+python -m pipeline.evaluate {at}/{best} paths.output_dir=SCRATCH{sp}
+{generates if run.get("generates") else ""}{resume.replace("  ", " ")}
+```
+
+The resume {how}; `python -m pipeline.archive --check` re-verifies every byte.
+"""
+    return text
 
 
 def _failed(checks: list[dict]) -> dict | None:
@@ -484,11 +447,10 @@ def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, 
         for p in sorted(p for p in dest.parent.iterdir() if p.name.startswith(stale)):
             ignoring = f"{NAME}: ignoring {p}, the temporary of an interrupted archive (remove it)"
             print(ignoring, file=sys.stderr)
-        plans = plan(source, which)
+        plans = plan(source, which, kind := _kind(source))
         if len({p.name for p in plans}) != len(plans):
             raise BadSource(f"{source}: two runs of the same name")
-        tmp = atomic.new_temp_dir(dest.parent, dest.name)
-        b = Builder(tmp)
+        b = Builder(tmp := atomic.new_temp_dir(dest.parent, dest.name))
         exported: dict[str, Any] = {"runs": {}}
         for run_plan in plans:
             exported["runs"][run_plan.name] = run = archive_run(b, run_plan, with_data)
@@ -496,8 +458,7 @@ def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, 
             run["resume_overrides"] = [o.replace(str(tmp), str(dest)) for o in overrides]
             model = run_plan.newest["config"]["model"]
             run["model"], run["generates"] = model.get("_target_"), gpt2_shaped(model)
-        # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
-        if _kind(source) == "sweep":
+        if kind == "sweep":  # its own records too: multirun.yaml, sweep.json, jobs/*.json, results
             name = Path(os.path.realpath(source)).name
             tops = [f for f in sorted(source.iterdir()) if not f.is_dir() or f.is_symlink()]
             # each a regular file: b.copy refuses the rest

@@ -1,7 +1,6 @@
 """`python -m pipeline.evaluate CHECKPOINT [overrides] [--json]`: the validation metrics of any checkpoint.
 
-By the function a run evaluates with: on its own data, what its run measured at that step; other data
-(`data=NAME ...`, `data.KEY=VALUE`) must fit the model's spec and vocabulary."""
+On its own data, what its run measured at that step; other data (`data=NAME`, `data.KEY=V`) must fit its spec."""
 
 from __future__ import annotations
 
@@ -17,18 +16,15 @@ EPILOG += "default the run's), hydra.searchpath=[...]"
 
 
 def evaluate_checkpoint(directory: Path, overrides: tuple[str, ...] | list[str] = ()) -> dict:
-    """{"checkpoint", "step", "data", "data_manifest_hash", "own_data", "metrics"}; ConfigError or
-    CheckpointError (one line) if the checkpoint does not verify or the data does not fit its model."""
+    """Its metrics on its own or other data; one-line ConfigError/CheckpointError for what does not verify or fit."""
     from pipeline.run.trained import checkpoint_data, restore_checkpoint
     from pipeline.trainer.loop import validate
 
     manifest, state = restore_checkpoint(directory, list(overrides))
     state.dataset = dataset = checkpoint_data(manifest, list(overrides), directory)
     out = dict(checkpoint=str(directory), step=manifest["step"], data=type(dataset).__name__)
-    own = dataset.manifest_hash == manifest["data_manifest_hash"]
-    return out | dict(
-        data_manifest_hash=dataset.manifest_hash, own_data=own, metrics=validate(state)
-    )
+    h, own = dataset.manifest_hash, dataset.manifest_hash == manifest["data_manifest_hash"]
+    return out | dict(data_manifest_hash=h, own_data=own, metrics=validate(state))
 
 
 @command(NAME)

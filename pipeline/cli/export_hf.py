@@ -1,5 +1,4 @@
-"""Write MiniGPT weights as a Hugging Face GPT-2 directory: config.json, model.safetensors, and the corpus
-vocabulary as a tokenizer (tokenizer.json + tokenizer_config.json); each file replaced atomically, mode 0644."""
+"""MiniGPT weights as a Hugging Face GPT-2 directory (docs/serving.md), each file replaced atomically, mode 0644."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ def expected_shapes(config: dict) -> dict:
 
 
 def gpt2_config(n_layer, n_head, n_embd, n_positions, vocab_size, eos_id, gelu) -> dict:
-    """A GPT2Config matching MiniGPT: its GELU (tanh: gelu_new, erf: gelu), LayerNorm eps 1e-5, 4x MLP, tied head,
-    no dropout."""
+    """A GPT2Config matching MiniGPT: its GELU, LayerNorm eps 1e-5, 4x MLP, tied head, no dropout."""
     out: dict = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=vocab_size)
     out |= dict(n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head)
     # n_inner None: 4 * n_embd
@@ -61,8 +59,7 @@ def gpt2_config(n_layer, n_head, n_embd, n_positions, vocab_size, eos_id, gelu) 
 
 
 def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos=EOS) -> dict:
-    """tokenizer.json (a WordLevel model over the corpus vocabulary, ids unchanged; no unknown token) and
-    tokenizer_config.json: words split at whitespace (join " ") or characters (join ""); docs/serving.md."""
+    """tokenizer.json (WordLevel over the corpus vocabulary, same ids) and tokenizer_config.json (docs/serving.md)."""
     try:
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     except ModuleNotFoundError as e:
@@ -86,14 +83,13 @@ def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos=EO
     else:
         why = f"no tokenizer for a corpus decoded with {join!r} between tokens"
         raise ValueError(f"{why} (words or characters only)")
-    specials = [eos] if eos is not None and eos in vocab else []
-    if specials:
-        # already in the vocabulary: same id, never split, skippable on decode
-        tok.add_special_tokens(specials)
     config = dict(tokenizer_class="PreTrainedTokenizerFast", model_max_length=n_positions)
     # transformers would otherwise rewrite " ," as "," on decode: the corpus's text is the tokens joined
     config["clean_up_tokenization_spaces"] = False
-    config |= dict(bos_token=eos, eos_token=eos, pad_token=eos) if specials else {}
+    if eos is not None and eos in vocab:
+        # already in the vocabulary: same id, never split, skippable on decode
+        tok.add_special_tokens([eos])
+        config |= dict(bos_token=eos, eos_token=eos, pad_token=eos)
     return {
         "tokenizer.json": tok.to_str(pretty=True).encode() + b"\n",
         "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode(),
@@ -103,8 +99,7 @@ def tokenizer_files(vocab: list[str], join: str | None, n_positions: int, eos=EO
 def write_hf(
     params: dict, *, out_dir, vocab=None, join=None, eos=EOS, gelu="tanh", bias=True, **dims
 ) -> Path:
-    """config.json, model.safetensors (float32) and, given a vocabulary, the tokenizer into out_dir, names and shapes
-    checked; `dims`: n_layer, n_head, n_embd, n_positions, vocab_size; `eos` is bos, eos and pad; no bias: zeros."""
+    """config.json, model.safetensors and given a vocabulary its tokenizer into out_dir, names and shapes checked."""
     eos_id = list(vocab).index(eos) if vocab is not None and eos in vocab else None
     config = gpt2_config(**dims, eos_id=eos_id, gelu=gelu)
     shapes = expected_shapes(config)
@@ -158,19 +153,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         manifest, state = restore_checkpoint(ck := Path(args.checkpoint), args.overrides)
         # bias and gelu: a checkpoint may predate them
-        model = as_written_now(manifest["config"]["model"])
-        if not (gpt2_shaped(model) and "transformer.wte.weight" in state.model.state_dict()):
+        model, weights = as_written_now(manifest["config"]["model"]), state.model.state_dict()
+        if not (gpt2_shaped(model) and "transformer.wte.weight" in weights):
             raise CommandError(f"{ck} holds a {model.get('_target_')}, not a MiniGPT")
         facts = data_facts(manifest, args.overrides, ck)
         if facts["vocab"] is None:
             raise CommandError(f"{ck}: its data has no vocabulary to make a tokenizer of")
-        weights = state.model.state_dict()
-        dims = {k: model[k] for k in ("n_layer", "n_head", "n_embd")}
-        dims["n_positions"] = weights["transformer.wpe.weight"].shape[0]
-        dims["vocab_size"] = weights["transformer.wte.weight"].shape[0]
-        hf = dict(vocab=facts["vocab"], join=facts["decode_join"], eos=facts["specials"].get("eos"))
-        hf |= dict(gelu=model["gelu"], bias=model["bias"])
-        out = write_hf(weights, out_dir=args.out_dir, **hf, **dims)
+        hf = {k: model[k] for k in ("n_layer", "n_head", "n_embd", "gelu", "bias")}
+        wpe, wte = (weights[f"transformer.{k}.weight"].shape[0] for k in ("wpe", "wte"))
+        hf |= dict(n_positions=wpe, vocab_size=wte, vocab=facts["vocab"], join=facts["decode_join"])
+        out = write_hf(weights, out_dir=args.out_dir, eos=facts["specials"].get("eos"), **hf)
     except ValueError as e:  # a weight whose shape does not fit: bad input
         raise CommandError(str(e)) from e
     print(f"wrote {out}: config.json, model.safetensors, tokenizer.json, tokenizer_config.json")

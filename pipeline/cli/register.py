@@ -1,7 +1,6 @@
 """`python -m pipeline.register CHECKPOINT NAME [--tracking-uri URI]`: the checkpoint as an mlflow model, registered.
 
-Logged from code, never a pickle (docs/serving.md: The model in mlflow's registry); exit 0 printing
-`models:/NAME/VERSION`, 2 for bad input (refused before mlflow is imported, but the store), 1 if mlflow refuses."""
+Logged from code, never a pickle; prints `models:/NAME/VERSION`; its exit codes: docs/serving.md."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ INTERRUPTED = "a run or a model version may be partly logged; register again for
 
 
 def signature_of(manifest: dict, model, prompt: str = ""):
-    """(signature, input example): a MiniGPT's is None (mlflow takes its predict's type, Row, and checks each
-    row against it), its example's prompt one the vocabulary has; an MLP's, features -> outputs as tensors."""
+    """(signature, input example): a MiniGPT's None (mlflow checks rows against Row), an MLP's tensors."""
     import numpy as np
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
@@ -53,8 +51,7 @@ def requirements() -> list[str]:
 
 @contextmanager
 def using_store(uri: str):
-    """mlflow's fluent API (log_model has no other) pointed at `uri` for the block, then all it changed put
-    back: its URIs (module globals, no public getter) and the MLFLOW_*_URI it writes into os.environ."""
+    """mlflow's fluent API (log_model has no other) pointed at `uri` for the block, all it changed put back."""
     import mlflow
     from mlflow.tracking._model_registry import utils as registry
     from mlflow.tracking._tracking_service import utils as tracking
@@ -74,8 +71,7 @@ def using_store(uri: str):
 
 
 def store_uri(checkpoint: Path, tracking_uri: str | None) -> str:
-    """The store named (--tracking-uri, else MLFLOW_TRACKING_URI), else the mlflow.db of the output directory
-    the checkpoint lies in; one in an archive needs a store named: nothing is written there unasked."""
+    """--tracking-uri, MLFLOW_TRACKING_URI, else the checkpoint's output directory's mlflow.db (never an archive's)."""
     from pipeline.run.trained import cache_home, in_archive
     from pipeline.tracking.common import default_uri, normalize_tracking_uri
 
@@ -86,9 +82,8 @@ def store_uri(checkpoint: Path, tracking_uri: str | None) -> str:
     return normalize_tracking_uri(named or default_uri(cache_home(checkpoint)))
 
 
-def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
-    """The checkpoint logged as a pyfunc model and registered as the next version of `name` (its mlflow
-    ModelVersion); a one-line CheckpointError / ConfigError / StoreError for what will not do."""
+def register(given: Path, name: str, tracking_uri: str | None = None):
+    """(ModelVersion, store URI): the checkpoint logged as a pyfunc model, the next version of `name`."""
     from pipeline.checkpoint.directory import CheckpointDir
     from pipeline.files import jsonio, names
     from pipeline.run.trained import checkpoint_data, restore_checkpoint
@@ -98,7 +93,6 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
         what = "models:/NAME/VERSION and a directory of a file store"
         why = f"{why or 'must not be blank'} (a registered model's name is {what})"
         raise ConfigError(f"NAME={names.shown(name)}: {why}")
-    given = Path(checkpoint_dir)
     checkpoint = CheckpointDir(given)
     directory = checkpoint.resolved()  # `final`, `best`: the step directory they stand for
     # refused here, before mlflow is imported or a byte written
@@ -134,14 +128,12 @@ def register(checkpoint_dir, name: str, tracking_uri: str | None = None):
         if vocab is not None:
             (Path(tmp) / "vocab.json").write_bytes(jsonio.dumps(vocab))
             artifacts[VOCAB] = str(Path(tmp) / "vocab.json")
-        with (
-            using_store(uri),  # first: the run starts in this store
-            mlflow.start_run(experiment_id=experiment_id, run_name=f"register {name}", tags=tags),
-        ):
+        run: dict = dict(experiment_id=experiment_id, run_name=f"register {name}", tags=tags)
+        with using_store(uri), mlflow.start_run(**run):  # the store first: the run starts in it
             code = str(GENERATOR_CODE if signature is None else CODE)
             model |= dict(name=ARTIFACT_PATH, python_model=code, artifacts=artifacts)
             info = mlflow.pyfunc.log_model(**model, registered_model_name=name)
-    return client.get_model_version(name, str(info.registered_model_version))
+    return client.get_model_version(name, str(info.registered_model_version)), uri
 
 
 @command(NAME)
@@ -154,15 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per file copy
     try:
-        version = register(Path(args.checkpoint), args.name, args.tracking_uri)
+        version, uri = register(Path(args.checkpoint), args.name, args.tracking_uri)
     except Exception as e:
-        # mlflow's refusals (a bad name, a server's error) come once register() imported mlflow: never import
-        # it for a checkpoint refused before (a few seconds of every refusal)
+        # mlflow's refusals come once register() imported it: never imported for an earlier refusal
         mlflow = sys.modules.get("mlflow")
         if mlflow is None or not isinstance(e, mlflow.exceptions.MlflowException):
             raise
         raise CommandError(f"mlflow: {str(e).splitlines()[0]}", exit_code=EXIT_ERROR) from e
-    uri = store_uri(Path(args.checkpoint), args.tracking_uri)
     print(f"registered in the model registry of {uri} (logged as run {version.run_id})")
     print(f"models:/{version.name}/{version.version}")
     return EXIT_OK

@@ -1,7 +1,6 @@
 """`python -m pipeline.reindex [OUTPUT_DIR] [--tracking-uri URI] [--rebuild]`: the mlflow index, from disk.
 
-Each run and sweep gets only what its index lacks, so running it twice adds nothing (docs/tracking.md: Rebuilding
-the index). Exit 2 for a store that cannot be opened, 1 if some run directory could not be indexed."""
+Adds only what the index lacks (docs/tracking.md); exit 2: a store that will not open, 1: a run not indexed."""
 
 from __future__ import annotations
 
@@ -74,8 +73,7 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
 
 
 def history(output_dir: Path) -> list[tuple[float, str, Path]]:
-    """(start time, "sweep" or "run", directory) of every sweep and run directory in the order they started,
-    the live index's, which a rebuild replays; a start time that cannot be read sorts first (by name)."""
+    """(start time, "sweep" or "run", directory) of each, in the order they started (unreadable: first, by name)."""
     from pipeline.run.directory import RunDir
     from pipeline.tracking.index import read_sweep
 
@@ -113,10 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     if not output_dir.is_dir():
         raise CommandError(f"no such output directory: {output_dir}")
     uri = normalize_tracking_uri(args.tracking_uri or default_uri(output_dir))
-    # renamed, never deleted
     if args.rebuild and (db := sqlite_path(uri)) is not None and db.exists():
         aside = db.with_name(f"{db.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
-        db.rename(aside)
+        db.rename(aside)  # renamed, never deleted
         print(f"moved the old store aside: {aside}")
     results = reindex(output_dir, uri, args.artifact_location)
     return EXIT_ERROR if any("error" in r for r in results) else EXIT_OK

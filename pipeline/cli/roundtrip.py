@@ -1,11 +1,11 @@
 """`python -m pipeline.roundtrip [overrides]`: four checks of the checkpoint format on the composed config.
 
-Results in `<paths.output_dir>/roundtrip/<run name>/roundtrip_results.json`; exit 0 if all pass, 1 if not, 2 on
-a bad override. The checks and the keys they write are in docs/checkpoints.md (The roundtrip checks)."""
+Results in `<output_dir>/roundtrip/<run name>/roundtrip_results.json`; checks and exits: docs/checkpoints.md."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import struct
 import sys
 import tempfile
@@ -24,7 +24,7 @@ from pipeline.files import jsonio
 from pipeline.files.atomic import TMP_PREFIX, remove_tree, write_new
 from pipeline.run.signals import command, run_command
 from pipeline.stateful import PARTS
-from pipeline.verify.chaos import invalid_checkpoints, killed, run
+from pipeline.verify.chaos import invalid_checkpoints, run
 from pipeline.verify.compare import first_difference
 from pipeline.verify.protocol import MODES, run_workers
 from pipeline.verify.snapshot import read_state, read_summary
@@ -111,8 +111,7 @@ def check_tying(config: dict, run: Fresh, directory: Path) -> dict:
 
 
 def check_atomic(overrides: list[str], work: Path) -> dict:
-    """A save SIGKILLed just before its rename (the verifier's kill): no checkpoint, a temporary readers
-    ignore, removed by the next save, which verifies."""
+    """A save SIGKILLed before its rename: no checkpoint, a temporary readers ignore and the next save removes."""
     out = work / "atomic"
     cmd = [sys.executable, "-m", NAME, "--save-to", str(out), "--steps", "2", "--", *overrides]
     store = CheckpointStore(out / "saves")
@@ -121,16 +120,13 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
         found = store.root.iterdir() if store.root.is_dir() else ()
         return sorted(p.name for p in found if p.name.startswith(TMP_PREFIX))
 
-    interrupted = killed(run(cmd, "save:4"))
-    left = temporaries()
-    no_final = not store.root.is_dir() or not any(store.root.glob("step-*"))
-    ignored = store.steps() == []
-    again = run(cmd)
-    leftovers = temporaries()
+    killed = run(cmd, "save:4").returncode == -signal.SIGKILL
+    checks = dict(interrupted=killed, temporary_left=bool(temporaries()))
+    checks["no_final_directory"] = not store.root.is_dir() or not any(store.root.glob("step-*"))
+    checks["readers_ignore_temporary"] = store.steps() == []
+    again, leftovers = run(cmd), temporaries()
+    checks["next_save_cleans_up"] = again.returncode == 0 and not leftovers
     verifies = [s for s, _ in store.steps()] == [2] and not invalid_checkpoints(store)
-    cleans = again.returncode == 0 and not leftovers
-    checks = dict(interrupted=interrupted, no_final_directory=no_final, temporary_left=bool(left))
-    checks |= dict(readers_ignore_temporary=ignored, next_save_cleans_up=cleans)
     checks["next_save_verifies"] = verifies
     return {"passed": all(checks.values()), "checks": checks, "leftovers": leftovers}
 
@@ -159,8 +155,7 @@ def roundtrip(overrides: list, steps=10, separate_process=True, keep=False) -> t
     passed = [continuation["passed"], atomic["passed"], version == SCHEMA_VERSION]
     passed += [results["all_byte_equal"], results["size_within_4kib"]]
     results["passed"] = all(passed) and results["weight_tying_preserved"] is not False
-    path = out / RESULTS
-    path.write_bytes(jsonio.dumps(results))
+    (path := out / RESULTS).write_bytes(jsonio.dumps(results))
     return results, path
 
 

@@ -21,11 +21,9 @@ SUMMARY += " code_sha256 seed mlflow_run_uri lineage"
 
 
 def describe_checkpoint(directory: Path, overrides: tuple[str, ...] = ()) -> dict:
-    """The manifest's summary (what of it is readable) and the verdict of a full verification; a config naming
-    a class nothing the user runs names is UnknownTargetError, not a verdict."""
+    """The manifest's summary and the verdict of a full verification (an unknown `_target_` raises, no verdict)."""
     from pipeline.run.trained import UnknownTargetError, restore_checkpoint
 
-    directory = Path(directory)
     out: dict = {"kind": "checkpoint", "path": str(directory)}
     if directory.is_symlink():
         out["link_target"] = os.readlink(directory)
@@ -58,8 +56,7 @@ def describe_run(run_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
     try:
         steps, links = rundir.store.scan()
     except OSError as e:
-        out.update(checkpoints=[], links={}, temporaries=[], valid=False, reason=str(e))
-        return out
+        return out | dict(checkpoints=[], links={}, temporaries=[], valid=False, reason=str(e))
     root = rundir.store.root
     out["links"] = {name: {"target": t, "exists": (root / t).is_dir()} for name, t in links.items()}
     out["checkpoints"] = checkpoints = [
@@ -108,10 +105,8 @@ def render_run(d: dict) -> str:
     ]
     if run.get("mlflow_run_uri"):  # recorded once the run was indexed (its manifests may say null)
         lines.append(f"  mlflow_run_uri: {run['mlflow_run_uri']}")
-    if "reason" in d:
-        lines.append(f"  INVALID: {d['reason']}")
-    if not d["checkpoints"] and "reason" not in d:
-        lines.append("  no checkpoints")
+    if "reason" in d or not d["checkpoints"]:
+        lines.append(f"  INVALID: {d['reason']}" if "reason" in d else "  no checkpoints")
     for c in d["checkpoints"]:
         links = f" [{', '.join(c['links'])}]" if c["links"] else ""
         verdict = "valid" if c["valid"] else f"INVALID: {c['reason']}"

@@ -59,8 +59,7 @@ def _args(row: dict) -> list[str]:
 
 
 class CheckpointModel(PythonModel):
-    """Artifacts: `checkpoint/` (restored as every tool restores one: fully verified) and, for a MiniGPT
-    without data.json, `vocab.json` ({"vocab": [...], "decode_join": " "}) written by register."""
+    """Artifacts: `checkpoint/` (fully verified on load) and, for a MiniGPT without data.json, register's vocab.json."""
 
     def load_context(self, context) -> None:
         from pipeline.run.trained import restore_checkpoint
@@ -94,8 +93,7 @@ class CheckpointModel(PythonModel):
 
 
 class Row(pydantic.BaseModel):
-    """A MiniGPT row: `prompt` and sample's options, nothing else; GeneratorModel.predict's input type, so mlflow
-    refuses an unknown column before predict (a signature alone only warns and drops it)."""
+    """A MiniGPT row: `prompt` and sample's options only; mlflow refuses another column before predict."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
     prompt: str

@@ -31,18 +31,12 @@ def _command(argv: list[str], output_dir: Path) -> list[str]:
     return [sys.executable, "-m", "pipeline", *kept, *tail]
 
 
-def run(cmd: list[str], kill: str | None = None, **env: str) -> subprocess.CompletedProcess:
-    """`cmd` in a fresh process that imports this project, SIGKILLed at kill point `kill` (pipeline/files/
-    killpoint.py: "save:4") if given; whether it was is `killed(...)`."""
-    drop = ("PIPELINE_CHAOS", "PIPELINE_CHAOS_TRACE")
-    keep = {k: v for k, v in os.environ.items() if k not in drop}
+def run(cmd: list[str], kill: str | None = None, cwd=None, **env) -> subprocess.CompletedProcess:
+    """`cmd` in a fresh process importing this project, SIGKILLed at kill point `kill` (files/killpoint.py) if given."""
+    keep = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_CHAOS")}
     path = os.pathsep.join([str(PROJECT_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**keep, "PYTHONPATH": path, **({"PIPELINE_CHAOS": kill} if kill else {}), **env}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True)
-
-
-def killed(proc: subprocess.CompletedProcess) -> bool:
-    return proc.returncode == -signal.SIGKILL
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
 
 
 def invalid_checkpoints(*stores: CheckpointStore) -> list[str]:
@@ -77,16 +71,14 @@ def final_state(output_dir: Path) -> dict:
     final = store.link_step("final")
     assert final is not None, f"{output_dir}: the run has no final checkpoint"
     _, extra = CheckpointDir(store.root / "final").json_state()
-    lines = metric_lines(runs[0])
-    weights, optim = kept[final]["weights"], kept[final]["optim"]
-    out = {"weights": weights, "optim": optim, "extra": extra, "metrics": lines, "step": final}
-    return out | {"checkpoints": kept, "links": store.links()}
+    out = {k: kept[final][k] for k in ("weights", "optim")} | {"extra": extra, "step": final}
+    return out | {"metrics": metric_lines(runs[0]), "checkpoints": kept, "links": store.links()}
 
 
 def trial(argv: list[str], out: Path, kill: str, reference: dict, max_reruns: int) -> dict:
     """One kill at `kill`, then the identical command until it completes, against the reference."""
     cmd = _command(argv, out)
-    record: dict = {"killed": killed(run(cmd, kill))}
+    record: dict = {"killed": run(cmd, kill).returncode == -signal.SIGKILL}
     record["invalid_after_kill"] = invalid_visible_checkpoints(out)
     for reruns in range(1, max_reruns + 1):  # noqa: B007 - the count is read after the loop
         done = run(cmd)

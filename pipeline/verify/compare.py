@@ -9,15 +9,13 @@ import numpy as np
 from pipeline.stateful import PARTS, flat
 
 MISSING = object()
-MACHINE_OF = {**{p: p for p in PARTS}, "eval": "model"}
-# Per-update records after the cut, and which state machine a mismatch there points at first.
-RECORDS = {"records/ids": "data_iter", "records/lr": "scheduler", "records/loss": "model"}
-RECORDS["records/step"] = "data_iter"
+# The state machine of a key's first part ("eval": the model's), or of a per-update record after the cut.
+MACHINE_OF = {**{p: p for p in PARTS}, "eval": "model", "records/loss": "model"}
+MACHINE_OF |= {"records/ids": "data_iter", "records/step": "data_iter", "records/lr": "scheduler"}
 
 
 def diff(a, b, atol: float = 0.0, rtol: float = 0.0) -> dict:
-    """{'max_abs_diff', 'ok', 'detail'} for two leaves (arrays, or JSON values: max_abs_diff None): exact is the
-    same bytes; a tolerance loosens arrays only; a missing side, other structure or a non-finite array fails."""
+    """{'max_abs_diff', 'ok', 'detail'} for two leaves: exact is the same bytes; a tolerance loosens arrays only."""
     if a is MISSING or b is MISSING:
         return _result(False, "missing on one side")
     if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
@@ -60,4 +58,4 @@ def first_difference(a, b, name: str = "") -> str | None:
 
 
 def machine(key: str) -> str:
-    return RECORDS.get(key) or MACHINE_OF[key.split("/", 1)[0]]
+    return MACHINE_OF.get(key) or MACHINE_OF[key.split("/", 1)[0]]

@@ -19,7 +19,6 @@ from pipeline.verify.compare import compare, machine
 from pipeline.verify.snapshot import read_summary
 
 MODES = ("continuous", "interrupted", "resume", "negative")
-EXACT = "exact (the same bytes)"
 
 
 def verify_dir(config: dict, *sub: str) -> Path:
@@ -33,10 +32,8 @@ def verify_dir(config: dict, *sub: str) -> Path:
 def run_workers(
     config: dict, out: Path, cut: int, steps: int, overrides=(), modes=MODES, in_process=False
 ) -> tuple[list[list[str]], str | None]:
-    """Runs the workers of `modes`, two processes at a time where independent (or in this one); their commands
-    and an error. Each gets the overrides config.json came from: what they allow it to build."""
-    config_path = out / "config.json"
-    config_path.write_bytes(jsonio.dumps(config))
+    """(commands, error) of the workers of `modes`, two processes at a time (or in this one), with `overrides`."""
+    (config_path := out / "config.json").write_bytes(jsonio.dumps(config))
     ckpt = out / "interrupted" / "checkpoint"
     batches = [[m for m in pair if m in modes] for pair in (MODES[:2], MODES[2:])]
     commands = {
@@ -97,13 +94,12 @@ def verdict(out: Path, cut: int, steps: int, atol: float, rtol: float) -> dict:
     eval_loss = {name: float(run["eval/losses"].mean()) for name, run in runs.items()}
     at_cut_rows = [{"name": k, "state_machine": machine(k), **r} for k, r in at_cut.items()]
     report: dict = dict(positive=positive, negative_divergence_detected=negative, cut=cut)
-    report |= dict(steps=steps, all_checks_passed=positive and negative)
-    mode = "allclose" if atol or rtol else EXACT
+    report |= dict(steps=steps, all_checks_passed=positive and negative, final_eval_loss=eval_loss)
+    mode = "allclose" if atol or rtol else "exact (the same bytes)"
     report["tolerance"] = {"atol": atol, "rtol": rtol, "mode": mode}
     report["cursor_at_cut"] = f"{intr_meta['cursor']}/{intr_meta['n_train']}"
     report["epoch_at_cut"] = intr_meta["epoch"]
     report["next_lr"] = {name: float(run["scheduler/next_lr"][0]) for name, run in runs.items()}
-    report["final_eval_loss"] = eval_loss
     report["max_weight_diff"] = {"positive": _worst_weight(pos), "negative": _worst_weight(negc)}
     sides = (("positive", "resume"), ("negative", "negative"))
     report["eval_loss_diff"] = {s: abs(eval_loss["continuous"] - eval_loss[n]) for s, n in sides}

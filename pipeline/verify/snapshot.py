@@ -13,11 +13,11 @@ from pipeline.stateful import PARTS, capture, copy_tree, flat, merge, split
 
 # The protocol's workers step the state machines without the stages' decisions (chaos mode proves those).
 MACHINES = tuple(p for p in PARTS if p != "stages")
+RECORDED = {"train/loss": "f8", "lr": "f8", "ids": "i8", "step": "i8"}  # records/<name>: its dtype
 
 
 def snapshot(state) -> tuple[dict[str, np.ndarray], dict]:
-    """(arrays, json) keyed '<state machine>/<path>': the checkpoint's state tree (its numbers as 1-element
-    arrays), the next lr, the data position, every stream's next draw (peeked, not consumed), the eval losses."""
+    """(arrays, json) keyed '<state machine>/<path>': state, next lr, data position, next draws, eval losses."""
     tree = copy_tree(capture(state.parts(), MACHINES))
     arrays: dict[str, np.ndarray] = {}
     for path, v in flat(tree).items():
@@ -47,11 +47,8 @@ def write_summary(directory: Path, state, records: list[dict], restored=None) ->
     """summary (and restored, its snapshot at the cut) for the verdict; state, every part's whole tree."""
     directory.mkdir(parents=True, exist_ok=True)
     arrays, meta = snapshot(state)
-    if records:
-        arrays["records/loss"] = np.array([r["train/loss"] for r in records], dtype=np.float64)
-        arrays["records/lr"] = np.array([r["lr"] for r in records], dtype=np.float64)
-        arrays["records/ids"] = np.stack([np.asarray(r["ids"], dtype=np.int64) for r in records])
-        arrays["records/step"] = np.array([r["step"] for r in records], dtype=np.int64)
+    for key, dtype in RECORDED.items() if records else ():
+        arrays[f"records/{key.removeprefix('train/')}"] = np.array([r[key] for r in records], dtype)
     _save(directory, "summary", arrays, meta)
     if restored is not None:
         _save(directory, "restored", *restored)

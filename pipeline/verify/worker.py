@@ -51,8 +51,7 @@ class Fresh:
 
 
 def work(config: dict, mode: str, cut: int, steps: int, out: Path, checkpoint: Path) -> None:
-    """One worker's run, its summary in `out`: `interrupted` trains to `cut` and saves `checkpoint`, `resume`
-    restores it (`negative`: all but the RNG) and trains on to `steps`, `continuous` trains to `steps`."""
+    """One worker's run to `cut` (interrupted: saved) or `steps` (resume; negative: all but the RNG), summarised."""
     run, restored = Fresh(config), None
     if mode in ("resume", "negative"):
         run.load(checkpoint, PARTS if mode == "resume" else tuple(p for p in PARTS if p != "rng"))
@@ -68,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     add = ap.add_argument
     add("--config", required=True, help="resolved config as JSON")
     add("--mode", choices=MODES, required=True)
-    add("--cut", type=int, required=True)
-    add("--steps", type=int, required=True)
+    for n in ("--cut", "--steps"):
+        add(n, type=int, required=True)
     add("--out", required=True)
     add("--checkpoint", help="the interrupted run's checkpoint (default: OUT/checkpoint)")
     add("--override", action="append", default=[], help="what a `_target_` may name")

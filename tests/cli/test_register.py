@@ -75,7 +75,7 @@ def registered(tmp_path_factory, finished_job):
     mlp_uri = f"sqlite:///{root / 'registry' / 'mlflow.db'}"
     uris = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
     before = [os.environ.get(k) for k in uris]
-    version = register(out[MLP], MLP, mlp_uri)
+    version, _ = register(out[MLP], MLP, mlp_uri)
     assert [
         os.environ.get(k) for k in uris
     ] == before  # nothing left behind for a child process to follow
