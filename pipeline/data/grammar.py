@@ -161,9 +161,8 @@ OBJECT_KIND = {
     v.base: Choice(OBJECT_KINDS, (1.5 * v.reflexive, 2.5, 1.0 * (v.objects == ANIMATE), 5))
     for v in TRANSITIVE
 }
-CLASS_OF = {
-    cs: Choice(cs) for cs in {v.objects for v in TRANSITIVE} | {ANIMATE, INANIMATE, PP_CLASSES}
-}
+_CLASS_SETS = {v.objects for v in TRANSITIVE} | {ANIMATE, INANIMATE, PP_CLASSES}
+CLASS_OF = {cs: Choice(cs) for cs in _CLASS_SETS}
 OBJECT_PRONOUN = {
     a: Choice([PRONOUNS[p][1] for p in PRONOUNS if p not in (a, "it")]) for a in PRONOUNS
 }

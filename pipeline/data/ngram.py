@@ -42,10 +42,8 @@ def _run_starts(a: np.ndarray) -> np.ndarray:
 
 def _counted(held: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(distinct values [G], their counts [G] float64) of the sorted array in `held`, emptied to free it once read."""
-    a = held.pop()
-    n, starts = len(a), _run_starts(a)
-    values = a[starts]
-    del a
+    n, starts = len(held[0]), _run_starts(held[0])
+    values = held.pop()[starts]  # the list held its last reference: freed here
     counts = np.empty(len(starts), dtype=np.float64)
     np.subtract(starts[1:], starts[:-1], out=counts[:-1])
     counts[-1:] = n - starts[-1:]
