@@ -39,8 +39,7 @@ class DataIterator:
         self.cursor += self.batch_size
         return ids
 
-    def state_dict(self) -> dict:
-        # The generator's own state lives with the run's RNG streams (data_order).
+    def state_dict(self) -> dict:  # the generator's own state: the run's RNG streams (data_order)
         if self.start is None:  # an epoch a checkpoint of afe8033's form began: saved as it came
             return {"epoch": self.epoch, "permutation": self.permutation, "cursor": self.cursor}
         return {"epoch": self.epoch, "cursor": self.cursor, "start": dict(self.start)}
