@@ -73,11 +73,9 @@ def write_corpus(directory: Path, content: CorpusContent, name: str, params: dic
         pieces = (np.ascontiguousarray(toks, dtype=TOKEN_DTYPE) for _, toks in group)  # [n] each
         files[f"{split}.tokens"] = atomic.write_new(directory / f"{split}.tokens", pieces)
     n = {s: files.get(f"{s}.tokens", {"size": 0})["size"] // TOKEN_DTYPE.itemsize for s in SPLITS}
-    for split in SPLITS:
-        if n_windows(n[split], T) < 1:
-            raise ValueError(
-                f"{name} corpus {split} split has {n[split]} tokens, too few for one block of {T}+1"
-            )
+    for split in (s for s in SPLITS if n_windows(n[s], T) < 1):  # the first too short is refused
+        few = f"{name} corpus {split} split has {n[split]} tokens, too few for one block of {T}+1"
+        raise ValueError(few)
     listed = {f: {"sha256": e["sha256"], "bytes": e["size"]} for f, e in sorted(files.items())}
     tokens = {s: _mapped(directory, s, listed) for s in SPLITS}
     # The n-gram's memory is bounded whatever the text's size (a corpus within SAMPLE and SCORED: as a whole).

@@ -42,7 +42,6 @@ _NOUNS = (  # class, "singular plural pronoun-its-singular-stands-for" of each n
 # (singular, plural, pronoun, class)
 NOUNS = tuple((*n.split(), cls) for cls, nouns in _NOUNS for n in nouns.split(", "))
 ANIMATE, INANIMATE = ("person", "animal"), ("food", "text", "vehicle", "thing")
-PLACES = ("park", "garden", "house", "kitchen", "school", "forest")
 
 ATTRIBUTIVE = {
     "animate": _words("tall young old small big little lazy clever brave happy"),
@@ -51,11 +50,6 @@ ATTRIBUTIVE = {
 PREDICATIVE = {
     "animate": _words("happy hungry tired angry sad sick clever"),
     "inanimate": _words("new old broken heavy cheap red clean dirty"),
-}
-
-DETERMINERS = {
-    "sg": (("the", 5), ("a", 2), ("this", 1), ("that", 1), ("every", 1)),
-    "pl": (("the", 5), ("these", 1.5), ("those", 1.5), ("some", 1), ("two", 0.5), ("three", 0.5)),
 }
 
 Verb = namedtuple("Verb", "base s past ing pp objects reflexive")  # objects () if intransitive
@@ -80,26 +74,16 @@ VERBS = tuple(Verb._make((*v.split()[:5], c, "+" in v)) for c, s in _VERBS for v
 INTRANSITIVE = tuple(v for v in VERBS if not v.objects)
 TRANSITIVE = tuple(v for v in VERBS if v.objects)
 
-TENSES = (("present", 3), ("past", 2.5), ("future", 1.5), ("progressive", 1.5), ("perfect", 1.5))
-# Time phrases fix the tense from the sentence's first or last words, far from the verb.
-TIME_PHRASES = {
-    "present": (("often",), ("usually",), ("every", "day")),
-    "past": (("yesterday",), ("last", "week"), ("last", "night")),
-    "future": (("tomorrow",), ("next", "week"), ("soon",)),
-    "progressive": (("now",), ("right", "now")),
-    "perfect": (("already",), ("recently",)),
-}
-PREPOSITIONS, PLACE_PREPOSITIONS = ("near", "with", "behind"), ("in", "near", "behind")
 FUNCTION_WORDS = _words("a an that not very will be been do does did am is are was were has have")
 
 
 def vocabulary() -> list[str]:
     """Every word the grammar can emit, fixed by the lexicon (not by a sample), specials first."""
-    words = {*FUNCTION_WORDS, *PLACES, *PREPOSITIONS, *PLACE_PREPOSITIONS}
+    words = {*FUNCTION_WORDS, *PLACE.items, *PREPOSITION.items, *PLACE_PREPOSITION.items}
     words |= {w for n in NOUNS for w in n[:2]} | {w for forms in PRONOUNS.values() for w in forms}
     words |= {w for table in (ATTRIBUTIVE, PREDICATIVE) for adjs in table.values() for w in adjs}
-    words |= {d for ds in DETERMINERS.values() for d, _ in ds} | {w for v in VERBS for w in v[:5]}
-    words |= {w for phrases in TIME_PHRASES.values() for p in phrases for w in p}
+    words |= {d for c in DETERMINER.values() for d in c.items} | {w for v in VERBS for w in v[:5]}
+    words |= {w for c in TIME_PHRASE.values() for p in c.items for w in p}
     return [EOS, COMMA, *sorted(words)]
 
 
@@ -144,17 +128,28 @@ ADJECTIVES_OF = {c: "animate" if c in ANIMATE else "inanimate" for c in ANIMATE 
 # Every choice the grammar makes, with its weights, in one place.
 NUMBER = Choice(("sg", "pl"))
 N_ADJECTIVES = {m: Choice(range(m + 1), (4, 3.5, 2, 0.5)[: m + 1]) for m in (1, 3)}
-DETERMINER = {n: Choice([d for d, _ in ds], [w for _, w in ds]) for n, ds in DETERMINERS.items()}
+DETERMINER = {
+    "sg": Choice(("the", "a", "this", "that", "every"), (5, 2, 1, 1, 1)),
+    "pl": Choice(("the", "these", "those", "some", "two", "three"), (5, 1.5, 1.5, 1, 0.5, 0.5)),
+}
 NOUNS_OF = {c: Choice([n for n in NOUNS if n[3] == c]) for c in ANIMATE + INANIMATE}
-TENSE = Choice([t for t, _ in TENSES], [w for _, w in TENSES])
+TENSE = Choice(("present", "past", "future", "progressive", "perfect"), (3, 2.5, 1.5, 1.5, 1.5))
 TIME_PLACE = Choice(("start", "end", "none"), (3.5, 3.5, 3))
-TIME_PHRASE = {t: Choice(ps) for t, ps in TIME_PHRASES.items()}
+# Time phrases fix the tense from the sentence's first or last words, far from the verb.
+TIME_PHRASE = {
+    "present": Choice((("often",), ("usually",), ("every", "day"))),
+    "past": Choice((("yesterday",), ("last", "week"), ("last", "night"))),
+    "future": Choice((("tomorrow",), ("next", "week"), ("soon",))),
+    "progressive": Choice((("now",), ("right", "now"))),
+    "perfect": Choice((("already",), ("recently",))),
+}
 PRONOUN = Choice(tuple(PRONOUNS))
 SUBJECT_IS_PRONOUN, INNER_SUBJECT_IS_PRONOUN = _coin(0.3), _coin(0.3)
 SUBJECT_CLASSES = Choice((ANIMATE, INANIMATE), (4, 1))
 POSTMODIFIER = Choice(("none", "pp", "rc"), (4, 2.5, 3.5))
-PREPOSITION, PLACE_PREPOSITION = Choice(PREPOSITIONS), Choice(PLACE_PREPOSITIONS)
-PLACE = Choice(PLACES)
+PREPOSITION = Choice(("near", "with", "behind"))
+PLACE_PREPOSITION = Choice(("in", "near", "behind"))
+PLACE = Choice(("park", "garden", "house", "kitchen", "school", "forest"))
 PP_CLASSES = ("person", "animal", "vehicle", "thing")
 SUBJECT_RELATIVE = _coin(0.4)
 NEGATED, COPULA, VERY = _coin(0.15), _coin(0.2), _coin(0.2)
@@ -166,9 +161,8 @@ OBJECT_KIND = {
     v.base: Choice(OBJECT_KINDS, (1.5 * v.reflexive, 2.5, 1.0 * (v.objects == ANIMATE), 5))
     for v in TRANSITIVE
 }
-CLASS_OF = {
-    cs: Choice(cs) for cs in {v.objects for v in TRANSITIVE} | {ANIMATE, INANIMATE, PP_CLASSES}
-}
+_CLASS_SETS = {v.objects for v in TRANSITIVE} | {ANIMATE, INANIMATE, PP_CLASSES}
+CLASS_OF = {cs: Choice(cs) for cs in _CLASS_SETS}
 OBJECT_PRONOUN = {
     a: Choice([PRONOUNS[p][1] for p in PRONOUNS if p not in (a, "it")]) for a in PRONOUNS
 }

@@ -17,9 +17,8 @@ class DataIterator:
 
     def __init__(self, n: int, batch_size: int, rng: np.random.Generator, offsets: int = 0):
         if not 1 <= batch_size <= n:
-            raise ValueError(
-                f"trainer.batch_size={batch_size}: must be between 1 and the {n} training samples"
-            )
+            why = f"trainer.batch_size={batch_size}: must be between 1 and the {n} training samples"
+            raise ValueError(why)
         self.n, self.batch_size, self.rng, self.offsets = int(n), int(batch_size), rng, int(offsets)
         self.epoch, self.cursor, self.batches_per_epoch = 0, 0, self.n // self.batch_size
         self._begin_epoch(self.rng)
@@ -40,8 +39,7 @@ class DataIterator:
         self.cursor += self.batch_size
         return ids
 
-    def state_dict(self) -> dict:
-        # The generator's own state lives with the run's RNG streams (data_order).
+    def state_dict(self) -> dict:  # the generator's own state: the run's RNG streams (data_order)
         if self.start is None:  # an epoch a checkpoint of afe8033's form began: saved as it came
             return {"epoch": self.epoch, "permutation": self.permutation, "cursor": self.cursor}
         return {"epoch": self.epoch, "cursor": self.cursor, "start": dict(self.start)}

@@ -42,10 +42,8 @@ def _run_starts(a: np.ndarray) -> np.ndarray:
 
 def _counted(held: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(distinct values [G], their counts [G] float64) of the sorted array in `held`, emptied to free it once read."""
-    a = held.pop()
-    n, starts = len(a), _run_starts(a)
-    values = a[starts]
-    del a
+    n, starts = len(held[0]), _run_starts(held[0])
+    values = held.pop()[starts]  # the list held its last reference: freed here
     counts = np.empty(len(starts), dtype=np.float64)
     np.subtract(starts[1:], starts[:-1], out=counts[:-1])
     counts[-1:] = n - starts[-1:]
@@ -101,9 +99,9 @@ def _levels(tokens: np.ndarray, order: int, V: int) -> Iterator[Level]:
         yield _level(*_counted(held), V)  # no reference kept: the caller's drop frees it
 
 
-def _lookup(sorted_keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
-    i = np.minimum(np.searchsorted(sorted_keys, query), len(sorted_keys) - 1)
-    return np.where(sorted_keys[i] == query, values[i], 0.0)
+def _lookup(sorted_keys: np.ndarray, query: np.ndarray, *values: np.ndarray) -> list[np.ndarray]:
+    i = np.minimum(np.searchsorted(sorted_keys, query), len(sorted_keys) - 1)  # one search for all
+    return [np.where(sorted_keys[i] == query, v[i], 0.0) for v in values]
 
 
 def _mixed(level: Level, V: int, k: int, toks: np.ndarray, at: np.ndarray, p) -> np.ndarray:
@@ -111,9 +109,8 @@ def _mixed(level: Level, V: int, k: int, toks: np.ndarray, at: np.ndarray, p) ->
     ctx = np.zeros(len(at), dtype=np.int64)
     for j in range(k - 1, 0, -1):
         ctx = ctx * V + toks[np.maximum(at - j, 0)]
-    c = _lookup(level.keys, level.counts, ctx * V + toks[at])
-    total = _lookup(level.ctx_keys, level.ctx_total, ctx)
-    backoff = _lookup(level.ctx_keys, level.ctx_backoff, ctx)
+    (c,) = _lookup(level.keys, ctx * V + toks[at], level.counts)
+    total, backoff = _lookup(level.ctx_keys, ctx, level.ctx_total, level.ctx_backoff)
     # a history cut by the stream's start, or unseen, keeps the lower order's p
     seen = (at >= k - 1) & (total > 0)
     safe = np.where(seen, total, 1.0)

@@ -81,10 +81,9 @@ class TextFile(contextlib.AbstractContextManager):
         for cps in _code_points(self._pieces(h), self.path):
             toks = np.take(table, cps[: max(0, self.n - at)])
             cut = min(max(0, n_train - at), len(toks))
-            if cut:
-                yield "train", toks[:cut]
-            if cut < len(toks):
-                yield "val", toks[cut:]
+            for split, part in (("train", toks[:cut]), ("val", toks[cut:])):
+                if len(part):  # no empty piece: it would split its split's run of pieces
+                    yield split, part
             at += len(cps)
         if at != self.n or h.hexdigest() != self.sha256:
             raise TextError(self.path, "changed while it was read; give it once it is complete")

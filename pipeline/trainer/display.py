@@ -49,8 +49,7 @@ def _si(x: float) -> str:
 class Display:
     def __init__(self, enabled: bool | None, log_every: int):
         self.bar_enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
-        self.log_every, self.redirect = int(log_every), contextlib.ExitStack()
-        self.bar = None
+        self.bar, self.log_every, self.redirect = None, int(log_every), contextlib.ExitStack()
         self.speed: Throughput | None = None
 
     def on_train_start(self, state) -> None:

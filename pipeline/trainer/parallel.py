@@ -36,8 +36,7 @@ def owned(grads: Grads) -> Grads:
 
 
 def child_rngs(rng: Generator | None, shards: int) -> list[Generator | None]:
-    """One generator per shard: `shards` uint64 seeds drawn from rng in one call, before any shard runs, so
-    rng's state afterwards depends only on the shard count; child k is Generator(PCG64(seeds[k]))."""
+    """One generator per shard, seeded by one draw before any runs: rng's state after depends on the count alone."""
     if rng is None:
         return [None] * shards
     seeds = rng.integers(0, 2**64, size=shards, dtype=np.uint64)  # [shards]
