@@ -42,8 +42,7 @@ def head_backward(dlogits: np.ndarray, cache, row_scale: np.ndarray):
 
 def embedding_forward(idx: np.ndarray, wte: np.ndarray, wpe: np.ndarray):
     # idx [B, T] int, wte [V, d], wpe [Tmax, d] -> token + position embedding [B, T, d]
-    T = idx.shape[1]
-    if wpe.shape[0] < T:
+    if wpe.shape[0] < (T := idx.shape[1]):
         raise ValueError(f"sequence length {T} exceeds the {wpe.shape[0]} learned positions")
     out = np.take(wte, idx, axis=0)  # [B, T, d]
     out += wpe[:T]  # [B, T, d] + [T, d]
