@@ -81,10 +81,10 @@ class MiniGPT(NamedParams):
         # the residual projections' std / sqrt(2 n_layer) keeps the stream's variance O(1)
         V, T, d, dt = self.vocab_size, self.block_size, self.n_embd, self.dtype
         proj, normal = std / math.sqrt(2 * self.n_layer), partial(rng.normal, 0.0)
-        p = {_WTE: normal(std, (V, d)).astype(dt), _WPE: normal(std, (T, d)).astype(dt)}
+        p = {_WTE: np.asarray(normal(std, (V, d)), dt), _WPE: np.asarray(normal(std, (T, d)), dt)}
         for h in (f"transformer.h.{i}." for i in range(self.n_layer)):
-            ws = (np.ones(d), normal(std, (d, 3 * d)), normal(proj, (d, d)), np.ones(d),
-                  normal(std, (d, 4 * d)), normal(proj, (4 * d, d)))  # fmt: skip
+            ws: tuple = (np.ones(d), normal(std, (d, 3 * d)), normal(proj, (d, d)), np.ones(d),
+                         normal(std, (d, 4 * d)), normal(proj, (4 * d, d)))  # fmt: skip
             for m, w in zip(_SUBLAYERS, ws):  # each bias as wide as its layer's output
                 p[h + m + ".weight"], p[h + m + ".bias"] = w.astype(dt), np.zeros(w.shape[-1], dt)
         p["transformer.ln_f.weight"], p[_LNF_B] = np.ones(d, dt), np.zeros(d, dt)
