@@ -144,8 +144,7 @@ class MiniGPT(NamedParams):
             da, *g_qkv = L.layernorm_linear_backward(da, qkv_c)  # [B, T, d]
             g.update(zip(names, g_qkv + g_aproj + g_fc + g_mproj))
             dh += da
-        dh = L.dropout_backward(dh, emb_dc)
-        g[_WTE], g[_WPE] = L.embedding_backward(dh, emb_c)  # [V, d], [Tmax, d]
+        g[_WTE], g[_WPE] = L.embedding_backward(L.dropout_backward(dh, emb_dc), emb_c)
         g[_WTE] += dwte_head  # tied: the embedding's use + the head's
         return loss, {name: g[name] for name in self.params}
 
