@@ -63,8 +63,7 @@ def encode(prompt: str, vocab: list[str], join: str, eos: str | None = "<eos>") 
     character vocabulary without one [id of a newline] (where nanoGPT's sample.py starts)."""
     index = {t: i for i, t in enumerate(vocab)}
     tokens = split_prompt(prompt, join)
-    unknown = list(dict.fromkeys(t for t in tokens if t not in index))
-    if unknown:
+    if unknown := list(dict.fromkeys(t for t in tokens if t not in index)):
         more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
         shown = ", ".join(repr(t) for t in unknown[:10]) + more
         if "\\" in unknown and "\n" in index:

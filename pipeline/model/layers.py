@@ -42,8 +42,7 @@ def head_backward(dlogits: np.ndarray, cache, row_scale: np.ndarray):
 
 def embedding_forward(idx: np.ndarray, wte: np.ndarray, wpe: np.ndarray):
     # idx [B, T] int, wte [V, d], wpe [Tmax, d] -> token + position embedding [B, T, d]
-    T = idx.shape[1]
-    if wpe.shape[0] < T:
+    if wpe.shape[0] < (T := idx.shape[1]):
         raise ValueError(f"sequence length {T} exceeds the {wpe.shape[0]} learned positions")
     out = np.take(wte, idx, axis=0)  # [B, T, d]
     out += wpe[:T]  # [B, T, d] + [T, d]
@@ -151,8 +150,7 @@ def gelu_forward(x: np.ndarray, erf: bool = False):
     c, a = math.sqrt(2.0 / math.pi), 0.044715  # Python floats: NEP 50 keeps the array's dtype
     xf = np.ascontiguousarray(x).reshape(-1)  # [n] flat view
     out, grad = np.empty_like(xf), np.empty_like(xf)  # [n] each
-    m = min(_GELU_CHUNK, xf.size)
-    s1, s2, s3 = (np.empty(m, xf.dtype) for _ in range(3))  # [chunk] scratch
+    s1, s2, s3 = (np.empty(min(_GELU_CHUNK, xf.size), xf.dtype) for _ in range(3))  # scratch
     # x < ~-5 (float32): e = inf, h = 0, out = -0 and grad = 0, as the limit
     with np.errstate(over="ignore"):
         for s in range(0, xf.size, _GELU_CHUNK):

@@ -37,9 +37,9 @@ def release_freed_memory() -> None:
 
 
 # A block's parameters (after transformer.h.<i>.), in the order the layer functions take and return them
-_BLOCK_PARAMS = tuple(f"{m}.{k}" for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc",
-                                           "mlp.c_proj") for k in ("weight", "bias"))  # fmt: skip
-_WTE, _LNF_B = "transformer.wte.weight", "transformer.ln_f.bias"
+_SUBLAYERS = ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+_BLOCK_PARAMS = tuple(f"{m}.{k}" for m in _SUBLAYERS for k in ("weight", "bias"))
+_WTE, _WPE, _LNF_B = "transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.bias"
 
 
 class MiniGPT(NamedParams):
@@ -77,25 +77,17 @@ class MiniGPT(NamedParams):
         return (int(spec.vocab_size) + positions) * d + int(n_layer) * (12 * d * d + layer) + final
 
     def _init_params(self, std: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        # GPT-2's init, drawn in float64 then cast (float32 and float64 share it), in insertion order
-        V, T, d = self.vocab_size, self.block_size, self.n_embd
-        # residual projections: the stream's variance stays O(1)
-        proj_std = std / math.sqrt(2 * self.n_layer)
-
-        def normal(shape, s):
-            return rng.normal(0.0, s, size=shape).astype(self.dtype)
-
-        zeros, ones = partial(np.zeros, dtype=self.dtype), partial(np.ones, dtype=self.dtype)
-
-        p = {_WTE: normal((V, d), std), "transformer.wpe.weight": normal((T, d), std)}
-        for i in range(self.n_layer):
-            h = f"transformer.h.{i}."
-            for name, w, b in (("ln_1", ones(d), zeros(d)), ("attn.c_attn", normal((d, 3 * d), std), zeros(3 * d)),
-                               ("attn.c_proj", normal((d, d), proj_std), zeros(d)), ("ln_2", ones(d), zeros(d)),
-                               ("mlp.c_fc", normal((d, 4 * d), std), zeros(4 * d)),
-                               ("mlp.c_proj", normal((4 * d, d), proj_std), zeros(d))):  # fmt: skip
-                p[h + name + ".weight"], p[h + name + ".bias"] = w, b
-        p["transformer.ln_f.weight"], p["transformer.ln_f.bias"] = ones(d), zeros(d)
+        # GPT-2's init in insertion order, each array drawn in float64 then cast (float32 and float64 share it);
+        # the residual projections' std / sqrt(2 n_layer) keeps the stream's variance O(1)
+        V, T, d, dt = self.vocab_size, self.block_size, self.n_embd, self.dtype
+        proj, normal = std / math.sqrt(2 * self.n_layer), partial(rng.normal, 0.0)
+        p = {_WTE: np.asarray(normal(std, (V, d)), dt), _WPE: np.asarray(normal(std, (T, d)), dt)}
+        for h in (f"transformer.h.{i}." for i in range(self.n_layer)):
+            ws: tuple = (np.ones(d), normal(std, (d, 3 * d)), normal(proj, (d, d)), np.ones(d),
+                         normal(std, (d, 4 * d)), normal(proj, (4 * d, d)))  # fmt: skip
+            for m, w in zip(_SUBLAYERS, ws):  # each bias as wide as its layer's output
+                p[h + m + ".weight"], p[h + m + ".bias"] = w.astype(dt), np.zeros(w.shape[-1], dt)
+        p["transformer.ln_f.weight"], p[_LNF_B] = np.ones(d, dt), np.zeros(d, dt)
         # the same draws in the same order: a bias-free model's weights are the biased one's
         return p if self.bias else {name: a for name, a in p.items() if not name.endswith(".bias")}
 
@@ -110,7 +102,7 @@ class MiniGPT(NamedParams):
         if x.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {x.shape}")
         pd, pa = (self.dropout, self.attn_dropout) if rng is not None else (0.0, 0.0)
-        h, emb_c = L.embedding_forward(x, p[_WTE], p["transformer.wpe.weight"])  # [B, T, d]
+        h, emb_c = L.embedding_forward(x, p[_WTE], p[_WPE])  # [B, T, d]
         h, emb_dc = L.dropout_forward(h, pd, rng)
         blocks = []
         for i in range(self.n_layer):
@@ -152,8 +144,7 @@ class MiniGPT(NamedParams):
             da, *g_qkv = L.layernorm_linear_backward(da, qkv_c)  # [B, T, d]
             g.update(zip(names, g_qkv + g_aproj + g_fc + g_mproj))
             dh += da
-        dh = L.dropout_backward(dh, emb_dc)
-        g[_WTE], g["transformer.wpe.weight"] = L.embedding_backward(dh, emb_c)  # [V, d], [Tmax, d]
+        g[_WTE], g[_WPE] = L.embedding_backward(L.dropout_backward(dh, emb_dc), emb_c)
         g[_WTE] += dwte_head  # tied: the embedding's use + the head's
         return loss, {name: g[name] for name in self.params}
 

@@ -33,10 +33,9 @@ class MLP(NamedParams):
         self.params: dict[str, np.ndarray] = {}
         for i, (fan_in, fan_out) in enumerate(itertools.pairwise(widths)):
             # torch.nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias
-            bound = 1.0 / np.sqrt(fan_in)
+            u = 1.0 / np.sqrt(fan_in)
             for name, shape in (("weight", (fan_in, fan_out)), ("bias", (fan_out,))):
-                drawn = rng.uniform(-bound, bound, shape)
-                self.params[f"layers.{i}.{name}"] = drawn.astype(self.dtype)
+                self.params[f"layers.{i}.{name}"] = rng.uniform(-u, u, shape).astype(self.dtype)
 
     @staticmethod
     def n_params(spec: DataSpec, hidden: list[int], **_) -> int:

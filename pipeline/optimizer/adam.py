@@ -31,11 +31,8 @@ class Adam(Optimizer):
         """One update of every parameter. A model of one dtype is updated in place, large parameters chunk by
         chunk and the small ones packed into one array per decay group: the same bits per element."""
         flat, params = self._flat, self.params
-        if (
-            flat is None
-            or set(grads) != set(params)
-            or any(grads[n].dtype != flat.dtype or not params[n].flags.c_contiguous for n in params)
-        ):
+        odd = set(grads) != set(params) or any(grads[n].dtype != p.dtype for n, p in params.items())
+        if flat is None or odd or not all(p.flags.c_contiguous for p in params.values()):
             return super().step(grads)  # per parameter (also the one refusing mismatched gradients)
         self.t += 1
         for names, a, b, decay in flat.packs:  # small parameters: gathered, updated, scattered
