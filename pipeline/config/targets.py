@@ -58,8 +58,8 @@ def _placed(tree, keys: tuple[str, ...] = (), out: dict[str, set[str]] | None = 
 
 
 @cache
-def _shipped() -> dict[str, set[str]]:
-    """Every target conf/'s YAML files name, by its slots (a file at its group, `# @package _global_` at the top)."""
+def slots() -> dict[str, set[str]]:
+    """Every target conf/'s YAML files name -> the slots it is built in (a file at its group, `_global_` at the top)."""
     import yaml
 
     out: dict[str, set[str]] = {}
@@ -74,13 +74,7 @@ def _shipped() -> dict[str, set[str]]:
 
 def shipped() -> frozenset[str]:
     """The targets every YAML file of the package's conf/ tree names."""
-    return frozenset(_shipped())
-
-
-@cache
-def slots() -> dict[str, frozenset[str]]:
-    """Each shipped target of the pipeline's own package, and the slots (`slot()`) conf/ builds it in."""
-    return {t: frozenset(s) for t, s in _shipped().items() if t.startswith("pipeline.")}
+    return frozenset(slots())
 
 
 def searched(searchpath: tuple[str, ...]) -> set[str]:
