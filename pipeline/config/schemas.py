@@ -36,9 +36,7 @@ _NONE = object()
 
 def _f(check: Callable | None = None, absent=_NONE):
     """A field; `absent`: what a config written without the key (or with null, before it could not be) means."""
-    meta = {"check": check} if check else {}
-    if absent is not _NONE:
-        meta["absent"] = absent
+    meta = ({"check": check} if check else {}) | ({} if absent is _NONE else {"absent": absent})
     return field(default=MISSING, metadata=meta)
 
 

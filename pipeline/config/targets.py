@@ -36,13 +36,6 @@ class UnknownTarget(ConfigError):
     """A `_target_` (or an interpolation, which could make one) that nothing the user runs names."""
 
 
-def named(tree) -> set[str]:
-    """Every string `_target_` anywhere in a tree of dicts and lists (interpolations left out: never allowed)."""
-    out: dict[str, set[str]] = {}
-    _placed(tree, (), out)
-    return set(out)
-
-
 def _nodes(tree, keys: tuple[str, ...] = ()):
     """(keys, node) for a tree of dicts and lists and every node in it, parents first (a list's item: `a[0]`)."""
     yield keys, tree
@@ -54,17 +47,19 @@ def _nodes(tree, keys: tuple[str, ...] = ()):
             yield from _nodes(v, (*keys[:-1], f"{keys[-1] if keys else ''}[{i}]"))
 
 
-def _placed(tree, keys: tuple[str, ...], out: dict[str, set[str]]) -> None:
-    """Every string `_target_` in a tree, by the slot it is at."""
+def _placed(tree, keys: tuple[str, ...] = (), out: dict[str, set[str]] | None = None) -> dict:
+    """Every string `_target_` in a tree (interpolations left out: never allowed) -> the slots it is at."""
+    out = {} if out is None else out
     for at, node in _nodes(tree, keys):
         target = node.get("_target_") if isinstance(node, dict) else None
         if isinstance(target, str) and "${" not in target:
             out.setdefault(target, set()).add(slot(at))
+    return out
 
 
 @cache
-def _shipped() -> dict[str, set[str]]:
-    """Every target conf/'s YAML files name, by its slots (a file at its group, `# @package _global_` at the top)."""
+def slots() -> dict[str, set[str]]:
+    """Every target conf/'s YAML files name -> the slots it is built in (a file at its group, `_global_` at the top)."""
     import yaml
 
     out: dict[str, set[str]] = {}
@@ -79,13 +74,7 @@ def _shipped() -> dict[str, set[str]]:
 
 def shipped() -> frozenset[str]:
     """The targets every YAML file of the package's conf/ tree names."""
-    return frozenset(_shipped())
-
-
-@cache
-def slots() -> dict[str, frozenset[str]]:
-    """Each shipped target of the pipeline's own package, and the slots (`slot()`) conf/ builds it in."""
-    return {t: frozenset(s) for t, s in _shipped().items() if t.startswith("pipeline.")}
+    return frozenset(slots())
 
 
 def searched(searchpath: tuple[str, ...]) -> set[str]:
@@ -114,7 +103,7 @@ def searched(searchpath: tuple[str, ...]) -> set[str]:
         def walk(source, group: str) -> None:
             for name in source.list(group, ObjectType.CONFIG):
                 config = source.load_config(f"{group}/{name}" if group else name).config
-                out.update(named(OmegaConf.to_container(config, resolve=False)))
+                out.update(_placed(OmegaConf.to_container(config, resolve=False)))
             for name in source.list(group, ObjectType.GROUP):
                 walk(source, f"{group}/{name}" if group else name)
 
@@ -167,7 +156,7 @@ def allowed(overrides: tuple[str, ...] = ()) -> frozenset[str]:
                 raise ConfigError(msg)
             searchpath = tuple(value)
         else:  # `model._target_=x` names x as a node {_target_: x} would
-            own |= named({o.key_or_group.split(".")[-1]: value})
+            own.update(_placed({o.key_or_group.split(".")[-1]: value}))
     return shipped() | frozenset(searched(searchpath)) | frozenset(own)
 
 

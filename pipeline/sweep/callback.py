@@ -249,19 +249,16 @@ class SweepCallback(Callback):
         self.launcher_pid = os.getpid()
         # the basic launcher's parent run waits for its first job (a sweep Hydra refuses then leaves none, one line)
         if not self.sweep["launcher"].endswith(".BasicLauncher"):
-            self._launching()
+            self.on_job_start(config)
         else:
             self.parent.warm(self.sweep)
 
-    def _launching(self) -> None:
-        assert self.sweep is not None, "on_multirun_start comes first"
-        self.launched = True
-        self.indexed = self.parent.start(self.sweep)
-        log.info("sweep %s: %s", self.sweep["id"], self.sweep["dir"])
-
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        """The parent run asked for, its line said: once, in the launching process (by _start, or its first job)."""
         if self.sweep is not None and not self.launched and self.launcher_pid == os.getpid():
-            self._launching()
+            self.launched = True
+            self.indexed = self.parent.start(self.sweep)
+            log.info("sweep %s: %s", self.sweep["id"], self.sweep["dir"])
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         """The table on stderr; `code`, the entry's exit: 0 if all completed, 75 if interrupted, else a failed job's."""

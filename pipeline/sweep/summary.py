@@ -45,8 +45,7 @@ def best_job(jobs: dict[int, dict], sweep: dict) -> dict | None:
     """The winner the end table marks and the parent's best.* tags name; ties: the first job."""
     scored = [j for j in jobs.values() if finite(j.get("objective")) is not None]
     pick = min if direction(sweep) == "minimize" else max
-    scored.sort(key=lambda j: j["num"])
-    return pick(scored, key=lambda j: j["objective"]) if scored else None
+    return pick(sorted(scored, key=lambda j: j["num"]), key=lambda j: j["objective"], default=None)
 
 
 SHOWN_DIGITS = 4  # significant digits of a swept float in a run's name (mlflow cuts 18 to `0.0…`)
