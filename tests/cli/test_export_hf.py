@@ -188,9 +188,9 @@ def test_files_are_written_like_checkpoints_and_config_names_the_eos(grammar_exp
 
 
 def corpus_of(ckpt: Path):
-    from pipeline.run.trained import own_data
+    from pipeline.run.trained import checkpoint_data
 
-    return own_data(json.loads((ckpt / "manifest.json").read_text()), [], ckpt)
+    return checkpoint_data(json.loads((ckpt / "manifest.json").read_text()), [], ckpt, own=True)
 
 
 def in_transformers(script: str, **args) -> dict:

@@ -96,10 +96,10 @@ def test_the_same_seed_gives_the_same_text_from_its_own_generator(tiny):
 
 
 def test_greedy_decoding_is_the_argmax_chain(tiny):
-    from pipeline.run.trained import own_data, restore_checkpoint
+    from pipeline.run.trained import checkpoint_data, restore_checkpoint
 
     manifest, state = restore_checkpoint(tiny)
-    vocab = own_data(manifest, [], tiny).vocab
+    vocab = checkpoint_data(manifest, [], tiny, own=True).vocab
     ids = [vocab.index("the"), vocab.index("man")]
     for _ in range(6):
         ids.append(int(np.argmax(state.model.logits(np.array([ids]))[0, -1])))
