@@ -25,3 +25,12 @@ def metrics_line(metrics) -> str:
         return "-"
     items = sorted(metrics.items())
     return " ".join(f"{k}={v:.6g}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in items)
+
+
+def temporaries(root) -> list[str]:
+    """The names of the leftovers of interrupted writes in directory `root` (none if it is not one)."""
+    from pipeline.files.atomic import TMP_PREFIX
+
+    return sorted(
+        p.name for p in (root.iterdir() if root.is_dir() else ()) if p.name.startswith(TMP_PREFIX)
+    )

@@ -388,8 +388,7 @@ that a regenerated corpus goes there, not into this archive.
 """
     for name, run in sorted(exported["runs"].items()):
         ck, d, over = run["checkpoints"], run["data"], run["resume_overrides"]
-        order = sorted(ck, key=lambda n: ck[n]["step"])
-        newest = order[-1]
+        newest = (order := sorted(ck, key=lambda n: ck[n]["step"]))[-1]
         # as the proof does
         resume_from = order[-2] if len(order) > 1 and "final" in ck[newest]["links"] else newest
         best = "best" if any("best" in c["links"] for c in ck.values()) else newest
@@ -490,16 +489,6 @@ def build_archive(source: Path, dest: Path, which: str, with_data, extra: list, 
             made.prune()
 
 
-def check_archive(dest: Path, extra: list[str]) -> int:
-    """--check DEST: every file, link and checkpoint of a published archive, from its bytes."""
-    if not (dest / "MANIFEST.json").is_file():
-        raise BadSource(f"{dest}: not an archive (no MANIFEST.json)")
-    if failed := _failed(checks_on(dest, dest, None, extra, prove=False)["checks"]):
-        print(f"{NAME}: {dest}: {failed['detail']}", file=sys.stderr)
-        return EXIT_ERROR
-    return EXIT_OK
-
-
 @command("pipeline.archive")
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -523,8 +512,13 @@ def main(argv: list[str] | None = None) -> int:
         give = "give any of best,final,newest (comma-separated) or all"
         raise CommandError(f"--checkpoints={which}: {give}")
     try:
-        if args.check:
-            return check_archive(args.source, extra)
+        if args.check:  # every file, link and checkpoint of a published archive, from its bytes
+            if not (args.source / "MANIFEST.json").is_file():
+                raise BadSource(f"{args.source}: not an archive (no MANIFEST.json)")
+            if failed := _failed(checks_on(args.source, args.source, None, extra, False)["checks"]):
+                print(f"{NAME}: {args.source}: {failed['detail']}", file=sys.stderr)
+                return EXIT_ERROR
+            return EXIT_OK
         if args.dest is None:
             raise BadSource("give SOURCE and DEST (or --check DEST)")
         dest = Path(os.path.abspath(args.dest))

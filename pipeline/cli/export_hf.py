@@ -30,15 +30,12 @@ def expected_shapes(config: dict) -> dict:
     d = config["n_embd"]
     shapes: dict[str, tuple] = {"transformer.wte.weight": (config["vocab_size"], d)}
     shapes["transformer.wpe.weight"] = (config["n_positions"], d)
-    for i in range(config["n_layer"]):
-        h = f"transformer.h.{i}."
-        shapes.update({h + "ln_1.weight": (d,), h + "ln_1.bias": (d,),
-                       h + "attn.c_attn.weight": (d, 3 * d), h + "attn.c_attn.bias": (3 * d,),
-                       h + "attn.c_proj.weight": (d, d), h + "attn.c_proj.bias": (d,),
-                       h + "ln_2.weight": (d,), h + "ln_2.bias": (d,),
-                       h + "mlp.c_fc.weight": (d, 4 * d), h + "mlp.c_fc.bias": (4 * d,),
-                       h + "mlp.c_proj.weight": (4 * d, d), h + "mlp.c_proj.bias": (d,)})  # fmt: skip
-    shapes.update({"transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,)})
+    block = {"ln_1": (d,), "attn.c_attn": (d, 3 * d), "attn.c_proj": (d, d), "ln_2": (d,)}
+    block |= {"mlp.c_fc": (d, 4 * d), "mlp.c_proj": (4 * d, d)}
+    modules = {f"h.{i}.{n}": w for i in range(config["n_layer"]) for n, w in block.items()}
+    # each weight, then its bias: as wide as its module's output
+    for name, w in {**modules, "ln_f": (d,)}.items():
+        shapes |= {f"transformer.{name}.weight": w, f"transformer.{name}.bias": w[-1:]}
     return shapes
 
 

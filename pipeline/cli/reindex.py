@@ -34,37 +34,32 @@ def reindex(output_dir: Path, uri: str, artifact_location: str | None = None) ->
         return run_page(run_uri(uri, r["experiment_id"], r["run_id"]))
 
     for _, kind, path in history(output_dir):
-        if kind == "sweep":
-            try:
+        name = f"sweep {path.name}" if kind == "sweep" else path.name
+        try:
+            if kind == "sweep":
                 r = sync_parent(client, uri, path, artifact_location)
                 synced.update(r.pop("synced"))
-                print(f"sweep {path.name}: {page(r)} ({r['children']} jobs, {r['status']})")
-            except Exception as e:
-                results.append({"error": f"{type(e).__name__}: {e}", "sweep_dir": str(path)})
-                print(f"sweep {path.name}: ERROR {type(e).__name__}: {e}")
-            continue
-        try:
-            r = synced.get(str(path.resolve())) or (
-                {"skipped": "in use by a running job"}
-                if RunDir(path).in_use()
-                else sync_run(client, uri, path, artifact_location)
-            )
+                print(f"{name}: {page(r)} ({r['children']} jobs, {r['status']})")
+                continue
+            if not (r := synced.get(str(path.resolve())) or {}) and RunDir(path).in_use():
+                r = {"skipped": "in use by a running job"}
+            r = r or sync_run(client, uri, path, artifact_location)
         except Exception as e:
             r = {"error": f"{type(e).__name__}: {e}"}
-        r["run_dir"] = str(path)
+        r[f"{kind}_dir"] = str(path)
         results.append(r)
         for reason in r.get("damaged") or ():
-            print(f"{path.name}: not indexed, damaged: {reason}")
+            print(f"{name}: not indexed, damaged: {reason}")
         if "error" in r:
-            print(f"{path.name}: ERROR {r['error']}")
+            print(f"{name}: ERROR {r['error']}")
         elif "skipped" in r:
-            print(f"{path.name}: skipped ({r['skipped']})")
+            print(f"{name}: skipped ({r['skipped']})")
         else:
             what = ", ".join(f"+{r[k]} {k}" for k in ADDED if r[k])
             verb = "created" if r["created"] else "updated" if what or r["status"] else "up to date"
             if r["status"]:
                 what = ", ".join(filter(None, [what, f"status {r['status_now']}"]))
-            print(f"{path.name}: {verb} {page(r)}" + (f" ({what})" if what else ""))
+            print(f"{name}: {verb} {page(r)}" + (f" ({what})" if what else ""))
     changed = sum(any(r.get(k) for k in ("created", *ADDED, "status")) for r in results)
     errors = sum("error" in r for r in results)
     n = len(results)

@@ -16,12 +16,12 @@ import numpy as np
 from pipeline.checkpoint.directory import CheckpointDir, file_hashes, step_dir_name
 from pipeline.checkpoint.manifest import SCHEMA_VERSION
 from pipeline.checkpoint.store import CheckpointStore
-from pipeline.cli import parser
+from pipeline.cli import parser, temporaries
 from pipeline.config.compose import compose, to_plain
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK
 from pipeline.config.identity import run_name
 from pipeline.files import jsonio
-from pipeline.files.atomic import TMP_PREFIX, remove_tree, write_new
+from pipeline.files.atomic import remove_tree, write_new
 from pipeline.run.signals import command, run_command
 from pipeline.stateful import PARTS
 from pipeline.verify.chaos import invalid_checkpoints, run
@@ -116,15 +116,11 @@ def check_atomic(overrides: list[str], work: Path) -> dict:
     cmd = [sys.executable, "-m", NAME, "--save-to", str(out), "--steps", "2", "--", *overrides]
     store = CheckpointStore(out / "saves")
 
-    def temporaries() -> list[str]:
-        found = store.root.iterdir() if store.root.is_dir() else ()
-        return sorted(p.name for p in found if p.name.startswith(TMP_PREFIX))
-
     killed = run(cmd, "save:4").returncode == -signal.SIGKILL
-    checks = dict(interrupted=killed, temporary_left=bool(temporaries()))
+    checks = dict(interrupted=killed, temporary_left=bool(temporaries(store.root)))
     checks["no_final_directory"] = not store.root.is_dir() or not any(store.root.glob("step-*"))
     checks["readers_ignore_temporary"] = store.steps() == []
-    again, leftovers = run(cmd), temporaries()
+    again, leftovers = run(cmd), temporaries(store.root)
     checks["next_save_cleans_up"] = again.returncode == 0 and not leftovers
     verifies = [s for s, _ in store.steps()] == [2] and not invalid_checkpoints(store)
     checks["next_save_verifies"] = verifies
@@ -175,9 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the checks' scratch directories")
     ap.add_argument("--save-to", type=Path, help=argparse.SUPPRESS)  # the atomic check's process
     args = ap.parse_intermixed_args(argv)  # options may come between the overrides
-    config = to_plain(compose(args.overrides))  # a bad override: one line, exit 2 (config/errors)
     if args.save_to is not None:
-        run = Fresh(config)
+        run = Fresh(to_plain(compose(args.overrides)))  # a bad override: one line, exit 2
         run.train(args.steps)
         run.save(args.save_to / "saves" / step_dir_name(run.state.step))
         return EXIT_OK

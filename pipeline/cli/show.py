@@ -9,9 +9,8 @@ from pathlib import Path
 from pipeline.checkpoint.directory import CheckpointDir, file_hashes
 from pipeline.checkpoint.errors import CheckpointError
 from pipeline.checkpoint.manifest import code_change
-from pipeline.cli import emit, metrics_line, parser
+from pipeline.cli import emit, metrics_line, parser, temporaries
 from pipeline.config.errors import EXIT_ERROR, EXIT_OK, CommandError
-from pipeline.files.atomic import TMP_PREFIX
 from pipeline.run.directory import RunDir
 from pipeline.run.signals import command, run_command
 
@@ -64,8 +63,7 @@ def describe_run(run_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
         | {"links": sorted(name for name, t in links.items() if t == directory.name)}
         for step, directory in steps
     ]
-    found = root.iterdir() if root.is_dir() else ()
-    out["temporaries"] = sorted(p.name for p in found if p.name.startswith(TMP_PREFIX))
+    out["temporaries"] = temporaries(root)
     out["valid"] = all(c["valid"] for c in checkpoints)
     out["valid"] &= all(link["exists"] for link in out["links"].values())
     if damaged:

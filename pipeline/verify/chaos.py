@@ -87,12 +87,10 @@ def trial(argv: list[str], out: Path, kill: str, reference: dict, max_reruns: in
     record["reruns"], record["rerun_exit"] = reruns, done.returncode
     if done.returncode != 0:
         return {**record, "bit_exact": False, "error": done.stderr.strip()[-500:]}
-    got = final_state(out)
-    keys = ("weights", "optim", "extra", "metrics", "step")
-    mismatched = [k for k in keys if got[k] != reference[k]]
-    same = got["checkpoints"] == reference["checkpoints"] and got["links"] == reference["links"]
-    result = {**record, "bit_exact": not mismatched, "mismatched": mismatched}
-    return result | {"same_checkpoints_kept": same}
+    got, keys = final_state(out), ("weights", "optim", "extra", "metrics", "step")
+    differ = [k for k in keys if got[k] != reference[k]]
+    same = all(got[k] == reference[k] for k in ("checkpoints", "links"))
+    return record | dict(bit_exact=not differ, mismatched=differ, same_checkpoints_kept=same)
 
 
 def run_chaos(config: dict, argv: list[str]) -> int:

@@ -30,8 +30,7 @@ def snapshot(state) -> tuple[dict[str, np.ndarray], dict]:
     it = state.iterator
     arrays["data_iter/position"] = np.array([it.epoch, it.cursor], dtype=np.int64)
     arrays["scheduler/next_lr"] = np.array([state.optimizer.lr], dtype=np.float64)
-    for name, value in state.streams.peek().items():
-        arrays[f"rng/next.{name}"] = np.array([value], dtype=np.float64)
+    arrays |= {f"rng/next.{n}": np.array([v], "f8") for n, v in state.streams.peek().items()}
     val = state.dataset.val_batches(state.dtype)
     arrays["eval/losses"] = np.array([state.model.evaluate(b) for b in val])
     meta = {"step": state.step, "rng_states": tree["rng"], "scheduler": tree["scheduler"]}
