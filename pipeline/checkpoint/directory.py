@@ -43,7 +43,6 @@ def step_number(name: str) -> int:
 
 STORE = "checkpoints"  # what a run's store of checkpoints is called (pipeline/run/directory.py puts it in the run)
 MAX_HOPS = 8  # links followed from a path to its checkpoint directory
-LINKED = "is a symlink, not a regular file"
 CORRUPTED = "sha256 differs from manifest.json (corrupted)"
 
 
@@ -98,7 +97,7 @@ def file_hashes(manifest: dict) -> dict[str, str | None]:
 def _os_reason(e: BaseException) -> str:
     if not isinstance(e, OSError):
         return str(e)
-    return LINKED if e.errno == errno.ELOOP else e.strerror or type(e).__name__
+    return reading.LINKED if e.errno == errno.ELOOP else e.strerror or type(e).__name__
 
 
 def _data_problem(data, spec: dict) -> str | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from pipeline.checkpoint import directory as cd
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
-from pipeline.checkpoint.retention import AnyOf, Policy, Record, Steps, select_one
+from pipeline.checkpoint.retention import AnyOf, Policy, Record, select_one
 from pipeline.files import atomic, jsonio, killpoint
 from pipeline.files.atomic import TMP_PREFIX, UnsafePathError
 
@@ -111,8 +111,8 @@ class CheckpointStore:
         others = {k: cd.step_number(t) for k, t in present_links.items() if k not in links}
         given = {(n.name(r), r.step) for n in named for r in records}
         retired = {k for k, s in others.items() if (k, s) in given and k not in targets}
-        orphans = Steps(frozenset(s for k, s in others.items() if k not in retired))
-        keep = AnyOf((policy, orphans, *links.values())).keep(records)
+        orphans = {s for k, s in others.items() if k not in retired}
+        keep = AnyOf((policy, *links.values())).keep(records) | orphans
         for name, step in targets.items():
             if step is not None and present_links.get(name) != cd.step_dir_name(step):
                 where = f"before {name} link" if name in links else "before a named link"
