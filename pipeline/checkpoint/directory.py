@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -42,7 +43,6 @@ def step_number(name: str) -> int:
 
 STORE = "checkpoints"  # what a run's store of checkpoints is called (pipeline/run/directory.py puts it in the run)
 MAX_HOPS = 8  # links followed from a path to its checkpoint directory
-LINKED = "is a symlink, not a regular file"
 CORRUPTED = "sha256 differs from manifest.json (corrupted)"
 
 
@@ -97,7 +97,7 @@ def file_hashes(manifest: dict) -> dict[str, str | None]:
 def _os_reason(e: BaseException) -> str:
     if not isinstance(e, OSError):
         return str(e)
-    return LINKED if e.errno == errno.ELOOP else e.strerror or type(e).__name__
+    return reading.LINKED if e.errno == errno.ELOOP else e.strerror or type(e).__name__
 
 
 def _data_problem(data, spec: dict) -> str | None:
@@ -173,8 +173,7 @@ def files_of(e: StateMismatch, saved: dict, live: dict) -> str:
 def _step_witnesses(directory: Path, manifest_step: int, progress) -> tuple[str, str] | None:
     """(file(s), reason) if manifest.json's step, extra.json's progress.step and the directory's name disagree."""
     saved_step = progress.get("step") if isinstance(progress, dict) else None
-    m = STEP_DIR.match(directory.name)
-    named = int(m.group(1)) if m else None
+    named = int(m.group(1)) if (m := STEP_DIR.match(directory.name)) else None
     # JSON true == 1 and 10.0 == 10 in Python
     agree = type(saved_step) is int and saved_step == manifest_step
     if agree and named in (None, manifest_step):
@@ -271,9 +270,8 @@ class CheckpointDir:
 
     def manifest(self) -> dict:
         """manifest.json, bounded in size and depth and checked against itself; CheckpointError otherwise."""
-        _, raw = self.manifest_file()
         try:
-            return mf.check(jsonio.loads(raw))
+            return mf.check(jsonio.loads(self.manifest_file()[1]))
         except (jsonio.JSONError, mf.ManifestError) as e:
             raise self.fault(str(e)) from None
 
@@ -283,11 +281,10 @@ class CheckpointDir:
 
     def manifest_as_written(self) -> dict:
         """manifest.json as on disk, bounded but unchecked ({}: unreadable or not an object), shown beside a verdict."""
-        try:
-            manifest = jsonio.read(self.resolved() / MANIFEST, MAX_CHECKPOINT_JSON)
-        except (OSError, ValueError, CheckpointError):
-            return {}
-        return manifest if isinstance(manifest, dict) else {}
+        with contextlib.suppress(ValueError, CheckpointError):
+            if isinstance(manifest := jsonio.loads(self.manifest_file()[1]), dict):
+                return manifest
+        return {}
 
     def manifest_file(self) -> tuple[str, bytes]:
         """(name, bytes) of manifest.json as on disk, bounded, for an index to upload; CheckpointError otherwise."""
@@ -372,10 +369,8 @@ class CheckpointDir:
             finally:
                 # weights.safetensors' own error first, as the files are listed
                 weights = weights_read.result()
-        for path in other:
-            part, sep, _ = path.partition(SEP)
-            if part not in NOT_MODEL or not sep:
-                raise CheckpointError(directory, OPTIM, _stranger(f"tensor {path!r:.80}"))
+        if bad := [p for p in other if SEP not in p or p.partition(SEP)[0] not in NOT_MODEL]:
+            raise CheckpointError(directory, OPTIM, _stranger(f"tensor {bad[0]!r:.80}"))
         try:
             tree = merge(other, extra)
         except ValueError as e:

@@ -165,8 +165,7 @@ def check(m) -> dict:
         raise ManifestError(f"'semantic_config_hash' does not match 'config' {edited}")
     _require(m, "data_manifest_hash", str, "a string")
     _require(m, "data_spec", dict, "an object")
-    if m.get("mlflow_run_uri") is not None:
-        _require(m, "mlflow_run_uri", str, "a string or null")
+    _require(m, "mlflow_run_uri", (str, type(None)), "a string or null")
     trainer = config.get("trainer") if isinstance(config.get("trainer"), dict) else {}
     if (seed := m.get("seed")) != (wanted := trainer.get("seed")):
         raise ManifestError(f"'seed' {seed!r} differs from config trainer.seed {wanted!r}")

@@ -82,16 +82,6 @@ class BestN:
 
 
 @dataclass(frozen=True)
-class Steps:
-    """Exactly these steps (a pin)."""
-
-    steps: frozenset
-
-    def keep(self, records: Sequence[Record]) -> set[int]:
-        return set(self.steps) & {r.step for r in records}
-
-
-@dataclass(frozen=True)
 class AnyOf:
     """Keep what any of the policies keeps."""
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from pipeline.checkpoint import directory as cd
 from pipeline.checkpoint import manifest as mf
 from pipeline.checkpoint.errors import CheckpointError, MisfitError
-from pipeline.checkpoint.retention import AnyOf, Policy, Record, Steps, select_one
+from pipeline.checkpoint.retention import AnyOf, Policy, Record, select_one
 from pipeline.files import atomic, jsonio, killpoint
 from pipeline.files.atomic import TMP_PREFIX, UnsafePathError
 
@@ -43,14 +43,13 @@ class CheckpointStore:
             for e in it:
                 if e.name.startswith(TMP_PREFIX):
                     continue
-                m = cd.STEP_DIR.match(e.name)
                 if e.is_symlink():
                     target = os.readlink(e.path)
                     if problem := cd.link_problem(e.name, target):
                         why = f"{e.path} is a symlink to {cd._shown(target)}: {problem}; remove it"
                         raise UnsafePathError(ELOOP, why)
                     links[e.name] = target
-                elif m and e.is_dir(follow_symlinks=False):
+                elif (m := cd.STEP_DIR.match(e.name)) and e.is_dir(follow_symlinks=False):
                     steps.append((int(m.group(1)), Path(e.path)))
                 else:
                     why = f"{e.path} is not a checkpoint step directory; {cd.STORE}/ holds step"
@@ -106,17 +105,15 @@ class CheckpointStore:
         history `lineage` up to step `upto` only; an undeclared link keeps its target, a retired `named` one goes."""
         present_steps, present_links = self.scan()  # once: linking changes no step directory
         recorded = sorted(self._recorded().items())
-        records = [r for _, r in recorded if r.step <= upto and r.lineage == lineage]
-        by_step = {r.step: r for r in records}
-        wanted = {k: s for n in named for k, s in n.links(records).items() if k not in links}
-        others = {k: t for k, t in present_links.items() if k not in links}
-        free = {k: by_step.get(cd.step_number(t)) for k, t in others.items()}
-        gave = {k for k, r in free.items() if r and any(n.name(r) == k for n in named)}
-        retired = gave - set(wanted)
-        unowned = [t for k, t in others.items() if k not in retired]
-        orphans = Steps(frozenset(cd.step_number(t) for t in unowned))
-        keep = AnyOf((policy, orphans, *links.values())).keep(records)
-        for name, step in ({n: select_one(p, records) for n, p in links.items()} | wanted).items():
+        records = [r for s, r in recorded if s <= upto and r.lineage == lineage]
+        targets = {n: select_one(p, records) for n, p in links.items()}
+        targets |= {k: s for n in named for k, s in n.links(records).items() if k not in links}
+        others = {k: cd.step_number(t) for k, t in present_links.items() if k not in links}
+        given = {(n.name(r), r.step) for n in named for r in records}
+        retired = {k for k, s in others.items() if (k, s) in given and k not in targets}
+        orphans = {s for k, s in others.items() if k not in retired}
+        keep = AnyOf((policy, *links.values())).keep(records) | orphans
+        for name, step in targets.items():
             if step is not None and present_links.get(name) != cd.step_dir_name(step):
                 where = f"before {name} link" if name in links else "before a named link"
                 killpoint.point("save", where)

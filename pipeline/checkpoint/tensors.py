@@ -123,10 +123,7 @@ def _read_exact(f, buf: memoryview, h: _Hasher) -> memoryview:
     return buf
 
 
-Entry = tuple[str, np.dtype, tuple, int]  # name, dtype, shape, nbytes
-
-
-def _check_header(header, data_len: int) -> tuple[dict[str, str], list[Entry]]:
+def _check_header(header, data_len: int) -> tuple[dict[str, str], list[tuple]]:
     """(metadata, [(name, dtype, shape, nbytes)] in data order) or _Malformed, as the library validates."""
     if not isinstance(header, dict):
         raise _Malformed("header is not a JSON object")

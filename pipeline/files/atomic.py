@@ -288,9 +288,8 @@ def remove_tree(path: Path) -> None:
     """Remove a file, link or directory tree without following links out of it."""
     with contextlib.suppress(FileNotFoundError):  # gone already
         if stat.S_ISDIR(os.lstat(path).st_mode):
-            shutil.rmtree(
-                path, ignore_errors=True
-            )  # fd-based on Linux: never follows a link inside
+            # fd-based on Linux: never follows a link inside
+            shutil.rmtree(path, ignore_errors=True)
         else:
             os.unlink(path)
 

@@ -11,6 +11,7 @@ import stat
 from pipeline.files.atomic import UnsafePathError, write_new
 
 CHUNK = 1 << 20  # bytes per read while hashing or reading whole
+LINKED = "is a symlink, not a regular file"
 
 KINDS = (
     (stat.S_ISREG, "a regular file", 0),
@@ -55,8 +56,7 @@ def open_file(path, limit: int | None = None, follow=False, bound: str | None = 
         fd = os.open(path, flags)
     except OSError as e:
         if e.errno == errno.ELOOP and not follow:  # a link swapped in since the lstat
-            why = "is a symlink, not a regular file"
-            raise UnreadableFile(errno.ELOOP, why, os.fspath(path)) from None
+            raise UnreadableFile(errno.ELOOP, LINKED, os.fspath(path)) from None
         raise
     try:
         _refuse(path, os.fstat(fd), limit, bound)  # whatever was swapped in since the stat

@@ -14,7 +14,6 @@ from pipeline.checkpoint.retention import (
     LatestN,
     Named,
     Record,
-    Steps,
     admit,
     is_better,
     select_one,
@@ -60,7 +59,6 @@ RECORDS = [
         (BestN("val/loss", "min", 2), {6, 12}),
         (BestN("val/loss", "max", 1), {18}),  # inf excluded from max as well
         (BestN("val/acc", "max", 1), set()),
-        (Steps(frozenset({3, 99})), {3}),
         (AnyOf((LatestN(2, tag="rot"), BestN("val/loss", "min", 1), LatestN(1))), {6, 12, 18}),
         (AnyOf(()), set()),
     ],
