@@ -116,8 +116,7 @@ def artifact_root(uri: str, location: str | None = None) -> str | None:
     """Where the store at `uri` keeps this pipeline's artifacts: a server chooses (None), else an absolute URI."""
     scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9.-]*)(\+[a-zA-Z0-9.-]*)?:", str(uri))
     kind = scheme[1].lower() if scheme is not None else ""  # one letter: a Windows drive, local
-    server = len(kind) > 1 and kind not in _CLIENT_SIDE_STORES
-    if str(uri).startswith("databricks") or server:
+    if str(uri).startswith("databricks") or (len(kind) > 1 and kind not in _CLIENT_SIDE_STORES):
         return None
     db = sqlite_path(str(uri))
     location = str(location or (db.parent / "mlartifacts" if db is not None else ""))

@@ -23,6 +23,8 @@ OFF = "mlflow tracking (%s) is off for the rest of this run: %s. Training goes o
 OFF += "manifests are written; index them later with `python -m pipeline.reindex`."
 WAITED = "mlflow: this job waited %.3f s on tracking in all (bound %.1f s); the tracking agent "
 WAITED += "finishes run %s after it exits%s%s"
+LATE = " (its last messages were not sent in time: `python -m pipeline.reindex` completes the run)"
+SLURM = f" (inside a SLURM job, which waits for it at its exit, at most {common.SLURM_WAIT:.0f} s)"
 
 
 def wait_at_exit(event: threading.Event, what: str) -> None:
@@ -187,10 +189,6 @@ class MlflowTracker(Tracker):
         self.finished = True
         if at_exit := status != "KILLED" and os.environ.get("SLURM_JOB_ID"):
             wait_at_exit(self.done, f"run {self._uri or run_dir}")
-        sent = self._wait_for(self.link.drain, self.wait)
-        late = " (its last messages were not sent in time: `python -m pipeline.reindex` completes the run)"
-        slurm = f" (inside a SLURM job, which waits for it at its exit, at most {common.SLURM_WAIT:.0f} s)"
+        late = "" if self._wait_for(self.link.drain, self.wait) else LATE
         page = run_page(self._uri) if self._uri else "(not created yet)"
-        log.info(
-            WAITED, self.waited, self.wait, page, "" if sent else late, slurm if at_exit else ""
-        )
+        log.info(WAITED, self.waited, self.wait, page, late, SLURM if at_exit else "")

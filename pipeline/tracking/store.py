@@ -121,14 +121,11 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
     for key, value in HTTP_SETTINGS.items():
         os.environ.setdefault(key, value)
     db = common.sqlite_path(uri)
-    if db is not None:
-        try:  # a link planted at the store or beside it would create or fill a store elsewhere
-            refuse_link(db)
-            refuse_link(db.parent / "mlartifacts", "directory")
-        except UnsafePathError as e:
-            raise StoreError(f"the mlflow store cannot be opened: {e}") from None
     try:
         if db is not None:
+            # a link planted at the store or beside it would create or fill a store elsewhere
+            refuse_link(db)
+            refuse_link(db.parent / "mlartifacts", "directory")
             # the slow import, outside the lock
             from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
@@ -145,6 +142,8 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
             client.search_experiments(max_results=1)  # connect now: a server that is down fails
             warning = check_shared(client, db) if db is not None else None
         return client, warning
+    except UnsafePathError as e:
+        raise StoreError(f"the mlflow store cannot be opened: {e}") from None
     except Exception as e:
         where = f"the mlflow store {db}" if db else f"the mlflow tracking server {uri}"
         fix = f" ({common.REBUILD})" if db is not None and db.exists() else ""
