@@ -210,9 +210,8 @@ def curves_png(rundir: RunDir, lines: list) -> bytes | None:
 
 
 SWEEP_STATUS = dict(complete="FINISHED", failed="FAILED", interrupted="KILLED", running="RUNNING")
-# Parent tags that follow the jobs: removed when the disk no longer says them (a failure since re-run).
-DERIVED_PARENT_TAGS: tuple[str, ...] = ("sweep.failures", "ended", "best.job", "best.params")
-DERIVED_PARENT_TAGS += ("best.value", "best.run_id")
+# Parent tags that follow the jobs (best.: all best.*): removed when the disk no longer says them.
+DERIVED_PARENT_TAGS = ("sweep.failures", "ended", "best.")
 
 
 def read_sweep(sweep_dir: Path) -> dict:
@@ -338,8 +337,7 @@ def sync_parent(client, uri, sweep_dir: Path, artifact_root, parent=None, childr
     repo = store.artifact_repo(client, run.info.run_id)
     names = ("multirun.yaml", "optimization_results.yaml", "sweep.json")
     log_changed(repo, store.artifact_sizes(repo), [(n, sweep_dir / n) for n in names])
-    ended = sweep.get("ended_at")
-    end = int(float(ended) * 1000) if isinstance(ended, (int, float)) else None
+    end = int(ended * 1000) if isinstance(ended := sweep.get("ended_at"), (int, float)) else None
     if status != "RUNNING" and (run.info.status != status or run.info.end_time != end):
         client.set_terminated(run.info.run_id, status=status, end_time=end)
     return {**parent, "children": len(jobs), "status": status, "synced": synced}

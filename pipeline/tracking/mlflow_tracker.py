@@ -53,8 +53,7 @@ class MlflowTracker(Tracker):
         self.ready, self.done, self.warm = threading.Event(), threading.Event(), threading.Event()
         self._uri: str | None = None
         self.failed = self.finished = False
-        self._warned = threading.Lock()
-        self._store_warned = False  # the store's own warning (a sqlite store shared), said once
+        self._warned, self._store_warned = threading.Lock(), threading.Lock()  # each said once
         sweep = sweep or SweepJob()  # job: its run's tags; off: why the sweep turned it off
         self.job, self.parent, self.off = sweep.tags, sweep.parent, sweep.tracking_off
 
@@ -133,8 +132,7 @@ class MlflowTracker(Tracker):
 
     def _heard(self, event: dict) -> None:
         """What the agent says of the store (it opens it, in its own process), on this job's output once."""
-        if event.get("warning") and not self._store_warned:
-            self._store_warned = True
+        if event.get("warning") and self._store_warned.acquire(blocking=False):
             log.warning("mlflow: %s", event["warning"])
 
     def on_event(self, event: dict) -> None:
