@@ -131,7 +131,7 @@ class Agent:
 
     def opened(self, uri: str, artifact_root: str | None = None) -> Opened:
         """The store at `uri`, opened once; anew once its sqlite file was removed or replaced (`rm -rf outputs`)."""
-        if (have := self.clients.get(uri)) is not None and have.file != _file_of(uri):
+        if (have := self.clients.get(uri)) is not None and have.file != self.file_of(uri):
             why = f"tracking agent: the mlflow store {uri} was removed or replaced since it was opened"
             say(f"{why}: opened anew")
             self.store.forget_store(uri)
@@ -140,8 +140,15 @@ class Agent:
         if uri not in self.clients:
             client, warning = self.store.open_store(uri, artifact_root)
             said = {"warning": warning} if warning else {}
-            self.clients[uri] = Opened(client, artifact_root, _file_of(uri), said)
+            self.clients[uri] = Opened(client, artifact_root, self.file_of(uri), said)
         return self.clients[uri]
+
+    def file_of(self, uri: str) -> tuple[int, int] | None:
+        """(device, inode) of a sqlite store's file, None if it has none (yet) or the store is not a sqlite file."""
+        with contextlib.suppress(OSError):
+            if (db := self.common.sqlite_path(uri)) is not None:
+                return (st := os.stat(db)).st_dev, st.st_ino
+        return None
 
     def open(self, s: Session, m: dict) -> None:
         s.uri = uri = m["uri"]
@@ -318,16 +325,6 @@ class Opened(NamedTuple):
     said: dict  # {"warning": store.check_shared's}, or {}: said to each job that uses the store
 
 
-def _file_of(uri: str) -> tuple[int, int] | None:
-    """(device, inode) of a sqlite store's file, None if it has none (yet) or the store is not a sqlite file."""
-    from pipeline.tracking.common import sqlite_path
-
-    with contextlib.suppress(OSError):
-        if (db := sqlite_path(uri)) is not None:
-            return (st := os.stat(db)).st_dev, st.st_ino
-    return None
-
-
 def _held_by(run_dir: Path, pid: int | None) -> bool:
     """Whether the process `pid` still holds the run directory's lock (a job that has not left yet)."""
     from pipeline.files import reading
@@ -362,10 +359,9 @@ def _accept(server: socket.socket, inbox: queue.Queue, clients: set) -> None:
             sock, _ = server.accept()
         except OSError:
             return
-        try:
+        pid = uid = None
+        with contextlib.suppress(OSError):
             pid, uid, _ = peer_credentials(sock)
-        except OSError:
-            pid, uid = None, None
         if uid != os.getuid():
             said = f"tracking agent: refused a client (pid {pid}, uid {uid}): it does not run as"
             say(f"{said} this agent's user (uid {os.getuid()})")

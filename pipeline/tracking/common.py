@@ -19,6 +19,9 @@ NON_METRIC_KEYS = ("step", "epoch", "time")
 CURVES_ARTIFACT = "curves.png"
 # Seconds a SLURM job's process waits at exit for the agent: SLURM ends the agent with the job's processes.
 SLURM_WAIT = 60.0
+SQLITE_HEADER = b"SQLite format 3\x00"
+INVALID_HOST = "Invalid Host header"  # mlflow server's 403 to a host name it was not given with --allowed-hosts
+REBUILD = "move it aside and rebuild it from the manifests: python -m pipeline.reindex --rebuild"
 
 _RUN_ROUTE = re.compile(r"^/?experiments/([^/]+)/runs/([0-9a-fA-F]{32})/?$")
 
@@ -58,9 +61,6 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(path) if ok else None
 
 
-SQLITE_HEADER = b"SQLite format 3\x00"
-
-
 def store_problem(uri: str, timeout: float = 0.5) -> str | None:
     """What is plainly wrong with a store (not sqlite, unmakeable, a port refusing), found without mlflow, or None."""
     db = sqlite_path(uri)
@@ -96,10 +96,6 @@ def store_problem(uri: str, timeout: float = 0.5) -> str | None:
     return None
 
 
-INVALID_HOST = "Invalid Host header"  # mlflow server's 403 to a host name it was not given with --allowed-hosts
-REBUILD = "move it aside and rebuild it from the manifests: python -m pipeline.reindex --rebuild"
-
-
 def host_refused(uri: str) -> str:
     """A server refusing the host name it is reached by, and the fix (mlflow >= 3.5 accepts only local ones)."""
     netloc = urlsplit(uri).netloc.rpartition("@")[2]
@@ -107,8 +103,7 @@ def host_refused(uri: str) -> str:
     return f"the mlflow tracking server {uri} refuses the host name {netloc} (403: {INVALID_HOST}): start it with {fix}"
 
 
-# Stores whose client writes the artifacts itself (a database or a directory): the caller says where.
-# Anything else (http, https, databricks, ...) is a tracking server, which says where.
+# Stores whose client writes the artifacts (the caller says where); any other is a server: it says.
 _CLIENT_SIDE_STORES = ("sqlite", "postgresql", "mysql", "mssql", "file")
 
 
@@ -116,8 +111,7 @@ def artifact_root(uri: str, location: str | None = None) -> str | None:
     """Where the store at `uri` keeps this pipeline's artifacts: a server chooses (None), else an absolute URI."""
     scheme = re.match(r"^([a-zA-Z][a-zA-Z0-9.-]*)(\+[a-zA-Z0-9.-]*)?:", str(uri))
     kind = scheme[1].lower() if scheme is not None else ""  # one letter: a Windows drive, local
-    server = len(kind) > 1 and kind not in _CLIENT_SIDE_STORES
-    if str(uri).startswith("databricks") or server:
+    if str(uri).startswith("databricks") or (len(kind) > 1 and kind not in _CLIENT_SIDE_STORES):
         return None
     db = sqlite_path(str(uri))
     location = str(location or (db.parent / "mlartifacts" if db is not None else ""))
@@ -136,8 +130,7 @@ def param_value(v) -> str:
     return s if len(s) <= MAX_PARAM_VALUE else s[: MAX_PARAM_VALUE - 15] + "...[truncated]"
 
 
-# The few machine keys worth a `config.<key>` tag (what a person filters on: which file, resumed from
-# where, on how many threads, under which time limit); the rest is in the run's .hydra/config.yaml artifact.
+# The machine keys worth a `config.<key>` tag (what one filters on); the rest: .hydra/config.yaml.
 MACHINE_TAGS = ("resume.source", "data.path", "trainer.threads", "trainer.max_time")
 # mlflow 3's marking of an experiment's kind (its UI's selector): "Machine learning", runs, not GenAI traces
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"

@@ -33,16 +33,15 @@ def _bytes_of(source: Path | bytes) -> bytes:
         return f.read(MAX_COMPARED_BYTES + 1)
 
 
-def manifests(rundir: RunDir, damaged: list[str] | None = None) -> list[tuple[Path, dict]]:
-    """(directory, manifest) of every checkpoint whose manifest reads; each other one's reason into `damaged`."""
-    out = []
+def manifests(rundir: RunDir) -> tuple[list[tuple[Path, dict]], list[str]]:
+    """([(directory, manifest)] of every checkpoint whose manifest reads, [why each other one does not])."""
+    out, damaged = [], []
     for _, directory in rundir.store.steps():
         try:
             out.append((directory, CheckpointDir(directory).manifest()))
         except CheckpointError as e:
-            if damaged is not None:
-                damaged.append(str(e))
-    return out
+            damaged.append(str(e))
+    return out, damaged
 
 
 def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
@@ -63,16 +62,13 @@ def best_metrics(directory: Path) -> dict[str, tuple[float, int]]:
     return out
 
 
-def sync_run(
-    client, uri, run_dir: Path, artifact_root, parent=None, job=None, artifacts=True, repeat=False
-) -> dict:
+def sync_run(client, uri, run_dir: Path, root, parent=None, job=None, artifacts=True, repeat=False):
     """Make run_dir's mlflow run hold what the directory does, under `parent` (repeat: if another job's, a child)."""
     run_dir = Path(run_dir).resolve()
     rundir = RunDir(run_dir)
-    damaged: list[str] = []  # why each checkpoint that does not read does not
+    found, damaged = manifests(rundir)
     counts = ("created", "params", "tags", "points", "artifacts", "status")
     added: dict[str, Any] = {**dict.fromkeys(counts, 0), "damaged": damaged}
-    found = manifests(rundir, damaged)
     named = [manifest.get("mlflow_run_uri") for _, manifest in reversed(found)]  # newest first
     run = store.find_run(client, str(run_dir), uri, named) if found or repeat else None
     if repeat and parent and run is not None:
@@ -86,7 +82,7 @@ def sync_run(
     config, status, lines = newest.get("config") or {}, rundir.read_status(), rundir.read_metrics()
     tags, params = common.tags_of(newest, run_dir, status, job), common.params_of(config)
     started = status.get("started") or (lines[0]["time"] if lines else run_dir.stat().st_mtime)
-    experiment = (common.experiment_of(config), artifact_root)
+    experiment = (common.experiment_of(config), root)
     run, opened = open_run(client, run, tags, params, parent, started, experiment)
     added, run_id = {**added, **opened}, run.info.run_id
     # (key, step) -> its point; a step logged twice in the file: its last line
@@ -153,7 +149,7 @@ def record_run_uri(rundir: RunDir, uri: str) -> None:
 def sync_artifacts(client, run_id: str, run_dir: Path, found=None, lines=None) -> int:
     """The artifacts part of sync_run (for the agent, once sync_run(artifacts=False) has done the rest)."""
     rundir = RunDir(Path(run_dir).resolve())
-    found = manifests(rundir) if found is None else found
+    found = manifests(rundir)[0] if found is None else found
     repo = store.artifact_repo(client, run_id)
     have = store.artifact_sizes(repo)
     final = rundir.store.link_dir("final")
@@ -214,9 +210,8 @@ def curves_png(rundir: RunDir, lines: list) -> bytes | None:
 
 
 SWEEP_STATUS = dict(complete="FINISHED", failed="FAILED", interrupted="KILLED", running="RUNNING")
-# Parent tags that follow the jobs: removed when the disk no longer says them (a failure since re-run).
-DERIVED_PARENT_TAGS: tuple[str, ...] = ("sweep.failures", "ended", "best.job", "best.params")
-DERIVED_PARENT_TAGS += ("best.value", "best.run_id")
+# Parent tags that follow the jobs (best.: all best.*): removed when the disk no longer says them.
+DERIVED_PARENT_TAGS = ("sweep.failures", "ended", "best.")
 
 
 def read_sweep(sweep_dir: Path) -> dict:
@@ -251,10 +246,8 @@ def parent_tags(client, sweep: dict, jobs: dict[int, dict]) -> tuple[dict[str, s
         tags["best.job"], tags["best.value"] = str(best["num"]), repr(best["objective"])
         tags["best.params"] = common.tag_value(best.get("name", ""))
         # by its run_dir tag: a run id the job recorded may be another store's
-        if best.get("run_dir"):
-            found = store.find_run(client, str(Path(best["run_dir"]).resolve()))
-            if found is not None:
-                tags["best.run_id"] = found.info.run_id
+        if (d := best.get("run_dir")) and (found := store.find_run(client, str(Path(d).resolve()))):
+            tags["best.run_id"] = found.info.run_id
     status = SWEEP_STATUS.get(sweep.get("status", "running"), "RUNNING")
     # running, but its launching process (seen from its own host: elsewhere it is taken as alive) has died
     here = sweep.get("host") == socket.gethostname() and isinstance(sweep.get("pid"), int)
@@ -344,8 +337,7 @@ def sync_parent(client, uri, sweep_dir: Path, artifact_root, parent=None, childr
     repo = store.artifact_repo(client, run.info.run_id)
     names = ("multirun.yaml", "optimization_results.yaml", "sweep.json")
     log_changed(repo, store.artifact_sizes(repo), [(n, sweep_dir / n) for n in names])
-    ended = sweep.get("ended_at")
-    end = int(float(ended) * 1000) if isinstance(ended, (int, float)) else None
+    end = int(ended * 1000) if isinstance(ended := sweep.get("ended_at"), (int, float)) else None
     if status != "RUNNING" and (run.info.status != status or run.info.end_time != end):
         client.set_terminated(run.info.run_id, status=status, end_time=end)
     return {**parent, "children": len(jobs), "status": status, "synced": synced}

@@ -14,12 +14,12 @@ import queue
 import socket
 import stat
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from subprocess import DEVNULL, Popen
 
 from pipeline.files.limits import MAX_EVENT
 
@@ -241,7 +241,7 @@ def _connect(path: Path) -> socket.socket | None:
         raise
 
 
-def spawn(path: Path) -> subprocess.Popen:
+def spawn(path: Path) -> Popen:
     """Start an agent serving `path` in its own session, logging beside it (.log) if that opens safely, else nowhere."""
     log_file = path.with_suffix(".log")
     root = str(Path(__file__).resolve().parents[2])  # the directory holding this `pipeline`, first
@@ -261,13 +261,11 @@ def spawn(path: Path) -> subprocess.Popen:
         if fd is not None:
             os.close(fd)
         fd = None
-    out = subprocess.DEVNULL if fd is None else fd
+    out = DEVNULL if fd is None else fd
     argv = [sys.executable, "-m", "pipeline.tracking.agent", "--listen", str(path)]
     argv += ["--idle", str(IDLE_SECONDS)]
     try:  # no other file descriptor is passed on (close_fds: Popen's default)
-        return subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True
-        )
+        return Popen(argv, stdin=DEVNULL, stdout=out, stderr=out, env=env, start_new_session=True)
     finally:
         if fd is not None:
             os.close(fd)

@@ -23,6 +23,8 @@ OFF = "mlflow tracking (%s) is off for the rest of this run: %s. Training goes o
 OFF += "manifests are written; index them later with `python -m pipeline.reindex`."
 WAITED = "mlflow: this job waited %.3f s on tracking in all (bound %.1f s); the tracking agent "
 WAITED += "finishes run %s after it exits%s%s"
+LATE = " (its last messages were not sent in time: `python -m pipeline.reindex` completes the run)"
+SLURM = f" (inside a SLURM job, which waits for it at its exit, at most {common.SLURM_WAIT:.0f} s)"
 
 
 def wait_at_exit(event: threading.Event, what: str) -> None:
@@ -51,8 +53,7 @@ class MlflowTracker(Tracker):
         self.ready, self.done, self.warm = threading.Event(), threading.Event(), threading.Event()
         self._uri: str | None = None
         self.failed = self.finished = False
-        self._warned = threading.Lock()
-        self._store_warned = False  # the store's own warning (a sqlite store shared), said once
+        self._warned, self._store_warned = threading.Lock(), threading.Lock()  # each said once
         sweep = sweep or SweepJob()  # job: its run's tags; off: why the sweep turned it off
         self.job, self.parent, self.off = sweep.tags, sweep.parent, sweep.tracking_off
 
@@ -131,8 +132,7 @@ class MlflowTracker(Tracker):
 
     def _heard(self, event: dict) -> None:
         """What the agent says of the store (it opens it, in its own process), on this job's output once."""
-        if event.get("warning") and not self._store_warned:
-            self._store_warned = True
+        if event.get("warning") and self._store_warned.acquire(blocking=False):
             log.warning("mlflow: %s", event["warning"])
 
     def on_event(self, event: dict) -> None:
@@ -187,10 +187,6 @@ class MlflowTracker(Tracker):
         self.finished = True
         if at_exit := status != "KILLED" and os.environ.get("SLURM_JOB_ID"):
             wait_at_exit(self.done, f"run {self._uri or run_dir}")
-        sent = self._wait_for(self.link.drain, self.wait)
-        late = " (its last messages were not sent in time: `python -m pipeline.reindex` completes the run)"
-        slurm = f" (inside a SLURM job, which waits for it at its exit, at most {common.SLURM_WAIT:.0f} s)"
+        late = "" if self._wait_for(self.link.drain, self.wait) else LATE
         page = run_page(self._uri) if self._uri else "(not created yet)"
-        log.info(
-            WAITED, self.waited, self.wait, page, "" if sent else late, slurm if at_exit else ""
-        )
+        log.info(WAITED, self.waited, self.wait, page, late, SLURM if at_exit else "")

@@ -30,7 +30,6 @@ METRICS_PER_BATCH, PARAMS_PER_BATCH, TAGS_PER_BATCH = 1000, 100, 100
 HTTP_SETTINGS = dict(MLFLOW_HTTP_REQUEST_MAX_RETRIES="2", MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="1")
 HTTP_SETTINGS.update(MLFLOW_HTTP_REQUEST_TIMEOUT="20", MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")
 HTTP_SETTINGS.update(MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT="true")
-# One warning when a sqlite store is shared beyond one machine: on a network filesystem, or by several hosts.
 # Filesystems whose locks sqlite cannot trust (its own documentation warns against sharing a file over them).
 NETWORK_FS: tuple[str, ...] = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs")
 NETWORK_FS += ("ceph", "9p", "afs", "fuse.glusterfs", "glusterfs", "fuse.cephfs", "fuse.sshfs")
@@ -121,14 +120,11 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
     for key, value in HTTP_SETTINGS.items():
         os.environ.setdefault(key, value)
     db = common.sqlite_path(uri)
-    if db is not None:
-        try:  # a link planted at the store or beside it would create or fill a store elsewhere
-            refuse_link(db)
-            refuse_link(db.parent / "mlartifacts", "directory")
-        except UnsafePathError as e:
-            raise StoreError(f"the mlflow store cannot be opened: {e}") from None
     try:
         if db is not None:
+            # a link planted at the store or beside it would create or fill a store elsewhere
+            refuse_link(db)
+            refuse_link(db.parent / "mlartifacts", "directory")
             # the slow import, outside the lock
             from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
@@ -145,6 +141,8 @@ def open_store(uri: str, artifact_root: str | None = None) -> tuple[MlflowClient
             client.search_experiments(max_results=1)  # connect now: a server that is down fails
             warning = check_shared(client, db) if db is not None else None
         return client, warning
+    except UnsafePathError as e:
+        raise StoreError(f"the mlflow store cannot be opened: {e}") from None
     except Exception as e:
         where = f"the mlflow store {db}" if db else f"the mlflow tracking server {uri}"
         fix = f" ({common.REBUILD})" if db is not None and db.exists() else ""

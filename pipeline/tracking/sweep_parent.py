@@ -31,8 +31,7 @@ class MlflowSweepParent(SweepParent):
         return {**self.__dict__, "request": None}
 
     def facts(self, timeout: float) -> dict:
-        facts: dict = {"uri": self.uri, "experiment": self.experiment}
-        facts["artifact_location"] = self.artifact_location
+        facts = {k: getattr(self, k) for k in ("uri", "experiment", "artifact_location")}
         if problem := common.store_problem(self.uri, timeout=timeout):
             facts["tracking_off"] = problem  # the jobs read it: said once, here
             log.warning(OFF, self.uri, problem)

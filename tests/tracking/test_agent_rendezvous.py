@@ -207,7 +207,7 @@ class FakeAgent:
 
 def test_a_link_planted_at_the_log_is_not_followed(base, caplog, monkeypatch, tmp_path):
     caplog.set_level(logging.INFO, logger="pipeline")
-    monkeypatch.setattr(link.subprocess, "Popen", FakeAgent)
+    monkeypatch.setattr(link, "Popen", FakeAgent)
     uri = uri_in(base)
     sock, log = link.socket_path(uri), link.socket_path(uri).with_suffix(".log")
     sock.parent.mkdir(mode=0o700, exist_ok=True)
