@@ -128,11 +128,10 @@ def _job(
                 said = "nothing was written"
                 if applied and (applied.supersede or applied.fallback or applied.cut):
                     said = f"the earlier history was moved to {rundir.path / 'superseded'}"
-                raise JobFailed(
-                    EXIT_PREEMPTED,
-                    f"interrupted by {e} while setting up the run; {said}; re-run the same command",
-                    requeue=True,
-                ) from None
+                why = (
+                    f"interrupted by {e} while setting up the run; {said}; re-run the same command"
+                )
+                raise JobFailed(EXIT_PREEMPTED, why, requeue=True) from None
             raise
         run = Run(job, rundir, planned, command, own)
         with SIGNALS_STATE.deferring():
