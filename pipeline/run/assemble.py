@@ -106,10 +106,6 @@ class Job:
     def parts(self) -> dict:
         return self.state.parts()
 
-    @property
-    def semantic_hash(self) -> str:
-        return self.facts["semantic_config_hash"]
-
 
 def _class(config: dict, key: str) -> type:
     try:

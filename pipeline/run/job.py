@@ -91,8 +91,7 @@ def _job(
     config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None, command: list[str]
 ) -> Outcome:
     """Build, hold the run directory, plan and apply (a signal stops it at once), claim, train (signals deferred)."""
-    # Directories this command creates (the output directory, runs/, data/): removed again if a single run
-    # ends without a run (refused, interrupted, failed) and they are still empty; nothing older is touched.
+    # the directories made here (output, runs/, data/): removed if a single run ends without one, still empty
     output = Path(config["paths"]["output_dir"])
     made = NewDirs(output, config["paths"]["runs_dir"], output / "data")
     check_output_dir(output)  # before anything is made (a link there: bad input)

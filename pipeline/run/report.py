@@ -124,9 +124,8 @@ def end_block(
     lines.append(f"  resume      {again or 'none (resume=never: a new run each time)'}")
     target = links.get("best") or links.get("final") or links.get("newest")
     if target is not None:
-        configs = tool_args(overrides)
         for tool, then in [("evaluate", ""), ("sample", ' prompt=""')][: 1 + samples]:
-            command = shlex.join(["-m", f"pipeline.{tool}", str(target), *configs])
+            command = shlex.join(["-m", f"pipeline.{tool}", str(target), *tool_args(overrides)])
             lines.append(f"  {tool:<12}{py} {command}{then}")
     if tracking_uri and ui_server(tracking_uri) == tracking_uri:  # a server's UI: its address
         lines.append(f"  mlflow ui   {ui_page(tracking_uri, experiment_id)}")
