@@ -106,10 +106,6 @@ class Job:
     def parts(self) -> dict:
         return self.state.parts()
 
-    @property
-    def semantic_hash(self) -> str:
-        return self.facts["semantic_config_hash"]
-
 
 def _class(config: dict, key: str) -> type:
     try:
@@ -147,19 +143,15 @@ def check_monitors(config: dict) -> None:
     """ConfigError (one line, the closest names) for a `monitor`, `filename` field or `optimized_metric` not logged."""
     names = metric_names(config)
     stages = [(k, n) for k, n in (config.get("stages") or {}).items() if isinstance(n, dict)]
-    wanted = [
-        (f"stages.{key}.monitor={node['monitor']}", node["monitor"], names)
-        for key, node in stages
-        if "monitor" in node
-    ]
+    monitors = [(key, node["monitor"]) for key, node in stages if "monitor" in node]
+    wanted = [(f"stages.{key}.monitor={m}", m, names) for key, m in monitors]
     # a field is a metric by its name, or by Lightning's val_loss for val/loss
     for key, node in stages:
         if isinstance(pattern := node.get("filename"), str) and patterns.problem(pattern) is None:
-            wanted += [
-                (f"stages.{key}.filename={pattern!r}: field {{{f}}}", f, names)
-                for f in patterns.metric_fields(pattern)
-                if not set(patterns.spellings(f)) & set(names)
-            ]
+            fields = patterns.metric_fields(pattern)
+            fields = [f for f in fields if not set(patterns.spellings(f)) & set(names)]
+            at = f"stages.{key}.filename={pattern!r}"
+            wanted += [(f"{at}: field {{{f}}}", f, names) for f in fields]
     if (metric := config.get("optimized_metric")) is not None:
         wanted.append((f"optimized_metric={metric}", metric, [n for n in names if kept(n)]))
     errors = []

@@ -14,8 +14,7 @@ def process_age() -> float:
     try:
         with open("/proc/self/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-        # field 22 of stat(5), in clock ticks since boot
-        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # stat(5)'s field 22: ticks since boot
         return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
     except (OSError, ValueError, IndexError, AttributeError):
         return monotonic() - _IMPORTED

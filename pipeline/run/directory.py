@@ -100,32 +100,30 @@ class RunDir:
         with contextlib.suppress(OSError):
             flag = os.statvfs(self.path).f_flag if os.path.isdir(self.path) else 0
             self.read_only = flag & os.ST_RDONLY != 0
+        grace, kind = LOCK_GRACE, fcntl.LOCK_EX
         if self.read_only:  # no lock file is made; one there is held shared (refused while written)
             refuse_link(self.lock_path)
             try:
                 fd = os.open(self.lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except FileNotFoundError:
                 return
-            return self._hold(fd, 0.0, fcntl.LOCK_SH)
-        self.created = not os.path.lexists(self.path)
-        atomic.ensure_dirs(self.path.parent, self.path.name)
-        for path in (self.lock_path, self.status_path, self.metrics_path, self.log_path):
-            refuse_link(path, "file")
-        for path in (self.hydra_dir, self.checkpoints, self.path / "superseded"):
-            refuse_link(path, "directory")
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(self.lock_path, flags, 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                said = f"{self.lock_path} is a symlink; remove it"
-                raise UnsafePathError(errno.ELOOP, said) from None
-            raise
-        self._hold(fd, LOCK_GRACE, fcntl.LOCK_EX)
-
-    def _hold(self, fd: int, grace: float, kind: int) -> None:
-        """Hold the lock `kind` on `fd`, else RunBusyError naming the holder (a writer's lock file says its pid)."""
-        if not _lock_within(fd, grace, kind):
+            grace, kind = 0.0, fcntl.LOCK_SH
+        else:
+            self.created = not os.path.lexists(self.path)
+            atomic.ensure_dirs(self.path.parent, self.path.name)
+            for path in (self.lock_path, self.status_path, self.metrics_path, self.log_path):
+                refuse_link(path, "file")
+            for path in (self.hydra_dir, self.checkpoints, self.path / "superseded"):
+                refuse_link(path, "directory")
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                fd = os.open(self.lock_path, flags, 0o644)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    said = f"{self.lock_path} is a symlink; remove it"
+                    raise UnsafePathError(errno.ELOOP, said) from None
+                raise
+        if not _lock_within(fd, grace, kind):  # the holder named: a writer's lock file says its pid
             pid = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             holder = f" (pid {pid})" if kind == fcntl.LOCK_EX else ""

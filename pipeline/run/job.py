@@ -91,8 +91,7 @@ def _job(
     config: dict, overrides: list[str], config_yaml: str, sweep: SweepJob | None, command: list[str]
 ) -> Outcome:
     """Build, hold the run directory, plan and apply (a signal stops it at once), claim, train (signals deferred)."""
-    # Directories this command creates (the output directory, runs/, data/): removed again if a single run
-    # ends without a run (refused, interrupted, failed) and they are still empty; nothing older is touched.
+    # the directories made here (output, runs/, data/): removed if a single run ends without one, still empty
     output = Path(config["paths"]["output_dir"])
     made = NewDirs(output, config["paths"]["runs_dir"], output / "data")
     check_output_dir(output)  # before anything is made (a link there: bad input)
@@ -128,11 +127,10 @@ def _job(
                 said = "nothing was written"
                 if applied and (applied.supersede or applied.fallback or applied.cut):
                     said = f"the earlier history was moved to {rundir.path / 'superseded'}"
-                raise JobFailed(
-                    EXIT_PREEMPTED,
-                    f"interrupted by {e} while setting up the run; {said}; re-run the same command",
-                    requeue=True,
-                ) from None
+                why = (
+                    f"interrupted by {e} while setting up the run; {said}; re-run the same command"
+                )
+                raise JobFailed(EXIT_PREEMPTED, why, requeue=True) from None
             raise
         run = Run(job, rundir, planned, command, own)
         with SIGNALS_STATE.deferring():

@@ -116,15 +116,12 @@ def refuse(changes: dict[str, tuple], allow: list[str], where) -> None:
             raise DriftError(f"{refusing} {said} ({why}); start over with resume=never")
 
 
-def origin_of(source: str) -> dict | None:
-    """The checkpoint a fork (resume.source=PATH) continues, as its lineage records it (None: auto, never)."""
+def origin_of(source: str, manifest: dict | None = None) -> dict | None:
+    """A fork's origin (resume.source=PATH, its `manifest` if read) as its lineage records it (None: auto, never)."""
     if source in (AUTO, NEVER):
         return None
     path = CheckpointDir(Path(source).expanduser()).resolved().resolve()
-    return _origin(path, CheckpointDir(path).manifest())
-
-
-def _origin(path: Path, manifest: dict) -> dict:
+    manifest = manifest or CheckpointDir(path).manifest()
     weights = file_hashes(manifest)["weights"]
     return {"checkpoint": str(path), "step": manifest["step"], "weights_sha256": weights}
 
@@ -184,7 +181,7 @@ def _fresh(rundir: RunDir, job, started: float, in_sweep: bool, fallback=(), for
     """A history from scratch: what an earlier one left (none of which this run can continue) moves aside."""
     moves = holds_history(rundir) and not rundir.read_only  # read-only: refused, nothing written
     return Plan(
-        identity.lineage_of(job.semantic_hash, None),
+        identity.lineage_of(job.facts["semantic_config_hash"], None),
         fallback=fallback,
         supersede="fresh" if moves else None,
         foreign=foreign,
@@ -227,7 +224,7 @@ def _fork(rundir, job, resume, source: Path, started: float) -> Plan:
     source = CheckpointDir(source).resolved().resolve()  # a link out of a run: refused
     src = CheckpointDir(source).load()  # its fit is checked once the drift is known
     lineage = job.lineage  # its origin was read as the run was named (origin_of): the same one
-    if _origin(source, src.manifest) != lineage["origin"]:
+    if origin_of(str(source), src.manifest) != lineage["origin"]:
         why = "it changed while the run started, or stages.resume.source is not resume.source"
         raise CheckpointError(source, "", f"not the checkpoint this run was named after ({why})")
     own, skipped = rundir.store.newest_valid(job.parts)
@@ -318,7 +315,7 @@ def _sibling(rundir: RunDir, job) -> str:
 def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
     """Set-up's one durable change, whole (moves to superseded/, metrics.jsonl cut), then said in the log."""
     dest, whole = None, plan.supersede is not None
-    with signals.atomic():
+    with signals.deferring(held=False):
         moves = plan.fallback or plan.cut or plan.retuned
         if whole or (moves and not (plan.settled or rundir.read_only)):
             dest = _aside(rundir, plan)
@@ -367,8 +364,7 @@ def apply(plan: Plan, rundir: RunDir, state, signals) -> None:
 
 
 def _aside(rundir: RunDir, plan: Plan) -> Path:
-    """A new superseded/<when>/: a superseded history moved whole, else the fallen back steps moved and second
-    names of checkpoints/ if retuned, metrics.jsonl if cut."""
+    """A new superseded/<when>/: a history moved whole, else what fell back, was retuned or cut (docs/stages.md)."""
     dest = ensure_dirs(rundir.path, "superseded") / time.strftime("%Y%m%d-%H%M%S")
     n = 0
     while os.path.lexists(dest):

@@ -36,6 +36,7 @@ def start_block(job, run_dir: Path) -> str:
 # Hydra's flags that name the configs a run was composed from: a flag and its value, as `python -m pipeline` takes them
 CONFIG_FLAGS = ("--config-dir", "--config-path", "--config-name")
 DIR_FLAGS = ("--config-dir", "--config-path")
+SEARCH = "hydra.searchpath="  # the override a run's own search path is given by
 UI_QUERY = "?workflowType=machine_learning"  # mlflow 3's UI opens an experiment in its GenAI view without it
 UI_LOCAL = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
 
@@ -45,11 +46,7 @@ def tool_args(command: list[str]) -> list[str]:
     `--config-dir`/`--config-path`'s directories first (`file://`), then the run's own search path."""
     pairs = list(zip([None, *command], command))  # (the argument before, the argument)
     dirs = ["file://" + os.path.abspath(arg) for flag, arg in pairs if flag in DIR_FLAGS]
-    given = [
-        a
-        for f, a in pairs
-        if f not in CONFIG_FLAGS and a.lstrip("+").startswith("hydra.searchpath=")
-    ]
+    given = [a for f, a in pairs if f not in CONFIG_FLAGS and a.lstrip("+").startswith(SEARCH)]
     searchpath = given[-1] if given else None
     if not dirs:
         return [searchpath] if searchpath else []
@@ -127,9 +124,8 @@ def end_block(
     lines.append(f"  resume      {again or 'none (resume=never: a new run each time)'}")
     target = links.get("best") or links.get("final") or links.get("newest")
     if target is not None:
-        configs = tool_args(overrides)
         for tool, then in [("evaluate", ""), ("sample", ' prompt=""')][: 1 + samples]:
-            command = shlex.join(["-m", f"pipeline.{tool}", str(target), *configs])
+            command = shlex.join(["-m", f"pipeline.{tool}", str(target), *tool_args(overrides)])
             lines.append(f"  {tool:<12}{py} {command}{then}")
     if tracking_uri and ui_server(tracking_uri) == tracking_uri:  # a server's UI: its address
         lines.append(f"  mlflow ui   {ui_page(tracking_uri, experiment_id)}")

@@ -131,26 +131,19 @@ class Signals:
         _take(signal.SIG_IGN, lambda e: isinstance(e, OSError) and "race condition" in str(e))
 
     @contextlib.contextmanager
-    def atomic(self):
-        """A step that must finish once begun: a signal (RAISE mode) waits for its end and is raised there."""
-        previous, self.mode = self.mode, DEFER if self.mode == RAISE else self.mode
-        try:
-            yield self
-        finally:
-            self.mode = previous
-        if previous == RAISE:
-            self.check()
-
-    @contextlib.contextmanager
-    def deferring(self):
-        """While a run holds its directory: a signal only sets the flag (raises at once if one already came)."""
-        previous, self.mode, self.held = self.mode, DEFER, True
+    def deferring(self, held: bool = True):
+        """A signal only sets the flag (in RAISE mode one that came is raised at once): while a run holds its
+        directory (`held`), or in a step that must finish once begun, raised at its end (RAISE mode)."""
+        previous, self.held = self.mode, self.held or held
+        self.mode = DEFER if held or previous == RAISE else previous
         try:
             if previous == RAISE:
                 self.check()
             yield self
         finally:
             self.mode = previous
+        if previous == RAISE and not held:
+            self.check()
 
     def check(self) -> None:
         """Raise the signal that came, if one did (set-up's check after a call that could not be cut short)."""
@@ -212,13 +205,12 @@ def run_command(
             module = importlib.import_module(main)
             main, interrupted = module.main, getattr(module, "INTERRUPTED", interrupted)
         code = command(name)(main)()
-    except Interrupted as e:
-        code = _interrupted(name, e.args[0], interrupted)
-    except (Exception, Refusal):
-        if not SIGNALS_STATE.interrupted_start():
+    except (Interrupted, Exception, Refusal) as e:
+        if not (isinstance(e, Interrupted) or SIGNALS_STATE.interrupted_start()):
             raise
-        # a library made another error of it
-        code = _interrupted(name, str(SIGNALS_STATE.name), interrupted)
+        # an Interrupted, or one a library made another error of
+        signame = e.args[0] if isinstance(e, Interrupted) else str(SIGNALS_STATE.name)
+        code = _interrupted(name, signame, interrupted)
     finally:
         SIGNALS_STATE.finish()  # the code is decided: a later signal changes nothing
     exit_now(code)

@@ -25,8 +25,7 @@ from pipeline.trainer.state import TrainState
 log = logging.getLogger("pipeline")
 # What a data override may name: the data itself, where its cache lives, and where configs are found.
 DATA_KEYS = ("data", "paths.output_dir", "hydra.searchpath")
-# a model may exceed twice its weights file by this much before it is refused unbuilt
-SLACK_BYTES = 64 << 20
+SLACK_BYTES = 64 << 20  # twice its weights file plus this much: a model bigger is refused unbuilt
 
 
 class UnknownTargetError(CheckpointError):

@@ -24,9 +24,8 @@ class Stage:
 
     name = "stage"
     link: str | None = None  # a checkpoints/<link> symlink that follows link_policy() (best, final)
-    later: tuple[
-        str, ...
-    ] = ()  # state keys added since its first release: a state saved before lacks them
+    # state keys added since its first release: a state saved before lacks them
+    later: tuple[str, ...] = ()
 
     def __init__(self, order: int):
         self.order = int(order)

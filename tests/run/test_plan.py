@@ -120,7 +120,7 @@ def test_a_fork_into_a_directory_holding_another_history_moves_it_whole(preempte
     shutil.move(own, job.run_dir)  # another history where the fork runs
     p = planned(fork, f"resume.source={source}")
     assert p.supersede == str(source.resolve())
-    assert p.lineage == job.lineage != lineage_of(job.semantic_hash, None)
+    assert p.lineage == job.lineage != lineage_of(job.facts["semantic_config_hash"], None)
 
 
 def test_a_checkpoint_of_other_code_is_continued_and_said(preempted, monkeypatch):
