@@ -187,7 +187,7 @@ def checkpoint_data(manifest: dict, overrides: list[str], directory: Path, own: 
     if (theirs := getattr(dataset, "vocab", None)) is not None:
         try:
             where = [o for o in overrides if o.startswith(("paths.", "hydra."))]
-            vocab = data_facts(manifest, where, directory)["vocab"]
+            vocab = data_facts(manifest, where, directory)["vocab"] or []  # None: it has none
         except ConfigError as e:  # a schema 2.0 checkpoint whose own data does not build here
             said = "cannot compare vocabularies (the checkpoint's own data does not build here: %s)"
             log.warning(said + "; checking the spec only", e)

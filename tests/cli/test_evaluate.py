@@ -171,3 +171,13 @@ def test_data_of_another_kind_is_refused_before_the_model_is_built(tiny, tmp_pat
     model's constructor trusts its data, as it trusts its values)."""
     err = refused([str(tiny / "final"), "data=regression"], tmp_path / "cwd")
     assert "data Regression: its spec differs" in err and "vocab_size 250 -> 0" in err, err
+
+
+def test_a_checkpoint_whose_data_has_no_vocabulary_is_checked_by_its_spec_alone(tiny, monkeypatch):
+    # data.json of data without a vocabulary says "vocab": null; other data with one is then checked by spec only
+    import pipeline.run.trained as trained
+
+    facts = trained.data_facts
+    monkeypatch.setattr(trained, "data_facts", lambda *a: {**facts(*a), "vocab": None})
+    result = evaluate_checkpoint(tiny / "final", ["data.seed=99"])
+    assert not result["own_data"] and "val/loss" in result["metrics"]
