@@ -105,7 +105,7 @@ class CheckpointStore:
         history `lineage` up to step `upto` only; an undeclared link keeps its target, a retired `named` one goes."""
         present_steps, present_links = self.scan()  # once: linking changes no step directory
         recorded = sorted(self._recorded().items())
-        records = [r for s, r in recorded if s <= upto and r.lineage == lineage]
+        records = [r for _, r in recorded if r.step <= upto and r.lineage == lineage]
         targets = {n: select_one(p, records) for n, p in links.items()}
         targets |= {k: s for n in named for k, s in n.links(records).items() if k not in links}
         others = {k: cd.step_number(t) for k, t in present_links.items() if k not in links}
