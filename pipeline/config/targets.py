@@ -58,7 +58,7 @@ def _placed(tree, keys: tuple[str, ...] = (), out: dict[str, set[str]] | None = 
 
 
 @cache
-def slots() -> dict[str, set[str]]:
+def slots() -> dict[str, frozenset[str]]:
     """Every target conf/'s YAML files name -> the slots it is built in (a file at its group, `_global_` at the top)."""
     import yaml
 
@@ -69,7 +69,7 @@ def slots() -> dict[str, set[str]]:
         glob = any(line.strip().replace(" ", "") == "#@package_global_" for line in head)
         group = path.relative_to(CONFIG_DIR).parent.parts
         _placed(yaml.safe_load(text), () if glob else group, out)
-    return out
+    return {t: frozenset(s) for t, s in out.items()}  # frozen: one cached copy serves every caller
 
 
 def shipped() -> frozenset[str]:
